@@ -1,0 +1,207 @@
+"""Shared helpers for the benchmark contract (see DESIGN.md, "Benchmarks: the contract").
+
+A benchmark script:
+
+1. parses ``--quick`` and ``--out FILE.json`` with :func:`parser`;
+2. runs the baseline and the plugin in the same process, alternating where timing matters (:func:`alternate`);
+3. hands ``config``, ``results`` and ``ratios`` to :func:`report`, which writes the JSON
+   (``benchmark, quick, machine, config, results, ratios``), prints a markdown table and, for full runs, a PNG chart
+   under ``docs/img/``.
+
+Absolute times drift on shared machines; ratios from the same run are what the docs quote.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Timer", "alternate", "machine_info", "median", "parser", "ratio", "report"]
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as `python benchmarks/x.py` from a checkout
+    sys.path.insert(0, str(REPO))
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    """An ``ArgumentParser`` with the contract's ``--quick`` and ``--out``."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--quick", action="store_true", help="small sizes: under 3 minutes on 2 CPU cores")
+    p.add_argument("--out", type=Path, default=None, help="write the JSON report here")
+    return p
+
+
+def machine_info() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    import torch
+
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.is_available(),
+    }
+    try:
+        info["affinity_cpus"] = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover
+        pass
+    if torch.cuda.is_available():
+        info["device"] = torch.cuda.get_device_name(0)
+    try:
+        import lightning
+
+        info["lightning"] = lightning.__version__
+    except ImportError:  # pragma: no cover
+        pass
+    return info
+
+
+def median(xs: Sequence[float]) -> float:
+    """Median of a non-empty sequence."""
+    if not xs:
+        raise ValueError("median of an empty sequence")
+    return float(statistics.median(xs))
+
+
+def ratio(num: float, den: float) -> float:
+    """``num / den`` rounded to 4 decimals (``inf`` when ``den`` is 0 and ``num`` is not)."""
+    if den == 0:
+        return float("inf") if num else float("nan")
+    return round(num / den, 4)
+
+
+class Timer:
+    """``with Timer() as t: ...``; then ``t.s`` holds the elapsed seconds (``perf_counter``)."""
+
+    def __enter__(self) -> Timer:
+        self._t0 = time.perf_counter()
+        self.s = 0.0
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.s = time.perf_counter() - self._t0
+
+
+def alternate(
+    cases: Mapping[str, Callable[[], float | None]], *, repeats: int, warmup: int = 0
+) -> dict[str, list[float]]:
+    """Run each case ``warmup + repeats`` times in A, B, C, A, B, C ... order and collect their timings.
+
+    A case returns the seconds it measured itself, or ``None`` to be timed as a whole. Alternation spreads machine
+    noise (other tenants, thermal drift) over every case instead of penalising whichever ran last.
+    """
+    out: dict[str, list[float]] = {name: [] for name in cases}
+    for i in range(warmup + repeats):
+        for name, fn in cases.items():
+            t0 = time.perf_counter()
+            got = fn()
+            dt = time.perf_counter() - t0 if got is None else float(got)
+            if i >= warmup:
+                out[name].append(dt)
+    return out
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, (dict, list)):
+        return json.dumps(v)[:60]
+    return str(v)
+
+
+def _table(title: str, rows: Mapping[str, Any]) -> str:
+    lines = [f"| {title} | value |", "|---|---|"]
+    lines += [f"| {k} | {_fmt(v)} |" for k, v in rows.items()]
+    return "\n".join(lines)
+
+
+def _flat(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(_flat(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def report(
+    benchmark: str,
+    *,
+    quick: bool,
+    config: Mapping[str, Any],
+    results: Mapping[str, Any],
+    ratios: Mapping[str, float],
+    out: Path | None,
+    chart: Mapping[str, float] | None = None,
+    chart_title: str | None = None,
+) -> dict[str, Any]:
+    """Write the JSON report, print markdown tables, and (full runs) draw ``docs/img/<benchmark>.png``.
+
+    Args:
+        benchmark: the script's name, e.g. ``"quickstart"``.
+        quick: whether ``--quick`` was given.
+        config: the knobs of this run.
+        results: measured values (absolute).
+        ratios: the contract's ratios (plugin over baseline, etc.).
+        out: JSON path, or None to skip writing.
+        chart: ``{bar label: value}`` for the PNG (defaults to ``ratios``).
+        chart_title: title of the PNG.
+    """
+    doc = {
+        "benchmark": benchmark,
+        "quick": quick,
+        "machine": machine_info(),
+        "config": dict(config),
+        "results": dict(results),
+        "ratios": dict(ratios),
+    }
+    if out is not None:
+        out = Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(out.suffix + ".tmp")
+        tmp.write_text(json.dumps(doc, indent=2, sort_keys=False, default=str))
+        os.replace(tmp, out)
+    print(f"\n## {benchmark} ({'quick' if quick else 'full'})\n")
+    print(_table("result", _flat(results)))
+    print()
+    print(_table("ratio", ratios))
+    if not quick:
+        _chart(benchmark, chart if chart is not None else ratios, chart_title or f"{benchmark}: ratios")
+    return doc
+
+
+def _chart(benchmark: str, values: Mapping[str, float], title: str) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib not installed: no chart)")
+        return None
+    path = REPO / "docs" / "img" / f"{benchmark}.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    names = list(values)
+    fig, ax = plt.subplots(figsize=(max(4.0, 1.2 * len(names)), 3.2))
+    ax.bar(names, [float(values[n]) for n in names], color="#4c72b0")
+    ax.set_title(title)
+    ax.tick_params(axis="x", rotation=20)
+    for i, n in enumerate(names):
+        ax.annotate(f"{float(values[n]):.3g}", (i, float(values[n])), ha="center", va="bottom", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"chart: {path.relative_to(REPO)}")
+    return path

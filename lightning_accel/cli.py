@@ -1,0 +1,96 @@
+"""The ``lightning-accel`` command: LightningCLI with subcommands ``fit | validate | test | predict``.
+
+Models and data modules are chosen by ``class_path`` in YAML (``--config FILE``) or on the command line, so any
+LightningModule / LightningDataModule works, not only ours. When the config sets no logger, runs log with
+``CSVLogger`` (``metrics.csv`` under ``trainer.default_root_dir``) and TensorBoard when it is installed.
+
+User mistakes (a missing config, an unknown class path, a bad argument, an unwritable data directory, a missing
+optional package) end with one ``lightning-accel: error: ...`` line and exit code 2; set ``LIGHTNING_ACCEL_DEBUG=1``
+to see the full traceback instead.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch.cli import LightningCLI
+from typing_extensions import override
+
+import lightning_accel  # noqa: F401 - registers the strategy aliases on import
+
+__all__ = ["AccelCLI", "main"]
+
+# Errors our code raises for bad input carry the argument, the value and the fix; show them without a traceback.
+_USER_ERRORS = (ValueError, TypeError, PermissionError, FileNotFoundError, ModuleNotFoundError, NotADirectoryError)
+
+
+class AccelCLI(LightningCLI):
+    """LightningCLI with lightning-accel's defaults (subclass mode for model and data, CSV logging)."""
+
+    def __init__(self, args: list[str] | None = None, run: bool = True) -> None:
+        super().__init__(
+            LightningModule,
+            LightningDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            save_config_kwargs={"overwrite": True},
+            parser_kwargs={"prog": "lightning-accel"},
+            args=args,
+            run=run,
+        )
+
+    @override
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> Any:
+        if config.get("logger") in (None, True):
+            config["logger"] = default_loggers(config.get("default_root_dir"))
+        return super()._instantiate_trainer(config, callbacks)
+
+
+def default_loggers(root: str | None) -> list[Any]:
+    """``CSVLogger`` under ``root`` (cwd when None), plus ``TensorBoardLogger`` if tensorboard is installed."""
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    from lightning_accel._utils.imports import module_available
+
+    save_dir = os.fspath(root) if root else os.getcwd()
+    loggers: list[Any] = [CSVLogger(save_dir=save_dir, name="lightning_logs")]
+    if module_available("tensorboard") or module_available("tensorboardX"):
+        loggers.append(TensorBoardLogger(save_dir=save_dir, name="lightning_logs", default_hp_metric=False))
+    return loggers
+
+
+def _check_config_paths(argv: list[str]) -> None:
+    """Fail early, in plain words, on ``--config`` paths that do not exist (jsonargparse's message is cryptic)."""
+    for i, a in enumerate(argv):
+        path = None
+        if a in ("-c", "--config") and i + 1 < len(argv):
+            path = argv[i + 1]
+        elif a.startswith("--config="):
+            path = a.split("=", 1)[1]
+        if path is not None and not path.lstrip().startswith(("{", "[")) and not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"`--config` {path!r} does not exist (cwd: {os.getcwd()}). "
+                "Pass the path of a YAML file, e.g. `--config examples/configs/quickstart.yaml`."
+            )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the ``lightning-accel`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = os.environ.get("LIGHTNING_ACCEL_DEBUG", "") not in ("", "0")
+    try:
+        _check_config_paths(argv)
+        AccelCLI(args=argv)
+    except _USER_ERRORS as e:
+        if debug:
+            raise
+        print(f"lightning-accel: error: {type(e).__name__}: {e}", file=sys.stderr)
+        print("(set LIGHTNING_ACCEL_DEBUG=1 for the full traceback)", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,35 @@
+"""Embedded real data: scikit-learn's handwritten digits (1,797 images, 10 classes).
+
+``materialize_digits`` renders them as an ImageFolder-style tree of JPEG files; ``digits_tokens`` gives the same
+images as token sequences for the reference GPT model. ``DigitsDataModule`` (plain ImageFolder + DataLoader) is the
+baseline that the plugins are measured against; it is imported lazily because it needs Lightning.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_accel.datasets.digits import (
+    DIGITS_CLASSES,
+    DigitsInfo,
+    digits_tokens,
+    load_digits_arrays,
+    materialize_digits,
+)
+
+__all__ = [
+    "DIGITS_CLASSES",
+    "DigitsDataModule",
+    "DigitsInfo",
+    "digits_tokens",
+    "load_digits_arrays",
+    "materialize_digits",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DigitsDataModule":
+        from lightning_accel.datasets.datamodule import DigitsDataModule
+
+        return DigitsDataModule
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,132 @@
+"""``DigitsDataModule``: the plain-Lightning baseline (torchvision ``ImageFolder`` + ``DataLoader``).
+
+It materialises the digits JPEGs on first use (``prepare_data``, once per node) and splits them deterministically
+into train/validation. Every plugin's benchmark compares against this module.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from lightning.pytorch import LightningDataModule
+from torch.utils.data import DataLoader, Subset
+from typing_extensions import override
+
+from lightning_accel.datasets.digits import materialize_digits
+
+__all__ = ["DigitsDataModule", "default_num_workers", "split_indices"]
+
+# Digits are white strokes on black; these are the per-channel statistics of the 64 px rendering.
+DIGITS_MEAN = (0.188, 0.188, 0.188)
+DIGITS_STD = (0.318, 0.318, 0.318)
+
+
+def default_num_workers() -> int:
+    """Half the CPUs this process may use, at least 1, at most 8 (the rest feed the model)."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - macOS
+        n = os.cpu_count() or 1
+    return max(1, min(8, n // 2))
+
+
+def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Deterministic train/validation split of ``range(n)`` (same on every rank and run)."""
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"`val_fraction` must be in [0, 1), got {val_fraction!r}.")
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    n_val = int(round(n * val_fraction))
+    return sorted(perm[n_val:]), sorted(perm[:n_val])
+
+
+class DigitsDataModule(LightningDataModule):
+    """torchvision ``ImageFolder`` over the digits JPEGs, decoded every epoch (the baseline).
+
+    Args:
+        data_dir: where the JPEG tree lives or is created.
+        image_size: side of the rendered images in pixels.
+        num_images: number of images (``None``: the 1,797 originals; more adds perturbed repeats).
+        batch_size: per-device batch size.
+        num_workers: DataLoader workers (``None``: half the CPUs).
+        val_fraction: fraction held out for validation.
+        augment: random affine augmentation of training images (on the CPU, per sample).
+        seed: split seed.
+    """
+
+    def __init__(
+        self,
+        data_dir: str = "data/digits64",
+        image_size: int = 64,
+        num_images: int | None = None,
+        batch_size: int = 64,
+        num_workers: int | None = None,
+        val_fraction: float = 0.2,
+        augment: bool = False,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"`batch_size` must be >= 1, got {batch_size!r}.")
+        split_indices(1, val_fraction, seed)  # validates val_fraction early
+        self.data_dir = str(Path(data_dir).expanduser())
+        self.image_size = image_size
+        self.num_images = num_images
+        self.batch_size = batch_size
+        self.num_workers = default_num_workers() if num_workers is None else num_workers
+        self.val_fraction = val_fraction
+        self.augment = augment
+        self.seed = seed
+        self.save_hyperparameters()
+        self.train_set: Subset | None = None
+        self.val_set: Subset | None = None
+
+    def _transforms(self, train: bool):
+        from torchvision import transforms as T
+
+        ops = [T.RandomAffine(degrees=8, translate=(0.06, 0.06), scale=(0.9, 1.1))] if train and self.augment else []
+        return T.Compose([*ops, T.ToTensor(), T.Normalize(DIGITS_MEAN, DIGITS_STD)])
+
+    @override
+    def prepare_data(self) -> None:
+        materialize_digits(self.data_dir, size=self.image_size, num_images=self.num_images)
+
+    @override
+    def setup(self, stage: str) -> None:
+        from torchvision.datasets import ImageFolder
+
+        materialize_digits(self.data_dir, size=self.image_size, num_images=self.num_images)  # no-op when complete
+        train_full = ImageFolder(self.data_dir, transform=self._transforms(train=True))
+        val_full = ImageFolder(self.data_dir, transform=self._transforms(train=False))
+        tr, va = split_indices(len(train_full), self.val_fraction, self.seed)
+        self.train_set = Subset(train_full, tr)
+        self.val_set = Subset(val_full, va if va else tr)
+
+    def _loader(self, ds: Subset, shuffle: bool) -> DataLoader:
+        return DataLoader(
+            ds,
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            pin_memory=torch.cuda.is_available(),
+        )
+
+    @override
+    def train_dataloader(self) -> DataLoader:
+        assert self.train_set is not None, "call setup('fit') first"
+        return self._loader(self.train_set, shuffle=True)
+
+    @override
+    def val_dataloader(self) -> DataLoader:
+        assert self.val_set is not None, "call setup() first"
+        return self._loader(self.val_set, shuffle=False)
+
+    @override
+    def test_dataloader(self) -> DataLoader:
+        return self.val_dataloader()
+
+    @override
+    def predict_dataloader(self) -> DataLoader:
+        return self.val_dataloader()

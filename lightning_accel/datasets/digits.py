@@ -1,0 +1,165 @@
+"""Render scikit-learn's digits as JPEG files in an ImageFolder tree (``<root>/<class>/<index>.jpg``).
+
+Contract:
+
+- Real data: the 1,797 8x8 images that ship inside scikit-learn (no download), upscaled to ``size`` px RGB.
+- ``num_images`` above 1,797 repeats the set with deterministic small perturbations (rotation, shift, scale,
+  brightness), so the same arguments always give byte-identical files.
+- Idempotent and crash-safe: a marker file ``.lightning_accel_digits.json`` is written last; a directory without it
+  is (re)built from scratch, one whose marker matches the arguments is reused as is, and one whose marker differs is
+  refused rather than mixed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from lightning_accel._utils.atomic import atomic_write_text, fsync_dir
+from lightning_accel._utils.imports import require
+
+__all__ = ["DIGITS_CLASSES", "DigitsInfo", "digits_tokens", "load_digits_arrays", "materialize_digits"]
+
+DIGITS_CLASSES = tuple(str(i) for i in range(10))
+MARKER = ".lightning_accel_digits.json"
+_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class DigitsInfo:
+    """What a materialised tree holds (also the marker file's content)."""
+
+    root: str
+    size: int
+    num_images: int
+    quality: int
+    format_version: int = _FORMAT_VERSION
+
+    def class_counts(self) -> dict[str, int]:
+        """Images per class directory, counted from disk."""
+        return {c: len(list((Path(self.root) / c).glob("*.jpg"))) for c in DIGITS_CLASSES}
+
+
+def load_digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """The raw digits: ``images`` uint8 (1797, 8, 8) in [0, 16] and ``labels`` int64 (1797,)."""
+    require("sklearn", purpose="The embedded digits data set", pip_name="scikit-learn")
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    return d.images.astype(np.uint8), d.target.astype(np.int64)
+
+
+def digits_tokens() -> tuple[np.ndarray, np.ndarray]:
+    """Digits as token sequences for language-model style training.
+
+    Returns:
+        ``tokens`` int64 (1797, 65): token 0 is the class id + 17 (a "prompt"), then the 64 pixel intensities
+        (0..16) in raster order; vocabulary size 27. ``labels`` int64 (1797,).
+    """
+    images, labels = load_digits_arrays()
+    tokens = np.concatenate([(labels + 17)[:, None], images.reshape(len(images), 64).astype(np.int64)], axis=1)
+    return tokens, labels
+
+
+def _render(img8: np.ndarray, size: int, repeat: int, index: int):
+    """Upscale one 8x8 digit to a ``size`` px RGB PIL image; ``repeat > 0`` adds a seeded perturbation."""
+    from PIL import Image
+
+    gray = Image.fromarray((img8.astype(np.float32) * (255.0 / 16.0)).round().astype(np.uint8), mode="L")
+    # Pad by one cell so perturbations never cut the stroke, then upscale smoothly (bicubic looks like a scan).
+    canvas = Image.new("L", (10, 10), 0)
+    canvas.paste(gray, (1, 1))
+    big = canvas.resize((size, size), Image.BICUBIC)
+    if repeat > 0:
+        rng = np.random.default_rng([repeat, index])
+        angle = float(rng.uniform(-10, 10))
+        dx, dy = (float(v) for v in rng.uniform(-0.06, 0.06, size=2) * size)
+        scale = float(rng.uniform(0.9, 1.1))
+        big = big.rotate(angle, resample=Image.BILINEAR, translate=(dx, dy))
+        if abs(scale - 1.0) > 1e-3:
+            s = max(1, round(size * scale))
+            scaled = big.resize((s, s), Image.BILINEAR)
+            off = (s - size) // 2
+            big = scaled.crop((off, off, off + size, off + size)) if s >= size else _pad_center(scaled, size)
+        gain = float(rng.uniform(0.85, 1.15))
+        big = big.point(lambda p: min(255, int(p * gain)))
+    return big.convert("RGB")
+
+
+def _pad_center(img, size: int):
+    from PIL import Image
+
+    out = Image.new("L", (size, size), 0)
+    off = (size - img.size[0]) // 2
+    out.paste(img, (off, off))
+    return out
+
+
+def materialize_digits(
+    root: str | os.PathLike[str], *, size: int = 64, num_images: int | None = None, quality: int = 90
+) -> DigitsInfo:
+    """Write the digits as ``<root>/<class>/<index:06d>.jpg`` and return what is there.
+
+    Args:
+        root: a local directory (created if missing).
+        size: side of the square images in pixels (e.g. 64 for the quickstart, 224 for benchmarks).
+        num_images: total images; defaults to the 1,797 originals. More repeats them with perturbations.
+        quality: JPEG quality.
+
+    Raises:
+        ValueError: bad ``size``/``num_images``/``quality``, or ``root`` already holds digits made with other arguments.
+        PermissionError: ``root`` cannot be written.
+    """
+    if not isinstance(size, int) or size < 8:
+        raise ValueError(f"`size` must be an integer >= 8 (pixels), got {size!r}.")
+    if num_images is not None and (not isinstance(num_images, int) or num_images < 1):
+        raise ValueError(f"`num_images` must be a positive integer or None, got {num_images!r}.")
+    if not isinstance(quality, int) or not 1 <= quality <= 100:
+        raise ValueError(f"`quality` must be an integer in [1, 100], got {quality!r}.")
+    images, labels = load_digits_arrays()
+    n = len(images) if num_images is None else num_images
+    root_p = Path(os.fspath(root)).expanduser().resolve()
+    info = DigitsInfo(root=str(root_p), size=size, num_images=n, quality=quality)
+    marker = root_p / MARKER
+    want = {k: v for k, v in asdict(info).items() if k != "root"}
+    if marker.exists():
+        try:
+            have = json.loads(marker.read_text())
+        except (OSError, ValueError):
+            have = None
+        if have == want:
+            return info
+        if have is not None:
+            raise ValueError(
+                f"`root` {str(root_p)!r} already holds digits made with {have}, not {want}. "
+                "Pass another directory, or delete this one to rebuild it."
+            )
+    try:
+        root_p.mkdir(parents=True, exist_ok=True)
+        probe = root_p / ".write_probe"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise PermissionError(
+            f"Cannot write the digits data set to `root` {str(root_p)!r}: {e.strerror or e}. "
+            "Choose a writable directory (e.g. `--data.data_dir=/tmp/digits`)."
+        ) from e
+    # No marker: whatever is here is a half-finished earlier run (or foreign files in our class dirs); redo it.
+    marker.unlink(missing_ok=True)
+    for c in DIGITS_CLASSES:
+        shutil.rmtree(root_p / c, ignore_errors=True)
+        (root_p / c).mkdir()
+    base = len(images)
+    for i in range(n):
+        src = i % base
+        img = _render(images[src], size, i // base, src)
+        img.save(root_p / str(int(labels[src])) / f"{i:06d}.jpg", format="JPEG", quality=quality)
+    for c in DIGITS_CLASSES:
+        fsync_dir(root_p / c)
+    atomic_write_text(marker, json.dumps(want, sort_keys=True))
+    return info

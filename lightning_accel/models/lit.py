@@ -1,0 +1,134 @@
+"""LightningModules around the reference networks."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from torchmetrics.classification import MulticlassAccuracy
+from typing_extensions import override
+
+from lightning_accel.models.resnet import SmallResNet
+from lightning_accel.models.transformer import GPT
+
+__all__ = ["ImageClassifier", "TinyGPT"]
+
+
+def _adamw_cosine(module: LightningModule, lr: float, weight_decay: float) -> Any:
+    """AdamW + cosine decay over the whole fit (per step), the default both reference models use."""
+    opt = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=weight_decay)
+    total = max(1, int(module.trainer.estimated_stepping_batches)) if module._trainer is not None else 1000
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=total, eta_min=lr * 0.01)
+    return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class ImageClassifier(LightningModule):
+    """``SmallResNet`` trained with cross-entropy; logs ``train_loss``, ``val_loss``, ``val_acc``, ``test_acc``.
+
+    Batches are ``(images, labels)`` with float images (N, C, H, W). Uses AdamW with per-step cosine decay unless a
+    LightningCLI ``optimizer:``/``lr_scheduler:`` block replaces ``configure_optimizers``.
+
+    Args:
+        num_classes: number of classes.
+        width: channels of the first stage.
+        blocks: blocks per stage.
+        lr: peak learning rate.
+        weight_decay: AdamW weight decay.
+    """
+
+    def __init__(
+        self,
+        num_classes: int = 10,
+        width: int = 32,
+        blocks: Sequence[int] = (1, 1, 1),
+        lr: float = 3e-3,
+        weight_decay: float = 5e-4,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = SmallResNet(num_classes=num_classes, width=width, blocks=tuple(blocks))
+        self.val_acc = MulticlassAccuracy(num_classes=num_classes)
+        self.test_acc = MulticlassAccuracy(num_classes=num_classes)
+        self.example_input_array = torch.zeros(2, 3, 64, 64)
+
+    @override
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    @override
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        logits = self(x)
+        self.val_acc(logits, y)
+        self.log("val_loss", F.cross_entropy(logits, y), prog_bar=True, sync_dist=True)
+        self.log("val_acc", self.val_acc, prog_bar=True)
+
+    @override
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.test_acc(self(x), y)
+        self.log("test_acc", self.test_acc)
+
+    @override
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
+        x = batch[0] if isinstance(batch, (list, tuple)) else batch
+        return self(x).argmax(dim=1)
+
+    @override
+    def configure_optimizers(self) -> Any:
+        return _adamw_cosine(self, self.hparams.lr, self.hparams.weight_decay)
+
+
+class TinyGPT(LightningModule):
+    """``GPT`` trained on next-token prediction; batches are int64 token tensors (B, T) or ``(tokens, ...)`` tuples.
+
+    Logs ``train_loss`` and ``val_loss``. Pairs with :func:`lightning_accel.datasets.digits_tokens`.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 27,
+        block_size: int = 65,
+        n_layer: int = 2,
+        n_head: int = 4,
+        n_embd: int = 128,
+        dropout: float = 0.1,
+        lr: float = 1e-3,
+        weight_decay: float = 0.01,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = GPT(vocab_size, block_size, n_layer, n_head, n_embd, dropout)
+
+    @override
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx)
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        tokens = batch[0] if isinstance(batch, (list, tuple)) else batch
+        logits = self(tokens[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    @override
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch), prog_bar=True, sync_dist=True)
+
+    @override
+    def configure_optimizers(self) -> Any:
+        return _adamw_cosine(self, self.hparams.lr, self.hparams.weight_decay)

@@ -1,0 +1,69 @@
+"""A small ResNet-style image classifier (torchvision's BasicBlock layout, narrower and shallower)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["BasicBlock", "SmallResNet"]
+
+
+class BasicBlock(nn.Module):
+    """conv3x3-BN-ReLU-conv3x3-BN (+ shortcut) -ReLU, attribute names as in ``torchvision.models.resnet``."""
+
+    def __init__(self, in_ch: int, out_ch: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_ch, out_ch, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(out_ch)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(out_ch, out_ch, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(out_ch)
+        self.downsample: nn.Module | None = None
+        if stride != 1 or in_ch != out_ch:
+            self.downsample = nn.Sequential(
+                nn.Conv2d(in_ch, out_ch, 1, stride=stride, bias=False), nn.BatchNorm2d(out_ch)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return self.relu(out + identity)
+
+
+class SmallResNet(nn.Module):
+    """Stem (conv-BN-ReLU as an ``nn.Sequential``) + stages of ``BasicBlock`` + global pool + linear head.
+
+    Args:
+        num_classes: output logits.
+        width: channels of the first stage; each later stage doubles it.
+        blocks: number of blocks per stage (its length is the number of stages).
+        in_channels: input channels.
+    """
+
+    def __init__(
+        self, num_classes: int = 10, width: int = 32, blocks: Sequence[int] = (1, 1, 1), in_channels: int = 3
+    ) -> None:
+        super().__init__()
+        if width < 1 or num_classes < 2 or not blocks:
+            raise ValueError(f"Bad SmallResNet sizes: width={width}, num_classes={num_classes}, blocks={blocks}.")
+        self.stem = nn.Sequential(
+            nn.Conv2d(in_channels, width, 3, stride=1, padding=1, bias=False),
+            nn.BatchNorm2d(width),
+            nn.ReLU(inplace=True),
+        )
+        layers: list[nn.Module] = []
+        ch = width
+        for i, n in enumerate(blocks):
+            out = width * 2**i
+            for j in range(n):
+                layers.append(BasicBlock(ch, out, stride=2 if (j == 0 and i > 0) or (i == 0 and j == 0) else 1))
+                ch = out
+        self.layers = nn.Sequential(*layers)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(ch, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.flatten(self.pool(self.layers(self.stem(x))), 1))

@@ -1,0 +1,109 @@
+"""A small GPT-style decoder (pre-norm blocks with separate q, k, v projections, as in nanoGPT-style code)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["GPT", "CausalSelfAttention", "GPTBlock"]
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal attention with separate ``q_proj``/``k_proj``/``v_proj`` and an output ``proj`` + dropout."""
+
+    def __init__(self, n_embd: int, n_head: int, dropout: float = 0.0, bias: bool = True) -> None:
+        super().__init__()
+        if n_embd % n_head:
+            raise ValueError(f"`n_embd` ({n_embd}) must be divisible by `n_head` ({n_head}).")
+        self.n_head = n_head
+        self.q_proj = nn.Linear(n_embd, n_embd, bias=bias)
+        self.k_proj = nn.Linear(n_embd, n_embd, bias=bias)
+        self.v_proj = nn.Linear(n_embd, n_embd, bias=bias)
+        self.proj = nn.Linear(n_embd, n_embd, bias=bias)
+        self.attn_dropout = dropout
+        self.resid_dropout = nn.Dropout(dropout)
+
+    def _heads(self, t: torch.Tensor) -> torch.Tensor:
+        b, s, c = t.shape
+        return t.view(b, s, self.n_head, c // self.n_head).transpose(1, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, c = x.shape
+        q, k, v = self._heads(self.q_proj(x)), self._heads(self.k_proj(x)), self._heads(self.v_proj(x))
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.attn_dropout if self.training else 0.0
+        )
+        return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(b, s, c)))
+
+
+class GPTBlock(nn.Module):
+    """``x + attn(ln_1(x))`` then ``x + mlp(ln_2(x))``; the MLP is ``fc -> GELU -> proj -> Dropout``."""
+
+    def __init__(self, n_embd: int, n_head: int, dropout: float = 0.0, mlp_ratio: int = 4, bias: bool = True) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(n_embd)
+        self.attn = CausalSelfAttention(n_embd, n_head, dropout, bias)
+        self.ln_2 = nn.LayerNorm(n_embd)
+        self.mlp = nn.Sequential(
+            nn.Linear(n_embd, mlp_ratio * n_embd, bias=bias),
+            nn.GELU(),
+            nn.Linear(mlp_ratio * n_embd, n_embd, bias=bias),
+            nn.Dropout(dropout),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """Token + position embeddings, ``n_layer`` ``GPTBlock``s, final LayerNorm, tied LM head.
+
+    Args:
+        vocab_size: number of tokens.
+        block_size: maximum sequence length.
+        n_layer: number of blocks.
+        n_head: attention heads.
+        n_embd: model width.
+        dropout: dropout probability (embeddings, attention, residual).
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 27,
+        block_size: int = 65,
+        n_layer: int = 2,
+        n_head: int = 4,
+        n_embd: int = 128,
+        dropout: float = 0.1,
+    ) -> None:
+        super().__init__()
+        self.block_size = block_size
+        self.tok_emb = nn.Embedding(vocab_size, n_embd)
+        self.pos_emb = nn.Embedding(block_size, n_embd)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(GPTBlock(n_embd, n_head, dropout) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.head.weight = self.tok_emb.weight
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        b, s = idx.shape
+        if s > self.block_size:
+            raise ValueError(f"Sequence length {s} exceeds `block_size` {self.block_size}.")
+        pos = torch.arange(s, device=idx.device)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.ln_f(x))

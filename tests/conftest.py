@@ -1,0 +1,84 @@
+"""Shared fixtures: temporary cache dirs, a real S3 endpoint (moto), digits data, GPU skipping."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import free_port
+
+# Tests must not pick up a developer's AWS profile or hit a real endpoint.
+os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+os.environ.pop("AWS_PROFILE", None)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def tmp_cache_dir(tmp_path: Path) -> Path:
+    """An empty, writable directory for a cache or checkpoint store."""
+    d = tmp_path / "cache"
+    d.mkdir()
+    return d
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """A real S3 HTTP endpoint: moto's ``ThreadedMotoServer`` on 127.0.0.1 and a free port, for the whole session."""
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.stop()
+
+
+def s3_storage_options(endpoint: str) -> dict[str, Any]:
+    """fsspec/s3fs ``storage_options`` for the moto endpoint (listing cache off so tests see their own writes)."""
+    return {
+        "key": "testing",
+        "secret": "testing",
+        "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
+        "use_listings_cache": False,
+    }
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """A fresh, empty bucket: yields ``(bucket_name, storage_options)``; use URLs like ``s3://{bucket}/key``."""
+    import fsspec
+
+    opts = s3_storage_options(s3_endpoint)
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    fs = fsspec.filesystem("s3", skip_instance_cache=True, **opts)
+    fs.mkdir(name)
+    yield name, opts
+
+
+@pytest.fixture(scope="session")
+def digits_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The digits as 32 px JPEGs (1,797 files), made once per test session. Treat as read-only."""
+    from lightning_accel.datasets import materialize_digits
+
+    root = tmp_path_factory.mktemp("digits32")
+    materialize_digits(root, size=32)
+    return root

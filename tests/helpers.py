@@ -1,0 +1,120 @@
+"""Test helpers: run a function in N processes with a gloo process group; free ports."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+__all__ = ["free_port", "run_in_processes"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: tuple,
+    queue: Any,
+    init_process_group: bool,
+    env: dict[str, str],
+) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        NODE_RANK="0",
+        GROUP_RANK="0",
+    )
+    import torch
+
+    torch.set_num_threads(1)  # 2 processes on 2 cores: oversubscription makes gloo tests crawl
+    try:
+        if init_process_group:
+            import torch.distributed as dist
+
+            dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        queue.put((rank, "ok", result))
+    except BaseException:  # report everything, including SystemExit from Lightning
+        queue.put((rank, "err", traceback.format_exc()))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_in_processes(
+    fn: Callable[..., Any],
+    nprocs: int = 2,
+    args: tuple = (),
+    *,
+    timeout: float = 300.0,
+    init_process_group: bool = True,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``nprocs`` spawned processes and return their results by rank.
+
+    With ``init_process_group=True`` a gloo default group is ready when ``fn`` starts; with ``False`` only the
+    torchrun-style environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR/PORT``) is set, which is what
+    ``Trainer(strategy="ddp", accelerator="cpu", devices=N)`` needs to join instead of launching its own processes.
+    ``fn`` and its results must be picklable (define ``fn`` at module level). A failure in any rank raises
+    ``RuntimeError`` with that rank's traceback.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_worker, args=(r, nprocs, port, fn, args, queue, init_process_group, dict(env or {})), daemon=False
+        )
+        for r in range(nprocs)
+    ]
+    for p in procs:
+        p.start()
+    import time
+
+    deadline = time.monotonic() + timeout
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    while len(results) + len(errors) < nprocs:
+        if time.monotonic() > deadline:
+            break
+        if not queue.empty():
+            rank, status, payload = queue.get()
+            if status == "ok":
+                results[rank] = payload
+            else:
+                errors.append(f"--- rank {rank} ---\n{payload}")
+                break
+        elif all(not p.is_alive() for p in procs) and queue.empty():
+            break
+        else:
+            time.sleep(0.05)
+    for p in procs:
+        p.join(timeout=5 if errors else max(1.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
+    if errors:
+        raise RuntimeError("a rank failed:\n" + "\n".join(errors))
+    if len(results) < nprocs:
+        codes = [p.exitcode for p in procs]
+        raise RuntimeError(f"ranks did not all report within {timeout}s (exit codes {codes}, got {sorted(results)})")
+    return [results[r] for r in range(nprocs)]
