@@ -14,6 +14,7 @@ Absolute times drift on shared machines; ratios from the same run are what the d
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -51,10 +52,8 @@ def machine_info() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.is_available(),
     }
-    try:
+    with contextlib.suppress(AttributeError):  # not on macOS
         info["affinity_cpus"] = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover
-        pass
     if torch.cuda.is_available():
         info["device"] = torch.cuda.get_device_name(0)
     try:

@@ -37,7 +37,7 @@ class AccelCLI(LightningCLI):
             subclass_mode_model=True,
             subclass_mode_data=True,
             save_config_kwargs={"overwrite": True},
-            parser_kwargs={"prog": "lightning-accel"},
+            parser_kwargs={"prog": "lightning-accel", "exit_on_error": False},
             args=args,
             run=run,
         )
@@ -79,11 +79,20 @@ def _check_config_paths(argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``lightning-accel`` console script."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    from jsonargparse import ArgumentError
+
+    args = None if argv is None else list(argv)  # None: LightningCLI reads sys.argv itself
     debug = os.environ.get("LIGHTNING_ACCEL_DEBUG", "") not in ("", "0")
     try:
-        _check_config_paths(argv)
-        AccelCLI(args=argv)
+        _check_config_paths(list(sys.argv[1:] if args is None else args))
+        AccelCLI(args=args)
+    except ArgumentError as e:
+        if debug:
+            raise
+        msg = " ".join(str(e).split())  # jsonargparse's message spans lines; one line reads better in a terminal
+        print(f"lightning-accel: error: {msg}", file=sys.stderr)
+        print("(run with --help for the options; LIGHTNING_ACCEL_DEBUG=1 for the full traceback)", file=sys.stderr)
+        raise SystemExit(2) from None
     except _USER_ERRORS as e:
         if debug:
             raise

@@ -57,7 +57,7 @@ def s3_storage_options(endpoint: str) -> dict[str, Any]:
     return {
         "key": "testing",
         "secret": "testing",
-        "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
+        "client_kwargs": {"endpoint_url": endpoint},
         "use_listings_cache": False,
     }
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
-from functools import lru_cache
+from functools import cache
 
 __all__ = ["module_available", "require"]
 
 
-@lru_cache(maxsize=None)
+@cache
 def module_available(name: str) -> bool:
     """True if ``import name`` would find a module (without importing it)."""
     try:
@@ -28,5 +28,5 @@ def require(name: str, *, purpose: str, pip_name: str | None = None) -> None:
     if not module_available(name):
         raise ModuleNotFoundError(
             f"{purpose} needs the `{name}` package, which is not installed. "
-            f"Install it with `pip install {pip_name or name}` (or `pip install -e \".[dev]\"` in a checkout)."
+            f'Install it with `pip install {pip_name or name}` (or `pip install -e ".[dev]"` in a checkout).'
         )

@@ -1,0 +1,44 @@
+from __future__ import annotations
+
+import pytest
+
+from lightning_accel._utils import (
+    global_rank,
+    is_global_zero,
+    local_rank,
+    module_available,
+    require,
+    safe_join,
+    world_size,
+)
+
+
+@pytest.mark.parametrize("key", ["a/b.bin", "x", "deep/er/key-1_2.jpg"])
+def test_safe_join_accepts_plain_keys(key: str) -> None:
+    assert safe_join("s3://bucket/root/", key) == f"s3://bucket/root/{key}"
+    assert safe_join("/tmp/r", key) == f"/tmp/r/{key}"
+
+
+@pytest.mark.parametrize("key", ["../x", "a/../../x", "/etc/passwd", "a\\b", "s3://other/k", "a/./b", "", "a\x00b"])
+def test_safe_join_refuses_escapes(key: str) -> None:
+    with pytest.raises(ValueError, match="key|Key"):
+        safe_join("/tmp/r", key)
+
+
+def test_rank_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert (global_rank(), local_rank(), world_size(), is_global_zero()) == (3, 1, 4, False)
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    assert (global_rank(), world_size(), is_global_zero()) == (0, 2, True)
+
+
+def test_require_names_package_and_fix() -> None:
+    assert module_available("torch")
+    require("torch", purpose="x")
+    with pytest.raises(ModuleNotFoundError, match=r"pip install not-a-real-pkg-xyz"):
+        require("not_a_real_pkg_xyz", purpose="The thing", pip_name="not-a-real-pkg-xyz")

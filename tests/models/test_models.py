@@ -1,0 +1,54 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_accel.models import GPT, GPTBlock, ImageClassifier, SmallResNet, TinyGPT
+
+
+@pytest.mark.parametrize("size", [8, 32, 33])
+def test_resnet_shapes_and_backward(size: int) -> None:
+    net = SmallResNet(num_classes=10, width=8, blocks=(1, 2))
+    out = net(torch.randn(3, 3, size, size))
+    assert out.shape == (3, 10)
+    out.sum().backward()
+    assert all(p.grad is not None for p in net.parameters())
+
+
+def test_resnet_bad_sizes() -> None:
+    with pytest.raises(ValueError, match="width"):
+        SmallResNet(width=0)
+
+
+def test_gpt_is_causal() -> None:
+    torch.manual_seed(0)
+    net = GPT(vocab_size=11, block_size=9, n_layer=1, n_head=2, n_embd=16, dropout=0.0).eval()
+    idx = torch.randint(0, 11, (2, 9))
+    a = net(idx)
+    idx2 = idx.clone()
+    idx2[:, -1] = (idx2[:, -1] + 1) % 11
+    b = net(idx2)
+    assert a.shape == (2, 9, 11)
+    torch.testing.assert_close(a[:, :-1], b[:, :-1])  # changing the last token never changes earlier outputs
+    with pytest.raises(ValueError, match="block_size"):
+        net(torch.zeros(1, 10, dtype=torch.long))
+    with pytest.raises(ValueError, match="divisible"):
+        GPTBlock(10, 3)
+
+
+def test_lightning_modules_learn_one_batch() -> None:
+    torch.manual_seed(0)
+    clf = ImageClassifier(width=8, lr=1e-2)
+    x, y = torch.randn(8, 3, 16, 16), torch.arange(8) % 10
+    opt = torch.optim.Adam(clf.parameters(), lr=1e-2)
+    first = None
+    for _ in range(15):
+        loss = torch.nn.functional.cross_entropy(clf(x), y)
+        first = first if first is not None else loss.item()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < first * 0.5
+    gpt = TinyGPT(n_layer=1, n_embd=16, n_head=2)
+    tokens = torch.randint(0, 27, (4, 65))
+    assert gpt._loss(tokens).ndim == 0
