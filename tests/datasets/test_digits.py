@@ -38,7 +38,7 @@ def test_session_tree_is_imagefolder(digits_dir: Path) -> None:
 
 def test_repeats_are_deterministic_and_perturbed(tmp_path: Path) -> None:
     a = materialize_digits(tmp_path / "a", size=16, num_images=1797 + 40)
-    b = materialize_digits(tmp_path / "b", size=16, num_images=1797 + 40)
+    materialize_digits(tmp_path / "b", size=16, num_images=1797 + 40)
     assert a.num_images == 1837 and sum(a.class_counts().values()) == 1837
     assert _digest(tmp_path / "a") == _digest(tmp_path / "b")
     # a repeat differs from its original (perturbation), but keeps the label
