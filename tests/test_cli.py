@@ -1,0 +1,94 @@
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_accel.cli import main
+
+REPO = Path(__file__).resolve().parent.parent
+QUICKSTART = REPO / "examples" / "configs" / "quickstart.yaml"
+
+
+def _tiny(digits_dir: Path, root: Path) -> list[str]:
+    return [
+        "--config",
+        str(QUICKSTART),
+        f"--trainer.default_root_dir={root}",
+        "--trainer.max_epochs=1",
+        "--trainer.limit_train_batches=3",
+        "--trainer.limit_val_batches=2",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.log_every_n_steps=1",
+        f"--data.data_dir={digits_dir}",
+        "--data.image_size=32",
+        "--data.num_workers=0",
+        "--model.init_args.width=8",
+    ]
+
+
+def test_fit_with_overrides_writes_metrics_csv(digits_dir: Path, tmp_path: Path) -> None:
+    main(["fit", *_tiny(digits_dir, tmp_path / "run")])
+    csvs = list((tmp_path / "run").rglob("metrics.csv"))
+    assert len(csvs) == 1
+    header = csvs[0].read_text().splitlines()[0]
+    assert "val_acc" in header and "train_loss" in header
+
+
+def test_validate_subcommand(digits_dir: Path, tmp_path: Path) -> None:
+    main(
+        [
+            "validate",
+            *[a for a in _tiny(digits_dir, tmp_path / "v") if "limit_train" not in a and "max_epochs" not in a],
+        ]
+    )
+    assert list((tmp_path / "v").rglob("metrics.csv"))
+
+
+def _error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
+
+
+def test_missing_config_is_one_clear_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    err = _error(["fit", "--config", str(tmp_path / "nope.yaml")], capsys)
+    assert "`--config`" in err and "nope.yaml" in err and "does not exist" in err
+
+
+def test_unknown_class_path(capsys: pytest.CaptureFixture[str]) -> None:
+    err = _error(["fit", "--config", str(QUICKSTART), "--model.class_path=no_such_pkg.Model"], capsys)
+    assert "no_such_pkg.Model" in err and "model" in err
+
+
+def test_unwritable_data_dir(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    argv = [
+        "fit",
+        "--config",
+        str(QUICKSTART),
+        f"--data.data_dir={blocker}/digits",
+        f"--trainer.default_root_dir={tmp_path}",
+    ]
+    err = _error(argv, capsys)
+    assert "Cannot write the digits" in err and str(blocker) in err and "writable directory" in err
+
+
+@pytest.mark.skipif(shutil.which("lightning-accel") is None, reason="console script not installed")
+def test_console_script_help() -> None:
+    out = subprocess.run(["lightning-accel", "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "fit" in out.stdout and "predict" in out.stdout
+
+
+def test_module_entry_point_reports_bad_subcommand() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "lightning_accel.cli", "bogus"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 2 and "invalid choice" in out.stderr
