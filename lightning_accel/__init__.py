@@ -16,6 +16,8 @@ _EXPORTS: dict[str, str] = {
     "materialize_digits": "lightning_accel.datasets.digits",
     "ImageClassifier": "lightning_accel.models.lit",
     "TinyGPT": "lightning_accel.models.lit",
+    "PerformanceMonitor": "lightning_accel.callbacks.performance_monitor",
+    "CudaMemoryManager": "lightning_accel.callbacks.cuda_memory_manager",
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])
