@@ -225,6 +225,18 @@ class PerformanceMonitor(Callback):
             self.timer.end("eval")
 
     # -- numbers -------------------------------------------------------------------------------------------------
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._init_ddp_timing(trainer)
+
+    def _init_ddp_timing(self, trainer: pl.Trainer) -> None:
+        model = getattr(trainer.strategy, "model", None)
+        if self._ddp_prev is not None or not hasattr(model, "_set_ddp_runtime_logging_sample_rate"):
+            return
+        with contextlib.suppress(Exception):
+            model._set_ddp_runtime_logging_sample_rate(_DDP_TIMING_SAMPLE_RATE)
+        self._ddp_prev = (0, 0.0)
+
     def _ddp_exposed_comm(self, trainer: pl.Trainer) -> float | None:
         """Seconds per step of DDP gradient communication not hidden behind backward, from DDP's own timers."""
         model = getattr(trainer.strategy, "model", None)
@@ -232,9 +244,7 @@ class PerformanceMonitor(Callback):
         if getter is None:
             return None
         if self._ddp_prev is None:
-            with contextlib.suppress(Exception):
-                model._set_ddp_runtime_logging_sample_rate(_DDP_TIMING_SAMPLE_RATE)
-            self._ddp_prev = (0, 0.0)
+            self._init_ddp_timing(trainer)
         try:
             d = getter()
         except Exception:
