@@ -132,3 +132,23 @@ def test_peak_flops_gives_mfu_and_tokens_fn(tmp_path: Path) -> None:
     assert r is not None and r.flops_per_step
     assert r.mfu == pytest.approx(r.flops_per_step / r.step_time_s / 1e9)
     assert r.tokens_per_s == pytest.approx(100 / sum(r.seconds.values()))
+
+
+@pytest.mark.gpu
+def test_real_gpu_run_uses_cuda_events_and_reports_mfu(tmp_path: Path) -> None:
+    from lightning_accel.perf import CudaEventClock
+
+    mon = PerformanceMonitor(log_every_n_steps=4, report_path="")
+    trainer = pl.Trainer(
+        accelerator="cuda", devices=1, max_epochs=1, limit_train_batches=12, limit_val_batches=0,
+        logger=CSVLogger(tmp_path, name="logs"), enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[mon],
+    )  # fmt: skip
+    train, _ = loaders(None, 0.0)
+    trainer.fit(TinyModule(), train)
+    assert mon.timer is not None and isinstance(mon.timer.clock, CudaEventClock)
+    r = mon.report
+    assert r is not None and r.steps == 10 and r.seconds["compute"] > 0
+    assert r.flops_per_step
+    if r.mfu is not None:  # None only for a GPU missing from Lightning's peak-FLOPs table
+        assert 0 < r.mfu < 1
