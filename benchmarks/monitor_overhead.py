@@ -1,15 +1,18 @@
 """PerformanceMonitor: its own overhead, and whether its verdict names the real bottleneck.
 
 1. **Overhead**: the same CPU training (a small CNN on in-memory 32 px images) with and without the monitor,
-   alternated run by run. Each run's step time is the median interval between consecutive ``on_train_batch_end``
-   calls (a probe callback present in both arms; the first steps are warm-up and skipped), and
-   ``overhead_frac`` is the median over adjacent (without, with) pairs of ``step(with) / step(without) - 1``. The
-   time spent inside the monitor's per-step hooks is also accumulated in situ (``hook_us_per_step``,
-   ``hook_overhead_frac``), because on a shared 2-core machine run-to-run noise is larger than 1 %.
+   alternated. Step time is the interval between consecutive ``on_train_batch_end`` calls (a probe callback).
+   ``overhead_frac`` alternates *step by step*: in each run the monitor handles every other batch (the parity swaps
+   between runs) and ``overhead_frac`` is the median over monitored steps of ``interval / mean(neighbouring
+   unmonitored intervals) - 1``, so drift from other jobs on a shared machine cancels (``overhead_frac_arm_medians``
+   compares the two arms' medians instead; ``noise_frac_aa`` is the same measurement with a do-nothing callback, the
+   noise floor). ``overhead_frac_runs`` alternates whole runs (median
+   of adjacent-pair ratios; noisier). The time spent inside the monitor's per-step hooks is also accumulated in
+   situ (``hook_us_per_step``, ``hook_overhead_frac``).
 2. **Verdicts**: a deliberately data-starved run (every sample "decodes" for ``decode_ms``: a sleep that stands for
-   a slow remote read or JPEG decode, in one DataLoader worker) and a cached run (the same tensors from memory). The
-   report's dominant category is ``verdict_starved`` (target ``"data"``) and ``verdict_cached`` (target not
-   ``"data"``).
+   a slow remote read or JPEG decode, in one DataLoader worker; 10 ms x 32 samples is several times the step) and
+   a cached run (the same tensors from memory). The report's dominant category is ``verdict_starved`` (target
+   ``"data"``) and ``verdict_cached`` (target not ``"data"``).
 
     python benchmarks/monitor_overhead.py --quick --out /tmp/monitor.json
 """
@@ -118,6 +121,34 @@ class TimedMonitor(PerformanceMonitor):
         self.hook_calls += 1
 
 
+class InterleavedMonitor(TimedMonitor):
+    """The monitor on every other step only (``batch_idx % 2 == parity``): "with" and "without" steps interleave in
+    one run, so machine drift hits both arms alike. (Its own timings are meaningless: it only sees half the steps.)"""
+
+    def __init__(self, parity: int, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.parity = parity
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx % 2 == self.parity:
+            super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx % 2 == self.parity:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+
+def interleaved_intervals(probe: StepProbe, parity: int, skip: int) -> tuple[list[float], list[float], list[float]]:
+    """Split step intervals (end of batch i-1 to end of batch i: the gap and step of batch i, and the monitor's hooks
+    for batch i when it was on) into (with, without), plus each "with" interval over the mean of its two "without"
+    neighbours (a local ratio: drift slower than a step cancels)."""
+    d = {i: probe.t[i] - probe.t[i - 1] for i in range(max(1, skip), len(probe.t))}
+    on = [v for i, v in d.items() if i % 2 == parity]
+    off = [v for i, v in d.items() if i % 2 != parity]
+    local = [d[i] / ((d[i - 1] + d[i + 1]) / 2) for i in d if i % 2 == parity and i - 1 in d and i + 1 in d]
+    return on, off, local
+
+
 def main() -> None:
     args = H.parser(__doc__.splitlines()[0]).parse_args()
     torch.set_num_threads(1)  # steadier timings on a shared machine
@@ -127,10 +158,12 @@ def main() -> None:
         "image": 32,
         "width": 32,
         "batch_size": 32,
-        "overhead_steps": 60 if q else 150,
-        "overhead_pairs": 7 if q else 15,
+        "overhead_steps": 80 if q else 150,
+        "overhead_pairs": 3 if q else 8,
+        "interleaved_runs": 6 if q else 12,
+        "aa_runs": 3 if q else 6,
         "warmup_skip": 5,
-        "decode_ms": 3.0,
+        "decode_ms": 10.0,
         "verdict_steps": 25 if q else 60,
         "torch_threads": 1,
     }
@@ -148,9 +181,26 @@ def main() -> None:
             in_situ.append(mon.hook_s / max(1, mon.hook_calls))
         return probe.median_step(cfg["warmup_skip"])
 
+    # (a) steps with and without the monitor interleaved inside each run, the parity swapped from run to run
+    step_on: list[float] = []
+    step_off: list[float] = []
+    local: list[float] = []
+    for r in range(cfg["interleaved_runs"]):
+        mon = InterleavedMonitor(r % 2, report_path="", verbose=False)
+        probe = fit(cached, cfg["overhead_steps"], cfg["width"], mon)
+        on, off, loc = interleaved_intervals(probe, r % 2, cfg["warmup_skip"])
+        local += loc
+        step_on += on
+        step_off += off
+        in_situ.append(mon.hook_s / max(1, mon.hook_calls))
+    # (a') the same with a do-nothing callback: an A/A control that shows the noise floor of (a) on this machine
+    aa: list[float] = []
+    for r in range(cfg["aa_runs"]):
+        probe = fit(cached, cfg["overhead_steps"], cfg["width"], Callback())
+        aa += interleaved_intervals(probe, r % 2, cfg["warmup_skip"])[2]
+    # (b) whole runs with and without the monitor, alternated
     times = H.alternate({"without": lambda: run(False), "with": lambda: run(True)}, repeats=cfg["overhead_pairs"])
     base, mon_t = H.median(times["without"]), H.median(times["with"])
-    # runs next to each other share the machine's load: the median of per-pair ratios cancels slow drift
     pair_ratios = [w / b for w, b in zip(times["with"], times["without"], strict=True)]
     hook_s = H.median(in_situ)
 
@@ -166,6 +216,9 @@ def main() -> None:
         print(f"\n### {name}\n```\n{mon.report.format()}\n```")
 
     results = {
+        "step_s_interleaved_with": H.median(step_on),
+        "step_s_interleaved_without": H.median(step_off),
+        "interleaved_steps_per_arm": len(step_on),
         "step_s_without": base,
         "step_s_with": mon_t,
         "step_s_runs_without": times["without"],
@@ -182,7 +235,10 @@ def main() -> None:
         "report_cached": reports["cached"].format(),
     }
     ratios = {
-        "overhead_frac": round(H.median(pair_ratios) - 1.0, 4),
+        "overhead_frac": round(H.median(local) - 1.0, 4),
+        "noise_frac_aa": round(H.median(aa) - 1.0, 4),
+        "overhead_frac_arm_medians": round(H.median(step_on) / H.median(step_off) - 1.0, 4),
+        "overhead_frac_runs": round(H.median(pair_ratios) - 1.0, 4),
         "hook_overhead_frac": round(hook_s / base, 5),
         "speedup_cached_vs_starved": H.ratio(
             reports["cached"].samples_per_s or 0, reports["starved"].samples_per_s or 1
