@@ -121,6 +121,7 @@ class PerformanceMonitor(Callback):
         self._every = 50
         self._orig_save: Any = None
         self._ddp_prev: tuple[int, float] | None = None  # (DDP iterations seen, exposed comm per step)
+        self._peak_cache: tuple[float | None] | None = None
 
     # -- set-up / tear-down --------------------------------------------------------------------------------------
     @override
@@ -133,6 +134,7 @@ class PerformanceMonitor(Callback):
             clock = CudaEventClock(device) if device.type == "cuda" else HostClock()
         self.timer = StepTimer(clock=clock, span_clock=self._span_clock or HostClock(), skip_steps=self.skip_steps)
         self.report = None
+        self._peak_cache = None
         self._every = self.log_every_n_steps or max(1, int(trainer.log_every_n_steps or 50))
         if self.nvml and device.type == "cuda" and nvml_available():
             self._sampler = NvmlSampler(_nvml_index(device))
@@ -291,15 +293,9 @@ class PerformanceMonitor(Callback):
     def _peak(self, trainer: pl.Trainer) -> float | None:
         if self.peak_flops is not None:
             return self.peak_flops
-        device = trainer.strategy.root_device
-        if device.type != "cuda":
-            return None
-        from lightning.fabric.utilities.throughput import get_available_flops
-
-        try:
-            return get_available_flops(device, precision_dtype(str(trainer.precision)))
-        except Exception:
-            return None
+        if self._peak_cache is None:
+            self._peak_cache = (_table_peak(trainer),)
+        return self._peak_cache[0]
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -376,6 +372,19 @@ class PerformanceMonitor(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         flops = state_dict.get("flops_per_step")
         self._flops.flops = int(flops) if flops is not None else None
+
+
+def _table_peak(trainer: pl.Trainer) -> float | None:
+    """Lightning's peak-FLOPs table for the CUDA device and the trainer's precision (None elsewhere or unknown)."""
+    device = trainer.strategy.root_device
+    if device.type != "cuda":
+        return None
+    from lightning.fabric.utilities.throughput import get_available_flops
+
+    try:
+        return get_available_flops(device, precision_dtype(str(trainer.precision)))
+    except Exception:
+        return None
 
 
 def _num_workers(trainer: pl.Trainer) -> int | None:
