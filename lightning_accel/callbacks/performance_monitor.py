@@ -162,12 +162,15 @@ class PerformanceMonitor(Callback):
 
         trainer.save_checkpoint = timed_save  # type: ignore[method-assign]
 
-    @override
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+    def _unwrap_save_checkpoint(self, trainer: pl.Trainer) -> None:
         if self._orig_save is not None:
             if trainer.__dict__.get("save_checkpoint") is not None:
                 del trainer.save_checkpoint  # back to the class method
             self._orig_save = None
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._unwrap_save_checkpoint(trainer)
         self._flops.stop()
         if self._sampler is not None:
             self._sampler.close()
@@ -176,6 +179,7 @@ class PerformanceMonitor(Callback):
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._flops.stop()  # never leave a dispatch mode active after a crash
+        self._unwrap_save_checkpoint(trainer)
 
     # -- the loop ------------------------------------------------------------------------------------------------
     @override

@@ -152,3 +152,25 @@ def test_real_gpu_run_uses_cuda_events_and_reports_mfu(tmp_path: Path) -> None:
     assert r.flops_per_step
     if r.mfu is not None:  # None only for a GPU missing from Lightning's peak-FLOPs table
         assert 0 < r.mfu < 1
+
+
+class Crash(TinyModule):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if batch_idx == 1:  # inside the FLOP-counted step
+            raise RuntimeError("boom")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_crash_leaves_no_wrapper_and_no_dispatch_mode() -> None:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    mon = PerformanceMonitor(report_path="")
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=5, logger=False, callbacks=[mon], enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+    )  # fmt: skip
+    train, _ = loaders(None, 0.0)
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit(Crash(), train)
+    assert "save_checkpoint" not in trainer.__dict__
+    assert not _get_current_dispatch_mode_stack()
