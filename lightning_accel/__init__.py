@@ -16,6 +16,10 @@ _EXPORTS: dict[str, str] = {
     "materialize_digits": "lightning_accel.datasets.digits",
     "ImageClassifier": "lightning_accel.models.lit",
     "TinyGPT": "lightning_accel.models.lit",
+    "PerformanceMonitor": "lightning_accel.callbacks.performance_monitor",
+    "CudaMemoryManager": "lightning_accel.callbacks.cuda_memory_manager",
+    "select_strategy": "lightning_accel.parallel.select",
+    "AutoStrategy": "lightning_accel.parallel.strategy",
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])

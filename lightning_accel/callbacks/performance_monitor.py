@@ -1,0 +1,411 @@
+"""``PerformanceMonitor``: where does step time go? Data wait, compute, comm, checkpoint stall, MFU, GPU utilisation.
+
+A thin Lightning adapter over :mod:`lightning_accel.perf` (timers, FLOP counter, NVML sampler, report).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from lightning_accel._utils.atomic import atomic_write_text
+from lightning_accel.perf.flops import StepFlopCounter, precision_dtype
+from lightning_accel.perf.nvml import NvmlSampler, nvml_available
+from lightning_accel.perf.report import BottleneckReport, build_report
+from lightning_accel.perf.timers import CATEGORIES, Clock, CudaEventClock, HostClock, StepTimer, TimerTotals
+
+__all__ = ["PerformanceMonitor"]
+
+# DDP samples its own forward/backward/comm timers every N iterations (default 100); 10 gives numbers in short runs
+# at the cost of a few timer records every 10th step.
+_DDP_TIMING_SAMPLE_RATE = 10
+
+
+class PerformanceMonitor(Callback):
+    """Attribute training-step time to data wait, compute, communication, checkpoint saves and validation; log it
+    under ``perf/``; print a bottleneck report with a verdict at the end of ``fit``.
+
+    What is measured, and how:
+
+    * **data**: the gap from ``on_train_batch_end`` to the next ``on_train_batch_start`` (the loop's ``next()`` on
+      the dataloader, worker IPC, host-to-device copy), minus validation and saves that happen in it. On CUDA the gap
+      is measured between CUDA events, i.e. the time the *GPU* sat idle waiting for input.
+    * **compute**: ``on_train_batch_start`` to ``on_train_batch_end`` (forward, backward, optimizer), minus the exposed
+      communication below. CUDA events on GPU; no per-step synchronisation (events are resolved at log time).
+    * **comm**: exposed DDP gradient communication, from DDP's own runtime statistics
+      (``avg_backward_comm_time - avg_backward_compute_comm_overlap_time``, sampled every 10th iteration). Not
+      measured: FSDP/DeepSpeed collectives and comm hooks that overlap with compute; their time stays in compute.
+    * **checkpoint**: time inside ``trainer.save_checkpoint`` (state gathering + write; with ``AsyncCheckpointIO``
+      only the blocking part), which is what the training loop stalls on.
+    * **eval**: validation run inside ``fit``.
+    * **throughput**: samples/s (batch size found by Lightning's ``extract_batch_size`` or ``samples_fn``),
+      tokens/s when ``tokens_fn`` says how to count them.
+    * **MFU**: FLOPs of one training step counted once with ``torch.utils.flop_counter`` (the second batch; that step
+      is excluded from timings), over the device's peak for the trainer's precision (Lightning's table on CUDA, or
+      ``peak_flops``).
+    * **GPU utilisation and memory**: NVML (``pip install nvidia-ml-py``), sampled only when logging.
+
+    Logging: every ``log_every_n_steps`` steps, rank 0 sends window means to the trainer's loggers
+    (``perf/data_s``, ``perf/compute_s``, ``perf/step_s``, ``perf/data_frac``, ``perf/samples_per_s``, ...). At the
+    end of ``fit`` the totals are averaged over ranks, and rank 0 prints the report and writes it as JSON
+    (``perf_report.json`` in the trainer's ``log_dir``). The report is also kept in :attr:`report`.
+
+    Overhead: two clock reads and a batch-size lookup per step; see ``benchmarks/monitor_overhead.py``.
+
+    Args:
+        log_every_n_steps: window for logged metrics (None: the trainer's ``log_every_n_steps``).
+        skip_steps: warm-up steps left out of all timings (>= 1 when ``count_flops``; the FLOP count runs in the
+            last skipped step).
+        count_flops: count FLOPs once for MFU.
+        peak_flops: the device's peak FLOP/s for the active precision (None: Lightning's table on CUDA, unknown on
+            CPU).
+        samples_fn: ``batch -> number of samples`` (None: Lightning's batch-size extraction).
+        tokens_fn: ``batch -> number of tokens`` for tokens/s (None: not reported).
+        nvml: sample GPU utilisation and memory through NVML when available.
+        report_path: where to write the JSON report (None: ``<log_dir>/perf_report.json``; ``""``: do not write).
+        verbose: print the report on rank 0.
+        clock: override the segment clock (tests inject a fake one).
+        span_clock: override the clock for validation/checkpoint spans (tests).
+    """
+
+    def __init__(
+        self,
+        log_every_n_steps: int | None = None,
+        skip_steps: int = 2,
+        count_flops: bool = True,
+        peak_flops: float | None = None,
+        samples_fn: Callable[[Any], int] | None = None,
+        tokens_fn: Callable[[Any], int] | None = None,
+        nvml: bool = True,
+        report_path: str | None = None,
+        verbose: bool = True,
+        clock: Clock | None = None,
+        span_clock: Clock | None = None,
+    ) -> None:
+        super().__init__()
+        if log_every_n_steps is not None and log_every_n_steps < 1:
+            raise ValueError(f"`log_every_n_steps` must be >= 1 or None, got {log_every_n_steps!r}.")
+        if skip_steps < (1 if count_flops else 0):
+            raise ValueError(
+                f"`skip_steps` must be >= 1 when `count_flops=True` (the counted step is slow), got {skip_steps!r}. "
+                "Raise it or pass `count_flops=False`."
+            )
+        if peak_flops is not None and peak_flops <= 0:
+            raise ValueError(f"`peak_flops` must be > 0 (FLOP/s) or None, got {peak_flops!r}.")
+        self.log_every_n_steps = log_every_n_steps
+        self.skip_steps = skip_steps
+        self.count_flops = count_flops
+        self.peak_flops = peak_flops
+        self.samples_fn = samples_fn
+        self.tokens_fn = tokens_fn
+        self.nvml = nvml
+        self.report_path = report_path
+        self.verbose = verbose
+        self._clock = clock
+        self._span_clock = span_clock
+        self.timer: StepTimer | None = None
+        self.report: BottleneckReport | None = None
+        self._flops = StepFlopCounter()
+        self._sampler: NvmlSampler | None = None
+        self._nvml_last: dict[str, float] = {}
+        self._every = 50
+        self._orig_save: Any = None
+        self._ddp_prev: tuple[int, float] | None = None  # (DDP iterations seen, exposed comm per step)
+        self._peak_cache: tuple[float | None] | None = None
+
+    # -- set-up / tear-down --------------------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        device = trainer.strategy.root_device
+        clock = self._clock
+        if clock is None:
+            clock = CudaEventClock(device) if device.type == "cuda" else HostClock()
+        self.timer = StepTimer(clock=clock, span_clock=self._span_clock or HostClock(), skip_steps=self.skip_steps)
+        self.report = None
+        self._peak_cache = None
+        self._every = self.log_every_n_steps or max(1, int(trainer.log_every_n_steps or 50))
+        if self.nvml and device.type == "cuda" and nvml_available():
+            self._sampler = NvmlSampler(_nvml_index(device))
+        self._wrap_save_checkpoint(trainer)
+
+    def _wrap_save_checkpoint(self, trainer: pl.Trainer) -> None:
+        # Shadow the bound method on this trainer instance only (restored in teardown): every save, whoever calls it
+        # (ModelCheckpoint, the user, a fault handler), is timed, and the checkpoint IO plugin is left untouched so
+        # isinstance checks of other plugins still hold.
+        if self._orig_save is not None:
+            return
+        orig = trainer.save_checkpoint
+        self._orig_save = orig
+
+        @functools.wraps(orig)
+        def timed_save(*args: Any, **kwargs: Any) -> Any:
+            timer = self.timer
+            if timer is None:
+                return orig(*args, **kwargs)
+            timer.begin("checkpoint")
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                timer.end("checkpoint")
+
+        trainer.save_checkpoint = timed_save  # type: ignore[method-assign]
+
+    def _unwrap_save_checkpoint(self, trainer: pl.Trainer) -> None:
+        if self._orig_save is not None:
+            if trainer.__dict__.get("save_checkpoint") is not None:
+                del trainer.save_checkpoint  # back to the class method
+            self._orig_save = None
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._unwrap_save_checkpoint(trainer)
+        self._flops.stop()
+        if self._sampler is not None:
+            self._sampler.close()
+            self._sampler = None
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._flops.stop()  # never leave a dispatch mode active after a crash
+        self._unwrap_save_checkpoint(trainer)
+
+    # -- the loop ------------------------------------------------------------------------------------------------
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        timer = self.timer
+        if timer is None:
+            return
+        timer.batch_start()
+        if self.count_flops and self._flops.flops is None and timer.seen_steps == self.skip_steps - 1:
+            self._flops.start()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        timer = self.timer
+        if timer is None:
+            return
+        if self._flops.active:
+            self._flops.stop()
+        timer.batch_end(self._samples(batch), self.tokens_fn(batch) if self.tokens_fn is not None else 0)
+        if timer.seen_steps > self.skip_steps and timer.seen_steps % self._every == 0:
+            self._log_window(trainer)
+
+    def _samples(self, batch: Any) -> int:
+        if self.samples_fn is not None:
+            return int(self.samples_fn(batch))
+        if isinstance(batch, torch.Tensor):  # fast path: most batches are a tensor or a tuple starting with one
+            return int(batch.shape[0]) if batch.ndim else 1
+        if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], torch.Tensor) and batch[0].ndim:
+            return int(batch[0].shape[0])
+        from lightning.pytorch.utilities.data import extract_batch_size
+
+        try:
+            return int(extract_batch_size(batch))
+        except Exception:
+            return 0
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.timer is not None and not trainer.sanity_checking:
+            self.timer.begin("eval")
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.timer is not None and not trainer.sanity_checking:
+            self.timer.end("eval")
+
+    # -- numbers -------------------------------------------------------------------------------------------------
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._init_ddp_timing(trainer)
+
+    def _init_ddp_timing(self, trainer: pl.Trainer) -> None:
+        model = getattr(trainer.strategy, "model", None)
+        if self._ddp_prev is not None or not hasattr(model, "_set_ddp_runtime_logging_sample_rate"):
+            return
+        with contextlib.suppress(Exception):
+            model._set_ddp_runtime_logging_sample_rate(_DDP_TIMING_SAMPLE_RATE)
+        self._ddp_prev = (0, 0.0)
+
+    def _ddp_exposed_comm(self, trainer: pl.Trainer) -> float | None:
+        """Seconds per step of DDP gradient communication not hidden behind backward, from DDP's own timers."""
+        model = getattr(trainer.strategy, "model", None)
+        getter = getattr(model, "_get_ddp_logging_data", None)
+        if getter is None:
+            return None
+        if self._ddp_prev is None:
+            self._init_ddp_timing(trainer)
+        try:
+            d = getter()
+        except Exception:
+            return None
+        comm_ns = float(d.get("avg_backward_comm_time", 0) or 0)
+        overlap_ns = float(d.get("avg_backward_compute_comm_overlap_time", 0) or 0)
+        return max(0.0, comm_ns - overlap_ns) / 1e9
+
+    def _flush(self, trainer: pl.Trainer) -> TimerTotals:
+        assert self.timer is not None
+        comm = self._ddp_exposed_comm(trainer)
+        window = self.timer.flush()
+        if comm and window.steps:
+            # exposed comm happened inside the step segments: move it out of compute
+            moved = min(comm * window.steps, window.seconds["compute"])
+            for w in (window, self.timer.totals):
+                w.seconds["compute"] -= moved
+                w.seconds["comm"] += moved
+        return window
+
+    def _log_window(self, trainer: pl.Trainer) -> None:
+        window = self._flush(trainer)
+        if not window.steps or not trainer.is_global_zero or not trainer.loggers:
+            return
+        wall = window.wall
+        n = window.steps
+        metrics: dict[str, float] = {f"perf/{c}_s": window.seconds[c] / n for c in CATEGORIES if window.seconds[c]}
+        metrics["perf/step_s"] = wall / n
+        if wall > 0:
+            metrics["perf/data_frac"] = window.seconds["data"] / wall
+            if window.samples:
+                metrics["perf/samples_per_s"] = window.samples / wall
+            if window.tokens:
+                metrics["perf/tokens_per_s"] = window.tokens / wall
+            peak = self._peak(trainer)
+            if self._flops.flops and peak:
+                metrics["perf/mfu"] = self._flops.flops / (wall / n) / peak
+        if self._sampler is not None:
+            self._nvml_last = self._sampler.sample()
+            metrics.update({f"perf/{k}": v for k, v in self._nvml_last.items()})
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+    def _peak(self, trainer: pl.Trainer) -> float | None:
+        if self.peak_flops is not None:
+            return self.peak_flops
+        if self._peak_cache is None:
+            self._peak_cache = (_table_peak(trainer),)
+        return self._peak_cache[0]
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        timer = self.timer
+        if timer is None:
+            return
+        self._flops.stop()
+        timer.stop()
+        self._flush(trainer)
+        totals = self._reduce(trainer, timer.totals)
+        if totals.steps <= 0:
+            rank_zero_warn(
+                f"PerformanceMonitor: no step was timed ({timer.seen_steps} steps ran, {self.skip_steps} are warm-up); "
+                "no report. Run more steps or lower `skip_steps`."
+            )
+            return
+        context: dict[str, Any] = {"precision": str(trainer.precision), "num_workers": _num_workers(trainer)}
+        extras: dict[str, Any] = {"world_size": trainer.world_size, "device": str(trainer.strategy.root_device)}
+        if self._ddp_prev is not None:
+            extras["comm_source"] = "DDP runtime stats (exposed backward allreduce)"
+        if self._sampler is not None:
+            extras.update({f"last_{k}": round(v, 2) for k, v in (self._sampler.sample() or self._nvml_last).items()})
+        self.report = build_report(
+            totals, flops_per_step=self._flops.flops, peak_flops=self._peak(trainer), context=context, extras=extras
+        )
+        if not trainer.is_global_zero:
+            return
+        r = self.report
+        summary = {f"perf/report/{c}_frac": r.shares[c] for c in CATEGORIES}
+        summary["perf/report/step_s"] = r.step_time_s
+        if r.samples_per_s is not None:
+            summary["perf/report/samples_per_s"] = r.samples_per_s
+        if r.mfu is not None:
+            summary["perf/report/mfu"] = r.mfu
+        for logger in trainer.loggers:
+            logger.log_metrics(summary, step=trainer.global_step)
+        path = self._report_file(trainer)
+        if path:
+            atomic_write_text(path, r.to_json())
+        if self.verbose:
+            rank_zero_info(r.format() + (f"\n(report written to {path})" if path else ""))
+
+    def _report_file(self, trainer: pl.Trainer) -> str | None:
+        if self.report_path == "":
+            return None
+        if self.report_path is not None:
+            return self.report_path
+        root = trainer.log_dir or trainer.default_root_dir
+        return os.fspath(Path(root) / "perf_report.json") if root else None
+
+    @staticmethod
+    def _reduce(trainer: pl.Trainer, totals: TimerTotals) -> TimerTotals:
+        """Mean seconds over ranks (one small all-reduce at the end of fit); steps/samples/tokens summed for rates."""
+        if trainer.world_size <= 1:
+            return totals
+        vals = [totals.seconds[c] for c in CATEGORIES] + [totals.steps, totals.samples, totals.tokens]
+        t = torch.tensor(vals, dtype=torch.float64, device=trainer.strategy.root_device)
+        t = trainer.strategy.reduce(t, reduce_op="sum")
+        ws = trainer.world_size
+        out = TimerTotals()
+        for i, c in enumerate(CATEGORIES):
+            out.seconds[c] = float(t[i]) / ws
+        # per-device rates: average steps per rank, samples summed over ranks over the (mean) wall time = global rate
+        out.steps = int(round(float(t[len(CATEGORIES)]) / ws))
+        out.samples = int(t[len(CATEGORIES) + 1])
+        out.tokens = int(t[len(CATEGORIES) + 2])
+        return out
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"flops_per_step": self._flops.flops}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        flops = state_dict.get("flops_per_step")
+        self._flops.flops = int(flops) if flops is not None else None
+
+
+def _table_peak(trainer: pl.Trainer) -> float | None:
+    """Lightning's peak-FLOPs table for the CUDA device and the trainer's precision (None elsewhere or unknown)."""
+    device = trainer.strategy.root_device
+    if device.type != "cuda":
+        return None
+    from lightning.fabric.utilities.throughput import get_available_flops
+
+    try:
+        return get_available_flops(device, precision_dtype(str(trainer.precision)))
+    except Exception:
+        return None
+
+
+def _num_workers(trainer: pl.Trainer) -> int | None:
+    loader = trainer.train_dataloader
+    n = getattr(loader, "num_workers", None)
+    if n is None:
+        flat = getattr(loader, "flattened", None)
+        if flat:
+            n = getattr(flat[0], "num_workers", None)
+    return int(n) if n is not None else None
+
+
+def _nvml_index(device: torch.device) -> int:
+    """NVML enumerates all GPUs; map the CUDA index through ``CUDA_VISIBLE_DEVICES`` when it lists integers."""
+    idx = device.index or 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    parts = [p.strip() for p in visible.split(",") if p.strip()]
+    if parts and all(p.isdigit() for p in parts) and idx < len(parts):
+        return int(parts[idx])
+    return idx

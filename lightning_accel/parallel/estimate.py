@@ -1,0 +1,267 @@
+"""Memory per device for data parallel (DDP), fully sharded data parallel (FSDP / ZeRO-3) and pipeline parallel.
+
+Formulas (``P`` parameters, ``N`` devices in the job, ``A`` activation bytes of one per-device batch, ``b`` bytes of
+model state per parameter):
+
+* **model state** ``b = 16`` for Adam: mixed precision keeps a 2-byte compute copy of each weight, a 2-byte gradient,
+  a 4-byte fp32 master weight and two 4-byte moments (2 + 2 + 4 + 4 + 4); pure fp32 Adam is also 16 (4 + 4 + 4 + 4).
+  SGD with momentum is 12 in fp32. Pass ``bytes_per_param`` for other optimizers.
+* **DDP**: every device holds everything: ``b·P + A``.
+* **FSDP (ZeRO-3)**: state sharded over ``N``, plus the largest wrapped unit gathered in full for its forward and
+  backward (2-byte weights and 2-byte gradients: ``4·L``, the term DeepSpeed's ``estimate_zero3_model_states_mem_needs``
+  uses): ``b·P/N + 4·L + A``.
+* **Pipeline** (``S = N`` stages, ``M`` micro-batches, 1F1B schedule): the heaviest stage's state, plus its share of
+  the activations for the micro-batches in flight (at most ``min(S, M)``, each ``1/M`` of the batch):
+  ``b·P_stage + A/S · min(S, M)/M``.
+
+Activations are *measured*, not guessed: :func:`measure_activation_bytes` runs one forward and backward of an
+example batch and sums the distinct tensors autograd saved for backward (parameters excluded). That is what stays
+alive between forward and backward, on any device. Measure under the autocast you train with (bf16 halves it).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "ActivationProfile",
+    "MemoryEstimate",
+    "count_layers",
+    "estimate_ddp",
+    "estimate_fsdp",
+    "estimate_pipeline",
+    "largest_unit_params",
+    "measure_activation_bytes",
+    "pipeline_stage_params",
+]
+
+#: Adam, mixed precision: 2 (weight) + 2 (grad) + 4 (fp32 master) + 4 (exp_avg) + 4 (exp_avg_sq).
+ADAM_MIXED_BYTES_PER_PARAM = 16
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per device for one strategy.
+
+    Attributes:
+        strategy: ``"ddp"``, ``"fsdp"`` or ``"pipeline"``.
+        model_state: parameters + gradients + optimizer state on one device.
+        working: extra transient model memory (FSDP's gathered unit).
+        activations: activation bytes on one device.
+        formula: the formula with the numbers filled in, for explanations.
+    """
+
+    strategy: str
+    model_state: int
+    working: int
+    activations: int
+    formula: str = ""
+
+    @property
+    def total(self) -> int:
+        """Bytes needed per device."""
+        return self.model_state + self.working + self.activations
+
+
+@dataclass(frozen=True)
+class ActivationProfile:
+    """What one forward/backward of the example batch showed.
+
+    Attributes:
+        activation_bytes: distinct bytes autograd saved for backward (parameters excluded).
+        forward_s: seconds of the forward pass.
+        backward_s: seconds of the backward pass (the window in which DDP can hide gradient communication).
+        saved_tensors: how many saved tensors were seen (before de-duplication).
+    """
+
+    activation_bytes: int
+    forward_s: float
+    backward_s: float
+    saved_tensors: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def _call(model: nn.Module, batch: Any) -> Any:
+    if isinstance(batch, dict):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
+def _scalar(out: Any) -> torch.Tensor:
+    """Reduce a model output (tensor, tuple, dict, object with ``.loss`` / ``.logits``) to a scalar to backward."""
+    if isinstance(out, torch.Tensor):
+        return out.float().sum()
+    if isinstance(out, dict):
+        if "loss" in out:
+            return out["loss"]
+        out = list(out.values())
+    loss = getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if isinstance(out, (tuple, list)):
+        ts = [o.float().sum() for o in out if isinstance(o, torch.Tensor) and o.requires_grad]
+        if ts:
+            return torch.stack(ts).sum()
+    raise TypeError(
+        f"cannot reduce a model output of type {type(out).__name__} to a loss. Pass `loss_fn=` (output -> scalar)."
+    )
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_activation_bytes(
+    model: nn.Module, example_batch: Any, *, loss_fn: Callable[[Any], torch.Tensor] | None = None
+) -> ActivationProfile:
+    """Run one forward and backward of ``example_batch`` and measure the activations autograd keeps.
+
+    Every tensor packed for backward is seen through ``torch.autograd.graph.saved_tensors_hooks``; tensors are
+    de-duplicated by storage (a view and its base count once) and storages that belong to parameters are skipped.
+    Gradients are cleared afterwards; the model's ``training`` flag is restored.
+
+    Args:
+        model: an ``nn.Module`` (a LightningModule works: its ``forward`` is called).
+        example_batch: one per-device batch of *inputs to forward*: a tensor, a tuple/list of positional arguments, or
+            a dict of keyword arguments.
+        loss_fn: ``output -> scalar`` (default: the ``loss`` of the output, or the sum of its tensors).
+    """
+    params = list(model.parameters())
+    param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+    seen: dict[int, int] = {}
+    count = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal count
+        count += 1
+        try:
+            s = t.untyped_storage()
+            ptr = s.data_ptr()
+            if ptr not in param_ptrs and ptr not in seen:
+                seen[ptr] = s.nbytes()
+        except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. some wrappers)
+            pass
+        return t
+
+    was_training = model.training
+    model.train()
+    device = params[0].device if params else torch.device("cpu")
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            _sync(device)
+            t0 = time.perf_counter()
+            out = _call(model, example_batch)
+            loss = (loss_fn or _scalar)(out)
+            _sync(device)
+            t1 = time.perf_counter()
+        loss.backward()
+        _sync(device)
+        t2 = time.perf_counter()
+    finally:
+        model.train(was_training)
+        for p in params:
+            p.grad = None
+    return ActivationProfile(
+        activation_bytes=int(sum(seen.values())), forward_s=t1 - t0, backward_s=t2 - t1, saved_tensors=count
+    )
+
+
+def _block_lists(model: nn.Module) -> list[nn.Module]:
+    """The model's stack of repeated layers: the longest ``nn.ModuleList``/``nn.Sequential`` whose children all have
+    the same type (a transformer's blocks, not an MLP's ``Linear, GELU, Linear``), else the longest of any kind."""
+    best: tuple[bool, int] = (False, 0)
+    out: list[nn.Module] = []
+    for m in model.modules():
+        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m):
+            children = list(m)
+            key = (len({type(c) for c in children}) == 1, len(children))
+            if key > best:
+                best, out = key, children
+    return out
+
+
+def count_layers(model: nn.Module) -> int:
+    """Depth as the brief's rule means it: the length of the model's longest stack of blocks (``ModuleList`` /
+    ``Sequential``), or, when it has none, the number of leaf modules that own parameters."""
+    blocks = _block_lists(model)
+    if len(blocks) > 1:
+        return len(blocks)
+    return sum(1 for m in model.modules() if not list(m.children()) and any(True for _ in m.parameters(recurse=False)))
+
+
+def largest_unit_params(model: nn.Module, unit_types: Iterable[type[nn.Module]] | None = None) -> int:
+    """Parameters of the largest FSDP unit: the biggest block of ``unit_types`` (default: the elements of the longest
+    block stack, the usual auto-wrap policy), else the biggest leaf module."""
+    types = tuple(unit_types) if unit_types else None
+    if types:
+        units = [m for m in model.modules() if isinstance(m, types)]
+    else:
+        units = _block_lists(model) or [m for m in model.modules() if not list(m.children())]
+    sizes = [sum(p.numel() for p in u.parameters()) for u in units]
+    return max(sizes, default=sum(p.numel() for p in model.parameters()))
+
+
+def pipeline_stage_params(model: nn.Module, stages: int) -> list[int]:
+    """Parameters per stage when the longest block stack is cut into ``stages`` contiguous, balanced pieces; the
+    parameters outside the stack (embeddings, heads) go to the first stage (pessimistic: the first stage also holds
+    the embedding in most pipelines). Returns one number per stage."""
+    if stages < 1:
+        raise ValueError(f"`stages` must be >= 1, got {stages!r}.")
+    blocks = _block_lists(model)
+    total = sum(p.numel() for p in model.parameters())
+    if not blocks:
+        return [total] + [0] * (stages - 1)
+    sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    outside = total - sum(sizes)
+    out = [0] * stages
+    target = sum(sizes) / stages
+    stage, acc = 0, 0
+    for s in sizes:  # greedy contiguous split
+        if acc >= target and stage < stages - 1:
+            stage, acc = stage + 1, 0
+        out[stage] += s
+        acc += s
+    out[0] += outside
+    return out
+
+
+def estimate_ddp(params: int, activations: int, *, bytes_per_param: int = ADAM_MIXED_BYTES_PER_PARAM) -> MemoryEstimate:
+    """``b·P + A``: every device holds the full model state."""
+    return MemoryEstimate("ddp", bytes_per_param * params, 0, activations, f"{bytes_per_param}·P + A")
+
+
+def estimate_fsdp(
+    params: int, activations: int, world: int, largest_unit: int, *, bytes_per_param: int = ADAM_MIXED_BYTES_PER_PARAM
+) -> MemoryEstimate:
+    """``b·P/N + 4·L + A``: state sharded over ``world`` devices, the largest unit gathered for compute."""
+    if world < 1:
+        raise ValueError(f"`world` must be >= 1, got {world!r}.")
+    state = -(-bytes_per_param * params // world)  # ceil
+    return MemoryEstimate("fsdp", state, 4 * largest_unit, activations, f"{bytes_per_param}·P/{world} + 4·L + A")
+
+
+def estimate_pipeline(
+    stage_params: list[int],
+    activations: int,
+    *,
+    microbatches: int | None = None,
+    bytes_per_param: int = ADAM_MIXED_BYTES_PER_PARAM,
+) -> MemoryEstimate:
+    """``b·P_stage + A/S · min(S, M)/M`` for the heaviest stage (1F1B; ``M`` defaults to ``4·S``)."""
+    s = len(stage_params)
+    if s < 1:
+        raise ValueError("`stage_params` must list at least one stage.")
+    m = microbatches or 4 * s
+    act = int(activations / s * min(s, m) / m)
+    return MemoryEstimate(
+        "pipeline", bytes_per_param * max(stage_params), 0, act, f"{bytes_per_param}·P_stage + A/{s}·{min(s, m)}/{m}"
+    )

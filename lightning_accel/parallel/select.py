@@ -1,0 +1,284 @@
+"""Choose the parallelism: ``select_strategy`` returns a Lightning strategy name and an explanation a person can read.
+
+Policy ``"memory"`` (default) estimates bytes per device for DDP, FSDP (ZeRO-3) and pipeline parallelism with the
+formulas of :mod:`lightning_accel.parallel.estimate` and picks the cheapest that fits under
+``device_memory_bytes · (1 - headroom)``, in the order data parallel < sharded < pipeline (each step adds
+communication or idle time). Among data-parallel runs across nodes it recommends ``"ddp_1bit"`` (1-bit compressed
+gradients) when the inter-node bandwidth is below the break-even at which an fp32 ring allreduce stops hiding behind
+the backward pass.
+
+Policy ``"rules"`` is the brief's rule of thumb: more than 1 B parameters -> model parallel (FSDP), more than 50
+layers -> pipeline, else data parallel. Its limits: it ignores the batch, the activations and the device (a 1.2 B
+model needs ~19 GB of Adam state and trains with plain DDP on an 80 GB GPU; a 300 M model with long sequences may
+not fit at all), and "layers" says nothing about memory.
+
+**Pipeline parallelism and Lightning**: Lightning 2.x has no pipeline strategy. A ``torch.distributed.pipelining``
+schedule must own the forward *and* backward of every micro-batch, while Lightning's loop calls the user's
+``training_step`` and then ``backward`` itself, so a Trainer cannot run it. When only a pipeline would fit, the
+choice says so (``plan="pipeline"``, ``fits=False``) and returns the closest strategy Lightning can run (``"fsdp"``),
+with the fixes that make it fit (activation checkpointing, CPU offload, more devices).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_accel.parallel.estimate import (
+    ADAM_MIXED_BYTES_PER_PARAM,
+    MemoryEstimate,
+    count_layers,
+    estimate_ddp,
+    estimate_fsdp,
+    estimate_pipeline,
+    largest_unit_params,
+    measure_activation_bytes,
+    pipeline_stage_params,
+)
+
+__all__ = [
+    "DEFAULT_ONEBIT_BREAK_EVEN_GBPS",
+    "POLICIES",
+    "StrategyChoice",
+    "onebit_break_even_gbps",
+    "select_strategy",
+]
+
+POLICIES = ("memory", "rules")
+
+#: Used when no example batch was measured: below ~25 Gbit/s (10/25 GbE) an fp32 allreduce of a mid-size model
+#: is longer than its backward pass on a modern GPU; InfiniBand (100-400 Gbit/s) hides it. Pass ``example_batch``
+#: for a break-even measured on your model instead.
+DEFAULT_ONEBIT_BREAK_EVEN_GBPS = 25.0
+
+_RULE_PARAMS = 1_000_000_000
+_RULE_LAYERS = 50
+
+
+def _gb(b: float) -> str:
+    return f"{b / 1e9:.2f} GB" if b >= 1e8 else f"{b / 1e6:.2f} MB"
+
+
+def onebit_break_even_gbps(params: int, world: int, backward_s: float, *, grad_bytes: int = 4) -> float:
+    """Bandwidth (Gbit/s) below which a ring allreduce of the gradients takes longer than the backward pass.
+
+    A ring allreduce moves ``2·(N-1)/N · grad_bytes · P`` bytes per device; DDP overlaps it with backward, so it is
+    hidden while it takes less than ``backward_s``. Below this bandwidth the rest is exposed, and 1-bit compression
+    (32x fewer bytes) pays for its pack/unpack.
+    """
+    if world < 2 or backward_s <= 0:
+        return 0.0
+    wire_bytes = 2 * (world - 1) / world * grad_bytes * params
+    return wire_bytes * 8 / backward_s / 1e9
+
+
+@dataclass
+class StrategyChoice:
+    """The result of :func:`select_strategy`; unpacks as ``strategy, explanation = select_strategy(...)``.
+
+    Attributes:
+        strategy: what to pass to ``Trainer(strategy=...)``: ``"auto"``, ``"ddp"``, ``"ddp_1bit"`` or ``"fsdp"``.
+        plan: the parallelism the estimate recommends: ``"single"``, ``"ddp"``, ``"ddp_1bit"``, ``"fsdp"`` or
+            ``"pipeline"`` (differs from ``strategy`` only when Lightning cannot run the plan).
+        fits: whether ``strategy`` is expected to fit in memory (always True for ``"rules"``, which does not check).
+        explanation: plain words: the numbers, the decision and what to do if it does not fit.
+        policy: ``"memory"`` or ``"rules"``.
+        estimates: strategy -> :class:`~lightning_accel.parallel.estimate.MemoryEstimate` (``"memory"`` only).
+        facts: parameters, layers, activation bytes, world size, capacity, break-even bandwidth.
+    """
+
+    strategy: str
+    plan: str
+    fits: bool
+    explanation: str
+    policy: str
+    estimates: dict[str, MemoryEstimate] = field(default_factory=dict)
+    facts: dict[str, Any] = field(default_factory=dict)
+
+    def __iter__(self) -> Iterator[str]:
+        yield self.strategy
+        yield self.explanation
+
+    def __str__(self) -> str:
+        return self.explanation
+
+
+def _device_memory(device_memory_bytes: int | None) -> int:
+    if device_memory_bytes is not None:
+        if device_memory_bytes <= 0:
+            raise ValueError(f"`device_memory_bytes` must be > 0, got {device_memory_bytes!r}.")
+        return int(device_memory_bytes)
+    if torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    raise ValueError(
+        "`device_memory_bytes` is None and no CUDA device is visible, so the memory per device is unknown. "
+        "Pass it, e.g. `device_memory_bytes=80 * 2**30` for an 80 GiB GPU."
+    )
+
+
+def select_strategy(
+    model: nn.Module,
+    *,
+    devices: int,
+    num_nodes: int = 1,
+    device_memory_bytes: int | None = None,
+    example_batch: Any = None,
+    inter_node_gbps: float | None = None,
+    policy: str = "memory",
+    headroom: float = 0.2,
+    bytes_per_param: int = ADAM_MIXED_BYTES_PER_PARAM,
+    microbatches: int | None = None,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    onebit_break_even: float | None = None,
+    activation_scale: float = 1.0,
+) -> StrategyChoice:
+    """Choose data, sharded or pipeline parallelism for ``model`` on ``devices × num_nodes`` devices.
+
+    Args:
+        model: the network (an ``nn.Module`` or LightningModule, on the device you will train on for timing).
+        devices: devices per node (``>= 1``).
+        num_nodes: nodes.
+        device_memory_bytes: memory of one device (None: the current CUDA device's total memory).
+        example_batch: one per-device batch of forward inputs; when given, activations and the backward time are
+            measured with one forward/backward (otherwise activations count as 0 and the explanation says so).
+        inter_node_gbps: network bandwidth between nodes in Gbit/s (None: unknown, no ``ddp_1bit`` advice).
+        policy: ``"memory"`` (estimate and fit) or ``"rules"`` (the brief's thresholds).
+        headroom: fraction of device memory kept free for the CUDA context, allocator caching and workspaces.
+        bytes_per_param: model-state bytes per parameter (16: Adam, mixed precision or fp32).
+        microbatches: pipeline micro-batches (None: ``4 × stages``).
+        loss_fn: ``output -> scalar`` for the measurement (default: sum of the output).
+        onebit_break_even: override the break-even bandwidth in Gbit/s (None: measured from ``example_batch``'s
+            backward time, else :data:`DEFAULT_ONEBIT_BREAK_EVEN_GBPS`).
+        activation_scale: multiply measured activations (and backward time) by this, e.g. ``per-device batch /
+            example batch`` when the example batch is smaller than the real one (activations grow linearly with it).
+
+    Returns:
+        A :class:`StrategyChoice`; ``strategy, why = select_strategy(...)`` also works.
+
+    Raises:
+        ValueError: for a bad argument (named, with the value and the fix).
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"`policy` must be one of {POLICIES}, got {policy!r}.")
+    if not isinstance(devices, int) or devices < 1:
+        raise ValueError(f"`devices` must be an integer >= 1 (devices per node), got {devices!r}.")
+    if not isinstance(num_nodes, int) or num_nodes < 1:
+        raise ValueError(f"`num_nodes` must be an integer >= 1, got {num_nodes!r}.")
+    if not 0.0 <= headroom < 1.0:
+        raise ValueError(f"`headroom` must be in [0, 1), got {headroom!r}; e.g. 0.2 keeps 20 % free.")
+    if activation_scale <= 0:
+        raise ValueError(f"`activation_scale` must be > 0, got {activation_scale!r}.")
+    if inter_node_gbps is not None and inter_node_gbps <= 0:
+        raise ValueError(f"`inter_node_gbps` must be > 0 (Gbit/s) or None, got {inter_node_gbps!r}.")
+    world = devices * num_nodes
+    params = sum(p.numel() for p in model.parameters())
+    layers = count_layers(model)
+    facts: dict[str, Any] = {"params": params, "layers": layers, "world": world}
+
+    if policy == "rules":
+        if params > _RULE_PARAMS:
+            plan, why = "fsdp", f"{params / 1e9:.2f} B parameters > 1 B: model parallel (FSDP shards the model)."
+        elif layers > _RULE_LAYERS:
+            plan, why = "pipeline", f"{layers} layers > 50: pipeline parallel."
+        else:
+            plan = "ddp" if world > 1 else "single"
+            why = f"{params / 1e6:.1f} M parameters and {layers} layers: data parallel."
+        strategy = {"single": "auto", "ddp": "ddp", "fsdp": "fsdp", "pipeline": "fsdp"}[plan]
+        if plan == "pipeline":
+            why += (
+                " Lightning cannot run torch.distributed.pipelining schedules (they own forward and backward), so "
+                "the runnable choice is 'fsdp'; for a real pipeline use torch.distributed.pipelining with torchrun."
+            )
+        why = "Rule of thumb (>1 B params -> model parallel, >50 layers -> pipeline, else data parallel): " + why
+        why += " The rule ignores batch size, activations and device memory; policy='memory' checks them."
+        return StrategyChoice(strategy, plan, True, why, policy, facts=facts)
+
+    capacity_total = _device_memory(device_memory_bytes)
+    capacity = int(capacity_total * (1.0 - headroom))
+    facts["capacity"] = capacity
+    notes: list[str] = []
+    if example_batch is not None:
+        prof = measure_activation_bytes(model, example_batch, loss_fn=loss_fn)
+        acts = int(prof.activation_bytes * activation_scale)
+        backward_s = prof.backward_s * activation_scale
+        facts.update(activations=acts, backward_s=backward_s)
+        notes.append(f"activations {_gb(acts)} measured from one forward/backward of the example batch")
+    else:
+        acts, prof, backward_s = 0, None, 0.0
+        facts["activations"] = 0
+        notes.append("activations not measured (no `example_batch`): estimates are model state only, a lower bound")
+
+    ests = {
+        "ddp": estimate_ddp(params, acts, bytes_per_param=bytes_per_param),
+        "fsdp": estimate_fsdp(params, acts, world, largest_unit_params(model), bytes_per_param=bytes_per_param),
+        "pipeline": estimate_pipeline(
+            pipeline_stage_params(model, world), acts, microbatches=microbatches, bytes_per_param=bytes_per_param
+        ),
+    }
+    fit = {k: e.total <= capacity for k, e in ests.items()}
+    table = "; ".join(f"{k} {_gb(e.total)} ({e.formula})" for k, e in ests.items())
+    head = (
+        f"{params / 1e6:.1f} M parameters, {world} device(s) with {_gb(capacity_total)} each "
+        f"({_gb(capacity)} usable at {headroom:.0%} headroom); {notes[0]}. Per device: {table}."
+    )
+
+    # break-even bandwidth for 1-bit compression across nodes
+    if onebit_break_even is not None:
+        be, be_src = float(onebit_break_even), "given"
+    elif prof is not None and world > 1:
+        be, be_src = onebit_break_even_gbps(params, world, backward_s), "measured from the example backward pass"
+    else:
+        be, be_src = DEFAULT_ONEBIT_BREAK_EVEN_GBPS, "default, no example batch"
+    facts["onebit_break_even_gbps"] = be
+
+    if fit["ddp"]:
+        if world == 1:
+            return StrategyChoice("auto", "single", True, head + " One device and it fits: no parallelism needed.",
+                                  policy, ests, facts)  # fmt: skip
+        if num_nodes > 1 and inter_node_gbps is not None and inter_node_gbps < be:
+            why = (
+                f" DDP fits. Across {num_nodes} nodes at {inter_node_gbps:g} Gbit/s, below the {be:.1f} Gbit/s "
+                f"break-even ({be_src}) where the fp32 allreduce stops hiding behind backward: use 'ddp_1bit' "
+                "(1-bit compressed gradients, 32x fewer bytes on the wire)."
+            )
+            return StrategyChoice("ddp_1bit", "ddp_1bit", True, head + why, policy, ests, facts)
+        bw = ""
+        if num_nodes > 1:
+            bw = (
+                f" Inter-node bandwidth {'unknown' if inter_node_gbps is None else f'{inter_node_gbps:g} Gbit/s'}"
+                f" (1-bit break-even {be:.1f} Gbit/s, {be_src}): plain DDP."
+            )
+        return StrategyChoice(
+            "ddp", "ddp", True, head + " DDP fits: data parallel, the cheapest in communication." + bw,
+            policy, ests, facts,
+        )  # fmt: skip
+    if world > 1 and fit["fsdp"]:
+        why = (
+            f" DDP needs {_gb(ests['ddp'].total)} > {_gb(capacity)}; FSDP (ZeRO-3) shards parameters, gradients and "
+            f"optimizer state over {world} devices and fits: use 'fsdp'."
+        )
+        return StrategyChoice("fsdp", "fsdp", True, head + why, policy, ests, facts)
+    fixes = (
+        "activation checkpointing (activations are "
+        f"{_gb(acts)} per device), a smaller per-device batch, more devices, or FSDP with CPU offload "
+        "(FSDPStrategy(cpu_offload=True))."
+    )
+    if world > 1 and fit["pipeline"]:
+        why = (
+            f" Neither DDP ({_gb(ests['ddp'].total)}) nor FSDP ({_gb(ests['fsdp'].total)}) fits; a {world}-stage "
+            f"pipeline would ({_gb(ests['pipeline'].total)} on its heaviest stage). Lightning cannot run "
+            "torch.distributed.pipelining schedules (they own forward and backward of every micro-batch), so run "
+            "the pipeline with torch.distributed.pipelining + torchrun outside the Trainer, or make FSDP fit: " + fixes
+        )
+        return StrategyChoice("fsdp", "pipeline", False, head + why, policy, ests, facts)
+    best = min(("ddp", "fsdp") if world > 1 else ("ddp",), key=lambda k: ests[k].total)
+    strategy = "fsdp" if best == "fsdp" else ("auto" if world == 1 else "ddp")
+    why = (
+        f" Nothing fits in {_gb(capacity)}; the smallest runnable option is {best} at {_gb(ests[best].total)}. Try "
+        + fixes
+    )
+    return StrategyChoice(strategy, best if world > 1 else "single", False, head + why, policy, ests, facts)

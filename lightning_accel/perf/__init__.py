@@ -1,0 +1,42 @@
+"""Measure before optimising: step-time attribution, FLOPs/MFU, NVML sampling, bottleneck reports, CUDA allocator.
+
+Functional core only (plain torch, no Lightning); the adapters are
+:class:`lightning_accel.callbacks.PerformanceMonitor` and :class:`lightning_accel.callbacks.CudaMemoryManager`.
+"""
+
+from lightning_accel.perf.cuda_memory import (
+    AllocatorSettings,
+    AppliedSettings,
+    FragmentationStats,
+    apply_allocator_settings,
+    dump_memory_snapshot,
+    fragmentation_stats,
+    should_release,
+)
+from lightning_accel.perf.flops import StepFlopCounter, precision_dtype
+from lightning_accel.perf.nvml import NvmlSampler, nvml_available
+from lightning_accel.perf.report import BottleneckReport, build_report, mfu, verdict_text
+from lightning_accel.perf.timers import CATEGORIES, CudaEventClock, HostClock, StepTimer, TimerTotals
+
+__all__ = [
+    "CATEGORIES",
+    "AllocatorSettings",
+    "AppliedSettings",
+    "BottleneckReport",
+    "CudaEventClock",
+    "FragmentationStats",
+    "HostClock",
+    "NvmlSampler",
+    "StepFlopCounter",
+    "StepTimer",
+    "TimerTotals",
+    "apply_allocator_settings",
+    "build_report",
+    "dump_memory_snapshot",
+    "fragmentation_stats",
+    "mfu",
+    "nvml_available",
+    "precision_dtype",
+    "should_release",
+    "verdict_text",
+]

@@ -1,0 +1,65 @@
+"""FLOPs of one training step, counted once with ``torch.utils.flop_counter.FlopCounterMode``.
+
+The counter is a ``TorchDispatchMode``: while it is active every aten op pays a Python dispatch, so the step it
+watches runs several times slower. :class:`StepFlopCounter` therefore watches exactly one step (the monitor excludes
+that step from its timings) and is inactive afterwards: zero steady-state cost.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["StepFlopCounter", "precision_dtype"]
+
+
+def precision_dtype(precision: str | None) -> torch.dtype:
+    """The dtype whose peak FLOPs apply to a Lightning precision string (``"bf16-mixed"`` -> ``torch.bfloat16``).
+
+    ``"32-true"`` maps to ``torch.float32``; on Ampere+ GPUs matmuls may use TF32 when
+    ``torch.backends.cuda.matmul.allow_tf32`` is set, which the peak table accounts for under ``"tf32"``.
+    """
+    p = str(precision or "32-true")
+    if p.startswith("bf16"):
+        return torch.bfloat16
+    if p.startswith("16"):
+        return torch.float16
+    if p.startswith("64"):
+        return torch.float64
+    if p.startswith("transformer-engine") or "fp8" in p:
+        return torch.float8_e4m3fn
+    return torch.float32
+
+
+class StepFlopCounter:
+    """Counts FLOPs between :meth:`start` and :meth:`stop` (one training step: forward, backward, optimizer).
+
+    Safe to call :meth:`stop` twice or without :meth:`start` (e.g. from an exception handler).
+    """
+
+    def __init__(self) -> None:
+        self._mode: Any = None
+        self.flops: int | None = None
+
+    @property
+    def active(self) -> bool:
+        return self._mode is not None
+
+    def start(self) -> None:
+        """Begin counting (enters a ``FlopCounterMode`` without printing)."""
+        from torch.utils.flop_counter import FlopCounterMode
+
+        if self._mode is not None:
+            return
+        self._mode = FlopCounterMode(display=False)
+        self._mode.__enter__()
+
+    def stop(self) -> int | None:
+        """Stop counting; returns (and stores) the total FLOPs, or the stored value if not counting."""
+        if self._mode is None:
+            return self.flops
+        mode, self._mode = self._mode, None
+        mode.__exit__(None, None, None)
+        self.flops = int(mode.get_total_flops())
+        return self.flops

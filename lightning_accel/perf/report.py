@@ -1,0 +1,173 @@
+"""The bottleneck report: share of step time per category, throughput, MFU, and a verdict in plain words."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from lightning_accel.perf.timers import CATEGORIES, TimerTotals
+
+__all__ = ["BottleneckReport", "build_report", "mfu", "verdict_text"]
+
+
+def mfu(flops_per_step: float | None, seconds_per_step: float, peak_flops: float | None) -> float | None:
+    """Model FLOPs utilisation: achieved FLOP/s over the device's peak, or None when either is unknown."""
+    if not flops_per_step or not peak_flops or seconds_per_step <= 0:
+        return None
+    return flops_per_step / seconds_per_step / peak_flops
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.0f} %"
+
+
+def verdict_text(dominant: str, shares: Mapping[str, float], context: Mapping[str, Any]) -> str:
+    """One sentence naming the dominant category, its share, and the fix.
+
+    Args:
+        dominant: the category with the largest share.
+        shares: category -> fraction of step time.
+        context: optional facts that sharpen the advice: ``num_workers``, ``mfu``, ``precision``, ``world_size``.
+    """
+    p = _pct(shares.get(dominant, 0.0))
+    workers = context.get("num_workers")
+    if dominant == "data":
+        w = f" (now {workers})" if workers is not None else ""
+        return (
+            f"{p} of step time waits for data: use CachedDataModule (decode once, read cached tensors) "
+            f"or raise num_workers{w}; move per-sample augmentation to the GPU."
+        )
+    if dominant == "compute":
+        m = context.get("mfu")
+        mtxt = f" at {_pct(m)} MFU" if isinstance(m, float) else ""
+        prec = context.get("precision")
+        ptxt = f" (precision now {prec})" if prec else ""
+        return (
+            f"{p} of step time is compute{mtxt}: the input pipeline keeps up. Make the step cheaper: "
+            f"bf16-mixed / FusedPrecision{ptxt}, torch.compile, a larger batch per device."
+        )
+    if dominant == "comm":
+        return (
+            f"{p} of step time is exposed gradient communication: use strategy='ddp_1bit' (1-bit compressed "
+            "allreduce), accumulate gradients over more batches, or a faster interconnect."
+        )
+    if dominant == "checkpoint":
+        return (
+            f"{p} of step time stalls in checkpoint saves: save less often (every_n_train_steps), use "
+            "AsyncCheckpointIO, or DeltaCheckpointIO to write less."
+        )
+    if dominant == "eval":
+        return (
+            f"{p} of fit time is validation: validate less often (val_check_interval, check_val_every_n_epoch) "
+            "or on fewer batches (limit_val_batches)."
+        )
+    return f"{p} of step time is outside data, compute, comm, checkpoint and eval: profile callbacks and logging."
+
+
+@dataclass
+class BottleneckReport:
+    """What :class:`~lightning_accel.callbacks.PerformanceMonitor` prints at the end of ``fit``.
+
+    Attributes:
+        seconds: category -> seconds over the counted steps (see :data:`~lightning_accel.perf.timers.CATEGORIES`).
+        shares: category -> fraction of the total.
+        dominant: the category with the largest share (the benchmark's ``verdict_*``).
+        verdict: one plain-words sentence with the fix.
+        steps: counted training steps (warm-up excluded).
+        step_time_s: mean seconds per counted step, all categories included.
+        samples_per_s: samples over total seconds (None when batch sizes are unknown).
+        tokens_per_s: tokens over total seconds (None unless a token counter was given).
+        flops_per_step: FLOPs of one training step (forward + backward + optimizer), measured once.
+        mfu: model FLOPs utilisation (None when the device's peak is unknown, e.g. on CPU without ``peak_flops``).
+        extras: device facts (GPU utilisation, memory, world size, how comm was measured).
+    """
+
+    seconds: dict[str, float]
+    shares: dict[str, float]
+    dominant: str
+    verdict: str
+    steps: int
+    step_time_s: float
+    samples_per_s: float | None = None
+    tokens_per_s: float | None = None
+    flops_per_step: float | None = None
+    mfu: float | None = None
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict."""
+        return asdict(self)
+
+    def to_json(self) -> str:
+        """Indented JSON."""
+        return json.dumps(self.to_dict(), indent=2, default=str)
+
+    def format(self) -> str:
+        """A small text table followed by the verdict, for logs and terminals."""
+        lines = [f"Bottleneck report ({self.steps} steps, {1000 * self.step_time_s:.1f} ms/step)"]
+        lines.append(f"  {'category':<11}{'share':>8}{'seconds':>11}")
+        for cat in CATEGORIES:
+            s = self.seconds.get(cat, 0.0)
+            if s > 0 or cat in ("data", "compute"):
+                lines.append(f"  {cat:<11}{_pct(self.shares.get(cat, 0.0)):>8}{s:>11.3f}")
+        if self.samples_per_s is not None:
+            lines.append(f"  throughput: {self.samples_per_s:,.1f} samples/s")
+        if self.tokens_per_s is not None:
+            lines.append(f"  throughput: {self.tokens_per_s:,.1f} tokens/s")
+        if self.flops_per_step:
+            m = f", MFU {100 * self.mfu:.1f} %" if self.mfu is not None else ", MFU n/a (peak FLOPs unknown)"
+            lines.append(f"  FLOPs/step: {self.flops_per_step:.3g}{m}")
+        for k, v in self.extras.items():
+            lines.append(f"  {k}: {v}")
+        lines.append(f"Verdict [{self.dominant}]: {self.verdict}")
+        return "\n".join(lines)
+
+
+def build_report(
+    totals: TimerTotals,
+    *,
+    flops_per_step: float | None = None,
+    peak_flops: float | None = None,
+    context: Mapping[str, Any] | None = None,
+    extras: Mapping[str, Any] | None = None,
+) -> BottleneckReport:
+    """Turn accumulated totals into a :class:`BottleneckReport`.
+
+    Args:
+        totals: what :class:`~lightning_accel.perf.timers.StepTimer` accumulated (possibly reduced over ranks).
+        flops_per_step: FLOPs of one step on one device, or None.
+        peak_flops: the device's peak FLOP/s for the active precision, or None.
+        context: facts for the verdict (``num_workers``, ``precision``); ``mfu`` is added here.
+        extras: lines appended to the report as ``key: value``.
+
+    Raises:
+        ValueError: when no step was counted (nothing to report).
+    """
+    if totals.steps <= 0:
+        raise ValueError(
+            "`totals.steps` is 0: no training step was timed. Run more steps than `skip_steps` "
+            "(e.g. raise `limit_train_batches`) to get a report."
+        )
+    seconds = {c: max(0.0, float(totals.seconds.get(c, 0.0))) for c in CATEGORIES}
+    wall = sum(seconds.values())
+    shares = {c: (s / wall if wall > 0 else 0.0) for c, s in seconds.items()}
+    dominant = max(CATEGORIES, key=lambda c: seconds[c])
+    step_time = wall / totals.steps
+    m = mfu(flops_per_step, step_time, peak_flops)
+    ctx = dict(context or {})
+    ctx["mfu"] = m
+    return BottleneckReport(
+        seconds=seconds,
+        shares=shares,
+        dominant=dominant,
+        verdict=verdict_text(dominant, shares, ctx),
+        steps=totals.steps,
+        step_time_s=step_time,
+        samples_per_s=(totals.samples / wall) if totals.samples and wall > 0 else None,
+        tokens_per_s=(totals.tokens / wall) if totals.tokens and wall > 0 else None,
+        flops_per_step=flops_per_step,
+        mfu=m,
+        extras=dict(extras or {}),
+    )

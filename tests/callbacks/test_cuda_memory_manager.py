@@ -1,0 +1,146 @@
+"""CudaMemoryManager: the CPU no-op, the CUDA path with mocked allocator calls, and a real GPU test."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_accel.callbacks import CudaMemoryManager
+from tests.callbacks._tiny import TinyModule, loaders
+
+GB = 1 << 30
+
+
+class ListLogger:
+    def __init__(self) -> None:
+        self.rows: list[tuple[dict[str, float], int]] = []
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self.rows.append((dict(metrics), step))
+
+
+def fake_trainer(tmp_path: Path, logger: ListLogger) -> Any:
+    return SimpleNamespace(
+        strategy=SimpleNamespace(root_device=torch.device("cuda", 0)),
+        log_every_n_steps=2,
+        is_global_zero=True,
+        loggers=[logger],
+        global_step=0,
+        log_dir=str(tmp_path),
+        default_root_dir=str(tmp_path),
+    )
+
+
+def test_cpu_run_logs_one_info_line_and_nothing_else(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU-only behaviour")
+    mm = CudaMemoryManager()
+    assert mm.applied is None  # no CUDA: the environment is left alone
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        logger=False,
+        callbacks=[mm],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
+    train, _ = loaders(None, 0.0)
+    with caplog.at_level(logging.INFO):
+        trainer.fit(TinyModule(), train)
+    lines = [r.getMessage() for r in caplog.records if "CudaMemoryManager" in r.getMessage()]
+    assert len(lines) == 1 and "nothing to manage" in lines[0]
+
+
+def test_cuda_path_with_mocked_allocator(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for n in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        monkeypatch.delenv(n, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    confs: list[str] = []
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", confs.append)
+    mm = CudaMemoryManager(max_split_size_mb=256, release_threshold=0.5, snapshot_dir=str(tmp_path))
+    assert mm.applied is not None and mm.applied.env_set
+    import os
+
+    assert "max_split_size_mb:256" in os.environ["PYTORCH_ALLOC_CONF"] and confs
+
+    stats = {
+        "allocated_bytes.all.current": 1 * GB,
+        "reserved_bytes.all.current": 4 * GB,
+        "inactive_split_bytes.all.current": GB,
+        "num_alloc_retries": 3,
+        "num_ooms": 0,
+    }
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: stats)
+    emptied: list[int] = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+    logger = ListLogger()
+    trainer = fake_trainer(tmp_path, logger)
+    mm.setup(trainer, None, "fit")  # type: ignore[arg-type]
+    for i in range(4):
+        mm.on_train_batch_end(trainer, None, None, None, i)  # type: ignore[arg-type]
+    assert len(logger.rows) == 2  # every 2nd batch
+    m = logger.rows[0][0]
+    assert m["mem/fragmentation"] == pytest.approx(0.75) and m["mem/alloc_retries"] == 3.0
+    assert len(emptied) == 2 and mm.releases == 2  # 75 % idle of a 4 GiB pool > 50 % threshold
+
+    snap = {"segments": [{"total_size": 4 * GB}], "device_traces": []}
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda *a, **k: snap)
+    mm.on_exception(trainer, None, RuntimeError("some other failure"))  # type: ignore[arg-type]
+    assert mm.snapshot_path is None
+    mm.on_exception(trainer, None, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))  # type: ignore[arg-type]
+    assert mm.snapshot_path == str(tmp_path / "oom_snapshot_rank0.pickle")
+    with open(mm.snapshot_path, "rb") as f:
+        assert pickle.load(f) == snap  # written by this test a moment ago
+
+
+def test_late_cuda_init_warns_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", lambda conf: None)
+    with pytest.warns(UserWarning, match="already initialised.*PYTORCH_ALLOC_CONF="):
+        CudaMemoryManager()
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="`release_threshold`"):
+        CudaMemoryManager(release_threshold=2.0)
+    with pytest.raises(ValueError, match="`max_split_size_mb`"):
+        CudaMemoryManager(max_split_size_mb=1)
+
+
+class Hog(TinyModule):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        torch.empty(1 << 50, dtype=torch.uint8, device=self.device)  # 1 PiB: always out of memory
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.gpu
+def test_real_gpu_oom_writes_a_snapshot(tmp_path: Path) -> None:
+    mm = CudaMemoryManager(snapshot_dir=str(tmp_path), record_history=True, log_every_n_steps=1)
+    trainer = pl.Trainer(
+        accelerator="cuda",
+        devices=1,
+        max_steps=2,
+        logger=False,
+        callbacks=[mm],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
+    train, _ = loaders(None, 0.0)
+    with pytest.raises(torch.OutOfMemoryError):
+        trainer.fit(Hog(), train)
+    assert mm.snapshot_path and Path(mm.snapshot_path).stat().st_size > 0
+    stats = torch.cuda.memory_stats()
+    assert stats["num_ooms"] >= 1

@@ -1,0 +1,176 @@
+"""PerformanceMonitor inside a real Trainer, timed by a virtual clock that the data and the model advance."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+
+from lightning_accel.callbacks import PerformanceMonitor
+from lightning_accel.perf import HostClock
+from tests.callbacks._tiny import TinyModule, VirtualTime, loaders
+
+
+class SlowSave(Callback):
+    """Every checkpoint save takes ``s`` virtual seconds."""
+
+    def __init__(self, vt: VirtualTime, s: float) -> None:
+        self.vt, self.s, self.saves = vt, s, 0
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict) -> None:
+        self.vt.advance(self.s)
+        self.saves += 1
+
+
+def fit(tmp_path: Path, decode_s: float, compute_s: float, save_s: float = 0.0, **monitor_kw: Any):
+    torch.manual_seed(0)
+    vt = VirtualTime()
+    mon = PerformanceMonitor(clock=HostClock(vt), span_clock=HostClock(vt), log_every_n_steps=4, **monitor_kw)
+    slow = SlowSave(vt, save_s)
+    callbacks: list[Callback] = [mon, slow]
+    if save_s:
+        callbacks.append(ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=5, save_top_k=-1))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        limit_train_batches=12,
+        limit_val_batches=2,
+        num_sanity_val_steps=0,
+        logger=CSVLogger(tmp_path, name="logs"),
+        callbacks=callbacks,
+        enable_checkpointing=bool(save_s),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    train, val = loaders(vt, decode_s)
+    trainer.fit(TinyModule(vt, compute_s=compute_s, val_s=0.5), train, val)
+    return trainer, mon, slow
+
+
+def test_starved_run_is_data_bound_with_exact_numbers(tmp_path: Path) -> None:
+    trainer, mon, _ = fit(tmp_path, decode_s=0.010, compute_s=0.005)
+    r = mon.report
+    assert r is not None
+    assert r.steps == 10  # 12 batches, 2 warm-up
+    # 4 samples x 10 ms decode in every gap before a counted step; 5 ms of compute per step
+    assert r.seconds["compute"] == pytest.approx(10 * 0.005)
+    assert r.seconds["data"] == pytest.approx(10 * 0.040)
+    assert r.seconds["eval"] == pytest.approx(2 * 0.5)  # end-of-epoch validation, 2 batches
+    assert r.dominant == "eval"  # validation's 1 s is the biggest share here ...
+    assert "limit_val_batches" in r.verdict
+    assert r.samples_per_s == pytest.approx(40 / sum(r.seconds.values()))
+    assert r.flops_per_step and r.flops_per_step > 0  # counted once, on the CPU too
+    assert r.mfu is None  # ... and no peak FLOPs are known for a CPU
+    saved = json.loads((Path(trainer.log_dir) / "perf_report.json").read_text())
+    assert saved["dominant"] == "eval" and saved["steps"] == 10
+    with open(Path(trainer.log_dir) / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    data_s = [float(row["perf/data_s"]) for row in rows if row.get("perf/data_s")]
+    assert data_s and all(v == pytest.approx(0.040) for v in data_s)
+    assert any(row.get("perf/report/data_frac") for row in rows)
+    assert "save_checkpoint" not in trainer.__dict__  # the timing wrapper is removed at teardown
+
+
+def test_verdict_data_vs_compute(tmp_path: Path) -> None:
+    trainer, mon, _ = fit(tmp_path / "a", decode_s=0.010, compute_s=0.005, report_path="")
+    # without validation in the picture the starved run is data-bound
+    assert mon.report is not None
+    shares = {k: v for k, v in mon.report.seconds.items() if k != "eval"}
+    assert max(shares, key=shares.get) == "data"
+    trainer, mon, _ = fit(tmp_path / "b", decode_s=0.0, compute_s=0.005, report_path="")
+    assert mon.report is not None and mon.report.seconds["data"] == 0.0
+    shares = {k: v for k, v in mon.report.seconds.items() if k != "eval"}
+    assert max(shares, key=shares.get) == "compute"
+
+
+def test_checkpoint_stall_is_attributed(tmp_path: Path) -> None:
+    trainer, mon, slow = fit(tmp_path, decode_s=0.001, compute_s=0.005, save_s=0.25, report_path="")
+    r = mon.report
+    assert r is not None
+    assert slow.saves == 2  # steps 5 and 10, both counted
+    assert r.seconds["checkpoint"] == pytest.approx(2 * 0.25)
+    assert r.seconds["data"] == pytest.approx(10 * 0.004)  # the saves in the gaps are not counted as data wait
+
+
+def test_too_few_steps_warns_instead_of_crashing(tmp_path: Path) -> None:
+    mon = PerformanceMonitor(skip_steps=5, report_path="")
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=3,
+        logger=False,
+        callbacks=[mon],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
+    train, _ = loaders(None, 0.0)
+    with pytest.warns(UserWarning, match="no step was timed"):
+        trainer.fit(TinyModule(), train)
+    assert mon.report is None
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="`skip_steps`"):
+        PerformanceMonitor(skip_steps=0)
+    with pytest.raises(ValueError, match="`log_every_n_steps`"):
+        PerformanceMonitor(log_every_n_steps=0)
+    with pytest.raises(ValueError, match="`peak_flops`"):
+        PerformanceMonitor(peak_flops=-1.0)
+
+
+def test_peak_flops_gives_mfu_and_tokens_fn(tmp_path: Path) -> None:
+    _, mon, _ = fit(tmp_path, decode_s=0.0, compute_s=0.01, peak_flops=1e9, tokens_fn=lambda b: 10, report_path="")
+    r = mon.report
+    assert r is not None and r.flops_per_step
+    assert r.mfu == pytest.approx(r.flops_per_step / r.step_time_s / 1e9)
+    assert r.tokens_per_s == pytest.approx(100 / sum(r.seconds.values()))
+
+
+@pytest.mark.gpu
+def test_real_gpu_run_uses_cuda_events_and_reports_mfu(tmp_path: Path) -> None:
+    from lightning_accel.perf import CudaEventClock
+
+    mon = PerformanceMonitor(log_every_n_steps=4, report_path="")
+    trainer = pl.Trainer(
+        accelerator="cuda", devices=1, max_epochs=1, limit_train_batches=12, limit_val_batches=0,
+        logger=CSVLogger(tmp_path, name="logs"), enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[mon],
+    )  # fmt: skip
+    train, _ = loaders(None, 0.0)
+    trainer.fit(TinyModule(), train)
+    assert mon.timer is not None and isinstance(mon.timer.clock, CudaEventClock)
+    r = mon.report
+    assert r is not None and r.steps == 10 and r.seconds["compute"] > 0
+    assert r.flops_per_step
+    if r.mfu is not None:  # None only for a GPU missing from Lightning's peak-FLOPs table
+        assert 0 < r.mfu < 1
+
+
+class Crash(TinyModule):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if batch_idx == 1:  # inside the FLOP-counted step
+            raise RuntimeError("boom")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_crash_leaves_no_wrapper_and_no_dispatch_mode() -> None:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    mon = PerformanceMonitor(report_path="")
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=5, logger=False, callbacks=[mon], enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+    )  # fmt: skip
+    train, _ = loaders(None, 0.0)
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit(Crash(), train)
+    assert "save_checkpoint" not in trainer.__dict__
+    assert not _get_current_dispatch_mode_stack()

@@ -1,0 +1,95 @@
+"""Memory estimates against the formulas, on models of known size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_accel.models.transformer import GPT
+from lightning_accel.parallel import (
+    count_layers,
+    estimate_ddp,
+    estimate_fsdp,
+    estimate_pipeline,
+    largest_unit_params,
+    measure_activation_bytes,
+    pipeline_stage_params,
+)
+
+
+def mlp(width: int = 256, depth: int = 4) -> nn.Sequential:
+    return nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(depth)])
+
+
+def test_formulas_on_a_model_of_known_size() -> None:
+    m = mlp(256, 4)
+    p = sum(x.numel() for x in m.parameters())
+    assert p == 4 * 256 * 256
+    d = estimate_ddp(p, activations=1000)
+    assert (d.model_state, d.working, d.activations, d.total) == (16 * p, 0, 1000, 16 * p + 1000)
+    f = estimate_fsdp(p, 1000, world=4, largest_unit=largest_unit_params(m))
+    assert largest_unit_params(m) == 256 * 256
+    assert f.total == 16 * p // 4 + 4 * 256 * 256 + 1000
+    stages = pipeline_stage_params(m, 2)
+    assert stages == [2 * 256 * 256, 2 * 256 * 256]
+    pp = estimate_pipeline(stages, 8000, microbatches=8)
+    assert pp.total == 16 * 2 * 256 * 256 + 8000 // 2 * 2 // 8
+    assert estimate_ddp(p, 0, bytes_per_param=12).model_state == 12 * p  # SGD + momentum in fp32
+
+
+def test_activation_measurement_counts_saved_inputs_once() -> None:
+    torch.manual_seed(0)
+    m = mlp(256, 4)
+    x = torch.randn(8, 256)
+    prof = measure_activation_bytes(m, x)
+    # each Linear saves its input for the weight gradient (fp32, 8 x 256); weights are parameters: not counted
+    assert prof.activation_bytes == 4 * 8 * 256 * 4
+    assert all(p.grad is None for p in m.parameters())  # measurement leaves no gradients behind
+    # a ReLU saves its output, which is the next Linear's saved input: the same storage counts once
+    m2 = nn.Sequential(nn.Linear(64, 64, bias=False), nn.ReLU(), nn.Linear(64, 64, bias=False))
+    assert measure_activation_bytes(m2, torch.randn(4, 64)).activation_bytes == 2 * 4 * 64 * 4
+    # linear in the batch
+    assert measure_activation_bytes(m, torch.randn(16, 256)).activation_bytes == 2 * prof.activation_bytes
+
+
+def test_activation_measurement_inputs_and_loss_fn() -> None:
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict:
+            return {"out": self.a(x) + self.a(y)}
+
+    m = Two()
+    assert measure_activation_bytes(m, (torch.randn(2, 4), torch.randn(2, 4))).activation_bytes > 0
+    assert measure_activation_bytes(m, {"x": torch.randn(2, 4), "y": torch.randn(2, 4)}).activation_bytes > 0
+    got = measure_activation_bytes(m, (torch.randn(2, 4), torch.randn(2, 4)), loss_fn=lambda o: o["out"].pow(2).sum())
+    assert got.activation_bytes > 0
+
+    class Weird(nn.Module):
+        def forward(self, x: torch.Tensor) -> str:
+            return "no tensor"
+
+    with pytest.raises(TypeError, match="loss_fn"):
+        measure_activation_bytes(Weird(), torch.randn(2))
+
+
+def test_layers_and_units_of_a_transformer() -> None:
+    g = GPT(vocab_size=27, block_size=16, n_layer=3, n_head=2, n_embd=32, dropout=0.0)
+    assert count_layers(g) == 3  # the block stack, not the 4-element MLP Sequential inside each block
+    block = sum(p.numel() for p in g.blocks[0].parameters()) if hasattr(g, "blocks") else None
+    if block is not None:
+        assert largest_unit_params(g) == block
+    total = sum(p.numel() for p in g.parameters())
+    st = pipeline_stage_params(g, 3)
+    assert sum(st) == total and len(st) == 3
+    assert count_layers(nn.Linear(2, 2)) == 1
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="`world`"):
+        estimate_fsdp(10, 0, world=0, largest_unit=1)
+    with pytest.raises(ValueError, match="`stages`"):
+        pipeline_stage_params(mlp(), 0)

@@ -1,0 +1,111 @@
+"""select_strategy's decisions under fake device memory, and the rules policy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_accel.parallel import onebit_break_even_gbps, select_strategy
+
+P = 4 * 256 * 256  # parameters of mlp()
+MB = 1_000_000
+
+
+def mlp() -> nn.Sequential:
+    return nn.Sequential(*[nn.Linear(256, 256, bias=False) for _ in range(4)])
+
+
+def pick(mem: int, devices: int = 4, **kw):
+    return select_strategy(mlp(), devices=devices, device_memory_bytes=mem, headroom=0.0, **kw)
+
+
+def test_memory_policy_walks_ddp_fsdp_pipeline() -> None:
+    ddp_need = 16 * P  # 4.19 MB, no activations without an example batch
+    fsdp_need = 16 * P // 4 + 4 * 256 * 256  # 1.31 MB
+    pipe_need = 16 * 256 * 256  # one layer per stage: 1.05 MB
+    c = pick(ddp_need)
+    assert (c.strategy, c.plan, c.fits) == ("ddp", "ddp", True)
+    assert "not measured" in c.explanation  # says the estimate is a lower bound
+    c = pick(ddp_need - 1)
+    assert (c.strategy, c.plan, c.fits) == ("fsdp", "fsdp", True)
+    assert c.estimates["fsdp"].total == fsdp_need
+    c = pick(fsdp_need - 1)
+    assert (c.strategy, c.plan, c.fits) == ("fsdp", "pipeline", False)
+    assert "Lightning cannot run torch.distributed.pipelining" in c.explanation
+    assert c.estimates["pipeline"].total == pipe_need
+    c = pick(pipe_need - 1)
+    assert not c.fits and "Nothing fits" in c.explanation and c.strategy == "fsdp"
+
+
+def test_headroom_and_activations_count() -> None:
+    x = torch.randn(64, 256)
+    acts = 4 * 64 * 256 * 4
+    need = 16 * P + acts
+    assert select_strategy(mlp(), devices=2, device_memory_bytes=need, example_batch=x, headroom=0.0).strategy == "ddp"
+    c = select_strategy(mlp(), devices=2, device_memory_bytes=need, example_batch=x, headroom=0.2)
+    assert c.strategy == "fsdp" and c.facts["activations"] == acts
+    assert "measured" in c.explanation
+    scaled = select_strategy(mlp(), devices=2, device_memory_bytes=need * 10, example_batch=x, activation_scale=4.0)
+    assert scaled.facts["activations"] == 4 * acts
+
+
+def test_single_device() -> None:
+    c = pick(16 * P, devices=1)
+    assert (c.strategy, c.plan, c.fits) == ("auto", "single", True)
+    c = pick(16 * P - 1, devices=1)
+    assert c.strategy == "auto" and not c.fits  # sharding over one device does not help: say so
+
+
+def test_onebit_across_slow_nodes() -> None:
+    kw = dict(devices=2, num_nodes=2, onebit_break_even=25.0)
+    s, why = pick(100 * MB, inter_node_gbps=10.0, **kw)
+    assert s == "ddp_1bit" and "below the 25.0 Gbit/s break-even" in why
+    assert pick(100 * MB, inter_node_gbps=100.0, **kw).strategy == "ddp"
+    assert pick(100 * MB, inter_node_gbps=None, **kw).strategy == "ddp"
+    assert pick(100 * MB, devices=8, inter_node_gbps=1.0, onebit_break_even=25.0).strategy == "ddp"  # one node
+
+
+def test_break_even_is_measured_from_the_backward_pass() -> None:
+    # ring allreduce: 2(N-1)/N * 4 bytes * P per device; hidden while it takes less than backward
+    assert onebit_break_even_gbps(1_000_000, 4, 0.01) == pytest.approx(2 * 3 / 4 * 4e6 * 8 / 0.01 / 1e9)
+    assert onebit_break_even_gbps(1_000_000, 1, 0.01) == 0.0
+    c = pick(100 * MB, devices=2, num_nodes=2, example_batch=torch.randn(4, 256), inter_node_gbps=1e6)
+    assert c.facts["onebit_break_even_gbps"] > 0 and "measured from the example backward" in c.explanation
+
+
+def test_rules_policy() -> None:
+    with torch.device("meta"):  # 1.2 B parameters without allocating them
+        big = nn.Linear(40_000, 30_000)
+    c = select_strategy(big, devices=8, policy="rules")
+    assert (c.strategy, c.plan) == ("fsdp", "fsdp") and "1.20 B parameters > 1 B" in c.explanation
+    deep = nn.Sequential(*[nn.Linear(2, 2) for _ in range(60)])
+    c = select_strategy(deep, devices=8, policy="rules")
+    assert (c.plan, c.strategy) == ("pipeline", "fsdp") and "cannot run" in c.explanation
+    assert select_strategy(mlp(), devices=8, policy="rules").strategy == "ddp"
+    assert select_strategy(mlp(), devices=1, policy="rules").strategy == "auto"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"policy": "fast"}, "`policy`"),
+        ({"devices": 0}, "`devices`"),
+        ({"num_nodes": 0}, "`num_nodes`"),
+        ({"headroom": 1.0}, "`headroom`"),
+        ({"inter_node_gbps": 0}, "`inter_node_gbps`"),
+        ({"device_memory_bytes": -1}, "`device_memory_bytes`"),
+        ({"activation_scale": 0}, "`activation_scale`"),
+    ],
+)
+def test_bad_arguments(kwargs: dict, match: str) -> None:
+    args = {"devices": 2, "device_memory_bytes": 10**9, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        select_strategy(mlp(), **args)
+
+
+def test_unknown_device_memory_on_cpu_says_what_to_pass() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("CUDA provides the device memory")
+    with pytest.raises(ValueError, match="device_memory_bytes=80"):
+        select_strategy(mlp(), devices=2)
