@@ -66,7 +66,9 @@ class FusedPrecision(MixedPrecision):
             fusions = [fusions] if isinstance(fusions, str) else list(fusions)
             unknown = [f for f in fusions if f not in DEFAULT_POLICY]
             if unknown:
-                raise ValueError(f"`fusions` has unknown pattern(s) {unknown}; expected names from {sorted(DEFAULT_POLICY)}.")
+                raise ValueError(
+                    f"`fusions` has unknown pattern(s) {unknown}; expected names from {sorted(DEFAULT_POLICY)}."
+                )
         super().__init__(precision, device or ("cuda" if torch.cuda.is_available() else "cpu"), scaler)
         self.fusions = fusions
         self.ignore_modules = tuple(ignore_modules)
