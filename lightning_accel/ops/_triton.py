@@ -12,10 +12,13 @@ from typing import Literal
 
 import torch
 
-__all__ = ["Backend", "check_backend", "interpreter_active", "triton_available", "use_triton"]
+__all__ = ["Backend", "check_backend", "interpreter_active", "resolve_backend", "triton_available", "use_triton"]
 
-Backend = Literal["auto", "triton", "reference"]
-_BACKENDS = ("auto", "triton", "reference")
+# auto: Triton kernels on CUDA (the torch path of the fused function if Triton is missing), plain eager torch ops
+#       elsewhere (on a CPU the native kernels are faster than any Python-level fusion; measured in benchmarks/fused.py)
+# triton: force the kernels; reference: force the fused autograd function's torch path; eager: the unfused oracle
+Backend = Literal["auto", "triton", "reference", "eager"]
+_BACKENDS = ("auto", "triton", "reference", "eager")
 
 
 @cache
@@ -39,8 +42,20 @@ def check_backend(backend: str) -> None:
         raise ValueError(f"`backend` must be one of {_BACKENDS}, got {backend!r}. Use 'auto' unless testing a path.")
 
 
+def resolve_backend(t: torch.Tensor, backend: Backend) -> Literal["triton", "reference", "eager"]:
+    """The concrete path for tensor ``t``: ``auto`` is Triton on CUDA and eager torch elsewhere."""
+    check_backend(backend)
+    if backend == "auto":
+        if t.is_cuda:
+            return "triton" if triton_available() else "reference"
+        return "eager"
+    if backend == "triton":
+        use_triton(t, backend)  # raises with the reason when the kernels cannot run here
+    return backend  # type: ignore[return-value]
+
+
 def use_triton(t: torch.Tensor, backend: Backend) -> bool:
-    """Decide the path for tensor ``t``: Triton on CUDA (``auto``), the torch reference elsewhere.
+    """Inside a fused function: Triton kernels (True) or their torch path (``auto``: Triton on CUDA).
 
     ``backend="triton"`` forces the kernels; it needs a CUDA tensor, or a CPU tensor with the interpreter active.
 
@@ -48,7 +63,7 @@ def use_triton(t: torch.Tensor, backend: Backend) -> bool:
         RuntimeError: when the Triton path is forced but cannot run, with the reason and the fix.
     """
     check_backend(backend)
-    if backend == "reference":
+    if backend in ("reference", "eager"):
         return False
     if backend == "auto":
         return t.is_cuda and triton_available()

@@ -88,13 +88,17 @@ def swap_class(module: nn.Module, mixin: type) -> bool:
 
 
 class _FusedMixin:
-    """Marker base of every fused forward."""
+    """Marker base of every fused forward; ``_la_backend`` is the ops backend it passes on (see ``apply_fusions``)."""
+
+    _la_backend: str = "auto"
 
 
 # --------------------------------------------------------------------------------------------------- conv-bn(-relu)
 
 
-def conv_bn_forward(conv: nn.Conv2d, bn: nn.BatchNorm2d, x: torch.Tensor, relu: bool) -> torch.Tensor:
+def conv_bn_forward(
+    conv: nn.Conv2d, bn: nn.BatchNorm2d, x: torch.Tensor, relu: bool, backend: str = "auto"
+) -> torch.Tensor:
     """``relu(bn(conv(x)))`` through :func:`lightning_accel.ops.conv_bn_relu`, with ``nn.BatchNorm2d``'s bookkeeping.
 
     Reproduces ``_BatchNorm.forward``: ``num_batches_tracked`` is incremented in training, ``momentum=None`` means a
@@ -122,6 +126,7 @@ def conv_bn_forward(conv: nn.Conv2d, bn: nn.BatchNorm2d, x: torch.Tensor, relu: 
         conv.dilation,
         conv.groups,
         relu,
+        backend,  # type: ignore[arg-type]
     )
 
 
@@ -140,10 +145,10 @@ class FusedSequentialMixin(_FusedMixin):
         while i < len(mods):
             length, kind = self._la_plan.get(i, (1, ""))
             if kind in ("conv_bn_relu", "conv_bn"):
-                x = conv_bn_forward(mods[i], mods[i + 1], x, relu=kind == "conv_bn_relu")
+                x = conv_bn_forward(mods[i], mods[i + 1], x, relu=kind == "conv_bn_relu", backend=self._la_backend)
             elif kind == "linear_dropout":
                 lin, drop = mods[i], mods[i + 1]
-                x = linear_dropout(x, lin.weight, lin.bias, drop.p, drop.training)
+                x = linear_dropout(x, lin.weight, lin.bias, drop.p, drop.training, backend=self._la_backend)
             else:
                 x = mods[i](x)
             i += length
@@ -155,8 +160,8 @@ class FusedBasicBlockMixin(_FusedMixin):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         identity = x if self.downsample is None else self.downsample(x)
-        out = conv_bn_forward(self.conv1, self.bn1, x, relu=True)
-        out = conv_bn_forward(self.conv2, self.bn2, out, relu=False)
+        out = conv_bn_forward(self.conv1, self.bn1, x, relu=True, backend=self._la_backend)
+        out = conv_bn_forward(self.conv2, self.bn2, out, relu=False, backend=self._la_backend)
         return self.relu(out + identity)
 
 
@@ -165,9 +170,9 @@ class FusedBottleneckMixin(_FusedMixin):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         identity = x if self.downsample is None else self.downsample(x)
-        out = conv_bn_forward(self.conv1, self.bn1, x, relu=True)
-        out = conv_bn_forward(self.conv2, self.bn2, out, relu=True)
-        out = conv_bn_forward(self.conv3, self.bn3, out, relu=False)
+        out = conv_bn_forward(self.conv1, self.bn1, x, relu=True, backend=self._la_backend)
+        out = conv_bn_forward(self.conv2, self.bn2, out, relu=True, backend=self._la_backend)
+        out = conv_bn_forward(self.conv3, self.bn3, out, relu=False, backend=self._la_backend)
         return self.relu(out + identity)
 
 
@@ -175,7 +180,7 @@ class FusedResNetMixin(_FusedMixin):
     """torchvision ``ResNet``: the stem conv1-bn1-relu fused; the rest as in ``ResNet._forward_impl``."""
 
     def _forward_impl(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.maxpool(conv_bn_forward(self.conv1, self.bn1, x, relu=True))
+        x = self.maxpool(conv_bn_forward(self.conv1, self.bn1, x, relu=True, backend=self._la_backend))
         x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
         return self.fc(torch.flatten(self.avgpool(x), 1))
 
@@ -189,7 +194,7 @@ class FusedLayerNormMixin(_FusedMixin):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if len(self.normalized_shape) != 1:  # surgery does not match these; kept for safety
             return super().forward(x)
-        return layer_norm(x, self.weight, self.bias, self.eps)
+        return layer_norm(x, self.weight, self.bias, self.eps, backend=self._la_backend)
 
 
 class FusedRMSNormMixin(_FusedMixin):
@@ -199,7 +204,7 @@ class FusedRMSNormMixin(_FusedMixin):
         if len(self.normalized_shape) != 1:
             return super().forward(x)
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
-        return rms_norm(x, self.weight, eps)
+        return rms_norm(x, self.weight, eps, backend=self._la_backend)
 
 
 # ------------------------------------------------------------------------------------------------- attention and GPT
@@ -290,7 +295,9 @@ class FusedAttentionMixin(_FusedMixin):
         y = y.transpose(1, 2).reshape(b, s, c)
         if self._la_fuse_out:
             drop = self.resid_dropout
-            return linear_dropout(y, self.proj.weight, self.proj.bias, drop.p, drop.training, residual=residual)
+            return linear_dropout(
+                y, self.proj.weight, self.proj.bias, drop.p, drop.training, residual=residual, backend=self._la_backend
+            )
         out = self.resid_dropout(self.proj(y))
         return out if residual is None else residual + out
 
@@ -304,4 +311,4 @@ class FusedGPTBlockMixin(_FusedMixin):
         x = self.attn(self.ln_1(x), residual=x)
         fc, act, proj, drop = self.mlp[0], self.mlp[1], self.mlp[2], self.mlp[3]
         h = act(fc(self.ln_2(x)))
-        return linear_dropout(h, proj.weight, proj.bias, drop.p, drop.training, residual=x)
+        return linear_dropout(h, proj.weight, proj.bias, drop.p, drop.training, residual=x, backend=self._la_backend)

@@ -14,6 +14,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 from typing_extensions import override
 
+from lightning_accel.ops._triton import check_backend
 from lightning_accel.precision.compile import compile_in_place
 from lightning_accel.precision.surgery import DEFAULT_POLICY, FusionReport, Replacement, apply_fusions
 
@@ -45,6 +46,9 @@ class FusedPrecision(MixedPrecision):
         compile: ``torch.compile`` the LightningModule's ``__call__`` after surgery, in place; if compilation fails
             at the first call, a warning says why and training continues eagerly.
         compile_kwargs: keyword arguments for ``torch.compile`` (e.g. ``{"mode": "max-autotune"}``).
+        backend: how fused modules compute: ``"auto"`` (Triton kernels and the memory-saving functions on CUDA;
+            plain torch ops on other devices, where they are faster), ``"reference"`` (the fused functions' torch
+            path on any device), ``"triton"`` or ``"eager"``.
     """
 
     def __init__(
@@ -56,6 +60,7 @@ class FusedPrecision(MixedPrecision):
         ignore_modules: Sequence[str | type] = (),
         compile: bool = False,
         compile_kwargs: dict[str, Any] | None = None,
+        backend: Literal["auto", "triton", "reference", "eager"] = "auto",
     ) -> None:
         if precision not in ("bf16-mixed", "16-mixed"):
             raise ValueError(
@@ -69,17 +74,25 @@ class FusedPrecision(MixedPrecision):
                 raise ValueError(
                     f"`fusions` has unknown pattern(s) {unknown}; expected names from {sorted(DEFAULT_POLICY)}."
                 )
+        check_backend(backend)
         super().__init__(precision, device or ("cuda" if torch.cuda.is_available() else "cpu"), scaler)
         self.fusions = fusions
         self.ignore_modules = tuple(ignore_modules)
         self.compile = compile
         self.compile_kwargs = dict(compile_kwargs or {})
+        self.backend = backend
         self.report: FusionReport | None = None
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Fuse in place (idempotent), optionally compile in place, and return the same object."""
-        report = apply_fusions(module, self.fusions, self.ignore_modules, optimizers=_existing_optimizers(module))
+        report = apply_fusions(
+            module,
+            self.fusions,
+            self.ignore_modules,
+            optimizers=_existing_optimizers(module),
+            backend=self.backend,
+        )
         if self.report is None or len(report):
             self.report = report
         if report.records:

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from lightning_accel.ops._triton import check_backend
 from lightning_accel.precision import modules as fm
 
 __all__ = [
@@ -304,6 +305,7 @@ def apply_fusions(
     ignore_modules: Sequence[str | type] = (),
     optimizers: Iterable[torch.optim.Optimizer] = (),
     warn_if_empty: bool = True,
+    backend: str | None = None,
 ) -> FusionReport:
     """Fuse the patterns of ``fusions`` found in ``model``, in place, and return what was done.
 
@@ -316,6 +318,9 @@ def apply_fusions(
         optimizers: optimizers already holding ``model``'s parameters; their references (and state) are patched for
             the parameters surgery replaces.
         warn_if_empty: emit a ``UserWarning`` when nothing matched.
+        backend: the ops backend every fused module uses: ``"auto"`` (default: Triton kernels on CUDA, plain torch
+            ops elsewhere), ``"reference"`` (the fused functions' torch path, e.g. to exercise it on a CPU),
+            ``"triton"`` or ``"eager"``. None leaves already-fused modules as they are.
 
     Raises:
         ValueError: for an unknown pattern name.
@@ -345,6 +350,11 @@ def apply_fusions(
                     detail, swaps = rep.apply(module)
                     report.records.append(FusionRecord(name, pattern, detail))
                     report.param_swaps.extend(swaps)
+    if backend is not None:
+        check_backend(backend)
+        for m in model.modules():
+            if fm.is_fused(m):
+                m._la_backend = backend
     if report.param_swaps:
         replace_optimizer_params(list(optimizers), report.param_swaps)
     if report.records:

@@ -34,7 +34,9 @@ def test_train_forward_backward_and_running_stats(
     stats = (torch.zeros(c_out), torch.ones(c_out))
     stats_ref = (torch.zeros(c_out), torch.ones(c_out))
     xs, ws, bs, gs, bes = leaves(x, w, b, g, be)
-    y = conv_bn_relu(xs, ws, bs, gs, bes, *stats, True, 0.1, 1e-5, stride, padding, 1, groups, relu)
+    y = conv_bn_relu(
+        xs, ws, bs, gs, bes, *stats, True, 0.1, 1e-5, stride, padding, 1, groups, relu, backend="reference"
+    )
     dy = torch.randn_like(y)
     y.backward(dy)
     xr, wr, br, gr, ber = leaves(x.float(), w.float(), b.float(), g, be)
@@ -55,7 +57,7 @@ def test_eval_folds_running_stats(bias: bool) -> None:
     torch.manual_seed(0)
     x, w, b, g, be = _params(CASES[0], torch.float32, bias)
     rm, rv = torch.randn(6) * 0.1, torch.rand(6) + 0.5
-    y = conv_bn_relu(x, w, b, g, be, rm, rv, False, 0.1, 1e-5, 2, 1)
+    y = conv_bn_relu(x, w, b, g, be, rm, rv, False, 0.1, 1e-5, 2, 1, backend="reference")
     yr = reference.conv_bn_relu(x, w, b, g, be, rm, rv, False, 0.1, 1e-5, 2, 1)
     torch.testing.assert_close(y, yr, atol=1e-5, rtol=1e-5)
     wf, bf = fold_bn_into_conv(w, b, g, be, rm, rv, 1e-5)
@@ -81,7 +83,19 @@ def test_saves_less_activation_memory_than_eager() -> None:
     eager = saved_bytes(lambda: torch.relu(bn(conv(x))))
     fused = saved_bytes(
         lambda: conv_bn_relu(
-            x, conv.weight, None, bn.weight, bn.bias, bn.running_mean, bn.running_var, True, 0.1, 1e-5, 1, 1
+            x,
+            conv.weight,
+            None,
+            bn.weight,
+            bn.bias,
+            bn.running_mean,
+            bn.running_var,
+            True,
+            0.1,
+            1e-5,
+            1,
+            1,
+            backend="reference",
         )
     )
     activation = 4 * 16 * 16 * 16 * 4  # one fp32 conv output
@@ -94,7 +108,7 @@ def test_autocast_runs_conv_in_bf16_and_statistics_in_fp32() -> None:
     x, w, _, g, be = _params(CASES[0], torch.float32, bias=False)
     ws = w.clone().requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        y = conv_bn_relu(x, ws, None, g, be, None, None, True, 0.1, 1e-5, 2, 1)
+        y = conv_bn_relu(x, ws, None, g, be, None, None, True, 0.1, 1e-5, 2, 1, backend="reference")
     assert y.dtype == torch.bfloat16
     yr = reference.conv_bn_relu(x, w, None, g, be, None, None, True, 0.1, 1e-5, 2, 1)
     assert_close(y, yr, 5e-2, 5e-2)  # bf16 inputs to the conv
@@ -115,6 +129,16 @@ def test_gradcheck_float64(relu: bool) -> None:
         return ConvBNReLUFunction.apply(*args, None, None, 0.1, 1e-5, (1, 1, 1, 1), relu)
 
     assert torch.autograd.gradcheck(fn, (x, w, b, g, be))
+
+
+def test_auto_is_eager_on_cpu_and_eager_matches() -> None:
+    torch.manual_seed(0)
+    x, w, b, g, be = _params(CASES[0], torch.float32, bias=True)
+    ws = w.clone().requires_grad_()
+    y = conv_bn_relu(x, ws, b, g, be, None, None, True, 0.1, 1e-5, 2, 1)  # auto, CPU tensors
+    yr = reference.conv_bn_relu(x, w, b, g, be, None, None, True, 0.1, 1e-5, 2, 1)
+    torch.testing.assert_close(y, yr)
+    assert y.grad_fn is not None and "ConvBNReLU" not in type(y.grad_fn).__name__
 
 
 def test_bad_input_rank() -> None:

@@ -71,18 +71,19 @@ def test_mask_is_regenerated_not_stored_and_matches_forward() -> None:
 def test_seed_drawn_from_torch_rng_makes_runs_repeatable() -> None:
     x, w = torch.randn(8, 4), torch.randn(6, 4)
     torch.manual_seed(3)
-    a = linear_dropout(x, w, p=0.5)
+    a = linear_dropout(x, w, p=0.5, backend="reference")
     torch.manual_seed(3)
-    b = linear_dropout(x, w, p=0.5)
+    b = linear_dropout(x, w, p=0.5, backend="reference")
     torch.manual_seed(4)
-    c = linear_dropout(x, w, p=0.5)
+    c = linear_dropout(x, w, p=0.5, backend="reference")
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 
 def test_eval_means_no_dropout() -> None:
     x, w, b, r = _inputs((5, 6), 7, torch.float32)
-    y = linear_dropout(x, w, b, 0.9, training=False, residual=r)
-    torch.testing.assert_close(y, reference.linear_dropout(x, w, b, None, 0.0, r))
+    for backend in ("auto", "reference"):
+        y = linear_dropout(x, w, b, 0.9, training=False, residual=r, backend=backend)  # type: ignore[arg-type]
+        torch.testing.assert_close(y, reference.linear_dropout(x, w, b, None, 0.0, r))
 
 
 def test_autocast_casts_like_linear_and_grads_reach_fp32_params() -> None:
@@ -90,8 +91,8 @@ def test_autocast_casts_like_linear_and_grads_reach_fp32_params() -> None:
     x, w, b, r = _inputs((9, 8), 5, torch.float32)
     ws, bs = leaves(w, b)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        y = linear_dropout(x, ws, bs, 0.0, True, residual=r)
-        y_plain = linear_dropout(x, ws, bs, 0.0, True)
+        y = linear_dropout(x, ws, bs, 0.0, True, residual=r, backend="reference")
+        y_plain = linear_dropout(x, ws, bs, 0.0, True, backend="reference")
         expected = torch.nn.functional.linear(x, w, b)
     assert y.dtype == torch.float32  # bf16 GEMM + fp32 residual promotes, as `residual + linear(x)` does
     assert y_plain.dtype == torch.bfloat16

@@ -80,7 +80,7 @@ def test_cnn_30_steps_match_mixed_precision(tmp_path: Path) -> None:
     )
     torch.manual_seed(0)
     model = ImageClassifier(num_classes=4, width=8, blocks=(1, 1))
-    plugin = FusedPrecision("bf16-mixed", device="cpu")
+    plugin = FusedPrecision("bf16-mixed", device="cpu", backend="reference")  # exercise the fused functions
     losses = _fit(model, _image_loader(), plugin, tmp_path)
     assert is_fused(model.model.layers[0], FusedBasicBlockMixin)
     assert plugin.report is not None and plugin.report.counts() == {"conv_bn_relu": 5}
@@ -93,7 +93,7 @@ def test_transformer_30_steps_match_mixed_precision(tmp_path: Path) -> None:
     losses_ref = _fit(TinyGPT(**kw), _token_loader(), MixedPrecision("bf16-mixed", "cpu"), tmp_path)
     torch.manual_seed(0)
     model = TinyGPT(**kw)
-    plugin = FusedPrecision("bf16-mixed", device="cpu")
+    plugin = FusedPrecision("bf16-mixed", device="cpu", backend="reference")  # exercise the fused functions
     losses = _fit(model, _token_loader(), plugin, tmp_path)
     assert plugin.report is not None and plugin.report.counts() == {"linear_dropout": 2, "qkv": 2, "norm": 5}
     _compare(losses, losses_ref)

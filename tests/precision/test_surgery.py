@@ -31,7 +31,7 @@ def test_resnet_patterns_numerics_and_in_place() -> None:
     ref = copy.deepcopy(model)
     param_ids = [id(p) for p in model.parameters()]
     keys = list(model.state_dict())
-    report = apply_fusions(model)
+    report = apply_fusions(model, backend="reference")  # the fused functions' torch path, not eager ops
     assert report.counts() == {"conv_bn_relu": 5}  # stem, 2 blocks, 2 downsamples
     assert {r.module for r in report.records} == {
         "stem",
@@ -62,7 +62,7 @@ def test_torchvision_resnet_blocks() -> None:
     model = tv.models.resnet.ResNet(tv.models.resnet.Bottleneck, [1, 1, 1, 1], num_classes=5, width_per_group=16)
     model = nn.Sequential(model).double()  # nested: the walker finds it anywhere
     ref = copy.deepcopy(model)
-    report = apply_fusions(model)
+    report = apply_fusions(model, backend="reference")
     names = {r.detail.split(",")[0] for r in report.records}
     assert "stem conv1+bn1+relu" in names and "conv1+bn1+relu" in names
     assert report.counts()["conv_bn_relu"] == 1 + 4 + 4  # stem, 4 bottlenecks, 4 downsample Sequentials
@@ -85,7 +85,7 @@ def test_gpt_patterns_and_numerics() -> None:
     torch.manual_seed(0)
     model = _gpt()
     ref = copy.deepcopy(model)
-    report = apply_fusions(model)
+    report = apply_fusions(model, backend="reference")
     assert report.counts() == {"linear_dropout": 2, "qkv": 2, "norm": 5}
     attn, attn_ref = model.blocks[0].attn, ref.blocks[0].attn
     assert "q_proj" not in attn._modules and tuple(attn.qkv_proj.weight.shape) == (48, 16)
@@ -112,7 +112,7 @@ def test_gpt_with_dropout_trains_and_matches_in_eval() -> None:
     torch.manual_seed(0)
     model = _gpt(dropout=0.2)
     ref = copy.deepcopy(model)
-    apply_fusions(model)
+    apply_fusions(model, backend="reference")
     idx = torch.randint(0, 11, (2, 9))
     model.train()
     a, b = model(idx), model(idx)
@@ -125,7 +125,7 @@ def test_gpt_with_dropout_trains_and_matches_in_eval() -> None:
 def test_qkv_state_dict_compatible_both_ways() -> None:
     torch.manual_seed(0)
     fused, plain = _gpt(), _gpt()
-    apply_fusions(fused)
+    apply_fusions(fused, backend="reference")
     sd = fused.state_dict()
     assert sd.keys() == plain.state_dict().keys()  # fused checkpoints look unfused
     plain.load_state_dict(sd)  # fused -> unfused
@@ -154,7 +154,7 @@ def test_optimizer_references_and_state_follow_qkv_packing() -> None:
         opt.step()
         opt.zero_grad()
     n_before = len(opt_f.param_groups[0]["params"])
-    report = apply_fusions(fused, optimizers=[opt_f])
+    report = apply_fusions(fused, optimizers=[opt_f], backend="reference")
     params = opt_f.param_groups[0]["params"]
     assert len(params) == n_before - 2 * 2 * 2  # per block: 3 weights -> 1 and 3 biases -> 1
     assert {id(p) for p in params} == {id(p) for p in fused.parameters()}
@@ -179,7 +179,7 @@ def test_sequential_linear_dropout_and_rmsnorm() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.1), nn.GELU(), nn.RMSNorm(8), nn.Linear(8, 4), nn.Dropout(0.0))
     ref = copy.deepcopy(model)
-    report = apply_fusions(model)
+    report = apply_fusions(model, backend="reference")
     assert report.counts() == {"linear_dropout": 1, "norm": 1}
     assert report.records[0].detail == "[0:2] linear_dropout, [4:6] linear_dropout"
     model.eval()
@@ -253,7 +253,7 @@ def test_compile_falls_back_to_eager_with_a_clear_warning() -> None:
 def test_compile_in_place_works_with_a_working_backend() -> None:
     model = _gpt()
     ref = copy.deepcopy(model)
-    apply_fusions(model)
+    apply_fusions(model, backend="reference")
     compile_in_place(model, backend="eager")
     idx = torch.randint(0, 11, (2, 9))
     with warnings.catch_warnings():
@@ -272,3 +272,34 @@ def test_plugin_arguments_and_in_place_convert() -> None:
     assert plugin.convert_module(model) is model
     assert plugin.report is not None and plugin.report.counts() == {"norm": 5}
     assert not any(is_fused(m, FusedGPTBlockMixin) for m in model.modules())
+    with pytest.raises(ValueError, match="`backend`"):
+        FusedPrecision(backend="cuda")  # type: ignore[arg-type]
+
+
+def _saved_bytes(model: nn.Module, idx: torch.Tensor) -> int:
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, nn.Parameter):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(idx)
+    return sum(storages.values())
+
+
+def test_backend_is_passed_to_fused_modules() -> None:
+    torch.manual_seed(0)
+    model = _gpt(dropout=0.2)
+    apply_fusions(model)
+    assert {m._la_backend for m in model.modules() if is_fused(m)} == {"auto"}
+    apply_fusions(model, backend="reference")  # re-targets already fused modules
+    assert {m._la_backend for m in model.modules() if is_fused(m)} == {"reference"}
+    idx = torch.randint(0, 11, (2, 9))
+    fused_bytes = _saved_bytes(model, idx)
+    apply_fusions(model, backend="eager")
+    assert {m._la_backend for m in model.modules() if is_fused(m)} == {"eager"}
+    # eager dropout keeps a mask (and the add its input) per Linear+Dropout, 2 per block; the fused function
+    # regenerates the mask from its seed
+    assert _saved_bytes(model, idx) - fused_bytes >= 2 * 2 * (2 * 9 * 16)

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from lightning_accel.ops._triton import Backend, check_backend
 from lightning_accel.ops.conv_bn_relu import reference
 
 __all__ = ["ConvBNReLUFunction", "conv_bn_relu", "fold_bn_into_conv"]
@@ -86,15 +87,27 @@ def conv_bn_relu(
     dilation: tuple[int, int] | int = 1,
     groups: int = 1,
     relu: bool = True,
+    backend: Backend = "auto",
 ) -> torch.Tensor:
     """Fused ``relu(batch_norm(conv2d(x)))`` with the signature of :func:`.reference.conv_bn_relu`.
 
     ``training=True`` (or no running statistics) normalises with batch statistics through
     :class:`ConvBNReLUFunction`; otherwise BatchNorm is folded into the convolution. Honours ``torch.autocast``: the
     convolution runs in the autocast dtype, the statistics in float32, the output has the convolution's dtype.
+
+    ``backend``: ``"auto"`` uses the fused function on CUDA (where activation memory is what limits batch size) and
+    the eager oracle elsewhere (on a CPU the recomputed convolution costs more time than the memory is worth);
+    ``"reference"``/``"triton"`` force the fused function (it has no Triton kernel: cuDNN does the convolution);
+    ``"eager"`` forces the oracle.
     """
     if x.dim() != 4:
         raise ValueError(f"`x` must be a 4-D (N, C, H, W) tensor, got shape {tuple(x.shape)}.")
+    check_backend(backend)
+    if backend == "eager" or (backend == "auto" and not x.is_cuda):
+        return reference.conv_bn_relu(
+            x, weight, bias, bn_weight, bn_bias, running_mean, running_var, training, momentum, eps, stride, padding,
+            dilation, groups, relu,
+        )  # fmt: skip
     conv_args = (stride, padding, dilation, groups)
     if not training and running_mean is not None and running_var is not None:
         w, b = fold_bn_into_conv(weight, bias, bn_weight, bn_bias, running_mean, running_var, eps)

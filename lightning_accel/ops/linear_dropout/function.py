@@ -9,8 +9,9 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import torch
+import torch.nn.functional as F
 
-from lightning_accel.ops._triton import Backend, use_triton
+from lightning_accel.ops._triton import Backend, resolve_backend, use_triton
 from lightning_accel.ops.linear_dropout import reference
 
 __all__ = ["LinearDropoutFunction", "linear_dropout", "new_seed"]
@@ -106,7 +107,8 @@ def linear_dropout(
         training: apply dropout (``False``: ``p`` is ignored).
         residual: (..., N) tensor added after dropout, or None.
         seed: the dropout seed; by default drawn from torch's CPU generator.
-        backend: ``"auto"`` (Triton on CUDA), ``"triton"`` or ``"reference"``.
+        backend: ``"auto"`` (Triton on CUDA, eager ``F.linear`` + ``F.dropout`` elsewhere), ``"triton"``,
+            ``"reference"`` (the function's torch path, mask from a ``torch.Generator``) or ``"eager"``.
         gemm: ``"torch"`` (cuBLAS GEMM + Triton epilogue) or ``"triton"`` (GEMM and epilogue in one Triton kernel).
     """
     if not 0.0 <= p < 1.0:
@@ -123,6 +125,10 @@ def linear_dropout(
             f"`residual` must have the output's shape {(*x.shape[:-1], weight.shape[0])}, got {tuple(residual.shape)}."
         )
     p = p if training else 0.0
+    path = resolve_backend(x, backend)
+    if path == "eager":
+        y = F.dropout(F.linear(x, weight, bias), p, training=p > 0)
+        return y if residual is None else residual + y
     seed = (new_seed() if p > 0 else 0) if seed is None else seed  # no draw without dropout: RNG streams stay as eager
     device_type = x.device.type
     if torch.is_autocast_enabled(device_type):
@@ -130,7 +136,7 @@ def linear_dropout(
         x, weight = x.to(dtype), weight.to(dtype)
         bias = bias.to(dtype) if bias is not None else None
         with torch.autocast(device_type, enabled=False):
-            return LinearDropoutFunction.apply(x, weight, bias, residual, p, seed, backend, gemm)
+            return LinearDropoutFunction.apply(x, weight, bias, residual, p, seed, path, gemm)
     weight = weight.to(x.dtype)
     bias = bias.to(x.dtype) if bias is not None else None
-    return LinearDropoutFunction.apply(x, weight, bias, residual, p, seed, backend, gemm)
+    return LinearDropoutFunction.apply(x, weight, bias, residual, p, seed, path, gemm)

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from lightning_accel.ops._triton import Backend, use_triton
+from lightning_accel.ops._triton import Backend, resolve_backend, use_triton
 from lightning_accel.ops.norm import reference
 
 __all__ = ["NormFunction", "layer_norm", "rms_norm"]
@@ -77,11 +77,14 @@ def layer_norm(
         weight: (N,) scale, or None.
         bias: (N,) shift, or None.
         eps: variance epsilon.
-        backend: ``"auto"`` (Triton on CUDA), ``"triton"`` (force; CPU needs ``TRITON_INTERPRET=1``) or
-            ``"reference"``.
+        backend: ``"auto"`` (Triton on CUDA, ``F.layer_norm`` elsewhere), ``"triton"`` (force; a CPU needs
+            ``TRITON_INTERPRET=1``), ``"reference"`` (the function's torch path) or ``"eager"``.
     """
     _check(x, weight, "layer_norm")
-    return NormFunction.apply(x, weight, bias, eps, False, backend)
+    path = resolve_backend(x, backend)
+    if path == "eager":
+        return reference.layer_norm(x, weight, bias, eps)
+    return NormFunction.apply(x, weight, bias, eps, False, path)
 
 
 def rms_norm(
@@ -89,4 +92,7 @@ def rms_norm(
 ) -> torch.Tensor:
     """RMSNorm over the last dimension (``x / sqrt(mean(x**2) + eps) * weight``); dispatch as :func:`layer_norm`."""
     _check(x, weight, "rms_norm")
-    return NormFunction.apply(x, weight, None, eps, True, backend)
+    path = resolve_backend(x, backend)
+    if path == "eager":
+        return reference.rms_norm(x, weight, eps)
+    return NormFunction.apply(x, weight, None, eps, True, path)
