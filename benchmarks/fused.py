@@ -110,7 +110,7 @@ def op_numerics(backend: str) -> dict[str, float]:
         g, be = torch.rand(6) + 0.5, torch.randn(6)
         check(
             "conv_bn_relu",
-            lambda x, w, g, b: conv_bn_relu(x, w, None, g, b, None, None, True, 0.1, 1e-5, 2, 1),
+            lambda x, w, g, b: conv_bn_relu(x, w, None, g, b, None, None, True, 0.1, 1e-5, 2, 1, backend=backend),
             lambda x, w, g, b: cbr_ref.conv_bn_relu(x, w, None, g, b, None, None, True, 0.1, 1e-5, 2, 1),
             xc, wc, g, be,
         )  # fmt: skip
@@ -164,7 +164,7 @@ def _train_step(model: nn.Module, make_input: Callable[[], torch.Tensor], autoca
 
 
 def cpu_models(quick: bool) -> tuple[dict[str, Any], dict[str, float]]:
-    """Eager vs fused train-step time and saved activation bytes on the CPU (float32)."""
+    """Eager vs fused (``backend="reference"``) train-step time and saved activation bytes on the CPU (float32)."""
     from lightning_accel.models import GPTBlock, SmallResNet
     from lightning_accel.precision import apply_fusions
 
@@ -183,7 +183,7 @@ def cpu_models(quick: bool) -> tuple[dict[str, Any], dict[str, float]]:
     ratios: dict[str, float] = {}
     for name, (eager, make_input) in cases.items():
         fused = copy.deepcopy(eager)
-        apply_fusions(fused, warn_if_empty=False)
+        apply_fusions(fused, warn_if_empty=False, backend="reference")  # the fused functions, not auto's eager ops
         fwd_e, step_e = _train_step(eager, make_input, None)
         fwd_f, step_f = _train_step(fused, make_input, None)
         mem_e, mem_f = saved_activation_bytes(fwd_e), saved_activation_bytes(fwd_f)

@@ -16,6 +16,8 @@ _EXPORTS: dict[str, str] = {
     "materialize_digits": "lightning_accel.datasets.digits",
     "ImageClassifier": "lightning_accel.models.lit",
     "TinyGPT": "lightning_accel.models.lit",
+    "FusedPrecision": "lightning_accel.precision.plugin",
+    "apply_fusions": "lightning_accel.precision.surgery",
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])

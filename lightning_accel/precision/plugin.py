@@ -5,12 +5,12 @@ The Lightning adapter of this room: the surgery itself is :func:`~lightning_acce
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
@@ -19,8 +19,6 @@ from lightning_accel.precision.compile import compile_in_place
 from lightning_accel.precision.surgery import DEFAULT_POLICY, FusionReport, Replacement, apply_fusions
 
 __all__ = ["FusedPrecision"]
-
-log = logging.getLogger(__name__)
 
 
 class FusedPrecision(MixedPrecision):
@@ -96,7 +94,7 @@ class FusedPrecision(MixedPrecision):
         if self.report is None or len(report):
             self.report = report
         if report.records:
-            log.info("FusedPrecision fused %s", report.counts())
+            rank_zero_info(f"FusedPrecision fused {report.counts()} (backend={self.backend!r}):\n{report.table()}")
         if self.compile:
             compile_in_place(module, **self.compile_kwargs)
         return module

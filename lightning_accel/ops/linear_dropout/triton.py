@@ -62,8 +62,11 @@ def _matmul_epilogue_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
-        a = tl.load(X + offs_m[:, None] * stride_xm + kk[None, :], mask=(offs_m[:, None] < M) & (kk[None, :] < K))
-        b = tl.load(W + offs_n[None, :] * stride_wn + kk[:, None], mask=(offs_n[None, :] < N) & (kk[:, None] < K))
+        # other=0: masked-off K columns must add nothing to the dot product
+        a_mask = (offs_m[:, None] < M) & (kk[None, :] < K)
+        b_mask = (offs_n[None, :] < N) & (kk[:, None] < K)
+        a = tl.load(X + offs_m[:, None] * stride_xm + kk[None, :], mask=a_mask, other=0.0)
+        b = tl.load(W + offs_n[None, :] * stride_wn + kk[:, None], mask=b_mask, other=0.0)
         acc = tl.dot(a, b, acc)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     acc = _epilogue(acc, offs_m, offs_n, mask, B, R, stride_r, N, seed, p, HAS_B, HAS_R)
