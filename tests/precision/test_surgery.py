@@ -15,8 +15,6 @@ from lightning_accel.precision import FusedPrecision, Replacement, apply_fusions
 from lightning_accel.precision.compile import compile_in_place
 from lightning_accel.precision.modules import FusedGPTBlockMixin, is_fused
 
-torch.set_num_threads(2)
-
 
 def _close_params(a: nn.Module, b: nn.Module, atol: float = 1e-5) -> None:
     sa, sb = a.state_dict(), b.state_dict()
