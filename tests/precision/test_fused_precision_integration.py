@@ -177,3 +177,16 @@ def test_ddp_surgery_happens_in_place(tmp_path: Path) -> None:
     for r in results:
         assert r["same_attn_object"] and r["attn_fused"] and r["ddp_wraps_our_module"] and r["qkv_in_ddp_params"]
     assert results[0]["weight_sum"] == pytest.approx(results[1]["weight_sum"], abs=1e-6)  # ranks stayed in sync
+
+
+def _broken_backend(gm: torch.fx.GraphModule, example_inputs: list) -> None:
+    raise RuntimeError("no compiler on this machine")
+
+
+def test_compile_failure_falls_back_to_eager_in_a_trainer(tmp_path: Path) -> None:
+    kw = dict(vocab_size=11, block_size=16, n_layer=1, n_head=2, n_embd=16, dropout=0.0)
+    plugin = FusedPrecision("bf16-mixed", device="cpu", compile=True, compile_kwargs={"backend": _broken_backend})
+    model = TinyGPT(**kw)
+    with pytest.warns(UserWarning, match="`torch.compile` failed for TinyGPT.*running it eagerly"):
+        losses = _fit(model, _token_loader(), plugin, tmp_path)
+    assert len(losses) == STEPS and model._compiled_call_impl.failed is not None
