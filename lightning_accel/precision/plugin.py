@@ -74,6 +74,8 @@ class FusedPrecision(MixedPrecision):
                 )
         check_backend(backend)
         super().__init__(precision, device or ("cuda" if torch.cuda.is_available() else "cpu"), scaler)
+        # without an explicit device, follow the Trainer's accelerator at setup (see `convert_module`)
+        self._follow_trainer_device = device is None and scaler is None
         self.fusions = fusions
         self.ignore_modules = tuple(ignore_modules)
         self.compile = compile
@@ -84,6 +86,7 @@ class FusedPrecision(MixedPrecision):
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Fuse in place (idempotent), optionally compile in place, and return the same object."""
+        self._adopt_trainer_device(module)
         report = apply_fusions(
             module,
             self.fusions,
@@ -98,6 +101,19 @@ class FusedPrecision(MixedPrecision):
         if self.compile:
             compile_in_place(module, **self.compile_kwargs)
         return module
+
+    def _adopt_trainer_device(self, module: nn.Module) -> None:
+        """Autocast (and a default GradScaler) on the device type the Trainer actually uses, e.g. ``cpu`` on a GPU
+        machine with ``accelerator="cpu"``."""
+        trainer = getattr(module, "_trainer", None)
+        if not self._follow_trainer_device or trainer is None:
+            return
+        device_type = trainer.strategy.root_device.type
+        if device_type == self.device:
+            return
+        self.device = device_type
+        if self.scaler is not None:
+            self.scaler = torch.amp.GradScaler(device=device_type)
 
 
 def _existing_optimizers(module: nn.Module) -> list[torch.optim.Optimizer]:
