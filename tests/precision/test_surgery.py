@@ -301,3 +301,22 @@ def test_backend_is_passed_to_fused_modules() -> None:
     # eager dropout keeps a mask (and the add its input) per Linear+Dropout, 2 per block; the fused function
     # regenerates the mask from its seed
     assert _saved_bytes(model, idx) - fused_bytes >= 2 * 2 * (2 * 9 * 16)
+
+
+@pytest.mark.parametrize(
+    "bn_kwargs",
+    [{"momentum": None}, {"track_running_stats": False}, {"affine": False}],
+    ids=["cumulative", "no_stats", "no_affine"],
+)
+def test_batchnorm_variants_keep_their_bookkeeping(bn_kwargs: dict) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4, **bn_kwargs), nn.ReLU())
+    ref = copy.deepcopy(model)
+    assert apply_fusions(model, backend="reference").counts() == {"conv_bn_relu": 1}
+    for _ in range(3):
+        x = torch.randn(2, 3, 5, 5)
+        torch.testing.assert_close(model(x), ref(x), atol=1e-5, rtol=1e-5)
+    _close_params(model, ref)  # running stats, num_batches_tracked
+    model.eval()
+    ref.eval()
+    torch.testing.assert_close(model(x), ref(x), atol=1e-5, rtol=1e-5)
