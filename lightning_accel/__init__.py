@@ -20,6 +20,8 @@ _EXPORTS: dict[str, str] = {
     "CudaMemoryManager": "lightning_accel.callbacks.cuda_memory_manager",
     "select_strategy": "lightning_accel.parallel.select",
     "AutoStrategy": "lightning_accel.parallel.strategy",
+    "FusedPrecision": "lightning_accel.precision.plugin",
+    "apply_fusions": "lightning_accel.precision.surgery",
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])

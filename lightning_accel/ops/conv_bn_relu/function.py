@@ -1,0 +1,129 @@
+"""``ConvBNReLUFunction``: Conv2d -> BatchNorm2d (batch statistics) -> ReLU that recomputes the conv in backward.
+
+Memory: eager autograd keeps the conv output (for BN's backward) and the BN/ReLU output (for ReLU's backward) of every
+block; this function keeps only its input ``x`` (which the previous layer's backward usually holds anyway), the
+weights and two float32 vectors per channel. The price is one extra convolution forward in backward (~1/3 more conv
+FLOPs for this layer). In eval mode :func:`conv_bn_relu` folds the running statistics into the conv weights instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from lightning_accel.ops._triton import Backend, check_backend
+from lightning_accel.ops.conv_bn_relu import reference
+
+__all__ = ["ConvBNReLUFunction", "conv_bn_relu", "fold_bn_into_conv"]
+
+fold_bn_into_conv = reference.fold_bn
+
+
+class ConvBNReLUFunction(torch.autograd.Function):
+    """Training-mode fused Conv2d + BatchNorm2d (+ ReLU). Tensors must already have their compute dtypes.
+
+    ``running_mean``/``running_var`` (optional) are updated in place with ``momentum`` like ``nn.BatchNorm2d`` does
+    (unbiased variance).
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        bn_weight: torch.Tensor | None,
+        bn_bias: torch.Tensor | None,
+        running_mean: torch.Tensor | None,
+        running_var: torch.Tensor | None,
+        momentum: float,
+        eps: float,
+        conv_args: tuple[Any, Any, Any, int],
+        relu: bool,
+    ) -> torch.Tensor:
+        y = F.conv2d(x, weight, bias, *conv_args)
+        out, mean, invstd, unbiased_var = reference.bn_relu_forward(y, bn_weight, bn_bias, eps, relu)
+        del y  # the point of the fusion: the conv output is not kept for backward
+        if running_mean is not None and running_var is not None:
+            running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
+            running_var.mul_(1 - momentum).add_(unbiased_var.to(running_var.dtype), alpha=momentum)
+        ctx.save_for_backward(x, weight, bias, bn_weight, bn_bias, mean, invstd)
+        ctx.conv_args, ctx.relu = conv_args, relu
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[Any, ...]:
+        x, weight, bias, bn_weight, bn_bias, mean, invstd = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        with torch.enable_grad(), torch.autocast(x.device.type, enabled=False):
+            xd = x.detach().requires_grad_(need_x)
+            wd = weight.detach().requires_grad_(need_w)
+            bd = bias.detach().requires_grad_(need_b) if bias is not None else None
+            y = F.conv2d(xd, wd, bd, *ctx.conv_args)  # recompute instead of having stored it
+        dy, dgamma, dbeta = reference.bn_relu_backward(dout, y.detach(), bn_weight, bn_bias, mean, invstd, ctx.relu)
+        inputs = [t for t, need in ((xd, need_x), (wd, need_w), (bd, need_b)) if need and t is not None]
+        grads = iter(torch.autograd.grad(y, inputs, dy) if inputs else ())
+        dx = next(grads) if need_x else None
+        dw = next(grads) if need_w else None
+        db = next(grads) if need_b and bias is not None else None
+        return dx, dw, db, dgamma, dbeta, None, None, None, None, None, None
+
+
+def conv_bn_relu(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    bn_weight: torch.Tensor | None,
+    bn_bias: torch.Tensor | None,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    training: bool,
+    momentum: float,
+    eps: float,
+    stride: tuple[int, int] | int = 1,
+    padding: tuple[int, int] | int | str = 0,
+    dilation: tuple[int, int] | int = 1,
+    groups: int = 1,
+    relu: bool = True,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """Fused ``relu(batch_norm(conv2d(x)))`` with the signature of :func:`.reference.conv_bn_relu`.
+
+    ``training=True`` (or no running statistics) normalises with batch statistics through
+    :class:`ConvBNReLUFunction`; otherwise BatchNorm is folded into the convolution. Honours ``torch.autocast``: the
+    convolution runs in the autocast dtype, the statistics in float32, the output has the convolution's dtype.
+
+    ``backend``: ``"auto"`` uses the fused function on CUDA (where activation memory is what limits batch size) and
+    the eager oracle elsewhere (on a CPU the recomputed convolution costs more time than the memory is worth);
+    ``"reference"``/``"triton"`` force the fused function (it has no Triton kernel: cuDNN does the convolution);
+    ``"eager"`` forces the oracle.
+    """
+    if x.dim() != 4:
+        raise ValueError(f"`x` must be a 4-D (N, C, H, W) tensor, got shape {tuple(x.shape)}.")
+    check_backend(backend)
+    if backend == "eager" or (backend == "auto" and not x.is_cuda):
+        return reference.conv_bn_relu(
+            x, weight, bias, bn_weight, bn_bias, running_mean, running_var, training, momentum, eps, stride, padding,
+            dilation, groups, relu,
+        )  # fmt: skip
+    conv_args = (stride, padding, dilation, groups)
+    if not training and running_mean is not None and running_var is not None:
+        w, b = fold_bn_into_conv(weight, bias, bn_weight, bn_bias, running_mean, running_var, eps)
+        y = F.conv2d(x, w, b, *conv_args)
+        return F.relu(y) if relu else y
+    if x.numel() == 0:
+        raise ValueError(f"BatchNorm in training needs a non-empty batch, got shape {tuple(x.shape)}.")
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        x, weight = x.to(dtype), weight.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
+    elif weight.dtype != x.dtype:
+        weight = weight.to(x.dtype)
+        bias = bias.to(x.dtype) if bias is not None else None
+    with torch.autocast(device_type, enabled=False):
+        return ConvBNReLUFunction.apply(
+            x, weight, bias, bn_weight, bn_bias, running_mean, running_var, momentum, eps, conv_args, relu
+        )

@@ -1,0 +1,121 @@
+"""Pure-torch Conv2d -> BatchNorm2d (-> ReLU): the oracle and the batch-norm math of the fused function.
+
+There is no Triton kernel for this op: the convolution stays with cuDNN (or the CPU backend), and what the fusion buys
+is memory: the fused function stores the convolution's *input* and two per-channel vectors, and recomputes the
+convolution output in backward, instead of keeping the conv output and the BN output alive until backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["bn_relu_backward", "bn_relu_forward", "conv_bn_relu", "fold_bn"]
+
+_DIMS = (0, 2, 3)
+
+
+def conv_bn_relu(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    bn_weight: torch.Tensor | None,
+    bn_bias: torch.Tensor | None,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    training: bool,
+    momentum: float,
+    eps: float,
+    stride: tuple[int, int] | int = 1,
+    padding: tuple[int, int] | int | str = 0,
+    dilation: tuple[int, int] | int = 1,
+    groups: int = 1,
+    relu: bool = True,
+) -> torch.Tensor:
+    """Oracle: ``relu(batch_norm(conv2d(x)))`` exactly as the three eager modules compute it."""
+    y = F.conv2d(x, weight, bias, stride, padding, dilation, groups)
+    y = F.batch_norm(y, running_mean, running_var, bn_weight, bn_bias, training, momentum, eps)
+    return F.relu(y) if relu else y
+
+
+def _acc(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def _affine(xhat: torch.Tensor, bn_weight: torch.Tensor | None, bn_bias: torch.Tensor | None) -> torch.Tensor:
+    z = xhat
+    if bn_weight is not None:
+        z = z * _acc(bn_weight)[None, :, None, None]
+    if bn_bias is not None:
+        z = z + _acc(bn_bias)[None, :, None, None]
+    return z
+
+
+def bn_relu_forward(
+    y: torch.Tensor,
+    bn_weight: torch.Tensor | None,
+    bn_bias: torch.Tensor | None,
+    eps: float,
+    relu: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Batch statistics + affine + ReLU on the conv output ``y`` (N, C, H, W).
+
+    Returns:
+        ``(out, mean, invstd, unbiased_var)``; ``out`` has ``y``'s dtype, the statistics are float32 (float64 stays).
+    """
+    yf = _acc(y)
+    n = y.numel() // y.shape[1]
+    mean = yf.mean(_DIMS)
+    var = yf.var(_DIMS, unbiased=False)
+    invstd = torch.rsqrt(var + eps)
+    z = _affine((yf - mean[None, :, None, None]) * invstd[None, :, None, None], bn_weight, bn_bias)
+    if relu:
+        z = torch.relu(z)
+    return z.to(y.dtype), mean, invstd, var * (n / max(n - 1, 1))
+
+
+def bn_relu_backward(
+    dout: torch.Tensor,
+    y: torch.Tensor,
+    bn_weight: torch.Tensor | None,
+    bn_bias: torch.Tensor | None,
+    mean: torch.Tensor,
+    invstd: torch.Tensor,
+    relu: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Gradients ``(dy, dbn_weight, dbn_bias)`` of :func:`bn_relu_forward` given the (recomputed) conv output ``y``.
+
+    With ``xhat = (y - mean) * invstd`` and ``dz = dout * (z > 0)``:
+    ``dy = invstd * (g - mean(g) - xhat * mean(g * xhat))`` where ``g = dz * bn_weight`` (means over N, H, W).
+    """
+    xhat = (_acc(y) - mean[None, :, None, None]) * invstd[None, :, None, None]
+    dz = _acc(dout)
+    if relu:
+        dz = torch.where(_affine(xhat, bn_weight, bn_bias) > 0, dz, torch.zeros((), dtype=dz.dtype, device=dz.device))
+    dgamma = (dz * xhat).sum(_DIMS).to(bn_weight.dtype) if bn_weight is not None else None
+    dbeta = dz.sum(_DIMS).to(bn_bias.dtype) if bn_bias is not None else None
+    g = dz * _acc(bn_weight)[None, :, None, None] if bn_weight is not None else dz
+    dy = g - g.mean(_DIMS, keepdim=True) - xhat * (g * xhat).mean(_DIMS, keepdim=True)
+    return (dy * invstd[None, :, None, None]).to(y.dtype), dgamma, dbeta
+
+
+def fold_bn(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    bn_weight: torch.Tensor | None,
+    bn_bias: torch.Tensor | None,
+    running_mean: torch.Tensor,
+    running_var: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fold eval-mode batch norm into the convolution: ``conv(x, w', b') == bn(conv(x, w, b))`` with running stats."""
+    scale = torch.rsqrt(running_var + eps)
+    if bn_weight is not None:
+        scale = scale * bn_weight
+    w = weight * scale.to(weight.dtype)[:, None, None, None]
+    b = -running_mean * scale
+    if bias is not None:
+        b = b + bias * scale
+    if bn_bias is not None:
+        b = b + bn_bias
+    return w, b.to(weight.dtype)

@@ -1,0 +1,142 @@
+"""``LinearDropoutFunction`` (autograd) and :func:`linear_dropout` with backend dispatch.
+
+Compared with eager ``dropout(linear(x)) + residual``, the function saves only ``x``, ``weight`` and an integer seed:
+no GEMM output and no mask (eager autograd keeps a bool mask of the output's size, and the dropout output for the add).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+
+from lightning_accel.ops._triton import Backend, resolve_backend, use_triton
+from lightning_accel.ops.linear_dropout import reference
+
+__all__ = ["LinearDropoutFunction", "linear_dropout", "new_seed"]
+
+
+def new_seed() -> int:
+    """A dropout seed from torch's default CPU generator (so ``torch.manual_seed`` makes runs repeatable, no sync)."""
+    return int(torch.randint(0, 2**31 - 1, (1,)).item())
+
+
+class LinearDropoutFunction(torch.autograd.Function):
+    """``dropout(x @ weight.T + bias, p) (+ residual)`` with the dropout mask regenerated from ``seed`` in backward.
+
+    All tensors must already have their compute dtypes (the :func:`linear_dropout` wrapper applies autocast). The
+    output dtype is ``x``'s, promoted with the residual's (as eager ``residual + y`` would).
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        residual: torch.Tensor | None,
+        p: float,
+        seed: int,
+        backend: Backend,
+        gemm: str,
+    ) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        r2 = residual.reshape(-1, residual.shape[-1]).contiguous() if residual is not None else None
+        out_dtype = torch.promote_types(x.dtype, residual.dtype) if residual is not None else x.dtype
+        on_triton = use_triton(x, backend)
+        if on_triton:
+            from lightning_accel.ops.linear_dropout import triton as kernels
+
+            out = kernels.forward(x2, weight, bias, r2, seed, p, out_dtype, gemm)
+        else:
+            y = torch.mm(x2, weight.t())
+            out = reference.epilogue_forward(y, bias, r2, seed, p, out_dtype)
+        ctx.save_for_backward(x2, weight)
+        ctx.p, ctx.seed, ctx.on_triton = p, seed, on_triton
+        ctx.has_bias, ctx.bias_dtype = bias is not None, bias.dtype if bias is not None else None
+        ctx.has_residual, ctx.res_dtype = residual is not None, residual.dtype if residual is not None else None
+        ctx.lead = lead
+        return out.view(*lead, weight.shape[0])
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[Any, ...]:
+        x2, weight = ctx.saved_tensors
+        d2 = dout.reshape(-1, dout.shape[-1])
+        if ctx.on_triton:
+            from lightning_accel.ops.linear_dropout import triton as kernels
+
+            dz = kernels.dropout_backward(d2, ctx.seed, ctx.p, x2.dtype)
+        else:
+            dz = reference.dropout_backward(d2, ctx.seed, ctx.p, x2.dtype)
+        dx = dw = db = dres = None
+        if ctx.needs_input_grad[0]:
+            dx = torch.mm(dz, weight).view(*ctx.lead, weight.shape[1])
+        if ctx.needs_input_grad[1]:
+            dw = torch.mm(dz.t(), x2)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dz.sum(0, dtype=torch.float32 if dz.dtype in (torch.float16, torch.bfloat16) else dz.dtype)
+            db = db.to(ctx.bias_dtype)
+        if ctx.has_residual and ctx.needs_input_grad[3]:
+            dres = dout.to(ctx.res_dtype)
+        return dx, dw, db, dres, None, None, None, None
+
+
+def linear_dropout(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    p: float = 0.0,
+    training: bool = True,
+    residual: torch.Tensor | None = None,
+    seed: int | None = None,
+    backend: Backend = "auto",
+    gemm: Literal["torch", "triton"] = "torch",
+) -> torch.Tensor:
+    """``dropout(F.linear(x, weight, bias), p, training) (+ residual)`` in one fused pass after the GEMM.
+
+    Honours ``torch.autocast``: inside an autocast region ``x``, ``weight`` and ``bias`` are cast to the autocast
+    dtype first (as ``F.linear`` would be), outside of the function so gradients flow back to float32 parameters.
+
+    Args:
+        x: input (..., K).
+        weight: (N, K).
+        bias: (N,) or None.
+        p: dropout probability in [0, 1).
+        training: apply dropout (``False``: ``p`` is ignored).
+        residual: (..., N) tensor added after dropout, or None.
+        seed: the dropout seed; by default drawn from torch's CPU generator.
+        backend: ``"auto"`` (Triton on CUDA, eager ``F.linear`` + ``F.dropout`` elsewhere), ``"triton"``,
+            ``"reference"`` (the function's torch path, mask from a ``torch.Generator``) or ``"eager"``.
+        gemm: ``"torch"`` (cuBLAS GEMM + Triton epilogue) or ``"triton"`` (GEMM and epilogue in one Triton kernel).
+    """
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"`p` must be in [0, 1), got {p}. Use p=0 for no dropout.")
+    if gemm not in ("torch", "triton"):
+        raise ValueError(f"`gemm` must be 'torch' or 'triton', got {gemm!r}.")
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"`x` has {x.shape[-1]} input features but `weight` has shape {tuple(weight.shape)}; expected (N, "
+            f"{x.shape[-1]})."
+        )
+    if residual is not None and residual.shape != (*x.shape[:-1], weight.shape[0]):
+        raise ValueError(
+            f"`residual` must have the output's shape {(*x.shape[:-1], weight.shape[0])}, got {tuple(residual.shape)}."
+        )
+    p = p if training else 0.0
+    path = resolve_backend(x, backend)
+    if path == "eager":
+        y = F.dropout(F.linear(x, weight, bias), p, training=p > 0)
+        return y if residual is None else residual + y
+    seed = (new_seed() if p > 0 else 0) if seed is None else seed  # no draw without dropout: RNG streams stay as eager
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        x, weight = x.to(dtype), weight.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
+        with torch.autocast(device_type, enabled=False):
+            return LinearDropoutFunction.apply(x, weight, bias, residual, p, seed, path, gemm)
+    weight = weight.to(x.dtype)
+    bias = bias.to(x.dtype) if bias is not None else None
+    return LinearDropoutFunction.apply(x, weight, bias, residual, p, seed, path, gemm)

@@ -1,0 +1,69 @@
+"""Pure-torch Linear -> Dropout (-> + residual): the test oracle and the CPU path of the fused function.
+
+The dropout mask is a function of ``(seed, shape, p)`` only, so the backward regenerates it instead of storing it.
+On this path it comes from a ``torch.Generator`` seeded with ``seed``; the Triton path draws it with
+``tl.rand`` (Philox) from the same seed. Both are valid dropout masks, but not the same bits: compare paths with
+an explicit mask.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["dropout_backward", "dropout_mask", "epilogue_forward", "linear_dropout"]
+
+
+def linear_dropout(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    keep: torch.Tensor | None,
+    p: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Oracle: ``F.linear(x, weight, bias) * keep / (1 - p) (+ residual)``; ``keep=None`` means no dropout."""
+    y = F.linear(x, weight, bias)
+    if keep is not None:
+        y = y * keep.to(y.dtype) / (1.0 - p)
+    return y if residual is None else y + residual
+
+
+def dropout_mask(seed: int, shape: tuple[int, ...], p: float, device: torch.device | str) -> torch.Tensor:
+    """The boolean keep-mask of this path: ``rand(shape) >= p`` from a generator seeded with ``seed``."""
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return torch.rand(shape, generator=g, device=device) >= p
+
+
+def _acc(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def epilogue_forward(
+    y: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    seed: int,
+    p: float,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``(y + bias) * keep / (1 - p) + residual`` for the 2-D GEMM output ``y``, accumulated in float32."""
+    z = _acc(y)
+    if bias is not None:
+        z = z + _acc(bias)
+    if p > 0:
+        z = torch.where(dropout_mask(seed, tuple(y.shape), p, y.device), z / (1.0 - p), torch.zeros_like(z))
+    if residual is not None:
+        z = z + _acc(residual)
+    return z.to(out_dtype)
+
+
+def dropout_backward(dout: torch.Tensor, seed: int, p: float, dtype: torch.dtype) -> torch.Tensor:
+    """``dout * keep / (1 - p)`` with the mask regenerated from ``seed``, cast to ``dtype`` (the GEMM's dtype)."""
+    if p == 0:
+        return dout.to(dtype)
+    keep = dropout_mask(seed, tuple(dout.shape), p, dout.device)
+    return torch.where(keep, _acc(dout) / (1.0 - p), torch.zeros((), dtype=_acc(dout).dtype, device=dout.device)).to(
+        dtype
+    )

@@ -1,0 +1,98 @@
+"""``NormFunction`` (autograd) and the ``layer_norm`` / ``rms_norm`` entry points with backend dispatch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lightning_accel.ops._triton import Backend, resolve_backend, use_triton
+from lightning_accel.ops.norm import reference
+
+__all__ = ["NormFunction", "layer_norm", "rms_norm"]
+
+
+def _impl(on_triton: bool) -> Any:
+    if on_triton:
+        from lightning_accel.ops.norm import triton as impl  # lazy: importing triton costs ~1 s
+
+        return impl
+    return reference
+
+
+class NormFunction(torch.autograd.Function):
+    """LayerNorm (``rms=False``) or RMSNorm (``rms=True``) over the last dimension with a hand-written backward.
+
+    Saves the input and two float32 numbers per row (mean, 1/std), like ``torch``'s own kernel. The output has the
+    input's dtype; statistics are accumulated in float32 (float64 inputs stay float64 on the reference path).
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        eps: float,
+        rms: bool,
+        backend: Backend,
+    ) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        on_triton = use_triton(x, backend)
+        y, mean, rstd = _impl(on_triton).norm_forward(x2, weight, bias, eps, rms)
+        ctx.save_for_backward(x2, weight, mean, rstd)
+        ctx.rms, ctx.on_triton, ctx.has_bias = rms, on_triton, bias is not None and not rms
+        return y.view(shape)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
+        x2, weight, mean, rstd = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dx, dw, db = _impl(ctx.on_triton).norm_backward(dy2, x2, weight, mean, rstd, ctx.rms, ctx.has_bias)
+        return dx.view(dy.shape), dw, db, None, None, None
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor | None, name: str) -> None:
+    if weight is not None and weight.shape != (x.shape[-1],):
+        raise ValueError(
+            f"`{name}` normalises the last dimension ({x.shape[-1]}) and needs a weight of shape ({x.shape[-1]},), "
+            f"got {tuple(weight.shape)}. Pass `normalized_shape` equal to the last dimension only."
+        )
+
+
+def layer_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """LayerNorm over the last dimension: Triton kernels on CUDA, the torch reference elsewhere.
+
+    Args:
+        x: input (..., N).
+        weight: (N,) scale, or None.
+        bias: (N,) shift, or None.
+        eps: variance epsilon.
+        backend: ``"auto"`` (Triton on CUDA, ``F.layer_norm`` elsewhere), ``"triton"`` (force; a CPU needs
+            ``TRITON_INTERPRET=1``), ``"reference"`` (the function's torch path) or ``"eager"``.
+    """
+    _check(x, weight, "layer_norm")
+    path = resolve_backend(x, backend)
+    if path == "eager":
+        return reference.layer_norm(x, weight, bias, eps)
+    return NormFunction.apply(x, weight, bias, eps, False, path)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6, backend: Backend = "auto"
+) -> torch.Tensor:
+    """RMSNorm over the last dimension (``x / sqrt(mean(x**2) + eps) * weight``); dispatch as :func:`layer_norm`."""
+    _check(x, weight, "rms_norm")
+    path = resolve_backend(x, backend)
+    if path == "eager":
+        return reference.rms_norm(x, weight, eps)
+    return NormFunction.apply(x, weight, None, eps, True, path)

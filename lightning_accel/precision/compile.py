@@ -1,0 +1,69 @@
+"""``torch.compile`` applied in place, with a fallback to eager (and one clear warning) when compilation fails.
+
+``nn.Module.compile()`` stores ``torch.compile(module._call_impl)`` in ``module._compiled_call_impl``, which
+``nn.Module.__call__`` prefers; :func:`compile_in_place` stores a guarded version there instead, so the module object
+(and DDP's reference to it) stays the same. Compilation is lazy: it happens, and can fail, at the first call.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["CompileFallback", "compile_in_place", "compile_errors"]
+
+
+def compile_errors() -> tuple[type[BaseException], ...]:
+    """Exception types that mean "compilation failed" (not "the model is wrong"), across torch versions."""
+    errors: list[type[BaseException]] = []
+    try:
+        from torch._dynamo import exc as dynamo_exc
+
+        errors.append(dynamo_exc.TorchDynamoException)
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        from torch._inductor import exc as inductor_exc
+
+        mod = inductor_exc.__name__
+        errors += [v for v in vars(inductor_exc).values() if isinstance(v, type) and v.__module__ == mod]
+    except ImportError:  # pragma: no cover
+        pass
+    return tuple(errors) or (RuntimeError,)
+
+
+class CompileFallback:
+    """The callable installed as ``module._compiled_call_impl``: compiled first, eager for good after a failure."""
+
+    def __init__(self, module: nn.Module, **compile_kwargs: Any) -> None:
+        self.eager = module._call_impl
+        self.compiled = torch.compile(module._call_impl, **compile_kwargs)
+        self.name = type(module).__name__
+        self.failed: BaseException | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.failed is None:
+            try:
+                return self.compiled(*args, **kwargs)
+            except compile_errors() as e:
+                self.failed = e
+                first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+                warnings.warn(
+                    f"`torch.compile` failed for {self.name} ({type(e).__name__}: {first}); running it eagerly (the "
+                    "fused ops still apply). Pass `compile=False` to silence this, or fix the cause above (a C++ "
+                    "compiler for inductor on CPU, a supported GPU for Triton on CUDA).",
+                    UserWarning,
+                    stacklevel=2,
+                )
+        return self.eager(*args, **kwargs)
+
+
+def compile_in_place(module: nn.Module, **compile_kwargs: Any) -> bool:
+    """Compile ``module``'s ``__call__`` in place (idempotent); returns False if it was already compiled."""
+    if isinstance(getattr(module, "_compiled_call_impl", None), CompileFallback):
+        return False
+    module._compiled_call_impl = CompileFallback(module, **compile_kwargs)
+    return True

@@ -1,0 +1,124 @@
+"""``FusedPrecision``: Lightning's ``MixedPrecision`` plus in-place module surgery (and optional ``torch.compile``).
+
+The Lightning adapter of this room: the surgery itself is :func:`~lightning_accel.precision.apply_fusions`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
+from typing_extensions import override
+
+from lightning_accel.ops._triton import check_backend
+from lightning_accel.precision.compile import compile_in_place
+from lightning_accel.precision.surgery import DEFAULT_POLICY, FusionReport, Replacement, apply_fusions
+
+__all__ = ["FusedPrecision"]
+
+
+class FusedPrecision(MixedPrecision):
+    """Mixed precision (``torch.autocast`` + ``GradScaler`` for ``"16-mixed"``) with fused operators.
+
+    ``convert_module`` modifies the model *in place* (DDP ignores its return value): it swaps matched sub-modules to
+    fused forwards (Conv+BN+ReLU, Linear+Dropout(+residual), packed QKV, LayerNorm/RMSNorm kernels; see
+    :mod:`lightning_accel.precision.surgery`), logs a table of what was fused, and warns when nothing matched. On CUDA
+    the Linear+Dropout and norm ops run Triton kernels; elsewhere their torch references. The GradScaler state is part
+    of the checkpoint (``state_dict``/``load_state_dict`` inherited from ``MixedPrecision``). Being a
+    ``MixedPrecision``, ``ThroughputMonitor`` derives the right peak FLOPs from it.
+
+    Pass it instead of ``Trainer(precision=...)``: ``Trainer(plugins=[FusedPrecision("bf16-mixed")])``.
+
+    Args:
+        precision: ``"bf16-mixed"`` or ``"16-mixed"``.
+        device: the autocast device type; default ``"cuda"`` when available, else ``"cpu"``.
+        scaler: a custom ``torch.amp.GradScaler`` (16-mixed only).
+        fusions: pattern names to apply (default: all of ``conv_bn_relu``, ``linear_dropout``, ``qkv``, ``norm``), or a
+            custom ``{pattern: [Replacement]}`` policy.
+        ignore_modules: qualified module names (relative to the LightningModule, e.g. ``"model.blocks.0"``) or classes
+            to leave unfused.
+        compile: ``torch.compile`` the LightningModule's ``__call__`` after surgery, in place; if compilation fails
+            at the first call, a warning says why and training continues eagerly.
+        compile_kwargs: keyword arguments for ``torch.compile`` (e.g. ``{"mode": "max-autotune"}``).
+        backend: how fused modules compute: ``"auto"`` (Triton kernels and the memory-saving functions on CUDA;
+            plain torch ops on other devices, where they are faster), ``"reference"`` (the fused functions' torch
+            path on any device), ``"triton"`` or ``"eager"``.
+    """
+
+    def __init__(
+        self,
+        precision: Literal["bf16-mixed", "16-mixed"] = "bf16-mixed",
+        device: str | None = None,
+        scaler: torch.amp.GradScaler | None = None,
+        fusions: Sequence[str] | Mapping[str, Sequence[Replacement]] | None = None,
+        ignore_modules: Sequence[str | type] = (),
+        compile: bool = False,
+        compile_kwargs: dict[str, Any] | None = None,
+        backend: Literal["auto", "triton", "reference", "eager"] = "auto",
+    ) -> None:
+        if precision not in ("bf16-mixed", "16-mixed"):
+            raise ValueError(
+                f"`precision` must be 'bf16-mixed' or '16-mixed', got {precision!r}. FusedPrecision carries the "
+                "precision mode itself: pass it here and drop `Trainer(precision=...)`."
+            )
+        if fusions is not None and not isinstance(fusions, Mapping):
+            fusions = [fusions] if isinstance(fusions, str) else list(fusions)
+            unknown = [f for f in fusions if f not in DEFAULT_POLICY]
+            if unknown:
+                raise ValueError(
+                    f"`fusions` has unknown pattern(s) {unknown}; expected names from {sorted(DEFAULT_POLICY)}."
+                )
+        check_backend(backend)
+        super().__init__(precision, device or ("cuda" if torch.cuda.is_available() else "cpu"), scaler)
+        # without an explicit device, follow the Trainer's accelerator at setup (see `convert_module`)
+        self._follow_trainer_device = device is None and scaler is None
+        self.fusions = fusions
+        self.ignore_modules = tuple(ignore_modules)
+        self.compile = compile
+        self.compile_kwargs = dict(compile_kwargs or {})
+        self.backend = backend
+        self.report: FusionReport | None = None
+
+    @override
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """Fuse in place (idempotent), optionally compile in place, and return the same object."""
+        self._adopt_trainer_device(module)
+        report = apply_fusions(
+            module,
+            self.fusions,
+            self.ignore_modules,
+            optimizers=_existing_optimizers(module),
+            backend=self.backend,
+        )
+        if self.report is None or len(report):
+            self.report = report
+        if report.records:
+            rank_zero_info(f"FusedPrecision fused {report.counts()} (backend={self.backend!r}):\n{report.table()}")
+        if self.compile:
+            compile_in_place(module, **self.compile_kwargs)
+        return module
+
+    def _adopt_trainer_device(self, module: nn.Module) -> None:
+        """Autocast (and a default GradScaler) on the device type the Trainer actually uses, e.g. ``cpu`` on a GPU
+        machine with ``accelerator="cpu"``."""
+        trainer = getattr(module, "_trainer", None)
+        if not self._follow_trainer_device or trainer is None:
+            return
+        device_type = trainer.strategy.root_device.type
+        if device_type == self.device:
+            return
+        self.device = device_type
+        if self.scaler is not None:
+            self.scaler = torch.amp.GradScaler(device=device_type)
+
+
+def _existing_optimizers(module: nn.Module) -> list[torch.optim.Optimizer]:
+    """Optimizers the attached Trainer already built (none on a first ``fit``: Lightning converts modules first)."""
+    trainer = getattr(module, "_trainer", None)
+    if trainer is None:
+        return []
+    return [getattr(o, "_optimizer", o) for o in getattr(trainer.strategy, "optimizers", [])]

@@ -1,0 +1,146 @@
+"""Conv2d -> BatchNorm2d (-> ReLU): the recomputing function against the three eager modules, running statistics,
+eval-mode folding, autocast, saved-memory accounting and gradcheck."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_accel.ops.conv_bn_relu import ConvBNReLUFunction, conv_bn_relu, fold_bn_into_conv, reference
+from tests.ops._cases import DTYPE_IDS, DTYPES, assert_close, assert_grad_close, leaves
+
+# (N, C_in, H, W), C_out, kernel, stride, padding, groups
+CASES = [((3, 5, 9, 7), 6, 3, 2, 1, 1), ((2, 4, 5, 11), 8, 1, 1, 0, 2), ((1, 3, 6, 6), 3, 3, 1, "same", 3)]
+
+
+def _params(case: tuple, dtype: torch.dtype, bias: bool) -> tuple[torch.Tensor, ...]:
+    shape, c_out, k, _, _, groups = case
+    x = torch.randn(shape).to(dtype)
+    fan_in = shape[1] // groups * k * k
+    w = (torch.randn(c_out, shape[1] // groups, k, k) / fan_in**0.5).to(dtype)
+    b = (torch.randn(c_out) * 0.1).to(dtype) if bias else None
+    return x, w, b, torch.rand(c_out) + 0.5, torch.randn(c_out) * 0.1
+
+
+@pytest.mark.parametrize("case", CASES, ids=["stride2", "grouped1x1", "depthwise_same"])
+@pytest.mark.parametrize(("dtype", "atol", "rtol"), DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("relu", [True, False], ids=["relu", "no_relu"])
+def test_train_forward_backward_and_running_stats(
+    case: tuple, dtype: torch.dtype, atol: float, rtol: float, relu: bool
+) -> None:
+    torch.manual_seed(0)
+    _, c_out, _, stride, padding, groups = case
+    x, w, b, g, be = _params(case, dtype, bias=True)
+    stats = (torch.zeros(c_out), torch.ones(c_out))
+    stats_ref = (torch.zeros(c_out), torch.ones(c_out))
+    xs, ws, bs, gs, bes = leaves(x, w, b, g, be)
+    y = conv_bn_relu(
+        xs, ws, bs, gs, bes, *stats, True, 0.1, 1e-5, stride, padding, 1, groups, relu, backend="reference"
+    )
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    xr, wr, br, gr, ber = leaves(x.float(), w.float(), b.float(), g, be)
+    yr = reference.conv_bn_relu(xr, wr, br, gr, ber, *stats_ref, True, 0.1, 1e-5, stride, padding, 1, groups, relu)
+    yr.backward(dy.float())
+    assert y.dtype == dtype
+    assert_close(y, yr, atol, rtol)
+    for got, exp in [(xs, xr), (ws, wr), (gs, gr), (bes, ber)]:
+        assert_grad_close(got.grad, exp.grad, atol, rtol)
+    if dtype == torch.float32:  # the conv bias cancels under BN: its gradient is rounding noise in half precision
+        assert_close(bs.grad, br.grad, atol * 10, rtol)
+    assert_close(stats[0], stats_ref[0], atol, rtol)
+    assert_close(stats[1], stats_ref[1], atol, rtol)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_eval_folds_running_stats(bias: bool) -> None:
+    torch.manual_seed(0)
+    x, w, b, g, be = _params(CASES[0], torch.float32, bias)
+    rm, rv = torch.randn(6) * 0.1, torch.rand(6) + 0.5
+    y = conv_bn_relu(x, w, b, g, be, rm, rv, False, 0.1, 1e-5, 2, 1, backend="reference")
+    yr = reference.conv_bn_relu(x, w, b, g, be, rm, rv, False, 0.1, 1e-5, 2, 1)
+    torch.testing.assert_close(y, yr, atol=1e-5, rtol=1e-5)
+    wf, bf = fold_bn_into_conv(w, b, g, be, rm, rv, 1e-5)
+    assert wf.shape == w.shape and bf.shape == (6,)
+
+
+def test_saves_less_activation_memory_than_eager() -> None:
+    torch.manual_seed(0)
+    conv, bn = torch.nn.Conv2d(8, 16, 3, padding=1, bias=False), torch.nn.BatchNorm2d(16)
+    x = torch.randn(4, 8, 16, 16, requires_grad=True)
+
+    def saved_bytes(fn: object) -> int:
+        seen: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn()  # type: ignore[operator]
+        return sum(seen.values())
+
+    eager = saved_bytes(lambda: torch.relu(bn(conv(x))))
+    fused = saved_bytes(
+        lambda: conv_bn_relu(
+            x,
+            conv.weight,
+            None,
+            bn.weight,
+            bn.bias,
+            bn.running_mean,
+            bn.running_var,
+            True,
+            0.1,
+            1e-5,
+            1,
+            1,
+            backend="reference",
+        )
+    )
+    activation = 4 * 16 * 16 * 16 * 4  # one fp32 conv output
+    # eager keeps x, the conv output and the BN/ReLU output; fused keeps x (+ weights and per-channel stats)
+    assert eager - fused >= 2 * activation - 1024
+
+
+def test_autocast_runs_conv_in_bf16_and_statistics_in_fp32() -> None:
+    torch.manual_seed(0)
+    x, w, _, g, be = _params(CASES[0], torch.float32, bias=False)
+    ws = w.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = conv_bn_relu(x, ws, None, g, be, None, None, True, 0.1, 1e-5, 2, 1, backend="reference")
+    assert y.dtype == torch.bfloat16
+    yr = reference.conv_bn_relu(x, w, None, g, be, None, None, True, 0.1, 1e-5, 2, 1)
+    assert_close(y, yr, 5e-2, 5e-2)  # bf16 inputs to the conv
+    y.float().sum().backward()
+    assert ws.grad is not None and ws.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("relu", [True, False])
+def test_gradcheck_float64(relu: bool) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(2, 2, 3, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(2, 2, 3, 3, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(2, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(2, dtype=torch.float64, requires_grad=True)
+    be = torch.randn(2, dtype=torch.float64, requires_grad=True)
+
+    def fn(*args: torch.Tensor) -> torch.Tensor:
+        return ConvBNReLUFunction.apply(*args, None, None, 0.1, 1e-5, (1, 1, 1, 1), relu)
+
+    assert torch.autograd.gradcheck(fn, (x, w, b, g, be))
+
+
+def test_auto_is_eager_on_cpu_and_eager_matches() -> None:
+    torch.manual_seed(0)
+    x, w, b, g, be = _params(CASES[0], torch.float32, bias=True)
+    ws = w.clone().requires_grad_()
+    y = conv_bn_relu(x, ws, b, g, be, None, None, True, 0.1, 1e-5, 2, 1)  # auto, CPU tensors
+    yr = reference.conv_bn_relu(x, w, b, g, be, None, None, True, 0.1, 1e-5, 2, 1)
+    torch.testing.assert_close(y, yr)
+    assert y.grad_fn is not None and "ConvBNReLU" not in type(y.grad_fn).__name__
+
+
+def test_bad_input_rank() -> None:
+    with pytest.raises(ValueError, match="`x` must be a 4-D"):
+        conv_bn_relu(torch.randn(3, 4, 5), torch.randn(2, 4, 1, 1), None, None, None, None, None, True, 0.1, 1e-5)

@@ -1,0 +1,126 @@
+"""Linear -> Dropout (-> + residual): the autograd function's torch path against the oracle, mask regeneration,
+autocast, gradcheck, argument errors. The Triton kernels: ``test_triton_interpreter.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_accel.ops.linear_dropout import LinearDropoutFunction, linear_dropout, reference
+from tests.ops._cases import DTYPE_IDS, DTYPES, assert_close, assert_grad_close, leaves
+
+SHAPES = [((13, 19), 23), ((3, 7, 33), 5), ((1, 1), 1)]  # (input shape, out features)
+
+
+def _inputs(in_shape: tuple[int, ...], n: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    k = in_shape[-1]
+    x = torch.randn(in_shape).to(dtype)
+    w = (torch.randn(n, k) / k**0.5).to(dtype)
+    b = (torch.randn(n) * 0.1).to(dtype)
+    r = torch.randn(*in_shape[:-1], n).to(dtype)
+    return x, w, b, r
+
+
+@pytest.mark.parametrize(("in_shape", "n"), SHAPES, ids=str)
+@pytest.mark.parametrize(("dtype", "atol", "rtol"), DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("p", [0.0, 0.3])
+@pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "no_residual"])
+def test_forward_backward_match_reference(
+    in_shape: tuple[int, ...], n: int, dtype: torch.dtype, atol: float, rtol: float, p: float, with_residual: bool
+) -> None:
+    torch.manual_seed(0)
+    x, w, b, r = _inputs(in_shape, n, dtype)
+    r = r if with_residual else None
+    dy = torch.randn(*in_shape[:-1], n).to(dtype)
+    seed = 1234
+    keep = reference.dropout_mask(seed, (x[..., 0].numel(), n), p, "cpu").view(*in_shape[:-1], n) if p else None
+    xs, ws, bs, rs = leaves(x, w, b, r)
+    y = linear_dropout(xs, ws, bs, p, True, rs, seed=seed, backend="reference")
+    y.backward(dy)
+    xr, wr, br, rr = leaves(x.float(), w.float(), b.float(), r.float() if r is not None else None)
+    yr = reference.linear_dropout(xr, wr, br, keep, p, rr)
+    yr.backward(dy.float())
+    assert y.dtype == dtype
+    assert_close(y, yr, atol, rtol)
+    assert_grad_close(xs.grad, xr.grad, atol, rtol, factor=2)  # a GEMM over the rounded dropout gradient
+    assert_grad_close(ws.grad, wr.grad, atol, rtol)
+    assert_grad_close(bs.grad, br.grad, atol, rtol)
+    if with_residual:
+        assert_close(rs.grad, rr.grad, atol, rtol)
+
+
+def test_mask_is_regenerated_not_stored_and_matches_forward() -> None:
+    torch.manual_seed(0)
+    x, w, b, _ = _inputs((64, 16), 32, torch.float32)
+    xs = x.clone().requires_grad_()
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = linear_dropout(xs, w, None, 0.5, True, seed=7, backend="reference")
+    # only x and weight are saved: no mask, no pre-dropout output
+    assert sorted(tuple(t.shape) for t in saved) == [(32, 16), (64, 16)]
+    dropped = y == 0
+    assert 0.4 < dropped.float().mean().item() < 0.6
+    # the gradient of y.sum() wrt the pre-dropout activations is zero exactly where forward dropped
+    y.sum().backward()
+    keep = ~dropped
+    expected = (keep.float() / 0.5) @ w
+    torch.testing.assert_close(xs.grad, expected)
+
+
+def test_seed_drawn_from_torch_rng_makes_runs_repeatable() -> None:
+    x, w = torch.randn(8, 4), torch.randn(6, 4)
+    torch.manual_seed(3)
+    a = linear_dropout(x, w, p=0.5, backend="reference")
+    torch.manual_seed(3)
+    b = linear_dropout(x, w, p=0.5, backend="reference")
+    torch.manual_seed(4)
+    c = linear_dropout(x, w, p=0.5, backend="reference")
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_eval_means_no_dropout() -> None:
+    x, w, b, r = _inputs((5, 6), 7, torch.float32)
+    for backend in ("auto", "reference"):
+        y = linear_dropout(x, w, b, 0.9, training=False, residual=r, backend=backend)  # type: ignore[arg-type]
+        torch.testing.assert_close(y, reference.linear_dropout(x, w, b, None, 0.0, r))
+
+
+def test_autocast_casts_like_linear_and_grads_reach_fp32_params() -> None:
+    torch.manual_seed(0)
+    x, w, b, r = _inputs((9, 8), 5, torch.float32)
+    ws, bs = leaves(w, b)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = linear_dropout(x, ws, bs, 0.0, True, residual=r, backend="reference")
+        y_plain = linear_dropout(x, ws, bs, 0.0, True, backend="reference")
+        expected = torch.nn.functional.linear(x, w, b)
+    assert y.dtype == torch.float32  # bf16 GEMM + fp32 residual promotes, as `residual + linear(x)` does
+    assert y_plain.dtype == torch.bfloat16
+    torch.testing.assert_close(y_plain, expected, atol=2e-2, rtol=2e-2)
+    y.sum().backward()
+    assert ws.grad is not None and ws.grad.dtype == torch.float32 and bs.grad.dtype == torch.float32
+
+
+def test_gradcheck_float64() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 6, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    r = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
+
+    def fn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        return LinearDropoutFunction.apply(x, w, b, r, 0.25, 99, "reference", "torch")
+
+    assert torch.autograd.gradcheck(fn, (x, w, b, r))
+
+
+def test_bad_arguments() -> None:
+    x, w = torch.randn(3, 4), torch.randn(5, 4)
+    with pytest.raises(ValueError, match=r"`p` must be in \[0, 1\), got 1.0"):
+        linear_dropout(x, w, p=1.0)
+    with pytest.raises(ValueError, match="`weight` has shape"):
+        linear_dropout(x, torch.randn(5, 3))
+    with pytest.raises(ValueError, match="`residual` must have the output's shape"):
+        linear_dropout(x, w, residual=torch.randn(3, 4))
+    with pytest.raises(ValueError, match="`gemm`"):
+        linear_dropout(x, w, gemm="cublas")  # type: ignore[arg-type]

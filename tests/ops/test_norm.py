@@ -1,0 +1,80 @@
+"""LayerNorm / RMSNorm: the autograd function's torch path against the oracle, gradcheck, argument errors.
+
+The Triton kernels are checked against the same oracle under the interpreter (``test_triton_interpreter.py``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_accel.ops.norm import NormFunction, layer_norm, reference, rms_norm
+from tests.ops._cases import DTYPE_IDS, DTYPES, assert_close, assert_grad_close, leaves
+
+SHAPES = [(7, 37), (2, 5, 129), (1, 1)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize(("dtype", "atol", "rtol"), DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+def test_forward_backward_match_reference(
+    shape: tuple[int, ...], dtype: torch.dtype, atol: float, rtol: float, rms: bool
+) -> None:
+    torch.manual_seed(0)
+    n = shape[-1]
+    x = torch.randn(shape).to(dtype)
+    w, b = torch.randn(n) * 0.5 + 1, torch.randn(n) * 0.1
+    dy = torch.randn(shape).to(dtype)
+    xs, ws, bs = leaves(x, w, b)
+    y = rms_norm(xs, ws, 1e-5, backend="reference") if rms else layer_norm(xs, ws, bs, 1e-5, backend="reference")
+    y.backward(dy)
+    xr, wr, br = leaves(x.float(), w, b)
+    yr = reference.rms_norm(xr, wr, 1e-5) if rms else reference.layer_norm(xr, wr, br, 1e-5)
+    yr.backward(dy.float())
+    assert y.dtype == dtype
+    assert_close(y, yr, atol, rtol)
+    assert_close(xs.grad, xr.grad, atol, rtol)
+    assert_grad_close(ws.grad, wr.grad, atol, rtol)
+    if not rms:
+        assert_grad_close(bs.grad, br.grad, atol, rtol)
+    else:
+        assert bs.grad is None
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("affine", [True, False])
+def test_gradcheck_float64(rms: bool, affine: bool) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, 11, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(11, dtype=torch.float64, requires_grad=True) if affine else None
+    b = torch.randn(11, dtype=torch.float64, requires_grad=True) if affine and not rms else None
+    inputs = tuple(t for t in (x, w, b) if t is not None)
+
+    def fn(*args: torch.Tensor) -> torch.Tensor:
+        it = iter(args)
+        xx = next(it)
+        ww = next(it) if w is not None else None
+        bb = next(it) if b is not None else None
+        return NormFunction.apply(xx, ww, bb, 1e-5, rms, "reference")
+
+    assert torch.autograd.gradcheck(fn, inputs)
+
+
+def test_non_contiguous_input() -> None:
+    x = torch.randn(9, 6).t()  # (6, 9), last dim strided
+    w = torch.ones(9)
+    torch.testing.assert_close(layer_norm(x, w, None, backend="reference"), reference.layer_norm(x, w, None, 1e-5))
+
+
+def test_bad_weight_shape_and_backend() -> None:
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match=r"`layer_norm`.*\(8,\)"):
+        layer_norm(x, torch.ones(7))
+    with pytest.raises(ValueError, match="`backend`"):
+        layer_norm(x, torch.ones(8), backend="cuda")  # type: ignore[arg-type]
+
+
+def test_forced_triton_without_cuda_or_interpreter_fails_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        layer_norm(torch.randn(2, 4), backend="triton")

@@ -1,0 +1,192 @@
+"""FusedPrecision inside a Trainer: 30 steps against MixedPrecision (tiny CNN and tiny transformer), GradScaler state
+through a checkpoint, and DDP (gloo, 2 processes) doing the surgery in place."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_accel.models import ImageClassifier, TinyGPT
+from lightning_accel.precision import FusedPrecision
+from lightning_accel.precision.modules import FusedAttentionMixin, FusedBasicBlockMixin, is_fused
+from tests.helpers import run_in_processes
+
+STEPS = 30
+
+
+class LossRecorder(Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
+def _image_loader() -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    y = torch.randint(0, 4, (128,), generator=g)
+    x = torch.randn(128, 3, 8, 8, generator=g) * 0.5 + y[:, None, None, None] * 0.3  # learnable
+    return DataLoader(TensorDataset(x, y), batch_size=8, shuffle=False)
+
+
+def _token_loader() -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    start = torch.randint(0, 11, (128, 1), generator=g)
+    tokens = (start + torch.arange(17)) % 11  # counting sequences: learnable
+    return DataLoader(TensorDataset(tokens), batch_size=8, shuffle=False)
+
+
+def _fit(model: L.LightningModule, loader: DataLoader, plugin: Any, tmp_path: Path, **kw: Any) -> list[float]:
+    rec = LossRecorder()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=STEPS,
+        plugins=[plugin],
+        callbacks=[rec],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        **kw,
+    )
+    trainer.fit(model, loader)
+    return rec.losses
+
+
+def _compare(losses: list[float], ref: list[float]) -> None:
+    assert len(losses) == len(ref) == STEPS
+    for i, (a, b) in enumerate(zip(losses, ref, strict=True)):
+        # bf16 autocast: the two runs round differently, so they drift apart slowly; 30 steps stay within 5 %
+        assert abs(a - b) <= 0.05 * abs(b) + 0.02, f"step {i}: fused {a:.4f} vs eager {b:.4f}"
+    assert sum(losses[-5:]) < sum(losses[:5])  # and it learns
+
+
+def test_cnn_30_steps_match_mixed_precision(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    losses_ref = _fit(
+        ImageClassifier(num_classes=4, width=8, blocks=(1, 1)),
+        _image_loader(),
+        MixedPrecision("bf16-mixed", "cpu"),
+        tmp_path,
+    )
+    torch.manual_seed(0)
+    model = ImageClassifier(num_classes=4, width=8, blocks=(1, 1))
+    plugin = FusedPrecision("bf16-mixed", device="cpu", backend="reference")  # exercise the fused functions
+    losses = _fit(model, _image_loader(), plugin, tmp_path)
+    assert is_fused(model.model.layers[0], FusedBasicBlockMixin)
+    assert plugin.report is not None and plugin.report.counts() == {"conv_bn_relu": 5}
+    _compare(losses, losses_ref)
+
+
+def test_transformer_30_steps_match_mixed_precision(tmp_path: Path) -> None:
+    kw = dict(vocab_size=11, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.0, lr=3e-3)
+    torch.manual_seed(0)
+    losses_ref = _fit(TinyGPT(**kw), _token_loader(), MixedPrecision("bf16-mixed", "cpu"), tmp_path)
+    torch.manual_seed(0)
+    model = TinyGPT(**kw)
+    plugin = FusedPrecision("bf16-mixed", device="cpu", backend="reference")  # exercise the fused functions
+    losses = _fit(model, _token_loader(), plugin, tmp_path)
+    assert plugin.report is not None and plugin.report.counts() == {"linear_dropout": 2, "qkv": 2, "norm": 5}
+    _compare(losses, losses_ref)
+
+
+class _ScaleProbe(Callback):
+    def __init__(self) -> None:
+        self.scale_at_start: float | None = None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        self.scale_at_start = trainer.precision_plugin.scaler.get_scale()
+
+
+def test_grad_scaler_state_saved_and_restored(tmp_path: Path) -> None:
+    kw = dict(vocab_size=11, block_size=16, n_layer=1, n_head=2, n_embd=16, dropout=0.1)
+    plugin = FusedPrecision(
+        "16-mixed", device="cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    )
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=6, plugins=[plugin], logger=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path, enable_checkpointing=False,
+    )  # fmt: skip
+    trainer.fit(TinyGPT(**kw), _token_loader())
+    scale = plugin.scaler.get_scale()
+    assert scale != 2.0**10  # it moved (grew every 2 finite steps)
+    ckpt = tmp_path / "fused.ckpt"
+    trainer.save_checkpoint(ckpt)
+    saved = torch.load(ckpt, weights_only=True)
+    assert saved["FusedPrecision"]["scale"] == scale
+    assert "model.blocks.0.attn.q_proj.weight" in saved["state_dict"]  # fused weights saved in the unfused layout
+
+    probe = _ScaleProbe()
+    plugin2 = FusedPrecision("16-mixed", device="cpu")
+    trainer2 = L.Trainer(
+        accelerator="cpu", max_steps=8, plugins=[plugin2], callbacks=[probe], logger=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path, enable_checkpointing=False,
+    )  # fmt: skip
+    trainer2.fit(TinyGPT(**kw), _token_loader(), ckpt_path=ckpt)
+    assert probe.scale_at_start == scale
+
+
+def test_trainer_precision_and_plugin_together_is_refused() -> None:
+    with pytest.raises(ValueError, match="precision"):
+        L.Trainer(accelerator="cpu", precision="bf16-mixed", plugins=[FusedPrecision("bf16-mixed", device="cpu")])
+
+
+class _DDPProbe(Callback):
+    def __init__(self) -> None:
+        self.seen: dict[str, bool] = {}
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        wrapped = trainer.strategy.model  # the DistributedDataParallel wrapper while fitting
+        attn = pl_module.model.blocks[0].attn
+        self.seen = {
+            "ddp_wraps_our_module": wrapped.module is pl_module,
+            "qkv_in_ddp_params": any(p is attn.qkv_proj.weight for p in wrapped.parameters()),
+        }
+
+
+def _ddp_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = TinyGPT(vocab_size=11, block_size=16, n_layer=1, n_head=2, n_embd=16, dropout=0.0)
+    attn = model.model.blocks[0].attn
+    probe = _DDPProbe()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world_size, strategy="ddp", max_steps=3, callbacks=[probe],
+        plugins=[FusedPrecision("bf16-mixed", device="cpu")], logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, default_root_dir=root,
+    )  # fmt: skip
+    trainer.fit(model, _token_loader())
+    return {
+        "same_attn_object": model.model.blocks[0].attn is attn,
+        "attn_fused": is_fused(attn, FusedAttentionMixin),
+        **probe.seen,
+        "weight_sum": float(attn.qkv_proj.weight.sum()),
+    }
+
+
+def test_ddp_surgery_happens_in_place(tmp_path: Path) -> None:
+    results = run_in_processes(_ddp_worker, 2, (str(tmp_path),), init_process_group=False, timeout=240)
+    for r in results:
+        assert r["same_attn_object"] and r["attn_fused"] and r["ddp_wraps_our_module"] and r["qkv_in_ddp_params"]
+    assert results[0]["weight_sum"] == pytest.approx(results[1]["weight_sum"], abs=1e-6)  # ranks stayed in sync
+
+
+def _broken_backend(gm: torch.fx.GraphModule, example_inputs: list) -> None:
+    raise RuntimeError("no compiler on this machine")
+
+
+def test_compile_failure_falls_back_to_eager_in_a_trainer(tmp_path: Path) -> None:
+    kw = dict(vocab_size=11, block_size=16, n_layer=1, n_head=2, n_embd=16, dropout=0.0)
+    plugin = FusedPrecision("bf16-mixed", device="cpu", compile=True, compile_kwargs={"backend": _broken_backend})
+    model = TinyGPT(**kw)
+    with pytest.warns(UserWarning, match="`torch.compile` failed for TinyGPT.*running it eagerly"):
+        losses = _fit(model, _token_loader(), plugin, tmp_path)
+    assert len(losses) == STEPS and model._compiled_call_impl.failed is not None

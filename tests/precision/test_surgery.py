@@ -1,0 +1,322 @@
+"""Module surgery (functional core): what is matched, numerics against the unfused model, in-place-ness,
+idempotence, state_dict compatibility, optimizer references, ignore lists, warnings, compile fallback."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_accel.models import GPT, SmallResNet
+from lightning_accel.precision import FusedPrecision, Replacement, apply_fusions, replace_optimizer_params
+from lightning_accel.precision.compile import compile_in_place
+from lightning_accel.precision.modules import FusedGPTBlockMixin, is_fused
+
+
+def _close_params(a: nn.Module, b: nn.Module, atol: float = 1e-5) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        torch.testing.assert_close(sa[k].float(), sb[k].float(), atol=atol, rtol=1e-4, msg=k)
+
+
+def test_resnet_patterns_numerics_and_in_place() -> None:
+    torch.manual_seed(0)
+    model = SmallResNet(width=8, blocks=(1, 1))
+    ref = copy.deepcopy(model)
+    param_ids = [id(p) for p in model.parameters()]
+    keys = list(model.state_dict())
+    report = apply_fusions(model, backend="reference")  # the fused functions' torch path, not eager ops
+    assert report.counts() == {"conv_bn_relu": 5}  # stem, 2 blocks, 2 downsamples
+    assert {r.module for r in report.records} == {
+        "stem",
+        "layers.0",
+        "layers.0.downsample",
+        "layers.1",
+        "layers.1.downsample",
+    }
+    assert [id(p) for p in model.parameters()] == param_ids and list(model.state_dict()) == keys
+    assert isinstance(model.layers[0], type(ref.layers[0]))  # the class swap keeps isinstance
+    x = torch.randn(4, 3, 16, 16)
+    for _ in range(2):  # two steps: running statistics evolve identically
+        y, yr = model(x), ref(x)
+        torch.testing.assert_close(y, yr, atol=1e-5, rtol=1e-5)
+        y.square().mean().backward()
+        yr.square().mean().backward()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4)
+    _close_params(model, ref)  # includes running stats and num_batches_tracked
+    model.eval()
+    ref.eval()
+    torch.testing.assert_close(model(x), ref(x), atol=1e-5, rtol=1e-5)
+
+
+def test_torchvision_resnet_blocks() -> None:
+    tv = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    model = tv.models.resnet.ResNet(tv.models.resnet.Bottleneck, [1, 1, 1, 1], num_classes=5, width_per_group=16)
+    model = nn.Sequential(model).double()  # nested: the walker finds it anywhere
+    ref = copy.deepcopy(model)
+    report = apply_fusions(model, backend="reference")
+    names = {r.detail.split(",")[0] for r in report.records}
+    assert "stem conv1+bn1+relu" in names and "conv1+bn1+relu" in names
+    assert report.counts()["conv_bn_relu"] == 1 + 4 + 4  # stem, 4 bottlenecks, 4 downsample Sequentials
+    # float64: at 32 px / batch 2, layer4's BN sees 2 values per channel, and its gradients are ill-conditioned
+    # enough that fp32 reordering alone moves them by 1e-3
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    y, yr = model(x), ref(x)
+    torch.testing.assert_close(y, yr, atol=1e-10, rtol=1e-10)
+    y.square().mean().backward()
+    yr.square().mean().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert ((p.grad - q.grad).norm() / q.grad.norm()).item() < 1e-9, name
+
+
+def _gpt(dropout: float = 0.0) -> GPT:
+    return GPT(vocab_size=11, block_size=9, n_layer=2, n_head=2, n_embd=16, dropout=dropout)
+
+
+def test_gpt_patterns_and_numerics() -> None:
+    torch.manual_seed(0)
+    model = _gpt()
+    ref = copy.deepcopy(model)
+    report = apply_fusions(model, backend="reference")
+    assert report.counts() == {"linear_dropout": 2, "qkv": 2, "norm": 5}
+    attn, attn_ref = model.blocks[0].attn, ref.blocks[0].attn
+    assert "q_proj" not in attn._modules and tuple(attn.qkv_proj.weight.shape) == (48, 16)
+    assert torch.equal(
+        attn.qkv_proj.weight, torch.cat([attn_ref.q_proj.weight, attn_ref.k_proj.weight, attn_ref.v_proj.weight])
+    )
+    idx = torch.randint(0, 11, (3, 9))
+    y, yr = model(idx), ref(idx)
+    torch.testing.assert_close(y, yr, atol=1e-5, rtol=1e-5)
+    y.square().mean().backward()
+    yr.square().mean().backward()
+    torch.testing.assert_close(
+        attn.qkv_proj.weight.grad,
+        torch.cat([attn_ref.q_proj.weight.grad, attn_ref.k_proj.weight.grad, attn_ref.v_proj.weight.grad]),
+        atol=1e-6,
+        rtol=1e-4,
+    )
+    torch.testing.assert_close(
+        model.blocks[1].mlp[2].weight.grad, ref.blocks[1].mlp[2].weight.grad, atol=1e-6, rtol=1e-4
+    )
+
+
+def test_gpt_with_dropout_trains_and_matches_in_eval() -> None:
+    torch.manual_seed(0)
+    model = _gpt(dropout=0.2)
+    ref = copy.deepcopy(model)
+    apply_fusions(model, backend="reference")
+    idx = torch.randint(0, 11, (2, 9))
+    model.train()
+    a, b = model(idx), model(idx)
+    assert not torch.allclose(a, b)  # dropout active, fresh masks per call
+    model.eval()
+    ref.eval()
+    torch.testing.assert_close(model(idx), ref(idx), atol=1e-5, rtol=1e-5)
+
+
+def test_qkv_state_dict_compatible_both_ways() -> None:
+    torch.manual_seed(0)
+    fused, plain = _gpt(), _gpt()
+    apply_fusions(fused, backend="reference")
+    sd = fused.state_dict()
+    assert sd.keys() == plain.state_dict().keys()  # fused checkpoints look unfused
+    plain.load_state_dict(sd)  # fused -> unfused
+    torch.manual_seed(1)
+    other = _gpt()
+    fused.load_state_dict(other.state_dict())  # unfused -> fused
+    idx = torch.randint(0, 11, (2, 9))
+    torch.testing.assert_close(fused(idx), other(idx), atol=1e-5, rtol=1e-5)
+    q = fused.blocks[0].attn.qkv_proj
+    packed = {"weight": q.weight.detach().clone() * 0 + 1, "bias": q.bias.detach().clone()}
+    q.load_state_dict(packed)  # the packed keys themselves still load
+    assert torch.all(q.weight == 1)
+    # saved tensors are not views into the packed storage (torch.save would write it three times)
+    assert sd["blocks.0.attn.q_proj.weight"].untyped_storage().nbytes() == 16 * 16 * 4
+
+
+def test_optimizer_references_and_state_follow_qkv_packing() -> None:
+    torch.manual_seed(0)
+    fused = _gpt()
+    plain = copy.deepcopy(fused)
+    idx = torch.randint(0, 11, (2, 9))
+    opt_f = torch.optim.AdamW(fused.parameters(), lr=1e-2)
+    opt_p = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    for model, opt in ((fused, opt_f), (plain, opt_p)):  # one step each, so Adam has state to carry over
+        model(idx).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    n_before = len(opt_f.param_groups[0]["params"])
+    report = apply_fusions(fused, optimizers=[opt_f], backend="reference")
+    params = opt_f.param_groups[0]["params"]
+    assert len(params) == n_before - 2 * 2 * 2  # per block: 3 weights -> 1 and 3 biases -> 1
+    assert {id(p) for p in params} == {id(p) for p in fused.parameters()}
+    assert all(new in opt_f.state for _, new in report.param_swaps)
+    for model, opt in ((fused, opt_f), (plain, opt_p)):
+        model(idx).square().mean().backward()
+        opt.step()
+    _close_params(fused, plain, atol=1e-6)
+
+
+def test_replace_optimizer_params_without_state_starts_fresh() -> None:
+    a, b, new = nn.Parameter(torch.ones(2, 3)), nn.Parameter(torch.ones(2, 3)), nn.Parameter(torch.ones(4, 3))
+    other = nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([a, other, b], lr=0.1)
+    assert replace_optimizer_params([opt], [([a, b], new)]) == 1
+    assert opt.param_groups[0]["params"] == [new, other] and new not in opt.state
+
+
+def test_sequential_linear_dropout_and_rmsnorm() -> None:
+    if not hasattr(nn, "RMSNorm"):
+        pytest.skip("nn.RMSNorm needs torch >= 2.4")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.1), nn.GELU(), nn.RMSNorm(8), nn.Linear(8, 4), nn.Dropout(0.0))
+    ref = copy.deepcopy(model)
+    report = apply_fusions(model, backend="reference")
+    assert report.counts() == {"linear_dropout": 1, "norm": 1}
+    assert report.records[0].detail == "[0:2] linear_dropout, [4:6] linear_dropout"
+    model.eval()
+    ref.eval()
+    x = torch.randn(5, 6)
+    torch.testing.assert_close(model(x), ref(x), atol=1e-5, rtol=1e-5)
+
+
+def test_ignore_modules_by_name_and_type_and_fusion_selection() -> None:
+    model = _gpt()
+    report = apply_fusions(model, ignore_modules=["blocks.0", nn.LayerNorm])
+    assert {r.module for r in report.records} == {"blocks.1", "blocks.1.attn"}
+    model = _gpt()
+    assert apply_fusions(model, fusions=["norm"]).counts() == {"norm": 5}
+    with pytest.raises(ValueError, match=r"`fusions` has unknown pattern\(s\) \['flash'\]"):
+        apply_fusions(model, fusions=["flash"])
+
+
+def test_idempotent_and_warns_only_when_nothing_ever_matched() -> None:
+    model = _gpt()
+    first = apply_fusions(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        second = apply_fusions(model)  # already fused: nothing new, and no warning
+    assert len(first) == 9 and len(second) == 0
+    with pytest.warns(UserWarning, match="found nothing to fuse"):
+        apply_fusions(nn.Sequential(nn.Linear(2, 2), nn.Tanh()))
+
+
+def test_subclasses_with_their_own_forward_are_not_touched() -> None:
+    class MyNorm(nn.LayerNorm):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) * 2
+
+    class MySeq(nn.Sequential):
+        pass
+
+    model = nn.Sequential(MyNorm(4), MySeq(nn.Conv2d(1, 1, 1), nn.BatchNorm2d(1), nn.ReLU()))
+    with pytest.warns(UserWarning, match="nothing to fuse"):
+        assert len(apply_fusions(model)) == 0
+
+
+def test_custom_policy() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh())
+
+    def swap_tanh(m: nn.Module) -> tuple[str, list]:
+        m.__class__ = nn.Hardtanh  # a toy replacement, in place
+        m.min_val, m.max_val, m.inplace = -1.0, 1.0, False
+        return "tanh -> hardtanh", []
+
+    report = apply_fusions(model, fusions={"toy": [Replacement(lambda m: type(m) is nn.Tanh, swap_tanh)]})
+    assert report.counts() == {"toy": 1} and isinstance(model[1], nn.Hardtanh)
+
+
+def test_compile_falls_back_to_eager_with_a_clear_warning() -> None:
+    def broken_backend(gm: torch.fx.GraphModule, example_inputs: list) -> None:
+        raise RuntimeError("no compiler here")
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    x = torch.randn(2, 4)
+    expected = model(x)
+    assert compile_in_place(model, backend=broken_backend)
+    assert not compile_in_place(model, backend=broken_backend)  # idempotent
+    with pytest.warns(UserWarning, match="`torch.compile` failed for Sequential.*running it eagerly"):
+        torch.testing.assert_close(model(x), expected)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.testing.assert_close(model(x), expected)  # warned once; stays eager
+
+
+def test_compile_in_place_works_with_a_working_backend() -> None:
+    model = _gpt()
+    ref = copy.deepcopy(model)
+    apply_fusions(model, backend="reference")
+    compile_in_place(model, backend="eager")
+    idx = torch.randint(0, 11, (2, 9))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        torch.testing.assert_close(model(idx), ref(idx), atol=1e-5, rtol=1e-5)
+    assert model._compiled_call_impl.failed is None
+
+
+def test_plugin_arguments_and_in_place_convert() -> None:
+    with pytest.raises(ValueError, match="`precision` must be 'bf16-mixed' or '16-mixed', got '32'"):
+        FusedPrecision("32")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown pattern"):
+        FusedPrecision(fusions=["qkvo"])
+    plugin = FusedPrecision("bf16-mixed", device="cpu", fusions="norm")
+    model = _gpt()
+    assert plugin.convert_module(model) is model
+    assert plugin.report is not None and plugin.report.counts() == {"norm": 5}
+    assert not any(is_fused(m, FusedGPTBlockMixin) for m in model.modules())
+    with pytest.raises(ValueError, match="`backend`"):
+        FusedPrecision(backend="cuda")  # type: ignore[arg-type]
+
+
+def _saved_bytes(model: nn.Module, idx: torch.Tensor) -> int:
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, nn.Parameter):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(idx)
+    return sum(storages.values())
+
+
+def test_backend_is_passed_to_fused_modules() -> None:
+    torch.manual_seed(0)
+    model = _gpt(dropout=0.2)
+    apply_fusions(model)
+    assert {m._la_backend for m in model.modules() if is_fused(m)} == {"auto"}
+    apply_fusions(model, backend="reference")  # re-targets already fused modules
+    assert {m._la_backend for m in model.modules() if is_fused(m)} == {"reference"}
+    idx = torch.randint(0, 11, (2, 9))
+    fused_bytes = _saved_bytes(model, idx)
+    apply_fusions(model, backend="eager")
+    assert {m._la_backend for m in model.modules() if is_fused(m)} == {"eager"}
+    # eager dropout keeps a mask (and the add its input) per Linear+Dropout, 2 per block; the fused function
+    # regenerates the mask from its seed
+    assert _saved_bytes(model, idx) - fused_bytes >= 2 * 2 * (2 * 9 * 16)
+
+
+@pytest.mark.parametrize(
+    "bn_kwargs",
+    [{"momentum": None}, {"track_running_stats": False}, {"affine": False}],
+    ids=["cumulative", "no_stats", "no_affine"],
+)
+def test_batchnorm_variants_keep_their_bookkeeping(bn_kwargs: dict) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4, **bn_kwargs), nn.ReLU())
+    ref = copy.deepcopy(model)
+    assert apply_fusions(model, backend="reference").counts() == {"conv_bn_relu": 1}
+    for _ in range(3):
+        x = torch.randn(2, 3, 5, 5)
+        torch.testing.assert_close(model(x), ref(x), atol=1e-5, rtol=1e-5)
+    _close_params(model, ref)  # running stats, num_batches_tracked
+    model.eval()
+    ref.eval()
+    torch.testing.assert_close(model(x), ref(x), atol=1e-5, rtol=1e-5)
