@@ -229,9 +229,17 @@ class WarmupCosineLR(LRScheduler):
         return self._closed_form(self.last_epoch)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restore a :meth:`state_dict`; a restored ``total_steps`` wins over the constructor's."""
+        """Restore a ``state_dict``; the restored ``total_steps`` wins over the constructor's, and the optimizer's rates
+        are set to the restored step's value (so the result does not depend on whether the optimizer state is loaded
+        before or after)."""
         self.__dict__.update(state_dict)
-        if self.last_epoch > 0 and self.total_steps is None:
+        if self.total_steps is not None:
+            values = self._closed_form(max(0, self.last_epoch))
+            for group, lr in zip(self.optimizer.param_groups, values, strict=True):
+                group["lr"] = lr
+            self._last_lr = list(values)
+        elif self.last_epoch > 0:
             warnings.warn(
-                "Restored an unbound WarmupCosineLR past step 0; it must be bound before stepping again.", stacklevel=2
+                "Restored an unbound WarmupCosineLR past step 0; bind it (`bind(total_steps)`) before stepping again.",
+                stacklevel=2,
             )
