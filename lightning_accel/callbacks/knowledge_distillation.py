@@ -174,8 +174,8 @@ class KnowledgeDistillation(Callback):
             )
         soft = distillation_loss(student, teacher, self.temperature)
         loss = combine_losses(hard, soft, self.alpha)
-        pl_module.log("distill/hard_loss", hard.detach(), on_step=True, on_epoch=True)
-        pl_module.log("distill/soft_loss", soft.detach(), on_step=True, on_epoch=True)
+        pl_module.log("distill/hard_loss", hard.detach(), on_step=True, on_epoch=True, sync_dist=True)
+        pl_module.log("distill/soft_loss", soft.detach(), on_step=True, on_epoch=True, sync_dist=True)
         if isinstance(out, Mapping):
             return {**out, "loss": loss}
         return loss
