@@ -19,6 +19,7 @@ whose gradient is Hinton's ``(p_student - p_teacher) / T`` -- the cross-entropy 
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -26,6 +27,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from lightning_accel.recipes.prune import resize_to_state_dict
 
 __all__ = [
     "check_distillation_args",
@@ -128,7 +131,8 @@ def load_teacher(path: str | os.PathLike[str], teacher_class: type[nn.Module] | 
     """Build ``teacher_class(**hyper_parameters)`` from a Lightning checkpoint and load its weights, safely.
 
     The file is read with ``torch.load(weights_only=True)``: tensors and plain containers only, never arbitrary
-    pickled objects. A plain ``state_dict`` file (no ``hyper_parameters``) builds ``teacher_class()``.
+    pickled objects. A plain ``state_dict`` file (no ``hyper_parameters``) builds ``teacher_class()``. Layers are
+    resized to the checkpoint's shapes first, so a teacher pruned by ``StructuredPruning`` loads too.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -143,7 +147,12 @@ def load_teacher(path: str | os.PathLike[str], teacher_class: type[nn.Module] | 
         raise ValueError(f"`teacher` checkpoint {p!r} holds a {type(ckpt).__name__}, expected a dict.")
     state = ckpt.get("state_dict", ckpt)
     hparams = dict(ckpt.get("hyper_parameters", {}) or {})
+    params = inspect.signature(cls.__init__).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        # LightningCLI adds bookkeeping keys (`_class_path`, `_instantiator`) that are not constructor arguments.
+        hparams = {k: v for k, v in hparams.items() if k in params}
     model = cls(**hparams)
+    resize_to_state_dict(model, state)  # a structurally pruned teacher has smaller layers than a fresh one
     try:
         model.load_state_dict(state)
     except RuntimeError as e:
