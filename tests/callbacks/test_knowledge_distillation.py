@@ -194,3 +194,12 @@ def test_ddp_two_processes() -> None:
     assert r0["checked"] == r1["checked"] == 3  # each rank's loss is its own hard + soft mix
     assert torch.allclose(torch.tensor(r0["weights"]), torch.tensor(r1["weights"]))  # DDP kept the students in sync
     assert r0["teacher_frozen"] and r1["teacher_frozen"] and r0["unwrapped"]
+
+
+@pytest.mark.gpu
+def test_teacher_follows_the_student_to_the_gpu() -> None:
+    teacher = _teacher()
+    check = _LossCheck(copy.deepcopy(teacher).eval().cuda(), alpha=0.5, T=2.0)
+    t = trainer(accelerator="gpu", callbacks=[KnowledgeDistillation(teacher, temperature=2.0, alpha=0.5), check])
+    t.fit(DictStudent(), loader())
+    assert next(teacher.parameters()).is_cuda and check.checked == 4

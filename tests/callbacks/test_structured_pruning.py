@@ -123,3 +123,14 @@ def test_ddp_two_processes() -> None:
     assert r0["done"] == r1["done"] == [1]
     assert r0["params"] == r1["params"] < count_parameters(classifier(width=8)) * 0.35
     assert torch.allclose(torch.tensor(r0["weights"]), torch.tensor(r1["weights"]))  # still one model after re-wrap
+
+
+@pytest.mark.gpu
+def test_prunes_on_the_gpu() -> None:
+    check = _OptimizerMatchesModel()
+    model = classifier(width=8)
+    trainer(accelerator="gpu", callbacks=[StructuredPruning(0.5, schedule=0), check], limit_train_batches=2).fit(
+        model, loader()
+    )
+    assert check.checked == 2 and next(model.parameters()).is_cuda
+    assert model.model.layers[0].conv1.out_channels == 4
