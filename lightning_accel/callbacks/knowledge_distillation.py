@@ -94,7 +94,11 @@ class KnowledgeDistillation(Callback):
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self._uninstall()  # also after an exception
+        self._uninstall()
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._uninstall()  # a failed fit must not leave the module wrapped
 
     @override
     def state_dict(self) -> dict[str, Any]:

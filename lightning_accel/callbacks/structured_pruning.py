@@ -106,10 +106,17 @@ class StructuredPruning(Callback):
             def pre_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
                 resize_to_state_dict(module, state_dict, prefix)
 
-            self._hook = pl_module._register_load_state_dict_pre_hook(pre_hook, with_module=True)
+            self._hook = pl_module.register_load_state_dict_pre_hook(pre_hook)
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._remove_hook()
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._remove_hook()
+
+    def _remove_hook(self) -> None:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None

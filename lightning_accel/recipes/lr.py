@@ -222,7 +222,8 @@ class WarmupCosineLR(LRScheduler):
             return [warmup_cosine_value(0, b, max(warm, 1) + 1, warm, self.min_lr) for b in self.base_lrs]
         return [warmup_cosine_value(step, b, self.total_steps, self.warmup_steps, self.min_lr) for b in self.base_lrs]
 
-    def get_lr(self) -> list[float]:  # noqa: D102 - torch's contract: the rates for step `last_epoch`
+    def get_lr(self) -> list[float]:
+        """The rates for step ``last_epoch`` (torch's scheduler contract)."""
         return self._closed_form(self.last_epoch)
 
     def _get_closed_form_lr(self) -> list[float]:

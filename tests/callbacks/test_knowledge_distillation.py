@@ -128,8 +128,10 @@ def test_bad_input_names_the_argument() -> None:
         KnowledgeDistillation(_teacher(), temperature=0.0)
     with pytest.raises(ValueError, match="`alpha`"):
         KnowledgeDistillation(_teacher(), alpha=-0.1)
+    failed = classifier()
     with pytest.raises(ValueError, match="`teacher` output shape \\(32, 7\\) differs"):
-        trainer(callbacks=[KnowledgeDistillation(_teacher(out=7))]).fit(classifier(), loader())
+        trainer(callbacks=[KnowledgeDistillation(_teacher(out=7))]).fit(failed, loader())
+    assert "training_step" not in failed.__dict__  # unwrapped after the failure
     student = classifier()
     student.helper = _teacher()  # a submodule would be trained and checkpointed
     with pytest.raises(ValueError, match="`teacher` is a submodule"):
