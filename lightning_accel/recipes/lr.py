@@ -152,7 +152,7 @@ class WarmupCosineLR(LRScheduler):
                 f"Pass either `warmup_steps` ({warmup_steps!r}) or `warmup_fraction` ({warmup_fraction!r}), not both."
             )
         if warmup_steps is not None and (
-            isinstance(warmup_steps, bool) or int(warmup_steps) != warmup_steps or warmup_steps < 0
+            isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0
         ):
             raise ValueError(f"`warmup_steps` must be an integer >= 0, got {warmup_steps!r}.")
         if warmup_fraction is not None and not 0.0 <= float(warmup_fraction) < 1.0:
@@ -211,7 +211,8 @@ class WarmupCosineLR(LRScheduler):
 
     def _closed_form(self, step: int) -> list[float]:
         if self.total_steps is None:
-            # Unbound: only the warm-up is known; hold its first value rather than guessing the length.
+            # Unbound: step 0's rate is provisional (the warm-up's first value when `warmup_steps` is known, else the
+            # base rate); `bind()` sets the real one before the first optimizer step, and stepping further is refused.
             if step > 0:
                 raise RuntimeError(
                     "WarmupCosineLR was stepped before `total_steps` was known. Pass `total_steps=...`, or add the "
