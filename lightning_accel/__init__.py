@@ -22,6 +22,12 @@ _EXPORTS: dict[str, str] = {
     "AutoStrategy": "lightning_accel.parallel.strategy",
     "FusedPrecision": "lightning_accel.precision.plugin",
     "apply_fusions": "lightning_accel.precision.surgery",
+    # training recipes (issue 8): schedule class + callbacks
+    "WarmupCosineLR": "lightning_accel.recipes.lr",
+    "LinearScalingLR": "lightning_accel.callbacks.linear_scaling_lr",
+    "PerStepLR": "lightning_accel.callbacks.per_step_lr",
+    "KnowledgeDistillation": "lightning_accel.callbacks.knowledge_distillation",
+    "StructuredPruning": "lightning_accel.callbacks.structured_pruning",
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])

@@ -1,0 +1,56 @@
+"""Training recipes as plain-torch functional cores (no Lightning here; the callbacks adapt them).
+
+- :mod:`~lightning_accel.recipes.lr`: linear LR scaling and the :class:`WarmupCosineLR` schedule.
+- :mod:`~lightning_accel.recipes.distill`: knowledge-distillation loss and teacher handling.
+- :mod:`~lightning_accel.recipes.prune`: structured pruning that physically removes channels.
+"""
+
+from lightning_accel.recipes.distill import (
+    check_distillation_args,
+    check_logits_match,
+    combine_losses,
+    distillation_loss,
+    freeze_teacher,
+    load_teacher,
+)
+from lightning_accel.recipes.lr import (
+    APPLIED_KEY,
+    WarmupCosineLR,
+    apply_lr_scale,
+    linear_scaling_factor,
+    warmup_cosine_value,
+)
+from lightning_accel.recipes.prune import (
+    ChannelGroup,
+    PruneResult,
+    apply_structured_pruning,
+    channel_importance,
+    check_amount,
+    count_parameters,
+    find_channel_groups,
+    resize_to_state_dict,
+    schedule_amounts,
+)
+
+__all__ = [
+    "APPLIED_KEY",
+    "ChannelGroup",
+    "PruneResult",
+    "WarmupCosineLR",
+    "apply_lr_scale",
+    "apply_structured_pruning",
+    "channel_importance",
+    "check_amount",
+    "check_distillation_args",
+    "check_logits_match",
+    "combine_losses",
+    "count_parameters",
+    "distillation_loss",
+    "find_channel_groups",
+    "freeze_teacher",
+    "linear_scaling_factor",
+    "load_teacher",
+    "resize_to_state_dict",
+    "schedule_amounts",
+    "warmup_cosine_value",
+]

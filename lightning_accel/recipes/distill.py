@@ -1,0 +1,160 @@
+"""Knowledge distillation (Hinton et al., 2015): a frozen teacher's softened logits as extra targets.
+
+Functional core (plain torch, no Lightning):
+
+- :func:`distillation_loss` -- ``T^2 * KL(p_teacher || p_student)`` with ``p = softmax(logits / T)``, averaged over
+  the samples (rows). The ``T^2`` keeps the soft term's gradient scale independent of ``T``.
+- :func:`combine_losses` -- ``(1 - alpha) * hard + alpha * soft``.
+- :func:`freeze_teacher` -- ``requires_grad_(False)`` + ``eval()``, so the teacher never trains, never updates
+  BatchNorm statistics and never drops units.
+- :func:`load_teacher` -- build a teacher from a Lightning checkpoint **without unpickling** arbitrary objects
+  (``torch.load(weights_only=True)``): ``teacher_class(**hyper_parameters)`` then ``load_state_dict``.
+- :func:`check_logits_match` -- the teacher's and the student's logits must have the same shape.
+
+About the direction of the KL: the issue text writes ``KL(softmax(student/T) || softmax(teacher/T))``; we compute the
+standard distillation term, the KL *from the teacher to the student* (``F.kl_div(log p_student, log p_teacher)``),
+whose gradient is Hinton's ``(p_student - p_teacher) / T`` -- the cross-entropy against soft targets up to a constant.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_accel.recipes.prune import resize_to_state_dict
+
+__all__ = [
+    "check_distillation_args",
+    "check_logits_match",
+    "combine_losses",
+    "distillation_loss",
+    "freeze_teacher",
+    "load_teacher",
+]
+
+
+def check_distillation_args(temperature: float, alpha: float) -> None:
+    """Validate ``temperature > 0`` and ``alpha`` in [0, 1].
+
+    Raises:
+        ValueError: naming the argument, with the value and the fix.
+    """
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise ValueError(
+            f"`temperature` must be a number > 0, got {temperature!r}. Typical values are 1-8 (4 is a good start)."
+        )
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
+        raise ValueError(
+            f"`alpha` must be in [0, 1] (the weight of the distillation term), got {alpha!r}. "
+            "0 trains on the hard labels only, 1 on the teacher only."
+        )
+
+
+def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``T^2 * KL(softmax(teacher / T) || softmax(student / T))``, summed over classes, averaged over rows.
+
+    Logits of any shape ``(..., C)`` work (e.g. ``(B, T, V)`` for language models): all leading dims are rows.
+    Computed in float32 for stability under mixed precision. Gradients flow to ``student_logits`` only.
+
+    Args:
+        student_logits: the student's raw scores, last dim = classes.
+        teacher_logits: the teacher's raw scores, same shape.
+        temperature: softening temperature ``T > 0``.
+    """
+    check_distillation_args(temperature, 0.0)
+    check_logits_match(student_logits, teacher_logits)
+    t = float(temperature)
+    c = student_logits.shape[-1]
+    s = F.log_softmax(student_logits.float().reshape(-1, c) / t, dim=-1)
+    p = F.log_softmax(teacher_logits.detach().float().reshape(-1, c) / t, dim=-1)
+    return F.kl_div(s, p, reduction="batchmean", log_target=True) * (t * t)
+
+
+def combine_losses(hard: torch.Tensor, soft: torch.Tensor, alpha: float) -> torch.Tensor:
+    """``(1 - alpha) * hard + alpha * soft`` (the hard term is skipped at ``alpha == 1`` to save its graph)."""
+    if alpha >= 1.0:
+        return soft.to(hard.dtype) if hard.is_floating_point() else soft
+    if alpha <= 0.0:
+        return hard
+    return (1.0 - alpha) * hard + alpha * soft.to(hard.dtype)
+
+
+def check_logits_match(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> None:
+    """Raise ``ValueError`` naming `teacher` when the two logit tensors differ in shape."""
+    if tuple(student_logits.shape) != tuple(teacher_logits.shape):
+        raise ValueError(
+            f"`teacher` output shape {tuple(teacher_logits.shape)} differs from the student's logits "
+            f"{tuple(student_logits.shape)}. The teacher must produce logits over the same classes for the same "
+            "inputs: check its number of classes, and that it receives the student's inputs."
+        )
+
+
+def freeze_teacher(teacher: nn.Module) -> nn.Module:
+    """Freeze ``teacher`` in place (no gradients, eval mode) and return it."""
+    if not isinstance(teacher, nn.Module):
+        raise TypeError(
+            f"`teacher` must be a torch.nn.Module (or a checkpoint path), got {type(teacher).__name__}: {teacher!r}."
+        )
+    teacher.requires_grad_(False)
+    teacher.eval()
+    return teacher
+
+
+def _resolve_class(cls: type[nn.Module] | str | None, path: str) -> type[nn.Module]:
+    if cls is None:
+        raise ValueError(
+            f"`teacher` is a checkpoint path ({path!r}) but `teacher_class` is not set. Pass the teacher's "
+            "LightningModule class (or its import path, e.g. 'lightning_accel.models.ImageClassifier'), or pass the "
+            "teacher as a module."
+        )
+    if isinstance(cls, str):
+        mod, _, name = cls.rpartition(".")
+        if not mod:
+            raise ValueError(f"`teacher_class` must be a dotted import path like 'pkg.module.Class', got {cls!r}.")
+        try:
+            cls = getattr(importlib.import_module(mod), name)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"`teacher_class` {cls!r} cannot be imported: {e}.") from e
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise ValueError(f"`teacher_class` must be a torch.nn.Module subclass, got {cls!r}.")
+    return cls
+
+
+def load_teacher(path: str | os.PathLike[str], teacher_class: type[nn.Module] | str | None) -> nn.Module:
+    """Build ``teacher_class(**hyper_parameters)`` from a Lightning checkpoint and load its weights, safely.
+
+    The file is read with ``torch.load(weights_only=True)``: tensors and plain containers only, never arbitrary
+    pickled objects. A plain ``state_dict`` file (no ``hyper_parameters``) builds ``teacher_class()``. Layers are
+    resized to the checkpoint's shapes first, so a teacher pruned by ``StructuredPruning`` loads too.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: no/bad ``teacher_class``, or weights that do not fit it.
+    """
+    p = os.fspath(path)
+    cls = _resolve_class(teacher_class, p)
+    if not os.path.isfile(p):
+        raise FileNotFoundError(f"`teacher` checkpoint {p!r} does not exist. Pass an existing .ckpt file.")
+    ckpt: Any = torch.load(p, map_location="cpu", weights_only=True)
+    if not isinstance(ckpt, Mapping):
+        raise ValueError(f"`teacher` checkpoint {p!r} holds a {type(ckpt).__name__}, expected a dict.")
+    state = ckpt.get("state_dict", ckpt)
+    hparams = dict(ckpt.get("hyper_parameters", {}) or {})
+    params = inspect.signature(cls.__init__).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        # LightningCLI adds bookkeeping keys (`_class_path`, `_instantiator`) that are not constructor arguments.
+        hparams = {k: v for k, v in hparams.items() if k in params}
+    model = cls(**hparams)
+    resize_to_state_dict(model, state)  # a structurally pruned teacher has smaller layers than a fresh one
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        raise ValueError(f"`teacher` checkpoint {p!r} does not fit `teacher_class` {cls.__name__}: {e}") from e
+    return model

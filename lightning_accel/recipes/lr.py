@@ -1,0 +1,247 @@
+"""Learning-rate recipes: the linear scaling rule and a per-step warm-up + cosine schedule.
+
+Functional core (plain torch, no Lightning):
+
+- :func:`linear_scaling_factor` -- ``global_batch / base_batch`` (Goyal et al., 2017: "when the minibatch size is
+  multiplied by k, multiply the learning rate by k").
+- :func:`apply_lr_scale` -- multiply every param group's learning rate (and the base rates the attached schedulers
+  compute from) by a factor, **idempotently**: the factor already applied is recorded in the param group under
+  :data:`APPLIED_KEY`, which ``Optimizer.state_dict`` saves, so re-applying after a resume (same or different factor)
+  never compounds.
+- :class:`WarmupCosineLR` -- an ``LRScheduler`` that ramps linearly to the base rate over the warm-up, then anneals
+  with a half cosine to ``min_lr`` at ``total_steps``. Closed form (not chainable), so its value at step ``s`` depends
+  only on ``s``; its ``state_dict`` makes it resumable.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterable
+
+import torch
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+
+__all__ = ["APPLIED_KEY", "WarmupCosineLR", "apply_lr_scale", "linear_scaling_factor", "warmup_cosine_value"]
+
+#: Param-group key holding the learning-rate factor already applied by :func:`apply_lr_scale`.
+APPLIED_KEY = "lr_scale_applied"
+
+
+def linear_scaling_factor(global_batch_size: int, base_batch_size: int) -> float:
+    """The linear scaling rule's factor ``global_batch_size / base_batch_size``.
+
+    Args:
+        global_batch_size: samples per optimizer step over all processes (per-device batch x devices x nodes x
+            gradient-accumulation steps).
+        base_batch_size: the batch size the base learning rate was tuned for.
+
+    Raises:
+        ValueError: a size that is not a positive integer.
+    """
+    for name, v in (("global_batch_size", global_batch_size), ("base_batch_size", base_batch_size)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"`{name}` must be a positive integer, got {v!r}. Pass the batch size in samples.")
+    return global_batch_size / base_batch_size
+
+
+def apply_lr_scale(
+    optimizer: Optimizer, factor: float, schedulers: Iterable[LRScheduler] = (), *, fallback_applied: float = 1.0
+) -> float:
+    """Scale ``optimizer``'s learning rates so that the total applied factor becomes ``factor``.
+
+    For each param group the factor already applied is read from ``group[APPLIED_KEY]`` (``fallback_applied`` when
+    the key is absent), and ``lr`` (and ``initial_lr``, which schedulers read) is multiplied by
+    ``factor / applied``. Schedulers attached to this optimizer get their ``base_lrs`` and last values scaled the same
+    way, so a schedule built before the scaling (Lightning builds it in ``configure_optimizers``) follows the scaled
+    rates. Calling it twice with the same factor changes nothing.
+
+    Args:
+        optimizer: the optimizer to scale in place.
+        factor: the total factor wanted relative to the unscaled rates (> 0).
+        schedulers: schedulers whose ``optimizer`` is ``optimizer`` (others are ignored).
+        fallback_applied: factor assumed applied for groups without the key (e.g. a checkpoint written before the key
+            existed).
+
+    Returns:
+        The relative change applied to the first param group (1.0 when nothing changed).
+
+    Raises:
+        ValueError: ``factor`` not a positive finite number.
+    """
+    if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 0):
+        raise ValueError(f"`factor` must be a positive finite number, got {factor!r}.")
+    rel_by_group: list[float] = []
+    for group in optimizer.param_groups:
+        applied = float(group.get(APPLIED_KEY, fallback_applied))
+        rel = factor / applied
+        rel_by_group.append(rel)
+        if rel != 1.0:
+            for key in ("lr", "initial_lr"):
+                if key in group:
+                    v = group[key]
+                    group[key] = v * rel if not isinstance(v, torch.Tensor) else v.mul_(rel)
+        group[APPLIED_KEY] = float(factor)
+    for sched in schedulers:
+        if getattr(sched, "optimizer", None) is not optimizer:
+            continue
+        if hasattr(sched, "base_lrs"):
+            sched.base_lrs = [b * r for b, r in zip(sched.base_lrs, rel_by_group, strict=False)]
+        last = getattr(sched, "_last_lr", None)
+        if last is not None:
+            sched._last_lr = [v * r for v, r in zip(last, rel_by_group, strict=False)]
+    return rel_by_group[0] if rel_by_group else 1.0
+
+
+def warmup_cosine_value(step: int, base: float, total_steps: int, warmup_steps: int, min_lr: float) -> float:
+    """The warm-up + cosine learning rate at optimizer step ``step`` (0-based).
+
+    ``base * (step + 1) / warmup_steps`` during the warm-up (so the first step already moves, and step
+    ``warmup_steps - 1`` reaches ``base``), then ``min_lr + (base - min_lr) * (1 + cos(pi * t)) / 2`` with ``t`` going
+    from 0 at ``warmup_steps`` to 1 at ``total_steps``, and ``min_lr`` afterwards.
+    """
+    if step < warmup_steps:
+        return base * (step + 1) / warmup_steps
+    decay = max(1, total_steps - warmup_steps)
+    t = min(1.0, (step - warmup_steps) / decay)
+    return min_lr + (base - min_lr) * 0.5 * (1.0 + math.cos(math.pi * t))
+
+
+class WarmupCosineLR(LRScheduler):
+    """Linear warm-up to each group's base learning rate, then cosine annealing to ``min_lr``; step it per batch.
+
+    From ``configure_optimizers``::
+
+        sched = WarmupCosineLR(opt, total_steps=self.trainer.estimated_stepping_batches, warmup_fraction=0.05)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    From LightningCLI YAML (the optimizer is injected; ``total_steps`` may be left out when the
+    :class:`~lightning_accel.callbacks.PerStepLR` callback is used, which binds it to the fit's
+    ``estimated_stepping_batches`` and makes Lightning step the schedule per batch instead of per epoch)::
+
+        lr_scheduler:
+          class_path: lightning_accel.WarmupCosineLR
+          init_args: {warmup_fraction: 0.05, min_lr: 1.0e-5}
+
+    Args:
+        optimizer: the wrapped optimizer (injected by LightningCLI).
+        total_steps: optimizer steps of the whole run; ``None`` leaves the schedule unbound until :meth:`bind`
+            (the learning rate stays at the warm-up start until then).
+        warmup_steps: steps of linear warm-up (mutually exclusive with ``warmup_fraction``).
+        warmup_fraction: warm-up as a fraction of ``total_steps`` in [0, 1).
+        min_lr: learning rate at the end of the cosine (absolute, for every group; ``0 <= min_lr``).
+        last_epoch: index of the last step taken (``-1`` to start fresh), as in torch schedulers.
+
+    Raises:
+        ValueError: both or a bad warm-up argument, a negative ``min_lr``, or a warm-up that is not shorter than
+            ``total_steps`` -- each naming the argument.
+    """
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        total_steps: int | None = None,
+        warmup_steps: int | None = None,
+        warmup_fraction: float | None = None,
+        min_lr: float = 0.0,
+        last_epoch: int = -1,
+    ) -> None:
+        if warmup_steps is not None and warmup_fraction is not None:
+            raise ValueError(
+                f"Pass either `warmup_steps` ({warmup_steps!r}) or `warmup_fraction` ({warmup_fraction!r}), not both."
+            )
+        if warmup_steps is not None and (
+            isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0
+        ):
+            raise ValueError(f"`warmup_steps` must be an integer >= 0, got {warmup_steps!r}.")
+        if warmup_fraction is not None and not 0.0 <= float(warmup_fraction) < 1.0:
+            raise ValueError(
+                f"`warmup_fraction` must be in [0, 1) (a fraction of the total steps), got {warmup_fraction!r}."
+            )
+        if not (isinstance(min_lr, (int, float)) and min_lr >= 0.0):
+            raise ValueError(f"`min_lr` must be a number >= 0, got {min_lr!r}.")
+        self.warmup_steps_arg = None if warmup_steps is None else int(warmup_steps)
+        self.warmup_fraction = None if warmup_fraction is None else float(warmup_fraction)
+        self.min_lr = float(min_lr)
+        self.total_steps: int | None = None
+        self.warmup_steps = 0
+        if total_steps is not None:
+            self._resolve(total_steps)
+        elif self.warmup_steps_arg is not None:
+            self.warmup_steps = self.warmup_steps_arg
+        super().__init__(optimizer, last_epoch)
+
+    @property
+    def bound(self) -> bool:
+        """Whether ``total_steps`` is known."""
+        return self.total_steps is not None
+
+    def _resolve(self, total_steps: int | float) -> None:
+        if isinstance(total_steps, float) and math.isinf(total_steps):
+            raise ValueError(
+                "`total_steps` is infinite (the Trainer has no `max_steps`/`max_epochs` bound). "
+                "Set `max_epochs` or `max_steps`, or pass `total_steps` explicitly."
+            )
+        if isinstance(total_steps, bool) or int(total_steps) != total_steps or total_steps < 1:
+            raise ValueError(f"`total_steps` must be a positive integer, got {total_steps!r}.")
+        total = int(total_steps)
+        if self.warmup_fraction is not None:
+            warm = int(round(self.warmup_fraction * total))
+        else:
+            warm = self.warmup_steps_arg or 0
+        if warm >= total and warm > 0:
+            raise ValueError(
+                f"`warmup_steps` ({warm}) must be shorter than the training, `total_steps` ({total}). "
+                "Shorten the warm-up (or use `warmup_fraction`), or train for more steps."
+            )
+        self.total_steps = total
+        self.warmup_steps = warm
+
+    def bind(self, total_steps: int | float) -> None:
+        """Fix ``total_steps`` (e.g. to ``trainer.estimated_stepping_batches``) and re-apply the current step's rate.
+
+        Binding again to the same value is a no-op; a restored (resumed) schedule keeps its own ``total_steps``.
+        """
+        self._resolve(total_steps)
+        values = self._closed_form(max(0, self.last_epoch))
+        for group, lr in zip(self.optimizer.param_groups, values, strict=True):
+            group["lr"] = lr
+        self._last_lr = list(values)
+
+    def _closed_form(self, step: int) -> list[float]:
+        if self.total_steps is None:
+            # Unbound: step 0's rate is provisional (the warm-up's first value when `warmup_steps` is known, else the
+            # base rate); `bind()` sets the real one before the first optimizer step, and stepping further is refused.
+            if step > 0:
+                raise RuntimeError(
+                    "WarmupCosineLR was stepped before `total_steps` was known. Pass `total_steps=...`, or add the "
+                    "`lightning_accel.callbacks.PerStepLR` callback to the Trainer so it binds the schedule to "
+                    "`trainer.estimated_stepping_batches`."
+                )
+            warm = self.warmup_steps if self.warmup_steps_arg is not None else 1
+            return [warmup_cosine_value(0, b, max(warm, 1) + 1, warm, self.min_lr) for b in self.base_lrs]
+        return [warmup_cosine_value(step, b, self.total_steps, self.warmup_steps, self.min_lr) for b in self.base_lrs]
+
+    def get_lr(self) -> list[float]:
+        """The rates for step ``last_epoch`` (torch's scheduler contract)."""
+        return self._closed_form(self.last_epoch)
+
+    def _get_closed_form_lr(self) -> list[float]:
+        return self._closed_form(self.last_epoch)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore a ``state_dict``; the restored ``total_steps`` wins over the constructor's, and the optimizer's rates
+        are set to the restored step's value (so the result does not depend on whether the optimizer state is loaded
+        before or after)."""
+        self.__dict__.update(state_dict)
+        if self.total_steps is not None:
+            values = self._closed_form(max(0, self.last_epoch))
+            for group, lr in zip(self.optimizer.param_groups, values, strict=True):
+                group["lr"] = lr
+            self._last_lr = list(values)
+        elif self.last_epoch > 0:
+            warnings.warn(
+                "Restored an unbound WarmupCosineLR past step 0; bind it (`bind(total_steps)`) before stepping again.",
+                stacklevel=2,
+            )

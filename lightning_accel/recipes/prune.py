@@ -1,0 +1,675 @@
+"""Structured pruning that physically removes channels: smaller weights, fewer FLOPs, not masks.
+
+Functional core (plain torch + ``torch.fx``, no Lightning). The algorithm:
+
+1. **Trace** the model with ``torch.fx`` and propagate the shapes of an example input (``ShapeProp``, in eval mode
+   and without gradients, so BatchNorm statistics are untouched).
+2. **Find channel groups**: every ``Conv1d/2d/3d`` (``groups == 1``) and ``Linear`` output starts a *channel space*.
+   A space flows unchanged through BatchNorm (which indexes it), activations, dropout, pooling and flattening of
+   ``C x 1 x 1`` maps; it ends in the conv/linear layers that consume it. Element-wise ops between two spaces
+   (a residual ``out + identity``) **merge** them into one group, so residual adds stay shape-consistent: the conv2/bn2
+   of a ResNet block and its downsample conv/bn are pruned with the same channel indices. A space that reaches
+   anything else -- the graph's output (the logits), an input, ``cat``, a general ``view``, an unknown module, a
+   grouped conv, a module called twice or one with tied weights -- is left alone.
+3. **Score** each group's channels by the ``l1`` or ``l2`` norm of the producing filters (Li et al., 2017, "Pruning
+   Filters for Efficient ConvNets"); producers of one group are normalised by their mean score first so a 3x3 conv
+   and a 1x1 shortcut conv weigh equally.
+4. **Remove** the ``floor(amount * C)`` weakest channels of every group: the producers lose output rows (weight and
+   bias), BatchNorm loses affine parameters and running statistics, consumers lose input columns. Sliced
+   parameters are new ``nn.Parameter`` objects; optimizers passed in are re-pointed to them and their per-parameter
+   state (momentum, Adam moments) is sliced the same way, so an optimizer and its LR schedule keep working
+   mid-training. (Anything else holding the old parameters -- a DDP wrapper, an EMA copy -- must be rebuilt.)
+
+Entry point: :func:`apply_structured_pruning`. ``amount`` is the fraction of each group's current channels removed.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import warnings
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
+
+__all__ = [
+    "ChannelGroup",
+    "PruneResult",
+    "apply_structured_pruning",
+    "channel_importance",
+    "check_amount",
+    "count_parameters",
+    "find_channel_groups",
+    "resize_to_state_dict",
+    "schedule_amounts",
+]
+
+_CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+_PASS_MODULES = (
+    nn.ReLU,
+    nn.ReLU6,
+    nn.LeakyReLU,
+    nn.GELU,
+    nn.SiLU,
+    nn.Sigmoid,
+    nn.Tanh,
+    nn.Hardswish,
+    nn.Hardsigmoid,
+    nn.ELU,
+    nn.Mish,
+    nn.Identity,
+    nn.Dropout,
+    nn.Dropout1d,
+    nn.Dropout2d,
+    nn.Dropout3d,
+    nn.MaxPool1d,
+    nn.MaxPool2d,
+    nn.MaxPool3d,
+    nn.AvgPool1d,
+    nn.AvgPool2d,
+    nn.AvgPool3d,
+    nn.AdaptiveAvgPool1d,
+    nn.AdaptiveAvgPool2d,
+    nn.AdaptiveAvgPool3d,
+    nn.AdaptiveMaxPool1d,
+    nn.AdaptiveMaxPool2d,
+    nn.AdaptiveMaxPool3d,
+)
+_F = torch.nn.functional
+_PASS_FUNCTIONS: set[Any] = {
+    _F.relu,
+    _F.relu6,
+    _F.leaky_relu,
+    _F.gelu,
+    _F.silu,
+    _F.elu,
+    _F.hardswish,
+    _F.dropout,
+    _F.max_pool2d,
+    _F.avg_pool2d,
+    _F.adaptive_avg_pool2d,
+    _F.adaptive_max_pool2d,
+    torch.relu,
+    torch.sigmoid,
+    torch.tanh,
+    torch.relu_,
+    operator.neg,
+}
+_PASS_METHODS = {"relu", "relu_", "sigmoid", "tanh", "contiguous", "clone", "detach", "float", "half", "to", "neg"}
+_BINARY_FUNCTIONS: set[Any] = {
+    operator.add,
+    operator.iadd,
+    operator.sub,
+    operator.mul,
+    operator.imul,
+    operator.truediv,
+    torch.add,
+    torch.sub,
+    torch.mul,
+}
+_BINARY_METHODS = {"add", "add_", "sub", "sub_", "mul", "mul_"}
+_FLATTEN = {torch.flatten}
+_RESHAPE_METHODS = {"view", "reshape", "squeeze", "flatten"}
+_SHAPE_QUERIES = {"size", "dim", "numel"}
+_SHAPE_FUNCTIONS: set[Any] = {getattr, len}
+
+
+@dataclass
+class ChannelGroup:
+    """Channels that must be removed together, and the layers indexed by them.
+
+    Attributes:
+        size: current number of channels.
+        producers: ``(name, module)`` whose output channels (weight dim 0) these are.
+        followers: ``(name, BatchNorm)`` whose features these are.
+        consumers: ``(name, module)`` whose input channels (weight dim 1) these are.
+    """
+
+    size: int
+    producers: list[tuple[str, nn.Module]] = field(default_factory=list)
+    followers: list[tuple[str, nn.Module]] = field(default_factory=list)
+    consumers: list[tuple[str, nn.Module]] = field(default_factory=list)
+
+    @property
+    def names(self) -> list[str]:
+        """Producer names (how a group is identified in reports)."""
+        return [n for n, _ in self.producers]
+
+
+@dataclass
+class PruneResult:
+    """What :func:`apply_structured_pruning` did.
+
+    Attributes:
+        params_before: parameter count before.
+        params_after: parameter count after.
+        groups: ``(producer names, channels before, channels after)`` per pruned group.
+        skipped: ``(module name, reason)`` for layers found but not prunable.
+    """
+
+    params_before: int
+    params_after: int
+    groups: list[tuple[list[str], int, int]] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def params_frac(self) -> float:
+        """``params_after / params_before``."""
+        return self.params_after / max(1, self.params_before)
+
+
+def check_amount(amount: float, name: str = "amount") -> float:
+    """Validate a pruning fraction in [0, 1) and return it as a float.
+
+    Raises:
+        ValueError: naming ``name``, with the value and the fix.
+    """
+    if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not 0.0 <= amount < 1.0:
+        raise ValueError(
+            f"`{name}` must be a fraction in [0, 1) of the channels to remove, got {amount!r}. "
+            "E.g. 0.5 removes half of each prunable layer's channels; 1.0 would remove them all."
+        )
+    return float(amount)
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Number of parameter elements (shared parameters counted once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def schedule_amounts(amount: float, steps: int) -> list[float]:
+    """Per-step fractions for iterative pruning that remove ``amount`` of the original channels in ``steps`` steps.
+
+    Step ``k`` brings the cumulative removed fraction to ``amount * k / steps``; its fraction of the *current*
+    channels is ``1 - (1 - a_k) / (1 - a_{k-1})``.
+    """
+    check_amount(amount)
+    if steps < 1:
+        raise ValueError(f"`steps` must be >= 1, got {steps!r}.")
+    cum = [amount * k / steps for k in range(steps + 1)]
+    return [1.0 - (1.0 - cum[k]) / (1.0 - cum[k - 1]) for k in range(1, steps + 1)]
+
+
+class _UnionFind:
+    def __init__(self) -> None:
+        self.parent: list[int] = []
+        self.blocked: list[str | None] = []
+
+    def new(self, blocked: str | None = None) -> int:
+        self.parent.append(len(self.parent))
+        self.blocked.append(blocked)
+        return len(self.parent) - 1
+
+    def find(self, i: int) -> int:
+        while self.parent[i] != i:
+            self.parent[i] = self.parent[self.parent[i]]
+            i = self.parent[i]
+        return i
+
+    def union(self, a: int, b: int) -> int:
+        ra, rb = self.find(a), self.find(b)
+        if ra != rb:
+            self.parent[rb] = ra
+            if self.blocked[ra] is None:
+                self.blocked[ra] = self.blocked[rb]
+        return ra
+
+    def block(self, i: int, reason: str) -> None:
+        r = self.find(i)
+        if self.blocked[r] is None:
+            self.blocked[r] = reason
+
+
+def _shape(node: Any) -> tuple[int, ...] | None:
+    meta = node.meta.get("tensor_meta") if isinstance(node, torch.fx.Node) else None
+    return tuple(meta.shape) if isinstance(meta, TensorMetadata) else None
+
+
+def _squeeze_map(in_shape: Sequence[int], out_shape: Sequence[int], dim: int) -> int | None:
+    """Where channel dim ``dim`` of ``in_shape`` lands in ``out_shape`` if the reshape only adds/drops size-1 dims."""
+    if in_shape[dim] == 1:
+        return None
+    ins = [s for s in in_shape if s != 1]
+    outs = [s for s in out_shape if s != 1]
+    if ins != outs:
+        return None
+    rank = sum(1 for s in in_shape[:dim] if s != 1)
+    seen = 0
+    for i, s in enumerate(out_shape):
+        if s != 1:
+            if seen == rank:
+                return i
+            seen += 1
+    return None
+
+
+def _trace(model: nn.Module, example_inputs: tuple[Any, ...]) -> torch.fx.GraphModule:
+    try:
+        tracer = torch.fx.Tracer()
+        graph = tracer.trace(model)
+        gm = torch.fx.GraphModule(tracer.root, graph)
+    except Exception as e:
+        raise TypeError(
+            f"Structured pruning could not trace `{type(model).__name__}` with torch.fx ({type(e).__name__}: {e}). "
+            "Prune a traceable submodule instead (e.g. `target='model'`), or keep data-dependent control flow out of "
+            "its forward."
+        ) from e
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        with torch.no_grad():
+            ShapeProp(gm).propagate(*example_inputs)
+    finally:
+        for m, t in modes.items():
+            m.train(t)
+    return gm
+
+
+def find_channel_groups(
+    model: nn.Module, example_inputs: tuple[Any, ...] | torch.Tensor, *, ignore: Iterable[str] = ()
+) -> tuple[list[ChannelGroup], list[tuple[str, str]]]:
+    """Trace ``model`` and return its prunable channel groups, plus ``(layer, reason)`` for conv/linear layers skipped.
+
+    Args:
+        model: the network (any ``nn.Module`` torch.fx can trace; a LightningModule works if its ``forward`` does).
+        example_inputs: inputs for one forward pass (a tensor or a tuple of positional args), on the model's device.
+        ignore: names of modules whose output channels must not be pruned.
+    """
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    gm = _trace(model, tuple(example_inputs))
+    modules = dict(model.named_modules())
+    ignore = set(ignore)
+    uf = _UnionFind()
+    info: dict[torch.fx.Node, tuple[int, int]] = {}  # node -> (space, channel dim)
+    space_size: dict[int, int] = {}
+    producers: dict[int, list[str]] = {}
+    followers: dict[int, list[str]] = {}
+    consumers: dict[int, list[str]] = {}
+    touched: dict[str, list[int]] = {}  # module name -> spaces it indexes
+    calls: dict[str, int] = {}
+    exposed: set[str] = set()  # modules whose parameters are read directly (get_attr): tied or reused
+
+    def new_space(node: torch.fx.Node, dim: int, blocked: str | None = None) -> None:
+        shape = _shape(node)
+        if shape is None:
+            return
+        s = uf.new(blocked)
+        space_size[s] = shape[dim] if 0 <= dim < len(shape) else 0
+        info[node] = (s, dim)
+
+    def block_args(node: torch.fx.Node, reason: str) -> None:
+        for a in node.all_input_nodes:
+            if a in info:
+                uf.block(info[a][0], reason)
+
+    def note(kind: dict[int, list[str]], space: int, name: str) -> None:
+        kind.setdefault(space, []).append(name)
+        touched.setdefault(name, []).append(space)
+
+    for node in gm.graph.nodes:
+        op = node.op
+        shape = _shape(node)
+        args = [a for a in node.args if isinstance(a, torch.fx.Node)]
+        x = info.get(args[0]) if args else None
+        if op == "placeholder":
+            if shape is not None:
+                new_space(node, 1 if len(shape) >= 2 else 0, blocked="model input")
+        elif op == "get_attr":
+            exposed.add(str(node.target).rpartition(".")[0])
+        elif op == "output":
+            block_args(node, "model output")
+        elif op == "call_module":
+            name = str(node.target)
+            m = modules.get(name)
+            calls[name] = calls.get(name, 0) + 1
+            if isinstance(m, _CONV) and type(m) in _CONV and m.groups == 1 and shape is not None:
+                if x is not None:
+                    if x[1] == 1:
+                        note(consumers, x[0], name)
+                    else:
+                        uf.block(x[0], f"{name} reads another dim")
+                new_space(node, 1, blocked="ignored" if name in ignore else None)
+                if node in info:
+                    note(producers, info[node][0], name)
+            elif isinstance(m, nn.Linear) and shape is not None:
+                in_shape = _shape(args[0]) if args else None
+                if x is not None and in_shape is not None:
+                    if x[1] == len(in_shape) - 1:
+                        note(consumers, x[0], name)
+                    else:
+                        uf.block(x[0], f"{name} reads another dim")
+                new_space(node, len(shape) - 1, blocked="ignored" if name in ignore else None)
+                if node in info:
+                    note(producers, info[node][0], name)
+            elif isinstance(m, _BN) and x is not None and x[1] == 1:
+                note(followers, x[0], name)
+                info[node] = x
+            elif isinstance(m, _PASS_MODULES) and x is not None:
+                _pass(node, x, args[0], info, uf)
+            elif isinstance(m, nn.Flatten) and x is not None:
+                _flatten(node, x, args[0], info, uf)
+            else:
+                block_args(node, f"used by {type(m).__name__} `{name}`")
+                if shape is not None:
+                    new_space(node, 1 if len(shape) >= 2 else 0, blocked=f"output of `{name}`")
+        else:  # call_function / call_method
+            fn = node.target
+            is_method = op == "call_method"
+            if (fn in _PASS_METHODS if is_method else fn in _PASS_FUNCTIONS) and x is not None:
+                _pass(node, x, args[0], info, uf)
+            elif (fn in _BINARY_METHODS if is_method else fn in _BINARY_FUNCTIONS) and shape is not None:
+                _binary(node, shape, info, uf)
+            elif (fn == "flatten" if is_method else fn in _FLATTEN) and x is not None:
+                _flatten(node, x, args[0], info, uf)
+            elif is_method and fn in _RESHAPE_METHODS and x is not None:
+                in_shape = _shape(args[0])
+                d = _squeeze_map(in_shape, shape, x[1]) if in_shape is not None and shape is not None else None
+                if d is None:
+                    uf.block(x[0], f"reshaped by {fn}")
+                else:
+                    info[node] = (x[0], d)
+            elif (fn in _SHAPE_QUERIES) if is_method else (fn in _SHAPE_FUNCTIONS):
+                pass  # shape queries read no channel values
+            else:
+                block_args(node, f"used by {getattr(fn, '__name__', fn)}")
+                if shape is not None:
+                    new_space(node, 1 if len(shape) >= 2 else 0, blocked="untracked op")
+
+    # Layers that cannot be sliced independently: called twice, parameters read elsewhere, tied parameters.
+    owners: dict[int, list[str]] = {}
+    for name, m in model.named_modules(remove_duplicate=False):
+        for p in m.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(name)
+    tied = {n for names in owners.values() if len(set(names)) > 1 for n in names}
+    for name, spaces in touched.items():
+        reason = None
+        if calls.get(name, 0) > 1:
+            reason = f"`{name}` is called {calls[name]} times"
+        elif name in exposed or name in tied:
+            reason = f"`{name}` shares or exposes its parameters"
+        if reason:
+            for s in spaces:
+                uf.block(s, reason)
+
+    merged: dict[int, ChannelGroup] = {}
+    skipped: list[tuple[str, str]] = []
+    for s in sorted(space_size):
+        r = uf.find(s)
+        g = merged.setdefault(r, ChannelGroup(size=space_size[s]))
+        g.producers += [(n, modules[n]) for n in producers.get(s, [])]
+        g.followers += [(n, modules[n]) for n in followers.get(s, [])]
+        g.consumers += [(n, modules[n]) for n in consumers.get(s, [])]
+    groups = []
+    for r, g in merged.items():
+        if not g.producers:
+            continue
+        reason = uf.blocked[r]
+        if reason is None and not _consistent(g):
+            reason = "layers disagree on the channel count"
+        if reason is not None:
+            skipped += [(n, reason) for n in g.names]
+            continue
+        groups.append(g)
+    return groups, skipped
+
+
+def _pass(node: torch.fx.Node, x: tuple[int, int], src: torch.fx.Node, info: dict, uf: _UnionFind) -> None:
+    in_shape, out_shape = _shape(src), _shape(node)
+    if (
+        in_shape is not None
+        and out_shape is not None
+        and len(in_shape) == len(out_shape)
+        and in_shape[x[1]] == out_shape[x[1]]
+    ):
+        info[node] = x
+        return
+    uf.block(x[0], f"changed by {node.target}")
+
+
+def _flatten(node: torch.fx.Node, x: tuple[int, int], src: torch.fx.Node, info: dict, uf: _UnionFind) -> None:
+    in_shape, out_shape = _shape(src), _shape(node)
+    d = _squeeze_map(in_shape, out_shape, x[1]) if in_shape is not None and out_shape is not None else None
+    if d is None or len(out_shape) > len(in_shape):
+        uf.block(x[0], "flattened with other dims")
+    else:
+        info[node] = (x[0], d)
+
+
+def _binary(node: torch.fx.Node, shape: tuple[int, ...], info: dict, uf: _UnionFind) -> None:
+    """Element-wise op: operands that carry channels along the same output dim are merged (residual adds)."""
+    tensors = [a for a in node.args if isinstance(a, torch.fx.Node) and _shape(a) is not None]
+    out_dim: int | None = None
+    for a in tensors:
+        if a in info:
+            s, d = info[a]
+            a_shape = _shape(a)
+            mapped = d + len(shape) - len(a_shape)
+            if a_shape[d] > 1:
+                out_dim = mapped
+                break
+    if out_dim is None:
+        for a in tensors:
+            if a in info:
+                uf.block(info[a][0], "element-wise op without a channel dim")
+        return
+    space: int | None = None
+    for a in tensors:
+        a_shape = _shape(a)
+        k = out_dim - (len(shape) - len(a_shape))
+        size = a_shape[k] if 0 <= k < len(a_shape) else 1
+        if size == 1:
+            continue  # broadcast along the channels: not coupled
+        if a in info and info[a][1] == k:
+            space = info[a][0] if space is None else uf.union(space, info[a][0])
+        else:
+            for b in tensors:
+                if b in info:
+                    uf.block(info[b][0], "element-wise op with an untracked tensor")
+            return
+    if space is not None:
+        info[node] = (uf.find(space), out_dim)
+
+
+def _consistent(g: ChannelGroup) -> bool:
+    sizes = {g.size}
+    sizes |= {m.weight.shape[0] for _, m in g.producers}
+    sizes |= {m.num_features for _, m in g.followers}
+    sizes |= {m.weight.shape[1] for _, m in g.consumers}
+    return len(sizes) == 1
+
+
+def channel_importance(group: ChannelGroup, norm: str = "l1") -> torch.Tensor:
+    """Score per channel: the producers' filter norms (each producer divided by its mean score), summed.
+
+    Args:
+        group: a group from :func:`find_channel_groups`.
+        norm: ``"l1"`` or ``"l2"``.
+    """
+    if norm not in ("l1", "l2"):
+        raise ValueError(f"`norm` must be 'l1' or 'l2', got {norm!r}.")
+    total = torch.zeros(group.size, dtype=torch.float64)
+    for _, m in group.producers:
+        w = m.weight.detach().flatten(1).double().cpu()
+        score = w.abs().sum(1) if norm == "l1" else w.pow(2).sum(1).sqrt()
+        total += score / score.mean().clamp_min(1e-12)
+    return total
+
+
+def _n_keep(size: int, amount: float, round_to: int) -> int:
+    keep = size - math.floor(amount * size + 1e-9)
+    if round_to > 1:
+        keep = min(size, int(math.ceil(keep / round_to) * round_to))
+    return max(1, keep)
+
+
+def _slice_param(
+    module: nn.Module, name: str, dim: int, keep: torch.Tensor, optimizers: Sequence[torch.optim.Optimizer]
+) -> None:
+    """Replace ``module.<name>`` by its ``keep`` slice along ``dim``; re-point optimizers to the new parameter.
+
+    A *new* ``nn.Parameter`` is created (rather than assigning ``param.data``) because autograd caches the old shape
+    in the parameter's gradient accumulator while any graph that used it is alive; optimizers are re-pointed to the
+    new object and their per-parameter state (same shape as the parameter) is sliced the same way.
+    """
+    p = getattr(module, name, None)
+    if p is None:
+        return
+    idx = keep.to(p.device)
+    if not isinstance(p, nn.Parameter):  # buffer (BatchNorm running statistics)
+        module._buffers[name] = p.index_select(dim, idx).contiguous()
+        return
+    new = nn.Parameter(p.detach().index_select(dim, idx).contiguous(), requires_grad=p.requires_grad)
+    if p.grad is not None:
+        new.grad = p.grad.index_select(dim, idx).contiguous()
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["params"] = [new if q is p else q for q in group["params"]]
+        st = opt.state.pop(p, None)
+        if not st:
+            continue
+        sliced: dict[str, Any] = {}
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                if v.shape != p.shape:
+                    warnings.warn(
+                        f"Optimizer state `{k}` of `{name}` has shape {tuple(v.shape)}, not the parameter's "
+                        f"{tuple(p.shape)}; resetting this parameter's optimizer state.",
+                        stacklevel=4,
+                    )
+                    sliced = {}
+                    break
+                v = v.index_select(dim, idx.to(v.device)).contiguous()
+            sliced[k] = v
+        if sliced:
+            opt.state[new] = sliced
+    setattr(module, name, new)
+
+
+def _shrink(group: ChannelGroup, keep: torch.Tensor, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    n = int(keep.numel())
+    for _, m in group.producers:
+        _slice_param(m, "weight", 0, keep, optimizers)
+        _slice_param(m, "bias", 0, keep, optimizers)
+        if isinstance(m, nn.Linear):
+            m.out_features = n
+        else:
+            m.out_channels = n
+    for _, m in group.followers:
+        for name in ("weight", "bias", "running_mean", "running_var"):
+            _slice_param(m, name, 0, keep, optimizers)
+        m.num_features = n
+    for _, m in group.consumers:
+        _slice_param(m, "weight", 1, keep, optimizers)
+        if isinstance(m, nn.Linear):
+            m.in_features = n
+        else:
+            m.in_channels = n
+    group.size = n
+
+
+def apply_structured_pruning(
+    model: nn.Module,
+    amount: float,
+    example_inputs: tuple[Any, ...] | torch.Tensor,
+    *,
+    norm: str = "l1",
+    optimizers: Sequence[torch.optim.Optimizer] = (),
+    ignore: Iterable[str] = (),
+    round_to: int = 1,
+) -> PruneResult:
+    """Remove the ``amount`` weakest channels of every prunable group of ``model``, in place.
+
+    Args:
+        model: the network; its layers are shrunk in place (same module objects, new parameter objects).
+        amount: fraction in [0, 1) of each group's current channels to remove (at least one channel is kept).
+        example_inputs: inputs for one traced forward pass, on the model's device.
+        norm: filter norm used to rank channels, ``"l1"`` or ``"l2"``.
+        optimizers: optimizers over ``model``'s parameters whose per-parameter state is sliced to match.
+        ignore: module names whose output channels must not be pruned.
+        round_to: keep a multiple of this many channels per group (e.g. 8 for vectorised kernels).
+
+    Returns:
+        A :class:`PruneResult`; a warning is raised when nothing was pruned.
+
+    Raises:
+        ValueError: bad ``amount``/``norm``/``round_to``, each named.
+        TypeError: a model torch.fx cannot trace.
+    """
+    amount = check_amount(amount)
+    if norm not in ("l1", "l2"):
+        raise ValueError(f"`norm` must be 'l1' or 'l2', got {norm!r}.")
+    if isinstance(round_to, bool) or not isinstance(round_to, int) or round_to < 1:
+        raise ValueError(f"`round_to` must be an integer >= 1, got {round_to!r}.")
+    before = count_parameters(model)
+    groups, skipped = find_channel_groups(model, example_inputs, ignore=ignore)
+    plans = []
+    for g in groups:
+        n_keep = _n_keep(g.size, amount, round_to)
+        if n_keep >= g.size:
+            continue
+        keep = torch.topk(channel_importance(g, norm), n_keep).indices.sort().values
+        plans.append((g, keep))
+    result = PruneResult(params_before=before, params_after=before, skipped=skipped)
+    for g, keep in plans:
+        old = g.size
+        _shrink(g, keep, optimizers)
+        result.groups.append((g.names, old, g.size))
+    result.params_after = count_parameters(model)
+    if not result.groups and amount > 0:
+        warnings.warn(
+            f"Structured pruning with amount={amount} changed nothing ({len(groups)} prunable groups; skipped: "
+            f"{skipped[:4]}). Increase `amount` or check that the model has prunable conv/linear layers.",
+            stacklevel=2,
+        )
+    return result
+
+
+def resize_to_state_dict(model: nn.Module, state_dict: dict[str, Any], prefix: str = "") -> list[str]:
+    """Give ``model``'s conv/linear/BatchNorm layers the shapes found in ``state_dict`` (e.g. a pruned checkpoint).
+
+    The values are not copied -- call ``model.load_state_dict(state_dict)`` afterwards (this is also usable as a
+    ``load_state_dict`` pre-hook). Layers whose shapes already match are untouched.
+
+    Args:
+        model: a freshly built (unpruned) model.
+        state_dict: the pruned weights.
+        prefix: key prefix of ``model`` inside ``state_dict``.
+
+    Returns:
+        Names of the resized layers.
+    """
+    resized = []
+    for name, m in model.named_modules():
+        if not isinstance(m, (*_CONV, nn.Linear, *_BN)):
+            continue
+        key = f"{prefix}{name}." if name else prefix
+        changed = False
+        for pname in ("weight", "bias", "running_mean", "running_var"):
+            t = getattr(m, pname, None)
+            src = state_dict.get(key + pname)
+            if t is None or not isinstance(src, torch.Tensor) or src.shape == t.shape or src.dim() != t.dim():
+                continue
+            new = torch.empty(src.shape, dtype=t.dtype, device=t.device)
+            if isinstance(t, nn.Parameter):
+                setattr(m, pname, nn.Parameter(new, requires_grad=t.requires_grad))
+            else:
+                m._buffers[pname] = new
+            changed = True
+        if not changed:
+            continue
+        w = m.weight if getattr(m, "weight", None) is not None else getattr(m, "running_mean", None)
+        if isinstance(m, nn.Linear):
+            m.out_features, m.in_features = int(w.shape[0]), int(w.shape[1])
+        elif isinstance(m, _CONV):
+            m.out_channels, m.in_channels = int(w.shape[0]), int(w.shape[1]) * m.groups
+        elif w is not None:
+            m.num_features = int(w.shape[0])
+        resized.append(name)
+    return resized

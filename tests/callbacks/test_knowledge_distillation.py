@@ -1,0 +1,207 @@
+"""Trainer-level tests of KnowledgeDistillation: the loss, the protocol, a frozen teacher kept out of state, DDP."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from typing_extensions import override
+
+from lightning_accel.callbacks import KnowledgeDistillation
+from lightning_accel.models import ImageClassifier
+from lightning_accel.recipes.distill import distillation_loss
+from tests.helpers import run_in_processes
+from tests.recipes._tiny import classifier, loader, trainer
+
+
+class DictStudent(LightningModule):
+    """Returns ``{"loss", "logits"}`` from ``training_step`` (the explicit protocol); no BatchNorm, no dropout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(192, 10))
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
+        x, y = batch
+        logits = self.net(x)  # not through self(): the logits come from the dict
+        return {"loss": F.cross_entropy(logits, y), "logits": logits}
+
+    @override
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _teacher(out: int = 10, seed: int = 1) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Flatten(), nn.Linear(192, 32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, out))
+
+
+class _LossCheck(Callback):
+    def __init__(self, teacher: nn.Module, alpha: float, T: float) -> None:
+        self.teacher, self.alpha, self.T = teacher, alpha, T
+        self.checked = 0
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, i: int
+    ) -> None:
+        x, y = batch
+        logits = outputs["logits"].detach()
+        with torch.no_grad():
+            t = self.teacher(x)
+        expected = (1 - self.alpha) * F.cross_entropy(logits, y) + self.alpha * distillation_loss(logits, t, self.T)
+        assert outputs["loss"].item() == pytest.approx(expected.item(), rel=1e-5)
+        self.checked += 1
+
+
+def test_loss_is_the_weighted_sum_with_the_dict_protocol() -> None:
+    teacher = _teacher()
+    reference = copy.deepcopy(teacher).eval()
+    check = _LossCheck(reference, alpha=0.7, T=3.0)
+    kd = KnowledgeDistillation(teacher, temperature=3.0, alpha=0.7)
+    student = DictStudent()
+    trainer(callbacks=[kd, check]).fit(student, loader())
+    assert check.checked == 4
+    assert "training_step" not in student.__dict__  # unwrapped after fit
+    assert not teacher.training and not any(p.requires_grad for p in teacher.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(teacher.parameters(), reference.parameters(), strict=True))
+
+
+def test_alpha_zero_is_plain_training_and_forward_capture_works() -> None:
+    torch.manual_seed(0)
+    plain = classifier()
+    kd_student = copy.deepcopy(plain)
+    trainer().fit(plain, loader())
+    torch.manual_seed(0)
+    kd = KnowledgeDistillation(_teacher(), temperature=2.0, alpha=0.0)
+    trainer(callbacks=[kd]).fit(kd_student, loader())
+    for a, b in zip(plain.parameters(), kd_student.parameters(), strict=True):
+        assert torch.allclose(a, b)
+    # with alpha > 0 the same start diverges: the teacher term really reaches the gradients
+    torch.manual_seed(0)
+    other = copy.deepcopy(kd_student)
+    trainer(callbacks=[KnowledgeDistillation(_teacher(), alpha=0.9)]).fit(other, loader())
+    assert not all(torch.allclose(a, b) for a, b in zip(kd_student.parameters(), other.parameters(), strict=True))
+
+
+def test_teacher_stays_out_of_optimizer_and_checkpoint(tmp_path: Path) -> None:
+    teacher = _teacher()
+    kd = KnowledgeDistillation(teacher, alpha=0.5)
+    student = classifier()
+    ckpt = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    t = trainer(callbacks=[kd, ckpt], enable_checkpointing=True, default_root_dir=tmp_path)
+    t.fit(student, loader())
+    teacher_ids = {id(p) for p in teacher.parameters()}
+    assert not any(id(p) in teacher_ids for g in t.optimizers[0].param_groups for p in g["params"])
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=True)
+    assert set(saved["state_dict"]) == set(student.state_dict())
+    assert saved["callbacks"]["KnowledgeDistillation"] == {"temperature": 4.0, "alpha": 0.5}
+    n_teacher = sum(p.numel() for p in teacher.parameters())
+    assert not any(v.numel() == n_teacher for v in saved["state_dict"].values())
+
+
+def test_teacher_from_a_checkpoint_path(tmp_path: Path) -> None:
+    big = classifier(width=8)
+    ckpt = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    trainer(callbacks=[ckpt], enable_checkpointing=True, default_root_dir=tmp_path, limit_train_batches=2).fit(
+        big, loader()
+    )
+    kd = KnowledgeDistillation(str(tmp_path / "last.ckpt"), teacher_class="lightning_accel.models.ImageClassifier")
+    assert isinstance(kd.teacher, ImageClassifier) and kd.teacher.hparams.width == 8
+    x = torch.randn(2, 3, 8, 8)
+    big.eval()
+    with torch.no_grad():
+        assert torch.allclose(kd.teacher(x), big(x))
+    trainer(callbacks=[kd], limit_train_batches=2).fit(classifier(), loader())
+
+
+def test_bad_input_names_the_argument() -> None:
+    with pytest.raises(ValueError, match="`temperature`"):
+        KnowledgeDistillation(_teacher(), temperature=0.0)
+    with pytest.raises(ValueError, match="`alpha`"):
+        KnowledgeDistillation(_teacher(), alpha=-0.1)
+    failed = classifier()
+    with pytest.raises(ValueError, match="`teacher` output shape \\(32, 7\\) differs"):
+        trainer(callbacks=[KnowledgeDistillation(_teacher(out=7))]).fit(failed, loader())
+    assert "training_step" not in failed.__dict__  # unwrapped after the failure
+    student = classifier()
+    student.helper = _teacher()  # a submodule would be trained and checkpointed
+    with pytest.raises(ValueError, match="`teacher` is a submodule"):
+        trainer(callbacks=[KnowledgeDistillation(student.helper)]).fit(student, loader())
+
+
+class _NoLogits(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(192, 10)
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self.net(x.flatten(1)), y)
+
+    @override
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_protocol_violation_explains_the_fix() -> None:
+    with pytest.raises(ValueError, match="'logits'"):
+        trainer(callbacks=[KnowledgeDistillation(_teacher())]).fit(_NoLogits(), loader())
+
+
+def _ddp_fit(rank: int, world_size: int) -> dict[str, Any]:
+    import lightning.pytorch as pl
+
+    pl.seed_everything(0)
+    teacher = _teacher()
+    check = _LossCheck(copy.deepcopy(teacher).eval(), alpha=0.5, T=2.0)
+    kd = KnowledgeDistillation(teacher, temperature=2.0, alpha=0.5)
+    student = DictStudent()
+    t = Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_epochs=1,
+        limit_train_batches=3,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[kd, check],
+    )
+    t.fit(student, loader(batch_size=16))
+    return {
+        "world": t.world_size,
+        "checked": check.checked,
+        "weights": torch.cat([p.detach().flatten() for p in student.parameters()]).tolist(),
+        "teacher_frozen": not teacher.training and not any(p.requires_grad for p in teacher.parameters()),
+        "unwrapped": "training_step" not in student.__dict__,
+    }
+
+
+@pytest.mark.slow
+def test_ddp_two_processes() -> None:
+    r0, r1 = run_in_processes(_ddp_fit, 2, init_process_group=False, timeout=240)
+    assert r0["world"] == r1["world"] == 2
+    assert r0["checked"] == r1["checked"] == 3  # each rank's loss is its own hard + soft mix
+    assert torch.allclose(torch.tensor(r0["weights"]), torch.tensor(r1["weights"]))  # DDP kept the students in sync
+    assert r0["teacher_frozen"] and r1["teacher_frozen"] and r0["unwrapped"]
+
+
+@pytest.mark.gpu
+def test_teacher_follows_the_student_to_the_gpu() -> None:
+    teacher = _teacher()
+    check = _LossCheck(copy.deepcopy(teacher).eval().cuda(), alpha=0.5, T=2.0)
+    t = trainer(accelerator="gpu", callbacks=[KnowledgeDistillation(teacher, temperature=2.0, alpha=0.5), check])
+    t.fit(DictStudent(), loader())
+    assert next(teacher.parameters()).is_cuda and check.checked == 4

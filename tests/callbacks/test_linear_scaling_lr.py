@@ -1,0 +1,70 @@
+"""Trainer-level tests of LinearScalingLR: the global batch, schedulers scaled along, idempotent resume."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_accel.callbacks import LinearScalingLR
+from lightning_accel.recipes.lr import WarmupCosineLR
+from tests.recipes._tiny import LRProbe, classifier, loader, trainer
+
+
+def _constant_model(lr: float = 0.01):
+    m = classifier(lr=lr)
+    m.configure_optimizers = lambda: torch.optim.SGD(m.parameters(), lr=lr)  # type: ignore[method-assign]
+    return m
+
+
+def test_scales_by_global_batch_including_accumulation() -> None:
+    probe = LRProbe()
+    cb = LinearScalingLR(base_batch_size=16)
+    t = trainer(callbacks=[cb, probe], accumulate_grad_batches=2)
+    t.fit(_constant_model(0.01), loader(batch_size=32))
+    assert cb.global_batch_size == 32 * 1 * 1 * 2
+    assert cb.factor == 4.0
+    assert probe.lrs and all(lr == pytest.approx(0.04) for lr in probe.lrs)
+    assert cb.state_dict() == {"base_batch_size": 16, "global_batch_size": 64, "factor": 4.0}
+
+
+def test_scheduler_follows_the_scaled_rate() -> None:
+    probe = LRProbe()
+    m = classifier(lr=0.01)
+
+    def configure_optimizers() -> Any:
+        opt = torch.optim.SGD(m.parameters(), lr=0.01)
+        sched = WarmupCosineLR(opt, total_steps=4, warmup_steps=2)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    m.configure_optimizers = configure_optimizers  # type: ignore[method-assign]
+    trainer(callbacks=[LinearScalingLR(base_batch_size=8), probe]).fit(m, loader(batch_size=16))
+    assert probe.lrs == pytest.approx([0.01, 0.02, 0.02, 0.01])  # peak 0.02 = 2 x 0.01, then cosine
+
+
+def test_resume_does_not_compound(tmp_path: Path) -> None:
+    ckpt = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    cb = LinearScalingLR(base_batch_size=16)
+    t = trainer(callbacks=[cb, ckpt], enable_checkpointing=True, default_root_dir=tmp_path)
+    t.fit(_constant_model(0.01), loader(batch_size=32))
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=True)
+    assert saved["callbacks"]["LinearScalingLR"]["factor"] == 2.0
+    assert saved["optimizer_states"][0]["param_groups"][0]["lr"] == pytest.approx(0.02)
+    probe = LRProbe()
+    t2 = trainer(callbacks=[LinearScalingLR(base_batch_size=16), probe], max_epochs=2)
+    t2.fit(_constant_model(0.01), loader(batch_size=32), ckpt_path=tmp_path / "last.ckpt")
+    assert probe.lrs and all(lr == pytest.approx(0.02) for lr in probe.lrs)  # not 0.04
+    probe3 = LRProbe()  # resumed with a batch twice as large: total factor 4, relative to the unscaled rate
+    t3 = trainer(callbacks=[LinearScalingLR(base_batch_size=16), probe3], max_epochs=2)
+    t3.fit(_constant_model(0.01), loader(batch_size=64), ckpt_path=tmp_path / "last.ckpt")
+    assert probe3.lrs and all(lr == pytest.approx(0.04) for lr in probe3.lrs)
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="`base_batch_size`"):
+        LinearScalingLR(base_batch_size=0)
+    with pytest.raises(ValueError, match="`global_batch_size`"):
+        LinearScalingLR(base_batch_size=8, batch_size=-2)

@@ -1,0 +1,136 @@
+"""Trainer-level tests of StructuredPruning: mid-fit surgery with a live optimizer and schedule, resume, DDP."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from typing_extensions import override
+
+from lightning_accel.callbacks import StructuredPruning
+from lightning_accel.recipes.prune import count_parameters
+from tests.helpers import run_in_processes
+from tests.recipes._tiny import classifier, loader, trainer
+
+
+class _OptimizerMatchesModel(Callback):
+    """After every optimizer step: the optimizer holds exactly the model's parameters, with state of their shape."""
+
+    def __init__(self) -> None:
+        self.checked = 0
+        self.sizes: list[int] = []
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, _: int
+    ) -> None:
+        opt = trainer.optimizers[0]
+        in_opt = [p for g in opt.param_groups for p in g["params"]]
+        params = list(pl_module.parameters())
+        assert len(in_opt) == len(params) and all(a is b for a, b in zip(in_opt, params, strict=True))
+        for p in params:
+            for v in opt.state[p].values():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    assert v.shape == p.shape
+        assert torch.isfinite(outputs["loss"])
+        self.sizes.append(count_parameters(pl_module))
+        self.checked += 1
+
+
+def test_prunes_mid_fit_and_keeps_optimizer_and_schedule() -> None:
+    check = _OptimizerMatchesModel()
+    cb = StructuredPruning(amount=0.5, schedule=1)
+    model = classifier(width=8)
+    full = count_parameters(model)
+    t = trainer(callbacks=[cb, check], max_epochs=2, limit_train_batches=3)
+    t.fit(model, loader())
+    assert check.checked == 6
+    assert check.sizes[:3] == [full] * 3 and check.sizes[3] < 0.35 * full  # pruned at the start of epoch 1
+    assert cb.done == [1] and cb.history[0]["params_before"] == full
+    assert model.model.layers[0].conv1.out_channels == 4 and model.model.fc.in_features == 16
+    sched = t.lr_scheduler_configs[0].scheduler
+    assert sched.last_epoch == 6  # the cosine schedule kept its position (rebuilding would restart it)
+
+
+def test_iterative_schedule_reaches_the_amount() -> None:
+    cb = StructuredPruning(amount=0.5, schedule=[0, 1], norm="l2")
+    model = classifier(width=8)
+    trainer(callbacks=[cb], max_epochs=2, limit_train_batches=1).fit(model, loader())
+    assert [h["epoch"] for h in cb.history] == [0, 1]
+    assert model.model.layers[1].conv1.out_channels == 8  # 16 -> 12 (25 %) -> 8 (50 % of the original)
+
+
+def test_resume_from_a_pruned_checkpoint(tmp_path: Path) -> None:
+    ckpt = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    model = classifier(width=8)
+    trainer(
+        callbacks=[StructuredPruning(0.5, schedule=0), ckpt], enable_checkpointing=True, default_root_dir=tmp_path
+    ).fit(model, loader())
+    pruned = count_parameters(model)
+    fresh = classifier(width=8)  # full size: the callback resizes it to the checkpoint before the weights load
+    cb = StructuredPruning(0.5, schedule=0)
+    t = trainer(callbacks=[cb], max_epochs=2)
+    t.fit(fresh, loader(), ckpt_path=tmp_path / "last.ckpt")
+    assert count_parameters(fresh) == pruned  # not pruned a second time
+    assert cb.done == [0] and len(cb.history) == 1
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="`amount` must be a fraction in \\[0, 1\\)"):
+        StructuredPruning(amount=1.0)
+    with pytest.raises(ValueError, match="`schedule`"):
+        StructuredPruning(schedule=-1)
+    with pytest.raises(ValueError, match="`norm`"):
+        StructuredPruning(norm="l0")
+    with pytest.raises(ValueError, match="`target` 'nope'"):
+        trainer(callbacks=[StructuredPruning(target="nope")]).fit(classifier(), loader())
+
+
+def _ddp_prune(rank: int, world_size: int) -> dict[str, Any]:
+    import lightning.pytorch as pl
+
+    pl.seed_everything(0)
+    model = classifier(width=8)
+    cb = StructuredPruning(amount=0.5, schedule=1)
+    t = Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_epochs=2,
+        limit_train_batches=2,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[cb],
+    )
+    t.fit(model, loader(batch_size=16, shuffle=True))
+    return {
+        "params": count_parameters(model),
+        "weights": torch.cat([p.detach().flatten() for p in model.parameters()]).tolist(),
+        "done": cb.done,
+    }
+
+
+@pytest.mark.slow
+def test_ddp_two_processes() -> None:
+    r0, r1 = run_in_processes(_ddp_prune, 2, init_process_group=False, timeout=240)
+    assert r0["done"] == r1["done"] == [1]
+    assert r0["params"] == r1["params"] < count_parameters(classifier(width=8)) * 0.35
+    assert torch.allclose(torch.tensor(r0["weights"]), torch.tensor(r1["weights"]))  # still one model after re-wrap
+
+
+@pytest.mark.gpu
+def test_prunes_on_the_gpu() -> None:
+    check = _OptimizerMatchesModel()
+    model = classifier(width=8)
+    trainer(accelerator="gpu", callbacks=[StructuredPruning(0.5, schedule=0), check], limit_train_batches=2).fit(
+        model, loader()
+    )
+    assert check.checked == 2 and next(model.parameters()).is_cuda
+    assert model.model.layers[0].conv1.out_channels == 4

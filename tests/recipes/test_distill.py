@@ -1,0 +1,110 @@
+"""Unit tests of the distillation core: the loss, argument checks, safe teacher loading."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_accel.recipes.distill import (
+    check_distillation_args,
+    combine_losses,
+    distillation_loss,
+    freeze_teacher,
+    load_teacher,
+)
+
+
+def test_loss_matches_the_formula() -> None:
+    torch.manual_seed(0)
+    s, t = torch.randn(5, 7), torch.randn(5, 7)
+    T = 3.0
+    p_t, p_s = F.softmax(t / T, -1), F.softmax(s / T, -1)
+    expected = (p_t * (p_t.log() - p_s.log())).sum(-1).mean() * T * T
+    assert distillation_loss(s, t, T).item() == pytest.approx(expected.item(), rel=1e-5)
+    assert distillation_loss(t, t, T).item() == pytest.approx(0.0, abs=1e-6)
+    # rows of any leading shape: (B, T, V) equals the flattened (B*T, V)
+    s3, t3 = torch.randn(2, 3, 7), torch.randn(2, 3, 7)
+    assert distillation_loss(s3, t3, T).item() == pytest.approx(
+        distillation_loss(s3.reshape(6, 7), t3.reshape(6, 7), T).item(), rel=1e-6
+    )
+
+
+def test_gradient_reaches_the_student_only() -> None:
+    s = torch.randn(4, 3, requires_grad=True)
+    t = torch.randn(4, 3, requires_grad=True)
+    distillation_loss(s, t, 2.0).backward()
+    assert s.grad is not None and s.grad.abs().sum() > 0
+    assert t.grad is None
+    # Hinton's gradient: (p_s - p_t) * T / B (the T^2 factor times the 1/T of the softmax)
+    T = 2.0
+    expected = (F.softmax(s.detach() / T, -1) - F.softmax(t.detach() / T, -1)) * T / 4
+    assert torch.allclose(s.grad, expected, atol=1e-6)
+
+
+def test_combine_losses() -> None:
+    hard, soft = torch.tensor(2.0), torch.tensor(4.0)
+    assert combine_losses(hard, soft, 0.25).item() == pytest.approx(0.75 * 2 + 0.25 * 4)
+    assert combine_losses(hard, soft, 0.0) is hard
+    assert combine_losses(hard, soft, 1.0).item() == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, "4"])
+def test_bad_temperature(bad: object) -> None:
+    with pytest.raises(ValueError, match="`temperature` must be a number > 0"):
+        check_distillation_args(bad, 0.5)  # type: ignore[arg-type]
+
+
+def test_bad_alpha_and_shape_mismatch() -> None:
+    with pytest.raises(ValueError, match="`alpha`"):
+        check_distillation_args(2.0, 1.5)
+    with pytest.raises(ValueError, match="`teacher` output shape \\(4, 5\\) differs"):
+        distillation_loss(torch.randn(4, 3), torch.randn(4, 5), 2.0)
+
+
+def test_freeze_teacher() -> None:
+    m = nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.5))
+    assert freeze_teacher(m) is m
+    assert not m.training and not any(p.requires_grad for p in m.parameters())
+    with pytest.raises(TypeError, match="`teacher`"):
+        freeze_teacher("nope")  # type: ignore[arg-type]
+
+
+class _Net(nn.Module):
+    def __init__(self, hidden: int = 4) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+def test_load_teacher_from_checkpoint(tmp_path: Path) -> None:
+    net = _Net(hidden=6)
+    path = tmp_path / "t.ckpt"
+    torch.save({"state_dict": net.state_dict(), "hyper_parameters": {"hidden": 6}}, path)
+    loaded = load_teacher(path, _Net)
+    x = torch.randn(2, 3)
+    assert torch.equal(loaded(x), net(x))
+    loaded2 = load_teacher(str(path), f"{__name__}._Net")
+    assert torch.equal(loaded2(x), net(x))
+    with pytest.raises(ValueError, match="`teacher_class` is not set"):
+        load_teacher(path, None)
+    with pytest.raises(FileNotFoundError, match="`teacher` checkpoint"):
+        load_teacher(tmp_path / "missing.ckpt", _Net)
+    # no hyper-parameters: `_Net()` has hidden=4, the layers are resized to the file's 6 (e.g. a pruned teacher)
+    torch.save({"state_dict": net.state_dict()}, tmp_path / "p.ckpt")
+    assert torch.equal(load_teacher(tmp_path / "p.ckpt", _Net)(x), net(x))
+    torch.save({"state_dict": nn.Linear(3, 6).state_dict()}, tmp_path / "other.ckpt")
+    with pytest.raises(ValueError, match="does not fit"):
+        load_teacher(tmp_path / "other.ckpt", _Net)  # other keys: another architecture
+
+
+def test_load_teacher_refuses_pickled_objects(tmp_path: Path) -> None:
+    path = tmp_path / "evil.ckpt"
+    torch.save({"state_dict": {}, "obj": _Net()}, path)  # a pickled module: not allowed under weights_only
+    with pytest.raises(Exception, match="(?i)weights_only|unsupported|global"):
+        load_teacher(path, _Net)

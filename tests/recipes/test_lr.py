@@ -1,0 +1,139 @@
+"""Unit tests of the LR recipes core: linear scaling rule, idempotent scaling, WarmupCosineLR."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lightning_accel.recipes.lr import (
+    APPLIED_KEY,
+    WarmupCosineLR,
+    apply_lr_scale,
+    linear_scaling_factor,
+    warmup_cosine_value,
+)
+
+
+def _opt(lr: float = 0.1, groups: int = 1) -> torch.optim.Optimizer:
+    ps = [{"params": [torch.nn.Parameter(torch.zeros(2))], "lr": lr * (i + 1)} for i in range(groups)]
+    return torch.optim.SGD(ps, lr=lr, momentum=0.9)
+
+
+def test_linear_scaling_factor() -> None:
+    assert linear_scaling_factor(256, 64) == 4.0
+    assert linear_scaling_factor(32, 64) == 0.5
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="`base_batch_size`"):
+            linear_scaling_factor(64, bad)
+    with pytest.raises(ValueError, match="`global_batch_size`"):
+        linear_scaling_factor(0, 64)
+
+
+def test_apply_lr_scale_is_idempotent_and_rescales() -> None:
+    opt = _opt(0.1, groups=2)
+    apply_lr_scale(opt, 4.0)
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.4, 0.8])
+    assert all(g[APPLIED_KEY] == 4.0 for g in opt.param_groups)
+    assert apply_lr_scale(opt, 4.0) == 1.0  # second call: nothing changes
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.4, 0.8])
+    apply_lr_scale(opt, 2.0)  # e.g. resumed on half the devices: total factor 2, not 8
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.2, 0.4])
+    # the key travels with the optimizer state, so a restored optimizer is recognised as scaled
+    fresh = _opt(0.1, groups=2)
+    fresh.load_state_dict(opt.state_dict())
+    apply_lr_scale(fresh, 2.0)
+    assert [g["lr"] for g in fresh.param_groups] == pytest.approx([0.2, 0.4])
+    with pytest.raises(ValueError, match="`factor`"):
+        apply_lr_scale(opt, 0.0)
+
+
+def test_apply_lr_scale_scales_attached_schedulers() -> None:
+    opt = _opt(0.1)
+    sched = WarmupCosineLR(opt, total_steps=10, warmup_steps=2)
+    other = torch.optim.lr_scheduler.StepLR(_opt(0.1), step_size=1)
+    apply_lr_scale(opt, 3.0, [sched, other])
+    assert sched.base_lrs == pytest.approx([0.3])
+    assert other.base_lrs == pytest.approx([0.1])  # not attached to `opt`
+    for _ in range(2):
+        opt.step()
+        sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.3)  # peak = scaled base right after warm-up
+
+
+def test_fallback_applied_for_groups_without_key() -> None:
+    opt = _opt(0.4)  # already scaled x4 by a run whose optimizer state lacks the key
+    apply_lr_scale(opt, 4.0, fallback_applied=4.0)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.4)
+
+
+def _lrs(sched: WarmupCosineLR, opt: torch.optim.Optimizer, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        out.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return out
+
+
+def test_warmup_cosine_shape() -> None:
+    opt = _opt(1.0)
+    sched = WarmupCosineLR(opt, total_steps=20, warmup_steps=4, min_lr=0.1)
+    lrs = _lrs(sched, opt, 25)
+    assert lrs[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert lrs[4] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[4:20], lrs[5:21], strict=True))  # non-increasing after warm-up
+    assert lrs[12] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 8 / 16)))
+    assert lrs[20:] == pytest.approx([0.1] * 5)
+    assert warmup_cosine_value(0, 1.0, 10, 0, 0.0) == pytest.approx(1.0)
+
+
+def test_warmup_fraction_and_bad_arguments() -> None:
+    sched = WarmupCosineLR(_opt(), total_steps=100, warmup_fraction=0.1)
+    assert sched.warmup_steps == 10
+    with pytest.raises(ValueError, match="`warmup_steps` \\(10\\) must be shorter than the training, `total_steps`"):
+        WarmupCosineLR(_opt(), total_steps=10, warmup_steps=10)
+    with pytest.raises(ValueError, match="not both"):
+        WarmupCosineLR(_opt(), total_steps=10, warmup_steps=1, warmup_fraction=0.1)
+    with pytest.raises(ValueError, match="`warmup_fraction`"):
+        WarmupCosineLR(_opt(), total_steps=10, warmup_fraction=1.0)
+    with pytest.raises(ValueError, match="`warmup_steps`"):
+        WarmupCosineLR(_opt(), total_steps=10, warmup_steps=-1)
+    with pytest.raises(ValueError, match="`min_lr`"):
+        WarmupCosineLR(_opt(), total_steps=10, min_lr=-1.0)
+    with pytest.raises(ValueError, match="`total_steps`"):
+        WarmupCosineLR(_opt(), total_steps=0)
+    with pytest.raises(ValueError, match="infinite"):
+        WarmupCosineLR(_opt(), total_steps=float("inf"))
+
+
+def test_unbound_schedule_must_be_bound_before_stepping() -> None:
+    opt = _opt(1.0)
+    sched = WarmupCosineLR(opt, warmup_fraction=0.25)
+    assert not sched.bound
+    opt.step()
+    with pytest.raises(RuntimeError, match="PerStepLR"):
+        sched.step()
+    opt2 = _opt(1.0)
+    sched2 = WarmupCosineLR(opt2, warmup_fraction=0.25)
+    sched2.bind(8)
+    assert sched2.warmup_steps == 2
+    assert _lrs(sched2, opt2, 3) == pytest.approx([0.5, 1.0, 1.0])
+    with pytest.raises(ValueError, match="`warmup_steps` \\(4\\)"):
+        WarmupCosineLR(_opt(), warmup_steps=4).bind(4)
+
+
+def test_resume_continues_the_same_curve() -> None:
+    opt = _opt(1.0)
+    sched = WarmupCosineLR(opt, total_steps=30, warmup_steps=5, min_lr=0.01)
+    full = _lrs(sched, opt, 30)
+    opt_a = _opt(1.0)
+    sched_a = WarmupCosineLR(opt_a, total_steps=30, warmup_steps=5, min_lr=0.01)
+    first = _lrs(sched_a, opt_a, 12)
+    opt_b = _opt(1.0)
+    opt_b.load_state_dict(opt_a.state_dict())
+    sched_b = WarmupCosineLR(opt_b, warmup_fraction=0.5)  # constructor args lose to the restored state
+    sched_b.load_state_dict(sched_a.state_dict())
+    second = _lrs(sched_b, opt_b, 18)
+    assert first + second == pytest.approx(full)

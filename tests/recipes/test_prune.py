@@ -1,0 +1,206 @@
+"""Unit tests of structured pruning: channel groups, exact removal, optimizer state, reload, refusals."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_accel.models import SmallResNet
+from lightning_accel.recipes.prune import (
+    apply_structured_pruning,
+    channel_importance,
+    count_parameters,
+    find_channel_groups,
+    resize_to_state_dict,
+    schedule_amounts,
+)
+
+X = torch.randn(3, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+
+
+def _resnet(seed: int = 0, width: int = 8) -> SmallResNet:
+    torch.manual_seed(seed)
+    return SmallResNet(width=width, blocks=(1, 1, 1))
+
+
+def test_groups_of_a_resnet_couple_residual_adds() -> None:
+    groups, skipped = find_channel_groups(_resnet(), X)
+    by_names = {tuple(sorted(g.names)): g for g in groups}
+    assert len(groups) == 7  # stem, 3 block-internal, 3 residual groups
+    internal = by_names[("layers.1.conv1",)]
+    assert [n for n, _ in internal.followers] == ["layers.1.bn1"]
+    assert [n for n, _ in internal.consumers] == ["layers.1.conv2"]
+    res = by_names[("layers.0.conv2", "layers.0.downsample.0")]
+    assert sorted(n for n, _ in res.followers) == ["layers.0.bn2", "layers.0.downsample.1"]
+    assert sorted(n for n, _ in res.consumers) == ["layers.1.conv1", "layers.1.downsample.0"]
+    last = by_names[("layers.2.conv2", "layers.2.downsample.0")]
+    assert [n for n, _ in last.consumers] == ["fc"]
+    assert ("fc", "model output") in skipped  # the logits keep their size
+
+
+def _silence_channels(model: SmallResNet, amount: float) -> None:
+    """Make the lowest-index `amount` of every group's channels exactly zero after BatchNorm (eval mode)."""
+    groups, _ = find_channel_groups(model, X)
+    with torch.no_grad():
+        for g in groups:
+            dead = torch.arange(int(amount * g.size))
+            for _, m in g.producers:
+                m.weight[dead] = 0
+            for _, bn in g.followers:
+                bn.bias[dead] = 0
+                bn.running_mean[dead] = 0
+
+
+@pytest.mark.parametrize("norm", ["l1", "l2"])
+def test_pruning_silent_channels_is_exact_and_shrinks(norm: str) -> None:
+    model = _resnet().eval()
+    _silence_channels(model, 0.5)
+    with torch.no_grad():
+        before_out = model(X)
+    before = count_parameters(model)
+    result = apply_structured_pruning(model, 0.5, X, norm=norm)
+    assert result.params_before == before and result.params_after == count_parameters(model)
+    assert result.params_frac < 0.3  # every conv loses half its inputs and/or outputs
+    assert model.stem[0].out_channels == 4 and model.stem[1].num_features == 4
+    assert model.layers[0].conv1.in_channels == 4 and model.layers[0].downsample[0].in_channels == 4
+    assert model.layers[2].bn1.running_var.shape == (16,)
+    assert model.fc.in_features == 16 and model.fc.out_features == 10
+    with torch.no_grad():
+        assert torch.allclose(model(X), before_out, atol=1e-5)  # only the silent channels went
+
+
+def test_importance_ranks_by_filter_norm() -> None:
+    model = _resnet()
+    groups, _ = find_channel_groups(model, X)
+    g = next(g for g in groups if g.names == ["layers.0.conv1"])
+    with torch.no_grad():
+        model.layers[0].conv1.weight.mul_(0.01)
+        model.layers[0].conv1.weight[3] = 1.0
+    assert int(channel_importance(g, "l1").argmax()) == 3
+    with pytest.raises(ValueError, match="`norm`"):
+        channel_importance(g, "l3")
+
+
+@pytest.mark.parametrize("opt_cls", [torch.optim.AdamW, torch.optim.SGD])
+def test_optimizer_is_repointed_and_state_sliced(opt_cls: type) -> None:
+    model = _resnet().train()
+    opt = opt_cls(model.parameters(), lr=0.01, **({"momentum": 0.9} if opt_cls is torch.optim.SGD else {}))
+    keep_out = model(X)  # a live graph over the old parameters must not break the next backward
+    model(X).sum().backward()
+    opt.step()
+    old_conv1 = model.layers[1].conv1.weight
+    state_key = "exp_avg" if opt_cls is torch.optim.AdamW else "momentum_buffer"
+    old_state = opt.state[old_conv1][state_key].clone()
+    apply_structured_pruning(model, 0.5, X, optimizers=[opt])
+    params = list(model.parameters())
+    opt_params = [p for g in opt.param_groups for p in g["params"]]
+    assert len(opt_params) == len(params) and all(a is b for a, b in zip(opt_params, params, strict=True))
+    for p in params:
+        assert opt.state[p][state_key].shape == p.shape
+    new_conv1 = model.layers[1].conv1.weight
+    assert new_conv1 is not old_conv1 and old_conv1 not in opt.state
+    assert opt.state[new_conv1][state_key].shape[0] == old_state.shape[0] // 2
+    opt.zero_grad()
+    model(X).sum().backward()
+    opt.step()
+    assert all(p.grad is not None and p.grad.shape == p.shape for p in model.parameters())
+    del keep_out
+
+
+def test_reload_a_pruned_state_dict_into_a_fresh_model() -> None:
+    model = _resnet().eval()
+    apply_structured_pruning(model, 0.5, X)
+    fresh = _resnet(seed=1).eval()
+    resized = resize_to_state_dict(fresh, model.state_dict())
+    assert "layers.0.conv1" in resized and "stem.1" in resized
+    fresh.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert torch.equal(fresh(X), model(X))
+
+
+def test_mlp_prunes_hidden_units_only() -> None:
+    mlp = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 16), nn.GELU(), nn.Linear(16, 3))
+    apply_structured_pruning(mlp, 0.25, torch.randn(4, 6))
+    assert [m.out_features for m in mlp if isinstance(m, nn.Linear)] == [24, 12, 3]
+    assert [m.in_features for m in mlp if isinstance(m, nn.Linear)] == [6, 24, 12]
+    assert mlp(torch.randn(2, 6)).shape == (2, 3)
+
+
+def test_optimizer_state_rows_follow_the_kept_units() -> None:
+    mlp = nn.Sequential(nn.Linear(2, 4), nn.ReLU(), nn.Linear(4, 1))
+    with torch.no_grad():
+        mlp[0].weight.copy_(torch.tensor([[1.0, 1.0], [0.01, 0.0], [2.0, 2.0], [0.0, 0.02]]))
+    opt = torch.optim.SGD(mlp.parameters(), lr=0.1, momentum=0.9)
+    mlp(torch.randn(3, 2)).sum().backward()
+    opt.step()
+    buf0 = opt.state[mlp[0].weight]["momentum_buffer"].clone()
+    buf2 = opt.state[mlp[2].weight]["momentum_buffer"].clone()
+    apply_structured_pruning(mlp, 0.5, torch.randn(1, 2), optimizers=[opt])
+    keep = torch.tensor([0, 2])  # the two large rows
+    assert torch.equal(opt.state[mlp[0].weight]["momentum_buffer"], buf0[keep])
+    assert torch.equal(opt.state[mlp[2].weight]["momentum_buffer"], buf2[:, keep])
+
+
+class _Concat(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(3, 8, 3, padding=1)
+        self.b = nn.Conv2d(3, 8, 3, padding=1)
+        self.c = nn.Conv2d(16, 4, 1)
+        self.d = nn.Conv2d(4, 5, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.d(torch.relu(self.c(torch.cat([self.a(x), self.b(x)], dim=1))))
+
+
+def test_unsupported_ops_are_left_alone() -> None:
+    m = _Concat()
+    result = apply_structured_pruning(m, 0.5, torch.randn(2, 3, 8, 8))
+    assert (m.a.out_channels, m.b.out_channels) == (8, 8)  # concatenated: untouched
+    assert m.c.out_channels == 2 and m.d.in_channels == 2  # a plain conv -> relu -> conv chain is pruned
+    assert any(name == "a" for name, _ in result.skipped)
+
+
+def test_nothing_to_prune_warns() -> None:
+    with pytest.warns(UserWarning, match="changed nothing"):
+        apply_structured_pruning(nn.Linear(4, 2), 0.5, torch.randn(1, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        apply_structured_pruning(_resnet(), 0.0, X)  # amount 0: nothing asked, nothing said
+
+
+@pytest.mark.parametrize("bad", [1.0, -0.1, 1.5, "0.5"])
+def test_bad_amount_names_the_argument(bad: object) -> None:
+    with pytest.raises(ValueError, match="`amount` must be a fraction in \\[0, 1\\)"):
+        apply_structured_pruning(_resnet(), bad, X)  # type: ignore[arg-type]
+
+
+def test_untraceable_model_gives_a_clear_error() -> None:
+    class Dynamic(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(3, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x) if x.sum() > 0 else x
+
+    with pytest.raises(TypeError, match="could not trace"):
+        apply_structured_pruning(Dynamic(), 0.5, torch.randn(2, 3))
+
+
+def test_schedule_amounts_reach_the_total() -> None:
+    steps = schedule_amounts(0.5, 3)
+    remaining = 1.0
+    for i, a in enumerate(steps, 1):
+        remaining *= 1 - a
+        assert remaining == pytest.approx(1 - 0.5 * i / 3)
+    assert schedule_amounts(0.5, 1) == pytest.approx([0.5])
+
+
+def test_round_to_keeps_multiples() -> None:
+    model = _resnet(width=12)
+    apply_structured_pruning(model, 0.5, X, round_to=4)
+    assert model.layers[0].conv1.out_channels == 8  # 6 rounded up to a multiple of 4
