@@ -1,0 +1,42 @@
+"""``OneBitDDPStrategy`` construction and registration (no processes)."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def test_registered_on_import() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    import lightning_accel  # noqa: F401
+    from lightning_accel.strategies import OneBitDDPStrategy
+
+    assert "ddp_1bit" in StrategyRegistry
+    st = StrategyRegistry.get("ddp_1bit")
+    assert isinstance(st, OneBitDDPStrategy)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"warmup_steps": -3}, "warmup_steps"),
+        ({"warmup_steps": 1}, "warmup_steps"),
+        ({"block_size": 7}, "block_size"),
+        ({"log_stats": "no"}, "log_stats"),
+        ({"find_unused_paramters": True}, "find_unused_paramters"),
+        ({"ddp_comm_hook": print}, "ddp_comm_hook"),
+    ],
+)
+def test_bad_arguments_name_the_argument(kwargs: dict, name: str) -> None:
+    from lightning_accel.strategies import OneBitDDPStrategy
+
+    with pytest.raises(ValueError, match=f"`{name}`"):
+        OneBitDDPStrategy(**kwargs)
+
+
+def test_ddp_options_pass_through() -> None:
+    from lightning_accel.strategies import OneBitDDPStrategy
+
+    st = OneBitDDPStrategy(warmup_steps=4, find_unused_parameters=True, static_graph=True, bucket_cap_mb=1)
+    assert st._ddp_kwargs == {"find_unused_parameters": True, "static_graph": True, "bucket_cap_mb": 1}
+    assert st._onebit_config["warmup_steps"] == 4
