@@ -196,7 +196,9 @@ def compress_reference(
     packed = pack_signs(x)
     if error is None:
         return packed, scales, None
-    new_error = torch.where(table.mask, x - decode(packed, scales, table.lengths), 0.0)
+    # decode(packed, scales) without unpacking: bit 1 <=> x >= 0 (NaN -> bit 0 -> -scale, as decode would give)
+    rep = torch.repeat_interleave(scales, table.lengths, output_size=x.numel())
+    new_error = torch.where(table.mask, x - torch.where(x >= 0, rep, -rep), 0.0)
     if loss_scale is not None:
         new_error = new_error / loss_scale
     return packed, scales, new_error

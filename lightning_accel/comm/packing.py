@@ -11,6 +11,7 @@ import torch
 __all__ = ["pack_signs", "unpack_signs"]
 
 _SHIFTS_CACHE: dict[torch.device, torch.Tensor] = {}
+_LUT_CACHE: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
 def _shifts(device: torch.device) -> torch.Tensor:
@@ -42,5 +43,11 @@ def unpack_signs(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> to
     """Inverse of :func:`pack_signs`: ``uint8 (..., B)`` -> ``±1`` of ``dtype`` ``(..., 8 * B)``."""
     if packed.dtype != torch.uint8:
         raise ValueError(f"`packed` must be a uint8 tensor, got {packed.dtype}.")
-    bits = (packed.unsqueeze(-1) >> _shifts(packed.device)) & 1
-    return (bits.to(dtype) * 2 - 1).reshape(*packed.shape[:-1], packed.shape[-1] * 8)
+    # a 256 x 8 lookup table of ±1 rows: one gather instead of four elementwise passes (shift, mask, convert, scale)
+    key = (packed.device, dtype)
+    lut = _LUT_CACHE.get(key)
+    if lut is None:
+        codes = torch.arange(256, dtype=torch.uint8, device=packed.device)
+        bits = (codes.unsqueeze(-1) >> _shifts(packed.device)) & 1
+        lut = _LUT_CACHE[key] = bits.to(dtype) * 2 - 1
+    return lut[packed.long()].reshape(*packed.shape[:-1], packed.shape[-1] * 8)

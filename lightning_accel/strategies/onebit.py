@@ -31,14 +31,20 @@ __all__ = ["CHECKPOINT_KEY", "OneBitDDPStrategy"]
 CHECKPOINT_KEY = "lightning_accel_onebit"
 
 # DistributedDataParallel's own keyword arguments (passed through); anything else is a typo worth an error.
-_DDP_KWARGS = frozenset(inspect.signature(DistributedDataParallel.__init__).parameters) - {
-    "self",
-    "module",
-    "device_ids",
-    "output_device",
-    "process_group",
+_DDP_PARAMS = {
+    k: v.default
+    for k, v in inspect.signature(DistributedDataParallel.__init__).parameters.items()
+    if k not in ("self", "module", "device_ids")
 }
+_DDP_KWARGS = frozenset(_DDP_PARAMS)
 _REJECTED = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return a is b or bool(a == b)
+    except Exception:  # tensors, meshes: never "equal" to a default
+        return False
 
 
 class OneBitDDPStrategy(DDPStrategy):
@@ -86,7 +92,7 @@ class OneBitDDPStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> None:
         for name in _REJECTED:
-            if name in kwargs:
+            if kwargs.pop(name, None) is not None:
                 raise ValueError(
                     f"`{name}` cannot be combined with `strategy='ddp_1bit'`: the strategy installs its own 1-bit "
                     "comm hook. Use `DDPStrategy` for a custom hook, or drop the argument."
@@ -98,6 +104,8 @@ class OneBitDDPStrategy(DDPStrategy):
                 "arguments (warmup_steps, block_size, min_compress_numel, error_feedback, use_triton, log_stats), "
                 f"DDPStrategy's, or DistributedDataParallel's: {', '.join(sorted(_DDP_KWARGS))}. Check the spelling."
             )
+        # LightningCLI fills in every DDP argument with its default; pass on only what differs
+        kwargs = {k: v for k, v in kwargs.items() if not _same(v, _DDP_PARAMS[k])}
         # validate now (clear errors at construction), build the real state once the process group exists
         comm.OneBitState(
             warmup_steps=warmup_steps,

@@ -40,3 +40,11 @@ def test_ddp_options_pass_through() -> None:
     st = OneBitDDPStrategy(warmup_steps=4, find_unused_parameters=True, static_graph=True, bucket_cap_mb=1)
     assert st._ddp_kwargs == {"find_unused_parameters": True, "static_graph": True, "bucket_cap_mb": 1}
     assert st._onebit_config["warmup_steps"] == 4
+
+
+def test_cli_style_defaults_are_accepted_and_dropped() -> None:
+    """LightningCLI passes every DDP argument with its default value: that must not be an error."""
+    from lightning_accel.strategies import OneBitDDPStrategy
+
+    st = OneBitDDPStrategy(ddp_comm_hook=None, ddp_comm_state=None, output_device=None, dim=0, static_graph=False)
+    assert st._ddp_kwargs == {}
