@@ -25,6 +25,7 @@ to the host (they are stream-ordered), so the hook only costs launch latency on 
 
 # No `from __future__ import annotations` here: DDP checks the hook's annotations at runtime (they must be
 # `dist.GradBucket` and `torch.futures.Future[torch.Tensor]` objects, not strings).
+import os
 import warnings
 
 import torch
@@ -128,6 +129,11 @@ def _plan(state: OneBitState, bucket: dist.GradBucket) -> _Plan:
 
 def _compressor(state: OneBitState, device: torch.device) -> CompressFn:
     use = state.use_triton
+    if use is True and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            f"`use_triton=True` needs CUDA gradients (got {device.type}) or TRITON_INTERPRET=1 set before triton is "
+            "imported. Use `use_triton='auto'` to fall back to the torch compressor."
+        )
     if use is True or (use == "auto" and device.type == "cuda" and module_available("triton")):
         from lightning_accel.comm.triton_kernels import compress_triton
 

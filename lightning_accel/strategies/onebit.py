@@ -158,7 +158,6 @@ class OneBitDDPStrategy(DDPStrategy):
     @override
     def _register_ddp_hooks(self) -> None:
         # Replaces DDPStrategy's, which registers comm hooks only when root_device is CUDA.
-        assert isinstance(self.model, DistributedDataParallel)
         if self.world_size == 1:
             rank_zero_warn(
                 "`strategy='ddp_1bit'` runs with a single process: there is nothing to compress, "
@@ -166,6 +165,7 @@ class OneBitDDPStrategy(DDPStrategy):
                 category=UserWarning,
             )
             return
+        assert isinstance(self.model, DistributedDataParallel)
         state = comm.OneBitState(
             None,
             **self._onebit_config,

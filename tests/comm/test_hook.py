@@ -39,7 +39,9 @@ def coefficients(rank: int, step: int, nan: bool) -> list[torch.Tensor]:
     return cs
 
 
-def _run(rank: int, world: int, nan: bool, bucket_cap_mb: float, loss_scales: list[float] | None) -> dict:
+def _run(
+    rank: int, world: int, nan: bool, bucket_cap_mb: float, loss_scales: list[float] | None, min_numel: int = 0
+) -> dict:
     torch.manual_seed(0)
     model = Params()
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
@@ -47,6 +49,7 @@ def _run(rank: int, world: int, nan: bool, bucket_cap_mb: float, loss_scales: li
     state = OneBitState(
         warmup_steps=WARMUP,
         block_size=64,
+        min_compress_numel=min_numel,
         parameters=model.parameters(),
         loss_scale_fn=(lambda: scale["s"]) if loss_scales else None,
     )
@@ -105,6 +108,7 @@ SCENARIOS = {
     "several-buckets": (False, 0.002, None),
     "nan": (True, 25.0, None),
     "scaled": (False, 25.0, [1.0, 2.0, 1024.0, 1024.0, 256.0, 65536.0]),
+    "small-buckets-fp32": (False, 0.002, None, 10**6),
 }
 
 
@@ -166,3 +170,12 @@ def test_loss_scale_changes_keep_error_state_consistent(runs: dict) -> None:
     for step in range(STEPS):
         for a, b in zip(scaled["grads"][step], plain["grads"][step], strict=True):
             assert torch.equal(a, b)
+
+
+def test_buckets_below_min_compress_numel_stay_fp32(runs: dict) -> None:
+    r0, _ = runs["small-buckets-fp32"]
+    assert r0["compressed"] == 0 and r0["keys"] == []
+    for step in range(STEPS):
+        cs = [coefficients(r, step, False) for r in range(2)]
+        for i in range(len(SIZES)):
+            torch.testing.assert_close(r0["grads"][step][i], (cs[0][i] + cs[1][i]) / 2)

@@ -48,3 +48,13 @@ def test_cli_style_defaults_are_accepted_and_dropped() -> None:
 
     st = OneBitDDPStrategy(ddp_comm_hook=None, ddp_comm_state=None, output_device=None, dim=0, static_graph=False)
     assert st._ddp_kwargs == {}
+
+
+def test_single_process_warns_and_trains_plain() -> None:
+    from lightning_accel.strategies import OneBitDDPStrategy
+
+    st = OneBitDDPStrategy()
+    assert st.world_size == 1
+    with pytest.warns(UserWarning, match="single process"):
+        st._register_ddp_hooks()
+    assert st.onebit_state is None
