@@ -141,7 +141,7 @@ def _worker(rank: int, cfg: dict, queue: Any) -> None:
                     r["bytes"].append(counter.bytes - before)
                     r["times"].append(dt)
                 r["step"] += 1
-                epoch_losses.append(float(loss))
+                epoch_losses.append(float(loss.detach()))
             # the epoch's mean training loss, averaged over ranks
             t = torch.tensor(sum(epoch_losses) / len(epoch_losses))
             dist.all_reduce(t)

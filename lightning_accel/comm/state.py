@@ -75,7 +75,8 @@ class OneBitState:
         last_step_bytes_sent / last_step_fp32_bytes: the same for the last completed step.
         last_step_compressed_bytes / last_step_compressed_fp32_bytes: only the compressed buckets of the last step.
         compressed_calls / uncompressed_calls: buckets sent each way.
-        nonfinite_groups: compressed groups whose result held NaN/Inf (their error state was left unchanged).
+        nonfinite_groups: compressed groups whose result held NaN/Inf (their error state was left unchanged);
+            counted on CPU only (on CUDA the state is kept by a device-side select, without a host sync).
     """
 
     __slots__ = (
@@ -128,11 +129,18 @@ class OneBitState:
                 f"`block_size` must be a positive multiple of 8, got {block_size!r}. Use e.g. `block_size=2048`."
             )
         if isinstance(min_compress_numel, bool) or not isinstance(min_compress_numel, int) or min_compress_numel < 0:
-            raise ValueError(f"`min_compress_numel` must be an integer >= 0, got {min_compress_numel!r}.")
+            raise ValueError(
+                f"`min_compress_numel` must be an integer >= 0, got {min_compress_numel!r}. "
+                "Use 0 to compress every bucket."
+            )
         if not isinstance(error_feedback, bool):
-            raise ValueError(f"`error_feedback` must be True or False, got {error_feedback!r}.")
+            raise ValueError(
+                f"`error_feedback` must be True or False, got {error_feedback!r}. Keep the default True for training."
+            )
         if use_triton not in _USE_TRITON or (isinstance(use_triton, int) and not isinstance(use_triton, bool)):
-            raise ValueError(f"`use_triton` must be one of {_USE_TRITON}, got {use_triton!r}.")
+            raise ValueError(
+                f"`use_triton` must be one of {_USE_TRITON}, got {use_triton!r}. Use 'auto' (Triton on CUDA only)."
+            )
         self.process_group = process_group
         self.warmup_steps = warmup_steps
         self.block_size = block_size

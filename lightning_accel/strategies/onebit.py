@@ -115,7 +115,7 @@ class OneBitDDPStrategy(DDPStrategy):
             use_triton=use_triton,
         )
         if not isinstance(log_stats, bool):
-            raise ValueError(f"`log_stats` must be True or False, got {log_stats!r}.")
+            raise ValueError(f"`log_stats` must be True or False, got {log_stats!r}. Use False to stop logging.")
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
