@@ -167,7 +167,7 @@ class OneBitDDPStrategy(DDPStrategy):
             return
         assert isinstance(self.model, DistributedDataParallel)
         state = comm.OneBitState(
-            None,
+            self._ddp_kwargs.get("process_group"),  # average over the same group DDP was given (None: default)
             **self._onebit_config,
             parameters=self.model.module.parameters(),
             loss_scale_fn=self._loss_scale_fn(),
