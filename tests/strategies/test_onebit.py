@@ -58,3 +58,18 @@ def test_single_process_warns_and_trains_plain() -> None:
     with pytest.warns(UserWarning, match="single process"):
         st._register_ddp_hooks()
     assert st.onebit_state is None
+
+
+def test_example_config_builds_the_strategy_through_lightningcli() -> None:
+    """The YAML example parses and instantiates (LightningCLI passes every DDP argument with its default)."""
+    from pathlib import Path
+
+    from lightning_accel.cli import AccelCLI
+    from lightning_accel.strategies import OneBitDDPStrategy
+
+    config = Path(__file__).resolve().parents[2] / "examples" / "configs" / "quickstart_ddp1bit.yaml"
+    cli = AccelCLI(args=["--config", str(config), "--trainer.logger=false"], run=False)
+    st = cli.trainer.strategy
+    assert isinstance(st, OneBitDDPStrategy)
+    assert st._onebit_config["warmup_steps"] == 20 and st._ddp_kwargs == {}
+    assert cli.trainer.num_devices == 2
