@@ -179,13 +179,16 @@ class OneBitState:
         return self.last_step_compressed_fp32_bytes / self.last_step_compressed_bytes
 
     def __getstate__(self) -> dict[str, Any]:
-        # the process group and the tensors' id() map do not survive pickling; the error state does
-        return {k: getattr(self, k) for k in self.__slots__ if k not in ("process_group", "plans", "loss_scale_fn")}
+        # the process group, the id()-keyed maps and the callback do not survive pickling; the error state does
+        # (call `set_parameters` again after unpickling)
+        dropped = ("process_group", "plans", "loss_scale_fn", "param_index")
+        return {k: getattr(self, k) for k in self.__slots__ if k not in dropped}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.process_group = None
         self.plans = {}
         self.loss_scale_fn = None
+        self.param_index = {}
         for k, v in state.items():
             setattr(self, k, v)
 
