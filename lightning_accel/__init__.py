@@ -28,9 +28,24 @@ _EXPORTS: dict[str, str] = {
     "PerStepLR": "lightning_accel.callbacks.per_step_lr",
     "KnowledgeDistillation": "lightning_accel.callbacks.knowledge_distillation",
     "StructuredPruning": "lightning_accel.callbacks.structured_pruning",
+    "OneBitDDPStrategy": "lightning_accel.strategies.onebit",
+    "OneBitState": "lightning_accel.comm.state",
+    "onebit_hook": "lightning_accel.comm.hook",
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])
+
+
+def _register_strategies() -> None:
+    # `Trainer(strategy="ddp_1bit")` and LightningCLI's `--trainer.strategy=ddp_1bit` resolve names through
+    # Lightning's StrategyRegistry, so the alias must exist once `import lightning_accel` returns. This imports
+    # lightning.pytorch (needed for the registry anyway) but no optional module (triton is imported on CUDA use).
+    from lightning_accel.strategies import register_strategies
+
+    register_strategies()
+
+
+_register_strategies()
 
 
 def __getattr__(name: str) -> Any:

@@ -100,9 +100,14 @@ def test_ddp_1bit_resolves_by_registered_name(monkeypatch: pytest.MonkeyPatch) -
         monkeypatch.setitem(StrategyRegistry, "ddp_1bit", {"strategy": Fake1Bit, "init_params": {}, "description": ""})
     built = st._build("ddp_1bit", None)  # type: ignore[arg-type]
     assert isinstance(built, DDPStrategy)
-    monkeypatch.delitem(StrategyRegistry, "ddp_1bit")
-    with pytest.warns(UserWarning, match="no strategy of that name is registered"):
-        assert st._build("ddp_1bit", None) is None  # type: ignore[arg-type]
+    # Not monkeypatch.delitem: it saves the old value with `registry.get(name)`, which the registry overrides to
+    # *instantiate* the strategy, so the "restored" entry would be a strategy object instead of its record.
+    saved = dict.pop(StrategyRegistry, "ddp_1bit")
+    try:
+        with pytest.warns(UserWarning, match="no strategy of that name is registered"):
+            assert st._build("ddp_1bit", None) is None  # type: ignore[arg-type]
+    finally:
+        dict.__setitem__(StrategyRegistry, "ddp_1bit", saved)
 
 
 def test_bad_arguments() -> None:

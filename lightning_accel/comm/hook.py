@@ -1,0 +1,234 @@
+"""``onebit_hook``: a DDP communication hook that averages gradients with the 1-bit two-phase allreduce.
+
+Use it without Lightning as ``ddp_model.register_comm_hook(OneBitState(parameters=model.parameters()), onebit_hook)``.
+
+Algorithm, per DDP bucket and step:
+
+1. Steps ``< warmup_steps`` (and buckets below ``min_compress_numel``): plain fp32 allreduce (asynchronous).
+2. Otherwise the bucket's parameters are split into *groups* (normally the bucket itself), each laid out
+   canonically (parameters by model index, padded to multiples of 8) and averaged by
+   :func:`~lightning_accel.comm.allreduce.onebit_allreduce` (worker compression with error feedback, ``all_to_all``,
+   server average + recompression with error feedback, all-gather, decode).
+3. The error state is committed only when the decoded result is finite: a NaN/Inf bucket decodes to NaN/Inf (so
+   AMP's GradScaler skips the step) and leaves the state as it was.
+
+Groups are keyed by parameter indices, not bucket indices: after a resume, DDP's first iteration uses its initial
+buckets again (one big bucket for small models) before rebuilding them; a bucket that is a union of saved groups is
+processed group by group, so a resumed run computes exactly what the uninterrupted run computed.
+
+The compressed path runs its collectives synchronously inside the hook and returns an already-completed
+``torch.futures.Future``. Buckets arrive in index order on every rank, so collectives are issued in the same order
+everywhere; on CPU/gloo that is the simplest correct choice (a ``then``-chained version would issue phase 2 from
+gloo's callback thread, racing the next bucket's phase 1). On NCCL the collectives are still asynchronous with respect
+to the host (they are stream-ordered), so the hook only costs launch latency on the CPU side.
+"""
+
+# No `from __future__ import annotations` here: DDP checks the hook's annotations at runtime (they must be
+# `dist.GradBucket` and `torch.futures.Future[torch.Tensor]` objects, not strings).
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from lightning_accel._utils.imports import module_available
+from lightning_accel.comm.allreduce import CompressFn, fp32_ring_bytes, onebit_allreduce
+from lightning_accel.comm.compress import GroupLayout, compress_reference
+from lightning_accel.comm.state import GroupState, OneBitState
+
+__all__ = ["onebit_hook"]
+
+# (group, runs) with runs = [(bucket_offset, canonical_offset, numel)]
+_Plan = list[tuple[GroupState, list[tuple[int, int, int]]]]
+
+
+def _param_indices(state: OneBitState, params: list[torch.Tensor]) -> list[int]:
+    out = []
+    for p in params:
+        i = state.param_index.get(id(p))
+        if i is None:  # no set_parameters(): number in first-seen order (same on every rank)
+            i = state.param_index[id(p)] = len(state.param_index)
+        out.append(i)
+    return out
+
+
+def _split_into_groups(state: OneBitState, idx: set[int]) -> list[tuple[int, ...]]:
+    """Group keys covering ``idx``: one existing key, a disjoint union of known keys, or a new key."""
+    whole = tuple(sorted(idx))
+    if whole in state.groups or whole in state.pending:
+        return [whole]
+    known = [k for k in (*state.groups, *state.pending) if set(k) <= idx]
+    covered: set[int] = set()
+    parts = []
+    for k in sorted(known):
+        if covered.isdisjoint(k):
+            parts.append(k)
+            covered.update(k)
+    if parts and covered == idx:
+        return parts
+    stale = [k for k in (*state.groups, *state.pending) if not idx.isdisjoint(k)]
+    if stale:
+        warnings.warn(
+            f"DDP bucket layout changed for {len(idx)} parameters: their 1-bit error-feedback state is reset.",
+            stacklevel=3,
+        )
+        for k in stale:
+            state.groups.pop(k, None)
+            state.pending.pop(k, None)
+    return [whole]
+
+
+def _group(state: OneBitState, key: tuple[int, ...], numel_of: dict[int, int], device: torch.device) -> GroupState:
+    g = state.groups.get(key)
+    if g is not None:
+        return g
+    world = dist.get_world_size(state.process_group)
+    layout = GroupLayout([numel_of[i] for i in key], world, state.block_size, device)
+    g = GroupState(key, layout)
+    loaded = state.pending.pop(key, None)
+    if loaded is not None:
+        w, s = loaded
+        if w.shape == g.worker_error.shape and s.shape == g.server_error.shape:
+            g.worker_error.copy_(w)
+            g.server_error.copy_(s)
+        else:
+            warnings.warn(f"1-bit error state for a group of {len(key)} parameters does not fit: reset.", stacklevel=3)
+    state.groups[key] = g
+    return g
+
+
+def _plan(state: OneBitState, bucket: dist.GradBucket) -> _Plan:
+    params = list(bucket.parameters())
+    idx = _param_indices(state, params)
+    cache_key = (bucket.index(), tuple(idx))
+    plan = state.plans.get(cache_key)
+    if plan is not None and all(state.groups.get(g.key) is g for g, _ in plan):
+        return plan
+    offsets, pos = {}, 0
+    numel_of = {}
+    for i, p in zip(idx, params, strict=True):
+        offsets[i] = pos
+        numel_of[i] = p.numel()
+        pos += p.numel()
+    if pos != bucket.buffer().numel():
+        raise RuntimeError(f"DDP bucket holds {bucket.buffer().numel()} elements but its parameters {pos}.")
+    plan = []
+    for key in _split_into_groups(state, set(idx)):
+        g = _group(state, key, numel_of, bucket.buffer().device)
+        runs: list[tuple[int, int, int]] = []
+        for i, co in zip(key, g.layout.offsets, strict=True):
+            bo, n = offsets[i], numel_of[i]
+            if runs and runs[-1][0] + runs[-1][2] == bo and runs[-1][1] + runs[-1][2] == co:
+                runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + n)  # contiguous in both layouts: one copy
+            else:
+                runs.append((bo, co, n))
+        plan.append((g, runs))
+    state.plans[cache_key] = plan
+    return plan
+
+
+def _compressor(state: OneBitState, device: torch.device) -> CompressFn:
+    use = state.use_triton
+    if use is True and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            f"`use_triton=True` needs CUDA gradients (got {device.type}) or TRITON_INTERPRET=1 set before triton is "
+            "imported. Use `use_triton='auto'` to fall back to the torch compressor."
+        )
+    if use is True or (use == "auto" and device.type == "cuda" and module_available("triton")):
+        from lightning_accel.comm.triton_kernels import compress_triton
+
+        return compress_triton
+    return compress_reference
+
+
+def _loss_scale(state: OneBitState, device: torch.device) -> torch.Tensor | None:
+    if state.loss_scale_fn is None:
+        return None
+    s = state.loss_scale_fn()
+    if s is None:
+        return None
+    return torch.as_tensor(s, dtype=torch.float32, device=device).reshape(())
+
+
+def _end_bucket(state: OneBitState, bucket: dist.GradBucket, sent: int, fp32: int, compressed: bool) -> None:
+    state.bytes_sent += sent
+    state.fp32_bytes += fp32
+    acc = state._acc
+    acc[0] += sent
+    acc[1] += fp32
+    if compressed:
+        acc[2] += sent
+        acc[3] += fp32
+    if bucket.is_last():
+        state.step += 1
+        (
+            state.last_step_bytes_sent,
+            state.last_step_fp32_bytes,
+            state.last_step_compressed_bytes,
+            state.last_step_compressed_fp32_bytes,
+        ) = acc
+        state._acc = [0, 0, 0, 0]
+
+
+def _done(buf: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=[buf.device] if buf.is_cuda else None)
+    fut.set_result(buf)
+    return fut
+
+
+def onebit_hook(state: OneBitState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: average ``bucket``'s gradients across ranks, 1-bit compressed after warm-up.
+
+    Args:
+        state: the hook's :class:`~lightning_accel.comm.state.OneBitState`.
+        bucket: the DDP bucket (the parameter must be named ``bucket``: DDP checks the signature).
+
+    Returns:
+        A future holding the averaged flat gradients (the bucket's own buffer, overwritten).
+    """
+    buf = bucket.buffer()
+    group = state.process_group
+    world = dist.get_world_size(group)
+    if world == 1:
+        _end_bucket(state, bucket, 0, 0, compressed=False)
+        return _done(buf)
+    fp32 = fp32_ring_bytes(buf.numel(), world)
+    if state.step < state.warmup_steps or buf.numel() < state.min_compress_numel:
+        state.uncompressed_calls += 1
+        _end_bucket(state, bucket, fp32 * buf.element_size() // 4, fp32, compressed=False)
+        buf.div_(world)
+        fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
+        return fut.then(lambda f: f.value()[0])
+    compress = _compressor(state, buf.device)
+    loss_scale = _loss_scale(state, buf.device)
+    ef = state.error_feedback
+    sent = 0
+    for g, runs in _plan(state, bucket):
+        x = torch.zeros(g.layout.padded_numel, dtype=torch.float32, device=buf.device)
+        for bo, co, n in runs:
+            x[co : co + n] = buf[bo : bo + n]
+        res = onebit_allreduce(
+            x,
+            g.layout,
+            g.worker_error if ef else None,
+            g.server_error if ef else None,
+            group=group,
+            loss_scale=loss_scale,
+            compress=compress,
+        )
+        if buf.is_cuda:  # no host sync: select on the device
+            if ef:
+                g.worker_error.copy_(torch.where(res.finite, res.worker_error, g.worker_error))
+                g.server_error.copy_(torch.where(res.finite, res.server_error, g.server_error))
+        elif bool(res.finite):
+            if ef:
+                g.worker_error.copy_(res.worker_error)
+                g.server_error.copy_(res.server_error)
+        else:
+            state.nonfinite_groups += 1
+        for bo, co, n in runs:
+            buf[bo : bo + n] = res.out[co : co + n]
+        sent += res.bytes_sent
+        state.compressed_calls += 1
+    _end_bucket(state, bucket, sent, fp32, compressed=True)
+    return _done(buf)
