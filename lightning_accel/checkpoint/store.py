@@ -427,7 +427,8 @@ class DeltaStore:
         if prev is not None and prev.dtype == dname and prev.shape == shape:
             if prev.src_hash == src_hash or prev.hash == src_hash:
                 return prev, [], "unchanged"
-            if len(prev.chain) < self.max_chain and prev.age < self.full_every:
+            room = self.delta_ref == "base" or len(prev.chain) < self.max_chain  # "base" chains are always 2 long
+            if room and prev.age < self.full_every:
                 ref_key = prev.chain[0] if self.delta_ref == "base" else prev.chain[-1]
                 if self._wants_quant(name, t):
                     blob, recon = codec.encode_quant(
