@@ -246,7 +246,8 @@ class DeltaStore:
         max_chain: most blobs one tensor's restore may read (``delta_ref="previous"``; ``"base"`` uses 2).
         full_every: a tensor's chain is restarted with a full snapshot after this many deltas.
         rebase_ratio: write a full snapshot instead of a delta that is at least this fraction of the base's size.
-        inline_bytes: tensors smaller than this live in the skeleton instead of their own blob.
+        inline_bytes: tensors smaller than this are packed into the skeleton blob (always rewritten, never deltas)
+            instead of getting blobs of their own.
         zstd_level: zstd compression level (3: ~300 MB/s per core here; higher buys ~1-2 % on float noise).
         zstd_threads: zstd worker threads per blob (0: single-threaded; -1: one per core).
         io_threads: threads that encode/decode tensors in parallel.
@@ -370,7 +371,9 @@ class DeltaStore:
         directory, path = _split_path(path)
         with self._lock:
             replacing = self._check_target(path)
-            skeleton, tensors = split(checkpoint, inline_bytes=self.inline_bytes)
+            skeleton, all_tensors = split(checkpoint)
+            tensors = {n: t for n, t in all_tensors.items() if t.numel() * t.element_size() >= self.inline_bytes}
+            small = {n: t for n, t in all_tensors.items() if n not in tensors}
             first_save_here = directory not in self._dirs
             dstate = self._dirs.setdefault(directory, _DirState())
             if first_save_here:  # collect what a killed earlier run left behind (unreferenced blobs, tmp files)
@@ -395,8 +398,7 @@ class DeltaStore:
                         self.fs.write(url, data)
                         stats.bytes_written += len(data)
                         stats.blobs_written += 1
-            skel = codec._zstd_compress(dump_skeleton(skeleton), 3, 0)
-            skel_blob = codec._pack({"kind": "skeleton", "dtype": "uint8", "nbytes": 0, "ref": None}, skel)
+            skel_blob = _pack_skeleton(dump_skeleton(skeleton), small)
             skel_key = _blob_key(skel_blob)
             skel_url = self.blob_url(directory, skel_key)
             if not self.fs.exists(skel_url):
@@ -561,10 +563,7 @@ class DeltaStore:
         manifest = self.read_manifest(p)
         skel = self._fetch(directory, manifest["skeleton"], p, "the skeleton (non-tensor state)", True)
         try:
-            _, payload = codec.read_header(skel)
-            import zstandard
-
-            skeleton = load_skeleton(zstandard.ZstdDecompressor().decompress(payload, max_output_size=1 << 31))
+            skeleton, small = _unpack_skeleton(skel)
         except Exception as e:  # noqa: BLE001 - anything here means the skeleton is unusable
             raise CheckpointCorruptError(f"Checkpoint {p!r}: the skeleton cannot be read safely ({e!r}).") from e
         items = list(manifest["tensors"].items())
@@ -587,6 +586,7 @@ class DeltaStore:
             t = decoded[k]
             tensors[name] = t.clone() if k in seen else t
             seen.add(k)
+        tensors.update(small)
         device = _target_device(map_location)
         if device is not None:
             tensors = {n: t.to(device) for n, t in tensors.items()}
@@ -606,7 +606,7 @@ class DeltaStore:
             keys.update(meta["chain"])
         stored = sum(sum(m.get("sizes", [])) for m in manifest["tensors"].values())
         raw = sum(
-            _numel(m["shape"]) * torch.empty(0, dtype=codec.dtype_from_name(m["dtype"])).element_size()
+            _numel(m["shape"]) * codec.itemsize_of(codec.dtype_from_name(m["dtype"]))
             for m in manifest["tensors"].values()
         )
         return {
@@ -731,6 +731,43 @@ class DeltaStore:
                 self._dirs.clear()
             else:
                 self._dirs.pop(_norm_dir(directory), None)
+
+
+def _pack_skeleton(skeleton_bytes: bytes, small: dict[str, torch.Tensor]) -> bytes:
+    """One blob: the ``torch.save``d skeleton followed by the raw bytes of the small tensors (zstd on top)."""
+    parts, items, offset = [skeleton_bytes], [], len(skeleton_bytes)
+    for name, t in small.items():
+        raw = codec.tensor_bytes(t)
+        items.append([name, codec.dtype_name(t.dtype), list(t.shape), offset])
+        parts.append(raw.tobytes())
+        offset += raw.size
+    body = b"".join(parts)
+    header = {
+        "kind": "skeleton",
+        "dtype": "uint8",
+        "nbytes": len(body),
+        "ref": None,
+        "items": items,
+        "skeleton_bytes": len(skeleton_bytes),
+    }
+    return codec._pack(header, codec._zstd_compress(body, 3, 0))
+
+
+def _unpack_skeleton(blob: bytes) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    header, payload = codec.read_header(blob)
+    if header["kind"] != "skeleton":
+        raise codec.CodecError(f"expected a skeleton blob, got `{header['kind']}`")
+    body = codec._zstd_decompress(payload, int(header["nbytes"]))
+    n = int(header["skeleton_bytes"])
+    skeleton = load_skeleton(body[:n].tobytes())
+    small = {}
+    for name, dname, shape, offset in header["items"]:
+        dtype = codec.dtype_from_name(dname)
+        size = _numel(shape) * codec.itemsize_of(dtype)
+        if offset < n or offset + size > body.size:
+            raise codec.CodecError(f"small tensor {name!r} lies outside the skeleton blob")
+        small[name] = codec.tensor_from_bytes(body[offset : offset + size], dtype, shape)
+    return skeleton, small
 
 
 def _norm_dir(directory: str | os.PathLike[str]) -> str:

@@ -25,8 +25,8 @@ def test_split_fill_round_trip() -> None:
         "c": {"n": 2.5, "d": torch.float16},
         3: {big.clone().sum().item()},
     }
-    skel, tensors = split(ckpt, inline_bytes=1024)
-    assert list(tensors) == ["a/w"] and skel["a"]["w"] == PLACEHOLDER + "a/w"
+    skel, tensors = split(ckpt)
+    assert list(tensors) == ["a/w", "b/0"] and skel["a"]["w"] == PLACEHOLDER + "a/w"
     back = fill_skeleton(load_skeleton(dump_skeleton(skel)), tensors)
     assert torch.equal(back["a"]["w"], big) and isinstance(back["a"], OrderedDict)
     assert torch.equal(back["b"][0], small) and back["b"][1] == (1, "x", None) and back["c"]["d"] is torch.float16
@@ -51,5 +51,5 @@ def test_reserved_placeholder_string_refused() -> None:
 
 
 def test_duplicate_names_get_suffixes() -> None:
-    _, tensors = split({"a/b": torch.zeros(300), "a": {"b": torch.ones(300)}}, inline_bytes=0)
+    _, tensors = split({"a/b": torch.zeros(300), "a": {"b": torch.ones(300)}})
     assert sorted(tensors) == ["a%2Fb", "a/b"]
