@@ -12,6 +12,7 @@ thread, so a removal can overtake a queued save) and only snapshots tensors to t
 from __future__ import annotations
 
 import os
+from collections import deque
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -84,7 +85,8 @@ class DeltaCheckpointIO(CheckpointIO):
             io_threads=io_threads,
         )
         self._writer = BackgroundWriter()
-        self.history: list[SaveStats] = []
+        # Per-save statistics (bytes and blobs written, tensors unchanged / delta / full), newest last.
+        self.history: deque[SaveStats] = deque(maxlen=10_000)
 
     def _save_now(self, checkpoint: dict[str, Any], path: str) -> SaveStats:
         stats = self.store.save(checkpoint, path)

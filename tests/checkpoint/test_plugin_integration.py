@@ -130,3 +130,19 @@ def test_loads_plain_torch_checkpoint_safely(tmp_path: Path) -> None:
     assert torch.equal(DeltaCheckpointIO().load_checkpoint(p)["state_dict"]["w"], torch.ones(3))
     with pytest.raises(ValueError, match="weights_only=False"):
         DeltaCheckpointIO().load_checkpoint(p, weights_only=False)
+
+
+def test_async_removal_is_ordered_after_queued_saves(tmp_path: Path) -> None:
+    io = DeltaCheckpointIO(async_save=True)
+    state = {"w": torch.randn(1000)}
+    for i in range(4):
+        io.save_checkpoint(state, tmp_path / f"{i}.ckpt")
+        if i:
+            io.remove_checkpoint(tmp_path / f"{i - 1}.ckpt")  # queued behind the save it follows
+    io.teardown()
+    assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == ["3.ckpt"]
+    assert torch.equal(io.load_checkpoint(tmp_path / "3.ckpt")["w"], state["w"])
+    with pytest.raises(TypeError, match="storage_options"):
+        io.save_checkpoint(state, tmp_path / "x.ckpt", storage_options={"a": 1})
+    with pytest.raises(ValueError, match="`quantize`"):
+        DeltaCheckpointIO(quantize="int2")  # type: ignore[arg-type]
