@@ -146,3 +146,18 @@ def test_async_removal_is_ordered_after_queued_saves(tmp_path: Path) -> None:
         io.save_checkpoint(state, tmp_path / "x.ckpt", storage_options={"a": 1})
     with pytest.raises(ValueError, match="`quantize`"):
         DeltaCheckpointIO(quantize="int2")  # type: ignore[arg-type]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_cuda_tensors_snapshot_and_map_location(tmp_path: Path, async_save: bool) -> None:
+    io = DeltaCheckpointIO(async_save=async_save)
+    w = torch.randn(4096, device="cuda")
+    state = {"state_dict": {"w": w}, "step": 1}
+    io.save_checkpoint(state, tmp_path / "a.ckpt")
+    expected = w.cpu()
+    w.add_(1.0)  # an optimizer step racing the background save must not leak into the checkpoint
+    io.teardown()
+    back = io.load_checkpoint(tmp_path / "a.ckpt", map_location="cuda")
+    assert back["state_dict"]["w"].is_cuda and torch.equal(back["state_dict"]["w"].cpu(), expected)
+    assert io.load_checkpoint(tmp_path / "a.ckpt")["state_dict"]["w"].device.type == "cpu"
