@@ -161,3 +161,15 @@ def test_cuda_tensors_snapshot_and_map_location(tmp_path: Path, async_save: bool
     back = io.load_checkpoint(tmp_path / "a.ckpt", map_location="cuda")
     assert back["state_dict"]["w"].is_cuda and torch.equal(back["state_dict"]["w"].cpu(), expected)
     assert io.load_checkpoint(tmp_path / "a.ckpt")["state_dict"]["w"].device.type == "cpu"
+
+
+def test_quickstart_yaml_wires_the_plugin(tmp_path: Path) -> None:
+    from lightning_accel.cli import AccelCLI
+
+    config = Path(__file__).resolve().parents[2] / "examples" / "configs" / "quickstart.yaml"
+    cli = AccelCLI(
+        args=["--config", str(config), f"--trainer.default_root_dir={tmp_path}", f"--data.data_dir={tmp_path}/d"],
+        run=False,
+    )
+    io = cli.trainer.strategy.checkpoint_io
+    assert isinstance(io, DeltaCheckpointIO) and io.async_save
