@@ -79,6 +79,11 @@ def _check_config_paths(argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``lightning-accel`` console script."""
+    raw = list(sys.argv[1:] if argv is None else argv)
+    if raw[:1] == ["ckpt"]:  # `lightning-accel ckpt verify|export ...`: the delta checkpoint tool
+        from lightning_accel.checkpoint.cli import main as ckpt_main
+
+        raise SystemExit(ckpt_main(raw[1:], prog="lightning-accel ckpt"))
     from jsonargparse import ArgumentError
 
     args = None if argv is None else list(argv)  # None: LightningCLI reads sys.argv itself

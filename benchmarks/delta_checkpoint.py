@@ -1,0 +1,307 @@
+"""Delta checkpoints vs ``TorchCheckpointIO`` in real Lightning training on the digits.
+
+One process runs, with the same seed and data:
+
+1. ``torch``      — ImageClassifier (AdamW) + ``ModelCheckpoint(every_n_train_steps=N, save_top_k=3, save_last=True,
+   monitor="step", mode="max")`` with Lightning's ``TorchCheckpointIO``;
+2. ``lossless``   — the same with ``DeltaCheckpointIO(async_save=True)``;
+3. ``quantized``  — ``DeltaCheckpointIO(async_save=True, quantize="int8", quantize_groups="all")``;
+4. ``frozen_torch`` / ``frozen_lossless`` — a frozen-backbone fine-tune (backbone weights from run 2, BatchNorm
+   statistics frozen, only the linear head trains).
+
+Per run: bytes written by the saves, bytes on disk at the end, mean and median training stall per save (time the
+``ModelCheckpoint`` hook blocked the loop; ``stall_vs_torch`` uses the medians, ``stall_mean_vs_torch`` the means),
+mean load time of every remaining checkpoint (timed alternately across runs), and for the full runs the validation
+accuracy after resuming from the oldest remaining top-k checkpoint and training to the end.
+``lossless_roundtrip_exact``: every remaining lossless checkpoint restores bitwise-equal tensors to what the training
+loop handed to ``save_checkpoint``.
+
+Note: with ``save_last=True`` Lightning writes every step twice (``step=...ckpt`` and ``last.ckpt``); the delta store
+writes the second copy as references only, which is part of the measured win. ``results`` also give the bytes per
+unique save so the two effects can be told apart.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from benchmarks._harness import alternate, median, parser, ratio, report  # noqa: E402
+
+
+def _digits(size: int) -> tuple[Any, Any]:
+    """The real digits (scikit-learn's 1,797 images) as normalised (N, 3, size, size) tensors, split 80/20."""
+    from torch.utils.data import TensorDataset
+
+    from lightning_accel.datasets import load_digits_arrays
+    from lightning_accel.datasets.datamodule import split_indices
+
+    images, labels = load_digits_arrays()
+    x = torch.from_numpy(images).float().div(16.0).unsqueeze(1)
+    x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False).repeat(1, 3, 1, 1)
+    x = (x - x.mean()) / x.std()
+    y = torch.from_numpy(labels)
+    tr, va = split_indices(len(y), 0.2, seed=0)
+    return TensorDataset(x[tr], y[tr]), TensorDataset(x[va], y[va])
+
+
+def _dir_bytes(d: Path) -> int:
+    return sum(p.stat().st_size for p in d.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def _classes() -> dict[str, Any]:
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    from lightning_accel.models import ImageClassifier
+
+    class CountingTorchIO(TorchCheckpointIO):
+        """TorchCheckpointIO that counts the bytes it writes."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.bytes_written = 0
+
+        def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+            super().save_checkpoint(checkpoint, path, storage_options)
+            self.bytes_written += os.path.getsize(path)
+
+    class TimedCheckpoint(ModelCheckpoint):
+        """ModelCheckpoint that times how long its batch hook blocks the loop and records what it saved."""
+
+        def __init__(self, *a: Any, record: bool = False, **kw: Any) -> None:
+            super().__init__(*a, **kw)
+            self.stalls: list[float] = []
+            self.record = record
+            self.saved: dict[str, dict[str, torch.Tensor]] = {}
+            self._record_s = 0.0
+
+        def on_train_batch_end(self, trainer: L.Trainer, *args: Any, **kw: Any) -> None:
+            before = self._last_global_step_saved
+            self._record_s = 0.0
+            t0 = time.perf_counter()
+            super().on_train_batch_end(trainer, *args, **kw)
+            if self._last_global_step_saved != before:  # the bookkeeping copy below is not part of the stall
+                self.stalls.append(time.perf_counter() - t0 - self._record_s)
+
+        def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
+            if self.record:
+                t0 = time.perf_counter()
+                ck = trainer._checkpoint_connector.dump_checkpoint(self.save_weights_only)
+                flat = {f"sd/{k}": v.detach().clone() for k, v in ck["state_dict"].items()}
+                for i, o in enumerate(ck["optimizer_states"]):
+                    for pid, st in o["state"].items():
+                        flat.update({f"opt{i}/{pid}/{n}": t.detach().clone() for n, t in st.items()})
+                self.saved[os.path.abspath(filepath)] = flat
+                self._record_s += time.perf_counter() - t0
+            super()._save_checkpoint(trainer, filepath)
+
+    class FrozenBackbone(ImageClassifier):
+        """Only the linear head trains; backbone parameters and BatchNorm statistics stay fixed."""
+
+        def __init__(self, **kw: Any) -> None:
+            super().__init__(**kw)
+            for m in (self.model.stem, self.model.layers):
+                m.requires_grad_(False)
+
+        def train(self, mode: bool = True) -> FrozenBackbone:
+            super().train(mode)
+            self.model.stem.eval()
+            self.model.layers.eval()
+            return self
+
+    return {"CountingTorchIO": CountingTorchIO, "TimedCheckpoint": TimedCheckpoint, "FrozenBackbone": FrozenBackbone}
+
+
+def _flatten(ck: dict[str, Any]) -> dict[str, torch.Tensor]:
+    flat = {f"sd/{k}": v for k, v in ck["state_dict"].items()}
+    for i, o in enumerate(ck["optimizer_states"]):
+        for pid, st in o["state"].items():
+            flat.update({f"opt{i}/{pid}/{n}": t for n, t in st.items()})
+    return flat
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--every", type=int, default=None, help="ModelCheckpoint(every_n_train_steps=...)")
+    args = p.parse_args()
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lightning_accel.checkpoint.plugin import DeltaCheckpointIO
+    from lightning_accel.models import ImageClassifier
+
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    C = _classes()
+    quick = args.quick
+    # 16 px digits (the originals are 8x8) keep compute low while width 48 gives an 8 MB Adam checkpoint.
+    size, width = (16, 48) if quick else (16, 64)
+    epochs = 2 if quick else 8
+    every = args.every or (8 if quick else 10)
+    train_set, val_set = _digits(size)
+    workdir = Path(tempfile.mkdtemp(prefix="delta_ckpt_bench_"))
+
+    def loaders() -> tuple[DataLoader, DataLoader]:
+        g = torch.Generator().manual_seed(0)
+        return (
+            DataLoader(train_set, batch_size=64, shuffle=True, generator=g),
+            DataLoader(val_set, batch_size=256),
+        )
+
+    def make_trainer(root: Path, io: Any, callbacks: list[Any], **kw: Any) -> L.Trainer:
+        return L.Trainer(
+            default_root_dir=str(root),
+            max_epochs=epochs,
+            accelerator="cpu",
+            devices=1,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            plugins=[io],
+            callbacks=callbacks,
+            **kw,
+        )
+
+    def make_model(kind: str, backbone: dict[str, torch.Tensor] | None = None) -> Any:
+        L.seed_everything(0, verbose=False)
+        if kind == "frozen":
+            m = C["FrozenBackbone"](width=width, lr=3e-3)
+            assert backbone is not None
+            m.load_state_dict({k: v for k, v in backbone.items() if not k.startswith("model.fc.")}, strict=False)
+            return m
+        return ImageClassifier(width=width, lr=3e-3)
+
+    runs: dict[str, dict[str, Any]] = {}
+    ios: dict[str, Any] = {}
+
+    def run(name: str, io: Any, kind: str, backbone: dict[str, torch.Tensor] | None = None) -> Any:
+        root = workdir / name
+        cb = C["TimedCheckpoint"](
+            dirpath=root / "ckpt",
+            filename="{step}",
+            every_n_train_steps=every,
+            save_top_k=3,
+            save_last=True,
+            monitor="step",
+            mode="max",
+            record=name in ("lossless", "frozen_lossless"),
+        )
+        model = make_model(kind, backbone)
+        trainer = make_trainer(root, io, [cb])
+        t0 = time.perf_counter()
+        trainer.fit(model, *loaders())
+        fit_s = time.perf_counter() - t0
+        ckpt_dir = root / "ckpt"
+        written = io.bytes_written if hasattr(io, "bytes_written") else sum(s.bytes_written for s in io.history)
+        saves = len(cb.stalls)
+        runs[name] = {
+            "saves": saves,
+            "bytes_written": int(written),
+            "bytes_on_disk": _dir_bytes(ckpt_dir),
+            "mean_stall_s": sum(cb.stalls) / max(1, saves),
+            "median_stall_s": median(cb.stalls) if cb.stalls else 0.0,
+            "fit_s": fit_s,
+            "remaining": sorted(str(q) for q in ckpt_dir.glob("*.ckpt")),
+            "val_acc": float(trainer.callback_metrics.get("val_acc", torch.tensor(float("nan")))),
+        }
+        ios[name] = io
+        if cb.record:  # every remaining checkpoint restores exactly what was handed to save_checkpoint
+            exact = True
+            for path in runs[name]["remaining"]:
+                got = _flatten(io.load_checkpoint(path))
+                want = cb.saved[os.path.abspath(path)]
+                exact &= got.keys() == want.keys() and all(
+                    got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in want
+                )
+            runs[name]["roundtrip_exact"] = bool(exact)
+        return model
+
+    run("torch", C["CountingTorchIO"](), "full")
+    trained = run("lossless", DeltaCheckpointIO(async_save=True), "full")
+    run("quantized", DeltaCheckpointIO(async_save=True, quantize="int8", quantize_groups="all"), "full")
+    backbone = {k: v.detach().clone() for k, v in trained.state_dict().items()}
+    run("frozen_torch", C["CountingTorchIO"](), "frozen", backbone)
+    run("frozen_lossless", DeltaCheckpointIO(async_save=True), "frozen", backbone)
+
+    # Mean load time of every remaining checkpoint, runs alternated to spread machine noise.
+    def loader(name: str) -> Any:
+        def go() -> float:
+            t0 = time.perf_counter()
+            for path in runs[name]["remaining"]:
+                ios[name].load_checkpoint(path)
+            return (time.perf_counter() - t0) / len(runs[name]["remaining"])
+
+        return go
+
+    load_times = alternate({n: loader(n) for n in runs}, repeats=3 if quick else 5, warmup=1)
+    for n, ts in load_times.items():
+        runs[n]["mean_load_s"] = median(ts)
+
+    # Resume from the oldest remaining top-k checkpoint (mid-run) and train to the end.
+    def resume_acc(name: str, io: Any) -> float:
+        ckpts = [q for q in runs[name]["remaining"] if not q.endswith("last.ckpt")]
+        oldest = min(ckpts, key=lambda q: int(Path(q).stem.split("=")[1]))
+        runs[name]["resumed_from"] = Path(oldest).name
+        model = make_model("full")
+        trainer = make_trainer(workdir / f"{name}_resume", io, [], enable_checkpointing=False)
+        trainer.fit(model, *loaders(), ckpt_path=oldest)
+        return float(trainer.validate(model, loaders()[1], verbose=False)[0]["val_acc"])
+
+    for name in ("torch", "quantized"):
+        io = C["CountingTorchIO"]() if name == "torch" else DeltaCheckpointIO()
+        runs[name]["resume_val_acc"] = resume_acc(name, io)
+
+    t, lo, q, ft, fl = (runs[n] for n in ("torch", "lossless", "quantized", "frozen_torch", "frozen_lossless"))
+    results: dict[str, Any] = {n: {k: v for k, v in r.items() if k != "remaining"} for n, r in runs.items()}
+    for r in results.values():
+        r["bytes_written_per_save"] = r["bytes_written"] / max(1, r["saves"])
+    results["lossless_roundtrip_exact"] = bool(lo["roundtrip_exact"] and fl["roundtrip_exact"])
+    ratios = {
+        "lossless_bytes_vs_torch": ratio(lo["bytes_written"], t["bytes_written"]),
+        "frozen_bytes_vs_torch": ratio(fl["bytes_written"], ft["bytes_written"]),
+        "quantized_bytes_vs_torch": ratio(q["bytes_written"], t["bytes_written"]),
+        "lossless_disk_vs_torch": ratio(lo["bytes_on_disk"], t["bytes_on_disk"]),
+        "quantized_disk_vs_torch": ratio(q["bytes_on_disk"], t["bytes_on_disk"]),
+        # Median per-save stall: one save that another tenant of a shared machine delays would dominate a mean of
+        # 5-10 saves; the mean ratio is reported next to it.
+        "stall_vs_torch": ratio(lo["median_stall_s"], t["median_stall_s"]),
+        "stall_mean_vs_torch": ratio(lo["mean_stall_s"], t["mean_stall_s"]),
+        "load_vs_torch": ratio(lo["mean_load_s"], t["mean_load_s"]),
+        "quantized_resume_acc_minus_torch": round(q["resume_val_acc"] - t["resume_val_acc"], 4),
+    }
+    config = {
+        "model": f"ImageClassifier(width={width}) + AdamW",
+        "data": f"digits {size}px, {len(train_set)} train / {len(val_set)} val",
+        "epochs": epochs,
+        "checkpoint": f"ModelCheckpoint(every_n_train_steps={every}, save_top_k=3, save_last=True, monitor='step')",
+        "lossless": "DeltaCheckpointIO(async_save=True)",
+        "quantized": "DeltaCheckpointIO(async_save=True, quantize='int8', quantize_groups='all')",
+        "torch_threads": torch.get_num_threads(),
+    }
+    report(
+        "delta_checkpoint",
+        quick=quick,
+        config=config,
+        results=results,
+        ratios=ratios,
+        out=args.out,
+        chart={k: v for k, v in ratios.items() if not k.startswith("quantized_resume")},
+        chart_title="delta checkpoints: ours / TorchCheckpointIO",
+    )
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+"""Delta checkpoints: content-addressed blobs, lossless XOR deltas and opt-in quantized deltas, atomic everywhere.
+
+Core (no Lightning import): :mod:`~lightning_accel.checkpoint.codec` (tensor codecs),
+:mod:`~lightning_accel.checkpoint.skeleton` (safe non-tensor state), :mod:`~lightning_accel.checkpoint.store`
+(manifests, chains, garbage collection), :mod:`~lightning_accel.checkpoint.background` (async saving).
+Adapter: :class:`DeltaCheckpointIO` (imported lazily because it needs Lightning).
+Command line: ``python -m lightning_accel.checkpoint verify|export ...``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_accel.checkpoint.store import (
+    CheckpointCorruptError,
+    DeltaStore,
+    NotADeltaCheckpointError,
+    SaveStats,
+)
+
+__all__ = ["CheckpointCorruptError", "DeltaCheckpointIO", "DeltaStore", "NotADeltaCheckpointError", "SaveStats"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DeltaCheckpointIO":
+        from lightning_accel.checkpoint.plugin import DeltaCheckpointIO
+
+        return DeltaCheckpointIO
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

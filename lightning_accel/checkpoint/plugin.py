@@ -1,0 +1,152 @@
+"""``DeltaCheckpointIO``: the Lightning adapter of the delta checkpoint store.
+
+Use it like any ``CheckpointIO``::
+
+    trainer = L.Trainer(plugins=[DeltaCheckpointIO(async_save=True)], callbacks=[ModelCheckpoint(save_top_k=3)])
+
+It composes with Lightning's own ``AsyncCheckpointIO(DeltaCheckpointIO())`` too, but the built-in ``async_save=True``
+is preferred: it queues ``remove_checkpoint`` behind the saves (Lightning's wrapper runs removals on the caller's
+thread, so a removal can overtake a queued save) and only snapshots tensors to the CPU on the training thread.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.utilities.types import _PATH
+from typing_extensions import override
+
+from lightning_accel.checkpoint.background import BackgroundWriter, snapshot
+from lightning_accel.checkpoint.store import DeltaStore, NotADeltaCheckpointError, SaveStats
+
+__all__ = ["DeltaCheckpointIO"]
+
+_ZIP_MAGIC = b"PK\x03\x04"
+
+
+class DeltaCheckpointIO(CheckpointIO):
+    """Checkpoints that store only what changed: content-addressed blobs, lossless XOR deltas, opt-in quantization.
+
+    Each checkpoint path becomes a small JSON manifest; tensors live as blobs in ``<dir>/.delta_blobs/``. Unchanged
+    tensors are references, changed ones XOR deltas (or quantized deltas) against the chain's full snapshot.
+    ``remove_checkpoint`` deletes the manifest and the blobs no remaining manifest needs. Loading never unpickles
+    arbitrary objects. See ``docs/checkpoint.md``.
+
+    Args:
+        async_save: snapshot tensors to CPU on the training thread, then encode and write in a background thread;
+            removals are queued behind saves; ``teardown`` waits; a background error is raised at the next save,
+            removal, load or at ``teardown``.
+        storage_options: fsspec options for ``s3://`` and other remote checkpoint directories.
+        quantize: ``None`` (lossless), ``"int8"`` or ``"int4"`` quantized deltas (full snapshots stay lossless).
+        quantize_groups: ``"optimizer"`` (default), ``"all"`` float tensors, or a list of tensor-name prefixes.
+        **store_kwargs: the remaining :class:`~lightning_accel.checkpoint.store.DeltaStore` options
+            (``delta_ref``, ``max_chain``, ``full_every``, ``rebase_ratio``, ``quant_block``, ``inline_bytes``,
+            ``zstd_level``, ``zstd_threads``, ``io_threads``).
+    """
+
+    def __init__(
+        self,
+        async_save: bool = False,
+        storage_options: dict[str, Any] | None = None,
+        quantize: Literal["int8", "int4"] | None = None,
+        quantize_groups: Literal["optimizer", "all"] | Sequence[str] = "optimizer",
+        delta_ref: Literal["base", "previous"] = "base",
+        max_chain: int = 8,
+        full_every: int = 16,
+        rebase_ratio: float = 0.95,
+        quant_block: int = 128,
+        inline_bytes: int = 1024,
+        zstd_level: int = 3,
+        zstd_threads: int = 0,
+        io_threads: int = 2,
+    ) -> None:
+        super().__init__()
+        if not isinstance(async_save, bool):
+            raise TypeError(f"`async_save` must be True or False, got {async_save!r}.")
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise TypeError(f"`storage_options` must be a dict of fsspec options or None, got {storage_options!r}.")
+        self.async_save = async_save
+        self.store = DeltaStore(
+            storage_options=storage_options,
+            quantize=quantize,
+            quantize_groups=quantize_groups,
+            delta_ref=delta_ref,
+            max_chain=max_chain,
+            full_every=full_every,
+            rebase_ratio=rebase_ratio,
+            quant_block=quant_block,
+            inline_bytes=inline_bytes,
+            zstd_level=zstd_level,
+            zstd_threads=zstd_threads,
+            io_threads=io_threads,
+        )
+        self._writer = BackgroundWriter()
+        # Per-save statistics (bytes and blobs written, tensors unchanged / delta / full), newest last.
+        self.history: deque[SaveStats] = deque(maxlen=10_000)
+
+    def _save_now(self, checkpoint: dict[str, Any], path: str) -> SaveStats:
+        stats = self.store.save(checkpoint, path)
+        self.history.append(stats)
+        return stats
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+        """Save ``checkpoint`` at ``path`` (a manifest); in async mode only the CPU snapshot happens here."""
+        if storage_options is not None:
+            raise TypeError(
+                "`Trainer.save_checkpoint(..., storage_options=...)` is not supported by `DeltaCheckpointIO`: pass "
+                "`DeltaCheckpointIO(storage_options=...)` instead, so saves, loads and removals use the same options."
+            )
+        path_s = os.fspath(path)
+        if self.async_save:
+            self._writer.submit(self._save_now, snapshot(checkpoint), path_s)
+        else:
+            self._writer.wait()
+            self._save_now(checkpoint, path_s)
+
+    @override
+    def load_checkpoint(
+        self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """Restore the checkpoint at ``path`` (after any queued saves finished).
+
+        A plain ``torch.save`` checkpoint (e.g. from ``TorchCheckpointIO``) is also accepted and read with
+        ``torch.load(weights_only=True)``, so a run can switch to this plugin and resume from an older checkpoint.
+        ``weights_only=False`` is refused: this plugin never unpickles arbitrary objects.
+        """
+        if weights_only is False:
+            raise ValueError(
+                "`weights_only=False` is not supported by `DeltaCheckpointIO`: its checkpoints never contain "
+                "arbitrary pickled objects. Load without `weights_only`, or use `TorchCheckpointIO` for trusted files."
+            )
+        self._writer.wait()
+        try:
+            return self.store.load(path, map_location=map_location)
+        except NotADeltaCheckpointError:
+            if self.store.fs.head(os.fspath(path), 4) != _ZIP_MAGIC:
+                raise
+        from lightning.fabric.utilities.cloud_io import _load
+
+        return _load(os.fspath(path), map_location=map_location or "cpu", weights_only=True)
+
+    @override
+    def remove_checkpoint(self, path: _PATH) -> None:
+        """Remove the manifest at ``path`` and the blobs nothing else references (queued in async mode)."""
+        if self.async_save:
+            self._writer.submit(self.store.remove, os.fspath(path))
+        else:
+            self._writer.wait()
+            self.store.remove(os.fspath(path))
+
+    def wait(self) -> None:
+        """Block until queued saves and removals are done; raise the first background error."""
+        self._writer.wait()
+
+    @override
+    def teardown(self) -> None:
+        """Wait for queued saves and removals; raise a background error rather than lose it."""
+        self._writer.close()

@@ -1,0 +1,132 @@
+"""Split a checkpoint dict into named tensors and a tensor-free *skeleton* that loads without unpickling code.
+
+The skeleton is the checkpoint with every (strided, dense) tensor replaced by a placeholder string
+(``"\\x00la.tensor:<name>"``); it is serialised with ``torch.save`` and read back with
+``torch.load(weights_only=True)``, which refuses arbitrary classes. Tensors are kept out of the skeleton even when
+tiny, because the weights-only unpickler costs ~0.5 ms per tensor here (100 Adam ``step`` scalars: 50 ms per load);
+the store packs small tensors as raw bytes next to the skeleton instead.
+
+Allowed leaves: ``str``, ``bytes``, ``int``, ``float``, ``bool``, ``None``, ``complex``, ``torch.dtype``,
+``torch.device``, ``torch.Size``, tensors; containers: ``dict`` / ``OrderedDict`` / ``list`` / ``tuple`` / ``set``.
+Anything else (a custom class, a ``functools.partial``, an ``AttributeDict``) is refused at *save* time with the
+key path that holds it, so a checkpoint that was written can always be loaded safely.
+"""
+
+from __future__ import annotations
+
+import io
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+__all__ = ["PLACEHOLDER", "UnsafeCheckpointContent", "dump_skeleton", "fill_skeleton", "load_skeleton", "split"]
+
+PLACEHOLDER = "\x00la.tensor:"
+_PRIMITIVES = (str, bytes, int, float, bool, complex, type(None), torch.dtype, torch.device, torch.Size)
+_CONTAINERS = (dict, OrderedDict, list, tuple, set, frozenset)
+
+
+class UnsafeCheckpointContent(TypeError):
+    """The checkpoint holds an object that could only be restored by unpickling arbitrary code."""
+
+
+def _key_str(k: Any) -> str:
+    return str(k).replace("/", "%2F")
+
+
+def split(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Replace every dense tensor by a placeholder (sparse / non-strided tensors stay in the skeleton).
+
+    Args:
+        checkpoint: the Lightning checkpoint dict (not modified).
+
+    Returns:
+        ``(skeleton, tensors)``: ``tensors`` maps a stable name (the ``/``-joined key path, e.g.
+        ``"optimizer_states/0/state/3/exp_avg"``) to the tensor object (not copied).
+
+    Raises:
+        UnsafeCheckpointContent: a value of a type ``torch.load(weights_only=True)`` would refuse, naming its key path.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(obj: Any, path: str) -> Any:
+        if isinstance(obj, torch.Tensor):
+            if type(obj) is not torch.Tensor and not isinstance(obj, torch.nn.Parameter):
+                raise UnsafeCheckpointContent(
+                    f"The checkpoint holds a tensor subclass `{type(obj).__qualname__}` at `{path or '/'}`; the delta "
+                    "checkpoint store only saves plain tensors. Convert it with `.as_subclass(torch.Tensor)` or "
+                    "`torch.Tensor(t)` in `on_save_checkpoint`."
+                )
+            if obj.is_sparse or obj.layout != torch.strided:
+                return obj.detach()
+            name = path.lstrip("/") or "tensor"
+            base, i = name, 1
+            while name in tensors:
+                name, i = f"{base}#{i}", i + 1
+            tensors[name] = obj.detach()
+            return PLACEHOLDER + name
+        if isinstance(obj, str):
+            if obj.startswith(PLACEHOLDER):
+                raise UnsafeCheckpointContent(
+                    f"The string at `{path or '/'}` starts with the reserved placeholder prefix {PLACEHOLDER!r}."
+                )
+            return obj
+        if isinstance(obj, _PRIMITIVES) and (type(obj) in _PRIMITIVES or isinstance(obj, torch.Size)):
+            return obj
+        if type(obj) in (dict, OrderedDict):
+            out = type(obj)()
+            for k, v in obj.items():
+                if not isinstance(k, _PRIMITIVES):
+                    raise UnsafeCheckpointContent(
+                        f"The checkpoint has a dict key of type `{type(k).__qualname__}` at `{path or '/'}`; only "
+                        "primitive keys (str, int, float, bool, None) can be loaded without unpickling code."
+                    )
+                out[k] = walk(v, f"{path}/{_key_str(k)}")
+            return out
+        if type(obj) in (list, tuple):
+            return type(obj)(walk(v, f"{path}/{i}") for i, v in enumerate(obj))
+        if type(obj) in (set, frozenset):
+            return type(obj)(walk(v, f"{path}/{i}") for i, v in enumerate(obj))
+        raise UnsafeCheckpointContent(
+            f"The checkpoint holds a `{type(obj).__module__}.{type(obj).__qualname__}` at `{path or '/'}`, which "
+            "could only be restored by unpickling arbitrary code, so the delta checkpoint store refuses it. Store "
+            "plain data instead (dicts, lists, numbers, strings, tensors), e.g. convert it in "
+            "`on_save_checkpoint` / `state_dict()`, or use `TorchCheckpointIO` for trusted checkpoints."
+        )
+
+    skeleton = walk(checkpoint, "")
+    return skeleton, tensors
+
+
+def dump_skeleton(skeleton: dict[str, Any]) -> bytes:
+    """``torch.save`` the skeleton to bytes (it only holds the types :func:`split` allows)."""
+    buf = io.BytesIO()
+    torch.save(skeleton, buf)
+    return buf.getvalue()
+
+
+def load_skeleton(data: bytes) -> dict[str, Any]:
+    """Read a skeleton with ``torch.load(weights_only=True)``: never unpickles arbitrary objects."""
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+def fill_skeleton(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """Put the tensors back where their placeholders are (in place for dicts and lists, rebuilt for tuples/sets)."""
+
+    def walk(obj: Any) -> Any:
+        if isinstance(obj, str) and obj.startswith(PLACEHOLDER):
+            return tensors[obj[len(PLACEHOLDER) :]]
+        if isinstance(obj, dict):
+            for k in list(obj):
+                obj[k] = walk(obj[k])
+            return obj
+        if isinstance(obj, list):
+            for i, v in enumerate(obj):
+                obj[i] = walk(v)
+            return obj
+        if isinstance(obj, (tuple, set, frozenset)) and not isinstance(obj, torch.Size):
+            return type(obj)(walk(v) for v in obj)
+        return obj
+
+    return walk(skeleton)

@@ -1,0 +1,792 @@
+"""The delta checkpoint store: one small manifest per checkpoint path, content-addressed tensor blobs beside it.
+
+Layout of a checkpoint directory (local path or any fsspec URL)::
+
+    <dir>/epoch=0-step=50.ckpt      manifest (JSON, a few KB): skeleton key + per-tensor chain of blob keys
+    <dir>/last.ckpt                 another manifest; unchanged tensors point at the same blobs
+    <dir>/.delta_blobs/ab/ab12...   blobs, named by the BLAKE2b-160 of their bytes (content-addressed)
+
+Algorithm of :meth:`DeltaStore.save`:
+
+1. Split the checkpoint into a skeleton (loads with ``torch.load(weights_only=True)``) and named tensors.
+2. For each tensor, hash its bytes. Same hash as the previous save of the same name in this directory: reuse that
+   chain (a reference, nothing written).
+3. Otherwise encode against the chain's reference (``delta_ref="base"``: the chain's lossless base, so restoring
+   reads at most 2 blobs; ``"previous"``: the previous reconstruction, so chains grow up to ``max_chain``): an XOR
+   delta (lossless), or a block-quantized delta for the groups selected by ``quantize``. A full (lossless) snapshot
+   is written instead when the tensor is new or changed shape, when its chain already holds ``full_every`` saves,
+   when the next link would exceed ``max_chain``, or when the delta is no smaller than ``rebase_ratio`` x the base
+   (the restore cost would buy nothing).
+4. Publish the new blobs (tmp + fsync + rename locally, one PUT on object stores), then the skeleton blob, then the
+   manifest, atomically and last. A crash before the manifest leaves the previous checkpoints untouched and only
+   unreferenced blobs, which the next collection removes.
+
+References are *derived from manifests*: :meth:`DeltaStore.collect_garbage` reads every manifest of the directory
+and deletes the blobs none of them (nor the in-memory chain state of this process) references. Nothing is
+reference-counted in a side file that a crash could leave stale, so blobs can neither leak forever nor be lost.
+
+One writer per directory at a time (one training run); any number of readers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import posixpath
+import re
+import threading
+import time
+import zlib
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from lightning_accel._utils.atomic import atomic_write_bytes, fsync_dir, is_local_url, strip_file_scheme
+from lightning_accel._utils.paths import safe_join
+from lightning_accel.checkpoint import codec
+from lightning_accel.checkpoint.skeleton import dump_skeleton, fill_skeleton, load_skeleton, split
+
+__all__ = [
+    "BLOB_DIR",
+    "CheckpointCorruptError",
+    "DeltaStore",
+    "MANIFEST_FORMAT",
+    "NotADeltaCheckpointError",
+    "SaveStats",
+    "is_manifest_bytes",
+]
+
+MANIFEST_FORMAT = "lightning-accel/delta-checkpoint"
+_MANIFEST_PREFIX = ('{"format":"' + MANIFEST_FORMAT + '"').encode()
+BLOB_DIR = ".delta_blobs"
+_KEY_RE = re.compile(r"^[0-9a-f]{40}$")
+_TMP_RE = re.compile(r"^\..+\.[0-9a-f]{32}\.tmp$")
+_QUANT_GROUPS = ("optimizer", "all")
+
+
+class CheckpointCorruptError(RuntimeError):
+    """A checkpoint cannot be restored: a blob is missing or fails its checksum, or the manifest is damaged."""
+
+
+class NotADeltaCheckpointError(ValueError):
+    """The path exists but holds something other than a delta checkpoint manifest."""
+
+
+def is_manifest_bytes(head: bytes) -> bool:
+    """True when ``head`` (the first bytes of a file) starts like a delta checkpoint manifest."""
+    return head.startswith(_MANIFEST_PREFIX)
+
+
+def _blob_key(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=20).hexdigest()
+
+
+def _raw_hash(t: torch.Tensor) -> str:
+    """Identity of a tensor's bytes for "unchanged?" decisions at save time (collision-resistant)."""
+    return hashlib.blake2b(codec.tensor_bytes(t), digest_size=16).hexdigest()
+
+
+def _crc(t: torch.Tensor) -> int:
+    """Checksum verified on every load: CRC-32 runs at ~1.3 GB/s here, BLAKE2b at ~0.3 GB/s (4 MB: 3 vs 12 ms)."""
+    return zlib.crc32(codec.tensor_bytes(t))
+
+
+@dataclass
+class SaveStats:
+    """What one save did: bytes and blobs written, tensors referenced unchanged, and the time it took."""
+
+    path: str
+    bytes_written: int = 0
+    blobs_written: int = 0
+    tensors_unchanged: int = 0
+    tensors_delta: int = 0
+    tensors_full: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class _Entry:
+    """In-memory state of one tensor name after a save (what the next save deltas against)."""
+
+    dtype: str
+    shape: list[int]
+    chain: list[str]
+    sizes: list[int]
+    hash: str  # BLAKE2b of the reconstruction (what a load returns)
+    src_hash: str  # BLAKE2b of what was saved (differs from `hash` after a quantized delta)
+    crc: int  # CRC-32 of the reconstruction, verified on load
+    ref: torch.Tensor  # reconstruction the next delta is taken against (a private copy, never a live tensor)
+    lossy: bool = False
+    age: int = 0  # deltas written since the chain's full snapshot
+
+    def manifest(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "shape": self.shape, "chain": self.chain, "sizes": self.sizes, "crc32": self.crc}
+
+
+@dataclass
+class _DirState:
+    entries: dict[str, _Entry] = field(default_factory=dict)
+    saves_since_full: int = 0
+
+
+class _FS:
+    """The few file operations the store needs, on a local directory (``os``) or any fsspec URL."""
+
+    def __init__(self, storage_options: dict[str, Any] | None) -> None:
+        self.storage_options = dict(storage_options or {})
+        self._fs: dict[str, Any] = {}
+
+    def remote(self, url: str) -> tuple[Any, str]:
+        import fsspec
+
+        protocol = url.split("://", 1)[0]
+        if protocol not in self._fs:
+            self._fs[protocol] = fsspec.core.url_to_fs(url, **self.storage_options)[0]
+        fs = self._fs[protocol]
+        return fs, fs._strip_protocol(url)
+
+    def read(self, url: str) -> bytes:
+        if is_local_url(url):
+            with open(strip_file_scheme(url), "rb") as f:
+                return f.read()
+        fs, p = self.remote(url)
+        return fs.cat_file(p)
+
+    def head(self, url: str, n: int) -> bytes:
+        if is_local_url(url):
+            with open(strip_file_scheme(url), "rb") as f:
+                return f.read(n)
+        fs, p = self.remote(url)
+        return fs.cat_file(p, start=0, end=n)
+
+    def write(self, url: str, data: bytes) -> None:
+        atomic_write_bytes(url, data, storage_options=self.storage_options)
+
+    def exists(self, url: str) -> bool:
+        if is_local_url(url):
+            return os.path.lexists(strip_file_scheme(url))
+        fs, p = self.remote(url)
+        return fs.exists(p)
+
+    def isdir(self, url: str) -> bool:
+        if is_local_url(url):
+            return os.path.isdir(strip_file_scheme(url))
+        fs, p = self.remote(url)
+        return fs.isdir(p)
+
+    def rm(self, url: str) -> None:
+        if is_local_url(url):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(strip_file_scheme(url))
+            return
+        fs, p = self.remote(url)
+        with contextlib.suppress(FileNotFoundError):
+            fs.rm_file(p)
+
+    def list_files(self, url: str) -> list[str]:
+        """Names (not paths) of the files directly inside ``url`` (symlinks included); [] if it does not exist."""
+        if is_local_url(url):
+            try:
+                with os.scandir(strip_file_scheme(url)) as it:
+                    return [e.name for e in it if e.is_file() or e.is_symlink()]
+            except (FileNotFoundError, NotADirectoryError):
+                return []
+        fs, p = self.remote(url)
+        with contextlib.suppress(Exception):
+            fs.invalidate_cache(p)
+        try:
+            return [posixpath.basename(e["name"]) for e in fs.ls(p, detail=True) if e.get("type") == "file"]
+        except FileNotFoundError:
+            return []
+
+    def find(self, url: str) -> list[str]:
+        """Paths relative to ``url`` of every file below it."""
+        if is_local_url(url):
+            root = strip_file_scheme(url)
+            out = []
+            for d, _, files in os.walk(root):
+                out += [os.path.relpath(os.path.join(d, f), root).replace(os.sep, "/") for f in files]
+            return out
+        fs, p = self.remote(url)
+        with contextlib.suppress(Exception):
+            fs.invalidate_cache(p)
+        try:
+            return [posixpath.relpath(f, p) for f in fs.find(p)]
+        except FileNotFoundError:
+            return []
+
+
+def _split_path(path: str | os.PathLike[str]) -> tuple[str, str]:
+    s = os.fspath(path)
+    if is_local_url(s):
+        s = os.path.abspath(strip_file_scheme(s))
+        return os.path.dirname(s), s
+    s = s.rstrip("/")
+    return s.rsplit("/", 1)[0], s
+
+
+class DeltaStore:
+    """Save, load, verify and remove delta checkpoints (the functional core; no Lightning import).
+
+    Args:
+        storage_options: fsspec options for remote URLs (e.g. ``{"client_kwargs": {"endpoint_url": ...}}``).
+        quantize: ``None`` (lossless, the default), ``"int8"`` or ``"int4"``: store deltas of the selected float
+            tensors block-quantized (see :mod:`lightning_accel.checkpoint.codec` for the error bound). Full
+            snapshots stay lossless.
+        quantize_groups: which tensors may be quantized: ``"optimizer"`` (``optimizer_states/...``, the default) or
+            ``"all"`` floating tensors, or a sequence of name prefixes (e.g. ``["state_dict/model.head"]``).
+        quant_block: elements per quantization scale.
+        delta_ref: ``"base"`` (delta against the chain's full snapshot: restore reads at most 2 blobs) or
+            ``"previous"`` (delta against the previous reconstruction: smaller deltas, longer chains).
+        max_chain: most blobs one tensor's restore may read (``delta_ref="previous"``; ``"base"`` uses 2).
+        full_every: a tensor's chain is restarted with a full snapshot after this many deltas.
+        rebase_ratio: write a full snapshot instead of a delta that is at least this fraction of the base's size.
+        inline_bytes: tensors smaller than this are packed into the skeleton blob (always rewritten, never deltas)
+            instead of getting blobs of their own.
+        zstd_level: zstd compression level (3: ~300 MB/s per core here; higher buys ~1-2 % on float noise).
+        zstd_threads: zstd worker threads per blob (0: single-threaded; -1: one per core).
+        io_threads: threads that encode/decode tensors in parallel.
+    """
+
+    def __init__(
+        self,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        quantize: Literal["int8", "int4"] | None = None,
+        quantize_groups: Literal["optimizer", "all"] | Sequence[str] = "optimizer",
+        quant_block: int = 128,
+        delta_ref: Literal["base", "previous"] = "base",
+        max_chain: int = 8,
+        full_every: int = 16,
+        rebase_ratio: float = 0.95,
+        inline_bytes: int = 1024,
+        zstd_level: int = 3,
+        zstd_threads: int = 0,
+        io_threads: int = 2,
+    ) -> None:
+        if quantize not in (None, "int8", "int4"):
+            raise ValueError(
+                f"`quantize` must be None, 'int8' or 'int4', got {quantize!r}. Use None for lossless checkpoints."
+            )
+        if isinstance(quantize_groups, str):
+            if quantize_groups not in _QUANT_GROUPS:
+                raise ValueError(
+                    f"`quantize_groups` must be 'optimizer', 'all' or a list of tensor-name prefixes, "
+                    f"got {quantize_groups!r}."
+                )
+        elif not all(isinstance(p, str) for p in quantize_groups):
+            raise ValueError(f"`quantize_groups` prefixes must be strings, got {quantize_groups!r}.")
+        if delta_ref not in ("base", "previous"):
+            raise ValueError(f"`delta_ref` must be 'base' or 'previous', got {delta_ref!r}.")
+        for name, value in (("quant_block", quant_block), ("max_chain", max_chain), ("full_every", full_every)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{name}` must be an integer >= 1, got {value!r}.")
+        if not (isinstance(rebase_ratio, (int, float)) and rebase_ratio > 0):
+            raise ValueError(f"`rebase_ratio` must be a positive number, got {rebase_ratio!r}.")
+        if not isinstance(inline_bytes, int) or inline_bytes < 0:
+            raise ValueError(f"`inline_bytes` must be an integer >= 0, got {inline_bytes!r}.")
+        if not isinstance(io_threads, int) or io_threads < 1:
+            raise ValueError(f"`io_threads` must be an integer >= 1, got {io_threads!r}.")
+        self.fs = _FS(storage_options)
+        self.quantize = quantize
+        self.quantize_groups = quantize_groups if isinstance(quantize_groups, str) else tuple(quantize_groups)
+        self.quant_block = quant_block
+        self.delta_ref = delta_ref
+        self.max_chain = 2 if delta_ref == "base" else max_chain
+        self.full_every = full_every
+        self.rebase_ratio = float(rebase_ratio)
+        self.inline_bytes = inline_bytes
+        self.zstd_level = zstd_level
+        self.zstd_threads = zstd_threads
+        self.io_threads = io_threads
+        self._dirs: dict[str, _DirState] = {}
+        self._lock = threading.RLock()
+
+    # ------------------------------------------------------------------ pickling (drop locks and fs handles)
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_lock"] = None
+        state["_dirs"] = {}
+        state["fs"] = _FS(self.fs.storage_options)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.RLock()
+
+    # ------------------------------------------------------------------ paths
+    def blob_url(self, directory: str, key: str) -> str:
+        if not _KEY_RE.match(key):
+            raise CheckpointCorruptError(f"invalid blob key {key!r} in a manifest")
+        return safe_join(safe_join(directory, BLOB_DIR), f"{key[:2]}/{key}")
+
+    def _check_target(self, path: str) -> bool:
+        """True when ``path`` already holds a manifest (to be replaced); raise if it holds anything else."""
+        if not self.fs.exists(path):
+            return False
+        if self.fs.isdir(path):
+            raise NotADeltaCheckpointError(
+                f"Checkpoint path {path!r} is a directory. DeltaCheckpointIO writes one manifest file per checkpoint "
+                "path; choose another `dirpath`/`filename` or remove the directory."
+            )
+        try:
+            head = self.fs.head(path, len(_MANIFEST_PREFIX))
+        except FileNotFoundError:  # a dangling symlink: replacing it is harmless
+            return False
+        if not is_manifest_bytes(head):
+            raise NotADeltaCheckpointError(
+                f"Checkpoint path {path!r} already holds a file that is not a delta checkpoint manifest (e.g. a "
+                "`torch.save` checkpoint); refusing to overwrite it. Move it away or save to another directory."
+            )
+        return True
+
+    def _wants_quant(self, name: str, t: torch.Tensor) -> bool:
+        if self.quantize is None or not t.is_floating_point():
+            return False
+        if self.quantize_groups == "all":
+            return True
+        if self.quantize_groups == "optimizer":
+            return name.startswith("optimizer_states/")
+        return any(name.startswith(p) for p in self.quantize_groups)
+
+    # ------------------------------------------------------------------ save
+    def save(self, checkpoint: dict[str, Any], path: str | os.PathLike[str]) -> SaveStats:
+        """Write ``checkpoint`` as a delta checkpoint at ``path`` (a manifest file).
+
+        The tensors must not change while this runs (the adapter snapshots them first in async mode).
+
+        Raises:
+            NotADeltaCheckpointError: ``path`` is a directory or a foreign file.
+            UnsafeCheckpointContent: the checkpoint holds objects that cannot be loaded without unpickling code.
+            OSError: writing failed (e.g. disk full); earlier checkpoints are intact.
+        """
+        if not isinstance(checkpoint, dict):
+            raise TypeError(f"`checkpoint` must be a dict, got {type(checkpoint).__name__}.")
+        t0 = time.perf_counter()
+        directory, path = _split_path(path)
+        with self._lock:
+            replacing = self._check_target(path)
+            skeleton, all_tensors = split(checkpoint)
+            tensors = {n: t for n, t in all_tensors.items() if t.numel() * t.element_size() >= self.inline_bytes}
+            small = {n: t for n, t in all_tensors.items() if n not in tensors}
+            first_save_here = directory not in self._dirs
+            dstate = self._dirs.setdefault(directory, _DirState())
+            if first_save_here:  # collect what a killed earlier run left behind (unreferenced blobs, tmp files)
+                self.collect_garbage(directory)
+            stats = SaveStats(path=path)
+            new_entries: dict[str, _Entry] = {}
+
+            def encode(item: tuple[str, torch.Tensor]) -> tuple[str, _Entry, list[tuple[str, bytes]], str]:
+                name, t = item
+                if t.device.type != "cpu":
+                    t = t.cpu()
+                return (name, *self._encode_one(name, t, dstate.entries.get(name)))
+
+            with ThreadPoolExecutor(max_workers=self.io_threads) as pool:
+                results = list(pool.map(encode, tensors.items()))
+            for name, entry, blobs, how in results:
+                new_entries[name] = entry
+                setattr(stats, f"tensors_{how}", getattr(stats, f"tensors_{how}") + 1)
+                for key, data in blobs:
+                    url = self.blob_url(directory, key)
+                    if not self.fs.exists(url):
+                        self.fs.write(url, data)
+                        stats.bytes_written += len(data)
+                        stats.blobs_written += 1
+            skel_blob = _pack_skeleton(dump_skeleton(skeleton), small)
+            skel_key = _blob_key(skel_blob)
+            skel_url = self.blob_url(directory, skel_key)
+            if not self.fs.exists(skel_url):
+                self.fs.write(skel_url, skel_blob)
+                stats.bytes_written += len(skel_blob)
+                stats.blobs_written += 1
+            if is_local_url(directory):
+                fsync_dir(strip_file_scheme(safe_join(directory, BLOB_DIR)))
+            manifest = {
+                "format": MANIFEST_FORMAT,
+                "version": 1,
+                "blob_dir": BLOB_DIR,
+                "created": time.time(),
+                "skeleton": skel_key,
+                "lossy": any(e.lossy for e in new_entries.values()),
+                "tensors": {n: e.manifest() for n, e in new_entries.items()},
+            }
+            data = json.dumps(manifest, separators=(",", ":")).encode()
+            assert is_manifest_bytes(data)
+            self.fs.write(path, data)  # published last: the checkpoint exists from here on
+            stats.bytes_written += len(data)
+            # Only now does the next save delta against this one (a failed save changes nothing).
+            dstate.entries = new_entries
+            if replacing:
+                self.collect_garbage(directory)
+        stats.seconds = time.perf_counter() - t0
+        return stats
+
+    def _encode_one(
+        self, name: str, t: torch.Tensor, prev: _Entry | None
+    ) -> tuple[_Entry, list[tuple[str, bytes]], str]:
+        """Decide reference / delta / full for one tensor and encode it. Returns (entry, new blobs, how)."""
+        dname = codec.dtype_name(t.dtype)
+        shape = list(t.shape)
+        src_hash = _raw_hash(t)
+        if prev is not None and prev.dtype == dname and prev.shape == shape:
+            if prev.src_hash == src_hash or prev.hash == src_hash:
+                return prev, [], "unchanged"
+            room = self.delta_ref == "base" or len(prev.chain) < self.max_chain  # "base" chains are always 2 long
+            if room and prev.age < self.full_every:
+                ref_key = prev.chain[0] if self.delta_ref == "base" else prev.chain[-1]
+                if self._wants_quant(name, t):
+                    blob, recon = codec.encode_quant(
+                        t,
+                        prev.ref,
+                        ref_key,
+                        bits=8 if self.quantize == "int8" else 4,
+                        block=self.quant_block,
+                        level=self.zstd_level,
+                        threads=self.zstd_threads,
+                    )
+                    lossy = True
+                else:
+                    blob = codec.encode_xor(t, prev.ref, ref_key, level=self.zstd_level, threads=self.zstd_threads)
+                    recon, lossy = t, False  # XOR restores t bit-exactly whatever the reference was
+                if len(blob) < self.rebase_ratio * prev.sizes[0]:
+                    key = _blob_key(blob)
+                    if self.delta_ref == "base":
+                        chain, sizes, ref = [prev.chain[0], key], [prev.sizes[0], len(blob)], prev.ref
+                    else:
+                        chain, sizes, ref = [*prev.chain, key], [*prev.sizes, len(blob)], recon.clone()
+                    h = src_hash if recon is t else _raw_hash(recon)
+                    crc = _crc(recon)
+                    entry = _Entry(dname, shape, chain, sizes, h, src_hash, crc, ref, lossy, prev.age + 1)
+                    return entry, [(key, blob)], "delta"
+        blob = codec.encode_full(t, level=self.zstd_level, threads=self.zstd_threads)
+        key = _blob_key(blob)
+        # A private copy: in synchronous mode `t` aliases the live parameter, which the optimizer keeps changing.
+        ref = t.detach().clone().reshape(shape)
+        entry = _Entry(dname, shape, [key], [len(blob)], src_hash, src_hash, _crc(t), ref)
+        return entry, [(key, blob)], "full"
+
+    # ------------------------------------------------------------------ load
+    def read_manifest(self, path: str | os.PathLike[str]) -> dict[str, Any]:
+        """Read and validate the manifest at ``path``.
+
+        Raises:
+            FileNotFoundError: nothing at ``path``.
+            NotADeltaCheckpointError: ``path`` holds something else.
+            CheckpointCorruptError: the manifest is damaged.
+        """
+        _, p = _split_path(path)
+        if not self.fs.exists(p):
+            raise FileNotFoundError(f"Checkpoint {p!r} does not exist.")
+        if self.fs.isdir(p):
+            raise NotADeltaCheckpointError(f"Checkpoint path {p!r} is a directory, not a delta checkpoint manifest.")
+        data = self.fs.read(p)
+        if not is_manifest_bytes(data):
+            raise NotADeltaCheckpointError(f"{p!r} is not a delta checkpoint manifest.")
+        try:
+            manifest = json.loads(data)
+            if manifest["version"] != 1 or not isinstance(manifest["tensors"], dict):
+                raise ValueError(f"unsupported manifest version {manifest['version']!r}")
+            if not _KEY_RE.match(str(manifest["skeleton"])):
+                raise ValueError("bad skeleton key")
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointCorruptError(f"The manifest of checkpoint {p!r} is damaged ({e!r}).") from e
+        return manifest
+
+    def _fetch(self, directory: str, key: str, ckpt: str, what: str, check_key: bool) -> bytes:
+        url = self.blob_url(directory, key)
+        try:
+            data = self.fs.read(url)
+        except FileNotFoundError:
+            raise CheckpointCorruptError(
+                f"Checkpoint {ckpt!r}: blob {key} of {what} is missing ({url}). It was deleted outside the plugin; "
+                "this checkpoint cannot be restored. Load an older or newer checkpoint, or restore the blob directory."
+            ) from None
+        # Loads rely on the CRC-32 of the decoded tensor (any damaged link changes it); `verify` also re-hashes
+        # every blob against its content address (BLAKE2b, 4x slower).
+        if check_key and _blob_key(data) != key:
+            raise CheckpointCorruptError(
+                f"Checkpoint {ckpt!r}: blob {key} of {what} fails its checksum ({url} is corrupt)."
+            )
+        return data
+
+    def _restore_tensor(
+        self, directory: str, ckpt: str, name: str, meta: dict[str, Any], check_keys: bool = False
+    ) -> torch.Tensor:
+        what = f"tensor `{name}`"
+        try:
+            dtype = codec.dtype_from_name(meta["dtype"])
+            shape = [int(s) for s in meta["shape"]]
+            chain = [str(k) for k in meta["chain"]]
+            crc = int(meta["crc32"])
+        except (KeyError, TypeError, ValueError, codec.CodecError) as e:
+            raise CheckpointCorruptError(f"Checkpoint {ckpt!r}: manifest entry of {what} is damaged ({e!r}).") from e
+        if not chain or len(chain) > 64:
+            raise CheckpointCorruptError(f"Checkpoint {ckpt!r}: {what} has a chain of {len(chain)} blobs.")
+        blobs = [self._fetch(directory, key, ckpt, what, check_keys) for key in chain]
+        try:
+            for i, blob in enumerate(blobs):
+                header, _ = codec.read_header(blob)
+                expected_ref = None if i == 0 else chain[i - 1]
+                if header.get("ref") != expected_ref:
+                    raise codec.CodecError(f"blob {chain[i]} references {header.get('ref')}, expected {expected_ref}")
+            out = codec.decode_chain(blobs, shape)
+        except codec.CodecError as e:
+            raise CheckpointCorruptError(f"Checkpoint {ckpt!r}: cannot decode {what}: {e}") from e
+        if out.dtype != dtype or _crc(out) != crc:
+            raise CheckpointCorruptError(
+                f"Checkpoint {ckpt!r}: {what} fails its checksum after decoding (a blob of its chain is corrupt)."
+            )
+        return out
+
+    def load(
+        self, path: str | os.PathLike[str], map_location: Any = None, *, check_keys: bool = False
+    ) -> dict[str, Any]:
+        """Rebuild the checkpoint dict saved at ``path``; every blob and every tensor is checksum-verified.
+
+        Args:
+            path: the manifest path.
+            map_location: ``None``/``"cpu"``, a device (string or ``torch.device``) to move tensors to, a dict
+                ``{"cuda:1": "cuda:0"}``-style mapping (applied as for ``torch.load``), or a callable
+                ``(storage, location)`` (tensors are restored on the CPU and the callable is not called).
+            check_keys: also re-hash every blob against its content address (what :meth:`verify` does).
+
+        Raises:
+            CheckpointCorruptError: a blob is missing or corrupt (the message names the checkpoint and the tensor).
+        """
+        directory, p = _split_path(path)
+        manifest = self.read_manifest(p)
+        skel = self._fetch(directory, manifest["skeleton"], p, "the skeleton (non-tensor state)", True)
+        try:
+            skeleton, small = _unpack_skeleton(skel)
+        except Exception as e:  # noqa: BLE001 - anything here means the skeleton is unusable
+            raise CheckpointCorruptError(f"Checkpoint {p!r}: the skeleton cannot be read safely ({e!r}).") from e
+        items = list(manifest["tensors"].items())
+        # Tensors with identical chains (last.ckpt vs its step, zero-initialised buffers) are decoded once.
+        unique: dict[tuple[str, ...], tuple[str, dict[str, Any]]] = {}
+        for name, meta in items:
+            unique.setdefault((*meta.get("chain", ()), str(meta.get("shape"))), (name, meta))
+        with ThreadPoolExecutor(max_workers=self.io_threads) as pool:
+            decoded = dict(
+                zip(
+                    unique,
+                    pool.map(lambda nm: self._restore_tensor(directory, p, *nm, check_keys), unique.values()),
+                    strict=True,
+                )
+            )
+        tensors: dict[str, torch.Tensor] = {}
+        seen: set[tuple[str, ...]] = set()
+        for name, meta in items:
+            k = (*meta.get("chain", ()), str(meta.get("shape")))
+            t = decoded[k]
+            tensors[name] = t.clone() if k in seen else t
+            seen.add(k)
+        tensors.update(small)
+        device = _target_device(map_location)
+        if device is not None:
+            tensors = {n: t.to(device) for n, t in tensors.items()}
+        return fill_skeleton(skeleton, tensors)
+
+    def verify(self, path: str | os.PathLike[str]) -> dict[str, Any]:
+        """Restore every tensor of the checkpoint at ``path`` with all checksums; return a summary.
+
+        Raises:
+            CheckpointCorruptError: naming the checkpoint and the tensor that fails.
+        """
+        directory, p = _split_path(path)
+        manifest = self.read_manifest(p)
+        ckpt = self.load(p, check_keys=True)
+        keys = {manifest["skeleton"]}
+        for meta in manifest["tensors"].values():
+            keys.update(meta["chain"])
+        stored = sum(sum(m.get("sizes", [])) for m in manifest["tensors"].values())
+        raw = sum(
+            _numel(m["shape"]) * codec.itemsize_of(codec.dtype_from_name(m["dtype"]))
+            for m in manifest["tensors"].values()
+        )
+        return {
+            "path": p,
+            "ok": True,
+            "tensors": len(manifest["tensors"]),
+            "blobs": len(keys),
+            "raw_tensor_bytes": raw,
+            "chain_bytes": stored,
+            "max_chain": max((len(m["chain"]) for m in manifest["tensors"].values()), default=0),
+            "lossy": bool(manifest.get("lossy")),
+            "top_level_keys": sorted(map(str, ckpt)),
+        }
+
+    def export(self, path: str | os.PathLike[str], out: str | os.PathLike[str]) -> str:
+        """Write the checkpoint at ``path`` as one plain ``torch.save`` file at ``out`` (what ``torch.load`` and
+        ``TorchCheckpointIO`` read). Returns ``out``."""
+        import io
+
+        ckpt = self.load(path)
+        buf = io.BytesIO()
+        torch.save(ckpt, buf)
+        out_s = os.fspath(out)
+        self.fs.write(out_s, buf.getvalue())
+        return out_s
+
+    # ------------------------------------------------------------------ remove / collect
+    def remove(self, path: str | os.PathLike[str]) -> int:
+        """Delete the checkpoint at ``path`` and collect the blobs no remaining manifest references.
+
+        A symlink is removed as a link. Local symlinks that point at the removed manifest (Lightning's
+        ``save_last="link"``) are first replaced by a copy of it, so they stay loadable. A missing path is a no-op.
+
+        Returns:
+            The number of blobs deleted.
+
+        Raises:
+            NotADeltaCheckpointError: ``path`` holds something else (it is left alone).
+        """
+        directory, p = _split_path(path)
+        with self._lock:
+            if not self.fs.exists(p):
+                return 0
+            local = is_local_url(p)
+            if local and os.path.islink(p):
+                os.unlink(p)
+                return self.collect_garbage(directory)
+            if self.fs.isdir(p) or not is_manifest_bytes(self.fs.head(p, len(_MANIFEST_PREFIX))):
+                raise NotADeltaCheckpointError(
+                    f"Refusing to remove {p!r}: it is not a delta checkpoint manifest written by DeltaCheckpointIO."
+                )
+            if local:
+                self._materialize_links_to(directory, p)
+            self.fs.rm(p)
+            if local:
+                fsync_dir(directory)
+            return self.collect_garbage(directory)
+
+    def _materialize_links_to(self, directory: str, target: str) -> None:
+        data = None
+        real = os.path.realpath(target)
+        for name in self.fs.list_files(directory):
+            link = os.path.join(directory, name)
+            if os.path.islink(link) and os.path.realpath(link) == real:
+                data = self.fs.read(target) if data is None else data
+                self.fs.write(link, data)  # os.replace swaps the link for a real manifest
+
+    def live_keys(self, directory: str) -> set[str]:
+        """Blob keys referenced by any manifest in ``directory`` or by this process's chain state."""
+        keys: set[str] = set()
+        for name in self.fs.list_files(directory):
+            url = safe_join(directory, name)
+            try:
+                if not is_manifest_bytes(self.fs.head(url, len(_MANIFEST_PREFIX))):
+                    continue
+                m = json.loads(self.fs.read(url))
+                keys.add(m["skeleton"])
+                for meta in m["tensors"].values():
+                    keys.update(meta["chain"])
+            except (FileNotFoundError, IsADirectoryError):  # removed meanwhile / dangling link
+                continue
+            except (ValueError, KeyError, TypeError) as e:
+                # A damaged manifest: keep everything rather than guess what it needed.
+                raise CheckpointCorruptError(
+                    f"Manifest {url!r} is damaged ({e!r}); not collecting blobs in {directory!r} so nothing it may "
+                    "reference is lost. Remove or repair it."
+                ) from e
+        state = self._dirs.get(directory)
+        if state is not None:
+            for e in state.entries.values():
+                keys.update(e.chain)
+        return keys
+
+    def collect_garbage(self, directory: str | os.PathLike[str]) -> int:
+        """Delete blobs of ``directory`` that no manifest references, and temporary files of interrupted writes.
+
+        Returns:
+            The number of files deleted.
+        """
+        directory = _norm_dir(directory)
+        with self._lock:
+            live = self.live_keys(directory)
+            blob_root = safe_join(directory, BLOB_DIR)
+            deleted = 0
+            for rel in self.fs.find(blob_root):
+                base = posixpath.basename(rel)
+                if base in live:
+                    continue
+                if _KEY_RE.match(base) or _TMP_RE.match(base):
+                    self.fs.rm(safe_join(blob_root, rel))
+                    deleted += 1
+            for name in self.fs.list_files(directory):
+                if _TMP_RE.match(name):
+                    self.fs.rm(safe_join(directory, name))
+                    deleted += 1
+            return deleted
+
+    def forget(self, directory: str | None = None) -> None:
+        """Drop the in-memory chain state (the next save of each tensor is a full snapshot)."""
+        with self._lock:
+            if directory is None:
+                self._dirs.clear()
+            else:
+                self._dirs.pop(_norm_dir(directory), None)
+
+
+def _pack_skeleton(skeleton_bytes: bytes, small: dict[str, torch.Tensor]) -> bytes:
+    """One blob: the ``torch.save``d skeleton followed by the raw bytes of the small tensors (zstd on top)."""
+    parts, items, offset = [skeleton_bytes], [], len(skeleton_bytes)
+    for name, t in small.items():
+        raw = codec.tensor_bytes(t)
+        items.append([name, codec.dtype_name(t.dtype), list(t.shape), offset])
+        parts.append(raw.tobytes())
+        offset += raw.size
+    body = b"".join(parts)
+    header = {
+        "kind": "skeleton",
+        "dtype": "uint8",
+        "nbytes": len(body),
+        "ref": None,
+        "items": items,
+        "skeleton_bytes": len(skeleton_bytes),
+    }
+    return codec._pack(header, codec._zstd_compress(body, 3, 0))
+
+
+def _unpack_skeleton(blob: bytes) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    header, payload = codec.read_header(blob)
+    if header["kind"] != "skeleton":
+        raise codec.CodecError(f"expected a skeleton blob, got `{header['kind']}`")
+    body = codec._zstd_decompress(payload, int(header["nbytes"]))
+    n = int(header["skeleton_bytes"])
+    skeleton = load_skeleton(body[:n].tobytes())
+    small = {}
+    for name, dname, shape, offset in header["items"]:
+        dtype = codec.dtype_from_name(dname)
+        size = _numel(shape) * codec.itemsize_of(dtype)
+        if offset < n or offset + size > body.size:
+            raise codec.CodecError(f"small tensor {name!r} lies outside the skeleton blob")
+        small[name] = codec.tensor_from_bytes(body[offset : offset + size], dtype, shape)
+    return skeleton, small
+
+
+def _norm_dir(directory: str | os.PathLike[str]) -> str:
+    s = os.fspath(directory)
+    return os.path.abspath(strip_file_scheme(s)) if is_local_url(s) else s.rstrip("/")
+
+
+def _numel(shape: Iterable[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def _target_device(map_location: Any) -> torch.device | None:
+    if map_location is None or callable(map_location):
+        return None
+    if isinstance(map_location, dict):
+        target = map_location.get("cpu")
+        return torch.device(target) if target is not None else None
+    dev = torch.device(map_location)
+    return None if dev.type == "cpu" else dev

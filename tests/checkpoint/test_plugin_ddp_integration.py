@@ -1,0 +1,43 @@
+"""DeltaCheckpointIO under DDP (2 CPU processes, gloo): rank 0 writes, every rank resumes from the same manifest."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import run_in_processes
+
+
+def _fit_and_resume(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_accel import DeltaCheckpointIO
+    from tests.checkpoint._tiny import TinyModel, tiny_loader, trainer
+
+    torch.manual_seed(0)
+    ckpt = ModelCheckpoint(
+        dirpath=f"{root}/ckpt", every_n_train_steps=2, save_top_k=2, save_last=True, monitor="step", mode="max"
+    )
+    kw = dict(strategy="ddp", devices=world_size, use_distributed_sampler=True, max_epochs=1)
+    t = trainer(root, [DeltaCheckpointIO(async_save=True)], [ckpt], **kw)
+    t.fit(TinyModel(), tiny_loader(64))
+    saved_step = t.global_step
+    resumed = TinyModel()
+    t2 = trainer(root, [DeltaCheckpointIO()], [], enable_checkpointing=False, **{**kw, "max_epochs": 2})
+    t2.fit(resumed, tiny_loader(64), ckpt_path=f"{root}/ckpt/last.ckpt")
+    weights = torch.cat([p.detach().reshape(-1) for p in resumed.parameters()])
+    return {"saved_step": saved_step, "final_step": t2.global_step, "checksum": float(weights.double().sum())}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ddp_rank_zero_writes_and_all_ranks_resume(tmp_path: Path) -> None:
+    results = run_in_processes(_fit_and_resume, 2, (str(tmp_path),), init_process_group=False, timeout=240)
+    assert results[0]["saved_step"] == results[1]["saved_step"] == 2  # 64 samples / 2 ranks / batch 16
+    assert results[0]["final_step"] == results[1]["final_step"] == 4
+    assert results[0]["checksum"] == results[1]["checksum"]  # both ranks restored the same state and stayed in sync
+    names = sorted(p.name for p in (tmp_path / "ckpt").glob("*.ckpt"))
+    assert "last.ckpt" in names

@@ -1,0 +1,175 @@
+"""Trainer-level tests: DeltaCheckpointIO with ModelCheckpoint (top-k, last, link), resume, async, AsyncCheckpointIO."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+from lightning_accel import DeltaCheckpointIO
+from lightning_accel.checkpoint.store import BLOB_DIR, DeltaStore
+from tests.checkpoint._tiny import TinyModel, tiny_loader, trainer
+
+torch.set_num_threads(1)
+
+
+class _Recorder(ModelCheckpoint):
+    """ModelCheckpoint that also keeps, per saved path, a private copy of the model/optimizer state it saved."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.saved: dict[str, dict] = {}
+
+    def _save_checkpoint(self, trainer, filepath: str) -> None:  # noqa: ANN001
+        ckpt = trainer._checkpoint_connector.dump_checkpoint(self.save_weights_only)
+        self.saved[os.path.abspath(filepath)] = {
+            "state_dict": {k: v.clone() for k, v in ckpt["state_dict"].items()},
+            "optimizer": [
+                {k: {n: t.clone() for n, t in s.items()} for k, s in o["state"].items()}
+                for o in ckpt["optimizer_states"]
+            ],
+        }
+        super()._save_checkpoint(trainer, filepath)
+
+
+def _assert_equal_state(loaded: dict, expected: dict) -> None:
+    for k, v in expected["state_dict"].items():
+        assert torch.equal(loaded["state_dict"][k], v), k
+    for o_loaded, o_exp in zip(loaded["optimizer_states"], expected["optimizer"], strict=True):
+        for pid, s in o_exp.items():
+            for n, t in s.items():
+                assert torch.equal(o_loaded["state"][pid][n], t), (pid, n)
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_top_k_and_last_stay_loadable_and_exact(tmp_path: Path, async_save: bool) -> None:
+    io = DeltaCheckpointIO(async_save=async_save)
+    ckpt = _Recorder(
+        dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=3, save_last=True, monitor="step", mode="max"
+    )
+    t = trainer(tmp_path, [io], [ckpt])
+    t.fit(TinyModel(), tiny_loader(), tiny_loader(32))
+    remaining = sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.is_file())
+    assert len(remaining) == 4 and "last.ckpt" in remaining, remaining  # 3 top-k + last
+    store = DeltaStore()
+    for name in remaining:
+        path = os.path.abspath(tmp_path / "ckpt" / name)
+        loaded = io.load_checkpoint(path)
+        _assert_equal_state(loaded, ckpt.saved[path])
+        assert store.verify(path)["ok"]
+    # Garbage collection left exactly the blobs the remaining manifests reference.
+    blobs = {p.name for p in (tmp_path / "ckpt" / BLOB_DIR).rglob("*") if p.is_file()}
+    assert blobs == store.live_keys(str(tmp_path / "ckpt"))
+    # last.ckpt duplicates the newest step: its tensors are references, not rewrites.
+    saves = io.history
+    assert any(s.path.endswith("last.ckpt") and s.tensors_unchanged > 0 and s.tensors_full == 0 for s in saves)
+
+
+def test_resume_from_last_continues_exactly(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    io = DeltaCheckpointIO(async_save=True)
+    ckpt = ModelCheckpoint(
+        dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=2, save_last=True, monitor="step", mode="max"
+    )
+    model = TinyModel()
+    trainer(tmp_path, [io], [ckpt], max_epochs=1).fit(model, tiny_loader())
+    # Resume into a fresh model for a second epoch; compare with an uninterrupted 2-epoch run.
+    resumed = TinyModel()
+    t2 = trainer(tmp_path, [DeltaCheckpointIO()], [], max_epochs=2, enable_checkpointing=False)
+    t2.fit(resumed, tiny_loader(), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    torch.manual_seed(0)
+    straight = TinyModel()
+    trainer(tmp_path / "b", [], [], max_epochs=2, enable_checkpointing=False).fit(straight, tiny_loader())
+    for (k, a), b in zip(resumed.state_dict().items(), straight.state_dict().values(), strict=True):
+        assert torch.equal(a, b), k
+
+
+def test_wrapped_by_lightning_async_checkpoint_io(tmp_path: Path) -> None:
+    ckpt = _Recorder(
+        dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=2, save_last=True, monitor="step", mode="max"
+    )
+    io = AsyncCheckpointIO(DeltaCheckpointIO())
+    trainer(tmp_path, [io], [ckpt]).fit(TinyModel(), tiny_loader())
+    for p in (tmp_path / "ckpt").glob("*.ckpt"):
+        _assert_equal_state(DeltaStore().load(p), ckpt.saved[os.path.abspath(p)])
+
+
+def test_save_last_link_survives_removal_of_its_target(tmp_path: Path) -> None:
+    io = DeltaCheckpointIO()
+    ckpt = ModelCheckpoint(
+        dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=1, save_last="link", monitor="step", mode="max"
+    )
+    trainer(tmp_path, [io], [ckpt], max_epochs=1).fit(TinyModel(), tiny_loader())
+    last = tmp_path / "ckpt" / "last.ckpt"
+    assert last.is_symlink()
+    target = Path(os.path.realpath(last))
+    io.remove_checkpoint(target)  # e.g. a later top-k eviction
+    assert not target.exists() and not last.is_symlink()
+    assert DeltaStore().verify(last)["ok"]
+
+
+def test_background_failure_is_raised_not_lost(tmp_path: Path) -> None:
+    io = DeltaCheckpointIO(async_save=True)
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "x.ckpt").mkdir()  # a directory where a checkpoint should go
+    io.save_checkpoint({"a": torch.zeros(300)}, tmp_path / "ckpt" / "x.ckpt")
+    with pytest.raises(ValueError, match="is a directory"):
+        io.teardown()
+    io.save_checkpoint({"a": torch.zeros(300)}, tmp_path / "ckpt" / "y.ckpt")
+    io.teardown()
+    assert torch.equal(io.load_checkpoint(tmp_path / "ckpt" / "y.ckpt")["a"], torch.zeros(300))
+
+
+def test_loads_plain_torch_checkpoint_safely(tmp_path: Path) -> None:
+    p = tmp_path / "plain.ckpt"
+    torch.save({"state_dict": {"w": torch.ones(3)}}, p)
+    assert torch.equal(DeltaCheckpointIO().load_checkpoint(p)["state_dict"]["w"], torch.ones(3))
+    with pytest.raises(ValueError, match="weights_only=False"):
+        DeltaCheckpointIO().load_checkpoint(p, weights_only=False)
+
+
+def test_async_removal_is_ordered_after_queued_saves(tmp_path: Path) -> None:
+    io = DeltaCheckpointIO(async_save=True)
+    state = {"w": torch.randn(1000)}
+    for i in range(4):
+        io.save_checkpoint(state, tmp_path / f"{i}.ckpt")
+        if i:
+            io.remove_checkpoint(tmp_path / f"{i - 1}.ckpt")  # queued behind the save it follows
+    io.teardown()
+    assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == ["3.ckpt"]
+    assert torch.equal(io.load_checkpoint(tmp_path / "3.ckpt")["w"], state["w"])
+    with pytest.raises(TypeError, match="storage_options"):
+        io.save_checkpoint(state, tmp_path / "x.ckpt", storage_options={"a": 1})
+    with pytest.raises(ValueError, match="`quantize`"):
+        DeltaCheckpointIO(quantize="int2")  # type: ignore[arg-type]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_cuda_tensors_snapshot_and_map_location(tmp_path: Path, async_save: bool) -> None:
+    io = DeltaCheckpointIO(async_save=async_save)
+    w = torch.randn(4096, device="cuda")
+    state = {"state_dict": {"w": w}, "step": 1}
+    io.save_checkpoint(state, tmp_path / "a.ckpt")
+    expected = w.cpu()
+    w.add_(1.0)  # an optimizer step racing the background save must not leak into the checkpoint
+    io.teardown()
+    back = io.load_checkpoint(tmp_path / "a.ckpt", map_location="cuda")
+    assert back["state_dict"]["w"].is_cuda and torch.equal(back["state_dict"]["w"].cpu(), expected)
+    assert io.load_checkpoint(tmp_path / "a.ckpt")["state_dict"]["w"].device.type == "cpu"
+
+
+def test_quickstart_yaml_wires_the_plugin(tmp_path: Path) -> None:
+    from lightning_accel.cli import AccelCLI
+
+    config = Path(__file__).resolve().parents[2] / "examples" / "configs" / "quickstart.yaml"
+    cli = AccelCLI(
+        args=["--config", str(config), f"--trainer.default_root_dir={tmp_path}", f"--data.data_dir={tmp_path}/d"],
+        run=False,
+    )
+    io = cli.trainer.strategy.checkpoint_io
+    assert isinstance(io, DeltaCheckpointIO) and io.async_save

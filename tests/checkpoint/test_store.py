@@ -1,0 +1,282 @@
+"""DeltaStore: references, deltas, chain policy, GC derived from manifests, integrity, faults, S3, CLI."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_accel.checkpoint import codec
+from lightning_accel.checkpoint.cli import main as ckpt_main
+from lightning_accel.checkpoint.store import (
+    BLOB_DIR,
+    CheckpointCorruptError,
+    DeltaStore,
+    NotADeltaCheckpointError,
+)
+
+
+def _state(seed: int, n: int = 2048) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "state_dict": {"w": torch.randn(n, generator=g), "frozen": torch.arange(n, dtype=torch.float32)},
+        "optimizer_states": [
+            {
+                "state": {
+                    0: {
+                        "exp_avg": torch.randn(n, generator=g),
+                        "exp_avg_sq": torch.rand(n, generator=g) ** 4,
+                        "step": torch.tensor(float(seed)),
+                    }
+                },
+                "param_groups": [{"lr": 0.1}],
+            }
+        ],
+        "epoch": seed,
+        "names": ["a", ("b", 2)],
+    }
+
+
+def _drift(s: dict[str, Any], eps: float, seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1000 + seed)
+    out = {**s, "state_dict": dict(s["state_dict"]), "epoch": s["epoch"] + 1}
+    out["state_dict"]["w"] = s["state_dict"]["w"] + eps * torch.randn(s["state_dict"]["w"].shape, generator=g)
+    st = s["optimizer_states"][0]["state"][0]
+    out["optimizer_states"] = [
+        {
+            "state": {
+                0: {
+                    "exp_avg": st["exp_avg"] * 0.9 + 0.01 * torch.randn(st["exp_avg"].shape, generator=g),
+                    "exp_avg_sq": st["exp_avg_sq"] * 0.999 + 1e-6,
+                    "step": st["step"] + 1,
+                }
+            },
+            "param_groups": [{"lr": 0.1}],
+        }
+    ]
+    return out
+
+
+def _blobs(d: Path) -> set[str]:
+    return {p.name for p in (d / BLOB_DIR).rglob("*") if p.is_file()}
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def test_unchanged_tensors_are_references_and_changed_ones_deltas(tmp_path: Path) -> None:
+    store = DeltaStore()
+    s0 = _state(0)
+    first = store.save(s0, tmp_path / "a.ckpt")
+    again = store.save(s0, tmp_path / "same.ckpt")  # save_last: the same step twice
+    assert first.tensors_full == 4 and again.tensors_unchanged == 4 and again.blobs_written == 0
+    s1 = _drift(s0, 1e-4, 1)
+    third = store.save(s1, tmp_path / "b.ckpt")
+    assert third.tensors_unchanged == 1  # "frozen"
+    assert third.tensors_delta >= 1
+    for name, s in (("a", s0), ("same", s0), ("b", s1)):
+        assert _equal(store.load(tmp_path / f"{name}.ckpt"), s)
+    m = json.loads((tmp_path / "b.ckpt").read_text())
+    assert (
+        m["tensors"]["state_dict/frozen"]["chain"]
+        == json.loads((tmp_path / "a.ckpt").read_text())["tensors"]["state_dict/frozen"]["chain"]
+    )
+    assert all(len(t["chain"]) <= 2 for t in m["tensors"].values())
+
+
+def test_chain_policy_full_every_and_previous_mode(tmp_path: Path) -> None:
+    store = DeltaStore(full_every=2, rebase_ratio=10.0)
+    s = _state(0)
+    kinds = []
+    for i in range(6):
+        kinds.append(store.save(s, tmp_path / f"{i}.ckpt").tensors_full)
+        s = _drift(s, 1e-3, i)
+    assert kinds == [4, 0, 0, 3, 0, 0]  # w, exp_avg, exp_avg_sq rebased every 3rd save; "frozen" never changes
+    prev = DeltaStore(delta_ref="previous", max_chain=3, rebase_ratio=10.0)
+    s = _state(0)
+    for i in range(5):
+        prev.save(s, tmp_path / "p" / f"{i}.ckpt")
+        m = json.loads((tmp_path / "p" / f"{i}.ckpt").read_text())
+        assert len(m["tensors"]["state_dict/w"]["chain"]) == [1, 2, 3, 1, 2][i]
+        assert _equal(prev.load(tmp_path / "p" / f"{i}.ckpt"), s)
+        s = _drift(s, 1e-3, i)
+
+
+def test_remove_collects_exactly_the_unreferenced_blobs(tmp_path: Path) -> None:
+    store = DeltaStore(full_every=1)
+    s = _state(0)
+    states = {}
+    for i in range(5):
+        store.save(s, tmp_path / f"{i}.ckpt")
+        states[i] = s
+        s = _drift(s, 1e-3, i)
+    for i in (0, 2, 3):  # arbitrary older checkpoints, like ModelCheckpoint(save_top_k=...)
+        store.remove(tmp_path / f"{i}.ckpt")
+        assert _blobs(tmp_path) == store.live_keys(str(tmp_path))
+    for i in (1, 4):
+        assert _equal(store.load(tmp_path / f"{i}.ckpt"), states[i])
+    # A fresh process (no in-memory state) derives the same references from the manifests alone.
+    fresh = DeltaStore()
+    assert fresh.collect_garbage(tmp_path) == 0
+    store.remove(tmp_path / "1.ckpt")
+    store.forget()
+    store.remove(tmp_path / "4.ckpt")
+    assert _blobs(tmp_path) == set()
+    store.remove(tmp_path / "4.ckpt")  # missing: a no-op, like TorchCheckpointIO
+
+
+@pytest.mark.parametrize("quantize,qmax", [("int8", 127), ("int4", 7)])
+def test_quantized_deltas_do_not_accumulate_error(tmp_path: Path, quantize: str, qmax: int) -> None:
+    store = DeltaStore(quantize=quantize, quantize_groups="all", full_every=100, rebase_ratio=10.0)
+    s = _state(0)
+    worst = []
+    for i in range(8):
+        store.save(s, tmp_path / f"{i}.ckpt")
+        back = store.load(tmp_path / f"{i}.ckpt")
+        w, wb = s["state_dict"]["w"], back["state_dict"]["w"]
+        base = _state(0)["state_dict"]["w"]
+        bound = (w - base).abs().max() / (2 * qmax) + 1e-7  # one block's worst case, against the lossless base
+        worst.append(float((w - wb).abs().max()))
+        assert worst[-1] <= bound
+        assert bool((back["optimizer_states"][0]["state"][0]["exp_avg_sq"] >= 0).all())
+        assert torch.equal(back["state_dict"]["frozen"], s["state_dict"]["frozen"])
+        s = _drift(s, 1e-3, i)
+    assert worst[0] == 0.0  # the first save is a lossless full snapshot
+    assert json.loads((tmp_path / "7.ckpt").read_text())["lossy"] is True
+
+
+def test_bad_paths_are_refused_clearly(tmp_path: Path) -> None:
+    store = DeltaStore()
+    (tmp_path / "dir.ckpt").mkdir()
+    with pytest.raises(NotADeltaCheckpointError, match="is a directory"):
+        store.save(_state(0), tmp_path / "dir.ckpt")
+    torch.save({"x": 1}, tmp_path / "plain.ckpt")
+    with pytest.raises(NotADeltaCheckpointError, match="refusing to overwrite"):
+        store.save(_state(0), tmp_path / "plain.ckpt")
+    with pytest.raises(NotADeltaCheckpointError):
+        store.load(tmp_path / "plain.ckpt")
+    with pytest.raises(NotADeltaCheckpointError, match="Refusing to remove"):
+        store.remove(tmp_path / "plain.ckpt")
+    with pytest.raises(FileNotFoundError):
+        store.load(tmp_path / "nope.ckpt")
+    with pytest.raises(ValueError, match="`quantize`"):
+        DeltaStore(quantize="int3")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="`/bad`"):
+        store.save({"bad": object()}, tmp_path / "x.ckpt")
+    assert not (tmp_path / "x.ckpt").exists()
+
+
+def test_missing_or_corrupt_blob_names_checkpoint_and_tensor(tmp_path: Path) -> None:
+    store = DeltaStore()
+    store.save(_state(0), tmp_path / "c.ckpt")
+    m = json.loads((tmp_path / "c.ckpt").read_text())
+    key = m["tensors"]["state_dict/w"]["chain"][0]
+    blob = tmp_path / BLOB_DIR / key[:2] / key
+    data = bytearray(blob.read_bytes())
+    data[-5] ^= 0x01
+    blob.write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorruptError, match=r"c\.ckpt.*tensor `state_dict/w`.*(checksum|corrupt)"):
+        store.load(tmp_path / "c.ckpt")
+    blob.unlink()
+    with pytest.raises(CheckpointCorruptError, match=r"c\.ckpt.*tensor `state_dict/w`.*missing"):
+        store.load(tmp_path / "c.ckpt")
+    assert ckpt_main(["verify", str(tmp_path / "c.ckpt")]) == 1
+
+
+def test_disk_full_mid_save_keeps_earlier_checkpoints(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = DeltaStore()
+    s0 = _state(0)
+    store.save(s0, tmp_path / "ok.ckpt")
+    calls = {"n": 0}
+    real_write = store.fs.write
+
+    def flaky(url: str, data: bytes) -> None:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write(url, data)
+
+    monkeypatch.setattr(store.fs, "write", flaky)
+    s1 = _drift(s0, 1e-3, 0)
+    with pytest.raises(OSError, match="No space"):
+        store.save(s1, tmp_path / "ok.ckpt")  # overwrite attempt fails half way
+    with pytest.raises(OSError, match="No space"):
+        calls["n"] = 1
+        store.save(s1, tmp_path / "new.ckpt")
+    monkeypatch.undo()
+    assert not (tmp_path / "new.ckpt").exists()
+    assert _equal(store.load(tmp_path / "ok.ckpt"), s0)
+    store.save(s1, tmp_path / "new.ckpt")  # the chain state was not advanced by the failed saves
+    assert _equal(store.load(tmp_path / "new.ckpt"), s1)
+    store.collect_garbage(tmp_path)
+    assert _blobs(tmp_path) == store.live_keys(str(tmp_path))
+
+
+def test_leftovers_of_a_killed_save_are_collected(tmp_path: Path) -> None:
+    store = DeltaStore()
+    store.save(_state(0), tmp_path / "a.ckpt")
+    orphan = tmp_path / BLOB_DIR / "ff" / ("f" * 40)
+    orphan.parent.mkdir(parents=True, exist_ok=True)
+    orphan.write_bytes(codec.encode_full(torch.zeros(10)))
+    tmp = tmp_path / f".b.ckpt.{'0' * 32}.tmp"
+    tmp.write_bytes(b"partial")
+    assert DeltaStore().collect_garbage(tmp_path) == 2
+    assert not orphan.exists() and not tmp.exists()
+    assert DeltaStore().verify(tmp_path / "a.ckpt")["ok"]
+
+
+def test_cli_verify_and_export(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    s = _state(3)
+    DeltaStore().save(s, tmp_path / "c.ckpt")
+    assert ckpt_main(["verify", str(tmp_path / "c.ckpt")]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"] is True
+    assert ckpt_main(["export", str(tmp_path / "c.ckpt"), str(tmp_path / "plain.ckpt")]) == 0
+    assert _equal(torch.load(tmp_path / "plain.ckpt", weights_only=True), s)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    out = subprocess.run(
+        [sys.executable, "-m", "lightning_accel.checkpoint", "verify", str(tmp_path / "c.ckpt")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["tensors"] == 4
+    from lightning_accel.cli import main as accel_main  # `lightning-accel ckpt ...` dispatches to the same tool
+
+    with pytest.raises(SystemExit) as exit_info:
+        accel_main(["ckpt", "export", str(tmp_path / "c.ckpt"), str(tmp_path / "plain2.ckpt")])
+    assert exit_info.value.code == 0 and (tmp_path / "plain2.ckpt").exists()
+
+
+def test_s3_round_trip_remove_and_gc(s3_bucket: tuple[str, dict[str, Any]]) -> None:
+    import fsspec
+
+    bucket, opts = s3_bucket
+    store = DeltaStore(storage_options=opts)
+    root = f"s3://{bucket}/run/ckpt"
+    s0, s1 = _state(0), _drift(_state(0), 1e-4, 0)
+    store.save(s0, f"{root}/a.ckpt")
+    store.save(s1, f"{root}/b.ckpt")
+    store.save(s1, f"{root}/last.ckpt")
+    assert _equal(store.load(f"{root}/a.ckpt"), s0)
+    store.remove(f"{root}/b.ckpt")
+    assert _equal(DeltaStore(storage_options=opts).load(f"{root}/last.ckpt"), s1)
+    fs = fsspec.filesystem("s3", skip_instance_cache=True, **opts)
+    stored = {p.rsplit("/", 1)[1] for p in fs.find(f"{bucket}/run/ckpt/{BLOB_DIR}")}
+    assert stored == store.live_keys(root)
+    assert ckpt_main(["verify", f"{root}/last.ckpt", "--storage-options", json.dumps(opts)]) == 0
