@@ -253,7 +253,7 @@ class CachedDataModule(LightningDataModule):
 
     # ---- loaders -------------------------------------------------------------------------------------------------
     def _sharding(self) -> dict[str, int]:
-        trainer = self._trainer
+        trainer = self.trainer
         kw = getattr(trainer, "distributed_sampler_kwargs", None) if trainer is not None else None
         if kw:
             return {"num_replicas": int(kw.get("num_replicas", 1)), "rank": int(kw.get("rank", 0))}
@@ -293,8 +293,10 @@ class CachedDataModule(LightningDataModule):
     @override
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Augment (training) or normalise (evaluation) the uint8 batch on its device; log cache statistics."""
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2 and isinstance(batch[0], torch.Tensor)):
+            return batch  # not one of our (images, labels) batches, e.g. the model summary's example input
         x, y = batch
-        trainer = self._trainer
+        trainer = self.trainer
         training = bool(trainer is not None and trainer.training)
         aug = self.train_augment if training else self.val_augment
         x = aug(x, train=training)

@@ -50,11 +50,30 @@ _U64 = struct.Struct(">Q")  # big-endian so the fifo database iterates in insert
 _K_USED = b"used"
 _K_SEQ = b"seq"
 
-# path -> environment, for this process only (cleared in forked children: an inherited env must not be used).
+# path -> environment, for this process only. LMDB environments must not cross a fork, and py-lmdb refuses to open
+# an environment a second time in a process that inherited it open. So every environment of the process is closed
+# just before a fork (under the lock that every tier operation holds, so no transaction is open then) and reopened
+# lazily afterwards by parent and child alike (~1 ms each); tiers notice through the generation counter.
 _ENVS: dict[str, Any] = {}
-_ENVS_LOCK = threading.Lock()
+_LOCK = threading.RLock()
+_GEN = [0]
+
+
+def _before_fork() -> None:
+    _LOCK.acquire()
+    for env in _ENVS.values():
+        with contextlib.suppress(Exception):
+            env.close()
+    _ENVS.clear()
+    _GEN[0] += 1
+
+
+def _after_fork() -> None:
+    _LOCK.release()
+
+
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_ENVS.clear)
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork, after_in_child=_after_fork)
 
 
 class BudgetTooSmallError(ValueError):
@@ -81,7 +100,7 @@ def _env_for(path: str, map_size: int, sync: bool) -> Any:
     import lmdb
 
     key = os.path.realpath(path)
-    with _ENVS_LOCK:
+    with _LOCK:
         env = _ENVS.get(key)
         if env is None:
             os.makedirs(path, exist_ok=True)
@@ -136,22 +155,22 @@ class LmdbTier:
         self.sync = sync
         self.disabled = budget_bytes == 0
         self.disabled_reason: str | None = "budget is 0" if self.disabled else None
-        self._pid: int | None = None
+        self._gen = -1
         self._env: Any = None
         self._dbs: dict[str, Any] = {}
         self._psize = 4096
         self._usable_override: int | None = None
-        self._lock = threading.RLock()
+        self._lock = _LOCK  # one process-wide lock: see the fork handling above
 
     # ---- pickling: drop process-local handles --------------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_pid=None, _env=None, _dbs={}, _lock=None)
+        state.update(_gen=-1, _env=None, _dbs={}, _lock=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._lock = threading.RLock()
+        self._lock = _LOCK
 
     # ---- environment ---------------------------------------------------------------------------------------------
     @property
@@ -189,21 +208,21 @@ class LmdbTier:
         """Open (or reuse) this process's environment; False when the tier is disabled."""
         if self.disabled:
             return False
-        pid = os.getpid()
-        if self._env is not None and self._pid == pid:
+        if self._env is not None and self._gen == _GEN[0]:
             return True
-        try:
-            cap = self.cap_bytes
-            initial = _INITIAL_MAP if cap is None else max(_MIN_MAP, min(cap, _INITIAL_MAP))
-            env = _env_for(self.path, initial, self.sync)
-            self._psize = int(env.stat()["psize"])
-            with env.begin(write=True) as txn:
-                dbs = {n: env.open_db(n.encode(), txn=txn) for n in ("data", "index", "fifo", "meta")}
-            self._env, self._dbs, self._pid = env, dbs, pid
-            return True
-        except Exception as e:  # lmdb.Error, OSError (read-only dir, ENOSPC, ...)
-            self._disable(e)
-            return False
+        with _LOCK:
+            try:
+                cap = self.cap_bytes
+                initial = _INITIAL_MAP if cap is None else max(_MIN_MAP, min(cap, _INITIAL_MAP))
+                env = _env_for(self.path, initial, self.sync)
+                self._psize = int(env.stat()["psize"])
+                with env.begin(write=True) as txn:
+                    dbs = {n: env.open_db(n.encode(), txn=txn) for n in ("data", "index", "fifo", "meta")}
+                self._env, self._dbs, self._gen = env, dbs, _GEN[0]
+                return True
+            except Exception as e:  # lmdb.Error, OSError (read-only dir, ENOSPC, ...)
+                self._disable(e)
+                return False
 
     def _begin_read(self) -> Any:
         import lmdb
