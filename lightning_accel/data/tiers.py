@@ -312,22 +312,33 @@ class LmdbTier:
             return res
         for _ in range(64):
             try:
+                if self.policy == "fifo" and self.usable_bytes is not None:
+                    # Evict in a transaction of its own: LMDB reuses freed pages only after the freeing commit.
+                    with self._env.begin(write=True) as txn:
+                        res.evicted += self._make_room(txn, items)
                 with self._env.begin(write=True) as txn:
-                    res = self._put_txn(txn, items)
-                return res
+                    r = self._put_txn(txn, items)
+                r.evicted += res.evicted
+                return r
             except lmdb.MapFullError:
                 cur = int(self._env.info()["map_size"])
                 cap = self.cap_bytes
-                if cap is not None and cur >= cap:
-                    # The file is at its cap but B-tree overhead exceeded our headroom: admit less from now on.
-                    used = self.used_bytes()
-                    need = sum(self.cost(k, len(v)) for k, v in items)
-                    self._usable_override = max(0, used - need) if self.policy == "fifo" else used
-                    if self._usable_override == 0:
-                        return res
+                if cap is None or cur < cap:
+                    self._env.set_mapsize(cur * 2 if cap is None else min(cap, cur * 2))
                     continue
-                new = cur * 2 if cap is None else min(cap, cur * 2)
-                self._env.set_mapsize(new)
+                # The map is at the budget: B-tree pages (or old snapshots held by readers) need more than the
+                # headroom. Write in smaller transactions; a single entry that still does not fit lowers the
+                # admission limit for this process, so the budget holds.
+                if len(items) > 1:
+                    mid = len(items) // 2
+                    a, b = self._put_many(items[:mid]), self._put_many(items[mid:])
+                    return PutResult(a.stored + b.stored, a.rejected + b.rejected, res.evicted + a.evicted + b.evicted)
+                used = self.used_bytes()
+                one = self.cost(items[0][0], len(items[0][1]))
+                self._usable_override = max(0, used - one) if self.policy == "fifo" else used
+                if self.policy != "fifo" or self._usable_override == 0:
+                    res.rejected += len(items)
+                    return res
             except lmdb.MapResizedError:
                 self._env.set_mapsize(0)
             except BudgetTooSmallError:
@@ -335,7 +346,31 @@ class LmdbTier:
             except Exception as e:  # ENOSPC, read-only filesystem, ...
                 self._disable(e)
                 return PutResult(rejected=len(items))
+        res.rejected += len(items)
         return res
+
+    def _check_fits(self, key: bytes, value_len: int, usable: int) -> int:
+        c = self.cost(key, value_len)
+        if c > usable and self._usable_override is None:
+            raise BudgetTooSmallError(
+                f"`{self.name}_bytes` budget {self.budget_bytes} bytes leaves {usable} usable bytes, less "
+                f"than one cached sample ({c} bytes for a {value_len}-byte entry). Raise `{self.name}_bytes` "
+                f"to at least {2 * c} bytes, or set it to 0 to disable the {self.name} tier."
+            )
+        return c
+
+    def _make_room(self, txn: Any, items: Sequence[tuple[bytes, bytes]]) -> int:
+        usable = self.usable_bytes
+        assert usable is not None
+        meta, index = self._dbs["meta"], self._dbs["index"]
+        raw = txn.get(_K_USED, db=meta)
+        used = 0 if raw is None else _U64.unpack(raw)[0]
+        need = sum(self._check_fits(k, len(v), usable) for k, v in items if txn.get(k, db=index) is None)
+        if used + need <= usable:
+            return 0
+        used, n = self._evict_oldest(txn, used, used + need - usable)
+        txn.put(_K_USED, _U64.pack(used), db=meta)
+        return n
 
     def _put_txn(self, txn: Any, items: Sequence[tuple[bytes, bytes]]) -> PutResult:
         data, index, fifo, meta = (self._dbs[n] for n in ("data", "index", "fifo", "meta"))
@@ -351,15 +386,7 @@ class LmdbTier:
                 continue
             c = self.cost(key, len(value))
             if usable is not None:
-                if c > usable and self._usable_override is None:
-                    raise BudgetTooSmallError(
-                        f"`{self.name}_bytes` budget {self.budget_bytes} bytes leaves {usable} usable bytes, less "
-                        f"than one cached sample ({c} bytes for a {len(value)}-byte entry). Raise `{self.name}_bytes` "
-                        f"to at least {2 * c} bytes, or set it to 0 to disable the {self.name} tier."
-                    )
-                if used + c > usable and self.policy == "fifo":
-                    used, n = self._evict_oldest(txn, used, used + c - usable)
-                    res.evicted += n
+                c = self._check_fits(key, len(value), usable)
                 if used + c > usable:
                     res.rejected += 1
                     continue
