@@ -43,7 +43,6 @@ from typing import Any
 
 __all__ = ["BudgetTooSmallError", "LmdbTier", "PutResult", "default_ram_dir", "parse_bytes"]
 
-_MIN_MAP = 1 << 20
 _INITIAL_MAP = 64 << 20
 _U64x2 = struct.Struct("<QQ")
 _U64 = struct.Struct(">Q")  # big-endian so the fifo database iterates in insertion order
@@ -213,7 +212,7 @@ class LmdbTier:
         with _LOCK:
             try:
                 cap = self.cap_bytes
-                initial = _INITIAL_MAP if cap is None else max(_MIN_MAP, min(cap, _INITIAL_MAP))
+                initial = _INITIAL_MAP if cap is None else min(cap, _INITIAL_MAP)
                 env = _env_for(self.path, initial, self.sync)
                 self._psize = int(env.stat()["psize"])
                 with env.begin(write=True) as txn:
