@@ -59,7 +59,7 @@ class Sample:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-def encode_entry(tensor: torch.Tensor, label: int, meta: dict[str, Any] | None = None) -> bytes:
+def encode_entry(tensor: torch.Tensor, label: int, meta: dict[str, Any] | None = None) -> bytes | bytearray:
     """Serialise a CPU tensor and its label into the documented entry layout.
 
     Raises:
@@ -70,14 +70,22 @@ def encode_entry(tensor: torch.Tensor, label: int, meta: dict[str, Any] | None =
             f"`tensor` dtype {tensor.dtype} cannot be cached; expected one of {sorted(_DTYPES)}. "
             "Convert it in your `decode` function (uint8 is the usual choice for images)."
         )
-    t = tensor.detach().cpu().contiguous()
+    t = tensor.detach().cpu()
     header = json.dumps(
         {"dtype": _NAMES[t.dtype], "shape": list(t.shape), "label": int(label), "meta": meta or {}},
         separators=(",", ":"),
     ).encode("utf-8")
-    payload = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-    crc = zlib.crc32(payload, zlib.crc32(header))
-    return b"".join((_PREFIX.pack(MAGIC, len(header), crc), header, payload))
+    # One strided copy straight into the entry (a decoded HWC->CHW view is not contiguous): no temporaries.
+    start = _PREFIX.size + len(header)
+    buf = bytearray(start + t.numel() * t.element_size())
+    buf[_PREFIX.size : start] = header
+    if t.numel():
+        dst = torch.frombuffer(buf, dtype=torch.uint8, offset=start).view(t.dtype).view(t.shape)
+        dst.copy_(t)
+    mv = memoryview(buf)
+    crc = zlib.crc32(mv[start:], zlib.crc32(header))
+    _PREFIX.pack_into(buf, 0, MAGIC, len(header), crc)
+    return bytes(buf) if len(buf) < 4096 else buf  # large entries: hand the buffer over without another copy
 
 
 def _parse(buf: memoryview | bytes) -> tuple[dict[str, Any], memoryview]:

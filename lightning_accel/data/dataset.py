@@ -17,10 +17,13 @@ DataLoader deals batches round-robin) and starts origin reads for their uncached
 from __future__ import annotations
 
 import math
+import os
 import queue
 import random
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -75,11 +78,16 @@ class CachedDataset(Dataset):
         self._token_seen = 0
         self._pos: torch.Tensor | None = None
         self._hinted_to = -1
+        self._lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_token_seen=0, _pos=None, _hinted_to=-1)
+        state.update(_token_seen=0, _pos=None, _hinted_to=-1, _lock=None)
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -115,6 +123,10 @@ class CachedDataset(Dataset):
     def _read_ahead(self, positions: Sequence[int]) -> None:
         if self.prefetch_batches <= 0 or not positions:
             return
+        with self._lock:  # main-process reader threads share this state
+            self._read_ahead_locked(positions)
+
+    def _read_ahead_locked(self, positions: Sequence[int]) -> None:
         token = int(self._order[0])
         if token == 0:
             return
@@ -218,18 +230,26 @@ class CacheDataLoader(DataLoader):
     allocate and fill a fresh 9.6 MB shared-memory batch (5.2 ms vs 2.0 ms for private memory) and competes with the
     main process for the cores. On machines with many idle cores, set ``warm_num_workers`` to ``num_workers``.
 
-    The read-ahead thread spends most of its time in code that releases the GIL (LMDB reads, memcpy, CRC-32), so it
-    overlaps with the training step. Switching is one-way (cold -> warm) and checked at the start of each epoch.
+    The main-process path reads whole batches on ``read_threads`` threads: they spend most of their time in code
+    that releases the GIL (memcpy out of the LMDB map, CRC-32), so they read in parallel and overlap with the
+    training step. Switching is one-way (cold -> warm) and checked at the start of each epoch.
 
     Args:
         dataset: the dataset.
         warm_num_workers: workers once the cache is warm (``None``: never switch).
-        read_ahead: batches the main-process path reads ahead on its thread (0: no thread).
+        read_ahead: batches the main-process path reads ahead of the consumer (0: read on demand, no threads).
+        read_threads: threads that read those batches in parallel (default: the CPUs, at most 4).
         **kwargs: ``DataLoader`` arguments (``collate_fn`` defaults to :func:`collate_batch`).
     """
 
     def __init__(
-        self, dataset: Dataset, *, warm_num_workers: int | None = 0, read_ahead: int = 2, **kwargs: Any
+        self,
+        dataset: Dataset,
+        *,
+        warm_num_workers: int | None = 0,
+        read_ahead: int = 2,
+        read_threads: int | None = None,
+        **kwargs: Any,
     ) -> None:
         kwargs.setdefault("collate_fn", collate_batch)
         super().__init__(dataset, **kwargs)
@@ -238,6 +258,7 @@ class CacheDataLoader(DataLoader):
         self.cold_num_workers = self.num_workers
         self.warm_num_workers = warm_num_workers
         self.read_ahead = read_ahead
+        self.read_threads = _default_threads() if read_threads is None else max(1, read_threads)
         self.is_warm = False
 
     def _check_warm(self) -> None:
@@ -257,10 +278,48 @@ class CacheDataLoader(DataLoader):
 
     def __iter__(self) -> Any:
         self._check_warm()
-        it = super().__iter__()
         if self.num_workers == 0 and self.read_ahead > 0:
-            return _read_ahead(it, self.read_ahead)
-        return it
+            if self.batch_sampler is not None and self.read_threads > 1:
+                return _parallel_batches(self, self.read_threads, self.read_ahead)
+            return _read_ahead(super().__iter__(), self.read_ahead)
+        return super().__iter__()
+
+
+def _parallel_batches(loader: DataLoader, threads: int, depth: int) -> Iterator[Any]:
+    """Main-process batches read by ``threads`` threads, yielded in sampler order, at most ``depth`` ahead."""
+    from torch.utils.data._utils.pin_memory import pin_memory
+
+    ds: Any = loader.dataset
+    collate = loader.collate_fn
+    pin = bool(loader.pin_memory) and torch.cuda.is_available()
+
+    def work(idx: list[int]) -> Any:
+        data = ds.__getitems__(idx) if hasattr(ds, "__getitems__") else [ds[i] for i in idx]
+        out = collate(data)
+        return pin_memory(out) if pin else out
+
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="la-read")
+    pending: deque[Future[Any]] = deque()
+    try:
+        assert loader.batch_sampler is not None
+        for idx in loader.batch_sampler:
+            pending.append(pool.submit(work, idx))
+            if len(pending) >= max(depth, threads):
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        for f in pending:
+            f.cancel()
+        pool.shutdown(wait=False)
+
+
+def _default_threads() -> int:
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - macOS
+        n = os.cpu_count() or 1
+    return max(1, min(4, n))
 
 
 def _read_ahead(it: Iterator[Any], depth: int) -> Iterator[Any]:

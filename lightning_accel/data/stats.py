@@ -8,6 +8,7 @@ spawn shares it through torch's multiprocessing reductions. Pickled any other wa
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -38,6 +39,14 @@ class CacheStats:
     def __init__(self) -> None:
         self._t = torch.zeros(_SLOTS, len(FIELDS), dtype=torch.int64)
         self._t.share_memory_()
+        self._lock = threading.Lock()  # threads of one process share its slot
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_t": self._t}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._t = state["_t"]
+        self._lock = threading.Lock()
 
     def _slot(self) -> int:
         info = torch.utils.data.get_worker_info()
@@ -45,10 +54,11 @@ class CacheStats:
 
     def add(self, **counts: int) -> None:
         """Add to this process's slot, e.g. ``stats.add(ssd_hits=3, requests=3)``."""
-        row = self._t[self._slot()]
-        for k, v in counts.items():
-            if v:
-                row[_IDX[k]] += int(v)
+        row = self._t.numpy()[self._slot()]  # numpy on the shared buffer: ~1 us per field, torch ops ~10 us
+        with self._lock:
+            for k, v in counts.items():
+                if v:
+                    row[_IDX[k]] += int(v)
 
     def as_dict(self) -> dict[str, Any]:
         """Totals over all processes plus derived hit rates (``hit_rate``: any local tier)."""

@@ -54,7 +54,67 @@ _K_SEQ = b"seq"
 # just before a fork (under the lock that every tier operation holds, so no transaction is open then) and reopened
 # lazily afterwards by parent and child alike (~1 ms each); tiers notice through the generation counter.
 _ENVS: dict[str, Any] = {}
-_LOCK = threading.RLock()
+
+
+class _SharedLock:
+    """Read transactions share it; writes, ``set_mapsize`` and closing at fork hold it alone (reentrant).
+
+    Reads share so that several threads of one process can copy batches out of the map at once (the copies and
+    CRC-32 release the GIL); waiting exclusive holders go first so readers cannot starve them.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._readers = 0
+        self._owner: int | None = None
+        self._depth = 0
+        self._waiting = 0
+
+    def acquire(self) -> None:
+        me = threading.get_ident()
+        with self._cond:
+            if self._owner == me:
+                self._depth += 1
+                return
+            self._waiting += 1
+            while self._owner is not None or self._readers:
+                self._cond.wait()
+            self._waiting -= 1
+            self._owner, self._depth = me, 1
+
+    def release(self) -> None:
+        with self._cond:
+            self._depth -= 1
+            if self._depth == 0:
+                self._owner = None
+                self._cond.notify_all()
+
+    def __enter__(self) -> None:
+        self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[None]:
+        me = threading.get_ident()
+        with self._cond:
+            mine = self._owner == me
+            if not mine:
+                while self._owner is not None or self._waiting:
+                    self._cond.wait()
+                self._readers += 1
+        try:
+            yield
+        finally:
+            if not mine:
+                with self._cond:
+                    self._readers -= 1
+                    if not self._readers:
+                        self._cond.notify_all()
+
+
+_LOCK = _SharedLock()
 _GEN = [0]
 
 
@@ -223,33 +283,39 @@ class LmdbTier:
                 self._disable(e)
                 return False
 
-    def _begin_read(self) -> Any:
-        import lmdb
-
-        try:
-            return self._env.begin(db=self._dbs["data"], buffers=True)
-        except lmdb.MapResizedError:  # another process grew the map: adopt its size
-            self._env.set_mapsize(0)
-            return self._env.begin(db=self._dbs["data"], buffers=True)
-
     # ---- reads ---------------------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def reader(self) -> Iterator[Callable[[bytes], memoryview | None]]:
-        """``with tier.reader() as get:`` ``get(key)`` returns a zero-copy view valid inside the block, or None."""
-        with self._lock:
+        """``with tier.reader() as get:`` ``get(key)`` returns a zero-copy view valid inside the block, or None.
+
+        Several threads may read at once; do not call other methods of a tier inside the block.
+        """
+        import lmdb
+
+        for _ in range(3):
             if not self.open():
-                yield lambda key: None
-                return
-            try:
-                txn = self._begin_read()
-            except Exception as e:
-                self._disable(e)
-                yield lambda key: None
-                return
-            try:
-                yield txn.get
-            finally:
-                txn.abort()
+                break
+            resized = False
+            err: BaseException | None = None
+            with self._lock.shared():
+                try:
+                    txn = self._env.begin(db=self._dbs["data"], buffers=True)
+                except lmdb.MapResizedError:
+                    resized = True
+                except Exception as e:
+                    err = e
+                else:
+                    try:
+                        yield txn.get
+                    finally:
+                        txn.abort()
+                    return
+            if not resized:
+                self._disable(err if err is not None else RuntimeError("cannot begin a read transaction"))
+                break
+            with self._lock:  # another process grew the map: adopt its size (no transaction may be open)
+                self._env.set_mapsize(0)
+        yield lambda key: None
 
     def get(self, key: bytes) -> bytes | None:
         """A copy of the value under ``key``, or None."""

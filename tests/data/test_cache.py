@@ -60,16 +60,19 @@ def test_warm_reads_touch_no_origin(small_digits: Path, tmp_cache_dir: Path) -> 
     assert len(out.kept) == 30 and c2.stats.as_dict()["bytes_fetched"] == 0
 
 
-def test_ram_tier_then_promotion(small_digits: Path, tmp_cache_dir: Path) -> None:
+def test_misses_go_to_ssd_and_hits_are_promoted_to_ram(small_digits: Path, tmp_cache_dir: Path) -> None:
     c = _cache(small_digits, tmp_cache_dir, ram=8 << 20)
     c.load(list(range(10)))
-    assert c.ram is not None and len(c.ram) == 10 and c.ssd is not None and len(c.ssd) == 10
-    c.ram.clear()
+    assert c.ram is not None and len(c.ram) == 0 and c.ssd is not None and len(c.ssd) == 10
     c.load(list(range(10)))  # SSD hits, promoted to RAM
+    assert len(c.ram) == 10
     c.load(list(range(10)))
     s = c.stats.as_dict()
     assert (s["ssd_hits"], s["ram_hits"]) == (10, 10)
     assert s["ram_hit_rate"] == pytest.approx(10 / 30)
+    c_ram_only = _cache(small_digits, tmp_cache_dir / "r", ram=8 << 20, ssd=0)
+    c_ram_only.load([0, 1])
+    assert c_ram_only.ram is not None and len(c_ram_only.ram) == 2  # no SSD tier: misses go to RAM
 
 
 def test_corrupt_entry_is_evicted_refetched_and_counted(small_digits: Path, tmp_cache_dir: Path) -> None:
