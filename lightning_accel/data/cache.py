@@ -2,9 +2,10 @@
 
 Read path for a batch of sample indices (all in the calling process, one thread):
 
-1. one read transaction on the RAM tier, then one on the SSD tier for what is left: each entry is verified (CRC-32)
-   and copied once, from the memory map straight into its row of the batch tensor (shared memory inside a
-   DataLoader worker, so the batch crosses to the main process as one file descriptor, not a copy);
+1. one read transaction on the RAM tier, then one on the SSD tier for what is left: each entry is verified (CRC-32,
+   the first time this process reads it) and copied once, from the memory map straight into its row of the batch
+   tensor (shared memory inside a DataLoader worker, so the batch crosses to the main process as one file
+   descriptor, not a copy);
 2. corrupt entries are deleted from their tier, counted as ``refetches`` and treated as misses;
 3. misses are read from the origin concurrently (or taken from reads the prefetcher started earlier), decoded,
    copied into the batch and written to the SSD tier (the RAM tier when there is no SSD tier) in one write
@@ -100,15 +101,18 @@ class SampleCache:
         self._seen = (0, 0)  # (retries, bytes) of the store already added to the statistics
         self._ram_full = False
         self._lock = threading.Lock()
+        # 1 byte per sample: entries this process has verified (CRC-32) once; later reads skip the checksum.
+        self._verified = bytearray(len(listing))
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_pending={}, _seen=(0, 0), _lock=None)
+        state.update(_pending={}, _seen=(0, 0), _lock=None, _verified=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
+        self._verified = bytearray(len(self.listing))
 
     def __len__(self) -> int:
         return len(self.listing)
@@ -187,11 +191,15 @@ class SampleCache:
         labels = torch.empty(n, dtype=torch.int64)
         state: dict[str, Any] = {"out": None}
 
+        verified = self._verified
+
         def place(pos: int, buf: memoryview | bytes) -> None:
             if state["out"] is None:
                 dtype, shape = peek_shape(buf)
                 state["out"] = _alloc((n, *shape), dtype, shared)
-            labels[pos] = read_into(buf, state["out"][pos])
+            i = indices[pos]
+            labels[pos] = read_into(buf, state["out"][pos], verify=not verified[i])
+            verified[i] = 1
 
         hits = {"ram": 0, "ssd": 0}
         corrupt = {"ram": [], "ssd": []}
@@ -211,6 +219,7 @@ class SampleCache:
                     try:
                         place(pos, buf)
                     except CorruptEntryError:
+                        verified[indices[pos]] = 0
                         corrupt[name].append(keys[pos])
                         still.append(pos)
                         continue

@@ -11,11 +11,14 @@ Layout (all integers little-endian)::
 
 An entry that does not parse, whose length disagrees with its header, or whose checksum fails raises
 :class:`CorruptEntryError`; the cache then evicts it and refetches the sample from the origin. CRC-32 runs at
-~4.2 GB/s on this machine (~36 us for a 224 px sample), a few percent of the warm read path.
+~4.2 GB/s on this machine (~36 us for a 224 px sample), which is ~36 % of a warm read (memcpy out of the map, header,
+checksum), so the cache verifies each entry the first time a process reads it and trusts it afterwards (entries are
+immutable once committed; a corrupt entry is deleted and rewritten, never changed in place).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 import zlib
@@ -88,7 +91,13 @@ def encode_entry(tensor: torch.Tensor, label: int, meta: dict[str, Any] | None =
     return bytes(buf) if len(buf) < 4096 else buf  # large entries: hand the buffer over without another copy
 
 
-def _parse(buf: memoryview | bytes) -> tuple[dict[str, Any], memoryview]:
+@functools.lru_cache(maxsize=4096)
+def _header(raw: bytes) -> dict[str, Any]:
+    # Headers repeat (same dtype/shape, few labels): parse each distinct one once.
+    return json.loads(raw)
+
+
+def _parse(buf: memoryview | bytes, verify: bool = True) -> tuple[dict[str, Any], memoryview]:
     mv = memoryview(buf)
     if len(mv) < _PREFIX.size:
         raise CorruptEntryError(f"entry of {len(mv)} bytes is shorter than its {_PREFIX.size}-byte prefix")
@@ -100,10 +109,10 @@ def _parse(buf: memoryview | bytes) -> tuple[dict[str, Any], memoryview]:
         raise CorruptEntryError(f"header length {hlen} runs past the entry's {len(mv)} bytes")
     header_b = mv[_PREFIX.size : end]
     payload = mv[end:]
-    if zlib.crc32(payload, zlib.crc32(header_b)) != crc:
+    if verify and zlib.crc32(payload, zlib.crc32(header_b)) != crc:
         raise CorruptEntryError("checksum mismatch")
     try:
-        header = json.loads(bytes(header_b))
+        header = _header(bytes(header_b))
         dtype = _DTYPES[header["dtype"]]
         shape = [int(s) for s in header["shape"]]
         int(header["label"])
@@ -128,12 +137,14 @@ def decode_entry(buf: memoryview | bytes) -> Sample:
     return Sample(t, int(header["label"]), dict(header.get("meta") or {}))
 
 
-def read_into(buf: memoryview | bytes, out: torch.Tensor) -> int:
+def read_into(buf: memoryview | bytes, out: torch.Tensor, *, verify: bool = True) -> int:
     """Verify an entry and copy its payload straight into ``out`` (one copy, e.g. from LMDB's mmap into a batch).
 
     Args:
         buf: the entry bytes (a memoryview into the LMDB map is fine; it is not kept).
         out: a contiguous CPU tensor with the entry's dtype and number of elements.
+        verify: check the CRC-32 (``False`` only for an entry this process has already verified: entries are
+            immutable once committed).
 
     Returns:
         The entry's label.
@@ -142,7 +153,7 @@ def read_into(buf: memoryview | bytes, out: torch.Tensor) -> int:
         CorruptEntryError: malformed entry or checksum mismatch.
         ValueError: the entry's dtype/shape does not match ``out`` (mixed sample shapes in one batch).
     """
-    header, payload = _parse(buf)
+    header, payload = _parse(buf, verify)
     dtype = _DTYPES[header["dtype"]]
     if dtype != out.dtype or list(header["shape"]) != list(out.shape):
         raise ValueError(
@@ -155,6 +166,6 @@ def read_into(buf: memoryview | bytes, out: torch.Tensor) -> int:
 
 
 def peek_shape(buf: memoryview | bytes) -> tuple[torch.dtype, list[int]]:
-    """The dtype and shape an entry declares (verifies it, like :func:`read_into`)."""
-    header, _ = _parse(buf)
+    """The dtype and shape an entry declares (structure checked; the checksum is left to :func:`read_into`)."""
+    header, _ = _parse(buf, verify=False)
     return _DTYPES[header["dtype"]], [int(s) for s in header["shape"]]

@@ -153,3 +153,17 @@ def test_unwritable_cache_dir_warns_and_training_continues(small_digits: Path, t
         out = c.load([0, 1])
     assert len(out.kept) == 2 and c.stats.as_dict()["origin_fetches"] == 2
     shutil.rmtree(tmp_path / "file", ignore_errors=True)
+
+
+def test_each_process_verifies_an_entry_once(small_digits: Path, tmp_cache_dir: Path, monkeypatch) -> None:
+    import lightning_accel.data.codec as codec
+
+    c = _cache(small_digits, tmp_cache_dir)
+    c.load(list(range(8)))  # cold: decoded, written
+    calls = []
+    real = codec.zlib.crc32
+    monkeypatch.setattr(codec.zlib, "crc32", lambda *a: calls.append(1) or real(*a))
+    c.load(list(range(8)))  # first read of each entry in this process: verified
+    first = len(calls)
+    c.load(list(range(8)))  # verified entries are trusted (immutable once committed)
+    assert first >= 8 and len(calls) == first
