@@ -229,9 +229,11 @@ def main() -> None:
 
         def warm_workers() -> float:
             # the alternative warm path: 2 worker processes, batch reads in shared memory, RAM tier = half the data
+            # (node-wide: whichever worker promoted a sample, both hit it)
             p = Pipeline(str(root), None, work, ram_bytes=half, ssd_bytes=full_ssd, warm_num_workers=None)
             pipes.append(p)
-            p.epoch()
+            p.epoch()  # cold: decode, write the SSD tier
+            p.epoch()  # SSD hits, promoted to the RAM tier (half the data fits)
             dt, s = p.epoch()
             extra["workers_ram_hit_rate"].append(s["ram_hit_rate"])
             extra["workers_ssd_hit_rate"].append(s["ssd_hit_rate"])

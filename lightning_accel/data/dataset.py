@@ -247,7 +247,7 @@ class CacheDataLoader(DataLoader):
         dataset: Dataset,
         *,
         warm_num_workers: int | None = 0,
-        read_ahead: int = 2,
+        read_ahead: int = 4,
         read_threads: int | None = None,
         **kwargs: Any,
     ) -> None:
