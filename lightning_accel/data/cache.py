@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from lightning_accel.data.codec import CorruptEntryError, encode_entry, peek_shape, read_into
+from lightning_accel.data.codec import CorruptEntryError, copy_payload, encode_entry, peek_shape
 from lightning_accel.data.decode import DecodeError
 from lightning_accel.data.origin import Listing, ObjectStore
 from lightning_accel.data.stats import CacheStats
@@ -188,7 +188,7 @@ class SampleCache:
         """
         n = len(indices)
         keys = [self.key(i) for i in indices]
-        labels = torch.empty(n, dtype=torch.int64)
+        labels = [0] * n
         state: dict[str, Any] = {"out": None}
 
         verified = self._verified
@@ -197,8 +197,12 @@ class SampleCache:
             if state["out"] is None:
                 dtype, shape = peek_shape(buf)
                 state["out"] = _alloc((n, *shape), dtype, shared)
+            if "rows" not in state:  # one numpy view of the whole batch, rows indexed per sample
+                out = state["out"]
+                state["rows"] = out.view(torch.uint8).numpy().reshape(n, -1)
+                state["dtype"], state["shape"] = out.dtype, list(out.shape[1:])
             i = indices[pos]
-            labels[pos] = read_into(buf, state["out"][pos], verify=not verified[i])
+            labels[pos] = copy_payload(buf, state["rows"][pos], state["dtype"], state["shape"], verify=not verified[i])
             verified[i] = 1
 
         hits = {"ram": 0, "ssd": 0}
@@ -301,9 +305,10 @@ class SampleCache:
             retries=retried,
         )
         out = state["out"]
+        label_t = torch.tensor(labels, dtype=torch.int64)
         keep_pos = [p for p in range(n) if kept[p]]
         if out is None:  # every sample skipped
-            return BatchResult(torch.empty(0, dtype=torch.uint8), labels[:0], [])
+            return BatchResult(torch.empty(0, dtype=torch.uint8), label_t[:0], [])
         if skipped:
-            out, labels = out[keep_pos], labels[keep_pos]
-        return BatchResult(out, labels, keep_pos)
+            out, label_t = out[keep_pos], label_t[keep_pos]
+        return BatchResult(out, label_t, keep_pos)

@@ -22,13 +22,23 @@ import functools
 import json
 import struct
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["MAGIC", "CorruptEntryError", "Sample", "decode_entry", "encode_entry", "peek_shape", "read_into"]
+__all__ = [
+    "MAGIC",
+    "CorruptEntryError",
+    "Sample",
+    "copy_payload",
+    "decode_entry",
+    "encode_entry",
+    "peek_shape",
+    "read_into",
+]
 
 MAGIC = b"LAC1"
 _PREFIX = struct.Struct("<4sII")
@@ -169,3 +179,25 @@ def peek_shape(buf: memoryview | bytes) -> tuple[torch.dtype, list[int]]:
     """The dtype and shape an entry declares (structure checked; the checksum is left to :func:`read_into`)."""
     header, _ = _parse(buf, verify=False)
     return _DTYPES[header["dtype"]], [int(s) for s in header["shape"]]
+
+
+def copy_payload(
+    buf: memoryview | bytes, dst: np.ndarray, dtype: torch.dtype, shape: Sequence[int], *, verify: bool = True
+) -> int:
+    """:func:`read_into` for a hot loop: copy into ``dst``, a flat uint8 numpy view of one batch row.
+
+    The caller makes the batch's numpy view once, which saves the per-sample tensor/array wrappers (~5 us).
+
+    Raises:
+        CorruptEntryError: malformed entry or checksum mismatch.
+        ValueError: the entry's dtype/shape is not ``dtype``/``shape``.
+    """
+    header, payload = _parse(buf, verify)
+    if _DTYPES[header["dtype"]] != dtype or list(header["shape"]) != list(shape):
+        raise ValueError(
+            f"cached sample has dtype {header['dtype']} and shape {header['shape']}, the batch expects {dtype} and "
+            f"{list(shape)}. Make `decode` return one fixed shape (e.g. resize/crop to a fixed size)."
+        )
+    if len(payload):
+        np.copyto(dst, np.frombuffer(payload, dtype=np.uint8))
+    return int(header["label"])

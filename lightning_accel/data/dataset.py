@@ -268,6 +268,8 @@ class CacheDataLoader(DataLoader):
         if frac is None or frac() < 1.0:
             return
         self.is_warm = True
+        if hasattr(self.dataset, "prefetch_batches"):
+            self.dataset.prefetch_batches = 0  # everything is cached: skip the per-batch "what is missing" lookups
         it = getattr(self, "_iterator", None)
         if it is not None and hasattr(it, "_shutdown_workers"):
             it._shutdown_workers()
