@@ -143,3 +143,15 @@ def test_bad_input_is_reported_with_the_argument(tmp_path: Path) -> None:
     dm = CachedDataModule(str(tmp_path / "nowhere"), cache_dir=str(tmp_path / "c"), ram_bytes=0)
     with pytest.raises(FileNotFoundError, match="nowhere"):
         dm.prepare_data()
+
+
+def test_warm_on_prepare_fills_the_ssd_tier_once(small_digits: Path, tmp_path: Path) -> None:
+    dm = _dm(small_digits, tmp_path, num_workers=0, ram_bytes=0, warm_on_prepare=True, val_origin=str(small_digits))
+    dm.prepare_data()
+    s = dm.cache_stats
+    assert s["origin_fetches"] == 200 and s["writes"] == 200  # train and val origins are the same files: one pass
+    dm.setup("fit")
+    assert dm.train_set is not None and dm.val_set is not None
+    assert dm.train_set.cached_fraction() == 1.0 and len(dm.train_set) == len(dm.val_set) == 200
+    dm.prepare_data()  # already warm: nothing read again
+    assert dm.cache_stats["origin_fetches"] == 200
