@@ -13,6 +13,8 @@ __version__ = "0.1.0"
 # public name -> module that defines it (imported on first access)
 _EXPORTS: dict[str, str] = {
     "DeltaCheckpointIO": "lightning_accel.checkpoint.plugin",
+    "CachedDataModule": "lightning_accel.data.datamodule",
+    "GpuAugment": "lightning_accel.data.augment",
     "DigitsDataModule": "lightning_accel.datasets.datamodule",
     "materialize_digits": "lightning_accel.datasets.digits",
     "ImageClassifier": "lightning_accel.models.lit",

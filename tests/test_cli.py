@@ -23,7 +23,10 @@ def _tiny(digits_dir: Path, root: Path) -> list[str]:
         "--trainer.limit_val_batches=2",
         "--trainer.enable_progress_bar=false",
         "--trainer.log_every_n_steps=1",
-        f"--data.data_dir={digits_dir}",
+        f"--data.origin={digits_dir}",
+        "--data.materialize_digits=null",  # the session's 32 px digits already exist
+        f"--data.cache_dir={root}/cache",
+        f"--data.ram_dir={root}/ram",
         "--data.image_size=32",
         "--data.num_workers=0",
         "--model.init_args.width=8",
@@ -74,7 +77,7 @@ def test_unwritable_data_dir(capsys: pytest.CaptureFixture[str], tmp_path: Path)
         "fit",
         "--config",
         str(QUICKSTART),
-        f"--data.data_dir={blocker}/digits",
+        f"--data.origin={blocker}/digits",
         f"--trainer.default_root_dir={tmp_path}",
     ]
     err = _error(argv, capsys)

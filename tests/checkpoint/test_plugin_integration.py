@@ -168,7 +168,7 @@ def test_quickstart_yaml_wires_the_plugin(tmp_path: Path) -> None:
 
     config = Path(__file__).resolve().parents[2] / "examples" / "configs" / "quickstart.yaml"
     cli = AccelCLI(
-        args=["--config", str(config), f"--trainer.default_root_dir={tmp_path}", f"--data.data_dir={tmp_path}/d"],
+        args=["--config", str(config), f"--trainer.default_root_dir={tmp_path}", f"--data.origin={tmp_path}/d"],
         run=False,
     )
     io = cli.trainer.strategy.checkpoint_io

@@ -1,0 +1,323 @@
+"""Benchmark: the decoded-sample cache against torchvision ``ImageFolder`` + ``DataLoader``.
+
+Data: the digits rendered as 224 px JPEGs (2,048 in ``--quick``, 4,096 in the full run), batch 64, 2 workers, and
+the same decoded uint8 tensors on both sides (``ImageDecoder(224)`` is ``Resize -> CenterCrop -> PILToTensor`` after
+``ImageFolder``'s loader; checked bit for bit before timing). Cases, alternated round by round:
+
+a. ``imagefolder``: ImageFolder + DataLoader from local disk, decoding every epoch (the baseline);
+b. ``cold_local``: a first epoch through an empty cache from the local directory (decode + write the tiers);
+c. ``cold_s3``: the same from S3 (moto's ThreadedMotoServer on 127.0.0.1, in its own process), with read-ahead in
+   sampler order;
+d. ``warm``: a later epoch (every sample cached; the loader has switched to main-process batch reads);
+e. ``over_budget``: SSD budget half the decoded data set, RAM tier off: the second epoch's hit rate.
+
+Also measured: the warm path through 2 worker processes with a RAM tier holding half the data (its hit rate with
+2 workers), and the bytes read from S3 in the cold and in a warm epoch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import alternate, median, parser, ratio, report  # noqa: E402
+
+from lightning_accel.data import (  # noqa: E402
+    CacheDataLoader,
+    CachedDataset,
+    EpochOrderSampler,
+    ImageDecoder,
+    LmdbTier,
+    ObjectStore,
+    SampleCache,
+    list_origin,
+)
+
+BATCH = 64
+WORKERS = 2
+
+
+_MOTO = """
+import logging, time
+logging.getLogger("werkzeug").setLevel(logging.ERROR)
+from moto.server import ThreadedMotoServer
+ThreadedMotoServer(ip_address="127.0.0.1", port={port}, verbose=False).start()
+while True:
+    time.sleep(60)
+"""
+
+
+def _wait_port(port: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"moto did not listen on 127.0.0.1:{port} within {timeout} s")
+
+
+def _epoch(loader: Any) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    n = 0
+    for x, _ in loader:
+        n += len(x)
+    return time.perf_counter() - t0, n
+
+
+class Pipeline:
+    """One cache (fresh directories) and its loader."""
+
+    def __init__(
+        self,
+        origin: str,
+        opts: dict[str, Any] | None,
+        work: Path,
+        *,
+        ram_bytes: int,
+        ssd_bytes: int,
+        warm_num_workers: int | None = 0,
+    ) -> None:
+        self.dir = Path(tempfile.mkdtemp(dir=work))
+        self.ram_dir = Path(tempfile.mkdtemp(dir="/dev/shm")) if ram_bytes else None
+        store = ObjectStore(origin, opts, max_concurrency=16)
+        self.cache = SampleCache(
+            store,
+            list_origin(store),
+            ImageDecoder(224),
+            ram=LmdbTier(self.ram_dir, ram_bytes, name="ram") if self.ram_dir else None,
+            ssd=LmdbTier(self.dir / "ssd", ssd_bytes, name="ssd"),
+            max_pending=4 * BATCH,
+        )
+        self.ds = CachedDataset(self.cache, prefetch_batches=2)
+        self.sampler = EpochOrderSampler(self.ds, batch_size=BATCH, seed=0)
+        self.loader = CacheDataLoader(
+            self.ds,
+            batch_size=BATCH,
+            sampler=self.sampler,
+            num_workers=WORKERS,
+            persistent_workers=True,
+            warm_num_workers=warm_num_workers,
+        )
+        self.epochs = 0
+
+    def epoch(self) -> tuple[float, dict[str, Any]]:
+        """Run one epoch; returns its seconds and the statistics of that epoch alone."""
+        self.sampler.set_epoch(self.epochs)
+        self.epochs += 1
+        self.cache.stats.reset()
+        dt, n = _epoch(self.loader)
+        assert n == len(self.ds), (n, len(self.ds))
+        return dt, self.cache.stats.as_dict()
+
+    def close(self) -> None:
+        it = getattr(self.loader, "_iterator", None)
+        if it is not None and hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()
+        shutil.rmtree(self.dir, ignore_errors=True)
+        if self.ram_dir is not None:
+            shutil.rmtree(self.ram_dir, ignore_errors=True)
+
+
+def main() -> None:
+    args = parser(__doc__.splitlines()[0]).parse_args()
+    n_images = 2048 if args.quick else 4096
+    repeats = 2 if args.quick else 3
+    torch.set_num_threads(1)
+
+    import fsspec
+    from torch.utils.data import DataLoader
+    from torchvision.datasets import ImageFolder
+
+    from lightning_accel.datasets import materialize_digits
+    from tests.helpers import free_port
+
+    # a local S3 endpoint: fake credentials, never a developer's profile
+    fake = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    for k, v in fake.items():
+        os.environ.setdefault(k, v)
+    os.environ.pop("AWS_PROFILE", None)
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's per-request log lines
+    work = Path(tempfile.mkdtemp(prefix="la-bench-data-"))
+    port = free_port()
+    # moto in a process of its own: in this process its request handling would compete for the GIL with the
+    # DataLoader's main loop (the S3 endpoint is part of the machine's load either way, as a real one is not).
+    server = subprocess.Popen(
+        [sys.executable, "-c", _MOTO.format(port=port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    _wait_port(port)
+    pipes: list[Pipeline] = []
+    state: dict[str, Any] = {"local": None, "s3": None}
+    try:
+        root = work / "digits224"
+        t0 = time.perf_counter()
+        materialize_digits(root, size=224, num_images=n_images)
+        files = sorted(root.rglob("*.jpg"))
+        jpeg_bytes = sum(p.stat().st_size for p in files)
+        opts = {
+            "key": "testing",
+            "secret": "testing",
+            "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}", "region_name": "us-east-1"},
+            "use_listings_cache": False,
+        }
+        s3 = fsspec.filesystem("s3", skip_instance_cache=True, **opts)
+        s3.call_s3("create_bucket", Bucket="bench")  # no LocationConstraint: us-east-1 rejects one
+        s3.pipe({f"bench/digits/{p.parent.name}/{p.name}": p.read_bytes() for p in files})
+        print(f"data: {n_images} JPEGs, {jpeg_bytes / 1e6:.1f} MB, ready in {time.perf_counter() - t0:.1f} s")
+
+        decoder = ImageDecoder(224)
+        folder = ImageFolder(str(root), transform=decoder.pil_transform())
+        base_loader = DataLoader(folder, batch_size=BATCH, shuffle=True, num_workers=WORKERS, persistent_workers=True)
+
+        probe = Pipeline(str(root), None, work, ram_bytes=0, ssd_bytes=1 << 30)
+        batch = probe.cache.load([0, 1, n_images - 1])
+        ref = torch.stack([folder[i][0] for i in (0, 1, n_images - 1)])
+        identical = bool(torch.equal(batch.images, ref))
+        assert identical, "the cache's decode differs from the ImageFolder pipeline"
+        entry_bytes = probe.cache.ssd.cost(probe.cache.key(0), len(probe.cache.ssd.get(probe.cache.key(0)) or b""))
+        probe.close()
+        dataset_bytes = entry_bytes * n_images
+        full_ssd = 2 * dataset_bytes + (64 << 20)
+        half = dataset_bytes // 2
+
+        extra: dict[str, list[float]] = {
+            "warm_s3_bytes": [],
+            "cold_s3_bytes": [],
+            "over_budget_hit_rate": [],
+            "over_budget_fraction": [],
+            "workers_warm_s": [],
+            "workers_ram_hit_rate": [],
+            "workers_ssd_hit_rate": [],
+        }
+
+        def imagefolder() -> float:
+            return _epoch(base_loader)[0]
+
+        def cold_local() -> float:
+            if state["local"] is not None:
+                state["local"].close()
+            state["local"] = Pipeline(str(root), None, work, ram_bytes=half, ssd_bytes=full_ssd)
+            dt, s = state["local"].epoch()
+            assert s["origin_fetches"] == n_images
+            return dt
+
+        def cold_s3() -> float:
+            if state["s3"] is not None:
+                state["s3"].close()
+            state["s3"] = p = Pipeline("s3://bench/digits", opts, work, ram_bytes=half, ssd_bytes=full_ssd)
+            dt, s = p.epoch()
+            extra["cold_s3_bytes"].append(s["bytes_fetched"])
+            _, s = p.epoch()  # warm epoch: no S3 traffic at all
+            extra["warm_s3_bytes"].append(s["bytes_fetched"])
+            return dt
+
+        def warm() -> float:
+            # three epochs of the warm cache (each ~0.2 s at 10k samples/s): their median
+            times = [state["local"].epoch()[0] for _ in range(3)]
+            return median(times)
+
+        def warm_workers() -> float:
+            # the alternative warm path: 2 worker processes, batch reads in shared memory, RAM tier = half the data
+            # (node-wide: whichever worker promoted a sample, both hit it)
+            p = Pipeline(str(root), None, work, ram_bytes=half, ssd_bytes=full_ssd, warm_num_workers=None)
+            pipes.append(p)
+            p.epoch()  # cold: decode, write the SSD tier
+            p.epoch()  # SSD hits, promoted to the RAM tier (half the data fits)
+            dt, s = p.epoch()
+            extra["workers_ram_hit_rate"].append(s["ram_hit_rate"])
+            extra["workers_ssd_hit_rate"].append(s["ssd_hit_rate"])
+            p.close()
+            pipes.remove(p)
+            return dt
+
+        def over_budget() -> float:
+            p = Pipeline(str(root), None, work, ram_bytes=0, ssd_bytes=half)
+            pipes.append(p)
+            p.epoch()
+            dt, s = p.epoch()
+            extra["over_budget_hit_rate"].append(s["ssd_hit_rate"])
+            extra["over_budget_fraction"].append(half / dataset_bytes)
+            assert p.cache.ssd is not None and p.cache.ssd.file_bytes() <= half
+            p.close()
+            pipes.remove(p)
+            return dt
+
+        timings = alternate(
+            {
+                "imagefolder": imagefolder,
+                "cold_local": cold_local,
+                "cold_s3": cold_s3,
+                "warm": warm,
+                "warm_workers": warm_workers,
+                "over_budget": over_budget,
+            },
+            repeats=repeats,
+            warmup=0,
+        )
+        sps = {k: n_images / median(v) for k, v in timings.items()}
+        base = sps["imagefolder"]
+        hit = median(extra["over_budget_hit_rate"])
+        frac = median(extra["over_budget_fraction"])
+        results = {
+            "samples_per_s": {k: round(v, 1) for k, v in sps.items()},
+            "epoch_s": {k: [round(x, 3) for x in v] for k, v in timings.items()},
+            "identical_outputs": identical,
+            "n_images": n_images,
+            "jpeg_bytes": jpeg_bytes,
+            "decoded_entry_bytes": entry_bytes,
+            "s3_bytes_cold_epoch": extra["cold_s3_bytes"],
+            "s3_bytes_warm_epoch": max(extra["warm_s3_bytes"]),
+            "s3_bytes_cold_epoch_over_dataset": round(max(extra["cold_s3_bytes"]) / jpeg_bytes, 4),
+            "over_budget_budget_over_dataset": round(frac, 4),
+            "over_budget_hit_rate": round(hit, 4),
+            "warm_workers_ram_hit_rate": round(median(extra["workers_ram_hit_rate"]), 4),
+            "warm_workers_ssd_hit_rate": round(median(extra["workers_ssd_hit_rate"]), 4),
+        }
+        ratios = {
+            "warm_vs_imagefolder": ratio(sps["warm"], base),
+            "cold_s3_vs_imagefolder": ratio(sps["cold_s3"], base),
+            "cold_local_vs_imagefolder": ratio(sps["cold_local"], base),
+            "over_budget_hit_rate": round(hit, 4),
+            "warm_workers_vs_imagefolder": ratio(sps["warm_workers"], base),
+            "over_budget_hit_rate_vs_target": round(hit / (0.9 * frac), 4),
+        }
+        config = {
+            "image_size": 224,
+            "batch_size": BATCH,
+            "num_workers": WORKERS,
+            "repeats": repeats,
+            "ram_tier_bytes": half,
+            "over_budget_ssd_bytes": half,
+            "torch_threads": 1,
+        }
+        report(
+            "data_cache",
+            quick=args.quick,
+            config=config,
+            results=results,
+            ratios=ratios,
+            out=args.out,
+            chart={k: v for k, v in ratios.items() if k.endswith("_vs_imagefolder")},
+            chart_title="samples/s over ImageFolder (224 px, batch 64, 2 workers)",
+        )
+    finally:
+        for p in [*pipes, *(v for v in state.values() if v is not None)]:
+            p.close()
+        server.kill()
+        server.wait()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

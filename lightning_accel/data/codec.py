@@ -1,0 +1,203 @@
+"""The cache entry format: a decoded sample as raw tensor bytes plus a small JSON header and a CRC-32. No pickle.
+
+Layout (all integers little-endian)::
+
+    offset  size  field
+    0       4     magic  b"LAC1"
+    4       4     header_len  (uint32, bytes of the JSON header)
+    8       4     crc32  (zlib CRC-32 of header + payload)
+    12      H     header: UTF-8 JSON {"dtype": "uint8", "shape": [3, 224, 224], "label": 3, "meta": {...}}
+    12+H    P     payload: the tensor's bytes, C-contiguous, native little-endian; P = prod(shape) * itemsize
+
+An entry that does not parse, whose length disagrees with its header, or whose checksum fails raises
+:class:`CorruptEntryError`; the cache then evicts it and refetches the sample from the origin. CRC-32 runs at
+~4.2 GB/s on this machine (~36 us for a 224 px sample), which is ~36 % of a warm read (memcpy out of the map, header,
+checksum), so the cache verifies each entry the first time a process reads it and trusts it afterwards (entries are
+immutable once committed; a corrupt entry is deleted and rewritten, never changed in place).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import struct
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = [
+    "MAGIC",
+    "CorruptEntryError",
+    "Sample",
+    "copy_payload",
+    "decode_entry",
+    "encode_entry",
+    "peek_shape",
+    "read_into",
+]
+
+MAGIC = b"LAC1"
+_PREFIX = struct.Struct("<4sII")
+
+# Only plain numeric dtypes: the payload is reinterpreted with numpy, never unpickled.
+_DTYPES: dict[str, torch.dtype] = {
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bool": torch.bool,
+}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+class CorruptEntryError(ValueError):
+    """A cache entry failed to parse or its checksum did not match."""
+
+
+@dataclass
+class Sample:
+    """A decoded sample: a tensor, its integer label and optional JSON-serialisable metadata."""
+
+    tensor: torch.Tensor
+    label: int
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def encode_entry(tensor: torch.Tensor, label: int, meta: dict[str, Any] | None = None) -> bytes | bytearray:
+    """Serialise a CPU tensor and its label into the documented entry layout.
+
+    Raises:
+        TypeError: ``tensor`` has a dtype outside the supported plain numeric set.
+    """
+    if tensor.dtype not in _NAMES:
+        raise TypeError(
+            f"`tensor` dtype {tensor.dtype} cannot be cached; expected one of {sorted(_DTYPES)}. "
+            "Convert it in your `decode` function (uint8 is the usual choice for images)."
+        )
+    t = tensor.detach().cpu()
+    header = json.dumps(
+        {"dtype": _NAMES[t.dtype], "shape": list(t.shape), "label": int(label), "meta": meta or {}},
+        separators=(",", ":"),
+    ).encode("utf-8")
+    # One strided copy straight into the entry (a decoded HWC->CHW view is not contiguous): no temporaries.
+    start = _PREFIX.size + len(header)
+    buf = bytearray(start + t.numel() * t.element_size())
+    buf[_PREFIX.size : start] = header
+    if t.numel():
+        dst = torch.frombuffer(buf, dtype=torch.uint8, offset=start).view(t.dtype).view(t.shape)
+        dst.copy_(t)
+    mv = memoryview(buf)
+    crc = zlib.crc32(mv[start:], zlib.crc32(header))
+    _PREFIX.pack_into(buf, 0, MAGIC, len(header), crc)
+    return bytes(buf) if len(buf) < 4096 else buf  # large entries: hand the buffer over without another copy
+
+
+@functools.lru_cache(maxsize=4096)
+def _header(raw: bytes) -> dict[str, Any]:
+    # Headers repeat (same dtype/shape, few labels): parse each distinct one once.
+    return json.loads(raw)
+
+
+def _parse(buf: memoryview | bytes, verify: bool = True) -> tuple[dict[str, Any], memoryview]:
+    mv = memoryview(buf)
+    if len(mv) < _PREFIX.size:
+        raise CorruptEntryError(f"entry of {len(mv)} bytes is shorter than its {_PREFIX.size}-byte prefix")
+    magic, hlen, crc = _PREFIX.unpack_from(mv, 0)
+    if magic != MAGIC:
+        raise CorruptEntryError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
+    end = _PREFIX.size + hlen
+    if end > len(mv):
+        raise CorruptEntryError(f"header length {hlen} runs past the entry's {len(mv)} bytes")
+    header_b = mv[_PREFIX.size : end]
+    payload = mv[end:]
+    if verify and zlib.crc32(payload, zlib.crc32(header_b)) != crc:
+        raise CorruptEntryError("checksum mismatch")
+    try:
+        header = _header(bytes(header_b))
+        dtype = _DTYPES[header["dtype"]]
+        shape = [int(s) for s in header["shape"]]
+        int(header["label"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise CorruptEntryError(f"unreadable header: {e}") from e
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if int(np.prod(shape, dtype=np.int64)) * itemsize != len(payload):
+        raise CorruptEntryError(f"payload has {len(payload)} bytes, header {shape} x {itemsize} says otherwise")
+    return header, payload
+
+
+def decode_entry(buf: memoryview | bytes) -> Sample:
+    """Parse and verify an entry; the returned tensor owns a copy of the payload.
+
+    Raises:
+        CorruptEntryError: the entry is malformed or fails its checksum.
+    """
+    header, payload = _parse(buf)
+    dtype = _DTYPES[header["dtype"]]
+    raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
+    t = raw.view(dtype).reshape(header["shape"])
+    return Sample(t, int(header["label"]), dict(header.get("meta") or {}))
+
+
+def read_into(buf: memoryview | bytes, out: torch.Tensor, *, verify: bool = True) -> int:
+    """Verify an entry and copy its payload straight into ``out`` (one copy, e.g. from LMDB's mmap into a batch).
+
+    Args:
+        buf: the entry bytes (a memoryview into the LMDB map is fine; it is not kept).
+        out: a contiguous CPU tensor with the entry's dtype and number of elements.
+        verify: check the CRC-32 (``False`` only for an entry this process has already verified: entries are
+            immutable once committed).
+
+    Returns:
+        The entry's label.
+
+    Raises:
+        CorruptEntryError: malformed entry or checksum mismatch.
+        ValueError: the entry's dtype/shape does not match ``out`` (mixed sample shapes in one batch).
+    """
+    header, payload = _parse(buf, verify)
+    dtype = _DTYPES[header["dtype"]]
+    if dtype != out.dtype or list(header["shape"]) != list(out.shape):
+        raise ValueError(
+            f"cached sample has dtype {dtype} and shape {header['shape']}, the batch expects {out.dtype} and "
+            f"{list(out.shape)}. Make `decode` return one fixed shape (e.g. resize/crop to a fixed size)."
+        )
+    if len(payload):
+        np.copyto(out.view(torch.uint8).numpy().reshape(-1), np.frombuffer(payload, dtype=np.uint8))
+    return int(header["label"])
+
+
+def peek_shape(buf: memoryview | bytes) -> tuple[torch.dtype, list[int]]:
+    """The dtype and shape an entry declares (structure checked; the checksum is left to :func:`read_into`)."""
+    header, _ = _parse(buf, verify=False)
+    return _DTYPES[header["dtype"]], [int(s) for s in header["shape"]]
+
+
+def copy_payload(
+    buf: memoryview | bytes, dst: np.ndarray, dtype: torch.dtype, shape: Sequence[int], *, verify: bool = True
+) -> int:
+    """:func:`read_into` for a hot loop: copy into ``dst``, a flat uint8 numpy view of one batch row.
+
+    The caller makes the batch's numpy view once, which saves the per-sample tensor/array wrappers (~5 us).
+
+    Raises:
+        CorruptEntryError: malformed entry or checksum mismatch.
+        ValueError: the entry's dtype/shape is not ``dtype``/``shape``.
+    """
+    header, payload = _parse(buf, verify)
+    if _DTYPES[header["dtype"]] != dtype or list(header["shape"]) != list(shape):
+        raise ValueError(
+            f"cached sample has dtype {header['dtype']} and shape {header['shape']}, the batch expects {dtype} and "
+            f"{list(shape)}. Make `decode` return one fixed shape (e.g. resize/crop to a fixed size)."
+        )
+    if len(payload):
+        np.copyto(dst, np.frombuffer(payload, dtype=np.uint8))
+    return int(header["label"])

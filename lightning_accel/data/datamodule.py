@@ -1,0 +1,327 @@
+"""``CachedDataModule``: the Lightning adapter over the decoded-sample cache (see ``docs/data.md``).
+
+It lists the origin once per node in ``prepare_data`` (optionally warms the SSD tier there, with a progress bar),
+builds one :class:`~lightning_accel.data.cache.SampleCache` shared by the train and validation subsets in ``setup``,
+hands out :class:`~lightning_accel.data.dataset.CacheDataLoader` s with an
+:class:`~lightning_accel.data.dataset.EpochOrderSampler` (a ``DistributedSampler``, so Lightning keeps it and each
+rank reads ahead in its own order), augments and normalises batches on the device in ``on_after_batch_transfer``
+and logs cache statistics as ``cache/...`` through the Trainer's loggers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningDataModule
+from typing_extensions import override
+
+from lightning_accel.data.augment import GpuAugment
+from lightning_accel.data.cache import SampleCache
+from lightning_accel.data.dataset import CacheDataLoader, CachedDataset, EpochOrderSampler
+from lightning_accel.data.decode import ImageDecoder
+from lightning_accel.data.origin import Listing, ObjectStore, list_origin
+from lightning_accel.data.stats import CacheStats
+from lightning_accel.data.tiers import LmdbTier, default_ram_dir, parse_bytes
+
+__all__ = ["CachedDataModule"]
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+class CachedDataModule(LightningDataModule):
+    """Decode once, read decoded uint8 tensors from RAM/SSD tiers, read ahead from the origin, augment on the device.
+
+    Batches reach the LightningModule as ``(images float32 normalised (N, C, H, W), labels int64 (N,))``.
+
+    Args:
+        origin: fsspec URL or local path of an ImageFolder tree (``<class>/<image>``) or of a ``manifest``.
+        cache_dir: local directory (not a network filesystem) for the SSD tier and the shared listing.
+        storage_options: fsspec options for the origin (S3 endpoint, credentials, ...).
+        manifest: a JSONL file under ``origin`` with ``{"key": ..., "label": ...}`` lines instead of a tree.
+        val_origin: a separate validation origin (same layout); ``None`` splits ``val_fraction`` off ``origin``.
+        val_fraction: held-out fraction when ``val_origin`` is None (deterministic split by ``seed``).
+        image_size: side of the cached images (resize shorter side + centre crop); ignored when ``decode`` is given.
+        decode: deterministic ``bytes -> tensor`` step whose output is cached (default ``ImageDecoder(image_size)``).
+        transform: optional per-sample CPU transform applied after the cache (in the workers).
+        train_augment: batch augmentation for training on the device (default: normalise with ``mean``/``std``).
+        val_augment: batch transform for evaluation (default: normalise only).
+        mean: per-channel mean for the default augmentations.
+        std: per-channel std for the default augmentations.
+        ram_bytes: RAM tier budget for the whole node (bytes or ``"512MiB"``; 0 disables the tier).
+        ssd_bytes: SSD tier budget (bytes or ``"20GiB"``; ``None``: no cap; 0 disables the tier).
+        ram_dir: RAM tier directory (default ``/dev/shm/lightning_accel/<hash of cache_dir>``).
+        policy: tier behaviour when full: ``"keep"`` (stable subset; best for epoch scans) or ``"fifo"``.
+        batch_size: per-device batch size.
+        num_workers: DataLoader workers for cold epochs (``None``: half the CPUs, at most 8).
+        warm_num_workers: workers once the cache is warm (0: main-process batch reads; ``None``: keep ``num_workers``).
+        max_concurrency: origin reads in flight per process.
+        retries: retries of a transient origin error (exponential backoff).
+        prefetch_batches: upcoming batches each reader reads ahead from the origin.
+        on_decode_error: ``"raise"`` or ``"skip"`` (skipped samples are counted).
+        warm_on_prepare: fill the SSD tier in ``prepare_data`` (once per node, progress bar) instead of in epoch 1.
+        materialize_digits: render the embedded digits into ``origin`` (a local directory) in ``prepare_data`` first,
+            with these ``materialize_digits`` arguments, e.g. ``{"size": 64}`` (the quickstart's data).
+        seed: shuffle and split seed.
+        log_every_n_steps: how often (training steps) ``cache/...`` statistics are logged.
+    """
+
+    def __init__(
+        self,
+        origin: str,
+        cache_dir: str = ".cache/lightning_accel",
+        storage_options: dict[str, Any] | None = None,
+        manifest: str | None = None,
+        val_origin: str | None = None,
+        val_fraction: float = 0.1,
+        image_size: int | None = 224,
+        decode: Callable[[bytes], torch.Tensor] | None = None,
+        transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        train_augment: GpuAugment | None = None,
+        val_augment: GpuAugment | None = None,
+        mean: Sequence[float] = IMAGENET_MEAN,
+        std: Sequence[float] = IMAGENET_STD,
+        ram_bytes: int | str = "256MiB",
+        ssd_bytes: int | str | None = "20GiB",
+        ram_dir: str | None = None,
+        policy: str = "keep",
+        batch_size: int = 64,
+        num_workers: int | None = None,
+        warm_num_workers: int | None = 0,
+        max_concurrency: int = 16,
+        retries: int = 4,
+        prefetch_batches: int = 2,
+        on_decode_error: str = "raise",
+        warm_on_prepare: bool = False,
+        materialize_digits: dict[str, Any] | None = None,
+        seed: int = 0,
+        log_every_n_steps: int = 50,
+    ) -> None:
+        super().__init__()
+        from lightning_accel.datasets.datamodule import default_num_workers, split_indices
+
+        if not isinstance(origin, str) or not origin.strip():
+            raise ValueError(f"`origin` must be a non-empty path or fsspec URL, got {origin!r}.")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"`batch_size` must be an integer >= 1, got {batch_size!r}.")
+        if num_workers is not None and num_workers < 0:
+            raise ValueError(f"`num_workers` must be >= 0 or None, got {num_workers!r}.")
+        if "://" in cache_dir and not cache_dir.startswith("file://"):
+            raise ValueError(
+                f"`cache_dir` must be a local directory (LMDB needs a local filesystem), got {cache_dir!r}. "
+                "Put the remote data in `origin` and the cache on a local SSD."
+            )
+        if on_decode_error not in ("raise", "skip"):
+            raise ValueError(f"`on_decode_error` must be 'raise' or 'skip', got {on_decode_error!r}.")
+        if policy not in ("keep", "fifo"):
+            raise ValueError(f"`policy` must be 'keep' or 'fifo', got {policy!r}.")
+        if materialize_digits is not None and "://" in origin and not origin.startswith("file://"):
+            raise ValueError(f"`materialize_digits` needs a local `origin` directory, got {origin!r}.")
+        split_indices(1, val_fraction, seed)  # validates val_fraction now
+        self._split = split_indices
+        self.origin = origin
+        self.cache_dir = os.path.abspath(os.path.expanduser(cache_dir.removeprefix("file://")))
+        self.storage_options = dict(storage_options or {})
+        self.manifest = manifest
+        self.val_origin = val_origin
+        self.val_fraction = val_fraction
+        self.decode = decode if decode is not None else ImageDecoder(image_size)
+        self.transform = transform
+        self.train_augment = (
+            train_augment if train_augment is not None else GpuAugment(mean, std, crop_scale=None, flip_p=0.0)
+        )
+        self.val_augment = (
+            val_augment if val_augment is not None else GpuAugment(mean, std, crop_scale=None, flip_p=0.0)
+        )
+        self.ram_bytes = parse_bytes(ram_bytes, name="ram_bytes")
+        self.ssd_bytes = parse_bytes(ssd_bytes, name="ssd_bytes")
+        if self.ram_bytes is None:
+            raise ValueError("`ram_bytes` must be a byte budget (RAM is finite), got None. Use 0 to disable the tier.")
+        tag = hashlib.sha1(self.cache_dir.encode()).hexdigest()[:12]
+        self.ram_dir = ram_dir if ram_dir is not None else default_ram_dir(tag)
+        self.policy = policy
+        self.batch_size = batch_size
+        self.num_workers = default_num_workers() if num_workers is None else num_workers
+        self.warm_num_workers = warm_num_workers
+        self.max_concurrency = max_concurrency
+        self.retries = retries
+        self.prefetch_batches = prefetch_batches
+        self.on_decode_error = on_decode_error
+        self.warm_on_prepare = warm_on_prepare
+        self.materialize_digits = dict(materialize_digits) if materialize_digits is not None else None
+        self.seed = seed
+        self.log_every_n_steps = max(1, log_every_n_steps)
+        self.stats = CacheStats()
+        self.train_set: CachedDataset | None = None
+        self.val_set: CachedDataset | None = None
+        self._caches: dict[str, SampleCache] = {}
+        self._last_logged_step = -1
+
+    # ---- listing -------------------------------------------------------------------------------------------------
+    def _store(self, url: str) -> ObjectStore:
+        return ObjectStore(url, self.storage_options, max_concurrency=self.max_concurrency, retries=self.retries)
+
+    def _listing_path(self, url: str) -> str:
+        h = hashlib.sha1(f"{url}|{self.manifest}".encode()).hexdigest()[:16]
+        return os.path.join(self.cache_dir, f"listing-{h}.json")
+
+    def _list(self, url: str, *, refresh: bool) -> Listing:
+        path = self._listing_path(url)
+        if not refresh and os.path.exists(path):
+            return Listing.load(path)
+        listing = list_origin(self._store(url), manifest=self.manifest)
+        # An unwritable cache dir is reported once by the SSD tier; without the file, ranks only list again.
+        with contextlib.suppress(OSError):
+            listing.save(path)
+        return listing
+
+    def _materialize(self) -> None:
+        if self.materialize_digits is not None:
+            from lightning_accel.datasets.digits import materialize_digits
+
+            materialize_digits(self.origin.removeprefix("file://"), **self.materialize_digits)
+
+    # ---- tiers and caches ----------------------------------------------------------------------------------------
+    def _cache(self, url: str, listing: Listing) -> SampleCache:
+        ssd = LmdbTier(os.path.join(self.cache_dir, "ssd"), self.ssd_bytes, name="ssd", policy=self.policy)
+        ram = None
+        if self.ram_bytes and self.ram_dir is not None:
+            ram = LmdbTier(self.ram_dir, self.ram_bytes, name="ram", policy=self.policy)
+        for tier in (ram, ssd):
+            if tier is not None:
+                tier.open()  # in the main process: an unusable directory warns once here, before workers start
+        return SampleCache(
+            self._store(url),
+            listing,
+            self.decode,
+            ram=ram,
+            ssd=ssd,
+            stats=self.stats,
+            on_decode_error=self.on_decode_error,
+            max_pending=max(64, self.prefetch_batches * self.batch_size * 2),
+        )
+
+    def _datasets(self, refresh: bool) -> tuple[CachedDataset, CachedDataset]:
+        listing = self._list(self.origin, refresh=refresh)
+        cache = self._cache(self.origin, listing)
+        self._caches = {"train": cache}
+        kw = {"transform": self.transform, "prefetch_batches": self.prefetch_batches}
+        if self.val_origin is not None:
+            vlisting = self._list(self.val_origin, refresh=refresh)
+            vcache = self._cache(self.val_origin, vlisting)
+            self._caches["val"] = vcache
+            return CachedDataset(cache, **kw), CachedDataset(vcache, **kw)
+        tr, va = self._split(len(listing), self.val_fraction, self.seed)
+        return CachedDataset(cache, tr, **kw), CachedDataset(cache, va if va else tr, **kw)
+
+    @override
+    def prepare_data(self) -> None:
+        """Once per node: materialise the digits (if asked), list the origin(s), optionally warm the SSD tier."""
+        self._materialize()
+        train, val = self._datasets(refresh=True)
+        if self.warm_on_prepare:
+            for name, ds in (("train", train), ("val", val)):
+                self._warm(ds, name)
+
+    def _warm(self, ds: CachedDataset, name: str) -> None:
+        if ds.cached_fraction() >= 1.0:
+            return
+        loader = CacheDataLoader(
+            ds, batch_size=self.batch_size, num_workers=self.num_workers, warm_num_workers=None, read_ahead=0
+        )
+        try:
+            from tqdm.auto import tqdm
+
+            it: Any = tqdm(loader, desc=f"warming the {name} cache", unit="batch", leave=False)
+        except ImportError:  # pragma: no cover - tqdm ships with lightning
+            it = loader
+        for _ in it:
+            pass
+        for _, tier in ds.cache.tiers:
+            tier.flush()
+
+    @override
+    def setup(self, stage: str) -> None:
+        self._materialize()  # no-op when complete (prepare_data ran on local rank 0 only)
+        if self.train_set is None:
+            self.train_set, self.val_set = self._datasets(refresh=False)
+
+    # ---- loaders -------------------------------------------------------------------------------------------------
+    def _sharding(self) -> dict[str, int]:
+        trainer = self.trainer
+        kw = getattr(trainer, "distributed_sampler_kwargs", None) if trainer is not None else None
+        if kw:
+            return {"num_replicas": int(kw.get("num_replicas", 1)), "rank": int(kw.get("rank", 0))}
+        return {"num_replicas": 1, "rank": 0}
+
+    def _loader(self, ds: CachedDataset | None, shuffle: bool) -> CacheDataLoader:
+        if ds is None:
+            raise RuntimeError("`CachedDataModule.setup()` must run before asking for a dataloader.")
+        sampler = EpochOrderSampler(ds, shuffle=shuffle, seed=self.seed, batch_size=self.batch_size, **self._sharding())
+        return CacheDataLoader(
+            ds,
+            batch_size=self.batch_size,
+            sampler=sampler,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            pin_memory=torch.cuda.is_available(),
+            warm_num_workers=self.warm_num_workers,
+        )
+
+    @override
+    def train_dataloader(self) -> CacheDataLoader:
+        return self._loader(self.train_set, shuffle=True)
+
+    @override
+    def val_dataloader(self) -> CacheDataLoader:
+        return self._loader(self.val_set, shuffle=False)
+
+    @override
+    def test_dataloader(self) -> CacheDataLoader:
+        return self.val_dataloader()
+
+    @override
+    def predict_dataloader(self) -> CacheDataLoader:
+        return self.val_dataloader()
+
+    # ---- device side ---------------------------------------------------------------------------------------------
+    @override
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Augment (training) or normalise (evaluation) the uint8 batch on its device; log cache statistics."""
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2 and isinstance(batch[0], torch.Tensor)):
+            return batch  # not one of our (images, labels) batches, e.g. the model summary's example input
+        x, y = batch
+        trainer = self.trainer
+        training = bool(trainer is not None and trainer.training)
+        aug = self.train_augment if training else self.val_augment
+        x = aug(x, train=training)
+        if training:
+            self._maybe_log(trainer)
+        return x, y
+
+    def _maybe_log(self, trainer: Any) -> None:
+        step = int(trainer.global_step)
+        if step == self._last_logged_step or step % self.log_every_n_steps:
+            return
+        self._last_logged_step = step
+        if not trainer.is_global_zero:
+            return
+        metrics = {f"cache/{k}": float(v) for k, v in self.stats.as_dict().items()}
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
+
+    @property
+    def cache_stats(self) -> dict[str, Any]:
+        """Totals over the main process and every worker of this rank: hits per tier, bytes fetched, evictions, ..."""
+        return self.stats.as_dict()
+
+    @override
+    def teardown(self, stage: str) -> None:
+        for cache in self._caches.values():
+            for _, tier in cache.tiers:
+                tier.flush()

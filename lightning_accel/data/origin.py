@@ -1,0 +1,275 @@
+"""The origin tier: any fsspec URL (local path, ``file://``, ``s3://``, ``memory://``, ...) read with bounded
+concurrency and bounded retries, and its listing (an ImageFolder-style tree or a JSONL manifest).
+
+- The filesystem object is created lazily in each process (async filesystems such as s3fs are not fork-safe) and
+  dropped when pickled.
+- Transient errors (connection resets, timeouts, throttling, 5xx) are retried ``retries`` times with exponential
+  backoff (``backoff_s * 2**attempt``); permanent ones (missing key, access denied) fail at once. Either way the error
+  names the URL.
+- Keys never escape the origin (``safe_join``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_accel._utils.atomic import atomic_write_text
+from lightning_accel._utils.paths import safe_join
+
+__all__ = [
+    "IMAGE_EXTENSIONS",
+    "Listing",
+    "ObjectStore",
+    "OriginError",
+    "list_origin",
+]
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+_PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ValueError, TypeError)
+
+
+class OriginError(OSError):
+    """The origin could not deliver a key (permanent error, or transient errors beyond the retry budget)."""
+
+
+class ObjectStore:
+    """Reads keys under ``url`` through fsspec.
+
+    Args:
+        url: the origin root, e.g. ``/data/train``, ``file:///data/train``, ``s3://bucket/train``.
+        storage_options: fsspec options (endpoint, credentials), e.g.
+            ``{"key": ..., "secret": ..., "client_kwargs": {"endpoint_url": ...}}`` for S3.
+        max_concurrency: the most reads in flight from this process.
+        retries: retries of a transient error before giving up.
+        backoff_s: first backoff; doubles per retry.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        storage_options: dict[str, Any] | None = None,
+        *,
+        max_concurrency: int = 16,
+        retries: int = 4,
+        backoff_s: float = 0.05,
+    ) -> None:
+        if not isinstance(url, str) or not url.strip():
+            raise ValueError(f"`origin` must be a non-empty path or fsspec URL, got {url!r}.")
+        if max_concurrency < 1:
+            raise ValueError(f"`max_concurrency` must be >= 1, got {max_concurrency!r}.")
+        if retries < 0:
+            raise ValueError(f"`retries` must be >= 0, got {retries!r}.")
+        self.url = url.rstrip("/") if "://" in url else os.path.abspath(os.path.expanduser(url))
+        self.storage_options = dict(storage_options or {})
+        self.max_concurrency = max_concurrency
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self._pid: int | None = None
+        self._fs: Any = None
+        self._root = ""
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        # Counters of this process, read (as differences) by the cache for its statistics.
+        self.retried = 0
+        self.bytes_read = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.update(_pid=None, _fs=None, _pool=None, _lock=None, retried=0, bytes_read=0)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    @property
+    def is_local(self) -> bool:
+        """True for plain paths and ``file://`` URLs."""
+        return "://" not in self.url or self.url.startswith("file://")
+
+    def _ensure(self) -> None:
+        pid = os.getpid()
+        if self._fs is not None and self._pid == pid:
+            return
+        with self._lock:
+            if self._fs is not None and self._pid == pid:
+                return
+            import fsspec
+
+            # skip_instance_cache: never reuse an instance (and its event loop) created before a fork.
+            fs, root = fsspec.core.url_to_fs(self.url, skip_instance_cache=True, **self.storage_options)
+            self._fs, self._root, self._pid = fs, root.rstrip("/"), pid
+            self._pool = None
+
+    @property
+    def fs(self) -> Any:
+        """This process's fsspec filesystem."""
+        self._ensure()
+        return self._fs
+
+    @property
+    def root(self) -> str:
+        """The origin root as the filesystem sees it (no scheme)."""
+        self._ensure()
+        return self._root
+
+    def url_of(self, key: str) -> str:
+        """The full URL of ``key`` (for error messages)."""
+        return safe_join(self.url, key)
+
+    def fetch(self, key: str) -> bytes:
+        """Read one key, retrying transient errors.
+
+        Raises:
+            OriginError: naming the URL, for permanent errors and after the retries run out.
+        """
+        self._ensure()
+        path = safe_join(self._root, key)
+        attempt = 0
+        while True:
+            try:
+                data = self._fs.cat_file(path)
+                with self._lock:
+                    self.bytes_read += len(data)
+                return data
+            except _PERMANENT as e:
+                raise OriginError(
+                    f"cannot read {self.url_of(key)!r}: {type(e).__name__}: {e}. Check that the key exists and that "
+                    "`storage_options` grant read access."
+                ) from e
+            except Exception as e:  # transient: connection errors, timeouts, throttling, 5xx
+                if attempt >= self.retries:
+                    raise OriginError(
+                        f"cannot read {self.url_of(key)!r} after {attempt + 1} attempts: {type(e).__name__}: {e}. "
+                        "Is the object store reachable (endpoint, network)? Raise `retries` for flaky stores."
+                    ) from e
+                time.sleep(self.backoff_s * (2**attempt))
+                attempt += 1
+                self.retried += 1
+
+    def submit(self, key: str) -> Future[bytes]:
+        """Start reading ``key`` on this process's bounded thread pool."""
+        self._ensure()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="la-origin")
+        return self._pool.submit(self.fetch, key)
+
+    def fetch_many(self, keys: Sequence[str]) -> list[bytes]:
+        """Read ``keys`` concurrently (at most ``max_concurrency`` in flight); results in order."""
+        if len(keys) <= 1:
+            return [self.fetch(k) for k in keys]
+        futs = [self.submit(k) for k in keys]
+        return [f.result() for f in futs]
+
+
+@dataclass
+class Listing:
+    """The samples of an origin: relative keys, integer labels and class names (label ``i`` is ``classes[i]``)."""
+
+    origin: str
+    keys: list[str]
+    labels: list[int]
+    classes: list[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def fingerprint(self) -> str:
+        """A short hash of the keys and labels (detects a changed origin)."""
+        h = hashlib.sha1()
+        for k, y in zip(self.keys, self.labels, strict=False):
+            h.update(f"{k}\t{y}\n".encode())
+        return h.hexdigest()[:16]
+
+    def to_json(self) -> str:
+        return json.dumps({"origin": self.origin, "classes": self.classes, "keys": self.keys, "labels": self.labels})
+
+    @classmethod
+    def from_json(cls, text: str) -> Listing:
+        d = json.loads(text)
+        return cls(origin=d["origin"], keys=list(d["keys"]), labels=[int(y) for y in d["labels"]], classes=d["classes"])
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Publish atomically (other ranks may be reading the previous version)."""
+        atomic_write_text(path, self.to_json())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Listing:
+        with open(path, encoding="utf-8") as f:
+            return cls.from_json(f.read())
+
+
+def list_origin(
+    store: ObjectStore, *, manifest: str | None = None, extensions: Sequence[str] = IMAGE_EXTENSIONS
+) -> Listing:
+    """List an origin once.
+
+    ImageFolder layout: ``<origin>/<class>/**/<file><ext>``; classes are the sorted top-level directory names (like
+    torchvision's ``ImageFolder``), hidden files and files outside class directories are ignored. Manifest layout:
+    ``manifest`` names a JSONL file under the origin with one ``{"key": "<relative key>", "label": <int>}`` per line.
+
+    Raises:
+        FileNotFoundError: the origin (or manifest) does not exist, naming the URL.
+        ValueError: nothing to train on (no matching files), naming the URL and the extensions.
+    """
+    fs, root = store.fs, store.root
+    try:
+        exists = fs.exists(root) if root else True
+    except Exception as e:
+        raise OriginError(f"cannot reach `origin` {store.url!r}: {type(e).__name__}: {e}") from e
+    if manifest is not None:
+        path = safe_join(root, manifest)
+        if not fs.exists(path):
+            raise FileNotFoundError(
+                f"`manifest` {store.url_of(manifest)!r} does not exist. Write a JSONL file with one "
+                '{"key": ..., "label": ...} per line there, or pass `manifest=None` for an ImageFolder tree.'
+            )
+        keys, labels = [], []
+        for n, line in enumerate(fs.cat_file(path).decode("utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                key, label = str(rec["key"]), int(rec["label"])
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(
+                    f"`manifest` {store.url_of(manifest)!r} line {n} is not "
+                    f'{{"key": "<relative key>", "label": <int>}}: {line[:120]!r}'
+                ) from e
+            safe_join(root, key)  # validates
+            keys.append(key)
+            labels.append(label)
+        if not keys:
+            raise ValueError(f"`manifest` {store.url_of(manifest)!r} lists no samples.")
+        classes = [str(c) for c in range(max(labels) + 1)]
+        return Listing(origin=store.url, keys=keys, labels=labels, classes=classes)
+    if not exists:
+        raise FileNotFoundError(
+            f"`origin` {store.url!r} does not exist. Pass a directory or URL holding <class>/<image> files "
+            "(check the bucket/prefix and `storage_options`)."
+        )
+    exts = tuple(e.lower() for e in extensions)
+    rels = []
+    for p in fs.find(root):
+        rel = p[len(root) :].lstrip("/") if root else p
+        parts = rel.split("/")
+        if len(parts) < 2 or any(s.startswith(".") for s in parts) or not rel.lower().endswith(exts):
+            continue
+        rels.append(rel)
+    if not rels:
+        raise ValueError(
+            f"`origin` {store.url!r} holds no files with extensions {list(exts)} inside class directories. "
+            "Expected <origin>/<class>/<image>, or pass `manifest=` naming a JSONL list of keys and labels."
+        )
+    rels.sort()
+    classes = sorted({r.split("/", 1)[0] for r in rels})
+    cidx = {c: i for i, c in enumerate(classes)}
+    return Listing(origin=store.url, keys=rels, labels=[cidx[r.split("/", 1)[0]] for r in rels], classes=classes)

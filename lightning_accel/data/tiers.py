@@ -1,0 +1,570 @@
+"""Local cache tiers: an LMDB environment with a byte budget, used both on the SSD and in RAM (``/dev/shm``).
+
+One class, two placements:
+
+- **SSD tier**: ``LmdbTier("<cache_dir>/ssd", budget)`` on a local disk.
+- **RAM tier**: ``LmdbTier("/dev/shm/...", budget)`` on tmpfs. Because it is one memory-mapped environment per node,
+  its byte budget holds for the whole process tree (main process, every DataLoader worker and every rank on the node
+  map the *same* pages) instead of being multiplied by ``num_workers`` like per-worker LRUs, and a sample that one
+  worker cached is a hit for every other worker. Reads are zero-copy views into the map.
+
+Both also benefit from the OS page cache, which keeps recently read SSD pages in otherwise free RAM (shared by all
+processes too, but outside any budget we can enforce).
+
+Contract:
+
+- **Budget never exceeded**: the LMDB ``map_size`` starts small, grows (doubling) on ``MapFullError`` and is capped
+  at ``budget_bytes``, so the data file can never grow past the budget. Entries are admitted against
+  ``usable_bytes`` (budget minus 1/32 headroom for B-tree pages), counted in page-rounded bytes inside the same write
+  transaction as the data, so several processes sharing the directory keep one consistent count.
+- **Policy when full**: ``"keep"`` (default) admits nothing more, so a data set larger than the budget keeps a
+  stable subset and every later epoch hits ``budget/dataset`` of its samples (an LRU under a sequential or shuffled
+  scan evicts each entry before its next use and hits ~0). ``"fifo"`` evicts the oldest entries to make room, for
+  working sets that drift.
+- **Process safety**: the environment is opened lazily in each process (after fork; never used across a fork) and
+  dropped when the tier is pickled. One environment per path per process (LMDB forbids two). LMDB serialises writers
+  across processes; readers never see a partial transaction, so a warm-up killed halfway leaves only complete entries.
+- **Faults**: a directory that cannot be created or written, or a full disk, disables the tier with one warning per
+  process; callers keep working with the remaining tiers.
+- Thread safety: every operation holds a per-process lock for its transaction (``set_mapsize`` must not run while
+  another thread of the process has a transaction open), so a read-ahead thread and the main thread can share a tier.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import struct
+import threading
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["BudgetTooSmallError", "LmdbTier", "PutResult", "default_ram_dir", "parse_bytes"]
+
+_INITIAL_MAP = 64 << 20
+_U64x2 = struct.Struct("<QQ")
+_U64 = struct.Struct(">Q")  # big-endian so the fifo database iterates in insertion order
+_K_USED = b"used"
+_K_SEQ = b"seq"
+
+# path -> environment, for this process only. LMDB environments must not cross a fork, and py-lmdb refuses to open
+# an environment a second time in a process that inherited it open. So every environment of the process is closed
+# just before a fork (under the lock that every tier operation holds, so no transaction is open then) and reopened
+# lazily afterwards by parent and child alike (~1 ms each); tiers notice through the generation counter.
+_ENVS: dict[str, Any] = {}
+
+
+class _SharedLock:
+    """Read transactions share it; writes, ``set_mapsize`` and closing at fork hold it alone (reentrant).
+
+    Reads share so that several threads of one process can copy batches out of the map at once (the copies and
+    CRC-32 release the GIL); waiting exclusive holders go first so readers cannot starve them.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._readers = 0
+        self._owner: int | None = None
+        self._depth = 0
+        self._waiting = 0
+
+    def acquire(self) -> None:
+        me = threading.get_ident()
+        with self._cond:
+            if self._owner == me:
+                self._depth += 1
+                return
+            self._waiting += 1
+            while self._owner is not None or self._readers:
+                self._cond.wait()
+            self._waiting -= 1
+            self._owner, self._depth = me, 1
+
+    def release(self) -> None:
+        with self._cond:
+            self._depth -= 1
+            if self._depth == 0:
+                self._owner = None
+                self._cond.notify_all()
+
+    def __enter__(self) -> None:
+        self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[None]:
+        me = threading.get_ident()
+        with self._cond:
+            mine = self._owner == me
+            if not mine:
+                while self._owner is not None or self._waiting:
+                    self._cond.wait()
+                self._readers += 1
+        try:
+            yield
+        finally:
+            if not mine:
+                with self._cond:
+                    self._readers -= 1
+                    if not self._readers:
+                        self._cond.notify_all()
+
+
+_LOCK = _SharedLock()
+_GEN = [0]
+
+
+def _before_fork() -> None:
+    _LOCK.acquire()
+    for env in _ENVS.values():
+        with contextlib.suppress(Exception):
+            env.close()
+    _ENVS.clear()
+    _GEN[0] += 1
+
+
+def _after_fork() -> None:
+    _LOCK.release()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork, after_in_child=_after_fork)
+
+
+class BudgetTooSmallError(ValueError):
+    """A single entry does not fit in a tier's byte budget."""
+
+
+@dataclass
+class PutResult:
+    """What one batched write did."""
+
+    stored: int = 0
+    rejected: int = 0  # not admitted: the tier is full under the "keep" policy (or already present elsewhere)
+    evicted: int = 0
+
+
+def default_ram_dir(tag: str) -> str | None:
+    """A per-node RAM-tier directory on tmpfs (``/dev/shm/lightning_accel/<tag>``), or None when there is no tmpfs."""
+    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        return os.path.join("/dev/shm", "lightning_accel", tag)
+    return None
+
+
+def _env_for(path: str, map_size: int, sync: bool) -> Any:
+    import lmdb
+
+    key = os.path.realpath(path)
+    with _LOCK:
+        env = _ENVS.get(key)
+        if env is None:
+            os.makedirs(path, exist_ok=True)
+            env = lmdb.open(
+                path,
+                map_size=map_size,
+                subdir=True,
+                max_dbs=4,
+                # A cache is re-derivable: no fsync per commit (a killed process loses nothing committed; only an OS
+                # crash may drop the last commits, and checksums catch anything torn). ~10x faster batched writes.
+                sync=sync,
+                metasync=sync,
+                readahead=False,  # random reads of large values: readahead only evicts useful page-cache pages
+                meminit=False,
+                max_readers=512,
+                max_spare_txns=2,
+            )
+            _ENVS[key] = env
+        return env
+
+
+class LmdbTier:
+    """A byte-budgeted LMDB key/value tier shared by every process that opens the same directory.
+
+    Args:
+        path: a directory on a local filesystem (never a network filesystem: LMDB's locks need local mmap).
+        budget_bytes: hard cap on the data file; ``None`` for no cap (map grows without bound).
+        name: label used in warnings and statistics (``"ssd"``, ``"ram"``).
+        policy: ``"keep"`` (admit nothing when full) or ``"fifo"`` (evict oldest to make room).
+        sync: fsync every commit (off by default; see the module notes).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        budget_bytes: int | None,
+        *,
+        name: str = "ssd",
+        policy: str = "keep",
+        sync: bool = False,
+    ) -> None:
+        if budget_bytes is not None and (not isinstance(budget_bytes, int) or budget_bytes < 0):
+            raise ValueError(
+                f"`{name}_bytes` must be a non-negative integer number of bytes or None, got {budget_bytes!r}."
+            )
+        if policy not in ("keep", "fifo"):
+            raise ValueError(f"`policy` must be 'keep' or 'fifo', got {policy!r}.")
+        self.path = os.fspath(path)
+        self.budget_bytes = budget_bytes
+        self.name = name
+        self.policy = policy
+        self.sync = sync
+        self.disabled = budget_bytes == 0
+        self.disabled_reason: str | None = "budget is 0" if self.disabled else None
+        self._gen = -1
+        self._env: Any = None
+        self._dbs: dict[str, Any] = {}
+        self._psize = 4096
+        self._usable_override: int | None = None
+        self._lock = _LOCK  # one process-wide lock: see the fork handling above
+
+    # ---- pickling: drop process-local handles --------------------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.update(_gen=-1, _env=None, _dbs={}, _lock=None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = _LOCK
+
+    # ---- environment ---------------------------------------------------------------------------------------------
+    @property
+    def cap_bytes(self) -> int | None:
+        """The most the map (and so the data file) may grow to."""
+        if self.budget_bytes is None:
+            return None
+        return max(self._psize * 8, self.budget_bytes - self.budget_bytes % self._psize)
+
+    @property
+    def usable_bytes(self) -> int | None:
+        """Entry bytes admitted before the tier counts as full (budget minus B-tree headroom)."""
+        cap = self.cap_bytes
+        if cap is None:
+            return None
+        usable = cap - max(cap // 32, 4 * self._psize)
+        if self._usable_override is not None:
+            usable = min(usable, self._usable_override)
+        return max(0, usable)
+
+    def _disable(self, err: BaseException) -> None:
+        if not self.disabled:
+            self.disabled = True
+            self.disabled_reason = f"{type(err).__name__}: {err}"
+            warnings.warn(
+                f"lightning_accel cache: the {self.name} tier at {self.path!r} is disabled ({self.disabled_reason}); "
+                "training continues with the remaining tiers. Point the cache at a writable local directory with "
+                "free space to re-enable it.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        self._env = None
+
+    def open(self) -> bool:
+        """Open (or reuse) this process's environment; False when the tier is disabled."""
+        if self.disabled:
+            return False
+        if self._env is not None and self._gen == _GEN[0]:
+            return True
+        with _LOCK:
+            try:
+                cap = self.cap_bytes
+                initial = _INITIAL_MAP if cap is None else min(cap, _INITIAL_MAP)
+                env = _env_for(self.path, initial, self.sync)
+                self._psize = int(env.stat()["psize"])
+                with env.begin(write=True) as txn:
+                    dbs = {n: env.open_db(n.encode(), txn=txn) for n in ("data", "index", "fifo", "meta")}
+                self._env, self._dbs, self._gen = env, dbs, _GEN[0]
+                return True
+            except Exception as e:  # lmdb.Error, OSError (read-only dir, ENOSPC, ...)
+                self._disable(e)
+                return False
+
+    # ---- reads ---------------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def reader(self) -> Iterator[Callable[[bytes], memoryview | None]]:
+        """``with tier.reader() as get:`` ``get(key)`` returns a zero-copy view valid inside the block, or None.
+
+        Several threads may read at once; do not call other methods of a tier inside the block.
+        """
+        import lmdb
+
+        for _ in range(3):
+            if not self.open():
+                break
+            resized = False
+            err: BaseException | None = None
+            with self._lock.shared():
+                try:
+                    txn = self._env.begin(db=self._dbs["data"], buffers=True)
+                except lmdb.MapResizedError:
+                    resized = True
+                except Exception as e:
+                    err = e
+                else:
+                    try:
+                        yield txn.get
+                    finally:
+                        txn.abort()
+                    return
+            if not resized:
+                self._disable(err if err is not None else RuntimeError("cannot begin a read transaction"))
+                break
+            with self._lock:  # another process grew the map: adopt its size (no transaction may be open)
+                self._env.set_mapsize(0)
+        yield lambda key: None
+
+    def get(self, key: bytes) -> bytes | None:
+        """A copy of the value under ``key``, or None."""
+        with self.reader() as get:
+            v = get(key)
+            return None if v is None else bytes(v)
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        """Which of ``keys`` are stored (one read transaction)."""
+        with self.reader() as get:
+            return [get(k) is not None for k in keys]
+
+    def __len__(self) -> int:
+        with self._lock:
+            if not self.open():
+                return 0
+            with self._env.begin() as txn:
+                return int(txn.stat(self._dbs["index"])["entries"])
+
+    def used_bytes(self) -> int:
+        """Entry bytes currently accounted against the budget (page-rounded)."""
+        with self._lock:
+            if not self.open():
+                return 0
+            with self._env.begin(db=self._dbs["meta"]) as txn:
+                v = txn.get(_K_USED)
+            return 0 if v is None else _U64.unpack(v)[0]
+
+    def file_bytes(self) -> int:
+        """Size of the data file on disk."""
+        try:
+            return os.path.getsize(os.path.join(self.path, "data.mdb"))
+        except OSError:
+            return 0
+
+    # ---- writes --------------------------------------------------------------------------------------------------
+    def cost(self, key: bytes, value_len: int) -> int:
+        """Bytes one entry is accounted for: whole overflow pages for large values (LMDB stores them so)."""
+        ps = self._psize
+        if value_len > ps // 2:
+            return -(-(value_len + 16) // ps) * ps + len(key) + 64
+        return value_len + len(key) + 64
+
+    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> PutResult:
+        """Store ``(key, value)`` pairs in one write transaction (keys already present are left alone).
+
+        Raises:
+            BudgetTooSmallError: one entry alone exceeds the usable budget (message has both numbers).
+        """
+
+        with self._lock:
+            return self._put_many(items)
+
+    def _put_many(self, items: Sequence[tuple[bytes, bytes]]) -> PutResult:
+        import lmdb
+
+        res = PutResult()
+        if not items or not self.open():
+            return res
+        for _ in range(64):
+            try:
+                if self.policy == "fifo" and self.usable_bytes is not None:
+                    # Evict in a transaction of its own: LMDB reuses freed pages only after the freeing commit.
+                    with self._env.begin(write=True) as txn:
+                        res.evicted += self._make_room(txn, items)
+                with self._env.begin(write=True) as txn:
+                    r = self._put_txn(txn, items)
+                r.evicted += res.evicted
+                return r
+            except lmdb.MapFullError:
+                cur = int(self._env.info()["map_size"])
+                cap = self.cap_bytes
+                if cap is None or cur < cap:
+                    self._env.set_mapsize(cur * 2 if cap is None else min(cap, cur * 2))
+                    continue
+                # The map is at the budget: B-tree pages (or old snapshots held by readers) need more than the
+                # headroom. Write in smaller transactions; a single entry that still does not fit lowers the
+                # admission limit for this process, so the budget holds.
+                if len(items) > 1:
+                    mid = len(items) // 2
+                    a, b = self._put_many(items[:mid]), self._put_many(items[mid:])
+                    return PutResult(a.stored + b.stored, a.rejected + b.rejected, res.evicted + a.evicted + b.evicted)
+                used = self.used_bytes()
+                one = self.cost(items[0][0], len(items[0][1]))
+                self._usable_override = max(0, used - one) if self.policy == "fifo" else used
+                if self.policy != "fifo" or self._usable_override == 0:
+                    res.rejected += len(items)
+                    return res
+            except lmdb.MapResizedError:
+                self._env.set_mapsize(0)
+            except BudgetTooSmallError:
+                raise
+            except Exception as e:  # ENOSPC, read-only filesystem, ...
+                self._disable(e)
+                return PutResult(rejected=len(items))
+        res.rejected += len(items)
+        return res
+
+    def _check_fits(self, key: bytes, value_len: int, usable: int) -> int:
+        c = self.cost(key, value_len)
+        if c > usable and self._usable_override is None:
+            raise BudgetTooSmallError(
+                f"`{self.name}_bytes` budget {self.budget_bytes} bytes leaves {usable} usable bytes, less "
+                f"than one cached sample ({c} bytes for a {value_len}-byte entry). Raise `{self.name}_bytes` "
+                f"to at least {2 * c} bytes, or set it to 0 to disable the {self.name} tier."
+            )
+        return c
+
+    def _make_room(self, txn: Any, items: Sequence[tuple[bytes, bytes]]) -> int:
+        usable = self.usable_bytes
+        assert usable is not None
+        meta, index = self._dbs["meta"], self._dbs["index"]
+        raw = txn.get(_K_USED, db=meta)
+        used = 0 if raw is None else _U64.unpack(raw)[0]
+        need = sum(self._check_fits(k, len(v), usable) for k, v in items if txn.get(k, db=index) is None)
+        if used + need <= usable:
+            return 0
+        used, n = self._evict_oldest(txn, used, used + need - usable)
+        txn.put(_K_USED, _U64.pack(used), db=meta)
+        return n
+
+    def _put_txn(self, txn: Any, items: Sequence[tuple[bytes, bytes]]) -> PutResult:
+        data, index, fifo, meta = (self._dbs[n] for n in ("data", "index", "fifo", "meta"))
+        res = PutResult()
+        raw = txn.get(_K_USED, db=meta)
+        used = 0 if raw is None else _U64.unpack(raw)[0]
+        raw = txn.get(_K_SEQ, db=meta)
+        seq = 0 if raw is None else _U64.unpack(raw)[0]
+        usable = self.usable_bytes
+        for key, value in items:
+            if txn.get(key, db=index) is not None:
+                res.rejected += 1  # another worker/rank stored it first
+                continue
+            c = self.cost(key, len(value))
+            if usable is not None:
+                c = self._check_fits(key, len(value), usable)
+                if used + c > usable:
+                    res.rejected += 1
+                    continue
+            txn.put(key, value, db=data)
+            txn.put(key, _U64x2.pack(seq, c), db=index)
+            txn.put(_U64.pack(seq), key, db=fifo)
+            used += c
+            seq += 1
+            res.stored += 1
+        txn.put(_K_USED, _U64.pack(used), db=meta)
+        txn.put(_K_SEQ, _U64.pack(seq), db=meta)
+        return res
+
+    def _evict_oldest(self, txn: Any, used: int, need: int) -> tuple[int, int]:
+        fifo = self._dbs["fifo"]
+        freed = n = 0
+        cur = txn.cursor(db=fifo)
+        while freed < need and cur.first():
+            seq_b, key = cur.item()
+            key = bytes(key)
+            cur.delete()
+            rec = txn.get(key, db=self._dbs["index"])
+            if rec is None:
+                continue
+            seq, c = _U64x2.unpack(rec)
+            if _U64.pack(seq) != bytes(seq_b):
+                continue  # stale record of a key that was deleted and stored again later
+            txn.delete(key, db=self._dbs["data"])
+            txn.delete(key, db=self._dbs["index"])
+            freed += c
+            n += 1
+        return used - freed, n
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        """Remove ``keys`` (e.g. corrupt entries); returns how many were present."""
+        with self._lock:
+            return self._delete(keys)
+
+    def _delete(self, keys: Sequence[bytes]) -> int:
+        import lmdb
+
+        if not keys or not self.open():
+            return 0
+        for _ in range(8):
+            try:
+                with self._env.begin(write=True) as txn:
+                    meta = self._dbs["meta"]
+                    raw = txn.get(_K_USED, db=meta)
+                    used = 0 if raw is None else _U64.unpack(raw)[0]
+                    n = 0
+                    for k in keys:
+                        rec = txn.get(k, db=self._dbs["index"])
+                        if rec is None:
+                            continue
+                        seq, c = _U64x2.unpack(rec)
+                        txn.delete(k, db=self._dbs["data"])
+                        txn.delete(k, db=self._dbs["index"])
+                        txn.delete(_U64.pack(seq), db=self._dbs["fifo"])
+                        used = max(0, used - c)
+                        n += 1
+                    txn.put(_K_USED, _U64.pack(used), db=meta)
+                return n
+            except lmdb.MapResizedError:
+                self._env.set_mapsize(0)
+            except lmdb.MapFullError:
+                self._env.set_mapsize(int(self._env.info()["map_size"]) + 16 * self._psize)
+            except Exception as e:
+                self._disable(e)
+                return 0
+        return 0
+
+    def flush(self) -> None:
+        """fsync the environment (end of a warm-up)."""
+        if self.open():
+            with contextlib.suppress(Exception):
+                self._env.sync(True)
+
+    def clear(self) -> None:
+        """Drop every entry (the directory and its budget stay)."""
+        with self._lock:
+            if not self.open():
+                return
+            with self._env.begin(write=True) as txn:
+                for n in ("data", "index", "fifo", "meta"):
+                    txn.drop(self._dbs[n], delete=False)
+            self._usable_override = None
+
+    def __repr__(self) -> str:
+        return (
+            f"LmdbTier(name={self.name!r}, path={self.path!r}, budget_bytes={self.budget_bytes}, "
+            f"policy={self.policy!r})"
+        )
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12}
+_UNITS.update({"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40})
+
+
+def parse_bytes(value: int | str | None, *, name: str) -> int | None:
+    """``1073741824``, ``"1GiB"``, ``"512MB"``, ``"0"`` -> bytes; ``None`` stays None (no cap).
+
+    Raises:
+        ValueError: naming ``name`` and the value, with the accepted forms.
+    """
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        return value
+    if isinstance(value, str):
+        import re
+
+        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
+        if m and m.group(2).lower() in _UNITS:
+            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    raise ValueError(
+        f"`{name}` must be a byte count (an integer >= 0, or a string like '512MiB', '2GB'), or None for no cap; "
+        f"got {value!r}."
+    )

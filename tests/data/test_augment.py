@@ -1,0 +1,72 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_accel.data import GpuAugment
+
+MEAN, STD = (0.2, 0.3, 0.4), (0.5, 0.25, 0.2)
+
+
+def _batch(n: int = 6, h: int = 20, w: int = 24) -> torch.Tensor:
+    return torch.randint(0, 256, (n, 3, h, w), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+
+
+def test_eval_is_exact_normalisation() -> None:
+    x = _batch()
+    out = GpuAugment(MEAN, STD).eval()(x)
+    ref = (x.float() / 255 - torch.tensor(MEAN).view(1, 3, 1, 1)) / torch.tensor(STD).view(1, 3, 1, 1)
+    assert out.dtype == torch.float32 and torch.allclose(out, ref, atol=1e-6)
+
+
+def test_identity_parameters_change_nothing_but_normalisation() -> None:
+    x = _batch()
+    aug = GpuAugment(MEAN, STD, crop_scale=None, flip_p=0.0)
+    assert torch.allclose(aug(x, train=True), aug(x, train=False), atol=1e-5)
+
+
+def test_flip_is_an_exact_mirror() -> None:
+    x = _batch()
+    out = GpuAugment((0, 0, 0), (1, 1, 1), crop_scale=None, flip_p=1.0)(x, train=True)
+    assert torch.allclose(out, x.flip(-1).float() / 255, atol=1e-5)
+
+
+def test_randomness_is_per_sample_and_seedable() -> None:
+    x = _batch(1).expand(8, -1, -1, -1).contiguous()  # 8 copies of one image
+    aug = GpuAugment(MEAN, STD, size=16, crop_scale=(0.3, 1.0), brightness=0.3, contrast=0.3, saturation=0.3, seed=7)
+    out = aug(x, train=True)
+    assert out.shape == (8, 3, 16, 16)
+    assert len({tuple(o.flatten()[:50].tolist()) for o in out}) == 8  # each copy augmented differently
+    again = GpuAugment(MEAN, STD, size=16, crop_scale=(0.3, 1.0), brightness=0.3, contrast=0.3, saturation=0.3, seed=7)
+    assert torch.equal(again(x, train=True), out)
+    assert not torch.equal(aug(x, train=True), out)  # the next call draws new parameters
+
+
+def test_crop_parameters_stay_inside_the_image() -> None:
+    aug = GpuAugment(MEAN, STD, crop_scale=(0.08, 1.0), crop_ratio=(0.5, 2.0))
+    p = aug.sample_params(1000, 30, 40, torch.Generator().manual_seed(0))
+    assert (p["cw"] <= 1).all() and (p["ch"] <= 1).all()
+    assert ((p["cx"].abs() + p["cw"]) <= 1 + 1e-9).all() and ((p["cy"].abs() + p["ch"]) <= 1 + 1e-9).all()
+    area = p["cw"] * p["ch"]
+    assert area.min() >= 0.05 and area.max() <= 1.0
+
+
+def test_bad_arguments_name_themselves() -> None:
+    with pytest.raises(ValueError, match="`crop_scale`"):
+        GpuAugment(crop_scale=(0.5, 1.5))
+    with pytest.raises(ValueError, match="`flip_p`"):
+        GpuAugment(flip_p=2.0)
+    with pytest.raises(ValueError, match="channels"):
+        GpuAugment(MEAN, STD)(torch.zeros(2, 1, 4, 4, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"\(N, C, H, W\)"):
+        GpuAugment(MEAN, STD)(torch.zeros(3, 4, 4, dtype=torch.uint8))
+
+
+@pytest.mark.gpu
+def test_cuda_matches_the_cpu_fallback() -> None:
+    x = _batch(16, 64, 64)
+    kw = {"size": 48, "crop_scale": (0.2, 1.0), "brightness": 0.2, "contrast": 0.2, "saturation": 0.2, "seed": 3}
+    cpu = GpuAugment(MEAN, STD, **kw)(x, train=True)
+    gpu = GpuAugment(MEAN, STD, **kw).cuda()(x.cuda(), train=True)
+    assert gpu.device.type == "cuda"
+    torch.testing.assert_close(gpu.cpu(), cpu, atol=1e-4, rtol=1e-4)

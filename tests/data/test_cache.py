@@ -1,0 +1,169 @@
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_accel.data import (
+    CorruptEntryError,
+    DecodeError,
+    ImageDecoder,
+    LmdbTier,
+    ObjectStore,
+    SampleCache,
+    decode_entry,
+    list_origin,
+)
+
+
+def _cache(origin: Path, tmp: Path, *, ram: int = 0, ssd: int | None = 64 << 20, **kw) -> SampleCache:
+    store = ObjectStore(str(origin))
+    return SampleCache(
+        store,
+        list_origin(store),
+        ImageDecoder(16),
+        ram=LmdbTier(tmp / "ram", ram, name="ram") if ram else None,
+        ssd=LmdbTier(tmp / "ssd", ssd, name="ssd") if ssd != 0 else None,
+        **kw,
+    )
+
+
+def test_cold_then_warm_identical_to_imagefolder(small_digits: Path, tmp_cache_dir: Path) -> None:
+    from torchvision.datasets import ImageFolder
+
+    c = _cache(small_digits, tmp_cache_dir)
+    idx = [5, 0, 199, 42]
+    cold = c.load(idx)
+    s = c.stats.as_dict()
+    assert (s["origin_fetches"], s["ssd_hits"], s["writes"]) == (4, 0, 4)
+    assert s["bytes_fetched"] == sum((small_digits / c.listing.keys[i]).stat().st_size for i in idx)
+    warm = c.load(idx)
+    s = c.stats.as_dict()
+    assert (s["origin_fetches"], s["ssd_hits"], s["bytes_fetched"]) == (4, 4, s["bytes_fetched"])
+    ref = ImageFolder(str(small_digits), transform=ImageDecoder(16).pil_transform())
+    expect = torch.stack([ref[i][0] for i in idx])
+    assert cold.images.dtype == torch.uint8 and cold.images.shape == (4, 3, 16, 16)
+    assert torch.equal(cold.images, expect) and torch.equal(warm.images, expect)  # bit-identical decode
+    assert cold.labels.tolist() == warm.labels.tolist() == [ref[i][1] for i in idx]
+
+
+def test_warm_reads_touch_no_origin(small_digits: Path, tmp_cache_dir: Path) -> None:
+    c = _cache(small_digits, tmp_cache_dir)
+    c.load(list(range(30)))
+    shutil_target = tmp_cache_dir / "gone"
+    c2 = _cache(small_digits, tmp_cache_dir)  # same tiers, new process-local state
+    c2.store = ObjectStore(str(shutil_target))  # an origin that does not exist: any read would fail
+    c2.namespace = c.namespace
+    out = c2.load(list(range(30)))
+    assert len(out.kept) == 30 and c2.stats.as_dict()["bytes_fetched"] == 0
+
+
+def test_misses_go_to_ssd_and_hits_are_promoted_to_ram(small_digits: Path, tmp_cache_dir: Path) -> None:
+    c = _cache(small_digits, tmp_cache_dir, ram=8 << 20)
+    c.load(list(range(10)))
+    assert c.ram is not None and len(c.ram) == 0 and c.ssd is not None and len(c.ssd) == 10
+    c.load(list(range(10)))  # SSD hits, promoted to RAM
+    assert len(c.ram) == 10
+    c.load(list(range(10)))
+    s = c.stats.as_dict()
+    assert (s["ssd_hits"], s["ram_hits"]) == (10, 10)
+    assert s["ram_hit_rate"] == pytest.approx(10 / 30)
+    c_ram_only = _cache(small_digits, tmp_cache_dir / "r", ram=8 << 20, ssd=0)
+    c_ram_only.load([0, 1])
+    assert c_ram_only.ram is not None and len(c_ram_only.ram) == 2  # no SSD tier: misses go to RAM
+
+
+def test_corrupt_entry_is_evicted_refetched_and_counted(small_digits: Path, tmp_cache_dir: Path) -> None:
+    c = _cache(small_digits, tmp_cache_dir)
+    good = c.load([3]).images.clone()
+    key = c.key(3)
+    assert c.ssd is not None
+    raw = bytearray(c.ssd.get(key) or b"")
+    raw[-10] ^= 0xFF
+    c.ssd.delete([key])
+    c.ssd.put_many([(key, bytes(raw))])
+    with pytest.raises(CorruptEntryError):
+        decode_entry(bytes(raw))
+    again = c.load([3])
+    s = c.stats.as_dict()
+    assert torch.equal(again.images, good)
+    assert (s["refetches"], s["evictions"], s["origin_fetches"]) == (1, 1, 2)
+    decode_entry(c.ssd.get(key) or b"")  # the refetched entry is valid again
+
+
+def test_decode_errors_raise_naming_the_key_or_are_skipped(small_digits: Path, tmp_path: Path) -> None:
+    origin = tmp_path / "origin"
+    shutil.copytree(small_digits, origin)
+    bad = sorted((origin / "3").glob("*.jpg"))[0]
+    bad.write_bytes(b"this is not a jpeg")
+    c = _cache(origin, tmp_path / "c1")
+    i = c.listing.keys.index(f"3/{bad.name}")
+    with pytest.raises(DecodeError, match=rf"3/{bad.name}.*on_decode_error='skip'"):
+        c.load([0, i])
+    c = _cache(origin, tmp_path / "c2", on_decode_error="skip")
+    out = c.load([0, i, 1])
+    assert out.kept == [0, 2] and out.images.shape[0] == 2 and len(out.labels) == 2
+    assert c.stats.as_dict()["decode_skipped"] == 1
+
+
+def test_over_budget_keeps_a_stable_subset(small_digits: Path, tmp_cache_dir: Path) -> None:
+    store = ObjectStore(str(small_digits))
+    budget = 800 * 1024  # 200 entries of 2 LMDB pages each (40 px) need ~1.7 MB: about half fits
+    c = SampleCache(store, list_origin(store), ImageDecoder(40), ssd=LmdbTier(tmp_cache_dir, budget))
+    order = torch.randperm(200, generator=torch.Generator().manual_seed(0)).tolist()
+    for lo in range(0, 200, 20):
+        c.load(order[lo : lo + 20])
+    c.stats.reset()
+    for lo in range(0, 200, 20):  # a second epoch in another order
+        c.load(order[::-1][lo : lo + 20])
+    s = c.stats.as_dict()
+    assert c.ssd is not None
+    fits = len(c.ssd) / 200
+    assert 0.4 < fits < 0.5
+    assert s["ssd_hit_rate"] == pytest.approx(fits)  # every entry kept is a hit, whatever the order
+    assert c.ssd.file_bytes() <= budget
+
+
+def test_budget_too_small_for_one_sample(small_digits: Path, tmp_cache_dir: Path) -> None:
+    store = ObjectStore(str(small_digits))
+    c = SampleCache(store, list_origin(store), ImageDecoder(224), ssd=LmdbTier(tmp_cache_dir, 100_000))
+    with pytest.raises(ValueError, match=r"`ssd_bytes` budget 100000 bytes.*\d+ bytes for a \d+-byte entry"):
+        c.load([0])
+
+
+def test_prefetch_hints_start_reads_only_for_uncached_samples(small_digits: Path, tmp_cache_dir: Path) -> None:
+    c = _cache(small_digits, tmp_cache_dir, max_pending=8)
+    c.load([0, 1])
+    assert c.hint([0, 1, 2, 3]) == 2  # 0 and 1 are cached
+    assert c.hint(list(range(4, 40))) == 6  # bounded by max_pending
+    out = c.load([2, 3])
+    s = c.stats.as_dict()
+    assert s["prefetched"] == 8 and len(out.kept) == 2
+    c.drop_pending()
+    assert not c._pending
+
+
+def test_unwritable_cache_dir_warns_and_training_continues(small_digits: Path, tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    store = ObjectStore(str(small_digits))
+    c = SampleCache(store, list_origin(store), ImageDecoder(16), ssd=LmdbTier(tmp_path / "file" / "ssd", 1 << 20))
+    with pytest.warns(RuntimeWarning, match="ssd tier .* disabled"):
+        out = c.load([0, 1])
+    assert len(out.kept) == 2 and c.stats.as_dict()["origin_fetches"] == 2
+    shutil.rmtree(tmp_path / "file", ignore_errors=True)
+
+
+def test_each_process_verifies_an_entry_once(small_digits: Path, tmp_cache_dir: Path, monkeypatch) -> None:
+    import lightning_accel.data.codec as codec
+
+    c = _cache(small_digits, tmp_cache_dir)
+    c.load(list(range(8)))  # cold: decoded, written
+    calls = []
+    real = codec.zlib.crc32
+    monkeypatch.setattr(codec.zlib, "crc32", lambda *a: calls.append(1) or real(*a))
+    c.load(list(range(8)))  # first read of each entry in this process: verified
+    first = len(calls)
+    c.load(list(range(8)))  # verified entries are trusted (immutable once committed)
+    assert first >= 8 and len(calls) == first

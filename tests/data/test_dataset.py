@@ -1,0 +1,187 @@
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_accel.data import (
+    CacheDataLoader,
+    CachedDataset,
+    EpochOrderSampler,
+    ImageDecoder,
+    LmdbTier,
+    ObjectStore,
+    SampleCache,
+    collate_batch,
+    decode_entry,
+    list_origin,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _dataset(origin: str, tmp: Path, *, opts: dict[str, Any] | None = None, ram: int = 0, **kw: Any) -> CachedDataset:
+    store = ObjectStore(origin, opts)
+    cache = SampleCache(
+        store,
+        list_origin(store),
+        ImageDecoder(16),
+        ram=LmdbTier(tmp / "ram", ram, name="ram") if ram else None,
+        ssd=LmdbTier(tmp / "ssd", 64 << 20),
+    )
+    return CachedDataset(cache, **kw)
+
+
+def _epoch(loader: Any) -> tuple[list[int], int]:
+    labels, n = [], 0
+    for x, y in loader:
+        assert x.dtype == torch.uint8 and x.shape[1:] == (3, 16, 16) and len(x) == len(y)
+        labels += y.tolist()
+        n += len(x)
+    return labels, n
+
+
+@pytest.mark.parametrize(("ctx", "workers"), [("fork", 2), ("spawn", 1)])
+def test_workers_share_tiers_and_statistics(small_digits: Path, tmp_cache_dir: Path, ctx: str, workers: int) -> None:
+    ds = _dataset(str(small_digits), tmp_cache_dir, ram=8 << 20)
+    sampler = EpochOrderSampler(ds, batch_size=32, seed=1)
+    loader = DataLoader(
+        ds,
+        batch_size=32,
+        sampler=sampler,
+        num_workers=workers,
+        multiprocessing_context=ctx,
+        persistent_workers=True,
+        collate_fn=collate_batch,
+    )
+    ds.cache.ram.open()  # the parent holds both environments open while workers start
+    ds.cache.ssd.open()
+    labels0, n0 = _epoch(loader)
+    sampler.set_epoch(1)
+    labels1, n1 = _epoch(loader)  # SSD hits, promoted to the RAM tier
+    sampler.set_epoch(2)
+    _, n2 = _epoch(loader)
+    s = ds.stats.as_dict()  # counted inside the workers, read in the main process
+    assert n0 == n1 == n2 == 200 and sorted(labels0) == sorted(labels1) == sorted(ds.cache.listing.labels)
+    assert labels0 != labels1  # another shuffle
+    assert s["requests"] == 600 and s["origin_fetches"] == 200 and s["ssd_hits"] == 200
+    assert s["ram_hits"] == 200  # epoch 3: every sample from the node-wide RAM tier, whichever worker promoted it
+    assert s["prefetched"] > 0  # workers read ahead in the published order
+
+
+def test_sampler_publishes_the_order_and_shards_ranks(small_digits: Path, tmp_cache_dir: Path) -> None:
+    ds = _dataset(str(small_digits), tmp_cache_dir)
+    s0 = EpochOrderSampler(ds, num_replicas=2, rank=0, seed=3, batch_size=10)
+    s1 = EpochOrderSampler(ds, num_replicas=2, rank=1, seed=3, batch_size=10)
+    o1 = list(s1)
+    o0 = list(s0)
+    assert sorted(o0 + o1) == list(range(200))
+    assert int(ds._order[0]) == 2 and int(ds._order[1]) == 100 and int(ds._order[2]) == 10
+    assert ds._order[3:103].tolist() == o0  # the last published order (this rank's)
+
+
+def test_read_ahead_fetches_the_next_batches_of_this_reader(small_digits: Path, tmp_cache_dir: Path) -> None:
+    ds = _dataset(str(small_digits), tmp_cache_dir, prefetch_batches=2)
+    order = list(EpochOrderSampler(ds, batch_size=10, seed=0))
+    ds.__getitems__(order[0:10])
+    assert set(ds.cache._pending) == set(order[10:30])  # batches 1 and 2 are in flight
+    ds.__getitems__(order[10:20])
+    assert set(ds.cache._pending) == set(order[20:40])
+    assert ds.stats.as_dict()["origin_fetches"] == 20
+
+
+def test_cache_dataloader_switches_to_main_process_reads_when_warm(small_digits: Path, tmp_cache_dir: Path) -> None:
+    ds = _dataset(str(small_digits), tmp_cache_dir)
+    sampler = EpochOrderSampler(ds, batch_size=50)
+    loader = CacheDataLoader(ds, batch_size=50, sampler=sampler, num_workers=1, persistent_workers=True)
+    assert ds.cached_fraction() == 0.0
+    _epoch(loader)
+    assert loader.num_workers == 1 and not loader.is_warm
+    assert ds.cached_fraction() == 1.0
+    labels, n = _epoch(loader)
+    assert loader.is_warm and loader.num_workers == 0 and n == 200
+    assert ds.stats.as_dict()["ssd_hits"] == 200
+
+
+def test_read_ahead_thread_propagates_errors(small_digits: Path, tmp_path: Path) -> None:
+    import shutil
+
+    origin = tmp_path / "o"
+    shutil.copytree(small_digits, origin)
+    ds = _dataset(str(origin), tmp_path)
+    for p in (origin / "7").glob("*.jpg"):
+        p.unlink()  # listed but gone: a permanent origin error
+    loader = CacheDataLoader(ds, batch_size=50, num_workers=0, warm_num_workers=0)
+    with pytest.raises(OSError, match=r"7/\d+\.jpg"):
+        _epoch(loader)
+
+
+def test_s3_cold_then_warm_moves_each_byte_once(
+    s3_bucket: tuple[str, dict[str, Any]], small_digits: Path, tmp_cache_dir: Path
+) -> None:
+    import fsspec
+
+    bucket, opts = s3_bucket
+    fs = fsspec.filesystem("s3", skip_instance_cache=True, **opts)
+    files = sorted(small_digits.rglob("*.jpg"))[:96]
+    fs.pipe({f"{bucket}/d/{p.parent.name}/{p.name}": p.read_bytes() for p in files})
+    total = sum(p.stat().st_size for p in files)
+    ds = _dataset(f"s3://{bucket}/d", tmp_cache_dir, opts=opts)
+    sampler = EpochOrderSampler(ds, batch_size=16)
+    loader = DataLoader(ds, batch_size=16, sampler=sampler, num_workers=2, collate_fn=collate_batch)
+    _, n = _epoch(loader)
+    cold = ds.stats.as_dict()
+    assert n == 96 and cold["origin_fetches"] == 96
+    assert cold["bytes_fetched"] == total  # read-ahead never reads a sample twice
+    _, n = _epoch(loader)
+    warm = ds.stats.as_dict()
+    assert n == 96 and warm["bytes_fetched"] == total and warm["ssd_hits"] == 96
+
+
+_WARMER = textwrap.dedent(
+    """
+    import sys, time
+    from lightning_accel.data import CachedDataset, ImageDecoder, LmdbTier, ObjectStore, SampleCache, list_origin
+    store = ObjectStore(sys.argv[1])
+    cache = SampleCache(store, list_origin(store), ImageDecoder(16), ssd=LmdbTier(sys.argv[2], 64 << 20))
+    ds = CachedDataset(cache)
+    for lo in range(0, 200, 4):
+        ds.__getitems__(list(range(lo, lo + 4)))
+        print(lo + 4, flush=True)
+        time.sleep(0.05)
+    """
+)
+
+
+def test_warm_up_killed_halfway_leaves_only_complete_entries(small_digits: Path, tmp_cache_dir: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WARMER, str(small_digits), str(tmp_cache_dir / "ssd")],
+        stdout=subprocess.PIPE,
+        env=env,
+        text=True,
+    )
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if int(line) >= 40:
+            break
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    tier = LmdbTier(tmp_cache_dir / "ssd", 64 << 20)
+    n = len(tier)
+    assert 40 <= n < 200
+    with tier.reader() as get:
+        for k in tier._env.begin(db=tier._dbs["index"]).cursor().iternext(values=False):
+            decode_entry(get(bytes(k)))  # every committed entry is complete and passes its checksum
+    ds = _dataset(str(small_digits), tmp_cache_dir)
+    labels, total = _epoch(CacheDataLoader(ds, batch_size=50, num_workers=0))
+    s = ds.stats.as_dict()
+    assert total == 200 and s["ssd_hits"] == n and s["origin_fetches"] == 200 - n and s["refetches"] == 0

@@ -1,0 +1,119 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lightning_accel.data.origin import Listing, ObjectStore, OriginError, list_origin
+
+
+def test_lists_an_imagefolder_like_torchvision(small_digits: Path) -> None:
+    from torchvision.datasets import ImageFolder
+
+    listing = list_origin(ObjectStore(str(small_digits)))
+    ref = ImageFolder(str(small_digits))
+    assert listing.classes == ref.classes
+    assert [str(small_digits / k) for k in listing.keys] == [p for p, _ in ref.samples]
+    assert listing.labels == [y for _, y in ref.samples]
+
+
+def test_listing_roundtrips_through_its_file(small_digits: Path, tmp_path: Path) -> None:
+    listing = list_origin(ObjectStore(f"file://{small_digits}"))
+    listing.save(tmp_path / "l.json")
+    again = Listing.load(tmp_path / "l.json")
+    assert again == listing and again.fingerprint() == listing.fingerprint()
+
+
+def test_manifest_origin(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "x.bin").write_bytes(b"x")
+    (tmp_path / "m.jsonl").write_text(json.dumps({"key": "a/x.bin", "label": 2}) + "\n\n")
+    listing = list_origin(ObjectStore(str(tmp_path)), manifest="m.jsonl")
+    assert (listing.keys, listing.labels, listing.classes) == (["a/x.bin"], [2], ["0", "1", "2"])
+    (tmp_path / "bad.jsonl").write_text('{"key": "../etc/passwd", "label": 0}\n')
+    with pytest.raises(ValueError, match="escape"):
+        list_origin(ObjectStore(str(tmp_path)), manifest="bad.jsonl")
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        list_origin(ObjectStore(str(tmp_path)), manifest="nope.jsonl")
+
+
+def test_missing_or_empty_origin_names_the_url(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=str(tmp_path / "missing")):
+        list_origin(ObjectStore(str(tmp_path / "missing")))
+    (tmp_path / "empty" / "cls").mkdir(parents=True)
+    (tmp_path / "empty" / "top.jpg").write_bytes(b"not in a class dir")
+    with pytest.raises(ValueError, match=r"empty. holds no files"):
+        list_origin(ObjectStore(str(tmp_path / "empty")))
+
+
+def test_missing_key_is_permanent_and_names_the_url(small_digits: Path) -> None:
+    store = ObjectStore(str(small_digits), retries=3, backoff_s=0.0)
+    with pytest.raises(OriginError, match=r"0/nope\.jpg.*FileNotFoundError"):
+        store.fetch("0/nope.jpg")
+    assert store.retried == 0
+    with pytest.raises(ValueError, match="escape"):
+        store.fetch("../secret")
+
+
+class _Flaky:
+    """Wraps a filesystem: the first ``fail`` reads raise a transient error."""
+
+    def __init__(self, fs: Any, fail: int) -> None:
+        self.fs, self.fail = fs, fail
+
+    def cat_file(self, path: str) -> bytes:
+        if self.fail > 0:
+            self.fail -= 1
+            raise ConnectionResetError("connection reset by peer")
+        return self.fs.cat_file(path)
+
+
+def test_transient_errors_are_retried_with_backoff_then_fail_clearly(small_digits: Path) -> None:
+    store = ObjectStore(str(small_digits), retries=2, backoff_s=0.001)
+    key = list_origin(store).keys[0]
+    store._ensure()
+    real = store._fs
+    store._fs = _Flaky(real, fail=2)
+    assert store.fetch(key) == (small_digits / key).read_bytes()
+    assert store.retried == 2
+    store._fs = _Flaky(real, fail=10)
+    with pytest.raises(OriginError, match=r"after 3 attempts.*ConnectionResetError"):
+        store.fetch(key)
+
+
+def test_fetch_many_is_concurrent_and_ordered(small_digits: Path) -> None:
+    store = ObjectStore(str(small_digits), max_concurrency=4)
+    keys = list_origin(store).keys[:20]
+    assert store.fetch_many(keys) == [(small_digits / k).read_bytes() for k in keys]
+    assert store.bytes_read == sum((small_digits / k).stat().st_size for k in keys)
+
+
+def test_s3_origin_through_moto(s3_bucket: tuple[str, dict[str, Any]], small_digits: Path) -> None:
+    import fsspec
+
+    bucket, opts = s3_bucket
+    fs = fsspec.filesystem("s3", skip_instance_cache=True, **opts)
+    local = sorted(p for p in small_digits.rglob("*.jpg"))[:12]
+    for p in local:
+        fs.pipe_file(f"{bucket}/train/{p.parent.name}/{p.name}", p.read_bytes())
+    store = ObjectStore(f"s3://{bucket}/train", opts)
+    listing = list_origin(store)
+    assert len(listing) == 12 and set(listing.classes) <= {str(i) for i in range(10)}
+    assert store.fetch(listing.keys[0]) == (small_digits / listing.keys[0]).read_bytes()
+    with pytest.raises(OriginError, match=rf"s3://{bucket}/train/0/missing\.jpg"):
+        store.fetch("0/missing.jpg")
+    with pytest.raises(FileNotFoundError, match=rf"s3://{bucket}/nothing"):
+        list_origin(ObjectStore(f"s3://{bucket}/nothing", opts))
+
+
+def test_memory_origin() -> None:
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    fs.pipe_file("/la-test-origin/cat/a.png", b"1")
+    fs.pipe_file("/la-test-origin/dog/b.png", b"22")
+    listing = list_origin(ObjectStore("memory://la-test-origin"))
+    assert (listing.keys, listing.labels) == (["cat/a.png", "dog/b.png"], [0, 1])
+    assert ObjectStore("memory://la-test-origin").fetch("dog/b.png") == b"22"

@@ -1,0 +1,150 @@
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import stat
+from pathlib import Path
+
+import pytest
+
+from lightning_accel.data import tiers as tiers_mod
+from lightning_accel.data.tiers import BudgetTooSmallError, LmdbTier, parse_bytes
+from tests.helpers import run_in_processes
+
+VAL = 10_000  # bytes per test value: 3 LMDB overflow pages
+
+
+def _items(lo: int, hi: int, size: int = VAL) -> list[tuple[bytes, bytes]]:
+    return [(f"k{i:05d}".encode(), bytes([i % 251]) * size) for i in range(lo, hi)]
+
+
+def test_put_get_contains_delete(tmp_cache_dir: Path) -> None:
+    t = LmdbTier(tmp_cache_dir / "ssd", 4 << 20)
+    r = t.put_many(_items(0, 10))
+    assert (r.stored, r.rejected, r.evicted) == (10, 0, 0)
+    assert t.get(b"k00003") == bytes([3]) * VAL
+    assert t.get(b"nope") is None
+    assert t.contains([b"k00001", b"zzz"]) == [True, False]
+    assert t.put_many(_items(0, 2)).rejected == 2  # already there: left alone
+    assert t.delete([b"k00001", b"missing"]) == 1
+    assert len(t) == 9
+    assert t.used_bytes() == 9 * t.cost(b"k00000", VAL)
+    with t.reader() as get:
+        view = get(b"k00002")
+        assert isinstance(view, memoryview) and view[0] == 2
+
+
+def test_keep_policy_never_exceeds_the_budget_and_keeps_a_stable_subset(tmp_cache_dir: Path) -> None:
+    budget = 1 << 20
+    t = LmdbTier(tmp_cache_dir / "ssd", budget, policy="keep")
+    for lo in range(0, 300, 25):
+        t.put_many(_items(lo, lo + 25))
+    n = len(t)
+    assert 0 < n < 300
+    assert t.used_bytes() <= t.usable_bytes <= budget
+    assert t.file_bytes() <= budget
+    first = t.contains([k for k, _ in _items(0, n)])
+    assert all(first)  # the first entries that fit stay: a scan does not churn the cache
+    assert t.put_many(_items(1000, 1010)).rejected == 10
+
+
+def test_fifo_policy_evicts_the_oldest(tmp_cache_dir: Path) -> None:
+    t = LmdbTier(tmp_cache_dir / "ssd", 1 << 20, policy="fifo")
+    assert t.put_many(_items(0, 100)).evicted > 0  # 1.2 MB into a 1 MB budget
+    n = len(t)
+    evicted = t.put_many(_items(100, 110)).evicted
+    assert evicted >= 10
+    assert t.get(b"k00000") is None and t.get(b"k00109") is not None
+    assert len(t) == n + 10 - evicted
+    assert t.used_bytes() <= t.usable_bytes and t.file_bytes() <= (1 << 20)
+
+
+def test_map_grows_on_map_full(tmp_cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tiers_mod, "_INITIAL_MAP", 1 << 20)
+    t = LmdbTier(tmp_cache_dir / "ssd", None)
+    for lo in range(0, 400, 50):  # 4 MB of values into a 1 MB initial map
+        assert t.put_many(_items(lo, lo + 50)).stored == 50
+    assert t._env.info()["map_size"] > (1 << 20)
+    assert len(t) == 400
+
+
+def test_budget_smaller_than_one_sample_names_both_numbers(tmp_cache_dir: Path) -> None:
+    t = LmdbTier(tmp_cache_dir / "ssd", 64 << 10, name="ssd")
+    with pytest.raises(BudgetTooSmallError, match=r"`ssd_bytes` budget 65536 bytes.*\(\d+ bytes for a 200000-byte"):
+        t.put_many([(b"big", b"x" * 200_000)])
+
+
+def test_unwritable_directory_warns_once_and_disables(tmp_path: Path) -> None:
+    if os.geteuid() == 0:
+        # root ignores directory permissions: use a path under a regular file instead (mkdir fails for everyone)
+        (tmp_path / "file").write_text("x")
+        path = tmp_path / "file" / "ssd"
+    else:
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(stat.S_IRUSR | stat.S_IXUSR)
+        path = ro / "ssd"
+    t = LmdbTier(path, 1 << 20)
+    with pytest.warns(RuntimeWarning, match="disabled"):
+        assert not t.open()
+    assert t.disabled
+    assert t.put_many(_items(0, 2)).stored == 0
+    assert t.get(b"k00000") is None  # no second warning, no error
+
+
+def test_pickle_drops_the_environment(tmp_cache_dir: Path) -> None:
+    t = LmdbTier(tmp_cache_dir / "ssd", 1 << 20)
+    t.put_many(_items(0, 3))
+    t2 = pickle.loads(pickle.dumps(t))
+    assert t2._env is None
+    assert t2.get(b"k00001") == bytes([1]) * VAL
+
+
+def _child_reads_and_writes(path: str, q: mp.Queue) -> None:
+    t = LmdbTier(path, 4 << 20)
+    q.put((t.get(b"k00002") == bytes([2]) * VAL, t.put_many(_items(50, 55)).stored))
+
+
+def test_a_forked_child_opens_its_own_environment(tmp_cache_dir: Path) -> None:
+    # (spawned processes are covered by the DataLoader worker test in test_dataset.py)
+    t = LmdbTier(tmp_cache_dir / "ssd", 4 << 20)
+    t.put_many(_items(0, 5))  # the parent has the environment open while it forks
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_child_reads_and_writes, args=(str(tmp_cache_dir / "ssd"), q))
+    p.start()
+    ok, stored = q.get(timeout=120)
+    p.join(30)
+    assert ok and stored == 5 and p.exitcode == 0
+    assert t.get(b"k00052") == bytes([52 % 251]) * VAL  # the parent still works and sees the child's writes
+    assert len(t) == 10
+
+
+def _rank_writes(rank: int, world: int, path: str) -> tuple[int, int]:
+    t = LmdbTier(path, 2 << 20)
+    total = 0
+    for lo in range(0, 200, 20):  # both ranks write overlapping key ranges into one directory
+        total += t.put_many(_items(lo + rank * 10, lo + rank * 10 + 20)).stored
+    return total, t.used_bytes()
+
+
+def test_two_processes_share_one_directory_within_the_budget(tmp_cache_dir: Path) -> None:
+    path = str(tmp_cache_dir / "ssd")
+    res = run_in_processes(_rank_writes, 2, (path,), init_process_group=False, timeout=120)
+    t = LmdbTier(path, 2 << 20)
+    assert sum(r[0] for r in res) == len(t)  # no key stored twice
+    assert t.used_bytes() == len(t) * t.cost(b"k00000", VAL)  # one consistent count across processes
+    assert t.used_bytes() <= t.usable_bytes and t.file_bytes() <= (2 << 20)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"), [(5, 5), ("512MiB", 512 << 20), ("2GB", 2 * 10**9), ("0", 0), (None, None)]
+)
+def test_parse_bytes(value: object, expected: int | None) -> None:
+    assert parse_bytes(value, name="ssd_bytes") == expected  # type: ignore[arg-type]
+
+
+def test_parse_bytes_rejects_nonsense() -> None:
+    with pytest.raises(ValueError, match="`ram_bytes`.*'lots'"):
+        parse_bytes("lots", name="ram_bytes")
