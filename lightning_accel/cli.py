@@ -43,10 +43,40 @@ class AccelCLI(LightningCLI):
         )
 
     @override
+    def _parse_ckpt_path(self) -> None:
+        # LightningCLI reads the checkpoint's hyper-parameters with `torch.load` before the Trainer exists; a
+        # DeltaCheckpointIO checkpoint is a JSON manifest, so read those through the delta store instead.
+        sub = self.config.get("subcommand")
+        ckpt_path = self.config[sub].get("ckpt_path") if sub else None
+        if not (ckpt_path and _is_delta_manifest(ckpt_path)):
+            super()._parse_ckpt_path()
+            return
+        from lightning_accel.checkpoint.plugin import DeltaCheckpointIO
+
+        hparams = dict(DeltaCheckpointIO().load_checkpoint(ckpt_path).get("hyper_parameters", {}))
+        hparams.pop("_instantiator", None)
+        if not hparams:
+            return
+        if "_class_path" in hparams:
+            hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
+        self.config = self.parser.parse_object({sub: {"model": hparams}}, self.config)
+
+    @override
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> Any:
         if config.get("logger") in (None, True):
             config["logger"] = default_loggers(config.get("default_root_dir"))
         return super()._instantiate_trainer(config, callbacks)
+
+
+def _is_delta_manifest(path: str) -> bool:
+    """True for a local file written by DeltaCheckpointIO (a JSON manifest, not a torch zip)."""
+    from lightning_accel.checkpoint.store import is_manifest_bytes
+
+    try:
+        with open(path, "rb") as f:
+            return is_manifest_bytes(f.read(64))
+    except OSError:
+        return False
 
 
 def default_loggers(root: str | None) -> list[Any]:

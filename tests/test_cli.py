@@ -39,6 +39,13 @@ def test_fit_with_overrides_writes_metrics_csv(digits_dir: Path, tmp_path: Path)
     assert len(csvs) == 1
     header = csvs[0].read_text().splitlines()[0]
     assert "val_acc" in header and "train_loss" in header
+    # The quickstart saves DeltaCheckpointIO manifests; `validate --ckpt_path` must read them (LightningCLI itself
+    # would torch.load the file to find hyper-parameters, and fail on a JSON manifest).
+    (ckpt,) = (tmp_path / "run").rglob("*.ckpt")
+    assert ckpt.read_bytes()[:1] == b"{"
+    argv = [a for a in _tiny(digits_dir, tmp_path / "val") if "limit_train" not in a and "max_epochs" not in a]
+    main(["validate", *argv, f"--ckpt_path={ckpt}"])
+    assert list((tmp_path / "val").rglob("metrics.csv"))
 
 
 def test_validate_subcommand(digits_dir: Path, tmp_path: Path) -> None:
