@@ -5,8 +5,7 @@ Public names are resolved lazily (PEP 562) so ``import lightning_accel`` stays c
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from lightning_accel._utils.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -51,14 +50,4 @@ def _register_strategies() -> None:
 _register_strategies()
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from lightning_accel._utils.lazy import lazy_exports
 
 # public name -> module that defines it (imported on first access, so importing one callback loads only its file)
 _CALLBACKS: dict[str, str] = {
@@ -18,14 +17,4 @@ _CALLBACKS: dict[str, str] = {
 __all__ = sorted(_CALLBACKS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _CALLBACKS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__ = lazy_exports(__name__, _CALLBACKS, __all__)
