@@ -71,6 +71,11 @@ class SampleCache:
         stats: shared counters (a new :class:`CacheStats` by default).
         on_decode_error: ``"raise"`` (error naming the key) or ``"skip"`` (drop the sample from its batch, count it).
         max_pending: most prefetched origin reads outstanding per process.
+        prefetch: read ahead (:meth:`hint`) and read a batch's misses concurrently on the store's thread pool.
+            ``None`` (default): only for remote origins. A local origin (plain path, ``file://``) is read inline in
+            the calling thread: a page-cache read costs ~20 us there against ~80 us of CPU through the pool (thread
+            hand-offs and GIL switches, measured on this 2-core machine), and in DataLoader workers that CPU is
+            taken from decoding. Pass ``True`` for a local disk slow enough that concurrent reads pay off.
     """
 
     def __init__(
@@ -84,6 +89,7 @@ class SampleCache:
         stats: CacheStats | None = None,
         on_decode_error: str = "raise",
         max_pending: int = 256,
+        prefetch: bool | None = None,
     ) -> None:
         if on_decode_error not in ("raise", "skip"):
             raise ValueError(f"`on_decode_error` must be 'raise' or 'skip', got {on_decode_error!r}.")
@@ -95,6 +101,7 @@ class SampleCache:
         self.stats = stats if stats is not None else CacheStats()
         self.on_decode_error = on_decode_error
         self.max_pending = max_pending
+        self.prefetch = (not store.is_local) if prefetch is None else bool(prefetch)
         fp = getattr(decode, "fingerprint", None) or repr(decode)
         self.namespace = hashlib.sha1(f"{store.url}|{fp}".encode()).hexdigest()[:12]
         self._pending: dict[int, Future[bytes]] = {}
@@ -130,7 +137,11 @@ class SampleCache:
 
     # ---- prefetch ------------------------------------------------------------------------------------------------
     def hint(self, indices: Sequence[int]) -> int:
-        """Start origin reads for those of ``indices`` no tier holds; returns how many were started."""
+        """Start origin reads for those of ``indices`` no tier holds; returns how many were started.
+
+        Does nothing (returns 0) when ``prefetch`` is off (a local origin, by default)."""
+        if not self.prefetch:
+            return 0
         with self._lock:
             return self._hint(indices)
 
@@ -161,6 +172,14 @@ class SampleCache:
             self._pending.clear()
 
     def _fetch(self, indices: Sequence[int]) -> list[bytes | BaseException]:
+        if not self.prefetch and not self._pending:  # local origin: inline reads (see `prefetch`)
+            inline: list[bytes | BaseException] = []
+            for i in indices:
+                try:
+                    inline.append(self.store.fetch(self.listing.keys[i]))
+                except Exception as e:  # an OriginError: raised by the caller with context
+                    inline.append(e)
+            return inline
         futs = []
         with self._lock:
             for i in indices:

@@ -134,7 +134,7 @@ def test_budget_too_small_for_one_sample(small_digits: Path, tmp_cache_dir: Path
 
 
 def test_prefetch_hints_start_reads_only_for_uncached_samples(small_digits: Path, tmp_cache_dir: Path) -> None:
-    c = _cache(small_digits, tmp_cache_dir, max_pending=8)
+    c = _cache(small_digits, tmp_cache_dir, max_pending=8, prefetch=True)
     c.load([0, 1])
     assert c.hint([0, 1, 2, 3]) == 2  # 0 and 1 are cached
     assert c.hint(list(range(4, 40))) == 6  # bounded by max_pending
@@ -167,3 +167,17 @@ def test_each_process_verifies_an_entry_once(small_digits: Path, tmp_cache_dir: 
     first = len(calls)
     c.load(list(range(8)))  # verified entries are trusted (immutable once committed)
     assert first >= 8 and len(calls) == first
+
+
+def test_local_inline_read_of_a_vanished_file_names_the_url(tmp_path: Path, small_digits: Path) -> None:
+
+    from lightning_accel.data import OriginError
+
+    origin = tmp_path / "origin"
+    shutil.copytree(small_digits, origin)
+    c = _cache(origin, tmp_path / "cache")
+    assert c.prefetch is False  # a local origin is read inline
+    victim = c.listing.keys[3]
+    (origin / victim).unlink()
+    with pytest.raises(OriginError, match=victim.split("/")[-1]):
+        c.load([2, 3])
