@@ -193,6 +193,15 @@ class SampleCache:
                 out.append(e)
         return out
 
+    def _decode_failed(self, i: int, e: Exception) -> bool:
+        """True: skip the sample (``on_decode_error="skip"``); otherwise raise a DecodeError naming the key."""
+        if self.on_decode_error == "skip":
+            return True
+        raise DecodeError(
+            f"cannot decode sample {self.listing.keys[i]!r} ({self.store.url_of(self.listing.keys[i])}): "
+            f"{type(e).__name__}: {e}. Fix or remove the file, or pass `on_decode_error='skip'`."
+        ) from e
+
     # ---- the batch read path -------------------------------------------------------------------------------------
     def load(self, indices: Sequence[int], *, shared: bool = False) -> BatchResult:
         """Read listing entries ``indices`` as one batch (see the module docstring for the path).
@@ -261,33 +270,49 @@ class SampleCache:
         skipped = 0
         if missing:
             datas = self._fetch([indices[p] for p in missing])
+            # A decoder with `decode_into` (ImageDecoder) decodes straight into the batch row: no tensor of its own
+            # and no strided HWC -> CHW copy (see ImageDecoder.decode_into).
+            into = getattr(self.decode, "decode_into", None)
+            shape_of = getattr(self.decode, "out_shape", None)
+            if shape_of is None:
+                into = None
             for pos, data in zip(missing, datas, strict=False):
                 i = indices[pos]
                 if isinstance(data, BaseException):
                     raise data
+                t: torch.Tensor | None = None
                 try:
-                    t = self.decode(data)
-                    if not isinstance(t, torch.Tensor):
-                        raise TypeError(f"`decode` returned {type(t).__name__}, expected a torch.Tensor")
+                    if into is not None:
+                        shape, dtype = tuple(shape_of(data)), torch.uint8
+                    else:
+                        t = self.decode(data)
+                        if not isinstance(t, torch.Tensor):
+                            raise TypeError(f"`decode` returned {type(t).__name__}, expected a torch.Tensor")
+                        shape, dtype = tuple(t.shape), t.dtype
                 except Exception as e:
-                    if self.on_decode_error == "skip":
+                    if self._decode_failed(i, e):
                         kept[pos] = False
                         skipped += 1
                         continue
-                    raise DecodeError(
-                        f"cannot decode sample {self.listing.keys[i]!r} ({self.store.url_of(self.listing.keys[i])}): "
-                        f"{type(e).__name__}: {e}. Fix or remove the file, or pass `on_decode_error='skip'`."
-                    ) from e
                 if state["out"] is None:
-                    state["out"] = _alloc((n, *t.shape), t.dtype, shared)
+                    state["out"] = _alloc((n, *shape), dtype, shared)
                 row = state["out"][pos]
-                if row.shape != t.shape or row.dtype != t.dtype:
+                if tuple(row.shape) != shape or row.dtype != dtype:
                     raise ValueError(
-                        f"`decode` returned dtype {t.dtype} and shape {list(t.shape)} for "
+                        f"`decode` returned dtype {dtype} and shape {list(shape)} for "
                         f"{self.listing.keys[i]!r}, the batch expects {row.dtype} and {list(row.shape)}. Make "
                         "`decode` return one fixed shape (e.g. resize/crop to a fixed size)."
                     )
-                row.copy_(t)  # the one strided copy (decoders give HWC->CHW views); the entry copies the row
+                if t is None:
+                    try:
+                        into(data, row)
+                    except Exception as e:
+                        if self._decode_failed(i, e):
+                            kept[pos] = False
+                            skipped += 1
+                            continue
+                else:
+                    row.copy_(t)  # the one strided copy (decoders give HWC->CHW views); the entry copies the row
                 labels[pos] = self.listing.labels[i]
                 writes.append((keys[pos], encode_entry(row, self.listing.labels[i])))
         # Misses go to one tier: the SSD when there is one (persistent; its pages stay in the OS page cache), else
