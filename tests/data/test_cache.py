@@ -170,7 +170,6 @@ def test_each_process_verifies_an_entry_once(small_digits: Path, tmp_cache_dir: 
 
 
 def test_local_inline_read_of_a_vanished_file_names_the_url(tmp_path: Path, small_digits: Path) -> None:
-
     from lightning_accel.data import OriginError
 
     origin = tmp_path / "origin"
@@ -181,3 +180,24 @@ def test_local_inline_read_of_a_vanished_file_names_the_url(tmp_path: Path, smal
     (origin / victim).unlink()
     with pytest.raises(OriginError, match=victim.split("/")[-1]):
         c.load([2, 3])
+
+
+class _PlainDecoder:
+    """A decoder without ``decode_into``: returns an HWC -> CHW view (not contiguous), as PILToTensor does."""
+
+    fingerprint = "plain-hwc-view-v1"
+
+    def __call__(self, data: bytes) -> torch.Tensor:
+        return ImageDecoder(16)(data).permute(1, 2, 0).contiguous().permute(2, 0, 1)
+
+
+def test_decoder_without_decode_into_takes_the_tensor_path(small_digits: Path, tmp_cache_dir: Path) -> None:
+    store = ObjectStore(str(small_digits))
+    c = SampleCache(store, list_origin(store), _PlainDecoder(), ssd=LmdbTier(tmp_cache_dir, 64 << 20))
+    ref = _cache(small_digits, tmp_cache_dir / "ref").load([0, 5, 9])
+    cold = c.load([0, 5, 9])
+    warm = c.load([0, 5, 9])
+    assert torch.equal(cold.images, ref.images) and torch.equal(warm.images, ref.images)
+    assert torch.equal(cold.labels, ref.labels)
+    s = c.stats.as_dict()
+    assert s["origin_fetches"] == 3 and s["ssd_hits"] == 3

@@ -48,3 +48,15 @@ def test_decoder_without_size_keeps_the_image_size() -> None:
     data = _encode("RGB", (17, 9), "PNG", seed=1)
     out = ImageDecoder(None)(data)
     assert out.shape == (3, 9, 17)
+
+
+def test_decode_into_checks_the_destination() -> None:
+    data = _encode("RGB", (24, 24), "JPEG", seed=2)
+    dec = ImageDecoder(24)
+    out = torch.empty((2, 3, 24, 24), dtype=torch.uint8)
+    dec.decode_into(data, out[1])
+    assert torch.equal(out[1], dec(data)) and dec.out_shape(data) == (3, 24, 24)
+    with pytest.raises(ValueError, match=r"`out` must be a contiguous uint8 tensor of shape \(3, 24, 24\)"):
+        dec.decode_into(data, torch.empty((3, 24, 24), dtype=torch.float32))
+    with pytest.raises(ValueError, match="contiguous=False"):
+        dec.decode_into(data, torch.empty((3, 24, 48), dtype=torch.uint8)[:, :, ::2])
