@@ -7,9 +7,10 @@ Read path for a batch of sample indices (all in the calling process, one thread)
    tensor (shared memory inside a DataLoader worker, so the batch crosses to the main process as one file
    descriptor, not a copy);
 2. corrupt entries are deleted from their tier, counted as ``refetches`` and treated as misses;
-3. misses are read from the origin concurrently (or taken from reads the prefetcher started earlier), decoded,
-   copied into the batch and written to the SSD tier (the RAM tier when there is no SSD tier) in one write
-   transaction;
+3. misses are read from the origin (a remote one concurrently, or taken from reads the prefetcher started earlier;
+   a local one inline, see ``prefetch``), decoded straight into their batch rows (``decode.decode_into`` when the
+   decoder has it, else the decoder's tensor is copied in), and written to the SSD tier (the RAM tier when there is
+   no SSD tier) in one write transaction;
 4. SSD hits are promoted to the RAM tier while it has room.
 
 Prefetch: :meth:`SampleCache.hint` starts origin reads for upcoming samples that no tier holds, on the store's
