@@ -88,6 +88,12 @@ def encode_entry(tensor: torch.Tensor, label: int, meta: dict[str, Any] | None =
         {"dtype": _NAMES[t.dtype], "shape": list(t.shape), "label": int(label), "meta": meta or {}},
         separators=(",", ":"),
     ).encode("utf-8")
+    if t.is_contiguous() and t.numel() and t.dim() and t.dtype != torch.bool:
+        # The cache's path (a batch row): CRC-32 straight over the tensor's memory, then one copy into the entry
+        # by `bytes.join` (a bytearray would be zero-filled first: a 150 KB memset per 224 px sample).
+        payload = memoryview(t.view(torch.uint8).numpy()).cast("B")
+        crc = zlib.crc32(payload, zlib.crc32(header))
+        return b"".join((_PREFIX.pack(MAGIC, len(header), crc), header, payload))
     # One strided copy straight into the entry (a decoded HWC->CHW view is not contiguous): no temporaries.
     start = _PREFIX.size + len(header)
     buf = bytearray(start + t.numel() * t.element_size())

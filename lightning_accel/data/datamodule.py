@@ -63,6 +63,8 @@ class CachedDataModule(LightningDataModule):
         max_concurrency: origin reads in flight per process.
         retries: retries of a transient origin error (exponential backoff).
         prefetch_batches: upcoming batches each reader reads ahead from the origin.
+        prefetch: read ahead and read misses on a thread pool (``None``: only for remote origins; a local origin is
+            read inline, which costs less CPU; ``True`` for a slow local disk).
         on_decode_error: ``"raise"`` or ``"skip"`` (skipped samples are counted).
         warm_on_prepare: fill the SSD tier in ``prepare_data`` (once per node, progress bar) instead of in epoch 1.
         materialize_digits: render the embedded digits into ``origin`` (a local directory) in ``prepare_data`` first,
@@ -96,6 +98,7 @@ class CachedDataModule(LightningDataModule):
         max_concurrency: int = 16,
         retries: int = 4,
         prefetch_batches: int = 2,
+        prefetch: bool | None = None,
         on_decode_error: str = "raise",
         warm_on_prepare: bool = False,
         materialize_digits: dict[str, Any] | None = None,
@@ -151,6 +154,7 @@ class CachedDataModule(LightningDataModule):
         self.max_concurrency = max_concurrency
         self.retries = retries
         self.prefetch_batches = prefetch_batches
+        self.prefetch = prefetch
         self.on_decode_error = on_decode_error
         self.warm_on_prepare = warm_on_prepare
         self.materialize_digits = dict(materialize_digits) if materialize_digits is not None else None
@@ -204,6 +208,7 @@ class CachedDataModule(LightningDataModule):
             stats=self.stats,
             on_decode_error=self.on_decode_error,
             max_pending=max(64, self.prefetch_batches * self.batch_size * 2),
+            prefetch=self.prefetch,
         )
 
     def _datasets(self, refresh: bool) -> tuple[CachedDataset, CachedDataset]:

@@ -121,7 +121,7 @@ class CachedDataset(Dataset):
         self._order[0] += 1  # the token last: a worker that sees it sees the order too
 
     def _read_ahead(self, positions: Sequence[int]) -> None:
-        if self.prefetch_batches <= 0 or not positions:
+        if self.prefetch_batches <= 0 or not positions or not getattr(self.cache, "prefetch", True):
             return
         with self._lock:  # main-process reader threads share this state
             self._read_ahead_locked(positions)

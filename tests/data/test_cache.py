@@ -134,7 +134,7 @@ def test_budget_too_small_for_one_sample(small_digits: Path, tmp_cache_dir: Path
 
 
 def test_prefetch_hints_start_reads_only_for_uncached_samples(small_digits: Path, tmp_cache_dir: Path) -> None:
-    c = _cache(small_digits, tmp_cache_dir, max_pending=8)
+    c = _cache(small_digits, tmp_cache_dir, max_pending=8, prefetch=True)
     c.load([0, 1])
     assert c.hint([0, 1, 2, 3]) == 2  # 0 and 1 are cached
     assert c.hint(list(range(4, 40))) == 6  # bounded by max_pending
@@ -167,3 +167,37 @@ def test_each_process_verifies_an_entry_once(small_digits: Path, tmp_cache_dir: 
     first = len(calls)
     c.load(list(range(8)))  # verified entries are trusted (immutable once committed)
     assert first >= 8 and len(calls) == first
+
+
+def test_local_inline_read_of_a_vanished_file_names_the_url(tmp_path: Path, small_digits: Path) -> None:
+    from lightning_accel.data import OriginError
+
+    origin = tmp_path / "origin"
+    shutil.copytree(small_digits, origin)
+    c = _cache(origin, tmp_path / "cache")
+    assert c.prefetch is False  # a local origin is read inline
+    victim = c.listing.keys[3]
+    (origin / victim).unlink()
+    with pytest.raises(OriginError, match=victim.split("/")[-1]):
+        c.load([2, 3])
+
+
+class _PlainDecoder:
+    """A decoder without ``decode_into``: returns an HWC -> CHW view (not contiguous), as PILToTensor does."""
+
+    fingerprint = "plain-hwc-view-v1"
+
+    def __call__(self, data: bytes) -> torch.Tensor:
+        return ImageDecoder(16)(data).permute(1, 2, 0).contiguous().permute(2, 0, 1)
+
+
+def test_decoder_without_decode_into_takes_the_tensor_path(small_digits: Path, tmp_cache_dir: Path) -> None:
+    store = ObjectStore(str(small_digits))
+    c = SampleCache(store, list_origin(store), _PlainDecoder(), ssd=LmdbTier(tmp_cache_dir, 64 << 20))
+    ref = _cache(small_digits, tmp_cache_dir / "ref").load([0, 5, 9])
+    cold = c.load([0, 5, 9])
+    warm = c.load([0, 5, 9])
+    assert torch.equal(cold.images, ref.images) and torch.equal(warm.images, ref.images)
+    assert torch.equal(cold.labels, ref.labels)
+    s = c.stats.as_dict()
+    assert s["origin_fetches"] == 3 and s["ssd_hits"] == 3

@@ -47,3 +47,24 @@ def test_every_kind_of_corruption_is_detected() -> None:
 def test_unsupported_dtype_is_refused_with_the_fix() -> None:
     with pytest.raises(TypeError, match="decode"):
         encode_entry(torch.zeros(2, dtype=torch.complex64), 0)
+
+
+@pytest.mark.parametrize(
+    "t",
+    [
+        torch.arange(3 * 8 * 8, dtype=torch.uint8).view(3, 8, 8),  # contiguous: CRC over the tensor, bytes.join
+        torch.randn(4, 5).to(torch.bfloat16),
+        torch.arange(24, dtype=torch.int32).view(2, 3, 4).permute(2, 0, 1),  # strided: copied into the entry
+        torch.tensor(2.5),
+        torch.tensor([True, False, True]),
+    ],
+)
+def test_contiguous_and_strided_tensors_encode_the_same_layout(t: torch.Tensor) -> None:
+    entry = encode_entry(t, 5)
+    assert (
+        entry
+        == encode_entry(t.contiguous().clone(), 5)
+        == bytes(encode_entry(t.clone(memory_format=torch.contiguous_format), 5))
+    )
+    s = decode_entry(entry)
+    assert torch.equal(s.tensor, t) and s.label == 5

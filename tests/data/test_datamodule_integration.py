@@ -155,3 +155,14 @@ def test_warm_on_prepare_fills_the_ssd_tier_once(small_digits: Path, tmp_path: P
     assert dm.train_set.cached_fraction() == 1.0 and len(dm.train_set) == len(dm.val_set) == 200
     dm.prepare_data()  # already warm: nothing read again
     assert dm.cache_stats["origin_fetches"] == 200
+
+
+@pytest.mark.parametrize(("prefetch", "expected"), [(None, False), (True, True)])
+def test_prefetch_defaults_to_inline_reads_for_a_local_origin(
+    small_digits: Path, tmp_path: Path, prefetch: bool | None, expected: bool
+) -> None:
+    dm = _dm(small_digits, tmp_path, num_workers=0, ram_bytes=0, prefetch=prefetch)
+    dm.setup("fit")
+    assert dm.train_set is not None and dm.train_set.cache.prefetch is expected
+    x, y = dm.train_set.__getitems__([0, 1, 2])
+    assert x.shape == (3, 3, 16, 16) and len(y) == 3

@@ -28,7 +28,15 @@ from lightning_accel.data import (
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _dataset(origin: str, tmp: Path, *, opts: dict[str, Any] | None = None, ram: int = 0, **kw: Any) -> CachedDataset:
+def _dataset(
+    origin: str,
+    tmp: Path,
+    *,
+    opts: dict[str, Any] | None = None,
+    ram: int = 0,
+    prefetch: bool | None = None,
+    **kw: Any,
+) -> CachedDataset:
     store = ObjectStore(origin, opts)
     cache = SampleCache(
         store,
@@ -36,6 +44,7 @@ def _dataset(origin: str, tmp: Path, *, opts: dict[str, Any] | None = None, ram:
         ImageDecoder(16),
         ram=LmdbTier(tmp / "ram", ram, name="ram") if ram else None,
         ssd=LmdbTier(tmp / "ssd", 64 << 20),
+        prefetch=prefetch,
     )
     return CachedDataset(cache, **kw)
 
@@ -51,7 +60,7 @@ def _epoch(loader: Any) -> tuple[list[int], int]:
 
 @pytest.mark.parametrize(("ctx", "workers"), [("fork", 2), ("spawn", 1)])
 def test_workers_share_tiers_and_statistics(small_digits: Path, tmp_cache_dir: Path, ctx: str, workers: int) -> None:
-    ds = _dataset(str(small_digits), tmp_cache_dir, ram=8 << 20)
+    ds = _dataset(str(small_digits), tmp_cache_dir, ram=8 << 20, prefetch=True)
     sampler = EpochOrderSampler(ds, batch_size=32, seed=1)
     loader = DataLoader(
         ds,
@@ -89,13 +98,25 @@ def test_sampler_publishes_the_order_and_shards_ranks(small_digits: Path, tmp_ca
 
 
 def test_read_ahead_fetches_the_next_batches_of_this_reader(small_digits: Path, tmp_cache_dir: Path) -> None:
-    ds = _dataset(str(small_digits), tmp_cache_dir, prefetch_batches=2)
+    ds = _dataset(str(small_digits), tmp_cache_dir, prefetch_batches=2, prefetch=True)
     order = list(EpochOrderSampler(ds, batch_size=10, seed=0))
     ds.__getitems__(order[0:10])
     assert set(ds.cache._pending) == set(order[10:30])  # batches 1 and 2 are in flight
     ds.__getitems__(order[10:20])
     assert set(ds.cache._pending) == set(order[20:40])
     assert ds.stats.as_dict()["origin_fetches"] == 20
+
+
+def test_local_origin_reads_inline_without_read_ahead(small_digits: Path, tmp_cache_dir: Path) -> None:
+    ds = _dataset(str(small_digits), tmp_cache_dir, prefetch_batches=2)
+    assert ds.cache.prefetch is False  # default for a local origin: no thread pool, no read-ahead
+    order = list(EpochOrderSampler(ds, batch_size=10, seed=0))
+    for lo in range(0, 30, 10):
+        x, y = ds.__getitems__(order[lo : lo + 10])
+        assert len(x) == len(y) == 10
+    assert not ds.cache._pending and ds.cache.store._pool is None
+    s = ds.stats.as_dict()
+    assert s["origin_fetches"] == 30 and s["prefetched"] == 0 and s["bytes_fetched"] > 0
 
 
 def test_cache_dataloader_switches_to_main_process_reads_when_warm(small_digits: Path, tmp_cache_dir: Path) -> None:
