@@ -5,7 +5,7 @@ Public names are resolved lazily (PEP 562) so ``import lightning_accel`` stays c
 
 from __future__ import annotations
 
-from lightning_accel._utils.lazy import lazy_exports
+from lightning_accel._utils.lazy import lazy_getattr
 
 __version__ = "0.1.0"
 
@@ -50,4 +50,8 @@ def _register_strategies() -> None:
 _register_strategies()
 
 
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)
+__getattr__ = lazy_getattr(__name__, _EXPORTS)
+
+
+def __dir__() -> list[str]:
+    return __all__

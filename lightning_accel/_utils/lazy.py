@@ -7,13 +7,11 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["lazy_exports"]
+__all__ = ["lazy_getattr"]
 
 
-def lazy_exports(
-    package: str, exports: Mapping[str, str], public: list[str]
-) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
-    """Return ``(__getattr__, __dir__)`` for ``package`` resolving ``exports`` (``{name: defining module}``).
+def lazy_getattr(package: str, exports: Mapping[str, str]) -> Callable[[str], Any]:
+    """Return a module ``__getattr__`` for ``package`` resolving ``exports`` (``{name: defining module}``).
 
     The first access imports the defining module and caches the object in the package's namespace, so later
     accesses cost nothing.
@@ -27,7 +25,4 @@ def lazy_exports(
         setattr(sys.modules[package], name, value)
         return value
 
-    def __dir__() -> list[str]:
-        return public
-
-    return __getattr__, __dir__
+    return __getattr__

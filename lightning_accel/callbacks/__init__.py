@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lightning_accel._utils.lazy import lazy_exports
+from lightning_accel._utils.lazy import lazy_getattr
 
 # public name -> module that defines it (imported on first access, so importing one callback loads only its file)
 _CALLBACKS: dict[str, str] = {
@@ -17,4 +17,8 @@ _CALLBACKS: dict[str, str] = {
 __all__ = sorted(_CALLBACKS)
 
 
-__getattr__, __dir__ = lazy_exports(__name__, _CALLBACKS, __all__)
+__getattr__ = lazy_getattr(__name__, _CALLBACKS)
+
+
+def __dir__() -> list[str]:
+    return __all__

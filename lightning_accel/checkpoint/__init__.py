@@ -9,8 +9,7 @@ Command line: ``python -m lightning_accel.checkpoint verify|export ...``.
 
 from __future__ import annotations
 
-from typing import Any
-
+from lightning_accel._utils.lazy import lazy_getattr
 from lightning_accel.checkpoint.store import (
     CheckpointCorruptError,
     DeltaStore,
@@ -21,9 +20,10 @@ from lightning_accel.checkpoint.store import (
 __all__ = ["CheckpointCorruptError", "DeltaCheckpointIO", "DeltaStore", "NotADeltaCheckpointError", "SaveStats"]
 
 
-def __getattr__(name: str) -> Any:
-    if name == "DeltaCheckpointIO":
-        from lightning_accel.checkpoint.plugin import DeltaCheckpointIO
-
-        return DeltaCheckpointIO
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# Lightning adapters, imported on first access so the core stays importable without Lightning's import cost
+__getattr__ = lazy_getattr(
+    __name__,
+    {
+        "DeltaCheckpointIO": "lightning_accel.checkpoint.plugin",
+    },
+)

@@ -7,8 +7,7 @@ Core (no ``lightning`` import): :class:`SampleCache`, :class:`CachedDataset`, :c
 
 from __future__ import annotations
 
-from typing import Any
-
+from lightning_accel._utils.lazy import lazy_getattr
 from lightning_accel.data.augment import GpuAugment
 from lightning_accel.data.cache import BatchResult, SampleCache
 from lightning_accel.data.codec import CorruptEntryError, Sample, decode_entry, encode_entry
@@ -43,9 +42,10 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name == "CachedDataModule":
-        from lightning_accel.data.datamodule import CachedDataModule
-
-        return CachedDataModule
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# Lightning adapters, imported on first access so the core stays importable without Lightning's import cost
+__getattr__ = lazy_getattr(
+    __name__,
+    {
+        "CachedDataModule": "lightning_accel.data.datamodule",
+    },
+)

@@ -7,8 +7,7 @@ baseline that the plugins are measured against; it is imported lazily because it
 
 from __future__ import annotations
 
-from typing import Any
-
+from lightning_accel._utils.lazy import lazy_getattr
 from lightning_accel.datasets.digits import (
     DIGITS_CLASSES,
     DigitsInfo,
@@ -27,9 +26,10 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name == "DigitsDataModule":
-        from lightning_accel.datasets.datamodule import DigitsDataModule
-
-        return DigitsDataModule
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# Lightning adapters, imported on first access so the core stays importable without Lightning's import cost
+__getattr__ = lazy_getattr(
+    __name__,
+    {
+        "DigitsDataModule": "lightning_accel.datasets.datamodule",
+    },
+)

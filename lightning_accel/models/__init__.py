@@ -6,17 +6,18 @@ LightningModules around them (imported lazily: they need Lightning).
 
 from __future__ import annotations
 
-from typing import Any
-
+from lightning_accel._utils.lazy import lazy_getattr
 from lightning_accel.models.resnet import BasicBlock, SmallResNet
 from lightning_accel.models.transformer import GPT, CausalSelfAttention, GPTBlock
 
 __all__ = ["GPT", "BasicBlock", "CausalSelfAttention", "GPTBlock", "ImageClassifier", "SmallResNet", "TinyGPT"]
 
 
-def __getattr__(name: str) -> Any:
-    if name in ("ImageClassifier", "TinyGPT"):
-        from lightning_accel.models import lit
-
-        return getattr(lit, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# Lightning adapters, imported on first access so the core stays importable without Lightning's import cost
+__getattr__ = lazy_getattr(
+    __name__,
+    {
+        "ImageClassifier": "lightning_accel.models.lit",
+        "TinyGPT": "lightning_accel.models.lit",
+    },
+)

@@ -6,8 +6,7 @@ choice when ``fit`` starts, for LightningCLI) is imported lazily.
 
 from __future__ import annotations
 
-from typing import Any
-
+from lightning_accel._utils.lazy import lazy_getattr
 from lightning_accel.parallel.estimate import (
     ActivationProfile,
     MemoryEstimate,
@@ -38,9 +37,10 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name == "AutoStrategy":
-        from lightning_accel.parallel.strategy import AutoStrategy
-
-        return AutoStrategy
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# Lightning adapters, imported on first access so the core stays importable without Lightning's import cost
+__getattr__ = lazy_getattr(
+    __name__,
+    {
+        "AutoStrategy": "lightning_accel.parallel.strategy",
+    },
+)

@@ -5,8 +5,7 @@ The core (:mod:`.surgery`, :mod:`.modules`) never imports Lightning; :class:`Fus
 
 from __future__ import annotations
 
-from typing import Any
-
+from lightning_accel._utils.lazy import lazy_getattr
 from lightning_accel.precision.surgery import (
     DEFAULT_POLICY,
     FusionRecord,
@@ -27,9 +26,10 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name == "FusedPrecision":
-        from lightning_accel.precision.plugin import FusedPrecision
-
-        return FusedPrecision
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# Lightning adapters, imported on first access so the core stays importable without Lightning's import cost
+__getattr__ = lazy_getattr(
+    __name__,
+    {
+        "FusedPrecision": "lightning_accel.precision.plugin",
+    },
+)
