@@ -116,11 +116,11 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(ckpt_main(raw[1:], prog="lightning-accel ckpt"))
     from jsonargparse import ArgumentError
 
-    args = None if argv is None else list(argv)  # None: LightningCLI reads sys.argv itself
     debug = os.environ.get("LIGHTNING_ACCEL_DEBUG", "") not in ("", "0")
     try:
-        _check_config_paths(list(sys.argv[1:] if args is None else args))
-        AccelCLI(args=args)
+        _check_config_paths(raw)
+        # None: LightningCLI reads sys.argv itself (passing both makes it warn)
+        AccelCLI(args=None if argv is None else raw)
     except ArgumentError as e:
         if debug:
             raise

@@ -26,6 +26,7 @@ from lightning_accel._utils.imports import require
 __all__ = ["DIGITS_CLASSES", "DigitsInfo", "digits_tokens", "load_digits_arrays", "materialize_digits"]
 
 DIGITS_CLASSES = tuple(str(i) for i in range(10))
+DIGITS_COUNT = 1797  # images in scikit-learn's digits (checked by the tests against the loaded arrays)
 MARKER = ".lightning_accel_digits.json"
 _FORMAT_VERSION = 1
 
@@ -121,8 +122,7 @@ def materialize_digits(
         raise ValueError(f"`num_images` must be a positive integer or None, got {num_images!r}.")
     if not isinstance(quality, int) or not 1 <= quality <= 100:
         raise ValueError(f"`quality` must be an integer in [1, 100], got {quality!r}.")
-    images, labels = load_digits_arrays()
-    n = len(images) if num_images is None else num_images
+    n = DIGITS_COUNT if num_images is None else num_images
     root_p = Path(os.fspath(root)).expanduser().resolve()
     info = DigitsInfo(root=str(root_p), size=size, num_images=n, quality=quality)
     marker = root_p / MARKER
@@ -149,6 +149,9 @@ def materialize_digits(
             f"Cannot write the digits data set to `root` {str(root_p)!r}: {e.strerror or e}. "
             "Choose a writable directory (e.g. `--data.data_dir=/tmp/digits`)."
         ) from e
+    # Only a (re)build needs the arrays: a complete tree is reused without loading scikit-learn (setup() calls this on
+    # every rank after prepare_data() built it).
+    images, labels = load_digits_arrays()
     # No marker: whatever is here is a half-finished earlier run (or foreign files in our class dirs); redo it.
     marker.unlink(missing_ok=True)
     for c in DIGITS_CLASSES:

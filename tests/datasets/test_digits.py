@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from lightning_accel.datasets import DIGITS_CLASSES, digits_tokens, load_digits_arrays, materialize_digits
-from lightning_accel.datasets.digits import MARKER
+from lightning_accel.datasets.digits import DIGITS_COUNT, MARKER
 
 
 def _digest(root: Path) -> str:
@@ -22,7 +22,7 @@ def _digest(root: Path) -> str:
 
 def test_real_digits_arrays() -> None:
     images, labels = load_digits_arrays()
-    assert images.shape == (1797, 8, 8) and images.dtype == np.uint8 and images.max() == 16
+    assert images.shape == (DIGITS_COUNT, 8, 8) == (1797, 8, 8) and images.dtype == np.uint8 and images.max() == 16
     assert sorted(set(labels.tolist())) == list(range(10))
 
 
