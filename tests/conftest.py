@@ -82,3 +82,18 @@ def digits_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("digits32")
     materialize_digits(root, size=32)
     return root
+
+
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """One intra-op thread for the test, restored afterwards.
+
+    For rooms of tiny ops (request it from an autouse fixture in their conftest): on a shared 2-core machine a second
+    OpenMP thread spin-waiting made a 30-step tiny-GPT fit 30x slower (12 s instead of 0.4 s of compute).
+    """
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

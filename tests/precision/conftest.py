@@ -1,17 +1,10 @@
-"""One intra-op thread for this room's tests (restored afterwards): the ops are tiny, and on a shared 2-core machine
-a second OpenMP thread spin-waiting made a 30-step tiny-GPT fit 30x slower (12 s instead of 0.4 s of compute)."""
+"""One intra-op thread for this room's tests (the ops are tiny; see ``one_torch_thread`` in tests/conftest.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
-import torch
 
 
 @pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(one_torch_thread: None) -> None:
+    """Applies the shared fixture to every test of this room."""
