@@ -17,7 +17,6 @@ DataLoader deals batches round-robin) and starts origin reads for their uncached
 from __future__ import annotations
 
 import math
-import os
 import queue
 import random
 import threading
@@ -230,15 +229,18 @@ class CacheDataLoader(DataLoader):
     allocate and fill a fresh 9.6 MB shared-memory batch (5.2 ms vs 2.0 ms for private memory) and competes with the
     main process for the cores. On machines with many idle cores, set ``warm_num_workers`` to ``num_workers``.
 
-    The main-process path reads whole batches on ``read_threads`` threads: they spend most of their time in code
-    that releases the GIL (memcpy out of the LMDB map, CRC-32), so they read in parallel and overlap with the
-    training step. Switching is one-way (cold -> warm) and checked at the start of each epoch.
+    The main-process path reads whole batches on one background thread (``read_threads``), ``read_ahead`` batches
+    ahead, so the reads overlap with the training step; batches are filled into recycled buffers
+    (:class:`~lightning_accel.data.cache.BufferPool`). One thread is the default because more were slower here:
+    warm epochs at 25-28k samples/s with one reader thread against 17-19k/s with two (they contend for the GIL on
+    every per-sample copy; ``benchmarks/data_cache.py``-sized data, this 2-core machine). Switching is one-way
+    (cold -> warm) and checked at the start of each epoch.
 
     Args:
         dataset: the dataset.
         warm_num_workers: workers once the cache is warm (``None``: never switch).
         read_ahead: batches the main-process path reads ahead of the consumer (0: read on demand, no threads).
-        read_threads: threads that read those batches in parallel (default: the CPUs, at most 4).
+        read_threads: threads that read those batches in parallel (default 1, see above).
         **kwargs: ``DataLoader`` arguments (``collate_fn`` defaults to :func:`collate_batch`).
     """
 
@@ -258,7 +260,7 @@ class CacheDataLoader(DataLoader):
         self.cold_num_workers = self.num_workers
         self.warm_num_workers = warm_num_workers
         self.read_ahead = read_ahead
-        self.read_threads = _default_threads() if read_threads is None else max(1, read_threads)
+        self.read_threads = 1 if read_threads is None else max(1, read_threads)
         self.is_warm = False
 
     def _check_warm(self) -> None:
@@ -314,14 +316,6 @@ def _parallel_batches(loader: DataLoader, threads: int, depth: int) -> Iterator[
         for f in pending:
             f.cancel()
         pool.shutdown(wait=False)
-
-
-def _default_threads() -> int:
-    try:
-        n = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - macOS
-        n = os.cpu_count() or 1
-    return max(1, min(4, n))
 
 
 def _read_ahead(it: Iterator[Any], depth: int) -> Iterator[Any]:

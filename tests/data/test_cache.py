@@ -201,3 +201,40 @@ def test_decoder_without_decode_into_takes_the_tensor_path(small_digits: Path, t
     assert torch.equal(cold.labels, ref.labels)
     s = c.stats.as_dict()
     assert s["origin_fetches"] == 3 and s["ssd_hits"] == 3
+
+
+def test_buffer_pool_reuses_a_storage_only_once_nothing_references_it() -> None:
+    from lightning_accel.data.cache import BufferPool
+
+    pool = BufferPool(max_buffers=2)
+    a = pool.take((2, 3), torch.uint8)
+    ptr = a.data_ptr()
+    b = pool.take((2, 3), torch.uint8)
+    assert b.data_ptr() != ptr  # `a` is alive: never handed out twice
+    view = a[0]
+    del a
+    c = pool.take((2, 3), torch.uint8)
+    assert c.data_ptr() != ptr  # a view of `a` is alive: still not reused
+    assert pool.reused == 0
+    del view, c
+    d = pool.take((2, 3), torch.uint8)
+    assert pool.reused == 1 and d.data_ptr() == ptr
+    arr = d.numpy()  # a numpy view holds the storage too
+    del d
+    e = pool.take((2, 3), torch.uint8)
+    assert e.data_ptr() != arr.ctypes.data
+    # more live batches than max_buffers: plain allocations, no error
+    live = [pool.take((2, 3), torch.uint8) for _ in range(5)]
+    assert len({t.data_ptr() for t in live}) == 5
+    assert pool.take((4,), torch.float32).shape == (4,)  # pools are per shape and dtype
+
+
+def test_warm_batches_recycle_buffers_without_corrupting_kept_batches(small_digits: Path, tmp_cache_dir: Path) -> None:
+    c = _cache(small_digits, tmp_cache_dir)
+    c.load(list(range(20)))
+    kept = c.load([0, 1, 2, 3])  # held by the caller: its buffer must not be refilled
+    expect = kept.images.clone()
+    for _ in range(4):
+        c.load([10, 11, 12, 13])  # dropped at once: their buffer is recycled
+    assert c.buffers.reused >= 3
+    assert torch.equal(kept.images, expect)
