@@ -1,8 +1,9 @@
 """Decoded-sample cache: RAM / LMDB / fsspec object-store tiers, batch reads, read-ahead and GPU augmentation.
 
 Core (no ``lightning`` import): :class:`SampleCache`, :class:`CachedDataset`, :class:`EpochOrderSampler`,
-:class:`LmdbTier`, :class:`ObjectStore`, :class:`ImageDecoder`, :class:`GpuAugment`, the entry codec and
-:class:`CacheStats`. The Lightning adapter :class:`CachedDataModule` is imported lazily. Guide: ``docs/data.md``.
+:class:`LmdbTier`, :class:`ObjectStore`, :func:`pack_origin`, :class:`ImageDecoder`, :class:`GpuAugment`, the entry
+codec and :class:`CacheStats`. The Lightning adapter :class:`CachedDataModule` is imported lazily. Guide:
+``docs/data.md``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from lightning_accel.data.codec import CorruptEntryError, Sample, decode_entry, 
 from lightning_accel.data.dataset import CacheDataLoader, CachedDataset, EpochOrderSampler, collate_batch
 from lightning_accel.data.decode import DecodeError, ImageDecoder
 from lightning_accel.data.origin import Listing, ObjectStore, OriginError, list_origin
+from lightning_accel.data.pack import PackedReader, PackIndex, pack_origin
 from lightning_accel.data.stats import CacheStats
 from lightning_accel.data.tiers import BudgetTooSmallError, LmdbTier
 
@@ -33,12 +35,15 @@ __all__ = [
     "LmdbTier",
     "ObjectStore",
     "OriginError",
+    "PackIndex",
+    "PackedReader",
     "Sample",
     "SampleCache",
     "collate_batch",
     "decode_entry",
     "encode_entry",
     "list_origin",
+    "pack_origin",
 ]
 
 

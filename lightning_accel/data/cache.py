@@ -20,6 +20,10 @@ bounded thread pool, keeping at most ``max_pending`` reads (and their bytes) out
 from __future__ import annotations
 
 import hashlib
+import multiprocessing.util
+import os
+import queue
+import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -30,6 +34,7 @@ import torch
 from lightning_accel.data.codec import CorruptEntryError, copy_payload, encode_entry, peek_shape
 from lightning_accel.data.decode import DecodeError
 from lightning_accel.data.origin import Listing, ObjectStore
+from lightning_accel.data.pack import DEFAULT_STAGE_BYTES, PackedReader
 from lightning_accel.data.stats import CacheStats
 from lightning_accel.data.tiers import LmdbTier
 
@@ -106,6 +111,49 @@ class BufferPool:
             return torch.empty(0, dtype=dtype).set_(storage, 0, shape_t)
 
 
+_WRITE_QUEUE = 4  # batches waiting for the writer thread (~9.6 MB each at 224 px); a full queue blocks the reader
+
+
+class _WriteBehind:
+    """One writer thread per process for :class:`SampleCache` misses (see ``write_behind``)."""
+
+    def __init__(self, cache: SampleCache) -> None:
+        self.pid = os.getpid()
+        self._cache = cache
+        self._q: queue.Queue[list[tuple[bytes, bytes]]] = queue.Queue(maxsize=_WRITE_QUEUE)
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="la-cache-writer", daemon=True)
+        self._thread.start()
+        # DataLoader workers leave through multiprocessing's exit path, which runs these finalisers (not atexit):
+        # commit what is queued so the next epoch finds it.
+        multiprocessing.util.Finalize(self, self.flush, kwargs={"raise_errors": False}, exitpriority=10)
+
+    def submit(self, writes: list[tuple[bytes, bytes]]) -> None:
+        """Queue a batch's entries; raises the error of an earlier background write (e.g. BudgetTooSmallError)."""
+        if self.error is not None:
+            err, self.error = self.error, None
+            raise err
+        self._q.put(writes)
+
+    def flush(self, raise_errors: bool = True) -> None:
+        if self._thread.is_alive():
+            self._q.join()
+        if raise_errors and self.error is not None:
+            err, self.error = self.error, None
+            raise err
+
+    def _run(self) -> None:
+        while True:
+            writes = self._q.get()
+            try:
+                written, rejected, evicted = self._cache._write(writes, [])
+                self._cache.stats.add(writes=written, rejected=rejected, evictions=evicted)
+            except Exception as e:  # disk errors disable the tier inside put_many; this is bad input (budget)
+                self.error = e  # raised by the next submit, in the reading thread
+            finally:
+                self._q.task_done()
+
+
 class SampleCache:
     """Decoded samples of one origin, cached in byte-budgeted tiers.
 
@@ -123,6 +171,15 @@ class SampleCache:
             the calling thread: a page-cache read costs ~20 us there against ~80 us of CPU through the pool (thread
             hand-offs and GIL switches, measured on this 2-core machine), and in DataLoader workers that CPU is
             taken from decoding. Pass ``True`` for a local disk slow enough that concurrent reads pay off.
+        stage_dir: where shards of a remote *packed* origin are staged (node-local, shared by workers and ranks;
+            default: ``shards/`` beside the SSD tier, else beside the RAM tier, else in the temp directory).
+        stage_bytes: most bytes of staged shards kept (see :class:`~lightning_accel.data.pack.PackedReader`).
+        write_behind: write a batch's misses to the tier on a background thread of this process (one batch after
+            another, at most ``_WRITE_QUEUE`` batches queued) instead of before the batch is returned. ``None``
+            (default): only inside DataLoader workers. Why: an LMDB commit waits for the node-wide writer lock and
+            for the page cache; two workers writing 9.6 MB per batch took a cold epoch from 20 to 30 ms per batch on
+            this machine, 22-29 ms with write-behind (``docs/data.md``). Entries become visible when their write
+            commits; :meth:`flush` waits for that (also run when a worker process exits).
     """
 
     def __init__(
@@ -137,6 +194,9 @@ class SampleCache:
         on_decode_error: str = "raise",
         max_pending: int = 256,
         prefetch: bool | None = None,
+        stage_dir: str | os.PathLike[str] | None = None,
+        stage_bytes: int = DEFAULT_STAGE_BYTES,
+        write_behind: bool | None = None,
     ) -> None:
         if on_decode_error not in ("raise", "skip"):
             raise ValueError(f"`on_decode_error` must be 'raise' or 'skip', got {on_decode_error!r}.")
@@ -152,16 +212,25 @@ class SampleCache:
         fp = getattr(decode, "fingerprint", None) or repr(decode)
         self.namespace = hashlib.sha1(f"{store.url}|{fp}".encode()).hexdigest()[:12]
         self._pending: dict[int, Future[bytes]] = {}
+        self.packed: PackedReader | None = None
+        if listing.pack is not None:
+            if stage_dir is None:
+                near = ssd if ssd is not None else ram
+                base = os.path.dirname(near.path) if near is not None else tempfile.gettempdir()
+                stage_dir = os.path.join(base, "shards")
+            self.packed = PackedReader(store, listing.pack, os.fspath(stage_dir), stage_bytes, on_staged=self._account)
         self._seen = (0, 0)  # (retries, bytes) of the store already added to the statistics
         self._ram_full = False
         self.buffers = BufferPool()
+        self.write_behind = write_behind
+        self._writer: _WriteBehind | None = None
         self._lock = threading.Lock()
         # 1 byte per sample: entries this process has verified (CRC-32) once; later reads skip the checksum.
         self._verified = bytearray(len(listing))
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_pending={}, _seen=(0, 0), _lock=None, _verified=None)
+        state.update(_pending={}, _seen=(0, 0), _lock=None, _verified=None, _writer=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -193,11 +262,15 @@ class SampleCache:
         with self._lock:
             return self._hint(indices)
 
-    def _hint(self, indices: Sequence[int]) -> int:
-        todo = [i for i in dict.fromkeys(indices) if i not in self._pending]
-        room = self.max_pending - len(self._pending)
-        if not todo or room <= 0:
-            return 0
+    def _account(self) -> None:
+        """Add the store's new bytes and retries to the statistics. Counted where the bytes arrive (each batch, and
+        each staged shard), so read-ahead that was never used, or done by the main process, is included too."""
+        with self._lock:
+            retried, fetched = self.store.retried - self._seen[0], self.store.bytes_read - self._seen[1]
+            self._seen = (self.store.retried, self.store.bytes_read)
+        self.stats.add(bytes_fetched=fetched, retries=retried)
+
+    def _uncached(self, todo: list[int]) -> list[int]:
         keys = [self.key(i) for i in todo]
         for _, tier in self.tiers:
             if not todo:
@@ -205,6 +278,18 @@ class SampleCache:
             have = tier.contains(keys)
             todo = [i for i, h in zip(todo, have, strict=False) if not h]
             keys = [k for k, h in zip(keys, have, strict=False) if not h]
+        return todo
+
+    def _hint(self, indices: Sequence[int]) -> int:
+        todo = [i for i in dict.fromkeys(indices) if i not in self._pending]
+        room = self.max_pending - len(self._pending)
+        if not todo or room <= 0:
+            return 0
+        todo = self._uncached(todo)
+        if self.packed is not None:  # read ahead whole shards; the batch then reads its samples from them inline
+            started = self.packed.prefetch(todo)
+            self.stats.add(prefetched=started)
+            return started
         started = 0
         for i in todo[:room]:
             self._pending[i] = self.store.submit(self.listing.keys[i])
@@ -212,14 +297,31 @@ class SampleCache:
         self.stats.add(prefetched=started)
         return started
 
+    def stage_ahead(self, indices: Sequence[int]) -> int:
+        """Packed remote origins only: start staging the shards of ``indices`` (node-wide, so any process may call
+        it, e.g. the main process before the DataLoader workers are up); returns the samples covered."""
+        if self.packed is None or not self.prefetch:
+            return 0
+        return self.packed.prefetch(self._uncached(list(dict.fromkeys(indices))))
+
     def drop_pending(self) -> None:
         """Forget outstanding prefetches (new epoch order); reads already running finish in the background."""
         with self._lock:
             for f in self._pending.values():
                 f.cancel()
             self._pending.clear()
+        if self.packed is not None:
+            self.packed.drop_pending()
 
     def _fetch(self, indices: Sequence[int]) -> list[bytes | BaseException]:
+        if self.packed is not None:  # from staged shards (read ahead by `hint`) or ranged reads of a local pack
+            got: list[bytes | BaseException] = []
+            for i in indices:
+                try:
+                    got.append(self.packed.read(i, self.listing.keys[i]))
+                except Exception as e:  # an OriginError: raised by the caller with context
+                    got.append(e)
+            return got
         if not self.prefetch and not self._pending:  # local origin: inline reads (see `prefetch`)
             inline: list[bytes | BaseException] = []
             for i in indices:
@@ -249,6 +351,50 @@ class SampleCache:
             f"cannot decode sample {self.listing.keys[i]!r} ({self.store.url_of(self.listing.keys[i])}): "
             f"{type(e).__name__}: {e}. Fix or remove the file, or pass `on_decode_error='skip'`."
         ) from e
+
+    # ---- writes --------------------------------------------------------------------------------------------------
+    def _write(self, writes: list[tuple[bytes, bytes]], promote: list[tuple[bytes, bytes]]) -> tuple[int, int, int]:
+        """Store misses and promotions; returns (stored, rejected, evicted)."""
+        # Misses go to one tier: the SSD when there is one (persistent; its pages stay in the OS page cache), else
+        # RAM. Writing both doubled the cold epoch's write cost (~20 % of it at 224 px); the RAM tier fills instead
+        # by promotion of SSD hits, in the first warm epoch.
+        tiers = self.tiers
+        first = "ssd" if any(n == "ssd" for n, _ in tiers) else "ram"
+        written = rejected = evicted = 0
+        for name, tier in tiers:
+            batch = (writes if name == first else []) + (promote if name == "ram" else [])
+            if not batch:
+                continue
+            r = tier.put_many(batch)
+            written += r.stored
+            rejected += r.rejected
+            evicted += r.evicted
+            if name == "ram" and r.stored == 0 and r.rejected and tier.policy == "keep":
+                self._ram_full = True  # stop copying SSD hits for promotion
+        return written, rejected, evicted
+
+    def _write_behind_writer(self) -> _WriteBehind | None:
+        on = self.write_behind
+        if on is None:
+            from torch.utils.data import get_worker_info
+
+            on = get_worker_info() is not None
+        if not on:
+            return None
+        if self._writer is None or self._writer.pid != os.getpid():
+            self._writer = _WriteBehind(self)
+        return self._writer
+
+    @property
+    def writes_behind(self) -> bool:
+        """True when this process has a write-behind thread (see ``write_behind``)."""
+        return self._writer is not None and self._writer.pid == os.getpid()
+
+    def flush(self) -> None:
+        """Wait until every write-behind batch of this process is committed (no-op without write-behind)."""
+        if self._writer is not None and self._writer.pid == os.getpid():
+            self._writer.flush()
+        # raises the error of a background write (e.g. BudgetTooSmallError) here, in the caller
 
     def _alloc(self, shape: Sequence[int], dtype: torch.dtype, shared: bool) -> torch.Tensor:
         return _alloc_shared(shape, dtype) if shared else self.buffers.take(shape, dtype)
@@ -369,35 +515,23 @@ class SampleCache:
         # Misses go to one tier: the SSD when there is one (persistent; its pages stay in the OS page cache), else
         # RAM. Writing both doubled the cold epoch's write cost (~20 % of it at 224 px); the RAM tier fills instead
         # by promotion of SSD hits, in the first warm epoch.
-        tiers = self.tiers
-        first = "ssd" if any(n == "ssd" for n, _ in tiers) else "ram"
-        written = rejected = 0
-        for name, tier in tiers:
-            batch = (writes if name == first else []) + (promote if name == "ram" else [])
-            if not batch:
-                continue
-            r = tier.put_many(batch)
-            written += r.stored
-            rejected += r.rejected
-            evicted += r.evicted
-            if name == "ram" and r.stored == 0 and r.rejected and tier.policy == "keep":
-                self._ram_full = True  # stop copying SSD hits for promotion
-        # Counted where the bytes arrive, so prefetched reads that were never used are included too.
-        with self._lock:
-            retried, fetched_bytes = self.store.retried - self._seen[0], self.store.bytes_read - self._seen[1]
-            self._seen = (self.store.retried, self.store.bytes_read)
+        writer = self._write_behind_writer() if writes else None
+        if writer is not None:
+            writer.submit(writes)  # misses: committed on the writer thread (see `write_behind`)
+            writes = []
+        written, rejected, ev = self._write(writes, promote)
+        evicted += ev
+        self._account()
         self.stats.add(
             requests=n,
             ram_hits=hits["ram"],
             ssd_hits=hits["ssd"],
             origin_fetches=len(missing),
-            bytes_fetched=fetched_bytes,
             writes=written,
             rejected=rejected,
             evictions=evicted,
             refetches=refetches,
             decode_skipped=skipped,
-            retries=retried,
         )
         out = state["out"]
         label_t = torch.tensor(labels, dtype=torch.int64)

@@ -118,6 +118,11 @@ class CachedDataset(Dataset):
         self._order[1] = n
         self._order[2] = max(1, int(batch_size))
         self._order[0] += 1  # the token last: a worker that sees it sees the order too
+        if self.prefetch_batches > 0 and n:
+            # A packed remote origin stages shards node-wide: start on the first batches' shards here (the main
+            # process, whose filesystem is already up) while the workers start and create their own clients.
+            head = order[: min(n, 4 * self.prefetch_batches * max(1, int(batch_size)))]
+            self.cache.stage_ahead([self.indices[i] for i in head])
 
     def _read_ahead(self, positions: Sequence[int]) -> None:
         if self.prefetch_batches <= 0 or not positions or not getattr(self.cache, "prefetch", True):
@@ -125,10 +130,11 @@ class CachedDataset(Dataset):
         with self._lock:  # main-process reader threads share this state
             self._read_ahead_locked(positions)
 
-    def _read_ahead_locked(self, positions: Sequence[int]) -> None:
+    def _refresh_order(self) -> bool:
+        """Rebuild the position lookup when the sampler published a new order; False before any order."""
         token = int(self._order[0])
         if token == 0:
-            return
+            return False
         if token != self._token_seen:  # a new epoch: rebuild position lookup, forget old hints
             n = int(self._order[1])
             order = self._order[_HDR : _HDR + n]
@@ -136,6 +142,23 @@ class CachedDataset(Dataset):
             pos[order] = torch.arange(n, dtype=torch.int64)
             self._pos, self._token_seen, self._hinted_to = pos, token, -1
             self.cache.drop_pending()
+        return True
+
+    def _ends_epoch(self, positions: Sequence[int]) -> bool:
+        """True when this batch is one of the epoch's last ``num_workers`` (each worker's last one, as the
+        DataLoader deals batches round-robin), or when the order is unknown."""
+        info = get_worker_info()
+        with self._lock:
+            if not positions or not self._refresh_order() or self._pos is None:
+                return True
+            p = int(self._pos[positions[0]])
+            n, bs = int(self._order[1]), int(self._order[2])
+        nw = 1 if info is None else info.num_workers
+        return p < 0 or p // bs >= math.ceil(n / bs) - nw
+
+    def _read_ahead_locked(self, positions: Sequence[int]) -> None:
+        if not self._refresh_order():
+            return
         assert self._pos is not None
         p = int(self._pos[positions[0]])
         if p < 0:
@@ -163,6 +186,10 @@ class CachedDataset(Dataset):
         self._read_ahead(positions)
         in_worker = get_worker_info() is not None
         res = self.cache.load([self.indices[p] for p in positions], shared=in_worker and self.transform is None)
+        if self.cache.writes_behind and self._ends_epoch(positions):
+            # A worker's last batch of the epoch: commit its write-behind queue first, so the next epoch (any
+            # worker, or the main process's warm check) finds every sample this epoch decoded.
+            self.cache.flush()
         images = res.images
         if self.transform is not None:
             images = torch.stack([self.transform(x) for x in images]) if len(images) else images

@@ -16,13 +16,16 @@ import json
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from lightning_accel._utils.atomic import atomic_write_text
 from lightning_accel._utils.paths import safe_join
+
+if TYPE_CHECKING:
+    from lightning_accel.data.pack import PackIndex
 
 __all__ = [
     "IMAGE_EXTENSIONS",
@@ -33,6 +36,7 @@ __all__ = [
 ]
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+_T = TypeVar("_T")
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ValueError, TypeError)
 
 
@@ -125,8 +129,8 @@ class ObjectStore:
         """The full URL of ``key`` (for error messages)."""
         return safe_join(self.url, key)
 
-    def fetch(self, key: str) -> bytes:
-        """Read one key, retrying transient errors.
+    def fetch(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        """Read one key (bytes ``[start, end)`` of it when given: one ranged GET), retrying transient errors.
 
         Raises:
             OriginError: naming the URL, for permanent errors and after the retries run out.
@@ -136,7 +140,7 @@ class ObjectStore:
         attempt = 0
         while True:
             try:
-                data = self._fs.cat_file(path)
+                data = self._fs.cat_file(path, start=start, end=end)
                 with self._lock:
                     self.bytes_read += len(data)
                 return data
@@ -155,12 +159,16 @@ class ObjectStore:
                 attempt += 1
                 self.retried += 1
 
-    def submit(self, key: str) -> Future[bytes]:
-        """Start reading ``key`` on this process's bounded thread pool."""
+    def run(self, fn: Callable[..., _T], *args: Any) -> Future[_T]:
+        """Run ``fn(*args)`` on this process's bounded thread pool (``max_concurrency`` threads)."""
         self._ensure()
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="la-origin")
-        return self._pool.submit(self.fetch, key)
+        return self._pool.submit(fn, *args)
+
+    def submit(self, key: str) -> Future[bytes]:
+        """Start reading ``key`` on this process's bounded thread pool."""
+        return self.run(self.fetch, key)
 
     def fetch_many(self, keys: Sequence[str]) -> list[bytes]:
         """Read ``keys`` concurrently (at most ``max_concurrency`` in flight); results in order."""
@@ -172,12 +180,14 @@ class ObjectStore:
 
 @dataclass
 class Listing:
-    """The samples of an origin: relative keys, integer labels and class names (label ``i`` is ``classes[i]``)."""
+    """The samples of an origin: relative keys, integer labels and class names (label ``i`` is ``classes[i]``);
+    ``pack`` says where each sample lives when the origin is packed (see :mod:`lightning_accel.data.pack`)."""
 
     origin: str
     keys: list[str]
     labels: list[int]
     classes: list[str] = field(default_factory=list)
+    pack: PackIndex | None = None
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -190,12 +200,21 @@ class Listing:
         return h.hexdigest()[:16]
 
     def to_json(self) -> str:
-        return json.dumps({"origin": self.origin, "classes": self.classes, "keys": self.keys, "labels": self.labels})
+        d: dict[str, Any] = {"origin": self.origin, "classes": self.classes, "keys": self.keys, "labels": self.labels}
+        if self.pack is not None:
+            d["pack"] = self.pack.to_dict()
+        return json.dumps(d)
 
     @classmethod
     def from_json(cls, text: str) -> Listing:
         d = json.loads(text)
-        return cls(origin=d["origin"], keys=list(d["keys"]), labels=[int(y) for y in d["labels"]], classes=d["classes"])
+        keys = list(d["keys"])
+        pack = None
+        if d.get("pack") is not None:
+            from lightning_accel.data.pack import PackIndex
+
+            pack = PackIndex.from_dict(d["pack"], len(keys), "listing")
+        return cls(origin=d["origin"], keys=keys, labels=[int(y) for y in d["labels"]], classes=d["classes"], pack=pack)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Publish atomically (other ranks may be reading the previous version)."""
@@ -215,6 +234,8 @@ def list_origin(
     ImageFolder layout: ``<origin>/<class>/**/<file><ext>``; classes are the sorted top-level directory names (like
     torchvision's ``ImageFolder``), hidden files and files outside class directories are ignored. Manifest layout:
     ``manifest`` names a JSONL file under the origin with one ``{"key": "<relative key>", "label": <int>}`` per line.
+    Packed layout (:func:`~lightning_accel.data.pack.pack_origin`): the origin's ``lightning-accel-pack.json`` index
+    (one GET) is the listing; it wins over the tree layout.
 
     Raises:
         FileNotFoundError: the origin (or manifest) does not exist, naming the URL.
@@ -256,6 +277,11 @@ def list_origin(
             f"`origin` {store.url!r} does not exist. Pass a directory or URL holding <class>/<image> files "
             "(check the bucket/prefix and `storage_options`)."
         )
+    from lightning_accel.data.pack import load_pack_index
+
+    packed = load_pack_index(store)
+    if packed is not None:
+        return packed
     exts = tuple(e.lower() for e in extensions)
     rels = []
     for p in fs.find(root):

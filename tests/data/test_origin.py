@@ -63,11 +63,11 @@ class _Flaky:
     def __init__(self, fs: Any, fail: int) -> None:
         self.fs, self.fail = fs, fail
 
-    def cat_file(self, path: str) -> bytes:
+    def cat_file(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
         if self.fail > 0:
             self.fail -= 1
             raise ConnectionResetError("connection reset by peer")
-        return self.fs.cat_file(path)
+        return self.fs.cat_file(path, start=start, end=end)
 
 
 def test_transient_errors_are_retried_with_backoff_then_fail_clearly(small_digits: Path) -> None:

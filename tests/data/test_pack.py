@@ -1,0 +1,193 @@
+"""Packed origins: pack_origin, the index, shard staging (node-wide, flock), CRC checks and faults."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_accel.data import (
+    CacheDataLoader,
+    CachedDataset,
+    EpochOrderSampler,
+    ImageDecoder,
+    Listing,
+    LmdbTier,
+    ObjectStore,
+    OriginError,
+    SampleCache,
+    list_origin,
+    pack_origin,
+)
+from lightning_accel.data.pack import PACK_INDEX
+
+
+def _cache(url: str, tmp: Path, opts: dict[str, Any] | None = None, **kw: Any) -> SampleCache:
+    store = ObjectStore(url, opts)
+    return SampleCache(store, list_origin(store), ImageDecoder(16), ssd=LmdbTier(tmp / "ssd", 64 << 20), **kw)
+
+
+def _reference(small_digits: Path, idx: list[int]) -> torch.Tensor:
+    c = SampleCache(ObjectStore(str(small_digits)), list_origin(ObjectStore(str(small_digits))), ImageDecoder(16))
+    return c.load(idx).images
+
+
+def test_local_pack_round_trip_is_bit_identical(small_digits: Path, tmp_path: Path) -> None:
+    listing = pack_origin(str(small_digits), str(tmp_path / "packed"), shard_bytes=20_000)
+    tree = list_origin(ObjectStore(str(small_digits)))
+    assert listing.keys == tree.keys and listing.labels == tree.labels and listing.classes == tree.classes
+    assert listing.pack is not None and len(listing.pack.shards) > 1
+    # the shards hold the original bytes, nothing else
+    assert sum(listing.pack.shard_sizes) == sum((small_digits / k).stat().st_size for k in tree.keys)
+    index = json.loads((tmp_path / "packed" / PACK_INDEX).read_text())
+    assert index["format"] == "lightning-accel-pack" and index["version"] == 1
+    again = list_origin(ObjectStore(str(tmp_path / "packed")))
+    assert again.pack == listing.pack and Listing.from_json(again.to_json()).pack == listing.pack
+    c = _cache(str(tmp_path / "packed"), tmp_path)
+    idx = [0, 57, 199, 120]
+    out = c.load(idx)
+    assert torch.equal(out.images, _reference(small_digits, idx))
+    assert out.labels.tolist() == [tree.labels[i] for i in idx]
+    assert c.stats.as_dict()["bytes_fetched"] == sum(listing.pack.size[i] for i in idx)  # ranged reads, no staging
+
+
+def test_pack_refuses_to_overwrite_unless_asked(small_digits: Path, tmp_path: Path) -> None:
+    dest = str(tmp_path / "packed")
+    pack_origin(str(small_digits), dest)
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        pack_origin(str(small_digits), dest)
+    assert len(pack_origin(str(small_digits), dest, overwrite=True, shard_bytes=10_000).pack.shards) > 1
+    with pytest.raises(ValueError, match="already a packed origin"):
+        pack_origin(dest, str(tmp_path / "again"))
+    with pytest.raises(ValueError, match="shard_bytes"):
+        pack_origin(str(small_digits), str(tmp_path / "x"), shard_bytes=0)
+
+
+def test_bad_indexes_are_refused_with_the_url(small_digits: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "packed"
+    pack_origin(str(small_digits), str(dest))
+    good = json.loads((dest / PACK_INDEX).read_text())
+
+    def listing_with(**change: Any) -> None:
+        (dest / PACK_INDEX).write_text(json.dumps({**good, **change}))
+        list_origin(ObjectStore(str(dest)))
+
+    with pytest.raises(ValueError, match="escape"):
+        listing_with(shards=[{"key": "../../etc/passwd", "bytes": 10}])
+    with pytest.raises(ValueError, match="outside its shard"):
+        listing_with(offset=[10**9] * len(good["offset"]))
+    with pytest.raises(ValueError, match="version"):
+        listing_with(version=99)
+    with pytest.raises(ValueError, match=PACK_INDEX):
+        listing_with(size=good["size"][:-1])
+    (dest / PACK_INDEX).write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        list_origin(ObjectStore(str(dest)))
+
+
+def test_s3_pack_stages_each_shard_once_across_processes_and_warm_reads_nothing(
+    s3_bucket: tuple[str, dict[str, Any]], small_digits: Path, tmp_path: Path
+) -> None:
+    bucket, opts = s3_bucket
+    url = f"s3://{bucket}/packed"
+    listing = pack_origin(str(small_digits), url, dest_storage_options=opts, shard_bytes=30_000)
+    assert listing.pack is not None
+    n_shards = len(listing.pack.shards)
+    # two caches on one node (two processes' worth of state) sharing the SSD tier and the stage directory
+    a = _cache(url, tmp_path, opts)
+    b = _cache(url, tmp_path, opts)
+    assert a.packed is not None and a.packed.stage_dir == str(tmp_path / "shards")
+    assert a.hint(list(range(0, 200, 2))) > 0  # read-ahead stages whole shards on the store's pool
+    out_a = a.load(list(range(0, 200, 2)))
+    out_b = b.load(list(range(1, 200, 2)))
+    assert torch.equal(out_a.images, _reference(small_digits, list(range(0, 200, 2))))
+    assert torch.equal(out_b.images, _reference(small_digits, list(range(1, 200, 2))))
+    fetched = a.stats.as_dict()["bytes_fetched"] + b.stats.as_dict()["bytes_fetched"]
+    assert fetched == sum(listing.pack.shard_sizes)  # every shard once, whichever process staged it
+    assert len(list((tmp_path / "shards").glob("*.shard"))) == n_shards
+    warm = _cache(url, tmp_path, opts)
+    warm.load(list(range(200)))
+    s = warm.stats.as_dict()
+    assert (s["bytes_fetched"], s["ssd_hits"]) == (0, 200)
+
+
+def test_corrupt_staged_shard_is_refetched_and_a_corrupt_origin_names_the_key(
+    s3_bucket: tuple[str, dict[str, Any]], small_digits: Path, tmp_path: Path
+) -> None:
+    import fsspec
+
+    bucket, opts = s3_bucket
+    url = f"s3://{bucket}/packed"
+    listing = pack_origin(str(small_digits), url, dest_storage_options=opts)
+    assert listing.pack is not None
+    c = _cache(url, tmp_path / "one", opts)
+    c.load([0])
+    (staged,) = (tmp_path / "one" / "shards").glob("*.shard")
+    data = bytearray(staged.read_bytes())
+    off = listing.pack.offset[5]
+    data[off : off + 8] = b"\xff" * 8
+    staged.write_bytes(bytes(data))
+    assert torch.equal(c.load([5]).images, _reference(small_digits, [5]))
+    assert c.packed is not None and c.packed.staged_refetches == 1
+    # now the origin's shard itself is damaged (same size): the CRC names the sample
+    fs = fsspec.filesystem("s3", skip_instance_cache=True, **opts)
+    fs.pipe_file(f"{bucket}/packed/{listing.pack.shards[0]}", bytes(data))
+    c2 = _cache(url, tmp_path / "two", opts)
+    with pytest.raises(OriginError, match=rf"{listing.keys[5]}.*CRC-32"):
+        c2.load([5])
+
+
+def test_unwritable_stage_dir_warns_and_reads_samples_by_range(
+    s3_bucket: tuple[str, dict[str, Any]], small_digits: Path, tmp_path: Path
+) -> None:
+    bucket, opts = s3_bucket
+    url = f"s3://{bucket}/packed"
+    listing = pack_origin(str(small_digits), url, dest_storage_options=opts)
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    c = _cache(url, tmp_path, opts, stage_dir=blocker / "shards")
+    with pytest.warns(RuntimeWarning, match="cannot stage shards"):
+        out = c.load([3, 4])
+    assert torch.equal(out.images, _reference(small_digits, [3, 4]))
+    assert listing.pack is not None
+    assert c.stats.as_dict()["bytes_fetched"] == listing.pack.size[3] + listing.pack.size[4]
+
+
+def test_stage_budget_evicts_oldest_shards(s3_bucket: tuple[str, dict[str, Any]], small_digits: Path, tmp_path: Path):
+    bucket, opts = s3_bucket
+    url = f"s3://{bucket}/packed"
+    listing = pack_origin(str(small_digits), url, dest_storage_options=opts, shard_bytes=10_000)
+    assert listing.pack is not None and len(listing.pack.shards) >= 4
+    biggest = max(listing.pack.shard_sizes)
+    c = _cache(url, tmp_path, opts, stage_bytes=2 * biggest)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        c.load(list(range(200)))
+    staged = list((tmp_path / "shards").glob("*.shard"))
+    assert sum(p.stat().st_size for p in staged) <= 2 * biggest
+    assert 1 <= len(staged) < len(listing.pack.shards)
+
+
+def test_two_workers_read_a_packed_s3_origin_through_the_loader(
+    s3_bucket: tuple[str, dict[str, Any]], small_digits: Path, tmp_path: Path
+) -> None:
+    bucket, opts = s3_bucket
+    url = f"s3://{bucket}/packed"
+    listing = pack_origin(str(small_digits), url, dest_storage_options=opts, shard_bytes=15_000)
+    assert listing.pack is not None
+    cache = _cache(url, tmp_path, opts)
+    ds = CachedDataset(cache)
+    sampler = EpochOrderSampler(ds, batch_size=16, seed=0)
+    loader = CacheDataLoader(ds, batch_size=16, sampler=sampler, num_workers=2, multiprocessing_context="fork")
+    seen = sum(len(x) for x, _ in loader)
+    assert seen == 200
+    s = cache.stats.as_dict()
+    # each shard crossed the network once for the whole node (main-process stage-ahead and both workers)
+    assert s["bytes_fetched"] == sum(listing.pack.shard_sizes)
+    assert s["writes"] == 200 and ds.cached_fraction() == 1.0  # write-behind committed before the epoch ended
+    assert os.path.isdir(tmp_path / "shards")
