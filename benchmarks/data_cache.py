@@ -200,6 +200,7 @@ def main() -> None:
             "warm_s3_bytes": [],
             "cold_s3_bytes": [],
             "cold_s3_tree_bytes": [],
+            "warm_epochs_s": [],
             "over_budget_hit_rate": [],
             "over_budget_fraction": [],
             "workers_warm_s": [],
@@ -239,6 +240,7 @@ def main() -> None:
         def warm() -> float:
             # three epochs of the warm cache (each ~0.2 s at 10k samples/s): their median
             times = [state["local"].epoch()[0] for _ in range(3)]
+            extra["warm_epochs_s"].append([round(t, 4) for t in times])
             return median(times)
 
         def warm_workers() -> float:
@@ -287,6 +289,7 @@ def main() -> None:
         results = {
             "samples_per_s": {k: round(v, 1) for k, v in sps.items()},
             "epoch_s": {k: [round(x, 3) for x in v] for k, v in timings.items()},
+            "warm_epochs_s": extra["warm_epochs_s"],
             "identical_outputs": identical,
             "n_images": n_images,
             "jpeg_bytes": jpeg_bytes,

@@ -256,7 +256,7 @@ class PackedReader:
             for s, (k, b) in enumerate(zip(pack.shards, pack.shard_sizes, strict=True))
         ]
         self._inflight: dict[int, Future[None]] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a done-callback can run inline, under the lock
         self.staged_refetches = 0  # staged copies that failed their CRC and were fetched again (this process)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -266,7 +266,7 @@ class PackedReader:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a done-callback can run inline, under the lock
 
     def _path(self, s: int) -> str:
         return os.path.join(self.stage_dir, f"{self._names[s]}.shard")

@@ -191,3 +191,24 @@ def test_two_workers_read_a_packed_s3_origin_through_the_loader(
     assert s["bytes_fetched"] == sum(listing.pack.shard_sizes)
     assert s["writes"] == 200 and ds.cached_fraction() == 1.0  # write-behind committed before the epoch ended
     assert os.path.isdir(tmp_path / "shards")
+
+
+def test_prefetch_with_a_download_already_finished_does_not_deadlock(
+    s3_bucket: tuple[str, dict[str, Any]], small_digits: Path, tmp_path: Path
+) -> None:
+    from concurrent.futures import Future
+
+    bucket, opts = s3_bucket
+    url = f"s3://{bucket}/packed"
+    pack_origin(str(small_digits), url, dest_storage_options=opts, shard_bytes=30_000)
+    c = _cache(url, tmp_path, opts)
+
+    def run_inline(fn: Any, *args: Any) -> Future:
+        f: Future = Future()
+        f.set_result(fn(*args))  # done before add_done_callback: the callback runs inline, under the reader's lock
+        return f
+
+    c.store.run = run_inline  # type: ignore[method-assign]
+    assert c.packed is not None
+    assert c.packed.prefetch(list(range(50))) == 50
+    assert not c.packed._inflight
