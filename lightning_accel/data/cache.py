@@ -225,18 +225,22 @@ class SampleCache:
         self.write_behind = write_behind
         self._writer: _WriteBehind | None = None
         self._lock = threading.Lock()
-        # 1 byte per sample: entries this process has verified (CRC-32) once; later reads skip the checksum.
-        self._verified = bytearray(len(listing))
+        # 1 byte per sample, in shared memory so the DataLoader workers (fork or spawn) share it: entries verified
+        # (CRC-32) once, or written, by a process of this tree; later reads skip the checksum. Without sharing, the
+        # first warm epoch in the main process re-checked every entry the cold epoch's workers had just written
+        # (~3x slower than the next warm epochs at 224 px).
+        self._verified_t = torch.zeros(max(1, len(listing)), dtype=torch.uint8).share_memory_()
+        self._verified = self._verified_t.numpy()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_pending={}, _seen=(0, 0), _lock=None, _verified=None, _writer=None)
+        state.update(_pending={}, _seen=(0, 0), _lock=None, _verified=None, _writer=None)  # _verified_t travels
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
-        self._verified = bytearray(len(self.listing))
+        self._verified = self._verified_t.numpy()
 
     def __len__(self) -> int:
         return len(self.listing)
@@ -512,6 +516,7 @@ class SampleCache:
                     row.copy_(t)  # the one strided copy (decoders give HWC->CHW views); the entry copies the row
                 labels[pos] = self.listing.labels[i]
                 writes.append((keys[pos], encode_entry(row, self.listing.labels[i])))
+                verified[i] = 1  # written from the row we just decoded: as good as a checked read
         # Misses go to one tier: the SSD when there is one (persistent; its pages stay in the OS page cache), else
         # RAM. Writing both doubled the cold epoch's write cost (~20 % of it at 224 px); the RAM tier fills instead
         # by promotion of SSD hits, in the first warm epoch.

@@ -12,8 +12,9 @@ Layout (all integers little-endian)::
 An entry that does not parse, whose length disagrees with its header, or whose checksum fails raises
 :class:`CorruptEntryError`; the cache then evicts it and refetches the sample from the origin. CRC-32 runs at
 ~4.2 GB/s on this machine (~36 us for a 224 px sample), which is ~36 % of a warm read (memcpy out of the map, header,
-checksum), so the cache verifies each entry the first time a process reads it and trusts it afterwards (entries are
-immutable once committed; a corrupt entry is deleted and rewritten, never changed in place).
+checksum), so the cache verifies each entry the first time a process tree (the main process and its DataLoader
+workers) reads it, trusts the entries that tree wrote itself, and trusts both afterwards (entries are immutable once
+committed; a corrupt entry is deleted and rewritten, never changed in place).
 """
 
 from __future__ import annotations
