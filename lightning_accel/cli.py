@@ -114,6 +114,10 @@ def main(argv: list[str] | None = None) -> None:
         from lightning_accel.checkpoint.cli import main as ckpt_main
 
         raise SystemExit(ckpt_main(raw[1:], prog="lightning-accel ckpt"))
+    if raw[:1] == ["data"]:  # `lightning-accel data pack ...`: pack an origin into shards
+        from lightning_accel.data.cli import main as data_main
+
+        raise SystemExit(data_main(raw[1:], prog="lightning-accel data"))
     from jsonargparse import ArgumentError
 
     debug = os.environ.get("LIGHTNING_ACCEL_DEBUG", "") not in ("", "0")

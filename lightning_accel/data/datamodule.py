@@ -25,6 +25,7 @@ from lightning_accel.data.cache import SampleCache
 from lightning_accel.data.dataset import CacheDataLoader, CachedDataset, EpochOrderSampler
 from lightning_accel.data.decode import ImageDecoder
 from lightning_accel.data.origin import Listing, ObjectStore, list_origin
+from lightning_accel.data.pack import DEFAULT_STAGE_BYTES
 from lightning_accel.data.stats import CacheStats
 from lightning_accel.data.tiers import LmdbTier, default_ram_dir, parse_bytes
 
@@ -40,7 +41,8 @@ class CachedDataModule(LightningDataModule):
     Batches reach the LightningModule as ``(images float32 normalised (N, C, H, W), labels int64 (N,))``.
 
     Args:
-        origin: fsspec URL or local path of an ImageFolder tree (``<class>/<image>``) or of a ``manifest``.
+        origin: fsspec URL or local path of an ImageFolder tree (``<class>/<image>``), of a ``manifest``, or of a
+            packed origin (``pack_origin`` / ``lightning-accel data pack``: one GET per shard instead of per image).
         cache_dir: local directory (not a network filesystem) for the SSD tier and the shared listing.
         storage_options: fsspec options for the origin (S3 endpoint, credentials, ...).
         manifest: a JSONL file under ``origin`` with ``{"key": ..., "label": ...}`` lines instead of a tree.
@@ -65,6 +67,9 @@ class CachedDataModule(LightningDataModule):
         prefetch_batches: upcoming batches each reader reads ahead from the origin.
         prefetch: read ahead and read misses on a thread pool (``None``: only for remote origins; a local origin is
             read inline, which costs less CPU; ``True`` for a slow local disk).
+        stage_bytes: a packed remote origin (``pack_origin``) is read a whole shard at a time, staged under
+            ``cache_dir/shards`` (shared by the workers and ranks of the node); at most this many bytes are kept
+            (oldest out first). At least the packed data's size reads each shard once per cold epoch.
         on_decode_error: ``"raise"`` or ``"skip"`` (skipped samples are counted).
         warm_on_prepare: fill the SSD tier in ``prepare_data`` (once per node, progress bar) instead of in epoch 1.
         materialize_digits: render the embedded digits into ``origin`` (a local directory) in ``prepare_data`` first,
@@ -99,6 +104,7 @@ class CachedDataModule(LightningDataModule):
         retries: int = 4,
         prefetch_batches: int = 2,
         prefetch: bool | None = None,
+        stage_bytes: int | str = "4GiB",
         on_decode_error: str = "raise",
         warm_on_prepare: bool = False,
         materialize_digits: dict[str, Any] | None = None,
@@ -155,6 +161,7 @@ class CachedDataModule(LightningDataModule):
         self.retries = retries
         self.prefetch_batches = prefetch_batches
         self.prefetch = prefetch
+        self.stage_bytes = parse_bytes(stage_bytes, name="stage_bytes")
         self.on_decode_error = on_decode_error
         self.warm_on_prepare = warm_on_prepare
         self.materialize_digits = dict(materialize_digits) if materialize_digits is not None else None
@@ -209,6 +216,8 @@ class CachedDataModule(LightningDataModule):
             on_decode_error=self.on_decode_error,
             max_pending=max(64, self.prefetch_batches * self.batch_size * 2),
             prefetch=self.prefetch,
+            stage_dir=os.path.join(self.cache_dir, "shards"),
+            stage_bytes=self.stage_bytes if self.stage_bytes is not None else DEFAULT_STAGE_BYTES,
         )
 
     def _datasets(self, refresh: bool) -> tuple[CachedDataset, CachedDataset]:

@@ -166,8 +166,8 @@ def pack_origin(
     if fs.exists(index_path):
         if not overwrite:
             raise FileExistsError(
-                f"`dest` {dst.url!r} already holds a pack ({PACK_INDEX}). Pass `overwrite=True` to replace it, or "
-                "choose another prefix."
+                f"`dest` {dst.url!r} already holds a pack ({PACK_INDEX}). Pass `overwrite=True` (`--overwrite`) to "
+                "replace it, or choose another prefix."
             )
         fs.rm_file(index_path)
     fs.makedirs(safe_join(root, "shards"), exist_ok=True)

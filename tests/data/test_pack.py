@@ -212,3 +212,23 @@ def test_prefetch_with_a_download_already_finished_does_not_deadlock(
     assert c.packed is not None
     assert c.packed.prefetch(list(range(50))) == 50
     assert not c.packed._inflight
+
+
+def test_data_pack_command(small_digits: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_accel.cli import main as cli_main
+
+    dest = tmp_path / "packed"
+    with pytest.raises(SystemExit) as done:
+        cli_main(["data", "pack", str(small_digits), str(dest), "--shard-bytes", "20KiB"])
+    assert done.value.code == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["samples"] == 200 and summary["shards"] > 1
+    assert list_origin(ObjectStore(str(dest))).pack is not None
+    from lightning_accel.data.cli import main
+
+    assert main(["pack", str(small_digits), str(dest)]) == 1  # exists: refused, names --overwrite
+    assert "--overwrite" in capsys.readouterr().err
+    assert main(["pack", str(small_digits), str(tmp_path / "x"), "--shard-bytes", "lots"]) == 2
+    assert main(["pack", str(small_digits), str(tmp_path / "x"), "--storage-options", "[1]"]) == 2
+    assert main(["pack", str(tmp_path / "missing"), str(tmp_path / "y")]) == 1
+    assert "does not exist" in capsys.readouterr().err
