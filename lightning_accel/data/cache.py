@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from lightning_accel._utils.forksafe import ForkSafeLock
 from lightning_accel.data.codec import CorruptEntryError, copy_payload, encode_entry, peek_shape
 from lightning_accel.data.decode import DecodeError
 from lightning_accel.data.origin import Listing, ObjectStore
@@ -81,7 +82,7 @@ class BufferPool:
     def __init__(self, max_buffers: int = 8) -> None:
         self.max_buffers = max_buffers
         self._free: dict[tuple[tuple[int, ...], torch.dtype], list[torch.UntypedStorage]] = {}
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
         self.reused = 0
 
     def __getstate__(self) -> dict[str, Any]:
@@ -212,6 +213,7 @@ class SampleCache:
         fp = getattr(decode, "fingerprint", None) or repr(decode)
         self.namespace = hashlib.sha1(f"{store.url}|{fp}".encode()).hexdigest()[:12]
         self._pending: dict[int, Future[bytes]] = {}
+        self._pending_pid = os.getpid()
         self.packed: PackedReader | None = None
         if listing.pack is not None:
             if stage_dir is None:
@@ -224,7 +226,7 @@ class SampleCache:
         self.buffers = BufferPool()
         self.write_behind = write_behind
         self._writer: _WriteBehind | None = None
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
         # 1 byte per sample, in shared memory so the DataLoader workers (fork or spawn) share it: entries verified
         # (CRC-32) once, or written, by a process of this tree; later reads skip the checksum. Without sharing, the
         # first warm epoch in the main process re-checked every entry the cold epoch's workers had just written
@@ -239,7 +241,7 @@ class SampleCache:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
         self._verified = self._verified_t.numpy()
 
     def __len__(self) -> int:
@@ -274,6 +276,12 @@ class SampleCache:
             self._seen = (self.store.retried, self.store.bytes_read)
         self.stats.add(bytes_fetched=fetched, retries=retried)
 
+    def _own_pending(self) -> dict[int, Future[bytes]]:
+        # Futures inherited through a fork belong to threads the child does not have: never wait on or cancel them.
+        if self._pending_pid != os.getpid():
+            self._pending, self._pending_pid = {}, os.getpid()
+        return self._pending
+
     def _uncached(self, todo: list[int]) -> list[int]:
         keys = [self.key(i) for i in todo]
         for _, tier in self.tiers:
@@ -285,8 +293,9 @@ class SampleCache:
         return todo
 
     def _hint(self, indices: Sequence[int]) -> int:
-        todo = [i for i in dict.fromkeys(indices) if i not in self._pending]
-        room = self.max_pending - len(self._pending)
+        pending = self._own_pending()
+        todo = [i for i in dict.fromkeys(indices) if i not in pending]
+        room = self.max_pending - len(pending)
         if not todo or room <= 0:
             return 0
         todo = self._uncached(todo)
@@ -311,9 +320,10 @@ class SampleCache:
     def drop_pending(self) -> None:
         """Forget outstanding prefetches (new epoch order); reads already running finish in the background."""
         with self._lock:
-            for f in self._pending.values():
+            pending = self._own_pending()
+            for f in pending.values():
                 f.cancel()
-            self._pending.clear()
+            pending.clear()
         if self.packed is not None:
             self.packed.drop_pending()
 
@@ -326,7 +336,7 @@ class SampleCache:
                 except Exception as e:  # an OriginError: raised by the caller with context
                     got.append(e)
             return got
-        if not self.prefetch and not self._pending:  # local origin: inline reads (see `prefetch`)
+        if not self.prefetch and not self._own_pending():  # local origin: inline reads (see `prefetch`)
             inline: list[bytes | BaseException] = []
             for i in indices:
                 try:
@@ -336,8 +346,9 @@ class SampleCache:
             return inline
         futs = []
         with self._lock:
+            pending = self._own_pending()
             for i in indices:
-                f = self._pending.pop(i, None)
+                f = pending.pop(i, None)
                 futs.append(f if f is not None else self.store.submit(self.listing.keys[i]))
         out: list[bytes | BaseException] = []
         for f in futs:

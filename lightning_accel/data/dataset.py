@@ -29,6 +29,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, get_worker_info
 from torch.utils.data._utils.collate import default_collate
 
+from lightning_accel._utils.forksafe import ForkSafeLock
 from lightning_accel.data.cache import SampleCache
 
 __all__ = ["CacheDataLoader", "CachedDataset", "EpochOrderSampler", "collate_batch"]
@@ -77,7 +78,7 @@ class CachedDataset(Dataset):
         self._token_seen = 0
         self._pos: torch.Tensor | None = None
         self._hinted_to = -1
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -86,7 +87,7 @@ class CachedDataset(Dataset):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -309,6 +310,17 @@ class CacheDataLoader(DataLoader):
 
     def __iter__(self) -> Any:
         self._check_warm()
+        cache = getattr(self.dataset, "cache", None)
+        if (
+            not self.is_warm
+            and isinstance(self.sampler, EpochOrderSampler)
+            and getattr(cache, "packed", None) is not None
+            and getattr(cache, "prefetch", False)
+        ):
+            # A packed remote origin: publish this epoch's order now (the sampler stages the first batches' shards
+            # as it publishes), so the downloads overlap with starting the workers. The DataLoader's own pass over
+            # the sampler publishes the same order again.
+            iter(self.sampler)
         if self.num_workers == 0 and self.read_ahead > 0:
             if self.batch_sampler is not None and self.read_threads > 1:
                 return _parallel_batches(self, self.read_threads, self.read_ahead)

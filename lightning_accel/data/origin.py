@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from lightning_accel._utils.atomic import atomic_write_text
+from lightning_accel._utils.forksafe import ForkSafeLock
 from lightning_accel._utils.paths import safe_join
 
 if TYPE_CHECKING:
@@ -80,7 +80,7 @@ class ObjectStore:
         self._fs: Any = None
         self._root = ""
         self._pool: ThreadPoolExecutor | None = None
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
         # Counters of this process, read (as differences) by the cache for its statistics.
         self.retried = 0
         self.bytes_read = 0
@@ -92,7 +92,7 @@ class ObjectStore:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
 
     @property
     def is_local(self) -> bool:

@@ -17,7 +17,7 @@ Layout under the packed origin (documented in ``docs/data.md``):
 
 - from a local pack, with one ranged read of the shard file per sample;
 - from a remote pack, by staging whole shards (one GET each) in a node-local directory shared by every DataLoader
-  worker and rank of the node (an ``flock`` per shard: one process downloads, the others wait and read the file),
+  worker and rank of the node (a POSIX lock per shard: one process downloads, the others wait and read the file),
   then reading samples from the staged file. Read-ahead (:meth:`PackedReader.prefetch`) stages the shards of
   upcoming misses on the store's thread pool. Staged shards are evicted oldest first beyond ``stage_bytes``; with
   ``stage_bytes`` at least the pack's size, a shuffled cold epoch reads every shard exactly once.
@@ -41,6 +41,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_accel._utils.forksafe import ForkSafeLock
 from lightning_accel._utils.paths import safe_join
 from lightning_accel.data.origin import Listing, ObjectStore, OriginError, list_origin
 
@@ -256,17 +257,31 @@ class PackedReader:
             for s, (k, b) in enumerate(zip(pack.shards, pack.shard_sizes, strict=True))
         ]
         self._inflight: dict[int, Future[None]] = {}
-        self._lock = threading.RLock()  # a done-callback can run inline, under the lock
+        self._lock = ForkSafeLock(reentrant=True)  # a done-callback can run inline, under the lock
+        self._shard_locks: dict[int, threading.Lock] = {}
+        self._pid = os.getpid()
         self.staged_refetches = 0  # staged copies that failed their CRC and were fetched again (this process)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_inflight={}, _lock=None, staged_refetches=0)
+        state.update(_inflight={}, _lock=None, _shard_locks={}, _pid=None, staged_refetches=0)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._lock = threading.RLock()  # a done-callback can run inline, under the lock
+        self._lock = ForkSafeLock(reentrant=True)  # a done-callback can run inline, under the lock
+
+    def _this_process(self) -> None:
+        # After a fork the child owns none of the parent's threads: its copies of in-flight downloads never finish
+        # and a lock held by one of those threads is never released. Start over in each process.
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            self._shard_locks = {}
+            self._inflight = {}
+
+    def _shard_lock(self, s: int) -> threading.Lock:
+        with self._lock:
+            return self._shard_locks.setdefault(s, threading.Lock())
 
     def _path(self, s: int) -> str:
         return os.path.join(self.stage_dir, f"{self._names[s]}.shard")
@@ -280,10 +295,14 @@ class PackedReader:
             return path
         if not self.staging:
             return None
+        self._this_process()
         try:
             os.makedirs(self.stage_dir, exist_ok=True)
-            with open(path + ".lock", "a+b") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)  # one download per node; the others wait, then read the file
+            # One download per node: a thread lock within this process, then a POSIX record lock (fcntl) across
+            # processes. Record locks, unlike flock, are not inherited by a forked child, so a DataLoader worker
+            # forked while a download is running can never keep that shard locked.
+            with self._shard_lock(s), open(path + ".lock", "a+b") as lock:
+                fcntl.lockf(lock, fcntl.LOCK_EX)  # the others wait here, then read the file
                 if os.path.exists(path):
                     return path
                 data = self.store.fetch(self.pack.shards[s])
@@ -345,6 +364,7 @@ class PackedReader:
         if not self.staging:
             return 0
         started: set[int] = set()
+        self._this_process()
         with self._lock:
             for i in indices:
                 s = self.pack.shard[i]
@@ -366,6 +386,7 @@ class PackedReader:
 
     def drop_pending(self) -> None:
         """Forget staging not started yet (downloads already running finish)."""
+        self._this_process()
         with self._lock:
             for f in self._inflight.values():
                 f.cancel()

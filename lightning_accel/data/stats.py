@@ -8,10 +8,11 @@ spawn shares it through torch's multiprocessing reductions. Pickled any other wa
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import torch
+
+from lightning_accel._utils.forksafe import ForkSafeLock
 
 __all__ = ["FIELDS", "CacheStats"]
 
@@ -39,14 +40,14 @@ class CacheStats:
     def __init__(self) -> None:
         self._t = torch.zeros(_SLOTS, len(FIELDS), dtype=torch.int64)
         self._t.share_memory_()
-        self._lock = threading.Lock()  # threads of one process share its slot
+        self._lock = ForkSafeLock()  # threads of one process share its slot
 
     def __getstate__(self) -> dict[str, Any]:
         return {"_t": self._t}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._t = state["_t"]
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
 
     def _slot(self) -> int:
         info = torch.utils.data.get_worker_info()

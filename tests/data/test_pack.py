@@ -1,4 +1,4 @@
-"""Packed origins: pack_origin, the index, shard staging (node-wide, flock), CRC checks and faults."""
+"""Packed origins: pack_origin, the index, shard staging (node-wide, POSIX record locks), CRC checks and faults."""
 
 from __future__ import annotations
 
