@@ -178,9 +178,10 @@ class SampleCache:
         write_behind: write a batch's misses to the tier on a background thread of this process (one batch after
             another, at most ``_WRITE_QUEUE`` batches queued) instead of before the batch is returned. ``None``
             (default): only inside DataLoader workers. Why: an LMDB commit waits for the node-wide writer lock and
-            for the page cache; two workers writing 9.6 MB per batch took a cold epoch from 20 to 30 ms per batch on
-            this machine, 22-29 ms with write-behind (``docs/data.md``). Entries become visible when their write
-            commits; :meth:`flush` waits for that (also run when a worker process exits).
+            for the page cache, while the worker could decode its next batch. Measured here (2 workers, 224 px): a
+            cold epoch into the RAM tier went from 24-26 to 22.5-23 ms per batch; into the SSD tier it stayed at
+            29-33 ms, bound by the page-cache writes themselves (``docs/data.md``). Entries become visible when their
+            write commits; :meth:`flush` waits for that (also run when a worker process exits).
     """
 
     def __init__(
