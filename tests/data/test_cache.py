@@ -247,3 +247,20 @@ def test_warm_batches_recycle_buffers_without_corrupting_kept_batches(small_digi
         c.load([10, 11, 12, 13])  # dropped at once: their buffer is recycled
     assert c.buffers.reused >= 3
     assert torch.equal(kept.images, expect)
+
+
+def test_write_behind_commits_on_flush_and_reports_a_budget_error(small_digits: Path, tmp_cache_dir: Path) -> None:
+    from lightning_accel.data import BudgetTooSmallError
+
+    c = _cache(small_digits, tmp_cache_dir, write_behind=True)
+    c.load(list(range(10)))  # returns before its entries are committed
+    c.flush()
+    assert c.writes_behind and c.stats.as_dict()["writes"] == 10
+    assert c.ssd is not None and all(c.ssd.contains([c.key(i) for i in range(10)]))
+    store = ObjectStore(str(small_digits))
+    tiny = SampleCache(
+        store, list_origin(store), ImageDecoder(224), ssd=LmdbTier(tmp_cache_dir / "tiny", 100_000), write_behind=True
+    )
+    tiny.load([0])  # the write fails in the background ...
+    with pytest.raises(BudgetTooSmallError, match="ssd_bytes"):
+        tiny.flush()  # ... and the error reaches the caller, with both numbers

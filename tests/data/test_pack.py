@@ -173,8 +173,9 @@ def test_stage_budget_evicts_oldest_shards(s3_bucket: tuple[str, dict[str, Any]]
     assert 1 <= len(staged) < len(listing.pack.shards)
 
 
-def test_two_workers_read_a_packed_s3_origin_through_the_loader(
-    s3_bucket: tuple[str, dict[str, Any]], small_digits: Path, tmp_path: Path
+@pytest.mark.parametrize(("ctx", "workers"), [("fork", 2), ("spawn", 1)])
+def test_workers_read_a_packed_s3_origin_through_the_loader(
+    s3_bucket: tuple[str, dict[str, Any]], small_digits: Path, tmp_path: Path, ctx: str, workers: int
 ) -> None:
     bucket, opts = s3_bucket
     url = f"s3://{bucket}/packed"
@@ -183,7 +184,7 @@ def test_two_workers_read_a_packed_s3_origin_through_the_loader(
     cache = _cache(url, tmp_path, opts)
     ds = CachedDataset(cache)
     sampler = EpochOrderSampler(ds, batch_size=16, seed=0)
-    loader = CacheDataLoader(ds, batch_size=16, sampler=sampler, num_workers=2, multiprocessing_context="fork")
+    loader = CacheDataLoader(ds, batch_size=16, sampler=sampler, num_workers=workers, multiprocessing_context=ctx)
     seen = sum(len(x) for x, _ in loader)
     assert seen == 200
     s = cache.stats.as_dict()
