@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 
+from lightning_accel._utils.cliargs import json_object_arg
 from lightning_accel.checkpoint.store import CheckpointCorruptError, DeltaStore, NotADeltaCheckpointError
 
 __all__ = ["main"]
@@ -34,12 +35,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m lightning_accel.c
     """Run the command; returns the exit code (0 ok, 1 damaged/not found, 2 usage error)."""
     args = _parser(prog).parse_args(argv)
     try:
-        opts = json.loads(args.storage_options) if args.storage_options else None
-        if opts is not None and not isinstance(opts, dict):
-            raise ValueError("must be a JSON object")
+        opts = json_object_arg("--storage-options", args.storage_options or None)
     except ValueError as e:
-        msg = f"`--storage-options` {args.storage_options!r} is not a JSON object ({e})."
-        print(f"{prog}: error: {msg}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     store = DeltaStore(storage_options=opts)
     failed = False

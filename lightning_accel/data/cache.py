@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from lightning_accel._utils.forksafe import ForkSafeLock
+from lightning_accel._utils.forksafe import ForkSafeLock, PerProcess
 from lightning_accel.data.codec import CorruptEntryError, copy_payload, encode_entry, peek_shape
 from lightning_accel.data.decode import DecodeError
 from lightning_accel.data.origin import Listing, ObjectStore
@@ -131,15 +131,17 @@ class _WriteBehind:
 
     def submit(self, writes: list[tuple[bytes, bytes]]) -> None:
         """Queue a batch's entries; raises the error of an earlier background write (e.g. BudgetTooSmallError)."""
-        if self.error is not None:
-            err, self.error = self.error, None
-            raise err
+        self._raise_error()
         self._q.put(writes)
 
     def flush(self, raise_errors: bool = True) -> None:
         if self._thread.is_alive():
             self._q.join()
-        if raise_errors and self.error is not None:
+        if raise_errors:
+            self._raise_error()
+
+    def _raise_error(self) -> None:
+        if self.error is not None:
             err, self.error = self.error, None
             raise err
 
@@ -213,8 +215,8 @@ class SampleCache:
         self.prefetch = (not store.is_local) if prefetch is None else bool(prefetch)
         fp = getattr(decode, "fingerprint", None) or repr(decode)
         self.namespace = hashlib.sha1(f"{store.url}|{fp}".encode()).hexdigest()[:12]
-        self._pending: dict[int, Future[bytes]] = {}
-        self._pending_pid = os.getpid()
+        # Read-ahead futures of this process (a forked child's copies belong to threads it does not have).
+        self._pending: PerProcess[dict[int, Future[bytes]]] = PerProcess(dict)
         self.packed: PackedReader | None = None
         if listing.pack is not None:
             if stage_dir is None:
@@ -237,12 +239,11 @@ class SampleCache:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_pending={}, _seen=(0, 0), _lock=None, _verified=None, _writer=None)  # _verified_t travels
+        state.update(_seen=(0, 0), _verified=None, _writer=None)  # _verified_t travels; _pending, _lock pickle fresh
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._lock = ForkSafeLock()
         self._verified = self._verified_t.numpy()
 
     def __len__(self) -> int:
@@ -277,12 +278,6 @@ class SampleCache:
             self._seen = (self.store.retried, self.store.bytes_read)
         self.stats.add(bytes_fetched=fetched, retries=retried)
 
-    def _own_pending(self) -> dict[int, Future[bytes]]:
-        # Futures inherited through a fork belong to threads the child does not have: never wait on or cancel them.
-        if self._pending_pid != os.getpid():
-            self._pending, self._pending_pid = {}, os.getpid()
-        return self._pending
-
     def _uncached(self, todo: list[int]) -> list[int]:
         keys = [self.key(i) for i in todo]
         for _, tier in self.tiers:
@@ -294,7 +289,7 @@ class SampleCache:
         return todo
 
     def _hint(self, indices: Sequence[int]) -> int:
-        pending = self._own_pending()
+        pending = self._pending.get()
         todo = [i for i in dict.fromkeys(indices) if i not in pending]
         room = self.max_pending - len(pending)
         if not todo or room <= 0:
@@ -306,7 +301,7 @@ class SampleCache:
             return started
         started = 0
         for i in todo[:room]:
-            self._pending[i] = self.store.submit(self.listing.keys[i])
+            pending[i] = self.store.submit(self.listing.keys[i])
             started += 1
         self.stats.add(prefetched=started)
         return started
@@ -321,7 +316,7 @@ class SampleCache:
     def drop_pending(self) -> None:
         """Forget outstanding prefetches (new epoch order); reads already running finish in the background."""
         with self._lock:
-            pending = self._own_pending()
+            pending = self._pending.get()
             for f in pending.values():
                 f.cancel()
             pending.clear()
@@ -337,7 +332,7 @@ class SampleCache:
                 except Exception as e:  # an OriginError: raised by the caller with context
                     got.append(e)
             return got
-        if not self.prefetch and not self._own_pending():  # local origin: inline reads (see `prefetch`)
+        if not self.prefetch and not self._pending.get():  # local origin: inline reads (see `prefetch`)
             inline: list[bytes | BaseException] = []
             for i in indices:
                 try:
@@ -347,7 +342,7 @@ class SampleCache:
             return inline
         futs = []
         with self._lock:
-            pending = self._own_pending()
+            pending = self._pending.get()
             for i in indices:
                 f = pending.pop(i, None)
                 futs.append(f if f is not None else self.store.submit(self.listing.keys[i]))

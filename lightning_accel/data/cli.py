@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
 
+from lightning_accel._utils.cliargs import json_object_arg
 from lightning_accel.data.origin import OriginError
 from lightning_accel.data.pack import DEFAULT_SHARD_BYTES, pack_origin
 from lightning_accel.data.tiers import parse_bytes
@@ -34,24 +34,12 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     return p
 
 
-def _json_opts(name: str, raw: str | None) -> dict[str, Any] | None:
-    if raw is None:
-        return None
-    try:
-        opts = json.loads(raw)
-    except ValueError as e:
-        raise ValueError(f"`{name}` {raw!r} is not valid JSON ({e}).") from e
-    if not isinstance(opts, dict):
-        raise ValueError(f"`{name}` {raw!r} must be a JSON object, e.g. '{{\"anon\": true}}'.")
-    return opts
-
-
 def main(argv: list[str] | None = None, prog: str = "lightning-accel data") -> int:
     """Run the command; returns the exit code (0 ok, 1 failed, 2 usage error)."""
     args = _parser(prog).parse_args(argv)
     try:
-        src_opts = _json_opts("--storage-options", args.storage_options)
-        dst_opts = _json_opts("--dest-storage-options", args.dest_storage_options)
+        src_opts = json_object_arg("--storage-options", args.storage_options)
+        dst_opts = json_object_arg("--dest-storage-options", args.dest_storage_options)
         shard_bytes = parse_bytes(args.shard_bytes, name="--shard-bytes")
         if shard_bytes is None or shard_bytes < 1:
             raise ValueError(f"`--shard-bytes` must be a positive size such as 16MiB, got {args.shard_bytes!r}.")

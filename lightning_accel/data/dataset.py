@@ -82,12 +82,8 @@ class CachedDataset(Dataset):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_token_seen=0, _pos=None, _hinted_to=-1, _lock=None)
+        state.update(_token_seen=0, _pos=None, _hinted_to=-1)  # the lock pickles fresh
         return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock = ForkSafeLock()
 
     def __len__(self) -> int:
         return len(self.indices)

@@ -87,12 +87,8 @@ class ObjectStore:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_pid=None, _fs=None, _pool=None, _lock=None, retried=0, bytes_read=0)
+        state.update(_pid=None, _fs=None, _pool=None, retried=0, bytes_read=0)  # the lock pickles fresh
         return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock = ForkSafeLock()
 
     @property
     def is_local(self) -> bool:

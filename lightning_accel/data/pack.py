@@ -41,7 +41,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_accel._utils.forksafe import ForkSafeLock
+from lightning_accel._utils.forksafe import ForkSafeLock, PerProcess
 from lightning_accel._utils.paths import safe_join
 from lightning_accel.data.origin import Listing, ObjectStore, OriginError, list_origin
 
@@ -256,32 +256,19 @@ class PackedReader:
             hashlib.sha1(f"{store.url}|{k}|{b}|{firsts.get(s, 0)}".encode()).hexdigest()[:20]
             for s, (k, b) in enumerate(zip(pack.shards, pack.shard_sizes, strict=True))
         ]
-        self._inflight: dict[int, Future[None]] = {}
+        self._inflight: PerProcess[dict[int, Future[None]]] = PerProcess(dict)
         self._lock = ForkSafeLock(reentrant=True)  # a done-callback can run inline, under the lock
-        self._shard_locks: dict[int, threading.Lock] = {}
-        self._pid = os.getpid()
+        self._shard_locks: PerProcess[dict[int, threading.Lock]] = PerProcess(dict)
         self.staged_refetches = 0  # staged copies that failed their CRC and were fetched again (this process)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_inflight={}, _lock=None, _shard_locks={}, _pid=None, staged_refetches=0)
+        state.update(staged_refetches=0)  # the PerProcess state and the lock pickle fresh
         return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock = ForkSafeLock(reentrant=True)  # a done-callback can run inline, under the lock
-
-    def _this_process(self) -> None:
-        # After a fork the child owns none of the parent's threads: its copies of in-flight downloads never finish
-        # and a lock held by one of those threads is never released. Start over in each process.
-        if self._pid != os.getpid():
-            self._pid = os.getpid()
-            self._shard_locks = {}
-            self._inflight = {}
 
     def _shard_lock(self, s: int) -> threading.Lock:
         with self._lock:
-            return self._shard_locks.setdefault(s, threading.Lock())
+            return self._shard_locks.get().setdefault(s, threading.Lock())
 
     def _path(self, s: int) -> str:
         return os.path.join(self.stage_dir, f"{self._names[s]}.shard")
@@ -295,7 +282,6 @@ class PackedReader:
             return path
         if not self.staging:
             return None
-        self._this_process()
         try:
             os.makedirs(self.stage_dir, exist_ok=True)
             # One download per node: a thread lock within this process, then a POSIX record lock (fcntl) across
@@ -364,14 +350,14 @@ class PackedReader:
         if not self.staging:
             return 0
         started: set[int] = set()
-        self._this_process()
         with self._lock:
+            inflight = self._inflight.get()
             for i in indices:
                 s = self.pack.shard[i]
-                if s in started or s in self._inflight or os.path.exists(self._path(s)):
+                if s in started or s in inflight or os.path.exists(self._path(s)):
                     continue
                 fut = self.store.run(self._stage_quietly, s)
-                self._inflight[s] = fut
+                inflight[s] = fut
                 fut.add_done_callback(lambda _f, s=s: self._done(s))
                 started.add(s)
         return sum(1 for i in indices if self.pack.shard[i] in started)
@@ -382,15 +368,15 @@ class PackedReader:
 
     def _done(self, s: int) -> None:
         with self._lock:
-            self._inflight.pop(s, None)
+            self._inflight.get().pop(s, None)
 
     def drop_pending(self) -> None:
         """Forget staging not started yet (downloads already running finish)."""
-        self._this_process()
         with self._lock:
-            for f in self._inflight.values():
+            inflight = self._inflight.get()
+            for f in inflight.values():
                 f.cancel()
-            self._inflight.clear()
+            inflight.clear()
 
     # ---- reads ---------------------------------------------------------------------------------------------------
     def read(self, i: int, key: str) -> bytes:

@@ -42,13 +42,6 @@ class CacheStats:
         self._t.share_memory_()
         self._lock = ForkSafeLock()  # threads of one process share its slot
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {"_t": self._t}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self._t = state["_t"]
-        self._lock = ForkSafeLock()
-
     def _slot(self) -> int:
         info = torch.utils.data.get_worker_info()
         return 0 if info is None else 1 + info.id % (_SLOTS - 1)

@@ -42,3 +42,18 @@ def test_pickles_as_a_fresh_lock() -> None:
         copy = pickle.loads(pickle.dumps(lock))
         assert copy.acquire(blocking=False)
         copy.release()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork") or sys.platform != "linux", reason="needs os.fork")
+def test_per_process_state_starts_fresh_in_a_forked_child_and_when_unpickled() -> None:
+    from lightning_accel._utils.forksafe import PerProcess
+
+    state: PerProcess[dict[str, int]] = PerProcess(dict)
+    state.get()["parent"] = 1
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if state.get() == {} else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0
+    assert state.get() == {"parent": 1}
+    assert pickle.loads(pickle.dumps(state)).get() == {}

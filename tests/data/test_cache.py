@@ -143,7 +143,7 @@ def test_prefetch_hints_start_reads_only_for_uncached_samples(small_digits: Path
     s = c.stats.as_dict()
     assert s["prefetched"] == 8 and len(out.kept) == 2
     c.drop_pending()
-    assert not c._pending
+    assert not c._pending.get()
 
 
 def test_unwritable_cache_dir_warns_and_training_continues(small_digits: Path, tmp_path: Path) -> None:

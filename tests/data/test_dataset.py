@@ -101,9 +101,9 @@ def test_read_ahead_fetches_the_next_batches_of_this_reader(small_digits: Path, 
     ds = _dataset(str(small_digits), tmp_cache_dir, prefetch_batches=2, prefetch=True)
     order = list(EpochOrderSampler(ds, batch_size=10, seed=0))
     ds.__getitems__(order[0:10])
-    assert set(ds.cache._pending) == set(order[10:30])  # batches 1 and 2 are in flight
+    assert set(ds.cache._pending.get()) == set(order[10:30])  # batches 1 and 2 are in flight
     ds.__getitems__(order[10:20])
-    assert set(ds.cache._pending) == set(order[20:40])
+    assert set(ds.cache._pending.get()) == set(order[20:40])
     assert ds.stats.as_dict()["origin_fetches"] == 20
 
 
@@ -114,7 +114,7 @@ def test_local_origin_reads_inline_without_read_ahead(small_digits: Path, tmp_ca
     for lo in range(0, 30, 10):
         x, y = ds.__getitems__(order[lo : lo + 10])
         assert len(x) == len(y) == 10
-    assert not ds.cache._pending and ds.cache.store._pool is None
+    assert not ds.cache._pending.get() and ds.cache.store._pool is None
     s = ds.stats.as_dict()
     assert s["origin_fetches"] == 30 and s["prefetched"] == 0 and s["bytes_fetched"] > 0
 

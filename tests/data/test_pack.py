@@ -212,7 +212,7 @@ def test_prefetch_with_a_download_already_finished_does_not_deadlock(
     c.store.run = run_inline  # type: ignore[method-assign]
     assert c.packed is not None
     assert c.packed.prefetch(list(range(50))) == 50
-    assert not c.packed._inflight
+    assert not c.packed._inflight.get()
 
 
 def test_data_pack_command(small_digits: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
