@@ -15,16 +15,32 @@ import os
 import sys
 from typing import Any
 
-from lightning.pytorch import LightningDataModule, LightningModule
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from typing_extensions import override
 
 import lightning_accel  # noqa: F401 - registers the strategy aliases on import
 
-__all__ = ["AccelCLI", "main"]
+__all__ = ["AccelCLI", "SaveConfigBesideLogs", "main"]
 
 # Errors our code raises for bad input carry the argument, the value and the fix; show them without a traceback.
 _USER_ERRORS = (ValueError, TypeError, PermissionError, FileNotFoundError, ModuleNotFoundError, NotADirectoryError)
+
+
+class SaveConfigBesideLogs(SaveConfigCallback):
+    """Save the run's ``config.yaml`` beside its logs, never into the working directory.
+
+    Lightning's callback writes to ``trainer.log_dir``, which without a logger is ``default_root_dir`` -- the working
+    directory unless set -- so every ``logger: false`` run left a ``config.yaml`` there. Without a logger there is no
+    run directory to keep the config beside, so it is not saved (the YAML the run was started with is the record).
+    Every rank reads the same ``trainer.logger``, so all ranks take the same path through the parent's collectives.
+    """
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if trainer.logger is None:
+            self.save_to_log_dir = False
+        super().setup(trainer, pl_module, stage)
 
 
 class AccelCLI(LightningCLI):
@@ -36,7 +52,7 @@ class AccelCLI(LightningCLI):
             LightningDataModule,
             subclass_mode_model=True,
             subclass_mode_data=True,
-            save_config_kwargs={"overwrite": True},
+            save_config_callback=SaveConfigBesideLogs,
             parser_kwargs={"prog": "lightning-accel", "exit_on_error": False},
             args=args,
             run=run,

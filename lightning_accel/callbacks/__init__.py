@@ -1,24 +1,20 @@
-"""Lightning callbacks (one per file), each a thin adapter over a core object; names are resolved lazily."""
+"""Public namespace of every callback (re-exports only), so ``class_path: lightning_accel.callbacks.<Name>`` stays
+short and stable; each callback lives in its room beside the core it adapts (``perf/callbacks.py``,
+``recipes/callbacks.py``)."""
 
-from __future__ import annotations
+from lightning_accel.perf.callbacks import CudaMemoryManager, PerformanceMonitor
+from lightning_accel.recipes.callbacks import KnowledgeDistillation, LinearScalingLR, PerStepLR, StructuredPruning
 
-from lightning_accel._utils.lazy import lazy_getattr
-
-# public name -> module that defines it (imported on first access, so importing one callback loads only its file)
-_CALLBACKS: dict[str, str] = {
-    "CudaMemoryManager": "lightning_accel.callbacks.cuda_memory_manager",
-    "KnowledgeDistillation": "lightning_accel.callbacks.knowledge_distillation",
-    "LinearScalingLR": "lightning_accel.callbacks.linear_scaling_lr",
-    "PerformanceMonitor": "lightning_accel.callbacks.performance_monitor",
-    "PerStepLR": "lightning_accel.callbacks.per_step_lr",
-    "StructuredPruning": "lightning_accel.callbacks.structured_pruning",
-}
-
-__all__ = sorted(_CALLBACKS)
-
-
-__getattr__ = lazy_getattr(__name__, _CALLBACKS)
+__all__ = [
+    "CudaMemoryManager",
+    "KnowledgeDistillation",
+    "LinearScalingLR",
+    "PerStepLR",
+    "PerformanceMonitor",
+    "StructuredPruning",
+]
 
 
 def __dir__() -> list[str]:
+    # tab completion and `dir()` show the public names, not the sub-packages and helpers imported above
     return __all__

@@ -1,10 +1,12 @@
-"""1-bit compressed gradient averaging (the core of the ``ddp_1bit`` strategy; no Lightning import).
+"""1-bit compressed gradient averaging: the plain-torch core and its Lightning adapter, ``OneBitDDPStrategy``.
 
 - :mod:`~lightning_accel.comm.packing`: sign bits packed 8 per byte.
 - :mod:`~lightning_accel.comm.compress`: canonical group layout, per-block ``mean |x|`` scales, the torch compressor.
 - :mod:`~lightning_accel.comm.allreduce`: the two-phase compressed allreduce with worker/server error feedback.
 - :mod:`~lightning_accel.comm.state` / :mod:`~lightning_accel.comm.hook`: the DDP comm hook and its ``__slots__`` state.
 - :mod:`~lightning_accel.comm.triton_kernels`: the fused CUDA compressor (imported lazily).
+- :mod:`~lightning_accel.comm.strategy`: ``OneBitDDPStrategy`` (``strategy="ddp_1bit"``), the only module here that
+  imports Lightning.
 """
 
 from lightning_accel.comm.allreduce import OneBitResult, fp32_ring_bytes, onebit_allreduce
@@ -12,12 +14,15 @@ from lightning_accel.comm.compress import BlockTable, GroupLayout, block_scales,
 from lightning_accel.comm.hook import onebit_hook
 from lightning_accel.comm.packing import pack_signs, unpack_signs
 from lightning_accel.comm.state import GroupState, OneBitState, gather_state_dict, select_rank_state
+from lightning_accel.comm.strategy import CHECKPOINT_KEY, OneBitDDPStrategy
 
 __all__ = [
+    "CHECKPOINT_KEY",
     "BlockTable",
     "GroupLayout",
     "GroupState",
     "OneBitResult",
+    "OneBitDDPStrategy",
     "OneBitState",
     "block_scales",
     "compress_reference",

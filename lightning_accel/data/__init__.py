@@ -2,16 +2,16 @@
 
 Core (no ``lightning`` import): :class:`SampleCache`, :class:`CachedDataset`, :class:`EpochOrderSampler`,
 :class:`LmdbTier`, :class:`ObjectStore`, :func:`pack_origin`, :class:`ImageDecoder`, :class:`GpuAugment`, the entry
-codec and :class:`CacheStats`. The Lightning adapter :class:`CachedDataModule` is imported lazily. Guide:
+codec and :class:`CacheStats`. The Lightning adapter is :class:`CachedDataModule` (``datamodule.py``). Guide:
 ``docs/data.md``.
 """
 
 from __future__ import annotations
 
-from lightning_accel._utils.lazy import lazy_getattr
 from lightning_accel.data.augment import GpuAugment
 from lightning_accel.data.cache import BatchResult, SampleCache
 from lightning_accel.data.codec import CorruptEntryError, Sample, decode_entry, encode_entry
+from lightning_accel.data.datamodule import CachedDataModule
 from lightning_accel.data.dataset import CacheDataLoader, CachedDataset, EpochOrderSampler, collate_batch
 from lightning_accel.data.decode import DecodeError, ImageDecoder
 from lightning_accel.data.origin import Listing, ObjectStore, OriginError, list_origin
@@ -46,11 +46,3 @@ __all__ = [
     "pack_origin",
 ]
 
-
-# Lightning adapters, imported on first access so the core stays importable without Lightning's import cost
-__getattr__ = lazy_getattr(
-    __name__,
-    {
-        "CachedDataModule": "lightning_accel.data.datamodule",
-    },
-)

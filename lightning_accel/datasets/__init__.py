@@ -2,12 +2,12 @@
 
 ``materialize_digits`` renders them as an ImageFolder-style tree of JPEG files; ``digits_tokens`` gives the same
 images as token sequences for the reference GPT model. ``DigitsDataModule`` (plain ImageFolder + DataLoader) is the
-baseline that the plugins are measured against; it is imported lazily because it needs Lightning.
+baseline that the plugins are measured against.
 """
 
 from __future__ import annotations
 
-from lightning_accel._utils.lazy import lazy_getattr
+from lightning_accel.datasets.datamodule import DigitsDataModule
 from lightning_accel.datasets.digits import (
     DIGITS_CLASSES,
     DigitsInfo,
@@ -25,11 +25,3 @@ __all__ = [
     "materialize_digits",
 ]
 
-
-# Lightning adapters, imported on first access so the core stays importable without Lightning's import cost
-__getattr__ = lazy_getattr(
-    __name__,
-    {
-        "DigitsDataModule": "lightning_accel.datasets.datamodule",
-    },
-)

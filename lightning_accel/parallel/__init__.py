@@ -1,12 +1,11 @@
 """Choosing the parallelism: memory estimates (DDP, FSDP/ZeRO-3, pipeline) and ``select_strategy``.
 
-The core (``estimate``, ``select``) never imports Lightning; ``AutoStrategy`` (the Lightning adapter that resolves the
-choice when ``fit`` starts, for LightningCLI) is imported lazily.
+The core (``estimate``, ``select``) never imports Lightning; ``AutoStrategy`` (``strategy.py``) is its Lightning
+adapter.
 """
 
 from __future__ import annotations
 
-from lightning_accel._utils.lazy import lazy_getattr
 from lightning_accel.parallel.estimate import (
     ActivationProfile,
     MemoryEstimate,
@@ -19,6 +18,7 @@ from lightning_accel.parallel.estimate import (
     pipeline_stage_params,
 )
 from lightning_accel.parallel.select import StrategyChoice, onebit_break_even_gbps, select_strategy
+from lightning_accel.parallel.strategy import AutoStrategy
 
 __all__ = [
     "ActivationProfile",
@@ -36,11 +36,3 @@ __all__ = [
     "select_strategy",
 ]
 
-
-# Lightning adapters, imported on first access so the core stays importable without Lightning's import cost
-__getattr__ = lazy_getattr(
-    __name__,
-    {
-        "AutoStrategy": "lightning_accel.parallel.strategy",
-    },
-)

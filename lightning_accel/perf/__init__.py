@@ -1,9 +1,10 @@
 """Measure before optimising: step-time attribution, FLOPs/MFU, NVML sampling, bottleneck reports, CUDA allocator.
 
-Functional core only (plain torch, no Lightning); the adapters are
-:class:`lightning_accel.callbacks.PerformanceMonitor` and :class:`lightning_accel.callbacks.CudaMemoryManager`.
+The core (``timers``, ``flops``, ``nvml``, ``report``, ``cuda_memory``) is plain torch; the Lightning adapters,
+:class:`PerformanceMonitor` and :class:`CudaMemoryManager`, live in ``callbacks.py``.
 """
 
+from lightning_accel.perf.callbacks import CudaMemoryManager, PerformanceMonitor
 from lightning_accel.perf.cuda_memory import (
     AllocatorSettings,
     AppliedSettings,
@@ -23,10 +24,12 @@ __all__ = [
     "AllocatorSettings",
     "AppliedSettings",
     "BottleneckReport",
+    "CudaMemoryManager",
     "CudaEventClock",
     "FragmentationStats",
     "HostClock",
     "NvmlSampler",
+    "PerformanceMonitor",
     "StepFlopCounter",
     "StepTimer",
     "TimerTotals",

@@ -68,7 +68,7 @@ def verdict_text(dominant: str, shares: Mapping[str, float], context: Mapping[st
 
 @dataclass
 class BottleneckReport:
-    """What :class:`~lightning_accel.callbacks.PerformanceMonitor` prints at the end of ``fit``.
+    """What :class:`~lightning_accel.perf.PerformanceMonitor` prints at the end of ``fit``.
 
     Attributes:
         seconds: category -> seconds over the counted steps (see :data:`~lightning_accel.perf.timers.CATEGORIES`).

@@ -1,11 +1,12 @@
 """Mixed precision with fused operators: module surgery by policy (core) and ``FusedPrecision`` (Lightning adapter).
 
-The core (:mod:`.surgery`, :mod:`.modules`) never imports Lightning; :class:`FusedPrecision` is resolved lazily.
+The core (:mod:`.surgery`, :mod:`.modules`) never imports Lightning; :class:`FusedPrecision` (``plugin.py``) is
+the adapter.
 """
 
 from __future__ import annotations
 
-from lightning_accel._utils.lazy import lazy_getattr
+from lightning_accel.precision.plugin import FusedPrecision
 from lightning_accel.precision.surgery import (
     DEFAULT_POLICY,
     FusionRecord,
@@ -25,11 +26,3 @@ __all__ = [
     "replace_optimizer_params",
 ]
 
-
-# Lightning adapters, imported on first access so the core stays importable without Lightning's import cost
-__getattr__ = lazy_getattr(
-    __name__,
-    {
-        "FusedPrecision": "lightning_accel.precision.plugin",
-    },
-)

@@ -1,10 +1,11 @@
-"""Training recipes as plain-torch functional cores (no Lightning here; the callbacks adapt them).
+"""Training recipes: plain-torch functional cores and, in ``callbacks.py``, the Lightning callbacks that adapt them.
 
 - :mod:`~lightning_accel.recipes.lr`: linear LR scaling and the :class:`WarmupCosineLR` schedule.
 - :mod:`~lightning_accel.recipes.distill`: knowledge-distillation loss and teacher handling.
 - :mod:`~lightning_accel.recipes.prune`: structured pruning that physically removes channels.
 """
 
+from lightning_accel.recipes.callbacks import KnowledgeDistillation, LinearScalingLR, PerStepLR, StructuredPruning
 from lightning_accel.recipes.distill import (
     check_distillation_args,
     check_logits_match,
@@ -35,7 +36,11 @@ from lightning_accel.recipes.prune import (
 __all__ = [
     "APPLIED_KEY",
     "ChannelGroup",
+    "KnowledgeDistillation",
+    "LinearScalingLR",
+    "PerStepLR",
     "PruneResult",
+    "StructuredPruning",
     "WarmupCosineLR",
     "apply_lr_scale",
     "apply_structured_pruning",

@@ -117,7 +117,7 @@ class WarmupCosineLR(LRScheduler):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     From LightningCLI YAML (the optimizer is injected; ``total_steps`` may be left out when the
-    :class:`~lightning_accel.callbacks.PerStepLR` callback is used, which binds it to the fit's
+    :class:`~lightning_accel.recipes.PerStepLR` callback is used, which binds it to the fit's
     ``estimated_stepping_batches`` and makes Lightning step the schedule per batch instead of per epoch)::
 
         lr_scheduler:
@@ -216,7 +216,7 @@ class WarmupCosineLR(LRScheduler):
             if step > 0:
                 raise RuntimeError(
                     "WarmupCosineLR was stepped before `total_steps` was known. Pass `total_steps=...`, or add the "
-                    "`lightning_accel.callbacks.PerStepLR` callback to the Trainer so it binds the schedule to "
+                    "`lightning_accel.recipes.PerStepLR` callback to the Trainer so it binds the schedule to "
                     "`trainer.estimated_stepping_batches`."
                 )
             warm = self.warmup_steps if self.warmup_steps_arg is not None else 1

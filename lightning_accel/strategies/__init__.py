@@ -1,13 +1,7 @@
-"""Lightning adapters of :mod:`lightning_accel.comm`: ``OneBitDDPStrategy`` (``strategy="ddp_1bit"``)."""
+"""Public namespace of every strategy (re-exports only), so ``class_path: lightning_accel.strategies.<Name>`` stays
+short and stable; each strategy lives in its room (``comm/strategy.py``, ``parallel/strategy.py``)."""
 
-from lightning_accel.strategies.onebit import CHECKPOINT_KEY, OneBitDDPStrategy
+from lightning_accel.comm.strategy import CHECKPOINT_KEY, OneBitDDPStrategy
+from lightning_accel.parallel.strategy import AutoStrategy
 
-__all__ = ["CHECKPOINT_KEY", "OneBitDDPStrategy", "register_strategies"]
-
-
-def register_strategies() -> None:
-    """Register ``"ddp_1bit"`` in Lightning's ``StrategyRegistry`` (idempotent; runs on ``import lightning_accel``)."""
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    if "ddp_1bit" not in StrategyRegistry:
-        OneBitDDPStrategy.register_strategies(StrategyRegistry)
+__all__ = ["CHECKPOINT_KEY", "AutoStrategy", "OneBitDDPStrategy"]

@@ -15,7 +15,8 @@ def _fit_and_resume(rank: int, world_size: int, root: str) -> dict[str, Any]:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from lightning_accel import DeltaCheckpointIO
-    from tests.checkpoint._tiny import TinyModel, tiny_loader, trainer
+    from tests.tiny import TinyModel, tiny_loader
+    from tests.tiny import ckpt_trainer as trainer
 
     torch.manual_seed(0)
     ckpt = ModelCheckpoint(

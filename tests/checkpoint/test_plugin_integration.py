@@ -12,7 +12,8 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
 from lightning_accel import DeltaCheckpointIO
 from lightning_accel.checkpoint.store import BLOB_DIR, DeltaStore
-from tests.checkpoint._tiny import TinyModel, tiny_loader, trainer
+from tests.tiny import TinyModel, tiny_loader
+from tests.tiny import ckpt_trainer as trainer
 
 torch.set_num_threads(1)
 

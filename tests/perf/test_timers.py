@@ -6,17 +6,7 @@ import pytest
 
 from lightning_accel.perf import CATEGORIES, HostClock, StepTimer, build_report
 from lightning_accel.perf.timers import TimerTotals
-
-
-class FakeTime:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, s: float) -> None:
-        self.t += s
+from tests.tiny import VirtualTime as FakeTime
 
 
 def make(skip: int = 0) -> tuple[FakeTime, StepTimer]:

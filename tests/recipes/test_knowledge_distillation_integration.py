@@ -18,7 +18,7 @@ from lightning_accel.callbacks import KnowledgeDistillation
 from lightning_accel.models import ImageClassifier
 from lightning_accel.recipes.distill import distillation_loss
 from tests.helpers import run_in_processes
-from tests.recipes._tiny import classifier, loader, trainer
+from tests.tiny import classifier, loader, trainer
 
 
 class DictStudent(LightningModule):

@@ -12,7 +12,7 @@ def _fit(rank: int, world_size: int, root: str) -> dict[str, Any]:
     import torch
 
     from lightning_accel.callbacks import PerformanceMonitor
-    from tests.callbacks._tiny import TinyModule, loaders
+    from tests.tiny import TinyModule, loaders
 
     torch.manual_seed(0)
     mon = PerformanceMonitor(log_every_n_steps=5, report_path="", verbose=False)

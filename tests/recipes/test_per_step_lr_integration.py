@@ -10,7 +10,7 @@ import pytest
 from lightning_accel.callbacks import PerStepLR
 from lightning_accel.cli import AccelCLI
 from lightning_accel.recipes.lr import WarmupCosineLR
-from tests.recipes._tiny import LRProbe, classifier, loader, trainer
+from tests.tiny import LRProbe, classifier, loader, trainer
 
 CONFIG = """
 seed_everything: 0
@@ -27,12 +27,12 @@ trainer:
   default_root_dir: {root}
   callbacks:
     - class_path: lightning_accel.callbacks.PerStepLR
-    - class_path: tests.recipes._tiny.LRProbe
+    - class_path: tests.tiny.LRProbe
 model:
   class_path: lightning_accel.models.ImageClassifier
   init_args: {{width: 4}}
 data:
-  class_path: tests.recipes._tiny.TinyDigits
+  class_path: tests.tiny.TinyDigits
   init_args: {{batch_size: 32}}
 optimizer:
   class_path: torch.optim.SGD

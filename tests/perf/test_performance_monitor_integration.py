@@ -15,7 +15,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lightning_accel.callbacks import PerformanceMonitor
 from lightning_accel.perf import HostClock
-from tests.callbacks._tiny import TinyModule, VirtualTime, loaders
+from tests.tiny import TinyModule, VirtualTime, loaders
 
 
 class SlowSave(Callback):

@@ -14,7 +14,7 @@ from typing_extensions import override
 from lightning_accel.callbacks import StructuredPruning
 from lightning_accel.recipes.prune import count_parameters
 from tests.helpers import run_in_processes
-from tests.recipes._tiny import classifier, loader, trainer
+from tests.tiny import classifier, loader, trainer
 
 
 class _OptimizerMatchesModel(Callback):

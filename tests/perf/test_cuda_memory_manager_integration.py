@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lightning_accel.callbacks import CudaMemoryManager
-from tests.callbacks._tiny import TinyModule, loaders
+from tests.tiny import TinyModule, loaders
 
 GB = 1 << 30
 

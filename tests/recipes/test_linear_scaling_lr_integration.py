@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_accel.callbacks import LinearScalingLR
 from lightning_accel.recipes.lr import WarmupCosineLR
-from tests.recipes._tiny import LRProbe, classifier, loader, trainer
+from tests.tiny import LRProbe, classifier, loader, trainer
 
 
 def _constant_model(lr: float = 0.01):

@@ -1,0 +1,473 @@
+"""The Lightning adapters of the recipes room, thin callbacks over the plain-torch cores beside them:
+``LinearScalingLR`` and ``PerStepLR`` (:mod:`~lightning_accel.recipes.lr`), ``KnowledgeDistillation``
+(:mod:`~lightning_accel.recipes.distill`) and ``StructuredPruning`` (:mod:`~lightning_accel.recipes.prune`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import nn
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from lightning_accel.recipes.distill import (
+    check_distillation_args,
+    combine_losses,
+    distillation_loss,
+    freeze_teacher,
+    load_teacher,
+)
+from lightning_accel.recipes.lr import WarmupCosineLR, apply_lr_scale, linear_scaling_factor
+from lightning_accel.recipes.prune import (
+    apply_structured_pruning,
+    check_amount,
+    count_parameters,
+    resize_to_state_dict,
+    schedule_amounts,
+)
+
+__all__ = ['KnowledgeDistillation', 'LinearScalingLR', 'PerStepLR', 'StructuredPruning']
+
+
+def _loader_batch_size(obj: Any) -> int | None:
+    if isinstance(obj, DataLoader):
+        if obj.batch_size is not None:
+            return int(obj.batch_size)
+        bs = getattr(obj.batch_sampler, "batch_size", None)
+        return int(bs) if bs is not None else None
+    if isinstance(obj, Mapping):
+        obj = list(obj.values())
+    if isinstance(obj, Sequence) and not isinstance(obj, (str, bytes)):
+        for o in obj:
+            bs = _loader_batch_size(o)
+            if bs is not None:
+                return bs
+    return None
+
+
+class LinearScalingLR(Callback):
+    """Scale every optimizer's learning rate by ``global_batch / base_batch_size`` once, at the start of training.
+
+    ``global_batch = per-device batch x devices x nodes x accumulate_grad_batches``. The per-device batch is read
+    from the training DataLoader (``batch_size``) unless ``batch_size`` is given. Schedulers created in
+    ``configure_optimizers`` are scaled along (their base rates), so warm-up and cosine follow the scaled peak.
+
+    Idempotent across resume: the factor applied is stored in each param group (saved with the optimizer state) and in
+    this callback's ``state_dict``; resuming with the same setup changes nothing, resuming with a different global
+    batch (e.g. more devices) rescales by the ratio of the two factors. The factor is logged as ``lr_scale/factor``
+    and ``lr_scale/global_batch_size``.
+
+    Args:
+        base_batch_size: the global batch size the configured learning rate was tuned for.
+        batch_size: per-device batch size (``None``: read it from the train DataLoader).
+
+    Raises:
+        ValueError: a non-positive ``base_batch_size``/``batch_size``, or a per-device batch size that cannot be found.
+    """
+
+    def __init__(self, base_batch_size: int, batch_size: int | None = None) -> None:
+        linear_scaling_factor(1, base_batch_size)  # validates
+        if batch_size is not None:
+            linear_scaling_factor(batch_size, 1)
+        self.base_batch_size = int(base_batch_size)
+        self.batch_size = batch_size
+        self.factor: float | None = None
+        self.global_batch_size: int | None = None
+        self._restored_factor: float | None = None
+
+    def global_batch(self, trainer: Trainer) -> int:
+        """``per-device batch x devices x nodes x accumulate_grad_batches`` for ``trainer``'s current fit."""
+        per_device = self.batch_size if self.batch_size is not None else _loader_batch_size(trainer.train_dataloader)
+        if per_device is None:
+            raise ValueError(
+                "LinearScalingLR could not read the per-device batch size from the train DataLoader "
+                f"({type(trainer.train_dataloader).__name__}). Pass `batch_size=` to LinearScalingLR."
+            )
+        return int(per_device) * trainer.num_devices * trainer.num_nodes * trainer.accumulate_grad_batches
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.global_batch_size = self.global_batch(trainer)
+        self.factor = linear_scaling_factor(self.global_batch_size, self.base_batch_size)
+        schedulers = [cfg.scheduler for cfg in trainer.lr_scheduler_configs]
+        for opt in trainer.optimizers:
+            apply_lr_scale(opt, self.factor, schedulers, fallback_applied=self._restored_factor or 1.0)
+        lrs = [g["lr"] for opt in trainer.optimizers for g in opt.param_groups]
+        rank_zero_info(
+            f"LinearScalingLR: global batch {self.global_batch_size} / base {self.base_batch_size} -> learning rates "
+            f"x{self.factor:g} (now {[float(f'{lr:.4g}') for lr in lrs]})."
+        )
+        metrics = {"lr_scale/factor": self.factor, "lr_scale/global_batch_size": float(self.global_batch_size)}
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "base_batch_size": self.base_batch_size,
+            "global_batch_size": self.global_batch_size,
+            "factor": self.factor,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._restored_factor = state_dict.get("factor")
+        self.factor = self._restored_factor
+        self.global_batch_size = state_dict.get("global_batch_size")
+
+
+class PerStepLR(Callback):
+    """Make every :class:`~lightning_accel.recipes.lr.WarmupCosineLR` of the fit step per batch, with a known length.
+
+    LightningCLI's ``lr_scheduler:`` block returns the scheduler without an interval, so Lightning would step it once
+    per *epoch*; and the YAML cannot know the number of optimizer steps. At ``on_train_start`` this callback sets the
+    interval of each ``WarmupCosineLR`` to ``"step"`` and binds those created without ``total_steps`` to
+    ``trainer.estimated_stepping_batches`` (``max_epochs`` x batches per epoch / ``accumulate_grad_batches``, or
+    ``max_steps``). Resumed schedules keep their restored length. Other schedulers are left alone.
+    """
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        found = 0
+        for cfg in trainer.lr_scheduler_configs:
+            if isinstance(cfg.scheduler, WarmupCosineLR):
+                found += 1
+                cfg.interval = "step"
+                cfg.frequency = 1
+                if not cfg.scheduler.bound:
+                    cfg.scheduler.bind(trainer.estimated_stepping_batches)
+        if not found:
+            rank_zero_warn("PerStepLR found no WarmupCosineLR scheduler in this fit; it changed nothing.")
+
+
+class KnowledgeDistillation(Callback):
+    """Add ``alpha * T^2 * KL(teacher || student)`` to the student's loss and weight the hard loss by ``1 - alpha``.
+
+    **How the student's logits and loss are reached** (the protocol, in order of precedence):
+
+    1. *Hard loss*: what ``training_step`` returns -- a tensor, or the ``"loss"`` entry of a dict.
+    2. *Student logits*: the ``"logits"`` entry if ``training_step`` returns a dict that has one; otherwise the output
+       of the module's own ``forward``, captured with a forward hook -- i.e. ``training_step`` must call ``self(x)``
+       exactly once.
+    3. *Teacher inputs*: ``pl_module.distillation_inputs(batch)`` if the module defines it (a tensor or a tuple of
+       positional args); otherwise the arguments of that captured ``self(x)`` call; otherwise ``batch[0]`` for
+       tuple/list batches, or the batch itself.
+
+    The callback wraps ``training_step`` on the module instance for the duration of ``fit`` and returns
+    ``(1 - alpha) * hard + alpha * T^2 * KL`` in place of the hard loss (logged as ``distill/hard_loss`` and
+    ``distill/soft_loss``). The teacher lives on the callback, not on the module: it is not a submodule, so it is not
+    in the optimizer, not in ``state_dict``/checkpoints and not in the DDP wrapper; it is frozen, in eval mode, and
+    moved to the module's device at fit start. Under DDP each rank runs its own teacher copy on its own shard of the
+    batch.
+
+    Args:
+        teacher: the teacher network (any ``nn.Module`` mapping the student's inputs to logits of the same shape), or
+            the path of a Lightning checkpoint of it (then ``teacher_class`` is required; read with
+            ``torch.load(weights_only=True)``).
+        temperature: softening temperature ``T > 0``.
+        alpha: weight of the distillation term in [0, 1].
+        teacher_class: the teacher's class (or import path) when ``teacher`` is a checkpoint path.
+
+    Raises:
+        ValueError: ``temperature <= 0``, ``alpha`` outside [0, 1], a teacher that is a submodule of the student, or
+            (at the first step) teacher logits whose shape differs from the student's -- each naming the argument.
+    """
+
+    def __init__(
+        self,
+        teacher: nn.Module | str,
+        temperature: float = 4.0,
+        alpha: float = 0.5,
+        teacher_class: type[nn.Module] | str | None = None,
+    ) -> None:
+        check_distillation_args(temperature, alpha)
+        if isinstance(teacher, (str, os.PathLike)):
+            teacher = load_teacher(teacher, teacher_class)
+        self.teacher = freeze_teacher(teacher)
+        self.temperature = float(temperature)
+        self.alpha = float(alpha)
+        self._module: LightningModule | None = None
+        self._hook: Any = None
+        self._capturing = False
+        self._captured: list[tuple[tuple[Any, ...], dict[str, Any], Any]] = []
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if any(m is self.teacher for m in pl_module.modules()):
+            raise ValueError(
+                "`teacher` is a submodule of the student LightningModule, so it would be trained, checkpointed and "
+                "wrapped by DDP. Keep the teacher out of the module (pass it only to KnowledgeDistillation)."
+            )
+        self.teacher.to(pl_module.device)
+        freeze_teacher(self.teacher)
+        self._install(pl_module)
+
+    @override
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.teacher.eval()  # in case anything switched it back to train mode
+
+    @override
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._uninstall()
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._uninstall()
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._uninstall()  # a failed fit must not leave the module wrapped
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        # Hyper-parameters only: the teacher's weights never go into the student's checkpoints.
+        return {"temperature": self.temperature, "alpha": self.alpha}
+
+    def _install(self, pl_module: LightningModule) -> None:
+        if self._module is not None:
+            return
+        original = pl_module.training_step  # bound method of the class (or a user's instance override)
+
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            if self._capturing:
+                self._captured.append((args, kwargs, output))
+
+        def training_step(*args: Any, **kwargs: Any) -> Any:
+            self._captured = []
+            self._capturing = True
+            try:
+                out = original(*args, **kwargs)
+            finally:
+                self._capturing = False
+            batch = args[0] if args else kwargs.get("batch")
+            try:
+                return self._distil(pl_module, out, batch)
+            finally:
+                self._captured = []
+
+        self._hook = pl_module.register_forward_hook(hook, with_kwargs=True)
+        pl_module.training_step = training_step  # type: ignore[method-assign]
+        self._module = pl_module
+
+    def _uninstall(self) -> None:
+        if self._module is None:
+            return
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self._module.__dict__.pop("training_step", None)
+        self._module = None
+
+    def _student_logits(self, out: Any) -> torch.Tensor:
+        if isinstance(out, Mapping) and "logits" in out:
+            return out["logits"]
+        if len(self._captured) == 1 and isinstance(self._captured[0][2], torch.Tensor):
+            return self._captured[0][2]
+        raise ValueError(
+            f"KnowledgeDistillation cannot find the student's logits: `training_step` returned "
+            f"{type(out).__name__} without a 'logits' entry and called the module's forward {len(self._captured)} "
+            "time(s). Either return {'loss': loss, 'logits': logits} from `training_step`, or call `self(x)` exactly "
+            "once in it (its output is taken as the logits)."
+        )
+
+    def _teacher_inputs(self, pl_module: LightningModule, batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        fn = getattr(pl_module, "distillation_inputs", None)
+        if callable(fn):
+            x = fn(batch)
+            return (x if isinstance(x, tuple) else (x,)), {}
+        if len(self._captured) == 1:
+            return self._captured[0][0], self._captured[0][1]
+        if isinstance(batch, (list, tuple)) and batch:
+            return (batch[0],), {}
+        return (batch,), {}
+
+    def _distil(self, pl_module: LightningModule, out: Any, batch: Any) -> Any:
+        if out is None:
+            return None  # the module skipped this batch
+        hard = out["loss"] if isinstance(out, Mapping) else out
+        student = self._student_logits(out)
+        t_args, t_kwargs = self._teacher_inputs(pl_module, batch)
+        with torch.no_grad():
+            teacher = self.teacher(*t_args, **t_kwargs)
+        if not isinstance(teacher, torch.Tensor):
+            raise ValueError(
+                f"`teacher` must return a logits tensor, got {type(teacher).__name__}. Wrap it in a module whose "
+                "forward returns the logits."
+            )
+        soft = distillation_loss(student, teacher, self.temperature)
+        loss = combine_losses(hard, soft, self.alpha)
+        pl_module.log("distill/hard_loss", hard.detach(), on_step=True, on_epoch=True, sync_dist=True)
+        pl_module.log("distill/soft_loss", soft.detach(), on_step=True, on_epoch=True, sync_dist=True)
+        if isinstance(out, Mapping):
+            return {**out, "loss": loss}
+        return loss
+
+
+class StructuredPruning(Callback):
+    """Remove the weakest whole channels/neurons at the start of chosen epochs; fine-tune on the smaller model.
+
+    At the first training batch of each epoch in ``schedule`` the module (or its ``target`` submodule) is traced, its
+    channel groups found (residual adds are pruned consistently, BatchNorm and the consuming layers shrink along) and
+    ``amount`` of the original channels removed in total over the schedule (evenly split: step ``k`` of ``n`` brings
+    the removed fraction to ``amount * k / n``). This is structured pruning with real speed-ups; for unstructured
+    masks use Lightning's ``ModelPruning``.
+
+    **Optimizer after pruning.** The sliced parameters are new tensors. The callback re-points every optimizer of the
+    trainer to them and slices their per-parameter state (momentum, Adam moments) with the same indices -- the
+    equivalent of rebuilding the optimizer with ``trainer.strategy.setup_optimizers(trainer)`` but keeping the kept
+    channels' state and the LR schedule's position (``setup_optimizers`` would restart warm-up). Under DDP the model
+    is re-wrapped (``DDPStrategy.configure_ddp``) because DDP's gradient buckets are sized for the old parameters.
+
+    **Checkpoints.** A checkpoint saved after pruning holds the smaller weights. While this callback is attached
+    (e.g. when resuming with ``ckpt_path``) the module's layers are resized to the checkpoint's shapes before the
+    weights load; elsewhere use :func:`lightning_accel.recipes.prune.resize_to_state_dict` before
+    ``load_state_dict``. The epochs already pruned are in the callback's state, so resuming never prunes twice.
+
+    Args:
+        amount: total fraction in [0, 1) of each prunable group's channels to remove.
+        norm: filter norm ranking the channels, ``"l1"`` or ``"l2"``.
+        schedule: epoch (or epochs) at whose start to prune; ``0`` prunes before training (prune-then-fine-tune).
+        target: dotted name of the submodule to prune (``None``: the LightningModule itself, traced through its
+            ``forward``).
+        ignore: module names (relative to the pruned module) whose outputs must keep all channels.
+        round_to: keep a multiple of this many channels per group.
+
+    Raises:
+        ValueError: ``amount`` outside [0, 1), a bad ``norm``, negative or duplicate epochs in ``schedule``.
+    """
+
+    def __init__(
+        self,
+        amount: float = 0.5,
+        norm: str = "l1",
+        schedule: int | Sequence[int] = 0,
+        target: str | None = None,
+        ignore: Sequence[str] = (),
+        round_to: int = 1,
+    ) -> None:
+        self.amount = check_amount(amount)
+        if norm not in ("l1", "l2"):
+            raise ValueError(f"`norm` must be 'l1' or 'l2', got {norm!r}.")
+        epochs = [schedule] if isinstance(schedule, int) else list(schedule)
+        if not epochs or any(isinstance(e, bool) or not isinstance(e, int) or e < 0 for e in epochs):
+            raise ValueError(
+                f"`schedule` must be an epoch index >= 0 or a non-empty list of them, got {schedule!r}. "
+                "E.g. `schedule=0` prunes before training, `schedule=[1, 2, 3]` prunes in three steps."
+            )
+        if len(set(epochs)) != len(epochs):
+            raise ValueError(f"`schedule` has repeated epochs: {schedule!r}. List each epoch once.")
+        if isinstance(round_to, bool) or not isinstance(round_to, int) or round_to < 1:
+            raise ValueError(f"`round_to` must be an integer >= 1, got {round_to!r}.")
+        self.norm = norm
+        self.schedule = sorted(epochs)
+        self.step_amounts = dict(zip(self.schedule, schedule_amounts(self.amount, len(self.schedule)), strict=True))
+        self.target = target
+        self.ignore = tuple(ignore)
+        self.round_to = round_to
+        self.done: list[int] = []
+        self.history: list[dict[str, Any]] = []
+        self._hook: Any = None
+
+    def _module(self, pl_module: LightningModule) -> nn.Module:
+        if self.target is None:
+            return pl_module
+        try:
+            return pl_module.get_submodule(self.target)
+        except AttributeError as e:
+            raise ValueError(
+                f"`target` {self.target!r} is not a submodule of {type(pl_module).__name__}. Pass a dotted name from "
+                "`named_modules()` (e.g. 'model'), or None to prune the whole module."
+            ) from e
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._module(pl_module)  # validates `target` early
+        if self._hook is None:
+            # Resuming from a pruned checkpoint: give the layers the saved (smaller) shapes before the weights load.
+            def pre_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+                resize_to_state_dict(module, state_dict, prefix)
+
+            self._hook = pl_module.register_load_state_dict_pre_hook(pre_hook)
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._remove_hook()
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._remove_hook()
+
+    def _remove_hook(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def _example_inputs(self, pl_module: LightningModule, batch: Any) -> tuple[Any, ...]:
+        ex = pl_module.example_input_array
+        if ex is None:
+            ex = batch[0] if isinstance(batch, (list, tuple)) else batch
+        if isinstance(ex, torch.Tensor):
+            return (ex.to(pl_module.device),)
+        if isinstance(ex, tuple):
+            return tuple(a.to(pl_module.device) if isinstance(a, torch.Tensor) else a for a in ex)
+        raise ValueError(
+            "StructuredPruning needs an example input to trace the model: set `example_input_array` on the module "
+            f"or use (inputs, targets) batches (got a {type(ex).__name__})."
+        )
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        epoch = trainer.current_epoch
+        if epoch not in self.step_amounts or epoch in self.done:
+            return
+        module = self._module(pl_module)
+        before = count_parameters(module)
+        result = apply_structured_pruning(
+            module,
+            self.step_amounts[epoch],
+            self._example_inputs(pl_module, batch),
+            norm=self.norm,
+            optimizers=trainer.optimizers,
+            ignore=self.ignore,
+            round_to=self.round_to,
+        )
+        self._rewrap_ddp(trainer, pl_module)
+        self.done.append(epoch)
+        record = {
+            "epoch": epoch,
+            "params_before": before,
+            "params_after": result.params_after,
+            "groups": [(names, a, b) for names, a, b in result.groups],
+        }
+        self.history.append(record)
+        rank_zero_info(
+            f"StructuredPruning (epoch {epoch}): {len(result.groups)} channel groups shrunk, parameters "
+            f"{before:,} -> {result.params_after:,} ({result.params_after / max(1, before):.2f}x)."
+        )
+        for logger in trainer.loggers:
+            logger.log_metrics({"pruning/params": float(result.params_after)}, step=trainer.global_step)
+
+    @staticmethod
+    def _rewrap_ddp(trainer: Trainer, pl_module: LightningModule) -> None:
+        from lightning.pytorch.strategies import DDPStrategy
+        from torch.nn.parallel import DistributedDataParallel
+
+        strategy = trainer.strategy
+        if isinstance(strategy, DDPStrategy) and isinstance(strategy.model, DistributedDataParallel):
+            strategy.model = pl_module
+            strategy.configure_ddp()
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"amount": self.amount, "norm": self.norm, "done": list(self.done), "history": list(self.history)}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.done = list(state_dict.get("done", []))
+        self.history = list(state_dict.get("history", []))
