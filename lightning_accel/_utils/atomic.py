@@ -3,7 +3,7 @@
 A reader either sees the old file or the complete new one, never a partial write, even if the writing process is
 killed (SIGKILL) mid-way. On fsspec object stores (``s3://``) a single PUT is already atomic, so the object is written
 in one call under its final name; callers that publish several objects must write the one that makes the others
-visible (a manifest, a marker) last.
+visible (a manifest, a marker) last. :class:`~lightning_accel._utils.fs.FileStore` writes through here.
 """
 
 from __future__ import annotations
@@ -43,7 +43,11 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
 
 
 def atomic_write_bytes(
-    path: str | os.PathLike[str], data: bytes | memoryview, *, storage_options: dict[str, Any] | None = None
+    path: str | os.PathLike[str],
+    data: bytes | memoryview,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    fs: Any = None,
 ) -> None:
     """Write ``data`` to ``path`` so that readers never observe a partial file.
 
@@ -55,6 +59,8 @@ def atomic_write_bytes(
         path: local path, ``file://`` URL or any fsspec URL.
         data: the bytes to publish.
         storage_options: fsspec options for remote URLs (endpoint, credentials).
+        fs: the fsspec filesystem to write a remote ``path`` with (a :class:`~lightning_accel._utils.fs.FileStore`
+            passes this process's own); default: one made from ``storage_options``.
     """
     if is_local_url(path):
         final = Path(strip_file_scheme(path))
@@ -73,7 +79,10 @@ def atomic_write_bytes(
         return
     import fsspec
 
-    fs, fs_path = fsspec.core.url_to_fs(os.fspath(path), **(storage_options or {}))
+    if fs is None:
+        fs, fs_path = fsspec.core.url_to_fs(os.fspath(path), **(storage_options or {}))
+    else:
+        fs_path = fsspec.core.strip_protocol(os.fspath(path))
     fs.pipe_file(fs_path, bytes(data))
 
 

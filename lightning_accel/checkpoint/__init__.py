@@ -2,7 +2,9 @@
 
 Core (no Lightning import): :mod:`~lightning_accel.checkpoint.codec` (tensor codecs),
 :mod:`~lightning_accel.checkpoint.skeleton` (safe non-tensor state), :mod:`~lightning_accel.checkpoint.store`
-(manifests, chains, garbage collection), :mod:`~lightning_accel.checkpoint.background` (async saving).
+(manifests, chains, garbage collection), :mod:`~lightning_accel.checkpoint.background` (async saving),
+:mod:`~lightning_accel.checkpoint.reader` (:func:`read_checkpoint`: the one reader of delta manifests and plain
+``torch.save`` files, used by everything that opens a checkpoint).
 Adapter: :class:`DeltaCheckpointIO` (``plugin.py``).
 Command line: ``python -m lightning_accel.checkpoint verify|export ...``.
 """
@@ -10,6 +12,7 @@ Command line: ``python -m lightning_accel.checkpoint verify|export ...``.
 from __future__ import annotations
 
 from lightning_accel.checkpoint.plugin import DeltaCheckpointIO
+from lightning_accel.checkpoint.reader import read_checkpoint
 from lightning_accel.checkpoint.store import (
     CheckpointCorruptError,
     DeltaStore,
@@ -17,5 +20,11 @@ from lightning_accel.checkpoint.store import (
     SaveStats,
 )
 
-__all__ = ["CheckpointCorruptError", "DeltaCheckpointIO", "DeltaStore", "NotADeltaCheckpointError", "SaveStats"]
-
+__all__ = [
+    "CheckpointCorruptError",
+    "DeltaCheckpointIO",
+    "DeltaStore",
+    "NotADeltaCheckpointError",
+    "SaveStats",
+    "read_checkpoint",
+]

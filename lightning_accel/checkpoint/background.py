@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from lightning_accel._utils.forksafe import PerProcess
+
 __all__ = ["BackgroundWriter", "snapshot"]
 
 
@@ -53,36 +55,45 @@ def _lower_thread_priority(increment: int = 10) -> None:
         pass
 
 
+class _Jobs:
+    """One process's worker thread, the futures it has not reported yet and the first error among them."""
+
+    __slots__ = ("error", "executor", "futures", "lock")
+
+    def __init__(self) -> None:
+        self.executor: ThreadPoolExecutor | None = None
+        self.futures: list[Future] = []
+        self.error: BaseException | None = None
+        self.lock = threading.Lock()
+
+
 class BackgroundWriter:
-    """One worker thread that runs submitted jobs in order and re-raises their first unreported error."""
+    """One worker thread that runs submitted jobs in order and re-raises their first unreported error.
+
+    The thread and its queue are per process (:class:`~lightning_accel._utils.forksafe.PerProcess`): a pickled or
+    forked copy starts with none (a forked child would otherwise queue behind a thread it does not have).
+    """
 
     def __init__(self, name: str = "delta-checkpoint") -> None:
         self._name = name
-        self._executor: ThreadPoolExecutor | None = None
-        self._futures: list[Future] = []
-        self._error: BaseException | None = None
-        self._lock = threading.Lock()
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"_name": self._name}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["_name"])  # type: ignore[misc]
+        self._jobs: PerProcess[_Jobs] = PerProcess(_Jobs)
 
     def _collect(self, block: bool) -> None:
-        with self._lock:
+        jobs = self._jobs.get()
+        with jobs.lock:
             pending = []
-            for f in self._futures:
+            for f in jobs.futures:
                 if block or f.done():
                     exc = f.exception()
-                    if exc is not None and self._error is None:
-                        self._error = exc
+                    if exc is not None and jobs.error is None:
+                        jobs.error = exc
                 else:
                     pending.append(f)
-            self._futures = pending
+            jobs.futures = pending
 
     def _raise(self) -> None:
-        err, self._error = self._error, None
+        jobs = self._jobs.get()
+        err, jobs.error = jobs.error, None
         if err is not None:
             raise err
 
@@ -90,19 +101,20 @@ class BackgroundWriter:
     def pending(self) -> int:
         """Jobs submitted and not finished."""
         self._collect(block=False)
-        return len(self._futures)
+        return len(self._jobs.get().futures)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         """Queue ``fn(*args)``; first raise the error of any earlier job that failed."""
         self._collect(block=False)
         self._raise()
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(
+        jobs = self._jobs.get()
+        if jobs.executor is None:
+            jobs.executor = ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix=self._name, initializer=_lower_thread_priority
             )
-        fut = self._executor.submit(fn, *args)
-        with self._lock:
-            self._futures.append(fut)
+        fut = jobs.executor.submit(fn, *args)
+        with jobs.lock:
+            jobs.futures.append(fut)
         return fut
 
     def wait(self) -> None:
@@ -115,6 +127,7 @@ class BackgroundWriter:
         try:
             self.wait()
         finally:
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-                self._executor = None
+            jobs = self._jobs.get()
+            if jobs.executor is not None:
+                jobs.executor.shutdown(wait=True)
+                jobs.executor = None

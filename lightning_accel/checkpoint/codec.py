@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -173,7 +174,9 @@ class BlobHeader(dict):
 def _zstd_compress(data: np.ndarray | bytes, level: int, threads: int) -> bytes:
     import zstandard
 
-    return zstandard.ZstdCompressor(level=level, threads=threads, write_checksum=True).compress(memoryview(data))
+    return zstandard.ZstdCompressor(level=level, threads=threads, write_checksum=True).compress(
+        data.data if isinstance(data, np.ndarray) else data
+    )
 
 
 def _zstd_decompress(data: memoryview | bytes, size: int) -> np.ndarray:
@@ -363,7 +366,9 @@ def encode_quant(
     return _pack(header, payload), recon
 
 
-def _decode_lossless_chain(blobs: list[bytes | memoryview], shape: list[int] | tuple[int, ...]) -> torch.Tensor | None:
+def _decode_lossless_chain(
+    blobs: Sequence[bytes | memoryview], shape: list[int] | tuple[int, ...]
+) -> torch.Tensor | None:
     """``full`` + ``xor`` links only: per byte plane, XOR the links' planes and write the result strided straight
     into the output tensor (one pass over memory per link; raw planes are never copied). None for other chains."""
     links = [read_header(b) for b in blobs]
@@ -389,7 +394,7 @@ def _decode_lossless_chain(blobs: list[bytes | memoryview], shape: list[int] | t
     return out
 
 
-def decode_chain(blobs: list[bytes | memoryview], shape: list[int] | tuple[int, ...]) -> torch.Tensor:
+def decode_chain(blobs: Sequence[bytes | memoryview], shape: list[int] | tuple[int, ...]) -> torch.Tensor:
     """Decode a chain ``[full, delta, delta, ...]`` (each delta against the previous link's reconstruction).
 
     Runs of XOR links stay in the shuffled domain (``shuffle`` commutes with XOR), so a lossless chain costs one
@@ -418,7 +423,9 @@ def decode_chain(blobs: list[bytes | memoryview], shape: list[int] | tuple[int, 
             planes = _decompress_planes(payload, nbytes, itemsize, header.get("planes", []))
         elif kind == "xor":
             if planes is None:  # after a quantized link
-                planes = shuffle_bytes(tensor_bytes(tensor), itemsize)  # type: ignore[arg-type]
+                if tensor is None:
+                    raise CodecError(f"link {i} of a chain is an XOR delta with nothing before it")
+                planes = shuffle_bytes(tensor_bytes(tensor), itemsize)
             if planes.size != nbytes:
                 raise CodecError(f"XOR link has {nbytes} bytes, its reference {planes.size}")
             planes = np.bitwise_xor(planes, _decompress_planes(payload, nbytes, itemsize, header.get("planes", [])))
@@ -430,7 +437,9 @@ def decode_chain(blobs: list[bytes | memoryview], shape: list[int] | tuple[int, 
         raise CodecError("empty chain")
     if planes is not None:
         return _tensor_from_planes(planes, dtype, list(shape))
-    return tensor.reshape(tuple(shape))  # type: ignore[union-attr]
+    if tensor is None:
+        raise CodecError("empty chain")
+    return tensor.reshape(tuple(shape))
 
 
 def decode_blob(
@@ -454,18 +463,19 @@ def decode_blob(
     if nbytes % itemsize:
         raise CodecError(f"blob size {nbytes} is not a multiple of the {header['dtype']} item size")
     out_shape = list(shape) if shape is not None else [nbytes // itemsize]
-    if kind in ("xor", "quant"):
-        if ref is None:
-            raise CodecError(f"a `{kind}` blob needs its reference {header.get('ref')!r}")
-        if ref.dtype != dtype or ref.numel() * itemsize != nbytes:
-            raise CodecError(f"reference has {ref.dtype}/{ref.numel()} elements, blob expects {dtype}/{nbytes}")
     if kind == "full":
         return _tensor_from_planes(
             _decompress_planes(payload, nbytes, itemsize, header.get("planes", [])), dtype, out_shape
         )
+    if kind not in ("xor", "quant"):
+        raise CodecError(f"unknown blob kind {kind!r}")
+    if ref is None:
+        raise CodecError(f"a `{kind}` blob needs its reference {header.get('ref')!r}")
+    if ref.dtype != dtype or ref.numel() * itemsize != nbytes:
+        raise CodecError(f"reference has {ref.dtype}/{ref.numel()} elements, blob expects {dtype}/{nbytes}")
     if kind == "xor":
         diff = _decompress_planes(payload, nbytes, itemsize, header.get("planes", []))
-        planes = np.bitwise_xor(diff, shuffle_bytes(tensor_bytes(ref), itemsize))  # type: ignore[arg-type]
+        planes = np.bitwise_xor(diff, shuffle_bytes(tensor_bytes(ref), itemsize))
         return _tensor_from_planes(planes, dtype, out_shape)
     if kind == "quant":
         bits, block, n = int(header["bits"]), int(header["block"]), int(header["numel"])
@@ -486,6 +496,6 @@ def decode_blob(
         q = torch.from_numpy(qv.copy())
         if q.numel() != nblocks * block:
             raise CodecError("quantized payload has the wrong length")
-        recon = _quant_apply(ref.reshape(-1), q, scales, block, bool(header["sqrt"]))  # type: ignore[union-attr]
+        recon = _quant_apply(ref.reshape(-1), q, scales, block, bool(header["sqrt"]))
         return recon.reshape(out_shape)
     raise CodecError(f"unknown blob kind {kind!r}")

@@ -17,15 +17,14 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from lightning.fabric.plugins import CheckpointIO
-from lightning.fabric.utilities.types import _PATH
 from typing_extensions import override
 
+from lightning_accel._utils.compat import PathType
 from lightning_accel.checkpoint.background import BackgroundWriter, snapshot
-from lightning_accel.checkpoint.store import DeltaStore, NotADeltaCheckpointError, SaveStats
+from lightning_accel.checkpoint.reader import read_checkpoint_with
+from lightning_accel.checkpoint.store import DeltaStore, SaveStats
 
 __all__ = ["DeltaCheckpointIO"]
-
-_ZIP_MAGIC = b"PK\x03\x04"
 
 
 class DeltaCheckpointIO(CheckpointIO):
@@ -36,29 +35,46 @@ class DeltaCheckpointIO(CheckpointIO):
     ``remove_checkpoint`` deletes the manifest and the blobs no remaining manifest needs. Loading never unpickles
     arbitrary objects. See ``docs/checkpoint.md``.
 
+    Every argument is keyword-only. Apart from ``async_save`` they are
+    :class:`~lightning_accel.checkpoint.store.DeltaStore`'s, forwarded unchanged (the store validates them and
+    documents them in full).
+
     Args:
-        async_save: snapshot tensors to CPU on the training thread, then encode and write in a background thread;
-            removals are queued behind saves; ``teardown`` waits; a background error is raised at the next save,
-            removal, load or at ``teardown``.
-        storage_options: fsspec options for ``s3://`` and other remote checkpoint directories.
-        quantize: ``None`` (lossless), ``"int8"`` or ``"int4"`` quantized deltas (full snapshots stay lossless).
-        quantize_groups: ``"optimizer"`` (default), ``"all"`` float tensors, or a list of tensor-name prefixes.
-        **store_kwargs: the remaining :class:`~lightning_accel.checkpoint.store.DeltaStore` options
-            (``delta_ref``, ``max_chain``, ``full_every``, ``rebase_ratio``, ``quant_block``, ``inline_bytes``,
-            ``zstd_level``, ``zstd_threads``, ``io_threads``).
+        async_save: **Saving.** Snapshot tensors to CPU on the training thread, then encode and write in a
+            background thread; removals are queued behind saves; ``teardown`` waits; a background error is raised
+            at the next save, removal, load or at ``teardown``.
+        storage_options: **Storage.** fsspec options for ``s3://`` and other remote checkpoint directories.
+        quantize: **Lossy deltas (opt-in).** ``None`` (lossless), ``"int8"`` or ``"int4"`` quantized deltas (full
+            snapshots stay lossless).
+        quantize_groups: which tensors may be quantized: ``"optimizer"`` (default), ``"all"`` float tensors, or a
+            list of tensor-name prefixes.
+        quant_block: elements per quantization scale.
+        delta_ref: **Delta chains.** ``"base"`` (delta against the chain's full snapshot: restores read at most 2
+            blobs) or ``"previous"`` (against the previous save: smaller deltas, chains up to ``max_chain``).
+        max_chain: most blobs one tensor's restore may read (``delta_ref="previous"``).
+        full_every: restart a tensor's chain with a full snapshot after this many deltas.
+        rebase_ratio: write a full snapshot instead of a delta at least this fraction of the base's size.
+        inline_bytes: **Encoding.** Tensors smaller than this go into the skeleton blob instead of blobs of their own.
+        zstd_level: zstd compression level.
+        zstd_threads: zstd worker threads per blob (0: single-threaded; -1: one per core).
+        io_threads: threads that encode/decode tensors in parallel.
     """
 
+    # Explicit keyword-only arguments rather than `**store_kwargs`: LightningCLI (jsonargparse) builds the
+    # `init_args:` schema from this signature and cannot see through `**kwargs`. The defaults mirror DeltaStore's
+    # (a test checks that both signatures agree); the values are only forwarded.
     def __init__(
         self,
+        *,
         async_save: bool = False,
         storage_options: dict[str, Any] | None = None,
         quantize: Literal["int8", "int4"] | None = None,
         quantize_groups: Literal["optimizer", "all"] | Sequence[str] = "optimizer",
+        quant_block: int = 128,
         delta_ref: Literal["base", "previous"] = "base",
         max_chain: int = 8,
         full_every: int = 16,
         rebase_ratio: float = 0.95,
-        quant_block: int = 128,
         inline_bytes: int = 1024,
         zstd_level: int = 3,
         zstd_threads: int = 0,
@@ -67,18 +83,16 @@ class DeltaCheckpointIO(CheckpointIO):
         super().__init__()
         if not isinstance(async_save, bool):
             raise TypeError(f"`async_save` must be True or False, got {async_save!r}.")
-        if storage_options is not None and not isinstance(storage_options, dict):
-            raise TypeError(f"`storage_options` must be a dict of fsspec options or None, got {storage_options!r}.")
         self.async_save = async_save
         self.store = DeltaStore(
             storage_options=storage_options,
             quantize=quantize,
             quantize_groups=quantize_groups,
+            quant_block=quant_block,
             delta_ref=delta_ref,
             max_chain=max_chain,
             full_every=full_every,
             rebase_ratio=rebase_ratio,
-            quant_block=quant_block,
             inline_bytes=inline_bytes,
             zstd_level=zstd_level,
             zstd_threads=zstd_threads,
@@ -94,7 +108,7 @@ class DeltaCheckpointIO(CheckpointIO):
         return stats
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: PathType, storage_options: Any | None = None) -> None:
         """Save ``checkpoint`` at ``path`` (a manifest); in async mode only the CPU snapshot happens here."""
         if storage_options is not None:
             raise TypeError(
@@ -110,13 +124,14 @@ class DeltaCheckpointIO(CheckpointIO):
 
     @override
     def load_checkpoint(
-        self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None
+        self, path: PathType, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
         """Restore the checkpoint at ``path`` (after any queued saves finished).
 
         A plain ``torch.save`` checkpoint (e.g. from ``TorchCheckpointIO``) is also accepted and read with
-        ``torch.load(weights_only=True)``, so a run can switch to this plugin and resume from an older checkpoint.
-        ``weights_only=False`` is refused: this plugin never unpickles arbitrary objects.
+        ``torch.load(weights_only=True)``, so a run can switch to this plugin and resume from an older checkpoint
+        (both through :func:`~lightning_accel.checkpoint.read_checkpoint`). ``weights_only=False`` is refused: this
+        plugin never unpickles arbitrary objects.
         """
         if weights_only is False:
             raise ValueError(
@@ -124,17 +139,10 @@ class DeltaCheckpointIO(CheckpointIO):
                 "arbitrary pickled objects. Load without `weights_only`, or use `TorchCheckpointIO` for trusted files."
             )
         self._writer.wait()
-        try:
-            return self.store.load(path, map_location=map_location)
-        except NotADeltaCheckpointError:
-            if self.store.fs.head(os.fspath(path), 4) != _ZIP_MAGIC:
-                raise
-        from lightning.fabric.utilities.cloud_io import _load
-
-        return _load(os.fspath(path), map_location=map_location or "cpu", weights_only=True)
+        return read_checkpoint_with(self.store, path, map_location=map_location or "cpu")
 
     @override
-    def remove_checkpoint(self, path: _PATH) -> None:
+    def remove_checkpoint(self, path: PathType) -> None:
         """Remove the manifest at ``path`` and the blobs nothing else references (queued in async mode)."""
         if self.async_save:
             self._writer.submit(self.store.remove, os.fspath(path))

@@ -1,8 +1,8 @@
 """The origin tier: any fsspec URL (local path, ``file://``, ``s3://``, ``memory://``, ...) read with bounded
 concurrency and bounded retries, and its listing (an ImageFolder-style tree or a JSONL manifest).
 
-- The filesystem object is created lazily in each process (async filesystems such as s3fs are not fork-safe) and
-  dropped when pickled.
+- Reads go through the package's fsspec layer (:class:`~lightning_accel._utils.fs.FileStore`): the filesystem is
+  made lazily in each process (async filesystems such as s3fs are not fork-safe) and never pickled.
 - Transient errors (connection resets, timeouts, throttling, 5xx) are retried ``retries`` times with exponential
   backoff (``backoff_s * 2**attempt``); permanent ones (missing key, access denied) fail at once. Either way the error
   names the URL.
@@ -14,14 +14,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from lightning_accel._utils.atomic import atomic_write_text
-from lightning_accel._utils.forksafe import ForkSafeLock
+from lightning_accel._utils.atomic import atomic_write_text, is_local_url
+from lightning_accel._utils.forksafe import ForkSafeLock, PerProcess, ResetOnPickle
+from lightning_accel._utils.fs import FileStore, StorageUnavailableError
 from lightning_accel._utils.paths import safe_join
 
 if TYPE_CHECKING:
@@ -37,14 +37,22 @@ __all__ = [
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 _T = TypeVar("_T")
-_PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ValueError, TypeError)
 
 
 class OriginError(OSError):
     """The origin could not deliver a key (permanent error, or transient errors beyond the retry budget)."""
 
 
-class ObjectStore:
+class _ReadPool:
+    """This process's read threads: none until the first :meth:`ObjectStore.run` (a local origin never needs any)."""
+
+    __slots__ = ("executor",)
+
+    def __init__(self) -> None:
+        self.executor: ThreadPoolExecutor | None = None
+
+
+class ObjectStore(ResetOnPickle):
     """Reads keys under ``url`` through fsspec.
 
     Args:
@@ -55,6 +63,10 @@ class ObjectStore:
         retries: retries of a transient error before giving up.
         backoff_s: first backoff; doubles per retry.
     """
+
+    # The filesystem, the read pool and the lock pickle fresh by themselves (PerProcess, ForkSafeLock). The counters
+    # are this process's; the cache's baseline for them restarts at 0 in a pickled copy too.
+    _reset_on_pickle = {"retried": 0, "bytes_read": 0}
 
     def __init__(
         self,
@@ -69,61 +81,58 @@ class ObjectStore:
             raise ValueError(f"`origin` must be a non-empty path or fsspec URL, got {url!r}.")
         if max_concurrency < 1:
             raise ValueError(f"`max_concurrency` must be >= 1, got {max_concurrency!r}.")
-        if retries < 0:
-            raise ValueError(f"`retries` must be >= 0, got {retries!r}.")
         self.url = url.rstrip("/") if "://" in url else os.path.abspath(os.path.expanduser(url))
-        self.storage_options = dict(storage_options or {})
+        # The one fsspec layer: per-process filesystems, the transient/permanent split, the retry loop.
+        self.files = FileStore(storage_options, retries=retries, backoff_s=backoff_s)
         self.max_concurrency = max_concurrency
-        self.retries = retries
-        self.backoff_s = backoff_s
-        self._pid: int | None = None
-        self._fs: Any = None
-        self._root = ""
-        self._pool: ThreadPoolExecutor | None = None
+        self._threads: PerProcess[_ReadPool] = PerProcess(_ReadPool)
         self._lock = ForkSafeLock()
         # Counters of this process, read (as differences) by the cache for its statistics.
         self.retried = 0
         self.bytes_read = 0
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state.update(_pid=None, _fs=None, _pool=None, retried=0, bytes_read=0)  # the lock pickles fresh
-        return state
+    @property
+    def storage_options(self) -> dict[str, Any]:
+        """The fsspec options of the origin."""
+        return self.files.storage_options
+
+    @property
+    def retries(self) -> int:
+        """Retries of a transient error before giving up."""
+        return self.files.retries
+
+    @property
+    def backoff_s(self) -> float:
+        """The first backoff; doubles per retry."""
+        return self.files.backoff_s
 
     @property
     def is_local(self) -> bool:
         """True for plain paths and ``file://`` URLs."""
-        return "://" not in self.url or self.url.startswith("file://")
-
-    def _ensure(self) -> None:
-        pid = os.getpid()
-        if self._fs is not None and self._pid == pid:
-            return
-        with self._lock:
-            if self._fs is not None and self._pid == pid:
-                return
-            import fsspec
-
-            # skip_instance_cache: never reuse an instance (and its event loop) created before a fork.
-            fs, root = fsspec.core.url_to_fs(self.url, skip_instance_cache=True, **self.storage_options)
-            self._fs, self._root, self._pid = fs, root.rstrip("/"), pid
-            self._pool = None
+        return is_local_url(self.url)
 
     @property
     def fs(self) -> Any:
         """This process's fsspec filesystem."""
-        self._ensure()
-        return self._fs
+        return self.files.filesystem(self.url)
 
     @property
     def root(self) -> str:
         """The origin root as the filesystem sees it (no scheme)."""
-        self._ensure()
-        return self._root
+        return self.files.fs_path(self.url).rstrip("/")
+
+    @property
+    def _pool(self) -> ThreadPoolExecutor | None:
+        """This process's read pool; ``None`` until the first :meth:`run`."""
+        return self._threads.get().executor
 
     def url_of(self, key: str) -> str:
         """The full URL of ``key`` (for error messages)."""
         return safe_join(self.url, key)
+
+    def _count_retry(self, error: BaseException) -> None:
+        with self._lock:
+            self.retried += 1
 
     def fetch(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         """Read one key (bytes ``[start, end)`` of it when given: one ranged GET), retrying transient errors.
@@ -131,36 +140,32 @@ class ObjectStore:
         Raises:
             OriginError: naming the URL, for permanent errors and after the retries run out.
         """
-        self._ensure()
-        path = safe_join(self._root, key)
-        attempt = 0
-        while True:
-            try:
-                data = self._fs.cat_file(path, start=start, end=end)
-                with self._lock:
-                    self.bytes_read += len(data)
-                return data
-            except _PERMANENT as e:
-                raise OriginError(
-                    f"cannot read {self.url_of(key)!r}: {type(e).__name__}: {e}. Check that the key exists and that "
-                    "`storage_options` grant read access."
-                ) from e
-            except Exception as e:  # transient: connection errors, timeouts, throttling, 5xx
-                if attempt >= self.retries:
-                    raise OriginError(
-                        f"cannot read {self.url_of(key)!r} after {attempt + 1} attempts: {type(e).__name__}: {e}. "
-                        "Is the object store reachable (endpoint, network)? Raise `retries` for flaky stores."
-                    ) from e
-                time.sleep(self.backoff_s * (2**attempt))
-                attempt += 1
-                self.retried += 1
+        url = self.url_of(key)
+        try:
+            data = self.files.read(url, start, end, on_retry=self._count_retry)
+        except StorageUnavailableError as e:  # transient: connection errors, timeouts, throttling, 5xx
+            last = e.__cause__
+            raise OriginError(
+                f"cannot read {url!r} after {e.attempts} attempts: {type(last).__name__}: {last}. "
+                "Is the object store reachable (endpoint, network)? Raise `retries` for flaky stores."
+            ) from last
+        except Exception as e:  # permanent: FileStore retried nothing
+            raise OriginError(
+                f"cannot read {url!r}: {type(e).__name__}: {e}. Check that the key exists and that "
+                "`storage_options` grant read access."
+            ) from e
+        with self._lock:
+            self.bytes_read += len(data)
+        return data
 
     def run(self, fn: Callable[..., _T], *args: Any) -> Future[_T]:
         """Run ``fn(*args)`` on this process's bounded thread pool (``max_concurrency`` threads)."""
-        self._ensure()
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="la-origin")
-        return self._pool.submit(fn, *args)
+        pool = self._threads.get()
+        if pool.executor is None:
+            with self._lock:  # two threads submitting the first job at once must not make two pools
+                if pool.executor is None:
+                    pool.executor = ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="la-origin")
+        return pool.executor.submit(fn, *args)
 
     def submit(self, key: str) -> Future[bytes]:
         """Start reading ``key`` on this process's bounded thread pool."""

@@ -7,11 +7,13 @@ Functional core (plain torch, no Lightning):
 - :func:`combine_losses` -- ``(1 - alpha) * hard + alpha * soft``.
 - :func:`freeze_teacher` -- ``requires_grad_(False)`` + ``eval()``, so the teacher never trains, never updates
   BatchNorm statistics and never drops units.
-- :func:`load_teacher` -- build a teacher from a Lightning checkpoint **without unpickling** arbitrary objects
-  (``torch.load(weights_only=True)``): ``teacher_class(**hyper_parameters)`` then ``load_state_dict``.
+- :func:`load_teacher` -- build a teacher from a checkpoint (a plain Lightning/``torch.save`` file or a
+  ``DeltaCheckpointIO`` manifest) **without unpickling** arbitrary objects
+  (:func:`~lightning_accel.checkpoint.read_checkpoint`): ``teacher_class(**hyper_parameters)`` then
+  ``load_state_dict``.
 - :func:`check_logits_match` -- the teacher's and the student's logits must have the same shape.
 
-About the direction of the KL: the issue text writes ``KL(softmax(student/T) || softmax(teacher/T))``; we compute the
+About the direction of the KL: it is sometimes written ``KL(softmax(student/T) || softmax(teacher/T))``; we compute the
 standard distillation term, the KL *from the teacher to the student* (``F.kl_div(log p_student, log p_teacher)``),
 whose gradient is Hinton's ``(p_student - p_teacher) / T`` -- the cross-entropy against soft targets up to a constant.
 """
@@ -21,13 +23,12 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
-from collections.abc import Mapping
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_accel.checkpoint.reader import read_checkpoint
 from lightning_accel.recipes.prune import resize_to_state_dict
 
 __all__ = [
@@ -130,21 +131,26 @@ def _resolve_class(cls: type[nn.Module] | str | None, path: str) -> type[nn.Modu
 def load_teacher(path: str | os.PathLike[str], teacher_class: type[nn.Module] | str | None) -> nn.Module:
     """Build ``teacher_class(**hyper_parameters)`` from a Lightning checkpoint and load its weights, safely.
 
-    The file is read with ``torch.load(weights_only=True)``: tensors and plain containers only, never arbitrary
-    pickled objects. A plain ``state_dict`` file (no ``hyper_parameters``) builds ``teacher_class()``. Layers are
-    resized to the checkpoint's shapes first, so a teacher pruned by ``StructuredPruning`` loads too.
+    The checkpoint is a plain ``torch.save`` file (``Trainer.save_checkpoint``, ``TorchCheckpointIO``) or a
+    ``DeltaCheckpointIO`` manifest, read by :func:`~lightning_accel.checkpoint.read_checkpoint`: tensors and plain
+    containers only, never arbitrary pickled objects. A plain ``state_dict`` file (no ``hyper_parameters``) builds
+    ``teacher_class()``. Layers are resized to the checkpoint's shapes first, so a teacher pruned by
+    ``StructuredPruning`` loads too.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: no/bad ``teacher_class``, or weights that do not fit it.
+        ValueError: no/bad ``teacher_class``, weights that do not fit it, or a file that is no checkpoint.
+        pickle.UnpicklingError: a plain file holding objects ``torch.load(weights_only=True)`` refuses.
     """
     p = os.fspath(path)
     cls = _resolve_class(teacher_class, p)
-    if not os.path.isfile(p):
-        raise FileNotFoundError(f"`teacher` checkpoint {p!r} does not exist. Pass an existing .ckpt file.")
-    ckpt: Any = torch.load(p, map_location="cpu", weights_only=True)
-    if not isinstance(ckpt, Mapping):
-        raise ValueError(f"`teacher` checkpoint {p!r} holds a {type(ckpt).__name__}, expected a dict.")
+    try:
+        ckpt = read_checkpoint(p, map_location="cpu")
+    except FileNotFoundError as e:
+        raise FileNotFoundError(
+            f"`teacher` checkpoint {p!r} does not exist. Pass an existing .ckpt file (written by "
+            "`Trainer.save_checkpoint`, `DeltaCheckpointIO` or `torch.save`)."
+        ) from e
     state = ckpt.get("state_dict", ckpt)
     hparams = dict(ckpt.get("hyper_parameters", {}) or {})
     params = inspect.signature(cls.__init__).parameters

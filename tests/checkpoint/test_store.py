@@ -280,3 +280,16 @@ def test_s3_round_trip_remove_and_gc(s3_bucket: tuple[str, dict[str, Any]]) -> N
     stored = {p.rsplit("/", 1)[1] for p in fs.find(f"{bucket}/run/ckpt/{BLOB_DIR}")}
     assert stored == store.live_keys(root)
     assert ckpt_main(["verify", f"{root}/last.ckpt", "--storage-options", json.dumps(opts)]) == 0
+
+
+def test_pickles_without_chain_state_locks_or_filesystems(tmp_path: Path) -> None:
+    import pickle
+
+    store = DeltaStore(full_every=3)
+    s0 = _state(0)
+    store.save(s0, tmp_path / "a.ckpt")
+    copy = pickle.loads(pickle.dumps(store))
+    assert copy.full_every == 3 and copy.live_keys(str(tmp_path)) == store.live_keys(str(tmp_path))
+    assert _equal(copy.load(tmp_path / "a.ckpt"), s0)
+    stats = copy.save(_drift(s0, 1e-3, 0), tmp_path / "b.ckpt")
+    assert stats.tensors_delta == 0  # the copy saw no earlier save: full snapshots, never deltas against them

@@ -4,7 +4,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import pytest
+from fsspec.implementations.local import LocalFileSystem
+from fsspec.spec import AbstractFileSystem
 
 from lightning_accel.data.origin import Listing, ObjectStore, OriginError, list_origin
 
@@ -57,28 +60,28 @@ def test_missing_key_is_permanent_and_names_the_url(small_digits: Path) -> None:
         store.fetch("../secret")
 
 
-class _Flaky:
-    """Wraps a filesystem: the first ``fail`` reads raise a transient error."""
+class _Flaky(AbstractFileSystem):
+    """A remote filesystem (``la-flaky-origin://``) over local files: the first ``fail`` reads raise a transient
+    error."""
 
-    def __init__(self, fs: Any, fail: int) -> None:
-        self.fs, self.fail = fs, fail
+    protocol = "la-flaky-origin"
+    fail = 0
 
-    def cat_file(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
-        if self.fail > 0:
-            self.fail -= 1
+    def cat_file(self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any) -> bytes:
+        if _Flaky.fail > 0:
+            _Flaky.fail -= 1
             raise ConnectionResetError("connection reset by peer")
-        return self.fs.cat_file(path, start=start, end=end)
+        return LocalFileSystem().cat_file(path, start=start, end=end)
 
 
 def test_transient_errors_are_retried_with_backoff_then_fail_clearly(small_digits: Path) -> None:
-    store = ObjectStore(str(small_digits), retries=2, backoff_s=0.001)
-    key = list_origin(store).keys[0]
-    store._ensure()
-    real = store._fs
-    store._fs = _Flaky(real, fail=2)
+    fsspec.register_implementation(_Flaky.protocol, _Flaky, clobber=True)
+    store = ObjectStore(f"{_Flaky.protocol}://{small_digits}", retries=2, backoff_s=0.001)
+    key = list_origin(ObjectStore(str(small_digits))).keys[0]
+    _Flaky.fail = 2
     assert store.fetch(key) == (small_digits / key).read_bytes()
     assert store.retried == 2
-    store._fs = _Flaky(real, fail=10)
+    _Flaky.fail = 10
     with pytest.raises(OriginError, match=r"after 3 attempts.*ConnectionResetError"):
         store.fetch(key)
 
@@ -117,3 +120,31 @@ def test_memory_origin() -> None:
     listing = list_origin(ObjectStore("memory://la-test-origin"))
     assert (listing.keys, listing.labels) == (["cat/a.png", "dog/b.png"], [0, 1])
     assert ObjectStore("memory://la-test-origin").fetch("dog/b.png") == b"22"
+
+
+def test_pickles_without_handles_and_a_forked_child_opens_its_own(small_digits: Path) -> None:
+    import os
+    import pickle
+    import sys
+
+    store = ObjectStore(f"file://{small_digits}", max_concurrency=2)
+    keys = list_origin(store).keys[:4]
+    store.fetch_many(keys)  # the pool and the filesystem exist now
+    parent_fs, parent_pool = store.fs, store._pool
+    copy = pickle.loads(pickle.dumps(store))
+    assert copy.url == store.url and copy.retries == store.retries and copy._pool is None
+    assert copy.retried == 0 and copy.bytes_read == 0 and copy.fs is not parent_fs
+    assert copy.fetch_many(keys) == store.fetch_many(keys)
+    if not hasattr(os, "fork") or sys.platform != "linux":
+        return
+    pid = os.fork()
+    if pid == 0:  # the parent's pool threads do not exist here: a fresh pool and filesystem, same results
+        code = 1
+        try:
+            fresh = store._pool is None and store.fs is not parent_fs
+            code = 0 if fresh and store.fetch_many(keys) == [(small_digits / k).read_bytes() for k in keys] else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert store._pool is parent_pool and store.fs is parent_fs

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import pytest
@@ -108,3 +109,23 @@ def test_load_teacher_refuses_pickled_objects(tmp_path: Path) -> None:
     torch.save({"state_dict": {}, "obj": _Net()}, path)  # a pickled module: not allowed under weights_only
     with pytest.raises(Exception, match="(?i)weights_only|unsupported|global"):
         load_teacher(path, _Net)
+
+
+def test_teacher_from_a_delta_checkpoint(tmp_path: Path) -> None:
+    from lightning_accel.callbacks import KnowledgeDistillation
+    from lightning_accel.checkpoint import DeltaCheckpointIO
+
+    net = _Net(hidden=6)
+    path = tmp_path / "last.ckpt"
+    io = DeltaCheckpointIO()
+    io.save_checkpoint({"state_dict": net.state_dict(), "hyper_parameters": {"hidden": 6}, "epoch": 1}, path)
+    io.teardown()
+    with pytest.raises(pickle.UnpicklingError):  # a JSON manifest: what plain `torch.load` made of it
+        torch.load(path, weights_only=True)
+    kd = KnowledgeDistillation(str(path), teacher_class=_Net)
+    x = torch.randn(2, 3)
+    assert isinstance(kd.teacher, _Net) and torch.equal(kd.teacher(x), net(x))
+    assert not kd.teacher.training and not any(p.requires_grad for p in kd.teacher.parameters())
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    with pytest.raises(ValueError, match=r"notes\.txt.* neither a delta checkpoint manifest nor"):
+        load_teacher(tmp_path / "notes.txt", _Net)

@@ -15,6 +15,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_accel.callbacks import KnowledgeDistillation
+from lightning_accel.checkpoint import DeltaCheckpointIO
 from lightning_accel.models import ImageClassifier
 from lightning_accel.recipes.distill import distillation_loss
 from tests.helpers import run_in_processes
@@ -114,6 +115,26 @@ def test_teacher_from_a_checkpoint_path(tmp_path: Path) -> None:
     trainer(callbacks=[ckpt], enable_checkpointing=True, default_root_dir=tmp_path, limit_train_batches=2).fit(
         big, loader()
     )
+    kd = KnowledgeDistillation(str(tmp_path / "last.ckpt"), teacher_class="lightning_accel.models.ImageClassifier")
+    assert isinstance(kd.teacher, ImageClassifier) and kd.teacher.hparams.width == 8
+    x = torch.randn(2, 3, 8, 8)
+    big.eval()
+    with torch.no_grad():
+        assert torch.allclose(kd.teacher(x), big(x))
+    trainer(callbacks=[kd], limit_train_batches=2).fit(classifier(), loader())
+
+
+def test_teacher_from_a_delta_checkpoint_of_a_run(tmp_path: Path) -> None:
+    big = classifier(width=8)
+    ckpt = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    trainer(
+        plugins=[DeltaCheckpointIO()],
+        callbacks=[ckpt],
+        enable_checkpointing=True,
+        default_root_dir=tmp_path,
+        limit_train_batches=2,
+    ).fit(big, loader())
+    assert (tmp_path / "last.ckpt").read_bytes().startswith(b'{"format":"lightning-accel/delta-checkpoint"')
     kd = KnowledgeDistillation(str(tmp_path / "last.ckpt"), teacher_class="lightning_accel.models.ImageClassifier")
     assert isinstance(kd.teacher, ImageClassifier) and kd.teacher.hparams.width == 8
     x = torch.randn(2, 3, 8, 8)

@@ -1,0 +1,120 @@
+"""The one checkpoint reader: a delta checkpoint manifest or a plain ``torch.save`` file, never unpickling code.
+
+Everything in the package that opens a checkpoint comes here (``DeltaCheckpointIO.load_checkpoint``, the
+``ckpt verify|export`` command, distillation's ``load_teacher``), so all of them accept both kinds:
+
+1. A file that starts like a manifest (``{"format":"lightning-accel/delta-checkpoint"``) is rebuilt by
+   :meth:`DeltaStore.load <lightning_accel.checkpoint.store.DeltaStore.load>` (blobs checksum-verified; the
+   non-tensor state read with ``torch.load(weights_only=True)``).
+2. A ZIP archive (``torch.save``'s format since torch 1.6) or a legacy pickle-based ``torch.save`` file is read with
+   ``torch.load(weights_only=True)``: tensors and plain containers only, arbitrary classes are refused.
+3. Anything else fails with one line naming the file.
+
+Local paths and any fsspec URL work (``storage_options`` as everywhere in the package).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from typing import Any
+
+import torch
+
+from lightning_accel._utils.atomic import is_local_url, strip_file_scheme
+from lightning_accel.checkpoint.store import CheckpointCorruptError, DeltaStore, NotADeltaCheckpointError
+
+__all__ = ["read_checkpoint", "read_checkpoint_with"]
+
+_ZIP_MAGIC = b"PK\x03\x04"
+# Legacy (pre-zip) `torch.save` files begin with a pickle of protocol >= 2 (opcode PROTO = 0x80).
+_PICKLE_PROTO = b"\x80"
+
+
+def read_checkpoint(
+    path: str | os.PathLike[str], *, map_location: Any = "cpu", storage_options: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Load the checkpoint at ``path``: a delta checkpoint manifest or a plain ``torch.save`` file.
+
+    Never unpickles arbitrary objects: a plain file is read with ``torch.load(weights_only=True)``, a delta
+    checkpoint's non-tensor state likewise.
+
+    Args:
+        path: a local path, ``file://`` URL or fsspec URL (``s3://bucket/run/last.ckpt``).
+        map_location: where tensors go, as for ``torch.load`` (``"cpu"``, a device, a ``{"cuda:1": "cuda:0"}``
+            mapping, a callable).
+        storage_options: fsspec options for remote URLs (endpoint, credentials).
+
+    Returns:
+        The checkpoint dict.
+
+    Raises:
+        FileNotFoundError: nothing at ``path``.
+        NotADeltaCheckpointError: ``path`` is a directory, or a file that is neither kind (a ``ValueError``).
+        CheckpointCorruptError: a damaged delta checkpoint (missing or corrupt blob) or ``torch.save`` file.
+        pickle.UnpicklingError: a plain file holding objects that ``weights_only=True`` refuses.
+    """
+    return read_checkpoint_with(DeltaStore(storage_options=storage_options), path, map_location=map_location)
+
+
+def read_checkpoint_with(
+    store: DeltaStore, path: str | os.PathLike[str], *, map_location: Any = "cpu"
+) -> dict[str, Any]:
+    """:func:`read_checkpoint` through an existing ``store`` (its ``storage_options``, threads and filesystems)."""
+    p = os.fspath(path)
+    try:
+        return store.load(p, map_location=map_location)
+    except NotADeltaCheckpointError:
+        if store.fs.isdir(p):
+            raise
+        head = store.fs.head(p, len(_ZIP_MAGIC))
+    if not (head.startswith(_ZIP_MAGIC) or head.startswith(_PICKLE_PROTO)):
+        raise NotADeltaCheckpointError(
+            f"Checkpoint {p!r} is neither a delta checkpoint manifest nor a `torch.save` file (it starts with "
+            f"{head!r}). Pass a file written by `DeltaCheckpointIO`, `Trainer.save_checkpoint` or `torch.save`."
+        ) from None
+    return _torch_load(store, p, map_location)
+
+
+def _torch_load(store: DeltaStore, path: str, map_location: Any) -> dict[str, Any]:
+    """``torch.load(weights_only=True)`` of a plain file; failures become one line naming the file."""
+    # A local file is opened by torch itself (no copy in memory); a remote one is read whole, with retries.
+    source: Any = strip_file_scheme(path) if is_local_url(path) else io.BytesIO(store.fs.read(path))
+    try:
+        ckpt = torch.load(source, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        if "weights only" not in str(e).lower():  # not a refusal: a damaged pickle
+            raise CheckpointCorruptError(
+                f"Checkpoint {path!r} is a damaged `torch.save` file ({_first_line(e)})."
+            ) from e
+        raise pickle.UnpicklingError(
+            f"Checkpoint {path!r} holds objects that `torch.load(weights_only=True)` refuses "
+            f"({_refusal(e)}); it was not loaded. Save plain data (tensors, dicts, lists, numbers, strings), or "
+            "load a file you trust yourself with `torch.load(..., weights_only=False)`."
+        ) from e
+    except (RuntimeError, EOFError) as e:  # a truncated or damaged archive
+        raise CheckpointCorruptError(
+            f"Checkpoint {path!r} is a damaged `torch.save` file ({type(e).__name__}: {_first_line(e)})."
+        ) from e
+    if not isinstance(ckpt, dict):
+        raise NotADeltaCheckpointError(
+            f"Checkpoint {path!r} holds a {type(ckpt).__name__}, not a checkpoint dict. Save a dict "
+            '(`Trainer.save_checkpoint`, or `torch.save({"state_dict": ...})`).'
+        )
+    return ckpt
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _refusal(error: BaseException) -> str:
+    """What torch's many-line weights-only refusal refused, e.g. ``Unsupported global: GLOBAL pkg.Cls was not an
+    allowed global by default``."""
+    for line in str(error).splitlines():
+        _, marker, rest = line.partition("WeightsUnpickler error:")
+        if marker:
+            return rest.strip().split(". ", 1)[0].rstrip(".")
+    return _first_line(error)
