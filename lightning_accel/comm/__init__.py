@@ -13,12 +13,13 @@ from lightning_accel.comm.allreduce import OneBitResult, fp32_ring_bytes, onebit
 from lightning_accel.comm.compress import BlockTable, GroupLayout, block_scales, compress_reference, decode
 from lightning_accel.comm.hook import onebit_hook
 from lightning_accel.comm.packing import pack_signs, unpack_signs
-from lightning_accel.comm.state import GroupState, OneBitState, gather_state_dict, select_rank_state
+from lightning_accel.comm.state import CommBackend, GroupState, OneBitState, gather_state_dict, select_rank_state
 from lightning_accel.comm.strategy import CHECKPOINT_KEY, OneBitDDPStrategy
 
 __all__ = [
     "CHECKPOINT_KEY",
     "BlockTable",
+    "CommBackend",
     "GroupLayout",
     "GroupState",
     "OneBitResult",

@@ -25,16 +25,15 @@ to the host (they are stream-ordered), so the hook only costs launch latency on 
 
 # No `from __future__ import annotations` here: DDP checks the hook's annotations at runtime (they must be
 # `dist.GradBucket` and `torch.futures.Future[torch.Tensor]` objects, not strings).
-import os
 import warnings
 
 import torch
 import torch.distributed as dist
 
-from lightning_accel._utils.imports import module_available
+from lightning_accel._utils.triton import use_triton
 from lightning_accel.comm.allreduce import CompressFn, fp32_ring_bytes, onebit_allreduce
 from lightning_accel.comm.compress import GroupLayout, compress_reference
-from lightning_accel.comm.state import GroupState, OneBitState
+from lightning_accel.comm.state import BACKENDS, GroupState, OneBitState
 
 __all__ = ["onebit_hook"]
 
@@ -128,13 +127,8 @@ def _plan(state: OneBitState, bucket: dist.GradBucket) -> _Plan:
 
 
 def _compressor(state: OneBitState, device: torch.device) -> CompressFn:
-    use = state.use_triton
-    if use is True and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError(
-            f"`use_triton=True` needs CUDA gradients (got {device.type}) or TRITON_INTERPRET=1 set before triton is "
-            "imported. Use `use_triton='auto'` to fall back to the torch compressor."
-        )
-    if use is True or (use == "auto" and device.type == "cuda" and module_available("triton")):
+    # raises for a forced "triton" that cannot run on `device` (no CUDA and no interpreter, or no triton package)
+    if use_triton(device, state.backend, BACKENDS):
         from lightning_accel.comm.triton_kernels import compress_triton
 
         return compress_triton
@@ -216,14 +210,15 @@ def onebit_hook(state: OneBitState, bucket: dist.GradBucket) -> torch.futures.Fu
             loss_scale=loss_scale,
             compress=compress,
         )
+        w, s = res.worker_error, res.server_error  # None without error feedback
         if buf.is_cuda:  # no host sync: select on the device
-            if ef:
-                g.worker_error.copy_(torch.where(res.finite, res.worker_error, g.worker_error))
-                g.server_error.copy_(torch.where(res.finite, res.server_error, g.server_error))
+            if w is not None and s is not None:
+                g.worker_error.copy_(torch.where(res.finite, w, g.worker_error))
+                g.server_error.copy_(torch.where(res.finite, s, g.server_error))
         elif bool(res.finite):
-            if ef:
-                g.worker_error.copy_(res.worker_error)
-                g.server_error.copy_(res.server_error)
+            if w is not None and s is not None:
+                g.worker_error.copy_(w)
+                g.server_error.copy_(s)
         else:
             state.nonfinite_groups += 1
         for bo, co, n in runs:

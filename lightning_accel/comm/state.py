@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 import torch.distributed as dist
 
+from lightning_accel._utils.triton import check_backend
 from lightning_accel.comm.compress import GroupLayout
 
-__all__ = ["GroupState", "OneBitState", "gather_state_dict", "select_rank_state"]
+__all__ = ["BACKENDS", "CommBackend", "GroupState", "OneBitState", "gather_state_dict", "select_rank_state"]
 
 _FORMAT = 1
-_USE_TRITON = ("auto", True, False)
+
+# the compressor has a Triton kernel and its torch reference, and no separate "eager" oracle
+CommBackend = Literal["auto", "triton", "reference"]
+BACKENDS: tuple[CommBackend, ...] = get_args(CommBackend)
 
 
 class GroupState:
@@ -59,8 +63,9 @@ class OneBitState:
         block_size: maximum elements per scale block, a multiple of 8 (default 2048: 1.6 % scale overhead).
         min_compress_numel: buckets with fewer elements stay fp32.
         error_feedback: keep worker/server residuals (False gives plain scaled signSGD, for comparison only).
-        use_triton: ``"auto"`` (the Triton kernel on CUDA, torch elsewhere), True (always; needs CUDA or
-            ``TRITON_INTERPRET=1``) or False.
+        backend: the compressor: ``"auto"`` (the fused Triton kernel for CUDA gradients when ``triton`` is
+            installed, the torch compressor elsewhere), ``"triton"`` (always; needs CUDA gradients or
+            ``TRITON_INTERPRET=1``) or ``"reference"`` (the torch compressor).
 
     Internal state:
         step: completed synchronising backward passes (== optimizer steps; the hook is not called inside ``no_sync``).
@@ -86,7 +91,7 @@ class OneBitState:
         "block_size",
         "min_compress_numel",
         "error_feedback",
-        "use_triton",
+        "backend",
         # internal state
         "step",
         "groups",
@@ -115,7 +120,7 @@ class OneBitState:
         block_size: int = 2048,
         min_compress_numel: int = 0,
         error_feedback: bool = True,
-        use_triton: bool | str = "auto",
+        backend: CommBackend = "auto",
         parameters: Iterable[torch.nn.Parameter] | None = None,
         loss_scale_fn: Callable[[], torch.Tensor | float | None] | None = None,
     ) -> None:
@@ -137,16 +142,13 @@ class OneBitState:
             raise ValueError(
                 f"`error_feedback` must be True or False, got {error_feedback!r}. Keep the default True for training."
             )
-        if use_triton not in _USE_TRITON or (isinstance(use_triton, int) and not isinstance(use_triton, bool)):
-            raise ValueError(
-                f"`use_triton` must be one of {_USE_TRITON}, got {use_triton!r}. Use 'auto' (Triton on CUDA only)."
-            )
+        check_backend(backend, BACKENDS)
         self.process_group = process_group
         self.warmup_steps = warmup_steps
         self.block_size = block_size
         self.min_compress_numel = min_compress_numel
         self.error_feedback = error_feedback
-        self.use_triton = use_triton
+        self.backend = backend
         self.step = 0
         self.groups: dict[tuple[int, ...], GroupState] = {}
         self.param_index: dict[int, int] = {}

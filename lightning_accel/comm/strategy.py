@@ -15,8 +15,6 @@ from typing import Any, Literal
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.distributed import _distributed_is_initialized
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -25,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 import lightning_accel.comm as comm
+from lightning_accel._utils.compat import PathType, grad_scaler_scale
 
 __all__ = ["CHECKPOINT_KEY", "OneBitDDPStrategy"]
 
@@ -59,7 +58,9 @@ class OneBitDDPStrategy(DDPStrategy):
         block_size: maximum elements per scale block (multiple of 8).
         min_compress_numel: buckets smaller than this stay fp32.
         error_feedback: keep the compression residuals (turn off only to measure what they buy).
-        use_triton: ``"auto"`` (fused Triton compressor on CUDA), True or False.
+        backend: the compressor: ``"auto"`` (the fused Triton kernel for CUDA gradients, torch elsewhere),
+            ``"triton"`` (always; needs CUDA or ``TRITON_INTERPRET=1``) or ``"reference"`` (the torch compressor).
+            Not the process-group backend (``process_group_backend``).
         log_stats: log ``comm/bytes_sent`` (bytes this rank sent in the last step) and ``comm/compression_ratio``
             (fp32 ring-allreduce bytes over bytes sent) every training step.
         **kwargs: the :class:`~lightning.pytorch.strategies.DDPStrategy` arguments (accelerator, parallel_devices,
@@ -75,11 +76,12 @@ class OneBitDDPStrategy(DDPStrategy):
 
     def __init__(
         self,
+        *,
         warmup_steps: int = 10,
         block_size: int = 2048,
         min_compress_numel: int = 0,
         error_feedback: bool = True,
-        use_triton: bool | str = "auto",
+        backend: comm.CommBackend = "auto",
         log_stats: bool = True,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
@@ -101,7 +103,7 @@ class OneBitDDPStrategy(DDPStrategy):
         if unknown:
             raise ValueError(
                 f"Unknown option(s) {', '.join(f'`{u}`' for u in unknown)} for `OneBitDDPStrategy`. Expected its own "
-                "arguments (warmup_steps, block_size, min_compress_numel, error_feedback, use_triton, log_stats), "
+                "arguments (warmup_steps, block_size, min_compress_numel, error_feedback, backend, log_stats), "
                 f"DDPStrategy's, or DistributedDataParallel's: {', '.join(sorted(_DDP_KWARGS))}. Check the spelling."
             )
         # LightningCLI fills in every DDP argument with its default; pass on only what differs
@@ -112,7 +114,7 @@ class OneBitDDPStrategy(DDPStrategy):
             block_size=block_size,
             min_compress_numel=min_compress_numel,
             error_feedback=error_feedback,
-            use_triton=use_triton,
+            backend=backend,
         )
         if not isinstance(log_stats, bool):
             raise ValueError(f"`log_stats` must be True or False, got {log_stats!r}. Use False to stop logging.")
@@ -127,12 +129,12 @@ class OneBitDDPStrategy(DDPStrategy):
             start_method=start_method,
             **kwargs,
         )
-        self._onebit_config = {
+        self._onebit_config: dict[str, Any] = {
             "warmup_steps": warmup_steps,
             "block_size": block_size,
             "min_compress_numel": min_compress_numel,
             "error_feedback": error_feedback,
-            "use_triton": use_triton,
+            "backend": backend,
         }
         self._log_stats = log_stats
         self._onebit_state: comm.OneBitState | None = None
@@ -150,14 +152,17 @@ class OneBitDDPStrategy(DDPStrategy):
             return None
 
         def loss_scale() -> torch.Tensor | None:
-            # the scale the current backward used; `_scale` is a device tensor (no host sync), created lazily
-            return scaler._scale if scaler.is_enabled() else None
+            # the scale the current backward used, as a device tensor (no host sync), created lazily
+            return grad_scaler_scale(scaler) if scaler.is_enabled() else None
 
         return loss_scale
 
     @override
-    def _register_ddp_hooks(self) -> None:
-        # Replaces DDPStrategy's, which registers comm hooks only when root_device is CUDA.
+    def configure_ddp(self) -> None:
+        super().configure_ddp()  # wraps the model; DDPStrategy registers comm hooks only on CUDA, and has none here
+        self._register_onebit_hook()
+
+    def _register_onebit_hook(self) -> None:
         if self.world_size == 1:
             rank_zero_warn(
                 "`strategy='ddp_1bit'` runs with a single process: there is nothing to compress, "
@@ -167,7 +172,7 @@ class OneBitDDPStrategy(DDPStrategy):
             return
         assert isinstance(self.model, DistributedDataParallel)
         state = comm.OneBitState(
-            self._ddp_kwargs.get("process_group"),  # average over the same group DDP was given (None: default)
+            self.model.process_group,  # average over the group DDP uses (the one it was given, else the default)
             **self._onebit_config,
             parameters=self.model.module.parameters(),
             loss_scale_fn=self._loss_scale_fn(),
@@ -181,10 +186,10 @@ class OneBitDDPStrategy(DDPStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         out = super().training_step(*args, **kwargs)
-        state = self._onebit_state
-        if self._log_stats and state is not None and state.last_step_bytes_sent:
+        state, module = self._onebit_state, self.lightning_module
+        if self._log_stats and state is not None and module is not None and state.last_step_bytes_sent:
             # the hook has finished the previous step's buckets; this logs that step's traffic
-            self.lightning_module.log_dict(
+            module.log_dict(
                 {
                     "comm/bytes_sent": float(state.last_step_bytes_sent),
                     "comm/compression_ratio": state.last_step_fp32_bytes / state.last_step_bytes_sent,
@@ -196,16 +201,18 @@ class OneBitDDPStrategy(DDPStrategy):
         return out
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: PathType, storage_options: Any | None = None
+    ) -> None:
         # Called on every rank: gather each rank's error state (a collective) so rank 0 writes all of them.
-        if self._onebit_state is not None and _distributed_is_initialized():
+        if self._onebit_state is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
             checkpoint[CHECKPOINT_KEY] = comm.gather_state_dict(self._onebit_state)
         elif self._onebit_loaded is not None:
             checkpoint[CHECKPOINT_KEY] = self._onebit_loaded
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: PathType, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         payload = checkpoint.get(CHECKPOINT_KEY)
         if payload is not None:

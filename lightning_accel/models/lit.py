@@ -20,7 +20,11 @@ __all__ = ["ImageClassifier", "TinyGPT"]
 def _adamw_cosine(module: LightningModule, lr: float, weight_decay: float) -> Any:
     """AdamW + cosine decay over the whole fit (per step), the default both reference models use."""
     opt = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=weight_decay)
-    total = max(1, int(module.trainer.estimated_stepping_batches)) if module._trainer is not None else 1000
+    try:  # `LightningModule.trainer` raises when no Trainer is attached (configure_optimizers called by hand)
+        trainer = module.trainer if module.fabric is None else None  # under Fabric: a stand-in without the count
+    except RuntimeError:
+        trainer = None
+    total = max(1, int(trainer.estimated_stepping_batches)) if trainer is not None else 1000
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=total, eta_min=lr * 0.01)
     return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
@@ -86,7 +90,7 @@ class ImageClassifier(LightningModule):
 
     @override
     def configure_optimizers(self) -> Any:
-        return _adamw_cosine(self, self.hparams.lr, self.hparams.weight_decay)
+        return _adamw_cosine(self, self.hparams["lr"], self.hparams["weight_decay"])
 
 
 class TinyGPT(LightningModule):
@@ -131,4 +135,4 @@ class TinyGPT(LightningModule):
 
     @override
     def configure_optimizers(self) -> Any:
-        return _adamw_cosine(self, self.hparams.lr, self.hparams.weight_decay)
+        return _adamw_cosine(self, self.hparams["lr"], self.hparams["weight_decay"])

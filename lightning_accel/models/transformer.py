@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_accel.precision.modules import FusedAttentionMixin, FusedGPTBlockMixin, register_block
+
 __all__ = ["GPT", "CausalSelfAttention", "GPTBlock"]
 
 
@@ -55,6 +57,11 @@ class GPTBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
+
+
+# these forwards are the ones the mixins reimplement: let FusedPrecision pack QKV and fuse the residual epilogues
+register_block(CausalSelfAttention, FusedAttentionMixin)
+register_block(GPTBlock, FusedGPTBlockMixin)
 
 
 class GPT(nn.Module):

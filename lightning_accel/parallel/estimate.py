@@ -190,7 +190,7 @@ def _block_lists(model: nn.Module) -> list[nn.Module]:
 
 
 def count_layers(model: nn.Module) -> int:
-    """Depth as the brief's rule means it: the length of the model's longest stack of blocks (``ModuleList`` /
+    """Depth as the rule of thumb means it: the length of the model's longest stack of blocks (``ModuleList`` /
     ``Sequential``), or, when it has none, the number of leaf modules that own parameters."""
     blocks = _block_lists(model)
     if len(blocks) > 1:

@@ -7,7 +7,7 @@ communication or idle time). Among data-parallel runs across nodes it recommends
 gradients) when the inter-node bandwidth is below the break-even at which an fp32 ring allreduce stops hiding behind
 the backward pass.
 
-Policy ``"rules"`` is the brief's rule of thumb: more than 1 B parameters -> model parallel (FSDP), more than 50
+Policy ``"rules"`` is the common rule of thumb: more than 1 B parameters -> model parallel (FSDP), more than 50
 layers -> pipeline, else data parallel. Its limits: it ignores the batch, the activations and the device (a 1.2 B
 model needs ~19 GB of Adam state and trains with plain DDP on an 80 GB GPU; a 300 M model with long sequences may
 not fit at all), and "layers" says nothing about memory.
@@ -146,7 +146,7 @@ def select_strategy(
         example_batch: one per-device batch of forward inputs; when given, activations and the backward time are
             measured with one forward/backward (otherwise activations count as 0 and the explanation says so).
         inter_node_gbps: network bandwidth between nodes in Gbit/s (None: unknown, no ``ddp_1bit`` advice).
-        policy: ``"memory"`` (estimate and fit) or ``"rules"`` (the brief's thresholds).
+        policy: ``"memory"`` (estimate and fit) or ``"rules"`` (the rule-of-thumb thresholds).
         headroom: fraction of device memory kept free for the CUDA context, allocator caching and workspaces.
         bytes_per_param: model-state bytes per parameter (16: Adam, mixed precision or fp32).
         microbatches: pipeline micro-batches (None: ``4 × stages``).
@@ -162,6 +162,44 @@ def select_strategy(
     Raises:
         ValueError: for a bad argument (named, with the value and the fix).
     """
+    _check_arguments(policy, devices, num_nodes, headroom, activation_scale, inter_node_gbps)
+    world = devices * num_nodes
+    params = sum(p.numel() for p in model.parameters())
+    layers = count_layers(model)
+    facts: dict[str, Any] = {"params": params, "layers": layers, "world": world}
+    if policy == "rules":
+        return _by_rules(params, layers, world, facts)
+
+    capacity_total = _device_memory(device_memory_bytes)
+    capacity = int(capacity_total * (1.0 - headroom))
+    facts["capacity"] = capacity
+    act = _activations(model, example_batch, loss_fn, activation_scale)
+    facts["activations"] = act.bytes
+    if act.measured:
+        facts["backward_s"] = act.backward_s
+    ests = _estimates(model, params, act.bytes, world, microbatches, bytes_per_param)
+    table = "; ".join(f"{k} {_gb(e.total)} ({e.formula})" for k, e in ests.items())
+    head = (
+        f"{params / 1e6:.1f} M parameters, {world} device(s) with {_gb(capacity_total)} each "
+        f"({_gb(capacity)} usable at {headroom:.0%} headroom); {act.note}. Per device: {table}."
+    )
+    be, be_src = _break_even(onebit_break_even, act, params, world)
+    facts["onebit_break_even_gbps"] = be
+    case = _Case(num_nodes, world, capacity, act.bytes, ests, head, be, be_src, inter_node_gbps, policy, facts)
+    if case.fits("ddp"):
+        return _data_parallel(case)
+    return _beyond_data_parallel(case)
+
+
+def _check_arguments(
+    policy: str,
+    devices: int,
+    num_nodes: int,
+    headroom: float,
+    activation_scale: float,
+    inter_node_gbps: float | None,
+) -> None:
+    """Raise ``ValueError`` for a bad :func:`select_strategy` argument (named, with the value and the fix)."""
     if policy not in POLICIES:
         raise ValueError(f"`policy` must be one of {POLICIES}, got {policy!r}.")
     if not isinstance(devices, int) or devices < 1:
@@ -174,111 +212,142 @@ def select_strategy(
         raise ValueError(f"`activation_scale` must be > 0, got {activation_scale!r}.")
     if inter_node_gbps is not None and inter_node_gbps <= 0:
         raise ValueError(f"`inter_node_gbps` must be > 0 (Gbit/s) or None, got {inter_node_gbps!r}.")
-    world = devices * num_nodes
-    params = sum(p.numel() for p in model.parameters())
-    layers = count_layers(model)
-    facts: dict[str, Any] = {"params": params, "layers": layers, "world": world}
 
-    if policy == "rules":
-        if params > _RULE_PARAMS:
-            plan, why = "fsdp", f"{params / 1e9:.2f} B parameters > 1 B: model parallel (FSDP shards the model)."
-        elif layers > _RULE_LAYERS:
-            plan, why = "pipeline", f"{layers} layers > 50: pipeline parallel."
-        else:
-            plan = "ddp" if world > 1 else "single"
-            why = f"{params / 1e6:.1f} M parameters and {layers} layers: data parallel."
-        strategy = {"single": "auto", "ddp": "ddp", "fsdp": "fsdp", "pipeline": "fsdp"}[plan]
-        if plan == "pipeline":
-            why += (
-                " Lightning cannot run torch.distributed.pipelining schedules (they own forward and backward), so "
-                "the runnable choice is 'fsdp'; for a real pipeline use torch.distributed.pipelining with torchrun."
-            )
-        why = "Rule of thumb (>1 B params -> model parallel, >50 layers -> pipeline, else data parallel): " + why
-        why += " The rule ignores batch size, activations and device memory; policy='memory' checks them."
-        return StrategyChoice(strategy, plan, True, why, policy, facts=facts)
 
-    capacity_total = _device_memory(device_memory_bytes)
-    capacity = int(capacity_total * (1.0 - headroom))
-    facts["capacity"] = capacity
-    notes: list[str] = []
-    if example_batch is not None:
-        prof = measure_activation_bytes(model, example_batch, loss_fn=loss_fn)
-        acts = int(prof.activation_bytes * activation_scale)
-        backward_s = prof.backward_s * activation_scale
-        facts.update(activations=acts, backward_s=backward_s)
-        notes.append(f"activations {_gb(acts)} measured from one forward/backward of the example batch")
+def _by_rules(params: int, layers: int, world: int, facts: dict[str, Any]) -> StrategyChoice:
+    """Policy ``"rules"``: the parameter and layer thresholds, nothing measured."""
+    if params > _RULE_PARAMS:
+        plan, why = "fsdp", f"{params / 1e9:.2f} B parameters > 1 B: model parallel (FSDP shards the model)."
+    elif layers > _RULE_LAYERS:
+        plan, why = "pipeline", f"{layers} layers > 50: pipeline parallel."
     else:
-        acts, prof, backward_s = 0, None, 0.0
-        facts["activations"] = 0
-        notes.append("activations not measured (no `example_batch`): estimates are model state only, a lower bound")
+        plan = "ddp" if world > 1 else "single"
+        why = f"{params / 1e6:.1f} M parameters and {layers} layers: data parallel."
+    strategy = {"single": "auto", "ddp": "ddp", "fsdp": "fsdp", "pipeline": "fsdp"}[plan]
+    if plan == "pipeline":
+        why += (
+            " Lightning cannot run torch.distributed.pipelining schedules (they own forward and backward), so "
+            "the runnable choice is 'fsdp'; for a real pipeline use torch.distributed.pipelining with torchrun."
+        )
+    why = "Rule of thumb (>1 B params -> model parallel, >50 layers -> pipeline, else data parallel): " + why
+    why += " The rule ignores batch size, activations and device memory; policy='memory' checks them."
+    return StrategyChoice(strategy, plan, True, why, "rules", facts=facts)
 
-    ests = {
+
+@dataclass
+class _Activations:
+    """Activation bytes per device and the backward time, measured from the example batch (or zero without one)."""
+
+    bytes: int
+    backward_s: float
+    measured: bool
+    note: str
+
+
+def _activations(
+    model: nn.Module, example_batch: Any, loss_fn: Callable[[Any], torch.Tensor] | None, scale: float
+) -> _Activations:
+    if example_batch is None:
+        note = "activations not measured (no `example_batch`): estimates are model state only, a lower bound"
+        return _Activations(0, 0.0, False, note)
+    prof = measure_activation_bytes(model, example_batch, loss_fn=loss_fn)
+    acts = int(prof.activation_bytes * scale)
+    note = f"activations {_gb(acts)} measured from one forward/backward of the example batch"
+    return _Activations(acts, prof.backward_s * scale, True, note)
+
+
+def _estimates(
+    model: nn.Module, params: int, acts: int, world: int, microbatches: int | None, bytes_per_param: int
+) -> dict[str, MemoryEstimate]:
+    """Bytes per device of each plan, in the order of preference (data parallel < sharded < pipeline)."""
+    return {
         "ddp": estimate_ddp(params, acts, bytes_per_param=bytes_per_param),
         "fsdp": estimate_fsdp(params, acts, world, largest_unit_params(model), bytes_per_param=bytes_per_param),
         "pipeline": estimate_pipeline(
             pipeline_stage_params(model, world), acts, microbatches=microbatches, bytes_per_param=bytes_per_param
         ),
     }
-    fit = {k: e.total <= capacity for k, e in ests.items()}
-    table = "; ".join(f"{k} {_gb(e.total)} ({e.formula})" for k, e in ests.items())
-    head = (
-        f"{params / 1e6:.1f} M parameters, {world} device(s) with {_gb(capacity_total)} each "
-        f"({_gb(capacity)} usable at {headroom:.0%} headroom); {notes[0]}. Per device: {table}."
-    )
 
-    # break-even bandwidth for 1-bit compression across nodes
-    if onebit_break_even is not None:
-        be, be_src = float(onebit_break_even), "given"
-    elif prof is not None and world > 1:
-        be, be_src = onebit_break_even_gbps(params, world, backward_s), "measured from the example backward pass"
-    else:
-        be, be_src = DEFAULT_ONEBIT_BREAK_EVEN_GBPS, "default, no example batch"
-    facts["onebit_break_even_gbps"] = be
 
-    if fit["ddp"]:
-        if world == 1:
-            return StrategyChoice("auto", "single", True, head + " One device and it fits: no parallelism needed.",
-                                  policy, ests, facts)  # fmt: skip
-        if num_nodes > 1 and inter_node_gbps is not None and inter_node_gbps < be:
-            why = (
-                f" DDP fits. Across {num_nodes} nodes at {inter_node_gbps:g} Gbit/s, below the {be:.1f} Gbit/s "
-                f"break-even ({be_src}) where the fp32 allreduce stops hiding behind backward: use 'ddp_1bit' "
-                "(1-bit compressed gradients, 32x fewer bytes on the wire)."
-            )
-            return StrategyChoice("ddp_1bit", "ddp_1bit", True, head + why, policy, ests, facts)
-        bw = ""
-        if num_nodes > 1:
-            bw = (
-                f" Inter-node bandwidth {'unknown' if inter_node_gbps is None else f'{inter_node_gbps:g} Gbit/s'}"
-                f" (1-bit break-even {be:.1f} Gbit/s, {be_src}): plain DDP."
-            )
-        return StrategyChoice(
-            "ddp", "ddp", True, head + " DDP fits: data parallel, the cheapest in communication." + bw,
-            policy, ests, facts,
-        )  # fmt: skip
-    if world > 1 and fit["fsdp"]:
+def _break_even(given: float | None, act: _Activations, params: int, world: int) -> tuple[float, str]:
+    """The inter-node bandwidth below which 1-bit compression pays, and where the number comes from."""
+    if given is not None:
+        return float(given), "given"
+    if act.measured and world > 1:
+        return onebit_break_even_gbps(params, world, act.backward_s), "measured from the example backward pass"
+    return DEFAULT_ONEBIT_BREAK_EVEN_GBPS, "default, no example batch"
+
+
+@dataclass
+class _Case:
+    """What the memory policy decides on: the machine, the estimates and the explanation's opening sentence."""
+
+    num_nodes: int
+    world: int
+    capacity: int
+    acts: int
+    estimates: dict[str, MemoryEstimate]
+    head: str
+    break_even: float
+    break_even_source: str
+    inter_node_gbps: float | None
+    policy: str
+    facts: dict[str, Any]
+
+    def fits(self, plan: str) -> bool:
+        return self.estimates[plan].total <= self.capacity
+
+    def choice(self, strategy: str, plan: str, fits: bool, why: str) -> StrategyChoice:
+        return StrategyChoice(strategy, plan, fits, self.head + why, self.policy, self.estimates, self.facts)
+
+
+def _data_parallel(c: _Case) -> StrategyChoice:
+    """DDP fits: no parallelism on one device, ``ddp_1bit`` across slow links, plain DDP otherwise."""
+    if c.world == 1:
+        return c.choice("auto", "single", True, " One device and it fits: no parallelism needed.")
+    be, be_src, gbps = c.break_even, c.break_even_source, c.inter_node_gbps
+    if c.num_nodes > 1 and gbps is not None and gbps < be:
         why = (
-            f" DDP needs {_gb(ests['ddp'].total)} > {_gb(capacity)}; FSDP (ZeRO-3) shards parameters, gradients and "
+            f" DDP fits. Across {c.num_nodes} nodes at {gbps:g} Gbit/s, below the {be:.1f} Gbit/s "
+            f"break-even ({be_src}) where the fp32 allreduce stops hiding behind backward: use 'ddp_1bit' "
+            "(1-bit compressed gradients, 32x fewer bytes on the wire)."
+        )
+        return c.choice("ddp_1bit", "ddp_1bit", True, why)
+    bw = ""
+    if c.num_nodes > 1:
+        bw = (
+            f" Inter-node bandwidth {'unknown' if gbps is None else f'{gbps:g} Gbit/s'}"
+            f" (1-bit break-even {be:.1f} Gbit/s, {be_src}): plain DDP."
+        )
+    return c.choice("ddp", "ddp", True, " DDP fits: data parallel, the cheapest in communication." + bw)
+
+
+def _beyond_data_parallel(c: _Case) -> StrategyChoice:
+    """DDP does not fit: FSDP if it fits, else say what a pipeline would need, else the smallest option and fixes."""
+    ests, world = c.estimates, c.world
+    if world > 1 and c.fits("fsdp"):
+        why = (
+            f" DDP needs {_gb(ests['ddp'].total)} > {_gb(c.capacity)}; FSDP (ZeRO-3) shards parameters, gradients and "
             f"optimizer state over {world} devices and fits: use 'fsdp'."
         )
-        return StrategyChoice("fsdp", "fsdp", True, head + why, policy, ests, facts)
+        return c.choice("fsdp", "fsdp", True, why)
     fixes = (
         "activation checkpointing (activations are "
-        f"{_gb(acts)} per device), a smaller per-device batch, more devices, or FSDP with CPU offload "
+        f"{_gb(c.acts)} per device), a smaller per-device batch, more devices, or FSDP with CPU offload "
         "(FSDPStrategy(cpu_offload=True))."
     )
-    if world > 1 and fit["pipeline"]:
+    if world > 1 and c.fits("pipeline"):
         why = (
             f" Neither DDP ({_gb(ests['ddp'].total)}) nor FSDP ({_gb(ests['fsdp'].total)}) fits; a {world}-stage "
             f"pipeline would ({_gb(ests['pipeline'].total)} on its heaviest stage). Lightning cannot run "
             "torch.distributed.pipelining schedules (they own forward and backward of every micro-batch), so run "
             "the pipeline with torch.distributed.pipelining + torchrun outside the Trainer, or make FSDP fit: " + fixes
         )
-        return StrategyChoice("fsdp", "pipeline", False, head + why, policy, ests, facts)
+        return c.choice("fsdp", "pipeline", False, why)
     best = min(("ddp", "fsdp") if world > 1 else ("ddp",), key=lambda k: ests[k].total)
     strategy = "fsdp" if best == "fsdp" else ("auto" if world == 1 else "ddp")
     why = (
-        f" Nothing fits in {_gb(capacity)}; the smallest runnable option is {best} at {_gb(ests[best].total)}. Try "
+        f" Nothing fits in {_gb(c.capacity)}; the smallest runnable option is {best} at {_gb(ests[best].total)}. Try "
         + fixes
     )
-    return StrategyChoice(strategy, best if world > 1 else "single", False, head + why, policy, ests, facts)
+    return c.choice(strategy, best if world > 1 else "single", False, why)

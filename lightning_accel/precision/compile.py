@@ -13,34 +13,22 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_accel._utils import compat
+
 __all__ = ["CompileFallback", "compile_in_place", "compile_errors"]
 
 
 def compile_errors() -> tuple[type[BaseException], ...]:
     """Exception types that mean "compilation failed" (not "the model is wrong"), across torch versions."""
-    errors: list[type[BaseException]] = []
-    try:
-        from torch._dynamo import exc as dynamo_exc
-
-        errors.append(dynamo_exc.TorchDynamoException)
-    except ImportError:  # pragma: no cover
-        pass
-    try:
-        from torch._inductor import exc as inductor_exc
-
-        mod = inductor_exc.__name__
-        errors += [v for v in vars(inductor_exc).values() if isinstance(v, type) and v.__module__ == mod]
-    except ImportError:  # pragma: no cover
-        pass
-    return tuple(errors) or (RuntimeError,)
+    return compat.compile_error_types()
 
 
 class CompileFallback:
     """The callable installed as ``module._compiled_call_impl``: compiled first, eager for good after a failure."""
 
     def __init__(self, module: nn.Module, **compile_kwargs: Any) -> None:
-        self.eager = module._call_impl
-        self.compiled = torch.compile(module._call_impl, **compile_kwargs)
+        self.eager = compat.module_call_impl(module)
+        self.compiled = torch.compile(self.eager, **compile_kwargs)
         self.name = type(module).__name__
         self.failed: BaseException | None = None
 
@@ -63,7 +51,7 @@ class CompileFallback:
 
 def compile_in_place(module: nn.Module, **compile_kwargs: Any) -> bool:
     """Compile ``module``'s ``__call__`` in place (idempotent); returns False if it was already compiled."""
-    if isinstance(getattr(module, "_compiled_call_impl", None), CompileFallback):
+    if isinstance(compat.compiled_call_impl(module), CompileFallback):
         return False
-    module._compiled_call_impl = CompileFallback(module, **compile_kwargs)
+    compat.set_compiled_call_impl(module, CompileFallback(module, **compile_kwargs))
     return True

@@ -8,13 +8,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
+import lightning.pytorch as pl
 import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
-from lightning_accel.ops._triton import check_backend
+from lightning_accel._utils.triton import Backend, check_backend
 from lightning_accel.precision.compile import compile_in_place
 from lightning_accel.precision.surgery import DEFAULT_POLICY, FusionReport, Replacement, apply_fusions
 
@@ -52,13 +54,14 @@ class FusedPrecision(MixedPrecision):
     def __init__(
         self,
         precision: Literal["bf16-mixed", "16-mixed"] = "bf16-mixed",
+        *,
         device: str | None = None,
         scaler: torch.amp.GradScaler | None = None,
         fusions: Sequence[str] | Mapping[str, Sequence[Replacement]] | None = None,
         ignore_modules: Sequence[str | type] = (),
         compile: bool = False,
         compile_kwargs: dict[str, Any] | None = None,
-        backend: Literal["auto", "triton", "reference", "eager"] = "auto",
+        backend: Backend = "auto",
     ) -> None:
         if precision not in ("bf16-mixed", "16-mixed"):
             raise ValueError(
@@ -105,7 +108,7 @@ class FusedPrecision(MixedPrecision):
     def _adopt_trainer_device(self, module: nn.Module) -> None:
         """Autocast (and a default GradScaler) on the device type the Trainer actually uses, e.g. ``cpu`` on a GPU
         machine with ``accelerator="cpu"``."""
-        trainer = getattr(module, "_trainer", None)
+        trainer = _attached_trainer(module)
         if not self._follow_trainer_device or trainer is None:
             return
         device_type = trainer.strategy.root_device.type
@@ -118,7 +121,18 @@ class FusedPrecision(MixedPrecision):
 
 def _existing_optimizers(module: nn.Module) -> list[torch.optim.Optimizer]:
     """Optimizers the attached Trainer already built (none on a first ``fit``: Lightning converts modules first)."""
-    trainer = getattr(module, "_trainer", None)
+    trainer = _attached_trainer(module)
     if trainer is None:
         return []
-    return [getattr(o, "_optimizer", o) for o in getattr(trainer.strategy, "optimizers", [])]
+    optimizers = getattr(trainer.strategy, "optimizers", [])
+    return [o.optimizer if isinstance(o, LightningOptimizer) else o for o in optimizers]
+
+
+def _attached_trainer(module: nn.Module) -> pl.Trainer | None:
+    """The Trainer ``module`` is attached to, or None (``LightningModule.trainer`` raises when there is none)."""
+    if not isinstance(module, pl.LightningModule):
+        return None
+    try:
+        return module.trainer
+    except RuntimeError:
+        return None

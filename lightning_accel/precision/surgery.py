@@ -8,15 +8,20 @@ Functional core of :class:`~lightning_accel.precision.FusedPrecision` (no Lightn
 The patterns (keys of :data:`DEFAULT_POLICY`):
 
 ``conv_bn_relu``
-    ``nn.Sequential`` runs of ``Conv2d -> BatchNorm2d -> ReLU`` (or ``Conv2d -> BatchNorm2d``), torchvision
-    ``BasicBlock``/``Bottleneck``/``ResNet`` stems and ``lightning_accel.models.BasicBlock``.
+    ``nn.Sequential`` runs of ``Conv2d -> BatchNorm2d -> ReLU`` (or ``Conv2d -> BatchNorm2d``), and the blocks
+    registered as ResNet blocks (torchvision's ``BasicBlock``/``Bottleneck``/``ResNet`` stem, or any class registered
+    with :func:`~lightning_accel.precision.modules.register_block`).
 ``linear_dropout``
-    ``nn.Sequential`` runs of ``Linear -> Dropout``, and in ``lightning_accel.models.GPTBlock`` the attention output
-    projection and the MLP's last ``Linear -> Dropout``, each together with the block's residual add.
+    ``nn.Sequential`` runs of ``Linear -> Dropout``, and in registered GPT blocks the attention output projection and
+    the MLP's last ``Linear -> Dropout``, each together with the block's residual add.
 ``qkv``
-    Separate ``q_proj``/``k_proj``/``v_proj`` in ``lightning_accel.models.CausalSelfAttention`` -> one packed GEMM.
+    Separate ``q_proj``/``k_proj``/``v_proj`` in registered attention classes -> one packed GEMM.
 ``norm``
     ``nn.LayerNorm`` and ``nn.RMSNorm`` over the last dimension (exact classes, not subclasses).
+
+Block-level patterns need a registration because their fused forward reimplements the block's own ``forward``: the
+module structure alone cannot tell that a block with ``conv1``/``bn1``/``conv2``/``bn2`` adds its shortcut the same way.
+Registration is by exact class (``module.QualName``); the demo models register theirs where they are defined.
 
 Every replacement keeps the module objects (class swap, see :mod:`.modules`), so parameters, ``state_dict`` keys and
 optimizer references survive, except QKV packing, whose parameter changes are reported and patched into the given
@@ -29,11 +34,13 @@ import logging
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from torch import nn
 
-from lightning_accel.ops._triton import check_backend
+from lightning_accel._utils import compat
+from lightning_accel._utils.triton import Backend, check_backend
 from lightning_accel.precision import modules as fm
 
 __all__ = [
@@ -47,7 +54,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-ParamSwap = tuple[list[nn.Parameter], nn.Parameter]
+ParamSwap = tuple[list[torch.Tensor], nn.Parameter]
 
 
 @dataclass
@@ -97,21 +104,21 @@ class Replacement:
 # ------------------------------------------------------------------------------------------------ conv_bn_relu
 
 
-def _conv_ok(m: nn.Module) -> bool:
+def _conv_ok(m: nn.Module | None) -> bool:
     return type(m) is nn.Conv2d and m.padding_mode == "zeros"
 
 
-def _bn_ok(m: nn.Module, conv: nn.Module) -> bool:
+def _bn_ok(m: nn.Module | None, conv: nn.Conv2d) -> bool:
     return type(m) is nn.BatchNorm2d and m.num_features == conv.out_channels
 
 
 def _plan_sequential(seq: nn.Module, which: str) -> dict[int, tuple[int, str]]:
-    mods = list(seq._modules.values())
+    mods = list(compat.child_modules(seq).values())
     plan: dict[int, tuple[int, str]] = {}
     i = 0
     while i < len(mods):
-        nxt = mods[i + 1] if i + 1 < len(mods) else None
-        if which == "conv" and _conv_ok(mods[i]) and nxt is not None and _bn_ok(nxt, mods[i]):
+        cur, nxt = mods[i], mods[i + 1] if i + 1 < len(mods) else None
+        if which == "conv" and isinstance(cur, nn.Conv2d) and _conv_ok(cur) and _bn_ok(nxt, cur):
             if i + 2 < len(mods) and type(mods[i + 2]) is nn.ReLU:
                 plan[i] = (3, "conv_bn_relu")
                 i += 3
@@ -119,7 +126,7 @@ def _plan_sequential(seq: nn.Module, which: str) -> dict[int, tuple[int, str]]:
                 plan[i] = (2, "conv_bn")
                 i += 2
             continue
-        if which == "linear" and type(mods[i]) is nn.Linear and type(nxt) is nn.Dropout:
+        if which == "linear" and type(cur) is nn.Linear and type(nxt) is nn.Dropout:
             plan[i] = (2, "linear_dropout")
             i += 2
             continue
@@ -131,7 +138,7 @@ def _seq_match(which: str) -> Callable[[nn.Module], bool]:
     def match(m: nn.Module) -> bool:
         if fm.original_class(m) is not nn.Sequential or getattr(m, "_la_claimed", False):
             return False
-        done = getattr(m, "_la_plan", {})
+        done: dict[int, tuple[int, str]] = getattr(m, "_la_plan", {})
         return any(i not in done for i in _plan_sequential(m, which))
 
     return match
@@ -139,19 +146,24 @@ def _seq_match(which: str) -> Callable[[nn.Module], bool]:
 
 def _seq_apply(which: str) -> Callable[[nn.Module], tuple[str, list[ParamSwap]]]:
     def apply(m: nn.Module) -> tuple[str, list[ParamSwap]]:
-        plan = dict(getattr(m, "_la_plan", {}))
+        plan: dict[int, tuple[int, str]] = dict(getattr(m, "_la_plan", {}))
         new = {i: v for i, v in _plan_sequential(m, which).items() if i not in plan}
         plan.update(new)
         fm.swap_class(m, fm.FusedSequentialMixin)
-        m._la_plan = plan
+        cast(fm.FusedSequentialMixin, m)._la_plan = plan
         return ", ".join(f"[{i}:{i + n}] {kind}" for i, (n, kind) in sorted(new.items())), []
 
     return apply
 
 
-def _block_match(names: frozenset[str], mixin: type, attrs: Sequence[str]) -> Callable[[nn.Module], bool]:
+def _registered(m: nn.Module, mixin: type) -> bool:
+    """``m``'s class (before surgery) was registered for ``mixin``, and ``m`` does not have it yet."""
+    return fm.block_mixin(m) is mixin and not fm.is_fused(m, mixin)
+
+
+def _block_match(mixin: type, attrs: Sequence[str]) -> Callable[[nn.Module], bool]:
     def match(m: nn.Module) -> bool:
-        return fm.qualname(m) in names and not fm.is_fused(m, mixin) and all(hasattr(m, a) for a in attrs)
+        return _registered(m, mixin) and all(hasattr(m, a) for a in attrs)
 
     return match
 
@@ -167,37 +179,39 @@ def _block_apply(mixin: type, detail: str) -> Callable[[nn.Module], tuple[str, l
 # ------------------------------------------------------------------------------------------- attention / GPT block
 
 
-def _attention_ok(m: nn.Module) -> bool:
-    return fm.qualname(fm.original_class(m)) in fm.KNOWN_ATTENTION
+def _attention_ok(m: nn.Module | None) -> bool:
+    return m is not None and fm.block_mixin(m) is fm.FusedAttentionMixin
 
 
 def _qkv_match(m: nn.Module) -> bool:
-    if not _attention_ok(m) or "qkv_proj" in m._modules:
+    if not _attention_ok(m) or "qkv_proj" in compat.child_modules(m):
         return False
     projs = [getattr(m, n, None) for n in ("q_proj", "k_proj", "v_proj")]
-    if not all(type(p) is nn.Linear for p in projs):
+    linears = [p for p in projs if type(p) is nn.Linear]
+    if len(linears) != 3:
         return False
-    shapes = {(p.in_features, p.out_features, p.bias is not None, p.weight.dtype, p.weight.device) for p in projs}
+    shapes = {(p.in_features, p.out_features, p.bias is not None, p.weight.dtype, p.weight.device) for p in linears}
     return len(shapes) == 1
 
 
 def _qkv_apply(m: nn.Module) -> tuple[str, list[ParamSwap]]:
     fm.swap_class(m, fm.FusedAttentionMixin)
     swaps = fm.pack_qkv(m)
-    return f"q_proj+k_proj+v_proj -> qkv_proj {tuple(m.qkv_proj.weight.shape)}", swaps
+    return f"q_proj+k_proj+v_proj -> qkv_proj {tuple(swaps[0][1].shape)}", swaps
 
 
 def _gpt_match(m: nn.Module) -> bool:
-    if fm.qualname(m) not in fm.KNOWN_GPT_BLOCKS or fm.is_fused(m, fm.FusedGPTBlockMixin):
+    if not _registered(m, fm.FusedGPTBlockMixin):
         return False
     mlp, attn = getattr(m, "mlp", None), getattr(m, "attn", None)
     return (
-        type(mlp) is nn.Sequential
+        isinstance(mlp, nn.Sequential)
+        and type(mlp) is nn.Sequential
         and len(mlp) == 4
         and type(mlp[0]) is nn.Linear
         and type(mlp[2]) is nn.Linear
         and type(mlp[3]) is nn.Dropout
-        and attn is not None
+        and isinstance(attn, nn.Module)
         and _attention_ok(attn)
         and type(getattr(attn, "resid_dropout", None)) is nn.Dropout
         and type(getattr(attn, "proj", None)) is nn.Linear
@@ -205,9 +219,12 @@ def _gpt_match(m: nn.Module) -> bool:
 
 
 def _gpt_apply(m: nn.Module) -> tuple[str, list[ParamSwap]]:
-    fm.swap_class(m.attn, fm.FusedAttentionMixin)
-    m.attn._la_fuse_out = True
-    m.mlp._la_claimed = True  # the fused block forward runs the MLP itself
+    attn, mlp = m.get_submodule("attn"), m.get_submodule("mlp")
+    fm.swap_class(attn, fm.FusedAttentionMixin)
+    cast(fm.FusedAttentionMixin, attn)._la_fuse_out = True
+    # the fused block forward runs the MLP itself, so the container pattern must leave it alone; a plain instance
+    # attribute (nn.Module.__setattr__ is typed for tensors and modules only), kept by deepcopy like the class swap
+    mlp.__dict__["_la_claimed"] = True
     fm.swap_class(m, fm.FusedGPTBlockMixin)
     return "attn.proj+resid_dropout+residual, mlp[2:4]+residual", []
 
@@ -215,32 +232,42 @@ def _gpt_apply(m: nn.Module) -> tuple[str, list[ParamSwap]]:
 # -------------------------------------------------------------------------------------------------------- norms
 
 
+def _norm_shape(m: nn.Module) -> tuple[int, ...] | None:
+    """``normalized_shape`` of an exact ``nn.LayerNorm`` / ``nn.RMSNorm`` (subclasses may have their own forward)."""
+    if isinstance(m, nn.LayerNorm) and type(m) is nn.LayerNorm:
+        return tuple(m.normalized_shape)
+    if hasattr(nn, "RMSNorm") and isinstance(m, nn.RMSNorm) and type(m) is nn.RMSNorm:  # torch >= 2.4
+        return tuple(m.normalized_shape)
+    return None
+
+
 def _norm_match(m: nn.Module) -> bool:
-    rms_cls = getattr(nn, "RMSNorm", None)
-    return (type(m) is nn.LayerNorm or (rms_cls is not None and type(m) is rms_cls)) and len(m.normalized_shape) == 1
+    shape = _norm_shape(m)
+    return shape is not None and len(shape) == 1
 
 
 def _norm_apply(m: nn.Module) -> tuple[str, list[ParamSwap]]:
+    size = _norm_shape(m)
     if type(m) is nn.LayerNorm:
         fm.swap_class(m, fm.FusedLayerNormMixin)
-        return f"LayerNorm({m.normalized_shape[0]})", []
+        return f"LayerNorm({size[0] if size else '?'})", []
     fm.swap_class(m, fm.FusedRMSNormMixin)
-    return f"RMSNorm({m.normalized_shape[0]})", []
+    return f"RMSNorm({size[0] if size else '?'})", []
 
 
 # Order matters: block-level patterns run before the container patterns that would otherwise claim their children.
 DEFAULT_POLICY: dict[str, list[Replacement]] = {
     "conv_bn_relu": [
         Replacement(
-            _block_match(fm.KNOWN_RESNETS, fm.FusedResNetMixin, ("conv1", "bn1", "relu", "maxpool")),
+            _block_match(fm.FusedResNetMixin, ("conv1", "bn1", "relu", "maxpool")),
             _block_apply(fm.FusedResNetMixin, "stem conv1+bn1+relu"),
         ),
         Replacement(
-            _block_match(fm.KNOWN_BOTTLENECKS, fm.FusedBottleneckMixin, ("conv3", "bn3", "downsample")),
+            _block_match(fm.FusedBottleneckMixin, ("conv3", "bn3", "downsample")),
             _block_apply(fm.FusedBottleneckMixin, "conv1+bn1+relu, conv2+bn2+relu, conv3+bn3"),
         ),
         Replacement(
-            _block_match(fm.KNOWN_BASIC_BLOCKS, fm.FusedBasicBlockMixin, ("conv1", "bn1", "conv2", "bn2")),
+            _block_match(fm.FusedBasicBlockMixin, ("conv1", "bn1", "conv2", "bn2")),
             _block_apply(fm.FusedBasicBlockMixin, "conv1+bn1+relu, conv2+bn2"),
         ),
         Replacement(_seq_match("conv"), _seq_apply("conv")),
@@ -270,8 +297,8 @@ def replace_optimizer_params(optimizers: Iterable[torch.optim.Optimizer], swaps:
                 ids = [i for i, p in enumerate(group["params"]) if any(p is o for o in olds)]
                 if not ids:
                     continue
-                states = [opt.state.get(o) for o in olds]
-                if all(states) and all(s.keys() == states[0].keys() for s in states):
+                states = [s for s in (opt.state.get(o) for o in olds) if s]
+                if len(states) == len(olds) and all(s.keys() == states[0].keys() for s in states):
                     merged = {}
                     for key, val in states[0].items():
                         vals = [s[key] for s in states]
@@ -305,7 +332,7 @@ def apply_fusions(
     ignore_modules: Sequence[str | type] = (),
     optimizers: Iterable[torch.optim.Optimizer] = (),
     warn_if_empty: bool = True,
-    backend: str | None = None,
+    backend: Backend | None = None,
 ) -> FusionReport:
     """Fuse the patterns of ``fusions`` found in ``model``, in place, and return what was done.
 

@@ -18,10 +18,13 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Iterable
+from typing import overload
 
 import torch
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
+
+from lightning_accel._utils import compat
 
 __all__ = ["APPLIED_KEY", "WarmupCosineLR", "apply_lr_scale", "linear_scaling_factor", "warmup_cosine_value"]
 
@@ -88,18 +91,27 @@ def apply_lr_scale(
             continue
         if hasattr(sched, "base_lrs"):
             sched.base_lrs = [b * r for b, r in zip(sched.base_lrs, rel_by_group, strict=False)]
-        last = getattr(sched, "_last_lr", None)
+        last = compat.scheduler_last_lr(sched)
         if last is not None:
-            sched._last_lr = [v * r for v, r in zip(last, rel_by_group, strict=False)]
+            compat.set_scheduler_last_lr(sched, [v * r for v, r in zip(last, rel_by_group, strict=False)])
     return rel_by_group[0] if rel_by_group else 1.0
 
 
-def warmup_cosine_value(step: int, base: float, total_steps: int, warmup_steps: int, min_lr: float) -> float:
+@overload
+def warmup_cosine_value(step: int, base: float, total_steps: int, warmup_steps: int, min_lr: float) -> float: ...
+@overload
+def warmup_cosine_value(
+    step: int, base: torch.Tensor, total_steps: int, warmup_steps: int, min_lr: float
+) -> torch.Tensor: ...
+def warmup_cosine_value(
+    step: int, base: float | torch.Tensor, total_steps: int, warmup_steps: int, min_lr: float
+) -> float | torch.Tensor:
     """The warm-up + cosine learning rate at optimizer step ``step`` (0-based).
 
     ``base * (step + 1) / warmup_steps`` during the warm-up (so the first step already moves, and step
     ``warmup_steps - 1`` reaches ``base``), then ``min_lr + (base - min_lr) * (1 + cos(pi * t)) / 2`` with ``t`` going
-    from 0 at ``warmup_steps`` to 1 at ``total_steps``, and ``min_lr`` afterwards.
+    from 0 at ``warmup_steps`` to 1 at ``total_steps``, and ``min_lr`` afterwards. A tensor ``base`` (torch
+    optimizers accept 0-dim tensor rates) gives a tensor.
     """
     if step < warmup_steps:
         return base * (step + 1) / warmup_steps
@@ -142,6 +154,7 @@ class WarmupCosineLR(LRScheduler):
         self,
         optimizer: Optimizer,
         total_steps: int | None = None,
+        *,
         warmup_steps: int | None = None,
         warmup_fraction: float | None = None,
         min_lr: float = 0.0,
@@ -207,9 +220,9 @@ class WarmupCosineLR(LRScheduler):
         values = self._closed_form(max(0, self.last_epoch))
         for group, lr in zip(self.optimizer.param_groups, values, strict=True):
             group["lr"] = lr
-        self._last_lr = list(values)
+        compat.set_scheduler_last_lr(self, values)
 
-    def _closed_form(self, step: int) -> list[float]:
+    def _closed_form(self, step: int) -> list[float | torch.Tensor]:
         if self.total_steps is None:
             # Unbound: step 0's rate is provisional (the warm-up's first value when `warmup_steps` is known, else the
             # base rate); `bind()` sets the real one before the first optimizer step, and stepping further is refused.
@@ -223,11 +236,9 @@ class WarmupCosineLR(LRScheduler):
             return [warmup_cosine_value(0, b, max(warm, 1) + 1, warm, self.min_lr) for b in self.base_lrs]
         return [warmup_cosine_value(step, b, self.total_steps, self.warmup_steps, self.min_lr) for b in self.base_lrs]
 
-    def get_lr(self) -> list[float]:
-        """The rates for step ``last_epoch`` (torch's scheduler contract)."""
-        return self._closed_form(self.last_epoch)
-
-    def _get_closed_form_lr(self) -> list[float]:
+    def get_lr(self) -> list[float | torch.Tensor]:
+        """The rates for step ``last_epoch`` (torch's scheduler contract); a closed form, so the deprecated
+        ``step(epoch)`` gets the same rates."""
         return self._closed_form(self.last_epoch)
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -239,7 +250,7 @@ class WarmupCosineLR(LRScheduler):
             values = self._closed_form(max(0, self.last_epoch))
             for group, lr in zip(self.optimizer.param_groups, values, strict=True):
                 group["lr"] = lr
-            self._last_lr = list(values)
+            compat.set_scheduler_last_lr(self, values)
         elif self.last_epoch > 0:
             warnings.warn(
                 "Restored an unbound WarmupCosineLR past step 0; bind it (`bind(total_steps)`) before stepping again.",

@@ -51,6 +51,9 @@ __all__ = [
 
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+# the layers a channel group slices: producers and consumers, and the norms that follow a producer
+_Layer = nn.Conv1d | nn.Conv2d | nn.Conv3d | nn.Linear
+_Norm = nn.BatchNorm1d | nn.BatchNorm2d | nn.BatchNorm3d | nn.SyncBatchNorm
 _PASS_MODULES = (
     nn.ReLU,
     nn.ReLU6,
@@ -132,9 +135,9 @@ class ChannelGroup:
     """
 
     size: int
-    producers: list[tuple[str, nn.Module]] = field(default_factory=list)
-    followers: list[tuple[str, nn.Module]] = field(default_factory=list)
-    consumers: list[tuple[str, nn.Module]] = field(default_factory=list)
+    producers: list[tuple[str, _Layer]] = field(default_factory=list)
+    followers: list[tuple[str, _Norm]] = field(default_factory=list)
+    consumers: list[tuple[str, _Layer]] = field(default_factory=list)
 
     @property
     def names(self) -> list[str]:
@@ -284,140 +287,173 @@ def find_channel_groups(
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     gm = _trace(model, tuple(example_inputs))
-    modules = dict(model.named_modules())
-    ignore = set(ignore)
-    uf = _UnionFind()
-    info: dict[torch.fx.Node, tuple[int, int]] = {}  # node -> (space, channel dim)
-    space_size: dict[int, int] = {}
-    producers: dict[int, list[str]] = {}
-    followers: dict[int, list[str]] = {}
-    consumers: dict[int, list[str]] = {}
-    touched: dict[str, list[int]] = {}  # module name -> spaces it indexes
-    calls: dict[str, int] = {}
-    exposed: set[str] = set()  # modules whose parameters are read directly (get_attr): tied or reused
+    flow = _ChannelFlow(dict(model.named_modules()), set(ignore))
+    for node in gm.graph.nodes:
+        flow.visit(node)
+    flow.block_shared_layers(model)
+    return flow.groups()
 
-    def new_space(node: torch.fx.Node, dim: int, blocked: str | None = None) -> None:
+
+class _ChannelFlow:
+    """One walk over a traced graph: the channel spaces, where each flows, and why some cannot be pruned.
+
+    A *space* is one layer output's channel dimension; ``info`` says which space (and which dim) a node's value
+    carries; the union-find merges spaces coupled by element-wise ops and records the first reason one is blocked.
+    """
+
+    def __init__(self, modules: dict[str, nn.Module], ignore: set[str]) -> None:
+        self.modules = modules
+        self.ignore = ignore
+        self.uf = _UnionFind()
+        self.info: dict[torch.fx.Node, tuple[int, int]] = {}  # node -> (space, channel dim)
+        self.space_size: dict[int, int] = {}
+        self.producers: dict[int, list[tuple[str, _Layer]]] = {}
+        self.followers: dict[int, list[tuple[str, _Norm]]] = {}
+        self.consumers: dict[int, list[tuple[str, _Layer]]] = {}
+        self.touched: dict[str, list[int]] = {}  # module name -> spaces it indexes
+        self.calls: dict[str, int] = {}
+        self.exposed: set[str] = set()  # modules whose parameters are read directly (get_attr): tied or reused
+
+    # ------------------------------------------------------------------------------------------- bookkeeping
+    def new_space(self, node: torch.fx.Node, dim: int, blocked: str | None = None) -> None:
         shape = _shape(node)
         if shape is None:
             return
-        s = uf.new(blocked)
-        space_size[s] = shape[dim] if 0 <= dim < len(shape) else 0
-        info[node] = (s, dim)
+        s = self.uf.new(blocked)
+        self.space_size[s] = shape[dim] if 0 <= dim < len(shape) else 0
+        self.info[node] = (s, dim)
 
-    def block_args(node: torch.fx.Node, reason: str) -> None:
+    def block_args(self, node: torch.fx.Node, reason: str) -> None:
         for a in node.all_input_nodes:
-            if a in info:
-                uf.block(info[a][0], reason)
+            if a in self.info:
+                self.uf.block(self.info[a][0], reason)
 
-    def note(kind: dict[int, list[str]], space: int, name: str) -> None:
-        kind.setdefault(space, []).append(name)
-        touched.setdefault(name, []).append(space)
+    def _touch(self, space: int, name: str) -> None:
+        self.touched.setdefault(name, []).append(space)
 
-    for node in gm.graph.nodes:
-        op = node.op
+    # ------------------------------------------------------------------------------------------- the graph walk
+    def visit(self, node: torch.fx.Node) -> None:
+        """Follow the channel spaces through one node (nodes come in topological order)."""
         shape = _shape(node)
         args = [a for a in node.args if isinstance(a, torch.fx.Node)]
-        x = info.get(args[0]) if args else None
-        if op == "placeholder":
+        x = self.info.get(args[0]) if args else None
+        if node.op == "placeholder":
             if shape is not None:
-                new_space(node, 1 if len(shape) >= 2 else 0, blocked="model input")
-        elif op == "get_attr":
-            exposed.add(str(node.target).rpartition(".")[0])
-        elif op == "output":
-            block_args(node, "model output")
-        elif op == "call_module":
-            name = str(node.target)
-            m = modules.get(name)
-            calls[name] = calls.get(name, 0) + 1
-            if isinstance(m, _CONV) and type(m) in _CONV and m.groups == 1 and shape is not None:
-                if x is not None:
-                    if x[1] == 1:
-                        note(consumers, x[0], name)
-                    else:
-                        uf.block(x[0], f"{name} reads another dim")
-                new_space(node, 1, blocked="ignored" if name in ignore else None)
-                if node in info:
-                    note(producers, info[node][0], name)
-            elif isinstance(m, nn.Linear) and shape is not None:
-                in_shape = _shape(args[0]) if args else None
-                if x is not None and in_shape is not None:
-                    if x[1] == len(in_shape) - 1:
-                        note(consumers, x[0], name)
-                    else:
-                        uf.block(x[0], f"{name} reads another dim")
-                new_space(node, len(shape) - 1, blocked="ignored" if name in ignore else None)
-                if node in info:
-                    note(producers, info[node][0], name)
-            elif isinstance(m, _BN) and x is not None and x[1] == 1:
-                note(followers, x[0], name)
-                info[node] = x
-            elif isinstance(m, _PASS_MODULES) and x is not None:
-                _pass(node, x, args[0], info, uf)
-            elif isinstance(m, nn.Flatten) and x is not None:
-                _flatten(node, x, args[0], info, uf)
-            else:
-                block_args(node, f"used by {type(m).__name__} `{name}`")
-                if shape is not None:
-                    new_space(node, 1 if len(shape) >= 2 else 0, blocked=f"output of `{name}`")
+                self.new_space(node, 1 if len(shape) >= 2 else 0, blocked="model input")
+        elif node.op == "get_attr":
+            self.exposed.add(str(node.target).rpartition(".")[0])
+        elif node.op == "output":
+            self.block_args(node, "model output")
+        elif node.op == "call_module":
+            self._call_module(node, shape, args, x)
         else:  # call_function / call_method
-            fn = node.target
-            is_method = op == "call_method"
-            if (fn in _PASS_METHODS if is_method else fn in _PASS_FUNCTIONS) and x is not None:
-                _pass(node, x, args[0], info, uf)
-            elif (fn in _BINARY_METHODS if is_method else fn in _BINARY_FUNCTIONS) and shape is not None:
-                _binary(node, shape, info, uf)
-            elif (fn == "flatten" if is_method else fn in _FLATTEN) and x is not None:
-                _flatten(node, x, args[0], info, uf)
-            elif is_method and fn in _RESHAPE_METHODS and x is not None:
-                in_shape = _shape(args[0])
-                d = _squeeze_map(in_shape, shape, x[1]) if in_shape is not None and shape is not None else None
-                if d is None:
-                    uf.block(x[0], f"reshaped by {fn}")
-                else:
-                    info[node] = (x[0], d)
-            elif (fn in _SHAPE_QUERIES) if is_method else (fn in _SHAPE_FUNCTIONS):
-                pass  # shape queries read no channel values
+            self._call_function(node, shape, args, x)
+
+    def _call_module(
+        self, node: torch.fx.Node, shape: tuple[int, ...] | None, args: list[torch.fx.Node], x: tuple[int, int] | None
+    ) -> None:
+        name = str(node.target)
+        m = self.modules.get(name)
+        self.calls[name] = self.calls.get(name, 0) + 1
+        if isinstance(m, _CONV) and type(m) in _CONV and m.groups == 1 and shape is not None:
+            self._layer(node, name, m, x, reads=1, writes=1)
+        elif isinstance(m, nn.Linear) and shape is not None:
+            in_shape = _shape(args[0]) if args else None
+            reads = len(in_shape) - 1 if in_shape is not None else None
+            self._layer(node, name, m, x, reads=reads, writes=len(shape) - 1)
+        elif isinstance(m, _BN) and x is not None and x[1] == 1:
+            self.followers.setdefault(x[0], []).append((name, m))
+            self._touch(x[0], name)
+            self.info[node] = x
+        elif isinstance(m, _PASS_MODULES) and x is not None:
+            _pass(node, x, args[0], self.info, self.uf)
+        elif isinstance(m, nn.Flatten) and x is not None:
+            _flatten(node, x, args[0], self.info, self.uf)
+        else:
+            self.block_args(node, f"used by {type(m).__name__} `{name}`")
+            if shape is not None:
+                self.new_space(node, 1 if len(shape) >= 2 else 0, blocked=f"output of `{name}`")
+
+    def _layer(
+        self, node: torch.fx.Node, name: str, m: _Layer, x: tuple[int, int] | None, reads: int | None, writes: int
+    ) -> None:
+        """A conv/linear layer: it consumes its input's space along dim ``reads`` (None: unknown, left as it is)
+        and produces a new space along dim ``writes`` of its output."""
+        if x is not None and reads is not None:
+            if x[1] == reads:
+                self.consumers.setdefault(x[0], []).append((name, m))
+                self._touch(x[0], name)
             else:
-                block_args(node, f"used by {getattr(fn, '__name__', fn)}")
-                if shape is not None:
-                    new_space(node, 1 if len(shape) >= 2 else 0, blocked="untracked op")
+                self.uf.block(x[0], f"{name} reads another dim")
+        self.new_space(node, writes, blocked="ignored" if name in self.ignore else None)
+        if node in self.info:
+            s = self.info[node][0]
+            self.producers.setdefault(s, []).append((name, m))
+            self._touch(s, name)
 
-    # Layers that cannot be sliced independently: called twice, parameters read elsewhere, tied parameters.
-    owners: dict[int, list[str]] = {}
-    for name, m in model.named_modules(remove_duplicate=False):
-        for p in m.parameters(recurse=False):
-            owners.setdefault(id(p), []).append(name)
-    tied = {n for names in owners.values() if len(set(names)) > 1 for n in names}
-    for name, spaces in touched.items():
-        reason = None
-        if calls.get(name, 0) > 1:
-            reason = f"`{name}` is called {calls[name]} times"
-        elif name in exposed or name in tied:
-            reason = f"`{name}` shares or exposes its parameters"
-        if reason:
-            for s in spaces:
-                uf.block(s, reason)
+    def _call_function(
+        self, node: torch.fx.Node, shape: tuple[int, ...] | None, args: list[torch.fx.Node], x: tuple[int, int] | None
+    ) -> None:
+        fn = node.target
+        is_method = node.op == "call_method"
+        if (fn in _PASS_METHODS if is_method else fn in _PASS_FUNCTIONS) and x is not None:
+            _pass(node, x, args[0], self.info, self.uf)
+        elif (fn in _BINARY_METHODS if is_method else fn in _BINARY_FUNCTIONS) and shape is not None:
+            _binary(node, shape, self.info, self.uf)
+        elif (fn == "flatten" if is_method else fn in _FLATTEN) and x is not None:
+            _flatten(node, x, args[0], self.info, self.uf)
+        elif is_method and fn in _RESHAPE_METHODS and x is not None:
+            in_shape = _shape(args[0])
+            d = _squeeze_map(in_shape, shape, x[1]) if in_shape is not None and shape is not None else None
+            if d is None:
+                self.uf.block(x[0], f"reshaped by {fn}")
+            else:
+                self.info[node] = (x[0], d)
+        elif (fn in _SHAPE_QUERIES) if is_method else (fn in _SHAPE_FUNCTIONS):
+            pass  # shape queries read no channel values
+        else:
+            self.block_args(node, f"used by {getattr(fn, '__name__', fn)}")
+            if shape is not None:
+                self.new_space(node, 1 if len(shape) >= 2 else 0, blocked="untracked op")
 
-    merged: dict[int, ChannelGroup] = {}
-    skipped: list[tuple[str, str]] = []
-    for s in sorted(space_size):
-        r = uf.find(s)
-        g = merged.setdefault(r, ChannelGroup(size=space_size[s]))
-        g.producers += [(n, modules[n]) for n in producers.get(s, [])]
-        g.followers += [(n, modules[n]) for n in followers.get(s, [])]
-        g.consumers += [(n, modules[n]) for n in consumers.get(s, [])]
-    groups = []
-    for r, g in merged.items():
-        if not g.producers:
-            continue
-        reason = uf.blocked[r]
-        if reason is None and not _consistent(g):
-            reason = "layers disagree on the channel count"
-        if reason is not None:
-            skipped += [(n, reason) for n in g.names]
-            continue
-        groups.append(g)
-    return groups, skipped
+    # ------------------------------------------------------------------------------------------- the result
+    def block_shared_layers(self, model: nn.Module) -> None:
+        """Block layers that cannot be sliced independently: called twice, parameters read elsewhere, tied."""
+        owners: dict[int, list[str]] = {}
+        for name, m in model.named_modules(remove_duplicate=False):
+            for p in m.parameters(recurse=False):
+                owners.setdefault(id(p), []).append(name)
+        tied = {n for names in owners.values() if len(set(names)) > 1 for n in names}
+        for name, spaces in self.touched.items():
+            reason = None
+            if self.calls.get(name, 0) > 1:
+                reason = f"`{name}` is called {self.calls[name]} times"
+            elif name in self.exposed or name in tied:
+                reason = f"`{name}` shares or exposes its parameters"
+            if reason:
+                for s in spaces:
+                    self.uf.block(s, reason)
+
+    def groups(self) -> tuple[list[ChannelGroup], list[tuple[str, str]]]:
+        """Merged spaces with at least one producer: the prunable groups, and ``(layer, reason)`` for the others."""
+        merged: dict[int, ChannelGroup] = {}
+        for s in sorted(self.space_size):
+            g = merged.setdefault(self.uf.find(s), ChannelGroup(size=self.space_size[s]))
+            g.producers += self.producers.get(s, [])
+            g.followers += self.followers.get(s, [])
+            g.consumers += self.consumers.get(s, [])
+        groups, skipped = [], []
+        for r, g in merged.items():
+            if not g.producers:
+                continue
+            reason = self.uf.blocked[r]
+            if reason is None and not _consistent(g):
+                reason = "layers disagree on the channel count"
+            if reason is not None:
+                skipped += [(n, reason) for n in g.names]
+                continue
+            groups.append(g)
+        return groups, skipped
 
 
 def _pass(node: torch.fx.Node, x: tuple[int, int], src: torch.fx.Node, info: dict, uf: _UnionFind) -> None:
@@ -436,7 +472,7 @@ def _pass(node: torch.fx.Node, x: tuple[int, int], src: torch.fx.Node, info: dic
 def _flatten(node: torch.fx.Node, x: tuple[int, int], src: torch.fx.Node, info: dict, uf: _UnionFind) -> None:
     in_shape, out_shape = _shape(src), _shape(node)
     d = _squeeze_map(in_shape, out_shape, x[1]) if in_shape is not None and out_shape is not None else None
-    if d is None or len(out_shape) > len(in_shape):
+    if d is None or in_shape is None or out_shape is None or len(out_shape) > len(in_shape):
         uf.block(x[0], "flattened with other dims")
     else:
         info[node] = (x[0], d)
@@ -444,24 +480,21 @@ def _flatten(node: torch.fx.Node, x: tuple[int, int], src: torch.fx.Node, info: 
 
 def _binary(node: torch.fx.Node, shape: tuple[int, ...], info: dict, uf: _UnionFind) -> None:
     """Element-wise op: operands that carry channels along the same output dim are merged (residual adds)."""
-    tensors = [a for a in node.args if isinstance(a, torch.fx.Node) and _shape(a) is not None]
+    tensors = [(a, a_shape) for a in node.args if isinstance(a, torch.fx.Node) and (a_shape := _shape(a)) is not None]
     out_dim: int | None = None
-    for a in tensors:
+    for a, a_shape in tensors:
         if a in info:
-            s, d = info[a]
-            a_shape = _shape(a)
-            mapped = d + len(shape) - len(a_shape)
+            _, d = info[a]
             if a_shape[d] > 1:
-                out_dim = mapped
+                out_dim = d + len(shape) - len(a_shape)
                 break
     if out_dim is None:
-        for a in tensors:
+        for a, _ in tensors:
             if a in info:
                 uf.block(info[a][0], "element-wise op without a channel dim")
         return
     space: int | None = None
-    for a in tensors:
-        a_shape = _shape(a)
+    for a, a_shape in tensors:
         k = out_dim - (len(shape) - len(a_shape))
         size = a_shape[k] if 0 <= k < len(a_shape) else 1
         if size == 1:
@@ -469,7 +502,7 @@ def _binary(node: torch.fx.Node, shape: tuple[int, ...], info: dict, uf: _UnionF
         if a in info and info[a][1] == k:
             space = info[a][0] if space is None else uf.union(space, info[a][0])
         else:
-            for b in tensors:
+            for b, _ in tensors:
                 if b in info:
                     uf.block(info[b][0], "element-wise op with an untracked tensor")
             return
@@ -479,9 +512,9 @@ def _binary(node: torch.fx.Node, shape: tuple[int, ...], info: dict, uf: _UnionF
 
 def _consistent(g: ChannelGroup) -> bool:
     sizes = {g.size}
-    sizes |= {m.weight.shape[0] for _, m in g.producers}
+    sizes |= {int(m.weight.shape[0]) for _, m in g.producers}
     sizes |= {m.num_features for _, m in g.followers}
-    sizes |= {m.weight.shape[1] for _, m in g.consumers}
+    sizes |= {int(m.weight.shape[1]) for _, m in g.consumers}
     return len(sizes) == 1
 
 
@@ -523,7 +556,7 @@ def _slice_param(
         return
     idx = keep.to(p.device)
     if not isinstance(p, nn.Parameter):  # buffer (BatchNorm running statistics)
-        module._buffers[name] = p.index_select(dim, idx).contiguous()
+        setattr(module, name, p.index_select(dim, idx).contiguous())  # a registered buffer stays a buffer
         return
     new = nn.Parameter(p.detach().index_select(dim, idx).contiguous(), requires_grad=p.requires_grad)
     if p.grad is not None:
@@ -561,10 +594,10 @@ def _shrink(group: ChannelGroup, keep: torch.Tensor, optimizers: Sequence[torch.
             m.out_features = n
         else:
             m.out_channels = n
-    for _, m in group.followers:
+    for _, bn in group.followers:
         for name in ("weight", "bias", "running_mean", "running_var"):
-            _slice_param(m, name, 0, keep, optimizers)
-        m.num_features = n
+            _slice_param(bn, name, 0, keep, optimizers)
+        bn.num_features = n
     for _, m in group.consumers:
         _slice_param(m, "weight", 1, keep, optimizers)
         if isinstance(m, nn.Linear):
@@ -660,16 +693,20 @@ def resize_to_state_dict(model: nn.Module, state_dict: dict[str, Any], prefix: s
             if isinstance(t, nn.Parameter):
                 setattr(m, pname, nn.Parameter(new, requires_grad=t.requires_grad))
             else:
-                m._buffers[pname] = new
+                setattr(m, pname, new)  # a registered buffer stays a buffer
             changed = True
         if not changed:
             continue
-        w = m.weight if getattr(m, "weight", None) is not None else getattr(m, "running_mean", None)
+        w = getattr(m, "weight", None)
+        if w is None:  # BatchNorm without affine parameters: its statistics carry the size
+            w = getattr(m, "running_mean", None)
+        if not isinstance(w, torch.Tensor):  # unreachable: something above was resized
+            continue
         if isinstance(m, nn.Linear):
             m.out_features, m.in_features = int(w.shape[0]), int(w.shape[1])
         elif isinstance(m, _CONV):
             m.out_channels, m.in_channels = int(w.shape[0]), int(w.shape[1]) * m.groups
-        elif w is not None:
+        else:
             m.num_features = int(w.shape[0])
         resized.append(name)
     return resized

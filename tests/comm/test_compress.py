@@ -127,10 +127,28 @@ def test_state_validates_arguments() -> None:
         ({"block_size": 100}, "block_size"),
         ({"min_compress_numel": -5}, "min_compress_numel"),
         ({"error_feedback": "yes"}, "error_feedback"),
-        ({"use_triton": "sometimes"}, "use_triton"),
+        ({"backend": "sometimes"}, "backend"),
+        ({"backend": True}, "backend"),
+        ({"backend": "eager"}, "backend"),  # the compressor has no unfused oracle
     ]:
         with pytest.raises(ValueError, match=f"`{name}`"):
             OneBitState(**kwargs)
+
+
+def test_backend_picks_the_compressor(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_accel.comm.hook import _compressor
+
+    cpu = torch.device("cpu")
+    assert _compressor(OneBitState(), cpu) is compress_reference  # auto: the kernel is for CUDA gradients
+    assert _compressor(OneBitState(backend="reference"), cpu) is compress_reference
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr("lightning_accel._utils.triton.triton_available", lambda: True)
+    with pytest.raises(RuntimeError, match=r"`backend='triton'` got a tensor on cpu.*TRITON_INTERPRET=1"):
+        _compressor(OneBitState(backend="triton"), cpu)
+    monkeypatch.setattr("lightning_accel._utils.triton.triton_available", lambda: False)
+    assert _compressor(OneBitState(), torch.device("cuda")) is compress_reference  # auto without triton: torch
+    with pytest.raises(RuntimeError, match="`pip install triton`"):
+        _compressor(OneBitState(backend="triton"), torch.device("cuda"))
 
 
 def _saved(world: int) -> dict:

@@ -56,7 +56,7 @@ def test_single_process_warns_and_trains_plain() -> None:
     st = OneBitDDPStrategy()
     assert st.world_size == 1
     with pytest.warns(UserWarning, match="single process"):
-        st._register_ddp_hooks()
+        st._register_onebit_hook()  # what `configure_ddp` runs once DDP wraps the model
     assert st.onebit_state is None
 
 

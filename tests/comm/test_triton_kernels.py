@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_accel._utils.imports import module_available
+from lightning_accel._utils.triton import triton_available
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -50,12 +50,16 @@ SCRIPT = textwrap.dedent(
     g = torch.randn(lay.padded_numel)
     g[1] = float("nan")
     assert torch.isnan(compress_triton(g, None, lay.table)[1][0])
+    # the hook's switch: `backend="triton"` runs the kernel on CPU gradients under the interpreter
+    from lightning_accel.comm import OneBitState
+    from lightning_accel.comm.hook import _compressor
+    assert _compressor(OneBitState(backend="triton"), torch.device("cpu")) is compress_triton
     print("checked", checked)
     """
 )
 
 
-@pytest.mark.skipif(not module_available("triton"), reason="triton is not installed")
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 def test_triton_compressor_matches_reference_in_interpreter() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.run(

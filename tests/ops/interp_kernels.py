@@ -7,12 +7,12 @@ Triton honours the variable.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover - guarded by the runner
+from lightning_accel._utils.triton import interpreter_active
+
+if not interpreter_active():  # pragma: no cover - guarded by the runner
     pytest.skip("needs TRITON_INTERPRET=1 before triton is imported", allow_module_level=True)
 
 from lightning_accel.ops.linear_dropout import linear_dropout

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_accel.ops._triton import triton_available
+from lightning_accel._utils.triton import triton_available
 
 REPO = Path(__file__).resolve().parents[2]
 

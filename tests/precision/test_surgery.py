@@ -4,7 +4,9 @@ idempotence, state_dict compatibility, optimizer references, ignore lists, warni
 from __future__ import annotations
 
 import copy
+import re
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +15,15 @@ from torch import nn
 from lightning_accel.models import GPT, SmallResNet
 from lightning_accel.precision import FusedPrecision, Replacement, apply_fusions, replace_optimizer_params
 from lightning_accel.precision.compile import compile_in_place
-from lightning_accel.precision.modules import FusedGPTBlockMixin, is_fused
+from lightning_accel.precision.modules import (
+    FusedBasicBlockMixin,
+    FusedGPTBlockMixin,
+    FusedSequentialMixin,
+    is_fused,
+    register_block,
+)
+
+PACKAGE = Path(__file__).resolve().parents[2] / "lightning_accel"
 
 
 def _close_params(a: nn.Module, b: nn.Module, atol: float = 1e-5) -> None:
@@ -320,3 +330,59 @@ def test_batchnorm_variants_keep_their_bookkeeping(bn_kwargs: dict) -> None:
     model.eval()
     ref.eval()
     torch.testing.assert_close(model(x), ref(x), atol=1e-5, rtol=1e-5)
+
+
+class _PlainBlock(nn.Module):
+    """A user's block with BasicBlock's structure and forward, defined outside any known package."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 3, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(3)
+        self.relu = nn.ReLU()
+        self.conv2 = nn.Conv2d(3, 3, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(3)
+        self.downsample: nn.Module | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.relu(self.bn2(self.conv2(self.relu(self.bn1(self.conv1(x))))) + x)
+
+
+class _RegisteredBlock(_PlainBlock):
+    pass
+
+
+register_block(_RegisteredBlock, FusedBasicBlockMixin)
+
+
+def test_block_forwards_need_a_registration_not_a_class_name() -> None:
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match="nothing to fuse"):  # same structure, but its forward is not declared
+        assert len(apply_fusions(_PlainBlock())) == 0
+    model = nn.Sequential(_RegisteredBlock(), _PlainBlock())
+    ref = copy.deepcopy(model)
+    report = apply_fusions(model, backend="reference")
+    assert report.counts() == {"conv_bn_relu": 1} and [r.module for r in report.records] == ["0"]
+    assert is_fused(model[0], FusedBasicBlockMixin) and not is_fused(model[1])
+    x = torch.randn(2, 3, 6, 6)
+    torch.testing.assert_close(model(x), ref(x), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="`mixin` must be one of"):
+        register_block(_PlainBlock, FusedSequentialMixin)
+    with pytest.raises(ValueError, match="`cls` must be an nn.Module class"):
+        register_block(42, FusedBasicBlockMixin)  # type: ignore[arg-type]
+
+
+def test_precision_and_ops_do_not_know_the_demo_models() -> None:
+    # neither the package nor its classes (torchvision's BasicBlock shares a name with the demo's: not listed)
+    demo = re.compile(
+        r"lightning_accel\.models|from \.\.models|import models|"
+        r"\b(SmallResNet|GPTBlock|CausalSelfAttention|TinyGPT|ImageClassifier)\b"
+    )
+    offenders = [
+        f"{path.relative_to(PACKAGE)}:{n}"
+        for room in ("precision", "ops")
+        for path in sorted((PACKAGE / room).rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if demo.search(line)
+    ]
+    assert not offenders, offenders

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from lightning_accel.ops._triton import Backend, check_backend
+from lightning_accel._utils.triton import Backend, check_backend
 from lightning_accel.ops.conv_bn_relu import reference
 
 __all__ = ["ConvBNReLUFunction", "conv_bn_relu", "fold_bn_into_conv"]
@@ -82,9 +82,9 @@ def conv_bn_relu(
     training: bool,
     momentum: float,
     eps: float,
-    stride: tuple[int, int] | int = 1,
-    padding: tuple[int, int] | int | str = 0,
-    dilation: tuple[int, int] | int = 1,
+    stride: tuple[int, ...] | int = 1,
+    padding: tuple[int, ...] | int | str = 0,
+    dilation: tuple[int, ...] | int = 1,
     groups: int = 1,
     relu: bool = True,
     backend: Backend = "auto",
@@ -111,7 +111,7 @@ def conv_bn_relu(
     conv_args = (stride, padding, dilation, groups)
     if not training and running_mean is not None and running_var is not None:
         w, b = fold_bn_into_conv(weight, bias, bn_weight, bn_bias, running_mean, running_var, eps)
-        y = F.conv2d(x, w, b, *conv_args)
+        y = F.conv2d(x, w, b, stride, padding, dilation, groups)
         return F.relu(y) if relu else y
     if x.numel() == 0:
         raise ValueError(f"BatchNorm in training needs a non-empty batch, got shape {tuple(x.shape)}.")

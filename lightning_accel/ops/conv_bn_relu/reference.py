@@ -26,9 +26,9 @@ def conv_bn_relu(
     training: bool,
     momentum: float,
     eps: float,
-    stride: tuple[int, int] | int = 1,
-    padding: tuple[int, int] | int | str = 0,
-    dilation: tuple[int, int] | int = 1,
+    stride: tuple[int, ...] | int = 1,
+    padding: tuple[int, ...] | int | str = 0,
+    dilation: tuple[int, ...] | int = 1,
     groups: int = 1,
     relu: bool = True,
 ) -> torch.Tensor:

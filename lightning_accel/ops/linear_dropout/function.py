@@ -11,7 +11,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-from lightning_accel.ops._triton import Backend, resolve_backend, use_triton
+from lightning_accel._utils.triton import Backend, resolve_backend, use_triton
 from lightning_accel.ops.linear_dropout import reference
 
 __all__ = ["LinearDropoutFunction", "linear_dropout", "new_seed"]

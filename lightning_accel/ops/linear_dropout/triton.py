@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lightning_accel.ops._triton import interpreter_active
+from lightning_accel._utils.triton import interpreter_active
 
 __all__ = ["dropout_backward", "dropout_keep_mask", "forward", "fused_gemm_supported"]
 

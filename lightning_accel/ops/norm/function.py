@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from lightning_accel.ops._triton import Backend, resolve_backend, use_triton
+from lightning_accel._utils.triton import Backend, resolve_backend, use_triton
 from lightning_accel.ops.norm import reference
 
 __all__ = ["NormFunction", "layer_norm", "rms_norm"]
