@@ -50,6 +50,7 @@ class GpuAugment(nn.Module):
         self,
         mean: Sequence[float] = (0.485, 0.456, 0.406),
         std: Sequence[float] = (0.229, 0.224, 0.225),
+        *,
         size: int | None = None,
         crop_scale: Sequence[float] | None = (0.08, 1.0),
         crop_ratio: Sequence[float] = (3 / 4, 4 / 3),
@@ -139,7 +140,7 @@ class GpuAugment(nn.Module):
             xf = self._jitter(xf, p)
         elif (out_h, out_w) != (h, w):
             xf = F.interpolate(xf, size=(out_h, out_w), mode="bilinear", antialias=True, align_corners=False)
-        from torchvision.transforms.v2 import functional as TF
+        from torchvision.transforms.v2 import functional as TF  # type: ignore[import-untyped]  # no type hints
 
         return TF.normalize(xf, self.mean, self.std)
 

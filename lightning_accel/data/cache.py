@@ -27,11 +27,13 @@ import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Any
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from lightning_accel._utils.forksafe import ForkSafeLock, PerProcess
+from lightning_accel._utils import compat
+from lightning_accel._utils.forksafe import ForkSafeLock, PerProcess, ResetOnPickle
 from lightning_accel.data.codec import CorruptEntryError, copy_payload, encode_entry, peek_shape
 from lightning_accel.data.decode import DecodeError
 from lightning_accel.data.origin import Listing, ObjectStore
@@ -56,12 +58,25 @@ class BatchResult:
 def _alloc_shared(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     # As torch's default_collate does inside workers: allocate the batch directly in shared memory so sending it to
     # the main process is a file-descriptor handoff instead of a 9.6 MB copy (64 x 3 x 224 x 224 uint8).
-    numel = 1
-    for s in shape:
-        numel *= int(s)
-    elem = torch.empty(0, dtype=dtype)
-    storage = elem._typed_storage()._new_shared(numel, device=elem.device)
-    return elem.new(storage).resize_(*[int(s) for s in shape])
+    return compat.empty_shared(shape, dtype)
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(1, size)
+    return tuple(reversed(strides))
+
+
+class _FreeBuffers:
+    """One process's pooled batch storages by (shape, dtype), and how many batches reused one."""
+
+    __slots__ = ("reused", "stores")
+
+    def __init__(self) -> None:
+        self.stores: dict[tuple[tuple[int, ...], torch.dtype], list[torch.UntypedStorage]] = {}
+        self.reused = 0
 
 
 class BufferPool:
@@ -76,52 +91,57 @@ class BufferPool:
     when its use count is back to 1 (the pool's own reference), i.e. the batch tensor and every view of it (slices,
     numpy arrays) are gone. A caller that keeps batches simply makes the pool allocate: at most ``max_buffers``
     storages per (shape, dtype) are kept, beyond that batches are plain allocations. Only private (non-shared)
-    memory is pooled: a shared-memory batch leaves its worker process.
+    memory is pooled: a shared-memory batch leaves its worker process. The pooled storages are per process (a
+    forked child's copies of them are its parent's batches, and a pickled pool carries none).
     """
 
     def __init__(self, max_buffers: int = 8) -> None:
         self.max_buffers = max_buffers
-        self._free: dict[tuple[tuple[int, ...], torch.dtype], list[torch.UntypedStorage]] = {}
+        self._free: PerProcess[_FreeBuffers] = PerProcess(_FreeBuffers)
         self._lock = ForkSafeLock()
-        self.reused = 0
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {"max_buffers": self.max_buffers}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["max_buffers"])  # type: ignore[misc]
+    @property
+    def reused(self) -> int:
+        """Batches this process handed out on a recycled storage."""
+        return self._free.get().reused
 
     def take(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised tensor of ``shape``/``dtype``, on a recycled storage when one is free."""
         shape_t = tuple(int(s) for s in shape)
-        use_count = getattr(torch._C, "_storage_Use_Count", None)  # also what inductor's cudagraph trees rely on
+        use_count = compat.storage_use_count_fn()
         if self.max_buffers <= 0 or use_count is None:
             return torch.empty(shape_t, dtype=dtype)
         key = (shape_t, dtype)
         with self._lock:
-            stores = self._free.setdefault(key, [])
-            storage = next((s for s in stores if use_count(s._cdata) == 1), None)
+            free = self._free.get()
+            stores = free.stores.setdefault(key, [])
+            storage = next((s for s in stores if use_count(s) == 1), None)
             if storage is not None:
-                self.reused += 1
+                free.reused += 1
             elif len(stores) < self.max_buffers:
                 storage = torch.empty(shape_t, dtype=dtype).untyped_storage()
                 stores.append(storage)
             else:
                 return torch.empty(shape_t, dtype=dtype)
             # Created under the lock: from here the use count is 2, so no other thread can take this storage.
-            return torch.empty(0, dtype=dtype).set_(storage, 0, shape_t)
+            return torch.empty(0, dtype=dtype).set_(storage, 0, shape_t, _contiguous_strides(shape_t))
 
 
 _WRITE_QUEUE = 4  # batches waiting for the writer thread (~9.6 MB each at 224 px); a full queue blocks the reader
 
+_Writes = list[tuple[bytes, bytes | bytearray]]  # (tier key, entry) pairs of one batch
+
 
 class _WriteBehind:
-    """One writer thread per process for :class:`SampleCache` misses (see ``write_behind``)."""
+    """This process's writer thread for :class:`SampleCache` misses (see ``write_behind``).
 
-    def __init__(self, cache: SampleCache) -> None:
-        self.pid = os.getpid()
-        self._cache = cache
-        self._q: queue.Queue[list[tuple[bytes, bytes]]] = queue.Queue(maxsize=_WRITE_QUEUE)
+    Runs each submitted ``commit(writes)`` in submission order; the error of a failed commit is raised by the next
+    :meth:`submit` or :meth:`flush`, in the reading thread. Made on first use in each process (a
+    :class:`~lightning_accel._utils.forksafe.PerProcess`): a forked child has none of its parent's thread or queue.
+    """
+
+    def __init__(self) -> None:
+        self._q: queue.Queue[tuple[Callable[[_Writes], None], _Writes]] = queue.Queue(maxsize=_WRITE_QUEUE)
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="la-cache-writer", daemon=True)
         self._thread.start()
@@ -129,12 +149,13 @@ class _WriteBehind:
         # commit what is queued so the next epoch finds it.
         multiprocessing.util.Finalize(self, self.flush, kwargs={"raise_errors": False}, exitpriority=10)
 
-    def submit(self, writes: list[tuple[bytes, bytes]]) -> None:
-        """Queue a batch's entries; raises the error of an earlier background write (e.g. BudgetTooSmallError)."""
+    def submit(self, commit: Callable[[_Writes], None], writes: _Writes) -> None:
+        """Queue ``commit(writes)``; raises the error of an earlier background commit (e.g. BudgetTooSmallError)."""
         self._raise_error()
-        self._q.put(writes)
+        self._q.put((commit, writes))
 
     def flush(self, raise_errors: bool = True) -> None:
+        """Wait until every queued commit ran; then raise the error of a failed one (``raise_errors``)."""
         if self._thread.is_alive():
             self._q.join()
         if raise_errors:
@@ -147,17 +168,51 @@ class _WriteBehind:
 
     def _run(self) -> None:
         while True:
-            writes = self._q.get()
+            commit, writes = self._q.get()
             try:
-                written, rejected, evicted = self._cache._write(writes, [])
-                self._cache.stats.add(writes=written, rejected=rejected, evictions=evicted)
+                commit(writes)
             except Exception as e:  # disk errors disable the tier inside put_many; this is bad input (budget)
                 self.error = e  # raised by the next submit, in the reading thread
             finally:
                 self._q.task_done()
 
 
-class SampleCache:
+@dataclass
+class _Batch:
+    """The batch one :meth:`SampleCache.load` call assembles; ``pos`` below is a position in ``indices``."""
+
+    indices: Sequence[int]
+    keys: list[bytes]
+    shared: bool
+    labels: list[int]
+    kept: list[bool]
+    out: torch.Tensor | None = None  # allocated once the first sample's dtype and shape are known
+    rows: np.ndarray | None = None  # uint8 (n, row bytes) view of `out` that cached entries are copied into
+    row_shape: list[int] = field(default_factory=list)  # the shape of one row of `out`, made with `rows`
+    hits: dict[str, int] = field(default_factory=lambda: {"ram": 0, "ssd": 0})
+    corrupt: dict[str, list[bytes]] = field(default_factory=lambda: {"ram": [], "ssd": []})
+    promote: list[tuple[bytes, bytes]] = field(default_factory=list)  # SSD hits to copy into the RAM tier
+    writes: _Writes = field(default_factory=list)  # decoded misses to store
+    fetched: int = 0  # samples read from the origin
+    skipped: int = 0  # undecodable samples left out (on_decode_error="skip")
+
+    @classmethod
+    def start(cls, indices: Sequence[int], keys: list[bytes], shared: bool) -> _Batch:
+        n = len(indices)
+        return cls(indices, keys, shared, labels=[0] * n, kept=[True] * n)
+
+    def result(self) -> BatchResult:
+        """The batch without its skipped samples."""
+        label_t = torch.tensor(self.labels, dtype=torch.int64)
+        if self.out is None:  # every sample skipped
+            return BatchResult(torch.empty(0, dtype=torch.uint8), label_t[:0], [])
+        keep_pos = [p for p, k in enumerate(self.kept) if k]
+        if self.skipped:
+            return BatchResult(self.out[keep_pos], label_t[keep_pos], keep_pos)
+        return BatchResult(self.out, label_t, keep_pos)
+
+
+class SampleCache(ResetOnPickle):
     """Decoded samples of one origin, cached in byte-budgeted tiers.
 
     Args:
@@ -185,6 +240,10 @@ class SampleCache:
             29-33 ms, bound by the page-cache writes themselves (``docs/data.md``). Entries become visible when their
             write commits; :meth:`flush` waits for that (also run when a worker process exits).
     """
+
+    # (retries, bytes) of the store already added to the statistics: a baseline of the store's own counters, which
+    # restart at 0 in a pickled copy of the store (a spawned worker's), so it restarts with them.
+    _reset_on_pickle = {"_seen": (0, 0)}
 
     def __init__(
         self,
@@ -224,27 +283,17 @@ class SampleCache:
                 base = os.path.dirname(near.path) if near is not None else tempfile.gettempdir()
                 stage_dir = os.path.join(base, "shards")
             self.packed = PackedReader(store, listing.pack, os.fspath(stage_dir), stage_bytes, on_staged=self._account)
-        self._seen = (0, 0)  # (retries, bytes) of the store already added to the statistics
+        self._seen = (0, 0)
         self._ram_full = False
         self.buffers = BufferPool()
         self.write_behind = write_behind
-        self._writer: _WriteBehind | None = None
+        self._writer: PerProcess[_WriteBehind] = PerProcess(_WriteBehind)  # made on the first write behind
         self._lock = ForkSafeLock()
         # 1 byte per sample, in shared memory so the DataLoader workers (fork or spawn) share it: entries verified
         # (CRC-32) once, or written, by a process of this tree; later reads skip the checksum. Without sharing, the
         # first warm epoch in the main process re-checked every entry the cold epoch's workers had just written
         # (~3x slower than the next warm epochs at 224 px).
         self._verified_t = torch.zeros(max(1, len(listing)), dtype=torch.uint8).share_memory_()
-        self._verified = self._verified_t.numpy()
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state.update(_seen=(0, 0), _verified=None, _writer=None)  # _verified_t travels; _pending, _lock pickle fresh
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._verified = self._verified_t.numpy()
 
     def __len__(self) -> int:
         return len(self.listing)
@@ -364,7 +413,7 @@ class SampleCache:
         ) from e
 
     # ---- writes --------------------------------------------------------------------------------------------------
-    def _write(self, writes: list[tuple[bytes, bytes]], promote: list[tuple[bytes, bytes]]) -> tuple[int, int, int]:
+    def _write(self, writes: _Writes, promote: list[tuple[bytes, bytes]]) -> tuple[int, int, int]:
         """Store misses and promotions; returns (stored, rejected, evicted)."""
         # Misses go to one tier: the SSD when there is one (persistent; its pages stay in the OS page cache), else
         # RAM. Writing both doubled the cold epoch's write cost (~20 % of it at 224 px); the RAM tier fills instead
@@ -384,28 +433,32 @@ class SampleCache:
                 self._ram_full = True  # stop copying SSD hits for promotion
         return written, rejected, evicted
 
+    def _commit_behind(self, writes: _Writes) -> None:
+        """A write-behind batch, on the writer thread: store the misses and count them."""
+        written, rejected, evicted = self._write(writes, [])
+        self.stats.add(writes=written, rejected=rejected, evictions=evicted)
+
     def _write_behind_writer(self) -> _WriteBehind | None:
         on = self.write_behind
         if on is None:
             from torch.utils.data import get_worker_info
 
             on = get_worker_info() is not None
-        if not on:
-            return None
-        if self._writer is None or self._writer.pid != os.getpid():
-            self._writer = _WriteBehind(self)
-        return self._writer
+        return self._writer.get() if on else None
 
     @property
     def writes_behind(self) -> bool:
         """True when this process has a write-behind thread (see ``write_behind``)."""
-        return self._writer is not None and self._writer.pid == os.getpid()
+        return self._writer.peek() is not None
 
     def flush(self) -> None:
-        """Wait until every write-behind batch of this process is committed (no-op without write-behind)."""
-        if self._writer is not None and self._writer.pid == os.getpid():
-            self._writer.flush()
-        # raises the error of a background write (e.g. BudgetTooSmallError) here, in the caller
+        """Wait until every write-behind batch of this process is committed (no-op without write-behind).
+
+        Raises the error of a background write (e.g. BudgetTooSmallError) here, in the caller.
+        """
+        writer = self._writer.peek()
+        if writer is not None:
+            writer.flush()
 
     def _alloc(self, shape: Sequence[int], dtype: torch.dtype, shared: bool) -> torch.Tensor:
         return _alloc_shared(shape, dtype) if shared else self.buffers.take(shape, dtype)
@@ -422,29 +475,31 @@ class SampleCache:
             OriginError: the origin cannot deliver a missing sample (names the URL).
             DecodeError: a sample cannot be decoded and ``on_decode_error="raise"`` (names the URL).
         """
-        n = len(indices)
-        keys = [self.key(i) for i in indices]
-        labels = [0] * n
-        state: dict[str, Any] = {"out": None}
+        batch = _Batch.start(indices, [self.key(i) for i in indices], shared)
+        missing = self._read_tiers(batch)
+        refetches, evicted = self._drop_corrupt(batch)
+        if missing:
+            self._read_origin(batch, missing)
+        written, rejected, ev = self._store(batch)
+        self._account()
+        self.stats.add(
+            requests=len(indices),
+            ram_hits=batch.hits["ram"],
+            ssd_hits=batch.hits["ssd"],
+            origin_fetches=batch.fetched,
+            writes=written,
+            rejected=rejected,
+            evictions=evicted + ev,
+            refetches=refetches,
+            decode_skipped=batch.skipped,
+        )
+        return batch.result()
 
-        verified = self._verified
-
-        def place(pos: int, buf: memoryview | bytes) -> None:
-            if state["out"] is None:
-                dtype, shape = peek_shape(buf)
-                state["out"] = self._alloc((n, *shape), dtype, shared)
-            if "rows" not in state:  # one numpy view of the whole batch, rows indexed per sample
-                out = state["out"]
-                state["rows"] = out.view(torch.uint8).numpy().reshape(n, -1)
-                state["dtype"], state["shape"] = out.dtype, list(out.shape[1:])
-            i = indices[pos]
-            labels[pos] = copy_payload(buf, state["rows"][pos], state["dtype"], state["shape"], verify=not verified[i])
-            verified[i] = 1
-
-        hits = {"ram": 0, "ssd": 0}
-        corrupt = {"ram": [], "ssd": []}
-        promote: list[tuple[bytes, bytes]] = []
-        missing = list(range(n))
+    def _read_tiers(self, batch: _Batch) -> list[int]:
+        """Copy every entry the tiers hold into its batch row (one read transaction per tier); returns the
+        positions still missing. Corrupt entries are noted in ``batch.corrupt`` and count as missing."""
+        verified = self._verified_t.numpy()
+        missing = list(range(len(batch.indices)))
         for name, tier in self.tiers:
             if not missing:
                 break
@@ -452,104 +507,127 @@ class SampleCache:
             want_promote = name == "ssd" and self.ram is not None and not self.ram.disabled and not self._ram_full
             with tier.reader() as get:
                 for pos in missing:
-                    buf = get(keys[pos])
+                    buf = get(batch.keys[pos])
                     if buf is None:
                         still.append(pos)
                         continue
                     try:
-                        place(pos, buf)
+                        self._place(batch, pos, buf, verified)
                     except CorruptEntryError:
-                        verified[indices[pos]] = 0
-                        corrupt[name].append(keys[pos])
+                        verified[batch.indices[pos]] = 0
+                        batch.corrupt[name].append(batch.keys[pos])
                         still.append(pos)
                         continue
-                    hits[name] += 1
+                    batch.hits[name] += 1
                     if want_promote:
-                        promote.append((keys[pos], bytes(buf)))
+                        batch.promote.append((batch.keys[pos], bytes(buf)))
             missing = still
+        return missing
+
+    def _place(self, batch: _Batch, pos: int, buf: memoryview | bytes, verified: np.ndarray) -> None:
+        """Copy one cached entry into row ``pos`` (checking its CRC-32 unless this process tree already did)."""
+        if batch.rows is None:  # the first entry: allocate the batch, and one numpy view of it to copy rows into
+            if batch.out is None:
+                dtype, shape = peek_shape(buf)
+                batch.out = self._alloc((len(batch.indices), *shape), dtype, batch.shared)
+            batch.rows = batch.out.view(torch.uint8).numpy().reshape(len(batch.indices), -1)
+            batch.row_shape = list(batch.out.shape[1:])
+        assert batch.out is not None
+        i = batch.indices[pos]
+        batch.labels[pos] = copy_payload(buf, batch.rows[pos], batch.out.dtype, batch.row_shape, verify=not verified[i])
+        verified[i] = 1
+
+    def _drop_corrupt(self, batch: _Batch) -> tuple[int, int]:
+        """Delete the corrupt entries found by :meth:`_read_tiers`; returns (corrupt entries, entries deleted)."""
         evicted = 0
         for name, tier in self.tiers:
-            if corrupt[name]:
-                evicted += tier.delete(corrupt[name])
-        refetches = len(corrupt["ram"]) + len(corrupt["ssd"])
+            if batch.corrupt[name]:
+                evicted += tier.delete(batch.corrupt[name])
+        return len(batch.corrupt["ram"]) + len(batch.corrupt["ssd"]), evicted
 
-        kept = [True] * n
-        writes: list[tuple[bytes, bytes]] = []
-        skipped = 0
-        if missing:
-            datas = self._fetch([indices[p] for p in missing])
-            # A decoder with `decode_into` (ImageDecoder) decodes straight into the batch row: no tensor of its own
-            # and no strided HWC -> CHW copy (see ImageDecoder.decode_into).
-            into = getattr(self.decode, "decode_into", None)
-            shape_of = getattr(self.decode, "out_shape", None)
-            if shape_of is None:
-                into = None
-            for pos, data in zip(missing, datas, strict=False):
-                i = indices[pos]
-                if isinstance(data, BaseException):
-                    raise data
-                t: torch.Tensor | None = None
-                try:
-                    if into is not None:
-                        shape, dtype = tuple(shape_of(data)), torch.uint8
-                    else:
-                        t = self.decode(data)
-                        if not isinstance(t, torch.Tensor):
-                            raise TypeError(f"`decode` returned {type(t).__name__}, expected a torch.Tensor")
-                        shape, dtype = tuple(t.shape), t.dtype
-                except Exception as e:
-                    if self._decode_failed(i, e):
-                        kept[pos] = False
-                        skipped += 1
-                        continue
-                if state["out"] is None:
-                    state["out"] = self._alloc((n, *shape), dtype, shared)
-                row = state["out"][pos]
-                if tuple(row.shape) != shape or row.dtype != dtype:
-                    raise ValueError(
-                        f"`decode` returned dtype {dtype} and shape {list(shape)} for "
-                        f"{self.listing.keys[i]!r}, the batch expects {row.dtype} and {list(row.shape)}. Make "
-                        "`decode` return one fixed shape (e.g. resize/crop to a fixed size)."
-                    )
-                if t is None:
-                    try:
-                        into(data, row)
-                    except Exception as e:
-                        if self._decode_failed(i, e):
-                            kept[pos] = False
-                            skipped += 1
-                            continue
-                else:
-                    row.copy_(t)  # the one strided copy (decoders give HWC->CHW views); the entry copies the row
-                labels[pos] = self.listing.labels[i]
-                writes.append((keys[pos], encode_entry(row, self.listing.labels[i])))
-                verified[i] = 1  # written from the row we just decoded: as good as a checked read
-        # Misses go to one tier: the SSD when there is one (persistent; its pages stay in the OS page cache), else
-        # RAM. Writing both doubled the cold epoch's write cost (~20 % of it at 224 px); the RAM tier fills instead
-        # by promotion of SSD hits, in the first warm epoch.
+    def _read_origin(self, batch: _Batch, missing: list[int]) -> None:
+        """Read the ``missing`` positions from the origin and decode each into its batch row."""
+        datas = self._fetch([batch.indices[p] for p in missing])
+        batch.fetched = len(missing)
+        # A decoder with `decode_into` (ImageDecoder) decodes straight into the batch row: no tensor of its own
+        # and no strided HWC -> CHW copy (see ImageDecoder.decode_into).
+        into: Callable[[bytes, torch.Tensor], None] | None = getattr(self.decode, "decode_into", None)
+        shape_of: Callable[[bytes], Sequence[int]] | None = getattr(self.decode, "out_shape", None)
+        verified = self._verified_t.numpy()
+        for pos, data in zip(missing, datas, strict=True):
+            if isinstance(data, BaseException):
+                raise data
+            if into is not None and shape_of is not None:
+                decoded = self._decode_into_row(batch, pos, data, into, shape_of)
+            else:
+                decoded = self._decode_to_row(batch, pos, data)
+            if decoded is None:  # skipped (on_decode_error="skip")
+                continue
+            i = batch.indices[pos]
+            batch.labels[pos] = self.listing.labels[i]
+            batch.writes.append((batch.keys[pos], encode_entry(decoded, self.listing.labels[i])))
+            verified[i] = 1  # written from the row we just decoded: as good as a checked read
+
+    def _decode_into_row(
+        self,
+        batch: _Batch,
+        pos: int,
+        data: bytes,
+        into: Callable[[bytes, torch.Tensor], None],
+        shape_of: Callable[[bytes], Sequence[int]],
+    ) -> torch.Tensor | None:
+        """Decode ``data`` straight into row ``pos``; returns the row, or None when the sample is skipped."""
+        try:
+            shape = tuple(shape_of(data))
+        except Exception as e:
+            self._skip(batch, pos, e)
+            return None
+        row = self._row(batch, pos, shape, torch.uint8)
+        try:
+            into(data, row)
+        except Exception as e:
+            self._skip(batch, pos, e)
+            return None
+        return row
+
+    def _decode_to_row(self, batch: _Batch, pos: int, data: bytes) -> torch.Tensor | None:
+        """Decode ``data`` to a tensor and copy it into row ``pos``; returns the row, or None when skipped."""
+        try:
+            t = self.decode(data)
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"`decode` returned {type(t).__name__}, expected a torch.Tensor")
+        except Exception as e:
+            self._skip(batch, pos, e)
+            return None
+        row = self._row(batch, pos, tuple(t.shape), t.dtype)
+        row.copy_(t)  # the one strided copy (decoders give HWC->CHW views); the entry copies the row
+        return row
+
+    def _row(self, batch: _Batch, pos: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Row ``pos`` of the batch (allocated now if this is its first sample), checked against ``shape``/``dtype``."""
+        if batch.out is None:
+            batch.out = self._alloc((len(batch.indices), *shape), dtype, batch.shared)
+        row = batch.out[pos]
+        if tuple(row.shape) != shape or row.dtype != dtype:
+            raise ValueError(
+                f"`decode` returned dtype {dtype} and shape {list(shape)} for "
+                f"{self.listing.keys[batch.indices[pos]]!r}, the batch expects {row.dtype} and {list(row.shape)}. "
+                "Make `decode` return one fixed shape (e.g. resize/crop to a fixed size)."
+            )
+        return row
+
+    def _skip(self, batch: _Batch, pos: int, e: Exception) -> None:
+        """Leave an undecodable sample out of the batch (``on_decode_error="skip"``), or raise naming its key."""
+        self._decode_failed(batch.indices[pos], e)
+        batch.kept[pos] = False
+        batch.skipped += 1
+
+    def _store(self, batch: _Batch) -> tuple[int, int, int]:
+        """Store the batch's decoded misses (behind, on the writer thread, when ``write_behind``) and its SSD hits
+        to promote; returns what was stored inline: (stored, rejected, evicted)."""
+        writes = batch.writes
         writer = self._write_behind_writer() if writes else None
         if writer is not None:
-            writer.submit(writes)  # misses: committed on the writer thread (see `write_behind`)
+            writer.submit(self._commit_behind, writes)  # misses: committed on the writer thread
             writes = []
-        written, rejected, ev = self._write(writes, promote)
-        evicted += ev
-        self._account()
-        self.stats.add(
-            requests=n,
-            ram_hits=hits["ram"],
-            ssd_hits=hits["ssd"],
-            origin_fetches=len(missing),
-            writes=written,
-            rejected=rejected,
-            evictions=evicted,
-            refetches=refetches,
-            decode_skipped=skipped,
-        )
-        out = state["out"]
-        label_t = torch.tensor(labels, dtype=torch.int64)
-        keep_pos = [p for p in range(n) if kept[p]]
-        if out is None:  # every sample skipped
-            return BatchResult(torch.empty(0, dtype=torch.uint8), label_t[:0], [])
-        if skipped:
-            out, label_t = out[keep_pos], label_t[keep_pos]
-        return BatchResult(out, label_t, keep_pos)
+        return self._write(writes, batch.promote)

@@ -38,7 +38,6 @@ __all__ = [
     "decode_entry",
     "encode_entry",
     "peek_shape",
-    "read_into",
 ]
 
 MAGIC = b"LAC1"
@@ -92,7 +91,7 @@ def encode_entry(tensor: torch.Tensor, label: int, meta: dict[str, Any] | None =
     if t.is_contiguous() and t.numel() and t.dim() and t.dtype != torch.bool:
         # The cache's path (a batch row): CRC-32 straight over the tensor's memory, then one copy into the entry
         # by `bytes.join` (a bytearray would be zero-filled first: a 150 KB memset per 224 px sample).
-        payload = memoryview(t.view(torch.uint8).numpy()).cast("B")
+        payload = t.view(torch.uint8).numpy().data.cast("B")
         crc = zlib.crc32(payload, zlib.crc32(header))
         return b"".join((_PREFIX.pack(MAGIC, len(header), crc), header, payload))
     # One strided copy straight into the entry (a decoded HWC->CHW view is not contiguous): no temporaries.
@@ -154,36 +153,8 @@ def decode_entry(buf: memoryview | bytes) -> Sample:
     return Sample(t, int(header["label"]), dict(header.get("meta") or {}))
 
 
-def read_into(buf: memoryview | bytes, out: torch.Tensor, *, verify: bool = True) -> int:
-    """Verify an entry and copy its payload straight into ``out`` (one copy, e.g. from LMDB's mmap into a batch).
-
-    Args:
-        buf: the entry bytes (a memoryview into the LMDB map is fine; it is not kept).
-        out: a contiguous CPU tensor with the entry's dtype and number of elements.
-        verify: check the CRC-32 (``False`` only for an entry this process has already verified: entries are
-            immutable once committed).
-
-    Returns:
-        The entry's label.
-
-    Raises:
-        CorruptEntryError: malformed entry or checksum mismatch.
-        ValueError: the entry's dtype/shape does not match ``out`` (mixed sample shapes in one batch).
-    """
-    header, payload = _parse(buf, verify)
-    dtype = _DTYPES[header["dtype"]]
-    if dtype != out.dtype or list(header["shape"]) != list(out.shape):
-        raise ValueError(
-            f"cached sample has dtype {dtype} and shape {header['shape']}, the batch expects {out.dtype} and "
-            f"{list(out.shape)}. Make `decode` return one fixed shape (e.g. resize/crop to a fixed size)."
-        )
-    if len(payload):
-        np.copyto(out.view(torch.uint8).numpy().reshape(-1), np.frombuffer(payload, dtype=np.uint8))
-    return int(header["label"])
-
-
 def peek_shape(buf: memoryview | bytes) -> tuple[torch.dtype, list[int]]:
-    """The dtype and shape an entry declares (structure checked; the checksum is left to :func:`read_into`)."""
+    """The dtype and shape an entry declares (structure checked; the checksum is left to :func:`copy_payload`)."""
     header, _ = _parse(buf, verify=False)
     return _DTYPES[header["dtype"]], [int(s) for s in header["shape"]]
 
@@ -191,9 +162,19 @@ def peek_shape(buf: memoryview | bytes) -> tuple[torch.dtype, list[int]]:
 def copy_payload(
     buf: memoryview | bytes, dst: np.ndarray, dtype: torch.dtype, shape: Sequence[int], *, verify: bool = True
 ) -> int:
-    """:func:`read_into` for a hot loop: copy into ``dst``, a flat uint8 numpy view of one batch row.
+    """Verify an entry and copy its payload straight into ``dst`` (one copy, e.g. from LMDB's mmap into a batch).
 
-    The caller makes the batch's numpy view once, which saves the per-sample tensor/array wrappers (~5 us).
+    Args:
+        buf: the entry bytes (a memoryview into the LMDB map is fine; it is not kept).
+        dst: a flat uint8 numpy view of one batch row. The caller makes the batch's numpy view once, which saves
+            the per-sample tensor/array wrappers (~5 us).
+        dtype: the dtype the batch expects.
+        shape: the shape of one row.
+        verify: check the CRC-32 (``False`` only for an entry this process tree has already verified: entries are
+            immutable once committed).
+
+    Returns:
+        The entry's label.
 
     Raises:
         CorruptEntryError: malformed entry or checksum mismatch.

@@ -22,7 +22,13 @@ from typing_extensions import override
 
 from lightning_accel.data.augment import GpuAugment
 from lightning_accel.data.cache import SampleCache
-from lightning_accel.data.dataset import CacheDataLoader, CachedDataset, EpochOrderSampler
+from lightning_accel.data.dataset import (
+    CacheDataLoader,
+    CachedDataset,
+    EpochOrderSampler,
+    default_num_workers,
+    split_indices,
+)
 from lightning_accel.data.decode import ImageDecoder
 from lightning_accel.data.origin import Listing, ObjectStore, list_origin
 from lightning_accel.data.pack import DEFAULT_STAGE_BYTES
@@ -35,138 +41,182 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
+def _check_origin(origin: object) -> None:
+    if not isinstance(origin, str) or not origin.strip():
+        raise ValueError(f"`origin` must be a non-empty path or fsspec URL, got {origin!r}.")
+
+
+def _local_cache_dir(cache_dir: str) -> str:
+    """``cache_dir`` as an absolute local path (``file://`` accepted); raises for a remote URL."""
+    if "://" in cache_dir and not cache_dir.startswith("file://"):
+        raise ValueError(
+            f"`cache_dir` must be a local directory (LMDB needs a local filesystem), got {cache_dir!r}. "
+            "Put the remote data in `origin` and the cache on a local SSD."
+        )
+    return os.path.abspath(os.path.expanduser(cache_dir.removeprefix("file://")))
+
+
+def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"`{name}` must be {' or '.join(repr(a) for a in allowed)}, got {value!r}.")
+
+
+def _check_loading(batch_size: object, num_workers: int | None) -> None:
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"`batch_size` must be an integer >= 1, got {batch_size!r}.")
+    if num_workers is not None and num_workers < 0:
+        raise ValueError(f"`num_workers` must be >= 0 or None, got {num_workers!r}.")
+
+
+def _ram_budget(ram_bytes: int | str) -> int:
+    budget = parse_bytes(ram_bytes, name="ram_bytes")
+    if budget is None:
+        raise ValueError("`ram_bytes` must be a byte budget (RAM is finite), got None. Use 0 to disable the tier.")
+    return budget
+
+
 class CachedDataModule(LightningDataModule):
     """Decode once, read decoded uint8 tensors from RAM/SSD tiers, read ahead from the origin, augment on the device.
 
-    Batches reach the LightningModule as ``(images float32 normalised (N, C, H, W), labels int64 (N,))``.
+    Batches reach the LightningModule as ``(images float32 normalised (N, C, H, W), labels int64 (N,))``. Every
+    argument but ``origin`` is keyword-only; they come in groups.
 
-    Args:
+    Where the data is:
         origin: fsspec URL or local path of an ImageFolder tree (``<class>/<image>``), of a ``manifest``, or of a
             packed origin (``pack_origin`` / ``lightning-accel data pack``: one GET per shard instead of per image).
-        cache_dir: local directory (not a network filesystem) for the SSD tier and the shared listing.
         storage_options: fsspec options for the origin (S3 endpoint, credentials, ...).
         manifest: a JSONL file under ``origin`` with ``{"key": ..., "label": ...}`` lines instead of a tree.
         val_origin: a separate validation origin (same layout); ``None`` splits ``val_fraction`` off ``origin``.
         val_fraction: held-out fraction when ``val_origin`` is None (deterministic split by ``seed``).
+        seed: shuffle and split seed.
+
+    What is cached (the deterministic decode):
         image_size: side of the cached images (resize shorter side + centre crop); ignored when ``decode`` is given.
         decode: deterministic ``bytes -> tensor`` step whose output is cached (default ``ImageDecoder(image_size)``).
-        transform: optional per-sample CPU transform applied after the cache (in the workers).
-        train_augment: batch augmentation for training on the device (default: normalise with ``mean``/``std``).
-        val_augment: batch transform for evaluation (default: normalise only).
-        mean: per-channel mean for the default augmentations.
-        std: per-channel std for the default augmentations.
+        on_decode_error: ``"raise"`` or ``"skip"`` (skipped samples are counted).
+
+    Cache tiers:
+        cache_dir: local directory (not a network filesystem) for the SSD tier and the shared listing.
         ram_bytes: RAM tier budget for the whole node (bytes or ``"512MiB"``; 0 disables the tier).
         ssd_bytes: SSD tier budget (bytes or ``"20GiB"``; ``None``: no cap; 0 disables the tier).
         ram_dir: RAM tier directory (default ``/dev/shm/lightning_accel/<hash of cache_dir>``).
         policy: tier behaviour when full: ``"keep"`` (stable subset; best for epoch scans) or ``"fifo"``.
-        batch_size: per-device batch size.
-        num_workers: DataLoader workers for cold epochs (``None``: half the CPUs, at most 8).
-        warm_num_workers: workers once the cache is warm (0: main-process batch reads; ``None``: keep ``num_workers``).
+        warm_on_prepare: fill the SSD tier in ``prepare_data`` (once per node, progress bar) instead of in epoch 1.
+
+    Reading the origin:
         max_concurrency: origin reads in flight per process.
         retries: retries of a transient origin error (exponential backoff).
-        prefetch_batches: upcoming batches each reader reads ahead from the origin.
         prefetch: read ahead and read misses on a thread pool (``None``: only for remote origins; a local origin is
             read inline, which costs less CPU; ``True`` for a slow local disk).
+        prefetch_batches: upcoming batches each reader reads ahead from the origin.
         stage_bytes: a packed remote origin (``pack_origin``) is read a whole shard at a time, staged under
             ``cache_dir/shards`` (shared by the workers and ranks of the node); at most this many bytes are kept
             (oldest out first). At least the packed data's size reads each shard once per cold epoch.
-        on_decode_error: ``"raise"`` or ``"skip"`` (skipped samples are counted).
-        warm_on_prepare: fill the SSD tier in ``prepare_data`` (once per node, progress bar) instead of in epoch 1.
-        materialize_digits: render the embedded digits into ``origin`` (a local directory) in ``prepare_data`` first,
-            with these ``materialize_digits`` arguments, e.g. ``{"size": 64}`` (the quickstart's data).
-        seed: shuffle and split seed.
+
+    Loading:
+        batch_size: per-device batch size.
+        num_workers: DataLoader workers for cold epochs (``None``: half the CPUs, at most 8).
+        warm_num_workers: workers once the cache is warm (0: main-process batch reads; ``None``: keep ``num_workers``).
+        transform: optional per-sample CPU transform applied after the cache (in the workers).
+
+    Augmentation (on the device, in ``on_after_batch_transfer``):
+        train_augment: batch augmentation for training (default: normalise with ``mean``/``std``).
+        val_augment: batch transform for evaluation (default: normalise only).
+        mean: per-channel mean for the default augmentations.
+        std: per-channel std for the default augmentations.
+
+    Logging:
         log_every_n_steps: how often (training steps) ``cache/...`` statistics are logged.
+
+    Raises:
+        ValueError: an argument out of range (the message names it, with the value and what is expected).
     """
 
     def __init__(
         self,
         origin: str,
-        cache_dir: str = ".cache/lightning_accel",
+        *,
+        # where the data is
         storage_options: dict[str, Any] | None = None,
         manifest: str | None = None,
         val_origin: str | None = None,
         val_fraction: float = 0.1,
+        seed: int = 0,
+        # what is cached
         image_size: int | None = 224,
         decode: Callable[[bytes], torch.Tensor] | None = None,
-        transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
-        train_augment: GpuAugment | None = None,
-        val_augment: GpuAugment | None = None,
-        mean: Sequence[float] = IMAGENET_MEAN,
-        std: Sequence[float] = IMAGENET_STD,
+        on_decode_error: str = "raise",
+        # cache tiers
+        cache_dir: str = ".cache/lightning_accel",
         ram_bytes: int | str = "256MiB",
         ssd_bytes: int | str | None = "20GiB",
         ram_dir: str | None = None,
         policy: str = "keep",
+        warm_on_prepare: bool = False,
+        # reading the origin
+        max_concurrency: int = 16,
+        retries: int = 4,
+        prefetch: bool | None = None,
+        prefetch_batches: int = 2,
+        stage_bytes: int | str = "4GiB",
+        # loading
         batch_size: int = 64,
         num_workers: int | None = None,
         warm_num_workers: int | None = 0,
-        max_concurrency: int = 16,
-        retries: int = 4,
-        prefetch_batches: int = 2,
-        prefetch: bool | None = None,
-        stage_bytes: int | str = "4GiB",
-        on_decode_error: str = "raise",
-        warm_on_prepare: bool = False,
-        materialize_digits: dict[str, Any] | None = None,
-        seed: int = 0,
+        transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        # augmentation
+        train_augment: GpuAugment | None = None,
+        val_augment: GpuAugment | None = None,
+        mean: Sequence[float] = IMAGENET_MEAN,
+        std: Sequence[float] = IMAGENET_STD,
+        # logging
         log_every_n_steps: int = 50,
     ) -> None:
         super().__init__()
-        from lightning_accel.datasets.datamodule import default_num_workers, split_indices
-
-        if not isinstance(origin, str) or not origin.strip():
-            raise ValueError(f"`origin` must be a non-empty path or fsspec URL, got {origin!r}.")
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"`batch_size` must be an integer >= 1, got {batch_size!r}.")
-        if num_workers is not None and num_workers < 0:
-            raise ValueError(f"`num_workers` must be >= 0 or None, got {num_workers!r}.")
-        if "://" in cache_dir and not cache_dir.startswith("file://"):
-            raise ValueError(
-                f"`cache_dir` must be a local directory (LMDB needs a local filesystem), got {cache_dir!r}. "
-                "Put the remote data in `origin` and the cache on a local SSD."
-            )
-        if on_decode_error not in ("raise", "skip"):
-            raise ValueError(f"`on_decode_error` must be 'raise' or 'skip', got {on_decode_error!r}.")
-        if policy not in ("keep", "fifo"):
-            raise ValueError(f"`policy` must be 'keep' or 'fifo', got {policy!r}.")
-        if materialize_digits is not None and "://" in origin and not origin.startswith("file://"):
-            raise ValueError(f"`materialize_digits` needs a local `origin` directory, got {origin!r}.")
+        _check_origin(origin)
+        _check_loading(batch_size, num_workers)
+        self.cache_dir = _local_cache_dir(cache_dir)
+        _check_choice("on_decode_error", on_decode_error, ("raise", "skip"))
+        _check_choice("policy", policy, ("keep", "fifo"))
         split_indices(1, val_fraction, seed)  # validates val_fraction now
-        self._split = split_indices
+        # where the data is
         self.origin = origin
-        self.cache_dir = os.path.abspath(os.path.expanduser(cache_dir.removeprefix("file://")))
         self.storage_options = dict(storage_options or {})
         self.manifest = manifest
         self.val_origin = val_origin
         self.val_fraction = val_fraction
+        self.seed = seed
+        # what is cached
         self.decode = decode if decode is not None else ImageDecoder(image_size)
+        self.on_decode_error = on_decode_error
+        # cache tiers
+        self.ram_bytes = _ram_budget(ram_bytes)
+        self.ssd_bytes = parse_bytes(ssd_bytes, name="ssd_bytes")
+        tag = hashlib.sha1(self.cache_dir.encode()).hexdigest()[:12]
+        self.ram_dir = ram_dir if ram_dir is not None else default_ram_dir(tag)
+        self.policy = policy
+        self.warm_on_prepare = warm_on_prepare
+        # reading the origin
+        self.max_concurrency = max_concurrency
+        self.retries = retries
+        self.prefetch = prefetch
+        self.prefetch_batches = prefetch_batches
+        self.stage_bytes = parse_bytes(stage_bytes, name="stage_bytes")
+        # loading
+        self.batch_size = batch_size
+        self.num_workers = default_num_workers() if num_workers is None else num_workers
+        self.warm_num_workers = warm_num_workers
         self.transform = transform
+        # augmentation
         self.train_augment = (
             train_augment if train_augment is not None else GpuAugment(mean, std, crop_scale=None, flip_p=0.0)
         )
         self.val_augment = (
             val_augment if val_augment is not None else GpuAugment(mean, std, crop_scale=None, flip_p=0.0)
         )
-        self.ram_bytes = parse_bytes(ram_bytes, name="ram_bytes")
-        self.ssd_bytes = parse_bytes(ssd_bytes, name="ssd_bytes")
-        if self.ram_bytes is None:
-            raise ValueError("`ram_bytes` must be a byte budget (RAM is finite), got None. Use 0 to disable the tier.")
-        tag = hashlib.sha1(self.cache_dir.encode()).hexdigest()[:12]
-        self.ram_dir = ram_dir if ram_dir is not None else default_ram_dir(tag)
-        self.policy = policy
-        self.batch_size = batch_size
-        self.num_workers = default_num_workers() if num_workers is None else num_workers
-        self.warm_num_workers = warm_num_workers
-        self.max_concurrency = max_concurrency
-        self.retries = retries
-        self.prefetch_batches = prefetch_batches
-        self.prefetch = prefetch
-        self.stage_bytes = parse_bytes(stage_bytes, name="stage_bytes")
-        self.on_decode_error = on_decode_error
-        self.warm_on_prepare = warm_on_prepare
-        self.materialize_digits = dict(materialize_digits) if materialize_digits is not None else None
-        self.seed = seed
+        # logging
         self.log_every_n_steps = max(1, log_every_n_steps)
+        # state: the node's statistics (shared with the workers), the datasets and caches made in setup
         self.stats = CacheStats()
         self.train_set: CachedDataset | None = None
         self.val_set: CachedDataset | None = None
@@ -190,12 +240,6 @@ class CachedDataModule(LightningDataModule):
         with contextlib.suppress(OSError):
             listing.save(path)
         return listing
-
-    def _materialize(self) -> None:
-        if self.materialize_digits is not None:
-            from lightning_accel.datasets.digits import materialize_digits
-
-            materialize_digits(self.origin.removeprefix("file://"), **self.materialize_digits)
 
     # ---- tiers and caches ----------------------------------------------------------------------------------------
     def _cache(self, url: str, listing: Listing) -> SampleCache:
@@ -224,19 +268,20 @@ class CachedDataModule(LightningDataModule):
         listing = self._list(self.origin, refresh=refresh)
         cache = self._cache(self.origin, listing)
         self._caches = {"train": cache}
-        kw = {"transform": self.transform, "prefetch_batches": self.prefetch_batches}
         if self.val_origin is not None:
             vlisting = self._list(self.val_origin, refresh=refresh)
             vcache = self._cache(self.val_origin, vlisting)
             self._caches["val"] = vcache
-            return CachedDataset(cache, **kw), CachedDataset(vcache, **kw)
-        tr, va = self._split(len(listing), self.val_fraction, self.seed)
-        return CachedDataset(cache, tr, **kw), CachedDataset(cache, va if va else tr, **kw)
+            return self._dataset(cache), self._dataset(vcache)
+        tr, va = split_indices(len(listing), self.val_fraction, self.seed)
+        return self._dataset(cache, tr), self._dataset(cache, va if va else tr)
+
+    def _dataset(self, cache: SampleCache, indices: Sequence[int] | None = None) -> CachedDataset:
+        return CachedDataset(cache, indices, transform=self.transform, prefetch_batches=self.prefetch_batches)
 
     @override
     def prepare_data(self) -> None:
-        """Once per node: materialise the digits (if asked), list the origin(s), optionally warm the SSD tier."""
-        self._materialize()
+        """Once per node: list the origin(s), optionally warm the SSD tier."""
         train, val = self._datasets(refresh=True)
         if self.warm_on_prepare:
             for name, ds in (("train", train), ("val", val)):
@@ -249,7 +294,7 @@ class CachedDataModule(LightningDataModule):
             ds, batch_size=self.batch_size, num_workers=self.num_workers, warm_num_workers=None, read_ahead=0
         )
         try:
-            from tqdm.auto import tqdm
+            from tqdm.auto import tqdm  # type: ignore[import-untyped]  # tqdm ships no type hints
 
             it: Any = tqdm(loader, desc=f"warming the {name} cache", unit="batch", leave=False)
         except ImportError:  # pragma: no cover - tqdm ships with lightning
@@ -261,22 +306,23 @@ class CachedDataModule(LightningDataModule):
 
     @override
     def setup(self, stage: str) -> None:
-        self._materialize()  # no-op when complete (prepare_data ran on local rank 0 only)
         if self.train_set is None:
             self.train_set, self.val_set = self._datasets(refresh=False)
 
     # ---- loaders -------------------------------------------------------------------------------------------------
-    def _sharding(self) -> dict[str, int]:
+    def _sharding(self) -> tuple[int, int]:
+        """(number of ranks, this rank) for the sampler."""
         trainer = self.trainer
         kw = getattr(trainer, "distributed_sampler_kwargs", None) if trainer is not None else None
         if kw:
-            return {"num_replicas": int(kw.get("num_replicas", 1)), "rank": int(kw.get("rank", 0))}
-        return {"num_replicas": 1, "rank": 0}
+            return int(kw.get("num_replicas", 1)), int(kw.get("rank", 0))
+        return 1, 0
 
     def _loader(self, ds: CachedDataset | None, shuffle: bool) -> CacheDataLoader:
         if ds is None:
             raise RuntimeError("`CachedDataModule.setup()` must run before asking for a dataloader.")
-        sampler = EpochOrderSampler(ds, shuffle=shuffle, seed=self.seed, batch_size=self.batch_size, **self._sharding())
+        replicas, rank = self._sharding()
+        sampler = EpochOrderSampler(ds, replicas, rank, shuffle=shuffle, seed=self.seed, batch_size=self.batch_size)
         return CacheDataLoader(
             ds,
             batch_size=self.batch_size,

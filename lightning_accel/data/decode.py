@@ -7,6 +7,7 @@ augmentation belongs after the cache (a CPU ``transform`` or :class:`~lightning_
 
 from __future__ import annotations
 
+import functools
 import io
 from typing import Any
 
@@ -35,7 +36,6 @@ class ImageDecoder:
         if size is not None and (not isinstance(size, int) or size < 1):
             raise ValueError(f"`image_size` must be a positive integer or None, got {size!r}.")
         self.size = size
-        self._tf: Any = None
 
     @property
     def fingerprint(self) -> str:
@@ -43,13 +43,9 @@ class ImageDecoder:
 
     def pil_transform(self) -> Any:
         """The torchvision transform applied to the RGB PIL image (also what a baseline ``ImageFolder`` should use)."""
-        from torchvision import transforms as T
-
+        T = _transforms()
         ops = [T.Resize(self.size), T.CenterCrop(self.size)] if self.size is not None else []
         return T.Compose([*ops, T.PILToTensor()])
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"size": self.size, "_tf": None}
 
     def _rgb(self, data: bytes) -> Any:
         from PIL import Image
@@ -59,11 +55,7 @@ class ImageDecoder:
             # ImageFolder's `convert("RGB")` copies an image that already is RGB (most JPEGs): skip that copy.
             rgb = img if img.mode == "RGB" else img.convert("RGB")
         if self.size is not None and rgb.size != (self.size, self.size):
-            if self._tf is None:
-                from torchvision import transforms as T
-
-                self._tf = (T.Resize(self.size), T.CenterCrop(self.size))
-            resize, crop = self._tf
+            resize, crop = _resize_and_crop(self.size)
             if min(rgb.size) != self.size:  # at the size already, Resize only copies
                 rgb = resize(rgb)
             if rgb.size != (self.size, self.size):
@@ -108,6 +100,21 @@ class ImageDecoder:
 
     def __repr__(self) -> str:
         return f"ImageDecoder(size={self.size})"
+
+
+@functools.lru_cache(maxsize=8)
+def _resize_and_crop(size: int) -> tuple[Any, Any]:
+    """torchvision's ``Resize(size)`` and ``CenterCrop(size)`` (stateless, so one pair per size serves every decoder,
+    thread and process)."""
+    T = _transforms()
+    return T.Resize(size), T.CenterCrop(size)
+
+
+def _transforms() -> Any:
+    """``torchvision.transforms``, imported on first use (decoding a cached epoch never needs it)."""
+    from torchvision import transforms  # type: ignore[import-untyped]  # torchvision ships no type hints
+
+    return transforms
 
 
 def _fill_planes(rgb: Any, out: torch.Tensor) -> None:

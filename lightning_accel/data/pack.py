@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -41,7 +42,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_accel._utils.forksafe import ForkSafeLock, PerProcess
+from lightning_accel._utils.forksafe import ForkSafeLock, PerProcess, ResetOnPickle
 from lightning_accel._utils.paths import safe_join
 from lightning_accel.data.origin import Listing, ObjectStore, OriginError, list_origin
 
@@ -220,7 +221,7 @@ def pack_origin(
     return Listing(origin=dst.url, keys=listing.keys, labels=listing.labels, classes=listing.classes, pack=pack)
 
 
-class PackedReader:
+class PackedReader(ResetOnPickle):
     """Reads samples of a packed origin (see the module docstring for local and remote reads).
 
     Args:
@@ -230,6 +231,8 @@ class PackedReader:
         stage_bytes: staged shards kept at most (oldest evicted first; the shard being read may exceed it).
         on_staged: called after this process downloaded a shard (the cache counts the bytes there).
     """
+
+    _reset_on_pickle = {"staged_refetches": 0}  # a count of this process's own reads
 
     def __init__(
         self,
@@ -260,11 +263,6 @@ class PackedReader:
         self._lock = ForkSafeLock(reentrant=True)  # a done-callback can run inline, under the lock
         self._shard_locks: PerProcess[dict[int, threading.Lock]] = PerProcess(dict)
         self.staged_refetches = 0  # staged copies that failed their CRC and were fetched again (this process)
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state.update(staged_refetches=0)  # the PerProcess state and the lock pickle fresh
-        return state
 
     def _shard_lock(self, s: int) -> threading.Lock:
         with self._lock:
@@ -358,7 +356,7 @@ class PackedReader:
                     continue
                 fut = self.store.run(self._stage_quietly, s)
                 inflight[s] = fut
-                fut.add_done_callback(lambda _f, s=s: self._done(s))
+                fut.add_done_callback(functools.partial(self._done, s))
                 started.add(s)
         return sum(1 for i in indices if self.pack.shard[i] in started)
 
@@ -366,7 +364,7 @@ class PackedReader:
         with contextlib.suppress(Exception):  # read() stages again and raises with context
             self._stage(s)
 
-    def _done(self, s: int) -> None:
+    def _done(self, s: int, _staged: Future[None]) -> None:
         with self._lock:
             self._inflight.get().pop(s, None)
 

@@ -68,9 +68,5 @@ class CacheStats:
         """Zero every counter (e.g. at the start of an epoch you want to measure)."""
         self._t.zero_()
 
-    def snapshot(self) -> torch.Tensor:
-        """The raw totals (for differences between two moments)."""
-        return self._t.sum(0).clone()
-
     def __repr__(self) -> str:
         return f"CacheStats({self.as_dict()})"

@@ -21,9 +21,10 @@ Contract:
   stable subset and every later epoch hits ``budget/dataset`` of its samples (an LRU under a sequential or shuffled
   scan evicts each entry before its next use and hits ~0). ``"fifo"`` evicts the oldest entries to make room, for
   working sets that drift.
-- **Process safety**: the environment is opened lazily in each process (after fork; never used across a fork) and
-  dropped when the tier is pickled. One environment per path per process (LMDB forbids two). LMDB serialises writers
-  across processes; readers never see a partial transaction, so a warm-up killed halfway leaves only complete entries.
+- **Process safety**: a tier holds no handle of its own. Each process keeps its environments (one per path: LMDB
+  forbids two) in a :class:`~lightning_accel._utils.forksafe.PerProcess` registry, opened lazily, so a pickled tier
+  carries none and a forked child starts with none. LMDB serialises writers across processes; readers never see a
+  partial transaction, so a warm-up killed halfway leaves only complete entries.
 - **Faults**: a directory that cannot be created or written, or a full disk, disables the tier with one warning per
   process; callers keep working with the remaining tiers.
 - Thread safety: every operation holds a per-process lock for its transaction (``set_mapsize`` must not run while
@@ -38,8 +39,10 @@ import struct
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from lightning_accel._utils.forksafe import PerProcess
 
 __all__ = ["BudgetTooSmallError", "LmdbTier", "PutResult", "default_ram_dir", "parse_bytes"]
 
@@ -48,12 +51,6 @@ _U64x2 = struct.Struct("<QQ")
 _U64 = struct.Struct(">Q")  # big-endian so the fifo database iterates in insertion order
 _K_USED = b"used"
 _K_SEQ = b"seq"
-
-# path -> environment, for this process only. LMDB environments must not cross a fork, and py-lmdb refuses to open
-# an environment a second time in a process that inherited it open. So every environment of the process is closed
-# just before a fork (under the lock that every tier operation holds, so no transaction is open then) and reopened
-# lazily afterwards by parent and child alike (~1 ms each); tiers notice through the generation counter.
-_ENVS: dict[str, Any] = {}
 
 
 class _SharedLock:
@@ -114,25 +111,43 @@ class _SharedLock:
                         self._cond.notify_all()
 
 
-_LOCK = _SharedLock()
-_GEN = [0]
+@dataclass
+class _Env:
+    """One environment open in this process, with its named databases and page size."""
+
+    env: Any
+    dbs: dict[str, Any] = field(default_factory=dict)
+    psize: int = 4096
 
 
-def _before_fork() -> None:
-    _LOCK.acquire()
-    for env in _ENVS.values():
+# This process's environments by real path, and the lock every tier operation of this process holds for its
+# transaction (shared by reads). Both are PerProcess: a forked or spawned child starts with its own, empty.
+_ENVS: PerProcess[dict[str, _Env]] = PerProcess(dict)
+_LOCK: PerProcess[_SharedLock] = PerProcess(_SharedLock)
+
+
+# What PerProcess cannot do alone: an LMDB environment must not cross a fork at all. A child can neither reopen a
+# path it inherited open (py-lmdb refuses: "already open in this process", checked with py-lmdb 3.0) nor safely
+# close the inherited copy (closing aborts the transactions it still lists, which are the parent threads' entries in
+# the shared reader table, and waits for a parent thread's write transaction that never ends in the child). So the
+# parent closes its environments just before a fork, holding the lock exclusively so that no transaction is open and
+# none starts until the fork is done, and reopens them lazily afterwards (~1 ms each); the child starts with an
+# empty registry and a fresh lock (PerProcess).
+def _close_before_fork() -> None:
+    _LOCK.get().acquire()
+    envs = _ENVS.get()
+    for e in envs.values():
         with contextlib.suppress(Exception):
-            env.close()
-    _ENVS.clear()
-    _GEN[0] += 1
+            e.env.close()
+    envs.clear()
 
 
-def _after_fork() -> None:
-    _LOCK.release()
+def _release_after_fork() -> None:
+    _LOCK.get().release()
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork, after_in_child=_after_fork)
+    os.register_at_fork(before=_close_before_fork, after_in_parent=_release_after_fork)
 
 
 class BudgetTooSmallError(ValueError):
@@ -155,30 +170,38 @@ def default_ram_dir(tag: str) -> str | None:
     return None
 
 
-def _env_for(path: str, map_size: int, sync: bool) -> Any:
+def _open_env(path: str, key: str, map_size: int, sync: bool) -> _Env:
+    """This process's environment at ``path`` (``key``: its real path), opened now if needed; holds ``_LOCK``."""
     import lmdb
 
-    key = os.path.realpath(path)
-    with _LOCK:
-        env = _ENVS.get(key)
-        if env is None:
-            os.makedirs(path, exist_ok=True)
-            env = lmdb.open(
-                path,
-                map_size=map_size,
-                subdir=True,
-                max_dbs=4,
-                # A cache is re-derivable: no fsync per commit (a killed process loses nothing committed; only an OS
-                # crash may drop the last commits, and checksums catch anything torn). ~10x faster batched writes.
-                sync=sync,
-                metasync=sync,
-                readahead=False,  # random reads of large values: readahead only evicts useful page-cache pages
-                meminit=False,
-                max_readers=512,
-                max_spare_txns=2,
-            )
-            _ENVS[key] = env
-        return env
+    envs = _ENVS.get()
+    opened = envs.get(key)
+    if opened is not None:
+        return opened
+    os.makedirs(path, exist_ok=True)
+    env = lmdb.open(
+        path,
+        map_size=map_size,
+        subdir=True,
+        max_dbs=4,
+        # A cache is re-derivable: no fsync per commit (a killed process loses nothing committed; only an OS crash
+        # may drop the last commits, and checksums catch anything torn). ~10x faster batched writes.
+        sync=sync,
+        metasync=sync,
+        readahead=False,  # random reads of large values: readahead only evicts useful page-cache pages
+        meminit=False,
+        max_readers=512,
+        max_spare_txns=2,
+    )
+    try:
+        with env.begin(write=True) as txn:
+            dbs = {n: env.open_db(n.encode(), txn=txn) for n in ("data", "index", "fifo", "meta")}
+        opened = _Env(env, dbs, int(env.stat()["psize"]))
+    except BaseException:
+        env.close()
+        raise
+    envs[key] = opened
+    return opened
 
 
 class LmdbTier:
@@ -208,30 +231,38 @@ class LmdbTier:
         if policy not in ("keep", "fifo"):
             raise ValueError(f"`policy` must be 'keep' or 'fifo', got {policy!r}.")
         self.path = os.fspath(path)
+        self._key = os.path.realpath(self.path)  # one environment per directory, however it is spelt
         self.budget_bytes = budget_bytes
         self.name = name
         self.policy = policy
         self.sync = sync
         self.disabled = budget_bytes == 0
         self.disabled_reason: str | None = "budget is 0" if self.disabled else None
-        self._gen = -1
-        self._env: Any = None
-        self._dbs: dict[str, Any] = {}
-        self._psize = 4096
+        self._psize = 4096  # LMDB's page size, known once opened (the same in every process)
         self._usable_override: int | None = None
-        self._lock = _LOCK  # one process-wide lock: see the fork handling above
-
-    # ---- pickling: drop process-local handles --------------------------------------------------------------------
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state.update(_gen=-1, _env=None, _dbs={}, _lock=None)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock = _LOCK
 
     # ---- environment ---------------------------------------------------------------------------------------------
+    @property
+    def _lock(self) -> _SharedLock:
+        """This process's tier lock (one for every tier: see the fork handling above)."""
+        return _LOCK.get()
+
+    def _opened(self) -> _Env | None:
+        """This process's environment of this tier, or None (not opened yet here, or closed by a fork since)."""
+        return _ENVS.get().get(self._key)
+
+    @property
+    def _env(self) -> Any:
+        """This process's LMDB environment, or None before :meth:`open`."""
+        opened = self._opened()
+        return None if opened is None else opened.env
+
+    @property
+    def _dbs(self) -> dict[str, Any]:
+        """The named databases (``data``, ``index``, ``fifo``, ``meta``) of this process's environment."""
+        opened = self._opened()
+        return {} if opened is None else opened.dbs
+
     @property
     def cap_bytes(self) -> int | None:
         """The most the map (and so the data file) may grow to."""
@@ -261,27 +292,23 @@ class LmdbTier:
                 RuntimeWarning,
                 stacklevel=3,
             )
-        self._env = None
 
     def open(self) -> bool:
         """Open (or reuse) this process's environment; False when the tier is disabled."""
         if self.disabled:
             return False
-        if self._env is not None and self._gen == _GEN[0]:
-            return True
-        with _LOCK:
-            try:
-                cap = self.cap_bytes
-                initial = _INITIAL_MAP if cap is None else min(cap, _INITIAL_MAP)
-                env = _env_for(self.path, initial, self.sync)
-                self._psize = int(env.stat()["psize"])
-                with env.begin(write=True) as txn:
-                    dbs = {n: env.open_db(n.encode(), txn=txn) for n in ("data", "index", "fifo", "meta")}
-                self._env, self._dbs, self._gen = env, dbs, _GEN[0]
-                return True
-            except Exception as e:  # lmdb.Error, OSError (read-only dir, ENOSPC, ...)
-                self._disable(e)
-                return False
+        opened = self._opened()
+        if opened is None:
+            with self._lock:
+                try:
+                    cap = self.cap_bytes
+                    initial = _INITIAL_MAP if cap is None else min(cap, _INITIAL_MAP)
+                    opened = _open_env(self.path, self._key, initial, self.sync)
+                except Exception as e:  # lmdb.Error, OSError (read-only dir, ENOSPC, ...)
+                    self._disable(e)
+                    return False
+        self._psize = opened.psize
+        return True
 
     # ---- reads ---------------------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -298,8 +325,11 @@ class LmdbTier:
             resized = False
             err: BaseException | None = None
             with self._lock.shared():
+                opened = self._opened()
+                if opened is None:  # a fork closed it between open() and here: open it again
+                    continue
                 try:
-                    txn = self._env.begin(db=self._dbs["data"], buffers=True)
+                    txn = opened.env.begin(db=opened.dbs["data"], buffers=True)
                 except lmdb.MapResizedError:
                     resized = True
                 except Exception as e:
@@ -314,7 +344,9 @@ class LmdbTier:
                 self._disable(err if err is not None else RuntimeError("cannot begin a read transaction"))
                 break
             with self._lock:  # another process grew the map: adopt its size (no transaction may be open)
-                self._env.set_mapsize(0)
+                opened = self._opened()
+                if opened is not None:
+                    opened.env.set_mapsize(0)
         yield lambda key: None
 
     def get(self, key: bytes) -> bytes | None:
@@ -359,7 +391,7 @@ class LmdbTier:
             return -(-(value_len + 16) // ps) * ps + len(key) + 64
         return value_len + len(key) + 64
 
-    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> PutResult:
+    def put_many(self, items: Sequence[tuple[bytes, bytes | bytearray]]) -> PutResult:
         """Store ``(key, value)`` pairs in one write transaction (keys already present are left alone).
 
         Raises:
@@ -369,7 +401,7 @@ class LmdbTier:
         with self._lock:
             return self._put_many(items)
 
-    def _put_many(self, items: Sequence[tuple[bytes, bytes]]) -> PutResult:
+    def _put_many(self, items: Sequence[tuple[bytes, bytes | bytearray]]) -> PutResult:
         import lmdb
 
         res = PutResult()
@@ -424,7 +456,7 @@ class LmdbTier:
             )
         return c
 
-    def _make_room(self, txn: Any, items: Sequence[tuple[bytes, bytes]]) -> int:
+    def _make_room(self, txn: Any, items: Sequence[tuple[bytes, bytes | bytearray]]) -> int:
         usable = self.usable_bytes
         assert usable is not None
         meta, index = self._dbs["meta"], self._dbs["index"]
@@ -437,7 +469,7 @@ class LmdbTier:
         txn.put(_K_USED, _U64.pack(used), db=meta)
         return n
 
-    def _put_txn(self, txn: Any, items: Sequence[tuple[bytes, bytes]]) -> PutResult:
+    def _put_txn(self, txn: Any, items: Sequence[tuple[bytes, bytes | bytearray]]) -> PutResult:
         data, index, fifo, meta = (self._dbs[n] for n in ("data", "index", "fifo", "meta"))
         res = PutResult()
         raw = txn.get(_K_USED, db=meta)
@@ -526,8 +558,10 @@ class LmdbTier:
     def flush(self) -> None:
         """fsync the environment (end of a warm-up)."""
         if self.open():
-            with contextlib.suppress(Exception):
-                self._env.sync(True)
+            with self._lock.shared(), contextlib.suppress(Exception):
+                opened = self._opened()
+                if opened is not None:
+                    opened.env.sync(True)
 
     def clear(self) -> None:
         """Drop every entry (the directory and its budget stay)."""

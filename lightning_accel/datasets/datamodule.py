@@ -1,44 +1,31 @@
-"""``DigitsDataModule``: the plain-Lightning baseline (torchvision ``ImageFolder`` + ``DataLoader``).
+"""The digits as Lightning data modules.
 
-It materialises the digits JPEGs on first use (``prepare_data``, once per node) and splits them deterministically
-into train/validation. Every plugin's benchmark compares against this module.
+- ``DigitsDataModule``: the plain-Lightning baseline (torchvision ``ImageFolder`` + ``DataLoader``). It materialises
+  the digits JPEGs on first use (``prepare_data``, once per node) and splits them deterministically into
+  train/validation. Every plugin's benchmark compares against this module.
+- ``DigitsCachedDataModule``: the product's :class:`~lightning_accel.data.CachedDataModule` over the same JPEGs,
+  rendered into its ``origin`` first (the quickstart's data module).
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Subset
 from typing_extensions import override
 
+from lightning_accel.data import CachedDataModule
+from lightning_accel.data.dataset import default_num_workers, split_indices
 from lightning_accel.datasets.digits import materialize_digits
 
-__all__ = ["DigitsDataModule", "default_num_workers", "split_indices"]
+__all__ = ["DigitsCachedDataModule", "DigitsDataModule"]
 
 # Digits are white strokes on black; these are the per-channel statistics of the 64 px rendering.
 DIGITS_MEAN = (0.188, 0.188, 0.188)
 DIGITS_STD = (0.318, 0.318, 0.318)
-
-
-def default_num_workers() -> int:
-    """Half the CPUs this process may use, at least 1, at most 8 (the rest feed the model)."""
-    try:
-        n = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - macOS
-        n = os.cpu_count() or 1
-    return max(1, min(8, n // 2))
-
-
-def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
-    """Deterministic train/validation split of ``range(n)`` (same on every rank and run)."""
-    if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"`val_fraction` must be in [0, 1), got {val_fraction!r}.")
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-    n_val = int(round(n * val_fraction))
-    return sorted(perm[n_val:]), sorted(perm[:n_val])
 
 
 class DigitsDataModule(LightningDataModule):
@@ -82,8 +69,8 @@ class DigitsDataModule(LightningDataModule):
         self.train_set: Subset | None = None
         self.val_set: Subset | None = None
 
-    def _transforms(self, train: bool):
-        from torchvision import transforms as T
+    def _transforms(self, train: bool) -> Any:
+        from torchvision import transforms as T  # type: ignore[import-untyped]  # torchvision ships no type hints
 
         ops = [T.RandomAffine(degrees=8, translate=(0.06, 0.06), scale=(0.9, 1.1))] if train and self.augment else []
         return T.Compose([*ops, T.ToTensor(), T.Normalize(DIGITS_MEAN, DIGITS_STD)])
@@ -94,7 +81,7 @@ class DigitsDataModule(LightningDataModule):
 
     @override
     def setup(self, stage: str) -> None:
-        from torchvision.datasets import ImageFolder
+        from torchvision.datasets import ImageFolder  # type: ignore[import-untyped]  # no type hints either
 
         materialize_digits(self.data_dir, size=self.image_size, num_images=self.num_images)  # no-op when complete
         train_full = ImageFolder(self.data_dir, transform=self._transforms(train=True))
@@ -130,3 +117,57 @@ class DigitsDataModule(LightningDataModule):
     @override
     def predict_dataloader(self) -> DataLoader:
         return self.val_dataloader()
+
+
+class DigitsCachedDataModule(CachedDataModule):
+    """:class:`~lightning_accel.data.CachedDataModule` over the digits, rendered as JPEGs into ``origin`` first.
+
+    ``prepare_data`` (once per node) renders the digits with :func:`~lightning_accel.datasets.materialize_digits`
+    before the cache lists them, and ``setup`` renders again (a no-op once the tree is complete: ``prepare_data`` runs
+    on local rank 0 only); everything else is ``CachedDataModule``'s. The quickstart's data module
+    (``examples/configs/quickstart.yaml``).
+
+    Args:
+        origin: local directory of the ImageFolder tree (created if missing).
+        digits_size: side of the rendered JPEGs in pixels; ``None``: ``origin`` already holds the digits (or any
+            ImageFolder tree), render nothing.
+        num_images: images to render (``None``: the 1,797 originals; more adds perturbed repeats).
+        **kwargs: :class:`~lightning_accel.data.CachedDataModule` arguments (``cache_dir``, ``batch_size``, ...),
+            with its defaults: ``image_size=224`` and the ImageNet ``mean``/``std`` unless given (the quickstart's
+            YAML gives ``image_size: 64`` and the digits' statistics).
+
+    Raises:
+        ValueError: ``origin`` is a remote URL while ``digits_size`` asks for rendering.
+    """
+
+    def __init__(
+        self,
+        origin: str = "data/digits64",
+        *,
+        digits_size: int | None = 64,
+        num_images: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(origin, **kwargs)
+        if digits_size is not None and "://" in origin and not origin.startswith("file://"):
+            raise ValueError(
+                f"`origin` must be a local directory to render the digits into, got {origin!r}. Pass a local path, "
+                "or `digits_size=None` when the origin already holds the images."
+            )
+        self.digits_size = digits_size
+        self.num_images = num_images
+
+    def _render(self) -> None:
+        if self.digits_size is not None:
+            materialize_digits(self.origin.removeprefix("file://"), size=self.digits_size, num_images=self.num_images)
+
+    @override
+    def prepare_data(self) -> None:
+        """Once per node: render the digits (if asked), then list them (and warm the cache, if asked)."""
+        self._render()
+        super().prepare_data()
+
+    @override
+    def setup(self, stage: str) -> None:
+        self._render()  # no-op when complete (prepare_data ran on local rank 0 only)
+        super().setup(stage)

@@ -75,16 +75,20 @@ def _render(img8: np.ndarray, size: int, repeat: int, index: int):
     # Pad by one cell so perturbations never cut the stroke, then upscale smoothly (bicubic looks like a scan).
     canvas = Image.new("L", (10, 10), 0)
     canvas.paste(gray, (1, 1))
-    big = canvas.resize((size, size), Image.BICUBIC)
+    big = canvas.resize((size, size), Image.Resampling.BICUBIC)
     if repeat > 0:
         rng = np.random.default_rng([repeat, index])
         angle = float(rng.uniform(-10, 10))
         dx, dy = (float(v) for v in rng.uniform(-0.06, 0.06, size=2) * size)
         scale = float(rng.uniform(0.9, 1.1))
-        big = big.rotate(angle, resample=Image.BILINEAR, translate=(dx, dy))
+        big = big.rotate(
+            angle,
+            resample=Image.Resampling.BILINEAR,
+            translate=(dx, dy),  # type: ignore[arg-type]  # sub-pixel shifts: PIL takes floats, its hints say int
+        )
         if abs(scale - 1.0) > 1e-3:
             s = max(1, round(size * scale))
-            scaled = big.resize((s, s), Image.BILINEAR)
+            scaled = big.resize((s, s), Image.Resampling.BILINEAR)
             off = (s - size) // 2
             big = scaled.crop((off, off, off + size, off + size)) if s >= size else _pad_center(scaled, size)
         gain = float(rng.uniform(0.85, 1.15))
@@ -147,7 +151,8 @@ def materialize_digits(
     except OSError as e:
         raise PermissionError(
             f"Cannot write the digits data set to `root` {str(root_p)!r}: {e.strerror or e}. "
-            "Choose a writable directory (e.g. `--data.data_dir=/tmp/digits`)."
+            "Choose a writable directory (e.g. `--data.origin=/tmp/digits` in the quickstart, "
+            "`--data.data_dir=/tmp/digits` for DigitsDataModule)."
         ) from e
     # Only a (re)build needs the arrays: a complete tree is reused without loading scikit-learn (setup() calls this on
     # every rank after prepare_data() built it).

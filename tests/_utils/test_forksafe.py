@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from lightning_accel._utils.forksafe import ForkSafeLock
+from lightning_accel._utils.forksafe import ForkSafeLock, PerProcess, ResetOnPickle
 
 
 @pytest.mark.skipif(not hasattr(os, "fork") or sys.platform != "linux", reason="needs os.fork")
@@ -57,3 +57,62 @@ def test_per_process_state_starts_fresh_in_a_forked_child_and_when_unpickled() -
     assert os.WEXITSTATUS(status) == 0
     assert state.get() == {"parent": 1}
     assert pickle.loads(pickle.dumps(state)).get() == {}
+
+
+@pytest.mark.skipif(not hasattr(os, "fork") or sys.platform != "linux", reason="needs os.fork")
+def test_peek_sees_only_this_process_value_and_never_makes_one() -> None:
+    from lightning_accel._utils.forksafe import PerProcess
+
+    state: PerProcess[list[int]] = PerProcess(list)
+    assert state.peek() is None and state.peek() is None  # peeking made nothing
+    state.get().append(1)
+    assert state.peek() == [1]
+    pid = os.fork()
+    if pid == 0:  # the parent's value is not this process's
+        os._exit(0 if state.peek() is None else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0
+    assert state.peek() == [1]
+    assert pickle.loads(pickle.dumps(state)).peek() is None
+
+
+class _Counted(ResetOnPickle):
+    _reset_on_pickle = {"reads": 0, "seen": (0, 0)}
+
+    def __init__(self) -> None:
+        self.name = "a"
+        self.reads = 5
+        self.seen = (3, 4)
+
+
+def test_reset_on_pickle_resets_the_named_fields_only() -> None:
+    obj = _Counted()
+    copy = pickle.loads(pickle.dumps(obj))
+    assert (copy.name, copy.reads, copy.seen) == ("a", 0, (0, 0))
+    assert (obj.name, obj.reads, obj.seen) == ("a", 5, (3, 4))  # the original keeps its values
+
+
+def test_first_get_from_racing_threads_makes_one_value() -> None:
+    import time
+
+    made: list[object] = []
+
+    def slow_factory() -> object:
+        time.sleep(0.05)  # long enough that every thread arrives while the first is still building
+        made.append(object())
+        return made[-1]
+
+    pp = PerProcess(slow_factory)
+    start = threading.Barrier(4)
+    seen: list[object] = []
+
+    def worker() -> None:
+        start.wait()
+        seen.append(pp.get())
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert len(made) == 1 and all(v is made[0] for v in seen) and len(seen) == 4

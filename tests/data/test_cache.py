@@ -264,3 +264,26 @@ def test_write_behind_commits_on_flush_and_reports_a_budget_error(small_digits: 
     tiny.load([0])  # the write fails in the background ...
     with pytest.raises(BudgetTooSmallError, match="ssd_bytes"):
         tiny.flush()  # ... and the error reaches the caller, with both numbers
+
+
+def test_write_behind_thread_and_store_baseline_are_per_process(small_digits: Path, tmp_cache_dir: Path) -> None:
+    import os
+    import pickle
+
+    c = _cache(small_digits, tmp_cache_dir, write_behind=True)
+    assert not c.writes_behind  # no thread until the first miss is written behind
+    c.load(list(range(4)))
+    c.flush()
+    assert c.writes_behind and c._seen[1] == c.store.bytes_read > 0
+    copy = pickle.loads(pickle.dumps(c))  # a spawned worker: no thread, and a baseline that restarts with the store
+    assert not copy.writes_behind and copy._seen == (0, 0) and copy.store.bytes_read == 0
+    copy.flush()  # nothing to wait for
+    pid = os.fork()
+    if pid == 0:  # a forked worker: the parent's writer thread does not exist here; it gets its own
+        ok = not c.writes_behind
+        c.load(list(range(4, 8)))
+        c.flush()
+        os._exit(0 if ok and c.writes_behind and all(c.ssd.contains([c.key(i) for i in range(8)])) else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0
+    assert c.ssd is not None and all(c.ssd.contains([c.key(i) for i in range(8)]))  # the child's writes committed

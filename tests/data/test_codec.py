@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_accel.data.codec import CorruptEntryError, decode_entry, encode_entry, peek_shape, read_into
+from lightning_accel.data.codec import CorruptEntryError, copy_payload, decode_entry, encode_entry, peek_shape
 
 
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.float32, torch.bfloat16, torch.bool])
@@ -16,15 +16,16 @@ def test_roundtrip(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     assert s.label == 7 and s.meta == {"k": "v"}
 
 
-def test_read_into_copies_into_a_batch_row() -> None:
+def test_copy_payload_copies_into_a_batch_row() -> None:
     t = torch.randint(0, 255, (3, 4, 4), dtype=torch.uint8)
     out = torch.zeros(2, 3, 4, 4, dtype=torch.uint8)
+    rows = out.numpy().reshape(2, -1)  # the batch's numpy view, as SampleCache makes it
     buf = memoryview(encode_entry(t, 3))
     assert peek_shape(buf) == (torch.uint8, [3, 4, 4])
-    assert read_into(buf, out[1]) == 3
+    assert copy_payload(buf, rows[1], torch.uint8, [3, 4, 4]) == 3
     assert torch.equal(out[1], t) and not out[0].any()
     with pytest.raises(ValueError, match="fixed shape"):
-        read_into(buf, torch.zeros(3, 5, 5, dtype=torch.uint8))
+        copy_payload(buf, torch.zeros(3, 5, 5, dtype=torch.uint8).numpy().reshape(-1), torch.uint8, [3, 5, 5])
 
 
 def test_every_kind_of_corruption_is_detected() -> None:

@@ -114,8 +114,7 @@ model:
 data:
   class_path: lightning_accel.data.CachedDataModule
   init_args:
-    origin: {tmp_path / "digits"}
-    materialize_digits: {{size: 16, num_images: 50}}
+    origin: {small_digits}
     cache_dir: {tmp_path / "cache"}
     ram_bytes: 0
     ssd_bytes: 64MiB
@@ -130,7 +129,12 @@ data:
     assert isinstance(dm, CachedDataModule) and dm.ssd_bytes == 64 << 20 and dm.train_augment.crop_scale == (0.5, 1.0)
     dm.prepare_data()
     dm.setup("fit")
-    assert len(dm.train_set) + len(dm.val_set) == 50
+    assert len(dm.train_set) + len(dm.val_set) == 200
+
+
+def test_arguments_after_origin_are_keyword_only(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="positional"):
+        CachedDataModule(str(tmp_path), str(tmp_path / "cache"))
 
 
 def test_bad_input_is_reported_with_the_argument(tmp_path: Path) -> None:

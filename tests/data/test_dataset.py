@@ -86,6 +86,40 @@ def test_workers_share_tiers_and_statistics(small_digits: Path, tmp_cache_dir: P
     assert s["prefetched"] > 0  # workers read ahead in the published order
 
 
+def test_split_is_deterministic_and_disjoint() -> None:
+    from lightning_accel.data.dataset import split_indices
+
+    tr, va = split_indices(100, 0.2, seed=1)
+    assert len(va) == 20 and not set(tr) & set(va) and sorted(tr + va) == list(range(100))
+    assert (tr, va) == split_indices(100, 0.2, seed=1)
+    with pytest.raises(ValueError, match="`val_fraction`"):
+        split_indices(10, 1.0, 0)
+
+
+def test_default_num_workers_leaves_cpus_for_the_model() -> None:
+    from lightning_accel.data.dataset import default_num_workers
+
+    assert 1 <= default_num_workers() <= max(1, min(8, len(os.sched_getaffinity(0)) // 2))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_read_ahead_state_is_per_process(small_digits: Path, tmp_cache_dir: Path) -> None:
+    import pickle
+
+    ds = _dataset(str(small_digits), tmp_cache_dir, prefetch_batches=2, prefetch=True)
+    order = list(EpochOrderSampler(ds, batch_size=10, seed=0))
+    ds.__getitems__(order[0:10])  # this process has read ahead up to batch 2
+    assert ds._ahead.get().hinted_to == 2
+    copy = pickle.loads(pickle.dumps(ds))  # a spawned worker: the published order travels, the hints do not
+    assert copy._ahead.get().hinted_to == -1 and copy._order[3:203].tolist() == order
+    pid = os.fork()
+    if pid == 0:  # a forked worker starts from its own batches too
+        os._exit(0 if ds._ahead.get().hinted_to == -1 and ds._ahead.get().pos is None else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0
+    assert ds._ahead.get().hinted_to == 2
+
+
 def test_sampler_publishes_the_order_and_shards_ranks(small_digits: Path, tmp_cache_dir: Path) -> None:
     ds = _dataset(str(small_digits), tmp_cache_dir)
     s0 = EpochOrderSampler(ds, num_replicas=2, rank=0, seed=3, batch_size=10)

@@ -5,16 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_accel.datasets import DigitsDataModule
-from lightning_accel.datasets.datamodule import split_indices
-
-
-def test_split_is_deterministic_and_disjoint() -> None:
-    tr, va = split_indices(100, 0.2, seed=1)
-    assert len(va) == 20 and not set(tr) & set(va) and sorted(tr + va) == list(range(100))
-    assert (tr, va) == split_indices(100, 0.2, seed=1)
-    with pytest.raises(ValueError, match="`val_fraction`"):
-        split_indices(10, 1.0, 0)
+from lightning_accel.data import CachedDataModule
+from lightning_accel.datasets import DigitsCachedDataModule, DigitsDataModule
 
 
 def test_datamodule_batches(digits_dir: Path) -> None:
@@ -26,3 +18,66 @@ def test_datamodule_batches(digits_dir: Path) -> None:
     assert len(dm.train_set) + len(dm.val_set) == 1797
     with pytest.raises(ValueError, match="`batch_size`"):
         DigitsDataModule(batch_size=0)
+
+
+def test_cli_yaml_builds_the_cached_digits_module(tmp_path: Path) -> None:
+    from lightning_accel.cli import AccelCLI
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        f"""
+model:
+  class_path: lightning_accel.models.ImageClassifier
+data:
+  class_path: lightning_accel.datasets.DigitsCachedDataModule
+  init_args:
+    origin: {tmp_path / "digits"}
+    digits_size: 16
+    num_images: 50
+    cache_dir: {tmp_path / "cache"}
+    ram_bytes: 0
+    ssd_bytes: 64MiB
+    image_size: 16
+    train_augment:
+      class_path: lightning_accel.data.GpuAugment
+      init_args: {{crop_scale: [0.5, 1.0], flip_p: 0.0}}
+"""
+    )
+    cli = AccelCLI(args=["--config", str(cfg)], run=False)
+    dm = cli.datamodule
+    assert isinstance(dm, CachedDataModule) and dm.ssd_bytes == 64 << 20 and dm.train_augment.crop_scale == (0.5, 1.0)
+    dm.prepare_data()
+    dm.setup("fit")
+    assert len(dm.train_set) + len(dm.val_set) == 50
+
+
+def test_cached_digits_render_in_setup_too(tmp_path: Path) -> None:
+    # a rank other than local rank 0 skips prepare_data: setup renders (a no-op once the tree is complete)
+    dm = DigitsCachedDataModule(
+        str(tmp_path / "digits"),
+        digits_size=8,
+        num_images=30,
+        image_size=8,
+        cache_dir=str(tmp_path / "cache"),
+        ram_bytes=0,
+    )
+    dm.setup("fit")
+    assert dm.train_set is not None and dm.val_set is not None
+    assert len(dm.train_set) + len(dm.val_set) == 30
+    x, y = dm.train_set.__getitems__([0, 1])
+    assert x.shape == (2, 3, 8, 8) and x.dtype == torch.uint8 and len(y) == 2
+
+
+def test_cached_digits_without_rendering_read_an_existing_tree(digits_dir: Path, tmp_path: Path) -> None:
+    dm = DigitsCachedDataModule(
+        str(digits_dir), digits_size=None, image_size=32, cache_dir=str(tmp_path / "cache"), ram_bytes=0
+    )
+    dm.setup("fit")
+    assert dm.train_set is not None and dm.val_set is not None
+    assert len(dm.train_set) + len(dm.val_set) == 1797
+
+
+def test_cached_digits_need_a_local_origin_to_render_into() -> None:
+    with pytest.raises(ValueError, match="`origin` must be a local directory"):
+        DigitsCachedDataModule("s3://bucket/digits")
+    DigitsCachedDataModule("s3://bucket/digits", digits_size=None)  # reading an existing remote tree is fine
