@@ -16,10 +16,12 @@ import sys
 from typing import Any
 
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
+from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI, SaveConfigCallback
 from typing_extensions import override
 
 import lightning_accel  # noqa: F401 - registers the strategy aliases on import
+from lightning_accel._utils import compat
+from lightning_accel.parallel.strategy import resolve_trainer_kwargs
 
 __all__ = ["AccelCLI", "SaveConfigBesideLogs", "main"]
 
@@ -44,7 +46,12 @@ class SaveConfigBesideLogs(SaveConfigCallback):
 
 
 class AccelCLI(LightningCLI):
-    """LightningCLI with lightning-accel's defaults (subclass mode for model and data, CSV logging)."""
+    """LightningCLI with lightning-accel's defaults.
+
+    Subclass mode for model and data; CSV logging when the config sets no logger; ``DeltaCheckpointIO`` manifests
+    accepted as ``ckpt_path``; a ``trainer.strategy`` of class ``AutoStrategy`` resolved for the model before the
+    Trainer is built (:func:`~lightning_accel.parallel.strategy.resolve_trainer_kwargs`).
+    """
 
     def __init__(self, args: list[str] | None = None, run: bool = True) -> None:
         super().__init__(
@@ -58,30 +65,41 @@ class AccelCLI(LightningCLI):
             run=run,
         )
 
+    # A ckpt_path written by DeltaCheckpointIO is a JSON manifest; LightningCLI (>= 2.6) reads the hyper-parameters of
+    # `ckpt_path` with `torch.load` right after `parse_arguments`, which fails on it. So `parse_arguments` reads them
+    # through the delta store and hides the path from that step; `before_instantiate_classes` puts it back.
+    _delta_ckpt_path: str | None = None
+
     @override
-    def _parse_ckpt_path(self) -> None:
-        # LightningCLI reads the checkpoint's hyper-parameters with `torch.load` before the Trainer exists; a
-        # DeltaCheckpointIO checkpoint is a JSON manifest, so read those through the delta store instead.
+    def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
+        super().parse_arguments(parser, args)
         sub = self.config.get("subcommand")
         ckpt_path = self.config[sub].get("ckpt_path") if sub else None
         if not (ckpt_path and _is_delta_manifest(ckpt_path)):
-            super()._parse_ckpt_path()
             return
-        from lightning_accel.checkpoint.plugin import DeltaCheckpointIO
+        from lightning_accel.checkpoint.reader import read_checkpoint
 
-        hparams = dict(DeltaCheckpointIO().load_checkpoint(ckpt_path).get("hyper_parameters", {}))
-        hparams.pop("_instantiator", None)
-        if not hparams:
-            return
-        if "_class_path" in hparams:
-            hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
-        self.config = self.parser.parse_object({sub: {"model": hparams}}, self.config)
+        model = compat.cli_model_config(read_checkpoint(ckpt_path).get("hyper_parameters", {}))
+        if model is not None:
+            self.config = parser.parse_object({sub: {"model": model}}, self.config)
+        self._delta_ckpt_path = ckpt_path
+        self.config[sub]["ckpt_path"] = None
 
     @override
-    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> Any:
+    def before_instantiate_classes(self) -> None:
+        if self._delta_ckpt_path is not None:
+            self.config[self.config["subcommand"]]["ckpt_path"] = self._delta_ckpt_path
+
+    @override
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        """The Trainer, with CSV (+ TensorBoard) loggers when the config sets none, and an ``AutoStrategy`` resolved
+        for the instantiated model before the Trainer is built (see :meth:`AutoStrategy.resolve`)."""
+        sub = self.config_init.get(self.subcommand, self.config_init) if self.subcommand else self.config_init
+        config = {**sub.get("trainer", {}), **kwargs}
         if config.get("logger") in (None, True):
-            config["logger"] = default_loggers(config.get("default_root_dir"))
-        return super()._instantiate_trainer(config, callbacks)
+            kwargs["logger"] = default_loggers(config.get("default_root_dir"))
+        kwargs.update(resolve_trainer_kwargs(config, self.model))
+        return super().instantiate_trainer(**kwargs)
 
 
 def _is_delta_manifest(path: str) -> bool:

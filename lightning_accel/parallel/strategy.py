@@ -1,11 +1,22 @@
-"""``AutoStrategy``: strategy selection from LightningCLI (or Python) when the model is not known up front.
+"""``AutoStrategy``: :func:`select_strategy` for a Trainer whose model is not known when the config is written.
 
-A Trainer's strategy is fixed before ``fit`` sees the model, but the choice needs the model. ``AutoStrategy`` starts
-as DDP (its launcher starts the processes exactly like ``strategy="ddp"``); once the process group is up
-(``setup_environment``, before the model is configured or moved) rank 0 runs :func:`select_strategy` on the model,
-broadcasts the choice, and every rank swaps the Trainer's strategy for the chosen one (``ddp``: stays; ``ddp_1bit``:
-the registered 1-bit strategy; ``fsdp``: ``FSDPStrategy``), handing over accelerator, devices, cluster environment,
-checkpoint IO, precision and launcher. The choice and its explanation are logged and kept in :attr:`choice`.
+**Chosen before the Trainer is built** (what the ``lightning-accel`` CLI does with a config's ``AutoStrategy``): the
+CLI instantiates the model, calls :meth:`AutoStrategy.resolve` with the config's ``accelerator``, ``devices``,
+``num_nodes`` and ``plugins``, and builds the Trainer with what it returns: the ``AutoStrategy`` itself when data
+parallel is chosen (it is a ``DDPStrategy``), else the chosen strategy (``ddp_1bit``: the registered 1-bit strategy;
+``fsdp``: ``FSDPStrategy``), so Lightning sets that strategy up like any other. There is no process group yet, so
+every process chooses for itself; :class:`ChoiceCheck` compares the choices once the group is up and stops the run
+with an error naming them if they differ (possible across nodes: the ``ddp_1bit`` advice uses a measured backward
+time). In Python, call :func:`~lightning_accel.parallel.select_strategy` and pass its name to
+``Trainer(strategy=...)``, or pass what :meth:`AutoStrategy.resolve` returns.
+
+**Handed to a Trainer directly**, an ``AutoStrategy`` starts as DDP (its launcher starts the processes exactly like
+``strategy="ddp"``); once the process group is up (``setup_environment``, before the model is configured or moved)
+rank 0 chooses, broadcasts the choice, and every rank swaps the Trainer's strategy for the chosen one, handing over
+accelerator, devices, cluster environment, checkpoint IO, precision and launcher. Lightning has no public API for
+that swap: it goes through :mod:`lightning_accel._utils.compat`.
+
+Either way the choice and its explanation are logged and kept in :attr:`AutoStrategy.choice`.
 
 YAML::
 
@@ -18,18 +29,23 @@ YAML::
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.accelerators import Accelerator, AcceleratorRegistry, CUDAAccelerator, MPSAccelerator
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, Strategy, StrategyRegistry
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_accel._utils import compat
 from lightning_accel.parallel.select import POLICIES, StrategyChoice, select_strategy
 
-__all__ = ["AutoStrategy"]
+__all__ = ["AutoStrategy", "ChoiceCheck", "resolve_trainer_kwargs", "trainer_devices"]
 
 _CHOICES = ("ddp", "ddp_1bit", "fsdp", "auto")
 
@@ -40,9 +56,75 @@ def _fsdp_runs_on(device: torch.device) -> bool:
 
 
 def _host_memory_bytes() -> int:
-    import os
-
     return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def trainer_devices(
+    accelerator: str | Accelerator = "auto", devices: int | str | list[int] = "auto"
+) -> list[torch.device]:
+    """The devices of one node that ``Trainer(accelerator=accelerator, devices=devices)`` trains on.
+
+    Resolved with the accelerators' public ``parse_devices`` / ``get_parallel_devices``, as the Trainer does:
+    ``"auto"`` and ``"gpu"`` mean MPS, else CUDA when available (``"auto"``: else CPU), ``devices="auto"`` all
+    devices of that kind (one process on CPU).
+
+    Raises:
+        ValueError: an ``accelerator`` name Lightning does not know.
+    """
+    if isinstance(accelerator, Accelerator):
+        cls: Any = type(accelerator)
+    else:
+        name = str(accelerator).lower()
+        if name in ("auto", "gpu"):
+            if MPSAccelerator.is_available():
+                name = "mps"
+            elif CUDAAccelerator.is_available() or name == "gpu":
+                name = "cuda"  # "gpu" without one: CUDAAccelerator.parse_devices says what is missing
+            else:
+                name = "cpu"
+        if name not in AcceleratorRegistry:
+            raise ValueError(
+                f"`accelerator` must be 'auto', 'gpu', one of {sorted(AcceleratorRegistry)} or an `Accelerator`, got "
+                f"{accelerator!r}."
+            )
+        cls = AcceleratorRegistry[name]["accelerator"]
+    if devices == "auto":
+        devices = cls.auto_device_count()
+    return list(cls.get_parallel_devices(cls.parse_devices(devices)))
+
+
+def _precision_plugin(plugins: Any) -> Precision | None:
+    """The precision plugin among a Trainer's ``plugins`` argument (one plugin, a list, or None)."""
+    items = plugins if isinstance(plugins, (list, tuple)) else [plugins]
+    return next((p for p in items if isinstance(p, Precision)), None)
+
+
+class ChoiceCheck(Callback):
+    """Stops a run whose processes chose different strategies (each process runs :meth:`AutoStrategy.resolve`).
+
+    In ``setup`` (the process group is up, the model not yet wrapped) every rank shares its choice; if they differ,
+    every rank raises the same error, so none waits forever in a collective the others never join.
+
+    Args:
+        strategy: this process's choice (``StrategyChoice.strategy``).
+    """
+
+    def __init__(self, strategy: str) -> None:
+        self.strategy = strategy
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return
+        names: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(names, self.strategy)
+        if len(set(names)) > 1:
+            by_rank = ", ".join(f"rank {i}: {n!r}" for i, n in enumerate(names))
+            raise ValueError(
+                f"AutoStrategy: the processes chose different strategies ({by_rank}), so they cannot train together. "
+                f"Pass the strategy explicitly (`trainer.strategy: {names[0]}`), or set `device_memory_bytes` (and "
+                "`inter_node_gbps` far from the logged 1-bit break-even) so every process decides the same."
+            )
 
 
 class AutoStrategy(DDPStrategy):
@@ -66,6 +148,7 @@ class AutoStrategy(DDPStrategy):
     def __init__(
         self,
         policy: str = "memory",
+        *,
         device_memory_bytes: int | None = None,
         inter_node_gbps: float | None = None,
         headroom: float = 0.2,
@@ -90,8 +173,48 @@ class AutoStrategy(DDPStrategy):
         self.fsdp_kwargs = dict(fsdp_kwargs or {})
         self.choice: StrategyChoice | None = None
         self.chosen: Strategy | None = None
+        self._resolved = False  # chosen by `resolve` before the Trainer was built: `setup_environment` keeps it
 
-    def _select(self, model: pl.LightningModule) -> StrategyChoice:
+    def resolve(
+        self,
+        model: pl.LightningModule,
+        *,
+        accelerator: str | Accelerator = "auto",
+        devices: int | str | list[int] = "auto",
+        num_nodes: int = 1,
+        plugins: Any = None,
+    ) -> Strategy:
+        """Choose now, before the Trainer exists, for a Trainer built with these arguments.
+
+        Args:
+            model: the LightningModule to train (its ``example_input_array`` is measured on the CPU).
+            accelerator: the Trainer's ``accelerator``.
+            devices: the Trainer's ``devices``.
+            num_nodes: the Trainer's ``num_nodes``.
+            plugins: the Trainer's ``plugins`` (a precision plugin among them rules FSDP out).
+
+        Returns:
+            What to pass as ``Trainer(strategy=...)``: this strategy when data parallel is chosen (``choice`` is
+            kept; ``setup`` does not choose again), else the chosen strategy (also kept in :attr:`chosen`). Add
+            ``ChoiceCheck(self.choice.strategy)`` to the Trainer's callbacks when several processes each resolve.
+
+        Raises:
+            ValueError: FSDP was chosen but cannot run (CPU devices, or a precision plugin FSDP cannot take).
+        """
+        parallel = trainer_devices(accelerator, devices)
+        choice = self._choose(model, parallel[0], len(parallel), num_nodes)
+        self._record(choice)
+        self._resolved = True
+        name = choice.strategy
+        built: Strategy | None = None
+        if name == "ddp_1bit":
+            built = self._onebit()
+        elif name == "fsdp":
+            built = self._fsdp(parallel[0], _precision_plugin(plugins), precision=None)
+        self.chosen = built or self
+        return self.chosen
+
+    def _choose(self, model: pl.LightningModule, device: torch.device, devices: int, num_nodes: int) -> StrategyChoice:
         example = getattr(model, "example_input_array", None) if self.use_example_input else None
         scale = 1.0
         if example is not None and self.example_batch_size is not None:
@@ -99,14 +222,14 @@ class AutoStrategy(DDPStrategy):
             if isinstance(first, torch.Tensor) and first.ndim:
                 scale = self.example_batch_size / first.shape[0]
         mem = self.device_memory_bytes
-        if mem is None and self.root_device.type == "cuda":
-            mem = torch.cuda.get_device_properties(self.root_device).total_memory
+        if mem is None and device.type == "cuda":
+            mem = torch.cuda.get_device_properties(device).total_memory
         elif mem is None:
-            mem = _host_memory_bytes() // max(1, len(self.parallel_devices or [1]))
+            mem = _host_memory_bytes() // max(1, devices)
         return select_strategy(
             model,
-            devices=len(self.parallel_devices or [self.root_device]),
-            num_nodes=self.num_nodes,
+            devices=devices,
+            num_nodes=num_nodes,
             device_memory_bytes=mem,
             example_batch=example,
             inter_node_gbps=self.inter_node_gbps,
@@ -116,21 +239,29 @@ class AutoStrategy(DDPStrategy):
             activation_scale=scale,
         )
 
+    def _record(self, choice: StrategyChoice | None) -> None:
+        self.choice = choice
+        if choice is None:  # a rank other than 0 in `setup_environment`: rank 0 chose and logs
+            return
+        rank_zero_info(f"AutoStrategy ({self.policy}): {choice.strategy}. {choice.explanation}")
+        if not choice.fits:
+            rank_zero_warn(
+                f"AutoStrategy: the estimate says '{choice.strategy}' may not fit in memory. {choice.explanation}"
+            )
+
     @override
     def setup_environment(self) -> None:
         super().setup_environment()  # process group is up from here on
+        if self._resolved:
+            return
         model = self.lightning_module
         assert model is not None, "AutoStrategy.setup_environment runs after Trainer.fit connected the model"
         trainer = model.trainer
-        choice = self._select(model) if self.global_rank == 0 else None
+        devices = len(self.parallel_devices or [self.root_device])
+        choice = self._choose(model, self.root_device, devices, self.num_nodes) if self.global_rank == 0 else None
         idx = _CHOICES.index(choice.strategy) if choice is not None else -1
-        idx = self._broadcast_index(idx)
-        self.choice = choice
-        name = _CHOICES[idx]
-        if choice is not None:
-            rank_zero_info(f"AutoStrategy ({self.policy}): {name}. {choice.explanation}")
-            if not choice.fits:
-                rank_zero_warn(f"AutoStrategy: the estimate says '{name}' may not fit in memory. {choice.explanation}")
+        name = _CHOICES[self._broadcast_index(idx)]
+        self._record(choice)
         if name in ("ddp", "auto"):
             self.chosen = self
             return
@@ -149,51 +280,89 @@ class AutoStrategy(DDPStrategy):
         torch.distributed.broadcast(t, src=0)
         return int(t.item())
 
-    def _build(self, name: str, trainer: pl.Trainer) -> Strategy | None:
+    def _build(self, name: str, trainer: pl.Trainer | None) -> Strategy | None:
+        """The strategy for ``name`` chosen at setup (``trainer``: the running one, whose precision FSDP takes)."""
         if name == "ddp_1bit":
-            if "ddp_1bit" not in StrategyRegistry:
-                rank_zero_warn(
-                    "AutoStrategy chose 'ddp_1bit' but no strategy of that name is registered (import "
-                    "`lightning_accel` with the 1-bit plugin installed); continuing with plain DDP."
-                )
-                return None
-            return StrategyRegistry.get("ddp_1bit")
-        if not _fsdp_runs_on(self.root_device):
+            return self._onebit()
+        assert trainer is not None, "FSDP is built at setup for a running Trainer"
+        prec = self.precision_plugin
+        # plain Precision / MixedPrecision are what the Trainer made from `precision=`: FSDP gets its own equivalent
+        custom = prec if type(prec) not in (Precision, MixedPrecision) else None
+        return self._fsdp(self.root_device, custom, precision=str(trainer.precision))
+
+    def _onebit(self) -> Strategy | None:
+        if "ddp_1bit" not in StrategyRegistry:
+            rank_zero_warn(
+                "AutoStrategy chose 'ddp_1bit' but no strategy of that name is registered (import "
+                "`lightning_accel` with the 1-bit plugin installed); continuing with plain DDP."
+            )
+            return None
+        return StrategyRegistry.get("ddp_1bit")
+
+    def _fsdp(self, device: torch.device, custom_precision: Precision | None, precision: str | None) -> FSDPStrategy:
+        if not _fsdp_runs_on(device):
             raise ValueError(
                 f"AutoStrategy chose FSDP ({self.choice.explanation if self.choice else 'see the log'}), but torch's "
-                f"FSDP cannot run on `{self.root_device}`. Train on GPUs, give the CPU processes more memory "
+                f"FSDP cannot run on `{device}`. Train on GPUs, give the CPU processes more memory "
                 "(`device_memory_bytes`), or shrink the model/batch."
             )
-        prec = self.precision_plugin
-        if type(prec) not in (Precision, MixedPrecision):
+        if custom_precision is not None:
             raise ValueError(
                 f"AutoStrategy chose FSDP, which needs its own precision plugin, but the trainer uses "
-                f"`{type(prec).__name__}`. Pass `AutoStrategy(policy=..., device_memory_bytes=...)` without that "
-                "precision plugin, use `Trainer(precision=...)`, or pass `strategy='fsdp'` explicitly."
+                f"`{type(custom_precision).__name__}`. Pass `AutoStrategy(policy=..., device_memory_bytes=...)` "
+                "without that precision plugin, use `Trainer(precision=...)`, or pass `strategy='fsdp'` explicitly."
             )
-        from lightning.pytorch.plugins.precision import FSDPPrecision
-
         strategy = FSDPStrategy(**self.fsdp_kwargs)
-        strategy.precision_plugin = FSDPPrecision(str(trainer.precision))  # type: ignore[arg-type]
+        if precision is not None:
+            # At setup the Trainer has made its precision plugin already (for DDP); before it exists (`resolve`) the
+            # Trainer makes FSDP's own from `precision=`.
+            from lightning.pytorch.plugins.precision import FSDPPrecision
+
+            mode: Any = precision  # a Trainer's `precision` string, which FSDPPrecision types as a Literal
+            strategy.precision_plugin = FSDPPrecision(mode)
         return strategy
 
     def _transplant(self, new: Strategy, model: pl.LightningModule, trainer: pl.Trainer) -> None:
         """Give ``new`` what the accelerator connector gave this strategy, then make it the Trainer's strategy."""
+        assert self.accelerator is not None, "the accelerator connector sets it before `setup_environment`"
         new.accelerator = self.accelerator
         if not isinstance(new, FSDPStrategy):
             new.precision_plugin = self.precision_plugin
-        if self._checkpoint_io is not None:
-            new.checkpoint_io = self._checkpoint_io
+        new.checkpoint_io = self.checkpoint_io  # the connector's (or the default TorchCheckpointIO, as for `new`)
         if hasattr(new, "cluster_environment"):
             new.cluster_environment = self.cluster_environment
         if hasattr(new, "parallel_devices"):
             new.parallel_devices = self.parallel_devices
         if hasattr(new, "num_nodes"):
             new.num_nodes = self.num_nodes
-        if hasattr(new, "_layer_sync"):
-            new._layer_sync = self._layer_sync
+        compat.set_layer_sync(new, compat.get_layer_sync(self))
         if hasattr(new, "set_world_ranks"):
             new.set_world_ranks()
-        new._launcher = self._launcher  # the processes were started by this launcher; it must be able to kill them
+        compat.set_launcher(new, self.launcher)  # the processes were started by this launcher; it must stop them
         new.connect(model)
-        trainer._accelerator_connector.strategy = new
+        compat.set_trainer_strategy(trainer, new)
+
+
+def _as_list(value: Any) -> list[Any]:
+    return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def resolve_trainer_kwargs(trainer_kwargs: dict[str, Any], model: Any) -> dict[str, Any]:
+    """``trainer_kwargs`` with an ``AutoStrategy`` under ``"strategy"`` resolved for ``model`` (else unchanged).
+
+    The resolved strategy replaces the ``AutoStrategy`` and a :class:`ChoiceCheck` joins ``"callbacks"``; only the
+    keys that change are returned, so the result can be merged over the original (``{**kwargs, **result}``).
+    """
+    strategy = trainer_kwargs.get("strategy")
+    if not isinstance(strategy, AutoStrategy) or not isinstance(model, pl.LightningModule):
+        return {}
+    resolved = strategy.resolve(
+        model,
+        accelerator=trainer_kwargs.get("accelerator", "auto"),
+        devices=trainer_kwargs.get("devices", "auto"),
+        num_nodes=int(trainer_kwargs.get("num_nodes", 1) or 1),
+        plugins=trainer_kwargs.get("plugins"),
+    )
+    assert strategy.choice is not None
+    callbacks: Sequence[Any] = _as_list(trainer_kwargs.get("callbacks"))
+    return {"strategy": resolved, "callbacks": [*callbacks, ChoiceCheck(strategy.choice.strategy)]}

@@ -1,4 +1,5 @@
-"""AutoStrategy inside a Trainer: keeps DDP when it fits, swaps to the chosen strategy at setup, works from the CLI."""
+"""AutoStrategy inside a Trainer: keeps DDP when it fits, swaps to the chosen strategy at setup, and from the CLI is
+resolved before the Trainer is built."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from torch import nn
 
 import lightning_accel.parallel.strategy as strategy_mod
 from lightning_accel.parallel import AutoStrategy
+from lightning_accel.parallel.strategy import ChoiceCheck, resolve_trainer_kwargs, trainer_devices
 
 
 class Deep(pl.LightningModule):
@@ -132,6 +134,89 @@ def test_lightning_cli_instantiates_it(tmp_path: Path) -> None:
     cli = AccelCLI(args=["--config", str(cfg)], run=False)
     st = cli.trainer.strategy
     assert isinstance(st, AutoStrategy) and st.device_memory_bytes == 10**9 and st.example_batch_size == 64
+
+
+def _cli_config(tmp_path: Path, trainer: str, strategy_args: str) -> Path:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        f"trainer:\n  accelerator: cpu\n  logger: false\n{trainer}"
+        "  strategy:\n    class_path: lightning_accel.parallel.AutoStrategy\n"
+        f"    init_args: {{{strategy_args}}}\n"
+        "model:\n  class_path: tests.parallel.test_strategy_integration.Deep\n  init_args: {depth: 3}\n"
+        "data:\n  class_path: lightning.pytorch.demos.boring_classes.BoringDataModule\n"
+    )
+    return cfg
+
+
+def test_cli_resolves_before_the_trainer_is_built(tmp_path: Path) -> None:
+    from lightning_accel.cli import AccelCLI
+    from lightning_accel.comm.strategy import OneBitDDPStrategy
+
+    # two nodes on a very slow link: DDP fits, and 1-bit compression pays off
+    cfg = _cli_config(
+        tmp_path, "  devices: 1\n  num_nodes: 2\n", "device_memory_bytes: 1000000000, inter_node_gbps: 1.0e-9"
+    )
+    cli = AccelCLI(args=["--config", str(cfg)], run=False)
+    auto = cli.config_init["trainer"]["strategy"]
+    assert isinstance(auto, AutoStrategy) and auto.choice is not None and auto.choice.strategy == "ddp_1bit"
+    # the Trainer was built with the chosen strategy: no swap at setup, no private Lightning API
+    assert isinstance(cli.trainer.strategy, OneBitDDPStrategy) and auto.chosen is cli.trainer.strategy
+    assert cli.trainer.num_nodes == 2
+    checks = [c for c in cli.trainer.callbacks if isinstance(c, ChoiceCheck)]
+    assert len(checks) == 1 and checks[0].strategy == "ddp_1bit"
+
+
+def test_cli_refuses_fsdp_on_cpu_before_building_the_trainer(tmp_path: Path) -> None:
+    from lightning_accel.cli import AccelCLI
+
+    cfg = _cli_config(tmp_path, "  devices: 2\n", "policy: rules")
+    cfg.write_text(cfg.read_text().replace("{depth: 3}", "{depth: 60}"))
+    with pytest.raises(ValueError, match="cannot run on `cpu`"):
+        AccelCLI(args=["--config", str(cfg)], run=False)
+
+
+def test_resolve_keeps_itself_when_ddp_fits_and_setup_does_not_choose_again() -> None:
+    st = AutoStrategy(device_memory_bytes=10**9, example_batch_size=16)
+    model = Deep(depth=3)
+    assert st.resolve(model, accelerator="cpu", devices=1) is st and st.chosen is st
+    first = st.choice
+    assert first is not None and first.strategy == "auto"
+    t = trainer(st)
+    t.fit(model, loader())
+    assert t.strategy is st and st.choice is first and t.global_step == 3
+
+
+def test_resolve_trainer_kwargs_leaves_other_strategies_alone() -> None:
+    assert resolve_trainer_kwargs({"strategy": "ddp"}, Deep(depth=3)) == {}
+    assert resolve_trainer_kwargs({"strategy": AutoStrategy()}, nn.Linear(2, 2)) == {}  # not a LightningModule
+    st = AutoStrategy(device_memory_bytes=10**9)
+    cb = Callback()
+    out = resolve_trainer_kwargs({"strategy": st, "accelerator": "cpu", "devices": 1, "callbacks": cb}, Deep(depth=3))
+    assert out["strategy"] is st and out["callbacks"][0] is cb and isinstance(out["callbacks"][1], ChoiceCheck)
+
+
+def test_choice_check_stops_every_rank_when_the_choices_differ(monkeypatch: pytest.MonkeyPatch) -> None:
+    ChoiceCheck("ddp").setup(None, None, "fit")  # type: ignore[arg-type]  # no process group: nothing to compare
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+
+    def gather(out: list[Any], obj: Any, group: Any = None) -> None:
+        out[:] = [obj, "ddp_1bit"]
+
+    monkeypatch.setattr(torch.distributed, "all_gather_object", gather)
+    ChoiceCheck("ddp_1bit").setup(None, None, "fit")  # type: ignore[arg-type]  # same choice: passes
+    with pytest.raises(ValueError, match=r"chose different strategies \(rank 0: 'ddp', rank 1: 'ddp_1bit'\)"):
+        ChoiceCheck("ddp").setup(None, None, "fit")  # type: ignore[arg-type]
+
+
+def test_trainer_devices_resolves_like_the_trainer() -> None:
+    assert trainer_devices("cpu", 2) == [torch.device("cpu")] * 2
+    assert trainer_devices("cpu", "3") == [torch.device("cpu")] * 3
+    assert trainer_devices("cpu") == [torch.device("cpu")]  # devices="auto": one CPU process
+    if not torch.cuda.is_available():
+        assert trainer_devices("auto", "auto") == [torch.device("cpu")]
+    with pytest.raises(ValueError, match="`accelerator`"):
+        trainer_devices("abacus", 1)
 
 
 @pytest.mark.gpu

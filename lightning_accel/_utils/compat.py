@@ -1,0 +1,374 @@
+"""Every private Lightning and torch name this project touches, each behind one named function.
+
+Private names change without a deprecation period, so they are gathered here: each shim says why no public API does
+the job and since which version the private name has the shape used here. Lightning names were checked against the
+``lightning`` 2.4.0, 2.5.0, 2.6.0 and 2.6.6 wheels, torch names against torch 2.14.1 (this project supports
+``lightning>=2.4`` and ``torch>=2.4``). ``tests/_utils/test_compat.py`` fails, naming the attribute, when one
+disappears; ``tests/test_layout.py`` fails when a private name is reached anywhere else in the package.
+
+This module imports Lightning for type checking only (the Lightning shims take the objects they touch), so the
+plain-torch cores can use it without importing Lightning.
+
+Where a public API does the job, the code uses it and there is no shim:
+
+- ``torch.utils.data.default_collate`` (public since torch 1.11), not ``torch.utils.data._utils.collate``;
+- ``torch.distributed.is_available() and torch.distributed.is_initialized()``, not Lightning's
+  ``_distributed_is_initialized``;
+- overriding ``DDPStrategy.configure_ddp`` and reading ``DistributedDataParallel.process_group``, not overriding
+  ``DDPStrategy._register_ddp_hooks`` or reading ``DDPStrategy._ddp_kwargs``;
+- ``LightningModule.trainer`` (raises ``RuntimeError`` when not attached), not ``._trainer``;
+  ``LightningOptimizer.optimizer``, not ``._optimizer``;
+- ``setattr(module, name, tensor)`` (``nn.Module.__setattr__`` keeps a registered buffer a buffer), not
+  ``module._buffers[name] = tensor``;
+- the ``Strategy.checkpoint_io`` and ``Strategy.launcher`` getters, not ``_checkpoint_io`` / ``_launcher`` reads;
+- the public ``LightningCLI`` hooks ``parse_arguments``, ``before_instantiate_classes`` and ``instantiate_trainer``,
+  not overriding ``_parse_ckpt_path`` / ``_instantiate_trainer``;
+- the project's own checkpoint reader (``checkpoint/reader.py``: fsspec + ``torch.load``), not Lightning's
+  ``cloud_io._load``;
+- choosing ``AutoStrategy``'s strategy before the ``Trainer`` is built (the ``lightning-accel`` CLI does), rather
+  than swapping it mid-setup; the mid-setup swap remains only for an ``AutoStrategy`` handed to ``Trainer`` directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from lightning.pytorch.plugins.layer_sync import LayerSync
+    from lightning.pytorch.strategies import Strategy
+    from torch.utils.data import DataLoader
+
+__all__ = [
+    "PathType",
+    "allocator_settings_setter",
+    "child_modules",
+    "cli_model_config",
+    "compile_error_types",
+    "compiled_call_impl",
+    "cuda_memory_snapshot",
+    "ddp_logging_data",
+    "empty_shared",
+    "get_layer_sync",
+    "grad_scaler_scale",
+    "module_call_impl",
+    "pin_memory",
+    "record_cuda_memory_history",
+    "scheduler_last_lr",
+    "set_child_modules",
+    "set_compiled_call_impl",
+    "set_ddp_runtime_logging_sample_rate",
+    "set_launcher",
+    "set_layer_sync",
+    "set_scheduler_last_lr",
+    "set_trainer_strategy",
+    "shutdown_persistent_workers",
+    "stop_cuda_memory_history",
+    "storage_use_count_fn",
+]
+
+#: The path type of Lightning's ``CheckpointIO`` / ``Strategy`` checkpoint signatures. Lightning's own alias is private
+#: (``lightning.fabric.utilities.types._PATH = Union[str, Path]``, that shape since Lightning 2.0); this one is the
+#: same union, so overrides keep the base signature and pass the path on unchanged.
+PathType: TypeAlias = str | Path
+
+
+# -- Lightning: Trainer and Strategy ---------------------------------------------------------------------------------
+# Used only when an `AutoStrategy` is given to `Trainer` directly: the model (and so the choice) is known only once
+# `fit` runs, after the Trainer fixed its strategy. Lightning has no public way to replace a Trainer's strategy, nor
+# to hand over what its accelerator connector gave the first one. The `lightning-accel` CLI avoids all three by
+# choosing before the Trainer is built.
+
+
+def set_trainer_strategy(trainer: pl.Trainer, strategy: Strategy) -> None:
+    """Make ``strategy`` the one ``trainer.strategy`` returns.
+
+    ``Trainer.strategy`` is a read-only property over ``trainer._accelerator_connector.strategy`` (that shape since
+    Lightning 2.0; checked 2.4.0-2.6.6).
+    """
+    trainer._accelerator_connector.strategy = strategy
+
+
+def get_layer_sync(strategy: Strategy) -> LayerSync | None:
+    """The ``LayerSync`` (``Trainer(sync_batchnorm=True)``) the accelerator connector gave ``strategy``, or None.
+
+    ``ParallelStrategy._layer_sync`` has no public accessor (attribute since Lightning 2.0; checked 2.4.0-2.6.6).
+    """
+    return getattr(strategy, "_layer_sync", None)
+
+
+def set_layer_sync(strategy: Strategy, layer_sync: LayerSync | None) -> bool:
+    """Give ``strategy`` the ``layer_sync`` the connector gave another one; False for a strategy without one.
+
+    No public setter (see :func:`get_layer_sync`); only ``ParallelStrategy`` subclasses have the attribute.
+    """
+    if not hasattr(strategy, "_layer_sync"):
+        return False
+    strategy._layer_sync = layer_sync
+    return True
+
+
+def set_launcher(strategy: Strategy, launcher: Any) -> None:
+    """Give ``strategy`` the launcher that started the processes (it must be able to stop them).
+
+    ``Strategy.launcher`` is a read-only property over ``_launcher`` (since Lightning 2.0; checked 2.4.0-2.6.6).
+    """
+    strategy._launcher = launcher
+
+
+# -- Lightning: LightningCLI's hyper-parameter format ----------------------------------------------------------------
+
+
+def cli_model_config(hparams: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The ``model`` config LightningCLI makes of a checkpoint's ``hyper_parameters``; None when there are none.
+
+    A model instantiated by LightningCLI saves its ``class_path`` under the private key ``_class_path`` and the
+    instantiator under ``_instantiator`` (both since Lightning 2.4 at least; checked 2.4.0-2.6.6). LightningCLI >= 2.6
+    turns them back into a config in its private ``_parse_ckpt_path``, which reads only ``torch.save`` files; this
+    does the same for checkpoints it cannot read.
+    """
+    config = dict(hparams)
+    config.pop("_instantiator", None)
+    if not config:
+        return None
+    if "_class_path" in config:
+        return {"class_path": config.pop("_class_path"), "dict_kwargs": config}
+    return config
+
+
+# -- torch: DistributedDataParallel ----------------------------------------------------------------------------------
+# DDP's runtime statistics (backward compute/comm times, the comm hook in use) have no public accessor; they are
+# what separates exposed gradient communication from compute in `PerformanceMonitor`.
+
+
+def set_ddp_runtime_logging_sample_rate(model: Any, rate: int) -> bool:
+    """Ask DDP to time every ``rate``-th iteration; False when ``model`` is not a DDP module (nothing asked).
+
+    A DDP that cannot time (e.g. its process group lacks the support) ignores the request: no comm timing, no error.
+    ``DistributedDataParallel._set_ddp_runtime_logging_sample_rate`` (since torch 1.10; checked 2.14.1).
+    """
+    setter = getattr(model, "_set_ddp_runtime_logging_sample_rate", None)
+    if setter is None:
+        return False
+    with contextlib.suppress(Exception):
+        setter(rate)
+    return True
+
+
+def ddp_logging_data(model: Any) -> dict[str, Any] | None:
+    """DDP's logging data (``avg_backward_comm_time``, ``comm_hook``, ...); None for a non-DDP ``model`` or on error.
+
+    ``DistributedDataParallel._get_ddp_logging_data`` (since torch 1.9; checked 2.14.1).
+    """
+    getter = getattr(model, "_get_ddp_logging_data", None)
+    if getter is None:
+        return None
+    try:
+        return dict(getter())
+    except Exception:  # e.g. called before the reducer exists
+        return None
+
+
+# -- torch: AMP and LR schedulers ------------------------------------------------------------------------------------
+
+
+def grad_scaler_scale(scaler: torch.amp.GradScaler) -> torch.Tensor | None:
+    """The loss scale as the device tensor the last backward used (None before the first ``scale``).
+
+    ``GradScaler.get_scale()`` returns a Python float, i.e. a device-to-host sync per call; the 1-bit hook needs the
+    scale once per bucket, so it reads ``GradScaler._scale`` (since torch 1.6; ``torch.amp.GradScaler`` since 2.3).
+    """
+    return scaler._scale
+
+
+def scheduler_last_lr(scheduler: Any) -> list[Any] | None:
+    """``scheduler.get_last_lr()``'s list, or None when the scheduler has not stepped yet (or is not one).
+
+    ``LRScheduler.get_last_lr()`` raises ``AttributeError`` before the first step; ``_last_lr`` since torch 1.4.
+    """
+    last = getattr(scheduler, "_last_lr", None)
+    return None if last is None else list(last)
+
+
+def set_scheduler_last_lr(scheduler: Any, values: Sequence[Any]) -> None:
+    """Make ``get_last_lr()`` report ``values`` after the learning rates were rescaled outside the scheduler.
+
+    No public setter exists; ``LRScheduler._last_lr`` (since torch 1.4; checked 2.14.1).
+    """
+    scheduler._last_lr = list(values)
+
+
+# -- torch: nn.Module internals --------------------------------------------------------------------------------------
+
+
+def child_modules(module: nn.Module) -> Mapping[str, nn.Module | None]:
+    """``module``'s children in registration order, repeats and ``None`` entries included (read only).
+
+    ``children()`` / ``named_children()`` drop a module registered twice and ``None`` slots, so an index-based plan
+    over an ``nn.Sequential`` would shift; ``nn.Module._modules`` (since torch 1.0) is the exact list.
+    """
+    return module._modules
+
+
+def set_child_modules(module: nn.Module, children: Mapping[str, nn.Module | None]) -> None:
+    """Replace ``module``'s children by ``children``, in that order.
+
+    ``nn.Module`` can add (``register_module``) and delete (``delattr``) a child but not insert one at a position;
+    putting a fused module in its parts' place keeps ``named_modules()`` and ``state_dict()`` order.
+    ``nn.Module._modules`` (since torch 1.0).
+    """
+    module._modules = dict(children)
+
+
+def module_call_impl(module: nn.Module) -> Callable[..., Any]:
+    """``module``'s eager ``__call__`` body (hooks + ``forward``), which ``torch.compile`` compiles in place.
+
+    ``nn.Module.compile()`` compiles ``nn.Module._call_impl`` (since torch 1.0; in-place compile since 2.2).
+    """
+    return module._call_impl
+
+
+def compiled_call_impl(module: nn.Module) -> Callable[..., Any] | None:
+    """What ``nn.Module.__call__`` runs instead of the eager body, or None (``nn.Module.compile()`` not used).
+
+    ``nn.Module._compiled_call_impl`` (since torch 2.2, with ``nn.Module.compile``).
+    """
+    return getattr(module, "_compiled_call_impl", None)
+
+
+def set_compiled_call_impl(module: nn.Module, fn: Callable[..., Any]) -> None:
+    """Install ``fn`` where ``nn.Module.compile()`` puts the compiled call, so the module object stays the same.
+
+    ``nn.Module.compile()`` accepts no fallback; a guarded callable needs ``_compiled_call_impl`` (torch >= 2.2).
+    """
+    module._compiled_call_impl = fn
+
+
+@functools.cache
+def compile_error_types() -> tuple[type[BaseException], ...]:
+    """Exception types that mean "compilation failed" (not "the model is wrong").
+
+    torch exposes them only in ``torch._dynamo.exc`` (``TorchDynamoException``) and ``torch._inductor.exc`` (every
+    class defined there); both modules since torch 2.0. Falls back to ``RuntimeError`` when neither imports.
+    """
+    errors: list[type[BaseException]] = []
+    try:
+        from torch._dynamo import exc as dynamo_exc
+
+        errors.append(dynamo_exc.TorchDynamoException)
+    except ImportError:  # pragma: no cover - torch without dynamo
+        pass
+    try:
+        from torch._inductor import exc as inductor_exc
+
+        mod = inductor_exc.__name__
+        errors += [v for v in vars(inductor_exc).values() if isinstance(v, type) and v.__module__ == mod]
+    except ImportError:  # pragma: no cover - torch without inductor
+        pass
+    return tuple(errors) or (RuntimeError,)
+
+
+# -- torch: DataLoader and storages ----------------------------------------------------------------------------------
+
+
+def pin_memory(data: Any) -> Any:
+    """``data`` (tensors nested in lists, tuples, dicts, namedtuples) with every tensor in pinned memory.
+
+    What the DataLoader's pin-memory thread does, for batches built outside it; only the private
+    ``torch.utils.data._utils.pin_memory.pin_memory`` walks nested batches (since torch 1.2; checked 2.14.1).
+    """
+    from torch.utils.data._utils.pin_memory import pin_memory as _pin
+
+    return _pin(data)
+
+
+def shutdown_persistent_workers(loader: DataLoader[Any]) -> None:
+    """Stop ``loader``'s persistent worker processes now; its next ``iter()`` starts new ones.
+
+    ``DataLoader`` keeps persistent workers in ``_iterator`` (since torch 1.7) and stops them only when that iterator
+    is garbage-collected; ``_MultiProcessingDataLoaderIter._shutdown_workers`` (since torch 1.0) stops them now.
+    """
+    it = getattr(loader, "_iterator", None)
+    shutdown = getattr(it, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
+    loader._iterator = None
+
+
+@functools.cache
+def storage_use_count_fn() -> Callable[[torch.UntypedStorage], int] | None:
+    """``storage -> number of references to it`` (tensors, views, numpy arrays), or None where torch lacks it.
+
+    No public API says whether a storage is still referenced; ``torch._C._storage_Use_Count(storage._cdata)`` is
+    what inductor's CUDA-graph trees use (present in every torch this project supports, >= 2.4; checked 2.14.1).
+    """
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:
+        return None
+
+    def count(storage: torch.UntypedStorage) -> int:
+        return int(use_count(storage._cdata))
+
+    return count
+
+
+def empty_shared(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor allocated directly in shared memory.
+
+    ``torch.empty(...).share_memory_()`` allocates private memory and then copies it into shared memory; allocating
+    in shared memory is what ``default_collate`` does inside workers, through ``Tensor._typed_storage()`` and
+    ``TypedStorage._new_shared`` (that shape since torch 2.0; checked 2.14.1).
+    """
+    numel = 1
+    for s in shape:
+        numel *= int(s)
+    elem = torch.empty(0, dtype=dtype)
+    storage = elem._typed_storage()._new_shared(numel, device=elem.device)
+    return elem.new(storage).resize_(*[int(s) for s in shape])
+
+
+# -- torch: CUDA caching allocator -----------------------------------------------------------------------------------
+
+
+def allocator_settings_setter() -> Callable[[str], Any] | None:
+    """``conf -> None`` that changes the caching allocator's settings at run time, or None where torch lacks one.
+
+    torch documents only the ``PYTORCH_ALLOC_CONF`` / ``PYTORCH_CUDA_ALLOC_CONF`` variables, read once when the
+    allocator is created. At run time: ``torch._C._accelerator_setAllocatorSettings`` (the device-generic binding
+    of recent torch; in 2.14.1 ``torch.cuda.memory._set_allocator_settings`` delegates to it), else
+    ``torch.cuda.memory._set_allocator_settings`` (older torch, back to 2.4). Looked up at each call, so tests can
+    patch either.
+    """
+    fn = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if fn is not None:
+        return fn
+    return getattr(torch.cuda.memory, "_set_allocator_settings", None)
+
+
+def cuda_memory_snapshot() -> Any:
+    """The allocator state with allocation traces, as https://pytorch.org/memory_viz reads it.
+
+    The public ``torch.cuda.memory_snapshot()`` returns the segments only, without the traces the viewer shows;
+    ``torch.cuda.memory._snapshot()`` (since torch 2.0; the tool's documented input) has both.
+    """
+    return torch.cuda.memory._snapshot()
+
+
+def record_cuda_memory_history(max_entries: int) -> None:
+    """Start recording allocation stack traces (the last ``max_entries`` events) for :func:`cuda_memory_snapshot`.
+
+    Only ``torch.cuda.memory._record_memory_history`` does this (this keyword form since torch 2.1).
+    """
+    torch.cuda.memory._record_memory_history(max_entries=max_entries)
+
+
+def stop_cuda_memory_history() -> None:
+    """Stop recording allocation stack traces (``_record_memory_history(enabled=None)``, since torch 2.1)."""
+    torch.cuda.memory._record_memory_history(enabled=None)

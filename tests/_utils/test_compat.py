@@ -1,0 +1,288 @@
+"""``lightning_accel._utils.compat``: every private Lightning/torch name it relies on still exists, and every shim
+still does what its callers need.
+
+The presence checks fail with the attribute's name, the installed versions and the shim to update, so a Lightning or
+torch upgrade that drops one is caught here rather than as an ``AttributeError`` deep inside a training run.
+"""
+
+from __future__ import annotations
+
+import importlib
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, get_args
+
+import lightning
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_accel._utils import compat
+
+VERSIONS = f"torch {torch.__version__}, lightning {lightning.__version__}"
+
+
+def _trainer(**kw: Any) -> pl.Trainer:
+    args: dict[str, Any] = dict(
+        accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    args.update(kw)
+    return pl.Trainer(**args)
+
+
+def _module(name: str) -> Callable[[], Any]:
+    return lambda: importlib.import_module(name)
+
+
+def _loader() -> DataLoader[Any]:
+    return DataLoader(TensorDataset(torch.zeros(2)), batch_size=1)
+
+
+def _scheduler() -> Any:
+    opt = torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1)
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+
+
+# (what, the object that must have it, attribute, the shim that needs it)
+PRIVATE_NAMES: list[tuple[str, Callable[[], Any], str, str]] = [
+    ("Trainer._accelerator_connector", _trainer, "_accelerator_connector", "set_trainer_strategy"),
+    ("_AcceleratorConnector.strategy", lambda: _trainer()._accelerator_connector, "strategy", "set_trainer_strategy"),
+    ("ParallelStrategy._layer_sync", DDPStrategy, "_layer_sync", "get_layer_sync / set_layer_sync"),
+    ("Strategy._launcher", DDPStrategy, "_launcher", "set_launcher"),
+    (
+        "DistributedDataParallel._set_ddp_runtime_logging_sample_rate",
+        lambda: torch.nn.parallel.DistributedDataParallel,
+        "_set_ddp_runtime_logging_sample_rate",
+        "set_ddp_runtime_logging_sample_rate",
+    ),
+    (
+        "DistributedDataParallel._get_ddp_logging_data",
+        lambda: torch.nn.parallel.DistributedDataParallel,
+        "_get_ddp_logging_data",
+        "ddp_logging_data",
+    ),
+    ("GradScaler._scale", lambda: torch.amp.GradScaler("cpu"), "_scale", "grad_scaler_scale"),
+    ("LRScheduler._last_lr", _scheduler, "_last_lr", "scheduler_last_lr / set_scheduler_last_lr"),
+    ("nn.Module._modules", lambda: nn.Linear(1, 1), "_modules", "child_modules / set_child_modules"),
+    ("nn.Module._call_impl", lambda: nn.Linear(1, 1), "_call_impl", "module_call_impl"),
+    ("nn.Module._compiled_call_impl", lambda: nn.Linear(1, 1), "_compiled_call_impl", "compiled_call_impl"),
+    (
+        "torch._dynamo.exc.TorchDynamoException",
+        _module("torch._dynamo.exc"),
+        "TorchDynamoException",
+        "compile_error_types",
+    ),
+    ("torch._inductor.exc", _module("torch._inductor"), "exc", "compile_error_types"),
+    (
+        "torch.utils.data._utils.pin_memory.pin_memory",
+        _module("torch.utils.data._utils.pin_memory"),
+        "pin_memory",
+        "pin_memory",
+    ),
+    ("DataLoader._iterator", _loader, "_iterator", "shutdown_persistent_workers"),
+    (
+        "_MultiProcessingDataLoaderIter._shutdown_workers",
+        lambda: torch.utils.data.dataloader._MultiProcessingDataLoaderIter,
+        "_shutdown_workers",
+        "shutdown_persistent_workers",
+    ),
+    ("torch._C._storage_Use_Count", lambda: torch._C, "_storage_Use_Count", "storage_use_count_fn"),
+    ("UntypedStorage._cdata", lambda: torch.empty(1).untyped_storage(), "_cdata", "storage_use_count_fn"),
+    ("Tensor._typed_storage", lambda: torch.empty(1), "_typed_storage", "empty_shared"),
+    ("TypedStorage._new_shared", lambda: torch.empty(1)._typed_storage(), "_new_shared", "empty_shared"),
+    ("torch.cuda.memory._snapshot", lambda: torch.cuda.memory, "_snapshot", "cuda_memory_snapshot"),
+    (
+        "torch.cuda.memory._record_memory_history",
+        lambda: torch.cuda.memory,
+        "_record_memory_history",
+        "record_cuda_memory_history / stop_cuda_memory_history",
+    ),
+]
+
+
+@pytest.mark.parametrize(("what", "owner", "attr", "shim"), PRIVATE_NAMES, ids=[p[0] for p in PRIVATE_NAMES])
+def test_private_name_exists(what: str, owner: Callable[[], Any], attr: str, shim: str) -> None:
+    assert hasattr(owner(), attr), (
+        f"`{what}` is gone ({VERSIONS}), and lightning_accel._utils.compat.{shim} relies on it. Find its new "
+        "spelling or a public replacement, update the shim and its version note, and this check."
+    )
+
+
+def test_an_allocator_settings_setter_exists() -> None:
+    names = ("torch._C._accelerator_setAllocatorSettings", "torch.cuda.memory._set_allocator_settings")
+    assert compat.allocator_settings_setter() is not None, (
+        f"Neither {' nor '.join(f'`{n}`' for n in names)} exists ({VERSIONS}): "
+        "lightning_accel._utils.compat.allocator_settings_setter (CudaMemoryManager's run-time settings) needs one."
+    )
+
+
+def test_path_type_matches_lightnings_private_alias() -> None:
+    from lightning.fabric.utilities.types import _PATH
+
+    assert set(get_args(compat.PathType)) == set(get_args(_PATH)) == {str, Path}, (
+        f"`lightning.fabric.utilities.types._PATH` is now {_PATH} ({VERSIONS}); compat.PathType must stay the same "
+        "union so CheckpointIO/Strategy overrides keep Lightning's signature."
+    )
+
+
+def test_lightning_cli_hyper_parameter_keys_are_still_used() -> None:
+    import inspect
+
+    from lightning.pytorch import cli
+
+    source = inspect.getsource(cli)
+    missing = [k for k in ('"_class_path"', '"_instantiator"') if k not in source]
+    assert not missing, (
+        f"LightningCLI no longer uses the hyper-parameter key(s) {missing} ({VERSIONS}); update "
+        "lightning_accel._utils.compat.cli_model_config to its new checkpoint format."
+    )
+
+
+# -- behaviour ---------------------------------------------------------------------------------------------------
+
+
+def test_cli_model_config() -> None:
+    saved = {"_instantiator": "lightning.pytorch.cli.instantiate_module", "_class_path": "pkg.Model", "width": 8}
+    assert compat.cli_model_config(saved) == {"class_path": "pkg.Model", "dict_kwargs": {"width": 8}}
+    assert compat.cli_model_config({"width": 8}) == {"width": 8}
+    assert compat.cli_model_config({"_instantiator": "x"}) is None and compat.cli_model_config({}) is None
+    assert "_class_path" in saved  # the input is left alone
+
+
+def test_set_trainer_strategy_and_what_a_strategy_hands_over() -> None:
+    from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
+
+    trainer = _trainer(strategy="ddp", sync_batchnorm=True)
+    old = trainer.strategy
+    assert isinstance(compat.get_layer_sync(old), TorchSyncBatchNorm)
+    new = DDPStrategy()
+    assert compat.set_layer_sync(new, compat.get_layer_sync(old)) and compat.get_layer_sync(new) is not None
+    assert not compat.set_layer_sync(SingleDeviceStrategy(), None)  # no layer sync on a single-device strategy
+    compat.set_launcher(new, old.launcher)
+    assert new.launcher is old.launcher is not None
+    compat.set_trainer_strategy(trainer, new)
+    assert trainer.strategy is new
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_ddp_runtime_statistics_on_a_one_process_group() -> None:
+    assert not compat.set_ddp_runtime_logging_sample_rate(nn.Linear(2, 2), 10)
+    assert compat.ddp_logging_data(nn.Linear(2, 2)) is None and compat.ddp_logging_data(None) is None
+    dist = torch.distributed
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        ddp = nn.parallel.DistributedDataParallel(nn.Linear(2, 2))
+        assert compat.set_ddp_runtime_logging_sample_rate(ddp, 1)
+        for _ in range(3):  # DDP starts timing after its first iteration
+            ddp(torch.ones(3, 2)).sum().backward()
+        data = compat.ddp_logging_data(ddp)
+        assert data is not None and "avg_backward_comm_time" in data and data["world_size"] == 1
+    finally:
+        dist.destroy_process_group()
+
+
+def test_grad_scaler_scale_is_the_device_tensor() -> None:
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    assert compat.grad_scaler_scale(scaler) is None  # created lazily, at the first `scale`
+    scaler.scale(torch.tensor(1.0))
+    scale = compat.grad_scaler_scale(scaler)
+    assert isinstance(scale, torch.Tensor) and float(scale) == 1024.0 == scaler.get_scale()
+
+
+def test_scheduler_last_lr_round_trip() -> None:
+    sched = _scheduler()
+    assert compat.scheduler_last_lr(sched) == sched.get_last_lr() == [0.1]
+    compat.set_scheduler_last_lr(sched, [0.5])
+    assert sched.get_last_lr() == [0.5]
+    assert compat.scheduler_last_lr(object()) is None
+
+
+def test_child_modules_keep_repeats_and_order() -> None:
+    relu = nn.ReLU()
+    seq = nn.Sequential(relu, nn.Linear(2, 2), relu)
+    assert list(compat.child_modules(seq)) == ["0", "1", "2"] and len(list(seq.children())) == 2
+    children = dict(compat.child_modules(seq))
+    compat.set_child_modules(seq, {"1": children["1"], "0": relu})
+    assert list(compat.child_modules(seq)) == ["1", "0"] and list(seq.state_dict()) == ["1.weight", "1.bias"]
+
+
+def test_compiled_call_impl_replaces_the_call() -> None:
+    lin = nn.Linear(2, 2)
+    assert compat.compiled_call_impl(lin) is None
+    eager = compat.module_call_impl(lin)
+    calls: list[int] = []
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return eager(*args, **kwargs)
+
+    compat.set_compiled_call_impl(lin, wrapped)
+    assert compat.compiled_call_impl(lin) is wrapped
+    x = torch.ones(1, 2)
+    assert torch.equal(lin(x), lin.forward(x)) and calls == [1]
+
+
+def test_compile_error_types() -> None:
+    from torch._dynamo.exc import TorchDynamoException
+
+    errors = compat.compile_error_types()
+    assert TorchDynamoException in errors and all(issubclass(e, BaseException) for e in errors)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs a CUDA device")
+def test_pin_memory_walks_nested_batches() -> None:
+    out = compat.pin_memory({"x": [torch.zeros(2)], "y": (torch.ones(1),)})
+    assert out["x"][0].is_pinned() and out["y"][0].is_pinned()
+
+
+def test_shutdown_persistent_workers_stops_them_now() -> None:
+    loader = DataLoader(TensorDataset(torch.zeros(4)), batch_size=2, num_workers=1, persistent_workers=True)
+    assert len(list(loader)) == 2
+    it: Any = loader._iterator
+    workers = list(it._workers)
+    assert workers and all(w.is_alive() for w in workers)
+    compat.shutdown_persistent_workers(loader)
+    assert loader._iterator is None and not any(w.is_alive() for w in workers)
+    assert len(list(loader)) == 2  # the next epoch starts new workers
+    compat.shutdown_persistent_workers(loader)
+    compat.shutdown_persistent_workers(_loader())  # no workers: nothing to do
+
+
+def test_storage_use_count_counts_tensors_over_a_storage() -> None:
+    count = compat.storage_use_count_fn()
+    assert count is not None
+    storage = torch.empty(4).untyped_storage()
+    assert count(storage) == 1
+    t = torch.empty(0).set_(storage, 0, (4,))
+    view = t[1:]
+    assert count(storage) == 3
+    del t, view
+    assert count(storage) == 1
+
+
+def test_empty_shared_is_in_shared_memory() -> None:
+    t = compat.empty_shared((2, 3), torch.uint8)
+    assert t.shape == (2, 3) and t.dtype == torch.uint8 and t.is_shared()
+
+
+@pytest.mark.gpu
+def test_cuda_memory_history_and_snapshot() -> None:
+    compat.record_cuda_memory_history(100)
+    try:
+        x = torch.empty(1024, device="cuda")
+        snap = compat.cuda_memory_snapshot()
+        assert "segments" in snap and "device_traces" in snap
+        del x
+    finally:
+        compat.stop_cuda_memory_history()
