@@ -1,20 +1,25 @@
-"""Shared helpers for the benchmark contract (see DESIGN.md, "Benchmarks: the contract").
+"""Shared helpers for the benchmark contract.
 
-A benchmark script:
+The contract every ``benchmarks/<area>.py`` keeps:
 
-1. parses ``--quick`` and ``--out FILE.json`` with :func:`parser`;
-2. runs the baseline and the plugin in the same process, alternating where timing matters (:func:`alternate`);
-3. hands ``config``, ``results`` and ``ratios`` to :func:`report`, which writes the JSON
-   (``benchmark, quick, machine, config, results, ratios``), prints a markdown table and, for full runs, a PNG chart
-   under ``docs/img/``.
-
-Absolute times drift on shared machines; ratios from the same run are what the docs quote.
+- **Command line.** ``--quick`` (small sizes: under 3 minutes on 2 CPU cores) and ``--out FILE.json`` (write the
+  report there), both from :func:`parser`; scripts with a GPU half add ``--device`` (see
+  ``benchmarks/gpu_suite.sh``, which runs those halves on a CUDA machine).
+- **Same run.** The baseline and the plugin run in the same process run, alternating where timing matters
+  (:func:`alternate`): absolute times drift on shared machines, so the numbers that matter are ratios from one run.
+- **Report.** :func:`report` writes the JSON ``{"benchmark", "quick", "machine", "config", "results", "ratios"}``
+  (``machine`` from :func:`machine_info`; ``ratios`` holds the keys that docs and README quote, so a key, once
+  published, is not renamed), prints ``results`` and ``ratios`` as markdown tables on stdout and, for full runs only,
+  draws a bar chart ``docs/img/<benchmark>.png`` for the docs.
+- **Shape.** ``main()`` reads as its cases: parse the arguments, run named case functions (each returns its own
+  results and ratios), hand everything to :func:`report`.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.metadata
 import json
 import os
 import platform
@@ -25,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Timer", "alternate", "machine_info", "median", "parser", "ratio", "report"]
+__all__ = ["Timer", "alternate", "cuda_time", "machine_info", "median", "parser", "ratio", "report"]
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as `python benchmarks/x.py` from a checkout
@@ -56,12 +61,9 @@ def machine_info() -> dict[str, Any]:
         info["affinity_cpus"] = len(os.sched_getaffinity(0))
     if torch.cuda.is_available():
         info["device"] = torch.cuda.get_device_name(0)
-    try:
-        import lightning
-
-        info["lightning"] = lightning.__version__
-    except ImportError:  # pragma: no cover
-        pass
+    # the installed distribution's version: no need to import Lightning for it
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        info["lightning"] = importlib.metadata.version("lightning")
     return info
 
 
@@ -108,6 +110,28 @@ def alternate(
             if i >= warmup:
                 out[name].append(dt)
     return out
+
+
+def cuda_time(step: Callable[[], object], *, iters: int, warmup: int) -> tuple[float, float]:
+    """Median seconds of ``step()`` on the GPU timeline (CUDA events) and the peak allocated bytes while timed.
+
+    ``warmup`` untimed calls first (allocator, autotuning, compilation); the peak-memory counter is reset after them.
+    """
+    import torch
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return median(times), float(torch.cuda.max_memory_allocated())
 
 
 def _fmt(v: Any) -> str:

@@ -23,28 +23,38 @@ unique save so the two effects can be told apart.
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if __package__ in (None, ""):  # run as `python benchmarks/delta_checkpoint.py`: make the checkout importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from torch.utils.data import DataLoader, TensorDataset
 
-from benchmarks._harness import alternate, median, parser, ratio, report  # noqa: E402
+from benchmarks._harness import alternate, median, parser, ratio, report
+from lightning_accel.checkpoint.plugin import DeltaCheckpointIO
+from lightning_accel.models import ImageClassifier
+
+#: runs whose every save is recorded to check the lossless round trip
+RECORDED = ("lossless", "frozen_lossless")
 
 
-def _digits(size: int) -> tuple[Any, Any]:
+def _digits(size: int) -> tuple[TensorDataset, TensorDataset]:
     """The real digits (scikit-learn's 1,797 images) as normalised (N, 3, size, size) tensors, split 80/20."""
-    from torch.utils.data import TensorDataset
-
+    from lightning_accel.data.dataset import split_indices
     from lightning_accel.datasets import load_digits_arrays
-    from lightning_accel.datasets.datamodule import split_indices
 
     images, labels = load_digits_arrays()
     x = torch.from_numpy(images).float().div(16.0).unsqueeze(1)
@@ -59,69 +69,62 @@ def _dir_bytes(d: Path) -> int:
     return sum(p.stat().st_size for p in d.rglob("*") if p.is_file() and not p.is_symlink())
 
 
-def _classes() -> dict[str, Any]:
-    import lightning as L
-    from lightning.pytorch.callbacks import ModelCheckpoint
-    from lightning.pytorch.plugins.io import TorchCheckpointIO
+class CountingTorchIO(TorchCheckpointIO):
+    """TorchCheckpointIO that counts the bytes it writes."""
 
-    from lightning_accel.models import ImageClassifier
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes_written = 0
 
-    class CountingTorchIO(TorchCheckpointIO):
-        """TorchCheckpointIO that counts the bytes it writes."""
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        super().save_checkpoint(checkpoint, path, storage_options)
+        self.bytes_written += os.path.getsize(path)
 
-        def __init__(self) -> None:
-            super().__init__()
-            self.bytes_written = 0
 
-        def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
-            super().save_checkpoint(checkpoint, path, storage_options)
-            self.bytes_written += os.path.getsize(path)
+class TimedCheckpoint(ModelCheckpoint):
+    """ModelCheckpoint that times how long its batch hook blocks the loop and records what it saved."""
 
-    class TimedCheckpoint(ModelCheckpoint):
-        """ModelCheckpoint that times how long its batch hook blocks the loop and records what it saved."""
+    def __init__(self, *a: Any, record: bool = False, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.stalls: list[float] = []
+        self.record = record
+        self.saved: dict[str, dict[str, torch.Tensor]] = {}
+        self._record_s = 0.0
 
-        def __init__(self, *a: Any, record: bool = False, **kw: Any) -> None:
-            super().__init__(*a, **kw)
-            self.stalls: list[float] = []
-            self.record = record
-            self.saved: dict[str, dict[str, torch.Tensor]] = {}
-            self._record_s = 0.0
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any, **kw: Any) -> None:
+        before = self._last_global_step_saved
+        self._record_s = 0.0
+        t0 = time.perf_counter()
+        super().on_train_batch_end(trainer, *args, **kw)
+        if self._last_global_step_saved != before:  # the bookkeeping copy below is not part of the stall
+            self.stalls.append(time.perf_counter() - t0 - self._record_s)
 
-        def on_train_batch_end(self, trainer: L.Trainer, *args: Any, **kw: Any) -> None:
-            before = self._last_global_step_saved
-            self._record_s = 0.0
+    def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
+        if self.record:
             t0 = time.perf_counter()
-            super().on_train_batch_end(trainer, *args, **kw)
-            if self._last_global_step_saved != before:  # the bookkeeping copy below is not part of the stall
-                self.stalls.append(time.perf_counter() - t0 - self._record_s)
+            ck = trainer._checkpoint_connector.dump_checkpoint(self.save_weights_only)
+            flat = {f"sd/{k}": v.detach().clone() for k, v in ck["state_dict"].items()}
+            for i, o in enumerate(ck["optimizer_states"]):
+                for pid, st in o["state"].items():
+                    flat.update({f"opt{i}/{pid}/{n}": t.detach().clone() for n, t in st.items()})
+            self.saved[os.path.abspath(filepath)] = flat
+            self._record_s += time.perf_counter() - t0
+        super()._save_checkpoint(trainer, filepath)
 
-        def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
-            if self.record:
-                t0 = time.perf_counter()
-                ck = trainer._checkpoint_connector.dump_checkpoint(self.save_weights_only)
-                flat = {f"sd/{k}": v.detach().clone() for k, v in ck["state_dict"].items()}
-                for i, o in enumerate(ck["optimizer_states"]):
-                    for pid, st in o["state"].items():
-                        flat.update({f"opt{i}/{pid}/{n}": t.detach().clone() for n, t in st.items()})
-                self.saved[os.path.abspath(filepath)] = flat
-                self._record_s += time.perf_counter() - t0
-            super()._save_checkpoint(trainer, filepath)
 
-    class FrozenBackbone(ImageClassifier):
-        """Only the linear head trains; backbone parameters and BatchNorm statistics stay fixed."""
+class FrozenBackbone(ImageClassifier):
+    """Only the linear head trains; backbone parameters and BatchNorm statistics stay fixed."""
 
-        def __init__(self, **kw: Any) -> None:
-            super().__init__(**kw)
-            for m in (self.model.stem, self.model.layers):
-                m.requires_grad_(False)
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        for m in (self.model.stem, self.model.layers):
+            m.requires_grad_(False)
 
-        def train(self, mode: bool = True) -> FrozenBackbone:
-            super().train(mode)
-            self.model.stem.eval()
-            self.model.layers.eval()
-            return self
-
-    return {"CountingTorchIO": CountingTorchIO, "TimedCheckpoint": TimedCheckpoint, "FrozenBackbone": FrozenBackbone}
+    def train(self, mode: bool = True) -> FrozenBackbone:
+        super().train(mode)
+        self.model.stem.eval()
+        self.model.layers.eval()
+        return self
 
 
 def _flatten(ck: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -132,37 +135,46 @@ def _flatten(ck: dict[str, Any]) -> dict[str, torch.Tensor]:
     return flat
 
 
-def main() -> None:
-    p = parser(__doc__.splitlines()[0])
-    p.add_argument("--every", type=int, default=None, help="ModelCheckpoint(every_n_train_steps=...)")
-    args = p.parse_args()
-    import lightning as L
-    from torch.utils.data import DataLoader
+@dataclass
+class Setup:
+    """What every run shares: data, model size, epochs, the save interval and a scratch directory."""
 
-    from lightning_accel.checkpoint.plugin import DeltaCheckpointIO
-    from lightning_accel.models import ImageClassifier
+    size: int
+    width: int
+    epochs: int
+    every: int
+    train_set: TensorDataset
+    val_set: TensorDataset
+    workdir: Path
+    runs: dict[str, dict[str, Any]] = field(default_factory=dict)  # per run: what it measured
+    ios: dict[str, Any] = field(default_factory=dict)  # per run: its checkpoint IO (to load its checkpoints)
 
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-    C = _classes()
-    quick = args.quick
-    # 16 px digits (the originals are 8x8) keep compute low while width 48 gives an 8 MB Adam checkpoint.
-    size, width = (16, 48) if quick else (16, 64)
-    epochs = 2 if quick else 8
-    every = args.every or (8 if quick else 10)
-    train_set, val_set = _digits(size)
-    workdir = Path(tempfile.mkdtemp(prefix="delta_ckpt_bench_"))
-
-    def loaders() -> tuple[DataLoader, DataLoader]:
-        g = torch.Generator().manual_seed(0)
-        return (
-            DataLoader(train_set, batch_size=64, shuffle=True, generator=g),
-            DataLoader(val_set, batch_size=256),
+    @classmethod
+    def create(cls, quick: bool, every: int | None) -> Setup:
+        # 16 px digits (the originals are 8x8) keep compute low while width 48 gives an 8 MB Adam checkpoint.
+        size, width = (16, 48) if quick else (16, 64)
+        train_set, val_set = _digits(size)
+        return cls(
+            size=size,
+            width=width,
+            epochs=2 if quick else 8,
+            every=every or (8 if quick else 10),
+            train_set=train_set,
+            val_set=val_set,
+            workdir=Path(tempfile.mkdtemp(prefix="delta_ckpt_bench_")),
         )
 
-    def make_trainer(root: Path, io: Any, callbacks: list[Any], **kw: Any) -> L.Trainer:
+    def loaders(self) -> tuple[DataLoader, DataLoader]:
+        g = torch.Generator().manual_seed(0)
+        return (
+            DataLoader(self.train_set, batch_size=64, shuffle=True, generator=g),
+            DataLoader(self.val_set, batch_size=256),
+        )
+
+    def trainer(self, root: Path, io: Any, callbacks: list[Any], **kw: Any) -> L.Trainer:
         return L.Trainer(
             default_root_dir=str(root),
-            max_epochs=epochs,
+            max_epochs=self.epochs,
             accelerator="cpu",
             devices=1,
             logger=False,
@@ -174,95 +186,97 @@ def main() -> None:
             **kw,
         )
 
-    def make_model(kind: str, backbone: dict[str, torch.Tensor] | None = None) -> Any:
+    def model(self, kind: str, backbone: dict[str, torch.Tensor] | None = None) -> ImageClassifier:
         L.seed_everything(0, verbose=False)
         if kind == "frozen":
-            m = C["FrozenBackbone"](width=width, lr=3e-3)
+            m = FrozenBackbone(width=self.width, lr=3e-3)
             assert backbone is not None
             m.load_state_dict({k: v for k, v in backbone.items() if not k.startswith("model.fc.")}, strict=False)
             return m
-        return ImageClassifier(width=width, lr=3e-3)
+        return ImageClassifier(width=self.width, lr=3e-3)
 
-    runs: dict[str, dict[str, Any]] = {}
-    ios: dict[str, Any] = {}
 
-    def run(name: str, io: Any, kind: str, backbone: dict[str, torch.Tensor] | None = None) -> Any:
-        root = workdir / name
-        cb = C["TimedCheckpoint"](
-            dirpath=root / "ckpt",
-            filename="{step}",
-            every_n_train_steps=every,
-            save_top_k=3,
-            save_last=True,
-            monitor="step",
-            mode="max",
-            record=name in ("lossless", "frozen_lossless"),
+def train_with_saves(
+    setup: Setup, name: str, io: Any, kind: str, backbone: dict[str, torch.Tensor] | None = None
+) -> ImageClassifier:
+    """Case: one training run saving every ``setup.every`` steps through ``io``; fills ``setup.runs[name]``."""
+    root = setup.workdir / name
+    cb = TimedCheckpoint(
+        dirpath=root / "ckpt",
+        filename="{step}",
+        every_n_train_steps=setup.every,
+        save_top_k=3,
+        save_last=True,
+        monitor="step",
+        mode="max",
+        record=name in RECORDED,
+    )
+    model = setup.model(kind, backbone)
+    trainer = setup.trainer(root, io, [cb])
+    t0 = time.perf_counter()
+    trainer.fit(model, *setup.loaders())
+    fit_s = time.perf_counter() - t0
+    ckpt_dir = root / "ckpt"
+    written = io.bytes_written if hasattr(io, "bytes_written") else sum(s.bytes_written for s in io.history)
+    saves = len(cb.stalls)
+    run: dict[str, Any] = {
+        "saves": saves,
+        "bytes_written": int(written),
+        "bytes_on_disk": _dir_bytes(ckpt_dir),
+        "mean_stall_s": sum(cb.stalls) / max(1, saves),
+        "median_stall_s": median(cb.stalls) if cb.stalls else 0.0,
+        "fit_s": fit_s,
+        "remaining": sorted(str(q) for q in ckpt_dir.glob("*.ckpt")),
+        "val_acc": float(trainer.callback_metrics.get("val_acc", torch.tensor(float("nan")))),
+    }
+    if cb.record:
+        run["roundtrip_exact"] = roundtrip_exact(io, run["remaining"], cb.saved)
+    setup.runs[name], setup.ios[name] = run, io
+    return model
+
+
+def roundtrip_exact(io: Any, paths: list[str], saved: dict[str, dict[str, torch.Tensor]]) -> bool:
+    """Every remaining checkpoint restores bitwise what the training loop handed to ``save_checkpoint``."""
+    exact = True
+    for path in paths:
+        got = _flatten(io.load_checkpoint(path))
+        want = saved[os.path.abspath(path)]
+        exact &= got.keys() == want.keys() and all(
+            got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in want
         )
-        model = make_model(kind, backbone)
-        trainer = make_trainer(root, io, [cb])
-        t0 = time.perf_counter()
-        trainer.fit(model, *loaders())
-        fit_s = time.perf_counter() - t0
-        ckpt_dir = root / "ckpt"
-        written = io.bytes_written if hasattr(io, "bytes_written") else sum(s.bytes_written for s in io.history)
-        saves = len(cb.stalls)
-        runs[name] = {
-            "saves": saves,
-            "bytes_written": int(written),
-            "bytes_on_disk": _dir_bytes(ckpt_dir),
-            "mean_stall_s": sum(cb.stalls) / max(1, saves),
-            "median_stall_s": median(cb.stalls) if cb.stalls else 0.0,
-            "fit_s": fit_s,
-            "remaining": sorted(str(q) for q in ckpt_dir.glob("*.ckpt")),
-            "val_acc": float(trainer.callback_metrics.get("val_acc", torch.tensor(float("nan")))),
-        }
-        ios[name] = io
-        if cb.record:  # every remaining checkpoint restores exactly what was handed to save_checkpoint
-            exact = True
-            for path in runs[name]["remaining"]:
-                got = _flatten(io.load_checkpoint(path))
-                want = cb.saved[os.path.abspath(path)]
-                exact &= got.keys() == want.keys() and all(
-                    got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in want
-                )
-            runs[name]["roundtrip_exact"] = bool(exact)
-        return model
+    return bool(exact)
 
-    run("torch", C["CountingTorchIO"](), "full")
-    trained = run("lossless", DeltaCheckpointIO(async_save=True), "full")
-    run("quantized", DeltaCheckpointIO(async_save=True, quantize="int8", quantize_groups="all"), "full")
-    backbone = {k: v.detach().clone() for k, v in trained.state_dict().items()}
-    run("frozen_torch", C["CountingTorchIO"](), "frozen", backbone)
-    run("frozen_lossless", DeltaCheckpointIO(async_save=True), "frozen", backbone)
 
-    # Mean load time of every remaining checkpoint, runs alternated to spread machine noise.
+def load_times(setup: Setup, repeats: int) -> None:
+    """Case: mean load time of every remaining checkpoint per run, runs alternated to spread machine noise."""
+
     def loader(name: str) -> Any:
         def go() -> float:
             t0 = time.perf_counter()
-            for path in runs[name]["remaining"]:
-                ios[name].load_checkpoint(path)
-            return (time.perf_counter() - t0) / len(runs[name]["remaining"])
+            for path in setup.runs[name]["remaining"]:
+                setup.ios[name].load_checkpoint(path)
+            return (time.perf_counter() - t0) / len(setup.runs[name]["remaining"])
 
         return go
 
-    load_times = alternate({n: loader(n) for n in runs}, repeats=3 if quick else 5, warmup=1)
-    for n, ts in load_times.items():
-        runs[n]["mean_load_s"] = median(ts)
+    for n, ts in alternate({n: loader(n) for n in setup.runs}, repeats=repeats, warmup=1).items():
+        setup.runs[n]["mean_load_s"] = median(ts)
 
-    # Resume from the oldest remaining top-k checkpoint (mid-run) and train to the end.
-    def resume_acc(name: str, io: Any) -> float:
-        ckpts = [q for q in runs[name]["remaining"] if not q.endswith("last.ckpt")]
-        oldest = min(ckpts, key=lambda q: int(Path(q).stem.split("=")[1]))
-        runs[name]["resumed_from"] = Path(oldest).name
-        model = make_model("full")
-        trainer = make_trainer(workdir / f"{name}_resume", io, [], enable_checkpointing=False)
-        trainer.fit(model, *loaders(), ckpt_path=oldest)
-        return float(trainer.validate(model, loaders()[1], verbose=False)[0]["val_acc"])
 
-    for name in ("torch", "quantized"):
-        io = C["CountingTorchIO"]() if name == "torch" else DeltaCheckpointIO()
-        runs[name]["resume_val_acc"] = resume_acc(name, io)
+def resume_accuracy(setup: Setup, name: str, io: Any) -> None:
+    """Case: resume from the oldest remaining top-k checkpoint (mid-run), train to the end, validate."""
+    run = setup.runs[name]
+    ckpts = [q for q in run["remaining"] if not q.endswith("last.ckpt")]
+    oldest = min(ckpts, key=lambda q: int(Path(q).stem.split("=")[1]))
+    run["resumed_from"] = Path(oldest).name
+    model = setup.model("full")
+    trainer = setup.trainer(setup.workdir / f"{name}_resume", io, [], enable_checkpointing=False)
+    trainer.fit(model, *setup.loaders(), ckpt_path=oldest)
+    run["resume_val_acc"] = float(trainer.validate(model, setup.loaders()[1], verbose=False)[0]["val_acc"])
 
+
+def delta_numbers(runs: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], dict[str, float]]:
+    """``results`` (every run, without its file list) and the published ratios against ``TorchCheckpointIO``."""
     t, lo, q, ft, fl = (runs[n] for n in ("torch", "lossless", "quantized", "frozen_torch", "frozen_lossless"))
     results: dict[str, Any] = {n: {k: v for k, v in r.items() if k != "remaining"} for n, r in runs.items()}
     for r in results.values():
@@ -281,26 +295,53 @@ def main() -> None:
         "load_vs_torch": ratio(lo["mean_load_s"], t["mean_load_s"]),
         "quantized_resume_acc_minus_torch": round(q["resume_val_acc"] - t["resume_val_acc"], 4),
     }
-    config = {
-        "model": f"ImageClassifier(width={width}) + AdamW",
-        "data": f"digits {size}px, {len(train_set)} train / {len(val_set)} val",
-        "epochs": epochs,
-        "checkpoint": f"ModelCheckpoint(every_n_train_steps={every}, save_top_k=3, save_last=True, monitor='step')",
-        "lossless": "DeltaCheckpointIO(async_save=True)",
-        "quantized": "DeltaCheckpointIO(async_save=True, quantize='int8', quantize_groups='all')",
-        "torch_threads": torch.get_num_threads(),
-    }
-    report(
-        "delta_checkpoint",
-        quick=quick,
-        config=config,
-        results=results,
-        ratios=ratios,
-        out=args.out,
-        chart={k: v for k, v in ratios.items() if not k.startswith("quantized_resume")},
-        chart_title="delta checkpoints: ours / TorchCheckpointIO",
-    )
-    shutil.rmtree(workdir, ignore_errors=True)
+    return results, ratios
+
+
+def parse_args() -> argparse.Namespace:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--every", type=int, default=None, help="ModelCheckpoint(every_n_train_steps=...)")
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    setup = Setup.create(args.quick, args.every)
+    try:
+        train_with_saves(setup, "torch", CountingTorchIO(), "full")
+        trained = train_with_saves(setup, "lossless", DeltaCheckpointIO(async_save=True), "full")
+        quantized = DeltaCheckpointIO(async_save=True, quantize="int8", quantize_groups="all")
+        train_with_saves(setup, "quantized", quantized, "full")
+        backbone = {k: v.detach().clone() for k, v in trained.state_dict().items()}
+        train_with_saves(setup, "frozen_torch", CountingTorchIO(), "frozen", backbone)
+        train_with_saves(setup, "frozen_lossless", DeltaCheckpointIO(async_save=True), "frozen", backbone)
+        load_times(setup, repeats=3 if args.quick else 5)
+        resume_accuracy(setup, "torch", CountingTorchIO())
+        resume_accuracy(setup, "quantized", DeltaCheckpointIO())
+        results, ratios = delta_numbers(setup.runs)
+        config = {
+            "model": f"ImageClassifier(width={setup.width}) + AdamW",
+            "data": f"digits {setup.size}px, {len(setup.train_set)} train / {len(setup.val_set)} val",
+            "epochs": setup.epochs,
+            "checkpoint": f"ModelCheckpoint(every_n_train_steps={setup.every}, save_top_k=3, save_last=True, "
+            "monitor='step')",
+            "lossless": "DeltaCheckpointIO(async_save=True)",
+            "quantized": "DeltaCheckpointIO(async_save=True, quantize='int8', quantize_groups='all')",
+            "torch_threads": torch.get_num_threads(),
+        }
+        report(
+            "delta_checkpoint",
+            quick=args.quick,
+            config=config,
+            results=results,
+            ratios=ratios,
+            out=args.out,
+            chart={k: v for k, v in ratios.items() if not k.startswith("quantized_resume")},
+            chart_title="delta checkpoints: ours / TorchCheckpointIO",
+        )
+    finally:
+        shutil.rmtree(setup.workdir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -15,11 +15,13 @@ On any machine (the CPU part):
 With a CUDA GPU (the CUDA part): step time (median of CUDA-event timings) and peak memory of torchvision ResNet-50
 and a GPT-style block stack at realistic sizes under bf16 autocast for eager MixedPrecision, FusedPrecision,
 FusedPrecision + torch.compile and torch.compile alone, giving ``fused_vs_eager_step`` (GPT blocks),
-``fused_vs_compile_step`` (GPT blocks) and ``fused_vs_eager_peak_mem`` (ResNet-50).
+``fused_vs_compile_step`` (GPT blocks) and ``fused_vs_eager_peak_mem`` (ResNet-50). ``--device cuda`` runs the CUDA
+part alone (report ``fused_cuda``; what ``benchmarks/gpu_suite.sh`` runs), ``--device cpu`` the CPU part alone.
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import os
@@ -36,7 +38,7 @@ if __package__ in (None, ""):
 import torch
 from torch import nn
 
-from benchmarks._harness import alternate, median, parser, ratio, report
+from benchmarks._harness import alternate, cuda_time, median, parser, ratio, report
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -202,23 +204,6 @@ def cpu_models(quick: bool) -> tuple[dict[str, Any], dict[str, float]]:
 # ---------------------------------------------------------------------------------------------------------- CUDA
 
 
-def _cuda_time(step: Callable[[], None], iters: int, warmup: int) -> tuple[float, float]:
-    """Median step time in seconds (CUDA events) and peak allocated bytes during the timed steps."""
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return median(times), float(torch.cuda.max_memory_allocated())
-
-
 def cuda_models(quick: bool) -> tuple[dict[str, Any], dict[str, float]]:  # pragma: no cover - needs a GPU
     """Eager / fused / fused+compile / compile on ResNet-50 and GPT blocks under bf16 autocast."""
     import torchvision
@@ -258,7 +243,7 @@ def cuda_models(quick: bool) -> tuple[dict[str, Any], dict[str, float]]:  # prag
                 opt.step()
 
             torch.cuda.empty_cache()
-            t, mem = _cuda_time(step_opt, iters, warmup)
+            t, mem = cuda_time(step_opt, iters=iters, warmup=warmup)
             res[variant] = {"step_ms": 1e3 * t, "peak_mem_GB": mem / 2**30}
             del model, opt
         results[name] = res
@@ -275,29 +260,50 @@ def cuda_models(quick: bool) -> tuple[dict[str, Any], dict[str, float]]:  # prag
     return results, ratios
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = parser(__doc__.splitlines()[0])
-    p.add_argument("--interp-numerics", action="store_true", help=argparse_hidden())
-    args = p.parse_args()
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="auto: the CPU part, plus the CUDA part when a GPU is present (default); cpu: the CPU part only; "
+        "cuda: the CUDA part only (report `fused_cuda`)",
+    )
+    p.add_argument("--interp-numerics", action="store_true", help=argparse.SUPPRESS)
+    return p.parse_args()
+
+
+def numerics() -> tuple[dict[str, Any], dict[str, float]]:
+    """Case: every fused op's float32 error against its oracle, torch path and Triton interpreter."""
+    parts = {"reference_path": op_numerics("reference"), "triton_interpreter": interpreter_numerics()}
+    errs = [v for part in parts.values() if isinstance(part, dict) for v in part.values()]
+    return {"numerics_max_rel_err_fp32": parts}, {"max_rel_err_fp32": max(errs)}
+
+
+def main() -> None:
+    args = parse_args()
     if args.interp_numerics:  # child process of interpreter_numerics()
         print(json.dumps(op_numerics("triton")))
         return
     torch.set_num_threads(min(2, torch.get_num_threads()))
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("`--device cuda` needs a CUDA device; this machine has none. Run with `--device cpu`.")
     t0 = time.perf_counter()
-    numerics = {"reference_path": op_numerics("reference"), "triton_interpreter": interpreter_numerics()}
-    errs = [v for part in numerics.values() if isinstance(part, dict) for v in part.values()]
-    cpu_results, cpu_ratios = cpu_models(args.quick)
-    results: dict[str, Any] = {"numerics_max_rel_err_fp32": numerics, "cpu_fp32": cpu_results}
-    ratios: dict[str, float] = {"max_rel_err_fp32": max(errs), **cpu_ratios}
-    if torch.cuda.is_available():
-        cuda_results, cuda_ratios = cuda_models(args.quick)
-        results["cuda_bf16"] = cuda_results
-        ratios.update(cuda_ratios)
-    else:
+    results: dict[str, Any] = {}
+    ratios: dict[str, float] = {}
+    if args.device != "cuda":
+        num_results, num_ratios = numerics()
+        cpu_results, cpu_ratios = cpu_models(args.quick)
+        results |= {**num_results, "cpu_fp32": cpu_results}
+        ratios |= {**num_ratios, **cpu_ratios}
+    if args.device != "cpu" and torch.cuda.is_available():
+        results["cuda_bf16"], cuda_ratios = cuda_models(args.quick)
+        ratios |= cuda_ratios
+    elif args.device == "auto":
         results["cuda_bf16"] = "not measured: no CUDA device on this machine"
     results["wall_s"] = round(time.perf_counter() - t0, 1)
     report(
-        "fused",
+        "fused_cuda" if args.device == "cuda" else "fused",
         quick=args.quick,
         config={
             "cpu_models": {
@@ -329,12 +335,6 @@ def _chart_values(ratios: dict[str, float]) -> dict[str, float]:
         "fused_vs_eager_peak_mem": "GPU R50\npeak mem",
     }
     return {label: ratios[key] for key, label in short.items() if key in ratios}
-
-
-def argparse_hidden() -> str:
-    import argparse
-
-    return argparse.SUPPRESS
 
 
 if __name__ == "__main__":

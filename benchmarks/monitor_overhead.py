@@ -19,10 +19,15 @@
 
 from __future__ import annotations
 
+import sys
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-import _harness as H  # noqa: I001 - puts the repo on sys.path when run as a script
+if __package__ in (None, ""):  # run as `python benchmarks/monitor_overhead.py`: make the checkout importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
@@ -30,7 +35,9 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
+import benchmarks._harness as H
 from lightning_accel.callbacks import PerformanceMonitor
+from lightning_accel.perf import BottleneckReport
 
 
 class Net(pl.LightningModule):
@@ -149,112 +156,154 @@ def interleaved_intervals(probe: StepProbe, parity: int, skip: int) -> tuple[lis
     return on, off, local
 
 
-def main() -> None:
-    args = H.parser(__doc__.splitlines()[0]).parse_args()
-    torch.set_num_threads(1)  # steadier timings on a shared machine
-    q = args.quick
-    cfg = {
+def overhead_config(quick: bool) -> dict[str, Any]:
+    """Data, model, steps and runs per case (the JSON's ``config``)."""
+    return {
         "samples": 1024,
         "image": 32,
         "width": 32,
         "batch_size": 32,
-        "overhead_steps": 80 if q else 150,
-        "overhead_pairs": 3 if q else 8,
-        "interleaved_runs": 6 if q else 12,
-        "aa_runs": 3 if q else 6,
+        "overhead_steps": 80 if quick else 150,
+        "overhead_pairs": 3 if quick else 8,
+        "interleaved_runs": 6 if quick else 12,
+        "aa_runs": 3 if quick else 6,
         "warmup_skip": 5,
         "decode_ms": 10.0,
-        "verdict_steps": 25 if q else 60,
+        "verdict_steps": 25 if quick else 60,
         "torch_threads": 1,
     }
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(cfg["samples"], 3, cfg["image"], cfg["image"], generator=g)
-    y = torch.randint(0, 10, (cfg["samples"],), generator=g)
-    cached = DataLoader(TensorDataset(x, y), batch_size=cfg["batch_size"], shuffle=True, num_workers=0)
 
-    in_situ: list[float] = []  # seconds inside the monitor's per-step hooks / step, per monitored run
+
+@dataclass
+class Interleaved:
+    """Step intervals of the step-interleaved runs: monitored, unmonitored, and each monitored one over its
+    unmonitored neighbours."""
+
+    on: list[float] = field(default_factory=list)
+    off: list[float] = field(default_factory=list)
+    local: list[float] = field(default_factory=list)
+
+
+def interleaved_overhead(cfg: dict[str, Any], loader: DataLoader, in_situ: list[float]) -> Interleaved:
+    """Case (a): steps with and without the monitor interleaved inside each run, the parity swapped run to run."""
+    out = Interleaved()
+    for r in range(cfg["interleaved_runs"]):
+        mon = InterleavedMonitor(r % 2, report_path="", verbose=False)
+        probe = fit(loader, cfg["overhead_steps"], cfg["width"], mon)
+        on, off, loc = interleaved_intervals(probe, r % 2, cfg["warmup_skip"])
+        out.local += loc
+        out.on += on
+        out.off += off
+        in_situ.append(mon.hook_s / max(1, mon.hook_calls))
+    return out
+
+
+def aa_control(cfg: dict[str, Any], loader: DataLoader) -> list[float]:
+    """Case (a'): the interleaved measurement with a do-nothing callback: the noise floor of (a) on this machine."""
+    aa: list[float] = []
+    for r in range(cfg["aa_runs"]):
+        probe = fit(loader, cfg["overhead_steps"], cfg["width"], Callback())
+        aa += interleaved_intervals(probe, r % 2, cfg["warmup_skip"])[2]
+    return aa
+
+
+def whole_runs(cfg: dict[str, Any], loader: DataLoader, in_situ: list[float]) -> dict[str, list[float]]:
+    """Case (b): whole runs with and without the monitor, alternated; median step time of each run."""
 
     def run(with_monitor: bool) -> float:
         mon = TimedMonitor(report_path="", verbose=False) if with_monitor else None
-        probe = fit(cached, cfg["overhead_steps"], cfg["width"], mon)
+        probe = fit(loader, cfg["overhead_steps"], cfg["width"], mon)
         if mon is not None:
             in_situ.append(mon.hook_s / max(1, mon.hook_calls))
         return probe.median_step(cfg["warmup_skip"])
 
-    # (a) steps with and without the monitor interleaved inside each run, the parity swapped from run to run
-    step_on: list[float] = []
-    step_off: list[float] = []
-    local: list[float] = []
-    for r in range(cfg["interleaved_runs"]):
-        mon = InterleavedMonitor(r % 2, report_path="", verbose=False)
-        probe = fit(cached, cfg["overhead_steps"], cfg["width"], mon)
-        on, off, loc = interleaved_intervals(probe, r % 2, cfg["warmup_skip"])
-        local += loc
-        step_on += on
-        step_off += off
-        in_situ.append(mon.hook_s / max(1, mon.hook_calls))
-    # (a') the same with a do-nothing callback: an A/A control that shows the noise floor of (a) on this machine
-    aa: list[float] = []
-    for r in range(cfg["aa_runs"]):
-        probe = fit(cached, cfg["overhead_steps"], cfg["width"], Callback())
-        aa += interleaved_intervals(probe, r % 2, cfg["warmup_skip"])[2]
-    # (b) whole runs with and without the monitor, alternated
-    times = H.alternate({"without": lambda: run(False), "with": lambda: run(True)}, repeats=cfg["overhead_pairs"])
-    base, mon_t = H.median(times["without"]), H.median(times["with"])
-    pair_ratios = [w / b for w, b in zip(times["with"], times["without"], strict=True)]
-    hook_s = H.median(in_situ)
+    return H.alternate({"without": lambda: run(False), "with": lambda: run(True)}, repeats=cfg["overhead_pairs"])
 
-    starved_loader = DataLoader(
-        SlowDecode(x, y, cfg["decode_ms"]), batch_size=cfg["batch_size"], shuffle=True, num_workers=1
-    )
+
+def verdicts(cfg: dict[str, Any], x: torch.Tensor, y: torch.Tensor, cached: DataLoader) -> dict[str, BottleneckReport]:
+    """Case 2: the monitor's report on a data-starved run and on a cached run."""
+    starved = DataLoader(SlowDecode(x, y, cfg["decode_ms"]), batch_size=cfg["batch_size"], shuffle=True, num_workers=1)
     reports = {}
-    for name, loader in (("starved", starved_loader), ("cached", cached)):
+    for name, loader in (("starved", starved), ("cached", cached)):
         mon = PerformanceMonitor(report_path="", verbose=False)
         fit(loader, cfg["verdict_steps"], cfg["width"], mon)
         assert mon.report is not None
         reports[name] = mon.report
         print(f"\n### {name}\n```\n{mon.report.format()}\n```")
+    return reports
 
+
+def overhead_numbers(
+    inter: Interleaved,
+    aa: list[float],
+    runs: dict[str, list[float]],
+    in_situ: list[float],
+    reports: dict[str, BottleneckReport],
+) -> tuple[dict[str, Any], dict[str, float]]:
+    """``results`` and ``ratios`` of all cases."""
+    base, mon_t = H.median(runs["without"]), H.median(runs["with"])
+    pair_ratios = [w / b for w, b in zip(runs["with"], runs["without"], strict=True)]
+    hook_s = H.median(in_situ)
+    starved, cached = reports["starved"], reports["cached"]
     results = {
-        "step_s_interleaved_with": H.median(step_on),
-        "step_s_interleaved_without": H.median(step_off),
-        "interleaved_steps_per_arm": len(step_on),
+        "step_s_interleaved_with": H.median(inter.on),
+        "step_s_interleaved_without": H.median(inter.off),
+        "interleaved_steps_per_arm": len(inter.on),
         "step_s_without": base,
         "step_s_with": mon_t,
-        "step_s_runs_without": times["without"],
-        "step_s_runs_with": times["with"],
+        "step_s_runs_without": runs["without"],
+        "step_s_runs_with": runs["with"],
         "pair_ratios": [round(r, 4) for r in pair_ratios],
         "hook_us_per_step": round(hook_s * 1e6, 2),
-        "verdict_starved": reports["starved"].dominant,
-        "verdict_cached": reports["cached"].dominant,
-        "data_frac_starved": round(reports["starved"].shares["data"], 4),
-        "data_frac_cached": round(reports["cached"].shares["data"], 4),
-        "samples_per_s_starved": reports["starved"].samples_per_s,
-        "samples_per_s_cached": reports["cached"].samples_per_s,
-        "report_starved": reports["starved"].format(),
-        "report_cached": reports["cached"].format(),
+        "verdict_starved": starved.dominant,
+        "verdict_cached": cached.dominant,
+        "data_frac_starved": round(starved.shares["data"], 4),
+        "data_frac_cached": round(cached.shares["data"], 4),
+        "samples_per_s_starved": starved.samples_per_s,
+        "samples_per_s_cached": cached.samples_per_s,
+        "report_starved": starved.format(),
+        "report_cached": cached.format(),
     }
     ratios = {
-        "overhead_frac": round(H.median(local) - 1.0, 4),
+        "overhead_frac": round(H.median(inter.local) - 1.0, 4),
         "noise_frac_aa": round(H.median(aa) - 1.0, 4),
-        "overhead_frac_arm_medians": round(H.median(step_on) / H.median(step_off) - 1.0, 4),
+        "overhead_frac_arm_medians": round(H.median(inter.on) / H.median(inter.off) - 1.0, 4),
         "overhead_frac_runs": round(H.median(pair_ratios) - 1.0, 4),
         "hook_overhead_frac": round(hook_s / base, 5),
-        "speedup_cached_vs_starved": H.ratio(
-            reports["cached"].samples_per_s or 0, reports["starved"].samples_per_s or 1
-        ),
+        "speedup_cached_vs_starved": H.ratio(cached.samples_per_s or 0, starved.samples_per_s or 1),
     }
+    return results, ratios
+
+
+def main() -> None:
+    args = H.parser(__doc__.splitlines()[0]).parse_args()
+    torch.set_num_threads(1)  # steadier timings on a shared machine
+    cfg = overhead_config(args.quick)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(cfg["samples"], 3, cfg["image"], cfg["image"], generator=g)
+    y = torch.randint(0, 10, (cfg["samples"],), generator=g)
+    cached = DataLoader(TensorDataset(x, y), batch_size=cfg["batch_size"], shuffle=True, num_workers=0)
+    in_situ: list[float] = []  # seconds inside the monitor's per-step hooks / step, per monitored run
+    inter = interleaved_overhead(cfg, cached, in_situ)
+    aa = aa_control(cfg, cached)
+    runs = whole_runs(cfg, cached, in_situ)
+    reports = verdicts(cfg, x, y, cached)
+    results, ratios = overhead_numbers(inter, aa, runs, in_situ, reports)
     H.report(
         "monitor_overhead",
-        quick=q,
+        quick=args.quick,
         config=cfg,
         results=results,
         ratios=ratios,
         out=args.out,
-        chart={"overhead_frac": ratios["overhead_frac"], "hook_overhead_frac": ratios["hook_overhead_frac"],
-               "data_frac_starved": results["data_frac_starved"], "data_frac_cached": results["data_frac_cached"]},
+        chart={
+            "overhead_frac": ratios["overhead_frac"],
+            "hook_overhead_frac": ratios["hook_overhead_frac"],
+            "data_frac_starved": results["data_frac_starved"],
+            "data_frac_cached": results["data_frac_cached"],
+        },
         chart_title="PerformanceMonitor: overhead and data-wait share",
-    )  # fmt: skip
+    )
 
 
 if __name__ == "__main__":

@@ -12,19 +12,25 @@ phase). ``est_step_ms_at_1gbps`` adds the time those bytes take on a 1 Gbit/s li
 (this machine's loopback is far faster than any real network, so measured step times favour no compression).
 
     python benchmarks/onebit.py --quick --out /tmp/onebit.json
+
+``--device cuda`` runs the GPU half instead (report ``onebit_cuda``): the fused Triton compressor against the torch
+one on a 16M-element buffer (64M in the full run), alternated, as GB/s and ``compress_triton_vs_torch``; and, with
+two or more GPUs, the same five schemes over NCCL with one process per GPU (``nccl_*`` ratios).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if __package__ in (None, ""):  # run as `python benchmarks/onebit.py`: make the checkout importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._harness import median, parser, ratio, report  # noqa: E402
+from benchmarks._harness import median, parser, ratio, report
 
 CONFIGS = ("ddp", "fp16", "powersgd_r2", "onebit", "onebit_noef")
 WORLD = 2
@@ -84,71 +90,101 @@ def _model(hidden: int):
     return nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10))
 
 
-def _worker(rank: int, cfg: dict, queue: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(cfg["port"]))
+def _scheme(name: str, model: Any, cfg: dict[str, Any], launch: dict[str, Any]) -> dict[str, Any]:
+    """One run: ``model`` in DDP with the scheme's comm hook, its optimizer, and what the epochs will record."""
     import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from lightning_accel.comm import OneBitState, onebit_hook
 
+    warm = cfg["warmup_steps"]
+    ddp = DDP(model, device_ids=[model[0].weight.device.index] if launch["device"] == "cuda" else None)
+    if name == "ddp":
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+    elif name == "fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif name == "powersgd_r2":
+        state = psgd.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=warm)
+        ddp.register_comm_hook(state, psgd.powerSGD_hook)
+    else:
+        state = OneBitState(warmup_steps=warm, parameters=model.parameters(), error_feedback=name == "onebit")
+        ddp.register_comm_hook(state, onebit_hook)
+    if cfg["optimizer"] == "adam":
+        opt = torch.optim.Adam(ddp.parameters(), lr=cfg["lr"])
+    else:
+        opt = torch.optim.SGD(ddp.parameters(), lr=cfg["lr"], momentum=cfg["momentum"])
+    return {"ddp": ddp, "opt": opt, "step": 0, "bytes": [], "times": [], "losses": [], "acc": 0.0}
+
+
+def _train_epoch(
+    r: dict[str, Any],
+    order: Any,
+    data: tuple[Any, ...],
+    rank: int,
+    cfg: dict[str, Any],
+    launch: dict[str, Any],
+    counter: _ByteCounter,
+) -> None:
+    """One epoch of one run: per step the bytes its hook handed the collectives and the step time after warm-up."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    xtr, ytr, xva, yva = data
+    world = launch["world_size"]
+    sync = torch.cuda.synchronize if launch["device"] == "cuda" else (lambda: None)
+    ddp, opt = r["ddp"], r["opt"]
+    ddp.train()
+    gb = cfg["batch_size"] * world
+    epoch_losses = []
+    for b in range(len(order) // gb):
+        idx = order[b * gb : (b + 1) * gb][rank::world]
+        before = counter.bytes
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(ddp(xtr[idx]), ytr[idx])
+        loss.backward()
+        opt.step()
+        sync()  # GPU work is asynchronous: the step ends when the device is done
+        dt = time.perf_counter() - t0
+        if r["step"] >= cfg["warmup_steps"]:
+            r["bytes"].append(counter.bytes - before)
+            r["times"].append(dt)
+        r["step"] += 1
+        epoch_losses.append(float(loss.detach()))
+    # the epoch's mean training loss, averaged over ranks
+    t = torch.tensor(sum(epoch_losses) / len(epoch_losses), device=xtr.device)
+    dist.all_reduce(t)
+    r["losses"].append(float(t) / world)
+    ddp.eval()
+    with torch.no_grad():
+        r["acc"] = float((ddp.module(xva).argmax(1) == yva).float().mean())
+
+
+def _worker(rank: int, cfg: dict[str, Any], launch: dict[str, Any], queue: Any) -> None:
+    """One rank: every scheme from the same model and data, one epoch of each in turn; rank 0 reports.
+
+    ``launch``: ``{"device": "cpu" | "cuda", "backend": "gloo" | "nccl", "world_size": N}`` (one GPU per rank).
+    """
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(cfg["port"]))
+    import torch
+    import torch.distributed as dist
+
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    device = torch.device("cuda", rank) if launch["device"] == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(launch["backend"], rank=rank, world_size=launch["world_size"])
     counter = _ByteCounter()
     counter.install()
-    xtr, ytr, xva, yva = _data()
-    warm = cfg["warmup_steps"]
-    runs = {}
-    for name in CONFIGS:
-        model = _model(cfg["hidden"])
-        ddp = DDP(model)
-        if name == "ddp":
-            ddp.register_comm_hook(None, default_hooks.allreduce_hook)
-        elif name == "fp16":
-            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        elif name == "powersgd_r2":
-            state = psgd.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=warm)
-            ddp.register_comm_hook(state, psgd.powerSGD_hook)
-        else:
-            state = OneBitState(warmup_steps=warm, parameters=model.parameters(), error_feedback=name == "onebit")
-            ddp.register_comm_hook(state, onebit_hook)
-        if cfg["optimizer"] == "adam":
-            opt = torch.optim.Adam(ddp.parameters(), lr=cfg["lr"])
-        else:
-            opt = torch.optim.SGD(ddp.parameters(), lr=cfg["lr"], momentum=cfg["momentum"])
-        runs[name] = {"ddp": ddp, "opt": opt, "step": 0, "bytes": [], "times": [], "losses": [], "acc": 0.0}
-    gb = cfg["batch_size"] * WORLD
+    data = tuple(t.to(device) for t in _data())
+    runs = {name: _scheme(name, _model(cfg["hidden"]).to(device), cfg, launch) for name in CONFIGS}
     for epoch in range(cfg["epochs"]):
-        order = torch.randperm(len(xtr), generator=torch.Generator().manual_seed(1000 + epoch))
+        order = torch.randperm(len(data[0]), generator=torch.Generator().manual_seed(1000 + epoch)).to(device)
         for name in CONFIGS:  # alternate: one epoch of each run in turn
-            r = runs[name]
-            ddp, opt = r["ddp"], r["opt"]
-            ddp.train()
-            epoch_losses = []
-            for b in range(len(order) // gb):
-                idx = order[b * gb : (b + 1) * gb][rank::WORLD]
-                before = counter.bytes
-                t0 = time.perf_counter()
-                opt.zero_grad(set_to_none=True)
-                loss = F.cross_entropy(ddp(xtr[idx]), ytr[idx])
-                loss.backward()
-                opt.step()
-                dt = time.perf_counter() - t0
-                if r["step"] >= warm:
-                    r["bytes"].append(counter.bytes - before)
-                    r["times"].append(dt)
-                r["step"] += 1
-                epoch_losses.append(float(loss.detach()))
-            # the epoch's mean training loss, averaged over ranks
-            t = torch.tensor(sum(epoch_losses) / len(epoch_losses))
-            dist.all_reduce(t)
-            r["losses"].append(float(t) / WORLD)
-            ddp.eval()
-            with torch.no_grad():
-                r["acc"] = float((ddp.module(xva).argmax(1) == yva).float().mean())
+            _train_epoch(runs[name], order, data, rank, cfg, launch, counter)
     out = {}
     for name, r in runs.items():
         st = r["ddp"]._get_ddp_logging_data()
@@ -166,17 +202,26 @@ def _worker(rank: int, cfg: dict, queue: Any) -> None:
     dist.destroy_process_group()
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd", help="SGD (default) or Adam")
     p.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (default 0; see docs/onebit.md)")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default: 0.1 for SGD, 2e-3 for Adam)")
-    args = p.parse_args()
-    import torch.multiprocessing as mp
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: the schemes on 2 gloo processes (default); cuda: the GPU half (Triton compressor bandwidth, the "
+        "schemes over NCCL with one process per GPU)",
+    )
+    return p.parse_args()
 
+
+def scheme_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The training knobs shared by every scheme (the JSON's ``config``)."""
     from tests.helpers import free_port
 
-    cfg = {
+    return {
         "epochs": 15 if args.quick else 30,
         # <= 1 MB of fp32 parameters: one DDP bucket. torch's powerSGD_hook deadlocks on gloo with several buckets
         # (it issues its second allreduce from gloo's callback thread, racing the next bucket's first one).
@@ -188,13 +233,20 @@ def main() -> None:
         "warmup_steps": 20,
         "port": free_port(),
     }
+
+
+def train_schemes(cfg: dict[str, Any], *, device: str, world_size: int, timeout_s: float) -> dict[str, dict[str, Any]]:
+    """Case: every scheme trained on ``world_size`` processes (gloo on CPU, NCCL with one GPU each on ``"cuda"``);
+    per scheme validation accuracy, training loss, bytes per step, step time."""
+    import torch.multiprocessing as mp
+
+    launch = {"device": device, "backend": "nccl" if device == "cuda" else "gloo", "world_size": world_size}
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    t0 = time.perf_counter()
-    procs = [ctx.Process(target=_worker, args=(r, cfg, queue)) for r in range(WORLD)]
+    procs = [ctx.Process(target=_worker, args=(r, cfg, launch, queue)) for r in range(world_size)]
     for pr in procs:
         pr.start()
-    deadline = time.monotonic() + (600 if args.quick else 1800)
+    deadline = time.monotonic() + timeout_s
     for pr in procs:
         pr.join(timeout=max(1.0, deadline - time.monotonic()))
     for pr in procs:
@@ -203,12 +255,17 @@ def main() -> None:
             pr.join()
     if any(pr.exitcode for pr in procs):
         raise SystemExit(f"a benchmark process failed (exit codes {[pr.exitcode for pr in procs]})")
-    results = queue.get()
+    results: dict[str, dict[str, Any]] = queue.get()
     gbps = 1e9 / 8  # bytes per second on a 1 Gbit/s link
     for r in results.values():
         r["est_step_ms_at_1gbps"] = r["step_ms"] + 1000 * r["bytes_per_step"] / gbps
+    return results
+
+
+def scheme_ratios(results: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """The published ratios: bytes against fp32 DDP, accuracy and loss effects, step-time costs."""
     ddp, one, noef = results["ddp"], results["onebit"], results["onebit_noef"]
-    ratios = {
+    return {
         "bytes_fp32_over_1bit": ratio(ddp["bytes_per_step"], one["bytes_per_step"]),
         "acc_1bit_minus_ddp": round(one["val_acc"] - ddp["val_acc"], 4),
         "loss_noef_over_ef": ratio(noef["train_loss"], one["train_loss"]),
@@ -221,6 +278,74 @@ def main() -> None:
             8 * (ddp["bytes_per_step"] - one["bytes_per_step"]) / max(1e-9, one["step_ms"] - ddp["step_ms"]) / 1e3, 1
         ),
     }
+
+
+def compressor_bandwidth(quick: bool, device: str) -> tuple[dict[str, Any], dict[str, float]]:
+    """Case (GPU half): the fused Triton compressor against the torch one on one flat buffer, with error feedback.
+
+    Timed alternately (``repeats`` rounds, CUDA events on a GPU); bandwidth counts the bytes each must move at least:
+    gradient and error read, new error written (fp32), the mask read (1 byte), the signs written (1/8 byte).
+    Off CUDA the Triton kernel runs only under ``TRITON_INTERPRET=1`` (a correctness check, not a speed).
+    """
+    import torch
+
+    from lightning_accel.comm.compress import GroupLayout, compress_reference
+
+    numel = (1 << 24 if quick else 1 << 26) if device == "cuda" else 1 << 12
+    layout = GroupLayout([numel // 4] * 4, world_size=1, block_size=2048, device=torch.device(device))
+    gen = torch.Generator().manual_seed(0)
+    grad = (torch.randn(layout.padded_numel, generator=gen) * layout.table.mask.cpu()).to(device)
+    error = (torch.randn(layout.padded_numel, generator=gen) * 1e-3 * layout.table.mask.cpu()).to(device)
+    impls: dict[str, Any] = {"torch": compress_reference}
+    if device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        from lightning_accel.comm.triton_kernels import compress_triton
+
+        impls["triton"] = compress_triton
+    outs = {name: fn(grad, error, layout.table) for name, fn in impls.items()}  # also compiles the kernel
+    times: dict[str, list[float]] = {name: [] for name in impls}
+    for _ in range(3 if quick else 5):  # alternate the implementations round by round
+        for name, fn in impls.items():
+            times[name].append(_timed(lambda fn=fn: fn(grad, error, layout.table), device, iters=10 if quick else 30))
+    moved = layout.padded_numel * (3 * 4 + 1) + layout.padded_numel // 8
+    results: dict[str, Any] = {"numel": layout.padded_numel, "blocks": layout.num_blocks, "bytes_moved": moved}
+    for name, ts in times.items():
+        results[f"{name}_ms"] = 1e3 * median(ts)
+        results[f"{name}_GBps"] = moved / median(ts) / 1e9
+    ratios: dict[str, float] = {}
+    if "triton" in outs:
+        (p_ref, s_ref, e_ref), (p_tri, s_tri, e_tri) = outs["torch"], outs["triton"]
+        results["packed_identical"] = bool(torch.equal(p_ref, p_tri))
+        results["scales_max_rel_err"] = float(((s_tri - s_ref).abs().max() / s_ref.abs().max()).item())
+        results["error_max_abs_diff"] = float((e_tri - e_ref).abs().max().item())
+        ratios["compress_triton_vs_torch"] = ratio(median(times["torch"]), median(times["triton"]))
+        ratios["compress_triton_GBps"] = round(results["triton_GBps"], 1)
+    return results, ratios
+
+
+def _timed(step: Any, device: str, iters: int) -> float:
+    """Seconds per call of ``step`` (CUDA events around ``iters`` back-to-back calls on a GPU; host clock on CPU)."""
+    import torch
+
+    if device != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            step()
+        return (time.perf_counter() - t0) / iters
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        step()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / iters
+
+
+def main_cpu(args: argparse.Namespace) -> None:
+    """The five schemes on 2 gloo processes: the published ``onebit`` report."""
+    t0 = time.perf_counter()
+    cfg = scheme_config(args)
+    results = train_schemes(cfg, device="cpu", world_size=WORLD, timeout_s=600 if args.quick else 1800)
+    ratios = scheme_ratios(results)
     cfg["world_size"] = WORLD
     cfg["wall_s"] = round(time.perf_counter() - t0, 1)
     report(
@@ -233,6 +358,43 @@ def main() -> None:
         chart={k: ratios[k] for k in ("bytes_fp32_over_1bit", "bytes_fp32_over_fp16", "bytes_fp32_over_powersgd_r2")},
         chart_title="fp32 bytes / scheme bytes",
     )
+
+
+def main_cuda(args: argparse.Namespace) -> None:
+    """The GPU half: compressor bandwidth on one GPU, then the schemes over NCCL when there are 2+ GPUs."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("`--device cuda` needs a CUDA device; this machine has none. Run without `--device`.")
+    t0 = time.perf_counter()
+    world = min(torch.cuda.device_count(), 8)
+    comp_results, ratios = compressor_bandwidth(args.quick, "cuda")
+    results: dict[str, Any] = {"compressor": comp_results, "device": torch.cuda.get_device_name(0)}
+    cfg = {**scheme_config(args), "world_size": world, "backend": "nccl"}
+    if world >= 2:
+        schemes = train_schemes(cfg, device="cuda", world_size=world, timeout_s=300 if args.quick else 900)
+        results["nccl"] = schemes
+        ratios.update({f"nccl_{k}": v for k, v in scheme_ratios(schemes).items()})
+    else:  # NCCL refuses two ranks on one GPU, and 1-bit averaging needs at least two ranks
+        results["nccl"] = f"not measured: {world} GPU (the schemes need one GPU per rank, at least 2)"
+    cfg["wall_s"] = round(time.perf_counter() - t0, 1)
+    report(
+        "onebit_cuda",
+        quick=args.quick,
+        config=cfg,
+        results=results,
+        ratios=ratios,
+        out=args.out,
+        chart_title="1-bit on CUDA: Triton compressor speed-up, NCCL ratios",
+    )
+
+
+def main() -> None:
+    args = parse_args()
+    if args.device == "cuda":
+        main_cuda(args)
+    else:
+        main_cpu(args)
 
 
 if __name__ == "__main__":

@@ -8,41 +8,70 @@ first, which pays for worker start-up) and ``val_acc`` (after the last epoch).
 
 from __future__ import annotations
 
+import argparse
+import sys
 import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
-from _harness import median, parser, ratio, report
+if __package__ in (None, ""):  # run as `python benchmarks/quickstart.py`: make the checkout importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import lightning as L
+from lightning.pytorch.callbacks import Callback
+
+from benchmarks._harness import median, parser, ratio, report
+
+IMAGE_SIZE = 64
+BATCH_SIZE = 64
 
 
-def main() -> None:
+class EpochTimer(Callback):
+    """Seconds and training samples of every epoch."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.samples: list[int] = []
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._t0, self._n = time.perf_counter(), 0
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._n += len(batch[1])
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.times.append(time.perf_counter() - self._t0)
+        self.samples.append(self._n)
+
+
+@dataclass
+class BaselineRun:
+    """What one quickstart ``fit`` measured."""
+
+    epoch_s: list[float]
+    epoch_samples: list[int]
+    fit_s: float
+    val_acc: float
+    num_workers: int
+
+
+def parse_args() -> argparse.Namespace:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--data-dir", default="data/digits64", help="where the 64 px digits JPEGs live or are created")
     p.add_argument("--epochs", type=int, default=None, help="default: 3 (quick) or 5 (full)")
-    args = p.parse_args()
-    epochs = args.epochs or (3 if args.quick else 5)
+    return p.parse_args()
 
-    import lightning as L
-    from lightning.pytorch.callbacks import Callback
 
+def fit_baseline(data_dir: str, epochs: int) -> BaselineRun:
+    """The quickstart as a plain Lightning user runs it: ``DigitsDataModule`` (ImageFolder) + ``ImageClassifier``."""
     from lightning_accel.datasets import DigitsDataModule
     from lightning_accel.models import ImageClassifier
 
-    class EpochTimer(Callback):
-        def __init__(self) -> None:
-            self.times: list[float] = []
-            self.samples: list[int] = []
-
-        def on_train_epoch_start(self, trainer, pl_module) -> None:  # noqa: ANN001
-            self._t0, self._n = time.perf_counter(), 0
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
-            self._n += len(batch[1])
-
-        def on_train_epoch_end(self, trainer, pl_module) -> None:  # noqa: ANN001
-            self.times.append(time.perf_counter() - self._t0)
-            self.samples.append(self._n)
-
     L.seed_everything(0, verbose=False)
-    dm = DigitsDataModule(data_dir=args.data_dir, image_size=64, batch_size=64)
+    dm = DigitsDataModule(data_dir=data_dir, image_size=IMAGE_SIZE, batch_size=BATCH_SIZE)
     model = ImageClassifier(width=32, lr=3e-3)
     timer = EpochTimer()
     trainer = L.Trainer(
@@ -59,24 +88,37 @@ def main() -> None:
     trainer.fit(model, datamodule=dm)
     fit_s = time.perf_counter() - t0
     val_acc = float(trainer.callback_metrics["val_acc"])
-    later = timer.times[1:] or timer.times
+    return BaselineRun(timer.times, timer.samples, fit_s, val_acc, dm.num_workers)
+
+
+def epoch_numbers(run: BaselineRun) -> tuple[dict[str, Any], dict[str, float]]:
+    """``results`` and ``ratios`` of the run (later epochs' median; the first pays for worker start-up)."""
+    later = run.epoch_s[1:] or run.epoch_s
     results = {
         "epoch_s_median": round(median(later), 4),
-        "first_epoch_s": round(timer.times[0], 4),
-        "epoch_s_all": [round(t, 4) for t in timer.times],
-        "train_samples_per_s": round(timer.samples[-1] / median(later), 1),
-        "fit_s": round(fit_s, 2),
-        "val_acc": round(val_acc, 4),
+        "first_epoch_s": round(run.epoch_s[0], 4),
+        "epoch_s_all": [round(t, 4) for t in run.epoch_s],
+        "train_samples_per_s": round(run.epoch_samples[-1] / median(later), 1),
+        "fit_s": round(run.fit_s, 2),
+        "val_acc": round(run.val_acc, 4),
     }
     ratios = {
-        "first_epoch_vs_later": ratio(timer.times[0], median(later)),
-        "val_acc_vs_target_0_95": ratio(val_acc, 0.95),
+        "first_epoch_vs_later": ratio(run.epoch_s[0], median(later)),
+        "val_acc_vs_target_0_95": ratio(run.val_acc, 0.95),
     }
+    return results, ratios
+
+
+def main() -> None:
+    args = parse_args()
+    epochs = args.epochs or (3 if args.quick else 5)
+    run = fit_baseline(args.data_dir, epochs)
+    results, ratios = epoch_numbers(run)
     config = {
         "epochs": epochs,
-        "image_size": 64,
-        "batch_size": 64,
-        "num_workers": dm.num_workers,
+        "image_size": IMAGE_SIZE,
+        "batch_size": BATCH_SIZE,
+        "num_workers": run.num_workers,
         "model": "ImageClassifier(width=32)",
         "data": "DigitsDataModule (ImageFolder + DataLoader)",
     }
@@ -87,7 +129,7 @@ def main() -> None:
         results=results,
         ratios=ratios,
         out=args.out,
-        chart={f"epoch {i + 1}": t for i, t in enumerate(timer.times)},
+        chart={f"epoch {i + 1}": t for i, t in enumerate(run.epoch_s)},
         chart_title="quickstart: seconds per epoch",
     )
 

@@ -20,24 +20,26 @@ import copy
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+if __package__ in (None, ""):  # run as `python benchmarks/recipes.py`: make the checkout importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import _harness as H  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from lightning.pytorch import LightningModule, Trainer, seed_everything  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule, Trainer, seed_everything
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_accel.callbacks import KnowledgeDistillation, StructuredPruning  # noqa: E402
-from lightning_accel.datasets import load_digits_arrays  # noqa: E402
-from lightning_accel.datasets.datamodule import split_indices  # noqa: E402
-from lightning_accel.models import SmallResNet  # noqa: E402
-from lightning_accel.recipes.lr import WarmupCosineLR  # noqa: E402
-from lightning_accel.recipes.prune import count_parameters  # noqa: E402
+import benchmarks._harness as H
+from lightning_accel.callbacks import KnowledgeDistillation, StructuredPruning
+from lightning_accel.data.dataset import split_indices
+from lightning_accel.datasets import load_digits_arrays
+from lightning_accel.models import SmallResNet
+from lightning_accel.recipes.lr import WarmupCosineLR
+from lightning_accel.recipes.prune import count_parameters
 
 RES = 16
 
@@ -115,11 +117,9 @@ def teacher_net() -> nn.Module:
     return SmallResNet(num_classes=10, width=32, blocks=(1, 1, 1), in_channels=1)
 
 
-def main() -> None:
-    args = H.parser(__doc__.splitlines()[0]).parse_args()
-    torch.set_num_threads(2)
-    quick = args.quick
-    cfg = {
+def recipe_config(quick: bool) -> dict[str, Any]:
+    """Data, models, epochs, seeds and the recipes' knobs (the JSON's ``config``)."""
+    return {
         "input": f"digits 8x8 upscaled to {RES}x{RES}, 1 channel, 80/20 split (seed 0)",
         "teacher": "SmallResNet(width=32, blocks=(1,1,1))",
         "student": f"MLP {RES * RES}-256-10",
@@ -131,18 +131,23 @@ def main() -> None:
         "infer": {"batch": 256, "repeats": 7 if quick else 15, "threads": torch.get_num_threads()},
         "optimizer": "AdamW(wd 5e-4) + WarmupCosineLR(warmup 10 %, per step)",
     }
-    train, val = digits(RES)
-    results: dict[str, Any] = {}
 
-    # 1. teacher
+
+def train_teacher(cfg: dict[str, Any], train: TensorDataset, val: TensorDataset) -> tuple[nn.Module, dict[str, Any]]:
+    """Case 1: the teacher CNN, trained once; every later case starts from it."""
     seed_everything(0, verbose=False)
     teacher = teacher_net()
-    results["teacher_fit_s"] = round(fit(Classifier(teacher, lr=3e-3), train, cfg["teacher_epochs"], seed=0), 2)
-    results["teacher_acc"] = accuracy(teacher, val)
-    results["teacher_params"] = count_parameters(teacher)
+    results: dict[str, Any] = {
+        "teacher_fit_s": round(fit(Classifier(teacher, lr=3e-3), train, cfg["teacher_epochs"], seed=0), 2),
+        "teacher_acc": accuracy(teacher, val),
+        "teacher_params": count_parameters(teacher),
+    }
     log(f"teacher: acc {results['teacher_acc']:.4f} in {results['teacher_fit_s']} s")
+    return teacher, results
 
-    # 2. distillation, 3 seeds: same student initialisation with and without the teacher
+
+def distillation(cfg: dict[str, Any], teacher: nn.Module, train: TensorDataset, val: TensorDataset) -> dict[str, Any]:
+    """Case 2: per seed, the same student initialisation and data order trained alone and with the teacher."""
     alone, kd = [], []
     for seed in cfg["seeds"]:
         seed_everything(seed, verbose=False)
@@ -154,25 +159,33 @@ def main() -> None:
         alone.append(accuracy(s1, val))
         kd.append(accuracy(s2, val))
         log(f"seed {seed}: student {alone[-1]:.4f}, with KD {kd[-1]:.4f}")
-    results["student_acc"] = alone
-    results["kd_student_acc"] = kd
-    results["student_params"] = count_parameters(student_net())
+    return {"student_acc": alone, "kd_student_acc": kd, "student_params": count_parameters(student_net())}
 
-    # 3. structured pruning of the teacher + short fine-tune (KnowledgeDistillation froze the teacher in place)
-    pruned = copy.deepcopy(teacher).requires_grad_(True)
+
+def pruning(
+    cfg: dict[str, Any], teacher: nn.Module, train: TensorDataset, val: TensorDataset
+) -> tuple[nn.Module, dict[str, Any]]:
+    """Case 3: structured pruning of a copy of the teacher + a short fine-tune."""
+    pruned = copy.deepcopy(teacher).requires_grad_(True)  # KnowledgeDistillation froze the teacher in place
     cb = StructuredPruning(amount=cfg["prune"]["amount"], norm=cfg["prune"]["norm"], schedule=0)
     tune = Classifier(pruned, lr=cfg["prune"]["finetune_lr"])
-    results["prune_finetune_s"] = round(fit(tune, train, cfg["prune"]["finetune_epochs"], seed=0, callbacks=[cb]), 2)
-    results["pruned_acc"] = accuracy(pruned, val)
-    results["pruned_params"] = count_parameters(pruned)
+    results: dict[str, Any] = {
+        "prune_finetune_s": round(fit(tune, train, cfg["prune"]["finetune_epochs"], seed=0, callbacks=[cb]), 2),
+        "pruned_acc": accuracy(pruned, val),
+        "pruned_params": count_parameters(pruned),
+    }
     log(f"pruned: acc {results['pruned_acc']:.4f}, params {results['pruned_params']}")
     results["pruned_groups"] = [f"{'+'.join(n)}:{a}->{b}" for n, a, b in cb.history[0]["groups"]]
+    return pruned, results
 
-    xb = val.tensors[0][:256].contiguous()
+
+def inference_speed(cfg: dict[str, Any], teacher: nn.Module, pruned: nn.Module, val: TensorDataset) -> dict[str, float]:
+    """Case 4: CPU inference time of one batch, original and pruned alternated, median of repeats."""
+    xb = val.tensors[0][: cfg["infer"]["batch"]].contiguous()
     teacher.eval()
     pruned.eval()
 
-    def timed(net: nn.Module):
+    def timed(net: nn.Module) -> Callable[[], float]:
         def run() -> float:
             with torch.inference_mode():
                 t0 = time.perf_counter()
@@ -184,21 +197,37 @@ def main() -> None:
     times = H.alternate(
         {"original": timed(teacher), "pruned": timed(pruned)}, repeats=cfg["infer"]["repeats"], warmup=2
     )
-    results["infer_original_s"] = H.median(times["original"])
-    results["infer_pruned_s"] = H.median(times["pruned"])
+    return {"infer_original_s": H.median(times["original"]), "infer_pruned_s": H.median(times["pruned"])}
 
-    ratios = {
-        "kd_acc_minus_student": round(statistics.mean(kd) - statistics.mean(alone), 4),
+
+def recipe_ratios(results: dict[str, Any]) -> dict[str, float]:
+    """The published ratios: the distillation gain and the pruned model's size, speed and accuracy."""
+    return {
+        "kd_acc_minus_student": round(
+            statistics.mean(results["kd_student_acc"]) - statistics.mean(results["student_acc"]), 4
+        ),
         "pruned_params_frac": H.ratio(results["pruned_params"], results["teacher_params"]),
         "pruned_cpu_infer_speedup": H.ratio(results["infer_original_s"], results["infer_pruned_s"]),
         "pruned_acc_drop": round(results["teacher_acc"] - results["pruned_acc"], 4),
     }
+
+
+def main() -> None:
+    args = H.parser(__doc__.splitlines()[0]).parse_args()
+    torch.set_num_threads(2)
+    cfg = recipe_config(args.quick)
+    train, val = digits(RES)
+    teacher, results = train_teacher(cfg, train, val)
+    results |= distillation(cfg, teacher, train, val)
+    pruned, pruned_results = pruning(cfg, teacher, train, val)
+    results |= pruned_results
+    results |= inference_speed(cfg, teacher, pruned, val)
     H.report(
         "recipes",
-        quick=quick,
+        quick=args.quick,
         config=cfg,
         results=results,
-        ratios=ratios,
+        ratios=recipe_ratios(results),
         out=args.out,
         chart_title="recipes: KD gain, pruned params / speed-up / accuracy drop",
     )

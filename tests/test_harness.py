@@ -71,3 +71,56 @@ def test_benchmark_report_contract(tmp_path: Path, capsys: pytest.CaptureFixture
         json.dumps(doc, default=str)
     )
     assert "| r | 0.5 |" in capsys.readouterr().out
+
+
+def _benchmark_mains() -> dict[str, int]:
+    """``{script: lines of its main()}`` for every benchmark script."""
+    import ast
+
+    out = {}
+    for path in sorted((REPO / "benchmarks").glob("*.py")):
+        if path.name.startswith("_"):
+            continue
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef) and node.name == "main":
+                out[path.name] = node.end_lineno - node.lineno + 1
+    return out
+
+
+def test_every_benchmark_main_reads_as_its_cases() -> None:
+    mains = _benchmark_mains()
+    assert {"quickstart.py", "fused.py", "onebit.py", "data_cache.py", "cuda_memory.py", "augment.py"} <= set(mains)
+    long = {name: n for name, n in mains.items() if n > 50}
+    assert not long, f"main() should parse arguments, call named cases and report; too long: {long}"
+
+
+def test_harness_docstring_states_the_contract_itself() -> None:
+    doc = _harness().__doc__
+    assert "DESIGN.md" not in doc
+    for term in ("--quick", "--out", '"benchmark", "quick", "machine", "config", "results", "ratios"', "docs/img/"):
+        assert term in doc
+
+
+def test_onebit_compressor_case_on_cpu() -> None:
+    from benchmarks.onebit import compressor_bandwidth
+
+    results, ratios = compressor_bandwidth(True, "cpu")  # the torch compressor only: Triton needs CUDA here
+    assert results["numel"] == 4096 and results["torch_ms"] > 0 and results["torch_GBps"] > 0
+    assert "triton_ms" not in results and ratios == {}
+
+
+def test_cuda_memory_numbers_are_medians_and_ratios_with_over_without() -> None:
+    from benchmarks.cuda_memory import memory_numbers
+
+    def run(reserved: float, frag: float, step: float) -> dict:
+        return {"peak_reserved_GB": reserved, "mean_fragmentation": frag, "step_ms": step, "alloc_conf": "x:1"}
+
+    runs = {"without": [run(4.0, 0.3, 10.0), run(6.0, 0.5, 12.0)], "with": [run(3.0, 0.1, 11.0), run(3.0, 0.1, 11.0)]}
+    results, ratios = memory_numbers(runs)
+    assert results["without"] == {"peak_reserved_GB": 5.0, "mean_fragmentation": 0.4, "step_ms": 11.0}
+    assert ratios == {
+        "peak_reserved_with_over_without": 0.6,
+        "fragmentation_with_over_without": 0.25,
+        "step_time_with_over_without": 1.0,
+    }
+    assert results["runs"] is runs and results["alloc_conf_with"] == "x:1"

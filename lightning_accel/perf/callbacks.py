@@ -5,7 +5,6 @@ fragmentation logging and OOM snapshots), thin callbacks over the plain-torch co
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
@@ -19,6 +18,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_accel._utils import compat
 from lightning_accel._utils.atomic import atomic_write_text
 from lightning_accel._utils.rank import global_rank
 from lightning_accel.perf.cuda_memory import (
@@ -34,7 +34,7 @@ from lightning_accel.perf.nvml import NvmlSampler, nvml_available
 from lightning_accel.perf.report import BottleneckReport, build_report
 from lightning_accel.perf.timers import CATEGORIES, Clock, CudaEventClock, HostClock, StepTimer, TimerTotals
 
-__all__ = ['CudaMemoryManager', 'PerformanceMonitor']
+__all__ = ["CudaMemoryManager", "PerformanceMonitor"]
 
 
 # DDP samples its own forward/backward/comm timers every N iterations (default 100); 10 gives numbers in short runs
@@ -91,6 +91,7 @@ class PerformanceMonitor(Callback):
 
     def __init__(
         self,
+        *,
         log_every_n_steps: int | None = None,
         skip_steps: int = 2,
         count_flops: bool = True,
@@ -146,7 +147,7 @@ class PerformanceMonitor(Callback):
         self.timer = StepTimer(clock=clock, span_clock=self._span_clock or HostClock(), skip_steps=self.skip_steps)
         self.report = None
         self._peak_cache = None
-        self._every = self.log_every_n_steps or max(1, int(trainer.log_every_n_steps or 50))
+        self._every = self.log_every_n_steps or _trainer_log_every_n_steps(trainer)
         if self.nvml and device.type == "cuda" and nvml_available():
             self._sampler = NvmlSampler(_nvml_index(device))
         self._wrap_save_checkpoint(trainer)
@@ -171,7 +172,7 @@ class PerformanceMonitor(Callback):
             finally:
                 timer.end("checkpoint")
 
-        trainer.save_checkpoint = timed_save  # type: ignore[method-assign]
+        trainer.save_checkpoint = timed_save  # type: ignore[method-assign]  # timed on the instance, restored at the end
 
     def _unwrap_save_checkpoint(self, trainer: pl.Trainer) -> None:
         if self._orig_save is not None:
@@ -247,24 +248,18 @@ class PerformanceMonitor(Callback):
         self._init_ddp_timing(trainer)
 
     def _init_ddp_timing(self, trainer: pl.Trainer) -> None:
-        model = getattr(trainer.strategy, "model", None)
-        if self._ddp_prev is not None or not hasattr(model, "_set_ddp_runtime_logging_sample_rate"):
+        if self._ddp_prev is not None:
             return
-        with contextlib.suppress(Exception):
-            model._set_ddp_runtime_logging_sample_rate(_DDP_TIMING_SAMPLE_RATE)
-        self._ddp_prev = (0, 0.0)
+        model = getattr(trainer.strategy, "model", None)
+        if compat.set_ddp_runtime_logging_sample_rate(model, _DDP_TIMING_SAMPLE_RATE):
+            self._ddp_prev = (0, 0.0)
 
     def _ddp_exposed_comm(self, trainer: pl.Trainer) -> float | None:
         """Seconds per step of DDP gradient communication not hidden behind backward, from DDP's own timers."""
-        model = getattr(trainer.strategy, "model", None)
-        getter = getattr(model, "_get_ddp_logging_data", None)
-        if getter is None:
-            return None
         if self._ddp_prev is None:
             self._init_ddp_timing(trainer)
-        try:
-            d = getter()
-        except Exception:
+        d = compat.ddp_logging_data(getattr(trainer.strategy, "model", None))
+        if d is None:
             return None
         comm_ns = float(d.get("avg_backward_comm_time", 0) or 0)
         overlap_ns = float(d.get("avg_backward_compute_comm_overlap_time", 0) or 0)
@@ -273,14 +268,10 @@ class PerformanceMonitor(Callback):
     def _flush(self, trainer: pl.Trainer) -> TimerTotals:
         assert self.timer is not None
         comm = self._ddp_exposed_comm(trainer)
-        window = self.timer.flush()
-        if comm and window.steps:
-            # exposed comm happened inside the step segments: move it out of compute
-            moved = min(comm * window.steps, window.seconds["compute"])
-            for w in (window, self.timer.totals):
-                w.seconds["compute"] -= moved
-                w.seconds["comm"] += moved
-        return window
+        if comm:
+            # exposed comm happened inside the step segments: move it out of compute before the window closes
+            self.timer.move(comm * self.timer.window_steps, src="compute", dst="comm")
+        return self.timer.flush()
 
     def _log_window(self, trainer: pl.Trainer) -> None:
         window = self._flush(trainer)
@@ -402,6 +393,13 @@ def _table_peak(trainer: pl.Trainer) -> float | None:
         return None
 
 
+def _trainer_log_every_n_steps(trainer: pl.Trainer) -> int:
+    """The trainer's ``log_every_n_steps`` (>= 1; 50 when unset or 0)."""
+    # public, but set on the instance by Lightning's logger connector rather than declared on the class
+    value = getattr(trainer, "log_every_n_steps", None)
+    return max(1, int(value or 50))
+
+
 def _num_workers(trainer: pl.Trainer) -> int | None:
     loader = trainer.train_dataloader
     n = getattr(loader, "num_workers", None)
@@ -459,6 +457,7 @@ class CudaMemoryManager(Callback):
 
     def __init__(
         self,
+        *,
         expandable_segments: bool | None = True,
         max_split_size_mb: int | None = 256,
         garbage_collection_threshold: float | None = 0.8,
@@ -508,14 +507,14 @@ class CudaMemoryManager(Callback):
         self._active = True
         if self.applied is None:  # CUDA appeared after __init__ (unusual): apply now, reporting what is late
             self._apply()
-        self._every = self.log_every_n_steps or max(1, int(trainer.log_every_n_steps or 50))
+        self._every = self.log_every_n_steps or _trainer_log_every_n_steps(trainer)
         if self.record_history:
-            torch.cuda.memory._record_memory_history(max_entries=self.max_history_entries)
+            compat.record_cuda_memory_history(self.max_history_entries)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self._active and self.record_history:
-            torch.cuda.memory._record_memory_history(enabled=None)
+            compat.stop_cuda_memory_history()
         self._active = False
 
     @override

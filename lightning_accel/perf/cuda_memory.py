@@ -45,7 +45,7 @@ class AllocatorSettings:
 
     Args:
         expandable_segments: grow segments in place instead of allocating new ones.
-        max_split_size_mb: blocks above this size are never split (>= 20 MB; the brief's threshold is 256).
+        max_split_size_mb: blocks above this size are never split (>= 20 MB; 256 is a common choice).
         garbage_collection_threshold: fraction in (0, 1) of device memory above which cached blocks are reclaimed.
     """
 
@@ -122,12 +122,9 @@ class AppliedSettings:
 
 
 def _runtime_setter() -> Callable[[str], Any] | None:
-    import torch
+    from lightning_accel._utils.compat import allocator_settings_setter  # imports torch: only when applying
 
-    fn = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
-    if fn is not None:
-        return fn
-    return getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    return allocator_settings_setter()
 
 
 def apply_allocator_settings(
@@ -252,9 +249,9 @@ def dump_memory_snapshot(path: str | os.PathLike[str], snapshot: Callable[[], An
     from lightning_accel._utils.atomic import atomic_write_bytes
 
     if snapshot is None:
-        import torch
+        from lightning_accel._utils.compat import cuda_memory_snapshot
 
-        snapshot = torch.cuda.memory._snapshot
+        snapshot = cuda_memory_snapshot
     data = pickle.dumps(snapshot())
     atomic_write_bytes(path, data)
     return os.fspath(path)

@@ -183,22 +183,50 @@ class StepTimer:
             self._window.seconds[cat] += own
         return own
 
-    def move(self, seconds: float, *, src: str, dst: str) -> None:
-        """Move ``seconds`` already counted (or pending) in ``src`` to ``dst`` (e.g. exposed comm out of compute)."""
-        for c in (src, dst):
+    def move(self, seconds: float, *, src: str, dst: str) -> float:
+        """Move up to ``seconds`` of the current window's ``src`` time to ``dst`` (e.g. exposed comm out of compute).
+
+        Pending intervals are resolved first (as :meth:`flush` does: at most one wait, for the newest CUDA event), so
+        the amount is capped at what ``src`` holds and no category goes negative; call it just before :meth:`flush`.
+
+        Args:
+            seconds: how much to move (nothing happens when it is <= 0).
+            src: the category the time was counted in.
+            dst: the category it belongs to.
+
+        Returns:
+            The seconds actually moved.
+
+        Raises:
+            ValueError: ``src`` or ``dst`` is not one of :data:`CATEGORIES`.
+        """
+        for name, c in (("src", src), ("dst", dst)):
             if c not in CATEGORIES:
-                raise ValueError(f"category must be one of {CATEGORIES}, got {c!r}.")
-        if seconds > 0:
-            self._window.seconds[src] -= seconds
-            self._window.seconds[dst] += seconds
+                raise ValueError(f"`{name}` must be one of {CATEGORIES} (a category), got {c!r}.")
+        if seconds <= 0:
+            return 0.0
+        self._resolve()
+        moved = min(seconds, max(0.0, self._window.seconds[src]))
+        self._window.seconds[src] -= moved
+        self._window.seconds[dst] += moved
+        return moved
+
+    @property
+    def window_steps(self) -> int:
+        """Steps counted since the previous :meth:`flush` (e.g. to turn a per-step cost into a :meth:`move`)."""
+        return self._window.steps
 
     # -- results --------------------------------------------------------------------------------------------------
-    def flush(self) -> TimerTotals:
-        """Resolve pending intervals (at most one wait, for the newest CUDA event) and return the window since the
-        previous flush; the window is also added to :attr:`totals`."""
+    def _resolve(self) -> None:
+        """Turn pending (start, end) marks into seconds of the window (blocks on the newest CUDA event only)."""
         for cat, a, b, excluded in self._pending:
             self._window.seconds[cat] += max(0.0, self.clock.elapsed(a, b) - excluded)
         self._pending.clear()
+
+    def flush(self) -> TimerTotals:
+        """Resolve pending intervals (at most one wait, for the newest CUDA event) and return the window since the
+        previous flush; the window is also added to :attr:`totals`."""
+        self._resolve()
         window, self._window = self._window, TimerTotals()
         self.totals.add(window)
         return window

@@ -95,6 +95,21 @@ def test_move_and_bad_category() -> None:
         StepTimer(skip_steps=-1)
 
 
+def test_move_resolves_pending_time_and_caps_at_the_source() -> None:
+    ft, timer = make()
+    run_step(ft, timer, 0.0, 1.0)
+    run_step(ft, timer, 0.5, 1.0)
+    assert timer.window_steps == 2
+    assert timer.move(0.0, src="compute", dst="comm") == 0.0
+    assert timer.move(5.0, src="compute", dst="comm") == pytest.approx(2.0)  # only 2 s of compute to move
+    t = timer.flush()
+    assert t.seconds["compute"] == pytest.approx(0.0) and t.seconds["comm"] == pytest.approx(2.0)
+    assert t.seconds["data"] == pytest.approx(0.5) and t.wall == pytest.approx(2.5)
+    assert timer.totals.seconds["comm"] == pytest.approx(2.0) and timer.window_steps == 0
+    with pytest.raises(ValueError, match="`dst`"):
+        timer.move(1.0, src="compute", dst="network")
+
+
 class EventClock:
     """Marks are opaque tokens; elapsed looks them up (like CUDA events resolved later)."""
 
