@@ -24,7 +24,7 @@ def _tiny(digits_dir: Path, root: Path) -> list[str]:
         "--trainer.enable_progress_bar=false",
         "--trainer.log_every_n_steps=1",
         f"--data.origin={digits_dir}",
-        "--data.materialize_digits=null",  # the session's 32 px digits already exist
+        "--data.digits_size=null",  # the 32 px digits of `digits_dir` already exist: render nothing
         f"--data.cache_dir={root}/cache",
         f"--data.ram_dir={root}/ram",
         "--data.image_size=32",
@@ -102,3 +102,19 @@ def test_module_entry_point_reports_bad_subcommand() -> None:
         [sys.executable, "-m", "lightning_accel.cli", "bogus"], capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 2 and "invalid choice" in out.stderr
+
+
+def test_config_is_saved_beside_the_logs_never_in_the_working_directory(
+    digits_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    # no logger and no default_root_dir: Lightning's own callback would write ./config.yaml
+    argv = [a for a in _tiny(digits_dir, tmp_path / "nolog") if not a.startswith("--trainer.default_root_dir")]
+    main(["fit", *argv, "--trainer.logger=false", "--trainer.enable_checkpointing=false"])
+    assert not (cwd / "config.yaml").exists()
+    main(["fit", *_tiny(digits_dir, tmp_path / "logged")])  # with the default CSV logger: beside metrics.csv
+    (saved,) = (tmp_path / "logged").rglob("config.yaml")
+    assert (saved.parent / "metrics.csv").exists()
+    assert not (cwd / "config.yaml").exists()

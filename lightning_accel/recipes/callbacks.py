@@ -32,7 +32,7 @@ from lightning_accel.recipes.prune import (
     schedule_amounts,
 )
 
-__all__ = ['KnowledgeDistillation', 'LinearScalingLR', 'PerStepLR', 'StructuredPruning']
+__all__ = ["KnowledgeDistillation", "LinearScalingLR", "PerStepLR", "StructuredPruning"]
 
 
 def _loader_batch_size(obj: Any) -> int | None:
@@ -168,8 +168,8 @@ class KnowledgeDistillation(Callback):
 
     Args:
         teacher: the teacher network (any ``nn.Module`` mapping the student's inputs to logits of the same shape), or
-            the path of a Lightning checkpoint of it (then ``teacher_class`` is required; read with
-            ``torch.load(weights_only=True)``).
+            the path of a checkpoint of it, plain or ``DeltaCheckpointIO`` (then ``teacher_class`` is required; read
+            with :func:`~lightning_accel.checkpoint.read_checkpoint`, which never unpickles arbitrary objects).
         temperature: softening temperature ``T > 0``.
         alpha: weight of the distillation term in [0, 1].
         teacher_class: the teacher's class (or import path) when ``teacher`` is a checkpoint path.
@@ -252,7 +252,7 @@ class KnowledgeDistillation(Callback):
                 self._captured = []
 
         self._hook = pl_module.register_forward_hook(hook, with_kwargs=True)
-        pl_module.training_step = training_step  # type: ignore[method-assign]
+        pl_module.training_step = training_step  # type: ignore[method-assign]  # wrapped on the instance for the fit
         self._module = pl_module
 
     def _uninstall(self) -> None:
@@ -345,6 +345,7 @@ class StructuredPruning(Callback):
     def __init__(
         self,
         amount: float = 0.5,
+        *,
         norm: str = "l1",
         schedule: int | Sequence[int] = 0,
         target: str | None = None,
