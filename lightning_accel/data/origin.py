@@ -11,6 +11,7 @@ concurrency and bounded retries, and its listing (an ImageFolder-style tree or a
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -41,15 +42,6 @@ _T = TypeVar("_T")
 
 class OriginError(OSError):
     """The origin could not deliver a key (permanent error, or transient errors beyond the retry budget)."""
-
-
-class _ReadPool:
-    """This process's read threads: none until the first :meth:`ObjectStore.run` (a local origin never needs any)."""
-
-    __slots__ = ("executor",)
-
-    def __init__(self) -> None:
-        self.executor: ThreadPoolExecutor | None = None
 
 
 class ObjectStore(ResetOnPickle):
@@ -85,7 +77,10 @@ class ObjectStore(ResetOnPickle):
         # The one fsspec layer: per-process filesystems, the transient/permanent split, the retry loop.
         self.files = FileStore(storage_options, retries=retries, backoff_s=backoff_s)
         self.max_concurrency = max_concurrency
-        self._threads: PerProcess[_ReadPool] = PerProcess(_ReadPool)
+        # This process's read threads, made by the first `run` (a local origin never needs any).
+        self._threads: PerProcess[ThreadPoolExecutor] = PerProcess(
+            functools.partial(ThreadPoolExecutor, max_concurrency, thread_name_prefix="la-origin")
+        )
         self._lock = ForkSafeLock()
         # Counters of this process, read (as differences) by the cache for its statistics.
         self.retried = 0
@@ -124,7 +119,7 @@ class ObjectStore(ResetOnPickle):
     @property
     def _pool(self) -> ThreadPoolExecutor | None:
         """This process's read pool; ``None`` until the first :meth:`run`."""
-        return self._threads.get().executor
+        return self._threads.peek()
 
     def url_of(self, key: str) -> str:
         """The full URL of ``key`` (for error messages)."""
@@ -160,12 +155,7 @@ class ObjectStore(ResetOnPickle):
 
     def run(self, fn: Callable[..., _T], *args: Any) -> Future[_T]:
         """Run ``fn(*args)`` on this process's bounded thread pool (``max_concurrency`` threads)."""
-        pool = self._threads.get()
-        if pool.executor is None:
-            with self._lock:  # two threads submitting the first job at once must not make two pools
-                if pool.executor is None:
-                    pool.executor = ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="la-origin")
-        return pool.executor.submit(fn, *args)
+        return self._threads.get().submit(fn, *args)
 
     def submit(self, key: str) -> Future[bytes]:
         """Start reading ``key`` on this process's bounded thread pool."""
