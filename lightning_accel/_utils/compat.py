@@ -12,7 +12,7 @@ plain-torch cores can use it without importing Lightning.
 Where a public API does the job, the code uses it and there is no shim:
 
 - ``torch.utils.data.default_collate`` (public since torch 1.11), not ``torch.utils.data._utils.collate``;
-- ``torch.distributed.is_available() and torch.distributed.is_initialized()``, not Lightning's
+- ``lightning_accel._utils.rank.distributed_ready`` (public ``torch.distributed`` calls), not Lightning's
   ``_distributed_is_initialized``;
 - overriding ``DDPStrategy.configure_ddp`` and reading ``DistributedDataParallel.process_group``, not overriding
   ``DDPStrategy._register_ddp_hooks`` or reading ``DDPStrategy._ddp_kwargs``;

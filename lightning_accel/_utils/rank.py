@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["global_rank", "is_global_zero", "local_rank", "world_size"]
+__all__ = ["distributed_ready", "global_rank", "is_global_zero", "local_rank", "world_size"]
 
 
-def _dist_ready() -> bool:
+def distributed_ready() -> bool:
+    """True when ``torch.distributed`` is built in and its default process group is initialised."""
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized()
@@ -27,7 +28,7 @@ def _env_int(*names: str, default: int) -> int:
 
 def global_rank() -> int:
     """This process's global rank (0 when not distributed)."""
-    if _dist_ready():
+    if distributed_ready():
         import torch.distributed as dist
 
         return dist.get_rank()
@@ -41,7 +42,7 @@ def local_rank() -> int:
 
 def world_size() -> int:
     """Number of processes in the job (1 when not distributed)."""
-    if _dist_ready():
+    if distributed_ready():
         import torch.distributed as dist
 
         return dist.get_world_size()

@@ -24,6 +24,7 @@ from typing_extensions import override
 
 import lightning_accel.comm as comm
 from lightning_accel._utils.compat import PathType, grad_scaler_scale
+from lightning_accel._utils.rank import distributed_ready
 
 __all__ = ["CHECKPOINT_KEY", "OneBitDDPStrategy"]
 
@@ -205,7 +206,7 @@ class OneBitDDPStrategy(DDPStrategy):
         self, checkpoint: dict[str, Any], filepath: PathType, storage_options: Any | None = None
     ) -> None:
         # Called on every rank: gather each rank's error state (a collective) so rank 0 writes all of them.
-        if self._onebit_state is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+        if self._onebit_state is not None and distributed_ready():
             checkpoint[CHECKPOINT_KEY] = comm.gather_state_dict(self._onebit_state)
         elif self._onebit_loaded is not None:
             checkpoint[CHECKPOINT_KEY] = self._onebit_loaded

@@ -43,6 +43,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_accel._utils import compat
+from lightning_accel._utils.rank import distributed_ready
 from lightning_accel.parallel.select import POLICIES, StrategyChoice, select_strategy
 
 __all__ = ["AutoStrategy", "ChoiceCheck", "resolve_trainer_kwargs", "trainer_devices"]
@@ -114,7 +115,7 @@ class ChoiceCheck(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        if not distributed_ready():
             return
         names: list[Any] = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(names, self.strategy)
@@ -274,7 +275,7 @@ class AutoStrategy(DDPStrategy):
         self.chosen = new
 
     def _broadcast_index(self, idx: int) -> int:
-        if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        if not distributed_ready():
             return idx
         t = torch.tensor([idx], dtype=torch.int64, device=self.root_device)
         torch.distributed.broadcast(t, src=0)
