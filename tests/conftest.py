@@ -30,6 +30,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _no_leaked_process_group() -> Iterator[None]:
+    """Destroy torch's default process group after each test that left one up.
+
+    A Trainer with a DDP-family strategy in this process initialises a (1-process gloo) group that Lightning's
+    teardown keeps; every later test of the session would then see a distributed process (ranks from the group, not
+    the environment), so the outcome of a test would depend on the order tests run in.
+    """
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 @pytest.fixture
 def tmp_cache_dir(tmp_path: Path) -> Path:
     """An empty, writable directory for a cache or checkpoint store."""
