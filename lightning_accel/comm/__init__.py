@@ -4,35 +4,62 @@
 - :mod:`~lightning_accel.comm.compress`: canonical group layout, per-block ``mean |x|`` scales, the torch compressor.
 - :mod:`~lightning_accel.comm.allreduce`: the two-phase compressed allreduce with worker/server error feedback.
 - :mod:`~lightning_accel.comm.state` / :mod:`~lightning_accel.comm.hook`: the DDP comm hook and its ``__slots__`` state.
+- :mod:`~lightning_accel.comm.momentum`: the compressed-momentum optimizer step (SGD-momentum, Adam, AdamW).
+- :mod:`~lightning_accel.comm.auto`: ``compression="auto"``, timing fp32 against 1-bit at the end of warm-up.
 - :mod:`~lightning_accel.comm.triton_kernels`: the fused CUDA compressor (imported lazily).
 - :mod:`~lightning_accel.comm.strategy`: ``OneBitDDPStrategy`` (``strategy="ddp_1bit"``), the only module here that
   imports Lightning.
 """
 
-from lightning_accel.comm.allreduce import OneBitResult, fp32_ring_bytes, onebit_allreduce
+from lightning_accel.comm.allreduce import (
+    OneBitAllreduce,
+    OneBitResult,
+    fp32_ring_bytes,
+    onebit_allreduce,
+    run_pipelined,
+)
+from lightning_accel.comm.auto import decide, measure
 from lightning_accel.comm.compress import BlockTable, GroupLayout, block_scales, compress_reference, decode
 from lightning_accel.comm.hook import onebit_hook
+from lightning_accel.comm.momentum import MomentumCompressor, momentum_kind, plan_groups
 from lightning_accel.comm.packing import pack_signs, unpack_signs
-from lightning_accel.comm.state import CommBackend, GroupState, OneBitState, gather_state_dict, select_rank_state
+from lightning_accel.comm.state import (
+    CommBackend,
+    Compression,
+    CompressWhat,
+    GroupState,
+    OneBitState,
+    gather_state_dict,
+    select_rank_state,
+)
 from lightning_accel.comm.strategy import CHECKPOINT_KEY, OneBitDDPStrategy
 
 __all__ = [
     "CHECKPOINT_KEY",
     "BlockTable",
     "CommBackend",
+    "CompressWhat",
+    "Compression",
     "GroupLayout",
     "GroupState",
+    "MomentumCompressor",
+    "OneBitAllreduce",
     "OneBitResult",
     "OneBitDDPStrategy",
     "OneBitState",
     "block_scales",
     "compress_reference",
+    "decide",
     "decode",
     "fp32_ring_bytes",
     "gather_state_dict",
+    "measure",
+    "momentum_kind",
     "onebit_allreduce",
     "onebit_hook",
     "pack_signs",
+    "plan_groups",
+    "run_pipelined",
     "select_rank_state",
     "unpack_signs",
 ]

@@ -8,15 +8,16 @@ against ``2 (N-1)/N · 4d`` for an fp32 ring allreduce: ~32x less at any ``N``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from lightning_accel.comm.compress import BlockTable, GroupLayout, compress_reference, decode
 
-__all__ = ["CompressFn", "OneBitResult", "fp32_ring_bytes", "onebit_allreduce"]
+__all__ = ["CompressFn", "OneBitAllreduce", "OneBitResult", "fp32_ring_bytes", "onebit_allreduce", "run_pipelined"]
 
 CompressFn = Callable[
     [torch.Tensor, "torch.Tensor | None", BlockTable, "torch.Tensor | None"],
@@ -48,9 +49,9 @@ def fp32_ring_bytes(numel: int, world_size: int) -> int:
     return int(round(2 * (world_size - 1) / world_size * 4 * numel))
 
 
-def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool = False) -> Any:
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.14
-    gather(out, inp, group=group)
+    return gather(out, inp, group=group, async_op=async_op)
 
 
 def _scale_bytes(scales: torch.Tensor, width: int) -> torch.Tensor:
@@ -58,6 +59,110 @@ def _scale_bytes(scales: torch.Tensor, width: int) -> torch.Tensor:
     padded = torch.zeros(width, dtype=torch.float32, device=scales.device)
     padded[: scales.numel()] = scales
     return padded.view(torch.uint8)
+
+
+class OneBitAllreduce:
+    """One two-phase compressed allreduce split at its collectives, so several can be in flight (pipelining).
+
+    :meth:`start` compresses on the worker side and issues phase 1 (asynchronous), :meth:`serve` waits for it,
+    averages and recompresses this rank's chunk and issues phase 2 (asynchronous), :meth:`finish` waits for it and
+    decodes. Callers that keep several in flight must call the three methods in the same order on every rank (the
+    collectives are then issued in the same order everywhere, which gloo and NCCL require). Arguments are those of
+    :func:`onebit_allreduce`.
+    """
+
+    __slots__ = (
+        "_a2a",
+        "_ag",
+        "_gathered",
+        "_own",
+        "_recv",
+        "_send",
+        "compress",
+        "group",
+        "layout",
+        "loss_scale",
+        "rank",
+        "result",
+        "server_error",
+        "worker_error",
+        "x",
+        "_new_worker",
+        "_new_server",
+    )
+
+    def __init__(
+        self,
+        x: torch.Tensor,
+        layout: GroupLayout,
+        worker_error: torch.Tensor | None,
+        server_error: torch.Tensor | None,
+        *,
+        group: dist.ProcessGroup | None = None,
+        loss_scale: torch.Tensor | None = None,
+        compress: CompressFn = compress_reference,
+    ) -> None:
+        self.x = x
+        self.layout = layout
+        self.worker_error = worker_error
+        self.server_error = server_error
+        self.group = group
+        self.loss_scale = loss_scale
+        self.compress = compress
+        self.rank = dist.get_rank(group)
+        self.result: OneBitResult | None = None
+        self._a2a: Any = None
+        self._ag: Any = None
+
+    def start(self) -> OneBitAllreduce:
+        """Step 1 (worker compression) and phase 1 issued asynchronously."""
+        layout, n = self.layout, self.layout.world_size
+        cb, m = layout.chunk_numel // 8, layout.max_blocks
+        packed, scales, self._new_worker = self.compress(self.x, self.worker_error, layout.table, self.loss_scale)
+        table = torch.zeros(n * m, dtype=torch.float32, device=self.x.device)
+        table[layout.slot] = scales
+        self._send = torch.cat([packed.view(n, cb), table.view(n, m).view(torch.uint8)], dim=1)
+        self._recv = torch.empty_like(self._send)
+        # phase 1: row j of `send` goes to rank j
+        self._a2a = dist.all_to_all_single(self._recv, self._send, group=self.group, async_op=True)
+        return self
+
+    def serve(self) -> OneBitAllreduce:
+        """Step 3 (server average + recompression of this rank's chunk) and phase 2 issued asynchronously."""
+        layout, n = self.layout, self.layout.world_size
+        cb, m = layout.chunk_numel // 8, layout.max_blocks
+        self._a2a.wait()
+        recv = self._recv
+        mine = layout.chunks[self.rank]
+        recv_scales = recv[:, cb:].contiguous().view(torch.float32)[:, : mine.num_blocks]
+        avg = decode(recv[:, :cb], recv_scales, mine.lengths).mean(dim=0)
+        avg = torch.where(mine.mask, avg, 0.0)
+        s_packed, s_scales, self._new_server = self.compress(avg, self.server_error, mine, self.loss_scale)
+        self._own = torch.cat([s_packed, _scale_bytes(s_scales, m)])
+        self._gathered = torch.empty(n * self._own.numel(), dtype=torch.uint8, device=self.x.device)
+        # phase 2: everyone gets every server chunk (gloo wants a flat output)
+        self._ag = _all_gather(self._gathered, self._own, self.group, async_op=True)
+        return self
+
+    def finish(self) -> OneBitResult:
+        """Step 4: wait for phase 2 and decode every server chunk (identical bytes, so identical results)."""
+        layout, n = self.layout, self.layout.world_size
+        cb = layout.chunk_numel // 8
+        if self._ag is not None:
+            self._ag.wait()
+        own = self._own
+        gathered = self._gathered.view(n, own.numel())
+        all_scales = gathered[:, cb:].contiguous().view(torch.float32).reshape(-1)[layout.slot]
+        out = decode(gathered[:, :cb].reshape(-1), all_scales, layout.table.lengths)
+        finite = torch.isfinite(torch.where(layout.table.mask, out, 0.0)).all()
+        send = self._send
+        sent = (send.numel() - send[self.rank].numel()) * send.element_size() + (n - 1) * own.numel()
+        self.result = OneBitResult(
+            out=out, worker_error=self._new_worker, server_error=self._new_server, finite=finite, bytes_sent=sent
+        )
+        # drop the message buffers: a finished operation keeps only its result
+        self._send = self._recv = self._own = self._gathered = self.x = None  # type: ignore[assignment]
+        return self.result
 
 
 def onebit_allreduce(
@@ -92,31 +197,26 @@ def onebit_allreduce(
     Returns:
         :class:`OneBitResult`; the caller commits the errors when ``finite`` (a NaN/Inf step leaves them unchanged).
     """
-    n = layout.world_size
-    rank = dist.get_rank(group)
-    cb = layout.chunk_numel // 8
-    m = layout.max_blocks
-    # 1. worker compression of the whole group buffer
-    packed, scales, new_worker = compress(x, worker_error, layout.table, loss_scale)
-    table = torch.zeros(n * m, dtype=torch.float32, device=x.device)
-    table[layout.slot] = scales
-    send = torch.cat([packed.view(n, cb), table.view(n, m).view(torch.uint8)], dim=1)
-    recv = torch.empty_like(send)
-    # 2. phase 1: row j of `send` goes to rank j
-    dist.all_to_all_single(recv, send, group=group)
-    # 3. server: average the N decoded versions of my chunk, compress again
-    mine = layout.chunks[rank]
-    recv_scales = recv[:, cb:].contiguous().view(torch.float32)[:, : mine.num_blocks]
-    avg = decode(recv[:, :cb], recv_scales, mine.lengths).mean(dim=0)
-    avg = torch.where(mine.mask, avg, 0.0)
-    s_packed, s_scales, new_server = compress(avg, server_error, mine, loss_scale)
-    own = torch.cat([s_packed, _scale_bytes(s_scales, m)])
-    gathered = torch.empty(n * own.numel(), dtype=torch.uint8, device=x.device)
-    # 4. phase 2: everyone gets every server chunk (gloo wants a flat output)
-    _all_gather(gathered, own, group)
-    gathered = gathered.view(n, own.numel())
-    all_scales = gathered[:, cb:].contiguous().view(torch.float32).reshape(-1)[layout.slot]
-    out = decode(gathered[:, :cb].reshape(-1), all_scales, layout.table.lengths)
-    finite = torch.isfinite(torch.where(layout.table.mask, out, 0.0)).all()
-    sent = (send.numel() - send[rank].numel()) * send.element_size() + (n - 1) * own.numel() * own.element_size()
-    return OneBitResult(out=out, worker_error=new_worker, server_error=new_server, finite=finite, bytes_sent=sent)
+    op = OneBitAllreduce(x, layout, worker_error, server_error, group=group, loss_scale=loss_scale, compress=compress)
+    return op.start().serve().finish()
+
+
+def run_pipelined(ops: Iterable[OneBitAllreduce], apply: Callable[[OneBitAllreduce], None]) -> None:
+    """Run several compressed allreduces with up to three in flight, calling ``apply`` on each when it is done.
+
+    Order: start(k) [worker compression, phase 1], serve(k-1) [server, phase 2], apply(k-2) [finish + the caller's
+    work], so phase 1 of one group and phase 2 of the previous are on the wire while the next group is compressed and
+    the one before is applied. ``ops`` may be a generator that builds each input lazily (in order). The collectives
+    are issued in the same order on every rank.
+    """
+    inflight: list[OneBitAllreduce] = []
+    for op in ops:
+        inflight.append(op.start())
+        if len(inflight) >= 2:
+            inflight[-2].serve()
+        if len(inflight) >= 3:
+            apply(inflight.pop(0))
+    if inflight:
+        inflight[-1].serve()
+    for op in inflight:
+        apply(op)

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from lightning_accel._utils.triton import use_triton
 from lightning_accel.comm.allreduce import CompressFn, fp32_ring_bytes, onebit_allreduce
+from lightning_accel.comm.auto import decide
 from lightning_accel.comm.compress import GroupLayout, compress_reference
 from lightning_accel.comm.state import BACKENDS, GroupState, OneBitState
 
@@ -170,6 +171,29 @@ def _done(buf: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     return fut
 
 
+def _local_only(state: OneBitState, bucket: dist.GradBucket, buf: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    """Compressed-momentum stage: hand back this rank's own gradients (the optimizer step averages the momentum).
+
+    Under a GradScaler the ranks must still agree on skipping a step: a 1-element MAX allreduce of "this bucket is
+    not finite" poisons the bucket on every rank when any rank's is, so every scaler sees Inf and skips the step.
+    """
+    state.local_grads = True
+    scale = _loss_scale(state, buf.device)
+    if scale is None:
+        _end_bucket(state, bucket, 0, 0, compressed=False)
+        return _done(buf)
+    flag = (~torch.isfinite(buf).all()).to(torch.float32).reshape(1)
+    _end_bucket(state, bucket, fp32_ring_bytes(1, dist.get_world_size(state.process_group)), 0, compressed=False)
+    fut = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=state.process_group, async_op=True).get_future()
+
+    def poison(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        if f.value()[0].item() > 0:
+            buf.fill_(float("nan"))
+        return buf
+
+    return fut.then(poison)
+
+
 def onebit_hook(state: OneBitState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: average ``bucket``'s gradients across ranks, 1-bit compressed after warm-up.
 
@@ -186,8 +210,13 @@ def onebit_hook(state: OneBitState, bucket: dist.GradBucket) -> torch.futures.Fu
     if world == 1:
         _end_bucket(state, bucket, 0, 0, compressed=False)
         return _done(buf)
+    if bucket.index() == 0 and state.needs_decision:  # compression="auto": measure once, on every rank, first
+        decide(state, buf.device)
     fp32 = fp32_ring_bytes(buf.numel(), world)
-    if state.step < state.warmup_steps or buf.numel() < state.min_compress_numel:
+    if state.compressing and state.mode == "momentum":
+        return _local_only(state, bucket, buf)
+    state.local_grads = False
+    if not state.compressing or buf.numel() < state.min_compress_numel:
         state.uncompressed_calls += 1
         _end_bucket(state, bucket, fp32 * buf.element_size() // 4, fp32, compressed=False)
         buf.div_(world)

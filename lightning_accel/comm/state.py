@@ -12,9 +12,28 @@ import torch.distributed as dist
 from lightning_accel._utils.triton import check_backend
 from lightning_accel.comm.compress import GroupLayout
 
-__all__ = ["BACKENDS", "CommBackend", "GroupState", "OneBitState", "gather_state_dict", "select_rank_state"]
+__all__ = [
+    "BACKENDS",
+    "COMPRESSIONS",
+    "COMPRESS_WHAT",
+    "CommBackend",
+    "CompressWhat",
+    "Compression",
+    "GroupState",
+    "OneBitState",
+    "gather_state_dict",
+    "select_rank_state",
+]
 
-_FORMAT = 1
+_FORMAT = 2
+_READABLE = (1, 2)  # format 1 (gradient compression only) loads: no stage, no decision
+
+#: what is compressed: the optimizer's momentum (SGD-momentum, Adam, AdamW), the gradients, or chosen per optimizer
+CompressWhat = Literal["auto", "momentum", "gradients"]
+COMPRESS_WHAT: tuple[CompressWhat, ...] = get_args(CompressWhat)
+#: whether to compress after warm-up: measured at the end of warm-up, always, or never
+Compression = Literal["auto", "1bit", "fp32"]
+COMPRESSIONS: tuple[Compression, ...] = get_args(Compression)
 
 # the compressor has a Triton kernel and its torch reference, and no separate "eager" oracle
 CommBackend = Literal["auto", "triton", "reference"]
@@ -49,28 +68,48 @@ def _key_parse(s: str) -> tuple[int, ...]:
 
 
 class OneBitState:
-    """State of :func:`~lightning_accel.comm.hook.onebit_hook`, modelled on PowerSGD's ``PowerSGDState``.
+    """State of :func:`~lightning_accel.comm.hook.onebit_hook` and of the compressed momentum step, modelled on
+    PowerSGD's ``PowerSGDState``.
 
-    Tuning guide: keep ``warmup_steps`` long enough for the optimizer's statistics to settle (1-bit Adam warms up for
-    ~15 % of training; for short fine-tunes 10-100 steps suffice); ``block_size`` trades scale bytes (32 bits per
-    block) for accuracy (smaller blocks follow the gradient's magnitude more closely); ``min_compress_numel`` keeps
-    tiny buckets in fp32, where the fixed cost of two collectives outweighs the bytes saved.
+    Tuning guide: keep ``warmup_steps`` long enough for the optimizer's statistics to settle (Adam's variance is
+    frozen at the end of warm-up: 1-bit Adam warms up for ~15 % of training; for short fine-tunes 50-200 steps
+    suffice); ``block_size`` trades scale bytes (32 bits per block) for accuracy (smaller blocks follow the
+    magnitudes more closely); ``min_compress_numel`` keeps tiny gradient buckets in fp32, where the fixed cost of two
+    collectives outweighs the bytes saved.
 
     Hyper-parameters:
         process_group: the group to average over (None: the default group).
-        warmup_steps: optimizer steps of plain fp32 allreduce before compressing; >= 2 because DDP rebuilds its
-            buckets after the first iteration.
+        warmup_steps: optimizer steps of plain fp32 allreduce (and the unmodified optimizer) before compressing;
+            >= 2 because DDP rebuilds its buckets after the first iteration.
         block_size: maximum elements per scale block, a multiple of 8 (default 2048: 1.6 % scale overhead).
-        min_compress_numel: buckets with fewer elements stay fp32.
-        error_feedback: keep worker/server residuals (False gives plain scaled signSGD, for comparison only).
-        backend: the compressor: ``"auto"`` (the fused Triton kernel for CUDA gradients when ``triton`` is
-            installed, the torch compressor elsewhere), ``"triton"`` (always; needs CUDA gradients or
+        min_compress_numel: gradient buckets with fewer elements stay fp32 (gradient compression only).
+        error_feedback: keep worker/server residuals (False gives plain scaled signs, for comparison only).
+        backend: the compressor: ``"auto"`` (the fused Triton kernel for CUDA tensors when ``triton`` is
+            installed, the torch compressor elsewhere), ``"triton"`` (always; needs CUDA tensors or
             ``TRITON_INTERPRET=1``) or ``"reference"`` (the torch compressor).
+        compress: what travels compressed: ``"momentum"`` (the optimizer's momentum with a frozen Adam variance,
+            :mod:`~lightning_accel.comm.momentum`; SGD with momentum, Adam, AdamW), ``"gradients"`` (the gradient
+            buckets, in the comm hook) or ``"auto"`` (momentum where the optimizer supports it, else gradients).
+            The hook alone (without an optimizer-side step) can only compress gradients.
+        compression: ``"auto"`` (time fp32 and compressed averaging of this run's buffers at the end of warm-up and
+            keep the faster, :mod:`~lightning_accel.comm.auto`), ``"1bit"`` (always compress) or ``"fp32"`` (never:
+            plain DDP).
+        recheck_every: with ``compression="auto"``, measure again every this many steps after warm-up (0: never).
+        group_numel: the momentum path compresses parameters in groups of about this many elements (in model
+            order); communication of one group overlaps the compression of the next.
 
     Internal state:
         step: completed synchronising backward passes (== optimizer steps; the hook is not called inside ``no_sync``).
+        mode: ``"gradients"`` or ``"momentum"``, resolved from ``compress`` once the optimizer is known.
+        decision: ``"1bit"``, ``"fp32"`` or None (not decided yet) for the steps after warm-up.
+        compressed_since: the step the current compressed stage began (Adam's variance is frozen there), or None.
+        local_grads: whether the last synchronising backward left each rank's own gradients (compressed-momentum
+            stage: the optimizer step must average the momentum) rather than averaged ones.
+        decisions: ``[{"step", "fp32_s", "onebit_s", "decision"}]``, every measurement ``compression="auto"`` made.
+        measure_fn: optional ``state -> (fp32_seconds, onebit_seconds)`` replacing the timing (tests, custom probes).
         groups: ``{key: GroupState}``, keyed by the sorted parameter indices of each group.
         param_index: ``{id(parameter): index}`` from :meth:`set_parameters` (first-seen order otherwise).
+        param_numels: element counts of the trainable parameters by index (what ``"auto"`` times).
         loss_scale_fn: returns the AMP loss scale the gradients carry (tensor or float), or None.
         pending: error tensors loaded from a checkpoint, adopted when their group first appears.
 
@@ -79,8 +118,8 @@ class OneBitState:
         fp32_bytes: what an fp32 ring allreduce of the same buckets would have sent.
         last_step_bytes_sent / last_step_fp32_bytes: the same for the last completed step.
         last_step_compressed_bytes / last_step_compressed_fp32_bytes: only the compressed buckets of the last step.
-        compressed_calls / uncompressed_calls: buckets sent each way.
-        nonfinite_groups: compressed groups whose result held NaN/Inf (their error state was left unchanged);
+        compressed_calls / uncompressed_calls: buckets (or momentum groups) sent each way.
+        nonfinite_groups: compressed groups whose result held NaN/Inf (their state was left unchanged);
             counted on CPU only (on CUDA the state is kept by a device-side select, without a host sync).
     """
 
@@ -92,10 +131,21 @@ class OneBitState:
         "min_compress_numel",
         "error_feedback",
         "backend",
+        "compress",
+        "compression",
+        "recheck_every",
+        "group_numel",
         # internal state
         "step",
+        "mode",
+        "decision",
+        "compressed_since",
+        "local_grads",
+        "decisions",
+        "measure_fn",
         "groups",
         "param_index",
+        "param_numels",
         "loss_scale_fn",
         "pending",
         "plans",
@@ -121,6 +171,10 @@ class OneBitState:
         min_compress_numel: int = 0,
         error_feedback: bool = True,
         backend: CommBackend = "auto",
+        compress: CompressWhat = "gradients",
+        compression: Compression = "1bit",
+        recheck_every: int = 0,
+        group_numel: int = 1 << 22,
         parameters: Iterable[torch.nn.Parameter] | None = None,
         loss_scale_fn: Callable[[], torch.Tensor | float | None] | None = None,
     ) -> None:
@@ -142,6 +196,20 @@ class OneBitState:
             raise ValueError(
                 f"`error_feedback` must be True or False, got {error_feedback!r}. Keep the default True for training."
             )
+        if compress not in COMPRESS_WHAT:
+            raise ValueError(
+                f"`compress` must be one of {', '.join(map(repr, COMPRESS_WHAT))}, got {compress!r}. "
+                "Use 'auto' (momentum for SGD-momentum/Adam/AdamW, gradients otherwise)."
+            )
+        if compression not in COMPRESSIONS:
+            raise ValueError(
+                f"`compression` must be one of {', '.join(map(repr, COMPRESSIONS))}, got {compression!r}. "
+                "Use 'auto' to measure which is faster at the end of warm-up."
+            )
+        if isinstance(recheck_every, bool) or not isinstance(recheck_every, int) or recheck_every < 0:
+            raise ValueError(f"`recheck_every` must be an integer >= 0, got {recheck_every!r}. Use 0 to decide once.")
+        if isinstance(group_numel, bool) or not isinstance(group_numel, int) or group_numel < 8:
+            raise ValueError(f"`group_numel` must be an integer >= 8, got {group_numel!r}. Use e.g. `1 << 22`.")
         check_backend(backend, BACKENDS)
         self.process_group = process_group
         self.warmup_steps = warmup_steps
@@ -149,9 +217,20 @@ class OneBitState:
         self.min_compress_numel = min_compress_numel
         self.error_feedback = error_feedback
         self.backend = backend
+        self.compress = compress
+        self.compression = compression
+        self.recheck_every = recheck_every
+        self.group_numel = group_numel
         self.step = 0
+        self.mode: str = "momentum" if compress == "momentum" else "gradients"
+        self.decision: str | None = None if compression == "auto" else compression
+        self.compressed_since: int | None = None
+        self.local_grads = False
+        self.decisions: list[dict[str, Any]] = []
+        self.measure_fn: Callable[[OneBitState], tuple[float, float]] | None = None
         self.groups: dict[tuple[int, ...], GroupState] = {}
         self.param_index: dict[int, int] = {}
+        self.param_numels: list[int] = []
         self.loss_scale_fn = loss_scale_fn
         self.pending: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
         self.plans: dict[Any, Any] = {}
@@ -170,8 +249,43 @@ class OneBitState:
 
     def set_parameters(self, parameters: Iterable[torch.nn.Parameter]) -> None:
         """Number the model's parameters (``model.parameters()`` order) so group keys survive bucket rebuilds."""
-        self.param_index = {id(p): i for i, p in enumerate(parameters)}
+        params = list(parameters)
+        self.param_index = {id(p): i for i, p in enumerate(params)}
+        self.param_numels = [p.numel() if p.requires_grad else 0 for p in params]
         self.plans.clear()
+
+    def process_group_size(self) -> int:
+        """Ranks in ``process_group`` (1 without an initialised process group)."""
+        return dist.get_world_size(self.process_group) if dist.is_initialized() else 1
+
+    @property
+    def compressing(self) -> bool:
+        """Whether the step now running (index ``step``) is a compressed one: past warm-up and decided ``"1bit"``."""
+        return self.step >= self.warmup_steps and self.decision == "1bit"
+
+    @property
+    def needs_decision(self) -> bool:
+        """Whether ``compression="auto"`` has to measure before the step now running (collective: all ranks agree)."""
+        if self.compression != "auto" or self.step < self.warmup_steps:
+            return False
+        if self.decision is None:
+            return True
+        return (
+            bool(self.recheck_every)
+            and (self.step - self.warmup_steps) % self.recheck_every == 0
+            and (not self.decisions or self.decisions[-1]["step"] != self.step)
+        )
+
+    def set_decision(self, decision: str) -> None:
+        """Enter ``decision`` (``"1bit"`` or ``"fp32"``) from the step now running; a change resets the error state."""
+        if decision not in ("1bit", "fp32"):
+            raise ValueError(f"`decision` must be '1bit' or 'fp32', got {decision!r}.")
+        if decision != self.decision:
+            self.groups.clear()
+            self.pending.clear()
+            self.plans.clear()
+            self.compressed_since = None
+        self.decision = decision
 
     @property
     def compression_ratio(self) -> float:
@@ -181,24 +295,28 @@ class OneBitState:
         return self.last_step_compressed_fp32_bytes / self.last_step_compressed_bytes
 
     def __getstate__(self) -> dict[str, Any]:
-        # the process group, the id()-keyed maps and the callback do not survive pickling; the error state does
+        # the process group, the id()-keyed maps and the callbacks do not survive pickling; the error state does
         # (call `set_parameters` again after unpickling)
-        dropped = ("process_group", "plans", "loss_scale_fn", "param_index")
+        dropped = ("process_group", "plans", "loss_scale_fn", "param_index", "measure_fn")
         return {k: getattr(self, k) for k in self.__slots__ if k not in dropped}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.process_group = None
         self.plans = {}
         self.loss_scale_fn = None
+        self.measure_fn = None
         self.param_index = {}
         for k, v in state.items():
             setattr(self, k, v)
 
     # ----------------------------------------------------------------- checkpointing (this rank)
     def state_dict(self) -> dict[str, Any]:
-        """This rank's state: ``{"format", "world_size", "step", "hparams", "groups": {"i,j,..": {...}}}``.
+        """This rank's state: ``{"format", "world_size", "step", "mode", "decision", "compressed_since", "hparams",
+        "groups": {"i,j,..": {"worker", "server"}}}``.
 
-        Only tensors, ints, strings and bools, so ``torch.load(weights_only=True)`` reads it back.
+        Only tensors, ints, strings, bools and None, so ``torch.load(weights_only=True)`` reads it back. The momentum
+        and the frozen variance live in the optimizer's own state (``momentum_buffer``, ``exp_avg``, ``exp_avg_sq``),
+        which Lightning checkpoints already.
         """
         groups = {_key_str(k): {"worker": g.worker_error, "server": g.server_error} for k, g in self.groups.items()}
         for k, (w, s) in self.pending.items():  # loaded but not adopted yet: keep it
@@ -207,6 +325,9 @@ class OneBitState:
             "format": _FORMAT,
             "world_size": dist.get_world_size(self.process_group) if dist.is_initialized() else 1,
             "step": self.step,
+            "mode": self.mode,
+            "decision": self.decision,
+            "compressed_since": self.compressed_since,
             "hparams": {"block_size": self.block_size, "error_feedback": self.error_feedback},
             "groups": dict(sorted(groups.items())),
         }
@@ -215,13 +336,20 @@ class OneBitState:
         """Restore :meth:`state_dict` output; error tensors are adopted when their group first appears.
 
         With another world size or block size the error state cannot be mapped (chunks change owners): it is reset
-        with a warning, and the step count (warm-up progress) is kept.
+        with a warning, and the step count (warm-up progress) and the decision are kept.
         """
-        if state.get("format") != _FORMAT:
-            raise ValueError(f"`state` has format {state.get('format')!r}, expected {_FORMAT}: not a 1-bit state.")
+        if state.get("format") not in _READABLE:
+            raise ValueError(
+                f"`state` has format {state.get('format')!r}, expected one of {_READABLE}: not a 1-bit state."
+            )
         if world_size is None:
             world_size = dist.get_world_size(self.process_group) if dist.is_initialized() else 1
         self.step = int(state["step"])
+        if state.get("mode") is not None:
+            self.mode = state["mode"]
+        if self.compression == "auto" and state.get("decision") is not None:
+            self.decision = state["decision"]
+        self.compressed_since = state.get("compressed_since")
         self.groups.clear()
         self.plans.clear()
         self.pending.clear()

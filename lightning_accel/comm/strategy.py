@@ -1,15 +1,25 @@
-"""``OneBitDDPStrategy`` (``strategy="ddp_1bit"``): DDP whose gradient averaging is 1-bit compressed.
+"""``OneBitDDPStrategy`` (``strategy="ddp_1bit"``): DDP whose averaging is 1-bit compressed after a warm-up.
 
 A thin adapter over :mod:`lightning_accel.comm`: it builds the :class:`~lightning_accel.comm.OneBitState`, registers
 :func:`~lightning_accel.comm.onebit_hook` on every device type (Lightning's ``DDPStrategy._register_ddp_hooks`` only
-registers comm hooks on CUDA, so a ``ddp_comm_hook`` would be silently ignored on CPU/gloo), feeds it the AMP loss
-scale, logs ``comm/bytes_sent`` and ``comm/compression_ratio``, and saves/restores every rank's error-feedback state
-in checkpoints.
+registers comm hooks on CUDA, so a ``ddp_comm_hook`` would be silently ignored on CPU/gloo), chooses what to compress
+from the optimizers (momentum for SGD-momentum/Adam/AdamW, :class:`~lightning_accel.comm.MomentumCompressor`, run in
+place of ``optimizer.step`` in the compressed stage; gradients otherwise), runs ``compression="auto"``'s measurement at
+the end of warm-up, feeds the hook the AMP loss scale, logs ``comm/bytes_sent`` and ``comm/compression_ratio``, and
+saves/restores every rank's error-feedback state and the stage in checkpoints.
+
+Why the optimizer step and not the hook carries the momentum: the momentum update needs the *final* local gradient,
+and that exists only after backward: gradient clipping needs the norm of all of it, and a GradScaler must see every
+bucket (and every rank) finite before any momentum changes. The hook therefore hands back the local gradients in the
+compressed stage (and makes the ranks agree on Inf/NaN under a scaler); the optimizer step compresses the momentum
+group by group, pipelined (communication of one group overlaps the compression of the next).
 """
 
 from __future__ import annotations
 
 import inspect
+import types
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -17,9 +27,10 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.constants import default_pg_timeout
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim import SGD, Optimizer
 from typing_extensions import override
 
 import lightning_accel.comm as comm
@@ -48,20 +59,32 @@ def _same(a: Any, b: Any) -> bool:
 
 
 class OneBitDDPStrategy(DDPStrategy):
-    """DDP with 1-bit compressed gradient averaging and error feedback (``Trainer(strategy="ddp_1bit")``).
+    """DDP with 1-bit compressed averaging and error feedback (``Trainer(strategy="ddp_1bit")``).
 
-    After ``warmup_steps`` optimizer steps of plain fp32 allreduce, every DDP bucket is averaged with the two-phase
-    compressed allreduce (signs packed 8 per byte + one fp32 ``mean |x|`` scale per block): about 31x fewer bytes
-    than an fp32 ring allreduce, at any number of processes. See ``docs/onebit.md`` for when it pays off.
+    After ``warmup_steps`` optimizer steps of plain DDP (fp32 allreduce, the unmodified optimizer), what the ranks
+    average travels through the two-phase compressed allreduce (signs packed 8 per byte + one fp32 ``mean |x|`` scale
+    per block): about 31x fewer bytes than an fp32 ring allreduce, at any number of processes. For SGD with momentum,
+    Adam and AdamW that is the optimizer's momentum (Adam's variance frozen at the end of warm-up, as in DeepSpeed's
+    1-bit Adam; the algorithm is in :mod:`lightning_accel.comm.momentum`), and DDP's own gradient allreduce does not
+    run; for other optimizers it is the gradient buckets (with a warning). ``compression="auto"`` measures both ways at
+    the end of warm-up and keeps plain DDP when compression does not pay. See ``docs/onebit.md``.
 
     Args:
-        warmup_steps: optimizer steps of plain allreduce first (>= 2: DDP rebuilds its buckets after step 1).
+        warmup_steps: optimizer steps of plain DDP first (>= 2: DDP rebuilds its buckets after step 1; Adam's variance
+            is frozen at its end).
         block_size: maximum elements per scale block (multiple of 8).
         min_compress_numel: buckets smaller than this stay fp32.
         error_feedback: keep the compression residuals (turn off only to measure what they buy).
         backend: the compressor: ``"auto"`` (the fused Triton kernel for CUDA gradients, torch elsewhere),
             ``"triton"`` (always; needs CUDA or ``TRITON_INTERPRET=1``) or ``"reference"`` (the torch compressor).
             Not the process-group backend (``process_group_backend``).
+        compress: ``"auto"`` (momentum for ``torch.optim.SGD`` with momentum, ``Adam``, ``AdamW``; gradients for
+            other optimizers, with a warning naming them), ``"momentum"`` (raise if an optimizer is not supported) or
+            ``"gradients"``.
+        compression: ``"auto"`` (time fp32 and 1-bit averaging of this run's buffers at the end of warm-up, keep the
+            faster; logged with both figures), ``"1bit"`` (always compress) or ``"fp32"`` (plain DDP).
+        recheck_every: with ``compression="auto"``, measure again every this many steps (0: once).
+        group_numel: the momentum path compresses in groups of about this many elements (pipelined).
         log_stats: log ``comm/bytes_sent`` (bytes this rank sent in the last step) and ``comm/compression_ratio``
             (fp32 ring-allreduce bytes over bytes sent) every training step.
         **kwargs: the :class:`~lightning.pytorch.strategies.DDPStrategy` arguments (accelerator, parallel_devices,
@@ -83,6 +106,10 @@ class OneBitDDPStrategy(DDPStrategy):
         min_compress_numel: int = 0,
         error_feedback: bool = True,
         backend: comm.CommBackend = "auto",
+        compress: comm.CompressWhat = "auto",
+        compression: comm.Compression = "auto",
+        recheck_every: int = 0,
+        group_numel: int = 1 << 22,
         log_stats: bool = True,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
@@ -104,7 +131,8 @@ class OneBitDDPStrategy(DDPStrategy):
         if unknown:
             raise ValueError(
                 f"Unknown option(s) {', '.join(f'`{u}`' for u in unknown)} for `OneBitDDPStrategy`. Expected its own "
-                "arguments (warmup_steps, block_size, min_compress_numel, error_feedback, backend, log_stats), "
+                "arguments (warmup_steps, block_size, min_compress_numel, error_feedback, backend, compress, "
+                "compression, recheck_every, group_numel, log_stats), "
                 f"DDPStrategy's, or DistributedDataParallel's: {', '.join(sorted(_DDP_KWARGS))}. Check the spelling."
             )
         # LightningCLI fills in every DDP argument with its default; pass on only what differs
@@ -116,6 +144,10 @@ class OneBitDDPStrategy(DDPStrategy):
             min_compress_numel=min_compress_numel,
             error_feedback=error_feedback,
             backend=backend,
+            compress=compress,
+            compression=compression,
+            recheck_every=recheck_every,
+            group_numel=group_numel,
         )
         if not isinstance(log_stats, bool):
             raise ValueError(f"`log_stats` must be True or False, got {log_stats!r}. Use False to stop logging.")
@@ -136,10 +168,17 @@ class OneBitDDPStrategy(DDPStrategy):
             "min_compress_numel": min_compress_numel,
             "error_feedback": error_feedback,
             "backend": backend,
+            "compress": compress,
+            "compression": compression,
+            "recheck_every": recheck_every,
+            "group_numel": group_numel,
         }
         self._log_stats = log_stats
         self._onebit_state: comm.OneBitState | None = None
         self._onebit_loaded: dict[str, Any] | None = None
+        self._compressors: dict[int, comm.MomentumCompressor] = {}
+        #: ``compression="auto"``'s timing, replaceable: ``state -> (fp32_seconds, onebit_seconds)`` (tests, probes)
+        self.measure_fn: Callable[[comm.OneBitState], tuple[float, float]] | None = None
 
     @property
     def onebit_state(self) -> comm.OneBitState | None:
@@ -181,8 +220,107 @@ class OneBitDDPStrategy(DDPStrategy):
         if self._onebit_loaded is not None:
             state.load_state_dict(comm.select_rank_state(self._onebit_loaded, self.global_rank), self.world_size)
             self._onebit_loaded = None
+        state.measure_fn = self.measure_fn
         self._onebit_state = state
         self.model.register_comm_hook(state, comm.onebit_hook)
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)  # wraps the model (configure_ddp registers the hook), then sets up the optimizers
+        self._resolve_compress()
+
+    def _resolve_compress(self) -> None:
+        """Momentum compression for supported optimizers, gradient compression otherwise (see ``compress``)."""
+        state = self._onebit_state
+        self._compressors = {}
+        if state is None:
+            return
+        want = self._onebit_config["compress"]
+        optimizers: list[Optimizer] = list(self.optimizers)
+        kinds = {id(o): comm.momentum_kind(o) for o in optimizers}
+        if want == "momentum":
+            bad = [type(o).__name__ for o in optimizers if kinds[id(o)] is None and type(o) is not SGD]
+            if bad or not optimizers:
+                raise ValueError(
+                    f"`compress='momentum'` needs torch.optim.SGD, Adam or AdamW, got {', '.join(bad) or 'none'}. "
+                    "Use `compress='auto'` (gradient compression for other optimizers) or `compress='gradients'`."
+                )
+        elif want == "auto":
+            unsupported = [o for o in optimizers if kinds[id(o)] is None]
+            if unsupported or not optimizers:
+                names = sorted({type(o).__name__ for o in unsupported if type(o) is not SGD})
+                if names:
+                    rank_zero_warn(
+                        f"`strategy='ddp_1bit'` compresses the gradients for {', '.join(names)}: error-fed gradient "
+                        "compression is proven only for plain SGD. Compressed momentum (which trains like DDP) "
+                        "supports torch.optim.SGD with momentum, Adam and AdamW.",
+                        category=UserWarning,
+                    )
+                want = "gradients"
+            else:
+                want = "momentum"
+        state.mode = want
+        if want == "momentum":
+            self._compressors = {id(o): comm.MomentumCompressor(o, state) for o in optimizers}
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        state = self._onebit_state
+        if state is not None and state.needs_decision:
+            # every rank reaches the optimizer step of the same step: measure before this step's backward runs
+            decision = comm.decide(state, self.root_device)
+            last = state.decisions[-1]
+            rank_zero_info(
+                f"ddp_1bit compression='auto' at step {last['step']}: fp32 allreduce {1e3 * last['fp32_s']:.2f} ms, "
+                f"1-bit {1e3 * last['onebit_s']:.2f} ms -> {decision}"
+            )
+        comp = self._compressors.get(id(optimizer))
+        if state is None or comp is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        # the optimizer's step becomes "run the closure, then the compressed step if the backward left local
+        # gradients, else the optimizer's own step": precision plugins, GradScaler skips and clipping are unchanged
+        own = optimizer.__dict__.get("step")  # e.g. an LR scheduler's wrapper; else the class's method
+        plain = own if own is not None else types.MethodType(type(optimizer).step, optimizer)
+
+        def step(closure: Callable[[], Any] | None = None, **step_kwargs: Any) -> Any:
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            if state.local_grads:
+                comp.compressed_step()
+            else:
+                plain(**step_kwargs)
+            return loss
+
+        optimizer.step = step  # type: ignore[method-assign]
+        try:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        finally:
+            if own is not None:
+                optimizer.step = own  # type: ignore[method-assign]
+            else:
+                del optimizer.step
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        # Lightning suggests `strategy='ddp_find_unused_parameters_true'`, which would drop compression
+        msg = str(exception)
+        if "ddp_find_unused_parameters_true" in msg:
+            msg = msg.replace(
+                "`strategy='ddp_find_unused_parameters_true'`", "`strategy='ddp_1bit_find_unused_parameters_true'`"
+            ).replace(
+                "`strategy=DDPStrategy(find_unused_parameters=True)`",
+                "`strategy=OneBitDDPStrategy(find_unused_parameters=True)`",
+            )
+            exception.args = (msg, *exception.args[1:])
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -229,5 +367,11 @@ class OneBitDDPStrategy(DDPStrategy):
         strategy_registry.register(
             "ddp_1bit",
             cls,
-            description="DDP with 1-bit compressed gradient averaging and error feedback (lightning-accel)",
+            description="DDP with 1-bit compressed momentum/gradient averaging and error feedback (lightning-accel)",
+        )
+        strategy_registry.register(
+            "ddp_1bit_find_unused_parameters_true",
+            cls,
+            description="`ddp_1bit` with `find_unused_parameters=True` (lightning-accel)",
+            find_unused_parameters=True,
         )
