@@ -19,11 +19,12 @@ from __future__ import annotations
 import logging
 import time
 from statistics import median
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from lightning_accel.comm.allreduce import OneBitAllreduce, run_pipelined
+from lightning_accel.comm.allreduce import CompressFn, OneBitAllreduce, run_pipelined
 from lightning_accel.comm.compress import GroupLayout, compress_reference
 from lightning_accel.comm.state import OneBitState
 
@@ -63,7 +64,7 @@ def measure(
         else (None, None)
         for lay in layouts
     ]
-    compress = compress_reference
+    compress: CompressFn = compress_reference
     if device.type == "cuda":
         from lightning_accel.comm.momentum import MomentumCompressor  # the same backend choice as the real step
 
@@ -80,7 +81,11 @@ def measure(
             OneBitAllreduce(x, lay, e[0], e[1], group=state.process_group, compress=compress)
             for x, lay, e in zip(padded, layouts, errors, strict=True)
         )
-        run_pipelined(ops, lambda op: op.finish())
+
+        def done(op: OneBitAllreduce) -> None:
+            op.finish()
+
+        run_pipelined(ops, done)
 
     times: dict[str, list[float]] = {"fp32": [], "1bit": []}
     for rnd in range(repeats + 1):
@@ -112,7 +117,12 @@ def decide(state: OneBitState, device: torch.device, numels: list[int] | None = 
     src = dist.get_global_rank(group, 0) if group is not None else 0
     dist.broadcast(verdict, src=src, group=group)
     decision = "1bit" if float(verdict[0]) > 0.5 else "fp32"
-    entry = {"step": state.step, "fp32_s": float(verdict[1]), "onebit_s": float(verdict[2]), "decision": decision}
+    entry: dict[str, Any] = {
+        "step": state.step,
+        "fp32_s": float(verdict[1]),
+        "onebit_s": float(verdict[2]),
+        "decision": decision,
+    }
     state.decisions.append(entry)
     state.set_decision(decision)
     if dist.get_rank(group) == 0:

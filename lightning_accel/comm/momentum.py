@@ -244,6 +244,7 @@ class MomentumCompressor:
         for e in entries:
             hp, p = e.hp, e.p
             out = x[e.offset : e.offset + e.n].view_as(p)
+            assert p.grad is not None  # _groups() kept only parameters with a gradient
             grad = p.grad.float()
             if hp.get("maximize", False):
                 grad = -grad

@@ -25,6 +25,10 @@ def test_registered_on_import() -> None:
         ({"log_stats": "no"}, "log_stats"),
         ({"find_unused_paramters": True}, "find_unused_paramters"),
         ({"ddp_comm_hook": print}, "ddp_comm_hook"),
+        ({"compress": "adam"}, "compress"),
+        ({"compression": "int8"}, "compression"),
+        ({"recheck_every": -1}, "recheck_every"),
+        ({"group_numel": 0}, "group_numel"),
     ],
 )
 def test_bad_arguments_name_the_argument(kwargs: dict, name: str) -> None:
@@ -32,6 +36,29 @@ def test_bad_arguments_name_the_argument(kwargs: dict, name: str) -> None:
 
     with pytest.raises(ValueError, match=f"`{name}`"):
         OneBitDDPStrategy(**kwargs)
+
+
+def test_find_unused_alias_keeps_compression() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    import lightning_accel  # noqa: F401
+    from lightning_accel.strategies import OneBitDDPStrategy
+
+    st = StrategyRegistry.get("ddp_1bit_find_unused_parameters_true")
+    assert isinstance(st, OneBitDDPStrategy)
+    assert st._ddp_kwargs == {"find_unused_parameters": True}
+
+
+def test_unused_parameters_error_points_to_the_1bit_alias() -> None:
+    """Lightning's advice (`strategy='ddp_find_unused_parameters_true'`) would silently drop compression."""
+    from lightning_accel.strategies import OneBitDDPStrategy
+
+    err = RuntimeError("Expected to have finished reduction in the prior iteration before starting a new one.")
+    OneBitDDPStrategy().on_exception(err)
+    msg = str(err)
+    assert "strategy='ddp_1bit_find_unused_parameters_true'" in msg
+    assert "OneBitDDPStrategy(find_unused_parameters=True)" in msg
+    assert "'ddp_find_unused_parameters_true'" not in msg
 
 
 def test_ddp_options_pass_through() -> None:
