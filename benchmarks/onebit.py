@@ -340,23 +340,284 @@ def _timed(step: Any, device: str, iters: int) -> float:
     return start.elapsed_time(end) / 1e3 / iters
 
 
-def main_cpu(args: argparse.Namespace) -> None:
-    """The five schemes on 2 gloo processes: the published ``onebit`` report."""
+# ---------------------------------------------------------------------------------------------- accuracy (CPU half)
+RECIPES = ("sgd", "sgdm", "adamw", "transformer_adamw")
+ACC_SCHEMES = ("ddp", "onebit", "onebit_noef")
+
+
+def _digits_tensors():
+    """The 8x8 digits as ``(N, 8, 8)`` floats in [0, 1], a fixed 80/20 split (the same for every run)."""
+    import torch
+
+    from lightning_accel.datasets.digits import load_digits_arrays
+
+    images, labels = load_digits_arrays()
+    x = torch.from_numpy(images.reshape(len(images), 8, 8)).float() / 16.0
+    y = torch.from_numpy(labels).long()
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    n_val = len(x) // 5
+    va, tr = perm[:n_val], perm[n_val:]
+    return x[tr], y[tr], x[va], y[va]
+
+
+def _recipe_model(recipe: str, seed: int):
+    """(a)-(c): a small CNN on the 8x8 images; (d): a 2-layer transformer encoder (d=64), the 8 rows as 8 tokens."""
+    import torch
+    import torch.nn as nn
+
+    torch.manual_seed(seed)
+    if recipe != "transformer_adamw":
+        return nn.Sequential(
+            nn.Unflatten(1, (1, 8)),
+            nn.Conv2d(1, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(16, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(32 * 4 * 4, 64),
+            nn.ReLU(),
+            nn.Linear(64, 10),
+        )
+
+    class RowTransformer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Linear(8, 64)
+            self.pos = nn.Parameter(torch.randn(8, 64) * 0.02)
+            layer = nn.TransformerEncoderLayer(64, 4, dim_feedforward=128, dropout=0.0, batch_first=True)
+            self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+            self.head = nn.Linear(64, 10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.encoder(self.embed(x) + self.pos).mean(dim=1))
+
+    return RowTransformer()
+
+
+def _recipe_optimizer(recipe: str, params: Any):
+    import torch
+
+    if recipe == "sgd":
+        return torch.optim.SGD(params, lr=0.1)
+    if recipe == "sgdm":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+
+
+def _acc_run(recipe: str, scheme: str, seed: int, warmup: int) -> dict[str, Any]:
+    """One run: the recipe's model in DDP, plain (``ddp``) or with ``ddp_1bit``'s core exactly as the strategy wires it:
+    the comm hook, and compressed momentum in place of ``optimizer.step`` where the optimizer supports it."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from lightning_accel.comm import MomentumCompressor, OneBitState, momentum_kind, onebit_hook
+
+    model = _recipe_model(recipe, seed)
+    ddp = DDP(model)
+    opt = _recipe_optimizer(recipe, ddp.parameters())
+    comp = None
+    if scheme == "ddp":
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)  # the same allreduce, through the byte counter
+    else:
+        mode = "momentum" if momentum_kind(opt) else "gradients"  # what compress="auto" picks
+        state = OneBitState(
+            warmup_steps=warmup,
+            compress=mode,
+            compression="1bit",
+            error_feedback=scheme == "onebit",
+            parameters=model.parameters(),
+        )
+        state.mode = mode
+        ddp.register_comm_hook(state, onebit_hook)
+        if mode == "momentum":
+            comp = MomentumCompressor(opt, state)
+    return {
+        "ddp": ddp,
+        "opt": opt,
+        "comp": comp,
+        "hook_state": None if scheme == "ddp" else state,
+        "step": 0,
+        "bytes": [],
+        "loss": 0.0,
+        "acc": 0.0,
+        "clip": recipe == "transformer_adamw",
+        "warmup": warmup,
+    }
+
+
+def _acc_epoch(r: dict[str, Any], data: tuple[Any, ...], order: Any, rank: int, counter: _ByteCounter) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    xtr, ytr, xva, yva = data
+    ddp, opt, comp, st = r["ddp"], r["opt"], r["comp"], r["hook_state"]
+    gb = 32 * WORLD
+    losses = []
+    ddp.train()
+    for b in range(len(order) // gb):
+        idx = order[b * gb : (b + 1) * gb][rank::WORLD]
+        before = counter.bytes
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(ddp(xtr[idx]), ytr[idx])
+        loss.backward()
+        if r["clip"]:  # what Lightning's gradient_clip_val=1.0 does: the local gradient in the compressed stage
+            torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
+        if comp is not None and st.local_grads:
+            comp.compressed_step()
+        else:
+            opt.step()
+        if r["step"] >= r["warmup"]:
+            r["bytes"].append(counter.bytes - before)
+        r["step"] += 1
+        losses.append(float(loss.detach()))
+    t = torch.tensor(sum(losses) / len(losses))
+    dist.all_reduce(t)
+    r["loss"] = float(t) / WORLD
+    ddp.eval()
+    with torch.no_grad():
+        r["acc"] = float((ddp.module(xva).argmax(1) == yva).float().mean())
+
+
+def _acc_worker(rank: int, cfg: dict[str, Any], queue: Any) -> None:
+    """One rank: every (recipe, scheme, seed) run from the same data, one epoch of each in turn; rank 0 reports."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(cfg["port"]))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    counter = _ByteCounter()
+    counter.install()
+    data = _digits_tensors()
+    runs = {
+        (recipe, scheme, seed): _acc_run(recipe, scheme, seed, cfg["warmup_steps"])
+        for recipe in cfg["recipes"]
+        for scheme in ACC_SCHEMES
+        for seed in cfg["seeds"]
+    }
     t0 = time.perf_counter()
-    cfg = scheme_config(args)
-    results = train_schemes(cfg, device="cpu", world_size=WORLD, timeout_s=600 if args.quick else 1800)
-    ratios = scheme_ratios(results)
-    cfg["world_size"] = WORLD
-    cfg["wall_s"] = round(time.perf_counter() - t0, 1)
+    for epoch in range(cfg["epochs"]):
+        for (_recipe, _scheme, seed), r in runs.items():  # alternate: one epoch of each run in turn
+            g = torch.Generator().manual_seed(1000 * seed + epoch)  # same order for every scheme of a seed
+            _acc_epoch(r, data, torch.randperm(len(data[0]), generator=g), rank, counter)
+    out = {
+        f"{recipe}/{scheme}/seed{seed}": {
+            "val_acc": r["acc"],
+            "train_loss": r["loss"],
+            "bytes_per_step": median(r["bytes"]) if r["bytes"] else 0.0,
+            "steps": r["step"],
+            "params": sum(p.numel() for p in r["ddp"].parameters()),
+            "compressed": "momentum" if r["comp"] is not None else ("gradients" if scheme != "ddp" else "none"),
+        }
+        for (recipe, scheme, seed), r in runs.items()
+    }
+    out["wall_s"] = round(time.perf_counter() - t0, 1)
+    if rank == 0:
+        queue.put(out)
+    dist.destroy_process_group()
+
+
+def accuracy_config(quick: bool) -> dict[str, Any]:
+    """The accuracy case's knobs (the JSON's ``config["accuracy"]``); ``ONEBIT_EPOCHS`` / ``ONEBIT_RECIPES``
+    (comma-separated) override the epochs and the recipes for exploration runs."""
+    from tests.helpers import free_port
+
+    epochs = int(os.environ.get("ONEBIT_EPOCHS", 12 if quick else 30))
+    steps_per_epoch = (1797 - 1797 // 5) // (32 * WORLD)
+    return {
+        "recipes": os.environ.get("ONEBIT_RECIPES", ",".join(RECIPES)).split(","),
+        "schemes": list(ACC_SCHEMES),
+        "seeds": [0, 1],
+        "epochs": epochs,
+        "batch_per_rank": 32,
+        # ~15 % of training, the 1-bit Adam rule: Adam's variance is frozen at its end
+        "warmup_steps": round(0.15 * epochs * steps_per_epoch),
+        "compression": "1bit (forced: the accuracy case measures the compressed algorithm, not auto's choice)",
+        "lr": {
+            "sgd": 0.1,
+            "sgdm": "0.05, momentum 0.9",
+            "adamw": "1e-3, wd 0.01",
+            "transformer_adamw": "1e-3, wd 0.01, clip 1.0",
+        },
+        "port": free_port(),
+    }
+
+
+def accuracy_cases(quick: bool) -> tuple[dict[str, Any], dict[str, float]]:
+    """Case: DDP vs ``ddp_1bit`` vs ``ddp_1bit`` without error feedback on the four recipes, mean of 2 seeds."""
+    import torch.multiprocessing as mp
+
+    cfg = accuracy_config(quick)
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_acc_worker, args=(r, cfg, queue)) for r in range(WORLD)]
+    for pr in procs:
+        pr.start()
+    deadline = time.monotonic() + (900 if quick else 3600)
+    for pr in procs:
+        pr.join(timeout=max(1.0, deadline - time.monotonic()))
+    for pr in procs:
+        if pr.is_alive():
+            pr.kill()
+            pr.join()
+    if any(pr.exitcode for pr in procs):
+        raise SystemExit(f"an accuracy process failed (exit codes {[pr.exitcode for pr in procs]})")
+    runs = queue.get()
+    results: dict[str, Any] = {"config": cfg, "runs": runs}
+    for recipe in cfg["recipes"]:
+        for scheme in ACC_SCHEMES:
+            rs = [runs[f"{recipe}/{scheme}/seed{s}"] for s in cfg["seeds"]]
+            results[f"{recipe}/{scheme}"] = {
+                k: round(sum(r[k] for r in rs) / len(rs), 4) for k in ("val_acc", "train_loss", "bytes_per_step")
+            }
+    mean = lambda recipe, scheme, k: results[f"{recipe}/{scheme}"][k]  # noqa: E731
+    ratios = {
+        "bytes_fp32_over_1bit": ratio(mean("sgdm", "ddp", "bytes_per_step"), mean("sgdm", "onebit", "bytes_per_step")),
+        **{
+            f"acc_1bit_minus_ddp_{recipe}": round(mean(recipe, "onebit", "val_acc") - mean(recipe, "ddp", "val_acc"), 4)
+            for recipe in cfg["recipes"]
+        },
+        "loss_noef_over_ef_sgdm": ratio(
+            mean("sgdm", "onebit_noef", "train_loss"), mean("sgdm", "onebit", "train_loss")
+        ),
+    }
+    return results, ratios
+
+
+def link_and_host_cases(quick: bool) -> tuple[dict[str, Any], dict[str, float]]:
+    """Cases: the shaped link (two network namespaces, veth, ``tc tbf``) and the host cost of the compressor, from
+    ``benchmarks/_onebit_link.py``; recorded as not run when that module is absent."""
+    try:
+        from benchmarks._onebit_link import run_host_cost, run_link_cases
+    except ImportError as e:
+        return {"link": f"not run: benchmarks/_onebit_link.py is not importable ({e})"}, {}
+    results: dict[str, Any] = {}
+    ratios: dict[str, float] = {}
+    for name, case in (("link", run_link_cases), ("host_cost", run_host_cost)):
+        res, rat = case(quick)
+        results[name] = res
+        ratios.update(rat)
+    return results, ratios
+
+
+def main_cpu(args: argparse.Namespace) -> None:
+    """Accuracy on 2 gloo processes, the shaped link and the host cost: the published ``onebit`` report."""
+    t0 = time.perf_counter()
+    acc_results, ratios = accuracy_cases(args.quick)
+    link_results, link_ratios = link_and_host_cases(args.quick)
+    ratios.update(link_ratios)
+    cfg = {"world_size": WORLD, "accuracy": acc_results.pop("config"), "wall_s": round(time.perf_counter() - t0, 1)}
     report(
         "onebit",
         quick=args.quick,
         config=cfg,
-        results=results,
+        results={"accuracy": acc_results, **link_results},
         ratios=ratios,
         out=args.out,
-        chart={k: ratios[k] for k in ("bytes_fp32_over_1bit", "bytes_fp32_over_fp16", "bytes_fp32_over_powersgd_r2")},
-        chart_title="fp32 bytes / scheme bytes",
+        chart={k: v for k, v in ratios.items() if k.startswith("acc_")},
+        chart_title="ddp_1bit val accuracy minus DDP's (mean of 2 seeds)",
     )
 
 

@@ -15,18 +15,24 @@ hook does not average them in the compressed stage, so DDP's gradient allreduce 
 2. Per parameter, the local momentum: SGD ``d = g + wd·p``, ``m_loc = μ·m + (1-dampening)·d`` (``m_loc = d`` for a
    parameter without a momentum buffer yet, as torch does); Adam ``d = g (+ wd·p for Adam's L2 decay)``,
    ``m_loc = β1·m + (1-β1)·d``. ``m`` is the *averaged* momentum of the previous step, identical on every rank.
-3. The parameters are cut into groups of about ``group_numel`` elements (model order); each group's ``m_loc`` is
-   laid out canonically and averaged by the two-phase 1-bit allreduce with worker and server error feedback
-   (:class:`~lightning_accel.comm.allreduce.OneBitAllreduce`). Groups are pipelined: phase 1 of group ``k+1`` and
-   phase 2 of group ``k`` are in flight while the next group is compressed and group ``k-1`` is applied.
-4. ``m ← m̄``, the decoded average (bit-identical on every rank). A group whose average is not finite changes
-   nothing (momentum, variance, error state and parameters keep their values).
-5. The parameter update from ``m̄``: SGD ``p -= lr·m̄``, Nesterov ``p -= lr·((1+μ)·m̄ - μ·m_prev)`` (torch's
-   ``g + μ·m̄`` with the averaged gradient written as ``m̄ - μ·m_prev``); Adam/AdamW with the variance ``v`` frozen at
-   the first compressed step ``T`` (never updated again: ``v`` needs the exact gradient, which is never averaged
-   here), ``p -= lr/(1-β1^t) · m̄ / (sqrt(v/(1-β2^T)) + eps)``, AdamW first decaying ``p *= 1 - lr·wd``. The bias
-   correction of ``m̄`` continues with ``t`` (it is still an EMA that keeps being updated); that of ``v`` stays at
-   ``T`` (``v/(1-β2^T)`` is the bias-corrected estimate at the freeze, and it is frozen as a whole).
+3. Adam/AdamW only: the variance is frozen at the first compressed step ``T`` (never updated again: ``v`` needs the
+   exact gradient, which is never averaged here) and what is compressed is the *preconditioned* momentum
+   ``u_loc = m_loc / D`` with ``D = sqrt(v/(1-β2^T)) + eps``. ``D`` is identical on every rank, so averaging ``u`` is
+   averaging ``m``; but ``u``'s elements are all O(1), where ``m`` spans the range of ``sqrt(v)``. A block of raw
+   ``m`` decodes every element to ``±mean|m|``, and an element with a tiny variance then steps by
+   ``lr·mean|m|/eps`` (measured: AdamW on the digits CNN went to NaN in a few steps that way).
+4. The parameters are cut into groups of about ``group_numel`` elements (model order); each group's ``m_loc`` (Adam:
+   ``u_loc``) is laid out canonically and averaged by the two-phase 1-bit allreduce with worker and server error
+   feedback (:class:`~lightning_accel.comm.allreduce.OneBitAllreduce`). Groups are pipelined: phase 1 of group
+   ``k+1`` and phase 2 of group ``k`` are in flight while the next group is compressed and group ``k-1`` is applied.
+   A group whose decoded average is not finite changes nothing (momentum, variance, step count, error state and
+   parameters keep their values); the decoded bytes are the same everywhere, so every rank agrees.
+5. ``m ← m̄``, the decoded average (Adam: ``m̄ = ū·D``), bit-identical on every rank, and the parameter update:
+   SGD ``p -= lr·m̄``, Nesterov ``p -= lr·((1+μ)·m̄ - μ·m_prev)`` (torch's ``d + μ·m̄`` with the averaged ``d``
+   written as ``m̄ - μ·m_prev``); Adam ``p -= lr/(1-β1^t) · ū`` (= torch's ``m̄ / D``), AdamW first decaying
+   ``p *= 1 - lr·wd``. The bias correction of ``m̄`` continues with ``t`` (it is still an EMA that keeps being
+   updated); that of ``v`` stays at ``T`` (``v/(1-β2^T)`` is the bias-corrected estimate at the freeze, frozen as a
+   whole). A parameter that no warm-up step reached has no variance to freeze and uses ``D = 1``.
 
 Every quantity stays in the optimizer's own state (``momentum_buffer``; ``exp_avg``, ``exp_avg_sq``,
 ``max_exp_avg_sq`` with ``amsgrad``, ``step``), so a checkpoint holds it, and the unmodified optimizer can take over
@@ -261,12 +267,22 @@ class MomentumCompressor:
                 beta1 = float(hp["betas"][0])
                 wd = float(hp["weight_decay"])
                 d = grad.add(p, alpha=wd) if wd and not self._decoupled(hp) else grad
-                m = e.st.get("exp_avg")
-                if m is None:
-                    torch.mul(d, 1 - beta1, out=out)
-                else:
-                    torch.mul(m, beta1, out=out)
-                    out.add_(d, alpha=1 - beta1)
+                denom = self._prepare_adam(e)
+                torch.mul(e.st["exp_avg"], beta1, out=out)
+                out.add_(d, alpha=1 - beta1)
+                # compress the preconditioned momentum m / denom (denom is frozen and identical on every rank, so
+                # averaging it is averaging m): its elements are all O(1), where m itself spans the range of
+                # sqrt(v). A block of raw m decodes every element to ±mean|m|, and an element with a tiny variance
+                # (a weight whose input is always zero) would then step by lr·mean|m|/eps: measured, AdamW on the
+                # digits CNN diverged to NaN that way
+                out.div_(denom)
+                # the frozen variance cannot see a gradient that outgrows it (a ReLU channel dead during warm-up
+                # has v = 0, so D = eps): floor D at the momentum's own magnitude, |m̂/D| <= 1 (in bias-corrected
+                # units), the step exact Adam takes for a gradient at its RMS. Measured: without the floor, AdamW
+                # on the digits CNN stepped 0.58 (lr 1e-3) at its first compressed step and went to NaN in three
+                # more
+                bound = 1 - beta1 ** int(e.st["step"])
+                out.clamp_(-bound, bound)
         return x
 
     def _decoupled(self, hp: dict[str, Any]) -> bool:
@@ -278,6 +294,9 @@ class MomentumCompressor:
         res = op.finish()
         if not bool(res.finite):  # identical verdict on every rank: the decoded bytes are the same
             st.nonfinite_groups += 1
+            if self.kind == "adam":  # undo the step count _prepare_adam advanced: this step did not happen
+                for e in entries:
+                    e.st["step"] -= 1
             return res.bytes_sent
         if res.worker_error is not None and res.server_error is not None:
             g.worker_error.copy_(res.worker_error)
@@ -311,10 +330,10 @@ class MomentumCompressor:
             buf.copy_(avg)
         p.add_(update.to(p.dtype), alpha=-lr)
 
-    def _apply_adam(self, e: _Entry, avg: torch.Tensor) -> None:
+    def _prepare_adam(self, e: _Entry) -> torch.Tensor:
+        """Adam state for this step: created if missing, ``step`` advanced, the variance frozen at the first step of
+        a compressed stage; returns ``sqrt(v/(1-β2^T)) + eps`` (cached: it never changes within a stage)."""
         hp, p, s = e.hp, e.p, e.st
-        lr, wd, eps = float(hp["lr"]), float(hp["weight_decay"]), float(hp["eps"])
-        beta1, beta2 = (float(b) for b in hp["betas"])
         if "exp_avg" not in s:  # first seen in the compressed stage: no warm-up statistics
             s["step"] = torch.tensor(0.0)
             s["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -322,33 +341,34 @@ class MomentumCompressor:
             if hp.get("amsgrad", False):
                 s["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         s["step"] += 1
-        t = int(s["step"])
         since = self.state.compressed_since
         if s.get("onebit_stage") != since:  # this compressed stage freezes the variance here
             s["onebit_stage"] = since
-            s["onebit_freeze_step"] = t - 1
+            s["onebit_freeze_step"] = int(s["step"]) - 1
             self._denoms.pop(id(p), None)
-        s["exp_avg"].copy_(avg)
-        denom = self._denom(e, beta2, eps, avg, beta1, t)
-        if wd and self._decoupled(hp):
-            p.mul_(1 - lr * wd)
-        p.addcdiv_(s["exp_avg"], denom, value=-lr / (1 - beta1**t))
-
-    def _denom(self, e: _Entry, beta2: float, eps: float, avg: torch.Tensor, beta1: float, t: int) -> torch.Tensor:
-        """``sqrt(v / (1-β2^T)) + eps`` of the frozen variance, computed once per stage (it never changes)."""
-        p, s = e.p, e.st
         freeze = int(s["onebit_freeze_step"])
         cached = self._denoms.get(id(p))
         if cached is not None and cached[0] == freeze:
             return cached[1]
-        v = s["max_exp_avg_sq"] if e.hp.get("amsgrad", False) else s["exp_avg_sq"]
+        v = s["max_exp_avg_sq"] if hp.get("amsgrad", False) else s["exp_avg_sq"]
         if freeze == 0:
-            # no warm-up step ever reached this parameter: take the bias-corrected averaged momentum squared as the
-            # variance (identical on every rank), the best estimate without an exact gradient
-            v.copy_((avg / (1 - beta1**t)) ** 2)
-            bc2 = 1.0
+            # no warm-up step ever reached this parameter, so there is no variance to freeze: it steps with its
+            # bias-corrected momentum unnormalised (denominator 1) rather than by m / eps
+            denom = torch.ones_like(p, dtype=torch.float32)
         else:
-            bc2 = 1 - beta2**freeze
-        denom = (v.sqrt() / math.sqrt(bc2)).add_(eps)
+            denom = (v.float().sqrt() / math.sqrt(1 - float(hp["betas"][1]) ** freeze)).add_(float(hp["eps"]))
         self._denoms[id(p)] = (freeze, denom)
         return denom
+
+    def _apply_adam(self, e: _Entry, avg: torch.Tensor) -> None:
+        """``avg`` is the averaged preconditioned momentum ``m̄ / denom``."""
+        hp, p, s = e.hp, e.p, e.st
+        lr, wd = float(hp["lr"]), float(hp["weight_decay"])
+        beta1 = float(hp["betas"][0])
+        t = int(s["step"])
+        denom = self._denoms[id(p)][1]
+        s["exp_avg"].copy_(avg * denom)
+        if wd and self._decoupled(hp):
+            p.mul_(1 - lr * wd)
+        # torch's p -= lr/(1-β1^t) · m̄/denom, with m̄/denom = avg exactly
+        p.add_(avg.to(p.dtype), alpha=-lr / (1 - beta1**t))

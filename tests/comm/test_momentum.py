@@ -114,6 +114,14 @@ def simulate(name: str) -> list[list[torch.Tensor]]:
             continue
         with torch.no_grad():
             for k, sim in sims.items():
+                denoms = {}
+                if name in ("adam", "adamw"):
+                    for i in k:
+                        g, s = hp[id(params[i])], opt.state[params[i]]
+                        freeze.setdefault(i, int(s["step"]))
+                        s["step"] += 1
+                        b2 = g["betas"][1]
+                        denoms[i] = (s["exp_avg_sq"] / (1 - b2 ** freeze[i])).sqrt() + g["eps"]
                 local = []
                 for r in range(2):
                     ms = []
@@ -126,7 +134,9 @@ def simulate(name: str) -> list[list[torch.Tensor]]:
                         else:
                             if name == "adam":
                                 d = d + g["weight_decay"] * p
-                            ms.append(g["betas"][0] * s["exp_avg"] + (1 - g["betas"][0]) * d)
+                            b1, t = g["betas"][0], int(s["step"])
+                            u = (b1 * s["exp_avg"] + (1 - b1) * d) / denoms[i]  # the preconditioned momentum
+                            ms.append(u.clamp(-(1 - b1**t), 1 - b1**t))  # |m_hat / D| <= 1
                     local.append(ms)
                 avg = sim.step(local)
                 for i, m in zip(k, avg, strict=True):
@@ -140,15 +150,11 @@ def simulate(name: str) -> list[list[torch.Tensor]]:
                         s["momentum_buffer"] = m.clone()
                         p -= g["lr"] * upd
                     else:
-                        b1, b2 = g["betas"]
-                        freeze.setdefault(i, int(s["step"]))
-                        s["step"] += 1
-                        t = int(s["step"])
-                        s["exp_avg"] = m.clone()
-                        denom = (s["exp_avg_sq"] / (1 - b2 ** freeze[i])).sqrt() + g["eps"]
+                        b1, t = g["betas"][0], int(s["step"])
+                        s["exp_avg"] = m * denoms[i]
                         if name == "adamw":
                             p *= 1 - g["lr"] * g["weight_decay"]
-                        p -= g["lr"] / (1 - b1**t) * m / denom
+                        p -= g["lr"] / (1 - b1**t) * m
         out.append([p.detach().clone() for p in params])
     return out
 
