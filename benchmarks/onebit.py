@@ -423,6 +423,7 @@ def _acc_run(recipe: str, scheme: str, seed: int, warmup: int) -> dict[str, Any]
         mode = "momentum" if momentum_kind(opt) else "gradients"  # what compress="auto" picks
         state = OneBitState(
             warmup_steps=warmup,
+            block_size=int(os.environ.get("ONEBIT_BLOCK", 2048)),
             compress=mode,
             compression="1bit",
             error_feedback=scheme == "onebit",

@@ -4,19 +4,26 @@ Use it without Lightning as ``ddp_model.register_comm_hook(OneBitState(parameter
 
 Algorithm, per DDP bucket and step:
 
-1. Steps ``< warmup_steps`` (and buckets below ``min_compress_numel``): plain fp32 allreduce (asynchronous).
-2. Otherwise the bucket's parameters are split into *groups* (normally the bucket itself), each laid out
-   canonically (parameters by model index, padded to multiples of 8) and averaged by
+0. ``compression="auto"`` and the first bucket of the first step after warm-up (or of a re-check step): time fp32
+   against compressed averaging and decide, on every rank (:func:`~lightning_accel.comm.auto.decide`), unless the
+   strategy already did.
+1. Warm-up steps, steps decided ``"fp32"``, and buckets below ``min_compress_numel``: plain fp32 allreduce
+   (asynchronous).
+2. Compressed stage with ``state.mode == "momentum"``: the bucket's local gradients are handed back unaveraged (the
+   optimizer step, :class:`~lightning_accel.comm.momentum.MomentumCompressor`, averages the momentum instead); under
+   a GradScaler a 1-element MAX allreduce makes a non-finite bucket non-finite on every rank, so all skip the step.
+3. Compressed stage with ``state.mode == "gradients"``: the bucket's parameters are split into *groups* (normally the
+   bucket itself), each laid out canonically (parameters by model index, padded to multiples of 8) and averaged by
    :func:`~lightning_accel.comm.allreduce.onebit_allreduce` (worker compression with error feedback, ``all_to_all``,
    server average + recompression with error feedback, all-gather, decode).
-3. The error state is committed only when the decoded result is finite: a NaN/Inf bucket decodes to NaN/Inf (so
+4. The error state is committed only when the decoded result is finite: a NaN/Inf bucket decodes to NaN/Inf (so
    AMP's GradScaler skips the step) and leaves the state as it was.
 
 Groups are keyed by parameter indices, not bucket indices: after a resume, DDP's first iteration uses its initial
 buckets again (one big bucket for small models) before rebuilding them; a bucket that is a union of saved groups is
 processed group by group, so a resumed run computes exactly what the uninterrupted run computed.
 
-The compressed path runs its collectives synchronously inside the hook and returns an already-completed
+The compressed gradient path runs its collectives synchronously inside the hook and returns an already-completed
 ``torch.futures.Future``. Buckets arrive in index order on every rank, so collectives are issued in the same order
 everywhere; on CPU/gloo that is the simplest correct choice (a ``then``-chained version would issue phase 2 from
 gloo's callback thread, racing the next bucket's phase 1). On NCCL the collectives are still asynchronous with respect
