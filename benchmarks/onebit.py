@@ -423,7 +423,8 @@ def _acc_run(recipe: str, scheme: str, seed: int, warmup: int) -> dict[str, Any]
         mode = "momentum" if momentum_kind(opt) else "gradients"  # what compress="auto" picks
         state = OneBitState(
             warmup_steps=warmup,
-            block_size=int(os.environ.get("ONEBIT_BLOCK", 2048)),
+            # the strategy's default unless ONEBIT_BLOCK overrides it (exploration runs)
+            block_size=int(os.environ.get("ONEBIT_BLOCK", OneBitState().block_size)),
             compress=mode,
             compression="1bit",
             error_feedback=scheme == "onebit",
@@ -535,6 +536,7 @@ def accuracy_config(quick: bool) -> dict[str, Any]:
         "batch_per_rank": 32,
         # ~15 % of training, the 1-bit Adam rule: Adam's variance is frozen at its end
         "warmup_steps": round(0.15 * epochs * steps_per_epoch),
+        "block_size": int(os.environ.get("ONEBIT_BLOCK", 640)),  # 640: OneBitDDPStrategy's default
         "compression": "1bit (forced: the accuracy case measures the compressed algorithm, not auto's choice)",
         "lr": {
             "sgd": 0.1,

@@ -367,7 +367,7 @@ class MomentumCompressor:
         beta1 = float(hp["betas"][0])
         t = int(s["step"])
         denom = self._denoms[id(p)][1]
-        s["exp_avg"].copy_(avg * denom)
+        torch.mul(avg, denom, out=s["exp_avg"])
         if wd and self._decoupled(hp):
             p.mul_(1 - lr * wd)
         # torch's p -= lr/(1-β1^t) · m̄/denom, with m̄/denom = avg exactly

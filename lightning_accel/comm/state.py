@@ -81,7 +81,9 @@ class OneBitState:
         process_group: the group to average over (None: the default group).
         warmup_steps: optimizer steps of plain fp32 allreduce (and the unmodified optimizer) before compressing;
             >= 2 because DDP rebuilds its buckets after the first iteration.
-        block_size: maximum elements per scale block, a multiple of 8 (default 2048: 1.6 % scale overhead).
+        block_size: maximum elements per scale block, a multiple of 8 (default 640: 5 % scale overhead, ~30x
+            fewer bytes than fp32; measured on the digits CNN with SGD momentum 0.9, 2048 lost 0.013 val accuracy
+            against DDP and 512 lost 0.004).
         min_compress_numel: gradient buckets with fewer elements stay fp32 (gradient compression only).
         error_feedback: keep worker/server residuals (False gives plain scaled signs, for comparison only).
         backend: the compressor: ``"auto"`` (the fused Triton kernel for CUDA tensors when ``triton`` is
@@ -167,7 +169,7 @@ class OneBitState:
         process_group: dist.ProcessGroup | None = None,
         *,
         warmup_steps: int = 10,
-        block_size: int = 2048,
+        block_size: int = 640,
         min_compress_numel: int = 0,
         error_feedback: bool = True,
         backend: CommBackend = "auto",

@@ -63,7 +63,7 @@ class OneBitDDPStrategy(DDPStrategy):
 
     After ``warmup_steps`` optimizer steps of plain DDP (fp32 allreduce, the unmodified optimizer), what the ranks
     average travels through the two-phase compressed allreduce (signs packed 8 per byte + one fp32 ``mean |x|`` scale
-    per block): about 31x fewer bytes than an fp32 ring allreduce, at any number of processes. For SGD with momentum,
+    per block): about 30x fewer bytes than an fp32 ring allreduce, at any number of processes. For SGD with momentum,
     Adam and AdamW that is the optimizer's momentum (Adam's variance frozen at the end of warm-up, as in DeepSpeed's
     1-bit Adam; the algorithm is in :mod:`lightning_accel.comm.momentum`), and DDP's own gradient allreduce does not
     run; for other optimizers it is the gradient buckets (with a warning). ``compression="auto"`` measures both ways at
@@ -102,7 +102,7 @@ class OneBitDDPStrategy(DDPStrategy):
         self,
         *,
         warmup_steps: int = 10,
-        block_size: int = 2048,
+        block_size: int = 640,
         min_compress_numel: int = 0,
         error_feedback: bool = True,
         backend: comm.CommBackend = "auto",

@@ -156,7 +156,7 @@ def _saved(world: int) -> dict:
         "format": 1,
         "world_size": world,
         "step": 7,
-        "hparams": {"block_size": 2048, "error_feedback": True},
+        "hparams": {"block_size": OneBitState().block_size, "error_feedback": True},
         "groups": {"0,1": {"worker": torch.ones(world, 16), "server": torch.ones(world, 8)}},
     }
 
