@@ -1,21 +1,28 @@
-"""Benchmark ``ddp_1bit`` against plain DDP, ``fp16_compress_hook`` and PowerSGD (rank 2) on the digits.
+"""Benchmark ``ddp_1bit`` against plain DDP: accuracy on four recipes, the shaped link, the compressor's host cost.
 
-Two CPU processes (gloo) train the same MLP (64 -> hidden -> hidden -> 10) on the flattened 8x8 digits with the same
-seed, data order and epochs under five gradient-averaging schemes: plain fp32 allreduce, fp16 compression, PowerSGD
-rank 2, 1-bit with error feedback, and 1-bit without error feedback. The five runs advance one epoch at a time in
-turn (A, B, C, D, E, A, ...) so machine noise spreads over all of them.
+CPU half (the ``onebit`` report), all in one run:
 
-Bytes are measured, not computed: the benchmark wraps ``torch.distributed``'s collectives and counts what each hook
-hands them, as a ring/pairwise implementation puts them on the wire per rank (allreduce ``2 (N-1)/N`` of the tensor,
-all-to-all ``(N-1)/N``, all-gather ``(N-1)`` times the input), averaged over the steps after warm-up (the compressed
-phase). ``est_step_ms_at_1gbps`` adds the time those bytes take on a 1 Gbit/s link to the measured compute time
-(this machine's loopback is far faster than any real network, so measured step times favour no compression).
+- **Accuracy.** Two CPU processes (gloo) train the 8x8 digits with the same seeds and data order under DDP,
+  ``ddp_1bit`` (``compression="1bit"``, what ``compress="auto"`` picks: compressed momentum for SGD-momentum and
+  AdamW, compressed gradients for plain SGD) and ``ddp_1bit`` without error feedback, mean of 2 seeds: (a) a small
+  CNN with plain SGD, (b) SGD momentum 0.9 lr 0.05, (c) AdamW lr 1e-3 wd 0.01, (d) a 2-layer transformer encoder
+  (d=64, the 8 rows as 8 tokens) with AdamW lr 1e-3 and gradient clipping 1.0. All runs advance one epoch at a time
+  in turn. The runs use the strategy's core exactly as ``OneBitDDPStrategy`` wires it (the comm hook, and the
+  compressed momentum step in place of ``optimizer.step``), without the Trainer's per-step overhead.
+- **Shaped link and host cost** (``benchmarks/_onebit_link.py``, when present): DDP, ``ddp_1bit`` and ``auto`` step
+  times on a veth pair between two network namespaces shaped with ``tc tbf``, the bisected break-even link speed, and
+  the compressor's time per 1M values over one ``torch.add``.
+
+Bytes are measured, not computed: the benchmark wraps ``torch.distributed``'s collectives and counts what each
+scheme hands them, as a ring/pairwise implementation puts them on the wire per rank (allreduce ``2 (N-1)/N`` of the
+tensor, all-to-all ``(N-1)/N``, all-gather ``(N-1)`` times the input), per step after warm-up.
 
     python benchmarks/onebit.py --quick --out /tmp/onebit.json
 
 ``--device cuda`` runs the GPU half instead (report ``onebit_cuda``): the fused Triton compressor against the torch
 one on a 16M-element buffer (64M in the full run), alternated, as GB/s and ``compress_triton_vs_torch``; and, with
-two or more GPUs, the same five schemes over NCCL with one process per GPU (``nccl_*`` ratios).
+two or more GPUs, DDP / fp16 / PowerSGD / 1-bit gradient schemes on an MLP over NCCL with one process per GPU
+(``nccl_*`` ratios).
 """
 
 from __future__ import annotations
