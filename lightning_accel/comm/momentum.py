@@ -110,7 +110,7 @@ class MomentumCompressor:
     """The compressed stage of one optimizer (see the module docstring for the algorithm).
 
     Args:
-        optimizer: a ``torch.optim.SGD`` with momentum, ``Adam`` or ``AdamW`` (:func:`momentum_kind` not None).
+        optimizer: a ``torch.optim.SGD`` (with momentum, normally), ``Adam`` or ``AdamW``.
         state: the :class:`~lightning_accel.comm.state.OneBitState` shared with the comm hook (process group, block
             size, error feedback, backend, parameter numbering, error buffers, statistics).
 
@@ -119,7 +119,8 @@ class MomentumCompressor:
     """
 
     def __init__(self, optimizer: Optimizer, state: OneBitState) -> None:
-        kind = momentum_kind(optimizer)
+        # plain SGD too when asked for explicitly (compress="momentum"): its "momentum" is the gradient itself
+        kind = momentum_kind(optimizer) or ("sgd" if type(optimizer) is SGD else None)
         if kind is None:
             raise ValueError(
                 f"`optimizer` is a {type(optimizer).__name__}: compressed momentum supports torch.optim.SGD with "

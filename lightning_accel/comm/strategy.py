@@ -237,17 +237,19 @@ class OneBitDDPStrategy(DDPStrategy):
             return
         want = self._onebit_config["compress"]
         optimizers: list[Optimizer] = list(self.optimizers)
+        if not optimizers:  # validate / test / predict: nothing steps
+            return
         kinds = {id(o): comm.momentum_kind(o) for o in optimizers}
         if want == "momentum":
             bad = [type(o).__name__ for o in optimizers if kinds[id(o)] is None and type(o) is not SGD]
-            if bad or not optimizers:
+            if bad:
                 raise ValueError(
-                    f"`compress='momentum'` needs torch.optim.SGD, Adam or AdamW, got {', '.join(bad) or 'none'}. "
+                    f"`compress='momentum'` needs torch.optim.SGD, Adam or AdamW, got {', '.join(bad)}. "
                     "Use `compress='auto'` (gradient compression for other optimizers) or `compress='gradients'`."
                 )
         elif want == "auto":
             unsupported = [o for o in optimizers if kinds[id(o)] is None]
-            if unsupported or not optimizers:
+            if unsupported:
                 names = sorted({type(o).__name__ for o in unsupported if type(o) is not SGD})
                 if names:
                     rank_zero_warn(
