@@ -10,7 +10,6 @@ import torch.nn as nn
 
 from lightning_accel.comm import GroupLayout, OneBitState, fp32_ring_bytes, onebit_hook
 from tests.comm._oracle import Simulation
-from tests.helpers import run_in_processes
 
 SIZES = [(10,), (37, 29), (5,), (7, 13), (300,)]  # odd sizes: padding inside and between parameters
 WARMUP = 2
@@ -118,8 +117,8 @@ def _run_all(rank: int, world: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs() -> dict[str, list[dict]]:
-    per_rank = run_in_processes(_run_all, 2)
+def runs(ddp_pair_results: list[dict]) -> dict[str, list[dict]]:
+    per_rank = [r["hook"] for r in ddp_pair_results]  # launched with test_momentum's scenarios (conftest.py)
     return {name: _t([per_rank[0][name], per_rank[1][name]]) for name in SCENARIOS}
 
 

@@ -14,7 +14,6 @@ import torch.nn as nn
 
 from lightning_accel.comm import MomentumCompressor, OneBitState, onebit_hook, plan_groups
 from tests.comm._oracle import Simulation
-from tests.helpers import run_in_processes
 
 SIZES = [(10,), (37, 29), (5,), (7, 13), (300,)]
 WARMUP = 3
@@ -160,8 +159,8 @@ def simulate(name: str) -> list[list[torch.Tensor]]:
 
 
 @pytest.fixture(scope="module")
-def runs() -> dict[str, list[dict]]:
-    per_rank = run_in_processes(_run_all, 2)
+def runs(ddp_pair_results: list[dict]) -> dict[str, list[dict]]:
+    per_rank = [r["momentum"] for r in ddp_pair_results]  # launched with test_hook's scenarios (conftest.py)
     return {name: [per_rank[0][name], per_rank[1][name]] for name in OPTIMIZERS}
 
 
