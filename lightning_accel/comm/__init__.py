@@ -1,7 +1,8 @@
 """1-bit compressed gradient averaging: the plain-torch core and its Lightning adapter, ``OneBitDDPStrategy``.
 
 - :mod:`~lightning_accel.comm.packing`: sign bits packed 8 per byte.
-- :mod:`~lightning_accel.comm.compress`: canonical group layout, per-block ``mean |x|`` scales, the torch compressor.
+- :mod:`~lightning_accel.comm.compress`: canonical group layout, per-block ``mean |x|`` scales, the torch
+  compressors (the reference and the buffer-reusing ``Compressor``).
 - :mod:`~lightning_accel.comm.allreduce`: the two-phase compressed allreduce with worker/server error feedback.
 - :mod:`~lightning_accel.comm.state` / :mod:`~lightning_accel.comm.hook`: the DDP comm hook and its ``__slots__`` state.
 - :mod:`~lightning_accel.comm.triton_kernels`: the fused CUDA compressor (imported lazily).
@@ -10,7 +11,15 @@
 """
 
 from lightning_accel.comm.allreduce import OneBitResult, fp32_ring_bytes, onebit_allreduce
-from lightning_accel.comm.compress import BlockTable, GroupLayout, block_scales, compress_reference, decode
+from lightning_accel.comm.compress import (
+    BlockTable,
+    Compressor,
+    GroupLayout,
+    block_scales,
+    compress_fast,
+    compress_reference,
+    decode,
+)
 from lightning_accel.comm.hook import onebit_hook
 from lightning_accel.comm.packing import pack_signs, unpack_signs
 from lightning_accel.comm.state import CommBackend, GroupState, OneBitState, gather_state_dict, select_rank_state
@@ -20,12 +29,14 @@ __all__ = [
     "CHECKPOINT_KEY",
     "BlockTable",
     "CommBackend",
+    "Compressor",
     "GroupLayout",
     "GroupState",
     "OneBitResult",
     "OneBitDDPStrategy",
     "OneBitState",
     "block_scales",
+    "compress_fast",
     "compress_reference",
     "decode",
     "fp32_ring_bytes",
