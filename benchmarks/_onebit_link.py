@@ -266,11 +266,20 @@ def _worker(rank: int, workdir: Path, hidden: int, batch: int) -> None:
     from lightning_accel.comm import OneBitDDPStrategy
 
     class StepTimes(L.Callback):
-        def __init__(self) -> None:
+        """Step end times; after step ``hold_after`` both ranks wait until the controller has shaped the link."""
+
+        def __init__(self, k: int, hold_after: int) -> None:
             self.ends: list[float] = []
+            self.k, self.hold_after = k, hold_after
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             self.ends.append(time.perf_counter())
+            if len(self.ends) - 1 == self.hold_after:
+                (workdir / f"hold-{self.k}-{rank}").touch()
+                go, deadline = workdir / f"go-{self.k}", time.time() + 600
+                while not go.exists() and time.time() < deadline:
+                    time.sleep(0.01)
+                self.ends[-1] = time.perf_counter()  # the wait is no step's time
 
     class MLP(L.LightningModule):
         def __init__(self) -> None:
@@ -304,7 +313,7 @@ def _worker(rank: int, workdir: Path, hidden: int, batch: int) -> None:
             strategy: Any = "ddp"
         else:
             strategy = OneBitDDPStrategy(warmup_steps=cmd["warmup_steps"], log_stats=False, **cmd["kwargs"])
-        timer = StepTimes()
+        timer = StepTimes(k, cmd["hold_after"])
         trainer = L.Trainer(
             accelerator="cpu",
             devices=1,
@@ -355,25 +364,44 @@ class Ranks:
             )
 
     def episode(
-        self, config: str, *, steps: int, warmup_steps: int, kwargs: dict[str, Any], timeout: float
+        self,
+        config: str,
+        *,
+        steps: int,
+        warmup_steps: int,
+        kwargs: dict[str, Any],
+        hold_after: int,
+        on_hold: Callable[[], None],
+        timeout: float,
     ) -> list[float]:
-        """Fit ``steps`` steps with ``config`` on both ranks; rank 0's step end times (None-free or raises)."""
+        """Fit ``steps`` steps with ``config`` on both ranks; rank 0's step end times.
+
+        Both ranks stop after step ``hold_after``; ``on_hold()`` (which shapes the link) runs, then they go on: the
+        setup (DDP's broadcast of 25M parameters) and the steps up to ``hold_after`` run on the unshaped link.
+        """
         k = self.k
         self.k += 1
         cmd = {"config": config, "steps": steps, "warmup_steps": warmup_steps, "kwargs": kwargs}
+        cmd["hold_after"] = hold_after
         tmp = self.workdir / f"cmd-{k}.json.tmp"
         tmp.write_text(json.dumps(cmd))
         os.replace(tmp, self.workdir / f"cmd-{k}.json")
         deadline = time.time() + timeout
+        self._wait([self.workdir / f"hold-{k}-{r}" for r in range(2)], config, deadline)
+        on_hold()
+        (self.workdir / f"go-{k}").touch()
         paths = [self.workdir / f"res-{k}-{r}.json" for r in range(2)]
+        self._wait(paths, config, deadline)
+        return list(json.loads(paths[0].read_text())["ends"])
+
+    def _wait(self, paths: list[Path], config: str, deadline: float) -> None:
         while not all(p.exists() for p in paths):
             dead = [r for r, p in enumerate(self.procs) if p.poll() is not None]
             if dead:
                 raise RuntimeError(f"rank {dead[0]} exited during `{config}`: {self.tail(dead[0])}")
             if time.time() > deadline:
-                raise TimeoutError(f"`{config}` did not finish {steps} steps in {timeout:.0f} s")
-            time.sleep(0.1)
-        return list(json.loads(paths[0].read_text())["ends"])
+                raise TimeoutError(f"`{config}` did not reach {paths[0].name} in time")
+            time.sleep(0.02)
 
     def tail(self, rank: int) -> str:
         with contextlib.suppress(OSError):
@@ -456,24 +484,30 @@ def run_link_cases(quick: bool, *, hidden: int = 4096) -> tuple[dict[str, Any], 
         ranks = Ranks(net, port=_free_port(), hidden=hidden, batch=batch)
         fp32_bytes_per_step = 4 * params  # ring allreduce, 2 ranks: 2 (N-1)/N * 4 d bytes sent per rank
 
-        def step_time(name: str, goodput: float) -> float:
-            """Median of the timed steps of one fresh fit (steps after warm-up and bucket rebuild)."""
+        def step_time(name: str, mbit: int | None, goodput: float) -> float:
+            """Median of the timed steps of one fresh fit on the link shaped to ``mbit``.
+
+            Steps: ``ddp`` 0 (unshaped), 1 (absorbs the ranks' skew after the hold), 2-4 timed; ``onebit`` 0-1
+            (fp32 warm-up, unshaped), 2 (builds the compression state), 3-5 timed; ``auto`` 0 (unshaped), 1 (warm-up,
+            shaped: its decision must see the shaped link), 2 (decision), 3, then 4-6 timed.
+            """
             assert ranks is not None
             kw = configs.get(name, {})
-            first = 2 if name == "ddp" else warm + 1  # ddp: step 1 rebuilds buckets; 1bit: step `warm` sets up
-            if name == "auto":
-                first += 1  # the decision's measurement runs at the end of warm-up
+            hold_after, first = {"ddp": (0, 2), "onebit": (warm - 1, warm + 1), "auto": (0, warm + 2)}[name]
             steps = first + timed
             remaining = budget - (time.perf_counter() - t_start)
             per_step = fp32_bytes_per_step * 8 / (goodput * 1e6) + 20.0
-            timeout = min(remaining, 90 + steps * per_step)
+            timeout = min(remaining, 120 + (steps - hold_after) * per_step)
             if timeout <= 30:
                 raise TimeoutError(f"the {budget:.0f} s budget is spent")
+            net.shape(None)  # setup and the steps before the hold: unshaped
             ends = ranks.episode(
                 "ddp" if name == "ddp" else "onebit",
                 steps=steps,
                 warmup_steps=warm,
                 kwargs=kw if isinstance(kw, dict) else {},
+                hold_after=hold_after,
+                on_hold=lambda: net.shape(mbit),
                 timeout=timeout,
             )
             diffs = [b - a for a, b in zip(ends, ends[1:], strict=False)]
@@ -491,7 +525,7 @@ def run_link_cases(quick: bool, *, hidden: int = 4096) -> tuple[dict[str, Any], 
             links[link] = row
             order = names if i % 2 == 0 else names[::-1]  # alternate who goes first
             for name in order:
-                row[f"{name}_step_s"] = step_time(name, row["goodput_mbps"])
+                row[f"{name}_step_s"] = step_time(name, mbit, row["goodput_mbps"])
             row["speedup"] = ratio(row["ddp_step_s"], row["onebit_step_s"])
         ratios["step_speedup_100mbit"] = links["100mbit"]["speedup"]
         ratios["step_speedup_1gbit"] = links["1gbit"]["speedup"]
@@ -518,7 +552,7 @@ def run_link_cases(quick: bool, *, hidden: int = 4096) -> tuple[dict[str, Any], 
 def _bisect(
     net: Netns,
     links: dict[str, Any],
-    step_time: Callable[[str, float], float],
+    step_time: Callable[[str, int | None, float], float],
     iters: int,
     probe_s: float,
     port: int,
@@ -542,16 +576,23 @@ def _bisect(
         lo, hi = 100.0, 1000.0
     for i in range(iters):
         mid = int(round((lo * hi) ** 0.5))
-        net.shape(mid)
-        goodput = _probe_goodput(net, probe_s, port + i)
-        ddp, one = step_time("ddp", goodput), step_time("onebit", goodput)
+        try:
+            net.shape(mid)
+            goodput = _probe_goodput(net, probe_s, port + i)
+            ddp, one = step_time("ddp", mid, goodput), step_time("onebit", mid, goodput)
+        except TimeoutError as err:  # the budget: keep the bracket measured so far
+            out["stopped"] = f"after {i} of {iters} bisection steps: {err}"
+            break
         points.append({"tbf_rate_mbit": mid, "goodput_mbps": goodput, "ddp_step_s": ddp, "onebit_step_s": one})
         if one < ddp:
             lo = float(mid)
         else:
             hi = float(mid)
+    # both ends of the bracket are measured rates (the links above or bisection points); its geometric middle is
+    # the break-even to within the bracket's width, reported beside it
     out["bracket_mbit"] = [lo, hi]
-    out["mbps"] = round((lo * hi) ** 0.5, 1)
+    if points:
+        out["mbps"] = round((lo * hi) ** 0.5, 1)
     return out
 
 
