@@ -20,7 +20,7 @@ import sys
 import numpy as np
 import torch
 
-__all__ = ["pack_signs", "sign_lut", "unpack_signs"]
+__all__ = ["pack_bits_into", "pack_signs", "sign_lut", "unpack_signs"]
 
 _SHIFTS_CACHE: dict[torch.device, torch.Tensor] = {}
 _LUT_CACHE: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
