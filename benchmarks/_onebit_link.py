@@ -119,6 +119,7 @@ def run_host_cost(quick: bool) -> tuple[dict[str, Any], dict[str, float]]:
             "numel": layout.padded_numel,
             "threads": 1,
             "rounds": rounds,
+            "loadavg_1min": round(os.getloadavg()[0], 2),
             "clock": "thread CPU time, best of 5 per round, median over rounds",
             "add_ms": round(1e3 * median(cpu["add"]), 4),
             "compress_ms": round(1e3 * median(cpu["compress"]), 4),
@@ -474,6 +475,9 @@ def run_link_cases(quick: bool, *, hidden: int = 4096) -> tuple[dict[str, Any], 
         "timed_steps": timed,
         "ddp_1bit_warmup_steps": warm,
         "optimizer": "SGD(lr=1e-3, momentum=0.9)",
+        # the 1-bit steps are host-bound here, DDP's are link-bound: CPU contention from other tenants slows only the
+        # former, so the machine's load goes with the numbers
+        "loadavg_1min_start": round(os.getloadavg()[0], 2),
     }
     ratios: dict[str, float] = {}
     if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
@@ -556,6 +560,7 @@ def run_link_cases(quick: bool, *, hidden: int = 4096) -> tuple[dict[str, Any], 
             ranks.close()
         net.close()
         results["wall_s"] = round(time.perf_counter() - t_start, 1)
+        results["loadavg_1min_end"] = round(os.getloadavg()[0], 2)
     return results, ratios
 
 
