@@ -1,7 +1,8 @@
 """1-bit compressed gradient averaging: the plain-torch core and its Lightning adapter, ``OneBitDDPStrategy``.
 
 - :mod:`~lightning_accel.comm.packing`: sign bits packed 8 per byte.
-- :mod:`~lightning_accel.comm.compress`: canonical group layout, per-block ``mean |x|`` scales, the torch compressor.
+- :mod:`~lightning_accel.comm.compress`: canonical group layout, per-block ``mean |x|`` scales, the torch
+  compressors (the reference and the buffer-reusing ``Compressor``).
 - :mod:`~lightning_accel.comm.allreduce`: the two-phase compressed allreduce with worker/server error feedback.
 - :mod:`~lightning_accel.comm.state` / :mod:`~lightning_accel.comm.hook`: the DDP comm hook and its ``__slots__`` state.
 - :mod:`~lightning_accel.comm.momentum`: the compressed-momentum optimizer step (SGD-momentum, Adam, AdamW).
@@ -19,7 +20,15 @@ from lightning_accel.comm.allreduce import (
     run_pipelined,
 )
 from lightning_accel.comm.auto import decide, measure
-from lightning_accel.comm.compress import BlockTable, GroupLayout, block_scales, compress_reference, decode
+from lightning_accel.comm.compress import (
+    BlockTable,
+    Compressor,
+    GroupLayout,
+    block_scales,
+    compress_fast,
+    compress_reference,
+    decode,
+)
 from lightning_accel.comm.hook import onebit_hook
 from lightning_accel.comm.momentum import MomentumCompressor, momentum_kind, plan_groups
 from lightning_accel.comm.packing import pack_signs, unpack_signs
@@ -40,6 +49,7 @@ __all__ = [
     "CommBackend",
     "CompressWhat",
     "Compression",
+    "Compressor",
     "GroupLayout",
     "GroupState",
     "MomentumCompressor",
@@ -48,6 +58,7 @@ __all__ = [
     "OneBitDDPStrategy",
     "OneBitState",
     "block_scales",
+    "compress_fast",
     "compress_reference",
     "decide",
     "decode",

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_accel.comm.allreduce import CompressFn, OneBitAllreduce, run_pipelined
-from lightning_accel.comm.compress import GroupLayout, compress_reference
+from lightning_accel.comm.compress import GroupLayout
 from lightning_accel.comm.state import OneBitState
 
 __all__ = ["MARGIN", "decide", "measure"]
@@ -64,11 +64,9 @@ def measure(
         else (None, None)
         for lay in layouts
     ]
-    compress: CompressFn = compress_reference
-    if device.type == "cuda":
-        from lightning_accel.comm.momentum import MomentumCompressor  # the same backend choice as the real step
+    from lightning_accel.comm.momentum import MomentumCompressor  # the same backend choice as the real step
 
-        compress = MomentumCompressor._compressor_for(device, state.backend)
+    compress: CompressFn = MomentumCompressor._compressor_for(device, state.backend)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def fp32() -> None:

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from lightning_accel._utils.triton import use_triton
 from lightning_accel.comm.allreduce import CompressFn, fp32_ring_bytes, onebit_allreduce
 from lightning_accel.comm.auto import decide
-from lightning_accel.comm.compress import GroupLayout, compress_reference
+from lightning_accel.comm.compress import GroupLayout, compress_fast, compress_reference
 from lightning_accel.comm.state import BACKENDS, GroupState, OneBitState
 
 __all__ = ["onebit_hook"]
@@ -140,7 +140,8 @@ def _compressor(state: OneBitState, device: torch.device) -> CompressFn:
         from lightning_accel.comm.triton_kernels import compress_triton
 
         return compress_triton
-    return compress_reference
+    # "reference" is the readable oracle; "auto" off CUDA gets the same results at ~10x the speed
+    return compress_reference if state.backend == "reference" else compress_fast
 
 
 def _loss_scale(state: OneBitState, device: torch.device) -> torch.Tensor | None:

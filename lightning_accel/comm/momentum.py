@@ -57,7 +57,7 @@ from torch.optim import SGD, Adam, AdamW, Optimizer
 
 from lightning_accel._utils.triton import use_triton
 from lightning_accel.comm.allreduce import CompressFn, OneBitAllreduce, fp32_ring_bytes, run_pipelined
-from lightning_accel.comm.compress import GroupLayout, compress_reference
+from lightning_accel.comm.compress import GroupLayout, compress_fast, compress_reference
 from lightning_accel.comm.state import BACKENDS, GroupState, OneBitState
 
 __all__ = ["MomentumCompressor", "momentum_kind", "plan_groups"]
@@ -241,7 +241,8 @@ class MomentumCompressor:
             from lightning_accel.comm.triton_kernels import compress_triton
 
             return compress_triton
-        return compress_reference
+        # "reference" is the readable oracle; otherwise the buffer-reusing CPU compressor (same bits, ~6x one add)
+        return compress_reference if backend == "reference" else compress_fast
 
     def _local_momentum(self, key: tuple[int, ...], layout: GroupLayout, entries: list[_Entry]) -> torch.Tensor:
         """Step 2 into the group's canonical buffer (reused between steps; zeros on padding)."""

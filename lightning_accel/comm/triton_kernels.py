@@ -69,6 +69,8 @@ def compress_triton(
     error: torch.Tensor | None,
     table: BlockTable,
     loss_scale: torch.Tensor | None = None,
+    *,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Same contract as :func:`~lightning_accel.comm.compress.compress_reference` over the whole group buffer.
 
@@ -77,13 +79,30 @@ def compress_triton(
         error: contiguous float32 error state of the same length, or None.
         table: the buffer's blocks (a whole group or one rank's chunk).
         loss_scale: 0-dim float32 tensor or None.
+        out: optional ``(packed uint8 (L/8,), scales float32 (num_blocks,), new_error float32 (L,) or None)``
+            buffers to write into instead of allocating (``new_error`` must not be ``error``; None without error
+            feedback); they are returned.
     """
     n = table.mask.numel()
     if grad.numel() != n or (error is not None and error.numel() != n):
         raise ValueError(f"`grad`/`error` must have {n} elements (the block table's length), got {grad.numel()}.")
-    packed = torch.empty(n // 8, dtype=torch.uint8, device=grad.device)
-    scales = torch.empty(table.num_blocks, dtype=torch.float32, device=grad.device)
-    new_error = torch.empty_like(error) if error is not None else None
+    if out is None:
+        packed = torch.empty(n // 8, dtype=torch.uint8, device=grad.device)
+        scales = torch.empty(table.num_blocks, dtype=torch.float32, device=grad.device)
+        new_error = torch.empty_like(error) if error is not None else None
+    else:
+        packed, scales, new_error = out
+        if (
+            packed.numel() != n // 8
+            or scales.numel() != table.num_blocks
+            or (error is not None and (new_error is None or new_error.numel() != n or new_error is error))
+        ):
+            raise ValueError(
+                f"`out` must be (packed of {n // 8} bytes, {table.num_blocks} scales, a new-error buffer of {n} "
+                "elements other than `error`, or None without error feedback)."
+            )
+        if error is None:
+            new_error = None
     block = triton.next_power_of_2(max(8, table.max_len))
     dummy = scales  # any tensor: the pointer is never read when the constexpr flag is off
     ls = loss_scale.to(device=grad.device, dtype=torch.float32).reshape(1) if loss_scale is not None else dummy

@@ -40,6 +40,12 @@ SCRIPT = textwrap.dedent(
                 torch.testing.assert_close(got[2], ref[2], rtol=1e-5, atol=1e-6)
             else:
                 assert got[2] is None
+            # into caller-owned buffers: the same values, the buffers returned
+            bufs = (torch.empty_like(got[0]), torch.empty_like(got[1]), torch.empty_like(g) if ef else None)
+            into = compress_triton(g, e, lay.table, ls, out=bufs)
+            assert into[0] is bufs[0] and into[1] is bufs[1] and into[2] is bufs[2]
+            assert torch.equal(into[0], got[0]) and torch.equal(into[1], got[1])
+            assert not ef or torch.equal(into[2], got[2])
             # one rank's chunk table (chunk-relative starts)
             c = lay.chunks[-1]
             gc = g[-lay.chunk_numel :].contiguous()
@@ -54,6 +60,13 @@ SCRIPT = textwrap.dedent(
     from lightning_accel.comm import OneBitState
     from lightning_accel.comm.hook import _compressor
     assert _compressor(OneBitState(backend="triton"), torch.device("cpu")) is compress_triton
+    try:
+        compress_triton(g, g.clone(), lay.table, out=(torch.empty(lay.padded_numel // 8, dtype=torch.uint8),
+                                                      torch.empty(lay.num_blocks), None))
+    except ValueError as err:
+        assert "`out`" in str(err)
+    else:
+        raise AssertionError("a missing new-error buffer was accepted")
     print("checked", checked)
     """
 )
