@@ -65,7 +65,7 @@ def _drift(s: dict[str, Any], eps: float, seed: int) -> dict[str, Any]:
 
 
 def _blobs(d: Path) -> set[str]:
-    return {p.name for p in (d / BLOB_DIR).rglob("*") if p.is_file()}
+    return {p.name for p in (d / BLOB_DIR).rglob("*") if p.is_file() and p.name != ".lock"}
 
 
 def _equal(a: Any, b: Any) -> bool:
@@ -129,9 +129,12 @@ def test_remove_collects_exactly_the_unreferenced_blobs(tmp_path: Path) -> None:
         assert _blobs(tmp_path) == store.live_keys(str(tmp_path))
     for i in (1, 4):
         assert _equal(store.load(tmp_path / f"{i}.ckpt"), states[i])
-    # A fresh process (no in-memory state) derives the same references from the manifests alone.
+    # A fresh process (no in-memory state) derives the same references from the manifests alone (once the first
+    # writer released the directory: one writer at a time).
+    store.close()
     fresh = DeltaStore()
     assert fresh.collect_garbage(tmp_path) == 0
+    fresh.close()
     store.remove(tmp_path / "1.ckpt")
     store.forget()
     store.remove(tmp_path / "4.ckpt")
@@ -234,6 +237,7 @@ def test_leftovers_of_a_killed_save_are_collected(tmp_path: Path) -> None:
     orphan.write_bytes(codec.encode_full(torch.zeros(10)))
     tmp = tmp_path / f".b.ckpt.{'0' * 32}.tmp"
     tmp.write_bytes(b"partial")
+    store.close()  # the next writer (a fresh process) collects it
     assert DeltaStore().collect_garbage(tmp_path) == 2
     assert not orphan.exists() and not tmp.exists()
     assert DeltaStore().verify(tmp_path / "a.ckpt")["ok"]
@@ -277,7 +281,7 @@ def test_s3_round_trip_remove_and_gc(s3_bucket: tuple[str, dict[str, Any]]) -> N
     store.remove(f"{root}/b.ckpt")
     assert _equal(DeltaStore(storage_options=opts).load(f"{root}/last.ckpt"), s1)
     fs = fsspec.filesystem("s3", skip_instance_cache=True, **opts)
-    stored = {p.rsplit("/", 1)[1] for p in fs.find(f"{bucket}/run/ckpt/{BLOB_DIR}")}
+    stored = {p.rsplit("/", 1)[1] for p in fs.find(f"{bucket}/run/ckpt/{BLOB_DIR}")} - {".lock"}
     assert stored == store.live_keys(root)
     assert ckpt_main(["verify", f"{root}/last.ckpt", "--storage-options", json.dumps(opts)]) == 0
 
@@ -291,5 +295,6 @@ def test_pickles_without_chain_state_locks_or_filesystems(tmp_path: Path) -> Non
     copy = pickle.loads(pickle.dumps(store))
     assert copy.full_every == 3 and copy.live_keys(str(tmp_path)) == store.live_keys(str(tmp_path))
     assert _equal(copy.load(tmp_path / "a.ckpt"), s0)
+    store.close()  # one writer at a time: the copy writes next
     stats = copy.save(_drift(s0, 1e-3, 0), tmp_path / "b.ckpt")
     assert stats.tensors_delta == 0  # the copy saw no earlier save: full snapshots, never deltas against them
