@@ -5,16 +5,16 @@ Two runs saving into one directory corrupt it (each collects the blobs the other
 a directory (only global rank 0 saves, so in DDP rank 0 holds it) and keeps it until ``close()`` (the plugin's
 ``teardown``). Readers (loads, ``ckpt verify|export``) never lock.
 
-- **Local directories**: ``fcntl.flock`` on ``<dir>/.delta_blobs/.lock``, whose content names the holder (pid, host, start
-  time). The kernel drops the lock when the holder's process dies (SIGKILL included), so a stale lock file is simply
-  taken over; the previous holder's record is reported in :attr:`DirectoryLock.took_over`. Works on NFS through
-  Linux's ``flock``-over-``fcntl`` emulation.
-- **Object stores** (``s3://``...): a *lease* object ``<dir>/.delta_blobs/.lock`` (JSON: owner id, pid, host, expiry). It is
-  created with a conditional PUT (``If-None-Match: *``: the store refuses it when the object exists), renewed every
-  ``lease_s / 3`` by a heartbeat thread with ``If-Match: <etag>`` (so a holder that lost its lease finds out instead
-  of overwriting its successor's), and deleted on release. A lease not renewed for ``lease_s`` (the holder was
-  killed) is taken over with ``If-Match`` on the stale object's etag, so two takers cannot both win; a lease whose
-  holder ran on this host and whose process is gone is stale at once. Checked with
+- **Local directories**: ``fcntl.flock`` on ``<dir>/.delta_blobs/.lock``, whose content names the holder (pid,
+  host, start time). The kernel drops the lock when the holder's process dies (SIGKILL included), so a stale lock
+  file is simply taken over; the previous holder's record is reported in :attr:`DirectoryLock.took_over`. Works on
+  NFS through Linux's ``flock``-over-``fcntl`` emulation.
+- **Object stores** (``s3://``...): a *lease* object ``<dir>/.delta_blobs/.lock`` (JSON: owner id, pid, host,
+  expiry). It is created with a conditional PUT (``If-None-Match: *``: the store refuses it when the object
+  exists), renewed every ``lease_s / 3`` by a heartbeat thread with ``If-Match: <etag>`` (so a holder that lost its
+  lease finds out instead of overwriting its successor's), and deleted on release. A lease not renewed for
+  ``lease_s`` (the holder was killed) is taken over with ``If-Match`` on the stale object's etag, so two takers
+  cannot both win; a lease whose holder ran on this host and whose process is gone is stale at once. Checked with
   s3fs + moto; AWS S3 supports both conditions since 2024. A store that rejects the conditions falls back to
   read-check-write (a race window of one round trip, documented) — see :attr:`DirectoryLock.atomic`.
   Expiry compares wall clocks of different hosts: keep ``lease_s`` far above their skew.
