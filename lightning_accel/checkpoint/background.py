@@ -121,9 +121,11 @@ class BackgroundWriter:
     Args:
         name: the worker thread's name.
         max_pending: most bounded jobs (saves) queued or running at once (>= 1).
+        nice: CPU priority increment of the worker thread (0: the caller's priority). On a machine shared with other
+            processes a niced worker gets little CPU, so a caller waiting for a slot waits longer.
     """
 
-    def __init__(self, name: str = "delta-checkpoint", *, max_pending: int = 2) -> None:
+    def __init__(self, name: str = "delta-checkpoint", *, max_pending: int = 2, nice: int = 10) -> None:
         if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
             raise ValueError(
                 f"`max_pending` must be an integer >= 1 (saves in flight at once), got {max_pending!r}. "
@@ -131,11 +133,13 @@ class BackgroundWriter:
             )
         self._name = name
         self.max_pending = max_pending
+        self.nice = nice
         self._jobs: PerProcess[_Jobs] = PerProcess(_Jobs)
 
     # ---- worker ------------------------------------------------------------------------------------------------
     def _run(self, jobs: _Jobs) -> None:
-        _lower_thread_priority()
+        if self.nice:
+            _lower_thread_priority(self.nice)
         while True:
             with jobs.cond:
                 while True:
