@@ -91,8 +91,12 @@ class NotADeltaCheckpointError(ValueError):
 
 
 def is_manifest_bytes(head: bytes) -> bool:
-    """True when ``head`` (the first bytes of a file) starts like a delta checkpoint manifest."""
-    return head.startswith(_MANIFEST_PREFIX)
+    """True when ``head`` (the first ~100 bytes of a file) starts like a delta checkpoint manifest: as the store
+    writes it, or re-serialised with whitespace (a manifest pretty-printed by hand is still one)."""
+    if head.startswith(_MANIFEST_PREFIX):
+        return True
+    compact = b"".join(head.split())
+    return compact.startswith(_MANIFEST_PREFIX[: len(compact)]) and len(compact) >= len(_MANIFEST_PREFIX)
 
 
 def _blob_key(data: bytes) -> str:
@@ -354,7 +358,7 @@ class DeltaStore:
                 "path; choose another `dirpath`/`filename` or remove the directory."
             )
         try:
-            head = self.fs.head(path, len(_MANIFEST_PREFIX))
+            head = self.fs.head(path, 128)
         except FileNotFoundError:  # a dangling symlink: replacing it is harmless
             return False
         if not is_manifest_bytes(head):
@@ -564,7 +568,7 @@ class DeltaStore:
         if self.fs.isdir(p):
             raise NotADeltaCheckpointError(_is_a_directory(self.fs, p))
         # The head first: a plain `torch.save` file of gigabytes is not downloaded just to be told apart.
-        head = self.fs.head(p, 64)
+        head = self.fs.head(p, 128)
         if not is_manifest_bytes(head):
             if _damaged_manifest_head(head):
                 raise CheckpointCorruptError(
@@ -851,7 +855,7 @@ class DeltaStore:
             if local and os.path.islink(p):
                 os.unlink(p)
                 return self.collect_garbage(directory)
-            if self.fs.isdir(p) or not is_manifest_bytes(self.fs.head(p, len(_MANIFEST_PREFIX))):
+            if self.fs.isdir(p) or not is_manifest_bytes(self.fs.head(p, 128)):
                 raise NotADeltaCheckpointError(
                     f"Refusing to remove {p!r}: it is not a delta checkpoint manifest written by DeltaCheckpointIO."
                 )
@@ -879,7 +883,10 @@ class DeltaStore:
         for name in self.fs.list_files(directory):
             url = safe_join(directory, name)
             try:
-                if not is_manifest_bytes(self.fs.head(url, len(_MANIFEST_PREFIX))):
+                head = self.fs.head(url, 128)
+                if not is_manifest_bytes(head):
+                    if _damaged_manifest_head(head):
+                        raise ValueError(f"its header reads {head[:40]!r}")
                     continue
                 m = json.loads(self.fs.read(url))
                 keys.add(m["skeleton"])
@@ -914,7 +921,11 @@ class DeltaStore:
         directory = _norm_dir(directory)
         with self._lock:
             self._writable(directory)
-            live = self.live_keys(directory)
+            try:
+                live = self.live_keys(directory)
+            except CheckpointCorruptError as e:  # keep everything; saves go on (their manifests are intact)
+                warnings.warn(str(e), UserWarning, stacklevel=2)
+                return 0
             blob_root = safe_join(directory, BLOB_DIR)
             deleted = 0
             for rel in self.fs.find(blob_root):
