@@ -88,7 +88,7 @@ class DeltaCheckpointIO(CheckpointIO):
         delta_ref: Literal["base", "previous"] = "base",
         max_chain: int = 8,
         full_every: int = 16,
-        rebase_ratio: float = 0.95,
+        rebase_ratio: float = 0.8,
         rebase_dead_fraction: float = 1.0,
         redundancy: int = 1,
         inline_bytes: int = 1024,

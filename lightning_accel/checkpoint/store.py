@@ -215,7 +215,7 @@ class DeltaStore:
         delta_ref: Literal["base", "previous"] = "base",
         max_chain: int = 8,
         full_every: int = 16,
-        rebase_ratio: float = 0.95,
+        rebase_ratio: float = 0.8,
         rebase_dead_fraction: float = 1.0,
         redundancy: int = 1,
         inline_bytes: int = 1024,
@@ -264,7 +264,7 @@ class DeltaStore:
         _check_fraction(
             "rebase_ratio",
             rebase_ratio,
-            "Default 0.95: a delta must save at least 5 % of its base; a value > 1 never re-bases on size.",
+            "Default 0.8: a delta must save at least 20 % of its base; a value > 1 never re-bases on size.",
             hi=100.0,
         )
         _check_fraction(

@@ -298,3 +298,60 @@ def test_pickles_without_chain_state_locks_or_filesystems(tmp_path: Path) -> Non
     store.close()  # one writer at a time: the copy writes next
     stats = copy.save(_drift(s0, 1e-3, 0), tmp_path / "b.ckpt")
     assert stats.tensors_delta == 0  # the copy saw no earlier save: full snapshots, never deltas against them
+
+
+def test_redundancy_keeps_a_chain_alive_when_its_base_blob_is_lost(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    s0 = _state(0)
+    s1 = _drift(s0, 1e-4, 0)
+    for redundancy in (1, 2):
+        d = tmp_path / f"r{redundancy}"
+        store = DeltaStore(redundancy=redundancy)
+        store.save(s0, d / "a.ckpt")
+        store.save(s1, d / "b.ckpt")
+        store.close()
+        meta = json.loads((d / "b.ckpt").read_text())["tensors"]["state_dict/w"]
+        assert len(meta["chain"]) == 2 and meta.get("copy", False) is (redundancy == 2)
+        base = d / BLOB_DIR / meta["chain"][0][:2] / meta["chain"][0]
+        base.unlink()  # one lost blob, shared by both checkpoints of the chain
+        if redundancy == 1:
+            with pytest.raises(CheckpointCorruptError, match=r"tensor `state_dict/w`.*is missing.*redundancy=2"):
+                DeltaStore().load(d / "b.ckpt")
+            continue
+        with pytest.warns(UserWarning, match="restored from its second copy"):
+            assert _equal(DeltaStore().load(d / "b.ckpt"), s1)
+        assert ckpt_main(["verify", "--repair", str(d / "a.ckpt")]) == 0
+        assert json.loads(capsys.readouterr().out)["repaired"] == [meta["chain"][0]]
+        assert base.exists()
+        data = bytearray(base.read_bytes())
+        data[-5] ^= 0xFF  # now damage it in place: the checksum fails, the copy is used
+        base.write_bytes(bytes(data))
+        with pytest.warns(UserWarning, match="restored from its second copy"):
+            assert _equal(DeltaStore().load(d / "b.ckpt"), s1)
+        store.remove(d / "a.ckpt")
+        store.forget()  # no chain state left to delta against: the last removal frees everything
+        store.remove(d / "b.ckpt")
+        assert _blobs(d) == set()  # copies are collected with their blobs
+        store.close()
+
+
+def test_a_dead_base_is_rebased_and_then_collected(tmp_path: Path) -> None:
+    store = DeltaStore(rebase_dead_fraction=0.3, rebase_ratio=10.0)
+    s = _state(0)
+    store.save(s, tmp_path / "a.ckpt")
+    s = _drift(s, 1e-3, 1)
+    assert store.save(s, tmp_path / "b.ckpt").tensors_delta > 0
+    store.remove(tmp_path / "a.ckpt")  # b's deltas now keep a's full snapshots alive, and nothing else uses them
+    s = _drift(s, 1e-3, 2)
+    stats = store.save(s, tmp_path / "c.ckpt")
+    assert stats.tensors_rebased > 0 and stats.tensors_rebased == stats.tensors_full
+    before = len(_blobs(tmp_path))
+    store.remove(tmp_path / "b.ckpt")
+    assert len(_blobs(tmp_path)) < before - stats.tensors_rebased  # the dead bases went with b
+    assert _equal(store.load(tmp_path / "c.ckpt"), s)
+    off = DeltaStore(rebase_ratio=10.0)  # the default (1.0) never re-bases for dead bytes
+    off.save(_state(0), tmp_path / "o" / "a.ckpt")
+    off.save(_drift(_state(0), 1e-3, 1), tmp_path / "o" / "b.ckpt")
+    off.remove(tmp_path / "o" / "a.ckpt")
+    assert off.save(_drift(_state(0), 1e-3, 2), tmp_path / "o" / "c.ckpt").tensors_rebased == 0
