@@ -119,6 +119,7 @@ class DeltaCheckpointIO(CheckpointIO):
             lock=lock,
         )
         self._writer = BackgroundWriter(max_pending=max_pending)
+        self.max_pending = max_pending
         # Per-save statistics (bytes and blobs written, tensors unchanged / delta / full), newest last.
         self.history: deque[SaveStats] = deque(maxlen=10_000)
 
