@@ -286,7 +286,11 @@ def every_step_pressure(setup: Setup) -> dict[str, Any]:
     cb = ModelCheckpoint(
         dirpath=root / "ckpt", every_n_train_steps=1, save_top_k=2, save_last=True, monitor="step", mode="max"
     )
-    trainer = setup.trainer(root, io, [cb], max_epochs=1)
+    epochs, setup.epochs = setup.epochs, 1
+    try:
+        trainer = setup.trainer(root, io, [cb])
+    finally:
+        setup.epochs = epochs
     t0 = time.perf_counter()
     trainer.fit(setup.model("full"), *setup.loaders())
     st = io.writer_stats

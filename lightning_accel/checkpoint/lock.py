@@ -251,8 +251,9 @@ class DirectoryLock:
             if found is None:
                 continue  # released meanwhile: try to create it again
             holder, etag = found
-            expires = holder.get("expires")
-            live = isinstance(expires, (int, float)) and expires > time.time() and not _dead_here(holder)
+            raw = holder.get("expires")
+            expires = float(raw) if isinstance(raw, (int, float)) else 0.0
+            live = expires > time.time() and not _dead_here(holder)
             if holder.get("owner") != self.owner and live:
                 left = f" (its lease expires in {expires - time.time():.0f} s unless renewed)"
                 raise self._locked_error(holder, left)
