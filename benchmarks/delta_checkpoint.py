@@ -14,7 +14,10 @@ Per run: bytes written by the saves, bytes on disk at the end, mean and median t
 mean load time of every remaining checkpoint (timed alternately across runs), and for the full runs the validation
 accuracy after resuming from the oldest remaining top-k checkpoint and training to the end.
 ``lossless_roundtrip_exact``: every remaining lossless checkpoint restores bitwise-equal tensors to what the training
-loop handed to ``save_checkpoint``.
+loop handed to ``save_checkpoint``. ``disk_end_vs_torch_lossless``: bytes left on disk at the end of the lossless run
+over those of the torch run (top-k + last). ``pending_peak``: one more lossless run with ``async_save=True`` and
+``ModelCheckpoint(every_n_train_steps=1, save_top_k=2, save_last=True)``: the most saves that were queued or running
+at once (``max_pending`` bounds it), with the stalls and coalesced saves it took in ``results``.
 
 Note: with ``save_last=True`` Lightning writes every step twice (``step=...ckpt`` and ``last.ckpt``); the delta store
 writes the second copy as references only, which is part of the measured win. ``results`` also give the bytes per
@@ -275,18 +278,51 @@ def resume_accuracy(setup: Setup, name: str, io: Any) -> None:
     run["resume_val_acc"] = float(trainer.validate(model, setup.loaders()[1], verbose=False)[0]["val_acc"])
 
 
-def delta_numbers(runs: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], dict[str, float]]:
+def every_step_pressure(setup: Setup) -> dict[str, Any]:
+    """Case: async saves at every training step (two per step with ``save_last``), one epoch: how many saves were in
+    flight at most, how often and how long the loop waited for a slot, how many saves coalesced."""
+    root = setup.workdir / "every_step"
+    io = DeltaCheckpointIO(async_save=True)
+    cb = ModelCheckpoint(
+        dirpath=root / "ckpt", every_n_train_steps=1, save_top_k=2, save_last=True, monitor="step", mode="max"
+    )
+    epochs, setup.epochs = setup.epochs, 1
+    try:
+        trainer = setup.trainer(root, io, [cb])
+    finally:
+        setup.epochs = epochs
+    t0 = time.perf_counter()
+    trainer.fit(setup.model("full"), *setup.loaders())
+    st = io.writer_stats
+    return {
+        "max_pending": io.max_pending,
+        "saves_submitted": st.submitted,
+        "pending_peak": st.pending_peak,
+        "stalls": st.stalls,
+        "stall_s": st.stall_s,
+        "coalesced": st.coalesced,
+        "fit_s": time.perf_counter() - t0,
+        "last_loads": bool(io.load_checkpoint(root / "ckpt" / "last.ckpt")["global_step"] == trainer.global_step),
+    }
+
+
+def delta_numbers(
+    runs: dict[str, dict[str, Any]], pressure: dict[str, Any] | None = None
+) -> tuple[dict[str, Any], dict[str, float]]:
     """``results`` (every run, without its file list) and the published ratios against ``TorchCheckpointIO``."""
     t, lo, q, ft, fl = (runs[n] for n in ("torch", "lossless", "quantized", "frozen_torch", "frozen_lossless"))
     results: dict[str, Any] = {n: {k: v for k, v in r.items() if k != "remaining"} for n, r in runs.items()}
     for r in results.values():
         r["bytes_written_per_save"] = r["bytes_written"] / max(1, r["saves"])
     results["lossless_roundtrip_exact"] = bool(lo["roundtrip_exact"] and fl["roundtrip_exact"])
+    if pressure is not None:
+        results["every_step"] = pressure
     ratios = {
         "lossless_bytes_vs_torch": ratio(lo["bytes_written"], t["bytes_written"]),
         "frozen_bytes_vs_torch": ratio(fl["bytes_written"], ft["bytes_written"]),
         "quantized_bytes_vs_torch": ratio(q["bytes_written"], t["bytes_written"]),
         "lossless_disk_vs_torch": ratio(lo["bytes_on_disk"], t["bytes_on_disk"]),
+        "disk_end_vs_torch_lossless": ratio(lo["bytes_on_disk"], t["bytes_on_disk"]),
         "quantized_disk_vs_torch": ratio(q["bytes_on_disk"], t["bytes_on_disk"]),
         # Median per-save stall: one save that another tenant of a shared machine delays would dominate a mean of
         # 5-10 saves; the mean ratio is reported next to it.
@@ -295,6 +331,8 @@ def delta_numbers(runs: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], dict
         "load_vs_torch": ratio(lo["mean_load_s"], t["mean_load_s"]),
         "quantized_resume_acc_minus_torch": round(q["resume_val_acc"] - t["resume_val_acc"], 4),
     }
+    if pressure is not None:
+        ratios["pending_peak"] = pressure["pending_peak"]
     return results, ratios
 
 
@@ -319,7 +357,8 @@ def main() -> None:
         load_times(setup, repeats=3 if args.quick else 5)
         resume_accuracy(setup, "torch", CountingTorchIO())
         resume_accuracy(setup, "quantized", DeltaCheckpointIO())
-        results, ratios = delta_numbers(setup.runs)
+        pressure = every_step_pressure(setup)
+        results, ratios = delta_numbers(setup.runs, pressure)
         config = {
             "model": f"ImageClassifier(width={setup.width}) + AdamW",
             "data": f"digits {setup.size}px, {len(setup.train_set)} train / {len(setup.val_set)} val",
@@ -337,7 +376,7 @@ def main() -> None:
             results=results,
             ratios=ratios,
             out=args.out,
-            chart={k: v for k, v in ratios.items() if not k.startswith("quantized_resume")},
+            chart={k: v for k, v in ratios.items() if not k.startswith("quantized_resume") and k != "pending_peak"},
             chart_title="delta checkpoints: ours / TorchCheckpointIO",
         )
     finally:

@@ -99,7 +99,13 @@ class AccelCLI(LightningCLI):
         if config.get("logger") in (None, True):
             kwargs["logger"] = default_loggers(config.get("default_root_dir"))
         kwargs.update(resolve_trainer_kwargs(config, self.model))
-        return super().instantiate_trainer(**kwargs)
+        trainer = super().instantiate_trainer(**kwargs)
+        # `--ckpt_path last` on an object store: Lightning does not find it (it drops the `s3://`); resolved here.
+        if self.subcommand and sub.get("ckpt_path") == "last":
+            from lightning_accel.checkpoint.callbacks import resolve_ckpt_path
+
+            sub["ckpt_path"] = resolve_ckpt_path(trainer, "last")
+        return trainer
 
 
 def _is_delta_manifest(path: str) -> bool:

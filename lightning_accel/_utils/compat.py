@@ -62,6 +62,7 @@ __all__ = [
     "pin_memory",
     "record_cuda_memory_history",
     "scheduler_last_lr",
+    "set_checkpoint_filesystem",
     "set_child_modules",
     "set_compiled_call_impl",
     "set_ddp_runtime_logging_sample_rate",
@@ -121,6 +122,19 @@ def set_launcher(strategy: Strategy, launcher: Any) -> None:
     ``Strategy.launcher`` is a read-only property over ``_launcher`` (since Lightning 2.0; checked 2.4.0-2.6.6).
     """
     strategy._launcher = launcher
+
+
+# -- Lightning: ModelCheckpoint's filesystem -------------------------------------------------------------------------
+
+
+def set_checkpoint_filesystem(callback: Any, fs: Any) -> None:
+    """Make ``fs`` the fsspec filesystem a ``ModelCheckpoint`` lists, checks and writes its dirpath with.
+
+    ``ModelCheckpoint`` builds ``_fs`` with ``get_filesystem(dirpath)`` and no storage options, in ``__init__`` and
+    again in ``setup`` (attribute since Lightning 1.x; checked 2.4.0-2.6.6); there is no public way to give it options
+    (a custom S3 endpoint, credentials), so ``DeltaModelCheckpoint`` sets it after ``setup``.
+    """
+    callback._fs = fs
 
 
 # -- Lightning: LightningCLI's hyper-parameter format ----------------------------------------------------------------

@@ -5,14 +5,18 @@ Core (no Lightning import): :mod:`~lightning_accel.checkpoint.codec` (tensor cod
 (manifests, chains, garbage collection), :mod:`~lightning_accel.checkpoint.background` (async saving),
 :mod:`~lightning_accel.checkpoint.reader` (:func:`read_checkpoint`: the one reader of delta manifests and plain
 ``torch.save`` files, used by everything that opens a checkpoint).
-Adapter: :class:`DeltaCheckpointIO` (``plugin.py``).
+:mod:`~lightning_accel.checkpoint.lock` (one writer per directory).
+Adapters: :class:`DeltaCheckpointIO` (``plugin.py``); :class:`DeltaModelCheckpoint` and :func:`resolve_ckpt_path`
+(``callbacks.py``: ``ModelCheckpoint`` with the plugin's storage options, ``ckpt_path="last"`` on object stores).
 Command line: ``python -m lightning_accel.checkpoint verify|export ...``.
 """
 
 from __future__ import annotations
 
+from lightning_accel.checkpoint.callbacks import DeltaModelCheckpoint, resolve_ckpt_path
+from lightning_accel.checkpoint.lock import CheckpointDirectoryLockedError
 from lightning_accel.checkpoint.plugin import DeltaCheckpointIO
-from lightning_accel.checkpoint.reader import read_checkpoint
+from lightning_accel.checkpoint.reader import read_checkpoint, resolve_last
 from lightning_accel.checkpoint.store import (
     CheckpointCorruptError,
     DeltaStore,
@@ -22,9 +26,13 @@ from lightning_accel.checkpoint.store import (
 
 __all__ = [
     "CheckpointCorruptError",
+    "CheckpointDirectoryLockedError",
     "DeltaCheckpointIO",
+    "DeltaModelCheckpoint",
     "DeltaStore",
     "NotADeltaCheckpointError",
     "SaveStats",
     "read_checkpoint",
+    "resolve_ckpt_path",
+    "resolve_last",
 ]

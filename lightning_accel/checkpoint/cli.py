@@ -1,8 +1,10 @@
 """The checkpoint command: ``python -m lightning_accel.checkpoint verify|export`` (``lightning-accel ckpt ...``).
 
-- ``verify PATH [PATH ...] [--storage-options JSON]``: restore every tensor with all checksums; print a JSON summary
-  per checkpoint; exit 1 if any checkpoint is damaged (the message names the checkpoint and the tensor). A plain
-  ``torch.save`` file is verified by reading it safely (``weights_only=True``).
+- ``verify PATH [PATH ...] [--repair] [--storage-options JSON]``: restore every tensor with all checksums; print a
+  JSON summary per checkpoint (``{"ok": false, "error": ...}`` for a damaged one, never a traceback); exit 1 if any
+  checkpoint is damaged (the message names the checkpoint and the tensor). ``--repair`` rewrites damaged base blobs
+  from their second copy (``redundancy=2``). A plain ``torch.save`` file is verified by reading it safely
+  (``weights_only=True``).
 - ``export PATH OUT [--storage-options JSON]``: write a plain ``torch.save`` checkpoint that ``torch.load`` and
   Lightning's ``TorchCheckpointIO`` open.
 
@@ -28,7 +30,7 @@ from lightning_accel.checkpoint.store import CheckpointCorruptError, DeltaStore,
 __all__ = ["main"]
 
 # What a damaged, foreign or missing checkpoint raises: reported in one line, exit code 1.
-_CHECKPOINT_ERRORS = (CheckpointCorruptError, NotADeltaCheckpointError, FileNotFoundError, pickle.UnpicklingError)
+_CHECKPOINT_ERRORS = (CheckpointCorruptError, NotADeltaCheckpointError, OSError, pickle.UnpicklingError)
 
 
 def _parser(prog: str) -> argparse.ArgumentParser:
@@ -36,6 +38,9 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     v = sub.add_parser("verify", help="restore every tensor with all checksums")
     v.add_argument("paths", nargs="+", help="checkpoint paths or URLs (delta manifests or torch.save files)")
+    v.add_argument(
+        "--repair", action="store_true", help="rewrite damaged base blobs from their second copy (redundancy=2)"
+    )
     e = sub.add_parser("export", help="write a plain torch.save checkpoint")
     e.add_argument("path", help="checkpoint path or URL (a delta manifest or a torch.save file)")
     e.add_argument("out", help="output file (path or URL)")
@@ -57,15 +62,15 @@ def main(argv: list[str] | None = None, prog: str = "python -m lightning_accel.c
     if args.command == "verify":
         for path in args.paths:
             try:
-                print(json.dumps(_verify(store, path)))
-            except _CHECKPOINT_ERRORS as e:
+                print(json.dumps(_verify(store, path, args.repair)))
+            except Exception as e:  # noqa: BLE001 - verify reports every failure as its JSON line, never a traceback
                 failed = True
-                print(json.dumps({"path": path, "ok": False, "error": str(e)}))
+                print(json.dumps({"path": path, "ok": False, "error": _one_line(e)}))
         return 1 if failed else 0
     try:
         ckpt = read_checkpoint_with(store, args.path)
-    except _CHECKPOINT_ERRORS as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 - one line, exit code 1
+        print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
         return 1
     buf = io.BytesIO()
     torch.save(ckpt, buf)
@@ -74,11 +79,17 @@ def main(argv: list[str] | None = None, prog: str = "python -m lightning_accel.c
     return 0
 
 
-def _verify(store: DeltaStore, path: str) -> dict[str, Any]:
+def _one_line(error: BaseException) -> str:
+    """The error as one line; types other than the checkpoint errors are named (they are unexpected)."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    return text if isinstance(error, _CHECKPOINT_ERRORS) else f"{type(error).__name__}: {text}"
+
+
+def _verify(store: DeltaStore, path: str, repair: bool = False) -> dict[str, Any]:
     """A delta checkpoint: every blob re-hashed and every tensor restored (``DeltaStore.verify``). A plain file:
     read with ``weights_only=True`` and summarised."""
     try:
-        return store.verify(path)
+        return store.verify(path, repair=repair)
     except NotADeltaCheckpointError:
         ckpt = read_checkpoint_with(store, path)  # raises the reader's one-line error when it is neither kind
     tensors = 0

@@ -6,7 +6,8 @@ Use it like any ``CheckpointIO``::
 
 It composes with Lightning's own ``AsyncCheckpointIO(DeltaCheckpointIO())`` too, but the built-in ``async_save=True``
 is preferred: it queues ``remove_checkpoint`` behind the saves (Lightning's wrapper runs removals on the caller's
-thread, so a removal can overtake a queued save) and only snapshots tensors to the CPU on the training thread.
+thread, so a removal can overtake a queued save), bounds the saves in flight (``max_pending``) and only snapshots
+tensors to the CPU on the training thread.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from lightning.fabric.plugins import CheckpointIO
 from typing_extensions import override
 
 from lightning_accel._utils.compat import PathType
-from lightning_accel.checkpoint.background import BackgroundWriter, snapshot
+from lightning_accel.checkpoint.background import BackgroundWriter, WriterStats, snapshot
 from lightning_accel.checkpoint.reader import read_checkpoint_with
 from lightning_accel.checkpoint.store import DeltaStore, SaveStats
 
@@ -35,7 +36,8 @@ class DeltaCheckpointIO(CheckpointIO):
     ``remove_checkpoint`` deletes the manifest and the blobs no remaining manifest needs. Loading never unpickles
     arbitrary objects. See ``docs/checkpoint.md``.
 
-    Every argument is keyword-only. Apart from ``async_save`` they are
+    Every argument is keyword-only and validated here, in ``__init__`` (one line naming the argument, the value, the
+    range and the fix). Apart from ``async_save`` and ``max_pending`` they are
     :class:`~lightning_accel.checkpoint.store.DeltaStore`'s, forwarded unchanged (the store validates them and
     documents them in full).
 
@@ -43,6 +45,11 @@ class DeltaCheckpointIO(CheckpointIO):
         async_save: **Saving.** Snapshot tensors to CPU on the training thread, then encode and write in a
             background thread; removals are queued behind saves; ``teardown`` waits; a background error is raised
             at the next save, removal, load or at ``teardown``.
+        max_pending: most saves queued or running at once with ``async_save`` (default 2: one writing while the
+            next snapshot waits). A save beyond it first replaces a queued save of the same path (``last.ckpt``),
+            else waits for a slot (counted in :attr:`writer_stats`). Memory stays at most ``max_pending`` CPU
+            copies of the checkpoint, ``teardown`` waits for at most that many saves, and a killed process loses at
+            most those.
         storage_options: **Storage.** fsspec options for ``s3://`` and other remote checkpoint directories.
         quantize: **Lossy deltas (opt-in).** ``None`` (lossless), ``"int8"`` or ``"int4"`` quantized deltas (full
             snapshots stay lossless).
@@ -54,10 +61,16 @@ class DeltaCheckpointIO(CheckpointIO):
         max_chain: most blobs one tensor's restore may read (``delta_ref="previous"``).
         full_every: restart a tensor's chain with a full snapshot after this many deltas.
         rebase_ratio: write a full snapshot instead of a delta at least this fraction of the base's size.
+        rebase_dead_fraction: write a full snapshot instead of a delta when the tensor's base belongs to no live
+            checkpoint any more and is more than this fraction of the bytes its live chains keep (1.0: never).
+        redundancy: **Safety.** ``2`` keeps a second copy of every base (full) blob, so one lost or damaged base
+            blob does not take its chain; ``ckpt verify --repair`` rewrites it from the copy.
         inline_bytes: **Encoding.** Tensors smaller than this go into the skeleton blob instead of blobs of their own.
         zstd_level: zstd compression level.
         zstd_threads: zstd worker threads per blob (0: single-threaded; -1: one per core).
         io_threads: threads that encode/decode tensors in parallel.
+        lock: take the directory's writer lock at the first save (refuses a second writer; see
+            :mod:`~lightning_accel.checkpoint.lock`). Disable only on filesystems without ``flock``.
     """
 
     # Explicit keyword-only arguments rather than `**store_kwargs`: LightningCLI (jsonargparse) builds the
@@ -67,6 +80,7 @@ class DeltaCheckpointIO(CheckpointIO):
         self,
         *,
         async_save: bool = False,
+        max_pending: int = 2,
         storage_options: dict[str, Any] | None = None,
         quantize: Literal["int8", "int4"] | None = None,
         quantize_groups: Literal["optimizer", "all"] | Sequence[str] = "optimizer",
@@ -74,11 +88,14 @@ class DeltaCheckpointIO(CheckpointIO):
         delta_ref: Literal["base", "previous"] = "base",
         max_chain: int = 8,
         full_every: int = 16,
-        rebase_ratio: float = 0.95,
+        rebase_ratio: float = 0.8,
+        rebase_dead_fraction: float = 1.0,
+        redundancy: int = 1,
         inline_bytes: int = 1024,
         zstd_level: int = 3,
         zstd_threads: int = 0,
         io_threads: int = 2,
+        lock: bool = True,
     ) -> None:
         super().__init__()
         if not isinstance(async_save, bool):
@@ -93,12 +110,16 @@ class DeltaCheckpointIO(CheckpointIO):
             max_chain=max_chain,
             full_every=full_every,
             rebase_ratio=rebase_ratio,
+            rebase_dead_fraction=rebase_dead_fraction,
+            redundancy=redundancy,
             inline_bytes=inline_bytes,
             zstd_level=zstd_level,
             zstd_threads=zstd_threads,
             io_threads=io_threads,
+            lock=lock,
         )
-        self._writer = BackgroundWriter()
+        self._writer = BackgroundWriter(max_pending=max_pending)
+        self.max_pending = max_pending
         # Per-save statistics (bytes and blobs written, tensors unchanged / delta / full), newest last.
         self.history: deque[SaveStats] = deque(maxlen=10_000)
 
@@ -117,7 +138,7 @@ class DeltaCheckpointIO(CheckpointIO):
             )
         path_s = os.fspath(path)
         if self.async_save:
-            self._writer.submit(self._save_now, snapshot(checkpoint), path_s)
+            self._writer.submit(self._save_now, snapshot(checkpoint), path_s, key=path_s, bounded=True)
         else:
             self._writer.wait()
             self._save_now(checkpoint, path_s)
@@ -145,7 +166,7 @@ class DeltaCheckpointIO(CheckpointIO):
     def remove_checkpoint(self, path: PathType) -> None:
         """Remove the manifest at ``path`` and the blobs nothing else references (queued in async mode)."""
         if self.async_save:
-            self._writer.submit(self.store.remove, os.fspath(path))
+            self._writer.submit(self.store.remove, os.fspath(path), key=os.fspath(path))
         else:
             self._writer.wait()
             self.store.remove(os.fspath(path))
@@ -154,7 +175,22 @@ class DeltaCheckpointIO(CheckpointIO):
         """Block until queued saves and removals are done; raise the first background error."""
         self._writer.wait()
 
+    @property
+    def storage_options(self) -> dict[str, Any]:
+        """The fsspec options every save, load and removal uses (share them with ``ModelCheckpoint`` through
+        :class:`~lightning_accel.checkpoint.callback.DeltaModelCheckpoint`)."""
+        return self.store.fs.storage_options
+
+    @property
+    def writer_stats(self) -> WriterStats:
+        """Async saves so far: submitted, coalesced, stalls (waits for a slot) and their seconds, peak pending."""
+        return self._writer.stats
+
     @override
     def teardown(self) -> None:
-        """Wait for queued saves and removals; raise a background error rather than lose it."""
-        self._writer.close()
+        """Wait for the saves in flight (at most ``max_pending``) and queued removals, then release the directory's
+        writer lock; raise a background error rather than lose it."""
+        try:
+            self._writer.close()
+        finally:
+            self.store.close()

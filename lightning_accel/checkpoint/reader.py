@@ -16,16 +16,25 @@ Local paths and any fsspec URL work (``storage_options`` as everywhere in the pa
 from __future__ import annotations
 
 import io
+import json
 import os
 import pickle
-from typing import Any
+import re
+from typing import Any, Literal, overload
 
 import torch
 
 from lightning_accel._utils.atomic import is_local_url, strip_file_scheme
-from lightning_accel.checkpoint.store import CheckpointCorruptError, DeltaStore, NotADeltaCheckpointError
+from lightning_accel._utils.fs import FileStore
+from lightning_accel._utils.paths import safe_join
+from lightning_accel.checkpoint.store import (
+    CheckpointCorruptError,
+    DeltaStore,
+    NotADeltaCheckpointError,
+    is_manifest_bytes,
+)
 
-__all__ = ["read_checkpoint", "read_checkpoint_with"]
+__all__ = ["read_checkpoint", "read_checkpoint_with", "resolve_last"]
 
 _ZIP_MAGIC = b"PK\x03\x04"
 # Legacy (pre-zip) `torch.save` files begin with a pickle of protocol >= 2 (opcode PROTO = 0x80).
@@ -63,18 +72,86 @@ def read_checkpoint_with(
 ) -> dict[str, Any]:
     """:func:`read_checkpoint` through an existing ``store`` (its ``storage_options``, threads and filesystems)."""
     p = os.fspath(path)
+    if not isinstance(p, str) or not p:
+        raise ValueError(f"`path` must be a non-empty path or URL of a checkpoint, got {path!r}.")
     try:
         return store.load(p, map_location=map_location)
     except NotADeltaCheckpointError:
         if store.fs.isdir(p):
             raise
         head = store.fs.head(p, len(_ZIP_MAGIC))
+    except IsADirectoryError as e:  # a remote "directory" seen through a file operation
+        raise NotADeltaCheckpointError(f"Checkpoint path {p!r} is a directory, not a checkpoint file.") from e
     if not (head.startswith(_ZIP_MAGIC) or head.startswith(_PICKLE_PROTO)):
         raise NotADeltaCheckpointError(
             f"Checkpoint {p!r} is neither a delta checkpoint manifest nor a `torch.save` file (it starts with "
             f"{head!r}). Pass a file written by `DeltaCheckpointIO`, `Trainer.save_checkpoint` or `torch.save`."
         ) from None
     return _torch_load(store, p, map_location)
+
+
+# Lightning's names for "last" checkpoints: last.ckpt, last-v1.ckpt, ... (ModelCheckpoint.CHECKPOINT_NAME_LAST).
+_LAST_RE = re.compile(r"^last(-v?\d+)?\.ckpt$")
+
+
+@overload
+def resolve_last(
+    dirpath: str | os.PathLike[str],
+    *,
+    storage_options: dict[str, Any] | None = ...,
+    with_time: Literal[False] = ...,
+) -> str | None: ...
+
+
+@overload
+def resolve_last(
+    dirpath: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = ..., with_time: Literal[True]
+) -> tuple[str, float] | None: ...
+
+
+def resolve_last(
+    dirpath: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None, with_time: bool = False
+) -> str | tuple[str, float] | None:
+    """The newest ``last*.ckpt`` in ``dirpath`` (local or any fsspec URL), as a full path or URL; None when none.
+
+    ``Trainer.fit(ckpt_path="last")`` does not find checkpoints on object stores (Lightning drops the ``s3://`` of the
+    paths it lists); pass the result of this function as ``ckpt_path`` instead. Newest is the manifest's ``created``
+    time for delta checkpoints, the file's modification time otherwise.
+
+    Args:
+        dirpath: the ``ModelCheckpoint`` directory, e.g. ``"s3://bucket/run/ckpt"``.
+        storage_options: fsspec options (endpoint, credentials).
+        with_time: return ``(url, time)`` instead of the URL.
+    """
+    fs = FileStore(storage_options)
+    root = os.fspath(dirpath).rstrip("/") or "/"
+    best: tuple[float, str] | None = None
+    for name in fs.list_files(root):
+        if not _LAST_RE.match(name):
+            continue
+        url = safe_join(root, name)
+        when = _created(fs, url)
+        if when is not None and (best is None or when > best[0]):
+            best = (when, url)
+    if best is None:
+        return None
+    return (best[1], best[0]) if with_time else best[1]
+
+
+def _created(fs: FileStore, url: str) -> float | None:
+    """A delta manifest's ``created`` time, else the file's modification time; None if it vanished."""
+    try:
+        if is_manifest_bytes(fs.head(url, 64)):
+            created = json.loads(fs.read(url)).get("created")
+            if isinstance(created, (int, float)):
+                return float(created)
+        if "://" not in url or url.startswith("file://"):
+            return os.path.getmtime(url.removeprefix("file://"))
+        info = fs.call("check", url, lambda: fs.filesystem(url).info(fs.fs_path(url)))
+        stamp = info.get("LastModified") or info.get("mtime") or info.get("created")
+        return float(stamp.timestamp()) if hasattr(stamp, "timestamp") else float(stamp or 0.0)
+    except (FileNotFoundError, ValueError, AttributeError):
+        return None
 
 
 def _torch_load(store: DeltaStore, path: str, map_location: Any) -> dict[str, Any]:
@@ -89,11 +166,11 @@ def _torch_load(store: DeltaStore, path: str, map_location: Any) -> dict[str, An
                 f"Checkpoint {path!r} is a damaged `torch.save` file ({_first_line(e)})."
             ) from e
         raise pickle.UnpicklingError(
-            f"Checkpoint {path!r} holds objects that `torch.load(weights_only=True)` refuses "
-            f"({_refusal(e)}); it was not loaded. Save plain data (tensors, dicts, lists, numbers, strings), or "
-            "load a file you trust yourself with `torch.load(..., weights_only=False)`."
+            f"Checkpoint {path!r} was refused: it holds objects that only unpickling code could restore "
+            f"({_refusal(e)}), and lightning-accel never unpickles untrusted bytes. Re-save it with plain data "
+            "(tensors, dicts, lists, numbers, strings)."
         ) from e
-    except (RuntimeError, EOFError) as e:  # a truncated or damaged archive
+    except (RuntimeError, EOFError, ValueError, KeyError, IndexError) as e:  # a truncated or damaged archive
         raise CheckpointCorruptError(
             f"Checkpoint {path!r} is a damaged `torch.save` file ({type(e).__name__}: {_first_line(e)})."
         ) from e

@@ -17,6 +17,7 @@ import lightning
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -54,6 +55,7 @@ PRIVATE_NAMES: list[tuple[str, Callable[[], Any], str, str]] = [
     ("_AcceleratorConnector.strategy", lambda: _trainer()._accelerator_connector, "strategy", "set_trainer_strategy"),
     ("ParallelStrategy._layer_sync", DDPStrategy, "_layer_sync", "get_layer_sync / set_layer_sync"),
     ("Strategy._launcher", DDPStrategy, "_launcher", "set_launcher"),
+    ("ModelCheckpoint._fs", lambda: ModelCheckpoint(), "_fs", "set_checkpoint_filesystem"),
     (
         "DistributedDataParallel._set_ddp_runtime_logging_sample_rate",
         lambda: torch.nn.parallel.DistributedDataParallel,

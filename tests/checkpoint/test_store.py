@@ -65,7 +65,7 @@ def _drift(s: dict[str, Any], eps: float, seed: int) -> dict[str, Any]:
 
 
 def _blobs(d: Path) -> set[str]:
-    return {p.name for p in (d / BLOB_DIR).rglob("*") if p.is_file()}
+    return {p.name for p in (d / BLOB_DIR).rglob("*") if p.is_file() and p.name != ".lock"}
 
 
 def _equal(a: Any, b: Any) -> bool:
@@ -129,9 +129,12 @@ def test_remove_collects_exactly_the_unreferenced_blobs(tmp_path: Path) -> None:
         assert _blobs(tmp_path) == store.live_keys(str(tmp_path))
     for i in (1, 4):
         assert _equal(store.load(tmp_path / f"{i}.ckpt"), states[i])
-    # A fresh process (no in-memory state) derives the same references from the manifests alone.
+    # A fresh process (no in-memory state) derives the same references from the manifests alone (once the first
+    # writer released the directory: one writer at a time).
+    store.close()
     fresh = DeltaStore()
     assert fresh.collect_garbage(tmp_path) == 0
+    fresh.close()
     store.remove(tmp_path / "1.ckpt")
     store.forget()
     store.remove(tmp_path / "4.ckpt")
@@ -234,6 +237,7 @@ def test_leftovers_of_a_killed_save_are_collected(tmp_path: Path) -> None:
     orphan.write_bytes(codec.encode_full(torch.zeros(10)))
     tmp = tmp_path / f".b.ckpt.{'0' * 32}.tmp"
     tmp.write_bytes(b"partial")
+    store.close()  # the next writer (a fresh process) collects it
     assert DeltaStore().collect_garbage(tmp_path) == 2
     assert not orphan.exists() and not tmp.exists()
     assert DeltaStore().verify(tmp_path / "a.ckpt")["ok"]
@@ -277,7 +281,7 @@ def test_s3_round_trip_remove_and_gc(s3_bucket: tuple[str, dict[str, Any]]) -> N
     store.remove(f"{root}/b.ckpt")
     assert _equal(DeltaStore(storage_options=opts).load(f"{root}/last.ckpt"), s1)
     fs = fsspec.filesystem("s3", skip_instance_cache=True, **opts)
-    stored = {p.rsplit("/", 1)[1] for p in fs.find(f"{bucket}/run/ckpt/{BLOB_DIR}")}
+    stored = {p.rsplit("/", 1)[1] for p in fs.find(f"{bucket}/run/ckpt/{BLOB_DIR}")} - {".lock"}
     assert stored == store.live_keys(root)
     assert ckpt_main(["verify", f"{root}/last.ckpt", "--storage-options", json.dumps(opts)]) == 0
 
@@ -291,5 +295,63 @@ def test_pickles_without_chain_state_locks_or_filesystems(tmp_path: Path) -> Non
     copy = pickle.loads(pickle.dumps(store))
     assert copy.full_every == 3 and copy.live_keys(str(tmp_path)) == store.live_keys(str(tmp_path))
     assert _equal(copy.load(tmp_path / "a.ckpt"), s0)
+    store.close()  # one writer at a time: the copy writes next
     stats = copy.save(_drift(s0, 1e-3, 0), tmp_path / "b.ckpt")
     assert stats.tensors_delta == 0  # the copy saw no earlier save: full snapshots, never deltas against them
+
+
+def test_redundancy_keeps_a_chain_alive_when_its_base_blob_is_lost(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    s0 = _state(0)
+    s1 = _drift(s0, 1e-4, 0)
+    for redundancy in (1, 2):
+        d = tmp_path / f"r{redundancy}"
+        store = DeltaStore(redundancy=redundancy)
+        store.save(s0, d / "a.ckpt")
+        store.save(s1, d / "b.ckpt")
+        store.close()
+        meta = json.loads((d / "b.ckpt").read_text())["tensors"]["state_dict/w"]
+        assert len(meta["chain"]) == 2 and meta.get("copy", False) is (redundancy == 2)
+        base = d / BLOB_DIR / meta["chain"][0][:2] / meta["chain"][0]
+        base.unlink()  # one lost blob, shared by both checkpoints of the chain
+        if redundancy == 1:
+            with pytest.raises(CheckpointCorruptError, match=r"tensor `state_dict/w`.*is missing.*redundancy=2"):
+                DeltaStore().load(d / "b.ckpt")
+            continue
+        with pytest.warns(UserWarning, match="restored from its second copy"):
+            assert _equal(DeltaStore().load(d / "b.ckpt"), s1)
+        assert ckpt_main(["verify", "--repair", str(d / "a.ckpt")]) == 0
+        assert json.loads(capsys.readouterr().out)["repaired"] == [meta["chain"][0]]
+        assert base.exists()
+        data = bytearray(base.read_bytes())
+        data[-5] ^= 0xFF  # now damage it in place: the checksum fails, the copy is used
+        base.write_bytes(bytes(data))
+        with pytest.warns(UserWarning, match="restored from its second copy"):
+            assert _equal(DeltaStore().load(d / "b.ckpt"), s1)
+        store.remove(d / "a.ckpt")
+        store.forget()  # no chain state left to delta against: the last removal frees everything
+        store.remove(d / "b.ckpt")
+        assert _blobs(d) == set()  # copies are collected with their blobs
+        store.close()
+
+
+def test_a_dead_base_is_rebased_and_then_collected(tmp_path: Path) -> None:
+    store = DeltaStore(rebase_dead_fraction=0.3, rebase_ratio=10.0)
+    s = _state(0)
+    store.save(s, tmp_path / "a.ckpt")
+    s = _drift(s, 1e-3, 1)
+    assert store.save(s, tmp_path / "b.ckpt").tensors_delta > 0
+    store.remove(tmp_path / "a.ckpt")  # b's deltas now keep a's full snapshots alive, and nothing else uses them
+    s = _drift(s, 1e-3, 2)
+    stats = store.save(s, tmp_path / "c.ckpt")
+    assert stats.tensors_rebased > 0 and stats.tensors_rebased == stats.tensors_full
+    before = len(_blobs(tmp_path))
+    store.remove(tmp_path / "b.ckpt")
+    assert len(_blobs(tmp_path)) < before - stats.tensors_rebased  # the dead bases went with b
+    assert _equal(store.load(tmp_path / "c.ckpt"), s)
+    off = DeltaStore(rebase_ratio=10.0)  # the default (1.0) never re-bases for dead bytes
+    off.save(_state(0), tmp_path / "o" / "a.ckpt")
+    off.save(_drift(_state(0), 1e-3, 1), tmp_path / "o" / "b.ckpt")
+    off.remove(tmp_path / "o" / "a.ckpt")
+    assert off.save(_drift(_state(0), 1e-3, 2), tmp_path / "o" / "c.ckpt").tensors_rebased == 0
