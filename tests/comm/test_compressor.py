@@ -163,7 +163,7 @@ def test_in_place_error_update_equals_out_of_place() -> None:
 
 def test_block_boundaries_zero_blocks_and_signed_zeros() -> None:
     lay = GroupLayout([16, 40, 9], 2, 16, CPU)
-    g = torch.randn(lay.padded_numel) * lay.table.mask
+    g = torch.randn(lay.padded_numel, generator=torch.Generator().manual_seed(0)) * lay.table.mask
     g[16:56] = 0.0  # a parameter without gradient: its blocks get scale 0 and zero error
     g[0], g[1] = -0.0, 0.0  # -0.0 >= 0: sent as +scale, like the reference
     e = torch.zeros_like(g)
@@ -173,8 +173,11 @@ def test_block_boundaries_zero_blocks_and_signed_zeros() -> None:
     got = Compressor(lay.table).compress(g, e)
     assert torch.equal(got[0], ref[0])
     torch.testing.assert_close(got[1], ref[1], rtol=1e-6, atol=0.0)
-    assert torch.equal(got[2], ref[2])  # type: ignore[arg-type]
+    # scales may differ from the reference in the last bit (another summation order), and the residual with them;
+    # exact is the contract: the residual is what was not sent, for the scales that were sent
+    torch.testing.assert_close(got[2], ref[2], rtol=1e-5, atol=1e-6)
     dec = decode(got[0], got[1], lay.table.lengths)
+    assert torch.equal(got[2], torch.where(lay.table.mask, g + e - dec, 0.0))  # type: ignore[arg-type]
     assert torch.count_nonzero(dec[16:56]) == 0 and torch.count_nonzero(got[2][16:56]) == 0  # type: ignore[index]
     bf = Compressor(lay.table).compress(g.to(torch.bfloat16), None)
     assert torch.equal(bf[0], compress_reference(g.to(torch.bfloat16), None, lay.table)[0])
