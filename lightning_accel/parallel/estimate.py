@@ -32,6 +32,7 @@ from torch import nn
 __all__ = [
     "ActivationProfile",
     "MemoryEstimate",
+    "block_stack",
     "count_layers",
     "estimate_ddp",
     "estimate_fsdp",
@@ -187,6 +188,13 @@ def _block_lists(model: nn.Module) -> list[nn.Module]:
             if key > best:
                 best, out = key, children
     return out
+
+
+def block_stack(model: nn.Module) -> list[nn.Module]:
+    """The blocks of the model's longest stack of repeated layers (empty when it has none): the units FSDP shards
+    one by one, the pieces a tensor-parallel plan splits, what ``count_layers`` counts."""
+    blocks = _block_lists(model)
+    return blocks if len(blocks) > 1 else []
 
 
 def count_layers(model: nn.Module) -> int:
