@@ -37,9 +37,11 @@ __all__ = [
     "estimate_ddp",
     "estimate_fsdp",
     "estimate_pipeline",
+    "estimate_tensor_parallel",
     "largest_unit_params",
     "measure_activation_bytes",
     "pipeline_stage_params",
+    "tensor_parallel_params",
 ]
 
 #: Adam, mixed precision: 2 (weight) + 2 (grad) + 4 (fp32 master) + 4 (exp_avg) + 4 (exp_avg_sq).
@@ -272,4 +274,35 @@ def estimate_pipeline(
     act = int(activations / s * min(s, m) / m)
     return MemoryEstimate(
         "pipeline", bytes_per_param * max(stage_params), 0, act, f"{bytes_per_param}·P_stage + A/{s}·{min(s, m)}/{m}"
+    )
+
+
+def tensor_parallel_params(model: nn.Module) -> int:
+    """Parameters inside the repeated blocks' ``Linear`` layers: what a column/row tensor-parallel plan splits (an
+    upper bound; embeddings, norms and biases outside the blocks stay replicated)."""
+    return sum(p.numel() for b in block_stack(model) for m in b.modules() if isinstance(m, nn.Linear)
+               for p in m.parameters(recurse=False))  # fmt: skip
+
+
+def estimate_tensor_parallel(
+    params: int,
+    split_params: int,
+    activations: int,
+    world: int,
+    largest_unit: int,
+    *,
+    bytes_per_param: int = ADAM_MIXED_BYTES_PER_PARAM,
+) -> MemoryEstimate:
+    """``b·(P - P_tp + P_tp/N) + 4·L/N + A``: the split matrices' state divided over ``world`` tensor-parallel
+    ranks, the rest replicated, the largest block gathered a ``1/N`` slice at a time; activations counted whole (a
+    pessimistic bound: the split layers' activations shrink too)."""
+    if world < 1:
+        raise ValueError(f"`world` must be >= 1, got {world!r}.")
+    state = bytes_per_param * (params - split_params) + -(-bytes_per_param * split_params // world)
+    return MemoryEstimate(
+        "tp",
+        state,
+        -(-4 * largest_unit // world),
+        activations,
+        f"{bytes_per_param}·(P-P_tp+P_tp/{world}) + 4·L/{world} + A",
     )

@@ -74,9 +74,7 @@ def _params(m: nn.Module) -> int:
     return sum(p.numel() for p in m.parameters())
 
 
-def piece_costs(
-    pieces: Sequence[nn.Module], example_input: Any = None, *, bytes_per_param: int = 16
-) -> list[int]:
+def piece_costs(pieces: Sequence[nn.Module], example_input: Any = None, *, bytes_per_param: int = 16) -> list[int]:
     """Bytes each piece costs on its stage: ``bytes_per_param · parameters`` plus the activations autograd saves for
     its backward, measured by running ``example_input`` through the pieces in order (one forward, no backward;
     0 without an example)."""
@@ -100,7 +98,7 @@ def piece_costs(
                 x = p(x)
             acts[i] = int(sum(seen.values()))
             x = x.detach()
-    return [bytes_per_param * _params(p) + a for p, a in zip(pieces, acts)]
+    return [bytes_per_param * _params(p) + a for p, a in zip(pieces, acts, strict=False)]
 
 
 def balance_stages(costs: Sequence[float], stages: int) -> list[tuple[int, int]]:
@@ -211,8 +209,8 @@ def pipeline_layout(
     if pp < 1 or world % pp:
         raise ValueError(
             f"the world size {world} is not divisible by `pipeline_size`={pp}: every pipeline replica needs all its "
-            f"stages. Use a `pipeline_size` that divides {world} (e.g. {_divisors(world)}) or {pp * max(1, -(-world // pp))}"
-            " processes."
+            f"stages. Use a `pipeline_size` that divides {world} (one of {_divisors(world)}), or a multiple of {pp} "
+            "processes."
         )
     if stages_per_rank < 1:
         raise ValueError(f"`stages_per_rank` must be >= 1, got {stages_per_rank!r}.")
@@ -243,7 +241,9 @@ def split_batch(batch: Any, chunks: int) -> list[Any]:
             return list(x.chunk(chunks))
         if isinstance(x, (list, tuple)):
             parts = [split(v) for v in x]
-            return [type(x)(p[i] for p in parts) if isinstance(x, tuple) else [p[i] for p in parts] for i in range(chunks)]
+            return [
+                type(x)(p[i] for p in parts) if isinstance(x, tuple) else [p[i] for p in parts] for i in range(chunks)
+            ]
         if isinstance(x, dict):
             parts_d = {k: split(v) for k, v in x.items()}
             return [{k: v[i] for k, v in parts_d.items()} for i in range(chunks)]
@@ -361,10 +361,11 @@ class PipelineRunner:
             return self._schedules[key]
         from torch.distributed import pipelining as pl
 
-        stages = [
+        stages: list[Any] = [
             pl.PipelineStage(m, s, self.layout.num_stages, self.device, group=self.pp_group)
-            for m, s in zip(self.stage_modules, self.stage_ids)
+            for m, s in zip(self.stage_modules, self.stage_ids, strict=False)
         ]
+        sched: Any
         if self.schedule_name == "interleaved1f1b":
             sched = pl.ScheduleInterleaved1F1B(stages, self.microbatches, loss_fn=self.loss_fn)
         else:

@@ -114,10 +114,10 @@ def _linear_pairs(module: nn.Module) -> dict[str, str]:
         if isinstance(m, nn.Sequential):
             # Linear, activation..., Linear whose features chain: the MLP pattern
             seq = [(n, c) for n, c in children if isinstance(c, nn.Linear) or any(True for _ in c.parameters())]
-            for (n1, a), (n2, b) in zip(seq, seq[1:]):
-                if isinstance(a, nn.Linear) and isinstance(b, nn.Linear) and a.out_features == b.in_features:
-                    if join + n1 not in plan and join + n2 not in plan:
-                        plan[join + n1], plan[join + n2] = "colwise", "rowwise"
+            for (n1, a), (n2, b) in zip(seq, seq[1:], strict=False):
+                chained = isinstance(a, nn.Linear) and isinstance(b, nn.Linear) and a.out_features == b.in_features
+                if chained and join + n1 not in plan and join + n2 not in plan:
+                    plan[join + n1], plan[join + n2] = "colwise", "rowwise"
             continue
         col = [n for n in linears if n in COLWISE_NAMES]
         row = [n for n in linears if n in ROWWISE_NAMES]

@@ -29,6 +29,7 @@ YAML::
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -56,7 +57,15 @@ from lightning_accel.parallel.pipeline import (
     split_batch,
 )
 from lightning_accel.parallel.plans import apply_tensor_parallel, fsdp_units, is_parallelized, mixed_precision_policy
-from lightning_accel.parallel.select import POLICIES, StrategyChoice, select_strategy
+from lightning_accel.parallel.select import (
+    POLICIES,
+    StrategyChoice,
+    TrialCache,
+    choose_by_trial,
+    select_strategy,
+    trial_key,
+)
+from lightning_accel.parallel.trials import plan_stepper, time_plan
 
 __all__ = [
     "AutoStrategy",
@@ -67,7 +76,7 @@ __all__ = [
     "trainer_devices",
 ]
 
-_CHOICES = ("ddp", "ddp_1bit", "fsdp", "auto")
+_CHOICES = ("ddp", "ddp_1bit", "fsdp", "auto", "tp", "pipeline")
 
 
 def _fsdp_runs_on(device: torch.device) -> bool:
@@ -151,7 +160,8 @@ class AutoStrategy(DDPStrategy):
     """DDP until the model is known, then whatever :func:`select_strategy` chooses for it (see the module docstring).
 
     Args:
-        policy: ``"memory"`` or ``"rules"``.
+        policy: ``"memory"``, ``"rules"`` or ``"measure"`` (the memory estimate's candidates, then a timed trial of
+            each on the real model and ``example_input_array``, all ranks together; chosen at setup).
         device_memory_bytes: memory per device (None: the CUDA device's total memory; on CPU the host RAM divided by
             the processes on this node).
         inter_node_gbps: inter-node bandwidth in Gbit/s, for the ``ddp_1bit`` advice.
@@ -160,8 +170,13 @@ class AutoStrategy(DDPStrategy):
         use_example_input: measure activations with the LightningModule's ``example_input_array``.
         example_batch_size: the real per-device batch size; activations measured on ``example_input_array`` are
             scaled by ``example_batch_size / len(example_input_array)``.
-        fsdp_kwargs: keyword arguments for ``FSDPStrategy`` when it is chosen (e.g. ``auto_wrap_policy``,
-            ``activation_checkpointing_policy``, ``cpu_offload``).
+        fsdp_kwargs: when given, a chosen ``"fsdp"`` runs as Lightning's ``FSDPStrategy(**fsdp_kwargs)`` (FSDP1,
+            GPUs only; e.g. ``cpu_offload``) instead of :class:`ShardedStrategy` (FSDP2, CPU and GPU).
+        sharded_kwargs: keyword arguments for :class:`ShardedStrategy` (the ``"fsdp"`` and ``"tp"`` plans).
+        pipeline_kwargs: keyword arguments for :class:`PipelineStrategy` (``schedule``, ``microbatches``).
+        trial_steps: timed steps per candidate for ``policy="measure"`` (after one warm-up step).
+        trial_cache: a JSON file keeping measured times per model / world / device (None: this process only).
+        allow_unfit: when no plan fits the estimate, run the smallest anyway instead of raising.
         **ddp_kwargs: forwarded to ``DDPStrategy`` (used when DDP is chosen).
     """
 
@@ -176,6 +191,11 @@ class AutoStrategy(DDPStrategy):
         use_example_input: bool = True,
         example_batch_size: int | None = None,
         fsdp_kwargs: dict[str, Any] | None = None,
+        sharded_kwargs: dict[str, Any] | None = None,
+        pipeline_kwargs: dict[str, Any] | None = None,
+        trial_steps: int = 3,
+        trial_cache: str | None = None,
+        allow_unfit: bool = False,
         **ddp_kwargs: Any,
     ) -> None:
         if policy not in POLICIES:
@@ -190,7 +210,14 @@ class AutoStrategy(DDPStrategy):
         self.bytes_per_param = bytes_per_param
         self.use_example_input = use_example_input
         self.example_batch_size = example_batch_size
+        if trial_steps < 1:
+            raise ValueError(f"`trial_steps` must be >= 1, got {trial_steps!r}.")
         self.fsdp_kwargs = dict(fsdp_kwargs or {})
+        self.sharded_kwargs = dict(sharded_kwargs or {})
+        self.pipeline_kwargs = dict(pipeline_kwargs or {})
+        self.trial_steps = trial_steps
+        self.trial_cache = TrialCache(trial_cache)
+        self.allow_unfit = allow_unfit
         self.choice: StrategyChoice | None = None
         self.chosen: Strategy | None = None
         self._resolved = False  # chosen by `resolve` before the Trainer was built: `setup_environment` keeps it
@@ -229,8 +256,10 @@ class AutoStrategy(DDPStrategy):
         built: Strategy | None = None
         if name == "ddp_1bit":
             built = self._onebit()
-        elif name == "fsdp":
+        elif name == "fsdp" and self.fsdp_kwargs:
             built = self._fsdp(parallel[0], _precision_plugin(plugins), precision=None)
+        elif name in ("fsdp", "tp", "pipeline"):
+            built = self._runnable(name, len(parallel))
         self.chosen = built or self
         return self.chosen
 
@@ -253,21 +282,34 @@ class AutoStrategy(DDPStrategy):
             device_memory_bytes=mem,
             example_batch=example,
             inter_node_gbps=self.inter_node_gbps,
-            policy=self.policy,
+            policy="memory" if self.policy == "measure" else self.policy,
             headroom=self.headroom,
             bytes_per_param=self.bytes_per_param,
             activation_scale=scale,
         )
+
+    def _runnable(self, name: str, devices: int) -> Strategy:
+        if name == "pipeline":
+            return PipelineStrategy(**self.pipeline_kwargs)
+        kwargs = dict(self.sharded_kwargs)
+        if name == "tp":
+            kwargs.setdefault("tensor_parallel_size", devices)
+        return ShardedStrategy(**kwargs)
 
     def _record(self, choice: StrategyChoice | None) -> None:
         self.choice = choice
         if choice is None:  # a rank other than 0 in `setup_environment`: rank 0 chose and logs
             return
         rank_zero_info(f"AutoStrategy ({self.policy}): {choice.strategy}. {choice.explanation}")
+        if choice.measured:
+            rank_zero_info("AutoStrategy trial:\n" + choice.table())
         if not choice.fits:
-            rank_zero_warn(
-                f"AutoStrategy: the estimate says '{choice.strategy}' may not fit in memory. {choice.explanation}"
+            msg = (
+                f"AutoStrategy: no plan fits in memory, '{choice.strategy}' is only the smallest. {choice.explanation}"
             )
+            if not self.allow_unfit:
+                raise ValueError(msg + " Pass `allow_unfit=True` to try it anyway.")
+            rank_zero_warn(msg)
 
     @override
     def setup_environment(self) -> None:
@@ -279,9 +321,11 @@ class AutoStrategy(DDPStrategy):
         trainer = model.trainer
         devices = len(self.parallel_devices or [self.root_device])
         choice = self._choose(model, self.root_device, devices, self.num_nodes) if self.global_rank == 0 else None
+        if self.policy == "measure" and distributed_ready():
+            choice = self._measure(model, choice)
         idx = _CHOICES.index(choice.strategy) if choice is not None else -1
         name = _CHOICES[self._broadcast_index(idx)]
-        self._record(choice)
+        self._record(choice if self.global_rank == 0 else None)
         if name in ("ddp", "auto"):
             self.chosen = self
             return
@@ -292,6 +336,41 @@ class AutoStrategy(DDPStrategy):
         self._transplant(new, model, trainer)
         new.setup_environment()  # the process group exists: only devices and ranks are set up
         self.chosen = new
+
+    def _measure(self, model: pl.LightningModule, choice: StrategyChoice | None) -> StrategyChoice:
+        """Every rank: time the plans rank 0's estimate lets fit, on copies of ``model`` (collective, same order
+        everywhere; the cache is read on rank 0 and its answer shared)."""
+        box: list[Any] = [choice]
+        torch.distributed.broadcast_object_list(box, src=0)
+        memory_choice: StrategyChoice = box[0]
+        example = getattr(model, "example_input_array", None)
+        if not isinstance(example, torch.Tensor):
+            raise ValueError(
+                "AutoStrategy(policy='measure') times each plan on `example_input_array`, which "
+                f"`{type(model).__name__}` does not set (got {type(example).__name__}). Set it to one real batch of "
+                "forward inputs, or use policy='memory'."
+            )
+        world = torch.distributed.get_world_size()
+        key = trial_key(model, world, self.root_device.type, tuple(example.shape), list(memory_choice.estimates))
+        cached: list[Any] = [self.trial_cache.get(key) if self.global_rank == 0 else None]
+        torch.distributed.broadcast_object_list(cached, src=0)
+        shared = TrialCache()
+        if cached[0] is not None:
+            shared.put(key, cached[0])
+        x = example.to(self.root_device)
+
+        def trial(plan: str) -> float:
+            try:
+                stepper = plan_stepper(plan, copy.deepcopy(model).to(self.root_device), x)
+            except (ValueError, TypeError) as e:  # raised alike on every rank: the plan cannot run this model
+                rank_zero_info(f"AutoStrategy trial: '{plan}' cannot run ({e}).")
+                return float("inf")
+            return time_plan(stepper, steps=self.trial_steps)
+
+        out = choose_by_trial(memory_choice, trial, key=key, cache=shared)
+        if self.global_rank == 0 and out.measured:
+            self.trial_cache.put(key, out.measured)
+        return out
 
     def _broadcast_index(self, idx: int) -> int:
         if not distributed_ready():
@@ -304,6 +383,8 @@ class AutoStrategy(DDPStrategy):
         """The strategy for ``name`` chosen at setup (``trainer``: the running one, whose precision FSDP takes)."""
         if name == "ddp_1bit":
             return self._onebit()
+        if name in ("tp", "pipeline") or (name == "fsdp" and not self.fsdp_kwargs):
+            return self._runnable(name, len(self.parallel_devices or [self.root_device]))
         assert trainer is not None, "FSDP is built at setup for a running Trainer"
         prec = self.precision_plugin
         # plain Precision / MixedPrecision are what the Trainer made from `precision=`: FSDP gets its own equivalent
@@ -407,6 +488,22 @@ def _raw_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
+def _clip_mixed_grad_norm(optimizer: Any, clip_val: float) -> float:
+    """``clip_grad_norm_`` over the parameters of ``optimizer`` when DTensor and plain gradients mix: the norm of each
+    gradient (a DTensor's reduced over its mesh; a replicated plain one counted once), then one scale for all."""
+    grads = [p.grad for g in _raw_optimizer(optimizer).param_groups for p in g["params"] if p.grad is not None]
+    total = 0.0
+    for g in grads:
+        n = torch.linalg.vector_norm(g.detach().float())
+        total += float(n.full_tensor() if isinstance(n, DTensor) else n) ** 2
+    norm = total**0.5
+    coef = float(clip_val) / (norm + 1e-6)
+    if coef < 1.0:
+        for g in grads:
+            g.mul_(coef)
+    return norm
+
+
 class ShardedStrategy(ModelParallelStrategy):
     """Lightning's ``ModelParallelStrategy`` with the parallelisation applied for you: an unchanged LightningModule
     (no ``configure_model``) trains sharded (FSDP2), tensor parallel (DTensor), or both on a 2-D mesh.
@@ -498,6 +595,9 @@ class ShardedStrategy(ModelParallelStrategy):
         out: dict[str, Any] = {}
         if tp_mesh.size() > 1:
             out["tp"] = apply_tensor_parallel(module, tp_mesh, self.tp_plan)
+            # the parameters are now DTensors and plain (replicated) tensors side by side, which torch's
+            # `clip_grad_norm_` refuses to mix: Lightning calls this method of the precision plugin to clip
+            self.precision_plugin.clip_grad_by_norm = _clip_mixed_grad_norm  # type: ignore[method-assign,assignment]
         if dp_mesh.size() > 1 or tp_mesh.size() == 1:
             policy = mixed_precision_policy(_precision_name(self.precision_plugin))
             units = fsdp_units(module)
@@ -553,7 +653,7 @@ class ShardedStrategy(ModelParallelStrategy):
             self.model, checkpoint.pop("state_dict"), options=StateDictOptions(full_state_dict=True, strict=strict)
         )
         states = checkpoint.pop("optimizer_states", [])
-        for opt, state in zip(self.optimizers, states):
+        for opt, state in zip(self.optimizers, states, strict=False):
             set_optimizer_state_dict(
                 self.model, _raw_optimizer(opt), state, options=StateDictOptions(full_state_dict=True)
             )
@@ -703,7 +803,7 @@ class PipelineStrategy(DDPStrategy):
         # `gradient_clip_val` clips by the whole model's norm: Lightning calls this method of the precision plugin
         # right before the optimizer step; a stage alone would clip by its own, smaller norm
         runner = self.runner
-        self.precision_plugin.clip_grad_by_norm = lambda optimizer, clip_val: runner.clip_grad_norm_(  # type: ignore[method-assign]
+        self.precision_plugin.clip_grad_by_norm = lambda optimizer, clip_val: runner.clip_grad_norm_(  # type: ignore[method-assign,assignment]
             float(clip_val)
         )
 
@@ -757,7 +857,7 @@ class PipelineStrategy(DDPStrategy):
                 rank_zero_warn(f"PipelineStrategy logs scalars only; `{key}` ({type(value).__name__}) is dropped.")
 
         module.forward = lambda *a, **k: output  # type: ignore[method-assign]
-        module.log = log  # type: ignore[method-assign]
+        module.log = log  # type: ignore[method-assign,assignment]
         try:
             out = self._step_hook(module, name, batch, batch_idx)
         finally:
@@ -806,14 +906,19 @@ class PipelineStrategy(DDPStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         batch, batch_idx = args[0], (args[1] if len(args) > 1 else kwargs.get("batch_idx", 0))
+        assert self.runner is not None
+        params = self.runner.params
+        # Lightning zeroes the gradients between `training_step` and `backward` (it expects backward to make them),
+        # so the schedule starts from none, its gradients wait aside until `backward`, and what was there before
+        # (the previous step's, or those kept by gradient accumulation) is put back for Lightning to zero or keep
+        before = [p.grad for p in params]
+        for p in params:
+            p.grad = None
         with self.precision_plugin.train_step_context():
             loss = self._run("training_step", batch, batch_idx, train=True)
-        assert self.runner is not None
-        # Lightning zeroes the gradients between `training_step` and `backward` (it expects backward to make them):
-        # keep the schedule's gradients aside until `backward`
-        self._grads = [p.grad for p in self.runner.params]
-        for p in self.runner.params:
-            p.grad = None
+        self._grads = [p.grad for p in params]
+        for p, g in zip(params, before, strict=False):
+            p.grad = g
         return loss
 
     @override
@@ -836,7 +941,7 @@ class PipelineStrategy(DDPStrategy):
         # to what gradient accumulation kept), and run the hooks
         module = self.lightning_module
         assert module is not None and self.runner is not None
-        for p, g in zip(self.runner.params, self._grads):
+        for p, g in zip(self.runner.params, self._grads, strict=False):
             if g is not None:
                 p.grad = g if p.grad is None else p.grad + g
         self._grads = []
@@ -867,7 +972,9 @@ class PipelineStrategy(DDPStrategy):
         assert module is not None and runner is not None
         local = None
         if runner.replica == 0:
-            local = get_optimizer_state_dict(module, _raw_optimizer(optimizer), options=StateDictOptions(cpu_offload=True))
+            local = get_optimizer_state_dict(
+                module, _raw_optimizer(optimizer), options=StateDictOptions(cpu_offload=True)
+            )
         merged: dict[str, Any] = {"state": {}, "param_groups": []}
         for part in self._gather_to_zero(local):
             if not part:
@@ -876,7 +983,7 @@ class PipelineStrategy(DDPStrategy):
             if not merged["param_groups"]:
                 merged["param_groups"] = [dict(g, params=list(g["params"])) for g in part["param_groups"]]
             else:
-                for g, h in zip(merged["param_groups"], part["param_groups"]):
+                for g, h in zip(merged["param_groups"], part["param_groups"], strict=False):
                     g["params"] += [p for p in h["params"] if p not in g["params"]]
         return merged
 
@@ -898,8 +1005,8 @@ class PipelineStrategy(DDPStrategy):
         module = self.lightning_module
         assert module is not None
         own = {n for n, _ in module.named_parameters()}
-        for opt, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            mine = {
+        for opt, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=False):
+            mine: dict[str, Any] = {
                 "state": {k: v for k, v in state["state"].items() if k in own},
                 "param_groups": [dict(g, params=[p for p in g["params"] if p in own]) for g in state["param_groups"]],
             }
