@@ -41,7 +41,6 @@ __all__ = [
     "largest_unit_params",
     "measure_activation_bytes",
     "pipeline_stage_params",
-    "tensor_parallel_params",
 ]
 
 #: Adam, mixed precision: 2 (weight) + 2 (grad) + 4 (fp32 master) + 4 (exp_avg) + 4 (exp_avg_sq).
@@ -275,13 +274,6 @@ def estimate_pipeline(
     return MemoryEstimate(
         "pipeline", bytes_per_param * max(stage_params), 0, act, f"{bytes_per_param}·P_stage + A/{s}·{min(s, m)}/{m}"
     )
-
-
-def tensor_parallel_params(model: nn.Module) -> int:
-    """Parameters inside the repeated blocks' ``Linear`` layers: what a column/row tensor-parallel plan splits (an
-    upper bound; embeddings, norms and biases outside the blocks stay replicated)."""
-    return sum(p.numel() for b in block_stack(model) for m in b.modules() if isinstance(m, nn.Linear)
-               for p in m.parameters(recurse=False))  # fmt: skip
 
 
 def estimate_tensor_parallel(

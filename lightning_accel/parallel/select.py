@@ -42,8 +42,8 @@ from lightning_accel.parallel.estimate import (
     largest_unit_params,
     measure_activation_bytes,
     pipeline_stage_params,
-    tensor_parallel_params,
 )
+from lightning_accel.parallel.plans import tensor_parallel_plan
 
 __all__ = [
     "DEFAULT_ONEBIT_BREAK_EVEN_GBPS",
@@ -298,7 +298,7 @@ def _estimates(
         "fsdp": estimate_fsdp(params, acts, world, largest_unit_params(model), bytes_per_param=bytes_per_param),
         "tp": estimate_tensor_parallel(
             params,
-            tensor_parallel_params(model),
+            _tensor_parallel_params(model),
             acts,
             world,
             largest_unit_params(model),
@@ -308,6 +308,16 @@ def _estimates(
             pipeline_stage_params(model, world), acts, microbatches=microbatches, bytes_per_param=bytes_per_param
         ),
     }
+
+
+def _tensor_parallel_params(model: nn.Module) -> int:
+    """Parameters of the ``Linear`` layers the tensor-parallel plan splits (0: it finds none to split)."""
+    try:
+        plan = tensor_parallel_plan(model, 1)
+    except ValueError:
+        return 0
+    mods = dict(model.named_modules())
+    return sum(p.numel() for name in plan for p in mods[name].parameters())
 
 
 def _break_even(given: float | None, act: _Activations, params: int, world: int) -> tuple[float, str]:

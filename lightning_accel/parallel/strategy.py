@@ -323,9 +323,13 @@ class AutoStrategy(DDPStrategy):
         choice = self._choose(model, self.root_device, devices, self.num_nodes) if self.global_rank == 0 else None
         if self.policy == "measure" and distributed_ready():
             choice = self._measure(model, choice)
-        idx = _CHOICES.index(choice.strategy) if choice is not None else -1
-        name = _CHOICES[self._broadcast_index(idx)]
-        self._record(choice if self.global_rank == 0 else None)
+        elif distributed_ready():  # every rank gets rank 0's choice: they swap, or refuse, together
+            box: list[Any] = [choice]
+            torch.distributed.broadcast_object_list(box, src=0)
+            choice = box[0]
+        assert choice is not None
+        name = choice.strategy
+        self._record(choice)
         if name in ("ddp", "auto"):
             self.chosen = self
             return
@@ -371,13 +375,6 @@ class AutoStrategy(DDPStrategy):
         if self.global_rank == 0 and out.measured:
             self.trial_cache.put(key, out.measured)
         return out
-
-    def _broadcast_index(self, idx: int) -> int:
-        if not distributed_ready():
-            return idx
-        t = torch.tensor([idx], dtype=torch.int64, device=self.root_device)
-        torch.distributed.broadcast(t, src=0)
-        return int(t.item())
 
     def _build(self, name: str, trainer: pl.Trainer | None) -> Strategy | None:
         """The strategy for ``name`` chosen at setup (``trainer``: the running one, whose precision FSDP takes)."""
