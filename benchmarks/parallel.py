@@ -5,8 +5,9 @@ Memory is *live tensor bytes*, not RSS (the interpreter and libraries dominate R
 the bytes of this rank's parameters, gradients and optimizer state, plus the highest running sum of the allocations
 and frees ``torch.profiler`` (``profile_memory=True``) records during that step; on CUDA ``max_memory_allocated``.
 Every plan runs in the same two processes, in turn; the selector (:func:`choose_by_trial`, the same trial code
-``AutoStrategy(policy="measure")`` runs) is timed separately from the reference timing of every plan, and
-``selector_step_over_best`` is the selected plan's reference step time over the fastest reference step time.
+``AutoStrategy(policy="measure")`` runs: each candidate in turn) is timed separately from the reference timing
+(all plans alternating, one step each per round, median), and ``selector_step_over_best`` is the selected plan's
+reference step time over the fastest reference step time.
 
     python benchmarks/parallel.py --quick --out /tmp/bench/parallel.json
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import os
+import statistics
 from typing import Any
 
 from _harness import parser, ratio, report
@@ -51,9 +53,7 @@ def _peak_step(stepper: Any) -> int:
     base = held_tensor_bytes(stepper.model, stepper.optimizer)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         stepper.step()
-    events = sorted(
-        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
-    )
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
     run = peak = 0
     for _, n in events:
         run += n
@@ -73,13 +73,20 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     x = tokens[:, :-1]
     base = _gpt(cfg)
     out: dict[str, Any] = {"params": sum(p.numel() for p in base.parameters())}
+    steppers = {}
     for plan in PLANS:
         st = plan_stepper(plan, copy.deepcopy(base), x, tokens, loss_fn=_ce, lr=1e-3)
         losses = [st.step() for _ in range(cfg["loss_steps"])]
-        peak = _peak_step(st)
-        t = time_plan(st, steps=cfg["steps"], warmup=0)
-        out[plan] = {"losses": losses, "peak_bytes": peak, "step_s": t}
-        del st
+        out[plan] = {"losses": losses, "peak_bytes": _peak_step(st)}
+        steppers[plan] = st
+    # reference step times: the plans alternate, one step each per round, so drift on this shared machine hits all
+    rounds: dict[str, list[float]] = {p: [] for p in PLANS}
+    for _ in range(cfg["rounds"]):
+        for plan, st in steppers.items():
+            rounds[plan].append(time_plan(st, steps=1, warmup=0))
+    for plan in PLANS:
+        out[plan]["step_s"] = statistics.median(rounds[plan])
+    del steppers
     # the selector: the memory estimate's candidates (all fit in 1 GiB here), then its own timed trial
     choice: StrategyChoice = select_strategy(base, devices=world, device_memory_bytes=2**30, example_batch=x[:2])
 
@@ -154,8 +161,8 @@ def case_plans(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:
 def main() -> None:
     args = parser(__doc__.splitlines()[0]).parse_args()
     # ~20M parameters: 6 blocks of width 512 (12·512² each) + embeddings
-    cfg = {"vocab": 256, "seq": 64, "layers": 6, "heads": 8, "width": 512, "batch": 8}
-    cfg.update({"steps": 2, "loss_steps": 2} if args.quick else {"steps": 5, "loss_steps": 4})
+    cfg = {"vocab": 256, "seq": 64, "layers": 6, "heads": 8, "width": 512, "batch": 4}
+    cfg.update({"steps": 2, "loss_steps": 2, "rounds": 3} if args.quick else {"steps": 4, "loss_steps": 4, "rounds": 7})
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     results, ratios = case_plans(cfg)
     report(
