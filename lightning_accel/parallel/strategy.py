@@ -595,6 +595,11 @@ class ShardedStrategy(ModelParallelStrategy):
             # the parameters are now DTensors and plain (replicated) tensors side by side, which torch's
             # `clip_grad_norm_` refuses to mix: Lightning calls this method of the precision plugin to clip
             self.precision_plugin.clip_grad_by_norm = _clip_mixed_grad_norm  # type: ignore[method-assign,assignment]
+            # dropout on the replicated activations must draw the same mask on every rank of a tensor-parallel group
+            # (else the ranks compute different models): one seed from rank 0, offset by the data-parallel rank
+            seed = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64)
+            torch.distributed.broadcast(seed, src=0)
+            torch.manual_seed(int(seed) + dp_mesh.get_local_rank())
         if dp_mesh.size() > 1 or tp_mesh.size() == 1:
             policy = mixed_precision_policy(_precision_name(self.precision_plugin))
             units = fsdp_units(module)
