@@ -74,10 +74,11 @@ def _plans(rank: int, world: int, tmp: str) -> dict[str, Any]:
         "tp": (lambda: ShardedStrategy(tensor_parallel_size=2), 1, {}),
         "pipeline": (PipelineStrategy, 1, {}),
         "gpipe": (lambda: PipelineStrategy(schedule="gpipe"), 1, {}),
+        "interleaved": (lambda: PipelineStrategy(schedule="interleaved1f1b"), 1, {}),  # 4 stages on 2 ranks
     }
     for name, (make, replicas, extra) in cases.items():
         r = rank if replicas > 1 else 0
-        if name == "gpipe":  # the schedule only: no checkpoint
+        if name in ("gpipe", "interleaved"):  # the schedule only: no checkpoint
             out[name] = {"losses": fit(make(), 2, STEPS)["losses"], "strategy": "PipelineStrategy"}
             continue
         ckpt = os.path.join(tmp, f"{name}.ckpt")
@@ -102,7 +103,7 @@ def test_every_plan_tracks_single_process_and_resumes(tmp_path: Path) -> None:
     ref = fit("auto", 1, STEPS)["losses"]
     results = run_in_processes(_plans, 2, (str(tmp_path),), init_process_group=False, timeout=600)
     r0, r1 = results
-    for name in ("fsdp", "tp", "pipeline", "gpipe"):
+    for name in ("fsdp", "tp", "pipeline", "gpipe", "interleaved"):
         got = r0[name]["losses"]
         assert len(got) == STEPS, (name, got)
         if name == "fsdp":  # each rank logs the loss of its half-batch: their mean is the whole batch's
