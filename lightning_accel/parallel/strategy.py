@@ -4,15 +4,19 @@
 CLI instantiates the model, calls :meth:`AutoStrategy.resolve` with the config's ``accelerator``, ``devices``,
 ``num_nodes`` and ``plugins``, and builds the Trainer with what it returns: the ``AutoStrategy`` itself when data
 parallel is chosen (it is a ``DDPStrategy``), else the chosen strategy (``ddp_1bit``: the registered 1-bit strategy;
-``fsdp``: ``FSDPStrategy``), so Lightning sets that strategy up like any other. There is no process group yet, so
-every process chooses for itself; :class:`ChoiceCheck` compares the choices once the group is up and stops the run
-with an error naming them if they differ (possible across nodes: the ``ddp_1bit`` advice uses a measured backward
-time). In Python, call :func:`~lightning_accel.parallel.select_strategy` and pass its name to
+``fsdp``: :class:`ShardedStrategy` (FSDP2, CPU and GPU; Lightning's ``FSDPStrategy`` when ``fsdp_kwargs`` are given);
+``tp``: :class:`ShardedStrategy` with ``tensor_parallel_size``; ``pipeline``: :class:`PipelineStrategy`), so
+Lightning sets that strategy up like any other. ``policy="measure"`` needs the process group for its trial, so it is
+decided in ``setup_environment`` (below); resolved early, it uses the memory policy's answer. There is no process
+group yet, so every process chooses for itself; :class:`ChoiceCheck` compares the choices once the group is up and
+stops the run with an error naming them if they differ (possible across nodes: the ``ddp_1bit`` advice uses a
+measured backward time). In Python, call :func:`~lightning_accel.parallel.select_strategy` and pass its name to
 ``Trainer(strategy=...)``, or pass what :meth:`AutoStrategy.resolve` returns.
 
 **Handed to a Trainer directly**, an ``AutoStrategy`` starts as DDP (its launcher starts the processes exactly like
 ``strategy="ddp"``); once the process group is up (``setup_environment``, before the model is configured or moved)
-rank 0 chooses, broadcasts the choice, and every rank swaps the Trainer's strategy for the chosen one, handing over
+rank 0 chooses (with ``policy="measure"``, every rank then times the candidates together), broadcasts the
+choice, and every rank swaps the Trainer's strategy for the chosen one, handing over
 accelerator, devices, cluster environment, checkpoint IO, precision and launcher. Lightning has no public API for
 that swap: it goes through :mod:`lightning_accel._utils.compat`.
 
