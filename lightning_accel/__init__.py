@@ -26,7 +26,7 @@ from lightning_accel.datasets.datamodule import DigitsDataModule
 from lightning_accel.datasets.digits import materialize_digits
 from lightning_accel.models.lit import ImageClassifier, TinyGPT
 from lightning_accel.parallel.select import select_strategy
-from lightning_accel.parallel.strategy import AutoStrategy
+from lightning_accel.parallel.strategy import AutoStrategy, PipelineStrategy, ShardedStrategy
 from lightning_accel.perf.callbacks import CudaMemoryManager, PerformanceMonitor
 from lightning_accel.precision.plugin import FusedPrecision
 from lightning_accel.precision.surgery import apply_fusions
@@ -48,8 +48,10 @@ __all__ = [
     "LinearScalingLR",
     "OneBitDDPStrategy",
     "OneBitState",
+    "PipelineStrategy",
     "PerStepLR",
     "PerformanceMonitor",
+    "ShardedStrategy",
     "StructuredPruning",
     "TinyGPT",
     "WarmupCosineLR",
@@ -63,6 +65,9 @@ __all__ = [
 # `Trainer(strategy="ddp_1bit")` and LightningCLI's `--trainer.strategy=ddp_1bit` resolve names through this registry.
 if OneBitDDPStrategy.strategy_name not in StrategyRegistry:
     OneBitDDPStrategy.register_strategies(StrategyRegistry)
+# `Trainer(strategy="pipeline")`
+if PipelineStrategy.strategy_name not in StrategyRegistry:
+    PipelineStrategy.register_strategies(StrategyRegistry)
 
 
 def __dir__() -> list[str]:

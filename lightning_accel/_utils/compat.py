@@ -68,6 +68,7 @@ __all__ = [
     "set_ddp_runtime_logging_sample_rate",
     "set_launcher",
     "set_layer_sync",
+    "set_model_parallel_sizes",
     "set_scheduler_last_lr",
     "set_trainer_strategy",
     "shutdown_persistent_workers",
@@ -386,3 +387,17 @@ def record_cuda_memory_history(max_entries: int) -> None:
 def stop_cuda_memory_history() -> None:
     """Stop recording allocation stack traces (``_record_memory_history(enabled=None)``, since torch 2.1)."""
     torch.cuda.memory._record_memory_history(enabled=None)
+
+
+# -- Lightning: ModelParallelStrategy ---------------------------------------------------------------------------------
+
+
+def set_model_parallel_sizes(strategy: Strategy, data_parallel: int, tensor_parallel: int) -> None:
+    """Fix a ``ModelParallelStrategy``'s mesh sizes once the world size is known (at ``setup_environment``).
+
+    Its constructor takes them, but ``"auto"`` means "number of nodes" for the data-parallel size, not
+    "world / tensor-parallel size", and the world size is unknown before the accelerator connector ran.
+    ``ModelParallelStrategy._data_parallel_size`` / ``_tensor_parallel_size`` (since Lightning 2.4; checked 2.6.6).
+    """
+    strategy._data_parallel_size = data_parallel  # type: ignore[attr-defined]
+    strategy._tensor_parallel_size = tensor_parallel  # type: ignore[attr-defined]

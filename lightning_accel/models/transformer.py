@@ -8,7 +8,7 @@ from torch import nn
 
 from lightning_accel.precision.modules import FusedAttentionMixin, FusedGPTBlockMixin, register_block
 
-__all__ = ["GPT", "CausalSelfAttention", "GPTBlock"]
+__all__ = ["GPT", "CausalSelfAttention", "GPTBlock", "GPTEmbedding", "GPTHead"]
 
 
 class CausalSelfAttention(nn.Module):
@@ -36,7 +36,8 @@ class CausalSelfAttention(nn.Module):
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.attn_dropout if self.training else 0.0
         )
-        return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(b, s, c)))
+        # -1, not `c`: under a tensor-parallel plan this rank holds `n_head / tp` heads, i.e. `c / tp` features
+        return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(b, s, -1)))
 
 
 class GPTBlock(nn.Module):
@@ -62,6 +63,31 @@ class GPTBlock(nn.Module):
 # these forwards are the ones the mixins reimplement: let FusedPrecision pack QKV and fuse the residual epilogues
 register_block(CausalSelfAttention, FusedAttentionMixin)
 register_block(GPTBlock, FusedGPTBlockMixin)
+
+
+class GPTEmbedding(nn.Module):
+    """The first pipeline piece of :class:`GPT`: token + position embeddings and dropout (shares the GPT's modules)."""
+
+    def __init__(self, tok_emb: nn.Embedding, pos_emb: nn.Embedding, drop: nn.Dropout, block_size: int) -> None:
+        super().__init__()
+        self.tok_emb, self.pos_emb, self.drop, self.block_size = tok_emb, pos_emb, drop, block_size
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        s = idx.shape[1]
+        if s > self.block_size:
+            raise ValueError(f"Sequence length {s} exceeds `block_size` {self.block_size}.")
+        return self.drop(self.tok_emb(idx) + self.pos_emb(torch.arange(s, device=idx.device)))
+
+
+class GPTHead(nn.Module):
+    """The last pipeline piece of :class:`GPT`: final LayerNorm and the (tied) LM head."""
+
+    def __init__(self, ln_f: nn.LayerNorm, head: nn.Linear) -> None:
+        super().__init__()
+        self.ln_f, self.head = ln_f, head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln_f(x))
 
 
 class GPT(nn.Module):
@@ -104,6 +130,15 @@ class GPT(nn.Module):
                 nn.init.zeros_(m.bias)
         elif isinstance(m, nn.Embedding):
             nn.init.normal_(m.weight, std=0.02)
+
+    def pipeline_modules(self) -> list[nn.Module]:
+        """The forward as pieces for a pipeline split: embedding, each block, head (their composition is
+        :meth:`forward`; the tied head weight is shared by the first and last piece)."""
+        return [
+            GPTEmbedding(self.tok_emb, self.pos_emb, self.drop, self.block_size),
+            *self.blocks,
+            GPTHead(self.ln_f, self.head),
+        ]
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         b, s = idx.shape

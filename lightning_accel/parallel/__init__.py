@@ -1,4 +1,5 @@
-"""Choosing the parallelism: memory estimates (DDP, FSDP/ZeRO-3, pipeline) and ``select_strategy``.
+"""Choosing and running the parallelism: memory estimates, ``select_strategy`` (rules, memory, timed trials), the
+FSDP2 / tensor-parallel plans (``ShardedStrategy``) and pipeline parallelism (``PipelineStrategy``).
 
 The core (``estimate``, ``select``) never imports Lightning; ``AutoStrategy`` (``strategy.py``) is its Lightning
 adapter.
@@ -18,12 +19,14 @@ from lightning_accel.parallel.estimate import (
     pipeline_stage_params,
 )
 from lightning_accel.parallel.select import StrategyChoice, onebit_break_even_gbps, select_strategy
-from lightning_accel.parallel.strategy import AutoStrategy
+from lightning_accel.parallel.strategy import AutoStrategy, PipelineStrategy, ShardedStrategy
 
 __all__ = [
     "ActivationProfile",
     "AutoStrategy",
     "MemoryEstimate",
+    "PipelineStrategy",
+    "ShardedStrategy",
     "StrategyChoice",
     "count_layers",
     "estimate_ddp",
@@ -35,4 +38,3 @@ __all__ = [
     "pipeline_stage_params",
     "select_strategy",
 ]
-

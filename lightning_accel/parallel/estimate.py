@@ -32,10 +32,12 @@ from torch import nn
 __all__ = [
     "ActivationProfile",
     "MemoryEstimate",
+    "block_stack",
     "count_layers",
     "estimate_ddp",
     "estimate_fsdp",
     "estimate_pipeline",
+    "estimate_tensor_parallel",
     "largest_unit_params",
     "measure_activation_bytes",
     "pipeline_stage_params",
@@ -189,6 +191,13 @@ def _block_lists(model: nn.Module) -> list[nn.Module]:
     return out
 
 
+def block_stack(model: nn.Module) -> list[nn.Module]:
+    """The blocks of the model's longest stack of repeated layers (empty when it has none): the units FSDP shards
+    one by one, the pieces a tensor-parallel plan splits, what ``count_layers`` counts."""
+    blocks = _block_lists(model)
+    return blocks if len(blocks) > 1 else []
+
+
 def count_layers(model: nn.Module) -> int:
     """Depth as the rule of thumb means it: the length of the model's longest stack of blocks (``ModuleList`` /
     ``Sequential``), or, when it has none, the number of leaf modules that own parameters."""
@@ -264,4 +273,28 @@ def estimate_pipeline(
     act = int(activations / s * min(s, m) / m)
     return MemoryEstimate(
         "pipeline", bytes_per_param * max(stage_params), 0, act, f"{bytes_per_param}·P_stage + A/{s}·{min(s, m)}/{m}"
+    )
+
+
+def estimate_tensor_parallel(
+    params: int,
+    split_params: int,
+    activations: int,
+    world: int,
+    largest_unit: int,
+    *,
+    bytes_per_param: int = ADAM_MIXED_BYTES_PER_PARAM,
+) -> MemoryEstimate:
+    """``b·(P - P_tp + P_tp/N) + 4·L/N + A``: the split matrices' state divided over ``world`` tensor-parallel
+    ranks, the rest replicated, the largest block gathered a ``1/N`` slice at a time; activations counted whole (a
+    pessimistic bound: the split layers' activations shrink too)."""
+    if world < 1:
+        raise ValueError(f"`world` must be >= 1, got {world!r}.")
+    state = bytes_per_param * (params - split_params) + -(-bytes_per_param * split_params // world)
+    return MemoryEstimate(
+        "tp",
+        state,
+        -(-4 * largest_unit // world),
+        activations,
+        f"{bytes_per_param}·(P-P_tp+P_tp/{world}) + 4·L/{world} + A",
     )

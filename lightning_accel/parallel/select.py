@@ -12,11 +12,14 @@ layers -> pipeline, else data parallel. Its limits: it ignores the batch, the ac
 model needs ~19 GB of Adam state and trains with plain DDP on an 80 GB GPU; a 300 M model with long sequences may
 not fit at all), and "layers" says nothing about memory.
 
-**Pipeline parallelism and Lightning**: Lightning 2.x has no pipeline strategy. A ``torch.distributed.pipelining``
-schedule must own the forward *and* backward of every micro-batch, while Lightning's loop calls the user's
-``training_step`` and then ``backward`` itself, so a Trainer cannot run it. When only a pipeline would fit, the
-choice says so (``plan="pipeline"``, ``fits=False``) and returns the closest strategy Lightning can run (``"fsdp"``),
-with the fixes that make it fit (activation checkpointing, CPU offload, more devices).
+Every plan runs in a Trainer: ``"fsdp"`` and ``"tp"`` through ``ShardedStrategy`` (FSDP2 / DTensor on Lightning's
+``ModelParallelStrategy``), ``"pipeline"`` through ``PipelineStrategy`` (``torch.distributed.pipelining``). Tensor
+parallelism is the plan for one layer too large to gather: FSDP must materialise its largest unit in full, tensor
+parallel splits it.
+
+Policy ``"measure"`` keeps the candidates the memory estimate says fit and lets a short timed trial decide
+(:func:`choose_by_trial`, run by ``AutoStrategy`` on every rank once the processes are connected); the trial's
+times are cached per model / world / device so repeated runs do not measure again.
 """
 
 from __future__ import annotations
@@ -35,20 +38,35 @@ from lightning_accel.parallel.estimate import (
     estimate_ddp,
     estimate_fsdp,
     estimate_pipeline,
+    estimate_tensor_parallel,
     largest_unit_params,
     measure_activation_bytes,
     pipeline_stage_params,
 )
+from lightning_accel.parallel.plans import tensor_parallel_plan
 
 __all__ = [
     "DEFAULT_ONEBIT_BREAK_EVEN_GBPS",
     "POLICIES",
     "StrategyChoice",
+    "TrialCache",
+    "choose_by_trial",
     "onebit_break_even_gbps",
     "select_strategy",
+    "trial_key",
 ]
 
-POLICIES = ("memory", "rules")
+POLICIES = ("memory", "rules", "measure")
+
+#: plan -> the strategy name a Trainer runs it with
+PLAN_STRATEGY = {
+    "single": "auto",
+    "ddp": "ddp",
+    "ddp_1bit": "ddp_1bit",
+    "fsdp": "fsdp",
+    "tp": "tp",
+    "pipeline": "pipeline",
+}
 
 #: Used when no example batch was measured: below ~25 Gbit/s (10/25 GbE) an fp32 allreduce of a mid-size model
 #: is longer than its backward pass on a modern GPU; InfiniBand (100-400 Gbit/s) hides it. Pass ``example_batch``
@@ -81,14 +99,16 @@ class StrategyChoice:
     """The result of :func:`select_strategy`; unpacks as ``strategy, explanation = select_strategy(...)``.
 
     Attributes:
-        strategy: what to pass to ``Trainer(strategy=...)``: ``"auto"``, ``"ddp"``, ``"ddp_1bit"`` or ``"fsdp"``.
-        plan: the parallelism the estimate recommends: ``"single"``, ``"ddp"``, ``"ddp_1bit"``, ``"fsdp"`` or
-            ``"pipeline"`` (differs from ``strategy`` only when Lightning cannot run the plan).
+        strategy: the strategy's name: ``"auto"``, ``"ddp"``, ``"ddp_1bit"``, ``"fsdp"`` / ``"tp"`` (both
+            ``ShardedStrategy``) or ``"pipeline"`` (``PipelineStrategy``, registered under that name).
+        plan: the parallelism chosen: ``"single"``, ``"ddp"``, ``"ddp_1bit"``, ``"fsdp"``, ``"tp"`` or
+            ``"pipeline"``.
         fits: whether ``strategy`` is expected to fit in memory (always True for ``"rules"``, which does not check).
         explanation: plain words: the numbers, the decision and what to do if it does not fit.
-        policy: ``"memory"`` or ``"rules"``.
-        estimates: strategy -> :class:`~lightning_accel.parallel.estimate.MemoryEstimate` (``"memory"`` only).
+        policy: ``"memory"``, ``"rules"`` or ``"measure"``.
+        estimates: plan -> :class:`~lightning_accel.parallel.estimate.MemoryEstimate` (not for ``"rules"``).
         facts: parameters, layers, activation bytes, world size, capacity, break-even bandwidth.
+        measured: plan -> measured seconds per step (``"measure"``, after the trial).
     """
 
     strategy: str
@@ -98,6 +118,21 @@ class StrategyChoice:
     policy: str
     estimates: dict[str, MemoryEstimate] = field(default_factory=dict)
     facts: dict[str, Any] = field(default_factory=dict)
+    measured: dict[str, float] = field(default_factory=dict)
+
+    def table(self) -> str:
+        """A markdown table: every plan's estimate per device, whether it fits, its measured step time, the pick."""
+        cap = self.facts.get("capacity")
+        rows = ["| plan | estimate per device | fits | measured step | chosen |", "|---|---|---|---|---|"]
+        for plan in dict.fromkeys([*self.estimates, *self.measured]):
+            est = self.estimates.get(plan)
+            fits = "" if est is None or cap is None else ("yes" if est.total <= cap else "no")
+            t = self.measured.get(plan)
+            rows.append(
+                f"| {plan} | {_gb(est.total) if est else '-'} | {fits} | {f'{t * 1e3:.1f} ms' if t else '-'} | "
+                f"{'**yes**' if plan == self.plan else ''} |"
+            )
+        return "\n".join(rows)
 
     def __iter__(self) -> Iterator[str]:
         yield self.strategy
@@ -163,6 +198,8 @@ def select_strategy(
         ValueError: for a bad argument (named, with the value and the fix).
     """
     _check_arguments(policy, devices, num_nodes, headroom, activation_scale, inter_node_gbps)
+    if policy == "measure":  # the estimates decide what is a candidate; `choose_by_trial` then measures them
+        policy = "memory"
     world = devices * num_nodes
     params = sum(p.numel() for p in model.parameters())
     layers = count_layers(model)
@@ -216,19 +253,14 @@ def _check_arguments(
 
 def _by_rules(params: int, layers: int, world: int, facts: dict[str, Any]) -> StrategyChoice:
     """Policy ``"rules"``: the parameter and layer thresholds, nothing measured."""
-    if params > _RULE_PARAMS:
+    if world > 1 and params > _RULE_PARAMS:
         plan, why = "fsdp", f"{params / 1e9:.2f} B parameters > 1 B: model parallel (FSDP shards the model)."
-    elif layers > _RULE_LAYERS:
+    elif world > 1 and layers > _RULE_LAYERS:
         plan, why = "pipeline", f"{layers} layers > 50: pipeline parallel."
     else:
         plan = "ddp" if world > 1 else "single"
         why = f"{params / 1e6:.1f} M parameters and {layers} layers: data parallel."
-    strategy = {"single": "auto", "ddp": "ddp", "fsdp": "fsdp", "pipeline": "fsdp"}[plan]
-    if plan == "pipeline":
-        why += (
-            " Lightning cannot run torch.distributed.pipelining schedules (they own forward and backward), so "
-            "the runnable choice is 'fsdp'; for a real pipeline use torch.distributed.pipelining with torchrun."
-        )
+    strategy = PLAN_STRATEGY[plan]
     why = "Rule of thumb (>1 B params -> model parallel, >50 layers -> pipeline, else data parallel): " + why
     why += " The rule ignores batch size, activations and device memory; policy='memory' checks them."
     return StrategyChoice(strategy, plan, True, why, "rules", facts=facts)
@@ -259,14 +291,33 @@ def _activations(
 def _estimates(
     model: nn.Module, params: int, acts: int, world: int, microbatches: int | None, bytes_per_param: int
 ) -> dict[str, MemoryEstimate]:
-    """Bytes per device of each plan, in the order of preference (data parallel < sharded < pipeline)."""
+    """Bytes per device of each plan, in the order of preference (data parallel < sharded < tensor parallel <
+    pipeline: each adds communication on the critical path or idle time)."""
     return {
         "ddp": estimate_ddp(params, acts, bytes_per_param=bytes_per_param),
         "fsdp": estimate_fsdp(params, acts, world, largest_unit_params(model), bytes_per_param=bytes_per_param),
+        "tp": estimate_tensor_parallel(
+            params,
+            _tensor_parallel_params(model),
+            acts,
+            world,
+            largest_unit_params(model),
+            bytes_per_param=bytes_per_param,
+        ),
         "pipeline": estimate_pipeline(
             pipeline_stage_params(model, world), acts, microbatches=microbatches, bytes_per_param=bytes_per_param
         ),
     }
+
+
+def _tensor_parallel_params(model: nn.Module) -> int:
+    """Parameters of the ``Linear`` layers the tensor-parallel plan splits (0: it finds none to split)."""
+    try:
+        plan = tensor_parallel_plan(model, 1)
+    except ValueError:
+        return 0
+    mods = dict(model.named_modules())
+    return sum(p.numel() for name in plan for p in mods[name].parameters())
 
 
 def _break_even(given: float | None, act: _Activations, params: int, world: int) -> tuple[float, str]:
@@ -333,21 +384,129 @@ def _beyond_data_parallel(c: _Case) -> StrategyChoice:
         return c.choice("fsdp", "fsdp", True, why)
     fixes = (
         "activation checkpointing (activations are "
-        f"{_gb(c.acts)} per device), a smaller per-device batch, more devices, or FSDP with CPU offload "
-        "(FSDPStrategy(cpu_offload=True))."
+        f"{_gb(c.acts)} per device), a smaller per-device batch, more devices, or FSDP with CPU offload."
     )
-    if world > 1 and c.fits("pipeline"):
-        why = (
-            f" Neither DDP ({_gb(ests['ddp'].total)}) nor FSDP ({_gb(ests['fsdp'].total)}) fits; a {world}-stage "
-            f"pipeline would ({_gb(ests['pipeline'].total)} on its heaviest stage). Lightning cannot run "
-            "torch.distributed.pipelining schedules (they own forward and backward of every micro-batch), so run "
-            "the pipeline with torch.distributed.pipelining + torchrun outside the Trainer, or make FSDP fit: " + fixes
-        )
-        return c.choice("fsdp", "pipeline", False, why)
-    best = min(("ddp", "fsdp") if world > 1 else ("ddp",), key=lambda k: ests[k].total)
-    strategy = "fsdp" if best == "fsdp" else ("auto" if world == 1 else "ddp")
+    for plan, what in (
+        ("tp", "tensor parallel splits each block's attention and MLP matrices over the devices (a unit too large "
+               "to gather whole)"),
+        ("pipeline", f"a {world}-stage pipeline holds one stage's layers per device"),
+    ):  # fmt: skip
+        if world > 1 and c.fits(plan):
+            why = (
+                f" Neither DDP ({_gb(ests['ddp'].total)}) nor FSDP ({_gb(ests['fsdp'].total)}) fits in "
+                f"{_gb(c.capacity)}; {what} and fits ({_gb(ests[plan].total)}): use '{plan}'."
+            )
+            return c.choice(PLAN_STRATEGY[plan], plan, True, why)
+    best = min(("ddp", "fsdp", "tp", "pipeline") if world > 1 else ("ddp",), key=lambda k: ests[k].total)
+    strategy = PLAN_STRATEGY[best] if world > 1 else "auto"
     why = (
-        f" Nothing fits in {_gb(c.capacity)}; the smallest runnable option is {best} at {_gb(ests[best].total)}. Try "
+        f" Nothing fits in {_gb(c.capacity)}: per device "
+        + ", ".join(f"{k} {_gb(e.total)}" for k, e in ests.items())
+        + f"; the smallest is {best} at {_gb(ests[best].total)}. Try "
         + fixes
     )
     return c.choice(strategy, best if world > 1 else "single", False, why)
+
+
+# ------------------------------------------------------------------------------------------- measured selection
+
+
+def trial_key(model: nn.Module, world: int, device: str, batch_shape: tuple[int, ...], candidates: list[str]) -> str:
+    """What a trial's result depends on: the model's class, size and depth, the world, the device, the batch."""
+    params = sum(p.numel() for p in model.parameters())
+    shape = "x".join(map(str, batch_shape))
+    return (
+        f"{type(model).__name__}|P={params}|L={count_layers(model)}|world={world}|{device}|batch={shape}|"
+        + ",".join(candidates)
+    )
+
+
+class TrialCache:
+    """Measured step times by :func:`trial_key`, in a JSON file (None: in memory only), so repeated runs of the
+    same model on the same world and device choose without measuring again.
+
+    Args:
+        path: the JSON file (created on the first ``put``; written atomically).
+    """
+
+    def __init__(self, path: str | None = None) -> None:
+        self.path = path
+        self._mem: dict[str, dict[str, float]] = {}
+
+    def _load(self) -> dict[str, dict[str, float]]:
+        import json
+        import os
+
+        if self.path is None or not os.path.exists(self.path):
+            return dict(self._mem)
+        try:
+            with open(self.path) as f:
+                data = json.load(f)
+        except (OSError, ValueError):  # a torn or foreign file: measure again
+            return dict(self._mem)
+        return {k: {p: float(t) for p, t in v.items()} for k, v in data.items() if isinstance(v, dict)}
+
+    def get(self, key: str) -> dict[str, float] | None:
+        return self._load().get(key)
+
+    def put(self, key: str, times: dict[str, float]) -> None:
+        import json
+        import os
+
+        self._mem[key] = dict(times)
+        if self.path is None:
+            return
+        data = self._load()
+        data[key] = dict(times)
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, self.path)
+
+
+def choose_by_trial(
+    choice: StrategyChoice,
+    trial: Callable[[str], float],
+    *,
+    key: str | None = None,
+    cache: TrialCache | None = None,
+    candidates: list[str] | None = None,
+) -> StrategyChoice:
+    """Time every candidate plan that fits (``trial(plan) -> seconds per step``) and pick the fastest.
+
+    ``choice`` is the memory policy's answer (its estimates say what fits); with nothing that fits it is returned
+    unchanged (``fits=False``: no trial can make a plan fit). Call it on every rank with the same arguments: the
+    trial runs the same plans in the same order everywhere (they are collective), and ``trial`` itself returns the
+    slowest rank's time (:func:`~lightning_accel.parallel.trials.time_plan`), so every rank decides the same.
+
+    Args:
+        choice: from :func:`select_strategy` (``policy="memory"``).
+        trial: runs a few steps of one plan and returns seconds per step.
+        key: the cache key (:func:`trial_key`); None: no cache.
+        cache: where measured times are kept.
+        candidates: the plans to consider (default: every estimated plan that fits).
+
+    Returns:
+        A new :class:`StrategyChoice` with ``policy="measure"``, ``measured`` filled and the fastest plan chosen.
+    """
+    cap = choice.facts.get("capacity")
+    fitting = candidates or [p for p, e in choice.estimates.items() if cap is None or e.total <= cap]
+    if not fitting or not choice.fits:
+        return choice
+    times = cache.get(key) if (cache is not None and key is not None) else None
+    source = "cached trial" if times is not None and all(p in times for p in fitting) else "trial"
+    if source == "trial":
+        times = {p: float(trial(p)) for p in fitting}
+        if cache is not None and key is not None:
+            cache.put(key, times)
+    assert times is not None
+    best = min(fitting, key=lambda p: times[p])
+    listed = ", ".join(f"{p} {times[p] * 1e3:.1f} ms" for p in fitting)
+    why = (
+        f"{choice.explanation} Measured ({source}, seconds per training step on the real model and batch): {listed}; "
+        f"the fastest is '{best}'."
+    )
+    return StrategyChoice(
+        PLAN_STRATEGY[best], best, True, why, "measure", choice.estimates, dict(choice.facts), measured=dict(times)
+    )

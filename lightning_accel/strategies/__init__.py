@@ -2,6 +2,6 @@
 short and stable; each strategy lives in its room (``comm/strategy.py``, ``parallel/strategy.py``)."""
 
 from lightning_accel.comm.strategy import CHECKPOINT_KEY, OneBitDDPStrategy
-from lightning_accel.parallel.strategy import AutoStrategy
+from lightning_accel.parallel.strategy import AutoStrategy, PipelineStrategy, ShardedStrategy
 
-__all__ = ["CHECKPOINT_KEY", "AutoStrategy", "OneBitDDPStrategy"]
+__all__ = ["CHECKPOINT_KEY", "AutoStrategy", "OneBitDDPStrategy", "PipelineStrategy", "ShardedStrategy"]

@@ -71,6 +71,18 @@ PRIVATE_NAMES: list[tuple[str, Callable[[], Any], str, str]] = [
     ("GradScaler._scale", lambda: torch.amp.GradScaler("cpu"), "_scale", "grad_scaler_scale"),
     ("LRScheduler._last_lr", _scheduler, "_last_lr", "scheduler_last_lr / set_scheduler_last_lr"),
     ("nn.Module._modules", lambda: nn.Linear(1, 1), "_modules", "child_modules / set_child_modules"),
+    (
+        "ModelParallelStrategy._data_parallel_size",
+        lambda: __import__("lightning.pytorch.strategies", fromlist=["x"]).ModelParallelStrategy(),
+        "_data_parallel_size",
+        "set_model_parallel_sizes",
+    ),
+    (
+        "ModelParallelStrategy._tensor_parallel_size",
+        lambda: __import__("lightning.pytorch.strategies", fromlist=["x"]).ModelParallelStrategy(),
+        "_tensor_parallel_size",
+        "set_model_parallel_sizes",
+    ),
     ("nn.Module._call_impl", lambda: nn.Linear(1, 1), "_call_impl", "module_call_impl"),
     ("nn.Module._compiled_call_impl", lambda: nn.Linear(1, 1), "_compiled_call_impl", "compiled_call_impl"),
     (

@@ -15,7 +15,8 @@ from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, StrategyRegi
 from torch import nn
 
 import lightning_accel.parallel.strategy as strategy_mod
-from lightning_accel.parallel import AutoStrategy
+from lightning_accel.parallel import AutoStrategy, PipelineStrategy, ShardedStrategy
+from lightning_accel.parallel.select import StrategyChoice
 from lightning_accel.parallel.strategy import ChoiceCheck, resolve_trainer_kwargs, trainer_devices
 
 
@@ -73,9 +74,16 @@ class Inspect(Callback):
         raise Stop
 
 
+def _force(st: AutoStrategy, name: str) -> AutoStrategy:
+    """Make ``st`` choose ``name`` (the estimate itself is tested in test_select.py)."""
+    forced = StrategyChoice(name, name, True, f"forced {name}", "memory")
+    st._choose = lambda *a, **k: forced  # type: ignore[method-assign]
+    return st
+
+
 def test_swaps_to_fsdp_at_setup(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(strategy_mod, "_fsdp_runs_on", lambda device: True)  # torch's FSDP itself needs a GPU
-    st = AutoStrategy(policy="rules")
+    monkeypatch.setattr(strategy_mod, "_fsdp_runs_on", lambda device: True)  # torch's FSDP1 itself needs a GPU
+    st = _force(AutoStrategy(fsdp_kwargs={"cpu_offload": False}), "fsdp")
     spy = Inspect()
     t = trainer(st, [spy])
     model = Deep()
@@ -84,12 +92,55 @@ def test_swaps_to_fsdp_at_setup(monkeypatch: pytest.MonkeyPatch) -> None:
     cls, prec, devices, launcher, module = spy.seen
     assert cls is FSDPStrategy and prec == "FSDPPrecision"
     assert devices == st.parallel_devices and launcher is st.launcher and module is model
-    assert st.choice is not None and st.choice.plan == "pipeline" and st.chosen is t.strategy
+    assert st.choice is not None and st.choice.plan == "fsdp" and st.chosen is t.strategy
 
 
-def test_fsdp_on_cpu_is_refused_with_the_reason() -> None:
+def test_swaps_to_the_sharded_strategy_on_cpu() -> None:
+    st = _force(AutoStrategy(), "fsdp")
+    t = trainer(st)
+    t.fit(Deep(depth=3), loader())
+    assert isinstance(t.strategy, ShardedStrategy) and t.strategy.applied == {"fsdp_units": 3} and t.global_step == 3
+
+
+def test_fsdp1_on_cpu_is_refused_with_the_reason() -> None:
     with pytest.raises(ValueError, match="cannot run on `cpu`"):
-        trainer(AutoStrategy(policy="rules")).fit(Deep(), loader())
+        trainer(_force(AutoStrategy(fsdp_kwargs={"cpu_offload": False}), "fsdp")).fit(Deep(), loader())
+
+
+def test_a_plan_that_fits_nowhere_is_refused_with_the_estimate() -> None:
+    st = AutoStrategy(device_memory_bytes=500)
+    with pytest.raises(ValueError, match=r"no plan fits in memory.*Nothing fits in .*allow_unfit=True"):
+        st.resolve(Deep(depth=3), accelerator="cpu", devices=2)
+    loose = AutoStrategy(device_memory_bytes=500, allow_unfit=True)
+    with pytest.warns(UserWarning, match="no plan fits"):
+        assert isinstance(loose.resolve(Deep(depth=3), accelerator="cpu", devices=2), PipelineStrategy)
+
+
+def test_pipeline_registered_and_bad_arguments() -> None:
+    import lightning_accel  # noqa: F401  (registers the name)
+
+    assert "pipeline" in StrategyRegistry
+    with pytest.raises(ValueError, match="`schedule`"):
+        PipelineStrategy(schedule="zigzag")
+    with pytest.raises(ValueError, match=r"`stages_per_rank`=1 with `schedule`='interleaved1f1b'"):
+        PipelineStrategy(schedule="interleaved1f1b", stages_per_rank=1)
+    with pytest.raises(ValueError, match="`tensor_parallel_size`"):
+        ShardedStrategy(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="`trial_steps`"):
+        AutoStrategy(policy="measure", trial_steps=0)
+
+
+def test_pipeline_on_an_unsplittable_module_names_it() -> None:
+    class Opaque(Deep):
+        def __init__(self) -> None:
+            super().__init__(depth=2)
+            self.net = nn.ModuleDict({"a": nn.Linear(8, 8)})  # type: ignore[assignment]
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net["a"](x)
+
+    with pytest.raises(TypeError, match=r"cannot split `Opaque`: it needs the pieces of its forward"):
+        trainer(PipelineStrategy()).fit(Opaque(), loader())
 
 
 def test_ddp_1bit_resolves_by_registered_name(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -166,13 +217,13 @@ def test_cli_resolves_before_the_trainer_is_built(tmp_path: Path) -> None:
     assert len(checks) == 1 and checks[0].strategy == "ddp_1bit"
 
 
-def test_cli_refuses_fsdp_on_cpu_before_building_the_trainer(tmp_path: Path) -> None:
+def test_cli_resolves_the_pipeline_plan_before_building_the_trainer(tmp_path: Path) -> None:
     from lightning_accel.cli import AccelCLI
 
     cfg = _cli_config(tmp_path, "  devices: 2\n", "policy: rules")
     cfg.write_text(cfg.read_text().replace("{depth: 3}", "{depth: 60}"))
-    with pytest.raises(ValueError, match="cannot run on `cpu`"):
-        AccelCLI(args=["--config", str(cfg)], run=False)
+    cli = AccelCLI(args=["--config", str(cfg)], run=False)
+    assert isinstance(cli.trainer.strategy, PipelineStrategy)
 
 
 def test_resolve_keeps_itself_when_ddp_fits_and_setup_does_not_choose_again() -> None:
@@ -221,7 +272,7 @@ def test_trainer_devices_resolves_like_the_trainer() -> None:
 
 @pytest.mark.gpu
 def test_real_fsdp_swap_on_gpu() -> None:
-    st = AutoStrategy(policy="rules")
+    st = _force(AutoStrategy(fsdp_kwargs={"cpu_offload": False}), "fsdp")
     t = trainer(st, accelerator="cuda", devices=1)
     t.fit(Deep(), loader())
     assert isinstance(t.strategy, FSDPStrategy) and t.global_step == 3

@@ -1,0 +1,179 @@
+"""Parallel plans on 2 CPU processes (gloo): step time and peak live tensor memory per rank of FSDP2, tensor parallel
+and a 1F1B pipeline against DDP, on a ~20M-parameter TinyGPT; loss agreement with one process; the selector.
+
+Memory is *live tensor bytes*, not RSS (the interpreter and libraries dominate RSS): at the start of a profiled step
+the bytes of this rank's parameters, gradients and optimizer state, plus the highest running sum of the allocations
+and frees ``torch.profiler`` (``profile_memory=True``) records during that step; on CUDA ``max_memory_allocated``.
+Every plan runs in the same two processes, in turn; the selector (:func:`choose_by_trial`, the same trial code
+``AutoStrategy(policy="measure")`` runs: each candidate in turn) is timed separately from the reference timing
+(all plans alternating, one step each per round, median), and ``selector_step_over_best`` is the selected plan's
+reference step time over the fastest reference step time.
+
+    python benchmarks/parallel.py --quick --out /tmp/bench/parallel.json
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import statistics
+from typing import Any
+
+from _harness import parser, ratio, report
+
+PLANS = ("ddp", "fsdp", "tp", "pipeline")
+
+
+def _gpt(cfg: dict[str, Any]) -> Any:
+    import torch
+
+    from lightning_accel.models.transformer import GPT
+
+    torch.manual_seed(0)
+    return GPT(cfg["vocab"], cfg["seq"], cfg["layers"], cfg["heads"], cfg["width"], dropout=0.0)
+
+
+def _ce(out: Any, tokens: Any) -> Any:
+    import torch.nn.functional as F
+
+    return F.cross_entropy(out.reshape(-1, out.size(-1)).float(), tokens[:, 1:].reshape(-1))
+
+
+def _peak_step(stepper: Any) -> int:
+    """Live tensor bytes at the peak of one step (see the module docstring)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from lightning_accel.parallel.trials import held_tensor_bytes
+
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+        stepper.step()
+        return int(torch.cuda.max_memory_allocated())
+    base = held_tensor_bytes(stepper.model, stepper.optimizer)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        stepper.step()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    run = peak = 0
+    for _, n in events:
+        run += n
+        peak = max(peak, run)
+    return base + peak
+
+
+def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    from lightning_accel.parallel.select import StrategyChoice, choose_by_trial, select_strategy
+    from lightning_accel.parallel.trials import plan_stepper, time_plan
+
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"] + 1), generator=g)
+    x = tokens[:, :-1]
+    base = _gpt(cfg)
+    out: dict[str, Any] = {"params": sum(p.numel() for p in base.parameters())}
+    steppers = {}
+    for plan in PLANS:
+        st = plan_stepper(plan, copy.deepcopy(base), x, tokens, loss_fn=_ce, lr=1e-3)
+        losses = [st.step() for _ in range(cfg["loss_steps"])]
+        out[plan] = {"losses": losses, "peak_bytes": _peak_step(st)}
+        steppers[plan] = st
+    # reference step times: the plans alternate, one step each per round, so drift on this shared machine hits all
+    rounds: dict[str, list[float]] = {p: [] for p in PLANS}
+    for _ in range(cfg["rounds"]):
+        for plan, st in steppers.items():
+            rounds[plan].append(time_plan(st, steps=1, warmup=0))
+    for plan in PLANS:
+        out[plan]["step_s"] = statistics.median(rounds[plan])
+    del steppers
+    # the selector: the memory estimate's candidates (all fit in 1 GiB here), then its own timed trial
+    choice: StrategyChoice = select_strategy(base, devices=world, device_memory_bytes=2**30, example_batch=x[:2])
+
+    def trial(plan: str) -> float:
+        return time_plan(plan_stepper(plan, copy.deepcopy(base), x, tokens, loss_fn=_ce), steps=cfg["steps"])
+
+    picked = choose_by_trial(choice, trial)
+    out["selector"] = {"plan": picked.plan, "trial_s": picked.measured, "table": picked.table()}
+    return out
+
+
+def _single(cfg: dict[str, Any]) -> list[float]:
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"] + 1), generator=g)
+    m = _gpt(cfg)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(cfg["loss_steps"]):
+        opt.zero_grad(set_to_none=True)
+        loss = _ce(m(tokens[:, :-1]), tokens)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    return losses
+
+
+def case_plans(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:
+    from tests.helpers import run_in_processes
+
+    ref = _single(cfg)
+    r0, r1 = run_in_processes(_worker, 2, (cfg,), timeout=1800)
+    results: dict[str, Any] = {"params_m": round(r0["params"] / 1e6, 2), "single_losses": ref}
+    for plan in PLANS:
+        results[plan] = {
+            "step_ms": round(r0[plan]["step_s"] * 1e3, 1),
+            "peak_mb_rank0": round(r0[plan]["peak_bytes"] / 2**20, 1),
+            "peak_mb_rank1": round(r1[plan]["peak_bytes"] / 2**20, 1),
+            "losses_rank0": r0[plan]["losses"],
+        }
+
+    def peak(plan: str) -> float:
+        return max(r0[plan]["peak_bytes"], r1[plan]["peak_bytes"])
+
+    def loss_diff(plan: str) -> float:
+        return max(abs(a - b) for a, b in zip(r0[plan]["losses"], ref, strict=True))
+
+    times = {p: r0[p]["step_s"] for p in PLANS}
+    sel = r0["selector"]
+    results["selector"] = {
+        "plan": sel["plan"],
+        "trial_ms": {k: round(v * 1e3, 1) for k, v in sel["trial_s"].items()},
+        "fastest_by_reference_timing": min(times, key=times.__getitem__),
+    }
+    print(sel["table"])
+    ratios = {
+        "fsdp_peak_mem_over_ddp": ratio(peak("fsdp"), peak("ddp")),
+        "pipeline_peak_mem_over_ddp": ratio(peak("pipeline"), peak("ddp")),
+        "tp_peak_mem_over_ddp": ratio(peak("tp"), peak("ddp")),
+        "fsdp_step_over_ddp": ratio(times["fsdp"], times["ddp"]),
+        "tp_step_over_ddp": ratio(times["tp"], times["ddp"]),
+        "pipeline_step_over_ddp": ratio(times["pipeline"], times["ddp"]),
+        "tp_loss_max_abs_diff": float(f"{loss_diff('tp'):.3g}"),
+        "pipeline_loss_max_abs_diff": float(f"{loss_diff('pipeline'):.3g}"),
+        "fsdp_loss_max_abs_diff": float(f"{loss_diff('fsdp'):.3g}"),
+        "selector_step_over_best": ratio(times[sel["plan"]], min(times.values())),
+    }
+    return results, ratios
+
+
+def main() -> None:
+    args = parser(__doc__.splitlines()[0]).parse_args()
+    # ~20M parameters: 6 blocks of width 512 (12·512² each) + embeddings
+    cfg = {"vocab": 256, "seq": 64, "layers": 6, "heads": 8, "width": 512, "batch": 4}
+    cfg.update({"steps": 2, "loss_steps": 2, "rounds": 3} if args.quick else {"steps": 4, "loss_steps": 4, "rounds": 7})
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    results, ratios = case_plans(cfg)
+    report(
+        "parallel",
+        quick=args.quick,
+        config={**cfg, "processes": 2, "backend": "gloo", "dtype": "fp32"},
+        results=results,
+        ratios=ratios,
+        out=args.out,
+    )
+
+
+if __name__ == "__main__":
+    main()

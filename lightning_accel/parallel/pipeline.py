@@ -1,0 +1,460 @@
+"""Pipeline parallelism on ``torch.distributed.pipelining``: split a network into stages, run a schedule, sync grads.
+
+What a network must provide: an ordered list of modules ("pieces") whose composition is its forward, each taking the
+previous piece's single tensor output, found by :func:`find_pipeline_modules`:
+
+1. a ``pipeline_modules()`` method (on the module itself or on one of its direct children, e.g. the network inside a
+   LightningModule), returning the pieces in forward order, or
+2. the network as an ``nn.Sequential`` (the module itself or a direct child): its children are the pieces.
+
+The stages are contiguous runs of pieces balanced by :func:`balance_stages` on each piece's model-state bytes plus
+its measured activations (:func:`piece_costs`). On each rank, :func:`keep_only` drops the parameters of every piece
+it does not run, so its optimizer sees only its stage(s) and its memory holds only its share. A parameter used by
+pieces on different stages (a tied embedding / LM head) is kept by each holder and its gradient is summed between
+them after every step (Megatron's tied-embedding rule), so the copies stay equal.
+
+:class:`PipelineRunner` owns the ``PipelineStage`` objects and the schedule of one rank: ``"1f1b"`` (default,
+``Schedule1F1B``: at most ``stages`` micro-batches of activations alive), ``"gpipe"`` (``ScheduleGPipe``: all
+micro-batches' activations alive, simplest), ``"interleaved1f1b"`` (``ScheduleInterleaved1F1B``, ``v`` stages per rank
+in loop order: rank ``r`` runs stages ``r, r + pp, ...``; smaller bubble, more messages). With ``dp`` replicas of the
+pipeline (world ``= dp · pp``), gradients are averaged over the replicas after the schedule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = [
+    "SCHEDULES",
+    "PipelineLayout",
+    "PipelineRunner",
+    "balance_stages",
+    "find_pipeline_modules",
+    "keep_only",
+    "piece_costs",
+    "pipeline_layout",
+    "split_batch",
+]
+
+SCHEDULES = ("1f1b", "gpipe", "interleaved1f1b")
+
+
+def find_pipeline_modules(module: nn.Module) -> list[nn.Module]:
+    """The pieces of ``module`` in forward order (see the module docstring for the two ways to provide them).
+
+    Raises:
+        TypeError: ``module`` provides neither, naming the module and what is needed.
+    """
+    candidates: list[nn.Module] = [module, *module.children()]
+    for m in candidates:
+        fn = getattr(m, "pipeline_modules", None)
+        if callable(fn):
+            pieces = list(fn())
+            if not pieces or not all(isinstance(p, nn.Module) for p in pieces):
+                raise TypeError(f"`{type(m).__name__}.pipeline_modules()` must return a non-empty list of nn.Modules.")
+            return pieces
+    for m in candidates:
+        if isinstance(m, nn.Sequential) and len(m) > 0:
+            return list(m)
+    raise TypeError(
+        f"PipelineStrategy cannot split `{type(module).__name__}`: it needs the pieces of its forward in order. Give "
+        "it (or the network it holds, e.g. `self.model`) a `pipeline_modules()` method returning the modules whose "
+        "composition is the forward (each takes the previous one's single tensor output), or make the network an "
+        "`nn.Sequential`."
+    )
+
+
+def _params(m: nn.Module) -> int:
+    return sum(p.numel() for p in m.parameters())
+
+
+def piece_costs(pieces: Sequence[nn.Module], example_input: Any = None, *, bytes_per_param: int = 16) -> list[int]:
+    """Bytes each piece costs on its stage: ``bytes_per_param · parameters`` plus the activations autograd saves for
+    its backward, measured by running ``example_input`` through the pieces in order (one forward, no backward;
+    0 without an example)."""
+    acts = [0] * len(pieces)
+    if example_input is not None:
+        x = example_input
+        for i, p in enumerate(pieces):
+            param_ptrs = {q.untyped_storage().data_ptr() for q in p.parameters()}
+            seen: dict[int, int] = {}
+
+            def pack(t: torch.Tensor, seen: dict[int, int] = seen, skip: set[int] = param_ptrs) -> torch.Tensor:
+                try:
+                    s = t.untyped_storage()
+                    if s.data_ptr() not in skip:
+                        seen.setdefault(s.data_ptr(), s.nbytes())
+                except (RuntimeError, NotImplementedError):
+                    pass
+                return t
+
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                x = p(x)
+            acts[i] = int(sum(seen.values()))
+            x = x.detach()
+    return [bytes_per_param * _params(p) + a for p, a in zip(pieces, acts, strict=False)]
+
+
+def balance_stages(costs: Sequence[float], stages: int) -> list[tuple[int, int]]:
+    """Cut ``costs`` into ``stages`` contiguous, non-empty runs minimising the largest run's sum (exact linear
+    partition by dynamic programming). Returns ``(start, stop)`` per stage.
+
+    Raises:
+        ValueError: more stages than pieces, with both numbers and the fix.
+    """
+    n = len(costs)
+    if stages < 1:
+        raise ValueError(f"`stages` must be >= 1, got {stages!r}.")
+    if stages > n:
+        raise ValueError(
+            f"cannot cut {n} pipeline piece(s) into {stages} stages: every stage needs at least one. Use at most {n} "
+            "stages (fewer processes per pipeline, or `stages_per_rank=1`), or split the network into more pieces."
+        )
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + float(c))
+    inf = float("inf")
+    # best[k][i]: the smallest max-run for the first i pieces in k runs; cut[k][i]: where the last run starts
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, stages + 1):
+        for i in range(k, n - (stages - k) + 1):
+            for j in range(k - 1, i):
+                v = max(best[k - 1][j], prefix[i] - prefix[j])
+                if v < best[k][i]:
+                    best[k][i], cut[k][i] = v, j
+    bounds: list[tuple[int, int]] = []
+    i = n
+    for k in range(stages, 0, -1):
+        j = cut[k][i]
+        bounds.append((j, i))
+        i = j
+    return bounds[::-1]
+
+
+def keep_only(root: nn.Module, owned: Sequence[nn.Module]) -> int:
+    """Drop from ``root`` every parameter and buffer that no module of ``owned`` uses (set to ``None`` through
+    ``register_parameter`` / ``register_buffer``), so ``root.parameters()`` and the optimizer built from it see
+    only this rank's stages and the memory is freed. Returns the number of parameter elements dropped."""
+    keep = {id(t) for m in owned for t in (*m.parameters(), *m.buffers())}
+    dropped = 0
+    for m in root.modules():
+        for name, p in list(m.named_parameters(recurse=False, remove_duplicate=False)):
+            if id(p) not in keep:
+                dropped += p.numel()
+                m.register_parameter(name, None)
+        for name, b in list(m.named_buffers(recurse=False, remove_duplicate=False)):
+            if id(b) not in keep:
+                m.register_buffer(name, None)
+    return dropped
+
+
+class _Stage(nn.Module):
+    """A contiguous run of pieces applied in order (holds references: the pieces stay in the user's module)."""
+
+    def __init__(self, pieces: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.pieces = nn.ModuleList(pieces)
+
+    def forward(self, x: Any) -> Any:
+        for p in self.pieces:
+            x = p(x)
+        return x
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """Who runs what: ``world = dp · pp`` ranks, rank ``r`` is replica ``r // pp``, pipeline rank ``r % pp``; each
+    pipeline rank runs ``stages_per_rank`` stages in loop order (``pp_rank + i·pp``).
+
+    Attributes:
+        dp: pipeline replicas (data parallel).
+        pp: ranks per pipeline.
+        stages_per_rank: virtual stages per rank (1 except for interleaved schedules).
+        bounds: ``(start, stop)`` piece indices of every stage.
+    """
+
+    dp: int
+    pp: int
+    stages_per_rank: int
+    bounds: tuple[tuple[int, int], ...]
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.stages_per_rank
+
+    def stages_of(self, rank: int) -> list[int]:
+        return [rank % self.pp + i * self.pp for i in range(self.stages_per_rank)]
+
+    def rank_of(self, stage: int, replica: int) -> int:
+        return replica * self.pp + stage % self.pp
+
+
+def pipeline_layout(
+    costs: Sequence[float], world: int, *, pipeline_size: int | None = None, stages_per_rank: int = 1
+) -> PipelineLayout:
+    """Balance ``costs`` over ``pipeline_size · stages_per_rank`` stages; the rest of ``world`` is data parallel.
+
+    Raises:
+        ValueError: ``world`` not divisible by ``pipeline_size``, or more stages than pieces (both numbers, the fix).
+    """
+    pp = world if pipeline_size is None else pipeline_size
+    if pp < 1 or world % pp:
+        raise ValueError(
+            f"the world size {world} is not divisible by `pipeline_size`={pp}: every pipeline replica needs all its "
+            f"stages. Use a `pipeline_size` that divides {world} (one of {_divisors(world)}), or a multiple of {pp} "
+            "processes."
+        )
+    if stages_per_rank < 1:
+        raise ValueError(f"`stages_per_rank` must be >= 1, got {stages_per_rank!r}.")
+    bounds = balance_stages(costs, pp * stages_per_rank)
+    return PipelineLayout(world // pp, pp, stages_per_rank, tuple(bounds))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def split_batch(batch: Any, chunks: int) -> list[Any]:
+    """Split every tensor of ``batch`` (nested tuples / lists / dicts) along dim 0 into ``chunks`` equal parts;
+    non-tensors are repeated.
+
+    Raises:
+        ValueError: a tensor's first dimension is not divisible by ``chunks``.
+    """
+
+    def split(x: Any) -> list[Any]:
+        if isinstance(x, torch.Tensor):
+            if x.ndim == 0 or x.shape[0] % chunks:
+                raise ValueError(
+                    f"a batch tensor of shape {tuple(x.shape)} cannot be split into `microbatches`={chunks} equal "
+                    f"micro-batches. Use a batch size that is a multiple of {chunks} (and `drop_last=True`), or set "
+                    "`microbatches` to a divisor of the batch size."
+                )
+            return list(x.chunk(chunks))
+        if isinstance(x, (list, tuple)):
+            parts = [split(v) for v in x]
+            return [
+                type(x)(p[i] for p in parts) if isinstance(x, tuple) else [p[i] for p in parts] for i in range(chunks)
+            ]
+        if isinstance(x, dict):
+            parts_d = {k: split(v) for k, v in x.items()}
+            return [{k: v[i] for k, v in parts_d.items()} for i in range(chunks)]
+        return [x] * chunks
+
+    return split(batch)
+
+
+class PipelineRunner:
+    """The stages and schedule of one rank; :meth:`step` runs one optimizer step's forward and backward.
+
+    Args:
+        root: the module that owns every piece (its unused parameters are dropped, see :func:`keep_only`).
+        pieces: the pieces, in forward order.
+        layout: the split (:func:`pipeline_layout`).
+        rank: this process's global rank.
+        device: this process's device.
+        schedule: one of :data:`SCHEDULES`.
+        microbatches: micro-batches per step (``>= pp``).
+        loss_fn: ``(last stage output, target micro-batch) -> scalar loss``, run on the last stage.
+    """
+
+    def __init__(
+        self,
+        root: nn.Module,
+        pieces: Sequence[nn.Module],
+        layout: PipelineLayout,
+        *,
+        rank: int,
+        device: torch.device,
+        schedule: str = "1f1b",
+        microbatches: int,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+    ) -> None:
+        if schedule not in SCHEDULES:
+            raise ValueError(f"`schedule` must be one of {SCHEDULES}, got {schedule!r}.")
+        if (schedule == "interleaved1f1b") != (layout.stages_per_rank > 1):
+            raise ValueError(
+                f"`schedule`={schedule!r} with `stages_per_rank`={layout.stages_per_rank}: the interleaved schedule "
+                "needs `stages_per_rank` >= 2 and the others exactly 1."
+            )
+        if microbatches < layout.pp:
+            raise ValueError(
+                f"`microbatches`={microbatches} is smaller than the {layout.pp} ranks of the pipeline: some stages "
+                f"would idle for the whole step. Use `microbatches` >= {layout.pp}."
+            )
+        if schedule == "interleaved1f1b" and microbatches % layout.pp:
+            raise ValueError(
+                f"the interleaved schedule needs `microbatches` ({microbatches}) divisible by the pipeline size "
+                f"({layout.pp})."
+            )
+        self.layout, self.rank, self.device = layout, rank, device
+        self.schedule_name, self.microbatches, self.loss_fn = schedule, microbatches, loss_fn
+        self.replica, self.pp_rank = divmod(rank, layout.pp)
+        self.stage_ids = layout.stages_of(rank)
+        self.stage_modules = [_Stage(pieces[a:b]) for a, b in (layout.bounds[s] for s in self.stage_ids)]
+        self._tied = self._tied_groups(pieces)  # collective: every rank creates every group, in the same order
+        #: this replica's pipeline ranks / this pipeline rank's replicas
+        self.pp_group, self.dp_group = self._groups()
+        keep_only(root, self.stage_modules)
+        self.params = [p for p in root.parameters() if p.requires_grad]
+        self._schedules: dict[Any, Any] = {}
+
+    # ----------------------------------------------------------------------------------------------------- groups
+    def _groups(self) -> tuple[Any, Any]:
+        lay = self.layout
+        pp_group = dp_group = None
+        for r in range(lay.dp):
+            g = dist.new_group([r * lay.pp + i for i in range(lay.pp)])
+            if r == self.replica:
+                pp_group = g
+        for i in range(lay.pp):
+            g = dist.new_group([r * lay.pp + i for r in range(lay.dp)])
+            if i == self.pp_rank:
+                dp_group = g
+        return pp_group, dp_group
+
+    def _tied_groups(self, pieces: Sequence[nn.Module]) -> list[tuple[list[nn.Parameter], Any]]:
+        """Parameters used on more than one pipeline rank, with the group of those ranks (one per replica)."""
+        lay = self.layout
+        holders: dict[int, set[int]] = {}
+        by_id: dict[int, nn.Parameter] = {}
+        order: list[int] = []
+        for stage, (a, b) in enumerate(lay.bounds):
+            for piece in pieces[a:b]:
+                for p in piece.parameters():
+                    if id(p) not in holders:
+                        holders[id(p)], by_id[id(p)] = set(), p
+                        order.append(id(p))
+                    holders[id(p)].add(stage % lay.pp)
+        shared: dict[tuple[int, ...], list[nn.Parameter]] = {}
+        for pid in order:
+            if len(holders[pid]) > 1:
+                shared.setdefault(tuple(sorted(holders[pid])), []).append(by_id[pid])
+        out: list[tuple[list[nn.Parameter], Any]] = []
+        for ranks, params in shared.items():
+            for r in range(lay.dp):
+                g = dist.new_group([r * lay.pp + i for i in ranks])
+                if r == self.replica and self.pp_rank in ranks:
+                    out.append((params, g))
+        return out
+
+    # --------------------------------------------------------------------------------------------------- schedule
+    @property
+    def has_first(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def has_last(self) -> bool:
+        return self.layout.num_stages - 1 in self.stage_ids
+
+    def _schedule(self, key: Any) -> Any:
+        """One schedule per micro-batch shape: ``PipelineStage`` infers and fixes its buffers' shapes on first use."""
+        if key in self._schedules:
+            return self._schedules[key]
+        from torch.distributed import pipelining as pl
+
+        stages: list[Any] = [
+            pl.PipelineStage(m, s, self.layout.num_stages, self.device, group=self.pp_group)
+            for m, s in zip(self.stage_modules, self.stage_ids, strict=False)
+        ]
+        sched: Any
+        if self.schedule_name == "interleaved1f1b":
+            sched = pl.ScheduleInterleaved1F1B(stages, self.microbatches, loss_fn=self.loss_fn)
+        else:
+            cls = pl.Schedule1F1B if self.schedule_name == "1f1b" else pl.ScheduleGPipe
+            sched = cls(stages[0], self.microbatches, loss_fn=self.loss_fn)
+        self._schedules[key] = sched
+        return sched
+
+    def step(self, inputs: Sequence[Any] | None, targets: Sequence[Any] | None, key: Any = None) -> torch.Tensor:
+        """Forward and backward of ``microbatches`` micro-batches, then the gradient syncs.
+
+        Args:
+            inputs: per micro-batch, the first stage's input tensor (read on the rank with stage 0 only).
+            targets: per micro-batch, what ``loss_fn`` receives on the last stage (read there only).
+            key: the micro-batch shape (one schedule per shape; None: one shape throughout).
+
+        Returns:
+            The mean micro-batch loss, on every rank of this pipeline (sent from the last stage).
+        """
+        sched = self._schedule(("train", key))
+        losses: list[torch.Tensor] = []
+        kwargs: dict[str, Any] = {}
+        if self.has_first:
+            assert inputs is not None, "the rank with the first stage needs the inputs"
+            kwargs["arg_mbs"] = [(x,) for x in inputs]
+        if self.has_last:
+            assert targets is not None, "the rank with the last stage needs the targets"
+            kwargs["target_mbs"] = list(targets)
+            kwargs["losses"] = losses
+        sched.step(**kwargs)
+        self._sync_grads()
+        return self._loss_everywhere(losses)
+
+    @torch.no_grad()
+    def evaluate(self, inputs: Sequence[Any] | None, targets: Sequence[Any] | None, key: Any = None) -> torch.Tensor:
+        """Forward only (``schedule.eval``); the mean micro-batch loss on every rank of this pipeline."""
+        sched = self._schedule(("eval", key))
+        losses: list[torch.Tensor] = []
+        kwargs: dict[str, Any] = {}
+        if self.has_first:
+            assert inputs is not None, "the rank with the first stage needs the inputs"
+            kwargs["arg_mbs"] = [(x,) for x in inputs]
+        if self.has_last:
+            assert targets is not None, "the rank with the last stage needs the targets"
+            kwargs["target_mbs"] = list(targets)
+            kwargs["losses"] = losses
+        sched.eval(**kwargs)
+        return self._loss_everywhere(losses)
+
+    def _loss_everywhere(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        t = torch.stack([loss.detach().float() for loss in losses]).mean() if losses else torch.zeros(())
+        t = t.to(self.device)
+        src = self.layout.rank_of(self.layout.num_stages - 1, self.replica)
+        dist.broadcast(t, src=src, group=self.pp_group)
+        return t
+
+    def _sync_grads(self) -> None:
+        for params, group in self._tied:  # tied weights: each holder computed a part of the gradient
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, group=group)
+        if self.layout.dp > 1:
+            for p in self.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, group=self.dp_group)
+                p.grad.div_(self.layout.dp)
+
+    def grad_norm_sq(self) -> torch.Tensor:
+        """Squared L2 norm of the whole model's gradient, on every rank (tied parameters counted once)."""
+        tied_skip: set[int] = set()
+        for params, group in self._tied:
+            if dist.get_rank(group) != 0:  # the lowest holder counts them
+                tied_skip.update(id(p) for p in params)
+        total = torch.zeros((), device=self.device, dtype=torch.float32)
+        for p in self.params:
+            if p.grad is not None and id(p) not in tied_skip:
+                total += p.grad.detach().float().pow(2).sum()
+        dist.all_reduce(total, group=self.pp_group)
+        return total
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Scale every stage's gradients by ``max_norm / global norm`` when the global norm exceeds it (the norm
+        ``clip_grad_norm_`` would compute on the unsplit model). Returns the global norm before clipping."""
+        norm = float(self.grad_norm_sq().sqrt())
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        return norm

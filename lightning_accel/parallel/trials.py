@@ -1,0 +1,166 @@
+"""Timed trials of the parallel plans: a few real training steps of each candidate on the real model and batch.
+
+:func:`plan_stepper` builds one plan (``"ddp"``, ``"fsdp"``, ``"tp"``, ``"pipeline"``) on a model in the running
+process group and returns a :class:`Stepper` whose ``step()`` runs one forward + backward + AdamW step and returns the
+loss averaged as single-process training would see it. :func:`time_plan` times ``steps`` steps after a warm-up
+(the slowest rank's median, since a data-parallel job runs at its slowest rank's pace). Every rank must call these
+with the same arguments (they run collectives). The selector (:func:`~lightning_accel.parallel.select.choose_by_trial`)
+and ``benchmarks/parallel.py`` use them.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_accel.parallel.pipeline import (
+    PipelineRunner,
+    find_pipeline_modules,
+    piece_costs,
+    pipeline_layout,
+    split_batch,
+)
+from lightning_accel.parallel.plans import apply_fully_shard, apply_tensor_parallel
+
+__all__ = ["PLANS", "Stepper", "held_tensor_bytes", "plan_stepper", "time_plan"]
+
+PLANS = ("ddp", "fsdp", "tp", "pipeline")
+
+
+def _mean_loss(output: torch.Tensor, target: Any) -> torch.Tensor:
+    return output.float().mean()
+
+
+@dataclass
+class Stepper:
+    """One plan, built: ``step()`` trains one step; ``model`` / ``optimizer`` are what this rank holds."""
+
+    plan: str
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    step: Callable[[], float]
+
+
+def held_tensor_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of this rank's parameters, gradients and optimizer state (distinct storages; a DTensor's local
+    shard)."""
+    from torch.distributed.tensor import DTensor
+
+    seen: dict[int, int] = {}
+
+    def add(t: Any) -> None:
+        if isinstance(t, DTensor):
+            t = t.to_local()
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            s = t.untyped_storage()
+            seen[s.data_ptr()] = s.nbytes()
+
+    for p in model.parameters():
+        add(p)
+        add(p.grad)
+    for state in optimizer.state.values():
+        for v in state.values():
+            add(v)
+    return int(sum(seen.values()))
+
+
+def plan_stepper(
+    plan: str,
+    model: nn.Module,
+    inputs: torch.Tensor,
+    target: Any = None,
+    *,
+    loss_fn: Callable[[torch.Tensor, Any], torch.Tensor] | None = None,
+    lr: float = 1e-3,
+    microbatches: int | None = None,
+    schedule: str = "1f1b",
+) -> Stepper:
+    """Apply ``plan`` to ``model`` (changed in place: pass a copy) over the default process group.
+
+    Args:
+        plan: one of :data:`PLANS`.
+        model: the network; its forward takes ``inputs``.
+        inputs: the global batch of forward inputs (data-parallel plans take this rank's ``1/world`` of it).
+        target: what ``loss_fn`` compares the output with (sliced like ``inputs``); None with the default loss.
+        loss_fn: ``(output, target) -> scalar`` (default: the output's mean).
+        lr: AdamW learning rate.
+        microbatches: pipeline micro-batches (default ``2 x world``).
+        schedule: pipeline schedule.
+    """
+    if plan not in PLANS:
+        raise ValueError(f"`plan` must be one of {PLANS}, got {plan!r}.")
+    loss = loss_fn or _mean_loss
+    world, rank = dist.get_world_size(), dist.get_rank()
+    device = inputs.device
+    if plan == "pipeline":
+        pieces = find_pipeline_modules(model)
+        layout = pipeline_layout(piece_costs(pieces, inputs[:1]), world)
+        m = microbatches or 2 * world
+        runner = PipelineRunner(
+            model, pieces, layout, rank=rank, device=device, schedule=schedule, microbatches=m, loss_fn=loss
+        )
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        xs = split_batch(inputs, m)
+        ts = split_batch(target, m) if target is not None else [torch.zeros(1)] * m
+
+        def step_pp() -> float:
+            opt.zero_grad(set_to_none=True)
+            out = runner.step(xs, ts, key=tuple(xs[0].shape))
+            opt.step()
+            return float(out)
+
+        return Stepper(plan, model, opt, step_pp)
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shard = plan in ("ddp", "fsdp")
+    if shard and inputs.shape[0] % world:
+        raise ValueError(f"the batch of {inputs.shape[0]} cannot be split over {world} data-parallel ranks.")
+    x = inputs.chunk(world)[rank] if shard else inputs
+    y = target.chunk(world)[rank] if (shard and isinstance(target, torch.Tensor)) else target
+    net: nn.Module = model
+    if plan == "ddp":
+        net = nn.parallel.DistributedDataParallel(model)
+    elif plan == "fsdp":
+        apply_fully_shard(model, init_device_mesh(device.type, (world,)))
+    else:
+        apply_tensor_parallel(model, init_device_mesh(device.type, (world,)))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+
+    def step() -> float:
+        opt.zero_grad(set_to_none=True)
+        value = loss(net(x), y)
+        value.backward()
+        opt.step()
+        v = value.detach().float().reshape(1)
+        if shard:
+            dist.all_reduce(v)
+            v /= world
+        return float(v)
+
+    return Stepper(plan, model, opt, step)
+
+
+def time_plan(stepper: Stepper, *, steps: int = 3, warmup: int = 1) -> float:
+    """Median seconds per step over ``steps`` timed steps after ``warmup`` untimed ones, the slowest rank's."""
+    for _ in range(warmup):
+        stepper.step()
+    times = []
+    for _ in range(steps):
+        if torch.cuda.is_available() and next(stepper.model.parameters(), torch.empty(0)).is_cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        stepper.step()
+        if torch.cuda.is_available() and next(stepper.model.parameters(), torch.empty(0)).is_cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    t = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)

@@ -1,0 +1,85 @@
+"""The pipeline core without processes: the balanced split, what a network must provide, and the errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_accel.models.transformer import GPT
+from lightning_accel.parallel.pipeline import (
+    balance_stages,
+    find_pipeline_modules,
+    keep_only,
+    piece_costs,
+    pipeline_layout,
+    split_batch,
+)
+
+
+def test_balance_stages_minimises_the_heaviest_stage() -> None:
+    assert balance_stages([1, 1, 1, 1], 2) == [(0, 2), (2, 4)]
+    assert balance_stages([5, 1, 1, 1, 1, 1], 2) == [(0, 1), (1, 6)]  # the heavy piece alone
+    assert balance_stages([1, 2, 3, 4, 5, 6, 7, 8, 9], 3) == [(0, 5), (5, 7), (7, 9)]  # 15, 13, 17
+    with pytest.raises(ValueError, match=r"cannot cut 3 pipeline piece\(s\) into 4 stages.*at most 3"):
+        balance_stages([1, 1, 1], 4)
+
+
+def test_world_not_divisible_by_pipeline_size_names_both_numbers() -> None:
+    with pytest.raises(ValueError, match=r"world size 6 is not divisible by `pipeline_size`=4.*\[1, 2, 3, 6\]"):
+        pipeline_layout([1.0] * 8, 6, pipeline_size=4)
+    lay = pipeline_layout([1.0] * 8, 4, pipeline_size=2, stages_per_rank=2)
+    assert (lay.dp, lay.pp, lay.num_stages) == (2, 2, 4)
+    assert lay.stages_of(3) == [1, 3] and lay.rank_of(3, replica=1) == 3
+
+
+def test_gpt_pieces_compose_to_its_forward_and_costs_are_measured() -> None:
+    torch.manual_seed(0)
+    gpt = GPT(n_layer=3, n_embd=16, n_head=2, block_size=8, dropout=0.0)
+    pieces = find_pipeline_modules(gpt)
+    assert len(pieces) == 5
+    x = torch.randint(0, 27, (2, 8))
+    y = x
+    for p in pieces:
+        y = p(y)
+    torch.testing.assert_close(y, gpt(x))
+    costs = piece_costs(pieces, x)
+    no_act = piece_costs(pieces)
+    assert all(c > n for c, n in zip(costs, no_act, strict=True))  # activations counted
+    assert no_act[1] == 16 * sum(p.numel() for p in gpt.blocks[0].parameters())
+
+
+def test_a_sequential_is_split_and_anything_else_is_named() -> None:
+    seq = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
+    assert find_pipeline_modules(seq) == list(seq)
+
+    class Holder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = seq
+
+    assert find_pipeline_modules(Holder()) == list(seq)
+
+    class Opaque(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 2)
+
+    with pytest.raises(TypeError, match=r"cannot split `Opaque`.*`pipeline_modules\(\)`.*nn.Sequential"):
+        find_pipeline_modules(Opaque())
+
+
+def test_keep_only_drops_what_the_stage_does_not_use_and_keeps_tied_weights() -> None:
+    gpt = GPT(n_layer=2, n_embd=16, n_head=2, block_size=8)
+    pieces = gpt.pipeline_modules()
+    total = sum(p.numel() for p in gpt.parameters())
+    dropped = keep_only(gpt, pieces[2:])  # block 1 and the head (whose weight is the token embedding)
+    assert gpt.tok_emb.weight is gpt.head.weight and gpt.pos_emb.weight is None and gpt.blocks[0].ln_1.weight is None
+    assert dropped + sum(p.numel() for p in gpt.parameters()) == total
+
+
+def test_split_batch_needs_equal_micro_batches() -> None:
+    parts = split_batch([torch.arange(8), {"m": torch.ones(8, 2)}], 4)
+    assert len(parts) == 4 and parts[1][0].tolist() == [2, 3] and parts[3][1]["m"].shape == (2, 2)
+    with pytest.raises(ValueError, match=r"shape \(6,\) cannot be split into `microbatches`=4"):
+        split_batch(torch.arange(6), 4)
