@@ -334,6 +334,35 @@ def empty_shared(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     return elem.new(storage).resize_(*[int(s) for s in shape])
 
 
+# -- torchvision: JPEG decoding ops ---------------------------------------------------------------------------------
+
+
+@functools.cache
+def jpeg_decode_ops() -> tuple[Callable[[torch.Tensor, int], torch.Tensor], Callable[..., Any], int, int] | None:
+    """``(decode_cpu(data, mode), decode_cuda(list_of_data, mode, device), UNCHANGED, RGB)``, or None without them.
+
+    ``torchvision.io.decode_jpeg`` (libjpeg-turbo on CPU, nvJPEG batches on CUDA) warns on every call since
+    torchvision 0.29 (``DeprecationWarning``: its codecs move to torchcodec, not a dependency here): under
+    ``-W error`` that warning is an exception in the middle of a batch, and silencing it per call
+    (``warnings.catch_warnings``) swaps the process's filters under other threads. So the ops it dispatches to
+    are called directly: ``torch.ops.image.decode_jpeg(data, mode, apply_exif_orientation)`` and
+    ``torch.ops.image.decode_jpegs_cuda(datas, mode, device)`` (that shape since torchvision 0.19; checked 0.29.1).
+    """
+    try:
+        from torchvision import io as tv_io  # type: ignore[import-untyped]  # torchvision ships no type hints
+
+        ops = torch.ops.image
+        cpu, cuda = ops.decode_jpeg, ops.decode_jpegs_cuda
+        modes = int(tv_io.ImageReadMode.UNCHANGED.value), int(tv_io.ImageReadMode.RGB.value)
+    except (ImportError, AttributeError, RuntimeError, OSError):
+        return None
+
+    def decode_cpu(data: torch.Tensor, mode: int) -> torch.Tensor:
+        return cpu(data, mode, False)  # no EXIF rotation: ImageFolder's PIL loader applies none
+
+    return decode_cpu, cuda, modes[0], modes[1]
+
+
 # -- torch: CUDA caching allocator -----------------------------------------------------------------------------------
 
 

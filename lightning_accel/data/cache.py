@@ -9,8 +9,9 @@ Read path for a batch of sample indices (all in the calling process, one thread)
 2. corrupt entries are deleted from their tier, counted as ``refetches`` and treated as misses;
 3. misses are read from the origin (a remote one concurrently, or taken from reads the prefetcher started earlier;
    a local one inline, see ``prefetch``), decoded straight into their batch rows (``decode.decode_into`` when the
-   decoder has it, else the decoder's tensor is copied in), and written to the SSD tier (the RAM tier when there is
-   no SSD tier) in one write transaction;
+   decoder has it, else the decoder's tensor is copied in), and written in one write transaction to the RAM tier
+   while it has room, the rest to the SSD tier (``misses_to``); :meth:`SampleCache.spill` later copies the RAM
+   tier's entries to the SSD tier, which survives a reboot;
 4. SSD hits are promoted to the RAM tier while it has room.
 
 Prefetch: :meth:`SampleCache.hint` starts origin reads for upcoming samples that no tier holds, on the store's
@@ -239,6 +240,9 @@ class SampleCache(ResetOnPickle):
             cold epoch into the RAM tier went from 24-26 to 22.5-23 ms per batch; into the SSD tier it stayed at
             29-33 ms, bound by the page-cache writes themselves (``docs/data.md``). Entries become visible when their
             write commits; :meth:`flush` waits for that (also run when a worker process exits).
+        misses_to: where decoded misses are written: ``"ram"`` (default: the RAM tier while it has room, the rest to
+            the SSD tier; :meth:`spill` copies the RAM tier's entries to the SSD tier later) or ``"ssd"`` (the SSD
+            tier; SSD hits are promoted into the RAM tier while it has room). See :meth:`_write` for why.
     """
 
     # (retries, bytes) of the store already added to the statistics: a baseline of the store's own counters, which
@@ -260,7 +264,10 @@ class SampleCache(ResetOnPickle):
         stage_dir: str | os.PathLike[str] | None = None,
         stage_bytes: int = DEFAULT_STAGE_BYTES,
         write_behind: bool | None = None,
+        misses_to: str = "ram",
     ) -> None:
+        if misses_to not in ("ram", "ssd"):
+            raise ValueError(f"`misses_to` must be 'ram' or 'ssd', got {misses_to!r}.")
         if on_decode_error not in ("raise", "skip"):
             raise ValueError(f"`on_decode_error` must be 'raise' or 'skip', got {on_decode_error!r}.")
         self.store = store
@@ -287,6 +294,7 @@ class SampleCache(ResetOnPickle):
         self._ram_full = False
         self.buffers = BufferPool()
         self.write_behind = write_behind
+        self.misses_to = misses_to
         self._writer: PerProcess[_WriteBehind] = PerProcess(_WriteBehind)  # made on the first write behind
         self._lock = ForkSafeLock()
         # 1 byte per sample, in shared memory so the DataLoader workers (fork or spawn) share it: entries verified
@@ -415,23 +423,66 @@ class SampleCache(ResetOnPickle):
     # ---- writes --------------------------------------------------------------------------------------------------
     def _write(self, writes: _Writes, promote: list[tuple[bytes, bytes]]) -> tuple[int, int, int]:
         """Store misses and promotions; returns (stored, rejected, evicted)."""
-        # Misses go to one tier: the SSD when there is one (persistent; its pages stay in the OS page cache), else
-        # RAM. Writing both doubled the cold epoch's write cost (~20 % of it at 224 px); the RAM tier fills instead
-        # by promotion of SSD hits, in the first warm epoch.
-        tiers = self.tiers
-        first = "ssd" if any(n == "ssd" for n, _ in tiers) else "ram"
+        # Misses go to one tier, never both (writing both doubled the cold epoch's write cost, ~20 % of it at
+        # 224 px). With `misses_to="ram"` (default): the RAM tier while it admits them ("keep" policy), its overflow to
+        # the SSD tier in the same call; the SSD tier gets the RAM tier's entries later (`spill`). Why: tmpfs writes
+        # cost less than page-cache writes to ext4 (22.5-24 against 29-33 ms per 64-sample batch here), and the
+        # first warm epoch then reads what the cold one wrote with nothing to promote (promoting SSD hits into the RAM
+        # tier made it 3.7x slower than the next warm epochs). `misses_to="ssd"`: the SSD tier, SSD hits promoted
+        # into the RAM tier while it has room.
+        tiers = dict(self.tiers)
+        ram, ssd = tiers.get("ram"), tiers.get("ssd")
         written = rejected = evicted = 0
-        for name, tier in tiers:
-            batch = (writes if name == first else []) + (promote if name == "ram" else [])
-            if not batch:
-                continue
-            r = tier.put_many(batch)
-            written += r.stored
-            rejected += r.rejected
-            evicted += r.evicted
-            if name == "ram" and r.stored == 0 and r.rejected and tier.policy == "keep":
-                self._ram_full = True  # stop copying SSD hits for promotion
+        ram_writes: _Writes = []  # misses offered to the RAM tier
+        to_ssd: _Writes = []
+        if ram is not None and (ssd is None or (self._ram_first() and not self._ram_full)):
+            ram_writes = writes
+        elif ssd is not None:
+            to_ssd = writes
+        to_ram = [*ram_writes, *promote] if ram is not None else []
+        if ram is not None and to_ram:
+            r = ram.put_many(to_ram)
+            written, rejected, evicted = r.stored, r.rejected, r.evicted
+            if r.not_stored and ram.policy == "keep":
+                self._ram_full = True  # stop offering it misses and SSD hits
+            if ssd is not None:
+                to_ssd = [to_ram[i] for i in r.not_stored if i < len(ram_writes)]  # the overflow: to the SSD tier
+                rejected -= len(to_ssd)
+        if ssd is not None and to_ssd:
+            r = ssd.put_many(to_ssd)
+            written, rejected, evicted = written + r.stored, rejected + r.rejected, evicted + r.evicted
         return written, rejected, evicted
+
+    def _ram_first(self) -> bool:
+        """Misses go to the RAM tier first (``misses_to="ram"``, a usable RAM tier with the "keep" policy: a "fifo"
+        RAM tier would evict entries the SSD tier does not hold)."""
+        ram = self.ram
+        return self.misses_to == "ram" and ram is not None and not ram.disabled and ram.policy == "keep"
+
+    def spill(self, batch: int = 64) -> int:
+        """Copy this cache's RAM-tier entries that the SSD tier lacks into the SSD tier; returns how many it stored.
+
+        The RAM tier lives on tmpfs and is gone at reboot; after a spill, every entry it held is on the SSD tier too
+        (as far as the SSD budget admits them), so a rebooted node decodes nothing again. One read of the RAM tier
+        and one SSD write transaction per ``batch`` entries; safe to run while other processes read and write.
+        """
+        ram, ssd = self.ram, self.ssd
+        if ram is None or ssd is None or ram.disabled or ssd.disabled:
+            return 0
+        prefix = f"{self.namespace}/".encode()
+        stored, after = 0, None
+        while True:
+            items = ram.scan(prefix, after, limit=batch)
+            if not items:
+                return stored
+            after = items[-1][0]
+            have = ssd.contains([k for k, _ in items])
+            todo = [kv for kv, h in zip(items, have, strict=True) if not h]
+            if todo:
+                r = ssd.put_many(todo)
+                stored += r.stored
+                if r.not_stored and ssd.policy == "keep":
+                    return stored  # the SSD tier is full
 
     def _commit_behind(self, writes: _Writes) -> None:
         """A write-behind batch, on the writer thread: store the misses and count them."""
