@@ -20,6 +20,7 @@ bounded thread pool, keeping at most ``max_pending`` reads (and their bytes) out
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import multiprocessing.util
 import os
@@ -194,6 +195,7 @@ class _Batch:
     corrupt: dict[str, list[bytes]] = field(default_factory=lambda: {"ram": [], "ssd": []})
     promote: list[tuple[bytes, bytes]] = field(default_factory=list)  # SSD hits to copy into the RAM tier
     writes: _Writes = field(default_factory=list)  # decoded misses to store
+    write_idx: list[int] = field(default_factory=list)  # their listing entries
     fetched: int = 0  # samples read from the origin
     skipped: int = 0  # undecodable samples left out (on_decode_error="skip")
 
@@ -302,6 +304,10 @@ class SampleCache(ResetOnPickle):
         # first warm epoch in the main process re-checked every entry the cold epoch's workers had just written
         # (~3x slower than the next warm epochs at 224 px).
         self._verified_t = torch.zeros(max(1, len(listing)), dtype=torch.uint8).share_memory_()
+        # 1 byte per sample, shared the same way: 1 once a process of this tree read the sample from a tier or
+        # stored it in one, so "is every sample of this epoch cached?" is answered when the cold pass ends without
+        # a lookup per key (`cached`). A 0 only means "not seen here"; `cached` then asks the tiers.
+        self._cached_t = torch.zeros(max(1, len(listing)), dtype=torch.uint8).share_memory_()
 
     def __len__(self) -> int:
         return len(self.listing)
@@ -421,8 +427,8 @@ class SampleCache(ResetOnPickle):
         ) from e
 
     # ---- writes --------------------------------------------------------------------------------------------------
-    def _write(self, writes: _Writes, promote: list[tuple[bytes, bytes]]) -> tuple[int, int, int]:
-        """Store misses and promotions; returns (stored, rejected, evicted)."""
+    def _write(self, writes: _Writes, promote: list[tuple[bytes, bytes]]) -> tuple[int, int, int, list[int]]:
+        """Store misses and promotions; returns (stored, rejected, evicted, positions of ``writes`` stored nowhere)."""
         # Misses go to one tier, never both (writing both doubled the cold epoch's write cost, ~20 % of it at
         # 224 px). With `misses_to="ram"` (default): the RAM tier while it admits them ("keep" policy), its overflow to
         # the SSD tier in the same call; the SSD tier gets the RAM tier's entries later (`spill`). Why: tmpfs writes
@@ -435,23 +441,31 @@ class SampleCache(ResetOnPickle):
         written = rejected = evicted = 0
         ram_writes: _Writes = []  # misses offered to the RAM tier
         to_ssd: _Writes = []
+        ssd_pos: list[int] = []  # position in `writes` of each entry of `to_ssd`
+        lost: list[int] = []
         if ram is not None and (ssd is None or (self._ram_first() and not self._ram_full)):
             ram_writes = writes
         elif ssd is not None:
-            to_ssd = writes
+            to_ssd, ssd_pos = writes, list(range(len(writes)))
+        else:
+            lost = list(range(len(writes)))  # no usable tier
         to_ram = [*ram_writes, *promote] if ram is not None else []
         if ram is not None and to_ram:
             r = ram.put_many(to_ram)
             written, rejected, evicted = r.stored, r.rejected, r.evicted
             if r.not_stored and ram.policy == "keep":
                 self._ram_full = True  # stop offering it misses and SSD hits
+            overflow = [i for i in r.not_stored if i < len(ram_writes)]
             if ssd is not None:
-                to_ssd = [to_ram[i] for i in r.not_stored if i < len(ram_writes)]  # the overflow: to the SSD tier
+                to_ssd, ssd_pos = [to_ram[i] for i in overflow], overflow  # the overflow: to the SSD tier
                 rejected -= len(to_ssd)
+            else:
+                lost = overflow
         if ssd is not None and to_ssd:
             r = ssd.put_many(to_ssd)
             written, rejected, evicted = written + r.stored, rejected + r.rejected, evicted + r.evicted
-        return written, rejected, evicted
+            lost = [ssd_pos[i] for i in r.not_stored]
+        return written, rejected, evicted, lost
 
     def _ram_first(self) -> bool:
         """Misses go to the RAM tier first (``misses_to="ram"``, a usable RAM tier with the "keep" policy: a "fifo"
@@ -484,10 +498,46 @@ class SampleCache(ResetOnPickle):
                 if r.not_stored and ssd.policy == "keep":
                     return stored  # the SSD tier is full
 
-    def _commit_behind(self, writes: _Writes) -> None:
-        """A write-behind batch, on the writer thread: store the misses and count them."""
-        written, rejected, evicted = self._write(writes, [])
+    def _commit_behind(self, writes: _Writes, indices: Sequence[int] = ()) -> None:
+        """A write-behind batch, on the writer thread: store the misses (listing entries ``indices``), count them."""
+        written, rejected, evicted, lost = self._write(writes, [])
+        self._mark_cached(indices, lost)
         self.stats.add(writes=written, rejected=rejected, evictions=evicted)
+
+    def _mark_cached(self, indices: Sequence[int], lost: Sequence[int]) -> None:
+        """Record listing entries ``indices`` as cached, except positions ``lost`` (stored in no tier)."""
+        if indices:
+            idx = np.asarray(indices, dtype=np.int64)
+            if lost:
+                idx = np.delete(idx, list(lost))
+            self._cached_t.numpy()[idx] = 1
+
+    def not_yet_seen_cached(self, indices: Sequence[int]) -> list[int]:
+        """Those of listing entries ``indices`` that no process of this tree has read from a tier or stored yet
+        (no lookups; they may still be cached, by an earlier run: see :meth:`cached`)."""
+        if not len(indices):
+            return []
+        idx = np.asarray(indices, dtype=np.int64)
+        return idx[self._cached_t.numpy()[idx] == 0].tolist()
+
+    def cached(self, indices: Sequence[int]) -> list[bool]:
+        """Which of listing entries ``indices`` some tier holds: from this process tree's record where it has seen
+        them (no lookups: the usual case right after a cold pass), from the tiers for the rest."""
+        seen = self._cached_t.numpy()[np.asarray(indices, dtype=np.int64)] if len(indices) else np.zeros(0, bool)
+        out = [bool(b) for b in seen]
+        rest = [p for p, b in enumerate(out) if not b]
+        if rest and self.tiers:
+            keys = [self.key(indices[p]) for p in rest]
+            found = [False] * len(keys)
+            for _, tier in self.tiers:
+                have = tier.contains(keys)
+                found = [a or b for a, b in zip(found, have, strict=True)]
+            got = [p for p, f in zip(rest, found, strict=True) if f]
+            for p in got:
+                out[p] = True
+            if got:
+                self._cached_t.numpy()[np.asarray([indices[p] for p in got], dtype=np.int64)] = 1
+        return out
 
     def _write_behind_writer(self) -> _WriteBehind | None:
         on = self.write_behind
@@ -528,6 +578,11 @@ class SampleCache(ResetOnPickle):
         """
         batch = _Batch.start(indices, [self.key(i) for i in indices], shared)
         missing = self._read_tiers(batch)
+        if len(missing) < len(indices):
+            hit = np.asarray(indices, dtype=np.int64)
+            if missing:
+                hit = np.delete(hit, missing)
+            self._cached_t.numpy()[hit] = 1
         refetches, evicted = self._drop_corrupt(batch)
         if missing:
             self._read_origin(batch, missing)
@@ -617,6 +672,7 @@ class SampleCache(ResetOnPickle):
             i = batch.indices[pos]
             batch.labels[pos] = self.listing.labels[i]
             batch.writes.append((batch.keys[pos], encode_entry(decoded, self.listing.labels[i])))
+            batch.write_idx.append(i)
             verified[i] = 1  # written from the row we just decoded: as good as a checked read
 
     def _decode_into_row(
@@ -676,9 +732,11 @@ class SampleCache(ResetOnPickle):
     def _store(self, batch: _Batch) -> tuple[int, int, int]:
         """Store the batch's decoded misses (behind, on the writer thread, when ``write_behind``) and its SSD hits
         to promote; returns what was stored inline: (stored, rejected, evicted)."""
-        writes = batch.writes
+        writes, idx = batch.writes, batch.write_idx
         writer = self._write_behind_writer() if writes else None
         if writer is not None:
-            writer.submit(self._commit_behind, writes)  # misses: committed on the writer thread
-            writes = []
-        return self._write(writes, batch.promote)
+            writer.submit(functools.partial(self._commit_behind, indices=idx), writes)  # on the writer thread
+            writes, idx = [], []
+        written, rejected, evicted, lost = self._write(writes, batch.promote)
+        self._mark_cached(idx, lost)
+        return written, rejected, evicted

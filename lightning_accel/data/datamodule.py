@@ -383,7 +383,7 @@ class CachedDataModule(LightningDataModule):
 
     @override
     def teardown(self, stage: str) -> None:
-        """Copy the RAM tier's entries to the SSD tier (once per node: local rank 0), so they survive a reboot; fsync."""
+        """Copy the RAM tier's entries to the SSD tier (local rank 0 of each node), so they survive a reboot; fsync."""
         trainer = self.trainer
         spill = trainer is None or int(getattr(trainer, "local_rank", 0)) == 0
         for cache in self._caches.values():

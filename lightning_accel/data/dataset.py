@@ -129,18 +129,19 @@ class CachedDataset(Dataset):
         return self.cache.stats
 
     def cached_fraction(self, max_checks: int = 4096, seed: int = 0) -> float:
-        """Fraction of this dataset's samples held by some local tier (a seeded sample of ``max_checks`` keys)."""
-        idx = self.indices
-        if len(idx) > max_checks:
-            idx = random.Random(seed).sample(idx, max_checks)
-        if not idx:
+        """Fraction of this dataset's samples held by some local tier.
+
+        Every sample this process tree has read from a tier or stored counts without a lookup (right after a cold
+        pass, that is all of them: the check costs no LMDB reads); of the others, a seeded sample of at most
+        ``max_checks`` is looked up in the tiers and stands for the rest."""
+        if not self.indices:
             return 1.0
-        keys = [self.cache.key(i) for i in idx]
-        found = [False] * len(keys)
-        for _, tier in self.cache.tiers:
-            have = tier.contains(keys)
-            found = [a or b for a, b in zip(found, have, strict=True)]
-        return sum(found) / len(found)
+        rest = self.cache.not_yet_seen_cached(self.indices)
+        if not rest:
+            return 1.0
+        probe = random.Random(seed).sample(rest, max_checks) if len(rest) > max_checks else rest
+        found = sum(self.cache.cached(probe))
+        return (len(self.indices) - len(rest) + len(rest) * found / len(probe)) / len(self.indices)
 
     # ---- order publication (main process) and read-ahead (any process) --------------------------------------------
     def publish_order(self, order: Sequence[int], batch_size: int) -> None:
@@ -330,7 +331,8 @@ class CacheDataLoader(DataLoader):
         self.is_warm = True
         if hasattr(self.dataset, "prefetch_batches"):
             self.dataset.prefetch_batches = 0  # everything is cached: skip the per-batch "what is missing" lookups
-        shutdown_persistent_workers(self)
+        # The cold workers are idle: stop them behind, while this epoch already reads in the main process.
+        shutdown_persistent_workers(self, wait=False)
         self.num_workers = self.warm_num_workers
         if self.num_workers > 0 and self.prefetch_factor is None:
             self.prefetch_factor = 2

@@ -262,7 +262,11 @@ def test_shutdown_persistent_workers_stops_them_now() -> None:
     compat.shutdown_persistent_workers(loader)
     assert loader._iterator is None and not any(w.is_alive() for w in workers)
     assert len(list(loader)) == 2  # the next epoch starts new workers
-    compat.shutdown_persistent_workers(loader)
+    workers = list(loader._iterator._workers)  # type: ignore[union-attr]
+    t = compat.shutdown_persistent_workers(loader, wait=False)  # detached now, stopped behind
+    assert loader._iterator is None and t is not None
+    t.join(30)
+    assert not any(w.is_alive() for w in workers)
     compat.shutdown_persistent_workers(_loader())  # no workers: nothing to do
 
 
