@@ -107,6 +107,27 @@ class BufferPool:
         """Batches this process handed out on a recycled storage."""
         return self._free.get().reused
 
+    def reserve(self, shape: Sequence[int], dtype: torch.dtype, count: int) -> int:
+        """Allocate and touch (page in) buffers of ``shape``/``dtype`` until the pool holds ``count`` of them (at most
+        ``max_buffers``); returns how many it added. Touching is what a first use would pay in page faults."""
+        shape_t = tuple(int(s) for s in shape)
+        if self.max_buffers <= 0 or compat.storage_use_count_fn() is None:
+            return 0
+        key = (shape_t, dtype)
+        added = 0
+        while True:
+            with self._lock:
+                stores = self._free.get().stores.setdefault(key, [])
+                if len(stores) >= min(count, self.max_buffers):
+                    return added
+            buf = torch.zeros(shape_t, dtype=dtype)  # zero-fill outside the lock: the page faults happen here
+            with self._lock:
+                stores = self._free.get().stores.setdefault(key, [])
+                if len(stores) >= min(count, self.max_buffers):
+                    return added
+                stores.append(buf.untyped_storage())
+                added += 1
+
     def take(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised tensor of ``shape``/``dtype``, on a recycled storage when one is free."""
         shape_t = tuple(int(s) for s in shape)
