@@ -681,10 +681,15 @@ class SampleCache(ResetOnPickle):
         into: Callable[[bytes, torch.Tensor], None] | None = getattr(self.decode, "decode_into", None)
         shape_of: Callable[[bytes], Sequence[int]] | None = getattr(self.decode, "out_shape", None)
         verified = self._verified_t.numpy()
-        for pos, data in zip(missing, datas, strict=True):
+        for data in datas:
             if isinstance(data, BaseException):
                 raise data
-            if into is not None and shape_of is not None:
+        done = self._decode_batch(batch, missing, datas, shape_of)  # type: ignore[arg-type]  # no errors left
+        for pos, data, already in zip(missing, datas, done, strict=True):
+            assert not isinstance(data, BaseException)
+            if already:
+                decoded: torch.Tensor | None = batch.out[pos]  # type: ignore[index]  # allocated by _decode_batch
+            elif into is not None and shape_of is not None:
                 decoded = self._decode_into_row(batch, pos, data, into, shape_of)
             else:
                 decoded = self._decode_to_row(batch, pos, data)
@@ -695,6 +700,22 @@ class SampleCache(ResetOnPickle):
             batch.writes.append((batch.keys[pos], encode_entry(decoded, self.listing.labels[i])))
             batch.write_idx.append(i)
             verified[i] = 1  # written from the row we just decoded: as good as a checked read
+
+    def _decode_batch(
+        self, batch: _Batch, missing: list[int], datas: list[bytes], shape_of: Callable[[bytes], Sequence[int]] | None
+    ) -> list[bool]:
+        """A decoder with ``decode_batch_into`` and a ``device`` (``ImageDecoder(device="cuda")``) decodes the
+        batch's misses in one call on the device, straight into their rows; returns which it did."""
+        batch_into = getattr(self.decode, "decode_batch_into", None)
+        if batch_into is None or getattr(self.decode, "device", None) is None or shape_of is None or not missing:
+            return [False] * len(missing)
+        rows = []
+        try:
+            for pos, data in zip(missing, datas, strict=True):
+                rows.append(self._row(batch, pos, tuple(shape_of(data)), torch.uint8))
+        except Exception:
+            return [False] * len(missing)  # the per-sample path reports it, naming the key
+        return list(batch_into(datas, rows))
 
     def _decode_into_row(
         self,
