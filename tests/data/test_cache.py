@@ -314,3 +314,19 @@ def test_write_behind_thread_and_store_baseline_are_per_process(small_digits: Pa
     _, status = os.waitpid(pid, 0)
     assert os.WEXITSTATUS(status) == 0
     assert c.ssd is not None and all(c.ssd.contains([c.key(i) for i in range(8)]))  # the child's writes committed
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_decode_fills_the_cache_in_its_own_namespace(small_digits: Path, tmp_cache_dir: Path) -> None:
+    store = ObjectStore(str(small_digits))
+    gpu = SampleCache(store, list_origin(store), ImageDecoder(16, device="cuda"), ssd=LmdbTier(tmp_cache_dir, 64 << 20))
+    cpu = _cache(small_digits, tmp_cache_dir / "cpu")
+    idx = list(range(0, 200, 7))
+    cold = gpu.load(idx)  # one nvJPEG batch for the misses
+    warm = gpu.load(idx)
+    ref = cpu.load(idx).images
+    assert gpu.namespace != cpu.namespace and torch.equal(cold.images, warm.images)
+    assert (cold.images.float() - ref.float()).abs().mean() <= 3
+    s = gpu.stats.as_dict()
+    assert (s["origin_fetches"], s["ssd_hits"], s["writes"]) == (len(idx), len(idx), len(idx))
