@@ -507,12 +507,15 @@ class SampleCache(ResetOnPickle):
         prefix = f"{self.namespace}/".encode()
         stored, after = 0, None
         while True:
-            items = ram.scan(prefix, after, limit=batch)
-            if not items:
+            keys = ram.scan_keys(prefix, after, limit=batch)
+            if not keys:
                 return stored
-            after = items[-1][0]
-            have = ssd.contains([k for k, _ in items])
-            todo = [kv for kv, h in zip(items, have, strict=True) if not h]
+            after = keys[-1]
+            lacking = [k for k, h in zip(keys, ssd.contains(keys), strict=True) if not h]
+            if not lacking:
+                continue  # spilled before: nothing is copied out of the map
+            with ram.reader() as get:
+                todo = [(k, bytes(v)) for k in lacking if (v := get(k)) is not None]
             if todo:
                 r = ssd.put_many(todo)
                 stored += r.stored

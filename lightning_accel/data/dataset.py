@@ -16,7 +16,6 @@ DataLoader deals batches round-robin) and starts origin reads for their uncached
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import queue
@@ -392,12 +391,13 @@ def _parallel_batches(loader: DataLoader, threads: int, depth: int) -> Iterator[
 
 def _reserving(it: Iterator[Any], pool: BufferPool, count: int) -> Iterator[Any]:
     """Yield ``it`` (a cold epoch's worker batches); after its first batch, fault in ``count`` buffers of that batch's
-    shape in ``pool`` on a low-priority thread, for the main-process reads of the first warm epoch.
+    shape in ``pool`` on a thread, for the main-process reads of the first warm epoch.
 
     Why: those reads fill recycled buffers, but the first warm epoch found the pool empty and paid the page faults of
     every fresh 9.6 MB buffer (~2,350 faults each at 224 px, 12 ms of its 55 ms of CPU for 1,024 samples on the 2-core
-    development machine). Here the faults are taken once, at the lowest CPU priority, while the main process would
-    otherwise wait for the workers.
+    development machine). Here the faults are taken once, early in the cold epoch, while the main process waits for
+    the workers (~40 ms of CPU against a cold epoch of seconds). The thread keeps the normal priority: a lowered one
+    would hold the GIL while the scheduler starves it and stall the main thread.
     """
     first = True
     for batch in it:
@@ -406,18 +406,12 @@ def _reserving(it: Iterator[Any], pool: BufferPool, count: int) -> Iterator[Any]
             images = batch[0] if isinstance(batch, (tuple, list)) and batch else None
             if isinstance(images, torch.Tensor) and images.dim() > 1:
                 threading.Thread(
-                    target=_reserve_low_priority,
-                    args=(pool, tuple(images.shape), images.dtype, count),
+                    target=pool.reserve,
+                    args=(tuple(images.shape), images.dtype, count),
                     name="la-reserve-buffers",
                     daemon=True,
                 ).start()
         yield batch
-
-
-def _reserve_low_priority(pool: BufferPool, shape: tuple[int, ...], dtype: torch.dtype, count: int) -> None:
-    with contextlib.suppress(OSError, AttributeError, PermissionError):  # per-thread nice: Linux only
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    pool.reserve(shape, dtype, count)
 
 
 def _read_ahead(it: Iterator[Any], depth: int) -> Iterator[Any]:

@@ -363,10 +363,10 @@ class LmdbTier:
         with self.reader() as get:
             return [get(k) is not None for k in keys]
 
-    def scan(self, prefix: bytes, after: bytes | None = None, limit: int = 64) -> list[tuple[bytes, bytes]]:
-        """Up to ``limit`` ``(key, value)`` copies of the entries whose key starts with ``prefix``, in key order,
-        after the key ``after`` (``None``: from the first); an empty list at the end."""
-        out: list[tuple[bytes, bytes]] = []
+    def scan_keys(self, prefix: bytes, after: bytes | None = None, limit: int = 64) -> list[bytes]:
+        """Up to ``limit`` keys that start with ``prefix``, in key order, after the key ``after`` (``None``: from the
+        first); an empty list at the end. Keys only: the values stay in the map."""
+        out: list[bytes] = []
         with self.reader() as get:
             txn = getattr(get, "__self__", None)  # the read transaction behind `get` (None: the tier is unusable)
             if txn is None:
@@ -374,13 +374,13 @@ class LmdbTier:
             cur = txn.cursor()
             if not cur.set_range(after if after is not None else prefix):
                 return out
-            for k, v in cur:
+            for k in cur.iternext(keys=True, values=False):
                 k = bytes(k)
                 if not k.startswith(prefix):
                     break
                 if after is not None and k == after:
                     continue
-                out.append((k, bytes(v)))
+                out.append(k)
                 if len(out) >= limit:
                     break
         return out
