@@ -10,9 +10,14 @@ c. ``cold_s3``: the same from S3 (moto's ThreadedMotoServer on 127.0.0.1, in its
    packed once into 4 MiB shards (``pack_origin``, before timing; the shards hold the JPEGs' bytes unchanged), with
    read-ahead of whole shards in sampler order; also ``cold_s3_tree``: from the plain ImageFolder tree on S3, one
    GET per JPEG (what a packed origin avoids);
-d. ``warm``: later epochs (every sample cached; the loader has switched to main-process batch reads): the median of
-   five consecutive warm epochs, each listed in ``warm_epochs_s``;
-e. ``over_budget``: SSD budget half the decoded data set, RAM tier off: the second epoch's hit rate.
+d. ``first_warm``: the epoch right after ``cold_local``'s, alone (the loader switches from the cold pass's workers
+   to main-process batch reads as it starts);
+e. ``warm``: the steady warm epochs after it: the median of five consecutive epochs, each listed in
+   ``warm_epochs_s``;
+f. ``over_budget``: SSD budget half the decoded data set, RAM tier off: the second epoch's hit rate.
+
+Then, from ``benchmarks/_data_shards.py`` when it is there (recorded as not run otherwise): the packed S3 origin with
+``stage_bytes`` a quarter of the pack under the windowed shuffle, and the 2-node x 2-rank run.
 
 Also measured: the warm path through 2 worker processes with a RAM tier holding half the data (its hit rate with
 2 workers), and the bytes read from S3 in the cold and in a warm epoch.
@@ -238,6 +243,9 @@ class Cases:
             "cold_s3_bytes": [],
             "cold_s3_tree_bytes": [],
             "warm_epochs_s": [],
+            "first_warm_hit_rate": [],
+            "first_warm_origin_bytes": [],
+            "first_warm_s3_s": [],
             "over_budget_hit_rate": [],
             "over_budget_fraction": [],
             "workers_warm_s": [],
@@ -250,6 +258,7 @@ class Cases:
         return {
             "imagefolder": self.imagefolder,
             "cold_local": self.cold_local,
+            "first_warm": self.first_warm,
             "cold_s3": self.cold_s3,
             "cold_s3_tree": self.cold_s3_tree,
             "warm": self.warm,
@@ -277,8 +286,9 @@ class Cases:
         p = self._fresh("s3", "s3://bench/packed", self.data.opts)
         dt, s = p.epoch()
         self.extra["cold_s3_bytes"].append(s["bytes_fetched"])
-        _, s = p.epoch()  # warm epoch: no S3 traffic at all
+        dt_warm, s = p.epoch()  # its first warm epoch: no S3 traffic at all
         self.extra["warm_s3_bytes"].append(s["bytes_fetched"])
+        self.extra["first_warm_s3_s"].append(dt_warm)
         return dt
 
     def cold_s3_tree(self) -> float:
@@ -286,12 +296,22 @@ class Cases:
         self.extra["cold_s3_tree_bytes"].append(s["bytes_fetched"])
         return dt
 
-    def warm(self) -> float:
-        # five epochs of the warm cache (~0.1 s each): their median. The first also promotes SSD hits into the
-        # RAM tier (half the data) and the second maps those RAM pages into this process for the first time;
-        # both are kept in `warm_epochs_s`.
+    def first_warm(self) -> float:
+        # the epoch right after the cold one: it starts with the cold pass's workers still up and switches to
+        # main-process reads
         local = self.state["local"]
-        assert local is not None, "`cold_local` runs before `warm` in every round"
+        assert local is not None and local.epochs == 1, "`cold_local` runs just before `first_warm` in every round"
+        dt, s = local.epoch()
+        assert s["origin_fetches"] == 0, s
+        self.extra["first_warm_hit_rate"].append(s["hit_rate"])
+        self.extra["first_warm_origin_bytes"].append(s["bytes_fetched"])
+        return dt
+
+    def warm(self) -> float:
+        # five steady epochs of the warm cache (~0.1 s each) after `first_warm`: their median, each one listed in
+        # `warm_epochs_s`
+        local = self.state["local"]
+        assert local is not None and local.epochs == 2, "`first_warm` runs before `warm` in every round"
         times = [local.epoch()[0] for _ in range(5)]
         self.extra["warm_epochs_s"].append([round(t, 4) for t in times])
         return median(times)
@@ -340,12 +360,15 @@ def cache_numbers(
         "samples_per_s": {k: round(v, 1) for k, v in sps.items()},
         "epoch_s": {k: [round(x, 3) for x in v] for k, v in timings.items()},
         "warm_epochs_s": extra["warm_epochs_s"],
+        "first_warm_hit_rate": min(extra["first_warm_hit_rate"]),
         "identical_outputs": True,  # check_identical asserts it before timing
         "n_images": n_images,
         "jpeg_bytes": jpeg_bytes,
         "decoded_entry_bytes": entry_bytes,
         "s3_bytes_cold_epoch": extra["cold_s3_bytes"],
         "s3_bytes_warm_epoch": max(extra["warm_s3_bytes"]),
+        "first_warm_origin_bytes": max(extra["first_warm_origin_bytes"]),
+        "first_warm_s3_samples_per_s": round(n_images / median(extra["first_warm_s3_s"]), 1),
         "s3_bytes_cold_epoch_over_dataset": round(max(extra["cold_s3_bytes"]) / jpeg_bytes, 4),
         "s3_tree_bytes_cold_epoch_over_dataset": round(max(extra["cold_s3_tree_bytes"]) / jpeg_bytes, 4),
         "s3_pack_shards": data.shards,
@@ -356,13 +379,31 @@ def cache_numbers(
     }
     ratios = {
         "warm_vs_imagefolder": ratio(sps["warm"], base),
+        "first_warm_vs_imagefolder": ratio(sps["first_warm"], base),
         "cold_s3_vs_imagefolder": ratio(sps["cold_s3"], base),
         "cold_local_vs_imagefolder": ratio(sps["cold_local"], base),
         "over_budget_hit_rate": round(hit, 4),
         "cold_s3_tree_vs_imagefolder": ratio(sps["cold_s3_tree"], base),
         "warm_workers_vs_imagefolder": ratio(sps["warm_workers"], base),
         "over_budget_hit_rate_vs_target": round(hit / (0.9 * frac), 4),
+        "s3_bytes_warm_epoch": float(max(extra["warm_s3_bytes"])),
     }
+    return results, ratios
+
+
+def shard_cases(quick: bool) -> tuple[dict[str, Any], dict[str, float]]:
+    """The windowed-shuffle S3 run and the 2-node x 2-rank run (``benchmarks/_data_shards.py``), or "not run"."""
+    try:
+        from benchmarks._data_shards import run_multinode, run_windowed_s3
+    except ImportError as e:
+        why = f"not run: benchmarks/_data_shards.py is not importable ({e})"
+        return {"windowed_s3": why, "multinode": why}, {}
+    results: dict[str, Any] = {}
+    ratios: dict[str, float] = {}
+    for name, run in (("windowed_s3", run_windowed_s3), ("multinode", run_multinode)):
+        res, rat = run(quick)
+        results[name] = res
+        ratios.update(rat)
     return results, ratios
 
 
@@ -385,6 +426,9 @@ def main() -> None:
             finally:
                 cases.close()
             results, ratios = cache_numbers(data, cases, timings, entry_bytes)
+        shard_results, shard_ratios = shard_cases(args.quick)
+        results.update(shard_results)
+        ratios.update(shard_ratios)
         config = {
             "image_size": 224,
             "batch_size": BATCH,

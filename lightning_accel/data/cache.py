@@ -9,8 +9,9 @@ Read path for a batch of sample indices (all in the calling process, one thread)
 2. corrupt entries are deleted from their tier, counted as ``refetches`` and treated as misses;
 3. misses are read from the origin (a remote one concurrently, or taken from reads the prefetcher started earlier;
    a local one inline, see ``prefetch``), decoded straight into their batch rows (``decode.decode_into`` when the
-   decoder has it, else the decoder's tensor is copied in), and written to the SSD tier (the RAM tier when there is
-   no SSD tier) in one write transaction;
+   decoder has it, else the decoder's tensor is copied in), and written in one write transaction to the RAM tier
+   while it has room, the rest to the SSD tier (``misses_to``); :meth:`SampleCache.spill` later copies the RAM
+   tier's entries to the SSD tier, which survives a reboot;
 4. SSD hits are promoted to the RAM tier while it has room.
 
 Prefetch: :meth:`SampleCache.hint` starts origin reads for upcoming samples that no tier holds, on the store's
@@ -19,6 +20,7 @@ bounded thread pool, keeping at most ``max_pending`` reads (and their bytes) out
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import multiprocessing.util
 import os
@@ -104,6 +106,27 @@ class BufferPool:
     def reused(self) -> int:
         """Batches this process handed out on a recycled storage."""
         return self._free.get().reused
+
+    def reserve(self, shape: Sequence[int], dtype: torch.dtype, count: int) -> int:
+        """Allocate and touch (page in) buffers of ``shape``/``dtype`` until the pool holds ``count`` of them (at most
+        ``max_buffers``); returns how many it added. Touching is what a first use would pay in page faults."""
+        shape_t = tuple(int(s) for s in shape)
+        if self.max_buffers <= 0 or compat.storage_use_count_fn() is None:
+            return 0
+        key = (shape_t, dtype)
+        added = 0
+        while True:
+            with self._lock:
+                stores = self._free.get().stores.setdefault(key, [])
+                if len(stores) >= min(count, self.max_buffers):
+                    return added
+            buf = torch.zeros(shape_t, dtype=dtype)  # zero-fill outside the lock: the page faults happen here
+            with self._lock:
+                stores = self._free.get().stores.setdefault(key, [])
+                if len(stores) >= min(count, self.max_buffers):
+                    return added
+                stores.append(buf.untyped_storage())
+                added += 1
 
     def take(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised tensor of ``shape``/``dtype``, on a recycled storage when one is free."""
@@ -193,6 +216,7 @@ class _Batch:
     corrupt: dict[str, list[bytes]] = field(default_factory=lambda: {"ram": [], "ssd": []})
     promote: list[tuple[bytes, bytes]] = field(default_factory=list)  # SSD hits to copy into the RAM tier
     writes: _Writes = field(default_factory=list)  # decoded misses to store
+    write_idx: list[int] = field(default_factory=list)  # their listing entries
     fetched: int = 0  # samples read from the origin
     skipped: int = 0  # undecodable samples left out (on_decode_error="skip")
 
@@ -239,6 +263,9 @@ class SampleCache(ResetOnPickle):
             cold epoch into the RAM tier went from 24-26 to 22.5-23 ms per batch; into the SSD tier it stayed at
             29-33 ms, bound by the page-cache writes themselves (``docs/data.md``). Entries become visible when their
             write commits; :meth:`flush` waits for that (also run when a worker process exits).
+        misses_to: where decoded misses are written: ``"ram"`` (default: the RAM tier while it has room, the rest to
+            the SSD tier; :meth:`spill` copies the RAM tier's entries to the SSD tier later) or ``"ssd"`` (the SSD
+            tier; SSD hits are promoted into the RAM tier while it has room). See :meth:`_write` for why.
     """
 
     # (retries, bytes) of the store already added to the statistics: a baseline of the store's own counters, which
@@ -260,7 +287,10 @@ class SampleCache(ResetOnPickle):
         stage_dir: str | os.PathLike[str] | None = None,
         stage_bytes: int = DEFAULT_STAGE_BYTES,
         write_behind: bool | None = None,
+        misses_to: str = "ram",
     ) -> None:
+        if misses_to not in ("ram", "ssd"):
+            raise ValueError(f"`misses_to` must be 'ram' or 'ssd', got {misses_to!r}.")
         if on_decode_error not in ("raise", "skip"):
             raise ValueError(f"`on_decode_error` must be 'raise' or 'skip', got {on_decode_error!r}.")
         self.store = store
@@ -287,6 +317,7 @@ class SampleCache(ResetOnPickle):
         self._ram_full = False
         self.buffers = BufferPool()
         self.write_behind = write_behind
+        self.misses_to = misses_to
         self._writer: PerProcess[_WriteBehind] = PerProcess(_WriteBehind)  # made on the first write behind
         self._lock = ForkSafeLock()
         # 1 byte per sample, in shared memory so the DataLoader workers (fork or spawn) share it: entries verified
@@ -294,6 +325,10 @@ class SampleCache(ResetOnPickle):
         # first warm epoch in the main process re-checked every entry the cold epoch's workers had just written
         # (~3x slower than the next warm epochs at 224 px).
         self._verified_t = torch.zeros(max(1, len(listing)), dtype=torch.uint8).share_memory_()
+        # 1 byte per sample, shared the same way: 1 once a process of this tree read the sample from a tier or
+        # stored it in one, so "is every sample of this epoch cached?" is answered when the cold pass ends without
+        # a lookup per key (`cached`). A 0 only means "not seen here"; `cached` then asks the tiers.
+        self._cached_t = torch.zeros(max(1, len(listing)), dtype=torch.uint8).share_memory_()
 
     def __len__(self) -> int:
         return len(self.listing)
@@ -413,30 +448,120 @@ class SampleCache(ResetOnPickle):
         ) from e
 
     # ---- writes --------------------------------------------------------------------------------------------------
-    def _write(self, writes: _Writes, promote: list[tuple[bytes, bytes]]) -> tuple[int, int, int]:
-        """Store misses and promotions; returns (stored, rejected, evicted)."""
-        # Misses go to one tier: the SSD when there is one (persistent; its pages stay in the OS page cache), else
-        # RAM. Writing both doubled the cold epoch's write cost (~20 % of it at 224 px); the RAM tier fills instead
-        # by promotion of SSD hits, in the first warm epoch.
-        tiers = self.tiers
-        first = "ssd" if any(n == "ssd" for n, _ in tiers) else "ram"
+    def _write(self, writes: _Writes, promote: list[tuple[bytes, bytes]]) -> tuple[int, int, int, list[int]]:
+        """Store misses and promotions; returns (stored, rejected, evicted, positions of ``writes`` stored nowhere)."""
+        # Misses go to one tier, never both (writing both doubled the cold epoch's write cost, ~20 % of it at
+        # 224 px). With `misses_to="ram"` (default): the RAM tier while it admits them ("keep" policy), its overflow to
+        # the SSD tier in the same call; the SSD tier gets the RAM tier's entries later (`spill`). Why: tmpfs writes
+        # cost less than page-cache writes to ext4 (22.5-24 against 29-33 ms per 64-sample batch here), and the
+        # first warm epoch then reads what the cold one wrote with nothing to promote (promoting SSD hits into the RAM
+        # tier made it 3.7x slower than the next warm epochs). `misses_to="ssd"`: the SSD tier, SSD hits promoted
+        # into the RAM tier while it has room.
+        tiers = dict(self.tiers)
+        ram, ssd = tiers.get("ram"), tiers.get("ssd")
         written = rejected = evicted = 0
-        for name, tier in tiers:
-            batch = (writes if name == first else []) + (promote if name == "ram" else [])
-            if not batch:
-                continue
-            r = tier.put_many(batch)
-            written += r.stored
-            rejected += r.rejected
-            evicted += r.evicted
-            if name == "ram" and r.stored == 0 and r.rejected and tier.policy == "keep":
-                self._ram_full = True  # stop copying SSD hits for promotion
-        return written, rejected, evicted
+        ram_writes: _Writes = []  # misses offered to the RAM tier
+        to_ssd: _Writes = []
+        ssd_pos: list[int] = []  # position in `writes` of each entry of `to_ssd`
+        lost: list[int] = []
+        if ram is not None and (ssd is None or (self._ram_first() and not self._ram_full)):
+            ram_writes = writes
+        elif ssd is not None:
+            to_ssd, ssd_pos = writes, list(range(len(writes)))
+        else:
+            lost = list(range(len(writes)))  # no usable tier
+        to_ram = [*ram_writes, *promote] if ram is not None else []
+        if ram is not None and to_ram:
+            r = ram.put_many(to_ram)
+            written, rejected, evicted = r.stored, r.rejected, r.evicted
+            if r.not_stored and ram.policy == "keep":
+                self._ram_full = True  # stop offering it misses and SSD hits
+            overflow = [i for i in r.not_stored if i < len(ram_writes)]
+            if ssd is not None:
+                to_ssd, ssd_pos = [to_ram[i] for i in overflow], overflow  # the overflow: to the SSD tier
+                rejected -= len(to_ssd)
+            else:
+                lost = overflow
+        if ssd is not None and to_ssd:
+            r = ssd.put_many(to_ssd)
+            written, rejected, evicted = written + r.stored, rejected + r.rejected, evicted + r.evicted
+            lost = [ssd_pos[i] for i in r.not_stored]
+        return written, rejected, evicted, lost
 
-    def _commit_behind(self, writes: _Writes) -> None:
-        """A write-behind batch, on the writer thread: store the misses and count them."""
-        written, rejected, evicted = self._write(writes, [])
+    def _ram_first(self) -> bool:
+        """Misses go to the RAM tier first (``misses_to="ram"``, a usable RAM tier with the "keep" policy: a "fifo"
+        RAM tier would evict entries the SSD tier does not hold)."""
+        ram = self.ram
+        return self.misses_to == "ram" and ram is not None and not ram.disabled and ram.policy == "keep"
+
+    def spill(self, batch: int = 64) -> int:
+        """Copy this cache's RAM-tier entries that the SSD tier lacks into the SSD tier; returns how many it stored.
+
+        The RAM tier lives on tmpfs and is gone at reboot; after a spill, every entry it held is on the SSD tier too
+        (as far as the SSD budget admits them), so a rebooted node decodes nothing again. One read of the RAM tier
+        and one SSD write transaction per ``batch`` entries; safe to run while other processes read and write.
+        """
+        ram, ssd = self.ram, self.ssd
+        if ram is None or ssd is None or ram.disabled or ssd.disabled:
+            return 0
+        prefix = f"{self.namespace}/".encode()
+        stored, after = 0, None
+        while True:
+            keys = ram.scan_keys(prefix, after, limit=batch)
+            if not keys:
+                return stored
+            after = keys[-1]
+            lacking = [k for k, h in zip(keys, ssd.contains(keys), strict=True) if not h]
+            if not lacking:
+                continue  # spilled before: nothing is copied out of the map
+            with ram.reader() as get:
+                todo = [(k, bytes(v)) for k in lacking if (v := get(k)) is not None]
+            if todo:
+                r = ssd.put_many(todo)
+                stored += r.stored
+                if r.not_stored and ssd.policy == "keep":
+                    return stored  # the SSD tier is full
+
+    def _commit_behind(self, writes: _Writes, indices: Sequence[int] = ()) -> None:
+        """A write-behind batch, on the writer thread: store the misses (listing entries ``indices``), count them."""
+        written, rejected, evicted, lost = self._write(writes, [])
+        self._mark_cached(indices, lost)
         self.stats.add(writes=written, rejected=rejected, evictions=evicted)
+
+    def _mark_cached(self, indices: Sequence[int], lost: Sequence[int]) -> None:
+        """Record listing entries ``indices`` as cached, except positions ``lost`` (stored in no tier)."""
+        if indices:
+            idx = np.asarray(indices, dtype=np.int64)
+            if lost:
+                idx = np.delete(idx, list(lost))
+            self._cached_t.numpy()[idx] = 1
+
+    def not_yet_seen_cached(self, indices: Sequence[int]) -> list[int]:
+        """Those of listing entries ``indices`` that no process of this tree has read from a tier or stored yet
+        (no lookups; they may still be cached, by an earlier run: see :meth:`cached`)."""
+        if not len(indices):
+            return []
+        idx = np.asarray(indices, dtype=np.int64)
+        return idx[self._cached_t.numpy()[idx] == 0].tolist()
+
+    def cached(self, indices: Sequence[int]) -> list[bool]:
+        """Which of listing entries ``indices`` some tier holds: from this process tree's record where it has seen
+        them (no lookups: the usual case right after a cold pass), from the tiers for the rest."""
+        seen = self._cached_t.numpy()[np.asarray(indices, dtype=np.int64)] if len(indices) else np.zeros(0, bool)
+        out = [bool(b) for b in seen]
+        rest = [p for p, b in enumerate(out) if not b]
+        if rest and self.tiers:
+            keys = [self.key(indices[p]) for p in rest]
+            found = [False] * len(keys)
+            for _, tier in self.tiers:
+                have = tier.contains(keys)
+                found = [a or b for a, b in zip(found, have, strict=True)]
+            got = [p for p, f in zip(rest, found, strict=True) if f]
+            for p in got:
+                out[p] = True
+            if got:
+                self._cached_t.numpy()[np.asarray([indices[p] for p in got], dtype=np.int64)] = 1
+        return out
 
     def _write_behind_writer(self) -> _WriteBehind | None:
         on = self.write_behind
@@ -477,6 +602,11 @@ class SampleCache(ResetOnPickle):
         """
         batch = _Batch.start(indices, [self.key(i) for i in indices], shared)
         missing = self._read_tiers(batch)
+        if len(missing) < len(indices):
+            hit = np.asarray(indices, dtype=np.int64)
+            if missing:
+                hit = np.delete(hit, missing)
+            self._cached_t.numpy()[hit] = 1
         refetches, evicted = self._drop_corrupt(batch)
         if missing:
             self._read_origin(batch, missing)
@@ -554,10 +684,15 @@ class SampleCache(ResetOnPickle):
         into: Callable[[bytes, torch.Tensor], None] | None = getattr(self.decode, "decode_into", None)
         shape_of: Callable[[bytes], Sequence[int]] | None = getattr(self.decode, "out_shape", None)
         verified = self._verified_t.numpy()
-        for pos, data in zip(missing, datas, strict=True):
+        for data in datas:
             if isinstance(data, BaseException):
                 raise data
-            if into is not None and shape_of is not None:
+        done = self._decode_batch(batch, missing, datas, shape_of)  # type: ignore[arg-type]  # no errors left
+        for pos, data, already in zip(missing, datas, done, strict=True):
+            assert not isinstance(data, BaseException)
+            if already:
+                decoded: torch.Tensor | None = batch.out[pos]  # type: ignore[index]  # allocated by _decode_batch
+            elif into is not None and shape_of is not None:
                 decoded = self._decode_into_row(batch, pos, data, into, shape_of)
             else:
                 decoded = self._decode_to_row(batch, pos, data)
@@ -566,7 +701,24 @@ class SampleCache(ResetOnPickle):
             i = batch.indices[pos]
             batch.labels[pos] = self.listing.labels[i]
             batch.writes.append((batch.keys[pos], encode_entry(decoded, self.listing.labels[i])))
+            batch.write_idx.append(i)
             verified[i] = 1  # written from the row we just decoded: as good as a checked read
+
+    def _decode_batch(
+        self, batch: _Batch, missing: list[int], datas: list[bytes], shape_of: Callable[[bytes], Sequence[int]] | None
+    ) -> list[bool]:
+        """A decoder with ``decode_batch_into`` and a ``device`` (``ImageDecoder(device="cuda")``) decodes the
+        batch's misses in one call on the device, straight into their rows; returns which it did."""
+        batch_into = getattr(self.decode, "decode_batch_into", None)
+        if batch_into is None or getattr(self.decode, "device", None) is None or shape_of is None or not missing:
+            return [False] * len(missing)
+        rows = []
+        try:
+            for pos, data in zip(missing, datas, strict=True):
+                rows.append(self._row(batch, pos, tuple(shape_of(data)), torch.uint8))
+        except Exception:
+            return [False] * len(missing)  # the per-sample path reports it, naming the key
+        return list(batch_into(datas, rows))
 
     def _decode_into_row(
         self,
@@ -625,9 +777,11 @@ class SampleCache(ResetOnPickle):
     def _store(self, batch: _Batch) -> tuple[int, int, int]:
         """Store the batch's decoded misses (behind, on the writer thread, when ``write_behind``) and its SSD hits
         to promote; returns what was stored inline: (stored, rejected, evicted)."""
-        writes = batch.writes
+        writes, idx = batch.writes, batch.write_idx
         writer = self._write_behind_writer() if writes else None
         if writer is not None:
-            writer.submit(self._commit_behind, writes)  # misses: committed on the writer thread
-            writes = []
-        return self._write(writes, batch.promote)
+            writer.submit(functools.partial(self._commit_behind, indices=idx), writes)  # on the writer thread
+            writes, idx = [], []
+        written, rejected, evicted, lost = self._write(writes, batch.promote)
+        self._mark_cached(idx, lost)
+        return written, rejected, evicted

@@ -301,6 +301,7 @@ class CachedDataModule(LightningDataModule):
             it = loader
         for _ in it:
             pass
+        ds.cache.spill()  # misses went to the RAM tier first: the SSD tier holds them all after the warm-up
         for _, tier in ds.cache.tiers:
             tier.flush()
 
@@ -382,6 +383,11 @@ class CachedDataModule(LightningDataModule):
 
     @override
     def teardown(self, stage: str) -> None:
+        """Copy the RAM tier's entries to the SSD tier (local rank 0 of each node), so they survive a reboot; fsync."""
+        trainer = self.trainer
+        spill = trainer is None or int(getattr(trainer, "local_rank", 0)) == 0
         for cache in self._caches.values():
+            if spill:
+                cache.spill()
             for _, tier in cache.tiers:
                 tier.flush()

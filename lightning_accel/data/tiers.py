@@ -161,6 +161,9 @@ class PutResult:
     stored: int = 0
     rejected: int = 0  # not admitted: the tier is full under the "keep" policy (or already present elsewhere)
     evicted: int = 0
+    # positions (in the items passed) that were not stored and that no process had stored before: the tier is full
+    # or failed. A caller with another tier stores these there (the RAM tier's overflow goes to the SSD).
+    not_stored: list[int] = field(default_factory=list)
 
 
 def default_ram_dir(tag: str) -> str | None:
@@ -360,6 +363,28 @@ class LmdbTier:
         with self.reader() as get:
             return [get(k) is not None for k in keys]
 
+    def scan_keys(self, prefix: bytes, after: bytes | None = None, limit: int = 64) -> list[bytes]:
+        """Up to ``limit`` keys that start with ``prefix``, in key order, after the key ``after`` (``None``: from the
+        first); an empty list at the end. Keys only: the values stay in the map."""
+        out: list[bytes] = []
+        with self.reader() as get:
+            txn = getattr(get, "__self__", None)  # the read transaction behind `get` (None: the tier is unusable)
+            if txn is None:
+                return out
+            cur = txn.cursor()
+            if not cur.set_range(after if after is not None else prefix):
+                return out
+            for k in cur.iternext(keys=True, values=False):
+                k = bytes(k)
+                if not k.startswith(prefix):
+                    break
+                if after is not None and k == after:
+                    continue
+                out.append(k)
+                if len(out) >= limit:
+                    break
+        return out
+
     def __len__(self) -> int:
         with self._lock:
             if not self.open():
@@ -405,7 +430,10 @@ class LmdbTier:
         import lmdb
 
         res = PutResult()
-        if not items or not self.open():
+        if not items:
+            return res
+        if not self.open():
+            res.not_stored.extend(range(len(items)))
             return res
         for _ in range(64):
             try:
@@ -429,12 +457,18 @@ class LmdbTier:
                 if len(items) > 1:
                     mid = len(items) // 2
                     a, b = self._put_many(items[:mid]), self._put_many(items[mid:])
-                    return PutResult(a.stored + b.stored, a.rejected + b.rejected, res.evicted + a.evicted + b.evicted)
+                    return PutResult(
+                        a.stored + b.stored,
+                        a.rejected + b.rejected,
+                        res.evicted + a.evicted + b.evicted,
+                        a.not_stored + [mid + i for i in b.not_stored],
+                    )
                 used = self.used_bytes()
                 one = self.cost(items[0][0], len(items[0][1]))
                 self._usable_override = max(0, used - one) if self.policy == "fifo" else used
                 if self.policy != "fifo" or self._usable_override == 0:
                     res.rejected += len(items)
+                    res.not_stored.extend(range(len(items)))
                     return res
             except lmdb.MapResizedError:
                 self._env.set_mapsize(0)
@@ -442,8 +476,9 @@ class LmdbTier:
                 raise
             except Exception as e:  # ENOSPC, read-only filesystem, ...
                 self._disable(e)
-                return PutResult(rejected=len(items))
+                return PutResult(rejected=len(items), not_stored=list(range(len(items))))
         res.rejected += len(items)
+        res.not_stored.extend(range(len(items)))
         return res
 
     def _check_fits(self, key: bytes, value_len: int, usable: int) -> int:
@@ -477,7 +512,7 @@ class LmdbTier:
         raw = txn.get(_K_SEQ, db=meta)
         seq = 0 if raw is None else _U64.unpack(raw)[0]
         usable = self.usable_bytes
-        for key, value in items:
+        for pos, (key, value) in enumerate(items):
             if txn.get(key, db=index) is not None:
                 res.rejected += 1  # another worker/rank stored it first
                 continue
@@ -486,6 +521,7 @@ class LmdbTier:
                 c = self._check_fits(key, len(value), usable)
                 if used + c > usable:
                     res.rejected += 1
+                    res.not_stored.append(pos)
                     continue
             txn.put(key, value, db=data)
             txn.put(key, _U64x2.pack(seq, c), db=index)

@@ -36,6 +36,11 @@ def _trainer(**kw: Any) -> pl.Trainer:
     return pl.Trainer(**args)
 
 
+def _tv_ops() -> Any:
+    importlib.import_module("torchvision.io")  # registers the image ops
+    return torch.ops.image
+
+
 def _module(name: str) -> Callable[[], Any]:
     return lambda: importlib.import_module(name)
 
@@ -109,6 +114,8 @@ PRIVATE_NAMES: list[tuple[str, Callable[[], Any], str, str]] = [
     ("UntypedStorage._cdata", lambda: torch.empty(1).untyped_storage(), "_cdata", "storage_use_count_fn"),
     ("Tensor._typed_storage", lambda: torch.empty(1), "_typed_storage", "empty_shared"),
     ("TypedStorage._new_shared", lambda: torch.empty(1)._typed_storage(), "_new_shared", "empty_shared"),
+    ("torch.ops.image.decode_jpeg", lambda: _tv_ops(), "decode_jpeg", "jpeg_decode_ops"),
+    ("torch.ops.image.decode_jpegs_cuda", lambda: _tv_ops(), "decode_jpegs_cuda", "jpeg_decode_ops"),
     ("torch.cuda.memory._snapshot", lambda: torch.cuda.memory, "_snapshot", "cuda_memory_snapshot"),
     (
         "torch.cuda.memory._record_memory_history",
@@ -269,7 +276,11 @@ def test_shutdown_persistent_workers_stops_them_now() -> None:
     compat.shutdown_persistent_workers(loader)
     assert loader._iterator is None and not any(w.is_alive() for w in workers)
     assert len(list(loader)) == 2  # the next epoch starts new workers
-    compat.shutdown_persistent_workers(loader)
+    workers = list(loader._iterator._workers)  # type: ignore[union-attr]
+    t = compat.shutdown_persistent_workers(loader, wait=False)  # detached now, stopped behind
+    assert loader._iterator is None and t is not None
+    t.join(30)
+    assert not any(w.is_alive() for w in workers)
     compat.shutdown_persistent_workers(_loader())  # no workers: nothing to do
 
 
@@ -300,3 +311,17 @@ def test_cuda_memory_history_and_snapshot() -> None:
         del x
     finally:
         compat.stop_cuda_memory_history()
+
+
+def test_jpeg_decode_ops_decode_what_torchvision_decodes() -> None:
+    import io as _io
+
+    from PIL import Image
+
+    buf = _io.BytesIO()
+    Image.new("RGB", (8, 6), (200, 30, 90)).save(buf, format="JPEG")
+    ops = compat.jpeg_decode_ops()
+    assert ops is not None
+    decode_cpu, _, unchanged, _ = ops
+    out = decode_cpu(torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8), unchanged)
+    assert out.shape == (3, 6, 8) and out.dtype == torch.uint8 and abs(int(out[0, 0, 0]) - 200) < 8

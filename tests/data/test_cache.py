@@ -61,7 +61,7 @@ def test_warm_reads_touch_no_origin(small_digits: Path, tmp_cache_dir: Path) -> 
 
 
 def test_misses_go_to_ssd_and_hits_are_promoted_to_ram(small_digits: Path, tmp_cache_dir: Path) -> None:
-    c = _cache(small_digits, tmp_cache_dir, ram=8 << 20)
+    c = _cache(small_digits, tmp_cache_dir, ram=8 << 20, misses_to="ssd")
     c.load(list(range(10)))
     assert c.ram is not None and len(c.ram) == 0 and c.ssd is not None and len(c.ssd) == 10
     c.load(list(range(10)))  # SSD hits, promoted to RAM
@@ -73,6 +73,33 @@ def test_misses_go_to_ssd_and_hits_are_promoted_to_ram(small_digits: Path, tmp_c
     c_ram_only = _cache(small_digits, tmp_cache_dir / "r", ram=8 << 20, ssd=0)
     c_ram_only.load([0, 1])
     assert c_ram_only.ram is not None and len(c_ram_only.ram) == 2  # no SSD tier: misses go to RAM
+
+
+def test_misses_fill_the_ram_tier_first_overflow_to_ssd_and_spill(small_digits: Path, tmp_cache_dir: Path) -> None:
+    probe = _cache(small_digits, tmp_cache_dir / "probe")
+    probe.load([0])
+    assert probe.ssd is not None
+    cost = probe.ssd.cost(probe.key(0), len(probe.ssd.get(probe.key(0)) or b""))
+    budget = 100 * cost  # room for fewer than 100 entries, with LMDB's B-tree pages
+    c = _cache(small_digits, tmp_cache_dir, ram=budget)
+    assert c.ram is not None and c.ssd is not None
+    c.load(list(range(0, 8)))
+    assert (len(c.ram), len(c.ssd)) == (8, 0)  # misses: the RAM tier first
+    c.load(list(range(8, 100)))
+    c.load(list(range(100, 200)))
+    in_ram = len(c.ram)
+    assert 8 < in_ram < 100 and in_ram + len(c.ssd) == 200  # its overflow: the SSD tier, nothing lost
+    s = c.stats.as_dict()
+    assert (s["writes"], s["rejected"], s["origin_fetches"]) == (200, 0, 200)
+    c.stats.reset()
+    warm = c.load(list(range(200)))  # the first warm read: no promotion (the RAM tier is full), every sample a hit
+    s = c.stats.as_dict()
+    assert (s["ram_hits"], s["ssd_hits"], s["origin_fetches"], s["writes"]) == (in_ram, 200 - in_ram, 0, 0)
+    assert c.spill(batch=5) == in_ram and len(c.ssd) == 200  # the RAM tier's entries now survive a reboot
+    assert c.spill() == 0  # nothing left to copy
+    assert torch.equal(warm.images, probe.load(list(range(200))).images)
+    with pytest.raises(ValueError, match="`misses_to` must be 'ram' or 'ssd', got 'disk'"):
+        _cache(small_digits, tmp_cache_dir / "bad", misses_to="disk")
 
 
 def test_corrupt_entry_is_evicted_refetched_and_counted(small_digits: Path, tmp_cache_dir: Path) -> None:
@@ -287,3 +314,19 @@ def test_write_behind_thread_and_store_baseline_are_per_process(small_digits: Pa
     _, status = os.waitpid(pid, 0)
     assert os.WEXITSTATUS(status) == 0
     assert c.ssd is not None and all(c.ssd.contains([c.key(i) for i in range(8)]))  # the child's writes committed
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_decode_fills_the_cache_in_its_own_namespace(small_digits: Path, tmp_cache_dir: Path) -> None:
+    store = ObjectStore(str(small_digits))
+    gpu = SampleCache(store, list_origin(store), ImageDecoder(16, device="cuda"), ssd=LmdbTier(tmp_cache_dir, 64 << 20))
+    cpu = _cache(small_digits, tmp_cache_dir / "cpu")
+    idx = list(range(0, 200, 7))
+    cold = gpu.load(idx)  # one nvJPEG batch for the misses
+    warm = gpu.load(idx)
+    ref = cpu.load(idx).images
+    assert gpu.namespace != cpu.namespace and torch.equal(cold.images, warm.images)
+    assert (cold.images.float() - ref.float()).abs().mean() <= 3
+    s = gpu.stats.as_dict()
+    assert (s["origin_fetches"], s["ssd_hits"], s["writes"]) == (len(idx), len(idx), len(idx))

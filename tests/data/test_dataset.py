@@ -75,14 +75,14 @@ def test_workers_share_tiers_and_statistics(small_digits: Path, tmp_cache_dir: P
     ds.cache.ssd.open()
     labels0, n0 = _epoch(loader)
     sampler.set_epoch(1)
-    labels1, n1 = _epoch(loader)  # SSD hits, promoted to the RAM tier
+    labels1, n1 = _epoch(loader)  # the misses went to the RAM tier (it has room): RAM hits
     sampler.set_epoch(2)
     _, n2 = _epoch(loader)
     s = ds.stats.as_dict()  # counted inside the workers, read in the main process
     assert n0 == n1 == n2 == 200 and sorted(labels0) == sorted(labels1) == sorted(ds.cache.listing.labels)
     assert labels0 != labels1  # another shuffle
-    assert s["requests"] == 600 and s["origin_fetches"] == 200 and s["ssd_hits"] == 200
-    assert s["ram_hits"] == 200  # epoch 3: every sample from the node-wide RAM tier, whichever worker promoted it
+    assert s["requests"] == 600 and s["origin_fetches"] == 200 and s["ssd_hits"] == 0
+    assert s["ram_hits"] == 400  # epochs 2 and 3: every sample from the node-wide RAM tier, whichever worker wrote it
     assert s["prefetched"] > 0  # workers read ahead in the published order
 
 
@@ -160,10 +160,30 @@ def test_cache_dataloader_switches_to_main_process_reads_when_warm(small_digits:
     assert ds.cached_fraction() == 0.0
     _epoch(loader)
     assert loader.num_workers == 1 and not loader.is_warm
-    assert ds.cached_fraction() == 1.0
-    labels, n = _epoch(loader)
+    tier = ds.cache.ssd
+    assert tier is not None
+
+    def no_lookups(keys: Any) -> list[bool]:
+        raise AssertionError("the cold pass's record answers without a lookup per key")
+
+    tier.contains = no_lookups  # type: ignore[method-assign]
+    assert ds.cached_fraction() == 1.0  # what the workers stored, recorded in shared memory
+    labels, n = _epoch(loader)  # the very next epoch runs on the fast path
     assert loader.is_warm and loader.num_workers == 0 and n == 200
-    assert ds.stats.as_dict()["ssd_hits"] == 200
+    assert ds.stats.as_dict()["ssd_hits"] == 200 and ds.stats.as_dict()["origin_fetches"] == 200
+    del tier.contains
+    fresh = _dataset(str(small_digits), tmp_cache_dir)  # another process tree (a later run): asks the tiers
+    assert fresh.cached_fraction() == 1.0 and fresh.cache.not_yet_seen_cached([0, 1]) == []
+
+
+def test_buffer_pool_reserve_pages_in_buffers_that_take_reuses() -> None:
+    from lightning_accel.data.cache import BufferPool
+
+    pool = BufferPool(max_buffers=3)
+    assert pool.reserve((4, 3, 8, 8), torch.uint8, 5) == 3  # at most max_buffers
+    assert pool.reserve((4, 3, 8, 8), torch.uint8, 5) == 0
+    a, b = pool.take((4, 3, 8, 8), torch.uint8), pool.take((4, 3, 8, 8), torch.uint8)
+    assert pool.reused == 2 and a.data_ptr() != b.data_ptr()
 
 
 def test_read_ahead_thread_propagates_errors(small_digits: Path, tmp_path: Path) -> None:

@@ -60,3 +60,59 @@ def test_decode_into_checks_the_destination() -> None:
         dec.decode_into(data, torch.empty((3, 24, 24), dtype=torch.float32))
     with pytest.raises(ValueError, match="contiguous=False"):
         dec.decode_into(data, torch.empty((3, 24, 48), dtype=torch.uint8)[:, :, ::2])
+
+
+@pytest.mark.parametrize(
+    ("mode", "size"),
+    [("RGB", (24, 24)), ("L", (24, 24)), ("RGB", (24, 40)), ("RGB", (41, 24)), ("RGB", (30, 30))],
+)
+def test_libjpeg_turbo_path_gives_pils_pixels(mode: str, size: tuple[int, int]) -> None:
+    # at the size, grey, crop only (both orientations, odd margin): torchvision's libjpeg-turbo decode; a resize
+    # (30 px): PIL. Either way the pixels of the PIL-only decoder and of the ImageFolder pipeline.
+    from PIL import Image
+
+    data = _encode(mode, size, "JPEG", seed=sum(size))
+    fast, pil = ImageDecoder(24), ImageDecoder(24, fast_jpeg=False)
+    assert (fast._jpeg_tensor(data) is not None) == (min(size) == 24)
+    a, b = torch.empty(3, 24, 24, dtype=torch.uint8), torch.empty(3, 24, 24, dtype=torch.uint8)
+    fast.decode_into(data, a)
+    pil.decode_into(data, b)
+    with Image.open(io.BytesIO(data)) as img:
+        ref = fast.pil_transform()(img.convert("RGB"))
+    assert torch.equal(a, b) and torch.equal(a, ref) and torch.equal(fast(data), ref)
+    assert fast.fingerprint == pil.fingerprint  # same pixels: the same cache entries
+
+
+def test_undecodable_jpeg_falls_back_to_pils_error() -> None:
+    bad = b"\xff\xd8\xff\xe0" + b"\x00" * 64
+    with pytest.raises(Exception, match="cannot identify image file|image file is truncated|broken data"):
+        ImageDecoder(24).decode_into(bad, torch.empty(3, 24, 24, dtype=torch.uint8))
+
+
+def test_device_must_be_cuda() -> None:
+    with pytest.raises(ValueError, match=r"`device` must be None \(CPU\) or a CUDA device"):
+        ImageDecoder(24, device="cpu")
+    dec = ImageDecoder(24, device="cuda")  # made anywhere; used where CUDA is
+    assert dec.fingerprint != ImageDecoder(24).fingerprint and "nvjpeg" in dec.fingerprint
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_nvjpeg_batch_decode_into_cpu_rows_is_close_to_libjpeg() -> None:
+    from PIL import Image
+
+    def smooth(k: int) -> bytes:  # a gradient: decoders differ by rounding only, not by how they smooth noise
+        y, x = np.mgrid[0:24, 0:24]
+        arr = np.stack([x * 10 + k, y * 10, (x + y) * 5], axis=-1).astype(np.uint8)
+        buf = io.BytesIO()
+        Image.fromarray(arr, mode="RGB").save(buf, format="JPEG", quality=90)
+        return buf.getvalue()
+
+    datas = [smooth(k) for k in range(6)] + [_encode("RGB", (24, 24), "PNG", seed=9)]
+    dec = ImageDecoder(24, device="cuda")
+    rows = torch.zeros(len(datas), 3, 24, 24, dtype=torch.uint8)
+    done = dec.decode_batch_into(datas, list(rows))
+    assert done == [True] * 6 + [False]  # the PNG is left to the CPU path
+    for d, row in zip(datas[:6], rows[:6], strict=True):
+        ref = ImageDecoder(24)(d)
+        assert (row.float() - ref.float()).abs().mean() <= 3  # nvJPEG rounds differently, never far
