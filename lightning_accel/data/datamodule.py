@@ -277,6 +277,7 @@ class CachedDataModule(LightningDataModule):
         self._caches: dict[str, SampleCache] = {}
         self._last_logged_step = -1
         self._train_loader: CacheDataLoader | None = None
+        self._resume: dict[str, Any] | None = None  # the train sampler's state from a checkpoint, until applied
 
     # ---- listing -------------------------------------------------------------------------------------------------
     def _store(self, url: str) -> ObjectStore:
@@ -441,7 +442,27 @@ class CachedDataModule(LightningDataModule):
         """The training loader; its sampler counts consumed batches, and Lightning keeps the loader's
         ``state_dict`` in checkpoints, so a run resumed mid-epoch reads only that epoch's samples not yet seen."""
         self._train_loader = self._loader(self.train_set, shuffle=True)
+        if self._resume is not None and isinstance(self._train_loader.sampler, EpochOrderSampler):
+            self._train_loader.sampler.load_state_dict(self._resume)
         return self._train_loader
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """The training sampler's position (epoch, samples consumed, seed), saved in every checkpoint.
+
+        Lightning restores a datamodule's state before it builds the loaders, so a run resumed from a mid-epoch
+        checkpoint reads only that epoch's samples not yet seen. (The loader's own ``state_dict`` holds the same;
+        Lightning skips restoring that one when ``configure_optimizers`` built the loader early, e.g. through
+        ``trainer.estimated_stepping_batches``.)"""
+        loader = self._train_loader
+        if loader is None or not isinstance(loader.sampler, EpochOrderSampler):
+            return {}
+        return {"train_sampler": loader.sampler.state_dict()}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Keep the checkpoint's sampler position for the training loader built next."""
+        self._resume = state_dict.get("train_sampler")
 
     @override
     def val_dataloader(self) -> CacheDataLoader:
@@ -470,6 +491,8 @@ class CachedDataModule(LightningDataModule):
             loader = self._train_loader
             if loader is not None and isinstance(loader.sampler, EpochOrderSampler):
                 loader.sampler.advance(self.batch_size)  # one batch of the order consumed (for mid-epoch resume)
+            if self._resume is not None and self._resume.get("epoch") != trainer.current_epoch:
+                self._resume = None  # the resumed epoch is over: a reloaded loader starts whole epochs
             self._maybe_log(trainer)
         return x, y
 

@@ -305,7 +305,12 @@ class EpochOrderSampler(DistributedSampler):
                 f"the checkpoint's sampler used `seed` {state['seed']}, this one {self.seed}: resuming mid-epoch "
                 "needs the same seed. Set `seed` back, or resume from an end-of-epoch checkpoint."
             )
-        self.resume(int(state.get("epoch", -1)), int(state.get("consumed", 0)))
+        epoch = int(state.get("epoch", -1))
+        self.resume(epoch, int(state.get("consumed", 0)))
+        if epoch >= 0:
+            # Lightning creates the resumed epoch's iterator before it calls `set_epoch` (workers and the read-ahead
+            # thread start drawing indices at once): the epoch must be right already.
+            self.set_epoch(epoch)
 
     def set_epoch(self, epoch: int) -> None:
         """As ``DistributedSampler``'s; a pending resume skip ends with its epoch."""
