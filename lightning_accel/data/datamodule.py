@@ -488,13 +488,17 @@ class CachedDataModule(LightningDataModule):
         aug = self.train_augment if training else self.val_augment
         x = aug(x, train=training)
         if training:
-            loader = self._train_loader
-            if loader is not None and isinstance(loader.sampler, EpochOrderSampler):
-                loader.sampler.advance(self.batch_size)  # one batch of the order consumed (for mid-epoch resume)
-            if self._resume is not None and self._resume.get("epoch") != trainer.current_epoch:
-                self._resume = None  # the resumed epoch is over: a reloaded loader starts whole epochs
+            self._consumed(trainer)
             self._maybe_log(trainer)
         return x, y
+
+    def _consumed(self, trainer: Any) -> None:
+        """One training batch of the order consumed: the sampler's position, for a mid-epoch resume."""
+        loader = self._train_loader
+        if loader is not None and isinstance(loader.sampler, EpochOrderSampler):
+            loader.sampler.advance(self.batch_size)
+        if self._resume is not None and self._resume.get("epoch") != trainer.current_epoch:
+            self._resume = None  # the resumed epoch is over: a reloaded loader starts whole epochs
 
     def _maybe_log(self, trainer: Any) -> None:
         step = int(trainer.global_step)

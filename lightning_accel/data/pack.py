@@ -30,6 +30,7 @@ fails straight from the store is an :class:`~lightning_accel.data.origin.OriginE
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import functools
 import hashlib
@@ -233,6 +234,25 @@ def pack_origin(
     return Listing(origin=dst.url, keys=listing.keys, labels=listing.labels, classes=listing.classes, pack=pack)
 
 
+def _lock_shard(f: Any) -> None:
+    """Take the exclusive record lock on a shard's lock file, waiting for it.
+
+    The kernel detects deadlocks between record locks per *process*, not per thread: when two processes each have
+    one thread holding a shard's lock and another thread waiting for the other's, ``lockf`` fails with EDEADLK
+    although every holder will finish (each thread holds at most one shard lock). Seen with 2 workers and the main
+    process staging 16 shards at once; retried after a short pause instead of giving up on staging."""
+    delay = 0.002
+    while True:
+        try:
+            fcntl.lockf(f, fcntl.LOCK_EX)
+            return
+        except OSError as e:
+            if e.errno != errno.EDEADLK:
+                raise
+            time.sleep(delay)
+            delay = min(0.05, delay * 2)
+
+
 class PackedReader(ResetOnPickle):
     """Reads samples of a packed origin (see the module docstring for local and remote reads).
 
@@ -299,7 +319,7 @@ class PackedReader(ResetOnPickle):
             # processes. Record locks, unlike flock, are not inherited by a forked child, so a DataLoader worker
             # forked while a download is running can never keep that shard locked.
             with self._shard_lock(s), open(path + ".lock", "a+b") as lock:
-                fcntl.lockf(lock, fcntl.LOCK_EX)  # the others wait here, then read the file
+                _lock_shard(lock)  # the others wait here, then read the file
                 if os.path.exists(path):
                     return path
                 data = self.store.fetch(self.pack.shards[s])
