@@ -6,13 +6,14 @@ Imported by ``benchmarks/data_cache.py`` (each function returns ``(results, rati
 - :func:`run_windowed_s3`: a packed origin on S3 (moto), ``stage_bytes`` = 1/4 of the pack. One cold epoch under the
   window shuffle (``ShardWindowSampler``, window from ``auto_window``) and one under the global shuffle, 2 workers,
   fresh caches each: bytes read from S3 over the data set's bytes (``windowed_s3_bytes_over_dataset``, target
-  <= 1.1). And the accuracy cost of the window: the digits (32 px, 1,797 images, a 20 % validation split) trained
+  <= 1.1). And the accuracy cost of the window: the digits (16 px, 1,797 images, a 20 % validation split) trained
   for the same epochs three ways: global shuffle, window shuffle over a shuffled pack (``pack_origin(...,
   shuffle_seed=0)``), window shuffle over a class-sorted pack; final ``val_acc`` of each (mean over seeds).
 - :func:`run_multinode`: 2 simulated nodes x 2 ranks (4 gloo processes, ``Trainer(num_nodes=2, devices=2)``, node
-  from ``NODE_RANK``, ``{node_rank}`` in ``cache_dir`` / ``ram_dir``), a packed origin on S3, 2 epochs, 1 worker per
-  rank: per node, samples decoded over the distinct samples its ranks read (``multinode_redecode_ratio``, max over
-  nodes, target <= 1.0), and bytes fetched over the bytes of the distinct shards its ranks read.
+  from ``NODE_RANK``, ``{node_rank}`` in ``cache_dir`` / ``ram_dir``), a packed origin on S3, 2 epochs (``--quick``:
+  480 images, main-process reads; full: 3,200 images, 1 worker per rank): per node, samples decoded over the
+  distinct samples its ranks read (``multinode_redecode_ratio``, max over nodes, target <= 1.0), and bytes fetched
+  over the bytes of the distinct shards its ranks read.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def _val_acc(origin: str, work: Path, *, shuffle: str, window: int | None, epoch
         cache_dir=str(d / "cache"),
         ram_dir=str(d / "ram"),
         ram_bytes="32MiB",
-        image_size=32,
+        image_size=16,
         batch_size=BATCH,
         num_workers=0,
         val_fraction=0.2,
@@ -108,7 +109,7 @@ def _val_acc(origin: str, work: Path, *, shuffle: str, window: int | None, epoch
         mean=(0.19,) * 3,
         std=(0.32,) * 3,
     )
-    model = ImageClassifier(width=8, blocks=(1,))
+    model = ImageClassifier(width=16, blocks=(1, 1))
     model.example_input_array = None
     trainer = L.Trainer(
         max_epochs=epochs,
@@ -131,15 +132,15 @@ def _accuracy(work: Path, quick: bool) -> dict[str, Any]:
     from lightning_accel.data.sampler import auto_window
     from lightning_accel.datasets import materialize_digits
 
-    root = work / "digits32"
-    materialize_digits(root, size=32)
+    root = work / "digits16"
+    materialize_digits(root, size=16)
     total = sum(p.stat().st_size for p in root.rglob("*.jpg"))
     shard = max(1, total // 16)  # 16 shards, a window from a stage of 1/4 of the pack, as on S3
     mixed = pack_origin(str(root), str(work / "mixed"), shard_bytes=shard, shuffle_seed=0)
     pack_origin(str(root), str(work / "sorted"), shard_bytes=shard)
     assert mixed.pack is not None
     window = auto_window(total // 4, mixed.pack.shard_sizes)
-    epochs, seeds = (3, [0]) if quick else (6, [0, 1, 2])
+    epochs, seeds = (6, [0]) if quick else (10, [0, 1, 2])
     runs = {
         "global": (str(root), "global"),
         "window_shuffled_pack": (str(work / "mixed"), "window"),
@@ -208,7 +209,9 @@ def run_windowed_s3(quick: bool) -> tuple[dict[str, Any], dict[str, float]]:
     return results, {"windowed_s3_bytes_over_dataset": round(by["window"], 4)}
 
 
-def _mn_rank(rank: int, world: int, url: str, opts: dict[str, Any], tmp: str, per_node: int) -> dict[str, Any]:
+def _mn_rank(
+    rank: int, world: int, url: str, opts: dict[str, Any], tmp: str, per_node: int, workers: int
+) -> dict[str, Any]:
     node, local = divmod(rank, per_node)
     os.environ.update(LOCAL_RANK=str(local), NODE_RANK=str(node), GROUP_RANK=str(node), LOCAL_WORLD_SIZE=str(per_node))
     import lightning as L
@@ -224,7 +227,7 @@ def _mn_rank(rank: int, world: int, url: str, opts: dict[str, Any], tmp: str, pe
         ram_bytes="64MiB",
         image_size=32,
         batch_size=BATCH,
-        num_workers=1,
+        num_workers=workers,
         val_fraction=0.1,
         mean=(0.19,) * 3,
         std=(0.32,) * 3,
@@ -274,7 +277,8 @@ def run_multinode(quick: bool) -> tuple[dict[str, Any], dict[str, float]]:
     from tests.helpers import run_in_processes
 
     nodes, per_node = 2, 2
-    n_images = 800 if quick else 3200
+    # quick: main-process reads (4 ranks + 4 workers on 2 shared cores took ~5 min); full: 1 worker per rank
+    n_images, workers = (480, 0) if quick else (3200, 1)
     work = Path(tempfile.mkdtemp(prefix="la-bench-nodes-"))
     try:
         with local_s3() as opts:
@@ -287,7 +291,7 @@ def run_multinode(quick: bool) -> tuple[dict[str, Any], dict[str, float]]:
             out = run_in_processes(
                 this._mn_rank,
                 nodes * per_node,
-                ("s3://nodes/packed", opts, str(work), per_node),
+                ("s3://nodes/packed", opts, str(work), per_node, workers),
                 init_process_group=False,
                 timeout=600,
             )
@@ -313,6 +317,7 @@ def run_multinode(quick: bool) -> tuple[dict[str, Any], dict[str, float]]:
             "nodes": nodes,
             "ranks_per_node": per_node,
             "images": n_images,
+            "workers_per_rank": workers,
             "epochs": 2,
             "per_node": per_node_rows,
             "global_stats": {k: g[k] for k in ("requests", "ram_hits", "ssd_hits", "origin_fetches", "hit_rate")},
