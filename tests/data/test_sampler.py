@@ -97,10 +97,10 @@ def _loader(url: str, opts: dict[str, Any], tmp: Path, stage_bytes: int, window:
     ds = CachedDataset(cache, prefetch_batches=2)
     sampler: EpochOrderSampler
     if window is None:
-        sampler = EpochOrderSampler(ds, seed=0, batch_size=16)
+        sampler = EpochOrderSampler(ds, seed=0, batch_size=8)
     else:
-        sampler = ShardWindowSampler(ds, listing.pack.shard, window=window, seed=0, batch_size=16)
-    return CacheDataLoader(ds, batch_size=16, sampler=sampler, num_workers=0)
+        sampler = ShardWindowSampler(ds, listing.pack.shard, window=window, seed=0, batch_size=8)
+    return CacheDataLoader(ds, batch_size=8, sampler=sampler, num_workers=0)
 
 
 def test_window_shuffle_fetches_a_quarter_stage_pack_about_once(
