@@ -296,7 +296,6 @@ class PackedReader(ResetOnPickle):
         self._shard_locks: PerProcess[dict[int, threading.Lock]] = PerProcess(dict)
         self.staged_refetches = 0  # staged copies that failed their CRC and were fetched again (this process)
         self._touched: PerProcess[dict[int, float]] = PerProcess(dict)  # shard -> when this process last touched it
-        self._unread: PerProcess[set[int]] = PerProcess(set)  # shards this process read ahead and has not read yet
 
     def _shard_lock(self, s: int) -> threading.Lock:
         with self._lock:
@@ -392,24 +391,21 @@ class PackedReader(ResetOnPickle):
         """Start staging (on the store's thread pool) the shards of ``indices`` not staged yet; returns how many of
         ``indices`` lie in a shard whose download this call started.
 
-        At most half the stage's worth of shards is in flight or staged-but-unread per process: read-ahead beyond
-        what the stage holds would evict shards staged for upcoming batches before they are read (with
-        ``stage_bytes`` = 1/4 of the pack, an unbounded epoch-start read-ahead fetched 2.4x the pack under the window
-        shuffle)."""
+        At most half the stage's worth of shards is in flight per process: read-ahead beyond what the stage holds
+        would evict shards staged for upcoming batches before they are read (with ``stage_bytes`` = 1/4 of the
+        pack, an unbounded epoch-start read-ahead fetched 2.4x the pack under the window shuffle)."""
         if not self.staging:
             return 0
         started: set[int] = set()
         cap = max(1, self.stage_bytes // max(1, max(self.pack.shard_sizes, default=1)) // 2)
         with self._lock:
             inflight = self._inflight.get()
-            unread = self._unread.get()
             for i in indices:
                 s = self.pack.shard[i]
                 if s in started or s in inflight or os.path.exists(self._path(s)):
                     continue
-                if len(inflight) + len(unread - inflight.keys()) >= cap:
+                if len(inflight) >= cap:
                     break
-                unread.add(s)
                 fut = self.store.run(self._stage_quietly, s)
                 inflight[s] = fut
                 fut.add_done_callback(functools.partial(self._done, s))
@@ -431,7 +427,6 @@ class PackedReader(ResetOnPickle):
             for f in list(inflight.values()):  # a cancelled future runs its done-callback inline: it pops itself
                 f.cancel()
             inflight.clear()
-            self._unread.get().clear()
 
     # ---- reads ---------------------------------------------------------------------------------------------------
     def read(self, i: int, key: str) -> bytes:
@@ -452,10 +447,6 @@ class PackedReader(ResetOnPickle):
                 continue
             if zlib.crc32(data) == crc and len(data) == size:
                 self._touch(s, path)
-                unread = self._unread.get()
-                if s in unread:
-                    with self._lock:
-                        unread.discard(s)
                 return data
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)  # a corrupt staged copy: fetch the shard again
