@@ -3,7 +3,7 @@
 A packed remote origin is read a whole shard at a time into a node-local stage directory of ``stage_bytes``
 (:class:`~lightning_accel.data.pack.PackedReader`). Under a global shuffle every batch touches nearly every shard, so a
 stage smaller than the pack downloads each shard many times per epoch (``benchmarks/_data_shards.py --quick``:
-``stage_bytes`` = 1/4 of the pack, 2 workers: 47.8x the data in one cold epoch; the window shuffle: 1.00x).
+``stage_bytes`` = 1/4 of the pack, 2 workers: 48x the data in one cold epoch; the window shuffle: 1.00x).
 :func:`windowed_order` shuffles the way LitData and MosaicML Streaming (``py1b``-like blocks) do instead:
 
 1. shuffle the shards (seeded by ``seed`` and ``epoch``, the same on every rank);
