@@ -45,6 +45,29 @@ def _no_leaked_process_group() -> Iterator[None]:
         dist.destroy_process_group()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _ram_tiers_in_a_session_dir() -> Iterator[None]:
+    """Default RAM tiers of this session go under one directory on tmpfs, removed at the end: no test leaves
+    anything in /dev/shm (sessions running side by side never see each other's tiers either)."""
+    import shutil
+
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    if base is None:
+        yield
+        return
+    root = os.path.join(base, f"lightning_accel-tests-{uuid.uuid4().hex[:8]}")
+    old = os.environ.get("LIGHTNING_ACCEL_RAM_ROOT")
+    os.environ["LIGHTNING_ACCEL_RAM_ROOT"] = root
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("LIGHTNING_ACCEL_RAM_ROOT", None)
+        else:
+            os.environ["LIGHTNING_ACCEL_RAM_ROOT"] = old
+        shutil.rmtree(root, ignore_errors=True)
+
+
 @pytest.fixture
 def tmp_cache_dir(tmp_path: Path) -> Path:
     """An empty, writable directory for a cache or checkpoint store."""

@@ -1,9 +1,9 @@
 """Decoded-sample cache: RAM / LMDB / fsspec object-store tiers, batch reads, read-ahead and GPU augmentation.
 
 Core (no ``lightning`` import): :class:`SampleCache`, :class:`CachedDataset`, :class:`EpochOrderSampler`,
-:class:`LmdbTier`, :class:`ObjectStore`, :func:`pack_origin`, :class:`ImageDecoder`, :class:`GpuAugment`, the entry
-codec and :class:`CacheStats`. The Lightning adapter is :class:`CachedDataModule` (``datamodule.py``). Guide:
-``docs/data.md``.
+:class:`ShardWindowSampler`, :class:`LmdbTier`, :class:`ObjectStore`, :func:`pack_origin`, :class:`ImageDecoder`,
+:class:`GpuAugment`, the entry codec and :class:`CacheStats`. The Lightning adapter is :class:`CachedDataModule`
+(``datamodule.py``). Guide: ``docs/data.md``.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from lightning_accel.data.dataset import CacheDataLoader, CachedDataset, EpochOr
 from lightning_accel.data.decode import DecodeError, ImageDecoder
 from lightning_accel.data.origin import Listing, ObjectStore, OriginError, list_origin
 from lightning_accel.data.pack import PackedReader, PackIndex, pack_origin
+from lightning_accel.data.sampler import ShardWindowSampler
 from lightning_accel.data.stats import CacheStats
 from lightning_accel.data.tiers import BudgetTooSmallError, LmdbTier
 
@@ -39,6 +40,7 @@ __all__ = [
     "PackedReader",
     "Sample",
     "SampleCache",
+    "ShardWindowSampler",
     "collate_batch",
     "decode_entry",
     "encode_entry",

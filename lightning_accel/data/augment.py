@@ -12,8 +12,8 @@ when given a batch tensor), and all samples are transformed together:
 
 Device-agnostic torch ops: on a CUDA batch it runs on the GPU (the point: the CPU does not touch pixels); on a CPU batch
 (no GPU, or ``trainer.accelerator="cpu"``) the same code runs on the CPU, the transparent fallback. Random
-parameters come from a CPU generator (seeded by ``seed`` and a call counter when given), so a seeded module gives the
-same augmentation on either device.
+parameters come from a CPU generator seeded by ``seed`` (or, when None, torch's global seed, which ``seed_everything``
+sets) and a call counter, so the same seed gives the same augmentation on either device and in every run.
 """
 
 from __future__ import annotations
@@ -26,6 +26,17 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["GpuAugment"]
+
+
+def _global_seed() -> int:
+    """The seed ``seed=None`` follows: torch's initial seed (what ``seed_everything`` / ``torch.manual_seed`` set; in
+    a DataLoader worker, that worker's seed), mixed with the rank so ranks augment differently. Without a seed call
+    torch starts from a random one, so an unseeded run is still fresh randomness."""
+    seed = torch.initial_seed()
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        seed = seed * 1_000_033 + dist.get_rank()
+    return seed % (2**63 - 1)
 
 
 class GpuAugment(nn.Module):
@@ -41,7 +52,8 @@ class GpuAugment(nn.Module):
         brightness: factor drawn from ``[1 - b, 1 + b]``.
         contrast: factor drawn from ``[1 - c, 1 + c]``.
         saturation: factor drawn from ``[1 - s, 1 + s]``.
-        seed: seed for reproducible parameters (``None``: fresh randomness).
+        seed: seed of the parameters (``None``: follow torch's global seed, so ``seed_everything`` makes runs
+            repeat exactly; mixed with the rank under DDP).
 
     ``augment.eval()`` (or ``forward(x, train=False)``) skips the random part: resize to ``size`` and normalise only.
     """
@@ -86,10 +98,8 @@ class GpuAugment(nn.Module):
 
     def _generator(self) -> torch.Generator:
         g = torch.Generator()
-        if self.seed is None:
-            g.seed()
-        else:
-            g.manual_seed(self.seed * 1_000_003 + self._calls)
+        base = self.seed if self.seed is not None else _global_seed()
+        g.manual_seed((base * 1_000_003 + self._calls) % (2**63 - 1))
         self._calls += 1
         return g
 

@@ -1,9 +1,14 @@
-"""The data command: ``lightning-accel data pack SOURCE DEST`` writes a packed origin (see ``docs/data.md``).
+"""The data command: ``lightning-accel data pack SOURCE DEST`` writes a packed origin, ``lightning-accel data clean``
+removes stale RAM tiers (see ``docs/data.md``).
 
-``pack SOURCE DEST [--shard-bytes 16MiB] [--manifest FILE] [--storage-options JSON] [--dest-storage-options JSON]
-[--overwrite]``: copy an ImageFolder tree (or a manifest's keys) into shards plus an index, so a cold epoch from an
-object store costs one GET per shard instead of one per image. Prints a JSON summary; exit 2 on bad arguments, 1 when
-the source or destination fails.
+``pack SOURCE DEST [--shard-bytes 16MiB] [--shuffle-seed N] [--manifest FILE] [--storage-options JSON]
+[--dest-storage-options JSON] [--overwrite]``: copy an ImageFolder tree (or a manifest's keys) into shards plus an
+index, so a cold epoch from an object store costs one GET per shard instead of one per image. Prints a JSON summary;
+exit 2 on bad arguments, 1 when the source or destination fails.
+
+``clean [--older-than 0s] [--root DIR] [--dry-run]``: remove the RAM tiers under ``DIR`` (default
+``/dev/shm/lightning_accel``) that no process uses and that were last used longer ago than ``--older-than``; prints a
+JSON summary (removed and kept tiers, bytes freed).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import json
 import sys
 
 from lightning_accel._utils.cliargs import json_object_arg
+from lightning_accel.data.lifecycle import find_tiers, parse_duration, ram_root, sweep
 from lightning_accel.data.origin import OriginError
 from lightning_accel.data.pack import DEFAULT_SHARD_BYTES, pack_origin
 from lightning_accel.data.tiers import parse_bytes
@@ -31,12 +37,39 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     k.add_argument("--storage-options", default=None, help="fsspec options of SOURCE as JSON")
     k.add_argument("--dest-storage-options", default=None, help="fsspec options of DEST as JSON (default: SOURCE's)")
     k.add_argument("--overwrite", action="store_true", help="replace a pack already at DEST")
+    k.add_argument("--shuffle-seed", type=int, default=None, help="write samples in a seeded random order")
+    c = sub.add_parser("clean", help="remove RAM tiers no process uses (on /dev/shm by default)")
+    c.add_argument("--older-than", default="0s", help="only tiers last used longer ago than this, e.g. 12h, 7d")
+    c.add_argument("--root", default=None, help="where the tiers are (default: /dev/shm/lightning_accel)")
+    c.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
     return p
+
+
+def _clean(args: argparse.Namespace, prog: str) -> int:
+    try:
+        older = parse_duration(args.older_than, name="--older-than")
+    except ValueError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    removed = sweep(args.root, older_than_s=older or 0.0, dry_run=args.dry_run)
+    gone = {r.path for r in removed}
+    kept = [t for t in find_tiers(args.root) if t.path not in gone]
+    summary = {
+        "root": args.root or ram_root(),
+        "dry_run": args.dry_run,
+        "removed": [r.path for r in removed],
+        "bytes_freed": sum(r.bytes for r in removed),
+        "kept": [{"path": t.path, "in_use": t.in_use, "bytes": t.bytes} for t in kept],
+    }
+    print(json.dumps(summary))
+    return 0
 
 
 def main(argv: list[str] | None = None, prog: str = "lightning-accel data") -> int:
     """Run the command; returns the exit code (0 ok, 1 failed, 2 usage error)."""
     args = _parser(prog).parse_args(argv)
+    if args.command == "clean":
+        return _clean(args, prog)
     try:
         src_opts = json_object_arg("--storage-options", args.storage_options)
         dst_opts = json_object_arg("--dest-storage-options", args.dest_storage_options)
@@ -60,6 +93,7 @@ def main(argv: list[str] | None = None, prog: str = "lightning-accel data") -> i
             shard_bytes=shard_bytes,
             overwrite=args.overwrite,
             progress=progress,
+            shuffle_seed=args.shuffle_seed,
         )
     except (OriginError, FileNotFoundError, FileExistsError, ValueError, OSError) as e:
         print(f"\n{prog}: error: {type(e).__name__}: {e}", file=sys.stderr)

@@ -30,9 +30,11 @@ from lightning_accel.data.dataset import (
     split_indices,
 )
 from lightning_accel.data.decode import ImageDecoder
+from lightning_accel.data.lifecycle import parse_duration, ram_root, sweep, touch
 from lightning_accel.data.origin import Listing, ObjectStore, list_origin
 from lightning_accel.data.pack import DEFAULT_STAGE_BYTES
-from lightning_accel.data.stats import CacheStats
+from lightning_accel.data.sampler import ShardWindowSampler, auto_window
+from lightning_accel.data.stats import CacheStats, summarize
 from lightning_accel.data.tiers import LmdbTier, default_ram_dir, parse_bytes
 
 __all__ = ["CachedDataModule"]
@@ -46,14 +48,46 @@ def _check_origin(origin: object) -> None:
         raise ValueError(f"`origin` must be a non-empty path or fsspec URL, got {origin!r}.")
 
 
+def node_rank_from_env() -> int:
+    """This node's index from the launcher's environment: ``NODE_RANK`` (Lightning, SLURM through Lightning),
+    ``GROUP_RANK`` (torchrun), ``SLURM_NODEID``; 0 when none is set."""
+    for var in ("NODE_RANK", "GROUP_RANK", "SLURM_NODEID"):
+        value = os.environ.get(var, "").strip()
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
+def _per_node(name: str, path: str) -> str:
+    """``path`` with ``{node_rank}`` replaced by this node's index (node-local directories when several simulated
+    nodes share one machine, or a shared filesystem holds per-node caches)."""
+    if "{" not in path:
+        return path
+    try:
+        return path.format(node_rank=node_rank_from_env())
+    except (KeyError, IndexError, ValueError) as e:
+        raise ValueError(
+            f"`{name}` {path!r} may contain only the placeholder {{node_rank}} ({type(e).__name__}: {e})."
+        ) from e
+
+
 def _local_cache_dir(cache_dir: str) -> str:
-    """``cache_dir`` as an absolute local path (``file://`` accepted); raises for a remote URL."""
+    """``cache_dir`` as an absolute local path (``file://`` accepted); raises for a remote URL or a file."""
     if "://" in cache_dir and not cache_dir.startswith("file://"):
         raise ValueError(
             f"`cache_dir` must be a local directory (LMDB needs a local filesystem), got {cache_dir!r}. "
             "Put the remote data in `origin` and the cache on a local SSD."
         )
-    return os.path.abspath(os.path.expanduser(cache_dir.removeprefix("file://")))
+    path = os.path.abspath(os.path.expanduser(_per_node("cache_dir", cache_dir.removeprefix("file://"))))
+    probe = path
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)  # the nearest part of the path that exists must be a directory
+    if os.path.exists(probe) and not os.path.isdir(probe):
+        raise ValueError(
+            f"`cache_dir` must be a directory, got {cache_dir!r}, where {probe!r} is a file. Pass a directory "
+            "path (created if missing) or move the file away."
+        )
+    return path
 
 
 def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
@@ -99,7 +133,12 @@ class CachedDataModule(LightningDataModule):
         cache_dir: local directory (not a network filesystem) for the SSD tier and the shared listing.
         ram_bytes: RAM tier budget for the whole node (bytes or ``"512MiB"``; 0 disables the tier).
         ssd_bytes: SSD tier budget (bytes or ``"20GiB"``; ``None``: no cap; 0 disables the tier).
-        ram_dir: RAM tier directory (default ``/dev/shm/lightning_accel/<hash of cache_dir>``).
+        ram_dir: RAM tier directory (default ``/dev/shm/lightning_accel/<hash of cache_dir>``). ``cache_dir`` and
+            ``ram_dir`` may contain ``{node_rank}`` (from ``NODE_RANK`` / ``GROUP_RANK``): node-local directories
+            when several nodes share a filesystem, or simulated nodes one machine.
+        ram_ttl: in ``prepare_data`` (once per node), remove RAM tiers next to this one's that no process uses and
+            that were last used longer ago than this (seconds or ``"12h"``, ``"7d"``; ``None``: never). Only the
+            default location (``/dev/shm/lightning_accel``) is swept; ``lightning-accel data clean`` does it by hand.
         policy: tier behaviour when full: ``"keep"`` (stable subset; best for epoch scans) or ``"fifo"``.
         warm_on_prepare: fill the SSD tier in ``prepare_data`` (once per node, progress bar) instead of in epoch 1.
 
@@ -111,7 +150,13 @@ class CachedDataModule(LightningDataModule):
         prefetch_batches: upcoming batches each reader reads ahead from the origin.
         stage_bytes: a packed remote origin (``pack_origin``) is read a whole shard at a time, staged under
             ``cache_dir/shards`` (shared by the workers and ranks of the node); at most this many bytes are kept
-            (oldest out first). At least the packed data's size reads each shard once per cold epoch.
+            (least recently used out first). At least the packed data's size reads each shard once per cold epoch
+            under any shuffle; less needs the window shuffle (``shuffle``).
+        shuffle: training order: ``"global"`` (a shuffle of all samples), ``"window"`` (shard-aware: each rank
+            reads within a window of shards, see :mod:`~lightning_accel.data.sampler`; packed origins only) or
+            ``"auto"`` (``"window"`` for a packed remote origin whose pack exceeds ``stage_bytes``).
+        shuffle_window: shards shuffled together under ``"window"`` (``None``: the widest the stage holds for every
+            rank of the node).
 
     Loading:
         batch_size: per-device batch size.
@@ -151,6 +196,7 @@ class CachedDataModule(LightningDataModule):
         ram_bytes: int | str = "256MiB",
         ssd_bytes: int | str | None = "20GiB",
         ram_dir: str | None = None,
+        ram_ttl: float | str | None = "24h",
         policy: str = "keep",
         warm_on_prepare: bool = False,
         # reading the origin
@@ -159,6 +205,8 @@ class CachedDataModule(LightningDataModule):
         prefetch: bool | None = None,
         prefetch_batches: int = 2,
         stage_bytes: int | str = "4GiB",
+        shuffle: str = "auto",
+        shuffle_window: int | None = None,
         # loading
         batch_size: int = 64,
         num_workers: int | None = None,
@@ -178,6 +226,9 @@ class CachedDataModule(LightningDataModule):
         self.cache_dir = _local_cache_dir(cache_dir)
         _check_choice("on_decode_error", on_decode_error, ("raise", "skip"))
         _check_choice("policy", policy, ("keep", "fifo"))
+        _check_choice("shuffle", shuffle, ("auto", "global", "window"))
+        if shuffle_window is not None and (not isinstance(shuffle_window, int) or shuffle_window < 1):
+            raise ValueError(f"`shuffle_window` must be a whole number of shards >= 1 or None, got {shuffle_window!r}.")
         split_indices(1, val_fraction, seed)  # validates val_fraction now
         # where the data is
         self.origin = origin
@@ -193,7 +244,8 @@ class CachedDataModule(LightningDataModule):
         self.ram_bytes = _ram_budget(ram_bytes)
         self.ssd_bytes = parse_bytes(ssd_bytes, name="ssd_bytes")
         tag = hashlib.sha1(self.cache_dir.encode()).hexdigest()[:12]
-        self.ram_dir = ram_dir if ram_dir is not None else default_ram_dir(tag)
+        self.ram_dir = _per_node("ram_dir", ram_dir) if ram_dir is not None else default_ram_dir(tag)
+        self.ram_ttl = parse_duration(ram_ttl, name="ram_ttl")
         self.policy = policy
         self.warm_on_prepare = warm_on_prepare
         # reading the origin
@@ -202,6 +254,8 @@ class CachedDataModule(LightningDataModule):
         self.prefetch = prefetch
         self.prefetch_batches = prefetch_batches
         self.stage_bytes = parse_bytes(stage_bytes, name="stage_bytes")
+        self.shuffle = shuffle
+        self.shuffle_window = shuffle_window
         # loading
         self.batch_size = batch_size
         self.num_workers = default_num_workers() if num_workers is None else num_workers
@@ -222,6 +276,8 @@ class CachedDataModule(LightningDataModule):
         self.val_set: CachedDataset | None = None
         self._caches: dict[str, SampleCache] = {}
         self._last_logged_step = -1
+        self._train_loader: CacheDataLoader | None = None
+        self._resume: dict[str, Any] | None = None  # the train sampler's state from a checkpoint, until applied
 
     # ---- listing -------------------------------------------------------------------------------------------------
     def _store(self, url: str) -> ObjectStore:
@@ -281,7 +337,8 @@ class CachedDataModule(LightningDataModule):
 
     @override
     def prepare_data(self) -> None:
-        """Once per node: list the origin(s), optionally warm the SSD tier."""
+        """Once per node: sweep stale RAM tiers, list the origin(s), optionally warm the SSD tier."""
+        self._sweep_ram_tiers()
         train, val = self._datasets(refresh=True)
         if self.warm_on_prepare:
             for name, ds in (("train", train), ("val", val)):
@@ -305,8 +362,18 @@ class CachedDataModule(LightningDataModule):
         for _, tier in ds.cache.tiers:
             tier.flush()
 
+    def _sweep_ram_tiers(self) -> None:
+        if self.ram_ttl is None or self.ram_dir is None:
+            return
+        root = os.path.dirname(self.ram_dir)
+        if os.path.realpath(root) != os.path.realpath(ram_root()):
+            return  # a directory the user chose: never remove its neighbours unasked
+        sweep(root, older_than_s=self.ram_ttl, keep=[self.ram_dir])
+
     @override
     def setup(self, stage: str) -> None:
+        if self.ram_dir is not None:
+            touch(self.ram_dir)  # last use, for the sweep of stale tiers
         if self.train_set is None:
             self.train_set, self.val_set = self._datasets(refresh=False)
 
@@ -319,11 +386,48 @@ class CachedDataModule(LightningDataModule):
             return int(kw.get("num_replicas", 1)), int(kw.get("rank", 0))
         return 1, 0
 
+    def _window(self, ds: CachedDataset) -> int | None:
+        """Shards per shuffle window for ``ds``, or None for the global shuffle."""
+        packed = ds.cache.packed
+        if self.shuffle == "global":
+            return None
+        if packed is None:
+            if self.shuffle == "window":
+                raise ValueError(
+                    "`shuffle='window'` needs a packed origin (pack_origin / `lightning-accel data pack`); "
+                    f"{self.origin!r} is not one. Use `shuffle='global'` or pack the origin."
+                )
+            return None
+        sizes = packed.pack.shard_sizes
+        if self.shuffle == "auto" and not (packed.staging and packed.stage_bytes < sum(sizes)):
+            return None
+        if self.shuffle_window is not None:
+            return self.shuffle_window
+        trainer = self.trainer
+        local = int(getattr(trainer, "num_devices", 1) or 1) if trainer is not None else 1
+        return auto_window(packed.stage_bytes, sizes, local)
+
     def _loader(self, ds: CachedDataset | None, shuffle: bool) -> CacheDataLoader:
         if ds is None:
             raise RuntimeError("`CachedDataModule.setup()` must run before asking for a dataloader.")
         replicas, rank = self._sharding()
-        sampler = EpochOrderSampler(ds, replicas, rank, shuffle=shuffle, seed=self.seed, batch_size=self.batch_size)
+        window = self._window(ds) if shuffle else None
+        sampler: EpochOrderSampler
+        if window is not None:
+            pack = ds.cache.listing.pack
+            assert pack is not None
+            shard_of = [pack.shard[i] for i in ds.indices]
+            sampler = ShardWindowSampler(
+                ds,
+                shard_of,
+                num_replicas=replicas,
+                rank=rank,
+                window=window,
+                seed=self.seed,
+                batch_size=self.batch_size,
+            )
+        else:
+            sampler = EpochOrderSampler(ds, replicas, rank, shuffle=shuffle, seed=self.seed, batch_size=self.batch_size)
         return CacheDataLoader(
             ds,
             batch_size=self.batch_size,
@@ -336,7 +440,30 @@ class CachedDataModule(LightningDataModule):
 
     @override
     def train_dataloader(self) -> CacheDataLoader:
-        return self._loader(self.train_set, shuffle=True)
+        """The training loader; its sampler counts consumed batches, and Lightning keeps the loader's
+        ``state_dict`` in checkpoints, so a run resumed mid-epoch reads only that epoch's samples not yet seen."""
+        self._train_loader = self._loader(self.train_set, shuffle=True)
+        if self._resume is not None and isinstance(self._train_loader.sampler, EpochOrderSampler):
+            self._train_loader.sampler.load_state_dict(self._resume)
+        return self._train_loader
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """The training sampler's position (epoch, samples consumed, seed), saved in every checkpoint.
+
+        Lightning restores a datamodule's state before it builds the loaders, so a run resumed from a mid-epoch
+        checkpoint reads only that epoch's samples not yet seen. (The loader's own ``state_dict`` holds the same;
+        Lightning skips restoring that one when ``configure_optimizers`` built the loader early, e.g. through
+        ``trainer.estimated_stepping_batches``.)"""
+        loader = self._train_loader
+        if loader is None or not isinstance(loader.sampler, EpochOrderSampler):
+            return {}
+        return {"train_sampler": loader.sampler.state_dict()}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Keep the checkpoint's sampler position for the training loader built next."""
+        self._resume = state_dict.get("train_sampler")
 
     @override
     def val_dataloader(self) -> CacheDataLoader:
@@ -362,19 +489,39 @@ class CachedDataModule(LightningDataModule):
         aug = self.train_augment if training else self.val_augment
         x = aug(x, train=training)
         if training:
+            self._consumed(trainer)
             self._maybe_log(trainer)
         return x, y
+
+    def _consumed(self, trainer: Any) -> None:
+        """One training batch of the order consumed: the sampler's position, for a mid-epoch resume."""
+        loader = self._train_loader
+        if loader is not None and isinstance(loader.sampler, EpochOrderSampler):
+            loader.sampler.advance(self.batch_size)
+        if self._resume is not None and self._resume.get("epoch") != trainer.current_epoch:
+            self._resume = None  # the resumed epoch is over: a reloaded loader starts whole epochs
 
     def _maybe_log(self, trainer: Any) -> None:
         step = int(trainer.global_step)
         if step == self._last_logged_step or step % self.log_every_n_steps:
             return
         self._last_logged_step = step
+        stats = self.global_cache_stats()  # a collective: every rank reaches it at the same step
         if not trainer.is_global_zero:
             return
-        metrics = {f"cache/{k}": float(v) for k, v in self.stats.as_dict().items()}
+        metrics = {f"cache/{k}": float(v) for k, v in stats.items()}
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
+
+    def global_cache_stats(self) -> dict[str, Any]:
+        """:attr:`cache_stats` summed over every rank (counts summed; ``hit_rate`` etc. recomputed from the sums,
+        i.e. the global rates). A collective under a multi-process strategy: call it on every rank."""
+        trainer = self.trainer
+        totals = self.stats.totals()
+        strategy = getattr(trainer, "strategy", None) if trainer is not None else None
+        if strategy is not None and int(getattr(trainer, "world_size", 1)) > 1:
+            totals = strategy.reduce(totals.to(strategy.root_device), reduce_op="sum").cpu()
+        return summarize(totals)
 
     @property
     def cache_stats(self) -> dict[str, Any]:

@@ -269,9 +269,60 @@ class EpochOrderSampler(DistributedSampler):
     ) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
         self.batch_size = batch_size
+        self.resume_epoch = -1  # the epoch `resume_skip` applies to (-1: none)
+        self.resume_skip = 0
+        self.progress_epoch = -1  # positions of `progress_epoch`'s order the consumer has taken (see `advance`)
+        self.consumed = 0
+
+    def epoch_order(self) -> list[int]:
+        """This rank's whole order for the current epoch (``DistributedSampler``'s; subclasses change it)."""
+        return list(super().__iter__())
+
+    def resume(self, epoch: int, consumed: int) -> None:
+        """Skip the first ``consumed`` positions of ``epoch``'s order (a run resumed mid-epoch) for that epoch only;
+        ``len`` stays the whole epoch's, as the Trainer counts the batches already done."""
+        self.resume_epoch, self.resume_skip = int(epoch), max(0, int(consumed))
+        self.progress_epoch, self.consumed = self.resume_epoch, self.resume_skip
+
+    def advance(self, n: int) -> None:
+        """Count ``n`` positions of the current epoch as consumed by training (the consumer calls this per batch;
+        the DataLoader's workers read ahead, so the sampler cannot know by itself)."""
+        if self.progress_epoch != self.epoch:
+            self.progress_epoch, self.consumed = self.epoch, 0
+        self.consumed += int(n)
+
+    def state_dict(self) -> dict[str, int]:
+        """Where training is in the epoch: ``{"epoch", "consumed"}`` (positions of this rank's order)."""
+        return {"epoch": self.progress_epoch, "consumed": self.consumed, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume at ``state`` (from :meth:`state_dict`): that epoch's order skips what was consumed.
+
+        Raises:
+            ValueError: the state was saved with another shuffle seed (the remaining samples would be others).
+        """
+        if int(state.get("seed", self.seed)) != self.seed:
+            raise ValueError(
+                f"the checkpoint's sampler used `seed` {state['seed']}, this one {self.seed}: resuming mid-epoch "
+                "needs the same seed. Set `seed` back, or resume from an end-of-epoch checkpoint."
+            )
+        epoch = int(state.get("epoch", -1))
+        self.resume(epoch, int(state.get("consumed", 0)))
+        if epoch >= 0:
+            # Lightning creates the resumed epoch's iterator before it calls `set_epoch` (workers and the read-ahead
+            # thread start drawing indices at once): the epoch must be right already.
+            self.set_epoch(epoch)
+
+    def set_epoch(self, epoch: int) -> None:
+        """As ``DistributedSampler``'s; a pending resume skip ends with its epoch."""
+        if epoch != self.resume_epoch:
+            self.resume_epoch, self.resume_skip = -1, 0
+        super().set_epoch(epoch)
 
     def __iter__(self) -> Iterator[int]:
-        order = list(super().__iter__())
+        order = self.epoch_order()
+        if self.resume_epoch == self.epoch:
+            order = order[self.resume_skip :]
         publish = getattr(self.dataset, "publish_order", None)
         if publish is not None:
             publish(order, self.batch_size)
@@ -321,6 +372,18 @@ class CacheDataLoader(DataLoader):
         self.read_ahead = read_ahead
         self.read_threads = 1 if read_threads is None else max(1, read_threads)
         self.is_warm = False
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sampler's position (Lightning saves a train loader's ``state_dict`` in the checkpoint and restores it
+        on a mid-epoch resume)."""
+        sd = getattr(self.sampler, "state_dict", None)
+        return {"sampler": sd()} if sd is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`: the sampler skips what the checkpointed run had consumed of that epoch."""
+        load = getattr(self.sampler, "load_state_dict", None)
+        if load is not None and "sampler" in state:
+            load(state["sampler"])
 
     def _check_warm(self) -> None:
         if self.is_warm or self.warm_num_workers is None or self.warm_num_workers == self.cold_num_workers:

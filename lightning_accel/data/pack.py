@@ -19,8 +19,9 @@ Layout under the packed origin (documented in ``docs/data.md``):
 - from a remote pack, by staging whole shards (one GET each) in a node-local directory shared by every DataLoader
   worker and rank of the node (a POSIX lock per shard: one process downloads, the others wait and read the file),
   then reading samples from the staged file. Read-ahead (:meth:`PackedReader.prefetch`) stages the shards of
-  upcoming misses on the store's thread pool. Staged shards are evicted oldest first beyond ``stage_bytes``; with
-  ``stage_bytes`` at least the pack's size, a shuffled cold epoch reads every shard exactly once.
+  upcoming misses on the store's thread pool. Staged shards are evicted least recently used first beyond
+  ``stage_bytes``; with ``stage_bytes`` at least the pack's size, a shuffled cold epoch reads every shard exactly once,
+  and under the shard-window shuffle (:mod:`lightning_accel.data.sampler`) a stage of a few windows is enough.
 
 Every sample read is checked against its CRC-32: a staged copy that fails is deleted and fetched again, a sample that
 fails straight from the store is an :class:`~lightning_accel.data.origin.OriginError` naming the shard and the key.
@@ -29,12 +30,15 @@ fails straight from the store is an :class:`~lightning_accel.data.origin.OriginE
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import functools
 import hashlib
 import json
 import os
+import random
 import threading
+import time
 import warnings
 import zlib
 from collections.abc import Callable, Sequence
@@ -53,6 +57,7 @@ PACK_FORMAT = "lightning-accel-pack"
 PACK_VERSION = 1
 DEFAULT_SHARD_BYTES = 16 << 20  # S3 reaches full per-request throughput at ~8-16 MB objects
 DEFAULT_STAGE_BYTES = 4 << 30
+_TOUCH_S = 0.5  # how often a process refreshes a staged shard's "last used" time while it reads from it
 
 
 @dataclass
@@ -137,6 +142,7 @@ def pack_origin(
     max_concurrency: int = 16,
     overwrite: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    shuffle_seed: int | None = None,
 ) -> Listing:
     """Copy an origin (ImageFolder tree or manifest) into a packed origin at ``dest``; returns its listing.
 
@@ -151,6 +157,10 @@ def pack_origin(
         max_concurrency: concurrent reads from ``source``.
         overwrite: replace a pack already at ``dest`` (its index is removed first, so readers never mix the two).
         progress: called as ``progress(done, total)`` after each group of samples.
+        shuffle_seed: write the samples into the shards in a random order drawn from this seed (the listing keeps
+            its order; only where each sample lives changes), so every shard holds a mix of classes and a shuffle
+            within a window of shards (:class:`~lightning_accel.data.sampler.ShardWindowSampler`) still mixes them.
+            ``None``: listing order (an ImageFolder tree is sorted by class, so shards are nearly single-class).
 
     Raises:
         FileExistsError: ``dest`` already holds a pack and ``overwrite`` is False.
@@ -175,10 +185,6 @@ def pack_origin(
     fs.makedirs(safe_join(root, "shards"), exist_ok=True)
     shards: list[str] = []
     shard_sizes: list[int] = []
-    shard_of: list[int] = []
-    offsets: list[int] = []
-    sizes: list[int] = []
-    crcs: list[int] = []
     buf = bytearray()
 
     def flush() -> None:
@@ -189,19 +195,26 @@ def pack_origin(
         buf.clear()
 
     n = len(listing)
+    order = list(range(n))
+    if shuffle_seed is not None:
+        order = random.Random(shuffle_seed).sample(order, n)
+    shard_of = [0] * n
+    offsets = [0] * n
+    sizes = [0] * n
+    crcs = [0] * n
     group = 4 * max_concurrency
     for lo in range(0, n, group):
-        idx = range(lo, min(n, lo + group))
-        for data in src.fetch_many([listing.keys[i] for i in idx]):
+        idx = order[lo : lo + group]
+        for i, data in zip(idx, src.fetch_many([listing.keys[i] for i in idx]), strict=True):
             if buf and len(buf) + len(data) > shard_bytes:
                 flush()
-            shard_of.append(len(shards))
-            offsets.append(len(buf))
-            sizes.append(len(data))
-            crcs.append(zlib.crc32(data))
+            shard_of[i] = len(shards)
+            offsets[i] = len(buf)
+            sizes[i] = len(data)
+            crcs[i] = zlib.crc32(data)
             buf += data
         if progress is not None:
-            progress(idx.stop, n)
+            progress(min(n, lo + group), n)
     if buf:
         flush()
     pack = PackIndex(shards, shard_sizes, shard_of, offsets, sizes, crcs)
@@ -221,6 +234,25 @@ def pack_origin(
     return Listing(origin=dst.url, keys=listing.keys, labels=listing.labels, classes=listing.classes, pack=pack)
 
 
+def _lock_shard(f: Any) -> None:
+    """Take the exclusive record lock on a shard's lock file, waiting for it.
+
+    The kernel detects deadlocks between record locks per *process*, not per thread: when two processes each have
+    one thread holding a shard's lock and another thread waiting for the other's, ``lockf`` fails with EDEADLK
+    although every holder will finish (each thread holds at most one shard lock). Seen with 2 workers and the main
+    process staging 16 shards at once; retried after a short pause instead of giving up on staging."""
+    delay = 0.002
+    while True:
+        try:
+            fcntl.lockf(f, fcntl.LOCK_EX)
+            return
+        except OSError as e:
+            if e.errno != errno.EDEADLK:
+                raise
+            time.sleep(delay)
+            delay = min(0.05, delay * 2)
+
+
 class PackedReader(ResetOnPickle):
     """Reads samples of a packed origin (see the module docstring for local and remote reads).
 
@@ -228,7 +260,7 @@ class PackedReader(ResetOnPickle):
         store: the packed origin.
         pack: its index.
         stage_dir: node-local directory for staged shards of a remote pack (shared by workers and ranks).
-        stage_bytes: staged shards kept at most (oldest evicted first; the shard being read may exceed it).
+        stage_bytes: staged shards kept at most (least recently used evicted first; the shard being read may exceed it).
         on_staged: called after this process downloaded a shard (the cache counts the bytes there).
     """
 
@@ -263,6 +295,7 @@ class PackedReader(ResetOnPickle):
         self._lock = ForkSafeLock(reentrant=True)  # a done-callback can run inline, under the lock
         self._shard_locks: PerProcess[dict[int, threading.Lock]] = PerProcess(dict)
         self.staged_refetches = 0  # staged copies that failed their CRC and were fetched again (this process)
+        self._touched: PerProcess[dict[int, float]] = PerProcess(dict)  # shard -> when this process last touched it
 
     def _shard_lock(self, s: int) -> threading.Lock:
         with self._lock:
@@ -286,7 +319,7 @@ class PackedReader(ResetOnPickle):
             # processes. Record locks, unlike flock, are not inherited by a forked child, so a DataLoader worker
             # forked while a download is running can never keep that shard locked.
             with self._shard_lock(s), open(path + ".lock", "a+b") as lock:
-                fcntl.lockf(lock, fcntl.LOCK_EX)  # the others wait here, then read the file
+                _lock_shard(lock)  # the others wait here, then read the file
                 if os.path.exists(path):
                     return path
                 data = self.store.fetch(self.pack.shards[s])
@@ -324,6 +357,18 @@ class PackedReader(ResetOnPickle):
                 stacklevel=3,
             )
 
+    def _touch(self, s: int, path: str) -> None:
+        """Mark shard ``s`` as used now (its mtime, which eviction sorts by), at most every ``_TOUCH_S`` seconds per
+        process: eviction is least recently *used* first, so a shard a rank is still reading stays while shards of
+        finished windows go (one ``utime`` per shard and second instead of one per sample)."""
+        now = time.monotonic()
+        touched = self._touched.get()
+        if now - touched.get(s, -_TOUCH_S) < _TOUCH_S:
+            return
+        touched[s] = now
+        with contextlib.suppress(OSError):
+            os.utime(path)
+
     def _evict(self, keep: str) -> None:
         files = []
         with os.scandir(self.stage_dir) as it:
@@ -344,16 +389,23 @@ class PackedReader(ResetOnPickle):
 
     def prefetch(self, indices: Sequence[int]) -> int:
         """Start staging (on the store's thread pool) the shards of ``indices`` not staged yet; returns how many of
-        ``indices`` lie in a shard whose download this call started."""
+        ``indices`` lie in a shard whose download this call started.
+
+        At most half the stage's worth of shards is in flight per process: read-ahead beyond what the stage holds
+        would evict shards staged for upcoming batches before they are read (with ``stage_bytes`` = 1/4 of the
+        pack, an unbounded epoch-start read-ahead fetched 2.4x the pack under the window shuffle)."""
         if not self.staging:
             return 0
         started: set[int] = set()
+        cap = max(1, self.stage_bytes // max(1, max(self.pack.shard_sizes, default=1)) // 2)
         with self._lock:
             inflight = self._inflight.get()
             for i in indices:
                 s = self.pack.shard[i]
                 if s in started or s in inflight or os.path.exists(self._path(s)):
                     continue
+                if len(inflight) >= cap:
+                    break
                 fut = self.store.run(self._stage_quietly, s)
                 inflight[s] = fut
                 fut.add_done_callback(functools.partial(self._done, s))
@@ -372,7 +424,7 @@ class PackedReader(ResetOnPickle):
         """Forget staging not started yet (downloads already running finish)."""
         with self._lock:
             inflight = self._inflight.get()
-            for f in inflight.values():
+            for f in list(inflight.values()):  # a cancelled future runs its done-callback inline: it pops itself
                 f.cancel()
             inflight.clear()
 
@@ -394,6 +446,7 @@ class PackedReader(ResetOnPickle):
             except FileNotFoundError:  # evicted by another process between the check and the open
                 continue
             if zlib.crc32(data) == crc and len(data) == size:
+                self._touch(s, path)
                 return data
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)  # a corrupt staged copy: fetch the shard again

@@ -14,7 +14,7 @@ import torch
 
 from lightning_accel._utils.forksafe import ForkSafeLock
 
-__all__ = ["FIELDS", "CacheStats"]
+__all__ = ["FIELDS", "CacheStats", "summarize"]
 
 FIELDS = (
     "requests",  # samples asked for
@@ -32,6 +32,17 @@ FIELDS = (
 )
 _IDX = {f: i for i, f in enumerate(FIELDS)}
 _SLOTS = 66
+
+
+def summarize(totals: torch.Tensor | list[int]) -> dict[str, Any]:
+    """``{field: count}`` for counters in ``FIELDS`` order, plus hit rates derived from them."""
+    tot = totals.tolist() if isinstance(totals, torch.Tensor) else list(totals)
+    d: dict[str, Any] = {f: int(v) for f, v in zip(FIELDS, tot, strict=True)}
+    req = max(1, d["requests"])
+    d["ram_hit_rate"] = d["ram_hits"] / req
+    d["ssd_hit_rate"] = d["ssd_hits"] / req
+    d["hit_rate"] = (d["ram_hits"] + d["ssd_hits"]) / req
+    return d
 
 
 class CacheStats:
@@ -54,15 +65,23 @@ class CacheStats:
                 if v:
                     row[_IDX[k]] += int(v)
 
+    def totals(self) -> torch.Tensor:
+        """The counters summed over this process tree's slots, int64 in ``FIELDS`` order (for a cross-rank sum)."""
+        return self._t.sum(0)
+
     def as_dict(self) -> dict[str, Any]:
         """Totals over all processes plus derived hit rates (``hit_rate``: any local tier)."""
-        tot = self._t.sum(0).tolist()
-        d: dict[str, Any] = dict(zip(FIELDS, tot, strict=False))
-        req = max(1, d["requests"])
-        d["ram_hit_rate"] = d["ram_hits"] / req
-        d["ssd_hit_rate"] = d["ssd_hits"] / req
-        d["hit_rate"] = (d["ram_hits"] + d["ssd_hits"]) / req
-        return d
+        return summarize(self.totals())
+
+    def reduced(self, group: Any = None) -> dict[str, Any]:
+        """:meth:`as_dict` summed over every rank of ``group`` (a collective: every rank must call it; this process's
+        own totals without an initialised process group). Counts are sums; rates are recomputed from the sums, so
+        ``hit_rate`` is the global one (hits of all ranks over requests of all ranks)."""
+        t = self.totals()
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(t, group=group)
+        return summarize(t)
 
     def reset(self) -> None:
         """Zero every counter (e.g. at the start of an epoch you want to measure)."""

@@ -167,7 +167,11 @@ class PutResult:
 
 
 def default_ram_dir(tag: str) -> str | None:
-    """A per-node RAM-tier directory on tmpfs (``/dev/shm/lightning_accel/<tag>``), or None when there is no tmpfs."""
+    """A per-node RAM-tier directory on tmpfs (``/dev/shm/lightning_accel/<tag>``, or under
+    ``$LIGHTNING_ACCEL_RAM_ROOT`` when set), or None when there is no tmpfs."""
+    root = os.environ.get("LIGHTNING_ACCEL_RAM_ROOT")
+    if root:
+        return os.path.join(root, tag)
     if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
         return os.path.join("/dev/shm", "lightning_accel", tag)
     return None

@@ -1,0 +1,165 @@
+"""Lifecycle of RAM tiers: find them, tell whether a process still uses one, and remove stale ones.
+
+A RAM tier lives on tmpfs (``/dev/shm/lightning_accel/<tag>``, :func:`~lightning_accel.data.tiers.default_ram_dir`),
+which survives the job but not a reboot, so without a sweep every ``cache_dir`` ever trained from keeps its RAM budget
+pinned until the machine restarts. A tier is **stale** when
+
+- no process maps it: LMDB memory-maps ``data.mdb`` and ``lock.mdb`` in every process that has the environment open
+  (main process, DataLoader workers, every rank of the node), so a tier absent from every ``/proc/<pid>/maps`` is not
+  in use (on a system without ``/proc``, every tier counts as in use and nothing is removed), and
+- its last use is older than the TTL: :func:`touch` marks a tier used (``CachedDataModule`` does at setup) and every
+  write updates the files' mtimes, so "last use" is the newest mtime of the directory and its files.
+
+:func:`sweep` removes stale tiers (``CachedDataModule`` runs it once per node in ``prepare_data`` with its ``ram_ttl``;
+``lightning-accel data clean`` runs it by hand). Only directories owned by the calling user are considered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+__all__ = ["TierInfo", "find_tiers", "parse_duration", "ram_root", "sweep", "touch"]
+
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([smhdw]?)\s*$", re.IGNORECASE)
+
+
+def ram_root() -> str:
+    """Where RAM tiers are made by default: ``$LIGHTNING_ACCEL_RAM_ROOT`` or ``/dev/shm/lightning_accel``."""
+    return os.environ.get("LIGHTNING_ACCEL_RAM_ROOT") or os.path.join("/dev/shm", "lightning_accel")
+
+
+def parse_duration(value: float | int | str | None, *, name: str) -> float | None:
+    """Seconds from ``3600``, ``"90s"``, ``"30m"``, ``"12h"``, ``"7d"``, ``"1w"`` (None stays None).
+
+    Raises:
+        ValueError: naming ``name``, for anything else or a negative value.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"`{name}` must be a duration such as 3600, '30m', '12h' or '7d', got {value!r}.")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ValueError(f"`{name}` must be >= 0 seconds, got {value!r}.")
+        return float(value)
+    m = _DURATION.match(str(value))
+    if m is None:
+        raise ValueError(f"`{name}` must be a duration such as 3600, '90s', '30m', '12h' or '7d', got {value!r}.")
+    return float(m.group(1)) * _UNITS[(m.group(2) or "s").lower()]
+
+
+def touch(path: str) -> None:
+    """Mark the tier at ``path`` used now (its directory's mtime); silent when it does not exist."""
+    with contextlib.suppress(OSError):
+        os.utime(path)
+
+
+@dataclass
+class TierInfo:
+    """One RAM tier directory: its path, bytes on tmpfs, newest mtime, and the pids that map it."""
+
+    path: str
+    bytes: int
+    last_use: float
+    pids: list[int]
+
+    @property
+    def in_use(self) -> bool:
+        return bool(self.pids)
+
+
+def _mapped_dirs() -> dict[str, set[int]] | None:
+    """``{directory: pids}`` of every memory-mapped file of every readable process; None without ``/proc``."""
+    if not os.path.isdir("/proc/self"):
+        return None
+    out: dict[str, set[int]] = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as f:
+                for line in f:
+                    parts = line.split(maxsplit=5)
+                    if len(parts) == 6 and parts[5].startswith("/"):
+                        path = parts[5].rstrip("\n").removesuffix(" (deleted)")
+                        out.setdefault(os.path.dirname(path), set()).add(int(pid))
+        except OSError:  # gone meanwhile, or another user's process
+            continue
+    return out
+
+
+def _scan(path: str) -> tuple[int, float]:
+    total, newest = 0, os.stat(path).st_mtime
+    for dirpath, _, files in os.walk(path):
+        with contextlib.suppress(OSError):
+            newest = max(newest, os.stat(dirpath).st_mtime)
+        for name in files:
+            with contextlib.suppress(OSError):
+                st = os.stat(os.path.join(dirpath, name))
+                total += st.st_blocks * 512
+                newest = max(newest, st.st_mtime)
+    return total, newest
+
+
+def find_tiers(root: str | None = None) -> list[TierInfo]:
+    """The tier directories directly under ``root`` (default :func:`ram_root`) that the calling user owns."""
+    root = ram_root() if root is None else root
+    try:
+        entries = sorted(os.scandir(root), key=lambda e: e.name)
+    except OSError:
+        return []
+    mapped = _mapped_dirs()
+    uid = os.getuid()
+    out = []
+    for e in entries:
+        try:
+            if not e.is_dir(follow_symlinks=False) or e.stat(follow_symlinks=False).st_uid != uid:
+                continue
+            size, newest = _scan(e.path)
+        except OSError:
+            continue
+        real = os.path.realpath(e.path)
+        if mapped is None:
+            pids = [-1]  # no /proc: cannot tell, treat as in use
+        else:
+            pids = sorted({p for d, ps in mapped.items() if d == real or d.startswith(real + os.sep) for p in ps})
+        out.append(TierInfo(e.path, size, newest, pids))
+    return out
+
+
+def sweep(
+    root: str | None = None,
+    *,
+    older_than_s: float = 0.0,
+    keep: Iterable[str] = (),
+    dry_run: bool = False,
+    now: float | None = None,
+) -> list[TierInfo]:
+    """Remove the tiers under ``root`` that no process maps and that were last used more than ``older_than_s``
+    seconds ago (``keep``: paths never removed, e.g. the caller's own tier). Returns what was (or, with
+    ``dry_run``, would be) removed; a tier another process removes meanwhile is skipped."""
+    now = time.time() if now is None else now
+    kept = {os.path.realpath(k) for k in keep}
+    removed = []
+    for info in find_tiers(root):
+        if info.in_use or now - info.last_use < older_than_s or os.path.realpath(info.path) in kept:
+            continue
+        if not dry_run:
+            try:
+                shutil.rmtree(info.path)
+            except FileNotFoundError:
+                continue
+            except OSError:
+                continue  # not ours to remove after all (permissions): leave it
+        removed.append(info)
+    if not dry_run and root is None:
+        with contextlib.suppress(OSError):
+            os.rmdir(ram_root())  # only when empty
+    return removed

@@ -1,0 +1,144 @@
+"""Shard-aware shuffling: the window order's contract, its state for mid-epoch resume, and the bytes it fetches."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_accel.data import (
+    CacheDataLoader,
+    CachedDataset,
+    EpochOrderSampler,
+    ImageDecoder,
+    LmdbTier,
+    ObjectStore,
+    SampleCache,
+    list_origin,
+    pack_origin,
+)
+from lightning_accel.data.sampler import ShardWindowSampler, auto_window, windowed_order
+
+
+def _shards(n: int, per: int) -> list[int]:
+    return [i // per for i in range(n)]
+
+
+@pytest.mark.parametrize(("n", "ranks"), [(95, 4), (100, 1), (7, 3)])
+def test_window_order_is_a_deterministic_disjoint_split_within_windows(n: int, ranks: int) -> None:
+    shard_of = _shards(n, 10)
+    parts = [windowed_order(shard_of, epoch=2, seed=5, num_replicas=ranks, rank=r, window=2) for r in range(ranks)]
+    per = -(-n // ranks)
+    assert [len(p) for p in parts] == [per] * ranks
+    flat = [i for p in parts for i in p]
+    assert set(flat) == set(range(n))  # everything once, plus the padding's repeats of the first positions
+    assert len(flat) - len(set(flat)) == per * ranks - n
+    again = [windowed_order(shard_of, epoch=2, seed=5, num_replicas=ranks, rank=r, window=2) for r in range(ranks)]
+    assert again == parts
+    # each block of `window` shards' samples spans at most window + 1 shards, and a rank never returns to a shard
+    # it finished (a staged shard is used in one stretch)
+    for p in parts:
+        blocks = [p[lo : lo + 20] for lo in range(0, len(p), 20)]
+        assert all(len({shard_of[i] for i in b}) <= 3 for b in blocks)
+        where: dict[int, list[int]] = {}
+        for k, b in enumerate(blocks):
+            for s in {shard_of[i] for i in b}:
+                where.setdefault(s, []).append(k)
+        assert all(ks == list(range(ks[0], ks[0] + len(ks))) and len(ks) <= 2 for ks in where.values())
+    other = windowed_order(shard_of, epoch=3, seed=5, num_replicas=ranks, rank=0, window=2)
+    assert other != parts[0] or n < 10  # a new order every epoch
+
+
+def test_window_order_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="`shuffle_window`"):
+        windowed_order([0, 0], epoch=0, window=0)
+    with pytest.raises(ValueError, match="`rank`"):
+        windowed_order([0, 0], epoch=0, num_replicas=2, rank=2)
+    assert auto_window(16 << 20, [4 << 20] * 10) == 1
+    assert auto_window(64 << 20, [4 << 20] * 10, local_ranks=2) == 3
+
+
+def test_sampler_state_resumes_the_epoch_where_training_stopped() -> None:
+    ds: Any = list(range(50))
+    a = ShardWindowSampler(ds, _shards(50, 10), window=2, seed=1, batch_size=8)
+    a.set_epoch(3)
+    full = list(a)
+    a.advance(8)
+    a.advance(8)
+    state = a.state_dict()
+    assert state == {"epoch": 3, "consumed": 16, "seed": 1}
+    b = ShardWindowSampler(ds, _shards(50, 10), window=2, seed=1, batch_size=8)
+    b.load_state_dict(state)
+    b.set_epoch(3)
+    assert list(b) == full[16:] and list(b) == full[16:]  # the tail, however often the loader iterates it
+    assert len(b) == 50  # the Trainer counts the batches already done itself
+    b.set_epoch(4)
+    assert len(list(b)) == 50  # the next epoch is whole again
+    c = EpochOrderSampler(ds, seed=2)
+    with pytest.raises(ValueError, match="`seed`"):
+        c.load_state_dict(state)
+
+
+def _loader(url: str, opts: dict[str, Any], tmp: Path, stage_bytes: int, window: int | None) -> CacheDataLoader:
+    store = ObjectStore(url, opts)
+    listing = list_origin(store)
+    assert listing.pack is not None
+    cache = SampleCache(
+        store,
+        listing,
+        ImageDecoder(16),
+        ssd=LmdbTier(tmp / "ssd", 64 << 20),
+        stage_dir=tmp / "shards",
+        stage_bytes=stage_bytes,
+        prefetch=True,
+    )
+    ds = CachedDataset(cache, prefetch_batches=2)
+    sampler: EpochOrderSampler
+    if window is None:
+        sampler = EpochOrderSampler(ds, seed=0, batch_size=8)
+    else:
+        sampler = ShardWindowSampler(ds, listing.pack.shard, window=window, seed=0, batch_size=8)
+    return CacheDataLoader(ds, batch_size=8, sampler=sampler, num_workers=0)
+
+
+def test_window_shuffle_fetches_a_quarter_stage_pack_about_once(
+    s3_bucket: tuple[str, dict[str, Any]], small_digits: Path, tmp_path: Path
+) -> None:
+    bucket, opts = s3_bucket
+    url = f"s3://{bucket}/packed"
+    listing = pack_origin(str(small_digits), url, dest_storage_options=opts, shard_bytes=8_000, shuffle_seed=0)
+    assert listing.pack is not None and len(listing.pack.shards) >= 16
+    pack_bytes = sum(listing.pack.shard_sizes)
+    stage = pack_bytes // 4
+    window = auto_window(stage, listing.pack.shard_sizes)
+    fetched = {}
+    for name, w in (("window", window), ("global", None)):
+        loader = _loader(url, opts, tmp_path / name, stage, w)
+        seen = torch.cat([y for _, y in loader])
+        assert sorted(seen.tolist()) == sorted(listing.labels)  # every sample once
+        fetched[name] = loader.dataset.stats.as_dict()["bytes_fetched"]  # type: ignore[attr-defined]
+        staged = sum(p.stat().st_size for p in (tmp_path / name / "shards").glob("*.shard"))
+        assert staged <= stage + max(listing.pack.shard_sizes)
+    assert fetched["window"] <= 1.1 * pack_bytes
+    assert fetched["global"] > 1.5 * pack_bytes  # what the window avoids: shards evicted before their last use
+
+
+def test_shuffled_pack_mixes_classes_and_keeps_the_listing(small_digits: Path, tmp_path: Path) -> None:
+    plain = pack_origin(str(small_digits), str(tmp_path / "a"), shard_bytes=8_000)
+    mixed = pack_origin(str(small_digits), str(tmp_path / "b"), shard_bytes=8_000, shuffle_seed=0)
+    assert plain.pack is not None and mixed.pack is not None
+    assert mixed.keys == plain.keys and mixed.labels == plain.labels
+
+    def classes_per_shard(listing: Any) -> float:
+        per: dict[int, set[int]] = {}
+        for s, y in zip(listing.pack.shard, listing.labels, strict=True):
+            per.setdefault(s, set()).add(y)
+        return sum(len(v) for v in per.values()) / len(per)
+
+    assert classes_per_shard(plain) <= 2.5 < 5 <= classes_per_shard(mixed)
+    a = SampleCache(ObjectStore(str(tmp_path / "a")), plain, ImageDecoder(16))
+    b = SampleCache(ObjectStore(str(tmp_path / "b")), list_origin(ObjectStore(str(tmp_path / "b"))), ImageDecoder(16))
+    idx = [0, 17, 99, 150, 199]
+    assert torch.equal(a.load(idx).images, b.load(idx).images)
