@@ -4,8 +4,10 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+from lightning.pytorch import Callback
 
 from lightning_accel.cli import main
 
@@ -18,6 +20,7 @@ def _tiny(digits_dir: Path, root: Path) -> list[str]:
         "--config",
         str(QUICKSTART),
         f"--trainer.default_root_dir={root}",
+        f"--trainer.callbacks.init_args.dirpath={root}/checkpoints",  # the ModelCheckpoint, last in the list
         "--trainer.max_epochs=1",
         "--trainer.limit_train_batches=3",
         "--trainer.limit_val_batches=2",
@@ -41,7 +44,7 @@ def test_fit_with_overrides_writes_metrics_csv(digits_dir: Path, tmp_path: Path)
     assert "val_acc" in header and "train_loss" in header
     # The quickstart saves DeltaCheckpointIO manifests; `validate --ckpt_path` must read them (LightningCLI itself
     # would torch.load the file to find hyper-parameters, and fail on a JSON manifest).
-    (ckpt,) = (tmp_path / "run").rglob("*.ckpt")
+    ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
     assert ckpt.read_bytes()[:1] == b"{"
     argv = [a for a in _tiny(digits_dir, tmp_path / "val") if "limit_train" not in a and "max_epochs" not in a]
     main(["validate", *argv, f"--ckpt_path={ckpt}"])
@@ -112,9 +115,42 @@ def test_config_is_saved_beside_the_logs_never_in_the_working_directory(
     monkeypatch.chdir(cwd)
     # no logger and no default_root_dir: Lightning's own callback would write ./config.yaml
     argv = [a for a in _tiny(digits_dir, tmp_path / "nolog") if not a.startswith("--trainer.default_root_dir")]
-    main(["fit", *argv, "--trainer.logger=false", "--trainer.enable_checkpointing=false"])
+    main(["fit", *argv, "--trainer.logger=false"])
     assert not (cwd / "config.yaml").exists()
     main(["fit", *_tiny(digits_dir, tmp_path / "logged")])  # with the default CSV logger: beside metrics.csv
     (saved,) = (tmp_path / "logged").rglob("config.yaml")
     assert (saved.parent / "metrics.csv").exists()
     assert not (cwd / "config.yaml").exists()
+
+
+def _epoch_rows(root: Path, version: int) -> dict[int, dict[str, str]]:
+    import csv
+
+    (path,) = (root / "lightning_logs" / f"version_{version}").glob("metrics.csv")
+    rows = [r for r in csv.DictReader(path.read_text().splitlines()) if r.get("val_acc")]
+    return {int(r["epoch"]): r for r in rows}
+
+
+class StopAfter(Callback):
+    """Ends the fit after ``epochs`` epochs, as if the job had been stopped (the schedule still plans ``max_epochs``)."""
+
+    def __init__(self, epochs: int) -> None:
+        self.epochs = epochs
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        if trainer.current_epoch + 1 >= self.epochs:
+            trainer.should_stop = True
+
+
+def test_resume_from_last_continues_like_an_uninterrupted_run(digits_dir: Path, tmp_path: Path) -> None:
+    """The quickstart config as shipped: 2 of 3 epochs, then `fit --ckpt_path last` == 3 epochs in one go."""
+    main(["fit", *_tiny(digits_dir, tmp_path / "a"), "--trainer.max_epochs=3"])
+    stop = ["--trainer.callbacks+=tests.test_cli.StopAfter", "--trainer.callbacks.init_args.epochs=2"]
+    main(["fit", *_tiny(digits_dir, tmp_path / "b"), "--trainer.max_epochs=3", *stop])
+    assert (tmp_path / "b" / "checkpoints" / "last.ckpt").is_file()
+    main(["fit", *_tiny(digits_dir, tmp_path / "b"), "--trainer.max_epochs=3", "--ckpt_path=last"])
+    whole, resumed = _epoch_rows(tmp_path / "a", 0), _epoch_rows(tmp_path / "b", 1)
+    assert sorted(resumed) == [2]  # the resumed fit ran epoch 2 only, from the saved step
+    assert resumed[2]["step"] == whole[2]["step"]
+    for key in ("val_acc", "val_loss"):
+        assert float(resumed[2][key]) == pytest.approx(float(whole[2][key]), abs=1e-6), key
