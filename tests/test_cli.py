@@ -98,6 +98,7 @@ def test_unwritable_data_dir(capsys: pytest.CaptureFixture[str], tmp_path: Path)
 def test_console_script_help() -> None:
     out = subprocess.run(["lightning-accel", "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "fit" in out.stdout and "predict" in out.stdout
+    assert "lightning-accel ckpt" in out.stdout and "lightning-accel data" in out.stdout
 
 
 def test_module_entry_point_reports_bad_subcommand() -> None:
@@ -154,3 +155,62 @@ def test_resume_from_last_continues_like_an_uninterrupted_run(digits_dir: Path, 
     assert resumed[2]["step"] == whole[2]["step"]
     for key in ("val_acc", "val_loss"):
         assert float(resumed[2][key]) == pytest.approx(float(whole[2][key]), abs=1e-6), key
+
+
+ALL_PLUGINS = REPO / "examples" / "configs" / "all_plugins.yaml"
+_PLUGINS = "--trainer.plugins=[{class_path: lightning_accel.%s, init_args: {%s}}]"
+
+
+@pytest.mark.parametrize(
+    ("arg", "key", "words"),
+    [
+        (_PLUGINS % ("FusedPrecision", "precision: bf8-mixed"), "trainer.plugins.precision", ["bf8-mixed"]),
+        (_PLUGINS % ("FusedPrecision", "fusions: [conv_bn_gelu]"), "trainer.plugins", ["fusions", "conv_bn_gelu"]),
+        (_PLUGINS % ("DeltaCheckpointIO", "quantize: int3"), "trainer.plugins.quantize", ["int3"]),
+        ("--trainer.strategy.init_args.block_size=-1", "trainer.strategy", ["block_size", "-1"]),
+        ("--data.init_args.ram_bytes=64XB", "data", ["ram_bytes", "64XB"]),
+    ],
+    ids=["precision", "fusions", "quantize", "block_size", "ram_bytes"],
+)
+def test_bad_value_is_one_line_with_its_key(
+    arg: str, key: str, words: list[str], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    err = _error(["fit", "--config", str(ALL_PLUGINS), arg, f"--trainer.default_root_dir={tmp_path}"], capsys)
+    lines = [ln for ln in err.splitlines() if ln.startswith("lightning-accel: error:")]
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"lightning-accel: error: {key}: "), lines[0]
+    assert all(w in lines[0] for w in words), lines[0]
+    assert "Subtypes" not in err and "Namespace(" not in err and len(lines[0]) < 400
+
+
+def test_debug_shows_the_full_text(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("LIGHTNING_ACCEL_DEBUG", "1")
+    with pytest.raises(ValueError) as exc:
+        main(["fit", "--config", str(ALL_PLUGINS), "--trainer.strategy.init_args.block_size=-1"])
+    assert "block_size" in str(exc.value)
+    assert "Subtypes" in capsys.readouterr().err  # jsonargparse's whole dump
+
+
+def test_origin_without_credentials_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    argv = [
+        "fit",
+        "--config",
+        str(QUICKSTART),
+        "--data.class_path=lightning_accel.data.CachedDataModule",
+        "--data.init_args.origin=s3://no-such-bucket-lightning-accel/train",
+        f"--data.init_args.cache_dir={tmp_path}/cache",
+        f"--trainer.default_root_dir={tmp_path}",
+        f"--trainer.callbacks.init_args.dirpath={tmp_path}/ckpt",
+        "--trainer.logger=false",
+    ]
+    err = _error(argv, capsys)
+    lines = [ln for ln in err.splitlines() if ln.startswith("lightning-accel: error:")]
+    assert len(lines) == 1 and lines[0].startswith("lightning-accel: error: data: "), err
+    assert "s3://no-such-bucket-lightning-accel/train" in lines[0]
