@@ -28,6 +28,7 @@ from lightning_accel.perf.cuda_memory import (
     apply_allocator_settings,
     dump_memory_snapshot,
     fragmentation_stats,
+    host_memory_stats,
     should_release,
 )
 from lightning_accel.perf.flops import StepFlopCounter, precision_dtype
@@ -538,7 +539,8 @@ class CudaMemoryManager(Callback):
        (https://pytorch.org/memory_viz). With ``record_history=True`` the snapshot also holds the stack trace of every
        allocation (costs a few µs per allocation; off by default).
 
-    On a machine without CUDA it logs one info line and does nothing else.
+    Without a CUDA device it says so in one info line (the allocator knobs do nothing there) and logs rank 0's host
+    memory instead every ``log_every_n_steps``: ``mem/host_rss_gb`` (resident now) and ``mem/host_peak_rss_gb``.
 
     Args:
         expandable_segments: see :class:`~lightning_accel.perf.cuda_memory.AllocatorSettings` (None: leave as is).
@@ -585,6 +587,7 @@ class CudaMemoryManager(Callback):
         self._cpu_noted = False
         self._batches = 0
         self._snapshot_root: str | None = None
+        self._host = False  # no CUDA: log host memory
         if torch.cuda.is_available():
             self._apply()
 
@@ -596,18 +599,24 @@ class CudaMemoryManager(Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         device = trainer.strategy.root_device
+        self._every = self.log_every_n_steps or _trainer_log_every_n_steps(trainer)
         if device.type != "cuda":
             self._active = False
+            self._host = True
             if not self._cpu_noted:
-                rank_zero_info(f"CudaMemoryManager: no CUDA device in use ({device}); nothing to manage.")
+                rank_zero_info(
+                    f"CudaMemoryManager: no CUDA device in use ({device}): the allocator settings, releases and OOM "
+                    "snapshots do nothing; logging this process's host memory instead (mem/host_rss_gb, "
+                    "mem/host_peak_rss_gb)."
+                )
                 self._cpu_noted = True
             return
+        self._host = False
         self._active = True
         # `trainer.log_dir` is a broadcast: resolve it now on every rank; an OOM reaches `on_exception` on one rank only
         self._snapshot_root = self.snapshot_dir or _log_dir(trainer) or os.getcwd()
         if self.applied is None:  # CUDA appeared after __init__ (unusual): apply now, reporting what is late
             self._apply()
-        self._every = self.log_every_n_steps or _trainer_log_every_n_steps(trainer)
         if self.record_history:
             compat.record_cuda_memory_history(self.max_history_entries)
 
@@ -622,6 +631,12 @@ class CudaMemoryManager(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if not self._active:
+            if self._host:
+                self._batches += 1
+                if self._batches % self._every == 0 and trainer.is_global_zero:
+                    host = host_memory_stats()
+                    for logger in trainer.loggers:
+                        logger.log_metrics(host, step=trainer.global_step)
             return
         self._batches += 1
         if self._batches % self._every != 0:

@@ -178,8 +178,8 @@ class WarmupCosineLR(LRScheduler):
         self.warmup_fraction = None if warmup_fraction is None else float(warmup_fraction)
         self.min_lr = float(min_lr)
         self.total_steps: int | None = None
-        # given here (e.g. `trainer.estimated_stepping_batches` in configure_optimizers, which re-runs on resume with the
-        # current Trainer) or bound later from the Trainer (PerStepLR): either way not taken from a restored state
+        # given here (e.g. `trainer.estimated_stepping_batches` in configure_optimizers, which re-runs on resume with
+        # the current Trainer) or bound later from the Trainer (PerStepLR): either way not taken from a restored state
         self.total_steps_arg = None if total_steps is None else total_steps
         self.warmup_steps = 0
         if total_steps is not None:
