@@ -42,7 +42,7 @@ from torch import nn
 from benchmarks._harness import median, parser, ratio, report
 
 IMAGE_SIZE = 96  # the model's input; the JPEGs are 224 px and both pipelines resize them
-BATCH_SIZE = 32  # per process
+BATCH_SIZE = 16  # per process: 32 per optimizer step, ~56 steps per epoch
 TARGET_ACC = 0.9
 MEAN, STD = (0.188, 0.188, 0.188), (0.318, 0.318, 0.318)
 CROP = (0.85, 1.0)
@@ -51,17 +51,21 @@ CROP = (0.85, 1.0)
 class SmallCNN(L.LightningModule):
     """A few strided convolutions: cheap enough per sample that JPEG decoding, not compute, sets the pace."""
 
-    def __init__(self, lr: float = 0.05) -> None:
+    def __init__(self, lr: float = 0.1) -> None:
         super().__init__()
         self.lr = lr
+        # 4x average pooling first: the digits are smooth, and the cheap step is what lets decoding set the pace
         self.net = nn.Sequential(
-            nn.Conv2d(3, 16, 5, stride=4, padding=2),
-            nn.BatchNorm2d(16),
-            nn.ReLU(inplace=True),
-            nn.Conv2d(16, 32, 3, stride=2, padding=1),
+            nn.AvgPool2d(4),
+            nn.Conv2d(3, 32, 3, padding=1),
             nn.BatchNorm2d(32),
             nn.ReLU(inplace=True),
-            nn.Conv2d(32, 64, 3, stride=2, padding=1),
+            nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 3, padding=1),
+            nn.BatchNorm2d(64),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+            nn.Conv2d(64, 64, 3, padding=1),
             nn.BatchNorm2d(64),
             nn.ReLU(inplace=True),
             nn.AdaptiveAvgPool2d(1),
@@ -82,7 +86,8 @@ class SmallCNN(L.LightningModule):
         self.log("val_acc", (logits.argmax(1) == y).float().mean(), sync_dist=True, batch_size=len(y))
 
     def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        # plain SGD: momentum amplifies the timing noise of 1-bit error feedback (docs/onebit.md, "Optimizers")
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
 class Clock(Callback):
@@ -218,7 +223,7 @@ def fit(arm: str, run: int, root: Path, epochs: int) -> dict[str, Any]:
 def main() -> None:
     args = parser(__doc__.splitlines()[0]).parse_args()
     quick = args.quick
-    epochs = 4 if quick else 8
+    epochs = 5 if quick else 8
     runs = 2 if quick else 3
     num_images = 2000 if quick else 4000
     root = Path(os.environ.get("E2E_ROOT", "/tmp/lightning_accel_e2e"))
@@ -274,7 +279,7 @@ def main() -> None:
         "batch_size_per_process": BATCH_SIZE,
         "processes": 2,
         "target_acc": TARGET_ACC,
-        "optimizer": "SGD(lr=0.05, momentum=0.9)",
+        "optimizer": "SGD(lr=0.1)",
     }
     report("end_to_end", quick=quick, config=config, results=results, ratios=ratios, out=args.out)
 

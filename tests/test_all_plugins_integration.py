@@ -14,6 +14,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "examples" / "configs" / "all_plugins.yaml"
 _SMALL = [
+    "--trainer.strategy.init_args.warmup_steps=2",  # compress from step 2: the short resumed fit compresses too
     "--trainer.limit_train_batches=4",
     "--trainer.limit_val_batches=2",
     "--trainer.enable_progress_bar=false",
