@@ -133,7 +133,7 @@ def _epoch_rows(root: Path, version: int) -> dict[int, dict[str, str]]:
 
 
 class StopAfter(Callback):
-    """Ends the fit after ``epochs`` epochs, as if the job had been stopped (the schedule still plans ``max_epochs``)."""
+    """Ends the fit after ``epochs`` epochs, as if the job were stopped (the schedule still plans ``max_epochs``)."""
 
     def __init__(self, epochs: int) -> None:
         self.epochs = epochs

@@ -32,7 +32,7 @@ def _adamw_cosine(module: LightningModule, lr: float, weight_decay: float) -> An
 def _datamodule_image_size(module: LightningModule) -> int | None:
     """The side of the images the attached data module yields (``image_size``, or its decoder's ``size``), or None."""
     try:
-        dm = module.trainer.datamodule
+        dm = getattr(module.trainer, "datamodule", None)  # set by the data connector, not declared on the class
     except RuntimeError:  # no Trainer attached
         return None
     for value in (getattr(dm, "image_size", None), getattr(getattr(dm, "decode", None), "size", None)):

@@ -15,8 +15,6 @@ from lightning_accel.recipes.lr import WarmupCosineLR
 from tests.tiny import LRProbe, classifier, loader, trainer
 
 
-
-
 def _model() -> Any:
     m = classifier(width=4, lr=0.01)
 
