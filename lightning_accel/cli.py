@@ -5,28 +5,136 @@ LightningModule / LightningDataModule works, not only ours. When the config sets
 ``CSVLogger`` (``metrics.csv`` under ``trainer.default_root_dir``) and TensorBoard when it is installed.
 
 User mistakes (a missing config, an unknown class path, a bad argument, an unwritable data directory, a missing
-optional package) end with one ``lightning-accel: error: ...`` line and exit code 2; set ``LIGHTNING_ACCEL_DEBUG=1``
-to see the full traceback instead.
+optional package, an origin that cannot be reached or has no credentials) end with one
+``lightning-accel: error: <key>: <message>`` line and exit code 2: for a value a class refuses, ``<key>`` is the
+config key (``trainer.plugins``, ``data``, ...) and ``<message>`` the line that class raised, picked out of
+jsonargparse's Union dump. Set ``LIGHTNING_ACCEL_DEBUG=1`` to see the full text and traceback instead.
+
+Besides LightningCLI's subcommands, ``lightning-accel ckpt verify|export`` (delta checkpoints) and
+``lightning-accel data pack`` (shards) are plain argparse tools; ``--help`` lists them.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 from typing import Any
 
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI, SaveConfigCallback
 from typing_extensions import override
 
 import lightning_accel  # noqa: F401 - registers the strategy aliases on import
 from lightning_accel._utils import compat
+from lightning_accel._utils.fs import StorageUnavailableError
+from lightning_accel.data.origin import OriginError
 from lightning_accel.parallel.strategy import resolve_trainer_kwargs
 
-__all__ = ["AccelCLI", "SaveConfigBesideLogs", "main"]
+__all__ = [
+    "AccelCLI",
+    "ConfigError",
+    "SaveConfigBesideLogs",
+    "VersionRichProgressBar",
+    "config_error",
+    "main",
+    "useful_line",
+]
 
 # Errors our code raises for bad input carry the argument, the value and the fix; show them without a traceback.
 _USER_ERRORS = (ValueError, TypeError, PermissionError, FileNotFoundError, ModuleNotFoundError, NotADirectoryError)
+
+_EPILOG = (
+    "other commands: `lightning-accel ckpt {verify,export} ...` checks or exports DeltaCheckpointIO checkpoints; "
+    "`lightning-accel data pack ...` packs an origin into shards for CachedDataModule (each takes --help)."
+)
+
+
+class ConfigError(ValueError):
+    """A value of the config that a class (or the parser) refused: ``key`` is where it is, ``message`` why.
+
+    ``str()`` is the one line the CLI prints; ``detail`` keeps the full text jsonargparse produced.
+    """
+
+    def __init__(self, key: str, message: str, detail: str = "") -> None:
+        super().__init__(f"{key}: {message}" if key else message)
+        self.key = key
+        self.message = message
+        self.detail = detail
+
+
+# jsonargparse's own lines around the one that says what is wrong (Union dumps list every subtype it tried)
+_NOISE = re.compile(
+    r"^(Expected a path but|Does not validate against any|Subtypes:|Errors:|Not a valid subclass|Subclass types|"
+    r"a class path|a dict |Import path .* does not correspond|Given value|Problem with given class_path|Parser key|"
+    r"Expected a <class '(NoneType|str|int|float|bool|dict|list)'>$|Validation failed)"
+)
+_KEY = re.compile(r'Parser key "([^"]+)"')
+
+
+def useful_line(text: str) -> tuple[str, str]:
+    """``(inner key, message)``: the line of a jsonargparse error that says what is wrong.
+
+    A line in backticks (this project's errors quote the argument) wins; otherwise the first line that is not
+    jsonargparse's scaffolding (e.g. ``Expected a typing.Literal['int8', 'int4']``), with the rejected value appended.
+    The inner key is the ``Parser key`` of the class argument above that line, when the parser named one below the
+    outermost key.
+    """
+    lines = [ln.strip().removeprefix("- ").strip() for ln in text.splitlines()]
+    keys = [(i, m.group(1)) for i, ln in enumerate(lines) for m in [_KEY.search(ln)] if m]
+    candidates = [i for i, ln in enumerate(lines) if ln and not _NOISE.match(ln)]
+    if not candidates:
+        return "", " ".join(text.split())[:300]
+    ticked = [i for i in candidates if "`" in lines[i]]
+    pick = ticked[0] if ticked else candidates[0]
+    message = lines[pick]
+    if "got" not in message.lower():
+        given = next((ln for ln in lines[pick + 1 :] if ln.startswith("Given value:")), None)
+        if given is not None and len(given) < 120:
+            message = f"{message.rstrip('.')}, got {given.removeprefix('Given value:').strip()!r}."
+    inner = [k for i, k in keys if i < pick]
+    outer = keys[0][1] if keys else ""
+    return (inner[-1] if inner and inner[-1] != outer else ""), message
+
+
+def _config_key_of(config: Any, class_path: str) -> str:
+    """The shortest config key whose value (or list item) is an instance config of ``class_path``."""
+    found: list[str] = []
+
+    def walk(obj: Any, key: str) -> None:
+        if isinstance(obj, dict):
+            if obj.get("class_path") == class_path:
+                found.append(key)
+            for k, v in obj.items():
+                walk(v, f"{key}.{k}" if key else str(k))
+        elif isinstance(obj, list):
+            for v in obj:
+                if isinstance(v, dict) and v.get("class_path") == class_path:
+                    found.append(key)
+                walk(v, key)
+
+    walk(config, "")
+    found = [k.replace(".init_args", "") for k in found]
+    return min(found, key=len) if found else ""
+
+
+def config_error(exc: BaseException, config: Any = None) -> ConfigError:
+    """One :class:`ConfigError` from a jsonargparse parsing error or a refused instantiation.
+
+    Args:
+        exc: the error (``ArgumentError`` from parsing; ``ValueError``/``TypeError`` from instantiating classes).
+        config: the parsed config as a dict, to find the key of the class that raised when the text does not say.
+    """
+    text = str(exc)
+    m = _KEY.search(text.splitlines()[0] if text else "")
+    outer = m.group(1) if m else ""
+    inner, message = useful_line(text)
+    if not outer and config is not None:
+        cp = re.search(r"class_path='([^']+)'", text)
+        outer = _config_key_of(config, cp.group(1)) if cp else ""
+    key = ".".join(k for k in (outer, inner) if k)
+    return ConfigError(key, message, text)
 
 
 class SaveConfigBesideLogs(SaveConfigCallback):
@@ -60,7 +168,7 @@ class AccelCLI(LightningCLI):
             subclass_mode_model=True,
             subclass_mode_data=True,
             save_config_callback=SaveConfigBesideLogs,
-            parser_kwargs={"prog": "lightning-accel", "exit_on_error": False},
+            parser_kwargs={"prog": "lightning-accel", "exit_on_error": False, "epilog": _EPILOG},
             args=args,
             run=run,
         )
@@ -91,6 +199,18 @@ class AccelCLI(LightningCLI):
             self.config[self.config["subcommand"]]["ckpt_path"] = self._delta_ckpt_path
 
     @override
+    def instantiate_classes(self) -> None:
+        """Instantiate as LightningCLI does; a class refusing its arguments becomes one :class:`ConfigError` naming
+        the config key (jsonargparse reports it inside a dump of every Union subtype it tried)."""
+        try:
+            super().instantiate_classes()
+        except (ValueError, TypeError) as e:
+            if isinstance(e, ConfigError) or "Does not validate against any of the Union subtypes" not in str(e):
+                raise
+            sub = self.config.get(self.subcommand) if self.subcommand else self.config
+            raise config_error(e, sub.as_dict() if hasattr(sub, "as_dict") else None) from e
+
+    @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         """The Trainer, with CSV (+ TensorBoard) loggers when the config sets none, and an ``AutoStrategy`` resolved
         for the instantiated model before the Trainer is built (see :meth:`AutoStrategy.resolve`)."""
@@ -98,6 +218,9 @@ class AccelCLI(LightningCLI):
         config = {**sub.get("trainer", {}), **kwargs}
         if config.get("logger") in (None, True):
             kwargs["logger"] = default_loggers(config.get("default_root_dir"))
+        bar = _default_progress_bar(config)
+        if bar is not None:
+            kwargs["callbacks"] = [*(config.get("callbacks") or []), bar]
         kwargs.update(resolve_trainer_kwargs(config, self.model))
         trainer = super().instantiate_trainer(**kwargs)
         # `--ckpt_path last` on an object store: Lightning does not find it (it drops the `s3://`); resolved here.
@@ -106,6 +229,36 @@ class AccelCLI(LightningCLI):
 
             sub["ckpt_path"] = resolve_ckpt_path(trainer, "last")
         return trainer
+
+
+class VersionRichProgressBar(RichProgressBar):
+    """Lightning's ``RichProgressBar`` showing the logger version as ``v_num: 0``, not ``v_num: 0.000``."""
+
+    @override
+    def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
+        items = super().get_metrics(trainer, pl_module)
+        if "v_num" in items and not isinstance(items["v_num"], str):
+            items["v_num"] = str(items["v_num"])
+        return items
+
+
+def _default_progress_bar(config: dict[str, Any]) -> Any:
+    """The progress bar the Trainer would add by itself, minus its ``v_num: 0.000`` (None: leave the Trainer's choice).
+
+    Lightning's ``RichProgressBar`` (its default when ``rich`` is installed) formats every non-string item with
+    ``.3f``, the integer logger version included. Added only when the config enables the bar and names none.
+    """
+    from lightning.pytorch.callbacks import ProgressBar
+
+    from lightning_accel._utils.imports import module_available
+
+    callbacks = config.get("callbacks") or []
+    callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+    if config.get("enable_progress_bar") is False or any(isinstance(c, ProgressBar) for c in callbacks):
+        return None
+    if not module_available("rich"):
+        return None  # the TQDM bar prints integers as integers
+    return VersionRichProgressBar()
 
 
 def _is_delta_manifest(path: str) -> bool:
@@ -168,16 +321,35 @@ def main(argv: list[str] | None = None) -> None:
     except ArgumentError as e:
         if debug:
             raise
-        msg = " ".join(str(e).split())  # jsonargparse's message spans lines; one line reads better in a terminal
+        err = config_error(e)
+        msg = str(err) if err.key else " ".join(str(e).split())  # a message without a key: jsonargparse's own line
         print(f"lightning-accel: error: {msg}", file=sys.stderr)
-        print("(run with --help for the options; LIGHTNING_ACCEL_DEBUG=1 for the full traceback)", file=sys.stderr)
+        print("(run with --help for the options; LIGHTNING_ACCEL_DEBUG=1 for the full text)", file=sys.stderr)
+        raise SystemExit(2) from None
+    except ConfigError as e:
+        if debug:
+            print(e.detail, file=sys.stderr)
+            raise
+        print(f"lightning-accel: error: {e}", file=sys.stderr)
+        print("(set LIGHTNING_ACCEL_DEBUG=1 for the full text and traceback)", file=sys.stderr)
+        raise SystemExit(2) from None
+    except (OriginError, StorageUnavailableError) as e:  # the data's origin: unreachable, no credentials, refused
+        if debug:
+            raise
+        print(f"lightning-accel: error: data: {type(e).__name__}: {_first_line(e)}", file=sys.stderr)
+        print("(set LIGHTNING_ACCEL_DEBUG=1 for the full traceback)", file=sys.stderr)
         raise SystemExit(2) from None
     except _USER_ERRORS as e:
         if debug:
             raise
-        print(f"lightning-accel: error: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"lightning-accel: error: {type(e).__name__}: {_first_line(e)}", file=sys.stderr)
         print("(set LIGHTNING_ACCEL_DEBUG=1 for the full traceback)", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def _first_line(e: BaseException) -> str:
+    """The message on one line (the CLI promises one line; a multi-line message is joined)."""
+    return " ".join(str(e).split())
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -4,8 +4,10 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+from lightning.pytorch import Callback
 
 from lightning_accel.cli import main
 
@@ -18,6 +20,7 @@ def _tiny(digits_dir: Path, root: Path) -> list[str]:
         "--config",
         str(QUICKSTART),
         f"--trainer.default_root_dir={root}",
+        f"--trainer.callbacks.init_args.dirpath={root}/checkpoints",  # the ModelCheckpoint, last in the list
         "--trainer.max_epochs=1",
         "--trainer.limit_train_batches=3",
         "--trainer.limit_val_batches=2",
@@ -41,7 +44,7 @@ def test_fit_with_overrides_writes_metrics_csv(digits_dir: Path, tmp_path: Path)
     assert "val_acc" in header and "train_loss" in header
     # The quickstart saves DeltaCheckpointIO manifests; `validate --ckpt_path` must read them (LightningCLI itself
     # would torch.load the file to find hyper-parameters, and fail on a JSON manifest).
-    (ckpt,) = (tmp_path / "run").rglob("*.ckpt")
+    ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
     assert ckpt.read_bytes()[:1] == b"{"
     argv = [a for a in _tiny(digits_dir, tmp_path / "val") if "limit_train" not in a and "max_epochs" not in a]
     main(["validate", *argv, f"--ckpt_path={ckpt}"])
@@ -95,6 +98,7 @@ def test_unwritable_data_dir(capsys: pytest.CaptureFixture[str], tmp_path: Path)
 def test_console_script_help() -> None:
     out = subprocess.run(["lightning-accel", "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "fit" in out.stdout and "predict" in out.stdout
+    assert "lightning-accel ckpt" in out.stdout and "lightning-accel data" in out.stdout
 
 
 def test_module_entry_point_reports_bad_subcommand() -> None:
@@ -112,9 +116,101 @@ def test_config_is_saved_beside_the_logs_never_in_the_working_directory(
     monkeypatch.chdir(cwd)
     # no logger and no default_root_dir: Lightning's own callback would write ./config.yaml
     argv = [a for a in _tiny(digits_dir, tmp_path / "nolog") if not a.startswith("--trainer.default_root_dir")]
-    main(["fit", *argv, "--trainer.logger=false", "--trainer.enable_checkpointing=false"])
+    main(["fit", *argv, "--trainer.logger=false"])
     assert not (cwd / "config.yaml").exists()
     main(["fit", *_tiny(digits_dir, tmp_path / "logged")])  # with the default CSV logger: beside metrics.csv
     (saved,) = (tmp_path / "logged").rglob("config.yaml")
     assert (saved.parent / "metrics.csv").exists()
     assert not (cwd / "config.yaml").exists()
+
+
+def _epoch_rows(root: Path, version: int) -> dict[int, dict[str, str]]:
+    import csv
+
+    (path,) = (root / "lightning_logs" / f"version_{version}").glob("metrics.csv")
+    rows = [r for r in csv.DictReader(path.read_text().splitlines()) if r.get("val_acc")]
+    return {int(r["epoch"]): r for r in rows}
+
+
+class StopAfter(Callback):
+    """Ends the fit after ``epochs`` epochs, as if the job were stopped (the schedule still plans ``max_epochs``)."""
+
+    def __init__(self, epochs: int) -> None:
+        self.epochs = epochs
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        if trainer.current_epoch + 1 >= self.epochs:
+            trainer.should_stop = True
+
+
+def test_resume_from_last_continues_like_an_uninterrupted_run(digits_dir: Path, tmp_path: Path) -> None:
+    """The quickstart config as shipped: 2 of 3 epochs, then `fit --ckpt_path last` == 3 epochs in one go."""
+    main(["fit", *_tiny(digits_dir, tmp_path / "a"), "--trainer.max_epochs=3"])
+    stop = ["--trainer.callbacks+=tests.test_cli.StopAfter", "--trainer.callbacks.init_args.epochs=2"]
+    main(["fit", *_tiny(digits_dir, tmp_path / "b"), "--trainer.max_epochs=3", *stop])
+    assert (tmp_path / "b" / "checkpoints" / "last.ckpt").is_file()
+    main(["fit", *_tiny(digits_dir, tmp_path / "b"), "--trainer.max_epochs=3", "--ckpt_path=last"])
+    whole, resumed = _epoch_rows(tmp_path / "a", 0), _epoch_rows(tmp_path / "b", 1)
+    assert sorted(resumed) == [2]  # the resumed fit ran epoch 2 only, from the saved step
+    assert resumed[2]["step"] == whole[2]["step"]
+    for key in ("val_acc", "val_loss"):
+        assert float(resumed[2][key]) == pytest.approx(float(whole[2][key]), abs=1e-6), key
+
+
+ALL_PLUGINS = REPO / "examples" / "configs" / "all_plugins.yaml"
+_PLUGINS = "--trainer.plugins=[{class_path: lightning_accel.%s, init_args: {%s}}]"
+
+
+@pytest.mark.parametrize(
+    ("arg", "key", "words"),
+    [
+        (_PLUGINS % ("FusedPrecision", "precision: bf8-mixed"), "trainer.plugins.precision", ["bf8-mixed"]),
+        (_PLUGINS % ("FusedPrecision", "fusions: [conv_bn_gelu]"), "trainer.plugins", ["fusions", "conv_bn_gelu"]),
+        (_PLUGINS % ("DeltaCheckpointIO", "quantize: int3"), "trainer.plugins.quantize", ["int3"]),
+        ("--trainer.strategy.init_args.block_size=-1", "trainer.strategy", ["block_size", "-1"]),
+        ("--data.init_args.ram_bytes=64XB", "data", ["ram_bytes", "64XB"]),
+    ],
+    ids=["precision", "fusions", "quantize", "block_size", "ram_bytes"],
+)
+def test_bad_value_is_one_line_with_its_key(
+    arg: str, key: str, words: list[str], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    err = _error(["fit", "--config", str(ALL_PLUGINS), arg, f"--trainer.default_root_dir={tmp_path}"], capsys)
+    lines = [ln for ln in err.splitlines() if ln.startswith("lightning-accel: error:")]
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"lightning-accel: error: {key}: "), lines[0]
+    assert all(w in lines[0] for w in words), lines[0]
+    assert "Subtypes" not in err and "Namespace(" not in err and len(lines[0]) < 400
+
+
+def test_debug_shows_the_full_text(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("LIGHTNING_ACCEL_DEBUG", "1")
+    with pytest.raises(ValueError) as exc:
+        main(["fit", "--config", str(ALL_PLUGINS), "--trainer.strategy.init_args.block_size=-1"])
+    assert "block_size" in str(exc.value)
+    assert "Subtypes" in capsys.readouterr().err  # jsonargparse's whole dump
+
+
+def test_origin_without_credentials_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    argv = [
+        "fit",
+        "--config",
+        str(QUICKSTART),
+        "--data.class_path=lightning_accel.data.CachedDataModule",
+        "--data.init_args.origin=s3://no-such-bucket-lightning-accel/train",
+        f"--data.init_args.cache_dir={tmp_path}/cache",
+        f"--trainer.default_root_dir={tmp_path}",
+        f"--trainer.callbacks.init_args.dirpath={tmp_path}/ckpt",
+        "--trainer.logger=false",
+    ]
+    err = _error(argv, capsys)
+    lines = [ln for ln in err.splitlines() if ln.startswith("lightning-accel: error:")]
+    assert len(lines) == 1 and lines[0].startswith("lightning-accel: error: data: "), err
+    assert "s3://no-such-bucket-lightning-accel/train" in lines[0]

@@ -1,7 +1,8 @@
 """Execute the ```python code blocks of README.md and docs/*.md, so the docs stay true.
 
-The blocks of one file run in order, in one namespace, in a fresh temporary working directory. A block preceded by
-the line ``<!-- docs-test: skip -->`` is not run (for examples that need a GPU or real cloud credentials).
+Every block runs on its own, in a fresh namespace (a reader copies one block, not the page), in order, in one fresh
+temporary working directory per file (so a block may read a file an earlier block of the page wrote). A block
+preceded by the line ``<!-- docs-test: skip -->`` is not run (for examples that need a GPU or real cloud credentials).
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ def test_doc_code_blocks_run(doc: Path, tmp_path: Path, monkeypatch: pytest.Monk
     if not blocks:
         pytest.skip(f"{doc.name} has no executable python blocks")
     monkeypatch.chdir(tmp_path)
-    namespace: dict[str, object] = {"__name__": "__docs__"}
     for line, code, _ in blocks:
+        namespace: dict[str, object] = {"__name__": "__docs__"}
         try:
             exec(compile(code, f"{doc.name}:{line}", "exec"), namespace)
         except Exception as e:

@@ -29,6 +29,18 @@ def _adamw_cosine(module: LightningModule, lr: float, weight_decay: float) -> An
     return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+def _datamodule_image_size(module: LightningModule) -> int | None:
+    """The side of the images the attached data module yields (``image_size``, or its decoder's ``size``), or None."""
+    try:
+        dm = getattr(module.trainer, "datamodule", None)  # set by the data connector, not declared on the class
+    except RuntimeError:  # no Trainer attached
+        return None
+    for value in (getattr(dm, "image_size", None), getattr(getattr(dm, "decode", None), "size", None)):
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
 class ImageClassifier(LightningModule):
     """``SmallResNet`` trained with cross-entropy; logs ``train_loss``, ``val_loss``, ``val_acc``, ``test_acc``.
 
@@ -56,7 +68,14 @@ class ImageClassifier(LightningModule):
         self.model = SmallResNet(num_classes=num_classes, width=width, blocks=tuple(blocks))
         self.val_acc = MulticlassAccuracy(num_classes=num_classes)
         self.test_acc = MulticlassAccuracy(num_classes=num_classes)
-        self.example_input_array = torch.zeros(2, 3, 64, 64)
+        self.example_input_array = torch.zeros(2, 3, 64, 64)  # until `setup` sees the data's image size
+
+    @override
+    def setup(self, stage: str) -> None:
+        """Size ``example_input_array`` (the model summary's input, the pruning trace) like the data module's images."""
+        size = _datamodule_image_size(self)
+        if size is not None:
+            self.example_input_array = torch.zeros(2, 3, size, size)
 
     @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:

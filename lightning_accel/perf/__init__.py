@@ -12,10 +12,12 @@ from lightning_accel.perf.cuda_memory import (
     apply_allocator_settings,
     dump_memory_snapshot,
     fragmentation_stats,
+    host_memory_stats,
     should_release,
 )
 from lightning_accel.perf.flops import StepFlopCounter, precision_dtype
 from lightning_accel.perf.nvml import NvmlSampler, nvml_available
+from lightning_accel.perf.plot import epoch_breakdown_png, plot_available
 from lightning_accel.perf.report import BottleneckReport, build_report, mfu, verdict_text
 from lightning_accel.perf.timers import CATEGORIES, CudaEventClock, HostClock, StepTimer, TimerTotals
 
@@ -36,9 +38,12 @@ __all__ = [
     "apply_allocator_settings",
     "build_report",
     "dump_memory_snapshot",
+    "epoch_breakdown_png",
     "fragmentation_stats",
+    "host_memory_stats",
     "mfu",
     "nvml_available",
+    "plot_available",
     "precision_dtype",
     "should_release",
     "verdict_text",

@@ -15,11 +15,12 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_accel._utils import compat
-from lightning_accel._utils.atomic import atomic_write_text
+from lightning_accel._utils.atomic import atomic_write_bytes, atomic_write_text
 from lightning_accel._utils.rank import global_rank
 from lightning_accel.perf.cuda_memory import (
     AllocatorSettings,
@@ -27,10 +28,12 @@ from lightning_accel.perf.cuda_memory import (
     apply_allocator_settings,
     dump_memory_snapshot,
     fragmentation_stats,
+    host_memory_stats,
     should_release,
 )
 from lightning_accel.perf.flops import StepFlopCounter, precision_dtype
 from lightning_accel.perf.nvml import NvmlSampler, nvml_available
+from lightning_accel.perf.plot import epoch_breakdown_png, plot_available
 from lightning_accel.perf.report import BottleneckReport, build_report
 from lightning_accel.perf.timers import CATEGORIES, Clock, CudaEventClock, HostClock, StepTimer, TimerTotals
 
@@ -134,6 +137,12 @@ class PerformanceMonitor(Callback):
         self._orig_save: Any = None
         self._ddp_prev: tuple[int, float] | None = None  # (DDP iterations seen, exposed comm per step)
         self._peak_cache: tuple[float | None] | None = None
+        self._log_dir: str | None = None
+        self._epochs: list[TimerTotals] = []  # per epoch, this rank's totals (reduced at the end of fit)
+        self._epoch_numbers: list[int] = []
+        self._epoch_mark = TimerTotals()
+        self._epoch_index: int | None = None
+        self.png_path: str | None = None
 
     # -- set-up / tear-down --------------------------------------------------------------------------------------
     @override
@@ -147,6 +156,11 @@ class PerformanceMonitor(Callback):
         self.timer = StepTimer(clock=clock, span_clock=self._span_clock or HostClock(), skip_steps=self.skip_steps)
         self.report = None
         self._peak_cache = None
+        self._epochs, self._epoch_numbers = [], []
+        self._epoch_mark = TimerTotals()
+        self._epoch_index = None
+        # `trainer.log_dir` is a broadcast: read it here, where every rank runs, never on rank 0 alone at the end
+        self._log_dir = _log_dir(trainer) if self.report_path is None else None
         self._every = self.log_every_n_steps or _trainer_log_every_n_steps(trainer)
         if self.nvml and device.type == "cuda" and nvml_available():
             self._sampler = NvmlSampler(_nvml_index(device))
@@ -194,6 +208,32 @@ class PerformanceMonitor(Callback):
         self._unwrap_save_checkpoint(trainer)
 
     # -- the loop ------------------------------------------------------------------------------------------------
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.timer is None:
+            return
+        self._close_epoch(trainer)
+        self._epoch_index = trainer.current_epoch
+
+    def _close_epoch(self, trainer: pl.Trainer) -> None:
+        """Flush (and log) the open window and record the epoch that just ended as the difference of totals."""
+        timer = self.timer
+        if timer is None or self._epoch_index is None:
+            return
+        self._log_window(trainer)
+        cur = timer.totals
+        mark = self._epoch_mark
+        ep = TimerTotals(
+            seconds={c: cur.seconds[c] - mark.seconds.get(c, 0.0) for c in CATEGORIES},
+            steps=cur.steps - mark.steps,
+            samples=cur.samples - mark.samples,
+            tokens=cur.tokens - mark.tokens,
+        )
+        self._epoch_mark = TimerTotals(dict(cur.seconds), cur.steps, cur.samples, cur.tokens)
+        self._epochs.append(ep)
+        self._epoch_numbers.append(self._epoch_index)
+        self._epoch_index = None
+
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -309,9 +349,11 @@ class PerformanceMonitor(Callback):
         if timer is None:
             return
         self._flops.stop()
+        self._close_epoch(trainer)  # flushes the last window
         timer.stop()
         self._flush(trainer)
         totals = self._reduce(trainer, timer.totals)
+        epochs = self._reduce_epochs(trainer)
         if totals.steps <= 0:
             rank_zero_warn(
                 f"PerformanceMonitor: no step was timed ({timer.seen_steps} steps ran, {self.skip_steps} are warm-up); "
@@ -325,7 +367,12 @@ class PerformanceMonitor(Callback):
         if self._sampler is not None:
             extras.update({f"last_{k}": round(v, 2) for k, v in (self._sampler.sample() or self._nvml_last).items()})
         self.report = build_report(
-            totals, flops_per_step=self._flops.flops, peak_flops=self._peak(trainer), context=context, extras=extras
+            totals,
+            flops_per_step=self._flops.flops,
+            peak_flops=self._peak(trainer),
+            context=context,
+            extras=extras,
+            epochs=epochs,
         )
         if not trainer.is_global_zero:
             return
@@ -338,19 +385,44 @@ class PerformanceMonitor(Callback):
             summary["perf/report/mfu"] = r.mfu
         for logger in trainer.loggers:
             logger.log_metrics(summary, step=trainer.global_step)
-        path = self._report_file(trainer)
+        self._log_epoch_scalars(trainer, r.epochs)
+        path = self._report_file()
+        written = ""
         if path:
             atomic_write_text(path, r.to_json())
+            written = f"\n(report written to {path}"
+            self.png_path = self._write_png(path, r.epochs)
+            written += f", picture {self.png_path})" if self.png_path else ")"
         if self.verbose:
-            rank_zero_info(r.format() + (f"\n(report written to {path})" if path else ""))
+            rank_zero_info(r.format() + written)
 
-    def _report_file(self, trainer: pl.Trainer) -> str | None:
+    def _report_file(self) -> str | None:
         if self.report_path == "":
             return None
         if self.report_path is not None:
             return self.report_path
-        root = trainer.log_dir or trainer.default_root_dir
-        return os.fspath(Path(root) / "perf_report.json") if root else None
+        return os.fspath(Path(self._log_dir) / "perf_report.json") if self._log_dir else None
+
+    @staticmethod
+    def _write_png(json_path: str, epochs: list[dict[str, float]]) -> str | None:
+        """``perf_report.png`` beside the JSON: seconds per category, one stacked bar per epoch (needs matplotlib)."""
+        if not epochs:
+            return None
+        if not plot_available():
+            rank_zero_info("PerformanceMonitor: no perf_report.png (needs matplotlib: `pip install matplotlib`).")
+            return None
+        png = os.fspath(Path(json_path).with_suffix(".png"))
+        atomic_write_bytes(png, epoch_breakdown_png(epochs))
+        return png
+
+    @staticmethod
+    def _log_epoch_scalars(trainer: pl.Trainer, epochs: list[dict[str, float]]) -> None:
+        """The per-epoch breakdown as ``perf/epoch/<category>_s`` scalars (x axis: the epoch) for TensorBoard."""
+        tb = [lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
+        for e in epochs:
+            scalars = {f"perf/epoch/{c}_s": e[c] for c in CATEGORIES if e.get(c)}
+            for lg in tb:
+                lg.log_metrics(scalars, step=int(e["epoch"]))
 
     @staticmethod
     def _reduce(trainer: pl.Trainer, totals: TimerTotals) -> TimerTotals:
@@ -368,6 +440,27 @@ class PerformanceMonitor(Callback):
         out.steps = int(round(float(t[len(CATEGORIES)]) / ws))
         out.samples = int(t[len(CATEGORIES) + 1])
         out.tokens = int(t[len(CATEGORIES) + 2])
+        return out
+
+    def _reduce_epochs(self, trainer: pl.Trainer) -> list[dict[str, float]]:
+        """Per-epoch seconds averaged over ranks, samples summed (one all-reduce, every rank has the same epochs)."""
+        rows = [[e.seconds[c] for c in CATEGORIES] + [e.steps, e.samples] for e in self._epochs]
+        if not rows:
+            return []
+        if trainer.world_size > 1:
+            t = torch.tensor(rows, dtype=torch.float64, device=trainer.strategy.root_device)
+            t = trainer.strategy.reduce(t, reduce_op="sum")
+            rows = (t.cpu() / trainer.world_size).tolist()
+            for r in rows:
+                r[-1] *= trainer.world_size  # samples: the sum over ranks
+        out: list[dict[str, float]] = []
+        for epoch, r in zip(self._epoch_numbers, rows, strict=True):
+            d: dict[str, float] = {"epoch": float(epoch)}
+            d.update({c: float(r[i]) for i, c in enumerate(CATEGORIES)})
+            wall = sum(r[: len(CATEGORIES)])
+            d["steps"] = float(round(r[len(CATEGORIES)]))
+            d["samples_per_s"] = float(r[-1]) / wall if wall > 0 else 0.0
+            out.append(d)
         return out
 
     @override
@@ -391,6 +484,11 @@ def _table_peak(trainer: pl.Trainer) -> float | None:
         return get_available_flops(device, precision_dtype(str(trainer.precision)))
     except Exception:
         return None
+
+
+def _log_dir(trainer: pl.Trainer) -> str | None:
+    """``trainer.log_dir`` (a collective: call it on every rank), or ``default_root_dir`` when that is None."""
+    return trainer.log_dir or trainer.default_root_dir or None
 
 
 def _trainer_log_every_n_steps(trainer: pl.Trainer) -> int:
@@ -441,7 +539,8 @@ class CudaMemoryManager(Callback):
        (https://pytorch.org/memory_viz). With ``record_history=True`` the snapshot also holds the stack trace of every
        allocation (costs a few µs per allocation; off by default).
 
-    On a machine without CUDA it logs one info line and does nothing else.
+    Without a CUDA device it says so in one info line (the allocator knobs do nothing there) and logs rank 0's host
+    memory instead every ``log_every_n_steps``: ``mem/host_rss_gb`` (resident now) and ``mem/host_peak_rss_gb``.
 
     Args:
         expandable_segments: see :class:`~lightning_accel.perf.cuda_memory.AllocatorSettings` (None: leave as is).
@@ -487,6 +586,8 @@ class CudaMemoryManager(Callback):
         self._active = False
         self._cpu_noted = False
         self._batches = 0
+        self._snapshot_root: str | None = None
+        self._host = False  # no CUDA: log host memory
         if torch.cuda.is_available():
             self._apply()
 
@@ -498,16 +599,24 @@ class CudaMemoryManager(Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         device = trainer.strategy.root_device
+        self._every = self.log_every_n_steps or _trainer_log_every_n_steps(trainer)
         if device.type != "cuda":
             self._active = False
+            self._host = True
             if not self._cpu_noted:
-                rank_zero_info(f"CudaMemoryManager: no CUDA device in use ({device}); nothing to manage.")
+                rank_zero_info(
+                    f"CudaMemoryManager: no CUDA device in use ({device}): the allocator settings, releases and OOM "
+                    "snapshots do nothing; logging this process's host memory instead (mem/host_rss_gb, "
+                    "mem/host_peak_rss_gb)."
+                )
                 self._cpu_noted = True
             return
+        self._host = False
         self._active = True
+        # `trainer.log_dir` is a broadcast: resolve it now on every rank; an OOM reaches `on_exception` on one rank only
+        self._snapshot_root = self.snapshot_dir or _log_dir(trainer) or os.getcwd()
         if self.applied is None:  # CUDA appeared after __init__ (unusual): apply now, reporting what is late
             self._apply()
-        self._every = self.log_every_n_steps or _trainer_log_every_n_steps(trainer)
         if self.record_history:
             compat.record_cuda_memory_history(self.max_history_entries)
 
@@ -522,6 +631,12 @@ class CudaMemoryManager(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if not self._active:
+            if self._host:
+                self._batches += 1
+                if self._batches % self._every == 0 and trainer.is_global_zero:
+                    host = host_memory_stats()
+                    for logger in trainer.loggers:
+                        logger.log_metrics(host, step=trainer.global_step)
             return
         self._batches += 1
         if self._batches % self._every != 0:
@@ -542,7 +657,7 @@ class CudaMemoryManager(Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if not self._active or not _is_oom(exception):
             return
-        root = self.snapshot_dir or trainer.log_dir or trainer.default_root_dir or os.getcwd()
+        root = self._snapshot_root or self.snapshot_dir or os.getcwd()
         path = Path(root) / f"oom_snapshot_rank{global_rank()}.pickle"
         try:
             self.snapshot_path = dump_memory_snapshot(path)

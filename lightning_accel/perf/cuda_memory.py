@@ -29,6 +29,7 @@ __all__ = [
     "apply_allocator_settings",
     "dump_memory_snapshot",
     "fragmentation_stats",
+    "host_memory_stats",
     "merge_alloc_conf",
     "parse_alloc_conf",
     "should_release",
@@ -255,3 +256,27 @@ def dump_memory_snapshot(path: str | os.PathLike[str], snapshot: Callable[[], An
     data = pickle.dumps(snapshot())
     atomic_write_bytes(path, data)
     return os.fspath(path)
+
+
+def host_memory_stats() -> dict[str, float]:
+    """This process's host memory in GB: ``mem/host_rss_gb`` (resident now, from ``/proc/self/statm`` on Linux) and
+    ``mem/host_peak_rss_gb`` (the peak, from ``getrusage``); what a CPU run has instead of the CUDA pool.
+
+    Empty where neither source exists (e.g. Windows).
+    """
+    out: dict[str, float] = {}
+    try:
+        with open("/proc/self/statm") as f:
+            rss_pages = int(f.read().split()[1])
+        out["mem/host_rss_gb"] = rss_pages * os.sysconf("SC_PAGE_SIZE") / 2**30
+    except (OSError, ValueError, IndexError, AttributeError):
+        pass
+    try:
+        import resource
+        import sys
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+        out["mem/host_peak_rss_gb"] = peak / (2**30 if sys.platform == "darwin" else 2**20)
+    except (ImportError, OSError, ValueError):
+        pass
+    return out

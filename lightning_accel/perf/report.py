@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -82,6 +82,8 @@ class BottleneckReport:
         flops_per_step: FLOPs of one training step (forward + backward + optimizer), measured once.
         mfu: model FLOPs utilisation (None when the device's peak is unknown, e.g. on CPU without ``peak_flops``).
         extras: device facts (GPU utilisation, memory, world size, how comm was measured).
+        epochs: per epoch, ``{"epoch": e, <category>: seconds, "steps": n, "samples_per_s": rate}`` (the same
+            reductions over ranks as the totals); drawn into ``perf_report.png``.
     """
 
     seconds: dict[str, float]
@@ -95,6 +97,7 @@ class BottleneckReport:
     flops_per_step: float | None = None
     mfu: float | None = None
     extras: dict[str, Any] = field(default_factory=dict)
+    epochs: list[dict[str, float]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict."""
@@ -132,6 +135,7 @@ def build_report(
     peak_flops: float | None = None,
     context: Mapping[str, Any] | None = None,
     extras: Mapping[str, Any] | None = None,
+    epochs: Sequence[Mapping[str, float]] = (),
 ) -> BottleneckReport:
     """Turn accumulated totals into a :class:`BottleneckReport`.
 
@@ -141,6 +145,7 @@ def build_report(
         peak_flops: the device's peak FLOP/s for the active precision, or None.
         context: facts for the verdict (``num_workers``, ``precision``); ``mfu`` is added here.
         extras: lines appended to the report as ``key: value``.
+        epochs: per-epoch breakdowns (see :attr:`BottleneckReport.epochs`), kept as given.
 
     Raises:
         ValueError: when no step was counted (nothing to report).
@@ -170,4 +175,5 @@ def build_report(
         flops_per_step=flops_per_step,
         mfu=m,
         extras=dict(extras or {}),
+        epochs=[dict(e) for e in epochs],
     )

@@ -96,13 +96,18 @@ class LinearScalingLR(Callback):
         self.global_batch_size = self.global_batch(trainer)
         self.factor = linear_scaling_factor(self.global_batch_size, self.base_batch_size)
         schedulers = [cfg.scheduler for cfg in trainer.lr_scheduler_configs]
-        for opt in trainer.optimizers:
+        rel = [
             apply_lr_scale(opt, self.factor, schedulers, fallback_applied=self._restored_factor or 1.0)
+            for opt in trainer.optimizers
+        ]
         lrs = [g["lr"] for opt in trainer.optimizers for g in opt.param_groups]
-        rank_zero_info(
-            f"LinearScalingLR: global batch {self.global_batch_size} / base {self.base_batch_size} -> learning rates "
-            f"x{self.factor:g} (now {[float(f'{lr:.4g}') for lr in lrs]})."
-        )
+        if any(r != 1.0 for r in rel):
+            again = f" (restored x{self._restored_factor:g}, rescaled)" if self._restored_factor else ""
+            rank_zero_info(
+                f"LinearScalingLR: global batch {self.global_batch_size} / base {self.base_batch_size} -> learning "
+                f"rates x{self.factor:g}{again} (now {[float(f'{lr:.4g}') for lr in lrs]})."
+            )
+        # else: a resume with the same global batch; the restored rates already carry the factor, nothing changed
         metrics = {"lr_scale/factor": self.factor, "lr_scale/global_batch_size": float(self.global_batch_size)}
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
@@ -129,7 +134,10 @@ class PerStepLR(Callback):
     per *epoch*; and the YAML cannot know the number of optimizer steps. At ``on_train_start`` this callback sets the
     interval of each ``WarmupCosineLR`` to ``"step"`` and binds those created without ``total_steps`` to
     ``trainer.estimated_stepping_batches`` (``max_epochs`` x batches per epoch / ``accumulate_grad_batches``, or
-    ``max_steps``). Resumed schedules keep their restored length. Other schedulers are left alone.
+    ``max_steps``). The length is recomputed at every fit start, resumed fits included: a resumed schedule keeps its
+    step and base rates but takes the current fit's length (a finished 10-epoch run resumed with ``max_epochs=20``
+    continues on the 20-epoch cosine instead of training at ``min_lr``). Schedules given an explicit ``total_steps``
+    keep it. Other schedulers are left alone.
     """
 
     @override
@@ -140,8 +148,15 @@ class PerStepLR(Callback):
                 found += 1
                 cfg.interval = "step"
                 cfg.frequency = 1
-                if not cfg.scheduler.bound:
-                    cfg.scheduler.bind(trainer.estimated_stepping_batches)
+                sched = cfg.scheduler
+                if sched.total_steps_arg is None:
+                    before = sched.total_steps
+                    sched.bind(trainer.estimated_stepping_batches)
+                    if before is not None and before != sched.total_steps:
+                        rank_zero_info(
+                            f"PerStepLR: WarmupCosineLR length {before} -> {sched.total_steps} steps (this fit's "
+                            f"`estimated_stepping_batches`), continuing from step {max(0, sched.last_epoch)}."
+                        )
         if not found:
             rank_zero_warn("PerStepLR found no WarmupCosineLR scheduler in this fit; it changed nothing.")
 

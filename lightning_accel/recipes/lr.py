@@ -178,6 +178,9 @@ class WarmupCosineLR(LRScheduler):
         self.warmup_fraction = None if warmup_fraction is None else float(warmup_fraction)
         self.min_lr = float(min_lr)
         self.total_steps: int | None = None
+        # given here (e.g. `trainer.estimated_stepping_batches` in configure_optimizers, which re-runs on resume with
+        # the current Trainer) or bound later from the Trainer (PerStepLR): either way not taken from a restored state
+        self.total_steps_arg = None if total_steps is None else total_steps
         self.warmup_steps = 0
         if total_steps is not None:
             self._resolve(total_steps)
@@ -214,7 +217,9 @@ class WarmupCosineLR(LRScheduler):
     def bind(self, total_steps: int | float) -> None:
         """Fix ``total_steps`` (e.g. to ``trainer.estimated_stepping_batches``) and re-apply the current step's rate.
 
-        Binding again to the same value is a no-op; a restored (resumed) schedule keeps its own ``total_steps``.
+        Binding again to the same value is a no-op. Binding a restored (resumed) schedule to a new length continues
+        the cosine of the new length from the restored step: extending a finished run (more ``max_epochs``) resumes
+        on the longer curve instead of staying at ``min_lr``.
         """
         self._resolve(total_steps)
         values = self._closed_form(max(0, self.last_epoch))
@@ -242,10 +247,20 @@ class WarmupCosineLR(LRScheduler):
         return self._closed_form(self.last_epoch)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restore a ``state_dict``; the restored ``total_steps`` wins over the constructor's, and the optimizer's rates
-        are set to the restored step's value (so the result does not depend on whether the optimizer state is loaded
-        before or after)."""
+        """Restore a ``state_dict`` (the step, the base rates); the optimizer's rates are set to the restored step's
+        value (so the result does not depend on whether the optimizer state is loaded before or after).
+
+        The horizon is not taken from the checkpoint when this schedule knows a current one: a ``total_steps`` given
+        to the constructor (``configure_optimizers`` runs again on resume, with the resumed Trainer's
+        ``estimated_stepping_batches``) wins over the restored one, and an unbound schedule is rebound by
+        :class:`~lightning_accel.recipes.PerStepLR` at ``on_train_start``. So a finished run extended with more
+        epochs continues on the longer cosine instead of training at ``min_lr``.
+        """
+        arg = self.total_steps_arg
         self.__dict__.update(state_dict)
+        self.total_steps_arg = arg
+        if arg is not None:
+            self._resolve(arg)
         if self.total_steps is not None:
             values = self._closed_form(max(0, self.last_epoch))
             for group, lr in zip(self.optimizer.param_groups, values, strict=True):

@@ -52,3 +52,15 @@ def test_lightning_modules_learn_one_batch() -> None:
     gpt = TinyGPT(n_layer=1, n_embd=16, n_head=2)
     tokens = torch.randint(0, 27, (4, 65))
     assert gpt._loss(tokens).ndim == 0
+
+
+def test_image_classifier_sizes_its_example_input_like_the_data() -> None:
+    """The model summary (and StructuredPruning's trace) see the data's image size, not a fixed 64 px."""
+    from tests.tiny import TinyDigits, trainer
+
+    class Sized(TinyDigits):
+        image_size = 8
+
+    model = ImageClassifier(width=4)
+    trainer(fast_dev_run=1).fit(model, datamodule=Sized(batch_size=8, n=16))
+    assert tuple(model.example_input_array.shape) == (2, 3, 8, 8)

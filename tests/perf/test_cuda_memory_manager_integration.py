@@ -38,15 +38,18 @@ def fake_trainer(tmp_path: Path, logger: ListLogger) -> Any:
     )
 
 
-def test_cpu_run_logs_one_info_line_and_nothing_else(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_cpu_run_says_so_once_and_logs_host_memory(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     if torch.cuda.is_available():
         pytest.skip("checks the CPU-only behaviour")
-    mm = CudaMemoryManager()
+    from lightning.pytorch.loggers import CSVLogger
+
+    mm = CudaMemoryManager(log_every_n_steps=2)
     assert mm.applied is None  # no CUDA: the environment is left alone
+    logger = CSVLogger(tmp_path, name="logs")
     trainer = pl.Trainer(
         accelerator="cpu",
-        max_steps=2,
-        logger=False,
+        max_steps=4,
+        logger=logger,
         callbacks=[mm],
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -57,7 +60,11 @@ def test_cpu_run_logs_one_info_line_and_nothing_else(tmp_path: Path, caplog: pyt
     with caplog.at_level(logging.INFO):
         trainer.fit(TinyModule(), train)
     lines = [r.getMessage() for r in caplog.records if "CudaMemoryManager" in r.getMessage()]
-    assert len(lines) == 1 and "nothing to manage" in lines[0]
+    assert len(lines) == 1 and "do nothing" in lines[0] and "mem/host_rss_gb" in lines[0]
+    rows = (Path(logger.log_dir) / "metrics.csv").read_text().splitlines()
+    header, values = rows[0].split(","), [r.split(",") for r in rows[1:]]
+    rss = [float(v[header.index("mem/host_rss_gb")]) for v in values if v[header.index("mem/host_rss_gb")]]
+    assert len(rss) == 2 and all(0.01 < x < 64 for x in rss)  # steps 2 and 4; a Python + torch process is > 10 MB
 
 
 def test_cuda_path_with_mocked_allocator(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -19,6 +19,7 @@ CONFIG = REPO / "examples" / "configs" / "recipes.yaml"
 def _overrides(root: Path, digits_dir: Path) -> list[str]:
     return [
         f"--trainer.default_root_dir={root}",
+        f"--trainer.callbacks.init_args.dirpath={root}/checkpoints",
         "--trainer.max_epochs=4",
         "--trainer.limit_train_batches=1",
         "--trainer.limit_val_batches=1",
@@ -59,7 +60,7 @@ def test_example_config_then_distil_from_its_checkpoint(tmp_path: Path, digits_d
     del cfg["lr_scheduler"]
     kd_cfg = tmp_path / "kd.yaml"
     kd_cfg.write_text(yaml.safe_dump(cfg))
-    args = [*_overrides(tmp_path / "kd", digits_dir), "--trainer.max_epochs=1"]
+    args = [a for a in _overrides(tmp_path / "kd", digits_dir) if "callbacks" not in a] + ["--trainer.max_epochs=1"]
     cli2 = AccelCLI(args=["fit", "--config", str(kd_cfg), *args])
     kd = next(c for c in cli2.trainer.callbacks if isinstance(c, KnowledgeDistillation))
     assert isinstance(kd.teacher, ImageClassifier) and kd.teacher.model.layers[0].conv1.out_channels == 2
