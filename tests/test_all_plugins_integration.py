@@ -9,10 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.helpers import free_port
+
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "examples" / "configs" / "all_plugins.yaml"
 _SMALL = [
     "--trainer.strategy.init_args.warmup_steps=2",  # compress from step 2: the short resumed fit compresses too
+    # the config's "auto" measures loopback and keeps fp32; force 1-bit so the compressed state goes through resume
+    "--trainer.strategy.init_args.compression=1bit",
     "--trainer.limit_train_batches=4",
     "--trainer.limit_val_batches=2",
     "--trainer.enable_progress_bar=false",
@@ -25,6 +29,7 @@ def _cli(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     exe = shutil.which("lightning-accel")
     cmd = [exe] if exe else [sys.executable, "-m", "lightning_accel.cli"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env["MASTER_PORT"] = str(free_port())  # a fresh port per launch: the previous launch's may still be held
     argv = [*cmd, args[0], "--config", str(CONFIG), *_SMALL, *args[1:]]  # overrides after the config
     out = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=400)
     assert out.returncode == 0, out.stderr[-4000:]
