@@ -26,6 +26,7 @@ from lightning_accel.recipes.distill import (
 from lightning_accel.recipes.lr import WarmupCosineLR, apply_lr_scale, linear_scaling_factor
 from lightning_accel.recipes.prune import (
     apply_structured_pruning,
+    batch_norms,
     check_amount,
     count_parameters,
     resize_to_state_dict,
@@ -352,9 +353,16 @@ class StructuredPruning(Callback):
             ``forward``).
         ignore: module names (relative to the pruned module) whose outputs must keep all channels.
         round_to: keep a multiple of this many channels per group.
+        fold_bn: rank the channels of a layer followed by a BatchNorm on the BN-folded filter norm
+            (:func:`~lightning_accel.recipes.prune.channel_importance`); ``False`` ranks on the raw filter norm.
+        recalibrate_bn: after each pruning step, reset every BatchNorm's running statistics and rebuild them as the
+            plain average over this many training batches (the pruning batch and the next ones; no extra forward
+            pass), then return to the usual moving average. ``0`` keeps the sliced statistics of the unpruned
+            network, which the moving average (momentum 0.1) still remembers at 0.9^k after k steps.
 
     Raises:
-        ValueError: ``amount`` outside [0, 1), a bad ``norm``, negative or duplicate epochs in ``schedule``.
+        ValueError: ``amount`` outside [0, 1), a bad ``norm``, negative or duplicate epochs in ``schedule``, a
+            negative ``recalibrate_bn``.
     """
 
     def __init__(
@@ -366,6 +374,8 @@ class StructuredPruning(Callback):
         target: str | None = None,
         ignore: Sequence[str] = (),
         round_to: int = 1,
+        fold_bn: bool = True,
+        recalibrate_bn: int = 8,
     ) -> None:
         self.amount = check_amount(amount)
         if norm not in ("l1", "l2"):
@@ -380,6 +390,13 @@ class StructuredPruning(Callback):
             raise ValueError(f"`schedule` has repeated epochs: {schedule!r}. List each epoch once.")
         if isinstance(round_to, bool) or not isinstance(round_to, int) or round_to < 1:
             raise ValueError(f"`round_to` must be an integer >= 1, got {round_to!r}.")
+        if isinstance(recalibrate_bn, bool) or not isinstance(recalibrate_bn, int) or recalibrate_bn < 0:
+            raise ValueError(
+                f"`recalibrate_bn` must be a number of batches >= 0, got {recalibrate_bn!r}. "
+                "E.g. 8 rebuilds the BatchNorm statistics over the 8 batches after each pruning step; 0 turns it off."
+            )
+        self.fold_bn = bool(fold_bn)
+        self.recalibrate_bn = recalibrate_bn
         self.norm = norm
         self.schedule = sorted(epochs)
         self.step_amounts = dict(zip(self.schedule, schedule_amounts(self.amount, len(self.schedule)), strict=True))
@@ -389,6 +406,8 @@ class StructuredPruning(Callback):
         self.done: list[int] = []
         self.history: list[dict[str, Any]] = []
         self._hook: Any = None
+        self._recalibrating: dict[nn.Module, float | None] = {}  # BatchNorm -> its momentum, while rebuilding stats
+        self._recalibrate_left = 0
 
     def _module(self, pl_module: LightningModule) -> nn.Module:
         if self.target is None:
@@ -414,10 +433,12 @@ class StructuredPruning(Callback):
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._remove_hook()
+        self._finish_recalibration()
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._remove_hook()
+        self._finish_recalibration()
 
     def _remove_hook(self) -> None:
         if self._hook is not None:
@@ -452,7 +473,10 @@ class StructuredPruning(Callback):
             optimizers=trainer.optimizers,
             ignore=self.ignore,
             round_to=self.round_to,
+            fold_bn=self.fold_bn,
         )
+        if self.recalibrate_bn:
+            self._start_recalibration(module)
         self._rewrap_ddp(trainer, pl_module)
         self.done.append(epoch)
         record = {
@@ -468,6 +492,38 @@ class StructuredPruning(Callback):
         )
         for logger in trainer.loggers:
             logger.log_metrics({"pruning/params": float(result.params_after)}, step=trainer.global_step)
+
+    def _start_recalibration(self, module: nn.Module) -> None:
+        """Reset the BatchNorm statistics and average them (``momentum=None``) over the next training batches.
+
+        The training forwards compute these statistics anyway, so this costs nothing; every rank does the same,
+        and the DDP re-wrap that follows broadcasts rank 0's buffers.
+        """
+        self._finish_recalibration()
+        for m in batch_norms(module):
+            self._recalibrating[m] = m.momentum
+            m.reset_running_stats()
+            m.momentum = None
+        self._recalibrate_left = self.recalibrate_bn
+
+    def _finish_recalibration(self) -> None:
+        for m, momentum in self._recalibrating.items():
+            m.momentum = momentum
+        self._recalibrating = {}
+        self._recalibrate_left = 0
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._recalibrating:
+            self._recalibrate_left -= 1
+            if self._recalibrate_left <= 0:
+                self._finish_recalibration()
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._finish_recalibration()  # a fit shorter than the window: keep the average, restore the momentum
 
     @staticmethod
     def _rewrap_ddp(trainer: Trainer, pl_module: LightningModule) -> None:

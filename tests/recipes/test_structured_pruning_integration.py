@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
 from lightning_accel.callbacks import StructuredPruning
-from lightning_accel.recipes.prune import count_parameters
+from lightning_accel.recipes.prune import batch_norms, count_parameters, recalibrate_batchnorm
 from tests.helpers import run_in_processes
 from tests.tiny import classifier, loader, trainer
 
@@ -64,6 +65,50 @@ def test_iterative_schedule_reaches_the_amount() -> None:
     assert model.model.layers[1].conv1.out_channels == 8  # 16 -> 12 (25 %) -> 8 (50 % of the original)
 
 
+class _CopyAtFirstBatch(Callback):
+    """Copies the network at the first training batch, after StructuredPruning (listed before it) pruned it."""
+
+    def __init__(self) -> None:
+        self.copy: torch.nn.Module | None = None
+        self.batch: Any = None
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self.copy is None:
+            self.copy = copy.deepcopy(pl_module.model)  # the SmallResNet (not the module, which holds the trainer)
+            self.batch = batch
+
+
+def test_bn_statistics_are_rebuilt_after_pruning() -> None:
+    grab = _CopyAtFirstBatch()
+    cb = StructuredPruning(amount=0.5, schedule=0, recalibrate_bn=1)
+    model = classifier(width=8)
+    with torch.no_grad():  # statistics of the unpruned network on other data: stale once pruned
+        model.train()
+        model(torch.randn(32, 3, 8, 8) * 3 + 2)
+    trainer(callbacks=[cb, grab], max_epochs=1, limit_train_batches=1).fit(model, loader())
+    assert grab.copy is not None
+    recalibrate_batchnorm(grab.copy, [grab.batch])  # the pruned network's own statistics on the pruning batch
+    norms, expected = batch_norms(model), batch_norms(grab.copy)
+    assert len(norms) == len(expected) == 10
+    for bn, ref in zip(norms, expected, strict=True):
+        assert torch.allclose(bn.running_mean, ref.running_mean, atol=1e-5)
+        assert torch.allclose(bn.running_var, ref.running_var, rtol=1e-4, atol=1e-5)
+        assert bn.momentum == 0.1 and int(bn.num_batches_tracked) == 1  # the moving average is back
+
+
+def test_bn_window_spans_batches_then_momentum_returns() -> None:
+    cb = StructuredPruning(amount=0.5, schedule=1, recalibrate_bn=2)
+    model = classifier(width=8)
+    trainer(callbacks=[cb], max_epochs=2, limit_train_batches=3).fit(model, loader())
+    for bn in batch_norms(model):  # reset at the start of epoch 1: 3 batches since, not 6
+        assert int(bn.num_batches_tracked) == 3 and bn.momentum == 0.1
+    off = StructuredPruning(amount=0.5, schedule=1, recalibrate_bn=0)
+    model = classifier(width=8)
+    trainer(callbacks=[off], max_epochs=2, limit_train_batches=3).fit(model, loader())
+    assert all(int(bn.num_batches_tracked) == 6 for bn in batch_norms(model))
+
+
 def test_resume_from_a_pruned_checkpoint(tmp_path: Path) -> None:
     ckpt = ModelCheckpoint(dirpath=tmp_path, save_last=True)
     model = classifier(width=8)
@@ -86,6 +131,8 @@ def test_bad_arguments() -> None:
         StructuredPruning(schedule=-1)
     with pytest.raises(ValueError, match="`norm`"):
         StructuredPruning(norm="l0")
+    with pytest.raises(ValueError, match="`recalibrate_bn` must be a number of batches >= 0, got -1"):
+        StructuredPruning(recalibrate_bn=-1)
     with pytest.raises(ValueError, match="`target` 'nope'"):
         trainer(callbacks=[StructuredPruning(target="nope")]).fit(classifier(), loader())
 
