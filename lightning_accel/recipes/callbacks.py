@@ -29,6 +29,7 @@ from lightning_accel.recipes.prune import (
     batch_norms,
     check_amount,
     count_parameters,
+    recalibrate_batchnorm,
     resize_to_state_dict,
     schedule_amounts,
 )
@@ -334,6 +335,12 @@ class StructuredPruning(Callback):
     the removed fraction to ``amount * k / n``). This is structured pruning with real speed-ups; for unstructured
     masks use Lightning's ``ModelPruning``.
 
+    **BatchNorm after pruning.** The sliced running statistics describe the unpruned network (the layers behind a
+    pruned group see fewer input channels): by default they are rebuilt from the pruning batch (``recalibrate_bn``).
+    A module whose BatchNorms are *all* in eval mode (a trained model evaluated before ``fit``; Lightning keeps the
+    mode) is switched to train mode with a warning (``train_mode``) -- otherwise they would fine-tune on frozen
+    statistics.
+
     **Optimizer after pruning.** The sliced parameters are new tensors. The callback re-points every optimizer of the
     trainer to them and slices their per-parameter state (momentum, Adam moments) with the same indices -- the
     equivalent of rebuilding the optimizer with ``trainer.strategy.setup_optimizers(trainer)`` but keeping the kept
@@ -354,15 +361,17 @@ class StructuredPruning(Callback):
         ignore: module names (relative to the pruned module) whose outputs must keep all channels.
         round_to: keep a multiple of this many channels per group.
         fold_bn: rank the channels of a layer followed by a BatchNorm on the BN-folded filter norm
-            (:func:`~lightning_accel.recipes.prune.channel_importance`); ``False`` ranks on the raw filter norm.
-        recalibrate_bn: after each pruning step, reset every BatchNorm's running statistics and rebuild them as the
-            plain average over this many training batches (the pruning batch and the next ones; no extra forward
-            pass), then return to the usual moving average. ``0`` keeps the sliced statistics of the unpruned
-            network, which the moving average (momentum 0.1) still remembers at 0.9^k after k steps.
+            (:func:`~lightning_accel.recipes.prune.channel_importance`) instead of the raw filter norm. Off by default:
+            on the digits ResNet (amount 0.5 + fine-tune, 5 seeds) it did not lower the drop (mean 0.0056 vs 0.0045).
+        recalibrate_bn: after each pruning step, rebuild every BatchNorm's running statistics from the pruning batch
+            (:func:`~lightning_accel.recipes.prune.recalibrate_batchnorm`: one extra no-grad forward). The sliced
+            statistics describe the unpruned network: the layers behind a pruned group see fewer input channels.
+        train_mode: at a pruning step, switch the module to train mode (with a warning) when *all* its BatchNorms are
+            in eval mode -- the state of a trained model evaluated before ``fit``, which Lightning keeps; ``False``
+            leaves frozen norms frozen (they still get the recalibrated statistics).
 
     Raises:
-        ValueError: ``amount`` outside [0, 1), a bad ``norm``, negative or duplicate epochs in ``schedule``, a
-            negative ``recalibrate_bn``.
+        ValueError: ``amount`` outside [0, 1), a bad ``norm``, negative or duplicate epochs in ``schedule``.
     """
 
     def __init__(
@@ -374,8 +383,9 @@ class StructuredPruning(Callback):
         target: str | None = None,
         ignore: Sequence[str] = (),
         round_to: int = 1,
-        fold_bn: bool = True,
-        recalibrate_bn: int = 8,
+        fold_bn: bool = False,
+        recalibrate_bn: bool = True,
+        train_mode: bool = True,
     ) -> None:
         self.amount = check_amount(amount)
         if norm not in ("l1", "l2"):
@@ -390,13 +400,9 @@ class StructuredPruning(Callback):
             raise ValueError(f"`schedule` has repeated epochs: {schedule!r}. List each epoch once.")
         if isinstance(round_to, bool) or not isinstance(round_to, int) or round_to < 1:
             raise ValueError(f"`round_to` must be an integer >= 1, got {round_to!r}.")
-        if isinstance(recalibrate_bn, bool) or not isinstance(recalibrate_bn, int) or recalibrate_bn < 0:
-            raise ValueError(
-                f"`recalibrate_bn` must be a number of batches >= 0, got {recalibrate_bn!r}. "
-                "E.g. 8 rebuilds the BatchNorm statistics over the 8 batches after each pruning step; 0 turns it off."
-            )
         self.fold_bn = bool(fold_bn)
-        self.recalibrate_bn = recalibrate_bn
+        self.recalibrate_bn = bool(recalibrate_bn)
+        self.train_mode = bool(train_mode)
         self.norm = norm
         self.schedule = sorted(epochs)
         self.step_amounts = dict(zip(self.schedule, schedule_amounts(self.amount, len(self.schedule)), strict=True))
@@ -406,8 +412,6 @@ class StructuredPruning(Callback):
         self.done: list[int] = []
         self.history: list[dict[str, Any]] = []
         self._hook: Any = None
-        self._recalibrating: dict[nn.Module, float | None] = {}  # BatchNorm -> its momentum, while rebuilding stats
-        self._recalibrate_left = 0
 
     def _module(self, pl_module: LightningModule) -> nn.Module:
         if self.target is None:
@@ -433,12 +437,10 @@ class StructuredPruning(Callback):
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._remove_hook()
-        self._finish_recalibration()
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._remove_hook()
-        self._finish_recalibration()
 
     def _remove_hook(self) -> None:
         if self._hook is not None:
@@ -464,6 +466,17 @@ class StructuredPruning(Callback):
         if epoch not in self.step_amounts or epoch in self.done:
             return
         module = self._module(pl_module)
+        norms = batch_norms(module)
+        if self.train_mode and norms and not any(bn.training for bn in norms):
+            # Lightning keeps the mode a module arrives in: a trained model evaluated before this fit would fine-tune
+            # with BatchNorm normalising by the sliced statistics of the unpruned network, never updated (measured on
+            # the digits ResNet: accuracy drop 0.0084-0.0195 over 5 seeds, against 0-0.0084 in train mode)
+            rank_zero_warn(
+                f"StructuredPruning: every BatchNorm of the pruned module was in eval mode at epoch {epoch}'s first "
+                "training batch (the model was evaluated before `fit`?); switching the module to train mode so they "
+                "learn the pruned network's statistics. Pass `train_mode=False` to keep frozen norms frozen."
+            )
+            module.train()
         before = count_parameters(module)
         result = apply_structured_pruning(
             module,
@@ -476,7 +489,17 @@ class StructuredPruning(Callback):
             fold_bn=self.fold_bn,
         )
         if self.recalibrate_bn:
-            self._start_recalibration(module)
+            # one no-grad pass over the pruning batch with the norms in train mode, whatever the module's mode: a
+            # module left in eval mode (e.g. evaluated before this fit; Lightning keeps the mode) would otherwise
+            # fine-tune on the sliced statistics of the unpruned network, which its forwards never update
+            inputs = batch[0] if isinstance(batch, (list, tuple)) else batch
+            try:
+                recalibrate_batchnorm(module, [inputs], forward=lambda _, x: pl_module(x))
+            except Exception as e:
+                raise ValueError(
+                    "StructuredPruning could not rebuild the BatchNorm statistics by calling the module on the batch's "
+                    f"inputs ({type(e).__name__}: {e}). Use (inputs, targets) batches or pass `recalibrate_bn=False`."
+                ) from e
         self._rewrap_ddp(trainer, pl_module)
         self.done.append(epoch)
         record = {
@@ -492,38 +515,6 @@ class StructuredPruning(Callback):
         )
         for logger in trainer.loggers:
             logger.log_metrics({"pruning/params": float(result.params_after)}, step=trainer.global_step)
-
-    def _start_recalibration(self, module: nn.Module) -> None:
-        """Reset the BatchNorm statistics and average them (``momentum=None``) over the next training batches.
-
-        The training forwards compute these statistics anyway, so this costs nothing; every rank does the same,
-        and the DDP re-wrap that follows broadcasts rank 0's buffers.
-        """
-        self._finish_recalibration()
-        for m in batch_norms(module):
-            self._recalibrating[m] = m.momentum
-            m.reset_running_stats()
-            m.momentum = None
-        self._recalibrate_left = self.recalibrate_bn
-
-    def _finish_recalibration(self) -> None:
-        for m, momentum in self._recalibrating.items():
-            m.momentum = momentum
-        self._recalibrating = {}
-        self._recalibrate_left = 0
-
-    @override
-    def on_train_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if self._recalibrating:
-            self._recalibrate_left -= 1
-            if self._recalibrate_left <= 0:
-                self._finish_recalibration()
-
-    @override
-    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._finish_recalibration()  # a fit shorter than the window: keep the average, restore the momentum
 
     @staticmethod
     def _rewrap_ddp(trainer: Trainer, pl_module: LightningModule) -> None:

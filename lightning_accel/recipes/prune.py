@@ -529,7 +529,7 @@ def _consistent(g: ChannelGroup) -> bool:
     return len(sizes) == 1
 
 
-def channel_importance(group: ChannelGroup, norm: str = "l1", *, fold_bn: bool = True) -> torch.Tensor:
+def channel_importance(group: ChannelGroup, norm: str = "l1", *, fold_bn: bool = False) -> torch.Tensor:
     """Score per channel: the producers' filter norms (each producer divided by its mean score), summed.
 
     Args:
@@ -700,7 +700,7 @@ def apply_structured_pruning(
     optimizers: Sequence[torch.optim.Optimizer] = (),
     ignore: Iterable[str] = (),
     round_to: int = 1,
-    fold_bn: bool = True,
+    fold_bn: bool = False,
 ) -> PruneResult:
     """Remove the ``amount`` weakest channels of every prunable group of ``model``, in place.
 

@@ -269,5 +269,5 @@ def test_folded_importance_ranks_by_the_normalised_output() -> None:
         model.layers[0].bn1.weight[2] = 1e-3  # ... whose output the norm scales to almost nothing
         model.layers[0].bn1.weight[5] = 5.0
     assert int(channel_importance(g, "l1", fold_bn=False).argmax()) == 2
-    folded = channel_importance(g, "l1")
+    folded = channel_importance(g, "l1", fold_bn=True)
     assert int(folded.argmax()) == 5 and int(folded.argmin()) == 2
