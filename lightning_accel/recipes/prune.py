@@ -608,8 +608,8 @@ def recalibrate_batchnorm(
     finally:
         for m, mom in momenta.items():
             m.momentum = mom
-        for m, t in modes.items():
-            m.train(t)
+        for mod, t in modes.items():
+            mod.train(t)
     return n
 
 
