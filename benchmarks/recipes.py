@@ -7,9 +7,12 @@ Run: ``python benchmarks/recipes.py [--quick] --out FILE.json``
    order, per seed, alone and with ``KnowledgeDistillation(teacher, T=2, alpha=0.5)``; ``kd_acc_minus_student`` is
    the mean validation-accuracy gain. (Probed on this data: the gain is small and depends on the regime -- a 32-unit
    MLP or T=4/alpha=0.7 lost 0.5-1.5 points; the wide student, which overfits alone, gains.)
-3. Pruning: a copy of the teacher is fine-tuned with ``StructuredPruning(amount=0.5, schedule=0)`` (channels removed
-   before the first step); parameters, validation accuracy and CPU inference time (batch 256, alternated with the
-   original, median of repeats) are compared with the original teacher.
+3. Pruning: per seed (the fine-tune's data order), a copy of the teacher is fine-tuned with
+   ``StructuredPruning(amount=0.5, schedule=0)`` and its other defaults (channels removed before the first step);
+   ``pruned_acc_drop`` is the mean validation-accuracy drop over the seeds and ``pruned_acc_drop_worst`` the largest
+   (the validation set has 360 images: one image is 0.0028, so a single seed cannot resolve a 0.01 target).
+   Parameters and CPU inference time (batch 256, alternated with the original, median of repeats; the first seed's
+   pruned model) are compared with the original teacher.
 
 Every run uses Lightning's Trainer with the callbacks, AdamW and ``WarmupCosineLR`` stepped per batch.
 """
@@ -127,7 +130,13 @@ def recipe_config(quick: bool) -> dict[str, Any]:
         "student_epochs": 10,
         "seeds": [0, 1, 2],
         "kd": {"temperature": 2.0, "alpha": 0.5},
-        "prune": {"amount": 0.5, "norm": "l1", "finetune_epochs": 10 if quick else 12, "finetune_lr": 3e-3},
+        "prune": {
+            "amount": 0.5,
+            "norm": "l1",
+            "finetune_epochs": 10 if quick else 12,
+            "finetune_lr": 3e-3,
+            "seeds": [0, 1, 2, 3, 4] if quick else list(range(10)),
+        },
         "infer": {"batch": 256, "repeats": 7 if quick else 15, "threads": torch.get_num_threads()},
         "optimizer": "AdamW(wd 5e-4) + WarmupCosineLR(warmup 10 %, per step)",
     }
@@ -165,18 +174,26 @@ def distillation(cfg: dict[str, Any], teacher: nn.Module, train: TensorDataset, 
 def pruning(
     cfg: dict[str, Any], teacher: nn.Module, train: TensorDataset, val: TensorDataset
 ) -> tuple[nn.Module, dict[str, Any]]:
-    """Case 3: structured pruning of a copy of the teacher + a short fine-tune."""
-    pruned = copy.deepcopy(teacher).requires_grad_(True)  # KnowledgeDistillation froze the teacher in place
-    cb = StructuredPruning(amount=cfg["prune"]["amount"], norm=cfg["prune"]["norm"], schedule=0)
-    tune = Classifier(pruned, lr=cfg["prune"]["finetune_lr"])
+    """Case 3: per seed, structured pruning of a copy of the teacher + a short fine-tune (the recipe's defaults)."""
+    p = cfg["prune"]
+    accs, times, first, groups = [], [], None, []
+    for seed in p["seeds"]:
+        pruned = copy.deepcopy(teacher).requires_grad_(True)  # KnowledgeDistillation froze the teacher in place
+        cb = StructuredPruning(amount=p["amount"], norm=p["norm"], schedule=0)
+        times.append(round(fit(Classifier(pruned, lr=p["finetune_lr"]), train, p["finetune_epochs"], seed, [cb]), 2))
+        accs.append(accuracy(pruned, val))
+        log(f"pruned, seed {seed}: acc {accs[-1]:.4f} in {times[-1]} s")
+        if first is None:
+            first, groups = pruned, cb.history[0]["groups"]
+    assert first is not None
     results: dict[str, Any] = {
-        "prune_finetune_s": round(fit(tune, train, cfg["prune"]["finetune_epochs"], seed=0, callbacks=[cb]), 2),
-        "pruned_acc": accuracy(pruned, val),
-        "pruned_params": count_parameters(pruned),
+        "prune_finetune_s": times,
+        "pruned_acc": accs,
+        "pruned_params": count_parameters(first),
+        "pruned_groups": [f"{'+'.join(n)}:{a}->{b}" for n, a, b in groups],
     }
-    log(f"pruned: acc {results['pruned_acc']:.4f}, params {results['pruned_params']}")
-    results["pruned_groups"] = [f"{'+'.join(n)}:{a}->{b}" for n, a, b in cb.history[0]["groups"]]
-    return pruned, results
+    log(f"pruned: acc {accs}, params {results['pruned_params']}")
+    return first, results
 
 
 def inference_speed(cfg: dict[str, Any], teacher: nn.Module, pruned: nn.Module, val: TensorDataset) -> dict[str, float]:
@@ -201,14 +218,16 @@ def inference_speed(cfg: dict[str, Any], teacher: nn.Module, pruned: nn.Module, 
 
 
 def recipe_ratios(results: dict[str, Any]) -> dict[str, float]:
-    """The published ratios: the distillation gain and the pruned model's size, speed and accuracy."""
+    """The published ratios: the distillation gain and the pruned model's size, speed and accuracy (mean and worst
+    drop over the fine-tune seeds)."""
     return {
         "kd_acc_minus_student": round(
             statistics.mean(results["kd_student_acc"]) - statistics.mean(results["student_acc"]), 4
         ),
         "pruned_params_frac": H.ratio(results["pruned_params"], results["teacher_params"]),
         "pruned_cpu_infer_speedup": H.ratio(results["infer_original_s"], results["infer_pruned_s"]),
-        "pruned_acc_drop": round(results["teacher_acc"] - results["pruned_acc"], 4),
+        "pruned_acc_drop": round(results["teacher_acc"] - statistics.mean(results["pruned_acc"]), 4),
+        "pruned_acc_drop_worst": round(results["teacher_acc"] - min(results["pruned_acc"]), 4),
     }
 
 

@@ -25,10 +25,11 @@ Entry point: :func:`apply_structured_pruning`. ``amount`` is the fraction of eac
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,10 +42,12 @@ __all__ = [
     "ChannelGroup",
     "PruneResult",
     "apply_structured_pruning",
+    "batch_norms",
     "channel_importance",
     "check_amount",
     "count_parameters",
     "find_channel_groups",
+    "recalibrate_batchnorm",
     "resize_to_state_dict",
     "schedule_amounts",
 ]
@@ -132,12 +135,15 @@ class ChannelGroup:
         producers: ``(name, module)`` whose output channels (weight dim 0) these are.
         followers: ``(name, BatchNorm)`` whose features these are.
         consumers: ``(name, module)`` whose input channels (weight dim 1) these are.
+        normalized: producer name -> the BatchNorm applied directly to its output (used to fold the norm's scale
+            into the producer's filters when ranking channels).
     """
 
     size: int
     producers: list[tuple[str, _Layer]] = field(default_factory=list)
     followers: list[tuple[str, _Norm]] = field(default_factory=list)
     consumers: list[tuple[str, _Layer]] = field(default_factory=list)
+    normalized: dict[str, _Norm] = field(default_factory=dict)
 
     @property
     def names(self) -> list[str]:
@@ -310,6 +316,7 @@ class _ChannelFlow:
         self.producers: dict[int, list[tuple[str, _Layer]]] = {}
         self.followers: dict[int, list[tuple[str, _Norm]]] = {}
         self.consumers: dict[int, list[tuple[str, _Layer]]] = {}
+        self.normalized: dict[str, _Norm] = {}  # producer name -> the BatchNorm reading its output directly
         self.touched: dict[str, list[int]] = {}  # module name -> spaces it indexes
         self.calls: dict[str, int] = {}
         self.exposed: set[str] = set()  # modules whose parameters are read directly (get_attr): tied or reused
@@ -363,6 +370,9 @@ class _ChannelFlow:
             self._layer(node, name, m, x, reads=reads, writes=len(shape) - 1)
         elif isinstance(m, _BN) and x is not None and x[1] == 1:
             self.followers.setdefault(x[0], []).append((name, m))
+            src = str(args[0].target) if args[0].op == "call_module" else None
+            if src is not None and any(n == src for n, _ in self.producers.get(x[0], [])):
+                self.normalized[src] = m
             self._touch(x[0], name)
             self.info[node] = x
         elif isinstance(m, _PASS_MODULES) and x is not None:
@@ -442,6 +452,7 @@ class _ChannelFlow:
             g.producers += self.producers.get(s, [])
             g.followers += self.followers.get(s, [])
             g.consumers += self.consumers.get(s, [])
+            g.normalized.update({n: self.normalized[n] for n, _ in self.producers.get(s, []) if n in self.normalized})
         groups, skipped = [], []
         for r, g in merged.items():
             if not g.producers:
@@ -518,21 +529,94 @@ def _consistent(g: ChannelGroup) -> bool:
     return len(sizes) == 1
 
 
-def channel_importance(group: ChannelGroup, norm: str = "l1") -> torch.Tensor:
+def channel_importance(group: ChannelGroup, norm: str = "l1", *, fold_bn: bool = False) -> torch.Tensor:
     """Score per channel: the producers' filter norms (each producer divided by its mean score), summed.
 
     Args:
         group: a group from :func:`find_channel_groups`.
         norm: ``"l1"`` or ``"l2"``.
+        fold_bn: score a producer followed directly by a BatchNorm on the *folded* filter
+            ``w_c * |gamma_c| / sqrt(running_var_c + eps)`` -- what the channel actually contributes after the norm.
+            A BatchNorm divides its input by the channel's standard deviation, so the raw filter norm alone says
+            nothing about a channel's output (scaling ``w_c`` changes nothing after the norm); the folded norm does.
     """
     if norm not in ("l1", "l2"):
         raise ValueError(f"`norm` must be 'l1' or 'l2', got {norm!r}.")
     total = torch.zeros(group.size, dtype=torch.float64)
-    for _, m in group.producers:
+    for name, m in group.producers:
         w = m.weight.detach().flatten(1).double().cpu()
         score = w.abs().sum(1) if norm == "l1" else w.pow(2).sum(1).sqrt()
+        bn = group.normalized.get(name) if fold_bn else None
+        if bn is not None and isinstance(bn.running_var, torch.Tensor):
+            scale = (bn.running_var.detach().double().cpu() + bn.eps).rsqrt()
+            if bn.weight is not None:
+                scale = scale * bn.weight.detach().double().abs().cpu()
+            score = score * scale
         total += score / score.mean().clamp_min(1e-12)
     return total
+
+
+def batch_norms(model: nn.Module) -> list[_Norm]:
+    """The BatchNorm layers of ``model`` that keep running statistics (the ones pruning can leave stale)."""
+    return [m for m in model.modules() if isinstance(m, _BN) and m.track_running_stats]
+
+
+def recalibrate_batchnorm(
+    model: nn.Module, batches: Iterable[Any], *, forward: Callable[[nn.Module, Any], Any] | None = None
+) -> int:
+    """Re-estimate every BatchNorm's running statistics of ``model`` from ``batches``, in place.
+
+    After channels are removed the layers after a pruned group see fewer input channels, so the running mean and
+    variance of the BatchNorms behind them describe the *unpruned* network; in eval mode they mis-normalise. This
+    resets the statistics and recomputes them as the plain average over ``batches`` (BatchNorm's ``momentum=None``
+    mode) with the BatchNorms in train mode, everything else (dropout) in eval mode and without gradients. Modes and
+    momenta are restored afterwards; parameters are untouched. With one batch the result is exactly that batch's
+    per-channel mean and unbiased variance of each norm's input.
+
+    Args:
+        model: the (pruned) network.
+        batches: a few training batches: tensors, or ``(inputs, ...)`` tuples/lists whose first item is the input.
+        forward: ``forward(model, batch)`` for other batch layouts (default: ``model(batch)`` or ``model(batch[0])``).
+
+    Returns:
+        The number of batches used.
+
+    Raises:
+        ValueError: ``batches`` is empty (the statistics are left as they were).
+    """
+    norms = batch_norms(model)
+    it = iter(batches)
+    first = next(it, None)
+    if first is None:
+        raise ValueError("`batches` is empty: BatchNorm recalibration needs at least one batch of inputs.")
+    if not norms:
+        return 0
+    call = forward or _default_forward
+    modes = {m: m.training for m in model.modules()}
+    momenta = {m: m.momentum for m in norms}
+    n = 0
+    try:
+        model.eval()
+        for m in norms:
+            m.reset_running_stats()
+            m.momentum = None  # cumulative average over the batches, not an EMA that still remembers the old net
+            m.train()
+        with torch.no_grad():
+            for batch in itertools.chain([first], it):
+                call(model, batch)
+                n += 1
+    finally:
+        for m, mom in momenta.items():
+            m.momentum = mom
+        for mod, t in modes.items():
+            mod.train(t)
+    return n
+
+
+def _default_forward(model: nn.Module, batch: Any) -> Any:
+    if isinstance(batch, (tuple, list)):
+        batch = batch[0]
+    return model(batch)
 
 
 def _n_keep(size: int, amount: float, round_to: int) -> int:
@@ -616,6 +700,7 @@ def apply_structured_pruning(
     optimizers: Sequence[torch.optim.Optimizer] = (),
     ignore: Iterable[str] = (),
     round_to: int = 1,
+    fold_bn: bool = False,
 ) -> PruneResult:
     """Remove the ``amount`` weakest channels of every prunable group of ``model``, in place.
 
@@ -627,6 +712,7 @@ def apply_structured_pruning(
         optimizers: optimizers over ``model``'s parameters whose per-parameter state is sliced to match.
         ignore: module names whose output channels must not be pruned.
         round_to: keep a multiple of this many channels per group (e.g. 8 for vectorised kernels).
+        fold_bn: rank a producer followed by a BatchNorm on its BN-folded filter (see :func:`channel_importance`).
 
     Returns:
         A :class:`PruneResult`; a warning is raised when nothing was pruned.
@@ -647,7 +733,7 @@ def apply_structured_pruning(
         n_keep = _n_keep(g.size, amount, round_to)
         if n_keep >= g.size:
             continue
-        keep = torch.topk(channel_importance(g, norm), n_keep).indices.sort().values
+        keep = torch.topk(channel_importance(g, norm, fold_bn=fold_bn), n_keep).indices.sort().values
         plans.append((g, keep))
     result = PruneResult(params_before=before, params_after=before, skipped=skipped)
     for g, keep in plans:

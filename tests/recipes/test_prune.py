@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -11,9 +12,11 @@ from torch import nn
 from lightning_accel.models import SmallResNet
 from lightning_accel.recipes.prune import (
     apply_structured_pruning,
+    batch_norms,
     channel_importance,
     count_parameters,
     find_channel_groups,
+    recalibrate_batchnorm,
     resize_to_state_dict,
     schedule_amounts,
 )
@@ -204,3 +207,67 @@ def test_round_to_keeps_multiples() -> None:
     model = _resnet(width=12)
     apply_structured_pruning(model, 0.5, X, round_to=4)
     assert model.layers[0].conv1.out_channels == 8  # 6 rounded up to a multiple of 4
+
+
+def _bn_inputs(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    """Each BatchNorm's input on ``x`` in a train-mode forward (of a copy): what its statistics should describe."""
+    probe = copy.deepcopy(model).train()
+    norms = batch_norms(probe)
+    seen: dict[int, torch.Tensor] = {}
+    for m in norms:
+        m.register_forward_pre_hook(lambda m, a: seen.__setitem__(norms.index(m), a[0].detach()))
+    with torch.no_grad():
+        probe(x)
+    return [seen[i] for i in range(len(norms))]  # in the order of `batch_norms(model)`
+
+
+def test_recalibration_gives_the_pruned_network_its_own_statistics() -> None:
+    model = _resnet().train()
+    with torch.no_grad():
+        for _ in range(3):
+            model(X * 3 + 1)  # running statistics of the unpruned network, on other data
+    apply_structured_pruning(model, 0.5, X)
+    norms, inputs = batch_norms(model), _bn_inputs(model, X)
+    stale = [bn for bn, x in zip(norms, inputs, strict=True) if not torch.allclose(bn.running_mean, x.mean((0, 2, 3)))]
+    assert len(stale) == len(inputs) == 10  # sliced statistics of the unpruned network, on other data
+    weights = {k: v.clone() for k, v in model.state_dict().items() if "running" not in k and "num_batches" not in k}
+    model.train()
+    assert recalibrate_batchnorm(model, [(X, torch.zeros(3))]) == 1
+    for bn, x in zip(norms, _bn_inputs(model, X), strict=True):  # each norm's input as the pruned net computes it
+        assert torch.allclose(bn.running_mean, x.mean((0, 2, 3)), atol=1e-5)
+        assert torch.allclose(bn.running_var, x.var((0, 2, 3), unbiased=True), rtol=1e-4, atol=1e-5)
+        assert bn.momentum == 0.1 and bn.training  # momentum and mode restored
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())  # parameters untouched
+    with pytest.raises(ValueError, match="`batches` is empty"):
+        recalibrate_batchnorm(model, [])
+
+
+def test_recalibration_averages_batches_and_keeps_modes() -> None:
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Dropout(0.5), nn.Linear(6, 2)).train()
+    a, b = torch.randn(8, 4), torch.randn(8, 4) + 2
+    recalibrate_batchnorm(model, [a, b])
+    with torch.no_grad():
+        ha, hb = model[0](a), model[0](b)
+    assert torch.allclose(model[1].running_mean, (ha.mean(0) + hb.mean(0)) / 2, atol=1e-6)
+    assert torch.allclose(model[1].running_var, (ha.var(0) + hb.var(0)) / 2, atol=1e-5)
+    assert int(model[1].num_batches_tracked) == 2
+    assert all(m.training for m in model.modules())  # train mode restored
+
+
+def test_folded_importance_ranks_by_the_normalised_output() -> None:
+    model = _resnet()
+    groups, _ = find_channel_groups(model, X)
+    g = next(g for g in groups if g.names == ["layers.0.conv1"])
+    assert g.normalized["layers.0.conv1"] is model.layers[0].bn1
+    res = next(g for g in groups if "layers.0.downsample.0" in g.names)
+    assert res.normalized == {
+        "layers.0.conv2": model.layers[0].bn2,
+        "layers.0.downsample.0": model.layers[0].downsample[1],
+    }
+    with torch.no_grad():
+        model.layers[0].conv1.weight[2].mul_(10.0)  # the largest filter ...
+        model.layers[0].bn1.weight[2] = 1e-3  # ... whose output the norm scales to almost nothing
+        model.layers[0].bn1.weight[5] = 5.0
+    assert int(channel_importance(g, "l1", fold_bn=False).argmax()) == 2
+    folded = channel_importance(g, "l1", fold_bn=True)
+    assert int(folded.argmax()) == 5 and int(folded.argmin()) == 2

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +14,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
 from lightning_accel.callbacks import StructuredPruning
-from lightning_accel.recipes.prune import count_parameters
+from lightning_accel.recipes.prune import batch_norms, count_parameters, recalibrate_batchnorm
 from tests.helpers import run_in_processes
 from tests.tiny import classifier, loader, trainer
 
@@ -62,6 +64,58 @@ def test_iterative_schedule_reaches_the_amount() -> None:
     trainer(callbacks=[cb], max_epochs=2, limit_train_batches=1).fit(model, loader())
     assert [h["epoch"] for h in cb.history] == [0, 1]
     assert model.model.layers[1].conv1.out_channels == 8  # 16 -> 12 (25 %) -> 8 (50 % of the original)
+
+
+class _CopyAtFirstBatch(Callback):
+    """Copies the network at the first training batch, after StructuredPruning (listed before it) pruned it."""
+
+    def __init__(self) -> None:
+        self.copy: torch.nn.Module | None = None
+        self.batch: Any = None
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self.copy is None:
+            self.copy = copy.deepcopy(pl_module.model)  # the SmallResNet (not the module, which holds the trainer)
+            self.batch = batch
+
+
+@pytest.mark.parametrize("evaluated", [False, True])
+def test_bn_statistics_are_rebuilt_after_pruning(evaluated: bool) -> None:
+    grab = _CopyAtFirstBatch()
+    cb = StructuredPruning(amount=0.5, schedule=0)
+    model = classifier(width=8)
+    with torch.no_grad():  # statistics of the unpruned network on other data: stale once pruned
+        model.train()
+        model(torch.randn(32, 3, 8, 8) * 3 + 2)
+    if evaluated:
+        model.model.eval()  # e.g. evaluated before the fit: Lightning keeps the mode, the callback switches it back
+    ctx = pytest.warns(UserWarning, match="was in eval mode") if evaluated else contextlib.nullcontext()
+    with ctx:
+        trainer(callbacks=[cb, grab], max_epochs=1, limit_train_batches=1).fit(model, loader())
+    assert grab.copy is not None and all(m.training for m in grab.copy.modules())
+    norms, expected = batch_norms(grab.copy), batch_norms(copy.deepcopy(grab.copy))
+    recalibrate_batchnorm(grab.copy, [grab.batch[0]])  # the pruned network's own statistics on the pruning batch
+    assert len(norms) == len(expected) == 10
+    for bn, ref in zip(norms, expected, strict=True):  # the callback had already rebuilt exactly these
+        assert torch.allclose(bn.running_mean, ref.running_mean, atol=1e-6)
+        assert torch.allclose(bn.running_var, ref.running_var, rtol=1e-5, atol=1e-6)
+        assert bn.momentum == 0.1
+
+
+def test_bn_statistics_and_modes_left_alone_when_asked() -> None:
+    grab = _CopyAtFirstBatch()
+    model = classifier(width=8)
+    with torch.no_grad():
+        model.train()
+        model(torch.randn(32, 3, 8, 8) * 3 + 2)
+    stale = model.model.layers[2].bn2.running_mean.clone()
+    model.model.eval()  # frozen on purpose: kept frozen
+    cb = StructuredPruning(amount=0.5, schedule=0, recalibrate_bn=False, train_mode=False)
+    trainer(callbacks=[cb, grab], max_epochs=1, limit_train_batches=1).fit(model, loader())
+    assert grab.copy is not None and not any(bn.training for bn in batch_norms(grab.copy))
+    kept = grab.copy.layers[2].bn2.running_mean
+    assert kept.shape[0] == stale.shape[0] // 2 and all(any(torch.isclose(v, stale)) for v in kept)  # sliced only
 
 
 def test_resume_from_a_pruned_checkpoint(tmp_path: Path) -> None:
