@@ -83,6 +83,11 @@ class BlockTable:
         return torch.nonzero(~self.mask).reshape(-1)
 
     @cached_property
+    def has_real(self) -> torch.Tensor:
+        """bool ``(num_blocks,)``: blocks with at least one real element (the others decode only padding)."""
+        return self.valid > 0
+
+    @cached_property
     def valid_or_one(self) -> torch.Tensor:
         """``valid`` clamped to >= 1 (the divisor of the block sums: an all-padding block gets scale 0)."""
         return self.valid.clamp_min(1.0)
