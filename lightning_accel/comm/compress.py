@@ -383,6 +383,23 @@ class Compressor:
             x.div_(loss_scale.to(torch.float32))
         return self.packed, self.scales, x
 
+    @property
+    def error_buffer(self) -> torch.Tensor:
+        """The internal buffer :meth:`compress` writes its new error into when given no ``out_error``."""
+        return self._x
+
+    def exchange_error(self, t: torch.Tensor) -> torch.Tensor:
+        """Adopt ``t`` as the internal buffer the next :meth:`compress` writes its new error into (without
+        ``out_error``), and return the current one, which holds the last new error.
+
+        Committing an error by exchanging buffers instead of copying saves one pass over the buffer; ``t`` must not
+        be read by anyone afterwards (the next call overwrites it).
+        """
+        if t.shape != self._x.shape or t.dtype != torch.float32 or t.device != self.device or not t.is_contiguous():
+            raise ValueError(f"`t` must be a contiguous float32 tensor of {self.numel} elements on {self.device}.")
+        old, self._x = self._x, t
+        return old
+
     def _signed_scales(self, packed: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor) -> None:
         """``rows`` (L floats) <- the ``±1`` signs of ``packed``; ``_per_byte`` <- each byte's block scale."""
         self._codes.copy_(packed.reshape(-1))

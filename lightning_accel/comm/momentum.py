@@ -314,7 +314,14 @@ class MomentumCompressor:
                 for e in entries:
                     e.st["step"] -= 1
             return res.bytes_sent
-        if res.worker_error is not None and res.server_error is not None:
+        bufs = op.buffers
+        w, s = res.worker_error, res.server_error
+        if bufs is not None and w is bufs.worker.error_buffer and s is bufs.server.error_buffer:
+            # commit by exchanging buffers: the new errors become the state, the old state the compressors' scratch
+            # (one copy pass over the group and one over the chunk less: ~1.5 torch.add per group)
+            g.worker_error = bufs.worker.exchange_error(g.worker_error)
+            g.server_error = bufs.server.exchange_error(g.server_error)
+        elif res.worker_error is not None and res.server_error is not None:
             g.worker_error.copy_(res.worker_error)
             g.server_error.copy_(res.server_error)
         st.compressed_calls += 1
