@@ -186,7 +186,9 @@ class OneBitAllreduce:
         self._a2a.wait()
         recv = self._recv
         mine = layout.chunks[self.rank]
-        recv_scales = recv[:, cb:].contiguous().view(torch.float32)[:, : mine.num_blocks]
+        recv_scales = (
+            recv[:, cb:].clone(memory_format=torch.contiguous_format).view(torch.float32)[:, : mine.num_blocks]
+        )
         bufs = self.buffers
         if bufs is not None:
             rows = bufs.server.decode(recv[:, :cb], recv_scales, out=bufs.rows)
@@ -211,7 +213,9 @@ class OneBitAllreduce:
             self._ag.wait()
         own = self._own
         gathered = self._gathered.view(n, own.numel())
-        all_scales = gathered[:, cb:].contiguous().view(torch.float32).reshape(-1)[layout.slot]
+        all_scales = (
+            gathered[:, cb:].clone(memory_format=torch.contiguous_format).view(torch.float32).reshape(-1)[layout.slot]
+        )
         if self.buffers is not None:
             out = self.buffers.worker.decode(gathered[:, :cb].reshape(-1), all_scales, out=self.buffers.out)
         else:
