@@ -83,6 +83,11 @@ class BlockTable:
         return torch.nonzero(~self.mask).reshape(-1)
 
     @cached_property
+    def has_real(self) -> torch.Tensor:
+        """bool ``(num_blocks,)``: blocks with at least one real element (the others decode only padding)."""
+        return self.valid > 0
+
+    @cached_property
     def valid_or_one(self) -> torch.Tensor:
         """``valid`` clamped to >= 1 (the divisor of the block sums: an all-padding block gets scale 0)."""
         return self.valid.clamp_min(1.0)
@@ -377,6 +382,23 @@ class Compressor:
         if loss_scale is not None:
             x.div_(loss_scale.to(torch.float32))
         return self.packed, self.scales, x
+
+    @property
+    def error_buffer(self) -> torch.Tensor:
+        """The internal buffer :meth:`compress` writes its new error into when given no ``out_error``."""
+        return self._x
+
+    def exchange_error(self, t: torch.Tensor) -> torch.Tensor:
+        """Adopt ``t`` as the internal buffer the next :meth:`compress` writes its new error into (without
+        ``out_error``), and return the current one, which holds the last new error.
+
+        Committing an error by exchanging buffers instead of copying saves one pass over the buffer; ``t`` must not
+        be read by anyone afterwards (the next call overwrites it).
+        """
+        if t.shape != self._x.shape or t.dtype != torch.float32 or t.device != self.device or not t.is_contiguous():
+            raise ValueError(f"`t` must be a contiguous float32 tensor of {self.numel} elements on {self.device}.")
+        old, self._x = self._x, t
+        return old
 
     def _signed_scales(self, packed: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor) -> None:
         """``rows`` (L floats) <- the ``±1`` signs of ``packed``; ``_per_byte`` <- each byte's block scale."""

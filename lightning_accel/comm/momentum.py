@@ -53,10 +53,11 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.optim import SGD, Adam, AdamW, Optimizer
 
 from lightning_accel._utils.triton import use_triton
-from lightning_accel.comm.allreduce import CompressFn, OneBitAllreduce, fp32_ring_bytes, run_pipelined
+from lightning_accel.comm.allreduce import CompressFn, OneBitAllreduce, OneBitBuffers, fp32_ring_bytes, run_pipelined
 from lightning_accel.comm.compress import GroupLayout, compress_fast, compress_reference
 from lightning_accel.comm.state import BACKENDS, GroupState, OneBitState
 
@@ -131,6 +132,7 @@ class MomentumCompressor:
         self.state = state
         self._bufs: dict[tuple[int, ...], torch.Tensor] = {}
         self._denoms: dict[int, tuple[int, torch.Tensor]] = {}
+        self._buffers: dict[tuple[int, ...], OneBitBuffers] = {}
 
     # ------------------------------------------------------------------ the step
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -157,13 +159,15 @@ class MomentumCompressor:
             for key, entries in groups:
                 g = self._group_state(key, entries)
                 x = self._local_momentum(key, g.layout, entries)
+                compress = self._compressor(x.device)
                 op = OneBitAllreduce(
                     x,
                     g.layout,
                     g.worker_error if st.error_feedback else None,
                     g.server_error if st.error_feedback else None,
                     group=st.process_group,
-                    compress=self._compressor(x.device),
+                    compress=compress,
+                    buffers=self._group_buffers(key, g.layout) if compress is compress_fast else None,
                 )
                 meta[id(op)] = (g, entries)
                 yield op
@@ -230,6 +234,16 @@ class MomentumCompressor:
             del st.groups[k]
         st.groups[key] = g
         return g
+
+    def _group_buffers(self, key: tuple[int, ...], layout: GroupLayout) -> OneBitBuffers:
+        """The group's kept buffers (the same bits as ``compress_fast`` and fresh outputs, without the allocations):
+        a group is in flight at most once per step, and its result is applied before the next step starts it."""
+        b = self._buffers.get(key)
+        if b is None or b.layout is not layout:
+            for k in [k for k in self._buffers if not set(k).isdisjoint(key)]:  # groups that no longer exist
+                del self._buffers[k]
+            b = self._buffers[key] = OneBitBuffers(layout, dist.get_rank(self.state.process_group))
+        return b
 
     def _compressor(self, device: torch.device) -> CompressFn:
         return self._compressor_for(device, self.state.backend)
@@ -300,7 +314,14 @@ class MomentumCompressor:
                 for e in entries:
                     e.st["step"] -= 1
             return res.bytes_sent
-        if res.worker_error is not None and res.server_error is not None:
+        bufs = op.buffers
+        w, s = res.worker_error, res.server_error
+        if bufs is not None and w is bufs.worker.error_buffer and s is bufs.server.error_buffer:
+            # commit by exchanging buffers: the new errors become the state, the old state the compressors' scratch
+            # (one copy pass over the group and one over the chunk less: ~1.5 torch.add per group)
+            g.worker_error = bufs.worker.exchange_error(g.worker_error)
+            g.server_error = bufs.server.exchange_error(g.server_error)
+        elif res.worker_error is not None and res.server_error is not None:
             g.worker_error.copy_(res.worker_error)
             g.server_error.copy_(res.server_error)
         st.compressed_calls += 1
