@@ -53,4 +53,3 @@ def test_all_plugins_fit_validate_resume(tmp_path: Path) -> None:
     assert steps and steps[0] >= 8  # ... starting after the 8 saved optimizer steps
     comm = [r for r in rows if r.get("comm/compression_ratio")]
     assert comm and float(comm[-1]["comm/compression_ratio"]) > 1.0  # 1-bit compression was active
-

@@ -11,4 +11,3 @@ from lightning_accel.models.resnet import BasicBlock, SmallResNet
 from lightning_accel.models.transformer import GPT, CausalSelfAttention, GPTBlock
 
 __all__ = ["GPT", "BasicBlock", "CausalSelfAttention", "GPTBlock", "ImageClassifier", "SmallResNet", "TinyGPT"]
-
