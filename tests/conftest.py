@@ -45,6 +45,24 @@ def _no_leaked_process_group() -> Iterator[None]:
         dist.destroy_process_group()
 
 
+@pytest.fixture(autouse=True)
+def _environment_restored() -> Iterator[None]:
+    """Put ``os.environ`` back as it was before each test.
+
+    Lightning's launcher and ``seed_everything`` write ``LOCAL_RANK``, ``NODE_RANK``, ``MASTER_PORT``,
+    ``PL_GLOBAL_SEED`` ... into this process's environment. A later test that starts ``lightning-accel`` with a copy
+    of it would then run as an externally launched rank 0 (``LOCAL_RANK`` set): it never starts its second process
+    and waits for it forever.
+    """
+    before = dict(os.environ)
+    yield
+    for key in set(os.environ) - set(before):
+        del os.environ[key]
+    for key, value in before.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _ram_tiers_in_a_session_dir() -> Iterator[None]:
     """Default RAM tiers of this session go under one directory on tmpfs, removed at the end: no test leaves

@@ -29,6 +29,8 @@ def _cli(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     exe = shutil.which("lightning-accel")
     cmd = [exe] if exe else [sys.executable, "-m", "lightning_accel.cli"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    for key in ("LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
+        env.pop(key, None)  # a rank variable would make the command an externally launched rank that waits forever
     env["MASTER_PORT"] = str(free_port())  # a fresh port per launch: the previous launch's may still be held
     argv = [*cmd, args[0], "--config", str(CONFIG), *_SMALL, *args[1:]]  # overrides after the config
     out = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=400)
