@@ -132,7 +132,7 @@ class MomentumCompressor:
         self.state = state
         self._bufs: dict[tuple[int, ...], torch.Tensor] = {}
         self._denoms: dict[int, tuple[int, torch.Tensor]] = {}
-        self._buffers: dict[tuple[int, ...], OneBitBuffers] = {}
+        self._kept_buffers: dict[tuple[int, ...], OneBitBuffers] = {}
 
     # ------------------------------------------------------------------ the step
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -238,11 +238,11 @@ class MomentumCompressor:
     def _group_buffers(self, key: tuple[int, ...], layout: GroupLayout) -> OneBitBuffers:
         """The group's kept buffers (the same bits as ``compress_fast`` and fresh outputs, without the allocations):
         a group is in flight at most once per step, and its result is applied before the next step starts it."""
-        b = self._buffers.get(key)
+        b = self._kept_buffers.get(key)
         if b is None or b.layout is not layout:
-            for k in [k for k in self._buffers if not set(k).isdisjoint(key)]:  # groups that no longer exist
-                del self._buffers[k]
-            b = self._buffers[key] = OneBitBuffers(layout, dist.get_rank(self.state.process_group))
+            for k in [k for k in self._kept_buffers if not set(k).isdisjoint(key)]:  # groups that no longer exist
+                del self._kept_buffers[k]
+            b = self._kept_buffers[key] = OneBitBuffers(layout, dist.get_rank(self.state.process_group))
         return b
 
     def _compressor(self, device: torch.device) -> CompressFn:
