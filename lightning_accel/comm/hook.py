@@ -40,7 +40,7 @@ import torch.distributed as dist
 from lightning_accel._utils.triton import use_triton
 from lightning_accel.comm.allreduce import CompressFn, fp32_ring_bytes, onebit_allreduce
 from lightning_accel.comm.auto import decide
-from lightning_accel.comm.compress import GroupLayout, compress_fast, compress_reference
+from lightning_accel.comm.compress import compress_fast, compress_reference
 from lightning_accel.comm.state import BACKENDS, GroupState, OneBitState
 
 __all__ = ["onebit_hook"]
@@ -89,17 +89,9 @@ def _group(state: OneBitState, key: tuple[int, ...], numel_of: dict[int, int], d
     g = state.groups.get(key)
     if g is not None:
         return g
-    world = dist.get_world_size(state.process_group)
-    layout = GroupLayout([numel_of[i] for i in key], world, state.block_size, device)
-    g = GroupState(key, layout)
-    loaded = state.pending.pop(key, None)
-    if loaded is not None:
-        w, s = loaded
-        if w.shape == g.worker_error.shape and s.shape == g.server_error.shape:
-            g.worker_error.copy_(w)
-            g.server_error.copy_(s)
-        else:
-            warnings.warn(f"1-bit error state for a group of {len(key)} parameters does not fit: reset.", stacklevel=3)
+    g, dropped = state.new_group(key, [numel_of[i] for i in key], device)
+    if dropped:
+        warnings.warn(f"1-bit error state for a group of {len(key)} parameters does not fit: reset.", stacklevel=3)
     state.groups[key] = g
     return g
 

@@ -219,15 +219,7 @@ class MomentumCompressor:
         g = st.groups.get(key)
         if g is not None:
             return g
-        device = entries[0].p.device
-        layout = GroupLayout([e.n for e in entries], st.process_group_size(), st.block_size, device)
-        g = GroupState(key, layout)
-        loaded = st.pending.pop(key, None)
-        if loaded is not None:
-            w, s = loaded
-            if w.shape == g.worker_error.shape and s.shape == g.server_error.shape:
-                g.worker_error.copy_(w)
-                g.server_error.copy_(s)
+        g, _ = st.new_group(key, [e.n for e in entries], entries[0].p.device)  # state that no longer fits: reset
         # a group that no longer exists (a parameter stopped or started receiving gradients) is dropped: its error
         # belonged to another layout
         for k in [k for k in st.groups if not set(k).isdisjoint(key)]:

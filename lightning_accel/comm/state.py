@@ -256,6 +256,24 @@ class OneBitState:
         self.param_numels = [p.numel() if p.requires_grad else 0 for p in params]
         self.plans.clear()
 
+    def new_group(self, key: tuple[int, ...], numels: list[int], device: torch.device) -> tuple[GroupState, bool]:
+        """A fresh group for ``key``, with the error state a checkpoint left for it in ``pending`` when it fits.
+
+        Returns:
+            The group and whether pending state for ``key`` was dropped because its shapes no longer fit (the caller
+            decides whether that deserves a warning). The group is not registered in ``groups``.
+        """
+        g = GroupState(key, GroupLayout(numels, self.process_group_size(), self.block_size, device))
+        loaded = self.pending.pop(key, None)
+        if loaded is None:
+            return g, False
+        w, s = loaded
+        if w.shape != g.worker_error.shape or s.shape != g.server_error.shape:
+            return g, True
+        g.worker_error.copy_(w)
+        g.server_error.copy_(s)
+        return g, False
+
     def process_group_size(self) -> int:
         """Ranks in ``process_group`` (1 without an initialised process group)."""
         return dist.get_world_size(self.process_group) if dist.is_initialized() else 1

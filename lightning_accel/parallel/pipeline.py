@@ -387,14 +387,7 @@ class PipelineRunner:
         """
         sched = self._schedule(("train", key))
         losses: list[torch.Tensor] = []
-        kwargs: dict[str, Any] = {}
-        if self.has_first:
-            assert inputs is not None, "the rank with the first stage needs the inputs"
-            kwargs["arg_mbs"] = [(x,) for x in inputs]
-        if self.has_last:
-            assert targets is not None, "the rank with the last stage needs the targets"
-            kwargs["target_mbs"] = list(targets)
-            kwargs["losses"] = losses
+        kwargs = self._microbatch_kwargs(inputs, targets, losses)
         sched.step(**kwargs)
         self._sync_grads()
         return self._loss_everywhere(losses)
@@ -404,6 +397,14 @@ class PipelineRunner:
         """Forward only (``schedule.eval``); the mean micro-batch loss on every rank of this pipeline."""
         sched = self._schedule(("eval", key))
         losses: list[torch.Tensor] = []
+        kwargs = self._microbatch_kwargs(inputs, targets, losses)
+        sched.eval(**kwargs)
+        return self._loss_everywhere(losses)
+
+    def _microbatch_kwargs(
+        self, inputs: Sequence[Any] | None, targets: Sequence[Any] | None, losses: list[torch.Tensor]
+    ) -> dict[str, Any]:
+        """The schedule's arguments for this rank: inputs on the first stage, targets and ``losses`` on the last."""
         kwargs: dict[str, Any] = {}
         if self.has_first:
             assert inputs is not None, "the rank with the first stage needs the inputs"
@@ -412,8 +413,7 @@ class PipelineRunner:
             assert targets is not None, "the rank with the last stage needs the targets"
             kwargs["target_mbs"] = list(targets)
             kwargs["losses"] = losses
-        sched.eval(**kwargs)
-        return self._loss_everywhere(losses)
+        return kwargs
 
     def _loss_everywhere(self, losses: list[torch.Tensor]) -> torch.Tensor:
         t = torch.stack([loss.detach().float() for loss in losses]).mean() if losses else torch.zeros(())
