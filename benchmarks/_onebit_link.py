@@ -9,10 +9,12 @@ Two cases, each returning ``(results, ratios)`` for ``benchmarks/onebit.py`` to 
   ends, rank 0 in one namespace and rank 1 in the other, each a Lightning ``Trainer`` process (1 thread) fitting the
   same ~25M-parameter MLP. Per link (100 Mbit/s, 1 Gbit/s, unshaped): the TCP goodput (a probe between the
   namespaces) and the median step time of ``strategy="ddp"``, ``ddp_1bit`` and, when the strategy takes
-  ``compression=``, ``ddp_1bit`` with ``compression="auto"``; then the break-even link speed, bisected on the ``tbf``
-  rate (a step time measured at every probe point, nothing extrapolated). Every namespace is deleted on exit
-  (``try/finally`` and ``atexit``), every wait is bounded. Needs root and ``ip``/``tc``; without them the results
-  say why and the link ratios are absent.
+  ``compression=``, ``ddp_1bit`` with ``compression="auto"`` (on the two fast links each twice, in mirrored order, the
+  faster median kept); the overlap case on the 100 Mbit/s and 1 Gbit/s links (a compute-only step, ``ddp_1bit`` with
+  ``overlap=False`` and its host time for averaging, ``ddp_1bit`` overlapping); then the break-even link speed,
+  bisected on the ``tbf`` rate (a step time measured at every probe point, nothing extrapolated). Every namespace is
+  deleted on exit (``try/finally`` and ``atexit``), every wait is bounded. Needs root and ``ip``/``tc``; without them
+  the results say why and the link ratios are absent.
 
 Run alone: ``python benchmarks/_onebit_link.py --quick --out /tmp/onebit_link.json``.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import inspect
 import json
 import os
@@ -265,6 +268,15 @@ def _probe_goodput(net: Netns, seconds: float, port: int) -> float:
 # --- the ranks: one persistent Trainer process per namespace, driven by command files
 
 
+def _noop_hook(state, bucket):  # no annotations: DDP rejects string ones (this module postpones them)
+    """A DDP comm hook that communicates nothing (the bucket's local gradients, as a completed future)."""
+    import torch
+
+    fut: Any = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
 def _worker(rank: int, workdir: Path, hidden: int, batch: int) -> None:
     """One rank: wait for ``cmd-<k>.json``, fit a fresh model with the strategy it names, write the step end times."""
     import torch
@@ -277,14 +289,24 @@ def _worker(rank: int, workdir: Path, hidden: int, batch: int) -> None:
     from lightning_accel.comm import OneBitDDPStrategy
 
     class StepTimes(L.Callback):
-        """Step end times; after step ``hold_after`` both ranks wait until the controller has shaped the link."""
+        """Step end times and the strategy's compressed-averaging host time per step; after step ``hold_after``
+        both ranks wait until the controller has shaped the link. ``noop_hook``: the compute-only configuration."""
 
-        def __init__(self, k: int, hold_after: int) -> None:
+        def __init__(self, k: int, hold_after: int, noop_hook: bool) -> None:
             self.ends: list[float] = []
-            self.k, self.hold_after = k, hold_after
+            self.comm: list[float] = []
+            self.decisions: list[dict[str, Any]] = []
+            self.k, self.hold_after, self.noop_hook = k, hold_after, noop_hook
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            if self.noop_hook:  # DDP's bucketing, no communication: the compute a step cannot avoid
+                trainer.strategy.model.register_comm_hook(None, _noop_hook)
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             self.ends.append(time.perf_counter())
+            state = getattr(trainer.strategy, "onebit_state", None)
+            self.comm.append(float(getattr(state, "last_step_comm_s", 0.0)))
+            self.decisions = list(getattr(state, "decisions", []))
             if len(self.ends) - 1 == self.hold_after:
                 (workdir / f"hold-{self.k}-{rank}").touch()
                 go, deadline = workdir / f"go-{self.k}", time.time() + 600
@@ -320,11 +342,11 @@ def _worker(rank: int, workdir: Path, hidden: int, batch: int) -> None:
         cmd = json.loads(cmd_path.read_text())
         if cmd["config"] == "stop":
             return
-        if cmd["config"] == "ddp":
+        if cmd["config"] in ("ddp", "compute"):
             strategy: Any = "ddp"
         else:
             strategy = OneBitDDPStrategy(warmup_steps=cmd["warmup_steps"], log_stats=False, **cmd["kwargs"])
-        timer = StepTimes(k, cmd["hold_after"])
+        timer = StepTimes(k, cmd["hold_after"], noop_hook=cmd["config"] == "compute")
         trainer = L.Trainer(
             accelerator="cpu",
             devices=1,
@@ -341,8 +363,10 @@ def _worker(rank: int, workdir: Path, hidden: int, batch: int) -> None:
         )
         loader = torch.utils.data.DataLoader(data, batch_size=batch, shuffle=False)
         trainer.fit(MLP(), train_dataloaders=loader)
+        del trainer, strategy
+        gc.collect()  # a fit's model, optimizer and buffers sit in reference cycles: free them before the next fit
         tmp = workdir / f"res-{k}-{rank}.json.tmp"
-        tmp.write_text(json.dumps({"ends": timer.ends}))
+        tmp.write_text(json.dumps({"ends": timer.ends, "comm": timer.comm, "decisions": timer.decisions}))
         os.replace(tmp, workdir / f"res-{k}-{rank}.json")
         k += 1
 
@@ -384,8 +408,9 @@ class Ranks:
         hold_after: int,
         on_hold: Callable[[], None],
         timeout: float,
-    ) -> list[float]:
-        """Fit ``steps`` steps with ``config`` on both ranks; rank 0's step end times.
+    ) -> dict[str, list[float]]:
+        """Fit ``steps`` steps with ``config`` on both ranks; rank 0's step end times (``ends``) and compressed
+        averaging host seconds per step (``comm``).
 
         Both ranks stop after step ``hold_after``; ``on_hold()`` (which shapes the link) runs, then they go on: the
         setup (DDP's broadcast of 25M parameters) and the steps up to ``hold_after`` run on the unshaped link.
@@ -403,7 +428,7 @@ class Ranks:
         (self.workdir / f"go-{k}").touch()
         paths = [self.workdir / f"res-{k}-{r}.json" for r in range(2)]
         self._wait(paths, config, deadline)
-        return list(json.loads(paths[0].read_text())["ends"])
+        return dict(json.loads(paths[0].read_text()))
 
     def _wait(self, paths: list[Path], config: str, deadline: float) -> None:
         while not all(p.exists() for p in paths):
@@ -442,6 +467,15 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _trial_steps() -> int:
+    """Timed steps per mode of ``compression="auto"``'s trial in this checkout (0 where it has none)."""
+    try:
+        from lightning_accel.comm.auto import TRIAL_STEPS
+    except ImportError:
+        return 0
+    return int(TRIAL_STEPS)
+
+
 def _strategy_configs() -> dict[str, dict[str, Any] | str]:
     """The ``ddp_1bit`` variants this checkout's strategy offers: kwargs, or why a variant is not available."""
     from lightning_accel.comm import OneBitDDPStrategy
@@ -461,9 +495,11 @@ def run_link_cases(quick: bool, *, hidden: int = 4096) -> tuple[dict[str, Any], 
     1024 -> 4096 -> 4096 -> 1024).
     """
     batch = 16
-    timed = 3
     warm = 2  # ddp_1bit's warm-up (its minimum): steps 0-1 fp32, step 2 builds the compression state
-    budget = 330.0 if quick else 1500.0
+    # auto's warm-up: 3 fp32 steps on the shaped link (after the unshaped step 0) for its trial to compare with
+    auto_warm = 4
+    auto_first = auto_warm + _trial_steps() + 2
+    budget = 560.0 if quick else 1800.0
     probe_s = 1.5 if quick else 3.0
     bisect_iters = 3 if quick else 5
     params = 1024 * hidden + hidden * hidden + hidden * 1024 + 2 * hidden + 1024
@@ -472,8 +508,10 @@ def run_link_cases(quick: bool, *, hidden: int = 4096) -> tuple[dict[str, Any], 
         "params": params,
         "batch_per_rank": batch,
         "threads_per_rank": 1,
-        "timed_steps": timed,
+        "timed_steps": 10,
         "ddp_1bit_warmup_steps": warm,
+        "auto_warmup_steps": auto_warm,
+        "timed_steps_at_or_below_200mbit": 3,
         "optimizer": "SGD(lr=1e-3, momentum=0.9)",
         # the 1-bit steps are host-bound here, DDP's are link-bound: CPU contention from other tenants slows only the
         # former, so the machine's load goes with the numbers
@@ -498,34 +536,49 @@ def run_link_cases(quick: bool, *, hidden: int = 4096) -> tuple[dict[str, Any], 
         ranks = Ranks(net, port=_free_port(), hidden=hidden, batch=batch)
         fp32_bytes_per_step = 4 * params  # ring allreduce, 2 ranks: 2 (N-1)/N * 4 d bytes sent per rank
 
-        def step_time(name: str, mbit: int | None, goodput: float) -> float:
-            """Median of the timed steps of one fresh fit on the link shaped to ``mbit``.
+        def measure(name: str, mbit: int | None, goodput: float) -> dict[str, float]:
+            """Median step time (``step_s``) and compressed-averaging host time (``hook_s``) of the timed steps of
+            one fresh fit on the link shaped to ``mbit``.
 
-            Steps: ``ddp`` 0 (unshaped), 1 (absorbs the ranks' skew after the hold), 2-4 timed; ``onebit`` 0-1
-            (fp32 warm-up, unshaped), 2 (builds the compression state), 3-5 timed; ``auto`` 0 (unshaped), 1 (warm-up,
-            shaped: its decision must see the shaped link), 2 (decision), 3, then 4-6 timed.
+            Steps: ``ddp``/``compute`` 0 (unshaped), 1 (absorbs the ranks' skew after the hold), 2 on timed;
+            ``onebit``/``onebit_serial`` 0-1 (fp32 warm-up, unshaped), 2 (builds the compression state), 3 on timed;
+            ``auto`` 0 (unshaped), 1-3 (fp32 warm-up, shaped: the trial compares these with its compressed steps),
+            4-7 (the trial: 1-bit), 8 (decided), then 9 on timed. ``compute``: DDP with a comm hook that sends
+            nothing; ``onebit_serial``: ``overlap=False``. Links faster than 200 Mbit/s time 10 steps (cheap ones, whose
+            ratios are within a few per cent while single steps here swing by up to 2x), slower ones 3.
             """
             assert ranks is not None
             kw = configs.get(name, {})
-            hold_after, first = {"ddp": (0, 2), "onebit": (warm - 1, warm + 1), "auto": (0, warm + 2)}[name]
-            steps = first + timed
+            if name == "onebit_serial":
+                kw = {**configs["onebit"], "overlap": False}
+            plain = name in ("ddp", "compute")
+            hold_after, first = (0, 2) if plain else (warm - 1, warm + 1) if name != "auto" else (0, auto_first)
+            steps = first + (3 if mbit is not None and mbit <= 200 else 10)
             remaining = budget - (time.perf_counter() - t_start)
             per_step = fp32_bytes_per_step * 8 / (goodput * 1e6) + 20.0
             timeout = min(remaining, 120 + (steps - hold_after) * per_step)
             if timeout <= 30:
                 raise TimeoutError(f"the {budget:.0f} s budget is spent")
             net.shape(None)  # setup and the steps before the hold: unshaped
-            ends = ranks.episode(
-                "ddp" if name == "ddp" else "onebit",
+            res = ranks.episode(
+                name if plain else "onebit",
                 steps=steps,
-                warmup_steps=warm,
+                warmup_steps=auto_warm if name == "auto" else warm,
                 kwargs=kw if isinstance(kw, dict) else {},
                 hold_after=hold_after,
                 on_hold=lambda: net.shape(mbit),
                 timeout=timeout,
             )
+            ends = res["ends"]
             diffs = [b - a for a, b in zip(ends, ends[1:], strict=False)]
-            return round(median(diffs[first - 1 :]), 4)
+            return {
+                "step_s": round(median(diffs[first - 1 :]), 4),
+                "hook_s": round(median(res["comm"][first:]), 4),
+                "decisions": res.get("decisions", []),
+            }
+
+        def step_time(name: str, mbit: int | None, goodput: float) -> float:
+            return float(measure(name, mbit, goodput)["step_s"])
 
         names = ["ddp", "onebit"] + (["auto"] if isinstance(configs["auto"], dict) else [])
         links: dict[str, Any] = {}
@@ -538,8 +591,21 @@ def run_link_cases(quick: bool, *, hidden: int = 4096) -> tuple[dict[str, Any], 
             row: dict[str, Any] = {"tbf_rate_mbit": mbit, "goodput_mbps": _probe_goodput(net, probe_s, port + i)}
             links[link] = row
             order = names if i % 2 == 0 else names[::-1]  # alternate who goes first
+            # links where steps are cheap run every configuration twice, in mirrored order (a b c c b a), and keep
+            # each one's faster median: single steps here swing by up to 2x with the other tenants' load, and a slow
+            # minute should not decide a ratio of a few per cent
+            if mbit is None or mbit > 200:
+                order = order + order[::-1]
             for name in order:
-                row[f"{name}_step_s"] = step_time(name, mbit, row["goodput_mbps"])
+                m = measure(name, mbit, row["goodput_mbps"])
+                row.setdefault(f"{name}_step_s_runs", []).append(m["step_s"])
+                row[f"{name}_step_s"] = min(row[f"{name}_step_s_runs"])
+                if name == "auto":  # what it decided, from which figures (ms per step)
+                    row.setdefault("auto_decisions", []).extend(
+                        f"{d['decision']} ({d.get('source', 'buffers')}: fp32 {1e3 * d['fp32_s']:.0f} ms, "
+                        f"1-bit {1e3 * d['onebit_s']:.0f} ms)"
+                        for d in m["decisions"]
+                    )
             row["speedup"] = ratio(row["ddp_step_s"], row["onebit_step_s"])
         ratios["step_speedup_100mbit"] = links["100mbit"]["speedup"]
         ratios["step_speedup_1gbit"] = links["1gbit"]["speedup"]
@@ -547,6 +613,25 @@ def run_link_cases(quick: bool, *, hidden: int = 4096) -> tuple[dict[str, Any], 
             ratios["auto_over_best_step"] = max(
                 ratio(r["auto_step_s"], min(r["ddp_step_s"], r["onebit_step_s"])) for r in links.values()
             )
+        # overlap: the compute-only step (no communication), the step with the compressed momentum started after
+        # backward (its hook time is the serial cost of averaging) and the default, started during backward, on the
+        # 100 Mbit/s link (the transfer is as long as backward) and the 1 Gbit/s one (the compression dominates);
+        # overlap shows as a step shorter than compute + hook time
+        overlap: dict[str, Any] = {}
+        results["overlap"] = overlap
+        for link, mbit in (("100mbit", 100), ("1gbit", 1000)):
+            ov: dict[str, Any] = {}
+            overlap[link] = ov
+            for name in ("compute", "onebit_serial", "onebit"):
+                m = measure(name, mbit, links[link]["goodput_mbps"])
+                ov[f"{name}_step_s"] = m["step_s"]
+                if name != "compute":
+                    ov[f"{name}_hook_s"] = m["hook_s"]
+            ov["compute_plus_serial_hook_s"] = round(ov["compute_step_s"] + ov["onebit_serial_hook_s"], 4)
+            ratios[f"overlap_step_over_compute_plus_hook_{link}"] = ratio(
+                ov["onebit_step_s"], ov["compute_plus_serial_hook_s"]
+            )
+            ratios[f"overlap_step_over_serial_step_{link}"] = ratio(ov["onebit_step_s"], ov["onebit_serial_step_s"])
         # break-even: bisect the tbf rate (geometric midpoints) between a rate where 1-bit wins and one where it loses
         results["break_even"] = _bisect(net, links, step_time, bisect_iters, probe_s, port + 10)
         if "mbps" in results["break_even"]:

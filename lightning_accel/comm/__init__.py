@@ -19,7 +19,7 @@ from lightning_accel.comm.allreduce import (
     onebit_allreduce,
     run_pipelined,
 )
-from lightning_accel.comm.auto import decide, measure
+from lightning_accel.comm.auto import StepTrial, decide, measure
 from lightning_accel.comm.compress import (
     BlockTable,
     Compressor,
@@ -60,6 +60,7 @@ __all__ = [
     "block_scales",
     "compress_fast",
     "compress_reference",
+    "StepTrial",
     "decide",
     "decode",
     "fp32_ring_bytes",

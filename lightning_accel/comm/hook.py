@@ -5,13 +5,15 @@ Use it without Lightning as ``ddp_model.register_comm_hook(OneBitState(parameter
 Algorithm, per DDP bucket and step:
 
 0. ``compression="auto"`` and the first bucket of the first step after warm-up (or of a re-check step): time fp32
-   against compressed averaging and decide, on every rank (:func:`~lightning_accel.comm.auto.decide`), unless the
-   strategy already did.
+   against compressed averaging of buffers of the run's sizes and decide, on every rank
+   (:func:`~lightning_accel.comm.auto.decide`), unless the strategy decides (it times real steps).
 1. Warm-up steps, steps decided ``"fp32"``, and buckets below ``min_compress_numel``: plain fp32 allreduce
    (asynchronous).
 2. Compressed stage with ``state.mode == "momentum"``: the bucket's local gradients are handed back unaveraged (the
-   optimizer step, :class:`~lightning_accel.comm.momentum.MomentumCompressor`, averages the momentum instead); under
-   a GradScaler a 1-element MAX allreduce makes a non-finite bucket non-finite on every rank, so all skip the step.
+   optimizer step, :class:`~lightning_accel.comm.momentum.MomentumCompressor`, averages the momentum instead); when
+   ``state.bucket_fn`` is set, the bucket's parameters and gradients go to it first, so the momentum of the groups
+   this bucket completes is compressed and sent while backward continues; under a GradScaler a 1-element MAX
+   allreduce makes a non-finite bucket non-finite on every rank, so all skip the step.
 3. Compressed stage with ``state.mode == "gradients"``: the bucket's parameters are split into *groups* (normally the
    bucket itself), each laid out canonically (parameters by model index, padded to multiples of 8) and averaged by
    :func:`~lightning_accel.comm.allreduce.onebit_allreduce` (worker compression with error feedback, ``all_to_all``,
@@ -23,27 +25,34 @@ Groups are keyed by parameter indices, not bucket indices: after a resume, DDP's
 buckets again (one big bucket for small models) before rebuilding them; a bucket that is a union of saved groups is
 processed group by group, so a resumed run computes exactly what the uninterrupted run computed.
 
-The compressed gradient path runs its collectives synchronously inside the hook and returns an already-completed
-``torch.futures.Future``. Buckets arrive in index order on every rank, so collectives are issued in the same order
-everywhere; on CPU/gloo that is the simplest correct choice (a ``then``-chained version would issue phase 2 from
-gloo's callback thread, racing the next bucket's phase 1). On NCCL the collectives are still asynchronous with respect
-to the host (they are stream-ordered), so the hook only costs launch latency on the CPU side.
+The compressed gradient path on CPU runs in a comm thread (:class:`CommWorker`): the hook queues the bucket and
+returns a future that the thread completes, so the compression and both phases of one bucket run while backward
+computes the next ones (DDP waits for every future at the end of backward). The thread issues every collective of the
+step, in bucket order (the same on every rank), on a gloo process group of its own, so collectives that other threads
+issue meanwhile (DDP's unused-parameter map) cannot interleave with them. A ``then``-chained version would issue
+phase 2 from gloo's callback thread, racing the next bucket's phase 1 on the same group. On CUDA the hook runs the
+bucket itself: NCCL collectives and the Triton kernel are stream-ordered, so the host only launches them.
 """
 
 # No `from __future__ import annotations` here: DDP checks the hook's annotations at runtime (they must be
 # `dist.GradBucket` and `torch.futures.Future[torch.Tensor]` objects, not strings).
+import contextlib
+import queue
+import threading
+import time
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from lightning_accel._utils.triton import use_triton
-from lightning_accel.comm.allreduce import CompressFn, fp32_ring_bytes, onebit_allreduce
+from lightning_accel.comm.allreduce import CompressFn, OneBitAllreduce, OneBitBuffers, fp32_ring_bytes
 from lightning_accel.comm.auto import decide
 from lightning_accel.comm.compress import compress_fast, compress_reference
 from lightning_accel.comm.state import BACKENDS, GroupState, OneBitState
 
-__all__ = ["onebit_hook"]
+__all__ = ["CommWorker", "onebit_hook"]
 
 # (group, runs) with runs = [(bucket_offset, canonical_offset, numel)]
 _Plan = list[tuple[GroupState, list[tuple[int, int, int]]]]
@@ -82,6 +91,7 @@ def _split_into_groups(state: OneBitState, idx: set[int]) -> list[tuple[int, ...
         for k in stale:
             state.groups.pop(k, None)
             state.pending.pop(k, None)
+            state.hook_buffers.pop(k, None)
     return [whole]
 
 
@@ -96,10 +106,19 @@ def _group(state: OneBitState, key: tuple[int, ...], numel_of: dict[int, int], d
     return g
 
 
-def _plan(state: OneBitState, bucket: dist.GradBucket) -> _Plan:
-    params = list(bucket.parameters())
+class _Bucket:
+    """What the hook needs of a ``dist.GradBucket`` after it returns (for the comm thread)."""
+
+    __slots__ = ("buffer", "index", "is_last", "params")
+
+    def __init__(self, index: int, params: list[torch.Tensor], buffer: torch.Tensor, is_last: bool) -> None:
+        self.index, self.params, self.buffer, self.is_last = index, params, buffer, is_last
+
+
+def _plan(state: OneBitState, bucket: _Bucket) -> _Plan:
+    params = bucket.params
     idx = _param_indices(state, params)
-    cache_key = (bucket.index(), tuple(idx))
+    cache_key = (bucket.index, tuple(idx))
     plan = state.plans.get(cache_key)
     if plan is not None and all(state.groups.get(g.key) is g for g, _ in plan):
         return plan
@@ -109,11 +128,11 @@ def _plan(state: OneBitState, bucket: dist.GradBucket) -> _Plan:
         offsets[i] = pos
         numel_of[i] = p.numel()
         pos += p.numel()
-    if pos != bucket.buffer().numel():
-        raise RuntimeError(f"DDP bucket holds {bucket.buffer().numel()} elements but its parameters {pos}.")
+    if pos != bucket.buffer.numel():
+        raise RuntimeError(f"DDP bucket holds {bucket.buffer.numel()} elements but its parameters {pos}.")
     plan = []
     for key in _split_into_groups(state, set(idx)):
-        g = _group(state, key, numel_of, bucket.buffer().device)
+        g = _group(state, key, numel_of, bucket.buffer.device)
         runs: list[tuple[int, int, int]] = []
         for i, co in zip(key, g.layout.offsets, strict=True):
             bo, n = offsets[i], numel_of[i]
@@ -136,6 +155,20 @@ def _compressor(state: OneBitState, device: torch.device) -> CompressFn:
     return compress_reference if state.backend == "reference" else compress_fast
 
 
+def _kept(
+    state: OneBitState, g: GroupState, device: torch.device, compress: CompressFn
+) -> tuple[torch.Tensor, OneBitBuffers | None]:
+    """The group's canonical input buffer (zeros on padding, which no copy touches) and, for the CPU compressor,
+    its kept :class:`~lightning_accel.comm.allreduce.OneBitBuffers`: a step allocates nothing big."""
+    if compress is not compress_fast:  # the reference oracle and the Triton kernel allocate their own outputs
+        return torch.zeros(g.layout.padded_numel, dtype=torch.float32, device=device), None
+    kept = state.hook_buffers.get(g.key)
+    if kept is None or kept[1].layout is not g.layout:
+        x = torch.zeros(g.layout.padded_numel, dtype=torch.float32, device=device)
+        kept = state.hook_buffers[g.key] = (x, OneBitBuffers(g.layout, dist.get_rank(state.process_group)))
+    return kept
+
+
 def _loss_scale(state: OneBitState, device: torch.device) -> torch.Tensor | None:
     if state.loss_scale_fn is None:
         return None
@@ -145,7 +178,7 @@ def _loss_scale(state: OneBitState, device: torch.device) -> torch.Tensor | None
     return torch.as_tensor(s, dtype=torch.float32, device=device).reshape(())
 
 
-def _end_bucket(state: OneBitState, bucket: dist.GradBucket, sent: int, fp32: int, compressed: bool) -> None:
+def _end_bucket(state: OneBitState, is_last: bool, sent: int, fp32: int, compressed: bool) -> None:
     state.bytes_sent += sent
     state.fp32_bytes += fp32
     acc = state._acc
@@ -154,7 +187,7 @@ def _end_bucket(state: OneBitState, bucket: dist.GradBucket, sent: int, fp32: in
     if compressed:
         acc[2] += sent
         acc[3] += fp32
-    if bucket.is_last():
+    if is_last:
         state.step += 1
         (
             state.last_step_bytes_sent,
@@ -180,10 +213,13 @@ def _local_only(state: OneBitState, bucket: dist.GradBucket, buf: torch.Tensor) 
     state.local_grads = True
     scale = _loss_scale(state, buf.device)
     if scale is None:
-        _end_bucket(state, bucket, 0, 0, compressed=False)
+        if state.bucket_fn is not None:  # start compressing the momentum of what this bucket completes
+            state.bucket_fn(list(bucket.parameters()), bucket.gradients())
+        _end_bucket(state, bucket.is_last(), 0, 0, compressed=False)
         return _done(buf)
     flag = (~torch.isfinite(buf).all()).to(torch.float32).reshape(1)
-    _end_bucket(state, bucket, fp32_ring_bytes(1, dist.get_world_size(state.process_group)), 0, compressed=False)
+    flag_bytes = fp32_ring_bytes(1, dist.get_world_size(state.process_group))
+    _end_bucket(state, bucket.is_last(), flag_bytes, 0, compressed=False)
     fut = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=state.process_group, async_op=True).get_future()
 
     def poison(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
@@ -208,36 +244,75 @@ def onebit_hook(state: OneBitState, bucket: dist.GradBucket) -> torch.futures.Fu
     group = state.process_group
     world = dist.get_world_size(group)
     if world == 1:
-        _end_bucket(state, bucket, 0, 0, compressed=False)
+        _end_bucket(state, bucket.is_last(), 0, 0, compressed=False)
         return _done(buf)
-    if bucket.index() == 0 and state.needs_decision:  # compression="auto": measure once, on every rank, first
-        decide(state, buf.device)
+    if bucket.index() == 0:
+        state.last_step_comm_s = 0.0
+        if state.needs_decision:  # compression="auto": measure once, on every rank, first
+            decide(state, buf.device)
     fp32 = fp32_ring_bytes(buf.numel(), world)
     if state.compressing and state.mode == "momentum":
         return _local_only(state, bucket, buf)
     state.local_grads = False
-    if not state.compressing or buf.numel() < state.min_compress_numel:
+    # a compressed CPU step sends every bucket through the comm thread (small ones in fp32 there), so that one thread
+    # issues all of the step's collectives in bucket order
+    if not state.compressing or (buf.is_cuda and buf.numel() < state.min_compress_numel):
         state.uncompressed_calls += 1
-        _end_bucket(state, bucket, fp32 * buf.element_size() // 4, fp32, compressed=False)
+        _end_bucket(state, bucket.is_last(), fp32 * buf.element_size() // 4, fp32, compressed=False)
         buf.div_(world)
         fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
         return fut.then(lambda f: f.value()[0])
-    compress = _compressor(state, buf.device)
+    b = _Bucket(bucket.index(), list(bucket.parameters()), buf, bucket.is_last())
     loss_scale = _loss_scale(state, buf.device)
+    if buf.is_cuda:  # stream-ordered collectives: the host only launches, so the hook runs them itself
+        _compressed_bucket(state, b, group, loss_scale)
+        return _done(buf)
+    # CPU: the comm thread runs the bucket while backward computes the next ones
+    return _worker(state).submit(lambda: _compressed_bucket(state, b, None, loss_scale))
+
+
+def _compressed_bucket(
+    state: OneBitState, bucket: _Bucket, group: dist.ProcessGroup | None, loss_scale: torch.Tensor | None
+) -> torch.Tensor:
+    """Average one bucket of a compressed step in place (steps 3-4); ``group`` None: the comm thread's own group.
+
+    A bucket below ``min_compress_numel`` gets an fp32 allreduce here (on the same group as the compressed ones, so
+    the comm thread issues every collective of the step, in bucket order)."""
+    buf = bucket.buffer
+    if group is None:
+        assert state.comm_worker is not None
+        group = state.comm_worker.group
+    world = dist.get_world_size(group)
+    fp32 = fp32_ring_bytes(buf.numel(), world)
+    t0 = time.perf_counter()
+    if buf.numel() < state.min_compress_numel:
+        state.uncompressed_calls += 1
+        buf.div_(world)
+        dist.all_reduce(buf, group=group)
+        _end_bucket(state, bucket.is_last, fp32 * buf.element_size() // 4, fp32, compressed=False)
+        state.last_step_comm_s += time.perf_counter() - t0
+        return buf
+    compress = _compressor(state, buf.device)
     ef = state.error_feedback
     sent = 0
     for g, runs in _plan(state, bucket):
-        x = torch.zeros(g.layout.padded_numel, dtype=torch.float32, device=buf.device)
+        x, bufs = _kept(state, g, buf.device, compress)
         for bo, co, n in runs:
             x[co : co + n] = buf[bo : bo + n]
-        res = onebit_allreduce(
-            x,
-            g.layout,
-            g.worker_error if ef else None,
-            g.server_error if ef else None,
-            group=group,
-            loss_scale=loss_scale,
-            compress=compress,
+        res = (
+            OneBitAllreduce(
+                x,
+                g.layout,
+                g.worker_error if ef else None,
+                g.server_error if ef else None,
+                group=group,
+                loss_scale=loss_scale,
+                compress=compress,
+                buffers=bufs,
+            )
+            .start()
+            .serve()
+            .finish()
         )
         w, s = res.worker_error, res.server_error  # None without error feedback
         if buf.is_cuda:  # no host sync: select on the device
@@ -245,7 +320,11 @@ def onebit_hook(state: OneBitState, bucket: dist.GradBucket) -> torch.futures.Fu
                 g.worker_error.copy_(torch.where(res.finite, w, g.worker_error))
                 g.server_error.copy_(torch.where(res.finite, s, g.server_error))
         elif bool(res.finite):
-            if w is not None and s is not None:
+            if bufs is not None and w is bufs.worker.error_buffer and s is bufs.server.error_buffer:
+                # commit by exchanging buffers (the old state becomes the compressors' scratch): one pass less
+                g.worker_error = bufs.worker.exchange_error(g.worker_error)
+                g.server_error = bufs.server.exchange_error(g.server_error)
+            elif w is not None and s is not None:
                 g.worker_error.copy_(w)
                 g.server_error.copy_(s)
         else:
@@ -254,5 +333,60 @@ def onebit_hook(state: OneBitState, bucket: dist.GradBucket) -> torch.futures.Fu
             buf[bo : bo + n] = res.out[co : co + n]
         sent += res.bytes_sent
         state.compressed_calls += 1
-    _end_bucket(state, bucket, sent, fp32, compressed=True)
-    return _done(buf)
+    _end_bucket(state, bucket.is_last, sent, fp32, compressed=True)
+    state.last_step_comm_s += time.perf_counter() - t0
+    return buf
+
+
+class CommWorker:
+    """The thread that runs the CPU gradient path's compressed averaging while backward goes on.
+
+    One per :class:`~lightning_accel.comm.state.OneBitState`, started at the first compressed CPU bucket. Jobs run
+    one at a time in the order the hook submits them (bucket order, the same on every rank), and every collective they
+    issue goes to a process group of the worker's own (the same ranks as the state's group, gloo): collectives other
+    code issues meanwhile from other threads (DDP's unused-parameter map, a metric sync) go to other groups, so the
+    order of each group's collectives is the same on every rank, which gloo requires.
+
+    Args:
+        ranks: the global ranks of the state's process group.
+    """
+
+    def __init__(self, ranks: list[int]) -> None:
+        # every member creates it at the same bucket of the same step; only members synchronise
+        self.group = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], torch.Tensor], torch.futures.Future[torch.Tensor]] | None]
+        self._jobs = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="lightning-accel-1bit", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], torch.Tensor]) -> torch.futures.Future[torch.Tensor]:
+        """Queue ``job``; the future holds its result (or its exception)."""
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        self._jobs.put((job, fut))
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            job, fut = item
+            try:
+                fut.set_result(job())
+            except BaseException as err:  # noqa: BLE001 - handed to DDP, which raises it in backward
+                fut.set_exception(err)  # type: ignore[arg-type]  # torch's stub types it as the result
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the thread after the queued jobs (bounded wait) and destroy the worker's process group."""
+        self._jobs.put(None)
+        self._thread.join(timeout)
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):  # already destroyed with the default group
+                dist.destroy_process_group(self.group)
+
+
+def _worker(state: OneBitState) -> CommWorker:
+    if state.comm_worker is None:
+        pg = state.process_group if state.process_group is not None else dist.group.WORLD
+        state.comm_worker = CommWorker(dist.get_process_group_ranks(pg))
+    return state.comm_worker

@@ -25,6 +25,9 @@ hook does not average them in the compressed stage, so DDP's gradient allreduce 
    ``u_loc``) is laid out canonically and averaged by the two-phase 1-bit allreduce with worker and server error
    feedback (:class:`~lightning_accel.comm.allreduce.OneBitAllreduce`). Groups are pipelined: phase 1 of group
    ``k+1`` and phase 2 of group ``k`` are in flight while the next group is compressed and group ``k-1`` is applied.
+   With overlap (:meth:`MomentumCompressor.on_bucket`, called by the comm hook for each bucket) steps 2-4 of a group
+   run as soon as backward has produced all of its gradients, so its transfers overlap the rest of backward; step 1
+   must then hold for each bucket as DDP hands it over (no clipping, no GradScaler, no edits after backward).
    A group whose decoded average is not finite changes nothing (momentum, variance, step count, error state and
    parameters keep their values); the decoded bytes are the same everywhere, so every rank agrees.
 5. ``m ← m̄``, the decoded average (Adam: ``m̄ = ū·D``), bit-identical on every rank, and the parameter update:
@@ -49,6 +52,7 @@ matches 1-bit Adam's published convergence (warm-up ~15 % of training).
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -97,7 +101,7 @@ def plan_groups(indexed_numels: Iterable[tuple[int, int]], group_numel: int) -> 
 class _Entry:
     """One parameter in a compressed step: where it sits, its hyper-parameters, its optimizer state."""
 
-    __slots__ = ("hp", "n", "offset", "p", "st")
+    __slots__ = ("grad", "hp", "n", "offset", "p", "st")
 
     def __init__(self, p: torch.Tensor, hp: dict[str, Any], st: dict[str, Any], offset: int) -> None:
         self.p = p
@@ -105,6 +109,27 @@ class _Entry:
         self.st = st
         self.n = p.numel()
         self.offset = offset
+        # the local gradient of this step: ``p.grad``, or the DDP bucket's view of it when the step was started
+        # during backward (the same values: DDP copies the bucket into ``p.grad`` unchanged)
+        self.grad: torch.Tensor | None = p.grad
+
+
+class _Started:
+    """The groups of one compressed step started during backward (:meth:`MomentumCompressor.on_bucket`)."""
+
+    __slots__ = ("key_of", "missing", "plan", "served", "started", "step")
+
+    def __init__(self, plan: list[tuple[tuple[int, ...], list[_Entry]]], step: int) -> None:
+        self.plan = plan
+        self.step = step  # the hook's step counter during this backward
+        self.key_of = {i: key for key, _ in plan for i in key}
+        self.missing = {key: set(key) for key, _ in plan}
+        self.started: list[tuple[OneBitAllreduce, GroupState, list[_Entry]]] = []
+        self.served = 0
+
+    @property
+    def complete(self) -> bool:
+        return len(self.started) == len(self.plan)
 
 
 class MomentumCompressor:
@@ -133,6 +158,7 @@ class MomentumCompressor:
         self._bufs: dict[tuple[int, ...], torch.Tensor] = {}
         self._denoms: dict[int, tuple[int, torch.Tensor]] = {}
         self._kept_buffers: dict[tuple[int, ...], OneBitBuffers] = {}
+        self._early: _Started | None = None
 
     # ------------------------------------------------------------------ the step
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -147,36 +173,37 @@ class MomentumCompressor:
 
     @torch.no_grad()
     def compressed_step(self) -> None:
-        """Steps 2-5 of the algorithm on the gradients now in ``p.grad``."""
+        """Steps 2-5 of the algorithm on the gradients now in ``p.grad``; groups that :meth:`on_bucket` started
+        during backward are finished instead of started again."""
         st = self.state
-        if st.compressed_since is None:
-            st.compressed_since = st.step - 1 if st.step > 0 else 0
+        t0 = time.perf_counter()
+        self._begin_stage(st.step - 1 if st.step > 0 else 0)  # the hook counted this step's backward
         groups = self._groups()
-        meta: dict[int, tuple[GroupState, list[_Entry]]] = {}
+        early, self._early = self._early, None
+        if early is not None and not (early.complete and [k for k, _ in early.plan] == [k for k, _ in groups]):
+            # the backward left other gradients than planned (a parameter without one): redo the step from p.grad
+            self._discard(early)
+            early = None
         sent = [0]
+        if early is not None:
+            for op, _g, _entries in early.started[early.served :]:
+                op.serve()
+            for op, g, entries in early.started:
+                sent[0] += self._apply(g, entries, op)
+        else:
+            meta: dict[int, tuple[GroupState, list[_Entry]]] = {}
 
-        def ops() -> Iterator[OneBitAllreduce]:
-            for key, entries in groups:
-                g = self._group_state(key, entries)
-                x = self._local_momentum(key, g.layout, entries)
-                compress = self._compressor(x.device)
-                op = OneBitAllreduce(
-                    x,
-                    g.layout,
-                    g.worker_error if st.error_feedback else None,
-                    g.server_error if st.error_feedback else None,
-                    group=st.process_group,
-                    compress=compress,
-                    buffers=self._group_buffers(key, g.layout) if compress is compress_fast else None,
-                )
-                meta[id(op)] = (g, entries)
-                yield op
+            def ops() -> Iterator[OneBitAllreduce]:
+                for key, entries in groups:
+                    op, g = self._start(key, entries)
+                    meta[id(op)] = (g, entries)
+                    yield op
 
-        def apply(op: OneBitAllreduce) -> None:
-            g, entries = meta.pop(id(op))
-            sent[0] += self._apply(g, entries, op)
+            def apply(op: OneBitAllreduce) -> None:
+                g, entries = meta.pop(id(op))
+                sent[0] += self._apply(g, entries, op)
 
-        run_pipelined(ops(), apply)
+            run_pipelined(ops(), apply)
         fp32 = 0
         for _key, entries in groups:
             fp32 += fp32_ring_bytes(sum(e.n for e in entries), st.process_group_size())
@@ -187,14 +214,98 @@ class MomentumCompressor:
         st.last_step_fp32_bytes = fp32
         st.last_step_compressed_bytes = sent[0]
         st.last_step_compressed_fp32_bytes = fp32
+        st.last_step_comm_s += time.perf_counter() - t0
 
-    def _groups(self) -> list[tuple[tuple[int, ...], list[_Entry]]]:
+    @torch.no_grad()
+    def on_bucket(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        """Called by the comm hook with a DDP bucket's parameters and final local gradients during backward (the
+        compressed stage, when the strategy allows overlap): every group whose gradients are now all final is
+        compressed and its phase 1 issued, and the group started before it is served (its phase 2 issued), so the
+        transfers run while backward computes the rest. :meth:`compressed_step` finishes them.
+
+        Buckets arrive in the same order on every rank, so the collectives are issued in the same order everywhere.
+        """
+        st = self.state
+        t0 = time.perf_counter()
+        early = self._early
+        if early is not None and early.step != st.step:  # an earlier backward whose optimizer step never ran
+            self._discard(early)
+            early = None
+        if early is None:
+            self._begin_stage(st.step)  # during the backward of step `st.step`
+            early = self._early = _Started(self._groups(planned=True), st.step)
+        index = st.param_index
+        ready: list[tuple[int, ...]] = []
+        entry_of = {i: e for key, entries in early.plan for i, e in zip(key, entries, strict=True)}
+        for p, grad in zip(params, grads, strict=True):
+            i = index.get(id(p))
+            key = early.key_of.get(i) if i is not None else None
+            if key is None or i is None:  # not in this optimizer
+                continue
+            entry_of[i].grad = grad
+            missing = early.missing[key]
+            missing.discard(i)
+            if not missing:
+                ready.append(key)
+        entries_of = dict(early.plan)
+        for key in ready:
+            op, g = self._start(key, entries_of[key])
+            op.start()
+            early.started.append((op, g, entries_of[key]))
+            if len(early.started) >= 2:  # pipeline: phase 2 of the previous group while this one's phase 1 flies
+                early.started[early.served][0].serve()
+                early.served += 1
+        st.last_step_comm_s += time.perf_counter() - t0
+
+    def release(self) -> None:
+        """Drop the kept buffers (canonical momentum, compressors, decode outputs: several copies of the model's size),
+        e.g. once ``compression="auto"`` went back to fp32; the next compressed step allocates them again."""
+        self._bufs.clear()
+        self._kept_buffers.clear()
+        self._denoms.clear()
+
+    def _begin_stage(self, step: int) -> None:
+        if self.state.compressed_since is None:
+            self.state.compressed_since = step
+
+    def _start(self, key: tuple[int, ...], entries: list[_Entry]) -> tuple[OneBitAllreduce, GroupState]:
+        """Step 2 for one group and its (not yet started) compressed allreduce."""
+        st = self.state
+        g = self._group_state(key, entries)
+        x = self._local_momentum(key, g.layout, entries)
+        compress = self._compressor(x.device)
+        op = OneBitAllreduce(
+            x,
+            g.layout,
+            g.worker_error if st.error_feedback else None,
+            g.server_error if st.error_feedback else None,
+            group=st.process_group,
+            compress=compress,
+            buffers=self._group_buffers(key, g.layout) if compress is compress_fast else None,
+        )
+        return op, g
+
+    def _discard(self, early: _Started) -> None:
+        """Complete the collectives of groups started during a backward and drop their results (no state changes):
+        every rank discards the same groups, because the verdict depends only on which parameters have gradients."""
+        for op, _g, _entries in early.started[early.served :]:
+            op.serve()
+        for op, _g, entries in early.started:
+            op.finish()
+            if self.kind == "adam":  # undo the step count _prepare_adam advanced
+                for e in entries:
+                    e.st["step"] -= 1
+
+    def _groups(self, planned: bool = False) -> list[tuple[tuple[int, ...], list[_Entry]]]:
+        """The step's groups of the parameters that have a gradient (``planned``: of those that will have one, the
+        trainable ones, before backward produced any)."""
         st = self.state
         index = st.param_index
         by_index: dict[int, tuple[torch.Tensor, dict[str, Any]]] = {}
         for hp in self.optimizer.param_groups:
             for p in hp["params"]:
-                if p.grad is None:  # frozen, or unused on every rank (DDP's verdict is global): torch skips it too
+                # frozen, or unused on every rank (DDP's verdict is global): torch skips it too
+                if (not p.requires_grad) if planned else (p.grad is None):
                     continue
                 i = index.get(id(p))
                 if i is None:
@@ -258,8 +369,8 @@ class MomentumCompressor:
         for e in entries:
             hp, p = e.hp, e.p
             out = x[e.offset : e.offset + e.n].view_as(p)
-            assert p.grad is not None  # _groups() kept only parameters with a gradient
-            grad = p.grad.float()
+            assert e.grad is not None  # _groups() kept only parameters with a gradient, on_bucket set the others
+            grad = e.grad.float()
             if hp.get("maximize", False):
                 grad = -grad
             if self.kind == "sgd":

@@ -93,9 +93,9 @@ class OneBitState:
             :mod:`~lightning_accel.comm.momentum`; SGD with momentum, Adam, AdamW), ``"gradients"`` (the gradient
             buckets, in the comm hook) or ``"auto"`` (momentum where the optimizer supports it, else gradients).
             The hook alone (without an optimizer-side step) can only compress gradients.
-        compression: ``"auto"`` (time fp32 and compressed averaging of this run's buffers at the end of warm-up and
-            keep the faster, :mod:`~lightning_accel.comm.auto`), ``"1bit"`` (always compress) or ``"fp32"`` (never:
-            plain DDP).
+        compression: ``"auto"`` (measure fp32 against compressed averaging at the end of warm-up and keep the
+            faster: real steps with the strategy, this run's buffer sizes with the hook alone;
+            :mod:`~lightning_accel.comm.auto`), ``"1bit"`` (always compress) or ``"fp32"`` (never: plain DDP).
         recheck_every: with ``compression="auto"``, measure again every this many steps after warm-up (0: never).
         group_numel: the momentum path compresses parameters in groups of about this many elements (in model
             order); communication of one group overlaps the compression of the next.
@@ -109,11 +109,20 @@ class OneBitState:
             stage: the optimizer step must average the momentum) rather than averaged ones.
         decisions: ``[{"step", "fp32_s", "onebit_s", "decision"}]``, every measurement ``compression="auto"`` made.
         measure_fn: optional ``state -> (fp32_seconds, onebit_seconds)`` replacing the timing (tests, custom probes).
+        trial_until: while ``compression="auto"`` times real steps of the other mode
+            (:class:`~lightning_accel.comm.auto.StepTrial`), the step it decides at; None otherwise.
         groups: ``{key: GroupState}``, keyed by the sorted parameter indices of each group.
         param_index: ``{id(parameter): index}`` from :meth:`set_parameters` (first-seen order otherwise).
         param_numels: element counts of the trainable parameters by index (what ``"auto"`` times).
         loss_scale_fn: returns the AMP loss scale the gradients carry (tensor or float), or None.
         pending: error tensors loaded from a checkpoint, adopted when their group first appears.
+        hook_buffers: ``{key: (canonical input, OneBitBuffers)}``, what the gradient hook keeps per group on CPU so
+            a step allocates nothing big (not saved).
+        comm_worker: the :class:`~lightning_accel.comm.hook.CommWorker` thread of the CPU gradient path (started at
+            its first compressed bucket; stopped by :meth:`close`).
+        bucket_fn: ``(params, grads) -> None`` or None; when set, the hook hands it each bucket's parameters and
+            final local gradients in the compressed-momentum stage (the strategy sets it around the backward of a
+            step that may start compressing during backward: :meth:`MomentumCompressor.on_bucket`).
 
     Stats (per rank):
         bytes_sent: bytes put on the wire by this hook since the start.
@@ -123,6 +132,8 @@ class OneBitState:
         compressed_calls / uncompressed_calls: buckets (or momentum groups) sent each way.
         nonfinite_groups: compressed groups whose result held NaN/Inf (their state was left unchanged);
             counted on CPU only (on CUDA the state is kept by a device-side select, without a host sync).
+        last_step_comm_s: host seconds the last step spent in compressed averaging (hook and momentum step,
+            compression, collectives and waits; 0 for fp32 steps).
     """
 
     __slots__ = (
@@ -145,12 +156,16 @@ class OneBitState:
         "local_grads",
         "decisions",
         "measure_fn",
+        "trial_until",
         "groups",
         "param_index",
         "param_numels",
         "loss_scale_fn",
         "pending",
         "plans",
+        "hook_buffers",
+        "comm_worker",
+        "bucket_fn",
         # stats
         "bytes_sent",
         "fp32_bytes",
@@ -161,6 +176,7 @@ class OneBitState:
         "compressed_calls",
         "uncompressed_calls",
         "nonfinite_groups",
+        "last_step_comm_s",
         "_acc",
     )
 
@@ -230,12 +246,16 @@ class OneBitState:
         self.local_grads = False
         self.decisions: list[dict[str, Any]] = []
         self.measure_fn: Callable[[OneBitState], tuple[float, float]] | None = None
+        self.trial_until: int | None = None
         self.groups: dict[tuple[int, ...], GroupState] = {}
         self.param_index: dict[int, int] = {}
         self.param_numels: list[int] = []
         self.loss_scale_fn = loss_scale_fn
         self.pending: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
         self.plans: dict[Any, Any] = {}
+        self.hook_buffers: dict[tuple[int, ...], Any] = {}
+        self.comm_worker: Any = None
+        self.bucket_fn: Callable[[list[torch.Tensor], list[torch.Tensor]], None] | None = None
         self.bytes_sent = 0
         self.fp32_bytes = 0
         self.last_step_bytes_sent = 0
@@ -245,6 +265,7 @@ class OneBitState:
         self.compressed_calls = 0
         self.uncompressed_calls = 0
         self.nonfinite_groups = 0
+        self.last_step_comm_s = 0.0
         self._acc = [0, 0, 0, 0]
         if parameters is not None:
             self.set_parameters(parameters)
@@ -274,6 +295,12 @@ class OneBitState:
         g.server_error.copy_(s)
         return g, False
 
+    def close(self) -> None:
+        """Stop the comm thread of the gradient path, if one was started (it starts again when needed)."""
+        worker, self.comm_worker = self.comm_worker, None
+        if worker is not None:
+            worker.close()
+
     def process_group_size(self) -> int:
         """Ranks in ``process_group`` (1 without an initialised process group)."""
         return dist.get_world_size(self.process_group) if dist.is_initialized() else 1
@@ -286,7 +313,7 @@ class OneBitState:
     @property
     def needs_decision(self) -> bool:
         """Whether ``compression="auto"`` has to measure before the step now running (collective: all ranks agree)."""
-        if self.compression != "auto" or self.step < self.warmup_steps:
+        if self.compression != "auto" or self.step < self.warmup_steps or self.trial_until is not None:
             return False
         if self.decision is None:
             return True
@@ -304,6 +331,7 @@ class OneBitState:
             self.groups.clear()
             self.pending.clear()
             self.plans.clear()
+            self.hook_buffers.clear()
             self.compressed_since = None
         self.decision = decision
 
@@ -317,14 +345,26 @@ class OneBitState:
     def __getstate__(self) -> dict[str, Any]:
         # the process group, the id()-keyed maps and the callbacks do not survive pickling; the error state does
         # (call `set_parameters` again after unpickling)
-        dropped = ("process_group", "plans", "loss_scale_fn", "param_index", "measure_fn")
+        dropped = (
+            "process_group",
+            "plans",
+            "hook_buffers",
+            "comm_worker",
+            "loss_scale_fn",
+            "param_index",
+            "measure_fn",
+            "bucket_fn",
+        )
         return {k: getattr(self, k) for k in self.__slots__ if k not in dropped}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.process_group = None
         self.plans = {}
+        self.hook_buffers = {}
+        self.comm_worker = None
         self.loss_scale_fn = None
         self.measure_fn = None
+        self.bucket_fn = None
         self.param_index = {}
         for k, v in state.items():
             setattr(self, k, v)

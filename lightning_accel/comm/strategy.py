@@ -8,16 +8,20 @@ place of ``optimizer.step`` in the compressed stage; gradients otherwise), runs 
 the end of warm-up, feeds the hook the AMP loss scale, logs ``comm/bytes_sent`` and ``comm/compression_ratio``, and
 saves/restores every rank's error-feedback state and the stage in checkpoints.
 
-Why the optimizer step and not the hook carries the momentum: the momentum update needs the *final* local gradient,
-and that exists only after backward: gradient clipping needs the norm of all of it, and a GradScaler must see every
-bucket (and every rank) finite before any momentum changes. The hook therefore hands back the local gradients in the
-compressed stage (and makes the ranks agree on Inf/NaN under a scaler); the optimizer step compresses the momentum
-group by group, pipelined (communication of one group overlaps the compression of the next).
+Where the momentum is compressed: the momentum update needs the *final* local gradient of each parameter. With
+``overlap`` (the default wherever it is safe) the hook hands each bucket's final local gradients to the compressor as
+DDP produces them, and every group of parameters whose gradients are all final is compressed and its phase 1 sent
+while backward computes the rest (:meth:`~lightning_accel.comm.MomentumCompressor.on_bucket`); the optimizer step
+then finishes the groups and updates the parameters. Gradient clipping (the norm of the whole gradient), a GradScaler
+(every bucket on every rank must be finite first), ``find_unused_parameters`` and code that edits gradients after
+backward need the whole backward first: then the optimizer step compresses every group after backward, pipelined
+(communication of one group overlaps the compression of the next). Both orders compute bit-identical results.
 """
 
 from __future__ import annotations
 
 import inspect
+import time
 import types
 from collections.abc import Callable
 from datetime import timedelta
@@ -27,6 +31,7 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.constants import default_pg_timeout
 from torch.nn.parallel import DistributedDataParallel
@@ -66,8 +71,8 @@ class OneBitDDPStrategy(DDPStrategy):
     per block): about 30x fewer bytes than an fp32 ring allreduce, at any number of processes. For SGD with momentum,
     Adam and AdamW that is the optimizer's momentum (Adam's variance frozen at the end of warm-up, as in DeepSpeed's
     1-bit Adam; the algorithm is in :mod:`lightning_accel.comm.momentum`), and DDP's own gradient allreduce does not
-    run; for other optimizers it is the gradient buckets (with a warning). ``compression="auto"`` measures both ways at
-    the end of warm-up and keeps plain DDP when compression does not pay. See ``docs/onebit.md``.
+    run; for other optimizers it is the gradient buckets (with a warning). ``compression="auto"`` times real steps
+    both ways at the end of warm-up and keeps plain DDP when compression does not pay. See ``docs/onebit.md``.
 
     Args:
         warmup_steps: optimizer steps of plain DDP first (>= 2: DDP rebuilds its buckets after step 1; Adam's variance
@@ -81,10 +86,18 @@ class OneBitDDPStrategy(DDPStrategy):
         compress: ``"auto"`` (momentum for ``torch.optim.SGD`` with momentum, ``Adam``, ``AdamW``; gradients for
             other optimizers, with a warning naming them), ``"momentum"`` (raise if an optimizer is not supported) or
             ``"gradients"``.
-        compression: ``"auto"`` (time fp32 and 1-bit averaging of this run's buffers at the end of warm-up, keep the
-            faster; logged with both figures), ``"1bit"`` (always compress) or ``"fp32"`` (plain DDP).
-        recheck_every: with ``compression="auto"``, measure again every this many steps (0: once).
+        compression: ``"auto"`` (at the end of warm-up, time a few real steps with 1-bit averaging against the
+            fp32 steps before them and keep the faster; logged with both figures), ``"1bit"`` (always compress) or
+            ``"fp32"`` (plain DDP).
+        recheck_every: with ``compression="auto"``, try the other mode again every this many steps (0: once).
         group_numel: the momentum path compresses in groups of about this many elements (pipelined).
+        overlap: start compressing and sending each group's momentum during backward, as soon as DDP hands over the
+            buckets that complete it (``True``), only after backward (``False``), or ``"auto"``: during backward
+            unless something needs the whole gradient first or may change it after backward (gradient clipping,
+            a GradScaler, ``find_unused_parameters``, manual optimization, a LightningModule that overrides
+            ``on_after_backward``, ``on_before_optimizer_step`` or ``configure_gradient_clipping``); the choice and
+            its reason are logged. Both give bit-identical results; a callback that edits gradients after backward
+            needs ``overlap=False``.
         log_stats: log ``comm/bytes_sent`` (bytes this rank sent in the last step) and ``comm/compression_ratio``
             (fp32 ring-allreduce bytes over bytes sent) every training step.
         **kwargs: the :class:`~lightning.pytorch.strategies.DDPStrategy` arguments (accelerator, parallel_devices,
@@ -110,6 +123,7 @@ class OneBitDDPStrategy(DDPStrategy):
         compression: comm.Compression = "auto",
         recheck_every: int = 0,
         group_numel: int = 1 << 22,
+        overlap: bool | Literal["auto"] = "auto",
         log_stats: bool = True,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
@@ -132,7 +146,7 @@ class OneBitDDPStrategy(DDPStrategy):
             raise ValueError(
                 f"Unknown option(s) {', '.join(f'`{u}`' for u in unknown)} for `OneBitDDPStrategy`. Expected its own "
                 "arguments (warmup_steps, block_size, min_compress_numel, error_feedback, backend, compress, "
-                "compression, recheck_every, group_numel, log_stats), "
+                "compression, recheck_every, group_numel, overlap, log_stats), "
                 f"DDPStrategy's, or DistributedDataParallel's: {', '.join(sorted(_DDP_KWARGS))}. Check the spelling."
             )
         # LightningCLI fills in every DDP argument with its default; pass on only what differs
@@ -149,6 +163,10 @@ class OneBitDDPStrategy(DDPStrategy):
             recheck_every=recheck_every,
             group_numel=group_numel,
         )
+        if overlap not in (True, False, "auto") or isinstance(overlap, int) and not isinstance(overlap, bool):
+            raise ValueError(
+                f"`overlap` must be True, False or 'auto', got {overlap!r}. Use 'auto' to overlap whenever it is safe."
+            )
         if not isinstance(log_stats, bool):
             raise ValueError(f"`log_stats` must be True or False, got {log_stats!r}. Use False to stop logging.")
         super().__init__(
@@ -174,11 +192,19 @@ class OneBitDDPStrategy(DDPStrategy):
             "group_numel": group_numel,
         }
         self._log_stats = log_stats
+        self._overlap_arg: bool | Literal["auto"] = overlap
+        self._find_unused = bool(kwargs.get("find_unused_parameters", False))
+        #: whether the compressed momentum of this fit starts during backward (resolved at setup)
+        self.overlap = False
         self._onebit_state: comm.OneBitState | None = None
         self._onebit_loaded: dict[str, Any] | None = None
         self._compressors: dict[int, comm.MomentumCompressor] = {}
-        #: ``compression="auto"``'s timing, replaceable: ``state -> (fp32_seconds, onebit_seconds)`` (tests, probes)
+        #: ``compression="auto"``'s timing, replaceable: ``state -> (fp32_seconds, onebit_seconds)`` (tests, probes);
+        #: when set, it replaces the trial of real steps
         self.measure_fn: Callable[[comm.OneBitState], tuple[float, float]] | None = None
+        #: the clock that times the steps of ``compression="auto"``'s trial (seconds; replaceable in tests)
+        self.step_clock: Callable[[], float] = time.perf_counter
+        self._auto_trial = comm.StepTrial()
 
     @property
     def onebit_state(self) -> comm.OneBitState | None:
@@ -221,6 +247,7 @@ class OneBitDDPStrategy(DDPStrategy):
             state.load_state_dict(comm.select_rank_state(self._onebit_loaded, self.global_rank), self.world_size)
             self._onebit_loaded = None
         state.measure_fn = self.measure_fn
+        self._auto_trial = comm.StepTrial(clock=self.step_clock)
         self._onebit_state = state
         self.model.register_comm_hook(state, comm.onebit_hook)
 
@@ -228,6 +255,45 @@ class OneBitDDPStrategy(DDPStrategy):
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)  # wraps the model (configure_ddp registers the hook), then sets up the optimizers
         self._resolve_compress()
+        self._resolve_overlap(trainer)
+
+    def _overlap_blockers(self, trainer: Any) -> list[str]:
+        """Why the momentum cannot be compressed during backward in this fit (empty: it can)."""
+        out = []
+        if trainer.gradient_clip_val:
+            out.append(f"gradient clipping (`gradient_clip_val={trainer.gradient_clip_val}` needs the whole gradient)")
+        if self._loss_scale_fn() is not None:
+            out.append("a GradScaler (every bucket must be checked for Inf/NaN first)")
+        if self._find_unused:
+            out.append("`find_unused_parameters=True` (which parameters get a gradient is known only after backward)")
+        module = self.lightning_module
+        if module is not None:
+            if not module.automatic_optimization:
+                out.append("manual optimization")
+            for hook in ("on_after_backward", "on_before_optimizer_step", "configure_gradient_clipping"):
+                if is_overridden(hook, module):
+                    out.append(f"the LightningModule's `{hook}` (it may change the gradients after backward)")
+        if len(self._compressors) != 1:
+            out.append(f"{len(self._compressors)} optimizers")
+        return out
+
+    def _resolve_overlap(self, trainer: Any) -> None:
+        self.overlap = False
+        if self._onebit_state is None or not self._compressors or self._overlap_arg is False:
+            return
+        blockers = self._overlap_blockers(trainer)
+        if blockers and self._overlap_arg is True:
+            raise ValueError(
+                f"`overlap=True` cannot start compressing during backward with {'; '.join(blockers)}. "
+                "Use `overlap='auto'` (it falls back to compressing after backward) or remove the blocker."
+            )
+        self.overlap = not blockers
+        if self._overlap_arg == "auto":
+            rank_zero_info(
+                "ddp_1bit: compressed momentum starts during backward (overlap)"
+                if self.overlap
+                else f"ddp_1bit: compressed momentum starts after backward (no overlap: {'; '.join(blockers)})"
+            )
 
     def _resolve_compress(self) -> None:
         """Momentum compression for supported optimizers, gradient compression otherwise (see ``compress``)."""
@@ -274,14 +340,25 @@ class OneBitDDPStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> Any:
         state = self._onebit_state
-        if state is not None and state.needs_decision:
-            # every rank reaches the optimizer step of the same step: measure before this step's backward runs
-            decision = comm.decide(state, self.root_device)
-            last = state.decisions[-1]
-            rank_zero_info(
-                f"ddp_1bit compression='auto' at step {last['step']}: fp32 allreduce {1e3 * last['fp32_s']:.2f} ms, "
-                f"1-bit {1e3 * last['onebit_s']:.2f} ms -> {decision}"
-            )
+        if state is not None and state.compression == "auto":
+            # every rank reaches the optimizer step of the same step: time it, and start or end a trial of the other
+            # mode before this step's backward runs
+            trying = state.trial_until
+            decision = self._auto_trial.step_started(state, self.root_device)
+            if decision == "fp32":
+                for c in self._compressors.values():
+                    c.release()
+            if decision is not None:
+                last = state.decisions[-1]
+                rank_zero_info(
+                    f"ddp_1bit compression='auto' at step {last['step']} ({last['source']}): fp32 "
+                    f"{1e3 * last['fp32_s']:.2f} ms, 1-bit {1e3 * last['onebit_s']:.2f} ms per step -> {decision}"
+                )
+            elif trying is None and state.trial_until is not None:
+                rank_zero_info(
+                    f"ddp_1bit compression='auto' at step {state.step}: timing {self._auto_trial.steps + 1} steps "
+                    f"with {'1-bit' if state.compressing else 'fp32'} averaging against the steps before"
+                )
         comp = self._compressors.get(id(optimizer))
         if state is None or comp is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
@@ -293,8 +370,13 @@ class OneBitDDPStrategy(DDPStrategy):
         def step(closure: Callable[[], Any] | None = None, **step_kwargs: Any) -> Any:
             loss = None
             if closure is not None:
-                with torch.enable_grad():
-                    loss = closure()
+                # the hook hands this backward's buckets to the compressor (compressed stage only)
+                state.bucket_fn = comp.on_bucket if self.overlap else None
+                try:
+                    with torch.enable_grad():
+                        loss = closure()
+                finally:
+                    state.bucket_fn = None
             if state.local_grads:
                 comp.compressed_step()
             else:
@@ -309,6 +391,17 @@ class OneBitDDPStrategy(DDPStrategy):
                 optimizer.step = own  # type: ignore[method-assign]
             else:
                 del optimizer.step
+
+    @override
+    def teardown(self) -> None:
+        # scratch buffers (several copies of the model's size) go now, not when the cyclic GC finds the trainer; the
+        # error state stays (it is state, and inspectable after fit)
+        for c in self._compressors.values():
+            c.release()
+        if self._onebit_state is not None:
+            self._onebit_state.hook_buffers.clear()
+            self._onebit_state.close()  # the gradient path's comm thread, if it ran
+        super().teardown()
 
     @override
     def on_exception(self, exception: BaseException) -> None:

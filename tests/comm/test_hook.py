@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 import torch
@@ -64,7 +65,12 @@ def _run(
             {k: (g.worker_error.numpy().copy(), g.server_error.numpy().copy()) for k, g in state.groups.items()}
         )
     hook_name = ddp._get_ddp_logging_data().get("comm_hook")
+    worker = state.comm_worker is not None and state.comm_worker._thread.is_alive()
+    state.close()
+    threads = [t.name for t in threading.enumerate()]
     return {
+        "worker": worker,
+        "worker_after_close": "lightning-accel-1bit" in threads,
         "grads": grads,
         "errors": errors,
         "keys": sorted(state.groups),
@@ -130,6 +136,8 @@ def test_hook_matches_oracle_and_replicas_agree(runs: dict, scenario: str) -> No
     if scenario == "several-buckets":
         assert len(r0["keys"]) > 1
     assert r0["step"] == STEPS and r0["compressed"] == (STEPS - WARMUP) * len(r0["keys"])
+    # the compressed buckets ran in the comm thread (CPU), which close() stopped
+    assert r0["worker"] and r1["worker"] and not r0["worker_after_close"]
     expected = _oracle(r0["keys"], nan=False)
     for step in range(STEPS):
         for i in range(len(SIZES)):

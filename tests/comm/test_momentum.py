@@ -19,6 +19,7 @@ SIZES = [(10,), (37, 29), (5,), (7, 13), (300,)]
 WARMUP = 3
 STEPS = 9
 GROUP_NUMEL = 400  # several groups: the pipeline keeps up to three in flight
+SKIP_AT = WARMUP + 2  # a compressed step whose backward ran but whose optimizer step did not
 BLOCK = 64
 LR = 0.05
 
@@ -53,10 +54,12 @@ def make_optimizer(name: str, params: list[nn.Parameter]) -> torch.optim.Optimiz
 OPTIMIZERS = ("sgdm", "nesterov", "adam", "adamw")
 
 
-def _run(rank: int, world: int, name: str) -> dict:
+def _run(rank: int, world: int, name: str, overlap: bool = False, skip_at: int | None = None) -> dict:
+    """``overlap``: small buckets, and the hook hands each to the compressor during backward (groups start there);
+    ``skip_at``: that step's backward runs but its optimizer step does not (the started groups must be dropped)."""
     torch.manual_seed(0)
     model = Params()
-    ddp = nn.parallel.DistributedDataParallel(model)
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.001 if overlap else None)
     state = OneBitState(
         warmup_steps=WARMUP,
         block_size=BLOCK,
@@ -68,12 +71,17 @@ def _run(rank: int, world: int, name: str) -> dict:
     ddp.register_comm_hook(state, onebit_hook)
     opt = make_optimizer(name, list(model.parameters()))
     comp = MomentumCompressor(opt, state)
-    params, local = [], []
+    params, local, started = [], [], []
     for step in range(STEPS):
         opt.zero_grad(set_to_none=True)
+        state.bucket_fn = comp.on_bucket if overlap else None
         ddp(coefficients(rank, step)).backward()
+        state.bucket_fn = None
         local.append(state.local_grads)
-        if state.local_grads:
+        started.append(len(comp._early.started) if comp._early is not None else 0)
+        if step == skip_at:
+            pass
+        elif state.local_grads:
             comp.compressed_step()
         else:
             opt.step()
@@ -81,6 +89,7 @@ def _run(rank: int, world: int, name: str) -> dict:
     return {
         "params": params,
         "local": local,
+        "started": started,
         "keys": sorted(state.groups),
         "compressed": state.compressed_calls,
         "bytes": state.last_step_bytes_sent,
@@ -89,11 +98,16 @@ def _run(rank: int, world: int, name: str) -> dict:
 
 
 def _run_all(rank: int, world: int) -> dict:
-    return {name: _run(rank, world, name) for name in OPTIMIZERS}
+    out = {name: _run(rank, world, name) for name in OPTIMIZERS}
+    for name in OPTIMIZERS:
+        out[f"{name}/overlap"] = _run(rank, world, name, overlap=True)
+        out[f"{name}/skip"] = _run(rank, world, name, overlap=True, skip_at=SKIP_AT)
+    return out
 
 
-def simulate(name: str) -> list[list[torch.Tensor]]:
-    """The expected parameters after every step: torch's optimizer on the average during warm-up, then steps 2-5."""
+def simulate(name: str, skip_at: int | None = None) -> list[list[torch.Tensor]]:
+    """The expected parameters after every step: torch's optimizer on the average during warm-up, then steps 2-5
+    (``skip_at``: a step that changes nothing)."""
     torch.manual_seed(0)
     model = Params()
     params = list(model.parameters())
@@ -105,6 +119,9 @@ def simulate(name: str) -> list[list[torch.Tensor]]:
     freeze: dict[int, int] = {}
     for step in range(STEPS):
         cs = [coefficients(r, step) for r in range(2)]
+        if step == skip_at:
+            out.append([p.detach().clone() for p in params])
+            continue
         if step < WARMUP:
             for i, p in enumerate(params):
                 p.grad = (cs[0][i] + cs[1][i]) / 2
@@ -161,7 +178,7 @@ def simulate(name: str) -> list[list[torch.Tensor]]:
 @pytest.fixture(scope="module")
 def runs(ddp_pair_results: list[dict]) -> dict[str, list[dict]]:
     per_rank = [r["momentum"] for r in ddp_pair_results]  # launched with test_hook's scenarios (conftest.py)
-    return {name: [per_rank[0][name], per_rank[1][name]] for name in OPTIMIZERS}
+    return {name: [per_rank[0][name], per_rank[1][name]] for name in per_rank[0]}
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
@@ -181,3 +198,27 @@ def test_momentum_path_matches_simulation_and_replicas_are_identical(runs: dict,
     last = [torch.from_numpy(a) for a in r0["params"][-1]]
     assert all(not torch.equal(x, y) for x, y in zip(last, expected[WARMUP - 1], strict=True))
     assert math.isfinite(float(sum(x.sum() for x in last)))
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_groups_started_during_backward_give_identical_results(runs: dict, name: str) -> None:
+    (plain, _), (early, early1) = runs[name], runs[f"{name}/overlap"]
+    # groups were started inside the hook, during backward, in every compressed step
+    assert all(n == len(early["keys"]) for n in early["started"][WARMUP:]) and early["started"][:WARMUP] == [0] * WARMUP
+    assert early["keys"] == plain["keys"] and early["compressed"] == plain["compressed"]
+    for step in range(STEPS):
+        for i in range(len(SIZES)):
+            assert (early["params"][step][i] == plain["params"][step][i]).all(), f"step {step}, parameter {i}"
+            assert (early["params"][step][i] == early1["params"][step][i]).all()
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_backward_without_optimizer_step_changes_nothing(runs: dict, name: str) -> None:
+    r0, r1 = runs[f"{name}/skip"]
+    assert r0["started"][SKIP_AT] == len(r0["keys"])  # its groups were in flight when the step was skipped
+    expected = simulate(name, skip_at=SKIP_AT)
+    for step in range(STEPS):
+        for i in range(len(SIZES)):
+            a, b = torch.from_numpy(r0["params"][step][i]), torch.from_numpy(r1["params"][step][i])
+            assert torch.equal(a, b)
+            torch.testing.assert_close(a, expected[step][i], atol=2e-5, rtol=1e-5)

@@ -29,6 +29,8 @@ def test_registered_on_import() -> None:
         ({"compression": "int8"}, "compression"),
         ({"recheck_every": -1}, "recheck_every"),
         ({"group_numel": 0}, "group_numel"),
+        ({"overlap": "yes"}, "overlap"),
+        ({"overlap": 1}, "overlap"),
     ],
 )
 def test_bad_arguments_name_the_argument(kwargs: dict, name: str) -> None:
@@ -100,3 +102,11 @@ def test_example_config_builds_the_strategy_through_lightningcli() -> None:
     assert isinstance(st, OneBitDDPStrategy)
     assert st._onebit_config["warmup_steps"] == 20 and st._ddp_kwargs == {}
     assert cli.trainer.num_devices == 2
+
+
+@pytest.mark.parametrize("steps", [0, True, 2.5])
+def test_step_trial_refuses_bad_step_counts(steps: object) -> None:
+    from lightning_accel.comm import StepTrial
+
+    with pytest.raises(ValueError, match="`steps`"):
+        StepTrial(steps=steps)  # type: ignore[arg-type]

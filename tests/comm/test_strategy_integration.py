@@ -155,7 +155,7 @@ def _scenarios(rank: int, world: int, tmp: str) -> dict:
         return OneBitDDPStrategy(**kw)
 
     # 1. the registered alias with every default: AdamW -> compressed momentum, compression="auto" measured here
-    trainer, model = _fit("ddp_1bit", max_steps=14)
+    trainer, model = _fit("ddp_1bit", max_steps=16)
     st = trainer.strategy.onebit_state
     out["alias"] = {
         "cls": type(trainer.strategy).__name__,
@@ -163,6 +163,7 @@ def _scenarios(rank: int, world: int, tmp: str) -> dict:
         "mode": st.mode,
         "decisions": st.decisions,
         "compressed": st.compressed_calls,
+        "last_compressed": st.local_grads,
         "step": st.step,
         "params": _params(model),
         "losses": model.losses,
@@ -179,6 +180,32 @@ def _scenarios(rank: int, world: int, tmp: str) -> dict:
             "decision": st.decision,
             "compressed": st.compressed_calls,
             "metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("comm/")},
+            "params": _params(model),
+        }
+
+    # 2b. compression="auto" from real steps, with a clock that makes a compressed step cost `cost` and an fp32 one 1
+    class Clock:
+        def __init__(self, cost: float) -> None:
+            self.t, self.cost, self.strategy = 0.0, cost, None
+
+        def __call__(self) -> float:
+            st = self.strategy.onebit_state
+            self.t += self.cost if st is not None and st.local_grads else 1.0  # the step that just ended
+            return self.t
+
+    for name, cost in (("trial_1bit", 0.5), ("trial_fp32", 2.0)):
+        strategy = OneBitDDPStrategy(warmup_steps=4, compression="auto")
+        clock = Clock(cost)
+        clock.strategy = strategy
+        strategy.step_clock = clock
+        trainer, model = _fit(strategy, max_steps=12)
+        st = trainer.strategy.onebit_state
+        out[name] = {
+            "decisions": st.decisions,
+            "decision": st.decision,
+            "compressed": st.compressed_calls,
+            "groups": len(st.groups),
+            "last_compressed": st.local_grads,
             "params": _params(model),
         }
 
@@ -230,6 +257,22 @@ def _scenarios(rank: int, world: int, tmp: str) -> dict:
         "params": _params(model),
     }
 
+    # 6b. the same with gradient compression: the comm thread's collectives run beside DDP's unused-parameter map
+    model = Model(unused=True, frozen=True)
+    before_unused = model.unused.weight.detach().clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "proven only for plain SGD"
+        trainer, model = _fit(onebit(compress="gradients", find_unused_parameters=True), model=model)
+    st = trainer.strategy.onebit_state
+    out["unused_gradients"] = {
+        "grad_none": model.unused.weight.grad is None,
+        "unchanged": bool(torch.equal(before_unused, model.unused.weight.detach())),
+        "compressed": st.compressed_calls,
+        "mode": st.mode,
+        "worker_stopped": st.comm_worker is None,
+        "params": _params(model),
+    }
+
     # 7. a NaN step under a GradScaler (rank 1 only): every rank skips it, no state changes, training goes on
     for mode in ("momentum", "gradients"):
 
@@ -277,6 +320,43 @@ def _scenarios(rank: int, world: int, tmp: str) -> dict:
         "warnings": [str(w.message) for w in caught if "RMSprop" in str(w.message)],
         "compressed": trainer.strategy.onebit_state.compressed_calls,
     }
+
+    # 11. overlap: groups started during backward (several buckets, groups that span buckets) give bit-identical
+    # parameters, momentum, variance and error state to groups started after backward
+    class Early(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            comp = next(iter(trainer.strategy._compressors.values()))
+            inner = comp.on_bucket
+            self.calls, self.started = 0, []
+
+            def spy(params, grads):
+                inner(params, grads)
+                self.calls += 1
+                self.started.append(len(comp._early.started))
+
+            comp.on_bucket = spy
+
+    for opt in ("sgdm", "adamw"):
+        for overlap in (True, False):
+            early = Early()
+            kw = {"group_numel": 300, "bucket_cap_mb": 0.0005}
+            trainer, model = _fit(onebit(overlap=overlap, **kw), max_steps=7, callbacks=[early], model=Model(opt=opt))
+            out[f"overlap_{opt}_{overlap}"] = {
+                "resolved": trainer.strategy.overlap,
+                "calls": early.calls,
+                "started": early.started,
+                "compressed": trainer.strategy.onebit_state.compressed_calls,
+                "state": _opt_state(trainer),
+                "params": _params(model),
+            }
+    # "auto" turns overlap off for what needs the whole gradient; True refuses it with the reason
+    trainer, _ = _fit(onebit(), max_steps=3, gradient_clip_val=1.0)
+    out["overlap_auto_clip"] = trainer.strategy.overlap
+    try:
+        _fit(onebit(overlap=True), max_steps=3, gradient_clip_val=1.0)
+        out["overlap_true_clip"] = ""
+    except ValueError as err:
+        out["overlap_true_clip"] = str(err)
     return out
 
 
@@ -294,12 +374,14 @@ def test_alias_trains_with_the_hook_attached_on_cpu(results: list[dict]) -> None
     r0, r1 = results[0]["alias"], results[1]["alias"]
     assert r0["cls"] == "OneBitDDPStrategy"
     assert "onebit_hook" in r0["hook"], "Lightning skips comm hooks on CPU; the strategy must register its own"
-    assert r0["mode"] == "momentum" and r0["step"] == 14
-    # compression="auto" measured once at the end of warm-up (10 steps), the same verdict on every rank
+    assert r0["mode"] == "momentum" and r0["step"] == 16
+    # compression="auto" decided once, from real steps: 10 fp32 warm-up steps, then 4 compressed ones timed against
+    # them, the same verdict on every rank
     assert len(r0["decisions"]) == 1 and r0["decisions"] == r1["decisions"]
     d = r0["decisions"][0]
-    assert d["step"] == 10 and d["fp32_s"] > 0 and d["onebit_s"] > 0
-    assert (r0["compressed"] > 0) == (d["decision"] == "1bit")
+    assert d["step"] == 10 and d["source"] == "steps" and d["fp32_s"] > 0 and d["onebit_s"] > 0
+    assert r0["compressed"] > 0  # the trial steps
+    assert r0["last_compressed"] == (d["decision"] == "1bit")
     np.testing.assert_array_equal(r0["params"], r1["params"])  # replicas bit-identical
     assert math.isfinite(r0["losses"][-1])
 
@@ -344,6 +426,13 @@ def test_unused_and_frozen_parameters_untouched(results: list[dict]) -> None:
     _same_on_both_ranks(results, "unused")
 
 
+def test_unused_parameters_with_gradient_compression_in_the_comm_thread(results: list[dict]) -> None:
+    r = results[0]["unused_gradients"]
+    assert r["mode"] == "gradients" and r["compressed"] > 0
+    assert r["grad_none"] and r["unchanged"] and r["worker_stopped"]  # teardown stopped the thread
+    _same_on_both_ranks(results, "unused_gradients")
+
+
 @pytest.mark.parametrize("mode", ["momentum", "gradients"])
 def test_nan_step_is_skipped_and_state_survives(results: list[dict], mode: str) -> None:
     for r in (results[0][f"nan_{mode}"], results[1][f"nan_{mode}"]):
@@ -384,3 +473,37 @@ def test_other_optimizers_compress_gradients_with_a_warning(results: list[dict])
     r = results[0]["rmsprop"]
     assert r["mode"] == "gradients" and r["compressed"] > 0
     assert r["warnings"] and "proven only for plain SGD" in r["warnings"][0]
+
+
+@pytest.mark.parametrize("opt", ["sgdm", "adamw"])
+def test_overlap_starts_groups_during_backward_with_identical_results(results: list[dict], opt: str) -> None:
+    on, off = results[0][f"overlap_{opt}_True"], results[0][f"overlap_{opt}_False"]
+    assert on["resolved"] is True and off["resolved"] is False
+    assert on["compressed"] == off["compressed"] > 0
+    # several buckets per backward, and groups were started inside the hook (before backward finished)
+    assert on["calls"] >= 2 * (7 - WARMUP) and max(on["started"]) > 0 and off["calls"] == 0
+    np.testing.assert_array_equal(on["params"], off["params"])
+    assert on["state"].keys() == off["state"].keys()
+    for k in on["state"]:
+        np.testing.assert_array_equal(on["state"][k], off["state"][k], err_msg=k)
+    _same_on_both_ranks(results, f"overlap_{opt}_True")
+
+
+def test_overlap_is_refused_or_turned_off_with_clipping(results: list[dict]) -> None:
+    assert results[0]["overlap_auto_clip"] is False
+    msg = results[0]["overlap_true_clip"]
+    assert "`overlap=True`" in msg and "gradient_clip_val=1.0" in msg and "overlap='auto'" in msg
+
+
+@pytest.mark.parametrize("branch", ["1bit", "fp32"])
+def test_auto_trial_of_real_steps_decides_on_both_branches(results: list[dict], branch: str) -> None:
+    r = results[0][f"trial_{branch}"]
+    assert r == {**results[1][f"trial_{branch}"], "params": r["params"]}  # the same decision and figures everywhere
+    (d,) = r["decisions"]
+    # steps 1-3 (fp32) against 5-7 (1-bit; step 4 builds the compression state): 1.0 s against 0.5 s or 2.0 s
+    assert d["step"] == 4 and d["source"] == "steps"
+    assert d["fp32_s"] == 1.0 and d["onebit_s"] == (0.5 if branch == "1bit" else 2.0)
+    assert r["decision"] == branch and r["last_compressed"] == (branch == "1bit")
+    # fp32: the 4 trial steps were compressed, the rest not; 1bit: every step from 4 on
+    assert r["compressed"] == (4 if branch == "fp32" else 8) * max(1, r["groups"])
+    _same_on_both_ranks(results, f"trial_{branch}")
