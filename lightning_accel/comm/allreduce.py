@@ -243,6 +243,7 @@ def onebit_allreduce(
     group: dist.ProcessGroup | None = None,
     loss_scale: torch.Tensor | None = None,
     compress: CompressFn = compress_reference,
+    buffers: OneBitBuffers | None = None,
 ) -> OneBitResult:
     """Average ``x`` over the ranks of ``group`` with 1-bit compression in both phases.
 
@@ -262,11 +263,14 @@ def onebit_allreduce(
         group: process group (None: the default group).
         loss_scale: 0-dim tensor of the AMP loss scale the gradients carry (errors are stored unscaled), or None.
         compress: the fused compressor (torch reference or the Triton kernel).
+        buffers: the group's kept :class:`OneBitBuffers` (the CPU compressor's outputs go there), or None.
 
     Returns:
         :class:`OneBitResult`; the caller commits the errors when ``finite`` (a NaN/Inf step leaves them unchanged).
     """
-    op = OneBitAllreduce(x, layout, worker_error, server_error, group=group, loss_scale=loss_scale, compress=compress)
+    op = OneBitAllreduce(
+        x, layout, worker_error, server_error, group=group, loss_scale=loss_scale, compress=compress, buffers=buffers
+    )
     return op.start().serve().finish()
 
 

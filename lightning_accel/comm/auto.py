@@ -81,9 +81,7 @@ def measure(
         else (None, None)
         for lay in layouts
     ]
-    from lightning_accel.comm.momentum import MomentumCompressor  # the same backend choice as the real step
-
-    compress: CompressFn = MomentumCompressor._compressor_for(device, state.backend)
+    compress: CompressFn = state.compressor(device)  # the same backend choice as the real step
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def fp32() -> None:

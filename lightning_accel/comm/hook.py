@@ -42,15 +42,15 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from lightning_accel._utils.triton import use_triton
-from lightning_accel.comm.allreduce import CompressFn, OneBitAllreduce, OneBitBuffers, fp32_ring_bytes
+from lightning_accel.comm.allreduce import fp32_ring_bytes, onebit_allreduce
 from lightning_accel.comm.auto import decide
-from lightning_accel.comm.compress import compress_fast, compress_reference
-from lightning_accel.comm.state import BACKENDS, GroupState, OneBitState
+from lightning_accel.comm.compress import compress_fast
+from lightning_accel.comm.state import GroupState, OneBitState
 
 __all__ = ["CommWorker", "onebit_hook"]
 
@@ -91,7 +91,6 @@ def _split_into_groups(state: OneBitState, idx: set[int]) -> list[tuple[int, ...
         for k in stale:
             state.groups.pop(k, None)
             state.pending.pop(k, None)
-            state.hook_buffers.pop(k, None)
     return [whole]
 
 
@@ -145,30 +144,6 @@ def _plan(state: OneBitState, bucket: _Bucket) -> _Plan:
     return plan
 
 
-def _compressor(state: OneBitState, device: torch.device) -> CompressFn:
-    # raises for a forced "triton" that cannot run on `device` (no CUDA and no interpreter, or no triton package)
-    if use_triton(device, state.backend, BACKENDS):
-        from lightning_accel.comm.triton_kernels import compress_triton
-
-        return compress_triton
-    # "reference" is the readable oracle; "auto" off CUDA gets the same results at ~10x the speed
-    return compress_reference if state.backend == "reference" else compress_fast
-
-
-def _kept(
-    state: OneBitState, g: GroupState, device: torch.device, compress: CompressFn
-) -> tuple[torch.Tensor, OneBitBuffers | None]:
-    """The group's canonical input buffer (zeros on padding, which no copy touches) and, for the CPU compressor,
-    its kept :class:`~lightning_accel.comm.allreduce.OneBitBuffers`: a step allocates nothing big."""
-    if compress is not compress_fast:  # the reference oracle and the Triton kernel allocate their own outputs
-        return torch.zeros(g.layout.padded_numel, dtype=torch.float32, device=device), None
-    kept = state.hook_buffers.get(g.key)
-    if kept is None or kept[1].layout is not g.layout:
-        x = torch.zeros(g.layout.padded_numel, dtype=torch.float32, device=device)
-        kept = state.hook_buffers[g.key] = (x, OneBitBuffers(g.layout, dist.get_rank(state.process_group)))
-    return kept
-
-
 def _loss_scale(state: OneBitState, device: torch.device) -> torch.Tensor | None:
     if state.loss_scale_fn is None:
         return None
@@ -196,6 +171,18 @@ def _end_bucket(state: OneBitState, is_last: bool, sent: int, fp32: int, compres
             state.last_step_compressed_fp32_bytes,
         ) = acc
         state._acc = [0, 0, 0, 0]
+
+
+def _fp32_bucket(
+    state: OneBitState, is_last: bool, buf: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool
+) -> Any:
+    """Step 1: average ``buf`` with a plain fp32 allreduce on ``group`` (the work handle with ``async_op``)."""
+    world = dist.get_world_size(group)
+    fp32 = fp32_ring_bytes(buf.numel(), world)
+    state.uncompressed_calls += 1
+    _end_bucket(state, is_last, fp32 * buf.element_size() // 4, fp32, compressed=False)
+    buf.div_(world)
+    return dist.all_reduce(buf, group=group, async_op=async_op)
 
 
 def _done(buf: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
@@ -250,17 +237,13 @@ def onebit_hook(state: OneBitState, bucket: dist.GradBucket) -> torch.futures.Fu
         state.last_step_comm_s = 0.0
         if state.needs_decision:  # compression="auto": measure once, on every rank, first
             decide(state, buf.device)
-    fp32 = fp32_ring_bytes(buf.numel(), world)
     if state.compressing and state.mode == "momentum":
         return _local_only(state, bucket, buf)
     state.local_grads = False
     # a compressed CPU step sends every bucket through the comm thread (small ones in fp32 there), so that one thread
     # issues all of the step's collectives in bucket order
     if not state.compressing or (buf.is_cuda and buf.numel() < state.min_compress_numel):
-        state.uncompressed_calls += 1
-        _end_bucket(state, bucket.is_last(), fp32 * buf.element_size() // 4, fp32, compressed=False)
-        buf.div_(world)
-        fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
+        fut = _fp32_bucket(state, bucket.is_last(), buf, group, async_op=True).get_future()
         return fut.then(lambda f: f.value()[0])
     b = _Bucket(bucket.index(), list(bucket.parameters()), buf, bucket.is_last())
     loss_scale = _loss_scale(state, buf.device)
@@ -282,37 +265,29 @@ def _compressed_bucket(
     if group is None:
         assert state.comm_worker is not None
         group = state.comm_worker.group
-    world = dist.get_world_size(group)
-    fp32 = fp32_ring_bytes(buf.numel(), world)
     t0 = time.perf_counter()
     if buf.numel() < state.min_compress_numel:
-        state.uncompressed_calls += 1
-        buf.div_(world)
-        dist.all_reduce(buf, group=group)
-        _end_bucket(state, bucket.is_last, fp32 * buf.element_size() // 4, fp32, compressed=False)
+        _fp32_bucket(state, bucket.is_last, buf, group, async_op=False)
         state.last_step_comm_s += time.perf_counter() - t0
         return buf
-    compress = _compressor(state, buf.device)
+    world = dist.get_world_size(group)
+    fp32 = fp32_ring_bytes(buf.numel(), world)
+    compress = state.compressor(buf.device)
     ef = state.error_feedback
     sent = 0
     for g, runs in _plan(state, bucket):
-        x, bufs = _kept(state, g, buf.device, compress)
+        x, bufs = state.buffers_for(g, fast=compress is compress_fast)
         for bo, co, n in runs:
             x[co : co + n] = buf[bo : bo + n]
-        res = (
-            OneBitAllreduce(
-                x,
-                g.layout,
-                g.worker_error if ef else None,
-                g.server_error if ef else None,
-                group=group,
-                loss_scale=loss_scale,
-                compress=compress,
-                buffers=bufs,
-            )
-            .start()
-            .serve()
-            .finish()
+        res = onebit_allreduce(
+            x,
+            g.layout,
+            g.worker_error if ef else None,
+            g.server_error if ef else None,
+            group=group,
+            loss_scale=loss_scale,
+            compress=compress,
+            buffers=bufs,
         )
         w, s = res.worker_error, res.server_error  # None without error feedback
         if buf.is_cuda:  # no host sync: select on the device
@@ -320,13 +295,7 @@ def _compressed_bucket(
                 g.worker_error.copy_(torch.where(res.finite, w, g.worker_error))
                 g.server_error.copy_(torch.where(res.finite, s, g.server_error))
         elif bool(res.finite):
-            if bufs is not None and w is bufs.worker.error_buffer and s is bufs.server.error_buffer:
-                # commit by exchanging buffers (the old state becomes the compressors' scratch): one pass less
-                g.worker_error = bufs.worker.exchange_error(g.worker_error)
-                g.server_error = bufs.server.exchange_error(g.server_error)
-            elif w is not None and s is not None:
-                g.worker_error.copy_(w)
-                g.server_error.copy_(s)
+            g.commit(w, s, bufs)
         else:
             state.nonfinite_groups += 1
         for bo, co, n in runs:

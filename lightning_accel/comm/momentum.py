@@ -57,13 +57,11 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.optim import SGD, Adam, AdamW, Optimizer
 
-from lightning_accel._utils.triton import use_triton
-from lightning_accel.comm.allreduce import CompressFn, OneBitAllreduce, OneBitBuffers, fp32_ring_bytes, run_pipelined
-from lightning_accel.comm.compress import GroupLayout, compress_fast, compress_reference
-from lightning_accel.comm.state import BACKENDS, GroupState, OneBitState
+from lightning_accel.comm.allreduce import OneBitAllreduce, fp32_ring_bytes, run_pipelined
+from lightning_accel.comm.compress import compress_fast
+from lightning_accel.comm.state import GroupState, OneBitState
 
 __all__ = ["MomentumCompressor", "momentum_kind", "plan_groups"]
 
@@ -117,12 +115,14 @@ class _Entry:
 class _Started:
     """The groups of one compressed step started during backward (:meth:`MomentumCompressor.on_bucket`)."""
 
-    __slots__ = ("key_of", "missing", "plan", "served", "started", "step")
+    __slots__ = ("entries_of", "entry_of", "key_of", "missing", "plan", "served", "started", "step")
 
     def __init__(self, plan: list[tuple[tuple[int, ...], list[_Entry]]], step: int) -> None:
         self.plan = plan
         self.step = step  # the hook's step counter during this backward
         self.key_of = {i: key for key, _ in plan for i in key}
+        self.entries_of = dict(plan)
+        self.entry_of = {i: e for key, entries in plan for i, e in zip(key, entries, strict=True)}
         self.missing = {key: set(key) for key, _ in plan}
         self.started: list[tuple[OneBitAllreduce, GroupState, list[_Entry]]] = []
         self.served = 0
@@ -155,9 +155,7 @@ class MomentumCompressor:
         self.optimizer = optimizer
         self.kind = kind
         self.state = state
-        self._bufs: dict[tuple[int, ...], torch.Tensor] = {}
         self._denoms: dict[int, tuple[int, torch.Tensor]] = {}
-        self._kept_buffers: dict[tuple[int, ...], OneBitBuffers] = {}
         self._early: _Started | None = None
 
     # ------------------------------------------------------------------ the step
@@ -236,32 +234,31 @@ class MomentumCompressor:
             early = self._early = _Started(self._groups(planned=True), st.step)
         index = st.param_index
         ready: list[tuple[int, ...]] = []
-        entry_of = {i: e for key, entries in early.plan for i, e in zip(key, entries, strict=True)}
         for p, grad in zip(params, grads, strict=True):
             i = index.get(id(p))
             key = early.key_of.get(i) if i is not None else None
             if key is None or i is None:  # not in this optimizer
                 continue
-            entry_of[i].grad = grad
+            early.entry_of[i].grad = grad
             missing = early.missing[key]
             missing.discard(i)
             if not missing:
                 ready.append(key)
-        entries_of = dict(early.plan)
         for key in ready:
-            op, g = self._start(key, entries_of[key])
+            entries = early.entries_of[key]
+            op, g = self._start(key, entries)
             op.start()
-            early.started.append((op, g, entries_of[key]))
+            early.started.append((op, g, entries))
             if len(early.started) >= 2:  # pipeline: phase 2 of the previous group while this one's phase 1 flies
                 early.started[early.served][0].serve()
                 early.served += 1
         st.last_step_comm_s += time.perf_counter() - t0
 
     def release(self) -> None:
-        """Drop the kept buffers (canonical momentum, compressors, decode outputs: several copies of the model's size),
-        e.g. once ``compression="auto"`` went back to fp32; the next compressed step allocates them again."""
-        self._bufs.clear()
-        self._kept_buffers.clear()
+        """Drop the frozen denominators and the state's kept buffers (canonical momentum, compressors, decode
+        outputs: several copies of the model's size), e.g. once ``compression="auto"`` went back to fp32; the next
+        compressed step makes them again."""
+        self.state.kept.clear()
         self._denoms.clear()
 
     def _begin_stage(self, step: int) -> None:
@@ -272,8 +269,11 @@ class MomentumCompressor:
         """Step 2 for one group and its (not yet started) compressed allreduce."""
         st = self.state
         g = self._group_state(key, entries)
-        x = self._local_momentum(key, g.layout, entries)
-        compress = self._compressor(x.device)
+        compress = st.compressor(g.layout.device)
+        # a group is in flight at most once per step, and applied before the next step starts it: its kept buffers
+        # (the same bits as fresh outputs) are free again by then
+        x, buffers = st.buffers_for(g, fast=compress is compress_fast)
+        self._local_momentum(x, entries)
         op = OneBitAllreduce(
             x,
             g.layout,
@@ -281,7 +281,7 @@ class MomentumCompressor:
             g.server_error if st.error_feedback else None,
             group=st.process_group,
             compress=compress,
-            buffers=self._group_buffers(key, g.layout) if compress is compress_fast else None,
+            buffers=buffers,
         )
         return op, g
 
@@ -338,34 +338,8 @@ class MomentumCompressor:
         st.groups[key] = g
         return g
 
-    def _group_buffers(self, key: tuple[int, ...], layout: GroupLayout) -> OneBitBuffers:
-        """The group's kept buffers (the same bits as ``compress_fast`` and fresh outputs, without the allocations):
-        a group is in flight at most once per step, and its result is applied before the next step starts it."""
-        b = self._kept_buffers.get(key)
-        if b is None or b.layout is not layout:
-            for k in [k for k in self._kept_buffers if not set(k).isdisjoint(key)]:  # groups that no longer exist
-                del self._kept_buffers[k]
-            b = self._kept_buffers[key] = OneBitBuffers(layout, dist.get_rank(self.state.process_group))
-        return b
-
-    def _compressor(self, device: torch.device) -> CompressFn:
-        return self._compressor_for(device, self.state.backend)
-
-    @staticmethod
-    def _compressor_for(device: torch.device, backend: str) -> CompressFn:
-        # raises for a forced "triton" that cannot run on `device` (no CUDA and no interpreter, or no triton package)
-        if use_triton(device, backend, BACKENDS):
-            from lightning_accel.comm.triton_kernels import compress_triton
-
-            return compress_triton
-        # "reference" is the readable oracle; otherwise the buffer-reusing CPU compressor (same bits, ~6x one add)
-        return compress_reference if backend == "reference" else compress_fast
-
-    def _local_momentum(self, key: tuple[int, ...], layout: GroupLayout, entries: list[_Entry]) -> torch.Tensor:
-        """Step 2 into the group's canonical buffer (reused between steps; zeros on padding)."""
-        x = self._bufs.get(key)
-        if x is None or x.numel() != layout.padded_numel:
-            x = self._bufs[key] = torch.zeros(layout.padded_numel, dtype=torch.float32, device=entries[0].p.device)
+    def _local_momentum(self, x: torch.Tensor, entries: list[_Entry]) -> None:
+        """Step 2 into the group's canonical buffer ``x`` (kept between steps; zeros on padding)."""
         for e in entries:
             hp, p = e.hp, e.p
             out = x[e.offset : e.offset + e.n].view_as(p)
@@ -402,7 +376,6 @@ class MomentumCompressor:
                 # more
                 bound = 1 - beta1 ** int(e.st["step"])
                 out.clamp_(-bound, bound)
-        return x
 
     def _decoupled(self, hp: dict[str, Any]) -> bool:
         return type(self.optimizer) is AdamW or bool(hp.get("decoupled_weight_decay", False))
@@ -417,16 +390,7 @@ class MomentumCompressor:
                 for e in entries:
                     e.st["step"] -= 1
             return res.bytes_sent
-        bufs = op.buffers
-        w, s = res.worker_error, res.server_error
-        if bufs is not None and w is bufs.worker.error_buffer and s is bufs.server.error_buffer:
-            # commit by exchanging buffers: the new errors become the state, the old state the compressors' scratch
-            # (one copy pass over the group and one over the chunk less: ~1.5 torch.add per group)
-            g.worker_error = bufs.worker.exchange_error(g.worker_error)
-            g.server_error = bufs.server.exchange_error(g.server_error)
-        elif res.worker_error is not None and res.server_error is not None:
-            g.worker_error.copy_(res.worker_error)
-            g.server_error.copy_(res.server_error)
+        g.commit(res.worker_error, res.server_error, op.buffers)
         st.compressed_calls += 1
         for e in entries:
             avg = res.out[e.offset : e.offset + e.n].view_as(e.p)

@@ -204,7 +204,7 @@ class OneBitDDPStrategy(DDPStrategy):
         self.measure_fn: Callable[[comm.OneBitState], tuple[float, float]] | None = None
         #: the clock that times the steps of ``compression="auto"``'s trial (seconds; replaceable in tests)
         self.step_clock: Callable[[], float] = time.perf_counter
-        self._auto_trial = comm.StepTrial()
+        self._auto_trial: comm.StepTrial | None = None  # made with the hook (there is nothing to time without one)
 
     @property
     def onebit_state(self) -> comm.OneBitState | None:
@@ -339,12 +339,12 @@ class OneBitDDPStrategy(DDPStrategy):
         model: Any = None,
         **kwargs: Any,
     ) -> Any:
-        state = self._onebit_state
-        if state is not None and state.compression == "auto":
+        state, trial = self._onebit_state, self._auto_trial
+        if state is not None and trial is not None and state.compression == "auto":
             # every rank reaches the optimizer step of the same step: time it, and start or end a trial of the other
             # mode before this step's backward runs
             trying = state.trial_until
-            decision = self._auto_trial.step_started(state, self.root_device)
+            decision = trial.step_started(state, self.root_device)
             if decision == "fp32":
                 for c in self._compressors.values():
                     c.release()
@@ -356,7 +356,7 @@ class OneBitDDPStrategy(DDPStrategy):
                 )
             elif trying is None and state.trial_until is not None:
                 rank_zero_info(
-                    f"ddp_1bit compression='auto' at step {state.step}: timing {self._auto_trial.steps + 1} steps "
+                    f"ddp_1bit compression='auto' at step {state.step}: timing {trial.steps + 1} steps "
                     f"with {'1-bit' if state.compressing else 'fp32'} averaging against the steps before"
                 )
         comp = self._compressors.get(id(optimizer))
@@ -399,8 +399,7 @@ class OneBitDDPStrategy(DDPStrategy):
         for c in self._compressors.values():
             c.release()
         if self._onebit_state is not None:
-            self._onebit_state.hook_buffers.clear()
-            self._onebit_state.close()  # the gradient path's comm thread, if it ran
+            self._onebit_state.close()  # and the gradient path's comm thread, if it ran
         super().teardown()
 
     @override

@@ -137,19 +137,17 @@ def test_state_validates_arguments() -> None:
 
 
 def test_backend_picks_the_compressor(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lightning_accel.comm.hook import _compressor
-
     cpu = torch.device("cpu")
-    assert _compressor(OneBitState(), cpu) is compress_fast  # auto: the kernel is for CUDA gradients
-    assert _compressor(OneBitState(backend="reference"), cpu) is compress_reference
+    assert OneBitState().compressor(cpu) is compress_fast  # auto: the kernel is for CUDA gradients
+    assert OneBitState(backend="reference").compressor(cpu) is compress_reference
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr("lightning_accel._utils.triton.triton_available", lambda: True)
     with pytest.raises(RuntimeError, match=r"`backend='triton'` got a tensor on cpu.*TRITON_INTERPRET=1"):
-        _compressor(OneBitState(backend="triton"), cpu)
+        OneBitState(backend="triton").compressor(cpu)
     monkeypatch.setattr("lightning_accel._utils.triton.triton_available", lambda: False)
-    assert _compressor(OneBitState(), torch.device("cuda")) is compress_fast  # auto without triton: torch
+    assert OneBitState().compressor(torch.device("cuda")) is compress_fast  # auto without triton: torch
     with pytest.raises(RuntimeError, match="`pip install triton`"):
-        _compressor(OneBitState(backend="triton"), torch.device("cuda"))
+        OneBitState(backend="triton").compressor(torch.device("cuda"))
 
 
 def _saved(world: int) -> dict:

@@ -58,8 +58,7 @@ SCRIPT = textwrap.dedent(
     assert torch.isnan(compress_triton(g, None, lay.table)[1][0])
     # the hook's switch: `backend="triton"` runs the kernel on CPU gradients under the interpreter
     from lightning_accel.comm import OneBitState
-    from lightning_accel.comm.hook import _compressor
-    assert _compressor(OneBitState(backend="triton"), torch.device("cpu")) is compress_triton
+    assert OneBitState(backend="triton").compressor(torch.device("cpu")) is compress_triton
     try:
         compress_triton(g, g.clone(), lay.table, out=(torch.empty(lay.padded_numel // 8, dtype=torch.uint8),
                                                       torch.empty(lay.num_blocks), None))
