@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Timer", "alternate", "cuda_time", "machine_info", "median", "parser", "ratio", "report"]
+__all__ = ["Timer", "alternate", "cuda_time", "machine_info", "median", "parser", "ratio", "report", "run_cases"]
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as `python benchmarks/x.py` from a checkout
@@ -110,6 +110,20 @@ def alternate(
             if i >= warmup:
                 out[name].append(dt)
     return out
+
+
+def run_cases(
+    cases: Mapping[str, Callable[[bool], tuple[dict[str, Any], dict[str, float]]]], quick: bool
+) -> tuple[dict[str, Any], dict[str, float]]:
+    """Run ``{name: case}`` in order, each ``case(quick) -> (results, ratios)``: results under their names, the
+    ratios merged into one dict."""
+    results: dict[str, Any] = {}
+    ratios: dict[str, float] = {}
+    for name, case in cases.items():
+        res, rat = case(quick)
+        results[name] = res
+        ratios.update(rat)
+    return results, ratios
 
 
 def cuda_time(step: Callable[[], object], *, iters: int, warmup: int) -> tuple[float, float]:

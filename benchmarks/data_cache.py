@@ -44,7 +44,7 @@ if __package__ in (None, ""):  # run as `python benchmarks/data_cache.py`: make 
 
 import torch
 
-from benchmarks._harness import alternate, median, parser, ratio, report
+from benchmarks._harness import alternate, median, parser, ratio, report, run_cases
 from lightning_accel.data import (
     CacheDataLoader,
     CachedDataset,
@@ -398,13 +398,7 @@ def shard_cases(quick: bool) -> tuple[dict[str, Any], dict[str, float]]:
     except ImportError as e:
         why = f"not run: benchmarks/_data_shards.py is not importable ({e})"
         return {"windowed_s3": why, "multinode": why}, {}
-    results: dict[str, Any] = {}
-    ratios: dict[str, float] = {}
-    for name, run in (("windowed_s3", run_windowed_s3), ("multinode", run_multinode)):
-        res, rat = run(quick)
-        results[name] = res
-        ratios.update(rat)
-    return results, ratios
+    return run_cases({"windowed_s3": run_windowed_s3, "multinode": run_multinode}, quick)
 
 
 def main() -> None:

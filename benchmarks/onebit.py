@@ -37,7 +37,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as `python benchmarks/onebit.py`: make the checkout importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._harness import median, parser, ratio, report
+from benchmarks._harness import median, parser, ratio, report, run_cases
 
 CONFIGS = ("ddp", "fp16", "powersgd_r2", "onebit", "onebit_noef")
 WORLD = 2
@@ -606,13 +606,7 @@ def link_and_host_cases(quick: bool) -> tuple[dict[str, Any], dict[str, float]]:
         from benchmarks._onebit_link import run_host_cost, run_link_cases
     except ImportError as e:
         return {"link": f"not run: benchmarks/_onebit_link.py is not importable ({e})"}, {}
-    results: dict[str, Any] = {}
-    ratios: dict[str, float] = {}
-    for name, case in (("link", run_link_cases), ("host_cost", run_host_cost)):
-        res, rat = case(quick)
-        results[name] = res
-        ratios.update(rat)
-    return results, ratios
+    return run_cases({"link": run_link_cases, "host_cost": run_host_cost}, quick)
 
 
 def main_cpu(args: argparse.Namespace) -> None:

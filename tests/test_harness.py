@@ -124,3 +124,20 @@ def test_cuda_memory_numbers_are_medians_and_ratios_with_over_without() -> None:
         "step_time_with_over_without": 1.0,
     }
     assert results["runs"] is runs and results["alloc_conf_with"] == "x:1"
+
+
+def test_run_cases_keeps_results_by_name_and_merges_ratios() -> None:
+    from benchmarks._harness import run_cases
+
+    seen: list[bool] = []
+
+    def case(name: str, value: float):
+        def run(quick: bool) -> tuple[dict, dict]:
+            seen.append(quick)
+            return {"case": name}, {name: value}
+
+        return run
+
+    results, ratios = run_cases({"a": case("a", 1.0), "b": case("b", 2.0)}, True)
+    assert results == {"a": {"case": "a"}, "b": {"case": "b"}}
+    assert ratios == {"a": 1.0, "b": 2.0} and seen == [True, True]
