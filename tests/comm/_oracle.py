@@ -1,4 +1,5 @@
-"""A single-process, loop-by-loop simulation of the 1-bit two-phase allreduce (the test oracle).
+"""A single-process, loop-by-loop simulation of the 1-bit two-phase allreduce (the test oracle), and the toy model
+whose gradients the DDP tests choose.
 
 Written from the algorithm's description, not from the package's vectorised code: it loops over blocks and ranks
 and only shares the block table (which ``test_compress.py`` checks against its own definition).
@@ -6,9 +7,24 @@ and only shares the block table (which ``test_compress.py`` checks against its o
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+import torch.nn as nn
 
 from lightning_accel.comm.compress import GroupLayout
+
+
+class Params(nn.Module):
+    """Parameters of the given shapes (seeded); ``forward(coeffs)`` is ``sum(p * c)``, so ``d loss / d p = c``."""
+
+    def __init__(self, sizes: Sequence[tuple[int, ...]]) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.ps = nn.ParameterList([nn.Parameter(torch.randn(*s, generator=g)) for s in sizes])
+
+    def forward(self, coeffs: list[torch.Tensor]) -> torch.Tensor:
+        return sum((p * c).sum() for p, c in zip(self.ps, coeffs, strict=True))
 
 
 def _blocks(lengths: torch.Tensor, valid: torch.Tensor) -> list[tuple[int, int, int]]:

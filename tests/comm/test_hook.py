@@ -10,23 +10,13 @@ import torch
 import torch.nn as nn
 
 from lightning_accel.comm import GroupLayout, OneBitState, fp32_ring_bytes, onebit_hook
-from tests.comm._oracle import Simulation
+from tests.comm._oracle import Params, Simulation
 
 SIZES = [(10,), (37, 29), (5,), (7, 13), (300,)]  # odd sizes: padding inside and between parameters
 WARMUP = 2
 STEPS = 6
 NAN_STEP = 4
 ZERO_PARAM = 2  # its gradient is exactly zero on every rank and step
-
-
-class Params(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        g = torch.Generator().manual_seed(0)
-        self.ps = nn.ParameterList([nn.Parameter(torch.randn(*s, generator=g)) for s in SIZES])
-
-    def forward(self, coeffs: list[torch.Tensor]) -> torch.Tensor:
-        return sum((p * c).sum() for p, c in zip(self.ps, coeffs, strict=True))
 
 
 def coefficients(rank: int, step: int, nan: bool) -> list[torch.Tensor]:
@@ -43,7 +33,7 @@ def _run(
     rank: int, world: int, nan: bool, bucket_cap_mb: float, loss_scales: list[float] | None, min_numel: int = 0
 ) -> dict:
     torch.manual_seed(0)
-    model = Params()
+    model = Params(SIZES)
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
     scale = {"s": 1.0}
     state = OneBitState(

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from lightning_accel.comm import MomentumCompressor, OneBitState, onebit_hook, plan_groups
-from tests.comm._oracle import Simulation
+from tests.comm._oracle import Params, Simulation
 
 SIZES = [(10,), (37, 29), (5,), (7, 13), (300,)]
 WARMUP = 3
@@ -22,16 +22,6 @@ GROUP_NUMEL = 400  # several groups: the pipeline keeps up to three in flight
 SKIP_AT = WARMUP + 2  # a compressed step whose backward ran but whose optimizer step did not
 BLOCK = 64
 LR = 0.05
-
-
-class Params(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        g = torch.Generator().manual_seed(0)
-        self.ps = nn.ParameterList([nn.Parameter(torch.randn(*s, generator=g)) for s in SIZES])
-
-    def forward(self, coeffs: list[torch.Tensor]) -> torch.Tensor:
-        return sum((p * c).sum() for p, c in zip(self.ps, coeffs, strict=True))
 
 
 def coefficients(rank: int, step: int) -> list[torch.Tensor]:
@@ -58,7 +48,7 @@ def _run(rank: int, world: int, name: str, overlap: bool = False, skip_at: int |
     """``overlap``: small buckets, and the hook hands each to the compressor during backward (groups start there);
     ``skip_at``: that step's backward runs but its optimizer step does not (the started groups must be dropped)."""
     torch.manual_seed(0)
-    model = Params()
+    model = Params(SIZES)
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.001 if overlap else None)
     state = OneBitState(
         warmup_steps=WARMUP,
@@ -109,7 +99,7 @@ def simulate(name: str, skip_at: int | None = None) -> list[list[torch.Tensor]]:
     """The expected parameters after every step: torch's optimizer on the average during warm-up, then steps 2-5
     (``skip_at``: a step that changes nothing)."""
     torch.manual_seed(0)
-    model = Params()
+    model = Params(SIZES)
     params = list(model.parameters())
     opt = make_optimizer(name, params)
     hp = {id(p): g for g in opt.param_groups for p in g["params"]}
