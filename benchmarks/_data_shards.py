@@ -18,11 +18,13 @@ Imported by ``benchmarks/data_cache.py`` (each function returns ``(results, rati
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,29 @@ def _upload_pack(root: Path, url: str, opts: dict[str, Any], shards: int) -> Any
 
     total = sum(p.stat().st_size for p in root.rglob("*.jpg"))
     return pack_origin(str(root), url, dest_storage_options=opts, shard_bytes=max(1, total // shards), shuffle_seed=0)
+
+
+@contextlib.contextmanager
+def _packed_digits(
+    prefix: str, bucket: str, *, size: int, n_images: int, shards: int
+) -> Iterator[tuple[Path, str, dict[str, Any], Any]]:
+    """The digits rendered at ``size`` px and packed into ``shards`` shards on a local S3 bucket (moto): yields
+    ``(work dir, url, storage options, listing)``; the S3 server and the work dir go on exit."""
+    from benchmarks.data_cache import local_s3
+    from lightning_accel.datasets import materialize_digits
+
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        with local_s3() as opts:
+            import fsspec
+
+            root = work / f"digits{size}"
+            materialize_digits(root, size=size, num_images=n_images)
+            fsspec.filesystem("s3", skip_instance_cache=True, **opts).call_s3("create_bucket", Bucket=bucket)
+            url = f"s3://{bucket}/packed"
+            yield work, url, opts, _upload_pack(root, url, opts, shards)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _cold_epoch(url: str, opts: dict[str, Any], work: Path, stage: int, window: int | None) -> tuple[float, int]:
@@ -166,30 +191,23 @@ def _accuracy(work: Path, quick: bool) -> dict[str, Any]:
 def run_windowed_s3(quick: bool) -> tuple[dict[str, Any], dict[str, float]]:
     """Packed S3 origin, ``stage_bytes`` = 1/4 of the pack: bytes per cold epoch under the window and the global
     shuffle (alternated), and the accuracy cost of the window on the digits."""
-    from benchmarks.data_cache import local_s3
     from lightning_accel.data.sampler import auto_window
-    from lightning_accel.datasets import materialize_digits
 
     n_images, shards, repeats = (1024, 16, 1) if quick else (4096, 32, 3)
-    work = Path(tempfile.mkdtemp(prefix="la-bench-shards-"))
-    try:
-        with local_s3() as opts:
-            import fsspec
-
-            root = work / "digits64"
-            materialize_digits(root, size=64, num_images=n_images)
-            fsspec.filesystem("s3", skip_instance_cache=True, **opts).call_s3("create_bucket", Bucket="shards")
-            listing = _upload_pack(root, "s3://shards/packed", opts, shards)
-            pack_bytes = sum(listing.pack.shard_sizes)
-            stage = pack_bytes // 4
-            window = auto_window(stage, listing.pack.shard_sizes)
-            runs: dict[str, list[tuple[float, int]]] = {"window": [], "global": []}
-            for _ in range(repeats):
-                for name, w in (("window", window), ("global", None)):
-                    runs[name].append(_cold_epoch("s3://shards/packed", opts, work, stage, w))
+    with _packed_digits("la-bench-shards-", "shards", size=64, n_images=n_images, shards=shards) as (
+        work,
+        url,
+        opts,
+        listing,
+    ):
+        pack_bytes = sum(listing.pack.shard_sizes)
+        stage = pack_bytes // 4
+        window = auto_window(stage, listing.pack.shard_sizes)
+        runs: dict[str, list[tuple[float, int]]] = {"window": [], "global": []}
+        for _ in range(repeats):
+            for name, w in (("window", window), ("global", None)):
+                runs[name].append(_cold_epoch(url, opts, work, stage, w))
         acc = _accuracy(work, quick)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     by = {k: median([b for _, b in v]) / pack_bytes for k, v in runs.items()}
     secs = {k: median([t for t, _ in v]) for k, v in runs.items()}
     results = {
@@ -272,31 +290,19 @@ def _mn_rank(
 def run_multinode(quick: bool) -> tuple[dict[str, Any], dict[str, float]]:
     """2 nodes x 2 ranks, 2 epochs over a packed S3 origin: decodes and shard fetches per node."""
     from benchmarks import _data_shards as this  # spawned ranks import the function by this module's name
-    from benchmarks.data_cache import local_s3
-    from lightning_accel.datasets import materialize_digits
     from tests.helpers import run_in_processes
 
     nodes, per_node = 2, 2
     # quick: main-process reads (4 ranks + 4 workers on 2 shared cores took ~5 min); full: 1 worker per rank
     n_images, workers = (480, 0) if quick else (3200, 1)
-    work = Path(tempfile.mkdtemp(prefix="la-bench-nodes-"))
-    try:
-        with local_s3() as opts:
-            import fsspec
-
-            root = work / "digits32"
-            materialize_digits(root, size=32, num_images=n_images)
-            fsspec.filesystem("s3", skip_instance_cache=True, **opts).call_s3("create_bucket", Bucket="nodes")
-            _upload_pack(root, "s3://nodes/packed", opts, 8)
-            out = run_in_processes(
-                this._mn_rank,
-                nodes * per_node,
-                ("s3://nodes/packed", opts, str(work), per_node, workers),
-                init_process_group=False,
-                timeout=600,
-            )
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    with _packed_digits("la-bench-nodes-", "nodes", size=32, n_images=n_images, shards=8) as (work, url, opts, _):
+        out = run_in_processes(
+            this._mn_rank,
+            nodes * per_node,
+            (url, opts, str(work), per_node, workers),
+            init_process_group=False,
+            timeout=600,
+        )
     shard_of, sizes = out[0]["shard_of"], out[0]["shard_sizes"]
     per_node_rows = {}
     for node in range(nodes):
