@@ -179,7 +179,6 @@ class StepTrial:
         #: ``{step: (mode, seconds)}`` of the recent steps
         self.durations: dict[int, tuple[str, float]] = {}
         self._open: tuple[int, str, float] | None = None
-        self._trial: tuple[int, str] | None = None  # (first step of the trial, the mode before it)
 
     @staticmethod
     def _mode(state: OneBitState) -> str:
@@ -193,25 +192,23 @@ class StepTrial:
         for k in [k for k in self.durations if k < state.step - 4 * self.steps - 4]:  # keep the recent ones
             del self.durations[k]
         decision = None
-        if self._trial is not None and state.step >= self._trial[0] + self.steps + 1:
+        if state.trial_until is not None and state.step >= state.trial_until:
             decision = self._finish(state, device)
-        elif self._trial is None and state.needs_decision:
+        elif state.needs_decision:  # (never during a trial)
             if state.measure_fn is not None:  # injected figures: decide now, no trial
                 decision = decide(state, device)
-            else:
-                before = "fp32" if state.decision is None else state.decision
-                self._trial = (state.step, before)
+            else:  # try the other mode
+                state.set_decision("1bit" if state.decision in (None, "fp32") else "fp32")
                 state.trial_until = state.step + self.steps + 1
-                state.set_decision("1bit" if before == "fp32" else "fp32")  # try the other mode
         self._open = (state.step, self._mode(state), now)
         return decision
 
     def _finish(self, state: OneBitState, device: torch.device) -> str:
-        assert self._trial is not None
-        start, before = self._trial
-        self._trial = None
+        assert state.trial_until is not None and state.decision is not None
+        start = state.trial_until - self.steps - 1
         state.trial_until = None
-        tried = "1bit" if before == "fp32" else "fp32"
+        tried = state.decision
+        before = "fp32" if tried == "1bit" else "1bit"
         # the tried mode's steps after its first one (which builds the compression state or the buckets' fp32 path)
         new = [d for k, (m, d) in self.durations.items() if start < k < start + self.steps + 1 and m == tried]
         # the steps before the switch, DDP's first iteration excluded

@@ -163,7 +163,7 @@ class OneBitDDPStrategy(DDPStrategy):
             recheck_every=recheck_every,
             group_numel=group_numel,
         )
-        if overlap not in (True, False, "auto") or isinstance(overlap, int) and not isinstance(overlap, bool):
+        if not (isinstance(overlap, bool) or overlap == "auto"):
             raise ValueError(
                 f"`overlap` must be True, False or 'auto', got {overlap!r}. Use 'auto' to overlap whenever it is safe."
             )
