@@ -16,10 +16,12 @@ Besides LightningCLI's subcommands, ``lightning-accel ckpt verify|export`` (delt
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import sys
-from typing import Any
+import typing
+from typing import Any, Union
 
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import RichProgressBar
@@ -33,6 +35,7 @@ from lightning_accel.data.origin import OriginError
 from lightning_accel.parallel.strategy import resolve_trainer_kwargs
 
 __all__ = [
+    "AccelArgumentParser",
     "AccelCLI",
     "ConfigError",
     "SaveConfigBesideLogs",
@@ -153,6 +156,58 @@ class SaveConfigBesideLogs(SaveConfigCallback):
         super().setup(trainer, pl_module, stage)
 
 
+def int_first_hint(hint: Any) -> Any:
+    """``hint`` with ``int`` tried before ``float`` when it is a Union holding both, else None.
+
+    jsonargparse tries a Union's members in order, so under ``Union[float, int]`` the value ``1`` becomes ``1.0``.
+    CPython's typing cache treats ``Union[float, int]`` and ``Union[int, float]`` as one key, so which order a
+    signature gets is decided by whichever module spelled it first (Lightning 2.6 spells ``Union[float, int]`` in
+    ``fabric.strategies.Strategy`` before ``Trainer.__init__`` spells ``Optional[Union[int, float]]``): the order
+    cannot be trusted from the signature. The Union is rebuilt from a tuple, a cache key that keeps its order.
+    """
+    args = typing.get_args(hint) if typing.get_origin(hint) is Union else ()
+    if int not in args or float not in args:
+        return None
+    ordered = (int, float, *(a for a in args if a not in (int, float)))
+    return Union[ordered]  # noqa: UP007 - built from a tuple on purpose (see above)
+
+
+class AccelArgumentParser(LightningArgumentParser):
+    """``LightningArgumentParser`` that keeps an integer an integer for every Trainer argument typed int-or-float.
+
+    ``limit_train_batches: 1`` means one batch and ``1.0`` the whole epoch (Lightning's documented meaning), for the
+    ``limit_*_batches``, ``val_check_interval`` and ``overfit_batches`` family, whatever order the signature's Union
+    resolved to (see :func:`int_first_hint`).
+    """
+
+    @override
+    def add_lightning_class_args(
+        self, lightning_class: Any, nested_key: str, subclass_mode: bool = False, required: bool = True
+    ) -> list[str]:
+        if subclass_mode or not (isinstance(lightning_class, type) and issubclass(lightning_class, Trainer)):
+            return super().add_lightning_class_args(lightning_class, nested_key, subclass_mode, required)
+        hints = typing.get_type_hints(lightning_class.__init__)
+        fixed = {name: h for name, hint in hints.items() if (h := int_first_hint(hint)) is not None}
+        added = self.add_class_arguments(
+            lightning_class, nested_key, fail_untyped=False, instantiate=False, sub_configs=True, skip=set(fixed)
+        )
+        docs = _param_docs(lightning_class.__init__)
+        params = inspect.signature(lightning_class.__init__).parameters
+        group = self.groups.get(nested_key, self) if self.groups else self
+        for name, hint in fixed.items():
+            group.add_argument(f"--{nested_key}.{name}", type=hint, default=params[name].default, help=docs.get(name))
+            added.append(f"{nested_key}.{name}")
+        return added
+
+
+def _param_docs(fn: Any) -> dict[str, str]:
+    """Argument name -> its description in ``fn``'s Google-style docstring (what jsonargparse shows in ``--help``)."""
+    import docstring_parser
+
+    doc = docstring_parser.parse(inspect.getdoc(fn) or "")
+    return {p.arg_name: " ".join((p.description or "").split()) for p in doc.params}
+
+
 class AccelCLI(LightningCLI):
     """LightningCLI with lightning-accel's defaults.
 
@@ -168,6 +223,7 @@ class AccelCLI(LightningCLI):
             subclass_mode_model=True,
             subclass_mode_data=True,
             save_config_callback=SaveConfigBesideLogs,
+            parser_class=AccelArgumentParser,
             parser_kwargs={"prog": "lightning-accel", "exit_on_error": False, "epilog": _EPILOG},
             args=args,
             run=run,
