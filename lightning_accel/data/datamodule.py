@@ -687,14 +687,15 @@ class CachedDataModule(LightningDataModule):
 
         Per rank and without a collective: it runs where a loader's pass ended (ranks may differ there) and at
         teardown; the global count is ``cache/decode_skipped`` in the logged statistics."""
+        # Read the trainer's properties before deciding, so every rank reads the same ones whatever it skipped.
+        trainer = self.trainer
+        epoch = int(getattr(trainer, "current_epoch", 0)) if trainer is not None else 0
+        _, rank = self._sharding()
         skipped = int(self.stats.as_dict()["decode_skipped"])
         new = skipped - self._skipped_reported
         if new <= 0:
             return
         self._skipped_reported = skipped
-        trainer = self.trainer
-        epoch = int(getattr(trainer, "current_epoch", 0)) if trainer is not None else 0
-        _, rank = self._sharding()
         warnings.warn(
             f"lightning_accel data: rank {rank} skipped {new} undecodable sample(s) in {what} (epoch {epoch}; "
             f"{skipped} in all) because `on_decode_error='skip'`; fix or remove the files, or pass "
