@@ -126,7 +126,8 @@ def _check_tier_budget(name: str, value: object, budget: int | None, image_size:
     if budget < need:
         what = f" and two {image_size} px samples ({sample} bytes each)" if sample else ""
         raise ValueError(
-            f"`{name}` {value!r} is {budget} bytes, below the minimum of {need} bytes: an LMDB tier needs room for "
+            f"`{name}` {value!r}{'' if value == budget else f' ({budget} bytes)'} is below the minimum of {need} "
+            "bytes: an LMDB tier needs room for "
             f"its B-tree pages and headroom{what}. Raise `{name}` to at least {need} bytes (e.g. '64MiB'), or set it "
             "to 0 to disable the tier."
         )
