@@ -241,7 +241,8 @@ class SampleCache(ResetOnPickle):
 
     Args:
         store: the origin.
-        listing: its keys and labels (shared by every rank and worker).
+        listing: its keys, labels and class names (shared by every rank and worker); the class names namespace
+            entries with the origin's URL (entries hold labels).
         decode: deterministic ``bytes -> tensor`` step; its ``fingerprint`` attribute (or its repr) namespaces entries.
         ram: the RAM tier (``None``: none).
         ssd: the SSD tier (``None``: none).
@@ -303,7 +304,10 @@ class SampleCache(ResetOnPickle):
         self.max_pending = max_pending
         self.prefetch = (not store.is_local) if prefetch is None else bool(prefetch)
         fp = getattr(decode, "fingerprint", None) or repr(decode)
-        self.namespace = hashlib.sha1(f"{store.url}|{fp}".encode()).hexdigest()[:12]
+        # Entries hold their label, so the class list is part of the key: a cache written under other classes (a
+        # class folder added or removed) is never read back with shifted labels.
+        classes = "\x1f".join(listing.classes)
+        self.namespace = hashlib.sha1(f"{store.url}|{fp}|{classes}".encode()).hexdigest()[:12]
         # Read-ahead futures of this process (a forked child's copies belong to threads it does not have).
         self._pending: PerProcess[dict[int, Future[bytes]]] = PerProcess(dict)
         self.packed: PackedReader | None = None

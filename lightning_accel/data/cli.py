@@ -6,19 +6,23 @@ removes stale RAM tiers (see ``docs/data.md``).
 index, so a cold epoch from an object store costs one GET per shard instead of one per image. Prints a JSON summary;
 exit 2 on bad arguments, 1 when the source or destination fails.
 
-``clean [--older-than 0s] [--root DIR] [--dry-run]``: remove the RAM tiers under ``DIR`` (default
+``clean [--older-than 0s] [--root DIR] [--tier NAME ...] [--dry-run]``: remove the RAM tiers under ``DIR`` (default
 ``/dev/shm/lightning_accel``) that no process uses and that were last used longer ago than ``--older-than``; prints a
-JSON summary (removed and kept tiers, bytes freed).
+JSON summary (removed and kept tiers, bytes freed). A RAM tier is a directory carrying the marker the package writes
+when it creates one; nothing else is ever removed. A ``DIR`` that holds anything besides tiers is refused (exit 2)
+unless ``--tier`` names the tiers to remove; a ``DIR`` that does not exist is an error (exit 2).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import warnings
 
 from lightning_accel._utils.cliargs import json_object_arg
-from lightning_accel.data.lifecycle import find_tiers, parse_duration, ram_root, sweep
+from lightning_accel.data.lifecycle import find_tiers, other_entries, parse_duration, ram_root, sweep
 from lightning_accel.data.origin import OriginError
 from lightning_accel.data.pack import DEFAULT_SHARD_BYTES, pack_origin
 from lightning_accel.data.tiers import parse_bytes
@@ -42,20 +46,56 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     c.add_argument("--older-than", default="0s", help="only tiers last used longer ago than this, e.g. 12h, 7d")
     c.add_argument("--root", default=None, help="where the tiers are (default: /dev/shm/lightning_accel)")
     c.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
+    c.add_argument(
+        "--tier",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="only this tier under --root (repeatable); needed when --root also holds other files",
+    )
     return p
 
 
+def _check_clean_target(root: str, explicit: bool, tiers: list[str] | None) -> None:
+    """Refuse a root that is not a directory, a ``--tier`` that is not a tier, and a root holding anything besides
+    tiers unless ``--tier`` names what to remove (a mistyped ``--root`` must never reach a user's own files)."""
+    if not os.path.isdir(root):
+        if explicit:
+            raise ValueError(
+                f"`--root` {root!r} is not an existing directory. Pass the directory that holds the RAM tiers "
+                f"(default {ram_root()!r})."
+            )
+        return
+    marked = {os.path.basename(t.path) for t in find_tiers(root)}
+    for name in tiers or ():
+        if name in ("", ".", "..") or os.sep in name or name not in marked:
+            raise ValueError(
+                f"`--tier` {name!r} is not a RAM tier under {root!r} (a directory carrying the package's tier "
+                f"marker). Tiers there: {sorted(marked)[:5] or 'none'}."
+            )
+    others = other_entries(root)
+    if others and not tiers:
+        shown = ", ".join(repr(os.path.basename(o)) for o in others[:3]) + (", ..." if len(others) > 3 else "")
+        raise ValueError(
+            f"`--root` {root!r} holds {len(others)} entries that are not RAM tiers ({shown}); "
+            "refusing to clean it. Name the tiers to remove with `--tier NAME`, or point `--root` at the tiers' "
+            "own directory."
+        )
+
+
 def _clean(args: argparse.Namespace, prog: str) -> int:
+    root = args.root if args.root is not None else ram_root()
     try:
         older = parse_duration(args.older_than, name="--older-than")
+        _check_clean_target(root, args.root is not None, args.tier)
     except ValueError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
-    removed = sweep(args.root, older_than_s=older or 0.0, dry_run=args.dry_run)
+    removed = sweep(args.root, older_than_s=older or 0.0, dry_run=args.dry_run, only=args.tier)
     gone = {r.path for r in removed}
-    kept = [t for t in find_tiers(args.root) if t.path not in gone]
+    kept = [t for t in find_tiers(root) if t.path not in gone]
     summary = {
-        "root": args.root or ram_root(),
+        "root": root,
         "dry_run": args.dry_run,
         "removed": [r.path for r in removed],
         "bytes_freed": sum(r.bytes for r in removed),
@@ -84,21 +124,25 @@ def main(argv: list[str] | None = None, prog: str = "lightning-accel data") -> i
         print(f"\rpacked {done}/{total} samples", end="", file=sys.stderr, flush=True)
 
     try:
-        listing = pack_origin(
-            args.source,
-            args.dest,
-            storage_options=src_opts,
-            dest_storage_options=dst_opts,
-            manifest=args.manifest,
-            shard_bytes=shard_bytes,
-            overwrite=args.overwrite,
-            progress=progress,
-            shuffle_seed=args.shuffle_seed,
-        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            listing = pack_origin(
+                args.source,
+                args.dest,
+                storage_options=src_opts,
+                dest_storage_options=dst_opts,
+                manifest=args.manifest,
+                shard_bytes=shard_bytes,
+                overwrite=args.overwrite,
+                progress=progress,
+                shuffle_seed=args.shuffle_seed,
+            )
     except (OriginError, FileNotFoundError, FileExistsError, ValueError, OSError) as e:
         print(f"\n{prog}: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     print(file=sys.stderr)
+    for w in caught:  # one line each (files left out of the pack), not Python's two-line warning format
+        print(f"{prog}: warning: {w.message}", file=sys.stderr)
     assert listing.pack is not None
     summary = {
         "dest": listing.origin,

@@ -11,8 +11,10 @@ and logs cache statistics as ``cache/...`` through the Trainer's loggers.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -37,7 +39,7 @@ from lightning_accel.data.sampler import ShardWindowSampler, auto_window
 from lightning_accel.data.stats import CacheStats, summarize
 from lightning_accel.data.tiers import LmdbTier, default_ram_dir, parse_bytes
 
-__all__ = ["CachedDataModule"]
+__all__ = ["CachedDataModule", "map_classes"]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -109,6 +111,81 @@ def _ram_budget(ram_bytes: int | str) -> int:
     return budget
 
 
+# An LMDB tier's map holds B-tree and meta pages beside the entries and keeps 1/32 of it (at least 4 pages) as
+# headroom, so a budget under 1 MiB holds next to nothing; below two decoded samples the first write fails in a
+# DataLoader worker (BudgetTooSmallError) instead of here.
+MIN_TIER_BYTES = 1 << 20
+
+
+def _check_tier_budget(name: str, value: object, budget: int | None, image_size: int | None) -> None:
+    """A non-zero tier budget must hold the tier's own pages and at least two decoded samples."""
+    if budget is None or budget == 0:
+        return
+    sample = 3 * image_size * image_size + 4096 if image_size else 0  # uint8 RGB entry, page-rounded header
+    need = max(MIN_TIER_BYTES, 2 * sample + 2 * sample // 31 + (64 << 10))
+    if budget < need:
+        what = f" and two {image_size} px samples ({sample} bytes each)" if sample else ""
+        raise ValueError(
+            f"`{name}` {value!r}{'' if value == budget else f' ({budget} bytes)'} is below the minimum of {need} "
+            "bytes: an LMDB tier needs room for "
+            f"its B-tree pages and headroom{what}. Raise `{name}` to at least {need} bytes (e.g. '64MiB'), or set it "
+            "to 0 to disable the tier."
+        )
+
+
+def _check_int(name: str, value: object, low: int, hint: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"`{name}` must be an integer >= {low} ({hint}), got {value!r}.")
+
+
+def _check_classes(classes: object) -> list[str] | None:
+    if classes is None:
+        return None
+    if (
+        isinstance(classes, str)
+        or not isinstance(classes, Sequence)
+        or not classes
+        or not all(isinstance(c, str) and c for c in classes)
+        or len(set(classes)) != len(classes)
+    ):
+        raise ValueError(
+            f"`classes` must be a non-empty list of distinct class names (label i is classes[i]) or None, got "
+            f"{classes!r}."
+        )
+    return list(classes)
+
+
+def map_classes(listing: Listing, classes: list[str], *, name: str, manifest: bool) -> Listing:
+    """``listing`` with its labels expressed in the fixed class list ``classes`` (same class name, same label).
+
+    A manifest's labels are already positions in the class list: they are kept and only checked against it.
+
+    Raises:
+        ValueError: ``listing`` holds a class (or a manifest label) that ``classes`` does not (``name``: the
+            argument the listing came from, for the message).
+    """
+    if listing.classes == classes:
+        return listing
+    if manifest:
+        top = max(listing.labels, default=-1)
+        if top >= len(classes):
+            raise ValueError(
+                f"`{name}` {listing.origin!r} has label {top}, but the training classes have only {len(classes)} "
+                f"labels (0..{len(classes) - 1}). Use the same label numbering in every split, or pass `classes`."
+            )
+        return Listing(listing.origin, listing.keys, listing.labels, list(classes), listing.pack)
+    index = {c: i for i, c in enumerate(classes)}
+    unknown = [c for c in listing.classes if c not in index]
+    if unknown:
+        raise ValueError(
+            f"`{name}` {listing.origin!r} has class folder(s) {unknown[:3]} that the training classes do not have "
+            f"({len(classes)} classes: {classes[:5]}{' ...' if len(classes) > 5 else ''}); a label must mean the same "
+            "class in every split. Remove the folder, or pass `classes` listing every class."
+        )
+    remap = [index[c] for c in listing.classes]
+    return Listing(listing.origin, listing.keys, [remap[y] for y in listing.labels], list(classes), listing.pack)
+
+
 class CachedDataModule(LightningDataModule):
     """Decode once, read decoded uint8 tensors from RAM/SSD tiers, read ahead from the origin, augment on the device.
 
@@ -123,11 +200,18 @@ class CachedDataModule(LightningDataModule):
         val_origin: a separate validation origin (same layout); ``None`` splits ``val_fraction`` off ``origin``.
         val_fraction: held-out fraction when ``val_origin`` is None (deterministic split by ``seed``).
         seed: shuffle and split seed.
+        classes: the class names, label ``i`` being ``classes[i]`` (``None``: the class folders of ``origin``,
+            sorted). The class list is fixed once, from this argument or the training origin, and every split is
+            labelled through it: ``val_origin``'s class ``"c"`` gets the label ``"c"`` has in training, whatever
+            folders ``val_origin`` lacks. It is part of the cache's key (entries cached under another class list are
+            never read back) and of the checkpointed state (resuming on data with other classes is an error). After
+            ``setup()`` it is :attr:`classes` / :attr:`num_classes`.
 
     What is cached (the deterministic decode):
         image_size: side of the cached images (resize shorter side + centre crop); ignored when ``decode`` is given.
         decode: deterministic ``bytes -> tensor`` step whose output is cached (default ``ImageDecoder(image_size)``).
-        on_decode_error: ``"raise"`` or ``"skip"`` (skipped samples are counted).
+        on_decode_error: ``"raise"`` or ``"skip"`` (skipped samples are counted in ``cache/decode_skipped``, and each
+            rank that skipped any warns with its count when a pass over a loader ends, and at teardown).
 
     Cache tiers:
         cache_dir: local directory (not a network filesystem) for the SSD tier and the shared listing.
@@ -187,6 +271,7 @@ class CachedDataModule(LightningDataModule):
         val_origin: str | None = None,
         val_fraction: float = 0.1,
         seed: int = 0,
+        classes: Sequence[str] | None = None,
         # what is cached
         image_size: int | None = 224,
         decode: Callable[[bytes], torch.Tensor] | None = None,
@@ -230,6 +315,9 @@ class CachedDataModule(LightningDataModule):
         if shuffle_window is not None and (not isinstance(shuffle_window, int) or shuffle_window < 1):
             raise ValueError(f"`shuffle_window` must be a whole number of shards >= 1 or None, got {shuffle_window!r}.")
         split_indices(1, val_fraction, seed)  # validates val_fraction now
+        _check_int("max_concurrency", max_concurrency, 1, "origin reads in flight per process")
+        _check_int("retries", retries, 0, "retries of a transient origin error; 0 for none")
+        _check_int("prefetch_batches", prefetch_batches, 0, "batches read ahead per reader; 0 to read only on demand")
         # where the data is
         self.origin = origin
         self.storage_options = dict(storage_options or {})
@@ -237,12 +325,18 @@ class CachedDataModule(LightningDataModule):
         self.val_origin = val_origin
         self.val_fraction = val_fraction
         self.seed = seed
+        self._given_classes = _check_classes(classes)
+        self._classes: list[str] | None = None  # fixed in setup (or prepare_data): see `classes`
+        self._ckpt_classes: list[str] | None = None  # a checkpoint's class list, checked once ours is fixed
         # what is cached
         self.decode = decode if decode is not None else ImageDecoder(image_size)
         self.on_decode_error = on_decode_error
         # cache tiers
         self.ram_bytes = _ram_budget(ram_bytes)
         self.ssd_bytes = parse_bytes(ssd_bytes, name="ssd_bytes")
+        cached_size = image_size if decode is None else None  # a custom decode's output size is unknown here
+        _check_tier_budget("ram_bytes", ram_bytes, self.ram_bytes, cached_size)
+        _check_tier_budget("ssd_bytes", ssd_bytes, self.ssd_bytes, cached_size)
         tag = hashlib.sha1(self.cache_dir.encode()).hexdigest()[:12]
         self.ram_dir = _per_node("ram_dir", ram_dir) if ram_dir is not None else default_ram_dir(tag)
         self.ram_ttl = parse_duration(ram_ttl, name="ram_ttl")
@@ -278,6 +372,7 @@ class CachedDataModule(LightningDataModule):
         self._last_logged_step = -1
         self._train_loader: CacheDataLoader | None = None
         self._resume: dict[str, Any] | None = None  # the train sampler's state from a checkpoint, until applied
+        self._skipped_reported = 0  # this rank's decode_skipped already reported (see _report_skipped)
 
     # ---- listing -------------------------------------------------------------------------------------------------
     def _store(self, url: str) -> ObjectStore:
@@ -320,12 +415,60 @@ class CachedDataModule(LightningDataModule):
             stage_bytes=self.stage_bytes if self.stage_bytes is not None else DEFAULT_STAGE_BYTES,
         )
 
+    @property
+    def classes(self) -> list[str]:
+        """The fixed class names (label ``i`` is ``classes[i]``) of every split; available after ``setup()``.
+
+        Raises:
+            RuntimeError: before ``setup()`` (or ``prepare_data()``) fixed them and no ``classes`` argument was given.
+        """
+        if self._classes is not None:
+            return list(self._classes)
+        if self._given_classes is not None:
+            return list(self._given_classes)
+        raise RuntimeError(
+            "`CachedDataModule.classes` is known once `setup()` has listed the origin; call `dm.setup('fit')` first "
+            "or pass `classes=[...]`."
+        )
+
+    @property
+    def num_classes(self) -> int:
+        """``len(classes)``: the size of a classifier's output layer; available after ``setup()``."""
+        return len(self.classes)
+
+    def _fix_classes(self, listing: Listing) -> list[str]:
+        """Fix the class list once (the argument, else the training origin's) and check it against a checkpoint's."""
+        fixed = self._given_classes if self._given_classes is not None else list(listing.classes)
+        if self._classes is not None and self._classes != fixed:
+            raise ValueError(
+                f"`origin` {self.origin!r} now has classes {fixed[:5]}, not the {self._classes[:5]} fixed before "
+                f"({len(fixed)} against {len(self._classes)}). Restore the origin's class folders, or pass `classes`."
+            )
+        self._classes = fixed
+        self._check_ckpt_classes()
+        return fixed
+
+    def _check_ckpt_classes(self) -> None:
+        ckpt, ours = self._ckpt_classes, self._classes
+        if ckpt is not None and ours is not None and ckpt != ours:
+            raise ValueError(
+                f"the checkpoint was trained on {len(ckpt)} classes {ckpt[:5]}{' ...' if len(ckpt) > 5 else ''}, but "
+                f"`origin` {self.origin!r} has {len(ours)} classes {ours[:5]}{' ...' if len(ours) > 5 else ''}: the "
+                "labels would mean other classes. Resume on the same class folders, or pass `classes` from the "
+                "checkpoint."
+            )
+
     def _datasets(self, refresh: bool) -> tuple[CachedDataset, CachedDataset]:
+        manifest = self.manifest is not None
         listing = self._list(self.origin, refresh=refresh)
+        classes = self._fix_classes(listing)
+        listing = map_classes(listing, classes, name="origin", manifest=manifest)
         cache = self._cache(self.origin, listing)
         self._caches = {"train": cache}
         if self.val_origin is not None:
-            vlisting = self._list(self.val_origin, refresh=refresh)
+            vlisting = map_classes(
+                self._list(self.val_origin, refresh=refresh), classes, name="val_origin", manifest=manifest
+            )
             vcache = self._cache(self.val_origin, vlisting)
             self._caches["val"] = vcache
             return self._dataset(cache), self._dataset(vcache)
@@ -436,6 +579,7 @@ class CachedDataModule(LightningDataModule):
             persistent_workers=self.num_workers > 0,
             pin_memory=torch.cuda.is_available(),
             warm_num_workers=self.warm_num_workers,
+            on_epoch_end=functools.partial(self._report_skipped, "training" if shuffle else "evaluation"),
         )
 
     @override
@@ -455,15 +599,26 @@ class CachedDataModule(LightningDataModule):
         checkpoint reads only that epoch's samples not yet seen. (The loader's own ``state_dict`` holds the same;
         Lightning skips restoring that one when ``configure_optimizers`` built the loader early, e.g. through
         ``trainer.estimated_stepping_batches``.)"""
+        state: dict[str, Any] = {}
+        if self._classes is not None:
+            state["classes"] = list(self._classes)
         loader = self._train_loader
-        if loader is None or not isinstance(loader.sampler, EpochOrderSampler):
-            return {}
-        return {"train_sampler": loader.sampler.state_dict()}
+        if loader is not None and isinstance(loader.sampler, EpochOrderSampler):
+            state["train_sampler"] = loader.sampler.state_dict()
+        return state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Keep the checkpoint's sampler position for the training loader built next."""
+        """Keep the checkpoint's sampler position for the training loader built next, and check its class list.
+
+        Raises:
+            ValueError: the checkpoint's classes differ from this data's (checked now when ``setup`` has run, which
+                is where Lightning restores it, else in ``setup``): before the first step of the resumed run.
+        """
         self._resume = state_dict.get("train_sampler")
+        ckpt = state_dict.get("classes")
+        self._ckpt_classes = None if ckpt is None else [str(c) for c in ckpt]
+        self._check_ckpt_classes()
 
     @override
     def val_dataloader(self) -> CacheDataLoader:
@@ -528,9 +683,33 @@ class CachedDataModule(LightningDataModule):
         """Totals over the main process and every worker of this rank: hits per tier, bytes fetched, evictions, ..."""
         return self.stats.as_dict()
 
+    def _report_skipped(self, what: str) -> None:
+        """Warn with the samples this rank skipped as undecodable since the last report (none: silent).
+
+        Per rank and without a collective: it runs where a loader's pass ended (ranks may differ there) and at
+        teardown; the global count is ``cache/decode_skipped`` in the logged statistics."""
+        # Read the trainer's properties before deciding, so every rank reads the same ones whatever it skipped.
+        trainer = self.trainer
+        epoch = int(getattr(trainer, "current_epoch", 0)) if trainer is not None else 0
+        _, rank = self._sharding()
+        skipped = int(self.stats.as_dict()["decode_skipped"])
+        new = skipped - self._skipped_reported
+        if new <= 0:
+            return
+        self._skipped_reported = skipped
+        warnings.warn(
+            f"lightning_accel data: rank {rank} skipped {new} undecodable sample(s) in {what} (epoch {epoch}; "
+            f"{skipped} in all) because `on_decode_error='skip'`; fix or remove the files, or pass "
+            "`on_decode_error='raise'` to stop at the first one with its key.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
     @override
     def teardown(self, stage: str) -> None:
-        """Copy the RAM tier's entries to the SSD tier (local rank 0 of each node), so they survive a reboot; fsync."""
+        """Copy the RAM tier's entries to the SSD tier (local rank 0 of each node), so they survive a reboot; fsync.
+        Report undecodable samples skipped since the last report."""
+        self._report_skipped(f"{getattr(stage, 'value', stage)}")
         trainer = self.trainer
         spill = trainer is None or int(getattr(trainer, "local_rank", 0)) == 0
         for cache in self._caches.values():

@@ -112,6 +112,11 @@ class CachedDataset(Dataset):
             raise ValueError(
                 f"`indices` must lie in [0, {len(cache)}), got min {min(self.indices)} and max {max(self.indices)}."
             )
+        if isinstance(prefetch_batches, bool) or not isinstance(prefetch_batches, int) or prefetch_batches < 0:
+            raise ValueError(
+                f"`prefetch_batches` must be an integer >= 0 (batches read ahead; 0 to read only on demand), "
+                f"got {prefetch_batches!r}."
+            )
         self.transform = transform
         self.prefetch_batches = prefetch_batches
         # [token, n, batch_size, order...]: written by the sampler in the main process, read by workers.
@@ -351,6 +356,9 @@ class CacheDataLoader(DataLoader):
         warm_num_workers: workers once the cache is warm (``None``: never switch).
         read_ahead: batches the main-process path reads ahead of the consumer (0: read on demand, no threads).
         read_threads: threads that read those batches in parallel (default 1, see above).
+        on_epoch_end: called (no arguments) in the iterating process when a pass over the loader reaches its last
+            batch (just before handing it out, its samples read) or ends, e.g. to report what the epoch skipped;
+            not called for a pass abandoned early.
         **kwargs: ``DataLoader`` arguments (``collate_fn`` defaults to :func:`collate_batch`).
     """
 
@@ -361,6 +369,7 @@ class CacheDataLoader(DataLoader):
         warm_num_workers: int | None = 0,
         read_ahead: int = 4,
         read_threads: int | None = None,
+        on_epoch_end: Callable[[], None] | None = None,
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("collate_fn", collate_batch)
@@ -372,6 +381,7 @@ class CacheDataLoader(DataLoader):
         self.read_ahead = read_ahead
         self.read_threads = 1 if read_threads is None else max(1, read_threads)
         self.is_warm = False
+        self.on_epoch_end = on_epoch_end
 
     def state_dict(self) -> dict[str, Any]:
         """The sampler's position (Lightning saves a train loader's ``state_dict`` in the checkpoint and restores it
@@ -401,6 +411,16 @@ class CacheDataLoader(DataLoader):
             self.prefetch_factor = 2
 
     def __iter__(self) -> Any:
+        it = self._iter()
+        if self.on_epoch_end is None:
+            return it
+        try:
+            n: int | None = len(self)
+        except TypeError:  # a sampler without a length
+            n = None
+        return _then(it, n, self.on_epoch_end)
+
+    def _iter(self) -> Any:
         self._check_warm()
         cache = getattr(self.dataset, "cache", None)
         if (
@@ -421,6 +441,19 @@ class CacheDataLoader(DataLoader):
         if not self.is_warm and self.warm_num_workers == 0 and self.read_ahead > 0 and pool is not None:
             return _reserving(super().__iter__(), pool, self.read_ahead + 3)
         return super().__iter__()
+
+
+def _then(it: Iterator[Any], n: int | None, done: Callable[[], None]) -> Iterator[Any]:
+    """``it``'s items, calling ``done()`` just before the ``n``-th (the pass's last) is handed out, or when ``it`` ends
+    sooner. Not at exhaustion only: Lightning stops asking after the loader's length and never reaches it."""
+    called = False
+    for k, item in enumerate(it, 1):
+        if k == n:
+            called = True
+            done()
+        yield item
+    if not called:
+        done()
 
 
 def _parallel_batches(loader: DataLoader, threads: int, depth: int) -> Iterator[Any]:

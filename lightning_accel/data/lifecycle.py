@@ -11,7 +11,11 @@ pinned until the machine restarts. A tier is **stale** when
   write updates the files' mtimes, so "last use" is the newest mtime of the directory and its files.
 
 :func:`sweep` removes stale tiers (``CachedDataModule`` runs it once per node in ``prepare_data`` with its ``ram_ttl``;
-``lightning-accel data clean`` runs it by hand). Only directories owned by the calling user are considered.
+``lightning-accel data clean`` runs it by hand). Only directories that carry the tier marker
+(:data:`~lightning_accel.data.tiers.TIER_MARKER`, written when the package creates a RAM tier) and that the calling
+user owns are considered, and removing one deletes only the files a tier creates (``data.mdb``, ``lock.mdb``, the
+marker) and then the directory if that left it empty: anything else found inside stays, and so does every other entry
+under the root.
 """
 
 from __future__ import annotations
@@ -19,12 +23,13 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import shutil
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["TierInfo", "find_tiers", "parse_duration", "ram_root", "sweep", "touch"]
+from lightning_accel.data.tiers import LMDB_FILES, TIER_MARKER, read_marker
+
+__all__ = ["TierInfo", "find_tiers", "other_entries", "parse_duration", "ram_root", "remove_tier", "sweep", "touch"]
 
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([smhdw]?)\s*$", re.IGNORECASE)
@@ -108,20 +113,54 @@ def _scan(path: str) -> tuple[int, float]:
     return total, newest
 
 
+def _is_tier(entry: os.DirEntry[str]) -> bool:
+    """A directory (not a link) of the calling user that carries the tier marker."""
+    try:
+        if not entry.is_dir(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_uid != os.getuid():
+            return False
+    except OSError:
+        return False
+    return read_marker(entry.path) is not None
+
+
+def other_entries(root: str) -> list[str]:
+    """The entries directly under ``root`` that are not RAM tiers (files, links, unmarked or foreign directories),
+    sorted; empty when ``root`` cannot be listed."""
+    try:
+        return sorted(e.path for e in os.scandir(root) if not _is_tier(e))
+    except OSError:
+        return []
+
+
+def remove_tier(path: str) -> bool:
+    """Delete what a tier created in ``path`` (its LMDB files and marker), then the directory if that emptied it.
+
+    Returns False, removing nothing, when ``path`` carries no marker. Any other file inside stays (and keeps the
+    directory)."""
+    if os.path.islink(path) or read_marker(path) is None:
+        return False
+    for name in (*LMDB_FILES, TIER_MARKER):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(path, name))
+    with contextlib.suppress(OSError):  # not empty: files the tier did not create stay, with their directory
+        os.rmdir(path)
+    return True
+
+
 def find_tiers(root: str | None = None) -> list[TierInfo]:
-    """The tier directories directly under ``root`` (default :func:`ram_root`) that the calling user owns."""
+    """The RAM tiers directly under ``root`` (default :func:`ram_root`): directories of the calling user that carry
+    the tier marker. Every other entry is ignored (see :func:`other_entries`)."""
     root = ram_root() if root is None else root
     try:
         entries = sorted(os.scandir(root), key=lambda e: e.name)
     except OSError:
         return []
     mapped = _mapped_dirs()
-    uid = os.getuid()
     out = []
     for e in entries:
+        if not _is_tier(e):
+            continue
         try:
-            if not e.is_dir(follow_symlinks=False) or e.stat(follow_symlinks=False).st_uid != uid:
-                continue
             size, newest = _scan(e.path)
         except OSError:
             continue
@@ -141,21 +180,25 @@ def sweep(
     keep: Iterable[str] = (),
     dry_run: bool = False,
     now: float | None = None,
+    only: Iterable[str] | None = None,
 ) -> list[TierInfo]:
     """Remove the tiers under ``root`` that no process maps and that were last used more than ``older_than_s``
-    seconds ago (``keep``: paths never removed, e.g. the caller's own tier). Returns what was (or, with
-    ``dry_run``, would be) removed; a tier another process removes meanwhile is skipped."""
+    seconds ago (``keep``: paths never removed, e.g. the caller's own tier; ``only``: tier names under ``root``, the
+    only ones considered). Returns what was (or, with ``dry_run``, would be) removed; a tier another process removes
+    meanwhile is skipped. Only marked tiers are touched (:func:`remove_tier`)."""
     now = time.time() if now is None else now
     kept = {os.path.realpath(k) for k in keep}
+    names = None if only is None else set(only)
     removed = []
     for info in find_tiers(root):
+        if names is not None and os.path.basename(info.path) not in names:
+            continue
         if info.in_use or now - info.last_use < older_than_s or os.path.realpath(info.path) in kept:
             continue
         if not dry_run:
             try:
-                shutil.rmtree(info.path)
-            except FileNotFoundError:
-                continue
+                if not remove_tier(info.path):
+                    continue
             except OSError:
                 continue  # not ours to remove after all (permissions): leave it
         removed.append(info)

@@ -217,6 +217,27 @@ class Listing:
             return cls.from_json(f.read())
 
 
+def _check_no_empty_class(store: ObjectStore, fs: Any, root: str, classes: set[str], exts: tuple[str, ...]) -> None:
+    """Raise for a class folder without images: dropping it would shift the labels of every later class."""
+    try:
+        entries = fs.ls(root, detail=True)
+    except Exception:  # a store that cannot list directories: the files found decide the classes
+        return
+    empty = sorted(
+        name
+        for e in entries
+        if e.get("type") == "directory"
+        and not (name := str(e["name"]).rstrip("/").rsplit("/", 1)[-1]).startswith(".")
+        and name not in classes
+    )
+    if empty:
+        raise ValueError(
+            f"`origin` {store.url!r} has class folder(s) {empty[:3]} holding no files with extensions {list(exts)}; "
+            "a class without samples would shift the labels of the classes after it. Add its images or remove the "
+            "folder."
+        )
+
+
 def list_origin(
     store: ObjectStore, *, manifest: str | None = None, extensions: Sequence[str] = IMAGE_EXTENSIONS
 ) -> Listing:
@@ -230,7 +251,8 @@ def list_origin(
 
     Raises:
         FileNotFoundError: the origin (or manifest) does not exist, naming the URL.
-        ValueError: nothing to train on (no matching files), naming the URL and the extensions.
+        ValueError: nothing to train on (no matching files), or a class directory without images (torchvision's
+            ``ImageFolder`` refuses it too: dropping it would shift the labels), naming the URL and the extensions.
     """
     fs, root = store.fs, store.root
     try:
@@ -288,5 +310,6 @@ def list_origin(
         )
     rels.sort()
     classes = sorted({r.split("/", 1)[0] for r in rels})
+    _check_no_empty_class(store, fs, root, set(classes), exts)
     cidx = {c: i for i, c in enumerate(classes)}
     return Listing(origin=store.url, keys=rels, labels=[cidx[r.split("/", 1)[0]] for r in rels], classes=classes)

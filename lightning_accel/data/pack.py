@@ -48,7 +48,7 @@ from typing import Any
 
 from lightning_accel._utils.forksafe import ForkSafeLock, PerProcess, ResetOnPickle
 from lightning_accel._utils.paths import safe_join
-from lightning_accel.data.origin import Listing, ObjectStore, OriginError, list_origin
+from lightning_accel.data.origin import IMAGE_EXTENSIONS, Listing, ObjectStore, OriginError, list_origin
 
 __all__ = ["PACK_INDEX", "PackIndex", "PackedReader", "pack_origin"]
 
@@ -162,6 +162,9 @@ def pack_origin(
             within a window of shards (:class:`~lightning_accel.data.sampler.ShardWindowSampler`) still mixes them.
             ``None``: listing order (an ImageFolder tree is sorted by class, so shards are nearly single-class).
 
+    Empty files, and image files PIL cannot decode, are left out (one warning with their count and the first keys);
+    the class list stays that of ``source``, so labels do not move.
+
     Raises:
         FileExistsError: ``dest`` already holds a pack and ``overwrite`` is False.
         ValueError: ``shard_bytes`` < 1, or ``source`` is itself a pack.
@@ -203,9 +206,13 @@ def pack_origin(
     sizes = [0] * n
     crcs = [0] * n
     group = 4 * max_concurrency
+    bad: list[int] = []  # samples left out: empty or undecodable image files
     for lo in range(0, n, group):
         idx = order[lo : lo + group]
         for i, data in zip(idx, src.fetch_many([listing.keys[i] for i in idx]), strict=True):
+            if not _decodable(listing.keys[i], data):
+                bad.append(i)
+                continue
             if buf and len(buf) + len(data) > shard_bytes:
                 flush()
             shard_of[i] = len(shards)
@@ -217,21 +224,63 @@ def pack_origin(
             progress(min(n, lo + group), n)
     if buf:
         flush()
+    keys, labels = listing.keys, listing.labels
+    if bad:
+        bad.sort()
+        shown = ", ".join(repr(listing.keys[i]) for i in bad[:3]) + (", ..." if len(bad) > 3 else "")
+        if len(bad) == n:
+            raise ValueError(
+                f"`source` {src.url!r}: none of its {n} files can be decoded ({shown}); nothing to pack. Check that "
+                "the files are images."
+            )
+        warnings.warn(
+            f"pack_origin: left out {len(bad)} of {n} files of {src.url!r} that are empty or cannot be decoded as "
+            f"images ({shown}); the other {n - len(bad)} were packed, the class list is unchanged. Fix or remove "
+            "those files and pack again to include them.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        drop = set(bad)
+        kept = [i for i in range(n) if i not in drop]
+        keys, labels = [keys[i] for i in kept], [labels[i] for i in kept]
+        shard_of, offsets = [shard_of[i] for i in kept], [offsets[i] for i in kept]
+        sizes, crcs = [sizes[i] for i in kept], [crcs[i] for i in kept]
     pack = PackIndex(shards, shard_sizes, shard_of, offsets, sizes, crcs)
     doc = {
         "format": PACK_FORMAT,
         "version": PACK_VERSION,
         "source": src.url,
         "classes": listing.classes,
-        "keys": listing.keys,
-        "labels": listing.labels,
+        "keys": keys,
+        "labels": labels,
         **pack.to_dict(),
     }
     # The index last, under a temporary name first: a pack killed halfway has no index and is not a pack.
     tmp = f"{index_path}.tmp-{os.getpid()}"
     fs.pipe_file(tmp, json.dumps(doc, separators=(",", ":")).encode())
     fs.mv(tmp, index_path)
-    return Listing(origin=dst.url, keys=listing.keys, labels=listing.labels, classes=listing.classes, pack=pack)
+    return Listing(origin=dst.url, keys=keys, labels=labels, classes=listing.classes, pack=pack)
+
+
+def _decodable(key: str, data: bytes) -> bool:
+    """False for an empty file, and for an image file (by extension) that PIL cannot decode. JPEGs are decoded at
+    1/8 scale (``draft``): enough to find a broken stream at a fraction of a full decode's cost."""
+    if not data:
+        return False
+    if not key.lower().endswith(IMAGE_EXTENSIONS):
+        return True  # not an image file (a manifest's own format): the user's decode judges it
+    import io
+
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            if im.format == "JPEG":
+                im.draft("RGB", (max(1, im.width // 8), max(1, im.height // 8)))
+            im.load()
+    except Exception:  # PIL raises OSError, SyntaxError, ValueError, ... for broken streams
+        return False
+    return True
 
 
 def _lock_shard(f: Any) -> None:

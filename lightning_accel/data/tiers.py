@@ -27,6 +27,10 @@ Contract:
   partial transaction, so a warm-up killed halfway leaves only complete entries.
 - **Faults**: a directory that cannot be created or written, or a full disk, disables the tier with one warning per
   process; callers keep working with the remaining tiers.
+- **Ownership**: a RAM tier (``name="ram"``, or ``marker=True``) writes :data:`TIER_MARKER` into its directory when it
+  opens it (owner pid/host/user and creation time, :func:`read_marker`). Cleaning up RAM tiers
+  (:mod:`~lightning_accel.data.lifecycle`) considers only directories that carry it, so nothing the package did not
+  create is ever removed.
 - Thread safety: every operation holds a per-process lock for its transaction (``set_mapsize`` must not run while
   another thread of the process has a transaction open), so a read-ahead thread and the main thread can share a tier.
 """
@@ -44,7 +48,21 @@ from typing import Any
 
 from lightning_accel._utils.forksafe import PerProcess
 
-__all__ = ["BudgetTooSmallError", "LmdbTier", "PutResult", "default_ram_dir", "parse_bytes"]
+__all__ = [
+    "LMDB_FILES",
+    "TIER_MARKER",
+    "BudgetTooSmallError",
+    "LmdbTier",
+    "PutResult",
+    "default_ram_dir",
+    "parse_bytes",
+    "read_marker",
+    "write_marker",
+]
+
+TIER_MARKER = ".lightning-accel-tier.json"
+LMDB_FILES = ("data.mdb", "lock.mdb")  # what an LMDB environment (subdir=True) creates in its directory
+_MARKER_FORMAT = "lightning-accel-ram-tier"
 
 _INITIAL_MAP = 64 << 20
 _U64x2 = struct.Struct("<QQ")
@@ -177,6 +195,50 @@ def default_ram_dir(tag: str) -> str | None:
     return None
 
 
+def write_marker(path: str) -> None:
+    """Write the tier marker into the directory ``path`` unless it is there already (atomically: a sweep never reads
+    half a marker). It says who created the tier and when."""
+    import getpass
+    import json
+    import socket
+    import time
+
+    from lightning_accel._utils.atomic import atomic_write_text
+
+    target = os.path.join(path, TIER_MARKER)
+    if os.path.lexists(target):
+        return
+    try:
+        user = getpass.getuser()
+    except Exception:  # no user name in this environment (a container without passwd entry)
+        user = str(os.getuid())
+    doc = {
+        "format": _MARKER_FORMAT,
+        "owner": {"pid": os.getpid(), "host": socket.gethostname(), "user": user},
+        "created": time.time(),
+    }
+    atomic_write_text(target, json.dumps(doc))
+
+
+def read_marker(path: str) -> dict[str, Any] | None:
+    """The marker of the tier directory ``path`` (``{"owner": {...}, "created": ...}``), or None when ``path`` carries
+    no valid marker (a regular file, not a link, written by :func:`write_marker`)."""
+    import json
+    import stat
+
+    target = os.path.join(path, TIER_MARKER)
+    try:
+        if not stat.S_ISREG(os.lstat(target).st_mode):
+            return None
+        with open(target, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict) or doc.get("format") != _MARKER_FORMAT:
+        return None
+    return doc
+
+
 def _open_env(path: str, key: str, map_size: int, sync: bool) -> _Env:
     """This process's environment at ``path`` (``key``: its real path), opened now if needed; holds ``_LOCK``."""
     import lmdb
@@ -220,6 +282,8 @@ class LmdbTier:
         name: label used in warnings and statistics (``"ssd"``, ``"ram"``).
         policy: ``"keep"`` (admit nothing when full) or ``"fifo"`` (evict oldest to make room).
         sync: fsync every commit (off by default; see the module notes).
+        marker: write :data:`TIER_MARKER` when the tier is opened, so tier cleanup may remove the directory later
+            (``None``: for a RAM tier, ``name="ram"``).
     """
 
     def __init__(
@@ -230,6 +294,7 @@ class LmdbTier:
         name: str = "ssd",
         policy: str = "keep",
         sync: bool = False,
+        marker: bool | None = None,
     ) -> None:
         if budget_bytes is not None and (not isinstance(budget_bytes, int) or budget_bytes < 0):
             raise ValueError(
@@ -243,6 +308,7 @@ class LmdbTier:
         self.name = name
         self.policy = policy
         self.sync = sync
+        self.marker = name == "ram" if marker is None else bool(marker)
         self.disabled = budget_bytes == 0
         self.disabled_reason: str | None = "budget is 0" if self.disabled else None
         self._psize = 4096  # LMDB's page size, known once opened (the same in every process)
@@ -311,6 +377,10 @@ class LmdbTier:
                     cap = self.cap_bytes
                     initial = _INITIAL_MAP if cap is None else min(cap, _INITIAL_MAP)
                     opened = _open_env(self.path, self._key, initial, self.sync)
+                    # Only a directory holding nothing but this tier's files becomes a marked tier: a directory
+                    # that also holds other files is never offered to the cleanup.
+                    if self.marker and set(os.listdir(self.path)) <= set(LMDB_FILES):
+                        write_marker(self.path)
                 except Exception as e:  # lmdb.Error, OSError (read-only dir, ENOSPC, ...)
                     self._disable(e)
                     return False

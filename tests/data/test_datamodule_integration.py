@@ -170,3 +170,84 @@ def test_prefetch_defaults_to_inline_reads_for_a_local_origin(
     assert dm.train_set is not None and dm.train_set.cache.prefetch is expected
     x, y = dm.train_set.__getitems__([0, 1, 2])
     assert x.shape == (3, 3, 16, 16) and len(y) == 3
+
+
+def test_skipped_samples_are_reported_per_epoch(small_digits: Path, tmp_path: Path) -> None:
+    import shutil
+    import warnings
+
+    origin = tmp_path / "origin"
+    shutil.copytree(small_digits, origin)
+    bad = sorted((origin / "4").glob("*.jpg"))
+    bad[0].write_bytes(b"")  # empty
+    bad[1].write_bytes(b"not a jpeg")
+    dm = _dm(origin, tmp_path, num_workers=1, on_decode_error="skip", val_origin=str(small_digits))
+    trainer = L.Trainer(
+        max_epochs=2,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(_model(), datamodule=dm)
+    lines = [str(w.message) for w in caught if "undecodable" in str(w.message)]
+    # skipped samples are not cached: each training epoch decodes and skips them again, and says so once
+    assert [m for m in lines if "in training" in m] == [
+        "lightning_accel data: rank 0 skipped 2 undecodable sample(s) in training (epoch 0; 2 in all) because "
+        "`on_decode_error='skip'`; fix or remove the files, or pass `on_decode_error='raise'` to stop at the first "
+        "one with its key.",
+        "lightning_accel data: rank 0 skipped 2 undecodable sample(s) in training (epoch 1; 4 in all) because "
+        "`on_decode_error='skip'`; fix or remove the files, or pass `on_decode_error='raise'` to stop at the first "
+        "one with its key.",
+    ]
+    assert len(lines) == 2  # the clean validation origin skipped nothing; teardown had nothing left to report
+    assert dm.cache_stats["decode_skipped"] == 4
+
+
+def _ddp_skip_rank(rank: int, world: int, origin: str, val: str, tmp: str) -> list[str]:
+    import warnings
+
+    import lightning as L
+
+    dm = _dm(Path(origin), Path(tmp), num_workers=0, on_decode_error="skip", val_origin=val)
+    trainer = L.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        log_every_n_steps=1,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(_model(), datamodule=dm)
+    return [str(w.message) for w in caught if "undecodable" in str(w.message)]
+
+
+def test_skipped_samples_are_reported_under_two_process_ddp(small_digits: Path, tmp_path: Path) -> None:
+    import re
+    import shutil
+
+    origin = tmp_path / "origin"
+    shutil.copytree(small_digits, origin)
+    for p in sorted((origin / "5").glob("*.jpg"))[:3]:
+        p.write_bytes(b"")
+    msgs = run_in_processes(
+        _ddp_skip_rank, 2, (str(origin), str(small_digits), str(tmp_path)), init_process_group=False, timeout=240
+    )
+    counts = []
+    for rank, lines in enumerate(msgs):  # only ranks that skipped something speak, each of its own count
+        for line in lines:
+            m = re.match(rf"lightning_accel data: rank {rank} skipped (\d+) undecodable sample\(s\) in training", line)
+            assert m, line
+            counts.append(int(m.group(1)))
+    assert sum(counts) == 3  # the three empty files, each on the one rank that read it

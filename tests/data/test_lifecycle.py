@@ -79,3 +79,85 @@ def test_prepare_data_sweeps_stale_tiers_next_to_its_own(
     assert not stale.exists() and fresh.exists()
     with pytest.raises(ValueError, match="`ram_ttl`"):
         CachedDataModule(str(small_digits), cache_dir=str(tmp_path / "cache"), ram_ttl="forever")
+
+
+def _snapshot(root: Path) -> dict[str, bytes | None]:
+    """Every path under ``root`` with its bytes (None for a directory)."""
+    return {str(p.relative_to(root)): (None if p.is_dir() else p.read_bytes()) for p in sorted(root.rglob("*"))}
+
+
+def test_ram_tier_carries_an_owner_marker_and_an_ssd_tier_none(tmp_path: Path) -> None:
+    from lightning_accel.data.tiers import TIER_MARKER, read_marker
+
+    ram = _tier(tmp_path, "ram", 0)
+    doc = read_marker(str(ram))
+    assert doc is not None and doc["owner"]["pid"] == os.getpid() and doc["owner"]["host"] and doc["owner"]["user"]
+    assert time.time() - 60 < doc["created"] <= time.time()
+    ssd = LmdbTier(tmp_path / "ssd", 1 << 20, name="ssd")
+    assert ssd.open() and not (tmp_path / "ssd" / TIER_MARKER).exists()
+    mine = tmp_path / "mine"  # a directory of the user's own, chosen as a RAM tier: not made a removable tier
+    mine.mkdir()
+    (mine / "keep.txt").write_text("mine")
+    assert LmdbTier(mine, 1 << 20, name="ram").open() and read_marker(str(mine)) is None
+
+
+def test_sweep_touches_only_marked_tiers(tmp_path: Path) -> None:
+    stale = _tier(tmp_path, "stale", 7200)
+    user = tmp_path / "proj"
+    user.mkdir()
+    (user / "a.py").write_text("print('hi')\n")
+    lookalike = tmp_path / "lmdb-of-mine"  # an LMDB environment the package did not create
+    lookalike.mkdir()
+    (lookalike / "data.mdb").write_bytes(b"\0" * 4096)
+    (tmp_path / "notes.txt").write_text("notes")
+    planted = _tier(tmp_path, "planted", 7200)
+    (planted / "results.csv").write_text("a,b\n1,2\n")  # the user's file inside a tier
+    before = _snapshot(user) | {"notes": (tmp_path / "notes.txt").read_bytes()}
+    before_look = _snapshot(lookalike)
+    assert {Path(t.path).name for t in find_tiers(str(tmp_path))} == {"stale", "planted"}
+    removed = {Path(t.path).name for t in sweep(str(tmp_path), older_than_s=0)}
+    assert removed == {"stale", "planted"} and not stale.exists()
+    assert _snapshot(user) | {"notes": (tmp_path / "notes.txt").read_bytes()} == before
+    assert _snapshot(lookalike) == before_look
+    assert _snapshot(planted) == {"results.csv": b"a,b\n1,2\n"}  # only what the tier created is gone
+
+
+def test_data_clean_refuses_a_root_holding_other_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "x"
+    (root / "proj").mkdir(parents=True)
+    (root / "proj" / "a.py").write_text("hi\n")
+    stale = _tier(root, "stale", 7200)
+    other = _tier(root, "other", 7200)
+    before = _snapshot(root / "proj")
+    for argv in (["clean", "--root", str(root)], ["clean", "--root", str(root), "--dry-run"]):
+        assert data_main(argv) == 2
+        cap = capsys.readouterr()
+        assert cap.out == "" and len(cap.err.strip().splitlines()) == 1 and len(cap.err) <= 400
+        assert "`--root`" in cap.err and "'proj'" in cap.err and "--tier NAME" in cap.err
+    assert stale.exists() and other.exists() and _snapshot(root / "proj") == before
+    assert data_main(["clean", "--root", str(root), "--tier", "stale"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["removed"] == [str(stale)] and [k["path"] for k in out["kept"]] == [str(other)]
+    assert not stale.exists() and other.exists() and _snapshot(root / "proj") == before
+    assert data_main(["clean", "--root", str(root), "--tier", "proj"]) == 2  # not a tier: refused
+    err = capsys.readouterr().err
+    assert "`--tier` 'proj' is not a RAM tier" in err and len(err.strip().splitlines()) == 1
+    assert _snapshot(root / "proj") == before
+
+
+def test_data_clean_on_a_run_folder_lists_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    for d in ("checkpoints", "lightning_logs/version_0"):
+        (run / d).mkdir(parents=True)
+    (run / "checkpoints" / "last.ckpt").write_bytes(b"weights")
+    before = _snapshot(run)
+    assert sweep(str(run), dry_run=True) == [] and sweep(str(run)) == []
+    assert data_main(["clean", "--root", str(run), "--dry-run"]) == 2
+    assert "not RAM tiers" in capsys.readouterr().err and _snapshot(run) == before
+
+
+def test_data_clean_reports_a_missing_root(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert data_main(["clean", "--root", str(tmp_path / "nowhere")]) == 2
+    cap = capsys.readouterr()
+    assert cap.out == "" and len(cap.err.strip().splitlines()) == 1
+    assert "`--root`" in cap.err and "nowhere" in cap.err and "is not an existing directory" in cap.err

@@ -233,3 +233,46 @@ def test_data_pack_command(small_digits: Path, tmp_path: Path, capsys: pytest.Ca
     assert main(["pack", str(small_digits), str(tmp_path / "x"), "--storage-options", "[1]"]) == 2
     assert main(["pack", str(tmp_path / "missing"), str(tmp_path / "y")]) == 1
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_empty_and_undecodable_files_are_left_out_with_one_warning(
+    small_digits: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shutil
+
+    from lightning_accel.data.cli import main as data_main
+
+    src = tmp_path / "src"
+    shutil.copytree(small_digits, src)
+    jpgs = sorted((src / "7").glob("*.jpg"))
+    jpgs[0].write_bytes(b"")
+    jpgs[1].write_bytes(b"\xff\xd8\xff\xe0 garbage, not a JPEG stream")
+    jpgs[2].write_bytes(jpgs[3].read_bytes()[:60])  # truncated
+    bad = {f"7/{p.name}" for p in jpgs[:3]}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        listing = pack_origin(str(src), str(tmp_path / "packed"))
+    msgs = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(msgs) == 1 and "left out 3 of 200 files" in msgs[0] and all(repr(k) in msgs[0] for k in bad)
+    assert len(listing) == 197 and not bad & set(listing.keys)
+    assert listing.classes == [str(d) for d in range(10)]  # labels do not move
+    reread = list_origin(ObjectStore(str(tmp_path / "packed")))
+    assert reread.keys == listing.keys and reread.labels == listing.labels
+    cache = SampleCache(ObjectStore(str(tmp_path / "packed")), reread, ImageDecoder(16))
+    assert cache.load(list(range(len(reread)))).images.shape[0] == 197  # every packed sample decodes
+    ref = list_origin(ObjectStore(str(src)))
+    good = {k: y for k, y in zip(ref.keys, ref.labels, strict=True) if k not in bad}
+    assert dict(zip(reread.keys, reread.labels, strict=True)) == good
+    capsys.readouterr()
+    assert data_main(["pack", str(src), str(tmp_path / "packed2")]) == 0
+    cap = capsys.readouterr()
+    warned = [line for line in cap.err.splitlines() if "warning:" in line]
+    assert len(warned) == 1 and warned[0].startswith("lightning-accel data: warning: pack_origin: left out 3 of 200")
+    assert json.loads(cap.out)["samples"] == 197
+
+
+def test_a_source_of_only_undecodable_files_is_an_error(tmp_path: Path) -> None:
+    (tmp_path / "src" / "a").mkdir(parents=True)
+    (tmp_path / "src" / "a" / "x.jpg").write_bytes(b"")
+    with pytest.raises(ValueError, match="none of its 1 files can be decoded"):
+        pack_origin(str(tmp_path / "src"), str(tmp_path / "packed"))

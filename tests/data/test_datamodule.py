@@ -1,0 +1,50 @@
+"""``CachedDataModule`` argument checks: every bad value is one line at construction, naming the argument."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lightning_accel.data import CachedDataModule, CachedDataset
+
+
+def _make(tmp: Path, **kw: Any) -> CachedDataModule:
+    return CachedDataModule(str(tmp), cache_dir=str(tmp / "cache"), **kw)
+
+
+@pytest.mark.parametrize(
+    ("kw", "pattern"),
+    [
+        ({"ram_bytes": 1}, r"`ram_bytes` 1 is below the minimum of 1048576 bytes: an LMDB tier needs room"),
+        ({"ram_bytes": "100KiB", "image_size": 16}, r"`ram_bytes` '100KiB' \(102400 bytes\) is below the minimum"),
+        ({"ram_bytes": "1MiB", "image_size": 512}, r"two 512 px samples \(790528 bytes each\)"),
+        ({"ssd_bytes": 4096}, r"`ssd_bytes` 4096 is below the minimum"),
+        ({"max_concurrency": 0}, r"`max_concurrency` must be an integer >= 1 \(origin reads in flight"),
+        ({"retries": -1}, r"`retries` must be an integer >= 0 .*got -1"),
+        ({"prefetch_batches": -3}, r"`prefetch_batches` must be an integer >= 0 .*got -3"),
+        ({"max_concurrency": 2.5}, r"`max_concurrency` must be an integer >= 1"),
+    ],
+)
+def test_bad_budgets_and_reader_settings_fail_at_construction(tmp_path: Path, kw: dict[str, Any], pattern: str) -> None:
+    with pytest.raises(ValueError, match=pattern) as e:
+        _make(tmp_path, **kw)
+    msg = str(e.value)
+    assert "\n" not in msg and len(msg) <= 400 and ("0 to disable" in msg or "must be" in msg)
+
+
+def test_small_but_workable_budgets_and_zero_are_accepted(tmp_path: Path) -> None:
+    dm = _make(tmp_path, ram_bytes="1MiB", ssd_bytes=0, image_size=16, max_concurrency=1, retries=0, prefetch_batches=0)
+    assert (dm.ram_bytes, dm.ssd_bytes, dm.max_concurrency, dm.retries, dm.prefetch_batches) == (1 << 20, 0, 1, 0, 0)
+    assert _make(tmp_path, ram_bytes=0, ssd_bytes=None).ssd_bytes is None
+    assert _make(tmp_path, ram_bytes=1 << 20, decode=lambda b: b).ram_bytes == 1 << 20  # custom decode: size unknown
+
+
+def test_dataset_refuses_a_negative_prefetch(small_digits: Path, tmp_path: Path) -> None:
+    from lightning_accel.data import ImageDecoder, ObjectStore, SampleCache, list_origin
+
+    store = ObjectStore(str(small_digits))
+    cache = SampleCache(store, list_origin(store), ImageDecoder(16))
+    with pytest.raises(ValueError, match=r"`prefetch_batches` must be an integer >= 0"):
+        CachedDataset(cache, prefetch_batches=-1)
