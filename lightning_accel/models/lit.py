@@ -13,20 +13,40 @@ from typing_extensions import override
 
 from lightning_accel.models.resnet import SmallResNet
 from lightning_accel.models.transformer import GPT
+from lightning_accel.recipes.callbacks import bind_to_fit
+from lightning_accel.recipes.lr import WarmupCosineLR
 
 __all__ = ["ImageClassifier", "TinyGPT"]
 
 
 def _adamw_cosine(module: LightningModule, lr: float, weight_decay: float) -> Any:
-    """AdamW + cosine decay over the whole fit (per step), the default both reference models use."""
+    """AdamW + cosine decay to ``lr / 100`` over the whole fit (per step), the default both reference models use.
+
+    The schedule is a :class:`~lightning_accel.recipes.lr.WarmupCosineLR` without warm-up (the cosine of torch's
+    ``CosineAnnealingLR``, in closed form). Its length comes from the current fit, not from a checkpoint:
+    ``configure_optimizers`` runs again on resume, and :func:`_bind_default_schedule` re-binds it at
+    ``on_train_start``, after Lightning restored the checkpoint's scheduler state -- so an extended run (more
+    ``max_epochs``) continues on the longer cosine, and a run resumed at another world size continues from the same
+    progress fraction.
+    """
     opt = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=weight_decay)
     try:  # `LightningModule.trainer` raises when no Trainer is attached (configure_optimizers called by hand)
         trainer = module.trainer if module.fabric is None else None  # under Fabric: a stand-in without the count
     except RuntimeError:
         trainer = None
     total = max(1, int(trainer.estimated_stepping_batches)) if trainer is not None else 1000
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=total, eta_min=lr * 0.01)
+    sched = WarmupCosineLR(opt, total_steps=total, warmup_steps=0, min_lr=lr * 0.01)
+    module.__dict__["_default_schedule"] = sched  # not an nn.Module attribute: kept out of state_dict/hparams
     return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def _bind_default_schedule(module: LightningModule) -> None:
+    """Re-bind the schedule :func:`_adamw_cosine` built to the current fit (at ``on_train_start``; see there)."""
+    sched = module.__dict__.get("_default_schedule")
+    if sched is None:
+        return  # configure_optimizers replaced (LightningCLI `optimizer:`/`lr_scheduler:` blocks)
+    if any(cfg.scheduler is sched for cfg in module.trainer.lr_scheduler_configs):
+        bind_to_fit(sched, module.trainer, sched.total_steps_arg)
 
 
 def _datamodule_image_size(module: LightningModule) -> int | None:
@@ -111,6 +131,10 @@ class ImageClassifier(LightningModule):
     def configure_optimizers(self) -> Any:
         return _adamw_cosine(self, self.hparams["lr"], self.hparams["weight_decay"])
 
+    @override
+    def on_train_start(self) -> None:
+        _bind_default_schedule(self)
+
 
 class TinyGPT(LightningModule):
     """``GPT`` trained on next-token prediction; batches are int64 token tensors (B, T) or ``(tokens, ...)`` tuples.
@@ -155,3 +179,7 @@ class TinyGPT(LightningModule):
     @override
     def configure_optimizers(self) -> Any:
         return _adamw_cosine(self, self.hparams["lr"], self.hparams["weight_decay"])
+
+    @override
+    def on_train_start(self) -> None:
+        _bind_default_schedule(self)

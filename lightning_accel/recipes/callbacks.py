@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -34,7 +35,41 @@ from lightning_accel.recipes.prune import (
     schedule_amounts,
 )
 
-__all__ = ["KnowledgeDistillation", "LinearScalingLR", "PerStepLR", "StructuredPruning"]
+__all__ = ["KnowledgeDistillation", "LinearScalingLR", "PerStepLR", "StructuredPruning", "bind_to_fit"]
+
+
+def fit_steps_per_epoch(trainer: Trainer) -> float | None:
+    """Optimizer steps per epoch of ``trainer``'s current fit, or ``None`` when ``max_steps`` bounds it.
+
+    The count Lightning's ``estimated_stepping_batches`` multiplies by ``max_epochs``: ``ceil(batches per process /
+    accumulate_grad_batches)``; it changes with the world size (each process sees a shard) and the batch size.
+    """
+    total = trainer.estimated_stepping_batches
+    batches = trainer.num_training_batches
+    if not math.isfinite(batches) or trainer.max_epochs is None or trainer.max_epochs < 1:
+        return None
+    per_epoch = math.ceil(batches / trainer.accumulate_grad_batches)
+    if trainer.max_steps != -1 and total < per_epoch * trainer.max_epochs:
+        return None  # bounded by `max_steps`: the steps are the unit, no conversion
+    return float(per_epoch)
+
+
+def bind_to_fit(sched: WarmupCosineLR, trainer: Trainer, total_steps: int | float | None = None) -> None:
+    """Bind ``sched`` to ``trainer``'s current fit: its length, and (resumed) its position in this fit's steps.
+
+    Call it at ``on_train_start`` (after Lightning restored the checkpoint's scheduler state, which would otherwise
+    keep the first fit's horizon). ``total_steps`` defaults to ``trainer.estimated_stepping_batches``. Every rank
+    computes the same values from its own Trainer; no collective.
+    """
+    before = (sched.total_steps, sched.step_offset)
+    total = trainer.estimated_stepping_batches if total_steps is None else total_steps
+    sched.bind(total, steps_per_epoch=fit_steps_per_epoch(trainer))
+    if before[0] is not None and before != (sched.total_steps, sched.step_offset):
+        step = max(0, sched.last_epoch)
+        rank_zero_info(
+            f"{type(sched).__name__}: length {before[0]} -> {sched.total_steps} steps (this fit), continuing from "
+            f"position {step + sched.step_offset} (step {step})."
+        )
 
 
 def _loader_batch_size(obj: Any) -> int | None:
@@ -139,7 +174,11 @@ class PerStepLR(Callback):
     ``max_steps``). The length is recomputed at every fit start, resumed fits included: a resumed schedule keeps its
     step and base rates but takes the current fit's length (a finished 10-epoch run resumed with ``max_epochs=20``
     continues on the 20-epoch cosine instead of training at ``min_lr``). Schedules given an explicit ``total_steps``
-    keep it. Other schedulers are left alone.
+    keep their length. Other schedulers are left alone.
+
+    Resumed at another world size (or batch size), the restored step counts steps of the old size: the schedule's
+    position is converted through the epochs it represents (:func:`bind_to_fit`), so it continues from the same
+    progress fraction and reaches ``min_lr`` at this fit's last step (not early, not half-way).
     """
 
     @override
@@ -151,14 +190,7 @@ class PerStepLR(Callback):
                 cfg.interval = "step"
                 cfg.frequency = 1
                 sched = cfg.scheduler
-                if sched.total_steps_arg is None:
-                    before = sched.total_steps
-                    sched.bind(trainer.estimated_stepping_batches)
-                    if before is not None and before != sched.total_steps:
-                        rank_zero_info(
-                            f"PerStepLR: WarmupCosineLR length {before} -> {sched.total_steps} steps (this fit's "
-                            f"`estimated_stepping_batches`), continuing from step {max(0, sched.last_epoch)}."
-                        )
+                bind_to_fit(sched, trainer, sched.total_steps_arg)
         if not found:
             rank_zero_warn("PerStepLR found no WarmupCosineLR scheduler in this fit; it changed nothing.")
 

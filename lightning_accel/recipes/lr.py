@@ -10,7 +10,8 @@ Functional core (plain torch, no Lightning):
   never compounds.
 - :class:`WarmupCosineLR` -- an ``LRScheduler`` that ramps linearly to the base rate over the warm-up, then anneals
   with a half cosine to ``min_lr`` at ``total_steps``. Closed form (not chainable), so its value at step ``s`` depends
-  only on ``s``; its ``state_dict`` makes it resumable.
+  only on ``s`` (plus a position offset set by :meth:`WarmupCosineLR.bind` when a resumed fit counts steps in
+  other units, e.g. at another world size); its ``state_dict`` makes it resumable.
 """
 
 from __future__ import annotations
@@ -182,6 +183,10 @@ class WarmupCosineLR(LRScheduler):
         # the current Trainer) or bound later from the Trainer (PerStepLR): either way not taken from a restored state
         self.total_steps_arg = None if total_steps is None else total_steps
         self.warmup_steps = 0
+        # position on the curve = step + step_offset; nonzero only after a resume whose steps per epoch differ from the
+        # checkpoint's (another world size / batch size): the restored progress is re-expressed in this fit's steps
+        self.step_offset = 0
+        self.steps_per_epoch: float | None = None
         if total_steps is not None:
             self._resolve(total_steps)
         elif self.warmup_steps_arg is not None:
@@ -214,14 +219,33 @@ class WarmupCosineLR(LRScheduler):
         self.total_steps = total
         self.warmup_steps = warm
 
-    def bind(self, total_steps: int | float) -> None:
+    def bind(self, total_steps: int | float, steps_per_epoch: float | None = None) -> None:
         """Fix ``total_steps`` (e.g. to ``trainer.estimated_stepping_batches``) and re-apply the current step's rate.
 
-        Binding again to the same value is a no-op. Binding a restored (resumed) schedule to a new length continues
-        the cosine of the new length from the restored step: extending a finished run (more ``max_epochs``) resumes
-        on the longer curve instead of staying at ``min_lr``.
+        Binding again to the same values is a no-op. Binding a restored (resumed) schedule to a new length continues
+        the cosine of the new length from the restored position: extending a finished run (more ``max_epochs``)
+        resumes on the longer curve instead of staying at ``min_lr``, and ends at ``min_lr`` at the new last step.
+
+        Args:
+            total_steps: optimizer steps of the whole (current) fit.
+            steps_per_epoch: optimizer steps per epoch of the current fit (``None`` when the fit is bounded by
+                ``max_steps``). When the restored schedule was bound with another value (the world size or the
+                batch size changed), the restored position is converted through the epochs it represents, so the
+                schedule continues from the same progress fraction to the end of the new horizon instead of
+                counting old steps against the new horizon.
         """
         self._resolve(total_steps)
+        step = max(0, self.last_epoch)
+        position = step + self.step_offset
+        old = self.steps_per_epoch
+        if steps_per_epoch is not None and old is not None and steps_per_epoch != old:
+            position = int(round(position * steps_per_epoch / old))
+        self.step_offset = position - step
+        if steps_per_epoch is not None:
+            self.steps_per_epoch = float(steps_per_epoch)
+        self._apply_current()
+
+    def _apply_current(self) -> None:
         values = self._closed_form(max(0, self.last_epoch))
         for group, lr in zip(self.optimizer.param_groups, values, strict=True):
             group["lr"] = lr
@@ -239,7 +263,8 @@ class WarmupCosineLR(LRScheduler):
                 )
             warm = self.warmup_steps if self.warmup_steps_arg is not None else 1
             return [warmup_cosine_value(0, b, max(warm, 1) + 1, warm, self.min_lr) for b in self.base_lrs]
-        return [warmup_cosine_value(step, b, self.total_steps, self.warmup_steps, self.min_lr) for b in self.base_lrs]
+        pos = step + self.step_offset
+        return [warmup_cosine_value(pos, b, self.total_steps, self.warmup_steps, self.min_lr) for b in self.base_lrs]
 
     def get_lr(self) -> list[float | torch.Tensor]:
         """The rates for step ``last_epoch`` (torch's scheduler contract); a closed form, so the deprecated
@@ -254,7 +279,9 @@ class WarmupCosineLR(LRScheduler):
         to the constructor (``configure_optimizers`` runs again on resume, with the resumed Trainer's
         ``estimated_stepping_batches``) wins over the restored one, and an unbound schedule is rebound by
         :class:`~lightning_accel.recipes.PerStepLR` at ``on_train_start``. So a finished run extended with more
-        epochs continues on the longer cosine instead of training at ``min_lr``.
+        epochs continues on the longer cosine instead of training at ``min_lr``. The restored position offset and
+        steps per epoch stay until :meth:`bind` re-expresses them in the current fit's steps
+        (:func:`~lightning_accel.recipes.callbacks.bind_to_fit`, called by ``PerStepLR`` at ``on_train_start``).
         """
         arg = self.total_steps_arg
         self.__dict__.update(state_dict)
@@ -262,10 +289,7 @@ class WarmupCosineLR(LRScheduler):
         if arg is not None:
             self._resolve(arg)
         if self.total_steps is not None:
-            values = self._closed_form(max(0, self.last_epoch))
-            for group, lr in zip(self.optimizer.param_groups, values, strict=True):
-                group["lr"] = lr
-            compat.set_scheduler_last_lr(self, values)
+            self._apply_current()
         elif self.last_epoch > 0:
             warnings.warn(
                 "Restored an unbound WarmupCosineLR past step 0; bind it (`bind(total_steps)`) before stepping again.",

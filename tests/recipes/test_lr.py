@@ -137,3 +137,59 @@ def test_resume_continues_the_same_curve() -> None:
     sched_b.load_state_dict(sched_a.state_dict())
     second = _lrs(sched_b, opt_b, 18)
     assert first + second == pytest.approx(full)
+
+
+def _stepped(total: int, steps: int, spe: float | None, **kw: object) -> WarmupCosineLR:
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    s = WarmupCosineLR(opt, warmup_steps=None, min_lr=0.001, **kw)  # type: ignore[arg-type]
+    s.bind(total, steps_per_epoch=spe)
+    for _ in range(steps):
+        opt.step()
+        s.step()
+    return s
+
+
+def _restored(state: dict, total: int, spe: float | None) -> tuple[WarmupCosineLR, int, list[float]]:
+    """A fresh schedule restored from ``state`` and re-bound to a fit of ``total`` steps: the schedule, its position
+    after the bind, its rates to the end."""
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    s = WarmupCosineLR(opt, min_lr=0.001)
+    s.load_state_dict(state)
+    s.bind(total, steps_per_epoch=spe)
+    start = s.last_epoch + s.step_offset
+    lrs = []
+    for _ in range(total):
+        lrs.append(float(opt.param_groups[0]["lr"]))
+        if s.last_epoch + s.step_offset >= total:
+            break
+        opt.step()
+        s.step()
+    return s, start, lrs
+
+
+@pytest.mark.parametrize(
+    ("old_spe", "new_spe", "position"),
+    [(78.0, 52.0, 52), (78.0, 156.0, 156), (78.0, 78.0, 78)],  # 2 -> 3 processes, 2 -> 1, same size
+)
+def test_rebinding_at_another_steps_per_epoch_keeps_the_progress_fraction(
+    old_spe: float, new_spe: float, position: int
+) -> None:
+    # one epoch of four done (78 steps at the old size), resumed at a size with `new_spe` steps per epoch
+    old = _stepped(int(4 * old_spe), int(old_spe), old_spe)
+    new_total = int(4 * new_spe)
+    s, start, lrs = _restored(old.state_dict(), new_total, new_spe)
+    assert start == position  # a quarter of the new horizon, as before
+    assert lrs[0] == pytest.approx(warmup_cosine_value(position, 0.1, new_total, 0, 0.001))
+    assert lrs[0] == pytest.approx(float(old.optimizer.param_groups[0]["lr"]))  # the same point of the curve
+    assert len(lrs) == new_total - position + 1 and lrs[-2] > 0.001  # no step trained at min_lr before the end
+    assert lrs[-1] == pytest.approx(0.001)  # reaches min_lr exactly after this fit's last step
+    before = (s.total_steps, s.step_offset)
+    s.bind(new_total, steps_per_epoch=new_spe)
+    assert (s.total_steps, s.step_offset) == before  # binding again changes nothing
+
+
+def test_rebinding_an_extended_run_continues_from_the_same_step() -> None:
+    old = _stepped(16, 16, 8.0)  # a finished 2-epoch run
+    s, start, lrs = _restored(old.state_dict(), 32, 8.0)  # extended to 4 epochs
+    assert start == 16 and s.step_offset == 0 and lrs[0] == pytest.approx(warmup_cosine_value(16, 0.1, 32, 0, 0.001))
+    assert lrs[-1] == pytest.approx(0.001) and len(lrs) == 17

@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from lightning_accel.callbacks import PerStepLR
 from lightning_accel.cli import AccelCLI
@@ -56,5 +57,7 @@ def test_cli_lr_scheduler_block_runs_per_step(tmp_path: Path) -> None:
 
 
 def test_warns_when_there_is_nothing_to_bind() -> None:
+    m = classifier()  # its default schedule is a WarmupCosineLR: replace it by a plain optimizer
+    m.configure_optimizers = lambda: torch.optim.SGD(m.parameters(), lr=0.1)  # type: ignore[method-assign]
     with pytest.warns(UserWarning, match="found no WarmupCosineLR"):
-        trainer(callbacks=[PerStepLR()], limit_train_batches=1).fit(classifier(), loader())
+        trainer(callbacks=[PerStepLR()], limit_train_batches=1).fit(m, loader())
