@@ -72,7 +72,8 @@ class ImageClassifier(LightningModule):
     LightningCLI ``optimizer:``/``lr_scheduler:`` block replaces ``configure_optimizers``.
 
     ``num_classes="auto"`` takes the class count from the Trainer's data module in ``setup`` (its ``num_classes``,
-    ``len(classes)``, or a ``CachedDataModule``'s listing) and builds the network there, identically on every rank;
+    ``len(classes)``, or a ``CachedDataModule``'s listing) and sizes the head there, identically on every rank (the
+    body exists from ``__init__``; calling the model before ``setup`` raises rather than use a provisional head);
     ``hparams.num_classes`` then holds the resolved integer, so checkpoints restore with
     ``ImageClassifier.load_from_checkpoint`` without a data module. An integer builds the network in ``__init__``; a
     data module with more classes than that is refused in ``setup``, before the first step.
@@ -101,42 +102,48 @@ class ImageClassifier(LightningModule):
                 f"`num_classes` must be an integer >= 2 or 'auto' (follow the data module), got {num_classes!r}."
             )
         self.save_hyperparameters()
-        self.model: SmallResNet | None = None
-        self.val_acc: MulticlassAccuracy | None = None
-        self.test_acc: MulticlassAccuracy | None = None
-        if num_classes != "auto":
-            self._build(num_classes)
+        # "auto": the body is built now (callbacks that look at `model` in their own `setup`, which Lightning runs
+        # before this module's, find it), with a provisional 2-way head that `setup` replaces before any use.
+        self._head_pending = num_classes == "auto"
+        n = 2 if num_classes == "auto" else num_classes
+        self.model = SmallResNet(num_classes=n, width=width, blocks=tuple(blocks))
+        self.val_acc = MulticlassAccuracy(num_classes=n)
+        self.test_acc = MulticlassAccuracy(num_classes=n)
         self.example_input_array = torch.zeros(2, 3, 64, 64)  # until `setup` sees the data's image size
 
-    def _build(self, num_classes: int) -> None:
-        """Build the network and metrics for ``num_classes`` and record the count in ``hparams`` (checkpoints)."""
+    def _build_head(self, num_classes: int) -> None:
+        """Give the network a ``num_classes``-way head (and metrics) and record the count in ``hparams``.
+
+        ``hparams.num_classes`` is what a checkpoint saves, so a resolved "auto" restores as a plain integer.
+        """
         self.hparams["num_classes"] = num_classes
-        self.model = SmallResNet(
-            num_classes=num_classes, width=self.hparams["width"], blocks=tuple(self.hparams["blocks"])
-        )
+        fc = self.model.fc
+        if fc.out_features != num_classes:
+            self.model.fc = torch.nn.Linear(fc.in_features, num_classes, device=fc.weight.device)
         self.val_acc = MulticlassAccuracy(num_classes=num_classes)
         self.test_acc = MulticlassAccuracy(num_classes=num_classes)
+        self._head_pending = False
 
     @override
     def setup(self, stage: str) -> None:
-        """Build the network for ``num_classes="auto"``, check the data fits the head, size ``example_input_array``.
+        """Size the head for ``num_classes="auto"``, check the data fits the head, size ``example_input_array``.
 
         The data module's ``setup`` has run (Lightning calls it first), so its class count is known here; every rank
-        reads the same listing and builds the same network before DDP wraps it and the optimizer is created.
+        reads the same listing and builds the same head before DDP wraps the model and the optimizer is created.
 
         Raises:
             ValueError: ``num_classes="auto"`` and the data module does not say how many classes it has, or the data
                 has more classes than an integer ``num_classes``.
         """
         n_data = _datamodule_num_classes(self)
-        if self.model is None:
+        if self._head_pending:
             if n_data is None:
                 raise ValueError(
                     "`num_classes='auto'` needs a data module that tells its class count (`num_classes` or `classes`, "
                     "e.g. lightning_accel.data.CachedDataModule); pass the data as `datamodule=` or set an integer "
                     "`num_classes`."
                 )
-            self._build(n_data)
+            self._build_head(n_data)
         elif n_data is not None and n_data > self.hparams["num_classes"]:
             raise ValueError(
                 f"`num_classes` is {self.hparams['num_classes']} but the data module has {n_data} classes: the "
@@ -148,23 +155,20 @@ class ImageClassifier(LightningModule):
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Build a not-yet-built network (``"auto"`` without ``setup``) with the checkpoint's head before loading."""
-        if self.model is None:
+        """An unresolved ``"auto"`` head (no ``setup`` ran) takes the checkpoint's class count before the load."""
+        if self._head_pending:
             head = checkpoint.get("state_dict", {}).get("model.fc.weight")
             if head is not None:
-                self._build(int(head.shape[0]))
-
-    def _built(self) -> tuple[SmallResNet, MulticlassAccuracy, MulticlassAccuracy]:
-        if self.model is None or self.val_acc is None or self.test_acc is None:
-            raise RuntimeError(
-                "`ImageClassifier(num_classes='auto')` builds its network in `setup()`, from the data module; "
-                "run it through a Trainer with `datamodule=`, or pass an integer `num_classes`."
-            )
-        return self.model, self.val_acc, self.test_acc
+                self._build_head(int(head.shape[0]))
 
     @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._built()[0](x)
+        if self._head_pending:  # the provisional head would answer with 2 classes: never let it be used
+            raise RuntimeError(
+                "`ImageClassifier(num_classes='auto')` sizes its head in `setup()`, from the data module; "
+                "run it through a Trainer with `datamodule=`, or pass an integer `num_classes`."
+            )
+        return self.model(x)
 
     @override
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -177,17 +181,15 @@ class ImageClassifier(LightningModule):
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch
         logits = self(x)
-        val_acc = self._built()[1]
-        val_acc(logits, y)
+        self.val_acc(logits, y)
         self.log("val_loss", F.cross_entropy(logits, y), prog_bar=True, sync_dist=True)
-        self.log("val_acc", val_acc, prog_bar=True)
+        self.log("val_acc", self.val_acc, prog_bar=True)
 
     @override
     def test_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch
-        test_acc = self._built()[2]
-        test_acc(self(x), y)
-        self.log("test_acc", test_acc)
+        self.test_acc(self(x), y)
+        self.log("test_acc", self.test_acc)
 
     @override
     def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:

@@ -106,3 +106,24 @@ def test_forged_marker_does_not_make_a_folder_ours(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"is not a digits demo tree \(no `.lightning_accel_digits.json` marker\)"):
         materialize_digits(root, size=8, num_images=20)
     assert _hashes(root) == before
+
+
+def test_quickstart_pointed_at_a_user_folder_is_one_cli_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lightning_accel.cli import main
+
+    root = _user_tree(tmp_path / "mine", [str(i) for i in range(10)])
+    before = _hashes(root)
+    config = Path(__file__).resolve().parents[2] / "examples" / "configs" / "quickstart.yaml"
+    argv = ["fit", "--config", str(config), f"--data.origin={root}", f"--data.cache_dir={tmp_path}/cache"]
+    argv += [f"--trainer.default_root_dir={tmp_path}/run", "--trainer.logger=false"]
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("lightning-accel: error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert "`digits_size: null`" in lines[0] and "lightning_accel.data.CachedDataModule" in lines[0]
+    assert len(lines[0]) - len(str(root.resolve())) <= 400 - 60
+    assert _hashes(root) == before

@@ -52,7 +52,7 @@ def test_too_many_classes_for_the_head_is_one_line_before_training(tmp_path: Pat
 def test_auto_takes_the_class_count_from_the_data_and_trains(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = ImageClassifier(num_classes="auto", width=4, blocks=(1,), lr=1e-2)
-    assert model.model is None  # built in setup, from the data
+    assert model.hparams["num_classes"] == "auto"  # the head is sized in setup, from the data
     t = trainer(max_epochs=3, limit_train_batches=None, enable_checkpointing=True, default_root_dir=str(tmp_path))
     dm = _dm(tmp_path, 12)
     t.fit(model, datamodule=dm)
@@ -88,7 +88,7 @@ def test_auto_needs_a_data_module_that_tells(tmp_path: Path) -> None:
     data = DataLoader(TensorDataset(torch.randn(8, 3, 8, 8), torch.arange(8) % 3), batch_size=4)
     with pytest.raises(ValueError, match=r"`num_classes='auto'` needs a data module .* integer `num_classes`"):
         trainer().fit(model, train_dataloaders=data)
-    with pytest.raises(RuntimeError, match="builds its network in `setup"):
+    with pytest.raises(RuntimeError, match="sizes its head in `setup"):
         model(torch.randn(1, 3, 8, 8))
 
 
@@ -122,3 +122,24 @@ model:
     assert isinstance(cli.model, ImageClassifier) and cli.model.hparams["num_classes"] == "auto"
     cli = AccelCLI(args=["--config", str(cfg), *data, "--model.num_classes=12"], run=False)
     assert cli.model.model is not None and cli.model.model.fc.out_features == 12
+
+
+def test_quickstart_on_twelve_classes_with_an_int_is_one_cli_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lightning_accel.cli import main
+
+    config = Path(__file__).resolve().parents[2] / "examples" / "configs" / "quickstart.yaml"
+    argv = ["fit", "--config", str(config), "--data=lightning_accel.data.CachedDataModule"]
+    argv += [f"--data.origin={_image_folder(tmp_path / 'imgs', 12)}", f"--data.cache_dir={tmp_path}/cache"]
+    argv += ["--data.ram_bytes=0", "--data.num_workers=0", "--data.image_size=8", "--model.num_classes=10"]
+    argv += [f"--trainer.default_root_dir={tmp_path}/run", "--trainer.logger=false", "--trainer.max_epochs=1"]
+    argv += [f"--trainer.callbacks.init_args.dirpath={tmp_path}/ckpt", "--model.width=4"]
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("lightning-accel: error:")]
+    assert len(lines) == 1 and "Traceback" not in err and len(lines[0]) <= 400, err
+    assert "`num_classes` is 10" in lines[0] and "12 classes" in lines[0] and "`num_classes: auto`" in lines[0]
+    assert not list((tmp_path / "ckpt").glob("*.ckpt"))  # stopped before training
