@@ -236,7 +236,7 @@ def check_render_target(
         return "build"
     if not root_p.is_dir():
         raise ValueError(f"`{arg}` {str(root_p)!r} is a file, not a directory to render the demo digits into; {fix}.")
-    if not any(root_p.iterdir()):
+    if all(e.name == _PROBE for e in root_p.iterdir()):  # empty (or only our probe, from a kill right after it)
         return "build"
     have = _read_marker(root_p / MARKER)
     if have is None:
