@@ -19,7 +19,7 @@ from typing_extensions import override
 
 from lightning_accel.data import CachedDataModule
 from lightning_accel.data.dataset import default_num_workers, split_indices
-from lightning_accel.datasets.digits import materialize_digits
+from lightning_accel.datasets.digits import DIGITS_CLASSES, check_render_target, materialize_digits
 
 __all__ = ["DigitsCachedDataModule", "DigitsDataModule"]
 
@@ -31,8 +31,12 @@ DIGITS_STD = (0.318, 0.318, 0.318)
 class DigitsDataModule(LightningDataModule):
     """torchvision ``ImageFolder`` over the digits JPEGs, decoded every epoch (the baseline).
 
+    ``data_dir`` must be new, empty or a tree this module rendered: a directory of your own images is refused in
+    ``__init__`` (one ``ValueError``, nothing written); read those with
+    :class:`~lightning_accel.data.CachedDataModule` (``origin:``) or torchvision's ``ImageFolder``.
+
     Args:
-        data_dir: where the JPEG tree lives or is created.
+        data_dir: where the JPEG tree lives or is created (only the demo's own tree, see above).
         image_size: side of the rendered images in pixels.
         num_images: number of images (``None``: the 1,797 originals; more adds perturbed repeats).
         batch_size: per-device batch size.
@@ -57,6 +61,12 @@ class DigitsDataModule(LightningDataModule):
         if batch_size < 1:
             raise ValueError(f"`batch_size` must be >= 1, got {batch_size!r}.")
         split_indices(1, val_fraction, seed)  # validates val_fraction early
+        # Before any write: the digits are rendered into data_dir, which must not be someone's own image folder.
+        check_render_target(
+            data_dir,
+            arg="data_dir",
+            fix="for your own images use `lightning_accel.data.CachedDataModule`; else pick a new or empty `data_dir`",
+        )
         self.data_dir = str(Path(data_dir).expanduser())
         self.image_size = image_size
         self.num_images = num_images
@@ -89,6 +99,16 @@ class DigitsDataModule(LightningDataModule):
         tr, va = split_indices(len(train_full), self.val_fraction, self.seed)
         self.train_set = Subset(train_full, tr)
         self.val_set = Subset(val_full, va if va else tr)
+
+    @property
+    def classes(self) -> list[str]:
+        """Class names, label ``i`` is ``classes[i]`` (the digits ``"0"``..``"9"``)."""
+        return list(DIGITS_CLASSES)
+
+    @property
+    def num_classes(self) -> int:
+        """Number of classes (10); ``ImageClassifier(num_classes="auto")`` reads it."""
+        return len(DIGITS_CLASSES)
 
     def _loader(self, ds: Subset, shuffle: bool) -> DataLoader:
         return DataLoader(
@@ -127,17 +147,22 @@ class DigitsCachedDataModule(CachedDataModule):
     on local rank 0 only); everything else is ``CachedDataModule``'s. The quickstart's data module
     (``examples/configs/quickstart.yaml``).
 
+    With ``digits_size`` set, ``origin`` must be new, empty or a tree this module rendered: a directory of your own
+    images is refused in ``__init__`` (one ``ValueError``, nothing written). For your own data use
+    :class:`~lightning_accel.data.CachedDataModule` with ``origin:`` (or ``digits_size=None`` here).
+
     Args:
-        origin: local directory of the ImageFolder tree (created if missing).
+        origin: local directory the digits are rendered into (created if missing; only the demo's own tree).
         digits_size: side of the rendered JPEGs in pixels; ``None``: ``origin`` already holds the digits (or any
-            ImageFolder tree), render nothing.
+            ImageFolder tree), render nothing and write nothing there.
         num_images: images to render (``None``: the 1,797 originals; more adds perturbed repeats).
         **kwargs: :class:`~lightning_accel.data.CachedDataModule` arguments (``cache_dir``, ``batch_size``, ...),
             with its defaults: ``image_size=224`` and the ImageNet ``mean``/``std`` unless given (the quickstart's
             YAML gives ``image_size: 64`` and the digits' statistics).
 
     Raises:
-        ValueError: ``origin`` is a remote URL while ``digits_size`` asks for rendering.
+        ValueError: ``origin`` is a remote URL, or a directory the demo did not write, while ``digits_size`` asks for
+            rendering.
     """
 
     def __init__(
@@ -148,12 +173,21 @@ class DigitsCachedDataModule(CachedDataModule):
         num_images: int | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(origin, **kwargs)
-        if digits_size is not None and "://" in origin and not origin.startswith("file://"):
+        if digits_size is not None and isinstance(origin, str) and "://" in origin and not origin.startswith("file://"):
             raise ValueError(
                 f"`origin` must be a local directory to render the digits into, got {origin!r}. Pass a local path, "
                 "or `digits_size=None` when the origin already holds the images."
             )
+        if digits_size is not None and isinstance(origin, str):
+            # Before anything is written: rendering into a user's own ImageFolder tree would replace (or mix with)
+            # their images.
+            check_render_target(
+                origin.removeprefix("file://"),
+                arg="origin",
+                fix="for your own images set `digits_size: null` or use `lightning_accel.data.CachedDataModule`; "
+                "else pick a new or empty `origin`",
+            )
+        super().__init__(origin, **kwargs)
         self.digits_size = digits_size
         self.num_images = num_images
 

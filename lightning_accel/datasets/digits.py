@@ -5,16 +5,19 @@ Contract:
 - Real data: the 1,797 8x8 images that ship inside scikit-learn (no download), upscaled to ``size`` px RGB.
 - ``num_images`` above 1,797 repeats the set with deterministic small perturbations (rotation, shift, scale,
   brightness), so the same arguments always give byte-identical files.
-- Idempotent and crash-safe: a marker file ``.lightning_accel_digits.json`` is written last; a directory without it
-  is (re)built from scratch, one whose marker matches the arguments is reused as is, and one whose marker differs is
-  refused rather than mixed.
+- Idempotent and crash-safe: the marker file ``.lightning_accel_digits.json`` is written first (saying "rendering")
+  and rewritten last (saying what the tree holds). A tree whose marker matches the arguments is reused as is, one whose
+  marker says "rendering" (a run killed halfway) is rebuilt, one whose marker differs is refused rather than mixed.
+- Never writes into someone else's directory: it renders only into a directory that does not exist, is empty, or
+  carries its own marker and nothing but the class folders of ``NNNNNN.jpg`` files it writes. Anything else (a user's
+  ImageFolder tree, a note file) is refused with one line before the first write, and left as it was.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -23,12 +26,25 @@ import numpy as np
 from lightning_accel._utils.atomic import atomic_write_text, fsync_dir
 from lightning_accel._utils.imports import require
 
-__all__ = ["DIGITS_CLASSES", "DigitsInfo", "digits_tokens", "load_digits_arrays", "materialize_digits"]
+__all__ = [
+    "DIGITS_CLASSES",
+    "DigitsInfo",
+    "check_render_target",
+    "digits_tokens",
+    "load_digits_arrays",
+    "materialize_digits",
+]
 
 DIGITS_CLASSES = tuple(str(i) for i in range(10))
 DIGITS_COUNT = 1797  # images in scikit-learn's digits (checked by the tests against the loaded arrays)
 MARKER = ".lightning_accel_digits.json"
 _FORMAT_VERSION = 1
+_RENDERING = "rendering"  # the marker's `state` while a render is under way
+_IMAGE_NAME = re.compile(r"\d{6}\.jpg")  # the only file names the renderer writes in a class folder
+_MARKER_TMP = re.compile(re.escape(f".{MARKER}.") + r"[0-9a-f]+\.tmp")  # atomic_write_text's temporary marker
+_PROBE = ".write_probe"  # written and removed before the render (left behind only by a kill in between)
+_INFO_KEYS = frozenset({"size", "num_images", "quality", "format_version"})
+DEFAULT_FIX = "for your own images use `lightning_accel.data.CachedDataModule`; else pick a new or empty directory"
 
 
 @dataclass(frozen=True)
@@ -117,7 +133,8 @@ def materialize_digits(
         quality: JPEG quality.
 
     Raises:
-        ValueError: bad ``size``/``num_images``/``quality``, or ``root`` already holds digits made with other arguments.
+        ValueError: bad ``size``/``num_images``/``quality``; ``root`` already holds digits made with other arguments;
+            or ``root`` holds files the renderer did not write (see :func:`check_render_target`), nothing written.
         PermissionError: ``root`` cannot be written.
     """
     if not isinstance(size, int) or size < 8:
@@ -129,23 +146,13 @@ def materialize_digits(
     n = DIGITS_COUNT if num_images is None else num_images
     root_p = Path(os.fspath(root)).expanduser().resolve()
     info = DigitsInfo(root=str(root_p), size=size, num_images=n, quality=quality)
-    marker = root_p / MARKER
     want = {k: v for k, v in asdict(info).items() if k != "root"}
-    if marker.exists():
-        try:
-            have = json.loads(marker.read_text())
-        except (OSError, ValueError):
-            have = None
-        if have == want:
-            return info
-        if have is not None:
-            raise ValueError(
-                f"`root` {str(root_p)!r} already holds digits made with {have}, not {want}. "
-                "Pass another directory, or delete this one to rebuild it."
-            )
+    if check_render_target(root_p, want) == "reuse":
+        return info
+    marker = root_p / MARKER
     try:
         root_p.mkdir(parents=True, exist_ok=True)
-        probe = root_p / ".write_probe"
+        probe = root_p / _PROBE
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
@@ -157,11 +164,13 @@ def materialize_digits(
     # Only a (re)build needs the arrays: a complete tree is reused without loading scikit-learn (setup() calls this on
     # every rank after prepare_data() built it).
     images, labels = load_digits_arrays()
-    # No marker: whatever is here is a half-finished earlier run (or foreign files in our class dirs); redo it.
-    marker.unlink(missing_ok=True)
+    # The marker goes first: a run killed halfway leaves a tree that is recognisably ours, so the next run may redo it.
+    atomic_write_text(marker, json.dumps({**want, "state": _RENDERING}, sort_keys=True))
     for c in DIGITS_CLASSES:
-        shutil.rmtree(root_p / c, ignore_errors=True)
-        (root_p / c).mkdir()
+        d = root_p / c
+        d.mkdir(exist_ok=True)
+        for f in d.iterdir():  # check_render_target allowed only our own image names here
+            f.unlink()
     base = len(images)
     for i in range(n):
         src = i % base
@@ -171,3 +180,81 @@ def materialize_digits(
         fsync_dir(root_p / c)
     atomic_write_text(marker, json.dumps(want, sort_keys=True))
     return info
+
+
+def _read_marker(path: Path) -> dict | None:
+    """The marker's content when it is one the renderer wrote (its keys, its states), else None."""
+    try:
+        have = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(have, dict):
+        return None
+    keys = set(have) - {"state"}
+    if keys != _INFO_KEYS or have.get("state", _RENDERING) != _RENDERING:
+        return None
+    return have
+
+
+def _foreign_entry(root: Path) -> Path | None:
+    """The first entry under ``root`` that the renderer does not write (None: the tree holds only its own files)."""
+    for entry in sorted(root.iterdir()):
+        if entry.name in (MARKER, _PROBE) or _MARKER_TMP.fullmatch(entry.name):
+            continue
+        if entry.name not in DIGITS_CLASSES or entry.is_symlink() or not entry.is_dir():
+            return entry
+        for f in sorted(entry.iterdir()):
+            if not _IMAGE_NAME.fullmatch(f.name) or f.is_symlink() or not f.is_file():
+                return f
+    return None
+
+
+def check_render_target(
+    root: str | os.PathLike[str],
+    want: dict | None = None,
+    *,
+    arg: str = "root",
+    fix: str = DEFAULT_FIX,
+) -> str:
+    """Decide, without writing anything, whether the digits may be rendered into ``root``.
+
+    Args:
+        root: the directory to render into.
+        want: the marker content the render would write (``size``, ``num_images``, ``quality``, ``format_version``);
+            ``None`` checks only that ``root`` is the demo's (or new, or empty), not which arguments made it.
+        arg: the argument name quoted in the error (``origin``, ``data_dir``, ...).
+        fix: what to do instead, quoted at the end of the error.
+
+    Returns:
+        ``"reuse"``: a complete tree made with ``want`` is there; ``"build"``: rendering may (re)write it.
+
+    Raises:
+        ValueError: (one line) ``root`` holds anything the renderer did not write, or digits made with other arguments.
+    """
+    root_p = Path(os.fspath(root)).expanduser().resolve()
+    if not root_p.exists():
+        return "build"
+    if not root_p.is_dir():
+        raise ValueError(f"`{arg}` {str(root_p)!r} is a file, not a directory to render the demo digits into; {fix}.")
+    if all(e.name == _PROBE for e in root_p.iterdir()):  # empty (or only our probe, from a kill right after it)
+        return "build"
+    have = _read_marker(root_p / MARKER)
+    if have is None:
+        raise ValueError(
+            f"`{arg}` {str(root_p)!r} is not a digits demo tree (no `{MARKER}` marker), so nothing is rendered there; "
+            f"{fix}."
+        )
+    if "state" not in have:  # a complete demo tree: reused as is (nothing written), or refused when made otherwise
+        if want is None or have == want:
+            return "reuse"
+        raise ValueError(
+            f"`{arg}` {str(root_p)!r} already holds digits made with {have}, not {want}. "
+            "Pass another directory, or delete this one to rebuild it."
+        )
+    foreign = _foreign_entry(root_p)
+    if foreign is not None:
+        raise ValueError(
+            f"`{arg}` {str(root_p)!r} holds {str(foreign.relative_to(root_p))!r}, which the digits demo did not write, "
+            f"so nothing is rendered there; {fix}."
+        )
+    return "build"

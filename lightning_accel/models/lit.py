@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -61,14 +61,45 @@ def _datamodule_image_size(module: LightningModule) -> int | None:
     return None
 
 
+def _datamodule_num_classes(module: LightningModule) -> int | None:
+    """The number of classes of the attached data module, or None when it does not say.
+
+    Read in this order: a ``num_classes`` attribute, the length of a ``classes`` attribute, then (a
+    :class:`~lightning_accel.data.CachedDataModule` after ``setup``) the class names of its training listing.
+    """
+    try:
+        dm = getattr(module.trainer, "datamodule", None)  # set by the data connector, not declared on the class
+    except RuntimeError:  # no Trainer attached
+        return None
+    if dm is None:
+        return None
+    n = getattr(dm, "num_classes", None)
+    if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+        return n
+    classes = getattr(dm, "classes", None)
+    if classes is None:
+        listing = getattr(getattr(getattr(dm, "train_set", None), "cache", None), "listing", None)
+        classes = getattr(listing, "classes", None)
+    if isinstance(classes, Sequence) and not isinstance(classes, str) and len(classes) > 0:
+        return len(classes)
+    return None
+
+
 class ImageClassifier(LightningModule):
     """``SmallResNet`` trained with cross-entropy; logs ``train_loss``, ``val_loss``, ``val_acc``, ``test_acc``.
 
     Batches are ``(images, labels)`` with float images (N, C, H, W). Uses AdamW with per-step cosine decay unless a
     LightningCLI ``optimizer:``/``lr_scheduler:`` block replaces ``configure_optimizers``.
 
+    ``num_classes="auto"`` takes the class count from the Trainer's data module in ``setup`` (its ``num_classes``,
+    ``len(classes)``, or a ``CachedDataModule``'s listing) and sizes the head there, identically on every rank (the
+    body exists from ``__init__``; calling the model before ``setup`` raises rather than use a provisional head);
+    ``hparams.num_classes`` then holds the resolved integer, so checkpoints restore with
+    ``ImageClassifier.load_from_checkpoint`` without a data module. An integer builds the network in ``__init__``; a
+    data module with more classes than that is refused in ``setup``, before the first step.
+
     Args:
-        num_classes: number of classes.
+        num_classes: number of classes, or ``"auto"`` (follow the data module; it must say how many).
         width: channels of the first stage.
         blocks: blocks per stage.
         lr: peak learning rate.
@@ -77,28 +108,86 @@ class ImageClassifier(LightningModule):
 
     def __init__(
         self,
-        num_classes: int = 10,
+        num_classes: int | Literal["auto"] = 10,
         width: int = 32,
         blocks: Sequence[int] = (1, 1, 1),
         lr: float = 3e-3,
         weight_decay: float = 5e-4,
     ) -> None:
         super().__init__()
+        if num_classes != "auto" and (
+            not isinstance(num_classes, int) or isinstance(num_classes, bool) or num_classes < 2
+        ):
+            raise ValueError(
+                f"`num_classes` must be an integer >= 2 or 'auto' (follow the data module), got {num_classes!r}."
+            )
         self.save_hyperparameters()
-        self.model = SmallResNet(num_classes=num_classes, width=width, blocks=tuple(blocks))
+        # "auto": the body is built now (callbacks that look at `model` in their own `setup`, which Lightning runs
+        # before this module's, find it), with a provisional 2-way head that `setup` replaces before any use.
+        self._head_pending = num_classes == "auto"
+        n = 2 if num_classes == "auto" else num_classes
+        self.model = SmallResNet(num_classes=n, width=width, blocks=tuple(blocks))
+        self.val_acc = MulticlassAccuracy(num_classes=n)
+        self.test_acc = MulticlassAccuracy(num_classes=n)
+        self.example_input_array = torch.zeros(2, 3, 64, 64)  # until `setup` sees the data's image size
+
+    def _build_head(self, num_classes: int) -> None:
+        """Give the network a ``num_classes``-way head (and metrics) and record the count in ``hparams``.
+
+        ``hparams.num_classes`` is what a checkpoint saves, so a resolved "auto" restores as a plain integer.
+        """
+        self.hparams["num_classes"] = num_classes
+        fc = self.model.fc
+        if fc.out_features != num_classes:
+            self.model.fc = torch.nn.Linear(fc.in_features, num_classes, device=fc.weight.device)
         self.val_acc = MulticlassAccuracy(num_classes=num_classes)
         self.test_acc = MulticlassAccuracy(num_classes=num_classes)
-        self.example_input_array = torch.zeros(2, 3, 64, 64)  # until `setup` sees the data's image size
+        self._head_pending = False
 
     @override
     def setup(self, stage: str) -> None:
-        """Size ``example_input_array`` (the model summary's input, the pruning trace) like the data module's images."""
+        """Size the head for ``num_classes="auto"``, check the data fits the head, size ``example_input_array``.
+
+        The data module's ``setup`` has run (Lightning calls it first), so its class count is known here; every rank
+        reads the same listing and builds the same head before DDP wraps the model and the optimizer is created.
+
+        Raises:
+            ValueError: ``num_classes="auto"`` and the data module does not say how many classes it has, or the data
+                has more classes than an integer ``num_classes``.
+        """
+        n_data = _datamodule_num_classes(self)
+        if self._head_pending:
+            if n_data is None:
+                raise ValueError(
+                    "`num_classes='auto'` needs a data module that tells its class count (`num_classes` or `classes`, "
+                    "e.g. lightning_accel.data.CachedDataModule); pass the data as `datamodule=` or set an integer "
+                    "`num_classes`."
+                )
+            self._build_head(n_data)
+        elif n_data is not None and n_data > self.hparams["num_classes"]:
+            raise ValueError(
+                f"`num_classes` is {self.hparams['num_classes']} but the data module has {n_data} classes: the "
+                f"labels would overflow the model's output. Set `num_classes: auto` (or `num_classes: {n_data}`)."
+            )
         size = _datamodule_image_size(self)
         if size is not None:
             self.example_input_array = torch.zeros(2, 3, size, size)
 
     @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """An unresolved ``"auto"`` head (no ``setup`` ran) takes the checkpoint's class count before the load."""
+        if self._head_pending:
+            head = checkpoint.get("state_dict", {}).get("model.fc.weight")
+            if head is not None:
+                self._build_head(int(head.shape[0]))
+
+    @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._head_pending:  # the provisional head would answer with 2 classes: never let it be used
+            raise RuntimeError(
+                "`ImageClassifier(num_classes='auto')` sizes its head in `setup()`, from the data module; "
+                "run it through a Trainer with `datamodule=`, or pass an integer `num_classes`."
+            )
         return self.model(x)
 
     @override

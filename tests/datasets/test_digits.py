@@ -50,21 +50,25 @@ def test_repeats_are_deterministic_and_perturbed(tmp_path: Path) -> None:
 
 
 def test_idempotent_and_interrupted_run_is_redone(tmp_path: Path) -> None:
+    import json
+
     root = tmp_path / "d"
     materialize_digits(root, size=8, num_images=30)
     stamp = (root / "0" / "000000.jpg").stat().st_mtime_ns
     materialize_digits(root, size=8, num_images=30)  # complete: reused untouched
     assert (root / "0" / "000000.jpg").stat().st_mtime_ns == stamp
-    # simulate a run killed halfway: marker missing, a partial file and a stray file present
-    (root / MARKER).unlink()
+    # simulate a run killed halfway: the marker still says "rendering", a partial file is present
+    marker = json.loads((root / MARKER).read_text())
+    (root / MARKER).write_text(json.dumps({**marker, "state": "rendering"}))
     (root / "3" / "000003.jpg").write_bytes(b"\xff\xd8partial")
-    (root / "5" / "stray.jpg").write_bytes(b"junk")
+    (root / "4" / "000004.jpg").unlink()
     materialize_digits(root, size=8, num_images=30)
-    assert not (root / "5" / "stray.jpg").exists()
+    assert json.loads((root / MARKER).read_text()) == marker
     assert sum(1 for _ in root.rglob("*.jpg")) == 30
     from PIL import Image
 
     Image.open(root / "3" / "000003.jpg").load()
+    Image.open(root / "4" / "000004.jpg").load()
 
 
 def test_mismatched_marker_is_refused(tmp_path: Path) -> None:
