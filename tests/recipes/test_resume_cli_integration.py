@@ -24,10 +24,10 @@ _BASH = re.compile(r"```bash\n(.*?)\n```", re.S)
 
 
 def _doc_fit_lines() -> list[list[str]]:
-    """Every ``lightning-accel fit`` line of the page's bash blocks, as argv after the subcommand, comments cut."""
+    """Every ``lightning-accel fit`` command of the page's bash blocks, as argv after the subcommand, comments cut."""
     out = []
     for block in _BASH.findall(QUICKSTART_DOC.read_text()):
-        for line in block.splitlines():
+        for line in block.replace("\\\n", " ").splitlines():  # a backslash-continued command is one line
             argv = shlex.split(line, comments=True)
             if argv[:2] == ["lightning-accel", "fit"]:
                 out.append(argv[2:])
