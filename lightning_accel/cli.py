@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import pickle
 import re
 import sys
 import typing
@@ -26,11 +27,14 @@ from typing import Any, Union
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI, SaveConfigCallback
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 import lightning_accel  # noqa: F401 - registers the strategy aliases on import
 from lightning_accel._utils import compat
 from lightning_accel._utils.fs import StorageUnavailableError
+from lightning_accel.checkpoint.callbacks import CheckpointGuard
+from lightning_accel.checkpoint.lock import CheckpointDirectoryLockedError
 from lightning_accel.data.origin import OriginError
 from lightning_accel.parallel.strategy import resolve_trainer_kwargs
 
@@ -50,7 +54,8 @@ _USER_ERRORS = (ValueError, TypeError, PermissionError, FileNotFoundError, Modul
 
 _EPILOG = (
     "other commands: `lightning-accel ckpt {verify,export} ...` checks or exports DeltaCheckpointIO checkpoints; "
-    "`lightning-accel data pack ...` packs an origin into shards for CachedDataModule (each takes --help)."
+    "`lightning-accel data pack ...` packs an origin into shards for CachedDataModule, `lightning-accel data clean` "
+    "removes RAM tiers no process uses (each takes --help)."
 )
 
 
@@ -229,30 +234,30 @@ class AccelCLI(LightningCLI):
             run=run,
         )
 
-    # A ckpt_path written by DeltaCheckpointIO is a JSON manifest; LightningCLI (>= 2.6) reads the hyper-parameters of
-    # `ckpt_path` with `torch.load` right after `parse_arguments`, which fails on it. So `parse_arguments` reads them
-    # through the delta store and hides the path from that step; `before_instantiate_classes` puts it back.
-    _delta_ckpt_path: str | None = None
+    # LightningCLI (>= 2.6) reads the hyper-parameters of a local `ckpt_path` with its own `torch.load` right after
+    # `parse_arguments`: it fails on a DeltaCheckpointIO manifest, and a text file or a truncated archive ends there
+    # in a long traceback. So `parse_arguments` reads every local checkpoint through the project's reader (both
+    # kinds, never unpickling code, every damage one named error), takes the hyper-parameters from it and hides the
+    # path from that step; `before_instantiate_classes` puts it back.
+    _hidden_ckpt_path: str | None = None
 
     @override
     def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
         super().parse_arguments(parser, args)
         sub = self.config.get("subcommand")
         ckpt_path = self.config[sub].get("ckpt_path") if sub else None
-        if not (ckpt_path and _is_delta_manifest(ckpt_path)):
-            return
-        from lightning_accel.checkpoint.reader import read_checkpoint
-
-        model = compat.cli_model_config(read_checkpoint(ckpt_path).get("hyper_parameters", {}))
+        if not (isinstance(ckpt_path, str) and os.path.isfile(ckpt_path)):
+            return  # "last"/"best"/a URL: resolved and read later, by the checkpoint plugin's reader
+        model = compat.cli_model_config(read_ckpt_arg(ckpt_path).get("hyper_parameters", {}))
         if model is not None:
             self.config = parser.parse_object({sub: {"model": model}}, self.config)
-        self._delta_ckpt_path = ckpt_path
+        self._hidden_ckpt_path = ckpt_path
         self.config[sub]["ckpt_path"] = None
 
     @override
     def before_instantiate_classes(self) -> None:
-        if self._delta_ckpt_path is not None:
-            self.config[self.config["subcommand"]]["ckpt_path"] = self._delta_ckpt_path
+        if self._hidden_ckpt_path is not None:
+            self.config[self.config["subcommand"]]["ckpt_path"] = self._hidden_ckpt_path
 
     @override
     def instantiate_classes(self) -> None:
@@ -274,16 +279,21 @@ class AccelCLI(LightningCLI):
         config = {**sub.get("trainer", {}), **kwargs}
         if config.get("logger") in (None, True):
             kwargs["logger"] = default_loggers(config.get("default_root_dir"))
+        callbacks = config.get("callbacks") or []
+        callbacks = list(callbacks) if isinstance(callbacks, list) else [callbacks]
         bar = _default_progress_bar(config)
-        if bar is not None:
-            kwargs["callbacks"] = [*(config.get("callbacks") or []), bar]
-        kwargs.update(resolve_trainer_kwargs(config, self.model))
+        # a second run on a DeltaCheckpointIO directory is refused before its first step, not at its first save
+        kwargs["callbacks"] = [*callbacks, *([bar] if bar is not None else []), CheckpointGuard()]
+        kwargs.update(resolve_trainer_kwargs({**config, "callbacks": kwargs["callbacks"]}, self.model))
         trainer = super().instantiate_trainer(**kwargs)
-        # `--ckpt_path last` on an object store: Lightning does not find it (it drops the `s3://`); resolved here.
+        # `--ckpt_path last`: resolved here (Lightning finds nothing on an object store: it drops the `s3://`) and
+        # named, so a run never resumes another file than the user meant without saying which.
         if self.subcommand and sub.get("ckpt_path") == "last":
             from lightning_accel.checkpoint.callbacks import resolve_ckpt_path
 
             sub["ckpt_path"] = resolve_ckpt_path(trainer, "last")
+            if sub["ckpt_path"] not in (None, "last") and trainer.is_global_zero:
+                print(f"lightning-accel: resuming from {sub['ckpt_path']}", file=sys.stderr)
         return trainer
 
 
@@ -317,15 +327,22 @@ def _default_progress_bar(config: dict[str, Any]) -> Any:
     return VersionRichProgressBar()
 
 
-def _is_delta_manifest(path: str) -> bool:
-    """True for a local file written by DeltaCheckpointIO (a JSON manifest, not a torch zip)."""
-    from lightning_accel.checkpoint.store import is_manifest_bytes
+def read_ckpt_arg(path: str) -> dict[str, Any]:
+    """The checkpoint at ``--ckpt_path``, read by the project's reader; any damage is one :class:`ConfigError`.
+
+    A file that is no checkpoint, a truncated or corrupt one (delta or ``torch.save``), or one holding objects only
+    unpickling could restore all end in one ``ckpt_path: ...`` line: the reader's message (the file, what was
+    expected, the fix) and the way out.
+    """
+    from lightning_accel.checkpoint.reader import read_checkpoint
+    from lightning_accel.checkpoint.store import CheckpointCorruptError
 
     try:
-        with open(path, "rb") as f:
-            return is_manifest_bytes(f.read(64))
-    except OSError:
-        return False
+        return read_checkpoint(path)
+    except (ValueError, CheckpointCorruptError, pickle.UnpicklingError) as e:
+        damaged = isinstance(e, CheckpointCorruptError)
+        hint = "`lightning-accel ckpt verify` names every damaged part; " if damaged else ""
+        raise ConfigError("ckpt_path", f"{_first_line(e)} ({hint}or start without `--ckpt_path`).") from e
 
 
 def default_loggers(root: str | None) -> list[Any]:
@@ -389,6 +406,12 @@ def main(argv: list[str] | None = None) -> None:
         print(f"lightning-accel: error: {e}", file=sys.stderr)
         print("(set LIGHTNING_ACCEL_DEBUG=1 for the full text and traceback)", file=sys.stderr)
         raise SystemExit(2) from None
+    except CheckpointDirectoryLockedError as e:  # a second run writing the same checkpoint directory
+        if debug:
+            raise
+        print(f"lightning-accel: error: checkpoint: {_first_line(e)}", file=sys.stderr)
+        print("(set LIGHTNING_ACCEL_DEBUG=1 for the full traceback)", file=sys.stderr)
+        raise SystemExit(2) from None
     except (OriginError, StorageUnavailableError) as e:  # the data's origin: unreachable, no credentials, refused
         if debug:
             raise
@@ -398,7 +421,19 @@ def main(argv: list[str] | None = None) -> None:
     except _USER_ERRORS as e:
         if debug:
             raise
-        print(f"lightning-accel: error: {type(e).__name__}: {_first_line(e)}", file=sys.stderr)
+        print(f"lightning-accel: error: {_user_line(e)}", file=sys.stderr)
+        print("(set LIGHTNING_ACCEL_DEBUG=1 for the full traceback)", file=sys.stderr)
+        raise SystemExit(2) from None
+    except MisconfigurationException as e:  # Lightning's word for a Trainer/config mistake
+        if debug:
+            raise
+        line = _first_line(e)
+        if line.startswith("You restored a checkpoint with current_epoch="):
+            line += (
+                " Resume with `--trainer.max_epochs` above the checkpoint's epoch (the value the run was extended to),"
+                " or start a new run without `--ckpt_path`."
+            )
+        print(f"lightning-accel: error: {line}", file=sys.stderr)
         print("(set LIGHTNING_ACCEL_DEBUG=1 for the full traceback)", file=sys.stderr)
         raise SystemExit(2) from None
 
@@ -406,6 +441,20 @@ def main(argv: list[str] | None = None) -> None:
 def _first_line(e: BaseException) -> str:
     """The message on one line (the CLI promises one line; a multi-line message is joined)."""
     return " ".join(str(e).split())
+
+
+def _user_line(e: BaseException) -> str:
+    """``Type: message`` of a user error; for one re-raised from a DataLoader worker, the worker's own line.
+
+    torch re-raises a worker's exception as ``Caught ValueError in DataLoader worker process 0. Original Traceback
+    ...``: the traceback is the worker's, and its last line (``ValueError: ...``) is the error the user made.
+    """
+    text = str(e)
+    if "Original Traceback" in text:
+        last = next((ln.strip() for ln in reversed(text.splitlines()) if ln.strip()), "")
+        if last:
+            return " ".join(last.split())
+    return f"{type(e).__name__}: {_first_line(e)}"
 
 
 if __name__ == "__main__":  # pragma: no cover

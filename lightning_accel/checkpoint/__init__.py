@@ -13,7 +13,7 @@ Command line: ``python -m lightning_accel.checkpoint verify|export ...``.
 
 from __future__ import annotations
 
-from lightning_accel.checkpoint.callbacks import DeltaModelCheckpoint, resolve_ckpt_path
+from lightning_accel.checkpoint.callbacks import CheckpointGuard, DeltaModelCheckpoint, resolve_ckpt_path
 from lightning_accel.checkpoint.lock import CheckpointDirectoryLockedError
 from lightning_accel.checkpoint.plugin import DeltaCheckpointIO
 from lightning_accel.checkpoint.reader import read_checkpoint, resolve_last
@@ -28,6 +28,7 @@ __all__ = [
     "CheckpointCorruptError",
     "CheckpointDirectoryLockedError",
     "DeltaCheckpointIO",
+    "CheckpointGuard",
     "DeltaModelCheckpoint",
     "DeltaStore",
     "NotADeltaCheckpointError",

@@ -15,29 +15,87 @@ CLI calls it for ``--ckpt_path last``.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_accel._utils import compat
-from lightning_accel._utils.atomic import is_local_url
+from lightning_accel._utils.atomic import is_local_url, strip_file_scheme
 from lightning_accel._utils.fs import FileStore
+from lightning_accel.checkpoint.lock import CheckpointDirectoryLockedError
 from lightning_accel.checkpoint.plugin import DeltaCheckpointIO
 from lightning_accel.checkpoint.reader import resolve_last
 
-__all__ = ["DeltaModelCheckpoint", "resolve_ckpt_path", "trainer_storage_options"]
+__all__ = ["CheckpointGuard", "DeltaModelCheckpoint", "resolve_ckpt_path", "trainer_storage_options"]
+
+
+def delta_io(trainer: pl.Trainer) -> DeltaCheckpointIO | None:
+    """The Trainer's ``DeltaCheckpointIO`` (also inside ``AsyncCheckpointIO``), or None."""
+    io: Any = trainer.strategy.checkpoint_io
+    if isinstance(io, AsyncCheckpointIO):
+        io = io.checkpoint_io
+    return io if isinstance(io, DeltaCheckpointIO) else None
 
 
 def trainer_storage_options(trainer: pl.Trainer) -> dict[str, Any] | None:
     """The ``storage_options`` of the Trainer's ``DeltaCheckpointIO`` (also inside ``AsyncCheckpointIO``), or None."""
-    io: Any = trainer.strategy.checkpoint_io
-    if isinstance(io, AsyncCheckpointIO):
-        io = io.checkpoint_io
-    return dict(io.storage_options) if isinstance(io, DeltaCheckpointIO) else None
+    io = delta_io(trainer)
+    return dict(io.storage_options) if io is not None else None
+
+
+class CheckpointGuard(Callback):
+    """Refuse, before the first step, a fit whose checkpoints cannot work out: a checkpoint directory another run
+    writes, or an optimizer state restored into a different optimizer.
+
+    1. ``on_fit_start``: ``DeltaCheckpointIO`` otherwise takes a directory's writer lock at its first save, so a second
+       run on the same directory trained a whole epoch before it was refused. Global rank zero (the rank that saves)
+       claims each checkpoint callback's ``dirpath`` (resolved by ``ModelCheckpoint.setup`` by then); the outcome is
+       broadcast so every rank raises the same error together, none left waiting in a collective. Nothing happens
+       without a ``DeltaCheckpointIO``.
+    2. ``on_train_start`` (after Lightning restored the optimizer state, before the first step): a param group that
+       lacks a hyper-parameter of its optimizer's ``defaults`` (AdamW's state restored into SGD has no ``momentum``)
+       is a one-line ``ValueError`` instead of a ``KeyError`` deep in the first ``step``. Every rank checks its own
+       optimizers, which hold the same state: no collective.
+
+    The ``lightning-accel`` CLI adds this callback by itself.
+    """
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        io = delta_io(trainer)
+        dirs = [str(d) for cb in trainer.checkpoint_callbacks if (d := getattr(cb, "dirpath", None))]
+        if io is None or not dirs:
+            return
+        refusal = ""
+        if trainer.is_global_zero:
+            try:
+                for d in dirs:
+                    io.claim(d)
+            except CheckpointDirectoryLockedError as e:
+                refusal = str(e)
+        refusal = trainer.strategy.broadcast(refusal, src=0)
+        if refusal:
+            raise CheckpointDirectoryLockedError(refusal, directory=dirs[0], holder={})
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.ckpt_path is None:
+            return
+        for opt in trainer.optimizers:
+            for group in opt.param_groups:
+                missing = sorted(set(opt.defaults) - set(group))
+                if missing:
+                    extra = sorted(set(group) - set(opt.defaults) - {"params", "initial_lr"})
+                    raise ValueError(
+                        f"`ckpt_path` {trainer.ckpt_path!r} holds another optimizer's state than the configured "
+                        f"{type(opt).__name__} (its param groups lack {missing}, have {extra[:2]}...). Resume with "
+                        "the optimizer it was saved with, or start without `--ckpt_path` and load only the weights."
+                    )
 
 
 class DeltaModelCheckpoint(ModelCheckpoint):
@@ -88,27 +146,30 @@ class DeltaModelCheckpoint(ModelCheckpoint):
 
 
 def resolve_ckpt_path(trainer: pl.Trainer, ckpt_path: Any) -> Any:
-    """``ckpt_path`` for ``trainer.fit/validate/test/predict``, with ``"last"`` resolved on object stores.
+    """``ckpt_path`` for ``trainer.fit/validate/test/predict``, with ``"last"`` resolved to a file.
 
-    For ``"last"`` and a Trainer whose checkpoint callbacks write to a remote ``dirpath``, returns the URL of the
-    newest ``last*.ckpt`` there (:func:`~lightning_accel.checkpoint.reader.resolve_last`, with the callback's or the
-    plugin's ``storage_options``), or ``None`` with Lightning's warning when there is none (a fresh run). Any other
-    value, or local directories only, is returned unchanged (Lightning resolves those itself).
+    For ``"last"``, returns the path or URL of the newest ``last*.ckpt`` in the ``dirpath`` of the Trainer's checkpoint
+    callbacks (:func:`~lightning_accel.checkpoint.reader.resolve_last`, with the callback's or the plugin's
+    ``storage_options``; Lightning's own search drops the ``s3://`` of object-store paths), or ``None`` with
+    Lightning's warning when there is none (a fresh run). Any other value, or callbacks without a ``dirpath`` (Lightning
+    derives it from the logger later and resolves those itself), is returned unchanged.
     """
     if ckpt_path != "last":
         return ckpt_path
-    remote = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath is not None]
-    remote = [cb for cb in remote if not is_local_url(str(cb.dirpath))]
-    if not remote:
+    callbacks = [c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint) and c.dirpath is not None]
+    if not callbacks:
         return ckpt_path
     found: list[tuple[float, str]] = []
-    for cb in remote:
+    for cb in callbacks:
+        dirpath = str(cb.dirpath)
+        if is_local_url(dirpath) and not os.path.isdir(strip_file_scheme(dirpath)):
+            continue  # a fresh run: nothing saved yet
         options = cb._options(trainer) if isinstance(cb, DeltaModelCheckpoint) else trainer_storage_options(trainer)
-        hit = resolve_last(str(cb.dirpath), storage_options=options, with_time=True)
+        hit = resolve_last(dirpath, storage_options=options, with_time=True)
         if hit is not None:
             found.append((hit[1], hit[0]))
     if not found:
-        where = ", ".join(str(c.dirpath) for c in remote)
+        where = ", ".join(str(c.dirpath) for c in callbacks)
         rank_zero_warn(
             f'`ckpt_path="last"` is set, but there is no last checkpoint in {where}.'
             " No checkpoint will be loaded. HINT: Set `ModelCheckpoint(..., save_last=True)`."

@@ -171,6 +171,14 @@ class DeltaCheckpointIO(CheckpointIO):
             self._writer.wait()
             self.store.remove(os.fspath(path))
 
+    def claim(self, directory: PathType) -> None:
+        """Take ``directory``'s writer lock now (a second writer is refused before training, not at its first save).
+
+        Raises:
+            CheckpointDirectoryLockedError: another live run writes there.
+        """
+        self.store.claim(os.fspath(directory))
+
     def wait(self) -> None:
         """Block until queued saves and removals are done; raise the first background error."""
         self._writer.wait()
@@ -178,7 +186,7 @@ class DeltaCheckpointIO(CheckpointIO):
     @property
     def storage_options(self) -> dict[str, Any]:
         """The fsspec options every save, load and removal uses (share them with ``ModelCheckpoint`` through
-        :class:`~lightning_accel.checkpoint.callback.DeltaModelCheckpoint`)."""
+        :class:`~lightning_accel.checkpoint.callbacks.DeltaModelCheckpoint`)."""
         return self.store.fs.storage_options
 
     @property

@@ -172,7 +172,9 @@ def _torch_load(store: DeltaStore, path: str, map_location: Any) -> dict[str, An
         ) from e
     except (RuntimeError, EOFError, ValueError, KeyError, IndexError) as e:  # a truncated or damaged archive
         raise CheckpointCorruptError(
-            f"Checkpoint {path!r} is a damaged `torch.save` file ({type(e).__name__}: {_first_line(e)})."
+            # torch's first sentence says what broke; the rest is general advice
+            f"Checkpoint {path!r} is a damaged `torch.save` file "
+            f"({type(e).__name__}: {_first_line(e).split('. ')[0].rstrip('.')})."
         ) from e
     if not isinstance(ckpt, dict):
         raise NotADeltaCheckpointError(

@@ -349,6 +349,16 @@ class DeltaStore:
                 stacklevel=3,
             )
 
+    def claim(self, directory: str) -> None:
+        """Take ``directory``'s writer lock now, before the first save (made if missing); nothing when ``lock=False``
+        beyond making it.
+
+        Raises:
+            CheckpointDirectoryLockedError: another live writer holds it.
+        """
+        with self._lock:
+            self._writable(directory.rstrip("/"))
+
     def close(self) -> None:
         """Release this process's writer locks (the next save in a directory takes its lock again)."""
         with self._lock:

@@ -1,0 +1,140 @@
+"""Checkpoint and resume mistakes through the real CLI: one ``lightning-accel: error:`` line, exit 2, no step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lightning_accel._utils.fs import FileStore
+from lightning_accel.checkpoint.lock import DirectoryLock
+from lightning_accel.cli import _user_line, main
+from tests.test_cli import _tiny
+
+
+def _one_line_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    errors = [ln for ln in err.splitlines() if ln.startswith("lightning-accel: error:")]
+    assert len(errors) == 1, err
+    assert len(errors[0]) <= 400, errors[0]
+    assert "Traceback" not in err
+    return errors[0]
+
+
+def _fit_argv(digits_dir: Path, root: Path, *extra: str) -> list[str]:
+    return ["fit", *_tiny(digits_dir, root), "--trainer.logger=false", *extra]
+
+
+def test_ckpt_path_of_a_text_file(digits_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    notes = tmp_path / "notes.txt"
+    notes.write_text("these are my notes, not a checkpoint\n")
+    line = _one_line_error(_fit_argv(digits_dir, tmp_path / "run", f"--ckpt_path={notes}"), capsys)
+    assert "ckpt_path" in line and "notes.txt" in line and "delta checkpoint manifest" in line
+    assert notes.read_text() == "these are my notes, not a checkpoint\n"
+    assert not (tmp_path / "run" / "checkpoints").exists()  # nothing trained, nothing saved
+
+
+def test_truncated_checkpoints(digits_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    main(_fit_argv(digits_dir, run))
+    last = run / "checkpoints" / "last.ckpt"
+    manifest = last.read_bytes()
+    assert manifest[:1] == b"{"
+
+    # a truncated delta manifest, in fit and in validate
+    cut = tmp_path / "cut.ckpt"
+    cut.write_bytes(manifest[: len(manifest) // 2])
+    for sub in ("fit", "validate"):
+        argv = [sub, *_tiny(digits_dir, tmp_path / sub), "--trainer.logger=false", f"--ckpt_path={cut}"]
+        if sub == "validate":
+            argv = [a for a in argv if "limit_train" not in a and "max_epochs" not in a]
+        line = _one_line_error(argv, capsys)
+        assert "ckpt_path" in line and "cut.ckpt" in line
+
+    # a delta checkpoint whose blob is damaged
+    blob_dir = run / "checkpoints" / ".delta_blobs"
+    blobs = sorted(p for p in blob_dir.rglob("*") if p.is_file() and p.stat().st_size > 64)
+    assert blobs
+    data = bytearray(blobs[0].read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    blobs[0].write_bytes(bytes(data))
+    line = _one_line_error(_fit_argv(digits_dir, tmp_path / "again", f"--ckpt_path={last}"), capsys)
+    assert "ckpt_path" in line
+
+    # a truncated torch.save file
+    import torch
+
+    full = tmp_path / "plain.ckpt"
+    torch.save({"state_dict": {"w": torch.ones(1000)}}, full)
+    torn = tmp_path / "torn.ckpt"
+    torn.write_bytes(full.read_bytes()[:300])
+    line = _one_line_error(_fit_argv(digits_dir, tmp_path / "torn", f"--ckpt_path={torn}"), capsys)
+    assert "ckpt_path" in line and "torn.ckpt" in line
+
+
+def test_locked_checkpoint_directory_is_refused_before_training(
+    digits_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt_dir = tmp_path / "run" / "checkpoints"
+    ckpt_dir.mkdir(parents=True)
+    holder = DirectoryLock(FileStore(None), str(ckpt_dir))  # another run writing there
+    holder.acquire()
+    try:
+        line = _one_line_error(_fit_argv(digits_dir, tmp_path / "run"), capsys)
+    finally:
+        holder.release()
+    assert "checkpoint" in line and str(ckpt_dir) in line
+    assert not list(ckpt_dir.glob("*.ckpt"))  # refused before the first step: nothing saved
+
+
+def test_resuming_with_fewer_epochs_than_the_checkpoint(
+    digits_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "run"
+    main(_fit_argv(digits_dir, run, "--trainer.max_epochs=3"))  # restores as current_epoch=2
+    line = _one_line_error(_fit_argv(digits_dir, run, "--trainer.max_epochs=1", "--ckpt_path=last"), capsys)
+    assert "current_epoch=" in line and "--trainer.max_epochs" in line
+
+
+def test_a_worker_error_prints_the_workers_own_line() -> None:
+    text = (
+        "Caught ValueError in DataLoader worker process 0.\nOriginal Traceback (most recent call last):\n"
+        '  File "x.py", line 1, in f\n    raise ValueError(...)\nValueError: `ram_bytes` is too small\n'
+    )
+    assert _user_line(ValueError(text)) == "ValueError: `ram_bytes` is too small"
+    assert _user_line(TypeError("a\nb")) == "TypeError: a b"
+
+
+def test_help_names_every_tool(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "data pack" in out and "data clean" in out and "ckpt" in out
+
+
+def test_ckpt_path_last_says_which_file_it_resumed(
+    digits_dir: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "run"
+    main(_fit_argv(digits_dir, run))
+    capfd.readouterr()
+    main(_fit_argv(digits_dir, run, "--trainer.max_epochs=2", "--ckpt_path=last"))
+    err = capfd.readouterr().err
+    assert f"lightning-accel: resuming from {run / 'checkpoints' / 'last.ckpt'}" in err.splitlines()
+
+
+def test_optimizer_state_of_another_optimizer(
+    digits_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "run"
+    main(_fit_argv(digits_dir, run))  # the model's own AdamW
+    last = run / "checkpoints" / "last.ckpt"
+    before = last.read_bytes()
+    sgd = ["--optimizer=torch.optim.SGD", "--optimizer.lr=0.1", "--optimizer.momentum=0.9"]
+    line = _one_line_error(_fit_argv(digits_dir, run, *sgd, "--trainer.max_epochs=2", "--ckpt_path=last"), capsys)
+    assert "SGD" in line and "momentum" in line and "ckpt_path" in line
+    assert last.read_bytes() == before  # refused before the first step: nothing saved over it
