@@ -64,8 +64,8 @@ def _datamodule_image_size(module: LightningModule) -> int | None:
 def _datamodule_num_classes(module: LightningModule) -> int | None:
     """The number of classes of the attached data module, or None when it does not say.
 
-    Read in this order: a ``num_classes`` attribute, the length of a ``classes`` attribute, then (a
-    :class:`~lightning_accel.data.CachedDataModule` after ``setup``) the class names of its training listing.
+    Read in this order: a ``num_classes`` attribute, then the length of a ``classes`` attribute (both public on
+    :class:`~lightning_accel.data.CachedDataModule` after its ``setup``, which Lightning runs before the model's).
     """
     try:
         dm = getattr(module.trainer, "datamodule", None)  # set by the data connector, not declared on the class
@@ -77,9 +77,6 @@ def _datamodule_num_classes(module: LightningModule) -> int | None:
     if isinstance(n, int) and not isinstance(n, bool) and n > 0:
         return n
     classes = getattr(dm, "classes", None)
-    if classes is None:
-        listing = getattr(getattr(getattr(dm, "train_set", None), "cache", None), "listing", None)
-        classes = getattr(listing, "classes", None)
     if isinstance(classes, Sequence) and not isinstance(classes, str) and len(classes) > 0:
         return len(classes)
     return None
@@ -92,9 +89,9 @@ class ImageClassifier(LightningModule):
     LightningCLI ``optimizer:``/``lr_scheduler:`` block replaces ``configure_optimizers``.
 
     ``num_classes="auto"`` takes the class count from the Trainer's data module in ``setup`` (its ``num_classes``,
-    ``len(classes)``, or a ``CachedDataModule``'s listing) and sizes the head there, identically on every rank (the
-    body exists from ``__init__``; calling the model before ``setup`` raises rather than use a provisional head);
-    ``hparams.num_classes`` then holds the resolved integer, so checkpoints restore with
+    or ``len(classes)``; ``CachedDataModule`` has both after ``setup``) and sizes the head there, identically on
+    every rank (the body exists from ``__init__``; calling the model before ``setup`` raises rather than use a
+    provisional head); ``hparams.num_classes`` then holds the resolved integer, so checkpoints restore with
     ``ImageClassifier.load_from_checkpoint`` without a data module. An integer builds the network in ``__init__``; a
     data module with more classes than that is refused in ``setup``, before the first step.
 
