@@ -281,7 +281,7 @@ class AccelCLI(LightningCLI):
             kwargs["logger"] = default_loggers(config.get("default_root_dir"))
         callbacks = config.get("callbacks") or []
         callbacks = list(callbacks) if isinstance(callbacks, list) else [callbacks]
-        bar = _default_progress_bar(config)
+        bar = _default_progress_bar(config, callbacks)
         # a second run on a DeltaCheckpointIO directory is refused before its first step, not at its first save
         kwargs["callbacks"] = [*callbacks, *([bar] if bar is not None else []), CheckpointGuard()]
         kwargs.update(resolve_trainer_kwargs({**config, "callbacks": kwargs["callbacks"]}, self.model))
@@ -308,7 +308,7 @@ class VersionRichProgressBar(RichProgressBar):
         return items
 
 
-def _default_progress_bar(config: dict[str, Any]) -> Any:
+def _default_progress_bar(config: dict[str, Any], callbacks: list[Any]) -> Any:
     """The progress bar the Trainer would add by itself, minus its ``v_num: 0.000`` (None: leave the Trainer's choice).
 
     Lightning's ``RichProgressBar`` (its default when ``rich`` is installed) formats every non-string item with
@@ -318,8 +318,6 @@ def _default_progress_bar(config: dict[str, Any]) -> Any:
 
     from lightning_accel._utils.imports import module_available
 
-    callbacks = config.get("callbacks") or []
-    callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
     if config.get("enable_progress_bar") is False or any(isinstance(c, ProgressBar) for c in callbacks):
         return None
     if not module_available("rich"):
