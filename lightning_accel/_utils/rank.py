@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["distributed_ready", "global_rank", "is_global_zero", "local_rank", "world_size"]
+__all__ = ["distributed_ready", "global_rank", "is_global_zero", "local_rank", "node_rank", "world_size"]
 
 
 def distributed_ready() -> bool:
@@ -38,6 +38,12 @@ def global_rank() -> int:
 def local_rank() -> int:
     """This process's rank within its node (0 when not distributed)."""
     return _env_int("LOCAL_RANK", "SLURM_LOCALID", default=0)
+
+
+def node_rank() -> int:
+    """This node's index from the launcher's environment: ``NODE_RANK`` (Lightning, SLURM through Lightning),
+    ``GROUP_RANK`` (torchrun), ``SLURM_NODEID``; 0 when none is set."""
+    return _env_int("NODE_RANK", "GROUP_RANK", "SLURM_NODEID", default=0)
 
 
 def world_size() -> int:

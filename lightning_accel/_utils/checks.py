@@ -1,0 +1,157 @@
+"""One idiom for argument checks, used by every room's ``__init__``.
+
+Contract of every ``check_*`` function:
+
+- a value of the wrong *type* raises :class:`TypeError`, a value of the right type outside what is accepted raises
+  :class:`ValueError` (``bool`` is never an integer or a number here, although Python says it is);
+- the message is one line: the argument in backticks, what is accepted, the value received (and its type for a
+  TypeError), then the fix when the caller gives one — ```warmup_steps` must be an integer >= 0, got -1. Use 0 to
+  compress from the first step.``;
+- the checked value is returned (normalised: ``check_number`` returns a float, ``check_bytes`` an int), so a caller
+  writes ``self.steps = check_int("steps", steps, low=1)``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable
+from typing import Any, TypeVar
+
+__all__ = ["check_bool", "check_bytes", "check_choice", "check_int", "check_number", "parse_bytes"]
+
+T = TypeVar("T")
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
+
+
+def _fail(kind: type[Exception], name: str, expected: str, value: Any, fix: str) -> Exception:
+    got = f"{value!r} ({type(value).__name__})" if kind is TypeError else repr(value)
+    tail = f" {fix.strip()}" if fix and fix.strip() else ""
+    return kind(f"`{name}` must be {expected}, got {got}.{tail}")
+
+
+def _range(kind: str, low: float | None, high: float | None, low_open: bool, high_open: bool) -> str:
+    parts = []
+    if low is not None:
+        parts.append(
+            f"{'>' if low_open else '>='} {low:g}" if isinstance(low, float) else f"{'>' if low_open else '>='} {low}"
+        )
+    if high is not None:
+        parts.append(
+            f"{'<' if high_open else '<='} {high:g}"
+            if isinstance(high, float)
+            else f"{'<' if high_open else '<='} {high}"
+        )
+    return f"{kind} {' and '.join(parts)}" if parts else kind
+
+
+def check_int(
+    name: str,
+    value: Any,
+    *,
+    low: int | None = None,
+    high: int | None = None,
+    fix: str = "",
+    allow_none: bool = False,
+) -> Any:
+    """``value`` as an ``int`` in ``[low, high]`` (either bound optional); ``None`` passes when ``allow_none``."""
+    expected = _range("an integer", low, high, False, False) + (" or None" if allow_none else "")
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(TypeError, name, expected, value, fix)
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise _fail(ValueError, name, expected, value, fix)
+    return value
+
+
+def check_number(
+    name: str,
+    value: Any,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+    fix: str = "",
+    allow_none: bool = False,
+) -> Any:
+    """``value`` (an int or a float, never a bool, never NaN) as a ``float`` within the bounds; ``low_open`` /
+    ``high_open`` exclude the bound itself (``low=0, low_open=True`` is "> 0")."""
+    expected = _range("a number", low, high, low_open, high_open) + (" or None" if allow_none else "")
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _fail(TypeError, name, expected, value, fix)
+    v = float(value)
+    bad = math.isnan(v)
+    if low is not None:
+        bad = bad or (v <= low if low_open else v < low)
+    if high is not None:
+        bad = bad or (v >= high if high_open else v > high)
+    if bad:
+        raise _fail(ValueError, name, expected, value, fix)
+    return v
+
+
+def check_choice(name: str, value: T, choices: Iterable[Any], *, fix: str = "") -> T:
+    """``value`` when it is one of ``choices`` (compared with ``==``; a bool never matches an int choice)."""
+    allowed = tuple(choices)
+    expected = (
+        "one of " + ", ".join(repr(c) for c in allowed) if len(allowed) > 2 else " or ".join(repr(c) for c in allowed)
+    )
+    if not any(value == c and isinstance(value, bool) == isinstance(c, bool) for c in allowed):
+        kinds = {type(c) for c in allowed}
+        wrong_type = not any(isinstance(value, k) for k in kinds) or isinstance(value, bool) and bool not in kinds
+        raise _fail(TypeError if wrong_type else ValueError, name, expected, value, fix)
+    return value
+
+
+def check_bool(name: str, value: Any, *, fix: str = "") -> bool:
+    """``value`` when it is ``True`` or ``False`` (``0``/``1``/strings are refused: a YAML typo must not pass)."""
+    if not isinstance(value, bool):
+        raise _fail(TypeError, name, "True or False", value, fix)
+    return value
+
+
+def parse_bytes(value: Any) -> int | None:
+    """``1073741824``, ``"1GiB"``, ``"512MB"``, ``"0"`` -> bytes; None for anything else (the caller raises)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
+        if m and m.group(2).lower() in _UNITS:
+            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    return None
+
+
+def check_bytes(name: str, value: Any, *, low: int = 0, fix: str = "", allow_none: bool = False) -> Any:
+    """A byte count: an integer or a string with a unit (``"512MiB"``, ``"2GB"``), returned as an ``int`` >= ``low``;
+    ``None`` passes when ``allow_none`` (conventionally "no cap")."""
+    expected = f"a byte count (an integer >= {low}, or a string like '512MiB', '2GB')" + (
+        ", or None for no cap" if allow_none else ""
+    )
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise _fail(TypeError, name, expected, value, fix)
+    n = parse_bytes(value)
+    if n is None or n < low:
+        raise _fail(ValueError, name, expected, value, fix)
+    return n

@@ -1,0 +1,136 @@
+"""The one place that replaces a method or attribute on a live object, and puts the original back.
+
+A plugin sometimes has to wrap a method Lightning or torch calls on an object it does not own (``optimizer.step``,
+``trainer.save_checkpoint``, ``module.forward``). Done ad hoc, each site restores its own way, a second install wraps
+the wrapper, and an upgrade that renames the method passes silently. Here:
+
+- :func:`patch` installs ``replacement`` as ``obj.<name>`` and returns a :class:`Patch`; the attribute must exist
+  (``AttributeError`` names it otherwise, so an upstream rename fails loudly);
+- installing the same ``key`` twice on one object is a no-op returning the live patch (idempotent hooks that run
+  once per fit, or once per rank, cannot stack wrappers);
+- :meth:`Patch.restore` puts back exactly what was there: an instance attribute is reinstated, a method that came
+  from the class is removed again from the instance ``__dict__`` (so the class's method shows through); restoring
+  twice is a no-op;
+- :func:`restore_all` undoes every patch on an object (teardown paths).
+
+Swapping an instance's class (module surgery) goes through :func:`swap_class`, which is reversible the same way.
+The layout test refuses a method assignment anywhere else in the package.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["Patch", "active_patch", "patch", "restore_all", "swap_class"]
+
+_MISSING = object()
+# obj id -> {key: Patch}; weak on the object so a dropped trainer or optimizer takes its patches with it.
+_ACTIVE: weakref.WeakKeyDictionary[Any, dict[str, Patch]] = weakref.WeakKeyDictionary()
+_ACTIVE_BY_ID: dict[int, dict[str, Patch]] = {}  # objects that cannot be weakly referenced
+
+
+class Patch:
+    """One installed replacement of ``obj.<name>``; :meth:`restore` undoes it."""
+
+    __slots__ = ("_obj", "name", "key", "original", "_own", "installed")
+
+    def __init__(self, obj: Any, name: str, key: str, original: Any, own: Any) -> None:
+        self._obj = obj
+        self.name = name
+        self.key = key
+        #: what ``getattr(obj, name)`` returned before the patch (the bound original method) — call this to delegate.
+        self.original = original
+        self._own = own  # the instance-``__dict__`` value before the patch, or _MISSING when it came from the class
+        self.installed = True
+
+    def restore(self) -> None:
+        """Put the original back (idempotent)."""
+        if not self.installed:
+            return
+        self.installed = False
+        obj = self._obj
+        if self._own is _MISSING:
+            with contextlib.suppress(AttributeError):
+                delattr(obj, self.name)
+        else:
+            setattr(obj, self.name, self._own)
+        table = _table(obj, create=False)
+        if table is not None and table.get(self.key) is self:
+            del table[self.key]
+
+    def __repr__(self) -> str:
+        state = "installed" if self.installed else "restored"
+        return f"Patch({type(self._obj).__name__}.{self.name}, key={self.key!r}, {state})"
+
+
+def _table(obj: Any, *, create: bool) -> dict[str, Patch] | None:
+    try:
+        table = _ACTIVE.get(obj)
+        if table is None and create:
+            table = _ACTIVE[obj] = {}
+        return table
+    except TypeError:  # not weak-referenceable
+        table = _ACTIVE_BY_ID.get(id(obj))
+        if table is None and create:
+            table = _ACTIVE_BY_ID[id(obj)] = {}
+        return table
+
+
+def active_patch(obj: Any, key: str) -> Patch | None:
+    """The live patch installed on ``obj`` under ``key``, or None."""
+    table = _table(obj, create=False)
+    patch_ = table.get(key) if table else None
+    return patch_ if patch_ is not None and patch_.installed else None
+
+
+def patch(obj: Any, name: str, replacement: Callable[[Patch], Any], *, key: str | None = None) -> Patch:
+    """Replace ``obj.<name>`` with ``replacement(p)``, where ``p`` is the new :class:`Patch` (so the replacement
+    can call ``p.original``).
+
+    Args:
+        obj: the live object (an optimizer, a trainer, a module, a plugin).
+        name: the attribute to replace; it must exist on ``obj``.
+        replacement: builds the new attribute from the patch (usually a closure over ``p.original``).
+        key: identity of this patch on ``obj`` (default ``name``); a second :func:`patch` with a live patch under the
+            same key returns that patch and installs nothing.
+
+    Raises:
+        AttributeError: ``obj`` has no attribute ``name`` (the upstream object changed).
+    """
+    key = key or name
+    live = active_patch(obj, key)
+    if live is not None:
+        return live
+    if not hasattr(obj, name):
+        raise AttributeError(
+            f"cannot patch `{type(obj).__name__}.{name}`: the object has no such attribute (has the library that "
+            "defines it changed?)."
+        )
+    original = getattr(obj, name)
+    own = vars(obj).get(name, _MISSING) if hasattr(obj, "__dict__") else _MISSING
+    p = Patch(obj, name, key, original, own)
+    setattr(obj, name, replacement(p))
+    table = _table(obj, create=True)
+    assert table is not None
+    table[key] = p
+    return p
+
+
+def restore_all(obj: Any) -> None:
+    """Restore every live patch on ``obj``, newest first."""
+    table = _table(obj, create=False)
+    if not table:
+        return
+    for p in reversed(list(table.values())):
+        p.restore()
+
+
+def swap_class(obj: Any, new_class: type) -> type:
+    """Set ``obj.__class__`` to ``new_class`` (a subclass of, or layout-compatible with, the current class) and
+    return the previous class, so the caller can swap back with ``swap_class(obj, previous)``."""
+    previous = type(obj)
+    obj.__class__ = new_class
+    return previous
