@@ -19,7 +19,6 @@ from __future__ import annotations
 import inspect
 import os
 import pickle
-import re
 import sys
 import typing
 from typing import Any, Union
@@ -32,6 +31,7 @@ from typing_extensions import override
 
 import lightning_accel  # noqa: F401 - registers the strategy aliases on import
 from lightning_accel._utils import compat
+from lightning_accel._utils.errors import one_line
 from lightning_accel._utils.fs import StorageUnavailableError
 from lightning_accel.checkpoint.callbacks import CheckpointGuard
 from lightning_accel.checkpoint.lock import CheckpointDirectoryLockedError
@@ -72,38 +72,10 @@ class ConfigError(ValueError):
         self.detail = detail
 
 
-# jsonargparse's own lines around the one that says what is wrong (Union dumps list every subtype it tried)
-_NOISE = re.compile(
-    r"^(Expected a path but|Does not validate against any|Subtypes:|Errors:|Not a valid subclass|Subclass types|"
-    r"a class path|a dict |Import path .* does not correspond|Given value|Problem with given class_path|Parser key|"
-    r"Expected a <class '(NoneType|str|int|float|bool|dict|list)'>$|Validation failed)"
-)
-_KEY = re.compile(r'Parser key "([^"]+)"')
-
-
 def useful_line(text: str) -> tuple[str, str]:
-    """``(inner key, message)``: the line of a jsonargparse error that says what is wrong.
-
-    A line in backticks (this project's errors quote the argument) wins; otherwise the first line that is not
-    jsonargparse's scaffolding (e.g. ``Expected a typing.Literal['int8', 'int4']``), with the rejected value appended.
-    The inner key is the ``Parser key`` of the class argument above that line, when the parser named one below the
-    outermost key.
-    """
-    lines = [ln.strip().removeprefix("- ").strip() for ln in text.splitlines()]
-    keys = [(i, m.group(1)) for i, ln in enumerate(lines) for m in [_KEY.search(ln)] if m]
-    candidates = [i for i, ln in enumerate(lines) if ln and not _NOISE.match(ln)]
-    if not candidates:
-        return "", " ".join(text.split())[:300]
-    ticked = [i for i in candidates if "`" in lines[i]]
-    pick = ticked[0] if ticked else candidates[0]
-    message = lines[pick]
-    if "got" not in message.lower():
-        given = next((ln for ln in lines[pick + 1 :] if ln.startswith("Given value:")), None)
-        if given is not None and len(given) < 120:
-            message = f"{message.rstrip('.')}, got {given.removeprefix('Given value:').strip()!r}."
-    inner = [k for i, k in keys if i < pick]
-    outer = keys[0][1] if keys else ""
-    return (inner[-1] if inner and inner[-1] != outer else ""), message
+    """``(inner key, message)``: the line of a jsonargparse error that says what is wrong (see
+    :func:`lightning_accel._utils.compat.jsonargparse_useful_line`)."""
+    return compat.jsonargparse_useful_line(text)
 
 
 def _config_key_of(config: Any, class_path: str) -> str:
@@ -135,12 +107,11 @@ def config_error(exc: BaseException, config: Any = None) -> ConfigError:
         config: the parsed config as a dict, to find the key of the class that raised when the text does not say.
     """
     text = str(exc)
-    m = _KEY.search(text.splitlines()[0] if text else "")
-    outer = m.group(1) if m else ""
-    inner, message = useful_line(text)
+    outer = compat.jsonargparse_error_key(text)
+    inner, message = compat.jsonargparse_useful_line(text)
     if not outer and config is not None:
-        cp = re.search(r"class_path='([^']+)'", text)
-        outer = _config_key_of(config, cp.group(1)) if cp else ""
+        cp = compat.jsonargparse_error_class_path(text)
+        outer = _config_key_of(config, cp) if cp else ""
     key = ".".join(k for k in (outer, inner) if k)
     return ConfigError(key, message, text)
 
@@ -266,7 +237,7 @@ class AccelCLI(LightningCLI):
         try:
             super().instantiate_classes()
         except (ValueError, TypeError) as e:
-            if isinstance(e, ConfigError) or "Does not validate against any of the Union subtypes" not in str(e):
+            if isinstance(e, ConfigError) or not compat.is_jsonargparse_union_error(e):
                 raise
             sub = self.config.get(self.subcommand) if self.subcommand else self.config
             raise config_error(e, sub.as_dict() if hasattr(sub, "as_dict") else None) from e
@@ -340,7 +311,7 @@ def read_ckpt_arg(path: str) -> dict[str, Any]:
     except (ValueError, CheckpointCorruptError, pickle.UnpicklingError) as e:
         damaged = isinstance(e, CheckpointCorruptError)
         hint = "`lightning-accel ckpt verify` names every damaged part; " if damaged else ""
-        raise ConfigError("ckpt_path", f"{_first_line(e)} ({hint}or start without `--ckpt_path`).") from e
+        raise ConfigError("ckpt_path", f"{one_line(e)} ({hint}or start without `--ckpt_path`).") from e
 
 
 def default_loggers(root: str | None) -> list[Any]:
@@ -393,7 +364,7 @@ def main(argv: list[str] | None = None) -> None:
         if debug:
             raise
         err = config_error(e)
-        msg = str(err) if err.key else " ".join(str(e).split())  # a message without a key: jsonargparse's own line
+        msg = str(err) if err.key else one_line(e)  # a message without a key: jsonargparse's own line
         print(f"lightning-accel: error: {msg}", file=sys.stderr)
         print("(run with --help for the options; LIGHTNING_ACCEL_DEBUG=1 for the full text)", file=sys.stderr)
         raise SystemExit(2) from None
@@ -407,13 +378,13 @@ def main(argv: list[str] | None = None) -> None:
     except CheckpointDirectoryLockedError as e:  # a second run writing the same checkpoint directory
         if debug:
             raise
-        print(f"lightning-accel: error: checkpoint: {_first_line(e)}", file=sys.stderr)
+        print(f"lightning-accel: error: checkpoint: {one_line(e)}", file=sys.stderr)
         print("(set LIGHTNING_ACCEL_DEBUG=1 for the full traceback)", file=sys.stderr)
         raise SystemExit(2) from None
     except (OriginError, StorageUnavailableError) as e:  # the data's origin: unreachable, no credentials, refused
         if debug:
             raise
-        print(f"lightning-accel: error: data: {type(e).__name__}: {_first_line(e)}", file=sys.stderr)
+        print(f"lightning-accel: error: data: {type(e).__name__}: {one_line(e)}", file=sys.stderr)
         print("(set LIGHTNING_ACCEL_DEBUG=1 for the full traceback)", file=sys.stderr)
         raise SystemExit(2) from None
     except _USER_ERRORS as e:
@@ -425,8 +396,8 @@ def main(argv: list[str] | None = None) -> None:
     except MisconfigurationException as e:  # Lightning's word for a Trainer/config mistake
         if debug:
             raise
-        line = _first_line(e)
-        if line.startswith("You restored a checkpoint with current_epoch="):
+        line = one_line(e)
+        if compat.is_resume_past_max_epochs(e):
             line += (
                 " Resume with `--trainer.max_epochs` above the checkpoint's epoch (the value the run was extended to),"
                 " or start a new run without `--ckpt_path`."
@@ -436,23 +407,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2) from None
 
 
-def _first_line(e: BaseException) -> str:
-    """The message on one line (the CLI promises one line; a multi-line message is joined)."""
-    return " ".join(str(e).split())
-
-
 def _user_line(e: BaseException) -> str:
-    """``Type: message`` of a user error; for one re-raised from a DataLoader worker, the worker's own line.
-
-    torch re-raises a worker's exception as ``Caught ValueError in DataLoader worker process 0. Original Traceback
-    ...``: the traceback is the worker's, and its last line (``ValueError: ...``) is the error the user made.
-    """
-    text = str(e)
-    if "Original Traceback" in text:
-        last = next((ln.strip() for ln in reversed(text.splitlines()) if ln.strip()), "")
-        if last:
-            return " ".join(last.split())
-    return f"{type(e).__name__}: {_first_line(e)}"
+    """``Type: message`` of a user error; for one re-raised from a DataLoader worker, the worker's own line."""
+    return compat.dataloader_worker_error_line(e) or f"{type(e).__name__}: {one_line(e)}"
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -55,10 +56,16 @@ __all__ = [
     "compile_error_types",
     "compiled_call_impl",
     "cuda_memory_snapshot",
+    "dataloader_worker_error_line",
     "ddp_logging_data",
     "empty_shared",
     "get_layer_sync",
     "grad_scaler_scale",
+    "is_jsonargparse_union_error",
+    "is_resume_past_max_epochs",
+    "jsonargparse_error_class_path",
+    "jsonargparse_error_key",
+    "jsonargparse_useful_line",
     "module_call_impl",
     "pin_memory",
     "record_cuda_memory_history",
@@ -443,3 +450,84 @@ def set_model_parallel_sizes(strategy: Strategy, data_parallel: int, tensor_para
     """
     strategy._data_parallel_size = data_parallel  # type: ignore[attr-defined]
     strategy._tensor_parallel_size = tensor_parallel  # type: ignore[attr-defined]
+
+
+# --- cli: texts of jsonargparse, Lightning and torch errors the CLI reads -------------------------------------------
+# None of these libraries gives the parts of its error as attributes: jsonargparse's `ArgumentError` carries one
+# English text (the key as `Parser key "..."`, the instantiation's `class_path='...'`, scaffolding lines around the
+# one that says what is wrong); Lightning's resume-epoch refusal and torch's re-raised DataLoader-worker error are
+# plain messages. Each reader below is tested against the real library's text in tests/_utils/test_compat.py.
+
+# jsonargparse's own lines around the one that says what is wrong (Union dumps list every subtype it tried)
+_JSONARGPARSE_NOISE = re.compile(
+    r"^(Expected a path but|Does not validate against any|Subtypes:|Errors:|Not a valid subclass|Subclass types|"
+    r"a class path|a dict |Import path .* does not correspond|Given value|Problem with given class_path|Parser key|"
+    r"Expected a <class '(NoneType|str|int|float|bool|dict|list)'>$|Validation failed)"
+)
+_JSONARGPARSE_KEY = re.compile(r'Parser key "([^"]+)"')
+_JSONARGPARSE_CLASS_PATH = re.compile(r"class_path='([^']+)'")
+
+
+def jsonargparse_error_key(text: str) -> str:
+    """The config key a jsonargparse error's first line names (``Parser key "trainer.max_epochs"``), or ``""``."""
+    m = _JSONARGPARSE_KEY.search(text.splitlines()[0] if text else "")
+    return m.group(1) if m else ""
+
+
+def jsonargparse_error_class_path(text: str) -> str:
+    """The ``class_path='...'`` an instantiation error of jsonargparse names, or ``""``."""
+    m = _JSONARGPARSE_CLASS_PATH.search(text)
+    return m.group(1) if m else ""
+
+
+def jsonargparse_useful_line(text: str) -> tuple[str, str]:
+    """``(inner key, message)``: the line of a jsonargparse error that says what is wrong.
+
+    A line in backticks (this project's errors quote the argument) wins; otherwise the first line that is not
+    jsonargparse's scaffolding (e.g. ``Expected a typing.Literal['int8', 'int4']``), with the rejected value appended.
+    The inner key is the ``Parser key`` of the class argument above that line, when the parser named one below the
+    outermost key.
+    """
+    lines = [ln.strip().removeprefix("- ").strip() for ln in text.splitlines()]
+    keys = [(i, m.group(1)) for i, ln in enumerate(lines) for m in [_JSONARGPARSE_KEY.search(ln)] if m]
+    candidates = [i for i, ln in enumerate(lines) if ln and not _JSONARGPARSE_NOISE.match(ln)]
+    if not candidates:
+        return "", " ".join(text.split())[:300]
+    ticked = [i for i in candidates if "`" in lines[i]]
+    pick = ticked[0] if ticked else candidates[0]
+    message = lines[pick]
+    if "got" not in message.lower():
+        given = next((ln for ln in lines[pick + 1 :] if ln.startswith("Given value:")), None)
+        if given is not None and len(given) < 120:
+            message = f"{message.rstrip('.')}, got {given.removeprefix('Given value:').strip()!r}."
+    inner = [k for i, k in keys if i < pick]
+    outer = keys[0][1] if keys else ""
+    return (inner[-1] if inner and inner[-1] != outer else ""), message
+
+
+#: How Lightning's `_CheckpointConnector` starts the error for a resume whose checkpoint epoch is at `max_epochs`.
+_RESUME_EPOCH_PREFIX = "You restored a checkpoint with current_epoch="
+
+
+def is_resume_past_max_epochs(error: BaseException) -> bool:
+    """True for Lightning's refusal to resume a checkpoint saved at or past ``max_epochs``."""
+    return str(error).lstrip().startswith(_RESUME_EPOCH_PREFIX)
+
+
+def dataloader_worker_error_line(error: BaseException) -> str | None:
+    """For an exception torch re-raised from a DataLoader worker, the worker's own last line (``ValueError: ...``).
+
+    torch re-raises a worker's exception as ``Caught ValueError in DataLoader worker process 0. Original Traceback
+    ...``: the traceback is the worker's, and its last line is the error the user made. None for any other error.
+    """
+    text = str(error)
+    if "Original Traceback" not in text:
+        return None
+    last = next((ln.strip() for ln in reversed(text.splitlines()) if ln.strip()), "")
+    return " ".join(last.split()) or None
+
+
+def is_jsonargparse_union_error(error: BaseException) -> bool:
+    """True when jsonargparse reports a value that none of a Union's subtypes accepted (its instantiation of a class
+    that refused its arguments arrives so, the class's own message nested inside)."""
+    return "Does not validate against any of the Union subtypes" in str(error)

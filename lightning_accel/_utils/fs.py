@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from lightning_accel._utils.atomic import atomic_write_bytes, is_local_url, strip_file_scheme
+from lightning_accel._utils.checks import check_int, check_number
 from lightning_accel._utils.forksafe import ForkSafeLock, PerProcess
 
 __all__ = ["FileStore", "StorageUnavailableError", "is_transient"]
@@ -123,7 +124,7 @@ class FileStore:
         backoff_s: the first backoff; it doubles with each retry.
 
     Raises:
-        TypeError: ``storage_options`` is not a mapping.
+        TypeError: ``storage_options`` is not a mapping, ``retries`` not an int or ``backoff_s`` not a number.
         ValueError: ``retries`` or ``backoff_s`` is negative.
     """
 
@@ -135,13 +136,11 @@ class FileStore:
                 f"`storage_options` must be a dict of fsspec options or None, got {storage_options!r}. Example: "
                 '`{"client_kwargs": {"endpoint_url": "https://s3.example.com"}}`.'
             )
-        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
-            raise ValueError(f"`retries` must be >= 0, got {retries!r}.")
-        if not isinstance(backoff_s, (int, float)) or backoff_s < 0:
-            raise ValueError(f"`backoff_s` must be a number of seconds >= 0, got {backoff_s!r}.")
+        self.retries: int = check_int("retries", retries, low=0, fix="Use 0 to fail on the first transient error.")
+        self.backoff_s: float = check_number(
+            "backoff_s", backoff_s, low=0, fix="It is the first retry's wait in seconds."
+        )
         self.storage_options: dict[str, Any] = dict(storage_options or {})
-        self.retries = retries
-        self.backoff_s = float(backoff_s)
         self._filesystems: PerProcess[dict[str, Any]] = PerProcess(dict)  # protocol -> this process's filesystem
         self._lock = ForkSafeLock()
 

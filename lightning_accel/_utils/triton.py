@@ -29,6 +29,8 @@ from typing import Literal, get_args
 
 import torch
 
+from lightning_accel._utils.checks import check_choice
+
 __all__ = [
     "BACKENDS",
     "Backend",
@@ -63,17 +65,16 @@ def interpreter_active() -> bool:
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in _TRUE
 
 
-def check_backend(backend: object, allowed: Sequence[str] = BACKENDS) -> None:
-    """Raise ``ValueError`` unless ``backend`` is one of ``allowed`` (the values the caller implements).
+def check_backend(backend: object, allowed: Sequence[str] = BACKENDS, *, name: str = "backend") -> None:
+    """Raise unless ``backend`` is one of ``allowed`` (the values the caller implements).
 
     Raises:
-        ValueError: naming ``backend``, the value received, the values expected and the fix.
+        TypeError: ``backend`` is not a string.
+        ValueError: naming the argument (``name``), the value received, the values expected and the fix.
     """
-    if not isinstance(backend, str) or backend not in allowed:
-        raise ValueError(
-            f"`backend` must be one of {tuple(allowed)}, got {backend!r}. "
-            "Use 'auto' (Triton kernels on CUDA, torch elsewhere) unless testing a path."
-        )
+    check_choice(
+        name, backend, allowed, fix="Use 'auto' (Triton kernels on CUDA, torch elsewhere) unless testing a path."
+    )
 
 
 def _device(where: torch.Tensor | torch.device) -> torch.device:

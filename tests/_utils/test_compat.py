@@ -325,3 +325,85 @@ def test_jpeg_decode_ops_decode_what_torchvision_decodes() -> None:
     decode_cpu, _, unchanged, _ = ops
     out = decode_cpu(torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8), unchanged)
     assert out.shape == (3, 6, 8) and out.dtype == torch.uint8 and abs(int(out[0, 0, 0]) - 200) < 8
+
+
+# --- cli: the texts of jsonargparse, Lightning and torch errors the CLI reads ----------------------------------------
+
+
+class _Refuses:
+    def __init__(self, n: int = 1) -> None:
+        if n < 0:
+            raise ValueError(f"`n` must be an integer >= 0, got {n}.")
+
+
+class _Other:
+    def __init__(self, s: str = "") -> None:
+        self.s = s
+
+
+def _jsonargparse_error(args: list[str], *, instantiate: bool = False) -> BaseException:
+    from typing import Literal, Optional, Union  # noqa: UP035
+
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_argument("--trainer.max_epochs", type=int)
+    parser.add_argument("--mode", type=Literal["int8", "int4"])
+    parser.add_argument("--cbs", type=Optional[list[Union[_Refuses, _Other]]])  # noqa: UP007, UP045
+    try:
+        cfg = parser.parse_args(args)
+        if instantiate:
+            parser.instantiate(cfg)
+    except Exception as e:  # noqa: BLE001 - the error is what is tested
+        return e
+    raise AssertionError(f"jsonargparse accepted {args}")
+
+
+def test_jsonargparse_error_readers_on_real_parse_errors():
+    e = _jsonargparse_error(["--trainer.max_epochs=x"])
+    assert compat.jsonargparse_error_key(str(e)) == "trainer.max_epochs"
+    assert compat.jsonargparse_useful_line(str(e)) == ("", "Expected a <class 'int'>. Got value: x")
+    e = _jsonargparse_error(["--mode=int2"])
+    assert compat.jsonargparse_error_key(str(e)) == "mode"
+    assert "Literal['int8', 'int4']" in compat.jsonargparse_useful_line(str(e))[1]
+
+
+def test_jsonargparse_error_readers_on_a_class_that_refuses_its_arguments():
+    path = f"{__name__}._Refuses"
+    e = _jsonargparse_error([f'--cbs=[{{"class_path":"{path}","init_args":{{"n":-1}}}}]'], instantiate=True)
+    assert compat.is_jsonargparse_union_error(e)
+    assert compat.jsonargparse_error_class_path(str(e)) == path
+    assert compat.jsonargparse_useful_line(str(e))[1] == "`n` must be an integer >= 0, got -1."
+    assert not compat.is_jsonargparse_union_error(ValueError("x"))
+
+
+def test_resume_past_max_epochs_reads_lightnings_refusal(tmp_path):
+    from lightning.pytorch.demos.boring_classes import BoringModel
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    def trainer(epochs: int) -> pl.Trainer:
+        return pl.Trainer(
+            default_root_dir=tmp_path, max_epochs=epochs, limit_train_batches=1, limit_val_batches=0, logger=False,
+            enable_progress_bar=False, enable_model_summary=False,
+        )  # fmt: skip
+
+    trainer(3).fit(BoringModel())  # saved at current_epoch=2, past max_epochs=1
+    ckpt = next(tmp_path.rglob("*.ckpt"))
+    with pytest.raises(MisconfigurationException) as info:
+        trainer(1).fit(BoringModel(), ckpt_path=ckpt)
+    assert compat.is_resume_past_max_epochs(info.value)
+    assert not compat.is_resume_past_max_epochs(MisconfigurationException("other"))
+
+
+def _fails_in_worker(_: int) -> None:
+    raise ValueError("bad sample 3")
+
+
+def test_dataloader_worker_error_line_reads_torchs_reraise():
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader(list(range(4)), num_workers=1, collate_fn=_fails_in_worker)
+    with pytest.raises(ValueError) as info:
+        next(iter(loader))
+    assert compat.dataloader_worker_error_line(info.value) == "ValueError: bad sample 3"
+    assert compat.dataloader_worker_error_line(ValueError("plain")) is None

@@ -31,10 +31,12 @@ def test_interpreter_off_without_the_variable(monkeypatch: pytest.MonkeyPatch) -
 def test_check_backend_names_argument_value_expected_and_fix() -> None:
     for b in BACKENDS:
         check_backend(b)
-    with pytest.raises(ValueError, match=r"`backend` must be one of \('auto', 'triton', 'reference'\), got 'eager'"):
+    with pytest.raises(ValueError, match=r"`backend` must be one of 'auto', 'triton', 'reference', got 'eager'"):
         check_backend("eager", ("auto", "triton", "reference"))
-    with pytest.raises(ValueError, match=r"got True\. Use 'auto'"):
+    with pytest.raises(TypeError, match=r"got True \(bool\)\. Use 'auto'"):
         check_backend(True)
+    with pytest.raises(ValueError, match=r"`kernel` must be"):
+        check_backend("cuda", name="kernel")
 
 
 @pytest.mark.parametrize("installed", [True, False])
