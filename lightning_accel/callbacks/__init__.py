@@ -1,12 +1,16 @@
-"""Public namespace of every callback (re-exports only), so ``class_path: lightning_accel.callbacks.<Name>`` stays
-short and stable; each callback lives in its room beside the core it adapts (``perf/callbacks.py``,
-``recipes/callbacks.py``)."""
+"""Public namespace of every callback (re-exports only), laid out as ``lightning.pytorch.callbacks``, so
+``class_path: lightning_accel.callbacks.<Name>`` stays short and stable; each callback lives in its room beside the
+core it adapts (``checkpoint/callbacks.py``, ``perf/callbacks.py``, ``recipes/callbacks.py``).
+"""
 
+from lightning_accel.checkpoint.callbacks import CheckpointGuard, DeltaModelCheckpoint
 from lightning_accel.perf.callbacks import CudaMemoryManager, PerformanceMonitor
 from lightning_accel.recipes.callbacks import KnowledgeDistillation, LinearScalingLR, PerStepLR, StructuredPruning
 
 __all__ = [
+    "CheckpointGuard",
     "CudaMemoryManager",
+    "DeltaModelCheckpoint",
     "KnowledgeDistillation",
     "LinearScalingLR",
     "PerStepLR",

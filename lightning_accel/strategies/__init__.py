@@ -5,3 +5,8 @@ from lightning_accel.comm.strategy import CHECKPOINT_KEY, OneBitDDPStrategy
 from lightning_accel.parallel.strategy import AutoStrategy, PipelineStrategy, ShardedStrategy
 
 __all__ = ["CHECKPOINT_KEY", "AutoStrategy", "OneBitDDPStrategy", "PipelineStrategy", "ShardedStrategy"]
+
+
+def __dir__() -> list[str]:
+    # tab completion and `dir()` show the public names, not the sub-packages and helpers imported above
+    return __all__
