@@ -325,3 +325,23 @@ def test_jpeg_decode_ops_decode_what_torchvision_decodes() -> None:
     decode_cpu, _, unchanged, _ = ops
     out = decode_cpu(torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8), unchanged)
     assert out.shape == (3, 6, 8) and out.dtype == torch.uint8 and abs(int(out[0, 0, 0]) - 200) < 8
+
+
+# --- parallel: meta-device materialisation of a parallelised module ------------------------------------------------
+
+
+def test_materialize_distributed_module_is_what_model_parallel_strategy_calls() -> None:
+    import inspect
+
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    assert "_materialize_distributed_module(" in inspect.getsource(ModelParallelStrategy.setup)
+    with torch.device("meta"):
+        m = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4))
+    compat.materialize_distributed_module(m, torch.device("cpu"))
+    assert all(p.device.type == "cpu" for p in m.parameters())
+    assert bool(torch.all(m[1].weight == 1)) and bool(m[0].weight.abs().sum() > 0)  # reset_parameters ran
+    real = nn.Linear(2, 2)
+    before = real.weight.detach().clone()
+    compat.materialize_distributed_module(real, torch.device("cpu"))  # nothing on meta: left alone
+    assert torch.equal(real.weight, before)

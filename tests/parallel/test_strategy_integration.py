@@ -14,10 +14,11 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, StrategyRegistry
 from torch import nn
 
-import lightning_accel.parallel.strategy as strategy_mod
+import lightning_accel.parallel.strategies.auto as auto_mod
 from lightning_accel.parallel import AutoStrategy, PipelineStrategy, ShardedStrategy
 from lightning_accel.parallel.select import StrategyChoice
-from lightning_accel.parallel.strategy import ChoiceCheck, resolve_trainer_kwargs, trainer_devices
+from lightning_accel.parallel.callbacks import ChoiceCheck
+from lightning_accel.parallel.strategies import resolve_trainer_kwargs, trainer_devices
 
 
 class Deep(pl.LightningModule):
@@ -82,7 +83,7 @@ def _force(st: AutoStrategy, name: str) -> AutoStrategy:
 
 
 def test_swaps_to_fsdp_at_setup(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(strategy_mod, "_fsdp_runs_on", lambda device: True)  # torch's FSDP1 itself needs a GPU
+    monkeypatch.setattr(auto_mod, "_fsdp_runs_on", lambda device: True)  # torch's FSDP1 itself needs a GPU
     st = _force(AutoStrategy(fsdp_kwargs={"cpu_offload": False}), "fsdp")
     spy = Inspect()
     t = trainer(st, [spy])
