@@ -16,8 +16,8 @@ from torch import nn
 
 import lightning_accel.parallel.strategies.auto as auto_mod
 from lightning_accel.parallel import AutoStrategy, PipelineStrategy, ShardedStrategy
-from lightning_accel.parallel.select import StrategyChoice
 from lightning_accel.parallel.callbacks import ChoiceCheck
+from lightning_accel.parallel.select import StrategyChoice
 from lightning_accel.parallel.strategies import resolve_trainer_kwargs, trainer_devices
 
 
