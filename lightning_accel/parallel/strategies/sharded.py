@@ -72,7 +72,8 @@ class ShardedStrategy(ModelParallelStrategy):
         tensor_parallel_size: ranks per tensor-parallel group (1: sharding only; ``"auto"``: the devices per node).
         data_parallel_size: ranks per data-parallel group (None: world size / ``tensor_parallel_size``; ``"auto"``:
             the number of nodes).
-        save_distributed_checkpoint: save a sharded ``torch.distributed.checkpoint`` folder instead of a full file.
+        save_distributed_checkpoint: save a sharded ``torch.distributed.checkpoint`` folder instead of a full file
+            (None: False).
         tp_plan: ``{module name: "colwise" | "rowwise"}`` instead of the found pairs.
         reshard_after_forward: ZeRO-3 (True) or keep gathered parameters until backward (False).
         distributed_checkpoint: deprecated name of ``save_distributed_checkpoint`` (same values).
