@@ -15,6 +15,7 @@ from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, StrategyRegi
 from torch import nn
 
 import lightning_accel.parallel.strategies.auto as auto_mod
+from lightning_accel._utils.patching import patch
 from lightning_accel.parallel import AutoStrategy, PipelineStrategy, ShardedStrategy
 from lightning_accel.parallel.callbacks import ChoiceCheck
 from lightning_accel.parallel.select import StrategyChoice
@@ -78,7 +79,7 @@ class Inspect(Callback):
 def _force(st: AutoStrategy, name: str) -> AutoStrategy:
     """Make ``st`` choose ``name`` (the estimate itself is tested in test_select.py)."""
     forced = StrategyChoice(name, name, True, f"forced {name}", "memory")
-    st._choose = lambda *a, **k: forced  # type: ignore[method-assign]
+    patch(st, "_choose", lambda p: lambda *a, **k: forced)
     return st
 
 
