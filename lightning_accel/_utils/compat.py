@@ -531,3 +531,17 @@ def is_jsonargparse_union_error(error: BaseException) -> bool:
     """True when jsonargparse reports a value that none of a Union's subtypes accepted (its instantiation of a class
     that refused its arguments arrives so, the class's own message nested inside)."""
     return "Does not validate against any of the Union subtypes" in str(error)
+# --- parallel: meta-device materialisation of a parallelised module ------------------------------------------------
+
+
+def materialize_distributed_module(module: nn.Module, device: torch.device) -> None:
+    """Allocate a module built on the meta device (``Trainer.init_module(empty_init=True)``) on ``device`` and
+    initialise it, after it was sharded: ``ModelParallelStrategy.setup``'s step (``to_empty`` on the root, then each
+    module's ``reset_parameters``, a warning naming modules without one; nothing when no tensor is on meta).
+
+    Lightning has no public API for it: ``lightning.fabric.utilities.init._materialize_distributed_module`` (since
+    Lightning 2.4; checked 2.6.6), which ``ModelParallelStrategy.setup`` calls.
+    """
+    from lightning.fabric.utilities.init import _materialize_distributed_module
+
+    _materialize_distributed_module(module, device)

@@ -1,8 +1,8 @@
 """Choosing and running the parallelism: memory estimates, ``select_strategy`` (rules, memory, timed trials), the
 FSDP2 / tensor-parallel plans (``ShardedStrategy``) and pipeline parallelism (``PipelineStrategy``).
 
-The core (``estimate``, ``select``) never imports Lightning; ``AutoStrategy`` (``strategy.py``) is its Lightning
-adapter.
+The core (``estimate``, ``select``, ``plans``, ``pipeline``, ``trials``) never imports Lightning; its Lightning
+adapters are the strategies in ``strategies/`` (one per module) and ``ChoiceCheck`` in ``callbacks.py``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from lightning_accel.parallel.estimate import (
     pipeline_stage_params,
 )
 from lightning_accel.parallel.select import StrategyChoice, onebit_break_even_gbps, select_strategy
-from lightning_accel.parallel.strategy import AutoStrategy, PipelineStrategy, ShardedStrategy
+from lightning_accel.parallel.strategies import AutoStrategy, PipelineStrategy, ShardedStrategy
 
 __all__ = [
     "ActivationProfile",

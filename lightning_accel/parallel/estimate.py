@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_accel._utils.checks import check_int
+
 __all__ = [
     "ActivationProfile",
     "MemoryEstimate",
@@ -223,8 +225,7 @@ def pipeline_stage_params(model: nn.Module, stages: int) -> list[int]:
     """Parameters per stage when the longest block stack is cut into ``stages`` contiguous, balanced pieces; the
     parameters outside the stack (embeddings, heads) go to the first stage (pessimistic: the first stage also holds
     the embedding in most pipelines). Returns one number per stage."""
-    if stages < 1:
-        raise ValueError(f"`stages` must be >= 1, got {stages!r}.")
+    check_int("stages", stages, low=1)
     blocks = _block_lists(model)
     total = sum(p.numel() for p in model.parameters())
     if not blocks:
@@ -252,8 +253,7 @@ def estimate_fsdp(
     params: int, activations: int, world: int, largest_unit: int, *, bytes_per_param: int = ADAM_MIXED_BYTES_PER_PARAM
 ) -> MemoryEstimate:
     """``b·P/N + 4·L + A``: state sharded over ``world`` devices, the largest unit gathered for compute."""
-    if world < 1:
-        raise ValueError(f"`world` must be >= 1, got {world!r}.")
+    check_int("world", world, low=1)
     state = -(-bytes_per_param * params // world)  # ceil
     return MemoryEstimate("fsdp", state, 4 * largest_unit, activations, f"{bytes_per_param}·P/{world} + 4·L + A")
 
@@ -268,7 +268,7 @@ def estimate_pipeline(
     """``b·P_stage + A/S · min(S, M)/M`` for the heaviest stage (1F1B; ``M`` defaults to ``4·S``)."""
     s = len(stage_params)
     if s < 1:
-        raise ValueError("`stage_params` must list at least one stage.")
+        raise ValueError(f"`stage_params` must list at least one stage's parameter count, got {stage_params!r}.")
     m = microbatches or 4 * s
     act = int(activations / s * min(s, m) / m)
     return MemoryEstimate(
@@ -288,8 +288,7 @@ def estimate_tensor_parallel(
     """``b·(P - P_tp + P_tp/N) + 4·L/N + A``: the split matrices' state divided over ``world`` tensor-parallel
     ranks, the rest replicated, the largest block gathered a ``1/N`` slice at a time; activations counted whole (a
     pessimistic bound: the split layers' activations shrink too)."""
-    if world < 1:
-        raise ValueError(f"`world` must be >= 1, got {world!r}.")
+    check_int("world", world, low=1)
     state = bytes_per_param * (params - split_params) + -(-bytes_per_param * split_params // world)
     return MemoryEstimate(
         "tp",

@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_accel._utils.checks import check_choice, check_int
+
 __all__ = [
     "SCHEDULES",
     "PipelineLayout",
@@ -109,8 +111,7 @@ def balance_stages(costs: Sequence[float], stages: int) -> list[tuple[int, int]]
         ValueError: more stages than pieces, with both numbers and the fix.
     """
     n = len(costs)
-    if stages < 1:
-        raise ValueError(f"`stages` must be >= 1, got {stages!r}.")
+    check_int("stages", stages, low=1)
     if stages > n:
         raise ValueError(
             f"cannot cut {n} pipeline piece(s) into {stages} stages: every stage needs at least one. Use at most {n} "
@@ -212,8 +213,7 @@ def pipeline_layout(
             f"stages. Use a `pipeline_size` that divides {world} (one of {_divisors(world)}), or a multiple of {pp} "
             "processes."
         )
-    if stages_per_rank < 1:
-        raise ValueError(f"`stages_per_rank` must be >= 1, got {stages_per_rank!r}.")
+    check_int("stages_per_rank", stages_per_rank, low=1)
     bounds = balance_stages(costs, pp * stages_per_rank)
     return PipelineLayout(world // pp, pp, stages_per_rank, tuple(bounds))
 
@@ -278,8 +278,7 @@ class PipelineRunner:
         microbatches: int,
         loss_fn: Callable[[Any, Any], torch.Tensor],
     ) -> None:
-        if schedule not in SCHEDULES:
-            raise ValueError(f"`schedule` must be one of {SCHEDULES}, got {schedule!r}.")
+        check_choice("schedule", schedule, SCHEDULES)
         if (schedule == "interleaved1f1b") != (layout.stages_per_rank > 1):
             raise ValueError(
                 f"`schedule`={schedule!r} with `stages_per_rank`={layout.stages_per_rank}: the interleaved schedule "

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_accel._utils.checks import check_int
 from lightning_accel.parallel.estimate import block_stack
 
 __all__ = [
@@ -136,8 +137,7 @@ def tensor_parallel_plan(model: nn.Module, tp_size: int) -> dict[str, str]:
         ValueError: no column/row pair was found (with the count of ``Linear`` modules and the fix), or a split
             dimension or head count is not divisible by ``tp_size``.
     """
-    if tp_size < 1:
-        raise ValueError(f"`tensor_parallel_size` must be >= 1, got {tp_size!r}.")
+    check_int("tensor_parallel_size", tp_size, low=1)
     names = {id(m): n for n, m in model.named_modules()}
     plan: dict[str, str] = {}
     for block in block_stack(model) or [model]:

@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_accel._utils.atomic import atomic_write_text
+from lightning_accel._utils.checks import check_choice, check_int, check_number
 from lightning_accel.parallel.estimate import (
     ADAM_MIXED_BYTES_PER_PARAM,
     MemoryEstimate,
@@ -144,9 +146,7 @@ class StrategyChoice:
 
 def _device_memory(device_memory_bytes: int | None) -> int:
     if device_memory_bytes is not None:
-        if device_memory_bytes <= 0:
-            raise ValueError(f"`device_memory_bytes` must be > 0, got {device_memory_bytes!r}.")
-        return int(device_memory_bytes)
+        return int(check_number("device_memory_bytes", device_memory_bytes, low=0, low_open=True))
     if torch.cuda.is_available():
         return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
     raise ValueError(
@@ -237,18 +237,12 @@ def _check_arguments(
     inter_node_gbps: float | None,
 ) -> None:
     """Raise ``ValueError`` for a bad :func:`select_strategy` argument (named, with the value and the fix)."""
-    if policy not in POLICIES:
-        raise ValueError(f"`policy` must be one of {POLICIES}, got {policy!r}.")
-    if not isinstance(devices, int) or devices < 1:
-        raise ValueError(f"`devices` must be an integer >= 1 (devices per node), got {devices!r}.")
-    if not isinstance(num_nodes, int) or num_nodes < 1:
-        raise ValueError(f"`num_nodes` must be an integer >= 1, got {num_nodes!r}.")
-    if not 0.0 <= headroom < 1.0:
-        raise ValueError(f"`headroom` must be in [0, 1), got {headroom!r}; e.g. 0.2 keeps 20 % free.")
-    if activation_scale <= 0:
-        raise ValueError(f"`activation_scale` must be > 0, got {activation_scale!r}.")
-    if inter_node_gbps is not None and inter_node_gbps <= 0:
-        raise ValueError(f"`inter_node_gbps` must be > 0 (Gbit/s) or None, got {inter_node_gbps!r}.")
+    check_choice("policy", policy, POLICIES)
+    check_int("devices", devices, low=1, fix="It counts the devices per node.")
+    check_int("num_nodes", num_nodes, low=1)
+    check_number("headroom", headroom, low=0.0, high=1.0, high_open=True, fix="E.g. 0.2 keeps 20 % free.")
+    check_number("activation_scale", activation_scale, low=0, low_open=True)
+    check_number("inter_node_gbps", inter_node_gbps, low=0, low_open=True, allow_none=True, fix="It is in Gbit/s.")
 
 
 def _by_rules(params: int, layers: int, world: int, facts: dict[str, Any]) -> StrategyChoice:
@@ -451,18 +445,13 @@ class TrialCache:
 
     def put(self, key: str, times: dict[str, float]) -> None:
         import json
-        import os
 
         self._mem[key] = dict(times)
         if self.path is None:
             return
         data = self._load()
         data[key] = dict(times)
-        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-        tmp = f"{self.path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-        os.replace(tmp, self.path)
+        atomic_write_text(self.path, json.dumps(data, indent=1, sort_keys=True))
 
 
 def choose_by_trial(

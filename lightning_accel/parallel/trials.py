@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_accel._utils.checks import check_choice
 from lightning_accel.parallel.pipeline import (
     PipelineRunner,
     find_pipeline_modules,
@@ -94,8 +95,7 @@ def plan_stepper(
         microbatches: pipeline micro-batches (default ``2 x world``).
         schedule: pipeline schedule.
     """
-    if plan not in PLANS:
-        raise ValueError(f"`plan` must be one of {PLANS}, got {plan!r}.")
+    check_choice("plan", plan, PLANS)
     loss = loss_fn or _mean_loss
     world, rank = dist.get_world_size(), dist.get_rank()
     device = inputs.device

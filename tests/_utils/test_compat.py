@@ -407,3 +407,21 @@ def test_dataloader_worker_error_line_reads_torchs_reraise():
         next(iter(loader))
     assert compat.dataloader_worker_error_line(info.value) == "ValueError: bad sample 3"
     assert compat.dataloader_worker_error_line(ValueError("plain")) is None
+# --- parallel: meta-device materialisation of a parallelised module ------------------------------------------------
+
+
+def test_materialize_distributed_module_is_what_model_parallel_strategy_calls() -> None:
+    import inspect
+
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    assert "_materialize_distributed_module(" in inspect.getsource(ModelParallelStrategy.setup)
+    with torch.device("meta"):
+        m = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4))
+    compat.materialize_distributed_module(m, torch.device("cpu"))
+    assert all(p.device.type == "cpu" for p in m.parameters())
+    assert bool(torch.all(m[1].weight == 1)) and bool(m[0].weight.abs().sum() > 0)  # reset_parameters ran
+    real = nn.Linear(2, 2)
+    before = real.weight.detach().clone()
+    compat.materialize_distributed_module(real, torch.device("cpu"))  # nothing on meta: left alone
+    assert torch.equal(real.weight, before)

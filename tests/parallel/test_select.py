@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -111,3 +113,29 @@ def test_unknown_device_memory_on_cpu_says_what_to_pass() -> None:
         pytest.skip("CUDA provides the device memory")
     with pytest.raises(ValueError, match="device_memory_bytes=80"):
         select_strategy(mlp(), devices=2)
+
+
+def test_trial_cache_publishes_its_file_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    import lightning_accel._utils.atomic as atomic
+    from lightning_accel.parallel.select import TrialCache
+
+    path = tmp_path / "sub" / "trials.json"
+    writes: list[str] = []
+    real = atomic.atomic_write_bytes
+    monkeypatch.setattr(
+        atomic, "atomic_write_bytes", lambda p, data, **kw: (writes.append(str(p)), real(p, data, **kw))
+    )
+    cache = TrialCache(str(path))
+    cache.put("k", {"ddp": 1.5})
+    cache.put("j", {"fsdp": 2.0})
+    assert writes == [str(path)] * 2 and sorted(p.name for p in path.parent.iterdir()) == ["trials.json"]
+    assert json.loads(path.read_text()) == {"j": {"fsdp": 2.0}, "k": {"ddp": 1.5}}
+    assert TrialCache(str(path)).get("k") == {"ddp": 1.5}
+
+
+@pytest.mark.parametrize("kwargs", [{"devices": True}, {"num_nodes": 1.0}, {"headroom": "0.2"}])
+def test_wrong_argument_types_are_type_errors(kwargs: dict) -> None:
+    with pytest.raises(TypeError, match=f"`{next(iter(kwargs))}` must be"):
+        select_strategy(mlp(), **{"devices": 2, "device_memory_bytes": 10**9, **kwargs})

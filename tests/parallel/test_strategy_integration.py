@@ -14,10 +14,12 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, StrategyRegistry
 from torch import nn
 
-import lightning_accel.parallel.strategy as strategy_mod
+import lightning_accel.parallel.strategies.auto as auto_mod
+from lightning_accel._utils.patching import patch
 from lightning_accel.parallel import AutoStrategy, PipelineStrategy, ShardedStrategy
+from lightning_accel.parallel.callbacks import ChoiceCheck
 from lightning_accel.parallel.select import StrategyChoice
-from lightning_accel.parallel.strategy import ChoiceCheck, resolve_trainer_kwargs, trainer_devices
+from lightning_accel.parallel.strategies import resolve_trainer_kwargs, trainer_devices
 
 
 class Deep(pl.LightningModule):
@@ -77,12 +79,12 @@ class Inspect(Callback):
 def _force(st: AutoStrategy, name: str) -> AutoStrategy:
     """Make ``st`` choose ``name`` (the estimate itself is tested in test_select.py)."""
     forced = StrategyChoice(name, name, True, f"forced {name}", "memory")
-    st._choose = lambda *a, **k: forced  # type: ignore[method-assign]
+    patch(st, "_choose", lambda p: lambda *a, **k: forced)
     return st
 
 
 def test_swaps_to_fsdp_at_setup(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(strategy_mod, "_fsdp_runs_on", lambda device: True)  # torch's FSDP1 itself needs a GPU
+    monkeypatch.setattr(auto_mod, "_fsdp_runs_on", lambda device: True)  # torch's FSDP1 itself needs a GPU
     st = _force(AutoStrategy(fsdp_kwargs={"cpu_offload": False}), "fsdp")
     spy = Inspect()
     t = trainer(st, [spy])

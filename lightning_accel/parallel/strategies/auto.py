@@ -1,0 +1,421 @@
+"""``AutoStrategy``: :func:`select_strategy` for a Trainer whose model is not known when the config is written.
+
+**Chosen before the Trainer is built** (what the ``lightning-accel`` CLI does with a config's ``AutoStrategy``): the
+CLI instantiates the model, calls :meth:`AutoStrategy.resolve` with the config's ``accelerator``, ``devices``,
+``num_nodes`` and ``plugins``, and builds the Trainer with what it returns: the ``AutoStrategy`` itself when data
+parallel is chosen (it is a ``DDPStrategy``), else the chosen strategy (``ddp_1bit``: the registered 1-bit strategy;
+``fsdp``: :class:`ShardedStrategy` (FSDP2, CPU and GPU; Lightning's ``FSDPStrategy`` when ``fsdp_kwargs`` are given);
+``tp``: :class:`ShardedStrategy` with ``tensor_parallel_size``; ``pipeline``: :class:`PipelineStrategy`), so
+Lightning sets that strategy up like any other. ``policy="measure"`` needs the process group for its trial, so it is
+decided in ``setup_environment`` (below); resolved early, it uses the memory policy's answer. There is no process
+group yet, so every process chooses for itself; :class:`ChoiceCheck` compares the choices once the group is up and
+stops the run with an error naming them if they differ (possible across nodes: the ``ddp_1bit`` advice uses a
+measured backward time). In Python, call :func:`~lightning_accel.parallel.select_strategy` and pass its name to
+``Trainer(strategy=...)``, or pass what :meth:`AutoStrategy.resolve` returns.
+
+**Handed to a Trainer directly**, an ``AutoStrategy`` starts as DDP (its launcher starts the processes exactly like
+``strategy="ddp"``); once the process group is up (``setup_environment``, before the model is configured or moved)
+rank 0 chooses (with ``policy="measure"``, every rank then times the candidates together), broadcasts the
+choice, and every rank swaps the Trainer's strategy for the chosen one, handing over
+accelerator, devices, cluster environment, checkpoint IO, precision and launcher. Lightning has no public API for
+that swap: it goes through :mod:`lightning_accel._utils.compat`.
+
+Either way the choice and its explanation are logged and kept in :attr:`AutoStrategy.choice`.
+
+YAML::
+
+    trainer:
+      devices: 2
+      strategy:
+        class_path: lightning_accel.parallel.AutoStrategy
+        init_args: {policy: memory, device_memory_bytes: 85899345920, example_batch_size: 64}
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.accelerators import Accelerator, AcceleratorRegistry, CUDAAccelerator, MPSAccelerator
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, Strategy, StrategyRegistry
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from lightning_accel._utils import compat
+from lightning_accel._utils.checks import check_choice, check_int
+from lightning_accel._utils.rank import distributed_ready
+from lightning_accel.parallel.callbacks import ChoiceCheck
+from lightning_accel.parallel.select import (
+    POLICIES,
+    StrategyChoice,
+    TrialCache,
+    choose_by_trial,
+    select_strategy,
+    trial_key,
+)
+from lightning_accel.parallel.strategies.pipeline import PipelineStrategy
+from lightning_accel.parallel.strategies.sharded import ShardedStrategy
+from lightning_accel.parallel.trials import plan_stepper, time_plan
+
+__all__ = ["AutoStrategy", "resolve_trainer_kwargs", "trainer_devices"]
+
+
+def _fsdp_runs_on(device: torch.device) -> bool:
+    """torch's FSDP refuses CPU-only processes ("FSDP needs a non-CPU accelerator device", checked with torch 2.14)."""
+    return device.type != "cpu"
+
+
+def _host_memory_bytes() -> int:
+    return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def trainer_devices(
+    accelerator: str | Accelerator = "auto", devices: int | str | list[int] = "auto"
+) -> list[torch.device]:
+    """The devices of one node that ``Trainer(accelerator=accelerator, devices=devices)`` trains on.
+
+    Resolved with the accelerators' public ``parse_devices`` / ``get_parallel_devices``, as the Trainer does:
+    ``"auto"`` and ``"gpu"`` mean MPS, else CUDA when available (``"auto"``: else CPU), ``devices="auto"`` all
+    devices of that kind (one process on CPU).
+
+    Raises:
+        ValueError: an ``accelerator`` name Lightning does not know.
+    """
+    if isinstance(accelerator, Accelerator):
+        cls: Any = type(accelerator)
+    else:
+        name = str(accelerator).lower()
+        if name in ("auto", "gpu"):
+            if MPSAccelerator.is_available():
+                name = "mps"
+            elif CUDAAccelerator.is_available() or name == "gpu":
+                name = "cuda"  # "gpu" without one: CUDAAccelerator.parse_devices says what is missing
+            else:
+                name = "cpu"
+        if name not in AcceleratorRegistry:
+            raise ValueError(
+                f"`accelerator` must be 'auto', 'gpu', one of {sorted(AcceleratorRegistry)} or an `Accelerator`, got "
+                f"{accelerator!r}."
+            )
+        cls = AcceleratorRegistry[name]["accelerator"]
+    if devices == "auto":
+        devices = cls.auto_device_count()
+    return list(cls.get_parallel_devices(cls.parse_devices(devices)))
+
+
+def _precision_plugin(plugins: Any) -> Precision | None:
+    """The precision plugin among a Trainer's ``plugins`` argument (one plugin, a list, or None)."""
+    items = plugins if isinstance(plugins, (list, tuple)) else [plugins]
+    return next((p for p in items if isinstance(p, Precision)), None)
+
+
+class AutoStrategy(DDPStrategy):
+    """DDP until the model is known, then whatever :func:`select_strategy` chooses for it (see the module docstring).
+
+    Args:
+        policy: ``"memory"``, ``"rules"`` or ``"measure"`` (the memory estimate's candidates, then a timed trial of
+            each on the real model and ``example_input_array``, all ranks together; chosen at setup).
+        device_memory_bytes: memory per device (None: the CUDA device's total memory; on CPU the host RAM divided by
+            the processes on this node).
+        inter_node_gbps: inter-node bandwidth in Gbit/s, for the ``ddp_1bit`` advice.
+        headroom: fraction of device memory kept free.
+        bytes_per_param: model-state bytes per parameter (16 for Adam).
+        use_example_input: measure activations with the LightningModule's ``example_input_array``.
+        example_batch_size: the real per-device batch size; activations measured on ``example_input_array`` are
+            scaled by ``example_batch_size / len(example_input_array)``.
+        fsdp_kwargs: when given, a chosen ``"fsdp"`` runs as Lightning's ``FSDPStrategy(**fsdp_kwargs)`` (FSDP1,
+            GPUs only; e.g. ``cpu_offload``) instead of :class:`ShardedStrategy` (FSDP2, CPU and GPU).
+        sharded_kwargs: keyword arguments for :class:`ShardedStrategy` (the ``"fsdp"`` and ``"tp"`` plans).
+        pipeline_kwargs: keyword arguments for :class:`PipelineStrategy` (``schedule``, ``microbatches``).
+        trial_steps: timed steps per candidate for ``policy="measure"`` (after one warm-up step).
+        trial_cache: a JSON file keeping measured times per model / world / device (None: this process only).
+        allow_unfit: when no plan fits the estimate, run the smallest anyway instead of raising.
+        **ddp_kwargs: forwarded to ``DDPStrategy`` (used when DDP is chosen).
+    """
+
+    def __init__(
+        self,
+        policy: str = "memory",
+        *,
+        device_memory_bytes: int | None = None,
+        inter_node_gbps: float | None = None,
+        headroom: float = 0.2,
+        bytes_per_param: int = 16,
+        use_example_input: bool = True,
+        example_batch_size: int | None = None,
+        fsdp_kwargs: dict[str, Any] | None = None,
+        sharded_kwargs: dict[str, Any] | None = None,
+        pipeline_kwargs: dict[str, Any] | None = None,
+        trial_steps: int = 3,
+        trial_cache: str | None = None,
+        allow_unfit: bool = False,
+        **ddp_kwargs: Any,
+    ) -> None:
+        check_choice("policy", policy, POLICIES)
+        check_int("example_batch_size", example_batch_size, low=1, allow_none=True)
+        check_int("trial_steps", trial_steps, low=1)
+        super().__init__(**ddp_kwargs)
+        self.policy = policy
+        self.device_memory_bytes = device_memory_bytes
+        self.inter_node_gbps = inter_node_gbps
+        self.headroom = headroom
+        self.bytes_per_param = bytes_per_param
+        self.use_example_input = use_example_input
+        self.example_batch_size = example_batch_size
+        self.fsdp_kwargs = dict(fsdp_kwargs or {})
+        self.sharded_kwargs = dict(sharded_kwargs or {})
+        self.pipeline_kwargs = dict(pipeline_kwargs or {})
+        self.trial_steps = trial_steps
+        self.trial_cache = TrialCache(trial_cache)
+        self.allow_unfit = allow_unfit
+        self.choice: StrategyChoice | None = None
+        self.chosen: Strategy | None = None
+        self._resolved = False  # chosen by `resolve` before the Trainer was built: `setup_environment` keeps it
+
+    def resolve(
+        self,
+        model: pl.LightningModule,
+        *,
+        accelerator: str | Accelerator = "auto",
+        devices: int | str | list[int] = "auto",
+        num_nodes: int = 1,
+        plugins: Any = None,
+    ) -> Strategy:
+        """Choose now, before the Trainer exists, for a Trainer built with these arguments.
+
+        Args:
+            model: the LightningModule to train (its ``example_input_array`` is measured on the CPU).
+            accelerator: the Trainer's ``accelerator``.
+            devices: the Trainer's ``devices``.
+            num_nodes: the Trainer's ``num_nodes``.
+            plugins: the Trainer's ``plugins`` (a precision plugin among them rules FSDP out).
+
+        Returns:
+            What to pass as ``Trainer(strategy=...)``: this strategy when data parallel is chosen (``choice`` is
+            kept; ``setup`` does not choose again), else the chosen strategy (also kept in :attr:`chosen`). Add
+            ``ChoiceCheck(self.choice.strategy)`` to the Trainer's callbacks when several processes each resolve.
+
+        Raises:
+            ValueError: FSDP was chosen but cannot run (CPU devices, or a precision plugin FSDP cannot take).
+        """
+        parallel = trainer_devices(accelerator, devices)
+        choice = self._choose(model, parallel[0], len(parallel), num_nodes)
+        self._record(choice)
+        self._resolved = True
+        name = choice.strategy
+        built: Strategy | None = None
+        if name == "ddp_1bit":
+            built = self._onebit()
+        elif name == "fsdp" and self.fsdp_kwargs:
+            built = self._fsdp(parallel[0], _precision_plugin(plugins), precision=None)
+        elif name in ("fsdp", "tp", "pipeline"):
+            built = self._runnable(name, len(parallel))
+        self.chosen = built or self
+        return self.chosen
+
+    def _choose(self, model: pl.LightningModule, device: torch.device, devices: int, num_nodes: int) -> StrategyChoice:
+        example = getattr(model, "example_input_array", None) if self.use_example_input else None
+        scale = 1.0
+        if example is not None and self.example_batch_size is not None:
+            first = example[0] if isinstance(example, (tuple, list)) else example
+            if isinstance(first, torch.Tensor) and first.ndim:
+                scale = self.example_batch_size / first.shape[0]
+        mem = self.device_memory_bytes
+        if mem is None and device.type == "cuda":
+            mem = torch.cuda.get_device_properties(device).total_memory
+        elif mem is None:
+            mem = _host_memory_bytes() // max(1, devices)
+        return select_strategy(
+            model,
+            devices=devices,
+            num_nodes=num_nodes,
+            device_memory_bytes=mem,
+            example_batch=example,
+            inter_node_gbps=self.inter_node_gbps,
+            policy="memory" if self.policy == "measure" else self.policy,
+            headroom=self.headroom,
+            bytes_per_param=self.bytes_per_param,
+            activation_scale=scale,
+        )
+
+    def _runnable(self, name: str, devices: int) -> Strategy:
+        if name == "pipeline":
+            return PipelineStrategy(**self.pipeline_kwargs)
+        kwargs = dict(self.sharded_kwargs)
+        if name == "tp":
+            kwargs.setdefault("tensor_parallel_size", devices)
+        return ShardedStrategy(**kwargs)
+
+    def _record(self, choice: StrategyChoice | None) -> None:
+        self.choice = choice
+        if choice is None:  # a rank other than 0 in `setup_environment`: rank 0 chose and logs
+            return
+        rank_zero_info(f"AutoStrategy ({self.policy}): {choice.strategy}. {choice.explanation}")
+        if choice.measured:
+            rank_zero_info("AutoStrategy trial:\n" + choice.table())
+        if not choice.fits:
+            msg = (
+                f"AutoStrategy: no plan fits in memory, '{choice.strategy}' is only the smallest. {choice.explanation}"
+            )
+            if not self.allow_unfit:
+                raise ValueError(msg + " Pass `allow_unfit=True` to try it anyway.")
+            rank_zero_warn(msg)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()  # process group is up from here on
+        if self._resolved:
+            return
+        model = self.lightning_module
+        assert model is not None, "AutoStrategy.setup_environment runs after Trainer.fit connected the model"
+        trainer = model.trainer
+        devices = len(self.parallel_devices or [self.root_device])
+        choice = self._choose(model, self.root_device, devices, self.num_nodes) if self.global_rank == 0 else None
+        if self.policy == "measure" and distributed_ready():
+            choice = self._measure(model, choice)
+        elif distributed_ready():  # every rank gets rank 0's choice: they swap, or refuse, together
+            box: list[Any] = [choice]
+            torch.distributed.broadcast_object_list(box, src=0)
+            choice = box[0]
+        assert choice is not None
+        name = choice.strategy
+        self._record(choice)
+        if name in ("ddp", "auto"):
+            self.chosen = self
+            return
+        new = self._build(name, trainer)
+        if new is None:
+            self.chosen = self
+            return
+        self._transplant(new, model, trainer)
+        new.setup_environment()  # the process group exists: only devices and ranks are set up
+        self.chosen = new
+
+    def _measure(self, model: pl.LightningModule, choice: StrategyChoice | None) -> StrategyChoice:
+        """Every rank: time the plans rank 0's estimate lets fit, on copies of ``model`` (collective, same order
+        everywhere; the cache is read on rank 0 and its answer shared)."""
+        box: list[Any] = [choice]
+        torch.distributed.broadcast_object_list(box, src=0)
+        memory_choice: StrategyChoice = box[0]
+        example = getattr(model, "example_input_array", None)
+        if not isinstance(example, torch.Tensor):
+            raise ValueError(
+                "AutoStrategy(policy='measure') times each plan on `example_input_array`, which "
+                f"`{type(model).__name__}` does not set (got {type(example).__name__}). Set it to one real batch of "
+                "forward inputs, or use policy='memory'."
+            )
+        world = torch.distributed.get_world_size()
+        key = trial_key(model, world, self.root_device.type, tuple(example.shape), list(memory_choice.estimates))
+        cached: list[Any] = [self.trial_cache.get(key) if self.global_rank == 0 else None]
+        torch.distributed.broadcast_object_list(cached, src=0)
+        shared = TrialCache()
+        if cached[0] is not None:
+            shared.put(key, cached[0])
+        x = example.to(self.root_device)
+
+        def trial(plan: str) -> float:
+            try:
+                stepper = plan_stepper(plan, copy.deepcopy(model).to(self.root_device), x)
+            except (ValueError, TypeError) as e:  # raised alike on every rank: the plan cannot run this model
+                rank_zero_info(f"AutoStrategy trial: '{plan}' cannot run ({e}).")
+                return float("inf")
+            return time_plan(stepper, steps=self.trial_steps)
+
+        out = choose_by_trial(memory_choice, trial, key=key, cache=shared)
+        if self.global_rank == 0 and out.measured:
+            self.trial_cache.put(key, out.measured)
+        return out
+
+    def _build(self, name: str, trainer: pl.Trainer | None) -> Strategy | None:
+        """The strategy for ``name`` chosen at setup (``trainer``: the running one, whose precision FSDP takes)."""
+        if name == "ddp_1bit":
+            return self._onebit()
+        if name in ("tp", "pipeline") or (name == "fsdp" and not self.fsdp_kwargs):
+            return self._runnable(name, len(self.parallel_devices or [self.root_device]))
+        assert trainer is not None, "FSDP is built at setup for a running Trainer"
+        prec = self.precision_plugin
+        # plain Precision / MixedPrecision are what the Trainer made from `precision=`: FSDP gets its own equivalent
+        custom = prec if type(prec) not in (Precision, MixedPrecision) else None
+        return self._fsdp(self.root_device, custom, precision=str(trainer.precision))
+
+    def _onebit(self) -> Strategy | None:
+        if "ddp_1bit" not in StrategyRegistry:
+            rank_zero_warn(
+                "AutoStrategy chose 'ddp_1bit' but no strategy of that name is registered (import "
+                "`lightning_accel` with the 1-bit plugin installed); continuing with plain DDP."
+            )
+            return None
+        return StrategyRegistry.get("ddp_1bit")
+
+    def _fsdp(self, device: torch.device, custom_precision: Precision | None, precision: str | None) -> FSDPStrategy:
+        if not _fsdp_runs_on(device):
+            raise ValueError(
+                f"AutoStrategy chose FSDP ({self.choice.explanation if self.choice else 'see the log'}), but torch's "
+                f"FSDP cannot run on `{device}`. Train on GPUs, give the CPU processes more memory "
+                "(`device_memory_bytes`), or shrink the model/batch."
+            )
+        if custom_precision is not None:
+            raise ValueError(
+                f"AutoStrategy chose FSDP, which needs its own precision plugin, but the trainer uses "
+                f"`{type(custom_precision).__name__}`. Pass `AutoStrategy(policy=..., device_memory_bytes=...)` "
+                "without that precision plugin, use `Trainer(precision=...)`, or pass `strategy='fsdp'` explicitly."
+            )
+        strategy = FSDPStrategy(**self.fsdp_kwargs)
+        if precision is not None:
+            # At setup the Trainer has made its precision plugin already (for DDP); before it exists (`resolve`) the
+            # Trainer makes FSDP's own from `precision=`.
+            from lightning.pytorch.plugins.precision import FSDPPrecision
+
+            mode: Any = precision  # a Trainer's `precision` string, which FSDPPrecision types as a Literal
+            strategy.precision_plugin = FSDPPrecision(mode)
+        return strategy
+
+    def _transplant(self, new: Strategy, model: pl.LightningModule, trainer: pl.Trainer) -> None:
+        """Give ``new`` what the accelerator connector gave this strategy, then make it the Trainer's strategy."""
+        assert self.accelerator is not None, "the accelerator connector sets it before `setup_environment`"
+        new.accelerator = self.accelerator
+        if not isinstance(new, FSDPStrategy):
+            new.precision_plugin = self.precision_plugin
+        new.checkpoint_io = self.checkpoint_io  # the connector's (or the default TorchCheckpointIO, as for `new`)
+        if hasattr(new, "cluster_environment"):
+            new.cluster_environment = self.cluster_environment
+        if hasattr(new, "parallel_devices"):
+            new.parallel_devices = self.parallel_devices
+        if hasattr(new, "num_nodes"):
+            new.num_nodes = self.num_nodes
+        compat.set_layer_sync(new, compat.get_layer_sync(self))
+        if hasattr(new, "set_world_ranks"):
+            new.set_world_ranks()
+        compat.set_launcher(new, self.launcher)  # the processes were started by this launcher; it must stop them
+        new.connect(model)
+        compat.set_trainer_strategy(trainer, new)
+
+
+def _as_list(value: Any) -> list[Any]:
+    return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def resolve_trainer_kwargs(trainer_kwargs: dict[str, Any], model: Any) -> dict[str, Any]:
+    """``trainer_kwargs`` with an ``AutoStrategy`` under ``"strategy"`` resolved for ``model`` (else unchanged).
+
+    The resolved strategy replaces the ``AutoStrategy`` and a :class:`ChoiceCheck` joins ``"callbacks"``; only the
+    keys that change are returned, so the result can be merged over the original (``{**kwargs, **result}``).
+    """
+    strategy = trainer_kwargs.get("strategy")
+    if not isinstance(strategy, AutoStrategy) or not isinstance(model, pl.LightningModule):
+        return {}
+    resolved = strategy.resolve(
+        model,
+        accelerator=trainer_kwargs.get("accelerator", "auto"),
+        devices=trainer_kwargs.get("devices", "auto"),
+        num_nodes=int(trainer_kwargs.get("num_nodes", 1) or 1),
+        plugins=trainer_kwargs.get("plugins"),
+    )
+    assert strategy.choice is not None
+    callbacks: Sequence[Any] = _as_list(trainer_kwargs.get("callbacks"))
+    return {"strategy": resolved, "callbacks": [*callbacks, ChoiceCheck(strategy.choice.strategy)]}

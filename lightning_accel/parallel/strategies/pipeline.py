@@ -1,0 +1,417 @@
+"""``PipelineStrategy``: pipeline parallelism (``torch.distributed.pipelining``) inside the Trainer's loop."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from lightning_accel._utils.checks import check_choice, check_int
+from lightning_accel._utils.patching import Patch, patch
+from lightning_accel.parallel.pipeline import (
+    SCHEDULES,
+    PipelineRunner,
+    find_pipeline_modules,
+    piece_costs,
+    pipeline_layout,
+    split_batch,
+)
+from lightning_accel.parallel.strategies._helpers import optimizers_to_device, precision_name, raw_optimizer
+
+__all__ = ["PipelineStrategy"]
+
+_CLIP_KEY = "lightning_accel.parallel.PipelineStrategy.clip_grad_by_norm"
+_FORWARD_KEY = "lightning_accel.parallel.PipelineStrategy.forward"
+_LOG_KEY = "lightning_accel.parallel.PipelineStrategy.log"
+
+
+@contextlib.contextmanager
+def _step_calls(module: pl.LightningModule, forward: Callable[..., Any], log: Callable[..., Any]) -> Iterator[None]:
+    """Run the user's step with ``module.forward`` and ``module.log`` replaced; the originals are back afterwards."""
+    patches = [
+        patch(module, "forward", lambda p: forward, key=_FORWARD_KEY),
+        patch(module, "log", lambda p: log, key=_LOG_KEY),
+    ]
+    try:
+        yield
+    finally:
+        for p in reversed(patches):
+            p.restore()
+
+
+def _no_log(*args: Any, **kwargs: Any) -> None:
+    """``self.log`` while the first stage's input is captured: the step runs again on the last stage, which logs."""
+
+
+class _Captured(Exception):
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        super().__init__("forward input captured")
+        self.args, self.kwargs = args, kwargs
+
+
+class PipelineStrategy(DDPStrategy):
+    """Pipeline parallelism (``torch.distributed.pipelining``) inside the Trainer's loop; registered as
+    ``"pipeline"``.
+
+    **What the LightningModule must provide**: (1) its network as pieces in forward order -- a ``pipeline_modules()``
+    method on the LightningModule or on the network it holds (``TinyGPT``'s ``GPT`` has one), or the network as an
+    ``nn.Sequential``; (2) a ``training_step`` (and ``validation_step`` / ``test_step``) that calls ``self(x)`` (its
+    ``forward``, the composition of the pieces) exactly once with one tensor and computes its loss from the result;
+    (3) an optimizer over ``self.parameters()`` (built after the split, so it holds only this rank's stages).
+
+    **One step**: the batch is cut into ``microbatches``; on the first stage the step is run with ``forward``
+    replaced by a probe that records its input (the stage-0 input of each micro-batch); the schedule runs forward
+    and backward of all micro-batches; on the last stage the loss function *is* your ``training_step``, with
+    ``forward`` returning the last stage's output, so your loss and your ``self.log`` calls run there unchanged. The
+    values it logged (averaged over micro-batches) are sent to every rank of the pipeline and logged there too, so
+    every rank logs the loss (``ModelCheckpoint(monitor=...)`` works on any rank). ``backward`` is then a no-op (the
+    schedule did it); gradients of tied parameters are summed between their stages and, with ``world > pipeline
+    size``, averaged over the replicas; ``gradient_clip_val`` clips by the norm of the *whole* model's gradient.
+
+    **Checkpoints**: the stages' states are gathered to rank 0 and saved as one full checkpoint through the
+    ``CheckpointIO`` (the model ``state_dict`` is the unsplit model's, so the file also loads without a pipeline;
+    optimizer state is keyed by parameter name); on resume every rank reads it and keeps its stage's part.
+
+    Args:
+        pipeline_size: ranks per pipeline (None: the world size); ``world / pipeline_size`` replicas train data
+            parallel.
+        schedule: ``"1f1b"`` (default), ``"gpipe"`` or ``"interleaved1f1b"``.
+        microbatches: micro-batches per step (None: ``2 x pipeline_size``); must divide the batch size.
+        stages_per_rank: stages per rank (interleaved: default 2).
+        **ddp_kwargs: ``process_group_backend``, ``timeout``, ... for ``DDPStrategy``'s process group.
+
+    Not supported: ``16-mixed`` (its GradScaler would unscale after the stage-wise clipping; use ``bf16-mixed``),
+    ``predict``, manual optimization.
+    """
+
+    strategy_name = "pipeline"
+
+    def __init__(
+        self,
+        pipeline_size: int | None = None,
+        *,
+        schedule: str = "1f1b",
+        microbatches: int | None = None,
+        stages_per_rank: int | None = None,
+        **ddp_kwargs: Any,
+    ) -> None:
+        check_choice("schedule", schedule, SCHEDULES)
+        check_int("pipeline_size", pipeline_size, low=1, allow_none=True)
+        check_int("microbatches", microbatches, low=1, allow_none=True)
+        check_int("stages_per_rank", stages_per_rank, low=1, allow_none=True)
+        spr = stages_per_rank if stages_per_rank is not None else (2 if schedule == "interleaved1f1b" else 1)
+        if (schedule == "interleaved1f1b") != (spr > 1):
+            raise ValueError(
+                f"`stages_per_rank`={spr} with `schedule`={schedule!r}: the interleaved schedule needs >= 2 stages "
+                "per rank, '1f1b' and 'gpipe' exactly 1."
+            )
+        super().__init__(**ddp_kwargs)
+        self.pipeline_size = pipeline_size
+        self.schedule = schedule
+        self.microbatches = microbatches
+        self.stages_per_rank = spr
+        self.runner: PipelineRunner | None = None
+        self._hook: tuple[str, int] = ("training_step", 0)
+        self._logged: dict[int, dict[str, tuple[float, dict[str, Any]]]] = {}
+        self._mbs: list[Any] = []
+        self._grads: list[torch.Tensor | None] = []
+        self._clip_patch: Patch | None = None
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            "pipeline", cls, description="Pipeline parallel (torch.distributed.pipelining, 1F1B) (lightning-accel)"
+        )
+
+    # ----------------------------------------------------------------------------------------------- layout
+    @property
+    def _pp(self) -> int:
+        world = self.num_nodes * len(self.parallel_devices or [self.root_device])
+        return self.pipeline_size or world
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # every rank of one pipeline reads the same batch; the replicas read different ones
+        return {"num_replicas": max(1, self.world_size // self._pp), "rank": self.global_rank // self._pp}
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # load into the split module: each rank keeps its stage's part
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        assert module is not None
+        precision = precision_name(self.precision_plugin)
+        if precision.startswith("16"):
+            raise ValueError(
+                f"PipelineStrategy does not support `precision={precision!r}` (its GradScaler would unscale the "
+                "gradients after the pipeline's whole-model clipping). Use 'bf16-mixed' or '32-true'."
+            )
+        if not module.automatic_optimization:
+            raise ValueError("PipelineStrategy needs automatic optimization (`self.automatic_optimization = True`).")
+        pieces = find_pipeline_modules(module)
+        example = getattr(module, "example_input_array", None)
+        costs = piece_costs(pieces, example if isinstance(example, torch.Tensor) else None)
+        layout = pipeline_layout(
+            costs, self.world_size, pipeline_size=self.pipeline_size, stages_per_rank=self.stages_per_rank
+        )
+        self.runner = PipelineRunner(
+            module,
+            pieces,
+            layout,
+            rank=self.global_rank,
+            device=self.root_device,
+            schedule=self.schedule,
+            microbatches=self.microbatches or 2 * layout.pp,
+            loss_fn=self._loss_fn,
+        )
+        rank_zero_info(
+            f"PipelineStrategy: {len(pieces)} pieces of `{type(module).__name__}` in {layout.num_stages} stages "
+            f"{list(layout.bounds)} over {layout.pp} ranks x {layout.dp} replica(s), schedule {self.schedule}, "
+            f"{self.runner.microbatches} micro-batches."
+        )
+        self.model = self.precision_plugin.convert_module(module)
+        self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            optimizers_to_device(self.optimizers, self.root_device)
+        self.setup_precision_plugin()
+        # `gradient_clip_val` clips by the whole model's norm: Lightning calls this method of the precision plugin
+        # right before the optimizer step; a stage alone would clip by its own, smaller norm
+        self._clip_patch = patch(
+            self.precision_plugin, "clip_grad_by_norm", lambda p: self._clip_whole_model, key=_CLIP_KEY
+        )
+
+    def _clip_whole_model(self, optimizer: Any, clip_val: float) -> Any:
+        """``Precision.clip_grad_by_norm`` while this strategy runs: the norm over every stage's gradients."""
+        assert self.runner is not None, "PipelineStrategy.setup builds the pipeline"
+        return self.runner.clip_grad_norm_(float(clip_val))
+
+    # --------------------------------------------------------------------------------------------------- steps
+    def _step_hook(self, module: pl.LightningModule, name: str, batch: Any, batch_idx: int) -> Any:
+        return getattr(module, name)(batch, batch_idx)
+
+    def _capture(self, module: pl.LightningModule, name: str, batch: Any, batch_idx: int) -> torch.Tensor:
+        """The tensor ``name`` passes to ``self(...)`` for ``batch``: run it until it calls forward."""
+
+        def probe(*args: Any, **kwargs: Any) -> Any:
+            raise _Captured(args, kwargs)
+
+        try:
+            with _step_calls(module, probe, _no_log):
+                self._step_hook(module, name, batch, batch_idx)
+        except _Captured as c:
+            if len(c.args) != 1 or c.kwargs or not isinstance(c.args[0], torch.Tensor):
+                raise TypeError(
+                    f"PipelineStrategy: `{type(module).__name__}.{name}` called `self(...)` with {len(c.args)} "
+                    f"positional and {len(c.kwargs)} keyword argument(s); the first pipeline stage takes exactly one "
+                    "tensor. Call `self(x)` with one tensor."
+                ) from None
+            return c.args[0]
+        raise TypeError(
+            f"PipelineStrategy: `{type(module).__name__}.{name}` did not call `self(...)`: the pipeline runs the "
+            "LightningModule's forward stage by stage, so the step must call `self(x)` (not `self.model(x)`) once."
+        )
+
+    def _loss_fn(self, output: Any, index: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss: the user's step on micro-batch ``index`` with ``forward`` returning the pipeline's
+        output. (The schedule's first step also calls it once to infer gradient shapes; keyed by index, that
+        call's logs are replaced by the real one's.)"""
+        module = self.lightning_module
+        assert module is not None
+        name, batch_idx = self._hook
+        i = int(index.reshape(-1)[0])
+        batch = self._mbs[i]
+        logged: dict[str, tuple[float, dict[str, Any]]] = {}
+
+        def log(key: str, value: Any, *args: Any, **kwargs: Any) -> None:
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
+                logged[key] = (float(value.detach()), kwargs)
+            elif isinstance(value, (int, float)):
+                logged[key] = (float(value), kwargs)
+            else:
+                rank_zero_warn(f"PipelineStrategy logs scalars only; `{key}` ({type(value).__name__}) is dropped.")
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            return output
+
+        with _step_calls(module, forward, log):
+            out = self._step_hook(module, name, batch, batch_idx)
+        self._logged[i] = logged
+        loss = out.get("loss") if isinstance(out, dict) else out
+        if isinstance(loss, torch.Tensor):
+            return loss
+        if name == "training_step":
+            raise TypeError(
+                f"PipelineStrategy: `{type(module).__name__}.training_step` returned {type(out).__name__}; it must "
+                "return the loss tensor (or a dict with 'loss')."
+            )
+        return output.float().sum() * 0.0  # an evaluation step that only logs
+
+    def _run(self, name: str, batch: Any, batch_idx: int, train: bool) -> torch.Tensor:
+        module, runner = self.lightning_module, self.runner
+        assert module is not None and runner is not None, "PipelineStrategy.setup builds the pipeline"
+        mbs = split_batch(batch, runner.microbatches)
+        key = tuple(tuple(t.shape) for t in _tensors(mbs[0]))
+        inputs = [self._capture(module, name, mb, batch_idx) for mb in mbs] if runner.has_first else None
+        self._hook, self._logged, self._mbs = (name, batch_idx), {}, mbs
+        targets = [torch.tensor([i]) for i in range(len(mbs))] if runner.has_last else None
+        loss = runner.step(inputs, targets, key) if train else runner.evaluate(inputs, targets, key)
+        self._relog(module, runner)
+        self._mbs = []
+        return loss
+
+    def _relog(self, module: pl.LightningModule, runner: PipelineRunner) -> None:
+        """Log on every rank of the pipeline what the step logged on the last stage (mean over micro-batches)."""
+        payload: list[Any] = [None]
+        if runner.has_last:
+            sums: dict[str, list[Any]] = {}
+            for rec in self._logged.values():
+                for k, (v, kw) in rec.items():
+                    sums.setdefault(k, [0.0, 0, kw])
+                    sums[k][0] += v
+                    sums[k][1] += 1
+            payload[0] = {k: (s / n, kw) for k, (s, n, kw) in sums.items()}
+        src = runner.layout.rank_of(runner.layout.num_stages - 1, runner.replica)
+        torch.distributed.broadcast_object_list(payload, src=src, group=runner.pp_group)
+        for k, (v, kw) in (payload[0] or {}).items():
+            module.log(k, torch.tensor(v, device=self.root_device), **kw)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        batch, batch_idx = args[0], (args[1] if len(args) > 1 else kwargs.get("batch_idx", 0))
+        assert self.runner is not None
+        params = self.runner.params
+        # Lightning zeroes the gradients between `training_step` and `backward` (it expects backward to make them),
+        # so the schedule starts from none, its gradients wait aside until `backward`, and what was there before
+        # (the previous step's, or those kept by gradient accumulation) is put back for Lightning to zero or keep
+        before = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        with self.precision_plugin.train_step_context():
+            loss = self._run("training_step", batch, batch_idx, train=True)
+        self._grads = [p.grad for p in params]
+        for p, g in zip(params, before, strict=False):
+            p.grad = g
+        return loss
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._run("validation_step", args[0], args[1] if len(args) > 1 else 0, train=False)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._run("test_step", args[0], args[1] if len(args) > 1 else 0, train=False)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("PipelineStrategy does not run `predict`; load the checkpoint without a pipeline.")
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # the schedule already ran every micro-batch's backward in `training_step`: hand its gradients back (added
+        # to what gradient accumulation kept), and run the hooks
+        module = self.lightning_module
+        assert module is not None and self.runner is not None
+        for p, g in zip(self.runner.params, self._grads, strict=False):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad + g
+        self._grads = []
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        return self.precision_plugin.post_backward(closure_loss, module)
+
+    # --------------------------------------------------------------------------------------------- checkpoints
+    def _gather_to_zero(self, local: Any) -> list[Any]:
+        out: list[Any] | None = [None] * self.world_size if self.global_rank == 0 else None
+        torch.distributed.gather_object(local, out, dst=0)
+        return out or []
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        module, runner = self.lightning_module, self.runner
+        assert module is not None and runner is not None
+        local = {k: v.detach().cpu() for k, v in module.state_dict().items()} if runner.replica == 0 else {}
+        merged: dict[str, Any] = {}
+        for part in self._gather_to_zero(local):
+            merged.update(part)
+        return merged
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        module, runner = self.lightning_module, self.runner
+        assert module is not None and runner is not None
+        local = None
+        if runner.replica == 0:
+            local = get_optimizer_state_dict(
+                module, raw_optimizer(optimizer), options=StateDictOptions(cpu_offload=True)
+            )
+        merged: dict[str, Any] = {"state": {}, "param_groups": []}
+        for part in self._gather_to_zero(local):
+            if not part:
+                continue
+            merged["state"].update(part["state"])
+            if not merged["param_groups"]:
+                merged["param_groups"] = [dict(g, params=list(g["params"])) for g in part["param_groups"]]
+            else:
+                for g, h in zip(merged["param_groups"], part["param_groups"], strict=False):
+                    g["params"] += [p for p in h["params"] if p not in g["params"]]
+        return merged
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        module = self.lightning_module
+        assert module is not None
+        own = module.state_dict()
+        state = {k: v for k, v in checkpoint["state_dict"].items() if k in own}
+        missing = sorted(set(own) - set(state))
+        if strict and missing:
+            raise KeyError(f"PipelineStrategy: the checkpoint lacks this stage's keys {missing[:5]}.")
+        module.load_state_dict(state, strict=False)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        module = self.lightning_module
+        assert module is not None
+        own = {n for n, _ in module.named_parameters()}
+        for opt, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=False):
+            mine: dict[str, Any] = {
+                "state": {k: v for k, v in state["state"].items() if k in own},
+                "param_groups": [dict(g, params=[p for p in g["params"] if p in own]) for g in state["param_groups"]],
+            }
+            set_optimizer_state_dict(module, raw_optimizer(opt), mine)
+
+    @override
+    def teardown(self) -> None:
+        if self._clip_patch is not None:  # the precision plugin clips the torch way again
+            self._clip_patch.restore()
+            self._clip_patch = None
+        super().teardown()
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _tensors(v)]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in _tensors(v)]
+    return []

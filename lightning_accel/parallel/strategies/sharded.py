@@ -1,0 +1,279 @@
+"""``ShardedStrategy``: Lightning's ``ModelParallelStrategy`` that parallelises an unchanged LightningModule itself
+(FSDP2, tensor parallel, or both on a 2-D mesh)."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch.distributed.tensor import DTensor
+from typing_extensions import override
+
+from lightning_accel._utils import compat
+from lightning_accel._utils.checks import check_bool, check_int
+from lightning_accel._utils.patching import Patch, patch
+from lightning_accel.parallel.plans import apply_tensor_parallel, fsdp_units, is_parallelized, mixed_precision_policy
+from lightning_accel.parallel.strategies._helpers import optimizers_to_device, precision_name, raw_optimizer
+
+__all__ = ["ShardedStrategy"]
+
+_CLIP_KEY = "lightning_accel.parallel.ShardedStrategy.clip_grad_by_norm"
+
+
+def _clip_mixed_grad_norm(optimizer: Any, clip_val: float) -> float:
+    """``clip_grad_norm_`` over the parameters of ``optimizer`` when DTensor and plain gradients mix: the norm of each
+    gradient (a DTensor's reduced over its mesh; a replicated plain one counted once), then one scale for all."""
+    grads = [p.grad for g in raw_optimizer(optimizer).param_groups for p in g["params"] if p.grad is not None]
+    total = 0.0
+    for g in grads:
+        n = torch.linalg.vector_norm(g.detach().float())
+        total += float(n.full_tensor() if isinstance(n, DTensor) else n) ** 2
+    norm = total**0.5
+    coef = float(clip_val) / (norm + 1e-6)
+    if coef < 1.0:
+        for g in grads:
+            g.mul_(coef)
+    return norm
+
+
+class ShardedStrategy(ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` with the parallelisation applied for you: an unchanged LightningModule
+    (no ``configure_model``) trains sharded (FSDP2), tensor parallel (DTensor), or both on a 2-D mesh.
+
+    At ``setup`` (after ``configure_model``, before the optimizers exist), unless the module is already parallelised:
+
+    1. ``tensor_parallel_size > 1``: :func:`~lightning_accel.parallel.plans.apply_tensor_parallel` splits each block's
+       attention and MLP ``Linear`` pairs over the ``"tensor_parallel"`` mesh dimension;
+    2. when the data-parallel size is > 1 (or there is no tensor parallelism), ``fully_shard`` each block of the
+       network's repeated stack, then each direct child of the LightningModule that holds parameters (the
+       LightningModule itself when it holds parameters directly), over the ``"data_parallel"`` dimension, with the
+       ``MixedPrecisionPolicy`` of the Trainer's precision (``bf16-mixed``: bf16 compute, fp32 reduction);
+    3. a model created on the meta device (``Trainer.init_module(empty_init=True)``) is materialised on the device
+       afterwards, as ``ModelParallelStrategy`` does: ``to_empty`` then each module's ``reset_parameters``, so only
+       this rank's shard is ever allocated.
+
+    Runs on CPU (gloo) and CUDA (NCCL). **Checkpoints**: by default (``save_distributed_checkpoint=False``, unlike
+    ``ModelParallelStrategy``'s ``True``) a *full* state dict (model and FQN-keyed optimizer state gathered to rank 0)
+    is written through the Trainer's ``CheckpointIO`` (so ``DeltaCheckpointIO`` and ``AsyncCheckpointIO`` apply) and
+    read back through it on every rank, each keeping its shard; ``save_distributed_checkpoint=True`` uses Lightning's
+    ``torch.distributed.checkpoint`` folder (one file per rank, no ``CheckpointIO``).
+
+    **Mesh sizes**: the arguments mean what they mean for ``ModelParallelStrategy`` (``"auto"`` data-parallel size:
+    the number of nodes; ``"auto"`` tensor-parallel size: the devices of one node), and the defaults shard over every
+    rank: ``tensor_parallel_size=1`` and ``data_parallel_size=None``, the world size divided by the tensor-parallel
+    size.
+
+    Args:
+        tensor_parallel_size: ranks per tensor-parallel group (1: sharding only; ``"auto"``: the devices per node).
+        data_parallel_size: ranks per data-parallel group (None: world size / ``tensor_parallel_size``; ``"auto"``:
+            the number of nodes).
+        save_distributed_checkpoint: save a sharded ``torch.distributed.checkpoint`` folder instead of a full file
+            (None: False).
+        tp_plan: ``{module name: "colwise" | "rowwise"}`` instead of the found pairs.
+        reshard_after_forward: ZeRO-3 (True) or keep gathered parameters until backward (False).
+        distributed_checkpoint: deprecated name of ``save_distributed_checkpoint`` (same values).
+        **kwargs: ``process_group_backend``, ``timeout`` for ``ModelParallelStrategy``.
+    """
+
+    def __init__(
+        self,
+        tensor_parallel_size: int | Literal["auto"] = 1,
+        *,
+        data_parallel_size: int | Literal["auto"] | None = None,
+        save_distributed_checkpoint: bool | None = None,
+        tp_plan: dict[str, str] | None = None,
+        reshard_after_forward: bool = True,
+        distributed_checkpoint: bool | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if tensor_parallel_size != "auto":
+            check_int(
+                "tensor_parallel_size",
+                tensor_parallel_size,
+                low=1,
+                fix="Or 'auto' for the devices of one node, as in ModelParallelStrategy.",
+            )
+        if data_parallel_size is not None and data_parallel_size != "auto":
+            check_int(
+                "data_parallel_size",
+                data_parallel_size,
+                low=1,
+                fix="Or None for world size / `tensor_parallel_size`, or 'auto' for the number of nodes.",
+            )
+        save = _renamed(
+            "distributed_checkpoint", distributed_checkpoint, "save_distributed_checkpoint", save_distributed_checkpoint
+        )
+        save = False if save is None else check_bool("save_distributed_checkpoint", save)
+        super().__init__(
+            data_parallel_size="auto" if data_parallel_size is None else data_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
+            save_distributed_checkpoint=save,
+            **kwargs,
+        )
+        self.tensor_parallel_size = tensor_parallel_size
+        self.data_parallel_size = data_parallel_size
+        self.save_distributed_checkpoint = save
+        self.tp_plan = tp_plan
+        self.reshard_after_forward = reshard_after_forward
+        self.applied: dict[str, Any] = {}  # what setup did: {"tp": plan, "fsdp_units": n}
+        self._clip_patch: Patch | None = None
+
+    @override
+    def setup_environment(self) -> None:
+        dp, tp = self.mesh_sizes()
+        compat.set_model_parallel_sizes(self, dp, tp)
+        super().setup_environment()
+
+    def mesh_sizes(self) -> tuple[int, int]:
+        """``(data_parallel, tensor_parallel)`` for this world (``num_nodes`` x ``parallel_devices``).
+
+        Raises:
+            ValueError: the sizes do not multiply to the world size.
+        """
+        procs = self.num_processes
+        world = self.num_nodes * procs
+        tp = procs if self.tensor_parallel_size == "auto" else int(self.tensor_parallel_size)
+        if self.data_parallel_size is None:
+            dp = world // tp
+        elif self.data_parallel_size == "auto":
+            dp = self.num_nodes
+            if dp * tp != world and world % tp == 0:
+                # before the sizes meant what ModelParallelStrategy's mean, 'auto' was the rest of the world
+                warnings.warn(
+                    f"`data_parallel_size='auto'` means the number of nodes ({dp}), as in ModelParallelStrategy, which "
+                    f"does not fill the world of {world} with `tensor_parallel_size` {tp}; using {world // tp} for "
+                    "now. Pass `data_parallel_size=None` (world size / `tensor_parallel_size`) instead.",
+                    DeprecationWarning,
+                    stacklevel=2,
+                )
+                dp = world // tp
+        else:
+            dp = int(self.data_parallel_size)
+        if world % tp or dp * tp != world:
+            raise ValueError(
+                f"the world size {world} is not `data_parallel_size` ({dp}) x `tensor_parallel_size` ({tp}). Use a "
+                f"`tensor_parallel_size` that divides {world} and leave `data_parallel_size=None`."
+            )
+        return dp, tp
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        # ModelParallelStrategy.setup, with the plan applied instead of requiring `configure_model`
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        if not is_parallelized(self.model):
+            self.applied = self.apply_plan(self.model)
+        if "tp" in self.applied:
+            # the parameters are now DTensors and plain (replicated) tensors side by side, which torch's
+            # `clip_grad_norm_` refuses to mix: Lightning calls this method of the precision plugin to clip
+            self._clip_patch = patch(
+                self.precision_plugin, "clip_grad_by_norm", lambda p: _clip_mixed_grad_norm, key=_CLIP_KEY
+            )
+        compat.materialize_distributed_module(self.model, self.root_device)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            optimizers_to_device(self.optimizers, self.root_device)
+
+    def apply_plan(self, module: torch.nn.Module) -> dict[str, Any]:
+        """Tensor parallel on the ``"tensor_parallel"`` mesh dimension, then FSDP2 on ``"data_parallel"``."""
+        mesh = self.device_mesh
+        tp_mesh, dp_mesh = mesh["tensor_parallel"], mesh["data_parallel"]
+        out: dict[str, Any] = {}
+        if tp_mesh.size() > 1:
+            out["tp"] = apply_tensor_parallel(module, tp_mesh, self.tp_plan)
+            # dropout on the replicated activations must draw the same mask on every rank of a tensor-parallel group
+            # (else the ranks compute different models): one seed from rank 0, offset by the data-parallel rank
+            seed = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64)
+            torch.distributed.broadcast(seed, src=0)
+            torch.manual_seed(int(seed) + dp_mesh.get_local_rank())
+        if dp_mesh.size() > 1 or tp_mesh.size() == 1:
+            policy = mixed_precision_policy(precision_name(self.precision_plugin))
+            units = fsdp_units(module)
+            roots = (
+                [module]
+                if any(True for _ in module.parameters(recurse=False))
+                else [c for c in module.children() if any(True for _ in c.parameters())]
+            )
+            from torch.distributed.fsdp import fully_shard
+
+            kw: dict[str, Any] = {"mesh": dp_mesh, "reshard_after_forward": self.reshard_after_forward}
+            if policy is not None:
+                kw["mp_policy"] = policy
+            for u in units:
+                fully_shard(u, **kw)
+            for r in roots:
+                fully_shard(r, **kw)
+            out["fsdp_units"] = len(units)
+        return out
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        if self.save_distributed_checkpoint:
+            return super().optimizer_state(optimizer)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        assert self.model is not None
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_optimizer_state_dict(self.model, raw_optimizer(optimizer), options=options)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        if self.save_distributed_checkpoint:
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+        else:  # the full state dict, through the CheckpointIO on rank 0
+            Strategy.save_checkpoint(self, checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = self.broadcast(checkpoint_path)
+        if os.path.isdir(str(path)):  # a torch.distributed.checkpoint folder
+            return super().load_checkpoint(path, weights_only)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        assert self.model is not None and self.lightning_module is not None
+        checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+        strict = self.lightning_module.strict_loading
+        set_model_state_dict(
+            self.model, checkpoint.pop("state_dict"), options=StateDictOptions(full_state_dict=True, strict=strict)
+        )
+        states = checkpoint.pop("optimizer_states", [])
+        for opt, state in zip(self.optimizers, states, strict=False):
+            set_optimizer_state_dict(
+                self.model, raw_optimizer(opt), state, options=StateDictOptions(full_state_dict=True)
+            )
+        return checkpoint
+
+    @override
+    def teardown(self) -> None:
+        if self._clip_patch is not None:  # the precision plugin clips the torch way again
+            self._clip_patch.restore()
+            self._clip_patch = None
+        super().teardown()
+
+
+def _renamed(old: str, old_value: Any, new: str, new_value: Any) -> Any:
+    """``new_value``, or ``old_value`` (with a ``DeprecationWarning``) when only the deprecated ``old`` name was passed.
+
+    Raises:
+        ValueError: both names were passed.
+    """
+    if old_value is None:
+        return new_value
+    if new_value is not None:
+        raise ValueError(f"`{old}` is the deprecated name of `{new}`; pass only `{new}`, got both.")
+    warnings.warn(f"`{old}` is deprecated; use `{new}` (same values).", DeprecationWarning, stacklevel=3)
+    return old_value

@@ -1,0 +1,170 @@
+"""The sharded and pipeline strategies in one CPU process: a meta-device model is materialised, every replaced method
+comes back when the fit ends, and ``ShardedStrategy``'s arguments mean what ``ModelParallelStrategy``'s mean."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from lightning_accel.parallel import PipelineStrategy, ShardedStrategy
+
+
+class Small(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+        self.example_input_array = torch.zeros(4, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = F.mse_loss(self(batch[0]), batch[0])
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def loader() -> torch.utils.data.DataLoader:
+    g = torch.Generator().manual_seed(0)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(16, 8, generator=g)), batch_size=4)
+
+
+def trainer(strategy: Any, callbacks: list[Callback] | None = None, **kw: Any) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks or [], **kw,
+    )  # fmt: skip
+
+
+class SeenInTraining(Callback):
+    """What the precision plugin and the module look like while training runs."""
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.clip_patched = "clip_grad_by_norm" in vars(trainer.strategy.precision_plugin)
+        self.module_patched = {"forward", "log"} & set(vars(pl_module))
+
+
+def test_a_meta_device_model_is_materialised_and_trains() -> None:
+    t = trainer(ShardedStrategy())
+    with t.init_module(empty_init=True):
+        model = Small()
+    assert all(p.is_meta for p in model.parameters())
+    t.fit(model, loader())
+    params = list(model.parameters())
+    assert not any(p.is_meta for p in params) and all(isinstance(p, DTensor) for p in params)
+    assert all(bool(torch.isfinite(p.full_tensor()).all()) for p in params if isinstance(p, DTensor))
+    assert t.global_step == 2 and torch.isfinite(t.callback_metrics["train_loss"])
+    assert isinstance(t.strategy, ShardedStrategy) and "fsdp_units" in t.strategy.applied  # sharded on meta, then real
+
+
+class TensorParallelClipping(ShardedStrategy):
+    """A plan that reports tensor parallelism, so setup installs the mixed-DTensor clipping (one process: no mesh)."""
+
+    def apply_plan(self, module: nn.Module) -> dict[str, Any]:
+        return {**super().apply_plan(module), "tp": {}}
+
+
+def test_the_sharded_clipping_is_restored_when_the_fit_ends() -> None:
+    seen = SeenInTraining()
+    t = trainer(TensorParallelClipping(), [seen], gradient_clip_val=0.5)
+    plugin = t.strategy.precision_plugin
+    t.fit(Small(), loader())
+    assert seen.clip_patched and t.global_step == 2
+    assert "clip_grad_by_norm" not in vars(plugin) and type(plugin).clip_grad_by_norm.__name__ == "clip_grad_by_norm"
+
+
+def test_the_pipeline_restores_clipping_forward_and_log() -> None:
+    seen = SeenInTraining()
+    t = trainer(PipelineStrategy(), [seen], gradient_clip_val=0.5)
+    plugin = t.strategy.precision_plugin
+    model = Small()
+    t.fit(model, loader())
+    assert t.global_step == 2 and seen.clip_patched and not seen.module_patched  # forward/log: per step only
+    assert "clip_grad_by_norm" not in vars(plugin)
+    assert {"forward", "log"}.isdisjoint(vars(model)) and model(torch.zeros(1, 8)).shape == (1, 8)
+
+
+def _sizes(strategy: ShardedStrategy, nodes: int, per_node: int) -> tuple[int, int]:
+    strategy.num_nodes = nodes
+    strategy.parallel_devices = [torch.device("cpu")] * per_node
+    return strategy.mesh_sizes()
+
+
+def test_mesh_sizes_mean_what_model_parallel_strategy_means() -> None:
+    assert _sizes(ShardedStrategy(), 2, 2) == (4, 1)  # the default: shard over every rank
+    assert _sizes(ShardedStrategy(2), 2, 2) == (2, 2)
+    assert _sizes(ShardedStrategy("auto"), 2, 4) == (2, 4)  # tensor parallel: the devices of one node
+    assert _sizes(ShardedStrategy(2, data_parallel_size="auto"), 3, 2) == (3, 2)  # data parallel: the nodes
+    assert _sizes(ShardedStrategy(data_parallel_size=4), 1, 4) == (4, 1)
+    with pytest.raises(ValueError, match=r"world size 4 is not `data_parallel_size` \(3\) x `tensor_parallel_size`"):
+        _sizes(ShardedStrategy(data_parallel_size=3), 1, 4)
+
+
+def test_data_parallel_auto_that_does_not_fill_the_world_keeps_the_old_meaning_with_a_warning() -> None:
+    with pytest.warns(DeprecationWarning, match=r"`data_parallel_size='auto'` means the number of nodes.*=None"):
+        assert _sizes(ShardedStrategy(data_parallel_size="auto"), 1, 4) == (4, 1)
+
+
+def test_the_checkpoint_argument_has_lightnings_name() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ShardedStrategy().save_distributed_checkpoint is False  # default: a full file through CheckpointIO
+        assert ShardedStrategy(save_distributed_checkpoint=True).save_distributed_checkpoint is True
+    with pytest.warns(DeprecationWarning, match=r"`distributed_checkpoint` is deprecated; use `save_distributed_ch"):
+        old = ShardedStrategy(distributed_checkpoint=True)
+    assert old.save_distributed_checkpoint is True
+    with pytest.raises(ValueError, match="pass only `save_distributed_checkpoint`"):
+        ShardedStrategy(distributed_checkpoint=True, save_distributed_checkpoint=False)
+
+
+@pytest.mark.parametrize("spelling", ["save_distributed_checkpoint", "distributed_checkpoint"])
+def test_either_spelling_parses_as_a_class_path(spelling: str) -> None:
+    from jsonargparse import ArgumentParser
+    from lightning.pytorch.strategies import Strategy
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_argument("--strategy", type=Strategy)
+    value = f'{{"class_path": "lightning_accel.parallel.ShardedStrategy", "init_args": {{"{spelling}": true}}}}'
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        st = parser.instantiate_classes(parser.parse_args(["--strategy", value])).strategy
+    assert isinstance(st, ShardedStrategy) and st.save_distributed_checkpoint is True
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"tensor_parallel_size": 0}, ValueError, r"`tensor_parallel_size` must be an integer >= 1, got 0\. Or 'auto'"),
+        ({"tensor_parallel_size": True}, TypeError, r"`tensor_parallel_size` must be an integer >= 1, got True \(bool"),
+        ({"data_parallel_size": 0}, ValueError, r"`data_parallel_size` must be an integer >= 1, got 0\. Or None"),
+        ({"save_distributed_checkpoint": 1}, TypeError, r"`save_distributed_checkpoint` must be True or False"),
+    ],
+)
+def test_bad_sharded_arguments(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        ShardedStrategy(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"schedule": "zigzag"}, ValueError, r"`schedule` must be one of '1f1b', 'gpipe', 'interleaved1f1b', got"),
+        ({"pipeline_size": 0}, ValueError, r"`pipeline_size` must be an integer >= 1 or None, got 0"),
+        ({"microbatches": True}, TypeError, r"`microbatches` must be an integer >= 1 or None, got True \(bool\)"),
+        ({"stages_per_rank": 0}, ValueError, r"`stages_per_rank` must be an integer >= 1 or None, got 0"),
+    ],
+)
+def test_bad_pipeline_arguments(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        PipelineStrategy(**kwargs)
