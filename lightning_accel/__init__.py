@@ -30,7 +30,7 @@ from lightning_accel.comm.strategy import OneBitDDPStrategy
 from lightning_accel.data.augment import GpuAugment
 from lightning_accel.data.datamodule import CachedDataModule
 from lightning_accel.parallel.select import select_strategy
-from lightning_accel.parallel.strategy import AutoStrategy, PipelineStrategy, ShardedStrategy
+from lightning_accel.parallel.strategies import AutoStrategy, PipelineStrategy, ShardedStrategy
 from lightning_accel.perf.callbacks import CudaMemoryManager, PerformanceMonitor
 from lightning_accel.precision.plugin import FusedPrecision
 from lightning_accel.precision.surgery import apply_fusions

@@ -36,7 +36,7 @@ from lightning_accel._utils.fs import StorageUnavailableError
 from lightning_accel.checkpoint.callbacks import CheckpointGuard
 from lightning_accel.checkpoint.lock import CheckpointDirectoryLockedError
 from lightning_accel.data.origin import OriginError
-from lightning_accel.parallel.strategy import resolve_trainer_kwargs
+from lightning_accel.parallel.strategies import resolve_trainer_kwargs
 
 __all__ = [
     "AccelArgumentParser",
@@ -189,7 +189,7 @@ class AccelCLI(LightningCLI):
 
     Subclass mode for model and data; CSV logging when the config sets no logger; ``DeltaCheckpointIO`` manifests
     accepted as ``ckpt_path``; a ``trainer.strategy`` of class ``AutoStrategy`` resolved for the model before the
-    Trainer is built (:func:`~lightning_accel.parallel.strategy.resolve_trainer_kwargs`).
+    Trainer is built (:func:`~lightning_accel.parallel.strategies.resolve_trainer_kwargs`).
     """
 
     def __init__(self, args: list[str] | None = None, run: bool = True) -> None:
