@@ -31,7 +31,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, default_co
 
 from lightning_accel._utils.compat import shutdown_persistent_workers
 from lightning_accel._utils.forksafe import ForkSafeLock, PerProcess
-from lightning_accel.data.cache import BufferPool, SampleCache
+from lightning_accel.data.buffers import BufferPool
+from lightning_accel.data.cache import SampleCache
 
 __all__ = [
     "CacheDataLoader",
@@ -346,7 +347,7 @@ class CacheDataLoader(DataLoader):
 
     The main-process path reads whole batches on one background thread (``read_threads``), ``read_ahead`` batches
     ahead, so the reads overlap with the training step; batches are filled into recycled buffers
-    (:class:`~lightning_accel.data.cache.BufferPool`). One thread is the default because more were slower here:
+    (:class:`~lightning_accel.data.buffers.BufferPool`). One thread is the default because more were slower here:
     warm epochs at 25-28k samples/s with one reader thread against 17-19k/s with two (they contend for the GIL on
     every per-sample copy; ``benchmarks/data_cache.py``-sized data, this 2-core machine). Switching is one-way
     (cold -> warm) and checked at the start of each epoch.

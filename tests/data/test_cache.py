@@ -240,7 +240,7 @@ def test_decoder_without_decode_into_takes_the_tensor_path(small_digits: Path, t
 
 
 def test_buffer_pool_reuses_a_storage_only_once_nothing_references_it() -> None:
-    from lightning_accel.data.cache import BufferPool
+    from lightning_accel.data.buffers import BufferPool
 
     pool = BufferPool(max_buffers=2)
     a = pool.take((2, 3), torch.uint8)

@@ -177,7 +177,7 @@ def test_cache_dataloader_switches_to_main_process_reads_when_warm(small_digits:
 
 
 def test_buffer_pool_reserve_pages_in_buffers_that_take_reuses() -> None:
-    from lightning_accel.data.cache import BufferPool
+    from lightning_accel.data.buffers import BufferPool
 
     pool = BufferPool(max_buffers=3)
     assert pool.reserve((4, 3, 8, 8), torch.uint8, 5) == 3  # at most max_buffers
