@@ -46,6 +46,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_accel._utils.atomic import atomic_publish_file
 from lightning_accel._utils.forksafe import ForkSafeLock, PerProcess, ResetOnPickle
 from lightning_accel._utils.paths import safe_join
 from lightning_accel.data.origin import IMAGE_EXTENSIONS, Listing, ObjectStore, OriginError, list_origin
@@ -255,10 +256,9 @@ def pack_origin(
         "labels": labels,
         **pack.to_dict(),
     }
-    # The index last, under a temporary name first: a pack killed halfway has no index and is not a pack.
-    tmp = f"{index_path}.tmp-{os.getpid()}"
-    fs.pipe_file(tmp, json.dumps(doc, separators=(",", ":")).encode())
-    fs.mv(tmp, index_path)
+    # The index last, published atomically (one PUT on an object store): a pack killed halfway has no index and is
+    # not a pack.
+    atomic_publish_file(json.dumps(doc, separators=(",", ":")).encode(), index_path, fs=fs)
     return Listing(origin=dst.url, keys=keys, labels=labels, classes=listing.classes, pack=pack)
 
 
@@ -377,14 +377,9 @@ class PackedReader(ResetOnPickle):
                         f"shard {self.store.url_of(self.pack.shards[s])!r} has {len(data)} bytes, its pack index "
                         f"says {self.pack.shard_sizes[s]}: the pack was changed or truncated; re-run pack_origin."
                     )
-                tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
-                try:
-                    with open(tmp, "wb") as f:
-                        f.write(data)
-                    os.replace(tmp, path)  # readers see the whole shard or none of it
-                finally:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(tmp)
+                # Readers see the whole shard or none of it. Not fsynced: a staged copy is rebuilt from the store,
+                # and every sample read from it is checked against its CRC-32.
+                atomic_publish_file(data, path, durable=False)
                 self._evict(keep=path)
                 if self.on_staged is not None:
                     self.on_staged()

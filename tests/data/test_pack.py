@@ -98,6 +98,11 @@ def test_s3_pack_stages_each_shard_once_across_processes_and_warm_reads_nothing(
     listing = pack_origin(str(small_digits), url, dest_storage_options=opts, shard_bytes=30_000)
     assert listing.pack is not None
     n_shards = len(listing.pack.shards)
+    import fsspec
+
+    s3 = fsspec.filesystem("s3", skip_instance_cache=True, **opts)
+    written = sorted(p.removeprefix(f"{bucket}/packed/") for p in s3.find(f"{bucket}/packed"))
+    assert written == [PACK_INDEX, *listing.pack.shards]  # the index is one PUT: no temporary object left behind
     # two caches on one node (two processes' worth of state) sharing the SSD tier and the stage directory
     a = _cache(url, tmp_path, opts)
     b = _cache(url, tmp_path, opts)
@@ -110,6 +115,7 @@ def test_s3_pack_stages_each_shard_once_across_processes_and_warm_reads_nothing(
     fetched = a.stats.as_dict()["bytes_fetched"] + b.stats.as_dict()["bytes_fetched"]
     assert fetched == sum(listing.pack.shard_sizes)  # every shard once, whichever process staged it
     assert len(list((tmp_path / "shards").glob("*.shard"))) == n_shards
+    assert not list((tmp_path / "shards").glob("*.tmp"))  # staged atomically, nothing half-written left
     warm = _cache(url, tmp_path, opts)
     warm.load(list(range(200)))
     s = warm.stats.as_dict()
