@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from lightning_accel._utils.checks import check_choice
 from lightning_accel._utils.forksafe import ForkSafeLock, PerProcess, ResetOnPickle
 from lightning_accel.data.buffers import BufferPool, alloc_shared
 from lightning_accel.data.codec import CorruptEntryError, copy_payload, encode_entry, peek_shape
@@ -147,10 +148,8 @@ class SampleCache(ResetOnPickle):
         write_behind: bool | None = None,
         misses_to: str = "ram",
     ) -> None:
-        if misses_to not in ("ram", "ssd"):
-            raise ValueError(f"`misses_to` must be 'ram' or 'ssd', got {misses_to!r}.")
-        if on_decode_error not in ("raise", "skip"):
-            raise ValueError(f"`on_decode_error` must be 'raise' or 'skip', got {on_decode_error!r}.")
+        check_choice("misses_to", misses_to, ("ram", "ssd"))
+        check_choice("on_decode_error", on_decode_error, ("raise", "skip"))
         self.store = store
         self.listing = listing
         self.decode = decode

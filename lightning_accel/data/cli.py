@@ -21,11 +21,11 @@ import os
 import sys
 import warnings
 
+from lightning_accel._utils.checks import check_bytes
 from lightning_accel._utils.cliargs import json_object_arg
 from lightning_accel.data.lifecycle import find_tiers, other_entries, parse_duration, ram_root, sweep
 from lightning_accel.data.origin import OriginError
 from lightning_accel.data.pack import DEFAULT_SHARD_BYTES, pack_origin
-from lightning_accel.data.tiers import parse_bytes
 
 __all__ = ["main"]
 
@@ -113,9 +113,7 @@ def main(argv: list[str] | None = None, prog: str = "lightning-accel data") -> i
     try:
         src_opts = json_object_arg("--storage-options", args.storage_options)
         dst_opts = json_object_arg("--dest-storage-options", args.dest_storage_options)
-        shard_bytes = parse_bytes(args.shard_bytes, name="--shard-bytes")
-        if shard_bytes is None or shard_bytes < 1:
-            raise ValueError(f"`--shard-bytes` must be a positive size such as 16MiB, got {args.shard_bytes!r}.")
+        shard_bytes = check_bytes("--shard-bytes", args.shard_bytes, low=1, fix="Pass a size such as 16MiB.")
     except ValueError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2

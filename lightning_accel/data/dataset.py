@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, default_collate, get_worker_info
 
+from lightning_accel._utils.checks import check_int, check_number
 from lightning_accel._utils.compat import shutdown_persistent_workers
 from lightning_accel._utils.forksafe import ForkSafeLock, PerProcess
 from lightning_accel.data.buffers import BufferPool
@@ -59,10 +60,10 @@ def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], li
     """Deterministic train/validation split of ``range(n)`` (same on every rank and run).
 
     Raises:
+        TypeError: ``val_fraction`` is not a number.
         ValueError: ``val_fraction`` is not in [0, 1).
     """
-    if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"`val_fraction` must be in [0, 1), got {val_fraction!r}.")
+    check_number("val_fraction", val_fraction, low=0.0, high=1.0, high_open=True, fix="0 holds out nothing.")
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
     n_val = int(round(n * val_fraction))
     return sorted(perm[n_val:]), sorted(perm[:n_val])
@@ -113,11 +114,12 @@ class CachedDataset(Dataset):
             raise ValueError(
                 f"`indices` must lie in [0, {len(cache)}), got min {min(self.indices)} and max {max(self.indices)}."
             )
-        if isinstance(prefetch_batches, bool) or not isinstance(prefetch_batches, int) or prefetch_batches < 0:
-            raise ValueError(
-                f"`prefetch_batches` must be an integer >= 0 (batches read ahead; 0 to read only on demand), "
-                f"got {prefetch_batches!r}."
-            )
+        check_int(
+            "prefetch_batches",
+            prefetch_batches,
+            low=0,
+            fix="It counts batches read ahead per reader; 0 to read only on demand.",
+        )
         self.transform = transform
         self.prefetch_batches = prefetch_batches
         # [token, n, batch_size, order...]: written by the sampler in the main process, read by workers.
@@ -375,8 +377,13 @@ class CacheDataLoader(DataLoader):
     ) -> None:
         kwargs.setdefault("collate_fn", collate_batch)
         super().__init__(dataset, **kwargs)
-        if warm_num_workers is not None and warm_num_workers < 0:
-            raise ValueError(f"`warm_num_workers` must be >= 0 or None, got {warm_num_workers!r}.")
+        check_int(
+            "warm_num_workers",
+            warm_num_workers,
+            low=0,
+            allow_none=True,
+            fix="0 reads warm batches in the main process; None keeps `num_workers`.",
+        )
         self.cold_num_workers = self.num_workers
         self.warm_num_workers = warm_num_workers
         self.read_ahead = read_ahead

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from lightning_accel._utils import compat
+from lightning_accel._utils.checks import check_int
 
 __all__ = ["DecodeError", "ImageDecoder"]
 
@@ -43,8 +44,7 @@ class ImageDecoder:
     """
 
     def __init__(self, size: int | None = 224, *, fast_jpeg: bool = True, device: str | None = None) -> None:
-        if size is not None and (not isinstance(size, int) or size < 1):
-            raise ValueError(f"`image_size` must be a positive integer or None, got {size!r}.")
+        check_int("image_size", size, low=1, allow_none=True, fix="None keeps the original size.")
         if device is not None and torch.device(device).type != "cuda":
             raise ValueError(f"`device` must be None (CPU) or a CUDA device such as 'cuda', got {device!r}.")
         self.size = size

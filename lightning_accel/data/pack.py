@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_accel._utils.atomic import atomic_publish_file
+from lightning_accel._utils.checks import check_int
 from lightning_accel._utils.forksafe import ForkSafeLock, PerProcess, ResetOnPickle
 from lightning_accel._utils.paths import safe_join
 from lightning_accel.data.origin import IMAGE_EXTENSIONS, Listing, ObjectStore, OriginError, list_origin
@@ -168,10 +169,10 @@ def pack_origin(
 
     Raises:
         FileExistsError: ``dest`` already holds a pack and ``overwrite`` is False.
+        TypeError: ``shard_bytes`` is not an integer.
         ValueError: ``shard_bytes`` < 1, or ``source`` is itself a pack.
     """
-    if not isinstance(shard_bytes, int) or shard_bytes < 1:
-        raise ValueError(f"`shard_bytes` must be a positive number of bytes, got {shard_bytes!r}.")
+    check_int("shard_bytes", shard_bytes, low=1, fix="It is the target shard size in bytes.")
     src = ObjectStore(source, storage_options, max_concurrency=max_concurrency)
     listing = list_origin(src, manifest=manifest)
     if listing.pack is not None:
@@ -323,8 +324,7 @@ class PackedReader(ResetOnPickle):
         stage_bytes: int = DEFAULT_STAGE_BYTES,
         on_staged: Callable[[], None] | None = None,
     ) -> None:
-        if not isinstance(stage_bytes, int) or stage_bytes < 0:
-            raise ValueError(f"`stage_bytes` must be a non-negative number of bytes, got {stage_bytes!r}.")
+        check_int("stage_bytes", stage_bytes, low=0, fix="It is the most bytes of staged shards kept.")
         self.store = store
         self.pack = pack
         self.stage_dir = os.fspath(stage_dir)

@@ -100,6 +100,8 @@ def test_misses_fill_the_ram_tier_first_overflow_to_ssd_and_spill(small_digits: 
     assert torch.equal(warm.images, probe.load(list(range(200))).images)
     with pytest.raises(ValueError, match="`misses_to` must be 'ram' or 'ssd', got 'disk'"):
         _cache(small_digits, tmp_cache_dir / "bad", misses_to="disk")
+    with pytest.raises(TypeError, match=r"`on_decode_error` must be 'raise' or 'skip', got True \(bool\)"):
+        _cache(small_digits, tmp_cache_dir / "bad", on_decode_error=True)
 
 
 def test_corrupt_entry_is_evicted_refetched_and_counted(small_digits: Path, tmp_cache_dir: Path) -> None:

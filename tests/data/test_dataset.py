@@ -92,8 +92,10 @@ def test_split_is_deterministic_and_disjoint() -> None:
     tr, va = split_indices(100, 0.2, seed=1)
     assert len(va) == 20 and not set(tr) & set(va) and sorted(tr + va) == list(range(100))
     assert (tr, va) == split_indices(100, 0.2, seed=1)
-    with pytest.raises(ValueError, match="`val_fraction`"):
+    with pytest.raises(ValueError, match=r"`val_fraction` must be a number >= 0 and < 1, got 1\.0\. 0 holds out"):
         split_indices(10, 1.0, 0)
+    with pytest.raises(TypeError, match=r"`val_fraction` must be a number >= 0 and < 1, got True \(bool\)"):
+        split_indices(10, True, 0)  # type: ignore[arg-type]
 
 
 def test_default_num_workers_leaves_cpus_for_the_model() -> None:
@@ -260,3 +262,10 @@ def test_warm_up_killed_halfway_leaves_only_complete_entries(small_digits: Path,
     labels, total = _epoch(CacheDataLoader(ds, batch_size=50, num_workers=0))
     s = ds.stats.as_dict()
     assert total == 200 and s["ssd_hits"] == n and s["origin_fetches"] == 200 - n and s["refetches"] == 0
+
+
+def test_loader_checks_warm_num_workers() -> None:
+    with pytest.raises(ValueError, match=r"`warm_num_workers` must be an integer >= 0 or None, got -1\. 0 reads"):
+        CacheDataLoader(list(range(4)), warm_num_workers=-1)
+    with pytest.raises(TypeError, match=r"`warm_num_workers` must be an integer >= 0 or None, got True \(bool\)"):
+        CacheDataLoader(list(range(4)), warm_num_workers=True)

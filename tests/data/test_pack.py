@@ -64,8 +64,10 @@ def test_pack_refuses_to_overwrite_unless_asked(small_digits: Path, tmp_path: Pa
     assert len(pack_origin(str(small_digits), dest, overwrite=True, shard_bytes=10_000).pack.shards) > 1
     with pytest.raises(ValueError, match="already a packed origin"):
         pack_origin(dest, str(tmp_path / "again"))
-    with pytest.raises(ValueError, match="shard_bytes"):
+    with pytest.raises(ValueError, match=r"`shard_bytes` must be an integer >= 1, got 0\. It is the target shard size"):
         pack_origin(str(small_digits), str(tmp_path / "x"), shard_bytes=0)
+    with pytest.raises(TypeError, match=r"`shard_bytes` must be an integer >= 1, got True \(bool\)"):
+        pack_origin(str(small_digits), str(tmp_path / "x"), shard_bytes=True)
 
 
 def test_bad_indexes_are_refused_with_the_url(small_digits: Path, tmp_path: Path) -> None:
@@ -236,6 +238,9 @@ def test_data_pack_command(small_digits: Path, tmp_path: Path, capsys: pytest.Ca
     assert main(["pack", str(small_digits), str(dest)]) == 1  # exists: refused, names --overwrite
     assert "--overwrite" in capsys.readouterr().err
     assert main(["pack", str(small_digits), str(tmp_path / "x"), "--shard-bytes", "lots"]) == 2
+    assert "`--shard-bytes` must be a byte count" in capsys.readouterr().err
+    assert main(["pack", str(small_digits), str(tmp_path / "x"), "--shard-bytes", "0"]) == 2
+    assert "got '0'. Pass a size such as 16MiB." in capsys.readouterr().err
     assert main(["pack", str(small_digits), str(tmp_path / "x"), "--storage-options", "[1]"]) == 2
     assert main(["pack", str(tmp_path / "missing"), str(tmp_path / "y")]) == 1
     assert "does not exist" in capsys.readouterr().err
