@@ -437,7 +437,8 @@ class PackedReader(ResetOnPickle):
 
         At most half the stage's worth of shards is in flight per process: read-ahead beyond what the stage holds
         would evict shards staged for upcoming batches before they are read (with ``stage_bytes`` = 1/4 of the
-        pack, an unbounded epoch-start read-ahead fetched 2.4x the pack under the window shuffle)."""
+        pack, an unbounded epoch-start read-ahead fetched the pack more than twice under the window shuffle;
+        ``benchmarks/_data_shards.py`` measures the bytes read)."""
         if not self.staging:
             return 0
         started: set[int] = set()

@@ -150,7 +150,7 @@ _LOCK: PerProcess[_SharedLock] = PerProcess(_SharedLock)
 # close the inherited copy (closing aborts the transactions it still lists, which are the parent threads' entries in
 # the shared reader table, and waits for a parent thread's write transaction that never ends in the child). So the
 # parent closes its environments just before a fork, holding the lock exclusively so that no transaction is open and
-# none starts until the fork is done, and reopens them lazily afterwards (~1 ms each); the child starts with an
+# none starts until the fork is done, and reopens them lazily afterwards (one cheap open each); the child starts with an
 # empty registry and a fresh lock (PerProcess).
 def _close_before_fork() -> None:
     _LOCK.get().acquire()
@@ -255,7 +255,8 @@ def _open_env(path: str, key: str, map_size: int, sync: bool) -> _Env:
         subdir=True,
         max_dbs=4,
         # A cache is re-derivable: no fsync per commit (a killed process loses nothing committed; only an OS crash
-        # may drop the last commits, and checksums catch anything torn). ~10x faster batched writes.
+        # may drop the last commits, and checksums catch anything torn): an fsync per commit would dominate batched
+        # writes.
         sync=sync,
         metasync=sync,
         readahead=False,  # random reads of large values: readahead only evicts useful page-cache pages
