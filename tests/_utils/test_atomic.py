@@ -1,7 +1,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -100,7 +102,17 @@ def test_failed_publish_keeps_the_old_file(tmp_path: Path, monkeypatch: pytest.M
     assert p.read_bytes() == b"old" and [x.name for x in tmp_path.iterdir()] == ["f.bin"]
 
 
-def test_publish_s3_is_one_put_under_the_final_name(s3_bucket: tuple[str, dict], tmp_path: Path) -> None:
+def _recording(calls: list[str], name: str, real: Callable[..., Any]) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        calls.append(name)
+        return real(*args, **kwargs)
+
+    return call
+
+
+def test_publish_s3_is_one_put_under_the_final_name(
+    s3_bucket: tuple[str, dict], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import fsspec
 
     from lightning_accel._utils.atomic import atomic_publish_file
@@ -109,8 +121,7 @@ def test_publish_s3_is_one_put_under_the_final_name(s3_bucket: tuple[str, dict],
     fs = fsspec.filesystem("s3", skip_instance_cache=True, **opts)
     calls: list[str] = []
     for name in ("pipe_file", "put_file", "mv", "copy", "rm_file", "rm"):
-        real = getattr(fs, name)
-        setattr(fs, name, lambda *a, _n=name, _r=real, **k: (calls.append(_n), _r(*a, **k))[1])  # noqa: B023
+        monkeypatch.setattr(fs, name, _recording(calls, name, getattr(fs, name)))
     atomic_publish_file(b"payload", f"s3://{bucket}/dir/index.json", fs=fs)
     atomic_publish_file(b"again", f"{bucket}/dir/other.json", fs=fs)  # a path of `fs`, no protocol
     src = tmp_path / "shard.bin"

@@ -95,7 +95,7 @@ def test_split_is_deterministic_and_disjoint() -> None:
     with pytest.raises(ValueError, match=r"`val_fraction` must be a number >= 0 and < 1, got 1\.0\. 0 holds out"):
         split_indices(10, 1.0, 0)
     with pytest.raises(TypeError, match=r"`val_fraction` must be a number >= 0 and < 1, got True \(bool\)"):
-        split_indices(10, True, 0)  # type: ignore[arg-type]
+        split_indices(10, True, 0)
 
 
 def test_default_num_workers_leaves_cpus_for_the_model() -> None:
@@ -265,7 +265,8 @@ def test_warm_up_killed_halfway_leaves_only_complete_entries(small_digits: Path,
 
 
 def test_loader_checks_warm_num_workers() -> None:
+    ds: Any = list(range(4))
     with pytest.raises(ValueError, match=r"`warm_num_workers` must be an integer >= 0 or None, got -1\. 0 reads"):
-        CacheDataLoader(list(range(4)), warm_num_workers=-1)
+        CacheDataLoader(ds, warm_num_workers=-1)
     with pytest.raises(TypeError, match=r"`warm_num_workers` must be an integer >= 0 or None, got True \(bool\)"):
-        CacheDataLoader(list(range(4)), warm_num_workers=True)
+        CacheDataLoader(ds, warm_num_workers=True)

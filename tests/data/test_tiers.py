@@ -154,7 +154,7 @@ def test_parse_bytes_rejects_nonsense() -> None:
     with pytest.raises(ValueError, match="`ram_bytes` must be a byte count .*, got -1"):
         parse_bytes(-1, name="ram_bytes")
     with pytest.raises(TypeError, match=r"`ram_bytes` must be a byte count .*, got True \(bool\)"):
-        parse_bytes(True, name="ram_bytes")  # type: ignore[arg-type]
+        parse_bytes(True, name="ram_bytes")
 
 
 def test_tier_arguments_are_checked() -> None:
