@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_accel._utils.checks import check_number
+
 __all__ = ["GpuAugment"]
 
 
@@ -76,16 +78,14 @@ class GpuAugment(nn.Module):
         if len(mean) != len(std):
             raise ValueError(f"`mean` and `std` need one value per channel, got {len(mean)} and {len(std)}.")
         if any(s <= 0 for s in std):
-            raise ValueError(f"`std` values must be > 0, got {tuple(std)}.")
+            raise ValueError(f"`std` must hold values > 0, got {tuple(std)}.")
         if crop_scale is not None and not (0 < crop_scale[0] <= crop_scale[1] <= 1):
             raise ValueError(f"`crop_scale` must satisfy 0 < low <= high <= 1, got {tuple(crop_scale)}.")
         if not 0 < crop_ratio[0] <= crop_ratio[1]:
             raise ValueError(f"`crop_ratio` must satisfy 0 < low <= high, got {tuple(crop_ratio)}.")
-        if not 0.0 <= flip_p <= 1.0:
-            raise ValueError(f"`flip_p` must be in [0, 1], got {flip_p!r}.")
+        check_number("flip_p", flip_p, low=0.0, high=1.0)
         for name, v in (("brightness", brightness), ("contrast", contrast), ("saturation", saturation)):
-            if not 0.0 <= v < 1.0:
-                raise ValueError(f"`{name}` must be in [0, 1), got {v!r}.")
+            check_number(name, v, low=0.0, high=1.0, high_open=True, fix="0 leaves it unchanged.")
         self.mean = tuple(float(m) for m in mean)
         self.std = tuple(float(s) for s in std)
         self.size = size

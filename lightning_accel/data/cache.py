@@ -22,11 +22,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import multiprocessing.util
 import os
-import queue
 import tempfile
-import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -34,14 +31,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from lightning_accel._utils import compat
+from lightning_accel._utils.checks import check_choice
 from lightning_accel._utils.forksafe import ForkSafeLock, PerProcess, ResetOnPickle
+from lightning_accel.data.buffers import BufferPool, alloc_shared
 from lightning_accel.data.codec import CorruptEntryError, copy_payload, encode_entry, peek_shape
 from lightning_accel.data.decode import DecodeError
 from lightning_accel.data.origin import Listing, ObjectStore
 from lightning_accel.data.pack import DEFAULT_STAGE_BYTES, PackedReader
 from lightning_accel.data.stats import CacheStats
 from lightning_accel.data.tiers import LmdbTier
+from lightning_accel.data.writeback import WriteBehind, Writes
 
 __all__ = ["BatchResult", "SampleCache"]
 
@@ -55,149 +54,6 @@ class BatchResult:
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, kept: list[int]) -> None:
         self.images, self.labels, self.kept = images, labels, kept
-
-
-def _alloc_shared(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    # As torch's default_collate does inside workers: allocate the batch directly in shared memory so sending it to
-    # the main process is a file-descriptor handoff instead of a 9.6 MB copy (64 x 3 x 224 x 224 uint8).
-    return compat.empty_shared(shape, dtype)
-
-
-def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(1, size)
-    return tuple(reversed(strides))
-
-
-class _FreeBuffers:
-    """One process's pooled batch storages by (shape, dtype), and how many batches reused one."""
-
-    __slots__ = ("reused", "stores")
-
-    def __init__(self) -> None:
-        self.stores: dict[tuple[tuple[int, ...], torch.dtype], list[torch.UntypedStorage]] = {}
-        self.reused = 0
-
-
-class BufferPool:
-    """Recycles batch buffers once nothing outside the pool references them.
-
-    Why: a fresh 9.6 MB batch (64 x 3 x 224 x 224 uint8) is a fresh ``mmap`` from glibc (above its mmap threshold,
-    and always so for reader threads, whose malloc arenas trim freed memory), so every warm batch paid ~2,350 page
-    faults (zero-filled pages) before its first byte was copied. Copying 64 entries into a reused buffer ran at ~78k
-    samples/s on this 2-core machine, into a fresh one at ~40k/s.
-
-    Contract: the pool keeps each buffer's *storage* and hands out a new tensor over it; a storage is reused only
-    when its use count is back to 1 (the pool's own reference), i.e. the batch tensor and every view of it (slices,
-    numpy arrays) are gone. A caller that keeps batches simply makes the pool allocate: at most ``max_buffers``
-    storages per (shape, dtype) are kept, beyond that batches are plain allocations. Only private (non-shared)
-    memory is pooled: a shared-memory batch leaves its worker process. The pooled storages are per process (a
-    forked child's copies of them are its parent's batches, and a pickled pool carries none).
-    """
-
-    def __init__(self, max_buffers: int = 8) -> None:
-        self.max_buffers = max_buffers
-        self._free: PerProcess[_FreeBuffers] = PerProcess(_FreeBuffers)
-        self._lock = ForkSafeLock()
-
-    @property
-    def reused(self) -> int:
-        """Batches this process handed out on a recycled storage."""
-        return self._free.get().reused
-
-    def reserve(self, shape: Sequence[int], dtype: torch.dtype, count: int) -> int:
-        """Allocate and touch (page in) buffers of ``shape``/``dtype`` until the pool holds ``count`` of them (at most
-        ``max_buffers``); returns how many it added. Touching is what a first use would pay in page faults."""
-        shape_t = tuple(int(s) for s in shape)
-        if self.max_buffers <= 0 or compat.storage_use_count_fn() is None:
-            return 0
-        key = (shape_t, dtype)
-        added = 0
-        while True:
-            with self._lock:
-                stores = self._free.get().stores.setdefault(key, [])
-                if len(stores) >= min(count, self.max_buffers):
-                    return added
-            buf = torch.zeros(shape_t, dtype=dtype)  # zero-fill outside the lock: the page faults happen here
-            with self._lock:
-                stores = self._free.get().stores.setdefault(key, [])
-                if len(stores) >= min(count, self.max_buffers):
-                    return added
-                stores.append(buf.untyped_storage())
-                added += 1
-
-    def take(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        """An uninitialised tensor of ``shape``/``dtype``, on a recycled storage when one is free."""
-        shape_t = tuple(int(s) for s in shape)
-        use_count = compat.storage_use_count_fn()
-        if self.max_buffers <= 0 or use_count is None:
-            return torch.empty(shape_t, dtype=dtype)
-        key = (shape_t, dtype)
-        with self._lock:
-            free = self._free.get()
-            stores = free.stores.setdefault(key, [])
-            storage = next((s for s in stores if use_count(s) == 1), None)
-            if storage is not None:
-                free.reused += 1
-            elif len(stores) < self.max_buffers:
-                storage = torch.empty(shape_t, dtype=dtype).untyped_storage()
-                stores.append(storage)
-            else:
-                return torch.empty(shape_t, dtype=dtype)
-            # Created under the lock: from here the use count is 2, so no other thread can take this storage.
-            return torch.empty(0, dtype=dtype).set_(storage, 0, shape_t, _contiguous_strides(shape_t))
-
-
-_WRITE_QUEUE = 4  # batches waiting for the writer thread (~9.6 MB each at 224 px); a full queue blocks the reader
-
-_Writes = list[tuple[bytes, bytes | bytearray]]  # (tier key, entry) pairs of one batch
-
-
-class _WriteBehind:
-    """This process's writer thread for :class:`SampleCache` misses (see ``write_behind``).
-
-    Runs each submitted ``commit(writes)`` in submission order; the error of a failed commit is raised by the next
-    :meth:`submit` or :meth:`flush`, in the reading thread. Made on first use in each process (a
-    :class:`~lightning_accel._utils.forksafe.PerProcess`): a forked child has none of its parent's thread or queue.
-    """
-
-    def __init__(self) -> None:
-        self._q: queue.Queue[tuple[Callable[[_Writes], None], _Writes]] = queue.Queue(maxsize=_WRITE_QUEUE)
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="la-cache-writer", daemon=True)
-        self._thread.start()
-        # DataLoader workers leave through multiprocessing's exit path, which runs these finalisers (not atexit):
-        # commit what is queued so the next epoch finds it.
-        multiprocessing.util.Finalize(self, self.flush, kwargs={"raise_errors": False}, exitpriority=10)
-
-    def submit(self, commit: Callable[[_Writes], None], writes: _Writes) -> None:
-        """Queue ``commit(writes)``; raises the error of an earlier background commit (e.g. BudgetTooSmallError)."""
-        self._raise_error()
-        self._q.put((commit, writes))
-
-    def flush(self, raise_errors: bool = True) -> None:
-        """Wait until every queued commit ran; then raise the error of a failed one (``raise_errors``)."""
-        if self._thread.is_alive():
-            self._q.join()
-        if raise_errors:
-            self._raise_error()
-
-    def _raise_error(self) -> None:
-        if self.error is not None:
-            err, self.error = self.error, None
-            raise err
-
-    def _run(self) -> None:
-        while True:
-            commit, writes = self._q.get()
-            try:
-                commit(writes)
-            except Exception as e:  # disk errors disable the tier inside put_many; this is bad input (budget)
-                self.error = e  # raised by the next submit, in the reading thread
-            finally:
-                self._q.task_done()
 
 
 @dataclass
@@ -215,7 +71,7 @@ class _Batch:
     hits: dict[str, int] = field(default_factory=lambda: {"ram": 0, "ssd": 0})
     corrupt: dict[str, list[bytes]] = field(default_factory=lambda: {"ram": [], "ssd": []})
     promote: list[tuple[bytes, bytes]] = field(default_factory=list)  # SSD hits to copy into the RAM tier
-    writes: _Writes = field(default_factory=list)  # decoded misses to store
+    writes: Writes = field(default_factory=list)  # decoded misses to store
     write_idx: list[int] = field(default_factory=list)  # their listing entries
     fetched: int = 0  # samples read from the origin
     skipped: int = 0  # undecodable samples left out (on_decode_error="skip")
@@ -251,19 +107,21 @@ class SampleCache(ResetOnPickle):
         max_pending: most prefetched origin reads outstanding per process.
         prefetch: read ahead (:meth:`hint`) and read a batch's misses concurrently on the store's thread pool.
             ``None`` (default): only for remote origins. A local origin (plain path, ``file://``) is read inline in
-            the calling thread: a page-cache read costs ~20 us there against ~80 us of CPU through the pool (thread
-            hand-offs and GIL switches, measured on this 2-core machine), and in DataLoader workers that CPU is
-            taken from decoding. Pass ``True`` for a local disk slow enough that concurrent reads pay off.
+            the calling thread: a page-cache read costs a fraction of the CPU a hand-off through the pool does
+            (thread hand-offs and GIL switches; the cold local rows of ``benchmarks/data_cache.py`` measure it), and
+            in DataLoader workers that CPU is taken from decoding. Pass ``True`` for a local disk slow enough that
+            concurrent reads pay off.
         stage_dir: where shards of a remote *packed* origin are staged (node-local, shared by workers and ranks;
             default: ``shards/`` beside the SSD tier, else beside the RAM tier, else in the temp directory).
         stage_bytes: most bytes of staged shards kept (see :class:`~lightning_accel.data.pack.PackedReader`).
         write_behind: write a batch's misses to the tier on a background thread of this process (one batch after
-            another, at most ``_WRITE_QUEUE`` batches queued) instead of before the batch is returned. ``None``
+            another, at most :data:`~lightning_accel.data.writeback.WRITE_QUEUE` batches queued; see
+            :class:`~lightning_accel.data.writeback.WriteBehind`) instead of before the batch is returned. ``None``
             (default): only inside DataLoader workers. Why: an LMDB commit waits for the node-wide writer lock and
-            for the page cache, while the worker could decode its next batch. Measured here (2 workers, 224 px): a
-            cold epoch into the RAM tier went from 24-26 to 22.5-23 ms per batch; into the SSD tier it stayed at
-            29-33 ms, bound by the page-cache writes themselves (``docs/data.md``). Entries become visible when their
-            write commits; :meth:`flush` waits for that (also run when a worker process exits).
+            for the page cache, while the worker could decode its next batch. It shortens a cold epoch into the RAM
+            tier; into the SSD tier the page-cache writes themselves bound it (the cold rows of
+            ``benchmarks/data_cache.py`` measure both; ``docs/data.md``). Entries become visible when their write
+            commits; :meth:`flush` waits for that (also run when a worker process exits).
         misses_to: where decoded misses are written: ``"ram"`` (default: the RAM tier while it has room, the rest to
             the SSD tier; :meth:`spill` copies the RAM tier's entries to the SSD tier later) or ``"ssd"`` (the SSD
             tier; SSD hits are promoted into the RAM tier while it has room). See :meth:`_write` for why.
@@ -290,10 +148,8 @@ class SampleCache(ResetOnPickle):
         write_behind: bool | None = None,
         misses_to: str = "ram",
     ) -> None:
-        if misses_to not in ("ram", "ssd"):
-            raise ValueError(f"`misses_to` must be 'ram' or 'ssd', got {misses_to!r}.")
-        if on_decode_error not in ("raise", "skip"):
-            raise ValueError(f"`on_decode_error` must be 'raise' or 'skip', got {on_decode_error!r}.")
+        check_choice("misses_to", misses_to, ("ram", "ssd"))
+        check_choice("on_decode_error", on_decode_error, ("raise", "skip"))
         self.store = store
         self.listing = listing
         self.decode = decode
@@ -322,12 +178,12 @@ class SampleCache(ResetOnPickle):
         self.buffers = BufferPool()
         self.write_behind = write_behind
         self.misses_to = misses_to
-        self._writer: PerProcess[_WriteBehind] = PerProcess(_WriteBehind)  # made on the first write behind
+        self._writer: PerProcess[WriteBehind] = PerProcess(WriteBehind)  # made on the first write behind
         self._lock = ForkSafeLock()
         # 1 byte per sample, in shared memory so the DataLoader workers (fork or spawn) share it: entries verified
         # (CRC-32) once, or written, by a process of this tree; later reads skip the checksum. Without sharing, the
         # first warm epoch in the main process re-checked every entry the cold epoch's workers had just written
-        # (~3x slower than the next warm epochs at 224 px).
+        # (several times slower than the next warm epochs; the first-warm row of benchmarks/data_cache.py).
         self._verified_t = torch.zeros(max(1, len(listing)), dtype=torch.uint8).share_memory_()
         # 1 byte per sample, shared the same way: 1 once a process of this tree read the sample from a tier or
         # stored it in one, so "is every sample of this epoch cached?" is answered when the cold pass ends without
@@ -452,20 +308,20 @@ class SampleCache(ResetOnPickle):
         ) from e
 
     # ---- writes --------------------------------------------------------------------------------------------------
-    def _write(self, writes: _Writes, promote: list[tuple[bytes, bytes]]) -> tuple[int, int, int, list[int]]:
+    def _write(self, writes: Writes, promote: list[tuple[bytes, bytes]]) -> tuple[int, int, int, list[int]]:
         """Store misses and promotions; returns (stored, rejected, evicted, positions of ``writes`` stored nowhere)."""
-        # Misses go to one tier, never both (writing both doubled the cold epoch's write cost, ~20 % of it at
-        # 224 px). With `misses_to="ram"` (default): the RAM tier while it admits them ("keep" policy), its overflow to
-        # the SSD tier in the same call; the SSD tier gets the RAM tier's entries later (`spill`). Why: tmpfs writes
-        # cost less than page-cache writes to ext4 (22.5-24 against 29-33 ms per 64-sample batch here), and the
-        # first warm epoch then reads what the cold one wrote with nothing to promote (promoting SSD hits into the RAM
-        # tier made it 3.7x slower than the next warm epochs). `misses_to="ssd"`: the SSD tier, SSD hits promoted
-        # into the RAM tier while it has room.
+        # Misses go to one tier, never both (writing both doubles the cold epoch's write cost). With
+        # `misses_to="ram"` (default): the RAM tier while it admits them ("keep" policy), its overflow to the SSD tier
+        # in the same call; the SSD tier gets the RAM tier's entries later (`spill`). Why: tmpfs writes cost less than
+        # page-cache writes to ext4, and the first warm epoch then reads what the cold one wrote with nothing to
+        # promote (promoting SSD hits into the RAM tier makes it several times slower than the next warm epochs);
+        # the cold and first-warm rows of benchmarks/data_cache.py measure both. `misses_to="ssd"`: the SSD tier, SSD
+        # hits promoted into the RAM tier while it has room.
         tiers = dict(self.tiers)
         ram, ssd = tiers.get("ram"), tiers.get("ssd")
         written = rejected = evicted = 0
-        ram_writes: _Writes = []  # misses offered to the RAM tier
-        to_ssd: _Writes = []
+        ram_writes: Writes = []  # misses offered to the RAM tier
+        to_ssd: Writes = []
         ssd_pos: list[int] = []  # position in `writes` of each entry of `to_ssd`
         lost: list[int] = []
         if ram is not None and (ssd is None or (self._ram_first() and not self._ram_full)):
@@ -526,7 +382,7 @@ class SampleCache(ResetOnPickle):
                 if r.not_stored and ssd.policy == "keep":
                     return stored  # the SSD tier is full
 
-    def _commit_behind(self, writes: _Writes, indices: Sequence[int] = ()) -> None:
+    def _commit_behind(self, writes: Writes, indices: Sequence[int] = ()) -> None:
         """A write-behind batch, on the writer thread: store the misses (listing entries ``indices``), count them."""
         written, rejected, evicted, lost = self._write(writes, [])
         self._mark_cached(indices, lost)
@@ -567,7 +423,7 @@ class SampleCache(ResetOnPickle):
                 self._cached_t.numpy()[np.asarray([indices[p] for p in got], dtype=np.int64)] = 1
         return out
 
-    def _write_behind_writer(self) -> _WriteBehind | None:
+    def _write_behind_writer(self) -> WriteBehind | None:
         on = self.write_behind
         if on is None:
             from torch.utils.data import get_worker_info
@@ -590,7 +446,7 @@ class SampleCache(ResetOnPickle):
             writer.flush()
 
     def _alloc(self, shape: Sequence[int], dtype: torch.dtype, shared: bool) -> torch.Tensor:
-        return _alloc_shared(shape, dtype) if shared else self.buffers.take(shape, dtype)
+        return alloc_shared(shape, dtype) if shared else self.buffers.take(shape, dtype)
 
     # ---- the batch read path -------------------------------------------------------------------------------------
     def load(self, indices: Sequence[int], *, shared: bool = False) -> BatchResult:

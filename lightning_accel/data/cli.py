@@ -21,11 +21,12 @@ import os
 import sys
 import warnings
 
+from lightning_accel._utils.checks import check_bytes
 from lightning_accel._utils.cliargs import json_object_arg
+from lightning_accel._utils.errors import one_line
 from lightning_accel.data.lifecycle import find_tiers, other_entries, parse_duration, ram_root, sweep
 from lightning_accel.data.origin import OriginError
 from lightning_accel.data.pack import DEFAULT_SHARD_BYTES, pack_origin
-from lightning_accel.data.tiers import parse_bytes
 
 __all__ = ["main"]
 
@@ -89,7 +90,7 @@ def _clean(args: argparse.Namespace, prog: str) -> int:
         older = parse_duration(args.older_than, name="--older-than")
         _check_clean_target(root, args.root is not None, args.tier)
     except ValueError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {one_line(e)}", file=sys.stderr)
         return 2
     removed = sweep(args.root, older_than_s=older or 0.0, dry_run=args.dry_run, only=args.tier)
     gone = {r.path for r in removed}
@@ -113,11 +114,9 @@ def main(argv: list[str] | None = None, prog: str = "lightning-accel data") -> i
     try:
         src_opts = json_object_arg("--storage-options", args.storage_options)
         dst_opts = json_object_arg("--dest-storage-options", args.dest_storage_options)
-        shard_bytes = parse_bytes(args.shard_bytes, name="--shard-bytes")
-        if shard_bytes is None or shard_bytes < 1:
-            raise ValueError(f"`--shard-bytes` must be a positive size such as 16MiB, got {args.shard_bytes!r}.")
+        shard_bytes = check_bytes("--shard-bytes", args.shard_bytes, low=1, fix="Pass a size such as 16MiB.")
     except ValueError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {one_line(e)}", file=sys.stderr)
         return 2
 
     def progress(done: int, total: int) -> None:
@@ -138,11 +137,11 @@ def main(argv: list[str] | None = None, prog: str = "lightning-accel data") -> i
                 shuffle_seed=args.shuffle_seed,
             )
     except (OriginError, FileNotFoundError, FileExistsError, ValueError, OSError) as e:
-        print(f"\n{prog}: error: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"\n{prog}: error: {type(e).__name__}: {one_line(e)}", file=sys.stderr)
         return 1
     print(file=sys.stderr)
     for w in caught:  # one line each (files left out of the pack), not Python's two-line warning format
-        print(f"{prog}: warning: {w.message}", file=sys.stderr)
+        print(f"{prog}: warning: {one_line(str(w.message))}", file=sys.stderr)
     assert listing.pack is not None
     summary = {
         "dest": listing.origin,

@@ -10,9 +10,9 @@ Layout (all integers little-endian)::
     12+H    P     payload: the tensor's bytes, C-contiguous, native little-endian; P = prod(shape) * itemsize
 
 An entry that does not parse, whose length disagrees with its header, or whose checksum fails raises
-:class:`CorruptEntryError`; the cache then evicts it and refetches the sample from the origin. CRC-32 runs at
-~4.2 GB/s on this machine (~36 us for a 224 px sample), which is ~36 % of a warm read (memcpy out of the map, header,
-checksum), so the cache verifies each entry the first time a process tree (the main process and its DataLoader
+:class:`CorruptEntryError`; the cache then evicts it and refetches the sample from the origin. CRC-32 is a sizeable
+share of a warm read (memcpy out of the map, header, checksum; the warm rows of ``benchmarks/data_cache.py`` show what a
+warm read costs), so the cache verifies each entry the first time a process tree (the main process and its DataLoader
 workers) reads it, trusts the entries that tree wrote itself, and trusts both afterwards (entries are immutable once
 committed; a corrupt entry is deleted and rewritten, never changed in place).
 """
@@ -124,8 +124,8 @@ _ITEMSIZE = {d: torch.empty((), dtype=d).element_size() for d in _DTYPES.values(
 
 @functools.lru_cache(maxsize=4096)
 def _layout(raw: bytes) -> _Layout:
-    # Headers repeat (same dtype/shape, few labels): parse and check each distinct one once. Per entry this saved
-    # ~15 us of a 34 us warm read at 224 px (json, a torch.empty for the item size, np.prod), measured here.
+    # Headers repeat (same dtype/shape, few labels): parse and check each distinct one once. Per entry this saves a
+    # large share of a warm read (json, a torch.empty for the item size, np.prod; see benchmarks/data_cache.py).
     try:
         header = json.loads(raw)
         dtype = _DTYPES[header["dtype"]]

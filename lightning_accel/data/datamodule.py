@@ -22,6 +22,8 @@ import torch
 from lightning.pytorch import LightningDataModule
 from typing_extensions import override
 
+from lightning_accel._utils.checks import check_bytes, check_choice, check_int
+from lightning_accel._utils.rank import node_rank
 from lightning_accel.data.augment import GpuAugment
 from lightning_accel.data.cache import SampleCache
 from lightning_accel.data.dataset import (
@@ -33,31 +35,16 @@ from lightning_accel.data.dataset import (
 )
 from lightning_accel.data.decode import ImageDecoder
 from lightning_accel.data.lifecycle import parse_duration, ram_root, sweep, touch
-from lightning_accel.data.origin import Listing, ObjectStore, list_origin
+from lightning_accel.data.origin import Listing, ObjectStore, check_origin, list_origin
 from lightning_accel.data.pack import DEFAULT_STAGE_BYTES
 from lightning_accel.data.sampler import ShardWindowSampler, auto_window
 from lightning_accel.data.stats import CacheStats, summarize
-from lightning_accel.data.tiers import LmdbTier, default_ram_dir, parse_bytes
+from lightning_accel.data.tiers import LmdbTier, default_ram_dir
 
 __all__ = ["CachedDataModule", "map_classes"]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-
-
-def _check_origin(origin: object) -> None:
-    if not isinstance(origin, str) or not origin.strip():
-        raise ValueError(f"`origin` must be a non-empty path or fsspec URL, got {origin!r}.")
-
-
-def node_rank_from_env() -> int:
-    """This node's index from the launcher's environment: ``NODE_RANK`` (Lightning, SLURM through Lightning),
-    ``GROUP_RANK`` (torchrun), ``SLURM_NODEID``; 0 when none is set."""
-    for var in ("NODE_RANK", "GROUP_RANK", "SLURM_NODEID"):
-        value = os.environ.get(var, "").strip()
-        if value.isdigit():
-            return int(value)
-    return 0
 
 
 def _per_node(name: str, path: str) -> str:
@@ -66,7 +53,7 @@ def _per_node(name: str, path: str) -> str:
     if "{" not in path:
         return path
     try:
-        return path.format(node_rank=node_rank_from_env())
+        return path.format(node_rank=node_rank())
     except (KeyError, IndexError, ValueError) as e:
         raise ValueError(
             f"`{name}` {path!r} may contain only the placeholder {{node_rank}} ({type(e).__name__}: {e})."
@@ -92,25 +79,6 @@ def _local_cache_dir(cache_dir: str) -> str:
     return path
 
 
-def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"`{name}` must be {' or '.join(repr(a) for a in allowed)}, got {value!r}.")
-
-
-def _check_loading(batch_size: object, num_workers: int | None) -> None:
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"`batch_size` must be an integer >= 1, got {batch_size!r}.")
-    if num_workers is not None and num_workers < 0:
-        raise ValueError(f"`num_workers` must be >= 0 or None, got {num_workers!r}.")
-
-
-def _ram_budget(ram_bytes: int | str) -> int:
-    budget = parse_bytes(ram_bytes, name="ram_bytes")
-    if budget is None:
-        raise ValueError("`ram_bytes` must be a byte budget (RAM is finite), got None. Use 0 to disable the tier.")
-    return budget
-
-
 # An LMDB tier's map holds B-tree and meta pages beside the entries and keeps 1/32 of it (at least 4 pages) as
 # headroom, so a budget under 1 MiB holds next to nothing; below two decoded samples the first write fails in a
 # DataLoader worker (BudgetTooSmallError) instead of here.
@@ -133,25 +101,16 @@ def _check_tier_budget(name: str, value: object, budget: int | None, image_size:
         )
 
 
-def _check_int(name: str, value: object, low: int, hint: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"`{name}` must be an integer >= {low} ({hint}), got {value!r}.")
-
-
 def _check_classes(classes: object) -> list[str] | None:
+    """A list of class names: TypeError for anything but a sequence of strings, ValueError for an empty list, an
+    empty name or a name given twice (the message reads as every ``check_*`` message does)."""
     if classes is None:
         return None
-    if (
-        isinstance(classes, str)
-        or not isinstance(classes, Sequence)
-        or not classes
-        or not all(isinstance(c, str) and c for c in classes)
-        or len(set(classes)) != len(classes)
-    ):
-        raise ValueError(
-            f"`classes` must be a non-empty list of distinct class names (label i is classes[i]) or None, got "
-            f"{classes!r}."
-        )
+    expected = "a non-empty list of distinct class names (label i is classes[i]) or None"
+    if isinstance(classes, str) or not isinstance(classes, Sequence) or not all(isinstance(c, str) for c in classes):
+        raise TypeError(f"`classes` must be {expected}, got {classes!r} ({type(classes).__name__}).")
+    if not classes or not all(classes) or len(set(classes)) != len(classes):
+        raise ValueError(f"`classes` must be {expected}, got {classes!r}.")
     return list(classes)
 
 
@@ -306,18 +265,23 @@ class CachedDataModule(LightningDataModule):
         log_every_n_steps: int = 50,
     ) -> None:
         super().__init__()
-        _check_origin(origin)
-        _check_loading(batch_size, num_workers)
+        check_origin(origin)
+        check_int("batch_size", batch_size, low=1)
+        check_int("num_workers", num_workers, low=0, allow_none=True, fix="None: half the CPUs, at most 8.")
         self.cache_dir = _local_cache_dir(cache_dir)
-        _check_choice("on_decode_error", on_decode_error, ("raise", "skip"))
-        _check_choice("policy", policy, ("keep", "fifo"))
-        _check_choice("shuffle", shuffle, ("auto", "global", "window"))
-        if shuffle_window is not None and (not isinstance(shuffle_window, int) or shuffle_window < 1):
-            raise ValueError(f"`shuffle_window` must be a whole number of shards >= 1 or None, got {shuffle_window!r}.")
+        check_choice("on_decode_error", on_decode_error, ("raise", "skip"))
+        check_choice("policy", policy, ("keep", "fifo"))
+        check_choice("shuffle", shuffle, ("auto", "global", "window"))
+        check_int("shuffle_window", shuffle_window, low=1, allow_none=True, fix="It counts the shards of a window.")
         split_indices(1, val_fraction, seed)  # validates val_fraction now
-        _check_int("max_concurrency", max_concurrency, 1, "origin reads in flight per process")
-        _check_int("retries", retries, 0, "retries of a transient origin error; 0 for none")
-        _check_int("prefetch_batches", prefetch_batches, 0, "batches read ahead per reader; 0 to read only on demand")
+        check_int("max_concurrency", max_concurrency, low=1, fix="It counts origin reads in flight per process.")
+        check_int("retries", retries, low=0, fix="It counts retries of a transient origin error; 0 for none.")
+        check_int(
+            "prefetch_batches",
+            prefetch_batches,
+            low=0,
+            fix="It counts batches read ahead per reader; 0 to read only on demand.",
+        )
         # where the data is
         self.origin = origin
         self.storage_options = dict(storage_options or {})
@@ -332,8 +296,8 @@ class CachedDataModule(LightningDataModule):
         self.decode = decode if decode is not None else ImageDecoder(image_size)
         self.on_decode_error = on_decode_error
         # cache tiers
-        self.ram_bytes = _ram_budget(ram_bytes)
-        self.ssd_bytes = parse_bytes(ssd_bytes, name="ssd_bytes")
+        self.ram_bytes = check_bytes("ram_bytes", ram_bytes, fix="RAM is finite: use 0 to disable the tier.")
+        self.ssd_bytes = check_bytes("ssd_bytes", ssd_bytes, allow_none=True, fix="Use 0 to disable the tier.")
         cached_size = image_size if decode is None else None  # a custom decode's output size is unknown here
         _check_tier_budget("ram_bytes", ram_bytes, self.ram_bytes, cached_size)
         _check_tier_budget("ssd_bytes", ssd_bytes, self.ssd_bytes, cached_size)
@@ -347,7 +311,7 @@ class CachedDataModule(LightningDataModule):
         self.retries = retries
         self.prefetch = prefetch
         self.prefetch_batches = prefetch_batches
-        self.stage_bytes = parse_bytes(stage_bytes, name="stage_bytes")
+        self.stage_bytes = check_bytes("stage_bytes", stage_bytes, allow_none=True)
         self.shuffle = shuffle
         self.shuffle_window = shuffle_window
         # loading

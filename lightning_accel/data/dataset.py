@@ -3,9 +3,9 @@
 Fast warm path (why batches): the DataLoader calls ``__getitems__`` with a whole batch of indices when automatic
 batching is on. One call reads every sample of the batch in one LMDB read transaction straight into one (shared
 memory) uint8 tensor, and the worker sends that tensor to the main process as a single file-descriptor handoff.
-Measured on this 2-core machine with 224 px samples: per-sample ``__getitem__`` through 2 workers ~3.7k samples/s,
-batch reads through 2 workers 5k-8k samples/s, batch reads in the main process 25k-28k samples/s
-(``docs/data.md``): the per-sample path pays a Python call, a transaction, a tensor and a collate copy per sample.
+Batch reads beat per-sample ``__getitem__`` through workers, and batch reads in the main process beat both (the warm
+rows of ``benchmarks/data_cache.py``; ``docs/data.md``): the per-sample path pays a Python call, a transaction, a
+tensor and a collate copy per sample.
 Use :func:`collate_batch` as the DataLoader's ``collate_fn`` (it passes the ready batch through).
 
 Read-ahead in sampler order: :class:`EpochOrderSampler` (a ``DistributedSampler``, so Lightning keeps it instead of
@@ -29,9 +29,11 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, default_collate, get_worker_info
 
+from lightning_accel._utils.checks import check_int, check_number
 from lightning_accel._utils.compat import shutdown_persistent_workers
 from lightning_accel._utils.forksafe import ForkSafeLock, PerProcess
-from lightning_accel.data.cache import BufferPool, SampleCache
+from lightning_accel.data.buffers import BufferPool
+from lightning_accel.data.cache import SampleCache
 
 __all__ = [
     "CacheDataLoader",
@@ -58,10 +60,10 @@ def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], li
     """Deterministic train/validation split of ``range(n)`` (same on every rank and run).
 
     Raises:
+        TypeError: ``val_fraction`` is not a number.
         ValueError: ``val_fraction`` is not in [0, 1).
     """
-    if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"`val_fraction` must be in [0, 1), got {val_fraction!r}.")
+    check_number("val_fraction", val_fraction, low=0.0, high=1.0, high_open=True, fix="0 holds out nothing.")
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
     n_val = int(round(n * val_fraction))
     return sorted(perm[n_val:]), sorted(perm[:n_val])
@@ -112,11 +114,12 @@ class CachedDataset(Dataset):
             raise ValueError(
                 f"`indices` must lie in [0, {len(cache)}), got min {min(self.indices)} and max {max(self.indices)}."
             )
-        if isinstance(prefetch_batches, bool) or not isinstance(prefetch_batches, int) or prefetch_batches < 0:
-            raise ValueError(
-                f"`prefetch_batches` must be an integer >= 0 (batches read ahead; 0 to read only on demand), "
-                f"got {prefetch_batches!r}."
-            )
+        check_int(
+            "prefetch_batches",
+            prefetch_batches,
+            low=0,
+            fix="It counts batches read ahead per reader; 0 to read only on demand.",
+        )
         self.transform = transform
         self.prefetch_batches = prefetch_batches
         # [token, n, batch_size, order...]: written by the sampler in the main process, read by workers.
@@ -339,17 +342,17 @@ class CacheDataLoader(DataLoader):
 
     Cold epochs (some samples not cached) run with ``num_workers`` worker processes, because decoding is CPU-bound and
     parallelises. Once every sample is cached, epochs run with ``warm_num_workers`` (default 0: batch reads in the main
-    process, ahead of the consumer on one background thread). Measured on this 2-core machine, 224 px samples, batch
-    64: main-process batch reads ~10.5k samples/s; the same reads in 2 workers 3.3k-7k/s, because each worker must
-    allocate and fill a fresh 9.6 MB shared-memory batch (5.2 ms vs 2.0 ms for private memory) and competes with the
-    main process for the cores. On machines with many idle cores, set ``warm_num_workers`` to ``num_workers``.
+    process, ahead of the consumer on one background thread). On a machine with few cores, main-process batch reads
+    are faster than the same reads in workers (the warm and warm-workers rows of ``benchmarks/data_cache.py``),
+    because each worker must allocate and fill a fresh 9.6 MB shared-memory batch (slower than private memory) and
+    competes with the main process for the cores. On machines with many idle cores, set ``warm_num_workers`` to
+    ``num_workers``.
 
     The main-process path reads whole batches on one background thread (``read_threads``), ``read_ahead`` batches
     ahead, so the reads overlap with the training step; batches are filled into recycled buffers
-    (:class:`~lightning_accel.data.cache.BufferPool`). One thread is the default because more were slower here:
-    warm epochs at 25-28k samples/s with one reader thread against 17-19k/s with two (they contend for the GIL on
-    every per-sample copy; ``benchmarks/data_cache.py``-sized data, this 2-core machine). Switching is one-way
-    (cold -> warm) and checked at the start of each epoch.
+    (:class:`~lightning_accel.data.buffers.BufferPool`). One thread is the default because more are slower on
+    few cores: they contend for the GIL on every per-sample copy (measured with ``benchmarks/data_cache.py``).
+    Switching is one-way (cold -> warm) and checked at the start of each epoch.
 
     Args:
         dataset: the dataset.
@@ -374,8 +377,13 @@ class CacheDataLoader(DataLoader):
     ) -> None:
         kwargs.setdefault("collate_fn", collate_batch)
         super().__init__(dataset, **kwargs)
-        if warm_num_workers is not None and warm_num_workers < 0:
-            raise ValueError(f"`warm_num_workers` must be >= 0 or None, got {warm_num_workers!r}.")
+        check_int(
+            "warm_num_workers",
+            warm_num_workers,
+            low=0,
+            allow_none=True,
+            fix="0 reads warm batches in the main process; None keeps `num_workers`.",
+        )
         self.cold_num_workers = self.num_workers
         self.warm_num_workers = warm_num_workers
         self.read_ahead = read_ahead
@@ -490,9 +498,9 @@ def _reserving(it: Iterator[Any], pool: BufferPool, count: int) -> Iterator[Any]
     shape in ``pool`` on a thread, for the main-process reads of the first warm epoch.
 
     Why: those reads fill recycled buffers, but the first warm epoch found the pool empty and paid the page faults of
-    every fresh 9.6 MB buffer (~2,350 faults each at 224 px, 12 ms of its 55 ms of CPU for 1,024 samples on the 2-core
-    development machine). Here the faults are taken once, early in the cold epoch, while the main process waits for
-    the workers (~40 ms of CPU against a cold epoch of seconds). The thread keeps the normal priority: a lowered one
+    every fresh 9.6 MB buffer (~2,350 faults each at 224 px: a visible share of its CPU, see the first-warm row of
+    ``benchmarks/data_cache.py``). Here the faults are taken once, early in the cold epoch, while the main process waits
+    for the workers (little CPU against a cold epoch of seconds). The thread keeps the normal priority: a lowered one
     would hold the GIL while the scheduler starves it and stall the main thread.
     """
     first = True

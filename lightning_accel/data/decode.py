@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from lightning_accel._utils import compat
+from lightning_accel._utils.checks import check_int
 
 __all__ = ["DecodeError", "ImageDecoder"]
 
@@ -33,8 +34,8 @@ class ImageDecoder:
 
     Args:
         size: output side in pixels; ``None`` keeps the original size (then every image must have the same size).
-        fast_jpeg: decode JPEGs that need no resize with libjpeg-turbo through torchvision (same pixels, ~1.5x
-            faster here; see :meth:`decode_into`); ``False``: PIL for everything.
+        fast_jpeg: decode JPEGs that need no resize with libjpeg-turbo through torchvision (same pixels,
+            faster; see :meth:`decode_into`); ``False``: PIL for everything.
         device: ``"cuda"`` (or ``"cuda:N"``): :meth:`decode_batch_into` decodes a batch's JPEGs that need no resize
             in one nvJPEG call on that device (``torchvision.io.decode_jpeg(..., device="cuda")``) and copies them
             into the batch; the rest, and :meth:`decode_into`, stay on the CPU. nvJPEG's pixels differ from
@@ -43,8 +44,7 @@ class ImageDecoder:
     """
 
     def __init__(self, size: int | None = 224, *, fast_jpeg: bool = True, device: str | None = None) -> None:
-        if size is not None and (not isinstance(size, int) or size < 1):
-            raise ValueError(f"`image_size` must be a positive integer or None, got {size!r}.")
+        check_int("image_size", size, low=1, allow_none=True, fix="None keeps the original size.")
         if device is not None and torch.device(device).type != "cuda":
             raise ValueError(f"`device` must be None (CPU) or a CUDA device such as 'cuda', got {device!r}.")
         self.size = size
@@ -92,12 +92,12 @@ class ImageDecoder:
         """Decode ``data`` straight into ``out``, a contiguous uint8 (3, H, W) tensor (e.g. a row of a batch).
 
         A baseline or progressive JPEG with 1 or 3 components that needs no resize (already at the size, or only a
-        centre crop) is decoded by ``torchvision.io.decode_jpeg`` (libjpeg-turbo, as PIL) and copied into ``out``
-        once: ~250 us for a 224 px digit against ~430-510 us through PIL (``Image.open`` + ``load`` + ``split``),
-        bit-identical (tested; libjpeg-turbo's default integer IDCT and upsampling on both sides). Everything else
-        (PNG, CMYK JPEGs, images that need a resize: PIL's resampling is not torchvision's tensor resize) goes
-        through PIL, whose CHW planes come from ``split()`` (a C de-interleave). Bit-identical to
-        ``pil_transform()`` either way.
+        centre crop) is decoded by ``torchvision.io.decode_jpeg`` (libjpeg-turbo, as PIL) and copied into ``out`` once,
+        at a fraction of the cost through PIL (``Image.open`` + ``load`` + ``split``; the cold rows of
+        ``benchmarks/data_cache.py`` include decoding), bit-identical (tested; libjpeg-turbo's default integer IDCT and
+        upsampling on both sides). Everything else (PNG, CMYK JPEGs, images that need a resize: PIL's resampling is not
+        torchvision's tensor resize) goes through PIL, whose CHW planes come from ``split()`` (a C de-interleave).
+        Bit-identical to ``pil_transform()`` either way.
 
         Raises:
             ValueError: ``out`` is not a contiguous uint8 tensor of the decoded image's shape.
@@ -105,8 +105,8 @@ class ImageDecoder:
         fast = self._jpeg_tensor(data)
         if fast is not None:
             _check_out(out, fast.shape[1], fast.shape[2])
-            # numpy's strided copy of the HWC decode into the CHW row: 65 us at 224 px against 109 us for
-            # torch's `copy_` (this machine)
+            # numpy's strided copy of the HWC decode into the CHW row: cheaper than torch's `copy_` for this
+            # layout
             np.copyto(out.numpy(), fast.numpy())
             return
         rgb = self._rgb(data)

@@ -27,6 +27,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from lightning_accel._utils.checks import check_number
 from lightning_accel.data.tiers import LMDB_FILES, TIER_MARKER, read_marker
 
 __all__ = ["TierInfo", "find_tiers", "other_entries", "parse_duration", "ram_root", "remove_tier", "sweep", "touch"]
@@ -44,19 +45,19 @@ def parse_duration(value: float | int | str | None, *, name: str) -> float | Non
     """Seconds from ``3600``, ``"90s"``, ``"30m"``, ``"12h"``, ``"7d"``, ``"1w"`` (None stays None).
 
     Raises:
-        ValueError: naming ``name``, for anything else or a negative value.
+        TypeError: naming ``name``, for a value that is neither a number, a string nor None (a bool included).
+        ValueError: naming ``name``, for a string that is no duration, or a negative number.
     """
     if value is None:
         return None
-    if isinstance(value, bool):
-        raise ValueError(f"`{name}` must be a duration such as 3600, '30m', '12h' or '7d', got {value!r}.")
-    if isinstance(value, (int, float)):
-        if value < 0:
-            raise ValueError(f"`{name}` must be >= 0 seconds, got {value!r}.")
-        return float(value)
-    m = _DURATION.match(str(value))
+    expected = "a duration such as 3600, '90s', '30m', '12h' or '7d'"
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise TypeError(f"`{name}` must be {expected}, or None, got {value!r} ({type(value).__name__}).")
+    if not isinstance(value, str):
+        return float(check_number(name, value, low=0, fix="A number is a duration in seconds."))
+    m = _DURATION.match(value)
     if m is None:
-        raise ValueError(f"`{name}` must be a duration such as 3600, '90s', '30m', '12h' or '7d', got {value!r}.")
+        raise ValueError(f"`{name}` must be {expected}, got {value!r}.")
     return float(m.group(1)) * _UNITS[(m.group(2) or "s").lower()]
 
 

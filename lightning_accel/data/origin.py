@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from lightning_accel._utils.atomic import atomic_write_text, is_local_url
+from lightning_accel._utils.checks import check_int
 from lightning_accel._utils.forksafe import ForkSafeLock, PerProcess, ResetOnPickle
 from lightning_accel._utils.fs import FileStore, StorageUnavailableError
 from lightning_accel._utils.paths import safe_join
@@ -33,11 +34,27 @@ __all__ = [
     "Listing",
     "ObjectStore",
     "OriginError",
+    "check_origin",
     "list_origin",
 ]
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 _T = TypeVar("_T")
+
+
+def check_origin(url: object, name: str = "origin") -> str:
+    """``url`` when it is a non-empty string (a local path or an fsspec URL).
+
+    Raises:
+        TypeError: ``url`` is not a string.
+        ValueError: ``url`` is empty (or blank).
+    """
+    expected = "a non-empty path or fsspec URL"
+    if not isinstance(url, str):
+        raise TypeError(f"`{name}` must be {expected}, got {url!r} ({type(url).__name__}).")
+    if not url.strip():
+        raise ValueError(f"`{name}` must be {expected}, got {url!r}.")
+    return url
 
 
 class OriginError(OSError):
@@ -69,10 +86,8 @@ class ObjectStore(ResetOnPickle):
         retries: int = 4,
         backoff_s: float = 0.05,
     ) -> None:
-        if not isinstance(url, str) or not url.strip():
-            raise ValueError(f"`origin` must be a non-empty path or fsspec URL, got {url!r}.")
-        if max_concurrency < 1:
-            raise ValueError(f"`max_concurrency` must be >= 1, got {max_concurrency!r}.")
+        check_origin(url)
+        check_int("max_concurrency", max_concurrency, low=1, fix="It counts origin reads in flight per process.")
         self.url = url.rstrip("/") if "://" in url else os.path.abspath(os.path.expanduser(url))
         # The one fsspec layer: per-process filesystems, the transient/permanent split, the retry loop.
         self.files = FileStore(storage_options, retries=retries, backoff_s=backoff_s)

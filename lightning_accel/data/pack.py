@@ -46,6 +46,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_accel._utils.atomic import atomic_publish_file
+from lightning_accel._utils.checks import check_int
 from lightning_accel._utils.forksafe import ForkSafeLock, PerProcess, ResetOnPickle
 from lightning_accel._utils.paths import safe_join
 from lightning_accel.data.origin import IMAGE_EXTENSIONS, Listing, ObjectStore, OriginError, list_origin
@@ -167,10 +169,10 @@ def pack_origin(
 
     Raises:
         FileExistsError: ``dest`` already holds a pack and ``overwrite`` is False.
+        TypeError: ``shard_bytes`` is not an integer.
         ValueError: ``shard_bytes`` < 1, or ``source`` is itself a pack.
     """
-    if not isinstance(shard_bytes, int) or shard_bytes < 1:
-        raise ValueError(f"`shard_bytes` must be a positive number of bytes, got {shard_bytes!r}.")
+    check_int("shard_bytes", shard_bytes, low=1, fix="It is the target shard size in bytes.")
     src = ObjectStore(source, storage_options, max_concurrency=max_concurrency)
     listing = list_origin(src, manifest=manifest)
     if listing.pack is not None:
@@ -255,10 +257,9 @@ def pack_origin(
         "labels": labels,
         **pack.to_dict(),
     }
-    # The index last, under a temporary name first: a pack killed halfway has no index and is not a pack.
-    tmp = f"{index_path}.tmp-{os.getpid()}"
-    fs.pipe_file(tmp, json.dumps(doc, separators=(",", ":")).encode())
-    fs.mv(tmp, index_path)
+    # The index last, published atomically (one PUT on an object store): a pack killed halfway has no index and is
+    # not a pack.
+    atomic_publish_file(json.dumps(doc, separators=(",", ":")).encode(), index_path, fs=fs)
     return Listing(origin=dst.url, keys=keys, labels=labels, classes=listing.classes, pack=pack)
 
 
@@ -323,8 +324,7 @@ class PackedReader(ResetOnPickle):
         stage_bytes: int = DEFAULT_STAGE_BYTES,
         on_staged: Callable[[], None] | None = None,
     ) -> None:
-        if not isinstance(stage_bytes, int) or stage_bytes < 0:
-            raise ValueError(f"`stage_bytes` must be a non-negative number of bytes, got {stage_bytes!r}.")
+        check_int("stage_bytes", stage_bytes, low=0, fix="It is the most bytes of staged shards kept.")
         self.store = store
         self.pack = pack
         self.stage_dir = os.fspath(stage_dir)
@@ -377,14 +377,9 @@ class PackedReader(ResetOnPickle):
                         f"shard {self.store.url_of(self.pack.shards[s])!r} has {len(data)} bytes, its pack index "
                         f"says {self.pack.shard_sizes[s]}: the pack was changed or truncated; re-run pack_origin."
                     )
-                tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
-                try:
-                    with open(tmp, "wb") as f:
-                        f.write(data)
-                    os.replace(tmp, path)  # readers see the whole shard or none of it
-                finally:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(tmp)
+                # Readers see the whole shard or none of it. Not fsynced: a staged copy is rebuilt from the store,
+                # and every sample read from it is checked against its CRC-32.
+                atomic_publish_file(data, path, durable=False)
                 self._evict(keep=path)
                 if self.on_staged is not None:
                     self.on_staged()
@@ -442,7 +437,8 @@ class PackedReader(ResetOnPickle):
 
         At most half the stage's worth of shards is in flight per process: read-ahead beyond what the stage holds
         would evict shards staged for upcoming batches before they are read (with ``stage_bytes`` = 1/4 of the
-        pack, an unbounded epoch-start read-ahead fetched 2.4x the pack under the window shuffle)."""
+        pack, an unbounded epoch-start read-ahead fetched the pack more than twice under the window shuffle;
+        ``benchmarks/_data_shards.py`` measures the bytes read)."""
         if not self.staging:
             return 0
         started: set[int] = set()

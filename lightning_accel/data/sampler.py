@@ -28,9 +28,12 @@ from collections.abc import Sequence
 import torch
 from torch.utils.data import Dataset
 
+from lightning_accel._utils.checks import check_int
 from lightning_accel.data.dataset import EpochOrderSampler
 
 __all__ = ["ShardWindowSampler", "auto_window", "windowed_order"]
+
+_WINDOW_FIX = "It counts the shards shuffled together."
 
 
 def _rng(*parts: int) -> torch.Generator:
@@ -66,12 +69,11 @@ def windowed_order(
         lists are disjoint except for the padding, which repeats the first positions of the epoch's sequence.
 
     Raises:
+        TypeError: ``window`` or ``rank`` is not an integer.
         ValueError: ``window`` < 1 or ``rank`` outside ``[0, num_replicas)``.
     """
-    if not isinstance(window, int) or window < 1:
-        raise ValueError(f"`shuffle_window` must be a whole number of shards >= 1, got {window!r}.")
-    if not 0 <= rank < num_replicas:
-        raise ValueError(f"`rank` must be in [0, {num_replicas}), got {rank!r}.")
+    check_int("shuffle_window", window, low=1, fix=_WINDOW_FIX)
+    check_int("rank", rank, low=0, high=num_replicas - 1, fix=f"There are {num_replicas} ranks.")
     n = len(shard_of)
     if n == 0:
         return []
@@ -138,8 +140,7 @@ class ShardWindowSampler(EpochOrderSampler):
         n = len(dataset)  # type: ignore[arg-type]  # a map-style dataset has a length
         if len(shard_of) != n:
             raise ValueError(f"`shard_of` has {len(shard_of)} entries for a dataset of {n}.")
-        if not isinstance(window, int) or window < 1:
-            raise ValueError(f"`shuffle_window` must be a whole number of shards >= 1, got {window!r}.")
+        check_int("shuffle_window", window, low=1, fix=_WINDOW_FIX)
         self.shard_of = [int(s) for s in shard_of]
         self.window = window
 

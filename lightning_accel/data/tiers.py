@@ -46,6 +46,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_accel._utils.checks import check_bytes, check_choice, check_int
 from lightning_accel._utils.forksafe import PerProcess
 
 __all__ = [
@@ -149,7 +150,7 @@ _LOCK: PerProcess[_SharedLock] = PerProcess(_SharedLock)
 # close the inherited copy (closing aborts the transactions it still lists, which are the parent threads' entries in
 # the shared reader table, and waits for a parent thread's write transaction that never ends in the child). So the
 # parent closes its environments just before a fork, holding the lock exclusively so that no transaction is open and
-# none starts until the fork is done, and reopens them lazily afterwards (~1 ms each); the child starts with an
+# none starts until the fork is done, and reopens them lazily afterwards (one cheap open each); the child starts with an
 # empty registry and a fresh lock (PerProcess).
 def _close_before_fork() -> None:
     _LOCK.get().acquire()
@@ -254,7 +255,8 @@ def _open_env(path: str, key: str, map_size: int, sync: bool) -> _Env:
         subdir=True,
         max_dbs=4,
         # A cache is re-derivable: no fsync per commit (a killed process loses nothing committed; only an OS crash
-        # may drop the last commits, and checksums catch anything torn). ~10x faster batched writes.
+        # may drop the last commits, and checksums catch anything torn): an fsync per commit would dominate batched
+        # writes.
         sync=sync,
         metasync=sync,
         readahead=False,  # random reads of large values: readahead only evicts useful page-cache pages
@@ -296,12 +298,8 @@ class LmdbTier:
         sync: bool = False,
         marker: bool | None = None,
     ) -> None:
-        if budget_bytes is not None and (not isinstance(budget_bytes, int) or budget_bytes < 0):
-            raise ValueError(
-                f"`{name}_bytes` must be a non-negative integer number of bytes or None, got {budget_bytes!r}."
-            )
-        if policy not in ("keep", "fifo"):
-            raise ValueError(f"`policy` must be 'keep' or 'fifo', got {policy!r}.")
+        check_int(f"{name}_bytes", budget_bytes, low=0, allow_none=True, fix="None: no cap.")
+        check_choice("policy", policy, ("keep", "fifo"))
         self.path = os.fspath(path)
         self._key = os.path.realpath(self.path)  # one environment per directory, however it is spelt
         self.budget_bytes = budget_bytes
@@ -690,25 +688,12 @@ class LmdbTier:
         )
 
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12}
-_UNITS.update({"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40})
-
-
 def parse_bytes(value: int | str | None, *, name: str) -> int | None:
-    """``1073741824``, ``"1GiB"``, ``"512MB"``, ``"0"`` -> bytes; ``None`` stays None (no cap).
+    """``1073741824``, ``"1GiB"``, ``"512MB"``, ``"0"`` -> bytes; ``None`` stays None (no cap). Delegates to
+    :func:`~lightning_accel._utils.checks.check_bytes`.
 
     Raises:
+        TypeError: ``value`` is neither an integer, a string nor None (a bool included), naming ``name``.
         ValueError: naming ``name`` and the value, with the accepted forms.
     """
-    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
-        return value
-    if isinstance(value, str):
-        import re
-
-        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
-        if m and m.group(2).lower() in _UNITS:
-            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    raise ValueError(
-        f"`{name}` must be a byte count (an integer >= 0, or a string like '512MiB', '2GB'), or None for no cap; "
-        f"got {value!r}."
-    )
+    return check_bytes(name, value, allow_none=True)

@@ -1,7 +1,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -45,3 +47,94 @@ def test_atomic_write_s3(s3_bucket: tuple[str, dict]) -> None:
     atomic_write_bytes(f"s3://{bucket}/dir/obj", b"payload", storage_options=opts)
     fs = fsspec.filesystem("s3", skip_instance_cache=True, **opts)
     assert fs.cat_file(f"{bucket}/dir/obj") == b"payload"
+
+
+def test_publish_bytes_and_a_finished_file_locally(tmp_path: Path) -> None:
+    import fsspec
+
+    from lightning_accel._utils.atomic import atomic_publish_file
+
+    target = tmp_path / "out" / "index.json"
+    atomic_publish_file(b"one", target)
+    atomic_publish_file(b"two", str(target), fs=fsspec.filesystem("file"))  # a local fsspec filesystem: local rules
+    assert target.read_bytes() == b"two"
+    done = tmp_path / "written-elsewhere.bin"
+    done.write_bytes(b"three")
+    atomic_publish_file(done, target)  # a finished file is renamed into place, not copied
+    assert target.read_bytes() == b"three" and not done.exists()
+    atomic_publish_file(b"four", f"file://{target}", durable=False)
+    assert target.read_bytes() == b"four"
+    assert sorted(x.name for x in target.parent.iterdir()) == ["index.json"]
+
+
+def test_publish_a_file_from_another_filesystem_copies_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    from lightning_accel._utils import atomic
+
+    src = tmp_path / "src.bin"
+    src.write_bytes(b"payload")
+    real_replace = os.replace
+
+    def cross_device(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> None:
+        if Path(a) == src:
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        real_replace(a, b)
+
+    monkeypatch.setattr(os, "replace", cross_device)
+    atomic.atomic_publish_file(src, tmp_path / "dst" / "f.bin")
+    assert (tmp_path / "dst" / "f.bin").read_bytes() == b"payload" and not src.exists()
+    assert [x.name for x in (tmp_path / "dst").iterdir()] == ["f.bin"]
+
+
+def test_failed_publish_keeps_the_old_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_accel._utils.atomic import atomic_publish_file
+
+    p = tmp_path / "f.bin"
+    atomic_publish_file(b"old", p)
+
+    def boom(a: object, b: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(OSError, match="No space"):
+        atomic_publish_file(b"new", p)
+    assert p.read_bytes() == b"old" and [x.name for x in tmp_path.iterdir()] == ["f.bin"]
+
+
+def _recording(calls: list[str], name: str, real: Callable[..., Any]) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        calls.append(name)
+        return real(*args, **kwargs)
+
+    return call
+
+
+def test_publish_s3_is_one_put_under_the_final_name(
+    s3_bucket: tuple[str, dict], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import fsspec
+
+    from lightning_accel._utils.atomic import atomic_publish_file
+
+    bucket, opts = s3_bucket
+    fs = fsspec.filesystem("s3", skip_instance_cache=True, **opts)
+    calls: list[str] = []
+    for name in ("pipe_file", "put_file", "mv", "copy", "rm_file", "rm"):
+        monkeypatch.setattr(fs, name, _recording(calls, name, getattr(fs, name)))
+    atomic_publish_file(b"payload", f"s3://{bucket}/dir/index.json", fs=fs)
+    atomic_publish_file(b"again", f"{bucket}/dir/other.json", fs=fs)  # a path of `fs`, no protocol
+    src = tmp_path / "shard.bin"
+    src.write_bytes(b"shard bytes")
+    atomic_publish_file(src, f"s3://{bucket}/dir/shard.bin", fs=fs)
+    assert calls == ["pipe_file", "pipe_file", "put_file"]  # no temporary object, no copy + delete
+    assert not src.exists()
+    atomic_publish_file(b"by url", f"s3://{bucket}/dir/url.bin", storage_options=opts)
+    fs.invalidate_cache()
+    assert sorted(fs.ls(f"{bucket}/dir")) == [
+        f"{bucket}/dir/{n}" for n in ("index.json", "other.json", "shard.bin", "url.bin")
+    ]
+    assert (
+        fs.cat_file(f"{bucket}/dir/index.json") == b"payload"
+        and fs.cat_file(f"{bucket}/dir/shard.bin") == b"shard bytes"
+    )

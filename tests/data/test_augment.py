@@ -54,8 +54,14 @@ def test_crop_parameters_stay_inside_the_image() -> None:
 def test_bad_arguments_name_themselves() -> None:
     with pytest.raises(ValueError, match="`crop_scale`"):
         GpuAugment(crop_scale=(0.5, 1.5))
-    with pytest.raises(ValueError, match="`flip_p`"):
+    with pytest.raises(ValueError, match=r"`flip_p` must be a number >= 0 and <= 1, got 2\.0"):
         GpuAugment(flip_p=2.0)
+    with pytest.raises(
+        ValueError, match=r"`brightness` must be a number >= 0 and < 1, got 1\.0\. 0 leaves it unchanged"
+    ):
+        GpuAugment(brightness=1.0)
+    with pytest.raises(TypeError, match=r"`flip_p` must be a number .*, got True \(bool\)"):
+        GpuAugment(flip_p=True)
     with pytest.raises(ValueError, match="channels"):
         GpuAugment(MEAN, STD)(torch.zeros(2, 1, 4, 4, dtype=torch.uint8))
     with pytest.raises(ValueError, match=r"\(N, C, H, W\)"):

@@ -100,6 +100,8 @@ def test_misses_fill_the_ram_tier_first_overflow_to_ssd_and_spill(small_digits: 
     assert torch.equal(warm.images, probe.load(list(range(200))).images)
     with pytest.raises(ValueError, match="`misses_to` must be 'ram' or 'ssd', got 'disk'"):
         _cache(small_digits, tmp_cache_dir / "bad", misses_to="disk")
+    with pytest.raises(TypeError, match=r"`on_decode_error` must be 'raise' or 'skip', got True \(bool\)"):
+        _cache(small_digits, tmp_cache_dir / "bad", on_decode_error=True)
 
 
 def test_corrupt_entry_is_evicted_refetched_and_counted(small_digits: Path, tmp_cache_dir: Path) -> None:
@@ -240,7 +242,7 @@ def test_decoder_without_decode_into_takes_the_tensor_path(small_digits: Path, t
 
 
 def test_buffer_pool_reuses_a_storage_only_once_nothing_references_it() -> None:
-    from lightning_accel.data.cache import BufferPool
+    from lightning_accel.data.buffers import BufferPool
 
     pool = BufferPool(max_buffers=2)
     a = pool.take((2, 3), torch.uint8)

@@ -62,9 +62,12 @@ def test_explicit_classes_fix_the_labels_and_the_cache_key(small_digits: Path, t
     assert other.train_set.cache.namespace != dm.train_set.cache.namespace
     with pytest.raises(ValueError, match=r"`origin` .* class folder\(s\) \['c'\] that the training classes"):
         _dm(train, tmp_path, classes=["a", "b"]).setup("fit")
-    for bad in ([], ["a", "a"], "abc", [1, 2]):
+    for bad in ([], ["a", "a"], ["a", ""]):
         with pytest.raises(ValueError, match="`classes` must be a non-empty list of distinct class names"):
             _dm(train, tmp_path, classes=bad)
+    for wrong in ("abc", [1, 2], 3):
+        with pytest.raises(TypeError, match=r"`classes` must be a non-empty list of distinct class names.*\(\w+\)"):
+            _dm(train, tmp_path, classes=wrong)
 
 
 def test_classes_before_setup_is_an_error(small_digits: Path, tmp_path: Path) -> None:

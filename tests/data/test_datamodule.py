@@ -21,10 +21,20 @@ def _make(tmp: Path, **kw: Any) -> CachedDataModule:
         ({"ram_bytes": "100KiB", "image_size": 16}, r"`ram_bytes` '100KiB' \(102400 bytes\) is below the minimum"),
         ({"ram_bytes": "1MiB", "image_size": 512}, r"two 512 px samples \(790528 bytes each\)"),
         ({"ssd_bytes": 4096}, r"`ssd_bytes` 4096 is below the minimum"),
-        ({"max_concurrency": 0}, r"`max_concurrency` must be an integer >= 1 \(origin reads in flight"),
-        ({"retries": -1}, r"`retries` must be an integer >= 0 .*got -1"),
-        ({"prefetch_batches": -3}, r"`prefetch_batches` must be an integer >= 0 .*got -3"),
-        ({"max_concurrency": 2.5}, r"`max_concurrency` must be an integer >= 1"),
+        (
+            {"max_concurrency": 0},
+            r"`max_concurrency` must be an integer >= 1, got 0\. It counts origin reads in flight",
+        ),
+        ({"retries": -1}, r"`retries` must be an integer >= 0, got -1\. .*0 for none"),
+        ({"prefetch_batches": -3}, r"`prefetch_batches` must be an integer >= 0, got -3\. .*0 to read only on demand"),
+        ({"num_workers": -1}, r"`num_workers` must be an integer >= 0 or None, got -1"),
+        ({"shuffle_window": 0}, r"`shuffle_window` must be an integer >= 1 or None, got 0"),
+        ({"policy": "lru"}, r"`policy` must be 'keep' or 'fifo', got 'lru'"),
+        ({"shuffle": "local"}, r"`shuffle` must be one of 'auto', 'global', 'window', got 'local'"),
+        (
+            {"ssd_bytes": "huge"},
+            r"`ssd_bytes` must be a byte count .*, or None for no cap, got 'huge'\. Use 0 to disable",
+        ),
     ],
 )
 def test_bad_budgets_and_reader_settings_fail_at_construction(tmp_path: Path, kw: dict[str, Any], pattern: str) -> None:
@@ -32,6 +42,28 @@ def test_bad_budgets_and_reader_settings_fail_at_construction(tmp_path: Path, kw
         _make(tmp_path, **kw)
     msg = str(e.value)
     assert "\n" not in msg and len(msg) <= 400 and ("0 to disable" in msg or "must be" in msg)
+
+
+@pytest.mark.parametrize(
+    ("kw", "pattern"),
+    [
+        ({"max_concurrency": 2.5}, r"`max_concurrency` must be an integer >= 1, got 2\.5 \(float\)"),
+        ({"batch_size": True}, r"`batch_size` must be an integer >= 1, got True \(bool\)"),
+        ({"retries": False}, r"`retries` must be an integer >= 0, got False \(bool\)"),
+        ({"prefetch_batches": True}, r"`prefetch_batches` must be an integer >= 0, got True \(bool\)"),
+        ({"shuffle_window": True}, r"`shuffle_window` must be an integer >= 1 or None, got True \(bool\)"),
+        ({"ram_bytes": True}, r"`ram_bytes` must be a byte count .*, got True \(bool\)\. RAM is finite"),
+        ({"ram_bytes": None}, r"`ram_bytes` must be a byte count .*, got None \(NoneType\)\. RAM is finite: use 0"),
+        ({"stage_bytes": 1.5}, r"`stage_bytes` must be a byte count .*, got 1\.5 \(float\)"),
+        ({"val_fraction": "0.1"}, r"`val_fraction` must be a number >= 0 and < 1, got '0\.1' \(str\)"),
+        ({"policy": 1}, r"`policy` must be 'keep' or 'fifo', got 1 \(int\)"),
+        ({"ram_ttl": True}, r"`ram_ttl` must be a duration .*, got True \(bool\)"),
+    ],
+)
+def test_wrong_types_are_type_errors(tmp_path: Path, kw: dict[str, Any], pattern: str) -> None:
+    with pytest.raises(TypeError, match=pattern) as e:
+        _make(tmp_path, **kw)
+    assert "\n" not in str(e.value)
 
 
 def test_small_but_workable_budgets_and_zero_are_accepted(tmp_path: Path) -> None:

@@ -92,8 +92,10 @@ def test_split_is_deterministic_and_disjoint() -> None:
     tr, va = split_indices(100, 0.2, seed=1)
     assert len(va) == 20 and not set(tr) & set(va) and sorted(tr + va) == list(range(100))
     assert (tr, va) == split_indices(100, 0.2, seed=1)
-    with pytest.raises(ValueError, match="`val_fraction`"):
+    with pytest.raises(ValueError, match=r"`val_fraction` must be a number >= 0 and < 1, got 1\.0\. 0 holds out"):
         split_indices(10, 1.0, 0)
+    with pytest.raises(TypeError, match=r"`val_fraction` must be a number >= 0 and < 1, got True \(bool\)"):
+        split_indices(10, True, 0)
 
 
 def test_default_num_workers_leaves_cpus_for_the_model() -> None:
@@ -177,7 +179,7 @@ def test_cache_dataloader_switches_to_main_process_reads_when_warm(small_digits:
 
 
 def test_buffer_pool_reserve_pages_in_buffers_that_take_reuses() -> None:
-    from lightning_accel.data.cache import BufferPool
+    from lightning_accel.data.buffers import BufferPool
 
     pool = BufferPool(max_buffers=3)
     assert pool.reserve((4, 3, 8, 8), torch.uint8, 5) == 3  # at most max_buffers
@@ -260,3 +262,11 @@ def test_warm_up_killed_halfway_leaves_only_complete_entries(small_digits: Path,
     labels, total = _epoch(CacheDataLoader(ds, batch_size=50, num_workers=0))
     s = ds.stats.as_dict()
     assert total == 200 and s["ssd_hits"] == n and s["origin_fetches"] == 200 - n and s["refetches"] == 0
+
+
+def test_loader_checks_warm_num_workers() -> None:
+    ds: Any = list(range(4))
+    with pytest.raises(ValueError, match=r"`warm_num_workers` must be an integer >= 0 or None, got -1\. 0 reads"):
+        CacheDataLoader(ds, warm_num_workers=-1)
+    with pytest.raises(TypeError, match=r"`warm_num_workers` must be an integer >= 0 or None, got True \(bool\)"):
+        CacheDataLoader(ds, warm_num_workers=True)

@@ -89,6 +89,14 @@ def test_undecodable_jpeg_falls_back_to_pils_error() -> None:
         ImageDecoder(24).decode_into(bad, torch.empty(3, 24, 24, dtype=torch.uint8))
 
 
+def test_image_size_is_checked() -> None:
+    with pytest.raises(ValueError, match=r"`image_size` must be an integer >= 1 or None, got 0\. None keeps"):
+        ImageDecoder(0)
+    with pytest.raises(TypeError, match=r"`image_size` must be an integer >= 1 or None, got True \(bool\)"):
+        ImageDecoder(True)
+    assert ImageDecoder(None).size is None
+
+
 def test_device_must_be_cuda() -> None:
     with pytest.raises(ValueError, match=r"`device` must be None \(CPU\) or a CUDA device"):
         ImageDecoder(24, device="cpu")

@@ -39,6 +39,11 @@ def test_parse_duration() -> None:
     for bad in ("soon", "-1h", -5, "3 parsecs"):
         with pytest.raises(ValueError, match="`--older-than` must be"):
             parse_duration(bad, name="--older-than")
+    with pytest.raises(ValueError, match=r"`--older-than` must be a number >= 0, got -5\. .*seconds"):
+        parse_duration(-5, name="--older-than")
+    for wrong in (True, [3600]):
+        with pytest.raises(TypeError, match=r"`ram_ttl` must be a duration such as 3600.*\((bool|list)\)"):
+            parse_duration(wrong, name="ram_ttl")  # type: ignore[arg-type]
 
 
 def test_sweep_removes_only_stale_unused_tiers(tmp_path: Path) -> None:

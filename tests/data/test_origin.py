@@ -148,3 +148,14 @@ def test_pickles_without_handles_and_a_forked_child_opens_its_own(small_digits: 
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert store._pool is parent_pool and store.fs is parent_fs
+
+
+def test_store_arguments_are_checked() -> None:
+    with pytest.raises(ValueError, match=r"`origin` must be a non-empty path or fsspec URL, got ' '"):
+        ObjectStore(" ")
+    with pytest.raises(TypeError, match=r"`origin` must be a non-empty path or fsspec URL, got 3 \(int\)"):
+        ObjectStore(3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"`max_concurrency` must be an integer >= 1, got 0\. It counts origin reads"):
+        ObjectStore("/data", max_concurrency=0)
+    with pytest.raises(TypeError, match=r"`max_concurrency` must be an integer >= 1, got True \(bool\)"):
+        ObjectStore("/data", max_concurrency=True)

@@ -64,8 +64,10 @@ def test_pack_refuses_to_overwrite_unless_asked(small_digits: Path, tmp_path: Pa
     assert len(pack_origin(str(small_digits), dest, overwrite=True, shard_bytes=10_000).pack.shards) > 1
     with pytest.raises(ValueError, match="already a packed origin"):
         pack_origin(dest, str(tmp_path / "again"))
-    with pytest.raises(ValueError, match="shard_bytes"):
+    with pytest.raises(ValueError, match=r"`shard_bytes` must be an integer >= 1, got 0\. It is the target shard size"):
         pack_origin(str(small_digits), str(tmp_path / "x"), shard_bytes=0)
+    with pytest.raises(TypeError, match=r"`shard_bytes` must be an integer >= 1, got True \(bool\)"):
+        pack_origin(str(small_digits), str(tmp_path / "x"), shard_bytes=True)
 
 
 def test_bad_indexes_are_refused_with_the_url(small_digits: Path, tmp_path: Path) -> None:
@@ -98,6 +100,11 @@ def test_s3_pack_stages_each_shard_once_across_processes_and_warm_reads_nothing(
     listing = pack_origin(str(small_digits), url, dest_storage_options=opts, shard_bytes=30_000)
     assert listing.pack is not None
     n_shards = len(listing.pack.shards)
+    import fsspec
+
+    s3 = fsspec.filesystem("s3", skip_instance_cache=True, **opts)
+    written = sorted(p.removeprefix(f"{bucket}/packed/") for p in s3.find(f"{bucket}/packed"))
+    assert written == [PACK_INDEX, *listing.pack.shards]  # the index is one PUT: no temporary object left behind
     # two caches on one node (two processes' worth of state) sharing the SSD tier and the stage directory
     a = _cache(url, tmp_path, opts)
     b = _cache(url, tmp_path, opts)
@@ -110,6 +117,7 @@ def test_s3_pack_stages_each_shard_once_across_processes_and_warm_reads_nothing(
     fetched = a.stats.as_dict()["bytes_fetched"] + b.stats.as_dict()["bytes_fetched"]
     assert fetched == sum(listing.pack.shard_sizes)  # every shard once, whichever process staged it
     assert len(list((tmp_path / "shards").glob("*.shard"))) == n_shards
+    assert not list((tmp_path / "shards").glob("*.tmp"))  # staged atomically, nothing half-written left
     warm = _cache(url, tmp_path, opts)
     warm.load(list(range(200)))
     s = warm.stats.as_dict()
@@ -230,6 +238,9 @@ def test_data_pack_command(small_digits: Path, tmp_path: Path, capsys: pytest.Ca
     assert main(["pack", str(small_digits), str(dest)]) == 1  # exists: refused, names --overwrite
     assert "--overwrite" in capsys.readouterr().err
     assert main(["pack", str(small_digits), str(tmp_path / "x"), "--shard-bytes", "lots"]) == 2
+    assert "`--shard-bytes` must be a byte count" in capsys.readouterr().err
+    assert main(["pack", str(small_digits), str(tmp_path / "x"), "--shard-bytes", "0"]) == 2
+    assert "got '0'. Pass a size such as 16MiB." in capsys.readouterr().err
     assert main(["pack", str(small_digits), str(tmp_path / "x"), "--storage-options", "[1]"]) == 2
     assert main(["pack", str(tmp_path / "missing"), str(tmp_path / "y")]) == 1
     assert "does not exist" in capsys.readouterr().err

@@ -54,8 +54,10 @@ def test_window_order_is_a_deterministic_disjoint_split_within_windows(n: int, r
 def test_window_order_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="`shuffle_window`"):
         windowed_order([0, 0], epoch=0, window=0)
-    with pytest.raises(ValueError, match="`rank`"):
+    with pytest.raises(ValueError, match=r"`rank` must be an integer >= 0 and <= 1, got 2\. There are 2 ranks"):
         windowed_order([0, 0], epoch=0, num_replicas=2, rank=2)
+    with pytest.raises(TypeError, match=r"`shuffle_window` must be an integer >= 1, got True \(bool\)"):
+        windowed_order([0, 0], epoch=0, window=True)
     assert auto_window(16 << 20, [4 << 20] * 10) == 1
     assert auto_window(64 << 20, [4 << 20] * 10, local_ranks=2) == 3
 

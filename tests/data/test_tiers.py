@@ -149,5 +149,18 @@ def test_parse_bytes(value: object, expected: int | None) -> None:
 
 
 def test_parse_bytes_rejects_nonsense() -> None:
-    with pytest.raises(ValueError, match="`ram_bytes`.*'lots'"):
+    with pytest.raises(ValueError, match="`ram_bytes` must be a byte count .*, or None for no cap, got 'lots'"):
         parse_bytes("lots", name="ram_bytes")
+    with pytest.raises(ValueError, match="`ram_bytes` must be a byte count .*, got -1"):
+        parse_bytes(-1, name="ram_bytes")
+    with pytest.raises(TypeError, match=r"`ram_bytes` must be a byte count .*, got True \(bool\)"):
+        parse_bytes(True, name="ram_bytes")
+
+
+def test_tier_arguments_are_checked() -> None:
+    with pytest.raises(ValueError, match=r"`ssd_bytes` must be an integer >= 0 or None, got -1\. None: no cap"):
+        LmdbTier("/nonexistent/x", -1)
+    with pytest.raises(TypeError, match=r"`ram_bytes` must be an integer >= 0 or None, got True \(bool\)"):
+        LmdbTier("/nonexistent/x", True, name="ram")
+    with pytest.raises(ValueError, match="`policy` must be 'keep' or 'fifo', got 'lru'"):
+        LmdbTier("/nonexistent/x", 1 << 20, policy="lru")
