@@ -42,8 +42,12 @@ def local_rank() -> int:
 
 def node_rank() -> int:
     """This node's index from the launcher's environment: ``NODE_RANK`` (Lightning, SLURM through Lightning),
-    ``GROUP_RANK`` (torchrun), ``SLURM_NODEID``; 0 when none is set."""
-    return _env_int("NODE_RANK", "GROUP_RANK", "SLURM_NODEID", default=0)
+    ``GROUP_RANK`` (torchrun), ``SLURM_NODEID``; 0 when none is set (a negative value is not an index: skipped)."""
+    for var in ("NODE_RANK", "GROUP_RANK", "SLURM_NODEID"):
+        value = os.environ.get(var, "").strip()
+        if value.isdigit():
+            return int(value)
+    return 0
 
 
 def world_size() -> int:
