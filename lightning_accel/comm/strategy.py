@@ -157,7 +157,7 @@ class OneBitDDPStrategy(DDPStrategy):
         backend: CompressorBackend | None = None,
         **kwargs: Any,
     ) -> None:
-        arguments = locals()
+        arguments = locals()  # the hyper-parameters by name: the config is built from its own field list below
         for name in _REJECTED:
             if kwargs.pop(name, None) is not None:
                 raise ValueError(
