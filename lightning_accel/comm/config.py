@@ -56,7 +56,7 @@ class OneBitConfig:
         warmup_steps: optimizer steps of plain fp32 allreduce (and the unmodified optimizer) before compressing;
             >= 2 because DDP rebuilds its buckets after the first iteration. Adam's variance is frozen at its end.
         block_size: maximum elements per scale block, a multiple of 8 (640: 5 % scale overhead, ~30x fewer bytes
-            than fp32; its accuracy against other sizes is measured by ``benchmarks/onebit.py``).
+            than fp32; ``benchmarks/onebit.py`` measures the accuracy, ``ONEBIT_BLOCK`` tries other sizes there).
         min_compress_numel: gradient buckets with fewer elements stay fp32 (gradient compression only).
         error_feedback: keep worker/server residuals (False gives plain scaled signs, for comparison only).
         compressor_backend: ``"auto"`` (the fused Triton kernel for CUDA tensors when ``triton`` is installed, the

@@ -1,10 +1,11 @@
 """``Trainer(strategy="ddp_1bit", accelerator="cpu", devices=2)`` in two real processes (gloo).
 
-The scenarios are grouped by concern, one pair of processes per group (a pair costs seconds of imports; see
-``tests/helpers.py``): the registered alias and ``compression="auto"`` (injected timings and real-step trials, other
-optimizers, the restored ``optimizer.step``); training features (gradient accumulation, clipping, ``static_graph``,
-unused and frozen parameters, NaN steps under a GradScaler, ``bf16-mixed``); resume-from-checkpoint against an
-uninterrupted run (gradient compression, SGD-momentum and AdamW compressed momentum); overlap.
+The tests are grouped by concern, one class each: the registered alias and ``compression="auto"`` (injected timings and
+real-step trials, other optimizers, the restored ``optimizer.step``); training features (gradient accumulation,
+clipping, ``static_graph``, unused and frozen parameters, NaN steps under a GradScaler, ``bf16-mixed``); overlap;
+resume-from-checkpoint against an uninterrupted run (gradient compression, SGD-momentum and AdamW compressed
+momentum). A class's ``LAUNCH`` names its pair of processes; training features and overlap share one, because a pair
+costs the imports of two processes (seconds each on a loaded 2-core machine).
 
 Each group's pair runs only the scenarios of the tests selected in it (``-k resume_sgdm`` runs one scenario), and a
 scenario that raises fails its own tests only (its traceback is the failure message).
@@ -503,19 +504,32 @@ def _wanted(item: pytest.Item) -> list[str]:
 
 
 def _launch(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    """One pair of processes for the scenarios that the selected tests of this class read."""
+    """One pair of processes for the scenarios that the selected tests of the classes sharing this class's
+    ``LAUNCH`` read."""
+    launch = request.cls.LAUNCH
     names: list[str] = []
     for item in request.session.items:
-        if getattr(item, "cls", None) is request.cls:
+        if getattr(getattr(item, "cls", None), "LAUNCH", None) == launch:
             names += [n for n in _wanted(item) if n not in names]
-    tmp = tmp_path_factory.mktemp("onebit")
+    tmp = tmp_path_factory.mktemp(f"onebit-{launch}")
     return run_in_processes(_run_scenarios, 2, args=(str(tmp), names), init_process_group=False, timeout=420)
 
 
+@pytest.fixture(scope="module")
+def launched() -> dict[str, list[dict]]:
+    """The launches made so far, by ``LAUNCH`` name (classes that share one run in the same pair of processes)."""
+    return {}
+
+
 @pytest.fixture(scope="class")
-def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    """Per rank, ``{scenario: result}`` for the scenarios the selected tests of the requesting class read."""
-    return _launch(request, tmp_path_factory)
+def results(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, launched: dict[str, list[dict]]
+) -> list[dict]:
+    """Per rank, ``{scenario: result}`` for the scenarios the selected tests of the requesting class's launch read."""
+    launch = request.cls.LAUNCH
+    if launch not in launched:
+        launched[launch] = _launch(request, tmp_path_factory)
+    return launched[launch]
 
 
 def _get(results: list[dict], name: str) -> list[dict]:
@@ -538,6 +552,8 @@ def _same_on_both_ranks(results: list[dict], name: str) -> None:
 
 class TestAliasAndAuto:
     """The registered alias, ``compression="auto"``, other optimizers, the optimizer-step replacement."""
+
+    LAUNCH = "decisions"
 
     @uses("alias")
     def test_alias_trains_with_the_hook_attached_on_cpu(self, results: list[dict]) -> None:
@@ -600,6 +616,8 @@ class TestAliasAndAuto:
 
 class TestTrainingFeatures:
     """Accumulation, clipping, ``static_graph``, unused/frozen parameters, NaN steps, ``bf16-mixed``."""
+
+    LAUNCH = "training"
 
     @uses("accumulate_{mode}")
     @pytest.mark.parametrize("mode", ["momentum", "gradients"])
@@ -667,6 +685,8 @@ class TestTrainingFeatures:
 class TestResume:
     """A resumed run continues bit for bit like an uninterrupted one."""
 
+    LAUNCH = "resume"
+
     @uses("{name}")
     @pytest.mark.parametrize("name", ["resume", "resume_sgdm", "resume_adamw"])
     def test_resume_continues_exactly(self, results: list[dict], name: str) -> None:
@@ -681,6 +701,8 @@ class TestResume:
 
 class TestOverlap:
     """Compressed momentum started during backward."""
+
+    LAUNCH = "training"
 
     @uses("overlap_{opt}_True", "overlap_{opt}_False")
     @pytest.mark.parametrize("opt", ["sgdm", "adamw"])
@@ -702,3 +724,16 @@ class TestOverlap:
         assert r["auto"] is False
         msg = r["true"]
         assert "`overlap=True`" in msg and "gradient_clip_val=1.0" in msg and "overlap='auto'" in msg
+
+
+def test_a_scenario_that_raises_fails_alone(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """In-process: the launch goes on past a raising scenario, and only that scenario's tests fail."""
+    monkeypatch.setitem(SCENARIOS, "boom", lambda tmp: {"x": 1 // 0})
+    monkeypatch.setitem(SCENARIOS, "fine", lambda tmp: {"params": np.zeros(2)})
+    out = _run_scenarios(0, 2, str(tmp_path), ["boom", "fine"])
+    assert "ZeroDivisionError" in out["boom"]["error"] and "scenario 'boom'" in out["boom"]["error"]
+    with pytest.raises(pytest.fail.Exception, match="ZeroDivisionError"):
+        _get([out, out], "boom")
+    _same_on_both_ranks([out, out], "fine")
+    with pytest.raises(pytest.fail.Exception, match="did not run"):
+        _get([out, out], "missing")
