@@ -431,8 +431,8 @@ def _acc_run(recipe: str, scheme: str, seed: int, warmup: int) -> dict[str, Any]
         state = OneBitState(
             warmup_steps=warmup,
             # the strategy's default unless ONEBIT_BLOCK overrides it (exploration runs)
-            block_size=int(os.environ.get("ONEBIT_BLOCK", OneBitState().block_size)),
-            compress=mode,
+            block_size=int(os.environ.get("ONEBIT_BLOCK", OneBitState().config.block_size)),
+            compressed_signal=mode,
             compression="1bit",
             error_feedback=scheme == "onebit",
             parameters=model.parameters(),

@@ -545,3 +545,30 @@ def materialize_distributed_module(module: nn.Module, device: torch.device) -> N
     from lightning.fabric.utilities.init import _materialize_distributed_module
 
     _materialize_distributed_module(module, device)
+# --- comm: Lightning's unused-parameters advice --------------------------------------------------------------------
+
+#: the two phrases of ``DDPStrategy.on_exception``'s advice for "Expected to have finished reduction in the prior
+#: iteration" that name DDP (checked against Lightning 2.6.6); a strategy that registers its own aliases rewrites them
+DDP_FIND_UNUSED_ALIAS_ADVICE = "`strategy='ddp_find_unused_parameters_true'`"
+DDP_FIND_UNUSED_CLASS_ADVICE = "`strategy=DDPStrategy(find_unused_parameters=True)`"
+
+
+def redirect_find_unused_parameters_advice(exception: BaseException, alias: str, constructor: str) -> None:
+    """Point Lightning's "enable the detection of unused parameters" advice at another strategy, in place.
+
+    ``DDPStrategy.on_exception`` rewrites DDP's unused-parameters error to suggest
+    ``strategy='ddp_find_unused_parameters_true'`` or ``strategy=DDPStrategy(find_unused_parameters=True)``; a DDP
+    subclass whose users would lose its behaviour by following that advice replaces both with ``alias`` and
+    ``constructor`` (``"OneBitDDPStrategy(find_unused_parameters=True)"``). Lightning promises neither text; an
+    exception without them is left unchanged.
+    """
+    msg = str(exception)
+    if DDP_FIND_UNUSED_ALIAS_ADVICE not in msg and DDP_FIND_UNUSED_CLASS_ADVICE not in msg:
+        return
+    msg = msg.replace(DDP_FIND_UNUSED_ALIAS_ADVICE, f"`strategy='{alias}'`").replace(
+        DDP_FIND_UNUSED_CLASS_ADVICE, f"`strategy={constructor}`"
+    )
+    exception.args = (msg, *exception.args[1:])
+
+
+__all__ += ["DDP_FIND_UNUSED_ALIAS_ADVICE", "DDP_FIND_UNUSED_CLASS_ADVICE", "redirect_find_unused_parameters_advice"]

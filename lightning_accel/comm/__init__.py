@@ -4,7 +4,9 @@
 - :mod:`~lightning_accel.comm.compress`: canonical group layout, per-block ``mean |x|`` scales, the torch
   compressors (the reference and the buffer-reusing ``Compressor``).
 - :mod:`~lightning_accel.comm.allreduce`: the two-phase compressed allreduce with worker/server error feedback.
-- :mod:`~lightning_accel.comm.state` / :mod:`~lightning_accel.comm.hook`: the DDP comm hook and its ``__slots__`` state.
+- :mod:`~lightning_accel.comm.config`: ``OneBitConfig``, the validated hyper-parameters.
+- :mod:`~lightning_accel.comm.state` / :mod:`~lightning_accel.comm.hook`: the DDP comm hook and its ``__slots__`` state
+  (hyper-parameters, error-feedback state, ``CommStats``).
 - :mod:`~lightning_accel.comm.momentum`: the compressed-momentum optimizer step (SGD-momentum, Adam, AdamW).
 - :mod:`~lightning_accel.comm.auto`: ``compression="auto"``, timing fp32 against 1-bit at the end of warm-up.
 - :mod:`~lightning_accel.comm.triton_kernels`: the fused CUDA compressor (imported lazily).
@@ -29,15 +31,21 @@ from lightning_accel.comm.compress import (
     compress_reference,
     decode,
 )
+from lightning_accel.comm.config import (
+    CompressedSignal,
+    Compression,
+    CompressorBackend,
+    OneBitConfig,
+)
 from lightning_accel.comm.hook import onebit_hook
 from lightning_accel.comm.momentum import MomentumCompressor, momentum_kind, plan_groups
 from lightning_accel.comm.packing import pack_signs, unpack_signs
 from lightning_accel.comm.state import (
-    CommBackend,
-    Compression,
-    CompressWhat,
+    CommStats,
     GroupState,
+    KeptBuffers,
     OneBitState,
+    StepBytes,
     gather_state_dict,
     select_rank_state,
 )
@@ -46,20 +54,24 @@ from lightning_accel.comm.strategy import CHECKPOINT_KEY, OneBitDDPStrategy
 __all__ = [
     "CHECKPOINT_KEY",
     "BlockTable",
-    "CommBackend",
-    "CompressWhat",
+    "CommStats",
+    "CompressedSignal",
     "Compression",
     "Compressor",
+    "CompressorBackend",
     "GroupLayout",
     "GroupState",
+    "KeptBuffers",
     "MomentumCompressor",
     "OneBitAllreduce",
     "OneBitResult",
+    "OneBitConfig",
     "OneBitDDPStrategy",
     "OneBitState",
     "block_scales",
     "compress_fast",
     "compress_reference",
+    "StepBytes",
     "StepTrial",
     "decide",
     "decode",

@@ -74,8 +74,8 @@ class OneBitBuffers:
 
     Without them every call builds fresh compressors (``compress_fast``: ~10 bytes of scratch per element, page
     faulted on first touch) and decodes through the generic :func:`~lightning_accel.comm.compress.decode` into new
-    tensors; measured with the 25M-value MLP (2 gloo ranks, one thread each) this took the compressed step's host
-    work from 2.3 s to 0.7 s together with the scale-based finiteness check of :meth:`OneBitAllreduce.finish`.
+    tensors; together with the scale-based finiteness check of :meth:`OneBitAllreduce.finish` these buffers cut the
+    compressed step's host work to a fraction (the hook time ``benchmarks/onebit.py`` reports on the shaped link).
     Results are bit-identical to those computed without (the same :class:`~lightning_accel.comm.compress.Compressor`
     passes; its decode equals :func:`~lightning_accel.comm.compress.decode` exactly).
 
@@ -222,7 +222,7 @@ class OneBitAllreduce:
             out = decode(gathered[:, :cb].reshape(-1), all_scales, layout.table.lengths)
         # every real element decodes to ±(its block's scale), exactly, so `out` is finite on the real elements iff the
         # scales of the blocks holding real elements are: the verdict of isfinite(where(mask, out, 0)).all() from
-        # num_blocks values instead of two passes over the whole group (~0.9 s per 25M values measured)
+        # num_blocks values instead of two passes over the whole group
         finite = torch.isfinite(all_scales[layout.table.has_real]).all()
         send = self._send
         sent = (send.numel() - send[self.rank].numel()) * send.element_size() + (n - 1) * own.numel()

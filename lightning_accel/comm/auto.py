@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_accel._utils.checks import check_int
 from lightning_accel.comm.allreduce import CompressFn, OneBitAllreduce, run_pipelined
 from lightning_accel.comm.compress import GroupLayout
 from lightning_accel.comm.state import OneBitState
@@ -58,7 +59,7 @@ def _groups(state: OneBitState, numels: list[int] | None) -> list[list[int]]:
     from lightning_accel.comm.momentum import plan_groups  # plan_groups lives with the step that uses it
 
     sizes = numels if numels else [n for n in state.param_numels if n > 0]
-    keys = plan_groups(list(enumerate(sizes)), state.group_numel)
+    keys = plan_groups(list(enumerate(sizes)), state.config.group_numel)
     return [[sizes[i] for i in k] for k in keys]
 
 
@@ -71,17 +72,17 @@ def measure(
     """
     groups = _groups(state, numels)
     world = state.process_group_size()
-    layouts = [GroupLayout(g, world, state.block_size, device) for g in groups]
+    layouts = [GroupLayout(g, world, state.config.block_size, device) for g in groups]
     gen = torch.Generator().manual_seed(0)
     flat = [torch.randn(lay.numel, generator=gen).to(device) for lay in layouts]
     padded = [(torch.randn(lay.padded_numel, generator=gen).to(device) * lay.table.mask) for lay in layouts]
     errors = [
         (torch.zeros(lay.padded_numel, device=device), torch.zeros(lay.chunk_numel, device=device))
-        if state.error_feedback
+        if state.config.error_feedback
         else (None, None)
         for lay in layouts
     ]
-    compress: CompressFn = state.compressor(device)  # the same backend choice as the real step
+    compress: CompressFn = state.compressor(device)  # the same compressor choice as the real step
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def fp32() -> None:
@@ -172,9 +173,7 @@ class StepTrial:
     """
 
     def __init__(self, steps: int = TRIAL_STEPS, clock: Callable[[], float] = time.perf_counter) -> None:
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"`steps` must be an integer >= 1, got {steps!r}. Use e.g. 3.")
-        self.steps = steps
+        self.steps = check_int("steps", steps, low=1, fix="Use e.g. 3.")
         self.clock = clock
         #: ``{step: (mode, seconds)}`` of the recent steps
         self.durations: dict[int, tuple[str, float]] = {}

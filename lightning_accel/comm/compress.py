@@ -20,9 +20,10 @@ block, 1.6 % of the signs at the default ``block_size=2048``.
 **Two torch paths.** :func:`compress_reference` is the readable oracle (the Triton kernel's reference).
 :class:`Compressor` computes the same thing with preallocated buffers and C-speed passes over them (numpy ufuncs on
 shared-memory views of the CPU tensors, ``out=`` everywhere), so a caller that keeps one per buffer allocates nothing
-per step; :func:`compress_fast` is the same code behind :func:`compress_reference`'s signature (fresh outputs). Per
-1M fp32 values on one thread here, the reference costs ~45 ms (~85 ``torch.add``) and the compressor ~4 ms; the
-passes it makes and why each is needed are listed in :meth:`Compressor.compress`.
+per step; :func:`compress_fast` is the same code behind :func:`compress_reference`'s signature (fresh outputs), an
+order of magnitude faster than the reference on CPU (``benchmarks/onebit.py`` measures both against one
+``torch.add``: ``ratios.compress_over_add``); the passes it makes and why each is needed are listed in
+:meth:`Compressor.compress`.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
+from lightning_accel._utils.checks import check_int
 from lightning_accel._utils.triton import use_triton
 from lightning_accel.comm.packing import pack_bits_into, pack_signs, sign_lut, unpack_signs
 
@@ -120,10 +122,10 @@ class GroupLayout:
     """
 
     def __init__(self, numels: Sequence[int], world_size: int, block_size: int, device: torch.device) -> None:
-        if world_size < 1:
-            raise ValueError(f"`world_size` must be >= 1, got {world_size!r}.")
-        if block_size < 8 or block_size % 8:
-            raise ValueError(f"`block_size` must be a positive multiple of 8, got {block_size!r}.")
+        check_int("world_size", world_size, low=1)
+        check_int("block_size", block_size, low=8)
+        if block_size % 8:
+            raise ValueError(f"`block_size` must be a multiple of 8, got {block_size!r}.")
         if not numels or any(n < 1 for n in numels):
             raise ValueError(f"`numels` must be a non-empty list of positive sizes, got {list(numels)!r}.")
         self.numels = tuple(int(n) for n in numels)
@@ -267,7 +269,7 @@ class Compressor:
 
     Computes what :func:`compress_reference` computes: the same ``x``, the same packed bits; the block sums come from
     numpy's pairwise ``add.reduceat`` instead of torch's ``segment_reduce``, so a scale may differ from the
-    reference's in its last bits (relative 2e-6 measured on 1M values); the residual is exactly
+    reference's in its last bits (``tests/comm/test_compressor.py`` bounds the difference); the residual is exactly
     ``x - decode(packed, scales)`` for the scales returned, which is what error feedback needs.
 
     On CPU every pass runs in C over preallocated buffers (about ``10 L`` bytes for an ``L``-element table: ``x``,
@@ -325,7 +327,8 @@ class Compressor:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """:func:`compress_reference` into this compressor's buffers.
 
-        Passes over the ``L`` elements on CPU (each ~0.3-0.7 ms per 1M values on one thread here): ``x = g + e``
+        Passes over the ``L`` elements on CPU (each about one ``torch.add``, see ``benchmarks/onebit.py``):
+        ``x = g + e``
         (``e * s`` then ``+ g`` with a loss scale, the reference's rounding), ``|x|`` into scratch, the block sums
         (``np.add.reduceat``), ``x >= 0`` as bytes, the sign packing (one multiply over ``L/8`` words, see
         :mod:`~lightning_accel.comm.packing`); with error feedback also the ``±1`` rows of the packed bytes (one

@@ -7,7 +7,7 @@ Algorithm, per DDP bucket and step:
 0. ``compression="auto"`` and the first bucket of the first step after warm-up (or of a re-check step): time fp32
    against compressed averaging of buffers of the run's sizes and decide, on every rank
    (:func:`~lightning_accel.comm.auto.decide`), unless the strategy decides (it times real steps).
-1. Warm-up steps, steps decided ``"fp32"``, and buckets below ``min_compress_numel``: plain fp32 allreduce
+1. Warm-up steps, steps decided ``"fp32"``, and buckets below ``config.min_compress_numel``: plain fp32 allreduce
    (asynchronous).
 2. Compressed stage with ``state.mode == "momentum"``: the bucket's local gradients are handed back unaveraged (the
    optimizer step, :class:`~lightning_accel.comm.momentum.MomentumCompressor`, averages the momentum instead); when
@@ -154,23 +154,9 @@ def _loss_scale(state: OneBitState, device: torch.device) -> torch.Tensor | None
 
 
 def _end_bucket(state: OneBitState, is_last: bool, sent: int, fp32: int, compressed: bool) -> None:
-    state.bytes_sent += sent
-    state.fp32_bytes += fp32
-    acc = state._acc
-    acc[0] += sent
-    acc[1] += fp32
-    if compressed:
-        acc[2] += sent
-        acc[3] += fp32
+    state.stats.end_bucket(sent, fp32, compressed, is_last)
     if is_last:
         state.step += 1
-        (
-            state.last_step_bytes_sent,
-            state.last_step_fp32_bytes,
-            state.last_step_compressed_bytes,
-            state.last_step_compressed_fp32_bytes,
-        ) = acc
-        state._acc = [0, 0, 0, 0]
 
 
 def _fp32_bucket(
@@ -179,7 +165,7 @@ def _fp32_bucket(
     """Step 1: average ``buf`` with a plain fp32 allreduce on ``group`` (the work handle with ``async_op``)."""
     world = dist.get_world_size(group)
     fp32 = fp32_ring_bytes(buf.numel(), world)
-    state.uncompressed_calls += 1
+    state.stats.uncompressed_calls += 1
     _end_bucket(state, is_last, fp32 * buf.element_size() // 4, fp32, compressed=False)
     buf.div_(world)
     return dist.all_reduce(buf, group=group, async_op=async_op)
@@ -234,7 +220,7 @@ def onebit_hook(state: OneBitState, bucket: dist.GradBucket) -> torch.futures.Fu
         _end_bucket(state, bucket.is_last(), 0, 0, compressed=False)
         return _done(buf)
     if bucket.index() == 0:
-        state.last_step_comm_s = 0.0
+        state.stats.last_step_comm_s = 0.0
         if state.needs_decision:  # compression="auto": measure once, on every rank, first
             decide(state, buf.device)
     if state.compressing and state.mode == "momentum":
@@ -242,7 +228,7 @@ def onebit_hook(state: OneBitState, bucket: dist.GradBucket) -> torch.futures.Fu
     state.local_grads = False
     # a compressed CPU step sends every bucket through the comm thread (small ones in fp32 there), so that one thread
     # issues all of the step's collectives in bucket order
-    if not state.compressing or (buf.is_cuda and buf.numel() < state.min_compress_numel):
+    if not state.compressing or (buf.is_cuda and buf.numel() < state.config.min_compress_numel):
         fut = _fp32_bucket(state, bucket.is_last(), buf, group, async_op=True).get_future()
         return fut.then(lambda f: f.value()[0])
     b = _Bucket(bucket.index(), list(bucket.parameters()), buf, bucket.is_last())
@@ -266,14 +252,14 @@ def _compressed_bucket(
         assert state.comm_worker is not None
         group = state.comm_worker.group
     t0 = time.perf_counter()
-    if buf.numel() < state.min_compress_numel:
+    if buf.numel() < state.config.min_compress_numel:
         _fp32_bucket(state, bucket.is_last, buf, group, async_op=False)
-        state.last_step_comm_s += time.perf_counter() - t0
+        state.stats.last_step_comm_s += time.perf_counter() - t0
         return buf
     world = dist.get_world_size(group)
     fp32 = fp32_ring_bytes(buf.numel(), world)
     compress = state.compressor(buf.device)
-    ef = state.error_feedback
+    ef = state.config.error_feedback
     sent = 0
     for g, runs in _plan(state, bucket):
         x, bufs = state.buffers_for(g, fast=compress is compress_fast)
@@ -297,13 +283,13 @@ def _compressed_bucket(
         elif bool(res.finite):
             g.commit(w, s, bufs)
         else:
-            state.nonfinite_groups += 1
+            state.stats.nonfinite_groups += 1
         for bo, co, n in runs:
             buf[bo : bo + n] = res.out[co : co + n]
         sent += res.bytes_sent
-        state.compressed_calls += 1
+        state.stats.compressed_calls += 1
     _end_bucket(state, bucket.is_last, sent, fp32, compressed=True)
-    state.last_step_comm_s += time.perf_counter() - t0
+    state.stats.last_step_comm_s += time.perf_counter() - t0
     return buf
 
 

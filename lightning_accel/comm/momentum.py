@@ -1,10 +1,11 @@
 """Compressed momentum: the optimizer step of the compressed stage for SGD with momentum, Adam and AdamW.
 
 Compressing *gradients* with error feedback is proven for plain SGD only: the residual error feedback carries comes
-back later, and momentum (a ``1/(1-β)`` gain) or Adam's per-element normalisation amplify its timing noise (measured:
-SGD momentum 0.9 at lr 0.05 collapsed to chance, AdamW lost 4 points). DeepSpeed's 1-bit Adam compresses the
-optimizer's *momentum* instead, with Adam's variance frozen at the end of warm-up; this module does the same for
-``torch.optim.SGD`` (momentum > 0, Nesterov too), ``torch.optim.Adam`` and ``torch.optim.AdamW``.
+back later, and momentum (a ``1/(1-β)`` gain) or Adam's per-element normalisation amplify its timing noise (SGD
+momentum and AdamW lose accuracy that way; ``docs/onebit.md`` gives the figures of ``benchmarks/onebit.py``'s
+recipes). DeepSpeed's 1-bit Adam compresses the optimizer's *momentum* instead, with Adam's variance frozen at the
+end of warm-up; this module does the same for ``torch.optim.SGD`` (momentum > 0, Nesterov too), ``torch.optim.Adam``
+and ``torch.optim.AdamW``.
 
 Algorithm of one compressed step (``t`` counts optimizer steps; the gradients ``g`` are this rank's own: the comm
 hook does not average them in the compressed stage, so DDP's gradient allreduce does not run):
@@ -20,7 +21,8 @@ hook does not average them in the compressed stage, so DDP's gradient allreduce 
    ``u_loc = m_loc / D`` with ``D = sqrt(v/(1-β2^T)) + eps``. ``D`` is identical on every rank, so averaging ``u`` is
    averaging ``m``; but ``u``'s elements are all O(1), where ``m`` spans the range of ``sqrt(v)``. A block of raw
    ``m`` decodes every element to ``±mean|m|``, and an element with a tiny variance then steps by
-   ``lr·mean|m|/eps`` (measured: AdamW on the digits CNN went to NaN in a few steps that way).
+   ``lr·mean|m|/eps`` (AdamW on the digits CNN diverges that way; ``benchmarks/onebit.py``'s AdamW recipes train
+   with this scheme).
 4. The parameters are cut into groups of about ``group_numel`` elements (model order); each group's ``m_loc`` (Adam:
    ``u_loc``) is laid out canonically and averaged by the two-phase 1-bit allreduce with worker and server error
    feedback (:class:`~lightning_accel.comm.allreduce.OneBitAllreduce`). Groups are pipelined: phase 1 of group
@@ -145,12 +147,12 @@ class MomentumCompressor:
     """
 
     def __init__(self, optimizer: Optimizer, state: OneBitState) -> None:
-        # plain SGD too when asked for explicitly (compress="momentum"): its "momentum" is the gradient itself
+        # plain SGD too when asked for explicitly (compressed_signal="momentum"): its "momentum" is the gradient itself
         kind = momentum_kind(optimizer) or ("sgd" if type(optimizer) is SGD else None)
         if kind is None:
             raise ValueError(
                 f"`optimizer` is a {type(optimizer).__name__}: compressed momentum supports torch.optim.SGD with "
-                "momentum > 0, Adam and AdamW. Use `compress='gradients'` for other optimizers."
+                "momentum > 0, Adam and AdamW. Use `compressed_signal='gradients'` for other optimizers."
             )
         self.optimizer = optimizer
         self.kind = kind
@@ -205,14 +207,16 @@ class MomentumCompressor:
         fp32 = 0
         for _key, entries in groups:
             fp32 += fp32_ring_bytes(sum(e.n for e in entries), st.process_group_size())
-        st.bytes_sent += sent[0]
-        st.fp32_bytes += fp32
+        stats = st.stats
+        stats.bytes_sent += sent[0]
+        stats.fp32_bytes += fp32
         # the hook sent nothing in this step's backward (beyond the 4-byte finiteness flag under a GradScaler)
-        st.last_step_bytes_sent += sent[0]
-        st.last_step_fp32_bytes = fp32
-        st.last_step_compressed_bytes = sent[0]
-        st.last_step_compressed_fp32_bytes = fp32
-        st.last_step_comm_s += time.perf_counter() - t0
+        last = stats.last_step
+        last.sent += sent[0]
+        last.fp32 = fp32
+        last.compressed_sent = sent[0]
+        last.compressed_fp32 = fp32
+        stats.last_step_comm_s += time.perf_counter() - t0
 
     @torch.no_grad()
     def on_bucket(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
@@ -252,7 +256,7 @@ class MomentumCompressor:
             if len(early.started) >= 2:  # pipeline: phase 2 of the previous group while this one's phase 1 flies
                 early.started[early.served][0].serve()
                 early.served += 1
-        st.last_step_comm_s += time.perf_counter() - t0
+        st.stats.last_step_comm_s += time.perf_counter() - t0
 
     def release(self) -> None:
         """Drop the frozen denominators and the state's kept buffers (canonical momentum, compressors, decode
@@ -277,8 +281,8 @@ class MomentumCompressor:
         op = OneBitAllreduce(
             x,
             g.layout,
-            g.worker_error if st.error_feedback else None,
-            g.server_error if st.error_feedback else None,
+            g.worker_error if st.config.error_feedback else None,
+            g.server_error if st.config.error_feedback else None,
             group=st.process_group,
             compress=compress,
             buffers=buffers,
@@ -314,7 +318,7 @@ class MomentumCompressor:
                         "compressed momentum averages only the model's parameters."
                     )
                 by_index[i] = (p, hp)
-        keys = plan_groups(((i, p.numel()) for i, (p, _) in by_index.items()), st.group_numel)
+        keys = plan_groups(((i, p.numel()) for i, (p, _) in by_index.items()), st.config.group_numel)
         out = []
         for key in keys:
             entries, pos = [], 0
@@ -366,14 +370,14 @@ class MomentumCompressor:
                 # compress the preconditioned momentum m / denom (denom is frozen and identical on every rank, so
                 # averaging it is averaging m): its elements are all O(1), where m itself spans the range of
                 # sqrt(v). A block of raw m decodes every element to ±mean|m|, and an element with a tiny variance
-                # (a weight whose input is always zero) would then step by lr·mean|m|/eps: measured, AdamW on the
-                # digits CNN diverged to NaN that way
+                # (a weight whose input is always zero) would then step by lr·mean|m|/eps: AdamW on the digits CNN
+                # diverges that way (benchmarks/onebit.py's AdamW recipes train with this scheme)
                 out.div_(denom)
                 # the frozen variance cannot see a gradient that outgrows it (a ReLU channel dead during warm-up
                 # has v = 0, so D = eps): floor D at the momentum's own magnitude, |m̂/D| <= 1 (in bias-corrected
-                # units), the step exact Adam takes for a gradient at its RMS. Measured: without the floor, AdamW
-                # on the digits CNN stepped 0.58 (lr 1e-3) at its first compressed step and went to NaN in three
-                # more
+                # units), the step exact Adam takes for a gradient at its RMS. Without the floor, AdamW on the digits
+                # CNN takes a step of order 1 at its first compressed step and diverges (benchmarks/onebit.py's
+                # AdamW recipes train with the floor)
                 bound = 1 - beta1 ** int(e.st["step"])
                 out.clamp_(-bound, bound)
 
@@ -385,13 +389,13 @@ class MomentumCompressor:
         st = self.state
         res = op.finish()
         if not bool(res.finite):  # identical verdict on every rank: the decoded bytes are the same
-            st.nonfinite_groups += 1
+            st.stats.nonfinite_groups += 1
             if self.kind == "adam":  # undo the step count _prepare_adam advanced: this step did not happen
                 for e in entries:
                     e.st["step"] -= 1
             return res.bytes_sent
         g.commit(res.worker_error, res.server_error, op.buffers)
-        st.compressed_calls += 1
+        st.stats.compressed_calls += 1
         for e in entries:
             avg = res.out[e.offset : e.offset + e.n].view_as(e.p)
             if self.kind == "sgd":

@@ -1,44 +1,41 @@
-"""``OneBitState``: hyper-parameters, per-group error-feedback state and statistics of the 1-bit comm hook."""
+"""``OneBitState``: the hook's hyper-parameters (a :class:`~lightning_accel.comm.config.OneBitConfig`), its
+per-group error-feedback state and its statistics (:class:`CommStats`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable, Iterable
-from typing import Any, Literal, get_args
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from lightning_accel._utils.triton import check_backend, use_triton
+from lightning_accel._utils.checks import check_choice
+from lightning_accel._utils.triton import use_triton
 from lightning_accel.comm.allreduce import CompressFn, OneBitBuffers
 from lightning_accel.comm.compress import GroupLayout, compress_fast, compress_reference
+from lightning_accel.comm.config import (
+    COMPRESSOR_BACKENDS,
+    HOOK_DEFAULTS,
+    OneBitConfig,
+    config_fields,
+    resolve_renamed,
+)
 
 __all__ = [
-    "BACKENDS",
-    "COMPRESSIONS",
-    "COMPRESS_WHAT",
-    "CommBackend",
-    "CompressWhat",
-    "Compression",
+    "CommStats",
     "GroupState",
+    "KeptBuffers",
     "OneBitState",
+    "StepBytes",
     "gather_state_dict",
     "select_rank_state",
 ]
 
 _FORMAT = 2
 _READABLE = (1, 2)  # format 1 (gradient compression only) loads: no stage, no decision
-
-#: what is compressed: the optimizer's momentum (SGD-momentum, Adam, AdamW), the gradients, or chosen per optimizer
-CompressWhat = Literal["auto", "momentum", "gradients"]
-COMPRESS_WHAT: tuple[CompressWhat, ...] = get_args(CompressWhat)
-#: whether to compress after warm-up: measured at the end of warm-up, always, or never
-Compression = Literal["auto", "1bit", "fp32"]
-COMPRESSIONS: tuple[Compression, ...] = get_args(Compression)
-
-# the compressor has a Triton kernel and its torch reference, and no separate "eager" oracle
-CommBackend = Literal["auto", "triton", "reference"]
-BACKENDS: tuple[CommBackend, ...] = get_args(CommBackend)
 
 
 class GroupState:
@@ -87,6 +84,83 @@ def _key_parse(s: str) -> tuple[int, ...]:
     return tuple(int(v) for v in s.split(","))
 
 
+@dataclass
+class StepBytes:
+    """Bytes of one step (per rank): all of its averaging, and its compressed part alone.
+
+    Attributes:
+        sent: bytes put on the wire.
+        fp32: what an fp32 ring allreduce of the same buffers would have sent.
+        compressed_sent: ``sent`` of the compressed buckets (or momentum groups) only.
+        compressed_fp32: ``fp32`` of the compressed buckets only.
+    """
+
+    sent: int = 0
+    fp32: int = 0
+    compressed_sent: int = 0
+    compressed_fp32: int = 0
+
+    def add(self, sent: int, fp32: int, compressed: bool) -> None:
+        """Count one bucket."""
+        self.sent += sent
+        self.fp32 += fp32
+        if compressed:
+            self.compressed_sent += sent
+            self.compressed_fp32 += fp32
+
+
+@dataclass
+class CommStats:
+    """Statistics of the 1-bit averaging on this rank.
+
+    Attributes:
+        bytes_sent: bytes put on the wire by the hook and the momentum step since the start.
+        fp32_bytes: what an fp32 ring allreduce of the same buffers would have sent.
+        last_step: the bytes of the last completed step.
+        current_step: the bytes of the step in progress (the buckets the hook has seen so far).
+        compressed_calls / uncompressed_calls: buckets (or momentum groups) sent each way.
+        nonfinite_groups: compressed groups whose result held NaN/Inf (their state was left unchanged);
+            counted on CPU only (on CUDA the state is kept by a device-side select, without a host sync).
+        last_step_comm_s: host seconds the last step spent in compressed averaging (hook and momentum step,
+            compression, collectives and waits; 0 for fp32 steps).
+    """
+
+    bytes_sent: int = 0
+    fp32_bytes: int = 0
+    last_step: StepBytes = field(default_factory=StepBytes)
+    current_step: StepBytes = field(default_factory=StepBytes)
+    compressed_calls: int = 0
+    uncompressed_calls: int = 0
+    nonfinite_groups: int = 0
+    last_step_comm_s: float = 0.0
+
+    def end_bucket(self, sent: int, fp32: int, compressed: bool, is_last: bool) -> None:
+        """Count one bucket of the step in progress; ``is_last`` closes the step (it becomes ``last_step``)."""
+        self.bytes_sent += sent
+        self.fp32_bytes += fp32
+        self.current_step.add(sent, fp32, compressed)
+        if is_last:
+            self.last_step, self.current_step = self.current_step, StepBytes()
+
+    @property
+    def compression_ratio(self) -> float:
+        """fp32 ring-allreduce bytes over bytes sent, for the compressed buckets of the last step (0 if none)."""
+        if not self.last_step.compressed_sent:
+            return 0.0
+        return self.last_step.compressed_fp32 / self.last_step.compressed_sent
+
+
+class KeptBuffers(NamedTuple):
+    """What a group's compressed allreduce reuses between steps (:meth:`OneBitState.buffers_for`)."""
+
+    #: the layout the buffers were made for (a new layout makes new buffers)
+    layout: GroupLayout
+    #: float32 ``(padded_numel,)`` canonical input, zeros on padding
+    input: torch.Tensor
+    #: the CPU compressor's buffers, or None (made on first use by the CPU compressor)
+    buffers: OneBitBuffers | None
+
+
 class OneBitState:
     """State of :func:`~lightning_accel.comm.hook.onebit_hook` and of the compressed momentum step, modelled on
     PowerSGD's ``PowerSGDState``.
@@ -97,32 +171,28 @@ class OneBitState:
     magnitudes more closely); ``min_compress_numel`` keeps tiny gradient buckets in fp32, where the fixed cost of two
     collectives outweighs the bytes saved.
 
-    Hyper-parameters:
+    Args:
         process_group: the group to average over (None: the default group).
-        warmup_steps: optimizer steps of plain fp32 allreduce (and the unmodified optimizer) before compressing;
-            >= 2 because DDP rebuilds its buckets after the first iteration.
-        block_size: maximum elements per scale block, a multiple of 8 (default 640: 5 % scale overhead, ~30x
-            fewer bytes than fp32; measured on the digits CNN with SGD momentum 0.9, 2048 lost 0.013 val accuracy
-            against DDP and 512 lost 0.004).
-        min_compress_numel: gradient buckets with fewer elements stay fp32 (gradient compression only).
-        error_feedback: keep worker/server residuals (False gives plain scaled signs, for comparison only).
-        backend: the compressor: ``"auto"`` (the fused Triton kernel for CUDA tensors when ``triton`` is
-            installed, the torch compressor elsewhere), ``"triton"`` (always; needs CUDA tensors or
-            ``TRITON_INTERPRET=1``) or ``"reference"`` (the torch compressor).
-        compress: what travels compressed: ``"momentum"`` (the optimizer's momentum with a frozen Adam variance,
-            :mod:`~lightning_accel.comm.momentum`; SGD with momentum, Adam, AdamW), ``"gradients"`` (the gradient
-            buckets, in the comm hook) or ``"auto"`` (momentum where the optimizer supports it, else gradients).
-            The hook alone (without an optimizer-side step) can only compress gradients.
-        compression: ``"auto"`` (measure fp32 against compressed averaging at the end of warm-up and keep the
-            faster: real steps with the strategy, this run's buffer sizes with the hook alone;
-            :mod:`~lightning_accel.comm.auto`), ``"1bit"`` (always compress) or ``"fp32"`` (never: plain DDP).
-        recheck_every: with ``compression="auto"``, measure again every this many steps after warm-up (0: never).
-        group_numel: the momentum path compresses parameters in groups of about this many elements (in model
-            order); communication of one group overlaps the compression of the next.
+        config: the hyper-parameters (default :data:`~lightning_accel.comm.config.HOOK_DEFAULTS`: gradients, always
+            compressed after warm-up).
+        parameters: the model's parameters, numbered for stable group keys (:meth:`set_parameters`).
+        loss_scale_fn: returns the AMP loss scale the gradients carry (tensor or float), or None.
+        **hparams: :class:`~lightning_accel.comm.config.OneBitConfig` fields replacing those of ``config``
+            (``OneBitState(warmup_steps=100, parameters=...)``); the deprecated ``compress`` / ``backend`` map to
+            ``compressed_signal`` / ``compressor_backend`` with a :class:`DeprecationWarning`.
+
+    Raises:
+        TypeError: an unknown keyword, or a hyper-parameter of the wrong type.
+        ValueError: a hyper-parameter out of range.
+
+    Hyper-parameters:
+        config: the :class:`~lightning_accel.comm.config.OneBitConfig` (immutable).
+        process_group: the group to average over.
 
     Internal state:
         step: completed synchronising backward passes (== optimizer steps; the hook is not called inside ``no_sync``).
-        mode: ``"gradients"`` or ``"momentum"``, resolved from ``compress`` once the optimizer is known.
+        mode: ``"gradients"`` or ``"momentum"``, resolved from ``config.compressed_signal`` once the optimizer is
+            known.
         decision: ``"1bit"``, ``"fp32"`` or None (not decided yet) for the steps after warm-up.
         compressed_since: the step the current compressed stage began (Adam's variance is frozen there), or None.
         local_grads: whether the last synchronising backward left each rank's own gradients (compressed-momentum
@@ -136,38 +206,23 @@ class OneBitState:
         param_numels: element counts of the trainable parameters by index (what ``"auto"`` times).
         loss_scale_fn: returns the AMP loss scale the gradients carry (tensor or float), or None.
         pending: error tensors loaded from a checkpoint, adopted when their group first appears.
-        kept: ``{key: (layout, canonical input, OneBitBuffers or None)}``, what a group's compressed allreduce
-            reuses between steps (:meth:`buffers_for`; not saved).
+        plans: the hook's per-bucket copy plans (not saved).
+        kept: ``{key: KeptBuffers}``, what a group's compressed allreduce reuses between steps
+            (:meth:`buffers_for`; not saved).
         comm_worker: the :class:`~lightning_accel.comm.hook.CommWorker` thread of the CPU gradient path (started at
             its first compressed bucket; stopped by :meth:`close`).
         bucket_fn: ``(params, grads) -> None`` or None; when set, the hook hands it each bucket's parameters and
             final local gradients in the compressed-momentum stage (the strategy sets it around the backward of a
             step that may start compressing during backward: :meth:`MomentumCompressor.on_bucket`).
 
-    Stats (per rank):
-        bytes_sent: bytes put on the wire by this hook since the start.
-        fp32_bytes: what an fp32 ring allreduce of the same buckets would have sent.
-        last_step_bytes_sent / last_step_fp32_bytes: the same for the last completed step.
-        last_step_compressed_bytes / last_step_compressed_fp32_bytes: only the compressed buckets of the last step.
-        compressed_calls / uncompressed_calls: buckets (or momentum groups) sent each way.
-        nonfinite_groups: compressed groups whose result held NaN/Inf (their state was left unchanged);
-            counted on CPU only (on CUDA the state is kept by a device-side select, without a host sync).
-        last_step_comm_s: host seconds the last step spent in compressed averaging (hook and momentum step,
-            compression, collectives and waits; 0 for fp32 steps).
+    Stats:
+        stats: the :class:`CommStats` of this rank.
     """
 
     __slots__ = (
         # hyper-parameters
+        "config",
         "process_group",
-        "warmup_steps",
-        "block_size",
-        "min_compress_numel",
-        "error_feedback",
-        "backend",
-        "compress",
-        "compression",
-        "recheck_every",
-        "group_numel",
         # internal state
         "step",
         "mode",
@@ -187,81 +242,32 @@ class OneBitState:
         "comm_worker",
         "bucket_fn",
         # stats
-        "bytes_sent",
-        "fp32_bytes",
-        "last_step_bytes_sent",
-        "last_step_fp32_bytes",
-        "last_step_compressed_bytes",
-        "last_step_compressed_fp32_bytes",
-        "compressed_calls",
-        "uncompressed_calls",
-        "nonfinite_groups",
-        "last_step_comm_s",
-        "_acc",
+        "stats",
     )
 
     def __init__(
         self,
         process_group: dist.ProcessGroup | None = None,
+        config: OneBitConfig | None = None,
         *,
-        warmup_steps: int = 10,
-        block_size: int = 640,
-        min_compress_numel: int = 0,
-        error_feedback: bool = True,
-        backend: CommBackend = "auto",
-        compress: CompressWhat = "gradients",
-        compression: Compression = "1bit",
-        recheck_every: int = 0,
-        group_numel: int = 1 << 22,
         parameters: Iterable[torch.nn.Parameter] | None = None,
         loss_scale_fn: Callable[[], torch.Tensor | float | None] | None = None,
+        **hparams: Any,
     ) -> None:
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 2:
-            raise ValueError(
-                f"`warmup_steps` must be an integer >= 2, got {warmup_steps!r}. DDP rebuilds its buckets after the "
-                "first iteration, so compression state made earlier would be stale; use e.g. `warmup_steps=10`."
+        base = HOOK_DEFAULTS if config is None else config
+        hparams = resolve_renamed(hparams, defaults=base)
+        unknown = sorted(set(hparams) - set(config_fields()))
+        if unknown:
+            raise TypeError(
+                f"Unknown option(s) {', '.join(f'`{u}`' for u in unknown)} for `OneBitState`. Expected the "
+                f"`OneBitConfig` fields: {', '.join(config_fields())}. Check the spelling."
             )
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 8 or block_size % 8:
-            raise ValueError(
-                f"`block_size` must be a positive multiple of 8, got {block_size!r}. Use e.g. `block_size=2048`."
-            )
-        if isinstance(min_compress_numel, bool) or not isinstance(min_compress_numel, int) or min_compress_numel < 0:
-            raise ValueError(
-                f"`min_compress_numel` must be an integer >= 0, got {min_compress_numel!r}. "
-                "Use 0 to compress every bucket."
-            )
-        if not isinstance(error_feedback, bool):
-            raise ValueError(
-                f"`error_feedback` must be True or False, got {error_feedback!r}. Keep the default True for training."
-            )
-        if compress not in COMPRESS_WHAT:
-            raise ValueError(
-                f"`compress` must be one of {', '.join(map(repr, COMPRESS_WHAT))}, got {compress!r}. "
-                "Use 'auto' (momentum for SGD-momentum/Adam/AdamW, gradients otherwise)."
-            )
-        if compression not in COMPRESSIONS:
-            raise ValueError(
-                f"`compression` must be one of {', '.join(map(repr, COMPRESSIONS))}, got {compression!r}. "
-                "Use 'auto' to measure which is faster at the end of warm-up."
-            )
-        if isinstance(recheck_every, bool) or not isinstance(recheck_every, int) or recheck_every < 0:
-            raise ValueError(f"`recheck_every` must be an integer >= 0, got {recheck_every!r}. Use 0 to decide once.")
-        if isinstance(group_numel, bool) or not isinstance(group_numel, int) or group_numel < 8:
-            raise ValueError(f"`group_numel` must be an integer >= 8, got {group_numel!r}. Use e.g. `1 << 22`.")
-        check_backend(backend, BACKENDS)
+        config = dataclasses.replace(base, **hparams) if hparams else base
+        self.config = config
         self.process_group = process_group
-        self.warmup_steps = warmup_steps
-        self.block_size = block_size
-        self.min_compress_numel = min_compress_numel
-        self.error_feedback = error_feedback
-        self.backend = backend
-        self.compress = compress
-        self.compression = compression
-        self.recheck_every = recheck_every
-        self.group_numel = group_numel
         self.step = 0
-        self.mode: str = "momentum" if compress == "momentum" else "gradients"
-        self.decision: str | None = None if compression == "auto" else compression
+        self.mode: str = "momentum" if config.compressed_signal == "momentum" else "gradients"
+        self.decision: str | None = None if config.compression == "auto" else config.compression
         self.compressed_since: int | None = None
         self.local_grads = False
         self.decisions: list[dict[str, Any]] = []
@@ -273,20 +279,10 @@ class OneBitState:
         self.loss_scale_fn = loss_scale_fn
         self.pending: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
         self.plans: dict[Any, Any] = {}
-        self.kept: dict[tuple[int, ...], tuple[GroupLayout, torch.Tensor, OneBitBuffers | None]] = {}
+        self.kept: dict[tuple[int, ...], KeptBuffers] = {}
         self.comm_worker: Any = None
         self.bucket_fn: Callable[[list[torch.Tensor], list[torch.Tensor]], None] | None = None
-        self.bytes_sent = 0
-        self.fp32_bytes = 0
-        self.last_step_bytes_sent = 0
-        self.last_step_fp32_bytes = 0
-        self.last_step_compressed_bytes = 0
-        self.last_step_compressed_fp32_bytes = 0
-        self.compressed_calls = 0
-        self.uncompressed_calls = 0
-        self.nonfinite_groups = 0
-        self.last_step_comm_s = 0.0
-        self._acc = [0, 0, 0, 0]
+        self.stats = CommStats()
         if parameters is not None:
             self.set_parameters(parameters)
 
@@ -304,7 +300,7 @@ class OneBitState:
             The group and whether pending state for ``key`` was dropped because its shapes no longer fit (the caller
             decides whether that deserves a warning). The group is not registered in ``groups``.
         """
-        g = GroupState(key, GroupLayout(numels, self.process_group_size(), self.block_size, device))
+        g = GroupState(key, GroupLayout(numels, self.process_group_size(), self.config.block_size, device))
         loaded = self.pending.pop(key, None)
         if loaded is None:
             return g, False
@@ -316,33 +312,36 @@ class OneBitState:
         return g, False
 
     def compressor(self, device: torch.device) -> CompressFn:
-        """The compressor for tensors on ``device`` under ``backend`` (the hook, the momentum step and ``auto``'s
-        timing all use this one): the fused Triton kernel where it runs, else the buffer-reusing CPU compressor
-        (same bits, ~6x one add), or the readable oracle with ``backend="reference"``.
+        """The compressor for tensors on ``device`` under ``config.compressor_backend`` (the hook, the momentum step
+        and ``auto``'s timing all use this one): the fused Triton kernel where it runs, else the buffer-reusing CPU
+        compressor (same bits; its cost is measured by ``benchmarks/onebit.py``), or the readable oracle with
+        ``compressor_backend="reference"``.
 
         Raises:
             RuntimeError: a forced ``"triton"`` that cannot run on ``device`` (no CUDA and no interpreter, or no
                 triton package).
         """
-        if use_triton(device, self.backend, BACKENDS):
+        backend = self.config.compressor_backend
+        if use_triton(device, backend, COMPRESSOR_BACKENDS):
             from lightning_accel.comm.triton_kernels import compress_triton
 
             return compress_triton
-        return compress_reference if self.backend == "reference" else compress_fast
+        return compress_reference if backend == "reference" else compress_fast
 
     def buffers_for(self, g: GroupState, fast: bool) -> tuple[torch.Tensor, OneBitBuffers | None]:
         """The group's kept canonical input buffer (zeros on padding, which its users never write) and, with
         ``fast`` (the CPU compressor), its kept :class:`~lightning_accel.comm.allreduce.OneBitBuffers`: a step
         allocates nothing big. A group that replaces others (overlapping keys) drops theirs."""
         kept = self.kept.get(g.key)
-        if kept is None or kept[0] is not g.layout:
+        if kept is None or kept.layout is not g.layout:
             for k in [k for k in self.kept if not set(k).isdisjoint(g.key)]:  # groups that no longer exist
                 del self.kept[k]
             x = torch.zeros(g.layout.padded_numel, dtype=torch.float32, device=g.layout.device)
-            kept = self.kept[g.key] = (g.layout, x, None)
-        if fast and kept[2] is None:
-            kept = self.kept[g.key] = (g.layout, kept[1], OneBitBuffers(g.layout, dist.get_rank(self.process_group)))
-        return kept[1], kept[2] if fast else None
+            kept = self.kept[g.key] = KeptBuffers(g.layout, x, None)
+        if fast and kept.buffers is None:
+            buffers = OneBitBuffers(g.layout, dist.get_rank(self.process_group))
+            kept = self.kept[g.key] = kept._replace(buffers=buffers)
+        return kept.input, kept.buffers if fast else None
 
     def close(self) -> None:
         """Stop the comm thread of the gradient path, if one was started, and drop the kept buffers (both come
@@ -359,25 +358,25 @@ class OneBitState:
     @property
     def compressing(self) -> bool:
         """Whether the step now running (index ``step``) is a compressed one: past warm-up and decided ``"1bit"``."""
-        return self.step >= self.warmup_steps and self.decision == "1bit"
+        return self.step >= self.config.warmup_steps and self.decision == "1bit"
 
     @property
     def needs_decision(self) -> bool:
         """Whether ``compression="auto"`` has to measure before the step now running (collective: all ranks agree)."""
-        if self.compression != "auto" or self.step < self.warmup_steps or self.trial_until is not None:
+        cfg = self.config
+        if cfg.compression != "auto" or self.step < cfg.warmup_steps or self.trial_until is not None:
             return False
         if self.decision is None:
             return True
         return (
-            bool(self.recheck_every)
-            and (self.step - self.warmup_steps) % self.recheck_every == 0
+            bool(cfg.recheck_every)
+            and (self.step - cfg.warmup_steps) % cfg.recheck_every == 0
             and (not self.decisions or self.decisions[-1]["step"] != self.step)
         )
 
     def set_decision(self, decision: str) -> None:
         """Enter ``decision`` (``"1bit"`` or ``"fp32"``) from the step now running; a change resets the error state."""
-        if decision not in ("1bit", "fp32"):
-            raise ValueError(f"`decision` must be '1bit' or 'fp32', got {decision!r}.")
+        check_choice("decision", decision, ("1bit", "fp32"))
         if decision != self.decision:
             self.groups.clear()
             self.pending.clear()
@@ -385,13 +384,6 @@ class OneBitState:
             self.kept.clear()
             self.compressed_since = None
         self.decision = decision
-
-    @property
-    def compression_ratio(self) -> float:
-        """fp32 ring-allreduce bytes over bytes sent, for the compressed buckets of the last step (0 if none)."""
-        if not self.last_step_compressed_bytes:
-            return 0.0
-        return self.last_step_compressed_fp32_bytes / self.last_step_compressed_bytes
 
     def __getstate__(self) -> dict[str, Any]:
         # the process group, the id()-keyed maps and the callbacks do not survive pickling; the error state does
@@ -439,7 +431,7 @@ class OneBitState:
             "mode": self.mode,
             "decision": self.decision,
             "compressed_since": self.compressed_since,
-            "hparams": {"block_size": self.block_size, "error_feedback": self.error_feedback},
+            "hparams": {"block_size": self.config.block_size, "error_feedback": self.config.error_feedback},
             "groups": dict(sorted(groups.items())),
         }
 
@@ -458,17 +450,18 @@ class OneBitState:
         self.step = int(state["step"])
         if state.get("mode") is not None:
             self.mode = state["mode"]
-        if self.compression == "auto" and state.get("decision") is not None:
+        if self.config.compression == "auto" and state.get("decision") is not None:
             self.decision = state["decision"]
         self.compressed_since = state.get("compressed_since")
         self.groups.clear()
         self.plans.clear()
         self.pending.clear()
-        if state["world_size"] != world_size or state["hparams"]["block_size"] != self.block_size:
+        block_size = self.config.block_size
+        if state["world_size"] != world_size or state["hparams"]["block_size"] != block_size:
             warnings.warn(
                 f"1-bit error-feedback state was saved with world_size={state['world_size']}, "
                 f"block_size={state['hparams']['block_size']} and is loaded with world_size={world_size}, "
-                f"block_size={self.block_size}: the error state is reset to zero (training continues compressed).",
+                f"block_size={block_size}: the error state is reset to zero (training continues compressed).",
                 stacklevel=2,
             )
             return

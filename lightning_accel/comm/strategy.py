@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import inspect
 import time
-import types
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal
@@ -39,12 +38,26 @@ from torch.optim import SGD, Optimizer
 from typing_extensions import override
 
 import lightning_accel.comm as comm
-from lightning_accel._utils.compat import PathType, grad_scaler_scale
+from lightning_accel._utils.checks import check_bool, check_choice
+from lightning_accel._utils.compat import PathType, grad_scaler_scale, redirect_find_unused_parameters_advice
+from lightning_accel._utils.patching import active_patch, patch
 from lightning_accel._utils.rank import distributed_ready
+from lightning_accel.comm.config import (
+    RENAMED,
+    CompressedSignal,
+    Compression,
+    CompressorBackend,
+    OneBitConfig,
+    config_fields,
+    resolve_renamed,
+)
 
-__all__ = ["CHECKPOINT_KEY", "OneBitDDPStrategy"]
+__all__ = ["CHECKPOINT_KEY", "STEP_PATCH_KEY", "OneBitDDPStrategy"]
 
 CHECKPOINT_KEY = "lightning_accel_onebit"
+#: the key of the ``optimizer.step`` replacement of the compressed-momentum stage (lightning_accel._utils.patching)
+STEP_PATCH_KEY = "lightning_accel.comm.compressed_step"
+_DEFAULTS = OneBitConfig()
 
 # DistributedDataParallel's own keyword arguments (passed through); anything else is a typo worth an error.
 _DDP_PARAMS = {
@@ -80,15 +93,15 @@ class OneBitDDPStrategy(DDPStrategy):
         block_size: maximum elements per scale block (multiple of 8).
         min_compress_numel: buckets smaller than this stay fp32.
         error_feedback: keep the compression residuals (turn off only to measure what they buy).
-        backend: the compressor: ``"auto"`` (the fused Triton kernel for CUDA gradients, torch elsewhere),
-            ``"triton"`` (always; needs CUDA or ``TRITON_INTERPRET=1``) or ``"reference"`` (the torch compressor).
-            Not the process-group backend (``process_group_backend``).
-        compress: ``"auto"`` (momentum for ``torch.optim.SGD`` with momentum, ``Adam``, ``AdamW``; gradients for
-            other optimizers, with a warning naming them), ``"momentum"`` (raise if an optimizer is not supported) or
-            ``"gradients"``.
-        compression: ``"auto"`` (at the end of warm-up, time a few real steps with 1-bit averaging against the
-            fp32 steps before them and keep the faster; logged with both figures), ``"1bit"`` (always compress) or
-            ``"fp32"`` (plain DDP).
+        compressor_backend: the compressor's kernel: ``"auto"`` (the fused Triton kernel for CUDA gradients, torch
+            elsewhere), ``"triton"`` (always; needs CUDA or ``TRITON_INTERPRET=1``) or ``"reference"`` (the torch
+            compressor). Not the process-group backend (``process_group_backend``).
+        compressed_signal: what is compressed: ``"auto"`` (momentum for ``torch.optim.SGD`` with momentum,
+            ``Adam``, ``AdamW``; gradients for other optimizers, with a warning naming them), ``"momentum"`` (raise if
+            an optimizer is not supported) or ``"gradients"``.
+        compression: whether to compress: ``"auto"`` (at the end of warm-up, time a few real steps with 1-bit
+            averaging against the fp32 steps before them and keep the faster; logged with both figures), ``"1bit"``
+            (always compress) or ``"fp32"`` (plain DDP).
         recheck_every: with ``compression="auto"``, try the other mode again every this many steps (0: once).
         group_numel: the momentum path compresses in groups of about this many elements (pipelined).
         overlap: start compressing and sending each group's momentum during backward, as soon as DDP hands over the
@@ -100,13 +113,20 @@ class OneBitDDPStrategy(DDPStrategy):
             needs ``overlap=False``.
         log_stats: log ``comm/bytes_sent`` (bytes this rank sent in the last step) and ``comm/compression_ratio``
             (fp32 ring-allreduce bytes over bytes sent) every training step.
+        compress: deprecated name of ``compressed_signal`` (same values; a :class:`DeprecationWarning`).
+        backend: deprecated name of ``compressor_backend`` (same values; a :class:`DeprecationWarning`).
         **kwargs: the :class:`~lightning.pytorch.strategies.DDPStrategy` arguments (accelerator, parallel_devices,
             cluster_environment, checkpoint_io, precision_plugin, process_group_backend, timeout, start_method)
             and :class:`~torch.nn.parallel.DistributedDataParallel` options (``find_unused_parameters``,
             ``static_graph``, ``bucket_cap_mb``, ...).
 
+    The hyper-parameters are checked at construction and kept as a :class:`~lightning_accel.comm.OneBitConfig`
+    (:attr:`onebit_config`).
+
     Raises:
-        ValueError: a bad hyper-parameter, an unknown keyword, or a competing ``ddp_comm_hook``.
+        TypeError: a hyper-parameter of the wrong type.
+        ValueError: a bad hyper-parameter, an unknown keyword, a deprecated name beside its new one, or a competing
+            ``ddp_comm_hook``.
     """
 
     strategy_name = "ddp_1bit"
@@ -114,15 +134,15 @@ class OneBitDDPStrategy(DDPStrategy):
     def __init__(
         self,
         *,
-        warmup_steps: int = 10,
-        block_size: int = 640,
-        min_compress_numel: int = 0,
-        error_feedback: bool = True,
-        backend: comm.CommBackend = "auto",
-        compress: comm.CompressWhat = "auto",
-        compression: comm.Compression = "auto",
-        recheck_every: int = 0,
-        group_numel: int = 1 << 22,
+        warmup_steps: int = _DEFAULTS.warmup_steps,
+        block_size: int = _DEFAULTS.block_size,
+        min_compress_numel: int = _DEFAULTS.min_compress_numel,
+        error_feedback: bool = _DEFAULTS.error_feedback,
+        compressor_backend: CompressorBackend = _DEFAULTS.compressor_backend,
+        compressed_signal: CompressedSignal = _DEFAULTS.compressed_signal,
+        compression: Compression = _DEFAULTS.compression,
+        recheck_every: int = _DEFAULTS.recheck_every,
+        group_numel: int = _DEFAULTS.group_numel,
         overlap: bool | Literal["auto"] = "auto",
         log_stats: bool = True,
         accelerator: Any = None,
@@ -133,8 +153,11 @@ class OneBitDDPStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        compress: CompressedSignal | None = None,
+        backend: CompressorBackend | None = None,
         **kwargs: Any,
     ) -> None:
+        arguments = locals()  # the hyper-parameters by name: the config is built from its own field list below
         for name in _REJECTED:
             if kwargs.pop(name, None) is not None:
                 raise ValueError(
@@ -143,32 +166,19 @@ class OneBitDDPStrategy(DDPStrategy):
                 )
         unknown = sorted(set(kwargs) - _DDP_KWARGS)
         if unknown:
+            own = ", ".join((*config_fields(), "overlap", "log_stats"))
             raise ValueError(
                 f"Unknown option(s) {', '.join(f'`{u}`' for u in unknown)} for `OneBitDDPStrategy`. Expected its own "
-                "arguments (warmup_steps, block_size, min_compress_numel, error_feedback, backend, compress, "
-                "compression, recheck_every, group_numel, overlap, log_stats), "
-                f"DDPStrategy's, or DistributedDataParallel's: {', '.join(sorted(_DDP_KWARGS))}. Check the spelling."
+                f"arguments ({own}), DDPStrategy's, or DistributedDataParallel's: {', '.join(sorted(_DDP_KWARGS))}. "
+                "Check the spelling."
             )
         # LightningCLI fills in every DDP argument with its default; pass on only what differs
         kwargs = {k: v for k, v in kwargs.items() if not _same(v, _DDP_PARAMS[k])}
-        # validate now (clear errors at construction), build the real state once the process group exists
-        comm.OneBitState(
-            warmup_steps=warmup_steps,
-            block_size=block_size,
-            min_compress_numel=min_compress_numel,
-            error_feedback=error_feedback,
-            backend=backend,
-            compress=compress,
-            compression=compression,
-            recheck_every=recheck_every,
-            group_numel=group_numel,
-        )
-        if not (isinstance(overlap, bool) or overlap == "auto"):
-            raise ValueError(
-                f"`overlap` must be True, False or 'auto', got {overlap!r}. Use 'auto' to overlap whenever it is safe."
-            )
-        if not isinstance(log_stats, bool):
-            raise ValueError(f"`log_stats` must be True or False, got {log_stats!r}. Use False to stop logging.")
+        given = {name: arguments[name] for name in (*config_fields(), *RENAMED)}
+        # validated now (clear errors at construction); the state is built once the process group exists
+        self._config = OneBitConfig(**resolve_renamed(given, defaults=_DEFAULTS))
+        check_choice("overlap", overlap, (True, False, "auto"), fix="Use 'auto' to overlap whenever it is safe.")
+        check_bool("log_stats", log_stats, fix="Use False to stop logging.")
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -180,17 +190,6 @@ class OneBitDDPStrategy(DDPStrategy):
             start_method=start_method,
             **kwargs,
         )
-        self._onebit_config: dict[str, Any] = {
-            "warmup_steps": warmup_steps,
-            "block_size": block_size,
-            "min_compress_numel": min_compress_numel,
-            "error_feedback": error_feedback,
-            "backend": backend,
-            "compress": compress,
-            "compression": compression,
-            "recheck_every": recheck_every,
-            "group_numel": group_numel,
-        }
         self._log_stats = log_stats
         self._overlap_arg: bool | Literal["auto"] = overlap
         self._find_unused = bool(kwargs.get("find_unused_parameters", False))
@@ -205,6 +204,11 @@ class OneBitDDPStrategy(DDPStrategy):
         #: the clock that times the steps of ``compression="auto"``'s trial (seconds; replaceable in tests)
         self.step_clock: Callable[[], float] = time.perf_counter
         self._auto_trial: comm.StepTrial | None = None  # made with the hook (there is nothing to time without one)
+
+    @property
+    def onebit_config(self) -> OneBitConfig:
+        """The hyper-parameters this strategy was built with (immutable)."""
+        return self._config
 
     @property
     def onebit_state(self) -> comm.OneBitState | None:
@@ -239,7 +243,7 @@ class OneBitDDPStrategy(DDPStrategy):
         assert isinstance(self.model, DistributedDataParallel)
         state = comm.OneBitState(
             self.model.process_group,  # average over the group DDP uses (the one it was given, else the default)
-            **self._onebit_config,
+            self._config,
             parameters=self.model.module.parameters(),
             loss_scale_fn=self._loss_scale_fn(),
         )
@@ -296,12 +300,12 @@ class OneBitDDPStrategy(DDPStrategy):
             )
 
     def _resolve_compress(self) -> None:
-        """Momentum compression for supported optimizers, gradient compression otherwise (see ``compress``)."""
+        """Momentum compression for supported optimizers, gradient compression otherwise (see ``compressed_signal``)."""
         state = self._onebit_state
         self._compressors = {}
         if state is None:
             return
-        want = self._onebit_config["compress"]
+        want = self._config.compressed_signal
         optimizers: list[Optimizer] = list(self.optimizers)
         if not optimizers:  # validate / test / predict: nothing steps
             return
@@ -310,8 +314,9 @@ class OneBitDDPStrategy(DDPStrategy):
             bad = [type(o).__name__ for o in optimizers if kinds[id(o)] is None and type(o) is not SGD]
             if bad:
                 raise ValueError(
-                    f"`compress='momentum'` needs torch.optim.SGD, Adam or AdamW, got {', '.join(bad)}. "
-                    "Use `compress='auto'` (gradient compression for other optimizers) or `compress='gradients'`."
+                    f"`compressed_signal='momentum'` needs torch.optim.SGD, Adam or AdamW, got {', '.join(bad)}. "
+                    "Use `compressed_signal='auto'` (gradient compression for other optimizers) or "
+                    "`compressed_signal='gradients'`."
                 )
         elif want == "auto":
             unsupported = [o for o in optimizers if kinds[id(o)] is None]
@@ -340,7 +345,7 @@ class OneBitDDPStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> Any:
         state, trial = self._onebit_state, self._auto_trial
-        if state is not None and trial is not None and state.compression == "auto":
+        if state is not None and trial is not None and state.config.compression == "auto":
             # every rank reaches the optimizer step of the same step: time it, and start or end a trial of the other
             # mode before this step's backward runs
             trying = state.trial_until
@@ -362,35 +367,34 @@ class OneBitDDPStrategy(DDPStrategy):
         comp = self._compressors.get(id(optimizer))
         if state is None or comp is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
+
         # the optimizer's step becomes "run the closure, then the compressed step if the backward left local
-        # gradients, else the optimizer's own step": precision plugins, GradScaler skips and clipping are unchanged
-        own = optimizer.__dict__.get("step")  # e.g. an LR scheduler's wrapper; else the class's method
-        plain = own if own is not None else types.MethodType(type(optimizer).step, optimizer)
+        # gradients, else the optimizer's own step" (its own: an LR scheduler's wrapper, else the class's method):
+        # precision plugins, GradScaler skips and clipping are unchanged
+        def compressed_or_plain(plain: Callable[..., Any]) -> Callable[..., Any]:
+            def step(closure: Callable[[], Any] | None = None, **step_kwargs: Any) -> Any:
+                loss = None
+                if closure is not None:
+                    # the hook hands this backward's buckets to the compressor (compressed stage only)
+                    state.bucket_fn = comp.on_bucket if self.overlap else None
+                    try:
+                        with torch.enable_grad():
+                            loss = closure()
+                    finally:
+                        state.bucket_fn = None
+                if state.local_grads:
+                    comp.compressed_step()
+                else:
+                    plain(**step_kwargs)
+                return loss
 
-        def step(closure: Callable[[], Any] | None = None, **step_kwargs: Any) -> Any:
-            loss = None
-            if closure is not None:
-                # the hook hands this backward's buckets to the compressor (compressed stage only)
-                state.bucket_fn = comp.on_bucket if self.overlap else None
-                try:
-                    with torch.enable_grad():
-                        loss = closure()
-                finally:
-                    state.bucket_fn = None
-            if state.local_grads:
-                comp.compressed_step()
-            else:
-                plain(**step_kwargs)
-            return loss
+            return step
 
-        optimizer.step = step  # type: ignore[method-assign]
+        installed = patch(optimizer, "step", lambda p: compressed_or_plain(p.original), key=STEP_PATCH_KEY)
         try:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         finally:
-            if own is not None:
-                optimizer.step = own  # type: ignore[method-assign]
-            else:
-                del optimizer.step
+            installed.restore()
 
     @override
     def teardown(self) -> None:
@@ -398,6 +402,9 @@ class OneBitDDPStrategy(DDPStrategy):
         # error state stays (it is state, and inspectable after fit)
         for c in self._compressors.values():
             c.release()
+            live = active_patch(c.optimizer, STEP_PATCH_KEY)  # a step that raised before its own restore
+            if live is not None:
+                live.restore()
         if self._onebit_state is not None:
             self._onebit_state.close()  # and the gradient path's comm thread, if it ran
         super().teardown()
@@ -406,27 +413,19 @@ class OneBitDDPStrategy(DDPStrategy):
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
         # Lightning suggests `strategy='ddp_find_unused_parameters_true'`, which would drop compression
-        msg = str(exception)
-        if "ddp_find_unused_parameters_true" in msg:
-            msg = msg.replace(
-                "`strategy='ddp_find_unused_parameters_true'`", "`strategy='ddp_1bit_find_unused_parameters_true'`"
-            ).replace(
-                "`strategy=DDPStrategy(find_unused_parameters=True)`",
-                "`strategy=OneBitDDPStrategy(find_unused_parameters=True)`",
-            )
-            exception.args = (msg, *exception.args[1:])
+        redirect_find_unused_parameters_advice(
+            exception, "ddp_1bit_find_unused_parameters_true", "OneBitDDPStrategy(find_unused_parameters=True)"
+        )
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         out = super().training_step(*args, **kwargs)
         state, module = self._onebit_state, self.lightning_module
-        if self._log_stats and state is not None and module is not None and state.last_step_bytes_sent:
+        last = state.stats.last_step if state is not None else None
+        if self._log_stats and last is not None and module is not None and last.sent:
             # the hook has finished the previous step's buckets; this logs that step's traffic
             module.log_dict(
-                {
-                    "comm/bytes_sent": float(state.last_step_bytes_sent),
-                    "comm/compression_ratio": state.last_step_fp32_bytes / state.last_step_bytes_sent,
-                },
+                {"comm/bytes_sent": float(last.sent), "comm/compression_ratio": last.fp32 / last.sent},
                 on_step=True,
                 on_epoch=False,
                 batch_size=1,

@@ -425,3 +425,20 @@ def test_materialize_distributed_module_is_what_model_parallel_strategy_calls() 
     before = real.weight.detach().clone()
     compat.materialize_distributed_module(real, torch.device("cpu"))  # nothing on meta: left alone
     assert torch.equal(real.weight, before)
+# --- comm: Lightning's unused-parameters advice
+
+
+def test_ddp_unused_parameters_advice_is_the_text_the_comm_strategy_redirects() -> None:
+    from lightning.pytorch.strategies import DDPStrategy
+
+    err = RuntimeError("Expected to have finished reduction in the prior iteration before starting a new one.")
+    DDPStrategy().on_exception(err)
+    msg = str(err)
+    assert compat.DDP_FIND_UNUSED_ALIAS_ADVICE in msg, f"Lightning {lightning.__version__} changed its advice: {msg}"
+    assert compat.DDP_FIND_UNUSED_CLASS_ADVICE in msg, f"Lightning {lightning.__version__} changed its advice: {msg}"
+    compat.redirect_find_unused_parameters_advice(err, "my_alias", "Mine(find_unused_parameters=True)")
+    assert "`strategy='my_alias'`" in str(err) and "`strategy=Mine(find_unused_parameters=True)`" in str(err)
+    assert "ddp_find_unused_parameters_true" not in str(err) and "DDPStrategy(" not in str(err)
+    other = ValueError("something else", 3)
+    compat.redirect_find_unused_parameters_advice(other, "my_alias", "Mine()")
+    assert other.args == ("something else", 3)

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from lightning_accel.comm import (
+    CommStats,
     GroupLayout,
+    OneBitConfig,
     OneBitState,
+    StepBytes,
     compress_fast,
     compress_reference,
     decode,
@@ -16,6 +21,7 @@ from lightning_accel.comm import (
     select_rank_state,
     unpack_signs,
 )
+from lightning_accel.comm.config import HOOK_DEFAULTS
 
 
 @pytest.mark.parametrize("shape", [(8,), (3, 64), (2, 5, 16)])
@@ -121,33 +127,69 @@ def test_fp32_ring_bytes() -> None:
     assert fp32_ring_bytes(1000, 4) == 6000
 
 
-def test_state_validates_arguments() -> None:
-    for kwargs, name in [
-        ({"warmup_steps": -1}, "warmup_steps"),
-        ({"warmup_steps": 1}, "warmup_steps"),
-        ({"block_size": 100}, "block_size"),
-        ({"min_compress_numel": -5}, "min_compress_numel"),
-        ({"error_feedback": "yes"}, "error_feedback"),
-        ({"backend": "sometimes"}, "backend"),
-        ({"backend": True}, "backend"),
-        ({"backend": "eager"}, "backend"),  # the compressor has no unfused oracle
-    ]:
-        with pytest.raises(ValueError, match=f"`{name}`"):
-            OneBitState(**kwargs)
+@pytest.mark.parametrize(
+    ("kwargs", "name", "error"),
+    [
+        ({"warmup_steps": -1}, "warmup_steps", ValueError),
+        ({"warmup_steps": 1}, "warmup_steps", ValueError),
+        ({"warmup_steps": True}, "warmup_steps", TypeError),
+        ({"block_size": 100}, "block_size", ValueError),
+        ({"block_size": 4}, "block_size", ValueError),
+        ({"min_compress_numel": -5}, "min_compress_numel", ValueError),
+        ({"error_feedback": "yes"}, "error_feedback", TypeError),
+        ({"compressor_backend": "sometimes"}, "compressor_backend", ValueError),
+        ({"compressor_backend": True}, "compressor_backend", TypeError),
+        ({"compressor_backend": "eager"}, "compressor_backend", ValueError),  # the compressor has no unfused oracle
+        ({"compressed_signal": "adam"}, "compressed_signal", ValueError),
+        ({"group_numel": 4}, "group_numel", ValueError),
+    ],
+)
+def test_state_validates_arguments(kwargs: dict, name: str, error: type[Exception]) -> None:
+    with pytest.raises(error, match=f"`{name}` must be"):
+        OneBitState(**kwargs)
+    with pytest.raises(error, match=f"`{name}` must be"):
+        OneBitConfig(**kwargs)
+
+
+def test_state_takes_a_config_and_overrides() -> None:
+    cfg = OneBitConfig(warmup_steps=7, compressed_signal="momentum", compression="1bit")
+    st = OneBitState(config=cfg)
+    assert st.config is cfg and st.mode == "momentum" and st.decision == "1bit"
+    st = OneBitState(config=cfg, block_size=64)
+    assert st.config == dataclasses.replace(cfg, block_size=64) and cfg.block_size == 640
+    # without a config: the hook's defaults (gradients, always compressed after warm-up)
+    assert OneBitState().config == HOOK_DEFAULTS
+    assert HOOK_DEFAULTS.compressed_signal == "gradients" and HOOK_DEFAULTS.compression == "1bit"
+    with pytest.raises(TypeError, match="`warmup_step`.*warmup_steps, block_size"):
+        OneBitState(warmup_step=3)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.warmup_steps = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "value"),
+    [("compress", "compressed_signal", "momentum"), ("backend", "compressor_backend", "reference")],
+)
+def test_state_accepts_the_deprecated_names(old: str, new: str, value: str) -> None:
+    with pytest.warns(DeprecationWarning, match=f"`{old}` is deprecated; use `{new}`"):
+        st = OneBitState(**{old: value})
+    assert getattr(st.config, new) == value
+    with pytest.raises(ValueError, match=f"`{old}`.*`{new}`"):
+        OneBitState(**{old: value, new: value})
 
 
 def test_backend_picks_the_compressor(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = torch.device("cpu")
     assert OneBitState().compressor(cpu) is compress_fast  # auto: the kernel is for CUDA gradients
-    assert OneBitState(backend="reference").compressor(cpu) is compress_reference
+    assert OneBitState(compressor_backend="reference").compressor(cpu) is compress_reference
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr("lightning_accel._utils.triton.triton_available", lambda: True)
     with pytest.raises(RuntimeError, match=r"`backend='triton'` got a tensor on cpu.*TRITON_INTERPRET=1"):
-        OneBitState(backend="triton").compressor(cpu)
+        OneBitState(compressor_backend="triton").compressor(cpu)
     monkeypatch.setattr("lightning_accel._utils.triton.triton_available", lambda: False)
     assert OneBitState().compressor(torch.device("cuda")) is compress_fast  # auto without triton: torch
     with pytest.raises(RuntimeError, match="`pip install triton`"):
-        OneBitState(backend="triton").compressor(torch.device("cuda"))
+        OneBitState(compressor_backend="triton").compressor(torch.device("cuda"))
 
 
 def _saved(world: int) -> dict:
@@ -155,7 +197,7 @@ def _saved(world: int) -> dict:
         "format": 1,
         "world_size": world,
         "step": 7,
-        "hparams": {"block_size": OneBitState().block_size, "error_feedback": True},
+        "hparams": {"block_size": OneBitState().config.block_size, "error_feedback": True},
         "groups": {"0,1": {"worker": torch.ones(world, 16), "server": torch.ones(world, 8)}},
     }
 
@@ -178,4 +220,30 @@ def test_state_pickles_without_process_group() -> None:
     st = OneBitState(warmup_steps=3, loss_scale_fn=lambda: 2.0)
     st.step = 5
     back = pickle.loads(pickle.dumps(st))
-    assert back.step == 5 and back.warmup_steps == 3 and back.process_group is None and back.loss_scale_fn is None
+    assert (
+        back.step == 5 and back.config.warmup_steps == 3 and back.process_group is None and back.loss_scale_fn is None
+    )
+    assert back.stats == st.stats and back.config == st.config
+
+
+def test_stats_count_buckets_into_steps() -> None:
+    stats = CommStats()
+    stats.end_bucket(10, 100, compressed=True, is_last=False)
+    stats.end_bucket(4, 8, compressed=False, is_last=True)
+    assert stats.last_step == StepBytes(sent=14, fp32=108, compressed_sent=10, compressed_fp32=100)
+    assert stats.current_step == StepBytes() and (stats.bytes_sent, stats.fp32_bytes) == (14, 108)
+    assert stats.compression_ratio == 10.0
+    stats.end_bucket(4, 8, compressed=False, is_last=True)
+    assert stats.compression_ratio == 0.0 and stats.bytes_sent == 18
+
+
+def test_kept_buffers_follow_the_group_layout() -> None:
+    from lightning_accel.comm import GroupState
+
+    st = OneBitState()
+    g = GroupState((0, 1), GroupLayout([10, 6], 1, 8, torch.device("cpu")))
+    x, bufs = st.buffers_for(g, fast=False)
+    assert bufs is None and st.kept[(0, 1)].input is x and st.kept[(0, 1)].layout is g.layout
+    g2 = GroupState((1, 2), GroupLayout([6, 8], 1, 8, torch.device("cpu")))
+    st.buffers_for(g2, fast=False)
+    assert list(st.kept) == [(1, 2)]  # the overlapping group's buffers went

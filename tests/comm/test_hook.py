@@ -65,10 +65,10 @@ def _run(
         "errors": errors,
         "keys": sorted(state.groups),
         "hook": hook_name,
-        "nonfinite": state.nonfinite_groups,
+        "nonfinite": state.stats.nonfinite_groups,
         "step": state.step,
-        "ratio": state.compression_ratio,
-        "compressed": state.compressed_calls,
+        "ratio": state.stats.compression_ratio,
+        "compressed": state.stats.compressed_calls,
     }
 
 

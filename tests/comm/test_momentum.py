@@ -53,7 +53,7 @@ def _run(rank: int, world: int, name: str, overlap: bool = False, skip_at: int |
     state = OneBitState(
         warmup_steps=WARMUP,
         block_size=BLOCK,
-        compress="momentum",
+        compressed_signal="momentum",
         group_numel=GROUP_NUMEL,
         parameters=model.parameters(),
     )
@@ -81,9 +81,9 @@ def _run(rank: int, world: int, name: str, overlap: bool = False, skip_at: int |
         "local": local,
         "started": started,
         "keys": sorted(state.groups),
-        "compressed": state.compressed_calls,
-        "bytes": state.last_step_bytes_sent,
-        "fp32": state.last_step_fp32_bytes,
+        "compressed": state.stats.compressed_calls,
+        "bytes": state.stats.last_step.sent,
+        "fp32": state.stats.last_step.fp32,
     }
 
 

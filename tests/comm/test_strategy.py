@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
+
 import pytest
 
 
@@ -17,27 +20,73 @@ def test_registered_on_import() -> None:
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "name"),
+    ("kwargs", "name", "error"),
     [
-        ({"warmup_steps": -3}, "warmup_steps"),
-        ({"warmup_steps": 1}, "warmup_steps"),
-        ({"block_size": 7}, "block_size"),
-        ({"log_stats": "no"}, "log_stats"),
-        ({"find_unused_paramters": True}, "find_unused_paramters"),
-        ({"ddp_comm_hook": print}, "ddp_comm_hook"),
-        ({"compress": "adam"}, "compress"),
-        ({"compression": "int8"}, "compression"),
-        ({"recheck_every": -1}, "recheck_every"),
-        ({"group_numel": 0}, "group_numel"),
-        ({"overlap": "yes"}, "overlap"),
-        ({"overlap": 1}, "overlap"),
+        ({"warmup_steps": -3}, "warmup_steps", ValueError),
+        ({"warmup_steps": 1}, "warmup_steps", ValueError),
+        ({"warmup_steps": True}, "warmup_steps", TypeError),
+        ({"block_size": 7}, "block_size", ValueError),
+        ({"block_size": 12}, "block_size", ValueError),
+        ({"log_stats": "no"}, "log_stats", TypeError),
+        ({"find_unused_paramters": True}, "find_unused_paramters", ValueError),
+        ({"ddp_comm_hook": print}, "ddp_comm_hook", ValueError),
+        ({"compressed_signal": "adam"}, "compressed_signal", ValueError),
+        ({"compressor_backend": "eager"}, "compressor_backend", ValueError),
+        ({"compression": "int8"}, "compression", ValueError),
+        ({"recheck_every": -1}, "recheck_every", ValueError),
+        ({"group_numel": 0}, "group_numel", ValueError),
+        ({"overlap": "yes"}, "overlap", ValueError),
+        ({"overlap": 1}, "overlap", TypeError),
     ],
 )
-def test_bad_arguments_name_the_argument(kwargs: dict, name: str) -> None:
+def test_bad_arguments_name_the_argument(kwargs: dict, name: str, error: type[Exception]) -> None:
     from lightning_accel.strategies import OneBitDDPStrategy
 
-    with pytest.raises(ValueError, match=f"`{name}`"):
+    with pytest.raises(error, match=f"`{name}`"):
         OneBitDDPStrategy(**kwargs)
+
+
+def test_unknown_option_lists_the_config_fields() -> None:
+    from lightning_accel.comm import OneBitConfig
+    from lightning_accel.strategies import OneBitDDPStrategy
+
+    with pytest.raises(ValueError, match="Unknown option") as info:
+        OneBitDDPStrategy(warmup_step=3)
+    msg = str(info.value)
+    assert "\n" not in msg
+    for f in dataclasses.fields(OneBitConfig):
+        assert f.name in msg
+    assert "overlap" in msg and "log_stats" in msg and "bucket_cap_mb" in msg
+
+
+def test_signature_defaults_are_the_config_defaults() -> None:
+    """LightningCLI reads the explicit signature; its defaults are OneBitConfig's."""
+    import inspect
+
+    from lightning_accel.comm import OneBitConfig
+    from lightning_accel.strategies import OneBitDDPStrategy
+
+    params = inspect.signature(OneBitDDPStrategy.__init__).parameters
+    for f in dataclasses.fields(OneBitConfig):
+        assert params[f.name].default == f.default, f.name
+    assert OneBitDDPStrategy().onebit_config == OneBitConfig()
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "value"),
+    [("compress", "compressed_signal", "momentum"), ("backend", "compressor_backend", "reference")],
+)
+def test_deprecated_names_map_to_the_new_ones(old: str, new: str, value: str) -> None:
+    from lightning_accel.strategies import OneBitDDPStrategy
+
+    with pytest.warns(DeprecationWarning, match=f"`{old}` is deprecated; use `{new}` \\(same values\\)"):
+        st = OneBitDDPStrategy(**{old: value})
+    assert getattr(st.onebit_config, new) == value
+    with pytest.raises(ValueError, match=f"`{old}` is the deprecated name of `{new}`: pass only `{new}`"):
+        OneBitDDPStrategy(**{old: value, new: value})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the new name alone: no warning
+        assert getattr(OneBitDDPStrategy(**{new: value}).onebit_config, new) == value
 
 
 def test_find_unused_alias_keeps_compression() -> None:
@@ -68,7 +117,7 @@ def test_ddp_options_pass_through() -> None:
 
     st = OneBitDDPStrategy(warmup_steps=4, find_unused_parameters=True, static_graph=True, bucket_cap_mb=1)
     assert st._ddp_kwargs == {"find_unused_parameters": True, "static_graph": True, "bucket_cap_mb": 1}
-    assert st._onebit_config["warmup_steps"] == 4
+    assert st.onebit_config.warmup_steps == 4
 
 
 def test_cli_style_defaults_are_accepted_and_dropped() -> None:
@@ -100,13 +149,30 @@ def test_example_config_builds_the_strategy_through_lightningcli() -> None:
     cli = AccelCLI(args=["--config", str(config), "--trainer.logger=false"], run=False)
     st = cli.trainer.strategy
     assert isinstance(st, OneBitDDPStrategy)
-    assert st._onebit_config["warmup_steps"] == 20 and st._ddp_kwargs == {}
+    assert st.onebit_config.warmup_steps == 20 and st._ddp_kwargs == {}
     assert cli.trainer.num_devices == 2
 
 
-@pytest.mark.parametrize("steps", [0, True, 2.5])
-def test_step_trial_refuses_bad_step_counts(steps: object) -> None:
+@pytest.mark.parametrize(("steps", "error"), [(0, ValueError), (True, TypeError), (2.5, TypeError)])
+def test_step_trial_refuses_bad_step_counts(steps: object, error: type[Exception]) -> None:
     from lightning_accel.comm import StepTrial
 
-    with pytest.raises(ValueError, match="`steps`"):
+    with pytest.raises(error, match="`steps` must be an integer >= 1"):
         StepTrial(steps=steps)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("flag", "new", "value"),
+    [("compress", "compressed_signal", "gradients"), ("backend", "compressor_backend", "reference")],
+)
+def test_lightningcli_parses_the_deprecated_spelling(flag: str, new: str, value: str) -> None:
+    """YAML written for the old names keeps working (with a DeprecationWarning) next to the defaults the CLI fills."""
+    from pathlib import Path
+
+    from lightning_accel.cli import AccelCLI
+
+    config = Path(__file__).resolve().parents[2] / "examples" / "configs" / "quickstart_ddp1bit.yaml"
+    args = ["--config", str(config), "--trainer.logger=false", f"--trainer.strategy.init_args.{flag}={value}"]
+    with pytest.warns(DeprecationWarning, match=f"`{flag}` is deprecated; use `{new}`"):
+        cli = AccelCLI(args=args, run=False)
+    assert getattr(cli.trainer.strategy.onebit_config, new) == value

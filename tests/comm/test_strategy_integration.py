@@ -1,16 +1,22 @@
 """``Trainer(strategy="ddp_1bit", accelerator="cpu", devices=2)`` in two real processes (gloo).
 
-Every scenario runs in one pair of processes (spawning costs ~5 s each on a busy 2-core machine): plain training with
-the registered alias (``compression="auto"`` measuring for real), the ``auto`` decision on both branches with injected
-timings, gradient accumulation, gradient clipping, ``static_graph``, unused and frozen parameters, NaN steps under a
-GradScaler, ``bf16-mixed``, and resume-from-checkpoint against an uninterrupted run (gradient compression,
-SGD-momentum and AdamW compressed momentum).
+The tests are grouped by concern, one class each: the registered alias and ``compression="auto"`` (injected timings and
+real-step trials, other optimizers, the restored ``optimizer.step``); training features (gradient accumulation,
+clipping, ``static_graph``, unused and frozen parameters, NaN steps under a GradScaler, ``bf16-mixed``); overlap;
+resume-from-checkpoint against an uninterrupted run (gradient compression, SGD-momentum and AdamW compressed
+momentum). A class's ``LAUNCH`` names its pair of processes; training features and overlap share one, because a pair
+costs the imports of two processes (seconds each on a loaded 2-core machine).
+
+Each group's pair runs only the scenarios of the tests selected in it (``-k resume_sgdm`` runs one scenario), and a
+scenario that raises fails its own tests only (its traceback is the failure message).
 """
 
 from __future__ import annotations
 
 import math
+import traceback
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +67,9 @@ def _module_cls():
                 return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
             if self.opt == "rmsprop":
                 return torch.optim.RMSprop(self.parameters(), lr=0.01)
+            if self.opt == "sgdm_sched":  # an LR scheduler wraps `optimizer.step` itself
+                opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+                return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=2)}
             return torch.optim.AdamW(self.parameters(), lr=0.01)
 
     return TinyMLP
@@ -127,7 +136,7 @@ def _resume(strategy, tmp: str, name: str, **model_kwargs) -> dict:
         "resumed": _params(resumed),
         "step": st.step,
         "groups": len(st.groups),
-        "compressed": st.compressed_calls,
+        "compressed": st.stats.compressed_calls,
         "mode": st.mode,
         "reset_warnings": [str(w.message) for w in caught if "reset" in str(w.message)],
     }
@@ -145,7 +154,7 @@ def _auto_summary(trainer, model) -> dict:
     return {
         "decisions": st.decisions,
         "decision": st.decision,
-        "compressed": st.compressed_calls,
+        "compressed": st.stats.compressed_calls,
         "groups": len(st.groups),
         "last_compressed": st.local_grads,
         "metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("comm/")},
@@ -153,43 +162,65 @@ def _auto_summary(trainer, model) -> dict:
     }
 
 
-def _scenarios(rank: int, world: int, tmp: str) -> dict:
-    import lightning as L
-    from lightning.pytorch.plugins.precision import MixedPrecision
+# ----------------------------------------------------------------------------------------------- scenarios
+# Each scenario runs in both processes and returns what its tests check; `SCENARIOS` names them.
 
-    import lightning_accel  # noqa: F401  (registers "ddp_1bit")
+SCENARIOS: dict[str, Callable[[str], dict]] = {}
+
+
+def _scenario(*names: str) -> Callable[[Callable[..., dict]], Callable[..., dict]]:
+    """Register ``fn(tmp, name)`` under each of ``names``."""
+
+    def register(fn: Callable[..., dict]) -> Callable[..., dict]:
+        for name in names:
+            SCENARIOS[name] = lambda tmp, fn=fn, name=name: fn(tmp, name)
+        return fn
+
+    return register
+
+
+def _onebit(**kw):
     from lightning_accel.strategies import OneBitDDPStrategy
 
-    out: dict = {}
-    Model = _module_cls()
+    kw.setdefault("warmup_steps", WARMUP)
+    kw.setdefault("compression", "1bit")
+    return OneBitDDPStrategy(**kw)
 
-    def onebit(**kw):
-        kw.setdefault("warmup_steps", WARMUP)
-        kw.setdefault("compression", "1bit")
-        return OneBitDDPStrategy(**kw)
 
-    # 1. the registered alias with every default: AdamW -> compressed momentum, compression="auto" measured here
+@_scenario("alias")
+def _alias(tmp: str, name: str) -> dict:
+    """The registered alias with every default: AdamW -> compressed momentum, compression="auto" measured here."""
     trainer, model = _fit("ddp_1bit", max_steps=16)
     st = trainer.strategy.onebit_state
-    out["alias"] = {
+    return {
         "cls": type(trainer.strategy).__name__,
         "hook": model.hook_name,
         "mode": st.mode,
         "decisions": st.decisions,
-        "compressed": st.compressed_calls,
+        "compressed": st.stats.compressed_calls,
         "last_compressed": st.local_grads,
         "step": st.step,
         "params": _params(model),
         "losses": model.losses,
     }
 
-    # 2. compression="auto" on both branches, with injected timings
-    for name, timings in (("auto_1bit", (0.010, 0.001)), ("auto_fp32", (0.001, 0.010))):
-        strategy = OneBitDDPStrategy(warmup_steps=WARMUP, compression="auto", recheck_every=3)
-        strategy.measure_fn = lambda state, t=timings: t
-        out[name] = _auto_summary(*_fit(strategy, max_steps=9))
 
-    # 2b. compression="auto" from real steps, with a clock that makes a compressed step cost `cost` and an fp32 one 1
+@_scenario("auto_1bit", "auto_fp32")
+def _auto(tmp: str, name: str) -> dict:
+    """compression="auto" on both branches, with injected timings."""
+    from lightning_accel.strategies import OneBitDDPStrategy
+
+    timings = (0.010, 0.001) if name == "auto_1bit" else (0.001, 0.010)
+    strategy = OneBitDDPStrategy(warmup_steps=WARMUP, compression="auto", recheck_every=3)
+    strategy.measure_fn = lambda state, t=timings: t
+    return _auto_summary(*_fit(strategy, max_steps=9))
+
+
+@_scenario("trial_1bit", "trial_fp32")
+def _trial(tmp: str, name: str) -> dict:
+    """compression="auto" from real steps, with a clock that makes a compressed step cost `cost` and an fp32 one 1."""
+    from lightning_accel.strategies import OneBitDDPStrategy
+
     class Clock:
         def __init__(self, cost: float) -> None:
             self.t, self.cost, self.strategy = 0.0, cost, None
@@ -199,311 +230,510 @@ def _scenarios(rank: int, world: int, tmp: str) -> dict:
             self.t += self.cost if st is not None and st.local_grads else 1.0  # the step that just ended
             return self.t
 
-    for name, cost in (("trial_1bit", 0.5), ("trial_fp32", 2.0)):
-        strategy = OneBitDDPStrategy(warmup_steps=4, compression="auto")
-        clock = Clock(cost)
-        clock.strategy = strategy
-        strategy.step_clock = clock
-        out[name] = _auto_summary(*_fit(strategy, max_steps=12))
+    strategy = OneBitDDPStrategy(warmup_steps=4, compression="auto")
+    clock = Clock(0.5 if name == "trial_1bit" else 2.0)
+    clock.strategy = strategy
+    strategy.step_clock = clock
+    return _auto_summary(*_fit(strategy, max_steps=12))
 
-    # 3. gradient accumulation: one compression per optimizer step (momentum and gradients)
-    for mode in ("momentum", "gradients"):
-        trainer, model = _fit(onebit(compress=mode), max_steps=5, accumulate_grad_batches=2)
-        st = trainer.strategy.onebit_state
-        out[f"accumulate_{mode}"] = {
-            "step": st.step,
-            "compressed": st.compressed_calls,
-            "groups": len(st.groups),
-            "params": _params(model),
-        }
 
-    # 4. gradient clipping clips the local gradient, before the momentum update
+@_scenario("rmsprop")
+def _rmsprop(tmp: str, name: str) -> dict:
+    """Another optimizer: gradient compression, with a warning naming it."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer, model = _fit(_onebit(), max_steps=4, model=_module_cls()(opt="rmsprop"))
+    return {
+        "mode": trainer.strategy.onebit_state.mode,
+        "warnings": [str(w.message) for w in caught if "RMSprop" in str(w.message)],
+        "compressed": trainer.strategy.onebit_state.stats.compressed_calls,
+    }
+
+
+@_scenario("step_patch")
+def _step_patch(tmp: str, name: str) -> dict:
+    """The compressed stage replaces ``optimizer.step`` during each step only; the original is back after fit."""
+    import lightning as L
+
+    from lightning_accel._utils.patching import active_patch
+    from lightning_accel.comm.strategy import STEP_PATCH_KEY
+
+    class Watch(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            self.opt = trainer.optimizers[0]
+            self.before = vars(self.opt).get("step")  # the LR scheduler's wrapper, or None (the class's method)
+            self.patched: list[bool] = []
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            self.patched.append(active_patch(self.opt, STEP_PATCH_KEY) is not None)
+
+    watch = Watch()
+    trainer, model = _fit(_onebit(), max_steps=5, callbacks=[watch], model=_module_cls()(opt="sgdm_sched"))
+    opt = watch.opt
+    return {
+        "patched": watch.patched,
+        "restored": vars(opt).get("step") is watch.before and active_patch(opt, STEP_PATCH_KEY) is None,
+        "had_own_step": watch.before is not None,
+        "compressed": trainer.strategy.onebit_state.stats.compressed_calls,
+    }
+
+
+@_scenario("accumulate_momentum", "accumulate_gradients")
+def _accumulate(tmp: str, name: str) -> dict:
+    """Gradient accumulation: one compression per optimizer step (momentum and gradients)."""
+    mode = name.removeprefix("accumulate_")
+    trainer, model = _fit(_onebit(compressed_signal=mode), max_steps=5, accumulate_grad_batches=2)
+    st = trainer.strategy.onebit_state
+    return {
+        "step": st.step,
+        "compressed": st.stats.compressed_calls,
+        "groups": len(st.groups),
+        "params": _params(model),
+    }
+
+
+@_scenario("clip")
+def _clip(tmp: str, name: str) -> dict:
+    """Gradient clipping clips the local gradient, before the momentum update."""
+    import lightning as L
+
+    from lightning_accel._utils.patching import patch
+
     class Spy(L.Callback):
         def on_train_start(self, trainer, pl_module):
             comp = next(iter(trainer.strategy._compressors.values()))
-            inner = comp.compressed_step
             self.norms = []
 
-            def spy():
-                grads = [p.grad.reshape(-1) for p in pl_module.parameters() if p.grad is not None]
-                self.norms.append(float(torch.cat(grads).norm()))
-                inner()
+            def spy(p):
+                def compressed_step():
+                    grads = [g.grad.reshape(-1) for g in pl_module.parameters() if g.grad is not None]
+                    self.norms.append(float(torch.cat(grads).norm()))
+                    p.original()
 
-            comp.compressed_step = spy
+                return compressed_step
+
+            patch(comp, "compressed_step", spy)
 
     spy = Spy()
-    trainer, model = _fit(onebit(), max_steps=6, gradient_clip_val=0.05, callbacks=[spy], model=Model(opt="sgdm"))
-    out["clip"] = {"norms": spy.norms, "params": _params(model)}
+    model = _module_cls()(opt="sgdm")
+    trainer, model = _fit(_onebit(), max_steps=6, gradient_clip_val=0.05, callbacks=[spy], model=model)
+    return {"norms": spy.norms, "params": _params(model)}
 
-    # 5. static graph
-    trainer, model = _fit(onebit(static_graph=True))
-    out["static"] = {"compressed": trainer.strategy.onebit_state.compressed_calls, "params": _params(model)}
 
-    # 6. unused and frozen parameters stay untouched (the alias that keeps compression)
-    model = Model(unused=True, frozen=True)
+@_scenario("static")
+def _static(tmp: str, name: str) -> dict:
+    trainer, model = _fit(_onebit(static_graph=True))
+    return {"compressed": trainer.strategy.onebit_state.stats.compressed_calls, "params": _params(model)}
+
+
+@_scenario("unused")
+def _unused(tmp: str, name: str) -> dict:
+    """Unused and frozen parameters stay untouched (the alias that keeps compression)."""
+    model = _module_cls()(unused=True, frozen=True)
     before_unused = model.unused.weight.detach().clone()
     before_frozen = model.frozen.weight.detach().clone()
-    trainer, model = _fit(onebit(find_unused_parameters=True), model=model)
+    trainer, model = _fit(_onebit(find_unused_parameters=True), model=model)
     st = trainer.strategy.onebit_state
-    out["unused"] = {
+    return {
         "grad_none": model.unused.weight.grad is None,
         "unchanged": bool(torch.equal(before_unused, model.unused.weight.detach())),
         "frozen_unchanged": bool(torch.equal(before_frozen, model.frozen.weight.detach())),
-        "compressed": st.compressed_calls,
+        "compressed": st.stats.compressed_calls,
         "mode": st.mode,
         "params": _params(model),
     }
 
-    # 6b. the same with gradient compression: the comm thread's collectives run beside DDP's unused-parameter map
-    model = Model(unused=True, frozen=True)
+
+@_scenario("unused_gradients")
+def _unused_gradients(tmp: str, name: str) -> dict:
+    """The same with gradient compression: the comm thread's collectives run beside DDP's unused-parameter map."""
+    model = _module_cls()(unused=True, frozen=True)
     before_unused = model.unused.weight.detach().clone()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "proven only for plain SGD"
-        trainer, model = _fit(onebit(compress="gradients", find_unused_parameters=True), model=model)
+        trainer, model = _fit(_onebit(compressed_signal="gradients", find_unused_parameters=True), model=model)
     st = trainer.strategy.onebit_state
-    out["unused_gradients"] = {
+    return {
         "grad_none": model.unused.weight.grad is None,
         "unchanged": bool(torch.equal(before_unused, model.unused.weight.detach())),
-        "compressed": st.compressed_calls,
+        "compressed": st.stats.compressed_calls,
         "mode": st.mode,
         "worker_stopped": st.comm_worker is None,
         "params": _params(model),
     }
 
-    # 7. a NaN step under a GradScaler (rank 1 only): every rank skips it, no state changes, training goes on
-    for mode in ("momentum", "gradients"):
 
-        class Snap(L.Callback):
-            def __init__(self) -> None:
-                self.snaps: dict[int, dict] = {}
+@_scenario("nan_momentum", "nan_gradients")
+def _nan(tmp: str, name: str) -> dict:
+    """A NaN step under a GradScaler (rank 1 only): every rank skips it, no state changes, training goes on."""
+    import lightning as L
+    from lightning.pytorch.plugins.precision import MixedPrecision
 
-            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-                self.snaps[batch_idx] = _opt_state(trainer)
+    mode = name.removeprefix("nan_")
 
-        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1)
-        plugin = MixedPrecision("16-mixed", device="cpu", scaler=scaler)
-        snap = Snap()
-        trainer, model = _fit(
-            onebit(compress=mode), model=Model(nan_at=4), plugins=[plugin], max_steps=8, callbacks=[snap]
-        )
-        st = trainer.strategy.onebit_state
-        out[f"nan_{mode}"] = {
-            "nonfinite": st.nonfinite_groups,
-            "finite_params": bool(all(torch.isfinite(p).all() for p in model.parameters())),
-            "scale": float(scaler.get_scale()),
-            "errors_finite": bool(all(torch.isfinite(g.worker_error).all() for g in st.groups.values())),
-            "compressed": st.compressed_calls,
-            "snaps": snap.snaps if mode == "momentum" else {},
-            "params": _params(model),
-        }
+    class Snap(L.Callback):
+        def __init__(self) -> None:
+            self.snaps: dict[int, dict] = {}
 
-    # 8. bf16-mixed on CPU
-    trainer, model = _fit(onebit(), precision="bf16-mixed")
-    out["bf16"] = {"compressed": trainer.strategy.onebit_state.compressed_calls, "losses": model.losses}
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.snaps[batch_idx] = _opt_state(trainer)
 
-    # 9. resume = uninterrupted. Gradient compression with small buckets: DDP's first iteration after the resume uses
-    # its initial bucket layout (one bucket), not the rebuilt one (several), so the hook must process that bucket as
-    # the saved groups. Compressed momentum: SGD-momentum and AdamW (momentum, frozen variance, errors, stage).
-    out["resume"] = _resume(lambda: onebit(compress="gradients", bucket_cap_mb=0.0001), tmp, "grads")
-    out["resume_sgdm"] = _resume(lambda: onebit(group_numel=500), tmp, "sgdm", opt="sgdm")
-    out["resume_adamw"] = _resume(lambda: onebit(group_numel=500), tmp, "adamw")
-
-    # 10. another optimizer: gradient compression, with a warning naming it
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer, model = _fit(onebit(), max_steps=4, model=Model(opt="rmsprop"))
-    out["rmsprop"] = {
-        "mode": trainer.strategy.onebit_state.mode,
-        "warnings": [str(w.message) for w in caught if "RMSprop" in str(w.message)],
-        "compressed": trainer.strategy.onebit_state.compressed_calls,
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1)
+    plugin = MixedPrecision("16-mixed", device="cpu", scaler=scaler)
+    snap = Snap()
+    trainer, model = _fit(
+        _onebit(compressed_signal=mode),
+        model=_module_cls()(nan_at=4),
+        plugins=[plugin],
+        max_steps=8,
+        callbacks=[snap],
+    )
+    st = trainer.strategy.onebit_state
+    return {
+        "nonfinite": st.stats.nonfinite_groups,
+        "finite_params": bool(all(torch.isfinite(p).all() for p in model.parameters())),
+        "scale": float(scaler.get_scale()),
+        "errors_finite": bool(all(torch.isfinite(g.worker_error).all() for g in st.groups.values())),
+        "compressed": st.stats.compressed_calls,
+        "snaps": snap.snaps if mode == "momentum" else {},
+        "params": _params(model),
     }
 
-    # 11. overlap: groups started during backward (several buckets, groups that span buckets) give bit-identical
-    # parameters, momentum, variance and error state to groups started after backward
+
+@_scenario("bf16")
+def _bf16(tmp: str, name: str) -> dict:
+    trainer, model = _fit(_onebit(), precision="bf16-mixed")
+    return {"compressed": trainer.strategy.onebit_state.stats.compressed_calls, "losses": model.losses}
+
+
+@_scenario("resume", "resume_sgdm", "resume_adamw")
+def _resume_scenario(tmp: str, name: str) -> dict:
+    """Resume = uninterrupted. Gradient compression with small buckets: DDP's first iteration after the resume uses
+    its initial bucket layout (one bucket), not the rebuilt one (several), so the hook must process that bucket as
+    the saved groups. Compressed momentum: SGD-momentum and AdamW (momentum, frozen variance, errors, stage)."""
+    if name == "resume":
+        return _resume(lambda: _onebit(compressed_signal="gradients", bucket_cap_mb=0.0001), tmp, "grads")
+    if name == "resume_sgdm":
+        return _resume(lambda: _onebit(group_numel=500), tmp, "sgdm", opt="sgdm")
+    return _resume(lambda: _onebit(group_numel=500), tmp, "adamw")
+
+
+@_scenario("overlap_sgdm_True", "overlap_sgdm_False", "overlap_adamw_True", "overlap_adamw_False")
+def _overlap(tmp: str, name: str) -> dict:
+    """Groups started during backward (several buckets, groups that span buckets) give bit-identical parameters,
+    momentum, variance and error state to groups started after backward."""
+    import lightning as L
+
+    from lightning_accel._utils.patching import patch
+
+    _, opt, overlap = name.split("_")
+
     class Early(L.Callback):
         def on_train_start(self, trainer, pl_module):
             comp = next(iter(trainer.strategy._compressors.values()))
-            inner = comp.on_bucket
             self.calls, self.started = 0, []
 
-            def spy(params, grads):
-                inner(params, grads)
-                self.calls += 1
-                self.started.append(len(comp._early.started))
+            def spy(p):
+                def on_bucket(params, grads):
+                    p.original(params, grads)
+                    self.calls += 1
+                    self.started.append(len(comp._early.started))
 
-            comp.on_bucket = spy
+                return on_bucket
 
-    for opt in ("sgdm", "adamw"):
-        for overlap in (True, False):
-            early = Early()
-            kw = {"group_numel": 300, "bucket_cap_mb": 0.0005}
-            trainer, model = _fit(onebit(overlap=overlap, **kw), max_steps=7, callbacks=[early], model=Model(opt=opt))
-            out[f"overlap_{opt}_{overlap}"] = {
-                "resolved": trainer.strategy.overlap,
-                "calls": early.calls,
-                "started": early.started,
-                "compressed": trainer.strategy.onebit_state.compressed_calls,
-                "state": _opt_state(trainer),
-                "params": _params(model),
-            }
-    # "auto" turns overlap off for what needs the whole gradient; True refuses it with the reason
-    trainer, _ = _fit(onebit(), max_steps=3, gradient_clip_val=1.0)
-    out["overlap_auto_clip"] = trainer.strategy.overlap
+            patch(comp, "on_bucket", spy)
+
+    early = Early()
+    kw = {"group_numel": 300, "bucket_cap_mb": 0.0005}
+    trainer, model = _fit(
+        _onebit(overlap=overlap == "True", **kw), max_steps=7, callbacks=[early], model=_module_cls()(opt=opt)
+    )
+    return {
+        "resolved": trainer.strategy.overlap,
+        "calls": early.calls,
+        "started": early.started,
+        "compressed": trainer.strategy.onebit_state.stats.compressed_calls,
+        "state": _opt_state(trainer),
+        "params": _params(model),
+    }
+
+
+@_scenario("overlap_clip")
+def _overlap_clip(tmp: str, name: str) -> dict:
+    """ "auto" turns overlap off for what needs the whole gradient; True refuses it with the reason."""
+    trainer, _ = _fit(_onebit(), max_steps=3, gradient_clip_val=1.0)
+    out: dict = {"auto": trainer.strategy.overlap}
     try:
-        _fit(onebit(overlap=True), max_steps=3, gradient_clip_val=1.0)
-        out["overlap_true_clip"] = ""
+        _fit(_onebit(overlap=True), max_steps=3, gradient_clip_val=1.0)
+        out["true"] = ""
     except ValueError as err:
-        out["overlap_true_clip"] = str(err)
+        out["true"] = str(err)
     return out
 
 
+def _run_scenarios(rank: int, world: int, tmp: str, names: list[str]) -> dict:
+    """Every scenario in ``names``, in order; one that raises records its traceback instead of ending the launch."""
+    import lightning_accel  # noqa: F401  (registers "ddp_1bit")
+
+    out: dict = {}
+    for name in names:
+        try:
+            out[name] = SCENARIOS[name](tmp)
+        except Exception:  # noqa: BLE001 - reported by the scenario's own tests
+            out[name] = {"error": f"rank {rank}, scenario {name!r}:\n{traceback.format_exc()}"}
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- launches
+
+
+def uses(*names: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """The scenarios a test reads; ``{param}`` fields are filled from its parametrization."""
+
+    def mark(fn: Callable[..., None]) -> Callable[..., None]:
+        fn.scenarios = names  # type: ignore[attr-defined]
+        return fn
+
+    return mark
+
+
+def _wanted(item: pytest.Item) -> list[str]:
+    names = getattr(getattr(item, "function", None), "scenarios", ())
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return [n.format(**params) for n in names]
+
+
+def _launch(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """One pair of processes for the scenarios that the selected tests of the classes sharing this class's
+    ``LAUNCH`` read."""
+    launch = request.cls.LAUNCH
+    names: list[str] = []
+    for item in request.session.items:
+        if getattr(getattr(item, "cls", None), "LAUNCH", None) == launch:
+            names += [n for n in _wanted(item) if n not in names]
+    tmp = tmp_path_factory.mktemp(f"onebit-{launch}")
+    return run_in_processes(_run_scenarios, 2, args=(str(tmp), names), init_process_group=False, timeout=420)
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    tmp = tmp_path_factory.mktemp("onebit")
-    return run_in_processes(_scenarios, 2, args=(str(tmp),), init_process_group=False, timeout=420)
+def launched() -> dict[str, list[dict]]:
+    """The launches made so far, by ``LAUNCH`` name (classes that share one run in the same pair of processes)."""
+    return {}
+
+
+@pytest.fixture(scope="class")
+def results(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, launched: dict[str, list[dict]]
+) -> list[dict]:
+    """Per rank, ``{scenario: result}`` for the scenarios the selected tests of the requesting class's launch read."""
+    launch = request.cls.LAUNCH
+    if launch not in launched:
+        launched[launch] = _launch(request, tmp_path_factory)
+    return launched[launch]
+
+
+def _get(results: list[dict], name: str) -> list[dict]:
+    """Both ranks' results of scenario ``name``; the scenario's traceback as the failure when it raised."""
+    for r in results:
+        if name not in r:
+            pytest.fail(f"scenario {name!r} did not run (is it listed in the test's @uses?)")
+        if "error" in r[name]:
+            pytest.fail(r[name]["error"], pytrace=False)
+    return [r[name] for r in results]
 
 
 def _same_on_both_ranks(results: list[dict], name: str) -> None:
-    np.testing.assert_array_equal(results[0][name]["params"], results[1][name]["params"])
+    r0, r1 = _get(results, name)
+    np.testing.assert_array_equal(r0["params"], r1["params"])
 
 
-def test_alias_trains_with_the_hook_attached_on_cpu(results: list[dict]) -> None:
-    r0, r1 = results[0]["alias"], results[1]["alias"]
-    assert r0["cls"] == "OneBitDDPStrategy"
-    assert "onebit_hook" in r0["hook"], "Lightning skips comm hooks on CPU; the strategy must register its own"
-    assert r0["mode"] == "momentum" and r0["step"] == 16
-    # compression="auto" decided once, from real steps: 10 fp32 warm-up steps, then 4 compressed ones timed against
-    # them, the same verdict on every rank
-    assert len(r0["decisions"]) == 1 and r0["decisions"] == r1["decisions"]
-    d = r0["decisions"][0]
-    assert d["step"] == 10 and d["source"] == "steps" and d["fp32_s"] > 0 and d["onebit_s"] > 0
-    assert r0["compressed"] > 0  # the trial steps
-    assert r0["last_compressed"] == (d["decision"] == "1bit")
-    np.testing.assert_array_equal(r0["params"], r1["params"])  # replicas bit-identical
-    assert math.isfinite(r0["losses"][-1])
+# ----------------------------------------------------------------------------------------------- tests
 
 
-def test_auto_decides_on_both_branches(results: list[dict]) -> None:
-    one, fp = results[0]["auto_1bit"], results[0]["auto_fp32"]
-    assert one["decision"] == "1bit" and one["compressed"] > 0
-    assert [d["step"] for d in one["decisions"]] == [WARMUP, WARMUP + 3, WARMUP + 6]  # recheck_every=3
-    assert one["metrics"]["comm/compression_ratio"] > 20
-    assert fp["decision"] == "fp32" and fp["compressed"] == 0
-    assert all(d["decision"] == "fp32" and d["fp32_s"] == 0.001 for d in fp["decisions"])
-    assert fp["metrics"]["comm/compression_ratio"] == pytest.approx(1.0)
-    _same_on_both_ranks(results, "auto_1bit")
-    _same_on_both_ranks(results, "auto_fp32")
+class TestAliasAndAuto:
+    """The registered alias, ``compression="auto"``, other optimizers, the optimizer-step replacement."""
+
+    LAUNCH = "decisions"
+
+    @uses("alias")
+    def test_alias_trains_with_the_hook_attached_on_cpu(self, results: list[dict]) -> None:
+        r0, r1 = _get(results, "alias")
+        assert r0["cls"] == "OneBitDDPStrategy"
+        assert "onebit_hook" in r0["hook"], "Lightning skips comm hooks on CPU; the strategy must register its own"
+        assert r0["mode"] == "momentum" and r0["step"] == 16
+        # compression="auto" decided once, from real steps: 10 fp32 warm-up steps, then 4 compressed ones timed
+        # against them, the same verdict on every rank
+        assert len(r0["decisions"]) == 1 and r0["decisions"] == r1["decisions"]
+        d = r0["decisions"][0]
+        assert d["step"] == 10 and d["source"] == "steps" and d["fp32_s"] > 0 and d["onebit_s"] > 0
+        assert r0["compressed"] > 0  # the trial steps
+        assert r0["last_compressed"] == (d["decision"] == "1bit")
+        np.testing.assert_array_equal(r0["params"], r1["params"])  # replicas bit-identical
+        assert math.isfinite(r0["losses"][-1])
+
+    @uses("auto_1bit", "auto_fp32")
+    def test_auto_decides_on_both_branches(self, results: list[dict]) -> None:
+        one, fp = _get(results, "auto_1bit")[0], _get(results, "auto_fp32")[0]
+        assert one["decision"] == "1bit" and one["compressed"] > 0
+        assert [d["step"] for d in one["decisions"]] == [WARMUP, WARMUP + 3, WARMUP + 6]  # recheck_every=3
+        assert one["metrics"]["comm/compression_ratio"] > 20
+        assert fp["decision"] == "fp32" and fp["compressed"] == 0
+        assert all(d["decision"] == "fp32" and d["fp32_s"] == 0.001 for d in fp["decisions"])
+        assert fp["metrics"]["comm/compression_ratio"] == pytest.approx(1.0)
+        _same_on_both_ranks(results, "auto_1bit")
+        _same_on_both_ranks(results, "auto_fp32")
+
+    @uses("trial_{branch}")
+    @pytest.mark.parametrize("branch", ["1bit", "fp32"])
+    def test_auto_trial_of_real_steps_decides_on_both_branches(self, results: list[dict], branch: str) -> None:
+        r, other = _get(results, f"trial_{branch}")
+        assert [r[k] for k in ("decisions", "decision", "compressed")] == [
+            other[k] for k in ("decisions", "decision", "compressed")
+        ]  # the same decision and figures everywhere
+        (d,) = r["decisions"]
+        # steps 1-3 (fp32) against 5-7 (1-bit; step 4 builds the compression state): 1.0 s against 0.5 s or 2.0 s
+        assert d["step"] == 4 and d["source"] == "steps"
+        assert d["fp32_s"] == 1.0 and d["onebit_s"] == (0.5 if branch == "1bit" else 2.0)
+        assert r["decision"] == branch and r["last_compressed"] == (branch == "1bit")
+        # fp32: the 4 trial steps were compressed, the rest not; 1bit: every step from 4 on
+        assert r["compressed"] == (4 if branch == "fp32" else 8) * max(1, r["groups"])
+        _same_on_both_ranks(results, f"trial_{branch}")
+
+    @uses("rmsprop")
+    def test_other_optimizers_compress_gradients_with_a_warning(self, results: list[dict]) -> None:
+        r = _get(results, "rmsprop")[0]
+        assert r["mode"] == "gradients" and r["compressed"] > 0
+        assert r["warnings"] and "proven only for plain SGD" in r["warnings"][0]
+
+    @uses("step_patch")
+    def test_optimizer_step_is_replaced_per_step_and_restored_after_fit(self, results: list[dict]) -> None:
+        for r in _get(results, "step_patch"):
+            assert r["compressed"] > 0
+            assert r["patched"] and all(r["patched"]), "every step runs through the replacement"
+            assert r["had_own_step"], "the LR scheduler's own `step` wrapper is the original here"
+            assert r["restored"], "the optimizer's original `step` must come back after fit"
 
 
-@pytest.mark.parametrize("mode", ["momentum", "gradients"])
-def test_accumulation_compresses_once_per_optimizer_step(results: list[dict], mode: str) -> None:
-    r = results[0][f"accumulate_{mode}"]
-    assert r["step"] == 5
-    assert r["compressed"] == (5 - WARMUP) * r["groups"] > 0
-    _same_on_both_ranks(results, f"accumulate_{mode}")
+class TestTrainingFeatures:
+    """Accumulation, clipping, ``static_graph``, unused/frozen parameters, NaN steps, ``bf16-mixed``."""
+
+    LAUNCH = "training"
+
+    @uses("accumulate_{mode}")
+    @pytest.mark.parametrize("mode", ["momentum", "gradients"])
+    def test_accumulation_compresses_once_per_optimizer_step(self, results: list[dict], mode: str) -> None:
+        r = _get(results, f"accumulate_{mode}")[0]
+        assert r["step"] == 5
+        assert r["compressed"] == (5 - WARMUP) * r["groups"] > 0
+        _same_on_both_ranks(results, f"accumulate_{mode}")
+
+    @uses("clip")
+    def test_clipping_clips_the_local_gradient_before_the_momentum_update(self, results: list[dict]) -> None:
+        r0, r1 = _get(results, "clip")
+        n0, n1 = r0["norms"], r1["norms"]
+        assert len(n0) == 6 - WARMUP
+        assert all(n <= 0.05 * (1 + 1e-5) for n in n0 + n1), "the compressed step saw an unclipped gradient"
+        assert n0 != n1, "the compressed step must see each rank's own (local) gradient"
+        _same_on_both_ranks(results, "clip")
+
+    @uses("static")
+    def test_static_graph(self, results: list[dict]) -> None:
+        assert _get(results, "static")[0]["compressed"] > 0
+        _same_on_both_ranks(results, "static")
+
+    @uses("unused")
+    def test_unused_and_frozen_parameters_untouched(self, results: list[dict]) -> None:
+        r = _get(results, "unused")[0]
+        assert r["mode"] == "momentum" and r["compressed"] > 0
+        assert r["grad_none"] and r["unchanged"] and r["frozen_unchanged"]
+        _same_on_both_ranks(results, "unused")
+
+    @uses("unused_gradients")
+    def test_unused_parameters_with_gradient_compression_in_the_comm_thread(self, results: list[dict]) -> None:
+        r = _get(results, "unused_gradients")[0]
+        assert r["mode"] == "gradients" and r["compressed"] > 0
+        assert r["grad_none"] and r["unchanged"] and r["worker_stopped"]  # teardown stopped the thread
+        _same_on_both_ranks(results, "unused_gradients")
+
+    @uses("nan_{mode}")
+    @pytest.mark.parametrize("mode", ["momentum", "gradients"])
+    def test_nan_step_is_skipped_and_state_survives(self, results: list[dict], mode: str) -> None:
+        both = _get(results, f"nan_{mode}")
+        for r in both:
+            assert r["finite_params"] and r["errors_finite"]
+            assert r["compressed"] > 0
+            if mode == "gradients":
+                assert r["nonfinite"] >= 1 and r["compressed"] > r["nonfinite"]
+            else:
+                # the NaN batch (index 4) changed no momentum, variance or error state on either rank
+                before, after = r["snaps"][3], r["snaps"][4]
+                assert before.keys() == after.keys() and any(k.startswith("err.") for k in before)
+                for k in before:
+                    if not k.endswith(".step"):
+                        np.testing.assert_array_equal(before[k], after[k], err_msg=k)
+                # ... while a finite compressed step does change them
+                assert any(not np.array_equal(after[k], r["snaps"][5][k]) for k in after if k.startswith("err."))
+        assert both[0]["scale"] == both[1]["scale"]
+        _same_on_both_ranks(results, f"nan_{mode}")
+
+    @uses("bf16")
+    def test_bf16_mixed(self, results: list[dict]) -> None:
+        r = _get(results, "bf16")[0]
+        assert r["compressed"] > 0 and all(math.isfinite(v) for v in r["losses"])
 
 
-def test_clipping_clips_the_local_gradient_before_the_momentum_update(results: list[dict]) -> None:
-    n0, n1 = results[0]["clip"]["norms"], results[1]["clip"]["norms"]
-    assert len(n0) == 6 - WARMUP
-    assert all(n <= 0.05 * (1 + 1e-5) for n in n0 + n1), "the compressed step saw an unclipped gradient"
-    assert n0 != n1, "the compressed step must see each rank's own (local) gradient"
-    _same_on_both_ranks(results, "clip")
+class TestResume:
+    """A resumed run continues bit for bit like an uninterrupted one."""
+
+    LAUNCH = "resume"
+
+    @uses("{name}")
+    @pytest.mark.parametrize("name", ["resume", "resume_sgdm", "resume_adamw"])
+    def test_resume_continues_exactly(self, results: list[dict], name: str) -> None:
+        both = _get(results, name)
+        for res in both:
+            assert res["ckpt_world"] == 2 and res["step"] == 16 and res["ckpt_decision"] == "1bit"
+            assert res["groups"] > 1 and not res["reset_warnings"] and res["compressed"] > 0
+            assert res["mode"] == ("gradients" if name == "resume" else "momentum")
+            np.testing.assert_array_equal(res["full"], res["resumed"])
+        np.testing.assert_array_equal(both[0]["resumed"], both[1]["resumed"])
 
 
-def test_static_graph(results: list[dict]) -> None:
-    assert results[0]["static"]["compressed"] > 0
-    _same_on_both_ranks(results, "static")
+class TestOverlap:
+    """Compressed momentum started during backward."""
+
+    LAUNCH = "training"
+
+    @uses("overlap_{opt}_True", "overlap_{opt}_False")
+    @pytest.mark.parametrize("opt", ["sgdm", "adamw"])
+    def test_overlap_starts_groups_during_backward_with_identical_results(self, results: list[dict], opt: str) -> None:
+        on, off = _get(results, f"overlap_{opt}_True")[0], _get(results, f"overlap_{opt}_False")[0]
+        assert on["resolved"] is True and off["resolved"] is False
+        assert on["compressed"] == off["compressed"] > 0
+        # several buckets per backward, and groups were started inside the hook (before backward finished)
+        assert on["calls"] >= 2 * (7 - WARMUP) and max(on["started"]) > 0 and off["calls"] == 0
+        np.testing.assert_array_equal(on["params"], off["params"])
+        assert on["state"].keys() == off["state"].keys()
+        for k in on["state"]:
+            np.testing.assert_array_equal(on["state"][k], off["state"][k], err_msg=k)
+        _same_on_both_ranks(results, f"overlap_{opt}_True")
+
+    @uses("overlap_clip")
+    def test_overlap_is_refused_or_turned_off_with_clipping(self, results: list[dict]) -> None:
+        r = _get(results, "overlap_clip")[0]
+        assert r["auto"] is False
+        msg = r["true"]
+        assert "`overlap=True`" in msg and "gradient_clip_val=1.0" in msg and "overlap='auto'" in msg
 
 
-def test_unused_and_frozen_parameters_untouched(results: list[dict]) -> None:
-    r = results[0]["unused"]
-    assert r["mode"] == "momentum" and r["compressed"] > 0
-    assert r["grad_none"] and r["unchanged"] and r["frozen_unchanged"]
-    _same_on_both_ranks(results, "unused")
-
-
-def test_unused_parameters_with_gradient_compression_in_the_comm_thread(results: list[dict]) -> None:
-    r = results[0]["unused_gradients"]
-    assert r["mode"] == "gradients" and r["compressed"] > 0
-    assert r["grad_none"] and r["unchanged"] and r["worker_stopped"]  # teardown stopped the thread
-    _same_on_both_ranks(results, "unused_gradients")
-
-
-@pytest.mark.parametrize("mode", ["momentum", "gradients"])
-def test_nan_step_is_skipped_and_state_survives(results: list[dict], mode: str) -> None:
-    for r in (results[0][f"nan_{mode}"], results[1][f"nan_{mode}"]):
-        assert r["finite_params"] and r["errors_finite"]
-        assert r["compressed"] > 0
-        if mode == "gradients":
-            assert r["nonfinite"] >= 1 and r["compressed"] > r["nonfinite"]
-        else:
-            # the NaN batch (index 4) changed no momentum, variance or error state on either rank
-            before, after = r["snaps"][3], r["snaps"][4]
-            assert before.keys() == after.keys() and any(k.startswith("err.") for k in before)
-            for k in before:
-                if not k.endswith(".step"):
-                    np.testing.assert_array_equal(before[k], after[k], err_msg=k)
-            # ... while a finite compressed step does change them
-            assert any(not np.array_equal(after[k], r["snaps"][5][k]) for k in after if k.startswith("err."))
-    assert results[0][f"nan_{mode}"]["scale"] == results[1][f"nan_{mode}"]["scale"]
-    _same_on_both_ranks(results, f"nan_{mode}")
-
-
-def test_bf16_mixed(results: list[dict]) -> None:
-    r = results[0]["bf16"]
-    assert r["compressed"] > 0 and all(math.isfinite(v) for v in r["losses"])
-
-
-@pytest.mark.parametrize("name", ["resume", "resume_sgdm", "resume_adamw"])
-def test_resume_continues_exactly(results: list[dict], name: str) -> None:
-    for r in results:
-        res = r[name]
-        assert res["ckpt_world"] == 2 and res["step"] == 16 and res["ckpt_decision"] == "1bit"
-        assert res["groups"] > 1 and not res["reset_warnings"] and res["compressed"] > 0
-        assert res["mode"] == ("gradients" if name == "resume" else "momentum")
-        np.testing.assert_array_equal(res["full"], res["resumed"])
-    np.testing.assert_array_equal(results[0][name]["resumed"], results[1][name]["resumed"])
-
-
-def test_other_optimizers_compress_gradients_with_a_warning(results: list[dict]) -> None:
-    r = results[0]["rmsprop"]
-    assert r["mode"] == "gradients" and r["compressed"] > 0
-    assert r["warnings"] and "proven only for plain SGD" in r["warnings"][0]
-
-
-@pytest.mark.parametrize("opt", ["sgdm", "adamw"])
-def test_overlap_starts_groups_during_backward_with_identical_results(results: list[dict], opt: str) -> None:
-    on, off = results[0][f"overlap_{opt}_True"], results[0][f"overlap_{opt}_False"]
-    assert on["resolved"] is True and off["resolved"] is False
-    assert on["compressed"] == off["compressed"] > 0
-    # several buckets per backward, and groups were started inside the hook (before backward finished)
-    assert on["calls"] >= 2 * (7 - WARMUP) and max(on["started"]) > 0 and off["calls"] == 0
-    np.testing.assert_array_equal(on["params"], off["params"])
-    assert on["state"].keys() == off["state"].keys()
-    for k in on["state"]:
-        np.testing.assert_array_equal(on["state"][k], off["state"][k], err_msg=k)
-    _same_on_both_ranks(results, f"overlap_{opt}_True")
-
-
-def test_overlap_is_refused_or_turned_off_with_clipping(results: list[dict]) -> None:
-    assert results[0]["overlap_auto_clip"] is False
-    msg = results[0]["overlap_true_clip"]
-    assert "`overlap=True`" in msg and "gradient_clip_val=1.0" in msg and "overlap='auto'" in msg
-
-
-@pytest.mark.parametrize("branch", ["1bit", "fp32"])
-def test_auto_trial_of_real_steps_decides_on_both_branches(results: list[dict], branch: str) -> None:
-    r = results[0][f"trial_{branch}"]
-    other = results[1][f"trial_{branch}"]
-    assert [r[k] for k in ("decisions", "decision", "compressed")] == [
-        other[k] for k in ("decisions", "decision", "compressed")
-    ]  # the same decision and figures everywhere
-    (d,) = r["decisions"]
-    # steps 1-3 (fp32) against 5-7 (1-bit; step 4 builds the compression state): 1.0 s against 0.5 s or 2.0 s
-    assert d["step"] == 4 and d["source"] == "steps"
-    assert d["fp32_s"] == 1.0 and d["onebit_s"] == (0.5 if branch == "1bit" else 2.0)
-    assert r["decision"] == branch and r["last_compressed"] == (branch == "1bit")
-    # fp32: the 4 trial steps were compressed, the rest not; 1bit: every step from 4 on
-    assert r["compressed"] == (4 if branch == "fp32" else 8) * max(1, r["groups"])
-    _same_on_both_ranks(results, f"trial_{branch}")
+def test_a_scenario_that_raises_fails_alone(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """In-process: the launch goes on past a raising scenario, and only that scenario's tests fail."""
+    monkeypatch.setitem(SCENARIOS, "boom", lambda tmp: {"x": 1 // 0})
+    monkeypatch.setitem(SCENARIOS, "fine", lambda tmp: {"params": np.zeros(2)})
+    out = _run_scenarios(0, 2, str(tmp_path), ["boom", "fine"])
+    assert "ZeroDivisionError" in out["boom"]["error"] and "scenario 'boom'" in out["boom"]["error"]
+    with pytest.raises(pytest.fail.Exception, match="ZeroDivisionError"):
+        _get([out, out], "boom")
+    _same_on_both_ranks([out, out], "fine")
+    with pytest.raises(pytest.fail.Exception, match="did not run"):
+        _get([out, out], "missing")

@@ -56,9 +56,9 @@ SCRIPT = textwrap.dedent(
     g = torch.randn(lay.padded_numel)
     g[1] = float("nan")
     assert torch.isnan(compress_triton(g, None, lay.table)[1][0])
-    # the hook's switch: `backend="triton"` runs the kernel on CPU gradients under the interpreter
+    # the hook's switch: `compressor_backend="triton"` runs the kernel on CPU gradients under the interpreter
     from lightning_accel.comm import OneBitState
-    assert OneBitState(backend="triton").compressor(torch.device("cpu")) is compress_triton
+    assert OneBitState(compressor_backend="triton").compressor(torch.device("cpu")) is compress_triton
     try:
         compress_triton(g, g.clone(), lay.table, out=(torch.empty(lay.padded_numel // 8, dtype=torch.uint8),
                                                       torch.empty(lay.num_blocks), None))
