@@ -10,12 +10,12 @@ import torch
 from torch import nn
 
 from lightning_accel.models import SmallResNet
+from lightning_accel.recipes.channel_groups import find_channel_groups
 from lightning_accel.recipes.prune import (
     apply_structured_pruning,
     batch_norms,
     channel_importance,
     count_parameters,
-    find_channel_groups,
     recalibrate_batchnorm,
     resize_to_state_dict,
     schedule_amounts,
