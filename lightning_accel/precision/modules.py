@@ -108,7 +108,7 @@ def _new_fused(original: type, mixins: tuple[type, ...]) -> Any:
     cls = original
     for mixin in mixins:
         cls = _fused_class(mixin, cls)
-    return cls.__new__(cls)
+    return object.__new__(cls)
 
 
 # The mixins are combined with nn.Module subclasses at run time (`swap_class`); for the type checker they are modules,
