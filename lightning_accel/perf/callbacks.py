@@ -21,6 +21,7 @@ from typing_extensions import override
 
 from lightning_accel._utils import compat
 from lightning_accel._utils.atomic import atomic_write_bytes, atomic_write_text
+from lightning_accel._utils.patching import Patch, patch
 from lightning_accel._utils.rank import global_rank
 from lightning_accel.perf.cuda_memory import (
     AllocatorSettings,
@@ -134,7 +135,7 @@ class PerformanceMonitor(Callback):
         self._sampler: NvmlSampler | None = None
         self._nvml_last: dict[str, float] = {}
         self._every = 50
-        self._orig_save: Any = None
+        self._save_patch: Patch | None = None
         self._ddp_prev: tuple[int, float] | None = None  # (DDP iterations seen, exposed comm per step)
         self._peak_cache: tuple[float | None] | None = None
         self._log_dir: str | None = None
@@ -170,29 +171,31 @@ class PerformanceMonitor(Callback):
         # Shadow the bound method on this trainer instance only (restored in teardown): every save, whoever calls it
         # (ModelCheckpoint, the user, a fault handler), is timed, and the checkpoint IO plugin is left untouched so
         # isinstance checks of other plugins still hold.
-        if self._orig_save is not None:
+        if self._save_patch is not None:
             return
-        orig = trainer.save_checkpoint
-        self._orig_save = orig
 
-        @functools.wraps(orig)
-        def timed_save(*args: Any, **kwargs: Any) -> Any:
-            timer = self.timer
-            if timer is None:
-                return orig(*args, **kwargs)
-            timer.begin("checkpoint")
-            try:
-                return orig(*args, **kwargs)
-            finally:
-                timer.end("checkpoint")
+        def timed(p: Patch) -> Callable[..., Any]:
+            orig = p.original
 
-        trainer.save_checkpoint = timed_save  # type: ignore[method-assign]  # timed on the instance, restored at the end
+            @functools.wraps(orig)
+            def timed_save(*args: Any, **kwargs: Any) -> Any:
+                timer = self.timer
+                if timer is None:
+                    return orig(*args, **kwargs)
+                timer.begin("checkpoint")
+                try:
+                    return orig(*args, **kwargs)
+                finally:
+                    timer.end("checkpoint")
+
+            return timed_save
+
+        self._save_patch = patch(trainer, "save_checkpoint", timed, key=f"PerformanceMonitor-{id(self)}")
 
     def _unwrap_save_checkpoint(self, trainer: pl.Trainer) -> None:
-        if self._orig_save is not None:
-            if trainer.__dict__.get("save_checkpoint") is not None:
-                del trainer.save_checkpoint  # back to the class method
-            self._orig_save = None
+        if self._save_patch is not None:
+            self._save_patch.restore()  # back to the class method
+            self._save_patch = None
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -7,6 +7,7 @@
 """
 
 from lightning_accel.recipes.callbacks import KnowledgeDistillation, LinearScalingLR, PerStepLR, StructuredPruning
+from lightning_accel.recipes.channel_groups import ChannelGroup, find_channel_groups
 from lightning_accel.recipes.distill import (
     check_distillation_args,
     check_logits_match,
@@ -22,7 +23,6 @@ from lightning_accel.recipes.lr import (
     linear_scaling_factor,
     warmup_cosine_value,
 )
-from lightning_accel.recipes.channel_groups import ChannelGroup, find_channel_groups
 from lightning_accel.recipes.prune import (
     PruneResult,
     apply_structured_pruning,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_accel._utils.patching import Patch, patch
 from lightning_accel.recipes.distill import (
     check_distillation_args,
     combine_losses,
@@ -243,6 +244,7 @@ class KnowledgeDistillation(Callback):
         self.alpha = float(alpha)
         self._module: LightningModule | None = None
         self._hook: Any = None
+        self._patch: Patch | None = None
         self._capturing = False
         self._captured: list[tuple[tuple[Any, ...], dict[str, Any], Any]] = []
 
@@ -281,27 +283,32 @@ class KnowledgeDistillation(Callback):
     def _install(self, pl_module: LightningModule) -> None:
         if self._module is not None:
             return
-        original = pl_module.training_step  # bound method of the class (or a user's instance override)
 
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             if self._capturing:
                 self._captured.append((args, kwargs, output))
 
-        def training_step(*args: Any, **kwargs: Any) -> Any:
-            self._captured = []
-            self._capturing = True
-            try:
-                out = original(*args, **kwargs)
-            finally:
-                self._capturing = False
-            batch = args[0] if args else kwargs.get("batch")
-            try:
-                return self._distil(pl_module, out, batch)
-            finally:
+        def distilled(p: Patch) -> Callable[..., Any]:
+            original = p.original  # bound method of the class (or a user's instance override)
+
+            def training_step(*args: Any, **kwargs: Any) -> Any:
                 self._captured = []
+                self._capturing = True
+                try:
+                    out = original(*args, **kwargs)
+                finally:
+                    self._capturing = False
+                batch = args[0] if args else kwargs.get("batch")
+                try:
+                    return self._distil(pl_module, out, batch)
+                finally:
+                    self._captured = []
+
+            return training_step
 
         self._hook = pl_module.register_forward_hook(hook, with_kwargs=True)
-        pl_module.training_step = training_step  # type: ignore[method-assign]  # wrapped on the instance for the fit
+        # wrapped on the instance for the fit, restored by `_uninstall`
+        self._patch = patch(pl_module, "training_step", distilled, key=f"KnowledgeDistillation-{id(self)}")
         self._module = pl_module
 
     def _uninstall(self) -> None:
@@ -310,7 +317,9 @@ class KnowledgeDistillation(Callback):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-        self._module.__dict__.pop("training_step", None)
+        if self._patch is not None:
+            self._patch.restore()
+            self._patch = None
         self._module = None
 
     def _student_logits(self, out: Any) -> torch.Tensor:

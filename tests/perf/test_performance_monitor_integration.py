@@ -76,6 +76,7 @@ def test_starved_run_is_data_bound_with_exact_numbers(tmp_path: Path) -> None:
     assert data_s and all(v == pytest.approx(0.040) for v in data_s)
     assert any(row.get("perf/report/data_frac") for row in rows)
     assert "save_checkpoint" not in trainer.__dict__  # the timing wrapper is removed at teardown
+    assert trainer.save_checkpoint.__func__ is pl.Trainer.save_checkpoint  # the original method comes back
 
 
 def test_verdict_data_vs_compute(tmp_path: Path) -> None:
