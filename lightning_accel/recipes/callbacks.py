@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_accel._utils.patching import Patch, patch
+from lightning_accel.recipes._renamed import renamed_argument
 from lightning_accel.recipes.distill import (
     check_distillation_args,
     combine_losses,
@@ -399,7 +400,8 @@ class StructuredPruning(Callback):
         schedule: epoch (or epochs) at whose start to prune; ``0`` prunes before training (prune-then-fine-tune).
         target: dotted name of the submodule to prune (``None``: the LightningModule itself, traced through its
             ``forward``).
-        ignore: module names (relative to the pruned module) whose outputs must keep all channels.
+        ignore_modules: module names (relative to the pruned module) whose outputs must keep all channels.
+        ignore: deprecated spelling of ``ignore_modules`` (same values).
         round_to: keep a multiple of this many channels per group.
         fold_bn: rank the channels of a layer followed by a BatchNorm on the BN-folded filter norm
             (:func:`~lightning_accel.recipes.prune.channel_importance`) instead of the raw filter norm. Off by default:
@@ -422,11 +424,12 @@ class StructuredPruning(Callback):
         norm: str = "l1",
         schedule: int | Sequence[int] = 0,
         target: str | None = None,
-        ignore: Sequence[str] = (),
+        ignore_modules: Sequence[str] = (),
         round_to: int = 1,
         fold_bn: bool = False,
         recalibrate_bn: bool = True,
         train_mode: bool = True,
+        ignore: Sequence[str] | None = None,
     ) -> None:
         self.amount = check_amount(amount)
         if norm not in ("l1", "l2"):
@@ -448,7 +451,8 @@ class StructuredPruning(Callback):
         self.schedule = sorted(epochs)
         self.step_amounts = dict(zip(self.schedule, schedule_amounts(self.amount, len(self.schedule)), strict=True))
         self.target = target
-        self.ignore = tuple(ignore)
+        given = tuple(ignore_modules)
+        self.ignore_modules = tuple(renamed_argument("ignore_modules", given, "ignore", ignore, new_given=bool(given)))
         self.round_to = round_to
         self.done: list[int] = []
         self.history: list[dict[str, Any]] = []
@@ -525,7 +529,7 @@ class StructuredPruning(Callback):
             self._example_inputs(pl_module, batch),
             norm=self.norm,
             optimizers=trainer.optimizers,
-            ignore=self.ignore,
+            ignore_modules=self.ignore_modules,
             round_to=self.round_to,
             fold_bn=self.fold_bn,
         )

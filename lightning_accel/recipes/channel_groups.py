@@ -28,6 +28,8 @@ import torch.fx
 from torch import nn
 from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
 
+from lightning_accel.recipes._renamed import renamed_argument
+
 __all__ = ["CONV_TYPES", "NORM_TYPES", "ChannelGroup", "Layer", "Norm", "find_channel_groups"]
 
 #: the convolutions a channel group can slice (``groups == 1`` only)
@@ -207,19 +209,28 @@ def _trace(model: nn.Module, example_inputs: tuple[Any, ...]) -> torch.fx.GraphM
 
 
 def find_channel_groups(
-    model: nn.Module, example_inputs: tuple[Any, ...] | torch.Tensor, *, ignore: Iterable[str] = ()
+    model: nn.Module,
+    example_inputs: tuple[Any, ...] | torch.Tensor,
+    *,
+    ignore_modules: Iterable[str] = (),
+    ignore: Iterable[str] | None = None,
 ) -> tuple[list[ChannelGroup], list[tuple[str, str]]]:
     """Trace ``model`` and return its prunable channel groups, plus ``(layer, reason)`` for conv/linear layers skipped.
 
     Args:
         model: the network (any ``nn.Module`` torch.fx can trace; a LightningModule works if its ``forward`` does).
         example_inputs: inputs for one forward pass (a tensor or a tuple of positional args), on the model's device.
-        ignore: names of modules whose output channels must not be pruned.
+        ignore_modules: names of modules whose output channels must not be pruned.
+        ignore: deprecated spelling of ``ignore_modules`` (same values).
     """
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     gm = _trace(model, tuple(example_inputs))
-    flow = _ChannelFlow(dict(model.named_modules()), set(ignore))
+    ignore_modules = tuple(ignore_modules)
+    ignore_modules = renamed_argument(
+        "ignore_modules", ignore_modules, "ignore", ignore, new_given=bool(ignore_modules)
+    )
+    flow = _ChannelFlow(dict(model.named_modules()), set(ignore_modules))
     for node in gm.graph.nodes:
         flow.visit(node)
     flow.block_shared_layers(model)

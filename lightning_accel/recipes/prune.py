@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_accel.recipes._renamed import renamed_argument
 from lightning_accel.recipes.channel_groups import CONV_TYPES, NORM_TYPES, ChannelGroup, Norm, find_channel_groups
 
 __all__ = [
@@ -266,9 +267,10 @@ def apply_structured_pruning(
     *,
     norm: str = "l1",
     optimizers: Sequence[torch.optim.Optimizer] = (),
-    ignore: Iterable[str] = (),
+    ignore_modules: Iterable[str] = (),
     round_to: int = 1,
     fold_bn: bool = False,
+    ignore: Iterable[str] | None = None,
 ) -> PruneResult:
     """Remove the ``amount`` weakest channels of every prunable group of ``model``, in place.
 
@@ -278,9 +280,10 @@ def apply_structured_pruning(
         example_inputs: inputs for one traced forward pass, on the model's device.
         norm: filter norm used to rank channels, ``"l1"`` or ``"l2"``.
         optimizers: optimizers over ``model``'s parameters whose per-parameter state is sliced to match.
-        ignore: module names whose output channels must not be pruned.
+        ignore_modules: module names whose output channels must not be pruned.
         round_to: keep a multiple of this many channels per group (e.g. 8 for vectorised kernels).
         fold_bn: rank a producer followed by a BatchNorm on its BN-folded filter (see :func:`channel_importance`).
+        ignore: deprecated spelling of ``ignore_modules`` (same values).
 
     Returns:
         A :class:`PruneResult`; a warning is raised when nothing was pruned.
@@ -295,7 +298,11 @@ def apply_structured_pruning(
     if isinstance(round_to, bool) or not isinstance(round_to, int) or round_to < 1:
         raise ValueError(f"`round_to` must be an integer >= 1, got {round_to!r}.")
     before = count_parameters(model)
-    groups, skipped = find_channel_groups(model, example_inputs, ignore=ignore)
+    ignore_modules = tuple(ignore_modules)
+    ignore_modules = renamed_argument(
+        "ignore_modules", ignore_modules, "ignore", ignore, new_given=bool(ignore_modules)
+    )
+    groups, skipped = find_channel_groups(model, example_inputs, ignore_modules=ignore_modules)
     plans = []
     for g in groups:
         n_keep = _n_keep(g.size, amount, round_to)

@@ -271,3 +271,19 @@ def test_folded_importance_ranks_by_the_normalised_output() -> None:
     assert int(channel_importance(g, "l1", fold_bn=False).argmax()) == 2
     folded = channel_importance(g, "l1", fold_bn=True)
     assert int(folded.argmax()) == 5 and int(folded.argmin()) == 2
+
+
+def test_ignore_modules_keeps_a_layer_and_the_old_spelling_still_works() -> None:
+    model = _resnet()
+    groups, skipped = find_channel_groups(model, X, ignore_modules=["layers.1.conv1"])
+    assert ("layers.1.conv1", "ignored") in skipped
+    assert all("layers.1.conv1" not in g.names for g in groups)
+    with pytest.warns(DeprecationWarning, match="`ignore` is deprecated; use `ignore_modules` \\(same values\\)"):
+        old = find_channel_groups(model, X, ignore=["layers.1.conv1"])
+    assert old[1] == skipped
+    before = model.layers[1].conv1.out_channels
+    with pytest.warns(DeprecationWarning, match="use `ignore_modules`"):
+        apply_structured_pruning(model, 0.5, X, ignore=["layers.1.conv1"])
+    assert model.layers[1].conv1.out_channels == before
+    with pytest.raises(ValueError, match="Pass only `ignore_modules`: `ignore` is its deprecated spelling"):
+        apply_structured_pruning(model, 0.5, X, ignore_modules=["stem"], ignore=["stem"])

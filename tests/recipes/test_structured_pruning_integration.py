@@ -133,6 +133,15 @@ def test_resume_from_a_pruned_checkpoint(tmp_path: Path) -> None:
     assert cb.done == [0] and len(cb.history) == 1
 
 
+def test_ignore_modules_and_its_deprecated_spelling() -> None:
+    assert StructuredPruning(ignore_modules=["model.stem"]).ignore_modules == ("model.stem",)
+    with pytest.warns(DeprecationWarning, match="`ignore` is deprecated; use `ignore_modules` \\(same values\\)"):
+        cb = StructuredPruning(ignore=["model.stem"])
+    assert cb.ignore_modules == ("model.stem",)
+    with pytest.raises(ValueError, match="Pass only `ignore_modules`"):
+        StructuredPruning(ignore_modules=["a"], ignore=["b"])
+
+
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="`amount` must be a fraction in \\[0, 1\\)"):
         StructuredPruning(amount=1.0)
