@@ -21,6 +21,7 @@ from typing_extensions import override
 
 from lightning_accel._utils import compat
 from lightning_accel._utils.atomic import atomic_write_bytes, atomic_write_text
+from lightning_accel._utils.checks import check_int, check_number
 from lightning_accel._utils.patching import Patch, patch
 from lightning_accel._utils.rank import global_rank
 from lightning_accel.perf.cuda_memory import (
@@ -109,15 +110,17 @@ class PerformanceMonitor(Callback):
         span_clock: Clock | None = None,
     ) -> None:
         super().__init__()
-        if log_every_n_steps is not None and log_every_n_steps < 1:
-            raise ValueError(f"`log_every_n_steps` must be >= 1 or None, got {log_every_n_steps!r}.")
-        if skip_steps < (1 if count_flops else 0):
-            raise ValueError(
-                f"`skip_steps` must be >= 1 when `count_flops=True` (the counted step is slow), got {skip_steps!r}. "
-                "Raise it or pass `count_flops=False`."
-            )
-        if peak_flops is not None and peak_flops <= 0:
-            raise ValueError(f"`peak_flops` must be > 0 (FLOP/s) or None, got {peak_flops!r}.")
+        check_int("log_every_n_steps", log_every_n_steps, low=1, allow_none=True)
+        check_int(
+            "skip_steps",
+            skip_steps,
+            low=1 if count_flops else 0,
+            fix="With `count_flops=True` the FLOP count runs in the last skipped step (it is slow): raise it or pass "
+            "`count_flops=False`."
+            if count_flops
+            else "",
+        )
+        check_number("peak_flops", peak_flops, low=0, low_open=True, allow_none=True, fix="Pass the device's FLOP/s.")
         self.log_every_n_steps = log_every_n_steps
         self.skip_steps = skip_steps
         self.count_flops = count_flops
@@ -571,10 +574,17 @@ class CudaMemoryManager(Callback):
         max_history_entries: int = 100_000,
     ) -> None:
         super().__init__()
-        if log_every_n_steps is not None and log_every_n_steps < 1:
-            raise ValueError(f"`log_every_n_steps` must be >= 1 or None, got {log_every_n_steps!r}.")
-        if release_threshold is not None and not 0.0 < release_threshold < 1.0:
-            raise ValueError(f"`release_threshold` must be in (0, 1) or None, got {release_threshold!r}; e.g. 0.5.")
+        check_int("log_every_n_steps", log_every_n_steps, low=1, allow_none=True)
+        check_number(
+            "release_threshold",
+            release_threshold,
+            low=0,
+            high=1,
+            low_open=True,
+            high_open=True,
+            allow_none=True,
+            fix="E.g. 0.5 (a fragmentation fraction).",
+        )
         self.settings = AllocatorSettings(expandable_segments, max_split_size_mb, garbage_collection_threshold)
         self.log_every_n_steps = log_every_n_steps
         self.release_threshold = release_threshold
