@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_accel._utils.checks import check_int, check_number
+from lightning_accel._utils.errors import one_line
 
 __all__ = [
     "AllocatorSettings",
@@ -183,7 +184,7 @@ def apply_allocator_settings(
             setter(conf)
             res.runtime_set = True
         except Exception as e:  # an older torch that rejects a key: say which and keep going
-            res.messages.append(f"the allocator rejected {conf!r} at runtime ({type(e).__name__}: {e}).")
+            res.messages.append(f"the allocator rejected {conf!r} at runtime ({type(e).__name__}: {one_line(e)}).")
     if is_init:
         res.messages.append(
             f"CUDA was already initialised, so {conf!r} only applies to memory reserved from now on "

@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_accel._utils.errors import one_line
 from lightning_accel._utils.patching import Patch, patch
 from lightning_accel.recipes._renamed import renamed_argument
 from lightning_accel.recipes.distill import (
@@ -543,7 +544,8 @@ class StructuredPruning(Callback):
             except Exception as e:
                 raise ValueError(
                     "StructuredPruning could not rebuild the BatchNorm statistics by calling the module on the batch's "
-                    f"inputs ({type(e).__name__}: {e}). Use (inputs, targets) batches or pass `recalibrate_bn=False`."
+                    f"inputs ({type(e).__name__}: {one_line(e)}). Use (inputs, targets) batches or pass "
+                    "`recalibrate_bn=False`."
                 ) from e
         self._rewrap_ddp(trainer, pl_module)
         self.done.append(epoch)

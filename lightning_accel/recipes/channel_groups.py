@@ -28,6 +28,7 @@ import torch.fx
 from torch import nn
 from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
 
+from lightning_accel._utils.errors import one_line
 from lightning_accel.recipes._renamed import renamed_argument
 
 __all__ = ["CONV_TYPES", "NORM_TYPES", "ChannelGroup", "Layer", "Norm", "find_channel_groups"]
@@ -193,9 +194,9 @@ def _trace(model: nn.Module, example_inputs: tuple[Any, ...]) -> torch.fx.GraphM
         gm = torch.fx.GraphModule(tracer.root, graph)
     except Exception as e:
         raise TypeError(
-            f"Structured pruning could not trace `{type(model).__name__}` with torch.fx ({type(e).__name__}: {e}). "
-            "Prune a traceable submodule instead (e.g. `target='model'`), or keep data-dependent control flow out of "
-            "its forward."
+            f"Structured pruning could not trace `{type(model).__name__}` with torch.fx "
+            f"({type(e).__name__}: {one_line(e)}). Prune a traceable submodule instead (e.g. `target='model'`), or "
+            "keep data-dependent control flow out of its forward."
         ) from e
     modes = {m: m.training for m in model.modules()}
     model.eval()

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_accel._utils.errors import one_line
 from lightning_accel.checkpoint.reader import read_checkpoint
 from lightning_accel.recipes.prune import resize_to_state_dict
 
@@ -122,7 +123,7 @@ def _resolve_class(cls: type[nn.Module] | str | None, path: str) -> type[nn.Modu
         try:
             cls = getattr(importlib.import_module(mod), name)
         except (ImportError, AttributeError) as e:
-            raise ValueError(f"`teacher_class` {cls!r} cannot be imported: {e}.") from e
+            raise ValueError(f"`teacher_class` {cls!r} cannot be imported: {one_line(e)}.") from e
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         raise ValueError(f"`teacher_class` must be a torch.nn.Module subclass, got {cls!r}.")
     return cls
@@ -162,5 +163,7 @@ def load_teacher(path: str | os.PathLike[str], teacher_class: type[nn.Module] | 
     try:
         model.load_state_dict(state)
     except RuntimeError as e:
-        raise ValueError(f"`teacher` checkpoint {p!r} does not fit `teacher_class` {cls.__name__}: {e}") from e
+        raise ValueError(
+            f"`teacher` checkpoint {p!r} does not fit `teacher_class` {cls.__name__}: {one_line(e)}"
+        ) from e
     return model
