@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_accel._utils.checks import check_choice, check_int
 from lightning_accel._utils.errors import one_line
 from lightning_accel._utils.patching import Patch, patch
 from lightning_accel.recipes._renamed import renamed_argument
@@ -108,13 +109,13 @@ class LinearScalingLR(Callback):
         batch_size: per-device batch size (``None``: read it from the train DataLoader).
 
     Raises:
+        TypeError: a ``base_batch_size``/``batch_size`` that is not an integer.
         ValueError: a non-positive ``base_batch_size``/``batch_size``, or a per-device batch size that cannot be found.
     """
 
     def __init__(self, base_batch_size: int, batch_size: int | None = None) -> None:
-        linear_scaling_factor(1, base_batch_size)  # validates
-        if batch_size is not None:
-            linear_scaling_factor(batch_size, 1)
+        check_int("base_batch_size", base_batch_size, low=1, fix="Pass the batch size in samples.")
+        check_int("batch_size", batch_size, low=1, allow_none=True, fix="Pass the batch size in samples.")
         self.base_batch_size = int(base_batch_size)
         self.batch_size = batch_size
         self.factor: float | None = None
@@ -415,6 +416,7 @@ class StructuredPruning(Callback):
             leaves frozen norms frozen (they still get the recalibrated statistics).
 
     Raises:
+        TypeError: an ``amount``, ``norm``, ``schedule`` entry or ``round_to`` of the wrong type (a bool for an epoch).
         ValueError: ``amount`` outside [0, 1), a bad ``norm``, negative or duplicate epochs in ``schedule``.
     """
 
@@ -433,18 +435,16 @@ class StructuredPruning(Callback):
         ignore: Sequence[str] | None = None,
     ) -> None:
         self.amount = check_amount(amount)
-        if norm not in ("l1", "l2"):
-            raise ValueError(f"`norm` must be 'l1' or 'l2', got {norm!r}.")
-        epochs = [schedule] if isinstance(schedule, int) else list(schedule)
-        if not epochs or any(isinstance(e, bool) or not isinstance(e, int) or e < 0 for e in epochs):
-            raise ValueError(
-                f"`schedule` must be an epoch index >= 0 or a non-empty list of them, got {schedule!r}. "
-                "E.g. `schedule=0` prunes before training, `schedule=[1, 2, 3]` prunes in three steps."
-            )
+        check_choice("norm", norm, ("l1", "l2"))
+        fix = "E.g. `schedule=0` prunes before training, `schedule=[1, 2, 3]` prunes in three steps."
+        epochs = [schedule] if isinstance(schedule, int) or not isinstance(schedule, Sequence) else list(schedule)
+        if not epochs:
+            raise ValueError(f"`schedule` must be an epoch index >= 0 or a non-empty list of them, got []. {fix}")
+        for e in epochs:
+            check_int("schedule", e, low=0, fix=f"It holds epoch indices. {fix}")
         if len(set(epochs)) != len(epochs):
             raise ValueError(f"`schedule` has repeated epochs: {schedule!r}. List each epoch once.")
-        if isinstance(round_to, bool) or not isinstance(round_to, int) or round_to < 1:
-            raise ValueError(f"`round_to` must be an integer >= 1, got {round_to!r}.")
+        check_int("round_to", round_to, low=1)
         self.fold_bn = bool(fold_bn)
         self.recalibrate_bn = bool(recalibrate_bn)
         self.train_mode = bool(train_mode)

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_accel._utils.checks import check_choice, check_int, check_number
 from lightning_accel.recipes._renamed import renamed_argument
 from lightning_accel.recipes.channel_groups import CONV_TYPES, NORM_TYPES, ChannelGroup, Norm, find_channel_groups
 
@@ -67,17 +68,22 @@ class PruneResult:
 
 
 def check_amount(amount: float, name: str = "amount") -> float:
-    """Validate a pruning fraction in [0, 1) and return it as a float.
+    """Validate a pruning fraction in [0, 1) and return it as a float (through ``_utils.checks.check_number``).
 
     Raises:
-        ValueError: naming ``name``, with the value and the fix.
+        TypeError: ``amount`` is not a number (a bool or a string neither), naming ``name``.
+        ValueError: ``amount`` outside [0, 1), naming ``name``, with the value and the fix.
     """
-    if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not 0.0 <= amount < 1.0:
-        raise ValueError(
-            f"`{name}` must be a fraction in [0, 1) of the channels to remove, got {amount!r}. "
-            "E.g. 0.5 removes half of each prunable layer's channels; 1.0 would remove them all."
-        )
-    return float(amount)
+    checked: float = check_number(
+        name,
+        amount,
+        low=0,
+        high=1,
+        high_open=True,
+        fix="It is the fraction of the channels to remove: 0.5 removes half of each prunable layer's channels; 1.0 "
+        "would remove them all.",
+    )
+    return checked
 
 
 def count_parameters(model: nn.Module) -> int:
@@ -92,8 +98,7 @@ def schedule_amounts(amount: float, steps: int) -> list[float]:
     channels is ``1 - (1 - a_k) / (1 - a_{k-1})``.
     """
     check_amount(amount)
-    if steps < 1:
-        raise ValueError(f"`steps` must be >= 1, got {steps!r}.")
+    check_int("steps", steps, low=1)
     cum = [amount * k / steps for k in range(steps + 1)]
     return [1.0 - (1.0 - cum[k]) / (1.0 - cum[k - 1]) for k in range(1, steps + 1)]
 
@@ -109,8 +114,7 @@ def channel_importance(group: ChannelGroup, norm: str = "l1", *, fold_bn: bool =
             A BatchNorm divides its input by the channel's standard deviation, so the raw filter norm alone says
             nothing about a channel's output (scaling ``w_c`` changes nothing after the norm); the folded norm does.
     """
-    if norm not in ("l1", "l2"):
-        raise ValueError(f"`norm` must be 'l1' or 'l2', got {norm!r}.")
+    check_choice("norm", norm, ("l1", "l2"))
     total = torch.zeros(group.size, dtype=torch.float64)
     for name, m in group.producers:
         w = m.weight.detach().flatten(1).double().cpu()
@@ -290,13 +294,11 @@ def apply_structured_pruning(
 
     Raises:
         ValueError: bad ``amount``/``norm``/``round_to``, each named.
-        TypeError: a model torch.fx cannot trace.
+        TypeError: an ``amount``/``norm``/``round_to`` of the wrong type, each named; a model torch.fx cannot trace.
     """
     amount = check_amount(amount)
-    if norm not in ("l1", "l2"):
-        raise ValueError(f"`norm` must be 'l1' or 'l2', got {norm!r}.")
-    if isinstance(round_to, bool) or not isinstance(round_to, int) or round_to < 1:
-        raise ValueError(f"`round_to` must be an integer >= 1, got {round_to!r}.")
+    check_choice("norm", norm, ("l1", "l2"))
+    check_int("round_to", round_to, low=1)
     before = count_parameters(model)
     ignore_modules = tuple(ignore_modules)
     ignore_modules = renamed_argument(

@@ -175,10 +175,21 @@ def test_nothing_to_prune_warns() -> None:
         apply_structured_pruning(_resnet(), 0.0, X)  # amount 0: nothing asked, nothing said
 
 
-@pytest.mark.parametrize("bad", [1.0, -0.1, 1.5, "0.5"])
-def test_bad_amount_names_the_argument(bad: object) -> None:
-    with pytest.raises(ValueError, match="`amount` must be a fraction in \\[0, 1\\)"):
+@pytest.mark.parametrize(
+    ("bad", "kind"), [(1.0, ValueError), (-0.1, ValueError), (1.5, ValueError), ("0.5", TypeError), (True, TypeError)]
+)
+def test_bad_amount_names_the_argument(bad: object, kind: type[Exception]) -> None:
+    with pytest.raises(kind, match="`amount` must be a number >= 0 and < 1, got .*fraction of the channels to remove"):
         apply_structured_pruning(_resnet(), bad, X)  # type: ignore[arg-type]
+
+
+def test_bad_norm_round_to_and_steps() -> None:
+    with pytest.raises(ValueError, match="`norm` must be 'l1' or 'l2', got 'l0'"):
+        apply_structured_pruning(_resnet(), 0.5, X, norm="l0")
+    with pytest.raises(TypeError, match="`round_to` must be an integer >= 1, got True \\(bool\\)"):
+        apply_structured_pruning(_resnet(), 0.5, X, round_to=True)
+    with pytest.raises(ValueError, match="`steps` must be an integer >= 1, got 0"):
+        schedule_amounts(0.5, 0)
 
 
 def test_untraceable_model_gives_a_clear_error() -> None:

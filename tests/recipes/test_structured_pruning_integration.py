@@ -143,10 +143,20 @@ def test_ignore_modules_and_its_deprecated_spelling() -> None:
 
 
 def test_bad_arguments() -> None:
-    with pytest.raises(ValueError, match="`amount` must be a fraction in \\[0, 1\\)"):
+    with pytest.raises(ValueError, match="`amount` must be a number >= 0 and < 1, got 1.0"):
         StructuredPruning(amount=1.0)
-    with pytest.raises(ValueError, match="`schedule`"):
+    with pytest.raises(ValueError, match="`schedule` must be an integer >= 0, got -1. It holds epoch indices"):
         StructuredPruning(schedule=-1)
+    with pytest.raises(TypeError, match="`schedule` must be an integer >= 0, got True \\(bool\\)"):
+        StructuredPruning(schedule=[1, True])
+    with pytest.raises(
+        ValueError, match="`schedule` must be an epoch index >= 0 or a non-empty list of them, got \\[\\]"
+    ):
+        StructuredPruning(schedule=[])
+    with pytest.raises(ValueError, match="`schedule` has repeated epochs"):
+        StructuredPruning(schedule=[1, 1])
+    with pytest.raises(TypeError, match="`round_to`"):
+        StructuredPruning(round_to=False)
     with pytest.raises(ValueError, match="`norm`"):
         StructuredPruning(norm="l0")
     with pytest.raises(ValueError, match="`target` 'nope'"):
