@@ -274,8 +274,10 @@ def test_compile_in_place_works_with_a_working_backend() -> None:
 
 
 def test_plugin_arguments_and_in_place_convert() -> None:
-    with pytest.raises(ValueError, match="`precision` must be 'bf16-mixed' or '16-mixed', got '32'"):
+    with pytest.raises(ValueError, match="`precision` must be 'bf16-mixed' or '16-mixed', got '32'. FusedPrecision"):
         FusedPrecision("32")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="`precision` must be 'bf16-mixed' or '16-mixed', got 16 \\(int\\)"):
+        FusedPrecision(16)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="unknown pattern"):
         FusedPrecision(fusions=["qkvo"])
     plugin = FusedPrecision("bf16-mixed", device="cpu", fusions="norm")
