@@ -18,8 +18,8 @@ means "the GPU had nothing to do" (starvation), not "the host waited" (a host th
 :meth:`StepTimer.flush`, which waits for the last event only: one synchronisation per flush, never per step.
 Spans (validation, saves) are always timed on the host clock; they synchronise anyway.
 
-Overhead: per step two ``clock.mark()`` calls and a list append (about 1 µs on the host clock, measured
-in ``benchmarks/monitor_overhead.py``).
+Overhead: per step two ``clock.mark()`` calls and a list append; ``benchmarks/monitor_overhead.py`` measures what
+that costs.
 """
 
 from __future__ import annotations

@@ -407,7 +407,8 @@ class StructuredPruning(Callback):
         round_to: keep a multiple of this many channels per group.
         fold_bn: rank the channels of a layer followed by a BatchNorm on the BN-folded filter norm
             (:func:`~lightning_accel.recipes.prune.channel_importance`) instead of the raw filter norm. Off by default:
-            on the digits ResNet (amount 0.5 + fine-tune, 5 seeds) it did not lower the drop (mean 0.0056 vs 0.0045).
+            it did not lower the accuracy drop of pruning + fine-tune on the digits ResNet (``benchmarks/recipes.py``
+            measures that drop, ``pruned_acc_drop``, over several seeds).
         recalibrate_bn: after each pruning step, rebuild every BatchNorm's running statistics from the pruning batch
             (:func:`~lightning_accel.recipes.prune.recalibrate_batchnorm`: one extra no-grad forward). The sliced
             statistics describe the unpruned network: the layers behind a pruned group see fewer input channels.
@@ -515,8 +516,8 @@ class StructuredPruning(Callback):
         norms = batch_norms(module)
         if self.train_mode and norms and not any(bn.training for bn in norms):
             # Lightning keeps the mode a module arrives in: a trained model evaluated before this fit would fine-tune
-            # with BatchNorm normalising by the sliced statistics of the unpruned network, never updated (measured on
-            # the digits ResNet: accuracy drop 0.0084-0.0195 over 5 seeds, against 0-0.0084 in train mode)
+            # with BatchNorm normalising by the sliced statistics of the unpruned network, never updated, and lose
+            # accuracy (benchmarks/recipes.py measures the pruning drop on the digits ResNet)
             rank_zero_warn(
                 f"StructuredPruning: every BatchNorm of the pruned module was in eval mode at epoch {epoch}'s first "
                 "training batch (the model was evaluated before `fit`?); switching the module to train mode so they "
@@ -536,8 +537,8 @@ class StructuredPruning(Callback):
         )
         if self.recalibrate_bn:
             # one no-grad pass over the pruning batch with the norms in train mode: the sliced statistics describe the
-            # unpruned network (digits ResNet, amount 0.5, before any fine-tune: accuracy 0.11 in eval mode with them,
-            # 0.71 once re-estimated from 8 batches); frozen norms (`train_mode=False`) keep these fresh ones
+            # unpruned network, which costs accuracy in eval mode until they are re-estimated (benchmarks/recipes.py
+            # measures the pruned model's accuracy); frozen norms (`train_mode=False`) keep these fresh ones
             inputs = batch[0] if isinstance(batch, (list, tuple)) else batch
             try:
                 recalibrate_batchnorm(module, [inputs], forward=lambda _, x: pl_module(x))
