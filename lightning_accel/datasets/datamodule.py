@@ -17,6 +17,7 @@ from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Subset
 from typing_extensions import override
 
+from lightning_accel._utils.checks import check_int
 from lightning_accel.data import CachedDataModule
 from lightning_accel.data.dataset import default_num_workers, split_indices
 from lightning_accel.datasets.digits import DIGITS_CLASSES, check_render_target, materialize_digits
@@ -58,8 +59,7 @@ class DigitsDataModule(LightningDataModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        if batch_size < 1:
-            raise ValueError(f"`batch_size` must be >= 1, got {batch_size!r}.")
+        check_int("batch_size", batch_size, low=1)
         split_indices(1, val_fraction, seed)  # validates val_fraction early
         # Before any write: the digits are rendered into data_dir, which must not be someone's own image folder.
         check_render_target(

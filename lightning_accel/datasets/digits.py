@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from lightning_accel._utils.atomic import atomic_write_text, fsync_dir
+from lightning_accel._utils.checks import check_int
 from lightning_accel._utils.imports import require
 
 __all__ = [
@@ -133,16 +134,14 @@ def materialize_digits(
         quality: JPEG quality.
 
     Raises:
+        TypeError: a ``size``/``num_images``/``quality`` that is not an integer (a bool neither).
         ValueError: bad ``size``/``num_images``/``quality``; ``root`` already holds digits made with other arguments;
             or ``root`` holds files the renderer did not write (see :func:`check_render_target`), nothing written.
         PermissionError: ``root`` cannot be written.
     """
-    if not isinstance(size, int) or size < 8:
-        raise ValueError(f"`size` must be an integer >= 8 (pixels), got {size!r}.")
-    if num_images is not None and (not isinstance(num_images, int) or num_images < 1):
-        raise ValueError(f"`num_images` must be a positive integer or None, got {num_images!r}.")
-    if not isinstance(quality, int) or not 1 <= quality <= 100:
-        raise ValueError(f"`quality` must be an integer in [1, 100], got {quality!r}.")
+    check_int("size", size, low=8, fix="It is the side of the images in pixels.")
+    check_int("num_images", num_images, low=1, allow_none=True)
+    check_int("quality", quality, low=1, high=100, fix="It is the JPEG quality.")
     n = DIGITS_COUNT if num_images is None else num_images
     root_p = Path(os.fspath(root)).expanduser().resolve()
     info = DigitsInfo(root=str(root_p), size=size, num_images=n, quality=quality)

@@ -11,6 +11,7 @@ from lightning.pytorch import LightningModule
 from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
+from lightning_accel._utils.checks import check_int
 from lightning_accel.models.resnet import SmallResNet
 from lightning_accel.models.transformer import GPT
 from lightning_accel.recipes.callbacks import bind_to_fit
@@ -112,12 +113,8 @@ class ImageClassifier(LightningModule):
         weight_decay: float = 5e-4,
     ) -> None:
         super().__init__()
-        if num_classes != "auto" and (
-            not isinstance(num_classes, int) or isinstance(num_classes, bool) or num_classes < 2
-        ):
-            raise ValueError(
-                f"`num_classes` must be an integer >= 2 or 'auto' (follow the data module), got {num_classes!r}."
-            )
+        if num_classes != "auto":
+            check_int("num_classes", num_classes, low=2, fix="Or pass 'auto' to follow the data module.")
         self.save_hyperparameters()
         # "auto": the body is built now (callbacks that look at `model` in their own `setup`, which Lightning runs
         # before this module's, find it), with a provisional 2-way head that `setup` replaces before any use.

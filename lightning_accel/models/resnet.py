@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from lightning_accel._utils.checks import check_int
 from lightning_accel.precision.modules import FusedBasicBlockMixin, register_block
 
 __all__ = ["BasicBlock", "SmallResNet"]
@@ -53,8 +54,10 @@ class SmallResNet(nn.Module):
         self, num_classes: int = 10, width: int = 32, blocks: Sequence[int] = (1, 1, 1), in_channels: int = 3
     ) -> None:
         super().__init__()
-        if width < 1 or num_classes < 2 or not blocks:
-            raise ValueError(f"Bad SmallResNet sizes: width={width}, num_classes={num_classes}, blocks={blocks}.")
+        check_int("num_classes", num_classes, low=2)
+        check_int("width", width, low=1)
+        if not blocks:
+            raise ValueError(f"`blocks` must be a non-empty list of blocks per stage, got {blocks!r}.")
         self.stem = nn.Sequential(
             nn.Conv2d(in_channels, width, 3, stride=1, padding=1, bias=False),
             nn.BatchNorm2d(width),

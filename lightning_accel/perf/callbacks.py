@@ -21,6 +21,8 @@ from typing_extensions import override
 
 from lightning_accel._utils import compat
 from lightning_accel._utils.atomic import atomic_write_bytes, atomic_write_text
+from lightning_accel._utils.checks import check_int, check_number
+from lightning_accel._utils.patching import Patch, patch
 from lightning_accel._utils.rank import global_rank
 from lightning_accel.perf.cuda_memory import (
     AllocatorSettings,
@@ -108,15 +110,17 @@ class PerformanceMonitor(Callback):
         span_clock: Clock | None = None,
     ) -> None:
         super().__init__()
-        if log_every_n_steps is not None and log_every_n_steps < 1:
-            raise ValueError(f"`log_every_n_steps` must be >= 1 or None, got {log_every_n_steps!r}.")
-        if skip_steps < (1 if count_flops else 0):
-            raise ValueError(
-                f"`skip_steps` must be >= 1 when `count_flops=True` (the counted step is slow), got {skip_steps!r}. "
-                "Raise it or pass `count_flops=False`."
-            )
-        if peak_flops is not None and peak_flops <= 0:
-            raise ValueError(f"`peak_flops` must be > 0 (FLOP/s) or None, got {peak_flops!r}.")
+        check_int("log_every_n_steps", log_every_n_steps, low=1, allow_none=True)
+        check_int(
+            "skip_steps",
+            skip_steps,
+            low=1 if count_flops else 0,
+            fix="With `count_flops=True` the FLOP count runs in the last skipped step (it is slow): raise it or pass "
+            "`count_flops=False`."
+            if count_flops
+            else "",
+        )
+        check_number("peak_flops", peak_flops, low=0, low_open=True, allow_none=True, fix="Pass the device's FLOP/s.")
         self.log_every_n_steps = log_every_n_steps
         self.skip_steps = skip_steps
         self.count_flops = count_flops
@@ -134,7 +138,7 @@ class PerformanceMonitor(Callback):
         self._sampler: NvmlSampler | None = None
         self._nvml_last: dict[str, float] = {}
         self._every = 50
-        self._orig_save: Any = None
+        self._save_patch: Patch | None = None
         self._ddp_prev: tuple[int, float] | None = None  # (DDP iterations seen, exposed comm per step)
         self._peak_cache: tuple[float | None] | None = None
         self._log_dir: str | None = None
@@ -170,29 +174,31 @@ class PerformanceMonitor(Callback):
         # Shadow the bound method on this trainer instance only (restored in teardown): every save, whoever calls it
         # (ModelCheckpoint, the user, a fault handler), is timed, and the checkpoint IO plugin is left untouched so
         # isinstance checks of other plugins still hold.
-        if self._orig_save is not None:
+        if self._save_patch is not None:
             return
-        orig = trainer.save_checkpoint
-        self._orig_save = orig
 
-        @functools.wraps(orig)
-        def timed_save(*args: Any, **kwargs: Any) -> Any:
-            timer = self.timer
-            if timer is None:
-                return orig(*args, **kwargs)
-            timer.begin("checkpoint")
-            try:
-                return orig(*args, **kwargs)
-            finally:
-                timer.end("checkpoint")
+        def timed(p: Patch) -> Callable[..., Any]:
+            orig = p.original
 
-        trainer.save_checkpoint = timed_save  # type: ignore[method-assign]  # timed on the instance, restored at the end
+            @functools.wraps(orig)
+            def timed_save(*args: Any, **kwargs: Any) -> Any:
+                timer = self.timer
+                if timer is None:
+                    return orig(*args, **kwargs)
+                timer.begin("checkpoint")
+                try:
+                    return orig(*args, **kwargs)
+                finally:
+                    timer.end("checkpoint")
+
+            return timed_save
+
+        self._save_patch = patch(trainer, "save_checkpoint", timed, key=f"PerformanceMonitor-{id(self)}")
 
     def _unwrap_save_checkpoint(self, trainer: pl.Trainer) -> None:
-        if self._orig_save is not None:
-            if trainer.__dict__.get("save_checkpoint") is not None:
-                del trainer.save_checkpoint  # back to the class method
-            self._orig_save = None
+        if self._save_patch is not None:
+            self._save_patch.restore()  # back to the class method
+            self._save_patch = None
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -568,10 +574,17 @@ class CudaMemoryManager(Callback):
         max_history_entries: int = 100_000,
     ) -> None:
         super().__init__()
-        if log_every_n_steps is not None and log_every_n_steps < 1:
-            raise ValueError(f"`log_every_n_steps` must be >= 1 or None, got {log_every_n_steps!r}.")
-        if release_threshold is not None and not 0.0 < release_threshold < 1.0:
-            raise ValueError(f"`release_threshold` must be in (0, 1) or None, got {release_threshold!r}; e.g. 0.5.")
+        check_int("log_every_n_steps", log_every_n_steps, low=1, allow_none=True)
+        check_number(
+            "release_threshold",
+            release_threshold,
+            low=0,
+            high=1,
+            low_open=True,
+            high_open=True,
+            allow_none=True,
+            fix="E.g. 0.5 (a fragmentation fraction).",
+        )
         self.settings = AllocatorSettings(expandable_segments, max_split_size_mb, garbage_collection_threshold)
         self.log_every_n_steps = log_every_n_steps
         self.release_threshold = release_threshold

@@ -22,6 +22,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_accel._utils.checks import check_int, check_number
+from lightning_accel._utils.errors import one_line
+
 __all__ = [
     "AllocatorSettings",
     "AppliedSettings",
@@ -55,15 +58,23 @@ class AllocatorSettings:
     garbage_collection_threshold: float | None = 0.8
 
     def __post_init__(self) -> None:
-        m = self.max_split_size_mb
-        if m is not None and (not isinstance(m, int) or m < 20):
-            raise ValueError(
-                f"`max_split_size_mb` must be an integer >= 20 (PyTorch's minimum) or None, got {m!r}. "
-                "Use 256 to send requests above 256 MB straight to cudaMalloc."
-            )
-        g = self.garbage_collection_threshold
-        if g is not None and not 0.0 < float(g) < 1.0:
-            raise ValueError(f"`garbage_collection_threshold` must be in (0, 1) or None, got {g!r}; e.g. 0.8.")
+        check_int(
+            "max_split_size_mb",
+            self.max_split_size_mb,
+            low=20,
+            allow_none=True,
+            fix="20 is PyTorch's minimum; use 256 to send requests above 256 MB straight to cudaMalloc.",
+        )
+        check_number(
+            "garbage_collection_threshold",
+            self.garbage_collection_threshold,
+            low=0,
+            high=1,
+            low_open=True,
+            high_open=True,
+            allow_none=True,
+            fix="E.g. 0.8 (a fraction of device memory).",
+        )
 
     def as_dict(self) -> dict[str, str]:
         """``{key: value}`` in the allocator's string syntax, only for the knobs that are set."""
@@ -173,7 +184,7 @@ def apply_allocator_settings(
             setter(conf)
             res.runtime_set = True
         except Exception as e:  # an older torch that rejects a key: say which and keep going
-            res.messages.append(f"the allocator rejected {conf!r} at runtime ({type(e).__name__}: {e}).")
+            res.messages.append(f"the allocator rejected {conf!r} at runtime ({type(e).__name__}: {one_line(e)}).")
     if is_init:
         res.messages.append(
             f"CUDA was already initialised, so {conf!r} only applies to memory reserved from now on "

@@ -18,8 +18,8 @@ means "the GPU had nothing to do" (starvation), not "the host waited" (a host th
 :meth:`StepTimer.flush`, which waits for the last event only: one synchronisation per flush, never per step.
 Spans (validation, saves) are always timed on the host clock; they synchronise anyway.
 
-Overhead: per step two ``clock.mark()`` calls and a list append (about 1 µs on the host clock, measured
-in ``benchmarks/monitor_overhead.py``).
+Overhead: per step two ``clock.mark()`` calls and a list append; ``benchmarks/monitor_overhead.py`` measures what
+that costs.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from lightning_accel._utils.checks import check_choice, check_int
 
 __all__ = ["CATEGORIES", "Clock", "CudaEventClock", "HostClock", "StepTimer", "TimerTotals"]
 
@@ -119,8 +121,7 @@ class StepTimer:
     """
 
     def __init__(self, clock: Clock | None = None, span_clock: Clock | None = None, skip_steps: int = 1) -> None:
-        if skip_steps < 0:
-            raise ValueError(f"`skip_steps` must be >= 0, got {skip_steps!r}.")
+        check_int("skip_steps", skip_steps, low=0)
         self.clock: Clock = clock if clock is not None else HostClock()
         self.span_clock: Clock = span_clock if span_clock is not None else HostClock()
         self.skip_steps = skip_steps
@@ -165,7 +166,7 @@ class StepTimer:
     def begin(self, category: str) -> None:
         """Start a span charged to ``category`` (``"eval"``, ``"checkpoint"``, ...); spans may nest."""
         if category not in CATEGORIES:
-            raise ValueError(f"`category` must be one of {CATEGORIES}, got {category!r}.")
+            check_choice("category", category, CATEGORIES)
         self._spans.append([category, self.span_clock.mark(), 0.0])
 
     def end(self, category: str) -> float:
@@ -202,7 +203,7 @@ class StepTimer:
         """
         for name, c in (("src", src), ("dst", dst)):
             if c not in CATEGORIES:
-                raise ValueError(f"`{name}` must be one of {CATEGORIES} (a category), got {c!r}.")
+                check_choice(name, c, CATEGORIES, fix="It names a timer category.")
         if seconds <= 0:
             return 0.0
         self._resolve()

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from lightning_accel._utils import compat
+from lightning_accel._utils.errors import one_line
 
 __all__ = ["CompileFallback", "compile_in_place", "compile_errors"]
 
@@ -38,7 +39,7 @@ class CompileFallback:
                 return self.compiled(*args, **kwargs)
             except compile_errors() as e:
                 self.failed = e
-                first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+                first = one_line(e, first=True)[:300]
                 warnings.warn(
                     f"`torch.compile` failed for {self.name} ({type(e).__name__}: {first}); running it eagerly (the "
                     "fused ops still apply). Pass `compile=False` to silence this, or fix the cause above (a C++ "

@@ -10,8 +10,9 @@ Block-level forwards (a ResNet block, an attention layer, a transformer block) r
 ``forward``, so they apply only to exact classes that declared theirs equal to a mixin's, with :func:`register_block`.
 torchvision's ``BasicBlock``, ``Bottleneck`` and ``ResNet`` are registered here (by name: torchvision is not imported);
 any other model registers its own classes next to their definition. Each mixin's docstring is the contract a
-registered class must meet. Whole-module pickling (``torch.save(model)``) of a fused model is not supported (the
-swapped classes are created at run time); save ``state_dict()`` as Lightning does.
+registered class must meet. A fused module pickles (``torch.save(model)``, ``pickle``, ``copy.deepcopy``) although its
+class is made at run time: it pickles as "the original class with these mixins", and unpickling makes (or reuses)
+the same swapped class; the original class must itself be importable, as for any pickled module.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_accel._utils import compat
+from lightning_accel._utils import compat, patching
 from lightning_accel._utils.triton import Backend
 from lightning_accel.ops.conv_bn_relu.function import conv_bn_relu
 from lightning_accel.ops.linear_dropout.function import linear_dropout
@@ -74,19 +75,40 @@ def original_class(module: nn.Module) -> type:
 
 
 def swap_class(module: nn.Module, mixin: type) -> bool:
-    """Swap ``module``'s class to ``(mixin, its class)`` in place; False if it already has the mixin (idempotent)."""
+    """Swap ``module``'s class to ``(mixin, its class)`` in place; False if it already has the mixin (idempotent).
+
+    The swap goes through :func:`lightning_accel._utils.patching.swap_class`; ``original_class(module)`` is the class
+    to swap back to.
+    """
     cls = type(module)
     if issubclass(cls, mixin):
         return False
+    patching.swap_class(module, _fused_class(mixin, cls))
+    return True
+
+
+def _fused_class(mixin: type, cls: type) -> type:
+    """The class ``(mixin, cls)``, made once per pair (so every module swapped alike shares one class)."""
     new = _SWAPPED.get((mixin, cls))
     if new is None:
         name = f"Fused{cls.__name__}"
-        base = getattr(cls, "_la_original", cls)
-        attrs = {"__module__": mixin.__module__, "__qualname__": name, "_la_original": base}
+        attrs = {
+            "__module__": mixin.__module__,
+            "__qualname__": name,
+            "_la_original": getattr(cls, "_la_original", cls),
+            "_la_mixins": (*getattr(cls, "_la_mixins", ()), mixin),
+        }
         new = type(name, (mixin, cls), attrs)
         _SWAPPED[(mixin, cls)] = new
-    module.__class__ = new
-    return True
+    return new
+
+
+def _new_fused(original: type, mixins: tuple[type, ...]) -> Any:
+    """An empty instance of ``original`` swapped by ``mixins`` in order (how a pickled fused module is rebuilt)."""
+    cls = original
+    for mixin in mixins:
+        cls = _fused_class(mixin, cls)
+    return object.__new__(cls)
 
 
 # The mixins are combined with nn.Module subclasses at run time (`swap_class`); for the type checker they are modules,
@@ -101,6 +123,12 @@ class _FusedMixin(_ModuleBase):
     """Marker base of every fused forward; ``_la_backend`` is the ops backend it passes on (see ``apply_fusions``)."""
 
     _la_backend: Backend = "auto"
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # The swapped class cannot be found by name; pickle the original class and the mixins instead, and the
+        # module's state as `nn.Module` pickles it.
+        cls = type(self)
+        return _new_fused, (original_class(self), getattr(cls, "_la_mixins", ())), self.__getstate__()
 
 
 # --------------------------------------------------------------------------------------------------- conv-bn(-relu)

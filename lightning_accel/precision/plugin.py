@@ -16,6 +16,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
+from lightning_accel._utils.checks import check_choice
 from lightning_accel._utils.triton import Backend, check_backend
 from lightning_accel.precision.compile import compile_in_place
 from lightning_accel.precision.surgery import DEFAULT_POLICY, FusionReport, Replacement, apply_fusions
@@ -63,11 +64,12 @@ class FusedPrecision(MixedPrecision):
         compile_kwargs: dict[str, Any] | None = None,
         backend: Backend = "auto",
     ) -> None:
-        if precision not in ("bf16-mixed", "16-mixed"):
-            raise ValueError(
-                f"`precision` must be 'bf16-mixed' or '16-mixed', got {precision!r}. FusedPrecision carries the "
-                "precision mode itself: pass it here and drop `Trainer(precision=...)`."
-            )
+        check_choice(
+            "precision",
+            precision,
+            ("bf16-mixed", "16-mixed"),
+            fix="FusedPrecision carries the precision mode itself: pass it here and drop `Trainer(precision=...)`.",
+        )
         if fusions is not None and not isinstance(fusions, Mapping):
             fusions = [fusions] if isinstance(fusions, str) else list(fusions)
             unknown = [f for f in fusions if f not in DEFAULT_POLICY]

@@ -2,10 +2,12 @@
 
 - :mod:`~lightning_accel.recipes.lr`: linear LR scaling and the :class:`WarmupCosineLR` schedule.
 - :mod:`~lightning_accel.recipes.distill`: knowledge-distillation loss and teacher handling.
-- :mod:`~lightning_accel.recipes.prune`: structured pruning that physically removes channels.
+- :mod:`~lightning_accel.recipes.channel_groups`: which channels can be removed together (a ``torch.fx`` trace).
+- :mod:`~lightning_accel.recipes.prune`: structured pruning that physically removes those channels.
 """
 
 from lightning_accel.recipes.callbacks import KnowledgeDistillation, LinearScalingLR, PerStepLR, StructuredPruning
+from lightning_accel.recipes.channel_groups import ChannelGroup, find_channel_groups
 from lightning_accel.recipes.distill import (
     check_distillation_args,
     check_logits_match,
@@ -22,14 +24,12 @@ from lightning_accel.recipes.lr import (
     warmup_cosine_value,
 )
 from lightning_accel.recipes.prune import (
-    ChannelGroup,
     PruneResult,
     apply_structured_pruning,
     batch_norms,
     channel_importance,
     check_amount,
     count_parameters,
-    find_channel_groups,
     recalibrate_batchnorm,
     resize_to_state_dict,
     schedule_amounts,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -17,6 +17,10 @@ from torch import nn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_accel._utils.checks import check_choice, check_int
+from lightning_accel._utils.errors import one_line
+from lightning_accel._utils.patching import Patch, patch
+from lightning_accel.recipes._renamed import renamed_argument
 from lightning_accel.recipes.distill import (
     check_distillation_args,
     combine_losses,
@@ -105,13 +109,13 @@ class LinearScalingLR(Callback):
         batch_size: per-device batch size (``None``: read it from the train DataLoader).
 
     Raises:
+        TypeError: a ``base_batch_size``/``batch_size`` that is not an integer.
         ValueError: a non-positive ``base_batch_size``/``batch_size``, or a per-device batch size that cannot be found.
     """
 
     def __init__(self, base_batch_size: int, batch_size: int | None = None) -> None:
-        linear_scaling_factor(1, base_batch_size)  # validates
-        if batch_size is not None:
-            linear_scaling_factor(batch_size, 1)
+        check_int("base_batch_size", base_batch_size, low=1, fix="Pass the batch size in samples.")
+        check_int("batch_size", batch_size, low=1, allow_none=True, fix="Pass the batch size in samples.")
         self.base_batch_size = int(base_batch_size)
         self.batch_size = batch_size
         self.factor: float | None = None
@@ -243,6 +247,7 @@ class KnowledgeDistillation(Callback):
         self.alpha = float(alpha)
         self._module: LightningModule | None = None
         self._hook: Any = None
+        self._patch: Patch | None = None
         self._capturing = False
         self._captured: list[tuple[tuple[Any, ...], dict[str, Any], Any]] = []
 
@@ -281,27 +286,32 @@ class KnowledgeDistillation(Callback):
     def _install(self, pl_module: LightningModule) -> None:
         if self._module is not None:
             return
-        original = pl_module.training_step  # bound method of the class (or a user's instance override)
 
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             if self._capturing:
                 self._captured.append((args, kwargs, output))
 
-        def training_step(*args: Any, **kwargs: Any) -> Any:
-            self._captured = []
-            self._capturing = True
-            try:
-                out = original(*args, **kwargs)
-            finally:
-                self._capturing = False
-            batch = args[0] if args else kwargs.get("batch")
-            try:
-                return self._distil(pl_module, out, batch)
-            finally:
+        def distilled(p: Patch) -> Callable[..., Any]:
+            original = p.original  # bound method of the class (or a user's instance override)
+
+            def training_step(*args: Any, **kwargs: Any) -> Any:
                 self._captured = []
+                self._capturing = True
+                try:
+                    out = original(*args, **kwargs)
+                finally:
+                    self._capturing = False
+                batch = args[0] if args else kwargs.get("batch")
+                try:
+                    return self._distil(pl_module, out, batch)
+                finally:
+                    self._captured = []
+
+            return training_step
 
         self._hook = pl_module.register_forward_hook(hook, with_kwargs=True)
-        pl_module.training_step = training_step  # type: ignore[method-assign]  # wrapped on the instance for the fit
+        # wrapped on the instance for the fit, restored by `_uninstall`
+        self._patch = patch(pl_module, "training_step", distilled, key=f"KnowledgeDistillation-{id(self)}")
         self._module = pl_module
 
     def _uninstall(self) -> None:
@@ -310,7 +320,9 @@ class KnowledgeDistillation(Callback):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-        self._module.__dict__.pop("training_step", None)
+        if self._patch is not None:
+            self._patch.restore()
+            self._patch = None
         self._module = None
 
     def _student_logits(self, out: Any) -> torch.Tensor:
@@ -390,11 +402,13 @@ class StructuredPruning(Callback):
         schedule: epoch (or epochs) at whose start to prune; ``0`` prunes before training (prune-then-fine-tune).
         target: dotted name of the submodule to prune (``None``: the LightningModule itself, traced through its
             ``forward``).
-        ignore: module names (relative to the pruned module) whose outputs must keep all channels.
+        ignore_modules: module names (relative to the pruned module) whose outputs must keep all channels.
+        ignore: deprecated spelling of ``ignore_modules`` (same values).
         round_to: keep a multiple of this many channels per group.
         fold_bn: rank the channels of a layer followed by a BatchNorm on the BN-folded filter norm
             (:func:`~lightning_accel.recipes.prune.channel_importance`) instead of the raw filter norm. Off by default:
-            on the digits ResNet (amount 0.5 + fine-tune, 5 seeds) it did not lower the drop (mean 0.0056 vs 0.0045).
+            it did not lower the accuracy drop of pruning + fine-tune on the digits ResNet (``benchmarks/recipes.py``
+            measures that drop, ``pruned_acc_drop``, over several seeds).
         recalibrate_bn: after each pruning step, rebuild every BatchNorm's running statistics from the pruning batch
             (:func:`~lightning_accel.recipes.prune.recalibrate_batchnorm`: one extra no-grad forward). The sliced
             statistics describe the unpruned network: the layers behind a pruned group see fewer input channels.
@@ -403,6 +417,7 @@ class StructuredPruning(Callback):
             leaves frozen norms frozen (they still get the recalibrated statistics).
 
     Raises:
+        TypeError: an ``amount``, ``norm``, ``schedule`` entry or ``round_to`` of the wrong type (a bool for an epoch).
         ValueError: ``amount`` outside [0, 1), a bad ``norm``, negative or duplicate epochs in ``schedule``.
     """
 
@@ -413,25 +428,24 @@ class StructuredPruning(Callback):
         norm: str = "l1",
         schedule: int | Sequence[int] = 0,
         target: str | None = None,
-        ignore: Sequence[str] = (),
+        ignore_modules: Sequence[str] = (),
         round_to: int = 1,
         fold_bn: bool = False,
         recalibrate_bn: bool = True,
         train_mode: bool = True,
+        ignore: Sequence[str] | None = None,
     ) -> None:
         self.amount = check_amount(amount)
-        if norm not in ("l1", "l2"):
-            raise ValueError(f"`norm` must be 'l1' or 'l2', got {norm!r}.")
-        epochs = [schedule] if isinstance(schedule, int) else list(schedule)
-        if not epochs or any(isinstance(e, bool) or not isinstance(e, int) or e < 0 for e in epochs):
-            raise ValueError(
-                f"`schedule` must be an epoch index >= 0 or a non-empty list of them, got {schedule!r}. "
-                "E.g. `schedule=0` prunes before training, `schedule=[1, 2, 3]` prunes in three steps."
-            )
+        check_choice("norm", norm, ("l1", "l2"))
+        fix = "E.g. `schedule=0` prunes before training, `schedule=[1, 2, 3]` prunes in three steps."
+        epochs = [schedule] if isinstance(schedule, int) or not isinstance(schedule, Sequence) else list(schedule)
+        if not epochs:
+            raise ValueError(f"`schedule` must be an epoch index >= 0 or a non-empty list of them, got []. {fix}")
+        for e in epochs:
+            check_int("schedule", e, low=0, fix=f"It holds epoch indices. {fix}")
         if len(set(epochs)) != len(epochs):
             raise ValueError(f"`schedule` has repeated epochs: {schedule!r}. List each epoch once.")
-        if isinstance(round_to, bool) or not isinstance(round_to, int) or round_to < 1:
-            raise ValueError(f"`round_to` must be an integer >= 1, got {round_to!r}.")
+        check_int("round_to", round_to, low=1)
         self.fold_bn = bool(fold_bn)
         self.recalibrate_bn = bool(recalibrate_bn)
         self.train_mode = bool(train_mode)
@@ -439,7 +453,8 @@ class StructuredPruning(Callback):
         self.schedule = sorted(epochs)
         self.step_amounts = dict(zip(self.schedule, schedule_amounts(self.amount, len(self.schedule)), strict=True))
         self.target = target
-        self.ignore = tuple(ignore)
+        given = tuple(ignore_modules)
+        self.ignore_modules = tuple(renamed_argument("ignore_modules", given, "ignore", ignore, new_given=bool(given)))
         self.round_to = round_to
         self.done: list[int] = []
         self.history: list[dict[str, Any]] = []
@@ -501,8 +516,8 @@ class StructuredPruning(Callback):
         norms = batch_norms(module)
         if self.train_mode and norms and not any(bn.training for bn in norms):
             # Lightning keeps the mode a module arrives in: a trained model evaluated before this fit would fine-tune
-            # with BatchNorm normalising by the sliced statistics of the unpruned network, never updated (measured on
-            # the digits ResNet: accuracy drop 0.0084-0.0195 over 5 seeds, against 0-0.0084 in train mode)
+            # with BatchNorm normalising by the sliced statistics of the unpruned network, never updated, and lose
+            # accuracy (benchmarks/recipes.py measures the pruning drop on the digits ResNet)
             rank_zero_warn(
                 f"StructuredPruning: every BatchNorm of the pruned module was in eval mode at epoch {epoch}'s first "
                 "training batch (the model was evaluated before `fit`?); switching the module to train mode so they "
@@ -516,21 +531,22 @@ class StructuredPruning(Callback):
             self._example_inputs(pl_module, batch),
             norm=self.norm,
             optimizers=trainer.optimizers,
-            ignore=self.ignore,
+            ignore_modules=self.ignore_modules,
             round_to=self.round_to,
             fold_bn=self.fold_bn,
         )
         if self.recalibrate_bn:
             # one no-grad pass over the pruning batch with the norms in train mode: the sliced statistics describe the
-            # unpruned network (digits ResNet, amount 0.5, before any fine-tune: accuracy 0.11 in eval mode with them,
-            # 0.71 once re-estimated from 8 batches); frozen norms (`train_mode=False`) keep these fresh ones
+            # unpruned network, which costs accuracy in eval mode until they are re-estimated (benchmarks/recipes.py
+            # measures the pruned model's accuracy); frozen norms (`train_mode=False`) keep these fresh ones
             inputs = batch[0] if isinstance(batch, (list, tuple)) else batch
             try:
                 recalibrate_batchnorm(module, [inputs], forward=lambda _, x: pl_module(x))
             except Exception as e:
                 raise ValueError(
                     "StructuredPruning could not rebuild the BatchNorm statistics by calling the module on the batch's "
-                    f"inputs ({type(e).__name__}: {e}). Use (inputs, targets) batches or pass `recalibrate_bn=False`."
+                    f"inputs ({type(e).__name__}: {one_line(e)}). Use (inputs, targets) batches or pass "
+                    "`recalibrate_bn=False`."
                 ) from e
         self._rewrap_ddp(trainer, pl_module)
         self.done.append(epoch)

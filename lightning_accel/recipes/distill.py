@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_accel._utils.checks import check_number
+from lightning_accel._utils.errors import one_line
 from lightning_accel.checkpoint.reader import read_checkpoint
 from lightning_accel.recipes.prune import resize_to_state_dict
 
@@ -42,20 +44,20 @@ __all__ = [
 
 
 def check_distillation_args(temperature: float, alpha: float) -> None:
-    """Validate ``temperature > 0`` and ``alpha`` in [0, 1].
+    """Validate ``temperature > 0`` and ``alpha`` in [0, 1] (through ``_utils.checks.check_number``).
 
     Raises:
+        TypeError: an argument that is not a number (a bool or a string neither), naming it.
         ValueError: naming the argument, with the value and the fix.
     """
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
-        raise ValueError(
-            f"`temperature` must be a number > 0, got {temperature!r}. Typical values are 1-8 (4 is a good start)."
-        )
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
-        raise ValueError(
-            f"`alpha` must be in [0, 1] (the weight of the distillation term), got {alpha!r}. "
-            "0 trains on the hard labels only, 1 on the teacher only."
-        )
+    check_number("temperature", temperature, low=0, low_open=True, fix="Typical values are 1-8 (4 is a good start).")
+    check_number(
+        "alpha",
+        alpha,
+        low=0,
+        high=1,
+        fix="It is the weight of the distillation term: 0 trains on the hard labels only, 1 on the teacher only.",
+    )
 
 
 def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -101,7 +103,7 @@ def freeze_teacher(teacher: nn.Module) -> nn.Module:
     """Freeze ``teacher`` in place (no gradients, eval mode) and return it."""
     if not isinstance(teacher, nn.Module):
         raise TypeError(
-            f"`teacher` must be a torch.nn.Module (or a checkpoint path), got {type(teacher).__name__}: {teacher!r}."
+            f"`teacher` must be a torch.nn.Module (or a checkpoint path), got {teacher!r} ({type(teacher).__name__})."
         )
     teacher.requires_grad_(False)
     teacher.eval()
@@ -122,7 +124,7 @@ def _resolve_class(cls: type[nn.Module] | str | None, path: str) -> type[nn.Modu
         try:
             cls = getattr(importlib.import_module(mod), name)
         except (ImportError, AttributeError) as e:
-            raise ValueError(f"`teacher_class` {cls!r} cannot be imported: {e}.") from e
+            raise ValueError(f"`teacher_class` {cls!r} cannot be imported: {one_line(e)}.") from e
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         raise ValueError(f"`teacher_class` must be a torch.nn.Module subclass, got {cls!r}.")
     return cls
@@ -162,5 +164,7 @@ def load_teacher(path: str | os.PathLike[str], teacher_class: type[nn.Module] | 
     try:
         model.load_state_dict(state)
     except RuntimeError as e:
-        raise ValueError(f"`teacher` checkpoint {p!r} does not fit `teacher_class` {cls.__name__}: {e}") from e
+        raise ValueError(
+            f"`teacher` checkpoint {p!r} does not fit `teacher_class` {cls.__name__}: {one_line(e)}"
+        ) from e
     return model

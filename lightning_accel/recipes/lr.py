@@ -26,6 +26,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from lightning_accel._utils import compat
+from lightning_accel._utils.checks import check_int, check_number
 
 __all__ = ["APPLIED_KEY", "WarmupCosineLR", "apply_lr_scale", "linear_scaling_factor", "warmup_cosine_value"]
 
@@ -42,11 +43,11 @@ def linear_scaling_factor(global_batch_size: int, base_batch_size: int) -> float
         base_batch_size: the batch size the base learning rate was tuned for.
 
     Raises:
-        ValueError: a size that is not a positive integer.
+        TypeError: a size that is not an integer.
+        ValueError: a size below 1.
     """
     for name, v in (("global_batch_size", global_batch_size), ("base_batch_size", base_batch_size)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"`{name}` must be a positive integer, got {v!r}. Pass the batch size in samples.")
+        check_int(name, v, low=1, fix="Pass the batch size in samples.")
     return global_batch_size / base_batch_size
 
 
@@ -72,10 +73,10 @@ def apply_lr_scale(
         The relative change applied to the first param group (1.0 when nothing changed).
 
     Raises:
-        ValueError: ``factor`` not a positive finite number.
+        TypeError: ``factor`` not a number.
+        ValueError: ``factor`` not positive and finite.
     """
-    if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 0):
-        raise ValueError(f"`factor` must be a positive finite number, got {factor!r}.")
+    check_number("factor", factor, low=0, high=math.inf, low_open=True, high_open=True)
     rel_by_group: list[float] = []
     for group in optimizer.param_groups:
         applied = float(group.get(APPLIED_KEY, fallback_applied))
@@ -147,6 +148,7 @@ class WarmupCosineLR(LRScheduler):
         last_epoch: index of the last step taken (``-1`` to start fresh), as in torch schedulers.
 
     Raises:
+        TypeError: an argument of the wrong type (a bool for a step count, too), naming it.
         ValueError: both or a bad warm-up argument, a negative ``min_lr``, or a warm-up that is not shorter than
             ``total_steps`` -- each naming the argument.
     """
@@ -165,16 +167,17 @@ class WarmupCosineLR(LRScheduler):
             raise ValueError(
                 f"Pass either `warmup_steps` ({warmup_steps!r}) or `warmup_fraction` ({warmup_fraction!r}), not both."
             )
-        if warmup_steps is not None and (
-            isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0
-        ):
-            raise ValueError(f"`warmup_steps` must be an integer >= 0, got {warmup_steps!r}.")
-        if warmup_fraction is not None and not 0.0 <= float(warmup_fraction) < 1.0:
-            raise ValueError(
-                f"`warmup_fraction` must be in [0, 1) (a fraction of the total steps), got {warmup_fraction!r}."
-            )
-        if not (isinstance(min_lr, (int, float)) and min_lr >= 0.0):
-            raise ValueError(f"`min_lr` must be a number >= 0, got {min_lr!r}.")
+        check_int("warmup_steps", warmup_steps, low=0, allow_none=True)
+        check_number(
+            "warmup_fraction",
+            warmup_fraction,
+            low=0,
+            high=1,
+            high_open=True,
+            allow_none=True,
+            fix="It is a fraction of the total steps.",
+        )
+        check_number("min_lr", min_lr, low=0)
         self.warmup_steps_arg = None if warmup_steps is None else int(warmup_steps)
         self.warmup_fraction = None if warmup_fraction is None else float(warmup_fraction)
         self.min_lr = float(min_lr)
@@ -204,9 +207,9 @@ class WarmupCosineLR(LRScheduler):
                 "`total_steps` is infinite (the Trainer has no `max_steps`/`max_epochs` bound). "
                 "Set `max_epochs` or `max_steps`, or pass `total_steps` explicitly."
             )
-        if isinstance(total_steps, bool) or int(total_steps) != total_steps or total_steps < 1:
-            raise ValueError(f"`total_steps` must be a positive integer, got {total_steps!r}.")
-        total = int(total_steps)
+        # a whole float is a step count too (`estimated_stepping_batches` may be one)
+        whole = isinstance(total_steps, float) and total_steps.is_integer()
+        total = check_int("total_steps", int(total_steps) if whole else total_steps, low=1)
         if self.warmup_fraction is not None:
             warm = int(round(self.warmup_fraction * total))
         else:

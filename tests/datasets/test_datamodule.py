@@ -16,8 +16,10 @@ def test_datamodule_batches(digits_dir: Path) -> None:
     x, y = next(iter(dm.train_dataloader()))
     assert x.shape == (16, 3, 32, 32) and x.dtype == torch.float32 and y.dtype == torch.int64
     assert len(dm.train_set) + len(dm.val_set) == 1797
-    with pytest.raises(ValueError, match="`batch_size`"):
+    with pytest.raises(ValueError, match="`batch_size` must be an integer >= 1, got 0"):
         DigitsDataModule(batch_size=0)
+    with pytest.raises(TypeError, match="`batch_size`"):
+        DigitsDataModule(batch_size=True)
 
 
 def test_cli_yaml_builds_the_cached_digits_module(tmp_path: Path) -> None:

@@ -78,11 +78,17 @@ def test_mismatched_marker_is_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "match"),
-    [({"size": 4}, "`size`"), ({"num_images": 0}, "`num_images`"), ({"quality": 101}, "`quality`")],
+    ("kwargs", "kind", "match"),
+    [
+        ({"size": 4}, ValueError, "`size` must be an integer >= 8, got 4. It is the side of the images in pixels"),
+        ({"num_images": 0}, ValueError, "`num_images` must be an integer >= 1 or None, got 0"),
+        ({"quality": 101}, ValueError, "`quality` must be an integer >= 1 and <= 100, got 101"),
+        ({"size": True}, TypeError, "`size` must be an integer >= 8, got True \\(bool\\)"),
+        ({"num_images": 2.0}, TypeError, "`num_images`"),
+    ],
 )
-def test_bad_arguments(tmp_path: Path, kwargs: dict, match: str) -> None:
-    with pytest.raises(ValueError, match=match):
+def test_bad_arguments(tmp_path: Path, kwargs: dict, kind: type[Exception], match: str) -> None:
+    with pytest.raises(kind, match=match):
         materialize_digits(tmp_path, **kwargs)
 
 

@@ -16,8 +16,14 @@ def test_resnet_shapes_and_backward(size: int) -> None:
 
 
 def test_resnet_bad_sizes() -> None:
-    with pytest.raises(ValueError, match="width"):
+    with pytest.raises(ValueError, match="`width` must be an integer >= 1, got 0"):
         SmallResNet(width=0)
+    with pytest.raises(ValueError, match="`num_classes` must be an integer >= 2, got 1"):
+        SmallResNet(num_classes=1)
+    with pytest.raises(TypeError, match="`width`"):
+        SmallResNet(width=True)
+    with pytest.raises(ValueError, match="`blocks` must be a non-empty list"):
+        SmallResNet(blocks=())
 
 
 def test_gpt_is_causal() -> None:

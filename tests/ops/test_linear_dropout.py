@@ -116,11 +116,13 @@ def test_gradcheck_float64() -> None:
 
 def test_bad_arguments() -> None:
     x, w = torch.randn(3, 4), torch.randn(5, 4)
-    with pytest.raises(ValueError, match=r"`p` must be in \[0, 1\), got 1.0"):
+    with pytest.raises(ValueError, match=r"`p` must be a number >= 0 and < 1, got 1.0. Use p=0 for no dropout"):
         linear_dropout(x, w, p=1.0)
+    with pytest.raises(TypeError, match=r"`p` must be a number >= 0 and < 1, got False \(bool\)"):
+        linear_dropout(x, w, p=False)
     with pytest.raises(ValueError, match="`weight` has shape"):
         linear_dropout(x, torch.randn(5, 3))
     with pytest.raises(ValueError, match="`residual` must have the output's shape"):
         linear_dropout(x, w, residual=torch.randn(3, 4))
-    with pytest.raises(ValueError, match="`gemm`"):
+    with pytest.raises(ValueError, match="`gemm` must be 'torch' or 'triton', got 'cublas'"):
         linear_dropout(x, w, gemm="cublas")  # type: ignore[arg-type]

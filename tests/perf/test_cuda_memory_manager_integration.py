@@ -123,6 +123,10 @@ def test_bad_arguments() -> None:
         CudaMemoryManager(release_threshold=2.0)
     with pytest.raises(ValueError, match="`max_split_size_mb`"):
         CudaMemoryManager(max_split_size_mb=1)
+    with pytest.raises(TypeError, match="`max_split_size_mb` must be an integer >= 20 or None, got True"):
+        CudaMemoryManager(max_split_size_mb=True)
+    with pytest.raises(ValueError, match="`log_every_n_steps`"):
+        CudaMemoryManager(log_every_n_steps=0)
 
 
 class Hog(TinyModule):

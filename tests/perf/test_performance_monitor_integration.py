@@ -76,6 +76,7 @@ def test_starved_run_is_data_bound_with_exact_numbers(tmp_path: Path) -> None:
     assert data_s and all(v == pytest.approx(0.040) for v in data_s)
     assert any(row.get("perf/report/data_frac") for row in rows)
     assert "save_checkpoint" not in trainer.__dict__  # the timing wrapper is removed at teardown
+    assert trainer.save_checkpoint.__func__ is pl.Trainer.save_checkpoint  # the original method comes back
 
 
 def test_verdict_data_vs_compute(tmp_path: Path) -> None:
@@ -118,11 +119,14 @@ def test_too_few_steps_warns_instead_of_crashing(tmp_path: Path) -> None:
 
 
 def test_bad_arguments() -> None:
-    with pytest.raises(ValueError, match="`skip_steps`"):
+    with pytest.raises(ValueError, match="`skip_steps` must be an integer >= 1, got 0. With `count_flops=True`"):
         PerformanceMonitor(skip_steps=0)
-    with pytest.raises(ValueError, match="`log_every_n_steps`"):
+    PerformanceMonitor(skip_steps=0, count_flops=False)
+    with pytest.raises(TypeError, match="`skip_steps` must be an integer >= 1, got True \\(bool\\)"):
+        PerformanceMonitor(skip_steps=True)
+    with pytest.raises(ValueError, match="`log_every_n_steps` must be an integer >= 1 or None, got 0"):
         PerformanceMonitor(log_every_n_steps=0)
-    with pytest.raises(ValueError, match="`peak_flops`"):
+    with pytest.raises(ValueError, match="`peak_flops` must be a number > 0 or None, got -1.0"):
         PerformanceMonitor(peak_flops=-1.0)
 
 

@@ -91,8 +91,10 @@ def test_move_and_bad_category() -> None:
     assert t.seconds["comm"] == pytest.approx(0.25)
     with pytest.raises(ValueError, match="`category`"):
         timer.begin("io")
-    with pytest.raises(ValueError, match="`skip_steps`"):
+    with pytest.raises(ValueError, match="`skip_steps` must be an integer >= 0, got -1"):
         StepTimer(skip_steps=-1)
+    with pytest.raises(TypeError, match="`skip_steps`"):
+        StepTimer(skip_steps=False)
 
 
 def test_move_resolves_pending_time_and_caps_at_the_source() -> None:

@@ -4,6 +4,7 @@ idempotence, state_dict compatibility, optimizer references, ignore lists, warni
 from __future__ import annotations
 
 import copy
+import pickle
 import re
 import warnings
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_accel._utils import patching
 from lightning_accel.models import GPT, SmallResNet
 from lightning_accel.precision import FusedPrecision, Replacement, apply_fusions, replace_optimizer_params
 from lightning_accel.precision.compile import compile_in_place
@@ -20,6 +22,7 @@ from lightning_accel.precision.modules import (
     FusedGPTBlockMixin,
     FusedSequentialMixin,
     is_fused,
+    original_class,
     register_block,
 )
 
@@ -271,8 +274,10 @@ def test_compile_in_place_works_with_a_working_backend() -> None:
 
 
 def test_plugin_arguments_and_in_place_convert() -> None:
-    with pytest.raises(ValueError, match="`precision` must be 'bf16-mixed' or '16-mixed', got '32'"):
+    with pytest.raises(ValueError, match="`precision` must be 'bf16-mixed' or '16-mixed', got '32'. FusedPrecision"):
         FusedPrecision("32")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="`precision` must be 'bf16-mixed' or '16-mixed', got 16 \\(int\\)"):
+        FusedPrecision(16)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="unknown pattern"):
         FusedPrecision(fusions=["qkvo"])
     plugin = FusedPrecision("bf16-mixed", device="cpu", fusions="norm")
@@ -386,3 +391,42 @@ def test_precision_and_ops_do_not_know_the_demo_models() -> None:
         if demo.search(line)
     ]
     assert not offenders, offenders
+
+
+@pytest.mark.parametrize("make", [lambda: SmallResNet(width=8, blocks=(1, 1)), _gpt], ids=["resnet", "gpt"])
+def test_fused_model_round_trips_through_torch_save_and_pickle(make, tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = make()
+    apply_fusions(model, backend="reference")
+    model.eval()
+    x = torch.randn(2, 3, 16, 16) if isinstance(model, SmallResNet) else torch.randint(0, 11, (2, 9))
+    expected = model(x)
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    for other in (loaded, pickle.loads(pickle.dumps(model))):
+        assert [type(m) for m in other.modules()] == [type(m) for m in model.modules()]  # the same swapped classes
+        assert other.state_dict().keys() == model.state_dict().keys()
+        torch.testing.assert_close(other(x), expected, atol=0, rtol=0)
+
+
+def test_fused_by_the_plugin_pickles() -> None:
+    torch.manual_seed(0)
+    model = _gpt()
+    FusedPrecision("bf16-mixed", device="cpu", backend="reference").convert_module(model)
+    model.eval()
+    idx = torch.randint(0, 11, (2, 9))
+    loaded = pickle.loads(pickle.dumps(model))
+    assert any(is_fused(m, FusedGPTBlockMixin) for m in loaded.modules())
+    torch.testing.assert_close(loaded(idx), model(idx), atol=0, rtol=0)
+
+
+def test_the_class_swap_is_reversible_through_the_patching_handle() -> None:
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.0))
+    apply_fusions(seq, fusions=["linear_dropout"], backend="reference")
+    assert is_fused(seq, FusedSequentialMixin) and original_class(seq) is nn.Sequential
+    previous = patching.swap_class(seq, original_class(seq))  # un-fuse: the original class comes back
+    assert type(seq) is nn.Sequential and issubclass(previous, FusedSequentialMixin)
+    assert not is_fused(seq)
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(seq(x), seq[1](seq[0](x)))

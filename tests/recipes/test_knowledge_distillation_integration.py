@@ -72,6 +72,7 @@ def test_loss_is_the_weighted_sum_with_the_dict_protocol() -> None:
     trainer(callbacks=[kd, check]).fit(student, loader())
     assert check.checked == 4
     assert "training_step" not in student.__dict__  # unwrapped after fit
+    assert student.training_step.__func__ is DictStudent.training_step  # the original method comes back
     assert not teacher.training and not any(p.requires_grad for p in teacher.parameters())
     assert all(torch.equal(a, b) for a, b in zip(teacher.parameters(), reference.parameters(), strict=True))
 

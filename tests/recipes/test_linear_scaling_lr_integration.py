@@ -66,5 +66,7 @@ def test_resume_does_not_compound(tmp_path: Path) -> None:
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="`base_batch_size`"):
         LinearScalingLR(base_batch_size=0)
-    with pytest.raises(ValueError, match="`global_batch_size`"):
+    with pytest.raises(ValueError, match="`batch_size` must be an integer >= 1 or None, got -2"):
         LinearScalingLR(base_batch_size=8, batch_size=-2)
+    with pytest.raises(TypeError, match="`base_batch_size`"):
+        LinearScalingLR(base_batch_size=True)

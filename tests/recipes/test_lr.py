@@ -24,8 +24,10 @@ def _opt(lr: float = 0.1, groups: int = 1) -> torch.optim.Optimizer:
 def test_linear_scaling_factor() -> None:
     assert linear_scaling_factor(256, 64) == 4.0
     assert linear_scaling_factor(32, 64) == 0.5
-    for bad in (0, -1, 2.5, True):
-        with pytest.raises(ValueError, match="`base_batch_size`"):
+    for bad, kind in ((0, ValueError), (-1, ValueError), (2.5, TypeError), (True, TypeError)):
+        with pytest.raises(
+            kind, match="`base_batch_size` must be an integer >= 1, got .*Pass the batch size in samples"
+        ):
             linear_scaling_factor(64, bad)
     with pytest.raises(ValueError, match="`global_batch_size`"):
         linear_scaling_factor(0, 64)
@@ -45,8 +47,10 @@ def test_apply_lr_scale_is_idempotent_and_rescales() -> None:
     fresh.load_state_dict(opt.state_dict())
     apply_lr_scale(fresh, 2.0)
     assert [g["lr"] for g in fresh.param_groups] == pytest.approx([0.2, 0.4])
-    with pytest.raises(ValueError, match="`factor`"):
+    with pytest.raises(ValueError, match="`factor` must be a number > 0 and < inf, got 0.0"):
         apply_lr_scale(opt, 0.0)
+    with pytest.raises(ValueError, match="`factor`"):
+        apply_lr_scale(opt, float("inf"))
 
 
 def test_apply_lr_scale_scales_attached_schedulers() -> None:
@@ -102,8 +106,13 @@ def test_warmup_fraction_and_bad_arguments() -> None:
         WarmupCosineLR(_opt(), total_steps=10, warmup_steps=-1)
     with pytest.raises(ValueError, match="`min_lr`"):
         WarmupCosineLR(_opt(), total_steps=10, min_lr=-1.0)
-    with pytest.raises(ValueError, match="`total_steps`"):
+    with pytest.raises(ValueError, match="`total_steps` must be an integer >= 1, got 0"):
         WarmupCosineLR(_opt(), total_steps=0)
+    with pytest.raises(TypeError, match="`total_steps`"):
+        WarmupCosineLR(_opt(), total_steps=True)
+    with pytest.raises(TypeError, match="`warmup_steps` must be an integer >= 0 or None, got True"):
+        WarmupCosineLR(_opt(), total_steps=10, warmup_steps=True)
+    assert WarmupCosineLR(_opt(), total_steps=10.0).total_steps == 10  # a whole float is a step count
     with pytest.raises(ValueError, match="infinite"):
         WarmupCosineLR(_opt(), total_steps=float("inf"))
 

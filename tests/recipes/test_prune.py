@@ -10,12 +10,12 @@ import torch
 from torch import nn
 
 from lightning_accel.models import SmallResNet
+from lightning_accel.recipes.channel_groups import find_channel_groups
 from lightning_accel.recipes.prune import (
     apply_structured_pruning,
     batch_norms,
     channel_importance,
     count_parameters,
-    find_channel_groups,
     recalibrate_batchnorm,
     resize_to_state_dict,
     schedule_amounts,
@@ -175,10 +175,21 @@ def test_nothing_to_prune_warns() -> None:
         apply_structured_pruning(_resnet(), 0.0, X)  # amount 0: nothing asked, nothing said
 
 
-@pytest.mark.parametrize("bad", [1.0, -0.1, 1.5, "0.5"])
-def test_bad_amount_names_the_argument(bad: object) -> None:
-    with pytest.raises(ValueError, match="`amount` must be a fraction in \\[0, 1\\)"):
+@pytest.mark.parametrize(
+    ("bad", "kind"), [(1.0, ValueError), (-0.1, ValueError), (1.5, ValueError), ("0.5", TypeError), (True, TypeError)]
+)
+def test_bad_amount_names_the_argument(bad: object, kind: type[Exception]) -> None:
+    with pytest.raises(kind, match="`amount` must be a number >= 0 and < 1, got .*fraction of the channels to remove"):
         apply_structured_pruning(_resnet(), bad, X)  # type: ignore[arg-type]
+
+
+def test_bad_norm_round_to_and_steps() -> None:
+    with pytest.raises(ValueError, match="`norm` must be 'l1' or 'l2', got 'l0'"):
+        apply_structured_pruning(_resnet(), 0.5, X, norm="l0")
+    with pytest.raises(TypeError, match="`round_to` must be an integer >= 1, got True \\(bool\\)"):
+        apply_structured_pruning(_resnet(), 0.5, X, round_to=True)
+    with pytest.raises(ValueError, match="`steps` must be an integer >= 1, got 0"):
+        schedule_amounts(0.5, 0)
 
 
 def test_untraceable_model_gives_a_clear_error() -> None:
@@ -271,3 +282,19 @@ def test_folded_importance_ranks_by_the_normalised_output() -> None:
     assert int(channel_importance(g, "l1", fold_bn=False).argmax()) == 2
     folded = channel_importance(g, "l1", fold_bn=True)
     assert int(folded.argmax()) == 5 and int(folded.argmin()) == 2
+
+
+def test_ignore_modules_keeps_a_layer_and_the_old_spelling_still_works() -> None:
+    model = _resnet()
+    groups, skipped = find_channel_groups(model, X, ignore_modules=["layers.1.conv1"])
+    assert ("layers.1.conv1", "ignored") in skipped
+    assert all("layers.1.conv1" not in g.names for g in groups)
+    with pytest.warns(DeprecationWarning, match="`ignore` is deprecated; use `ignore_modules` \\(same values\\)"):
+        old = find_channel_groups(model, X, ignore=["layers.1.conv1"])
+    assert old[1] == skipped
+    before = model.layers[1].conv1.out_channels
+    with pytest.warns(DeprecationWarning, match="use `ignore_modules`"):
+        apply_structured_pruning(model, 0.5, X, ignore=["layers.1.conv1"])
+    assert model.layers[1].conv1.out_channels == before
+    with pytest.raises(ValueError, match="Pass only `ignore_modules`: `ignore` is its deprecated spelling"):
+        apply_structured_pruning(model, 0.5, X, ignore_modules=["stem"], ignore=["stem"])

@@ -133,11 +133,30 @@ def test_resume_from_a_pruned_checkpoint(tmp_path: Path) -> None:
     assert cb.done == [0] and len(cb.history) == 1
 
 
+def test_ignore_modules_and_its_deprecated_spelling() -> None:
+    assert StructuredPruning(ignore_modules=["model.stem"]).ignore_modules == ("model.stem",)
+    with pytest.warns(DeprecationWarning, match="`ignore` is deprecated; use `ignore_modules` \\(same values\\)"):
+        cb = StructuredPruning(ignore=["model.stem"])
+    assert cb.ignore_modules == ("model.stem",)
+    with pytest.raises(ValueError, match="Pass only `ignore_modules`"):
+        StructuredPruning(ignore_modules=["a"], ignore=["b"])
+
+
 def test_bad_arguments() -> None:
-    with pytest.raises(ValueError, match="`amount` must be a fraction in \\[0, 1\\)"):
+    with pytest.raises(ValueError, match="`amount` must be a number >= 0 and < 1, got 1.0"):
         StructuredPruning(amount=1.0)
-    with pytest.raises(ValueError, match="`schedule`"):
+    with pytest.raises(ValueError, match="`schedule` must be an integer >= 0, got -1. It holds epoch indices"):
         StructuredPruning(schedule=-1)
+    with pytest.raises(TypeError, match="`schedule` must be an integer >= 0, got True \\(bool\\)"):
+        StructuredPruning(schedule=[1, True])
+    with pytest.raises(
+        ValueError, match="`schedule` must be an epoch index >= 0 or a non-empty list of them, got \\[\\]"
+    ):
+        StructuredPruning(schedule=[])
+    with pytest.raises(ValueError, match="`schedule` has repeated epochs"):
+        StructuredPruning(schedule=[1, 1])
+    with pytest.raises(TypeError, match="`round_to`"):
+        StructuredPruning(round_to=False)
     with pytest.raises(ValueError, match="`norm`"):
         StructuredPruning(norm="l0")
     with pytest.raises(ValueError, match="`target` 'nope'"):

@@ -11,6 +11,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
+from lightning_accel._utils.checks import check_choice, check_number
 from lightning_accel._utils.triton import Backend, resolve_backend, use_triton
 from lightning_accel.ops.linear_dropout import reference
 
@@ -111,10 +112,10 @@ def linear_dropout(
             ``"reference"`` (the function's torch path, mask from a ``torch.Generator``) or ``"eager"``.
         gemm: ``"torch"`` (cuBLAS GEMM + Triton epilogue) or ``"triton"`` (GEMM and epilogue in one Triton kernel).
     """
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"`p` must be in [0, 1), got {p}. Use p=0 for no dropout.")
+    if isinstance(p, bool) or not (isinstance(p, (int, float)) and 0.0 <= p < 1.0):  # the check only when it fails
+        check_number("p", p, low=0, high=1, high_open=True, fix="Use p=0 for no dropout.")
     if gemm not in ("torch", "triton"):
-        raise ValueError(f"`gemm` must be 'torch' or 'triton', got {gemm!r}.")
+        check_choice("gemm", gemm, ("torch", "triton"))
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(
             f"`x` has {x.shape[-1]} input features but `weight` has shape {tuple(weight.shape)}; expected (N, "

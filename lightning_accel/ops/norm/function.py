@@ -14,7 +14,7 @@ __all__ = ["NormFunction", "layer_norm", "rms_norm"]
 
 def _impl(on_triton: bool) -> Any:
     if on_triton:
-        from lightning_accel.ops.norm import triton as impl  # lazy: importing triton costs ~1 s
+        from lightning_accel.ops.norm import triton as impl  # lazy: importing triton is slow
 
         return impl
     return reference
