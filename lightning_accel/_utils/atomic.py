@@ -139,7 +139,7 @@ def atomic_publish_file(
     if fs is None:
         fs, fs_path = fsspec.core.url_to_fs(os.fspath(path), **(storage_options or {}))
     else:
-        fs_path = fs._strip_protocol(os.fspath(path))
+        fs_path = fsspec.core.split_protocol(os.fspath(path))[1]  # `fs`'s own path: the URL without its scheme
     if isinstance(source, (bytes, bytearray, memoryview)):
         fs.pipe_file(fs_path, bytes(source))
         return

@@ -49,6 +49,8 @@ if TYPE_CHECKING:
     from torch.utils.data import DataLoader
 
 __all__ = [
+    "DDP_FIND_UNUSED_ALIAS_ADVICE",
+    "DDP_FIND_UNUSED_CLASS_ADVICE",
     "PathType",
     "allocator_settings_setter",
     "child_modules",
@@ -66,8 +68,10 @@ __all__ = [
     "jsonargparse_error_class_path",
     "jsonargparse_error_key",
     "jsonargparse_useful_line",
+    "materialize_distributed_module",
     "module_call_impl",
     "pin_memory",
+    "redirect_find_unused_parameters_advice",
     "record_cuda_memory_history",
     "scheduler_last_lr",
     "set_checkpoint_filesystem",
@@ -531,6 +535,8 @@ def is_jsonargparse_union_error(error: BaseException) -> bool:
     """True when jsonargparse reports a value that none of a Union's subtypes accepted (its instantiation of a class
     that refused its arguments arrives so, the class's own message nested inside)."""
     return "Does not validate against any of the Union subtypes" in str(error)
+
+
 # --- parallel: meta-device materialisation of a parallelised module ------------------------------------------------
 
 
@@ -545,6 +551,8 @@ def materialize_distributed_module(module: nn.Module, device: torch.device) -> N
     from lightning.fabric.utilities.init import _materialize_distributed_module
 
     _materialize_distributed_module(module, device)
+
+
 # --- comm: Lightning's unused-parameters advice --------------------------------------------------------------------
 
 #: the two phrases of ``DDPStrategy.on_exception``'s advice for "Expected to have finished reduction in the prior
@@ -569,6 +577,3 @@ def redirect_find_unused_parameters_advice(exception: BaseException, alias: str,
         DDP_FIND_UNUSED_CLASS_ADVICE, f"`strategy={constructor}`"
     )
     exception.args = (msg, *exception.args[1:])
-
-
-__all__ += ["DDP_FIND_UNUSED_ALIAS_ADVICE", "DDP_FIND_UNUSED_CLASS_ADVICE", "redirect_find_unused_parameters_advice"]

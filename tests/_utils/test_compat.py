@@ -407,6 +407,8 @@ def test_dataloader_worker_error_line_reads_torchs_reraise():
         next(iter(loader))
     assert compat.dataloader_worker_error_line(info.value) == "ValueError: bad sample 3"
     assert compat.dataloader_worker_error_line(ValueError("plain")) is None
+
+
 # --- parallel: meta-device materialisation of a parallelised module ------------------------------------------------
 
 
@@ -425,6 +427,8 @@ def test_materialize_distributed_module_is_what_model_parallel_strategy_calls() 
     before = real.weight.detach().clone()
     compat.materialize_distributed_module(real, torch.device("cpu"))  # nothing on meta: left alone
     assert torch.equal(real.weight, before)
+
+
 # --- comm: Lightning's unused-parameters advice
 
 
