@@ -325,3 +325,32 @@ def test_jpeg_decode_ops_decode_what_torchvision_decodes() -> None:
     decode_cpu, _, unchanged, _ = ops
     out = decode_cpu(torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8), unchanged)
     assert out.shape == (3, 6, 8) and out.dtype == torch.uint8 and abs(int(out[0, 0, 0]) - 200) < 8
+
+
+# --- checkpoint: ModelCheckpoint.setup's directory listing
+
+
+def test_model_checkpoint_setup_without_listing_skips_the_listing(tmp_path: Path) -> None:
+    import warnings
+
+    (tmp_path / "old.ckpt").write_bytes(b"x")
+    trainer = _trainer(default_root_dir=tmp_path)
+
+    def setup_warnings(cb: ModelCheckpoint, skip: bool) -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if skip:
+                with compat.model_checkpoint_setup_without_listing(cb):
+                    cb.setup(trainer, pl.LightningModule(), "fit")
+            else:
+                cb.setup(trainer, pl.LightningModule(), "fit")
+        return [str(w.message) for w in caught if "exists and is not empty" in str(w.message)]
+
+    listed = ModelCheckpoint(dirpath=tmp_path, save_top_k=3)
+    assert setup_warnings(listed, skip=False), f"{VERSIONS}: ModelCheckpoint.setup no longer lists its dirpath"
+    quiet = ModelCheckpoint(dirpath=tmp_path, save_top_k=3)
+    assert not setup_warnings(quiet, skip=True), (
+        f"{VERSIONS}: ModelCheckpoint.setup lists its dirpath even with save_top_k=0; update "
+        "compat.model_checkpoint_setup_without_listing"
+    )
+    assert quiet.save_top_k == 3  # restored after the block
