@@ -346,9 +346,9 @@ def test_model_checkpoint_setup_without_listing_skips_the_listing(tmp_path: Path
                 cb.setup(trainer, pl.LightningModule(), "fit")
         return [str(w.message) for w in caught if "exists and is not empty" in str(w.message)]
 
-    listed = ModelCheckpoint(dirpath=tmp_path, save_top_k=3)
+    listed = ModelCheckpoint(dirpath=tmp_path, save_top_k=3, monitor="step")
     assert setup_warnings(listed, skip=False), f"{VERSIONS}: ModelCheckpoint.setup no longer lists its dirpath"
-    quiet = ModelCheckpoint(dirpath=tmp_path, save_top_k=3)
+    quiet = ModelCheckpoint(dirpath=tmp_path, save_top_k=3, monitor="step")
     assert not setup_warnings(quiet, skip=True), (
         f"{VERSIONS}: ModelCheckpoint.setup lists its dirpath even with save_top_k=0; update "
         "compat.model_checkpoint_setup_without_listing"
