@@ -577,3 +577,21 @@ def redirect_find_unused_parameters_advice(exception: BaseException, alias: str,
         DDP_FIND_UNUSED_CLASS_ADVICE, f"`strategy={constructor}`"
     )
     exception.args = (msg, *exception.args[1:])
+# --- checkpoint: ModelCheckpoint.setup's directory listing ------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def model_checkpoint_setup_without_listing(callback: Any) -> Any:
+    """Within the block, ``ModelCheckpoint.setup`` does not list its ``dirpath``.
+
+    ``ModelCheckpoint.setup`` re-creates its filesystem without storage options and lists ``dirpath`` to warn when it
+    is not empty; on a custom S3 endpoint that listing fails. Its private ``__warn_if_dir_not_empty`` skips the
+    listing when ``save_top_k == 0`` (an undocumented side effect; checked 2.4.0-2.6.6), so ``save_top_k`` is 0 inside
+    the block and restored after it, whatever happens.
+    """
+    top_k = callback.save_top_k
+    callback.save_top_k = 0
+    try:
+        yield
+    finally:
+        callback.save_top_k = top_k

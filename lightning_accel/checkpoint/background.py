@@ -5,8 +5,8 @@ Contract:
 
 1. :func:`snapshot` copies every tensor of a checkpoint to private CPU memory *synchronously* (a GPU tensor is copied
    device-to-host; a CPU tensor is cloned), so optimizer steps that run while the save is in flight cannot race it.
-   On this machine cloning a 50 MB state takes ~10 ms; encoding + writing it takes ~300 ms, which is what moves off
-   the training loop.
+   Cloning is much cheaper than encoding + writing, which is what moves off the training loop (the stall per save is
+   measured by ``benchmarks/delta_checkpoint.py``).
 2. :class:`BackgroundWriter` runs jobs (saves *and* removals) on a single worker thread in submission order, so a
    ``remove`` that ModelCheckpoint issues after a ``save`` can never overtake it.
 3. **Backpressure.** At most ``max_pending`` *bounded* jobs (saves: each holds a snapshot of the whole checkpoint)
@@ -15,7 +15,8 @@ Contract:
    older one, which would only have been overwritten (``last.ckpt`` saved every step). Otherwise the caller waits for
    a slot; the wait is counted in :attr:`BackgroundWriter.stats` (``stalls``, ``stall_s``). Memory is therefore at
    most ``max_pending`` snapshots, ``close`` waits for at most ``max_pending`` saves, and a killed process loses at
-   most those. Without the bound, ``every_n_train_steps=1`` on a 9.5 MB model queued 432 saves and 2.8 GB in 20 s.
+   most those. Without the bound, ``every_n_train_steps=1`` queues saves (and snapshots) without limit
+   (``pending_peak`` in ``benchmarks/delta_checkpoint.py``).
    Removals are unbounded (they hold no tensors) but still ordered.
 4. The worker thread runs at a lower CPU priority (``nice`` + 10 on Linux), so on a busy machine the training
    threads keep the cores and the save finishes in their gaps.
@@ -37,6 +38,7 @@ from typing import Any
 
 import torch
 
+from lightning_accel._utils.checks import check_int
 from lightning_accel._utils.forksafe import PerProcess
 
 __all__ = ["BackgroundWriter", "WriterStats", "snapshot"]
@@ -126,11 +128,13 @@ class BackgroundWriter:
     """
 
     def __init__(self, name: str = "delta-checkpoint", *, max_pending: int = 2, nice: int = 10) -> None:
-        if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
-            raise ValueError(
-                f"`max_pending` must be an integer >= 1 (saves in flight at once), got {max_pending!r}. "
-                "Use 1 for the least memory, 2 (the default) to overlap a save with the next snapshot."
-            )
+        check_int(
+            "max_pending",
+            max_pending,
+            low=1,
+            fix="It counts saves in flight at once: 1 for the least memory, 2 (the default) to overlap a save with "
+            "the next snapshot.",
+        )
         self._name = name
         self.max_pending = max_pending
         self.nice = nice

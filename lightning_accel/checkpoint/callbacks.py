@@ -126,14 +126,10 @@ class DeltaModelCheckpoint(ModelCheckpoint):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # Lightning's `setup` re-creates its filesystem without options and then lists `dirpath` to warn when it is
-        # not empty; that listing is what fails on a custom endpoint. It is skipped (save_top_k=0 short-circuits it)
-        # and done here, on the filesystem with the options.
-        top_k = self.save_top_k
-        self.save_top_k = 0
-        try:
+        # not empty; that listing is what fails on a custom endpoint. It is skipped and done here, on the filesystem
+        # with the options.
+        with compat.model_checkpoint_setup_without_listing(self):
             super().setup(trainer, pl_module, stage)
-        finally:
-            self.save_top_k = top_k
         options = self._options(trainer)
         dirpath = str(self.dirpath) if self.dirpath else ""
         if options and dirpath and not is_local_url(dirpath):

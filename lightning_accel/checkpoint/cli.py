@@ -24,8 +24,10 @@ from typing import Any
 import torch
 
 from lightning_accel._utils.cliargs import json_object_arg
+from lightning_accel._utils.errors import one_line
+from lightning_accel.checkpoint.manifest import CheckpointCorruptError, NotADeltaCheckpointError
 from lightning_accel.checkpoint.reader import read_checkpoint_with
-from lightning_accel.checkpoint.store import CheckpointCorruptError, DeltaStore, NotADeltaCheckpointError
+from lightning_accel.checkpoint.store import DeltaStore
 
 __all__ = ["main"]
 
@@ -65,24 +67,18 @@ def main(argv: list[str] | None = None, prog: str = "python -m lightning_accel.c
                 print(json.dumps(_verify(store, path, args.repair)))
             except Exception as e:  # noqa: BLE001 - verify reports every failure as its JSON line, never a traceback
                 failed = True
-                print(json.dumps({"path": path, "ok": False, "error": _one_line(e)}))
+                print(json.dumps({"path": path, "ok": False, "error": one_line(e, expected=_CHECKPOINT_ERRORS)}))
         return 1 if failed else 0
     try:
         ckpt = read_checkpoint_with(store, args.path)
     except Exception as e:  # noqa: BLE001 - one line, exit code 1
-        print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
+        print(f"{prog}: error: {one_line(e, expected=_CHECKPOINT_ERRORS)}", file=sys.stderr)
         return 1
     buf = io.BytesIO()
     torch.save(ckpt, buf)
     store.fs.write(args.out, buf.getvalue())
     print(json.dumps({"path": args.path, "exported": args.out}))
     return 0
-
-
-def _one_line(error: BaseException) -> str:
-    """The error as one line; types other than the checkpoint errors are named (they are unexpected)."""
-    text = " ".join(str(error).split()) or type(error).__name__
-    return text if isinstance(error, _CHECKPOINT_ERRORS) else f"{type(error).__name__}: {text}"
 
 
 def _verify(store: DeltaStore, path: str, repair: bool = False) -> dict[str, Any]:

@@ -9,7 +9,8 @@ Kinds:
 2. ``xor``   — lossless: XOR of the bit patterns against the reference, byte-plane shuffle, zstd. Bits that did not
    change become zero bytes; the shuffle groups the (slowly changing) sign/exponent bytes of every element together so
    zstd sees long zero runs. fp32 mantissa low bytes change at almost every optimizer step and look random, which is
-   why a full Adam state only shrinks to ~0.7x this way (probe on this machine: 0.68-0.78x of ``torch.save``).
+   why a full Adam state shrinks little this way (``benchmarks/delta_checkpoint.py`` measures the ratio to
+   ``torch.save``).
 3. ``quant`` — lossy, opt-in: ``d = f(x) - f(r)`` in fp32 (``f`` is the identity, or ``sqrt`` for non-negative
    tensors such as Adam's ``exp_avg_sq``), split into blocks of ``block`` elements, each quantized to a signed
    ``bits``-bit integer with its own fp32 scale ``s = max|d_block| / qmax``; zstd on top. Reconstruction:
@@ -34,6 +35,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from lightning_accel._utils.checks import check_choice
+
 __all__ = [
     "BlobHeader",
     "CodecError",
@@ -45,11 +48,14 @@ __all__ = [
     "encode_quant",
     "encode_xor",
     "itemsize_of",
+    "pack_blob",
     "read_header",
     "shuffle_bytes",
     "tensor_bytes",
     "tensor_from_bytes",
     "unshuffle_bytes",
+    "zstd_compress",
+    "zstd_decompress",
 ]
 
 MAGIC = b"LADB1\n"
@@ -80,7 +86,7 @@ _ITEMSIZE: dict[torch.dtype, int] = {}
 
 
 def itemsize_of(dtype: torch.dtype) -> int:
-    """Bytes per element (cached: ``torch.empty(0, dtype=...).element_size()`` costs ~25 us)."""
+    """Bytes per element (cached: ``torch.empty(0, dtype=...).element_size()`` allocates a tensor each call)."""
     if dtype not in _ITEMSIZE:
         _ITEMSIZE[dtype] = torch.empty(0, dtype=dtype).element_size()
     return _ITEMSIZE[dtype]
@@ -136,7 +142,8 @@ def shuffle_bytes(raw: np.ndarray, itemsize: int) -> np.ndarray:
     """Byte-plane shuffle: byte ``j`` of every element, for ``j = 0..itemsize-1``, stored contiguously."""
     if itemsize == 1 or raw.size == 0:
         return raw
-    # One strided copy per plane: 3.5 ms for 4 MB here, vs 12 ms for numpy's generic transpose copy.
+    # One strided copy per plane: faster than numpy's generic transpose copy (save times in
+    # benchmarks/delta_checkpoint.py).
     elems = raw.reshape(-1, itemsize)
     out = np.empty((itemsize, elems.shape[0]), dtype=np.uint8)
     for j in range(itemsize):
@@ -171,7 +178,8 @@ class BlobHeader(dict):
     for ``quant`` blobs ``bits``, ``block``, ``sqrt``."""
 
 
-def _zstd_compress(data: np.ndarray | bytes, level: int, threads: int) -> bytes:
+def zstd_compress(data: np.ndarray | bytes, level: int, threads: int) -> bytes:
+    """One zstd frame of ``data`` (with its content checksum) at ``level`` with ``threads`` workers (0: none)."""
     import zstandard
 
     return zstandard.ZstdCompressor(level=level, threads=threads, write_checksum=True).compress(
@@ -179,7 +187,12 @@ def _zstd_compress(data: np.ndarray | bytes, level: int, threads: int) -> bytes:
     )
 
 
-def _zstd_decompress(data: memoryview | bytes, size: int) -> np.ndarray:
+def zstd_decompress(data: memoryview | bytes, size: int) -> np.ndarray:
+    """The ``size`` bytes a zstd frame holds, as a uint8 array.
+
+    Raises:
+        CodecError: the frame is corrupt or does not hold exactly ``size`` bytes.
+    """
     import zstandard
 
     if size == 0:
@@ -194,7 +207,7 @@ def _zstd_decompress(data: memoryview | bytes, size: int) -> np.ndarray:
 
 
 # A plane is stored raw when zstd saves less than this fraction: fp32 low-mantissa planes are ~random, and copying
-# them is ~10x faster to restore than Huffman-decoding them for a 1-2 % gain.
+# them restores much faster than Huffman-decoding them for a small gain (load times in benchmarks/delta_checkpoint.py).
 _RAW_PLANE_GAIN = 0.03
 
 
@@ -207,7 +220,7 @@ def _compress_planes(planes: np.ndarray, itemsize: int, level: int, threads: int
     parts, lengths = [], []
     for j in range(itemsize):
         plane = planes[j * n : (j + 1) * n]
-        c = _zstd_compress(plane, level, threads) if n else b""
+        c = zstd_compress(plane, level, threads) if n else b""
         if n and len(c) > (1.0 - _RAW_PLANE_GAIN) * n:
             parts.append(plane.tobytes())
             lengths.append(-n)
@@ -234,7 +247,7 @@ def _plane_list(payload: memoryview | bytes, nbytes: int, itemsize: int, lengths
                 raise CodecError("raw plane of the wrong size")
             planes.append(np.frombuffer(chunk, dtype=np.uint8))
         else:
-            planes.append(_zstd_decompress(chunk, n))
+            planes.append(zstd_decompress(chunk, n))
     if pos != len(mv):
         raise CodecError("trailing bytes after the last plane")
     return planes
@@ -245,7 +258,8 @@ def _decompress_planes(payload: memoryview | bytes, nbytes: int, itemsize: int, 
     return np.concatenate(planes) if planes else np.zeros(0, dtype=np.uint8)
 
 
-def _pack(header: dict[str, Any], payload: bytes) -> bytes:
+def pack_blob(header: dict[str, Any], payload: bytes) -> bytes:
+    """A blob: ``MAGIC | u32 header length | JSON header (sorted keys) | payload`` (:func:`read_header` splits it)."""
     h = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
     return b"".join([MAGIC, struct.pack("<I", len(h)), h, payload])
 
@@ -277,7 +291,7 @@ def encode_full(t: torch.Tensor, *, level: int = 3, threads: int = 0) -> bytes:
     raw = tensor_bytes(t)
     payload, planes = _compress_planes(shuffle_bytes(raw, t.element_size()), t.element_size(), level, threads)
     header = {"kind": "full", "dtype": dtype_name(t.dtype), "nbytes": int(raw.size), "ref": None, "planes": planes}
-    return _pack(header, payload)
+    return pack_blob(header, payload)
 
 
 def encode_xor(t: torch.Tensor, ref: torch.Tensor, ref_key: str, *, level: int = 3, threads: int = 0) -> bytes:
@@ -288,7 +302,7 @@ def encode_xor(t: torch.Tensor, ref: torch.Tensor, ref_key: str, *, level: int =
     diff = np.bitwise_xor(raw, tensor_bytes(ref))
     payload, planes = _compress_planes(shuffle_bytes(diff, t.element_size()), t.element_size(), level, threads)
     header = {"kind": "xor", "dtype": dtype_name(t.dtype), "nbytes": int(raw.size), "ref": ref_key, "planes": planes}
-    return _pack(header, payload)
+    return pack_blob(header, payload)
 
 
 def _quant_forward(x: torch.Tensor, use_sqrt: bool) -> torch.Tensor:
@@ -323,8 +337,7 @@ def encode_quant(
         ``(blob, reconstruction)``: the reconstruction is exactly what :func:`decode_blob` will return for this blob
         given the same reference; the caller must use it (not ``t``) as the next reference.
     """
-    if bits not in _QMAX:
-        raise ValueError(f"`bits` must be 8 or 4, got {bits!r}.")
+    check_choice("bits", bits, (8, 4))
     if not t.is_floating_point() or ref.dtype != t.dtype or ref.numel() != t.numel():
         raise ValueError("quantized deltas need a floating tensor and a reference of the same dtype and size")
     qmax = _QMAX[bits]
@@ -350,7 +363,7 @@ def encode_quant(
     else:
         qbytes = qb.view(np.uint8)
     sbytes = scales.numpy().astype("<f4").view(np.uint8)
-    payload = _zstd_compress(np.concatenate([shuffle_bytes(sbytes, 4), qbytes]), level, threads)
+    payload = zstd_compress(np.concatenate([shuffle_bytes(sbytes, 4), qbytes]), level, threads)
     header = {
         "kind": "quant",
         "dtype": dtype_name(t.dtype),
@@ -363,7 +376,7 @@ def encode_quant(
         "nblocks": int(scales.numel()),
         "qlen": int(qbytes.size),
     }
-    return _pack(header, payload), recon
+    return pack_blob(header, payload), recon
 
 
 def _decode_lossless_chain(
@@ -482,7 +495,7 @@ def decode_blob(
         nblocks, qlen = int(header["nblocks"]), int(header["qlen"])
         if bits not in _QMAX or block < 1 or nblocks * block < n:
             raise CodecError(f"bad quantization parameters in blob header: {header}")
-        body = _zstd_decompress(payload, nblocks * 4 + qlen)
+        body = zstd_decompress(payload, nblocks * 4 + qlen)
         scales = torch.from_numpy(unshuffle_bytes(body[: nblocks * 4], 4).copy().view("<f4").astype(np.float32))
         qraw = body[nblocks * 4 :]
         if bits == 4:

@@ -20,8 +20,10 @@ from typing import Any, Literal
 from lightning.fabric.plugins import CheckpointIO
 from typing_extensions import override
 
+from lightning_accel._utils.checks import check_bool
 from lightning_accel._utils.compat import PathType
 from lightning_accel.checkpoint.background import BackgroundWriter, WriterStats, snapshot
+from lightning_accel.checkpoint.options import StoreOptions
 from lightning_accel.checkpoint.reader import read_checkpoint_with
 from lightning_accel.checkpoint.store import DeltaStore, SaveStats
 
@@ -37,9 +39,9 @@ class DeltaCheckpointIO(CheckpointIO):
     arbitrary objects. See ``docs/checkpoint.md``.
 
     Every argument is keyword-only and validated here, in ``__init__`` (one line naming the argument, the value, the
-    range and the fix). Apart from ``async_save`` and ``max_pending`` they are
-    :class:`~lightning_accel.checkpoint.store.DeltaStore`'s, forwarded unchanged (the store validates them and
-    documents them in full).
+    range and the fix). Apart from ``async_save``, ``max_pending`` and ``storage_options`` they are the fields of
+    :class:`~lightning_accel.checkpoint.options.StoreOptions` (which validates and documents them in full), made
+    once and handed to the :class:`~lightning_accel.checkpoint.store.DeltaStore`.
 
     Args:
         async_save: **Saving.** Snapshot tensors to CPU on the training thread, then encode and write in a
@@ -74,8 +76,8 @@ class DeltaCheckpointIO(CheckpointIO):
     """
 
     # Explicit keyword-only arguments rather than `**store_kwargs`: LightningCLI (jsonargparse) builds the
-    # `init_args:` schema from this signature and cannot see through `**kwargs`. The defaults mirror DeltaStore's
-    # (a test checks that both signatures agree); the values are only forwarded.
+    # `init_args:` schema from this signature and cannot see through `**kwargs`. The defaults mirror StoreOptions'
+    # fields (a test checks that both agree); the values are only forwarded.
     def __init__(
         self,
         *,
@@ -98,11 +100,8 @@ class DeltaCheckpointIO(CheckpointIO):
         lock: bool = True,
     ) -> None:
         super().__init__()
-        if not isinstance(async_save, bool):
-            raise TypeError(f"`async_save` must be True or False, got {async_save!r}.")
-        self.async_save = async_save
-        self.store = DeltaStore(
-            storage_options=storage_options,
+        self.async_save = check_bool("async_save", async_save)
+        options = StoreOptions(
             quantize=quantize,
             quantize_groups=quantize_groups,
             quant_block=quant_block,
@@ -118,6 +117,7 @@ class DeltaCheckpointIO(CheckpointIO):
             io_threads=io_threads,
             lock=lock,
         )
+        self.store = DeltaStore(storage_options=storage_options, options=options)
         self._writer = BackgroundWriter(max_pending=max_pending)
         self.max_pending = max_pending
         # Per-save statistics (bytes and blobs written, tensors unchanged / delta / full), newest last.

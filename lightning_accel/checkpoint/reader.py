@@ -25,14 +25,11 @@ from typing import Any, Literal, overload
 import torch
 
 from lightning_accel._utils.atomic import is_local_url, strip_file_scheme
+from lightning_accel._utils.errors import one_line
 from lightning_accel._utils.fs import FileStore
 from lightning_accel._utils.paths import safe_join
-from lightning_accel.checkpoint.store import (
-    CheckpointCorruptError,
-    DeltaStore,
-    NotADeltaCheckpointError,
-    is_manifest_bytes,
-)
+from lightning_accel.checkpoint.manifest import CheckpointCorruptError, NotADeltaCheckpointError, is_manifest_bytes
+from lightning_accel.checkpoint.store import DeltaStore
 
 __all__ = ["read_checkpoint", "read_checkpoint_with", "resolve_last"]
 
@@ -72,7 +69,7 @@ def read_checkpoint_with(
 ) -> dict[str, Any]:
     """:func:`read_checkpoint` through an existing ``store`` (its ``storage_options``, threads and filesystems)."""
     p = os.fspath(path)
-    if not isinstance(p, str) or not p:
+    if not isinstance(p, str) or not p:  # a path check, worded as `_utils.checks` words theirs
         raise ValueError(f"`path` must be a non-empty path or URL of a checkpoint, got {path!r}.")
     try:
         return store.load(p, map_location=map_location)
@@ -163,7 +160,7 @@ def _torch_load(store: DeltaStore, path: str, map_location: Any) -> dict[str, An
     except pickle.UnpicklingError as e:
         if "weights only" not in str(e).lower():  # not a refusal: a damaged pickle
             raise CheckpointCorruptError(
-                f"Checkpoint {path!r} is a damaged `torch.save` file ({_first_line(e)})."
+                f"Checkpoint {path!r} is a damaged `torch.save` file ({one_line(e, first=True)})."
             ) from e
         raise pickle.UnpicklingError(
             f"Checkpoint {path!r} was refused: it holds objects that only unpickling code could restore "
@@ -174,7 +171,7 @@ def _torch_load(store: DeltaStore, path: str, map_location: Any) -> dict[str, An
         raise CheckpointCorruptError(
             # torch's first sentence says what broke; the rest is general advice
             f"Checkpoint {path!r} is a damaged `torch.save` file "
-            f"({type(e).__name__}: {_first_line(e).split('. ')[0].rstrip('.')})."
+            f"({type(e).__name__}: {one_line(e, first=True).split('. ')[0].rstrip('.')})."
         ) from e
     if not isinstance(ckpt, dict):
         raise NotADeltaCheckpointError(
@@ -184,11 +181,6 @@ def _torch_load(store: DeltaStore, path: str, map_location: Any) -> dict[str, An
     return ckpt
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
-
-
 def _refusal(error: BaseException) -> str:
     """What torch's many-line weights-only refusal refused, e.g. ``Unsupported global: GLOBAL pkg.Cls was not an
     allowed global by default``."""
@@ -196,4 +188,4 @@ def _refusal(error: BaseException) -> str:
         _, marker, rest = line.partition("WeightsUnpickler error:")
         if marker:
             return rest.strip().split(". ", 1)[0].rstrip(".")
-    return _first_line(error)
+    return one_line(error, first=True)

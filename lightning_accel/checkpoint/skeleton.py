@@ -3,8 +3,9 @@
 The skeleton is the checkpoint with every (strided, dense) tensor replaced by a placeholder string
 (``"\\x00la.tensor:<name>"``); it is serialised with ``torch.save`` and read back with
 ``torch.load(weights_only=True)``, which refuses arbitrary classes. Tensors are kept out of the skeleton even when
-tiny, because the weights-only unpickler costs ~0.5 ms per tensor here (100 Adam ``step`` scalars: 50 ms per load);
-the store packs small tensors as raw bytes next to the skeleton instead.
+tiny, because the weights-only unpickler pays a fixed cost per tensor (Adam's ``step`` scalars add up; load times in
+``benchmarks/delta_checkpoint.py``); small tensors are packed as raw bytes next to the skeleton instead, in one
+*skeleton blob* (:func:`pack_skeleton_blob`).
 
 Allowed leaves: ``str``, ``bytes``, ``int``, ``float``, ``bool``, ``None``, ``complex``, ``torch.dtype``,
 ``torch.device``, ``torch.Size``, tensors; containers: ``dict`` / ``OrderedDict`` / ``list`` / ``tuple`` / ``set``.
@@ -20,7 +21,19 @@ from typing import Any
 
 import torch
 
-__all__ = ["PLACEHOLDER", "UnsafeCheckpointContent", "dump_skeleton", "fill_skeleton", "load_skeleton", "split"]
+from lightning_accel.checkpoint import codec
+
+__all__ = [
+    "PLACEHOLDER",
+    "UnsafeCheckpointContent",
+    "dump_skeleton",
+    "fill_skeleton",
+    "load_skeleton",
+    "pack_skeleton_blob",
+    "placeholder_names",
+    "split",
+    "unpack_skeleton_blob",
+]
 
 PLACEHOLDER = "\x00la.tensor:"
 _PRIMITIVES = (str, bytes, int, float, bool, complex, type(None), torch.dtype, torch.device, torch.Size)
@@ -130,3 +143,66 @@ def fill_skeleton(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
         return obj
 
     return walk(skeleton)
+
+
+def placeholder_names(skeleton: Any) -> set[str]:
+    """The tensor names whose placeholders the skeleton holds."""
+    wanted: set[str] = set()
+
+    def walk(obj: Any) -> None:
+        if isinstance(obj, str) and obj.startswith(PLACEHOLDER):
+            wanted.add(obj[len(PLACEHOLDER) :])
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                walk(v)
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            for v in obj:
+                walk(v)
+
+    walk(skeleton)
+    return wanted
+
+
+def pack_skeleton_blob(skeleton_bytes: bytes, small: dict[str, torch.Tensor]) -> bytes:
+    """One blob (kind ``"skeleton"``): the ``torch.save``d skeleton followed by the raw bytes of the small tensors,
+    zstd on top; the header lists ``[name, dtype, shape, offset]`` per small tensor."""
+    parts, items, offset = [skeleton_bytes], [], len(skeleton_bytes)
+    for name, t in small.items():
+        raw = codec.tensor_bytes(t)
+        items.append([name, codec.dtype_name(t.dtype), list(t.shape), offset])
+        parts.append(raw.tobytes())
+        offset += raw.size
+    body = b"".join(parts)
+    header = {
+        "kind": "skeleton",
+        "dtype": "uint8",
+        "nbytes": len(body),
+        "ref": None,
+        "items": items,
+        "skeleton_bytes": len(skeleton_bytes),
+    }
+    return codec.pack_blob(header, codec.zstd_compress(body, 3, 0))
+
+
+def unpack_skeleton_blob(blob: bytes) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The skeleton (read with ``torch.load(weights_only=True)``) and the small tensors of a skeleton blob.
+
+    Raises:
+        codec.CodecError: not a skeleton blob, or a damaged one.
+    """
+    header, payload = codec.read_header(blob)
+    if header["kind"] != "skeleton":
+        raise codec.CodecError(f"expected a skeleton blob, got `{header['kind']}`")
+    body = codec.zstd_decompress(payload, int(header["nbytes"]))
+    n = int(header["skeleton_bytes"])
+    skeleton = load_skeleton(body[:n].tobytes())
+    small = {}
+    for name, dname, shape, offset in header["items"]:
+        dtype = codec.dtype_from_name(dname)
+        size = codec.itemsize_of(dtype)
+        for d in shape:
+            size *= int(d)
+        if offset < n or offset + size > body.size:
+            raise codec.CodecError(f"small tensor {name!r} lies outside the skeleton blob")
+        small[name] = codec.tensor_from_bytes(body[offset : offset + size], dtype, shape)
+    return skeleton, small

@@ -1,10 +1,9 @@
 """The delta checkpoint store: one small manifest per checkpoint path, content-addressed tensor blobs beside it.
 
-Layout of a checkpoint directory (local path or any fsspec URL)::
-
-    <dir>/epoch=0-step=50.ckpt      manifest (JSON, a few KB): skeleton key + per-tensor chain of blob keys
-    <dir>/last.ckpt                 another manifest; unchanged tensors point at the same blobs
-    <dir>/.delta_blobs/ab/ab12...   blobs, named by the BLAKE2b-160 of their bytes (content-addressed)
+The on-disk format (directory layout, manifest JSON) is :mod:`~lightning_accel.checkpoint.manifest`'s; what each
+tensor of a save becomes (reference, delta, quantized delta, full snapshot) is decided by
+:mod:`~lightning_accel.checkpoint.policy`; the options are a :class:`~lightning_accel.checkpoint.options.StoreOptions`.
+This module does the I/O: save, load, verify, export, remove and garbage collection.
 
 Algorithm of :meth:`DeltaStore.save`:
 
@@ -34,6 +33,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import io
 import json
 import os
 import posixpath
@@ -42,63 +42,59 @@ import time
 import warnings
 import weakref
 import zlib
-from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from lightning_accel._utils.atomic import fsync_dir, is_local_url, strip_file_scheme
+from lightning_accel._utils.errors import one_line
 from lightning_accel._utils.forksafe import ForkSafeLock, PerProcess
 from lightning_accel._utils.fs import FileStore
 from lightning_accel._utils.paths import safe_join
-from lightning_accel.checkpoint import codec
+from lightning_accel.checkpoint import codec, policy
 from lightning_accel.checkpoint.lock import CheckpointDirectoryLockedError, DirectoryLock, prepare_directory
-from lightning_accel.checkpoint.skeleton import PLACEHOLDER, dump_skeleton, fill_skeleton, load_skeleton, split
+from lightning_accel.checkpoint.manifest import (
+    BLOB_DIR,
+    COPY_SUFFIX,
+    MANIFEST_FORMAT,
+    CheckpointCorruptError,
+    Manifest,
+    NotADeltaCheckpointError,
+    TensorEntry,
+    damaged_manifest_head,
+    entry_crc,
+    is_blob_key,
+    is_manifest_bytes,
+    manifest_references,
+)
+from lightning_accel.checkpoint.options import StoreOptions
+from lightning_accel.checkpoint.policy import ChainState
+from lightning_accel.checkpoint.skeleton import (
+    dump_skeleton,
+    fill_skeleton,
+    pack_skeleton_blob,
+    placeholder_names,
+    split,
+    unpack_skeleton_blob,
+)
 
 __all__ = [
     "BLOB_DIR",
+    "COPY_SUFFIX",
     "CheckpointCorruptError",
     "CheckpointDirectoryLockedError",
     "DeltaStore",
     "MANIFEST_FORMAT",
     "NotADeltaCheckpointError",
     "SaveStats",
+    "StoreOptions",
+    "entry_crc",
     "is_manifest_bytes",
 ]
 
-MANIFEST_FORMAT = "lightning-accel/delta-checkpoint"
-_MANIFEST_PREFIX = ('{"format":"' + MANIFEST_FORMAT + '"').encode()
-BLOB_DIR = ".delta_blobs"
-_KEY_RE = re.compile(r"^[0-9a-f]{40}$")
 _TMP_RE = re.compile(r"^\..+\.[0-9a-f]{32}\.tmp$")
-_QUANT_GROUPS = ("optimizer", "all")
-#: Suffix of the second copy of a full (base) blob written with ``redundancy=2``.
-COPY_SUFFIX = ".copy"
-# zstd's own limits (libzstd: ZSTD_minCLevel() = -131072, ZSTD_maxCLevel() = 22, ZSTDMT_NBWORKERS_MAX = 200); values
-# outside are silently clamped by the library, so they are refused here instead.
-_ZSTD_LEVELS = (-131072, 22)
-_ZSTD_THREADS = (-1, 200)
-_MAX_CHAIN_LEN = 64
-_MAX_DIMS = 64
-
-
-class CheckpointCorruptError(RuntimeError):
-    """A checkpoint cannot be restored: a blob is missing or fails its checksum, or the manifest is damaged."""
-
-
-class NotADeltaCheckpointError(ValueError):
-    """The path exists but holds something other than a delta checkpoint manifest."""
-
-
-def is_manifest_bytes(head: bytes) -> bool:
-    """True when ``head`` (the first ~100 bytes of a file) starts like a delta checkpoint manifest: as the store
-    writes it, or re-serialised with whitespace (a manifest pretty-printed by hand is still one)."""
-    if head.startswith(_MANIFEST_PREFIX):
-        return True
-    compact = b"".join(head.split())
-    return compact.startswith(_MANIFEST_PREFIX[: len(compact)]) and len(compact) >= len(_MANIFEST_PREFIX)
 
 
 def _blob_key(data: bytes) -> str:
@@ -111,7 +107,8 @@ def _raw_hash(t: torch.Tensor) -> str:
 
 
 def _crc(t: torch.Tensor) -> int:
-    """Checksum verified on every load: CRC-32 runs at ~1.3 GB/s here, BLAKE2b at ~0.3 GB/s (4 MB: 3 vs 12 ms)."""
+    """Checksum verified on every load: CRC-32, several times faster than BLAKE2b (load times in
+    benchmarks/delta_checkpoint.py); the content address (BLAKE2b) is re-checked by :meth:`DeltaStore.verify`."""
     return zlib.crc32(codec.tensor_bytes(t).data)
 
 
@@ -129,47 +126,9 @@ class SaveStats:
     seconds: float = 0.0
 
 
-def entry_crc(name: str, meta: dict[str, Any]) -> int:
-    """CRC-32 of one manifest entry and its tensor name (``mcrc``): a flipped byte in a name, a shape or a chain key
-    is caught on load and names the tensor."""
-    body = {k: v for k, v in meta.items() if k != "mcrc"}
-    return zlib.crc32(json.dumps([name, body], sort_keys=True, separators=(",", ":")).encode())
-
-
-@dataclass
-class _Entry:
-    """In-memory state of one tensor name after a save (what the next save deltas against)."""
-
-    dtype: str
-    shape: list[int]
-    chain: list[str]
-    sizes: list[int]
-    hash: str  # BLAKE2b of the reconstruction (what a load returns)
-    src_hash: str  # BLAKE2b of what was saved (differs from `hash` after a quantized delta)
-    crc: int  # CRC-32 of the reconstruction, verified on load
-    ref: torch.Tensor  # reconstruction the next delta is taken against (a private copy, never a live tensor)
-    lossy: bool = False
-    age: int = 0  # deltas written since the chain's full snapshot
-    copy: bool = False  # the base blob has a second copy (redundancy=2)
-
-    def manifest(self, name: str) -> dict[str, Any]:
-        meta: dict[str, Any] = {
-            "dtype": self.dtype,
-            "shape": self.shape,
-            "chain": self.chain,
-            "sizes": self.sizes,
-            "crc32": self.crc,
-        }
-        if self.copy:
-            meta["copy"] = True
-        meta["mcrc"] = entry_crc(name, meta)
-        return meta
-
-
 @dataclass
 class _DirState:
-    entries: dict[str, _Entry] = field(default_factory=dict)
-    saves_since_full: int = 0
+    entries: dict[str, ChainState] = field(default_factory=dict)
     # What the live manifests of the directory hold, per path: tensor name -> (chain, sizes). Seeded from disk at the
     # first save of this process, kept up to date by its saves and removals; drives the dead-bytes re-base rule.
     live: dict[str, dict[str, tuple[tuple[str, ...], tuple[int, ...]]]] = field(default_factory=dict)
@@ -187,134 +146,46 @@ def _split_path(path: str | os.PathLike[str]) -> tuple[str, str]:
 class DeltaStore:
     """Save, load, verify and remove delta checkpoints (the functional core; no Lightning import).
 
+    ``DeltaStore(storage_options=..., quantize="int8", ...)`` takes :class:`StoreOptions`' fields as keywords (see
+    there for each option, its range and default); ``DeltaStore(options=StoreOptions(...))`` takes them made once
+    (what :class:`~lightning_accel.checkpoint.plugin.DeltaCheckpointIO` does).
+
     Args:
         storage_options: fsspec options for remote URLs (e.g. ``{"client_kwargs": {"endpoint_url": ...}}``).
-        quantize: ``None`` (lossless, the default), ``"int8"`` or ``"int4"``: store deltas of the selected float
-            tensors block-quantized (see :mod:`lightning_accel.checkpoint.codec` for the error bound). Full
-            snapshots stay lossless.
-        quantize_groups: which tensors may be quantized: ``"optimizer"`` (``optimizer_states/...``, the default) or
-            ``"all"`` floating tensors, or a sequence of name prefixes (e.g. ``["state_dict/model.head"]``).
-        quant_block: elements per quantization scale.
-        delta_ref: ``"base"`` (delta against the chain's full snapshot: restore reads at most 2 blobs) or
-            ``"previous"`` (delta against the previous reconstruction: smaller deltas, longer chains).
-        max_chain: most blobs one tensor's restore may read (``delta_ref="previous"``; ``"base"`` uses 2).
-        full_every: a tensor's chain is restarted with a full snapshot after this many deltas.
-        rebase_ratio: write a full snapshot instead of a delta that is at least this fraction of the base's size
-            (0.8: a delta that saves less than 20 % is not worth keeping its base alive for; measured on the
-            benchmark, bytes on disk at the end 0.71x -> 0.60x of ``torch.save`` for 0.406x -> 0.411x written).
-        rebase_dead_fraction: write a full snapshot instead of a delta when the tensor's base is part of no live
-            checkpoint any more (its own was removed) and is more than this fraction of the bytes its live chains
-            keep on disk; 1.0 (default) never (measured: no gain on the benchmark once ``rebase_ratio=0.8``).
-        redundancy: 1, or 2 to keep a second copy (``<key>.copy``) of every base (full) blob: a lost or damaged
-            base is then read from its copy (with a warning) and :meth:`verify` ``(repair=True)`` rewrites it.
-        inline_bytes: tensors smaller than this are packed into the skeleton blob (always rewritten, never deltas)
-            instead of getting blobs of their own.
-        zstd_level: zstd compression level (3: ~300 MB/s per core here; higher buys ~1-2 % on float noise).
-        zstd_threads: zstd worker threads per blob (0: single-threaded; -1: one per core).
-        io_threads: threads that encode/decode tensors in parallel.
-        lock: take the directory's writer lock at its first save or removal
-            (:class:`~lightning_accel.checkpoint.lock.DirectoryLock`; released by :meth:`close`).
+        options: the encoding, chain and writing options (default: ``StoreOptions(**option_kwargs)``).
+        **option_kwargs: :class:`StoreOptions` fields (``quantize``, ``delta_ref``, ``zstd_level``, ...), when
+            ``options`` is not given.
+
+    Attributes:
+        options: the :class:`StoreOptions` in use; each field is also readable as an attribute of the store
+            (``store.quantize``; ``store.max_chain`` is the effective chain limit, 2 with ``delta_ref="base"``).
 
     Raises:
-        TypeError: an argument of the wrong type (``zstd_level="3"``, ``full_every=True``), naming it.
-        ValueError: an argument out of its range (``zstd_level=99``), naming it, the range and the fix.
+        TypeError: an argument of the wrong type (``zstd_level="3"``, ``full_every=True``), naming it, or an unknown
+            keyword.
+        ValueError: an argument out of its range (``zstd_level=99``), naming it, the range and the fix; or both
+            ``options`` and option keywords.
     """
 
     def __init__(
         self,
         *,
         storage_options: dict[str, Any] | None = None,
-        quantize: Literal["int8", "int4"] | None = None,
-        quantize_groups: Literal["optimizer", "all"] | Sequence[str] = "optimizer",
-        quant_block: int = 128,
-        delta_ref: Literal["base", "previous"] = "base",
-        max_chain: int = 8,
-        full_every: int = 16,
-        rebase_ratio: float = 0.8,
-        rebase_dead_fraction: float = 1.0,
-        redundancy: int = 1,
-        inline_bytes: int = 1024,
-        zstd_level: int = 3,
-        zstd_threads: int = 0,
-        io_threads: int = 2,
-        lock: bool = True,
+        options: StoreOptions | None = None,
+        **option_kwargs: Any,
     ) -> None:
-        if quantize not in (None, "int8", "int4"):
+        if options is None:
+            options = StoreOptions(**option_kwargs)
+        elif option_kwargs:
             raise ValueError(
-                f"`quantize` must be None, 'int8' or 'int4', got {quantize!r}. Use None for lossless checkpoints, "
-                "'int8' for quantized deltas with a 1/254 error bound per block, 'int4' for 1/14."
+                f"Pass either `options` or the option keywords ({', '.join(sorted(option_kwargs))}) to DeltaStore, "
+                "not both: put them into the `StoreOptions`."
             )
-        if isinstance(quantize_groups, str):
-            if quantize_groups not in _QUANT_GROUPS:
-                raise ValueError(
-                    f"`quantize_groups` must be 'optimizer', 'all' or a list of tensor-name prefixes, "
-                    f"got {quantize_groups!r}. Example: `quantize_groups=['state_dict/model.head']`."
-                )
-        else:
-            if not isinstance(quantize_groups, Sequence) or not quantize_groups:
-                raise ValueError(
-                    f"`quantize_groups` must be 'optimizer', 'all' or a non-empty list of tensor-name prefixes, got "
-                    f"{quantize_groups!r}. Example: `quantize_groups=['optimizer_states/']`."
-                )
-            if not all(isinstance(p, str) and p for p in quantize_groups):
-                raise ValueError(
-                    f"`quantize_groups` prefixes must be non-empty strings, got {quantize_groups!r}. "
-                    "Example: `quantize_groups=['state_dict/model.head']`."
-                )
-        if quantize is None and quantize_groups != "optimizer":
-            warnings.warn(
-                f"`quantize_groups={quantize_groups!r}` has no effect without `quantize`: checkpoints stay "
-                "lossless. Set `quantize='int8'` (or 'int4') to quantize the selected tensors.",
-                UserWarning,
-                stacklevel=2,
-            )
-        if delta_ref not in ("base", "previous"):
-            raise ValueError(
-                f"`delta_ref` must be 'base' or 'previous', got {delta_ref!r}. 'base': restores read at most 2 blobs; "
-                "'previous': smaller deltas, chains up to `max_chain`."
-            )
-        _check_int("quant_block", quant_block, 1, 1 << 24, "Typical: 32-1024 elements per scale (default 128).")
-        _check_int("max_chain", max_chain, 1, _MAX_CHAIN_LEN, "Typical: 4-16 (default 8).")
-        _check_int("full_every", full_every, 1, 1_000_000, "Typical: 8-64 deltas per full snapshot (default 16).")
-        _check_fraction(
-            "rebase_ratio",
-            rebase_ratio,
-            "Default 0.8: a delta must save at least 20 % of its base; a value > 1 never re-bases on size.",
-            hi=100.0,
-        )
-        _check_fraction(
-            "rebase_dead_fraction",
-            rebase_dead_fraction,
-            "1.0 (default) never re-bases for dead bytes; 0.3 re-bases when 30 % of a kept chain is dead.",
-        )
-        _check_int("redundancy", redundancy, 1, 2, "1: one copy of every blob; 2: a second copy of each base blob.")
-        _check_int("inline_bytes", inline_bytes, 0, 1 << 30, "Default 1024 bytes.")
-        _check_int(
-            "zstd_level",
-            zstd_level,
-            *_ZSTD_LEVELS,
-            "zstd's levels are 1-22 (default 3; higher buys ~1-2 % on float tensors) and negative fast levels.",
-        )
-        _check_int("zstd_threads", zstd_threads, *_ZSTD_THREADS, "0: single-threaded (default), -1: one per core.")
-        _check_int("io_threads", io_threads, 1, 256, f"Default 2; this machine has {os.cpu_count()} cores.")
-        if not isinstance(lock, bool):
-            raise TypeError(f"`lock` must be True or False, got {lock!r}.")
+        elif not isinstance(options, StoreOptions):
+            raise TypeError(f"`options` must be a StoreOptions or None, got {options!r} ({type(options).__name__}).")
+        self.options = options
         # Local paths and fsspec URLs alike, with retries of transient errors; validates `storage_options`.
         self.fs = FileStore(storage_options)
-        self.quantize = quantize
-        self.quantize_groups = quantize_groups if isinstance(quantize_groups, str) else tuple(quantize_groups)
-        self.quant_block = quant_block
-        self.delta_ref = delta_ref
-        self.max_chain = 2 if delta_ref == "base" else max_chain
-        self.full_every = full_every
-        self.rebase_ratio = float(rebase_ratio)
-        self.rebase_dead_fraction = float(rebase_dead_fraction)
-        self.redundancy = redundancy
-        self.inline_bytes = inline_bytes
-        self.zstd_level = zstd_level
-        self.zstd_threads = zstd_threads
-        self.io_threads = io_threads
-        self.lock = lock
         # The chain state of this process (directory -> what the next save deltas against). Per process, so a pickled
         # or forked copy of the store starts without it: it holds a private copy of every tensor, and a copy must
         # not delta against saves it did not make. The lock and the filesystems pickle fresh by themselves.
@@ -324,6 +195,22 @@ class DeltaStore:
         self._locks: PerProcess[dict[str, DirectoryLock]] = PerProcess(dict)
         self._lock = ForkSafeLock(reentrant=True)
         self._warned_groups = False
+
+    # The options, readable on the store as before they were grouped (``store.quantize``, ``store.lock``).
+    quantize = property(lambda self: self.options.quantize)
+    quantize_groups = property(lambda self: self.options.quantize_groups)
+    quant_block = property(lambda self: self.options.quant_block)
+    delta_ref = property(lambda self: self.options.delta_ref)
+    max_chain = property(lambda self: self.options.chain_limit)
+    full_every = property(lambda self: self.options.full_every)
+    rebase_ratio = property(lambda self: self.options.rebase_ratio)
+    rebase_dead_fraction = property(lambda self: self.options.rebase_dead_fraction)
+    redundancy = property(lambda self: self.options.redundancy)
+    inline_bytes = property(lambda self: self.options.inline_bytes)
+    zstd_level = property(lambda self: self.options.zstd_level)
+    zstd_threads = property(lambda self: self.options.zstd_threads)
+    io_threads = property(lambda self: self.options.io_threads)
+    lock = property(lambda self: self.options.lock)
 
     def _writable(self, directory: str) -> None:
         """Before the first write in ``directory``: make it (clear errors for a file or an unwritable path) and take
@@ -369,7 +256,7 @@ class DeltaStore:
 
     # ------------------------------------------------------------------ paths
     def blob_url(self, directory: str, key: str) -> str:
-        if not _KEY_RE.match(key):
+        if not is_blob_key(key):
             raise CheckpointCorruptError(f"invalid blob key {key!r} in a manifest")
         return safe_join(safe_join(directory, BLOB_DIR), f"{key[:2]}/{key}")
 
@@ -393,15 +280,6 @@ class DeltaStore:
             )
         return True
 
-    def _wants_quant(self, name: str, t: torch.Tensor) -> bool:
-        if self.quantize is None or not t.is_floating_point():
-            return False
-        if self.quantize_groups == "all":
-            return True
-        if self.quantize_groups == "optimizer":
-            return name.startswith("optimizer_states/")
-        return any(name.startswith(p) for p in self.quantize_groups)
-
     # ------------------------------------------------------------------ save
     def save(self, checkpoint: dict[str, Any], path: str | os.PathLike[str]) -> SaveStats:
         """Write ``checkpoint`` as a delta checkpoint at ``path`` (a manifest file).
@@ -420,46 +298,47 @@ class DeltaStore:
             raise TypeError(f"`checkpoint` must be a dict, got {type(checkpoint).__name__}.")
         t0 = time.perf_counter()
         directory, path = _split_path(path)
+        opts = self.options
         with self._lock:
             self._writable(directory)
             replacing = self._check_target(path)
             skeleton, all_tensors = split(checkpoint)
             self._warn_if_groups_match_nothing(all_tensors)
-            tensors = {n: t for n, t in all_tensors.items() if t.numel() * t.element_size() >= self.inline_bytes}
+            tensors = {n: t for n, t in all_tensors.items() if t.numel() * t.element_size() >= opts.inline_bytes}
             small = {n: t for n, t in all_tensors.items() if n not in tensors}
             dirs = self._dirs.get()
             first_save_here = directory not in dirs
             dstate = dirs.setdefault(directory, _DirState())
             if first_save_here:  # collect what a killed earlier run left behind (unreferenced blobs, tmp files)
                 self.collect_garbage(directory)
-            dead = self._dead_bases(dstate)
+            dead = policy.dead_bases(opts, dstate.live)
             stats = SaveStats(path=path)
-            new_entries: dict[str, _Entry] = {}
+            new_entries: dict[str, ChainState] = {}
 
-            def encode(item: tuple[str, torch.Tensor]) -> tuple[str, _Entry, list[tuple[str, bytes]], str]:
+            def encode(item: tuple[str, torch.Tensor]) -> tuple[str, ChainState, list[tuple[str, bytes]], str]:
                 name, t = item
                 if t.device.type != "cpu":
                     t = t.cpu()
                 return (name, *self._encode_one(name, t, dstate.entries.get(name), dead))
 
-            with ThreadPoolExecutor(max_workers=self.io_threads) as pool:
+            with ThreadPoolExecutor(max_workers=opts.io_threads) as pool:
                 results = list(pool.map(encode, tensors.items()))
-            for name, entry, blobs, how in results:
-                new_entries[name] = entry
+            for name, state, blobs, how in results:
+                new_entries[name] = state
                 if how == "rebased":
                     stats.tensors_rebased += 1
                     how = "full"
                 setattr(stats, f"tensors_{how}", getattr(stats, f"tensors_{how}") + 1)
                 for key, data in blobs:
                     urls = [self.blob_url(directory, key)]
-                    if how == "full" and entry.copy:
+                    if how == "full" and state.entry.copy:
                         urls.append(urls[0] + COPY_SUFFIX)
                     for url in urls:
                         if not self.fs.exists(url):
                             self.fs.write(url, data)
                             stats.bytes_written += len(data)
                             stats.blobs_written += 1
-            skel_blob = _pack_skeleton(dump_skeleton(skeleton), small)
+            skel_blob = pack_skeleton_blob(dump_skeleton(skeleton), small)
             skel_key = _blob_key(skel_blob)
             skel_url = self.blob_url(directory, skel_key)
             if not self.fs.exists(skel_url):
@@ -468,22 +347,18 @@ class DeltaStore:
                 stats.blobs_written += 1
             if is_local_url(directory):
                 fsync_dir(strip_file_scheme(safe_join(directory, BLOB_DIR)))
-            manifest = {
-                "format": MANIFEST_FORMAT,
-                "version": 1,
-                "blob_dir": BLOB_DIR,
-                "created": time.time(),
-                "skeleton": skel_key,
-                "lossy": any(e.lossy for e in new_entries.values()),
-                "tensors": {n: e.manifest(n) for n, e in new_entries.items()},
-            }
-            data = json.dumps(manifest, separators=(",", ":")).encode()
-            assert is_manifest_bytes(data)
+            manifest = Manifest(
+                skeleton=skel_key,
+                tensors={n: s.entry for n, s in new_entries.items()},
+                lossy=any(s.lossy for s in new_entries.values()),
+                created=time.time(),
+            )
+            data = manifest.to_json()
             self.fs.write(path, data)  # published last: the checkpoint exists from here on
             stats.bytes_written += len(data)
             # Only now does the next save delta against this one (a failed save changes nothing).
             dstate.entries = new_entries
-            dstate.live[path] = {n: (tuple(e.chain), tuple(e.sizes)) for n, e in new_entries.items()}
+            dstate.live[path] = {n: (s.entry.chain, s.entry.sizes) for n, s in new_entries.items()}
             if replacing:
                 self.collect_garbage(directory)
         stats.seconds = time.perf_counter() - t0
@@ -492,101 +367,98 @@ class DeltaStore:
     def _warn_if_groups_match_nothing(self, tensors: dict[str, torch.Tensor]) -> None:
         """``quantize_groups`` prefixes are checked against the first checkpoint's tensor names (they are not known
         before): a selection that matches no float tensor would silently keep everything lossless."""
-        if self._warned_groups or self.quantize is None or isinstance(self.quantize_groups, str):
+        opts = self.options
+        if self._warned_groups or opts.quantize is None or isinstance(opts.quantize_groups, str):
             return
         self._warned_groups = True
         floats = [n for n, t in tensors.items() if t.is_floating_point()]
-        if not any(self._wants_quant(n, tensors[n]) for n in floats):
+        if not any(policy.wants_quant(opts, n, True) for n in floats):
             examples = ", ".join(repr(n) for n in floats[:3]) or "none"
             warnings.warn(
-                f"`quantize_groups={list(self.quantize_groups)!r}` matches none of the checkpoint's "
+                f"`quantize_groups={list(opts.quantize_groups)!r}` matches none of the checkpoint's "
                 f"{len(floats)} float tensors (e.g. {examples}), so nothing is quantized. Use prefixes of those "
                 "names, 'optimizer' or 'all'.",
                 UserWarning,
                 stacklevel=4,
             )
 
-    def _dead_bases(self, dstate: _DirState) -> set[tuple[str, str]]:
-        """``(tensor name, base key)`` pairs whose next delta should be a full snapshot instead: no live manifest
-        holds the base's own version any more (its checkpoint was removed), and the base is more than
-        ``rebase_dead_fraction`` of the bytes that the live chains of that tensor keep on disk."""
-        if self.rebase_dead_fraction >= 1.0:
-            return set()
-        owned: set[tuple[str, str]] = set()
-        kept: dict[tuple[str, str], dict[str, int]] = {}
-        for tensors in dstate.live.values():
-            for name, (chain, sizes) in tensors.items():
-                if not chain:
-                    continue
-                if len(chain) == 1:
-                    owned.add((name, chain[0]))
-                links = kept.setdefault((name, chain[0]), {})
-                for k, n in zip(chain, sizes, strict=False):
-                    links[k] = int(n)
-        dead = set()
-        for nb, links in kept.items():
-            if nb in owned:
-                continue
-            total = sum(links.values())
-            if total and links.get(nb[1], 0) / total > self.rebase_dead_fraction:
-                dead.add(nb)
-        return dead
-
     def _encode_one(
-        self, name: str, t: torch.Tensor, prev: _Entry | None, dead: set[tuple[str, str]] | frozenset = frozenset()
-    ) -> tuple[_Entry, list[tuple[str, bytes]], str]:
-        """Decide reference / delta / full for one tensor and encode it. Returns (entry, new blobs, how)."""
+        self,
+        name: str,
+        t: torch.Tensor,
+        prev: ChainState | None,
+        dead: set[tuple[str, str]] | frozenset[tuple[str, str]] = frozenset(),
+    ) -> tuple[ChainState, list[tuple[str, bytes]], str]:
+        """Encode one tensor as :func:`~lightning_accel.checkpoint.policy.plan` says. Returns (state, new blobs,
+        how: ``"unchanged"``, ``"delta"``, ``"full"`` or ``"rebased"``)."""
+        opts = self.options
         dname = codec.dtype_name(t.dtype)
-        shape = list(t.shape)
+        shape = tuple(t.shape)
         src_hash = _raw_hash(t)
-        rebased = False
-        if prev is not None and prev.dtype == dname and prev.shape == shape:
-            if prev.src_hash == src_hash or prev.hash == src_hash:
-                return prev, [], "unchanged"
-            room = self.delta_ref == "base" or len(prev.chain) < self.max_chain  # "base" chains are always 2 long
-            rebased = (name, prev.chain[0]) in dead
-            if room and prev.age < self.full_every and not rebased:
-                ref_key = prev.chain[0] if self.delta_ref == "base" else prev.chain[-1]
-                if self._wants_quant(name, t):
-                    blob, recon = codec.encode_quant(
-                        t,
-                        prev.ref,
-                        ref_key,
-                        bits=8 if self.quantize == "int8" else 4,
-                        block=self.quant_block,
-                        level=self.zstd_level,
-                        threads=self.zstd_threads,
-                    )
-                    lossy = True
+        step = policy.plan(opts, name, dname, shape, src_hash, t.is_floating_point(), prev, dead)
+        if step.kind == "unchanged":
+            assert prev is not None
+            return prev, [], "unchanged"
+        if step.kind in ("xor", "quant"):
+            assert prev is not None and step.ref_key is not None
+            level, threads = opts.zstd_level, opts.zstd_threads
+            if step.kind == "quant":
+                bits = 8 if opts.quantize == "int8" else 4
+                blob, recon = codec.encode_quant(
+                    t, prev.ref, step.ref_key, bits=bits, block=opts.quant_block, level=level, threads=threads
+                )
+                lossy = True
+            else:
+                blob = codec.encode_xor(t, prev.ref, step.ref_key, level=level, threads=threads)
+                recon, lossy = t, False  # XOR restores t bit-exactly whatever the reference was
+            if policy.keep_delta(opts, len(blob), prev):
+                key = _blob_key(blob)
+                base = prev.entry
+                chain: tuple[str, ...]
+                sizes: tuple[int, ...]
+                if opts.delta_ref == "base":
+                    chain, sizes, ref = (base.chain[0], key), (base.sizes[0], len(blob)), prev.ref
                 else:
-                    blob = codec.encode_xor(t, prev.ref, ref_key, level=self.zstd_level, threads=self.zstd_threads)
-                    recon, lossy = t, False  # XOR restores t bit-exactly whatever the reference was
-                if len(blob) < self.rebase_ratio * prev.sizes[0]:
-                    key = _blob_key(blob)
-                    if self.delta_ref == "base":
-                        chain, sizes, ref = [prev.chain[0], key], [prev.sizes[0], len(blob)], prev.ref
-                    else:
-                        chain, sizes, ref = [*prev.chain, key], [*prev.sizes, len(blob)], recon.clone()
-                    h = src_hash if recon is t else _raw_hash(recon)
-                    crc = _crc(recon)
-                    entry = _Entry(dname, shape, chain, sizes, h, src_hash, crc, ref, lossy, prev.age + 1, prev.copy)
-                    return entry, [(key, blob)], "delta"
-        blob = codec.encode_full(t, level=self.zstd_level, threads=self.zstd_threads)
+                    chain, sizes, ref = (*base.chain, key), (*base.sizes, len(blob)), recon.clone()
+                entry = TensorEntry(
+                    dtype=dname, shape=shape, chain=chain, sizes=sizes, crc32=_crc(recon), copy=base.copy
+                )
+                state = ChainState(
+                    entry=entry,
+                    hash=src_hash if recon is t else _raw_hash(recon),
+                    src_hash=src_hash,
+                    ref=ref,
+                    lossy=lossy,
+                    age=prev.age + 1,
+                )
+                return state, [(key, blob)], "delta"
+        blob = codec.encode_full(t, level=opts.zstd_level, threads=opts.zstd_threads)
         key = _blob_key(blob)
+        entry = TensorEntry(
+            dtype=dname, shape=shape, chain=(key,), sizes=(len(blob),), crc32=_crc(t), copy=opts.redundancy > 1
+        )
         # A private copy: in synchronous mode `t` aliases the live parameter, which the optimizer keeps changing.
         ref = t.detach().clone().reshape(shape)
-        entry = _Entry(dname, shape, [key], [len(blob)], src_hash, src_hash, _crc(t), ref, copy=self.redundancy > 1)
-        return entry, [(key, blob)], "rebased" if rebased else "full"
+        state = ChainState(entry=entry, hash=src_hash, src_hash=src_hash, ref=ref)
+        return state, [(key, blob)], "rebased" if step.kind == "rebased" else "full"
 
     # ------------------------------------------------------------------ load
     def read_manifest(self, path: str | os.PathLike[str]) -> dict[str, Any]:
-        """Read and validate the manifest at ``path`` (every tensor entry checked, with its ``mcrc`` when present).
+        """Read and validate the manifest at ``path`` (every tensor entry checked, with its ``mcrc`` when present);
+        return its JSON object (the format is documented in :mod:`~lightning_accel.checkpoint.manifest`).
 
         Raises:
             FileNotFoundError: nothing at ``path``.
             NotADeltaCheckpointError: ``path`` is a directory or holds something else.
             CheckpointCorruptError: the manifest is damaged (naming the file, and the tensor when one is at fault).
         """
+        return self._read_manifest(path)[0]
+
+    def open_manifest(self, path: str | os.PathLike[str]) -> Manifest:
+        """:meth:`read_manifest` as a :class:`~lightning_accel.checkpoint.manifest.Manifest`."""
+        return self._read_manifest(path)[1]
+
+    def _read_manifest(self, path: str | os.PathLike[str]) -> tuple[dict[str, Any], Manifest]:
         _, p = _split_path(path)
         if not self.fs.exists(p):
             raise FileNotFoundError(errno.ENOENT, f"Checkpoint {p!r} does not exist")
@@ -595,7 +467,7 @@ class DeltaStore:
         # The head first: a plain `torch.save` file of gigabytes is not downloaded just to be told apart.
         head = self.fs.head(p, 128)
         if not is_manifest_bytes(head):
-            if _damaged_manifest_head(head):
+            if damaged_manifest_head(head):
                 raise CheckpointCorruptError(
                     f"The manifest of checkpoint {p!r} is damaged (its header reads {head[:40]!r}); load another "
                     "checkpoint of the directory."
@@ -603,20 +475,10 @@ class DeltaStore:
             raise NotADeltaCheckpointError(f"{p!r} is not a delta checkpoint manifest.")
         data = self.fs.read(p)
         try:
-            manifest = json.loads(data)
-            if not isinstance(manifest, dict):
-                raise ValueError("not a JSON object")
-            if manifest.get("format") != MANIFEST_FORMAT:
-                raise ValueError(f"format {manifest.get('format')!r}")
-            if manifest["version"] != 1 or not isinstance(manifest["tensors"], dict):
-                raise ValueError(f"unsupported manifest version {manifest['version']!r}")
-            if not isinstance(manifest["skeleton"], str) or not _KEY_RE.match(manifest["skeleton"]):
-                raise ValueError(f"bad skeleton key {manifest['skeleton']!r}")
-        except (ValueError, KeyError, TypeError) as e:
+            raw = json.loads(data)
+        except ValueError as e:
             raise CheckpointCorruptError(f"The manifest of checkpoint {p!r} is damaged ({e!r}).") from e
-        for name, meta in manifest["tensors"].items():
-            _check_entry(p, name, meta)
-        return manifest
+        return raw, Manifest.from_dict(p, raw)
 
     def _fetch(
         self,
@@ -674,49 +536,47 @@ class DeltaStore:
         directory: str,
         ckpt: str,
         name: str,
-        meta: dict[str, Any],
+        entry: TensorEntry,
         check_keys: bool = False,
         used_copies: list[str] | None = None,
     ) -> torch.Tensor:
-        copy = bool(meta.get("copy"))
         try:
-            return self._restore_once(directory, ckpt, name, meta, check_keys, False, used_copies)
+            return self._restore_once(directory, ckpt, name, entry, check_keys, False, used_copies)
         except CheckpointCorruptError:
-            if not copy:
+            if not entry.copy:
                 raise
             # The base may be the damaged link: re-read it with its content address checked (falls back to the copy).
-            return self._restore_once(directory, ckpt, name, meta, True, True, used_copies)
+            return self._restore_once(directory, ckpt, name, entry, True, True, used_copies)
 
     def _restore_once(
         self,
         directory: str,
         ckpt: str,
         name: str,
-        meta: dict[str, Any],
+        entry: TensorEntry,
         check_keys: bool,
         copy: bool,
         used_copies: list[str] | None,
     ) -> torch.Tensor:
         what = f"tensor `{name}`"
-        dtype = codec.dtype_from_name(meta["dtype"])
-        shape = [int(s) for s in meta["shape"]]
-        chain = [str(k) for k in meta["chain"]]
-        crc = int(meta["crc32"])
+        dtype = codec.dtype_from_name(entry.dtype)
+        shape = list(entry.shape)
+        chain = list(entry.chain)
         blobs = [
             self._fetch(directory, key, ckpt, what, check_keys, copy and i == 0, used_copies)
             for i, key in enumerate(chain)
         ]
-        nbytes = _numel(shape) * codec.itemsize_of(dtype)
+        nbytes = entry.nbytes
         try:
             for i, blob in enumerate(blobs):
                 header, _ = codec.read_header(blob)
                 expected_ref = None if i == 0 else chain[i - 1]
                 if header.get("ref") != expected_ref:
                     raise codec.CodecError(f"blob {chain[i]} references {header.get('ref')}, expected {expected_ref}")
-                if header.get("dtype") != meta["dtype"]:
-                    raise codec.CodecError(f"blob {chain[i]} holds {header.get('dtype')!r}, not {meta['dtype']!r}")
+                if header.get("dtype") != entry.dtype:
+                    raise codec.CodecError(f"blob {chain[i]} holds {header.get('dtype')!r}, not {entry.dtype!r}")
                 quant = header.get("kind") == "quant"
-                size, want = (header.get("numel"), _numel(shape)) if quant else (header.get("nbytes"), nbytes)
+                size, want = (header.get("numel"), entry.numel) if quant else (header.get("nbytes"), nbytes)
                 if size != want:  # checked before anything is allocated from a damaged size
                     unit = "elements" if quant else "bytes"
                     raise codec.CodecError(f"blob {chain[i]} holds {size!r} {unit}, the shape needs {want}")
@@ -724,9 +584,9 @@ class DeltaStore:
         except Exception as e:  # noqa: BLE001 - whatever damaged bytes make the decoder raise, the tensor is lost
             raise CheckpointCorruptError(
                 f"Checkpoint {ckpt!r}: cannot decode {what} (chain {', '.join(chain)}): {type(e).__name__}: "
-                f"{_first_line(e)}"
+                f"{one_line(e, first=True)[:300]}"
             ) from e
-        if out.dtype != dtype or list(out.shape) != shape or _crc(out) != crc:
+        if out.dtype != dtype or list(out.shape) != shape or _crc(out) != entry.crc32:
             raise CheckpointCorruptError(
                 f"Checkpoint {ckpt!r}: {what} fails its checksum after decoding (a blob of its chain "
                 f"{', '.join(chain)} is corrupt)."
@@ -755,38 +615,38 @@ class DeltaStore:
         self, path: str | os.PathLike[str], map_location: Any, check_keys: bool, used_copies: list[str] | None
     ) -> dict[str, Any]:
         directory, p = _split_path(path)
-        manifest = self.read_manifest(p)
-        skel = self._fetch(directory, manifest["skeleton"], p, "the skeleton (non-tensor state)", True)
+        manifest = self.open_manifest(p)
+        skel = self._fetch(directory, manifest.skeleton, p, "the skeleton (non-tensor state)", True)
         try:
-            skeleton, small = _unpack_skeleton(skel)
+            skeleton, small = unpack_skeleton_blob(skel)
             if not isinstance(skeleton, dict):
                 raise TypeError(f"it holds a {type(skeleton).__name__}, not a dict")
         except Exception as e:  # noqa: BLE001 - anything here means the skeleton is unusable
             raise CheckpointCorruptError(
                 f"Checkpoint {p!r}: the skeleton (non-tensor state) cannot be read safely ({type(e).__name__}: "
-                f"{_first_line(e)})."
+                f"{one_line(e, first=True)[:300]})."
             ) from e
-        items = list(manifest["tensors"].items())
-        _check_names(p, skeleton, {n for n, _ in items}, set(small))
+        items = list(manifest.tensors.items())
+        _check_names(p, skeleton, set(manifest.tensors), set(small))
         # Tensors with identical chains (last.ckpt vs its step, zero-initialised buffers) are decoded once.
-        unique: dict[tuple[str, ...], tuple[str, dict[str, Any]]] = {}
-        for name, meta in items:
-            unique.setdefault((*meta["chain"], str(meta["shape"]), meta["dtype"]), (name, meta))
-        with ThreadPoolExecutor(max_workers=self.io_threads) as pool:
+        unique: dict[tuple[Any, ...], tuple[str, TensorEntry]] = {}
+        for name, entry in items:
+            unique.setdefault((entry.chain, entry.shape, entry.dtype), (name, entry))
+        with ThreadPoolExecutor(max_workers=self.options.io_threads) as pool:
             decoded = dict(
                 zip(
                     unique,
                     pool.map(
-                        lambda nm: self._restore_tensor(directory, p, nm[0], nm[1], check_keys, used_copies),
+                        lambda ne: self._restore_tensor(directory, p, ne[0], ne[1], check_keys, used_copies),
                         unique.values(),
                     ),
                     strict=True,
                 )
             )
         tensors: dict[str, torch.Tensor] = {}
-        seen: set[tuple[str, ...]] = set()
-        for name, meta in items:
-            k = (*meta["chain"], str(meta["shape"]), meta["dtype"])
+        seen: set[tuple[Any, ...]] = set()
+        for name, entry in items:
+            k = (entry.chain, entry.shape, entry.dtype)
             t = decoded[k]
             tensors[name] = t.clone() if k in seen else t
             seen.add(k)
@@ -807,7 +667,7 @@ class DeltaStore:
             CheckpointCorruptError: naming the checkpoint and the tensor that fails.
         """
         directory, p = _split_path(path)
-        manifest = self.read_manifest(p)
+        manifest = self.open_manifest(p)
         used: list[str] = []
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # reported in the summary instead
@@ -820,23 +680,16 @@ class DeltaStore:
                 if _blob_key(spare) == key:
                     self.fs.write(url, spare)
                     repaired.append(key)
-        keys = {manifest["skeleton"]}
-        for meta in manifest["tensors"].values():
-            keys.update(meta["chain"])
-        stored = sum(sum(m.get("sizes", [])) for m in manifest["tensors"].values())
-        raw = sum(
-            _numel(m["shape"]) * codec.itemsize_of(codec.dtype_from_name(m["dtype"]))
-            for m in manifest["tensors"].values()
-        )
+        entries = manifest.tensors.values()
         return {
             "path": p,
             "ok": True,
-            "tensors": len(manifest["tensors"]),
-            "blobs": len(keys),
-            "raw_tensor_bytes": raw,
-            "chain_bytes": stored,
-            "max_chain": max((len(m["chain"]) for m in manifest["tensors"].values()), default=0),
-            "lossy": bool(manifest.get("lossy")),
+            "tensors": len(manifest.tensors),
+            "blobs": len(manifest.keys()),
+            "raw_tensor_bytes": sum(e.nbytes for e in entries),
+            "chain_bytes": sum(sum(e.sizes) for e in entries),
+            "max_chain": max((len(e.chain) for e in entries), default=0),
+            "lossy": manifest.lossy,
             "copies_used": sorted(set(used)),
             "repaired": repaired,
             "top_level_keys": sorted(map(str, ckpt)),
@@ -845,8 +698,6 @@ class DeltaStore:
     def export(self, path: str | os.PathLike[str], out: str | os.PathLike[str]) -> str:
         """Write the checkpoint at ``path`` as one plain ``torch.save`` file at ``out`` (what ``torch.load`` and
         ``TorchCheckpointIO`` read). Returns ``out``."""
-        import io
-
         ckpt = self.load(path)
         buf = io.BytesIO()
         torch.save(ckpt, buf)
@@ -910,15 +761,13 @@ class DeltaStore:
             try:
                 head = self.fs.head(url, 128)
                 if not is_manifest_bytes(head):
-                    if _damaged_manifest_head(head):
+                    if damaged_manifest_head(head):
                         raise ValueError(f"its header reads {head[:40]!r}")
                     continue
-                m = json.loads(self.fs.read(url))
-                keys.add(m["skeleton"])
-                chains = {}
-                for tname, meta in m["tensors"].items():
-                    keys.update(meta["chain"])
-                    chains[tname] = (tuple(meta["chain"]), tuple(int(n) for n in meta.get("sizes", ())))
+                skeleton, chains = manifest_references(self.fs.read(url))
+                keys.add(skeleton)
+                for chain, _ in chains.values():
+                    keys.update(chain)
                 live[_split_path(url)[1]] = chains
             except (FileNotFoundError, IsADirectoryError):  # removed meanwhile / dangling link
                 continue
@@ -931,7 +780,7 @@ class DeltaStore:
         if state is not None:
             state.live = live
             for entry in state.entries.values():
-                keys.update(entry.chain)
+                keys.update(entry.entry.chain)
         return keys
 
     def collect_garbage(self, directory: str | os.PathLike[str]) -> int:
@@ -958,7 +807,7 @@ class DeltaStore:
                 key = base[: -len(COPY_SUFFIX)] if base.endswith(COPY_SUFFIX) else base
                 if key in live:
                     continue
-                if _KEY_RE.match(key) or _TMP_RE.match(base):
+                if is_blob_key(key) or _TMP_RE.match(base):
                     self.fs.rm(safe_join(blob_root, rel))
                     deleted += 1
             for name in self.fs.list_files(directory):
@@ -976,11 +825,6 @@ class DeltaStore:
                 self._dirs.get().pop(_norm_dir(directory), None)
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0][:300] if text else type(error).__name__
-
-
 def _is_a_directory(fs: FileStore, path: str) -> str:
     """The message for a checkpoint path that is a directory, listing the checkpoints inside it."""
     try:
@@ -994,56 +838,9 @@ def _is_a_directory(fs: FileStore, path: str) -> str:
     )
 
 
-def _damaged_manifest_head(head: bytes) -> bool:
-    """A file whose start is one or two bytes off a manifest's (``{"format":"lightning-accel/delta-checkpoint"``)."""
-    want = _MANIFEST_PREFIX
-    if len(head) < len(want):
-        return head.startswith(b"{") and b"lightning-accel" in head
-    return sum(a != b for a, b in zip(head, want, strict=False)) <= 2
-
-
-def _check_entry(path: str, name: Any, meta: Any) -> None:
-    """One manifest entry is well-formed and (with ``mcrc``) intact; else CheckpointCorruptError naming the tensor."""
-    what = f"Checkpoint {path!r}: the manifest entry of tensor `{name}`"
-    if not isinstance(meta, dict):
-        raise CheckpointCorruptError(f"{what} is damaged (a {type(meta).__name__}, not a mapping).")
-    try:
-        if "mcrc" in meta and entry_crc(str(name), meta) != meta["mcrc"]:
-            raise ValueError("its checksum (mcrc) does not match: a byte of its name, shape, dtype or chain changed")
-        codec.dtype_from_name(meta["dtype"])
-        shape, chain, sizes = meta["shape"], meta["chain"], meta.get("sizes", [])
-        if not isinstance(shape, list) or len(shape) > _MAX_DIMS:
-            raise ValueError(f"shape {shape!r}")
-        if not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 48 for d in shape):
-            raise ValueError(f"shape {shape!r}")
-        if not isinstance(chain, list) or not 1 <= len(chain) <= _MAX_CHAIN_LEN:
-            raise ValueError(f"a chain of {len(chain) if isinstance(chain, list) else chain!r} blobs")
-        if not all(isinstance(k, str) and _KEY_RE.match(k) for k in chain):
-            raise ValueError(f"chain {chain!r}")
-        if not isinstance(sizes, list) or not all(isinstance(n, int) for n in sizes):
-            raise ValueError(f"sizes {sizes!r}")
-        crc = meta["crc32"]
-        if isinstance(crc, bool) or not isinstance(crc, int) or not 0 <= crc < 1 << 32:
-            raise ValueError(f"crc32 {crc!r}")
-    except (KeyError, TypeError, ValueError, codec.CodecError) as e:
-        raise CheckpointCorruptError(f"{what} is damaged ({type(e).__name__}: {e}).") from e
-
-
 def _check_names(path: str, skeleton: Any, listed: set[str], small: set[str]) -> None:
     """The skeleton's tensor placeholders and the manifest's + skeleton blob's tensors are the same names."""
-    wanted: set[str] = set()
-
-    def walk(obj: Any) -> None:
-        if isinstance(obj, str) and obj.startswith(PLACEHOLDER):
-            wanted.add(obj[len(PLACEHOLDER) :])
-        elif isinstance(obj, dict):
-            for v in obj.values():
-                walk(v)
-        elif isinstance(obj, (list, tuple, set, frozenset)):
-            for v in obj:
-                walk(v)
-
-    walk(skeleton)
+    wanted = placeholder_names(skeleton)
     have = listed | small
     missing, extra = sorted(wanted - have), sorted(listed - wanted)
     if missing:
@@ -1060,53 +857,9 @@ def _check_names(path: str, skeleton: Any, listed: set[str], small: set[str]) ->
         )
 
 
-def _pack_skeleton(skeleton_bytes: bytes, small: dict[str, torch.Tensor]) -> bytes:
-    """One blob: the ``torch.save``d skeleton followed by the raw bytes of the small tensors (zstd on top)."""
-    parts, items, offset = [skeleton_bytes], [], len(skeleton_bytes)
-    for name, t in small.items():
-        raw = codec.tensor_bytes(t)
-        items.append([name, codec.dtype_name(t.dtype), list(t.shape), offset])
-        parts.append(raw.tobytes())
-        offset += raw.size
-    body = b"".join(parts)
-    header = {
-        "kind": "skeleton",
-        "dtype": "uint8",
-        "nbytes": len(body),
-        "ref": None,
-        "items": items,
-        "skeleton_bytes": len(skeleton_bytes),
-    }
-    return codec._pack(header, codec._zstd_compress(body, 3, 0))
-
-
-def _unpack_skeleton(blob: bytes) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    header, payload = codec.read_header(blob)
-    if header["kind"] != "skeleton":
-        raise codec.CodecError(f"expected a skeleton blob, got `{header['kind']}`")
-    body = codec._zstd_decompress(payload, int(header["nbytes"]))
-    n = int(header["skeleton_bytes"])
-    skeleton = load_skeleton(body[:n].tobytes())
-    small = {}
-    for name, dname, shape, offset in header["items"]:
-        dtype = codec.dtype_from_name(dname)
-        size = _numel(shape) * codec.itemsize_of(dtype)
-        if offset < n or offset + size > body.size:
-            raise codec.CodecError(f"small tensor {name!r} lies outside the skeleton blob")
-        small[name] = codec.tensor_from_bytes(body[offset : offset + size], dtype, shape)
-    return skeleton, small
-
-
 def _norm_dir(directory: str | os.PathLike[str]) -> str:
     s = os.fspath(directory)
     return os.path.abspath(strip_file_scheme(s)) if is_local_url(s) else s.rstrip("/")
-
-
-def _numel(shape: Iterable[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
 
 
 def _target_device(map_location: Any) -> torch.device | None:
@@ -1117,20 +870,3 @@ def _target_device(map_location: Any) -> torch.device | None:
         return torch.device(target) if target is not None else None
     dev = torch.device(map_location)
     return None if dev.type == "cpu" else dev
-
-
-def _check_int(name: str, value: Any, lo: int, hi: int, hint: str) -> None:
-    """An integer argument in ``[lo, hi]``: TypeError for another type (bool included), ValueError out of range."""
-    expected = f"an integer >= {lo} and <= {hi}"
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"`{name}` must be {expected}, got {value!r} ({type(value).__name__}). {hint}")
-    if not lo <= value <= hi:
-        raise ValueError(f"`{name}` must be {expected}, got {value!r}. {hint}")
-
-
-def _check_fraction(name: str, value: Any, hint: str, hi: float = 1.0) -> None:
-    """A number in ``(0, hi]``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"`{name}` must be a number > 0 and <= {hi:g}, got {value!r} ({type(value).__name__}). {hint}")
-    if not 0 < value <= hi:
-        raise ValueError(f"`{name}` must be a number > 0 and <= {hi:g}, got {value!r}. {hint}")

@@ -446,3 +446,30 @@ def test_ddp_unused_parameters_advice_is_the_text_the_comm_strategy_redirects() 
     other = ValueError("something else", 3)
     compat.redirect_find_unused_parameters_advice(other, "my_alias", "Mine()")
     assert other.args == ("something else", 3)
+# --- checkpoint: ModelCheckpoint.setup's directory listing
+
+
+def test_model_checkpoint_setup_without_listing_skips_the_listing(tmp_path: Path) -> None:
+    import warnings
+
+    (tmp_path / "old.ckpt").write_bytes(b"x")
+    trainer = _trainer(default_root_dir=tmp_path)
+
+    def setup_warnings(cb: ModelCheckpoint, skip: bool) -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if skip:
+                with compat.model_checkpoint_setup_without_listing(cb):
+                    cb.setup(trainer, pl.LightningModule(), "fit")
+            else:
+                cb.setup(trainer, pl.LightningModule(), "fit")
+        return [str(w.message) for w in caught if "exists and is not empty" in str(w.message)]
+
+    listed = ModelCheckpoint(dirpath=tmp_path, save_top_k=3, monitor="step")
+    assert setup_warnings(listed, skip=False), f"{VERSIONS}: ModelCheckpoint.setup no longer lists its dirpath"
+    quiet = ModelCheckpoint(dirpath=tmp_path, save_top_k=3, monitor="step")
+    assert not setup_warnings(quiet, skip=True), (
+        f"{VERSIONS}: ModelCheckpoint.setup lists its dirpath even with save_top_k=0; update "
+        "compat.model_checkpoint_setup_without_listing"
+    )
+    assert quiet.save_top_k == 3  # restored after the block

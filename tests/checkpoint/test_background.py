@@ -1,10 +1,15 @@
 """BackgroundWriter and async DeltaCheckpointIO under pressure: bounded saves in flight, coalescing, ordering, bounded
-memory over 200 saves, teardown waiting only for what is in flight, errors never lost."""
+memory over 200 saves, teardown waiting only for what is in flight, errors never lost.
+
+Ordering is explicit: jobs block on events, and the tests wait for the writer's observable state (a submit counted,
+nothing pending), never for a duration.
+"""
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -12,6 +17,14 @@ import torch
 
 from lightning_accel.checkpoint import DeltaCheckpointIO
 from lightning_accel.checkpoint.background import BackgroundWriter
+
+
+def _until(done: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    """Wait until ``done()`` (state another thread changes without an event to wait on); fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.001)
 
 
 def _rss_bytes() -> int:
@@ -33,21 +46,23 @@ def test_at_most_max_pending_saves_and_a_waiting_save_is_counted() -> None:
     assert w.pending == 2
     blocked = threading.Thread(target=w.submit, args=(job, 2), kwargs={"bounded": True})
     blocked.start()
-    time.sleep(0.2)
-    assert blocked.is_alive() and w.pending == 2  # the third save waits for a slot
+    _until(lambda: w.stats.submitted == 3, "the third save was submitted")
+    # Both jobs wait for the gate, so no slot can free up: the third save is waiting for one.
+    assert blocked.is_alive() and w.pending == 2 and w.stats.stalls == 0
     gate.set()
     blocked.join(5)
     w.close()
     assert ran == [0, 1, 2]
-    assert w.stats.stalls == 1 and w.stats.stall_s > 0.1 and w.stats.pending_peak == 2
+    assert w.stats.stalls == 1 and w.stats.stall_s > 0 and w.stats.pending_peak == 2
 
 
 def test_a_queued_save_of_the_same_path_is_replaced_unless_a_removal_follows_it() -> None:
-    gate = threading.Event()
+    gate, running = threading.Event(), threading.Event()
     done: list[tuple[str, str]] = []
     w = BackgroundWriter(max_pending=2)
 
     def save(payload: str, path: str) -> None:
+        running.set()
         gate.wait(5)
         done.append(("save", f"{path}:{payload}"))
 
@@ -55,7 +70,7 @@ def test_a_queued_save_of_the_same_path_is_replaced_unless_a_removal_follows_it(
         done.append(("remove", path))
 
     w.submit(save, "a", "step=1", key="step=1", bounded=True)  # running (blocked on the gate)
-    time.sleep(0.1)
+    assert running.wait(5)
     w.submit(save, "b", "last", key="last", bounded=True)  # queued
     w.submit(save, "c", "last", key="last", bounded=True)  # replaces "b": no wait although both slots are taken
     assert w.stats.coalesced == 1 and w.stats.stalls == 0
@@ -70,7 +85,7 @@ def test_errors_are_raised_once_and_later_jobs_still_run() -> None:
     w = BackgroundWriter(max_pending=1)
     out: list[int] = []
     w.submit(lambda: 1 / 0, bounded=True)
-    time.sleep(0.2)
+    _until(lambda: w.pending == 0, "the failing job finished")  # its error is recorded before it counts as done
     with pytest.raises(ZeroDivisionError):
         w.submit(out.append, 1, bounded=True)
     w.submit(out.append, 2, bounded=True)
@@ -85,20 +100,23 @@ def test_memory_stays_bounded_over_200_saves() -> None:
     slower than a step): without the bound the queue would hold ~100-200 snapshots (400-800 MB)."""
     w = BackgroundWriter(max_pending=2, nice=0)
     written: list[float] = []
+    n = 200
 
     def save(snap: torch.Tensor, path: str) -> None:
-        time.sleep(0.01)  # ~10x longer than making the next 4 MB snapshot
+        i = int(snap[0])
+        # Save i finishes only once the save two later was submitted (and found both slots taken): the worker is
+        # always behind the producer, whatever the machine's speed.
+        _until(lambda: w.stats.submitted >= min(i + 3, n), f"save {i + 2} was submitted")
         written.append(float(snap[0]))
 
     rss0, peak = _rss_bytes(), 0
-    for i in range(200):
+    for i in range(n):
         w.submit(save, torch.full((1 << 20,), float(i)), f"s{i}.ckpt", key=f"s{i}.ckpt", bounded=True)
         peak = max(peak, _rss_bytes() - rss0)
-    t0 = time.perf_counter()
+    assert w.pending <= 2  # close waits for the 2 saves in flight, not a backlog
     w.close()
-    assert time.perf_counter() - t0 < 5  # close waited for the 2 saves in flight, not a backlog
-    assert written == [float(i) for i in range(200)]  # every save ran, in order
-    assert w.stats.pending_peak == 2 and w.stats.stalls > 0
+    assert written == [float(i) for i in range(n)]  # every save ran, in order
+    assert w.stats.pending_peak == 2 and w.stats.stalls == n - 2  # every save after the first two waited
     assert peak < 64 * 2**20, f"RSS grew by {peak / 2**20:.0f} MB"
 
 

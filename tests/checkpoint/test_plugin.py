@@ -1,23 +1,37 @@
-"""DeltaCheckpointIO's constructor: keyword-only arguments that mirror DeltaStore's, validated by the store."""
+"""DeltaCheckpointIO's constructor: keyword-only arguments that mirror StoreOptions' fields, validated there."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import pytest
 
-from lightning_accel.checkpoint import DeltaCheckpointIO, DeltaStore
+from lightning_accel.checkpoint import DeltaCheckpointIO, DeltaStore, StoreOptions
 
 
-def test_signature_mirrors_the_store() -> None:
+def test_signature_mirrors_the_store_options() -> None:
     plugin = inspect.signature(DeltaCheckpointIO.__init__).parameters
-    store = inspect.signature(DeltaStore.__init__).parameters
-    own = [p for p in plugin.values() if p.name not in ("self", "async_save", "max_pending")]
-    forwarded = [p for p in store.values() if p.name != "self"]
-    assert [(p.name, p.default, str(p.annotation)) for p in own] == [
-        (p.name, p.default, str(p.annotation)) for p in forwarded
-    ]
-    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in [*own, plugin["async_save"]])
+    own = [p for p in plugin.values() if p.name not in ("self", "async_save", "max_pending", "storage_options")]
+    fields = dataclasses.fields(StoreOptions)
+    assert [(p.name, p.default, str(p.annotation)) for p in own] == [(f.name, f.default, str(f.type)) for f in fields]
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in plugin.values() if p.name != "self")
+    assert plugin["storage_options"].default is None
+
+
+def test_the_store_takes_options_or_their_keywords_not_both() -> None:
+    opts = StoreOptions(delta_ref="previous", max_chain=5)
+    assert DeltaStore(options=opts).options is opts
+    assert DeltaStore(delta_ref="previous", max_chain=5).options == opts
+    assert DeltaStore(options=opts).max_chain == 5 and DeltaStore().max_chain == 2  # "base": base + one delta
+    with pytest.raises(ValueError, match="either `options` or the option keywords"):
+        DeltaStore(options=opts, zstd_level=5)
+    with pytest.raises(TypeError, match="zstd_levle"):
+        DeltaStore(zstd_levle=5)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opts.zstd_level = 9  # type: ignore[misc]
+    assert StoreOptions(quantize="int8", quantize_groups=["state_dict/"]).quantize_groups == ("state_dict/",)
+    assert StoreOptions(rebase_ratio=1).rebase_ratio == 1.0 and isinstance(StoreOptions().rebase_ratio, float)
 
 
 def test_arguments_reach_the_store_and_are_validated_there() -> None:
