@@ -67,8 +67,10 @@ __all__ = [
     "is_resume_past_max_epochs",
     "jsonargparse_error_class_path",
     "jsonargparse_error_key",
+    "jpeg_decode_ops",
     "jsonargparse_useful_line",
     "materialize_distributed_module",
+    "model_checkpoint_setup_without_listing",
     "module_call_impl",
     "pin_memory",
     "redirect_find_unused_parameters_advice",
@@ -577,6 +579,8 @@ def redirect_find_unused_parameters_advice(exception: BaseException, alias: str,
         DDP_FIND_UNUSED_CLASS_ADVICE, f"`strategy={constructor}`"
     )
     exception.args = (msg, *exception.args[1:])
+
+
 # --- checkpoint: ModelCheckpoint.setup's directory listing ------------------------------------------------------------
 
 

@@ -446,6 +446,8 @@ def test_ddp_unused_parameters_advice_is_the_text_the_comm_strategy_redirects() 
     other = ValueError("something else", 3)
     compat.redirect_find_unused_parameters_advice(other, "my_alias", "Mine()")
     assert other.args == ("something else", 3)
+
+
 # --- checkpoint: ModelCheckpoint.setup's directory listing
 
 
