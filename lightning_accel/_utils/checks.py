@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from collections.abc import Iterable
 from typing import Any, TypeVar
 
-__all__ = ["check_bool", "check_bytes", "check_choice", "check_int", "check_number", "parse_bytes"]
+__all__ = ["check_bool", "check_bytes", "check_choice", "check_int", "check_number", "parse_bytes", "renamed_argument"]
 
 T = TypeVar("T")
 
@@ -155,3 +156,24 @@ def check_bytes(name: str, value: Any, *, low: int = 0, fix: str = "", allow_non
     if n is None or n < low:
         raise _fail(ValueError, name, expected, value, fix)
     return n
+
+
+def renamed_argument(new_name: str, new: Any, old_name: str, old: Any, *, new_given: bool, stacklevel: int = 3) -> Any:
+    """The value of the argument ``new_name``, given either as ``new`` or through its deprecated spelling ``old``.
+
+    The one idiom for a renamed argument: the old spelling stays accepted for one release and emits a
+    :class:`DeprecationWarning` naming the new one (``stacklevel`` counts from this function: 3 points at the caller of
+    the ``__init__`` that calls it). ``old`` is None when the old spelling was not used (LightningCLI passes every
+    parameter, so None means "not given"); ``new_given`` says whether the new one was.
+
+    Raises:
+        ValueError: both spellings were given (one line naming both).
+    """
+    if old is None:
+        return new
+    if new_given:
+        raise ValueError(f"`{old_name}` is the deprecated name of `{new_name}`: pass only `{new_name}`, got both.")
+    warnings.warn(
+        f"`{old_name}` is deprecated; use `{new_name}` (same values).", DeprecationWarning, stacklevel=stacklevel
+    )
+    return old

@@ -13,12 +13,11 @@ names onto the new ones for one release, with a :class:`DeprecationWarning`.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-from lightning_accel._utils.checks import check_bool, check_choice, check_int
+from lightning_accel._utils.checks import check_bool, check_choice, check_int, renamed_argument
 
 __all__ = [
     "COMPRESSED_SIGNALS",
@@ -148,8 +147,6 @@ def resolve_renamed(given: Mapping[str, Any], *, defaults: OneBitConfig, stackle
         value = out.pop(old, None)
         if value is None:
             continue
-        if out.get(new, getattr(defaults, new)) != getattr(defaults, new):
-            raise ValueError(f"`{old}` is the deprecated name of `{new}`: pass only `{new}`, got both.")
-        warnings.warn(f"`{old}` is deprecated; use `{new}` (same values).", DeprecationWarning, stacklevel=stacklevel)
-        out[new] = value
+        given_new = out.get(new, getattr(defaults, new)) != getattr(defaults, new)
+        out[new] = renamed_argument(new, out.get(new), old, value, new_given=given_new, stacklevel=stacklevel + 1)
     return out

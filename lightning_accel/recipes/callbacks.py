@@ -17,10 +17,9 @@ from torch import nn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_accel._utils.checks import check_choice, check_int
+from lightning_accel._utils.checks import check_choice, check_int, renamed_argument
 from lightning_accel._utils.errors import one_line
 from lightning_accel._utils.patching import Patch, patch
-from lightning_accel.recipes._renamed import renamed_argument
 from lightning_accel.recipes.distill import (
     check_distillation_args,
     combine_losses,

@@ -28,8 +28,8 @@ import torch.fx
 from torch import nn
 from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
 
+from lightning_accel._utils.checks import renamed_argument
 from lightning_accel._utils.errors import one_line
-from lightning_accel.recipes._renamed import renamed_argument
 
 __all__ = ["CONV_TYPES", "NORM_TYPES", "ChannelGroup", "Layer", "Norm", "find_channel_groups"]
 

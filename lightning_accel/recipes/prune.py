@@ -28,8 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_accel._utils.checks import check_choice, check_int, check_number
-from lightning_accel.recipes._renamed import renamed_argument
+from lightning_accel._utils.checks import check_choice, check_int, check_number, renamed_argument
 from lightning_accel.recipes.channel_groups import CONV_TYPES, NORM_TYPES, ChannelGroup, Norm, find_channel_groups
 
 __all__ = [

@@ -296,5 +296,7 @@ def test_ignore_modules_keeps_a_layer_and_the_old_spelling_still_works() -> None
     with pytest.warns(DeprecationWarning, match="use `ignore_modules`"):
         apply_structured_pruning(model, 0.5, X, ignore=["layers.1.conv1"])
     assert model.layers[1].conv1.out_channels == before
-    with pytest.raises(ValueError, match="Pass only `ignore_modules`: `ignore` is its deprecated spelling"):
+    with pytest.raises(
+        ValueError, match="`ignore` is the deprecated name of `ignore_modules`: pass only `ignore_modules`"
+    ):
         apply_structured_pruning(model, 0.5, X, ignore_modules=["stem"], ignore=["stem"])

@@ -138,7 +138,7 @@ def test_ignore_modules_and_its_deprecated_spelling() -> None:
     with pytest.warns(DeprecationWarning, match="`ignore` is deprecated; use `ignore_modules` \\(same values\\)"):
         cb = StructuredPruning(ignore=["model.stem"])
     assert cb.ignore_modules == ("model.stem",)
-    with pytest.raises(ValueError, match="Pass only `ignore_modules`"):
+    with pytest.raises(ValueError, match="pass only `ignore_modules`"):
         StructuredPruning(ignore_modules=["a"], ignore=["b"])
 
 

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_accel._utils import compat
-from lightning_accel._utils.checks import check_bool, check_int
+from lightning_accel._utils.checks import check_bool, check_int, renamed_argument
 from lightning_accel._utils.patching import Patch, patch
 from lightning_accel.parallel.plans import apply_tensor_parallel, fsdp_units, is_parallelized, mixed_precision_policy
 from lightning_accel.parallel.strategies._helpers import optimizers_to_device, precision_name, raw_optimizer
@@ -105,8 +105,12 @@ class ShardedStrategy(ModelParallelStrategy):
                 low=1,
                 fix="Or None for world size / `tensor_parallel_size`, or 'auto' for the number of nodes.",
             )
-        save = _renamed(
-            "distributed_checkpoint", distributed_checkpoint, "save_distributed_checkpoint", save_distributed_checkpoint
+        save = renamed_argument(
+            "save_distributed_checkpoint",
+            save_distributed_checkpoint,
+            "distributed_checkpoint",
+            distributed_checkpoint,
+            new_given=save_distributed_checkpoint is not None,
         )
         save = False if save is None else check_bool("save_distributed_checkpoint", save)
         super().__init__(
@@ -263,17 +267,3 @@ class ShardedStrategy(ModelParallelStrategy):
             self._clip_patch.restore()
             self._clip_patch = None
         super().teardown()
-
-
-def _renamed(old: str, old_value: Any, new: str, new_value: Any) -> Any:
-    """``new_value``, or ``old_value`` (with a ``DeprecationWarning``) when only the deprecated ``old`` name was passed.
-
-    Raises:
-        ValueError: both names were passed.
-    """
-    if old_value is None:
-        return new_value
-    if new_value is not None:
-        raise ValueError(f"`{old}` is the deprecated name of `{new}`; pass only `{new}`, got both.")
-    warnings.warn(f"`{old}` is deprecated; use `{new}` (same values).", DeprecationWarning, stacklevel=3)
-    return old_value
