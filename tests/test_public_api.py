@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import re
 import warnings
+from pathlib import Path
 
 import pytest
 from lightning.pytorch.callbacks import Callback
@@ -95,3 +97,32 @@ def test_strategy_alias_registered_on_import() -> None:
     assert lightning_accel.__version__
     assert dict.get(StrategyRegistry, "ddp_1bit")["strategy"] is lightning_accel.OneBitDDPStrategy
     assert dict.get(StrategyRegistry, "pipeline")["strategy"] is lightning_accel.PipelineStrategy
+
+
+_REF = re.compile(r":(?:class|func|meth|mod|data|attr|exc):`~?(lightning_accel(?:\.\w+)+)`")
+
+
+def _resolves(dotted: str) -> bool:
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj: object = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return False
+
+
+def test_every_cross_reference_in_the_docstrings_resolves() -> None:
+    root = Path(lightning_accel.__file__).parent
+    broken = [
+        f"{path.relative_to(root.parent)}: {ref}"
+        for path in sorted(root.rglob("*.py"))
+        for ref in sorted(set(_REF.findall(path.read_text())))
+        if not _resolves(ref)
+    ]
+    assert not broken, "cross-references to names that do not exist:\n" + "\n".join(broken)
