@@ -41,7 +41,10 @@ from typing import Any
 if __package__ in (None, ""):  # run as `python benchmarks/_onebit_link.py`: make the checkout importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._harness import median, parser, ratio, report
+from typing_extensions import override
+
+from benchmarks._harness import StepClock, median, parser, ratio, report
+from benchmarks._models import MLP
 
 __all__ = ["run_host_cost", "run_link_cases"]
 
@@ -283,51 +286,38 @@ def _worker(rank: int, workdir: Path, hidden: int, batch: int) -> None:
 
     torch.set_num_threads(1)
     import lightning as L
-    import torch.nn as nn
-    import torch.nn.functional as F
 
     from lightning_accel.comm import OneBitDDPStrategy
 
-    class StepTimes(L.Callback):
-        """Step end times and the strategy's compressed-averaging host time per step; after step ``hold_after``
-        both ranks wait until the controller has shaped the link. ``noop_hook``: the compute-only configuration."""
+    class LinkClock(StepClock):
+        """Step end times (``marks``) and the strategy's compressed-averaging host time per step; after step
+        ``hold_after`` both ranks wait until the controller has shaped the link. ``noop_hook``: the compute-only
+        configuration."""
 
         def __init__(self, k: int, hold_after: int, noop_hook: bool) -> None:
-            self.ends: list[float] = []
+            super().__init__()
             self.comm: list[float] = []
             self.decisions: list[dict[str, Any]] = []
             self.k, self.hold_after, self.noop_hook = k, hold_after, noop_hook
 
+        @override
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            super().on_train_start(trainer, pl_module)
             if self.noop_hook:  # DDP's bucketing, no communication: the compute a step cannot avoid
                 trainer.strategy.model.register_comm_hook(None, _noop_hook)
 
+        @override
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            self.ends.append(time.perf_counter())
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
             state = getattr(trainer.strategy, "onebit_state", None)
             self.comm.append(float(getattr(state, "last_step_comm_s", 0.0)))
             self.decisions = list(getattr(state, "decisions", []))
-            if len(self.ends) - 1 == self.hold_after:
+            if len(self.marks) - 1 == self.hold_after:
                 (workdir / f"hold-{self.k}-{rank}").touch()
                 go, deadline = workdir / f"go-{self.k}", time.time() + 600
                 while not go.exists() and time.time() < deadline:
                     time.sleep(0.01)
-                self.ends[-1] = time.perf_counter()  # the wait is no step's time
-
-    class MLP(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.net = nn.Sequential(
-                nn.Linear(1024, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 1024)
-            )
-
-        def training_step(self, b: Any, i: int) -> torch.Tensor:
-            x, y = b
-            return F.mse_loss(self.net(x), y)
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=1e-3, momentum=0.9)
+                self.rebase()  # the wait is no step's time
 
     gen = torch.Generator().manual_seed(1)
     data = torch.utils.data.TensorDataset(torch.randn(64 * batch, 1024, generator=gen), torch.randn(64 * batch, 1024))
@@ -346,7 +336,7 @@ def _worker(rank: int, workdir: Path, hidden: int, batch: int) -> None:
             strategy: Any = "ddp"
         else:
             strategy = OneBitDDPStrategy(warmup_steps=cmd["warmup_steps"], log_stats=False, **cmd["kwargs"])
-        timer = StepTimes(k, cmd["hold_after"], noop_hook=cmd["config"] == "compute")
+        timer = LinkClock(k, cmd["hold_after"], noop_hook=cmd["config"] == "compute")
         trainer = L.Trainer(
             accelerator="cpu",
             devices=1,
@@ -362,11 +352,12 @@ def _worker(rank: int, workdir: Path, hidden: int, batch: int) -> None:
             callbacks=[timer],
         )
         loader = torch.utils.data.DataLoader(data, batch_size=batch, shuffle=False)
-        trainer.fit(MLP(), train_dataloaders=loader)
+        model = MLP(1024, hidden, hidden, 1024, loss="mse", optimizer="sgd", lr=1e-3, momentum=0.9, seed=0)
+        trainer.fit(model, train_dataloaders=loader)
         del trainer, strategy
         gc.collect()  # a fit's model, optimizer and buffers sit in reference cycles: free them before the next fit
         tmp = workdir / f"res-{k}-{rank}.json.tmp"
-        tmp.write_text(json.dumps({"ends": timer.ends, "comm": timer.comm, "decisions": timer.decisions}))
+        tmp.write_text(json.dumps({"ends": timer.marks, "comm": timer.comm, "decisions": timer.decisions}))
         os.replace(tmp, workdir / f"res-{k}-{rank}.json")
         k += 1
 
