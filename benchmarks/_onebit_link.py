@@ -74,9 +74,9 @@ def run_host_cost(quick: bool) -> tuple[dict[str, Any], dict[str, float]]:
 
     Rounds alternate add, compressor, decode, ``compress_fast`` (and, in a few rounds, the torch reference); each
     round keeps the best of 5 calls of each, and a ratio is the median of the per-round ratios. The ratios use the
-    thread's CPU time (``time.thread_time``): on this shared 2-core machine (load ~6) the scheduler's ~3 ms slices
-    preempt a 3 ms call far more often than a 0.5 ms one, which charges other tenants' time to the longer call; the
-    wall-clock ratios are reported beside them (``*_wall``).
+    thread's CPU time (``time.thread_time``): on a loaded machine the scheduler's slices preempt a long call far
+    more often than a short one, which charges other tenants' time to the longer call; the wall-clock ratios are
+    reported beside them (``*_wall``), so the report shows how far the two disagree on the machine it ran on.
     """
     import torch
 
@@ -115,7 +115,7 @@ def run_host_cost(quick: bool) -> tuple[dict[str, Any], dict[str, float]]:
                 c, w = _best_of(fn, 5)
                 cpu[name].append(c)
                 wall[name].append(w)
-            if r % 4 == 0:  # the reference costs ~50 ms: a few rounds suffice
+            if r % 4 == 0:  # the reference is the slowest call (`compress_reference_ms`): a few rounds suffice
                 ref_cpu.append(_best_of(lambda: compress_reference(grad, error, layout.table), 1)[0])
 
         def over_add(times: dict[str, list[float]], name: str) -> float:
@@ -201,7 +201,7 @@ class Netns:
             if mbit is None:
                 _run([*pre, "tc", "qdisc", "del", "dev", ifc, "root"], check=False)
                 continue
-            # a bucket of 5 ms of traffic (>= 64 KiB): measured goodput 940-960 Mbit/s at "1000mbit", 95 at "100mbit"
+            # a bucket of 5 ms of traffic (>= 64 KiB): the goodput it gives is measured per link (`goodput_mbps`)
             burst = max(64 * 1024, int(mbit * 1e6 / 8 * 0.005))
             _run(
                 [*pre, "tc", "qdisc", "replace", "dev", ifc, "root", "tbf"]
@@ -536,7 +536,7 @@ def run_link_cases(quick: bool, *, hidden: int = 4096) -> tuple[dict[str, Any], 
             ``auto`` 0 (unshaped), 1-3 (fp32 warm-up, shaped: the trial compares these with its compressed steps),
             4-7 (the trial: 1-bit), 8 (decided), then 9 on timed. ``compute``: DDP with a comm hook that sends
             nothing; ``onebit_serial``: ``overlap=False``. Links faster than 200 Mbit/s time 10 steps (cheap ones, whose
-            ratios are within a few per cent while single steps here swing by up to 2x), slower ones 3.
+            ratios are small next to how much single steps swing with the machine's load), slower ones 3.
             """
             assert ranks is not None
             kw = configs.get(name, {})
@@ -583,8 +583,8 @@ def run_link_cases(quick: bool, *, hidden: int = 4096) -> tuple[dict[str, Any], 
             links[link] = row
             order = names if i % 2 == 0 else names[::-1]  # alternate who goes first
             # links where steps are cheap run every configuration twice, in mirrored order (a b c c b a), and keep
-            # each one's faster median: single steps here swing by up to 2x with the other tenants' load, and a slow
-            # minute should not decide a ratio of a few per cent
+            # each one's faster median: single steps swing with the other tenants' load (the `*_step_s_runs` lists
+            # show by how much), and a slow minute should not decide a small ratio
             if mbit is None or mbit > 200:
                 order = order + order[::-1]
             for name in order:
