@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
@@ -116,8 +117,6 @@ class Timer:
 
 
 def _cuda_in_use() -> bool:
-    import torch
-
     return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
@@ -168,8 +167,6 @@ class StepClock(Callback):
     def now(self) -> float:
         """``time.perf_counter()``, after ``torch.cuda.synchronize()`` when synchronising."""
         if self.sync or (self.sync is None and _cuda_in_use()):
-            import torch
-
             torch.cuda.synchronize()
         return time.perf_counter()
 
@@ -247,8 +244,6 @@ class MemoryProbe(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        import torch
-
         stats = self._stats(torch.cuda.memory_stats())
         self.frag.append(stats.fragmentation)
         self.inactive_split.append(stats.inactive_split)
