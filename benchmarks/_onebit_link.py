@@ -43,8 +43,7 @@ if __package__ in (None, ""):  # run as `python benchmarks/_onebit_link.py`: mak
 
 from typing_extensions import override
 
-from benchmarks._harness import StepClock, median, parser, ratio, report
-from benchmarks._models import MLP
+from benchmarks._harness import median, parser, ratio, report
 
 __all__ = ["run_host_cost", "run_link_cases"]
 
@@ -287,6 +286,8 @@ def _worker(rank: int, workdir: Path, hidden: int, batch: int) -> None:
     torch.set_num_threads(1)
     import lightning as L
 
+    from benchmarks._harness import StepClock
+    from benchmarks._models import MLP
     from lightning_accel.comm import OneBitDDPStrategy
 
     class LinkClock(StepClock):

@@ -35,7 +35,6 @@ if __package__ in (None, ""):  # run as `python benchmarks/checkpoint_kill.py`: 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._harness import parser, ratio, report
-from benchmarks._models import MLP, mlp
 
 __all__ = ["kill_loop", "main"]
 
@@ -53,6 +52,7 @@ def _torch_worker(root: str, storage_options: dict[str, Any] | None, async_save:
     import torch
     from torch import nn
 
+    from benchmarks._models import mlp
     from lightning_accel.checkpoint.background import BackgroundWriter, snapshot
     from lightning_accel.checkpoint.store import DeltaStore
 
@@ -94,6 +94,7 @@ def _worker(root: str, storage_options: dict[str, Any] | None, async_save: bool,
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
+    from benchmarks._models import MLP
     from lightning_accel.checkpoint.plugin import DeltaCheckpointIO
     from lightning_accel.checkpoint.store import DeltaStore
 

@@ -32,8 +32,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as `python benchmarks/cuda_memory.py`: make the checkout importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._harness import MemoryProbe, StepClock, median, parser, ratio, report
-from benchmarks._models import VarLenGPT
+from benchmarks._harness import median, parser, ratio, report
 
 REPO = Path(__file__).resolve().parent.parent
 ARMS = ("without", "with")
@@ -66,6 +65,8 @@ def run_arm(arm: str, cfg: dict[str, Any]) -> dict[str, Any]:
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
+    from benchmarks._harness import MemoryProbe, StepClock
+    from benchmarks._models import VarLenGPT
     from lightning_accel.callbacks import CudaMemoryManager
     from lightning_accel.perf.cuda_memory import fragmentation_stats
 
