@@ -293,7 +293,8 @@ def run_multinode(quick: bool) -> tuple[dict[str, Any], dict[str, float]]:
     from tests.helpers import run_in_processes
 
     nodes, per_node = 2, 2
-    # quick: main-process reads (4 ranks + 4 workers on 2 shared cores took ~5 min); full: 1 worker per rank
+    # quick: main-process reads (4 ranks + 4 workers oversubscribe 2 shared cores past the --quick budget); full: 1
+    # worker per rank
     n_images, workers = (480, 0) if quick else (3200, 1)
     with _packed_digits("la-bench-nodes-", "nodes", size=32, n_images=n_images, shards=8) as (work, url, opts, _):
         out = run_in_processes(

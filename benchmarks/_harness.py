@@ -13,6 +13,12 @@ The contract every ``benchmarks/<area>.py`` keeps:
   draws a bar chart ``docs/img/<benchmark>.png`` for the docs.
 - **Shape.** ``main()`` reads as its cases: parse the arguments, run named case functions (each returns its own
   results and ratios), hand everything to :func:`report`.
+- **Import.** Both ``python benchmarks/<area>.py`` and ``python -m benchmarks.<area>`` work: a script starts with the
+  same two lines that put the checkout on ``sys.path`` when run by path, then imports ``from benchmarks._harness``.
+- **Measures.** Steps, epochs and checkpoint saves are timed by one :class:`StepClock`; CUDA allocator state per
+  step is read by :class:`MemoryProbe` (both defined in ``benchmarks/_measures.py`` and loaded, with Lightning, only
+  when a script asks for them: importing this module imports neither torch nor Lightning, so a script still sets
+  its environment before they load); the toy models the scripts share live in ``benchmarks/_models.py``.
 """
 
 from __future__ import annotations
@@ -28,13 +34,36 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["Timer", "alternate", "cuda_time", "machine_info", "median", "parser", "ratio", "report", "run_cases"]
+if TYPE_CHECKING:
+    from benchmarks._measures import MemoryProbe, StepClock
+
+__all__ = [
+    "MemoryProbe",
+    "StepClock",
+    "Timer",
+    "alternate",
+    "cuda_time",
+    "machine_info",
+    "median",
+    "parser",
+    "ratio",
+    "report",
+    "run_cases",
+]
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as `python benchmarks/x.py` from a checkout
     sys.path.insert(0, str(REPO))
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("StepClock", "MemoryProbe"):
+        from benchmarks import _measures
+
+        return getattr(_measures, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def parser(description: str) -> argparse.ArgumentParser:

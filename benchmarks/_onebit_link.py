@@ -41,6 +41,8 @@ from typing import Any
 if __package__ in (None, ""):  # run as `python benchmarks/_onebit_link.py`: make the checkout importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from typing_extensions import override
+
 from benchmarks._harness import median, parser, ratio, report
 
 __all__ = ["run_host_cost", "run_link_cases"]
@@ -71,9 +73,9 @@ def run_host_cost(quick: bool) -> tuple[dict[str, Any], dict[str, float]]:
 
     Rounds alternate add, compressor, decode, ``compress_fast`` (and, in a few rounds, the torch reference); each
     round keeps the best of 5 calls of each, and a ratio is the median of the per-round ratios. The ratios use the
-    thread's CPU time (``time.thread_time``): on this shared 2-core machine (load ~6) the scheduler's ~3 ms slices
-    preempt a 3 ms call far more often than a 0.5 ms one, which charges other tenants' time to the longer call; the
-    wall-clock ratios are reported beside them (``*_wall``).
+    thread's CPU time (``time.thread_time``): on a loaded machine the scheduler's slices preempt a long call far
+    more often than a short one, which charges other tenants' time to the longer call; the wall-clock ratios are
+    reported beside them (``*_wall``), so the report shows how far the two disagree on the machine it ran on.
     """
     import torch
 
@@ -112,7 +114,7 @@ def run_host_cost(quick: bool) -> tuple[dict[str, Any], dict[str, float]]:
                 c, w = _best_of(fn, 5)
                 cpu[name].append(c)
                 wall[name].append(w)
-            if r % 4 == 0:  # the reference costs ~50 ms: a few rounds suffice
+            if r % 4 == 0:  # the reference is the slowest call (`compress_reference_ms`): a few rounds suffice
                 ref_cpu.append(_best_of(lambda: compress_reference(grad, error, layout.table), 1)[0])
 
         def over_add(times: dict[str, list[float]], name: str) -> float:
@@ -198,7 +200,7 @@ class Netns:
             if mbit is None:
                 _run([*pre, "tc", "qdisc", "del", "dev", ifc, "root"], check=False)
                 continue
-            # a bucket of 5 ms of traffic (>= 64 KiB): measured goodput 940-960 Mbit/s at "1000mbit", 95 at "100mbit"
+            # a bucket of 5 ms of traffic (>= 64 KiB): the goodput it gives is measured per link (`goodput_mbps`)
             burst = max(64 * 1024, int(mbit * 1e6 / 8 * 0.005))
             _run(
                 [*pre, "tc", "qdisc", "replace", "dev", ifc, "root", "tbf"]
@@ -283,51 +285,40 @@ def _worker(rank: int, workdir: Path, hidden: int, batch: int) -> None:
 
     torch.set_num_threads(1)
     import lightning as L
-    import torch.nn as nn
-    import torch.nn.functional as F
 
+    from benchmarks._harness import StepClock
+    from benchmarks._models import MLP
     from lightning_accel.comm import OneBitDDPStrategy
 
-    class StepTimes(L.Callback):
-        """Step end times and the strategy's compressed-averaging host time per step; after step ``hold_after``
-        both ranks wait until the controller has shaped the link. ``noop_hook``: the compute-only configuration."""
+    class LinkClock(StepClock):
+        """Step end times (``marks``) and the strategy's compressed-averaging host time per step; after step
+        ``hold_after`` both ranks wait until the controller has shaped the link. ``noop_hook``: the compute-only
+        configuration."""
 
         def __init__(self, k: int, hold_after: int, noop_hook: bool) -> None:
-            self.ends: list[float] = []
+            super().__init__()
             self.comm: list[float] = []
             self.decisions: list[dict[str, Any]] = []
             self.k, self.hold_after, self.noop_hook = k, hold_after, noop_hook
 
+        @override
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            super().on_train_start(trainer, pl_module)
             if self.noop_hook:  # DDP's bucketing, no communication: the compute a step cannot avoid
                 trainer.strategy.model.register_comm_hook(None, _noop_hook)
 
+        @override
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            self.ends.append(time.perf_counter())
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
             state = getattr(trainer.strategy, "onebit_state", None)
             self.comm.append(float(getattr(state, "last_step_comm_s", 0.0)))
             self.decisions = list(getattr(state, "decisions", []))
-            if len(self.ends) - 1 == self.hold_after:
+            if len(self.marks) - 1 == self.hold_after:
                 (workdir / f"hold-{self.k}-{rank}").touch()
                 go, deadline = workdir / f"go-{self.k}", time.time() + 600
                 while not go.exists() and time.time() < deadline:
                     time.sleep(0.01)
-                self.ends[-1] = time.perf_counter()  # the wait is no step's time
-
-    class MLP(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.net = nn.Sequential(
-                nn.Linear(1024, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 1024)
-            )
-
-        def training_step(self, b: Any, i: int) -> torch.Tensor:
-            x, y = b
-            return F.mse_loss(self.net(x), y)
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=1e-3, momentum=0.9)
+                self.rebase()  # the wait is no step's time
 
     gen = torch.Generator().manual_seed(1)
     data = torch.utils.data.TensorDataset(torch.randn(64 * batch, 1024, generator=gen), torch.randn(64 * batch, 1024))
@@ -346,7 +337,7 @@ def _worker(rank: int, workdir: Path, hidden: int, batch: int) -> None:
             strategy: Any = "ddp"
         else:
             strategy = OneBitDDPStrategy(warmup_steps=cmd["warmup_steps"], log_stats=False, **cmd["kwargs"])
-        timer = StepTimes(k, cmd["hold_after"], noop_hook=cmd["config"] == "compute")
+        timer = LinkClock(k, cmd["hold_after"], noop_hook=cmd["config"] == "compute")
         trainer = L.Trainer(
             accelerator="cpu",
             devices=1,
@@ -362,11 +353,12 @@ def _worker(rank: int, workdir: Path, hidden: int, batch: int) -> None:
             callbacks=[timer],
         )
         loader = torch.utils.data.DataLoader(data, batch_size=batch, shuffle=False)
-        trainer.fit(MLP(), train_dataloaders=loader)
+        model = MLP(1024, hidden, hidden, 1024, loss="mse", optimizer="sgd", lr=1e-3, momentum=0.9, seed=0)
+        trainer.fit(model, train_dataloaders=loader)
         del trainer, strategy
         gc.collect()  # a fit's model, optimizer and buffers sit in reference cycles: free them before the next fit
         tmp = workdir / f"res-{k}-{rank}.json.tmp"
-        tmp.write_text(json.dumps({"ends": timer.ends, "comm": timer.comm, "decisions": timer.decisions}))
+        tmp.write_text(json.dumps({"ends": timer.marks, "comm": timer.comm, "decisions": timer.decisions}))
         os.replace(tmp, workdir / f"res-{k}-{rank}.json")
         k += 1
 
@@ -545,7 +537,7 @@ def run_link_cases(quick: bool, *, hidden: int = 4096) -> tuple[dict[str, Any], 
             ``auto`` 0 (unshaped), 1-3 (fp32 warm-up, shaped: the trial compares these with its compressed steps),
             4-7 (the trial: 1-bit), 8 (decided), then 9 on timed. ``compute``: DDP with a comm hook that sends
             nothing; ``onebit_serial``: ``overlap=False``. Links faster than 200 Mbit/s time 10 steps (cheap ones, whose
-            ratios are within a few per cent while single steps here swing by up to 2x), slower ones 3.
+            ratios are small next to how much single steps swing with the machine's load), slower ones 3.
             """
             assert ranks is not None
             kw = configs.get(name, {})
@@ -592,8 +584,8 @@ def run_link_cases(quick: bool, *, hidden: int = 4096) -> tuple[dict[str, Any], 
             links[link] = row
             order = names if i % 2 == 0 else names[::-1]  # alternate who goes first
             # links where steps are cheap run every configuration twice, in mirrored order (a b c c b a), and keep
-            # each one's faster median: single steps here swing by up to 2x with the other tenants' load, and a slow
-            # minute should not decide a ratio of a few per cent
+            # each one's faster median: single steps swing with the other tenants' load (the `*_step_s_runs` lists
+            # show by how much), and a slow minute should not decide a small ratio
             if mbit is None or mbit > 200:
                 order = order + order[::-1]
             for name in order:

@@ -9,7 +9,12 @@ steps go by, kills it with SIGKILL after a further random delay (inside the foll
 2. the next round resumes exactly from the global step recorded in the surviving ``last.ckpt``.
 
 ``python benchmarks/checkpoint_kill.py --kills 20 [--s3]`` runs the loop longer than the test
-(``tests/checkpoint/test_kill.py``). Local directories, or ``--s3`` against a moto S3 server started here.
+(``tests/checkpoint/test_kill.py``); ``--quick`` runs 3 rounds. Local directories, or ``--s3`` against a moto S3
+server started here. ``results``: ``kills``, ``checkpoints_verified``, ``resumes`` and ``steps`` (the global step of
+``last.ckpt`` after each kill); ``ratios``: ``verified_per_kill`` and ``resumed_frac`` (rounds that resumed from a
+surviving checkpoint).
+
+    python benchmarks/checkpoint_kill.py --quick --out /tmp/bench/checkpoint_kill.json
 """
 
 from __future__ import annotations
@@ -26,15 +31,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+if __package__ in (None, ""):  # run as `python benchmarks/checkpoint_kill.py`: make the checkout importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._harness import parser, ratio, report
 
 __all__ = ["kill_loop", "main"]
 
+REPO = Path(__file__).resolve().parent.parent
+WIDTHS = (128, 512, 512, 8)  # the MLP both workers train
+
 
 def _torch_worker(root: str, storage_options: dict[str, Any] | None, async_save: bool, seed: int) -> None:
-    """The same loop without Lightning (starts in ~2 s instead of ~6 s): what the bounded CI test runs.
+    """The same loop without Lightning (no Trainer to build, so each round starts sooner): what the bounded CI test
+    runs.
 
     It drives the core exactly as ``DeltaCheckpointIO`` does: ``DeltaStore.save`` on the training thread, or a CPU
     ``snapshot`` handed to a ``BackgroundWriter`` when ``async_save``.
@@ -42,12 +52,13 @@ def _torch_worker(root: str, storage_options: dict[str, Any] | None, async_save:
     import torch
     from torch import nn
 
+    from benchmarks._models import mlp
     from lightning_accel.checkpoint.background import BackgroundWriter, snapshot
     from lightning_accel.checkpoint.store import DeltaStore
 
     torch.set_num_threads(1)
     torch.manual_seed(seed)
-    net = nn.Sequential(nn.Linear(128, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 8))
+    net = mlp(*WIDTHS)
     opt = torch.optim.Adam(net.parameters(), lr=1e-3)
     store, writer = DeltaStore(storage_options=storage_options), BackgroundWriter()
     last = f"{root}/last.ckpt"
@@ -68,7 +79,7 @@ def _torch_worker(root: str, storage_options: dict[str, Any] | None, async_save:
         opt.step()
         step += 1
         ckpt = {"state_dict": net.state_dict(), "optimizer_states": [opt.state_dict()], "global_step": step}
-        jobs = [(store.save, ckpt, f"{root}/step={step:06d}.ckpt"), (store.save, ckpt, last)]
+        jobs: list[tuple[Any, ...]] = [(store.save, ckpt, f"{root}/step={step:06d}.ckpt"), (store.save, ckpt, last)]
         if step > 2:
             jobs.append((store.remove, f"{root}/step={step - 2:06d}.ckpt"))
         for fn, *args in jobs:
@@ -81,26 +92,14 @@ def _torch_worker(root: str, storage_options: dict[str, Any] | None, async_save:
 def _worker(root: str, storage_options: dict[str, Any] | None, async_save: bool, seed: int) -> None:
     import lightning as L
     import torch
-    from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
+    from benchmarks._models import MLP
     from lightning_accel.checkpoint.plugin import DeltaCheckpointIO
     from lightning_accel.checkpoint.store import DeltaStore
 
     torch.set_num_threads(1)
     torch.manual_seed(seed)
-
-    class MLP(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = nn.Sequential(nn.Linear(128, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 8))
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            x, y = batch
-            return nn.functional.cross_entropy(self.net(x), y)
-
-        def configure_optimizers(self) -> Any:
-            return torch.optim.Adam(self.parameters(), lr=1e-3)
 
     class SaveEveryStep(L.Callback):
         def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -132,7 +131,7 @@ def _worker(root: str, storage_options: dict[str, Any] | None, async_save: bool,
         plugins=[DeltaCheckpointIO(async_save=async_save, storage_options=storage_options)],
         callbacks=[SaveEveryStep()],
     )
-    trainer.fit(MLP(), data, ckpt_path=resume)
+    trainer.fit(MLP(*WIDTHS), data, ckpt_path=resume)
 
 
 def _manifests(store: Any, root: str) -> list[str]:
@@ -217,50 +216,70 @@ def kill_loop(
     return {"kills": kills, "checkpoints_verified": verified, "resumes": resumes, "steps": steps}
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--kills", type=int, default=20)
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--kills", type=int, default=None, help="rounds of start / resume / SIGKILL (default: 3 quick, 20)")
     p.add_argument("--s3", action="store_true", help="run against a moto S3 server started by this script")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=None)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--storage-options", default=None, help=argparse.SUPPRESS)
     p.add_argument("--async-save", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--plain-torch", action="store_true", help="workers train with a plain torch loop (no Trainer)")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def s3_kill_loop(kills: int, seed: int, lightning: bool) -> dict[str, Any]:
+    """Case: :func:`kill_loop` against a moto S3 server started (and stopped) here."""
+    import fsspec
+    from moto.server import ThreadedMotoServer
+
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    opts = {
+        "key": "testing",
+        "secret": "testing",
+        "client_kwargs": {"endpoint_url": f"http://{host}:{port}"},
+        "use_listings_cache": False,
+    }
+    fsspec.filesystem("s3", skip_instance_cache=True, **opts).mkdir("kill")
+    try:
+        return kill_loop("s3://kill/ckpt", kills=kills, storage_options=opts, seed=seed, lightning=lightning)
+    finally:
+        server.stop()
+
+
+def local_kill_loop(kills: int, seed: int, lightning: bool) -> dict[str, Any]:
+    """Case: :func:`kill_loop` in a temporary local directory."""
+    with tempfile.TemporaryDirectory() as d:
+        return kill_loop(f"{d}/ckpt", kills=kills, seed=seed, lightning=lightning)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.worker:
         opts = json.loads(args.storage_options) if args.storage_options else None
         (_torch_worker if args.plain_torch else _worker)(args.worker, opts, args.async_save, args.seed)
         return
-    if args.s3:
-        import fsspec
-        from moto.server import ThreadedMotoServer
-
-        os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
-        os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
-        os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        server.start()
-        host, port = server.get_host_and_port()
-        opts = {
-            "key": "testing",
-            "secret": "testing",
-            "client_kwargs": {"endpoint_url": f"http://{host}:{port}"},
-            "use_listings_cache": False,
-        }
-        fsspec.filesystem("s3", skip_instance_cache=True, **opts).mkdir("kill")
-        try:
-            result = kill_loop(
-                "s3://kill/ckpt", kills=args.kills, storage_options=opts, seed=args.seed, lightning=not args.plain_torch
-            )
-        finally:
-            server.stop()
-    else:
-        with tempfile.TemporaryDirectory() as d:
-            result = kill_loop(f"{d}/ckpt", kills=args.kills, seed=args.seed, lightning=not args.plain_torch)
-    print(json.dumps(result))
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=2))
+    kills = args.kills if args.kills is not None else (3 if args.quick else 20)
+    lightning = not args.plain_torch
+    results = (s3_kill_loop if args.s3 else local_kill_loop)(kills, args.seed, lightning)
+    ratios = {
+        "verified_per_kill": ratio(results["checkpoints_verified"], results["kills"]),
+        "resumed_frac": ratio(results["resumes"], results["kills"]),
+    }
+    config = {
+        "kills": kills,
+        "storage": "s3 (moto)" if args.s3 else "local",
+        "worker": "Trainer + DeltaCheckpointIO" if lightning else "plain torch + DeltaStore",
+        "async_save": "every other round",
+        "seed": args.seed,
+        "model": f"MLP{WIDTHS}, Adam",
+    }
+    report("checkpoint_kill", quick=args.quick, config=config, results=results, ratios=ratios, out=args.out)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -64,46 +63,17 @@ def run_arm(arm: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """One arm in this (fresh) process: train with changing sequence lengths and read the allocator every step."""
     import lightning as L
     import torch
-    from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
+    from benchmarks._harness import MemoryProbe, StepClock
+    from benchmarks._models import VarLenGPT
     from lightning_accel.callbacks import CudaMemoryManager
-    from lightning_accel.models import GPTBlock
     from lightning_accel.perf.cuda_memory import fragmentation_stats
 
     # the manager must exist before the first CUDA allocation, as it does when built before the Trainer
     callbacks: list[Any] = [CudaMemoryManager()] if arm == "with" else []
 
-    class VarLenGPT(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.blocks = nn.Sequential(*[GPTBlock(cfg["dim"], cfg["heads"]) for _ in range(cfg["layers"])])
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            length = int(batch[0])
-            x = torch.randn(cfg["batch"], length, cfg["dim"], device=self.device)
-            return self.blocks(x).float().square().mean()
-
-        def configure_optimizers(self) -> Any:
-            return torch.optim.AdamW(self.parameters(), lr=1e-4)
-
-    class MemoryProbe(L.Callback):
-        def __init__(self) -> None:
-            self.frag: list[float] = []
-            self.inactive_split: list[int] = []
-            self.step_s: list[float] = []
-            self._t = time.perf_counter()
-
-        def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-            torch.cuda.synchronize()
-            now = time.perf_counter()
-            self.step_s.append(now - self._t)
-            self._t = now
-            stats = fragmentation_stats(torch.cuda.memory_stats())
-            self.frag.append(stats.fragmentation)
-            self.inactive_split.append(stats.inactive_split)
-
-    probe = MemoryProbe()
+    clock, probe = StepClock(sync=True), MemoryProbe()  # the clock's synchronisation precedes the reading
     gen = torch.Generator().manual_seed(0)
     lengths = torch.randint(cfg["min_len"], cfg["max_len"] + 1, (cfg["steps"],), generator=gen)
     trainer = L.Trainer(
@@ -115,9 +85,10 @@ def run_arm(arm: str, cfg: dict[str, Any]) -> dict[str, Any]:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[*callbacks, probe],
+        callbacks=[*callbacks, clock, probe],
     )
-    trainer.fit(VarLenGPT(), DataLoader(TensorDataset(lengths), batch_size=1))
+    model = VarLenGPT(cfg["dim"], cfg["heads"], cfg["layers"], cfg["batch"])
+    trainer.fit(model, DataLoader(TensorDataset(lengths), batch_size=1))
     final = fragmentation_stats(torch.cuda.memory_stats())
     return {
         "peak_reserved_GB": torch.cuda.max_memory_reserved() / 1e9,
@@ -125,7 +96,7 @@ def run_arm(arm: str, cfg: dict[str, Any]) -> dict[str, Any]:
         "mean_fragmentation": sum(probe.frag[1:]) / max(1, len(probe.frag) - 1),  # step 1 only fills the pool
         "max_inactive_split_GB": max(probe.inactive_split) / 1e9,
         "alloc_retries": final.alloc_retries,
-        "step_ms": 1e3 * median(probe.step_s[1:] or probe.step_s),
+        "step_ms": 1e3 * median(clock.times[1:] or clock.times),
         "alloc_conf": os.environ.get("PYTORCH_ALLOC_CONF", ""),
     }
 

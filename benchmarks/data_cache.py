@@ -308,8 +308,8 @@ class Cases:
         return dt
 
     def warm(self) -> float:
-        # five steady epochs of the warm cache (~0.1 s each) after `first_warm`: their median, each one listed in
-        # `warm_epochs_s`
+        # five steady epochs of the warm cache after `first_warm` (short: their seconds are in `warm_epochs_s`):
+        # their median
         local = self.state["local"]
         assert local is not None and local.epochs == 2, "`first_warm` runs before `warm` in every round"
         times = [local.epoch()[0] for _ in range(5)]

@@ -45,8 +45,9 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch.utils.data import DataLoader, TensorDataset
+from typing_extensions import override
 
-from benchmarks._harness import alternate, median, parser, ratio, report
+from benchmarks._harness import StepClock, alternate, median, parser, ratio, report
 from lightning_accel.checkpoint.plugin import DeltaCheckpointIO
 from lightning_accel.models import ImageClassifier
 
@@ -84,23 +85,30 @@ class CountingTorchIO(TorchCheckpointIO):
         self.bytes_written += os.path.getsize(path)
 
 
-class TimedCheckpoint(ModelCheckpoint):
-    """ModelCheckpoint that times how long its batch hook blocks the loop and records what it saved."""
+class StallCheckpoint(ModelCheckpoint):
+    """ModelCheckpoint whose batch-hook saves are timed by a :class:`StepClock` (``clock.times``: how long each save
+    blocked the loop) and, with ``record``, whose saved tensors are kept for the round-trip check."""
 
     def __init__(self, *a: Any, record: bool = False, **kw: Any) -> None:
         super().__init__(*a, **kw)
-        self.stalls: list[float] = []
+        self.clock = StepClock()
         self.record = record
         self.saved: dict[str, dict[str, torch.Tensor]] = {}
         self._record_s = 0.0
 
+    @property
+    def stalls(self) -> list[float]:
+        """Seconds each save blocked the training loop."""
+        return self.clock.times
+
+    @override
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any, **kw: Any) -> None:
         before = self._last_global_step_saved
         self._record_s = 0.0
-        t0 = time.perf_counter()
+        t0 = self.clock.now()
         super().on_train_batch_end(trainer, *args, **kw)
         if self._last_global_step_saved != before:  # the bookkeeping copy below is not part of the stall
-            self.stalls.append(time.perf_counter() - t0 - self._record_s)
+            self.clock.record(self.clock.now() - t0 - self._record_s)
 
     def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
         if self.record:
@@ -204,7 +212,7 @@ def train_with_saves(
 ) -> ImageClassifier:
     """Case: one training run saving every ``setup.every`` steps through ``io``; fills ``setup.runs[name]``."""
     root = setup.workdir / name
-    cb = TimedCheckpoint(
+    cb = StallCheckpoint(
         dirpath=root / "ckpt",
         filename="{step}",
         every_n_train_steps=setup.every,

@@ -9,7 +9,7 @@
 
 Both: 2 CPU processes (gloo), the digits rendered as 224 px JPEGs, resized to ``IMAGE_SIZE`` for a small CNN that a
 decoding input pipeline starves, SGD, the same seed. Both arms also carry a ``PerformanceMonitor`` for the bottleneck
-verdict and the checkpoint stall (its overhead is below 0.1 %, ``benchmarks/monitor_overhead.py``).
+verdict and the checkpoint stall (its own overhead: ``benchmarks/monitor_overhead.py``).
 
 Lightning launches the second process by re-running this script; the ranks meet in each ``fit`` in the same order,
 and only rank 0 writes the report. ``results``: per-epoch seconds, time to ``val_acc >= 0.9``, final ``val_acc``,
@@ -35,11 +35,11 @@ if __package__ in (None, ""):  # run as `python benchmarks/end_to_end.py`: make 
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from torch import nn
+from typing_extensions import override
 
-from benchmarks._harness import median, parser, ratio, report
+from benchmarks._harness import StepClock, median, parser, ratio, report
+from benchmarks._models import SmallCNN
 
 IMAGE_SIZE = 96  # the model's input; the JPEGs are 224 px and both pipelines resize them
 BATCH_SIZE = 16  # per process: 32 per optimizer step, ~56 steps per epoch
@@ -48,79 +48,23 @@ MEAN, STD = (0.188, 0.188, 0.188), (0.318, 0.318, 0.318)
 CROP = (0.85, 1.0)
 
 
-class SmallCNN(L.LightningModule):
-    """A few strided convolutions: cheap enough per sample that JPEG decoding, not compute, sets the pace."""
+class TimeToAccuracy(Callback):
+    """Every validation's ``val_acc``, and the seconds from the start of training (``clock.started``) to the first
+    validation at ``TARGET_ACC``."""
 
-    def __init__(self, lr: float = 0.01) -> None:
-        super().__init__()
-        self.lr = lr
-        # 4x average pooling first: the digits are smooth, and the cheap step is what lets decoding set the pace
-        self.net = nn.Sequential(
-            nn.AvgPool2d(4),
-            nn.Conv2d(3, 32, 3, padding=1),
-            nn.BatchNorm2d(32),
-            nn.ReLU(inplace=True),
-            nn.MaxPool2d(2),
-            nn.Conv2d(32, 64, 3, padding=1),
-            nn.BatchNorm2d(64),
-            nn.ReLU(inplace=True),
-            nn.MaxPool2d(2),
-            nn.Conv2d(64, 64, 3, padding=1),
-            nn.BatchNorm2d(64),
-            nn.ReLU(inplace=True),
-            nn.AdaptiveAvgPool2d(1),
-            nn.Flatten(),
-            nn.Linear(64, 10),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return F.cross_entropy(self(x), y)
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        x, y = batch
-        logits = self(x)
-        self.log("val_acc", (logits.argmax(1) == y).float().mean(), sync_dist=True, batch_size=len(y))
-
-    def configure_optimizers(self) -> Any:
-        # the ResNet recipe users run (SGD with momentum): ddp_1bit compresses the momentum itself
-        opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
-        # cosine decay to 0 over the fit, per step (the usual recipe): with a constant lr the last epoch's val_acc
-        # swung by up to 0.04 between epochs in both arms, so "final accuracy" measured the swing, not the arm
-        total = max(1, int(self.trainer.estimated_stepping_batches))
-        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=total)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
-
-class Clock(Callback):
-    """Epoch seconds, and the seconds from the start of training to the first validation at ``TARGET_ACC``."""
-
-    def __init__(self) -> None:
-        self.epoch_s: list[float] = []
+    def __init__(self, clock: StepClock) -> None:
+        self.clock = clock
         self.val_acc: list[float] = []
         self.time_to_acc: float | None = None
 
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._t_start = time.perf_counter()
-
-    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._t0 = time.perf_counter()
-
+    @override
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking:
             return
         acc = float(trainer.callback_metrics["val_acc"])
         self.val_acc.append(acc)
-        if self.time_to_acc is None and acc >= TARGET_ACC:
-            self.time_to_acc = time.perf_counter() - self._t_start
-
-    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # the epoch as the user waits for it: training, validation and the checkpoint save (ModelCheckpoint saves
-        # in on_validation_end, before this hook)
-        self.epoch_s.append(time.perf_counter() - self._t0)
+        if self.time_to_acc is None and acc >= TARGET_ACC and self.clock.started is not None:
+            self.time_to_acc = time.perf_counter() - self.clock.started
 
 
 class PlainDigits(L.LightningDataModule):
@@ -164,7 +108,7 @@ def _onebit_strategy() -> Any:
     from lightning_accel.strategies import OneBitDDPStrategy
 
     # what a user gets without tuning: the defaults, with `compression="auto"` (it times fp32 against 1-bit at the end
-    # of warm-up and keeps the faster, so on this machine's loopback it may keep fp32)
+    # of warm-up and keeps the faster, so on a loopback link it may keep fp32: the report's compression_decisions)
     kwargs: dict[str, Any] = {}
     if "compression" in inspect.signature(OneBitDDPStrategy.__init__).parameters:
         kwargs["compression"] = "auto"
@@ -179,7 +123,10 @@ def fit(arm: str, run: int, root: Path, epochs: int) -> dict[str, Any]:
     L.seed_everything(run)
     work = root / f"{arm}{run}"
     monitor = la.PerformanceMonitor(report_path="", verbose=False)
-    clock = Clock()
+    # the epoch as the user waits for it: training, validation and the checkpoint save (ModelCheckpoint saves in
+    # on_validation_end, before on_train_epoch_end)
+    clock = StepClock(per="epoch")
+    acc = TimeToAccuracy(clock)
     ckpt = ModelCheckpoint(dirpath=str(work / "ckpt"), monitor="val_acc", mode="max", save_top_k=2, save_last=True)
     common: dict[str, Any] = dict(
         accelerator="cpu",
@@ -189,7 +136,7 @@ def fit(arm: str, run: int, root: Path, epochs: int) -> dict[str, Any]:
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[monitor, clock, ckpt],
+        callbacks=[monitor, clock, acc, ckpt],
         default_root_dir=str(work),
     )
     strategy_kwargs: dict[str, Any] = {}
@@ -217,10 +164,10 @@ def fit(arm: str, run: int, root: Path, epochs: int) -> dict[str, Any]:
     state = getattr(trainer.strategy, "onebit_state", None)
     decisions = list(state.decisions) if state is not None and hasattr(state, "decisions") else []
     return {
-        "epoch_s": [round(x, 3) for x in clock.epoch_s],
-        "val_acc": [round(x, 4) for x in clock.val_acc],
-        "time_to_acc_s": None if clock.time_to_acc is None else round(clock.time_to_acc, 3),
-        "final_val_acc": clock.val_acc[-1] if clock.val_acc else float("nan"),
+        "epoch_s": [round(x, 3) for x in clock.times],
+        "val_acc": [round(x, 4) for x in acc.val_acc],
+        "time_to_acc_s": None if acc.time_to_acc is None else round(acc.time_to_acc, 3),
+        "final_val_acc": acc.val_acc[-1] if acc.val_acc else float("nan"),
         "fit_s": round(wall, 3),
         "checkpoint_stall_s": round(r.seconds["checkpoint"], 4) if r else None,
         "verdict": r.dominant if r else None,

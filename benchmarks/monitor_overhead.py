@@ -1,7 +1,7 @@
 """PerformanceMonitor: its own overhead, and whether its verdict names the real bottleneck.
 
 1. **Overhead**: the same CPU training (a small CNN on in-memory 32 px images) with and without the monitor,
-   alternated. Step time is the interval between consecutive ``on_train_batch_end`` calls (a probe callback).
+   alternated. Step time is the interval between consecutive ``on_train_batch_end`` calls (``StepClock``).
    ``overhead_frac`` alternates *step by step*: in each run the monitor handles every other batch (the parity swaps
    between runs) and ``overhead_frac`` is the median over monitored steps of ``interval / mean(neighbouring
    unmonitored intervals) - 1``, so drift from other jobs on a shared machine cancels (``overhead_frac_arm_medians``
@@ -30,38 +30,13 @@ if __package__ in (None, ""):  # run as `python benchmarks/monitor_overhead.py`:
 
 import lightning.pytorch as pl
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
-from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import benchmarks._harness as H
+from benchmarks._models import ConvNet
 from lightning_accel.callbacks import PerformanceMonitor
 from lightning_accel.perf import BottleneckReport
-
-
-class Net(pl.LightningModule):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.net = nn.Sequential(
-            nn.Conv2d(3, width, 3, padding=1),
-            nn.ReLU(),
-            nn.Conv2d(width, width, 3, padding=1),
-            nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1),
-            nn.Flatten(),
-            nn.Linear(width, 10),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return F.cross_entropy(self(x), y)
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
 class SlowDecode(Dataset):
@@ -78,23 +53,11 @@ class SlowDecode(Dataset):
         return self.x[i], self.y[i]
 
 
-class StepProbe(Callback):
-    """Timestamps of every ``on_train_batch_end`` (present in both arms, so its tiny cost cancels)."""
-
-    def __init__(self) -> None:
-        self.t: list[float] = []
-
-    def on_train_batch_end(self, *args: Any) -> None:
-        self.t.append(time.perf_counter())
-
-    def median_step(self, skip: int) -> float:
-        d = [b - a for a, b in zip(self.t[skip:-1], self.t[skip + 1 :], strict=True)]
-        return H.median(d)
-
-
-def fit(loader: DataLoader, steps: int, width: int, monitor: PerformanceMonitor | None) -> StepProbe:
+def fit(loader: DataLoader, steps: int, width: int, monitor: Callback | None, warmup: int = 0) -> H.StepClock:
+    """Train ``steps`` steps of ``ConvNet(width)``; the clock (present in both arms, so its tiny cost cancels) timed
+    them, ``warmup`` steps skipped."""
     torch.manual_seed(0)
-    probe = StepProbe()
+    probe = H.StepClock(skip=warmup)
     callbacks: list[Callback] = [probe] + ([monitor] if monitor is not None else [])
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -106,7 +69,7 @@ def fit(loader: DataLoader, steps: int, width: int, monitor: PerformanceMonitor 
         enable_model_summary=False,
         callbacks=callbacks,
     )
-    trainer.fit(Net(width), loader)
+    trainer.fit(ConvNet(width), loader)
     return probe
 
 
@@ -145,11 +108,11 @@ class InterleavedMonitor(TimedMonitor):
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
 
-def interleaved_intervals(probe: StepProbe, parity: int, skip: int) -> tuple[list[float], list[float], list[float]]:
+def interleaved_intervals(probe: H.StepClock, parity: int, skip: int) -> tuple[list[float], list[float], list[float]]:
     """Split step intervals (end of batch i-1 to end of batch i: the gap and step of batch i, and the monitor's hooks
     for batch i when it was on) into (with, without), plus each "with" interval over the mean of its two "without"
     neighbours (a local ratio: drift slower than a step cancels)."""
-    d = {i: probe.t[i] - probe.t[i - 1] for i in range(max(1, skip), len(probe.t))}
+    d = {i: probe.marks[i] - probe.marks[i - 1] for i in range(max(1, skip), len(probe.marks))}
     on = [v for i, v in d.items() if i % 2 == parity]
     off = [v for i, v in d.items() if i % 2 != parity]
     local = [d[i] / ((d[i - 1] + d[i + 1]) / 2) for i in d if i % 2 == parity and i - 1 in d and i + 1 in d]
@@ -212,10 +175,12 @@ def whole_runs(cfg: dict[str, Any], loader: DataLoader, in_situ: list[float]) ->
 
     def run(with_monitor: bool) -> float:
         mon = TimedMonitor(report_path="", verbose=False) if with_monitor else None
-        probe = fit(loader, cfg["overhead_steps"], cfg["width"], mon)
+        # step i's interval runs from the end of step i - 1: skipping warmup_skip + 1 steps leaves the intervals
+        # that start at the end of step warmup_skip
+        probe = fit(loader, cfg["overhead_steps"], cfg["width"], mon, warmup=cfg["warmup_skip"] + 1)
         if mon is not None:
             in_situ.append(mon.hook_s / max(1, mon.hook_calls))
-        return probe.median_step(cfg["warmup_skip"])
+        return H.median(probe.times)
 
     return H.alternate({"without": lambda: run(False), "with": lambda: run(True)}, repeats=cfg["overhead_pairs"])
 

@@ -533,9 +533,9 @@ def accuracy_config(quick: bool) -> dict[str, Any]:
     (comma-separated) override the epochs and the recipes for exploration runs."""
     from tests.helpers import free_port
 
-    # both runs train to convergence (30 epochs): at 12 epochs the recipes are still mid-descent (plain SGD's
-    # training loss 0.19) and the final-epoch accuracy swings by up to 0.08 between consecutive epochs in *both*
-    # arms, so a shorter run measures that swing, not the scheme; --quick saves its time on the link case instead
+    # both runs train to convergence (30 epochs): in shorter runs the recipes are still mid-descent and the
+    # final-epoch accuracy swings between consecutive epochs in *both* arms (ONEBIT_EPOCHS runs a shorter one to see
+    # it), so a shorter run measures that swing, not the scheme; --quick saves its time on the link case instead
     epochs = int(os.environ.get("ONEBIT_EPOCHS", 30))
     steps_per_epoch = (1797 - 1797 // 5) // (32 * WORLD)
     return {

@@ -17,9 +17,14 @@ from __future__ import annotations
 import copy
 import os
 import statistics
+import sys
+from pathlib import Path
 from typing import Any
 
-from _harness import parser, ratio, report
+if __package__ in (None, ""):  # run as `python benchmarks/parallel.py`: make the checkout importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._harness import parser, ratio, report
 
 PLANS = ("ddp", "fsdp", "tp", "pipeline")
 

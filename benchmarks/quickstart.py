@@ -19,32 +19,11 @@ if __package__ in (None, ""):  # run as `python benchmarks/quickstart.py`: make 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import lightning as L
-from lightning.pytorch.callbacks import Callback
 
-from benchmarks._harness import median, parser, ratio, report
+from benchmarks._harness import StepClock, median, parser, ratio, report
 
 IMAGE_SIZE = 64
 BATCH_SIZE = 64
-
-
-class EpochTimer(Callback):
-    """Seconds and training samples of every epoch."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self.samples: list[int] = []
-
-    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._t0, self._n = time.perf_counter(), 0
-
-    def on_train_batch_end(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        self._n += len(batch[1])
-
-    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.times.append(time.perf_counter() - self._t0)
-        self.samples.append(self._n)
 
 
 @dataclass
@@ -73,7 +52,7 @@ def fit_baseline(data_dir: str, epochs: int) -> BaselineRun:
     L.seed_everything(0, verbose=False)
     dm = DigitsDataModule(data_dir=data_dir, image_size=IMAGE_SIZE, batch_size=BATCH_SIZE)
     model = ImageClassifier(width=32, lr=3e-3)
-    timer = EpochTimer()
+    timer = StepClock(per="epoch", count=lambda batch: len(batch[1]))  # seconds and training samples per epoch
     trainer = L.Trainer(
         max_epochs=epochs,
         accelerator="auto",

@@ -141,3 +141,134 @@ def test_run_cases_keeps_results_by_name_and_merges_ratios() -> None:
     results, ratios = run_cases({"a": case("a", 1.0), "b": case("b", 2.0)}, True)
     assert results == {"a": {"case": "a"}, "b": {"case": "b"}}
     assert ratios == {"a": 1.0, "b": 2.0} and seen == [True, True]
+
+
+BENCHMARKS = sorted(p.stem for p in (REPO / "benchmarks").glob("*.py") if not p.name.startswith("_"))
+
+
+def _run_help(name: str, style: str) -> None:
+    """``python benchmarks/<name>.py --help`` (``style="script"``) or ``python -m benchmarks.<name> --help``, in this
+    process: ``sys.path`` as the interpreter sets it for that style, without the checkout for a script (the script
+    must add it), and none of the ``benchmarks`` modules imported yet."""
+    import runpy
+
+    script = REPO / "benchmarks" / f"{name}.py"
+    rest = [p for p in sys.path if Path(p or ".").resolve() != REPO]
+    saved_path, saved_argv = sys.path[:], sys.argv[:]
+    saved_modules = {m: sys.modules.pop(m) for m in list(sys.modules) if m.split(".")[0] in ("benchmarks", "_harness")}
+    try:
+        if style == "script":
+            sys.path[:] = [str(script.parent), *rest]
+            sys.argv[:] = [str(script), "--help"]
+            runpy.run_path(str(script), run_name="__main__")
+        else:
+            sys.path[:] = [str(REPO), *rest]
+            sys.argv[:] = [name, "--help"]
+            runpy.run_module(f"benchmarks.{name}", run_name="__main__", alter_sys=True)
+    finally:
+        sys.path[:], sys.argv[:] = saved_path, saved_argv
+        for m in [m for m in sys.modules if m.split(".")[0] in ("benchmarks", "_harness")]:
+            del sys.modules[m]
+        sys.modules.update(saved_modules)
+
+
+@pytest.mark.parametrize("style", ["script", "module"])
+@pytest.mark.parametrize("name", BENCHMARKS)
+def test_every_benchmark_runs_as_a_script_and_as_a_module(
+    name: str, style: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as done:
+        _run_help(name, style)
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert "--quick" in out and "--out" in out, out
+
+
+def test_a_benchmark_runs_both_ways_in_a_fresh_interpreter(tmp_path: Path) -> None:
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    by_path = [sys.executable, str(REPO / "benchmarks" / "parallel.py"), "--help"]
+    as_module = [sys.executable, "-m", "benchmarks.parallel", "--help"]
+    procs = [
+        subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for cmd, cwd in ((by_path, tmp_path), (as_module, REPO))
+    ]  # both at once: each pays the interpreter's imports
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0 and "--quick" in out, err[-2000:]
+
+
+class _Clock:
+    """``time.perf_counter`` that moves only when told."""
+
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_step_clock_times_steps_after_warmup_and_leaves_out_what_is_rebased(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from benchmarks._harness import StepClock
+
+    vt = _Clock()
+    monkeypatch.setattr("benchmarks._harness.time.perf_counter", vt)
+    clock = StepClock(skip=1, sync=False, count=len)
+    clock.on_train_start(None, None)  # type: ignore[arg-type]
+    for i, step_s in enumerate((5.0, 1.0, 2.0, 3.0)):
+        clock.on_train_batch_start(None, None, [0] * 4, i)  # type: ignore[arg-type]
+        vt.t += step_s
+        clock.on_train_batch_end(None, None, None, [0] * 4, i)  # type: ignore[arg-type]
+        if i == 1:
+            vt.t += 50.0  # a wait outside any step
+            clock.rebase()
+    assert clock.started == 100.0
+    assert clock.times == [1.0, 2.0, 3.0] and clock.samples == [4, 4, 4]
+    assert clock.marks == [105.0, 156.0, 158.0, 161.0]
+    clock.record(0.5)
+    assert clock.times[-1] == 0.5
+
+
+def test_step_clock_per_epoch_and_its_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks._harness import StepClock
+
+    vt = _Clock()
+    monkeypatch.setattr("benchmarks._harness.time.perf_counter", vt)
+    clock = StepClock(per="epoch", count=lambda b: len(b[1]))
+    for epoch_s in (3.0, 2.0):
+        clock.on_train_epoch_start(None, None)  # type: ignore[arg-type]
+        for i in range(2):
+            clock.on_train_batch_start(None, None, (None, [1, 2]), i)  # type: ignore[arg-type]
+            clock.on_train_batch_end(None, None, None, (None, [1, 2]), i)  # type: ignore[arg-type]
+        vt.t += epoch_s
+        clock.on_train_epoch_end(None, None)  # type: ignore[arg-type]
+    assert clock.times == [3.0, 2.0] and clock.samples == [4, 4] and clock.marks == [103.0, 105.0]
+    with pytest.raises(ValueError, match="`per` must be"):
+        StepClock(per="batch")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="`skip` must be"):
+        StepClock(skip=True)
+
+
+def test_step_clock_in_a_fit_and_the_shared_toy_models() -> None:
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from benchmarks._harness import StepClock
+    from benchmarks._models import MLP, ConvNet, mlp
+    from tests.tiny import trainer
+
+    assert [type(m).__name__ for m in mlp(4, 8, 8, 2)] == ["Linear", "ReLU", "Linear", "ReLU", "Linear"]
+    steps, epochs = StepClock(skip=1), StepClock(per="epoch")
+    x = torch.randn(16, 4)
+    trainer(max_epochs=2, callbacks=[steps, epochs]).fit(
+        MLP(4, 8, 2, seed=0), DataLoader(TensorDataset(x, x[:, :2].argmax(1)), batch_size=4)
+    )
+    assert len(steps.marks) == 8 and len(steps.times) == 7 and all(t > 0 for t in steps.times)
+    assert len(epochs.times) == 2 and sum(epochs.times) <= epochs.marks[-1] - epochs.started  # type: ignore[operator]
+    first, again = (MLP(4, 8, 2, seed=0).state_dict()["net.0.weight"] for _ in range(2))
+    assert torch.equal(first, again)
+    assert ConvNet(4)(torch.zeros(2, 3, 8, 8)).shape == (2, 10)

@@ -1,8 +1,8 @@
 """Tiny models, data and Trainers shared by the tests (fast on 2 CPU cores).
 
 - :class:`VirtualTime`: a clock that only moves when told (the one fake clock of the suite).
-- Timing fixtures: :class:`DecodeDataset` / :class:`TinyModule` / :func:`loaders` advance a virtual clock.
-- Checkpoint fixtures: :class:`TinyModel` (Linear + BatchNorm + Adam), :func:`tiny_loader`, :func:`ckpt_trainer`.
+- Timing fixtures: :class:`DecodeDataset` / :class:`TimedModule` / :func:`loaders` advance a virtual clock.
+- Checkpoint fixtures: :class:`CheckpointModel` (Linear + BatchNorm + Adam), :func:`tiny_loader`, :func:`ckpt_trainer`.
 - Recipe fixtures: digits as in-memory 3x8x8 tensors (:func:`loader`), a width-4 :func:`classifier`, :func:`trainer`,
   :class:`LRProbe`, :class:`TinyDigits`.
 """
@@ -53,7 +53,7 @@ class DecodeDataset(Dataset):
         return self.x[i], self.y[i]
 
 
-class TinyModule(LightningModule):
+class TimedModule(LightningModule):
     """A linear classifier whose training step advances the virtual clock by ``compute_s``."""
 
     def __init__(self, vt: VirtualTime | None = None, compute_s: float = 0.0, val_s: float = 0.0) -> None:
@@ -86,7 +86,7 @@ def loaders(vt: VirtualTime | None, decode_s: float, batch_size: int = 4) -> tup
     return train, val
 
 
-class TinyModel(L.LightningModule):
+class CheckpointModel(L.LightningModule):
     """Two linear layers + BatchNorm (a float buffer and an int buffer) trained with Adam."""
 
     def __init__(self, hidden: int = 48, lr: float = 1e-2) -> None:

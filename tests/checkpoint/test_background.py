@@ -123,13 +123,13 @@ def test_memory_stays_bounded_over_200_saves() -> None:
 def test_trainer_saving_every_step_keeps_at_most_max_pending(tmp_path: Path) -> None:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from tests.tiny import TinyModel, ckpt_trainer, tiny_loader
+    from tests.tiny import CheckpointModel, ckpt_trainer, tiny_loader
 
     io = DeltaCheckpointIO(async_save=True, max_pending=1)
     cb = ModelCheckpoint(
         dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=2, save_last=True, monitor="step", mode="max"
     )
-    model = TinyModel()
+    model = CheckpointModel()
     ckpt_trainer(tmp_path, [io], [cb]).fit(model, tiny_loader())
     assert io.writer_stats.pending_peak == 1 and io.writer_stats.submitted >= 2 * 16
     last = io.load_checkpoint(tmp_path / "ckpt" / "last.ckpt")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_accel.checkpoint import DeltaCheckpointIO, DeltaModelCheckpoint, resolve_ckpt_path, resolve_last
-from tests.tiny import TinyModel, ckpt_trainer, tiny_loader
+from tests.tiny import CheckpointModel, ckpt_trainer, tiny_loader
 
 _AWS_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE")
 
@@ -31,12 +31,12 @@ def test_custom_endpoint_only_on_the_plugin_saves_resumes_from_last(
         )
 
     cb = callback()
-    model = TinyModel()
+    model = CheckpointModel()
     ckpt_trainer(tmp_path, [DeltaCheckpointIO(storage_options=opts)], [cb]).fit(model, tiny_loader())
     assert resolve_last(dirpath, storage_options=opts) == f"{dirpath}/last.ckpt"
     assert cb.best_model_path.startswith(dirpath)
     # A second run resumes from "last" in the bucket (Lightning alone finds nothing there).
-    resumed = TinyModel()
+    resumed = CheckpointModel()
     io = DeltaCheckpointIO(storage_options=opts)
     trainer = ckpt_trainer(tmp_path, [io], [callback()], max_epochs=3)
     ckpt_path = resolve_ckpt_path(trainer, "last")

@@ -15,7 +15,7 @@ def _fit_and_resume(rank: int, world_size: int, root: str) -> dict[str, Any]:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from lightning_accel import DeltaCheckpointIO
-    from tests.tiny import TinyModel, tiny_loader
+    from tests.tiny import CheckpointModel, tiny_loader
     from tests.tiny import ckpt_trainer as trainer
 
     torch.manual_seed(0)
@@ -24,9 +24,9 @@ def _fit_and_resume(rank: int, world_size: int, root: str) -> dict[str, Any]:
     )
     kw = dict(strategy="ddp", devices=world_size, use_distributed_sampler=True, max_epochs=1)
     t = trainer(root, [DeltaCheckpointIO(async_save=True)], [ckpt], **kw)
-    t.fit(TinyModel(), tiny_loader(64))
+    t.fit(CheckpointModel(), tiny_loader(64))
     saved_step = t.global_step
-    resumed = TinyModel()
+    resumed = CheckpointModel()
     t2 = trainer(root, [DeltaCheckpointIO()], [], enable_checkpointing=False, **{**kw, "max_epochs": 2})
     t2.fit(resumed, tiny_loader(64), ckpt_path=f"{root}/ckpt/last.ckpt")
     weights = torch.cat([p.detach().reshape(-1) for p in resumed.parameters()])

@@ -12,7 +12,7 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
 from lightning_accel import DeltaCheckpointIO
 from lightning_accel.checkpoint.store import BLOB_DIR, DeltaStore
-from tests.tiny import TinyModel, tiny_loader
+from tests.tiny import CheckpointModel, tiny_loader
 from tests.tiny import ckpt_trainer as trainer
 
 torch.set_num_threads(1)
@@ -53,7 +53,7 @@ def test_top_k_and_last_stay_loadable_and_exact(tmp_path: Path, async_save: bool
         dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=3, save_last=True, monitor="step", mode="max"
     )
     t = trainer(tmp_path, [io], [ckpt])
-    t.fit(TinyModel(), tiny_loader(), tiny_loader(32))
+    t.fit(CheckpointModel(), tiny_loader(), tiny_loader(32))
     remaining = sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.is_file())
     assert len(remaining) == 4 and "last.ckpt" in remaining, remaining  # 3 top-k + last
     store = DeltaStore()
@@ -76,14 +76,14 @@ def test_resume_from_last_continues_exactly(tmp_path: Path) -> None:
     ckpt = ModelCheckpoint(
         dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=2, save_last=True, monitor="step", mode="max"
     )
-    model = TinyModel()
+    model = CheckpointModel()
     trainer(tmp_path, [io], [ckpt], max_epochs=1).fit(model, tiny_loader())
     # Resume into a fresh model for a second epoch; compare with an uninterrupted 2-epoch run.
-    resumed = TinyModel()
+    resumed = CheckpointModel()
     t2 = trainer(tmp_path, [DeltaCheckpointIO()], [], max_epochs=2, enable_checkpointing=False)
     t2.fit(resumed, tiny_loader(), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
     torch.manual_seed(0)
-    straight = TinyModel()
+    straight = CheckpointModel()
     trainer(tmp_path / "b", [], [], max_epochs=2, enable_checkpointing=False).fit(straight, tiny_loader())
     for (k, a), b in zip(resumed.state_dict().items(), straight.state_dict().values(), strict=True):
         assert torch.equal(a, b), k
@@ -94,7 +94,7 @@ def test_wrapped_by_lightning_async_checkpoint_io(tmp_path: Path) -> None:
         dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=2, save_last=True, monitor="step", mode="max"
     )
     io = AsyncCheckpointIO(DeltaCheckpointIO())
-    trainer(tmp_path, [io], [ckpt]).fit(TinyModel(), tiny_loader())
+    trainer(tmp_path, [io], [ckpt]).fit(CheckpointModel(), tiny_loader())
     for p in (tmp_path / "ckpt").glob("*.ckpt"):
         _assert_equal_state(DeltaStore().load(p), ckpt.saved[os.path.abspath(p)])
 
@@ -104,7 +104,7 @@ def test_save_last_link_survives_removal_of_its_target(tmp_path: Path) -> None:
     ckpt = ModelCheckpoint(
         dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=1, save_last="link", monitor="step", mode="max"
     )
-    trainer(tmp_path, [io], [ckpt], max_epochs=1).fit(TinyModel(), tiny_loader())
+    trainer(tmp_path, [io], [ckpt], max_epochs=1).fit(CheckpointModel(), tiny_loader())
     last = tmp_path / "ckpt" / "last.ckpt"
     assert last.is_symlink()
     target = Path(os.path.realpath(last))

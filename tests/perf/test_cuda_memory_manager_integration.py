@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lightning_accel.callbacks import CudaMemoryManager
-from tests.tiny import TinyModule, loaders
+from tests.tiny import TimedModule, loaders
 
 GB = 1 << 30
 
@@ -58,7 +58,7 @@ def test_cpu_run_says_so_once_and_logs_host_memory(tmp_path: Path, caplog: pytes
     )
     train, _ = loaders(None, 0.0)
     with caplog.at_level(logging.INFO):
-        trainer.fit(TinyModule(), train)
+        trainer.fit(TimedModule(), train)
     lines = [r.getMessage() for r in caplog.records if "CudaMemoryManager" in r.getMessage()]
     assert len(lines) == 1 and "do nothing" in lines[0] and "mem/host_rss_gb" in lines[0]
     rows = (Path(logger.log_dir) / "metrics.csv").read_text().splitlines()
@@ -129,7 +129,7 @@ def test_bad_arguments() -> None:
         CudaMemoryManager(log_every_n_steps=0)
 
 
-class Hog(TinyModule):
+class Hog(TimedModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         torch.empty(1 << 50, dtype=torch.uint8, device=self.device)  # 1 PiB: always out of memory
         return super().training_step(batch, batch_idx)

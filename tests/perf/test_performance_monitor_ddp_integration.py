@@ -12,7 +12,7 @@ def _fit(rank: int, world_size: int, root: str) -> dict[str, Any]:
     import torch
 
     from lightning_accel.callbacks import PerformanceMonitor
-    from tests.tiny import TinyModule, loaders
+    from tests.tiny import TimedModule, loaders
 
     torch.manual_seed(0)
     mon = PerformanceMonitor(log_every_n_steps=5, report_path="", verbose=False)
@@ -30,7 +30,7 @@ def _fit(rank: int, world_size: int, root: str) -> dict[str, Any]:
         callbacks=[mon],
     )
     train, _ = loaders(None, 0.0)
-    trainer.fit(TinyModule(), train)
+    trainer.fit(TimedModule(), train)
     r = mon.report
     assert r is not None
     return {"seconds": r.seconds, "steps": r.steps, "extras": r.extras, "samples_per_s": r.samples_per_s}

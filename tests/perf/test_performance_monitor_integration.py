@@ -15,7 +15,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lightning_accel.callbacks import PerformanceMonitor
 from lightning_accel.perf import HostClock
-from tests.tiny import TinyModule, VirtualTime, loaders
+from tests.tiny import TimedModule, VirtualTime, loaders
 
 
 class SlowSave(Callback):
@@ -50,7 +50,7 @@ def fit(tmp_path: Path, decode_s: float, compute_s: float, save_s: float = 0.0, 
         enable_model_summary=False,
     )
     train, val = loaders(vt, decode_s)
-    trainer.fit(TinyModule(vt, compute_s=compute_s, val_s=0.5), train, val)
+    trainer.fit(TimedModule(vt, compute_s=compute_s, val_s=0.5), train, val)
     return trainer, mon, slow
 
 
@@ -114,7 +114,7 @@ def test_too_few_steps_warns_instead_of_crashing(tmp_path: Path) -> None:
     )
     train, _ = loaders(None, 0.0)
     with pytest.warns(UserWarning, match="no step was timed"):
-        trainer.fit(TinyModule(), train)
+        trainer.fit(TimedModule(), train)
     assert mon.report is None
 
 
@@ -149,7 +149,7 @@ def test_real_gpu_run_uses_cuda_events_and_reports_mfu(tmp_path: Path) -> None:
         enable_model_summary=False, callbacks=[mon],
     )  # fmt: skip
     train, _ = loaders(None, 0.0)
-    trainer.fit(TinyModule(), train)
+    trainer.fit(TimedModule(), train)
     assert mon.timer is not None and isinstance(mon.timer.clock, CudaEventClock)
     r = mon.report
     assert r is not None and r.steps == 10 and r.seconds["compute"] > 0
@@ -158,7 +158,7 @@ def test_real_gpu_run_uses_cuda_events_and_reports_mfu(tmp_path: Path) -> None:
         assert 0 < r.mfu < 1
 
 
-class Crash(TinyModule):
+class Crash(TimedModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         if batch_idx == 1:  # inside the FLOP-counted step
             raise RuntimeError("boom")
