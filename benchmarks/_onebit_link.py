@@ -311,7 +311,7 @@ def _worker(rank: int, workdir: Path, hidden: int, batch: int) -> None:
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
             state = getattr(trainer.strategy, "onebit_state", None)
-            self.comm.append(float(getattr(state, "last_step_comm_s", 0.0)))
+            self.comm.append(float(state.stats.last_step_comm_s) if state is not None else 0.0)
             self.decisions = list(getattr(state, "decisions", []))
             if len(self.marks) - 1 == self.hold_after:
                 (workdir / f"hold-{self.k}-{rank}").touch()

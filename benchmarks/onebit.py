@@ -427,7 +427,7 @@ def _acc_run(recipe: str, scheme: str, seed: int, warmup: int) -> dict[str, Any]
     if scheme == "ddp":
         ddp.register_comm_hook(None, default_hooks.allreduce_hook)  # the same allreduce, through the byte counter
     else:
-        mode = "momentum" if momentum_kind(opt) else "gradients"  # what compress="auto" picks
+        mode = "momentum" if momentum_kind(opt) else "gradients"  # what compressed_signal="auto" picks
         state = OneBitState(
             warmup_steps=warmup,
             # the strategy's default unless ONEBIT_BLOCK overrides it (exploration runs)
