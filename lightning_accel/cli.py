@@ -46,7 +46,6 @@ __all__ = [
     "VersionRichProgressBar",
     "config_error",
     "main",
-    "useful_line",
 ]
 
 # Errors our code raises for bad input carry the argument, the value and the fix; show them without a traceback.
@@ -70,12 +69,6 @@ class ConfigError(ValueError):
         self.key = key
         self.message = message
         self.detail = detail
-
-
-def useful_line(text: str) -> tuple[str, str]:
-    """``(inner key, message)``: the line of a jsonargparse error that says what is wrong (see
-    :func:`lightning_accel._utils.compat.jsonargparse_useful_line`)."""
-    return compat.jsonargparse_useful_line(text)
 
 
 def _config_key_of(config: Any, class_path: str) -> str:
