@@ -72,6 +72,8 @@ def check_backend(backend: object, allowed: Sequence[str] = BACKENDS, *, name: s
         TypeError: ``backend`` is not a string.
         ValueError: naming the argument (``name``), the value received, the values expected and the fix.
     """
+    if isinstance(backend, str) and backend in allowed:
+        return  # the fused ops call this on every forward: the accepted case costs one membership test
     check_choice(
         name, backend, allowed, fix="Use 'auto' (Triton kernels on CUDA, torch elsewhere) unless testing a path."
     )
