@@ -20,22 +20,22 @@ The layout test refuses a method assignment anywhere else in the package.
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 __all__ = ["Patch", "active_patch", "patch", "restore_all", "swap_class"]
 
 _MISSING = object()
-# obj id -> {key: Patch}; weak on the object so a dropped trainer or optimizer takes its patches with it.
-_ACTIVE: weakref.WeakKeyDictionary[Any, dict[str, Patch]] = weakref.WeakKeyDictionary()
-_ACTIVE_BY_ID: dict[int, dict[str, Patch]] = {}  # objects that cannot be weakly referenced
+# (id(obj), key) -> its live Patch, removed again by `restore`. A live patch holds its object (it must put the
+# original back), so an id in here is never reused while the entry exists; and an installed patch keeps its object
+# alive until it is restored, which is why every site restores in a `finally` or at teardown.
+_ACTIVE: dict[tuple[int, str], Patch] = {}
 
 
 class Patch:
     """One installed replacement of ``obj.<name>``; :meth:`restore` undoes it."""
 
-    __slots__ = ("_obj", "name", "key", "original", "_own", "installed")
+    __slots__ = ("_obj", "installed", "key", "name", "original", "_own")
 
     def __init__(self, obj: Any, name: str, key: str, original: Any, own: Any) -> None:
         self._obj = obj
@@ -57,33 +57,18 @@ class Patch:
                 delattr(obj, self.name)
         else:
             setattr(obj, self.name, self._own)
-        table = _table(obj, create=False)
-        if table is not None and table.get(self.key) is self:
-            del table[self.key]
+        if _ACTIVE.get((id(obj), self.key)) is self:
+            del _ACTIVE[(id(obj), self.key)]
 
     def __repr__(self) -> str:
         state = "installed" if self.installed else "restored"
         return f"Patch({type(self._obj).__name__}.{self.name}, key={self.key!r}, {state})"
 
 
-def _table(obj: Any, *, create: bool) -> dict[str, Patch] | None:
-    try:
-        table = _ACTIVE.get(obj)
-        if table is None and create:
-            table = _ACTIVE[obj] = {}
-        return table
-    except TypeError:  # not weak-referenceable
-        table = _ACTIVE_BY_ID.get(id(obj))
-        if table is None and create:
-            table = _ACTIVE_BY_ID[id(obj)] = {}
-        return table
-
-
 def active_patch(obj: Any, key: str) -> Patch | None:
     """The live patch installed on ``obj`` under ``key``, or None."""
-    table = _table(obj, create=False)
-    patch_ = table.get(key) if table else None
-    return patch_ if patch_ is not None and patch_.installed else None
+    patch_ = _ACTIVE.get((id(obj), key))
+    return patch_ if patch_ is not None and patch_.installed and patch_._obj is obj else None
 
 
 def patch(obj: Any, name: str, replacement: Callable[[Patch], Any], *, key: str | None = None) -> Patch:
@@ -113,18 +98,14 @@ def patch(obj: Any, name: str, replacement: Callable[[Patch], Any], *, key: str 
     own = vars(obj).get(name, _MISSING) if hasattr(obj, "__dict__") else _MISSING
     p = Patch(obj, name, key, original, own)
     setattr(obj, name, replacement(p))
-    table = _table(obj, create=True)
-    assert table is not None
-    table[key] = p
+    _ACTIVE[(id(obj), key)] = p
     return p
 
 
 def restore_all(obj: Any) -> None:
     """Restore every live patch on ``obj``, newest first."""
-    table = _table(obj, create=False)
-    if not table:
-        return
-    for p in reversed(list(table.values())):
+    live = [p for (oid, _), p in list(_ACTIVE.items()) if oid == id(obj) and p._obj is obj]
+    for p in reversed(live):  # insertion order: the newest patch is undone first
         p.restore()
 
 
