@@ -4,6 +4,9 @@
 - :class:`ConvNet`: two 3x3 convolutions and a linear head (per-step overhead of a callback).
 - :class:`SmallCNN`: strided convolutions behind a 4x average pool, SGD + per-step cosine decay (data-bound epochs).
 - :class:`VarLenGPT`: GPT blocks on random inputs of the length each batch names (CUDA allocator fragmentation).
+- :func:`gpt2_lm` / :class:`GPT2LM`: a GPT-2-style LM as an ``nn.Sequential`` (embedding, blocks with a packed
+  ``attn.c_attn`` q/k/v projection, ``attn.c_proj``, ``mlp.c_fc``, ``mlp.c_proj``, a head tied to the embedding):
+  the form a pipeline splits, and the packed attention and tied weights the parallel plans must handle.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from typing_extensions import override
 
-__all__ = ["MLP", "ConvNet", "SmallCNN", "VarLenGPT", "mlp"]
+__all__ = ["GPT2LM", "MLP", "ConvNet", "SmallCNN", "VarLenGPT", "gpt2_lm", "mlp"]
 
 
 def mlp(*widths: int) -> nn.Sequential:
@@ -169,3 +172,116 @@ class VarLenGPT(pl.LightningModule):
     @override
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+
+class GPT2Attention(nn.Module):
+    """Causal attention with GPT-2's packed ``c_attn`` (q, k, v in one ``Linear``) split by ``self.n_embd``."""
+
+    def __init__(self, n_embd: int, n_head: int) -> None:
+        super().__init__()
+        self.n_embd, self.n_head = n_embd, n_head
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
+        self.c_proj = nn.Linear(n_embd, n_embd)
+
+    @override
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        hd = self.n_embd // self.n_head
+        q, k, v = (z.view(b, t, self.n_head, hd).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).reshape(b, t, self.n_embd))
+
+
+class GPT2MLP(nn.Module):
+    """``c_proj(gelu(c_fc(x)))``, 4x wide."""
+
+    def __init__(self, n_embd: int) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(n_embd, 4 * n_embd)
+        self.c_proj = nn.Linear(4 * n_embd, n_embd)
+
+    @override
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(F.gelu(self.c_fc(x)))
+
+
+class GPT2Block(nn.Module):
+    """Pre-norm ``x + attn(ln_1(x))``, ``x + mlp(ln_2(x))``."""
+
+    def __init__(self, n_embd: int, n_head: int) -> None:
+        super().__init__()
+        self.ln_1, self.attn = nn.LayerNorm(n_embd), GPT2Attention(n_embd, n_head)
+        self.ln_2, self.mlp = nn.LayerNorm(n_embd), GPT2MLP(n_embd)
+
+    @override
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT2Embedding(nn.Module):
+    """Token (``wte``) + position (``wpe``) embeddings."""
+
+    def __init__(self, vocab: int, seq: int, n_embd: int) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, n_embd), nn.Embedding(seq, n_embd)
+
+    @override
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+
+
+class GPT2Head(nn.Module):
+    """Final LayerNorm and the LM ``head`` (its weight is the embedding's, tied by :func:`gpt2_lm`)."""
+
+    def __init__(self, vocab: int, n_embd: int) -> None:
+        super().__init__()
+        self.ln_f, self.head = nn.LayerNorm(n_embd), nn.Linear(n_embd, vocab, bias=False)
+
+    @override
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln_f(x))
+
+
+def gpt2_lm(vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4, width: int = 32, seed: int = 0) -> Any:
+    """``nn.Sequential(GPT2Embedding, GPT2Block x layers, GPT2Head)`` with the head tied to the token embedding
+    (``net[-1].head.weight is net[0].wte.weight``), weights drawn after ``torch.manual_seed(seed)``."""
+    torch.manual_seed(seed)
+    net = nn.Sequential(
+        GPT2Embedding(vocab, seq, width), *[GPT2Block(width, heads) for _ in range(layers)], GPT2Head(vocab, width)
+    )
+    net[-1].head.weight = net[0].wte.weight
+    return net
+
+
+class GPT2LM(pl.LightningModule):
+    """:func:`gpt2_lm` trained on next-token cross entropy with AdamW at a constant learning rate.
+
+    Batches are ``(tokens, index)``: ``tokens`` of shape ``(batch, seq + 1)``, ``index`` the samples' dataset
+    indices (so a callback can count which samples one step trained on). Logs ``train_loss``.
+    """
+
+    def __init__(
+        self, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4, width: int = 32, lr: float = 1e-2
+    ) -> None:
+        super().__init__()
+        self.net = gpt2_lm(vocab, seq, layers, heads, width)
+        self.lr, self.seq = lr, seq
+        self.example_input_array = torch.zeros(2, seq, dtype=torch.long)
+
+    @override
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        tokens = batch[0]
+        out = self(tokens[:, :-1])
+        loss = F.cross_entropy(out.reshape(-1, out.size(-1)).float(), tokens[:, 1:].reshape(-1))
+        self.log("train_loss", loss)
+        return loss
+
+    @override
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)

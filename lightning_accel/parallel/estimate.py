@@ -14,9 +14,17 @@ model state per parameter):
   the activations for the micro-batches in flight (at most ``min(S, M)``, each ``1/M`` of the batch):
   ``b·P_stage + A/S · min(S, M)/M``.
 
-Activations are *measured*, not guessed: :func:`measure_activation_bytes` runs one forward and backward of an
-example batch and sums the distinct tensors autograd saved for backward (parameters excluded). That is what stays
-alive between forward and backward, on any device. Measure under the autocast you train with (bf16 halves it).
+Activations are *measured* when they can be: :func:`measure_activation_bytes` runs one forward and backward of an
+example batch and sums the distinct tensors autograd saved for backward. Parameters are excluded, and so are the
+copies of them autocast makes (a bf16 weight saved for a matmul's backward is model state, not an activation). That
+is what stays alive between forward and backward, on any device. Measure under the autocast you train with (bf16
+halves it).
+
+A model or batch on the **meta device** has no values to run, so the activations are *estimated* with the
+transformer formula of Korthikanti et al. (2022, "Reducing Activation Recomputation in Large Transformer Models", no
+recomputation): per layer ``s·b·h·(34 + 5·a·s/h)`` bytes with 16-bit activations (``s`` sequence, ``b`` batch, ``h``
+hidden size, ``a`` heads), times ``L`` layers, doubled for fp32 (:func:`estimate_activation_bytes`; the hidden size,
+heads and layers read from the model by :func:`transformer_shape`, the batch and sequence from the batch's shape).
 """
 
 from __future__ import annotations
@@ -32,10 +40,12 @@ from torch import nn
 from lightning_accel._utils.checks import check_int
 
 __all__ = [
+    "HEAD_ATTRIBUTES",
     "ActivationProfile",
     "MemoryEstimate",
     "block_stack",
     "count_layers",
+    "estimate_activation_bytes",
     "estimate_ddp",
     "estimate_fsdp",
     "estimate_pipeline",
@@ -43,10 +53,13 @@ __all__ = [
     "largest_unit_params",
     "measure_activation_bytes",
     "pipeline_stage_params",
+    "transformer_shape",
 ]
 
 #: Adam, mixed precision: 2 (weight) + 2 (grad) + 4 (fp32 master) + 4 (exp_avg) + 4 (exp_avg_sq).
 ADAM_MIXED_BYTES_PER_PARAM = 16
+#: Attributes holding an attention module's head count (divided by a tensor-parallel size; read by the estimate).
+HEAD_ATTRIBUTES = ("n_head", "num_heads", "n_heads", "num_attention_heads")
 
 
 @dataclass(frozen=True)
@@ -59,6 +72,7 @@ class MemoryEstimate:
         working: extra transient model memory (FSDP's gathered unit).
         activations: activation bytes on one device.
         formula: the formula with the numbers filled in, for explanations.
+        blocker: why this plan cannot run this model at all ("" when it can): such a plan never fits.
     """
 
     strategy: str
@@ -66,6 +80,7 @@ class MemoryEstimate:
     working: int
     activations: int
     formula: str = ""
+    blocker: str = ""
 
     @property
     def total(self) -> int:
@@ -124,13 +139,38 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+#: autograd nodes that only cast, view or copy their input: a saved tensor reached from a parameter through these
+#: alone is a copy of that parameter (autocast's cached bf16 weight), not an activation
+_COPY_NODES = frozenset(
+    {"ToCopyBackward0", "TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0", "UnsafeViewBackward0",
+     "ExpandBackward0", "CloneBackward0", "AliasBackward0", "ReshapeAliasBackward0", "SqueezeBackward0",
+     "UnsqueezeBackward0"}
+)  # fmt: skip
+
+
+def _copies_a_parameter(t: torch.Tensor, param_ids: set[int]) -> bool:
+    """True when ``t`` was made from a parameter by casts / views / copies only (followed through its grad_fn)."""
+    fn = t.grad_fn
+    for _ in range(8):
+        if fn is None or type(fn).__name__ not in _COPY_NODES:
+            return False
+        nxt = [f for f, _ in fn.next_functions if f is not None]
+        if len(nxt) != 1:
+            return False
+        fn = nxt[0]
+        if type(fn).__name__ == "AccumulateGrad":
+            return id(getattr(fn, "variable", None)) in param_ids
+    return False
+
+
 def measure_activation_bytes(
     model: nn.Module, example_batch: Any, *, loss_fn: Callable[[Any], torch.Tensor] | None = None
 ) -> ActivationProfile:
     """Run one forward and backward of ``example_batch`` and measure the activations autograd keeps.
 
     Every tensor packed for backward is seen through ``torch.autograd.graph.saved_tensors_hooks``; tensors are
-    de-duplicated by storage (a view and its base count once) and storages that belong to parameters are skipped.
+    de-duplicated by storage (a view and its base count once), and storages that belong to parameters are skipped, as
+    are copies of parameters (autocast's low-precision weights: reached from a parameter by casts and views only).
     Gradients are cleared afterwards; the model's ``training`` flag is restored.
 
     Args:
@@ -141,6 +181,7 @@ def measure_activation_bytes(
     """
     params = list(model.parameters())
     param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+    param_ids = {id(p) for p in params}
     seen: dict[int, int] = {}
     count = 0
 
@@ -150,7 +191,7 @@ def measure_activation_bytes(
         try:
             s = t.untyped_storage()
             ptr = s.data_ptr()
-            if ptr not in param_ptrs and ptr not in seen:
+            if ptr not in param_ptrs and ptr not in seen and not _copies_a_parameter(t, param_ids):
                 seen[ptr] = s.nbytes()
         except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. some wrappers)
             pass
@@ -177,6 +218,46 @@ def measure_activation_bytes(
     return ActivationProfile(
         activation_bytes=int(sum(seen.values())), forward_s=t1 - t0, backward_s=t2 - t1, saved_tensors=count
     )
+
+
+def transformer_shape(model: nn.Module) -> dict[str, int]:
+    """What the activation formula needs from the model: ``layers`` (:func:`count_layers`), ``hidden`` (the most
+    common ``in_features`` of the blocks' ``Linear`` modules, else an embedding's or a LayerNorm's width) and
+    ``heads`` (a :data:`HEAD_ATTRIBUTES` attribute; 0 when none, so the attention-score term drops out)."""
+    blocks = block_stack(model) or [model]
+    widths: dict[int, int] = {}
+    for b in blocks:
+        for m in b.modules():
+            if isinstance(m, nn.Linear):
+                widths[m.in_features] = widths.get(m.in_features, 0) + 1
+    hidden = max(widths, key=lambda w: (widths[w], w)) if widths else 0
+    if not hidden:
+        for m in model.modules():
+            if isinstance(m, nn.Embedding):
+                hidden = m.embedding_dim
+                break
+            if isinstance(m, nn.LayerNorm):
+                hidden = int(m.normalized_shape[-1])
+                break
+    heads = 0
+    for m in model.modules():
+        for attr in HEAD_ATTRIBUTES:
+            v = getattr(m, attr, None)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                heads = v
+                break
+        if heads:
+            break
+    return {"layers": count_layers(model), "hidden": hidden, "heads": heads}
+
+
+def estimate_activation_bytes(
+    *, layers: int, hidden: int, seq: int, batch: int, heads: int = 0, bytes_per_value: int = 2
+) -> int:
+    """``L · s·b·h·(34 + 5·a·s/h)`` bytes for 16-bit activations (Korthikanti et al. 2022, no recomputation),
+    scaled by ``bytes_per_value / 2`` (4: fp32). ``heads=0`` drops the attention-score term (fused attention)."""
+    per_layer = seq * batch * hidden * 34 + (5 * heads * seq * seq * batch if heads else 0)
+    return int(layers * per_layer * bytes_per_value / 2)
 
 
 def _block_lists(model: nn.Module) -> list[nn.Module]:

@@ -9,6 +9,14 @@
   attention), an MLP's first ``Linear`` column-wise and its second row-wise (one all-reduce per MLP). Attention
   modules keep ``n_head / tp`` heads per rank (their head-count attribute is divided). Everything else (embeddings,
   norms, head) stays replicated: identical on every rank of the tensor-parallel group, so its gradients need no sync.
+* A **packed** projection (``c_attn``, ``qkv``, ``qkv_proj``, ``Wqkv``: one ``Linear`` with ``3·d`` outputs, q then k
+  then v) is split per head (style ``"colwise_packed"``): its rows are reordered so that the contiguous shard of rank
+  ``r`` is ``q_r, k_r, v_r`` (the rows of that rank's heads in each of the three), and the attention module's width
+  attributes (:data:`PACKED_WIDTH_ATTRIBUTES`, e.g. ``n_embd`` in ``c_attn(x).split(self.n_embd, dim=2)``) are
+  divided like its head count. The reorder is undone for full state dicts (:func:`unpack_rows`), so a checkpoint
+  keeps the unsplit layout. ``nn.MultiheadAttention`` (``in_proj_weight``) is refused with one line: its forward
+  takes the width from its input, so no per-rank attribute can make a split run.
+* :func:`tensor_parallel_coverage` says which ``Linear`` modules a plan splits and which stay replicated, and why.
 
 The core never imports Lightning; ``ShardedStrategy`` (``strategy.py``) applies these inside a Trainer.
 """
@@ -22,18 +30,28 @@ import torch
 from torch import nn
 
 from lightning_accel._utils.checks import check_int
-from lightning_accel.parallel.estimate import block_stack
+from lightning_accel._utils.errors import one_line
+from lightning_accel.parallel.estimate import HEAD_ATTRIBUTES, block_stack
 
 __all__ = [
     "COLWISE_NAMES",
     "HEAD_ATTRIBUTES",
+    "PACKED_NAMES",
+    "PACKED_WIDTH_ATTRIBUTES",
     "ROWWISE_NAMES",
+    "STYLES",
     "apply_fully_shard",
     "apply_tensor_parallel",
+    "check_tensor_parallel_plan",
+    "describe_coverage",
+    "fsdp_groups",
     "fsdp_units",
     "is_parallelized",
     "mixed_precision_policy",
+    "pack_rows",
+    "tensor_parallel_coverage",
     "tensor_parallel_plan",
+    "unpack_rows",
 ]
 
 #: ``Linear`` names split by output features (their outputs are sharded), as in Llama / GPT-2 / BERT code.
@@ -43,13 +61,75 @@ COLWISE_NAMES = frozenset(
 )  # fmt: skip
 #: ``Linear`` names split by input features (they take a sharded input and all-reduce their output).
 ROWWISE_NAMES = frozenset({"proj", "o_proj", "out_proj", "c_proj", "wo", "w2", "fc2", "down_proj", "fc_out", "dense"})
-#: Attributes holding an attention module's head count, divided by the tensor-parallel size.
-HEAD_ATTRIBUTES = ("n_head", "num_heads", "n_heads", "num_attention_heads")
+#: ``Linear`` names of a packed q/k/v projection (``3·d`` outputs: q, then k, then v), split per head.
+PACKED_NAMES = frozenset({"c_attn", "qkv", "qkv_proj", "Wqkv", "in_proj"})
+#: Attributes of the module holding a packed projection that give the width of one of q/k/v (``split(self.n_embd)``),
+#: divided by the tensor-parallel size like its head count.
+PACKED_WIDTH_ATTRIBUTES = ("n_embd", "embed_dim", "split_size", "hidden_size", "d_model")
+#: plan styles: ``"colwise_packed"`` is ``"colwise"`` on rows reordered per head (:func:`pack_rows`)
+STYLES = ("colwise", "rowwise", "colwise_packed")
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:
     """The modules ``fully_shard`` wraps before the root: the blocks of the longest repeated stack."""
     return block_stack(model)
+
+
+def fsdp_groups(modules: list[nn.Module], root: nn.Module) -> tuple[list[list[nn.Module]], list[str]]:
+    """``modules`` (the FSDP units) grouped so that tied parameters stay in one FSDP group.
+
+    Units that share a parameter (an embedding tied to the LM head, both children of one ``nn.Sequential`` or
+    ``nn.ModuleList``) become one group, sharded by one ``fully_shard([...])`` call (gathered together, the way the
+    tied weight is used); a unit sharing a parameter with ``root`` outside every unit is left to ``root``'s group.
+    Returns the groups in the units' order and one line per merge or skip (for the log).
+    """
+    owners: dict[int, set[int]] = {}
+    for i, m in enumerate(modules):
+        for p in m.parameters():
+            owners.setdefault(id(p), set()).add(i)
+    inside = set(owners)
+    names = {id(m): n for n, m in root.named_modules()}
+    outside_users: set[int] = set()  # units whose parameters the root also uses outside every unit
+    in_units = {id(x) for u in modules for x in u.modules()}
+    for m in root.modules():
+        if id(m) in in_units:
+            continue
+        for p in m.parameters(recurse=False):
+            if id(p) in inside:
+                outside_users |= owners[id(p)]
+    parent = list(range(len(modules)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for users in owners.values():
+        first, *rest = sorted(users)
+        for j in rest:
+            parent[find(j)] = find(first)
+    groups: dict[int, list[int]] = {}
+    for i in range(len(modules)):
+        groups.setdefault(find(i), []).append(i)
+    out: list[list[nn.Module]] = []
+    notes: list[str] = []
+    for members in groups.values():
+        label = ", ".join(f"`{names.get(id(modules[i]), type(modules[i]).__name__)}`" for i in members)
+        if any(i in outside_users for i in members):
+            notes.append(f"{label} share a parameter with the rest of the model: left to the enclosing FSDP group")
+            continue
+        if len(members) > 1:
+            notes.append(f"{label} share tied parameters: one FSDP group")
+        out.append([modules[i] for i in members])
+    return out, notes
+
+
+def _shard_groups(groups: list[list[nn.Module]], **kw: Any) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    for g in groups:
+        fully_shard(g[0] if len(g) == 1 else g, **kw)
 
 
 def is_parallelized(model: nn.Module) -> bool:
@@ -81,7 +161,8 @@ def apply_fully_shard(
     mp_policy: Any = None,
     reshard_after_forward: bool = True,
 ) -> int:
-    """``fully_shard`` each unit (default :func:`fsdp_units`), then ``model`` itself. Returns the number of units.
+    """``fully_shard`` each unit (default :func:`fsdp_units`; units that share tied parameters as one group,
+    :func:`fsdp_groups`), then ``model`` itself. Returns the number of units.
 
     Args:
         model: the module to shard in place (a LightningModule works: its network's blocks are found inside it).
@@ -97,14 +178,22 @@ def apply_fully_shard(
     if mp_policy is not None:
         kw["mp_policy"] = mp_policy
     chosen = fsdp_units(model) if units is None else units
-    for u in chosen:
-        fully_shard(u, **kw)
+    groups, _ = fsdp_groups(chosen, model)
+    _shard_groups(groups, **kw)
     fully_shard(model, **kw)
     return len(chosen)
 
 
+def _packed_parts(name: str, lin: nn.Linear, width: int | None = None) -> int:
+    """3 for a packed q/k/v projection (by name, ``3·width`` outputs when the width is known), else 1."""
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf not in PACKED_NAMES or lin.out_features % 3:
+        return 1
+    return 3 if width is None or lin.out_features == 3 * width else 1
+
+
 def _linear_pairs(module: nn.Module) -> dict[str, str]:
-    """``{relative name: "colwise" | "rowwise"}`` for the column/row pairs inside one block."""
+    """``{relative name: "colwise" | "colwise_packed" | "rowwise"}`` for the column/row pairs inside one block."""
     plan: dict[str, str] = {}
     for prefix, m in module.named_modules():
         children = list(m.named_children())
@@ -123,19 +212,36 @@ def _linear_pairs(module: nn.Module) -> dict[str, str]:
         col = [n for n in linears if n in COLWISE_NAMES]
         row = [n for n in linears if n in ROWWISE_NAMES]
         if col and len(row) == 1:
-            width = {linears[n].out_features for n in col}
-            if len(width) == 1 and linears[row[0]].in_features == width.pop():
-                plan.update({join + n: "colwise" for n in col})
+            out_width = linears[row[0]].in_features
+            parts = {n: _packed_parts(n, linears[n], out_width) for n in col}
+            width = {linears[n].out_features // parts[n] for n in col}
+            if len(width) == 1 and out_width == width.pop():
+                plan.update({join + n: "colwise_packed" if parts[n] > 1 else "colwise" for n in col})
                 plan[join + row[0]] = "rowwise"
     return plan
 
 
+def _refuse_multihead_attention(model: nn.Module, plan: dict[str, str]) -> None:
+    """One line naming an ``nn.MultiheadAttention`` the plan would leave whole inside a split block."""
+    for name, m in model.named_modules():
+        if isinstance(m, nn.MultiheadAttention):
+            raise ValueError(
+                f"tensor parallel cannot split `{name}` (nn.MultiheadAttention): its packed `in_proj_weight` is "
+                "applied by `F.multi_head_attention_forward`, which takes the width from the input, so a per-head "
+                "shard cannot run. Write the attention with a packed `c_attn`/`qkv` Linear (or q/k/v Linears) and an "
+                "output projection, use the sharded plan (`fsdp`), or pass `tp_plan` naming only the MLP Linears "
+                "(the attention then stays replicated)."
+            )
+
+
 def tensor_parallel_plan(model: nn.Module, tp_size: int) -> dict[str, str]:
-    """``{fully qualified Linear name: "colwise" | "rowwise"}`` for every block of the repeated stack.
+    """``{fully qualified Linear name: "colwise" | "colwise_packed" | "rowwise"}`` for every block of the repeated
+    stack (see the module docstring; :func:`tensor_parallel_coverage` lists what stays replicated).
 
     Raises:
-        ValueError: no column/row pair was found (with the count of ``Linear`` modules and the fix), or a split
-            dimension or head count is not divisible by ``tp_size``.
+        ValueError: no column/row pair was found (with the count of ``Linear`` modules and the fix), the model holds
+            an ``nn.MultiheadAttention`` (one line naming it and the fix), a packed projection's module has no head
+            count, or a split dimension or head count is not divisible by ``tp_size``.
     """
     check_int("tensor_parallel_size", tp_size, low=1)
     names = {id(m): n for n, m in model.named_modules()}
@@ -144,24 +250,48 @@ def tensor_parallel_plan(model: nn.Module, tp_size: int) -> dict[str, str]:
         base = names[id(block)]
         for rel, style in _linear_pairs(block).items():
             plan[f"{base}.{rel}" if base else rel] = style
+    _refuse_multihead_attention(model, plan)
     if not plan:
         n_linear = sum(isinstance(m, nn.Linear) for m in model.modules())
         raise ValueError(
             f"tensor parallel found 0 parallelisable layer pairs in `{type(model).__name__}` ({n_linear} Linear "
-            f"modules, none in a column/row pair: q/k/v + output projection named {sorted(ROWWISE_NAMES)[:4]}..., or "
-            "an nn.Sequential `Linear, act, Linear` MLP). Use the sharded plan (`fsdp`) for this model, or pass an "
-            "explicit `tp_plan` {module name: 'colwise' | 'rowwise'}."
+            f"modules, none in a column/row pair: q/k/v (or a packed {sorted(PACKED_NAMES)[:2]}...) + output "
+            f"projection named {sorted(ROWWISE_NAMES)[:4]}..., or an nn.Sequential `Linear, act, Linear` MLP). Use the "
+            "sharded plan (`fsdp`) for this model, or pass an explicit `tp_plan` {module name: 'colwise' | 'rowwise'}."
         )
+    check_tensor_parallel_plan(model, plan, tp_size)
+    return plan
+
+
+def check_tensor_parallel_plan(model: nn.Module, plan: dict[str, str], tp_size: int) -> None:
+    """Raise ``ValueError`` (one line: the module, the numbers, the fix) when ``plan`` cannot split ``model``."""
     mods = dict(model.named_modules())
+    bad = {k: v for k, v in plan.items() if v not in STYLES}
+    if bad:
+        raise ValueError(f"`tp_plan` values must be one of {list(STYLES)}, got {bad}.")
     for name, style in plan.items():
-        lin = mods[name]
-        assert isinstance(lin, nn.Linear)
-        dim = lin.out_features if style == "colwise" else lin.in_features
+        lin = mods.get(name)
+        if not isinstance(lin, nn.Linear):
+            raise ValueError(
+                f"`tp_plan` names `{name}`, which is {'not in the model' if lin is None else type(lin).__name__}: "
+                "name nn.Linear modules."
+            )
+        parts = _parts(name, lin, style)
+        dim = lin.out_features // parts if style != "rowwise" else lin.in_features
         if dim % tp_size:
             raise ValueError(
-                f"`{name}` has {dim} {'output' if style == 'colwise' else 'input'} features, not divisible by "
-                f"`tensor_parallel_size`={tp_size}. Use a tensor-parallel size that divides {dim}."
+                f"`{name}` has {dim} {'output' if style != 'rowwise' else 'input'} features"
+                f"{' per q/k/v part' if parts > 1 else ''}, not divisible by `tensor_parallel_size`={tp_size}. Use a "
+                f"tensor-parallel size that divides {dim}."
             )
+        if parts > 1:
+            parent = mods[name.rsplit(".", 1)[0]] if "." in name else model
+            if not any(isinstance(getattr(parent, a, None), int) for a in HEAD_ATTRIBUTES):
+                raise ValueError(
+                    f"`{name}` is a packed q/k/v projection but `{type(parent).__name__}` has no head count "
+                    f"attribute ({', '.join(HEAD_ATTRIBUTES)}) to divide per rank. Name its head count `n_head`, or "
+                    "pass `tp_plan` without it (the attention then stays replicated)."
+                )
     for m in _attention_modules(model, plan):
         for attr in HEAD_ATTRIBUTES:
             heads = getattr(m, attr, None)
@@ -170,38 +300,116 @@ def tensor_parallel_plan(model: nn.Module, tp_size: int) -> dict[str, str]:
                     f"`{type(m).__name__}.{attr}`={heads} heads cannot be split over `tensor_parallel_size`={tp_size}."
                     f" Use a tensor-parallel size that divides {heads}."
                 )
-    return plan
+
+
+def _parts(name: str, lin: nn.Linear, style: str) -> int:
+    """How many q/k/v parts a column-split ``Linear`` packs (``"colwise"`` on a packed name counts as packed)."""
+    if style == "colwise_packed":
+        return 3
+    return _packed_parts(name, lin) if style == "colwise" else 1
 
 
 def _attention_modules(model: nn.Module, plan: dict[str, str]) -> list[nn.Module]:
     """Modules whose direct ``Linear`` children are column-split by name (attention): their head count shrinks."""
-    parents = {re.sub(r"\.[^.]+$", "", n) for n, s in plan.items() if s == "colwise" and n.rsplit(".", 1)[-1] in
+    parents = {re.sub(r"\.[^.]+$", "", n) for n, s in plan.items() if s != "rowwise" and n.rsplit(".", 1)[-1] in
                COLWISE_NAMES}  # fmt: skip
     mods = dict(model.named_modules())
     return [mods[p] for p in sorted(parents) if p in mods]
 
 
+def pack_rows(t: torch.Tensor, tp: int, parts: int = 3) -> torch.Tensor:
+    """Reorder the rows of a packed projection's weight (or bias) from ``[q; k; v]`` to
+    ``[q_0; k_0; v_0; q_1; k_1; v_1; ...]``, so that the ``r``-th of ``tp`` contiguous shards holds rank ``r``'s
+    heads of all three parts (``q_r`` = rows ``r·d/tp .. (r+1)·d/tp`` of q, the heads ``r·h/tp ..``)."""
+    rows = t.shape[0]
+    return t.reshape(parts, tp, rows // (parts * tp), *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+
+def unpack_rows(t: torch.Tensor, tp: int, parts: int = 3) -> torch.Tensor:
+    """The inverse of :func:`pack_rows`: ``[q_0; k_0; v_0; q_1; ...]`` back to ``[q; k; v]``."""
+    rows = t.shape[0]
+    return t.reshape(tp, parts, rows // (parts * tp), *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+
+def tensor_parallel_coverage(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """``{Linear name: what the plan does with it}``: ``"colwise"``, ``"colwise_packed"`` (per head),
+    ``"rowwise"``, or ``"replicated: <why>"`` (outside the repeated blocks, or no column/row partner)."""
+    blocks = {id(b) for b in block_stack(model)}
+    in_block: set[str] = set()
+    for name, m in model.named_modules():
+        if id(m) in blocks:
+            in_block.update(f"{name}.{n}" if n else name for n, _ in m.named_modules())
+    out: dict[str, str] = {}
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.Linear):
+            continue
+        if name in plan:
+            out[name] = plan[name]
+        elif blocks and name not in in_block:
+            out[name] = "replicated: outside the repeated blocks (embeddings, head)"
+        else:
+            out[name] = "replicated: no column/row partner in its block"
+    return out
+
+
+def describe_coverage(coverage: dict[str, str], tp: int) -> str:
+    """One line for the log: how many ``Linear`` modules each style covers, and the replicated ones with why."""
+    counts: dict[str, int] = {}
+    for style in coverage.values():
+        key = style if not style.startswith("replicated") else "replicated"
+        counts[key] = counts.get(key, 0) + 1
+    reps = [f"`{n}` ({s.split(': ', 1)[1]})" for n, s in coverage.items() if s.startswith("replicated")]
+    shown = ", ".join(reps[:4]) + (f" and {len(reps) - 4} more" if len(reps) > 4 else "")
+    packed = [n for n, s in coverage.items() if s == "colwise_packed"]
+    return one_line(
+        f"tensor parallel over {tp} ranks: {counts.get('colwise', 0)} Linear column-wise, "
+        f"{counts.get('colwise_packed', 0)} packed q/k/v per head"
+        f"{' (' + ', '.join(packed[:2]) + (', ...' if len(packed) > 2 else '') + ')' if packed else ''}, "
+        f"{counts.get('rowwise', 0)} row-wise, {counts.get('replicated', 0)} replicated"
+        + (f": {shown}" if reps else "")
+        + "."
+    )
+
+
 def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, plan: dict[str, str] | None = None) -> dict[str, str]:
     """Split ``model``'s Linear pairs over ``tp_mesh`` (``parallelize_module`` with ``ColwiseParallel`` /
-    ``RowwiseParallel``) and divide attention head counts by the mesh size. Returns the plan applied.
+    ``RowwiseParallel``), reorder packed projections per head (:func:`pack_rows`), and divide the attention modules'
+    head counts (and, beside a packed projection, their width attributes) by the mesh size. Returns the plan
+    applied, ``"colwise"`` on a packed name resolved to ``"colwise_packed"``.
 
     Args:
         model: the module, changed in place.
         tp_mesh: a 1-D device mesh (the tensor-parallel group).
-        plan: ``{module name: "colwise" | "rowwise"}`` (None: :func:`tensor_parallel_plan`).
+        plan: ``{module name: "colwise" | "colwise_packed" | "rowwise"}`` (None: :func:`tensor_parallel_plan`).
+
+    Raises:
+        ValueError: the plan cannot split the model (:func:`check_tensor_parallel_plan`; one line, with the fix).
     """
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     tp = tp_mesh.size()
     chosen = tensor_parallel_plan(model, tp) if plan is None else dict(plan)
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    bad = {k: v for k, v in chosen.items() if v not in styles}
-    if bad:
-        raise ValueError(f"`tp_plan` values must be 'colwise' or 'rowwise', got {bad}.")
+    check_tensor_parallel_plan(model, chosen, tp)
+    mods = dict(model.named_modules())
+    for name, style in list(chosen.items()):
+        lin = mods[name]
+        assert isinstance(lin, nn.Linear)
+        if _parts(name, lin, style) > 1:
+            chosen[name] = "colwise_packed"
+            with torch.no_grad():
+                lin.weight.copy_(pack_rows(lin.weight, tp))
+                if lin.bias is not None:
+                    lin.bias.copy_(pack_rows(lin.bias, tp))
+            parent = mods[name.rsplit(".", 1)[0]] if "." in name else model
+            for attr in PACKED_WIDTH_ATTRIBUTES:
+                width = getattr(parent, attr, None)
+                if isinstance(width, int) and not isinstance(width, bool) and 3 * width == lin.out_features:
+                    setattr(parent, attr, width // tp)
     for m in _attention_modules(model, chosen):
         for attr in HEAD_ATTRIBUTES:
             heads = getattr(m, attr, None)
             if isinstance(heads, int):
                 setattr(m, attr, heads // tp)
+    styles = {"colwise": ColwiseParallel, "colwise_packed": ColwiseParallel, "rowwise": RowwiseParallel}
     parallelize_module(model, tp_mesh, {k: styles[v]() for k, v in chosen.items()})
     return chosen

@@ -19,11 +19,15 @@ parallel splits it.
 
 Policy ``"measure"`` keeps the candidates the memory estimate says fit and lets a short timed trial decide
 (:func:`choose_by_trial`, run by ``AutoStrategy`` on every rank once the processes are connected); the trial's
-times are cached per model / world / device so repeated runs do not measure again.
+times are cached per model / world / device so repeated runs do not measure again. A plan that cannot run the model
+at all (a pipeline on a network it cannot split, tensor parallel with nothing to split) carries the reason as its
+estimate's ``blocker`` and never fits; a candidate whose trial fails at any point is dropped with its error
+(:attr:`StrategyChoice.dropped`, shown by :meth:`StrategyChoice.table`), never the run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,10 +37,12 @@ from torch import nn
 
 from lightning_accel._utils.atomic import atomic_write_text
 from lightning_accel._utils.checks import check_choice, check_int, check_number
+from lightning_accel._utils.errors import one_line
 from lightning_accel.parallel.estimate import (
     ADAM_MIXED_BYTES_PER_PARAM,
     MemoryEstimate,
     count_layers,
+    estimate_activation_bytes,
     estimate_ddp,
     estimate_fsdp,
     estimate_pipeline,
@@ -44,7 +50,9 @@ from lightning_accel.parallel.estimate import (
     largest_unit_params,
     measure_activation_bytes,
     pipeline_stage_params,
+    transformer_shape,
 )
+from lightning_accel.parallel.pipeline import find_pipeline_modules
 from lightning_accel.parallel.plans import tensor_parallel_plan
 
 __all__ = [
@@ -111,6 +119,7 @@ class StrategyChoice:
         estimates: plan -> :class:`~lightning_accel.parallel.estimate.MemoryEstimate` (not for ``"rules"``).
         facts: parameters, layers, activation bytes, world size, capacity, break-even bandwidth.
         measured: plan -> measured seconds per step (``"measure"``, after the trial).
+        dropped: plan -> why its trial was dropped (the error, one line; ``"measure"``).
     """
 
     strategy: str
@@ -121,18 +130,23 @@ class StrategyChoice:
     estimates: dict[str, MemoryEstimate] = field(default_factory=dict)
     facts: dict[str, Any] = field(default_factory=dict)
     measured: dict[str, float] = field(default_factory=dict)
+    dropped: dict[str, str] = field(default_factory=dict)
 
     def table(self) -> str:
-        """A markdown table: every plan's estimate per device, whether it fits, its measured step time, the pick."""
+        """A markdown table: every plan's estimate per device, whether it fits (``no`` with the reason when it cannot
+        run the model), its measured step time, the pick, and why a trial was dropped."""
         cap = self.facts.get("capacity")
-        rows = ["| plan | estimate per device | fits | measured step | chosen |", "|---|---|---|---|---|"]
-        for plan in dict.fromkeys([*self.estimates, *self.measured]):
+        rows = ["| plan | estimate per device | fits | measured step | chosen | note |", "|---|---|---|---|---|---|"]
+        for plan in dict.fromkeys([*self.estimates, *self.measured, *self.dropped]):
             est = self.estimates.get(plan)
-            fits = "" if est is None or cap is None else ("yes" if est.total <= cap else "no")
+            fits = "" if est is None or cap is None else ("yes" if _fits(est, cap) else "no")
+            note = est.blocker if est is not None and est.blocker else ""
+            if plan in self.dropped:
+                note = f"trial dropped: {self.dropped[plan]}"
             t = self.measured.get(plan)
             rows.append(
                 f"| {plan} | {_gb(est.total) if est else '-'} | {fits} | {f'{t * 1e3:.1f} ms' if t else '-'} | "
-                f"{'**yes**' if plan == self.plan else ''} |"
+                f"{'**yes**' if plan == self.plan else ''} | {note.replace('|', '/')} |"
             )
         return "\n".join(rows)
 
@@ -142,6 +156,11 @@ class StrategyChoice:
 
     def __str__(self) -> str:
         return self.explanation
+
+
+def _fits(est: MemoryEstimate, capacity: int) -> bool:
+    """A plan fits when it can run the model at all and its estimate is within ``capacity``."""
+    return not est.blocker and est.total <= capacity
 
 
 def _device_memory(device_memory_bytes: int | None) -> int:
@@ -179,7 +198,10 @@ def select_strategy(
         num_nodes: nodes.
         device_memory_bytes: memory of one device (None: the current CUDA device's total memory).
         example_batch: one per-device batch of forward inputs; when given, activations and the backward time are
-            measured with one forward/backward (otherwise activations count as 0 and the explanation says so).
+            measured with one forward/backward (otherwise activations count as 0 and the explanation says so). With
+            the model or the batch on the meta device nothing can run: activations are *estimated* from the
+            model's hidden size, heads and layers and the batch's shape (see
+            :mod:`~lightning_accel.parallel.estimate`), and the explanation says "estimated".
         inter_node_gbps: network bandwidth between nodes in Gbit/s (None: unknown, no ``ddp_1bit`` advice).
         policy: ``"memory"`` (estimate and fit) or ``"rules"`` (the rule-of-thumb thresholds).
         headroom: fraction of device memory kept free for the CUDA context, allocator caching and workspaces.
@@ -212,6 +234,7 @@ def select_strategy(
     facts["capacity"] = capacity
     act = _activations(model, example_batch, loss_fn, activation_scale)
     facts["activations"] = act.bytes
+    facts["activations_source"] = "measured" if act.measured else ("estimated" if act.bytes else "none")
     if act.measured:
         facts["backward_s"] = act.backward_s
     ests = _estimates(model, params, act.bytes, world, microbatches, bytes_per_param)
@@ -270,12 +293,53 @@ class _Activations:
     note: str
 
 
+def _batch_tensors(batch: Any) -> list[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, (tuple, list)):
+        return [t for b in batch for t in _batch_tensors(b)]
+    if isinstance(batch, dict):
+        return [t for b in batch.values() for t in _batch_tensors(b)]
+    return []
+
+
+def _on_meta(model: nn.Module, batch: Any) -> bool:
+    return any(p.is_meta for p in model.parameters()) or any(t.is_meta for t in _batch_tensors(batch))
+
+
+def _estimated_activations(model: nn.Module, batch: Any, scale: float) -> _Activations:
+    """The formula's activations for a meta-device model / batch (the batch's first tensor gives batch, sequence)."""
+    first = next(iter(_batch_tensors(batch)), None)
+    shape = transformer_shape(model)
+    if first is None or first.ndim == 0 or not shape["hidden"]:
+        note = "activations not estimated (meta device, no batch shape or hidden size): a lower bound"
+        return _Activations(0, 0.0, False, note)
+    b, s = int(first.shape[0]), int(first.shape[1]) if first.ndim >= 2 else 1
+    if first.ndim >= 3 and first.is_floating_point() and first.shape[-1] != shape["hidden"]:
+        s = int(first.shape[1])
+    autocast = torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu")
+    per_value = 2 if autocast else max(2, next((p.element_size() for p in model.parameters()), 4))
+    acts = int(
+        estimate_activation_bytes(
+            layers=shape["layers"], hidden=shape["hidden"], seq=s, batch=b, heads=shape["heads"],
+            bytes_per_value=per_value,
+        ) * scale
+    )  # fmt: skip
+    note = (
+        f"activations {_gb(acts)} estimated (meta device: {shape['layers']} layers x s·b·h·(34 + 5·a·s/h) at "
+        f"h={shape['hidden']}, a={shape['heads']}, s={s}, b={b}, {per_value}-byte values)"
+    )
+    return _Activations(acts, 0.0, False, note)
+
+
 def _activations(
     model: nn.Module, example_batch: Any, loss_fn: Callable[[Any], torch.Tensor] | None, scale: float
 ) -> _Activations:
     if example_batch is None:
         note = "activations not measured (no `example_batch`): estimates are model state only, a lower bound"
         return _Activations(0, 0.0, False, note)
+    if _on_meta(model, example_batch):
+        return _estimated_activations(model, example_batch, scale)
     prof = measure_activation_bytes(model, example_batch, loss_fn=loss_fn)
     acts = int(prof.activation_bytes * scale)
     note = f"activations {_gb(acts)} measured from one forward/backward of the example batch"
@@ -287,31 +351,43 @@ def _estimates(
 ) -> dict[str, MemoryEstimate]:
     """Bytes per device of each plan, in the order of preference (data parallel < sharded < tensor parallel <
     pipeline: each adds communication on the critical path or idle time)."""
+    import dataclasses
+
+    tp_params, tp_blocker = _tensor_parallel_params(model, world)
+    pipeline = estimate_pipeline(
+        pipeline_stage_params(model, world), acts, microbatches=microbatches, bytes_per_param=bytes_per_param
+    )
+    tp = estimate_tensor_parallel(
+        params, tp_params, acts, world, largest_unit_params(model), bytes_per_param=bytes_per_param
+    )
     return {
         "ddp": estimate_ddp(params, acts, bytes_per_param=bytes_per_param),
         "fsdp": estimate_fsdp(params, acts, world, largest_unit_params(model), bytes_per_param=bytes_per_param),
-        "tp": estimate_tensor_parallel(
-            params,
-            _tensor_parallel_params(model),
-            acts,
-            world,
-            largest_unit_params(model),
-            bytes_per_param=bytes_per_param,
-        ),
-        "pipeline": estimate_pipeline(
-            pipeline_stage_params(model, world), acts, microbatches=microbatches, bytes_per_param=bytes_per_param
-        ),
+        "tp": dataclasses.replace(tp, blocker=tp_blocker),
+        "pipeline": dataclasses.replace(pipeline, blocker=_pipeline_blocker(model, world)),
     }
 
 
-def _tensor_parallel_params(model: nn.Module) -> int:
-    """Parameters of the ``Linear`` layers the tensor-parallel plan splits (0: it finds none to split)."""
+def _tensor_parallel_params(model: nn.Module, world: int) -> tuple[int, str]:
+    """Parameters of the ``Linear`` layers the tensor-parallel plan splits over ``world``, and why it cannot run
+    ("" when it can)."""
     try:
-        plan = tensor_parallel_plan(model, 1)
-    except ValueError:
-        return 0
+        plan = tensor_parallel_plan(model, max(1, world))
+    except ValueError as e:
+        return 0, f"cannot split: {one_line(str(e))}"
     mods = dict(model.named_modules())
-    return sum(p.numel() for name in plan for p in mods[name].parameters())
+    return sum(p.numel() for name in plan for p in mods[name].parameters()), ""
+
+
+def _pipeline_blocker(model: nn.Module, world: int) -> str:
+    """Why a ``world``-stage pipeline cannot split ``model`` ("" when it can)."""
+    try:
+        pieces = find_pipeline_modules(model)
+    except TypeError as e:
+        return f"cannot split: {one_line(str(e))}"
+    if len(pieces) < world:
+        return f"cannot split: {len(pieces)} pipeline piece(s) for {world} stages"
+    return ""
 
 
 def _break_even(given: float | None, act: _Activations, params: int, world: int) -> tuple[float, str]:
@@ -340,7 +416,7 @@ class _Case:
     facts: dict[str, Any]
 
     def fits(self, plan: str) -> bool:
-        return self.estimates[plan].total <= self.capacity
+        return _fits(self.estimates[plan], self.capacity)
 
     def choice(self, strategy: str, plan: str, fits: bool, why: str) -> StrategyChoice:
         return StrategyChoice(strategy, plan, fits, self.head + why, self.policy, self.estimates, self.facts)
@@ -391,7 +467,8 @@ def _beyond_data_parallel(c: _Case) -> StrategyChoice:
                 f"{_gb(c.capacity)}; {what} and fits ({_gb(ests[plan].total)}): use '{plan}'."
             )
             return c.choice(PLAN_STRATEGY[plan], plan, True, why)
-    best = min(("ddp", "fsdp", "tp", "pipeline") if world > 1 else ("ddp",), key=lambda k: ests[k].total)
+    runnable = [k for k in ("ddp", "fsdp", "tp", "pipeline") if not ests[k].blocker] if world > 1 else ["ddp"]
+    best = min(runnable, key=lambda k: ests[k].total)
     strategy = PLAN_STRATEGY[best] if world > 1 else "auto"
     why = (
         f" Nothing fits in {_gb(c.capacity)}: per device "
@@ -469,33 +546,64 @@ def choose_by_trial(
     trial runs the same plans in the same order everywhere (they are collective), and ``trial`` itself returns the
     slowest rank's time (:func:`~lightning_accel.parallel.trials.time_plan`), so every rank decides the same.
 
+    A trial that raises is dropped: its plan is not chosen, and the error (one line) is kept in
+    :attr:`StrategyChoice.dropped` and shown by :meth:`StrategyChoice.table`. ``trial`` must raise alike on every
+    rank (``AutoStrategy``'s trial shares a failure flag between the ranks after each plan). When every candidate is
+    dropped, the memory policy's choice is returned with the drops recorded.
+
     Args:
         choice: from :func:`select_strategy` (``policy="memory"``).
         trial: runs a few steps of one plan and returns seconds per step.
         key: the cache key (:func:`trial_key`); None: no cache.
-        cache: where measured times are kept.
-        candidates: the plans to consider (default: every estimated plan that fits).
+        cache: where measured times are kept (dropped plans are not: they are tried again next time).
+        candidates: the plans to consider (default: every estimated plan that fits; a plan that cannot run the
+            model, per its estimate's ``blocker``, is never tried).
 
     Returns:
-        A new :class:`StrategyChoice` with ``policy="measure"``, ``measured`` filled and the fastest plan chosen.
+        A new :class:`StrategyChoice` with ``policy="measure"``, ``measured`` and ``dropped`` filled and the fastest
+        plan chosen.
     """
     cap = choice.facts.get("capacity")
-    fitting = candidates or [p for p, e in choice.estimates.items() if cap is None or e.total <= cap]
+    ests = choice.estimates
+    fitting = [
+        p
+        for p in (candidates or list(ests))
+        if p not in ests or (not ests[p].blocker and (cap is None or ests[p].total <= cap or candidates))
+    ]
     if not fitting or not choice.fits:
         return choice
     times = cache.get(key) if (cache is not None and key is not None) else None
+    dropped: dict[str, str] = {}
     source = "cached trial" if times is not None and all(p in times for p in fitting) else "trial"
     if source == "trial":
-        times = {p: float(trial(p)) for p in fitting}
-        if cache is not None and key is not None:
+        times = {}
+        for p in fitting:
+            try:
+                times[p] = float(trial(p))
+            except Exception as e:  # noqa: BLE001  (any failure drops the plan, never the run)
+                dropped[p] = one_line(f"{type(e).__name__}: {e}")[:300]
+        if cache is not None and key is not None and times:
             cache.put(key, times)
     assert times is not None
-    best = min(fitting, key=lambda p: times[p])
-    listed = ", ".join(f"{p} {times[p] * 1e3:.1f} ms" for p in fitting)
+    ran = [p for p in fitting if p in times]
+    drops = "".join(f" Dropped '{p}' ({why})." for p, why in dropped.items())
+    if not ran:
+        why = f"{choice.explanation} Every trial failed, keeping the memory policy's '{choice.plan}'.{drops}"
+        return dataclasses.replace(choice, explanation=why, policy="measure", dropped=dropped)
+    best = min(ran, key=lambda p: times[p])
+    listed = ", ".join(f"{p} {times[p] * 1e3:.1f} ms" for p in ran)
     why = (
-        f"{choice.explanation} Measured ({source}, seconds per training step on the real model and batch): {listed}; "
-        f"the fastest is '{best}'."
+        f"{choice.explanation} Measured ({source}, seconds per training step on the real model at the global batch "
+        f"the Trainer runs): {listed}; the fastest is '{best}'.{drops}"
     )
     return StrategyChoice(
-        PLAN_STRATEGY[best], best, True, why, "measure", choice.estimates, dict(choice.facts), measured=dict(times)
+        PLAN_STRATEGY[best],
+        best,
+        True,
+        why,
+        "measure",
+        choice.estimates,
+        dict(choice.facts),
+        measured={p: times[p] for p in ran},
+        dropped=dropped,
     )

@@ -1,4 +1,5 @@
-"""What the sharded and pipeline strategies share: optimizer unwrapping, optimizer state placement, precision name."""
+"""What the sharded and pipeline strategies share: optimizer unwrapping, optimizer state placement, precision name,
+and the batch gathered over a model-parallel group (``batch_split="world"``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,51 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from torch.distributed.tensor import DTensor
 
-__all__ = ["optimizers_to_device", "precision_name", "raw_optimizer"]
+__all__ = ["BATCH_SPLITS", "gather_batch", "optimizers_to_device", "precision_name", "raw_optimizer"]
+
+#: ``"data_parallel"``: the sampler splits the data over the data-parallel replicas only (every rank of a
+#: tensor-parallel / pipeline group reads the same batch: the global batch is ``replicas x batch_size``);
+#: ``"world"``: it splits over every rank, as DDP does, and each group gathers its ranks' batches into one (the global
+#: batch and the steps per epoch are DDP's).
+BATCH_SPLITS = ("data_parallel", "world")
+
+
+def gather_batch(batch: Any, group: Any) -> Any:
+    """Every tensor of ``batch`` (nested tuples / lists / dicts) concatenated along dim 0 over the ranks of ``group``,
+    in rank order (rows of unequal counts are padded for the collective and trimmed after); other values are this
+    rank's. Collective: every rank of ``group`` calls it with the same structure."""
+    import torch.distributed as dist
+
+    size = dist.get_world_size(group)
+    if size == 1:
+        return batch
+
+    def gather(t: torch.Tensor) -> torch.Tensor:
+        if t.ndim == 0:
+            return t
+        n = torch.tensor([t.shape[0]], dtype=torch.int64, device=t.device)
+        counts = [torch.zeros_like(n) for _ in range(size)]
+        dist.all_gather(counts, n, group=group)
+        rows = [int(c) for c in counts]
+        padded = t
+        if t.shape[0] < max(rows):
+            padded = torch.cat([t, t.new_zeros((max(rows) - t.shape[0], *t.shape[1:]))])
+        parts = [torch.empty_like(padded) for _ in range(size)]
+        dist.all_gather(parts, padded.contiguous(), group=group)
+        return torch.cat([p[:r] for p, r in zip(parts, rows, strict=True)])
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return gather(x)
+        if isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple
+            return type(x)(*(walk(v) for v in x))
+        if isinstance(x, (list, tuple)):
+            return type(x)(walk(v) for v in x)
+        if isinstance(x, dict):
+            return type(x)({k: walk(v) for k, v in x.items()})
+        return x
+
+    return walk(batch)
 
 
 def optimizers_to_device(optimizers: Sequence[Any], device: torch.device) -> None:

@@ -48,6 +48,7 @@ from typing_extensions import override
 
 from lightning_accel._utils import compat
 from lightning_accel._utils.checks import check_choice, check_int
+from lightning_accel._utils.errors import one_line
 from lightning_accel._utils.rank import distributed_ready
 from lightning_accel.parallel.callbacks import ChoiceCheck
 from lightning_accel.parallel.select import (
@@ -60,7 +61,7 @@ from lightning_accel.parallel.select import (
 )
 from lightning_accel.parallel.strategies.pipeline import PipelineStrategy
 from lightning_accel.parallel.strategies.sharded import ShardedStrategy
-from lightning_accel.parallel.trials import plan_stepper, time_plan
+from lightning_accel.parallel.trials import PLANS, plan_stepper, time_plan
 
 __all__ = ["AutoStrategy", "resolve_trainer_kwargs", "trainer_devices"]
 
@@ -134,6 +135,10 @@ class AutoStrategy(DDPStrategy):
         pipeline_kwargs: keyword arguments for :class:`PipelineStrategy` (``schedule``, ``microbatches``).
         trial_steps: timed steps per candidate for ``policy="measure"`` (after one warm-up step).
         trial_cache: a JSON file keeping measured times per model / world / device (None: this process only).
+        candidates: the plans ``policy="measure"`` times (None: every plan the memory estimate lets fit; a plan
+            that cannot run the model is never tried). Every plan is timed at the global batch the Trainer will run
+            (``world x`` the per-device batch), and a chosen tensor-parallel or pipeline plan trains on it too
+            (``batch_split="world"``); a trial that fails is dropped with its error (``choice.dropped``).
         allow_unfit: when no plan fits the estimate, run the smallest anyway instead of raising.
         **ddp_kwargs: forwarded to ``DDPStrategy`` (used when DDP is chosen).
     """
@@ -153,10 +158,13 @@ class AutoStrategy(DDPStrategy):
         pipeline_kwargs: dict[str, Any] | None = None,
         trial_steps: int = 3,
         trial_cache: str | None = None,
+        candidates: list[str] | None = None,
         allow_unfit: bool = False,
         **ddp_kwargs: Any,
     ) -> None:
         check_choice("policy", policy, POLICIES)
+        for c in candidates or []:
+            check_choice("candidates", c, PLANS, fix="Name plans a trial can time.")
         check_int("example_batch_size", example_batch_size, low=1, allow_none=True)
         check_int("trial_steps", trial_steps, low=1)
         super().__init__(**ddp_kwargs)
@@ -172,6 +180,7 @@ class AutoStrategy(DDPStrategy):
         self.pipeline_kwargs = dict(pipeline_kwargs or {})
         self.trial_steps = trial_steps
         self.trial_cache = TrialCache(trial_cache)
+        self.candidates = list(candidates) if candidates else None
         self.allow_unfit = allow_unfit
         self.choice: StrategyChoice | None = None
         self.chosen: Strategy | None = None
@@ -244,9 +253,10 @@ class AutoStrategy(DDPStrategy):
         )
 
     def _runnable(self, name: str, devices: int) -> Strategy:
+        # `batch_split="world"`: the chosen plan trains on DDP's global batch and steps per epoch
         if name == "pipeline":
-            return PipelineStrategy(**self.pipeline_kwargs)
-        kwargs = dict(self.sharded_kwargs)
+            return PipelineStrategy(**{"batch_split": "world", **self.pipeline_kwargs})
+        kwargs = {"batch_split": "world", **self.sharded_kwargs}
         if name == "tp":
             kwargs.setdefault("tensor_parallel_size", devices)
         return ShardedStrategy(**kwargs)
@@ -256,7 +266,7 @@ class AutoStrategy(DDPStrategy):
         if choice is None:  # a rank other than 0 in `setup_environment`: rank 0 chose and logs
             return
         rank_zero_info(f"AutoStrategy ({self.policy}): {choice.strategy}. {choice.explanation}")
-        if choice.measured:
+        if choice.measured or choice.dropped:
             rank_zero_info("AutoStrategy trial:\n" + choice.table())
         if not choice.fits:
             msg = (
@@ -310,23 +320,41 @@ class AutoStrategy(DDPStrategy):
                 "forward inputs, or use policy='memory'."
             )
         world = torch.distributed.get_world_size()
-        key = trial_key(model, world, self.root_device.type, tuple(example.shape), list(memory_choice.estimates))
+        per_rank = example
+        if self.example_batch_size is not None and example.ndim and example.shape[0] != self.example_batch_size:
+            reps = -(-self.example_batch_size // example.shape[0])
+            per_rank = example.repeat(reps, *([1] * (example.ndim - 1)))[: self.example_batch_size]
+        # the global batch the Trainer runs: every rank's per-device batch, whatever the plan (data-parallel plans
+        # take this rank's share of it, tensor-parallel and pipeline plans the whole, as `batch_split="world"` does)
+        x = torch.cat([per_rank] * world).to(self.root_device)
+        plans = list(self.candidates or memory_choice.estimates)
+        key = trial_key(model, world, self.root_device.type, tuple(x.shape), plans)
         cached: list[Any] = [self.trial_cache.get(key) if self.global_rank == 0 else None]
         torch.distributed.broadcast_object_list(cached, src=0)
         shared = TrialCache()
         if cached[0] is not None:
             shared.put(key, cached[0])
-        x = example.to(self.root_device)
+        microbatches = self.pipeline_kwargs.get("microbatches")
 
         def trial(plan: str) -> float:
-            try:
-                stepper = plan_stepper(plan, copy.deepcopy(model).to(self.root_device), x)
-            except (ValueError, TypeError) as e:  # raised alike on every rank: the plan cannot run this model
-                rank_zero_info(f"AutoStrategy trial: '{plan}' cannot run ({e}).")
-                return float("inf")
-            return time_plan(stepper, steps=self.trial_steps)
+            seconds, error = float("inf"), ""
+            try:  # any failure, building the plan or in any step, drops the plan (never the run)
+                stepper = plan_stepper(plan, copy.deepcopy(model).to(self.root_device), x, microbatches=microbatches)
+                seconds = time_plan(stepper, steps=self.trial_steps)
+            except Exception as e:  # noqa: BLE001
+                error = one_line(e, expected=(ValueError, TypeError))
+            # every rank decides alike: a plan that failed on any rank is dropped on all, with that rank's error
+            failed = torch.tensor([1.0 if error else 0.0])
+            torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX)
+            if float(failed):
+                errors: list[Any] = [None] * world
+                torch.distributed.all_gather_object(errors, error)
+                rank, why = next((r, e) for r, e in enumerate(errors) if e)
+                rank_zero_info(f"AutoStrategy trial: '{plan}' dropped (rank {rank}: {why}).")
+                raise RuntimeError(f"rank {rank}: {why}")
+            return seconds
 
-        out = choose_by_trial(memory_choice, trial, key=key, cache=shared)
+        out = choose_by_trial(memory_choice, trial, key=key, cache=shared, candidates=self.candidates)
         if self.global_rank == 0 and out.measured:
             self.trial_cache.put(key, out.measured)
         return out

@@ -23,7 +23,13 @@ from lightning_accel.parallel.pipeline import (
     pipeline_layout,
     split_batch,
 )
-from lightning_accel.parallel.strategies._helpers import optimizers_to_device, precision_name, raw_optimizer
+from lightning_accel.parallel.strategies._helpers import (
+    BATCH_SPLITS,
+    gather_batch,
+    optimizers_to_device,
+    precision_name,
+    raw_optimizer,
+)
 
 __all__ = ["PipelineStrategy"]
 
@@ -85,6 +91,10 @@ class PipelineStrategy(DDPStrategy):
         schedule: ``"1f1b"`` (default), ``"gpipe"`` or ``"interleaved1f1b"``.
         microbatches: micro-batches per step (None: ``2 x pipeline_size``); must divide the batch size.
         stages_per_rank: stages per rank (interleaved: default 2).
+        batch_split: ``"data_parallel"`` (the ranks of one pipeline read the same batch: the global batch is
+            ``replicas x batch_size``) or ``"world"`` (the sampler splits over every rank, as DDP's, and each pipeline
+            gathers its ranks' batches into the one it runs: the global batch and the steps per epoch are those of
+            DDP on the same Trainer; what ``AutoStrategy`` uses).
         **ddp_kwargs: ``process_group_backend``, ``timeout``, ... for ``DDPStrategy``'s process group.
 
     Not supported: ``16-mixed`` (its GradScaler would unscale after the stage-wise clipping; use ``bf16-mixed``),
@@ -100,9 +110,11 @@ class PipelineStrategy(DDPStrategy):
         schedule: str = "1f1b",
         microbatches: int | None = None,
         stages_per_rank: int | None = None,
+        batch_split: str = "data_parallel",
         **ddp_kwargs: Any,
     ) -> None:
         check_choice("schedule", schedule, SCHEDULES)
+        check_choice("batch_split", batch_split, BATCH_SPLITS)
         check_int("pipeline_size", pipeline_size, low=1, allow_none=True)
         check_int("microbatches", microbatches, low=1, allow_none=True)
         check_int("stages_per_rank", stages_per_rank, low=1, allow_none=True)
@@ -117,6 +129,7 @@ class PipelineStrategy(DDPStrategy):
         self.schedule = schedule
         self.microbatches = microbatches
         self.stages_per_rank = spr
+        self.batch_split = batch_split
         self.runner: PipelineRunner | None = None
         self._hook: tuple[str, int] = ("training_step", 0)
         self._logged: dict[int, dict[str, tuple[float, dict[str, Any]]]] = {}
@@ -140,8 +153,17 @@ class PipelineStrategy(DDPStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        if self.batch_split == "world":  # every rank reads its own part; `batch_to_device` gathers the pipeline's
+            return {"num_replicas": self.world_size, "rank": self.global_rank}
         # every rank of one pipeline reads the same batch; the replicas read different ones
         return {"num_replicas": max(1, self.world_size // self._pp), "rank": self.global_rank // self._pp}
+
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        if self.batch_split == "world" and self.runner is not None:
+            batch = gather_batch(batch, self.runner.pp_group)
+        return batch
 
     @property
     @override

@@ -11,14 +11,31 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_accel._utils import compat
-from lightning_accel._utils.checks import check_bool, check_int, renamed_argument
+from lightning_accel._utils.checks import check_bool, check_choice, check_int, renamed_argument
 from lightning_accel._utils.patching import Patch, patch
-from lightning_accel.parallel.plans import apply_tensor_parallel, fsdp_units, is_parallelized, mixed_precision_policy
-from lightning_accel.parallel.strategies._helpers import optimizers_to_device, precision_name, raw_optimizer
+from lightning_accel.parallel.plans import (
+    apply_tensor_parallel,
+    describe_coverage,
+    fsdp_groups,
+    fsdp_units,
+    is_parallelized,
+    mixed_precision_policy,
+    pack_rows,
+    tensor_parallel_coverage,
+    unpack_rows,
+)
+from lightning_accel.parallel.strategies._helpers import (
+    BATCH_SPLITS,
+    gather_batch,
+    optimizers_to_device,
+    precision_name,
+    raw_optimizer,
+)
 
 __all__ = ["ShardedStrategy"]
 
@@ -48,11 +65,15 @@ class ShardedStrategy(ModelParallelStrategy):
     At ``setup`` (after ``configure_model``, before the optimizers exist), unless the module is already parallelised:
 
     1. ``tensor_parallel_size > 1``: :func:`~lightning_accel.parallel.plans.apply_tensor_parallel` splits each block's
-       attention and MLP ``Linear`` pairs over the ``"tensor_parallel"`` mesh dimension;
+       attention and MLP ``Linear`` pairs over the ``"tensor_parallel"`` mesh dimension (a packed ``c_attn`` / ``qkv``
+       per head); the plan's coverage (which ``Linear`` modules split, which stay replicated and why) is logged and
+       kept in ``applied["tp_coverage"]``;
     2. when the data-parallel size is > 1 (or there is no tensor parallelism), ``fully_shard`` each block of the
        network's repeated stack, then each direct child of the LightningModule that holds parameters (the
        LightningModule itself when it holds parameters directly), over the ``"data_parallel"`` dimension, with the
-       ``MixedPrecisionPolicy`` of the Trainer's precision (``bf16-mixed``: bf16 compute, fp32 reduction);
+       ``MixedPrecisionPolicy`` of the Trainer's precision (``bf16-mixed``: bf16 compute, fp32 reduction). Units that
+       share tied parameters (an embedding tied to the head in one ``nn.Sequential``) are sharded as one group
+       (:func:`~lightning_accel.parallel.plans.fsdp_groups`);
     3. a model created on the meta device (``Trainer.init_module(empty_init=True)``) is materialised on the device
        afterwards, as ``ModelParallelStrategy`` does: ``to_empty`` then each module's ``reset_parameters``, so only
        this rank's shard is ever allocated.
@@ -76,6 +97,10 @@ class ShardedStrategy(ModelParallelStrategy):
             (None: False).
         tp_plan: ``{module name: "colwise" | "rowwise"}`` instead of the found pairs.
         reshard_after_forward: ZeRO-3 (True) or keep gathered parameters until backward (False).
+        batch_split: ``"data_parallel"`` (Lightning's rule: the ranks of a tensor-parallel group read the same batch,
+            so the global batch is ``data_parallel_size x batch_size``) or ``"world"`` (the sampler splits over every
+            rank, as DDP's, and each tensor-parallel group gathers its ranks' batches: the global batch and the steps
+            per epoch are those of DDP on the same Trainer; what ``AutoStrategy`` uses).
         distributed_checkpoint: deprecated name of ``save_distributed_checkpoint`` (same values).
         **kwargs: ``process_group_backend``, ``timeout`` for ``ModelParallelStrategy``.
     """
@@ -88,9 +113,11 @@ class ShardedStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: bool | None = None,
         tp_plan: dict[str, str] | None = None,
         reshard_after_forward: bool = True,
+        batch_split: str = "data_parallel",
         distributed_checkpoint: bool | None = None,
         **kwargs: Any,
     ) -> None:
+        check_choice("batch_split", batch_split, BATCH_SPLITS)
         if tensor_parallel_size != "auto":
             check_int(
                 "tensor_parallel_size",
@@ -124,7 +151,8 @@ class ShardedStrategy(ModelParallelStrategy):
         self.save_distributed_checkpoint = save
         self.tp_plan = tp_plan
         self.reshard_after_forward = reshard_after_forward
-        self.applied: dict[str, Any] = {}  # what setup did: {"tp": plan, "fsdp_units": n}
+        self.batch_split = batch_split
+        self.applied: dict[str, Any] = {}  # what setup did: {"tp": plan, "tp_coverage": ..., "fsdp_units": n}
         self._clip_patch: Patch | None = None
 
     @override
@@ -165,6 +193,22 @@ class ShardedStrategy(ModelParallelStrategy):
             )
         return dp, tp
 
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        if self.batch_split == "world":
+            return {"num_replicas": self.world_size, "rank": self.global_rank}
+        return super().distributed_sampler_kwargs
+
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        if self.batch_split == "world" and self.device_mesh is not None:
+            tp_mesh = self.device_mesh["tensor_parallel"]
+            if tp_mesh.size() > 1:
+                batch = gather_batch(batch, tp_mesh.get_group())
+        return batch
+
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         # ModelParallelStrategy.setup, with the plan applied instead of requiring `configure_model`
@@ -195,6 +239,9 @@ class ShardedStrategy(ModelParallelStrategy):
         out: dict[str, Any] = {}
         if tp_mesh.size() > 1:
             out["tp"] = apply_tensor_parallel(module, tp_mesh, self.tp_plan)
+            out["tp_coverage"] = tensor_parallel_coverage(module, out["tp"])
+            out["tp_size"] = tp_mesh.size()
+            rank_zero_info(f"ShardedStrategy: {describe_coverage(out['tp_coverage'], tp_mesh.size())}")
             # dropout on the replicated activations must draw the same mask on every rank of a tensor-parallel group
             # (else the ranks compute different models): one seed from rank 0, offset by the data-parallel rank
             seed = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64)
@@ -203,22 +250,54 @@ class ShardedStrategy(ModelParallelStrategy):
         if dp_mesh.size() > 1 or tp_mesh.size() == 1:
             policy = mixed_precision_policy(precision_name(self.precision_plugin))
             units = fsdp_units(module)
-            roots = (
-                [module]
-                if any(True for _ in module.parameters(recurse=False))
-                else [c for c in module.children() if any(True for _ in c.parameters())]
-            )
             from torch.distributed.fsdp import fully_shard
 
             kw: dict[str, Any] = {"mesh": dp_mesh, "reshard_after_forward": self.reshard_after_forward}
             if policy is not None:
                 kw["mp_policy"] = policy
-            for u in units:
-                fully_shard(u, **kw)
-            for r in roots:
-                fully_shard(r, **kw)
+            groups, notes = fsdp_groups(units, module)
+            if any(True for _ in module.parameters(recurse=False)):
+                roots: list[list[torch.nn.Module]] = [[module]]
+            else:  # each direct child holding parameters; children that share tied parameters as one group
+                children = [c for c in module.children() if any(True for _ in c.parameters())]
+                roots, more = fsdp_groups(children, module)
+                notes += more
+            for g in [*groups, *roots]:
+                fully_shard(g[0] if len(g) == 1 else g, **kw)
+            for note in notes:
+                rank_zero_info(f"ShardedStrategy: {note}.")
             out["fsdp_units"] = len(units)
         return out
+
+    def _packed(self) -> dict[str, int]:
+        """``{module name: tensor-parallel size}`` of the packed projections split per head (rows reordered)."""
+        plan = self.applied.get("tp") or {}
+        return {n: int(self.applied["tp_size"]) for n, s in plan.items() if s == "colwise_packed"}
+
+    def _reorder(self, state: dict[str, Any], fn: Any) -> dict[str, Any]:
+        """``state`` (FQN-keyed full tensors, or per-parameter optimizer state) with ``fn(rows, tp)`` applied to the
+        packed projections' weights and biases (and their state tensors of the same shape)."""
+        packed = self._packed()
+        if not packed:
+            return state
+        out = dict(state)
+        for name, tp in packed.items():
+            for key in (f"{name}.weight", f"{name}.bias"):
+                v = out.get(key)
+                if isinstance(v, torch.Tensor) and v.ndim >= 1:
+                    out[key] = fn(v, tp)
+                elif isinstance(v, dict):  # optimizer state of that parameter
+                    out[key] = {
+                        k: fn(t, tp) if isinstance(t, torch.Tensor) and t.ndim >= 1 else t for k, t in v.items()
+                    }
+        return out
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        state = super().lightning_module_state_dict()
+        if self.save_distributed_checkpoint:  # sharded: loads back into the same plan only
+            return state
+        return self._reorder(state, unpack_rows)  # packed q/k/v in the unsplit layout: loads without the plan
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
@@ -228,7 +307,10 @@ class ShardedStrategy(ModelParallelStrategy):
 
         assert self.model is not None
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_optimizer_state_dict(self.model, raw_optimizer(optimizer), options=options)
+        state: dict[str, Any] = dict(get_optimizer_state_dict(self.model, raw_optimizer(optimizer), options=options))
+        if self._packed() and isinstance(state.get("state"), dict):
+            state["state"] = self._reorder(dict(state["state"]), unpack_rows)
+        return state
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
@@ -252,10 +334,14 @@ class ShardedStrategy(ModelParallelStrategy):
         checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
         strict = self.lightning_module.strict_loading
         set_model_state_dict(
-            self.model, checkpoint.pop("state_dict"), options=StateDictOptions(full_state_dict=True, strict=strict)
+            self.model,
+            self._reorder(checkpoint.pop("state_dict"), pack_rows),
+            options=StateDictOptions(full_state_dict=True, strict=strict),
         )
         states = checkpoint.pop("optimizer_states", [])
         for opt, state in zip(self.optimizers, states, strict=False):
+            if self._packed() and isinstance(state.get("state"), dict):
+                state = dict(state, state=self._reorder(dict(state["state"]), pack_rows))
             set_optimizer_state_dict(
                 self.model, raw_optimizer(opt), state, options=StateDictOptions(full_state_dict=True)
             )
