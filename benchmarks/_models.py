@@ -248,11 +248,9 @@ def gpt2_lm(vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4, wid
     """``nn.Sequential(GPT2Embedding, GPT2Block x layers, GPT2Head)`` with the head tied to the token embedding
     (``net[-1].head.weight is net[0].wte.weight``), weights drawn after ``torch.manual_seed(seed)``."""
     torch.manual_seed(seed)
-    net = nn.Sequential(
-        GPT2Embedding(vocab, seq, width), *[GPT2Block(width, heads) for _ in range(layers)], GPT2Head(vocab, width)
-    )
-    net[-1].head.weight = net[0].wte.weight
-    return net
+    embed, head = GPT2Embedding(vocab, seq, width), GPT2Head(vocab, width)
+    head.head.weight = embed.wte.weight
+    return nn.Sequential(embed, *[GPT2Block(width, heads) for _ in range(layers)], head)
 
 
 class GPT2LM(pl.LightningModule):

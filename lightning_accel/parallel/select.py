@@ -60,6 +60,7 @@ __all__ = [
     "POLICIES",
     "StrategyChoice",
     "TrialCache",
+    "TrialFailed",
     "choose_by_trial",
     "onebit_break_even_gbps",
     "select_strategy",
@@ -482,6 +483,10 @@ def _beyond_data_parallel(c: _Case) -> StrategyChoice:
 # ------------------------------------------------------------------------------------------- measured selection
 
 
+class TrialFailed(RuntimeError):
+    """Raised by a trial whose plan failed (on some rank); its message is the error, already one line."""
+
+
 def trial_key(model: nn.Module, world: int, device: str, batch_shape: tuple[int, ...], candidates: list[str]) -> str:
     """What a trial's result depends on: the model's class, size and depth, the world, the device, the batch."""
     params = sum(p.numel() for p in model.parameters())
@@ -581,7 +586,7 @@ def choose_by_trial(
             try:
                 times[p] = float(trial(p))
             except Exception as e:  # noqa: BLE001  (any failure drops the plan, never the run)
-                dropped[p] = one_line(f"{type(e).__name__}: {e}")[:300]
+                dropped[p] = one_line(e, expected=(TrialFailed,))[:300]
         if cache is not None and key is not None and times:
             cache.put(key, times)
     assert times is not None

@@ -34,3 +34,68 @@ def test_mixed_precision_policy_follows_the_trainer_precision() -> None:
     assert mixed_precision_policy("32-true") is None
     policy = mixed_precision_policy("bf16-mixed")
     assert policy.param_dtype is torch.bfloat16 and policy.reduce_dtype is torch.float32
+
+
+def test_packed_projection_rows_reordered_per_head() -> None:
+    import torch
+
+    from lightning_accel.parallel.plans import pack_rows, unpack_rows
+
+    d, tp = 8, 2  # q, k, v of 8 rows each; rank r holds rows r*4 .. r*4+3 of each
+    w = torch.arange(3 * d).float().unsqueeze(1).repeat(1, 5)
+    packed = pack_rows(w, tp)
+    rank0, rank1 = packed.chunk(tp)
+    assert rank0[:, 0].tolist() == [0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19]  # q_0, k_0, v_0
+    assert rank1[:, 0].tolist() == [4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23]  # q_1, k_1, v_1
+    assert torch.equal(unpack_rows(packed, tp), w)
+    b = torch.arange(3 * d).float()
+    assert torch.equal(unpack_rows(pack_rows(b, tp), tp), b) and pack_rows(b, 1).equal(b)
+
+
+def test_packed_c_attn_is_planned_and_coverage_says_what_stays_replicated() -> None:
+    from benchmarks._models import gpt2_lm
+    from lightning_accel.parallel.plans import describe_coverage, tensor_parallel_coverage
+
+    net = gpt2_lm(layers=2, heads=4, width=32)
+    plan = tensor_parallel_plan(net, 2)
+    assert plan["1.attn.c_attn"] == plan["2.attn.c_attn"] == "colwise_packed"
+    assert plan["1.attn.c_proj"] == plan["1.mlp.c_proj"] == "rowwise" and plan["1.mlp.c_fc"] == "colwise"
+    cov = tensor_parallel_coverage(net, plan)
+    assert cov["3.head"] == "replicated: no column/row partner in its block"
+    line = describe_coverage(cov, 2)
+    assert "2 Linear column-wise, 2 packed q/k/v per head (1.attn.c_attn, 2.attn.c_attn), 4 row-wise" in line
+    assert "1 replicated: `3.head`" in line and "\n" not in line
+    with pytest.raises(ValueError, match=r"`1.attn.c_attn` has 32 output features per q/k/v part, not divisible"):
+        tensor_parallel_plan(gpt2_lm(layers=2, heads=4, width=32), 3)
+
+
+def test_multihead_attention_is_refused_in_one_line_naming_it() -> None:
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = nn.MultiheadAttention(16, 4, batch_first=True)
+            self.mlp = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+
+    net = nn.Sequential(Block(), Block())
+    with pytest.raises(ValueError, match=r"cannot split `0.attn` \(nn.MultiheadAttention\).*or pass `tp_plan`") as e:
+        tensor_parallel_plan(net, 2)
+    assert "\n" not in str(e.value)
+
+
+def test_tied_units_share_one_fsdp_group() -> None:
+    from benchmarks._models import gpt2_lm
+    from lightning_accel.parallel.plans import fsdp_groups
+
+    net = gpt2_lm(layers=2)
+    groups, notes = fsdp_groups(fsdp_units(net), net)
+    assert [len(g) for g in groups] == [2, 1, 1] and groups[0] == [net[0], net[3]]  # embedding + tied head
+    assert notes == ["`0`, `3` share tied parameters: one FSDP group"]
+    gpt = GPT(n_layer=2, n_embd=16, n_head=4, block_size=8)  # tied outside the blocks: the blocks shard alone
+    groups, notes = fsdp_groups(fsdp_units(gpt), gpt)
+    assert groups == [[gpt.blocks[0]], [gpt.blocks[1]]] and notes == []
+    shared = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    outer = nn.Module()
+    outer.stack, outer.extra = shared, nn.Linear(4, 4)
+    outer.extra.weight = shared[1].weight  # a unit's parameter used outside every unit: left to the root
+    groups, notes = fsdp_groups(list(shared), outer)
+    assert groups == [[shared[0]]] and "left to the enclosing FSDP group" in notes[0]

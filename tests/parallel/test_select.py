@@ -139,3 +139,73 @@ def test_trial_cache_publishes_its_file_whole(tmp_path: Path, monkeypatch: pytes
 def test_wrong_argument_types_are_type_errors(kwargs: dict) -> None:
     with pytest.raises(TypeError, match=f"`{next(iter(kwargs))}` must be"):
         select_strategy(mlp(), **{"devices": 2, "device_memory_bytes": 10**9, **kwargs})
+
+
+def test_a_plan_that_cannot_run_the_model_never_fits() -> None:
+    class Opaque(nn.Module):  # neither a Sequential nor `pipeline_modules()`; no column/row pair either
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleDict({"a": nn.Linear(256, 256), "b": nn.Linear(256, 256)})
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.layers["b"](self.layers["a"](x))
+
+    c = select_strategy(Opaque(), devices=2, device_memory_bytes=10**9)
+    assert c.estimates["pipeline"].blocker.startswith("cannot split: PipelineStrategy cannot split `Opaque`")
+    assert c.estimates["tp"].blocker.startswith("cannot split: tensor parallel found 0 parallelisable")
+    rows = {r.split("|")[1].strip(): r for r in c.table().splitlines()[2:]}
+    assert "| no | - |  | cannot split: PipelineStrategy" in rows["pipeline"] and "| yes |" in rows["ddp"]
+    # too little memory for DDP and FSDP: the unsplittable pipeline is not offered, even though its estimate is lower
+    tight = select_strategy(Opaque(), devices=2, device_memory_bytes=16 * 2 * 256 * 257 // 2, headroom=0.0)
+    assert tight.plan != "pipeline" and not tight.fits
+
+
+def test_a_failing_trial_is_dropped_with_its_error() -> None:
+    from lightning_accel.parallel.select import TrialFailed, choose_by_trial
+
+    choice = pick(100 * MB, devices=2)
+
+    tried: list[str] = []
+
+    def trial(plan: str) -> float:
+        tried.append(plan)
+        if plan == "fsdp":
+            raise RuntimeError("boom in the first step")
+        if plan == "pipeline":
+            raise TrialFailed("rank 1: ValueError: bad split")
+        return 0.2
+
+    out = choose_by_trial(choice, trial, candidates=["ddp", "fsdp", "tp", "pipeline"])
+    assert tried == ["ddp", "fsdp", "pipeline"]  # a plain Linear stack has nothing to split: tp is never tried
+    assert out.plan == "ddp" and set(out.measured) == {"ddp"}
+    assert out.dropped == {"fsdp": "RuntimeError: boom in the first step", "pipeline": "rank 1: ValueError: bad split"}
+    assert "trial dropped: RuntimeError: boom in the first step" in out.table()
+    assert "Dropped 'pipeline' (rank 1: ValueError: bad split)" in out.explanation
+    everything_fails = choose_by_trial(choice, lambda p: 1 / 0, candidates=["ddp", "fsdp"])
+    assert everything_fails.plan == choice.plan and set(everything_fails.dropped) == {"ddp", "fsdp"}
+
+
+def test_meta_device_activations_are_estimated_not_measured() -> None:
+    from lightning_accel.models.transformer import GPT
+    from lightning_accel.parallel.estimate import estimate_activation_bytes
+
+    with torch.device("meta"):
+        gpt = GPT(vocab_size=100, block_size=64, n_layer=3, n_head=4, n_embd=64)
+    batch = torch.zeros(8, 64, dtype=torch.long, device="meta")
+    c = select_strategy(gpt, devices=2, device_memory_bytes=10**10, example_batch=batch)
+    want = estimate_activation_bytes(layers=3, hidden=64, seq=64, batch=8, heads=4, bytes_per_value=4)
+    assert want == 3 * (64 * 8 * 64 * 34 + 5 * 4 * 64 * 64 * 8) * 2
+    assert c.facts["activations"] == want and c.facts["activations_source"] == "estimated"
+    assert "estimated (meta device: 3 layers" in c.explanation and "measured" not in c.explanation
+
+
+def test_autocast_weight_copies_are_not_activations() -> None:
+    from lightning_accel.parallel.estimate import measure_activation_bytes
+
+    net = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)])  # weights (4 MB) dwarf the activations
+    x = torch.randn(8, 512)
+    fp32 = measure_activation_bytes(net, x).activation_bytes
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16 = measure_activation_bytes(net, x).activation_bytes
+    assert fp32 == 4 * 8 * 512 * 4  # each Linear's input
+    assert bf16 <= fp32  # the bf16 weight copies (2 MB) are model state, not activations

@@ -55,6 +55,7 @@ from lightning_accel.parallel.select import (
     POLICIES,
     StrategyChoice,
     TrialCache,
+    TrialFailed,
     choose_by_trial,
     select_strategy,
     trial_key,
@@ -342,7 +343,7 @@ class AutoStrategy(DDPStrategy):
                 stepper = plan_stepper(plan, copy.deepcopy(model).to(self.root_device), x, microbatches=microbatches)
                 seconds = time_plan(stepper, steps=self.trial_steps)
             except Exception as e:  # noqa: BLE001
-                error = one_line(e, expected=(ValueError, TypeError))
+                error = f"{type(e).__name__}: {one_line(e)}"
             # every rank decides alike: a plan that failed on any rank is dropped on all, with that rank's error
             failed = torch.tensor([1.0 if error else 0.0])
             torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX)
@@ -351,7 +352,7 @@ class AutoStrategy(DDPStrategy):
                 torch.distributed.all_gather_object(errors, error)
                 rank, why = next((r, e) for r, e in enumerate(errors) if e)
                 rank_zero_info(f"AutoStrategy trial: '{plan}' dropped (rank {rank}: {why}).")
-                raise RuntimeError(f"rank {rank}: {why}")
+                raise TrialFailed(f"rank {rank}: {why}")
             return seconds
 
         out = choose_by_trial(memory_choice, trial, key=key, cache=shared, candidates=self.candidates)
