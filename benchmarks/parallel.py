@@ -9,6 +9,16 @@ Every plan runs in the same two processes, in turn; the selector (:func:`choose_
 (all plans alternating, one step each per round, median), and ``selector_step_over_best`` is the selected plan's
 reference step time over the fastest reference step time.
 
+A second model, a GPT-2-style LM (:func:`benchmarks._models.gpt2_lm`: packed ``attn.c_attn``, ``attn.c_proj``,
+``mlp.c_fc``, ``mlp.c_proj``, a head tied to the embedding, as an ``nn.Sequential``), checks what a plan must not get
+wrong, in a second launch of two processes: tensor parallel with the packed attention split per head
+(``tp_packed_qkv_loss_max_abs_diff``, losses against DDP's) and FSDP2 with the tied embedding/head in one group
+(``fsdp_tied_loss_max_abs_diff``); then Trainer fits of ``AutoStrategy(policy="measure")`` restricted to each
+candidate, counting the distinct samples of every step over both ranks and the steps per epoch
+(``selector_global_batch_changes``: candidates whose global batch or steps per epoch differ from DDP's), and one
+fit whose tensor-parallel trial fails in its first step (``selector_failed_trials_abort_fit``: 1 when that aborts
+the fit or the failure is not reported as dropped).
+
     python benchmarks/parallel.py --quick --out /tmp/bench/parallel.json
 """
 
@@ -163,6 +173,86 @@ def case_plans(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:
     return results, ratios
 
 
+def _packed_tied_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    from benchmarks._models import GPT2LM, gpt2_lm
+    from lightning_accel.parallel import AutoStrategy
+    from lightning_accel.parallel.plans import tensor_parallel_coverage
+    from lightning_accel.parallel.trials import plan_stepper
+    from tests.parallel.test_selector_integration import FailsUnderTensorParallel, fit_and_watch
+
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+    ddp = fit_and_watch("ddp", GPT2LM())  # the Trainer starts the process group the plans below use
+    out["trainer"] = {"ddp": {k: ddp[k] for k in ("seen", "steps_per_epoch")}}
+    for plan in ("fsdp", "tp", "pipeline"):
+        auto = AutoStrategy(
+            policy="measure", candidates=[plan], device_memory_bytes=2**30, trial_steps=1, example_batch_size=4
+        )
+        got = fit_and_watch(auto, GPT2LM())
+        chosen = auto.choice.plan if auto.choice is not None else None
+        out["trainer"][plan] = {"plan": chosen, **{k: got[k] for k in ("seen", "steps_per_epoch", "strategy")}}
+    auto = AutoStrategy(policy="measure", candidates=["ddp", "tp"], device_memory_bytes=2**30, trial_steps=1)
+    try:
+        got = fit_and_watch(auto, FailsUnderTensorParallel())
+        dropped = dict(auto.choice.dropped) if auto.choice is not None else {}
+        out["failing"] = {"completed": got["steps_per_epoch"] > 0 and len(got["seen"]) > 0, "dropped": dropped}
+    except Exception as e:  # noqa: BLE001  (what the ratio counts)
+        out["failing"] = {"completed": False, "error": f"{type(e).__name__}: {e}"}
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"] + 1), generator=g)
+    model = {k: cfg[k] for k in ("vocab", "seq", "layers", "heads", "width")}
+    for plan in ("ddp", "tp", "fsdp"):
+        st = plan_stepper(plan, gpt2_lm(**model), tokens[:, :-1], tokens, loss_fn=_ce, lr=1e-3)
+        out[plan] = [st.step() for _ in range(cfg["loss_steps"])]
+        if plan == "tp":
+            out["tp_coverage"] = tensor_parallel_coverage(st.model, {})
+            from torch.distributed.tensor import DTensor
+
+            out["tp_split"] = sorted(
+                {n.rsplit(".", 1)[0] for n, p in st.model.named_parameters() if isinstance(p, DTensor)}
+            )
+    return out
+
+
+def case_packed_tied(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:
+    from tests.helpers import run_in_processes
+
+    r0, _ = run_in_processes(_packed_tied_worker, 2, (cfg,), init_process_group=False, timeout=1800)
+    ddp = r0["trainer"]["ddp"]
+    changes = [
+        plan
+        for plan in ("fsdp", "tp", "pipeline")
+        if r0["trainer"][plan]["plan"] != plan
+        or (r0["trainer"][plan]["seen"], r0["trainer"][plan]["steps_per_epoch"])
+        != (ddp["seen"], ddp["steps_per_epoch"])
+    ]
+    attention_split = any(n.endswith("attn.c_attn") for n in r0["tp_split"])
+    failing = r0["failing"]
+    aborted = not failing["completed"] or "tp" not in failing.get("dropped", {})
+
+    def diff(plan: str) -> float:
+        return max(abs(a - b) for a, b in zip(r0[plan], r0["ddp"], strict=True))
+
+    results = {
+        "model": "gpt2_lm (packed c_attn, tied head)",
+        "tp_split_modules": r0["tp_split"],
+        "trainer_runs": r0["trainer"],
+        "global_batch_changed": changes,
+        "failing_trial": failing,
+        "ddp_losses": r0["ddp"],
+    }
+    ratios = {
+        # attention not split would make the TP comparison meaningless: report it as a failure (inf)
+        "tp_packed_qkv_loss_max_abs_diff": float(f"{diff('tp'):.3g}") if attention_split else float("inf"),
+        "fsdp_tied_loss_max_abs_diff": float(f"{diff('fsdp'):.3g}"),
+        "selector_global_batch_changes": float(len(changes)),
+        "selector_failed_trials_abort_fit": float(aborted),
+    }
+    return results, ratios
+
+
 def main() -> None:
     args = parser(__doc__.splitlines()[0]).parse_args()
     # ~20M parameters: 6 blocks of width 512 (12·512² each) + embeddings
@@ -170,10 +260,14 @@ def main() -> None:
     cfg.update({"steps": 2, "loss_steps": 2, "rounds": 3} if args.quick else {"steps": 4, "loss_steps": 4, "rounds": 7})
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     results, ratios = case_plans(cfg)
+    gpt2 = {"vocab": 64, "seq": 16, "layers": 2, "heads": 4, "width": 32, "batch": 8, "loss_steps": cfg["loss_steps"]}
+    packed_results, packed_ratios = case_packed_tied(gpt2)
+    results["packed_tied"] = packed_results
+    ratios.update(packed_ratios)
     report(
         "parallel",
         quick=args.quick,
-        config={**cfg, "processes": 2, "backend": "gloo", "dtype": "fp32"},
+        config={**cfg, "gpt2": gpt2, "processes": 2, "backend": "gloo", "dtype": "fp32"},
         results=results,
         ratios=ratios,
         out=args.out,

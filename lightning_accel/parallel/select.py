@@ -315,9 +315,7 @@ def _estimated_activations(model: nn.Module, batch: Any, scale: float) -> _Activ
     if first is None or first.ndim == 0 or not shape["hidden"]:
         note = "activations not estimated (meta device, no batch shape or hidden size): a lower bound"
         return _Activations(0, 0.0, False, note)
-    b, s = int(first.shape[0]), int(first.shape[1]) if first.ndim >= 2 else 1
-    if first.ndim >= 3 and first.is_floating_point() and first.shape[-1] != shape["hidden"]:
-        s = int(first.shape[1])
+    b, s = int(first.shape[0]), int(first.shape[1]) if first.ndim >= 2 else 1  # (batch, sequence, ...)
     autocast = torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu")
     per_value = 2 if autocast else max(2, next((p.element_size() for p in model.parameters()), 4))
     acts = int(

@@ -52,17 +52,18 @@ def _work(rank: int, world: int, tmp: str) -> dict[str, Any]:
     tokens = torch.randint(0, 64, (8, 17), generator=g)
     for plan in ("ddp", "tp", "fsdp"):
         st = plan_stepper(plan, gpt2_lm(), tokens[:, :-1], tokens, loss_fn=ce, lr=1e-2)
+        net: Any = st.model  # the nn.Sequential of gpt2_lm
         if plan == "tp":
-            w = st.model[1].attn.c_attn.weight
+            w = net[1].attn.c_attn.weight
             assert isinstance(w, DTensor)
             original = gpt2_lm()[1].attn.c_attn.weight.detach()
             out["shard_is_qkv_of_rank"] = torch.equal(w.to_local(), pack_rows(original, world).chunk(world)[rank])
             q, k, v = original.chunk(3)
             mine = torch.cat([z.chunk(world)[rank] for z in (q, k, v)])
             out["shard_rows_q_k_v"] = torch.equal(w.to_local(), mine)
-            out["heads"] = (st.model[1].attn.n_head, st.model[1].attn.n_embd)
+            out["heads"] = (net[1].attn.n_head, net[1].attn.n_embd)
         if plan == "fsdp":
-            out["still_tied"] = st.model[-1].head.weight is st.model[0].wte.weight
+            out["still_tied"] = net[-1].head.weight is net[0].wte.weight
         out[plan] = [st.step() for _ in range(3)]
     return out
 

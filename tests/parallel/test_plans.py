@@ -93,9 +93,10 @@ def test_tied_units_share_one_fsdp_group() -> None:
     gpt = GPT(n_layer=2, n_embd=16, n_head=4, block_size=8)  # tied outside the blocks: the blocks shard alone
     groups, notes = fsdp_groups(fsdp_units(gpt), gpt)
     assert groups == [[gpt.blocks[0]], [gpt.blocks[1]]] and notes == []
-    shared = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    first, second, extra = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+    extra.weight = second.weight  # a unit's parameter used outside every unit: left to the root
+    shared = nn.Sequential(first, second)
     outer = nn.Module()
-    outer.stack, outer.extra = shared, nn.Linear(4, 4)
-    outer.extra.weight = shared[1].weight  # a unit's parameter used outside every unit: left to the root
+    outer.stack, outer.extra = shared, extra
     groups, notes = fsdp_groups(list(shared), outer)
-    assert groups == [[shared[0]]] and "left to the enclosing FSDP group" in notes[0]
+    assert groups == [[first]] and "left to the enclosing FSDP group" in notes[0]
