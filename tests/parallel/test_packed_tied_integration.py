@@ -20,7 +20,7 @@ def ce(out: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.reshape(-1, out.size(-1)).float(), tokens[:, 1:].reshape(-1))
 
 
-def _trainer_checkpoint(strategy: Any, path: str) -> None:
+def _trainer_checkpoint(strategy: Any, path: str, resume: str | None = None) -> None:
     import lightning.pytorch as pl
 
     g = torch.Generator().manual_seed(0)
@@ -29,7 +29,7 @@ def _trainer_checkpoint(strategy: Any, path: str) -> None:
         accelerator="cpu", devices=2, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False,
     )  # fmt: skip
-    t.fit(GPT2LM(), torch.utils.data.DataLoader(ds, batch_size=8))
+    t.fit(GPT2LM(), torch.utils.data.DataLoader(ds, batch_size=8), ckpt_path=resume)
     t.save_checkpoint(path)
 
 
@@ -47,6 +47,10 @@ def _work(rank: int, world: int, tmp: str) -> dict[str, Any]:
     tp = ShardedStrategy(tensor_parallel_size=2)
     _trainer_checkpoint(tp, os.path.join(tmp, "tp.ckpt"))
     out["coverage"] = tp.applied["tp_coverage"]
+    # resumed at its last step (nothing left to train) and saved again: the reorder on load undoes the one on save
+    _trainer_checkpoint(
+        ShardedStrategy(tensor_parallel_size=2), os.path.join(tmp, "tp2.ckpt"), resume=os.path.join(tmp, "tp.ckpt")
+    )
 
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 64, (8, 17), generator=g)
@@ -89,5 +93,11 @@ def test_packed_attention_split_per_head_and_tied_sharding_track_ddp(tmp_path: P
         # the key bias has no gradient (softmax ignores a constant added to every score): Adam turns its rounding
         # noise into steps of the learning rate, in any layout; compare the query and value thirds
         ddp[k], tp[k] = (torch.cat([b.chunk(3)[0], b.chunk(3)[2]]) for b in (ddp[k], tp[k]))
+    again = torch.load(tmp_path / "tp2.ckpt", weights_only=False)
+    first = torch.load(tmp_path / "tp.ckpt", weights_only=False)
+    assert all(torch.equal(first["state_dict"][k], again["state_dict"][k]) for k in first["state_dict"])
+    for a, b in zip(first["optimizer_states"], again["optimizer_states"], strict=True):
+        for name, st in a["state"].items():
+            assert all(torch.equal(v, b["state"][name][k]) for k, v in st.items()), name
     diffs = {k: float((ddp[k] - tp[k]).abs().max()) for k in ddp}
     assert max(diffs.values()) <= TOL, diffs  # a wrong row order would differ by the weights themselves (~0.1)
