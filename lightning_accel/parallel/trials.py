@@ -85,10 +85,14 @@ def plan_stepper(
 ) -> Stepper:
     """Apply ``plan`` to ``model`` (changed in place: pass a copy) over the default process group.
 
+    FSDP keeps tied parameters in one group (:func:`~lightning_accel.parallel.plans.fsdp_groups`); tensor
+    parallel splits packed q/k/v projections per head.
+
     Args:
         plan: one of :data:`PLANS`.
         model: the network; its forward takes ``inputs``.
-        inputs: the global batch of forward inputs (data-parallel plans take this rank's ``1/world`` of it).
+        inputs: the global batch of forward inputs: data-parallel plans take this rank's ``1/world`` of it,
+            tensor-parallel and pipeline plans the whole, so every plan steps on the same global batch.
         target: what ``loss_fn`` compares the output with (sliced like ``inputs``); None with the default loss.
         loss_fn: ``(output, target) -> scalar`` (default: the output's mean).
         lr: AdamW learning rate.

@@ -345,7 +345,7 @@ class AutoStrategy(DDPStrategy):
             except Exception as e:  # noqa: BLE001
                 error = f"{type(e).__name__}: {one_line(e)}"
             # every rank decides alike: a plan that failed on any rank is dropped on all, with that rank's error
-            failed = torch.tensor([1.0 if error else 0.0])
+            failed = torch.tensor([1.0 if error else 0.0], device=self.root_device)  # NCCL reduces device tensors
             torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX)
             if float(failed):
                 errors: list[Any] = [None] * world
