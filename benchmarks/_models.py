@@ -246,11 +246,17 @@ class GPT2Head(nn.Module):
 
 def gpt2_lm(vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4, width: int = 32, seed: int = 0) -> Any:
     """``nn.Sequential(GPT2Embedding, GPT2Block x layers, GPT2Head)`` with the head tied to the token embedding
-    (``net[-1].head.weight is net[0].wte.weight``), weights drawn after ``torch.manual_seed(seed)``."""
+    (``net[-1].head.weight is net[0].wte.weight``), GPT-2's initialisation drawn after ``torch.manual_seed(seed)``."""
     torch.manual_seed(seed)
     embed, head = GPT2Embedding(vocab, seq, width), GPT2Head(vocab, width)
     head.head.weight = embed.wte.weight
-    return nn.Sequential(embed, *[GPT2Block(width, heads) for _ in range(layers)], head)
+    net = nn.Sequential(embed, *[GPT2Block(width, heads) for _ in range(layers)], head)
+    for m in net.modules():  # GPT-2's initialisation: N(0, 0.02) weights, zero biases
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+    return net
 
 
 class GPT2LM(pl.LightningModule):

@@ -241,7 +241,7 @@ def case_packed_tied(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, flo
         "trainer_runs": r0["trainer"],
         "global_batch_changed": changes,
         "failing_trial": failing,
-        "ddp_losses": r0["ddp"],
+        "losses": {plan: r0[plan] for plan in ("ddp", "tp", "fsdp")},
     }
     ratios = {
         # attention not split would make the TP comparison meaningless: report it as a failure (inf)
