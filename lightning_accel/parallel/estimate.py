@@ -178,8 +178,16 @@ def measure_activation_bytes(
         example_batch: one per-device batch of *inputs to forward*: a tensor, a tuple/list of positional arguments, or
             a dict of keyword arguments.
         loss_fn: ``output -> scalar`` (default: the ``loss`` of the output, or the sum of its tensors).
+
+    Raises:
+        ValueError: the model or the batch is on the meta device (nothing to measure; the fix names the formula).
     """
     params = list(model.parameters())
+    if any(p.is_meta for p in params) or (isinstance(example_batch, torch.Tensor) and example_batch.is_meta):
+        raise ValueError(
+            f"cannot measure activations of `{type(model).__name__}` on the meta device: nothing runs there. Use "
+            "`estimate_activation_bytes(...)` (the transformer formula) or `select_strategy`, which estimates them."
+        )
     param_ptrs = {p.untyped_storage().data_ptr() for p in params}
     param_ids = {id(p) for p in params}
     seen: dict[int, int] = {}

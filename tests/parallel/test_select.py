@@ -197,6 +197,10 @@ def test_meta_device_activations_are_estimated_not_measured() -> None:
     assert want == 3 * (64 * 8 * 64 * 34 + 5 * 4 * 64 * 64 * 8) * 2
     assert c.facts["activations"] == want and c.facts["activations_source"] == "estimated"
     assert "estimated (meta device: 3 layers" in c.explanation and "measured" not in c.explanation
+    from lightning_accel.parallel.estimate import measure_activation_bytes
+
+    with pytest.raises(ValueError, match="on the meta device: nothing runs there. Use `estimate_activation_bytes"):
+        measure_activation_bytes(gpt, batch)
 
 
 def test_autocast_weight_copies_are_not_activations() -> None:
