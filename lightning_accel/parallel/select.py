@@ -350,8 +350,6 @@ def _estimates(
 ) -> dict[str, MemoryEstimate]:
     """Bytes per device of each plan, in the order of preference (data parallel < sharded < tensor parallel <
     pipeline: each adds communication on the critical path or idle time)."""
-    import dataclasses
-
     tp_params, tp_blocker = _tensor_parallel_params(model, world)
     pipeline = estimate_pipeline(
         pipeline_stage_params(model, world), acts, microbatches=microbatches, bytes_per_param=bytes_per_param
