@@ -26,7 +26,7 @@ def new_seed() -> int:
 
 
 class LinearDropoutFunction(torch.autograd.Function):
-    """``dropout(act(x @ weight.T + bias), p) (+ residual)`` with the dropout mask regenerated from ``seed`` in backward.
+    """``dropout(act(x @ weight.T + bias), p) (+ residual)``, the dropout mask regenerated from ``seed`` in backward.
 
     All tensors must already have their compute dtypes (the :func:`linear_dropout` wrapper applies autocast). The
     output dtype is ``x``'s, promoted with the residual's (as eager ``residual + y`` would).
