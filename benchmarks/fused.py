@@ -328,11 +328,15 @@ def model_zoo() -> tuple[dict[str, Any], dict[str, float]]:
         (ye * w).sum().backward()
         (exact(x.double()) * w.double()).sum().backward()
         g_err, g_name, left_out = grad_rel_err(model, eager, exact)
-        bufs = [
-            rel_err(a.float(), b.float())
-            for a, b in zip(model.buffers(), eager.buffers(), strict=True)
-            if a.is_floating_point() and b.abs().max() > 0
+        # running statistics after the step; a statistic that is zero in float64 (the mean of a 1x1 conv of
+        # zero-mean channels) is rounding noise in both float32 models, and left out like such gradients
+        trip = [
+            (a.float(), b.float(), c)
+            for a, b, c in zip(model.buffers(), eager.buffers(), exact.buffers(), strict=True)
+            if a.is_floating_point()
         ]
+        top_buf = max((float(c.abs().max()) for *_, c in trip), default=0.0)
+        bufs = [rel_err(a, b) for a, b, c in trip if float(c.abs().max()) > 1e-6 * top_buf]
         model.eval()
         eager.eval()
         with torch.no_grad():

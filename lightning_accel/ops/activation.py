@@ -47,7 +47,7 @@ def check_activation(activation: object) -> Activation:
     if activation is None:
         return "none"
     if isinstance(activation, str) and activation in ACTIVATIONS:
-        return activation  # type: ignore[return-value]  # membership checked
+        return activation
     check_choice("activation", activation, ACTIVATIONS, fix="Use 'none' for no activation.")
     raise AssertionError("unreachable")  # pragma: no cover
 

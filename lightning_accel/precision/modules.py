@@ -594,7 +594,7 @@ class FusedMultiheadAttentionMixin(_FusedMixin):
             and not (is_causal and attn_mask is None)  # eager raises for that: let it
         )
         if not fast:
-            return super().forward(  # type: ignore[misc]
+            return super().forward(
                 query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
             )
         x = query if self.batch_first else query.transpose(0, 1)
@@ -640,7 +640,7 @@ class FusedTransformerEncoderLayerMixin(_FusedMixin):
             or src.dim() != 3
             or (is_causal and src_mask is None)
         ):
-            return super().forward(src, src_mask, src_key_padding_mask, is_causal)  # type: ignore[misc]
+            return super().forward(src, src_mask, src_key_padding_mask, is_causal)
         batch_first = self.self_attn.batch_first
         x = src if batch_first else src.transpose(0, 1)
         backend = self._la_backend

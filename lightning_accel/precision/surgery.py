@@ -300,7 +300,8 @@ def _gpt_apply(m: nn.Module) -> tuple[str, list[ParamSwap]]:
     # attribute (nn.Module.__setattr__ is typed for tensors and modules only), kept by deepcopy like the class swap
     mlp.__dict__["_la_claimed"] = True
     fm.swap_class(m, fm.FusedGPTBlockMixin)
-    act = "linear+" + (module_activation(mlp[1]) or type(mlp[1]).__name__)
+    second = cast(nn.Sequential, mlp)[1]
+    act = "linear+" + (module_activation(second) or type(second).__name__)
     return f"attn.proj+resid_dropout+residual, mlp[0:2] {act}, mlp[2:4]+residual", []
 
 
@@ -505,12 +506,13 @@ def eligible_modules(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
     out: list[tuple[str, nn.Module, str]] = []
     inside: list[str] = []  # attention modules found so far: their sub-modules are theirs
     modules = dict(model.named_modules())
+    norms: tuple[type[nn.Module], ...] = (nn.LayerNorm, *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))
     for path, m in modules.items():
         if any(path.startswith(a + ".") for a in inside):
             continue
         parent_path, _, name = path.rpartition(".")
         parent = modules.get(parent_path) if path else None
-        if isinstance(m, (nn.LayerNorm, *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))):
+        if isinstance(m, norms):
             out.append((path, m, "norm"))
         elif _attention_kind(m):
             out.append((path, m, "attention"))
@@ -585,13 +587,12 @@ def _skip_reason(
     if parent is None:
         return "no pattern matched"
     pcls = fm.original_class(parent)
-    sub = m if kind != "conv_bn" else m
     if kind == "conv_bn":
-        if type(sub) is not nn.Conv2d:
+        if type(m) is not nn.Conv2d:
             return f"`{cls}` is a subclass of nn.Conv2d"
-        if cast(nn.Conv2d, sub).padding_mode != "zeros":
-            return f"padding_mode={cast(nn.Conv2d, sub).padding_mode!r} (only 'zeros' is fused)"
-    if kind == "linear" and type(sub) is not nn.Linear:
+        if m.padding_mode != "zeros":
+            return f"padding_mode={m.padding_mode!r} (only 'zeros' is fused)"
+    if kind == "linear" and type(m) is not nn.Linear:
         return f"`{cls}` is a subclass of nn.Linear"
     if issubclass(pcls, nn.Sequential):
         if pcls.forward is not nn.Sequential.forward:

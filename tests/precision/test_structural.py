@@ -401,3 +401,31 @@ def test_torchvision_zoo_coverage_and_numerics() -> None:
     }
     report = apply_fusions(torchvision.models.resnet18(weights=None), warn_if_empty=False)
     assert report.coverage_by_kind() == {"conv_bn": (20, 20)}
+
+
+@pytest.mark.parametrize("which", ["encoder_layer", "gpt2_block", "conv_norm_act", "mha"])
+def test_fused_modules_compile_without_graph_breaks(which: str) -> None:
+    """``torch.compile(fullgraph=True)`` raises on a graph break; the eager backend traces without a C++ compiler."""
+    torch.manual_seed(0)
+    models = {
+        "encoder_layer": (lambda: nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), (2, 5, 16)),
+        "gpt2_block": (lambda: GPT2Block(16, 2, dropout=0.1), (2, 5, 16)),
+        "conv_norm_act": (lambda: ConvNormAct(3, 4, nn.Hardswish()), (2, 3, 6, 6)),
+        "mha": (lambda: MHASelf(), (2, 5, 16)),
+    }
+    build, shape = models[which]
+    model = _no_dropout(build())
+    eager = copy.deepcopy(model)
+    apply_fusions(model, backend="reference")
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    x = torch.randn(*shape)
+    torch.testing.assert_close(compiled(x), eager(x), atol=1e-5, rtol=1e-5)
+
+
+class MHASelf(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attn(x, x, x, need_weights=False)[0]

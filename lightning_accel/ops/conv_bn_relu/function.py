@@ -74,23 +74,40 @@ class ConvBNReLUFunction(torch.autograd.Function):
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[Any, ...]:
         x, weight, bias, bn_weight, bn_bias, mean, invstd = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        with torch.enable_grad(), torch.autocast(x.device.type, enabled=False):
-            xd = x.detach().requires_grad_(need_x)
-            wd = weight.detach().requires_grad_(need_w)
-            bd = bias.detach().requires_grad_(need_b) if bias is not None else None
-            y = F.conv2d(xd, wd, bd, *ctx.conv_args)  # recompute instead of having stored it
+        stride, padding, dilation, groups = ctx.conv_args
+        with torch.autocast(x.device.type, enabled=False):
+            y = F.conv2d(x, weight, bias, *ctx.conv_args)  # recompute instead of having stored it
         if ctx.on_triton:
             from lightning_accel.ops.conv_bn_relu import triton as kernels
 
-            dy, dgamma, dbeta = kernels.bn_act_backward(dout, y.detach(), bn_weight, bn_bias, mean, invstd, ctx.act)
+            dy, dgamma, dbeta = kernels.bn_act_backward(dout, y, bn_weight, bn_bias, mean, invstd, ctx.act)
         else:
-            dy, dgamma, dbeta = reference.bn_relu_backward(dout, y.detach(), bn_weight, bn_bias, mean, invstd, ctx.act)
-        inputs = [t for t, need in ((xd, need_x), (wd, need_w), (bd, need_b)) if need and t is not None]
-        grads = iter(torch.autograd.grad(y, inputs, dy) if inputs else ())
-        dx = next(grads) if need_x else None
-        dw = next(grads) if need_w else None
-        db = next(grads) if need_b and bias is not None else None
+            dy, dgamma, dbeta = reference.bn_relu_backward(dout, y, bn_weight, bn_bias, mean, invstd, ctx.act)
+        del y
+        dx = dw = db = None
+        if isinstance(padding, str):  # "same"/"valid": let autograd find the padding the forward used
+            with torch.enable_grad():
+                xd = x.detach().requires_grad_(need_x)
+                wd = weight.detach().requires_grad_(need_w)
+                bd = bias.detach().requires_grad_(need_b) if bias is not None else None
+                y2 = F.conv2d(xd, wd, bd, *ctx.conv_args)
+            inputs = [t for t, need in ((xd, need_x), (wd, need_w), (bd, need_b)) if need and t is not None]
+            grads = iter(torch.autograd.grad(y2, inputs, dy) if inputs else ())
+            dx = next(grads) if need_x else None
+            dw = next(grads) if need_w else None
+            db = next(grads) if need_b and bias is not None else None
+        elif need_x or need_w or need_b:
+            # the op autograd itself runs for a conv's backward: one call, and traceable by torch.compile (which
+            # breaks the graph on `torch.autograd.grad` inside a backward)
+            dx, dw, db = torch.ops.aten.convolution_backward(
+                dy, x, weight, [weight.shape[0]] if bias is not None else None, _pair(stride), _pair(padding),
+                _pair(dilation), False, [0, 0], groups, [need_x, need_w, need_b and bias is not None],
+            )  # fmt: skip
         return dx, dw, db, dgamma, dbeta, None, None, None, None, None, None, None
+
+
+def _pair(v: Any) -> list[int]:
+    return [int(v), int(v)] if isinstance(v, int) else [int(t) for t in v]
 
 
 def conv_bn_relu(
