@@ -517,7 +517,7 @@ def mha_supported(mha: nn.Module) -> str | None:
     arithmetic the fused path does not reimplement (separate key/value sizes, ``add_bias_kv``, ``add_zero_attn``)."""
     if not isinstance(mha, nn.MultiheadAttention):
         return f"`{type(mha).__name__}` is not an nn.MultiheadAttention"
-    if not mha._qkv_same_embed_dim or mha.in_proj_weight is None:
+    if mha.kdim != mha.embed_dim or mha.vdim != mha.embed_dim or mha.in_proj_weight is None:
         return "separate key/value sizes (`kdim`/`vdim` differ from `embed_dim`)"
     if mha.bias_k is not None or mha.bias_v is not None:
         return "`add_bias_kv=True`"
