@@ -158,3 +158,18 @@ def test_conv_bn_activation_kernels(act: str, affine: bool) -> None:
     if affine:
         assert_grad_close(gs.grad, gr.grad, 1e-5, 1e-5)
         assert_grad_close(bes.grad, ber.grad, 1e-5, 1e-5)
+
+
+def test_conv_bn_backward_split_over_a_large_batch() -> None:
+    """A batch larger than the reduction's split (32): programs stride over it."""
+    torch.manual_seed(0)
+    x, w = torch.randn(35, 2, 3, 3), torch.randn(3, 2, 1, 1)
+    g, be = torch.rand(3) + 0.5, torch.randn(3)
+    xs, ws, gs, bes = leaves(x, w, g, be)
+    y = conv_bn_relu(xs, ws, None, gs, bes, None, None, True, 0.1, 1e-5, backend="triton", activation="silu")
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    xr, wr, gr, ber = leaves(x, w, g, be)
+    cbr_ref.conv_bn_relu(xr, wr, None, gr, ber, None, None, True, 0.1, 1e-5, activation="silu").backward(dy)
+    for got, want in ((xs.grad, xr.grad), (ws.grad, wr.grad), (gs.grad, gr.grad), (bes.grad, ber.grad)):
+        assert_grad_close(got, want, 1e-5, 1e-5)

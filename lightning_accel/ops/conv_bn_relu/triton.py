@@ -5,7 +5,8 @@ The convolution itself stays with cuDNN; these kernels replace the elementwise p
 normalises the conv output with the batch statistics, applies the affine and the activation (eager runs the
 batch-norm kernel and an activation kernel, and stores both outputs for backward). Backward: one program per channel
 reduces ``sum(dz)`` and ``sum(dz * xhat)`` over the recomputed conv output (``dz = dout * act'(z)``), then one pass
-writes ``dy``. Statistics and arithmetic are float32 inside the kernels; tensors are NCHW-contiguous.
+writes ``dy`` (the reduction is split over the batch too, ``(C, min(N, 32))`` programs, then summed). Statistics and
+arithmetic are float32 inside the kernels; tensors are NCHW-contiguous.
 """
 
 from __future__ import annotations
@@ -50,13 +51,14 @@ def _fwd_kernel(
 
 @triton.jit
 def _bwd_reduce_kernel(
-    DOUT, Y, MEAN, INVSTD, W, B, SUM_DZ, SUM_DZX, N, C, HW,
+    DOUT, Y, MEAN, INVSTD, W, B, SUM_DZ, SUM_DZX, N, C, HW, SPLIT,
     HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     c = tl.program_id(0)
+    part = tl.program_id(1)
     acc_dz = tl.zeros((BLOCK,), dtype=tl.float32)
     acc_dzx = tl.zeros((BLOCK,), dtype=tl.float32)
-    for n in range(0, N):
+    for n in range(part, N, SPLIT):
         base = n * C * HW + c * HW
         for h0 in range(0, HW, BLOCK):
             hw = h0 + tl.arange(0, BLOCK)
@@ -68,8 +70,8 @@ def _bwd_reduce_kernel(
             dz = tl.where(mask, act_backward(z, d, ACT), 0.0)
             acc_dz += dz
             acc_dzx += dz * xhat
-    tl.store(SUM_DZ + c, tl.sum(acc_dz, axis=0))
-    tl.store(SUM_DZX + c, tl.sum(acc_dzx, axis=0))
+    tl.store(SUM_DZ + part * C + c, tl.sum(acc_dz, axis=0))
+    tl.store(SUM_DZX + part * C + c, tl.sum(acc_dzx, axis=0))
 
 
 @triton.jit
@@ -130,11 +132,13 @@ def bn_act_backward(
     y, dout = y.contiguous(), dout.contiguous()
     n, c, h, w = y.shape
     mean, invstd = mean.float().contiguous(), invstd.float().contiguous()
-    sum_dz = torch.empty(c, dtype=torch.float32, device=y.device)
-    sum_dzx = torch.empty(c, dtype=torch.float32, device=y.device)
+    split = min(n, 32)
+    part_dz = torch.empty((split, c), dtype=torch.float32, device=y.device)
+    part_dzx = torch.empty((split, c), dtype=torch.float32, device=y.device)
     wt, bt = _args(bn_weight, mean), _args(bn_bias, mean)
     flags = {"HAS_W": bn_weight is not None, "HAS_B": bn_bias is not None, "ACT": code(activation), "BLOCK": _BLOCK}
-    _bwd_reduce_kernel[(c,)](dout, y, mean, invstd, wt, bt, sum_dz, sum_dzx, n, c, h * w, **flags)
+    _bwd_reduce_kernel[(c, split)](dout, y, mean, invstd, wt, bt, part_dz, part_dzx, n, c, h * w, split, **flags)
+    sum_dz, sum_dzx = part_dz.sum(0), part_dzx.sum(0)
     dy = torch.empty_like(y)
     total = y.numel()
     _bwd_kernel[(triton.cdiv(total, _BLOCK),)](
