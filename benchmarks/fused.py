@@ -120,15 +120,26 @@ def op_numerics(backend: str) -> dict[str, float]:
             lambda x, w, b, r: ld_ref.linear_dropout(x, w, b, keep, 0.2, r),
             xl, wl, bl, rl,
         )  # fmt: skip
-    else:  # no Triton kernel for this op: the fused function is the same on every device
-        xc, wc = torch.randn(3, 5, 9, 7), torch.randn(6, 5, 3, 3) / 45**0.5
-        g, be = torch.rand(6) + 0.5, torch.randn(6)
+    xc, wc = torch.randn(3, 5, 9, 7), torch.randn(6, 5, 3, 3) / 45**0.5
+    g, be = torch.rand(6) + 0.5, torch.randn(6)
+    for act in ("relu", "hardswish", "gelu"):
+        name = "conv_bn_relu" if act == "relu" else f"conv_bn_{act}"
         check(
-            "conv_bn_relu",
-            lambda x, w, g, b: conv_bn_relu(x, w, None, g, b, None, None, True, 0.1, 1e-5, 2, 1, backend=backend),
-            lambda x, w, g, b: cbr_ref.conv_bn_relu(x, w, None, g, b, None, None, True, 0.1, 1e-5, 2, 1),
+            name,
+            lambda x, w, g, b, a=act: conv_bn_relu(
+                x, w, None, g, b, None, None, True, 0.1, 1e-5, 2, 1, backend=backend, activation=a
+            ),
+            lambda x, w, g, b, a=act: cbr_ref.conv_bn_relu(
+                x, w, None, g, b, None, None, True, 0.1, 1e-5, 2, 1, activation=a
+            ),
             xc, wc, g, be,
         )  # fmt: skip
+    check(
+        "linear_gelu_dropout",
+        lambda x, w, b: linear_dropout(x, w, b, 0.2, True, seed=11, backend=backend, activation="gelu"),
+        lambda x, w, b: ld_ref.linear_dropout(x, w, b, keep, 0.2, activation="gelu"),
+        xl, wl, bl,
+    )  # fmt: skip
     return out
 
 
