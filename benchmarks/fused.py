@@ -24,8 +24,9 @@ and a GPT-style block stack at realistic sizes under bf16 autocast for eager Mix
 FusedPrecision + torch.compile and torch.compile alone, giving ``fused_vs_eager_step`` (GPT blocks),
 ``fused_vs_compile_step`` (GPT blocks) and ``fused_vs_eager_peak_mem`` (ResNet-50); then the model zoo at GPU sizes,
 eager vs fused vs torch.compile (``zoo_<model>_fused_vs_eager_step``, ``..._fused_vs_compile_step``,
-``..._fused_vs_eager_peak_mem``). ``--budget-s`` bounds the CUDA part: a variant that would start after it is spent
-(compiles are the slow ones, so they go last) is recorded as skipped, and a variant that fails is recorded with its
+``..._fused_vs_eager_peak_mem``). ``--budget-s`` bounds the CUDA part: every model's eager and fused variants run
+first, the compiles (the slow ones) after, and a variant that would start after the budget is spent is recorded as
+skipped, and a variant that fails is recorded with its
 error, so one run unattended always writes its report. ``--device cuda`` runs the CUDA part alone (report
 ``fused_cuda``; what ``benchmarks/gpu_suite.sh`` runs), ``--device cpu`` the CPU part alone. ``--dry-run`` runs the
 CUDA part's code on the CPU at toy sizes (wall-clock timings, no peak memory, ``torch.compile(backend="eager")``), to
@@ -501,9 +502,22 @@ def cuda_models(
                 base, make_input, variant, dev, iters, warmup, compile_kwargs, "reference" if dry_run else None
             )
 
+    # every model's eager and fused variants first (seconds each), the compiles after (tens of seconds each on a
+    # first run) in order of importance, while the budget lasts: a run short of time still has every eager/fused pair
+    bases: dict[str, tuple[nn.Module, Callable[[], torch.Tensor]]] = {}
     for name, (build, make_input) in specs.items():
         torch.manual_seed(0)
-        run(name, build().to(dev), make_input, ("eager", "fused", "fused_compile", "compile"))
+        bases[name] = (build().to(dev), make_input)
+    for name in zoo:
+        torch.manual_seed(0)
+        model, make = zoo_model(name, "toy" if dry_run else "gpu")
+        bases[f"zoo_{name}"] = (model.to(dev), (lambda make=make: make(dev)))
+    for name, base in bases.items():
+        run(name, *base, ("eager", "fused"))
+    run("gpt_blocks", *bases["gpt_blocks"], ("fused_compile", "compile"))
+    run("resnet50", *bases["resnet50"], ("fused_compile", "compile"))
+    for name in zoo:
+        run(f"zoo_{name}", *bases[f"zoo_{name}"], ("compile",))
     g, r = results["gpt_blocks"], results["resnet50"]
     pairs = {
         "fused_vs_eager_step": (g, "eager", "fused", "step_ms"),
@@ -512,22 +526,13 @@ def cuda_models(
         "resnet50_fused_vs_eager_step": (r, "eager", "fused", "step_ms"),
         "gpt_blocks_fused_vs_eager_peak_mem": (g, "fused", "eager", "peak_mem_GB"),
     }
-    # the zoo: eager and fused of every model first, the compiles after, while the budget lasts
-    if dry_run:  # a CPU has no peak-memory counter
-        pairs = {k: v for k, v in pairs.items() if v[3] != "peak_mem_GB"}
-    bases: dict[str, tuple[nn.Module, Callable[[], torch.Tensor]]] = {}
     for name in zoo:
-        torch.manual_seed(0)
-        model, make = zoo_model(name, "toy" if dry_run else "gpu")
-        bases[name] = (model.to(dev), (lambda make=make: make(dev)))
-        run(f"zoo_{name}", *bases[name], ("eager", "fused"))
-    for name in zoo:
-        run(f"zoo_{name}", *bases[name], ("compile",))
         z = results[f"zoo_{name}"]
         pairs[f"zoo_{name}_fused_vs_eager_step"] = (z, "eager", "fused", "step_ms")
         pairs[f"zoo_{name}_fused_vs_compile_step"] = (z, "compile", "fused", "step_ms")
-        if not dry_run:
-            pairs[f"zoo_{name}_fused_vs_eager_peak_mem"] = (z, "fused", "eager", "peak_mem_GB")
+        pairs[f"zoo_{name}_fused_vs_eager_peak_mem"] = (z, "fused", "eager", "peak_mem_GB")
+    if dry_run:  # a CPU has no peak-memory counter
+        pairs = {k: v for k, v in pairs.items() if v[3] != "peak_mem_GB"}
     ratios = {}
     for key, (res, num, den, field_) in pairs.items():
         value = _ratio_of(res, num, den, field_)
