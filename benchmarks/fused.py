@@ -10,13 +10,27 @@ On any machine (the CPU part):
 - reference-path timings: train-step time (forward + backward) of a SmallResNet and of GPT blocks, eager vs fused
   (surgery applied), alternated in one process, in float32 on the CPU;
 - saved activation memory: bytes autograd keeps for backward per step, eager vs fused (measured with
-  ``saved_tensors_hooks``, device-independent).
+  ``saved_tensors_hooks``, device-independent);
+- the model zoo: torchvision ResNet-18, MobileNetV3-Small, a small torchvision VisionTransformer, an
+  ``nn.TransformerEncoder`` of post-norm and one of pre-norm layers, and GPT-2 style blocks, each fused with
+  ``backend="reference"``: the surgery's coverage (fused / eligible modules, the skipped ones with their reasons),
+  forward and gradient error against eager in float32 (dropout off, so both draw no masks; BatchNorm in training),
+  running statistics after the step, eval-mode outputs, and ``state_dict`` round trips loaded with ``strict=True`` both
+  ways. ``ratios.fusion_coverage_min`` is the lowest coverage (target >= 0.9) and
+  ``ratios.fused_ref_grad_rel_err_max`` the largest gradient error (target <= 1e-5).
 
 With a CUDA GPU (the CUDA part): step time (median of CUDA-event timings) and peak memory of torchvision ResNet-50
 and a GPT-style block stack at realistic sizes under bf16 autocast for eager MixedPrecision, FusedPrecision,
 FusedPrecision + torch.compile and torch.compile alone, giving ``fused_vs_eager_step`` (GPT blocks),
-``fused_vs_compile_step`` (GPT blocks) and ``fused_vs_eager_peak_mem`` (ResNet-50). ``--device cuda`` runs the CUDA
-part alone (report ``fused_cuda``; what ``benchmarks/gpu_suite.sh`` runs), ``--device cpu`` the CPU part alone.
+``fused_vs_compile_step`` (GPT blocks) and ``fused_vs_eager_peak_mem`` (ResNet-50); then the model zoo at GPU sizes,
+eager vs fused vs torch.compile (``zoo_<model>_fused_vs_eager_step``, ``..._fused_vs_compile_step``,
+``..._fused_vs_eager_peak_mem``). ``--budget-s`` bounds the CUDA part: every model's eager and fused variants run
+first, the compiles (the slow ones) after, and a variant that would start after the budget is spent is recorded as
+skipped, and a variant that fails is recorded with its
+error, so one run unattended always writes its report. ``--device cuda`` runs the CUDA part alone (report
+``fused_cuda``; what ``benchmarks/gpu_suite.sh`` runs), ``--device cpu`` the CPU part alone. ``--dry-run`` runs the
+CUDA part's code on the CPU at toy sizes (wall-clock timings, no peak memory, ``torch.compile(backend="eager")``), to
+check it without a GPU.
 """
 
 from __future__ import annotations
@@ -107,15 +121,26 @@ def op_numerics(backend: str) -> dict[str, float]:
             lambda x, w, b, r: ld_ref.linear_dropout(x, w, b, keep, 0.2, r),
             xl, wl, bl, rl,
         )  # fmt: skip
-    else:  # no Triton kernel for this op: the fused function is the same on every device
-        xc, wc = torch.randn(3, 5, 9, 7), torch.randn(6, 5, 3, 3) / 45**0.5
-        g, be = torch.rand(6) + 0.5, torch.randn(6)
+    xc, wc = torch.randn(3, 5, 9, 7), torch.randn(6, 5, 3, 3) / 45**0.5
+    g, be = torch.rand(6) + 0.5, torch.randn(6)
+    for act in ("relu", "hardswish", "gelu"):
+        name = "conv_bn_relu" if act == "relu" else f"conv_bn_{act}"
         check(
-            "conv_bn_relu",
-            lambda x, w, g, b: conv_bn_relu(x, w, None, g, b, None, None, True, 0.1, 1e-5, 2, 1, backend=backend),
-            lambda x, w, g, b: cbr_ref.conv_bn_relu(x, w, None, g, b, None, None, True, 0.1, 1e-5, 2, 1),
+            name,
+            lambda x, w, g, b, a=act: conv_bn_relu(
+                x, w, None, g, b, None, None, True, 0.1, 1e-5, 2, 1, backend=backend, activation=a
+            ),
+            lambda x, w, g, b, a=act: cbr_ref.conv_bn_relu(
+                x, w, None, g, b, None, None, True, 0.1, 1e-5, 2, 1, activation=a
+            ),
             xc, wc, g, be,
         )  # fmt: skip
+    check(
+        "linear_gelu_dropout",
+        lambda x, w, b: linear_dropout(x, w, b, 0.2, True, seed=11, backend=backend, activation="gelu"),
+        lambda x, w, b: ld_ref.linear_dropout(x, w, b, keep, 0.2, activation="gelu"),
+        xl, wl, bl,
+    )  # fmt: skip
     return out
 
 
@@ -201,66 +226,325 @@ def cpu_models(quick: bool) -> tuple[dict[str, Any], dict[str, float]]:
     return results, ratios
 
 
+# --------------------------------------------------------------------------------------------------------- model zoo
+
+
+ZOO_MODELS = (
+    "resnet18",
+    "mobilenet_v3_small",
+    "vit",
+    "transformer_encoder_post",
+    "transformer_encoder_pre",
+    "gpt2_blocks",
+)
+
+
+def zoo_model(name: str, size: str) -> tuple[nn.Module, Callable[[torch.device], torch.Tensor]]:
+    """A zoo model (random weights, never downloaded) and its input maker; ``size``: ``"cpu"``, ``"toy"``, ``"gpu"``."""
+    import torchvision
+
+    from lightning_accel.models.gpt2 import GPT2Block
+
+    gpu = size == "gpu"
+    img, batch = (224, 64) if gpu else (64 if size == "cpu" else 32, 4 if size == "cpu" else 2)
+    if name in ("resnet18", "mobilenet_v3_small"):
+        net = getattr(torchvision.models, name)(weights=None)
+        return net, lambda dev: torch.randn(batch, 3, img, img, device=dev)
+    if name == "vit":
+        cfg = (
+            {"image_size": 224, "patch_size": 16, "num_layers": 6, "num_heads": 8, "hidden_dim": 512, "mlp_dim": 2048}
+            if gpu
+            else {"image_size": 32, "patch_size": 8, "num_layers": 2, "num_heads": 2, "hidden_dim": 32, "mlp_dim": 64}
+        )
+        vit = torchvision.models.VisionTransformer(**cfg, dropout=0.1)
+        nn.init.normal_(vit.heads.head.weight, std=0.02)  # torchvision zeroes it: the output would be all zeros
+        b, s = (32, cfg["image_size"]) if gpu else (2, 32)
+        return vit, lambda dev: torch.randn(b, 3, s, s, device=dev)
+    d, heads, layers, seq, b = (512, 8, 6, 256, 16) if gpu else (32, 2, 2, 7, 2)
+    if name.startswith("transformer_encoder"):
+        pre = name.endswith("pre")
+        layer = nn.TransformerEncoderLayer(
+            d, heads, 4 * d, dropout=0.1, batch_first=pre, norm_first=pre, activation="gelu" if pre else "relu"
+        )
+        enc = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        shape = (b, seq, d) if pre else (seq, b, d)
+        return enc, lambda dev: torch.randn(*shape, device=dev)
+    if name == "gpt2_blocks":
+        d, heads, layers, seq, b = (768, 12, 6, 512, 8) if gpu else (32, 2, 2, 7, 2)
+        blocks = nn.Sequential(*[GPT2Block(d, heads, dropout=0.1) for _ in range(layers)])
+        return blocks, lambda dev: torch.randn(b, seq, d, device=dev)
+    raise ValueError(f"`name` must be one of {ZOO_MODELS}, got {name!r}.")
+
+
+def _no_dropout(model: nn.Module) -> None:
+    """Dropout probabilities to 0 (modules and MultiheadAttention), so eager and fused draw no masks."""
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+        if isinstance(m, nn.MultiheadAttention):
+            m.dropout = 0.0
+
+
+def grad_rel_err(fused: nn.Module, eager: nn.Module, exact: nn.Module) -> tuple[float, str, int]:
+    """Largest per-parameter ``max|g_fused - g_eager| / max|g_eager|``, its parameter name, and how many parameters
+    were left out.
+
+    ``exact`` is the eager model run in float64 on the same input: parameters whose float64 gradient is zero (a bias
+    feeding a BatchNorm, which is shift-invariant; below ``1e-10`` of the largest gradient) are left out, since in
+    float32 their gradient is rounding noise in both models.
+    """
+    triples = [
+        (n, a.grad, b.grad, c.grad)
+        for (n, a), b, c in zip(fused.named_parameters(), eager.parameters(), exact.parameters(), strict=True)
+        if b.grad is not None and c.grad is not None
+    ]
+    top = max(float(c.abs().max()) for *_, c in triples)
+    worst, name, left_out = 0.0, "", 0
+    for n, ga, gb, gc in triples:
+        if ga is None:
+            return float("inf"), n, left_out
+        if float(gc.abs().max()) <= 1e-10 * top:
+            left_out += 1
+            continue
+        err = float((ga - gb).abs().max()) / float(gb.abs().max())
+        if err > worst:
+            worst, name = err, n
+    return worst, name, left_out
+
+
+def _strict_round_trip(fused: nn.Module, eager: nn.Module) -> bool:
+    """``state_dict`` keys equal, and each model loads the other's with ``strict=True``."""
+    sd_f, sd_e = fused.state_dict(), eager.state_dict()
+    same = list(sd_f) == list(sd_e)
+    eager.load_state_dict(sd_f, strict=True)
+    fused.load_state_dict(sd_e, strict=True)
+    return same
+
+
+def model_zoo() -> tuple[dict[str, Any], dict[str, float]]:
+    """Coverage and float32 numerics of the surgery on each zoo model (``backend="reference"``), against eager."""
+    from lightning_accel.precision import apply_fusions
+
+    results: dict[str, Any] = {}
+    coverages, grad_errs = [], []
+    for name in ZOO_MODELS:
+        torch.manual_seed(0)
+        model, make_input = zoo_model(name, "cpu")
+        _no_dropout(model)
+        eager, exact = copy.deepcopy(model), copy.deepcopy(model).double()
+        rep = apply_fusions(model, backend="reference", warn_if_empty=False)
+        x = make_input(torch.device("cpu"))
+        y, ye = model(x), eager(x)
+        w = torch.randn_like(ye)  # a random projection: `y.square().mean()` of a normalised output has ~0 gradient
+        (y * w).sum().backward()
+        (ye * w).sum().backward()
+        (exact(x.double()) * w.double()).sum().backward()
+        g_err, g_name, left_out = grad_rel_err(model, eager, exact)
+        # running statistics after the step; a statistic that is zero in float64 (the mean of a 1x1 conv of
+        # zero-mean channels) is rounding noise in both float32 models, and left out like such gradients
+        trip = [
+            (a.float(), b.float(), c)
+            for a, b, c in zip(model.buffers(), eager.buffers(), exact.buffers(), strict=True)
+            if a.is_floating_point()
+        ]
+        top_buf = max((float(c.abs().max()) for *_, c in trip), default=0.0)
+        bufs = [rel_err(a, b) for a, b, c in trip if float(c.abs().max()) > 1e-6 * top_buf]
+        model.eval()
+        eager.eval()
+        with torch.no_grad():
+            y_eval, ye_eval = model(x), eager(x)
+        results[name] = {
+            "coverage": round(rep.coverage(), 4),
+            "by_kind": {k: f"{a}/{b}" for k, (a, b) in rep.coverage_by_kind().items()},
+            "fusions": rep.counts(),
+            "skipped": [f"{c.module}: {c.reason}" for c in rep.skipped()],
+            "fwd_rel_err": rel_err(y, ye),
+            "grad_rel_err": g_err,
+            "grad_worst_param": g_name,
+            "grad_params_zero_in_float64": left_out,
+            "running_stats_rel_err": max(bufs, default=0.0),
+            "eval_fwd_rel_err": rel_err(y_eval, ye_eval),
+            "state_dict_strict_both_ways": _strict_round_trip(model, eager),
+        }
+        coverages.append(rep.coverage())
+        grad_errs.append(g_err)
+    ratios = {"fusion_coverage_min": round(min(coverages), 4), "fused_ref_grad_rel_err_max": max(grad_errs)}
+    return {"model_zoo_fp32": results}, ratios
+
+
 # ---------------------------------------------------------------------------------------------------------- CUDA
 
 
-def cuda_models(quick: bool) -> tuple[dict[str, Any], dict[str, float]]:  # pragma: no cover - needs a GPU
-    """Eager / fused / fused+compile / compile on ResNet-50 and GPT blocks under bf16 autocast."""
-    import torchvision
+class Budget:
+    """A wall-clock allowance: ``left()`` seconds remain; ``fits(need)`` when at least ``need`` do."""
 
-    from lightning_accel.models import GPTBlock
+    def __init__(self, seconds: float) -> None:
+        self.deadline = time.perf_counter() + seconds
+
+    def left(self) -> float:
+        return self.deadline - time.perf_counter()
+
+    def fits(self, need: float) -> bool:
+        return self.left() >= need
+
+
+def _measure(step: Callable[[], None], dev: torch.device, iters: int, warmup: int) -> tuple[float, float]:
+    """``(median seconds, peak bytes)``: CUDA events on a GPU; wall clock and no peak (0) on a CPU (dry run)."""
+    if dev.type == "cuda":
+        return cuda_time(step, iters=iters, warmup=warmup)
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return median(times), 0.0
+
+
+def _variant(
+    base: nn.Module,
+    make_input: Callable[[], torch.Tensor],
+    variant: str,
+    dev: torch.device,
+    iters: int,
+    warmup: int,
+    compile_kwargs: dict[str, Any],
+    backend: str | None = None,
+) -> dict[str, Any]:
+    """One variant's bf16 train step (forward, backward, SGD step): ``{"step_ms", "peak_mem_GB"}`` or ``{"error"}``."""
     from lightning_accel.precision import apply_fusions
     from lightning_accel.precision.compile import compile_in_place
 
-    dev = torch.device("cuda")
-    iters, warmup = (10, 5) if quick else (30, 10)
-    specs = {
-        "resnet50": (
-            lambda: torchvision.models.resnet50(),
-            (lambda: torch.randn(32 if quick else 64, 3, 224, 224, device=dev)),
-        ),
-        "gpt_blocks": (
-            lambda: nn.Sequential(*[GPTBlock(1024, 16, dropout=0.1) for _ in range(4 if quick else 8)]),
-            (lambda: torch.randn(8, 1024, 1024, device=dev)),
-        ),
+    model = copy.deepcopy(base)
+    try:
+        t0 = time.perf_counter()
+        if variant.startswith("fused"):
+            apply_fusions(model, warn_if_empty=False, backend=backend)  # type: ignore[arg-type]
+        if variant.endswith("compile"):
+            compile_in_place(model, **compile_kwargs)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        _, step = _train_step(model, make_input, torch.bfloat16)
+
+        def step_opt() -> None:
+            step()
+            opt.step()
+
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        t, mem = _measure(step_opt, dev, iters, warmup)
+        return {"step_ms": 1e3 * t, "peak_mem_GB": mem / 2**30, "wall_s": round(time.perf_counter() - t0, 1)}
+    except Exception as e:  # recorded, not raised: the other variants and models still run
+        return {"error": f"{type(e).__name__}: {e}"[:300]}
+    finally:
+        del model
+
+
+def _ratio_of(res: dict[str, Any], num: str, den: str, key: str) -> float | None:
+    a, b = res.get(num, {}), res.get(den, {})
+    if key in a and key in b:
+        return ratio(a[key], b[key])
+    return None
+
+
+def cuda_models(
+    quick: bool,
+    dev: torch.device | None = None,
+    budget_s: float = 200.0,
+    dry_run: bool = False,
+    zoo: tuple[str, ...] = ZOO_MODELS,
+) -> tuple[dict[str, Any], dict[str, float]]:
+    """Eager / fused / fused+compile / compile on ResNet-50 and GPT blocks, then eager / fused / compile on the ``zoo``
+    models, under bf16 autocast, within ``budget_s`` seconds (``dry_run``: the same code on toy sizes, the fused
+    variants on the reference backend)."""
+    import torchvision
+
+    from lightning_accel.models import GPTBlock, SmallResNet
+
+    dev = dev or torch.device("cuda")
+    budget = Budget(budget_s)
+    iters, warmup = (1, 1) if dry_run else (10, 5) if quick else (30, 10)
+    compile_kwargs: dict[str, Any] = {"backend": "eager"} if dry_run else {}
+    # seconds a variant must still have to start: compiles take tens of seconds on a GPU
+    need = {
+        "eager": 3.0,
+        "fused": 3.0,
+        "fused_compile": 10.0 if dry_run else 45.0,
+        "compile": 10.0 if dry_run else 45.0,
     }
+    if dry_run:
+        specs = {
+            # the keys of the real run, toy models in their place
+            "resnet50": (lambda: SmallResNet(width=8, blocks=(1, 1)), (lambda: torch.randn(2, 3, 16, 16, device=dev))),
+            "gpt_blocks": (lambda: nn.Sequential(GPTBlock(32, 2, dropout=0.1)), (lambda: torch.randn(2, 8, 32))),
+        }
+    else:
+        specs = {
+            "resnet50": (
+                lambda: torchvision.models.resnet50(),
+                (lambda: torch.randn(32 if quick else 64, 3, 224, 224, device=dev)),
+            ),
+            "gpt_blocks": (
+                lambda: nn.Sequential(*[GPTBlock(1024, 16, dropout=0.1) for _ in range(4 if quick else 8)]),
+                (lambda: torch.randn(8, 1024, 1024, device=dev)),
+            ),
+        }
     results: dict[str, Any] = {}
+
+    def run(name: str, base: nn.Module, make_input: Callable[[], torch.Tensor], variants: tuple[str, ...]) -> None:
+        res = results.setdefault(name, {})
+        for variant in variants:
+            if not budget.fits(need[variant]):
+                res[variant] = {"skipped": f"time budget ({budget_s:.0f} s) spent"}
+                continue
+            torch.manual_seed(0)
+            res[variant] = _variant(
+                base, make_input, variant, dev, iters, warmup, compile_kwargs, "reference" if dry_run else None
+            )
+
+    # every model's eager and fused variants first (seconds each), the compiles after (tens of seconds each on a
+    # first run) in order of importance, while the budget lasts: a run short of time still has every eager/fused pair
+    bases: dict[str, tuple[nn.Module, Callable[[], torch.Tensor]]] = {}
     for name, (build, make_input) in specs.items():
         torch.manual_seed(0)
-        base = build().to(dev)
-        res: dict[str, Any] = {}
-        for variant in ("eager", "fused", "fused_compile", "compile"):
-            model = copy.deepcopy(base)
-            if variant.startswith("fused"):
-                apply_fusions(model, warn_if_empty=False)
-            if variant.endswith("compile"):
-                compile_in_place(model)
-            opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-            _, step = _train_step(model, make_input, torch.bfloat16)
-
-            def step_opt(step: Callable[[], None] = step, opt: torch.optim.Optimizer = opt) -> None:
-                step()
-                opt.step()
-
-            torch.cuda.empty_cache()
-            t, mem = cuda_time(step_opt, iters=iters, warmup=warmup)
-            res[variant] = {"step_ms": 1e3 * t, "peak_mem_GB": mem / 2**30}
-            del model, opt
-        results[name] = res
+        bases[name] = (build().to(dev), make_input)
+    for name in zoo:
+        torch.manual_seed(0)
+        model, make = zoo_model(name, "toy" if dry_run else "gpu")
+        bases[f"zoo_{name}"] = (model.to(dev), (lambda make=make: make(dev)))
+    for name, base in bases.items():
+        run(name, *base, ("eager", "fused"))
+    run("gpt_blocks", *bases["gpt_blocks"], ("fused_compile", "compile"))
+    run("resnet50", *bases["resnet50"], ("fused_compile", "compile"))
+    for name in zoo:
+        run(f"zoo_{name}", *bases[f"zoo_{name}"], ("compile",))
     g, r = results["gpt_blocks"], results["resnet50"]
-    ratios = {
-        "fused_vs_eager_step": ratio(g["eager"]["step_ms"], g["fused"]["step_ms"]),
-        "fused_vs_compile_step": ratio(g["compile"]["step_ms"], g["fused_compile"]["step_ms"]),
-        "fused_vs_eager_peak_mem": ratio(r["fused"]["peak_mem_GB"], r["eager"]["peak_mem_GB"]),
-        "resnet50_fused_vs_eager_step": ratio(r["eager"]["step_ms"], r["fused"]["step_ms"]),
-        "gpt_blocks_fused_vs_eager_peak_mem": ratio(g["fused"]["peak_mem_GB"], g["eager"]["peak_mem_GB"]),
+    pairs = {
+        "fused_vs_eager_step": (g, "eager", "fused", "step_ms"),
+        "fused_vs_compile_step": (g, "compile", "fused_compile", "step_ms"),
+        "fused_vs_eager_peak_mem": (r, "fused", "eager", "peak_mem_GB"),
+        "resnet50_fused_vs_eager_step": (r, "eager", "fused", "step_ms"),
+        "gpt_blocks_fused_vs_eager_peak_mem": (g, "fused", "eager", "peak_mem_GB"),
     }
-    results["device"] = torch.cuda.get_device_name(0)
+    for name in zoo:
+        z = results[f"zoo_{name}"]
+        pairs[f"zoo_{name}_fused_vs_eager_step"] = (z, "eager", "fused", "step_ms")
+        pairs[f"zoo_{name}_fused_vs_compile_step"] = (z, "compile", "fused", "step_ms")
+        pairs[f"zoo_{name}_fused_vs_eager_peak_mem"] = (z, "fused", "eager", "peak_mem_GB")
+    if dry_run:  # a CPU has no peak-memory counter
+        pairs = {k: v for k, v in pairs.items() if v[3] != "peak_mem_GB"}
+    ratios = {}
+    for key, (res, num, den, field_) in pairs.items():
+        value = _ratio_of(res, num, den, field_)
+        if value is not None:
+            ratios[key] = value
+    results["device"] = torch.cuda.get_device_name(0) if dev.type == "cuda" else f"{dev} (dry run)"
     results["date"] = time.strftime("%Y-%m-%d")
+    results["budget_s"], results["budget_left_s"] = budget_s, round(budget.left(), 1)
     return results, ratios
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser(__doc__.splitlines()[0])
     p.add_argument(
         "--device",
@@ -269,8 +553,32 @@ def parse_args() -> argparse.Namespace:
         help="auto: the CPU part, plus the CUDA part when a GPU is present (default); cpu: the CPU part only; "
         "cuda: the CUDA part only (report `fused_cuda`)",
     )
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="seconds the CUDA part may take (default 200 with --quick, 600 without); variants that would start after "
+        "it are recorded as skipped",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="run the CUDA part's code on the CPU at toy sizes (no GPU needed; timings are not meaningful)",
+    )
+    p.add_argument(
+        "--zoo",
+        default=",".join(ZOO_MODELS),
+        help=f"comma-separated zoo models for the CUDA part (default all: {','.join(ZOO_MODELS)})",
+    )
     p.add_argument("--interp-numerics", action="store_true", help=argparse.SUPPRESS)
-    return p.parse_args()
+    args = p.parse_args(argv)
+    args.zoo = tuple(z for z in args.zoo.split(",") if z)
+    unknown = [z for z in args.zoo if z not in ZOO_MODELS]
+    if unknown:
+        p.error(f"--zoo got unknown model(s) {unknown}; expected names from {','.join(ZOO_MODELS)}.")
+    if args.budget_s is not None and not args.budget_s > 0:
+        p.error(f"--budget-s must be a positive number of seconds, got {args.budget_s}; e.g. --budget-s 200.")
+    return args
 
 
 def numerics() -> tuple[dict[str, Any], dict[str, float]]:
@@ -280,31 +588,38 @@ def numerics() -> tuple[dict[str, Any], dict[str, float]]:
     return {"numerics_max_rel_err_fp32": parts}, {"max_rel_err_fp32": max(errs)}
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.interp_numerics:  # child process of interpreter_numerics()
         print(json.dumps(op_numerics("triton")))
         return
     torch.set_num_threads(min(2, torch.get_num_threads()))
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("`--device cuda` needs a CUDA device; this machine has none. Run with `--device cpu`.")
+    if args.device == "cuda" and not torch.cuda.is_available() and not args.dry_run:
+        raise SystemExit(
+            "`--device cuda` needs a CUDA device; this machine has none. Run with `--device cpu`, or add `--dry-run`."
+        )
+    budget_s = args.budget_s if args.budget_s is not None else 200.0 if args.quick else 600.0
     t0 = time.perf_counter()
     results: dict[str, Any] = {}
     ratios: dict[str, float] = {}
     if args.device != "cuda":
         num_results, num_ratios = numerics()
         cpu_results, cpu_ratios = cpu_models(args.quick)
-        results |= {**num_results, "cpu_fp32": cpu_results}
-        ratios |= {**num_ratios, **cpu_ratios}
-    if args.device != "cpu" and torch.cuda.is_available():
-        results["cuda_bf16"], cuda_ratios = cuda_models(args.quick)
+        zoo_results, zoo_ratios = model_zoo()
+        results |= {**num_results, "cpu_fp32": cpu_results, **zoo_results}
+        ratios |= {**num_ratios, **cpu_ratios, **zoo_ratios}
+    if args.dry_run and args.device != "cpu":
+        results["cuda_bf16_dry_run"], dry = cuda_models(True, torch.device("cpu"), budget_s, True, args.zoo)
+        ratios |= {f"dry_run_{k}": v for k, v in dry.items()}
+    elif args.device != "cpu" and torch.cuda.is_available():
+        results["cuda_bf16"], cuda_ratios = cuda_models(args.quick, budget_s=budget_s, zoo=args.zoo)
         ratios |= cuda_ratios
     elif args.device == "auto":
         results["cuda_bf16"] = "not measured: no CUDA device on this machine"
     results["wall_s"] = round(time.perf_counter() - t0, 1)
     report(
         "fused_cuda" if args.device == "cuda" else "fused",
-        quick=args.quick,
+        quick=args.quick or args.dry_run,  # a dry run writes no chart
         config={
             "cpu_models": {
                 "small_resnet": "width 16, blocks (1,1,1), batch 16x3x32x32",
@@ -314,6 +629,10 @@ def main() -> None:
                 "resnet50": "torchvision, batch 64 (quick 32) x 224px",
                 "gpt_blocks": "8 (quick 4) x GPTBlock(1024, 16 heads), batch 8x1024",
             },
+            "zoo_cpu": "resnet18/mobilenet_v3_small 4x3x64x64; ViT 32px patch 8, 2 layers, dim 32; encoders and GPT-2 "
+            "blocks 2 layers, dim 32, 2 heads, seq 7; float32, dropout 0, backend reference",
+            "zoo_cuda": "resnet18/mobilenet_v3_small 64x224px; ViT 224px patch 16, 6 layers, dim 512; encoders 6 x "
+            "d512 seq 256 batch 16; GPT-2 6 x d768 seq 512 batch 8; bf16 autocast, eager/fused/compile",
         },
         results=results,
         ratios=ratios,
@@ -333,6 +652,7 @@ def _chart_values(ratios: dict[str, float]) -> dict[str, float]:
         "fused_vs_eager_step": "GPU GPT\nspeed-up",
         "fused_vs_compile_step": "GPU GPT\nvs compile",
         "fused_vs_eager_peak_mem": "GPU R50\npeak mem",
+        "fusion_coverage_min": "zoo\ncoverage min",
     }
     return {label: ratios[key] for key, label in short.items() if key in ratios}
 

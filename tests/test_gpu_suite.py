@@ -125,3 +125,10 @@ def test_only_reruns_the_named_steps(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads((out / "summary.json").read_text())
     assert [s["name"] for s in doc["steps"]] == ["gpu_tests", "fused"] and doc["ok"] is True
+    # the fused step's arguments parse, and its own budget ends well before the step's limit
+    from benchmarks.fused import parse_args
+
+    fused = doc["steps"][1]
+    args = parse_args(fused["command"].split()[2:])
+    assert args.device == "cuda" and args.quick and args.budget_s is not None
+    assert args.budget_s + 60 <= fused["limit_s"]

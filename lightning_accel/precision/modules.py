@@ -26,6 +26,7 @@ from torch import nn
 
 from lightning_accel._utils import compat, patching
 from lightning_accel._utils.triton import Backend
+from lightning_accel.ops.activation import Activation, function_activation, module_activation
 from lightning_accel.ops.conv_bn_relu.function import conv_bn_relu
 from lightning_accel.ops.linear_dropout.function import linear_dropout
 from lightning_accel.ops.norm.function import layer_norm, rms_norm
@@ -34,19 +35,28 @@ __all__ = [
     "BLOCK_MIXINS",
     "FusedAttentionMixin",
     "FusedBasicBlockMixin",
+    "FusedBlockMixin",
     "FusedBottleneckMixin",
+    "FusedGPT2BlockMixin",
     "FusedGPTBlockMixin",
     "FusedLayerNormMixin",
+    "FusedMultiheadAttentionMixin",
+    "FusedPackedAttentionMixin",
     "FusedResNetMixin",
     "FusedRMSNormMixin",
     "FusedSequentialMixin",
+    "FusedTransformerEncoderLayerMixin",
     "block_mixin",
     "conv_bn_forward",
+    "fused_children",
     "is_fused",
+    "mha_supported",
     "original_class",
     "pack_qkv",
+    "parse_kind",
     "qualname",
     "register_block",
+    "registered_blocks",
     "swap_class",
 ]
 
@@ -120,9 +130,17 @@ else:
 
 
 class _FusedMixin(_ModuleBase):
-    """Marker base of every fused forward; ``_la_backend`` is the ops backend it passes on (see ``apply_fusions``)."""
+    """Marker base of every fused forward; ``_la_backend`` is the ops backend it passes on (see ``apply_fusions``).
+
+    ``fused_children`` names the sub-modules (paths relative to the module, e.g. ``"mlp.c_fc"``) whose computation the
+    fused forward runs through a fused op instead of calling them: the fusion report counts them as fused.
+    """
 
     _la_backend: Backend = "auto"
+    fused_children: tuple[str, ...] = ()
+
+    def _la_fused_children(self) -> tuple[str, ...]:
+        return self.fused_children
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         # The swapped class cannot be found by name; pickle the original class and the mixins instead, and the
@@ -135,9 +153,15 @@ class _FusedMixin(_ModuleBase):
 
 
 def conv_bn_forward(
-    conv: nn.Conv2d, bn: nn.BatchNorm2d, x: torch.Tensor, relu: bool, backend: Backend = "auto"
+    conv: nn.Conv2d,
+    bn: nn.BatchNorm2d,
+    x: torch.Tensor,
+    relu: bool | Activation,
+    backend: Backend = "auto",
 ) -> torch.Tensor:
-    """``relu(bn(conv(x)))`` through :func:`lightning_accel.ops.conv_bn_relu`, with ``nn.BatchNorm2d``'s bookkeeping.
+    """``act(bn(conv(x)))`` through :func:`lightning_accel.ops.conv_bn_relu`, with ``nn.BatchNorm2d``'s bookkeeping.
+
+    ``relu``: True/False (ReLU or none) or an activation name (:data:`lightning_accel.ops.activation.ACTIVATIONS`).
 
     Reproduces ``_BatchNorm.forward``: ``num_batches_tracked`` is incremented in training, ``momentum=None`` means a
     cumulative average, and modules without running statistics always use batch statistics.
@@ -163,19 +187,41 @@ def conv_bn_forward(
         conv.padding,
         conv.dilation,
         conv.groups,
-        relu,
+        relu is True or relu == "relu",
         backend,
+        activation=relu if isinstance(relu, str) else None,
     )
 
 
-class FusedSequentialMixin(_FusedMixin):
-    """``nn.Sequential`` whose forward runs fused groups from ``_la_plan``: ``{start index: (length, kind)}``.
+def parse_kind(kind: str) -> tuple[str, Activation, bool]:
+    """``(op, activation, dropout)`` of a planned group's kind.
 
-    Kinds: ``"conv_bn_relu"`` (Conv2d, BatchNorm2d, ReLU), ``"conv_bn"`` (Conv2d, BatchNorm2d),
-    ``"linear_dropout"`` (Linear, Dropout). The children stay where they were, so ``state_dict`` keys do not change.
+    Kinds: ``"conv_bn_<act>"`` / ``"conv_bn"`` (Conv2d, BatchNorm2d[, act]) and ``"linear_<act>_dropout"`` /
+    ``"linear_<act>"`` / ``"linear_dropout"`` (Linear[, act][, Dropout]), ``<act>`` one of
+    :data:`lightning_accel.ops.activation.ACTIVATIONS`.
+    """
+    if kind.startswith("conv_bn"):
+        act = kind[len("conv_bn_") :] if kind != "conv_bn" else "none"
+        return "conv_bn", cast(Activation, act), False
+    body = kind[len("linear_") :]
+    dropout = body == "dropout" or body.endswith("_dropout")
+    act = body[: -len("_dropout")] if body.endswith("_dropout") else "none" if body == "dropout" else body
+    return "linear", cast(Activation, act), dropout
+
+
+class FusedSequentialMixin(_FusedMixin):
+    """``nn.Sequential`` (or a subclass that keeps ``nn.Sequential.forward``, such as torchvision's
+    ``Conv2dNormActivation`` and ``MLPBlock``) whose forward runs fused groups from ``_la_plan``:
+    ``{start index: (length, kind)}``, kinds as in :func:`parse_kind`.
+
+    The children stay where they were, so ``state_dict`` keys do not change.
     """
 
     _la_plan: dict[int, tuple[int, str]]
+
+    def _la_fused_children(self) -> tuple[str, ...]:
+        names = list(compat.child_modules(self))
+        return tuple(names[i] for i in self._la_plan)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the casts hold by construction: surgery plans a group only over children of exactly these classes
@@ -183,14 +229,19 @@ class FusedSequentialMixin(_FusedMixin):
         i = 0
         while i < len(mods):
             length, kind = self._la_plan.get(i, (1, ""))
-            if kind in ("conv_bn_relu", "conv_bn"):
-                conv, bn = cast(nn.Conv2d, mods[i]), cast(nn.BatchNorm2d, mods[i + 1])
-                x = conv_bn_forward(conv, bn, x, relu=kind == "conv_bn_relu", backend=self._la_backend)
-            elif kind == "linear_dropout":
-                lin, drop = cast(nn.Linear, mods[i]), cast(nn.Dropout, mods[i + 1])
-                x = linear_dropout(x, lin.weight, lin.bias, drop.p, drop.training, backend=self._la_backend)
-            else:
+            if not kind:
                 x = mods[i](x)
+                i += 1
+                continue
+            op, act, dropout = parse_kind(kind)
+            if op == "conv_bn":
+                conv, bn = cast(nn.Conv2d, mods[i]), cast(nn.BatchNorm2d, mods[i + 1])
+                x = conv_bn_forward(conv, bn, x, relu=act, backend=self._la_backend)
+            else:
+                lin = cast(nn.Linear, mods[i])
+                drop = cast(nn.Dropout, mods[i + length - 1]) if dropout else None
+                p, training = (drop.p, drop.training) if drop is not None else (0.0, False)
+                x = linear_dropout(x, lin.weight, lin.bias, p, training, activation=act, backend=self._la_backend)
             i += length
         return x
 
@@ -208,6 +259,7 @@ class FusedBasicBlockMixin(_FusedMixin):
     conv2: nn.Conv2d
     bn2: nn.BatchNorm2d
     downsample: nn.Module | None
+    fused_children = ("conv1", "conv2")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         identity = x if self.downsample is None else self.downsample(x)
@@ -231,6 +283,7 @@ class FusedBottleneckMixin(_FusedMixin):
     bn3: nn.BatchNorm2d
     relu: nn.Module
     downsample: nn.Module | None
+    fused_children = ("conv1", "conv2", "conv3")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         identity = x if self.downsample is None else self.downsample(x)
@@ -256,6 +309,7 @@ class FusedResNetMixin(_FusedMixin):
     layer4: nn.Module
     avgpool: nn.Module
     fc: nn.Module
+    fused_children = ("conv1",)
 
     def _forward_impl(self, x: torch.Tensor) -> torch.Tensor:
         x = self.maxpool(conv_bn_forward(self.conv1, self.bn1, x, relu=True, backend=self._la_backend))
@@ -395,6 +449,10 @@ class FusedAttentionMixin(_FusedMixin):
     resid_dropout: nn.Dropout
     _la_fuse_out: bool = False
 
+    def _la_fused_children(self) -> tuple[str, ...]:
+        packed = ("qkv_proj",) if "qkv_proj" in compat.child_modules(self) else ()
+        return (*packed, "proj") if self._la_fuse_out else packed
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         b, s, c = x.shape
         children = compat.child_modules(self)
@@ -421,8 +479,9 @@ class FusedAttentionMixin(_FusedMixin):
 
 
 class FusedGPTBlockMixin(_FusedMixin):
-    """Pre-norm GPT block: the attention output projection and the MLP's second Linear + Dropout each fuse with the
-    residual add; ``mlp`` must be ``Sequential(Linear, activation, Linear, Dropout)`` and ``attn`` a fused attention.
+    """Pre-norm GPT block: the MLP's first Linear + activation fuse into one op, the attention output projection and
+    the MLP's second Linear + Dropout each fuse with the residual add; ``mlp`` must be
+    ``Sequential(Linear, activation, Linear, Dropout)`` and ``attn`` a fused attention.
 
     Contract of a registered class: its forward is ``x = x + attn(ln_1(x))`` then ``x + mlp(ln_2(x))``.
     """
@@ -432,16 +491,252 @@ class FusedGPTBlockMixin(_FusedMixin):
     ln_2: nn.Module
     mlp: nn.Sequential
 
+    def _la_fused_children(self) -> tuple[str, ...]:
+        first = ("mlp.0",) if type(self.mlp[0]) is nn.Linear and module_activation(self.mlp[1]) is not None else ()
+        return ("attn", *first, "mlp.2")
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.attn(self.ln_1(x), residual=x)
         fc, act = self.mlp[0], self.mlp[1]
         # exact classes, checked by surgery before the swap
         proj, drop = cast(nn.Linear, self.mlp[2]), cast(nn.Dropout, self.mlp[3])
-        h = act(fc(self.ln_2(x)))
+        kind = module_activation(act)
+        h = self.ln_2(x)
+        if kind is not None and type(fc) is nn.Linear:
+            h = linear_dropout(h, fc.weight, fc.bias, 0.0, False, activation=kind, backend=self._la_backend)
+        else:
+            h = act(fc(h))
         return linear_dropout(h, proj.weight, proj.bias, drop.p, drop.training, residual=x, backend=self._la_backend)
 
 
+# ------------------------------------------------------------------------- nn.MultiheadAttention and its encoder layer
+
+
+def mha_supported(mha: nn.Module) -> str | None:
+    """Why an ``nn.MultiheadAttention`` cannot take the fused path (None when it can): the configurations whose
+    arithmetic the fused path does not reimplement (separate key/value sizes, ``add_bias_kv``, ``add_zero_attn``)."""
+    if not isinstance(mha, nn.MultiheadAttention):
+        return f"`{type(mha).__name__}` is not an nn.MultiheadAttention"
+    if mha.kdim != mha.embed_dim or mha.vdim != mha.embed_dim or mha.in_proj_weight is None:
+        return "separate key/value sizes (`kdim`/`vdim` differ from `embed_dim`)"
+    if mha.bias_k is not None or mha.bias_v is not None:
+        return "`add_bias_kv=True`"
+    if mha.add_zero_attn:
+        return "`add_zero_attn=True`"
+    return None
+
+
+def _sdpa_mask(mask: torch.Tensor | None, dtype: torch.dtype, b: int, h: int) -> torch.Tensor | None:
+    """An ``nn.MultiheadAttention`` ``attn_mask`` (bool: True = masked out, or additive float; (L, S) or
+    (B * heads, L, S)) as ``scaled_dot_product_attention``'s additive mask."""
+    if mask is None:
+        return None
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, float("-inf"))
+    else:
+        mask = mask.to(dtype)
+    if mask.dim() == 3:
+        mask = mask.view(b, h, mask.shape[-2], mask.shape[-1])
+    return mask
+
+
+def _mha_heads(mha: nn.MultiheadAttention, x: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool) -> Any:
+    """Self-attention of ``mha`` on batch-first ``x`` (B, L, E) up to, not including, ``out_proj``: one packed GEMM,
+    ``scaled_dot_product_attention`` over the heads (dropout ``mha.dropout`` in training), heads merged to (B, L, E).
+
+    ``is_causal`` follows ``nn.MultiheadAttention``: with no key padding mask and no weights asked, the causal hint
+    replaces ``attn_mask``.
+    """
+    b, length, e = x.shape
+    h = mha.num_heads
+    qkv = F.linear(x, mha.in_proj_weight, mha.in_proj_bias)
+    q, k, v = qkv.reshape(b, length, 3, h, e // h).permute(2, 0, 3, 1, 4).unbind(0)
+    mask = None if is_causal else _sdpa_mask(attn_mask, q.dtype, b, h)
+    y = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=mha.dropout if mha.training else 0.0, is_causal=is_causal
+    )
+    return y.transpose(1, 2).reshape(b, length, e)
+
+
+class FusedMultiheadAttentionMixin(_FusedMixin):
+    """``nn.MultiheadAttention`` self-attention through one packed ``in_proj`` GEMM and
+    ``scaled_dot_product_attention``, then ``out_proj``.
+
+    The fused path runs when ``query is key is value`` (self-attention) on a batched 3-D input, ``need_weights=False``
+    and no ``key_padding_mask``; any other call (weights asked, cross-attention, padding masks, nested tensors) runs
+    ``nn.MultiheadAttention``'s own forward, so every call keeps eager semantics. Surgery only swaps modules for which
+    :func:`mha_supported` is None.
+    """
+
+    num_heads: int
+    batch_first: bool
+    dropout: float
+    out_proj: nn.Linear
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_padding_mask: torch.Tensor | None = None,
+        need_weights: bool = True,
+        attn_mask: torch.Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        fast = (
+            not need_weights
+            and key_padding_mask is None
+            and query is key
+            and key is value
+            and query.dim() == 3
+            and not query.is_nested
+            and not (is_causal and attn_mask is None)  # eager raises for that: let it
+        )
+        if not fast:
+            return super().forward(
+                query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
+            )
+        x = query if self.batch_first else query.transpose(0, 1)
+        y = _mha_heads(cast(nn.MultiheadAttention, self), x, attn_mask, is_causal)
+        out = F.linear(y, self.out_proj.weight, self.out_proj.bias)
+        return (out if self.batch_first else out.transpose(0, 1)), None
+
+
+class FusedTransformerEncoderLayerMixin(_FusedMixin):
+    """``nn.TransformerEncoderLayer`` (``norm_first`` True or False): the self-attention's ``out_proj`` + ``dropout1``
+    + residual, ``linear1`` + activation + ``dropout`` and ``linear2`` + ``dropout2`` + residual each run as one
+    :func:`~lightning_accel.ops.linear_dropout`; attention as in :class:`FusedMultiheadAttentionMixin`.
+
+    Calls the fused path does not cover (a ``src_key_padding_mask``, nested tensors, an unbatched input) run the
+    layer's own forward. Surgery swaps only layers whose activation is one of the fused kinds (ReLU, GELU, SiLU...)
+    and whose ``self_attn`` passes :func:`mha_supported`.
+    """
+
+    self_attn: nn.MultiheadAttention
+    linear1: nn.Linear
+    dropout: nn.Dropout
+    linear2: nn.Linear
+    norm_first: bool
+    norm1: nn.Module
+    norm2: nn.Module
+    dropout1: nn.Dropout
+    dropout2: nn.Dropout
+    activation: Any
+    fused_children = ("self_attn", "linear1", "linear2")
+
+    def forward(
+        self,
+        src: torch.Tensor,
+        src_mask: torch.Tensor | None = None,
+        src_key_padding_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+    ) -> torch.Tensor:
+        act = function_activation(self.activation)
+        if (
+            act is None
+            or src_key_padding_mask is not None
+            or src.is_nested
+            or src.dim() != 3
+            or (is_causal and src_mask is None)
+        ):
+            return super().forward(src, src_mask, src_key_padding_mask, is_causal)
+        batch_first = self.self_attn.batch_first
+        x = src if batch_first else src.transpose(0, 1)
+        backend = self._la_backend
+
+        def attention(h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+            y = _mha_heads(self.self_attn, h, src_mask, is_causal)
+            out, drop = self.self_attn.out_proj, self.dropout1
+            return linear_dropout(y, out.weight, out.bias, drop.p, drop.training, residual=residual, backend=backend)
+
+        def feed_forward(h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+            l1, l2, d, d2 = self.linear1, self.linear2, self.dropout, self.dropout2
+            u = linear_dropout(h, l1.weight, l1.bias, d.p, d.training, activation=act, backend=backend)
+            return linear_dropout(u, l2.weight, l2.bias, d2.p, d2.training, residual=residual, backend=backend)
+
+        if self.norm_first:
+            x = attention(self.norm1(x), x)
+            x = feed_forward(self.norm2(x), x)
+        else:
+            x = self.norm1(attention(x, x))
+            x = self.norm2(feed_forward(x, x))
+        return x if batch_first else x.transpose(0, 1)
+
+
+# ------------------------------------------------------------------------------------- GPT-2 style (packed c_attn)
+
+
+class FusedPackedAttentionMixin(_FusedMixin):
+    """GPT-2 style causal self-attention with a packed ``c_attn`` (``Linear(C, 3 * C)``): split, causal
+    ``scaled_dot_product_attention`` over ``n_head`` heads, then ``c_proj`` + ``resid_dropout`` (+ the block's
+    residual) as one :func:`~lightning_accel.ops.linear_dropout`.
+
+    ``forward(x, residual=None)`` returns ``residual + attention(x)`` when ``residual`` is given.
+
+    Contract of a registered class: attributes ``c_attn``, ``c_proj`` (``nn.Linear``), ``attn_dropout``,
+    ``resid_dropout`` (``nn.Dropout``), ``n_head``; its forward is ``resid_dropout(c_proj(y))`` with ``y`` the causal
+    ``scaled_dot_product_attention`` (``dropout_p=attn_dropout.p`` in training) of ``q, k, v = c_attn(x).split(C)``
+    split into ``n_head`` heads, merged back to ``(B, S, C)``.
+    """
+
+    n_head: int
+    c_attn: nn.Linear
+    c_proj: nn.Linear
+    attn_dropout: nn.Dropout
+    resid_dropout: nn.Dropout
+    fused_children = ("c_attn", "c_proj")
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        b, s, c = x.shape
+        q, k, v = self.c_attn(x).split(c, dim=-1)
+        y = F.scaled_dot_product_attention(
+            _split_heads(q, self.n_head),
+            _split_heads(k, self.n_head),
+            _split_heads(v, self.n_head),
+            is_causal=True,
+            dropout_p=self.attn_dropout.p if self.training else 0.0,
+        )
+        y = y.transpose(1, 2).reshape(b, s, c)
+        drop = self.resid_dropout
+        return linear_dropout(
+            y, self.c_proj.weight, self.c_proj.bias, drop.p, drop.training, residual=residual, backend=self._la_backend
+        )
+
+
+class FusedGPT2BlockMixin(_FusedMixin):
+    """GPT-2 style pre-norm block: ``attn`` (a registered :class:`FusedPackedAttentionMixin` class) with its residual,
+    ``mlp.c_fc`` + ``mlp.act`` as one op, ``mlp.c_proj`` + ``mlp.dropout`` + residual as one op.
+
+    Contract of a registered class: attributes ``ln_1``, ``attn``, ``ln_2``, ``mlp`` with ``mlp.c_fc``, ``mlp.c_proj``
+    (``nn.Linear``), ``mlp.act`` (an activation module of a fused kind) and ``mlp.dropout`` (``nn.Dropout``); its
+    forward is ``x = x + attn(ln_1(x))`` then ``x + dropout(c_proj(act(c_fc(ln_2(x)))))``.
+    """
+
+    ln_1: nn.Module
+    attn: nn.Module
+    ln_2: nn.Module
+    mlp: nn.Module
+    fused_children = ("attn", "mlp.c_fc", "mlp.c_proj")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.attn(self.ln_1(x), residual=x)
+        mlp, backend = self.mlp, self._la_backend
+        fc, proj, drop = cast(nn.Linear, mlp.c_fc), cast(nn.Linear, mlp.c_proj), cast(nn.Dropout, mlp.dropout)
+        act = module_activation(mlp.act) or "none"  # surgery checked it is a fused kind
+        h = linear_dropout(self.ln_2(x), fc.weight, fc.bias, 0.0, False, activation=act, backend=backend)
+        return linear_dropout(h, proj.weight, proj.bias, drop.p, drop.training, residual=x, backend=backend)
+
+
 # ---------------------------------------------------------------------------------------------------- the registry
+
+
+class FusedBlockMixin(_FusedMixin):
+    """Base of a block replacement of your own: subclass it, write ``forward`` with the fused ops
+    (:mod:`lightning_accel.ops`) on the block's own attributes, list in ``fused_children`` the sub-modules it runs
+    fused, and :func:`register_block` the block class with it. Surgery swaps it in under the ``block`` pattern.
+    """
+
 
 BLOCK_MIXINS: tuple[type[_FusedMixin], ...] = (
     FusedBasicBlockMixin,
@@ -449,6 +744,9 @@ BLOCK_MIXINS: tuple[type[_FusedMixin], ...] = (
     FusedResNetMixin,
     FusedAttentionMixin,
     FusedGPTBlockMixin,
+    FusedTransformerEncoderLayerMixin,
+    FusedPackedAttentionMixin,
+    FusedGPT2BlockMixin,
 )
 
 
@@ -460,15 +758,18 @@ def register_block(cls: type[nn.Module] | str, mixin: type[_FusedMixin]) -> None
 
     Args:
         cls: the block class, or its qualified name ``"package.module.QualName"`` (no import needed).
-        mixin: one of :data:`BLOCK_MIXINS`.
+        mixin: one of :data:`BLOCK_MIXINS`, or a subclass of :class:`FusedBlockMixin` (a replacement of your own).
 
     Raises:
-        ValueError: for a ``mixin`` that is not a block mixin, or a ``cls`` that is neither a class nor a name.
+        ValueError: for a ``mixin`` that is neither, or a ``cls`` that is neither a class nor a name.
     """
-    if mixin not in BLOCK_MIXINS:
+    if mixin not in BLOCK_MIXINS and not (
+        isinstance(mixin, type) and issubclass(mixin, FusedBlockMixin) and mixin is not FusedBlockMixin
+    ):
         raise ValueError(
-            f"`mixin` must be one of {[m.__name__ for m in BLOCK_MIXINS]}, got {mixin!r}. Containers and norms are "
-            "matched by their exact torch class; for other patterns add a custom `Replacement`."
+            f"`mixin` must be one of {[m.__name__ for m in BLOCK_MIXINS]} or a subclass of FusedBlockMixin, got "
+            f"{mixin!r}. Containers and norms are matched by their structure; for other patterns add a custom "
+            "`Replacement`."
         )
     if isinstance(cls, str):
         name = cls
@@ -479,11 +780,22 @@ def register_block(cls: type[nn.Module] | str, mixin: type[_FusedMixin]) -> None
     _BLOCKS[name] = mixin
 
 
+def registered_blocks() -> dict[str, type[_FusedMixin]]:
+    """A copy of the registry: ``{qualified class name: mixin}``."""
+    return dict(_BLOCKS)
+
+
 def block_mixin(module: nn.Module) -> type[_FusedMixin] | None:
     """The block mixin registered for ``module``'s class before surgery, or None."""
     return _BLOCKS.get(qualname(original_class(module)))
 
 
+def fused_children(module: nn.Module) -> tuple[str, ...]:
+    """The sub-module paths (relative to ``module``) that ``module``'s fused forward runs through fused ops."""
+    return module._la_fused_children() if is_fused(module) else ()
+
+
 register_block("torchvision.models.resnet.BasicBlock", FusedBasicBlockMixin)
 register_block("torchvision.models.resnet.Bottleneck", FusedBottleneckMixin)
 register_block("torchvision.models.resnet.ResNet", FusedResNetMixin)
+register_block("torch.nn.modules.transformer.TransformerEncoderLayer", FusedTransformerEncoderLayerMixin)

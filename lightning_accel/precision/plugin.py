@@ -40,8 +40,8 @@ class FusedPrecision(MixedPrecision):
         precision: ``"bf16-mixed"`` or ``"16-mixed"``.
         device: the autocast device type; default ``"cuda"`` when available, else ``"cpu"``.
         scaler: a custom ``torch.amp.GradScaler`` (16-mixed only).
-        fusions: pattern names to apply (default: all of ``conv_bn_relu``, ``linear_dropout``, ``qkv``, ``norm``), or a
-            custom ``{pattern: [Replacement]}`` policy.
+        fusions: pattern names to apply (default: all of ``conv_bn_relu``, ``linear_dropout``, ``qkv``,
+            ``attention``, ``norm``, ``block``), or a custom ``{pattern: [Replacement]}`` policy.
         ignore_modules: qualified module names (relative to the LightningModule, e.g. ``"model.blocks.0"``) or classes
             to leave unfused.
         compile: ``torch.compile`` the LightningModule's ``__call__`` after surgery, in place; if compilation fails
@@ -102,7 +102,10 @@ class FusedPrecision(MixedPrecision):
         if self.report is None or len(report):
             self.report = report
         if report.records:
-            rank_zero_info(f"FusedPrecision fused {report.counts()} (backend={self.backend!r}):\n{report.table()}")
+            rank_zero_info(
+                f"FusedPrecision fused {report.counts()}, {100 * report.coverage():.0f}% of the eligible modules "
+                f"(backend={self.backend!r}):\n{report.table()}"
+            )
         if self.compile:
             compile_in_place(module, **self.compile_kwargs)
         return module

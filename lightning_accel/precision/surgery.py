@@ -8,16 +8,27 @@ Functional core of :class:`~lightning_accel.precision.FusedPrecision` (no Lightn
 The patterns (keys of :data:`DEFAULT_POLICY`):
 
 ``conv_bn_relu``
-    ``nn.Sequential`` runs of ``Conv2d -> BatchNorm2d -> ReLU`` (or ``Conv2d -> BatchNorm2d``), and the blocks
-    registered as ResNet blocks (torchvision's ``BasicBlock``/``Bottleneck``/``ResNet`` stem, or any class registered
-    with :func:`~lightning_accel.precision.modules.register_block`).
+    Runs of ``Conv2d -> BatchNorm2d (-> ReLU | ReLU6 | Hardswish | SiLU | GELU)`` in any container whose forward is
+    ``nn.Sequential.forward`` (``nn.Sequential`` itself and subclasses that keep its forward, such as torchvision's
+    ``Conv2dNormActivation``), and the blocks registered as ResNet blocks (torchvision's ``BasicBlock``/
+    ``Bottleneck``/``ResNet`` stem, or any class registered with
+    :func:`~lightning_accel.precision.modules.register_block`).
 ``linear_dropout``
-    ``nn.Sequential`` runs of ``Linear -> Dropout``, and in registered GPT blocks the attention output projection and
-    the MLP's last ``Linear -> Dropout``, each together with the block's residual add.
+    Runs of ``Linear (-> activation) (-> Dropout)`` in such containers (torchvision's ``MLPBlock`` included); in
+    registered blocks (``nn.TransformerEncoderLayer``, GPT and GPT-2 style blocks) the attention output projection and
+    the MLP's Linears, each with its activation, dropout and the block's residual add.
 ``qkv``
     Separate ``q_proj``/``k_proj``/``v_proj`` in registered attention classes -> one packed GEMM.
+``attention``
+    ``nn.MultiheadAttention`` (self-attention through its packed ``in_proj`` and ``scaled_dot_product_attention``) and
+    registered packed-QKV attention classes (GPT-2's ``c_attn``).
 ``norm``
     ``nn.LayerNorm`` and ``nn.RMSNorm`` over the last dimension (exact classes, not subclasses).
+``block``
+    Classes registered with a block replacement of your own (a :class:`~.modules.FusedBlockMixin` subclass).
+
+Every call also reports the *eligible* modules (:func:`eligible_modules`) it left unfused, each with the reason, and
+the share it fused (:meth:`FusionReport.coverage`).
 
 Block-level patterns need a registration because their fused forward reimplements the block's own ``forward``: the
 module structure alone cannot tell that a block with ``conv1``/``bn1``/``conv2``/``bn2`` adds its shortcut the same way.
@@ -41,14 +52,18 @@ from torch import nn
 
 from lightning_accel._utils import compat
 from lightning_accel._utils.triton import Backend, check_backend
+from lightning_accel.ops.activation import function_activation, module_activation
 from lightning_accel.precision import modules as fm
 
 __all__ = [
     "DEFAULT_POLICY",
+    "ELIGIBLE_KINDS",
+    "Candidate",
     "FusionRecord",
     "FusionReport",
     "Replacement",
     "apply_fusions",
+    "eligible_modules",
     "replace_optimizer_params",
 ]
 
@@ -67,11 +82,43 @@ class FusionRecord:
 
 
 @dataclass
+class Candidate:
+    """An eligible module (see :func:`eligible_modules`): where, which ``kind``, its class, and whether it runs fused;
+    ``reason`` says why not (empty when fused)."""
+
+    module: str
+    kind: str
+    cls: str
+    fused: bool
+    reason: str = ""
+
+
+@dataclass
 class FusionReport:
-    """What :func:`apply_fusions` did: ``records`` (one per fusion) and ``param_swaps`` (old params -> new param)."""
+    """What :func:`apply_fusions` did: ``records`` (one per fusion), ``param_swaps`` (old params -> new param) and
+    ``candidates`` (every eligible module of the model after surgery, fused or not, with the reason when not)."""
 
     records: list[FusionRecord] = field(default_factory=list)
     param_swaps: list[ParamSwap] = field(default_factory=list)
+    candidates: list[Candidate] = field(default_factory=list)
+
+    def skipped(self) -> list[Candidate]:
+        """The eligible modules left unfused, each with its ``reason``."""
+        return [c for c in self.candidates if not c.fused]
+
+    def coverage(self) -> float:
+        """Fused eligible modules / eligible modules (1.0 when the model has none)."""
+        if not self.candidates:
+            return 1.0
+        return sum(c.fused for c in self.candidates) / len(self.candidates)
+
+    def coverage_by_kind(self) -> dict[str, tuple[int, int]]:
+        """``{kind: (fused, eligible)}``."""
+        out: dict[str, tuple[int, int]] = {}
+        for c in self.candidates:
+            done, total = out.get(c.kind, (0, 0))
+            out[c.kind] = (done + c.fused, total + 1)
+        return out
 
     def counts(self) -> dict[str, int]:
         """``{pattern: number of fusions}``."""
@@ -81,9 +128,17 @@ class FusionReport:
         return out
 
     def table(self) -> str:
-        """A markdown table of the fusions (what ``apply_fusions`` logs)."""
+        """Markdown: the fusions, the coverage line, and the skipped eligible modules with why (what is logged)."""
         lines = ["| module | pattern | fused |", "|---|---|---|"]
         lines += [f"| {r.module or '(root)'} | {r.pattern} | {r.detail} |" for r in self.records]
+        if self.candidates:
+            done = sum(c.fused for c in self.candidates)
+            kinds = ", ".join(f"{k} {a}/{b}" for k, (a, b) in self.coverage_by_kind().items())
+            lines += ["", f"coverage: {done}/{len(self.candidates)} eligible modules fused ({kinds})"]
+        skipped = self.skipped()
+        if skipped:
+            lines += ["", "| skipped | kind | class | why |", "|---|---|---|---|"]
+            lines += [f"| {c.module or '(root)'} | {c.kind} | {c.cls} | {c.reason} |" for c in skipped]
         return "\n".join(lines)
 
     def __len__(self) -> int:
@@ -112,6 +167,18 @@ def _bn_ok(m: nn.Module | None, conv: nn.Conv2d) -> bool:
     return type(m) is nn.BatchNorm2d and m.num_features == conv.out_channels
 
 
+def _sequential_forward(m: nn.Module) -> bool:
+    """``m`` runs its children in order: ``nn.Sequential`` or a subclass that keeps ``nn.Sequential.forward``."""
+    cls = fm.original_class(m)
+    return issubclass(cls, nn.Sequential) and cls.forward is nn.Sequential.forward
+
+
+def _act_kind(m: nn.Module | None) -> str | None:
+    """The fused kind of an activation module other than ``nn.Identity``, else None."""
+    act = module_activation(m) if m is not None else None
+    return act if act not in (None, "none") else None
+
+
 def _plan_sequential(seq: nn.Module, which: str) -> dict[int, tuple[int, str]]:
     mods = list(compat.child_modules(seq).values())
     plan: dict[int, tuple[int, str]] = {}
@@ -119,24 +186,31 @@ def _plan_sequential(seq: nn.Module, which: str) -> dict[int, tuple[int, str]]:
     while i < len(mods):
         cur, nxt = mods[i], mods[i + 1] if i + 1 < len(mods) else None
         if which == "conv" and isinstance(cur, nn.Conv2d) and _conv_ok(cur) and _bn_ok(nxt, cur):
-            if i + 2 < len(mods) and type(mods[i + 2]) is nn.ReLU:
-                plan[i] = (3, "conv_bn_relu")
+            act = _act_kind(mods[i + 2]) if i + 2 < len(mods) else None
+            if act is not None:
+                plan[i] = (3, "conv_bn_relu" if act == "relu" else f"conv_bn_{act}")
                 i += 3
             else:
                 plan[i] = (2, "conv_bn")
                 i += 2
             continue
-        if which == "linear" and type(cur) is nn.Linear and type(nxt) is nn.Dropout:
-            plan[i] = (2, "linear_dropout")
-            i += 2
-            continue
+        if which == "linear" and type(cur) is nn.Linear:
+            j = i + 1
+            act = _act_kind(mods[j]) if j < len(mods) else None
+            j += act is not None
+            drop = j < len(mods) and type(mods[j]) is nn.Dropout
+            if act is not None or drop:
+                kind = "linear" + (f"_{act}" if act else "") + ("_dropout" if drop else "")
+                plan[i] = (j + drop - i, kind)
+                i = j + drop
+                continue
         i += 1
     return plan
 
 
 def _seq_match(which: str) -> Callable[[nn.Module], bool]:
     def match(m: nn.Module) -> bool:
-        if fm.original_class(m) is not nn.Sequential or getattr(m, "_la_claimed", False):
+        if not _sequential_forward(m) or getattr(m, "_la_claimed", False):
             return False
         done: dict[int, tuple[int, str]] = getattr(m, "_la_plan", {})
         return any(i not in done for i in _plan_sequential(m, which))
@@ -226,7 +300,90 @@ def _gpt_apply(m: nn.Module) -> tuple[str, list[ParamSwap]]:
     # attribute (nn.Module.__setattr__ is typed for tensors and modules only), kept by deepcopy like the class swap
     mlp.__dict__["_la_claimed"] = True
     fm.swap_class(m, fm.FusedGPTBlockMixin)
-    return "attn.proj+resid_dropout+residual, mlp[2:4]+residual", []
+    second = cast(nn.Sequential, mlp)[1]
+    act = "linear+" + (module_activation(second) or type(second).__name__)
+    return f"attn.proj+resid_dropout+residual, mlp[0:2] {act}, mlp[2:4]+residual", []
+
+
+def _tel_match(m: nn.Module) -> bool:
+    return (
+        _registered(m, fm.FusedTransformerEncoderLayerMixin)
+        and isinstance(m, nn.TransformerEncoderLayer)
+        and function_activation(getattr(m, "activation", None)) is not None
+        and fm.mha_supported(m.self_attn) is None
+        and type(m.linear1) is nn.Linear
+        and type(m.linear2) is nn.Linear
+        and all(type(getattr(m, d, None)) is nn.Dropout for d in ("dropout", "dropout1", "dropout2"))
+    )
+
+
+def _tel_apply(m: nn.Module) -> tuple[str, list[ParamSwap]]:
+    fm.swap_class(m, fm.FusedTransformerEncoderLayerMixin)
+    order = "pre-norm" if getattr(m, "norm_first", False) else "post-norm"
+    return f"{order}: self_attn (sdpa) + out_proj+dropout1+residual, linear1+act+dropout, linear2+dropout2+residual", []
+
+
+def _packed_attn_ok(m: nn.Module | None) -> bool:
+    if m is None or fm.block_mixin(m) is not fm.FusedPackedAttentionMixin:
+        return False
+    c_attn, c_proj = getattr(m, "c_attn", None), getattr(m, "c_proj", None)
+    return (
+        type(c_attn) is nn.Linear
+        and type(c_proj) is nn.Linear
+        and c_attn.out_features == 3 * c_attn.in_features
+        and type(getattr(m, "attn_dropout", None)) is nn.Dropout
+        and type(getattr(m, "resid_dropout", None)) is nn.Dropout
+        and isinstance(getattr(m, "n_head", None), int)
+    )
+
+
+def _gpt2_match(m: nn.Module) -> bool:
+    if not _registered(m, fm.FusedGPT2BlockMixin):
+        return False
+    mlp = getattr(m, "mlp", None)
+    return (
+        _packed_attn_ok(getattr(m, "attn", None))
+        and isinstance(mlp, nn.Module)
+        and type(getattr(mlp, "c_fc", None)) is nn.Linear
+        and type(getattr(mlp, "c_proj", None)) is nn.Linear
+        and _act_kind(getattr(mlp, "act", None)) is not None
+        and type(getattr(mlp, "dropout", None)) is nn.Dropout
+    )
+
+
+def _gpt2_apply(m: nn.Module) -> tuple[str, list[ParamSwap]]:
+    fm.swap_class(m.get_submodule("attn"), fm.FusedPackedAttentionMixin)
+    fm.swap_class(m, fm.FusedGPT2BlockMixin)
+    return "attn (sdpa) + c_proj+resid_dropout+residual, mlp.c_fc+act, mlp.c_proj+dropout+residual", []
+
+
+def _mha_match(m: nn.Module) -> bool:
+    return type(m) is nn.MultiheadAttention and fm.mha_supported(m) is None
+
+
+def _mha_apply(m: nn.Module) -> tuple[str, list[ParamSwap]]:
+    fm.swap_class(m, fm.FusedMultiheadAttentionMixin)
+    return f"in_proj (packed) + sdpa, {cast(nn.MultiheadAttention, m).num_heads} heads", []
+
+
+def _packed_match(m: nn.Module) -> bool:
+    return _packed_attn_ok(m) and not fm.is_fused(m)
+
+
+def _packed_apply(m: nn.Module) -> tuple[str, list[ParamSwap]]:
+    fm.swap_class(m, fm.FusedPackedAttentionMixin)
+    return "c_attn (packed) + sdpa, c_proj+resid_dropout", []
+
+
+def _custom_match(m: nn.Module) -> bool:
+    mixin = fm.block_mixin(m)
+    return mixin is not None and mixin not in fm.BLOCK_MIXINS and not fm.is_fused(m, mixin)
+
+
+def _custom_apply(m: nn.Module) -> tuple[str, list[ParamSwap]]:
+    mixin = cast(type, fm.block_mixin(m))
+    fm.swap_class(m, mixin)
+    return f"{mixin.__name__}", []
 
 
 # -------------------------------------------------------------------------------------------------------- norms
@@ -274,11 +431,212 @@ DEFAULT_POLICY: dict[str, list[Replacement]] = {
     ],
     "linear_dropout": [
         Replacement(_gpt_match, _gpt_apply),
+        Replacement(_gpt2_match, _gpt2_apply),
+        Replacement(_tel_match, _tel_apply),
         Replacement(_seq_match("linear"), _seq_apply("linear")),
     ],
     "qkv": [Replacement(_qkv_match, _qkv_apply)],
+    "attention": [Replacement(_mha_match, _mha_apply), Replacement(_packed_match, _packed_apply)],
     "norm": [Replacement(_norm_match, _norm_apply)],
+    "block": [Replacement(_custom_match, _custom_apply)],
 }
+
+
+# ------------------------------------------------------------------------------------------- eligibility and reasons
+
+ELIGIBLE_KINDS: dict[str, tuple[str, ...]] = {
+    "conv_bn": ("conv_bn_relu", "block"),
+    "linear": ("linear_dropout", "block"),
+    "attention": ("attention", "qkv", "linear_dropout", "block"),
+    "norm": ("norm",),
+}
+"""The kinds of eligible modules and the patterns that can fuse each (what "not selected" is checked against)."""
+
+_PACKED_NAMES = ("in_proj", "c_attn", "qkv", "qkv_proj")
+
+
+def _next_sibling(parent: nn.Module | None, name: str) -> nn.Module | None:
+    if parent is None:
+        return None
+    names = [n for n, c in compat.child_modules(parent).items() if c is not None]
+    if name not in names:
+        return None
+    i = names.index(name)
+    return compat.child_modules(parent)[names[i + 1]] if i + 1 < len(names) else None
+
+
+def _packed_linear(m: nn.Module) -> str | None:
+    for n in _PACKED_NAMES:
+        lin = compat.child_modules(m).get(n)
+        if isinstance(lin, nn.Linear) and lin.out_features == 3 * lin.in_features:
+            return n
+    return None
+
+
+def _attention_kind(m: nn.Module) -> bool:
+    if isinstance(m, nn.MultiheadAttention):
+        return True
+    children = compat.child_modules(m)
+    if all(isinstance(children.get(n), nn.Linear) for n in ("q_proj", "k_proj", "v_proj")):
+        return True
+    return _packed_linear(m) is not None
+
+
+def _is_activation(m: nn.Module | None) -> bool:
+    if m is None or isinstance(m, nn.MultiheadAttention):
+        return False
+    return type(m).__module__ == "torch.nn.modules.activation" or _act_kind(m) is not None
+
+
+def eligible_modules(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
+    """``(path, module, kind)`` of every module surgery counts as a fusion candidate (the coverage denominator).
+
+    Kinds:
+
+    - ``"norm"``: every ``nn.LayerNorm`` / ``nn.RMSNorm`` (subclasses included);
+    - ``"attention"``: every ``nn.MultiheadAttention``, and every module with ``q_proj``/``k_proj``/``v_proj``
+      Linears or a packed ``Linear(C, 3 * C)`` named ``in_proj``, ``c_attn``, ``qkv`` or ``qkv_proj`` (its own
+      sub-modules are not counted again);
+    - ``"conv_bn"``: every ``nn.Conv2d`` whose next sibling (in its parent's registration order, which is the
+      execution order in a sequential container) is an ``nn.BatchNorm2d``;
+    - ``"linear"``: every ``nn.Linear`` whose next sibling is an activation module or an ``nn.Dropout``.
+
+    Linears and convs that are followed by nothing fusable (a classifier head, a patch embedding) are not eligible.
+    """
+    out: list[tuple[str, nn.Module, str]] = []
+    inside: list[str] = []  # attention modules found so far: their sub-modules are theirs
+    modules = dict(model.named_modules())
+    norms: tuple[type[nn.Module], ...] = (nn.LayerNorm, *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))
+    for path, m in modules.items():
+        if any(path.startswith(a + ".") for a in inside):
+            continue
+        parent_path, _, name = path.rpartition(".")
+        parent = modules.get(parent_path) if path else None
+        if isinstance(m, norms):
+            out.append((path, m, "norm"))
+        elif _attention_kind(m):
+            out.append((path, m, "attention"))
+            inside.append(path)
+        elif isinstance(m, nn.Conv2d) and isinstance(_next_sibling(parent, name), nn.BatchNorm2d):
+            out.append((path, m, "conv_bn"))
+        elif isinstance(m, nn.Linear):
+            nxt = _next_sibling(parent, name)
+            if _is_activation(nxt) or isinstance(nxt, nn.Dropout):
+                out.append((path, m, "linear"))
+    return out
+
+
+_REGISTER_HINT = "register the class with `register_block(cls, mixin)` (docs/fused.md, *Register a block*)"
+
+
+def _block_hint(parent: nn.Module, kind: str) -> str:
+    """Which mixin an unregistered parent would be registered with, by its attributes."""
+    names = set(compat.child_modules(parent))
+    if kind == "conv_bn":
+        if {"conv1", "bn1", "conv2", "bn2", "conv3", "bn3"} <= names:
+            return "FusedBottleneckMixin"
+        if {"conv1", "bn1", "conv2", "bn2"} <= names:
+            return "FusedBasicBlockMixin"
+    if kind == "linear" and {"c_fc", "c_proj"} <= names:
+        return "FusedGPT2BlockMixin (on the block that holds this MLP)"
+    if kind == "attention":
+        if {"q_proj", "k_proj", "v_proj"} <= names:
+            return "FusedAttentionMixin"
+        if "c_attn" in names:
+            return "FusedPackedAttentionMixin"
+    return "a FusedBlockMixin subclass of your own"
+
+
+def _skip_reason(
+    path: str,
+    m: nn.Module,
+    kind: str,
+    parent: nn.Module | None,
+    policy: Mapping[str, Sequence[Replacement]],
+    ignored: bool,
+) -> str:
+    cls = type(m).__name__
+    if ignored:
+        return "ignored (`ignore_modules`)"
+    if set(policy) <= set(DEFAULT_POLICY) and not set(ELIGIBLE_KINDS[kind]) & set(policy):
+        return f"pattern `{ELIGIBLE_KINDS[kind][0]}` not selected (`fusions={sorted(policy)}`)"
+    if kind == "norm":
+        shape = tuple(getattr(m, "normalized_shape", ()))
+        if type(m) not in (nn.LayerNorm, getattr(nn, "RMSNorm", nn.LayerNorm)):
+            return f"`{cls}` is a subclass (its forward may differ); add a `Replacement` for it"
+        if len(shape) != 1:
+            return f"normalized_shape {shape} spans more than the last dimension"
+    if kind == "attention":
+        if isinstance(m, nn.MultiheadAttention):
+            if type(m) is not nn.MultiheadAttention:
+                return f"`{cls}` subclasses nn.MultiheadAttention (its forward may differ); add a `Replacement`"
+            why = fm.mha_supported(m)
+            if why:
+                return f"unsupported configuration: {why}"
+        packed = _packed_linear(m)
+        mixin = fm.block_mixin(m)
+        if mixin is None:
+            what = f"packed `{packed}`" if packed else "q_proj/k_proj/v_proj"
+            return (
+                f"unregistered attention class `{fm.qualname(m)}` ({what}; its forward is its own): "
+                f"{_REGISTER_HINT} with {_block_hint(m, 'attention')} if its forward is what that mixin states"
+            )
+        if mixin is fm.FusedAttentionMixin and not _qkv_match(m):
+            return "q_proj/k_proj/v_proj differ in shape, bias, dtype or device (or are not exactly nn.Linear)"
+        return f"registered with {mixin.__name__} but lacks the attributes its contract names"
+    if parent is None:
+        return "no pattern matched"
+    pcls = fm.original_class(parent)
+    if kind == "conv_bn":
+        if type(m) is not nn.Conv2d:
+            return f"`{cls}` is a subclass of nn.Conv2d"
+        if m.padding_mode != "zeros":
+            return f"padding_mode={m.padding_mode!r} (only 'zeros' is fused)"
+    if kind == "linear" and type(m) is not nn.Linear:
+        return f"`{cls}` is a subclass of nn.Linear"
+    if issubclass(pcls, nn.Sequential):
+        if pcls.forward is not nn.Sequential.forward:
+            return f"parent `{pcls.__name__}` overrides nn.Sequential.forward: {_REGISTER_HINT} or add a `Replacement`"
+        if getattr(parent, "_la_claimed", False):
+            return "its container is run by a fused block whose forward handles this module differently"
+        return "the module after it is not fused with it (BatchNorm2d of other channels, another class)"
+    mixin = fm.block_mixin(parent)
+    if mixin is not None:
+        return f"parent `{pcls.__name__}` is registered with {mixin.__name__} but does not meet its contract"
+    return (
+        f"inside `{fm.qualname(pcls)}`, whose own forward calls it: {_REGISTER_HINT} with "
+        f"{_block_hint(parent, kind)} if its forward is what that mixin states, or add a `Replacement`"
+    )
+
+
+def _candidates(
+    model: nn.Module, policy: Mapping[str, Sequence[Replacement]], ignore: Sequence[str | type]
+) -> list[Candidate]:
+    modules = dict(model.named_modules())
+    covered: set[str] = set()
+    for path, m in modules.items():
+        covered.update(f"{path}.{c}" if path else c for c in fm.fused_children(m))
+    out = []
+    for path, m, kind in eligible_modules(model):
+        parent_path = path.rpartition(".")[0]
+        parent = modules.get(parent_path) if path else None
+        fused = fm.is_fused(m) or path in covered
+        if fused:
+            out.append(
+                Candidate(path, kind, type(m).__name__ if not fm.is_fused(m) else fm.original_class(m).__name__, True)
+            )
+            continue
+        ignored = _ignored(path, m, ignore) or any(
+            _ignored(a, modules[a], ignore) for a in _ancestors(path) if a in modules
+        )
+        reason = _skip_reason(path, m, kind, parent, policy, ignored)
+        out.append(Candidate(path, kind, type(m).__name__, False, reason))
+    return out
+
+
+def _ancestors(path: str) -> list[str]:
+    parts = path.split(".") if path else []
+    return [".".join(parts[:i]) for i in range(len(parts))]
 
 
 def replace_optimizer_params(optimizers: Iterable[torch.optim.Optimizer], swaps: Sequence[ParamSwap]) -> int:
@@ -377,6 +735,7 @@ def apply_fusions(
                     detail, swaps = rep.apply(module)
                     report.records.append(FusionRecord(name, pattern, detail))
                     report.param_swaps.extend(swaps)
+    report.candidates = _candidates(model, policy, ignore_modules)
     if backend is not None:
         check_backend(backend)
         for m in model.modules():
@@ -385,7 +744,13 @@ def apply_fusions(
     if report.param_swaps:
         replace_optimizer_params(list(optimizers), report.param_swaps)
     if report.records:
-        log.info("Fused %d pattern(s) in %s:\n%s", len(report), type(model).__name__, report.table())
+        log.info(
+            "Fused %d pattern(s) in %s (%.0f%% of eligible modules):\n%s",
+            len(report),
+            type(model).__name__,
+            100 * report.coverage(),
+            report.table(),
+        )
     elif warn_if_empty and not any(fm.is_fused(m) for m in model.modules()):  # a second call is not "nothing"
         warnings.warn(
             f"Module surgery found nothing to fuse in {type(model).__name__} for patterns {list(policy)}. "

@@ -64,3 +64,32 @@ def test_conv_bn_relu_cuda_bf16_autocast() -> None:
     assert y.grad_fn is not None and "ConvBNReLU" in type(y.grad_fn).__name__
     yr = cbr_ref.conv_bn_relu(x, w.detach(), None, g, be, None, None, True, 0.1, 1e-5, 1, 1)
     assert_close(y, yr, 5e-2, 5e-2)
+
+
+@pytest.mark.parametrize("act", ["relu6", "hardswish", "silu", "gelu", "gelu_tanh"])
+def test_activation_kernels_cuda(act: str) -> None:
+    """The compiled activation epilogues of both ops (float16: CUDA fp32 convs and GEMMs may use TF32)."""
+    torch.manual_seed(0)
+    dev, dtype, atol = "cuda", torch.float16, 1e-3
+    x, w = torch.randn(4, 8, 17, 19, device=dev).to(dtype), (torch.randn(16, 8, 3, 3, device=dev) / 8).to(dtype)
+    g, be = torch.rand(16, device=dev) + 0.5, torch.randn(16, device=dev)
+    xs, ws, gs, bes = leaves(x, w, g, be)
+    y = conv_bn_relu(xs, ws, None, gs, bes, None, None, True, 0.1, 1e-5, 1, 1, activation=act)  # type: ignore[arg-type]
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    xr, wr, gr, ber = leaves(x.float(), w.float(), g, be)
+    yr = cbr_ref.conv_bn_relu(xr, wr, None, gr, ber, None, None, True, 0.1, 1e-5, 1, 1, activation=act)  # type: ignore[arg-type]
+    yr.backward(dy.float())
+    assert_grad_close(y, yr, atol, atol, factor=2)
+    assert_grad_close(xs.grad, xr.grad, atol, atol)
+    assert_grad_close(gs.grad, gr.grad, atol, atol)
+    xl, wl = torch.randn(33, 65, device=dev).to(dtype), (torch.randn(47, 65, device=dev) / 8).to(dtype)
+    a, b = leaves(xl, wl)
+    out = linear_dropout(a, b, activation=act)  # type: ignore[arg-type]
+    d = torch.randn_like(out)
+    out.backward(d)
+    ar, br = leaves(xl.float(), wl.float())
+    ref = ld_ref.linear_dropout(ar, br, None, None, 0.0, activation=act)  # type: ignore[arg-type]
+    ref.backward(d.float())
+    assert_grad_close(out, ref, atol, atol, factor=2)
+    assert_grad_close(a.grad, ar.grad, atol, atol, factor=2)

@@ -190,3 +190,48 @@ def test_compile_failure_falls_back_to_eager_in_a_trainer(tmp_path: Path) -> Non
     with pytest.warns(UserWarning, match="`torch.compile` failed for TinyGPT.*running it eagerly"):
         losses = _fit(model, _token_loader(), plugin, tmp_path)
     assert len(losses) == STEPS and model._compiled_call_impl.failed is not None
+
+
+class _EncoderLM(L.LightningModule):
+    """A transformer encoder layer and a GPT-2 style block over random embeddings, regression to zero."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from lightning_accel.models.gpt2 import GPT2Block
+
+        self.enc = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=True, norm_first=True)
+        self.block = GPT2Block(16, 2, dropout=0.1)
+
+    def training_step(self, batch: Any, idx: int) -> torch.Tensor:
+        (x,) = batch
+        return self.block(self.enc(x)).float().square().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _ddp_structural_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    from lightning_accel.precision.modules import FusedGPT2BlockMixin, FusedTransformerEncoderLayerMixin
+
+    torch.manual_seed(0)
+    model = _EncoderLM()
+    plugin = FusedPrecision("bf16-mixed", device="cpu", backend="reference")
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world_size, strategy="ddp", max_steps=3, plugins=[plugin], logger=False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, default_root_dir=root,
+    )  # fmt: skip
+    data = torch.randn(32, 5, 16, generator=torch.Generator().manual_seed(1))
+    trainer.fit(model, DataLoader(TensorDataset(data), batch_size=4))
+    assert plugin.report is not None
+    return {
+        "fused": is_fused(model.enc, FusedTransformerEncoderLayerMixin) and is_fused(model.block, FusedGPT2BlockMixin),
+        "coverage": plugin.report.coverage(),
+        "param_sum": float(sum(p.double().sum() for p in model.parameters())),
+    }
+
+
+def test_ddp_with_encoder_layer_and_gpt2_block(tmp_path: Path) -> None:
+    results = run_in_processes(_ddp_structural_worker, 2, (str(tmp_path),), init_process_group=False, timeout=240)
+    for r in results:
+        assert r["fused"] and r["coverage"] == 1.0
+    assert results[0]["param_sum"] == pytest.approx(results[1]["param_sum"], abs=1e-9)  # ranks stayed in sync

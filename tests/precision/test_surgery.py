@@ -226,11 +226,16 @@ def test_subclasses_with_their_own_forward_are_not_touched() -> None:
             return super().forward(x) * 2
 
     class MySeq(nn.Sequential):
-        pass
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) + 1
 
     model = nn.Sequential(MyNorm(4), MySeq(nn.Conv2d(1, 1, 1), nn.BatchNorm2d(1), nn.ReLU()))
     with pytest.warns(UserWarning, match="nothing to fuse"):
-        assert len(apply_fusions(model)) == 0
+        report = apply_fusions(model)
+    assert len(report) == 0
+    why = {c.module: c.reason for c in report.skipped()}
+    assert "subclass" in why["0"] and "overrides nn.Sequential.forward" in why["1.0"], why
+    assert report.coverage() == 0.0
 
 
 def test_custom_policy() -> None:

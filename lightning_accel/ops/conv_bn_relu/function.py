@@ -1,9 +1,11 @@
-"""``ConvBNReLUFunction``: Conv2d -> BatchNorm2d (batch statistics) -> ReLU that recomputes the conv in backward.
+"""``ConvBNReLUFunction``: Conv2d -> BatchNorm2d (batch statistics) -> activation that recomputes the conv in backward.
 
 Memory: eager autograd keeps the conv output (for BN's backward) and the BN/ReLU output (for ReLU's backward) of every
 block; this function keeps only its input ``x`` (which the previous layer's backward usually holds anyway), the
 weights and two float32 vectors per channel. The price is one extra convolution forward in backward (~1/3 more conv
 FLOPs for this layer). In eval mode :func:`conv_bn_relu` folds the running statistics into the conv weights instead.
+The activation is any of :data:`lightning_accel.ops.activation.ACTIVATIONS`; on the Triton path the batch-norm +
+activation passes run in :mod:`.triton`'s kernels, on the torch path in :mod:`.reference`'s functions.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from lightning_accel._utils.triton import Backend, check_backend
+from lightning_accel._utils.triton import Backend, check_backend, use_triton
+from lightning_accel.ops.activation import Activation, activation_forward
 from lightning_accel.ops.conv_bn_relu import reference
 
 __all__ = ["ConvBNReLUFunction", "conv_bn_relu", "fold_bn_into_conv"]
@@ -22,10 +25,11 @@ fold_bn_into_conv = reference.fold_bn
 
 
 class ConvBNReLUFunction(torch.autograd.Function):
-    """Training-mode fused Conv2d + BatchNorm2d (+ ReLU). Tensors must already have their compute dtypes.
+    """Training-mode fused Conv2d + BatchNorm2d (+ activation). Tensors must already have their compute dtypes.
 
     ``running_mean``/``running_var`` (optional) are updated in place with ``momentum`` like ``nn.BatchNorm2d`` does
-    (unbiased variance).
+    (unbiased variance). ``relu`` is True/False (ReLU or none) or an activation name; ``on_triton`` runs the
+    batch-norm + activation passes in the Triton kernels.
     """
 
     @staticmethod
@@ -41,34 +45,69 @@ class ConvBNReLUFunction(torch.autograd.Function):
         momentum: float,
         eps: float,
         conv_args: tuple[Any, Any, Any, int],
-        relu: bool,
+        relu: bool | str,
+        on_triton: bool = False,
     ) -> torch.Tensor:
+        act = reference.resolve_activation(relu)
         y = F.conv2d(x, weight, bias, *conv_args)
-        out, mean, invstd, unbiased_var = reference.bn_relu_forward(y, bn_weight, bn_bias, eps, relu)
+        if on_triton:
+            from lightning_accel.ops.conv_bn_relu import triton as kernels
+
+            yf = y.float()
+            var, mean = torch.var_mean(yf, dim=(0, 2, 3), unbiased=False)
+            invstd = torch.rsqrt(var + eps)
+            n = y.numel() // y.shape[1]
+            unbiased_var = var * (n / max(n - 1, 1))
+            del yf
+            out = kernels.bn_act_forward(y, bn_weight, bn_bias, mean, invstd, act)
+        else:
+            out, mean, invstd, unbiased_var = reference.bn_relu_forward(y, bn_weight, bn_bias, eps, act)
         del y  # the point of the fusion: the conv output is not kept for backward
         if running_mean is not None and running_var is not None:
             running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
             running_var.mul_(1 - momentum).add_(unbiased_var.to(running_var.dtype), alpha=momentum)
         ctx.save_for_backward(x, weight, bias, bn_weight, bn_bias, mean, invstd)
-        ctx.conv_args, ctx.relu = conv_args, relu
+        ctx.conv_args, ctx.act, ctx.on_triton = conv_args, act, on_triton
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[Any, ...]:
         x, weight, bias, bn_weight, bn_bias, mean, invstd = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        with torch.enable_grad(), torch.autocast(x.device.type, enabled=False):
-            xd = x.detach().requires_grad_(need_x)
-            wd = weight.detach().requires_grad_(need_w)
-            bd = bias.detach().requires_grad_(need_b) if bias is not None else None
-            y = F.conv2d(xd, wd, bd, *ctx.conv_args)  # recompute instead of having stored it
-        dy, dgamma, dbeta = reference.bn_relu_backward(dout, y.detach(), bn_weight, bn_bias, mean, invstd, ctx.relu)
-        inputs = [t for t, need in ((xd, need_x), (wd, need_w), (bd, need_b)) if need and t is not None]
-        grads = iter(torch.autograd.grad(y, inputs, dy) if inputs else ())
-        dx = next(grads) if need_x else None
-        dw = next(grads) if need_w else None
-        db = next(grads) if need_b and bias is not None else None
-        return dx, dw, db, dgamma, dbeta, None, None, None, None, None, None
+        stride, padding, dilation, groups = ctx.conv_args
+        with torch.autocast(x.device.type, enabled=False):
+            y = F.conv2d(x, weight, bias, *ctx.conv_args)  # recompute instead of having stored it
+        if ctx.on_triton:
+            from lightning_accel.ops.conv_bn_relu import triton as kernels
+
+            dy, dgamma, dbeta = kernels.bn_act_backward(dout, y, bn_weight, bn_bias, mean, invstd, ctx.act)
+        else:
+            dy, dgamma, dbeta = reference.bn_relu_backward(dout, y, bn_weight, bn_bias, mean, invstd, ctx.act)
+        del y
+        dx = dw = db = None
+        if isinstance(padding, str):  # "same"/"valid": let autograd find the padding the forward used
+            with torch.enable_grad():
+                xd = x.detach().requires_grad_(need_x)
+                wd = weight.detach().requires_grad_(need_w)
+                bd = bias.detach().requires_grad_(need_b) if bias is not None else None
+                y2 = F.conv2d(xd, wd, bd, *ctx.conv_args)
+            inputs = [t for t, need in ((xd, need_x), (wd, need_w), (bd, need_b)) if need and t is not None]
+            grads = iter(torch.autograd.grad(y2, inputs, dy) if inputs else ())
+            dx = next(grads) if need_x else None
+            dw = next(grads) if need_w else None
+            db = next(grads) if need_b and bias is not None else None
+        elif need_x or need_w or need_b:
+            # the op autograd itself runs for a conv's backward: one call, and traceable by torch.compile (which
+            # breaks the graph on `torch.autograd.grad` inside a backward)
+            dx, dw, db = torch.ops.aten.convolution_backward(
+                dy, x, weight, [weight.shape[0]] if bias is not None else None, _pair(stride), _pair(padding),
+                _pair(dilation), False, [0, 0], groups, [need_x, need_w, need_b and bias is not None],
+            )  # fmt: skip
+        return dx, dw, db, dgamma, dbeta, None, None, None, None, None, None, None
+
+
+def _pair(v: Any) -> list[int]:
+    return [int(v), int(v)] if isinstance(v, int) else [int(t) for t in v]
 
 
 def conv_bn_relu(
@@ -88,31 +127,35 @@ def conv_bn_relu(
     groups: int = 1,
     relu: bool = True,
     backend: Backend = "auto",
+    activation: Activation | None = None,
 ) -> torch.Tensor:
-    """Fused ``relu(batch_norm(conv2d(x)))`` with the signature of :func:`.reference.conv_bn_relu`.
+    """Fused ``act(batch_norm(conv2d(x)))`` with the signature of :func:`.reference.conv_bn_relu`.
+
+    ``activation`` (``"none"``, ``"relu"``, ``"relu6"``, ``"hardswish"``, ``"silu"``, ``"gelu"``, ``"gelu_tanh"``)
+    wins over ``relu`` (the older spelling of ``"relu"``/``"none"``) when given.
 
     ``training=True`` (or no running statistics) normalises with batch statistics through
     :class:`ConvBNReLUFunction`; otherwise BatchNorm is folded into the convolution. Honours ``torch.autocast``: the
     convolution runs in the autocast dtype, the statistics in float32, the output has the convolution's dtype.
 
-    ``backend``: ``"auto"`` uses the fused function on CUDA (where activation memory is what limits batch size) and
-    the eager oracle elsewhere (on a CPU the recomputed convolution costs more time than the memory is worth);
-    ``"reference"``/``"triton"`` force the fused function (it has no Triton kernel: cuDNN does the convolution);
-    ``"eager"`` forces the oracle.
+    ``backend``: ``"auto"`` uses the fused function on CUDA (where activation memory is what limits batch size), with
+    the Triton batch-norm + activation kernels when Triton is installed, and the eager oracle elsewhere (on a CPU the
+    recomputed convolution costs more time than the memory is worth); ``"reference"`` forces the fused function's
+    torch path, ``"triton"`` its kernels (CUDA, or the interpreter); ``"eager"`` forces the oracle.
     """
     if x.dim() != 4:
         raise ValueError(f"`x` must be a 4-D (N, C, H, W) tensor, got shape {tuple(x.shape)}.")
     check_backend(backend)
+    act = reference.resolve_activation(relu, activation)
     if backend == "eager" or (backend == "auto" and not x.is_cuda):
         return reference.conv_bn_relu(
             x, weight, bias, bn_weight, bn_bias, running_mean, running_var, training, momentum, eps, stride, padding,
-            dilation, groups, relu,
+            dilation, groups, activation=act,
         )  # fmt: skip
     conv_args = (stride, padding, dilation, groups)
     if not training and running_mean is not None and running_var is not None:
         w, b = fold_bn_into_conv(weight, bias, bn_weight, bn_bias, running_mean, running_var, eps)
-        y = F.conv2d(x, w, b, stride, padding, dilation, groups)
-        return F.relu(y) if relu else y
+        return activation_forward(F.conv2d(x, w, b, stride, padding, dilation, groups), act)
     if x.numel() == 0:
         raise ValueError(f"BatchNorm in training needs a non-empty batch, got shape {tuple(x.shape)}.")
     device_type = x.device.type
@@ -123,7 +166,8 @@ def conv_bn_relu(
     elif weight.dtype != x.dtype:
         weight = weight.to(x.dtype)
         bias = bias.to(x.dtype) if bias is not None else None
+    on_triton = use_triton(x, backend)
     with torch.autocast(device_type, enabled=False):
         return ConvBNReLUFunction.apply(
-            x, weight, bias, bn_weight, bn_bias, running_mean, running_var, momentum, eps, conv_args, relu
+            x, weight, bias, bn_weight, bn_bias, running_mean, running_var, momentum, eps, conv_args, act, on_triton
         )

@@ -1,8 +1,10 @@
-"""Pure-torch Conv2d -> BatchNorm2d (-> ReLU): the oracle and the batch-norm math of the fused function.
+"""Pure-torch Conv2d -> BatchNorm2d (-> activation): the oracle and the batch-norm math of the fused function.
 
-There is no Triton kernel for this op: the convolution stays with cuDNN (or the CPU backend), and what the fusion buys
-is memory: the fused function stores the convolution's *input* and two per-channel vectors, and recomputes the
-convolution output in backward, instead of keeping the conv output and the BN output alive until backward.
+The convolution stays with cuDNN (or the CPU backend); what the fusion buys is memory: the fused function stores the
+convolution's *input* and two per-channel vectors, and recomputes the convolution output in backward, instead of
+keeping the conv output and the BN output alive until backward. The activation after the batch norm is any of
+:data:`lightning_accel.ops.activation.ACTIVATIONS` (``relu=True/False`` is the older spelling of ``"relu"``/``"none"``).
+The Triton kernels (:mod:`.triton`) compute the same batch-norm + activation passes on CUDA.
 """
 
 from __future__ import annotations
@@ -10,7 +12,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["bn_relu_backward", "bn_relu_forward", "conv_bn_relu", "fold_bn"]
+from lightning_accel.ops.activation import Activation, activation_backward, activation_forward, check_activation
+
+__all__ = ["bn_relu_backward", "bn_relu_forward", "conv_bn_relu", "fold_bn", "resolve_activation"]
 
 _DIMS = (0, 2, 3)
 
@@ -31,11 +35,28 @@ def conv_bn_relu(
     dilation: tuple[int, ...] | int = 1,
     groups: int = 1,
     relu: bool = True,
+    activation: Activation | None = None,
 ) -> torch.Tensor:
-    """Oracle: ``relu(batch_norm(conv2d(x)))`` exactly as the three eager modules compute it."""
+    """Oracle: ``act(batch_norm(conv2d(x)))`` exactly as the three eager modules compute it.
+
+    ``activation`` (one of :data:`~lightning_accel.ops.activation.ACTIVATIONS`) wins over ``relu`` when given.
+    """
     y = F.conv2d(x, weight, bias, stride, padding, dilation, groups)
     y = F.batch_norm(y, running_mean, running_var, bn_weight, bn_bias, training, momentum, eps)
-    return F.relu(y) if relu else y
+    return activation_forward(y, resolve_activation(relu, activation))
+
+
+def resolve_activation(relu: bool | str, activation: str | None = None) -> Activation:
+    """The activation of a call: ``activation`` when given, else ``"relu"``/``"none"`` from ``relu`` (or its name).
+
+    Raises:
+        ValueError: for an unknown activation name.
+    """
+    if activation is not None:
+        return check_activation(activation)
+    if isinstance(relu, str):
+        return check_activation(relu)
+    return "relu" if relu else "none"
 
 
 def _acc(t: torch.Tensor) -> torch.Tensor:
@@ -56,9 +77,11 @@ def bn_relu_forward(
     bn_weight: torch.Tensor | None,
     bn_bias: torch.Tensor | None,
     eps: float,
-    relu: bool,
+    relu: bool | str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Batch statistics + affine + ReLU on the conv output ``y`` (N, C, H, W).
+    """Batch statistics + affine + activation on the conv output ``y`` (N, C, H, W).
+
+    ``relu``: True/False (ReLU or none) or an activation name.
 
     Returns:
         ``(out, mean, invstd, unbiased_var)``; ``out`` has ``y``'s dtype, the statistics are float32 (float64 stays).
@@ -69,8 +92,7 @@ def bn_relu_forward(
     var = yf.var(_DIMS, unbiased=False)
     invstd = torch.rsqrt(var + eps)
     z = _affine((yf - mean[None, :, None, None]) * invstd[None, :, None, None], bn_weight, bn_bias)
-    if relu:
-        z = torch.relu(z)
+    z = activation_forward(z, resolve_activation(relu))
     return z.to(y.dtype), mean, invstd, var * (n / max(n - 1, 1))
 
 
@@ -81,17 +103,18 @@ def bn_relu_backward(
     bn_bias: torch.Tensor | None,
     mean: torch.Tensor,
     invstd: torch.Tensor,
-    relu: bool,
+    relu: bool | str,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Gradients ``(dy, dbn_weight, dbn_bias)`` of :func:`bn_relu_forward` given the (recomputed) conv output ``y``.
 
-    With ``xhat = (y - mean) * invstd`` and ``dz = dout * (z > 0)``:
+    With ``xhat = (y - mean) * invstd``, ``z`` the affine output and ``dz = dout * act'(z)``:
     ``dy = invstd * (g - mean(g) - xhat * mean(g * xhat))`` where ``g = dz * bn_weight`` (means over N, H, W).
     """
     xhat = (_acc(y) - mean[None, :, None, None]) * invstd[None, :, None, None]
     dz = _acc(dout)
-    if relu:
-        dz = torch.where(_affine(xhat, bn_weight, bn_bias) > 0, dz, torch.zeros((), dtype=dz.dtype, device=dz.device))
+    act = resolve_activation(relu)
+    if act != "none":
+        dz = activation_backward(_affine(xhat, bn_weight, bn_bias), dz, act)
     dgamma = (dz * xhat).sum(_DIMS).to(bn_weight.dtype) if bn_weight is not None else None
     dbeta = dz.sum(_DIMS).to(bn_bias.dtype) if bn_bias is not None else None
     g = dz * _acc(bn_weight)[None, :, None, None] if bn_weight is not None else dz

@@ -2,6 +2,7 @@
 
 Compared with eager ``dropout(linear(x)) + residual``, the function saves only ``x``, ``weight`` and an integer seed:
 no GEMM output and no mask (eager autograd keeps a bool mask of the output's size, and the dropout output for the add).
+With an ``activation`` it also saves the pre-activation (which eager's activation saves too), not the mask.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 
 from lightning_accel._utils.checks import check_choice, check_number
 from lightning_accel._utils.triton import Backend, resolve_backend, use_triton
+from lightning_accel.ops.activation import Activation, activation_forward, check_activation
 from lightning_accel.ops.linear_dropout import reference
 
 __all__ = ["LinearDropoutFunction", "linear_dropout", "new_seed"]
@@ -24,7 +26,7 @@ def new_seed() -> int:
 
 
 class LinearDropoutFunction(torch.autograd.Function):
-    """``dropout(x @ weight.T + bias, p) (+ residual)`` with the dropout mask regenerated from ``seed`` in backward.
+    """``dropout(act(x @ weight.T + bias), p) (+ residual)``, the dropout mask regenerated from ``seed`` in backward.
 
     All tensors must already have their compute dtypes (the :func:`linear_dropout` wrapper applies autocast). The
     output dtype is ``x``'s, promoted with the residual's (as eager ``residual + y`` would).
@@ -41,6 +43,7 @@ class LinearDropoutFunction(torch.autograd.Function):
         seed: int,
         backend: Backend,
         gemm: str,
+        activation: Activation = "none",
     ) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
@@ -50,12 +53,12 @@ class LinearDropoutFunction(torch.autograd.Function):
         if on_triton:
             from lightning_accel.ops.linear_dropout import triton as kernels
 
-            out = kernels.forward(x2, weight, bias, r2, seed, p, out_dtype, gemm)
+            out, pre = kernels.forward(x2, weight, bias, r2, seed, p, out_dtype, gemm, activation)
         else:
             y = torch.mm(x2, weight.t())
-            out = reference.epilogue_forward(y, bias, r2, seed, p, out_dtype)
-        ctx.save_for_backward(x2, weight)
-        ctx.p, ctx.seed, ctx.on_triton = p, seed, on_triton
+            out, pre = reference.epilogue_act_forward(y, bias, r2, seed, p, out_dtype, activation)
+        ctx.save_for_backward(x2, weight, pre)
+        ctx.p, ctx.seed, ctx.on_triton, ctx.act = p, seed, on_triton, activation
         ctx.has_bias, ctx.bias_dtype = bias is not None, bias.dtype if bias is not None else None
         ctx.has_residual, ctx.res_dtype = residual is not None, residual.dtype if residual is not None else None
         ctx.lead = lead
@@ -63,14 +66,14 @@ class LinearDropoutFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[Any, ...]:
-        x2, weight = ctx.saved_tensors
+        x2, weight, pre = ctx.saved_tensors
         d2 = dout.reshape(-1, dout.shape[-1])
         if ctx.on_triton:
             from lightning_accel.ops.linear_dropout import triton as kernels
 
-            dz = kernels.dropout_backward(d2, ctx.seed, ctx.p, x2.dtype)
+            dz = kernels.dropout_backward(d2, ctx.seed, ctx.p, x2.dtype, pre, ctx.act)
         else:
-            dz = reference.dropout_backward(d2, ctx.seed, ctx.p, x2.dtype)
+            dz = reference.dropout_backward(d2, ctx.seed, ctx.p, x2.dtype, pre, ctx.act)
         dx = dw = db = dres = None
         if ctx.needs_input_grad[0]:
             dx = torch.mm(dz, weight).view(*ctx.lead, weight.shape[1])
@@ -81,7 +84,7 @@ class LinearDropoutFunction(torch.autograd.Function):
             db = db.to(ctx.bias_dtype)
         if ctx.has_residual and ctx.needs_input_grad[3]:
             dres = dout.to(ctx.res_dtype)
-        return dx, dw, db, dres, None, None, None, None
+        return dx, dw, db, dres, None, None, None, None, None
 
 
 def linear_dropout(
@@ -94,8 +97,9 @@ def linear_dropout(
     seed: int | None = None,
     backend: Backend = "auto",
     gemm: Literal["torch", "triton"] = "torch",
+    activation: Activation = "none",
 ) -> torch.Tensor:
-    """``dropout(F.linear(x, weight, bias), p, training) (+ residual)`` in one fused pass after the GEMM.
+    """``dropout(act(F.linear(x, weight, bias)), p, training) (+ residual)`` in one fused pass after the GEMM.
 
     Honours ``torch.autocast``: inside an autocast region ``x``, ``weight`` and ``bias`` are cast to the autocast
     dtype first (as ``F.linear`` would be), outside of the function so gradients flow back to float32 parameters.
@@ -111,6 +115,8 @@ def linear_dropout(
         backend: ``"auto"`` (Triton on CUDA, eager ``F.linear`` + ``F.dropout`` elsewhere), ``"triton"``,
             ``"reference"`` (the function's torch path, mask from a ``torch.Generator``) or ``"eager"``.
         gemm: ``"torch"`` (cuBLAS GEMM + Triton epilogue) or ``"triton"`` (GEMM and epilogue in one Triton kernel).
+        activation: applied before dropout: ``"none"`` (default), ``"relu"``, ``"relu6"``, ``"hardswish"``,
+            ``"silu"``, ``"gelu"`` or ``"gelu_tanh"`` (``nn.GELU(approximate="tanh")``).
     """
     if isinstance(p, bool) or not (isinstance(p, (int, float)) and 0.0 <= p < 1.0):  # the check only when it fails
         check_number("p", p, low=0, high=1, high_open=True, fix="Use p=0 for no dropout.")
@@ -125,10 +131,11 @@ def linear_dropout(
         raise ValueError(
             f"`residual` must have the output's shape {(*x.shape[:-1], weight.shape[0])}, got {tuple(residual.shape)}."
         )
+    act = check_activation(activation) if activation != "none" else "none"
     p = p if training else 0.0
     path = resolve_backend(x, backend)
     if path == "eager":
-        y = F.dropout(F.linear(x, weight, bias), p, training=p > 0)
+        y = F.dropout(activation_forward(F.linear(x, weight, bias), act), p, training=p > 0)
         return y if residual is None else residual + y
     seed = (new_seed() if p > 0 else 0) if seed is None else seed  # no draw without dropout: RNG streams stay as eager
     device_type = x.device.type
@@ -137,7 +144,7 @@ def linear_dropout(
         x, weight = x.to(dtype), weight.to(dtype)
         bias = bias.to(dtype) if bias is not None else None
         with torch.autocast(device_type, enabled=False):
-            return LinearDropoutFunction.apply(x, weight, bias, residual, p, seed, path, gemm)
+            return LinearDropoutFunction.apply(x, weight, bias, residual, p, seed, path, gemm, act)
     weight = weight.to(x.dtype)
     bias = bias.to(x.dtype) if bias is not None else None
-    return LinearDropoutFunction.apply(x, weight, bias, residual, p, seed, path, gemm)
+    return LinearDropoutFunction.apply(x, weight, bias, residual, p, seed, path, gemm, act)

@@ -1,4 +1,4 @@
-"""Pure-torch Linear -> Dropout (-> + residual): the test oracle and the CPU path of the fused function.
+"""Pure-torch Linear (-> activation) -> Dropout (-> + residual): the test oracle and the CPU path of the fused function.
 
 The dropout mask is a function of ``(seed, shape, p)`` only, so the backward regenerates it instead of storing it.
 On this path it comes from a ``torch.Generator`` seeded with ``seed``; the Triton path draws it with
@@ -11,7 +11,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["dropout_backward", "dropout_mask", "epilogue_forward", "linear_dropout"]
+from lightning_accel.ops.activation import Activation, activation_backward, activation_forward
+
+__all__ = ["dropout_backward", "dropout_mask", "epilogue_act_forward", "epilogue_forward", "linear_dropout"]
 
 
 def linear_dropout(
@@ -21,9 +23,10 @@ def linear_dropout(
     keep: torch.Tensor | None,
     p: float,
     residual: torch.Tensor | None = None,
+    activation: Activation = "none",
 ) -> torch.Tensor:
-    """Oracle: ``F.linear(x, weight, bias) * keep / (1 - p) (+ residual)``; ``keep=None`` means no dropout."""
-    y = F.linear(x, weight, bias)
+    """Oracle: ``act(F.linear(x, weight, bias)) * keep / (1 - p) (+ residual)``; ``keep=None`` means no dropout."""
+    y = activation_forward(F.linear(x, weight, bias), activation)
     if keep is not None:
         y = y * keep.to(y.dtype) / (1.0 - p)
     return y if residual is None else y + residual
@@ -49,21 +52,48 @@ def epilogue_forward(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """``(y + bias) * keep / (1 - p) + residual`` for the 2-D GEMM output ``y``, accumulated in float32."""
+    return epilogue_act_forward(y, bias, residual, seed, p, out_dtype)[0]
+
+
+def epilogue_act_forward(
+    y: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    seed: int,
+    p: float,
+    out_dtype: torch.dtype,
+    activation: Activation = "none",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(act(y + bias) * keep / (1 - p) + residual, pre)``; ``pre = y + bias`` in ``y``'s dtype (None without act)."""
     z = _acc(y)
     if bias is not None:
         z = z + _acc(bias)
+    pre = None
+    if activation != "none":
+        pre = z.to(y.dtype)
+        z = activation_forward(z, activation)
     if p > 0:
         z = torch.where(dropout_mask(seed, tuple(y.shape), p, y.device), z / (1.0 - p), torch.zeros_like(z))
     if residual is not None:
         z = z + _acc(residual)
-    return z.to(out_dtype)
+    return z.to(out_dtype), pre
 
 
-def dropout_backward(dout: torch.Tensor, seed: int, p: float, dtype: torch.dtype) -> torch.Tensor:
-    """``dout * keep / (1 - p)`` with the mask regenerated from ``seed``, cast to ``dtype`` (the GEMM's dtype)."""
-    if p == 0:
+def dropout_backward(
+    dout: torch.Tensor,
+    seed: int,
+    p: float,
+    dtype: torch.dtype,
+    pre: torch.Tensor | None = None,
+    activation: Activation = "none",
+) -> torch.Tensor:
+    """``act'(pre) * dout * keep / (1 - p)`` with the mask regenerated from ``seed``, cast to ``dtype`` (the GEMM's)."""
+    if p == 0 and activation == "none":
         return dout.to(dtype)
-    keep = dropout_mask(seed, tuple(dout.shape), p, dout.device)
-    return torch.where(keep, _acc(dout) / (1.0 - p), torch.zeros((), dtype=_acc(dout).dtype, device=dout.device)).to(
-        dtype
-    )
+    dz = _acc(dout)
+    if p > 0:
+        keep = dropout_mask(seed, tuple(dout.shape), p, dout.device)
+        dz = torch.where(keep, dz / (1.0 - p), torch.zeros((), dtype=dz.dtype, device=dout.device))
+    if activation != "none" and pre is not None:
+        dz = activation_backward(_acc(pre), dz, activation)
+    return dz.to(dtype)

@@ -1,5 +1,9 @@
-"""Triton kernels for ``dropout(x @ W.T + b) (+ residual)``: the epilogue, an optional GEMM with that epilogue, and the
-dropout backward. Imported lazily by :mod:`.function`.
+"""Triton kernels for ``dropout(act(x @ W.T + b)) (+ residual)``: the epilogue, an optional GEMM with that epilogue,
+and the dropout (+ activation) backward. Imported lazily by :mod:`.function`.
+
+With an activation (``ACT`` > 0, see :mod:`lightning_accel.ops.activation_triton`) the epilogue also writes the
+pre-activation ``x @ W.T + b`` (what eager's activation saves for its backward); the backward kernel applies the
+regenerated mask and the activation's derivative in one pass.
 
 The keep-mask is ``tl.rand(seed, row * N + col) >= p`` (Philox), so forward and backward draw the same bits without
 storing a mask. Everything inside the kernels is float32.
@@ -20,6 +24,8 @@ import triton
 import triton.language as tl
 
 from lightning_accel._utils.triton import interpreter_active
+from lightning_accel.ops.activation import Activation
+from lightning_accel.ops.activation_triton import act_backward, act_forward, code
 
 __all__ = ["dropout_backward", "dropout_keep_mask", "forward", "fused_gemm_supported"]
 
@@ -27,9 +33,15 @@ _BLOCK_M, _BLOCK_N = 32, 32
 
 
 @triton.jit
-def _epilogue(acc, offs_m, offs_n, mask, B, R, stride_r, N, seed, p, HAS_B: tl.constexpr, HAS_R: tl.constexpr):
+def _epilogue(
+    acc, offs_m, offs_n, mask, B, R, stride_r, N, seed, p, PRE, stride_p,
+    HAS_B: tl.constexpr, HAS_R: tl.constexpr, ACT: tl.constexpr,
+):  # fmt: skip
     if HAS_B:
         acc = acc + tl.load(B + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    if ACT != 0:
+        tl.store(PRE + offs_m[:, None] * stride_p + offs_n[None, :], acc.to(PRE.dtype.element_ty), mask=mask)
+        acc = act_forward(acc, ACT)
     if p > 0:
         rnd = tl.rand(seed, offs_m[:, None] * N + offs_n[None, :])
         acc = tl.where(rnd >= p, acc / (1.0 - p), 0.0)
@@ -40,21 +52,22 @@ def _epilogue(acc, offs_m, offs_n, mask, B, R, stride_r, N, seed, p, HAS_B: tl.c
 
 @triton.jit
 def _epilogue_kernel(
-    Y, B, R, OUT, M, N, stride_y, stride_r, stride_o, seed, p,
-    HAS_B: tl.constexpr, HAS_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Y, B, R, OUT, M, N, stride_y, stride_r, stride_o, seed, p, PRE, stride_p,
+    HAS_B: tl.constexpr, HAS_R: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     acc = tl.load(Y + offs_m[:, None] * stride_y + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-    acc = _epilogue(acc, offs_m, offs_n, mask, B, R, stride_r, N, seed, p, HAS_B, HAS_R)
+    acc = _epilogue(acc, offs_m, offs_n, mask, B, R, stride_r, N, seed, p, PRE, stride_p, HAS_B, HAS_R, ACT)
     tl.store(OUT + offs_m[:, None] * stride_o + offs_n[None, :], acc.to(OUT.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _matmul_epilogue_kernel(
-    X, W, B, R, OUT, M, N, K, stride_xm, stride_wn, stride_r, stride_o, seed, p,
-    HAS_B: tl.constexpr, HAS_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    X, W, B, R, OUT, M, N, K, stride_xm, stride_wn, stride_r, stride_o, seed, p, PRE, stride_p,
+    HAS_B: tl.constexpr, HAS_R: tl.constexpr, ACT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -69,20 +82,25 @@ def _matmul_epilogue_kernel(
         b = tl.load(W + offs_n[None, :] * stride_wn + kk[:, None], mask=b_mask, other=0.0)
         acc = tl.dot(a, b, acc)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    acc = _epilogue(acc, offs_m, offs_n, mask, B, R, stride_r, N, seed, p, HAS_B, HAS_R)
+    acc = _epilogue(acc, offs_m, offs_n, mask, B, R, stride_r, N, seed, p, PRE, stride_p, HAS_B, HAS_R, ACT)
     tl.store(OUT + offs_m[:, None] * stride_o + offs_n[None, :], acc.to(OUT.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _dropout_bwd_kernel(
-    DOUT, DZ, M, N, stride_d, stride_z, seed, p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+    DOUT, DZ, M, N, stride_d, stride_z, seed, p, PRE, stride_p,
+    ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    d = tl.load(DOUT + offs_m[:, None] * stride_d + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-    rnd = tl.rand(seed, offs_m[:, None] * N + offs_n[None, :])
-    dz = tl.where(rnd >= p, d / (1.0 - p), 0.0)
+    dz = tl.load(DOUT + offs_m[:, None] * stride_d + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    if p > 0:
+        rnd = tl.rand(seed, offs_m[:, None] * N + offs_n[None, :])
+        dz = tl.where(rnd >= p, dz / (1.0 - p), 0.0)
+    if ACT != 0:
+        pre = tl.load(PRE + offs_m[:, None] * stride_p + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+        dz = act_backward(pre, dz, ACT)
     tl.store(DZ + offs_m[:, None] * stride_z + offs_n[None, :], dz.to(DZ.dtype.element_ty), mask=mask)
 
 
@@ -125,40 +143,57 @@ def forward(
     p: float,
     out_dtype: torch.dtype,
     gemm: str = "torch",
-) -> torch.Tensor:
-    """``dropout(x @ weight.T + bias) + residual`` for a 2-D ``x`` (M, K), ``weight`` (N, K); residual (M, N)."""
+    activation: Activation = "none",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``dropout(act(x @ weight.T + bias)) + residual`` for a 2-D ``x`` (M, K), ``weight`` (N, K); residual (M, N).
+
+    Returns:
+        ``(out, pre)``: ``pre`` is the pre-activation in ``x``'s dtype (None without an activation).
+    """
     m, k = x.shape
     n = weight.shape[0]
     _check_offsets(m, n)
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    pre = torch.empty((m, n), dtype=x.dtype, device=x.device) if activation != "none" else None
+    pre_arg = pre if pre is not None else out
     r = residual if residual is not None else out
     b = bias if bias is not None else out
+    flags = {"HAS_B": bias is not None, "HAS_R": residual is not None, "ACT": code(activation)}
     if gemm == "triton" and fused_gemm_supported(x.dtype):
         x = x if x.stride(1) == 1 else x.contiguous()
         weight = weight if weight.stride(1) == 1 else weight.contiguous()
         _matmul_epilogue_kernel[_grid(m, n)](
             x, weight, b, r, out, m, n, k, x.stride(0), weight.stride(0), r.stride(0), out.stride(0), seed, p,
-            HAS_B=bias is not None, HAS_R=residual is not None, BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_K=32,
+            pre_arg, pre_arg.stride(0), **flags, BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_K=32,
         )  # fmt: skip
-        return out
+        return out, pre
     y = torch.mm(x, weight.t())
     _epilogue_kernel[_grid(m, n)](
-        y, b, r, out, m, n, y.stride(0), r.stride(0), out.stride(0), seed, p,
-        HAS_B=bias is not None, HAS_R=residual is not None, BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N,
+        y, b, r, out, m, n, y.stride(0), r.stride(0), out.stride(0), seed, p, pre_arg, pre_arg.stride(0),
+        **flags, BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N,
     )  # fmt: skip
-    return out
+    return out, pre
 
 
-def dropout_backward(dout: torch.Tensor, seed: int, p: float, dtype: torch.dtype) -> torch.Tensor:
-    """``dout * keep / (1 - p)`` with the mask redrawn from ``seed``, as ``dtype``."""
+def dropout_backward(
+    dout: torch.Tensor,
+    seed: int,
+    p: float,
+    dtype: torch.dtype,
+    pre: torch.Tensor | None = None,
+    activation: Activation = "none",
+) -> torch.Tensor:
+    """``act'(pre) * dout * keep / (1 - p)`` with the mask redrawn from ``seed``, as ``dtype``."""
     m, n = dout.shape
-    if p == 0:
+    if p == 0 and activation == "none":
         return dout.to(dtype)
     dout = dout if dout.stride(1) == 1 else dout.contiguous()
     dz = torch.empty((m, n), dtype=dtype, device=dout.device)
+    pre_arg = pre if pre is not None and activation != "none" else dz
     _dropout_bwd_kernel[_grid(m, n)](
-        dout, dz, m, n, dout.stride(0), dz.stride(0), seed, p, BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N
-    )
+        dout, dz, m, n, dout.stride(0), dz.stride(0), seed, p, pre_arg, pre_arg.stride(0),
+        ACT=code(activation), BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N,
+    )  # fmt: skip
     return dz
 
 

@@ -1,0 +1,149 @@
+"""Triton kernels for the batch-norm + activation passes of Conv2d -> BatchNorm2d (-> activation). Imported lazily by
+:mod:`.function`.
+
+The convolution itself stays with cuDNN; these kernels replace the elementwise passes around it. Forward: one pass
+normalises the conv output with the batch statistics, applies the affine and the activation (eager runs the
+batch-norm kernel and an activation kernel, and stores both outputs for backward). Backward: one program per channel
+reduces ``sum(dz)`` and ``sum(dz * xhat)`` over the recomputed conv output (``dz = dout * act'(z)``), then one pass
+writes ``dy`` (the reduction is split over the batch too, ``(C, min(N, 32))`` programs, then summed). Statistics and
+arithmetic are float32 inside the kernels; tensors are NCHW-contiguous.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lightning_accel.ops.activation import Activation
+from lightning_accel.ops.activation_triton import act_backward, act_forward, code
+
+__all__ = ["bn_act_backward", "bn_act_forward"]
+
+_BLOCK = 256
+
+
+@triton.jit
+def _affine(y, c, MEAN, INVSTD, W, B, HAS_W: tl.constexpr, HAS_B: tl.constexpr, mask):
+    mean = tl.load(MEAN + c, mask=mask, other=0.0)
+    invstd = tl.load(INVSTD + c, mask=mask, other=0.0)
+    xhat = (y - mean) * invstd
+    z = xhat
+    if HAS_W:
+        z = z * tl.load(W + c, mask=mask, other=0.0).to(tl.float32)
+    if HAS_B:
+        z = z + tl.load(B + c, mask=mask, other=0.0).to(tl.float32)
+    return xhat, z
+
+
+@triton.jit
+def _fwd_kernel(
+    Y, OUT, MEAN, INVSTD, W, B, total, C, HW,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < total
+    c = (offs // HW) % C
+    y = tl.load(Y + offs, mask=mask, other=0.0).to(tl.float32)
+    _, z = _affine(y, c, MEAN, INVSTD, W, B, HAS_W, HAS_B, mask)
+    tl.store(OUT + offs, act_forward(z, ACT).to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _bwd_reduce_kernel(
+    DOUT, Y, MEAN, INVSTD, W, B, SUM_DZ, SUM_DZX, N, C, HW, SPLIT,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    c = tl.program_id(0)
+    part = tl.program_id(1)
+    acc_dz = tl.zeros((BLOCK,), dtype=tl.float32)
+    acc_dzx = tl.zeros((BLOCK,), dtype=tl.float32)
+    for n in range(part, N, SPLIT):
+        base = n * C * HW + c * HW
+        for h0 in range(0, HW, BLOCK):
+            hw = h0 + tl.arange(0, BLOCK)
+            mask = hw < HW
+            cc = tl.zeros((BLOCK,), dtype=tl.int32) + c
+            y = tl.load(Y + base + hw, mask=mask, other=0.0).to(tl.float32)
+            d = tl.load(DOUT + base + hw, mask=mask, other=0.0).to(tl.float32)
+            xhat, z = _affine(y, cc, MEAN, INVSTD, W, B, HAS_W, HAS_B, mask)
+            dz = tl.where(mask, act_backward(z, d, ACT), 0.0)
+            acc_dz += dz
+            acc_dzx += dz * xhat
+    tl.store(SUM_DZ + part * C + c, tl.sum(acc_dz, axis=0))
+    tl.store(SUM_DZX + part * C + c, tl.sum(acc_dzx, axis=0))
+
+
+@triton.jit
+def _bwd_kernel(
+    DOUT, Y, DY, MEAN, INVSTD, W, B, SUM_DZ, SUM_DZX, total, C, HW, count,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < total
+    c = (offs // HW) % C
+    y = tl.load(Y + offs, mask=mask, other=0.0).to(tl.float32)
+    d = tl.load(DOUT + offs, mask=mask, other=0.0).to(tl.float32)
+    xhat, z = _affine(y, c, MEAN, INVSTD, W, B, HAS_W, HAS_B, mask)
+    dz = act_backward(z, d, ACT)
+    mean_dz = tl.load(SUM_DZ + c, mask=mask, other=0.0) / count
+    mean_dzx = tl.load(SUM_DZX + c, mask=mask, other=0.0) / count
+    g = tl.load(INVSTD + c, mask=mask, other=0.0)
+    if HAS_W:
+        g = g * tl.load(W + c, mask=mask, other=0.0).to(tl.float32)
+    tl.store(DY + offs, (g * (dz - mean_dz - xhat * mean_dzx)).to(DY.dtype.element_ty), mask=mask)
+
+
+def _args(t: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor:
+    return t if t is not None else fallback
+
+
+def bn_act_forward(
+    y: torch.Tensor,
+    bn_weight: torch.Tensor | None,
+    bn_bias: torch.Tensor | None,
+    mean: torch.Tensor,
+    invstd: torch.Tensor,
+    activation: Activation,
+) -> torch.Tensor:
+    """``act((y - mean) * invstd * bn_weight + bn_bias)`` per channel of the (N, C, H, W) ``y``, in ``y``'s dtype."""
+    y = y.contiguous()
+    n, c, h, w = y.shape
+    out = torch.empty_like(y)
+    total = y.numel()
+    mean, invstd = mean.float().contiguous(), invstd.float().contiguous()
+    _fwd_kernel[(triton.cdiv(total, _BLOCK),)](
+        y, out, mean, invstd, _args(bn_weight, mean), _args(bn_bias, mean), total, c, h * w,
+        HAS_W=bn_weight is not None, HAS_B=bn_bias is not None, ACT=code(activation), BLOCK=_BLOCK,
+    )  # fmt: skip
+    return out
+
+
+def bn_act_backward(
+    dout: torch.Tensor,
+    y: torch.Tensor,
+    bn_weight: torch.Tensor | None,
+    bn_bias: torch.Tensor | None,
+    mean: torch.Tensor,
+    invstd: torch.Tensor,
+    activation: Activation,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(dy, dbn_weight, dbn_bias)``: the kernels' version of :func:`.reference.bn_relu_backward`."""
+    y, dout = y.contiguous(), dout.contiguous()
+    n, c, h, w = y.shape
+    mean, invstd = mean.float().contiguous(), invstd.float().contiguous()
+    split = min(n, 32)
+    part_dz = torch.empty((split, c), dtype=torch.float32, device=y.device)
+    part_dzx = torch.empty((split, c), dtype=torch.float32, device=y.device)
+    wt, bt = _args(bn_weight, mean), _args(bn_bias, mean)
+    flags = {"HAS_W": bn_weight is not None, "HAS_B": bn_bias is not None, "ACT": code(activation), "BLOCK": _BLOCK}
+    _bwd_reduce_kernel[(c, split)](dout, y, mean, invstd, wt, bt, part_dz, part_dzx, n, c, h * w, split, **flags)
+    sum_dz, sum_dzx = part_dz.sum(0), part_dzx.sum(0)
+    dy = torch.empty_like(y)
+    total = y.numel()
+    _bwd_kernel[(triton.cdiv(total, _BLOCK),)](
+        dout, y, dy, mean, invstd, wt, bt, sum_dz, sum_dzx, total, c, h * w, float(n * h * w), **flags
+    )
+    dgamma = sum_dzx.to(bn_weight.dtype) if bn_weight is not None else None
+    dbeta = sum_dz.to(bn_bias.dtype) if bn_bias is not None else None
+    return dy, dgamma, dbeta
