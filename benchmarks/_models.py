@@ -4,9 +4,9 @@
 - :class:`ConvNet`: two 3x3 convolutions and a linear head (per-step overhead of a callback).
 - :class:`SmallCNN`: strided convolutions behind a 4x average pool, SGD + per-step cosine decay (data-bound epochs).
 - :class:`VarLenGPT`: GPT blocks on random inputs of the length each batch names (CUDA allocator fragmentation).
-- :func:`gpt2_lm` / :class:`GPT2LM`: a GPT-2-style LM as an ``nn.Sequential`` (embedding, blocks with a packed
-  ``attn.c_attn`` q/k/v projection, ``attn.c_proj``, ``mlp.c_fc``, ``mlp.c_proj``, a head tied to the embedding):
-  the form a pipeline splits, and the packed attention and tied weights the parallel plans must handle.
+- :class:`GPT2LM`: :func:`lightning_accel.models.gpt2.gpt2_lm` (a GPT-2-style LM as an ``nn.Sequential``: embedding,
+  blocks with a packed ``attn.c_attn`` q/k/v projection, ``attn.c_proj``, ``mlp.c_fc``, ``mlp.c_proj``, a head tied to
+  the embedding) trained on next-token cross entropy.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 from typing_extensions import override
 
-__all__ = ["GPT2LM", "MLP", "ConvNet", "SmallCNN", "VarLenGPT", "gpt2_lm", "mlp"]
+from lightning_accel.models.gpt2 import gpt2_lm
+
+__all__ = ["GPT2LM", "MLP", "ConvNet", "SmallCNN", "VarLenGPT", "mlp"]
 
 
 def mlp(*widths: int) -> nn.Sequential:
@@ -172,91 +174,6 @@ class VarLenGPT(pl.LightningModule):
     @override
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW(self.parameters(), lr=1e-4)
-
-
-class GPT2Attention(nn.Module):
-    """Causal attention with GPT-2's packed ``c_attn`` (q, k, v in one ``Linear``) split by ``self.n_embd``."""
-
-    def __init__(self, n_embd: int, n_head: int) -> None:
-        super().__init__()
-        self.n_embd, self.n_head = n_embd, n_head
-        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
-        self.c_proj = nn.Linear(n_embd, n_embd)
-
-    @override
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        hd = self.n_embd // self.n_head
-        q, k, v = (z.view(b, t, self.n_head, hd).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.c_proj(y.transpose(1, 2).reshape(b, t, self.n_embd))
-
-
-class GPT2MLP(nn.Module):
-    """``c_proj(gelu(c_fc(x)))``, 4x wide."""
-
-    def __init__(self, n_embd: int) -> None:
-        super().__init__()
-        self.c_fc = nn.Linear(n_embd, 4 * n_embd)
-        self.c_proj = nn.Linear(4 * n_embd, n_embd)
-
-    @override
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(F.gelu(self.c_fc(x)))
-
-
-class GPT2Block(nn.Module):
-    """Pre-norm ``x + attn(ln_1(x))``, ``x + mlp(ln_2(x))``."""
-
-    def __init__(self, n_embd: int, n_head: int) -> None:
-        super().__init__()
-        self.ln_1, self.attn = nn.LayerNorm(n_embd), GPT2Attention(n_embd, n_head)
-        self.ln_2, self.mlp = nn.LayerNorm(n_embd), GPT2MLP(n_embd)
-
-    @override
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
-
-
-class GPT2Embedding(nn.Module):
-    """Token (``wte``) + position (``wpe``) embeddings."""
-
-    def __init__(self, vocab: int, seq: int, n_embd: int) -> None:
-        super().__init__()
-        self.wte, self.wpe = nn.Embedding(vocab, n_embd), nn.Embedding(seq, n_embd)
-
-    @override
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
-
-
-class GPT2Head(nn.Module):
-    """Final LayerNorm and the LM ``head`` (its weight is the embedding's, tied by :func:`gpt2_lm`)."""
-
-    def __init__(self, vocab: int, n_embd: int) -> None:
-        super().__init__()
-        self.ln_f, self.head = nn.LayerNorm(n_embd), nn.Linear(n_embd, vocab, bias=False)
-
-    @override
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.ln_f(x))
-
-
-def gpt2_lm(vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4, width: int = 32, seed: int = 0) -> Any:
-    """``nn.Sequential(GPT2Embedding, GPT2Block x layers, GPT2Head)`` with the head tied to the token embedding
-    (``net[-1].head.weight is net[0].wte.weight``), GPT-2's initialisation drawn after ``torch.manual_seed(seed)``."""
-    torch.manual_seed(seed)
-    embed, head = GPT2Embedding(vocab, seq, width), GPT2Head(vocab, width)
-    head.head.weight = embed.wte.weight
-    net = nn.Sequential(embed, *[GPT2Block(width, heads) for _ in range(layers)], head)
-    for m in net.modules():  # GPT-2's initialisation: N(0, 0.02) weights, zero biases
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, std=0.02)
-        if isinstance(m, nn.Linear) and m.bias is not None:
-            nn.init.zeros_(m.bias)
-    return net
 
 
 class GPT2LM(pl.LightningModule):

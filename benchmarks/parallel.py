@@ -9,7 +9,7 @@ Every plan runs in the same two processes, in turn; the selector (:func:`choose_
 (all plans alternating, one step each per round, median), and ``selector_step_over_best`` is the selected plan's
 reference step time over the fastest reference step time.
 
-A second model, a GPT-2-style LM (:func:`benchmarks._models.gpt2_lm`: packed ``attn.c_attn``, ``attn.c_proj``,
+A second model, a GPT-2-style LM (:func:`lightning_accel.models.gpt2.gpt2_lm`: packed ``attn.c_attn``, ``attn.c_proj``,
 ``mlp.c_fc``, ``mlp.c_proj``, a head tied to the embedding, as an ``nn.Sequential``), checks what a plan must not get
 wrong, in a second launch of two processes: tensor parallel with the packed attention split per head
 (``tp_packed_qkv_loss_max_abs_diff``, losses against DDP's) and FSDP2 with the tied embedding/head in one group
@@ -176,7 +176,8 @@ def case_plans(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:
 def _packed_tied_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    from benchmarks._models import GPT2LM, gpt2_lm
+    from benchmarks._models import GPT2LM
+    from lightning_accel.models.gpt2 import gpt2_lm
     from lightning_accel.parallel import AutoStrategy
     from lightning_accel.parallel.plans import tensor_parallel_coverage
     from lightning_accel.parallel.trials import plan_stepper

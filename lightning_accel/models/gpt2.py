@@ -16,7 +16,7 @@ from torch import nn
 
 from lightning_accel.precision.modules import FusedGPT2BlockMixin, FusedPackedAttentionMixin, register_block
 
-__all__ = ["GPT2MLP", "GPT2Attention", "GPT2Block"]
+__all__ = ["GPT2Attention", "GPT2Block", "GPT2Embedding", "GPT2Head", "GPT2MLP", "gpt2_lm"]
 
 
 class GPT2Attention(nn.Module):
@@ -26,15 +26,17 @@ class GPT2Attention(nn.Module):
         super().__init__()
         if n_embd % n_head:
             raise ValueError(f"`n_embd` must be a multiple of `n_head`, got {n_embd} and {n_head}. Change either.")
-        self.n_head = n_head
+        # the q/k/v width is an attribute, not read from the input: tensor parallel divides it with `n_head`
+        self.n_embd, self.n_head = n_embd, n_head
         self.c_attn = nn.Linear(n_embd, 3 * n_embd)
         self.c_proj = nn.Linear(n_embd, n_embd)
         self.attn_dropout = nn.Dropout(dropout)
         self.resid_dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, c = x.shape
-        q, k, v = (t.view(b, s, self.n_head, c // self.n_head).transpose(1, 2) for t in self.c_attn(x).split(c, 2))
+        b, s, _ = x.shape
+        c, hd = self.n_embd, self.n_embd // self.n_head
+        q, k, v = (t.view(b, s, self.n_head, hd).transpose(1, 2) for t in self.c_attn(x).split(c, 2))
         p = self.attn_dropout.p if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
         return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(b, s, c)))
@@ -71,3 +73,50 @@ class GPT2Block(nn.Module):
 
 register_block(GPT2Attention, FusedPackedAttentionMixin)
 register_block(GPT2Block, FusedGPT2BlockMixin)
+
+
+class GPT2Embedding(nn.Module):
+    """Token (``wte``) + position (``wpe``) embeddings."""
+
+    def __init__(self, vocab: int, seq: int, n_embd: int) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, n_embd), nn.Embedding(seq, n_embd)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+
+
+class GPT2Head(nn.Module):
+    """Final LayerNorm and the LM ``head`` (its weight is the embedding's, tied by :func:`gpt2_lm`)."""
+
+    def __init__(self, vocab: int, n_embd: int) -> None:
+        super().__init__()
+        self.ln_f, self.head = nn.LayerNorm(n_embd), nn.Linear(n_embd, vocab, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln_f(x))
+
+
+def gpt2_lm(
+    vocab: int = 64,
+    seq: int = 16,
+    layers: int = 2,
+    heads: int = 4,
+    width: int = 32,
+    dropout: float = 0.0,
+    seed: int = 0,
+) -> nn.Sequential:
+    """``nn.Sequential(GPT2Embedding, GPT2Block x layers, GPT2Head)`` with the head tied to the token embedding
+    (``net[-1].head.weight is net[0].wte.weight``): the form a pipeline splits, with the packed attention and tied
+    weights the parallel plans handle. GPT-2's initialisation (N(0, 0.02) weights, zero biases) is drawn after
+    ``torch.manual_seed(seed)``."""
+    torch.manual_seed(seed)
+    embed, head = GPT2Embedding(vocab, seq, width), GPT2Head(vocab, width)
+    head.head.weight = embed.wte.weight
+    net = nn.Sequential(embed, *[GPT2Block(width, heads, dropout) for _ in range(layers)], head)
+    for m in net.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+    return net

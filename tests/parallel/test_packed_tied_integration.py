@@ -10,7 +10,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from benchmarks._models import GPT2LM, gpt2_lm
+from benchmarks._models import GPT2LM
+from lightning_accel.models.gpt2 import gpt2_lm
 from tests.helpers import run_in_processes
 
 TOL = 1e-4

@@ -53,7 +53,7 @@ def test_packed_projection_rows_reordered_per_head() -> None:
 
 
 def test_packed_c_attn_is_planned_and_coverage_says_what_stays_replicated() -> None:
-    from benchmarks._models import gpt2_lm
+    from lightning_accel.models.gpt2 import gpt2_lm
     from lightning_accel.parallel.plans import describe_coverage, tensor_parallel_coverage
 
     net = gpt2_lm(layers=2, heads=4, width=32)
@@ -83,7 +83,7 @@ def test_multihead_attention_is_refused_in_one_line_naming_it() -> None:
 
 
 def test_tied_units_share_one_fsdp_group() -> None:
-    from benchmarks._models import gpt2_lm
+    from lightning_accel.models.gpt2 import gpt2_lm
     from lightning_accel.parallel.plans import fsdp_groups
 
     net = gpt2_lm(layers=2)
