@@ -368,8 +368,42 @@ def model_zoo() -> tuple[dict[str, Any], dict[str, float]]:
         }
         coverages.append(rep.coverage())
         grad_errs.append(g_err)
-    ratios = {"fusion_coverage_min": round(min(coverages), 4), "fused_ref_grad_rel_err_max": max(grad_errs)}
+    unregistered = _unregistered_gpt2_coverage()
+    results["gpt2_blocks_unregistered"] = unregistered
+    ratios = {
+        "fusion_coverage_min": round(min(coverages), 4),
+        "fused_ref_grad_rel_err_max": max(grad_errs),
+        # reported, not a target: a block of your own with the GPT-2 layout, before you register it
+        "fusion_coverage_gpt2_unregistered": unregistered["coverage"],
+    }
     return {"model_zoo_fp32": results}, ratios
+
+
+def _unregistered_gpt2_coverage() -> dict[str, Any]:
+    """Coverage of two GPT-2 style blocks whose classes were never registered (what a user's own copy of the layout
+    gets): norms fuse, the attention and the MLP's Linears are listed as skipped with the registration to add."""
+    from lightning_accel.models.gpt2 import GPT2MLP, GPT2Attention
+    from lightning_accel.precision import apply_fusions
+
+    class UserAttention(GPT2Attention):
+        pass
+
+    class UserMLP(GPT2MLP):
+        pass
+
+    class UserBlock(nn.Module):
+        def __init__(self, d: int, heads: int) -> None:
+            super().__init__()
+            self.ln_1, self.attn = nn.LayerNorm(d), UserAttention(d, heads)
+            self.ln_2, self.mlp = nn.LayerNorm(d), UserMLP(d)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = x + self.attn(self.ln_1(x))
+            return x + self.mlp(self.ln_2(x))
+
+    rep = apply_fusions(nn.Sequential(UserBlock(32, 2), UserBlock(32, 2)), backend="reference", warn_if_empty=False)
+    kinds = {k: f"{a}/{b}" for k, (a, b) in rep.coverage_by_kind().items()}
+    return {"coverage": round(rep.coverage(), 4), "by_kind": kinds, "skipped": len(rep.skipped())}
 
 
 # ---------------------------------------------------------------------------------------------------------- CUDA
