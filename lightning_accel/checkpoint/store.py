@@ -643,11 +643,15 @@ class DeltaStore:
     ) -> torch.Tensor:
         try:
             return self._restore_once(directory, ckpt, name, entry, check_keys, False, used_copies, all_copies)
-        except CheckpointCorruptError:
+        except _MissingBlob:
             if not entry.copy:
                 raise
-            # A link may be the damaged one: re-read the chain with content addresses checked (falls back to copies).
-            return self._restore_once(directory, ckpt, name, entry, True, True, used_copies, all_copies)
+        except CheckpointCorruptError:
+            if check_keys and not entry.copy:
+                raise
+        # A link may be the damaged one: re-read the chain with content addresses checked, so the damaged file is
+        # named (and, with copies, replaced by its copy).
+        return self._restore_once(directory, ckpt, name, entry, True, entry.copy, used_copies, all_copies)
 
     def _restore_once(
         self,
