@@ -6,8 +6,8 @@
   tensor or file). ``--repair`` rewrites a damaged blob from its good copy and a damaged copy from its good blob. A
   plain ``torch.save`` file is verified by reading it safely (``weights_only=True``).
 - ``gc DIR [--dry-run] [--grace-s S] [--storage-options JSON]``: remove the delta checkpoints of ``DIR`` that the
-  ``ModelCheckpoint`` state of its newest ``last*.ckpt`` does not track (a killed run's leftovers; only manifests
-  this plugin wrote, never another file), then the blobs nothing references for ``S`` seconds (default: the
+  ``ModelCheckpoint`` state of its newest ``last*.ckpt`` does not track (a killed run's leftovers; only ``*.ckpt``
+  manifests this plugin wrote, never another file), then the blobs nothing references for ``S`` seconds (default: the
   store's ``gc_grace_s``). ``--dry-run`` lists what would go and removes nothing. Takes the directory's writer lock:
   refused while a run writes there. Prints one JSON object.
 - ``export PATH OUT [--storage-options JSON]``: write a plain ``torch.save`` checkpoint that ``torch.load`` and
@@ -108,8 +108,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m lightning_accel.c
 
 
 def collect(store: DeltaStore, directory: str, *, dry_run: bool = False) -> dict[str, Any]:
-    """``ckpt gc``: remove the delta checkpoints of ``directory`` that the ``ModelCheckpoint`` state of its newest
-    ``last*.ckpt`` does not track, then collect unreferenced blobs (after ``store.gc_grace_s``).
+    """``ckpt gc``: remove the delta checkpoints (``*.ckpt`` manifests) of ``directory`` that the ``ModelCheckpoint``
+    state of its newest ``last*.ckpt`` does not track, then collect unreferenced blobs (after ``store.gc_grace_s``).
 
     Without a ``last*.ckpt`` holding a ``ModelCheckpoint`` state for this directory nothing tells which checkpoints
     are tracked: no checkpoint is removed (the summary's ``note`` says why), only unreferenced blobs.
@@ -135,7 +135,8 @@ def collect(store: DeltaStore, directory: str, *, dry_run: bool = False) -> dict
         for s in states:
             tracked |= compat.model_checkpoint_tracked(s)
         tracked.add(last)
-    untracked = [] if note else [url for url, _ in store.untracked_manifests(root, tracked)]
+    found = [] if note else store.untracked_manifests(root, tracked)
+    untracked = [url for url, _ in found if url.endswith(".ckpt")]  # only checkpoint names: never `x.ckpt.bak`
     out: dict[str, Any] = {
         "path": root,
         "dry_run": dry_run,
