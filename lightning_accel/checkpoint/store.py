@@ -113,6 +113,7 @@ _TMP_RE = re.compile(r"^\..+\.[0-9a-f]{32}\.tmp$")
 GC_GRACE_S = 60.0
 #: The pending-deletions record inside the blob directory: ``{"format": ..., "keys": {blob key: unreferenced since}}``.
 PENDING_NAME = ".pending"
+_MANIFEST_READ = 1 << 16  # bytes of a checkpoint file read first: the whole manifest, usually
 _PENDING_FORMAT = "lightning-accel/delta-pending"
 
 
@@ -524,12 +525,17 @@ class DeltaStore:
 
     def _read_manifest(self, path: str | os.PathLike[str]) -> tuple[dict[str, Any], Manifest, bytes]:
         _, p = _split_path(path)
-        if not self.fs.exists(p):
-            raise FileNotFoundError(errno.ENOENT, f"Checkpoint {p!r} does not exist")
-        if self.fs.isdir(p):
-            raise NotADeltaCheckpointError(_is_a_directory(self.fs, p))
-        # The head first: a plain `torch.save` file of gigabytes is not downloaded just to be told apart.
-        head = self.fs.head(p, 128)
+        # The head first, one read (a manifest is usually all of it): a plain `torch.save` file of gigabytes is not
+        # downloaded just to be told apart, and a manifest costs one request on an object store.
+        try:
+            first = self.fs.read(p, 0, _MANIFEST_READ)
+        except IsADirectoryError:
+            raise NotADeltaCheckpointError(_is_a_directory(self.fs, p)) from None
+        except FileNotFoundError:
+            if self.fs.isdir(p):  # an object-store prefix
+                raise NotADeltaCheckpointError(_is_a_directory(self.fs, p)) from None
+            raise FileNotFoundError(errno.ENOENT, f"Checkpoint {p!r} does not exist") from None
+        head = first[:128]
         if not is_manifest_bytes(head):
             if truncated_manifest_head(head):
                 raise CheckpointCorruptError(
@@ -543,7 +549,8 @@ class DeltaStore:
                     "checkpoint of the directory."
                 )
             raise NotADeltaCheckpointError(f"{p!r} is not a delta checkpoint manifest.")
-        data = self.fs.read(p)
+        # A longer manifest is read again whole (never two reads spliced: the writer may replace it in between).
+        data = first if len(first) < _MANIFEST_READ else self.fs.read(p)
         try:
             raw = json.loads(data)
         except ValueError as e:
