@@ -129,16 +129,31 @@ def reader_race(
     return {**counts, "first_error": first[0][:300] if first else None, "seconds": round(time.perf_counter() - t0, 2)}
 
 
-def _moto() -> tuple[Any, str]:
-    from moto.server import ThreadedMotoServer
+def _moto() -> tuple[subprocess.Popen[bytes], str]:
+    """A moto S3 server in its own process (in this one it would share the GIL with the readers and the writer)."""
+    import socket
 
     for name, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing")):
         os.environ.setdefault(name, value)
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    return server, f"http://{host}:{port}"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    code = (
+        "from moto.server import ThreadedMotoServer; import time; "
+        f"s = ThreadedMotoServer(ip_address='127.0.0.1', port={port}, verbose=False); s.start(); time.sleep(10**6)"
+    )
+    server = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the moto S3 server did not start") from None
+            time.sleep(0.1)
+    return server, f"http://127.0.0.1:{port}"
 
 
 def _s3_options(endpoint: str) -> dict[str, Any]:
@@ -169,15 +184,15 @@ def reader_case(quick: bool, s3_endpoint: str | None) -> dict[str, Any]:
     fsspec.filesystem("s3", skip_instance_cache=True, **opts).mkdir(bucket)
     # Reads per backend and phase: the grace phase gets most of them, the baseline enough to show its errors.
     plan = {
-        "local": (1200, 150, 25.0) if quick else (3000, 400, 90.0),
-        "s3": (800, 100, 30.0) if quick else (2000, 300, 120.0),
+        "local": (2000, 200, 30.0) if quick else (4000, 400, 90.0),
+        "s3": (1000, 100, 30.0) if quick else (2000, 300, 180.0),
     }
     results: dict[str, Any] = {}
     try:
         with tempfile.TemporaryDirectory() as d:
             for backend, (n, n_base, max_s) in plan.items():
                 options = opts if backend == "s3" else None
-                readers = 2 if backend == "s3" else 1
+                readers = 4 if backend == "s3" else 1  # overlap the round trips
                 out: dict[str, Any] = {}
                 # Alternated: half of each phase, then the other half.
                 for half in range(2):
@@ -201,7 +216,8 @@ def reader_case(quick: bool, s3_endpoint: str | None) -> dict[str, Any]:
                 results[backend] = out
     finally:
         if server is not None:
-            server.stop()
+            server.terminate()
+            server.wait(timeout=30)
     false = sum(r["grace"]["false_errors"] + r["grace"]["mixed"] + r["grace"]["other_errors"] for r in results.values())
     results["reads_during_saves"] = sum(
         r["grace"]["reads"] for r in results.values() if isinstance(r, dict) and "grace" in r
@@ -213,7 +229,7 @@ def reader_case(quick: bool, s3_endpoint: str | None) -> dict[str, Any]:
 WIDTHS = (32, 64, 4)
 
 
-def _worker(root: str, seed: int, async_save: bool, extra_steps: int) -> None:
+def _worker(root: str, seed: int, async_save: bool, extra_steps: int, keep_orphans: bool) -> None:
     """One training run in a forked child: resume from ``last`` and save at every step until killed (or, when
     ``extra_steps`` > 0, stop normally that many steps after the resumed one)."""
     import lightning as L
@@ -239,7 +255,14 @@ def _worker(root: str, seed: int, async_save: bool, extra_steps: int) -> None:
     io = DeltaCheckpointIO(async_save=async_save)
     io.store.gc_grace_s = WORKER_GRACE_S
     ckpt = DeltaModelCheckpoint(
-        dirpath=root, filename="{step}", every_n_train_steps=1, save_top_k=2, save_last=True, monitor="step", mode="max"
+        dirpath=root,
+        filename="{step}",
+        every_n_train_steps=1,
+        save_top_k=2,
+        save_last=True,
+        monitor="step",
+        mode="max",
+        keep_orphans=keep_orphans,
     )
     x = torch.randn(256, WIDTHS[0])
     data = DataLoader(TensorDataset(x, x[:, : WIDTHS[-1]].argmax(1)), batch_size=16, shuffle=True)
@@ -262,9 +285,9 @@ def _worker(root: str, seed: int, async_save: bool, extra_steps: int) -> None:
     print(f"DONE {trainer.global_step}", flush=True)
 
 
-def _zygote(root: str) -> None:
-    """Import Lightning once, then fork one worker per ``GO seed async max_steps`` line on stdin; report ``PID`` and
-    ``EXIT`` lines on stdout (the worker's own lines come in between)."""
+def _zygote() -> None:
+    """Import Lightning once, then fork one worker per ``GO root seed async extra_steps keep_orphans`` line on stdin;
+    report ``PID`` and ``EXIT`` lines on stdout (the worker's own lines come in between)."""
     import torch
 
     torch.set_num_threads(1)
@@ -278,12 +301,12 @@ def _zygote(root: str) -> None:
         parts = line.split()
         if not parts or parts[0] != "GO":
             break
-        seed, async_save, extra_steps = int(parts[1]), parts[2] == "1", int(parts[3])
+        root, seed, async_save, extra, keep = parts[1], int(parts[2]), parts[3] == "1", int(parts[4]), parts[5] == "1"
         pid = os.fork()
         if pid == 0:
             code = 0
             try:
-                _worker(root, seed, async_save, extra_steps)
+                _worker(root, seed, async_save, extra, keep)
             except BaseException as e:  # noqa: BLE001 - reported to the parent, then the child exits
                 print(f"ERROR {type(e).__name__}: {e}", flush=True)
                 code = 1
@@ -325,28 +348,29 @@ def _dir_bytes(root: str) -> tuple[int, int]:
 
 def orphan_case(quick: bool, kills: int | None = None, seed: int = 0) -> dict[str, Any]:
     """Case: ``kills`` rounds (>= 20) of start / resume from ``last`` / SIGKILL, then one clean round; bytes left on
-    disk against the tracked checkpoints' bytes, every remaining checkpoint verified.
+    disk against the tracked checkpoints' bytes, every remaining checkpoint verified. Baseline, alternated round by
+    round in a second directory (half as many kills): the same with ``DeltaModelCheckpoint(keep_orphans=True)``, i.e.
+    nothing reconciled.
 
     Returns:
-        ``{"results": {...}, "ratios": {"orphan_bytes_after_kills_vs_tracked": x}}``.
+        ``{"results": {"reconciled": {...}, "keep_orphans": {...}}, "ratios":
+        {"orphan_bytes_after_kills_vs_tracked": x}}``.
     """
-    from lightning_accel.checkpoint.store import DeltaStore, is_manifest_bytes
-
     kills = kills if kills is not None else (20 if quick else 40)
+    runs = {"reconciled": (kills, False), "keep_orphans": (max(kills // 2, 1), True)}
     rng = random.Random(seed)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as d:
-        root = f"{d}/ckpt"
         zygote = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--zygote", root],
+            [sys.executable, str(Path(__file__).resolve()), "--zygote"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
             env=env,
         )
         assert zygote.stdin is not None and zygote.stdout is not None
-        lines = zygote.stdout
+        lines, commands = zygote.stdout, zygote.stdin
 
         def expect(prefix: str, deadline: float) -> str:
             while True:
@@ -360,59 +384,77 @@ def orphan_case(quick: bool, kills: int | None = None, seed: int = 0) -> dict[st
                 if time.monotonic() > deadline:
                     raise AssertionError(f"no {prefix!r} in time")
 
-        untracked_seen: list[int] = []
-        steps: list[int] = []
-        try:
-            expect("READY", time.monotonic() + 300)
-            for k in range(kills + 1):
-                final = k == kills  # the clean round: resume (reconciling the directory), two steps, a normal exit
-                deadline = time.monotonic() + 120
-                zygote.stdin.write(f"GO {seed + k} {k % 2} {2 if final else 0}\n")
-                zygote.stdin.flush()
-                pid = int(expect("PID ", deadline).split()[1])
-                steps.append(json.loads(expect("STARTED ", deadline)[len("STARTED ") :])["resumed_step"])
-                if final:
-                    expect("DONE ", deadline)
-                    expect(f"EXIT {pid}", deadline)
-                    break
-                target = steps[-1] + rng.randint(1, 3)
+        def round_(root: str, k: int, final: bool, keep: bool) -> int:
+            """One worker: resume, then SIGKILL after 1-3 steps (or, ``final``, two steps and a normal exit)."""
+            deadline = time.monotonic() + 120
+            commands.write(f"GO {root} {seed + k} {k % 2} {2 if final else 0} {int(keep)}\n")
+            commands.flush()
+            pid = int(expect("PID ", deadline).split()[1])
+            resumed = int(json.loads(expect("STARTED ", deadline)[len("STARTED ") :])["resumed_step"])
+            if final:
+                expect("DONE ", deadline)
+            else:
+                target = resumed + rng.randint(1, 3)
                 while int(expect("STEP ", deadline).split()[1]) < target:
                     pass
                 time.sleep(rng.uniform(0.0, 0.15))  # inside the saves that follow the step
                 os.kill(pid, signal.SIGKILL)
-                expect(f"EXIT {pid}", deadline)
-                untracked_seen.append(len(_untracked(root)))
+            expect(f"EXIT {pid}", deadline)
+            return resumed
+
+        per_run: dict[str, dict[str, Any]] = {
+            name: {"root": f"{d}/{name}", "steps": [], "untracked_after_each_kill": []} for name in runs
+        }
+        try:
+            expect("READY", time.monotonic() + 300)
+            for k in range(kills + 1):  # alternated: a round of each run in turn
+                for name, (n, keep) in runs.items():
+                    if k > n:
+                        continue
+                    run = per_run[name]
+                    run["steps"].append(round_(run["root"], k, k == n, keep))
+                    if k < n:
+                        run["untracked_after_each_kill"].append(len(_untracked(run["root"])))
         finally:
-            zygote.stdin.close()
+            commands.close()
             try:
                 zygote.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 zygote.kill()
                 zygote.wait()
-        raw_total, raw_tracked = _dir_bytes(root)
-        time.sleep(WORKER_GRACE_S)
-        DeltaStore(gc_grace_s=WORKER_GRACE_S).collect_garbage(root)  # what the next save would do first
-        total, tracked = _dir_bytes(root)
-        store = DeltaStore()
-        verified = 0
-        for name in sorted(os.listdir(root)):
-            path = os.path.join(root, name)
-            if os.path.isfile(path) and is_manifest_bytes(Path(path).read_bytes()[:64]):
-                assert store.verify(path)["ok"], path
-                verified += 1
-        left = _untracked(root)
-    results = {
+        results: dict[str, Any] = {name: _measure(per_run[name], runs[name][0]) for name in runs}
+    results["seconds"] = round(time.perf_counter() - t0, 1)
+    ratio = results["reconciled"]["bytes_on_disk"] / max(results["reconciled"]["bytes_tracked"], 1)
+    return {"results": results, "ratios": {"orphan_bytes_after_kills_vs_tracked": round(ratio, 4)}}
+
+
+def _measure(run: dict[str, Any], kills: int) -> dict[str, Any]:
+    """Bytes on disk against tracked bytes at the end of a run's rounds, and every remaining checkpoint verified."""
+    from lightning_accel.checkpoint.store import DeltaStore, is_manifest_bytes
+
+    root = run["root"]
+    raw_total, _ = _dir_bytes(root)
+    time.sleep(WORKER_GRACE_S)
+    DeltaStore(gc_grace_s=WORKER_GRACE_S).collect_garbage(root)  # what the next save would do first
+    total, tracked = _dir_bytes(root)
+    store = DeltaStore()
+    verified = 0
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        if os.path.isfile(path) and is_manifest_bytes(Path(path).read_bytes()[:64]):
+            assert store.verify(path)["ok"], path
+            verified += 1
+    return {
         "kills": kills,
-        "resumed_steps": steps,
-        "untracked_after_each_kill": untracked_seen,
-        "untracked_at_end": left,
+        "resumed_steps": run["steps"],
+        "untracked_after_each_kill": run["untracked_after_each_kill"],
+        "untracked_at_end": _untracked(root),
         "bytes_on_disk": total,
         "bytes_tracked": tracked,
+        "bytes_on_disk_vs_tracked": round(total / max(tracked, 1), 4),
         "bytes_on_disk_before_final_collection": raw_total,
         "checkpoints_verified": verified,
-        "seconds": round(time.perf_counter() - t0, 1),
     }
-    return {"results": results, "ratios": {"orphan_bytes_after_kills_vs_tracked": round(total / max(tracked, 1), 4)}}
 
 
 def _untracked(root: str) -> list[str]:
@@ -428,10 +470,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--case", choices=("reader", "orphan", "both"), default="both")
     p.add_argument("--kills", type=int, default=None)
-    p.add_argument("--zygote", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--zygote", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.zygote:
-        _zygote(args.zygote)
+        _zygote()
         return
     out: dict[str, Any] = {"results": {}, "ratios": {}}
     if args.case in ("reader", "both"):

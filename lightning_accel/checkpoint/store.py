@@ -316,7 +316,8 @@ class DeltaStore:
                 f"Checkpoint path {path!r} already holds a file that is not a delta checkpoint manifest (e.g. a "
                 "`torch.save` checkpoint); refusing to overwrite it. Move it away or save to another directory."
             )
-        self._release(_split_path(path)[0], path)
+        if self.gc_grace_s > 0:  # without a grace period nothing waits: no need to read what it referenced
+            self._release(_split_path(path)[0], path)
         return True
 
     def _release(self, directory: str, path: str) -> None:
@@ -538,10 +539,9 @@ class DeltaStore:
         head = first[:128]
         if not is_manifest_bytes(head):
             if truncated_manifest_head(head):
+                what = f"holds only {len(head)} bytes ({head!r}), the start of a manifest" if head else "is empty"
                 raise CheckpointCorruptError(
-                    f"The manifest of checkpoint {p!r} is truncated: the file holds only {len(head)} bytes"
-                    f"{f' ({head!r})' if head else ''}, the start of a manifest. Load another checkpoint of the "
-                    "directory."
+                    f"Checkpoint {p!r} is truncated: the file {what}. Load another checkpoint of the directory."
                 )
             if damaged_manifest_head(head):
                 raise CheckpointCorruptError(

@@ -37,7 +37,7 @@ def test_sigkills_of_resumed_lightning_runs_leave_only_tracked_checkpoints() -> 
     from benchmarks._delta_faults import orphan_case
 
     got = orphan_case(True, kills=3, seed=3)
-    res = got["results"]
+    res = got["results"]["reconciled"]
     assert res["untracked_at_end"] == [] and res["checkpoints_verified"] >= 3, res
     assert res["resumed_steps"] == sorted(res["resumed_steps"]) and res["resumed_steps"][-1] > 0, res
     assert got["ratios"]["orphan_bytes_after_kills_vs_tracked"] <= 1.1, got
