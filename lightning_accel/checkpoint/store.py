@@ -623,20 +623,17 @@ class DeltaStore:
                 if used_copies is not None:
                     used_copies.append(key)
                 return spare
-        fix = (
-            "this checkpoint cannot be restored. Load an older or newer checkpoint, or restore the blob directory "
-            "(`redundancy=2` keeps a second copy of every blob)."
-        )
+        # The file, named relative to the checkpoint's directory (the key is in it): the message stays one line.
+        rel = posixpath.join(BLOB_DIR, key[:2], key)
+        fix = "Load another checkpoint, or restore that file (`redundancy=2` keeps a second copy of every blob)."
         if problem == "is missing":
             raise _MissingBlob(
-                f"Checkpoint {ckpt!r}: blob {key} of {what} is missing ({url}) and the manifest, read again, still "
-                f"lists it. Garbage collection keeps a blob for `gc_grace_s` after the last manifest that needed it "
-                "was replaced, so it was deleted by something else (a second writer in the directory, a removal by "
-                f"hand), never written, or lost with its storage; {fix}"
+                f"Checkpoint {ckpt!r}: {what} needs {rel}, which is missing although the manifest, read again, still "
+                "lists it: deleted by something else than this plugin's garbage collection (which keeps a blob for "
+                f"`gc_grace_s` after its last manifest went), never written, or lost with its storage. {fix}"
             )
-        raise CheckpointCorruptError(
-            f"Checkpoint {ckpt!r}: blob {key} of {what} {problem} ({url}): its bytes are damaged; {fix}"
-        )
+        # Short: the blob's key is its file name, and the command line appends its own hint.
+        raise CheckpointCorruptError(f"Checkpoint {ckpt!r}: blob {key} of {what} {problem} (damaged bytes).")
 
     def _restore_tensor(
         self,

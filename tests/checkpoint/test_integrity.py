@@ -4,7 +4,6 @@ every blob kind checked and repaired."""
 from __future__ import annotations
 
 import json
-import re
 import time
 import warnings
 from pathlib import Path
@@ -90,16 +89,15 @@ def test_a_blob_missing_for_real_or_damaged_names_the_file_and_the_cause(tmp_pat
     store.close()
     key = json.loads((tmp_path / "a.ckpt").read_bytes())["tensors"]["state_dict/w"]["chain"][0]
     _flip(_blob(tmp_path, key))
-    want = (
-        rf"blob {key} of tensor `state_dict/w` fails its checksum \({re.escape(str(_blob(tmp_path, key)))}\): its bytes"
-    )
+    rel = f"{BLOB_DIR}/{key[:2]}/{key}"
+    want = rf"blob {key} of tensor `state_dict/w` fails its checksum \(damaged bytes\)"
     with pytest.raises(CheckpointCorruptError, match=want):
         DeltaStore().load(tmp_path / "a.ckpt")
     _blob(tmp_path, key).unlink()
     with pytest.raises(CheckpointCorruptError) as e:
         DeltaStore().load(tmp_path / "a.ckpt")
     msg = str(e.value)
-    assert "is missing" in msg and "still lists it" in msg and str(_blob(tmp_path, key)) in msg
+    assert "is missing" in msg and "still lists it" in msg and rel in msg
     assert "outside this plugin" not in msg
 
 

@@ -145,7 +145,7 @@ def test_ckpt_gc_lists_then_removes_untracked_manifests_only(
 
 
 @pytest.mark.timeout(300)
-def test_a_resumed_run_on_s3_removes_a_killed_runs_checkpoint(
+def test_a_resumed_run_on_s3_removes_a_killed_runs_checkpoint_and_so_does_gc(
     s3_bucket: tuple[str, dict[str, Any]], tmp_path: Path
 ) -> None:
     bucket, opts = s3_bucket
@@ -169,3 +169,9 @@ def test_a_resumed_run_on_s3_removes_a_killed_runs_checkpoint(
     names = sorted(store.fs.list_files(dirpath))
     assert names == ["last.ckpt", "notes.txt", "step=5.ckpt", "step=6.ckpt"], names
     assert cb.orphans == [f"{dirpath}/step=9.ckpt"]
+    # By hand, on the bucket too.
+    store.save({"state_dict": {"w": torch.randn(4096)}, "global_step": 9}, f"{dirpath}/step=9.ckpt")
+    store.close()
+    assert ckpt_main(["gc", dirpath, "--grace-s", "0", "--storage-options", json.dumps(opts)]) == 0
+    assert sorted(store.fs.list_files(dirpath)) == names
+    assert store.pending_deletions(dirpath) == {}
