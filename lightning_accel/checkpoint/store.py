@@ -311,6 +311,8 @@ class DeltaStore:
             head = self.fs.head(path, 128)
         except FileNotFoundError:  # a dangling symlink: replacing it is harmless
             return False
+        if truncated_manifest_head(head) or (not is_manifest_bytes(head) and damaged_manifest_head(head)):
+            return False  # a manifest of this plugin cut short or damaged: nothing to keep, replaced like a new path
         if not is_manifest_bytes(head):
             raise NotADeltaCheckpointError(
                 f"Checkpoint path {path!r} already holds a file that is not a delta checkpoint manifest (e.g. a "

@@ -171,6 +171,11 @@ def test_a_manifest_cut_to_any_length_is_a_corrupt_checkpoint(tmp_path: Path) ->
         with pytest.raises(CheckpointCorruptError):
             read_checkpoint(cut)
     assert "truncated" in _error(lambda: DeltaStore().load(tmp_path / "cut12.ckpt"))
+    # The next save of that path replaces the cut manifest (a foreign file would be refused).
+    store.save(_state(2), tmp_path / "cut0.ckpt")
+    store.save(_state(2), tmp_path / "cut12.ckpt")
+    store.close()
+    assert DeltaStore().load(tmp_path / "cut12.ckpt")["global_step"] == 2
 
 
 def _error(fn: Any) -> str:
