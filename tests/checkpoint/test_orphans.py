@@ -115,7 +115,11 @@ def test_ckpt_gc_lists_then_removes_untracked_manifests_only(
     ckpt = tmp_path / "ckpt"
     _fit(tmp_path, ckpt, 6, resume=False)
     planted = _plant(ckpt)
-    assert ckpt_main(["gc", str(ckpt), "--dry-run"]) == 0
+    from lightning_accel.cli import main as lightning_accel_main
+
+    with pytest.raises(SystemExit) as done_by_cli:  # `lightning-accel ckpt gc`: the same command
+        lightning_accel_main(["ckpt", "gc", str(ckpt), "--dry-run"])
+    assert done_by_cli.value.code == 0
     listed = json.loads(capsys.readouterr().out)
     assert listed["dry_run"] and listed["removed"] == []
     assert sorted(listed["untracked"]) == ["manual.ckpt", "step=1.ckpt", "step=9-v1.ckpt", "step=9.ckpt"]
