@@ -599,3 +599,36 @@ def model_checkpoint_setup_without_listing(callback: Any) -> Any:
         yield
     finally:
         callback.save_top_k = top_k
+
+
+# --- checkpoint: which checkpoints a resumed ModelCheckpoint tracks ---------------------------------------------------
+
+
+def model_checkpoint_states(callbacks: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The ``ModelCheckpoint`` states in a checkpoint's ``"callbacks"`` dict.
+
+    Lightning stores each callback's ``state_dict()`` under its ``state_key`` (``"ModelCheckpoint{'monitor': ...}"``,
+    a subclass under its own class name); a ``ModelCheckpoint``'s holds ``dirpath``, ``best_k_models``,
+    ``best_model_path``, ``kth_best_model_path`` and ``last_model_path`` (checked 2.4.0-2.6.6). They are recognised by
+    those keys, whatever the class name.
+    """
+    want = ("dirpath", "best_k_models", "last_model_path")
+    return [v for v in callbacks.values() if isinstance(v, Mapping) and all(k in v for k in want)]
+
+
+def model_checkpoint_tracked(state: Mapping[str, Any]) -> set[str]:
+    """The checkpoint paths a ``ModelCheckpoint`` restored from ``state`` keeps track of, i.e. the only files of its
+    directory it will ever overwrite or remove: the keys of ``best_k_models`` (the top-k it compares new saves
+    against), ``kth_best_model_path``, ``best_model_path`` and ``last_model_path`` (``_save_last_checkpoint`` sets
+    the latter before saving, so ``last.ckpt``'s state names itself; checked 2.4.0-2.6.6). Any other checkpoint in the
+    directory — e.g. one a killed run saved after its last ``last.ckpt`` — Lightning never removes.
+    """
+    paths: set[str] = set()
+    best_k = state.get("best_k_models")
+    if isinstance(best_k, Mapping):
+        paths.update(str(k) for k in best_k if k)
+    for key in ("best_model_path", "kth_best_model_path", "last_model_path"):
+        value = state.get(key)
+        if isinstance(value, str) and value:
+            paths.add(value)
+    return paths

@@ -11,11 +11,20 @@ of the Trainer's ``DeltaCheckpointIO``: one set of options for saves, loads, rem
 the listed paths and then looks on the local disk), so :func:`resolve_ckpt_path` resolves ``"last"`` for the
 Trainer's checkpoint callbacks with :func:`~lightning_accel.checkpoint.reader.resolve_last`; the ``lightning-accel``
 CLI calls it for ``--ckpt_path last``.
+
+A killed run leaves checkpoints that the resumed ``ModelCheckpoint`` does not track: its state comes from the
+checkpoint it resumes from (``last.ckpt``), so a ``step=N.ckpt`` saved after that ``last.ckpt``, or one whose removal
+was still queued, is never removed by Lightning (a later save of the same name becomes ``step=N-v1.ckpt``) and keeps
+its blobs alive. :class:`DeltaModelCheckpoint` reconciles its directory when training starts on a resumed run
+(``on_train_start``, global rank zero; :meth:`DeltaModelCheckpoint.reconcile`); ``lightning-accel ckpt gc DIR`` does
+the same by hand.
 """
 
 from __future__ import annotations
 
 import os
+import posixpath
+import re
 from typing import Any
 
 import lightning.pytorch as pl
@@ -26,6 +35,7 @@ from typing_extensions import override
 
 from lightning_accel._utils import compat
 from lightning_accel._utils.atomic import is_local_url, strip_file_scheme
+from lightning_accel._utils.checks import check_bool
 from lightning_accel._utils.fs import FileStore
 from lightning_accel.checkpoint.lock import CheckpointDirectoryLockedError
 from lightning_accel.checkpoint.plugin import DeltaCheckpointIO
@@ -101,22 +111,118 @@ class CheckpointGuard(Callback):
 class DeltaModelCheckpoint(ModelCheckpoint):
     """``ModelCheckpoint`` that lists, checks and writes its ``dirpath`` with fsspec ``storage_options``.
 
-    Every ``ModelCheckpoint`` argument is accepted unchanged; the one addition is keyword-only.
+    Every ``ModelCheckpoint`` argument is accepted unchanged; the additions are keyword-only.
+
+    On a resumed fit (``ckpt_path=...`` whose callback state Lightning restored for this ``dirpath``) it reconciles the
+    directory when training starts (:meth:`reconcile`): delta checkpoints that a killed run left and that this
+    callback no longer tracks are removed, with a warning naming them.
 
     Args:
         dirpath: as for ``ModelCheckpoint`` (e.g. ``"s3://bucket/run/ckpt"``).
         storage_options: fsspec options for ``dirpath`` (endpoint, credentials). ``None`` (default): the options of
             the Trainer's ``DeltaCheckpointIO``, read in ``setup``, so they are written once, on the plugin.
+        keep_orphans: keep the untracked checkpoints of a killed run (warn only; ``lightning-accel ckpt gc DIR``
+            removes them later).
         **kwargs: the other ``ModelCheckpoint`` arguments.
 
+    Attributes:
+        orphans: the checkpoints the last reconciliation removed (or, with ``keep_orphans``, found), as URLs/paths.
+
     Raises:
-        TypeError: ``storage_options`` is not a dict.
+        TypeError: ``storage_options`` is not a dict, ``keep_orphans`` not a bool.
     """
 
-    def __init__(self, dirpath: Any = None, *, storage_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        dirpath: Any = None,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        keep_orphans: bool = False,
+        **kwargs: Any,
+    ) -> None:
         # Validates the options (one line naming the argument) before Lightning sees anything.
         self.storage_options = None if storage_options is None else FileStore(storage_options).storage_options
+        self.keep_orphans = check_bool("keep_orphans", keep_orphans)
+        self.orphans: list[str] = []
+        self._restored: dict[str, Any] | None = None
         super().__init__(dirpath=dirpath, **kwargs)
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._restored = dict(state_dict)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        if trainer.is_global_zero:  # only rank zero writes the directory; no collective
+            self.reconcile(trainer)
+
+    def reconcile(self, trainer: pl.Trainer) -> list[str]:
+        """Remove the delta checkpoints of ``dirpath`` that a killed run left and Lightning will never remove.
+
+        Runs only on a resumed fit whose ``ckpt_path`` lies in ``dirpath`` and whose state Lightning restored into
+        this callback, with a ``DeltaCheckpointIO``. *Tracked* are the checkpoints of the restored state
+        (``best_k_models``, ``best_model_path``, ``kth_best_model_path``, ``last_model_path``), those of the other
+        checkpoint callbacks on the same directory, the resumed checkpoint and every plain ``last.ckpt``. A
+        candidate must be a manifest this plugin wrote (recognised by its bytes: any other file is left alone) whose
+        name this callback's ``filename`` or ``last`` template produces. It is removed when it is older than the
+        resumed checkpoint (a removal the killed run never made), or newer when the run resumes from a ``last``
+        checkpoint (saves made after that ``last.ckpt``: the resumed run saves those steps again). Newer ones are
+        kept when resuming from an older step checkpoint on purpose. Their blobs go after the store's
+        ``gc_grace_s``.
+
+        Returns:
+            The checkpoints removed (or found, with ``keep_orphans``).
+        """
+        io = delta_io(trainer)
+        state, ckpt_path, dirpath = self._restored, trainer.ckpt_path, self.dirpath
+        self.orphans = []
+        if io is None or state is None or not ckpt_path or not dirpath or state.get("dirpath") != dirpath:
+            return []
+        directory = _norm(str(dirpath))
+        if _norm(posixpath.dirname(str(ckpt_path).rstrip("/"))) != directory:
+            return []
+        io.wait()
+        store = io.store
+        try:
+            resumed_at = store.open_manifest(str(ckpt_path)).created
+        except (ValueError, RuntimeError, OSError):  # a plain torch.save file: no creation time to compare
+            return []
+        tracked = compat.model_checkpoint_tracked(state) | {str(ckpt_path)}
+        for cb in trainer.checkpoint_callbacks:
+            if isinstance(cb, ModelCheckpoint) and cb.dirpath and _norm(str(cb.dirpath)) == directory:
+                tracked |= {cb.best_model_path, cb.kth_best_model_path, cb.last_model_path, *cb.best_k_models}
+        last_name = _name_pattern(self, self.CHECKPOINT_NAME_LAST)
+        made_here = (_name_pattern(self, self.filename), last_name)
+        plain_last = self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION
+        from_last = last_name.fullmatch(posixpath.basename(str(ckpt_path))) is not None
+        found = []
+        for url, created in store.untracked_manifests(directory, tracked):
+            name = posixpath.basename(url)
+            if name == plain_last or not any(p.fullmatch(name) for p in made_here):
+                continue
+            if created < resumed_at or from_last:
+                found.append(url)
+        if not found:
+            return []
+        names = ", ".join(posixpath.basename(u) for u in found[:6]) + (" ..." if len(found) > 6 else "")
+        where = f"{directory} (resumed from {posixpath.basename(str(ckpt_path))})"
+        if self.keep_orphans:
+            rank_zero_warn(
+                f"{len(found)} checkpoints in {where} were left by a killed run and are not tracked by "
+                f"ModelCheckpoint, which will never remove them: {names}. Kept (`keep_orphans=True`); "
+                f"`lightning-accel ckpt gc {directory}` removes them."
+            )
+        else:
+            rank_zero_warn(
+                f"Removing {len(found)} checkpoints in {where} that a killed run left and ModelCheckpoint no longer "
+                f"tracks (it would never remove them): {names}. Pass `DeltaModelCheckpoint(keep_orphans=True)` to "
+                "keep them."
+            )
+            store.remove_checkpoints(found)
+        self.orphans = found
+        return found
 
     def _options(self, trainer: pl.Trainer | None) -> dict[str, Any] | None:
         if self.storage_options is not None:
@@ -139,6 +245,28 @@ class DeltaModelCheckpoint(ModelCheckpoint):
             store = FileStore(options)
             if store.isdir(dirpath) and store.list_files(dirpath):
                 rank_zero_warn(f"Checkpoint directory {dirpath} exists and is not empty.")
+
+
+def _norm(path: str) -> str:
+    """A directory as the store names it (local: absolute, no scheme; URLs: no trailing slash)."""
+    return os.path.abspath(strip_file_scheme(path)) if is_local_url(path) else path.rstrip("/")
+
+
+def _name_pattern(cb: ModelCheckpoint, template: str | None) -> re.Pattern[str]:
+    """The file names ``cb`` makes from ``template`` (its ``filename``, default ``{epoch}-{step}``, or the ``last``
+    name): each ``{metric[:format]}`` becomes ``metric=<value>`` (with ``auto_insert_metric_name``) or ``<value>``,
+    then an optional version suffix (``-v1``) and the extension."""
+    template = template or "{epoch}" + cb.CHECKPOINT_JOIN_CHAR + "{step}"
+    parts = re.split(r"\{([^{}:]*)(?::[^{}]*)?\}", template)
+    out = []
+    for i, part in enumerate(parts):
+        if i % 2 == 0:
+            out.append(re.escape(part))
+        else:
+            prefix = re.escape(part + cb.CHECKPOINT_EQUALS_CHAR) if cb.auto_insert_metric_name else ""
+            out.append(prefix + r"[-+\w.]+?")
+    version = re.escape(cb.CHECKPOINT_JOIN_CHAR) + r"v\d+"
+    return re.compile("".join(out) + f"(?:{version})?" + re.escape(cb.FILE_EXTENSION))
 
 
 def resolve_ckpt_path(trainer: pl.Trainer, ckpt_path: Any) -> Any:

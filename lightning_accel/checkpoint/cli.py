@@ -1,10 +1,15 @@
-"""The checkpoint command: ``python -m lightning_accel.checkpoint verify|export`` (``lightning-accel ckpt ...``).
+"""The checkpoint command: ``python -m lightning_accel.checkpoint verify|export|gc`` (``lightning-accel ckpt ...``).
 
-- ``verify PATH [PATH ...] [--repair] [--storage-options JSON]``: restore every tensor with all checksums; print a
-  JSON summary per checkpoint (``{"ok": false, "error": ...}`` for a damaged one, never a traceback); exit 1 if any
-  checkpoint is damaged (the message names the checkpoint and the tensor). ``--repair`` rewrites damaged base blobs
-  from their second copy (``redundancy=2``). A plain ``torch.save`` file is verified by reading it safely
-  (``weights_only=True``).
+- ``verify PATH [PATH ...] [--repair] [--storage-options JSON]``: restore every tensor with all checksums and check
+  every second copy (``redundancy=2``); print a JSON summary per checkpoint (``{"ok": false, "error": ...}`` for a
+  damaged one, never a traceback); exit 1 if any checkpoint is damaged (the message names the checkpoint and the
+  tensor or file). ``--repair`` rewrites a damaged blob from its good copy and a damaged copy from its good blob. A
+  plain ``torch.save`` file is verified by reading it safely (``weights_only=True``).
+- ``gc DIR [--dry-run] [--grace-s S] [--storage-options JSON]``: remove the delta checkpoints of ``DIR`` that the
+  ``ModelCheckpoint`` state of its newest ``last*.ckpt`` does not track (a killed run's leftovers; only ``*.ckpt``
+  manifests this plugin wrote, never another file), then the blobs nothing references for ``S`` seconds (default: the
+  store's ``gc_grace_s``). ``--dry-run`` lists what would go and removes nothing. Takes the directory's writer lock:
+  refused while a run writes there. Prints one JSON object.
 - ``export PATH OUT [--storage-options JSON]``: write a plain ``torch.save`` checkpoint that ``torch.load`` and
   Lightning's ``TorchCheckpointIO`` open.
 
@@ -17,36 +22,46 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import pickle
+import posixpath
 import sys
 from typing import Any
 
 import torch
 
+from lightning_accel._utils import compat
+from lightning_accel._utils.atomic import is_local_url, strip_file_scheme
 from lightning_accel._utils.cliargs import json_object_arg
 from lightning_accel._utils.errors import one_line
 from lightning_accel.checkpoint.manifest import CheckpointCorruptError, NotADeltaCheckpointError
-from lightning_accel.checkpoint.reader import read_checkpoint_with
+from lightning_accel.checkpoint.reader import read_checkpoint_with, resolve_last
 from lightning_accel.checkpoint.store import DeltaStore
 
-__all__ = ["main"]
+__all__ = ["collect", "main"]
 
 # What a damaged, foreign or missing checkpoint raises: reported in one line, exit code 1.
 _CHECKPOINT_ERRORS = (CheckpointCorruptError, NotADeltaCheckpointError, OSError, pickle.UnpicklingError)
 
 
 def _parser(prog: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="Verify or export delta checkpoints.")
+    p = argparse.ArgumentParser(prog=prog, description="Verify, export or clean up delta checkpoints.")
     sub = p.add_subparsers(dest="command", required=True)
     v = sub.add_parser("verify", help="restore every tensor with all checksums")
     v.add_argument("paths", nargs="+", help="checkpoint paths or URLs (delta manifests or torch.save files)")
     v.add_argument(
-        "--repair", action="store_true", help="rewrite damaged base blobs from their second copy (redundancy=2)"
+        "--repair", action="store_true", help="rewrite a damaged blob or second copy from its good twin (redundancy=2)"
     )
     e = sub.add_parser("export", help="write a plain torch.save checkpoint")
     e.add_argument("path", help="checkpoint path or URL (a delta manifest or a torch.save file)")
     e.add_argument("out", help="output file (path or URL)")
-    for s in (v, e):
+    g = sub.add_parser("gc", help="remove checkpoints ModelCheckpoint no longer tracks, then unreferenced blobs")
+    g.add_argument("path", help="checkpoint directory (path or URL)")
+    g.add_argument("--dry-run", action="store_true", help="list what would be removed; remove nothing")
+    g.add_argument(
+        "--grace-s", type=float, default=None, help="keep unreferenced blobs this many seconds (default: 60; 0: now)"
+    )
+    for s in (v, e, g):
         s.add_argument("--storage-options", default=None, help="fsspec options as JSON, e.g. '{\"anon\": true}'")
     return p
 
@@ -59,6 +74,17 @@ def main(argv: list[str] | None = None, prog: str = "python -m lightning_accel.c
     except ValueError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
+    if args.command == "gc":
+        try:
+            store = DeltaStore(storage_options=opts, **({} if args.grace_s is None else {"gc_grace_s": args.grace_s}))
+            print(json.dumps(collect(store, args.path, dry_run=args.dry_run)))
+        except Exception as e:  # noqa: BLE001 - one line, exit code 1
+            print(
+                f"{prog}: error: {one_line(e, expected=(*_CHECKPOINT_ERRORS, ValueError, RuntimeError))}",
+                file=sys.stderr,
+            )
+            return 1
+        return 0
     store = DeltaStore(storage_options=opts)
     failed = False
     if args.command == "verify":
@@ -79,6 +105,64 @@ def main(argv: list[str] | None = None, prog: str = "python -m lightning_accel.c
     store.fs.write(args.out, buf.getvalue())
     print(json.dumps({"path": args.path, "exported": args.out}))
     return 0
+
+
+def collect(store: DeltaStore, directory: str, *, dry_run: bool = False) -> dict[str, Any]:
+    """``ckpt gc``: remove the delta checkpoints (``*.ckpt`` manifests) of ``directory`` that the ``ModelCheckpoint``
+    state of its newest ``last*.ckpt`` does not track, then collect unreferenced blobs (after ``store.gc_grace_s``).
+
+    Without a ``last*.ckpt`` holding a ``ModelCheckpoint`` state for this directory nothing tells which checkpoints
+    are tracked: no checkpoint is removed (the summary's ``note`` says why), only unreferenced blobs.
+
+    Returns:
+        ``{"path", "dry_run", "last", "tracked", "untracked", "removed", "blobs_deleted", "pending", "note"?}``.
+    """
+    root = os.path.abspath(strip_file_scheme(directory)) if is_local_url(directory) else directory.rstrip("/")
+    last = resolve_last(root, storage_options=store.fs.storage_options)
+    tracked: set[str] = set()
+    note = ""
+    if last is None:
+        note = "no last*.ckpt in the directory, so nothing says which checkpoints are tracked: none removed"
+    else:
+        callbacks = store.read_skeleton(last).get("callbacks")
+        states = [
+            s
+            for s in compat.model_checkpoint_states(callbacks if isinstance(callbacks, dict) else {})
+            if isinstance(s.get("dirpath"), str) and _same_dir(s["dirpath"], root)
+        ]
+        if not states:
+            note = f"{last} holds no ModelCheckpoint state for this directory: no checkpoint removed"
+        for s in states:
+            tracked |= compat.model_checkpoint_tracked(s)
+        tracked.add(last)
+    found = [] if note else store.untracked_manifests(root, tracked)
+    untracked = [url for url, _ in found if url.endswith(".ckpt")]  # only checkpoint names: never `x.ckpt.bak`
+    out: dict[str, Any] = {
+        "path": root,
+        "dry_run": dry_run,
+        "last": last,
+        "tracked": sorted(os.path.basename(t) for t in tracked),
+        "untracked": [posixpath.basename(u) for u in untracked],
+        "removed": [],
+        "blobs_deleted": 0,
+    }
+    if not dry_run:
+        try:
+            deleted = store.remove_checkpoints(untracked) if untracked else store.collect_garbage(root)
+            out["removed"] = out["untracked"]
+            out["blobs_deleted"] = deleted
+            out["pending"] = len(store.pending_deletions(root))
+        finally:
+            store.close()
+    if note:
+        out["note"] = note
+    return out
+
+
+def _same_dir(a: str, b: str) -> bool:
+    if is_local_url(a) and is_local_url(b):
+        return os.path.realpath(strip_file_scheme(a)) == os.path.realpath(strip_file_scheme(b))
+    return a.rstrip("/") == b.rstrip("/")
 
 
 def _verify(store: DeltaStore, path: str, repair: bool = False) -> dict[str, Any]:

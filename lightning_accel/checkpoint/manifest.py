@@ -28,17 +28,29 @@ bytes are always ``{"format":"lightning-accel/delta-checkpoint"`` (:func:`is_man
           "copy": true,                             # only when the base blob has a second copy
           "mcrc": 987654321                         # CRC-32 of this entry and its name (optional in old manifests)
         }
-      }
+      },
+      "redundancy": 2,                     # only with redundancy=2: every blob (skeleton, bases, deltas) has a copy
+      "checksum": "<32 hex digits>"        # BLAKE2b-128 of the manifest without this key (optional in old ones)
     }
+
+``checksum`` is the BLAKE2b-128 of ``json.dumps(manifest without "checksum", sort_keys=True, separators=(",", ":"))``:
+it covers the skeleton key, every entry (with its ``mcrc``), ``created`` and ``lossy``, so a manifest whose skeleton
+key was swapped for another checkpoint's, or whose bytes were changed anywhere, is refused on load. Manifests written
+before it existed have no ``checksum`` and still load: each of their entries is checked by its ``mcrc`` (so names,
+shapes and keys are still covered), only the skeleton key and ``created`` are then unchecked;
+:meth:`Manifest.checksummed` tells them apart. Without ``redundancy`` (old manifests, ``redundancy=1``) only the
+base blob of an entry with ``"copy": true`` has a second copy.
 
 ``mcrc`` is the CRC-32 of ``json.dumps([name, entry without "mcrc"], sort_keys=True, separators=(",", ":"))``, so a
 flipped byte in a name, a shape or a key is caught on load and names the tensor. Readers ignore keys they do not
 know. Every damaged manifest raises :class:`CheckpointCorruptError` naming the file and, where one is at fault, the
-tensor; a file that is no manifest at all raises :class:`NotADeltaCheckpointError`.
+tensor (a manifest cut short, down to an empty file, included: :func:`truncated_manifest_head`); a file that is no
+manifest at all raises :class:`NotADeltaCheckpointError`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import zlib
@@ -61,7 +73,9 @@ __all__ = [
     "entry_crc",
     "is_blob_key",
     "is_manifest_bytes",
+    "manifest_checksum",
     "manifest_references",
+    "truncated_manifest_head",
 ]
 
 MANIFEST_FORMAT = "lightning-accel/delta-checkpoint"
@@ -104,6 +118,19 @@ def damaged_manifest_head(head: bytes) -> bool:
     if len(head) < len(want):
         return head.startswith(b"{") and b"lightning-accel" in head
     return sum(a != b for a, b in zip(head, want, strict=False)) <= 2
+
+
+def truncated_manifest_head(head: bytes) -> bool:
+    """A file that is the start of a manifest's first bytes and nothing more: a manifest cut to 0 bytes up to just
+    before the end of ``{"format":"lightning-accel/delta-checkpoint"`` (longer cuts fail to parse as JSON)."""
+    return len(head) < len(_MANIFEST_PREFIX) and _MANIFEST_PREFIX.startswith(head)
+
+
+def manifest_checksum(raw: Mapping[str, Any]) -> str:
+    """The ``checksum`` of a manifest's JSON object: BLAKE2b-128 of it without ``checksum``, keys sorted."""
+    body = {k: v for k, v in raw.items() if k != "checksum"}
+    data = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
 def entry_crc(name: str, meta: Mapping[str, Any]) -> int:
@@ -214,6 +241,9 @@ class Manifest:
         created: ``time.time()`` of the save.
         version: the format version (1).
         blob_dir: the blob directory beside the manifest.
+        redundancy: 2 when every blob of the checkpoint (skeleton, bases, deltas) has a second copy, 1 when only the
+            bases of ``copy`` entries have one; ``None`` (a manifest being written): 2 when any entry has ``copy``.
+        checksum: the manifest's ``checksum`` as read (``""``: an old manifest without one; on write it is computed).
     """
 
     skeleton: str
@@ -222,6 +252,26 @@ class Manifest:
     created: float = 0.0
     version: int = MANIFEST_VERSION
     blob_dir: str = BLOB_DIR
+    redundancy: int | None = None
+    checksum: str = ""
+
+    @property
+    def copies(self) -> int:
+        """2 when every blob of the checkpoint has a second copy, else 1 (see :attr:`redundancy`)."""
+        if self.redundancy is not None:
+            return self.redundancy
+        return 2 if any(e.copy for e in self.tensors.values()) else 1
+
+    @property
+    def checksummed(self) -> bool:
+        """The manifest carried a ``checksum`` that matched (False: an old manifest without one)."""
+        return bool(self.checksum)
+
+    def copy_keys(self) -> set[str]:
+        """The blob keys that have a second copy (``<key>.copy``)."""
+        if self.copies == 2:
+            return self.keys()
+        return {e.chain[0] for e in self.tensors.values() if e.copy}
 
     def keys(self) -> set[str]:
         """Every blob key the checkpoint needs (skeleton and chains)."""
@@ -232,7 +282,7 @@ class Manifest:
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object of the manifest (keys in the documented order)."""
-        return {
+        out: dict[str, Any] = {
             "format": MANIFEST_FORMAT,
             "version": self.version,
             "blob_dir": self.blob_dir,
@@ -241,6 +291,10 @@ class Manifest:
             "lossy": self.lossy,
             "tensors": {n: e.to_json(n) for n, e in self.tensors.items()},
         }
+        if self.copies == 2:
+            out["redundancy"] = 2
+        out["checksum"] = manifest_checksum(out)
+        return out
 
     def to_json(self) -> bytes:
         """The manifest file's bytes (compact JSON, starting with the format marker)."""
@@ -264,9 +318,20 @@ class Manifest:
                 raise ValueError(f"unsupported manifest version {raw['version']!r}")
             if not is_blob_key(raw["skeleton"]):
                 raise ValueError(f"bad skeleton key {raw['skeleton']!r}")
+            checksum = raw.get("checksum", "")
+            redundancy = raw.get("redundancy", 1)
+            if redundancy not in (1, 2) or isinstance(redundancy, bool):
+                raise ValueError(f"redundancy {redundancy!r}")
         except (ValueError, KeyError, TypeError) as e:
             raise CheckpointCorruptError(f"The manifest of checkpoint {path!r} is damaged ({e!r}).") from e
+        # The entries first: a damaged one is named by its own `mcrc`; then the whole manifest's checksum.
         tensors = {name: TensorEntry.from_json(path, name, meta) for name, meta in raw["tensors"].items()}
+        if "checksum" in raw and checksum != manifest_checksum(raw):
+            raise CheckpointCorruptError(
+                f"The manifest of checkpoint {path!r} is damaged: its checksum does not match its content (a byte of "
+                "its skeleton key, an entry or its time changed, or it was edited by hand). Load another checkpoint "
+                "of the directory."
+            )
         created = raw.get("created")
         return cls(
             skeleton=raw["skeleton"],
@@ -275,6 +340,8 @@ class Manifest:
             created=float(created) if isinstance(created, (int, float)) and not isinstance(created, bool) else 0.0,
             version=raw["version"],
             blob_dir=str(raw.get("blob_dir", BLOB_DIR)),
+            redundancy=int(redundancy),
+            checksum=str(checksum),
         )
 
     @classmethod

@@ -24,6 +24,14 @@ References are *derived from manifests*: :meth:`DeltaStore.collect_garbage` read
 and deletes the blobs none of them (nor the in-memory chain state of this process) references. Nothing is
 reference-counted in a side file that a crash could leave stale, so blobs can neither leak forever nor be lost.
 
+Readers never lock, so a reader may have just opened a manifest that the writer replaces or removes. Garbage
+collection therefore deletes a blob only once it has been unreferenced for ``gc_grace_s`` seconds: the first
+collection that finds it unreferenced records the time in ``.delta_blobs/.pending`` (a small JSON record only the
+single writer writes; the next run's writer reads it), later collections delete it when the grace period has passed,
+and a blob referenced again leaves the record. A reader that opened a manifest less than ``gc_grace_s`` ago therefore
+finds every blob it lists. A reader slower than that which does find a blob missing re-reads the manifest and
+restores once more from the new version; only then does it fail, naming the missing or damaged file.
+
 One writer per directory at a time (one training run), enforced by a lock (:mod:`~lightning_accel.checkpoint.lock`);
 any number of readers. Every damaged manifest, skeleton or blob raises :class:`CheckpointCorruptError` naming the file
 and, where one is at fault, the tensor.
@@ -42,6 +50,7 @@ import time
 import warnings
 import weakref
 import zlib
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +58,7 @@ from typing import Any
 import torch
 
 from lightning_accel._utils.atomic import fsync_dir, is_local_url, strip_file_scheme
+from lightning_accel._utils.checks import check_number
 from lightning_accel._utils.errors import one_line
 from lightning_accel._utils.forksafe import ForkSafeLock, PerProcess
 from lightning_accel._utils.fs import FileStore
@@ -68,6 +78,7 @@ from lightning_accel.checkpoint.manifest import (
     is_blob_key,
     is_manifest_bytes,
     manifest_references,
+    truncated_manifest_head,
 )
 from lightning_accel.checkpoint.options import StoreOptions
 from lightning_accel.checkpoint.policy import ChainState
@@ -83,6 +94,8 @@ from lightning_accel.checkpoint.skeleton import (
 __all__ = [
     "BLOB_DIR",
     "COPY_SUFFIX",
+    "GC_GRACE_S",
+    "PENDING_NAME",
     "CheckpointCorruptError",
     "CheckpointDirectoryLockedError",
     "DeltaStore",
@@ -95,6 +108,17 @@ __all__ = [
 ]
 
 _TMP_RE = re.compile(r"^\..+\.[0-9a-f]{32}\.tmp$")
+#: Seconds a blob stays after the last manifest that referenced it was replaced or removed (readers that opened that
+#: manifest meanwhile still find it). The default of :class:`DeltaStore`'s ``gc_grace_s``.
+GC_GRACE_S = 60.0
+#: The pending-deletions record inside the blob directory: ``{"format": ..., "keys": {blob key: unreferenced since}}``.
+PENDING_NAME = ".pending"
+_MANIFEST_READ = 1 << 16  # bytes of a checkpoint file read first: the whole manifest, usually
+_PENDING_FORMAT = "lightning-accel/delta-pending"
+
+
+class _MissingBlob(CheckpointCorruptError):
+    """A blob a manifest lists is not there (a reader may have raced a replacement: it re-reads the manifest)."""
 
 
 def _blob_key(data: bytes) -> str:
@@ -153,6 +177,8 @@ class DeltaStore:
     Args:
         storage_options: fsspec options for remote URLs (e.g. ``{"client_kwargs": {"endpoint_url": ...}}``).
         options: the encoding, chain and writing options (default: ``StoreOptions(**option_kwargs)``).
+        gc_grace_s: garbage collection deletes a blob only after it has been unreferenced this long (seconds), so
+            readers that opened a manifest the writer then replaced or removed still find its blobs.
         **option_kwargs: :class:`StoreOptions` fields (``quantize``, ``delta_ref``, ``zstd_level``, ...), when
             ``options`` is not given.
 
@@ -172,8 +198,17 @@ class DeltaStore:
         *,
         storage_options: dict[str, Any] | None = None,
         options: StoreOptions | None = None,
+        gc_grace_s: float = GC_GRACE_S,
         **option_kwargs: Any,
     ) -> None:
+        #: Seconds an unreferenced blob is kept before garbage collection deletes it (see the module docstring).
+        self.gc_grace_s: float = check_number(
+            "gc_grace_s",
+            gc_grace_s,
+            low=0,
+            fix=f"Default {GC_GRACE_S:g}: a reader that opened a manifest up to that long ago still finds its blobs; "
+            "0 deletes unreferenced blobs at once (no concurrent readers).",
+        )
         if options is None:
             options = StoreOptions(**option_kwargs)
         elif option_kwargs:
@@ -195,6 +230,9 @@ class DeltaStore:
         self._locks: PerProcess[dict[str, DirectoryLock]] = PerProcess(dict)
         self._lock = ForkSafeLock(reentrant=True)
         self._warned_groups = False
+        # Per directory: blob keys of manifests this process replaced or removed since its last collection (they were
+        # referenced until then, whatever the pending-deletions record says).
+        self._released: PerProcess[dict[str, set[str]]] = PerProcess(dict)
 
     # The options, readable on the store as before they were grouped (``store.quantize``, ``store.lock``).
     quantize = property(lambda self: self.options.quantize)
@@ -273,12 +311,28 @@ class DeltaStore:
             head = self.fs.head(path, 128)
         except FileNotFoundError:  # a dangling symlink: replacing it is harmless
             return False
+        if truncated_manifest_head(head) or (not is_manifest_bytes(head) and damaged_manifest_head(head)):
+            return False  # a manifest of this plugin cut short or damaged: nothing to keep, replaced like a new path
         if not is_manifest_bytes(head):
             raise NotADeltaCheckpointError(
                 f"Checkpoint path {path!r} already holds a file that is not a delta checkpoint manifest (e.g. a "
                 "`torch.save` checkpoint); refusing to overwrite it. Move it away or save to another directory."
             )
+        if self.gc_grace_s > 0:  # without a grace period nothing waits: no need to read what it referenced
+            self._release(_split_path(path)[0], path)
         return True
+
+    def _release(self, directory: str, path: str) -> None:
+        """Note the blob keys of the manifest at ``path``, about to be replaced or removed: the next collection starts
+        their grace period then, even if they were pending before and referenced again since."""
+        try:
+            skeleton, chains = manifest_references(self.fs.read(path))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return  # gone or damaged: nothing to note
+        keys = self._released.get().setdefault(directory, set())
+        keys.add(str(skeleton))
+        for chain, _ in chains.values():
+            keys.update(chain)
 
     # ------------------------------------------------------------------ save
     def save(self, checkpoint: dict[str, Any], path: str | os.PathLike[str]) -> SaveStats:
@@ -345,6 +399,7 @@ class DeltaStore:
                 self.fs.write(skel_url, skel_blob)
                 stats.bytes_written += len(skel_blob)
                 stats.blobs_written += 1
+            self._write_copies(directory, [b for r in results for b in r[2]] + [(skel_key, skel_blob)], stats)
             if is_local_url(directory):
                 fsync_dir(strip_file_scheme(safe_join(directory, BLOB_DIR)))
             manifest = Manifest(
@@ -363,6 +418,18 @@ class DeltaStore:
                 self.collect_garbage(directory)
         stats.seconds = time.perf_counter() - t0
         return stats
+
+    def _write_copies(self, directory: str, blobs: list[tuple[str, bytes]], stats: SaveStats) -> None:
+        """``redundancy=2``: a second copy (``<key>.copy``) of every blob of a save, skeleton and deltas included (the
+        bases' copies are written with them), before the manifest that claims them is published."""
+        if self.options.redundancy < 2:
+            return
+        for key, data in blobs:
+            url = self.blob_url(directory, key) + COPY_SUFFIX
+            if not self.fs.exists(url):
+                self.fs.write(url, data)
+                stats.bytes_written += len(data)
+                stats.blobs_written += 1
 
     def _warn_if_groups_match_nothing(self, tensors: dict[str, torch.Tensor]) -> None:
         """``quantize_groups`` prefixes are checked against the first checkpoint's tensor names (they are not known
@@ -444,13 +511,14 @@ class DeltaStore:
 
     # ------------------------------------------------------------------ load
     def read_manifest(self, path: str | os.PathLike[str]) -> dict[str, Any]:
-        """Read and validate the manifest at ``path`` (every tensor entry checked, with its ``mcrc`` when present);
-        return its JSON object (the format is documented in :mod:`~lightning_accel.checkpoint.manifest`).
+        """Read and validate the manifest at ``path`` (its ``checksum`` and every tensor entry's ``mcrc`` when
+        present); return its JSON object (the format is documented in :mod:`~lightning_accel.checkpoint.manifest`).
 
         Raises:
             FileNotFoundError: nothing at ``path``.
             NotADeltaCheckpointError: ``path`` is a directory or holds something else.
-            CheckpointCorruptError: the manifest is damaged (naming the file, and the tensor when one is at fault).
+            CheckpointCorruptError: the manifest is damaged or truncated (naming the file, and the tensor when one is
+                at fault).
         """
         return self._read_manifest(path)[0]
 
@@ -458,27 +526,65 @@ class DeltaStore:
         """:meth:`read_manifest` as a :class:`~lightning_accel.checkpoint.manifest.Manifest`."""
         return self._read_manifest(path)[1]
 
-    def _read_manifest(self, path: str | os.PathLike[str]) -> tuple[dict[str, Any], Manifest]:
+    def _read_manifest(self, path: str | os.PathLike[str]) -> tuple[dict[str, Any], Manifest, bytes]:
         _, p = _split_path(path)
-        if not self.fs.exists(p):
-            raise FileNotFoundError(errno.ENOENT, f"Checkpoint {p!r} does not exist")
-        if self.fs.isdir(p):
-            raise NotADeltaCheckpointError(_is_a_directory(self.fs, p))
-        # The head first: a plain `torch.save` file of gigabytes is not downloaded just to be told apart.
-        head = self.fs.head(p, 128)
+        # The head first, one read (a manifest is usually all of it): a plain `torch.save` file of gigabytes is not
+        # downloaded just to be told apart, and a manifest costs one request on an object store.
+        try:
+            first = self.fs.read(p, 0, _MANIFEST_READ)
+        except IsADirectoryError:
+            raise NotADeltaCheckpointError(_is_a_directory(self.fs, p)) from None
+        except FileNotFoundError:
+            if self.fs.isdir(p):  # an object-store prefix
+                raise NotADeltaCheckpointError(_is_a_directory(self.fs, p)) from None
+            raise FileNotFoundError(errno.ENOENT, f"Checkpoint {p!r} does not exist") from None
+        head = first[:128]
         if not is_manifest_bytes(head):
+            if truncated_manifest_head(head):
+                what = f"holds only {len(head)} bytes ({head!r}), the start of a manifest" if head else "is empty"
+                raise CheckpointCorruptError(
+                    f"Checkpoint {p!r} is truncated: the file {what}. Load another checkpoint of the directory."
+                )
             if damaged_manifest_head(head):
                 raise CheckpointCorruptError(
                     f"The manifest of checkpoint {p!r} is damaged (its header reads {head[:40]!r}); load another "
                     "checkpoint of the directory."
                 )
             raise NotADeltaCheckpointError(f"{p!r} is not a delta checkpoint manifest.")
-        data = self.fs.read(p)
+        # A longer manifest is read again whole (never two reads spliced: the writer may replace it in between).
+        data = first if len(first) < _MANIFEST_READ else self.fs.read(p)
         try:
             raw = json.loads(data)
         except ValueError as e:
             raise CheckpointCorruptError(f"The manifest of checkpoint {p!r} is damaged ({e!r}).") from e
-        return raw, Manifest.from_dict(p, raw)
+        return raw, Manifest.from_dict(p, raw), data
+
+    def read_skeleton(self, path: str | os.PathLike[str]) -> dict[str, Any]:
+        """The non-tensor state of the checkpoint at ``path`` (tensors left as placeholder strings), reading only its
+        manifest and skeleton blob: e.g. its ``global_step`` or its callbacks' state.
+
+        Raises:
+            CheckpointCorruptError: the manifest or the skeleton is damaged.
+        """
+        directory, p = _split_path(path)
+        manifest = self.open_manifest(p)
+        return self._skeleton(directory, p, manifest, None)[0]
+
+    def _skeleton(
+        self, directory: str, p: str, manifest: Manifest, used_copies: list[str] | None
+    ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        what = "the skeleton (non-tensor state)"
+        skel = self._fetch(directory, manifest.skeleton, p, what, True, manifest.copies == 2, used_copies)
+        try:
+            skeleton, small = unpack_skeleton_blob(skel)
+            if not isinstance(skeleton, dict):
+                raise TypeError(f"it holds a {type(skeleton).__name__}, not a dict")
+        except Exception as e:  # noqa: BLE001 - anything here means the skeleton is unusable
+            raise CheckpointCorruptError(
+                f"Checkpoint {p!r}: the skeleton (non-tensor state) cannot be read safely ({type(e).__name__}: "
+                f"{one_line(e, first=True)[:300]})."
+            ) from e
+        return skeleton, small
 
     def _fetch(
         self,
@@ -504,7 +610,7 @@ class DeltaStore:
             problem = "fails its checksum"
         if problem is None:
             return data
-        if copy:  # redundancy=2: a base blob has a second copy; it is trusted only if its content address matches
+        if copy:  # redundancy=2: the blob has a second copy; it is trusted only if its content address matches
             try:
                 spare = self.fs.read(url + COPY_SUFFIX)
             except (FileNotFoundError, IsADirectoryError):
@@ -519,17 +625,17 @@ class DeltaStore:
                 if used_copies is not None:
                     used_copies.append(key)
                 return spare
-        hint = (
-            "It was deleted or damaged outside this plugin, never written (a second writer in the same directory, "
-            "a damaged manifest), or lost with its storage"
-            if problem == "is missing"
-            else "The file is corrupt"
-        )
-        raise CheckpointCorruptError(
-            f"Checkpoint {ckpt!r}: blob {key} of {what} {problem} ({url}). {hint}; this checkpoint cannot be "
-            "restored. Load an older or newer checkpoint, or restore the blob directory (`redundancy=2` keeps a "
-            "second copy of base blobs)."
-        )
+        # The file, named relative to the checkpoint's directory (the key is in it): the message stays one line.
+        rel = posixpath.join(BLOB_DIR, key[:2], key)
+        fix = "Load another checkpoint, or restore that file (`redundancy=2` keeps a second copy of every blob)."
+        if problem == "is missing":
+            raise _MissingBlob(
+                f"Checkpoint {ckpt!r}: {what} needs {rel}, which is missing although the manifest, read again, still "
+                "lists it: deleted by something else than this plugin's garbage collection (which keeps a blob for "
+                f"`gc_grace_s` after its last manifest went), never written, or lost with its storage. {fix}"
+            )
+        # Short: the blob's key is its file name, and the command line appends its own hint.
+        raise CheckpointCorruptError(f"Checkpoint {ckpt!r}: blob {key} of {what} {problem} (damaged bytes).")
 
     def _restore_tensor(
         self,
@@ -539,14 +645,19 @@ class DeltaStore:
         entry: TensorEntry,
         check_keys: bool = False,
         used_copies: list[str] | None = None,
+        all_copies: bool = False,
     ) -> torch.Tensor:
         try:
-            return self._restore_once(directory, ckpt, name, entry, check_keys, False, used_copies)
-        except CheckpointCorruptError:
+            return self._restore_once(directory, ckpt, name, entry, check_keys, False, used_copies, all_copies)
+        except _MissingBlob:
             if not entry.copy:
                 raise
-            # The base may be the damaged link: re-read it with its content address checked (falls back to the copy).
-            return self._restore_once(directory, ckpt, name, entry, True, True, used_copies)
+        except CheckpointCorruptError:
+            if check_keys and not entry.copy:
+                raise
+        # A link may be the damaged one: re-read the chain with content addresses checked, so the damaged file is
+        # named (and, with copies, replaced by its copy).
+        return self._restore_once(directory, ckpt, name, entry, True, entry.copy, used_copies, all_copies)
 
     def _restore_once(
         self,
@@ -557,13 +668,14 @@ class DeltaStore:
         check_keys: bool,
         copy: bool,
         used_copies: list[str] | None,
+        all_copies: bool = False,
     ) -> torch.Tensor:
         what = f"tensor `{name}`"
         dtype = codec.dtype_from_name(entry.dtype)
         shape = list(entry.shape)
         chain = list(entry.chain)
         blobs = [
-            self._fetch(directory, key, ckpt, what, check_keys, copy and i == 0, used_copies)
+            self._fetch(directory, key, ckpt, what, check_keys, copy and (i == 0 or all_copies), used_copies)
             for i, key in enumerate(chain)
         ]
         nbytes = entry.nbytes
@@ -614,20 +726,44 @@ class DeltaStore:
     def _load(
         self, path: str | os.PathLike[str], map_location: Any, check_keys: bool, used_copies: list[str] | None
     ) -> dict[str, Any]:
+        return self._load_with_manifest(path, map_location, check_keys, used_copies)[0]
+
+    def _load_with_manifest(
+        self, path: str | os.PathLike[str], map_location: Any, check_keys: bool, used_copies: list[str] | None
+    ) -> tuple[dict[str, Any], Manifest]:
+        """Load the checkpoint; a blob found missing makes it re-read the manifest and, when the writer replaced it
+        meanwhile (a reader slower than ``gc_grace_s``), restore once more from the new version."""
         directory, p = _split_path(path)
-        manifest = self.open_manifest(p)
-        skel = self._fetch(directory, manifest.skeleton, p, "the skeleton (non-tensor state)", True)
+        _, manifest, data = self._read_manifest(p)
         try:
-            skeleton, small = unpack_skeleton_blob(skel)
-            if not isinstance(skeleton, dict):
-                raise TypeError(f"it holds a {type(skeleton).__name__}, not a dict")
-        except Exception as e:  # noqa: BLE001 - anything here means the skeleton is unusable
-            raise CheckpointCorruptError(
-                f"Checkpoint {p!r}: the skeleton (non-tensor state) cannot be read safely ({type(e).__name__}: "
-                f"{one_line(e, first=True)[:300]})."
-            ) from e
+            return self._restore_all(directory, p, manifest, map_location, check_keys, used_copies), manifest
+        except _MissingBlob as e:
+            try:
+                again = self.fs.read(p)
+            except FileNotFoundError:
+                raise FileNotFoundError(
+                    errno.ENOENT,
+                    f"Checkpoint {p!r} was removed while it was being read, and its blobs were collected ({e}). Load "
+                    "a checkpoint that is kept (e.g. last.ckpt)",
+                ) from e
+            if again == data:
+                raise
+            manifest = Manifest.from_json(p, again)
+        return self._restore_all(directory, p, manifest, map_location, check_keys, used_copies), manifest
+
+    def _restore_all(
+        self,
+        directory: str,
+        p: str,
+        manifest: Manifest,
+        map_location: Any,
+        check_keys: bool,
+        used_copies: list[str] | None,
+    ) -> dict[str, Any]:
+        skeleton, small = self._skeleton(directory, p, manifest, used_copies)
         items = list(manifest.tensors.items())
         _check_names(p, skeleton, set(manifest.tensors), set(small))
+        all_copies = manifest.copies == 2
         # Tensors with identical chains (last.ckpt vs its step, zero-initialised buffers) are decoded once.
         unique: dict[tuple[Any, ...], tuple[str, TensorEntry]] = {}
         for name, entry in items:
@@ -637,7 +773,9 @@ class DeltaStore:
                 zip(
                     unique,
                     pool.map(
-                        lambda ne: self._restore_tensor(directory, p, ne[0], ne[1], check_keys, used_copies),
+                        lambda ne: self._restore_tensor(
+                            directory, p, ne[0], ne[1], check_keys, used_copies, all_copies
+                        ),
                         unique.values(),
                     ),
                     strict=True,
@@ -657,40 +795,69 @@ class DeltaStore:
         return fill_skeleton(skeleton, tensors)
 
     def verify(self, path: str | os.PathLike[str], *, repair: bool = False) -> dict[str, Any]:
-        """Restore every tensor of the checkpoint at ``path`` with all checksums; return a summary.
+        """Restore every tensor of the checkpoint at ``path`` with all checksums, and check every second copy
+        (``redundancy=2``) against its content address; return a summary.
 
         Args:
             path: the manifest path.
-            repair: rewrite base blobs that are missing or corrupt from their second copy (``redundancy=2``).
+            repair: rewrite a damaged or missing blob from its good second copy, and a damaged or missing second copy
+                from its good blob (listed in the summary's ``repaired``; copies as ``<key>.copy``).
 
         Raises:
-            CheckpointCorruptError: naming the checkpoint and the tensor that fails.
+            CheckpointCorruptError: a tensor cannot be restored (naming the checkpoint and the tensor), or, without
+                ``repair``, a blob or a second copy is damaged although the checkpoint still restores (its redundancy
+                is lost: the message names the files and says to run ``--repair``).
         """
         directory, p = _split_path(path)
-        manifest = self.open_manifest(p)
         used: list[str] = []
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # reported in the summary instead
-            ckpt = self._load(p, None, True, used)
-        repaired = []
+            ckpt, manifest = self._load_with_manifest(p, None, True, used)
+        bad_copies: list[tuple[str, str]] = []
+        for key in sorted(manifest.copy_keys()):
+            url = self.blob_url(directory, key) + COPY_SUFFIX
+            try:
+                ok = _blob_key(self.fs.read(url)) == key
+                if not ok:
+                    bad_copies.append((key, f"{url} fails its checksum"))
+            except (FileNotFoundError, IsADirectoryError):
+                bad_copies.append((key, f"{url} is missing"))
+        bad_blobs = sorted(set(used))
+        repaired: list[str] = []
         if repair:
-            for key in sorted(set(used)):
+            for key in bad_blobs:
                 url = self.blob_url(directory, key)
                 spare = self.fs.read(url + COPY_SUFFIX)
                 if _blob_key(spare) == key:
                     self.fs.write(url, spare)
                     repaired.append(key)
+            for key, _ in bad_copies:
+                url = self.blob_url(directory, key)
+                good = self.fs.read(url)
+                if _blob_key(good) == key:
+                    self.fs.write(url + COPY_SUFFIX, good)
+                    repaired.append(key + COPY_SUFFIX)
+        elif bad_blobs or bad_copies:
+            problems = [f"blob {k} is damaged or missing (restored from its copy)" for k in bad_blobs]
+            problems += [f"the second copy of blob {k}: {why}" for k, why in bad_copies]
+            raise CheckpointCorruptError(
+                f"Checkpoint {p!r} restores, but its redundancy is damaged: {'; '.join(problems[:3])}"
+                + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else "")
+                + f". Run `lightning-accel ckpt verify --repair {p}` to re-create each from its good copy."
+            )
         entries = manifest.tensors.values()
         return {
             "path": p,
             "ok": True,
             "tensors": len(manifest.tensors),
             "blobs": len(manifest.keys()),
+            "copies_checked": len(manifest.copy_keys()),
+            "manifest_checksum": manifest.checksummed,
             "raw_tensor_bytes": sum(e.nbytes for e in entries),
             "chain_bytes": sum(sum(e.sizes) for e in entries),
             "max_chain": max((len(e.chain) for e in entries), default=0),
             "lossy": manifest.lossy,
-            "copies_used": sorted(set(used)),
+            "copies_used": bad_blobs,
             "repaired": repaired,
             "top_level_keys": sorted(map(str, ckpt)),
         }
@@ -707,7 +874,8 @@ class DeltaStore:
 
     # ------------------------------------------------------------------ remove / collect
     def remove(self, path: str | os.PathLike[str]) -> int:
-        """Delete the checkpoint at ``path`` and collect the blobs no remaining manifest references.
+        """Delete the checkpoint at ``path`` and collect the blobs no remaining manifest references (once their grace
+        period ``gc_grace_s`` has passed).
 
         A symlink is removed as a link. Local symlinks that point at the removed manifest (Lightning's
         ``save_last="link"``) are first replaced by a copy of it, so they stay loadable. A missing path is a no-op.
@@ -721,26 +889,44 @@ class DeltaStore:
         """
         directory, p = _split_path(path)
         with self._lock:
-            if not self.fs.exists(p):
+            if not self._unlink_manifest(directory, p):
                 return 0
-            self._writable(directory)
-            state = self._dirs.get().get(directory)
-            if state is not None:
-                state.live.pop(p, None)
-            local = is_local_url(p)
-            if local and os.path.islink(p):
-                os.unlink(p)
-                return self.collect_garbage(directory)
-            if self.fs.isdir(p) or not is_manifest_bytes(self.fs.head(p, 128)):
-                raise NotADeltaCheckpointError(
-                    f"Refusing to remove {p!r}: it is not a delta checkpoint manifest written by DeltaCheckpointIO."
-                )
-            if local:
-                self._materialize_links_to(directory, p)
-            self.fs.rm(p)
-            if local:
-                fsync_dir(directory)
             return self.collect_garbage(directory)
+
+    def remove_checkpoints(self, paths: list[str]) -> int:
+        """:meth:`remove` each of ``paths`` (manifests), then collect garbage once per directory. Returns the number
+        of blobs deleted."""
+        dirs: dict[str, None] = {}
+        with self._lock:
+            for path in paths:
+                directory, p = _split_path(path)
+                if self._unlink_manifest(directory, p):
+                    dirs[directory] = None
+            return sum(self.collect_garbage(d) for d in dirs)
+
+    def _unlink_manifest(self, directory: str, p: str) -> bool:
+        """Delete the manifest (or link) at ``p``; False when nothing was there."""
+        if not self.fs.exists(p):
+            return False
+        self._writable(directory)
+        state = self._dirs.get().get(directory)
+        if state is not None:
+            state.live.pop(p, None)
+        local = is_local_url(p)
+        if local and os.path.islink(p):
+            os.unlink(p)
+            return True
+        if self.fs.isdir(p) or not is_manifest_bytes(self.fs.head(p, 128)):
+            raise NotADeltaCheckpointError(
+                f"Refusing to remove {p!r}: it is not a delta checkpoint manifest written by DeltaCheckpointIO."
+            )
+        if local:
+            self._materialize_links_to(directory, p)
+        self._release(directory, p)
+        self.fs.rm(p)
+        if local:
+            fsync_dir(directory)
+        return True
 
     def _materialize_links_to(self, directory: str, target: str) -> None:
         data = None
@@ -750,6 +936,26 @@ class DeltaStore:
             if os.path.islink(link) and os.path.realpath(link) == real:
                 data = self.fs.read(target) if data is None else data
                 self.fs.write(link, data)  # os.replace swaps the link for a real manifest
+
+    def untracked_manifests(self, directory: str | os.PathLike[str], tracked: Iterable[str]) -> list[tuple[str, float]]:
+        """The manifests of ``directory`` (recognised by their first bytes: never another file) whose names are not
+        in ``tracked`` (names, paths or URLs; compared by file name), as ``(url, created)``, oldest first. Symlinks and
+        damaged manifests are left out (never removed by a reconciliation).
+        """
+        directory = _norm_dir(directory)
+        names = {posixpath.basename(os.fspath(t).rstrip("/")) for t in tracked if t}
+        out: list[tuple[str, float]] = []
+        for name in self.fs.list_files(directory):
+            url = safe_join(directory, name)
+            if name in names or (is_local_url(url) and os.path.islink(url)):
+                continue
+            try:
+                if not is_manifest_bytes(self.fs.head(url, 128)):
+                    continue
+                out.append((url, Manifest.from_json(url, self.fs.read(url)).created))
+            except (FileNotFoundError, IsADirectoryError, CheckpointCorruptError):
+                continue
+        return sorted(out, key=lambda uc: (uc[1], uc[0]))
 
     def live_keys(self, directory: str) -> set[str]:
         """Blob keys referenced by any manifest in ``directory`` or by this process's chain state."""
@@ -783,8 +989,17 @@ class DeltaStore:
                 keys.update(entry.entry.chain)
         return keys
 
-    def collect_garbage(self, directory: str | os.PathLike[str]) -> int:
-        """Delete blobs of ``directory`` that no manifest references, and temporary files of interrupted writes.
+    def collect_garbage(self, directory: str | os.PathLike[str], *, grace_s: float | None = None) -> int:
+        """Delete the blobs of ``directory`` that no manifest has referenced for ``grace_s`` seconds, and temporary
+        files of interrupted writes.
+
+        A blob found unreferenced is first recorded in the pending-deletions record ``.delta_blobs/.pending`` with the
+        time; a later collection deletes it once the grace period has passed (a reader that opened a manifest
+        meanwhile still finds its blobs), and drops it from the record if a manifest references it again.
+
+        Args:
+            directory: the checkpoint directory.
+            grace_s: the grace period (default: the store's ``gc_grace_s``; 0 deletes at once).
 
         Returns:
             The number of files deleted.
@@ -793,6 +1008,7 @@ class DeltaStore:
             CheckpointDirectoryLockedError: another writer holds the directory.
         """
         directory = _norm_dir(directory)
+        grace = self.gc_grace_s if grace_s is None else check_number("grace_s", grace_s, low=0, fix="0: at once.")
         with self._lock:
             self._writable(directory)
             try:
@@ -800,21 +1016,63 @@ class DeltaStore:
             except CheckpointCorruptError as e:  # keep everything; saves go on (their manifests are intact)
                 warnings.warn(str(e), UserWarning, stacklevel=2)
                 return 0
+            released = self._released.get().pop(directory, set())
             blob_root = safe_join(directory, BLOB_DIR)
+            pending = self._read_pending(blob_root)
+            now = time.time()
+            unreferenced: dict[str, list[str]] = {}
             deleted = 0
             for rel in self.fs.find(blob_root):
                 base = posixpath.basename(rel)
-                key = base[: -len(COPY_SUFFIX)] if base.endswith(COPY_SUFFIX) else base
-                if key in live:
-                    continue
-                if is_blob_key(key) or _TMP_RE.match(base):
+                if _TMP_RE.match(base):  # an interrupted write of the single writer: never anyone's blob
                     self.fs.rm(safe_join(blob_root, rel))
                     deleted += 1
+                    continue
+                key = base[: -len(COPY_SUFFIX)] if base.endswith(COPY_SUFFIX) else base
+                if is_blob_key(key) and key not in live:
+                    unreferenced.setdefault(key, []).append(rel)
+            keep: dict[str, float] = {}
+            for key, rels in unreferenced.items():
+                since = now if key in released else min(pending.get(key, now), now)
+                if now - since >= grace:
+                    for rel in rels:
+                        self.fs.rm(safe_join(blob_root, rel))
+                        deleted += 1
+                else:
+                    keep[key] = since
+            if keep != pending:
+                self._write_pending(blob_root, keep)
             for name in self.fs.list_files(directory):
                 if _TMP_RE.match(name):
                     self.fs.rm(safe_join(directory, name))
                     deleted += 1
             return deleted
+
+    def pending_deletions(self, directory: str | os.PathLike[str]) -> dict[str, float]:
+        """The blobs of ``directory`` waiting for their grace period: blob key -> time (``time.time()``) since which
+        no manifest references it."""
+        return self._read_pending(safe_join(_norm_dir(directory), BLOB_DIR))
+
+    def _read_pending(self, blob_root: str) -> dict[str, float]:
+        try:
+            raw = json.loads(self.fs.read(safe_join(blob_root, PENDING_NAME)))
+        except (FileNotFoundError, IsADirectoryError, ValueError):
+            return {}  # none, or damaged: every unreferenced blob starts its grace period now (nothing is lost)
+        keys = raw.get("keys") if isinstance(raw, dict) and raw.get("format") == _PENDING_FORMAT else None
+        if not isinstance(keys, dict):
+            return {}
+        return {
+            k: float(t)
+            for k, t in keys.items()
+            if is_blob_key(k) and isinstance(t, (int, float)) and not isinstance(t, bool)
+        }
+
+    def _write_pending(self, blob_root: str, keys: dict[str, float]) -> None:
+        url = safe_join(blob_root, PENDING_NAME)
+        if not keys:
+            self.fs.rm(url)
+            return
+        self.fs.write(url, json.dumps({"format": _PENDING_FORMAT, "version": 1, "keys": keys}).encode())
 
     def forget(self, directory: str | None = None) -> None:
         """Drop the in-memory chain state (the next save of each tensor is a full snapshot)."""

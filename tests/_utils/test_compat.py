@@ -8,6 +8,7 @@ torch upgrade that drops one is caught here rather than as an ``AttributeError``
 from __future__ import annotations
 
 import importlib
+import os
 import socket
 from collections.abc import Callable
 from pathlib import Path
@@ -475,3 +476,47 @@ def test_model_checkpoint_setup_without_listing_skips_the_listing(tmp_path: Path
         "compat.model_checkpoint_setup_without_listing"
     )
     assert quiet.save_top_k == 3  # restored after the block
+
+
+# --- checkpoint: which checkpoints a resumed ModelCheckpoint tracks ---------------------------------------------------
+
+
+def test_model_checkpoint_state_names_what_it_tracks(tmp_path: Path) -> None:
+    """A real fit's saved ``callbacks`` state: found by its keys, and its tracked paths are the top-k and last."""
+    x = torch.randn(32, 4)
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 2)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return nn.functional.cross_entropy(self.lin(batch[0]), batch[1])
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    cb = ModelCheckpoint(
+        dirpath=tmp_path / "ck",
+        filename="{step}",
+        every_n_train_steps=1,
+        save_top_k=2,
+        save_last=True,
+        monitor="step",
+        mode="max",
+    )
+    trainer = pl.Trainer(
+        max_steps=4,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[cb],
+        accelerator="cpu",
+    )
+    trainer.fit(Tiny(), DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=8))
+    saved = torch.load(tmp_path / "ck" / "last.ckpt", weights_only=True)
+    (state,) = compat.model_checkpoint_states(saved["callbacks"])
+    tracked = {os.path.basename(p) for p in compat.model_checkpoint_tracked(state)}
+    on_disk = {p.name for p in (tmp_path / "ck").iterdir()}
+    assert tracked == on_disk == {"step=3.ckpt", "step=4.ckpt", "last.ckpt"}, (tracked, on_disk, VERSIONS)
+    assert compat.model_checkpoint_states({"Other": {"x": 1}, "ModelCheckpoint{}": [1]}) == []

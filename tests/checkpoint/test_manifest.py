@@ -3,6 +3,7 @@ without the optional ``sizes`` / ``mcrc``) load; the encode policy as a pure fun
 
 from __future__ import annotations
 
+import hashlib
 import json
 import zlib
 from pathlib import Path
@@ -57,6 +58,10 @@ def _written_as_before(raw: dict[str, Any]) -> bytes:
         "lossy": raw["lossy"],
         "tensors": tensors,
     }
+    if any(m.get("copy") for m in tensors.values()):
+        manifest["redundancy"] = 2  # every blob has a second copy
+    body = json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
+    manifest["checksum"] = hashlib.blake2b(body, digest_size=16).hexdigest()  # of everything above, keys sorted
     return json.dumps(manifest, separators=(",", ":")).encode()
 
 
@@ -83,6 +88,7 @@ def test_a_manifest_in_the_old_format_loads_with_the_same_restore_path(tmp_path:
     store.close()
     saved = json.loads((tmp_path / "b.ckpt").read_bytes())
     legacy = dict(saved, tensors=dict(saved["tensors"]))
+    del legacy["checksum"]  # early manifests had no checksum of their own
     w = dict(legacy["tensors"]["state_dict/w"])
     del w["sizes"], w["mcrc"]
     legacy["tensors"]["state_dict/w"] = w
@@ -95,7 +101,9 @@ def test_a_manifest_in_the_old_format_loads_with_the_same_restore_path(tmp_path:
     m = DeltaStore().open_manifest(tmp_path / "old.ckpt")
     assert m.tensors["state_dict/w"].sizes == () and m.tensors["state_dict/b"].sizes
     assert DeltaStore().read_manifest(tmp_path / "old.ckpt")["tensors"]["state_dict/w"] == w  # the raw JSON
-    assert DeltaStore().verify(tmp_path / "old.ckpt")["ok"]
+    summary = DeltaStore().verify(tmp_path / "old.ckpt")
+    assert summary["ok"] and summary["manifest_checksum"] is False
+    assert DeltaStore().verify(tmp_path / "b.ckpt")["manifest_checksum"] is True
 
 
 def test_damaged_entries_and_manifests_name_the_file_and_tensor() -> None:

@@ -117,7 +117,7 @@ def test_chain_policy_full_every_and_previous_mode(tmp_path: Path) -> None:
 
 
 def test_remove_collects_exactly_the_unreferenced_blobs(tmp_path: Path) -> None:
-    store = DeltaStore(full_every=1)
+    store = DeltaStore(full_every=1, gc_grace_s=0)
     s = _state(0)
     states = {}
     for i in range(5):
@@ -132,7 +132,7 @@ def test_remove_collects_exactly_the_unreferenced_blobs(tmp_path: Path) -> None:
     # A fresh process (no in-memory state) derives the same references from the manifests alone (once the first
     # writer released the directory: one writer at a time).
     store.close()
-    fresh = DeltaStore()
+    fresh = DeltaStore(gc_grace_s=0)
     assert fresh.collect_garbage(tmp_path) == 0
     fresh.close()
     store.remove(tmp_path / "1.ckpt")
@@ -201,7 +201,7 @@ def test_missing_or_corrupt_blob_names_checkpoint_and_tensor(tmp_path: Path) -> 
 
 
 def test_disk_full_mid_save_keeps_earlier_checkpoints(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    store = DeltaStore()
+    store = DeltaStore(gc_grace_s=0)
     s0 = _state(0)
     store.save(s0, tmp_path / "ok.ckpt")
     calls = {"n": 0}
@@ -238,7 +238,7 @@ def test_leftovers_of_a_killed_save_are_collected(tmp_path: Path) -> None:
     tmp = tmp_path / f".b.ckpt.{'0' * 32}.tmp"
     tmp.write_bytes(b"partial")
     store.close()  # the next writer (a fresh process) collects it
-    assert DeltaStore().collect_garbage(tmp_path) == 2
+    assert DeltaStore(gc_grace_s=0).collect_garbage(tmp_path) == 2
     assert not orphan.exists() and not tmp.exists()
     assert DeltaStore().verify(tmp_path / "a.ckpt")["ok"]
 
@@ -271,7 +271,7 @@ def test_s3_round_trip_remove_and_gc(s3_bucket: tuple[str, dict[str, Any]]) -> N
     import fsspec
 
     bucket, opts = s3_bucket
-    store = DeltaStore(storage_options=opts)
+    store = DeltaStore(storage_options=opts, gc_grace_s=0)
     root = f"s3://{bucket}/run/ckpt"
     s0, s1 = _state(0), _drift(_state(0), 1e-4, 0)
     store.save(s0, f"{root}/a.ckpt")
@@ -307,7 +307,7 @@ def test_redundancy_keeps_a_chain_alive_when_its_base_blob_is_lost(
     s1 = _drift(s0, 1e-4, 0)
     for redundancy in (1, 2):
         d = tmp_path / f"r{redundancy}"
-        store = DeltaStore(redundancy=redundancy)
+        store = DeltaStore(redundancy=redundancy, gc_grace_s=0)
         store.save(s0, d / "a.ckpt")
         store.save(s1, d / "b.ckpt")
         store.close()
@@ -337,7 +337,7 @@ def test_redundancy_keeps_a_chain_alive_when_its_base_blob_is_lost(
 
 
 def test_a_dead_base_is_rebased_and_then_collected(tmp_path: Path) -> None:
-    store = DeltaStore(rebase_dead_fraction=0.3, rebase_ratio=10.0)
+    store = DeltaStore(rebase_dead_fraction=0.3, rebase_ratio=10.0, gc_grace_s=0)
     s = _state(0)
     store.save(s, tmp_path / "a.ckpt")
     s = _drift(s, 1e-3, 1)

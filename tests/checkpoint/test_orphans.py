@@ -1,0 +1,181 @@
+"""A killed run's untracked checkpoints: removed when the next run resumes (``DeltaModelCheckpoint``), kept with
+``keep_orphans=True``, removed by hand with ``ckpt gc``; never a file this plugin did not write."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_accel.checkpoint import DeltaCheckpointIO, DeltaModelCheckpoint, resolve_ckpt_path
+from lightning_accel.checkpoint.cli import main as ckpt_main
+from lightning_accel.checkpoint.store import BLOB_DIR, DeltaStore
+from tests.tiny import CheckpointModel, ckpt_trainer, tiny_loader
+
+
+def _callback(dirpath: Any, **kw: Any) -> DeltaModelCheckpoint:
+    return DeltaModelCheckpoint(
+        dirpath=dirpath,
+        filename="{step}",
+        every_n_train_steps=1,
+        save_top_k=2,
+        save_last=True,
+        monitor="step",
+        mode="max",
+        **kw,
+    )
+
+
+def _fit(tmp_path: Path, ckpt: Path, max_steps: int, resume: bool, **kw: Any) -> DeltaModelCheckpoint:
+    cb = _callback(ckpt, **kw)
+    io = DeltaCheckpointIO()
+    io.store.gc_grace_s = 0.0  # no concurrent readers here: collect at once, so the blob sets can be compared
+    trainer = ckpt_trainer(tmp_path, [io], [cb], max_steps=max_steps, max_epochs=None, limit_val_batches=0)
+    trainer.fit(CheckpointModel(), tiny_loader(), ckpt_path="last" if resume else None)
+    return cb
+
+
+def _plant(ckpt: Path) -> dict[str, Path]:
+    """What a killed run leaves (an older and a newer untracked manifest) and files the plugin did not write."""
+    store = DeltaStore(gc_grace_s=0.0)
+    older = ckpt / "step=1.ckpt"  # removed by ModelCheckpoint long ago: a removal the killed run never made
+    shutil.copy(ckpt / "step=5.ckpt", older)
+    manifest = json.loads(older.read_bytes())
+    assert manifest["created"] < json.loads((ckpt / "last.ckpt").read_bytes())["created"]
+    newer = ckpt / "step=9.ckpt"  # saved after the last last.ckpt, then killed
+    store.save({"state_dict": {"w": torch.randn(4096)}, "global_step": 9}, newer)
+    versioned = ckpt / "step=9-v1.ckpt"
+    store.save({"state_dict": {"w": torch.randn(4096)}, "global_step": 9}, versioned)
+    manual = ckpt / "manual.ckpt"  # a manifest, but not a name this callback makes
+    store.save({"state_dict": {"w": torch.randn(64)}}, manual)
+    store.close()
+    notes = ckpt / "notes.txt"
+    notes.write_text("mine")
+    plain = ckpt / "step=3.ckpt"  # a torch.save file named like a step checkpoint: not the plugin's
+    torch.save({"w": torch.ones(3)}, plain)
+    blob_like = ckpt / "step=5.ckpt.bak"  # a user's backup copy of a manifest: not a checkpoint name
+    shutil.copy(ckpt / "step=5.ckpt", blob_like)
+    return {
+        "older": older,
+        "newer": newer,
+        "versioned": versioned,
+        "manual": manual,
+        "notes": notes,
+        "plain": plain,
+        "bak": blob_like,
+    }
+
+
+def _blobs(ckpt: Path) -> set[str]:
+    return {p.name.removesuffix(".copy") for p in (ckpt / BLOB_DIR).rglob("*") if p.is_file() and len(p.name) >= 40}
+
+
+def test_a_resumed_run_removes_what_a_killed_run_left_and_nothing_else(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    _fit(tmp_path, ckpt, 6, resume=False)
+    assert sorted(p.name for p in ckpt.glob("*.ckpt")) == ["last.ckpt", "step=5.ckpt", "step=6.ckpt"]
+    planted = _plant(ckpt)
+    with pytest.warns(UserWarning, match=r"Removing 3 checkpoints .* \(resumed from last.ckpt\).*keep_orphans=True"):
+        cb = _fit(tmp_path, ckpt, 8, resume=True)
+    assert sorted(Path(p).name for p in cb.orphans) == ["step=1.ckpt", "step=9-v1.ckpt", "step=9.ckpt"]
+    for what in ("older", "newer", "versioned"):
+        assert not planted[what].exists(), what
+    for what in ("manual", "notes", "plain", "bak"):
+        assert planted[what].exists(), what  # never a file the callback did not make
+    assert sorted(p.name for p in ckpt.glob("step=*.ckpt")) == ["step=3.ckpt", "step=7.ckpt", "step=8.ckpt"]
+    store = DeltaStore(gc_grace_s=0.0)
+    for name in ("last.ckpt", "step=7.ckpt", "step=8.ckpt", "manual.ckpt"):
+        assert store.verify(ckpt / name)["ok"]
+    store.collect_garbage(ckpt)
+    store.close()
+    assert _blobs(ckpt) == store.live_keys(str(ckpt))  # the removed checkpoints' blobs went with them
+
+
+def test_keep_orphans_keeps_them_with_a_warning_and_a_fresh_run_touches_nothing(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    _fit(tmp_path, ckpt, 6, resume=False)
+    planted = _plant(ckpt)
+    with pytest.warns(UserWarning, match=r"3 checkpoints .* not tracked by ModelCheckpoint.*ckpt gc"):
+        cb = _fit(tmp_path, ckpt, 7, resume=True, keep_orphans=True)
+    assert len(cb.orphans) == 3 and all(p.exists() for p in planted.values())
+    # A run that does not resume restores no tracking state: it removes nothing.
+    cb = _fit(tmp_path, tmp_path / "ckpt", 2, resume=False)
+    assert cb.orphans == [] and all(p.exists() for p in planted.values())
+    with pytest.raises(TypeError, match="`keep_orphans` must be"):
+        DeltaModelCheckpoint(dirpath=ckpt, keep_orphans="yes")  # type: ignore[arg-type]
+
+
+def test_ckpt_gc_lists_then_removes_untracked_manifests_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = tmp_path / "ckpt"
+    _fit(tmp_path, ckpt, 6, resume=False)
+    planted = _plant(ckpt)
+    from lightning_accel.cli import main as lightning_accel_main
+
+    with pytest.raises(SystemExit) as done_by_cli:  # `lightning-accel ckpt gc`: the same command
+        lightning_accel_main(["ckpt", "gc", str(ckpt), "--dry-run"])
+    assert done_by_cli.value.code == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert listed["dry_run"] and listed["removed"] == []
+    assert sorted(listed["untracked"]) == ["manual.ckpt", "step=1.ckpt", "step=9-v1.ckpt", "step=9.ckpt"]
+    assert sorted(listed["tracked"]) == ["last.ckpt", "step=5.ckpt", "step=6.ckpt"]
+    assert all(p.exists() for p in planted.values())
+    # Refused while a run writes the directory.
+    writer = DeltaStore()
+    writer.claim(str(ckpt))
+    assert ckpt_main(["gc", str(ckpt), "--grace-s", "0"]) == 1
+    assert "is being written" in capsys.readouterr().err
+    writer.close()
+    assert ckpt_main(["gc", str(ckpt), "--grace-s", "0"]) == 0
+    done = json.loads(capsys.readouterr().out)
+    assert sorted(done["removed"]) == sorted(listed["untracked"]) and done["blobs_deleted"] > 0
+    assert done["pending"] == 0
+    for what in ("notes", "plain", "bak"):
+        assert planted[what].exists(), what
+    store = DeltaStore()
+    assert _blobs(ckpt) == store.live_keys(str(ckpt))
+    for name in ("last.ckpt", "step=5.ckpt", "step=6.ckpt"):
+        assert store.verify(ckpt / name)["ok"]
+    # Without a last checkpoint nothing says what is tracked: no checkpoint is removed.
+    (ckpt / "last.ckpt").unlink()
+    assert ckpt_main(["gc", str(ckpt)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["removed"] == [] and "no last" in out["note"]
+
+
+@pytest.mark.timeout(300)
+def test_a_resumed_run_on_s3_removes_a_killed_runs_checkpoint_and_so_does_gc(
+    s3_bucket: tuple[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    bucket, opts = s3_bucket
+    dirpath = f"s3://{bucket}/run/ckpt"
+
+    def fit(max_steps: int) -> tuple[DeltaModelCheckpoint, Any]:
+        cb = _callback(dirpath)
+        io = DeltaCheckpointIO(storage_options=opts)
+        io.store.gc_grace_s = 0.0
+        trainer = ckpt_trainer(tmp_path, [io], [cb], max_steps=max_steps, max_epochs=None, limit_val_batches=0)
+        trainer.fit(CheckpointModel(), tiny_loader(), ckpt_path=resolve_ckpt_path(trainer, "last"))
+        return cb, io
+
+    fit(4)
+    store = DeltaStore(storage_options=opts)
+    store.save({"state_dict": {"w": torch.randn(4096)}, "global_step": 9}, f"{dirpath}/step=9.ckpt")
+    store.fs.write(f"{dirpath}/notes.txt", b"mine")
+    store.close()
+    with pytest.warns(UserWarning, match="Removing 1 checkpoints"):
+        cb, _ = fit(6)
+    names = sorted(store.fs.list_files(dirpath))
+    assert names == ["last.ckpt", "notes.txt", "step=5.ckpt", "step=6.ckpt"], names
+    assert cb.orphans == [f"{dirpath}/step=9.ckpt"]
+    # By hand, on the bucket too.
+    store.save({"state_dict": {"w": torch.randn(4096)}, "global_step": 9}, f"{dirpath}/step=9.ckpt")
+    store.close()
+    assert ckpt_main(["gc", dirpath, "--grace-s", "0", "--storage-options", json.dumps(opts)]) == 0
+    assert sorted(store.fs.list_files(dirpath)) == names
+    assert store.pending_deletions(dirpath) == {}
