@@ -50,6 +50,7 @@ __all__ = [
     "itemsize_of",
     "pack_blob",
     "read_header",
+    "same_bytes",
     "shuffle_bytes",
     "tensor_bytes",
     "tensor_from_bytes",
@@ -127,6 +128,18 @@ def tensor_bytes(t: torch.Tensor) -> np.ndarray:
     if t.numel() == 0:
         return np.zeros(0, dtype=np.uint8)
     return t.view(torch.uint8).numpy()
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor, chunk: int = 1 << 18) -> bool:
+    """Whether two CPU tensors of the same dtype and shape hold the same bytes (bit patterns: ``-0.0`` differs from
+    ``0.0``, a NaN equals itself). Compared in chunks of ``chunk`` words, so a difference near the start returns
+    early and no tensor-sized temporary is allocated."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    x, y = tensor_bytes(a), tensor_bytes(b)
+    if x.size % 8 == 0:
+        x, y = x.view(np.uint64), y.view(np.uint64)
+    return all(np.array_equal(x[i : i + chunk], y[i : i + chunk]) for i in range(0, x.size, chunk))
 
 
 def tensor_from_bytes(raw: np.ndarray | bytes, dtype: torch.dtype, shape: list[int] | tuple[int, ...]) -> torch.Tensor:
