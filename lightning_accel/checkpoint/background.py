@@ -65,7 +65,33 @@ _content_ids = itertools.count(1)
 
 
 class CheckpointSaveError(RuntimeError):
-    """A background checkpoint save (or removal) failed; the message names the first failure, ``__cause__`` is it."""
+    """A background checkpoint save (or removal) failed; the message names the first failure, ``__cause__`` is it.
+
+    The error raised is also an instance of the failure's own type where that type allows it (an ``OSError`` for a
+    full disk, ``NotADeltaCheckpointError`` for a bad path), so ``except OSError`` around a fit keeps working.
+    """
+
+
+_SAVE_ERRORS: dict[type[BaseException], type[CheckpointSaveError]] = {}
+
+
+def _save_error(line: str, cause: BaseException) -> CheckpointSaveError:
+    """A :class:`CheckpointSaveError` carrying ``line`` that is also of ``cause``'s type when possible."""
+    cls = type(cause)
+    err: CheckpointSaveError | None = None
+    if isinstance(cause, Exception) and not isinstance(cause, CheckpointSaveError):
+        try:
+            sub = _SAVE_ERRORS.get(cls) or type("CheckpointSaveError", (CheckpointSaveError, cls), {})
+            err = sub(line)
+            if str(err) != line:
+                err = None
+            else:
+                _SAVE_ERRORS[cls] = sub
+        except TypeError:  # an incompatible layout or constructor
+            err = None
+    err = err if err is not None else CheckpointSaveError(line)
+    err.__cause__ = cause
+    return err
 
 
 def snapshot(obj: Any) -> Any:
@@ -145,11 +171,14 @@ class Snapshot:
 
     def __init__(self, tree: Any, bufs: list[_Buf]) -> None:
         self.tree, self.bufs = tree, bufs
-        self._ids = {id(b.tensor): b.content_id for b in bufs}
+        # By data pointer: the store sees detached aliases of the buffers, and a held buffer's address is its own.
+        self._ids = {b.tensor.data_ptr(): b.content_id for b in bufs if b.tensor.numel()}
 
     def content_id(self, t: torch.Tensor) -> int | None:
-        """The content id of ``t`` if it is one of this snapshot's buffers, else None."""
-        return self._ids.get(id(t))
+        """The content id of ``t`` if it is (an alias of) one of this snapshot's whole buffers, else None."""
+        if not t.numel() or t.device.type != "cpu":
+            return None
+        return self._ids.get(t.data_ptr())
 
 
 class SnapshotPool:
@@ -385,9 +414,7 @@ class BackgroundWriter:
             if jobs.error is None:
                 if dropped:
                     line += f" ({dropped} later checkpoint job(s) were dropped, nothing was removed)"
-                err = CheckpointSaveError(line)
-                err.__cause__ = e
-                jobs.error = err
+                jobs.error = _save_error(line, e)
             log.error("%s", line)
 
     @staticmethod
