@@ -465,7 +465,9 @@ class DeltaStore:
                 timing.hash_s += time.perf_counter() - th
                 kept = prev if prev.content_id == content_id else dataclasses.replace(prev, content_id=content_id)
                 return kept, [], "unchanged"
-        src_hash = _raw_hash(t)
+        # A snapshot buffer's content id names its bytes as well as a hash would (ids are never reused), so a
+        # snapshot is not hashed; a live tensor (synchronous saves) is.
+        src_hash = _raw_hash(t) if content_id is None else f"content:{content_id}"
         timing.hash_s += time.perf_counter() - th
         step = policy.plan(opts, name, dname, shape, src_hash, t.is_floating_point(), prev, dead)
         if step.kind == "unchanged":

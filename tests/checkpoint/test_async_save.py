@@ -100,7 +100,8 @@ def test_a_snapshot_content_id_skips_even_the_comparison(tmp_path: Path, monkeyp
     w[:10] += 1.0  # new content, new id: compared, hashed, encoded (a delta)
     ids[w.data_ptr()] = 8
     st = store.save({"w": w}, tmp_path / "b.ckpt", content_id=lambda t: ids.get(t.data_ptr()))
-    assert st.tensors_unchanged == 0 and counts.take() == {"hash": 1, "compare": 1, "encode": 1}
+    # a snapshot's bytes are named by its content id: compared with the reference, never hashed
+    assert st.tensors_unchanged == 0 and counts.take() == {"hash": 0, "compare": 1, "encode": 1}
     store.close()
     assert torch.equal(DeltaStore().load(tmp_path / "b.ckpt")["w"], w)
 
@@ -169,8 +170,9 @@ def test_an_async_failure_stops_the_fit_at_the_next_save_naming_the_first_failur
         trainer.fit(CheckpointModel(), tiny_loader())
     msg = str(info.value)
     assert f"{fail.paths[2]!r}" in msg and "No space left" in msg and "\n" not in msg
-    # saves 1, 2 ran; save 3 (step 3) failed; the save call of step 4 raised: no step 5, no save 4 reached the store
-    assert trainer.global_step == 4 and len(fail.paths) == 3 and io.writer_stats.failed == 1
+    # saves 1, 2 ran; save 3 (step 3) failed; the next call raised: step 3's removal of step=2 (when the failure
+    # was already known then) or step 4's save. No later step ran, no later save reached the store.
+    assert trainer.global_step in (3, 4) and len(fail.paths) == 3 and io.writer_stats.failed == 1
     # the removal of step=2 queued after the failed save never ran: the last good checkpoint is still there
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("*.ckpt")) == ["step=2.ckpt"]
     assert DeltaCheckpointIO().load_checkpoint(tmp_path / "ckpt" / "step=2.ckpt")["global_step"] == 2
