@@ -274,14 +274,18 @@ def _shape_key(t: torch.Tensor) -> tuple[Any, ...]:
 
 
 class _Job:
-    __slots__ = ("args", "bounded", "fn", "future", "key", "seq", "snap", "started")
+    __slots__ = ("aliases", "args", "bounded", "fn", "future", "key", "seq", "snap", "started")
 
     def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], key: str | None, bounded: bool) -> None:
         self.fn, self.args, self.key, self.bounded = fn, args, key, bounded
         self.future: Future = Future()
         self.started = False
         self.snap: Snapshot | None = None
+        self.aliases: list[str] = []  # older saves' paths this save took over: written with the same snapshot
         self.seq = 0
+
+    def touches(self, key: str) -> bool:
+        return self.key == key or key in self.aliases
 
 
 class _Jobs:
@@ -354,6 +358,7 @@ class BackgroundWriter:
     # ---- worker ------------------------------------------------------------------------------------------------
     def _run(self, jobs: _Jobs) -> None:
         while True:
+            current = None
             with jobs.cond:
                 while True:
                     if jobs.thread is not threading.current_thread():  # closed (or replaced after a fork)
@@ -373,15 +378,25 @@ class BackgroundWriter:
                         jobs.warnings.append(line)
                     log.warning("%s", line)
                     job.future.set_result(None)
+                elif job.snap is not None:
+                    with jobs.cond:
+                        paths = [job.key, *job.aliases]
+                    result = None
+                    for path in paths:
+                        current = path
+                        r = job.fn(job.snap, path, *job.args)
+                        result = r if result is None else result
+                    job.future.set_result(result)
+                    with jobs.cond:
+                        jobs.failed_since_save = False
                 else:
-                    args = (job.snap, *job.args) if job.snap is not None else job.args
-                    job.future.set_result(job.fn(*args))
+                    job.future.set_result(job.fn(*job.args))
                     if job.bounded:
                         with jobs.cond:
                             jobs.failed_since_save = False
             except BaseException as e:  # kept for the caller: reported at the next submit / wait / close
                 job.future.set_exception(e)
-                self._failed(jobs, job, e)
+                self._failed(jobs, job, e, current if current is not None else job.key)
             finally:
                 job.args = ()
                 if job.snap is not None:  # the buffers are free for the next snapshot now
@@ -394,9 +409,9 @@ class BackgroundWriter:
                         jobs.bounded -= 1
                     jobs.cond.notify_all()
 
-    def _failed(self, jobs: _Jobs, job: _Job, e: BaseException) -> None:
+    def _failed(self, jobs: _Jobs, job: _Job, e: BaseException, path: str | None) -> None:
         what = "save" if job.bounded else "removal"
-        line = one_line(f"Async checkpoint {what} of {job.key!r} failed: {type(e).__name__}: {one_line(e, first=True)}")
+        line = one_line(f"Async checkpoint {what} of {path!r} failed: {type(e).__name__}: {one_line(e, first=True)}")
         with jobs.cond:
             jobs.stats.failed += 1
             if job.bounded:
@@ -474,16 +489,22 @@ class BackgroundWriter:
         """
         return self._submit(fn, args, key, bounded, None)
 
-    def submit_save(self, fn: Callable[..., Any], checkpoint: Any, *args: Any, key: str | None = None) -> Future:
-        """Take a slot, snapshot ``checkpoint`` into the pool's buffers on this thread, queue
-        ``fn(snapshot, *args)`` (a :class:`Snapshot`; its buffers are reused once ``fn`` returned).
+    def submit_save(self, fn: Callable[..., Any], checkpoint: Any, path: str) -> Future:
+        """Snapshot ``checkpoint`` into the pool's buffers on this thread and queue ``fn(snapshot, path)`` (a
+        :class:`Snapshot`; its buffers are reused once the job ran). Latest wins, and the call waits only when
+        nothing can be replaced:
 
-        A queued, unstarted save of the same ``key`` is replaced (latest wins) instead of taking a new slot.
+        - a queued, unstarted save of ``path`` gets the new snapshot (the older state would only be overwritten);
+        - else, with every slot taken, the newest unstarted save (of another path, with no later job touching
+          ``path``) is *taken over*: it gets the new snapshot and writes ``path`` and then its own path(s) with it.
+          Its own path thus holds a newer state than it was asked for, and is never left missing; ModelCheckpoint
+          removes it right after in a top-k rotation, which drops it from the job before anything is written;
+        - else the call waits for a slot.
 
         Raises:
             CheckpointSaveError: an earlier job failed (``on_error="raise"``): the first failure, once.
         """
-        return self._submit(fn, args, key, True, checkpoint)
+        return self._submit(fn, (), path, True, checkpoint)
 
     def _submit(
         self, fn: Callable[..., Any], args: tuple[Any, ...], key: str | None, bounded: bool, checkpoint: Any
@@ -499,17 +520,15 @@ class BackgroundWriter:
             t0, waited = time.perf_counter(), False
             while True:
                 target = self._coalesce_target(jobs, fn, key)
+                if target is None and checkpoint is not None and jobs.bounded >= self.max_pending:
+                    target = self._takeover_target(jobs, fn, key)
+                    if target is not None:
+                        assert key is not None
+                        target.aliases.insert(0, target.key)  # type: ignore[arg-type]
+                        target.key = key
                 if target is not None:  # unstarted: the worker will not start it while we hold the lock
                     if checkpoint is not None:
-                        if target.snap is not None:  # released first: its buffers are refilled in place
-                            jobs.pool.release(target.snap)
-                            target.snap = None
-                        try:
-                            target.snap = jobs.pool.take(checkpoint)
-                        except BaseException:
-                            jobs.queue.remove(target)
-                            self._drop(jobs, target)
-                            raise
+                        self._refill(jobs, target, checkpoint)
                     target.args = args
                     jobs.stats.coalesced += 1
                     if jobs.stats.coalesced == 1 or jobs.stats.coalesced % 100 == 0:
@@ -545,6 +564,31 @@ class BackgroundWriter:
             jobs.unfinished += 1
             return self._append(jobs, job, counted=True)
 
+    @staticmethod
+    def _refill(jobs: _Jobs, target: _Job, checkpoint: Any) -> None:
+        """Under ``jobs.cond``: give an unstarted save the snapshot of ``checkpoint`` instead of its own."""
+        if target.snap is not None:  # released first: its buffers are refilled in place
+            jobs.pool.release(target.snap)
+            target.snap = None
+        try:
+            target.snap = jobs.pool.take(checkpoint)
+        except BaseException:
+            jobs.queue.remove(target)
+            BackgroundWriter._drop(jobs, target)
+            raise
+
+    @staticmethod
+    def _takeover_target(jobs: _Jobs, fn: Callable[..., Any], key: str | None) -> _Job | None:
+        """Under ``jobs.cond``: the newest unstarted snapshot save of ``fn`` with no later job touching ``key``."""
+        if key is None:
+            return None
+        for job in reversed(jobs.queue):
+            if job.bounded and not job.started and job.snap is not None and job.fn == fn:
+                return None if job.touches(key) else job
+            if job.touches(key):
+                return None
+        return None
+
     def _append(self, jobs: _Jobs, job: _Job, counted: bool = False) -> Future:
         """Under ``jobs.cond``."""
         job.seq = next(self._seq)
@@ -565,7 +609,7 @@ class BackgroundWriter:
         if key is None:
             return None
         for job in reversed(jobs.queue):
-            if job.key == key:
+            if job.touches(key):
                 return job
         return None
 
@@ -579,10 +623,16 @@ class BackgroundWriter:
     def _cancel_queued_save(self, jobs: _Jobs, key: str | None) -> None:
         """Under ``jobs.cond``: a removal of ``key`` drops the unstarted save of ``key`` queued last."""
         job = self._last_of(jobs, key)
-        if job is not None and job.bounded and not job.started:
+        if job is None or not job.bounded or job.started:
+            return
+        jobs.stats.cancelled += 1
+        if key in job.aliases:
+            job.aliases.remove(key)
+        elif job.aliases:  # it still writes the paths it took over
+            job.key = job.aliases.pop(0)
+        else:
             jobs.queue.remove(job)
             self._drop(jobs, job)
-            jobs.stats.cancelled += 1
 
     def wait(self) -> None:
         """Block until every queued job has finished; report the first failure among them."""

@@ -156,7 +156,7 @@ class DeltaCheckpointIO(CheckpointIO):
             )
         path_s = os.fspath(path)
         if self.async_save:
-            self._writer.submit_save(self._save_snapshot, checkpoint, path_s, key=path_s)
+            self._writer.submit_save(self._save_snapshot, checkpoint, path_s)
         else:
             self._writer.wait()
             self._save_now(checkpoint, path_s)
