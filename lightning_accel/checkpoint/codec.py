@@ -224,23 +224,27 @@ def zstd_decompress(data: memoryview | bytes, size: int) -> np.ndarray:
 _RAW_PLANE_GAIN = 0.03
 
 
-def _compress_planes(planes: np.ndarray, itemsize: int, level: int, threads: int) -> tuple[bytes, list[int]]:
+def _compress_planes(
+    planes: np.ndarray, itemsize: int, level: int, threads: int
+) -> tuple[list[bytes | memoryview], list[int]]:
     """zstd each byte plane on its own; planes that do not shrink by ``_RAW_PLANE_GAIN`` are stored raw.
 
-    Returns the payload and, per plane, its stored length (negative: raw).
+    Returns the payload's parts (raw planes as views of ``planes``: joined once, by :func:`pack_blob`) and, per
+    plane, its stored length (negative: raw).
     """
     n = planes.size // itemsize if itemsize else 0
-    parts, lengths = [], []
+    parts: list[bytes | memoryview] = []
+    lengths: list[int] = []
     for j in range(itemsize):
         plane = planes[j * n : (j + 1) * n]
         c = zstd_compress(plane, level, threads) if n else b""
         if n and len(c) > (1.0 - _RAW_PLANE_GAIN) * n:
-            parts.append(plane.tobytes())
+            parts.append(plane.data)  # a view: copied once, by pack_blob
             lengths.append(-n)
         else:
             parts.append(c)
             lengths.append(len(c))
-    return b"".join(parts), lengths
+    return parts, lengths
 
 
 def _plane_list(payload: memoryview | bytes, nbytes: int, itemsize: int, lengths: list[int]) -> list[np.ndarray]:
@@ -271,10 +275,12 @@ def _decompress_planes(payload: memoryview | bytes, nbytes: int, itemsize: int, 
     return np.concatenate(planes) if planes else np.zeros(0, dtype=np.uint8)
 
 
-def pack_blob(header: dict[str, Any], payload: bytes) -> bytes:
-    """A blob: ``MAGIC | u32 header length | JSON header (sorted keys) | payload`` (:func:`read_header` splits it)."""
+def pack_blob(header: dict[str, Any], payload: bytes | Sequence[bytes | memoryview]) -> bytes:
+    """A blob: ``MAGIC | u32 header length | JSON header (sorted keys) | payload`` (:func:`read_header` splits it).
+    ``payload`` may be given as its parts (joined here, in one copy)."""
     h = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-    return b"".join([MAGIC, struct.pack("<I", len(h)), h, payload])
+    parts = [payload] if isinstance(payload, (bytes, bytearray, memoryview)) else list(payload)
+    return b"".join([MAGIC, struct.pack("<I", len(h)), h, *parts])
 
 
 def read_header(blob: bytes | memoryview) -> tuple[dict[str, Any], memoryview]:
@@ -313,7 +319,9 @@ def encode_xor(t: torch.Tensor, ref: torch.Tensor, ref_key: str, *, level: int =
         raise ValueError(f"XOR reference mismatch: {ref.dtype}/{ref.numel()} vs {t.dtype}/{t.numel()}")
     raw = tensor_bytes(t)
     diff = np.bitwise_xor(raw, tensor_bytes(ref))
-    payload, planes = _compress_planes(shuffle_bytes(diff, t.element_size()), t.element_size(), level, threads)
+    shuffled = shuffle_bytes(diff, t.element_size())
+    del diff  # (a view of it when itemsize is 1: then kept by `shuffled`)
+    payload, planes = _compress_planes(shuffled, t.element_size(), level, threads)
     header = {"kind": "xor", "dtype": dtype_name(t.dtype), "nbytes": int(raw.size), "ref": ref_key, "planes": planes}
     return pack_blob(header, payload)
 

@@ -354,30 +354,33 @@ class DeltaStore:
                 timing = _Timing()
                 return (name, *self._encode_one(name, t, dstate.entries.get(name), dead, cid, timing), timing)
 
-            # Unchanged tensors cost a comparison (or nothing), changed ones are encoded in parallel.
-            with ThreadPoolExecutor(max_workers=opts.io_threads) as pool:
-                results = list(pool.map(encode, tensors.items()))
-            t_write = time.perf_counter()
             created: list[str] = []  # blobs this save wrote: deleted again if it fails
             try:
-                for name, state, blobs, how, timing in results:
-                    stats.hash_s += timing.hash_s
-                    stats.encode_s += timing.encode_s
-                    new_entries[name] = state
-                    if how == "rebased":
-                        stats.tensors_rebased += 1
-                        how = "full"
-                    setattr(stats, f"tensors_{how}", getattr(stats, f"tensors_{how}") + 1)
-                    for key, data in blobs:
-                        urls = [self.blob_url(directory, key)]
-                        if how == "full" and state.entry.copy:
-                            urls.append(urls[0] + COPY_SUFFIX)
-                        for url in urls:
-                            if not self.fs.exists(url):
-                                created.append(url)
-                                self.fs.write(url, data)
-                                stats.bytes_written += len(data)
-                                stats.blobs_written += 1
+                # Unchanged tensors cost a comparison (or nothing), changed ones are encoded in parallel; each blob is
+                # written as soon as it is encoded, so only about `io_threads` encoded tensors are held at a time.
+                with ThreadPoolExecutor(max_workers=opts.io_threads) as pool:
+                    for name, state, blobs, how, timing in pool.map(encode, tensors.items()):
+                        stats.hash_s += timing.hash_s
+                        stats.encode_s += timing.encode_s
+                        new_entries[name] = state
+                        if how == "rebased":
+                            stats.tensors_rebased += 1
+                            how = "full"
+                        setattr(stats, f"tensors_{how}", getattr(stats, f"tensors_{how}") + 1)
+                        for key, data in blobs:
+                            urls = [self.blob_url(directory, key)]
+                            if how == "full" and state.entry.copy:
+                                urls.append(urls[0] + COPY_SUFFIX)
+                            for url in urls:
+                                if not self.fs.exists(url):
+                                    created.append(url)
+                                    tw = time.perf_counter()
+                                    self.fs.write(url, data)
+                                    stats.write_s += time.perf_counter() - tw
+                                    stats.bytes_written += len(data)
+                                    stats.blobs_written += 1
+                        del blobs  # on disk now: not held while the next tensors encode
+                t_write = time.perf_counter()
                 skel_blob = pack_skeleton_blob(dump_skeleton(skeleton), small)
                 skel_key = _blob_key(skel_blob)
                 skel_url = self.blob_url(directory, skel_key)
@@ -400,7 +403,7 @@ class DeltaStore:
                 self._delete_created(created)
                 raise
             stats.bytes_written += len(data)
-            stats.write_s = time.perf_counter() - t_write
+            stats.write_s += time.perf_counter() - t_write
             # Only now does the next save delta against this one (a failed save changes nothing).
             dstate.entries = new_entries
             dstate.live[path] = {n: (s.entry.chain, s.entry.sizes) for n, s in new_entries.items()}
@@ -503,7 +506,9 @@ class DeltaStore:
             else:
                 blob = codec.encode_xor(t, prev.ref, step.ref_key, level=level, threads=threads)
                 recon, lossy = t, False  # XOR restores t bit-exactly whatever the reference was
-            if policy.keep_delta(opts, len(blob), prev):
+            if not policy.keep_delta(opts, len(blob), prev):
+                del blob  # not held while the full snapshot is encoded
+            else:
                 key = _blob_key(blob)
                 base = prev.entry
                 chain: tuple[str, ...]
