@@ -56,7 +56,15 @@ from lightning_accel._utils.errors import one_line
 from lightning_accel._utils.forksafe import PerProcess
 from lightning_accel.checkpoint.codec import same_bytes
 
-__all__ = ["BackgroundWriter", "CheckpointSaveError", "Snapshot", "SnapshotPool", "WriterStats", "snapshot"]
+__all__ = [
+    "BackgroundWriter",
+    "CheckpointSaveError",
+    "Snapshot",
+    "SnapshotPool",
+    "WriterStats",
+    "snapshot",
+    "trim_heap",
+]
 
 log = logging.getLogger("lightning_accel.checkpoint")
 
@@ -109,7 +117,7 @@ def snapshot(obj: Any) -> Any:
     return obj
 
 
-def _trim_heap() -> None:
+def trim_heap() -> None:
     """Hand freed heap memory back to the OS (glibc ``malloc_trim``): large buffers freed by worker threads otherwise
     stay in their malloc arenas and keep counting as the process's RSS. A no-op elsewhere."""
     if not sys.platform.startswith("linux"):
@@ -402,6 +410,7 @@ class BackgroundWriter:
                 if job.snap is not None:  # the buffers are free for the next snapshot now
                     jobs.pool.release(job.snap)
                     job.snap = None
+                    trim_heap()  # the save's encode temporaries, freed in this thread's malloc arena
                 with jobs.cond:
                     jobs.running = None
                     jobs.unfinished -= 1
@@ -655,4 +664,4 @@ class BackgroundWriter:
             if thread is not None and thread is not threading.current_thread():
                 thread.join()
             jobs.pool.clear()
-            _trim_heap()
+            trim_heap()

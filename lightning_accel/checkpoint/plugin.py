@@ -22,7 +22,13 @@ from typing_extensions import override
 
 from lightning_accel._utils.checks import check_bool
 from lightning_accel._utils.compat import PathType
-from lightning_accel.checkpoint.background import BackgroundWriter, CheckpointSaveError, Snapshot, WriterStats
+from lightning_accel.checkpoint.background import (
+    BackgroundWriter,
+    CheckpointSaveError,
+    Snapshot,
+    WriterStats,
+    trim_heap,
+)
 from lightning_accel.checkpoint.options import StoreOptions
 from lightning_accel.checkpoint.reader import read_checkpoint_with
 from lightning_accel.checkpoint.store import DeltaStore, SaveStats
@@ -228,3 +234,4 @@ class DeltaCheckpointIO(CheckpointIO):
         finally:
             self.store.close()
             self.store.forget()
+            trim_heap()  # the chain bases and snapshot buffers just freed go back to the OS
