@@ -133,10 +133,12 @@ class SaveStats:
 
 @dataclass
 class _Timing:
-    """Seconds one tensor of a save spent being compared or hashed, and encoded."""
+    """Seconds one tensor of a save spent being compared or hashed, and encoded; whether its new full snapshot was
+    copied into the previous chain reference's memory (that chain state is then stale until the save commits)."""
 
     hash_s: float = 0.0
     encode_s: float = 0.0
+    ref_reused: bool = False
 
 
 @dataclass
@@ -352,7 +354,12 @@ class DeltaStore:
                 if t.device.type != "cpu":
                     t = t.cpu()
                 timing = _Timing()
-                return (name, *self._encode_one(name, t, dstate.entries.get(name), dead, cid, timing), timing)
+                out = self._encode_one(name, t, dstate.entries.get(name), dead, cid, timing)
+                if timing.ref_reused:
+                    reused.add(name)
+                return (name, *out, timing)
+
+            reused: set[str] = set()
 
             created: list[str] = []  # blobs this save wrote: deleted again if it fails
             try:
@@ -401,6 +408,8 @@ class DeltaStore:
                 self.fs.write(path, data)  # published last: the checkpoint exists from here on
             except BaseException:
                 self._delete_created(created)
+                for name in reused:  # their reference memory holds this save's bytes: restart those chains
+                    dstate.entries.pop(name, None)
                 raise
             stats.bytes_written += len(data)
             stats.write_s += time.perf_counter() - t_write
@@ -478,7 +487,7 @@ class DeltaStore:
             return dataclasses.replace(prev, content_id=content_id), [], "unchanged"
         te = time.perf_counter()
         try:
-            return self._encode_changed(name, t, prev, step, dname, shape, src_hash, content_id)
+            return self._encode_changed(name, t, prev, step, dname, shape, src_hash, content_id, timing)
         finally:
             timing.encode_s += time.perf_counter() - te
 
@@ -492,6 +501,7 @@ class DeltaStore:
         shape: tuple[int, ...],
         src_hash: str,
         content_id: int | None,
+        timing: _Timing,
     ) -> tuple[ChainState, list[tuple[str, bytes]], str]:
         opts = self.options
         if step.kind in ("xor", "quant"):
@@ -536,8 +546,16 @@ class DeltaStore:
             dtype=dname, shape=shape, chain=(key,), sizes=(len(blob),), crc32=_crc(t), copy=opts.redundancy > 1
         )
         # A private copy: in synchronous mode `t` aliases the live parameter, which the optimizer keeps changing (in
-        # async mode a snapshot buffer, which the next snapshot rewrites).
-        ref = t.detach().clone().reshape(shape)
+        # async mode a snapshot buffer, which the next snapshot rewrites). A re-based chain copies into its old
+        # reference's memory (only that chain state holds it) rather than holding two references at once; a failed
+        # save then drops that chain state (`save`), so the next save starts it with a full snapshot.
+        old = prev.ref if prev is not None else None
+        if old is not None and old.dtype == t.dtype and old.shape == t.shape and old.is_contiguous():
+            ref = old
+            ref.copy_(t)
+            timing.ref_reused = True
+        else:
+            ref = t.detach().clone().reshape(shape)
         state = ChainState(entry=entry, hash=src_hash, src_hash=src_hash, ref=ref, content_id=content_id)
         return state, [(key, blob)], "rebased" if step.kind == "rebased" else "full"
 

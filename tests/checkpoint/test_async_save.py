@@ -195,3 +195,32 @@ def test_warn_mode_keeps_training_warns_every_failure_and_keeps_the_old_checkpoi
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("*.ckpt")) == ["step=2.ckpt"]
     with pytest.raises(ValueError, match="`on_save_error` must be 'raise' or 'warn', got 'ignore'"):
         DeltaCheckpointIO(on_save_error="ignore")  # type: ignore[arg-type]
+
+
+def test_a_failed_save_that_rebased_a_chain_restarts_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A re-based chain reuses its old reference's memory; when that save fails, the chain restarts with a full
+    snapshot instead of deltas against (or references to) bytes that were never published."""
+    store = DeltaStore()
+    w = torch.randn(4096)
+    store.save({"w": w}, tmp_path / "a.ckpt")
+    w0 = w.clone()
+    real_write = store.fs.write
+
+    def write(url: Any, data: Any) -> None:
+        if str(url).endswith("b.ckpt"):
+            raise OSError(28, "No space left on device")
+        real_write(url, data)
+
+    monkeypatch.setattr(store.fs, "write", write)
+    w.copy_(torch.randn(4096))  # all new bits: the delta is rejected, a full snapshot re-bases the chain
+    with pytest.raises(OSError):
+        store.save({"w": w}, tmp_path / "b.ckpt")
+    monkeypatch.setattr(store.fs, "write", real_write)
+    st = store.save({"w": w}, tmp_path / "b.ckpt")  # the same bytes again: a full snapshot, not "unchanged"
+    assert st.tensors_full == 1 and st.tensors_unchanged == 0
+    w[:10] += 1.0
+    assert store.save({"w": w}, tmp_path / "c.ckpt").tensors_delta == 1
+    store.close()
+    fresh = DeltaStore()
+    assert torch.equal(fresh.load(tmp_path / "a.ckpt")["w"], w0)
+    assert torch.equal(fresh.load(tmp_path / "c.ckpt")["w"], w)
