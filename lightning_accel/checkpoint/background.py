@@ -54,7 +54,7 @@ import torch
 from lightning_accel._utils.checks import check_choice, check_int
 from lightning_accel._utils.errors import one_line
 from lightning_accel._utils.forksafe import PerProcess
-from lightning_accel.checkpoint.codec import same_bytes
+from lightning_accel.checkpoint.codec import copy_into, same_bytes
 
 __all__ = [
     "BackgroundWriter",
@@ -245,7 +245,10 @@ class SnapshotPool:
             b = _Buf(self._buffer(src), path)
             self._latest[path] = b
         non_blocking = not cpu and b.tensor.is_pinned()
-        b.tensor.copy_(src, non_blocking=non_blocking)
+        if cpu:
+            copy_into(b.tensor, src)
+        else:
+            b.tensor.copy_(src, non_blocking=non_blocking)
         pending_device[0] |= non_blocking
         b.refs += 1
         return b

@@ -49,6 +49,7 @@ __all__ = [
     "encode_xor",
     "itemsize_of",
     "pack_blob",
+    "copy_into",
     "read_header",
     "same_bytes",
     "shuffle_bytes",
@@ -130,16 +131,33 @@ def tensor_bytes(t: torch.Tensor) -> np.ndarray:
     return t.view(torch.uint8).numpy()
 
 
-def same_bytes(a: torch.Tensor, b: torch.Tensor, chunk: int = 1 << 18) -> bool:
+#: tensors from this size on are compared and copied with numpy (one memcmp/memcpy-speed pass, single-threaded);
+#: smaller ones with one torch call (less overhead per call). Measured by benchmarks/delta_checkpoint.py (snapshot_s).
+_NUMPY_FROM = 1 << 16
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor, chunk: int = 1 << 19) -> bool:
     """Whether two CPU tensors of the same dtype and shape hold the same bytes (bit patterns: ``-0.0`` differs from
-    ``0.0``, a NaN equals itself). Compared in chunks of ``chunk`` words, so a difference near the start returns
-    early and no tensor-sized temporary is allocated."""
+    ``0.0``, a NaN equals itself). Large tensors are compared in chunks of ``chunk`` words, so a difference near the
+    start returns early and no tensor-sized temporary is allocated."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
+    if a.numel() * a.element_size() < _NUMPY_FROM:
+        return torch.equal(a.detach().reshape(-1).view(torch.uint8), b.detach().reshape(-1).view(torch.uint8))
     x, y = tensor_bytes(a), tensor_bytes(b)
     if x.size % 8 == 0:
         x, y = x.view(np.uint64), y.view(np.uint64)
     return all(np.array_equal(x[i : i + chunk], y[i : i + chunk]) for i in range(0, x.size, chunk))
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for a contiguous CPU ``dst`` of ``src``'s dtype and shape; a CPU ``src`` of
+    ``_NUMPY_FROM`` bytes or more is copied by numpy (a single memcpy pass: torch's multi-threaded copy is slower
+    on a busy machine, see ``benchmarks/delta_checkpoint.py``)."""
+    if src.device.type != "cpu" or src.numel() * src.element_size() < _NUMPY_FROM or not dst.is_contiguous():
+        dst.copy_(src)
+        return
+    np.copyto(tensor_bytes(dst), tensor_bytes(src))
 
 
 def tensor_from_bytes(raw: np.ndarray | bytes, dtype: torch.dtype, shape: list[int] | tuple[int, ...]) -> torch.Tensor:

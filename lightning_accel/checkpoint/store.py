@@ -552,7 +552,7 @@ class DeltaStore:
         old = prev.ref if prev is not None else None
         if old is not None and old.dtype == t.dtype and old.shape == t.shape and old.is_contiguous():
             ref = old
-            ref.copy_(t)
+            codec.copy_into(ref, t)
             timing.ref_reused = True
         else:
             ref = t.detach().clone().reshape(shape)
