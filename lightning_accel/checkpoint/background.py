@@ -285,18 +285,14 @@ def _shape_key(t: torch.Tensor) -> tuple[Any, ...]:
 
 
 class _Job:
-    __slots__ = ("aliases", "args", "bounded", "fn", "future", "key", "seq", "snap", "started")
+    __slots__ = ("args", "bounded", "fn", "future", "key", "seq", "snap", "started")
 
     def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], key: str | None, bounded: bool) -> None:
         self.fn, self.args, self.key, self.bounded = fn, args, key, bounded
         self.future: Future = Future()
         self.started = False
         self.snap: Snapshot | None = None
-        self.aliases: list[str] = []  # older saves' paths this save took over: written with the same snapshot
         self.seq = 0
-
-    def touches(self, key: str) -> bool:
-        return self.key == key or key in self.aliases
 
 
 class _Jobs:
@@ -369,7 +365,6 @@ class BackgroundWriter:
     # ---- worker ------------------------------------------------------------------------------------------------
     def _run(self, jobs: _Jobs) -> None:
         while True:
-            current = None
             with jobs.cond:
                 while True:
                     if jobs.thread is not threading.current_thread():  # closed (or replaced after a fork)
@@ -390,14 +385,7 @@ class BackgroundWriter:
                     log.warning("%s", line)
                     job.future.set_result(None)
                 elif job.snap is not None:
-                    with jobs.cond:
-                        paths = [job.key, *job.aliases]
-                    result = None
-                    for path in paths:
-                        current = path
-                        r = job.fn(job.snap, path, *job.args)
-                        result = r if result is None else result
-                    job.future.set_result(result)
+                    job.future.set_result(job.fn(job.snap, job.key, *job.args))
                     with jobs.cond:
                         jobs.failed_since_save = False
                 else:
@@ -407,7 +395,7 @@ class BackgroundWriter:
                             jobs.failed_since_save = False
             except BaseException as e:  # kept for the caller: reported at the next submit / wait / close
                 job.future.set_exception(e)
-                self._failed(jobs, job, e, current if current is not None else job.key)
+                self._failed(jobs, job, e, job.key)
             finally:
                 job.args = ()
                 if job.snap is not None:  # the buffers are free for the next snapshot now
@@ -503,15 +491,10 @@ class BackgroundWriter:
 
     def submit_save(self, fn: Callable[..., Any], checkpoint: Any, path: str) -> Future:
         """Snapshot ``checkpoint`` into the pool's buffers on this thread and queue ``fn(snapshot, path)`` (a
-        :class:`Snapshot`; its buffers are reused once the job ran). Latest wins, and the call waits only when
-        nothing can be replaced:
-
-        - a queued, unstarted save of ``path`` gets the new snapshot (the older state would only be overwritten);
-        - else, with every slot taken, the newest unstarted save (of another path, with no later job touching
-          ``path``) is *taken over*: it gets the new snapshot and writes ``path`` and then its own path(s) with it.
-          Its own path thus holds a newer state than it was asked for, and is never left missing; ModelCheckpoint
-          removes it right after in a top-k rotation, which drops it from the job before anything is written;
-        - else the call waits for a slot.
+        :class:`Snapshot`; its buffers are reused once the job ran). A queued, unstarted save of ``path`` gets the
+        new snapshot instead (latest wins: the older state would only be overwritten); otherwise, with every slot
+        taken, the call waits until one frees (a save of another path is never given this state: every path holds
+        exactly the state saved there).
 
         Raises:
             CheckpointSaveError: an earlier job failed (``on_error="raise"``): the first failure, once.
@@ -532,12 +515,6 @@ class BackgroundWriter:
             t0, waited = time.perf_counter(), False
             while True:
                 target = self._coalesce_target(jobs, fn, key)
-                if target is None and checkpoint is not None and jobs.bounded >= self.max_pending:
-                    target = self._takeover_target(jobs, fn, key)
-                    if target is not None:
-                        assert key is not None
-                        target.aliases.insert(0, target.key)  # type: ignore[arg-type]
-                        target.key = key
                 if target is not None:  # unstarted: the worker will not start it while we hold the lock
                     if checkpoint is not None:
                         self._refill(jobs, target, checkpoint)
@@ -589,18 +566,6 @@ class BackgroundWriter:
             BackgroundWriter._drop(jobs, target)
             raise
 
-    @staticmethod
-    def _takeover_target(jobs: _Jobs, fn: Callable[..., Any], key: str | None) -> _Job | None:
-        """Under ``jobs.cond``: the newest unstarted snapshot save of ``fn`` with no later job touching ``key``."""
-        if key is None:
-            return None
-        for job in reversed(jobs.queue):
-            if job.bounded and not job.started and job.snap is not None and job.fn == fn:
-                return None if job.touches(key) else job
-            if job.touches(key):
-                return None
-        return None
-
     def _append(self, jobs: _Jobs, job: _Job, counted: bool = False) -> Future:
         """Under ``jobs.cond``."""
         job.seq = next(self._seq)
@@ -621,7 +586,7 @@ class BackgroundWriter:
         if key is None:
             return None
         for job in reversed(jobs.queue):
-            if job.touches(key):
+            if job.key == key:
                 return job
         return None
 
@@ -638,13 +603,8 @@ class BackgroundWriter:
         if job is None or not job.bounded or job.started:
             return
         jobs.stats.cancelled += 1
-        if key in job.aliases:
-            job.aliases.remove(key)
-        elif job.aliases:  # it still writes the paths it took over
-            job.key = job.aliases.pop(0)
-        else:
-            jobs.queue.remove(job)
-            self._drop(jobs, job)
+        jobs.queue.remove(job)
+        self._drop(jobs, job)
 
     def wait(self) -> None:
         """Block until every queued job has finished; report the first failure among them."""
