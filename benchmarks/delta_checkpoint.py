@@ -19,6 +19,22 @@ over those of the torch run (top-k + last). ``pending_peak``: one more lossless 
 ``ModelCheckpoint(every_n_train_steps=1, save_top_k=2, save_last=True)``: the most saves that were queued or running
 at once (``max_pending`` bounds it), with the stalls and coalesced saves it took in ``results``.
 
+``pressure`` (``async_fit_time_vs_torch_sync``, ``async_peak_rss_growth_vs_torch``): a ~21M-parameter MLP (Adam,
+a ~250 MB checkpoint) trained with ``ModelCheckpoint(every_n_train_steps=1)``, once with ``TorchCheckpointIO``
+(synchronous) and once with ``DeltaCheckpointIO(async_save=True)``, alternated in the same process: fit time
+(including the final wait for saves in flight) and peak RSS growth during the fit, plus where the delta run's stall
+per save went (snapshot, waiting for a slot, the rest) and what its writer spent (comparing/hashing, encoding,
+writing). ``frozen_sync_save_time_vs_torch``: a frozen torchvision resnet18 whose head trains one step between
+saves, saved synchronously by ``DeltaCheckpointIO()`` and ``TorchCheckpointIO`` alternately: median time per save.
+
+``readers`` (``reader_false_errors``) and ``orphans`` (``orphan_bytes_after_kills_vs_tracked``), from
+:mod:`benchmarks._delta_faults`: loads of ``last.ckpt`` while a writer keeps replacing it, on local disk and on a moto
+S3 server (errors that are not real damage), and a loop of SIGKILLs of a training process resumed each time with
+``ckpt_path="last"`` (bytes of untracked checkpoints left at the end over the tracked ones).
+
+The runs whose bytes on disk are compared use ``gc_grace_s=0``: with the default grace period the blobs of removed
+checkpoints stay up to a minute for readers before a later save's collection deletes them.
+
 Note: with ``save_last=True`` Lightning writes every step twice (``step=...ckpt`` and ``last.ckpt``); the delta store
 writes the second copy as references only, which is part of the measured win. ``results`` also give the bytes per
 unique save so the two effects can be told apart.
@@ -27,6 +43,7 @@ unique save so the two effects can be told apart.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import shutil
 import sys
@@ -47,6 +64,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
+from benchmarks._delta_faults import orphan_case, reader_case
 from benchmarks._harness import StepClock, alternate, median, parser, ratio, report
 from lightning_accel.checkpoint.plugin import DeltaCheckpointIO
 from lightning_accel.models import ImageClassifier
@@ -74,15 +92,59 @@ def _dir_bytes(d: Path) -> int:
 
 
 class CountingTorchIO(TorchCheckpointIO):
-    """TorchCheckpointIO that counts the bytes it writes."""
+    """TorchCheckpointIO that counts the bytes it writes and the seconds its saves and removals take."""
 
     def __init__(self) -> None:
         super().__init__()
         self.bytes_written = 0
+        self.io_s = 0.0
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        t0 = time.perf_counter()
         super().save_checkpoint(checkpoint, path, storage_options)
+        self.io_s += time.perf_counter() - t0
         self.bytes_written += os.path.getsize(path)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        t0 = time.perf_counter()
+        super().remove_checkpoint(path)
+        self.io_s += time.perf_counter() - t0
+
+
+class TimedDeltaIO(DeltaCheckpointIO):
+    """DeltaCheckpointIO that counts the seconds its ``save_checkpoint`` / ``remove_checkpoint`` calls block."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.io_s = 0.0
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        t0 = time.perf_counter()
+        super().save_checkpoint(checkpoint, path, storage_options)
+        self.io_s += time.perf_counter() - t0
+
+    def remove_checkpoint(self, path: Any) -> None:
+        t0 = time.perf_counter()
+        super().remove_checkpoint(path)
+        self.io_s += time.perf_counter() - t0
+
+
+def stall_breakdown(io: Any, stalls: list[float]) -> dict[str, float]:
+    """Where the mean stall per ``ModelCheckpoint`` save event went: inside the checkpoint IO's calls (for async
+    delta: the snapshot and the wait for a slot, the rest being queueing), and outside them (Lightning building the
+    checkpoint dict, ``ModelCheckpoint``'s bookkeeping), which both IOs pay alike."""
+    n = max(1, len(stalls))
+    io_s = getattr(io, "io_s", 0.0) / n
+    out = {
+        "mean_stall_s": sum(stalls) / n,
+        "in_checkpoint_io_s": io_s,
+        "outside_checkpoint_io_s": sum(stalls) / n - io_s,
+    }
+    if isinstance(io, DeltaCheckpointIO):
+        st = io.writer_stats
+        out["snapshot_s"] = st.snapshot_s / n
+        out["wait_for_slot_s"] = st.stall_s / n
+    return out
 
 
 class StallCheckpoint(ModelCheckpoint):
@@ -240,6 +302,7 @@ def train_with_saves(
         "remaining": sorted(str(q) for q in ckpt_dir.glob("*.ckpt")),
         "val_acc": float(trainer.callback_metrics.get("val_acc", torch.tensor(float("nan")))),
     }
+    run["stall_breakdown_per_event"] = stall_breakdown(io, cb.stalls)
     if cb.record:
         run["roundtrip_exact"] = roundtrip_exact(io, run["remaining"], cb.saved)
     setup.runs[name], setup.ios[name] = run, io
@@ -314,6 +377,196 @@ def every_step_pressure(setup: Setup) -> dict[str, Any]:
     }
 
 
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS mark of this process (``VmHWM``); False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class _RSSProbe(L.Callback):
+    """Peak RSS sampled at every step and save (used where ``VmHWM`` cannot be reset)."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+
+    def on_train_batch_end(self, *args: Any, **kw: Any) -> None:
+        self.peak = max(self.peak, _rss())
+
+    def on_save_checkpoint(self, *args: Any, **kw: Any) -> None:
+        self.peak = max(self.peak, _rss())
+
+
+class WideMLP(L.LightningModule):
+    """``depth`` square ``width`` x ``width`` layers (5 x 2048: ~21M parameters), Adam: a ~250 MB checkpoint."""
+
+    def __init__(self, width: int = 2048, depth: int = 5) -> None:
+        super().__init__()
+        layers: list[torch.nn.Module] = []
+        for _ in range(depth):
+            layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+        self.net = torch.nn.Sequential(*layers[:-1])
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        return (self.net(x) - x).square().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-4)
+
+
+def _pressure_run(workdir: Path, name: str, io: Any, steps: int, width: int) -> dict[str, Any]:
+    """One fit of :class:`WideMLP` saving at every step through ``io``: fit time, peak RSS growth, stalls."""
+    root = workdir / name
+    L.seed_everything(0, verbose=False)
+    model = WideMLP(width=width)
+    data = DataLoader(TensorDataset(torch.randn(steps * 16, width)), batch_size=16)
+    cb = StallCheckpoint(dirpath=root / "ckpt", every_n_train_steps=1)
+    probe = _RSSProbe()
+    trainer = L.Trainer(
+        default_root_dir=str(root),
+        max_epochs=1,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        plugins=[io],
+        callbacks=[probe, cb],
+    )
+    gc.collect()
+    rss0 = _rss()
+    hwm = _reset_peak_rss()
+    t0 = time.perf_counter()
+    trainer.fit(model, data)  # teardown waits for the saves in flight: part of the fit time
+    fit_s = time.perf_counter() - t0
+    peak = (_peak_rss() if hwm else probe.peak) - rss0
+    del trainer, model, data
+    gc.collect()
+    run: dict[str, Any] = {
+        "fit_s": fit_s,
+        "peak_rss_growth_bytes": peak,
+        "rss_held_after_fit_bytes": _rss() - rss0,
+        "saves": len(cb.stalls),
+        "median_stall_s": median(cb.stalls) if cb.stalls else 0.0,
+        "mean_stall_s": sum(cb.stalls) / max(1, len(cb.stalls)),
+        "peak_from": "VmHWM" if hwm else "sampled",
+        "stall_breakdown_per_event": stall_breakdown(io, cb.stalls),
+    }
+    if isinstance(io, DeltaCheckpointIO):
+        st, hist = io.writer_stats, list(io.history)
+        run["writer"] = {
+            "submitted": st.submitted,
+            "written": len(hist),
+            "coalesced": st.coalesced,
+            "cancelled": st.cancelled,
+            "stalls": st.stalls,
+            "tensors_shared": st.tensors_shared,
+            "buffers_allocated": st.buffers_allocated,
+            "pending_peak": st.pending_peak,
+        }
+        # What the background writer spent per save it wrote (summed over its encode threads).
+        w = max(1, len(hist))
+        run["writer_per_written_save_s"] = {
+            "compare_or_hash": sum(h.hash_s for h in hist) / w,
+            "encode": sum(h.encode_s for h in hist) / w,
+            "write": sum(h.write_s for h in hist) / w,
+            "total": sum(h.seconds for h in hist) / w,
+        }
+    return run
+
+
+def pressure_case(setup: Setup, quick: bool) -> tuple[dict[str, Any], dict[str, float]]:
+    """Case: save at every step of a ~21M-parameter model, async delta vs synchronous torch, alternated."""
+    steps, reps, width = (16, 1, 2048) if quick else (40, 2, 2048)
+    runs: dict[str, list[dict[str, Any]]] = {"torch_sync": [], "delta_async": []}
+    for rep in range(reps):
+        order = ["torch_sync", "delta_async"] if rep % 2 == 0 else ["delta_async", "torch_sync"]
+        for name in order:
+            io = CountingTorchIO() if name == "torch_sync" else TimedDeltaIO(async_save=True)
+            runs[name].append(_pressure_run(setup.workdir / f"pressure{rep}", name, io, steps, width))
+        shutil.rmtree(setup.workdir / f"pressure{rep}", ignore_errors=True)
+    t, d = runs["torch_sync"], runs["delta_async"]
+    results = {
+        "model": f"WideMLP(width={width}, depth=5) + Adam, {sum(p.numel() for p in WideMLP(width).parameters())} "
+        f"params, {steps} steps, ModelCheckpoint(every_n_train_steps=1)",
+        "runs": runs,
+    }
+    ratios = {
+        "async_fit_time_vs_torch_sync": ratio(median([r["fit_s"] for r in d]), median([r["fit_s"] for r in t])),
+        "async_peak_rss_growth_vs_torch": ratio(
+            median([r["peak_rss_growth_bytes"] for r in d]), median([r["peak_rss_growth_bytes"] for r in t])
+        ),
+    }
+    return results, ratios
+
+
+def frozen_sync_case(setup: Setup, quick: bool) -> tuple[dict[str, Any], dict[str, float]]:
+    """Case: a frozen resnet18 whose head trains one step between saves; synchronous saves, delta vs torch,
+    alternated per save; median seconds per save."""
+    import torchvision  # type: ignore[import-untyped]
+
+    saves = 10 if quick else 20
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(weights=None, num_classes=100).eval()
+    for n, p in model.named_parameters():
+        p.requires_grad_(n.startswith("fc."))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    x = torch.randn(8, 3, 64, 64)
+    ios: dict[str, Any] = {"torch": CountingTorchIO(), "delta": DeltaCheckpointIO()}
+    times: dict[str, list[float]] = {k: [] for k in ios}
+    root = setup.workdir / "frozen_sync"
+    for i in range(saves):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+        ck = {"state_dict": model.state_dict(), "optimizer_states": [opt.state_dict()], "global_step": i}
+        for name in list(ios) if i % 2 == 0 else list(ios)[::-1]:
+            path = root / name / f"step={i}.ckpt"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            t0 = time.perf_counter()
+            ios[name].save_checkpoint(ck, path)
+            times[name].append(time.perf_counter() - t0)
+            if i >= 3:  # keep 3, as save_top_k=3 would (not timed)
+                ios[name].remove_checkpoint(root / name / f"step={i - 3}.ckpt")
+    ios["delta"].teardown()
+    frozen = DeltaCheckpointIO().load_checkpoint(root / "delta" / f"step={saves - 1}.ckpt")["state_dict"]
+    exact = all(torch.equal(frozen[k], v) for k, v in model.state_dict().items())
+    shutil.rmtree(root, ignore_errors=True)
+    hist = list(ios["delta"].history)
+    results = {
+        "saves": saves,
+        "torch_median_save_s": median(times["torch"]),
+        "delta_median_save_s": median(times["delta"]),
+        "delta_bytes_vs_torch": ratio(sum(h.bytes_written for h in hist), ios["torch"].bytes_written),
+        "delta_unchanged_tensors_per_save": sum(h.tensors_unchanged for h in hist) / len(hist),
+        "delta_compare_or_hash_s_per_save": sum(h.hash_s for h in hist) / len(hist),
+        "delta_encode_s_per_save": sum(h.encode_s for h in hist) / len(hist),
+        "delta_write_s_per_save": sum(h.write_s for h in hist) / len(hist),
+        "roundtrip_exact": exact,
+    }
+    return results, {
+        "frozen_sync_save_time_vs_torch": ratio(results["delta_median_save_s"], results["torch_median_save_s"])
+    }
+
+
 def delta_numbers(
     runs: dict[str, dict[str, Any]], pressure: dict[str, Any] | None = None
 ) -> tuple[dict[str, Any], dict[str, float]]:
@@ -356,25 +609,35 @@ def main() -> None:
     setup = Setup.create(args.quick, args.every)
     try:
         train_with_saves(setup, "torch", CountingTorchIO(), "full")
-        trained = train_with_saves(setup, "lossless", DeltaCheckpointIO(async_save=True), "full")
-        quantized = DeltaCheckpointIO(async_save=True, quantize="int8", quantize_groups="all")
+        # gc_grace_s=0 in the runs whose bytes on disk are compared: with the default grace period, blobs of removed
+        # checkpoints wait up to a minute for readers before a later save's collection deletes them
+        trained = train_with_saves(setup, "lossless", TimedDeltaIO(async_save=True, gc_grace_s=0), "full")
+        quantized = DeltaCheckpointIO(async_save=True, quantize="int8", quantize_groups="all", gc_grace_s=0)
         train_with_saves(setup, "quantized", quantized, "full")
         backbone = {k: v.detach().clone() for k, v in trained.state_dict().items()}
         train_with_saves(setup, "frozen_torch", CountingTorchIO(), "frozen", backbone)
-        train_with_saves(setup, "frozen_lossless", DeltaCheckpointIO(async_save=True), "frozen", backbone)
+        train_with_saves(setup, "frozen_lossless", TimedDeltaIO(async_save=True, gc_grace_s=0), "frozen", backbone)
         load_times(setup, repeats=3 if args.quick else 5)
         resume_accuracy(setup, "torch", CountingTorchIO())
         resume_accuracy(setup, "quantized", DeltaCheckpointIO())
         pressure = every_step_pressure(setup)
         results, ratios = delta_numbers(setup.runs, pressure)
+        for case, fn in (("frozen_sync", frozen_sync_case), ("pressure", pressure_case)):
+            r, q = fn(setup, args.quick)
+            results[case] = r
+            ratios.update(q)
+        # readers loading during saves (local and moto S3) and the kill loop's leftovers: benchmarks/_delta_faults.py
+        for case, out in (("readers", reader_case(args.quick, None)), ("orphans", orphan_case(args.quick))):
+            results[case] = out["results"]
+            ratios.update(out["ratios"])
         config = {
             "model": f"ImageClassifier(width={setup.width}) + AdamW",
             "data": f"digits {setup.size}px, {len(setup.train_set)} train / {len(setup.val_set)} val",
             "epochs": setup.epochs,
             "checkpoint": f"ModelCheckpoint(every_n_train_steps={setup.every}, save_top_k=3, save_last=True, "
             "monitor='step')",
-            "lossless": "DeltaCheckpointIO(async_save=True)",
-            "quantized": "DeltaCheckpointIO(async_save=True, quantize='int8', quantize_groups='all')",
+            "lossless": "DeltaCheckpointIO(async_save=True, gc_grace_s=0)",
+            "quantized": "DeltaCheckpointIO(async_save=True, quantize='int8', quantize_groups='all', gc_grace_s=0)",
             "torch_threads": torch.get_num_threads(),
         }
         report(

@@ -10,7 +10,7 @@ optional package, an origin that cannot be reached or has no credentials) end wi
 config key (``trainer.plugins``, ``data``, ...) and ``<message>`` the line that class raised, picked out of
 jsonargparse's Union dump. Set ``LIGHTNING_ACCEL_DEBUG=1`` to see the full text and traceback instead.
 
-Besides LightningCLI's subcommands, ``lightning-accel ckpt verify|export`` (delta checkpoints) and
+Besides LightningCLI's subcommands, ``lightning-accel ckpt verify|export|gc`` (delta checkpoints) and
 ``lightning-accel data pack`` (shards) are plain argparse tools; ``--help`` lists them.
 """
 
@@ -52,7 +52,8 @@ __all__ = [
 _USER_ERRORS = (ValueError, TypeError, PermissionError, FileNotFoundError, ModuleNotFoundError, NotADirectoryError)
 
 _EPILOG = (
-    "other commands: `lightning-accel ckpt {verify,export} ...` checks or exports DeltaCheckpointIO checkpoints; "
+    "other commands: `lightning-accel ckpt {verify,export,gc} ...` checks, exports or cleans DeltaCheckpointIO "
+    "checkpoints; "
     "`lightning-accel data pack ...` packs an origin into shards for CachedDataModule, `lightning-accel data clean` "
     "removes RAM tiers no process uses (each takes --help)."
 )
@@ -338,7 +339,7 @@ def _check_config_paths(argv: list[str]) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``lightning-accel`` console script."""
     raw = list(sys.argv[1:] if argv is None else argv)
-    if raw[:1] == ["ckpt"]:  # `lightning-accel ckpt verify|export ...`: the delta checkpoint tool
+    if raw[:1] == ["ckpt"]:  # `lightning-accel ckpt verify|export|gc ...`: the delta checkpoint tool
         from lightning_accel.checkpoint.cli import main as ckpt_main
 
         raise SystemExit(ckpt_main(raw[1:], prog="lightning-accel ckpt"))

@@ -10,7 +10,7 @@ Core (no Lightning import): :mod:`~lightning_accel.checkpoint.codec` (tensor cod
 :mod:`~lightning_accel.checkpoint.lock` (one writer per directory).
 Adapters: :class:`DeltaCheckpointIO` (``plugin.py``); :class:`DeltaModelCheckpoint` and :func:`resolve_ckpt_path`
 (``callbacks.py``: ``ModelCheckpoint`` with the plugin's storage options, ``ckpt_path="last"`` on object stores).
-Command line: ``python -m lightning_accel.checkpoint verify|export ...``.
+Command line: ``python -m lightning_accel.checkpoint verify|export|gc ...``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 from lightning_accel.checkpoint.callbacks import CheckpointGuard, DeltaModelCheckpoint, resolve_ckpt_path
 from lightning_accel.checkpoint.lock import CheckpointDirectoryLockedError
 from lightning_accel.checkpoint.options import StoreOptions
-from lightning_accel.checkpoint.plugin import DeltaCheckpointIO
+from lightning_accel.checkpoint.plugin import CheckpointSaveError, DeltaCheckpointIO
 from lightning_accel.checkpoint.reader import read_checkpoint, resolve_last
 from lightning_accel.checkpoint.store import (
     CheckpointCorruptError,
@@ -30,6 +30,7 @@ from lightning_accel.checkpoint.store import (
 __all__ = [
     "CheckpointCorruptError",
     "CheckpointDirectoryLockedError",
+    "CheckpointSaveError",
     "DeltaCheckpointIO",
     "CheckpointGuard",
     "DeltaModelCheckpoint",

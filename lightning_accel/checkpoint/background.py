@@ -1,51 +1,109 @@
-"""Background saving: snapshot on the caller's thread, encode and write on one worker thread, bounded, never lose an
-error.
+"""Background saving: snapshot on the caller's thread into reused buffers, encode and write on one worker thread,
+bounded, latest wins, and the first failure stops the caller.
 
 Contract:
 
-1. :func:`snapshot` copies every tensor of a checkpoint to private CPU memory *synchronously* (a GPU tensor is copied
-   device-to-host; a CPU tensor is cloned), so optimizer steps that run while the save is in flight cannot race it.
-   Cloning is much cheaper than encoding + writing, which is what moves off the training loop (the stall per save is
-   measured by ``benchmarks/delta_checkpoint.py``).
+1. **Snapshots into reused buffers.** :class:`SnapshotPool` copies every tensor of a checkpoint into private CPU
+   buffers *synchronously*, so optimizer steps that run while the save is in flight cannot race it. A buffer is kept
+   per tensor (by its key path) and reused by the next snapshot once no save in flight holds it, so a warm run
+   allocates nothing per save (:attr:`WriterStats.buffers_allocated` stops growing). A CPU tensor whose bytes equal
+   the newest snapshot of the same key is not copied at all: the snapshot shares that buffer and its *content id*,
+   so the store knows it unchanged without hashing it (``last.ckpt`` right after ``step=N.ckpt``). Accelerator
+   tensors are copied into pinned buffers (asynchronous device-to-host copies, one synchronisation per snapshot).
 2. :class:`BackgroundWriter` runs jobs (saves *and* removals) on a single worker thread in submission order, so a
-   ``remove`` that ModelCheckpoint issues after a ``save`` can never overtake it.
-3. **Backpressure.** At most ``max_pending`` *bounded* jobs (saves: each holds a snapshot of the whole checkpoint)
-   are queued or running at once. A bounded job submitted with a ``key`` (the checkpoint path) first *coalesces* with
-   a queued, not yet started job of the same key when no later job touches that key: the newer snapshot replaces the
-   older one, which would only have been overwritten (``last.ckpt`` saved every step). Otherwise the caller waits for
-   a slot; the wait is counted in :attr:`BackgroundWriter.stats` (``stalls``, ``stall_s``). Memory is therefore at
-   most ``max_pending`` snapshots, ``close`` waits for at most ``max_pending`` saves, and a killed process loses at
-   most those. Without the bound, ``every_n_train_steps=1`` queues saves (and snapshots) without limit
-   (``pending_peak`` in ``benchmarks/delta_checkpoint.py``).
-   Removals are unbounded (they hold no tensors) but still ordered.
-4. The worker thread runs at a lower CPU priority (``nice`` + 10 on Linux), so on a busy machine the training
-   threads keep the cores and the save finishes in their gaps.
-5. A job's exception is kept and raised by the next :meth:`BackgroundWriter.submit`, :meth:`~BackgroundWriter.wait`
-   or :meth:`~BackgroundWriter.close` — never swallowed. Jobs after a failure still run (each save publishes its
-   manifest last, so a failed save leaves earlier checkpoints intact).
+   ``remove`` that ModelCheckpoint issues after a ``save`` can never overtake it. The worker runs at the caller's
+   CPU priority: a lowered priority lets the data loader and the training threads starve it, and a starved writer
+   makes every later save wait.
+3. **Backpressure, latest wins.** At most ``max_pending`` saves are queued or running at once; a save takes its
+   slot *before* its snapshot, so at most ``max_pending`` snapshots exist. A save of a path whose previous save is
+   still queued (not started) replaces that save's snapshot instead of queueing (the older state would only have
+   been overwritten; counted in ``coalesced``). A removal of a path whose save is still queued cancels that save
+   (Lightning no longer references the path, so nothing is left pointing at a missing file; ``cancelled``). Only a
+   save of a new path with every slot taken waits, and only until a slot frees (``stalls``, ``stall_s``).
+   Removals hold no tensors and are not bounded, but stay ordered.
+4. **Failures at once.** A failed job is reported by the next :meth:`BackgroundWriter.submit`,
+   :meth:`~BackgroundWriter.submit_save`, :meth:`~BackgroundWriter.wait` or :meth:`~BackgroundWriter.close` as one
+   :class:`CheckpointSaveError` line naming the *first* failure (its path and error); with ``on_error="raise"``
+   every job queued behind it is dropped (no removal runs after a save that failed), with ``on_error="warn"`` each
+   failure is warned once and later saves go on, but a removal queued after a failed save (with no successful save
+   in between) is skipped, so the older checkpoint a failed save would have replaced stays on disk.
+
+Memory: at most ``max_pending`` snapshot buffers per tensor (a tensor unchanged between snapshots shares one), released
+by :meth:`BackgroundWriter.close`. The store adds its chain bases; ``docs/checkpoint.md`` states the whole bound and
+``tests/checkpoint/test_async_memory.py`` measures it.
 """
 
 from __future__ import annotations
 
-import os
+import ctypes
+import ctypes.util
+import itertools
+import logging
+import sys
 import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
-from lightning_accel._utils.checks import check_int
+from lightning_accel._utils.checks import check_choice, check_int
+from lightning_accel._utils.errors import one_line
 from lightning_accel._utils.forksafe import PerProcess
+from lightning_accel.checkpoint.codec import copy_into, same_bytes
 
-__all__ = ["BackgroundWriter", "WriterStats", "snapshot"]
+__all__ = [
+    "BackgroundWriter",
+    "CheckpointSaveError",
+    "Snapshot",
+    "SnapshotPool",
+    "WriterStats",
+    "snapshot",
+    "trim_heap",
+]
+
+log = logging.getLogger("lightning_accel.checkpoint")
+
+#: content ids of snapshot buffers: never reused, so an id names one content for the life of the process
+_content_ids = itertools.count(1)
+
+
+class CheckpointSaveError(RuntimeError):
+    """A background checkpoint save (or removal) failed; the message names the first failure, ``__cause__`` is it.
+
+    The error raised is also an instance of the failure's own type where that type allows it (an ``OSError`` for a
+    full disk, ``NotADeltaCheckpointError`` for a bad path), so ``except OSError`` around a fit keeps working.
+    """
+
+
+_SAVE_ERRORS: dict[type[BaseException], type[CheckpointSaveError]] = {}
+
+
+def _save_error(line: str, cause: BaseException) -> CheckpointSaveError:
+    """A :class:`CheckpointSaveError` carrying ``line`` that is also of ``cause``'s type when possible."""
+    cls = type(cause)
+    err: CheckpointSaveError | None = None
+    if isinstance(cause, Exception) and not isinstance(cause, CheckpointSaveError):
+        try:
+            sub = _SAVE_ERRORS.get(cls) or type("CheckpointSaveError", (CheckpointSaveError, cls), {})
+            err = sub(line)
+            if str(err) != line:
+                err = None
+            else:
+                _SAVE_ERRORS[cls] = sub
+        except TypeError:  # an incompatible layout or constructor
+            err = None
+    err = err if err is not None else CheckpointSaveError(line)
+    err.__cause__ = cause
+    return err
 
 
 def snapshot(obj: Any) -> Any:
-    """A copy of ``obj`` whose tensors are private CPU copies (containers rebuilt, other leaves shared)."""
+    """A copy of ``obj`` whose tensors are fresh private CPU copies (containers rebuilt, other leaves shared)."""
     if isinstance(obj, torch.Tensor):
         t = obj.detach()
         return t.to("cpu", copy=True) if t.device.type != "cpu" else t.clone()
@@ -59,13 +117,15 @@ def snapshot(obj: Any) -> Any:
     return obj
 
 
-def _lower_thread_priority(increment: int = 10) -> None:
-    """Run this thread at ``nice + increment`` (Linux: ``setpriority`` on a thread id affects that thread only), so
-    encoding competes less with the training threads for the CPU; a no-op where unsupported."""
+def trim_heap() -> None:
+    """Hand freed heap memory back to the OS (glibc ``malloc_trim``): large buffers freed by worker threads otherwise
+    stay in their malloc arenas and keep counting as the process's RSS. A no-op elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return
     try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment))
-    except (AttributeError, OSError):
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
         pass
 
 
@@ -74,60 +134,216 @@ class WriterStats:
     """What the writer did so far (this process).
 
     Attributes:
-        submitted: bounded jobs (saves) submitted.
+        submitted: saves submitted.
         coalesced: saves that replaced a queued save of the same path instead of queueing.
+        cancelled: queued saves dropped because a removal of their path followed before they started.
         stalls: saves that had to wait for a slot.
         stall_s: seconds callers waited for a slot in total.
-        pending_peak: most bounded jobs queued or running at once.
+        pending_peak: most saves queued or running at once.
+        snapshot_s: seconds callers spent snapshotting (copying tensors into the buffers).
+        tensors_shared: snapshot tensors that shared the previous snapshot's buffer (same bytes: no copy, no hash).
+        buffers_allocated: snapshot buffers allocated (a warm run reuses them: this stops growing).
+        buffer_bytes: bytes the snapshot buffers hold now.
+        failed: jobs that raised.
+        skipped: jobs not run because an earlier save failed.
     """
 
     submitted: int = 0
     coalesced: int = 0
+    cancelled: int = 0
     stalls: int = 0
     stall_s: float = 0.0
     pending_peak: int = 0
+    snapshot_s: float = 0.0
+    tensors_shared: int = 0
+    buffers_allocated: int = 0
+    buffer_bytes: int = 0
+    failed: int = 0
+    skipped: int = 0
+
+
+class _Buf:
+    __slots__ = ("content_id", "path", "refs", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, path: str = "") -> None:
+        self.tensor, self.path = tensor, path
+        self.refs = 0
+        self.content_id = next(_content_ids)
+
+
+class Snapshot:
+    """One checkpoint copied into pool buffers: ``tree`` (the checkpoint with buffer tensors) and
+    :meth:`content_id` (the id of a buffer tensor's content, for the store's "unchanged?" test)."""
+
+    __slots__ = ("_ids", "bufs", "tree")
+
+    def __init__(self, tree: Any, bufs: list[_Buf]) -> None:
+        self.tree, self.bufs = tree, bufs
+        # By data pointer: the store sees detached aliases of the buffers, and a held buffer's address is its own.
+        self._ids = {b.tensor.data_ptr(): b.content_id for b in bufs if b.tensor.numel()}
+
+    def content_id(self, t: torch.Tensor) -> int | None:
+        """The content id of ``t`` if it is (an alias of) one of this snapshot's whole buffers, else None."""
+        if not t.numel() or t.device.type != "cpu":
+            return None
+        return self._ids.get(t.data_ptr())
+
+
+class SnapshotPool:
+    """Per-tensor CPU buffers, reused across snapshots (see the module docstring, point 1). Thread-safe."""
+
+    def __init__(self, stats: WriterStats | None = None) -> None:
+        self._lock = threading.Lock()
+        self._latest: dict[str, _Buf] = {}  # key path -> newest snapshot buffer of it
+        self._spare: dict[tuple[Any, ...], list[torch.Tensor]] = {}  # released buffers not newest of any key
+        self.stats = stats if stats is not None else WriterStats()
+
+    def take(self, obj: Any) -> Snapshot:
+        """Snapshot ``obj`` (a checkpoint dict): containers rebuilt, tensors copied into buffers or shared."""
+        t0 = time.perf_counter()
+        bufs: list[_Buf] = []
+        pending_device = [False]
+        with self._lock:
+            tree = self._walk(obj, "", bufs, pending_device)
+        if pending_device[0] and torch.cuda.is_available():
+            torch.cuda.synchronize()  # the non-blocking device-to-host copies have landed
+        self.stats.snapshot_s += time.perf_counter() - t0
+        return Snapshot(tree, bufs)
+
+    def _walk(self, obj: Any, path: str, bufs: list[_Buf], pending_device: list[bool]) -> Any:
+        if isinstance(obj, torch.Tensor):
+            b = self._fill(obj.detach(), path, pending_device)
+            bufs.append(b)
+            return b.tensor
+        if isinstance(obj, dict):
+            out = type(obj)() if type(obj) is not dict else {}
+            for k, v in obj.items():
+                out[k] = self._walk(v, f"{path}/{k}", bufs, pending_device)
+            return out
+        if type(obj) in (list, tuple):
+            return type(obj)(self._walk(v, f"{path}/{i}", bufs, pending_device) for i, v in enumerate(obj))
+        return obj
+
+    def _fill(self, src: torch.Tensor, path: str, pending_device: list[bool]) -> _Buf:
+        if src.is_sparse or src.layout != torch.strided:  # not a dense buffer: a private copy, not pooled
+            b = _Buf(src.to("cpu", copy=True) if src.device.type != "cpu" else src.clone())
+            b.refs += 1
+            return b
+        cpu = src.device.type == "cpu"
+        old = self._latest.get(path)
+        fits = old is not None and old.tensor.shape == src.shape and old.tensor.dtype == src.dtype
+        if old is not None and fits and cpu and same_bytes(old.tensor, src):
+            old.refs += 1
+            self.stats.tensors_shared += 1
+            return old
+        if old is not None and fits and old.refs == 0:  # no save holds it: overwrite in place
+            b = old
+            b.content_id = next(_content_ids)
+        else:
+            if old is not None and old.refs == 0:
+                self._spare.setdefault(_shape_key(old.tensor), []).append(old.tensor)
+            b = _Buf(self._buffer(src), path)
+            self._latest[path] = b
+        non_blocking = not cpu and b.tensor.is_pinned()
+        if cpu:
+            copy_into(b.tensor, src)
+        else:
+            b.tensor.copy_(src, non_blocking=non_blocking)
+        pending_device[0] |= non_blocking
+        b.refs += 1
+        return b
+
+    def _buffer(self, src: torch.Tensor) -> torch.Tensor:
+        pin = src.device.type == "cuda" and torch.cuda.is_available()
+        spare = self._spare.get((tuple(src.shape), src.dtype, pin))
+        if spare:
+            return spare.pop()
+        t = torch.empty(tuple(src.shape), dtype=src.dtype, pin_memory=pin)
+        self.stats.buffers_allocated += 1
+        self.stats.buffer_bytes += t.numel() * t.element_size()
+        return t
+
+    def release(self, snap: Snapshot) -> None:
+        """The save of ``snap`` finished (or was dropped): its buffers may be reused."""
+        with self._lock:
+            for b in snap.bufs:
+                b.refs -= 1
+                if b.refs == 0 and self._latest.get(b.path) is not b:  # superseded: a spare for any same-shape key
+                    self._spare.setdefault(_shape_key(b.tensor), []).append(b.tensor)
+            snap.bufs, snap.tree = [], None
+
+    def clear(self) -> None:
+        """Drop every buffer no save holds (the memory goes back once the last snapshot using it is released)."""
+        with self._lock:
+            self._latest.clear()
+            self._spare.clear()
+            self.stats.buffer_bytes = 0
+
+
+def _shape_key(t: torch.Tensor) -> tuple[Any, ...]:
+    return (tuple(t.shape), t.dtype, t.is_pinned())
 
 
 class _Job:
-    __slots__ = ("args", "bounded", "fn", "future", "key", "started")
+    __slots__ = ("args", "bounded", "fn", "future", "key", "seq", "snap", "started")
 
     def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], key: str | None, bounded: bool) -> None:
         self.fn, self.args, self.key, self.bounded = fn, args, key, bounded
         self.future: Future = Future()
         self.started = False
+        self.snap: Snapshot | None = None
+        self.seq = 0
 
 
 class _Jobs:
-    """One process's queue, worker thread, counters and first unreported error."""
+    """One process's queue, worker thread, counters, snapshot buffers and failures."""
 
-    __slots__ = ("bounded", "cond", "error", "queue", "running", "stats", "thread", "unfinished")
+    __slots__ = (
+        "bounded",
+        "cond",
+        "error",
+        "failed_since_save",
+        "pool",
+        "queue",
+        "running",
+        "stats",
+        "thread",
+        "unfinished",
+        "warnings",
+    )
 
     def __init__(self) -> None:
         self.queue: deque[_Job] = deque()
         self.running: _Job | None = None
-        self.bounded = 0  # bounded jobs queued or running
+        self.bounded = 0  # saves queued, running, or taking their snapshot
         self.unfinished = 0  # all jobs queued or running
-        self.error: BaseException | None = None
+        self.error: CheckpointSaveError | None = None  # the first unreported failure (on_error="raise")
+        self.warnings: list[str] = []  # failures not warned yet (on_error="warn")
+        self.failed_since_save = False  # the newest finished save failed: removals wait for a good one
         self.thread: threading.Thread | None = None
         self.cond = threading.Condition()
         self.stats = WriterStats()
+        self.pool = SnapshotPool(self.stats)
 
 
 class BackgroundWriter:
-    """One worker thread that runs submitted jobs in order, at most ``max_pending`` saves at a time, and re-raises
-    their first unreported error.
+    """One worker thread that runs submitted jobs in order, at most ``max_pending`` saves at a time, and reports their
+    first failure at the next call.
 
     The thread and its queue are per process (:class:`~lightning_accel._utils.forksafe.PerProcess`): a pickled or
     forked copy starts with none (a forked child would otherwise queue behind a thread it does not have).
 
     Args:
         name: the worker thread's name.
-        max_pending: most bounded jobs (saves) queued or running at once (>= 1).
-        nice: CPU priority increment of the worker thread (0: the caller's priority). On a machine shared with other
-            processes a niced worker gets little CPU, so a caller waiting for a slot waits longer.
+        max_pending: most saves queued or running at once (>= 1).
+        on_error: ``"raise"`` (default): the first failure is raised by the next call and every job queued behind it
+            is dropped; ``"warn"``: every failure is warned by the next call and later jobs run (removals queued after
+            a failed save are skipped).
     """
 
-    def __init__(self, name: str = "delta-checkpoint", *, max_pending: int = 2, nice: int = 10) -> None:
+    def __init__(
+        self, name: str = "delta-checkpoint", *, max_pending: int = 2, on_error: Literal["raise", "warn"] = "raise"
+    ) -> None:
         check_int(
             "max_pending",
             max_pending,
@@ -135,15 +351,19 @@ class BackgroundWriter:
             fix="It counts saves in flight at once: 1 for the least memory, 2 (the default) to overlap a save with "
             "the next snapshot.",
         )
+        self.on_error = check_choice(
+            "on_save_error",
+            on_error,
+            ("raise", "warn"),
+            fix="'raise' (default) stops training at the next step; 'warn' keeps training and warns every failure.",
+        )
         self._name = name
         self.max_pending = max_pending
-        self.nice = nice
         self._jobs: PerProcess[_Jobs] = PerProcess(_Jobs)
+        self._seq = itertools.count(1)
 
     # ---- worker ------------------------------------------------------------------------------------------------
     def _run(self, jobs: _Jobs) -> None:
-        if self.nice:
-            _lower_thread_priority(self.nice)
         while True:
             with jobs.cond:
                 while True:
@@ -155,17 +375,33 @@ class BackgroundWriter:
                 job = jobs.queue.popleft()
                 job.started = True
                 jobs.running = job
+                skip = not job.bounded and jobs.failed_since_save
             try:
-                result = job.fn(*job.args)
-            except BaseException as e:  # kept for the caller: raised at the next submit / wait / close
+                if skip:
+                    line = f"Skipped removing checkpoint {job.key!r}: the save before it failed, so it is kept."
+                    with jobs.cond:
+                        jobs.stats.skipped += 1
+                        jobs.warnings.append(line)
+                    log.warning("%s", line)
+                    job.future.set_result(None)
+                elif job.snap is not None:
+                    job.future.set_result(job.fn(job.snap, job.key, *job.args))
+                    with jobs.cond:
+                        jobs.failed_since_save = False
+                else:
+                    job.future.set_result(job.fn(*job.args))
+                    if job.bounded:
+                        with jobs.cond:
+                            jobs.failed_since_save = False
+            except BaseException as e:  # kept for the caller: reported at the next submit / wait / close
                 job.future.set_exception(e)
-                with jobs.cond:
-                    if jobs.error is None:
-                        jobs.error = e
-            else:
-                job.future.set_result(result)
+                self._failed(jobs, job, e, job.key)
             finally:
-                job.args = ()  # drop the snapshot now, not when the future is collected
+                job.args = ()
+                if job.snap is not None:  # the buffers are free for the next snapshot now
+                    jobs.pool.release(job.snap)
+                    job.snap = None
+                    trim_heap()  # the save's encode temporaries, freed in this thread's malloc arena
                 with jobs.cond:
                     jobs.running = None
                     jobs.unfinished -= 1
@@ -173,14 +409,54 @@ class BackgroundWriter:
                         jobs.bounded -= 1
                     jobs.cond.notify_all()
 
+    def _failed(self, jobs: _Jobs, job: _Job, e: BaseException, path: str | None) -> None:
+        what = "save" if job.bounded else "removal"
+        line = one_line(f"Async checkpoint {what} of {path!r} failed: {type(e).__name__}: {one_line(e, first=True)}")
+        with jobs.cond:
+            jobs.stats.failed += 1
+            if job.bounded:
+                jobs.failed_since_save = True
+            if self.on_error == "warn":
+                jobs.warnings.append(line)
+                log.warning("%s", line)
+                return
+            dropped = 0
+            while jobs.queue:  # nothing queued behind a failure runs: no removal after a failed save
+                later = jobs.queue.popleft()
+                self._drop(jobs, later)
+                dropped += 1
+            jobs.stats.skipped += dropped
+            if jobs.error is None:
+                if dropped:
+                    line += f" ({dropped} later checkpoint job(s) were dropped, nothing was removed)"
+                jobs.error = _save_error(line, e)
+            log.error("%s", line)
+
+    @staticmethod
+    def _drop(jobs: _Jobs, job: _Job) -> None:
+        """Under ``jobs.cond``: forget a queued job (its snapshot released, its future cancelled)."""
+        if job.snap is not None:
+            jobs.pool.release(job.snap)
+            job.snap = None
+        job.args = ()
+        job.future.cancel()
+        jobs.unfinished -= 1
+        if job.bounded:
+            jobs.bounded -= 1
+        jobs.cond.notify_all()
+
     def _ensure_thread(self, jobs: _Jobs) -> None:
         if jobs.thread is None or not jobs.thread.is_alive():
             jobs.thread = threading.Thread(target=self._run, args=(jobs,), name=self._name, daemon=True)
             jobs.thread.start()
 
-    def _raise(self, jobs: _Jobs) -> None:
+    def _report(self, jobs: _Jobs) -> None:
+        """Raise the first unreported failure (once) or warn every unwarned one."""
         with jobs.cond:
             err, jobs.error = jobs.error, None
+            lines, jobs.warnings = jobs.warnings, []
+        for line in lines:
+            warnings.warn(line, UserWarning, stacklevel=4)
         if err is not None:
             raise err
 
@@ -192,77 +468,155 @@ class BackgroundWriter:
 
     @property
     def stats(self) -> WriterStats:
-        """Counters of this process's writer (submitted, coalesced, stalls, stall seconds, peak pending saves)."""
+        """Counters of this process's writer."""
         return self._jobs.get().stats
 
     def submit(self, fn: Callable[..., Any], *args: Any, key: str | None = None, bounded: bool = False) -> Future:
-        """Queue ``fn(*args)``; first raise the error of any earlier job that failed.
+        """Queue ``fn(*args)``; first report any earlier failure.
 
         Args:
             fn: the job.
-            *args: its arguments (a save's snapshot: dropped as soon as the job ran).
-            key: what the job writes or removes (the checkpoint path): a bounded job coalesces with a queued,
-                unstarted job of the same key that no later job touches.
+            *args: its arguments (dropped as soon as the job ran).
+            key: what the job writes or removes (the checkpoint path). An unbounded job (a removal) of ``key``
+                cancels a queued, unstarted save of ``key``; a bounded one coalesces with it (replaces its arguments).
             bounded: counts against ``max_pending`` (a save); the call waits for a slot when all are taken.
 
         Returns:
             The job's future (a coalesced save returns the future of the job it joined).
+
+        Raises:
+            CheckpointSaveError: an earlier job failed (``on_error="raise"``): the first failure, once.
         """
+        return self._submit(fn, args, key, bounded, None)
+
+    def submit_save(self, fn: Callable[..., Any], checkpoint: Any, path: str) -> Future:
+        """Snapshot ``checkpoint`` into the pool's buffers on this thread and queue ``fn(snapshot, path)`` (a
+        :class:`Snapshot`; its buffers are reused once the job ran). A queued, unstarted save of ``path`` gets the
+        new snapshot instead (latest wins: the older state would only be overwritten); otherwise, with every slot
+        taken, the call waits until one frees (a save of another path is never given this state: every path holds
+        exactly the state saved there).
+
+        Raises:
+            CheckpointSaveError: an earlier job failed (``on_error="raise"``): the first failure, once.
+        """
+        return self._submit(fn, (), path, True, checkpoint)
+
+    def _submit(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], key: str | None, bounded: bool, checkpoint: Any
+    ) -> Future:
         jobs = self._jobs.get()
-        self._raise(jobs)
+        self._report(jobs)
         with jobs.cond:
             self._ensure_thread(jobs)
-            if bounded:
-                jobs.stats.submitted += 1
-                joined = self._coalesce(jobs, fn, args, key)
-                if joined is not None:
-                    return joined
-                if jobs.bounded >= self.max_pending:
-                    t0 = time.perf_counter()
-                    while jobs.bounded >= self.max_pending:
-                        jobs.cond.wait()
-                        joined = self._coalesce(jobs, fn, args, key)
-                        if joined is not None:
-                            jobs.stats.stalls += 1
-                            jobs.stats.stall_s += time.perf_counter() - t0
-                            return joined
-                    jobs.stats.stalls += 1
-                    jobs.stats.stall_s += time.perf_counter() - t0
-            job = _Job(fn, args, key, bounded)
-            jobs.queue.append(job)
-            jobs.unfinished += 1
-            if bounded:
-                jobs.bounded += 1
+            if not bounded:
+                self._cancel_queued_save(jobs, key)
+                return self._append(jobs, _Job(fn, args, key, False))
+            jobs.stats.submitted += 1
+            t0, waited = time.perf_counter(), False
+            while True:
+                target = self._coalesce_target(jobs, fn, key)
+                if target is not None:  # unstarted: the worker will not start it while we hold the lock
+                    if checkpoint is not None:
+                        self._refill(jobs, target, checkpoint)
+                    target.args = args
+                    jobs.stats.coalesced += 1
+                    if jobs.stats.coalesced == 1 or jobs.stats.coalesced % 100 == 0:
+                        log.info(
+                            "Checkpoint saves outrun the writer: %d queued save(s) replaced by a newer save of the "
+                            "same path so far (latest wins).",
+                            jobs.stats.coalesced,
+                        )
+                    self._account_wait(jobs, waited, t0)
+                    return target.future
+                if jobs.bounded < self.max_pending or jobs.error is not None:
+                    break
+                waited = True
+                jobs.cond.wait()
+            self._account_wait(jobs, waited, t0)
+            failed = jobs.error is not None
+            if not failed:
+                jobs.bounded += 1  # the slot is ours before the snapshot exists: at most max_pending snapshots
                 jobs.stats.pending_peak = max(jobs.stats.pending_peak, jobs.bounded)
-            jobs.cond.notify_all()
-            return job.future
+        if failed:  # a job failed while this save waited for a slot: report it now, save nothing
+            self._report(jobs)
+            return self._submit(fn, args, key, bounded, checkpoint)
+        job = _Job(fn, args, key, True)
+        try:
+            if checkpoint is not None:
+                job.snap = jobs.pool.take(checkpoint)  # outside the lock: the worker goes on meanwhile
+        except BaseException:
+            with jobs.cond:
+                jobs.bounded -= 1
+                jobs.cond.notify_all()
+            raise
+        with jobs.cond:
+            jobs.unfinished += 1
+            return self._append(jobs, job, counted=True)
 
     @staticmethod
-    def _coalesce(jobs: _Jobs, fn: Callable[..., Any], args: tuple[Any, ...], key: str | None) -> Future | None:
-        """Under ``jobs.cond``: replace the arguments of the last queued job of ``key`` if it is an unstarted bounded
-        job of the same function (no later job touches ``key``); return its future, or None."""
+    def _refill(jobs: _Jobs, target: _Job, checkpoint: Any) -> None:
+        """Under ``jobs.cond``: give an unstarted save the snapshot of ``checkpoint`` instead of its own."""
+        if target.snap is not None:  # released first: its buffers are refilled in place
+            jobs.pool.release(target.snap)
+            target.snap = None
+        try:
+            target.snap = jobs.pool.take(checkpoint)
+        except BaseException:
+            jobs.queue.remove(target)
+            BackgroundWriter._drop(jobs, target)
+            raise
+
+    def _append(self, jobs: _Jobs, job: _Job, counted: bool = False) -> Future:
+        """Under ``jobs.cond``."""
+        job.seq = next(self._seq)
+        jobs.queue.append(job)
+        if not counted:
+            jobs.unfinished += 1
+        jobs.cond.notify_all()
+        return job.future
+
+    @staticmethod
+    def _account_wait(jobs: _Jobs, waited: bool, t0: float) -> None:
+        if waited:
+            jobs.stats.stalls += 1
+            jobs.stats.stall_s += time.perf_counter() - t0
+
+    @staticmethod
+    def _last_of(jobs: _Jobs, key: str | None) -> _Job | None:
         if key is None:
             return None
         for job in reversed(jobs.queue):
-            if job.key != key:
-                continue
-            if job.bounded and not job.started and job.fn == fn:
-                job.args = args
-                jobs.stats.coalesced += 1
-                return job.future
-            return None  # a removal (or another kind of job) of this key is queued last: keep the order
+            if job.key == key:
+                return job
         return None
 
+    def _coalesce_target(self, jobs: _Jobs, fn: Callable[..., Any], key: str | None) -> _Job | None:
+        """Under ``jobs.cond``: the last queued job of ``key`` if it is an unstarted save of the same function."""
+        job = self._last_of(jobs, key)
+        if job is not None and job.bounded and not job.started and job.fn == fn:
+            return job
+        return None
+
+    def _cancel_queued_save(self, jobs: _Jobs, key: str | None) -> None:
+        """Under ``jobs.cond``: a removal of ``key`` drops the unstarted save of ``key`` queued last."""
+        job = self._last_of(jobs, key)
+        if job is None or not job.bounded or job.started:
+            return
+        jobs.stats.cancelled += 1
+        jobs.queue.remove(job)
+        self._drop(jobs, job)
+
     def wait(self) -> None:
-        """Block until every queued job has finished; raise the first error among them."""
+        """Block until every queued job has finished; report the first failure among them."""
         jobs = self._jobs.get()
         with jobs.cond:
             while jobs.unfinished:
                 jobs.cond.wait()
-        self._raise(jobs)
+        self._report(jobs)
 
     def close(self) -> None:
-        """:meth:`wait`, then stop the worker thread (a later :meth:`submit` starts a new one)."""
+        """:meth:`wait`, then stop the worker thread and free the snapshot buffers (a later :meth:`submit` starts
+        anew)."""
         jobs = self._jobs.get()
         try:
             self.wait()
@@ -272,3 +626,5 @@ class BackgroundWriter:
                 jobs.cond.notify_all()
             if thread is not None and thread is not threading.current_thread():
                 thread.join()
+            jobs.pool.clear()
+            trim_heap()

@@ -49,7 +49,9 @@ __all__ = [
     "encode_xor",
     "itemsize_of",
     "pack_blob",
+    "copy_into",
     "read_header",
+    "same_bytes",
     "shuffle_bytes",
     "tensor_bytes",
     "tensor_from_bytes",
@@ -127,6 +129,35 @@ def tensor_bytes(t: torch.Tensor) -> np.ndarray:
     if t.numel() == 0:
         return np.zeros(0, dtype=np.uint8)
     return t.view(torch.uint8).numpy()
+
+
+#: tensors from this size on are compared and copied with numpy (one memcmp/memcpy-speed pass, single-threaded);
+#: smaller ones with one torch call (less overhead per call). Measured by benchmarks/delta_checkpoint.py (snapshot_s).
+_NUMPY_FROM = 1 << 16
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor, chunk: int = 1 << 19) -> bool:
+    """Whether two CPU tensors of the same dtype and shape hold the same bytes (bit patterns: ``-0.0`` differs from
+    ``0.0``, a NaN equals itself). Large tensors are compared in chunks of ``chunk`` words, so a difference near the
+    start returns early and no tensor-sized temporary is allocated."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.numel() * a.element_size() < _NUMPY_FROM:
+        return torch.equal(a.detach().reshape(-1).view(torch.uint8), b.detach().reshape(-1).view(torch.uint8))
+    x, y = tensor_bytes(a), tensor_bytes(b)
+    if x.size % 8 == 0:
+        x, y = x.view(np.uint64), y.view(np.uint64)
+    return all(np.array_equal(x[i : i + chunk], y[i : i + chunk]) for i in range(0, x.size, chunk))
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for a contiguous CPU ``dst`` of ``src``'s dtype and shape; a CPU ``src`` of
+    ``_NUMPY_FROM`` bytes or more is copied by numpy (a single memcpy pass: torch's multi-threaded copy is slower
+    on a busy machine, see ``benchmarks/delta_checkpoint.py``)."""
+    if src.device.type != "cpu" or src.numel() * src.element_size() < _NUMPY_FROM or not dst.is_contiguous():
+        dst.copy_(src)
+        return
+    np.copyto(tensor_bytes(dst), tensor_bytes(src))
 
 
 def tensor_from_bytes(raw: np.ndarray | bytes, dtype: torch.dtype, shape: list[int] | tuple[int, ...]) -> torch.Tensor:
@@ -211,23 +242,27 @@ def zstd_decompress(data: memoryview | bytes, size: int) -> np.ndarray:
 _RAW_PLANE_GAIN = 0.03
 
 
-def _compress_planes(planes: np.ndarray, itemsize: int, level: int, threads: int) -> tuple[bytes, list[int]]:
+def _compress_planes(
+    planes: np.ndarray, itemsize: int, level: int, threads: int
+) -> tuple[list[bytes | memoryview], list[int]]:
     """zstd each byte plane on its own; planes that do not shrink by ``_RAW_PLANE_GAIN`` are stored raw.
 
-    Returns the payload and, per plane, its stored length (negative: raw).
+    Returns the payload's parts (raw planes as views of ``planes``: joined once, by :func:`pack_blob`) and, per
+    plane, its stored length (negative: raw).
     """
     n = planes.size // itemsize if itemsize else 0
-    parts, lengths = [], []
+    parts: list[bytes | memoryview] = []
+    lengths: list[int] = []
     for j in range(itemsize):
         plane = planes[j * n : (j + 1) * n]
         c = zstd_compress(plane, level, threads) if n else b""
         if n and len(c) > (1.0 - _RAW_PLANE_GAIN) * n:
-            parts.append(plane.tobytes())
+            parts.append(plane.data)  # a view: copied once, by pack_blob
             lengths.append(-n)
         else:
             parts.append(c)
             lengths.append(len(c))
-    return b"".join(parts), lengths
+    return parts, lengths
 
 
 def _plane_list(payload: memoryview | bytes, nbytes: int, itemsize: int, lengths: list[int]) -> list[np.ndarray]:
@@ -258,10 +293,12 @@ def _decompress_planes(payload: memoryview | bytes, nbytes: int, itemsize: int, 
     return np.concatenate(planes) if planes else np.zeros(0, dtype=np.uint8)
 
 
-def pack_blob(header: dict[str, Any], payload: bytes) -> bytes:
-    """A blob: ``MAGIC | u32 header length | JSON header (sorted keys) | payload`` (:func:`read_header` splits it)."""
+def pack_blob(header: dict[str, Any], payload: bytes | Sequence[bytes | memoryview]) -> bytes:
+    """A blob: ``MAGIC | u32 header length | JSON header (sorted keys) | payload`` (:func:`read_header` splits it).
+    ``payload`` may be given as its parts (joined here, in one copy)."""
     h = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-    return b"".join([MAGIC, struct.pack("<I", len(h)), h, payload])
+    parts = [payload] if isinstance(payload, (bytes, bytearray, memoryview)) else list(payload)
+    return b"".join([MAGIC, struct.pack("<I", len(h)), h, *parts])
 
 
 def read_header(blob: bytes | memoryview) -> tuple[dict[str, Any], memoryview]:
@@ -300,7 +337,9 @@ def encode_xor(t: torch.Tensor, ref: torch.Tensor, ref_key: str, *, level: int =
         raise ValueError(f"XOR reference mismatch: {ref.dtype}/{ref.numel()} vs {t.dtype}/{t.numel()}")
     raw = tensor_bytes(t)
     diff = np.bitwise_xor(raw, tensor_bytes(ref))
-    payload, planes = _compress_planes(shuffle_bytes(diff, t.element_size()), t.element_size(), level, threads)
+    shuffled = shuffle_bytes(diff, t.element_size())
+    del diff  # (a view of it when itemsize is 1: then kept by `shuffled`)
+    payload, planes = _compress_planes(shuffled, t.element_size(), level, threads)
     header = {"kind": "xor", "dtype": dtype_name(t.dtype), "nbytes": int(raw.size), "ref": ref_key, "planes": planes}
     return pack_blob(header, payload)
 

@@ -22,12 +22,18 @@ from typing_extensions import override
 
 from lightning_accel._utils.checks import check_bool
 from lightning_accel._utils.compat import PathType
-from lightning_accel.checkpoint.background import BackgroundWriter, WriterStats, snapshot
+from lightning_accel.checkpoint.background import (
+    BackgroundWriter,
+    CheckpointSaveError,
+    Snapshot,
+    WriterStats,
+    trim_heap,
+)
 from lightning_accel.checkpoint.options import StoreOptions
 from lightning_accel.checkpoint.reader import read_checkpoint_with
-from lightning_accel.checkpoint.store import DeltaStore, SaveStats
+from lightning_accel.checkpoint.store import GC_GRACE_S, DeltaStore, SaveStats
 
-__all__ = ["DeltaCheckpointIO"]
+__all__ = ["CheckpointSaveError", "DeltaCheckpointIO"]
 
 
 class DeltaCheckpointIO(CheckpointIO):
@@ -39,19 +45,26 @@ class DeltaCheckpointIO(CheckpointIO):
     arbitrary objects. See ``docs/checkpoint.md``.
 
     Every argument is keyword-only and validated here, in ``__init__`` (one line naming the argument, the value, the
-    range and the fix). Apart from ``async_save``, ``max_pending`` and ``storage_options`` they are the fields of
+    range and the fix). Apart from ``async_save``, ``max_pending``, ``on_save_error`` and ``storage_options`` they
+    are the fields of
     :class:`~lightning_accel.checkpoint.options.StoreOptions` (which validates and documents them in full), made
     once and handed to the :class:`~lightning_accel.checkpoint.store.DeltaStore`.
 
     Args:
-        async_save: **Saving.** Snapshot tensors to CPU on the training thread, then encode and write in a
-            background thread; removals are queued behind saves; ``teardown`` waits; a background error is raised
-            at the next save, removal, load or at ``teardown``.
+        async_save: **Saving.** Snapshot tensors into reused CPU buffers (pinned for GPU tensors) on the training
+            thread, then encode and write in a background thread; removals are queued behind saves; ``teardown``
+            waits and frees the buffers.
         max_pending: most saves queued or running at once with ``async_save`` (default 2: one writing while the
-            next snapshot waits). A save beyond it first replaces a queued save of the same path (``last.ckpt``),
-            else waits for a slot (counted in :attr:`writer_stats`). Memory stays at most ``max_pending`` CPU
-            copies of the checkpoint, ``teardown`` waits for at most that many saves, and a killed process loses at
-            most those.
+            next snapshot waits). A save of a path whose earlier save has not started replaces it (latest wins); a
+            removal cancels a not yet started save of its path; a save of a new path with every slot taken waits
+            for one (all counted in :attr:`writer_stats`). Memory stays at most ``max_pending`` snapshot buffers
+            per tensor, ``teardown`` waits for at most that many saves, and a killed process loses at most those.
+        on_save_error: what a failed async save (or removal) does. ``"raise"`` (default): the next
+            ``save_checkpoint`` / ``remove_checkpoint`` (the next step of a run saving every step), load or
+            ``teardown`` raises :class:`CheckpointSaveError`, one line naming the first failure, and nothing queued
+            behind it runs (no removal after the failed save). ``"warn"``: every failure is warned at the next call
+            and training goes on; a removal queued after a failed save is skipped, so the older checkpoint stays.
+            Either way the blobs a failed save wrote are deleted again.
         storage_options: **Storage.** fsspec options for ``s3://`` and other remote checkpoint directories.
         quantize: **Lossy deltas (opt-in).** ``None`` (lossless), ``"int8"`` or ``"int4"`` quantized deltas (full
             snapshots stay lossless).
@@ -65,8 +78,12 @@ class DeltaCheckpointIO(CheckpointIO):
         rebase_ratio: write a full snapshot instead of a delta at least this fraction of the base's size.
         rebase_dead_fraction: write a full snapshot instead of a delta when the tensor's base belongs to no live
             checkpoint any more and is more than this fraction of the bytes its live chains keep (1.0: never).
-        redundancy: **Safety.** ``2`` keeps a second copy of every base (full) blob, so one lost or damaged base
-            blob does not take its chain; ``ckpt verify --repair`` rewrites it from the copy.
+        redundancy: **Safety.** ``2`` keeps a second copy (``<key>.copy``) of every blob a save writes (bases,
+            deltas and the skeleton), so one lost or damaged blob does not take its checkpoint; ``ckpt verify``
+            checks both copies and ``--repair`` rewrites a damaged one from the other.
+        gc_grace_s: **Readers.** Seconds a blob that no checkpoint references any more stays on disk before garbage
+            collection deletes it, so a reader that opened a manifest just before it was replaced or removed still
+            finds its blobs (readers take no lock). ``0``: delete at once.
         inline_bytes: **Encoding.** Tensors smaller than this go into the skeleton blob instead of blobs of their own.
         zstd_level: zstd compression level.
         zstd_threads: zstd worker threads per blob (0: single-threaded; -1: one per core).
@@ -83,6 +100,7 @@ class DeltaCheckpointIO(CheckpointIO):
         *,
         async_save: bool = False,
         max_pending: int = 2,
+        on_save_error: Literal["raise", "warn"] = "raise",
         storage_options: dict[str, Any] | None = None,
         quantize: Literal["int8", "int4"] | None = None,
         quantize_groups: Literal["optimizer", "all"] | Sequence[str] = "optimizer",
@@ -98,6 +116,7 @@ class DeltaCheckpointIO(CheckpointIO):
         zstd_threads: int = 0,
         io_threads: int = 2,
         lock: bool = True,
+        gc_grace_s: float = GC_GRACE_S,
     ) -> None:
         super().__init__()
         self.async_save = check_bool("async_save", async_save)
@@ -117,9 +136,10 @@ class DeltaCheckpointIO(CheckpointIO):
             io_threads=io_threads,
             lock=lock,
         )
-        self.store = DeltaStore(storage_options=storage_options, options=options)
-        self._writer = BackgroundWriter(max_pending=max_pending)
+        self.store = DeltaStore(storage_options=storage_options, options=options, gc_grace_s=gc_grace_s)
+        self._writer = BackgroundWriter(max_pending=max_pending, on_error=on_save_error)
         self.max_pending = max_pending
+        self.on_save_error = on_save_error
         # Per-save statistics (bytes and blobs written, tensors unchanged / delta / full), newest last.
         self.history: deque[SaveStats] = deque(maxlen=10_000)
 
@@ -128,9 +148,18 @@ class DeltaCheckpointIO(CheckpointIO):
         self.history.append(stats)
         return stats
 
+    def _save_snapshot(self, snap: Snapshot, path: str) -> SaveStats:
+        stats = self.store.save(snap.tree, path, content_id=snap.content_id)
+        self.history.append(stats)
+        return stats
+
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: PathType, storage_options: Any | None = None) -> None:
-        """Save ``checkpoint`` at ``path`` (a manifest); in async mode only the CPU snapshot happens here."""
+        """Save ``checkpoint`` at ``path`` (a manifest); in async mode only the CPU snapshot happens here.
+
+        Raises:
+            CheckpointSaveError: an earlier async save failed (``on_save_error="raise"``), naming the first failure.
+        """
         if storage_options is not None:
             raise TypeError(
                 "`Trainer.save_checkpoint(..., storage_options=...)` is not supported by `DeltaCheckpointIO`: pass "
@@ -138,7 +167,7 @@ class DeltaCheckpointIO(CheckpointIO):
             )
         path_s = os.fspath(path)
         if self.async_save:
-            self._writer.submit(self._save_now, snapshot(checkpoint), path_s, key=path_s, bounded=True)
+            self._writer.submit_save(self._save_snapshot, checkpoint, path_s)
         else:
             self._writer.wait()
             self._save_now(checkpoint, path_s)
@@ -164,7 +193,12 @@ class DeltaCheckpointIO(CheckpointIO):
 
     @override
     def remove_checkpoint(self, path: PathType) -> None:
-        """Remove the manifest at ``path`` and the blobs nothing else references (queued in async mode)."""
+        """Remove the manifest at ``path`` and the blobs nothing else references (queued in async mode, where it
+        cancels a queued, not yet started save of ``path``; skipped after a failed save).
+
+        Raises:
+            CheckpointSaveError: an earlier async save failed (``on_save_error="raise"``), naming the first failure.
+        """
         if self.async_save:
             self._writer.submit(self.store.remove, os.fspath(path), key=os.fspath(path))
         else:
@@ -191,14 +225,18 @@ class DeltaCheckpointIO(CheckpointIO):
 
     @property
     def writer_stats(self) -> WriterStats:
-        """Async saves so far: submitted, coalesced, stalls (waits for a slot) and their seconds, peak pending."""
+        """Async saves so far: submitted, coalesced, cancelled, stalls (waits for a slot) and their seconds, peak
+        pending, snapshot seconds and buffers, failures."""
         return self._writer.stats
 
     @override
     def teardown(self) -> None:
-        """Wait for the saves in flight (at most ``max_pending``) and queued removals, then release the directory's
-        writer lock; raise a background error rather than lose it."""
+        """Wait for the saves in flight (at most ``max_pending``) and queued removals, then free the snapshot buffers
+        and the chain bases (a later save starts its chains anew) and release the directory's writer lock; raise a
+        background failure not reported yet rather than lose it (one already raised is not raised again)."""
         try:
             self._writer.close()
         finally:
             self.store.close()
+            self.store.forget()
+            trim_heap()  # the chain bases and snapshot buffers just freed go back to the OS

@@ -29,7 +29,7 @@ import torch
 from lightning_accel.checkpoint.manifest import TensorEntry
 from lightning_accel.checkpoint.options import StoreOptions
 
-__all__ = ["ChainState", "Live", "Plan", "dead_bases", "keep_delta", "plan", "wants_quant"]
+__all__ = ["ChainState", "Live", "Plan", "dead_bases", "keep_delta", "plan", "ref_is_last", "wants_quant"]
 
 #: What the live manifests of a directory hold, per manifest path: tensor name -> (chain, sizes).
 Live = Mapping[str, Mapping[str, tuple[tuple[str, ...], tuple[int, ...]]]]
@@ -46,6 +46,9 @@ class ChainState:
         ref: the reconstruction the next delta is taken against (a private copy, never a live tensor).
         lossy: the reconstruction comes from a quantized delta.
         age: deltas written since the chain's full snapshot.
+        content_id: the id of the snapshot buffer content that was saved (``None``: not known); a later save handed
+            the same id holds the same bytes, so it is unchanged without hashing
+            (:class:`~lightning_accel.checkpoint.background.SnapshotPool` never reuses an id).
     """
 
     entry: TensorEntry
@@ -54,6 +57,7 @@ class ChainState:
     ref: torch.Tensor
     lossy: bool = False
     age: int = 0
+    content_id: int | None = None
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,13 @@ def plan(
         return Plan("full")
     ref_key = chain[0] if options.delta_ref == "base" else chain[-1]
     return Plan("quant" if wants_quant(options, name, is_float) else "xor", ref_key)
+
+
+def ref_is_last(options: StoreOptions, prev: ChainState) -> bool:
+    """Whether ``prev.ref`` holds the bytes whose hash is ``prev.hash`` (what the last save restores): right after a
+    full snapshot, and always with ``delta_ref="previous"``. Then a tensor whose bytes equal ``prev.ref`` is
+    ``"unchanged"`` (a byte comparison, cheaper than hashing)."""
+    return prev.age == 0 or options.delta_ref == "previous"
 
 
 def keep_delta(options: StoreOptions, delta_bytes: int, prev: ChainState) -> bool:

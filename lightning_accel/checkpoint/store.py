@@ -39,6 +39,7 @@ and, where one is at fault, the tensor.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import io
@@ -50,7 +51,7 @@ import time
 import warnings
 import weakref
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -148,6 +149,19 @@ class SaveStats:
     tensors_full: int = 0
     tensors_rebased: int = 0  # of `tensors_full`: re-based because their chain's base was mostly dead bytes
     seconds: float = 0.0
+    hash_s: float = 0.0  # comparing and hashing tensors ("unchanged?"), summed over the encode threads
+    encode_s: float = 0.0  # encoding changed tensors, summed over the encode threads
+    write_s: float = 0.0  # publishing blobs, the skeleton and the manifest
+
+
+@dataclass
+class _Timing:
+    """Seconds one tensor of a save spent being compared or hashed, and encoded; whether its new full snapshot was
+    copied into the previous chain reference's memory (that chain state is then stale until the save commits)."""
+
+    hash_s: float = 0.0
+    encode_s: float = 0.0
+    ref_reused: bool = False
 
 
 @dataclass
@@ -335,18 +349,36 @@ class DeltaStore:
             keys.update(chain)
 
     # ------------------------------------------------------------------ save
-    def save(self, checkpoint: dict[str, Any], path: str | os.PathLike[str]) -> SaveStats:
+    def save(
+        self,
+        checkpoint: dict[str, Any],
+        path: str | os.PathLike[str],
+        *,
+        content_id: Callable[[torch.Tensor], int | None] | None = None,
+    ) -> SaveStats:
         """Write ``checkpoint`` as a delta checkpoint at ``path`` (a manifest file).
 
         The tensors must not change while this runs (the adapter snapshots them first in async mode). The first save
         (or removal) in a directory takes its writer lock (:mod:`~lightning_accel.checkpoint.lock`).
+
+        A tensor is known unchanged without encoding it, and where possible without hashing it: when ``content_id``
+        gives it the id its previous save recorded (a snapshot buffer not rewritten since), or when its bytes equal
+        the chain's reference copy and that copy is what the previous save restores
+        (:func:`~lightning_accel.checkpoint.policy.ref_is_last`); otherwise its bytes are hashed.
+
+        Args:
+            checkpoint: the checkpoint dict.
+            path: the manifest path.
+            content_id: the content id of a tensor of ``checkpoint`` (``None``: unknown), from
+                :class:`~lightning_accel.checkpoint.background.Snapshot`.
 
         Raises:
             NotADeltaCheckpointError: ``path`` is a directory or a foreign file.
             NotADirectoryError: the checkpoint directory is a file.
             CheckpointDirectoryLockedError: another writer holds the directory.
             UnsafeCheckpointContent: the checkpoint holds objects that cannot be loaded without unpickling code.
-            OSError: writing failed (e.g. disk full, an unwritable directory); earlier checkpoints are intact.
+            OSError: writing failed (e.g. disk full, an unwritable directory); earlier checkpoints are intact and the
+                blobs this save had written are deleted again.
         """
         if not isinstance(checkpoint, dict):
             raise TypeError(f"`checkpoint` must be a dict, got {type(checkpoint).__name__}.")
@@ -369,48 +401,72 @@ class DeltaStore:
             stats = SaveStats(path=path)
             new_entries: dict[str, ChainState] = {}
 
-            def encode(item: tuple[str, torch.Tensor]) -> tuple[str, ChainState, list[tuple[str, bytes]], str]:
+            def encode(item: tuple[str, torch.Tensor]) -> tuple[str, ChainState, list[tuple[str, bytes]], str, _Timing]:
                 name, t = item
+                cid = content_id(t) if content_id is not None else None
                 if t.device.type != "cpu":
                     t = t.cpu()
-                return (name, *self._encode_one(name, t, dstate.entries.get(name), dead))
+                timing = _Timing()
+                out = self._encode_one(name, t, dstate.entries.get(name), dead, cid, timing)
+                if timing.ref_reused:
+                    reused.add(name)
+                return (name, *out, timing)
 
-            with ThreadPoolExecutor(max_workers=opts.io_threads) as pool:
-                results = list(pool.map(encode, tensors.items()))
-            for name, state, blobs, how in results:
-                new_entries[name] = state
-                if how == "rebased":
-                    stats.tensors_rebased += 1
-                    how = "full"
-                setattr(stats, f"tensors_{how}", getattr(stats, f"tensors_{how}") + 1)
-                for key, data in blobs:
-                    urls = [self.blob_url(directory, key)]
-                    if how == "full" and state.entry.copy:
-                        urls.append(urls[0] + COPY_SUFFIX)
-                    for url in urls:
-                        if not self.fs.exists(url):
-                            self.fs.write(url, data)
-                            stats.bytes_written += len(data)
-                            stats.blobs_written += 1
-            skel_blob = pack_skeleton_blob(dump_skeleton(skeleton), small)
-            skel_key = _blob_key(skel_blob)
-            skel_url = self.blob_url(directory, skel_key)
-            if not self.fs.exists(skel_url):
-                self.fs.write(skel_url, skel_blob)
-                stats.bytes_written += len(skel_blob)
-                stats.blobs_written += 1
-            self._write_copies(directory, [b for r in results for b in r[2]] + [(skel_key, skel_blob)], stats)
-            if is_local_url(directory):
-                fsync_dir(strip_file_scheme(safe_join(directory, BLOB_DIR)))
-            manifest = Manifest(
-                skeleton=skel_key,
-                tensors={n: s.entry for n, s in new_entries.items()},
-                lossy=any(s.lossy for s in new_entries.values()),
-                created=time.time(),
-            )
-            data = manifest.to_json()
-            self.fs.write(path, data)  # published last: the checkpoint exists from here on
+            reused: set[str] = set()
+
+            created: list[str] = []  # blobs this save wrote: deleted again if it fails
+            try:
+                # Unchanged tensors cost a comparison (or nothing), changed ones are encoded in parallel; each blob is
+                # written as soon as it is encoded, so only about `io_threads` encoded tensors are held at a time.
+                with ThreadPoolExecutor(max_workers=opts.io_threads) as pool:
+                    for name, state, blobs, how, timing in pool.map(encode, tensors.items()):
+                        stats.hash_s += timing.hash_s
+                        stats.encode_s += timing.encode_s
+                        new_entries[name] = state
+                        if how == "rebased":
+                            stats.tensors_rebased += 1
+                            how = "full"
+                        setattr(stats, f"tensors_{how}", getattr(stats, f"tensors_{how}") + 1)
+                        for key, data in blobs:
+                            urls = [self.blob_url(directory, key)]
+                            if (how == "full" and state.entry.copy) or opts.redundancy >= 2:
+                                urls.append(urls[0] + COPY_SUFFIX)  # redundancy=2: deltas get a copy too
+                            for url in urls:
+                                if not self.fs.exists(url):
+                                    created.append(url)
+                                    tw = time.perf_counter()
+                                    self.fs.write(url, data)
+                                    stats.write_s += time.perf_counter() - tw
+                                    stats.bytes_written += len(data)
+                                    stats.blobs_written += 1
+                        del blobs  # on disk now: not held while the next tensors encode
+                t_write = time.perf_counter()
+                skel_blob = pack_skeleton_blob(dump_skeleton(skeleton), small)
+                skel_key = _blob_key(skel_blob)
+                skel_url = self.blob_url(directory, skel_key)
+                for url in [skel_url, skel_url + COPY_SUFFIX] if opts.redundancy >= 2 else [skel_url]:
+                    if not self.fs.exists(url):
+                        created.append(url)
+                        self.fs.write(url, skel_blob)
+                        stats.bytes_written += len(skel_blob)
+                        stats.blobs_written += 1
+                if is_local_url(directory):
+                    fsync_dir(strip_file_scheme(safe_join(directory, BLOB_DIR)))
+                manifest = Manifest(
+                    skeleton=skel_key,
+                    tensors={n: s.entry for n, s in new_entries.items()},
+                    lossy=any(s.lossy for s in new_entries.values()),
+                    created=time.time(),
+                )
+                data = manifest.to_json()
+                self.fs.write(path, data)  # published last: the checkpoint exists from here on
+            except BaseException:
+                self._delete_created(created)
+                for name in reused:  # their reference memory holds this save's bytes: restart those chains
+                    dstate.entries.pop(name, None)
+                raise
             stats.bytes_written += len(data)
+            stats.write_s += time.perf_counter() - t_write
             # Only now does the next save delta against this one (a failed save changes nothing).
             dstate.entries = new_entries
             dstate.live[path] = {n: (s.entry.chain, s.entry.sizes) for n, s in new_entries.items()}
@@ -419,17 +475,18 @@ class DeltaStore:
         stats.seconds = time.perf_counter() - t0
         return stats
 
-    def _write_copies(self, directory: str, blobs: list[tuple[str, bytes]], stats: SaveStats) -> None:
-        """``redundancy=2``: a second copy (``<key>.copy``) of every blob of a save, skeleton and deltas included (the
-        bases' copies are written with them), before the manifest that claims them is published."""
-        if self.options.redundancy < 2:
-            return
-        for key, data in blobs:
-            url = self.blob_url(directory, key) + COPY_SUFFIX
-            if not self.fs.exists(url):
-                self.fs.write(url, data)
-                stats.bytes_written += len(data)
-                stats.blobs_written += 1
+    def _delete_created(self, urls: list[str]) -> None:
+        """After a failed save: delete the blobs it created (no manifest references them: the save published
+        nothing, and they did not exist before it), so a full disk gets its space back now."""
+        for url in urls:
+            try:
+                self.fs.rm(url)
+            except FileNotFoundError:
+                pass  # the write itself failed before publishing the file
+            except Exception as e:  # noqa: BLE001 - the save's own error is what the caller must see
+                warnings.warn(
+                    f"Could not delete {url!r} left by a failed save: {one_line(e)}", UserWarning, stacklevel=3
+                )
 
     def _warn_if_groups_match_nothing(self, tensors: dict[str, torch.Tensor]) -> None:
         """``quantize_groups`` prefixes are checked against the first checkpoint's tensor names (they are not known
@@ -455,17 +512,52 @@ class DeltaStore:
         t: torch.Tensor,
         prev: ChainState | None,
         dead: set[tuple[str, str]] | frozenset[tuple[str, str]] = frozenset(),
+        content_id: int | None = None,
+        timing: _Timing | None = None,
     ) -> tuple[ChainState, list[tuple[str, bytes]], str]:
         """Encode one tensor as :func:`~lightning_accel.checkpoint.policy.plan` says. Returns (state, new blobs,
-        how: ``"unchanged"``, ``"delta"``, ``"full"`` or ``"rebased"``)."""
+        how: ``"unchanged"``, ``"delta"``, ``"full"`` or ``"rebased"``). An unchanged tensor is recognised by its
+        ``content_id`` or by a byte comparison with the chain's reference before anything is hashed."""
         opts = self.options
+        timing = timing if timing is not None else _Timing()
+        th = time.perf_counter()
         dname = codec.dtype_name(t.dtype)
         shape = tuple(t.shape)
-        src_hash = _raw_hash(t)
+        if prev is not None and prev.entry.dtype == dname and prev.entry.shape == shape:
+            if content_id is not None and prev.content_id == content_id:
+                timing.hash_s += time.perf_counter() - th
+                return prev, [], "unchanged"
+            if policy.ref_is_last(opts, prev) and codec.same_bytes(t, prev.ref):
+                timing.hash_s += time.perf_counter() - th
+                kept = prev if prev.content_id == content_id else dataclasses.replace(prev, content_id=content_id)
+                return kept, [], "unchanged"
+        # A snapshot buffer's content id names its bytes as well as a hash would (ids are never reused), so a
+        # snapshot is not hashed; a live tensor (synchronous saves) is.
+        src_hash = _raw_hash(t) if content_id is None else f"content:{content_id}"
+        timing.hash_s += time.perf_counter() - th
         step = policy.plan(opts, name, dname, shape, src_hash, t.is_floating_point(), prev, dead)
         if step.kind == "unchanged":
             assert prev is not None
-            return prev, [], "unchanged"
+            return dataclasses.replace(prev, content_id=content_id), [], "unchanged"
+        te = time.perf_counter()
+        try:
+            return self._encode_changed(name, t, prev, step, dname, shape, src_hash, content_id, timing)
+        finally:
+            timing.encode_s += time.perf_counter() - te
+
+    def _encode_changed(
+        self,
+        name: str,
+        t: torch.Tensor,
+        prev: ChainState | None,
+        step: policy.Plan,
+        dname: str,
+        shape: tuple[int, ...],
+        src_hash: str,
+        content_id: int | None,
+        timing: _Timing,
+    ) -> tuple[ChainState, list[tuple[str, bytes]], str]:
+        opts = self.options
         if step.kind in ("xor", "quant"):
             assert prev is not None and step.ref_key is not None
             level, threads = opts.zstd_level, opts.zstd_threads
@@ -478,7 +570,9 @@ class DeltaStore:
             else:
                 blob = codec.encode_xor(t, prev.ref, step.ref_key, level=level, threads=threads)
                 recon, lossy = t, False  # XOR restores t bit-exactly whatever the reference was
-            if policy.keep_delta(opts, len(blob), prev):
+            if not policy.keep_delta(opts, len(blob), prev):
+                del blob  # not held while the full snapshot is encoded
+            else:
                 key = _blob_key(blob)
                 base = prev.entry
                 chain: tuple[str, ...]
@@ -497,6 +591,7 @@ class DeltaStore:
                     ref=ref,
                     lossy=lossy,
                     age=prev.age + 1,
+                    content_id=content_id,
                 )
                 return state, [(key, blob)], "delta"
         blob = codec.encode_full(t, level=opts.zstd_level, threads=opts.zstd_threads)
@@ -504,9 +599,18 @@ class DeltaStore:
         entry = TensorEntry(
             dtype=dname, shape=shape, chain=(key,), sizes=(len(blob),), crc32=_crc(t), copy=opts.redundancy > 1
         )
-        # A private copy: in synchronous mode `t` aliases the live parameter, which the optimizer keeps changing.
-        ref = t.detach().clone().reshape(shape)
-        state = ChainState(entry=entry, hash=src_hash, src_hash=src_hash, ref=ref)
+        # A private copy: in synchronous mode `t` aliases the live parameter, which the optimizer keeps changing (in
+        # async mode a snapshot buffer, which the next snapshot rewrites). A re-based chain copies into its old
+        # reference's memory (only that chain state holds it) rather than holding two references at once; a failed
+        # save then drops that chain state (`save`), so the next save starts it with a full snapshot.
+        old = prev.ref if prev is not None else None
+        if old is not None and old.dtype == t.dtype and old.shape == t.shape and old.is_contiguous():
+            ref = old
+            codec.copy_into(ref, t)
+            timing.ref_reused = True
+        else:
+            ref = t.detach().clone().reshape(shape)
+        state = ChainState(entry=entry, hash=src_hash, src_hash=src_hash, ref=ref, content_id=content_id)
         return state, [(key, blob)], "rebased" if step.kind == "rebased" else "full"
 
     # ------------------------------------------------------------------ load

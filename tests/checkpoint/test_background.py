@@ -1,5 +1,6 @@
-"""BackgroundWriter and async DeltaCheckpointIO under pressure: bounded saves in flight, coalescing, ordering, bounded
-memory over 200 saves, teardown waiting only for what is in flight, errors never lost.
+"""BackgroundWriter and async DeltaCheckpointIO under pressure: bounded saves in flight, coalescing and cancelling,
+ordering, reused snapshot buffers, bounded memory over 200 saves, teardown waiting only for what is in flight, the
+first failure reported at once and nothing run behind it.
 
 Ordering is explicit: jobs block on events, and the tests wait for the writer's observable state (a submit counted,
 nothing pending), never for a duration.
@@ -11,12 +12,13 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from lightning_accel.checkpoint import DeltaCheckpointIO
-from lightning_accel.checkpoint.background import BackgroundWriter
+from lightning_accel.checkpoint.background import BackgroundWriter, CheckpointSaveError, SnapshotPool
 
 
 def _until(done: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
@@ -56,7 +58,7 @@ def test_at_most_max_pending_saves_and_a_waiting_save_is_counted() -> None:
     assert w.stats.stalls == 1 and w.stats.stall_s > 0 and w.stats.pending_peak == 2
 
 
-def test_a_queued_save_of_the_same_path_is_replaced_unless_a_removal_follows_it() -> None:
+def test_a_queued_save_of_the_same_path_is_replaced_and_a_removal_cancels_it() -> None:
     gate, running = threading.Event(), threading.Event()
     done: list[tuple[str, str]] = []
     w = BackgroundWriter(max_pending=2)
@@ -73,32 +75,157 @@ def test_a_queued_save_of_the_same_path_is_replaced_unless_a_removal_follows_it(
     assert running.wait(5)
     w.submit(save, "b", "last", key="last", bounded=True)  # queued
     w.submit(save, "c", "last", key="last", bounded=True)  # replaces "b": no wait although both slots are taken
-    assert w.stats.coalesced == 1 and w.stats.stalls == 0
-    w.submit(remove, "last", key="last")
+    assert w.stats.coalesced == 1 and w.stats.stalls == 0 and w.pending == 2
+    w.submit(remove, "last", key="last")  # Lightning drops the path: its unstarted save is cancelled, the slot freed
+    assert w.stats.cancelled == 1 and w.pending == 2
+    w.submit(save, "d", "step=2", key="step=2", bounded=True)  # takes the freed slot without waiting
+    assert w.stats.stalls == 0
+    w.submit(remove, "step=1", key="step=1")  # step=1 is running: the removal stays queued behind it
     gate.set()
-    w.submit(save, "d", "last", key="last", bounded=True)  # a removal of `last` is queued after it: no coalescing
     w.close()
-    assert done == [("save", "step=1:a"), ("save", "last:c"), ("remove", "last"), ("save", "last:d")]
+    assert done == [("save", "step=1:a"), ("remove", "last"), ("save", "step=2:d"), ("remove", "step=1")]
 
 
-def test_errors_are_raised_once_and_later_jobs_still_run() -> None:
-    w = BackgroundWriter(max_pending=1)
-    out: list[int] = []
-    w.submit(lambda: 1 / 0, bounded=True)
-    _until(lambda: w.pending == 0, "the failing job finished")  # its error is recorded before it counts as done
-    with pytest.raises(ZeroDivisionError):
-        w.submit(out.append, 1, bounded=True)
-    w.submit(out.append, 2, bounded=True)
+def test_a_snapshot_save_of_the_same_path_coalesces_and_another_path_waits_for_a_slot() -> None:
+    gate, running = threading.Event(), threading.Event()
+    done: list[tuple[str, float]] = []
+    w = BackgroundWriter(max_pending=2)
+
+    def save(snap: Any, path: str) -> None:
+        running.set()
+        gate.wait(5)
+        done.append((path, float(snap.tree["w"][0])))
+
+    weights = torch.zeros(1000)
+
+    def step(v: float, path: str) -> None:
+        weights.fill_(v)
+        w.submit_save(save, {"w": weights}, path)
+
+    step(1, "s1")  # running (blocked on the gate)
+    assert running.wait(5)
+    step(2, "last")  # queued in the second slot
+    step(3, "last")  # replaces it (refilled in place: no new buffer)
+    assert w.stats.coalesced == 1 and w.stats.stalls == 0 and w.stats.buffers_allocated == 2
+    blocked = threading.Thread(target=step, args=(4, "s4"))  # another path: waits for a slot, never joins "last"
+    blocked.start()
+    _until(lambda: w.stats.submitted == 4, "the save of s4 was submitted")
+    assert blocked.is_alive() and w.pending == 2
+    gate.set()
+    blocked.join(5)
     w.close()
-    assert out == [2]
+    assert done == [("s1", 1.0), ("last", 3.0), ("s4", 4.0)] and w.stats.stalls == 1
+
+
+def test_the_first_failure_is_raised_once_and_drops_what_is_queued_behind_it() -> None:
+    gate = threading.Event()
+    out: list[str] = []
+    w = BackgroundWriter(max_pending=2)
+
+    def fail(path: str) -> None:
+        gate.wait(5)
+        raise OSError(28, "No space left on device")
+
+    w.submit(fail, "a.ckpt", key="a.ckpt", bounded=True)
+    w.submit(fail, "b.ckpt", key="b.ckpt", bounded=True)  # would fail too: must not be the one reported
+    w.submit(out.append, "removed old.ckpt", key="old.ckpt")  # depends on the saves before it
+    gate.set()
+    _until(lambda: w.pending == 0, "the failure dropped the queue")
+    with pytest.raises(CheckpointSaveError) as info:
+        w.submit(out.append, "next", bounded=True)
+    msg = str(info.value)
+    assert "'a.ckpt'" in msg and "b.ckpt" not in msg and "No space left" in msg and "\n" not in msg
+    assert "2 later checkpoint job(s) were dropped" in msg and isinstance(info.value.__cause__, OSError)
+    assert out == [] and w.stats.failed == 1 and w.stats.skipped == 2
+    w.close()  # reported already: not raised again
     with pytest.raises(ValueError, match="`max_pending` must be an integer >= 1"):
         BackgroundWriter(max_pending=0)
+    with pytest.raises(ValueError, match="`on_save_error` must be 'raise' or 'warn'"):
+        BackgroundWriter(on_error="ignore")  # type: ignore[arg-type]
+
+
+def test_a_failure_while_waiting_for_a_slot_is_raised_there() -> None:
+    gate = threading.Event()
+    w = BackgroundWriter(max_pending=1)
+
+    def fail() -> None:
+        gate.wait(5)
+        raise RuntimeError("boom")
+
+    w.submit(fail, key="a", bounded=True)
+    errors: list[BaseException] = []
+
+    def blocked() -> None:
+        try:
+            w.submit(lambda: None, key="b", bounded=True)
+        except CheckpointSaveError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=blocked)
+    t.start()
+    _until(lambda: w.stats.submitted == 2, "the second save waits for the slot")
+    gate.set()
+    t.join(5)
+    assert len(errors) == 1 and "boom" in str(errors[0]) and w.pending == 0
+    w.close()
+
+
+def test_warn_mode_warns_every_failure_and_skips_a_removal_after_a_failed_save() -> None:
+    w = BackgroundWriter(max_pending=2, on_error="warn")
+    out: list[str] = []
+
+    def fail(path: str) -> None:
+        raise OSError(28, f"No space left on device ({path})")
+
+    w.submit(fail, "a", key="a", bounded=True)
+    w.submit(out.append, "removed old", key="old")  # after a failed save: skipped, the old checkpoint stays
+    w.submit(out.append, "saved b", key="b", bounded=True)
+    w.submit(out.append, "removed older", key="older")  # after a good save: runs
+    w.submit(fail, "c", key="c", bounded=True)
+    with pytest.warns(UserWarning) as record:
+        w.wait()
+    lines = [str(r.message) for r in record]
+    assert out == ["saved b", "removed older"]
+    assert any("'a' failed" in x for x in lines) and any("'c' failed" in x for x in lines)
+    assert any("Skipped removing checkpoint 'old'" in x for x in lines)
+    assert w.stats.failed == 2 and w.stats.skipped == 1
+    w.close()
+
+
+def test_snapshots_reuse_their_buffers_and_share_unchanged_tensors() -> None:
+    pool = SnapshotPool()
+    w, b = torch.randn(1000), torch.zeros(50)
+    first = pool.take({"w": w, "b": b, "step": 0})
+    assert pool.stats.buffers_allocated == 2
+    w.add_(1.0)  # the in-flight snapshot keeps the old values
+    second = pool.take({"w": w, "b": b, "step": 1})
+    assert not torch.equal(first.tree["w"], second.tree["w"]) and torch.equal(second.tree["w"], w)
+    assert second.tree["b"] is first.tree["b"] and pool.stats.tensors_shared == 1  # same bytes: no copy
+    assert second.content_id(second.tree["b"]) == first.content_id(first.tree["b"])
+    assert second.content_id(second.tree["w"]) != first.content_id(first.tree["w"])
+    assert second.content_id(w) is None  # a live tensor is no snapshot buffer
+    pool.release(first)
+    pool.release(second)
+    allocated = pool.stats.buffers_allocated
+    ids = set()
+    for step in range(20):  # warm: every later snapshot refills the same buffers
+        w.add_(1.0)
+        snap = pool.take({"w": w, "b": b, "step": step})
+        assert torch.equal(snap.tree["w"], w) and snap.tree["step"] == step
+        ids.add(snap.content_id(snap.tree["w"]))
+        pool.release(snap)
+    assert pool.stats.buffers_allocated == allocated and len(ids) == 20  # rewritten in place, new content ids
+    z = torch.zeros(4)
+    snap = pool.take({"z": z})
+    z.copy_(torch.tensor([-0.0, 0.0, 0.0, 0.0]))  # equal values, different bits: copied, not shared
+    again = pool.take({"z": z})
+    assert again.tree["z"] is not snap.tree["z"] and torch.equal(again.tree["z"].view(torch.int32), z.view(torch.int32))
 
 
 def test_memory_stays_bounded_over_200_saves() -> None:
     """200 saves of a 4 MB snapshot submitted faster than the worker writes them (every_n_train_steps=1 with a save
     slower than a step): without the bound the queue would hold ~100-200 snapshots (400-800 MB)."""
-    w = BackgroundWriter(max_pending=2, nice=0)
+    w = BackgroundWriter(max_pending=2)
     written: list[float] = []
     n = 200
 

@@ -12,7 +12,11 @@ from lightning_accel.checkpoint import DeltaCheckpointIO, DeltaStore, StoreOptio
 
 def test_signature_mirrors_the_store_options() -> None:
     plugin = inspect.signature(DeltaCheckpointIO.__init__).parameters
-    own = [p for p in plugin.values() if p.name not in ("self", "async_save", "max_pending", "storage_options")]
+    own = [
+        p
+        for p in plugin.values()
+        if p.name not in ("self", "async_save", "max_pending", "on_save_error", "storage_options")
+    ]
     fields = dataclasses.fields(StoreOptions)
     assert [(p.name, p.default, str(p.annotation)) for p in own] == [(f.name, f.default, str(f.type)) for f in fields]
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in plugin.values() if p.name != "self")

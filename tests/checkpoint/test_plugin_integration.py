@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
 from lightning_accel import DeltaCheckpointIO
-from lightning_accel.checkpoint.store import BLOB_DIR, DeltaStore
+from lightning_accel.checkpoint.store import BLOB_DIR, PENDING_NAME, DeltaStore
 from tests.tiny import CheckpointModel, tiny_loader
 from tests.tiny import ckpt_trainer as trainer
 
@@ -62,9 +62,15 @@ def test_top_k_and_last_stay_loadable_and_exact(tmp_path: Path, async_save: bool
         loaded = io.load_checkpoint(path)
         _assert_equal_state(loaded, ckpt.saved[path])
         assert store.verify(path)["ok"]
-    # Garbage collection left exactly the blobs the remaining manifests reference.
-    blobs = {p.name for p in (tmp_path / "ckpt" / BLOB_DIR).rglob("*") if p.is_file() and p.name != ".lock"}
-    assert blobs == store.live_keys(str(tmp_path / "ckpt"))
+    # Garbage collection left exactly the blobs the remaining manifests reference, plus those still waiting out
+    # their grace period (recorded in the pending-deletions file).
+    d = str(tmp_path / "ckpt")
+    blobs = {
+        p.name
+        for p in (tmp_path / "ckpt" / BLOB_DIR).rglob("*")
+        if p.is_file() and p.name not in (".lock", PENDING_NAME)
+    }
+    assert blobs == store.live_keys(d) | set(store.pending_deletions(d))
     # last.ckpt duplicates the newest step: its tensors are references, not rewrites.
     saves = io.history
     assert any(s.path.endswith("last.ckpt") and s.tensors_unchanged > 0 and s.tensors_full == 0 for s in saves)

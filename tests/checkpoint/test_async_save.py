@@ -1,0 +1,226 @@
+"""What a save costs and what a failed one leaves: unchanged tensors are recognised without encoding (and without
+hashing when a byte comparison or a snapshot's content id says so), a failed save deletes the blobs it wrote, and an
+async failure stops the fit at the next save with one line naming the first failure, no removal run after it.
+
+Ordering is explicit: the tests wait for the writer's observable state (failures counted, nothing pending), never for
+a duration.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_accel.checkpoint import DeltaCheckpointIO, DeltaStore
+from lightning_accel.checkpoint import store as store_module
+from lightning_accel.checkpoint.plugin import CheckpointSaveError
+from tests.tiny import CheckpointModel, ckpt_trainer, tiny_loader
+
+
+def _until(done: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.001)
+
+
+def _blobs(d: Path) -> set[str]:
+    return {p.name for p in (d / ".delta_blobs").rglob("*") if p.is_file() and p.name != ".lock"}
+
+
+class _Counts:
+    """Counts the store's hashes, byte comparisons and encodes (module functions wrapped by monkeypatch)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.n = {"hash": 0, "compare": 0, "encode": 0}
+        for attr, what, mod in (
+            ("_raw_hash", "hash", store_module),
+            ("same_bytes", "compare", store_module.codec),
+            ("encode_full", "encode", store_module.codec),
+            ("encode_xor", "encode", store_module.codec),
+        ):
+            monkeypatch.setattr(mod, attr, self._wrap(getattr(mod, attr), what))
+
+    def _wrap(self, fn: Callable[..., Any], what: str) -> Callable[..., Any]:
+        def counted(*a: Any, **kw: Any) -> Any:
+            self.n[what] += 1
+            return fn(*a, **kw)
+
+        return counted
+
+    def take(self) -> dict[str, int]:
+        out, self.n = self.n, {k: 0 for k in self.n}
+        return out
+
+
+def test_an_unchanged_tensor_costs_a_comparison_not_an_encode_or_a_hash(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    counts = _Counts(monkeypatch)
+    store = DeltaStore()
+    frozen, trained = torch.randn(4096), torch.randn(4096)
+    ck = {"state_dict": {"frozen": frozen, "trained": trained}}
+    store.save(ck, tmp_path / "a.ckpt")
+    assert counts.take() == {"hash": 2, "compare": 0, "encode": 2}  # new tensors: hashed and encoded
+    trained.add_(1e-3)
+    st = store.save(ck, tmp_path / "b.ckpt")
+    # frozen: its bytes equal the chain's reference (a full snapshot): one comparison, no hash, no encode
+    assert st.tensors_unchanged == 1 and counts.take() == {"hash": 1, "compare": 2, "encode": 1}
+    st = store.save(ck, tmp_path / "c.ckpt")  # `trained` is now a delta: its reference is the base, not the last save
+    assert st.tensors_unchanged == 2 and st.bytes_written < 1000
+    assert counts.take() == {"hash": 1, "compare": 1, "encode": 0}  # hashed once, not encoded
+    frozen.copy_(-frozen)  # changed: the comparison fails, the tensor is encoded
+    st = store.save(ck, tmp_path / "d.ckpt")
+    assert st.tensors_unchanged == 1 and counts.take()["encode"] == 1
+    assert st.hash_s >= 0 and st.encode_s > 0 and st.write_s > 0
+    store.close()
+    for name, want in (("c", None), ("d", None)):
+        got = DeltaStore().load(tmp_path / f"{name}.ckpt")["state_dict"]
+        assert want is None and torch.equal(got["trained"], trained)
+    assert torch.equal(DeltaStore().load(tmp_path / "d.ckpt")["state_dict"]["frozen"], frozen)
+
+
+def test_a_snapshot_content_id_skips_even_the_comparison(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    counts = _Counts(monkeypatch)
+    store = DeltaStore()
+    w = torch.randn(4096)
+    ids = {w.data_ptr(): 7}
+    store.save({"w": w}, tmp_path / "a.ckpt", content_id=lambda t: ids.get(t.data_ptr()))
+    counts.take()
+    st = store.save({"w": w}, tmp_path / "last.ckpt", content_id=lambda t: ids.get(t.data_ptr()))
+    assert st.tensors_unchanged == 1 and counts.take() == {"hash": 0, "compare": 0, "encode": 0}
+    w[:10] += 1.0  # new content, new id: compared, hashed, encoded (a delta)
+    ids[w.data_ptr()] = 8
+    st = store.save({"w": w}, tmp_path / "b.ckpt", content_id=lambda t: ids.get(t.data_ptr()))
+    # a snapshot's bytes are named by its content id: compared with the reference, never hashed
+    assert st.tensors_unchanged == 0 and counts.take() == {"hash": 0, "compare": 1, "encode": 1}
+    store.close()
+    assert torch.equal(DeltaStore().load(tmp_path / "b.ckpt")["w"], w)
+
+
+def test_a_failed_save_deletes_the_blobs_it_wrote_and_nothing_else(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = DeltaStore()
+    w, v = torch.randn(4096), torch.randn(4096)
+    store.save({"w": w, "v": v}, tmp_path / "a.ckpt")
+    w0 = w.clone()
+    before = _blobs(tmp_path)
+    real_write = store.fs.write
+
+    def write(url: Any, data: Any) -> None:
+        if str(url).endswith("b.ckpt"):  # the manifest: everything else was written already
+            raise OSError(28, "No space left on device")
+        real_write(url, data)
+
+    monkeypatch.setattr(store.fs, "write", write)
+    w.add_(1.0)  # a new blob for w; v is unchanged (a reference to a blob a.ckpt needs)
+    with pytest.raises(OSError, match="No space left"):
+        store.save({"w": w, "v": v}, tmp_path / "b.ckpt")
+    assert _blobs(tmp_path) == before and not (tmp_path / "b.ckpt").exists()
+    monkeypatch.setattr(store.fs, "write", real_write)
+    store.save({"w": w, "v": v}, tmp_path / "b.ckpt")  # the chain did not advance: b deltas against a's base
+    store.close()
+    assert torch.equal(DeltaStore().load(tmp_path / "a.ckpt")["w"], w0)
+    assert torch.equal(DeltaStore().load(tmp_path / "b.ckpt")["w"], w)
+
+
+class _FailAt:
+    """Makes the plugin's store fail the ``n``-th save (1-based) with ENOSPC; records the paths it was asked for."""
+
+    def __init__(self, io: DeltaCheckpointIO, n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.paths: list[str] = []
+        real = io.store.save
+
+        def save(ck: dict[str, Any], path: Any, **kw: Any) -> Any:
+            self.paths.append(str(path))
+            if len(self.paths) >= n:
+                raise OSError(28, f"No space left on device: {path}")
+            return real(ck, path, **kw)
+
+        monkeypatch.setattr(io.store, "save", save)
+
+
+class _OneStepAtATime(L.Callback):
+    """Before each step, wait until the writer is idle: a failure is then known before the next save call."""
+
+    def __init__(self, io: DeltaCheckpointIO) -> None:
+        self.io = io
+
+    def on_train_batch_start(self, *args: Any, **kw: Any) -> None:
+        _until(lambda: self.io._writer.pending == 0, "the writer is idle")
+
+
+def test_an_async_failure_stops_the_fit_at_the_next_save_naming_the_first_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    io = DeltaCheckpointIO(async_save=True)
+    fail = _FailAt(io, 3, monkeypatch)
+    cb = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=1, filename="{step}")
+    trainer = ckpt_trainer(tmp_path, [io], [_OneStepAtATime(io), cb], max_epochs=1)
+    with pytest.raises(CheckpointSaveError) as info:
+        trainer.fit(CheckpointModel(), tiny_loader())
+    msg = str(info.value)
+    assert f"{fail.paths[2]!r}" in msg and "No space left" in msg and "\n" not in msg
+    # saves 1, 2 ran; save 3 (step 3) failed; the next call raised: step 3's removal of step=2 (when the failure
+    # was already known then) or step 4's save. No later step ran, no later save reached the store.
+    assert trainer.global_step in (3, 4) and len(fail.paths) == 3 and io.writer_stats.failed == 1
+    # the removal of step=2 queued after the failed save never ran: the last good checkpoint is still there
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("*.ckpt")) == ["step=2.ckpt"]
+    assert DeltaCheckpointIO().load_checkpoint(tmp_path / "ckpt" / "step=2.ckpt")["global_step"] == 2
+
+
+def test_warn_mode_keeps_training_warns_every_failure_and_keeps_the_old_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    io = DeltaCheckpointIO(async_save=True, on_save_error="warn")
+    fail = _FailAt(io, 3, monkeypatch)  # every save from the third on fails
+    cb = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=1, filename="{step}")
+    trainer = ckpt_trainer(tmp_path, [io], [_OneStepAtATime(io), cb], max_epochs=1)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        trainer.fit(CheckpointModel(), tiny_loader())
+    failed = [str(r.message) for r in record if "Async checkpoint save" in str(r.message)]
+    assert trainer.global_step == 8 and len(fail.paths) == 8
+    assert len(failed) == 6 and all("No space left" in line for line in failed)
+    assert io.writer_stats.failed == 6 and io.writer_stats.skipped == 6  # no removal after a failed save
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("*.ckpt")) == ["step=2.ckpt"]
+    with pytest.raises(ValueError, match="`on_save_error` must be 'raise' or 'warn', got 'ignore'"):
+        DeltaCheckpointIO(on_save_error="ignore")  # type: ignore[arg-type]
+
+
+def test_a_failed_save_that_rebased_a_chain_restarts_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A re-based chain reuses its old reference's memory; when that save fails, the chain restarts with a full
+    snapshot instead of deltas against (or references to) bytes that were never published."""
+    store = DeltaStore()
+    w = torch.randn(4096)
+    store.save({"w": w}, tmp_path / "a.ckpt")
+    w0 = w.clone()
+    real_write = store.fs.write
+
+    def write(url: Any, data: Any) -> None:
+        if str(url).endswith("b.ckpt"):
+            raise OSError(28, "No space left on device")
+        real_write(url, data)
+
+    monkeypatch.setattr(store.fs, "write", write)
+    w.copy_(torch.randn(4096))  # all new bits: the delta is rejected, a full snapshot re-bases the chain
+    with pytest.raises(OSError):
+        store.save({"w": w}, tmp_path / "b.ckpt")
+    monkeypatch.setattr(store.fs, "write", real_write)
+    st = store.save({"w": w}, tmp_path / "b.ckpt")  # the same bytes again: a full snapshot, not "unchanged"
+    assert st.tensors_full == 1 and st.tensors_unchanged == 0
+    w[:10] += 1.0
+    assert store.save({"w": w}, tmp_path / "c.ckpt").tensors_delta == 1
+    store.close()
+    fresh = DeltaStore()
+    assert torch.equal(fresh.load(tmp_path / "a.ckpt")["w"], w0)
+    assert torch.equal(fresh.load(tmp_path / "c.ckpt")["w"], w)
