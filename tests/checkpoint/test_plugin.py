@@ -15,12 +15,13 @@ def test_signature_mirrors_the_store_options() -> None:
     own = [
         p
         for p in plugin.values()
-        if p.name not in ("self", "async_save", "max_pending", "on_save_error", "storage_options")
+        if p.name not in ("self", "async_save", "max_pending", "on_save_error", "storage_options", "gc_grace_s")
     ]
     fields = dataclasses.fields(StoreOptions)
     assert [(p.name, p.default, str(p.annotation)) for p in own] == [(f.name, f.default, str(f.type)) for f in fields]
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in plugin.values() if p.name != "self")
     assert plugin["storage_options"].default is None
+    assert plugin["gc_grace_s"].default == inspect.signature(DeltaStore.__init__).parameters["gc_grace_s"].default
 
 
 def test_the_store_takes_options_or_their_keywords_not_both() -> None:
