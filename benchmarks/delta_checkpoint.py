@@ -17,7 +17,7 @@ accuracy after resuming from the oldest remaining top-k checkpoint and training 
 loop handed to ``save_checkpoint``. ``disk_end_vs_torch_lossless``: bytes left on disk at the end of the lossless run
 over those of the torch run (top-k + last). ``pending_peak``: one more lossless run with ``async_save=True`` and
 ``ModelCheckpoint(every_n_train_steps=1, save_top_k=2, save_last=True)``: the most saves that were queued or running
-at once (``max_pending`` bounds it), with the stalls and coalesced saves it took in ``results``.
+at once (``max_pending``, + 1 overtaking, bounds it), with the stalls and coalesced saves it took in ``results``.
 
 ``pressure`` (``async_fit_time_vs_torch_sync``, ``async_peak_rss_growth_vs_torch``): a ~21M-parameter MLP (Adam,
 a ~250 MB checkpoint) trained with ``ModelCheckpoint(every_n_train_steps=1)``, once with ``TorchCheckpointIO``

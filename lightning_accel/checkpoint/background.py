@@ -137,6 +137,8 @@ class WriterStats:
         submitted: saves submitted.
         coalesced: saves that replaced a queued save of the same path instead of queueing.
         cancelled: queued saves dropped because a removal of their path followed before they started.
+        overtaken: saves admitted past ``max_pending`` while an older save still waited unstarted (latest wins: the
+            removal that usually follows cancels the older one; otherwise the next call waits for a slot).
         stalls: saves that had to wait for a slot.
         stall_s: seconds callers waited for a slot in total.
         pending_peak: most saves queued or running at once.
@@ -151,6 +153,7 @@ class WriterStats:
     submitted: int = 0
     coalesced: int = 0
     cancelled: int = 0
+    overtaken: int = 0
     stalls: int = 0
     stall_s: float = 0.0
     pending_peak: int = 0
@@ -303,6 +306,7 @@ class _Jobs:
         "cond",
         "error",
         "failed_since_save",
+        "overflow",
         "pool",
         "queue",
         "running",
@@ -320,6 +324,7 @@ class _Jobs:
         self.error: CheckpointSaveError | None = None  # the first unreported failure (on_error="raise")
         self.warnings: list[str] = []  # failures not warned yet (on_error="warn")
         self.failed_since_save = False  # the newest finished save failed: removals wait for a good one
+        self.overflow = False  # one save was admitted past max_pending: the next call settles it
         self.thread: threading.Thread | None = None
         self.cond = threading.Condition()
         self.stats = WriterStats()
@@ -501,6 +506,17 @@ class BackgroundWriter:
         """
         return self._submit(fn, (), path, True, checkpoint)
 
+    def _settle_overflow(self, jobs: _Jobs) -> bool:
+        """Under ``jobs.cond``: after a save admitted past ``max_pending``, wait until the saves in flight are within
+        ``max_pending`` again (the removal that follows a top-k save usually cancels the older one at once).
+        Returns whether it waited."""
+        waited = False
+        while jobs.overflow and jobs.bounded > self.max_pending and jobs.error is None:
+            waited = True
+            jobs.cond.wait()
+        jobs.overflow = False
+        return waited
+
     def _submit(
         self, fn: Callable[..., Any], args: tuple[Any, ...], key: str | None, bounded: bool, checkpoint: Any
     ) -> Future:
@@ -510,9 +526,13 @@ class BackgroundWriter:
             self._ensure_thread(jobs)
             if not bounded:
                 self._cancel_queued_save(jobs, key)
-                return self._append(jobs, _Job(fn, args, key, False))
+                future = self._append(jobs, _Job(fn, args, key, False))
+                t0 = time.perf_counter()
+                self._account_wait(jobs, self._settle_overflow(jobs), t0)
+                return future
             jobs.stats.submitted += 1
-            t0, waited = time.perf_counter(), False
+            t0 = time.perf_counter()
+            waited = self._settle_overflow(jobs)
             while True:
                 target = self._coalesce_target(jobs, fn, key)
                 if target is not None:  # unstarted: the worker will not start it while we hold the lock
@@ -530,12 +550,24 @@ class BackgroundWriter:
                     return target.future
                 if jobs.bounded < self.max_pending or jobs.error is not None:
                     break
+                if self._overtakes(jobs):  # latest wins: do not wait behind a save that may be cancelled next
+                    jobs.overflow = True
+                    jobs.stats.overtaken += 1
+                    if jobs.stats.overtaken == 1 or jobs.stats.overtaken % 100 == 0:
+                        log.info(
+                            "Checkpoint saves outrun the writer: %d save(s) admitted past max_pending=%d while an "
+                            "older one waited unstarted (a removal of the older path cancels it; otherwise the next "
+                            "call waits for a slot).",
+                            jobs.stats.overtaken,
+                            self.max_pending,
+                        )
+                    break
                 waited = True
                 jobs.cond.wait()
             self._account_wait(jobs, waited, t0)
             failed = jobs.error is not None
             if not failed:
-                jobs.bounded += 1  # the slot is ours before the snapshot exists: at most max_pending snapshots
+                jobs.bounded += 1  # the slot is ours before the snapshot exists: at most max_pending (+1 overtaking)
                 jobs.stats.pending_peak = max(jobs.stats.pending_peak, jobs.bounded)
         if failed:  # a job failed while this save waited for a slot: report it now, save nothing
             self._report(jobs)
@@ -589,6 +621,14 @@ class BackgroundWriter:
             if job.key == key:
                 return job
         return None
+
+    def _overtakes(self, jobs: _Jobs) -> bool:
+        """Under ``jobs.cond``, every slot taken: may one more save be admitted? Once, when an older save waits
+        unstarted in the queue (``ModelCheckpoint`` rotating ``save_top_k`` removes the older path right after the
+        newer save, which cancels it), and ``max_pending >= 2`` (one writing, one waiting)."""
+        if jobs.overflow or self.max_pending < 2:
+            return False
+        return any(j.bounded and not j.started for j in jobs.queue)
 
     def _coalesce_target(self, jobs: _Jobs, fn: Callable[..., Any], key: str | None) -> _Job | None:
         """Under ``jobs.cond``: the last queued job of ``key`` if it is an unstarted save of the same function."""

@@ -56,9 +56,12 @@ class DeltaCheckpointIO(CheckpointIO):
             waits and frees the buffers.
         max_pending: most saves queued or running at once with ``async_save`` (default 2: one writing while the
             next snapshot waits). A save of a path whose earlier save has not started replaces it (latest wins); a
-            removal cancels a not yet started save of its path; a save of a new path with every slot taken waits
-            for one (all counted in :attr:`writer_stats`). Memory stays at most ``max_pending`` snapshot buffers
-            per tensor, ``teardown`` waits for at most that many saves, and a killed process loses at most those.
+            removal cancels a not yet started save of its path; a save of a new path with every slot taken is
+            admitted once past the bound while an older save waits unstarted (the removal ``save_top_k`` sends next
+            usually cancels that one; the call after it waits until the bound holds again), otherwise it waits for
+            a slot (all counted in :attr:`writer_stats`). Memory stays at most ``max_pending + 1`` snapshot buffers
+            per tensor (1 with ``max_pending=1``, which never overtakes), ``teardown`` waits for at most that many
+            saves, and a killed process loses at most those.
         on_save_error: what a failed async save (or removal) does. ``"raise"`` (default): the next
             ``save_checkpoint`` / ``remove_checkpoint`` (the next step of a run saving every step), load or
             ``teardown`` raises :class:`CheckpointSaveError`, one line naming the first failure, and nothing queued
@@ -231,9 +234,9 @@ class DeltaCheckpointIO(CheckpointIO):
 
     @override
     def teardown(self) -> None:
-        """Wait for the saves in flight (at most ``max_pending``) and queued removals, then free the snapshot buffers
-        and the chain bases (a later save starts its chains anew) and release the directory's writer lock; raise a
-        background failure not reported yet rather than lose it (one already raised is not raised again)."""
+        """Wait for the saves in flight (at most ``max_pending + 1``) and queued removals, then free the snapshot
+        buffers and the chain bases (a later save starts its chains anew) and release the directory's writer lock;
+        raise a background failure not reported yet rather than lose it (one already raised is not raised again)."""
         try:
             self._writer.close()
         finally:

@@ -2,9 +2,10 @@
 assumed): peak RSS growth over 200 saves (100 steps, each saving ``step=N.ckpt`` and ``last.ckpt``) of a ~10 MB
 checkpoint, and the RSS left after ``fit`` returned.
 
-The bound (``docs/checkpoint.md``, "Async saves are bounded"): ``max_pending`` snapshot buffers and one chain base
-per tensor, plus the encode temporaries of ``io_threads`` tensors at a time. The model's own training state (Adam's
-moments, gradients) grows too and is counted separately. No timing is asserted.
+The bound (``docs/checkpoint.md``, "Async saves are bounded"): ``max_pending + 1`` snapshot buffers (one save may
+overtake an unstarted one until the next call) and one chain base per tensor, plus the encode temporaries of
+``io_threads`` tensors at a time. The model's own training state (Adam's moments, gradients) grows too and is counted
+separately. No timing is asserted.
 """
 
 from __future__ import annotations
@@ -89,13 +90,13 @@ def test_rss_growth_over_200_saves_stays_within_the_bound_and_is_released(tmp_pa
     gc.collect()
     after = _rss() - rss0
     stats = io.writer_stats
-    assert stats.submitted >= 200 and stats.pending_peak <= 2
-    # Warm runs allocate no snapshot buffers per save: at most max_pending per tensor of the checkpoint.
+    assert stats.submitted >= 200 and stats.pending_peak <= 3
+    # Warm runs allocate no snapshot buffers per save: at most max_pending + 1 per tensor of the checkpoint.
     last = io.load_checkpoint(tmp_path / "ckpt" / "last.ckpt")
     n_tensors = _count_tensors(last)
-    assert stats.buffers_allocated <= 2 * n_tensors, (stats, n_tensors)
+    assert stats.buffers_allocated <= 3 * n_tensors, (stats, n_tensors)
     training_state = 3 * params  # gradients + Adam's moments, held by the model and the optimizer
-    bound = 2 * ckpt + ckpt + 2 * 4 * largest  # max_pending snapshots + one base + encode temporaries
+    bound = 3 * ckpt + ckpt + 2 * 4 * largest  # max_pending + 1 snapshots + one base + encode temporaries
     slack = 96 * 2**20
     peak = max(probe.samples) - rss0
     assert peak <= training_state + bound + slack, (

@@ -34,7 +34,7 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * 4096
 
 
-def test_at_most_max_pending_saves_and_a_waiting_save_is_counted() -> None:
+def test_at_most_max_pending_saves_plus_one_overtaking_and_a_waiting_save_is_counted() -> None:
     gate = threading.Event()
     ran: list[int] = []
     w = BackgroundWriter(max_pending=2)
@@ -46,16 +46,46 @@ def test_at_most_max_pending_saves_and_a_waiting_save_is_counted() -> None:
     w.submit(job, 0, bounded=True)
     w.submit(job, 1, bounded=True)
     assert w.pending == 2
-    blocked = threading.Thread(target=w.submit, args=(job, 2), kwargs={"bounded": True})
+    # Every slot taken, an older save still unstarted: the next save is admitted past max_pending (latest wins) ...
+    w.submit(job, 2, bounded=True)
+    assert w.pending == 3 and w.stats.overtaken == 1 and w.stats.stalls == 0
+    # ... once: the call after it waits until the saves in flight are within max_pending again.
+    blocked = threading.Thread(target=w.submit, args=(job, 3), kwargs={"bounded": True})
     blocked.start()
-    _until(lambda: w.stats.submitted == 3, "the third save was submitted")
-    # Both jobs wait for the gate, so no slot can free up: the third save is waiting for one.
-    assert blocked.is_alive() and w.pending == 2 and w.stats.stalls == 0
+    _until(lambda: w.stats.submitted == 4, "the fourth save was submitted")
+    assert blocked.is_alive() and w.pending == 3
     gate.set()
     blocked.join(5)
     w.close()
-    assert ran == [0, 1, 2]
-    assert w.stats.stalls == 1 and w.stats.stall_s > 0 and w.stats.pending_peak == 2
+    assert ran == [0, 1, 2, 3]
+    assert w.stats.stalls == 1 and w.stats.stall_s > 0 and w.stats.pending_peak == 3 and w.stats.overtaken == 1
+
+
+def test_a_save_overtakes_an_unstarted_one_that_the_following_removal_cancels() -> None:
+    """``ModelCheckpoint`` rotating ``save_top_k=1``: save ``step=N+1``, then remove ``step=N``. With the writer busy
+    and ``step=N`` still queued, the new save does not wait; the removal cancels ``step=N`` and memory is back within
+    ``max_pending`` snapshots before the call returns."""
+    gate, running = threading.Event(), threading.Event()
+    done: list[str] = []
+    w = BackgroundWriter(max_pending=2)
+
+    def save(path: str) -> None:
+        running.set()
+        gate.wait(5)
+        done.append(path)
+
+    w.submit(save, "step=1", key="step=1", bounded=True)  # running
+    assert running.wait(5)
+    for n in range(2, 6):
+        w.submit(save, f"step={n}", key=f"step={n}", bounded=True)
+        w.submit(done.append, f"rm step={n - 1}", key=f"step={n - 1}")
+        assert w.pending <= 2 + n - 1  # the removals are queued too; the saves in flight stay within bound
+    assert w.stats.stalls == 0 and w.stats.overtaken == 3 and w.stats.cancelled == 3
+    gate.set()
+    w.close()
+    # step=1 was running (written, then removed); steps 2-4 were cancelled by their removals; step=5 is written
+    assert [d for d in done if not d.startswith("rm")] == ["step=1", "step=5"]
+    assert done[-1] == "step=5" or done[-1].startswith("rm")
 
 
 def test_a_queued_save_of_the_same_path_is_replaced_and_a_removal_cancels_it() -> None:
@@ -86,7 +116,7 @@ def test_a_queued_save_of_the_same_path_is_replaced_and_a_removal_cancels_it() -
     assert done == [("save", "step=1:a"), ("remove", "last"), ("save", "step=2:d"), ("remove", "step=1")]
 
 
-def test_a_snapshot_save_of_the_same_path_coalesces_and_another_path_waits_for_a_slot() -> None:
+def test_a_snapshot_save_of_the_same_path_coalesces_and_another_path_overtakes_once_then_waits() -> None:
     gate, running = threading.Event(), threading.Event()
     done: list[tuple[str, float]] = []
     w = BackgroundWriter(max_pending=2)
@@ -107,14 +137,17 @@ def test_a_snapshot_save_of_the_same_path_coalesces_and_another_path_waits_for_a
     step(2, "last")  # queued in the second slot
     step(3, "last")  # replaces it (refilled in place: no new buffer)
     assert w.stats.coalesced == 1 and w.stats.stalls == 0 and w.stats.buffers_allocated == 2
-    blocked = threading.Thread(target=step, args=(4, "s4"))  # another path: waits for a slot, never joins "last"
+    step(4, "s4")  # another path, "last" still unstarted: admitted past max_pending once, never joins "last"
+    assert w.stats.overtaken == 1 and w.stats.stalls == 0 and w.pending == 3
+    blocked = threading.Thread(target=step, args=(5, "s5"))  # and the next one waits for a slot
     blocked.start()
-    _until(lambda: w.stats.submitted == 4, "the save of s4 was submitted")
-    assert blocked.is_alive() and w.pending == 2
+    _until(lambda: w.stats.submitted == 5, "the save of s5 was submitted")
+    assert blocked.is_alive() and w.pending == 3
     gate.set()
     blocked.join(5)
     w.close()
-    assert done == [("s1", 1.0), ("last", 3.0), ("s4", 4.0)] and w.stats.stalls == 1
+    # every path holds exactly the state saved there
+    assert done == [("s1", 1.0), ("last", 3.0), ("s4", 4.0), ("s5", 5.0)] and w.stats.stalls == 1
 
 
 def test_the_first_failure_is_raised_once_and_drops_what_is_queued_behind_it() -> None:
@@ -177,12 +210,12 @@ def test_warn_mode_warns_every_failure_and_skips_a_removal_after_a_failed_save()
     def fail(path: str) -> None:
         raise OSError(28, f"No space left on device ({path})")
 
-    w.submit(fail, "a", key="a", bounded=True)
-    w.submit(out.append, "removed old", key="old")  # after a failed save: skipped, the old checkpoint stays
-    w.submit(out.append, "saved b", key="b", bounded=True)
-    w.submit(out.append, "removed older", key="older")  # after a good save: runs
-    w.submit(fail, "c", key="c", bounded=True)
-    with pytest.warns(UserWarning) as record:
+    with pytest.warns(UserWarning) as record:  # any call after a failure warns it: all of them are inside
+        w.submit(fail, "a", key="a", bounded=True)
+        w.submit(out.append, "removed old", key="old")  # after a failed save: skipped, the old checkpoint stays
+        w.submit(out.append, "saved b", key="b", bounded=True)
+        w.submit(out.append, "removed older", key="older")  # after a good save: runs
+        w.submit(fail, "c", key="c", bounded=True)
         w.wait()
     lines = [str(r.message) for r in record]
     assert out == ["saved b", "removed older"]
@@ -240,10 +273,11 @@ def test_memory_stays_bounded_over_200_saves() -> None:
     for i in range(n):
         w.submit(save, torch.full((1 << 20,), float(i)), f"s{i}.ckpt", key=f"s{i}.ckpt", bounded=True)
         peak = max(peak, _rss_bytes() - rss0)
-    assert w.pending <= 2  # close waits for the 2 saves in flight, not a backlog
+    assert w.pending <= 3  # close waits for the saves in flight (max_pending, + 1 overtaking), not a backlog
     w.close()
-    assert written == [float(i) for i in range(n)]  # every save ran, in order
-    assert w.stats.pending_peak == 2 and w.stats.stalls == n - 2  # every save after the first two waited
+    assert written == [float(i) for i in range(n)]  # every save ran, in order (no removal cancelled one)
+    # every save after the first two overtook (once) or waited for a slot, never more than 3 in flight
+    assert w.stats.pending_peak == 3 and w.stats.overtaken >= 1 and w.stats.stalls + w.stats.overtaken >= n - 2
     assert peak < 64 * 2**20, f"RSS grew by {peak / 2**20:.0f} MB"
 
 
