@@ -597,6 +597,34 @@ def delta_numbers(
     return results, ratios
 
 
+def run_all(setup: Setup, quick: bool) -> tuple[dict[str, Any], dict[str, float]]:
+    """Every case of this benchmark, in order, on ``setup``: the Lightning runs, loads and resumes, the every-step
+    backpressure run, then the frozen, pressure, reader and kill-loop cases."""
+    train_with_saves(setup, "torch", CountingTorchIO(), "full")
+    # gc_grace_s=0 in the runs whose bytes on disk are compared: with the default grace period, blobs of removed
+    # checkpoints wait up to a minute for readers before a later save's collection deletes them
+    trained = train_with_saves(setup, "lossless", TimedDeltaIO(async_save=True, gc_grace_s=0), "full")
+    quantized = DeltaCheckpointIO(async_save=True, quantize="int8", quantize_groups="all", gc_grace_s=0)
+    train_with_saves(setup, "quantized", quantized, "full")
+    backbone = {k: v.detach().clone() for k, v in trained.state_dict().items()}
+    train_with_saves(setup, "frozen_torch", CountingTorchIO(), "frozen", backbone)
+    train_with_saves(setup, "frozen_lossless", TimedDeltaIO(async_save=True, gc_grace_s=0), "frozen", backbone)
+    load_times(setup, repeats=3 if quick else 5)
+    resume_accuracy(setup, "torch", CountingTorchIO())
+    resume_accuracy(setup, "quantized", DeltaCheckpointIO())
+    pressure = every_step_pressure(setup)
+    results, ratios = delta_numbers(setup.runs, pressure)
+    for case, fn in (("frozen_sync", frozen_sync_case), ("pressure", pressure_case)):
+        r, q = fn(setup, quick)
+        results[case] = r
+        ratios.update(q)
+    # readers loading during saves (local and moto S3) and the kill loop's leftovers: benchmarks/_delta_faults.py
+    for case, out in (("readers", reader_case(quick, None)), ("orphans", orphan_case(quick))):
+        results[case] = out["results"]
+        ratios.update(out["ratios"])
+    return results, ratios
+
+
 def parse_args() -> argparse.Namespace:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--every", type=int, default=None, help="ModelCheckpoint(every_n_train_steps=...)")
@@ -608,28 +636,7 @@ def main() -> None:
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     setup = Setup.create(args.quick, args.every)
     try:
-        train_with_saves(setup, "torch", CountingTorchIO(), "full")
-        # gc_grace_s=0 in the runs whose bytes on disk are compared: with the default grace period, blobs of removed
-        # checkpoints wait up to a minute for readers before a later save's collection deletes them
-        trained = train_with_saves(setup, "lossless", TimedDeltaIO(async_save=True, gc_grace_s=0), "full")
-        quantized = DeltaCheckpointIO(async_save=True, quantize="int8", quantize_groups="all", gc_grace_s=0)
-        train_with_saves(setup, "quantized", quantized, "full")
-        backbone = {k: v.detach().clone() for k, v in trained.state_dict().items()}
-        train_with_saves(setup, "frozen_torch", CountingTorchIO(), "frozen", backbone)
-        train_with_saves(setup, "frozen_lossless", TimedDeltaIO(async_save=True, gc_grace_s=0), "frozen", backbone)
-        load_times(setup, repeats=3 if args.quick else 5)
-        resume_accuracy(setup, "torch", CountingTorchIO())
-        resume_accuracy(setup, "quantized", DeltaCheckpointIO())
-        pressure = every_step_pressure(setup)
-        results, ratios = delta_numbers(setup.runs, pressure)
-        for case, fn in (("frozen_sync", frozen_sync_case), ("pressure", pressure_case)):
-            r, q = fn(setup, args.quick)
-            results[case] = r
-            ratios.update(q)
-        # readers loading during saves (local and moto S3) and the kill loop's leftovers: benchmarks/_delta_faults.py
-        for case, out in (("readers", reader_case(args.quick, None)), ("orphans", orphan_case(args.quick))):
-            results[case] = out["results"]
-            ratios.update(out["ratios"])
+        results, ratios = run_all(setup, args.quick)
         config = {
             "model": f"ImageClassifier(width={setup.width}) + AdamW",
             "data": f"digits {setup.size}px, {len(setup.train_set)} train / {len(setup.val_set)} val",

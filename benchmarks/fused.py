@@ -622,6 +622,23 @@ def numerics() -> tuple[dict[str, Any], dict[str, float]]:
     return {"numerics_max_rel_err_fp32": parts}, {"max_rel_err_fp32": max(errs)}
 
 
+#: What each part of the benchmark runs (the JSON's ``config``).
+CONFIG: dict[str, Any] = {
+    "cpu_models": {
+        "small_resnet": "width 16, blocks (1,1,1), batch 16x3x32x32",
+        "gpt_blocks": "2 x GPTBlock(128, 4 heads), batch 8x64",
+    },
+    "cuda_models": {
+        "resnet50": "torchvision, batch 64 (quick 32) x 224px",
+        "gpt_blocks": "8 (quick 4) x GPTBlock(1024, 16 heads), batch 8x1024",
+    },
+    "zoo_cpu": "resnet18/mobilenet_v3_small 4x3x64x64; ViT 32px patch 8, 2 layers, dim 32; encoders and GPT-2 "
+    "blocks 2 layers, dim 32, 2 heads, seq 7; float32, dropout 0, backend reference",
+    "zoo_cuda": "resnet18/mobilenet_v3_small 64x224px; ViT 224px patch 16, 6 layers, dim 512; encoders 6 x "
+    "d512 seq 256 batch 16; GPT-2 6 x d768 seq 512 batch 8; bf16 autocast, eager/fused/compile",
+}
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.interp_numerics:  # child process of interpreter_numerics()
@@ -654,20 +671,7 @@ def main(argv: list[str] | None = None) -> None:
     report(
         "fused_cuda" if args.device == "cuda" else "fused",
         quick=args.quick or args.dry_run,  # a dry run writes no chart
-        config={
-            "cpu_models": {
-                "small_resnet": "width 16, blocks (1,1,1), batch 16x3x32x32",
-                "gpt_blocks": "2 x GPTBlock(128, 4 heads), batch 8x64",
-            },
-            "cuda_models": {
-                "resnet50": "torchvision, batch 64 (quick 32) x 224px",
-                "gpt_blocks": "8 (quick 4) x GPTBlock(1024, 16 heads), batch 8x1024",
-            },
-            "zoo_cpu": "resnet18/mobilenet_v3_small 4x3x64x64; ViT 32px patch 8, 2 layers, dim 32; encoders and GPT-2 "
-            "blocks 2 layers, dim 32, 2 heads, seq 7; float32, dropout 0, backend reference",
-            "zoo_cuda": "resnet18/mobilenet_v3_small 64x224px; ViT 224px patch 16, 6 layers, dim 512; encoders 6 x "
-            "d512 seq 256 batch 16; GPT-2 6 x d768 seq 512 batch 8; bf16 autocast, eager/fused/compile",
-        },
+        config=CONFIG,
         results=results,
         ratios=ratios,
         out=args.out,
