@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accel.checkpoint import DeltaCheckpointIO
+from tests.tiny import ckpt_trainer
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self")
 
@@ -72,18 +73,7 @@ def test_rss_growth_over_200_saves_stays_within_the_bound_and_is_released(tmp_pa
     io = DeltaCheckpointIO(async_save=True, max_pending=2, io_threads=2)
     probe = _PeakRSS()
     cb = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=1, save_last=True)
-    trainer = L.Trainer(
-        max_steps=100,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        plugins=[io],
-        callbacks=[probe, cb],
-        default_root_dir=str(tmp_path),
-    )
+    trainer = ckpt_trainer(tmp_path, [io], [probe, cb], max_steps=100, max_epochs=None)
     gc.collect()
     rss0 = _rss()
     trainer.fit(model, data)
