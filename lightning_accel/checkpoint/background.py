@@ -197,6 +197,9 @@ class SnapshotPool:
 
     def __init__(self, stats: WriterStats | None = None) -> None:
         self._lock = threading.Lock()
+        # Set while no snapshot is being taken: the writer pauses between tensors while one is (see `yield_to`).
+        self._idle = threading.Event()
+        self._idle.set()
         self._latest: dict[str, _Buf] = {}  # key path -> newest snapshot buffer of it
         self._spare: dict[tuple[Any, ...], list[torch.Tensor]] = {}  # released buffers not newest of any key
         self.stats = stats if stats is not None else WriterStats()
@@ -206,12 +209,23 @@ class SnapshotPool:
         t0 = time.perf_counter()
         bufs: list[_Buf] = []
         pending_device = [False]
-        with self._lock:
-            tree = self._walk(obj, "", bufs, pending_device)
-        if pending_device[0] and torch.cuda.is_available():
-            torch.cuda.synchronize()  # the non-blocking device-to-host copies have landed
+        self._idle.clear()
+        try:
+            with self._lock:
+                tree = self._walk(obj, "", bufs, pending_device)
+            if pending_device[0] and torch.cuda.is_available():
+                torch.cuda.synchronize()  # the non-blocking device-to-host copies have landed
+        finally:
+            self._idle.set()
         self.stats.snapshot_s += time.perf_counter() - t0
         return Snapshot(tree, bufs)
+
+    def yield_to(self, timeout: float = 1.0) -> None:
+        """Called by the writer between tensors: wait (at most ``timeout`` seconds) while the training thread takes a
+        snapshot. The snapshot is the only part of an async save on the training thread; a writer encoding beside it
+        competes for the cores and the GIL and makes the training loop's stall several times the snapshot's own cost
+        (``results.lossless.stall_breakdown_per_event`` in benchmarks/delta_checkpoint.py)."""
+        self._idle.wait(timeout)
 
     def _walk(self, obj: Any, path: str, bufs: list[_Buf], pending_device: list[bool]) -> Any:
         if isinstance(obj, torch.Tensor):
@@ -645,6 +659,11 @@ class BackgroundWriter:
         jobs.stats.cancelled += 1
         jobs.queue.remove(job)
         self._drop(jobs, job)
+
+    def yield_to_snapshots(self) -> None:
+        """For a job between units of work: wait while this process's training thread takes a snapshot
+        (:meth:`SnapshotPool.yield_to`)."""
+        self._jobs.get().pool.yield_to()
 
     def wait(self) -> None:
         """Block until every queued job has finished; report the first failure among them."""

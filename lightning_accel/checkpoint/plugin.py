@@ -152,7 +152,7 @@ class DeltaCheckpointIO(CheckpointIO):
         return stats
 
     def _save_snapshot(self, snap: Snapshot, path: str) -> SaveStats:
-        stats = self.store.save(snap.tree, path, content_id=snap.content_id)
+        stats = self.store.save(snap.tree, path, content_id=snap.content_id, pause=self._writer.yield_to_snapshots)
         self.history.append(stats)
         return stats
 

@@ -355,6 +355,7 @@ class DeltaStore:
         path: str | os.PathLike[str],
         *,
         content_id: Callable[[torch.Tensor], int | None] | None = None,
+        pause: Callable[[], None] | None = None,
     ) -> SaveStats:
         """Write ``checkpoint`` as a delta checkpoint at ``path`` (a manifest file).
 
@@ -371,6 +372,8 @@ class DeltaStore:
             path: the manifest path.
             content_id: the content id of a tensor of ``checkpoint`` (``None``: unknown), from
                 :class:`~lightning_accel.checkpoint.background.Snapshot`.
+            pause: called before each tensor is encoded (a background writer waits there while the training thread
+                takes a snapshot).
 
         Raises:
             NotADeltaCheckpointError: ``path`` is a directory or a foreign file.
@@ -403,6 +406,8 @@ class DeltaStore:
 
             def encode(item: tuple[str, torch.Tensor]) -> tuple[str, ChainState, list[tuple[str, bytes]], str, _Timing]:
                 name, t = item
+                if pause is not None:
+                    pause()
                 cid = content_id(t) if content_id is not None else None
                 if t.device.type != "cpu":
                     t = t.cpu()

@@ -297,3 +297,39 @@ def test_trainer_saving_every_step_keeps_at_most_max_pending(tmp_path: Path) -> 
     for k, v in model.state_dict().items():
         assert torch.equal(last["state_dict"][k], v), k
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("*.ckpt"))[-1] == "last.ckpt"
+
+
+def test_the_writer_pauses_while_a_snapshot_is_taken() -> None:
+    """``SnapshotPool.yield_to`` (called by the writer between tensors) waits while ``take`` runs on another thread."""
+    pool = SnapshotPool()
+    inside, release = threading.Event(), threading.Event()
+
+    class SlowDict(dict):  # a checkpoint whose walk blocks until released: a snapshot in progress
+        def items(self) -> Any:
+            inside.set()
+            release.wait(5)
+            return super().items()
+
+    taker = threading.Thread(target=pool.take, args=({"state": SlowDict(w=torch.zeros(4))},))
+    taker.start()
+    assert inside.wait(5)
+    waiter = threading.Thread(target=pool.yield_to, kwargs={"timeout": 5})
+    waiter.start()
+    time.sleep(0.05)
+    assert waiter.is_alive()  # paused while the snapshot is being taken
+    release.set()
+    taker.join(5)
+    waiter.join(5)
+    assert not waiter.is_alive()
+    pool.yield_to(timeout=5)  # no snapshot in progress: returns at once
+
+
+def test_a_store_save_calls_pause_before_each_tensor(tmp_path: Path) -> None:
+    from lightning_accel.checkpoint.store import DeltaStore
+
+    calls: list[int] = []
+    store = DeltaStore()
+    ck = {"state_dict": {f"w{i}": torch.randn(4096) for i in range(3)}, "step": 1}
+    store.save(ck, str(tmp_path / "a.ckpt"), pause=lambda: calls.append(1))
+    store.close()
+    assert len(calls) == 3
