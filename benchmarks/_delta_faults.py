@@ -236,6 +236,7 @@ def _worker(root: str, seed: int, async_save: bool, extra_steps: int, keep_orpha
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
+    from benchmarks._harness import cpu_trainer
     from benchmarks._models import MLP
     from lightning_accel.checkpoint import DeltaCheckpointIO, DeltaModelCheckpoint, DeltaStore
 
@@ -266,17 +267,7 @@ def _worker(root: str, seed: int, async_save: bool, extra_steps: int, keep_orpha
     )
     x = torch.randn(256, WIDTHS[0])
     data = DataLoader(TensorDataset(x, x[:, : WIDTHS[-1]].argmax(1)), batch_size=16, shuffle=True)
-    trainer = L.Trainer(
-        max_steps=max_steps,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        plugins=[io],
-        callbacks=[Report(), ckpt],
-    )
+    trainer = cpu_trainer(plugins=[io], callbacks=[Report(), ckpt], max_steps=max_steps)
     import warnings
 
     with warnings.catch_warnings():

@@ -44,6 +44,7 @@ __all__ = [
     "StepClock",
     "Timer",
     "alternate",
+    "cpu_trainer",
     "cuda_time",
     "machine_info",
     "median",
@@ -64,6 +65,22 @@ def __getattr__(name: str) -> Any:
 
         return getattr(_measures, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def cpu_trainer(*, plugins: Sequence[Any] = (), callbacks: Sequence[Any] = (), **kw: Any) -> Any:
+    """A quiet one-device CPU ``lightning.Trainer`` (no logger, progress bar, model summary or sanity validation);
+    ``kw`` adds or overrides Trainer arguments."""
+    import lightning as L
+
+    quiet: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "logger": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+    }
+    return L.Trainer(plugins=list(plugins), callbacks=list(callbacks), **{**quiet, **kw})
 
 
 def parser(description: str) -> argparse.ArgumentParser:

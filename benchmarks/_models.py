@@ -72,7 +72,22 @@ class MLP(pl.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=self.lr)
 
 
-class ConvNet(pl.LightningModule):
+class _Classifier(pl.LightningModule):
+    """``self.net`` (set by the subclass) trained on ``(x, y)`` batches with cross entropy."""
+
+    net: nn.Module
+
+    @override
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+
+class ConvNet(_Classifier):
     """Two ``width``-channel 3x3 convolutions, global average pool, a 10-way linear head; AdamW."""
 
     def __init__(self, width: int) -> None:
@@ -88,20 +103,11 @@ class ConvNet(pl.LightningModule):
         )
 
     @override
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-    @override
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return F.cross_entropy(self(x), y)
-
-    @override
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
-class SmallCNN(pl.LightningModule):
+class SmallCNN(_Classifier):
     """A few strided convolutions: cheap enough per sample that JPEG decoding, not compute, sets the pace.
 
     Logs ``val_acc`` (synchronised across processes); SGD with momentum and a per-step cosine decay to 0.
@@ -128,15 +134,6 @@ class SmallCNN(pl.LightningModule):
             nn.Flatten(),
             nn.Linear(64, 10),
         )
-
-    @override
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-    @override
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return F.cross_entropy(self(x), y)
 
     @override
     def validation_step(self, batch: Any, batch_idx: int) -> None:

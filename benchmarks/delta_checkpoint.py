@@ -65,7 +65,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
 from benchmarks._delta_faults import orphan_case, reader_case
-from benchmarks._harness import StepClock, alternate, median, parser, ratio, report
+from benchmarks._harness import StepClock, alternate, cpu_trainer, median, parser, ratio, report
 from lightning_accel.checkpoint.plugin import DeltaCheckpointIO
 from lightning_accel.models import ImageClassifier
 
@@ -245,19 +245,7 @@ class Setup:
         )
 
     def trainer(self, root: Path, io: Any, callbacks: list[Any], **kw: Any) -> L.Trainer:
-        return L.Trainer(
-            default_root_dir=str(root),
-            max_epochs=self.epochs,
-            accelerator="cpu",
-            devices=1,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            num_sanity_val_steps=0,
-            plugins=[io],
-            callbacks=callbacks,
-            **kw,
-        )
+        return cpu_trainer(plugins=[io], callbacks=callbacks, default_root_dir=str(root), max_epochs=self.epochs, **kw)
 
     def model(self, kind: str, backbone: dict[str, torch.Tensor] | None = None) -> ImageClassifier:
         L.seed_everything(0, verbose=False)
@@ -439,18 +427,7 @@ def _pressure_run(workdir: Path, name: str, io: Any, steps: int, width: int) -> 
     data = DataLoader(TensorDataset(torch.randn(steps * 16, width)), batch_size=16)
     cb = StallCheckpoint(dirpath=root / "ckpt", every_n_train_steps=1)
     probe = _RSSProbe()
-    trainer = L.Trainer(
-        default_root_dir=str(root),
-        max_epochs=1,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        plugins=[io],
-        callbacks=[probe, cb],
-    )
+    trainer = cpu_trainer(plugins=[io], callbacks=[probe, cb], default_root_dir=str(root), max_epochs=1)
     gc.collect()
     rss0 = _rss()
     hwm = _reset_peak_rss()

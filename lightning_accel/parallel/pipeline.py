@@ -37,6 +37,7 @@ __all__ = [
     "PipelineLayout",
     "PipelineRunner",
     "balance_stages",
+    "batch_tensors",
     "find_pipeline_modules",
     "keep_only",
     "piece_costs",
@@ -220,6 +221,17 @@ def pipeline_layout(
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def batch_tensors(batch: Any) -> list[torch.Tensor]:
+    """Every tensor of ``batch`` (nested tuples / lists / dicts), in order; other values are left out."""
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, (tuple, list)):
+        return [t for b in batch for t in batch_tensors(b)]
+    if isinstance(batch, dict):
+        return [t for b in batch.values() for t in batch_tensors(b)]
+    return []
 
 
 def split_batch(batch: Any, chunks: int) -> list[Any]:

@@ -52,7 +52,7 @@ from lightning_accel.parallel.estimate import (
     pipeline_stage_params,
     transformer_shape,
 )
-from lightning_accel.parallel.pipeline import find_pipeline_modules
+from lightning_accel.parallel.pipeline import batch_tensors, find_pipeline_modules
 from lightning_accel.parallel.plans import tensor_parallel_plan
 
 __all__ = [
@@ -294,23 +294,13 @@ class _Activations:
     note: str
 
 
-def _batch_tensors(batch: Any) -> list[torch.Tensor]:
-    if isinstance(batch, torch.Tensor):
-        return [batch]
-    if isinstance(batch, (tuple, list)):
-        return [t for b in batch for t in _batch_tensors(b)]
-    if isinstance(batch, dict):
-        return [t for b in batch.values() for t in _batch_tensors(b)]
-    return []
-
-
 def _on_meta(model: nn.Module, batch: Any) -> bool:
-    return any(p.is_meta for p in model.parameters()) or any(t.is_meta for t in _batch_tensors(batch))
+    return any(p.is_meta for p in model.parameters()) or any(t.is_meta for t in batch_tensors(batch))
 
 
 def _estimated_activations(model: nn.Module, batch: Any, scale: float) -> _Activations:
     """The formula's activations for a meta-device model / batch (the batch's first tensor gives batch, sequence)."""
-    first = next(iter(_batch_tensors(batch)), None)
+    first = next(iter(batch_tensors(batch)), None)
     shape = transformer_shape(model)
     if first is None or first.ndim == 0 or not shape["hidden"]:
         note = "activations not estimated (meta device, no batch shape or hidden size): a lower bound"

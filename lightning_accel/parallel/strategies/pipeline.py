@@ -18,6 +18,7 @@ from lightning_accel._utils.patching import Patch, patch
 from lightning_accel.parallel.pipeline import (
     SCHEDULES,
     PipelineRunner,
+    batch_tensors,
     find_pipeline_modules,
     piece_costs,
     pipeline_layout,
@@ -287,7 +288,7 @@ class PipelineStrategy(DDPStrategy):
         module, runner = self.lightning_module, self.runner
         assert module is not None and runner is not None, "PipelineStrategy.setup builds the pipeline"
         mbs = split_batch(batch, runner.microbatches)
-        key = tuple(tuple(t.shape) for t in _tensors(mbs[0]))
+        key = tuple(tuple(t.shape) for t in batch_tensors(mbs[0]))
         inputs = [self._capture(module, name, mb, batch_idx) for mb in mbs] if runner.has_first else None
         self._hook, self._logged, self._mbs = (name, batch_idx), {}, mbs
         targets = [torch.tensor([i]) for i in range(len(mbs))] if runner.has_last else None
@@ -427,13 +428,3 @@ class PipelineStrategy(DDPStrategy):
             self._clip_patch.restore()
             self._clip_patch = None
         super().teardown()
-
-
-def _tensors(x: Any) -> list[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (list, tuple)):
-        return [t for v in x for t in _tensors(v)]
-    if isinstance(x, dict):
-        return [t for v in x.values() for t in _tensors(v)]
-    return []
