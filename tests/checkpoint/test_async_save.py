@@ -113,6 +113,10 @@ def test_a_failed_save_deletes_the_blobs_it_wrote_and_nothing_else(
     w, v = torch.randn(4096), torch.randn(4096)
     store.save({"w": w, "v": v}, tmp_path / "a.ckpt")
     w0 = w.clone()
+    # a user's files beside the checkpoint and inside the blob directory: a failed save's cleanup leaves them alone
+    mine = {tmp_path / "notes.txt": b"mine", tmp_path / store_module.BLOB_DIR / "README": b"do not touch"}
+    for path, data in mine.items():
+        path.write_bytes(data)
     before = _blobs(tmp_path)
     real_write = store.fs.write
 
@@ -126,6 +130,7 @@ def test_a_failed_save_deletes_the_blobs_it_wrote_and_nothing_else(
     with pytest.raises(OSError, match="No space left"):
         store.save({"w": w, "v": v}, tmp_path / "b.ckpt")
     assert _blobs(tmp_path) == before and not (tmp_path / "b.ckpt").exists()
+    assert all(path.read_bytes() == data for path, data in mine.items())
     monkeypatch.setattr(store.fs, "write", real_write)
     store.save({"w": w, "v": v}, tmp_path / "b.ckpt")  # the chain did not advance: b deltas against a's base
     store.close()

@@ -70,6 +70,14 @@ def _plant(ckpt: Path) -> dict[str, Path]:
     }
 
 
+#: Files of the planted set that the plugin did not write: they must come out byte-identical.
+USER_FILES = ("notes", "plain", "bak")
+
+
+def _user_bytes(planted: dict[str, Path]) -> dict[str, bytes]:
+    return {what: planted[what].read_bytes() for what in USER_FILES}
+
+
 def _blobs(ckpt: Path) -> set[str]:
     return {p.name.removesuffix(".copy") for p in (ckpt / BLOB_DIR).rglob("*") if p.is_file() and len(p.name) >= 40}
 
@@ -79,6 +87,7 @@ def test_a_resumed_run_removes_what_a_killed_run_left_and_nothing_else(tmp_path:
     _fit(tmp_path, ckpt, 6, resume=False)
     assert sorted(p.name for p in ckpt.glob("*.ckpt")) == ["last.ckpt", "step=5.ckpt", "step=6.ckpt"]
     planted = _plant(ckpt)
+    user = _user_bytes(planted)
     with pytest.warns(UserWarning, match=r"Removing 3 checkpoints .* \(resumed from last.ckpt\).*keep_orphans=True"):
         cb = _fit(tmp_path, ckpt, 8, resume=True)
     assert sorted(Path(p).name for p in cb.orphans) == ["step=1.ckpt", "step=9-v1.ckpt", "step=9.ckpt"]
@@ -86,6 +95,7 @@ def test_a_resumed_run_removes_what_a_killed_run_left_and_nothing_else(tmp_path:
         assert not planted[what].exists(), what
     for what in ("manual", "notes", "plain", "bak"):
         assert planted[what].exists(), what  # never a file the callback did not make
+    assert _user_bytes(planted) == user  # byte-identical
     assert sorted(p.name for p in ckpt.glob("step=*.ckpt")) == ["step=3.ckpt", "step=7.ckpt", "step=8.ckpt"]
     store = DeltaStore(gc_grace_s=0.0)
     for name in ("last.ckpt", "step=7.ckpt", "step=8.ckpt", "manual.ckpt"):
@@ -99,12 +109,14 @@ def test_keep_orphans_keeps_them_with_a_warning_and_a_fresh_run_touches_nothing(
     ckpt = tmp_path / "ckpt"
     _fit(tmp_path, ckpt, 6, resume=False)
     planted = _plant(ckpt)
+    user = _user_bytes(planted)
     with pytest.warns(UserWarning, match=r"3 checkpoints .* not tracked by ModelCheckpoint.*ckpt gc"):
         cb = _fit(tmp_path, ckpt, 7, resume=True, keep_orphans=True)
     assert len(cb.orphans) == 3 and all(p.exists() for p in planted.values())
     # A run that does not resume restores no tracking state: it removes nothing.
     cb = _fit(tmp_path, tmp_path / "ckpt", 2, resume=False)
     assert cb.orphans == [] and all(p.exists() for p in planted.values())
+    assert _user_bytes(planted) == user
     with pytest.raises(TypeError, match="`keep_orphans` must be"):
         DeltaModelCheckpoint(dirpath=ckpt, keep_orphans="yes")  # type: ignore[arg-type]
 
@@ -115,6 +127,7 @@ def test_ckpt_gc_lists_then_removes_untracked_manifests_only(
     ckpt = tmp_path / "ckpt"
     _fit(tmp_path, ckpt, 6, resume=False)
     planted = _plant(ckpt)
+    user = _user_bytes(planted)
     from lightning_accel.cli import main as lightning_accel_main
 
     with pytest.raises(SystemExit) as done_by_cli:  # `lightning-accel ckpt gc`: the same command
@@ -137,6 +150,7 @@ def test_ckpt_gc_lists_then_removes_untracked_manifests_only(
     assert done["pending"] == 0
     for what in ("notes", "plain", "bak"):
         assert planted[what].exists(), what
+    assert _user_bytes(planted) == user
     store = DeltaStore()
     assert _blobs(ckpt) == store.live_keys(str(ckpt))
     for name in ("last.ckpt", "step=5.ckpt", "step=6.ckpt"):
