@@ -34,7 +34,7 @@ LIGHTNING = ("lightning", "pytorch_lightning", "lightning_fabric")
 ROOMS = ("data", "precision", "comm", "checkpoint", "perf", "ops", "parallel", "recipes")
 DEMO = ("lightning_accel.datasets", "lightning_accel.models")
 ADAPTER_FILES = {"datamodule.py", "strategy.py", "plugin.py", "callbacks.py", "cli.py"}
-LIGHTNING_FOLDERS = {"callbacks", "strategies", "datasets", "models"}
+LIGHTNING_FOLDERS = {"callbacks", "strategies", "datasets", "models", "tune"}
 LIGHTNING_TOP_FILES = {Path("__init__.py"), Path("cli.py"), COMPAT}
 
 PATCHING = Path("_utils/patching.py")

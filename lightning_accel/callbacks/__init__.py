@@ -6,6 +6,7 @@ core it adapts (``checkpoint/callbacks.py``, ``perf/callbacks.py``, ``recipes/ca
 from lightning_accel.checkpoint.callbacks import CheckpointGuard, DeltaModelCheckpoint
 from lightning_accel.perf.callbacks import CudaMemoryManager, PerformanceMonitor
 from lightning_accel.recipes.callbacks import KnowledgeDistillation, LinearScalingLR, PerStepLR, StructuredPruning
+from lightning_accel.tune.guard import RollbackGuard
 
 __all__ = [
     "CheckpointGuard",
@@ -15,6 +16,7 @@ __all__ = [
     "LinearScalingLR",
     "PerStepLR",
     "PerformanceMonitor",
+    "RollbackGuard",
     "StructuredPruning",
 ]
 

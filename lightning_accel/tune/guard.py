@@ -1,0 +1,343 @@
+"""``RollbackGuard``: watch the loss and the gradient norm, roll back to the last good state and switch the most
+recently enabled lever off when training goes wrong.
+
+The Lightning adapter of :mod:`lightning_accel.tune._watch` (the rule and the snapshot, plain torch). Levers are the
+objects of a run that implement :class:`lightning_accel._utils.levers.Lever` (``OneBitDDPStrategy``,
+``FusedPrecision``, ``DeltaCheckpointIO``; any object passed in ``levers=``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from lightning_accel._utils.checks import check_bool, check_int
+from lightning_accel._utils.levers import Lever, find_levers
+from lightning_accel._utils.rank import distributed_ready
+from lightning_accel.tune._watch import SeriesWatch, Snapshot, Trigger, WatchRule
+
+__all__ = ["RollbackGuard"]
+
+_CODES = {"spike": 1, "nonfinite": 2}
+_KINDS = {v: k for k, v in _CODES.items()}
+
+
+class RollbackGuard(Callback):
+    """Roll training back to the last good state when the loss or the gradient norm goes wrong, switch the most
+    recently enabled lever off, and continue; stop the fit after ``max_rollbacks`` rollbacks.
+
+    Contract:
+
+    * **Watch.** Every training batch's loss (``training_step``'s ``loss``) and, with ``watch_grad_norm``, the total
+      gradient norm before each optimizer step (2-norm over the LightningModule's gradients, after AMP unscaling)
+      are fed to the rule of :class:`~lightning_accel.tune._watch.WatchRule`: ``nan_streak`` non-finite values in a
+      row, or ``spike_steps`` values in a row more than ``spike_sigma`` EMA standard deviations above the EMA mean
+      (armed after ``arm_after`` values). For ``window_steps`` steps after a lever switches on (the 1-bit compressed
+      stage starting after warm-up; fused modules and quantized checkpoints from the start of the fit, i.e. right
+      after surgery or a resume) the stricter ``window_sigma`` / ``window_spike_steps`` apply. With a GradScaler a
+      non-finite gradient norm is the scaler's business (it skips that step) and is not counted.
+    * **Cost.** The values stay on the device; every ``check_every`` steps they are copied to the host at once (one
+      sync) and, with several processes, one 3-element all-reduce makes every rank decide alike. Every
+      ``snapshot_every`` steps (when no streak is open) the model's tensors, the optimizers' state and
+      hyper-parameters and the LR schedulers' state are copied into one reused set of CPU buffers (pinned on CUDA):
+      one CPU copy of model + optimizer state is the memory bound. The first snapshot is the state at the start of
+      ``fit``.
+    * **Rollback.** On a trigger on any rank, every rank restores the snapshot in place (parameters, buffers,
+      optimizer state, learning rates, schedulers; the step counter and the data position go on), the most recently
+      switched-on active lever is switched off through its ``switch_off(reason)`` (``ddp_1bit`` -> fp32 averaging,
+      fused modules -> the reference ops, quantized checkpoint deltas -> lossless), the event is logged
+      (``guard/rollbacks``, a ``rank_zero_warn`` line with the reason, an entry in :attr:`events`, a line in the
+      ``PerformanceMonitor`` report's ``extras`` when one is present) and training continues.
+    * **Stop.** The trigger after ``max_rollbacks`` rollbacks restores the last good state too, then stops the fit
+      (``trainer.should_stop``) with one line saying what was tried.
+    * **Resume.** Its state (rollbacks, events, levers switched off, the rule's statistics) is saved in checkpoints;
+      on resume, levers it had switched off are switched off again at the start of ``fit``.
+    * **DDP.** Every collective runs on every rank at the same step (the check steps are the same everywhere).
+
+    Args:
+        snapshot_every: optimizer steps between in-memory snapshots.
+        max_rollbacks: rollbacks allowed before the fit is stopped (0: stop at the first trigger).
+        check_every: steps between checks (one host sync and, with several processes, one small all-reduce each);
+            None: 1 on a CPU, 10 on an accelerator.
+        watch_grad_norm: also watch the gradient norm (computed once per optimizer step).
+        nan_streak: non-finite values in a row that trigger.
+        spike_sigma: EMA standard deviations above the EMA mean that make a value an outlier.
+        spike_steps: outliers in a row that trigger.
+        ema_beta: EMA decay per step.
+        arm_after: values seen before the spike rule is armed.
+        rel_floor: the standard deviation used is at least this fraction of the EMA mean.
+        window_steps: steps of stricter watch after a lever switches on.
+        window_sigma: ``spike_sigma`` inside that window.
+        window_spike_steps: ``spike_steps`` inside that window.
+        levers: extra :class:`~lightning_accel._utils.levers.Lever` objects to manage, beside those found on the
+            Trainer (strategy, precision plugin, checkpoint IO).
+        verbose: print each rollback on rank 0.
+
+    Attributes:
+        rollbacks: rollbacks so far (in this fit and the ones it resumed).
+        events: one dict per trigger: ``step``, ``reason``, ``restored_step``, ``switched_off`` (lever name or None),
+            ``action`` (``"rollback"`` or ``"stop"``).
+    """
+
+    def __init__(
+        self,
+        *,
+        snapshot_every: int = 50,
+        max_rollbacks: int = 3,
+        check_every: int | None = None,
+        watch_grad_norm: bool = True,
+        nan_streak: int = 1,
+        spike_sigma: float = 6.0,
+        spike_steps: int = 4,
+        ema_beta: float = 0.98,
+        arm_after: int = 20,
+        rel_floor: float = 0.05,
+        window_steps: int = 100,
+        window_sigma: float = 4.0,
+        window_spike_steps: int = 2,
+        levers: Sequence[Any] = (),
+        verbose: bool = True,
+    ) -> None:
+        super().__init__()
+        self.snapshot_every = check_int("snapshot_every", snapshot_every, low=1, fix="Use e.g. 50.")
+        self.max_rollbacks = check_int("max_rollbacks", max_rollbacks, low=0)
+        self.check_every = check_int("check_every", check_every, low=1, allow_none=True, fix="Use None for auto.")
+        self.watch_grad_norm = check_bool("watch_grad_norm", watch_grad_norm)
+        self.verbose = check_bool("verbose", verbose)
+        self.rule = WatchRule(
+            nan_streak=nan_streak,
+            spike_sigma=spike_sigma,
+            spike_steps=spike_steps,
+            ema_beta=ema_beta,
+            arm_after=arm_after,
+            rel_floor=rel_floor,
+            window_steps=window_steps,
+            window_sigma=window_sigma,
+            window_spike_steps=window_spike_steps,
+        )
+        bad = [lv for lv in levers if not isinstance(lv, Lever)]
+        if bad:
+            raise TypeError(
+                f"`levers` must hold objects with `lever_name`, `lever_active` and `switch_off(reason)`, got "
+                f"{type(bad[0]).__name__}. Implement lightning_accel._utils.levers.Lever or drop it."
+            )
+        self.extra_levers = list(levers)
+        self.rollbacks = 0
+        self.events: list[dict[str, Any]] = []
+        self.switched_off: list[str] = []
+        self.watches = {"loss": SeriesWatch("loss", self.rule), "grad_norm": SeriesWatch("grad_norm", self.rule)}
+        self.snapshot = Snapshot()
+        self._levers: list[Lever] = []
+        self._since: dict[str, int] = {}  # lever name -> the step it was seen switched on
+        self._was_active: dict[str, bool] = {}
+        self._window_end = -1
+        self._pending: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []
+        self._grad_norm: torch.Tensor | None = None
+        self._every = 1
+        self._scaler = False
+        self._stopped = False
+
+    # -- set-up --------------------------------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        strategy = trainer.strategy
+        io = strategy.checkpoint_io
+        self._levers = find_levers(
+            [strategy, strategy.precision_plugin, io, getattr(io, "checkpoint_io", None), *self.extra_levers]
+        )
+        self._every = self.check_every or (1 if strategy.root_device.type == "cpu" else 10)
+        self._scaler = getattr(strategy.precision_plugin, "scaler", None) is not None
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        step = trainer.global_step
+        for lever in self._levers:
+            if lever.lever_name in self.switched_off:  # resumed: what the guard switched off stays off
+                lever.switch_off("switched off by RollbackGuard before the checkpoint this fit resumed from")
+        self._poll_levers(step)
+        self._pending.clear()
+        self._take_snapshot(trainer, pl_module)
+
+    # -- the levers ----------------------------------------------------------------------------------------------
+    def _poll_levers(self, step: int) -> None:
+        for lever in self._levers:
+            active = bool(lever.lever_active)
+            if active and not self._was_active.get(lever.lever_name, False):
+                self._since[lever.lever_name] = step
+                self._window_end = max(self._window_end, step + self.rule.window_steps)
+            self._was_active[lever.lever_name] = active
+
+    def _switch_off_latest(self, reason: str) -> str | None:
+        active = [lv for lv in self._levers if lv.lever_active]
+        # the most recently switched on first; ties: the later in the list (extra levers, then the checkpoint IO)
+        order = sorted(range(len(active)), key=lambda i: (self._since.get(active[i].lever_name, -1), i), reverse=True)
+        for i in order:
+            lever = active[i]
+            if lever.switch_off(reason):
+                self.switched_off.append(lever.lever_name)
+                self._was_active[lever.lever_name] = False
+                return lever.lever_name
+        return None
+
+    # -- recording -----------------------------------------------------------------------------------------------
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        if not self.watch_grad_norm:
+            return
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if grads:
+            norm = torch.nn.utils.get_total_norm(grads)  # device tensor: no sync
+            self._grad_norm = norm if self._grad_norm is None else torch.maximum(self._grad_norm, norm)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor):
+            self._pending.append((trainer.global_step, loss.detach(), self._grad_norm))
+        self._grad_norm = None
+        if len(self._pending) >= self._every:
+            self._check(trainer, pl_module)
+
+    # -- the check -----------------------------------------------------------------------------------------------
+    def _local(self) -> tuple[Trigger | None, bool]:
+        """Run the rule over the values recorded since the last check (one host sync)."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return None, False
+        flat = [t.float().reshape(()) for _, lo, gn in pending for t in ((lo, gn) if gn is not None else (lo,))]
+        values = torch.stack(flat).cpu().tolist()
+        trigger: Trigger | None = None
+        k = 0
+        for step, _, gn in pending:
+            strict = step <= self._window_end
+            t = self.watches["loss"].update(step, values[k], strict)
+            k += 1
+            if gn is not None:
+                v = values[k]
+                k += 1
+                if not (self._scaler and not math.isfinite(v)):  # the scaler skips such a step itself
+                    t = t or self.watches["grad_norm"].update(step, v, strict)
+            if t is not None and trigger is None:
+                trigger = t
+        open_streak = any(w.nan_run or w.spike_run for w in self.watches.values())
+        return trigger, open_streak
+
+    def _check(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        step = trainer.global_step
+        self._poll_levers(step)
+        trigger, open_streak = self._local()
+        code = _CODES[trigger.kind] if trigger is not None else 0
+        start = trigger.streak_start if trigger is not None else step
+        decision = torch.tensor([float(code), float(-start), float(open_streak)], device=pl_module.device)
+        if distributed_ready() and dist.get_world_size() > 1:
+            dist.all_reduce(decision, op=dist.ReduceOp.MAX)  # every rank, every check: all decide alike
+        g_code, g_start, g_open = decision.tolist()
+        if g_code:
+            reason = trigger.describe() if trigger is not None else f"{_KINDS[int(g_code)]} on another rank"
+            self._rollback(trainer, pl_module, step, int(-g_start), reason)
+        elif not g_open and step - (self.snapshot.step or 0) >= self.snapshot_every:
+            self._take_snapshot(trainer, pl_module)
+
+    # -- snapshot and rollback -----------------------------------------------------------------------------------
+    def _take_snapshot(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        schedulers = {str(i): c.scheduler.state_dict() for i, c in enumerate(trainer.lr_scheduler_configs)}
+        self.snapshot.take(trainer.global_step, pl_module, list(trainer.optimizers), {"schedulers": schedulers})
+
+    def _restore(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> int:
+        extra = self.snapshot.restore(pl_module, list(trainer.optimizers))
+        for i, c in enumerate(trainer.lr_scheduler_configs):
+            state = extra.get("schedulers", {}).get(str(i))
+            if state is not None:
+                c.scheduler.load_state_dict(state)
+        for w in self.watches.values():
+            w.reset_streaks()
+        return int(self.snapshot.step or 0)
+
+    def _rollback(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, start: int, reason: str) -> None:
+        restored = self._restore(trainer, pl_module)
+        stop = self.rollbacks >= self.max_rollbacks
+        lever = None if stop else self._switch_off_latest(f"RollbackGuard at step {step}: {reason}")
+        event = {
+            "step": step,
+            "reason": reason,
+            "streak_start": start,
+            "restored_step": restored,
+            "switched_off": lever,
+            "action": "stop" if stop else "rollback",
+        }
+        self.events.append(event)
+        if stop:
+            self._stopped = True
+            trainer.should_stop = True
+            tried = ", ".join(f"step {e['step']}: {e['switched_off'] or 'restore only'}" for e in self.events[:-1])
+            rank_zero_warn(
+                f"RollbackGuard stopped the fit at step {step} ({reason}) after {self.rollbacks} rollback(s) "
+                f"[{tried or 'none allowed'}]; the state of step {restored} was restored. Check the data and the "
+                "learning rate, or raise `max_rollbacks`."
+            )
+            return
+        self.rollbacks += 1
+        pl_module.log("guard/rollbacks", float(self.rollbacks), on_step=True, on_epoch=False, batch_size=1)
+        if self.verbose:
+            rank_zero_warn(
+                f"RollbackGuard rollback {self.rollbacks}/{self.max_rollbacks} at step {step}: {reason}; restored the "
+                f"state of step {restored}; " + (f"switched `{lever}` off." if lever else "no lever to switch off.")
+            )
+
+    # -- reporting, state ----------------------------------------------------------------------------------------
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        line = self.summary()
+        for cb in trainer.callbacks:  # type: ignore[attr-defined]
+            report = getattr(cb, "report", None)
+            if type(cb).__name__ == "PerformanceMonitor" and report is not None and hasattr(report, "extras"):
+                report.extras["guard"] = line
+        if self.rollbacks and self.verbose:
+            rank_zero_info(line)
+
+    def summary(self) -> str:
+        """One line: rollbacks, their reasons and the levers switched off."""
+        if not self.events:
+            return "RollbackGuard: no rollback"
+        parts = [
+            f"step {e['step']} {e['action']} ({e['reason']}; {e['switched_off'] or 'no lever'})" for e in self.events
+        ]
+        return f"RollbackGuard: {self.rollbacks} rollback(s): " + "; ".join(parts)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.snapshot.release()
+        self._pending.clear()
+        self._grad_norm = None
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "rollbacks": self.rollbacks,
+            "events": [dict(e) for e in self.events],
+            "switched_off": list(self.switched_off),
+            "watches": {k: w.state_dict() for k, w in self.watches.items()},
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.rollbacks = int(state_dict.get("rollbacks", 0))
+        self.events = [dict(e) for e in state_dict.get("events", [])]
+        self.switched_off = list(state_dict.get("switched_off", []))
+        for k, w in self.watches.items():
+            if k in state_dict.get("watches", {}):
+                w.load_state_dict(state_dict["watches"][k])
