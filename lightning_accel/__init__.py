@@ -37,6 +37,10 @@ from lightning_accel.precision.surgery import apply_fusions
 from lightning_accel.recipes.callbacks import KnowledgeDistillation, LinearScalingLR, PerStepLR, StructuredPruning
 from lightning_accel.recipes.lr import WarmupCosineLR
 
+# `la.tune(...)` is the function; the package stays importable as `from lightning_accel.tune import ...`
+from lightning_accel.tune import tune
+from lightning_accel.tune.guard import RollbackGuard
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -54,12 +58,14 @@ __all__ = [
     "PerStepLR",
     "PerformanceMonitor",
     "PipelineStrategy",
+    "RollbackGuard",
     "ShardedStrategy",
     "StructuredPruning",
     "WarmupCosineLR",
     "__version__",
     "apply_fusions",
     "select_strategy",
+    "tune",
 ]
 
 #: Names this package exported before its public surface held only the plugins: the demo (``datasets``, ``models``)

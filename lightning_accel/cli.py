@@ -10,8 +10,9 @@ optional package, an origin that cannot be reached or has no credentials) end wi
 config key (``trainer.plugins``, ``data``, ...) and ``<message>`` the line that class raised, picked out of
 jsonargparse's Union dump. Set ``LIGHTNING_ACCEL_DEBUG=1`` to see the full text and traceback instead.
 
-Besides LightningCLI's subcommands, ``lightning-accel ckpt verify|export|gc`` (delta checkpoints) and
-``lightning-accel data pack`` (shards) are plain argparse tools; ``--help`` lists them.
+Besides LightningCLI's subcommands, ``lightning-accel ckpt verify|export|gc`` (delta checkpoints),
+``lightning-accel data pack`` (shards) and ``lightning-accel tune`` (measure the levers on a job, write the tuned
+config; :mod:`lightning_accel.tune`) are plain argparse tools; ``--help`` lists them.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ _USER_ERRORS = (ValueError, TypeError, PermissionError, FileNotFoundError, Modul
 _EPILOG = (
     "other commands: `lightning-accel ckpt {verify,export,gc} ...` checks, exports or cleans DeltaCheckpointIO "
     "checkpoints; "
+    "`lightning-accel tune --config job.yaml` measures each lever on the job and writes tuned.yaml; "
     "`lightning-accel data pack ...` packs an origin into shards for CachedDataModule, `lightning-accel data clean` "
     "removes RAM tiers no process uses (each takes --help)."
 )
@@ -186,7 +188,7 @@ class AccelCLI(LightningCLI):
     Trainer is built (:func:`~lightning_accel.parallel.strategies.resolve_trainer_kwargs`).
     """
 
-    def __init__(self, args: list[str] | None = None, run: bool = True) -> None:
+    def __init__(self, args: ArgsType = None, run: bool = True) -> None:
         super().__init__(
             LightningModule,
             LightningDataModule,
@@ -347,6 +349,10 @@ def main(argv: list[str] | None = None) -> None:
         from lightning_accel.data.cli import main as data_main
 
         raise SystemExit(data_main(raw[1:], prog="lightning-accel data"))
+    if raw[:1] == ["tune"]:  # `lightning-accel tune --config job.yaml`: measure the levers, write tuned.yaml
+        from lightning_accel.tune.cli import main as tune_main
+
+        raise SystemExit(tune_main(raw[1:], prog="lightning-accel tune"))
     from jsonargparse import ArgumentError
 
     debug = os.environ.get("LIGHTNING_ACCEL_DEBUG", "") not in ("", "0")

@@ -1,0 +1,63 @@
+"""``lightning-accel tune --config job.yaml [--budget 5m] [--out tuned.yaml] [--allow-batch-change]``.
+
+Tunes the job a ``lightning-accel fit`` config describes (see :func:`lightning_accel.tune.tune_job`) and writes
+``tuned.yaml`` (which ``lightning-accel fit --config tuned.yaml`` runs unchanged) and ``tune_report.{json,md,png}``
+beside it. A multi-device job (``trainer.devices`` / ``num_nodes``) tunes under its own processes: Lightning starts
+them as for ``fit``, by running this same command line in each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from lightning_accel._utils.errors import one_line
+
+__all__ = ["main"]
+
+
+def build_parser(prog: str = "lightning-accel tune") -> argparse.ArgumentParser:
+    """The argument parser of ``tune``."""
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[1].replace("\n", " "))
+    p.add_argument("--config", "-c", required=True, help="the job's YAML, as `lightning-accel fit --config` takes")
+    p.add_argument("--budget", default="5m", help="wall-clock limit of the whole tune (90s, 5m, 1h; default 5m)")
+    p.add_argument("--out", default="tuned.yaml", help="the tuned config (reports beside it; default tuned.yaml)")
+    p.add_argument(
+        "--allow-batch-change", action="store_true", help="also try 2x the per-device batch + LinearScalingLR"
+    )
+    p.add_argument("--margin", type=float, default=None, help="fraction a lever must beat the best step by (0.03)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per trial (default 3)")
+    p.add_argument("--steps", type=int, default=12, help="timed steps per trial (default 12)")
+    p.add_argument("--levers", default=None, help="comma-separated subset of data,precision,strategy,checkpoint,batch")
+    p.add_argument("--no-cache", action="store_true", help="measure again even when this job was tuned before")
+    p.add_argument("--cache-dir", default=None, help="where results are cached (default ~/.cache/lightning_accel/tune)")
+    return p
+
+
+def main(argv: list[str] | None = None, prog: str = "lightning-accel tune") -> int:
+    """Run ``tune``; 0 on success, 2 with one ``error:`` line on a user mistake."""
+    from lightning_accel.tune.core import DEFAULT_MARGIN
+    from lightning_accel.tune.tuner import load_job, tune_job
+
+    args = build_parser(prog).parse_args(argv)
+    try:
+        job = load_job(args.config)
+        levers = [s.strip() for s in args.levers.split(",")] if args.levers else None
+        res = tune_job(
+            job,
+            budget=args.budget,
+            out=args.out,
+            allow_batch_change=args.allow_batch_change,
+            margin=DEFAULT_MARGIN if args.margin is None else args.margin,
+            warmup=args.warmup,
+            steps=args.steps,
+            levers=levers,
+            cache_dir=args.cache_dir,
+            use_cache=not args.no_cache,
+        )
+    except (ValueError, TypeError, FileNotFoundError, RuntimeError) as e:
+        print(f"{prog}: error: {one_line(e)}", file=sys.stderr)
+        return 2
+    if res.paths:
+        print(f"tuned config: {res.paths['tuned']}; report: {res.paths['md']}")
+    return 0

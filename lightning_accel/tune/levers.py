@@ -1,0 +1,375 @@
+"""The levers the tuner tries, as edits of a job's config (the mapping a LightningCLI YAML holds).
+
+A job is ``{"seed_everything": ..., "trainer": {...}, "model": {...}, "data": {...}}`` with ``class_path`` /
+``init_args`` entries, exactly what ``lightning-accel fit --config`` reads. Each :class:`Option` edits a copy of it, so
+the best job is written back as YAML unchanged in form. The options of each lever (see ``docs/tune.md``):
+
+* ``data``: DataLoader workers (0 and ``min(4, cpus)``, whichever the job does not use); an image-folder data module
+  (``DigitsDataModule`` or any module with a ``data_dir`` holding class folders) swapped for
+  :class:`~lightning_accel.data.CachedDataModule` over the same folder;
+* ``precision``: ``32-true``/``bf16-mixed`` (the one not configured), ``FusedPrecision("bf16-mixed")`` and
+  ``FusedPrecision("bf16-mixed", compile=True)`` (``torch.compile`` after the fused surgery);
+* ``strategy`` (``devices x num_nodes > 1``): ``ddp``, ``ddp_1bit``, ``AutoStrategy(policy="measure")`` (which
+  times the sharded and pipeline plans itself);
+* ``checkpoint`` (a job that saves): ``torch.save``, ``DeltaCheckpointIO``, ``DeltaCheckpointIO(async_save=True)``;
+* ``batch`` (only when allowed): twice the per-device batch with ``LinearScalingLR``.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib
+import inspect
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "Option",
+    "as_list",
+    "has_checkpoints",
+    "job_precision",
+    "options_for",
+    "world_of",
+]
+
+_IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
+_FUSED = "lightning_accel.plugins.FusedPrecision"
+_DELTA = "lightning_accel.plugins.DeltaCheckpointIO"
+#: Normalisation of image-folder modules whose statistics are known (others get CachedDataModule's ImageNet default).
+_KNOWN_STATS = {
+    "lightning_accel.datasets.DigitsDataModule": ([0.188, 0.188, 0.188], [0.318, 0.318, 0.318]),
+    "lightning_accel.datasets.datamodule.DigitsDataModule": ([0.188, 0.188, 0.188], [0.318, 0.318, 0.318]),
+}
+
+
+@dataclass
+class Option:
+    """One setting of one lever.
+
+    Attributes:
+        lever: ``"data"``, ``"precision"``, ``"strategy"``, ``"checkpoint"`` or ``"batch"``.
+        name: what it sets, in words (``"precision: bf16-mixed"``).
+        edit: ``job -> job`` (on a copy).
+        changes: the config keys it sets (dotted) -> values, for the report.
+        reorders: the trial sees samples in another order (numerics tolerance, see ``core.check_numerics``).
+        samples_ratio: trial batch over the baseline's.
+        cost: the trial's expected wall time over the baseline trial's (the budget's estimate), plus ``extra_s``.
+    """
+
+    lever: str
+    name: str
+    edit: Callable[[dict[str, Any]], dict[str, Any]]
+    changes: dict[str, Any] = field(default_factory=dict)
+    reorders: bool = False
+    samples_ratio: int = 1
+    cost: float = 1.0
+    extra_s: float = 0.0
+
+    def apply(self, job: dict[str, Any]) -> dict[str, Any]:
+        """This option applied to a deep copy of ``job``."""
+        return self.edit(copy.deepcopy(job))
+
+
+def as_list(value: Any) -> list[Any]:
+    """A config's list-or-single entry (``callbacks``, ``plugins``) as a list."""
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _class_path(entry: Any) -> str:
+    return str(entry.get("class_path", "")) if isinstance(entry, dict) else str(entry)
+
+
+def _resolve(class_path: str) -> Any:
+    module, _, name = class_path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return None
+
+
+def _accepts(class_path: str, arg: str) -> tuple[bool, Any]:
+    """Whether the class takes ``arg`` (or ``**kwargs``), and the default it has there."""
+    cls = _resolve(class_path)
+    if cls is None:
+        return False, None
+    params = inspect.signature(cls.__init__).parameters
+    if arg in params:
+        d = params[arg].default
+        return True, None if d is inspect.Parameter.empty else d
+    return any(p.kind is p.VAR_KEYWORD for p in params.values()), None
+
+
+def world_of(job: dict[str, Any]) -> int:
+    """``devices x num_nodes`` of the job (``"auto"``/-1 devices count as one per CPU-less host: 1)."""
+    t = job.get("trainer") or {}
+    devices = t.get("devices", 1)
+    if isinstance(devices, (list, tuple)):
+        n = len(devices)
+    elif isinstance(devices, int) and devices > 0:
+        n = devices
+    elif isinstance(devices, str) and devices.isdigit():
+        n = int(devices)
+    else:
+        n = 1
+    return n * int(t.get("num_nodes", 1) or 1)
+
+
+def job_precision(job: dict[str, Any]) -> str:
+    """The job's precision: a ``FusedPrecision`` plugin's mode, else ``trainer.precision`` (default 32-true)."""
+    t = job.get("trainer") or {}
+    for p in as_list(t.get("plugins")):
+        if _class_path(p).endswith("FusedPrecision"):
+            return str((p.get("init_args") or {}).get("precision", "bf16-mixed"))
+    return str(t.get("precision") or "32-true")
+
+
+def has_checkpoints(job: dict[str, Any]) -> bool:
+    """Whether the job saves checkpoints (a ``ModelCheckpoint`` callback, or Lightning's default one)."""
+    t = job.get("trainer") or {}
+    if any(_class_path(c).endswith("ModelCheckpoint") for c in as_list(t.get("callbacks"))):
+        return True
+    return t.get("enable_checkpointing", True) is not False
+
+
+def _set_precision(job: dict[str, Any], mode: str, *, fused: bool = False, compile: bool = False) -> dict[str, Any]:
+    t = job.setdefault("trainer", {})
+    plugins = [p for p in as_list(t.get("plugins")) if "Precision" not in _class_path(p)]
+    t.pop("precision", None)
+    if fused:
+        init: dict[str, Any] = {"precision": mode}
+        if compile:
+            init["compile"] = True
+        plugins.append({"class_path": _FUSED, "init_args": init})
+    else:
+        t["precision"] = mode
+    t["plugins"] = plugins
+    if not plugins:
+        t.pop("plugins")
+    return job
+
+
+def _precision_options(job: dict[str, Any]) -> list[Option]:
+    now = job_precision(job)
+    fused = any(_class_path(p).endswith("FusedPrecision") for p in as_list((job.get("trainer") or {}).get("plugins")))
+    out = []
+    for mode in ("32-true", "bf16-mixed"):
+        if mode != now or fused:
+            out.append(
+                Option(
+                    "precision",
+                    f"precision: {mode}",
+                    functools.partial(_set_precision, mode=mode),
+                    {"trainer.precision": mode},
+                )
+            )
+    out.append(
+        Option(
+            "precision",
+            "precision: FusedPrecision(bf16-mixed)",
+            lambda j: _set_precision(j, "bf16-mixed", fused=True),
+            {"trainer.plugins": "FusedPrecision(bf16-mixed)"},
+        )
+    )
+    # torch.compile: the first steps compile (66 s for the 4-wide ResNet on 2 CPU cores), hence the estimate
+    out.append(
+        Option(
+            "precision",
+            "precision: FusedPrecision(bf16-mixed, compile)",
+            lambda j: _set_precision(j, "bf16-mixed", fused=True, compile=True),
+            {"trainer.plugins": "FusedPrecision(bf16-mixed, compile=True)"},
+            cost=2.0,
+            extra_s=60.0,
+        )
+    )
+    return out
+
+
+def _image_folder(data: dict[str, Any]) -> str | None:
+    """The ImageFolder directory a data module reads (a ``data_dir`` holding class folders of images), or None."""
+    cp = _class_path(data)
+    if "CachedDataModule" in cp:
+        return None
+    init = data.get("init_args") or {}
+    d = init.get("data_dir")
+    if d is None:
+        ok, d = _accepts(cp, "data_dir")
+        if not ok or d is None:
+            return None
+    root = Path(str(d)).expanduser()
+    if cp in _KNOWN_STATS:
+        return str(root.resolve())  # rendered by the module itself at prepare time
+    try:
+        sub = [p for p in root.iterdir() if p.is_dir()]
+    except OSError:
+        return None
+    if sub and any(f.suffix.lower() in _IMAGE_SUFFIXES for f in next(iter(sub)).iterdir()):
+        return str(root.resolve())
+    return None
+
+
+def _swap_to_cache(job: dict[str, Any], folder: str) -> dict[str, Any]:
+    old = job["data"]
+    init = dict(old.get("init_args") or {})
+    mean, std = _KNOWN_STATS.get(_class_path(old), (None, None))
+    new: dict[str, Any] = {"origin": folder, "warm_on_prepare": True}
+    for key in ("image_size", "batch_size", "num_workers", "val_fraction", "seed"):
+        if key in init:
+            new[key] = init[key]
+        else:
+            ok, default = _accepts(_class_path(old), key)
+            if ok and default is not None:
+                new[key] = default
+    if mean is not None:
+        new["mean"], new["std"] = mean, std
+    job["data"] = {"class_path": "lightning_accel.data.CachedDataModule", "init_args": new}
+    return job
+
+
+def _set_data_arg(job: dict[str, Any], key: str, value: Any) -> dict[str, Any]:
+    job["data"].setdefault("init_args", {})[key] = value
+    return job
+
+
+def _data_options(job: dict[str, Any]) -> list[Option]:
+    data = job.get("data")
+    if not isinstance(data, dict):
+        return []
+    out = []
+    folder = _image_folder(data)
+    if folder is not None:
+        out.append(
+            Option(
+                "data",
+                "data: CachedDataModule over the image folder",
+                lambda j: _swap_to_cache(j, folder),
+                {"data.class_path": "CachedDataModule"},
+                reorders=True,
+                cost=2.0,
+            )
+        )
+    ok, default = _accepts(_class_path(data), "num_workers")
+    if ok:
+        now = (data.get("init_args") or {}).get("num_workers", default)
+        for n in sorted({0, min(4, os.cpu_count() or 1)}):
+            if n != now:
+                out.append(
+                    Option(
+                        "data",
+                        f"data: num_workers={n}",
+                        functools.partial(_set_data_arg, key="num_workers", value=n),
+                        {"data.init_args.num_workers": n},
+                    )
+                )
+    return out
+
+
+def _set_strategy(job: dict[str, Any], strategy: Any) -> dict[str, Any]:
+    job.setdefault("trainer", {})["strategy"] = copy.deepcopy(strategy)
+    return job
+
+
+def _strategy_options(job: dict[str, Any]) -> list[Option]:
+    now = (job.get("trainer") or {}).get("strategy", "auto")
+    now = "ddp" if now in ("auto", None) else now
+    auto = {"class_path": "lightning_accel.strategies.AutoStrategy", "init_args": {"policy": "measure"}}
+    cands: list[tuple[str, Any, float]] = [("ddp", "ddp", 1.0), ("ddp_1bit", "ddp_1bit", 1.0)]
+    cands.append(('AutoStrategy(policy="measure")', auto, 3.0))  # it times its plans before training
+    return [
+        Option(
+            "strategy",
+            f"strategy: {name}",
+            functools.partial(_set_strategy, strategy=value),
+            {"trainer.strategy": name},
+            cost=cost,
+        )
+        for name, value, cost in cands
+        if value != now
+    ]
+
+
+def _set_checkpoint_io(job: dict[str, Any], io: dict[str, Any] | None) -> dict[str, Any]:
+    t = job.setdefault("trainer", {})
+    plugins = [p for p in as_list(t.get("plugins")) if "CheckpointIO" not in _class_path(p)]
+    if io is not None:
+        plugins.append(copy.deepcopy(io))
+    t["plugins"] = plugins
+    if not plugins:
+        t.pop("plugins")
+    return job
+
+
+def _checkpoint_options(job: dict[str, Any]) -> list[Option]:
+    current = next(
+        (p for p in as_list((job.get("trainer") or {}).get("plugins")) if "CheckpointIO" in _class_path(p)), None
+    )
+    now = "torch.save"
+    if current is not None:
+        asyn = bool((current.get("init_args") or {}).get("async_save", False)) if isinstance(current, dict) else False
+        now = f"DeltaCheckpointIO(async_save={asyn})" if "Delta" in _class_path(current) else _class_path(current)
+    cands: list[tuple[str, dict[str, Any] | None]] = [
+        ("torch.save", None),
+        ("DeltaCheckpointIO(async_save=False)", {"class_path": _DELTA, "init_args": {"async_save": False}}),
+        ("DeltaCheckpointIO(async_save=True)", {"class_path": _DELTA, "init_args": {"async_save": True}}),
+    ]
+    return [
+        Option(
+            "checkpoint",
+            f"checkpoint: {name}",
+            functools.partial(_set_checkpoint_io, io=io),
+            {"trainer.plugins": name},
+        )
+        for name, io in cands
+        if name != now
+    ]
+
+
+def _double_batch(job: dict[str, Any], batch: int) -> dict[str, Any]:
+    job["data"].setdefault("init_args", {})["batch_size"] = 2 * batch
+    t = job.setdefault("trainer", {})
+    cbs = [c for c in as_list(t.get("callbacks")) if not _class_path(c).endswith("LinearScalingLR")]
+    base = batch * world_of(job) * int(t.get("accumulate_grad_batches", 1) or 1)
+    cbs.append({"class_path": "lightning_accel.callbacks.LinearScalingLR", "init_args": {"base_batch_size": base}})
+    t["callbacks"] = cbs
+    return job
+
+
+def _batch_options(job: dict[str, Any]) -> list[Option]:
+    data = job.get("data")
+    if not isinstance(data, dict):
+        return []
+    ok, default = _accepts(_class_path(data), "batch_size")
+    batch = (data.get("init_args") or {}).get("batch_size", default)
+    if not ok or not isinstance(batch, int):
+        return []
+    return [
+        Option(
+            "batch",
+            f"batch: {2 * batch} per device + LinearScalingLR",
+            lambda j: _double_batch(j, batch),
+            {"data.init_args.batch_size": 2 * batch},
+            samples_ratio=2,
+            cost=2.0,
+        )
+    ]
+
+
+_BUILDERS: dict[str, Callable[[dict[str, Any]], list[Option]]] = {
+    "data": _data_options,
+    "precision": _precision_options,
+    "strategy": _strategy_options,
+    "checkpoint": _checkpoint_options,
+    "batch": _batch_options,
+}
+
+
+def options_for(lever: str, job: dict[str, Any]) -> list[Option]:
+    """The options of ``lever`` for ``job`` as it is now (the current setting left out)."""
+    if lever not in _BUILDERS:
+        raise ValueError(f"`lever` must be one of {sorted(_BUILDERS)}, got {lever!r}.")
+    return _BUILDERS[lever](job)

@@ -1,0 +1,490 @@
+"""``tune``: measure every lever on the user's own job, one at a time, keep what pays, write the config.
+
+The loop (rank 0 decides every step, the other ranks follow its broadcast):
+
+1. the job's fingerprint (its config, the trial settings, the device, world size and versions) is looked up in the
+   cache: a hit writes the outputs again and returns at once;
+2. a **baseline** trial of the job as configured gives the step time, the breakdown and the verdict;
+3. the levers are tried in the order the verdict points to (``core.lever_order``), each option on the best job so
+   far, on the same seed and batches; an option is kept by ``core.decide`` (faster by the margin, numerics within the
+   precision's tolerance of the baseline, memory fits); a trial whose estimate does not fit in the budget left is
+   skipped and reported;
+4. ``tuned.yaml`` (the best job with ``RollbackGuard`` in its callbacks) and ``tune_report.{json,md,png}`` are
+   written beside it, and the result is cached.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lightning_accel._utils.rank import global_rank
+from lightning_accel.tune.core import (
+    DEFAULT_MARGIN,
+    Budget,
+    TrialResult,
+    TuneCache,
+    check_numerics,
+    decide,
+    fingerprint,
+    lever_order,
+    parse_duration,
+    progress_line,
+)
+from lightning_accel.tune.levers import Option, as_list, has_checkpoints, job_precision, options_for, world_of
+from lightning_accel.tune.runner import TrialMeasure, agree, run_trial
+
+__all__ = ["GUARD_CLASS_PATH", "TuneResult", "exhaustive", "job_from_objects", "load_job", "tune", "tune_job"]
+
+#: the callback ``tune`` adds to the config it writes
+GUARD_CLASS_PATH = "lightning_accel.callbacks.RollbackGuard"
+_TRIAL_VERSION = 1  # part of the fingerprint: a change of what a trial measures invalidates the cache
+
+
+@dataclass
+class TuneResult:
+    """What ``tune`` returns.
+
+    Attributes:
+        config: the tuned job (a config mapping, what ``tuned.yaml`` holds).
+        trials: every trial, in order (the baseline first).
+        chosen: lever -> the kept option's name (levers left as configured are absent).
+        fingerprint: the job's cache key; ``cached``: whether this result came from the cache.
+        seconds: wall seconds of this call; ``budget_s``: the budget.
+        paths: the files written (``tuned``, ``json``, ``md``, ``png``).
+    """
+
+    config: dict[str, Any]
+    trials: list[TrialResult]
+    chosen: dict[str, str]
+    fingerprint: str
+    cached: bool
+    seconds: float
+    budget_s: float
+    paths: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def baseline(self) -> TrialResult:
+        """The baseline trial."""
+        return self.trials[0]
+
+    @property
+    def best_step_s(self) -> float | None:
+        """The normalised step time of the kept configuration (the baseline's when nothing was kept)."""
+        kept = [t for t in self.trials if t.decision in ("kept", "baseline") and t.step_s is not None]
+        return kept[-1].step_s if kept else None
+
+
+def load_job(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The job in a ``lightning-accel fit`` YAML (``fit:`` nesting accepted).
+
+    Raises:
+        FileNotFoundError / ValueError: a missing file, or one that is no job mapping.
+    """
+    import yaml  # type: ignore[import-untyped]  # PyYAML ships no type hints
+
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"`--config` {os.fspath(path)!r} does not exist. Pass the YAML `fit` runs.")
+    job = yaml.safe_load(p.read_text())
+    if isinstance(job, dict) and isinstance(job.get("fit"), dict):
+        job = job["fit"]
+    if not isinstance(job, dict) or "model" not in job:
+        raise ValueError(
+            f"`--config` {os.fspath(path)!r} holds no job: expected a mapping with `model:` (and `data:`)."
+        )
+    return job
+
+
+def _as_config(obj: Any, arg: str) -> dict[str, Any]:
+    if isinstance(obj, Mapping):
+        return dict(obj)
+    hp = getattr(obj, "hparams", None)
+    if hp is None or (len(hp) == 0 and len(__import__("inspect").signature(type(obj)).parameters) > 0):
+        raise TypeError(
+            f"`{arg}` must be a config mapping (class_path/init_args) or an instance that saved its hyper-parameters "
+            f"(`self.save_hyperparameters()`), got {type(obj).__name__} without them. Pass "
+            f"{{'class_path': ..., 'init_args': ...}}."
+        )
+    return {"class_path": f"{type(obj).__module__}.{type(obj).__qualname__}", "init_args": dict(hp)}
+
+
+def job_from_objects(trainer_kwargs: Mapping[str, Any] | None, model: Any, datamodule: Any, seed: int = 0) -> dict:
+    """A job config from the Python API's arguments: ``trainer_kwargs`` (YAML-able values) and a model / data module
+    given as config mappings or as instances that saved their hyper-parameters."""
+    job: dict[str, Any] = {"seed_everything": seed, "trainer": copy.deepcopy(dict(trainer_kwargs or {}))}
+    job["model"] = _as_config(model, "model")
+    if datamodule is not None:
+        job["data"] = _as_config(datamodule, "datamodule")
+    try:
+        json.dumps(job)
+    except TypeError as e:
+        raise TypeError(
+            f"`trainer_kwargs` values must be YAML-able (strings, numbers, class_path mappings): {e}. Pass plugins and "
+            "callbacks as {'class_path': ..., 'init_args': ...}."
+        ) from None
+    return job
+
+
+def _env(job: dict[str, Any]) -> dict[str, Any]:
+    import lightning
+    import torch
+
+    dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or platform.machine()
+    return {
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "device": dev,
+        "cuda": torch.cuda.is_available(),
+        "cpus": os.cpu_count(),
+        "world": world_of(job),
+        "host": platform.node(),
+    }
+
+
+def _say(msg: str, verbose: bool) -> None:
+    if verbose and global_rank() == 0:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def _result(name: str, lever: str, option: Option | None, m: TrialMeasure | None, bs_ratio: int = 1) -> TrialResult:
+    r = TrialResult(name=name, lever=lever, changes=dict(option.changes) if option else {})
+    if m is not None:
+        r.step_s = m.step_s / bs_ratio if m.step_s is not None else None
+        r.breakdown, r.dominant, r.verdict = m.breakdown, m.dominant, m.verdict
+        r.losses, r.peak_mem_bytes, r.seconds, r.error = m.losses, m.peak_mem, m.seconds, m.error
+        r.memory_ok = m.error is None or not m.error.startswith("out of memory")
+        if m.peak_mem is not None and m.mem_limit is not None:
+            r.memory_ok = r.memory_ok and m.peak_mem <= 0.95 * m.mem_limit
+    return r
+
+
+def tune_job(
+    job: dict[str, Any],
+    *,
+    budget: str | float = "5m",
+    out: str | os.PathLike[str] | None = "tuned.yaml",
+    allow_batch_change: bool = False,
+    margin: float = DEFAULT_MARGIN,
+    warmup: int = 3,
+    steps: int = 12,
+    k: int = 16,
+    levers: Sequence[str] | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    use_cache: bool = True,
+    verbose: bool = True,
+) -> TuneResult:
+    """Tune ``job`` (a ``lightning-accel fit`` config mapping); see the module docstring for the loop.
+
+    Args:
+        job: the job (``trainer``, ``model``, ``data``, ``seed_everything``).
+        budget: the whole tune's wall-clock limit (``"5m"``, ``"90s"`` or seconds).
+        out: where ``tuned.yaml`` goes (the reports beside it); None: write nothing.
+        allow_batch_change: also try twice the per-device batch with ``LinearScalingLR``.
+        margin: the fraction a lever must beat the best step time by to be kept.
+        warmup: untimed steps at the start of each trial; ``steps``: timed steps.
+        k: loss steps compared by the numerics check.
+        levers: restrict to these levers (default: all that apply).
+        cache_dir: the cache (default ``$LIGHTNING_ACCEL_CACHE/tune`` or ``~/.cache/lightning_accel/tune``).
+        use_cache: read the cache (results are stored either way).
+        verbose: a progress line per trial on stderr (rank 0).
+    """
+    from lightning_accel._utils.checks import check_int
+
+    check_int("warmup", warmup, low=1)
+    check_int("steps", steps, low=2)
+    start = time.monotonic()
+    seconds = parse_duration(budget)
+    job = copy.deepcopy(dict(job))
+    if job.get("seed_everything") in (None, True, False):
+        job["seed_everything"] = 0  # the same seed for every trial: the same init and batches
+    settings = {
+        "warmup": warmup,
+        "steps": steps,
+        "k": k,
+        "margin": margin,
+        "batch": allow_batch_change,
+        "levers": list(levers) if levers else None,
+        "v": _TRIAL_VERSION,
+    }
+    key = fingerprint({"job": job, "settings": settings}, _env(job))
+    cache = TuneCache(cache_dir or Path(os.environ.get("LIGHTNING_ACCEL_CACHE", "~/.cache/lightning_accel")) / "tune")
+    hit = cache.load(key) if use_cache else None
+    if hit is not None:
+        _say(f"tune: cached result for this job ({cache.path(key)})", verbose)
+        res = TuneResult(
+            hit["config"],
+            [TrialResult(**t) for t in hit["trials"]],
+            hit["chosen"],
+            key,
+            True,
+            time.monotonic() - start,
+            seconds,
+        )
+        res.paths = write_outputs(res, out) if out is not None and global_rank() == 0 else {}
+        return res
+
+    bud = Budget(seconds)
+    base_root = Path(out).resolve().parent if out is not None else Path.cwd()
+    work = base_root / f".tune-{key}"  # the same path on every rank; removed at the end (it is ours)
+    trials: list[TrialResult] = []
+    try:
+        _say(progress_line(0, 1, bud, "baseline"), verbose)
+        m = run_trial(job, warmup=warmup, steps=steps, root=work / "t0")
+        base = _result("baseline", "baseline", None, m)
+        base.decision, base.reason = "baseline", "the job as configured"
+        base = agree(base)  # rank 0's record (its losses are the reference) on every rank
+        if base.error is not None:
+            raise RuntimeError(f"the baseline trial of the job failed: {base.error}. Check that `fit` runs the config.")
+        trials.append(base)
+        best_job, best_step = job, float(base.step_s or 0.0)
+        precision0 = job_precision(job)
+        plan = agree(
+            lever_order(
+                base.dominant,
+                multi_device=world_of(job) > 1,
+                allow_batch_change=allow_batch_change,
+                has_checkpoints=has_checkpoints(job),
+            )
+        )
+        if levers:
+            plan = [lv for lv in plan if lv in levers]
+        chosen: dict[str, str] = {}
+        planned = sum(len(options_for(str(lv), job)) for lv in plan)
+        i = 0
+        for lever in plan:
+            lever_best: Option | None = None
+            opts = options_for(lever, best_job)
+            for opt in opts:
+                i += 1
+                est = base.seconds * opt.cost + opt.extra_s
+                if not agree(bud.affords(est)):
+                    r = _result(opt.name, lever, opt, None)
+                    r.decision = "skipped"
+                    r.reason = f"budget: needs ~{est:.0f} s, {bud.left():.0f} s left"
+                    trials.append(agree(r))
+                    _say(progress_line(i, max(i, planned), bud, f"{opt.name}: skipped ({trials[-1].reason})"), verbose)
+                    continue
+                _say(progress_line(i, max(i, planned), bud, opt.name), verbose)
+                cand = opt.apply(best_job)
+                m = run_trial(cand, warmup=warmup, steps=steps, root=work / f"t{i}")
+                r = _result(opt.name, lever, opt, m, opt.samples_ratio)
+                num = check_numerics(
+                    base.losses,
+                    m.losses,
+                    job_precision(cand) if m.losses else precision0,
+                    k=k,
+                    reorders=opt.reorders,
+                    samples_ratio=opt.samples_ratio,
+                )
+                r.numerics = asdict(num) if m.error is None else None
+                d = decide(best_step, r.step_s, numerics=num, memory_ok=r.memory_ok, margin=margin, error=m.error)
+                r.decision, r.reason = ("kept" if d.keep else "rejected"), d.reason
+                r = agree(r)  # rank 0 decides; every rank follows
+                trials.append(r)
+                if r.decision == "kept":
+                    best_job, best_step, lever_best = cand, float(r.step_s or best_step), opt
+            if lever_best is not None:
+                chosen[lever] = lever_best.name
+    finally:
+        if global_rank() == 0:
+            shutil.rmtree(work, ignore_errors=True)
+    res = TuneResult(with_guard(best_job), trials, chosen, key, False, time.monotonic() - start, seconds)
+    if global_rank() == 0:
+        cache.store(key, {"config": res.config, "trials": [t.to_dict() for t in trials], "chosen": chosen})
+        res.paths = write_outputs(res, out) if out is not None else {}
+    _say(
+        f"tune: done in {res.seconds:.0f} s of {seconds:.0f} s; kept: {', '.join(chosen.values()) or 'nothing'}",
+        verbose,
+    )
+    return res
+
+
+def tune(
+    trainer_kwargs: Mapping[str, Any] | None = None,
+    model: Any = None,
+    datamodule: Any = None,
+    *,
+    seed: int = 0,
+    **kwargs: Any,
+) -> TuneResult:
+    """Tune a job given the Python way: ``la.tune(trainer_kwargs, model, datamodule, budget="2m")``.
+
+    ``trainer_kwargs`` are ``Trainer`` arguments with YAML-able values (plugins and callbacks as ``class_path``
+    mappings); ``model`` / ``datamodule`` are config mappings or instances that saved their hyper-parameters (the
+    tuner builds a fresh one per trial). ``kwargs`` go to :func:`tune_job` (``budget``, ``out``, ...).
+    """
+    if model is None:
+        raise ValueError("`model` is required: pass the LightningModule (or its class_path mapping).")
+    return tune_job(job_from_objects(trainer_kwargs, model, datamodule, seed), **kwargs)
+
+
+def with_guard(job: dict[str, Any]) -> dict[str, Any]:
+    """``job`` with ``RollbackGuard`` in its callbacks (once)."""
+    j = copy.deepcopy(job)
+    t = j.setdefault("trainer", {})
+    cbs = as_list(t.get("callbacks"))
+    if not any(isinstance(c, dict) and str(c.get("class_path", "")).endswith("RollbackGuard") for c in cbs):
+        cbs.append({"class_path": GUARD_CLASS_PATH})
+    t["callbacks"] = cbs
+    return j
+
+
+def write_outputs(res: TuneResult, out: str | os.PathLike[str]) -> dict[str, str]:
+    """Write ``tuned.yaml`` at ``out`` and ``tune_report.{json,md,png}`` beside it; returns the paths."""
+    import yaml
+
+    from lightning_accel._utils.atomic import atomic_write_bytes, atomic_write_text
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    kept = ", ".join(res.chosen.values()) or "nothing"
+    head = f"# written by `lightning-accel tune` (job {res.fingerprint}); kept: {kept}\n"
+    atomic_write_text(out, head + yaml.safe_dump(res.config, sort_keys=False))
+    paths = {"tuned": str(out)}
+    stem = out.parent / "tune_report"
+    summary = {
+        "fingerprint": res.fingerprint,
+        "cached": res.cached,
+        "seconds": res.seconds,
+        "budget_s": res.budget_s,
+        "chosen": res.chosen,
+        "trials": [t.to_dict() for t in res.trials],
+    }
+    atomic_write_text(f"{stem}.json", json.dumps(summary, indent=1, default=repr))
+    atomic_write_text(f"{stem}.md", report_markdown(res))
+    paths["json"], paths["md"] = f"{stem}.json", f"{stem}.md"
+    png = report_png(res.trials)
+    if png is not None:
+        atomic_write_bytes(f"{stem}.png", png)
+        paths["png"] = f"{stem}.png"
+    return paths
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{1000 * x:.1f}"
+
+
+def report_markdown(res: TuneResult) -> str:
+    """The report as a markdown table: one row per trial."""
+    lines = [
+        f"# tune report (job {res.fingerprint})",
+        "",
+        f"{res.seconds:.0f} s of a {res.budget_s:.0f} s budget{' (cached)' if res.cached else ''}; "
+        f"kept: {', '.join(res.chosen.values()) or 'nothing'}.",
+        "",
+        "| trial | step ms | data ms | compute ms | comm ms | ckpt ms | numerics | memory MB | decision | reason |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for t in res.trials:
+        b = t.breakdown
+        num = (
+            "-"
+            if t.numerics is None
+            else f"{'ok' if t.numerics['ok'] else 'FAIL'} {100 * t.numerics['max_rel_gap']:.2f} %"
+        )
+        mem = "-" if t.peak_mem_bytes is None else f"{t.peak_mem_bytes / 2**20:.0f}"
+        lines.append(
+            f"| {t.name} | {_ms(t.step_s)} | {_ms(b.get('data'))} | {_ms(b.get('compute'))} | "
+            f"{_ms(b.get('comm'))} | {_ms(b.get('checkpoint'))} | {num} | {mem} | {t.decision} | {t.reason} |"
+        )
+    if res.trials and res.trials[0].verdict:
+        lines += ["", f"Baseline verdict [{res.trials[0].dominant}]: {res.trials[0].verdict}"]
+    return "\n".join(lines) + "\n"
+
+
+def report_png(trials: Sequence[TrialResult]) -> bytes | None:
+    """One bar per trial (step time; colour = decision), or None without matplotlib."""
+    from lightning_accel._utils.imports import module_available
+
+    if not module_available("matplotlib"):
+        return None
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    colours = {"baseline": "#777777", "kept": "#2a9d3f", "rejected": "#d1495b", "skipped": "#cccccc"}
+    fig = Figure(figsize=(max(6.0, 0.7 * len(trials) + 2), 4.2))
+    ax = fig.add_subplot(1, 1, 1)
+    ys = [1000 * (t.step_s or 0.0) for t in trials]
+    ax.bar(range(len(trials)), ys, color=[colours.get(t.decision, "#999999") for t in trials])
+    ax.set_xticks(
+        range(len(trials)), [t.name.replace(": ", ":\n", 1) for t in trials], rotation=35, ha="right", fontsize=7
+    )
+    ax.set_ylabel("ms per step (normalised)")
+    ax.set_title("tune: one bar per trial (grey baseline, green kept, red rejected)")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    return buf.getvalue()
+
+
+def exhaustive(
+    job: dict[str, Any],
+    levers: Sequence[str],
+    *,
+    warmup: int = 3,
+    steps: int = 12,
+    rounds: int = 2,
+    k: int = 16,
+    root: str | os.PathLike[str],
+) -> list[dict[str, Any]]:
+    """Every combination of the levers' options (each lever also "as configured"), each measured ``rounds`` times in
+    alternating order (forward, then backward); the reference the tuner's one-lever-at-a-time choice is compared with.
+
+    Returns one row per combination: ``{"names": [...], "step_s": median, "runs": [...], "error": ...}`` (step times
+    normalised per baseline batch, as the tuner's).
+    """
+    job = copy.deepcopy(dict(job))
+    if job.get("seed_everything") in (None, True, False):
+        job["seed_everything"] = 0
+    per: list[list[Option | None]] = [[None, *options_for(lv, job)] for lv in levers]
+    combos = list(itertools.product(*per))
+    rows: list[dict[str, Any]] = [
+        {"names": [o.name for o in c if o], "runs": [], "error": None, "losses": None} for c in combos
+    ]
+    order = list(range(len(combos)))
+    for r in range(rounds):
+        for idx in order if r % 2 == 0 else reversed(order):
+            cand, ratio = job, 1
+            for o in combos[idx]:
+                if o is not None:
+                    cand, ratio = o.apply(cand), ratio * o.samples_ratio
+            m = run_trial(cand, warmup=warmup, steps=steps, root=Path(root) / f"g{idx}")
+            if m.error is not None or m.step_s is None:
+                rows[idx]["error"] = m.error
+            else:
+                rows[idx]["runs"].append(m.step_s / ratio)
+                rows[idx]["losses"] = rows[idx]["losses"] or m.losses
+                rows[idx]["precision"], rows[idx]["ratio"] = job_precision(cand), ratio
+    if global_rank() == 0:
+        shutil.rmtree(root, ignore_errors=True)
+    base = rows[0]["losses"] or []
+    for row, combo in zip(rows, combos, strict=True):
+        row["step_s"] = statistics.median(row["runs"]) if row["runs"] and not row["error"] else None
+        if row["step_s"] is not None:  # the grid's best is the best the tuner could have kept: numerics must pass
+            num = check_numerics(
+                base,
+                row["losses"],
+                row["precision"],
+                k=k,
+                reorders=any(o is not None and o.reorders for o in combo),
+                samples_ratio=row["ratio"],
+            )
+            row["numerics_ok"], row["numerics"] = num.ok, num.reason
+        row.pop("losses")
+    return rows
