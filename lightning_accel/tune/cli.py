@@ -29,6 +29,7 @@ def build_parser(prog: str = "lightning-accel tune") -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per trial (default 3)")
     p.add_argument("--steps", type=int, default=12, help="timed steps per trial (default 12)")
     p.add_argument("--levers", default=None, help="comma-separated subset of data,precision,strategy,checkpoint,batch")
+    p.add_argument("--skip", default=None, help="comma-separated words: leave out options named so (e.g. compile)")
     p.add_argument("--no-cache", action="store_true", help="measure again even when this job was tuned before")
     p.add_argument("--cache-dir", default=None, help="where results are cached (default ~/.cache/lightning_accel/tune)")
     return p
@@ -52,6 +53,7 @@ def main(argv: list[str] | None = None, prog: str = "lightning-accel tune") -> i
             warmup=args.warmup,
             steps=args.steps,
             levers=levers,
+            skip=[s.strip() for s in args.skip.split(",")] if args.skip else (),
             cache_dir=args.cache_dir,
             use_cache=not args.no_cache,
         )

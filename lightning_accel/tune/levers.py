@@ -218,15 +218,18 @@ def _swap_to_cache(job: dict[str, Any], folder: str) -> dict[str, Any]:
     init = dict(old.get("init_args") or {})
     mean, std = _KNOWN_STATS.get(_class_path(old), (None, None))
     new: dict[str, Any] = {"origin": folder, "warm_on_prepare": True}
-    for key in ("image_size", "batch_size", "num_workers", "val_fraction", "seed"):
+    for key in ("image_size", "batch_size", "num_workers", "val_fraction", "seed", "mean", "std"):
         if key in init:
             new[key] = init[key]
         else:
             ok, default = _accepts(_class_path(old), key)
             if ok and default is not None:
                 new[key] = default
-    if mean is not None:
+    if mean is not None:  # a module whose statistics are known (it hard-codes them)
         new["mean"], new["std"] = mean, std
+    for key in ("mean", "std"):
+        if key in new:
+            new[key] = list(new[key])
     job["data"] = {"class_path": "lightning_accel.data.CachedDataModule", "init_args": new}
     return job
 

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_accel._utils.rank import global_rank
+from lightning_accel._utils.rank import distributed_ready, global_rank, local_rank, node_rank
 from lightning_accel.tune.core import (
     DEFAULT_MARGIN,
     Budget,
@@ -153,8 +153,16 @@ def _env(job: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _rank_zero() -> bool:
+    """Rank 0, also before the first trial set up the process group: Lightning starts a job's other ranks with
+    ``LOCAL_RANK`` / ``NODE_RANK`` set but no ``RANK``."""
+    if distributed_ready() or "RANK" in os.environ:
+        return global_rank() == 0
+    return local_rank() == 0 and node_rank() == 0
+
+
 def _say(msg: str, verbose: bool) -> None:
-    if verbose and global_rank() == 0:
+    if verbose and _rank_zero():
         print(msg, file=sys.stderr, flush=True)
 
 
@@ -181,6 +189,7 @@ def tune_job(
     steps: int = 12,
     k: int = 16,
     levers: Sequence[str] | None = None,
+    skip: Sequence[str] = (),
     cache_dir: str | os.PathLike[str] | None = None,
     use_cache: bool = True,
     verbose: bool = True,
@@ -196,6 +205,7 @@ def tune_job(
         warmup: untimed steps at the start of each trial; ``steps``: timed steps.
         k: loss steps compared by the numerics check.
         levers: restrict to these levers (default: all that apply).
+        skip: leave out the options whose name holds one of these words (e.g. ``["compile"]``: no torch.compile).
         cache_dir: the cache (default ``$LIGHTNING_ACCEL_CACHE/tune`` or ``~/.cache/lightning_accel/tune``).
         use_cache: read the cache (results are stored either way).
         verbose: a progress line per trial on stderr (rank 0).
@@ -216,6 +226,7 @@ def tune_job(
         "margin": margin,
         "batch": allow_batch_change,
         "levers": list(levers) if levers else None,
+        "skip": list(skip),
         "v": _TRIAL_VERSION,
     }
     key = fingerprint({"job": job, "settings": settings}, _env(job))
@@ -232,7 +243,7 @@ def tune_job(
             time.monotonic() - start,
             seconds,
         )
-        res.paths = write_outputs(res, out) if out is not None and global_rank() == 0 else {}
+        res.paths = write_outputs(res, out) if out is not None and _rank_zero() else {}
         return res
 
     bud = Budget(seconds)
@@ -261,11 +272,11 @@ def tune_job(
         if levers:
             plan = [lv for lv in plan if lv in levers]
         chosen: dict[str, str] = {}
-        planned = sum(len(options_for(str(lv), job)) for lv in plan)
+        planned = sum(len(_options(str(lv), job, skip)) for lv in plan)
         i = 0
         for lever in plan:
             lever_best: Option | None = None
-            opts = options_for(lever, best_job)
+            opts = _options(lever, best_job, skip)
             for opt in opts:
                 i += 1
                 est = base.seconds * opt.cost + opt.extra_s
@@ -298,10 +309,10 @@ def tune_job(
             if lever_best is not None:
                 chosen[lever] = lever_best.name
     finally:
-        if global_rank() == 0:
+        if _rank_zero():
             shutil.rmtree(work, ignore_errors=True)
     res = TuneResult(with_guard(best_job), trials, chosen, key, False, time.monotonic() - start, seconds)
-    if global_rank() == 0:
+    if _rank_zero():
         cache.store(key, {"config": res.config, "trials": [t.to_dict() for t in trials], "chosen": chosen})
         res.paths = write_outputs(res, out) if out is not None else {}
     _say(
@@ -328,6 +339,10 @@ def tune(
     if model is None:
         raise ValueError("`model` is required: pass the LightningModule (or its class_path mapping).")
     return tune_job(job_from_objects(trainer_kwargs, model, datamodule, seed), **kwargs)
+
+
+def _options(lever: str, job: dict[str, Any], skip: Sequence[str]) -> list[Option]:
+    return [o for o in options_for(lever, job) if not any(w in o.name for w in skip)]
 
 
 def with_guard(job: dict[str, Any]) -> dict[str, Any]:
@@ -441,27 +456,35 @@ def exhaustive(
     steps: int = 12,
     rounds: int = 2,
     k: int = 16,
+    skip: Sequence[str] = (),
+    extra: Mapping[str, dict[str, Any]] | None = None,
     root: str | os.PathLike[str],
 ) -> list[dict[str, Any]]:
     """Every combination of the levers' options (each lever also "as configured"), each measured ``rounds`` times in
     alternating order (forward, then backward); the reference the tuner's one-lever-at-a-time choice is compared with.
 
-    Returns one row per combination: ``{"names": [...], "step_s": median, "runs": [...], "error": ...}`` (step times
-    normalised per baseline batch, as the tuner's).
+    ``extra`` adds named whole configs to the same alternation (e.g. the tuner's choice, which can combine two options
+    of one lever). Returns one row per combination, then one per extra: ``{"names": [...], "step_s": median,
+    "runs": [...], "numerics_ok": ..., "error": ...}`` (step times normalised per baseline batch, as the tuner's).
     """
     job = copy.deepcopy(dict(job))
     if job.get("seed_everything") in (None, True, False):
         job["seed_everything"] = 0
-    per: list[list[Option | None]] = [[None, *options_for(lv, job)] for lv in levers]
-    combos = list(itertools.product(*per))
+    per: list[list[Option | None]] = [[None, *_options(lv, job, skip)] for lv in levers]
+    combos: list[tuple[Option | None, ...]] = list(itertools.product(*per))
     rows: list[dict[str, Any]] = [
         {"names": [o.name for o in c if o], "runs": [], "error": None, "losses": None} for c in combos
     ]
-    order = list(range(len(combos)))
+    extras = list((extra or {}).items())
+    rows += [{"names": [name], "runs": [], "error": None, "losses": None, "extra": True} for name, _ in extras]
+    order = list(range(len(rows)))
     for r in range(rounds):
         for idx in order if r % 2 == 0 else reversed(order):
             cand, ratio = job, 1
-            for o in combos[idx]:
+            if idx >= len(combos):
+                cand = extras[idx - len(combos)][1]
+                ratio = _batch_ratio(job, cand)
+            for o in combos[idx] if idx < len(combos) else ():
                 if o is not None:
                     cand, ratio = o.apply(cand), ratio * o.samples_ratio
             m = run_trial(cand, warmup=warmup, steps=steps, root=Path(root) / f"g{idx}")
@@ -471,20 +494,31 @@ def exhaustive(
                 rows[idx]["runs"].append(m.step_s / ratio)
                 rows[idx]["losses"] = rows[idx]["losses"] or m.losses
                 rows[idx]["precision"], rows[idx]["ratio"] = job_precision(cand), ratio
-    if global_rank() == 0:
+    if _rank_zero():
         shutil.rmtree(root, ignore_errors=True)
     base = rows[0]["losses"] or []
-    for row, combo in zip(rows, combos, strict=True):
+    for i, row in enumerate(rows):
+        combo = combos[i] if i < len(combos) else ()
         row["step_s"] = statistics.median(row["runs"]) if row["runs"] and not row["error"] else None
         if row["step_s"] is not None:  # the grid's best is the best the tuner could have kept: numerics must pass
+            reorders = any(o is not None and o.reorders for o in combo) or (
+                i >= len(combos) and _class_of(extras[i - len(combos)][1]) != _class_of(job)
+            )
             num = check_numerics(
-                base,
-                row["losses"],
-                row["precision"],
-                k=k,
-                reorders=any(o is not None and o.reorders for o in combo),
-                samples_ratio=row["ratio"],
+                base, row["losses"], row["precision"], k=k, reorders=reorders, samples_ratio=row["ratio"]
             )
             row["numerics_ok"], row["numerics"] = num.ok, num.reason
         row.pop("losses")
     return rows
+
+
+def _class_of(job: dict[str, Any]) -> str:
+    data = job.get("data")
+    return str(data.get("class_path", "")) if isinstance(data, dict) else ""
+
+
+def _batch_ratio(job: dict[str, Any], other: dict[str, Any]) -> int:
+    """``other``'s per-device batch over ``job``'s (1 when either is not set in the config)."""
+    a = ((job.get("data") or {}).get("init_args") or {}).get("batch_size")
+    b = ((other.get("data") or {}).get("init_args") or {}).get("batch_size")
+    return max(1, int(b) // int(a)) if isinstance(a, int) and isinstance(b, int) and a > 0 else 1
