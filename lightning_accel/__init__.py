@@ -36,6 +36,7 @@ from lightning_accel.precision.plugin import FusedPrecision
 from lightning_accel.precision.surgery import apply_fusions
 from lightning_accel.recipes.callbacks import KnowledgeDistillation, LinearScalingLR, PerStepLR, StructuredPruning
 from lightning_accel.recipes.lr import WarmupCosineLR
+from lightning_accel.tune.guard import RollbackGuard
 
 __version__ = "0.1.0"
 
@@ -54,6 +55,7 @@ __all__ = [
     "PerStepLR",
     "PerformanceMonitor",
     "PipelineStrategy",
+    "RollbackGuard",
     "ShardedStrategy",
     "StructuredPruning",
     "WarmupCosineLR",

@@ -71,7 +71,8 @@ class RollbackGuard(Callback):
         nan_streak: non-finite values in a row that trigger.
         spike_sigma: EMA standard deviations above the EMA mean that make a value an outlier.
         spike_steps: outliers in a row that trigger.
-        ema_beta: EMA decay per step.
+        ema_beta: the mean's EMA decay per step.
+        noise_beta: the noise variance's EMA decay per step.
         arm_after: values seen before the spike rule is armed.
         rel_floor: the standard deviation used is at least this fraction of the EMA mean.
         window_steps: steps of stricter watch after a lever switches on.
@@ -97,7 +98,8 @@ class RollbackGuard(Callback):
         nan_streak: int = 1,
         spike_sigma: float = 6.0,
         spike_steps: int = 4,
-        ema_beta: float = 0.98,
+        ema_beta: float = 0.9,
+        noise_beta: float = 0.98,
         arm_after: int = 20,
         rel_floor: float = 0.05,
         window_steps: int = 100,
@@ -117,6 +119,7 @@ class RollbackGuard(Callback):
             spike_sigma=spike_sigma,
             spike_steps=spike_steps,
             ema_beta=ema_beta,
+            noise_beta=noise_beta,
             arm_after=arm_after,
             rel_floor=rel_floor,
             window_steps=window_steps,
@@ -301,13 +304,17 @@ class RollbackGuard(Callback):
     # -- reporting, state ----------------------------------------------------------------------------------------
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        line = self.summary()
+        self._note_in_reports(trainer)
+        if self.rollbacks and self.verbose:
+            rank_zero_info(self.summary())
+
+    def _note_in_reports(self, trainer: pl.Trainer) -> None:
+        """Add :meth:`summary` to a PerformanceMonitor's report (``report.extras["guard"]``) once it exists: the
+        monitor builds it in its own ``on_train_end``, which runs before or after this callback's by list order."""
         for cb in trainer.callbacks:  # type: ignore[attr-defined]
             report = getattr(cb, "report", None)
-            if type(cb).__name__ == "PerformanceMonitor" and report is not None and hasattr(report, "extras"):
-                report.extras["guard"] = line
-        if self.rollbacks and self.verbose:
-            rank_zero_info(line)
+            if type(cb).__name__ == "PerformanceMonitor" and isinstance(getattr(report, "extras", None), dict):
+                report.extras["guard"] = self.summary()  # type: ignore[union-attr]
 
     def summary(self) -> str:
         """One line: rollbacks, their reasons and the levers switched off."""
@@ -320,6 +327,8 @@ class RollbackGuard(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._note_in_reports(trainer)
         self.snapshot.release()
         self._pending.clear()
         self._grad_norm = None
