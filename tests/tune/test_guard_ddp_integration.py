@@ -35,7 +35,7 @@ def _fit(rank: int, world_size: int) -> dict[str, Any]:
 
     torch.manual_seed(0)
     strategy = OneBitDDPStrategy(warmup_steps=3, compression="1bit", min_compress_numel=0, process_group_backend="gloo")
-    guard = RollbackGuard(snapshot_every=4, verbose=False)
+    guard = RollbackGuard(snapshot_every=4, check_every=1, grad_norm_every=1, verbose=False)
     probe = Bytes()
     model = tiny.classifier()
     trainer = tiny.trainer(

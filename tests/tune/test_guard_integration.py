@@ -55,7 +55,7 @@ def _finite(m: torch.nn.Module) -> bool:
 def test_nan_rolls_back_and_switches_the_latest_lever_off() -> None:
     ref: list[Any] = []
     older, toy = Older(ref, on_at=0), Toy(ref, on_at=6)
-    guard = RollbackGuard(snapshot_every=4, levers=[toy, older], verbose=False)
+    guard = RollbackGuard(snapshot_every=4, check_every=1, grad_norm_every=1, levers=[toy, older], verbose=False)
     mon = PerformanceMonitor(report_path="", verbose=False, count_flops=False, skip_steps=1)
     model = tiny.classifier()
     trainer = tiny.trainer(max_epochs=2, limit_train_batches=8, callbacks=[guard, NaNAt(9), mon])
@@ -89,7 +89,7 @@ def test_a_learning_rate_spike_is_undone() -> None:
 
 
 def test_stops_after_max_rollbacks_with_one_line(recwarn: Any) -> None:
-    guard = RollbackGuard(snapshot_every=2, max_rollbacks=1, verbose=False)
+    guard = RollbackGuard(snapshot_every=2, check_every=1, max_rollbacks=1, verbose=False)
     model = tiny.classifier()
     trainer = tiny.trainer(max_epochs=3, limit_train_batches=8, callbacks=[guard, NaNAt(*range(5, 24))])
     trainer.fit(model, tiny.loader())
@@ -120,3 +120,13 @@ def test_guard_state_resumes_and_switched_off_levers_stay_off(tmp_path: Path) ->
     assert guard2.rollbacks == 1 and guard2.events == guard.events
     assert toy2.off  # switched off again at the start of the resumed fit
     assert guard2.watches["loss"].count > guard.watches["loss"].count  # the statistics went on
+
+
+def test_a_snapshot_never_holds_the_update_of_a_bad_step() -> None:
+    # snapshots fall due every step, the gradient norm is not sampled at the NaN step and its loss (computed before
+    # the update) is finite: a snapshot taken right after the check would hold NaN weights
+    guard = RollbackGuard(snapshot_every=1, check_every=1, grad_norm_every=8, verbose=False)
+    model = tiny.classifier()
+    trainer = tiny.trainer(max_epochs=1, limit_train_batches=8, callbacks=[guard, NaNAt(5)])
+    trainer.fit(model, tiny.loader())
+    assert guard.rollbacks == 1 and guard.events[0]["restored_step"] == 4 and _finite(model)  # 5 had NaN grads
