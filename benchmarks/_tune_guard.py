@@ -1,18 +1,21 @@
 """RollbackGuard's cases: injected faults it must recover from, clean runs it must leave alone, and its step-time cost.
 
-Two small jobs, one process each: the quickstart-like CNN (``ImageClassifier(width=8)`` on the 8x8 digits, AdamW with
+Two small jobs, one process each: the quickstart-like CNN (``ImageClassifier(width=16)`` on the 8x8 digits, AdamW with
 per-step cosine decay; metric: held-out accuracy) and ``TinyGPT`` (AdamW; metric: held-out cross-entropy in nats).
 
 1. **Clean runs**, 2 seeds per job, each with and without the guard, alternated: every rollback there is a false
    alarm (``guard_false_rollbacks``); the guard must not change training (``guard_clean_identical``: the final weights
    with and without it are bit-identical); the step time with over without it, minus 1, is ``guard_overhead_frac``
-   (median of the paired runs' ratios of mean step time, snapshot steps included); ``guard_hook_frac`` is the time
-   measured inside the guard's own hooks over the step time (in situ, less sensitive to load).
-2. **Faults**, seed 0, injected at ``fault_step``: a NaN loss (one step); a learning-rate spike (``lr_factor`` times the
-   learning rate and the schedule's base, from that step on); a deliberately broken fused op (the CNN under
+   (median over the pairs of the ratio of mean step time, snapshot steps included, in CPU time of the training
+   thread: torch runs single-threaded here, and CPU time does not count the time other processes held the core;
+   ``guard_overhead_frac_wall`` is the same in wall time, noisy on a loaded machine); ``guard_hook_frac`` is the CPU
+   time inside the guard's own hooks over the step's (in situ).
+2. **Faults**, both seeds, injected at ``fault_step``: a NaN loss (one step); a learning-rate spike (``lr_factor``
+   times the learning rate and the schedule's base, from that step on); a deliberately broken fused op (the CNN under
    ``FusedPrecision``: its fused conv-bn-relu forward returns NaN from that step on; reference: the same job fused
-   and unbroken). A fault counts as recovered when the guard rolled back, the final weights are finite and the final
-   metric is within the tolerance of the clean run (``guard_recovered_fraction``); ``guard_final_metric_minus_clean``
+   and unbroken). A fault counts as recovered when the guard rolled back on both seeds, the final weights are finite
+   and the final metric, averaged over the seeds, is within the tolerance of the clean runs
+   (``guard_recovered_fraction``); ``guard_final_metric_minus_clean``
    is the worst accuracy difference (CNN), ``guard_final_nats_minus_clean`` the worst loss difference (LM).
 
     python benchmarks/_tune_guard.py --quick
@@ -51,12 +54,12 @@ NATS_TOL = 0.02  # held-out loss may rise at most this much
 
 def guard_config(quick: bool) -> dict[str, Any]:
     return {
-        "cnn_steps": 240 if quick else 500,
-        "gpt_steps": 160 if quick else 400,
-        "fault_step": 100 if quick else 200,
+        "cnn_steps": 400 if quick else 800,
+        "gpt_steps": 240 if quick else 500,
+        "fault_step": 120 if quick else 250,
         "batch_size": 32,
         "lr_factor": 100.0,
-        "snapshot_every": 25,
+        "snapshot_every": 10,
         "train_samples": 1400,
         "torch_threads": 1,
     }
@@ -76,7 +79,7 @@ def _gpt_data() -> tuple[TensorDataset, TensorDataset]:
 
 
 def _cnn_model() -> pl.LightningModule:
-    m = ImageClassifier(width=8, lr=3e-3)
+    m = ImageClassifier(width=16, lr=3e-3)
     m.example_input_array = None
     return m
 
@@ -174,6 +177,21 @@ class HookTimer(RollbackGuard):
         self._mark = t1
 
 
+class CpuClock(Callback):
+    """This thread's CPU seconds per training step (end of one batch to the end of the next), in both arms: CPU time
+    does not count the time other processes held the core, which wall time on a loaded machine does."""
+
+    def __init__(self, skip: int) -> None:
+        self.skip, self.marks = skip, []  # type: ignore[var-annotated]
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.marks.append(time.thread_time())
+
+    def mean(self) -> float:
+        m = self.marks[self.skip :]
+        return (m[-1] - m[0]) / max(1, len(m) - 1)
+
+
 # -- one fit ---------------------------------------------------------------------------------------------------------
 def fit(
     cfg: dict[str, Any], job: str, seed: int, *, guard: bool, fault: str | None = None, fused: bool = False
@@ -183,8 +201,8 @@ def fit(
     torch.manual_seed(seed)
     model = spec["model"]()
     g = HookTimer(snapshot_every=cfg["snapshot_every"], verbose=False) if guard else None
-    clock = H.StepClock(skip=3)
-    callbacks: list[Callback] = [clock] + ([g] if g is not None else [])
+    clock, cpu = H.StepClock(skip=3), CpuClock(skip=3)
+    callbacks: list[Callback] = [clock, cpu] + ([g] if g is not None else [])
     step = cfg["fault_step"]
     with ExitStack() as stack:
         if fault == "nan":
@@ -214,6 +232,7 @@ def fit(
         "rollbacks": g.rollbacks if g is not None else 0,
         "events": [dict(e) for e in g.events] if g is not None else [],
         "step_s": step_s,
+        "step_cpu_s": cpu.mean(),
         "hook_frac": g.hook_s / g.step_cpu_s if g is not None and g.step_cpu_s else None,
     }
 
@@ -234,32 +253,44 @@ def clean_cases(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[tuple[str, in
                 "identical": bool(torch.equal(on["weights"], off["weights"])),
                 "step_ms_without": round(1e3 * off["step_s"], 3),
                 "step_ms_with": round(1e3 * on["step_s"], 3),
-                "overhead_frac": round(on["step_s"] / off["step_s"] - 1.0, 4),
+                "step_cpu_ms_without": round(1e3 * off["step_cpu_s"], 3),
+                "step_cpu_ms_with": round(1e3 * on["step_cpu_s"], 3),
+                "overhead_frac": round(on["step_cpu_s"] / off["step_cpu_s"] - 1.0, 4),
+                "overhead_frac_wall": round(on["step_s"] / off["step_s"] - 1.0, 4),
                 "hook_frac": round(on["hook_frac"], 4),
             }
     return out, runs
 
 
 def fault_cases(cfg: dict[str, Any], clean: dict[tuple[str, int], dict]) -> dict[str, Any]:
-    """Seed 0 of each job with each fault; the broken fused op against the same job fused and unbroken."""
+    """Each job with each fault, on both seeds (the final metric's difference to the clean run of the same seed is
+    averaged over them: one rollback changes which batches the rest of the run sees, and on a 397-image held-out set
+    that alone moves the accuracy by a few images); the broken fused op against the same job fused and unbroken."""
     out: dict[str, Any] = {}
+    seeds = (0, 1)
+    fused_ref = {seed: fit(cfg, "cnn", seed, guard=True, fused=True) for seed in seeds}
+    out["cnn_fused_clean"] = {
+        "metric": [round(r["metric"], 4) for r in fused_ref.values()],
+        "rollbacks": sum(r["rollbacks"] for r in fused_ref.values()),
+    }
     plan: list[tuple[str, str, bool]] = [(j, f, False) for j in JOBS for f in ("nan", "lr_spike")]
     plan.append(("cnn", "broken_fused", True))
-    fused_ref = fit(cfg, "cnn", 0, guard=True, fused=True)
-    out["cnn_fused_clean"] = {"metric": round(fused_ref["metric"], 4), "rollbacks": fused_ref["rollbacks"]}
     for job, fault, fused in plan:
-        run = fit(cfg, job, 0, guard=True, fault=fault, fused=fused)
-        ref = fused_ref if fused else clean[(job, 0)]
-        delta = run["metric"] - ref["metric"]
-        ok = delta >= -ACC_TOL if JOBS[job]["higher"] else delta <= NATS_TOL
+        runs = {seed: fit(cfg, job, seed, guard=True, fault=fault, fused=fused) for seed in seeds}
+        deltas = [r["metric"] - (fused_ref[s] if fused else clean[(job, s)])["metric"] for s, r in runs.items()]
+        delta = sum(deltas) / len(deltas)
+        ok = delta >= -ACC_TOL - 1e-9 if JOBS[job]["higher"] else delta <= NATS_TOL + 1e-9  # the bound counts
         out[f"{job}_{fault}"] = {
-            "metric": round(run["metric"], 4),
+            "metric": [round(r["metric"], 4) for r in runs.values()],
             "minus_clean": round(delta, 4),
-            "rollbacks": run["rollbacks"],
-            "switched_off": [e["switched_off"] for e in run["events"]],
-            "reasons": [e["reason"] for e in run["events"]],
-            "finite": run["finite"],
-            "recovered": bool(run["rollbacks"] >= 1 and run["finite"] and ok),
+            "minus_clean_per_seed": [round(d, 4) for d in deltas],
+            "rollbacks": [r["rollbacks"] for r in runs.values()],
+            "switched_off": sorted({str(e["switched_off"]) for r in runs.values() for e in r["events"]}),
+            "reasons": [e["reason"] for e in runs[0]["events"]],
+            "finite": all(r["finite"] for r in runs.values()),
+            "recovered": bool(
+                all(r["rollbacks"] >= 1 for r in runs.values()) and all(r["finite"] for r in runs.values()) and ok
+            ),
         }
     return out
 
@@ -289,6 +320,7 @@ def run_guard_cases(quick: bool) -> tuple[dict[str, Any], dict[str, float]]:
         "guard_final_metric_minus_clean": min(cnn),
         "guard_final_nats_minus_clean": max(gpt),
         "guard_overhead_frac": H.median([v["overhead_frac"] for v in clean.values()]),
+        "guard_overhead_frac_wall": H.median([v["overhead_frac_wall"] for v in clean.values()]),
         "guard_hook_frac": H.median([v["hook_frac"] for v in clean.values()]),
         "guard_clean_identical": float(all(v["identical"] for v in clean.values())),
     }

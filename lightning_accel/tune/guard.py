@@ -178,6 +178,10 @@ class RollbackGuard(Callback):
         self._every = self.check_every or (5 if cpu else 10)
         self._gn_every = self.grad_norm_every or (4 if cpu else 1)
         self._scaler = getattr(strategy.precision_plugin, "scaler", None) is not None
+        # per-fit state (a second `fit` with the same guard starts watching afresh; rollbacks and events stay)
+        self._since, self._was_active, self._window_end = {}, {}, -1
+        self._pending, self._grad_norm, self._loss = [], None, None
+        self._opt_steps, self._stopped, self._snap_due = 0, False, False
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -200,7 +204,7 @@ class RollbackGuard(Callback):
 
     def _switch_off_latest(self, reason: str) -> str | None:
         active = [lv for lv in self._levers if lv.lever_active]
-        # the most recently switched on first; ties: the later in the list (extra levers, then the checkpoint IO)
+        # the most recently switched on first; ties: the later found (extra levers, checkpoint IO, precision, strategy)
         order = sorted(range(len(active)), key=lambda i: (self._since.get(active[i].lever_name, -1), i), reverse=True)
         for i in order:
             lever = active[i]
