@@ -12,6 +12,7 @@ tensors to the CPU on the training thread.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections import deque
 from collections.abc import Sequence
@@ -145,6 +146,26 @@ class DeltaCheckpointIO(CheckpointIO):
         self.on_save_error = on_save_error
         # Per-save statistics (bytes and blobs written, tensors unchanged / delta / full), newest last.
         self.history: deque[SaveStats] = deque(maxlen=10_000)
+        #: why quantized deltas were switched off (:meth:`switch_off`), or None
+        self.switched_off_reason: str | None = None
+
+    # -- the lever protocol (lightning_accel._utils.levers.Lever) --------------------------------------------------
+    lever_name = "quantized_checkpoint"
+
+    @property
+    def lever_active(self) -> bool:
+        """Whether saves store quantized (lossy) deltas."""
+        return self.store.options.quantize is not None
+
+    def switch_off(self, reason: str) -> bool:
+        """Store lossless deltas from the next save on (saves already queued keep the options they started with).
+        Returns whether quantization was on."""
+        if self.store.options.quantize is None:
+            return False
+        # `quantize_groups` back to its default too: without `quantize` it selects nothing (and would warn so)
+        self.store.options = dataclasses.replace(self.store.options, quantize=None, quantize_groups="optimizer")
+        self.switched_off_reason = reason
+        return True
 
     def _save_now(self, checkpoint: dict[str, Any], path: str) -> SaveStats:
         stats = self.store.save(checkpoint, path)

@@ -204,6 +204,32 @@ class OneBitDDPStrategy(DDPStrategy):
         #: the clock that times the steps of ``compression="auto"``'s trial (seconds; replaceable in tests)
         self.step_clock: Callable[[], float] = time.perf_counter
         self._auto_trial: comm.StepTrial | None = None  # made with the hook (there is nothing to time without one)
+        #: why 1-bit averaging was switched off for the rest of the fit (:meth:`switch_off`), or None
+        self.switched_off_reason: str | None = None
+
+    # -- the lever protocol (lightning_accel._utils.levers.Lever) --------------------------------------------------
+    lever_name = "ddp_1bit"
+
+    @property
+    def lever_active(self) -> bool:
+        """Whether the step now running averages 1-bit compressed (past warm-up, decided ``"1bit"``)."""
+        return self._onebit_state is not None and self._onebit_state.compressing
+
+    def switch_off(self, reason: str) -> bool:
+        """Average in fp32 (plain DDP allreduce, the optimizer's own step) from the next step on, for the rest of
+        the fit; ``compression="auto"`` stops re-measuring. Call it on every rank at the same step (it does not
+        communicate). Returns whether 1-bit averaging was on."""
+        state = self._onebit_state
+        if state is None or self.switched_off_reason is not None:
+            return False
+        was_on = state.compressing
+        state.trial_until = None
+        state.set_decision("fp32")  # drops the error-feedback state: it belongs to the compressed stage
+        for c in self._compressors.values():
+            c.release()
+        self.switched_off_reason = reason
+        rank_zero_info(f"ddp_1bit: switched to fp32 averaging at step {state.step} ({reason})")
+        return was_on
 
     @property
     def onebit_config(self) -> OneBitConfig:
@@ -345,7 +371,12 @@ class OneBitDDPStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> Any:
         state, trial = self._onebit_state, self._auto_trial
-        if state is not None and trial is not None and state.config.compression == "auto":
+        if (
+            state is not None
+            and trial is not None
+            and state.config.compression == "auto"
+            and self.switched_off_reason is None
+        ):
             # every rank reaches the optimizer step of the same step: time it, and start or end a trial of the other
             # mode before this step's backward runs
             trying = state.trial_until

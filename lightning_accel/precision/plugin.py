@@ -5,6 +5,7 @@ The Lightning adapter of this room: the surgery itself is :func:`~lightning_acce
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -19,7 +20,7 @@ from typing_extensions import override
 from lightning_accel._utils.checks import check_choice
 from lightning_accel._utils.triton import Backend, check_backend
 from lightning_accel.precision.compile import compile_in_place
-from lightning_accel.precision.surgery import DEFAULT_POLICY, FusionReport, Replacement, apply_fusions
+from lightning_accel.precision.surgery import DEFAULT_POLICY, FusionReport, Replacement, apply_fusions, unfuse
 
 __all__ = ["FusedPrecision"]
 
@@ -87,10 +88,37 @@ class FusedPrecision(MixedPrecision):
         self.compile_kwargs = dict(compile_kwargs or {})
         self.backend = backend
         self.report: FusionReport | None = None
+        self._module: weakref.ref[nn.Module] | None = None
+        #: why surgery was undone for the rest of the fit (:meth:`switch_off`), or None
+        self.switched_off_reason: str | None = None
+
+    # -- the lever protocol (lightning_accel._utils.levers.Lever) --------------------------------------------------
+    lever_name = "fused"
+
+    @property
+    def lever_active(self) -> bool:
+        """Whether the converted model has fused modules computing through their fused forward."""
+        module = self._module() if self._module is not None else None
+        return self.switched_off_reason is None and module is not None and bool(self.report and self.report.records)
+
+    def switch_off(self, reason: str) -> bool:
+        """Put the converted model back on the reference ops (:func:`~lightning_accel.precision.surgery.unfuse`:
+        original module classes; packed QKV on the plain torch path), in place, for the rest of the fit; later
+        ``convert_module`` calls fuse nothing. Autocast stays. Returns whether a module changed."""
+        module = self._module() if self._module is not None else None
+        if self.switched_off_reason is not None or module is None:
+            return False
+        changed = unfuse(module)
+        self.switched_off_reason = reason
+        rank_zero_info(f"FusedPrecision: {changed} fused module(s) back on the reference ops ({reason})")
+        return changed > 0
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Fuse in place (idempotent), optionally compile in place, and return the same object."""
+        self._module = weakref.ref(module)
+        if self.switched_off_reason is not None:
+            return module
         self._adopt_trainer_device(module)
         report = apply_fusions(
             module,

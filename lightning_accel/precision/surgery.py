@@ -50,7 +50,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from lightning_accel._utils import compat
+from lightning_accel._utils import compat, patching
 from lightning_accel._utils.triton import Backend, check_backend
 from lightning_accel.ops.activation import function_activation, module_activation
 from lightning_accel.precision import modules as fm
@@ -65,6 +65,7 @@ __all__ = [
     "apply_fusions",
     "eligible_modules",
     "replace_optimizer_params",
+    "unfuse",
 ]
 
 log = logging.getLogger(__name__)
@@ -759,3 +760,24 @@ def apply_fusions(
             stacklevel=2,
         )
     return report
+
+
+def unfuse(model: nn.Module) -> int:
+    """Undo surgery in place: every fused module computes through the reference ops again, i.e. its original class's
+    own ``forward`` (the class swap is reverted; parameters, buffers and ``state_dict`` keys never changed). Modules
+    whose parameters surgery repacked (packed QKV) cannot get their original parameters back: they stay packed and
+    compute on the plain torch path (``backend="eager"``, the ops' oracles).
+
+    Returns:
+        the number of modules changed.
+    """
+    changed = 0
+    for m in list(model.modules()):
+        if not fm.is_fused(m):
+            continue
+        if any(issubclass(mixin, fm.FusedAttentionMixin) for mixin in getattr(type(m), "_la_mixins", ())):
+            m._la_backend = "eager"
+        else:
+            patching.swap_class(m, fm.original_class(m))
+        changed += 1
+    return changed

@@ -3,12 +3,13 @@
 The rule (:class:`WatchRule`, applied by :class:`SeriesWatch` to one series: the training loss or the gradient norm):
 
 1. **Non-finite streak.** A NaN/inf value extends a streak; ``nan_streak`` in a row trigger (``"nonfinite"``).
-2. **Sustained spike.** After ``arm_after`` finite values the watch keeps an exponential moving mean and variance
-   (``ema_beta``) of the series. A value is an *outlier* when it lies more than ``spike_sigma`` standard deviations
-   above the mean, the deviation floored at ``rel_floor`` of the mean (so a flat, nearly noiseless loss does not
-   turn ordinary jitter into 100 sigma). ``spike_steps`` outliers in a row trigger (``"spike"``). Outliers do not
-   update the statistics (a spike must not teach the watch that spikes are normal); a value below the mean is never
-   an outlier, so a falling loss cannot trigger.
+2. **Sustained spike.** After ``arm_after`` finite values the watch keeps an exponential moving mean (``ema_beta``)
+   of the series and an EMA (``noise_beta``) of the noise variance, estimated from successive differences
+   (``(x_t - x_t-1)^2 / 2``, which a smooth trend barely inflates). A value is an *outlier* when it lies more than
+   ``spike_sigma`` noise standard deviations above the mean, the deviation floored at ``rel_floor`` of the mean (so a
+   flat, nearly noiseless loss does not turn ordinary jitter into 100 sigma). ``spike_steps`` outliers in a row
+   trigger (``"spike"``). Outliers do not update the statistics (a spike must not teach the watch that spikes are
+   normal); a value below the mean is never an outlier, so a falling loss cannot trigger.
 3. **Watch window.** For ``window_steps`` steps after a lever switches on, the stricter ``window_sigma`` /
    ``window_spike_steps`` apply, and the spike rule is armed even before ``arm_after`` values were seen.
 
@@ -44,7 +45,9 @@ class WatchRule:
         nan_streak: non-finite values in a row that trigger.
         spike_sigma: an outlier lies more than this many (EMA) standard deviations above the EMA mean.
         spike_steps: outliers in a row that trigger.
-        ema_beta: the EMA's decay per value (0.98: a memory of about 50 steps).
+        ema_beta: the mean's EMA decay per value (0.9: a memory of about 10 steps, so the mean follows a falling loss
+            closely).
+        noise_beta: the noise variance's EMA decay per value (0.98: about 50 steps, a steadier estimate).
         arm_after: finite values seen before the spike rule is armed (the statistics need to settle).
         rel_floor: the standard deviation used is at least this fraction of the mean's magnitude.
         window_steps: steps of stricter watch after a lever switches on.
@@ -55,7 +58,8 @@ class WatchRule:
     nan_streak: int = 1
     spike_sigma: float = 6.0
     spike_steps: int = 4
-    ema_beta: float = 0.98
+    ema_beta: float = 0.9
+    noise_beta: float = 0.98
     arm_after: int = 20
     rel_floor: float = 0.05
     window_steps: int = 100
@@ -67,6 +71,7 @@ class WatchRule:
         check_number("spike_sigma", self.spike_sigma, low=0, low_open=True)
         check_int("spike_steps", self.spike_steps, low=1)
         check_number("ema_beta", self.ema_beta, low=0, high=1, low_open=True, high_open=True)
+        check_number("noise_beta", self.noise_beta, low=0, high=1, low_open=True, high_open=True)
         check_int("arm_after", self.arm_after, low=2, fix="The variance needs at least 2 values.")
         check_number("rel_floor", self.rel_floor, low=0)
         check_int("window_steps", self.window_steps, low=0)
@@ -105,6 +110,7 @@ class SeriesWatch:
         self.count = 0
         self.mean = 0.0
         self.var = 0.0
+        self.last = 0.0
         self.nan_run = 0
         self.nan_start = 0
         self.spike_run = 0
@@ -141,11 +147,15 @@ class SeriesWatch:
         if self.count == 0:
             self.mean, self.var = value, 0.0
         else:
-            # Welford-style EMA: warm-up uses the running average (1/n) so the first values weigh equally
-            beta = min(r.ema_beta, 1.0 - 1.0 / (self.count + 1))
-            delta = value - self.mean
-            self.mean += (1.0 - beta) * delta
-            self.var = beta * (self.var + (1.0 - beta) * delta * delta)
+            # warm-up uses running averages (1/n) so the first values weigh equally
+            warm = 1.0 - 1.0 / (self.count + 1)
+            beta, noise_beta = min(r.ema_beta, warm), min(r.noise_beta, warm)
+            self.mean += (1.0 - beta) * (value - self.mean)
+            # the noise from successive differences (var(x_t - x_t-1) = 2 var(noise)): a falling trend does not
+            # inflate it the way deviations from a lagging mean would
+            d = value - self.last
+            self.var = d * d / 2.0 if self.count == 1 else noise_beta * self.var + (1.0 - noise_beta) * d * d / 2.0
+        self.last = value
         self.count += 1
         return None
 
@@ -157,6 +167,7 @@ class SeriesWatch:
             "count": self.count,
             "mean": self.mean,
             "var": self.var,
+            "last": self.last,
             "nan_run": self.nan_run,
             "nan_start": self.nan_start,
             "spike_run": self.spike_run,
@@ -166,7 +177,7 @@ class SeriesWatch:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for k in ("count", "nan_run", "nan_start", "spike_run", "spike_start"):
             setattr(self, k, int(state[k]))
-        self.mean, self.var = float(state["mean"]), float(state["var"])
+        self.mean, self.var, self.last = float(state["mean"]), float(state["var"]), float(state["last"])
 
 
 def _buffer_like(t: torch.Tensor, old: torch.Tensor | None) -> torch.Tensor:

@@ -1,0 +1,76 @@
+"""RollbackGuard under 2 gloo processes with ``ddp_1bit``: a NaN on one rank rolls every rank back at the same step,
+and switching 1-bit off really moves the averaging to the fp32 allreduce (no compressed bytes afterwards)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.helpers import run_in_processes
+
+
+def _fit(rank: int, world_size: int) -> dict[str, Any]:
+    import math
+
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch import Callback
+
+    from lightning_accel.callbacks import RollbackGuard
+    from lightning_accel.strategies import OneBitDDPStrategy
+    from tests import tiny
+
+    class NaNOnRank1(Callback):
+        def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+            if trainer.global_step == 9 and trainer.global_rank == 1:
+                loss.mul_(math.nan)
+
+    class Bytes(Callback):
+        def __init__(self) -> None:
+            self.rows: list[tuple[int, int, int]] = []
+
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            state = trainer.strategy.onebit_state  # type: ignore[attr-defined]
+            last = state.stats.last_step
+            self.rows.append((trainer.global_step, last.compressed_sent, last.sent) if last else (0, 0, 0))
+
+    torch.manual_seed(0)
+    strategy = OneBitDDPStrategy(warmup_steps=3, compression="1bit", min_compress_numel=0, process_group_backend="gloo")
+    guard = RollbackGuard(snapshot_every=4, check_every=1, grad_norm_every=1, verbose=False)
+    probe = Bytes()
+    model = tiny.classifier()
+    trainer = tiny.trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_epochs=1,
+        limit_train_batches=16,
+        callbacks=[guard, NaNOnRank1(), probe],
+    )
+    trainer.fit(model, tiny.loader(batch_size=8, n=256))
+    params = torch.cat([p.detach().flatten() for p in model.parameters()])
+    return {
+        "events": guard.events,
+        "switched_off": guard.switched_off,
+        "rows": probe.rows,
+        "decision": strategy.onebit_state.decision if strategy.onebit_state else None,
+        "params": params.tolist(),
+        "finite": bool(torch.isfinite(params).all()),
+    }
+
+
+def test_a_nan_on_one_rank_rolls_back_every_rank_and_1bit_falls_back_to_fp32() -> None:
+    a, b = run_in_processes(_fit, 2, init_process_group=False)
+    # the same decision on both ranks; the reason names what this rank saw (rank 1 the NaN, rank 0 "another rank")
+    same = [{k: v for k, v in e.items() if k != "reason"} for e in a["events"]]
+    assert same == [{k: v for k, v in e.items() if k != "reason"} for e in b["events"]] and len(same) == 1
+    assert "non-finite" in b["events"][0]["reason"] and "another rank" in a["events"][0]["reason"]
+    e = a["events"][0]
+    assert e["step"] == 10 and e["switched_off"] == "ddp_1bit" and e["restored_step"] == 8
+    assert a["switched_off"] == b["switched_off"] == ["ddp_1bit"]
+    assert a["decision"] == b["decision"] == "fp32"
+    assert a["finite"] and b["finite"]
+    assert max(abs(x - y) for x, y in zip(a["params"], b["params"], strict=True)) < 1e-6  # ranks stayed in step
+    compressed = [c for s, c, _ in a["rows"] if 5 <= s <= 9]
+    after = [(c, sent) for s, c, sent in a["rows"] if s >= 12]
+    assert compressed and all(c > 0 for c in compressed)  # the compressed stage ran before the rollback
+    assert after and all(c == 0 and sent > 0 for c, sent in after)  # then fp32 averaging only

@@ -1,0 +1,132 @@
+"""RollbackGuard in a Trainer: a NaN rolls back and switches the latest lever off, an LR spike is undone, the fit
+stops after ``max_rollbacks``, the guard's state resumes from a checkpoint, a PerformanceMonitor report gets a line."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch import Callback
+
+from lightning_accel.callbacks import PerformanceMonitor, RollbackGuard
+from tests import tiny
+
+
+class NaNAt(Callback):
+    """Makes the loss (hence the gradients and the weights) NaN at the given global steps."""
+
+    def __init__(self, *steps: int) -> None:
+        self.steps = set(steps)
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        if trainer.global_step in self.steps:
+            loss.mul_(math.nan)
+
+
+class Toy:
+    """A lever that switches on at ``on_at`` (polled: the guard sees it at its next check)."""
+
+    lever_name = "toy"
+
+    def __init__(self, trainer_ref: list[Any], on_at: int = 0) -> None:
+        self.ref, self.on_at, self.off = trainer_ref, on_at, False
+
+    @property
+    def lever_active(self) -> bool:
+        t = self.ref[0] if self.ref else None
+        return not self.off and t is not None and t.global_step >= self.on_at
+
+    def switch_off(self, reason: str) -> bool:
+        was, self.off = self.lever_active, True
+        return was
+
+
+class Older(Toy):
+    lever_name = "older"
+
+
+def _finite(m: torch.nn.Module) -> bool:
+    return all(bool(torch.isfinite(p).all()) for p in m.parameters())
+
+
+def test_nan_rolls_back_and_switches_the_latest_lever_off() -> None:
+    ref: list[Any] = []
+    older, toy = Older(ref, on_at=0), Toy(ref, on_at=6)
+    guard = RollbackGuard(snapshot_every=4, check_every=1, grad_norm_every=1, levers=[toy, older], verbose=False)
+    mon = PerformanceMonitor(report_path="", verbose=False, count_flops=False, skip_steps=1)
+    model = tiny.classifier()
+    trainer = tiny.trainer(max_epochs=2, limit_train_batches=8, callbacks=[guard, NaNAt(9), mon])
+    ref.append(trainer)
+    trainer.fit(model, tiny.loader())
+    assert _finite(model) and trainer.global_step == 16
+    assert guard.rollbacks == 1 and len(guard.events) == 1
+    e = guard.events[0]
+    assert e["action"] == "rollback" and e["switched_off"] == "toy" and "non-finite" in e["reason"]
+    assert e["step"] == 10 and e["restored_step"] == 8  # the step that produced the NaN is step 10's update
+    assert toy.off and not older.off and guard.switched_off == ["toy"]
+    assert trainer.callback_metrics["guard/rollbacks"] == 1.0
+    assert mon.report is not None and "toy" in mon.report.extras["guard"]
+
+
+def test_a_learning_rate_spike_is_undone() -> None:
+    class LRSpike(Callback):
+        def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+            if trainer.global_step == 30:
+                for g in trainer.optimizers[0].param_groups:
+                    g["lr"] *= 300.0
+
+    torch.manual_seed(0)
+    guard = RollbackGuard(snapshot_every=5, verbose=False)
+    model = tiny.classifier(lr=0.01)
+    trainer = tiny.trainer(max_epochs=6, limit_train_batches=8, callbacks=[guard, LRSpike()])
+    trainer.fit(model, tiny.loader(shuffle=True))
+    assert guard.rollbacks >= 1 and guard.events[0]["restored_step"] <= 30
+    assert trainer.optimizers[0].param_groups[0]["lr"] < 0.02  # the snapshot's learning rate is back
+    assert _finite(model)
+
+
+def test_stops_after_max_rollbacks_with_one_line(recwarn: Any) -> None:
+    guard = RollbackGuard(snapshot_every=2, check_every=1, max_rollbacks=1, verbose=False)
+    model = tiny.classifier()
+    trainer = tiny.trainer(max_epochs=3, limit_train_batches=8, callbacks=[guard, NaNAt(*range(5, 24))])
+    trainer.fit(model, tiny.loader())
+    assert [e["action"] for e in guard.events] == ["rollback", "stop"]
+    assert trainer.global_step < 24 and _finite(model)
+    lines = [str(w.message) for w in recwarn if "stopped the fit" in str(w.message)]
+    assert len(lines) == 1 and "\n" not in lines[0] and "after 1 rollback(s)" in lines[0]
+
+
+def test_guard_state_resumes_and_switched_off_levers_stay_off(tmp_path: Path) -> None:
+    ref: list[Any] = []
+    toy = Toy(ref)
+    guard = RollbackGuard(snapshot_every=3, levers=[toy], verbose=False)
+    model = tiny.classifier()
+    trainer = tiny.trainer(max_epochs=1, limit_train_batches=8, callbacks=[guard, NaNAt(5)])
+    ref.append(trainer)
+    trainer.fit(model, tiny.loader())
+    assert guard.switched_off == ["toy"]
+    path = tmp_path / "a.ckpt"
+    trainer.save_checkpoint(path)
+
+    ref2: list[Any] = []
+    toy2 = Toy(ref2)
+    guard2 = RollbackGuard(snapshot_every=3, levers=[toy2], verbose=False)
+    trainer2 = tiny.trainer(max_epochs=2, limit_train_batches=8, callbacks=[guard2])
+    ref2.append(trainer2)
+    trainer2.fit(tiny.classifier(), tiny.loader(), ckpt_path=str(path))
+    assert guard2.rollbacks == 1 and guard2.events == guard.events
+    assert toy2.off  # switched off again at the start of the resumed fit
+    assert guard2.watches["loss"].count > guard.watches["loss"].count  # the statistics went on
+
+
+def test_a_snapshot_never_holds_the_update_of_a_bad_step() -> None:
+    # snapshots fall due every step, the gradient norm is not sampled at the NaN step and its loss (computed before
+    # the update) is finite: a snapshot taken right after the check would hold NaN weights
+    guard = RollbackGuard(snapshot_every=1, check_every=1, grad_norm_every=8, verbose=False)
+    model = tiny.classifier()
+    trainer = tiny.trainer(max_epochs=1, limit_train_batches=8, callbacks=[guard, NaNAt(5)])
+    trainer.fit(model, tiny.loader())
+    assert guard.rollbacks == 1 and guard.events[0]["restored_step"] == 4 and _finite(model)  # 5 had NaN grads
