@@ -36,7 +36,6 @@ from lightning_accel.precision.plugin import FusedPrecision
 from lightning_accel.precision.surgery import apply_fusions
 from lightning_accel.recipes.callbacks import KnowledgeDistillation, LinearScalingLR, PerStepLR, StructuredPruning
 from lightning_accel.recipes.lr import WarmupCosineLR
-from lightning_accel.tune.guard import RollbackGuard
 
 # `la.tune(...)` is the function; the package stays importable as `from lightning_accel.tune import ...`
 from lightning_accel.tune import tune
