@@ -260,6 +260,7 @@ def tune_job(
             raise RuntimeError(f"the baseline trial of the job failed: {base.error}. Check that `fit` runs the config.")
         trials.append(base)
         best_job, best_step = job, float(base.step_s or 0.0)
+        slowest = base.seconds
         precision0 = job_precision(job)
         plan = agree(
             lever_order(
@@ -279,7 +280,8 @@ def tune_job(
             opts = _options(lever, best_job, skip)
             for opt in opts:
                 i += 1
-                est = base.seconds * opt.cost + opt.extra_s
+                # the slowest trial so far (a loaded machine slows them all), with a 20 % allowance
+                est = 1.2 * slowest * opt.cost + opt.extra_s
                 if not agree(bud.affords(est)):
                     r = _result(opt.name, lever, opt, None)
                     r.decision = "skipped"
@@ -304,6 +306,7 @@ def tune_job(
                 r.decision, r.reason = ("kept" if d.keep else "rejected"), d.reason
                 r = agree(r)  # rank 0 decides; every rank follows
                 trials.append(r)
+                slowest = max(slowest, r.seconds)
                 if r.decision == "kept":
                     best_job, best_step, lever_best = cand, float(r.step_s or best_step), opt
             if lever_best is not None:
