@@ -1,0 +1,104 @@
+"""The levers as config edits: each option sets what it says on a copy of the job and leaves the rest alone."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lightning_accel.tune.levers import has_checkpoints, job_precision, options_for, world_of
+
+JOB: dict[str, Any] = {
+    "seed_everything": 0,
+    "trainer": {"accelerator": "cpu", "devices": 2, "strategy": "ddp", "max_epochs": 1},
+    "model": {"class_path": "lightning_accel.models.ImageClassifier", "init_args": {"width": 4}},
+    "data": {
+        "class_path": "lightning_accel.datasets.DigitsDataModule",
+        "init_args": {"data_dir": "digits", "batch_size": 16, "num_workers": 0},
+    },
+}
+
+
+def _by_name(lever: str, job: dict[str, Any]) -> dict[str, Any]:
+    return {o.name: o for o in options_for(lever, job)}
+
+
+def test_precision_options_and_the_job_left_alone() -> None:
+    before = copy.deepcopy(JOB)
+    opts = _by_name("precision", JOB)
+    assert list(opts) == [
+        "precision: bf16-mixed",
+        "precision: FusedPrecision(bf16-mixed)",
+        "precision: FusedPrecision(bf16-mixed, compile)",
+    ]
+    bf16 = opts["precision: bf16-mixed"].apply(JOB)
+    assert bf16["trainer"]["precision"] == "bf16-mixed" and job_precision(bf16) == "bf16-mixed"
+    fused = opts["precision: FusedPrecision(bf16-mixed, compile)"].apply(bf16)
+    assert "precision" not in fused["trainer"]  # the plugin carries it; Trainer(precision=..., plugins=[it]) raises
+    assert fused["trainer"]["plugins"] == [
+        {
+            "class_path": "lightning_accel.plugins.FusedPrecision",
+            "init_args": {"precision": "bf16-mixed", "compile": True},
+        }
+    ]
+    assert "precision: 32-true" in _by_name("precision", bf16)
+    assert before == JOB
+
+
+def test_strategy_options_only_name_what_is_not_configured() -> None:
+    opts = _by_name("strategy", JOB)
+    assert list(opts) == ["strategy: ddp_1bit", 'strategy: AutoStrategy(policy="measure")']
+    auto = opts['strategy: AutoStrategy(policy="measure")'].apply(JOB)
+    assert auto["trainer"]["strategy"] == {
+        "class_path": "lightning_accel.strategies.AutoStrategy",
+        "init_args": {"policy": "measure"},
+    }
+    assert world_of(JOB) == 2 and world_of({"trainer": {"devices": 1, "num_nodes": 3}}) == 3
+
+
+def test_checkpoint_options_replace_the_checkpoint_io() -> None:
+    assert has_checkpoints(JOB) and not has_checkpoints({"trainer": {"enable_checkpointing": False}})
+    opts = _by_name("checkpoint", JOB)
+    assert list(opts) == [
+        "checkpoint: DeltaCheckpointIO(async_save=False)",
+        "checkpoint: DeltaCheckpointIO(async_save=True)",
+    ]
+    delta = opts["checkpoint: DeltaCheckpointIO(async_save=True)"].apply(JOB)
+    assert delta["trainer"]["plugins"] == [
+        {"class_path": "lightning_accel.plugins.DeltaCheckpointIO", "init_args": {"async_save": True}}
+    ]
+    back = _by_name("checkpoint", delta)["checkpoint: torch.save"].apply(delta)
+    assert "plugins" not in back["trainer"]
+
+
+def test_data_options_swap_an_image_folder_for_the_cache_and_try_workers(tmp_path: Path) -> None:
+    opts = _by_name("data", JOB)
+    assert "data: CachedDataModule over the image folder" in opts and "data: num_workers=0" not in opts
+    swapped = opts["data: CachedDataModule over the image folder"].apply(JOB)
+    init = swapped["data"]["init_args"]
+    assert swapped["data"]["class_path"] == "lightning_accel.data.CachedDataModule"
+    assert init["origin"] == str(Path("digits").resolve()) and init["batch_size"] == 16 and init["num_workers"] == 0
+    assert init["mean"] == [0.188, 0.188, 0.188]  # the digits' statistics, as the module it replaces normalises
+    assert opts["data: CachedDataModule over the image folder"].reorders
+    # a plain torchvision-style folder of class folders, read by a module of any class with a `data_dir`
+    (tmp_path / "cat").mkdir()
+    (tmp_path / "cat" / "a.jpg").write_bytes(b"\xff\xd8")
+    other = {"data": {"class_path": "benchmarks._tune_jobs.ImageFolderData", "init_args": {"data_dir": str(tmp_path)}}}
+    assert "data: CachedDataModule over the image folder" in _by_name("data", other)
+
+
+def test_batch_option_doubles_the_batch_and_scales_the_learning_rate() -> None:
+    (opt,) = options_for("batch", JOB)
+    assert opt.samples_ratio == 2
+    big = opt.apply(JOB)
+    assert big["data"]["init_args"]["batch_size"] == 32
+    assert big["trainer"]["callbacks"] == [
+        {"class_path": "lightning_accel.callbacks.LinearScalingLR", "init_args": {"base_batch_size": 32}}
+    ]  # the configured global batch: 16 per device x 2 devices
+
+
+def test_an_unknown_lever_is_refused() -> None:
+    with pytest.raises(ValueError, match="`lever` must be one of"):
+        options_for("magic", JOB)
