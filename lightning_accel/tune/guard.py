@@ -158,6 +158,7 @@ class RollbackGuard(Callback):
         self._gn_every = 1
         self._opt_steps = 0
         self._scaler = False
+        self._cpu = True
         self._stopped = False
         self._epoch_end = False
         self._snap_due = False
@@ -174,7 +175,7 @@ class RollbackGuard(Callback):
             [strategy, strategy.precision_plugin, io, getattr(io, "checkpoint_io", None), *self.extra_levers]
         )
         # a check costs ~20 us of Python on a CPU (rule, lever poll) and one host sync on an accelerator
-        cpu = strategy.root_device.type == "cpu"
+        cpu = self._cpu = strategy.root_device.type == "cpu"
         self._every = self.check_every or (5 if cpu else 10)
         self._gn_every = self.grad_norm_every or (4 if cpu else 1)
         self._scaler = getattr(strategy.precision_plugin, "scaler", None) is not None
@@ -281,8 +282,11 @@ class RollbackGuard(Callback):
         pending, self._pending = self._pending, []
         if not pending:
             return None, False
-        flat = [t.float().reshape(()) for _, lo, gn in pending for t in ((lo, gn) if gn is not None else (lo,))]
-        values = torch.stack(flat).cpu().tolist()
+        flat = [t for _, lo, gn in pending for t in ((lo, gn) if gn is not None else (lo,))]
+        if self._cpu:  # no sync to save: item() per value is cheaper than stacking (~1 us against ~4 us a value)
+            values = [float(t.item()) for t in flat]
+        else:
+            values = torch.stack([t.float().reshape(()) for t in flat]).cpu().tolist()
         trigger: Trigger | None = None
         k = 0
         for step, _, gn in pending:
