@@ -59,7 +59,7 @@ def guard_config(quick: bool) -> dict[str, Any]:
         "fault_step": 120 if quick else 250,
         "batch_size": 32,
         "lr_factor": 100.0,
-        "snapshot_every": 10,
+        "snapshot_every": 25,
         "train_samples": 1400,
         "torch_threads": 1,
     }
