@@ -240,6 +240,24 @@ def read_marker(path: str) -> dict[str, Any] | None:
     return doc
 
 
+def _on_tmpfs(path: str) -> bool:
+    """True when ``path`` lies on a tmpfs (the longest mount point of ``/proc/self/mounts`` above it)."""
+    real = os.path.realpath(path)
+    best, fstype = "", ""
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                mnt = parts[1].replace("\\040", " ")
+                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) > len(best):
+                    best, fstype = mnt, parts[2]
+    except OSError:  # not Linux: the plain path
+        return False
+    return fstype == "tmpfs"
+
+
 def _open_env(path: str, key: str, map_size: int, sync: bool) -> _Env:
     """This process's environment at ``path`` (``key``: its real path), opened now if needed; holds ``_LOCK``."""
     import lmdb
@@ -260,6 +278,11 @@ def _open_env(path: str, key: str, map_size: int, sync: bool) -> _Env:
         sync=sync,
         metasync=sync,
         readahead=False,  # random reads of large values: readahead only evicts useful page-cache pages
+        # On tmpfs, commits write straight into the memory map instead of into malloc'd pages copied to the file at
+        # commit: one copy of each 150 KB entry fewer (0.147 -> 0.115 ms per put, best of 4 here). On ext4 the map's
+        # write faults cost more than the copy (0.118 -> 0.199 ms): there, the plain path. The file never exceeds
+        # the map either way, and the map is capped at the budget.
+        writemap=_on_tmpfs(path),
         meminit=False,
         max_readers=512,
         max_spare_txns=2,
