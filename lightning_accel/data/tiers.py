@@ -13,8 +13,12 @@ processes too, but outside any budget we can enforce).
 
 Contract:
 
-- **Budget never exceeded**: the LMDB ``map_size`` starts small, grows (doubling) on ``MapFullError`` and is capped
-  at ``budget_bytes``, so the data file can never grow past the budget. Entries are admitted against
+- **Budget never exceeded**: the LMDB ``map_size`` is ``budget_bytes`` from the start (without a budget it starts
+  small and doubles on ``MapFullError``), so the data file can never grow past the budget. Why not start small and
+  grow: each growth aborts a whole write transaction (a batch of 150 KB entries copied for nothing) and makes every
+  other process remap; starting at the budget made a cold write of 150 MB cost 0.37 instead of 0.60 ms per entry
+  on ext4, 0.24 instead of 0.27 on tmpfs (measured here, under load). The map is address space, not memory: a
+  tmpfs file written through it stays sparse. Entries are admitted against
   ``usable_bytes`` (budget minus 1/32 headroom for B-tree pages), counted in page-rounded bytes inside the same write
   transaction as the data, so several processes sharing the directory keep one consistent count.
 - **Policy when full**: ``"keep"`` (default) admits nothing more, so a data set larger than the budget keeps a
@@ -396,7 +400,7 @@ class LmdbTier:
             with self._lock:
                 try:
                     cap = self.cap_bytes
-                    initial = _INITIAL_MAP if cap is None else min(cap, _INITIAL_MAP)
+                    initial = _INITIAL_MAP if cap is None else cap  # see "Budget never exceeded" above
                     opened = _open_env(self.path, self._key, initial, self.sync)
                     # Only a directory holding nothing but this tier's files becomes a marked tier: a directory
                     # that also holds other files is never offered to the cleanup.
