@@ -17,7 +17,8 @@ e. ``warm``: the steady warm epochs after it: the median of five consecutive epo
 f. ``over_budget``: SSD budget half the decoded data set, RAM tier off: the second epoch's hit rate.
 
 Then, from ``benchmarks/_data_shards.py`` when it is there (recorded as not run otherwise): the packed S3 origin with
-``stage_bytes`` a quarter of the pack under the windowed shuffle, and the 2-node x 2-rank run.
+``stage_bytes`` a quarter of the pack under the windowed shuffle, the 2-node x 2-rank run, and where ``GpuAugment``'s
+CPU fallback runs (in the training step or on the loader's thread, 2 DDP processes).
 
 ``--busy-core`` keeps one core busy for the whole run with a spinning subprocess (another job on the machine; recorded
 in ``config``); the 1-minute load at the start and end is in ``results`` either way.
@@ -395,13 +396,15 @@ def cache_numbers(
 
 
 def shard_cases(quick: bool) -> tuple[dict[str, Any], dict[str, float]]:
-    """The windowed-shuffle S3 run and the 2-node x 2-rank run (``benchmarks/_data_shards.py``), or "not run"."""
+    """The windowed-shuffle S3 run, the 2-node x 2-rank run and the augmentation placement
+    (``benchmarks/_data_shards.py``), or "not run"."""
     try:
-        from benchmarks._data_shards import run_multinode, run_windowed_s3
+        from benchmarks._data_shards import run_augment_placement, run_multinode, run_windowed_s3
     except ImportError as e:
         why = f"not run: benchmarks/_data_shards.py is not importable ({e})"
-        return {"windowed_s3": why, "multinode": why}, {}
-    return run_cases({"windowed_s3": run_windowed_s3, "multinode": run_multinode}, quick)
+        return {"windowed_s3": why, "multinode": why, "augment_placement": why}, {}
+    cases = {"windowed_s3": run_windowed_s3, "multinode": run_multinode, "augment_placement": run_augment_placement}
+    return run_cases(cases, quick)
 
 
 # The spinning child: SIGKILL when the benchmark process dies (Linux ``PR_SET_PDEATHSIG``; the parent check closes
