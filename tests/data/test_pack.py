@@ -343,3 +343,21 @@ def test_read_ahead_is_capped_per_node_not_per_process(
     staged = list((tmp_path / "shards").glob("*.shard"))
     assert len(staged) >= 1 and sum(p.stat().st_size for p in staged) <= 2 * biggest  # half the stage, node-wide
     assert len(list((tmp_path / "shards").glob("*.ahead"))) == len(staged)
+
+
+def test_a_shard_evicted_while_a_reader_still_reads_it_is_not_fetched_again(
+    s3_bucket: tuple[str, dict[str, Any]], small_digits: Path, tmp_path: Path
+) -> None:
+    bucket, opts = s3_bucket
+    url = f"s3://{bucket}/packed"
+    listing = pack_origin(str(small_digits), url, dest_storage_options=opts, shard_bytes=10_000)
+    pack = listing.pack
+    assert pack is not None
+    c = _cache(url, tmp_path, opts)
+    first = [i for i in range(len(listing)) if pack.shard[i] == 0]
+    assert len(first) >= 2
+    c.load(first[:1])
+    assert c.packed is not None
+    os.unlink(c.packed._path(0))  # another reader of the node evicts it between this reader's batches
+    c.load(first[1:])
+    assert c.stats.as_dict()["bytes_fetched"] == pack.shard_sizes[0]  # read through this reader's map
