@@ -9,6 +9,9 @@ Imported by ``benchmarks/data_cache.py`` (each function returns ``(results, rati
   <= 1.1). And the accuracy cost of the window: the digits (16 px, 1,797 images, a 20 % validation split) trained
   for the same epochs three ways: global shuffle, window shuffle over a shuffled pack (``pack_origin(...,
   shuffle_seed=0)``), window shuffle over a class-sorted pack; final ``val_acc`` of each (mean over seeds).
+- :func:`run_augment_placement`: ``GpuAugment``'s CPU fallback in the training step against on the loader's
+  background thread (``CachedDataModule(cpu_augment=...)``), 2 DDP processes, warm epochs
+  (``augment_step_over_thread``: seconds per epoch in the step over on the thread).
 - :func:`run_multinode`: 2 simulated nodes x 2 ranks (4 gloo processes, ``Trainer(num_nodes=2, devices=2)``, node
   from ``NODE_RANK``, ``{node_rank}`` in ``cache_dir`` / ``ram_dir``), a packed origin on S3, 2 epochs (``--quick``:
   480 images, main-process reads; full: 3,200 images, 1 worker per rank): per node, samples decoded over the
@@ -31,6 +34,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as `python benchmarks/_data_shards.py`: make the checkout importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import lightning as L
 import torch
 
 from benchmarks._harness import median, parser, ratio, report
@@ -335,12 +339,102 @@ def run_multinode(quick: bool) -> tuple[dict[str, Any], dict[str, float]]:
     return results, {"multinode_redecode_ratio": round(worst, 4)}
 
 
+class _EpochTimes(L.Callback):
+    """Keeps each training epoch's wall time."""
+
+    def __init__(self) -> None:
+        self.t0 = 0.0
+        self.times: list[float] = []
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.t0 = time.perf_counter()
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.times.append(time.perf_counter() - self.t0)
+
+
+def _aug_rank(rank: int, world: int, origin: str, tmp: str, epochs: int, repeats: int) -> dict[str, list[float]]:
+    from lightning_accel.data import CachedDataModule, GpuAugment
+    from lightning_accel.models import ImageClassifier
+
+    torch.set_num_threads(1)
+    out: dict[str, list[float]] = {"thread": [], "step": []}
+    for r in range(repeats):
+        for mode in ("thread", "step") if r % 2 == 0 else ("step", "thread"):
+            L.seed_everything(r, verbose=False)
+            aug = GpuAugment((0.19,) * 3, (0.32,) * 3, size=56, crop_scale=(0.35, 1.0), brightness=0.2, contrast=0.2)
+            dm = CachedDataModule(
+                origin,
+                cache_dir=f"{tmp}/{mode}{r}/cache",
+                ram_dir=f"{tmp}/{mode}{r}/ram",
+                ram_bytes="64MiB",
+                image_size=64,
+                batch_size=BATCH,
+                num_workers=0,
+                val_fraction=0.1,
+                train_augment=aug,
+                mean=(0.19,) * 3,
+                std=(0.32,) * 3,
+                cpu_augment=mode,
+            )
+            model = ImageClassifier(width=16, blocks=(1, 1))
+            model.example_input_array = None
+            timer = _EpochTimes()
+            trainer = L.Trainer(
+                max_epochs=epochs,
+                accelerator="cpu",
+                devices=world,
+                strategy="ddp",
+                logger=False,
+                enable_progress_bar=False,
+                enable_checkpointing=False,
+                enable_model_summary=False,
+                num_sanity_val_steps=0,
+                limit_val_batches=0,
+                callbacks=[timer],
+            )
+            trainer.fit(model, datamodule=dm)
+            out[mode] += timer.times[1:]  # warm epochs: the first decodes
+    return out
+
+
+def run_augment_placement(quick: bool) -> tuple[dict[str, Any], dict[str, float]]:
+    """Where the CPU fallback of ``GpuAugment`` runs: in the training step or on the loader's background thread.
+
+    2 DDP processes (gloo) on the 2 cores, 1 torch thread each, a small CNN on the 64 px digits (56 px crops, colour
+    jitter), warm epochs (the cache is full after the first), the two placements alternated: seconds per warm epoch
+    (max over ranks, median over epochs)."""
+    from benchmarks import _data_shards as this  # spawned ranks import the function by this module's name
+    from lightning_accel.datasets import materialize_digits
+    from tests.helpers import run_in_processes
+
+    n_images, epochs, repeats = (1024, 3, 2) if quick else (1797, 4, 4)
+    work = Path(tempfile.mkdtemp(prefix="la-bench-aug-"))
+    try:
+        materialize_digits(work / "digits64", size=64, num_images=n_images)
+        args = (str(work / "digits64"), str(work), epochs, repeats)
+        out = run_in_processes(this._aug_rank, 2, args, init_process_group=False, timeout=900)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    per = {m: [max(t) for t in zip(*(o[m] for o in out), strict=True)] for m in ("thread", "step")}
+    secs = {m: median(v) for m, v in per.items()}
+    results = {
+        "augment_placement": {
+            "images": n_images,
+            "ranks": 2,
+            "warm_epoch_s": {m: [round(x, 3) for x in v] for m, v in per.items()},
+            "median_warm_epoch_s": {m: round(v, 4) for m, v in secs.items()},
+        }
+    }
+    return results, {"augment_step_over_thread": ratio(secs["step"], secs["thread"])}
+
+
 def main() -> None:
     args = parser(__doc__.splitlines()[0]).parse_args()
     torch.set_num_threads(1)
     results: dict[str, Any] = {}
     ratios: dict[str, float] = {}
-    for case in (run_windowed_s3, run_multinode):
+    for case in (run_windowed_s3, run_multinode, run_augment_placement):
         r, q = case(args.quick)
         results.update(r)
         ratios.update(q)

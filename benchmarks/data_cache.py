@@ -17,7 +17,11 @@ e. ``warm``: the steady warm epochs after it: the median of five consecutive epo
 f. ``over_budget``: SSD budget half the decoded data set, RAM tier off: the second epoch's hit rate.
 
 Then, from ``benchmarks/_data_shards.py`` when it is there (recorded as not run otherwise): the packed S3 origin with
-``stage_bytes`` a quarter of the pack under the windowed shuffle, and the 2-node x 2-rank run.
+``stage_bytes`` a quarter of the pack under the windowed shuffle, the 2-node x 2-rank run, and where ``GpuAugment``'s
+CPU fallback runs (in the training step or on the loader's thread, 2 DDP processes).
+
+``--busy-core`` keeps one core busy for the whole run with a spinning subprocess (another job on the machine; recorded
+in ``config``); the 1-minute load at the start and end is in ``results`` either way.
 
 Also measured: the warm path through 2 worker processes with a RAM tier holding half the data (its hit rate with
 2 workers), and the bytes read from S3 in the cold and in a warm epoch.
@@ -392,17 +396,55 @@ def cache_numbers(
 
 
 def shard_cases(quick: bool) -> tuple[dict[str, Any], dict[str, float]]:
-    """The windowed-shuffle S3 run and the 2-node x 2-rank run (``benchmarks/_data_shards.py``), or "not run"."""
+    """The windowed-shuffle S3 run, the 2-node x 2-rank run and the augmentation placement
+    (``benchmarks/_data_shards.py``), or "not run"."""
     try:
-        from benchmarks._data_shards import run_multinode, run_windowed_s3
+        from benchmarks._data_shards import run_augment_placement, run_multinode, run_windowed_s3
     except ImportError as e:
         why = f"not run: benchmarks/_data_shards.py is not importable ({e})"
-        return {"windowed_s3": why, "multinode": why}, {}
-    return run_cases({"windowed_s3": run_windowed_s3, "multinode": run_multinode}, quick)
+        return {"windowed_s3": why, "multinode": why, "augment_placement": why}, {}
+    cases = {"windowed_s3": run_windowed_s3, "multinode": run_multinode, "augment_placement": run_augment_placement}
+    return run_cases(cases, quick)
+
+
+# The spinning child: SIGKILL when the benchmark process dies (Linux ``PR_SET_PDEATHSIG``; the parent check closes
+# the race of a parent gone before the call), so not even a SIGKILL of the benchmark leaves it spinning; and a
+# deadline of its own.
+_SPIN = """
+import contextlib, ctypes, os, signal, time
+with contextlib.suppress(OSError, AttributeError):
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+if os.getppid() != {parent}:
+    raise SystemExit(0)
+end = time.monotonic() + {seconds}
+while time.monotonic() < end:
+    pass
+"""
+
+
+@contextlib.contextmanager
+def busy_core(on: bool, seconds: float = 900.0) -> Iterator[dict[str, Any]]:
+    """With ``on``: a subprocess spinning on one core for the whole block (another job on the machine), bounded three
+    ways: it stops by itself after ``seconds``, it dies with this process, and the block's exit kills it. Yields what
+    the report records (whether it ran, its pid, and the 1-minute load at the start)."""
+    info: dict[str, Any] = {"busy_core": on, "loadavg_1min_start": round(os.getloadavg()[0], 2)}
+    if not on:
+        yield info
+        return
+    proc = subprocess.Popen([sys.executable, "-c", _SPIN.format(parent=os.getpid(), seconds=seconds)])
+    info["busy_core_pid"] = proc.pid
+    try:
+        time.sleep(1.0)  # let it take its core before the first timing
+        yield info
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def main() -> None:
-    args = parser(__doc__.splitlines()[0]).parse_args()
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--busy-core", action="store_true", help="keep one core busy with a spinning process throughout")
+    args = p.parse_args()
     n_images = 2048 if args.quick else 4096
     repeats = 2 if args.quick else 3
     torch.set_num_threads(1)
@@ -410,7 +452,7 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="la-bench-data-"))
     try:
-        with local_s3() as opts:
+        with busy_core(args.busy_core) as load, local_s3() as opts:
             data = prepare_data(work, n_images, opts)
             folder = ImageFolder(str(data.root), transform=ImageDecoder(224).pil_transform())
             entry_bytes = check_identical(data, work, folder)
@@ -420,10 +462,12 @@ def main() -> None:
             finally:
                 cases.close()
             results, ratios = cache_numbers(data, cases, timings, entry_bytes)
-        shard_results, shard_ratios = shard_cases(args.quick)
-        results.update(shard_results)
+            shard_results, shard_ratios = shard_cases(args.quick)
+            results.update(shard_results, loadavg_1min_end=round(os.getloadavg()[0], 2))
         ratios.update(shard_ratios)
+        results["loadavg_1min_start"] = load["loadavg_1min_start"]
         config = {
+            "busy_core": load["busy_core"],
             "image_size": 224,
             "batch_size": BATCH,
             "num_workers": WORKERS,

@@ -13,7 +13,8 @@ when given a batch tensor), and all samples are transformed together:
 Device-agnostic torch ops: on a CUDA batch it runs on the GPU (the point: the CPU does not touch pixels); on a CPU batch
 (no GPU, or ``trainer.accelerator="cpu"``) the same code runs on the CPU, the transparent fallback. Random
 parameters come from a CPU generator seeded by ``seed`` (or, when None, torch's global seed, which ``seed_everything``
-sets) and a call counter, so the same seed gives the same augmentation on either device and in every run.
+sets) and the batch's index in the stream (a call counter, or the ``call`` argument), so the same seed gives the same
+augmentation on either device, on whichever thread runs it, and in every run.
 """
 
 from __future__ import annotations
@@ -58,6 +59,11 @@ class GpuAugment(nn.Module):
             repeat exactly; mixed with the rank under DDP).
 
     ``augment.eval()`` (or ``forward(x, train=False)``) skips the random part: resize to ``size`` and normalise only.
+
+    The random stream: training batch ``k`` (counted from 0 by :attr:`calls`, or given as ``forward(..., call=k)``)
+    draws its parameters from a generator seeded with ``(seed, k)`` alone, so a batch augmented ahead of time on
+    another thread (what :class:`~lightning_accel.data.datamodule.CachedDataModule` does with CPU batches) gets the
+    same tensor as the same batch augmented in the training step.
     """
 
     def __init__(
@@ -96,11 +102,22 @@ class GpuAugment(nn.Module):
         self.seed = seed
         self._calls = 0
 
-    def _generator(self) -> torch.Generator:
+    @property
+    def calls(self) -> int:
+        """Index of the next training batch in the random stream (training batches augmented so far)."""
+        return self._calls
+
+    @calls.setter
+    def calls(self, value: int) -> None:
+        self._calls = int(value)
+
+    def _generator(self, call: int | None = None) -> torch.Generator:
         g = torch.Generator()
         base = self.seed if self.seed is not None else _global_seed()
-        g.manual_seed((base * 1_000_003 + self._calls) % (2**63 - 1))
-        self._calls += 1
+        if call is None:
+            call = self._calls
+            self._calls += 1
+        g.manual_seed((base * 1_000_003 + call) % (2**63 - 1))
         return g
 
     def sample_params(self, n: int, h: int, w: int, g: torch.Generator) -> dict[str, torch.Tensor]:
@@ -124,8 +141,15 @@ class GpuAugment(nn.Module):
         s = 1 + (u(n) * 2 - 1) * self.saturation
         return {"cw": cw, "ch": ch, "cx": cx, "cy": cy, "flip": flip, "brightness": b, "contrast": c, "saturation": s}
 
-    def forward(self, x: torch.Tensor, train: bool | None = None) -> torch.Tensor:
-        """Augment (when training) and normalise a batch (N, C, H, W); returns float32 on ``x``'s device."""
+    def forward(self, x: torch.Tensor, train: bool | None = None, call: int | None = None) -> torch.Tensor:
+        """Augment (when training) and normalise a batch (N, C, H, W); returns float32 on ``x``'s device.
+
+        Args:
+            x: uint8 (or float in [0, 1]) images.
+            train: draw random parameters (default: ``self.training``).
+            call: this batch's index in the random stream; ``None``: the next one (:attr:`calls`, then advanced). An
+                explicit index leaves :attr:`calls` unchanged.
+        """
         if x.ndim != 4:
             raise ValueError(f"`GpuAugment` expects a batch (N, C, H, W), got shape {tuple(x.shape)}.")
         if x.shape[1] != len(self.mean):
@@ -138,7 +162,7 @@ class GpuAugment(nn.Module):
         out_h, out_w = (h, w) if self.size is None else (self.size, self.size)
         xf = x.float() / 255.0 if x.dtype == torch.uint8 else x.float()
         if train and n:
-            params = self.sample_params(n, h, w, self._generator())
+            params = self.sample_params(n, h, w, self._generator(call))
             p = {k: v.to(device=x.device, dtype=torch.float32) for k, v in params.items()}
             theta = torch.zeros(n, 2, 3, device=x.device, dtype=torch.float32)
             theta[:, 0, 0] = p["cw"] * p["flip"]

@@ -212,6 +212,12 @@ class CachedDataModule(LightningDataModule):
         val_augment: batch transform for evaluation (default: normalise only).
         mean: per-channel mean for the default augmentations.
         std: per-channel std for the default augmentations.
+        cpu_augment: where a :class:`GpuAugment` ``train_augment`` runs when the batches stay on the CPU (no GPU, or
+            ``accelerator="cpu"``): ``"thread"`` (default) on a background thread of each rank, two batches ahead of
+            the training step, so augmenting overlaps with the step instead of adding to it (torch ops release the
+            GIL); ``"step"`` in ``on_after_batch_transfer``, on the training thread. Same random stream and same
+            tensors either way (batch ``k`` of the stream draws from ``(seed, k)``). CUDA batches are augmented on
+            the GPU after the transfer in both cases. See ``docs/data.md`` for the measured difference.
 
     Logging:
         log_every_n_steps: how often (training steps) ``cache/...`` statistics are logged.
@@ -261,6 +267,7 @@ class CachedDataModule(LightningDataModule):
         val_augment: GpuAugment | None = None,
         mean: Sequence[float] = IMAGENET_MEAN,
         std: Sequence[float] = IMAGENET_STD,
+        cpu_augment: str = "thread",
         # logging
         log_every_n_steps: int = 50,
     ) -> None:
@@ -271,6 +278,7 @@ class CachedDataModule(LightningDataModule):
         self.cache_dir = _local_cache_dir(cache_dir)
         check_choice("on_decode_error", on_decode_error, ("raise", "skip"))
         check_choice("policy", policy, ("keep", "fifo"))
+        check_choice("cpu_augment", cpu_augment, ("thread", "step"))
         check_choice("shuffle", shuffle, ("auto", "global", "window"))
         check_int("shuffle_window", shuffle_window, low=1, allow_none=True, fix="It counts the shards of a window.")
         split_indices(1, val_fraction, seed)  # validates val_fraction now
@@ -326,6 +334,10 @@ class CachedDataModule(LightningDataModule):
         self.val_augment = (
             val_augment if val_augment is not None else GpuAugment(mean, std, crop_scale=None, flip_p=0.0)
         )
+        self.cpu_augment = cpu_augment
+        # training batches augmented ahead on the loader's thread (`_augment_ahead`), by id until the step takes them
+        self._ready: dict[int, tuple[torch.Tensor, int]] = {}
+        self._stream_base = 0
         # logging
         self.log_every_n_steps = max(1, log_every_n_steps)
         # state: the node's statistics (shared with the workers), the datasets and caches made in setup
@@ -514,6 +526,37 @@ class CachedDataModule(LightningDataModule):
         local = int(getattr(trainer, "num_devices", 1) or 1) if trainer is not None else 1
         return auto_window(packed.stage_bytes, sizes, local)
 
+    def _ahead_transform(self) -> Callable[[Any, int], Any] | None:
+        """The training loader's ``batch_transform``: :meth:`_augment_ahead` when the batches stay on the CPU and
+        ``train_augment`` is a :class:`GpuAugment` (``cpu_augment="thread"``); None otherwise."""
+        if self.cpu_augment != "thread" or not isinstance(self.train_augment, GpuAugment):
+            return None
+        device = getattr(getattr(self.trainer, "strategy", None), "root_device", None)
+        if not isinstance(device, torch.device) or device.type != "cpu":
+            return None  # CUDA batches: augmented on the GPU after the transfer
+        return self._augment_ahead
+
+    def _augment_ahead(self, batch: Any, k: int) -> Any:
+        """Augment training batch ``k`` of this pass on the loader's background thread (see ``cpu_augment``).
+
+        Its index in the random stream is the stream's position when the pass started plus ``k``: what the step would
+        have drawn, as the step takes the batches in this order. Batches of a pass left unfinished (e.g.
+        ``limit_train_batches``) were drawn ahead but never taken: the next pass starts after the last one taken
+        (:meth:`on_after_batch_transfer` moves the stream there), as the in-step path does."""
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2 and isinstance(batch[0], torch.Tensor)):
+            return batch
+        x, y = batch
+        if x.device.type != "cpu":
+            return batch
+        aug = self.train_augment
+        if k == 0:  # a new pass: the last one's consumer is done with its batches
+            self._ready.clear()
+            self._stream_base = aug.calls
+        call = self._stream_base + k
+        out = aug(x, train=True, call=call)
+        self._ready[id(out)] = (out, call)  # the reference keeps `id(out)` unique until the step takes it
+        return out, y
+
     def _loader(self, ds: CachedDataset | None, shuffle: bool) -> CacheDataLoader:
         if ds is None:
             raise RuntimeError("`CachedDataModule.setup()` must run before asking for a dataloader.")
@@ -544,6 +587,7 @@ class CachedDataModule(LightningDataModule):
             pin_memory=torch.cuda.is_available(),
             warm_num_workers=self.warm_num_workers,
             on_epoch_end=functools.partial(self._report_skipped, "training" if shuffle else "evaluation"),
+            batch_transform=self._ahead_transform() if shuffle else None,
         )
 
     @override
@@ -599,14 +643,19 @@ class CachedDataModule(LightningDataModule):
     # ---- device side ---------------------------------------------------------------------------------------------
     @override
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """Augment (training) or normalise (evaluation) the uint8 batch on its device; log cache statistics."""
+        """Augment (training) or normalise (evaluation) the uint8 batch on its device; log cache statistics. A CPU
+        training batch already augmented on the loader's thread (``cpu_augment="thread"``) passes through."""
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2 and isinstance(batch[0], torch.Tensor)):
             return batch  # not one of our (images, labels) batches, e.g. the model summary's example input
         x, y = batch
         trainer = self.trainer
         training = bool(trainer is not None and trainer.training)
-        aug = self.train_augment if training else self.val_augment
-        x = aug(x, train=training)
+        ready = self._ready.pop(id(x), None) if training else None
+        if ready is not None and ready[0] is x:  # augmented ahead on the loader's thread (`cpu_augment="thread"`)
+            self.train_augment.calls = ready[1] + 1
+        else:
+            aug = self.train_augment if training else self.val_augment
+            x = aug(x, train=training)
         if training:
             self._consumed(trainer)
             self._maybe_log(trainer)

@@ -362,6 +362,11 @@ class CacheDataLoader(DataLoader):
         on_epoch_end: called (no arguments) in the iterating process when a pass over the loader reaches its last
             batch (just before handing it out, its samples read) or ends, e.g. to report what the epoch skipped;
             not called for a pass abandoned early.
+        batch_transform: ``fn(batch, k)`` applied to the ``k``-th batch of each pass (from 0, in sampler order) on a
+            background thread of the iterating process, ``transform_ahead`` batches ahead of the consumer, so the work
+            overlaps with the consumer's (e.g. CPU augmentation beside the training step: torch ops release the GIL).
+            One thread, batches in order: a function that counts (a random stream) sees them as the consumer would.
+        transform_ahead: batches ``batch_transform`` runs ahead of the consumer.
         **kwargs: ``DataLoader`` arguments (``collate_fn`` defaults to :func:`collate_batch`).
     """
 
@@ -373,9 +378,12 @@ class CacheDataLoader(DataLoader):
         read_ahead: int = 4,
         read_threads: int | None = None,
         on_epoch_end: Callable[[], None] | None = None,
+        batch_transform: Callable[[Any, int], Any] | None = None,
+        transform_ahead: int = 2,
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("collate_fn", collate_batch)
+        check_int("transform_ahead", transform_ahead, low=1, fix="It counts batches transformed ahead of the consumer.")
         super().__init__(dataset, **kwargs)
         check_int(
             "warm_num_workers",
@@ -390,6 +398,8 @@ class CacheDataLoader(DataLoader):
         self.read_threads = 1 if read_threads is None else max(1, read_threads)
         self.is_warm = False
         self.on_epoch_end = on_epoch_end
+        self.batch_transform = batch_transform
+        self.transform_ahead = transform_ahead
 
     def state_dict(self) -> dict[str, Any]:
         """The sampler's position (Lightning saves a train loader's ``state_dict`` in the checkpoint and restores it
@@ -420,6 +430,9 @@ class CacheDataLoader(DataLoader):
 
     def __iter__(self) -> Any:
         it = self._iter()
+        fn = self.batch_transform
+        if fn is not None:
+            it = _read_ahead((fn(b, k) for k, b in enumerate(it)), self.transform_ahead, name="la-transform-ahead")
         if self.on_epoch_end is None:
             return it
         try:
@@ -518,8 +531,9 @@ def _reserving(it: Iterator[Any], pool: BufferPool, count: int) -> Iterator[Any]
         yield batch
 
 
-def _read_ahead(it: Iterator[Any], depth: int) -> Iterator[Any]:
-    """Iterate ``it`` on a daemon thread, ``depth`` items ahead of the consumer; errors re-raise in the consumer."""
+def _read_ahead(it: Iterator[Any], depth: int, name: str = "la-read-ahead") -> Iterator[Any]:
+    """Iterate ``it`` on a daemon thread (``name``), ``depth`` items ahead of the consumer; errors re-raise in the
+    consumer."""
     q: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=depth)
     stop = threading.Event()
 
@@ -541,7 +555,7 @@ def _read_ahead(it: Iterator[Any], depth: int) -> Iterator[Any]:
         except BaseException as e:  # delivered to the consumer
             put(("error", e))
 
-    t = threading.Thread(target=produce, name="la-read-ahead", daemon=True)
+    t = threading.Thread(target=produce, name=name, daemon=True)
     t.start()
     try:
         while True:

@@ -41,20 +41,31 @@ class ImageDecoder:
             into the batch; the rest, and :meth:`decode_into`, stay on the CPU. nvJPEG's pixels differ from
             libjpeg-turbo's by rounding (IDCT, chroma upsampling), so the cache keeps them apart (``fingerprint``).
             CUDA cannot run in forked DataLoader workers: decode in the main process (``num_workers=0``).
+        draft: JPEGs at least twice ``size`` on their shorter side are decoded at a reduced scale in the DCT domain
+            (PIL's ``Image.draft``: 1/2, 1/4 or 1/8, never below ``size``) before the resize. Not bit-identical to
+            the full decode + resize (its own cache namespace): on scikit-learn's 427x640 photographs at 160 px,
+            13.2 -> 7.1 ms per image, mean absolute pixel difference 2.4 of 255 (max 59, at edges), measured under
+            load. At 224 px from sources under 448 px it changes nothing (no scale fits). Default off.
     """
 
-    def __init__(self, size: int | None = 224, *, fast_jpeg: bool = True, device: str | None = None) -> None:
+    def __init__(
+        self, size: int | None = 224, *, fast_jpeg: bool = True, device: str | None = None, draft: bool = False
+    ) -> None:
         check_int("image_size", size, low=1, allow_none=True, fix="None keeps the original size.")
         if device is not None and torch.device(device).type != "cuda":
             raise ValueError(f"`device` must be None (CPU) or a CUDA device such as 'cuda', got {device!r}.")
+        if not isinstance(draft, bool):
+            raise TypeError(f"`draft` must be True or False, got {draft!r} ({type(draft).__name__}).")
         self.size = size
         self.fast_jpeg = bool(fast_jpeg)
         self.device = device
+        self.draft = draft
 
     @property
     def fingerprint(self) -> str:
-        # The CPU paths (PIL, libjpeg-turbo) give the same pixels: one namespace. nvJPEG's differ: its own.
-        tail = "" if self.device is None else ",nvjpeg"
+        # The CPU paths (PIL, libjpeg-turbo) give the same pixels: one namespace. nvJPEG's differ: its own; so do
+        # draft-scaled decodes. The size is in every namespace: a new `size` decodes again, never serves old entries.
+        tail = ("" if self.device is None else ",nvjpeg") + (",draft" if self.draft and self.size is not None else "")
         return f"ImageDecoder(size={self.size},v1{tail})"
 
     def pil_transform(self) -> Any:
@@ -67,6 +78,8 @@ class ImageDecoder:
         from PIL import Image
 
         with Image.open(io.BytesIO(data)) as img:
+            if self.draft and self.size is not None and img.format == "JPEG":
+                img.draft("RGB", (self.size, self.size))  # the smallest DCT scale that keeps both sides >= size
             img.load()
             # ImageFolder's `convert("RGB")` copies an image that already is RGB (most JPEGs): skip that copy.
             rgb = img if img.mode == "RGB" else img.convert("RGB")
@@ -188,7 +201,7 @@ class ImageDecoder:
 
     def __repr__(self) -> str:
         dev = "" if self.device is None else f", device={self.device!r}"
-        return f"ImageDecoder(size={self.size}{dev})"
+        return f"ImageDecoder(size={self.size}{dev}{', draft=True' if self.draft else ''})"
 
 
 @functools.lru_cache(maxsize=8)

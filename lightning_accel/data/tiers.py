@@ -13,8 +13,12 @@ processes too, but outside any budget we can enforce).
 
 Contract:
 
-- **Budget never exceeded**: the LMDB ``map_size`` starts small, grows (doubling) on ``MapFullError`` and is capped
-  at ``budget_bytes``, so the data file can never grow past the budget. Entries are admitted against
+- **Budget never exceeded**: the LMDB ``map_size`` is ``budget_bytes`` from the start (without a budget it starts
+  small and doubles on ``MapFullError``), so the data file can never grow past the budget. Why not start small and
+  grow: each growth aborts a whole write transaction (a batch of 150 KB entries copied for nothing) and makes every
+  other process remap; starting at the budget made a cold write of 150 MB cost 0.37 instead of 0.60 ms per entry
+  on ext4, 0.24 instead of 0.27 on tmpfs (measured here, under load). The map is address space, not memory: a
+  tmpfs file written through it stays sparse. Entries are admitted against
   ``usable_bytes`` (budget minus 1/32 headroom for B-tree pages), counted in page-rounded bytes inside the same write
   transaction as the data, so several processes sharing the directory keep one consistent count.
 - **Policy when full**: ``"keep"`` (default) admits nothing more, so a data set larger than the budget keeps a
@@ -240,6 +244,24 @@ def read_marker(path: str) -> dict[str, Any] | None:
     return doc
 
 
+def _on_tmpfs(path: str) -> bool:
+    """True when ``path`` lies on a tmpfs (the longest mount point of ``/proc/self/mounts`` above it)."""
+    real = os.path.realpath(path)
+    best, fstype = "", ""
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                mnt = parts[1].replace("\\040", " ")
+                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) > len(best):
+                    best, fstype = mnt, parts[2]
+    except OSError:  # not Linux: the plain path
+        return False
+    return fstype == "tmpfs"
+
+
 def _open_env(path: str, key: str, map_size: int, sync: bool) -> _Env:
     """This process's environment at ``path`` (``key``: its real path), opened now if needed; holds ``_LOCK``."""
     import lmdb
@@ -260,6 +282,11 @@ def _open_env(path: str, key: str, map_size: int, sync: bool) -> _Env:
         sync=sync,
         metasync=sync,
         readahead=False,  # random reads of large values: readahead only evicts useful page-cache pages
+        # On tmpfs, commits write straight into the memory map instead of into malloc'd pages copied to the file at
+        # commit: one copy of each 150 KB entry fewer (0.147 -> 0.115 ms per put, best of 4 here). On ext4 the map's
+        # write faults cost more than the copy (0.118 -> 0.199 ms): there, the plain path. The file never exceeds
+        # the map either way, and the map is capped at the budget.
+        writemap=_on_tmpfs(path),
         meminit=False,
         max_readers=512,
         max_spare_txns=2,
@@ -373,7 +400,7 @@ class LmdbTier:
             with self._lock:
                 try:
                     cap = self.cap_bytes
-                    initial = _INITIAL_MAP if cap is None else min(cap, _INITIAL_MAP)
+                    initial = _INITIAL_MAP if cap is None else cap  # see "Budget never exceeded" above
                     opened = _open_env(self.path, self._key, initial, self.sync)
                     # Only a directory holding nothing but this tier's files becomes a marked tier: a directory
                     # that also holds other files is never offered to the cleanup.

@@ -80,3 +80,16 @@ def test_dataset_refuses_a_negative_prefetch(small_digits: Path, tmp_path: Path)
     cache = SampleCache(store, list_origin(store), ImageDecoder(16))
     with pytest.raises(ValueError, match=r"`prefetch_batches` must be an integer >= 0"):
         CachedDataset(cache, prefetch_batches=-1)
+
+
+def test_a_new_image_size_on_the_same_cache_dir_decodes_again(small_digits: Path, tmp_path: Path) -> None:
+    """The decode size is part of every entry's key: the cache never serves a sample of the old size."""
+    kw: dict[str, Any] = {"cache_dir": str(tmp_path / "cache"), "ram_dir": str(tmp_path / "ram"), "num_workers": 0}
+    for size, fetched in ((16, 8), (24, 8), (16, 0)):  # back at 16 px: the first run's entries, read again
+        dm = CachedDataModule(str(small_digits), image_size=size, ram_bytes="4MiB", **kw)
+        dm.setup("fit")
+        assert dm.train_set is not None
+        x, _ = dm.train_set.__getitems__(list(range(8)))
+        assert tuple(x.shape) == (8, 3, size, size)
+        assert dm.cache_stats["origin_fetches"] == fetched
+        dm.teardown("fit")

@@ -124,3 +124,24 @@ def test_nvjpeg_batch_decode_into_cpu_rows_is_close_to_libjpeg() -> None:
     for d, row in zip(datas[:6], rows[:6], strict=True):
         ref = ImageDecoder(24)(d)
         assert (row.float() - ref.float()).abs().mean() <= 3  # nvJPEG rounds differently, never far
+
+
+def test_draft_decodes_large_jpegs_at_a_reduced_scale_close_to_the_full_decode() -> None:
+    from PIL import Image
+
+    yy, xx = np.mgrid[0:400, 0:520]
+    rgb = np.stack([xx * 255 // 519, yy * 255 // 399, (xx + yy) * 255 // 918], axis=-1).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(rgb).save(buf, "JPEG", quality=90)
+    data = buf.getvalue()
+    full, draft = ImageDecoder(96), ImageDecoder(96, draft=True)
+    assert draft.fingerprint != full.fingerprint and ImageDecoder(96).fingerprint == full.fingerprint
+    assert ImageDecoder(224).fingerprint != full.fingerprint  # the size is part of the namespace
+    a, b = full(data), draft(data)
+    assert a.shape == b.shape == (3, 96, 96) and not torch.equal(a, b)  # decoded at 1/2 scale (200 >= 96)
+    assert (a.int() - b.int()).abs().float().mean() < 3  # the same picture
+    out = torch.empty(3, 96, 96, dtype=torch.uint8)
+    draft.decode_into(data, out)
+    assert torch.equal(out, b)
+    with pytest.raises(TypeError, match="`draft`"):
+        ImageDecoder(96, draft=1)  # type: ignore[arg-type]

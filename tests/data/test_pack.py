@@ -287,3 +287,77 @@ def test_a_source_of_only_undecodable_files_is_an_error(tmp_path: Path) -> None:
     (tmp_path / "src" / "a" / "x.jpg").write_bytes(b"")
     with pytest.raises(ValueError, match="none of its 1 files can be decoded"):
         pack_origin(str(tmp_path / "src"), str(tmp_path / "packed"))
+
+
+def _wait_staged(c: SampleCache) -> None:
+    import time
+
+    assert c.packed is not None
+    deadline = time.monotonic() + 30
+    while c.packed._inflight.get() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_a_slow_consumer_never_loses_a_shard_staged_ahead(
+    s3_bucket: tuple[str, dict[str, Any]], small_digits: Path, tmp_path: Path
+) -> None:
+    bucket, opts = s3_bucket
+    url = f"s3://{bucket}/packed"
+    listing = pack_origin(str(small_digits), url, dest_storage_options=opts, shard_bytes=10_000)
+    pack = listing.pack
+    assert pack is not None and len(pack.shards) >= 6
+    biggest = max(pack.shard_sizes)
+    c = _cache(url, tmp_path, opts, stage_bytes=3 * biggest)
+    assert c.packed is not None
+    first = [i for i in range(len(listing)) if pack.shard[i] == 0]
+    assert c.packed.prefetch(first) == len(first)  # shard 0 staged ahead for a reader that is slow to come
+    _wait_staged(c)
+    staged0 = c.packed._path(0)
+    os.utime(staged0, (1, 1))  # ...so slow that it is the oldest file of the stage
+    others = [i for i in range(len(listing)) if 1 <= pack.shard[i] <= 4]
+    c.load(others)  # other readers stage and read 4 more shards: the stage overflows, eviction runs
+    assert os.path.exists(staged0)  # spared: no reader has read it yet
+    before = c.stats.as_dict()["bytes_fetched"]
+    c.load(first)  # the slow reader comes: nothing fetched again
+    assert c.stats.as_dict()["bytes_fetched"] == before == sum(pack.shard_sizes[s] for s in range(5))
+    assert not list((tmp_path / "shards").glob("*.ahead"))  # read: no longer ahead, eviction may take it
+
+
+def test_read_ahead_is_capped_per_node_not_per_process(
+    s3_bucket: tuple[str, dict[str, Any]], small_digits: Path, tmp_path: Path
+) -> None:
+    bucket, opts = s3_bucket
+    url = f"s3://{bucket}/packed"
+    listing = pack_origin(str(small_digits), url, dest_storage_options=opts, shard_bytes=8_000)
+    pack = listing.pack
+    assert pack is not None and len(pack.shards) >= 8
+    biggest = max(pack.shard_sizes)
+    # three readers of one node (the main process and two workers), each with its own PackedReader and client
+    readers = [_cache(url, tmp_path, opts, stage_bytes=4 * biggest) for _ in range(3)]
+    everything = list(range(len(listing)))
+    for r in readers:
+        assert r.packed is not None
+        r.packed.prefetch(everything)
+    for r in readers:
+        _wait_staged(r)
+    staged = list((tmp_path / "shards").glob("*.shard"))
+    assert len(staged) >= 1 and sum(p.stat().st_size for p in staged) <= 2 * biggest  # half the stage, node-wide
+    assert len(list((tmp_path / "shards").glob("*.ahead"))) == len(staged)
+
+
+def test_a_shard_evicted_while_a_reader_still_reads_it_is_not_fetched_again(
+    s3_bucket: tuple[str, dict[str, Any]], small_digits: Path, tmp_path: Path
+) -> None:
+    bucket, opts = s3_bucket
+    url = f"s3://{bucket}/packed"
+    listing = pack_origin(str(small_digits), url, dest_storage_options=opts, shard_bytes=10_000)
+    pack = listing.pack
+    assert pack is not None
+    c = _cache(url, tmp_path, opts)
+    first = [i for i in range(len(listing)) if pack.shard[i] == 0]
+    assert len(first) >= 2
+    c.load(first[:1])
+    assert c.packed is not None
+    os.unlink(c.packed._path(0))  # another reader of the node evicts it between this reader's batches
+    c.load(first[1:])
+    assert c.stats.as_dict()["bytes_fetched"] == pack.shard_sizes[0]  # read through this reader's map
