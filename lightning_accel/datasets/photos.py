@@ -88,7 +88,7 @@ def _shape_mask(label: int, size: int, rng: np.random.Generator) -> Any:
     """An ``"L"`` mask (255 inside) of class ``label``'s shape at a random centre, radius and rotation."""
     from PIL import Image, ImageDraw
 
-    r = float(rng.uniform(0.2, 0.32)) * size
+    r = float(rng.uniform(0.22, 0.34)) * size
     cx, cy = (float(v) for v in rng.uniform(r, size - r, size=2))
     # upright, +-15 degrees: a cross and an x (a square and a diamond) stay apart, and a small CNN learns it in epochs
     tilt = float(rng.uniform(-0.26, 0.26))
@@ -166,7 +166,7 @@ def render_photo(photos: list[np.ndarray], index: int, size: int, seed: int) -> 
     grain = _noise_bank(size, seed)[dy : dy + size, dx : dx + size]  # sensor-like grain, one bank per seed
     img = img * gains + grain
     alpha = np.asarray(_shape_mask(label, size, rng), dtype=np.float32)[..., None] * np.float32(
-        rng.uniform(0.75, 1.0) / 255.0
+        rng.uniform(0.85, 1.0) / 255.0
     )
     colour = rng.uniform(0, 255, size=3).astype(np.float32)
     img = img * (1.0 - alpha) + colour * alpha
