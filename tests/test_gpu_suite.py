@@ -46,8 +46,8 @@ def test_bad_arguments_name_the_fix() -> None:
     assert proc.returncode == 2 and "unknown step 'nccl'" in proc.stderr and "gpu_tests, fused" in proc.stderr
 
 
-# A stand-in for `python`: says CUDA is there, plays every step (tests pass, fused writes its report, onebit fails,
-# cuda_memory hangs), and runs the real summary.
+# A stand-in for `python`: says CUDA is there, plays every step (tests pass, fused and end_to_end write their reports,
+# onebit fails, cuda_memory hangs), and runs the real summary.
 _STUB = textwrap.dedent(
     """\
     #!/usr/bin/env bash
@@ -66,6 +66,9 @@ _STUB = textwrap.dedent(
             exit 0 ;;
         *fused.py*)
             echo '{"benchmark": "fused_cuda", "ratios": {"fused_vs_eager_step": 1.37}}' >"$out"
+            exit 0 ;;
+        *end_to_end.py*)
+            echo '{"benchmark": "end_to_end_cuda", "ratios": {"epoch_time_plain_over_accel": 2.5}}' >"$out"
             exit 0 ;;
         *onebit.py*) echo "RuntimeError: NCCL error in the stand-in" >&2; exit 1 ;;
         *cuda_memory.py*) exec sleep 120 ;;
@@ -88,7 +91,7 @@ def test_steps_fail_time_out_and_skip_independently_and_are_summarised(tmp_path:
     out = tmp_path / "suite"
     env = {**os.environ, "PYTHON": str(_stub(tmp_path))}
     # budget 7 s: the first three steps return at once, cuda_memory hangs and is killed when the budget is spent,
-    # augment no longer fits
+    # augment and end_to_end no longer fit
     proc = subprocess.run(
         ["bash", str(SUITE), "--out", str(out), "--budget", "7"], capture_output=True, text=True, env=env, timeout=120
     )
@@ -101,6 +104,7 @@ def test_steps_fail_time_out_and_skip_independently_and_are_summarised(tmp_path:
         "onebit": ("failed", 1),
         "cuda_memory": ("timed_out", 124),
         "augment": ("skipped", None),
+        "end_to_end": ("skipped", None),
     }
     assert doc["ok"] is False and doc["budget_s"] == 7
     steps = {s["name"]: s for s in doc["steps"]}
@@ -132,3 +136,40 @@ def test_only_reruns_the_named_steps(tmp_path: Path) -> None:
     args = parse_args(fused["command"].split()[2:])
     assert args.device == "cuda" and args.quick and args.budget_s is not None
     assert args.budget_s + 60 <= fused["limit_s"]
+
+
+@needs_bash
+@pytest.mark.skipif(shutil.which("timeout") is None, reason="needs coreutils timeout")
+def test_end_to_end_step_runs_the_cuda_comparison_within_its_limit(tmp_path: Path) -> None:
+    out = tmp_path / "suite"
+    env = {**os.environ, "PYTHON": str(_stub(tmp_path))}
+    proc = subprocess.run(
+        ["bash", str(SUITE), "--out", str(out), "--only", "end_to_end"], capture_output=True, text=True, env=env,
+        timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (step,) = json.loads((out / "summary.json").read_text())["steps"]
+    assert step["name"] == "end_to_end" and step["ratios"] == {"epoch_time_plain_over_accel": 2.5}
+    assert step["limit_s"] <= 180  # the case's share of the suite's budget
+    from benchmarks.end_to_end import parse_args
+
+    args = parse_args(step["command"].split()[2:])
+    assert args.device == "cuda" and not args.dry_run and args.out == out / "end_to_end.json"
+
+
+def test_end_to_end_cuda_path_dry_runs_on_the_cpu(tmp_path: Path) -> None:
+    """The GPU case's set-up without a GPU: photos rendered, decode costs measured, both arms' Trainers built."""
+    env = {**os.environ, "E2E_ROOT": str(tmp_path), "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "end_to_end.py"), "--device", "cuda", "--dry-run"],
+        capture_output=True, text=True, env=env, timeout=240,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import ast
+
+    doc = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
+    assert doc["plain"]["checkpoint_io"] == "TorchCheckpointIO" and doc["plain"]["data"] == "PlainPhotos"
+    assert doc["accel"]["precision"] == "FusedPrecision" and doc["accel"]["checkpoint_io"] == "DeltaCheckpointIO"
+    assert "device='cuda'" in doc["accel"]["decode"] and "size=160" in doc["accel"]["augment"]
+    assert doc["job"]["photo_384px_kb"] >= 30 and doc["job"]["photo_384px_decode_ms"] > 0
+    assert not any(tmp_path.glob("plain*/ckpt/*")) and not any(tmp_path.glob("accel*/ckpt/*"))  # nothing trained

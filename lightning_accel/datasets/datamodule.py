@@ -5,6 +5,8 @@
   train/validation. Every plugin's benchmark compares against this module.
 - ``DigitsCachedDataModule``: the product's :class:`~lightning_accel.data.CachedDataModule` over the same JPEGs,
   rendered into its ``origin`` first (the quickstart's data module).
+- ``PhotosCachedDataModule``: the same over the photo data set (:func:`~lightning_accel.datasets.materialize_photos`),
+  the end-to-end job's data module (``examples/configs/photos_all_plugins.yaml``).
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from lightning_accel._utils.checks import check_int
 from lightning_accel.data import CachedDataModule
 from lightning_accel.data.dataset import default_num_workers, split_indices
 from lightning_accel.datasets.digits import DIGITS_CLASSES, check_render_target, materialize_digits
+from lightning_accel.datasets.photos import check_photos_target, materialize_photos
 
-__all__ = ["DigitsCachedDataModule", "DigitsDataModule"]
+__all__ = ["DigitsCachedDataModule", "DigitsDataModule", "PhotosCachedDataModule"]
 
 # Digits are white strokes on black; these are the per-channel statistics of the 64 px rendering.
 DIGITS_MEAN = (0.188, 0.188, 0.188)
@@ -198,6 +201,65 @@ class DigitsCachedDataModule(CachedDataModule):
     @override
     def prepare_data(self) -> None:
         """Once per node: render the digits (if asked), then list them (and warm the cache, if asked)."""
+        self._render()
+        super().prepare_data()
+
+    @override
+    def setup(self, stage: str) -> None:
+        self._render()  # no-op when complete (prepare_data ran on local rank 0 only)
+        super().setup(stage)
+
+
+class PhotosCachedDataModule(CachedDataModule):
+    """:class:`~lightning_accel.data.CachedDataModule` over the photo data set, rendered as JPEGs into ``origin`` first.
+
+    ``prepare_data`` (once per node) renders the photos with :func:`~lightning_accel.datasets.materialize_photos`
+    before the cache lists them, and ``setup`` renders again (a no-op once the tree is complete); everything else is
+    ``CachedDataModule``'s. ``origin`` must be new, empty or a tree this module rendered: a directory of your own
+    images is refused in ``__init__`` (one ``ValueError``, nothing written).
+
+    Args:
+        origin: local directory the photos are rendered into (created if missing; only the demo's own tree).
+        num_images: images to render (10 classes, balanced).
+        photo_size: side of the rendered JPEGs in pixels.
+        photo_seed: the data set's seed (same seed, byte-identical files).
+        **kwargs: :class:`~lightning_accel.data.CachedDataModule` arguments (``cache_dir``, ``image_size``,
+            ``batch_size``, ``train_augment``, ...).
+
+    Raises:
+        ValueError: ``origin`` is a remote URL, or a directory the demo did not write.
+    """
+
+    def __init__(
+        self,
+        origin: str = "data/photos",
+        *,
+        num_images: int = 4000,
+        photo_size: int = 384,
+        photo_seed: int = 0,
+        **kwargs: Any,
+    ) -> None:
+        if not isinstance(origin, str) or ("://" in origin and not origin.startswith("file://")):
+            raise ValueError(
+                f"`origin` must be a local directory to render the photos into, got {origin!r}. Pass a local path, "
+                "or use `lightning_accel.data.CachedDataModule` for images that are already there."
+            )
+        check_photos_target(
+            origin.removeprefix("file://"),
+            arg="origin",
+            fix="for your own images use `lightning_accel.data.CachedDataModule`; else pick a new or empty `origin`",
+        )
+        super().__init__(origin, **kwargs)
+        self.num_images, self.photo_size, self.photo_seed = num_images, photo_size, photo_seed
+
+    def _render(self) -> None:
+        materialize_photos(
+            self.origin.removeprefix("file://"), num_images=self.num_images, size=self.photo_size, seed=self.photo_seed
+        )
+
+    @override
+    def prepare_data(self) -> None:
+        """Once per node: render the photos, then list them (and warm the cache, if asked)."""
         self._render()
         super().prepare_data()
 

@@ -15,17 +15,15 @@ Contract:
 
 from __future__ import annotations
 
-import json
 import os
-import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
-from lightning_accel._utils.atomic import atomic_write_text, fsync_dir
 from lightning_accel._utils.checks import check_int
 from lightning_accel._utils.imports import require
+from lightning_accel.datasets._tree import TreeSpec, begin_render, check_tree, finish_render
 
 __all__ = [
     "DIGITS_CLASSES",
@@ -40,11 +38,15 @@ DIGITS_CLASSES = tuple(str(i) for i in range(10))
 DIGITS_COUNT = 1797  # images in scikit-learn's digits (checked by the tests against the loaded arrays)
 MARKER = ".lightning_accel_digits.json"
 _FORMAT_VERSION = 1
-_RENDERING = "rendering"  # the marker's `state` while a render is under way
-_IMAGE_NAME = re.compile(r"\d{6}\.jpg")  # the only file names the renderer writes in a class folder
-_MARKER_TMP = re.compile(re.escape(f".{MARKER}.") + r"[0-9a-f]+\.tmp")  # atomic_write_text's temporary marker
-_PROBE = ".write_probe"  # written and removed before the render (left behind only by a kill in between)
-_INFO_KEYS = frozenset({"size", "num_images", "quality", "format_version"})
+_SPEC = TreeSpec(
+    what="digits",
+    marker=MARKER,
+    classes=DIGITS_CLASSES,
+    info_keys=frozenset({"size", "num_images", "quality", "format_version"}),
+    writable_hint=(
+        "e.g. `--data.origin=/tmp/digits` in the quickstart, `--data.data_dir=/tmp/digits` for DigitsDataModule"
+    ),
+)
 DEFAULT_FIX = "for your own images use `lightning_accel.data.CachedDataModule`; else pick a new or empty directory"
 
 
@@ -148,64 +150,17 @@ def materialize_digits(
     want = {k: v for k, v in asdict(info).items() if k != "root"}
     if check_render_target(root_p, want) == "reuse":
         return info
-    marker = root_p / MARKER
-    try:
-        root_p.mkdir(parents=True, exist_ok=True)
-        probe = root_p / _PROBE
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise PermissionError(
-            f"Cannot write the digits data set to `root` {str(root_p)!r}: {e.strerror or e}. "
-            "Choose a writable directory (e.g. `--data.origin=/tmp/digits` in the quickstart, "
-            "`--data.data_dir=/tmp/digits` for DigitsDataModule)."
-        ) from e
     # Only a (re)build needs the arrays: a complete tree is reused without loading scikit-learn (setup() calls this on
     # every rank after prepare_data() built it).
+    begin_render(_SPEC, root_p, want)
     images, labels = load_digits_arrays()
-    # The marker goes first: a run killed halfway leaves a tree that is recognisably ours, so the next run may redo it.
-    atomic_write_text(marker, json.dumps({**want, "state": _RENDERING}, sort_keys=True))
-    for c in DIGITS_CLASSES:
-        d = root_p / c
-        d.mkdir(exist_ok=True)
-        for f in d.iterdir():  # check_render_target allowed only our own image names here
-            f.unlink()
     base = len(images)
     for i in range(n):
         src = i % base
         img = _render(images[src], size, i // base, src)
         img.save(root_p / str(int(labels[src])) / f"{i:06d}.jpg", format="JPEG", quality=quality)
-    for c in DIGITS_CLASSES:
-        fsync_dir(root_p / c)
-    atomic_write_text(marker, json.dumps(want, sort_keys=True))
+    finish_render(_SPEC, root_p, want)
     return info
-
-
-def _read_marker(path: Path) -> dict | None:
-    """The marker's content when it is one the renderer wrote (its keys, its states), else None."""
-    try:
-        have = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(have, dict):
-        return None
-    keys = set(have) - {"state"}
-    if keys != _INFO_KEYS or have.get("state", _RENDERING) != _RENDERING:
-        return None
-    return have
-
-
-def _foreign_entry(root: Path) -> Path | None:
-    """The first entry under ``root`` that the renderer does not write (None: the tree holds only its own files)."""
-    for entry in sorted(root.iterdir()):
-        if entry.name in (MARKER, _PROBE) or _MARKER_TMP.fullmatch(entry.name):
-            continue
-        if entry.name not in DIGITS_CLASSES or entry.is_symlink() or not entry.is_dir():
-            return entry
-        for f in sorted(entry.iterdir()):
-            if not _IMAGE_NAME.fullmatch(f.name) or f.is_symlink() or not f.is_file():
-                return f
-    return None
 
 
 def check_render_target(
@@ -230,30 +185,4 @@ def check_render_target(
     Raises:
         ValueError: (one line) ``root`` holds anything the renderer did not write, or digits made with other arguments.
     """
-    root_p = Path(os.fspath(root)).expanduser().resolve()
-    if not root_p.exists():
-        return "build"
-    if not root_p.is_dir():
-        raise ValueError(f"`{arg}` {str(root_p)!r} is a file, not a directory to render the demo digits into; {fix}.")
-    if all(e.name == _PROBE for e in root_p.iterdir()):  # empty (or only our probe, from a kill right after it)
-        return "build"
-    have = _read_marker(root_p / MARKER)
-    if have is None:
-        raise ValueError(
-            f"`{arg}` {str(root_p)!r} is not a digits demo tree (no `{MARKER}` marker), so nothing is rendered there; "
-            f"{fix}."
-        )
-    if "state" not in have:  # a complete demo tree: reused as is (nothing written), or refused when made otherwise
-        if want is None or have == want:
-            return "reuse"
-        raise ValueError(
-            f"`{arg}` {str(root_p)!r} already holds digits made with {have}, not {want}. "
-            "Pass another directory, or delete this one to rebuild it."
-        )
-    foreign = _foreign_entry(root_p)
-    if foreign is not None:
-        raise ValueError(
-            f"`{arg}` {str(root_p)!r} holds {str(foreign.relative_to(root_p))!r}, which the digits demo did not write, "
-            f"so nothing is rendered there; {fix}."
-        )
-    return "build"
+    return check_tree(_SPEC, root, want, arg=arg, fix=fix)

@@ -1,0 +1,153 @@
+"""The safety contract every demo renderer keeps on disk (``<root>/<class>/<NNNNNN>.jpg`` + a marker file).
+
+- Idempotent and crash-safe: the marker file is written first (saying "rendering") and rewritten last (saying what
+  the tree holds). A tree whose marker matches the arguments is reused as is, one whose marker says "rendering" (a run
+  killed halfway) is rebuilt, one whose marker differs is refused rather than mixed.
+- Never writes into someone else's directory: a renderer writes only into a directory that does not exist, is empty,
+  or carries its own marker and nothing but the class folders of ``NNNNNN.jpg`` files it writes. Anything else (a
+  user's ImageFolder tree, a note file) is refused with one line before the first write, and left as it was.
+
+:class:`TreeSpec` names one renderer's marker, classes and marker keys; :func:`check_tree` decides (without writing),
+:func:`begin_render` writes the "rendering" marker and empties the class folders, :func:`finish_render` makes the tree
+durable and writes the final marker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from lightning_accel._utils.atomic import atomic_write_text, fsync_dir
+
+__all__ = ["TreeSpec", "begin_render", "check_tree", "finish_render"]
+
+_RENDERING = "rendering"  # the marker's `state` while a render is under way
+IMAGE_NAME = re.compile(r"\d{6}\.jpg")  # the only file names a renderer writes in a class folder
+PROBE = ".write_probe"  # written and removed before the render (left behind only by a kill in between)
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """One renderer's on-disk identity.
+
+    Attributes:
+        what: the data set's name in messages ("digits", "photos").
+        marker: the marker file's name in the root.
+        classes: the class folder names.
+        info_keys: the keys of the marker's content (without ``state``).
+        writable_hint: how to pick a writable directory, quoted by :func:`begin_render`'s ``PermissionError``.
+    """
+
+    what: str
+    marker: str
+    classes: tuple[str, ...]
+    info_keys: frozenset[str]
+    writable_hint: str
+
+    @property
+    def _marker_tmp(self) -> re.Pattern[str]:  # atomic_write_text's temporary marker
+        return re.compile(re.escape(f".{self.marker}.") + r"[0-9a-f]+\.tmp")
+
+
+def _read_marker(spec: TreeSpec, path: Path) -> dict | None:
+    """The marker's content when it is one the renderer wrote (its keys, its states), else None."""
+    try:
+        have = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(have, dict):
+        return None
+    keys = set(have) - {"state"}
+    if keys != spec.info_keys or have.get("state", _RENDERING) != _RENDERING:
+        return None
+    return have
+
+
+def _foreign_entry(spec: TreeSpec, root: Path) -> Path | None:
+    """The first entry under ``root`` that the renderer does not write (None: the tree holds only its own files)."""
+    tmp = spec._marker_tmp
+    for entry in sorted(root.iterdir()):
+        if entry.name in (spec.marker, PROBE) or tmp.fullmatch(entry.name):
+            continue
+        if entry.name not in spec.classes or entry.is_symlink() or not entry.is_dir():
+            return entry
+        for f in sorted(entry.iterdir()):
+            if not IMAGE_NAME.fullmatch(f.name) or f.is_symlink() or not f.is_file():
+                return f
+    return None
+
+
+def check_tree(spec: TreeSpec, root: str | os.PathLike[str], want: dict | None, *, arg: str, fix: str) -> str:
+    """Decide, without writing anything, whether ``spec``'s data set may be rendered into ``root``.
+
+    Returns:
+        ``"reuse"``: a complete tree made with ``want`` is there (``want=None``: any complete tree of this renderer);
+        ``"build"``: rendering may (re)write it.
+
+    Raises:
+        ValueError: (one line) ``root`` holds anything the renderer did not write, or a tree made with other arguments.
+    """
+    w = spec.what
+    root_p = Path(os.fspath(root)).expanduser().resolve()
+    if not root_p.exists():
+        return "build"
+    if not root_p.is_dir():
+        raise ValueError(f"`{arg}` {str(root_p)!r} is a file, not a directory to render the demo {w} into; {fix}.")
+    if all(e.name == PROBE for e in root_p.iterdir()):  # empty (or only our probe, from a kill right after it)
+        return "build"
+    have = _read_marker(spec, root_p / spec.marker)
+    if have is None:
+        raise ValueError(
+            f"`{arg}` {str(root_p)!r} is not a {w} demo tree (no `{spec.marker}` marker), so nothing is rendered "
+            f"there; {fix}."
+        )
+    if "state" not in have:  # a complete demo tree: reused as is (nothing written), or refused when made otherwise
+        if want is None or have == want:
+            return "reuse"
+        raise ValueError(
+            f"`{arg}` {str(root_p)!r} already holds {w} made with {have}, not {want}. "
+            "Pass another directory, or delete this one to rebuild it."
+        )
+    foreign = _foreign_entry(spec, root_p)
+    if foreign is not None:
+        raise ValueError(
+            f"`{arg}` {str(root_p)!r} holds {str(foreign.relative_to(root_p))!r}, which the {w} demo did not write, "
+            f"so nothing is rendered there; {fix}."
+        )
+    return "build"
+
+
+def begin_render(spec: TreeSpec, root_p: Path, want: dict) -> None:
+    """After :func:`check_tree` said ``"build"``: check ``root_p`` is writable, write the "rendering" marker first (a
+    run killed halfway leaves a tree that is recognisably ours, so the next run may redo it) and empty the class
+    folders (which :func:`check_tree` allowed to hold only our own image names).
+
+    Raises:
+        PermissionError: ``root_p`` cannot be written (nothing written).
+    """
+    try:
+        root_p.mkdir(parents=True, exist_ok=True)
+        probe = root_p / PROBE
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise PermissionError(
+            f"Cannot write the {spec.what} data set to `root` {str(root_p)!r}: {e.strerror or e}. "
+            f"Choose a writable directory ({spec.writable_hint})."
+        ) from e
+    atomic_write_text(root_p / spec.marker, json.dumps({**want, "state": _RENDERING}, sort_keys=True))
+    for c in spec.classes:
+        d = root_p / c
+        d.mkdir(exist_ok=True)
+        for f in d.iterdir():
+            f.unlink()
+
+
+def finish_render(spec: TreeSpec, root_p: Path, want: dict) -> None:
+    """Make the class folders durable, then write the final marker (the tree is complete from here on)."""
+    for c in spec.classes:
+        fsync_dir(root_p / c)
+    atomic_write_text(root_p / spec.marker, json.dumps(want, sort_keys=True))
