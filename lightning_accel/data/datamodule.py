@@ -553,7 +553,9 @@ class CachedDataModule(LightningDataModule):
             self._ready.clear()
             self._stream_base = aug.calls
         call = self._stream_base + k
-        out = aug(x, train=True, call=call)
+        # forward, not __call__: on this thread a module call would enter whatever the training thread patched
+        # into nn.Module.__call__ at the time (torch.fx tracing in pruning surgery raised here)
+        out = aug.forward(x, train=True, call=call)
         self._ready[id(out)] = (out, call)  # the reference keeps `id(out)` unique until the step takes it
         return out, y
 

@@ -126,5 +126,6 @@ def test_every_rank_takes_rank_zeros_decisions_under_two_gloo_processes(tmp_path
     assert ranks[0]["chosen"] == ranks[1]["chosen"] and ranks[0]["config"] == ranks[1]["config"]
     assert ranks[0]["step_s"] == ranks[1]["step_s"]  # the slowest rank's time, on both
     names = [d[0] for d in ranks[0]["decisions"]]
-    assert names[0] == "baseline" and sorted(names[1:]) == ["precision: bf16-mixed", "strategy: ddp_1bit"]
+    assert names[0] == "baseline" and len(names) > 1
+    assert all(n.startswith(("precision: ", "strategy: ")) for n in names[1:])  # the levers the test allows
     assert (tmp_path / "tuned.yaml").is_file()
