@@ -142,7 +142,25 @@ class DigitsDataModule(LightningDataModule):
         return self.val_dataloader()
 
 
-class DigitsCachedDataModule(CachedDataModule):
+class _RenderedCachedDataModule(CachedDataModule):
+    """A ``CachedDataModule`` over a demo tree that ``_render`` materialises (idempotent) before it is listed."""
+
+    def _render(self) -> None:
+        """Materialise the tree into ``origin``; here nothing: the origin is read as it is."""
+
+    @override
+    def prepare_data(self) -> None:
+        """Once per node: render the demo tree, then list it (and warm the cache, if asked)."""
+        self._render()
+        super().prepare_data()
+
+    @override
+    def setup(self, stage: str) -> None:
+        self._render()  # no-op when complete (prepare_data ran on local rank 0 only)
+        super().setup(stage)
+
+
+class DigitsCachedDataModule(_RenderedCachedDataModule):
     """:class:`~lightning_accel.data.CachedDataModule` over the digits, rendered as JPEGs into ``origin`` first.
 
     ``prepare_data`` (once per node) renders the digits with :func:`~lightning_accel.datasets.materialize_digits`
@@ -198,19 +216,8 @@ class DigitsCachedDataModule(CachedDataModule):
         if self.digits_size is not None:
             materialize_digits(self.origin.removeprefix("file://"), size=self.digits_size, num_images=self.num_images)
 
-    @override
-    def prepare_data(self) -> None:
-        """Once per node: render the digits (if asked), then list them (and warm the cache, if asked)."""
-        self._render()
-        super().prepare_data()
 
-    @override
-    def setup(self, stage: str) -> None:
-        self._render()  # no-op when complete (prepare_data ran on local rank 0 only)
-        super().setup(stage)
-
-
-class PhotosCachedDataModule(CachedDataModule):
+class PhotosCachedDataModule(_RenderedCachedDataModule):
     """:class:`~lightning_accel.data.CachedDataModule` over the photo data set, rendered as JPEGs into ``origin`` first.
 
     ``prepare_data`` (once per node) renders the photos with :func:`~lightning_accel.datasets.materialize_photos`
@@ -256,14 +263,3 @@ class PhotosCachedDataModule(CachedDataModule):
         materialize_photos(
             self.origin.removeprefix("file://"), num_images=self.num_images, size=self.photo_size, seed=self.photo_seed
         )
-
-    @override
-    def prepare_data(self) -> None:
-        """Once per node: render the photos, then list them (and warm the cache, if asked)."""
-        self._render()
-        super().prepare_data()
-
-    @override
-    def setup(self, stage: str) -> None:
-        self._render()  # no-op when complete (prepare_data ran on local rank 0 only)
-        super().setup(stage)
