@@ -2,7 +2,8 @@
 
 - Idempotent and crash-safe: the marker file is written first (saying "rendering") and rewritten last (saying what
   the tree holds). A tree whose marker matches the arguments is reused as is, one whose marker says "rendering" (a run
-  killed halfway) is rebuilt, one whose marker differs is refused rather than mixed.
+  killed halfway) is rebuilt, and so is one made with the same arguments by an older ``format_version`` of the
+  renderer; one whose marker differs otherwise is refused rather than mixed.
 - Never writes into someone else's directory: a renderer writes only into a directory that does not exist, is empty,
   or carries its own marker and nothing but the class folders of ``NNNNNN.jpg`` files it writes. Anything else (a
   user's ImageFolder tree, a note file) is refused with one line before the first write, and left as it was.
@@ -80,6 +81,15 @@ def _foreign_entry(spec: TreeSpec, root: Path) -> Path | None:
     return None
 
 
+def _older_format_only(have: dict, want: dict) -> bool:
+    """``have`` is ``want`` made by an older format of the renderer (every other argument equal)."""
+    old, new = have.get("format_version"), want.get("format_version")
+    same_args = {k: v for k, v in have.items() if k != "format_version"} == {
+        k: v for k, v in want.items() if k != "format_version"
+    }
+    return same_args and isinstance(old, int) and isinstance(new, int) and old < new
+
+
 def check_tree(spec: TreeSpec, root: str | os.PathLike[str], want: dict | None, *, arg: str, fix: str) -> str:
     """Decide, without writing anything, whether ``spec``'s data set may be rendered into ``root``.
 
@@ -107,10 +117,13 @@ def check_tree(spec: TreeSpec, root: str | os.PathLike[str], want: dict | None, 
     if "state" not in have:  # a complete demo tree: reused as is (nothing written), or refused when made otherwise
         if want is None or have == want:
             return "reuse"
-        raise ValueError(
-            f"`{arg}` {str(root_p)!r} already holds {w} made with {have}, not {want}. "
-            "Pass another directory, or delete this one to rebuild it."
-        )
+        if not _older_format_only(have, want):
+            raise ValueError(
+                f"`{arg}` {str(root_p)!r} already holds {w} made with {have}, not {want}. "
+                "Pass another directory, or delete this one to rebuild it."
+            )
+        # else: the same arguments rendered by an older version of this renderer: rebuilt (below) when the tree
+        # holds nothing but its own files, so an upgrade does not leave a user with a directory to delete by hand
     foreign = _foreign_entry(spec, root_p)
     if foreign is not None:
         raise ValueError(

@@ -72,6 +72,72 @@ def test_idempotent_rebuilds_a_killed_render_and_refuses_other_arguments(tmp_pat
     assert json.loads((root / MARKER).read_text()) == marker and _hashes(root) == good
 
 
+def test_the_shape_contrasts_with_its_background_in_every_image() -> None:
+    """Inside the drawn shape the image differs from the same render without it by >= 60 levels in some channel on
+    average (the colour is 90-160 levels from the background's mean, at 85-100 % opacity, before JPEG)."""
+    from lightning_accel.datasets import photos as ph
+
+    arrays = load_photo_arrays()
+    for i in range(30):
+        _, img = render_photo(arrays, i, 96, 0)
+        rng = np.random.default_rng([0, i])  # the same draws up to the shape: its mask
+        mask = np.asarray(_replay_mask(ph, arrays, i, rng)) > 127
+        colour = np.asarray(img, dtype=np.float32)[mask].mean(0)
+        ring = np.asarray(img, dtype=np.float32)[~mask].mean(0)
+        assert mask.mean() > 0.02
+        assert np.abs(colour - ring).max() > 25, (i, colour, ring)  # against the whole image, a looser bound
+
+
+def _replay_mask(ph: object, arrays: list[np.ndarray], index: int, rng: np.random.Generator) -> object:
+    """The shape mask of image ``index`` at 96 px, drawn with the same rng stream as :func:`render_photo`."""
+    calls: list[object] = []
+    real = ph._shape_mask  # type: ignore[attr-defined]
+
+    def spy(label: int, size: int, r: np.random.Generator) -> object:
+        calls.append(m := real(label, size, r))
+        return m
+
+    ph._shape_mask = spy  # type: ignore[attr-defined]
+    try:
+        render_photo(arrays, index, 96, 0)
+    finally:
+        ph._shape_mask = real  # type: ignore[attr-defined]
+    return calls[0]
+
+
+def test_contrasting_colour_is_far_from_the_background_per_channel() -> None:
+    from lightning_accel.datasets.photos import _contrasting_colour
+
+    rng = np.random.default_rng(0)
+    alpha = np.zeros((8, 8), np.float32)
+    alpha[2:6, 2:6] = 1.0
+    for bg in ((0, 0, 0), (255, 255, 255), (128, 20, 240), (60, 200, 100)):
+        img = np.broadcast_to(np.asarray(bg, np.float32), (8, 8, 3)).copy()
+        c = _contrasting_colour(img, alpha, rng)
+        assert np.all(np.abs(c - np.asarray(bg)) >= 90) and np.all((c >= 0) & (c <= 255)), (bg, c)
+
+
+def test_a_tree_of_an_older_format_is_rebuilt_only_when_it_holds_only_its_own_files(tmp_path: Path) -> None:
+    root = tmp_path / "p"
+    materialize_photos(root, num_images=10, size=48, workers=0)
+    new = _hashes(root)
+    marker = json.loads((root / MARKER).read_text())
+    old = {**marker, "format_version": marker["format_version"] - 1}
+    (root / MARKER).write_text(json.dumps(old))
+    (root / "circle" / "000000.jpg").write_bytes(b"an older render")
+    materialize_photos(root, num_images=10, size=48, workers=0)  # same arguments, older format: rebuilt
+    assert json.loads((root / MARKER).read_text()) == marker and _hashes(root) == new
+    (root / MARKER).write_text(json.dumps(old))
+    (root / "ring" / "holiday.jpg").write_bytes(b"user bytes")
+    with pytest.raises(ValueError, match=r"'ring/holiday.jpg', which the photos demo did not write"):
+        materialize_photos(root, num_images=10, size=48, workers=0)
+    assert (root / "ring" / "holiday.jpg").read_bytes() == b"user bytes"
+    (root / "ring" / "holiday.jpg").unlink()
+    (root / MARKER).write_text(json.dumps({**old, "seed": 5}))  # an older format of other arguments: refused
+    with pytest.raises(ValueError, match="already holds photos made with"):
+        materialize_photos(root, num_images=10, size=48, workers=0)
+
+
 def test_a_users_folder_is_refused_and_left_byte_identical(tmp_path: Path) -> None:
     from PIL import Image
 
