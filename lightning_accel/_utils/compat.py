@@ -632,3 +632,10 @@ def model_checkpoint_tracked(state: Mapping[str, Any]) -> set[str]:
         if isinstance(value, str) and value:
             paths.add(value)
     return paths
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """The tensor's in-place version counter (``Tensor._version``): every in-place op through torch bumps it, writes
+    through ``.data``, numpy views or foreign code do not. Used only to skip work whose result would be "changed"
+    anyway, never to conclude "unchanged"."""
+    return int(t._version)

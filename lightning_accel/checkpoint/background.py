@@ -6,8 +6,9 @@ Contract:
 1. **Snapshots into reused buffers.** :class:`SnapshotPool` copies every tensor of a checkpoint into private CPU
    buffers *synchronously*, so optimizer steps that run while the save is in flight cannot race it. A buffer is kept
    per tensor (by its key path) and reused by the next snapshot once no save in flight holds it, so a warm run
-   allocates nothing per save (:attr:`WriterStats.buffers_allocated` stops growing). A CPU tensor whose bytes equal
-   the newest snapshot of the same key is not copied at all: the snapshot shares that buffer and its *content id*,
+   allocates nothing per save (:attr:`WriterStats.buffers_allocated` stops growing). A CPU tensor that is the one
+   copied into the newest snapshot of the same key, at the same in-place version, and whose bytes still equal it, is
+   not copied at all: the snapshot shares that buffer and its *content id*,
    so the store knows it unchanged without hashing it (``last.ckpt`` right after ``step=N.ckpt``). Accelerator
    tensors are copied into pinned buffers (asynchronous device-to-host copies, one synchronisation per snapshot).
 2. :class:`BackgroundWriter` runs jobs (saves *and* removals) on a single worker thread in submission order, so a
@@ -52,6 +53,7 @@ from typing import Any, Literal
 import torch
 
 from lightning_accel._utils.checks import check_choice, check_int
+from lightning_accel._utils.compat import tensor_version
 from lightning_accel._utils.errors import one_line
 from lightning_accel._utils.forksafe import PerProcess
 from lightning_accel.checkpoint.codec import copy_into, same_bytes
@@ -166,12 +168,14 @@ class WriterStats:
 
 
 class _Buf:
-    __slots__ = ("content_id", "path", "refs", "tensor")
+    __slots__ = ("content_id", "path", "refs", "source", "tensor")
 
     def __init__(self, tensor: torch.Tensor, path: str = "") -> None:
         self.tensor, self.path = tensor, path
         self.refs = 0
         self.content_id = next(_content_ids)
+        #: (data pointer, version counter) of the tensor last copied in; None: unknown
+        self.source: tuple[int, int] | None = None
 
 
 class Snapshot:
@@ -249,7 +253,12 @@ class SnapshotPool:
         cpu = src.device.type == "cpu"
         old = self._latest.get(path)
         fits = old is not None and old.tensor.shape == src.shape and old.tensor.dtype == src.dtype
-        if old is not None and fits and cpu and same_bytes(old.tensor, src):
+        source = (src.data_ptr(), tensor_version(src)) if cpu else None
+        # The byte comparison only runs when the source is the same tensor at the same version as the one copied
+        # last: a tensor modified in place since (an optimizer step) is copied without comparing first, which halves
+        # the snapshot of a trained state. Equal version counters do not prove equal bytes (writes through `.data`
+        # do not count), so those are still compared.
+        if old is not None and fits and cpu and old.source == source and same_bytes(old.tensor, src):
             old.refs += 1
             self.stats.tensors_shared += 1
             return old
@@ -262,6 +271,7 @@ class SnapshotPool:
             b = _Buf(self._buffer(src), path)
             self._latest[path] = b
         non_blocking = not cpu and b.tensor.is_pinned()
+        b.source = source
         if cpu:
             copy_into(b.tensor, src)
         else:

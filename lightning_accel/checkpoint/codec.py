@@ -134,6 +134,7 @@ def tensor_bytes(t: torch.Tensor) -> np.ndarray:
 #: tensors from this size on are compared and copied with numpy (one memcmp/memcpy-speed pass, single-threaded);
 #: smaller ones with one torch call (less overhead per call). Measured by benchmarks/delta_checkpoint.py (snapshot_s).
 _NUMPY_FROM = 1 << 16
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor, chunk: int = 1 << 19) -> bool:
@@ -143,6 +144,11 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor, chunk: int = 1 << 19) -> bool:
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     if a.numel() * a.element_size() < _NUMPY_FROM:
+        if not a.dtype.is_floating_point and not a.dtype.is_complex:  # integers and bools: value equality is bitwise
+            return torch.equal(a, b)
+        bits = _SAME_SIZE_INT.get(a.element_size())
+        if bits is not None and not a.dtype.is_complex:  # floats as same-size integers: -0.0 != 0.0, NaN == NaN
+            return torch.equal(a.detach().view(bits), b.detach().view(bits))
         return torch.equal(a.detach().reshape(-1).view(torch.uint8), b.detach().reshape(-1).view(torch.uint8))
     x, y = tensor_bytes(a), tensor_bytes(b)
     if x.size % 8 == 0:

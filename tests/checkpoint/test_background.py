@@ -255,6 +255,27 @@ def test_snapshots_reuse_their_buffers_and_share_unchanged_tensors() -> None:
     assert again.tree["z"] is not snap.tree["z"] and torch.equal(again.tree["z"].view(torch.int32), z.view(torch.int32))
 
 
+def test_a_write_the_version_counter_misses_is_still_caught_and_nan_bits_are_compared() -> None:
+    """The version counter only lets a snapshot skip the comparison of a tensor modified in place; a write through
+    ``.data`` (no version bump) is found by the comparison, and float tensors compare as bits."""
+    pool = SnapshotPool()
+    w = torch.randn(64)
+    first = pool.take({"w": w})
+    pool.release(first)
+    w.data[3] = 123.0  # bypasses the version counter
+    second = pool.take({"w": w})
+    assert pool.stats.tensors_shared == 0 and second.tree["w"][3] == 123.0
+    pool.release(second)
+    same = pool.take({"w": w})  # untouched since: shared
+    assert pool.stats.tensors_shared == 1 and torch.equal(same.tree["w"], w)
+    pool.release(same)
+    n = torch.full((8,), float("nan"))
+    i = torch.arange(5)
+    pool.release(pool.take({"n": n, "i": i}))
+    again = pool.take({"n": n, "i": i})  # NaN bits equal themselves; integers compare by value
+    assert pool.stats.tensors_shared == 3 and torch.isnan(again.tree["n"]).all()
+
+
 def test_memory_stays_bounded_over_200_saves() -> None:
     """200 saves of a 4 MB snapshot submitted faster than the worker writes them (every_n_train_steps=1 with a save
     slower than a step): without the bound the queue would hold ~100-200 snapshots (400-800 MB)."""
