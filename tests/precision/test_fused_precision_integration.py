@@ -140,6 +140,57 @@ def test_trainer_precision_and_plugin_together_is_refused() -> None:
         L.Trainer(accelerator="cpu", precision="bf16-mixed", plugins=[FusedPrecision("bf16-mixed", device="cpu")])
 
 
+def test_channels_last_converts_conv_weights_and_trains_like_the_default_layout(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    ref = _fit(ImageClassifier(num_classes=4, width=8, blocks=(1, 1)), _image_loader(), FusedPrecision(), tmp_path)
+    torch.manual_seed(0)
+    model = ImageClassifier(num_classes=4, width=8, blocks=(1, 1))
+    losses = _fit(model, _image_loader(), FusedPrecision(memory_format="channels_last"), tmp_path)
+    convs = [m.weight for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
+    assert convs and all(w.is_contiguous(memory_format=torch.channels_last) for w in convs)
+    assert any(not w.is_contiguous() for w in convs)  # (a 1x1 kernel's two layouts coincide)
+    _compare(losses, ref)
+
+
+def test_memory_format_is_validated_at_construction() -> None:
+    with pytest.raises(ValueError, match=r"`memory_format` must be 'preserve' or 'channels_last', got 'nhwc'"):
+        FusedPrecision(memory_format="nhwc")  # type: ignore[arg-type]
+
+
+def _channels_last_ddp_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """2 ranks, ddp_1bit + async delta checkpoints with channels_last weights: trains in sync, and the saved
+    checkpoint restores the exact weights into a default-layout model."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_accel.checkpoint import DeltaCheckpointIO
+    from lightning_accel.strategies import OneBitDDPStrategy
+
+    torch.manual_seed(0)
+    model = ImageClassifier(num_classes=4, width=8, blocks=(1, 1))
+    ckpt = ModelCheckpoint(dirpath=f"{root}/ckpt", save_last=True, every_n_train_steps=4)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world_size, max_steps=8, callbacks=[ckpt], logger=False,
+        strategy=OneBitDDPStrategy(warmup_steps=2, compression="1bit"), enable_progress_bar=False,
+        plugins=[FusedPrecision(memory_format="channels_last"), DeltaCheckpointIO(async_save=True)],
+        enable_model_summary=False, default_root_dir=root,
+    )  # fmt: skip
+    trainer.fit(model, _image_loader())
+    trainer.strategy.checkpoint_io.teardown()  # the background writer has finished
+    weights = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    restored = DeltaCheckpointIO().load_checkpoint(f"{root}/ckpt/last.ckpt")["state_dict"]
+    return {
+        # parameters only: BatchNorm's running statistics are updated by each rank's last batch after DDP's broadcast
+        "sum": float(sum(p.detach().double().sum() for p in model.parameters())),
+        "exact": all(torch.equal(restored[k], v) for k, v in weights.items()),
+    }
+
+
+def test_channels_last_under_two_process_1bit_ddp_with_async_delta_checkpoints(tmp_path: Path) -> None:
+    results = run_in_processes(_channels_last_ddp_worker, 2, (str(tmp_path),), init_process_group=False, timeout=240)
+    assert results[0]["exact"]
+    assert results[0]["sum"] == results[1]["sum"]  # the ranks stayed in sync
+
+
 class _DDPProbe(Callback):
     def __init__(self) -> None:
         self.seen: dict[str, bool] = {}
