@@ -56,7 +56,7 @@ from lightning_accel._utils.checks import check_choice, check_int
 from lightning_accel._utils.compat import tensor_version
 from lightning_accel._utils.errors import one_line
 from lightning_accel._utils.forksafe import PerProcess
-from lightning_accel.checkpoint.codec import copy_into, same_bytes
+from lightning_accel.checkpoint.codec import copy_into, dense_layout, same_bytes
 
 __all__ = [
     "BackgroundWriter",
@@ -252,7 +252,12 @@ class SnapshotPool:
             return b
         cpu = src.device.type == "cpu"
         old = self._latest.get(path)
-        fits = old is not None and old.tensor.shape == src.shape and old.tensor.dtype == src.dtype
+        fits = (
+            old is not None
+            and old.tensor.shape == src.shape
+            and old.tensor.dtype == src.dtype
+            and old.tensor.stride() == _wanted(src)[2]
+        )
         source = (src.data_ptr(), tensor_version(src)) if cpu else None
         # The byte comparison only runs when the source is the same tensor at the same version as the one copied
         # last: a tensor modified in place since (an optimizer step) is copied without comparing first, which halves
@@ -282,10 +287,11 @@ class SnapshotPool:
 
     def _buffer(self, src: torch.Tensor) -> torch.Tensor:
         pin = src.device.type == "cuda" and torch.cuda.is_available()
-        spare = self._spare.get((tuple(src.shape), src.dtype, pin))
+        want = _wanted(src)
+        spare = self._spare.get((*want, pin))
         if spare:
             return spare.pop()
-        t = torch.empty(tuple(src.shape), dtype=src.dtype, pin_memory=pin)
+        t = torch.empty_strided(want[0], want[2], dtype=src.dtype, pin_memory=pin)
         self.stats.buffers_allocated += 1
         self.stats.buffer_bytes += t.numel() * t.element_size()
         return t
@@ -308,7 +314,21 @@ class SnapshotPool:
 
 
 def _shape_key(t: torch.Tensor) -> tuple[Any, ...]:
-    return (tuple(t.shape), t.dtype, t.is_pinned())
+    """A buffer's shape, dtype, strides and pinning."""
+    return (tuple(t.shape), t.dtype, t.stride(), t.is_pinned())
+
+
+def _wanted(src: torch.Tensor) -> tuple[Any, ...]:
+    """The shape, dtype and strides of ``src``'s buffer: the source's own layout when it is dense (channels_last
+    weights: the copy is then one memcpy, not a reorder), else contiguous."""
+    shape = tuple(src.shape)
+    if dense_layout(src):
+        return shape, src.dtype, src.stride()
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= max(n, 1)
+    return shape, src.dtype, tuple(reversed(stride))
 
 
 class _Job:

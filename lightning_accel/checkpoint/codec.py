@@ -50,6 +50,7 @@ __all__ = [
     "itemsize_of",
     "pack_blob",
     "copy_into",
+    "dense_layout",
     "read_header",
     "same_bytes",
     "shuffle_bytes",
@@ -131,6 +132,26 @@ def tensor_bytes(t: torch.Tensor) -> np.ndarray:
     return t.view(torch.uint8).numpy()
 
 
+def dense_layout(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill its memory span without gaps or overlap in a standard order (contiguous, or
+    channels_last for 4-D / 5-D tensors): two such tensors with equal strides hold their elements in the same order."""
+    if t.is_contiguous():
+        return True
+    if t.dim() == 4:
+        return t.is_contiguous(memory_format=torch.channels_last)
+    return t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d)
+
+
+def _span_bytes(t: torch.Tensor) -> np.ndarray:
+    """The bytes of a dense CPU tensor (:func:`dense_layout`) in memory order, as a view."""
+    flat = t.detach().as_strided((t.numel(),), (1,), t.storage_offset())
+    return flat.view(torch.uint8).numpy()
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.stride() == b.stride() and dense_layout(a) and dense_layout(b)
+
+
 #: tensors from this size on are compared and copied with numpy (one memcmp/memcpy-speed pass, single-threaded);
 #: smaller ones with one torch call (less overhead per call). Measured by benchmarks/delta_checkpoint.py (snapshot_s).
 _NUMPY_FROM = 1 << 16
@@ -150,20 +171,26 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor, chunk: int = 1 << 19) -> bool:
         if bits is not None and not a.dtype.is_complex:  # floats as same-size integers: -0.0 != 0.0, NaN == NaN
             return torch.equal(a.detach().view(bits), b.detach().view(bits))
         return torch.equal(a.detach().reshape(-1).view(torch.uint8), b.detach().reshape(-1).view(torch.uint8))
-    x, y = tensor_bytes(a), tensor_bytes(b)
+    # same memory order (e.g. both channels_last): compare the spans as they are, without contiguous copies
+    x, y = (_span_bytes(a), _span_bytes(b)) if _same_layout(a, b) else (tensor_bytes(a), tensor_bytes(b))
     if x.size % 8 == 0:
         x, y = x.view(np.uint64), y.view(np.uint64)
     return all(np.array_equal(x[i : i + chunk], y[i : i + chunk]) for i in range(0, x.size, chunk))
 
 
 def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)`` for a contiguous CPU ``dst`` of ``src``'s dtype and shape; a CPU ``src`` of
-    ``_NUMPY_FROM`` bytes or more is copied by numpy (a single memcpy pass: torch's multi-threaded copy is slower
-    on a busy machine, see ``benchmarks/delta_checkpoint.py``)."""
-    if src.device.type != "cpu" or src.numel() * src.element_size() < _NUMPY_FROM or not dst.is_contiguous():
+    """``dst.copy_(src)`` for a CPU ``dst`` of ``src``'s dtype and shape; a CPU ``src`` of ``_NUMPY_FROM`` bytes or
+    more is copied by numpy (a single memcpy pass: torch's multi-threaded copy is slower on a busy machine, see
+    ``benchmarks/delta_checkpoint.py``) when ``dst`` is contiguous or has ``src``'s dense layout (channels_last
+    weights into a channels_last buffer: one memcpy, no reordering)."""
+    if src.device.type != "cpu" or src.numel() * src.element_size() < _NUMPY_FROM:
         dst.copy_(src)
-        return
-    np.copyto(tensor_bytes(dst), tensor_bytes(src))
+    elif _same_layout(dst, src):
+        np.copyto(_span_bytes(dst), _span_bytes(src))
+    elif dst.is_contiguous():
+        np.copyto(tensor_bytes(dst), tensor_bytes(src))
+    else:
+        dst.copy_(src)
 
 
 def tensor_from_bytes(raw: np.ndarray | bytes, dtype: torch.dtype, shape: list[int] | tuple[int, ...]) -> torch.Tensor:

@@ -276,6 +276,24 @@ def test_a_write_the_version_counter_misses_is_still_caught_and_nan_bits_are_com
     assert pool.stats.tensors_shared == 3 and torch.isnan(again.tree["n"]).all()
 
 
+@pytest.mark.parametrize("numel_scale", [1, 64])  # below and above the numpy copy threshold
+def test_channels_last_sources_get_buffers_of_their_layout_reused_across_snapshots(numel_scale: int) -> None:
+    """A channels_last weight is copied into a buffer with its own strides (one memcpy, no reorder), the buffer is
+    reused across snapshots and holds the same values; a non-dense view gets a contiguous buffer, also reused."""
+    pool = SnapshotPool()
+    w = torch.randn(8 * numel_scale, 4, 5, 5).to(memory_format=torch.channels_last)
+    view = torch.randn(32, 48 * numel_scale)[:, ::2]  # neither contiguous nor channels_last
+    for _ in range(3):
+        w.add_(1.0)
+        view.add_(1.0)
+        snap = pool.take({"w": w, "v": view})
+        got = snap.tree["w"]
+        assert got.stride() == w.stride() and torch.equal(got, w)
+        assert snap.tree["v"].is_contiguous() and torch.equal(snap.tree["v"], view)
+        pool.release(snap)
+    assert pool.stats.buffers_allocated == 2
+
+
 def test_memory_stays_bounded_over_200_saves() -> None:
     """200 saves of a 4 MB snapshot submitted faster than the worker writes them (every_n_train_steps=1 with a save
     slower than a step): without the bound the queue would hold ~100-200 snapshots (400-800 MB)."""
