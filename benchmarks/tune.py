@@ -116,7 +116,7 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     results["guard"], guard = guard_cases(args.quick)
     results["loadavg_1min_end"] = round(os.getloadavg()[0], 2)
-    config = {"jobs": list(JOBS), "grid_rounds": 1 if args.quick else 2, "margin": 0.03, "torch_threads": 1}
+    config = {"jobs": list(JOBS), "grid_rounds": 2, "margin": 0.03, "torch_threads": 1}
     report("tune", quick=args.quick, config=config, results=results, ratios={**worst, **ratios, **guard}, out=args.out)
 
 

@@ -639,3 +639,23 @@ def tensor_version(t: torch.Tensor) -> int:
     through ``.data``, numpy views or foreign code do not. Used only to skip work whose result would be "changed"
     anyway, never to conclude "unchanged"."""
     return int(t._version)
+
+
+def rewind_global_step(trainer: Any, steps: int) -> bool:
+    """Take ``steps`` back from ``trainer.global_step`` (Lightning's optimizer-step progress counters, which
+    ``max_steps`` and step-indexed callbacks read), so a fit that restored an earlier state trains the steps it lost.
+    Returns False, changing nothing, when this Lightning keeps the counter elsewhere."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    module = getattr(trainer, "lightning_module", None)
+    try:
+        if module is None or module.automatic_optimization:
+            tracker = loop.automatic_optimization.optim_progress.optimizer.step  # type: ignore[union-attr]
+        else:
+            tracker = loop.manual_optimization.optim_step_progress  # type: ignore[union-attr]
+        total, current = tracker.total, tracker.current
+        n = min(int(steps), int(total.completed))
+        for t in (total, current):
+            t.ready, t.completed = max(0, t.ready - n), max(0, t.completed - n)
+    except AttributeError:
+        return False
+    return True

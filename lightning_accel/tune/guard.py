@@ -20,6 +20,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_accel._utils.checks import check_bool, check_int
+from lightning_accel._utils.compat import rewind_global_step
 from lightning_accel._utils.levers import Lever, find_levers
 from lightning_accel._utils.rank import distributed_ready
 from lightning_accel.tune._watch import SeriesWatch, Snapshot, Trigger, WatchRule
@@ -52,9 +53,11 @@ class RollbackGuard(Callback):
       it falls due, before the update, and only when that step's loss and gradients are finite on every rank (so a
       snapshot never holds the update of a bad step); the first is the state at the start of ``fit``.
     * **Rollback.** On a trigger on any rank, every rank restores the snapshot in place (parameters, buffers,
-      optimizer state, learning rates, schedulers; the step counter and the data position go on), the most recently
-      switched-on active lever is switched off through its ``switch_off(reason)`` (``ddp_1bit`` -> fp32 averaging,
-      fused modules -> the reference ops, quantized checkpoint deltas -> lossless), the event is logged
+      optimizer state, learning rates, schedulers; with ``replay_lost_steps`` in a fit bound by ``max_steps`` the
+      step counter too, so it trains the steps the rollback took back and its schedule ends where it would have;
+      the data position goes on), the most recently switched-on active lever is switched off through its
+      ``switch_off(reason)`` (``ddp_1bit`` -> fp32 averaging, fused modules -> the reference ops, quantized
+      checkpoint deltas -> lossless), the event is logged
       (``guard/rollbacks``, a ``rank_zero_warn`` line with the reason, an entry in :attr:`events`, a line in the
       ``PerformanceMonitor`` report's ``extras`` when one is present) and training continues.
     * **Stop.** The trigger after ``max_rollbacks`` rollbacks restores the last good state too, then stops the fit
@@ -85,6 +88,11 @@ class RollbackGuard(Callback):
         window_steps: steps of stricter watch after a lever switches on.
         window_sigma: ``spike_sigma`` inside that window.
         window_spike_steps: ``spike_steps`` inside that window.
+        replay_lost_steps: on a rollback in a fit with ``max_steps``, take ``trainer.global_step`` back to the
+            restored state's step (the steps between are trained again, on the next batches); False: the counter goes
+            on, and the fit ends that many steps short of its schedule. A fit bound by ``max_epochs`` alone ends
+            with its data either way (its counter is not taken back). Step-indexed callbacks
+            (``ModelCheckpoint(every_n_train_steps=...)``) see the replayed step numbers again.
         levers: extra :class:`~lightning_accel._utils.levers.Lever` objects to manage, beside those found on the
             Trainer (strategy, precision plugin, checkpoint IO).
         verbose: print each rollback on rank 0.
@@ -92,7 +100,7 @@ class RollbackGuard(Callback):
     Attributes:
         rollbacks: rollbacks so far (in this fit and the ones it resumed).
         events: one dict per trigger: ``step``, ``reason``, ``restored_step``, ``switched_off`` (lever name or None),
-            ``action`` (``"rollback"`` or ``"stop"``).
+            ``action`` (``"rollback"`` or ``"stop"``), ``replayed`` (steps the counter was taken back).
     """
 
     def __init__(
@@ -114,6 +122,7 @@ class RollbackGuard(Callback):
         window_sigma: float = 4.0,
         window_spike_steps: int = 2,
         levers: Sequence[Any] = (),
+        replay_lost_steps: bool = True,
         verbose: bool = True,
     ) -> None:
         super().__init__()
@@ -125,6 +134,7 @@ class RollbackGuard(Callback):
             "grad_norm_every", grad_norm_every, low=1, allow_none=True, fix="Use None for auto."
         )
         self.verbose = check_bool("verbose", verbose)
+        self.replay_lost_steps = check_bool("replay_lost_steps", replay_lost_steps)
         self.rule = WatchRule(
             nan_streak=nan_streak,
             spike_sigma=spike_sigma,
@@ -343,7 +353,7 @@ class RollbackGuard(Callback):
         restored = self._restore(trainer, pl_module)
         stop = self.rollbacks >= self.max_rollbacks
         lever = None if stop else self._switch_off_latest(f"RollbackGuard at step {step}: {reason}")
-        event = {
+        event: dict[str, Any] = {
             "step": step,
             "reason": reason,
             "streak_start": start,
@@ -363,6 +373,10 @@ class RollbackGuard(Callback):
             )
             return
         self.rollbacks += 1
+        # only a fit bound by max_steps trains the lost steps again: one bound by epochs ends with its data anyway
+        replay = self.replay_lost_steps and trainer.max_steps not in (None, -1) and step > restored
+        if replay and rewind_global_step(trainer, step - restored):
+            event["replayed"] = step - restored
         # a step metric from a batch hook; from on_train_epoch_end Lightning accepts epoch metrics only
         per_step = not self._epoch_end
         pl_module.log("guard/rollbacks", float(self.rollbacks), on_step=per_step, on_epoch=not per_step, batch_size=1)

@@ -137,7 +137,13 @@ def has_checkpoints(job: dict[str, Any]) -> bool:
     return t.get("enable_checkpointing", True) is not False
 
 
-def _set_precision(job: dict[str, Any], mode: str, *, fused: bool = False, compile: bool = False) -> dict[str, Any]:
+#: the word in the channels_last option's name (``tune_job`` skips it for a model without 4-D weights)
+CHANNELS_LAST = "channels_last"
+
+
+def _set_precision(
+    job: dict[str, Any], mode: str, *, fused: bool = False, compile: bool = False, channels_last: bool = False
+) -> dict[str, Any]:
     t = job.setdefault("trainer", {})
     plugins = [p for p in as_list(t.get("plugins")) if "Precision" not in _class_path(p)]
     t.pop("precision", None)
@@ -145,6 +151,8 @@ def _set_precision(job: dict[str, Any], mode: str, *, fused: bool = False, compi
         init: dict[str, Any] = {"precision": mode}
         if compile:
             init["compile"] = True
+        if channels_last:
+            init["memory_format"] = "channels_last"
         plugins.append({"class_path": _FUSED, "init_args": init})
     else:
         t["precision"] = mode
@@ -174,6 +182,16 @@ def _precision_options(job: dict[str, Any]) -> list[Option]:
             "precision: FusedPrecision(bf16-mixed)",
             lambda j: _set_precision(j, "bf16-mixed", fused=True),
             {"trainer.plugins": "FusedPrecision(bf16-mixed)"},
+        )
+    )
+    # NHWC conv weights: ~30 % faster bf16 convolutions on x86 CPUs (oneDNN) and tensor cores; the tuner leaves this
+    # out for a model without 4-D weights (its baseline trial says)
+    out.append(
+        Option(
+            "precision",
+            f"precision: FusedPrecision(bf16-mixed, {CHANNELS_LAST})",
+            lambda j: _set_precision(j, "bf16-mixed", fused=True, channels_last=True),
+            {"trainer.plugins": "FusedPrecision(bf16-mixed, memory_format=channels_last)"},
         )
     )
     # torch.compile: the first steps compile (66 s for the 4-wide ResNet on 2 CPU cores), hence the estimate

@@ -126,6 +126,8 @@ class TrialMeasure:
         self.mem_limit: int | None = None
         self.seconds = 0.0
         self.error: str | None = None
+        #: the model holds 4-D (convolution) weights, which a memory-format lever can change
+        self.conv_weights = False
 
 
 def _trial_job(job: dict[str, Any], *, warmup: int, steps: int, root: str, save: bool) -> dict[str, Any]:
@@ -210,6 +212,7 @@ def run_trial(job: dict[str, Any], *, warmup: int, steps: int, root: str | os.Pa
 
         monitor = next(c for c in trainer.callbacks if isinstance(c, PerformanceMonitor))
         m.losses = probe.losses
+        m.conv_weights = any(p.dim() == 4 for p in cli.model.parameters())
         m.train_step_s = probe.step_s
         m.save_s = probe.save_s
         m.peak_mem = probe.peak_mem

@@ -6,9 +6,12 @@ The loop (rank 0 decides every step, the other ranks follow its broadcast):
    cache: a hit writes the outputs again and returns at once;
 2. a **baseline** trial of the job as configured gives the step time, the breakdown and the verdict;
 3. the levers are tried in the order the verdict points to (``core.lever_order``), each option on the best job so
-   far, on the same seed and batches; an option is kept by ``core.decide`` (faster by the margin, numerics within the
-   precision's tolerance of the baseline, memory fits); a trial whose estimate does not fit in the budget left is
-   skipped and reported;
+   far, on the same seed and batches; an option whose trial ran and passed the numerics is followed at once by a
+   trial of the best job so far and compared with the mean of the best job's two trials around it (A B A), not
+   with one taken minutes earlier (on a shared machine the load between two distant trials moves step times by more
+   than a lever's gain); an option is
+   kept by ``core.decide`` (faster by the margin, numerics within the precision's tolerance of the baseline, memory
+   fits); a trial whose estimate does not fit in the budget left is skipped and reported;
 4. ``tuned.yaml`` (the best job with ``RollbackGuard`` in its callbacks) and ``tune_report.{json,md,png}`` are
    written beside it, and the result is cached.
 """
@@ -21,7 +24,6 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -42,14 +44,22 @@ from lightning_accel.tune.core import (
     parse_duration,
     progress_line,
 )
-from lightning_accel.tune.levers import Option, as_list, has_checkpoints, job_precision, options_for, world_of
+from lightning_accel.tune.levers import (
+    CHANNELS_LAST,
+    Option,
+    as_list,
+    has_checkpoints,
+    job_precision,
+    options_for,
+    world_of,
+)
 from lightning_accel.tune.runner import TrialMeasure, agree, run_trial
 
 __all__ = ["GUARD_CLASS_PATH", "TuneResult", "exhaustive", "job_from_objects", "load_job", "tune", "tune_job"]
 
 #: the callback ``tune`` adds to the config it writes
 GUARD_CLASS_PATH = "lightning_accel.callbacks.RollbackGuard"
-_TRIAL_VERSION = 1  # part of the fingerprint: a change of what a trial measures invalidates the cache
+_TRIAL_VERSION = 2  # part of the fingerprint: a change of what a trial measures invalidates the cache
 
 
 @dataclass
@@ -258,6 +268,8 @@ def tune_job(
         base = agree(base)  # rank 0's record (its losses are the reference) on every rank
         if base.error is not None:
             raise RuntimeError(f"the baseline trial of the job failed: {base.error}. Check that `fit` runs the config.")
+        if not agree(m.conv_weights):  # no convolution weights: a memory-format option cannot change anything
+            skip = [*skip, CHANNELS_LAST]
         trials.append(base)
         best_job, best_step = job, float(base.step_s or 0.0)
         slowest = base.seconds
@@ -275,13 +287,15 @@ def tune_job(
         chosen: dict[str, str] = {}
         planned = sum(len(_options(str(lv), job, skip)) for lv in plan)
         i = 0
+        best_ratio = 1  # the best job's per-device batch over the baseline's
         for lever in plan:
             lever_best: Option | None = None
             opts = _options(lever, best_job, skip)
             for opt in opts:
                 i += 1
-                # the slowest trial so far (a loaded machine slows them all), with a 20 % allowance
-                est = 1.2 * slowest * opt.cost + opt.extra_s
+                # the slowest trial so far (a loaded machine slows them all), with a 20 % allowance; and the best
+                # job's trial after it
+                est = 1.2 * slowest * (opt.cost + 1) + opt.extra_s
                 if not agree(bud.affords(est)):
                     r = _result(opt.name, lever, opt, None)
                     r.decision = "skipped"
@@ -292,23 +306,36 @@ def tune_job(
                 _say(progress_line(i, max(i, planned), bud, opt.name), verbose)
                 cand = opt.apply(best_job)
                 m = run_trial(cand, warmup=warmup, steps=steps, root=work / f"t{i}")
-                r = _result(opt.name, lever, opt, m, opt.samples_ratio)
+                ratio = best_ratio * opt.samples_ratio
+                r = _result(opt.name, lever, opt, m, ratio)
                 num = check_numerics(
                     base.losses,
                     m.losses,
                     job_precision(cand) if m.losses else precision0,
                     k=k,
                     reorders=opt.reorders,
-                    samples_ratio=opt.samples_ratio,
+                    samples_ratio=ratio,
                 )
                 r.numerics = asdict(num) if m.error is None else None
-                d = decide(best_step, r.step_s, numerics=num, memory_ok=r.memory_ok, margin=margin, error=m.error)
+                # the best job again, right after the candidate, when the decision turns on the time (rank 0 says
+                # so: every rank runs the same trials)
+                if agree(m.error is None and r.step_s is not None and num.ok and r.memory_ok):
+                    again = run_trial(best_job, warmup=warmup, steps=steps, root=work / f"t{i}-again")
+                    if again.error is None and again.step_s is not None:
+                        # the best job's times just before and just after the candidate: a load that rises or
+                        # falls across the three trials moves the mean as much as the candidate
+                        r.ref_step_s = 0.5 * (best_step + again.step_s / best_ratio)
+                        best_step = again.step_s / best_ratio
+                        slowest = max(slowest, again.seconds)
+                ref = r.ref_step_s if r.ref_step_s is not None else best_step
+                d = decide(ref, r.step_s, numerics=num, memory_ok=r.memory_ok, margin=margin, error=m.error)
                 r.decision, r.reason = ("kept" if d.keep else "rejected"), d.reason
                 r = agree(r)  # rank 0 decides; every rank follows
                 trials.append(r)
                 slowest = max(slowest, r.seconds)
+                best_step = agree(best_step)
                 if r.decision == "kept":
-                    best_job, best_step, lever_best = cand, float(r.step_s or best_step), opt
+                    best_job, best_step, lever_best, best_ratio = cand, float(r.step_s or best_step), opt, ratio
             if lever_best is not None:
                 chosen[lever] = lever_best.name
     finally:
@@ -402,8 +429,9 @@ def report_markdown(res: TuneResult) -> str:
         f"{res.seconds:.0f} s of a {res.budget_s:.0f} s budget{' (cached)' if res.cached else ''}; "
         f"kept: {', '.join(res.chosen.values()) or 'nothing'}.",
         "",
-        "| trial | step ms | data ms | compute ms | comm ms | ckpt ms | numerics | memory MB | decision | reason |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| trial | step ms | compared with ms | data ms | compute ms | comm ms | ckpt ms | numerics | memory MB "
+        "| decision | reason |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for t in res.trials:
         b = t.breakdown
@@ -414,7 +442,7 @@ def report_markdown(res: TuneResult) -> str:
         )
         mem = "-" if t.peak_mem_bytes is None else f"{t.peak_mem_bytes / 2**20:.0f}"
         lines.append(
-            f"| {t.name} | {_ms(t.step_s)} | {_ms(b.get('data'))} | {_ms(b.get('compute'))} | "
+            f"| {t.name} | {_ms(t.step_s)} | {_ms(t.ref_step_s)} | {_ms(b.get('data'))} | {_ms(b.get('compute'))} | "
             f"{_ms(b.get('comm'))} | {_ms(b.get('checkpoint'))} | {num} | {mem} | {t.decision} | {t.reason} |"
         )
     if res.trials and res.trials[0].verdict:
@@ -465,9 +493,10 @@ def exhaustive(
 ) -> list[dict[str, Any]]:
     """Every combination of the levers' options (each lever also "as configured"), each measured ``rounds`` times in
     alternating order (forward, then backward); the reference the tuner's one-lever-at-a-time choice is compared with.
+    A row's time is its fastest round: on a shared machine other load only ever slows a round down.
 
     ``extra`` adds named whole configs to the same alternation (e.g. the tuner's choice, which can combine two options
-    of one lever). Returns one row per combination, then one per extra: ``{"names": [...], "step_s": median,
+    of one lever). Returns one row per combination, then one per extra: ``{"names": [...], "step_s": fastest,
     "runs": [...], "numerics_ok": ..., "error": ...}`` (step times normalised per baseline batch, as the tuner's).
     """
     job = copy.deepcopy(dict(job))
@@ -502,7 +531,7 @@ def exhaustive(
     base = rows[0]["losses"] or []
     for i, row in enumerate(rows):
         combo = combos[i] if i < len(combos) else ()
-        row["step_s"] = statistics.median(row["runs"]) if row["runs"] and not row["error"] else None
+        row["step_s"] = min(row["runs"]) if row["runs"] and not row["error"] else None
         if row["step_s"] is not None:  # the grid's best is the best the tuner could have kept: numerics must pass
             reorders = any(o is not None and o.reorders for o in combo) or (
                 i >= len(combos) and _class_of(extras[i - len(combos)][1]) != _class_of(job)

@@ -16,13 +16,15 @@ from tests import tiny
 
 
 class NaNAt(Callback):
-    """Makes the loss (hence the gradients and the weights) NaN at the given global steps."""
+    """Makes the loss (hence the gradients and the weights) NaN at the given global steps, once each (a transient
+    fault: a step trained again after a rollback is clean)."""
 
     def __init__(self, *steps: int) -> None:
         self.steps = set(steps)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         if trainer.global_step in self.steps:
+            self.steps.discard(trainer.global_step)
             loss.mul_(math.nan)
 
 
@@ -69,6 +71,38 @@ def test_nan_rolls_back_and_switches_the_latest_lever_off() -> None:
     assert toy.off and not older.off and guard.switched_off == ["toy"]
     assert trainer.callback_metrics["guard/rollbacks"] == 1.0
     assert mon.report is not None and "toy" in mon.report.extras["guard"]
+
+
+class StepCount(Callback):
+    """Counts the optimizer steps taken."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def on_before_optimizer_step(self, *args: Any) -> None:
+        self.n += 1
+
+
+def test_a_max_steps_fit_trains_the_steps_a_rollback_took_back() -> None:
+    guard = RollbackGuard(snapshot_every=4, check_every=1, grad_norm_every=1, verbose=False)
+    count = StepCount()
+    model = tiny.classifier()
+    trainer = tiny.trainer(max_epochs=-1, max_steps=16, limit_train_batches=8, callbacks=[guard, NaNAt(9), count])
+    trainer.fit(model, tiny.loader())
+    e = guard.events[0]
+    assert (e["step"], e["restored_step"], e["replayed"]) == (10, 8, 2)
+    assert trainer.global_step == 16 and count.n == 18  # 10 steps, back to 8, then 8 more
+    assert _finite(model)
+
+
+def test_replay_off_or_an_epoch_bound_fit_keeps_the_step_counter() -> None:
+    for kwargs, replay in (({"max_epochs": -1, "max_steps": 16}, False), ({"max_epochs": 2}, True)):
+        guard = RollbackGuard(snapshot_every=4, check_every=1, replay_lost_steps=replay, verbose=False)
+        count = StepCount()
+        trainer = tiny.trainer(limit_train_batches=8, callbacks=[guard, NaNAt(9), count], **kwargs)
+        trainer.fit(tiny.classifier(), tiny.loader())
+        assert guard.rollbacks == 1 and "replayed" not in guard.events[0]
+        assert trainer.global_step == count.n == 16
 
 
 def test_a_learning_rate_spike_is_undone() -> None:

@@ -31,8 +31,11 @@ def test_precision_options_and_the_job_left_alone() -> None:
     assert list(opts) == [
         "precision: bf16-mixed",
         "precision: FusedPrecision(bf16-mixed)",
+        "precision: FusedPrecision(bf16-mixed, channels_last)",
         "precision: FusedPrecision(bf16-mixed, compile)",
     ]
+    nhwc = opts["precision: FusedPrecision(bf16-mixed, channels_last)"].apply(JOB)
+    assert nhwc["trainer"]["plugins"][0]["init_args"] == {"precision": "bf16-mixed", "memory_format": "channels_last"}
     bf16 = opts["precision: bf16-mixed"].apply(JOB)
     assert bf16["trainer"]["precision"] == "bf16-mixed" and job_precision(bf16) == "bf16-mixed"
     fused = opts["precision: FusedPrecision(bf16-mixed, compile)"].apply(bf16)
