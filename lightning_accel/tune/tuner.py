@@ -496,7 +496,9 @@ def exhaustive(
     A row's time is its fastest round: on a shared machine other load only ever slows a round down.
 
     ``extra`` adds named whole configs to the same alternation (e.g. the tuner's choice, which can combine two options
-    of one lever). Returns one row per combination, then one per extra: ``{"names": [...], "step_s": fastest,
+    of one lever); an extra equal to one of the combinations is not measured again but given that row's times
+    (``same_as`` names it): two trials of one config differ by run-to-run noise alone. Returns one row per
+    combination, then one per extra: ``{"names": [...], "step_s": fastest,
     "runs": [...], "numerics_ok": ..., "error": ...}`` (step times normalised per baseline batch, as the tuner's).
     """
     job = copy.deepcopy(dict(job))
@@ -509,7 +511,14 @@ def exhaustive(
     ]
     extras = list((extra or {}).items())
     rows += [{"names": [name], "runs": [], "error": None, "losses": None, "extra": True} for name, _ in extras]
-    order = list(range(len(rows)))
+    built: list[dict[str, Any]] = []
+    for c in combos:
+        cand = job
+        for o in c:
+            cand = o.apply(cand) if o is not None else cand
+        built.append(cand)
+    twin = {len(combos) + i: built.index(cfg) for i, (_, cfg) in enumerate(extras) if cfg in built}
+    order = [i for i in range(len(rows)) if i not in twin]
     for r in range(rounds):
         for idx in order if r % 2 == 0 else reversed(order):
             cand, ratio = job, 1
@@ -528,6 +537,10 @@ def exhaustive(
                 rows[idx]["precision"], rows[idx]["ratio"] = job_precision(cand), ratio
     if _rank_zero():
         shutil.rmtree(root, ignore_errors=True)
+    for idx, same in twin.items():
+        src = rows[same]
+        rows[idx].update({k: src[k] for k in ("runs", "error", "losses", "precision", "ratio") if k in src})
+        rows[idx]["same_as"] = src["names"] or ["as configured"]
     base = rows[0]["losses"] or []
     for i, row in enumerate(rows):
         combo = combos[i] if i < len(combos) else ()

@@ -69,3 +69,20 @@ def test_a_candidate_that_holds_its_gain_against_the_fresh_time_is_kept(
     assert len(seen) == 3
     assert res.trials[1].ref_step_s == pytest.approx(0.099) and res.trials[1].decision == "kept"
     assert res.chosen == {"precision": res.trials[1].name}
+
+
+def test_the_grid_keeps_each_rows_fastest_round_and_gives_a_twin_extra_its_rows_times(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # rows: as configured, bf16-mixed; extras: the bf16 job again (a twin, not measured) and an fp64 job (measured)
+    seen, fake = _script([0.100, 0.080, 0.300, 0.300, 0.070, 0.090])
+    monkeypatch.setattr(tuner, "run_trial", fake)
+    bf16 = tuner._options("precision", JOB, ["Fused"])[0].apply(JOB)
+    other = {**JOB, "trainer": {**JOB["trainer"], "precision": "64-true"}}
+    rows = tuner.exhaustive(
+        JOB, ["precision"], skip=["Fused"], rounds=2, extra={"tuned": bf16, "other": other}, root=tmp_path / "g"
+    )
+    assert seen == ["32-true", "bf16-mixed", "64-true", "64-true", "bf16-mixed", "32-true"]  # forward, then back
+    plain, fast, twin, odd = rows
+    assert plain["step_s"] == 0.090 and fast["step_s"] == 0.070 and odd["step_s"] == 0.300
+    assert twin["same_as"] == ["precision: bf16-mixed"] and twin["step_s"] == 0.070 and twin["runs"] == [0.080, 0.070]
