@@ -33,6 +33,8 @@ import torch
 from torch import nn
 
 from lightning_accel._utils.checks import check_int, check_number
+from lightning_accel._utils.compat import copy_tensors
+from lightning_accel.checkpoint.codec import dense_layout
 
 __all__ = ["Snapshot", "SeriesWatch", "Trigger", "WatchRule"]
 
@@ -181,9 +183,11 @@ class SeriesWatch:
 
 
 def _buffer_like(t: torch.Tensor, old: torch.Tensor | None) -> torch.Tensor:
-    if old is not None and old.shape == t.shape and old.dtype == t.dtype:
-        return old
-    return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
+    same = old is not None and old.shape == t.shape and old.dtype == t.dtype
+    if same and (old.stride() == t.stride() or (old.is_contiguous() and not dense_layout(t))):  # type: ignore[union-attr]
+        return old  # type: ignore[return-value]
+    # the source's layout (a channels_last weight copies without reordering); contiguous if it is not dense
+    return torch.empty_like(t, device="cpu", pin_memory=t.is_cuda)
 
 
 class Snapshot:
@@ -208,7 +212,9 @@ class Snapshot:
 
     @staticmethod
     def _model_tensors(model: nn.Module) -> list[torch.Tensor]:
-        return [t for t in model.state_dict(keep_vars=True).values() if isinstance(t, torch.Tensor)]
+        # the live tensors (parameters, then buffers, each once), not ``state_dict()``: restoring copies into exactly
+        # these, and walking the modules' state-dict hooks cost ~0.4 ms a snapshot of the 62-tensor demo CNN
+        return [*model.parameters(), *model.buffers()]
 
     @staticmethod
     def _state_params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -227,9 +233,8 @@ class Snapshot:
             old: list[torch.Tensor | None] = (
                 list(self._model) if len(self._model) == len(tensors) else [None] * len(tensors)
             )
-            self._model = [
-                _buffer_like(t, o).copy_(t.detach(), non_blocking=True) for t, o in zip(tensors, old, strict=True)
-            ]
+            self._model = [_buffer_like(t, o) for t, o in zip(tensors, old, strict=True)]
+            srcs, dsts = list(tensors), list(self._model)
             opts: list[dict[str, Any]] = []
             keys: list[list[list[str]]] = []
             for i, opt in enumerate(optimizers):
@@ -241,13 +246,16 @@ class Snapshot:
                     saved = {}
                     for k, v in state.items():
                         if isinstance(v, torch.Tensor):
-                            saved[k] = _buffer_like(v, prev.get(f"{j}/{k}")).copy_(v.detach(), non_blocking=True)
+                            saved[k] = _buffer_like(v, prev.get(f"{j}/{k}"))
+                            srcs.append(v)
+                            dsts.append(saved[k])
                         else:
                             saved[k] = copy.deepcopy(v)
                     per_param.update({f"{j}/{k}": v for k, v in saved.items()})
                     pk.append(sorted(saved))
                 opts.append(per_param)
                 keys.append(pk)
+            copy_tensors(dsts, srcs, non_blocking=True)  # one call for the lot
             self._opt, self._opt_keys = opts, keys
             self._groups = [
                 [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
