@@ -292,6 +292,11 @@ def test_channels_last_sources_get_buffers_of_their_layout_reused_across_snapsho
         assert snap.tree["v"].is_contiguous() and torch.equal(snap.tree["v"], view)
         pool.release(snap)
     assert pool.stats.buffers_allocated == 2
+    pool.release(pool.take({"w": w}))  # unchanged since: compared (spans of one layout) and shared
+    assert pool.stats.tensors_shared == 1
+    w.data[0, 0, 0, 0] = 7.0  # past the version counter: the comparison still sees it
+    again = pool.take({"w": w})
+    assert pool.stats.tensors_shared == 1 and torch.equal(again.tree["w"], w)
 
 
 def test_memory_stays_bounded_over_200_saves() -> None:
