@@ -64,6 +64,9 @@ CROP = (0.7, 1.0)  # RandomResizedCrop's area range, both arms: a smaller crop m
 MEAN, STD = (0.427, 0.418, 0.364), (0.296, 0.260, 0.271)
 TARGET_OF_PLAIN_FINAL = 0.9  # time to accuracy: to this fraction of the plain arm's mean final val_acc
 GPU_EPOCHS, GPU_IMAGES = 3, 4000
+# A forked worker can hang forever in CPython 3.11 before 3.11.10 when another thread starts or exits at the fork
+# (gh-112275; seen once here at the 5th fit, Python 3.11.7): a batch that takes this long ends the run with an error
+LOADER_TIMEOUT_S = 300
 # the accel arm's weights layout: NHWC conv weights make bf16 convolutions ~30 % faster (oneDNN, tensor cores)
 MEMORY_FORMAT = "channels_last"
 
@@ -192,7 +195,7 @@ def _plain_dm(root: Path, size: int) -> L.LightningDataModule:
             n = default_num_workers()
             return torch.utils.data.DataLoader(
                 ds, batch_size=BATCH_SIZE, shuffle=shuffle, num_workers=n, persistent_workers=n > 0,
-                pin_memory=torch.cuda.is_available(),
+                pin_memory=torch.cuda.is_available(), timeout=LOADER_TIMEOUT_S if n > 0 else 0,
             )  # fmt: skip
 
         def train_dataloader(self) -> torch.utils.data.DataLoader:
@@ -335,6 +338,19 @@ def photos_dir(root: Path) -> Path:
     return root / f"photos{os.environ['E2E_IMAGES']}"
 
 
+def clear_runs(root: Path, device: str) -> None:
+    """Remove the previous runs' work directories and the RAM tiers of their caches: a RAM tier lives on tmpfs,
+    keyed by its cache directory, and outlives the run, so a later run's "cold" first epoch would read it warm."""
+    from lightning_accel.data.lifecycle import remove_tier
+
+    for old in sorted(root.glob("accel*")):
+        ram_dir = _accel_dm(photos_dir(root), old, device).ram_dir
+        if ram_dir is not None:
+            remove_tier(ram_dir)  # only a directory carrying the tier marker, and only what a tier creates
+    for old in [*root.glob("plain*"), *root.glob("accel*")]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def prepare(root: Path, num_images: int, device: str = "cpu") -> dict[str, Any]:
     """Render the photos (idempotent), clear the previous run's checkpoints and caches, and measure the decode cost
     per image of a photo and of a 224 px digit (decode + resize to the training size, one core, PIL as ImageFolder)."""
@@ -343,8 +359,7 @@ def prepare(root: Path, num_images: int, device: str = "cpu") -> dict[str, Any]:
     t0 = time.perf_counter()
     materialize_photos(photos_dir(root), num_images=num_images, size=PHOTO_PX)
     render_s = time.perf_counter() - t0
-    for old in [*root.glob("plain*"), *root.glob("accel*")]:
-        shutil.rmtree(old, ignore_errors=True)
+    clear_runs(root, device)
     materialize_digits(root / "digits224_probe", size=224, num_images=200)
     size = GPU_IMAGE_SIZE if device == "cuda" else IMAGE_SIZE
     out: dict[str, Any] = {"render_s": round(render_s, 2), "images": num_images}
@@ -482,6 +497,7 @@ def main() -> None:
     per = run_arms(root, epochs, runs, device)
     if not rank0:
         return
+    clear_runs(root, device)  # the checkpoints and the caches' RAM tiers (tmpfs memory) of this run
     results, ratios = summarise(per)
     results.update(job=job, lever_step_ms_per_sample=lever_ms)
     if device == "cuda":
