@@ -56,7 +56,7 @@ from lightning_accel._utils.checks import check_choice, check_int
 from lightning_accel._utils.compat import tensor_version
 from lightning_accel._utils.errors import one_line
 from lightning_accel._utils.forksafe import PerProcess
-from lightning_accel.checkpoint.codec import copy_into, dense_layout, same_bytes
+from lightning_accel.checkpoint.codec import buffer_strides, copy_into, same_bytes
 
 __all__ = [
     "BackgroundWriter",
@@ -252,12 +252,8 @@ class SnapshotPool:
             return b
         cpu = src.device.type == "cpu"
         old = self._latest.get(path)
-        fits = (
-            old is not None
-            and old.tensor.shape == src.shape
-            and old.tensor.dtype == src.dtype
-            and old.tensor.stride() == _wanted(src)[2]
-        )
+        want = _wanted(src)
+        fits = old is not None and _layout_key(old.tensor) == want
         source = (src.data_ptr(), tensor_version(src)) if cpu else None
         # The byte comparison only runs when the source is the same tensor at the same version as the one copied
         # last: a tensor modified in place since (an optimizer step) is copied without comparing first, which halves
@@ -273,7 +269,7 @@ class SnapshotPool:
         else:
             if old is not None and old.refs == 0:
                 self._spare.setdefault(_shape_key(old.tensor), []).append(old.tensor)
-            b = _Buf(self._buffer(src), path)
+            b = _Buf(self._buffer(src, want), path)
             self._latest[path] = b
         non_blocking = not cpu and b.tensor.is_pinned()
         b.source = source
@@ -285,9 +281,8 @@ class SnapshotPool:
         b.refs += 1
         return b
 
-    def _buffer(self, src: torch.Tensor) -> torch.Tensor:
+    def _buffer(self, src: torch.Tensor, want: tuple[Any, ...]) -> torch.Tensor:
         pin = src.device.type == "cuda" and torch.cuda.is_available()
-        want = _wanted(src)
         spare = self._spare.get((*want, pin))
         if spare:
             return spare.pop()
@@ -313,22 +308,20 @@ class SnapshotPool:
             self.stats.buffer_bytes = 0
 
 
+def _layout_key(t: torch.Tensor) -> tuple[Any, ...]:
+    """A buffer's shape, dtype and strides."""
+    return tuple(t.shape), t.dtype, tuple(t.stride())
+
+
 def _shape_key(t: torch.Tensor) -> tuple[Any, ...]:
-    """A buffer's shape, dtype, strides and pinning."""
-    return (tuple(t.shape), t.dtype, t.stride(), t.is_pinned())
+    """A spare buffer's key: its layout and pinning."""
+    return (*_layout_key(t), t.is_pinned())
 
 
 def _wanted(src: torch.Tensor) -> tuple[Any, ...]:
-    """The shape, dtype and strides of ``src``'s buffer: the source's own layout when it is dense (channels_last
-    weights: the copy is then one memcpy, not a reorder), else contiguous."""
-    shape = tuple(src.shape)
-    if dense_layout(src):
-        return shape, src.dtype, src.stride()
-    stride, acc = [], 1
-    for n in reversed(shape):
-        stride.append(acc)
-        acc *= max(n, 1)
-    return shape, src.dtype, tuple(reversed(stride))
+    """The shape, dtype and strides of ``src``'s buffer (:func:`~lightning_accel.checkpoint.codec.buffer_strides`:
+    channels_last weights copy as one memcpy, not a reorder), to compare with a buffer's ``_layout_key``."""
+    return tuple(src.shape), src.dtype, buffer_strides(src)
 
 
 class _Job:

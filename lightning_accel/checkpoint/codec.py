@@ -49,6 +49,7 @@ __all__ = [
     "encode_xor",
     "itemsize_of",
     "pack_blob",
+    "buffer_strides",
     "copy_into",
     "dense_layout",
     "read_header",
@@ -140,6 +141,18 @@ def dense_layout(t: torch.Tensor) -> bool:
     if t.dim() == 4:
         return t.is_contiguous(memory_format=torch.channels_last)
     return t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d)
+
+
+def buffer_strides(t: torch.Tensor) -> tuple[int, ...]:
+    """The strides of a private copy of ``t`` that copies in and out without reordering: ``t``'s own when its layout
+    is dense (:func:`dense_layout`: a channels_last weight stays channels_last), else contiguous."""
+    if dense_layout(t):
+        return tuple(t.stride())
+    stride, acc = [], 1
+    for n in reversed(t.shape):
+        stride.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(stride))
 
 
 def _span_bytes(t: torch.Tensor) -> np.ndarray:

@@ -34,7 +34,7 @@ from torch import nn
 
 from lightning_accel._utils.checks import check_int, check_number
 from lightning_accel._utils.compat import copy_tensors
-from lightning_accel.checkpoint.codec import dense_layout
+from lightning_accel.checkpoint.codec import buffer_strides
 
 __all__ = ["Snapshot", "SeriesWatch", "Trigger", "WatchRule"]
 
@@ -183,11 +183,11 @@ class SeriesWatch:
 
 
 def _buffer_like(t: torch.Tensor, old: torch.Tensor | None) -> torch.Tensor:
-    same = old is not None and old.shape == t.shape and old.dtype == t.dtype
-    if same and (old.stride() == t.stride() or (old.is_contiguous() and not dense_layout(t))):  # type: ignore[union-attr]
-        return old  # type: ignore[return-value]
-    # the source's layout (a channels_last weight copies without reordering); contiguous if it is not dense
-    return torch.empty_like(t, device="cpu", pin_memory=t.is_cuda)
+    # the layout the delta checkpoint's snapshot buffers take: a channels_last weight copies without reordering
+    stride = buffer_strides(t)
+    if old is not None and old.shape == t.shape and old.dtype == t.dtype and tuple(old.stride()) == stride:
+        return old
+    return torch.empty_strided(tuple(t.shape), stride, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
 
 
 class Snapshot:

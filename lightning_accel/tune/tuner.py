@@ -9,9 +9,9 @@ The loop (rank 0 decides every step, the other ranks follow its broadcast):
    far, on the same seed and batches; an option whose trial ran and passed the numerics is followed at once by a
    trial of the best job so far and compared with the mean of the best job's two trials around it (A B A), not
    with one taken minutes earlier (on a shared machine the load between two distant trials moves step times by more
-   than a lever's gain); an option is
-   kept by ``core.decide`` (faster by the margin, numerics within the precision's tolerance of the baseline, memory
-   fits); a trial whose estimate does not fit in the budget left is skipped and reported;
+   than a lever's gain); an option is kept by ``core.decide`` (faster by the margin, numerics within the
+   precision's tolerance of the baseline, memory fits); a trial whose estimate does not fit in the budget left is
+   skipped and reported;
 4. ``tuned.yaml`` (the best job with ``RollbackGuard`` in its callbacks) and ``tune_report.{json,md,png}`` are
    written beside it, and the result is cached.
 """
@@ -511,23 +511,21 @@ def exhaustive(
     ]
     extras = list((extra or {}).items())
     rows += [{"names": [name], "runs": [], "error": None, "losses": None, "extra": True} for name, _ in extras]
-    built: list[dict[str, Any]] = []
+    # every row's job and its batch over the baseline's, built once
+    built: list[tuple[dict[str, Any], int]] = []
     for c in combos:
-        cand = job
+        cand, ratio = job, 1
         for o in c:
-            cand = o.apply(cand) if o is not None else cand
-        built.append(cand)
-    twin = {len(combos) + i: built.index(cfg) for i, (_, cfg) in enumerate(extras) if cfg in built}
+            if o is not None:
+                cand, ratio = o.apply(cand), ratio * o.samples_ratio
+        built.append((cand, ratio))
+    configs = [cfg for cfg, _ in built]
+    twin = {len(combos) + i: configs.index(cfg) for i, (_, cfg) in enumerate(extras) if cfg in configs}
+    built += [(cfg, _batch_ratio(job, cfg)) for _, cfg in extras]
     order = [i for i in range(len(rows)) if i not in twin]
     for r in range(rounds):
         for idx in order if r % 2 == 0 else reversed(order):
-            cand, ratio = job, 1
-            if idx >= len(combos):
-                cand = extras[idx - len(combos)][1]
-                ratio = _batch_ratio(job, cand)
-            for o in combos[idx] if idx < len(combos) else ():
-                if o is not None:
-                    cand, ratio = o.apply(cand), ratio * o.samples_ratio
+            cand, ratio = built[idx]
             m = run_trial(cand, warmup=warmup, steps=steps, root=Path(root) / f"g{idx}")
             if m.error is not None or m.step_s is None:
                 rows[idx]["error"] = m.error
