@@ -26,7 +26,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_accel.checkpoint.callbacks import CheckpointGuard, DeltaModelCheckpoint
 from lightning_accel.checkpoint.plugin import DeltaCheckpointIO
-from lightning_accel.comm.strategy import OneBitDDPStrategy
+from lightning_accel.comm.strategy import LocalStepsStrategy, OneBitDDPStrategy
 from lightning_accel.data.augment import GpuAugment
 from lightning_accel.data.datamodule import CachedDataModule
 from lightning_accel.parallel.select import select_strategy
@@ -54,6 +54,7 @@ __all__ = [
     "GpuAugment",
     "KnowledgeDistillation",
     "LinearScalingLR",
+    "LocalStepsStrategy",
     "OneBitDDPStrategy",
     "PerStepLR",
     "PerformanceMonitor",
@@ -95,6 +96,9 @@ def __getattr__(name: str) -> Any:
 # `Trainer(strategy="ddp_1bit")` and LightningCLI's `--trainer.strategy=ddp_1bit` resolve names through this registry.
 if OneBitDDPStrategy.strategy_name not in StrategyRegistry:
     OneBitDDPStrategy.register_strategies(StrategyRegistry)
+# `Trainer(strategy="diloco")`
+if LocalStepsStrategy.strategy_name not in StrategyRegistry:
+    LocalStepsStrategy.register_strategies(StrategyRegistry)
 # `Trainer(strategy="pipeline")`
 if PipelineStrategy.strategy_name not in StrategyRegistry:
     PipelineStrategy.register_strategies(StrategyRegistry)

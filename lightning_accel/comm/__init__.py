@@ -10,8 +10,10 @@
 - :mod:`~lightning_accel.comm.momentum`: the compressed-momentum optimizer step (SGD-momentum, Adam, AdamW).
 - :mod:`~lightning_accel.comm.auto`: ``compression="auto"``, timing fp32 against 1-bit at the end of warm-up.
 - :mod:`~lightning_accel.comm.triton_kernels`: the fused CUDA compressor (imported lazily).
-- :mod:`~lightning_accel.comm.strategy`: ``OneBitDDPStrategy`` (``strategy="ddp_1bit"``), the only module here that
-  imports Lightning.
+- :mod:`~lightning_accel.comm.localsteps`: local steps with a compressed outer update (DiLoCo, Streaming DiLoCo).
+- :mod:`~lightning_accel.comm.strategy`: ``OneBitDDPStrategy`` (``strategy="ddp_1bit"``) and
+  ``LocalStepsStrategy`` (``strategy="diloco"``), the only modules here
+  that import Lightning.
 """
 
 from lightning_accel.comm.allreduce import (
@@ -38,6 +40,7 @@ from lightning_accel.comm.config import (
     OneBitConfig,
 )
 from lightning_accel.comm.hook import onebit_hook
+from lightning_accel.comm.localsteps import LocalSteps, LocalStepsConfig
 from lightning_accel.comm.momentum import MomentumCompressor, momentum_kind, plan_groups
 from lightning_accel.comm.packing import pack_signs, unpack_signs
 from lightning_accel.comm.state import (
@@ -49,7 +52,7 @@ from lightning_accel.comm.state import (
     gather_state_dict,
     select_rank_state,
 )
-from lightning_accel.comm.strategy import CHECKPOINT_KEY, OneBitDDPStrategy
+from lightning_accel.comm.strategy import CHECKPOINT_KEY, LocalStepsStrategy, OneBitDDPStrategy
 
 __all__ = [
     "CHECKPOINT_KEY",
@@ -62,6 +65,9 @@ __all__ = [
     "GroupLayout",
     "GroupState",
     "KeptBuffers",
+    "LocalSteps",
+    "LocalStepsConfig",
+    "LocalStepsStrategy",
     "MomentumCompressor",
     "OneBitAllreduce",
     "OneBitResult",

@@ -1,0 +1,456 @@
+"""Local steps with a compressed outer update (DiLoCo, Streaming DiLoCo): the plain-torch core.
+
+Every rank runs the user's optimizer on its own gradients (nothing is averaged per step). Every ``sync_every`` (``H``)
+inner steps each *fragment* (a contiguous group of parameters in model order) is synchronised:
+
+1. pseudo-gradient ``Δ_r = θ_global − θ_local,r`` (``θ_global``: the fragment's shared parameters after the last
+   outer step, identical on every rank);
+2. ``Δ = mean_r Δ_r`` through the comm room's two-phase 1-bit allreduce with worker and server error feedback
+   (:class:`~lightning_accel.comm.OneBitAllreduce`; ``compression="fp32"``: a plain allreduce);
+3. outer step, SGD with Nesterov momentum: ``m ← μ m + Δ``, ``θ_global ← θ_global − lr (Δ + μ m)`` (``m`` without
+   Nesterov). DiLoCo's values are ``lr=0.7``, ``μ=0.9``; the defaults ``lr=1``, ``μ=0`` average the ranks'
+   parameters (local SGD), which held the loss better in the short fits measured here;
+4. every rank adopts ``θ_global``. With ``overlap_steps = τ > 0`` the exchange is issued at step ``t`` and applied at
+   step ``t + τ``: the inner steps in between keep their progress, ``θ_local ← θ_local + (θ_global,new − θ_sent)``
+   (``θ_sent``: the local parameters the pseudo-gradient was taken from), so no step waits for the wire.
+
+Fragments sync in turn (Streaming DiLoCo): fragment ``f`` of ``F`` is sent at the steps ``t`` with
+``t ≡ ⌊(f+1) H / F⌋ (mod H)``, so each exchange carries ``1/F`` of the model and the exchanges spread over the ``H``
+steps. With ``F = 1`` and ``τ = 0`` this is DiLoCo.
+
+Bytes per rank and sync of a fragment of ``d`` elements: ``2 (N-1)/N · d/8`` (+ scales) with 1-bit, ``2 (N-1)/N · 4d``
+with fp32; per inner step that is divided by ``H``: DDP sends ``2 (N-1)/N · 4 d_model`` every step.
+
+All ranks must call :meth:`LocalSteps.step` the same number of times (collectives are issued in the same order
+everywhere). The state (outer parameters, outer momentum, error feedback, the fragment phase and any exchange in
+flight) round-trips through :meth:`LocalSteps.state_dict` / :meth:`LocalSteps.load_state_dict`; an exchange in flight
+at save time is issued again after a load from the same inputs, so a resumed run computes bit-identical values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Literal, get_args
+
+import torch
+import torch.distributed as dist
+
+from lightning_accel._utils.checks import check_bool, check_choice, check_int, check_number
+from lightning_accel.comm.allreduce import OneBitAllreduce, OneBitBuffers, fp32_ring_bytes
+from lightning_accel.comm.compress import GroupLayout
+
+__all__ = ["OUTER_COMPRESSIONS", "Fragment", "LocalSteps", "LocalStepsConfig", "OuterCompression", "split_fragments"]
+
+OuterCompression = Literal["1bit", "fp32"]
+OUTER_COMPRESSIONS: tuple[OuterCompression, ...] = get_args(OuterCompression)
+_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class LocalStepsConfig:
+    """Hyper-parameters of local steps with an outer update (immutable; checked at construction).
+
+    Attributes:
+        sync_every: ``H``, inner steps between two syncs of each fragment (DiLoCo uses 500 on large jobs; 16–64 on
+            the small ones of ``benchmarks/localsteps.py``).
+        fragments: ``F``, groups of parameters synced in turn (1: the whole model at once).
+        outer_lr: the outer SGD learning rate. DiLoCo uses 0.7 with ``outer_momentum=0.9`` (Nesterov) at ``H = 500``;
+            the default 1.0 with no momentum (the average of the ranks' parameters, local SGD) held the loss best in
+            every short fit ``benchmarks/localsteps.py`` tried (``docs/onebit.md``).
+        outer_momentum: the outer momentum (DiLoCo: 0.9; default 0).
+        nesterov: Nesterov momentum for the outer step when ``outer_momentum > 0`` (DiLoCo: True).
+        compression: how pseudo-gradients are averaged: ``"1bit"`` (signs + block scales, error feedback on both
+            sides) or ``"fp32"``.
+        overlap_steps: ``τ``, inner steps between issuing a fragment's exchange and applying it (0: wait at once);
+            must be below ``sync_every // fragments``, so one exchange per fragment is in flight at most.
+        block_size: elements per 1-bit scale block (a multiple of 8).
+        sync_buffers: average floating-point buffers (BatchNorm statistics) in fp32 when fragment 0 is applied.
+    """
+
+    sync_every: int = 64
+    fragments: int = 1
+    outer_lr: float = 1.0
+    outer_momentum: float = 0.0
+    nesterov: bool = True
+    compression: OuterCompression = "1bit"
+    overlap_steps: int = 1
+    block_size: int = 640
+    sync_buffers: bool = True
+
+    def __post_init__(self) -> None:
+        check_int("sync_every", self.sync_every, low=1, fix="Use e.g. `sync_every=64` (DiLoCo: 500).")
+        check_int("fragments", self.fragments, low=1, fix="Use 1 to sync the whole model at once.")
+        if self.fragments > self.sync_every:
+            raise ValueError(
+                f"`fragments` must be <= `sync_every` ({self.sync_every}), got {self.fragments}: each fragment needs "
+                "its own step. Use fewer fragments or a larger `sync_every`."
+            )
+        check_number("outer_lr", self.outer_lr, low=0.0, low_open=True, fix="Use 1.0 (or DiLoCo's 0.7).")
+        check_number(
+            "outer_momentum", self.outer_momentum, low=0.0, high=1.0, high_open=True, fix="Use 0 (or DiLoCo's 0.9)."
+        )
+        check_bool("nesterov", self.nesterov, fix="Use True (DiLoCo's outer step).")
+        check_choice("compression", self.compression, OUTER_COMPRESSIONS, fix="Use '1bit' (or 'fp32' to compare).")
+        gap = self.sync_every // self.fragments
+        check_int(
+            "overlap_steps",
+            self.overlap_steps,
+            low=0,
+            high=gap - 1,
+            fix=f"It must leave each exchange done before its fragment's next one (< sync_every // fragments = {gap}).",
+        )
+        check_int("block_size", self.block_size, low=8, fix="Use e.g. `block_size=640`.")
+        if self.block_size % 8:
+            raise ValueError(f"`block_size` must be a multiple of 8, got {self.block_size!r}. Use e.g. 640.")
+        check_bool("sync_buffers", self.sync_buffers, fix="Use True to average BatchNorm statistics.")
+
+    def send_phase(self, fragment: int) -> int:
+        """The step residue ``t mod H`` at which ``fragment`` is sent."""
+        return ((fragment + 1) * self.sync_every // self.fragments) % self.sync_every
+
+
+def split_fragments(numels: Sequence[int], fragments: int) -> list[list[int]]:
+    """Contiguous groups of parameter indices (model order) of near-equal element counts; at most ``fragments``
+    groups, none empty (fewer when there are fewer parameters)."""
+    total = sum(numels)
+    out: list[list[int]] = []
+    cur: list[int] = []
+    acc = 0
+    for i, n in enumerate(numels):
+        cur.append(i)
+        acc += n
+        remaining = len(numels) - i - 1
+        need = fragments - len(out) - 1  # groups still to fill after this one
+        if need > 0 and (acc >= total * (len(out) + 1) / fragments or remaining == need):
+            out.append(cur)
+            cur = []
+    if cur:
+        out.append(cur)
+    return out
+
+
+class Fragment:
+    """One fragment's outer state and its exchange in flight.
+
+    Attributes:
+        index: the fragment's position.
+        params: indices into the parameter list.
+        layout: canonical flat layout (1-bit groups, padding, chunks) for this world size.
+        outer: float32 ``(padded_numel,)``, ``θ_global`` (zeros on padding).
+        momentum: float32 ``(padded_numel,)``, the outer momentum.
+        worker_error / server_error: 1-bit error feedback (None with fp32).
+        sent: float32 copy of the local parameters the exchange in flight was taken from (None when idle).
+        sent_at: the inner step it was issued at (None when idle).
+    """
+
+    __slots__ = (
+        "_buffers",
+        "_delta",
+        "_op",
+        "_work",
+        "index",
+        "layout",
+        "momentum",
+        "outer",
+        "params",
+        "sent",
+        "sent_at",
+        "server_error",
+        "served",
+        "worker_error",
+    )
+
+    def __init__(self, index: int, params: list[int], layout: GroupLayout, onebit: bool) -> None:
+        self.index = index
+        self.params = params
+        self.layout = layout
+        dev = layout.device
+        self.outer = torch.zeros(layout.padded_numel, dtype=torch.float32, device=dev)
+        self.momentum = torch.zeros_like(self.outer)
+        self.worker_error = torch.zeros_like(self.outer) if onebit else None
+        self.server_error = torch.zeros(layout.chunk_numel, dtype=torch.float32, device=dev) if onebit else None
+        self.sent: torch.Tensor | None = None
+        self.sent_at: int | None = None
+        self.served = False
+        self._op: OneBitAllreduce | None = None
+        self._work: Any = None
+        self._delta: torch.Tensor | None = None
+        self._buffers: OneBitBuffers | None = None
+
+
+class LocalSteps:
+    """Outer state and synchronisation of local-step training over one process group (see the module docstring).
+
+    Args:
+        params: the trained parameters (those with ``requires_grad``; frozen ones never change, so never travel).
+        config: the hyper-parameters.
+        group: the process group to average over (None: the default group). Use a group of its own when other
+            collectives may run while an exchange is in flight.
+        buffers: floating-point buffers to average when fragment 0 is applied (``config.sync_buffers``).
+
+    Attributes:
+        step_count: inner steps taken so far.
+        bytes_sent: bytes this rank put on the wire, in total.
+        last_bytes: bytes sent at the last step.
+        last_synced: whether the last step issued, served or applied an exchange.
+        syncs: outer updates applied.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        config: LocalStepsConfig,
+        *,
+        group: dist.ProcessGroup | None = None,
+        buffers: Sequence[torch.Tensor] = (),
+    ) -> None:
+        if not params:
+            raise ValueError("`params` is empty: local steps need at least one trained parameter.")
+        self.params = list(params)
+        self.config = config
+        self.group = group
+        self.buffers = [b for b in buffers if b.is_floating_point()] if config.sync_buffers else []
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        device = self.params[0].device
+        numels = [p.numel() for p in self.params]
+        onebit = config.compression == "1bit"
+        self.fragments = [
+            Fragment(f, idx, GroupLayout([numels[i] for i in idx], self.world_size, config.block_size, device), onebit)
+            for f, idx in enumerate(split_fragments(numels, config.fragments))
+        ]
+        for frag in self.fragments:
+            self._flatten(frag, out=frag.outer)  # every rank starts from the same parameters (DDP broadcast them)
+        self.step_count = 0
+        self.bytes_sent = 0
+        self.last_bytes = 0
+        self.last_synced = False
+        self.syncs = 0
+
+    # -- flat views --------------------------------------------------------------------------------------------------
+    def _flatten(self, frag: Fragment, out: torch.Tensor) -> torch.Tensor:
+        for i, off in zip(frag.params, frag.layout.offsets, strict=True):
+            p = self.params[i]
+            out[off : off + p.numel()].copy_(p.detach().reshape(-1))
+        return out
+
+    def _unflatten_add(self, frag: Fragment, flat: torch.Tensor) -> None:
+        """``param += flat`` for every parameter of ``frag``."""
+        with torch.no_grad():
+            for i, off in zip(frag.params, frag.layout.offsets, strict=True):
+                p = self.params[i]
+                p.add_(flat[off : off + p.numel()].view_as(p).to(p.dtype))
+
+    def _unflatten_copy(self, frag: Fragment, flat: torch.Tensor) -> None:
+        with torch.no_grad():
+            for i, off in zip(frag.params, frag.layout.offsets, strict=True):
+                p = self.params[i]
+                p.copy_(flat[off : off + p.numel()].view_as(p))
+
+    # -- the schedule --------------------------------------------------------------------------------------------------
+    def step(self) -> int:
+        """Call after every inner optimizer step (on every rank): applies the exchanges due, issues the ones due.
+        Returns the bytes this rank sent at this step."""
+        self.step_count += 1
+        t, cfg = self.step_count, self.config
+        before = self.bytes_sent
+        synced = False
+        for frag in self.fragments:
+            if frag.sent_at is not None:
+                age = t - frag.sent_at
+                if not frag.served and age >= 1:
+                    self._serve(frag)
+                    synced = True
+                if age >= cfg.overlap_steps:
+                    self._apply(frag)
+                    synced = True
+        for frag in self.fragments:
+            if t % cfg.sync_every == cfg.send_phase(frag.index) and frag.sent_at is None:
+                synced = True
+                self._send(frag, t)
+                if cfg.overlap_steps == 0:
+                    self._serve(frag)
+                    self._apply(frag)
+        self.last_bytes = self.bytes_sent - before
+        self.last_synced = synced
+        return self.last_bytes
+
+    def finish(self) -> None:
+        """Apply every exchange in flight now (end of training: the final parameters include every sync issued)."""
+        for frag in self.fragments:
+            if frag.sent_at is not None:
+                if not frag.served:
+                    self._serve(frag)
+                self._apply(frag)
+
+    def final_sync(self) -> None:
+        """End of training: apply the exchanges in flight, then sync every fragment once more and copy ``θ_global``
+        into the parameters, so every rank ends with the same model (a collective)."""
+        self.finish()
+        for frag in self.fragments:
+            self._send(frag, self.step_count)
+            self._serve(frag)
+            self._apply(frag)
+            self._unflatten_copy(frag, frag.outer)
+
+    def local_flats(self) -> list[torch.Tensor]:
+        """CPU copies of this rank's parameters, one canonical flat tensor per fragment (for checkpoints)."""
+        return [self._flatten(f, torch.zeros_like(f.outer)).cpu() for f in self.fragments]
+
+    def load_local_flats(self, flats: Sequence[torch.Tensor]) -> None:
+        """Set this rank's parameters from :meth:`local_flats` output."""
+        if len(flats) != len(self.fragments):
+            raise ValueError(f"expected {len(self.fragments)} fragment tensors, got {len(flats)}.")
+        for frag, flat in zip(self.fragments, flats, strict=True):
+            self._unflatten_copy(frag, flat.to(frag.outer.device))
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether an exchange has been issued and not yet applied."""
+        return any(f.sent_at is not None for f in self.fragments)
+
+    def _send(self, frag: Fragment, t: int) -> None:
+        sent = self._flatten(frag, out=torch.zeros_like(frag.outer))
+        frag.sent, frag.sent_at, frag.served = sent, t, False
+        self._issue(frag)
+
+    def _issue(self, frag: Fragment) -> None:
+        assert frag.sent is not None
+        delta = frag.outer - frag.sent  # zeros on padding: both are
+        if self.config.compression == "fp32":
+            frag._delta = delta  # reduced in place
+            frag._work = dist.all_reduce(delta, group=self.group, async_op=True)
+            frag._op = None
+            self.bytes_sent += fp32_ring_bytes(frag.layout.numel, self.world_size)
+            return
+        if frag._buffers is None:
+            frag._buffers = OneBitBuffers(frag.layout, self.rank)
+        frag._op = OneBitAllreduce(
+            delta, frag.layout, frag.worker_error, frag.server_error, group=self.group, buffers=frag._buffers
+        ).start()
+
+    def _serve(self, frag: Fragment) -> None:
+        if frag._op is not None:
+            frag._op.serve()
+        frag.served = True
+
+    def _apply(self, frag: Fragment) -> None:
+        cfg = self.config
+        if frag._op is not None:
+            res = frag._op.finish()
+            self.bytes_sent += res.bytes_sent
+            avg = res.out
+            if bool(res.finite):
+                # error feedback belongs to finite exchanges only (a NaN pseudo-gradient would poison it forever)
+                assert frag.worker_error is not None and frag.server_error is not None
+                frag.worker_error.copy_(res.worker_error)  # type: ignore[arg-type]
+                frag.server_error.copy_(res.server_error)  # type: ignore[arg-type]
+        else:
+            frag._work.wait()
+            assert frag._delta is not None
+            avg = frag._delta.div_(self.world_size)
+        avg = torch.where(frag.layout.table.mask, avg, 0.0)  # padding decodes to garbage
+        if not bool(torch.isfinite(avg).all()):
+            raise FloatingPointError(
+                f"local steps: the averaged pseudo-gradient of fragment {frag.index} at inner step {frag.sent_at} is "
+                "not finite; a rank diverged during its local steps. Lower the inner learning rate or `sync_every`."
+            )
+        m = frag.momentum.mul_(cfg.outer_momentum).add_(avg)
+        update = avg.add(m, alpha=cfg.outer_momentum) if cfg.nesterov else m
+        new_outer = frag.outer - cfg.outer_lr * update
+        assert frag.sent is not None
+        if frag.sent_at == self.step_count:  # no inner step since the send: adopt θ_global exactly (every rank alike)
+            self._unflatten_copy(frag, new_outer)
+        else:  # keep the progress made while the exchange travelled: θ_local += θ_global,new − θ_sent
+            self._unflatten_add(frag, new_outer - frag.sent)
+        frag.outer.copy_(new_outer)
+        frag.sent, frag.sent_at, frag.served, frag._op, frag._work, frag._delta = None, None, False, None, None, None
+        if frag.index == 0 and self.buffers:
+            self._average_buffers()
+        self.syncs += 1
+
+    def _average_buffers(self) -> None:
+        flat = torch.cat([b.detach().reshape(-1).float() for b in self.buffers])
+        dist.all_reduce(flat, group=self.group)
+        flat.div_(self.world_size)
+        self.bytes_sent += fp32_ring_bytes(flat.numel(), self.world_size)
+        pos = 0
+        with torch.no_grad():
+            for b in self.buffers:
+                b.copy_(flat[pos : pos + b.numel()].view_as(b))
+                pos += b.numel()
+
+    # -- checkpoints ---------------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state: the config, the step, and per fragment the outer parameters, the outer momentum, the
+        error feedback and the exchange in flight (its input and age). Tensors are CPU copies."""
+
+        def cpu(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.detach().to("cpu", copy=True)
+
+        return {
+            "format": _FORMAT,
+            "config": asdict(self.config),
+            "world_size": self.world_size,
+            "step": self.step_count,
+            "bytes_sent": self.bytes_sent,
+            "syncs": self.syncs,
+            "fragments": [
+                {
+                    "params": list(f.params),
+                    "outer": cpu(f.outer),
+                    "momentum": cpu(f.momentum),
+                    "worker_error": cpu(f.worker_error),
+                    "server_error": cpu(f.server_error),
+                    "sent": cpu(f.sent),
+                    "sent_at": f.sent_at,
+                    "served": f.served,
+                }
+                for f in self.fragments
+            ],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Adopt a :meth:`state_dict` of the same layout (same parameters, fragments and world size) and issue again
+        the exchanges that were in flight (a collective: call it on every rank at the same point).
+
+        Raises:
+            ValueError: the state was made for another world size, parameter split or compression.
+        """
+        if state.get("format") != _FORMAT:
+            raise ValueError(f"local-steps state of format {state.get('format')!r}; this version reads {_FORMAT}.")
+        mine = [list(f.params) for f in self.fragments]
+        theirs = [list(f["params"]) for f in state["fragments"]]
+        saved_cfg = state.get("config", {})
+        if (
+            state["world_size"] != self.world_size
+            or mine != theirs
+            or saved_cfg.get("compression") != (self.config.compression)
+        ):
+            raise ValueError(
+                f"the checkpoint's local-steps state was made for world size {state['world_size']}, fragments "
+                f"{[len(p) for p in theirs]} and compression {saved_cfg.get('compression')!r}; this run has "
+                f"{self.world_size}, {[len(p) for p in mine]} and {self.config.compression!r}. Resume with the same "
+                "`fragments`, `compression` and number of processes."
+            )
+        self.step_count = int(state["step"])
+        self.bytes_sent = int(state["bytes_sent"])
+        self.syncs = int(state["syncs"])
+        for f, s in zip(self.fragments, state["fragments"], strict=True):
+            dev = f.outer.device
+            f.outer.copy_(s["outer"])
+            f.momentum.copy_(s["momentum"])
+            if f.worker_error is not None:
+                f.worker_error.copy_(s["worker_error"])
+                f.server_error.copy_(s["server_error"])  # type: ignore[union-attr]
+            f.sent = None if s["sent"] is None else s["sent"].to(dev)
+            f.sent_at = s["sent_at"]
+            f.served = False
+            f._op = f._work = None
+        for f, s in zip(self.fragments, state["fragments"], strict=True):
+            if f.sent is not None:
+                # the same inputs (outer, sent, pre-exchange errors) give the same bytes: bit-identical results
+                self._issue(f)
+                if s["served"]:
+                    self._serve(f)
