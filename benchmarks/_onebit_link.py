@@ -45,7 +45,7 @@ from typing_extensions import override
 
 from benchmarks._harness import median, parser, ratio, report
 
-__all__ = ["run_host_cost", "run_link_cases"]
+__all__ = ["rank_env", "run_host_cost", "run_link_cases"]
 
 REPO = Path(__file__).resolve().parent.parent
 ADDR = ("169.254.77.1", "169.254.77.2")  # link-local, only on the veth ends created here
@@ -363,6 +363,22 @@ def _worker(rank: int, workdir: Path, hidden: int, batch: int) -> None:
         k += 1
 
 
+def rank_env(rank: int, port: int) -> dict[str, str]:
+    """The environment of rank ``rank`` (one per namespace, one thread) of a two-node job over the veth pair."""
+    return {
+        **os.environ,
+        "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "MASTER_ADDR": ADDR[0],
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": "2",
+        "NODE_RANK": str(rank),
+        "LOCAL_RANK": "0",
+        "GLOO_SOCKET_IFNAME": IFACES[rank],
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
 class Ranks:
     """The two rank processes (one per namespace) and the command files that drive them."""
 
@@ -372,18 +388,7 @@ class Ranks:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.logs = [open(self.workdir / f"rank{r}.log", "wb") for r in range(2)]  # noqa: SIM115
         for rank in range(2):
-            env = {
-                **os.environ,
-                "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-                "MASTER_ADDR": ADDR[0],
-                "MASTER_PORT": str(port),
-                "WORLD_SIZE": "2",
-                "NODE_RANK": str(rank),
-                "LOCAL_RANK": "0",
-                "GLOO_SOCKET_IFNAME": IFACES[rank],
-                "OMP_NUM_THREADS": "1",
-                "PYTHONUNBUFFERED": "1",
-            }
+            env = rank_env(rank, port)
             cmd = [*net.exec_prefix(rank), sys.executable, str(Path(__file__).resolve()), "--worker", str(rank)]
             cmd += ["--workdir", str(self.workdir), "--hidden", str(hidden), "--batch", str(batch)]
             self.procs.append(

@@ -39,8 +39,8 @@ if __package__ in (None, ""):  # run as `python benchmarks/localsteps.py`: make 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._harness import median, parser, ratio, report
+from benchmarks.onebit import _ByteCounter
 
-REPO = Path(__file__).resolve().parent.parent
 SEQ = 64
 BATCH = 16
 VOCAB = 128
@@ -109,34 +109,8 @@ def _module(steps: int) -> Any:
     return CharLM()
 
 
-_SENT = [0]  # bytes this process sent at the wrapped collectives
-
-
-def _count_bytes() -> None:
-    """Wrap (once per process) the collectives the strategies call; the bytes this rank sends go to ``_SENT``."""
-    import torch.distributed as dist
-
-    if getattr(dist, "_localsteps_counted", False):
-        return
-    dist._localsteps_counted = True  # type: ignore[attr-defined]
-    counter = _SENT
-    n = dist.get_world_size()
-
-    def wrap(name: str, count: Any) -> None:
-        orig = getattr(dist, name)
-
-        def f(*args: Any, **kwargs: Any) -> Any:
-            counter[0] += count(*args, **kwargs)
-            return orig(*args, **kwargs)
-
-        setattr(dist, name, f)
-
-    nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
-    wrap("all_reduce", lambda t, *a, **k: round(2 * (n - 1) / n * nbytes(t)))
-    wrap("all_to_all_single", lambda out, inp, *a, **k: round((n - 1) / n * nbytes(inp)))
-    for name in ("all_gather_single", "all_gather_into_tensor"):
-        if hasattr(dist, name):
-            wrap(name, lambda out, inp, *a, **k: (n - 1) * nbytes(inp))
+#: bytes this process sent at the wrapped collectives (installed once per process, at the first fit)
+_COUNTER = _ByteCounter()
 
 
 def fit_one(name: str, steps: int, eval_every: int, *, num_nodes: int = 1, devices: int = 1) -> dict[str, Any]:
@@ -176,13 +150,13 @@ def fit_one(name: str, steps: int, eval_every: int, *, num_nodes: int = 1, devic
                 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
                 trainer.strategy.model.register_comm_hook(None, allreduce_hook)
-            _count_bytes()
-            self.b0 = _SENT[0]
+            _COUNTER.install()
+            self.b0 = _COUNTER.bytes
             self.t0 = time.perf_counter()
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
             rec["ends"].append(time.perf_counter() - self.t0 - self.off)
-            rec["bytes"].append(_SENT[0] - self.b0)
+            rec["bytes"].append(_COUNTER.bytes - self.b0)
             local = getattr(trainer.strategy, "local_steps", None)
             rec["sync"].append(bool(local is not None and local.last_synced))
             step = trainer.global_step
@@ -276,23 +250,13 @@ def _link_worker(args: list[str]) -> None:
 
 
 def _link_fit(net: Any, name: str, steps: int, every: int, workdir: Path, timeout: float) -> dict[str, Any]:
-    from benchmarks._onebit_link import ADDR, IFACES, _free_port
+    from benchmarks._onebit_link import _free_port, rank_env
 
     out = workdir / f"{name}-{time.monotonic_ns()}.json"
     port = _free_port()
     procs, logs = [], []
     for rank in range(2):
-        env = {
-            **os.environ,
-            "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-            "MASTER_ADDR": ADDR[0],
-            "MASTER_PORT": str(port),
-            "WORLD_SIZE": "2",
-            "NODE_RANK": str(rank),
-            "LOCAL_RANK": "0",
-            "GLOO_SOCKET_IFNAME": IFACES[rank],
-            "OMP_NUM_THREADS": "1",
-        }
+        env = rank_env(rank, port)
         cmd = [*net.exec_prefix(rank), sys.executable, str(Path(__file__).resolve()), "--link-worker"]
         log = open(workdir / f"{name}-rank{rank}.log", "wb")  # noqa: SIM115
         logs.append(log)

@@ -90,6 +90,26 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
+def _ddp_kwargs(kwargs: dict[str, Any], *, alias: str, cls: str, own: tuple[str, ...], why: str) -> dict[str, Any]:
+    """The DDP / DistributedDataParallel keywords a strategy passes on: a competing comm hook or an unknown keyword
+    raises (naming it and the accepted ones); values equal to DDP's defaults are dropped (LightningCLI fills every
+    argument in)."""
+    for name in _REJECTED:
+        if kwargs.pop(name, None) is not None:
+            raise ValueError(
+                f"`{name}` cannot be combined with `strategy='{alias}'`: {why}. Use `DDPStrategy` for a custom hook, "
+                "or drop the argument."
+            )
+    unknown = sorted(set(kwargs) - _DDP_KWARGS)
+    if unknown:
+        raise ValueError(
+            f"Unknown option(s) {', '.join(f'`{u}`' for u in unknown)} for `{cls}`. Expected its own arguments "
+            f"({', '.join(own)}), DDPStrategy's, or DistributedDataParallel's: {', '.join(sorted(_DDP_KWARGS))}. "
+            "Check the spelling."
+        )
+    return {k: v for k, v in kwargs.items() if not _same(v, _DDP_PARAMS[k])}
+
+
 class OneBitDDPStrategy(DDPStrategy):
     """DDP with 1-bit compressed averaging and error feedback (``Trainer(strategy="ddp_1bit")``).
 
@@ -172,22 +192,13 @@ class OneBitDDPStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> None:
         arguments = locals()  # the hyper-parameters by name: the config is built from its own field list below
-        for name in _REJECTED:
-            if kwargs.pop(name, None) is not None:
-                raise ValueError(
-                    f"`{name}` cannot be combined with `strategy='ddp_1bit'`: the strategy installs its own 1-bit "
-                    "comm hook. Use `DDPStrategy` for a custom hook, or drop the argument."
-                )
-        unknown = sorted(set(kwargs) - _DDP_KWARGS)
-        if unknown:
-            own = ", ".join((*config_fields(), "overlap", "log_stats"))
-            raise ValueError(
-                f"Unknown option(s) {', '.join(f'`{u}`' for u in unknown)} for `OneBitDDPStrategy`. Expected its own "
-                f"arguments ({own}), DDPStrategy's, or DistributedDataParallel's: {', '.join(sorted(_DDP_KWARGS))}. "
-                "Check the spelling."
-            )
-        # LightningCLI fills in every DDP argument with its default; pass on only what differs
-        kwargs = {k: v for k, v in kwargs.items() if not _same(v, _DDP_PARAMS[k])}
+        kwargs = _ddp_kwargs(
+            kwargs,
+            alias="ddp_1bit",
+            cls="OneBitDDPStrategy",
+            own=(*config_fields(), "overlap", "log_stats"),
+            why="the strategy installs its own 1-bit comm hook",
+        )
         given = {name: arguments[name] for name in (*config_fields(), *RENAMED)}
         # validated now (clear errors at construction); the state is built once the process group exists
         self._config = OneBitConfig(**resolve_renamed(given, defaults=_DEFAULTS))
@@ -585,20 +596,13 @@ class LocalStepsStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
-        for name in _REJECTED:
-            if kwargs.pop(name, None) is not None:
-                raise ValueError(
-                    f"`{name}` cannot be combined with `strategy='diloco'`: local steps replace DDP's averaging. "
-                    "Use `DDPStrategy` for a custom hook, or drop the argument."
-                )
-        unknown = sorted(set(kwargs) - _DDP_KWARGS)
-        if unknown:
-            raise ValueError(
-                f"Unknown option(s) {', '.join(f'`{u}`' for u in unknown)} for `LocalStepsStrategy`. Expected its own "
-                f"arguments ({', '.join((*_LOCAL_OWN, 'block_size', 'sync_buffers', 'log_stats'))}), DDPStrategy's, or "
-                f"DistributedDataParallel's: {', '.join(sorted(_DDP_KWARGS))}. Check the spelling."
-            )
-        kwargs = {k: v for k, v in kwargs.items() if not _same(v, _DDP_PARAMS[k])}
+        kwargs = _ddp_kwargs(
+            kwargs,
+            alias="diloco",
+            cls="LocalStepsStrategy",
+            own=(*_LOCAL_OWN, "block_size", "sync_buffers", "log_stats"),
+            why="local steps replace DDP's averaging",
+        )
         if "broadcast_buffers" not in kwargs and "forward_sync_buffers" in _DDP_KWARGS:
             kwargs.setdefault("forward_sync_buffers", False)  # no per-forward collective; the buffers are averaged
         elif "forward_sync_buffers" not in _DDP_KWARGS:

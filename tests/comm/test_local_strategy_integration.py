@@ -97,7 +97,6 @@ def _plain(tmp: str) -> dict:
         "steps": local.step_count,
         "bytes": local.bytes_sent,
         "alias": type(alias.strategy).__name__,
-        "hook": getattr(trainer.strategy.model, "_comm_hook_name", None),
     }
 
 
