@@ -1,7 +1,8 @@
 """Every public callback and plugin together under 2-process DDP (gloo), with their default arguments, under
-``strategy="ddp"`` and ``"ddp_1bit"``: no collective or ``trainer.*`` property may be reached on some ranks only.
+``strategy="ddp"``, ``"ddp_1bit"`` and ``"diloco"`` (local steps): no collective or ``trainer.*`` property may be
+reached on some ranks only.
 
-One process launch runs both strategies (later fits reuse the process group of the first); a hang or a
+One process launch runs every strategy (later fits reuse the process group of the first); a hang or a
 ``Connection closed by peer`` in any callback fails the test through the rank that saw it. ``StructuredPruning`` runs
 in a fit of its own without ``FusedPrecision``: its torch.fx trace cannot follow the fused modules' forward (a
 combination that raises a clear TypeError at the pruning epoch, on every rank alike).
@@ -32,7 +33,13 @@ def _fits(rank: int, world_size: int, origin: str, root: str) -> dict[str, Any]:
             return {"optimizer": opt, "lr_scheduler": la.WarmupCosineLR(opt, warmup_fraction=0.1)}
 
     out: dict[str, Any] = {}
-    for strategy, prune in (("ddp", False), ("ddp_1bit", False), ("ddp", True), ("ddp_1bit", True)):
+    strategies = {
+        "ddp": lambda: "ddp",
+        "ddp_1bit": lambda: la.OneBitDDPStrategy(warmup_steps=2),
+        "diloco": lambda: la.LocalStepsStrategy(sync_every=2),
+    }
+    runs = (("ddp", False), ("ddp_1bit", False), ("diloco", False), ("ddp", True), ("ddp_1bit", True))
+    for strategy, prune in runs:
         pl.seed_everything(0)
         name = strategy + ("_prune" if prune else "")
         tmp = Path(root) / name
@@ -69,7 +76,7 @@ def _fits(rank: int, world_size: int, origin: str, root: str) -> dict[str, Any]:
         trainer = pl.Trainer(
             accelerator="cpu",
             devices=world_size,
-            strategy=la.OneBitDDPStrategy(warmup_steps=2) if strategy == "ddp_1bit" else "ddp",
+            strategy=strategies[strategy](),
             max_epochs=2,
             limit_train_batches=4,
             limit_val_batches=2,
@@ -97,14 +104,14 @@ def _fits(rank: int, world_size: int, origin: str, root: str) -> dict[str, Any]:
     return out
 
 
-def test_every_callback_and_plugin_under_two_process_ddp_and_ddp_1bit(tmp_path: Path) -> None:
+def test_every_callback_and_plugin_under_two_process_ddp_ddp_1bit_and_diloco(tmp_path: Path) -> None:
     from lightning_accel.datasets import materialize_digits
     from lightning_accel.perf.plot import plot_available
 
     origin = tmp_path / "digits"
     materialize_digits(origin, size=16, num_images=160)
     a, b = run_in_processes(_fits, 2, (str(origin), str(tmp_path / "runs")), init_process_group=False, timeout=400)
-    for strategy in ("ddp", "ddp_1bit", "ddp_prune", "ddp_1bit_prune"):
+    for strategy in ("ddp", "ddp_1bit", "diloco", "ddp_prune", "ddp_1bit_prune"):
         ra, rb = a[strategy], b[strategy]
         assert ra["global_step"] == rb["global_step"] == 8
         assert ra["seconds"] == rb["seconds"]  # reduced: one figure, the same on every rank
