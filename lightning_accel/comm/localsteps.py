@@ -322,7 +322,6 @@ class LocalSteps:
             frag._delta = delta  # reduced in place
             frag._work = dist.all_reduce(delta, group=self.group, async_op=True)
             frag._op = None
-            self.bytes_sent += fp32_ring_bytes(frag.layout.numel, self.world_size)
             return
         if frag._buffers is None:
             frag._buffers = OneBitBuffers(frag.layout, self.rank)
@@ -348,6 +347,7 @@ class LocalSteps:
                 frag.server_error.copy_(res.server_error)  # type: ignore[arg-type]
         else:
             frag._work.wait()
+            self.bytes_sent += fp32_ring_bytes(frag.layout.padded_numel, self.world_size)  # when done, like 1-bit
             assert frag._delta is not None
             avg = frag._delta.div_(self.world_size)
         avg = torch.where(frag.layout.table.mask, avg, 0.0)  # padding decodes to garbage
