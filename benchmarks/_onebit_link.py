@@ -299,6 +299,7 @@ def _worker(rank: int, workdir: Path, hidden: int, batch: int) -> None:
             super().__init__()
             self.comm: list[float] = []
             self.decisions: list[dict[str, Any]] = []
+            self.overlap_decision: dict[str, Any] | None = None
             self.k, self.hold_after, self.noop_hook = k, hold_after, noop_hook
 
         @override
@@ -313,6 +314,7 @@ def _worker(rank: int, workdir: Path, hidden: int, batch: int) -> None:
             state = getattr(trainer.strategy, "onebit_state", None)
             self.comm.append(float(state.stats.last_step_comm_s) if state is not None else 0.0)
             self.decisions = list(getattr(state, "decisions", []))
+            self.overlap_decision = getattr(trainer.strategy, "overlap_decision", None)
             if len(self.marks) - 1 == self.hold_after:
                 (workdir / f"hold-{self.k}-{rank}").touch()
                 go, deadline = workdir / f"go-{self.k}", time.time() + 600
@@ -358,7 +360,8 @@ def _worker(rank: int, workdir: Path, hidden: int, batch: int) -> None:
         del trainer, strategy
         gc.collect()  # a fit's model, optimizer and buffers sit in reference cycles: free them before the next fit
         tmp = workdir / f"res-{k}-{rank}.json.tmp"
-        tmp.write_text(json.dumps({"ends": timer.marks, "comm": timer.comm, "decisions": timer.decisions}))
+        res = {"ends": timer.marks, "comm": timer.comm, "decisions": timer.decisions}
+        tmp.write_text(json.dumps({**res, "overlap_decision": timer.overlap_decision}))
         os.replace(tmp, workdir / f"res-{k}-{rank}.json")
         k += 1
 
@@ -479,7 +482,8 @@ def _strategy_configs() -> dict[str, dict[str, Any] | str]:
 
     params = inspect.signature(OneBitDDPStrategy.__init__).parameters
     if "compression" in params:
-        return {"onebit": {"compression": "1bit"}, "auto": {"compression": "auto"}}
+        # `onebit`: overlapped throughout (the order `overlap="auto"` chose unmeasured before it timed both)
+        return {"onebit": {"compression": "1bit", "overlap": True}, "auto": {"compression": "auto"}}
     return {"onebit": {}, "auto": "not available: OneBitDDPStrategy takes no `compression` argument in this checkout"}
 
 
@@ -495,7 +499,10 @@ def run_link_cases(quick: bool, *, hidden: int = 4096) -> tuple[dict[str, Any], 
     warm = 2  # ddp_1bit's warm-up (its minimum): steps 0-1 fp32, step 2 builds the compression state
     # auto's warm-up: 3 fp32 steps on the shaped link (after the unshaped step 0) for its trial to compare with
     auto_warm = 4
-    auto_first = auto_warm + _trial_steps() + 2
+    # compression's trial (1-bit overlapped), then overlap's serial block, decided, then one more step
+    auto_first = auto_warm + 2 * (_trial_steps() + 1) + 1
+    # overlap="auto" alone: step `warm` is the first compressed one; both blocks, decided, then one more step
+    overlap_auto_first = warm + 2 * (_trial_steps() + 1) + 1
     budget = 560.0 if quick else 1800.0
     probe_s = 1.5 if quick else 3.0
     bisect_iters = 3 if quick else 5
@@ -546,10 +553,12 @@ def run_link_cases(quick: bool, *, hidden: int = 4096) -> tuple[dict[str, Any], 
             """
             assert ranks is not None
             kw = configs.get(name, {})
-            if name == "onebit_serial":
-                kw = {**configs["onebit"], "overlap": False}
+            if name in ("onebit_serial", "onebit_auto_overlap"):
+                kw = {**configs["onebit"], "overlap": False if name == "onebit_serial" else "auto"}
             plain = name in ("ddp", "compute")
             hold_after, first = (0, 2) if plain else (warm - 1, warm + 1) if name != "auto" else (0, auto_first)
+            if name == "onebit_auto_overlap":
+                first = overlap_auto_first
             steps = first + (3 if mbit is not None and mbit <= 200 else 10)
             remaining = budget - (time.perf_counter() - t_start)
             per_step = fp32_bytes_per_step * 8 / (goodput * 1e6) + 20.0
@@ -572,6 +581,7 @@ def run_link_cases(quick: bool, *, hidden: int = 4096) -> tuple[dict[str, Any], 
                 "step_s": round(median(diffs[first - 1 :]), 4),
                 "hook_s": round(median(res["comm"][first:]), 4),
                 "decisions": res.get("decisions", []),
+                "overlap_decision": res.get("overlap_decision"),
             }
 
         def step_time(name: str, mbit: int | None, goodput: float) -> float:
@@ -619,16 +629,25 @@ def run_link_cases(quick: bool, *, hidden: int = 4096) -> tuple[dict[str, Any], 
         for link, mbit in (("100mbit", 100), ("1gbit", 1000)):
             ov: dict[str, Any] = {}
             overlap[link] = ov
-            for name in ("compute", "onebit_serial", "onebit"):
+            for name in ("compute", "onebit_serial", "onebit", "onebit_auto_overlap"):
                 m = measure(name, mbit, links[link]["goodput_mbps"])
                 ov[f"{name}_step_s"] = m["step_s"]
                 if name != "compute":
                     ov[f"{name}_hook_s"] = m["hook_s"]
+                if name == "onebit_auto_overlap":
+                    ov["overlap_auto_decision"] = m["overlap_decision"]
             ov["compute_plus_serial_hook_s"] = round(ov["compute_step_s"] + ov["onebit_serial_hook_s"], 4)
             ratios[f"overlap_step_over_compute_plus_hook_{link}"] = ratio(
                 ov["onebit_step_s"], ov["compute_plus_serial_hook_s"]
             )
             ratios[f"overlap_step_over_serial_step_{link}"] = ratio(ov["onebit_step_s"], ov["onebit_serial_step_s"])
+            # overlap="auto" times both orders in its first compressed steps and keeps the faster
+            ratios[f"overlap_choice_over_best_step_{link}"] = ratio(
+                ov["onebit_auto_overlap_step_s"], min(ov["onebit_step_s"], ov["onebit_serial_step_s"])
+            )
+        ratios["overlap_choice_over_best_step"] = max(
+            ratios[f"overlap_choice_over_best_step_{link}"] for link in ("100mbit", "1gbit")
+        )
         # break-even: bisect the tbf rate (geometric midpoints) between a rate where 1-bit wins and one where it loses
         results["break_even"] = _bisect(net, links, step_time, bisect_iters, probe_s, port + 10)
         if "mbps" in results["break_even"]:

@@ -23,7 +23,7 @@ from lightning_accel.comm.allreduce import (
     onebit_allreduce,
     run_pipelined,
 )
-from lightning_accel.comm.auto import StepTrial, decide, measure
+from lightning_accel.comm.auto import OverlapTrial, StepTrial, decide, measure
 from lightning_accel.comm.compress import (
     BlockTable,
     Compressor,
@@ -71,6 +71,7 @@ __all__ = [
     "MomentumCompressor",
     "OneBitAllreduce",
     "OneBitResult",
+    "OverlapTrial",
     "OneBitConfig",
     "OneBitDDPStrategy",
     "OneBitState",

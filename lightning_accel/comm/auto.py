@@ -42,7 +42,7 @@ from lightning_accel.comm.allreduce import CompressFn, OneBitAllreduce, run_pipe
 from lightning_accel.comm.compress import GroupLayout
 from lightning_accel.comm.state import OneBitState
 
-__all__ = ["MARGIN", "STEP_MARGIN", "TRIAL_STEPS", "StepTrial", "decide", "measure"]
+__all__ = ["MARGIN", "STEP_MARGIN", "TRIAL_STEPS", "OverlapTrial", "StepTrial", "decide", "measure"]
 
 log = logging.getLogger("lightning_accel.comm")
 
@@ -178,6 +178,8 @@ class StepTrial:
         #: ``{step: (mode, seconds)}`` of the recent steps
         self.durations: dict[int, tuple[str, float]] = {}
         self._open: tuple[int, str, float] | None = None
+        #: the clock's reading at the last :meth:`step_started` (an :class:`OverlapTrial` of the same step reuses it)
+        self.last_now: float | None = None
 
     @staticmethod
     def _mode(state: OneBitState) -> str:
@@ -185,7 +187,7 @@ class StepTrial:
 
     def step_started(self, state: OneBitState, device: torch.device) -> str | None:
         """Book-keeping at the start of step ``state.step``; returns the decision when one was made now."""
-        now = self.clock()
+        now = self.last_now = self.clock()
         if self._open is not None and self._open[0] == state.step - 1:
             self.durations[self._open[0]] = (self._open[1], now - self._open[2])
         for k in [k for k in self.durations if k < state.step - 4 * self.steps - 4]:  # keep the recent ones
@@ -216,3 +218,80 @@ class StepTrial:
             return decide(state, device, step=start)
         t32, t1 = (median(old), median(new)) if before == "fp32" else (median(new), median(old))
         return decide(state, device, timings=(t32, t1), step=start)
+
+
+class OverlapTrial:
+    """``overlap="auto"`` by measurement: time compressed steps started during backward against ones started after
+    it, keep the faster (driven by the strategy, once per fit, where overlapping is safe).
+
+    Starting each group's compressed momentum during backward hides its transfer behind the rest of backward, but on
+    a core that also runs backward the compression competes with it (measured: the overlapping step 1.25x the serial
+    one on a 1 Gbit/s link), so neither order wins everywhere. Both compute bit-identical results, so the order may
+    change between any two steps. From the first compressed step on: that step (it builds the compression state) and
+    ``steps`` more run overlapped, then one step and ``steps`` more serial; the medians of the timed ``steps`` of each
+    (the first of each block untimed) are reduced with MAX over the group (identical figures on every rank, so every
+    rank takes the same decision without a broadcast) and the serial order is kept only when faster by
+    ``STEP_MARGIN``.
+
+    Call :meth:`step_started` at the start of every optimizer step on every rank; it returns whether that step
+    overlaps. ``clock`` returns seconds (replaceable in tests).
+
+    Attributes:
+        decision: ``{"step", "overlap_s", "serial_s", "overlap"}`` once decided, else None.
+    """
+
+    def __init__(self, steps: int = TRIAL_STEPS, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.steps = check_int("steps", steps, low=1, fix="Use e.g. 3.")
+        self.clock = clock
+        self.decision: dict[str, Any] | None = None
+        self._first: int | None = None  # the first compressed step
+        self._times: dict[bool, list[float]] = {True: [], False: []}
+        self._open: tuple[int, bool, float] | None = None
+
+    def step_started(
+        self,
+        step: int,
+        compressing: bool,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+        now: float | None = None,
+    ) -> bool:
+        """Book-keeping at the start of optimizer step ``step``; returns whether it overlaps. Collective at the step
+        that decides (every rank reaches the same step). ``now``: this step's clock reading when the caller has one
+        (a :class:`StepTrial`'s of the same step), else the clock is read."""
+        now = self.clock() if now is None else now
+        if self.decision is not None:
+            return bool(self.decision["overlap"])
+        if self._open is not None and self._open[0] == step - 1:
+            k, overlapped, t0 = self._open
+            if self._first is not None and k - self._first not in (0, self.steps + 1):  # the blocks' first steps
+                self._times[overlapped].append(now - t0)
+        self._open = None
+        if not compressing:  # fp32 steps (warm-up, a compression trial, fp32 decided): nothing to time yet
+            self._first = None
+            self._times = {True: [], False: []}
+            return True
+        if self._first is None:
+            self._first = step
+        age = step - self._first
+        if age >= 2 * (self.steps + 1):
+            return self._decide(step, group, device)
+        overlapped = age <= self.steps
+        self._open = (step, overlapped, now)
+        return overlapped
+
+    def _decide(self, step: int, group: dist.ProcessGroup | None, device: torch.device) -> bool:
+        t = torch.tensor(
+            [
+                median(self._times[True]) if self._times[True] else 0.0,
+                median(self._times[False]) if self._times[False] else 0.0,
+            ],
+            dtype=torch.float64,
+            device=device,
+        )
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        over, serial = float(t[0]), float(t[1])
+        keep_overlap = not (serial > 0 and serial * (1 + STEP_MARGIN) < over)
+        self.decision = {"step": step, "overlap_s": over, "serial_s": serial, "overlap": keep_overlap}
+        return keep_overlap

@@ -139,12 +139,13 @@ class OneBitDDPStrategy(DDPStrategy):
         recheck_every: with ``compression="auto"``, try the other mode again every this many steps (0: once).
         group_numel: the momentum path compresses in groups of about this many elements (pipelined).
         overlap: start compressing and sending each group's momentum during backward, as soon as DDP hands over the
-            buckets that complete it (``True``), only after backward (``False``), or ``"auto"``: during backward
-            unless something needs the whole gradient first or may change it after backward (gradient clipping,
-            a GradScaler, ``find_unused_parameters``, manual optimization, a LightningModule that overrides
-            ``on_after_backward``, ``on_before_optimizer_step`` or ``configure_gradient_clipping``); the choice and
-            its reason are logged. Both give bit-identical results; a callback that edits gradients after backward
-            needs ``overlap=False``.
+            buckets that complete it (``True``), only after backward (``False``), or ``"auto"``: after backward when
+            something needs the whole gradient first or may change it after backward (gradient clipping, a
+            GradScaler, ``find_unused_parameters``, manual optimization, a LightningModule that overrides
+            ``on_after_backward``, ``on_before_optimizer_step`` or ``configure_gradient_clipping``), else whichever
+            order was faster over the first compressed steps (:class:`~lightning_accel.comm.OverlapTrial`: a few
+            steps each way, the slowest rank's medians; logged, and in :attr:`overlap_decision`). Both give
+            bit-identical results; a callback that edits gradients after backward needs ``overlap=False``.
         log_stats: log ``comm/bytes_sent`` (bytes this rank sent in the last step) and ``comm/compression_ratio``
             (fp32 ring-allreduce bytes over bytes sent) every training step.
         compress: deprecated name of ``compressed_signal`` (same values; a :class:`DeprecationWarning`).
@@ -229,6 +230,9 @@ class OneBitDDPStrategy(DDPStrategy):
         #: the clock that times the steps of ``compression="auto"``'s trial (seconds; replaceable in tests)
         self.step_clock: Callable[[], float] = time.perf_counter
         self._auto_trial: comm.StepTrial | None = None  # made with the hook (there is nothing to time without one)
+        #: ``overlap="auto"``'s timing of overlapped against serial compressed steps (made at setup where overlapping
+        #: is safe; None otherwise)
+        self._overlap_trial: comm.OverlapTrial | None = None
         #: why 1-bit averaging was switched off for the rest of the fit (:meth:`switch_off`), or None
         self.switched_off_reason: str | None = None
 
@@ -343,12 +347,22 @@ class OneBitDDPStrategy(DDPStrategy):
                 "Use `overlap='auto'` (it falls back to compressing after backward) or remove the blocker."
             )
         self.overlap = not blockers
+        self._overlap_trial = None
         if self._overlap_arg == "auto":
+            if self.overlap:  # safe: which order is faster is measured at the first compressed steps
+                self._overlap_trial = comm.OverlapTrial(clock=self.step_clock)
             rank_zero_info(
-                "ddp_1bit: compressed momentum starts during backward (overlap)"
+                "ddp_1bit: compressed momentum during backward (overlap) or after it, whichever is faster in the "
+                "first compressed steps"
                 if self.overlap
                 else f"ddp_1bit: compressed momentum starts after backward (no overlap: {'; '.join(blockers)})"
             )
+
+    @property
+    def overlap_decision(self) -> dict[str, Any] | None:
+        """``overlap="auto"``'s measurement once made: ``{"step", "overlap_s", "serial_s", "overlap"}`` (seconds per
+        step, the slowest rank's median), else None."""
+        return None if self._overlap_trial is None else self._overlap_trial.decision
 
     def _resolve_compress(self) -> None:
         """Momentum compression for supported optimizers, gradient compression otherwise (see ``compressed_signal``)."""
@@ -423,6 +437,23 @@ class OneBitDDPStrategy(DDPStrategy):
         comp = self._compressors.get(id(optimizer))
         if state is None or comp is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
+        otrial = self._overlap_trial
+        if otrial is not None and self.switched_off_reason is None:
+            known = otrial.decision is not None
+            timed = trial is not None and state.config.compression == "auto"  # read the clock once per step
+            self.overlap = otrial.step_started(
+                state.step,
+                state.compressing,
+                state.process_group,
+                self.root_device,
+                now=trial.last_now if timed and trial is not None else None,
+            )
+            if not known and otrial.decision is not None:
+                d = otrial.decision
+                rank_zero_info(
+                    f"ddp_1bit overlap='auto' at step {d['step']}: overlapped {1e3 * d['overlap_s']:.2f} ms, serial "
+                    f"{1e3 * d['serial_s']:.2f} ms per step -> {'overlap' if d['overlap'] else 'serial'}"
+                )
 
         # the optimizer's step becomes "run the closure, then the compressed step if the backward left local
         # gradients, else the optimizer's own step" (its own: an LR scheduler's wrapper, else the class's method):

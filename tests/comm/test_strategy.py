@@ -6,6 +6,7 @@ import dataclasses
 import warnings
 
 import pytest
+import torch
 
 
 def test_registered_on_import() -> None:
@@ -176,3 +177,53 @@ def test_lightningcli_parses_the_deprecated_spelling(flag: str, new: str, value:
     with pytest.warns(DeprecationWarning, match=f"`{flag}` is deprecated; use `{new}`"):
         cli = AccelCLI(args=args, run=False)
     assert getattr(cli.trainer.strategy.onebit_config, new) == value
+
+
+class _Clock:
+    """A scripted clock: each step of ``overlapped``/``serial`` seconds, by the order the trial asks for."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _run_overlap_trial(overlap_s: float, serial_s: float, fp32_steps: int = 2) -> tuple[list[bool], dict]:
+    from lightning_accel.comm import OverlapTrial
+
+    clock = _Clock()
+    trial = OverlapTrial(steps=3, clock=clock)
+    orders = []
+    for step in range(fp32_steps + 14):
+        compressing = step >= fp32_steps
+        overlapped = trial.step_started(step, compressing, None, torch.device("cpu"))
+        orders.append(overlapped)
+        clock.now += (overlap_s if overlapped else serial_s) if compressing else 1.0
+    assert trial.decision is not None
+    return orders, trial.decision
+
+
+def test_overlap_trial_times_both_orders_then_keeps_the_faster() -> None:
+    orders, decision = _run_overlap_trial(overlap_s=0.5, serial_s=0.4)
+    # 2 fp32 steps, then 4 overlapped (the first builds the state, untimed), 4 serial (the first untimed), decided
+    assert orders[2:10] == [True] * 4 + [False] * 4
+    assert decision["step"] == 10 and not decision["overlap"]
+    assert all(o is False for o in orders[10:])
+    assert decision["overlap_s"] == pytest.approx(0.5) and decision["serial_s"] == pytest.approx(0.4)
+    orders, decision = _run_overlap_trial(overlap_s=0.4, serial_s=0.5)
+    assert decision["overlap"] and all(orders[10:])
+
+
+def test_overlap_trial_keeps_overlap_on_a_near_tie_and_restarts_after_fp32_steps() -> None:
+    from lightning_accel.comm import OverlapTrial
+
+    _, decision = _run_overlap_trial(overlap_s=0.500, serial_s=0.495)  # 1 % faster: within the margin
+    assert decision["overlap"]
+    clock = _Clock()
+    trial = OverlapTrial(steps=2, clock=clock)
+    for step, compressing in enumerate([True, True, False, True, True, True, True, True, True, True]):
+        trial.step_started(step, compressing, None, torch.device("cpu"))
+        clock.now += 1.0
+    # the compressed run restarted at step 3 (a fp32 step interrupted the first one): decided at 3 + 2 * 3
+    assert trial.decision is not None and trial.decision["step"] == 9

@@ -458,6 +458,32 @@ def _overlap(tmp: str, name: str) -> dict:
     }
 
 
+@_scenario("overlap_auto")
+def _overlap_auto(tmp: str, name: str) -> dict:
+    """``overlap="auto"`` times both orders in the first compressed steps (a scripted clock: serial steps cost half)
+    and keeps the faster; the parameters equal those of a fit that overlapped throughout."""
+
+    class Clock:
+        def __init__(self, strategy) -> None:
+            self.t, self.strategy = 0.0, strategy
+
+        def __call__(self) -> float:
+            self.t += 1.0 if self.strategy.overlap else 0.5  # the step that just ended
+            return self.t
+
+    kw = {"group_numel": 300, "bucket_cap_mb": 0.0005}
+    auto = _onebit(overlap="auto", **kw)
+    auto.step_clock = Clock(auto)
+    _, model = _fit(auto, max_steps=12)
+    _, always = _fit(_onebit(overlap=True, **kw), max_steps=12)
+    return {
+        "decision": auto.overlap_decision,
+        "final": auto.overlap,
+        "params": _params(model),
+        "always": _params(always),
+    }
+
+
 @_scenario("overlap_clip")
 def _overlap_clip(tmp: str, name: str) -> dict:
     """ "auto" turns overlap off for what needs the whole gradient; True refuses it with the reason."""
@@ -717,6 +743,16 @@ class TestOverlap:
         for k in on["state"]:
             np.testing.assert_array_equal(on["state"][k], off["state"][k], err_msg=k)
         _same_on_both_ranks(results, f"overlap_{opt}_True")
+
+    @uses("overlap_auto")
+    def test_overlap_auto_keeps_the_order_measured_faster(self, results: list[dict]) -> None:
+        for r in _get(results, "overlap_auto"):
+            d = r["decision"]
+            assert d is not None and d["overlap"] is False and r["final"] is False
+            assert d["step"] == WARMUP + 8  # 4 overlapped + 4 serial compressed steps, the first of each untimed
+            assert d["serial_s"] < d["overlap_s"]
+            np.testing.assert_array_equal(r["params"], r["always"])  # the order never changes the result
+        _same_on_both_ranks(results, "overlap_auto")
 
     @uses("overlap_clip")
     def test_overlap_is_refused_or_turned_off_with_clipping(self, results: list[dict]) -> None:
