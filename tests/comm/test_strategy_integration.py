@@ -458,7 +458,7 @@ def _overlap(tmp: str, name: str) -> dict:
     }
 
 
-@_scenario("overlap_auto")
+@_scenario("overlap_auto", "overlap_auto_back")
 def _overlap_auto(tmp: str, name: str) -> dict:
     """``overlap="auto"`` times both orders in the first compressed steps (a scripted clock: serial steps cost half)
     and keeps the faster; the parameters equal those of a fit that overlapped throughout."""
@@ -468,7 +468,10 @@ def _overlap_auto(tmp: str, name: str) -> dict:
             self.t, self.strategy = 0.0, strategy
 
         def __call__(self) -> float:
-            self.t += 1.0 if self.strategy.overlap else 0.5  # the step that just ended
+            serial_wins = name == "overlap_auto"
+            self.t += (
+                (1.0 if self.strategy.overlap else 0.5) if serial_wins else (0.5 if self.strategy.overlap else 1.0)
+            )
             return self.t
 
     kw = {"group_numel": 300, "bucket_cap_mb": 0.0005}
@@ -744,8 +747,11 @@ class TestOverlap:
             np.testing.assert_array_equal(on["state"][k], off["state"][k], err_msg=k)
         _same_on_both_ranks(results, f"overlap_{opt}_True")
 
-    @uses("overlap_auto")
+    @uses("overlap_auto", "overlap_auto_back")
     def test_overlap_auto_keeps_the_order_measured_faster(self, results: list[dict]) -> None:
+        for r in _get(results, "overlap_auto_back"):  # overlapped, serial, overlapped again: the same parameters
+            assert r["decision"]["overlap"] is True and r["final"] is True
+            np.testing.assert_array_equal(r["params"], r["always"])
         for r in _get(results, "overlap_auto"):
             d = r["decision"]
             assert d is not None and d["overlap"] is False and r["final"] is False
