@@ -39,6 +39,7 @@ import torch.distributed as dist
 from lightning_accel._utils.checks import check_bool, check_choice, check_int, check_number
 from lightning_accel.comm.allreduce import OneBitAllreduce, OneBitBuffers, fp32_ring_bytes
 from lightning_accel.comm.compress import GroupLayout
+from lightning_accel.comm.state import GroupState
 
 __all__ = ["OUTER_COMPRESSIONS", "Fragment", "LocalSteps", "LocalStepsConfig", "OuterCompression", "split_fragments"]
 
@@ -139,7 +140,7 @@ class Fragment:
         layout: canonical flat layout (1-bit groups, padding, chunks) for this world size.
         outer: float32 ``(padded_numel,)``, ``θ_global`` (zeros on padding).
         momentum: float32 ``(padded_numel,)``, the outer momentum.
-        worker_error / server_error: 1-bit error feedback (None with fp32).
+        errors: the 1-bit worker and server error feedback, as the comm hook keeps it (None with fp32).
         sent: float32 copy of the local parameters the exchange in flight was taken from (None when idle).
         sent_at: the inner step it was issued at (None when idle).
     """
@@ -149,6 +150,7 @@ class Fragment:
         "_delta",
         "_op",
         "_work",
+        "errors",
         "index",
         "layout",
         "momentum",
@@ -156,9 +158,7 @@ class Fragment:
         "params",
         "sent",
         "sent_at",
-        "server_error",
         "served",
-        "worker_error",
     )
 
     def __init__(self, index: int, params: list[int], layout: GroupLayout, onebit: bool) -> None:
@@ -168,8 +168,7 @@ class Fragment:
         dev = layout.device
         self.outer = torch.zeros(layout.padded_numel, dtype=torch.float32, device=dev)
         self.momentum = torch.zeros_like(self.outer)
-        self.worker_error = torch.zeros_like(self.outer) if onebit else None
-        self.server_error = torch.zeros(layout.chunk_numel, dtype=torch.float32, device=dev) if onebit else None
+        self.errors = GroupState(tuple(params), layout) if onebit else None
         self.sent: torch.Tensor | None = None
         self.sent_at: int | None = None
         self.served = False
@@ -268,10 +267,10 @@ class LocalSteps:
         for frag in self.fragments:
             if t % cfg.sync_every == cfg.send_phase(frag.index) and frag.sent_at is None:
                 synced = True
-                self._send(frag, t)
                 if cfg.overlap_steps == 0:
-                    self._serve(frag)
-                    self._apply(frag)
+                    self._sync_now(frag)
+                else:
+                    self._send(frag, t)
         self.last_bytes = self.bytes_sent - before
         self.last_synced = synced
         return self.last_bytes
@@ -289,10 +288,7 @@ class LocalSteps:
         into the parameters, so every rank ends with the same model (a collective)."""
         self.finish()
         for frag in self.fragments:
-            self._send(frag, self.step_count)
-            self._serve(frag)
-            self._apply(frag)
-            self._unflatten_copy(frag, frag.outer)
+            self._sync_now(frag)  # no step between send and apply: the parameters become θ_global exactly
 
     def local_flats(self) -> list[torch.Tensor]:
         """CPU copies of this rank's parameters, one canonical flat tensor per fragment (for checkpoints)."""
@@ -310,6 +306,12 @@ class LocalSteps:
         """Whether an exchange has been issued and not yet applied."""
         return any(f.sent_at is not None for f in self.fragments)
 
+    def _sync_now(self, frag: Fragment) -> None:
+        """Send, serve and apply ``frag``'s exchange at the current step (nothing overlaps it)."""
+        self._send(frag, self.step_count)
+        self._serve(frag)
+        self._apply(frag)
+
     def _send(self, frag: Fragment, t: int) -> None:
         sent = self._flatten(frag, out=torch.zeros_like(frag.outer))
         frag.sent, frag.sent_at, frag.served = sent, t, False
@@ -325,8 +327,10 @@ class LocalSteps:
             return
         if frag._buffers is None:
             frag._buffers = OneBitBuffers(frag.layout, self.rank)
+        errors = frag.errors
+        assert errors is not None
         frag._op = OneBitAllreduce(
-            delta, frag.layout, frag.worker_error, frag.server_error, group=self.group, buffers=frag._buffers
+            delta, frag.layout, errors.worker_error, errors.server_error, group=self.group, buffers=frag._buffers
         ).start()
 
     def _serve(self, frag: Fragment) -> None:
@@ -336,26 +340,25 @@ class LocalSteps:
 
     def _apply(self, frag: Fragment) -> None:
         cfg = self.config
+        res = None
         if frag._op is not None:
             res = frag._op.finish()
             self.bytes_sent += res.bytes_sent
-            avg = res.out
-            if bool(res.finite):
-                # error feedback belongs to finite exchanges only (a NaN pseudo-gradient would poison it forever)
-                assert frag.worker_error is not None and frag.server_error is not None
-                frag.worker_error.copy_(res.worker_error)  # type: ignore[arg-type]
-                frag.server_error.copy_(res.server_error)  # type: ignore[arg-type]
+            avg = torch.where(frag.layout.table.mask, res.out, 0.0)  # padding decodes to garbage
+            finite = bool(res.finite)  # from the block scales: the verdict of a pass over `avg`
         else:
             frag._work.wait()
             self.bytes_sent += fp32_ring_bytes(frag.layout.padded_numel, self.world_size)  # when done, like 1-bit
             assert frag._delta is not None
-            avg = frag._delta.div_(self.world_size)
-        avg = torch.where(frag.layout.table.mask, avg, 0.0)  # padding decodes to garbage
-        if not bool(torch.isfinite(avg).all()):
+            avg = frag._delta.div_(self.world_size)  # zeros on padding
+            finite = bool(torch.isfinite(avg).all())
+        if not finite:  # raised before the errors are committed: a NaN would poison the error feedback for good
             raise FloatingPointError(
                 f"local steps: the averaged pseudo-gradient of fragment {frag.index} at inner step {frag.sent_at} is "
                 "not finite; a rank diverged during its local steps. Lower the inner learning rate or `sync_every`."
             )
+        if res is not None and frag.errors is not None:
+            frag.errors.commit(res.worker_error, res.server_error, frag._buffers)
         m = frag.momentum.mul_(cfg.outer_momentum).add_(avg)
         update = avg.add(m, alpha=cfg.outer_momentum) if cfg.nesterov else m
         new_outer = frag.outer - cfg.outer_lr * update
@@ -401,8 +404,8 @@ class LocalSteps:
                     "params": list(f.params),
                     "outer": cpu(f.outer),
                     "momentum": cpu(f.momentum),
-                    "worker_error": cpu(f.worker_error),
-                    "server_error": cpu(f.server_error),
+                    "worker_error": cpu(f.errors.worker_error) if f.errors is not None else None,
+                    "server_error": cpu(f.errors.server_error) if f.errors is not None else None,
                     "sent": cpu(f.sent),
                     "sent_at": f.sent_at,
                     "served": f.served,
@@ -441,9 +444,9 @@ class LocalSteps:
             dev = f.outer.device
             f.outer.copy_(s["outer"])
             f.momentum.copy_(s["momentum"])
-            if f.worker_error is not None:
-                f.worker_error.copy_(s["worker_error"])
-                f.server_error.copy_(s["server_error"])  # type: ignore[union-attr]
+            if f.errors is not None:
+                f.errors.worker_error.copy_(s["worker_error"])
+                f.errors.server_error.copy_(s["server_error"])
             f.sent = None if s["sent"] is None else s["sent"].to(dev)
             f.sent_at = s["sent_at"]
             f.served = False

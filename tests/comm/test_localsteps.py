@@ -119,7 +119,7 @@ def _oracle(rank: int, world: int) -> dict:
         ls.step()
     parts = gathered(ps)
     out["onebit_same"] = all(torch.equal(parts[0], p) for p in parts)
-    out["onebit_error_norm"] = float(ls.fragments[0].worker_error.norm())  # type: ignore[union-attr]
+    out["onebit_error_norm"] = float(ls.fragments[0].errors.worker_error.norm())  # type: ignore[union-attr]
     out["onebit_bytes"] = ls.bytes_sent
 
     # round trip with an exchange in flight (2 fragments, overlap 1): resume = uninterrupted, bit for bit
