@@ -449,13 +449,10 @@ class OneBitDDPStrategy(DDPStrategy):
         otrial = self._overlap_trial
         if otrial is not None and self.switched_off_reason is None:
             known = otrial.decision is not None
-            timed = trial is not None and state.config.compression == "auto"  # read the clock once per step
+            # one clock reading per step: the compression trial's, when it timed this step
+            now = trial.last_now if trial is not None and state.config.compression == "auto" else None
             self.overlap = otrial.step_started(
-                state.step,
-                state.compressing,
-                state.process_group,
-                self.root_device,
-                now=trial.last_now if timed and trial is not None else None,
+                state.step, state.compressing, state.process_group, self.root_device, now=now
             )
             if not known and otrial.decision is not None:
                 d = otrial.decision
