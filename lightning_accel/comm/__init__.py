@@ -3,7 +3,9 @@
 - :mod:`~lightning_accel.comm.packing`: sign bits packed 8 per byte.
 - :mod:`~lightning_accel.comm.compress`: canonical group layout, per-block ``mean |x|`` scales, the torch
   compressors (the reference and the buffer-reusing ``Compressor``).
-- :mod:`~lightning_accel.comm.allreduce`: the two-phase compressed allreduce with worker/server error feedback.
+- :mod:`~lightning_accel.comm.allreduce`: the two-phase compressed allreduce with worker/server error feedback, flat
+  and hierarchical (fp32 inside a node, compressed between nodes).
+- :mod:`~lightning_accel.comm.topology`: the node layout and its process groups for hierarchical averaging.
 - :mod:`~lightning_accel.comm.config`: ``OneBitConfig``, the validated hyper-parameters.
 - :mod:`~lightning_accel.comm.state` / :mod:`~lightning_accel.comm.hook`: the DDP comm hook and its ``__slots__`` state
   (hyper-parameters, error-feedback state, ``CommStats``).
@@ -17,6 +19,7 @@
 """
 
 from lightning_accel.comm.allreduce import (
+    HierarchicalOneBitAllreduce,
     OneBitAllreduce,
     OneBitResult,
     fp32_ring_bytes,
@@ -28,6 +31,7 @@ from lightning_accel.comm.compress import (
     BlockTable,
     Compressor,
     GroupLayout,
+    NodeShard,
     block_scales,
     compress_fast,
     compress_reference,
@@ -53,6 +57,7 @@ from lightning_accel.comm.state import (
     select_rank_state,
 )
 from lightning_accel.comm.strategy import CHECKPOINT_KEY, LocalStepsStrategy, OneBitDDPStrategy
+from lightning_accel.comm.topology import NodeTopology, node_topology, resolve_hierarchical
 
 __all__ = [
     "CHECKPOINT_KEY",
@@ -64,11 +69,14 @@ __all__ = [
     "CompressorBackend",
     "GroupLayout",
     "GroupState",
+    "HierarchicalOneBitAllreduce",
     "KeptBuffers",
     "LocalSteps",
     "LocalStepsConfig",
     "LocalStepsStrategy",
     "MomentumCompressor",
+    "NodeShard",
+    "NodeTopology",
     "OneBitAllreduce",
     "OneBitResult",
     "OverlapTrial",
@@ -86,10 +94,12 @@ __all__ = [
     "gather_state_dict",
     "measure",
     "momentum_kind",
+    "node_topology",
     "onebit_allreduce",
     "onebit_hook",
     "pack_signs",
     "plan_groups",
+    "resolve_hierarchical",
     "run_pipelined",
     "select_rank_state",
     "unpack_signs",

@@ -4,6 +4,14 @@ Bytes per rank and step (exactly what the collectives are handed; ``M`` scale sl
 phase 1 sends ``N - 1`` rows of ``C/8 + 4M`` bytes (the row for itself stays local), phase 2 sends its own row to
 ``N - 1`` peers (a ring all-gather forwards ``N - 1`` rows). Total ``2 (N-1) (C/8 + 4M)`` ≈ ``2 (N-1)/N · d/8``,
 against ``2 (N-1)/N · 4d`` for an fp32 ring allreduce: ~32x less at any ``N``.
+
+**Hierarchical** (:class:`HierarchicalOneBitAllreduce`, ``K`` nodes of ``L`` processes): the same exchange between
+nodes instead of ranks. An fp32 reduce-scatter inside the node leaves local rank ``l`` with the node's average of
+shard ``l`` (chunks ``l*K ... l*K+K-1`` of the same canonical layout); the ``K`` ranks holding shard ``l`` run the
+two-phase 1-bit exchange on it; an all-gather of the compressed result inside the node gives every rank all ``N``
+server chunks in the flat path's order, decoded as there. Over the slow link each rank sends
+``2 (K-1) (C/8 + 4M)``, so each node sends ``L`` times that: ``2 (K-1)/K · d/8`` per node against the flat path's
+``2 L (N-L)/N · d/8`` (node-major ranks: the ``N-L`` peers on other nodes); half at ``2 x 2``, ``1/L`` asymptotically.
 """
 
 from __future__ import annotations
@@ -16,9 +24,12 @@ import torch
 import torch.distributed as dist
 
 from lightning_accel.comm.compress import BlockTable, Compressor, GroupLayout, compress_reference, decode
+from lightning_accel.comm.topology import NodeTopology
 
 __all__ = [
     "CompressFn",
+    "CompressedAllreduce",
+    "HierarchicalOneBitAllreduce",
     "OneBitAllreduce",
     "OneBitBuffers",
     "OneBitResult",
@@ -42,7 +53,10 @@ class OneBitResult:
         worker_error: the worker error to commit (None without error feedback).
         server_error: the server error of this rank's chunk to commit (None without error feedback).
         finite: 0-dim bool tensor, whether ``out`` is finite on its real elements; commit the errors only if True.
-        bytes_sent: bytes this rank put on the wire (both phases).
+        bytes_sent: bytes this rank put on the wire in the compressed exchange (both phases; hierarchical: the
+            exchange between nodes).
+        intra_bytes: hierarchical only, bytes this rank sent to the ranks of its own node (fp32 reduce-scatter and
+            compressed all-gather); 0 on the flat path.
     """
 
     out: torch.Tensor
@@ -50,6 +64,7 @@ class OneBitResult:
     server_error: torch.Tensor | None
     finite: torch.Tensor
     bytes_sent: int
+    intra_bytes: int = 0
 
 
 def fp32_ring_bytes(numel: int, world_size: int) -> int:
@@ -85,22 +100,39 @@ class OneBitBuffers:
     Args:
         layout: the group's layout.
         rank: this rank in the group's process group.
+        topology: for hierarchical averaging, the node layout (the worker side then compresses this rank's shard and
+            the server side serves the shard's chunk of this rank's node), else None.
 
     Attributes:
-        worker: compressor of the whole group's table (worker side; decodes the gathered result too).
+        worker: compressor of the whole group's table (hierarchical: of this rank's shard; worker side).
         server: compressor of this rank's chunk (server side; decodes the received rows too).
-        rows: float32 ``(N, C)``, the decoded rows of this rank's chunk.
+        full: decoder of the whole group's table (the gathered result; ``worker`` itself on the flat path).
+        rows: float32 ``(R, C)``, the decoded rows of this rank's chunk (``R``: ranks, hierarchical: nodes).
         avg: float32 ``(C,)``, their average.
         out: float32 ``(padded_numel,)``, the decoded result.
+        node_rows: hierarchical only, float32 ``(L, shard numel)``, the node's rows of this rank's shard.
+        node_avg: hierarchical only, float32 ``(shard numel,)``, their average.
     """
 
-    def __init__(self, layout: GroupLayout, rank: int) -> None:
+    def __init__(self, layout: GroupLayout, rank: int, topology: NodeTopology | None = None) -> None:
         self.layout = layout
         self.rank = rank
-        self.worker = Compressor(layout.table)
-        self.server = Compressor(layout.chunks[rank])
+        self.topology = topology
         dev = layout.device
-        self.rows = torch.empty(layout.world_size, layout.chunk_numel, dtype=torch.float32, device=dev)
+        if topology is None:
+            self.worker = Compressor(layout.table)
+            self.server = Compressor(layout.chunks[rank])
+            self.full = self.worker
+            rows = layout.world_size
+        else:
+            shard = layout.node_shard(topology.local_rank, topology.local_size)
+            self.worker = Compressor(shard.table)
+            self.server = Compressor(shard.chunks[topology.node])
+            self.full = Compressor(layout.table)
+            rows = topology.nodes
+            self.node_rows = torch.empty(topology.local_size, shard.numel, dtype=torch.float32, device=dev)
+            self.node_avg = torch.empty(shard.numel, dtype=torch.float32, device=dev)
+        self.rows = torch.empty(rows, layout.chunk_numel, dtype=torch.float32, device=dev)
         self.avg = torch.empty(layout.chunk_numel, dtype=torch.float32, device=dev)
         self.out = torch.empty(layout.padded_numel, dtype=torch.float32, device=dev)
 
@@ -157,8 +189,10 @@ class OneBitAllreduce:
         self.loss_scale = loss_scale
         self.compress = compress
         self.rank = dist.get_rank(group)
-        if buffers is not None and (buffers.layout is not layout or buffers.rank != self.rank):
-            raise ValueError("`buffers` must be made for this `layout` and this rank.")
+        if buffers is not None and (
+            buffers.layout is not layout or buffers.rank != self.rank or buffers.topology is not None
+        ):
+            raise ValueError("`buffers` must be made for this `layout` and this rank, without a node topology.")
         self.result: OneBitResult | None = None
         self._a2a: Any = None
         self._ag: Any = None
@@ -234,6 +268,186 @@ class OneBitAllreduce:
         return self.result
 
 
+class HierarchicalOneBitAllreduce:
+    """The compressed allreduce of ``K`` nodes of ``L`` processes: fp32 inside a node, 1-bit between nodes.
+
+    Same interface and call order as :class:`OneBitAllreduce` (so :func:`run_pipelined` and the momentum step run
+    either), same canonical layout, blocks and scales (see the module docstring for the three steps and the bytes):
+
+    - :meth:`start`: fp32 reduce-scatter inside the node (an ``all_to_all_single`` of the ``L`` shards, summed in
+      local-rank order: gloo has no reduce-scatter), the node average of this rank's shard compressed with the worker
+      error (shard-sized), phase 1 between nodes issued asynchronously on the cross group;
+    - :meth:`serve`: the ``K`` rows of this rank's chunk averaged and recompressed with the server error, phase 2
+      issued asynchronously on the cross group;
+    - :meth:`finish`: the shard's ``K`` server chunks all-gathered inside the node (compressed bytes), so every rank
+      holds the ``N`` chunks in the flat path's order and decodes them as :meth:`OneBitAllreduce.finish` does: the
+      same bytes on every rank, so bit-identical results.
+
+    Args:
+        x: float ``(layout.padded_numel,)`` local gradients (or momentum) in canonical layout, zeros on padding.
+        layout: the group's layout (``world_size`` = all ranks, ``L * K``).
+        worker_error: float32 ``(K * chunk_numel,)`` (this rank's shard) or None (no error feedback).
+        server_error: float32 ``(chunk_numel,)`` or None.
+        topology: the node layout and its groups (:func:`~lightning_accel.comm.topology.node_topology`).
+        loss_scale, compress, buffers: as for :class:`OneBitAllreduce` (``buffers`` made with this ``topology``).
+    """
+
+    __slots__ = (
+        "_a2a",
+        "_ag",
+        "_gathered",
+        "_own",
+        "_recv",
+        "_send",
+        "_new_server",
+        "_new_worker",
+        "_intra_sent",
+        "buffers",
+        "compress",
+        "layout",
+        "loss_scale",
+        "result",
+        "server_error",
+        "shard",
+        "topology",
+        "worker_error",
+        "x",
+    )
+
+    def __init__(
+        self,
+        x: torch.Tensor,
+        layout: GroupLayout,
+        worker_error: torch.Tensor | None,
+        server_error: torch.Tensor | None,
+        *,
+        topology: NodeTopology,
+        loss_scale: torch.Tensor | None = None,
+        compress: CompressFn = compress_reference,
+        buffers: OneBitBuffers | None = None,
+    ) -> None:
+        if layout.world_size != topology.local_size * topology.nodes:
+            raise ValueError(
+                f"`layout` was made for {layout.world_size} ranks, the topology has {topology.nodes} nodes of "
+                f"{topology.local_size}."
+            )
+        if buffers is not None and (
+            buffers.layout is not layout or buffers.topology is None or buffers.topology.place != topology.place
+        ):
+            raise ValueError("`buffers` must be made for this `layout` and this rank's place in `topology`.")
+        self.x = x
+        self.layout = layout
+        self.topology = topology
+        self.shard = layout.node_shard(topology.local_rank, topology.local_size)
+        self.worker_error = worker_error
+        self.server_error = server_error
+        self.loss_scale = loss_scale
+        self.compress = compress
+        self.buffers = buffers
+        self.result: OneBitResult | None = None
+        self._a2a: Any = None
+        self._ag: Any = None
+        self._intra_sent = 0
+
+    def _node_average(self) -> torch.Tensor:
+        """The node's fp32 average of this rank's shard (blocking: the compression needs it)."""
+        topo, shard = self.topology, self.shard
+        n = topo.local_size
+        if n == 1:
+            return self.x[shard.start : shard.start + shard.numel]
+        bufs = self.buffers
+        rows = (
+            bufs.node_rows
+            if bufs is not None
+            else torch.empty(n, shard.numel, dtype=torch.float32, device=self.x.device)
+        )
+        # row j of x is shard j: local rank j receives every local rank's copy of it
+        dist.all_to_all_single(rows, self.x.view(n, shard.numel).float(), group=topo.intra)
+        self._intra_sent += (n - 1) * shard.numel * 4
+        avg = torch.sum(rows, dim=0, out=bufs.node_avg) if bufs is not None else rows.sum(dim=0)
+        return avg.div_(n)
+
+    def start(self) -> HierarchicalOneBitAllreduce:
+        """The node average (fp32, inside the node), its worker compression and phase 1 between nodes (async)."""
+        layout, shard = self.layout, self.shard
+        k, cb, m = shard.nodes, layout.chunk_numel // 8, layout.max_blocks
+        avg = self._node_average()
+        if self.buffers is not None:
+            packed, scales, self._new_worker = self.buffers.worker.compress(avg, self.worker_error, self.loss_scale)
+        else:
+            packed, scales, self._new_worker = self.compress(avg, self.worker_error, shard.table, self.loss_scale)
+        table = torch.zeros(k * m, dtype=torch.float32, device=self.x.device)
+        table[shard.slot] = scales
+        self._send = torch.cat([packed.view(k, cb), table.view(k, m).view(torch.uint8)], dim=1)
+        self._recv = torch.empty_like(self._send)
+        self._a2a = dist.all_to_all_single(self._recv, self._send, group=self.topology.cross, async_op=True)
+        return self
+
+    def serve(self) -> HierarchicalOneBitAllreduce:
+        """The server average and recompression of this node's chunk of the shard, phase 2 between nodes (async)."""
+        layout, k = self.layout, self.shard.nodes
+        cb, m = layout.chunk_numel // 8, layout.max_blocks
+        self._a2a.wait()
+        recv = self._recv
+        mine = self.shard.chunks[self.topology.node]
+        recv_scales = (
+            recv[:, cb:].clone(memory_format=torch.contiguous_format).view(torch.float32)[:, : mine.num_blocks]
+        )
+        bufs = self.buffers
+        if bufs is not None:
+            rows = bufs.server.decode(recv[:, :cb], recv_scales, out=bufs.rows)
+            avg = torch.mean(rows, dim=0, out=bufs.avg)
+            avg.index_fill_(0, mine.pad_index, 0.0)
+            s_packed, s_scales, self._new_server = bufs.server.compress(avg, self.server_error, self.loss_scale)
+        else:
+            avg = decode(recv[:, :cb], recv_scales, mine.lengths).mean(dim=0)
+            avg = torch.where(mine.mask, avg, 0.0)
+            s_packed, s_scales, self._new_server = self.compress(avg, self.server_error, mine, self.loss_scale)
+        self._own = torch.cat([s_packed, _scale_bytes(s_scales, m)])
+        self._gathered = torch.empty(k * self._own.numel(), dtype=torch.uint8, device=self.x.device)
+        self._ag = _all_gather(self._gathered, self._own, self.topology.cross, async_op=True)
+        return self
+
+    def finish(self) -> OneBitResult:
+        """Phase 2 waited for, the shard's chunks gathered inside the node, all ``N`` chunks decoded."""
+        layout, topo = self.layout, self.topology
+        n, k, cb = layout.world_size, self.shard.nodes, layout.chunk_numel // 8
+        if self._ag is not None:
+            self._ag.wait()
+        own, shard_rows = self._own, self._gathered
+        if topo.local_size > 1:
+            everything = torch.empty(topo.local_size * shard_rows.numel(), dtype=torch.uint8, device=own.device)
+            _all_gather(everything, shard_rows, topo.intra)  # local rank l's rows are chunks l*K ... l*K+K-1
+            self._intra_sent += (topo.local_size - 1) * shard_rows.numel()
+        else:
+            everything = shard_rows
+        gathered = everything.view(n, own.numel())
+        all_scales = (
+            gathered[:, cb:].clone(memory_format=torch.contiguous_format).view(torch.float32).reshape(-1)[layout.slot]
+        )
+        if self.buffers is not None:
+            out = self.buffers.full.decode(gathered[:, :cb].reshape(-1), all_scales, out=self.buffers.out)
+        else:
+            out = decode(gathered[:, :cb].reshape(-1), all_scales, layout.table.lengths)
+        finite = torch.isfinite(all_scales[layout.table.has_real]).all()  # as in OneBitAllreduce.finish
+        row = self._send[0].numel() * self._send.element_size()
+        sent = (k - 1) * row + (k - 1) * own.numel()
+        self.result = OneBitResult(
+            out=out,
+            worker_error=self._new_worker,
+            server_error=self._new_server,
+            finite=finite,
+            bytes_sent=sent,
+            intra_bytes=self._intra_sent,
+        )
+        self._send = self._recv = self._own = self._gathered = self.x = None  # type: ignore[assignment]
+        return self.result
+
+
+#: either compressed allreduce (same interface: ``start``, ``serve``, ``finish``, ``buffers``)
+CompressedAllreduce = OneBitAllreduce | HierarchicalOneBitAllreduce
+
+
 def onebit_allreduce(
     x: torch.Tensor,
     layout: GroupLayout,
@@ -274,7 +488,7 @@ def onebit_allreduce(
     return op.start().serve().finish()
 
 
-def run_pipelined(ops: Iterable[OneBitAllreduce], apply: Callable[[OneBitAllreduce], None]) -> None:
+def run_pipelined(ops: Iterable[CompressedAllreduce], apply: Callable[[CompressedAllreduce], None]) -> None:
     """Run several compressed allreduces with up to three in flight, calling ``apply`` on each when it is done.
 
     Order: start(k) [worker compression, phase 1], serve(k-1) [server, phase 2], apply(k-2) [finish + the caller's
@@ -282,7 +496,7 @@ def run_pipelined(ops: Iterable[OneBitAllreduce], apply: Callable[[OneBitAllredu
     the one before is applied. ``ops`` may be a generator that builds each input lazily (in order). The collectives
     are issued in the same order on every rank.
     """
-    inflight: list[OneBitAllreduce] = []
+    inflight: list[CompressedAllreduce] = []
     for op in ops:
         inflight.append(op.start())
         if len(inflight) >= 2:

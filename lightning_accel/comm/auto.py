@@ -17,7 +17,8 @@ compare):
 1. Every rank builds buffers of the sizes the compressed stage will use (the trainable parameters in model order, cut
    into groups of ``group_numel`` elements) on the gradients' device.
 2. It times an fp32 allreduce of those buffers and the pipelined compressed allreduce of the same buffers (compression
-   included, error state untouched), alternating, ``repeats`` rounds after one untimed round each; medians.
+   included, error state untouched; flat or hierarchical, as the state averages), alternating, ``repeats`` rounds
+   after one untimed round each; medians.
 
 Either way the per-rank figures are reduced with MAX (the slowest rank sets the pace); rank 0 decides ``"1bit"`` only
 if ``onebit_s * (1 + margin) < fp32_s`` and broadcasts the decision with both figures, so every rank switches at the
@@ -38,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_accel._utils.checks import check_int
-from lightning_accel.comm.allreduce import CompressFn, OneBitAllreduce, run_pipelined
+from lightning_accel.comm.allreduce import CompressedAllreduce, CompressFn, run_pipelined
 from lightning_accel.comm.compress import GroupLayout
 from lightning_accel.comm.state import OneBitState
 
@@ -77,7 +78,7 @@ def measure(
     flat = [torch.randn(lay.numel, generator=gen).to(device) for lay in layouts]
     padded = [(torch.randn(lay.padded_numel, generator=gen).to(device) * lay.table.mask) for lay in layouts]
     errors = [
-        (torch.zeros(lay.padded_numel, device=device), torch.zeros(lay.chunk_numel, device=device))
+        (torch.zeros(state.worker_numel(lay), device=device), torch.zeros(lay.chunk_numel, device=device))
         if state.config.error_feedback
         else (None, None)
         for lay in layouts
@@ -92,11 +93,11 @@ def measure(
 
     def onebit() -> None:
         ops = (
-            OneBitAllreduce(x, lay, e[0], e[1], group=state.process_group, compress=compress)
+            state.allreduce_op(x, lay, e[0], e[1], compress=compress)
             for x, lay, e in zip(padded, layouts, errors, strict=True)
         )
 
-        def done(op: OneBitAllreduce) -> None:
+        def done(op: CompressedAllreduce) -> None:
             op.finish()
 
         run_pipelined(ops, done)

@@ -41,7 +41,16 @@ from lightning_accel._utils.checks import check_int
 from lightning_accel._utils.triton import use_triton
 from lightning_accel.comm.packing import pack_bits_into, pack_signs, sign_lut, unpack_signs
 
-__all__ = ["BlockTable", "Compressor", "GroupLayout", "block_scales", "compress_fast", "compress_reference", "decode"]
+__all__ = [
+    "BlockTable",
+    "Compressor",
+    "GroupLayout",
+    "NodeShard",
+    "block_scales",
+    "compress_fast",
+    "compress_reference",
+    "decode",
+]
 
 
 def _ceil_to(n: int, m: int) -> int:
@@ -189,10 +198,66 @@ class GroupLayout:
         """Number of scale blocks."""
         return self.table.num_blocks
 
+    def node_shard(self, local_rank: int, local_size: int) -> NodeShard:
+        """The shard that local rank ``local_rank`` of ``local_size`` owns in hierarchical averaging (cached).
+
+        With ``N = local_size * nodes`` chunks, shard ``l`` is chunks ``l*nodes ... (l+1)*nodes - 1``, a contiguous
+        range of the buffer: the canonical layout (and so every block and scale) is the flat path's, only who
+        compresses what changes.
+
+        Raises:
+            ValueError: ``local_size`` does not divide the layout's world size, or ``local_rank`` is out of range.
+        """
+        if local_size < 1 or self.world_size % local_size or not 0 <= local_rank < local_size:
+            raise ValueError(
+                f"`local_size`={local_size!r} must divide the world size {self.world_size} and `local_rank`="
+                f"{local_rank!r} must be in [0, local_size)."
+            )
+        cache: dict[tuple[int, int], NodeShard] = self.__dict__.setdefault("_shards", {})
+        shard = cache.get((local_rank, local_size))
+        if shard is None:
+            shard = cache[(local_rank, local_size)] = NodeShard(self, local_rank, local_size)
+        return shard
+
     def __repr__(self) -> str:
         return (
             f"GroupLayout(params={len(self.numels)}, numel={self.numel}, world_size={self.world_size}, "
             f"chunk_numel={self.chunk_numel}, blocks={self.num_blocks}, max_blocks={self.max_blocks})"
+        )
+
+
+class NodeShard:
+    """One local rank's shard of a :class:`GroupLayout` in hierarchical averaging (:meth:`GroupLayout.node_shard`).
+
+    Attributes:
+        nodes: ``K``, chunks per shard (one per node: the cross-node exchange of the shard has ``K`` ranks).
+        first_chunk: the layout's chunk index of the shard's first chunk (``local_rank * K``).
+        start: the shard's first element in the layout's buffer; ``numel``: its length (``K * chunk_numel``).
+        table: the :class:`BlockTable` of the shard (shard-relative starts; its blocks are the layout's).
+        slot: int64, each shard block's position in the flattened ``(K, max_blocks)`` scale table of the shard.
+        chunks: the layout's chunk tables of the shard, in node order (node ``n`` serves ``chunks[n]``).
+    """
+
+    def __init__(self, layout: GroupLayout, local_rank: int, local_size: int) -> None:
+        k = layout.world_size // local_size
+        self.nodes = k
+        self.first_chunk = local_rank * k
+        self.start = self.first_chunk * layout.chunk_numel
+        self.numel = k * layout.chunk_numel
+        self.chunks = layout.chunks[self.first_chunk : self.first_chunk + k]
+        full = layout.table
+        # blocks never straddle chunks, so the shard's blocks are a contiguous run of the layout's
+        first = sum(c.num_blocks for c in layout.chunks[: self.first_chunk])
+        count = sum(c.num_blocks for c in self.chunks)
+        sl = slice(first, first + count)
+        self.slot = layout.slot[sl] - self.first_chunk * layout.max_blocks
+        self.table = BlockTable(
+            starts=full.starts[sl] - self.start,
+            lengths=full.lengths[sl],
+            valid=full.valid[sl],
+            mask=full.mask[self.start : self.start + self.numel],
+            num_blocks=count,
+            max_len=max(c.max_len for c in self.chunks),
         )
 
 

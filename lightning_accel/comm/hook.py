@@ -17,7 +17,9 @@ Algorithm, per DDP bucket and step:
 3. Compressed stage with ``state.mode == "gradients"``: the bucket's parameters are split into *groups* (normally the
    bucket itself), each laid out canonically (parameters by model index, padded to multiples of 8) and averaged by
    :func:`~lightning_accel.comm.allreduce.onebit_allreduce` (worker compression with error feedback, ``all_to_all``,
-   server average + recompression with error feedback, all-gather, decode).
+   server average + recompression with error feedback, all-gather, decode), or, with ``state.topology`` set, by the
+   hierarchical version (:class:`~lightning_accel.comm.allreduce.HierarchicalOneBitAllreduce`: fp32 inside each
+   node, the same exchange between nodes).
 4. The error state is committed only when the decoded result is finite: a NaN/Inf bucket decodes to NaN/Inf (so
    AMP's GradScaler skips the step) and leaves the state as it was.
 
@@ -47,10 +49,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_accel.comm.allreduce import fp32_ring_bytes, onebit_allreduce
+from lightning_accel.comm.allreduce import fp32_ring_bytes
 from lightning_accel.comm.auto import decide
 from lightning_accel.comm.compress import compress_fast
 from lightning_accel.comm.state import GroupState, OneBitState
+from lightning_accel.comm.topology import NodeTopology
 
 __all__ = ["CommWorker", "onebit_hook"]
 
@@ -248,9 +251,10 @@ def _compressed_bucket(
     A bucket below ``min_compress_numel`` gets an fp32 allreduce here (on the same group as the compressed ones, so
     the comm thread issues every collective of the step, in bucket order)."""
     buf = bucket.buffer
+    topology = state.topology
     if group is None:
         assert state.comm_worker is not None
-        group = state.comm_worker.group
+        group, topology = state.comm_worker.group, state.comm_worker.topology
     t0 = time.perf_counter()
     if buf.numel() < state.config.min_compress_numel:
         _fp32_bucket(state, bucket.is_last, buf, group, async_op=False)
@@ -265,16 +269,18 @@ def _compressed_bucket(
         x, bufs = state.buffers_for(g, fast=compress is compress_fast)
         for bo, co, n in runs:
             x[co : co + n] = buf[bo : bo + n]
-        res = onebit_allreduce(
+        op = state.allreduce_op(
             x,
             g.layout,
             g.worker_error if ef else None,
             g.server_error if ef else None,
             group=group,
+            topology=topology,
             loss_scale=loss_scale,
             compress=compress,
             buffers=bufs,
         )
+        res = op.start().serve().finish()
         w, s = res.worker_error, res.server_error  # None without error feedback
         if buf.is_cuda:  # no host sync: select on the device
             if w is not None and s is not None:
@@ -287,6 +293,7 @@ def _compressed_bucket(
         for bo, co, n in runs:
             buf[bo : bo + n] = res.out[co : co + n]
         sent += res.bytes_sent
+        state.stats.intra_bytes += res.intra_bytes
         state.stats.compressed_calls += 1
     _end_bucket(state, bucket.is_last, sent, fp32, compressed=True)
     state.stats.last_step_comm_s += time.perf_counter() - t0
@@ -304,11 +311,15 @@ class CommWorker:
 
     Args:
         ranks: the global ranks of the state's process group.
+        topology: the state's node layout when it averages hierarchically (the worker makes its own copy of its
+            groups), else None.
     """
 
-    def __init__(self, ranks: list[int]) -> None:
+    def __init__(self, ranks: list[int], topology: NodeTopology | None = None) -> None:
         # every member creates it at the same bucket of the same step; only members synchronise
         self.group = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+        #: the node layout over the worker's own groups (hierarchical averaging), else None
+        self.topology = None if topology is None else topology.duplicate(backend="gloo")
         self._jobs: queue.SimpleQueue[tuple[Callable[[], torch.Tensor], torch.futures.Future[torch.Tensor]] | None]
         self._jobs = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="lightning-accel-1bit", daemon=True)
@@ -343,5 +354,5 @@ class CommWorker:
 def _worker(state: OneBitState) -> CommWorker:
     if state.comm_worker is None:
         pg = state.process_group if state.process_group is not None else dist.group.WORLD
-        state.comm_worker = CommWorker(dist.get_process_group_ranks(pg))
+        state.comm_worker = CommWorker(dist.get_process_group_ranks(pg), state.topology)
     return state.comm_worker

@@ -25,7 +25,8 @@ hook does not average them in the compressed stage, so DDP's gradient allreduce 
    with this scheme).
 4. The parameters are cut into groups of about ``group_numel`` elements (model order); each group's ``m_loc`` (Adam:
    ``u_loc``) is laid out canonically and averaged by the two-phase 1-bit allreduce with worker and server error
-   feedback (:class:`~lightning_accel.comm.allreduce.OneBitAllreduce`). Groups are pipelined: phase 1 of group
+   feedback (:class:`~lightning_accel.comm.allreduce.OneBitAllreduce`; across nodes of several processes,
+   :class:`~lightning_accel.comm.allreduce.HierarchicalOneBitAllreduce`). Groups are pipelined: phase 1 of group
    ``k+1`` and phase 2 of group ``k`` are in flight while the next group is compressed and group ``k-1`` is applied.
    With overlap (:meth:`MomentumCompressor.on_bucket`, called by the comm hook for each bucket) steps 2-4 of a group
    run as soon as backward has produced all of its gradients, so its transfers overlap the rest of backward; step 1
@@ -61,7 +62,7 @@ from typing import Any
 import torch
 from torch.optim import SGD, Adam, AdamW, Optimizer
 
-from lightning_accel.comm.allreduce import OneBitAllreduce, fp32_ring_bytes, run_pipelined
+from lightning_accel.comm.allreduce import CompressedAllreduce, fp32_ring_bytes, run_pipelined
 from lightning_accel.comm.compress import compress_fast
 from lightning_accel.comm.state import GroupState, OneBitState
 
@@ -126,7 +127,7 @@ class _Started:
         self.entries_of = dict(plan)
         self.entry_of = {i: e for key, entries in plan for i, e in zip(key, entries, strict=True)}
         self.missing = {key: set(key) for key, _ in plan}
-        self.started: list[tuple[OneBitAllreduce, GroupState, list[_Entry]]] = []
+        self.started: list[tuple[CompressedAllreduce, GroupState, list[_Entry]]] = []
         self.served = 0
 
     @property
@@ -193,13 +194,13 @@ class MomentumCompressor:
         else:
             meta: dict[int, tuple[GroupState, list[_Entry]]] = {}
 
-            def ops() -> Iterator[OneBitAllreduce]:
+            def ops() -> Iterator[CompressedAllreduce]:
                 for key, entries in groups:
                     op, g = self._start(key, entries)
                     meta[id(op)] = (g, entries)
                     yield op
 
-            def apply(op: OneBitAllreduce) -> None:
+            def apply(op: CompressedAllreduce) -> None:
                 g, entries = meta.pop(id(op))
                 sent[0] += self._apply(g, entries, op)
 
@@ -269,7 +270,7 @@ class MomentumCompressor:
         if self.state.compressed_since is None:
             self.state.compressed_since = step
 
-    def _start(self, key: tuple[int, ...], entries: list[_Entry]) -> tuple[OneBitAllreduce, GroupState]:
+    def _start(self, key: tuple[int, ...], entries: list[_Entry]) -> tuple[CompressedAllreduce, GroupState]:
         """Step 2 for one group and its (not yet started) compressed allreduce."""
         st = self.state
         g = self._group_state(key, entries)
@@ -278,12 +279,11 @@ class MomentumCompressor:
         # (the same bits as fresh outputs) are free again by then
         x, buffers = st.buffers_for(g, fast=compress is compress_fast)
         self._local_momentum(x, entries)
-        op = OneBitAllreduce(
+        op = st.allreduce_op(
             x,
             g.layout,
             g.worker_error if st.config.error_feedback else None,
             g.server_error if st.config.error_feedback else None,
-            group=st.process_group,
             compress=compress,
             buffers=buffers,
         )
@@ -384,7 +384,7 @@ class MomentumCompressor:
     def _decoupled(self, hp: dict[str, Any]) -> bool:
         return type(self.optimizer) is AdamW or bool(hp.get("decoupled_weight_decay", False))
 
-    def _apply(self, g: GroupState, entries: list[_Entry], op: OneBitAllreduce) -> int:
+    def _apply(self, g: GroupState, entries: list[_Entry], op: CompressedAllreduce) -> int:
         """Steps 4-5 for one group; returns the bytes it sent."""
         st = self.state
         res = op.finish()
@@ -396,6 +396,7 @@ class MomentumCompressor:
             return res.bytes_sent
         g.commit(res.worker_error, res.server_error, op.buffers)
         st.stats.compressed_calls += 1
+        st.stats.intra_bytes += res.intra_bytes
         for e in entries:
             avg = res.out[e.offset : e.offset + e.n].view_as(e.p)
             if self.kind == "sgd":

@@ -14,7 +14,13 @@ import torch.distributed as dist
 
 from lightning_accel._utils.checks import check_choice
 from lightning_accel._utils.triton import use_triton
-from lightning_accel.comm.allreduce import CompressFn, OneBitBuffers
+from lightning_accel.comm.allreduce import (
+    CompressedAllreduce,
+    CompressFn,
+    HierarchicalOneBitAllreduce,
+    OneBitAllreduce,
+    OneBitBuffers,
+)
 from lightning_accel.comm.compress import GroupLayout, compress_fast, compress_reference
 from lightning_accel.comm.config import (
     COMPRESSOR_BACKENDS,
@@ -23,6 +29,7 @@ from lightning_accel.comm.config import (
     config_fields,
     resolve_renamed,
 )
+from lightning_accel.comm.topology import NodeTopology
 
 __all__ = [
     "CommStats",
@@ -44,16 +51,18 @@ class GroupState:
     Attributes:
         key: sorted model-parameter indices of the group (stable across DDP's bucket rebuild, unlike bucket indices).
         layout: the canonical layout for this world size.
-        worker_error: float32 ``(padded_numel,)``, this rank's residual of its own gradients (unscaled units).
+        worker_error: float32 ``(worker_numel,)``, this rank's residual of what it compressed (unscaled units): its own
+            gradients, ``(padded_numel,)``; hierarchical, its node's average of its shard, ``(nodes * chunk_numel,)``.
         server_error: float32 ``(chunk_numel,)``, this rank's residual of the averaged chunk it owns.
     """
 
     __slots__ = ("key", "layout", "server_error", "worker_error")
 
-    def __init__(self, key: tuple[int, ...], layout: GroupLayout) -> None:
+    def __init__(self, key: tuple[int, ...], layout: GroupLayout, worker_numel: int | None = None) -> None:
         self.key = key
         self.layout = layout
-        self.worker_error = torch.zeros(layout.padded_numel, dtype=torch.float32, device=layout.device)
+        numel = layout.padded_numel if worker_numel is None else worker_numel
+        self.worker_error = torch.zeros(numel, dtype=torch.float32, device=layout.device)
         self.server_error = torch.zeros(layout.chunk_numel, dtype=torch.float32, device=layout.device)
 
     def commit(
@@ -119,6 +128,8 @@ class CommStats:
         last_step: the bytes of the last completed step.
         current_step: the bytes of the step in progress (the buckets the hook has seen so far).
         compressed_calls / uncompressed_calls: buckets (or momentum groups) sent each way.
+        intra_bytes: hierarchical averaging only: bytes sent to the ranks of this rank's own node (not counted in
+            ``bytes_sent``, which is then what crossed between nodes).
         nonfinite_groups: compressed groups whose result held NaN/Inf (their state was left unchanged);
             counted on CPU only (on CUDA the state is kept by a device-side select, without a host sync).
         last_step_comm_s: host seconds the last step spent in compressed averaging (hook and momentum step,
@@ -131,6 +142,7 @@ class CommStats:
     current_step: StepBytes = field(default_factory=StepBytes)
     compressed_calls: int = 0
     uncompressed_calls: int = 0
+    intra_bytes: int = 0
     nonfinite_groups: int = 0
     last_step_comm_s: float = 0.0
 
@@ -214,6 +226,10 @@ class OneBitState:
         bucket_fn: ``(params, grads) -> None`` or None; when set, the hook hands it each bucket's parameters and
             final local gradients in the compressed-momentum stage (the strategy sets it around the backward of a
             step that may start compressing during backward: :meth:`MomentumCompressor.on_bucket`).
+        topology: the node layout for hierarchical averaging
+            (:class:`~lightning_accel.comm.allreduce.HierarchicalOneBitAllreduce`; made by
+            :func:`~lightning_accel.comm.topology.node_topology`), or None: the flat exchange between all ranks.
+            Only over the default process group.
 
     Stats:
         stats: the :class:`CommStats` of this rank.
@@ -241,6 +257,7 @@ class OneBitState:
         "kept",
         "comm_worker",
         "bucket_fn",
+        "topology",
         # stats
         "stats",
     )
@@ -252,6 +269,7 @@ class OneBitState:
         *,
         parameters: Iterable[torch.nn.Parameter] | None = None,
         loss_scale_fn: Callable[[], torch.Tensor | float | None] | None = None,
+        topology: NodeTopology | None = None,
         **hparams: Any,
     ) -> None:
         base = HOOK_DEFAULTS if config is None else config
@@ -282,6 +300,12 @@ class OneBitState:
         self.kept: dict[tuple[int, ...], KeptBuffers] = {}
         self.comm_worker: Any = None
         self.bucket_fn: Callable[[list[torch.Tensor], list[torch.Tensor]], None] | None = None
+        if topology is not None and process_group is not None and process_group is not dist.group.WORLD:
+            raise ValueError(
+                "`topology` (hierarchical averaging) works over the default process group only, got another "
+                "`process_group`. Pass `topology=None` to average flat over that group."
+            )
+        self.topology = topology
         self.stats = CommStats()
         if parameters is not None:
             self.set_parameters(parameters)
@@ -300,7 +324,8 @@ class OneBitState:
             The group and whether pending state for ``key`` was dropped because its shapes no longer fit (the caller
             decides whether that deserves a warning). The group is not registered in ``groups``.
         """
-        g = GroupState(key, GroupLayout(numels, self.process_group_size(), self.config.block_size, device))
+        layout = GroupLayout(numels, self.process_group_size(), self.config.block_size, device)
+        g = GroupState(key, layout, self.worker_numel(layout))
         loaded = self.pending.pop(key, None)
         if loaded is None:
             return g, False
@@ -339,9 +364,61 @@ class OneBitState:
             x = torch.zeros(g.layout.padded_numel, dtype=torch.float32, device=g.layout.device)
             kept = self.kept[g.key] = KeptBuffers(g.layout, x, None)
         if fast and kept.buffers is None:
-            buffers = OneBitBuffers(g.layout, dist.get_rank(self.process_group))
+            buffers = OneBitBuffers(g.layout, dist.get_rank(self.process_group), self.topology)
             kept = self.kept[g.key] = kept._replace(buffers=buffers)
         return kept.input, kept.buffers if fast else None
+
+    def worker_numel(self, layout: GroupLayout) -> int:
+        """Elements of a group's worker error: the whole group (flat), or this rank's shard (hierarchical)."""
+        if self.topology is None:
+            return layout.padded_numel
+        return layout.node_shard(self.topology.local_rank, self.topology.local_size).numel
+
+    def allreduce_op(
+        self,
+        x: torch.Tensor,
+        layout: GroupLayout,
+        worker_error: torch.Tensor | None,
+        server_error: torch.Tensor | None,
+        *,
+        compress: CompressFn,
+        buffers: OneBitBuffers | None = None,
+        loss_scale: torch.Tensor | None = None,
+        group: dist.ProcessGroup | None = None,
+        topology: NodeTopology | None = None,
+    ) -> CompressedAllreduce:
+        """The (not yet started) compressed allreduce of one group in this state's layout: flat over ``group``
+        (default: :attr:`process_group`), or hierarchical over ``topology`` (default: :attr:`topology`; a thread
+        with groups of its own passes its own)."""
+        topo = topology if topology is not None else self.topology
+        if topo is not None:
+            return HierarchicalOneBitAllreduce(
+                x,
+                layout,
+                worker_error,
+                server_error,
+                topology=topo,
+                loss_scale=loss_scale,
+                compress=compress,
+                buffers=buffers,
+            )
+        return OneBitAllreduce(
+            x,
+            layout,
+            worker_error,
+            server_error,
+            group=self.process_group if group is None else group,
+            loss_scale=loss_scale,
+            compress=compress,
+            buffers=buffers,
+        )
+
+    @property
+    def layout_key(self) -> list[int] | None:
+        """``[processes per node, nodes]`` when averaging hierarchically, else None (saved with the error state,
+        whose shapes and owners depend on it)."""
+        topo = self.topology
+        return None if topo is None else [topo.local_size, topo.nodes]
 
     def close(self) -> None:
         """Stop the comm thread of the gradient path, if one was started, and drop the kept buffers (both come
@@ -397,6 +474,7 @@ class OneBitState:
             "param_index",
             "measure_fn",
             "bucket_fn",
+            "topology",
         )
         return {k: getattr(self, k) for k in self.__slots__ if k not in dropped}
 
@@ -408,14 +486,16 @@ class OneBitState:
         self.loss_scale_fn = None
         self.measure_fn = None
         self.bucket_fn = None
+        self.topology = None
         self.param_index = {}
         for k, v in state.items():
             setattr(self, k, v)
 
     # ----------------------------------------------------------------- checkpointing (this rank)
     def state_dict(self) -> dict[str, Any]:
-        """This rank's state: ``{"format", "world_size", "step", "mode", "decision", "compressed_since", "hparams",
-        "groups": {"i,j,..": {"worker", "server"}}}``.
+        """This rank's state: ``{"format", "world_size", "nodes_layout", "step", "mode", "decision",
+        "compressed_since", "hparams", "groups": {"i,j,..": {"worker", "server"}}}`` (``nodes_layout``:
+        :attr:`layout_key`).
 
         Only tensors, ints, strings, bools and None, so ``torch.load(weights_only=True)`` reads it back. The momentum
         and the frozen variance live in the optimizer's own state (``momentum_buffer``, ``exp_avg``, ``exp_avg_sq``),
@@ -427,6 +507,7 @@ class OneBitState:
         return {
             "format": _FORMAT,
             "world_size": dist.get_world_size(self.process_group) if dist.is_initialized() else 1,
+            "nodes_layout": self.layout_key,
             "step": self.step,
             "mode": self.mode,
             "decision": self.decision,
@@ -438,8 +519,9 @@ class OneBitState:
     def load_state_dict(self, state: dict[str, Any], world_size: int | None = None) -> None:
         """Restore :meth:`state_dict` output; error tensors are adopted when their group first appears.
 
-        With another world size or block size the error state cannot be mapped (chunks change owners): it is reset
-        with a warning, and the step count (warm-up progress) and the decision are kept.
+        With another world size, block size or node layout (flat against hierarchical, other processes per node) the
+        error state cannot be mapped (chunks change owners, worker errors change shape): it is reset with a warning,
+        and the step count (warm-up progress) and the decision are kept.
         """
         if state.get("format") not in _READABLE:
             raise ValueError(
@@ -457,6 +539,15 @@ class OneBitState:
         self.plans.clear()
         self.pending.clear()
         block_size = self.config.block_size
+        saved_layout = state.get("nodes_layout")  # absent before hierarchical averaging: flat
+        if saved_layout != self.layout_key:
+            warnings.warn(
+                f"1-bit error-feedback state was saved with node layout {saved_layout!r} ([processes per node, "
+                f"nodes]; None: flat) and is loaded with {self.layout_key!r}: the error state is reset to zero "
+                "(training continues compressed).",
+                stacklevel=2,
+            )
+            return
         if state["world_size"] != world_size or state["hparams"]["block_size"] != block_size:
             warnings.warn(
                 f"1-bit error-feedback state was saved with world_size={state['world_size']}, "

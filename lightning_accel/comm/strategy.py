@@ -51,7 +51,7 @@ from torch.optim import SGD, Optimizer
 from typing_extensions import override
 
 import lightning_accel.comm as comm
-from lightning_accel._utils.checks import check_bool, check_choice
+from lightning_accel._utils.checks import check_bool, check_choice, check_int
 from lightning_accel._utils.compat import PathType, grad_scaler_scale, redirect_find_unused_parameters_advice
 from lightning_accel._utils.patching import active_patch, patch
 from lightning_accel._utils.rank import distributed_ready
@@ -65,6 +65,7 @@ from lightning_accel.comm.config import (
     resolve_renamed,
 )
 from lightning_accel.comm.localsteps import LocalSteps, LocalStepsConfig, OuterCompression
+from lightning_accel.comm.topology import Hierarchical
 
 __all__ = ["CHECKPOINT_KEY", "LOCALSTEPS_CHECKPOINT_KEY", "STEP_PATCH_KEY", "LocalStepsStrategy", "OneBitDDPStrategy"]
 
@@ -146,8 +147,19 @@ class OneBitDDPStrategy(DDPStrategy):
             order was faster over the first compressed steps (:class:`~lightning_accel.comm.OverlapTrial`: a few
             steps each way, the slowest rank's medians; logged, and in :attr:`overlap_decision`). Both give
             bit-identical results; a callback that edits gradients after backward needs ``overlap=False``.
-        log_stats: log ``comm/bytes_sent`` (bytes this rank sent in the last step) and ``comm/compression_ratio``
-            (fp32 ring-allreduce bytes over bytes sent) every training step.
+        hierarchical: average in three steps across nodes of several processes (fp32 reduce-scatter inside each node,
+            the 1-bit exchange between the ranks of different nodes that hold the same shard, all-gather inside the
+            node: each *node*, not each rank, sends its compressed share over the slow link;
+            :class:`~lightning_accel.comm.HierarchicalOneBitAllreduce`): ``"auto"`` (when there are several nodes
+            and several processes per node), ``True`` (whenever the layout splits) or ``False`` (the flat exchange
+            between all ranks). The same averaging up to the compression error; the error state saved in
+            checkpoints is per shard, so a resume keeps the layout it was saved with (another layout resets it,
+            with a warning).
+        processes_per_node: the processes each node runs, when it is not Lightning's ``devices`` (the number of
+            processes this strategy launches or joins per node; ``LOCAL_WORLD_SIZE`` under torchrun). Ranks are
+            numbered node-major, as every launcher does.
+        log_stats: log ``comm/bytes_sent`` (bytes this rank sent in the last step; hierarchical: between nodes) and
+            ``comm/compression_ratio`` (fp32 ring-allreduce bytes over bytes sent) every training step.
         compress: deprecated name of ``compressed_signal`` (same values; a :class:`DeprecationWarning`).
         backend: deprecated name of ``compressor_backend`` (same values; a :class:`DeprecationWarning`).
         **kwargs: the :class:`~lightning.pytorch.strategies.DDPStrategy` arguments (accelerator, parallel_devices,
@@ -179,6 +191,8 @@ class OneBitDDPStrategy(DDPStrategy):
         recheck_every: int = _DEFAULTS.recheck_every,
         group_numel: int = _DEFAULTS.group_numel,
         overlap: bool | Literal["auto"] = "auto",
+        hierarchical: Hierarchical = "auto",
+        processes_per_node: int | None = None,
         log_stats: bool = True,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
@@ -197,13 +211,18 @@ class OneBitDDPStrategy(DDPStrategy):
             kwargs,
             alias="ddp_1bit",
             cls="OneBitDDPStrategy",
-            own=(*config_fields(), "overlap", "log_stats"),
+            own=(*config_fields(), "overlap", "hierarchical", "processes_per_node", "log_stats"),
             why="the strategy installs its own 1-bit comm hook",
         )
         given = {name: arguments[name] for name in (*config_fields(), *RENAMED)}
         # validated now (clear errors at construction); the state is built once the process group exists
         self._config = OneBitConfig(**resolve_renamed(given, defaults=_DEFAULTS))
         check_choice("overlap", overlap, (True, False, "auto"), fix="Use 'auto' to overlap whenever it is safe.")
+        check_choice(
+            "hierarchical", hierarchical, (True, False, "auto"), fix="Use 'auto' (hierarchical across several nodes)."
+        )
+        if processes_per_node is not None:
+            check_int("processes_per_node", processes_per_node, low=1, fix="Give the processes each node runs.")
         check_bool("log_stats", log_stats, fix="Use False to stop logging.")
         super().__init__(
             accelerator=accelerator,
@@ -218,6 +237,10 @@ class OneBitDDPStrategy(DDPStrategy):
         )
         self._log_stats = log_stats
         self._overlap_arg: bool | Literal["auto"] = overlap
+        self._hierarchical_arg: Hierarchical = hierarchical
+        self._processes_per_node = processes_per_node
+        #: the node layout when this fit averages hierarchically (resolved when the model is wrapped), else None
+        self.node_topology: comm.NodeTopology | None = None
         self._find_unused = bool(kwargs.get("find_unused_parameters", False))
         #: whether the compressed momentum of this fit starts during backward (resolved at setup)
         self.overlap = False
@@ -296,11 +319,21 @@ class OneBitDDPStrategy(DDPStrategy):
             )
             return
         assert isinstance(self.model, DistributedDataParallel)
+        local = self._processes_per_node or self.num_processes
+        self.node_topology = None
+        if comm.resolve_hierarchical(self._hierarchical_arg, self.world_size, local):
+            self.node_topology = comm.node_topology(local)  # collective: every rank is here
+            topo = self.node_topology
+            rank_zero_info(
+                f"ddp_1bit: hierarchical averaging over {topo.nodes} nodes x {topo.local_size} processes (fp32 inside "
+                "a node, 1-bit between nodes)"
+            )
         state = comm.OneBitState(
             self.model.process_group,  # average over the group DDP uses (the one it was given, else the default)
             self._config,
             parameters=self.model.module.parameters(),
             loss_scale_fn=self._loss_scale_fn(),
+            topology=self.node_topology,
         )
         if self._onebit_loaded is not None:
             state.load_state_dict(comm.select_rank_state(self._onebit_loaded, self.global_rank), self.world_size)

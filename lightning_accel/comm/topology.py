@@ -1,0 +1,107 @@
+"""The node layout of a job for hierarchical 1-bit averaging: which ranks share a node, and their process groups.
+
+Launchers number ranks node-major: torchrun, Lightning's own launcher and SLURM give rank ``node * L + local_rank``
+with ``L`` processes per node (``LOCAL_WORLD_SIZE``; Lightning's ``num_processes``). Hierarchical averaging
+(:class:`~lightning_accel.comm.allreduce.HierarchicalOneBitAllreduce`) needs two kinds of groups: the ``L`` ranks of
+one node (the *intra* group: a fast link, fp32 is cheap there) and the ``K`` ranks, one per node, that hold the same
+local rank (the *cross* group: the slow link, where only compressed bytes go). Grouping ranks otherwise would still
+average correctly; only the traffic would cross the slow link where it need not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, TypeAlias
+
+import torch.distributed as dist
+
+from lightning_accel._utils.checks import check_choice, check_int
+
+__all__ = ["Hierarchical", "NodeTopology", "node_topology", "resolve_hierarchical"]
+
+#: hierarchical averaging: ``"auto"`` (when there are several nodes and several processes per node), or forced
+Hierarchical: TypeAlias = bool | Literal["auto"]
+
+
+@dataclass(frozen=True)
+class NodeTopology:
+    """This rank's place in a ``nodes x local_size`` job and the two process groups of hierarchical averaging.
+
+    Attributes:
+        local_size: ``L``, processes per node.
+        nodes: ``K``, number of nodes.
+        local_rank: this rank's index inside its node.
+        node: this rank's node.
+        intra: the group of this node's ``L`` ranks (local-rank order).
+        cross: the group of the ``K`` ranks with this ``local_rank`` (node order).
+    """
+
+    local_size: int
+    nodes: int
+    local_rank: int
+    node: int
+    intra: dist.ProcessGroup
+    cross: dist.ProcessGroup
+
+    @property
+    def place(self) -> tuple[int, int, int, int]:
+        """``(local_size, nodes, local_rank, node)``: what buffers and shards depend on (not the groups)."""
+        return (self.local_size, self.nodes, self.local_rank, self.node)
+
+    def duplicate(self, backend: str | None = None) -> NodeTopology:
+        """The same layout over new process groups (collective over the default group: every rank must call it at
+        the same point). A thread that issues its own collectives needs groups of its own, so that the order of
+        each group's collectives is the same on every rank."""
+        return node_topology(self.local_size, backend=backend)
+
+
+def resolve_hierarchical(hierarchical: Hierarchical, world_size: int, local_size: int | None) -> bool:
+    """Whether to average hierarchically in a job of ``world_size`` ranks with ``local_size`` per node.
+
+    ``"auto"``: when there are several processes per node and several nodes (``1 < local_size < world_size``, and
+    ``local_size`` divides ``world_size``). ``True`` insists (and raises when the layout cannot be split); ``False``:
+    the flat exchange between all ranks.
+
+    Raises:
+        ValueError: ``hierarchical=True`` without a layout of several nodes of equal size, or a bad value.
+    """
+    check_choice("hierarchical", hierarchical, (True, False, "auto"), fix="Use 'auto'.")
+    if hierarchical is False:
+        return False
+    fits = local_size is not None and 1 <= local_size <= world_size and world_size % local_size == 0
+    if hierarchical == "auto":
+        return fits and local_size is not None and 1 < local_size < world_size
+    if not fits:
+        raise ValueError(
+            f"`hierarchical=True` needs the processes per node to divide the world size, got {local_size!r} "
+            f"processes per node for {world_size} processes. Give `processes_per_node=`, or use "
+            "`hierarchical='auto'`."
+        )
+    return True
+
+
+def node_topology(local_size: int, *, backend: str | None = None) -> NodeTopology:
+    """Make the intra-node and cross-node groups of a node-major job with ``local_size`` processes per node.
+
+    Collective over the default group (every rank creates every group, in the same order, as
+    ``torch.distributed.new_group`` requires).
+
+    Raises:
+        ValueError: ``local_size`` does not divide the world size.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    check_int("local_size", local_size, low=1)
+    if world % local_size:
+        raise ValueError(
+            f"`processes_per_node`={local_size} does not divide the world size {world}. Give the number of processes "
+            "each node runs."
+        )
+    nodes = world // local_size
+    node, local = divmod(rank, local_size)
+    intra_ranks = [[n * local_size + i for i in range(local_size)] for n in range(nodes)]
+    cross_ranks = [[n * local_size + i for n in range(nodes)] for i in range(local_size)]
+    intra, _ = dist.new_subgroups_by_enumeration(intra_ranks, backend=backend)
+    cross, _ = dist.new_subgroups_by_enumeration(cross_ranks, backend=backend)
+    # this rank is in one group of each enumeration
+    assert isinstance(intra, dist.ProcessGroup) and isinstance(cross, dist.ProcessGroup)
+    return NodeTopology(local_size, nodes, local, node, intra, cross)
