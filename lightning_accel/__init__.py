@@ -24,7 +24,7 @@ from typing import Any
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_accel.checkpoint.callbacks import CheckpointGuard, DeltaModelCheckpoint
+from lightning_accel.checkpoint.callbacks import CheckpointGuard, DeltaModelCheckpoint, ElasticExit
 from lightning_accel.checkpoint.plugin import DeltaCheckpointIO
 from lightning_accel.comm.strategy import LocalStepsStrategy, OneBitDDPStrategy
 from lightning_accel.data.augment import GpuAugment
@@ -47,6 +47,7 @@ __all__ = [
     "AutoStrategy",
     "CachedDataModule",
     "CheckpointGuard",
+    "ElasticExit",
     "CudaMemoryManager",
     "DeltaCheckpointIO",
     "DeltaModelCheckpoint",

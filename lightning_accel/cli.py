@@ -34,7 +34,7 @@ import lightning_accel  # noqa: F401 - registers the strategy aliases on import
 from lightning_accel._utils import compat
 from lightning_accel._utils.errors import one_line
 from lightning_accel._utils.fs import StorageUnavailableError
-from lightning_accel.checkpoint.callbacks import CheckpointGuard
+from lightning_accel.checkpoint.callbacks import CheckpointGuard, ElasticExit
 from lightning_accel.checkpoint.lock import CheckpointDirectoryLockedError
 from lightning_accel.data.origin import OriginError
 from lightning_accel.parallel.strategies import resolve_trainer_kwargs
@@ -249,8 +249,10 @@ class AccelCLI(LightningCLI):
         callbacks = config.get("callbacks") or []
         callbacks = list(callbacks) if isinstance(callbacks, list) else [callbacks]
         bar = _default_progress_bar(config, callbacks)
-        # a second run on a DeltaCheckpointIO directory is refused before its first step, not at its first save
-        kwargs["callbacks"] = [*callbacks, *([bar] if bar is not None else []), CheckpointGuard()]
+        # a second run on a DeltaCheckpointIO directory is refused before its first step, not at its first save;
+        # under torchrun a worker stopped for a restart exits at once (ElasticExit), not after the agent's 30 s
+        elastic = [ElasticExit()] if not any(isinstance(c, ElasticExit) for c in callbacks) else []
+        kwargs["callbacks"] = [*callbacks, *([bar] if bar is not None else []), CheckpointGuard(), *elastic]
         kwargs.update(resolve_trainer_kwargs({**config, "callbacks": kwargs["callbacks"]}, self.model))
         trainer = super().instantiate_trainer(**kwargs)
         # `--ckpt_path last`: resolved here (Lightning finds nothing on an object store: it drops the `s3://`) and

@@ -3,7 +3,7 @@
 core it adapts (``checkpoint/callbacks.py``, ``perf/callbacks.py``, ``recipes/callbacks.py``).
 """
 
-from lightning_accel.checkpoint.callbacks import CheckpointGuard, DeltaModelCheckpoint
+from lightning_accel.checkpoint.callbacks import CheckpointGuard, DeltaModelCheckpoint, ElasticExit
 from lightning_accel.perf.callbacks import CudaMemoryManager, PerformanceMonitor
 from lightning_accel.recipes.callbacks import KnowledgeDistillation, LinearScalingLR, PerStepLR, StructuredPruning
 from lightning_accel.tune.guard import RollbackGuard
@@ -12,6 +12,7 @@ __all__ = [
     "CheckpointGuard",
     "CudaMemoryManager",
     "DeltaModelCheckpoint",
+    "ElasticExit",
     "KnowledgeDistillation",
     "LinearScalingLR",
     "PerStepLR",

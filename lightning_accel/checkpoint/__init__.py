@@ -15,7 +15,12 @@ Command line: ``python -m lightning_accel.checkpoint verify|export|gc ...``.
 
 from __future__ import annotations
 
-from lightning_accel.checkpoint.callbacks import CheckpointGuard, DeltaModelCheckpoint, resolve_ckpt_path
+from lightning_accel.checkpoint.callbacks import (
+    CheckpointGuard,
+    DeltaModelCheckpoint,
+    ElasticExit,
+    resolve_ckpt_path,
+)
 from lightning_accel.checkpoint.lock import CheckpointDirectoryLockedError
 from lightning_accel.checkpoint.options import StoreOptions
 from lightning_accel.checkpoint.plugin import CheckpointSaveError, DeltaCheckpointIO
@@ -33,6 +38,7 @@ __all__ = [
     "CheckpointSaveError",
     "DeltaCheckpointIO",
     "CheckpointGuard",
+    "ElasticExit",
     "DeltaModelCheckpoint",
     "DeltaStore",
     "NotADeltaCheckpointError",
