@@ -156,6 +156,16 @@ def _kill_tree(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)  # our own child's session (start_new_session=True), nothing else
 
 
+def _stop_all(procs: Sequence[subprocess.Popen[Any]]) -> None:
+    """SIGKILL every live process of ``procs`` with its descendants, then reap them (bounded)."""
+    for proc in procs:
+        if proc.poll() is None:
+            _kill_tree(proc.pid)
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+
+
 def _proc_start_time(pid: int | str = "self") -> float:
     """Wall-clock start time of process ``pid`` (``/proc/<pid>/stat`` field 22 and the boot time)."""
     ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
@@ -294,18 +304,10 @@ class TwoNodes:
             raise NamespacesUnavailable(f"network namespaces need the {' and '.join(missing)} command(s), not found")
         atexit.register(self.close)
         try:
+            from benchmarks._onebit_link import join_namespaces
+
             _remove_stale_namespaces()
-            for ns in self.names:
-                _run(["ip", "netns", "add", ns])
-                self._made.append(ns)
-            _run(
-                ["ip", "link", "add", IFACES[0], "netns", self.names[0], "type", "veth"]
-                + ["peer", "name", IFACES[1], "netns", self.names[1]]
-            )
-            for ns, ifc, addr in zip(self.names, IFACES, ADDR, strict=True):
-                _run(["ip", "-n", ns, "link", "set", "lo", "up"])
-                _run(["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", ifc])
-                _run(["ip", "-n", ns, "link", "set", ifc, "up"])
+            join_namespaces(self.names, IFACES, ADDR, self._made)
         except (RuntimeError, OSError, subprocess.SubprocessError) as err:
             self.close()
             raise NamespacesUnavailable(f"could not build the two namespaces: {err}") from err
@@ -322,12 +324,7 @@ class TwoNodes:
         if self._closed:
             return
         self._closed = True
-        for proc in self._procs:
-            if proc.poll() is None:
-                _kill_tree(proc.pid)
-        for proc in self._procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=10)
+        _stop_all(self._procs)
         if self._s3_log is not None:
             self._s3_log.close()
         for ns in self._made:
@@ -346,18 +343,11 @@ class TwoNodes:
 
     def shape(self, rate_mbit: int | None) -> None:
         """``tbf rate <rate_mbit>mbit`` on both veth ends (``None``: remove the qdisc, the unshaped link)."""
+        from benchmarks._onebit_link import shape_veth
+
         self.rate_mbit = rate_mbit
         for node, ifc in enumerate(IFACES):
-            pre = self.exec_prefix(node)
-            if rate_mbit is None:
-                _run([*pre, "tc", "qdisc", "del", "dev", ifc, "root"], check=False)
-                continue
-            # a bucket of 5 ms of traffic (>= 64 KiB), as in _onebit_link: the goodput it gives is near the rate
-            burst = max(64 * 1024, int(rate_mbit * 1e6 / 8 * 0.005))
-            _run(
-                [*pre, "tc", "qdisc", "replace", "dev", ifc, "root", "tbf"]
-                + ["rate", f"{rate_mbit}mbit", "burst", str(burst), "latency", "100ms"]
-            )
+            shape_veth(self.exec_prefix(node), ifc, rate_mbit)
 
     def link_bytes(self) -> dict[str, int]:
         """The veth counters now: ``{"tx0", "rx0", "tx1", "rx1"}`` (bytes sent / received by node0 and node1)."""
@@ -871,12 +861,7 @@ class Launch:
         return [int(a.returncode) for a in self.agents]
 
     def kill(self) -> None:
-        for a in self.agents:
-            if a.poll() is None:
-                _kill_tree(a.pid)
-        for a in self.agents:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                a.wait(timeout=10)
+        _stop_all(self.agents)
         self.close()
 
     def close(self) -> None:

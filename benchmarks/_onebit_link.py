@@ -45,7 +45,7 @@ from typing_extensions import override
 
 from benchmarks._harness import median, parser, ratio, report
 
-__all__ = ["rank_env", "run_host_cost", "run_link_cases"]
+__all__ = ["join_namespaces", "rank_env", "run_host_cost", "run_link_cases", "shape_veth"]
 
 REPO = Path(__file__).resolve().parent.parent
 ADDR = ("169.254.77.1", "169.254.77.2")  # link-local, only on the veth ends created here
@@ -176,16 +176,7 @@ class Netns:
         self._closed = False
         atexit.register(self.close)
         try:
-            for ns in self.names:
-                _run(["ip", "netns", "add", ns])
-            _run(
-                ["ip", "link", "add", IFACES[0], "netns", self.names[0], "type", "veth"]
-                + ["peer", "name", IFACES[1], "netns", self.names[1]]
-            )
-            for ns, ifc, addr in zip(self.names, IFACES, ADDR, strict=True):
-                _run(["ip", "-n", ns, "link", "set", "lo", "up"])
-                _run(["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", ifc])
-                _run(["ip", "-n", ns, "link", "set", ifc, "up"])
+            join_namespaces(self.names, IFACES, ADDR)
         except Exception:
             self.close()
             raise
@@ -196,16 +187,7 @@ class Netns:
     def shape(self, mbit: int | None) -> None:
         """``tbf rate mbit`` on both veth ends (None: remove the qdisc, the unshaped link)."""
         for rank, ifc in enumerate(IFACES):
-            pre = self.exec_prefix(rank)
-            if mbit is None:
-                _run([*pre, "tc", "qdisc", "del", "dev", ifc, "root"], check=False)
-                continue
-            # a bucket of 5 ms of traffic (>= 64 KiB): the goodput it gives is measured per link (`goodput_mbps`)
-            burst = max(64 * 1024, int(mbit * 1e6 / 8 * 0.005))
-            _run(
-                [*pre, "tc", "qdisc", "replace", "dev", ifc, "root", "tbf"]
-                + ["rate", f"{mbit}mbit", "burst", str(burst), "latency", "100ms"]
-            )
+            shape_veth(self.exec_prefix(rank), ifc, mbit)
 
     def close(self) -> None:
         if self._closed:
@@ -214,6 +196,37 @@ class Netns:
         for ns in self.names:
             with contextlib.suppress(Exception):
                 _run(["ip", "netns", "del", ns], check=False)
+
+
+def join_namespaces(
+    names: tuple[str, str], ifaces: tuple[str, str], addrs: tuple[str, str], made: list[str] | None = None
+) -> None:
+    """Make namespaces ``names`` (each appended to ``made`` once it exists, so a caller deletes exactly those), join
+    them by a veth pair (``ifaces[i]`` in ``names[i]``) and bring ``lo`` and the veth ends up with ``addrs`` (/24)."""
+    for ns in names:
+        _run(["ip", "netns", "add", ns])
+        if made is not None:
+            made.append(ns)
+    veth = ["type", "veth", "peer", "name", ifaces[1], "netns", names[1]]
+    _run(["ip", "link", "add", ifaces[0], "netns", names[0], *veth])
+    for ns, ifc, addr in zip(names, ifaces, addrs, strict=True):
+        _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+        _run(["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", ifc])
+        _run(["ip", "-n", ns, "link", "set", ifc, "up"])
+
+
+def shape_veth(prefix: list[str], ifc: str, mbit: int | None) -> None:
+    """``tc tbf rate <mbit>mbit`` on interface ``ifc`` (``prefix`` runs a command in its namespace); None removes the
+    qdisc (the unshaped link). The bucket holds 5 ms of traffic (>= 64 KiB): the goodput it gives is measured per link
+    (``goodput_mbps``) and is near the rate."""
+    if mbit is None:
+        _run([*prefix, "tc", "qdisc", "del", "dev", ifc, "root"], check=False)
+        return
+    burst = max(64 * 1024, int(mbit * 1e6 / 8 * 0.005))
+    _run(
+        [*prefix, "tc", "qdisc", "replace", "dev", ifc, "root", "tbf"]
+        + ["rate", f"{mbit}mbit", "burst", str(burst), "latency", "100ms"]
+    )
 
 
 _PROBE_SERVER = """

@@ -21,6 +21,7 @@ Cases:
 ``ddp_over_hier_step_100mbit``, ``ddp_over_hier_step_1gbit``, ``restart_final_params_max_abs_diff``,
 ``restart_lost_steps``, ``restart_seconds``, ``unverifiable_checkpoints``, ``decodes_per_sample_per_node``,
 ``shard_fetches_per_node``. Without root or ``ip``/``tc`` the results say why and the ratios are absent.
+``MULTINODE_WORKDIR=DIR`` keeps every job's config, agent logs and step logs in ``DIR``.
 
     python benchmarks/multinode.py --quick --out /tmp/bench/multinode.json
 """
@@ -127,7 +128,8 @@ def main() -> None:
     results: dict[str, Any] = {"loadavg_1min_start": load0}
     ratios: dict[str, float] = {}
     try:
-        with TwoNodes() as nodes:
+        # MULTINODE_WORKDIR keeps the jobs' configs and logs there (default: a temporary directory, removed)
+        with TwoNodes(workdir=os.environ.get("MULTINODE_WORKDIR") or None) as nodes:
             origin, listing = digits_origin(nodes, num_images=200)
             results["steps"], step_ratios = step_cases(nodes, origin, listing, args.quick)
             results["restart"], restart_ratios = restart_case(nodes, origin, listing, args.quick)

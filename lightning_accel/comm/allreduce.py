@@ -84,6 +84,67 @@ def _scale_bytes(scales: torch.Tensor, width: int) -> torch.Tensor:
     return padded.view(torch.uint8)
 
 
+def _worker_message(
+    packed: torch.Tensor, scales: torch.Tensor, slot: torch.Tensor, rows: int, layout: GroupLayout
+) -> torch.Tensor:
+    """Phase 1's ``(rows, C/8 + 4M)`` bytes: row ``j`` holds chunk ``j``'s signs and its blocks' scales (``slot``:
+    each block's place in the flattened ``(rows, M)`` scale table)."""
+    cb, m = layout.chunk_numel // 8, layout.max_blocks
+    table = torch.zeros(rows * m, dtype=torch.float32, device=packed.device)
+    table[slot] = scales
+    return torch.cat([packed.view(rows, cb), table.view(rows, m).view(torch.uint8)], dim=1)
+
+
+def _serve_chunk(
+    recv: torch.Tensor,
+    mine: BlockTable,
+    layout: GroupLayout,
+    buffers: OneBitBuffers | None,
+    compress: CompressFn,
+    server_error: torch.Tensor | None,
+    loss_scale: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The server step on the received rows of chunk ``mine``: decode, average, recompress with the server error.
+
+    Returns:
+        ``(own, new_server_error)``: phase 2's message (signs + scales, ``C/8 + 4M`` bytes) and the new error.
+    """
+    cb, m = layout.chunk_numel // 8, layout.max_blocks
+    recv_scales = recv[:, cb:].clone(memory_format=torch.contiguous_format).view(torch.float32)[:, : mine.num_blocks]
+    if buffers is not None:
+        rows = buffers.server.decode(recv[:, :cb], recv_scales, out=buffers.rows)
+        avg = torch.mean(rows, dim=0, out=buffers.avg)
+        avg.index_fill_(0, mine.pad_index, 0.0)  # = torch.where(mask, avg, 0.0), in place
+        s_packed, s_scales, new_server = buffers.server.compress(avg, server_error, loss_scale)
+    else:
+        avg = decode(recv[:, :cb], recv_scales, mine.lengths).mean(dim=0)
+        avg = torch.where(mine.mask, avg, 0.0)
+        s_packed, s_scales, new_server = compress(avg, server_error, mine, loss_scale)
+    return torch.cat([s_packed, _scale_bytes(s_scales, m)]), new_server
+
+
+def _decode_chunks(
+    gathered: torch.Tensor, layout: GroupLayout, decoder: Compressor | None, out: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode the ``(N, C/8 + 4M)`` server chunks of the whole group (``decoder``: a kept compressor of the whole
+    table, writing into ``out``; None: the generic decode).
+
+    Returns:
+        ``(out, finite)``. Every real element decodes to ±(its block's scale), exactly, so ``out`` is finite on the real
+        elements iff the scales of the blocks holding real elements are: the verdict of
+        ``isfinite(where(mask, out, 0)).all()`` from ``num_blocks`` values instead of two passes over the group.
+    """
+    cb = layout.chunk_numel // 8
+    all_scales = (
+        gathered[:, cb:].clone(memory_format=torch.contiguous_format).view(torch.float32).reshape(-1)[layout.slot]
+    )
+    if decoder is not None:
+        decoded = decoder.decode(gathered[:, :cb].reshape(-1), all_scales, out=out)
+    else:
+        decoded = decode(gathered[:, :cb].reshape(-1), all_scales, layout.table.lengths)
+    return decoded, torch.isfinite(all_scales[layout.table.has_real]).all()
+
+
 class OneBitBuffers:
     """Everything one group's :class:`OneBitAllreduce` writes, kept between steps so a step allocates nothing big.
 
@@ -199,15 +260,12 @@ class OneBitAllreduce:
 
     def start(self) -> OneBitAllreduce:
         """Step 1 (worker compression) and phase 1 issued asynchronously."""
-        layout, n = self.layout, self.layout.world_size
-        cb, m = layout.chunk_numel // 8, layout.max_blocks
+        layout = self.layout
         if self.buffers is not None:
             packed, scales, self._new_worker = self.buffers.worker.compress(self.x, self.worker_error, self.loss_scale)
         else:
             packed, scales, self._new_worker = self.compress(self.x, self.worker_error, layout.table, self.loss_scale)
-        table = torch.zeros(n * m, dtype=torch.float32, device=self.x.device)
-        table[layout.slot] = scales
-        self._send = torch.cat([packed.view(n, cb), table.view(n, m).view(torch.uint8)], dim=1)
+        self._send = _worker_message(packed, scales, layout.slot, layout.world_size, layout)
         self._recv = torch.empty_like(self._send)
         # phase 1: row j of `send` goes to rank j
         self._a2a = dist.all_to_all_single(self._recv, self._send, group=self.group, async_op=True)
@@ -216,24 +274,11 @@ class OneBitAllreduce:
     def serve(self) -> OneBitAllreduce:
         """Step 3 (server average + recompression of this rank's chunk) and phase 2 issued asynchronously."""
         layout, n = self.layout, self.layout.world_size
-        cb, m = layout.chunk_numel // 8, layout.max_blocks
         self._a2a.wait()
-        recv = self._recv
         mine = layout.chunks[self.rank]
-        recv_scales = (
-            recv[:, cb:].clone(memory_format=torch.contiguous_format).view(torch.float32)[:, : mine.num_blocks]
+        self._own, self._new_server = _serve_chunk(
+            self._recv, mine, layout, self.buffers, self.compress, self.server_error, self.loss_scale
         )
-        bufs = self.buffers
-        if bufs is not None:
-            rows = bufs.server.decode(recv[:, :cb], recv_scales, out=bufs.rows)
-            avg = torch.mean(rows, dim=0, out=bufs.avg)
-            avg.index_fill_(0, mine.pad_index, 0.0)  # = torch.where(mask, avg, 0.0), in place
-            s_packed, s_scales, self._new_server = bufs.server.compress(avg, self.server_error, self.loss_scale)
-        else:
-            avg = decode(recv[:, :cb], recv_scales, mine.lengths).mean(dim=0)
-            avg = torch.where(mine.mask, avg, 0.0)
-            s_packed, s_scales, self._new_server = self.compress(avg, self.server_error, mine, self.loss_scale)
-        self._own = torch.cat([s_packed, _scale_bytes(s_scales, m)])
         self._gathered = torch.empty(n * self._own.numel(), dtype=torch.uint8, device=self.x.device)
         # phase 2: everyone gets every server chunk (gloo wants a flat output)
         self._ag = _all_gather(self._gathered, self._own, self.group, async_op=True)
@@ -242,22 +287,15 @@ class OneBitAllreduce:
     def finish(self) -> OneBitResult:
         """Step 4: wait for phase 2 and decode every server chunk (identical bytes, so identical results)."""
         layout, n = self.layout, self.layout.world_size
-        cb = layout.chunk_numel // 8
         if self._ag is not None:
             self._ag.wait()
-        own = self._own
-        gathered = self._gathered.view(n, own.numel())
-        all_scales = (
-            gathered[:, cb:].clone(memory_format=torch.contiguous_format).view(torch.float32).reshape(-1)[layout.slot]
+        own, bufs = self._own, self.buffers
+        out, finite = _decode_chunks(
+            self._gathered.view(n, own.numel()),
+            layout,
+            None if bufs is None else bufs.full,
+            None if bufs is None else bufs.out,
         )
-        if self.buffers is not None:
-            out = self.buffers.worker.decode(gathered[:, :cb].reshape(-1), all_scales, out=self.buffers.out)
-        else:
-            out = decode(gathered[:, :cb].reshape(-1), all_scales, layout.table.lengths)
-        # every real element decodes to ±(its block's scale), exactly, so `out` is finite on the real elements iff the
-        # scales of the blocks holding real elements are: the verdict of isfinite(where(mask, out, 0)).all() from
-        # num_blocks values instead of two passes over the whole group
-        finite = torch.isfinite(all_scales[layout.table.has_real]).all()
         send = self._send
         sent = (send.numel() - send[self.rank].numel()) * send.element_size() + (n - 1) * own.numel()
         self.result = OneBitResult(
@@ -369,41 +407,25 @@ class HierarchicalOneBitAllreduce:
 
     def start(self) -> HierarchicalOneBitAllreduce:
         """The node average (fp32, inside the node), its worker compression and phase 1 between nodes (async)."""
-        layout, shard = self.layout, self.shard
-        k, cb, m = shard.nodes, layout.chunk_numel // 8, layout.max_blocks
+        shard = self.shard
         avg = self._node_average()
         if self.buffers is not None:
             packed, scales, self._new_worker = self.buffers.worker.compress(avg, self.worker_error, self.loss_scale)
         else:
             packed, scales, self._new_worker = self.compress(avg, self.worker_error, shard.table, self.loss_scale)
-        table = torch.zeros(k * m, dtype=torch.float32, device=self.x.device)
-        table[shard.slot] = scales
-        self._send = torch.cat([packed.view(k, cb), table.view(k, m).view(torch.uint8)], dim=1)
+        self._send = _worker_message(packed, scales, shard.slot, shard.nodes, self.layout)
         self._recv = torch.empty_like(self._send)
         self._a2a = dist.all_to_all_single(self._recv, self._send, group=self.topology.cross, async_op=True)
         return self
 
     def serve(self) -> HierarchicalOneBitAllreduce:
         """The server average and recompression of this node's chunk of the shard, phase 2 between nodes (async)."""
-        layout, k = self.layout, self.shard.nodes
-        cb, m = layout.chunk_numel // 8, layout.max_blocks
+        k = self.shard.nodes
         self._a2a.wait()
-        recv = self._recv
         mine = self.shard.chunks[self.topology.node]
-        recv_scales = (
-            recv[:, cb:].clone(memory_format=torch.contiguous_format).view(torch.float32)[:, : mine.num_blocks]
+        self._own, self._new_server = _serve_chunk(
+            self._recv, mine, self.layout, self.buffers, self.compress, self.server_error, self.loss_scale
         )
-        bufs = self.buffers
-        if bufs is not None:
-            rows = bufs.server.decode(recv[:, :cb], recv_scales, out=bufs.rows)
-            avg = torch.mean(rows, dim=0, out=bufs.avg)
-            avg.index_fill_(0, mine.pad_index, 0.0)
-            s_packed, s_scales, self._new_server = bufs.server.compress(avg, self.server_error, self.loss_scale)
-        else:
-            avg = decode(recv[:, :cb], recv_scales, mine.lengths).mean(dim=0)
-            avg = torch.where(mine.mask, avg, 0.0)
-            s_packed, s_scales, self._new_server = self.compress(avg, self.server_error, mine, self.loss_scale)
-        self._own = torch.cat([s_packed, _scale_bytes(s_scales, m)])
         self._gathered = torch.empty(k * self._own.numel(), dtype=torch.uint8, device=self.x.device)
         self._ag = _all_gather(self._gathered, self._own, self.topology.cross, async_op=True)
         return self
@@ -411,7 +433,7 @@ class HierarchicalOneBitAllreduce:
     def finish(self) -> OneBitResult:
         """Phase 2 waited for, the shard's chunks gathered inside the node, all ``N`` chunks decoded."""
         layout, topo = self.layout, self.topology
-        n, k, cb = layout.world_size, self.shard.nodes, layout.chunk_numel // 8
+        n, k = layout.world_size, self.shard.nodes
         if self._ag is not None:
             self._ag.wait()
         own, shard_rows = self._own, self._gathered
@@ -421,15 +443,13 @@ class HierarchicalOneBitAllreduce:
             self._intra_sent += (topo.local_size - 1) * shard_rows.numel()
         else:
             everything = shard_rows
-        gathered = everything.view(n, own.numel())
-        all_scales = (
-            gathered[:, cb:].clone(memory_format=torch.contiguous_format).view(torch.float32).reshape(-1)[layout.slot]
+        bufs = self.buffers
+        out, finite = _decode_chunks(
+            everything.view(n, own.numel()),
+            layout,
+            None if bufs is None else bufs.full,
+            None if bufs is None else bufs.out,
         )
-        if self.buffers is not None:
-            out = self.buffers.full.decode(gathered[:, :cb].reshape(-1), all_scales, out=self.buffers.out)
-        else:
-            out = decode(gathered[:, :cb].reshape(-1), all_scales, layout.table.lengths)
-        finite = torch.isfinite(all_scales[layout.table.has_real]).all()  # as in OneBitAllreduce.finish
         row = self._send[0].numel() * self._send.element_size()
         sent = (k - 1) * row + (k - 1) * own.numel()
         self.result = OneBitResult(
