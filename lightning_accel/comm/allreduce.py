@@ -85,14 +85,31 @@ def _scale_bytes(scales: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def _worker_message(
-    packed: torch.Tensor, scales: torch.Tensor, slot: torch.Tensor, rows: int, layout: GroupLayout
-) -> torch.Tensor:
-    """Phase 1's ``(rows, C/8 + 4M)`` bytes: row ``j`` holds chunk ``j``'s signs and its blocks' scales (``slot``:
-    each block's place in the flattened ``(rows, M)`` scale table)."""
+    x: torch.Tensor,
+    table: BlockTable,
+    slot: torch.Tensor,
+    rows: int,
+    layout: GroupLayout,
+    buffers: OneBitBuffers | None,
+    compress: CompressFn,
+    worker_error: torch.Tensor | None,
+    loss_scale: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The worker step on ``x`` (blocks ``table``): compress with the worker error (``buffers``' kept compressor, else
+    ``compress``) and lay out phase 1's message.
+
+    Returns:
+        ``(send, new_worker_error)``: ``send`` is ``(rows, C/8 + 4M)`` bytes, row ``j`` holding chunk ``j``'s signs
+        and its blocks' scales (``slot``: each block's place in the flattened ``(rows, M)`` scale table).
+    """
+    if buffers is not None:
+        packed, scales, new_worker = buffers.worker.compress(x, worker_error, loss_scale)
+    else:
+        packed, scales, new_worker = compress(x, worker_error, table, loss_scale)
     cb, m = layout.chunk_numel // 8, layout.max_blocks
-    table = torch.zeros(rows * m, dtype=torch.float32, device=packed.device)
-    table[slot] = scales
-    return torch.cat([packed.view(rows, cb), table.view(rows, m).view(torch.uint8)], dim=1)
+    scale_table = torch.zeros(rows * m, dtype=torch.float32, device=packed.device)
+    scale_table[slot] = scales
+    return torch.cat([packed.view(rows, cb), scale_table.view(rows, m).view(torch.uint8)], dim=1), new_worker
 
 
 def _serve_chunk(
@@ -124,10 +141,10 @@ def _serve_chunk(
 
 
 def _decode_chunks(
-    gathered: torch.Tensor, layout: GroupLayout, decoder: Compressor | None, out: torch.Tensor | None
+    gathered: torch.Tensor, layout: GroupLayout, buffers: OneBitBuffers | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode the ``(N, C/8 + 4M)`` server chunks of the whole group (``decoder``: a kept compressor of the whole
-    table, writing into ``out``; None: the generic decode).
+    """Decode the ``(N, C/8 + 4M)`` server chunks of the whole group (with ``buffers``: their decoder of the whole
+    table, into ``buffers.out``; None: the generic decode).
 
     Returns:
         ``(out, finite)``. Every real element decodes to ±(its block's scale), exactly, so ``out`` is finite on the real
@@ -138,8 +155,8 @@ def _decode_chunks(
     all_scales = (
         gathered[:, cb:].clone(memory_format=torch.contiguous_format).view(torch.float32).reshape(-1)[layout.slot]
     )
-    if decoder is not None:
-        decoded = decoder.decode(gathered[:, :cb].reshape(-1), all_scales, out=out)
+    if buffers is not None:
+        decoded = buffers.full.decode(gathered[:, :cb].reshape(-1), all_scales, out=buffers.out)
     else:
         decoded = decode(gathered[:, :cb].reshape(-1), all_scales, layout.table.lengths)
     return decoded, torch.isfinite(all_scales[layout.table.has_real]).all()
@@ -261,11 +278,17 @@ class OneBitAllreduce:
     def start(self) -> OneBitAllreduce:
         """Step 1 (worker compression) and phase 1 issued asynchronously."""
         layout = self.layout
-        if self.buffers is not None:
-            packed, scales, self._new_worker = self.buffers.worker.compress(self.x, self.worker_error, self.loss_scale)
-        else:
-            packed, scales, self._new_worker = self.compress(self.x, self.worker_error, layout.table, self.loss_scale)
-        self._send = _worker_message(packed, scales, layout.slot, layout.world_size, layout)
+        self._send, self._new_worker = _worker_message(
+            self.x,
+            layout.table,
+            layout.slot,
+            layout.world_size,
+            layout,
+            self.buffers,
+            self.compress,
+            self.worker_error,
+            self.loss_scale,
+        )
         self._recv = torch.empty_like(self._send)
         # phase 1: row j of `send` goes to rank j
         self._a2a = dist.all_to_all_single(self._recv, self._send, group=self.group, async_op=True)
@@ -289,13 +312,8 @@ class OneBitAllreduce:
         layout, n = self.layout, self.layout.world_size
         if self._ag is not None:
             self._ag.wait()
-        own, bufs = self._own, self.buffers
-        out, finite = _decode_chunks(
-            self._gathered.view(n, own.numel()),
-            layout,
-            None if bufs is None else bufs.full,
-            None if bufs is None else bufs.out,
-        )
+        own = self._own
+        out, finite = _decode_chunks(self._gathered.view(n, own.numel()), layout, self.buffers)
         send = self._send
         sent = (send.numel() - send[self.rank].numel()) * send.element_size() + (n - 1) * own.numel()
         self.result = OneBitResult(
@@ -408,12 +426,17 @@ class HierarchicalOneBitAllreduce:
     def start(self) -> HierarchicalOneBitAllreduce:
         """The node average (fp32, inside the node), its worker compression and phase 1 between nodes (async)."""
         shard = self.shard
-        avg = self._node_average()
-        if self.buffers is not None:
-            packed, scales, self._new_worker = self.buffers.worker.compress(avg, self.worker_error, self.loss_scale)
-        else:
-            packed, scales, self._new_worker = self.compress(avg, self.worker_error, shard.table, self.loss_scale)
-        self._send = _worker_message(packed, scales, shard.slot, shard.nodes, self.layout)
+        self._send, self._new_worker = _worker_message(
+            self._node_average(),
+            shard.table,
+            shard.slot,
+            shard.nodes,
+            self.layout,
+            self.buffers,
+            self.compress,
+            self.worker_error,
+            self.loss_scale,
+        )
         self._recv = torch.empty_like(self._send)
         self._a2a = dist.all_to_all_single(self._recv, self._send, group=self.topology.cross, async_op=True)
         return self
@@ -443,13 +466,7 @@ class HierarchicalOneBitAllreduce:
             self._intra_sent += (topo.local_size - 1) * shard_rows.numel()
         else:
             everything = shard_rows
-        bufs = self.buffers
-        out, finite = _decode_chunks(
-            everything.view(n, own.numel()),
-            layout,
-            None if bufs is None else bufs.full,
-            None if bufs is None else bufs.out,
-        )
+        out, finite = _decode_chunks(everything.view(n, own.numel()), layout, self.buffers)
         row = self._send[0].numel() * self._send.element_size()
         sent = (k - 1) * row + (k - 1) * own.numel()
         self.result = OneBitResult(

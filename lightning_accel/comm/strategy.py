@@ -65,7 +65,7 @@ from lightning_accel.comm.config import (
     resolve_renamed,
 )
 from lightning_accel.comm.localsteps import LocalSteps, LocalStepsConfig, OuterCompression
-from lightning_accel.comm.topology import Hierarchical
+from lightning_accel.comm.topology import HIERARCHICAL_CHOICES, Hierarchical
 
 __all__ = ["CHECKPOINT_KEY", "LOCALSTEPS_CHECKPOINT_KEY", "STEP_PATCH_KEY", "LocalStepsStrategy", "OneBitDDPStrategy"]
 
@@ -219,7 +219,7 @@ class OneBitDDPStrategy(DDPStrategy):
         self._config = OneBitConfig(**resolve_renamed(given, defaults=_DEFAULTS))
         check_choice("overlap", overlap, (True, False, "auto"), fix="Use 'auto' to overlap whenever it is safe.")
         check_choice(
-            "hierarchical", hierarchical, (True, False, "auto"), fix="Use 'auto' (hierarchical across several nodes)."
+            "hierarchical", hierarchical, HIERARCHICAL_CHOICES, fix="Use 'auto' (hierarchical across several nodes)."
         )
         if processes_per_node is not None:
             check_int("processes_per_node", processes_per_node, low=1, fix="Give the processes each node runs.")

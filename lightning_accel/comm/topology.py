@@ -17,10 +17,11 @@ import torch.distributed as dist
 
 from lightning_accel._utils.checks import check_choice, check_int
 
-__all__ = ["Hierarchical", "NodeTopology", "node_topology", "resolve_hierarchical"]
+__all__ = ["HIERARCHICAL_CHOICES", "Hierarchical", "NodeTopology", "node_topology", "resolve_hierarchical"]
 
 #: hierarchical averaging: ``"auto"`` (when there are several nodes and several processes per node), or forced
 Hierarchical: TypeAlias = bool | Literal["auto"]
+HIERARCHICAL_CHOICES: tuple[Hierarchical, ...] = (True, False, "auto")
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ def resolve_hierarchical(hierarchical: Hierarchical, world_size: int, local_size
     Raises:
         ValueError: ``hierarchical=True`` without a layout of several nodes of equal size, or a bad value.
     """
-    check_choice("hierarchical", hierarchical, (True, False, "auto"), fix="Use 'auto'.")
+    check_choice("hierarchical", hierarchical, HIERARCHICAL_CHOICES, fix="Use 'auto'.")
     if hierarchical is False:
         return False
     fits = local_size is not None and 1 <= local_size <= world_size and world_size % local_size == 0
