@@ -114,11 +114,15 @@ def _core(rank: int, world: int) -> dict[str, Any]:
     # the flat path's bytes to ranks of the other node: 2 phases x its peers there x one message
     sent["flat_cross"] = 2 * (world - LOCAL) * layout.message_bytes
     dist.barrier()
-    return {"outs": outs, "sent": sent, "message_bytes": layout.message_bytes}
+    # numpy, not tensors: a tensor's shared-memory handle can vanish with the process before the parent reads it
+    arrays = {k: [t.numpy() for t in v] for k, v in outs.items()}
+    return {"outs": arrays, "sent": sent, "message_bytes": layout.message_bytes}
 
 
 def test_hierarchical_matches_the_oracle_and_sends_half_across_nodes() -> None:
     out = run_in_processes(_core, NODES * LOCAL, timeout=240)
+    for o in out:
+        o["outs"] = {k: [torch.from_numpy(a) for a in v] for k, v in o["outs"].items()}
     oracle = HierOracle()
     lay = oracle.layout
     mask = lay.table.mask
