@@ -113,9 +113,18 @@ def _module(steps: int) -> Any:
 _COUNTER = _ByteCounter()
 
 
-def fit_one(name: str, steps: int, eval_every: int, *, num_nodes: int = 1, devices: int = 1) -> dict[str, Any]:
-    """One rank's fit of ``CONFIGS[name]``: step end times (evaluation off the clock), held-out losses every
-    ``eval_every`` steps and at the end, bytes this rank sent per step, whether each step applied a sync."""
+def fit_one(
+    name: str,
+    steps: int,
+    eval_every: int,
+    *,
+    num_nodes: int = 1,
+    devices: int = 1,
+    spec: tuple[str, dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """One rank's fit of ``CONFIGS[name]`` (or of ``spec``, a ``(strategy name, arguments)`` pair): step end times
+    (evaluation off the clock), held-out losses every ``eval_every`` steps and at the end, bytes this rank sent per
+    step, whether each step applied a sync, and ``ddp_1bit``'s resolved warm-up and compression decision."""
     import lightning as L
     import torch
     import torch.distributed as dist
@@ -128,7 +137,7 @@ def fit_one(name: str, steps: int, eval_every: int, *, num_nodes: int = 1, devic
     world = num_nodes * devices
     data = torch.utils.data.TensorDataset(_windows(train, steps * BATCH * world, seed=1))
     held_out = _windows(held, 128, seed=2)
-    kind, kwargs = CONFIGS[name]
+    kind, kwargs = spec or CONFIGS[name]
     strategy: Any = {"ddp": "ddp", "ddp_1bit": la.OneBitDDPStrategy, "diloco": la.LocalStepsStrategy}[kind]
     if kind != "ddp":
         strategy = strategy(log_stats=False, **kwargs)
@@ -182,6 +191,9 @@ def fit_one(name: str, steps: int, eval_every: int, *, num_nodes: int = 1, devic
     with torch.no_grad():  # every strategy ends with the same parameters on every rank
         rec["final_loss"] = float(module.loss(held_out))
     rec["params"] = sum(p.numel() for p in module.parameters())
+    onebit = getattr(trainer.strategy, "onebit_state", None)
+    if onebit is not None:
+        rec["onebit"] = {"warmup_end": onebit.warmup_end, "decision": onebit.decision}
     rec["rank"] = dist.get_rank() if dist.is_initialized() else 0
     return rec
 
@@ -205,6 +217,7 @@ def _summary(rec: dict[str, Any], steps: int) -> dict[str, Any]:
         "sync_step_ms": round(1e3 * median([step_s[i] for i in sync]), 2) if sync else None,
         "plain_step_ms": round(1e3 * median([step_s[i] for i in plain]), 2) if plain else None,
         "params": rec["params"],
+        **({"onebit": rec["onebit"]} if "onebit" in rec else {}),
     }
 
 

@@ -9,6 +9,10 @@ CPU half (the ``onebit`` report), all in one run:
   (d=64, the 8 rows as 8 tokens) with AdamW lr 1e-3 and gradient clipping 1.0. All runs advance one epoch at a time
   in turn. The runs use the strategy's core exactly as ``OneBitDDPStrategy`` wires it (the comm hook, and the
   compressed momentum step in place of ``optimizer.step``), without the Trainer's per-step overhead.
+- **A causal LM** (``benchmarks/localsteps.py``'s job: a character GPT on the standard library's source, AdamW
+  with warm-up + cosine, clipping, 240 steps, 600 in the full run), 2 and 4 gloo processes: held-out loss of DDP,
+  ``ddp_1bit`` with its default arguments (``compression="auto"`` may keep fp32: its choice is recorded) and
+  ``ddp_1bit(compression="1bit")``, which always compresses.
 - **Shaped link and host cost** (``benchmarks/_onebit_link.py``, when present): DDP, ``ddp_1bit`` and ``auto`` step
   times on a veth pair between two network namespaces shaped with ``tc tbf``, the bisected break-even link speed, and
   the compressor's time per 1M values over one ``torch.add``.
@@ -599,6 +603,41 @@ def accuracy_cases(quick: bool) -> tuple[dict[str, Any], dict[str, float]]:
     return results, ratios
 
 
+#: the causal-LM case: name -> (strategy, arguments)
+LM_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "ddp": ("ddp", {}),
+    "onebit_default": ("ddp_1bit", {}),
+    "onebit_1bit": ("ddp_1bit", {"compression": "1bit"}),
+}
+
+
+def _lm_fits(rank: int, world: int, steps: int) -> dict[str, Any]:
+    from benchmarks.localsteps import _summary, fit_one
+
+    return {
+        name: _summary(fit_one(name, steps, 0, devices=world, spec=spec), steps) for name, spec in LM_CONFIGS.items()
+    }
+
+
+def lm_cases(quick: bool) -> tuple[dict[str, Any], dict[str, float]]:
+    """Case: the causal LM at 2 and 4 processes (one launch per world size, the fits in turn)."""
+    from tests.helpers import run_in_processes
+
+    steps = 240 if quick else 600
+    results: dict[str, Any] = {"steps": steps}
+    ratios: dict[str, float] = {}
+    for world in (2, 4):
+        res = run_in_processes(_lm_fits, world, args=(steps,), init_process_group=False, timeout=1800)[0]
+        results[f"ws{world}"] = res
+        ddp = res["ddp"]["held_out_loss"]
+        ratios[f"lm_loss_1bit_over_ddp_ws{world}"] = round(res["onebit_default"]["held_out_loss"] / ddp, 4)
+        ratios[f"lm_loss_1bit_forced_over_ddp_ws{world}"] = round(res["onebit_1bit"]["held_out_loss"] / ddp, 4)
+        ratios[f"lm_bytes_ddp_over_1bit_forced_ws{world}"] = round(
+            res["ddp"]["bytes_per_step"] / max(1.0, res["onebit_1bit"]["bytes_per_step"]), 1
+        )
+    return results, ratios
+
+
 def link_and_host_cases(quick: bool) -> tuple[dict[str, Any], dict[str, float]]:
     """Cases: the shaped link (two network namespaces, veth, ``tc tbf``) and the host cost of the compressor, from
     ``benchmarks/_onebit_link.py``; recorded as not run when that module is absent."""
@@ -613,6 +652,8 @@ def main_cpu(args: argparse.Namespace) -> None:
     """Accuracy on 2 gloo processes, the shaped link and the host cost: the published ``onebit`` report."""
     t0 = time.perf_counter()
     acc_results, ratios = accuracy_cases(args.quick)
+    lm_results, lm_ratios = lm_cases(args.quick)
+    ratios.update(lm_ratios)
     link_results, link_ratios = link_and_host_cases(args.quick)
     ratios.update(link_ratios)
     cfg = {"world_size": WORLD, "accuracy": acc_results.pop("config"), "wall_s": round(time.perf_counter() - t0, 1)}
@@ -620,7 +661,7 @@ def main_cpu(args: argparse.Namespace) -> None:
         "onebit",
         quick=args.quick,
         config=cfg,
-        results={"accuracy": acc_results, **link_results},
+        results={"accuracy": acc_results, "lm": lm_results, **link_results},
         ratios=ratios,
         out=args.out,
         chart={k: v for k, v in ratios.items() if k.startswith("acc_")},

@@ -11,6 +11,7 @@
   (hyper-parameters, error-feedback state, ``CommStats``).
 - :mod:`~lightning_accel.comm.momentum`: the compressed-momentum optimizer step (SGD-momentum, Adam, AdamW).
 - :mod:`~lightning_accel.comm.auto`: ``compression="auto"``, timing fp32 against 1-bit at the end of warm-up.
+- :mod:`~lightning_accel.comm.warmup`: ``warmup_steps="auto"``, ending the warm-up when Adam's variance settles.
 - :mod:`~lightning_accel.comm.triton_kernels`: the fused CUDA compressor (imported lazily).
 - :mod:`~lightning_accel.comm.localsteps`: local steps with a compressed outer update (DiLoCo, Streaming DiLoCo).
 - :mod:`~lightning_accel.comm.strategy`: ``OneBitDDPStrategy`` (``strategy="ddp_1bit"``) and
@@ -58,8 +59,10 @@ from lightning_accel.comm.state import (
 )
 from lightning_accel.comm.strategy import CHECKPOINT_KEY, LocalStepsStrategy, OneBitDDPStrategy
 from lightning_accel.comm.topology import NodeTopology, node_topology, resolve_hierarchical
+from lightning_accel.comm.warmup import AUTO_MIN_WARMUP, WarmupWatch, warmup_cap
 
 __all__ = [
+    "AUTO_MIN_WARMUP",
     "CHECKPOINT_KEY",
     "BlockTable",
     "CommStats",
@@ -88,6 +91,7 @@ __all__ = [
     "compress_reference",
     "StepBytes",
     "StepTrial",
+    "WarmupWatch",
     "decide",
     "decode",
     "fp32_ring_bytes",
@@ -103,4 +107,5 @@ __all__ = [
     "run_pipelined",
     "select_rank_state",
     "unpack_signs",
+    "warmup_cap",
 ]

@@ -256,10 +256,12 @@ class OverlapTrial:
         group: dist.ProcessGroup | None,
         device: torch.device,
         now: float | None = None,
+        timed: bool = True,
     ) -> bool:
         """Book-keeping at the start of optimizer step ``step``; returns whether it overlaps. Collective at the step
         that decides (every rank reaches the same step). ``now``: this step's clock reading when the caller has one
-        (a :class:`StepTrial`'s of the same step), else the clock is read."""
+        (a :class:`StepTrial`'s of the same step), else the clock is read. ``timed=False``: a compressed-stage step
+        that is not a compressed one (a variance refresh) takes its place in the blocks but is not timed."""
         now = self.clock() if now is None else now
         if self.decision is not None:
             return bool(self.decision["overlap"])
@@ -278,7 +280,8 @@ class OverlapTrial:
         if age >= 2 * (self.steps + 1):
             return self._decide(step, group, device)
         overlapped = age <= self.steps
-        self._open = (step, overlapped, now)
+        if timed:
+            self._open = (step, overlapped, now)
         return overlapped
 
     def _decide(self, step: int, group: dist.ProcessGroup | None, device: torch.device) -> bool:

@@ -54,6 +54,17 @@ class OneBitConfig:
     Attributes:
         warmup_steps: optimizer steps of plain fp32 allreduce (and the unmodified optimizer) before compressing;
             >= 2 because DDP rebuilds its buckets after the first iteration. Adam's variance is frozen at its end.
+            ``"auto"``: resolved during the fit (:func:`~lightning_accel.comm.warmup.resolve_warmup`): for Adam and
+            AdamW, the first step (from :data:`~lightning_accel.comm.warmup.AUTO_MIN_WARMUP`) at which the
+            bias-corrected variance moved by less than :data:`~lightning_accel.comm.warmup.STABLE_CHANGE` over the
+            last :data:`~lightning_accel.comm.warmup.CHECK_EVERY` steps, and at the latest 15 % of the fit's
+            optimizer steps; for SGD and the gradient path, which freeze nothing,
+            :data:`~lightning_accel.comm.warmup.AUTO_MIN_WARMUP` steps.
+        variance_refresh: Adam/AdamW in the compressed-momentum stage: refresh the frozen variance with one fp32
+            step (DDP's gradient average and an exact Adam step whose variance catches up on the steps it skipped)
+            this many steps after the variance was frozen, then after intervals that double (``R, 3R, 7R, ...``
+            steps into the stage: ``log2`` of the stage's length in fp32 steps, so the bytes stay ~30x below fp32
+            in a long fit); 0: never (the variance stays frozen, as in 1-bit Adam).
         block_size: maximum elements per scale block, a multiple of 8 (640: 5 % scale overhead, ~30x fewer bytes
             than fp32; ``benchmarks/onebit.py`` measures the accuracy, ``ONEBIT_BLOCK`` tries other sizes there).
         min_compress_numel: gradient buckets with fewer elements stay fp32 (gradient compression only).
@@ -77,7 +88,7 @@ class OneBitConfig:
         ValueError: a field out of range, naming it, the value and the fix.
     """
 
-    warmup_steps: int = 10
+    warmup_steps: int | Literal["auto"] = "auto"
     block_size: int = 640
     min_compress_numel: int = 0
     error_feedback: bool = True
@@ -86,15 +97,17 @@ class OneBitConfig:
     compression: Compression = "auto"
     recheck_every: int = 0
     group_numel: int = 1 << 22
+    variance_refresh: int = 8
 
     def __post_init__(self) -> None:
-        check_int(
-            "warmup_steps",
-            self.warmup_steps,
-            low=2,
-            fix="DDP rebuilds its buckets after the first iteration, so compression state made earlier would be "
-            "stale; use e.g. `warmup_steps=10`.",
-        )
+        if self.warmup_steps != "auto":
+            check_int(
+                "warmup_steps",
+                self.warmup_steps,
+                low=2,
+                fix="DDP rebuilds its buckets after the first iteration, so compression state made earlier would be "
+                "stale; use 'auto' or e.g. `warmup_steps=10`.",
+            )
         check_int("block_size", self.block_size, low=8, fix="Use e.g. `block_size=2048`.")
         if self.block_size % 8:
             raise ValueError(
@@ -122,10 +135,11 @@ class OneBitConfig:
         )
         check_int("recheck_every", self.recheck_every, low=0, fix="Use 0 to decide once.")
         check_int("group_numel", self.group_numel, low=8, fix="Use e.g. `1 << 22`.")
+        check_int("variance_refresh", self.variance_refresh, low=0, fix="Use 0 to keep the variance frozen.")
 
 
 #: the comm hook's defaults when it is used without the strategy: it compresses gradients, from the end of warm-up
-HOOK_DEFAULTS = OneBitConfig(compressed_signal="gradients", compression="1bit")
+HOOK_DEFAULTS = OneBitConfig(compressed_signal="gradients", compression="1bit", warmup_steps=10)
 
 
 def config_fields() -> tuple[str, ...]:

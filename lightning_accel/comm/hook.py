@@ -226,12 +226,12 @@ def onebit_hook(state: OneBitState, bucket: dist.GradBucket) -> torch.futures.Fu
         state.stats.last_step_comm_s = 0.0
         if state.needs_decision:  # compression="auto": measure once, on every rank, first
             decide(state, buf.device)
-    if state.compressing and state.mode == "momentum":
+    if state.compressing and state.mode == "momentum" and not state.refreshing:
         return _local_only(state, bucket, buf)
     state.local_grads = False
     # a compressed CPU step sends every bucket through the comm thread (small ones in fp32 there), so that one thread
-    # issues all of the step's collectives in bucket order
-    if not state.compressing or (buf.is_cuda and buf.numel() < state.config.min_compress_numel):
+    # issues all of the step's collectives in bucket order; a variance-refresh step averages in fp32
+    if not state.compressing or state.refreshing or (buf.is_cuda and buf.numel() < state.config.min_compress_numel):
         fut = _fp32_bucket(state, bucket.is_last(), buf, group, async_op=True).get_future()
         return fut.then(lambda f: f.value()[0])
     b = _Bucket(bucket.index(), list(bucket.parameters()), buf, bucket.is_last())

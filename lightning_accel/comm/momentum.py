@@ -220,6 +220,60 @@ class MomentumCompressor:
         stats.last_step_comm_s += time.perf_counter() - t0
 
     @torch.no_grad()
+    def refresh_step(self) -> None:
+        """Adam/AdamW, a variance-refresh step of the compressed stage (``state.refreshing``: the hook averaged this
+        step's gradients in fp32): the exact Adam step on the averaged gradient, whose variance catches up on the
+        ``k`` steps since it was frozen (``v <- β2^k·v + (1-β2^k)·g²``: the EMA's weight of those steps, given to the
+        gradient that stands for them; bias correction ``1-β2^t`` stays exact), then the variance is frozen again
+        here. The error-feedback residuals are in units of ``m / D``: each is rescaled by ``D_old / D_new`` so it
+        still stands for the same momentum. Collective-free; identical on every rank (same averaged gradients)."""
+        if self.kind != "adam":
+            raise RuntimeError("refresh_step is for Adam/AdamW: SGD has no variance to refresh.")
+        st = self.state
+        for key, entries in self._groups():
+            ratios = []
+            for e in entries:
+                old = self._prepare_adam(e)  # advances the step count, as the compressed step would
+                self._exact_adam(e)
+                e.st["onebit_freeze_step"] = int(e.st["step"])
+                self._denoms.pop(id(e.p), None)
+                ratios.append((e, old / self._prepare_denom(e)))
+            g = st.groups.get(key)
+            if g is None or not st.config.error_feedback:
+                continue
+            ratio = torch.ones(g.layout.padded_numel, dtype=torch.float32, device=g.layout.device)
+            for e, r in ratios:
+                ratio[e.offset : e.offset + e.n] = r.reshape(-1)
+            worker, server = st.owned_slices(g.layout)
+            g.worker_error.mul_(ratio[worker])
+            g.server_error.mul_(ratio[server])
+
+    def _exact_adam(self, e: _Entry) -> None:
+        """torch's Adam/AdamW update on ``p.grad`` (averaged), the variance catching up on the frozen steps."""
+        hp, p, s = e.hp, e.p, e.st
+        assert e.grad is not None
+        grad = e.grad.float()
+        if hp.get("maximize", False):
+            grad = -grad
+        lr, wd = float(hp["lr"]), float(hp["weight_decay"])
+        beta1, beta2 = (float(b) for b in hp["betas"])
+        t = int(s["step"])
+        k = t - int(s["onebit_freeze_step"])  # the steps the variance skipped, this one included
+        keep = beta2**k
+        if wd and not self._decoupled(hp):
+            grad = grad.add(p, alpha=wd)
+        s["exp_avg"].mul_(beta1).add_(grad, alpha=1 - beta1)
+        s["exp_avg_sq"].mul_(keep).addcmul_(grad, grad, value=1 - keep)
+        v = s["exp_avg_sq"]
+        if hp.get("amsgrad", False):
+            torch.maximum(s["max_exp_avg_sq"], v, out=s["max_exp_avg_sq"])
+            v = s["max_exp_avg_sq"]
+        if wd and self._decoupled(hp):
+            p.mul_(1 - lr * wd)
+        denom = (v.sqrt() / math.sqrt(1 - beta2**t)).add_(float(hp["eps"]))
+        p.addcdiv_(s["exp_avg"].to(p.dtype), denom.to(p.dtype), value=-lr / (1 - beta1**t))
+
+    @torch.no_grad()
     def on_bucket(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         """Called by the comm hook with a DDP bucket's parameters and final local gradients during backward (the
         compressed stage, when the strategy allows overlap): every group whose gradients are now all final is
@@ -441,6 +495,11 @@ class MomentumCompressor:
             s["onebit_stage"] = since
             s["onebit_freeze_step"] = int(s["step"]) - 1
             self._denoms.pop(id(p), None)
+        return self._prepare_denom(e)
+
+    def _prepare_denom(self, e: _Entry) -> torch.Tensor:
+        """``sqrt(v/(1-β2^T)) + eps`` at the parameter's freeze step ``T`` (cached until ``T`` changes)."""
+        hp, p, s = e.hp, e.p, e.st
         freeze = int(s["onebit_freeze_step"])
         cached = self._denoms.get(id(p))
         if cached is not None and cached[0] == freeze:

@@ -30,6 +30,7 @@ from lightning_accel.comm.config import (
     resolve_renamed,
 )
 from lightning_accel.comm.topology import NodeTopology
+from lightning_accel.comm.warmup import AUTO_MIN_WARMUP
 
 __all__ = [
     "CommStats",
@@ -207,6 +208,14 @@ class OneBitState:
             known.
         decision: ``"1bit"``, ``"fp32"`` or None (not decided yet) for the steps after warm-up.
         compressed_since: the step the current compressed stage began (Adam's variance is frozen there), or None.
+        warmup_end: the first step after warm-up, or None while it is being decided: ``config.warmup_steps`` when it
+            is an integer; ``"auto"`` starts at :data:`~lightning_accel.comm.warmup.AUTO_MIN_WARMUP` (what it means
+            for the gradients the hook alone compresses), and :class:`~lightning_accel.comm.OneBitDDPStrategy`
+            resolves it per optimizer during the fit (None while its
+            :class:`~lightning_accel.comm.warmup.WarmupWatch` watches Adam's variance).
+        refreshing: whether the step now running refreshes Adam's frozen variance (set by the strategy before the
+            step's backward, from :attr:`refresh_due`): the hook averages in fp32 and the compressor takes an exact
+            Adam step (:meth:`~lightning_accel.comm.momentum.MomentumCompressor.refresh_step`).
         local_grads: whether the last synchronising backward left each rank's own gradients (compressed-momentum
             stage: the optimizer step must average the momentum) rather than averaged ones.
         decisions: ``[{"step", "fp32_s", "onebit_s", "decision"}]``, every measurement ``compression="auto"`` made.
@@ -244,6 +253,8 @@ class OneBitState:
         "mode",
         "decision",
         "compressed_since",
+        "warmup_end",
+        "refreshing",
         "local_grads",
         "decisions",
         "measure_fn",
@@ -287,6 +298,8 @@ class OneBitState:
         self.mode: str = "momentum" if config.compressed_signal == "momentum" else "gradients"
         self.decision: str | None = None if config.compression == "auto" else config.compression
         self.compressed_since: int | None = None
+        self.warmup_end: int | None = AUTO_MIN_WARMUP if config.warmup_steps == "auto" else int(config.warmup_steps)
+        self.refreshing = False
         self.local_grads = False
         self.decisions: list[dict[str, Any]] = []
         self.measure_fn: Callable[[OneBitState], tuple[float, float]] | None = None
@@ -413,6 +426,17 @@ class OneBitState:
             buffers=buffers,
         )
 
+    def owned_slices(self, layout: GroupLayout) -> tuple[slice, slice]:
+        """The ranges of ``layout``'s canonical buffer that this rank's worker and server errors cover: the whole
+        buffer and chunk ``rank`` on the flat path; hierarchical, its shard and the shard's chunk its node serves."""
+        c, topo = layout.chunk_numel, self.topology
+        if topo is None:
+            r = dist.get_rank(self.process_group) if dist.is_initialized() else 0
+            return slice(0, layout.padded_numel), slice(r * c, (r + 1) * c)
+        shard = layout.node_shard(topo.local_rank, topo.local_size)
+        k = shard.first_chunk + topo.node
+        return slice(shard.start, shard.start + shard.numel), slice(k * c, (k + 1) * c)
+
     @property
     def layout_key(self) -> list[int] | None:
         """``[processes per node, nodes]`` when averaging hierarchically, else None (saved with the error state,
@@ -435,19 +459,34 @@ class OneBitState:
     @property
     def compressing(self) -> bool:
         """Whether the step now running (index ``step``) is a compressed one: past warm-up and decided ``"1bit"``."""
-        return self.step >= self.config.warmup_steps and self.decision == "1bit"
+        return self.warmup_end is not None and self.step >= self.warmup_end and self.decision == "1bit"
+
+    @property
+    def refresh_due(self) -> bool:
+        """Whether the step now running is one of ``config.variance_refresh``'s fp32 steps: ``n = step -
+        compressed_since`` is ``R * (2**j - 1)`` for some ``j >= 1`` (``R, 3R, 7R, ...``), in a compressed stage,
+        outside a ``compression="auto"`` trial. Stateless (a function of saved counters), so a resume keeps it."""
+        r, since = self.config.variance_refresh, self.compressed_since
+        if not r or since is None or not self.compressing or self.trial_until is not None:
+            return False
+        n = self.step - since
+        if n <= 0 or n % r:
+            return False
+        q = n // r + 1
+        return q & (q - 1) == 0
 
     @property
     def needs_decision(self) -> bool:
         """Whether ``compression="auto"`` has to measure before the step now running (collective: all ranks agree)."""
         cfg = self.config
-        if cfg.compression != "auto" or self.step < cfg.warmup_steps or self.trial_until is not None:
+        end = self.warmup_end
+        if cfg.compression != "auto" or end is None or self.step < end or self.trial_until is not None:
             return False
         if self.decision is None:
             return True
         return (
             bool(cfg.recheck_every)
-            and (self.step - cfg.warmup_steps) % cfg.recheck_every == 0
+            and (self.step - end) % cfg.recheck_every == 0
             and (not self.decisions or self.decisions[-1]["step"] != self.step)
         )
 
@@ -475,6 +514,7 @@ class OneBitState:
             "measure_fn",
             "bucket_fn",
             "topology",
+            "refreshing",
         )
         return {k: getattr(self, k) for k in self.__slots__ if k not in dropped}
 
@@ -487,6 +527,7 @@ class OneBitState:
         self.measure_fn = None
         self.bucket_fn = None
         self.topology = None
+        self.refreshing = False
         self.param_index = {}
         for k, v in state.items():
             setattr(self, k, v)
@@ -494,7 +535,7 @@ class OneBitState:
     # ----------------------------------------------------------------- checkpointing (this rank)
     def state_dict(self) -> dict[str, Any]:
         """This rank's state: ``{"format", "world_size", "nodes_layout", "step", "mode", "decision",
-        "compressed_since", "hparams", "groups": {"i,j,..": {"worker", "server"}}}`` (``nodes_layout``:
+        "compressed_since", "warmup_end", "hparams", "groups": {"i,j,..": {"worker", "server"}}}`` (``nodes_layout``:
         :attr:`layout_key`).
 
         Only tensors, ints, strings, bools and None, so ``torch.load(weights_only=True)`` reads it back. The momentum
@@ -512,6 +553,7 @@ class OneBitState:
             "mode": self.mode,
             "decision": self.decision,
             "compressed_since": self.compressed_since,
+            "warmup_end": self.warmup_end,
             "hparams": {"block_size": self.config.block_size, "error_feedback": self.config.error_feedback},
             "groups": dict(sorted(groups.items())),
         }
@@ -535,6 +577,8 @@ class OneBitState:
         if self.config.compression == "auto" and state.get("decision") is not None:
             self.decision = state["decision"]
         self.compressed_since = state.get("compressed_since")
+        if self.config.warmup_steps == "auto" and state.get("warmup_end") is not None:
+            self.warmup_end = int(state["warmup_end"])  # resolved before the save; an explicit integer wins
         self.groups.clear()
         self.plans.clear()
         self.pending.clear()

@@ -124,7 +124,9 @@ class OneBitDDPStrategy(DDPStrategy):
 
     Args:
         warmup_steps: optimizer steps of plain DDP first (>= 2: DDP rebuilds its buckets after step 1; Adam's variance
-            is frozen at its end).
+            is frozen at its end), or ``"auto"``: for Adam/AdamW until the variance has settled (per-tensor means
+            moved < 10 % over 5 steps), from step 10 and at the latest 15 % of the fit's steps; 10 for SGD and the
+            gradient path (:mod:`lightning_accel.comm.warmup`). The resolved value is logged.
         block_size: maximum elements per scale block (multiple of 8).
         min_compress_numel: buckets smaller than this stay fp32.
         error_feedback: keep the compression residuals (turn off only to measure what they buy).
@@ -139,6 +141,9 @@ class OneBitDDPStrategy(DDPStrategy):
             (always compress) or ``"fp32"`` (plain DDP).
         recheck_every: with ``compression="auto"``, try the other mode again every this many steps (0: once).
         group_numel: the momentum path compresses in groups of about this many elements (pipelined).
+        variance_refresh: Adam/AdamW: steps after the freeze at which one fp32 step (an exact Adam step whose variance
+            catches up) refreshes the frozen variance; the intervals then double (``R, 3R, 7R, ...`` steps into the
+            compressed stage). 0 keeps it frozen, as 1-bit Adam does.
         overlap: start compressing and sending each group's momentum during backward, as soon as DDP hands over the
             buckets that complete it (``True``), only after backward (``False``), or ``"auto"``: after backward when
             something needs the whole gradient first or may change it after backward (gradient clipping, a
@@ -181,7 +186,7 @@ class OneBitDDPStrategy(DDPStrategy):
     def __init__(
         self,
         *,
-        warmup_steps: int = _DEFAULTS.warmup_steps,
+        warmup_steps: int | Literal["auto"] = _DEFAULTS.warmup_steps,
         block_size: int = _DEFAULTS.block_size,
         min_compress_numel: int = _DEFAULTS.min_compress_numel,
         error_feedback: bool = _DEFAULTS.error_feedback,
@@ -190,6 +195,7 @@ class OneBitDDPStrategy(DDPStrategy):
         compression: Compression = _DEFAULTS.compression,
         recheck_every: int = _DEFAULTS.recheck_every,
         group_numel: int = _DEFAULTS.group_numel,
+        variance_refresh: int = _DEFAULTS.variance_refresh,
         overlap: bool | Literal["auto"] = "auto",
         hierarchical: Hierarchical = "auto",
         processes_per_node: int | None = None,
@@ -256,6 +262,8 @@ class OneBitDDPStrategy(DDPStrategy):
         #: ``overlap="auto"``'s timing of overlapped against serial compressed steps (made at setup where overlapping
         #: is safe; None otherwise)
         self._overlap_trial: comm.OverlapTrial | None = None
+        #: ``warmup_steps="auto"``'s watch of the variance until the warm-up ends (None otherwise)
+        self._warmup_watch: comm.WarmupWatch | None = None
         #: why 1-bit averaging was switched off for the rest of the fit (:meth:`switch_off`), or None
         self.switched_off_reason: str | None = None
 
@@ -335,6 +343,8 @@ class OneBitDDPStrategy(DDPStrategy):
             loss_scale_fn=self._loss_scale_fn(),
             topology=self.node_topology,
         )
+        if self._config.warmup_steps == "auto":
+            state.warmup_end = None  # resolved at setup (_resolve_warmup), unless the checkpoint below holds it
         if self._onebit_loaded is not None:
             state.load_state_dict(comm.select_rank_state(self._onebit_loaded, self.global_rank), self.world_size)
             self._onebit_loaded = None
@@ -348,6 +358,28 @@ class OneBitDDPStrategy(DDPStrategy):
         super().setup(trainer)  # wraps the model (configure_ddp registers the hook), then sets up the optimizers
         self._resolve_compress()
         self._resolve_overlap(trainer)
+        self._resolve_warmup(trainer)
+
+    def _resolve_warmup(self, trainer: Any) -> None:
+        """``warmup_steps="auto"``: watch Adam's variance (:class:`~lightning_accel.comm.WarmupWatch`) until it
+        settles, at the latest 15 % of the fit; an integer, or a warm-up already resolved before a resume, wins."""
+        state = self._onebit_state
+        self._warmup_watch = None
+        if state is None or state.warmup_end is not None or not list(self.optimizers):
+            return
+        adams = [o for o in self.optimizers if comm.momentum_kind(o) == "adam" and state.mode == "momentum"]
+        watch = comm.WarmupWatch(
+            adams,
+            comm.warmup_cap(float(trainer.estimated_stepping_batches)),
+            refreshed=bool(state.config.variance_refresh),
+            group=state.process_group,
+            device=self.root_device,
+        )
+        if watch.watching:
+            self._warmup_watch = watch
+        else:  # nothing to watch: decided now (no collective at the checks)
+            state.warmup_end = comm.AUTO_MIN_WARMUP
+            rank_zero_info(f"ddp_1bit warmup_steps='auto': {state.warmup_end} fp32 steps ({watch.reason})")
 
     def _overlap_blockers(self, trainer: Any) -> list[str]:
         """Why the momentum cannot be compressed during backward in this fit (empty: it can)."""
@@ -452,6 +484,12 @@ class OneBitDDPStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> Any:
         state, trial = self._onebit_state, self._auto_trial
+        # warmup_steps="auto" ends before this step: first, so that compression="auto"'s trial starts at it
+        watch = self._warmup_watch
+        if state is not None and watch is not None and state.warmup_end is None and watch.end_at(state.step):
+            state.warmup_end = state.step
+            self._warmup_watch = None
+            rank_zero_info(f"ddp_1bit warmup_steps='auto': {state.step} fp32 steps ({watch.reason})")
         if (
             state is not None
             and trial is not None
@@ -479,13 +517,16 @@ class OneBitDDPStrategy(DDPStrategy):
         comp = self._compressors.get(id(optimizer))
         if state is None or comp is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
+        # a variance refresh (Adam, compressed stage): this step averages in fp32 and takes the exact Adam step (a
+        # function of saved counters only, so a resumed fit refreshes at the same steps)
+        refreshing = comp.kind == "adam" and state.refresh_due
         otrial = self._overlap_trial
         if otrial is not None and self.switched_off_reason is None:
             known = otrial.decision is not None
             # one clock reading per step: the compression trial's, when it timed this step
             now = trial.last_now if trial is not None and state.config.compression == "auto" else None
             self.overlap = otrial.step_started(
-                state.step, state.compressing, state.process_group, self.root_device, now=now
+                state.step, state.compressing, state.process_group, self.root_device, now=now, timed=not refreshing
             )
             if not known and otrial.decision is not None:
                 d = otrial.decision
@@ -494,15 +535,17 @@ class OneBitDDPStrategy(DDPStrategy):
                     f"{1e3 * d['serial_s']:.2f} ms per step -> {'overlap' if d['overlap'] else 'serial'}"
                 )
 
+        state.refreshing = refreshing
+
         # the optimizer's step becomes "run the closure, then the compressed step if the backward left local
-        # gradients, else the optimizer's own step" (its own: an LR scheduler's wrapper, else the class's method):
-        # precision plugins, GradScaler skips and clipping are unchanged
+        # gradients (the refresh step if it averaged them for one), else the optimizer's own step" (its own: an LR
+        # scheduler's wrapper, else the class's method): precision plugins, GradScaler skips and clipping are unchanged
         def compressed_or_plain(plain: Callable[..., Any]) -> Callable[..., Any]:
             def step(closure: Callable[[], Any] | None = None, **step_kwargs: Any) -> Any:
                 loss = None
                 if closure is not None:
                     # the hook hands this backward's buckets to the compressor (compressed stage only)
-                    state.bucket_fn = comp.on_bucket if self.overlap else None
+                    state.bucket_fn = comp.on_bucket if self.overlap and not state.refreshing else None
                     try:
                         with torch.enable_grad():
                             loss = closure()
@@ -510,6 +553,8 @@ class OneBitDDPStrategy(DDPStrategy):
                         state.bucket_fn = None
                 if state.local_grads:
                     comp.compressed_step()
+                elif state.refreshing:
+                    comp.refresh_step()
                 else:
                     plain(**step_kwargs)
                 return loss
@@ -521,6 +566,7 @@ class OneBitDDPStrategy(DDPStrategy):
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         finally:
             installed.restore()
+            state.refreshing = False
 
     @override
     def teardown(self) -> None:

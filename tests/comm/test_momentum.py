@@ -22,6 +22,8 @@ GROUP_NUMEL = 400  # several groups: the pipeline keeps up to three in flight
 SKIP_AT = WARMUP + 2  # a compressed step whose backward ran but whose optimizer step did not
 BLOCK = 64
 LR = 0.05
+REFRESH = 2  # variance_refresh: fp32 refresh steps at n = 2, 6 into the compressed stage (steps WARMUP + 2, + 6)
+REFRESH_STEPS = 12
 
 
 def coefficients(rank: int, step: int) -> list[torch.Tensor]:
@@ -44,9 +46,10 @@ def make_optimizer(name: str, params: list[nn.Parameter]) -> torch.optim.Optimiz
 OPTIMIZERS = ("sgdm", "nesterov", "adam", "adamw")
 
 
-def _run(rank: int, world: int, name: str, overlap: bool = False, skip_at: int | None = None) -> dict:
+def _run(rank: int, world: int, name: str, overlap: bool = False, skip_at: int | None = None, refresh: int = 0) -> dict:
     """``overlap``: small buckets, and the hook hands each to the compressor during backward (groups start there);
-    ``skip_at``: that step's backward runs but its optimizer step does not (the started groups must be dropped)."""
+    ``skip_at``: that step's backward runs but its optimizer step does not (the started groups must be dropped);
+    ``refresh``: ``variance_refresh``, driven as the strategy drives it (``state.refreshing`` before backward)."""
     torch.manual_seed(0)
     model = Params(SIZES)
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.001 if overlap else None)
@@ -55,15 +58,18 @@ def _run(rank: int, world: int, name: str, overlap: bool = False, skip_at: int |
         block_size=BLOCK,
         compressed_signal="momentum",
         group_numel=GROUP_NUMEL,
+        variance_refresh=refresh,
         parameters=model.parameters(),
     )
     state.mode = "momentum"
     ddp.register_comm_hook(state, onebit_hook)
     opt = make_optimizer(name, list(model.parameters()))
     comp = MomentumCompressor(opt, state)
-    params, local, started = [], [], []
-    for step in range(STEPS):
+    params, local, started, refreshed = [], [], [], []
+    for step in range(REFRESH_STEPS if refresh else STEPS):
         opt.zero_grad(set_to_none=True)
+        state.refreshing = state.refresh_due
+        refreshed.append(state.refreshing)
         state.bucket_fn = comp.on_bucket if overlap else None
         ddp(coefficients(rank, step)).backward()
         state.bucket_fn = None
@@ -73,12 +79,16 @@ def _run(rank: int, world: int, name: str, overlap: bool = False, skip_at: int |
             pass
         elif state.local_grads:
             comp.compressed_step()
+        elif state.refreshing:
+            comp.refresh_step()
         else:
             opt.step()
+        state.refreshing = False
         params.append([p.detach().clone().numpy() for p in model.parameters()])
     return {
         "params": params,
         "local": local,
+        "refreshed": refreshed,
         "started": started,
         "keys": sorted(state.groups),
         "compressed": state.stats.compressed_calls,
@@ -92,12 +102,41 @@ def _run_all(rank: int, world: int) -> dict:
     for name in OPTIMIZERS:
         out[f"{name}/overlap"] = _run(rank, world, name, overlap=True)
         out[f"{name}/skip"] = _run(rank, world, name, overlap=True, skip_at=SKIP_AT)
+    for name in ("adam", "adamw"):
+        out[f"{name}/refresh"] = _run(rank, world, name, refresh=REFRESH)
     return out
 
 
-def simulate(name: str, skip_at: int | None = None) -> list[list[torch.Tensor]]:
+def _denom(opt: torch.optim.Optimizer, p: nn.Parameter, freeze: int) -> torch.Tensor:
+    g = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
+    return (opt.state[p]["exp_avg_sq"] / (1 - g["betas"][1] ** freeze)).sqrt() + g["eps"]
+
+
+def _refresh(name: str, params: list[nn.Parameter], opt: torch.optim.Optimizer, avg: list[torch.Tensor]) -> dict:
+    """The documented refresh step on the averaged gradient: Adam with the variance catching up on the ``k`` steps it
+    was frozen, ``v = β2^k v + (1-β2^k) d²``; returns the new freeze step per parameter index."""
+    hp = {id(p): g for g in opt.param_groups for p in g["params"]}
+    new = {}
+    for i, p in enumerate(params):
+        g, s = hp[id(p)], opt.state[p]
+        s["step"] += 1
+        t = int(s["step"])
+        b1, b2 = g["betas"]
+        d = avg[i] + g["weight_decay"] * p if name == "adam" else avg[i]
+        keep = b2 ** (t - s["freeze"])
+        s["exp_avg"] = b1 * s["exp_avg"] + (1 - b1) * d
+        s["exp_avg_sq"] = keep * s["exp_avg_sq"] + (1 - keep) * d * d
+        if name == "adamw":
+            p *= 1 - g["lr"] * g["weight_decay"]
+        p -= g["lr"] / (1 - b1**t) * s["exp_avg"] / ((s["exp_avg_sq"] / (1 - b2**t)).sqrt() + g["eps"])
+        new[i] = t
+    return new
+
+
+def simulate(name: str, skip_at: int | None = None, refresh: int = 0) -> list[list[torch.Tensor]]:
     """The expected parameters after every step: torch's optimizer on the average during warm-up, then steps 2-5
-    (``skip_at``: a step that changes nothing)."""
+    (``skip_at``: a step that changes nothing; ``refresh``: the refresh steps ``R, 3R, ...`` into the compressed
+    stage, after which each error-feedback residual is rescaled by ``D_old / D_new``)."""
     torch.manual_seed(0)
     model = Params(SIZES)
     params = list(model.parameters())
@@ -107,8 +146,23 @@ def simulate(name: str, skip_at: int | None = None) -> list[list[torch.Tensor]]:
     sims = {k: Simulation([params[i].numel() for i in k], 2, BLOCK) for k in keys}
     out = []
     freeze: dict[int, int] = {}
-    for step in range(STEPS):
+    refresh_at = {WARMUP + refresh * (2**j - 1) for j in range(1, 6)} if refresh else set()
+    for step in range(REFRESH_STEPS if refresh else STEPS):
         cs = [coefficients(r, step) for r in range(2)]
+        if step in refresh_at:
+            with torch.no_grad():
+                old = {i: _denom(opt, params[i], freeze[i]) for i in freeze}
+                for i in freeze:
+                    opt.state[params[i]]["freeze"] = freeze[i]
+                freeze.update(_refresh(name, params, opt, [(a + b) / 2 for a, b in zip(cs[0], cs[1], strict=True)]))
+                for k, sim in sims.items():
+                    ratio = sim.canon([old[i] / _denom(opt, params[i], freeze[i]) for i in k])
+                    ratio[~sim.layout.table.mask] = 1.0
+                    c = sim.layout.chunk_numel
+                    sim.e_w = [e * ratio for e in sim.e_w]
+                    sim.e_s = [e * ratio[r * c : (r + 1) * c] for r, e in enumerate(sim.e_s)]
+            out.append([p.detach().clone() for p in params])
+            continue
         if step == skip_at:
             out.append([p.detach().clone() for p in params])
             continue
@@ -200,6 +254,24 @@ def test_groups_started_during_backward_give_identical_results(runs: dict, name:
         for i in range(len(SIZES)):
             assert (early["params"][step][i] == plain["params"][step][i]).all(), f"step {step}, parameter {i}"
             assert (early["params"][step][i] == early1["params"][step][i]).all()
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw"])
+def test_variance_refresh_steps_match_the_documented_math(runs: dict, name: str) -> None:
+    r0, r1 = runs[f"{name}/refresh"]
+    at = [WARMUP + REFRESH, WARMUP + 3 * REFRESH]
+    assert [i for i, f in enumerate(r0["refreshed"]) if f] == at
+    # the refresh steps averaged in fp32 (the hook left no local gradients), the others after warm-up did not
+    assert [i for i, loc in enumerate(r0["local"]) if not loc] == [*range(WARMUP), *at]
+    expected = simulate(name, refresh=REFRESH)
+    for step in range(REFRESH_STEPS):
+        for i in range(len(SIZES)):
+            a, b = torch.from_numpy(r0["params"][step][i]), torch.from_numpy(r1["params"][step][i])
+            assert torch.equal(a, b), f"replicas differ at step {step}, parameter {i}"
+            torch.testing.assert_close(a, expected[step][i], atol=2e-5, rtol=1e-5)
+    # the refresh changed the trajectory: without it the compressed steps after the first refresh differ
+    frozen = simulate(name)
+    assert not torch.allclose(expected[at[0]][0], frozen[min(at[0], STEPS - 1)][0])
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)

@@ -237,6 +237,35 @@ def _trial(tmp: str, name: str) -> dict:
     return _auto_summary(*_fit(strategy, max_steps=12))
 
 
+@_scenario("warmup_auto_refresh", "warmup_auto_watch", "warmup_auto_sgdm")
+def _warmup_auto(tmp: str, name: str) -> dict:
+    """warmup_steps="auto": AdamW with variance refreshes (ends at 10), AdamW with the variance kept frozen (the
+    variance watch decides, at the latest 15 % of 120 steps = 18), SGD-momentum (nothing to freeze: 10)."""
+    if name == "warmup_auto_refresh":
+        # inside overlap="auto"'s trial of the first 8 compressed steps: refreshes take their place untimed
+        strategy, steps, opt = _onebit(warmup_steps="auto", variance_refresh=2), 20, "adamw"
+    elif name == "warmup_auto_watch":
+        strategy, steps, opt = _onebit(warmup_steps="auto", variance_refresh=0), 120, "adamw"
+    else:
+        strategy, steps, opt = _onebit(warmup_steps="auto"), 14, "sgdm"
+    seen: list[tuple[int, bool, bool]] = []
+
+    class Probe(__import__("lightning").pytorch.callbacks.Callback):
+        def on_train_batch_end(self, trainer, *args) -> None:
+            st = trainer.strategy.onebit_state
+            seen.append((trainer.global_step, st.local_grads, st.stats.last_step.compressed_sent > 0))
+
+    trainer, model = _fit(strategy, model=_module_cls()(opt=opt), max_steps=steps, callbacks=[Probe()])
+    st = trainer.strategy.onebit_state
+    return {
+        "warmup_end": st.warmup_end,
+        "saved_warmup_end": st.state_dict()["warmup_end"],
+        "fp32_steps": [step for step, local, _ in seen if not local],
+        "params": _params(model),
+        "losses": model.losses,
+    }
+
+
 @_scenario("rmsprop")
 def _rmsprop(tmp: str, name: str) -> dict:
     """Another optimizer: gradient compression, with a warning naming it."""
@@ -627,6 +656,24 @@ class TestAliasAndAuto:
         # fp32: the 4 trial steps were compressed, the rest not; 1bit: every step from 4 on
         assert r["compressed"] == (4 if branch == "fp32" else 8) * max(1, r["groups"])
         _same_on_both_ranks(results, f"trial_{branch}")
+
+    @uses("warmup_auto_refresh", "warmup_auto_watch", "warmup_auto_sgdm")
+    def test_auto_warmup_resolves_per_optimizer_and_refreshes_the_variance(self, results: list[dict]) -> None:
+        refresh, watch, sgdm = (
+            _get(results, n) for n in ("warmup_auto_refresh", "warmup_auto_watch", "warmup_auto_sgdm")
+        )
+        for pair in (refresh, watch, sgdm):
+            assert pair[0]["warmup_end"] == pair[1]["warmup_end"], "every rank ends the warm-up at the same step"
+            assert pair[0]["saved_warmup_end"] == pair[0]["warmup_end"]
+            np.testing.assert_array_equal(pair[0]["params"], pair[1]["params"])
+            assert math.isfinite(pair[0]["losses"][-1])
+        # refreshed variance: 10 fp32 steps, then fp32 refresh steps at 2 and 6 steps into the compressed stage
+        # (global_step counts completed steps: step index 12 ends at global_step 13)
+        assert refresh[0]["warmup_end"] == 10
+        assert refresh[0]["fp32_steps"] == [*range(1, 11), 13, 17]
+        assert 15 <= watch[0]["warmup_end"] <= 18  # the first comparison is at step 15, the cap at 18
+        assert watch[0]["fp32_steps"] == list(range(1, watch[0]["warmup_end"] + 1)), "no refresh with 0"
+        assert sgdm[0]["warmup_end"] == 10 and sgdm[0]["fp32_steps"] == list(range(1, 11))
 
     @uses("rmsprop")
     def test_other_optimizers_compress_gradients_with_a_warning(self, results: list[dict]) -> None:
