@@ -54,12 +54,11 @@ class OneBitConfig:
     Attributes:
         warmup_steps: optimizer steps of plain fp32 allreduce (and the unmodified optimizer) before compressing;
             >= 2 because DDP rebuilds its buckets after the first iteration. Adam's variance is frozen at its end.
-            ``"auto"``: resolved during the fit (:func:`~lightning_accel.comm.warmup.resolve_warmup`): for Adam and
-            AdamW, the first step (from :data:`~lightning_accel.comm.warmup.AUTO_MIN_WARMUP`) at which the
-            bias-corrected variance moved by less than :data:`~lightning_accel.comm.warmup.STABLE_CHANGE` over the
-            last :data:`~lightning_accel.comm.warmup.CHECK_EVERY` steps, and at the latest 15 % of the fit's
-            optimizer steps; for SGD and the gradient path, which freeze nothing,
-            :data:`~lightning_accel.comm.warmup.AUTO_MIN_WARMUP` steps.
+            ``"auto"``: resolved by the strategy during the fit (:class:`~lightning_accel.comm.warmup.WarmupWatch`):
+            :data:`~lightning_accel.comm.warmup.AUTO_MIN_WARMUP` steps for SGD, the gradient path and Adam/AdamW with
+            ``variance_refresh > 0``; with ``variance_refresh=0``, the first step (from that minimum) at which Adam's
+            per-tensor mean variance moved by less than :data:`~lightning_accel.comm.warmup.STABLE_CHANGE` over the
+            last :data:`~lightning_accel.comm.warmup.CHECK_EVERY` steps, and at the latest 15 % of the fit.
         variance_refresh: Adam/AdamW in the compressed-momentum stage: refresh the frozen variance with one fp32
             step (DDP's gradient average and an exact Adam step whose variance catches up on the steps it skipped)
             this many steps after the variance was frozen, then after intervals that double (``R, 3R, 7R, ...``

@@ -46,10 +46,14 @@ again (``compression="auto"`` going back to fp32) from consistent values. The fr
 ``state["onebit_freeze_step"]``. Each group's hyper-parameters (lr, momentum, betas, weight decay) are read at every
 step, so parameter groups and LR schedulers work as with the plain optimizer.
 
-Why a fixed ``warmup_steps`` for the freeze and not 0/1 Adam's adaptive schedule: 0/1 Adam's policy (variance
-updates at exponentially growing intervals, local steps in between) changes *when* ranks synchronise and needs its own
-learning-rate coupling; a fixed freeze point is one number the user controls, is reproducible across resumes, and
-matches 1-bit Adam's published convergence (warm-up ~15 % of training).
+Variance refreshes (Adam/AdamW, ``variance_refresh=R``): a variance frozen once goes stale as the gradients shrink
+(every later step too small; on a character GPT at 4 processes that cost most of a +3.2 % loss gap against DDP,
+``docs/onebit.md``). At ``R, 3R, 7R, ...`` steps into the compressed stage one step averages the gradients in fp32 and
+:meth:`MomentumCompressor.refresh_step` takes the exact Adam step, the variance catching up on the skipped steps, then
+freezes it again there and rescales the error-feedback residuals (units of ``m / D``) to the new ``D``. Doubling
+intervals keep the fp32 steps to ``log2`` of the stage's length. 0/1 Adam's fully adaptive policy (local steps between
+variance updates) changes *when* ranks synchronise and couples to the learning-rate schedule; this schedule is a
+function of saved counters, so a resumed run refreshes at the same steps.
 """
 
 from __future__ import annotations

@@ -124,9 +124,10 @@ class OneBitDDPStrategy(DDPStrategy):
 
     Args:
         warmup_steps: optimizer steps of plain DDP first (>= 2: DDP rebuilds its buckets after step 1; Adam's variance
-            is frozen at its end), or ``"auto"``: for Adam/AdamW until the variance has settled (per-tensor means
-            moved < 10 % over 5 steps), from step 10 and at the latest 15 % of the fit's steps; 10 for SGD and the
-            gradient path (:mod:`lightning_accel.comm.warmup`). The resolved value is logged.
+            is frozen at its end), or ``"auto"``: 10 for SGD, the gradient path and Adam/AdamW with
+            ``variance_refresh > 0``; with ``variance_refresh=0``, until Adam's variance has settled (per-tensor means
+            moved < 10 % over 5 steps), from step 10 and at the latest 15 % of the fit's steps
+            (:mod:`lightning_accel.comm.warmup`). The resolved value is logged and saved in checkpoints.
         block_size: maximum elements per scale block (multiple of 8).
         min_compress_numel: buckets smaller than this stay fp32.
         error_feedback: keep the compression residuals (turn off only to measure what they buy).
