@@ -238,10 +238,7 @@ class MomentumCompressor:
             ratios = []
             for e in entries:
                 old = self._prepare_adam(e)  # advances the step count, as the compressed step would
-                self._exact_adam(e)
-                e.st["onebit_freeze_step"] = int(e.st["step"])
-                self._denoms.pop(id(e.p), None)
-                ratios.append((e, old / self._prepare_denom(e)))
+                ratios.append((e, old / self._exact_adam(e)))
             g = st.groups.get(key)
             if g is None or not st.config.error_feedback:
                 continue
@@ -252,8 +249,9 @@ class MomentumCompressor:
             g.worker_error.mul_(ratio[worker])
             g.server_error.mul_(ratio[server])
 
-    def _exact_adam(self, e: _Entry) -> None:
-        """torch's Adam/AdamW update on ``p.grad`` (averaged), the variance catching up on the frozen steps."""
+    def _exact_adam(self, e: _Entry) -> torch.Tensor:
+        """torch's Adam/AdamW update on ``p.grad`` (averaged), the variance catching up on the frozen steps, which
+        freezes the variance again at this step; returns the new denominator (the one the update used)."""
         hp, p, s = e.hp, e.p, e.st
         assert e.grad is not None
         grad = e.grad.float()
@@ -268,14 +266,14 @@ class MomentumCompressor:
             grad = grad.add(p, alpha=wd)
         s["exp_avg"].mul_(beta1).add_(grad, alpha=1 - beta1)
         s["exp_avg_sq"].mul_(keep).addcmul_(grad, grad, value=1 - keep)
-        v = s["exp_avg_sq"]
         if hp.get("amsgrad", False):
-            torch.maximum(s["max_exp_avg_sq"], v, out=s["max_exp_avg_sq"])
-            v = s["max_exp_avg_sq"]
+            torch.maximum(s["max_exp_avg_sq"], s["exp_avg_sq"], out=s["max_exp_avg_sq"])
+        s["onebit_freeze_step"] = t
+        denom = self._prepare_denom(e)  # sqrt(v/(1-β2^t)) + eps: the exact step's denominator, frozen from here
         if wd and self._decoupled(hp):
             p.mul_(1 - lr * wd)
-        denom = (v.sqrt() / math.sqrt(1 - beta2**t)).add_(float(hp["eps"]))
         p.addcdiv_(s["exp_avg"].to(p.dtype), denom.to(p.dtype), value=-lr / (1 - beta1**t))
+        return denom
 
     @torch.no_grad()
     def on_bucket(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:

@@ -383,9 +383,8 @@ class OneBitState:
 
     def worker_numel(self, layout: GroupLayout) -> int:
         """Elements of a group's worker error: the whole group (flat), or this rank's shard (hierarchical)."""
-        if self.topology is None:
-            return layout.padded_numel
-        return layout.node_shard(self.topology.local_rank, self.topology.local_size).numel
+        worker, _ = self.owned_slices(layout)
+        return worker.stop - worker.start
 
     def allreduce_op(
         self,

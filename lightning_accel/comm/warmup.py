@@ -109,10 +109,9 @@ class WarmupWatch:
                 beta2 = float(group["betas"][1])
                 for p in group["params"]:
                     s = opt.state.get(p, {})
-                    v = s.get("exp_avg_sq")
-                    if v is None or int(s["step"]) == 0:
+                    v, step = s.get("exp_avg_sq"), int(s.get("step", 0))
+                    if v is None or step == 0:
                         continue  # not reached yet (frozen, or unused so far): nothing to freeze either
-                    step = int(s["step"])
                     out.append(v.double().sum() / (1 - beta2**step))
         return torch.stack(out) if out else None
 
