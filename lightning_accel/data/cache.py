@@ -33,6 +33,7 @@ import torch
 
 from lightning_accel._utils.checks import check_choice
 from lightning_accel._utils.forksafe import ForkSafeLock, PerProcess, ResetOnPickle
+from lightning_accel._utils.malloc import keep_freed_memory
 from lightning_accel.data.buffers import BufferPool, alloc_shared
 from lightning_accel.data.codec import CorruptEntryError, copy_payload, encode_entry, peek_shape
 from lightning_accel.data.decode import DecodeError
@@ -45,6 +46,13 @@ from lightning_accel.data.writeback import WriteBehind, Writes
 __all__ = ["BatchResult", "SampleCache"]
 
 _MAX_KEY = 400  # LMDB keys are limited to 511 bytes; longer sample keys are hashed
+
+
+def _in_worker() -> bool:
+    """True inside a DataLoader worker process."""
+    from torch.utils.data import get_worker_info
+
+    return get_worker_info() is not None
 
 
 class BatchResult:
@@ -426,9 +434,7 @@ class SampleCache(ResetOnPickle):
     def _write_behind_writer(self) -> WriteBehind | None:
         on = self.write_behind
         if on is None:
-            from torch.utils.data import get_worker_info
-
-            on = get_worker_info() is not None
+            on = _in_worker()
         return self._writer.get() if on else None
 
     @property
@@ -638,6 +644,8 @@ class SampleCache(ResetOnPickle):
         """Store the batch's decoded misses (behind, on the writer thread, when ``write_behind``) and its SSD hits
         to promote; returns what was stored inline: (stored, rejected, evicted)."""
         writes, idx = batch.writes, batch.write_idx
+        if writes and _in_worker():
+            keep_freed_memory()  # the tiers' write pages are malloc'd per commit: keep them (see _utils/malloc.py)
         writer = self._write_behind_writer() if writes else None
         if writer is not None:
             writer.submit(functools.partial(self._commit_behind, indices=idx), writes)  # on the writer thread

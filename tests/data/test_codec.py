@@ -69,3 +69,55 @@ def test_contiguous_and_strided_tensors_encode_the_same_layout(t: torch.Tensor) 
     )
     s = decode_entry(entry)
     assert torch.equal(s.tensor, t) and s.label == 5
+
+
+def _legacy_entry(t: torch.Tensor, label: int) -> bytes:
+    """An entry in the first format (``LAC1``, CRC-32), as earlier versions wrote it."""
+    import json
+    import struct
+    import zlib
+
+    header = json.dumps({"dtype": "uint8", "shape": list(t.shape), "label": label, "meta": {}}).encode()
+    payload = t.contiguous().numpy().tobytes()
+    crc = zlib.crc32(payload, zlib.crc32(header))
+    return struct.pack("<4sII", b"LAC1", len(header), crc) + header + payload
+
+
+def test_new_entries_carry_the_xxh3_format() -> None:
+    import xxhash
+
+    t = torch.randint(0, 255, (3, 4, 4), dtype=torch.uint8)
+    buf = bytes(encode_entry(t, 2))
+    assert buf[:4] == b"LAC2"
+    hlen = int.from_bytes(buf[4:8], "little")
+    assert int.from_bytes(buf[8:16], "little") == xxhash.xxh3_64_intdigest(buf[16:])  # header + payload
+    assert len(buf) == 16 + hlen + t.numel()
+
+
+def test_legacy_entries_stay_readable_and_checked() -> None:
+    t = torch.randint(0, 255, (3, 4, 4), dtype=torch.uint8)
+    buf = _legacy_entry(t, 5)
+    s = decode_entry(buf)
+    assert torch.equal(s.tensor, t) and s.label == 5
+    row = torch.zeros(3, 4, 4, dtype=torch.uint8)
+    assert copy_payload(memoryview(buf), row.numpy().reshape(-1), torch.uint8, [3, 4, 4]) == 5
+    assert torch.equal(row, t)
+    bad = bytearray(buf)
+    bad[-1] ^= 0xFF
+    with pytest.raises(CorruptEntryError, match="checksum"):
+        decode_entry(bytes(bad))
+
+
+@pytest.mark.parametrize("where", [-1, 20])  # a payload byte, a header byte
+def test_a_flipped_byte_fails_the_checksum(where: int) -> None:
+    buf = bytearray(encode_entry(torch.arange(48, dtype=torch.uint8).view(3, 4, 4), 1))
+    buf[where] ^= 0x01
+    with pytest.raises(CorruptEntryError):
+        decode_entry(bytes(buf))
+
+
+def test_an_unknown_magic_names_both_formats() -> None:
+    buf = bytearray(encode_entry(torch.zeros(2, dtype=torch.uint8), 0))
+    buf[:4] = b"LAC9"
+    with pytest.raises(CorruptEntryError, match="LAC2.*LAC1"):
+        decode_entry(bytes(buf))
