@@ -19,6 +19,7 @@ import ctypes
 import ctypes.util
 import os
 import threading
+from collections.abc import Callable
 
 __all__ = ["MMAP_THRESHOLD", "TRIM_BYTES", "keep_freed_memory"]
 
@@ -50,7 +51,7 @@ def keep_freed_memory(trim_bytes: int = TRIM_BYTES) -> bool:
         return ok
 
 
-def _mallopt() -> ctypes._CFuncPtr | None:
+def _mallopt() -> Callable[[int, int], int] | None:
     """glibc's ``int mallopt(int, int)``, or None (not glibc)."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
