@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import threading
 from collections.abc import Callable
@@ -51,6 +52,7 @@ def keep_freed_memory(trim_bytes: int = TRIM_BYTES) -> bool:
         return ok
 
 
+@functools.cache  # looked up once: without glibc, every cache-writing batch would otherwise load libc again
 def _mallopt() -> Callable[[int, int], int] | None:
     """glibc's ``int mallopt(int, int)``, or None (not glibc)."""
     try:

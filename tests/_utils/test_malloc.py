@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import platform
 
 import pytest
@@ -10,13 +11,11 @@ from lightning_accel._utils import malloc
 
 def _child(q: mp.Queue) -> None:  # type: ignore[type-arg]
     # a forked child applies it again (its own pid), and only once
-    q.put((malloc._done_in, malloc.keep_freed_memory(), malloc._done_in == __import__("os").getpid()))
+    q.put((malloc._done_in, malloc.keep_freed_memory(), malloc._done_in == os.getpid()))
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt tuning applies to glibc only")
 def test_keep_freed_memory_applies_once_per_process() -> None:
-    import os
-
     assert malloc.keep_freed_memory() is True
     assert malloc._done_in == os.getpid()
     assert malloc.keep_freed_memory() is True  # already applied: no second mallopt
