@@ -182,7 +182,10 @@ class SampleCache(ResetOnPickle):
                 stage_dir = os.path.join(base, "shards")
             self.packed = PackedReader(store, listing.pack, os.fspath(stage_dir), stage_bytes, on_staged=self._account)
         self._seen = (0, 0)
-        self._ram_full = False
+        # 1 once a process of this tree found the RAM tier ("keep" policy) full, shared like the two below: the main
+        # process's first warm epoch then does not copy a batch of SSD hits for a promotion the tier must refuse
+        # (10-17 ms on its first batch here, when only the cold pass's workers had learnt it).
+        self._ram_full_t = torch.zeros(1, dtype=torch.uint8).share_memory_()
         self.buffers = BufferPool()
         self.write_behind = write_behind
         self.misses_to = misses_to
@@ -200,6 +203,15 @@ class SampleCache(ResetOnPickle):
 
     def __len__(self) -> int:
         return len(self.listing)
+
+    @property
+    def _ram_full(self) -> bool:
+        """Whether a process of this tree found the RAM tier full (misses and SSD hits are no longer offered)."""
+        return bool(self._ram_full_t.numpy()[0])
+
+    @_ram_full.setter
+    def _ram_full(self, full: bool) -> None:
+        self._ram_full_t.numpy()[0] = int(full)
 
     @property
     def tiers(self) -> list[tuple[str, LmdbTier]]:

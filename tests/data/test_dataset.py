@@ -178,6 +178,28 @@ def test_cache_dataloader_switches_to_main_process_reads_when_warm(small_digits:
     assert fresh.cached_fraction() == 1.0 and fresh.cache.not_yet_seen_cached([0, 1]) == []
 
 
+def test_a_ram_tier_the_workers_filled_is_full_for_the_main_process(small_digits: Path, tmp_cache_dir: Path) -> None:
+    # A RAM tier that holds about a third of the samples; the cold pass in 2 workers fills it (overflow to the SSD
+    # tier). The main process's first warm epoch then offers it no promotions: none copied, none refused.
+    probe = _dataset(str(small_digits), tmp_cache_dir / "probe")
+    probe.cache.load([0])
+    ssd = probe.cache.ssd
+    assert ssd is not None
+    cost = ssd.cost(probe.cache.key(0), len(ssd.get(probe.cache.key(0)) or b""))
+    ds = _dataset(str(small_digits), tmp_cache_dir, ram=70 * cost)
+    sampler = EpochOrderSampler(ds, batch_size=50)
+    loader = CacheDataLoader(ds, batch_size=50, sampler=sampler, num_workers=2, persistent_workers=True)
+    _epoch(loader)
+    assert ds.cache.ram is not None and 0 < len(ds.cache.ram) < 70
+    assert ds.cache._ram_full  # learnt in a worker, known here
+    ds.stats.reset()
+    labels, n = _epoch(loader)
+    s = ds.stats.as_dict()
+    assert loader.is_warm and n == 200
+    assert (s["writes"], s["rejected"], s["origin_fetches"]) == (0, 0, 0)
+    assert s["ram_hits"] == len(ds.cache.ram) and s["ssd_hits"] == 200 - len(ds.cache.ram)
+
+
 def test_buffer_pool_reserve_pages_in_buffers_that_take_reuses() -> None:
     from lightning_accel.data.buffers import BufferPool
 
