@@ -603,29 +603,38 @@ class CachedDataModule(LightningDataModule):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        """The training sampler's position (epoch, samples consumed, seed), saved in every checkpoint.
+        """The training sampler's position (epoch, samples consumed, seed) and the training augmentation's position
+        in its random stream (:attr:`GpuAugment.calls`), saved in every checkpoint.
 
         Lightning restores a datamodule's state before it builds the loaders, so a run resumed from a mid-epoch
-        checkpoint reads only that epoch's samples not yet seen. (The loader's own ``state_dict`` holds the same;
-        Lightning skips restoring that one when ``configure_optimizers`` built the loader early, e.g. through
-        ``trainer.estimated_stepping_batches``.)"""
+        checkpoint reads only that epoch's samples not yet seen, each augmented as the uninterrupted run would have
+        (the stream continues where it was instead of starting over). (The loader's own ``state_dict`` holds the
+        sampler's position too; Lightning skips restoring that one when ``configure_optimizers`` built the loader
+        early, e.g. through ``trainer.estimated_stepping_batches``.)"""
         state: dict[str, Any] = {}
         if self._classes is not None:
             state["classes"] = list(self._classes)
         loader = self._train_loader
         if loader is not None and isinstance(loader.sampler, EpochOrderSampler):
             state["train_sampler"] = loader.sampler.state_dict()
+        if isinstance(self.train_augment, GpuAugment):
+            # the consumer's position (the loader's thread may have augmented batches ahead, never taken)
+            state["train_augment_calls"] = self.train_augment.calls
         return state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Keep the checkpoint's sampler position for the training loader built next, and check its class list.
+        """Keep the checkpoint's sampler position for the training loader built next, continue the training
+        augmentation's random stream where the checkpoint left it, and check the class list.
 
         Raises:
             ValueError: the checkpoint's classes differ from this data's (checked now when ``setup`` has run, which
                 is where Lightning restores it, else in ``setup``): before the first step of the resumed run.
         """
         self._resume = state_dict.get("train_sampler")
+        calls = state_dict.get("train_augment_calls")
+        if calls is not None and isinstance(self.train_augment, GpuAugment):
+            self.train_augment.calls = int(calls)
         ckpt = state_dict.get("classes")
         self._ckpt_classes = None if ckpt is None else [str(c) for c in ckpt]
         self._check_ckpt_classes()

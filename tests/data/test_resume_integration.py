@@ -87,6 +87,26 @@ def test_a_run_killed_mid_epoch_resumes_with_the_samples_not_yet_seen(small_digi
     assert len(second.seen) == 7 * 16
 
 
+def test_a_resumed_run_continues_the_augmentation_stream(small_digits: Path, tmp_path: Path) -> None:
+    def dm() -> CachedDataModule:  # random crops, flips and brightness; its own seed
+        aug = GpuAugment((0.2,) * 3, (0.3,) * 3, crop_scale=(0.5, 1.0), flip_p=0.5, brightness=0.2, seed=3)
+        return _dm(small_digits, tmp_path, train_augment=aug)
+
+    full = _Seen()
+    _trainer(tmp_path, enable_checkpointing=False).fit(full, datamodule=dm())
+    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=13, save_top_k=-1)
+    first = _Seen()
+    with pytest.raises(RuntimeError, match="killed"):
+        _trainer(tmp_path, ckpt, _Kill(at_step=15)).fit(first, datamodule=dm())
+    path = next((tmp_path / "ckpt").glob("*step=13.ckpt"))
+    assert torch.load(path, weights_only=True)["CachedDataModule"]["train_augment_calls"] == 13
+    second = _Seen()
+    resumed = dm()
+    _trainer(tmp_path, enable_checkpointing=False).fit(second, datamodule=resumed, ckpt_path=path)
+    assert first.seen[: 13 * 16] + second.seen == full.seen  # the same samples, augmented alike
+    assert resumed.train_augment.calls == 20
+
+
 class _Metrics(ImageClassifier):
     def __init__(self) -> None:
         super().__init__(width=8, blocks=(1,))
