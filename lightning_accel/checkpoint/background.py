@@ -14,7 +14,11 @@ Contract:
 2. :class:`BackgroundWriter` runs jobs (saves *and* removals) on a single worker thread in submission order, so a
    ``remove`` that ModelCheckpoint issues after a ``save`` can never overtake it. The worker runs at the caller's
    CPU priority: a lowered priority lets the data loader and the training threads starve it, and a starved writer
-   makes every later save wait.
+   makes every later save wait. It starts a job ``start_delay_s`` after the job was submitted at the earliest: the
+   training thread has not left the save when the snapshot is queued (Lightning's barrier after the save, the
+   ``last.ckpt`` save right after a top-k one), and an encode started at once takes the cores that thread and the
+   other ranks need to get there (measured on 2 CPU processes: 7.6 ms of stall per save with an immediate start,
+   3.5 ms with the start 50 ms later; ``docs/checkpoint.md``).
 3. **Backpressure, latest wins.** At most ``max_pending`` saves are queued or running at once; a save takes its
    slot *before* its snapshot, so at most ``max_pending`` snapshots exist. A save of a path whose previous save is
    still queued (not started) replaces that save's snapshot instead of queueing (the older state would only have
@@ -52,7 +56,7 @@ from typing import Any, Literal
 
 import torch
 
-from lightning_accel._utils.checks import check_choice, check_int
+from lightning_accel._utils.checks import check_choice, check_int, check_number
 from lightning_accel._utils.compat import tensor_version
 from lightning_accel._utils.errors import one_line
 from lightning_accel._utils.forksafe import PerProcess
@@ -325,7 +329,7 @@ def _wanted(src: torch.Tensor) -> tuple[Any, ...]:
 
 
 class _Job:
-    __slots__ = ("args", "bounded", "fn", "future", "key", "seq", "snap", "started")
+    __slots__ = ("args", "bounded", "fn", "future", "key", "not_before", "seq", "snap", "started")
 
     def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], key: str | None, bounded: bool) -> None:
         self.fn, self.args, self.key, self.bounded = fn, args, key, bounded
@@ -333,6 +337,7 @@ class _Job:
         self.started = False
         self.snap: Snapshot | None = None
         self.seq = 0
+        self.not_before = 0.0  # time.monotonic() before which the worker does not start it
 
 
 class _Jobs:
@@ -343,6 +348,7 @@ class _Jobs:
         "cond",
         "error",
         "failed_since_save",
+        "hurry",
         "overflow",
         "pool",
         "queue",
@@ -362,6 +368,7 @@ class _Jobs:
         self.warnings: list[str] = []  # failures not warned yet (on_error="warn")
         self.failed_since_save = False  # the newest finished save failed: removals wait for a good one
         self.overflow = False  # one save was admitted past max_pending: the next call settles it
+        self.hurry = 0  # callers blocked in wait(): start queued jobs without their delay
         self.thread: threading.Thread | None = None
         self.cond = threading.Condition()
         self.stats = WriterStats()
@@ -381,10 +388,18 @@ class BackgroundWriter:
         on_error: ``"raise"`` (default): the first failure is raised by the next call and every job queued behind it
             is dropped; ``"warn"``: every failure is warned by the next call and later jobs run (removals queued after
             a failed save are skipped).
+        start_delay_s: seconds after its submission before the worker starts a job (see the module notes; 0: at
+            once). Only the start moves: a job queued behind others starts when they are done if its delay has
+            passed, and :meth:`wait` / :meth:`close` start queued jobs at once.
     """
 
     def __init__(
-        self, name: str = "delta-checkpoint", *, max_pending: int = 2, on_error: Literal["raise", "warn"] = "raise"
+        self,
+        name: str = "delta-checkpoint",
+        *,
+        max_pending: int = 2,
+        on_error: Literal["raise", "warn"] = "raise",
+        start_delay_s: float = 0.0,
     ) -> None:
         check_int(
             "max_pending",
@@ -399,6 +414,9 @@ class BackgroundWriter:
             ("raise", "warn"),
             fix="'raise' (default) stops training at the next step; 'warn' keeps training and warns every failure.",
         )
+        self.start_delay_s = check_number(
+            "write_delay_s", start_delay_s, low=0.0, high=10.0, fix="Use e.g. 0.05, or 0 to start each write at once."
+        )
         self._name = name
         self.max_pending = max_pending
         self._jobs: PerProcess[_Jobs] = PerProcess(_Jobs)
@@ -412,7 +430,11 @@ class BackgroundWriter:
                     if jobs.thread is not threading.current_thread():  # closed (or replaced after a fork)
                         return
                     if jobs.queue:
-                        break
+                        wait_s = jobs.queue[0].not_before - time.monotonic()
+                        if wait_s <= 0 or jobs.hurry:
+                            break
+                        jobs.cond.wait(wait_s)  # woken early by a new job, a cancellation or a caller's wait()
+                        continue
                     jobs.cond.wait()
                 job = jobs.queue.popleft()
                 job.started = True
@@ -638,6 +660,7 @@ class BackgroundWriter:
     def _append(self, jobs: _Jobs, job: _Job, counted: bool = False) -> Future:
         """Under ``jobs.cond``."""
         job.seq = next(self._seq)
+        job.not_before = time.monotonic() + self.start_delay_s
         jobs.queue.append(job)
         if not counted:
             jobs.unfinished += 1
@@ -692,8 +715,13 @@ class BackgroundWriter:
         """Block until every queued job has finished; report the first failure among them."""
         jobs = self._jobs.get()
         with jobs.cond:
-            while jobs.unfinished:
-                jobs.cond.wait()
+            jobs.hurry += 1
+            jobs.cond.notify_all()
+            try:
+                while jobs.unfinished:
+                    jobs.cond.wait()
+            finally:
+                jobs.hurry -= 1
         self._report(jobs)
 
     def close(self) -> None:

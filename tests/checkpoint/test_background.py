@@ -377,3 +377,40 @@ def test_a_store_save_calls_pause_before_each_tensor(tmp_path: Path) -> None:
     store.save(ck, str(tmp_path / "a.ckpt"), pause=lambda: calls.append(1))
     store.close()
     assert len(calls) == 3
+
+
+def test_a_job_starts_no_sooner_than_the_start_delay_and_wait_starts_it_at_once() -> None:
+    started: list[float] = []
+    w = BackgroundWriter(start_delay_s=0.2)
+    t0 = time.monotonic()
+    w.submit(lambda: started.append(time.monotonic()), bounded=True)
+    _until(lambda: bool(started), "the delayed job ran")
+    assert started[0] - t0 >= 0.2  # never before its delay (the machine's load can only make it later)
+    slow = BackgroundWriter(start_delay_s=10.0)
+    slow.submit(lambda: started.append(time.monotonic()), bounded=True)
+    assert len(started) == 1
+    t1 = time.monotonic()
+    slow.wait()  # a caller waiting (teardown, a synchronous save) does not sit out the delay
+    assert len(started) == 2 and started[1] - t1 < 5.0
+    slow.close()
+    w.close()
+
+
+def test_a_removal_within_the_start_delay_cancels_the_save_before_any_work() -> None:
+    """``ModelCheckpoint`` removing the older top-k path right after saving the newer one: with the writer idle, the
+    save of the path that is then removed is still waiting out its delay, so it is dropped unwritten."""
+    done: list[str] = []
+    w = BackgroundWriter(max_pending=2, start_delay_s=10.0)
+    w.submit(done.append, "save step=1", key="step=1", bounded=True)
+    w.submit(done.append, "save step=2", key="step=2", bounded=True)
+    w.submit(done.append, "rm step=1", key="step=1")
+    assert w.stats.cancelled == 1 and w.pending == 2  # the save of step=2 and the removal, both still queued
+    w.close()
+    assert done == ["save step=2", "rm step=1"]
+
+
+@pytest.mark.parametrize("bad", [-0.1, float("nan"), 11.0, "0.05"])
+def test_write_delay_is_checked_in_init(bad: Any) -> None:
+    with pytest.raises((TypeError, ValueError), match="`write_delay_s`"):
+        DeltaCheckpointIO(async_save=True, write_delay_s=bad)
+    assert DeltaCheckpointIO(async_save=True).write_delay_s == 0.05
