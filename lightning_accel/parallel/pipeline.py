@@ -41,6 +41,7 @@ __all__ = [
     "find_pipeline_modules",
     "keep_only",
     "piece_costs",
+    "join_outputs",
     "pipeline_layout",
     "split_batch",
 ]
@@ -262,6 +263,24 @@ def split_batch(batch: Any, chunks: int) -> list[Any]:
         return [x] * chunks
 
     return split(batch)
+
+
+def join_outputs(parts: list[Any]) -> Any:
+    """One batch's output from its micro-batches' outputs, in order (what ``predict_step`` returned per micro-batch):
+    tensors concatenated along dim 0 (0-dim ones stacked), dicts and tuples (namedtuples too) joined per key or
+    position, lists concatenated (a list holds one entry per sample, as Lightning's prediction lists do), anything
+    else as the list of the micro-batches' values."""
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(parts) if first.ndim else torch.stack(parts)
+    if isinstance(first, dict):
+        return {k: join_outputs([p[k] for p in parts]) for k in first}
+    if isinstance(first, tuple):
+        joined = [join_outputs(list(vals)) for vals in zip(*parts, strict=True)]
+        return type(first)(*joined) if hasattr(first, "_fields") else tuple(joined)
+    if isinstance(first, list):
+        return [v for p in parts for v in p]
+    return list(parts)
 
 
 class PipelineRunner:

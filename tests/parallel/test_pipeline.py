@@ -10,6 +10,7 @@ from lightning_accel.models.transformer import GPT
 from lightning_accel.parallel.pipeline import (
     balance_stages,
     find_pipeline_modules,
+    join_outputs,
     keep_only,
     piece_costs,
     pipeline_layout,
@@ -83,3 +84,19 @@ def test_split_batch_needs_equal_micro_batches() -> None:
     assert len(parts) == 4 and parts[1][0].tolist() == [2, 3] and parts[3][1]["m"].shape == (2, 2)
     with pytest.raises(ValueError, match=r"shape \(6,\) cannot be split into `microbatches`=4"):
         split_batch(torch.arange(6), 4)
+
+
+def test_join_outputs_rebuilds_a_batch_from_its_micro_batches() -> None:
+    from collections import namedtuple
+
+    Out = namedtuple("Out", ["y", "score"])
+    parts = [
+        {"x": torch.arange(4).view(2, 2) + 4 * k, "o": Out(torch.tensor([k, k]), torch.tensor(float(k))), "ids": [k, k]}
+        for k in range(3)
+    ]
+    joined = join_outputs(parts)
+    assert torch.equal(joined["x"], torch.arange(12).view(6, 2))  # concatenated along dim 0, in order
+    assert isinstance(joined["o"], Out) and torch.equal(joined["o"].y, torch.tensor([0, 0, 1, 1, 2, 2]))
+    assert torch.equal(joined["o"].score, torch.tensor([0.0, 1.0, 2.0]))  # 0-dim: stacked
+    assert joined["ids"] == [0, 0, 1, 1, 2, 2]  # lists: one entry per sample
+    assert join_outputs(["a", "b"]) == ["a", "b"]  # anything else: one value per micro-batch

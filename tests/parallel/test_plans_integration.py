@@ -119,3 +119,60 @@ def test_every_plan_tracks_single_process_and_resumes(tmp_path: Path) -> None:
     assert set(a0["measured"]) == {"ddp", "fsdp", "tp", "pipeline"}
     assert a0["plan"] == a1["plan"] == min(a0["measured"], key=a0["measured"].get)
     assert a0["measured"] == a1["measured"] and "| pipeline |" in a0["table"]
+
+
+class PredictingGPT(ConstantLRGPT):
+    """Predictions of three shapes: a tensor per batch, a dict and a per-sample list."""
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Any:
+        logits = self(batch[0][:, :-1])
+        return {"logits": logits, "last": (logits[:, -1].argmax(-1),), "ids": [int(v) for v in batch[0][:, 0]]}
+
+
+def _predict(rank: int, world: int) -> Any:
+    import lightning.pytorch as pl
+
+    from lightning_accel.parallel import PipelineStrategy
+
+    torch.manual_seed(0)
+    model = PredictingGPT(n_layer=4, n_embd=32, n_head=4, block_size=16, dropout=0.0)
+    t = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=PipelineStrategy(), logger=False, enable_progress_bar=False,
+        enable_model_summary=False, use_distributed_sampler=False,
+    )  # fmt: skip
+    out = t.predict(model, loader())
+    refused = ""
+    try:
+        t2 = pl.Trainer(
+            accelerator="cpu", devices=2, strategy=PipelineStrategy(batch_split="world"), logger=False,
+            enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+        )  # fmt: skip
+        t2.predict(model, loader())
+    except ValueError as e:
+        refused = str(e)
+    # numpy, not tensors: a tensor sent back to the parent may be a shared-memory handle that dies with its process
+    (pred,) = out
+    got = {
+        "logits": pred["logits"].numpy(),
+        "last": pred["last"][0].numpy(),
+        "last_is_tuple": isinstance(pred["last"], tuple),
+    }
+    got.update(ids=pred["ids"], batches=len(out), device=pred["logits"].device.type)
+    return {"out": got, "refused": refused}
+
+
+def test_pipeline_predict_returns_the_single_process_predictions_on_every_rank() -> None:
+    torch.manual_seed(0)
+    ref_model = PredictingGPT(n_layer=4, n_embd=32, n_head=4, block_size=16, dropout=0.0).eval()
+    with torch.no_grad():
+        ref = [ref_model.predict_step(b, i) for i, b in enumerate(loader())]
+    r0, r1 = run_in_processes(_predict, 2, init_process_group=False, timeout=300)
+    assert len(ref) == 1
+    for got in (r0["out"], r1["out"]):
+        assert got["batches"] == 1 and got["device"] == "cpu"
+        assert got["logits"].shape == tuple(ref[0]["logits"].shape)
+        assert torch.allclose(torch.from_numpy(got["logits"]), ref[0]["logits"], atol=TOL)
+        assert torch.equal(torch.from_numpy(got["last"]), ref[0]["last"][0]) and got["last_is_tuple"]
+        assert got["ids"] == ref[0]["ids"]
+    assert (r0["out"]["logits"] == r1["out"]["logits"]).all()
+    assert "batch_split='data_parallel'" in r0["refused"] and "batch_split='data_parallel'" in r1["refused"]

@@ -8,6 +8,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -20,6 +21,7 @@ from lightning_accel.parallel.pipeline import (
     PipelineRunner,
     batch_tensors,
     find_pipeline_modules,
+    join_outputs,
     piece_costs,
     pipeline_layout,
     split_batch,
@@ -98,8 +100,13 @@ class PipelineStrategy(DDPStrategy):
             DDP on the same Trainer; what ``AutoStrategy`` uses).
         **ddp_kwargs: ``process_group_backend``, ``timeout``, ... for ``DDPStrategy``'s process group.
 
+    ``predict`` runs the batch through the pipeline like an evaluation step; the last stage calls ``predict_step``
+    on each micro-batch's output, the micro-batches' predictions are joined
+    (:func:`~lightning_accel.parallel.pipeline.join_outputs`), moved to the CPU and returned on every rank of the
+    pipeline (with ``batch_split="data_parallel"``: every rank of a pipeline read the same batch).
+
     Not supported: ``16-mixed`` (its GradScaler would unscale after the stage-wise clipping; use ``bf16-mixed``),
-    ``predict``, manual optimization.
+    ``predict`` with ``batch_split="world"``, manual optimization.
     """
 
     strategy_name = "pipeline"
@@ -135,6 +142,7 @@ class PipelineStrategy(DDPStrategy):
         self._hook: tuple[str, int] = ("training_step", 0)
         self._logged: dict[int, dict[str, tuple[float, dict[str, Any]]]] = {}
         self._mbs: list[Any] = []
+        self._predicted: dict[int, Any] = {}  # predict: each micro-batch's `predict_step` output (last stage)
         self._grads: list[torch.Tensor | None] = []
         self._clip_patch: Patch | None = None
 
@@ -274,6 +282,9 @@ class PipelineStrategy(DDPStrategy):
         with _step_calls(module, forward, log):
             out = self._step_hook(module, name, batch, batch_idx)
         self._logged[i] = logged
+        if name == "predict_step":
+            self._predicted[i] = out
+            return output.float().sum() * 0.0
         loss = out.get("loss") if isinstance(out, dict) else out
         if isinstance(loss, torch.Tensor):
             return loss
@@ -343,7 +354,25 @@ class PipelineStrategy(DDPStrategy):
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError("PipelineStrategy does not run `predict`; load the checkpoint without a pipeline.")
+        """The batch's predictions on every rank of this pipeline (see the class notes), on the CPU."""
+        runner = self.runner
+        assert runner is not None, "PipelineStrategy.setup builds the pipeline"
+        if self.batch_split != "data_parallel":
+            raise ValueError(
+                f"PipelineStrategy(batch_split={self.batch_split!r}) cannot `predict`: each rank's predictions would "
+                "be those of the batch its pipeline gathered. Predict with `batch_split='data_parallel'` (the default)."
+            )
+        self._predicted = {}
+        with self.precision_plugin.predict_step_context():
+            self._run("predict_step", args[0], args[1] if len(args) > 1 else kwargs.get("batch_idx", 0), train=False)
+        payload: list[Any] = [None]
+        if runner.has_last:
+            parts = [self._predicted[i] for i in sorted(self._predicted)]
+            payload[0] = move_data_to_device(join_outputs(parts), torch.device("cpu"))
+        self._predicted = {}
+        src = runner.layout.rank_of(runner.layout.num_stages - 1, runner.replica)
+        torch.distributed.broadcast_object_list(payload, src=src, group=runner.pp_group)
+        return payload[0]
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
