@@ -175,7 +175,8 @@ def _channels_last_ddp_worker(rank: int, world_size: int, root: str) -> dict[str
         enable_model_summary=False, default_root_dir=root,
     )  # fmt: skip
     trainer.fit(model, _image_loader())
-    trainer.strategy.checkpoint_io.teardown()  # the background writer has finished
+    trainer.strategy.checkpoint_io.teardown()  # rank 0's background writer has finished
+    torch.distributed.barrier()  # (rank 1 writes nothing: its teardown returns before rank 0's last save lands)
     weights = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
     restored = DeltaCheckpointIO().load_checkpoint(f"{root}/ckpt/last.ckpt")["state_dict"]
     overlap = trainer.strategy.overlap
