@@ -5,12 +5,13 @@ Contract:
 
 1. **Snapshots into reused buffers.** :class:`SnapshotPool` copies every tensor of a checkpoint into private CPU
    buffers *synchronously*, so optimizer steps that run while the save is in flight cannot race it. A buffer is kept
-   per tensor (by its key path) and reused by the next snapshot once no save in flight holds it, so a warm run
-   allocates nothing per save (:attr:`WriterStats.buffers_allocated` stops growing). A CPU tensor that is the one
-   copied into the newest snapshot of the same key, at the same in-place version, and whose bytes still equal it, is
-   not copied at all: the snapshot shares that buffer and its *content id*,
-   so the store knows it unchanged without hashing it (``last.ckpt`` right after ``step=N.ckpt``). Accelerator
-   tensors are copied into pinned buffers (asynchronous device-to-host copies, one synchronisation per snapshot).
+   per tensor (by its position in the checkpoint) and reused by the next snapshot once no save in flight holds it,
+   so a warm run allocates nothing per save (:attr:`WriterStats.buffers_allocated` stops growing). A CPU tensor that
+   is the one copied into the newest snapshot of the same position, at the same in-place version, and whose bytes
+   still equal it, is not copied at all: the snapshot shares that buffer and its *content id*, so the store knows it
+   unchanged without hashing it (``last.ckpt`` right after ``step=N.ckpt``). Small CPU tensors are copied by one
+   ``torch._foreach_copy_`` after the traversal, large ones by one memcpy each. Accelerator tensors are copied into
+   pinned buffers (asynchronous device-to-host copies, one synchronisation per snapshot).
 2. :class:`BackgroundWriter` runs jobs (saves *and* removals) on a single worker thread in submission order, so a
    ``remove`` that ModelCheckpoint issues after a ``save`` can never overtake it. The worker runs at the caller's
    CPU priority: a lowered priority lets the data loader and the training threads starve it, and a starved writer
@@ -60,7 +61,7 @@ from lightning_accel._utils.checks import check_choice, check_int, check_number
 from lightning_accel._utils.compat import tensor_version
 from lightning_accel._utils.errors import one_line
 from lightning_accel._utils.forksafe import PerProcess
-from lightning_accel.checkpoint.codec import buffer_strides, copy_into, same_bytes
+from lightning_accel.checkpoint.codec import _NUMPY_FROM, buffer_strides, copy_into, same_bytes
 
 __all__ = [
     "BackgroundWriter",
@@ -172,14 +173,17 @@ class WriterStats:
 
 
 class _Buf:
-    __slots__ = ("content_id", "path", "refs", "source", "tensor")
+    __slots__ = ("content_id", "key", "ptr", "refs", "source", "src_layout", "tensor")
 
-    def __init__(self, tensor: torch.Tensor, path: str = "") -> None:
-        self.tensor, self.path = tensor, path
+    def __init__(self, tensor: torch.Tensor, key: int = -1, src_layout: tuple[Any, ...] | None = None) -> None:
+        self.tensor, self.key = tensor, key
+        self.ptr = tensor.data_ptr() if tensor.numel() else 0  # a buffer never moves: its address is its name
         self.refs = 0
         self.content_id = next(_content_ids)
         #: (data pointer, version counter) of the tensor last copied in; None: unknown
         self.source: tuple[int, int] | None = None
+        #: (device, dtype, shape, strides) of the tensors this buffer was laid out for (None: a private copy)
+        self.src_layout = src_layout
 
 
 class Snapshot:
@@ -191,7 +195,7 @@ class Snapshot:
     def __init__(self, tree: Any, bufs: list[_Buf]) -> None:
         self.tree, self.bufs = tree, bufs
         # By data pointer: the store sees detached aliases of the buffers, and a held buffer's address is its own.
-        self._ids = {b.tensor.data_ptr(): b.content_id for b in bufs if b.tensor.numel()}
+        self._ids = {b.ptr: b.content_id for b in bufs if b.ptr}
 
     def content_id(self, t: torch.Tensor) -> int | None:
         """The content id of ``t`` if it is (an alias of) one of this snapshot's whole buffers, else None."""
@@ -200,33 +204,57 @@ class Snapshot:
         return self._ids.get(t.data_ptr())
 
 
+class _Take:
+    """One snapshot in progress: the buffers it holds, the small CPU copies it batches, the tensors seen so far."""
+
+    __slots__ = ("bufs", "dst", "pending_device", "seen", "src")
+
+    def __init__(self) -> None:
+        self.bufs: list[_Buf] = []
+        self.seen = 0  # the key of the next tensor: its position in the traversal
+        self.dst: list[torch.Tensor] = []  # small CPU copies, done by one `_foreach_copy_` at the end
+        self.src: list[torch.Tensor] = []
+        self.pending_device = False
+
+
 class SnapshotPool:
-    """Per-tensor CPU buffers, reused across snapshots (see the module docstring, point 1). Thread-safe."""
+    """Per-tensor CPU buffers, reused across snapshots (see the module docstring, point 1). Thread-safe.
+
+    A tensor's buffer is keyed by the tensor's position in the checkpoint's traversal order (dicts in insertion
+    order, lists and tuples in order): Lightning builds the same structure at every save, so position ``k`` is the
+    same tensor each time, and the key costs nothing to compute. When the structure changes (optimizer state that
+    appears after the first step), positions shift and a buffer whose layout no longer fits goes to the spares,
+    where the tensor now at a position of its layout finds it: correct either way, only the first save after the
+    change allocates.
+    """
 
     def __init__(self, stats: WriterStats | None = None) -> None:
         self._lock = threading.Lock()
         # Set while no snapshot is being taken: the writer pauses between tensors while one is (see `yield_to`).
         self._idle = threading.Event()
         self._idle.set()
-        self._latest: dict[str, _Buf] = {}  # key path -> newest snapshot buffer of it
+        self._latest: dict[int, _Buf] = {}  # key (traversal position) -> newest snapshot buffer of it
         self._spare: dict[tuple[Any, ...], list[torch.Tensor]] = {}  # released buffers not newest of any key
         self.stats = stats if stats is not None else WriterStats()
 
     def take(self, obj: Any) -> Snapshot:
         """Snapshot ``obj`` (a checkpoint dict): containers rebuilt, tensors copied into buffers or shared."""
         t0 = time.perf_counter()
-        bufs: list[_Buf] = []
-        pending_device = [False]
+        run = _Take()
         self._idle.clear()
         try:
             with self._lock:
-                tree = self._walk(obj, "", bufs, pending_device)
-            if pending_device[0] and torch.cuda.is_available():
+                tree = self._walk(obj, run)
+                if run.dst:
+                    # One call for the small CPU tensors: the per-tensor cost of a snapshot is Python's, not the
+                    # bytes' (~100 tensors of a few KB in a small model's checkpoint)
+                    torch._foreach_copy_(run.dst, run.src)
+            if run.pending_device and torch.cuda.is_available():
                 torch.cuda.synchronize()  # the non-blocking device-to-host copies have landed
         finally:
             self._idle.set()
         self.stats.snapshot_s += time.perf_counter() - t0
-        return Snapshot(tree, bufs)
+        return Snapshot(tree, run.bufs)
 
     def yield_to(self, timeout: float = 1.0) -> None:
         """Called by the writer between tensors: wait (at most ``timeout`` seconds) while the training thread takes a
@@ -235,35 +263,46 @@ class SnapshotPool:
         (``results.lossless.stall_breakdown_per_event`` in benchmarks/delta_checkpoint.py)."""
         self._idle.wait(timeout)
 
-    def _walk(self, obj: Any, path: str, bufs: list[_Buf], pending_device: list[bool]) -> Any:
+    def _walk(self, obj: Any, run: _Take) -> Any:
         if isinstance(obj, torch.Tensor):
-            b = self._fill(obj.detach(), path, pending_device)
-            bufs.append(b)
+            b = self._fill(obj.detach() if obj.requires_grad else obj, run)
+            run.bufs.append(b)
             return b.tensor
+        kind = type(obj)
+        if kind is dict:
+            return {k: self._walk(v, run) for k, v in obj.items()}
         if isinstance(obj, dict):
-            out = type(obj)() if type(obj) is not dict else {}
+            out = kind()
             for k, v in obj.items():
-                out[k] = self._walk(v, f"{path}/{k}", bufs, pending_device)
+                out[k] = self._walk(v, run)
             return out
-        if type(obj) in (list, tuple):
-            return type(obj)(self._walk(v, f"{path}/{i}", bufs, pending_device) for i, v in enumerate(obj))
+        if kind is list:
+            return [self._walk(v, run) for v in obj]
+        if kind is tuple:
+            return tuple([self._walk(v, run) for v in obj])
         return obj
 
-    def _fill(self, src: torch.Tensor, path: str, pending_device: list[bool]) -> _Buf:
-        if src.is_sparse or src.layout != torch.strided:  # not a dense buffer: a private copy, not pooled
+    def _fill(self, src: torch.Tensor, run: _Take) -> _Buf:
+        # The hot path of a snapshot (~100 calls per save of a small model): a few attribute reads per tensor
+        key = run.seen
+        run.seen = key + 1
+        if src.layout is not torch.strided:  # not a dense buffer (sparse, ...): a private copy, not pooled
             b = _Buf(src.to("cpu", copy=True) if src.device.type != "cpu" else src.clone())
             b.refs += 1
             return b
-        cpu = src.device.type == "cpu"
-        old = self._latest.get(path)
-        want = _wanted(src)
-        fits = old is not None and _layout_key(old.tensor) == want
+        device = src.device
+        cpu = device.type == "cpu"
+        layout = (device, src.dtype, src.shape, src.stride())
+        old = self._latest.get(key)
+        # The buffer fits when it was laid out for a tensor of this very layout (the usual case: no stride
+        # arithmetic), or when its own layout is the one this tensor wants
+        fits = old is not None and (old.src_layout == layout or _layout_key(old.tensor) == _wanted(src))
         source = (src.data_ptr(), tensor_version(src)) if cpu else None
         # The byte comparison only runs when the source is the same tensor at the same version as the one copied
         # last: a tensor modified in place since (an optimizer step) is copied without comparing first, which halves
         # the snapshot of a trained state. Equal version counters do not prove equal bytes (writes through `.data`
         # do not count), so those are still compared.
-        if old is not None and fits and cpu and old.source == source and same_bytes(old.tensor, src):
+        if old is not None and fits and old.source == source and cpu and same_bytes(old.tensor, src):
             old.refs += 1
             self.stats.tensors_shared += 1
             return old
@@ -273,15 +312,19 @@ class SnapshotPool:
         else:
             if old is not None and old.refs == 0:
                 self._spare.setdefault(_shape_key(old.tensor), []).append(old.tensor)
-            b = _Buf(self._buffer(src, want), path)
-            self._latest[path] = b
-        non_blocking = not cpu and b.tensor.is_pinned()
+            b = _Buf(self._buffer(src, _wanted(src)), key)
+            self._latest[key] = b
+        b.src_layout = layout
         b.source = source
-        if cpu:
-            copy_into(b.tensor, src)
-        else:
+        if not cpu:
+            non_blocking = b.tensor.is_pinned()
             b.tensor.copy_(src, non_blocking=non_blocking)
-        pending_device[0] |= non_blocking
+            run.pending_device |= non_blocking
+        elif src.numel() * src.element_size() < _NUMPY_FROM:
+            run.dst.append(b.tensor)
+            run.src.append(src)
+        else:
+            copy_into(b.tensor, src)
         b.refs += 1
         return b
 
@@ -300,7 +343,7 @@ class SnapshotPool:
         with self._lock:
             for b in snap.bufs:
                 b.refs -= 1
-                if b.refs == 0 and self._latest.get(b.path) is not b:  # superseded: a spare for any same-shape key
+                if b.refs == 0 and self._latest.get(b.key) is not b:  # superseded: a spare for any same-shape key
                     self._spare.setdefault(_shape_key(b.tensor), []).append(b.tensor)
             snap.bufs, snap.tree = [], None
 

@@ -255,6 +255,40 @@ def test_snapshots_reuse_their_buffers_and_share_unchanged_tensors() -> None:
     assert again.tree["z"] is not snap.tree["z"] and torch.equal(again.tree["z"].view(torch.int32), z.view(torch.int32))
 
 
+def test_buffers_follow_positions_and_a_changed_structure_still_snapshots_every_tensor_exactly() -> None:
+    """Buffers are keyed by a tensor's position in the checkpoint: when the structure changes (optimizer state that
+    appears after the first step shifts every later tensor), each snapshot still holds each tensor's exact values,
+    in its own container types, and the buffers the shift displaced are reused from the spares, not reallocated
+    at every save."""
+    from collections import OrderedDict
+
+    pool = SnapshotPool()
+    w = torch.nn.Parameter(torch.randn(6, 3))  # requires grad: copied like any tensor
+    b = torch.randn(3)
+    big = torch.randn(40_000)  # above the numpy copy threshold
+    sd = OrderedDict([("w", w), ("b", b)])
+    pool.release(pool.take({"state_dict": sd, "optimizer_states": [{"state": {}}], "big": big}))
+    allocated = pool.stats.buffers_allocated
+    assert allocated == 3
+    mom = torch.zeros(6, 3)
+    for _ in range(4):
+        with torch.no_grad():
+            w.add_(1.0)
+            mom.add_(0.5)
+            big.mul_(1.5)
+        ck = {"state_dict": sd, "optimizer_states": [{"state": {0: {"momentum_buffer": mom}}}], "big": big}
+        snap = pool.take(ck)
+        assert type(snap.tree["state_dict"]) is OrderedDict and list(snap.tree["state_dict"]) == ["w", "b"]
+        assert not snap.tree["state_dict"]["w"].requires_grad and torch.equal(snap.tree["state_dict"]["w"], w)
+        assert torch.equal(snap.tree["optimizer_states"][0]["state"][0]["momentum_buffer"], mom)
+        assert torch.equal(snap.tree["big"], big) and torch.equal(snap.tree["state_dict"]["b"], b)
+        assert snap.tree["big"].data_ptr() != big.data_ptr()  # a private copy
+        pool.release(snap)
+    # the shift put `mom` where `big` was: one new buffer for the shifted position, none at later saves
+    assert pool.stats.buffers_allocated == allocated + 1
+    assert pool.stats.tensors_shared == 4  # `b` (same position throughout, never changed): shared at every later save
+
+
 def test_a_write_the_version_counter_misses_is_still_caught_and_nan_bits_are_compared() -> None:
     """The version counter only lets a snapshot skip the comparison of a tensor modified in place; a write through
     ``.data`` (no version bump) is found by the comparison, and float tensors compare as bits."""
