@@ -603,25 +603,42 @@ class OneBitState:
             self.pending[_key_parse(k)] = (v["worker"], v["server"])
 
 
-def gather_state_dict(state: OneBitState) -> dict[str, Any]:
+def gather_state_dict(state: OneBitState, dst: int | None = None) -> dict[str, Any] | None:
     """Collective: every rank's :meth:`OneBitState.state_dict`, stacked per group (``worker``: ``(N, padded)``).
 
-    All ranks must call it (they hold the same groups: same buckets, same warm-up). Tensors travel through
-    ``all_gather`` (no pickling).
+    All ranks must call it (they hold the same groups: same buckets, same warm-up). The error tensors of every group
+    travel as one flat tensor per dtype in one collective (no pickling; a checkpoint save pays one round trip, not two
+    per bucket). With ``dst`` (a global rank of the group: the one that writes the checkpoint) that collective is a
+    ``gather``: only ``dst`` receives the other ranks' bytes and returns the stacked state, the others return None.
+    Without it, an ``all_gather``: every rank returns it.
     """
     local = state.state_dict()
     n = local["world_size"]
     if n == 1:
         return {**local, "groups": {k: {t: v[t].unsqueeze(0) for t in v} for k, v in local["groups"].items()}}
-    out: dict[str, Any] = {**local, "groups": {}}
-    for k, v in local["groups"].items():
-        entry = {}
-        for t in ("worker", "server"):
-            parts = [torch.empty_like(v[t]) for _ in range(n)]
-            dist.all_gather(parts, v[t].contiguous(), group=state.process_group)
-            entry[t] = torch.stack(parts).cpu()
-        out["groups"][k] = entry
-    return out
+    pieces = [(k, t, v[t]) for k, v in local["groups"].items() for t in ("worker", "server")]
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, (_, _, x) in enumerate(pieces):
+        by_dtype.setdefault(x.dtype, []).append(i)
+    receive = dst is None or dist.get_rank() == dst
+    out: dict[str, Any] = {**local, "groups": {k: {} for k in local["groups"]}}
+    for dtype in sorted(by_dtype, key=str):  # the same order on every rank
+        idx = by_dtype[dtype]
+        flat = torch.cat([pieces[i][2].reshape(-1) for i in idx])
+        parts: list[torch.Tensor] | None = [torch.empty_like(flat) for _ in range(n)] if receive else None
+        if parts is not None and dst is None:
+            dist.all_gather(parts, flat, group=state.process_group)
+        else:
+            dist.gather(flat, parts, dst=dst, group=state.process_group)
+        if parts is None:
+            continue
+        off = 0
+        for i in idx:
+            k, t, x = pieces[i]
+            m = x.numel()
+            out["groups"][k][t] = torch.stack([p[off : off + m] for p in parts]).reshape(n, *x.shape).cpu()
+            off += m
+    return out if receive else None
 
 
 def select_rank_state(gathered: dict[str, Any], rank: int) -> dict[str, Any]:

@@ -609,9 +609,14 @@ class OneBitDDPStrategy(DDPStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: PathType, storage_options: Any | None = None
     ) -> None:
-        # Called on every rank: gather each rank's error state (a collective) so rank 0 writes all of them.
-        if self._onebit_state is not None and distributed_ready():
-            checkpoint[CHECKPOINT_KEY] = comm.gather_state_dict(self._onebit_state)
+        # Called on every rank: gather each rank's error state (a collective) so rank 0 writes all of them; only
+        # global rank 0 writes (DDPStrategy.save_checkpoint), so only it receives the others' bytes
+        state = self._onebit_state
+        if state is not None and distributed_ready():
+            world = state.process_group is None or state.process_group is dist.group.WORLD
+            gathered = comm.gather_state_dict(state, dst=0 if world else None)
+            if gathered is not None:
+                checkpoint[CHECKPOINT_KEY] = gathered
         elif self._onebit_loaded is not None:
             checkpoint[CHECKPOINT_KEY] = self._onebit_loaded
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)

@@ -233,3 +233,47 @@ def test_ddp_1bit_trains_and_resumes_hierarchically(tmp_path: Path, hierarchical
                 assert o["topology"] is None and o["worker_sizes"] == o["padded"]
     # the resumed run adopted the saved per-shard error state (no reset warning path: same layout)
     assert second[0]["layout_key"] == saved["nodes_layout"]
+
+
+class _FakeState:
+    """What ``gather_state_dict`` reads of a ``OneBitState``: its ``state_dict`` and ``process_group``."""
+
+    process_group = None
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+
+    def state_dict(self) -> dict[str, Any]:
+        r = self.rank
+        return {
+            "world_size": self.world_size,
+            "step": 3,
+            "groups": {
+                "0": {"worker": torch.arange(10.0).reshape(2, 5) + 100 * r, "server": torch.arange(5.0) - r},
+                "1": {"worker": torch.full((7,), float(r)), "server": torch.tensor([r + 0.5], dtype=torch.float64)},
+            },
+        }
+
+
+def _gather(rank: int, world_size: int) -> dict[str, Any]:
+    from lightning_accel.comm import gather_state_dict
+
+    everyone = gather_state_dict(_FakeState(rank, world_size))  # type: ignore[arg-type]
+    to_zero = gather_state_dict(_FakeState(rank, world_size), dst=0)  # type: ignore[arg-type]
+    assert everyone is not None
+    return {"everyone": everyone["groups"], "to_zero": None if to_zero is None else to_zero["groups"]}
+
+
+def test_the_error_state_is_gathered_in_one_collective_per_dtype_and_only_to_the_writer_with_dst() -> None:
+    """Every group's worker and server errors, of two dtypes, come back stacked by rank with their shapes and
+    dtypes; with ``dst=0`` rank 0 gets exactly what the all-gather gives and the other rank gets None."""
+    out = run_in_processes(_gather, 2, timeout=120)
+    for rank in (0, 1):
+        g = out[rank]["everyone"]
+        assert torch.equal(g["0"]["worker"], torch.stack([torch.arange(10.0).reshape(2, 5) + 100 * r for r in (0, 1)]))
+        assert torch.equal(g["0"]["server"], torch.stack([torch.arange(5.0) - r for r in (0, 1)]))
+        assert torch.equal(g["1"]["worker"], torch.stack([torch.full((7,), float(r)) for r in (0, 1)]))
+        assert g["1"]["server"].dtype == torch.float64 and g["1"]["server"].tolist() == [[0.5], [1.5]]
+    assert out[1]["to_zero"] is None
+    zero, every = out[0]["to_zero"], out[0]["everyone"]
+    assert all(torch.equal(zero[k][t], every[k][t]) for k in every for t in ("worker", "server"))
