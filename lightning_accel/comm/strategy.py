@@ -111,6 +111,29 @@ def _ddp_kwargs(kwargs: dict[str, Any], *, alias: str, cls: str, own: tuple[str,
     return {k: v for k, v in kwargs.items() if not _same(v, _DDP_PARAMS[k])}
 
 
+#: the barrier ``Trainer.save_checkpoint`` ends with
+SAVE_BARRIER = "Trainer.save_checkpoint"
+
+
+def _writes_behind(io: CheckpointIO | None) -> bool:
+    """Whether ``io`` returns from a save before the file exists (a background writer: Lightning's
+    ``AsyncCheckpointIO``, or an IO with ``async_save=True`` such as ``DeltaCheckpointIO``)."""
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    return isinstance(io, AsyncCheckpointIO) or getattr(io, "async_save", False) is True
+
+
+def _skip_save_barrier(strategy: DDPStrategy, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """The barrier after a save is skipped, on every rank alike, when the checkpoint IO writes in the background.
+
+    Lightning ends ``Trainer.save_checkpoint`` with a barrier so that every rank sees the file once it returns; a
+    background writer never gives that (the file lands later, on rank 0's writer thread), so the barrier would only
+    cost every save a round trip between the ranks. Every rank holds the same IO, so all skip it or none does.
+    """
+    name = args[0] if args else kwargs.get("name")
+    return name == SAVE_BARRIER and _writes_behind(strategy.checkpoint_io)
+
+
 class OneBitDDPStrategy(DDPStrategy):
     """DDP with 1-bit compressed averaging and error feedback (``Trainer(strategy="ddp_1bit")``).
 
@@ -606,6 +629,14 @@ class OneBitDDPStrategy(DDPStrategy):
         return out
 
     @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        """DDP's barrier, except the one after a save when the checkpoint IO writes in the background (see
+        ``_skip_save_barrier``: it would only add a round trip between the ranks to every save)."""
+        if _skip_save_barrier(self, args, kwargs):
+            return
+        super().barrier(*args, **kwargs)
+
+    @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: PathType, storage_options: Any | None = None
     ) -> None:
@@ -849,6 +880,14 @@ class LocalStepsStrategy(DDPStrategy):
                 f"diloco: {local.syncs} outer updates over {local.step_count} inner steps, "
                 f"{local.bytes_sent / 1e6:.2f} MB sent by rank {self.global_rank}"
             )
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        """DDP's barrier, except the one after a save when the checkpoint IO writes in the background (see
+        ``_skip_save_barrier``: it would only add a round trip between the ranks to every save)."""
+        if _skip_save_barrier(self, args, kwargs):
+            return
+        super().barrier(*args, **kwargs)
 
     @override
     def save_checkpoint(

@@ -227,3 +227,34 @@ def test_overlap_trial_keeps_overlap_on_a_near_tie_and_restarts_after_fp32_steps
         clock.now += 1.0
     # the compressed run restarted at step 3 (a fp32 step interrupted the first one): decided at 3 + 2 * 3
     assert trial.decision is not None and trial.decision["step"] == 9
+
+
+@pytest.mark.parametrize("cls_name", ["OneBitDDPStrategy", "LocalStepsStrategy"])
+def test_the_barrier_after_a_save_is_skipped_only_behind_a_background_writer(
+    cls_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With an IO that writes in the background, the barrier that ends ``Trainer.save_checkpoint`` is skipped (the
+    file is not there when it passes anyway); every other barrier, and that one with a synchronous IO, still runs."""
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
+    from lightning.pytorch.strategies import DDPStrategy
+
+    import lightning_accel.strategies as strategies
+    from lightning_accel.checkpoint import DeltaCheckpointIO
+
+    calls: list[tuple] = []
+    monkeypatch.setattr(DDPStrategy, "barrier", lambda self, *a, **k: calls.append(a))
+    cases = [
+        (DeltaCheckpointIO(async_save=True), True),
+        (AsyncCheckpointIO(TorchCheckpointIO()), True),
+        (DeltaCheckpointIO(), False),
+        (TorchCheckpointIO(), False),
+    ]
+    for io, skipped in cases:
+        strategy = getattr(strategies, cls_name)(checkpoint_io=io)
+        calls.clear()
+        strategy.barrier("Trainer.save_checkpoint")
+        strategy.barrier(name="Trainer.save_checkpoint")
+        strategy.barrier("pre_setup")
+        strategy.barrier()
+        expected = [("pre_setup",), ()] if skipped else [("Trainer.save_checkpoint",), (), ("pre_setup",), ()]
+        assert calls == expected, (type(io).__name__, calls)
