@@ -67,6 +67,9 @@ class LocalStepsConfig:
             must be below ``sync_every // fragments``, so one exchange per fragment is in flight at most.
         block_size: elements per 1-bit scale block (a multiple of 8).
         sync_buffers: average floating-point buffers (BatchNorm statistics) in fp32 when fragment 0 is applied.
+        sync_start: optimizer steps at the start of training that each average the parameters over the ranks in fp32
+            (a synchronous start, DDP's bytes per step: DiLoCo starts its local steps from a model trained
+            synchronously); the ``H``-step schedule begins after them. 0: local steps from the first step.
     """
 
     sync_every: int = 64
@@ -78,6 +81,7 @@ class LocalStepsConfig:
     overlap_steps: int = 1
     block_size: int = 640
     sync_buffers: bool = True
+    sync_start: int = 0
 
     def __post_init__(self) -> None:
         check_int("sync_every", self.sync_every, low=1, fix="Use e.g. `sync_every=64` (DiLoCo: 500).")
@@ -105,6 +109,12 @@ class LocalStepsConfig:
         if self.block_size % 8:
             raise ValueError(f"`block_size` must be a multiple of 8, got {self.block_size!r}. Use e.g. 640.")
         check_bool("sync_buffers", self.sync_buffers, fix="Use True to average BatchNorm statistics.")
+        check_int(
+            "sync_start",
+            self.sync_start,
+            low=0,
+            fix="Use 0 for local steps from the start, or e.g. 15 % of the fit's steps for a synchronous start.",
+        )
 
     def send_phase(self, fragment: int) -> int:
         """The step residue ``t mod H`` at which ``fragment`` is sent."""
@@ -254,6 +264,11 @@ class LocalSteps:
         self.step_count += 1
         t, cfg = self.step_count, self.config
         before = self.bytes_sent
+        if t <= cfg.sync_start:  # the synchronous start: every rank adopts the average of the parameters
+            self._average_params()
+            self.last_bytes = self.bytes_sent - before
+            self.last_synced = True
+            return self.last_bytes
         synced = False
         for frag in self.fragments:
             if frag.sent_at is not None:
@@ -370,6 +385,19 @@ class LocalSteps:
         frag.outer.copy_(new_outer)
         frag.sent, frag.sent_at, frag.served, frag._op, frag._work, frag._delta = None, None, False, None, None, None
         if frag.index == 0 and self.buffers:
+            self._average_buffers()
+        self.syncs += 1
+
+    def _average_params(self) -> None:
+        """One step of the synchronous start: the parameters (and the floating-point buffers) become their average
+        over the ranks, in fp32, and so does each fragment's ``θ_global``, from which the first local phase starts."""
+        for frag in self.fragments:
+            flat = self._flatten(frag, out=frag.outer)  # zeros on padding
+            dist.all_reduce(flat, group=self.group)
+            flat.div_(self.world_size)
+            self.bytes_sent += fp32_ring_bytes(frag.layout.padded_numel, self.world_size)
+            self._unflatten_copy(frag, flat)
+        if self.buffers:
             self._average_buffers()
         self.syncs += 1
 

@@ -683,7 +683,16 @@ class OneBitDDPStrategy(DDPStrategy):
 
 LOCALSTEPS_CHECKPOINT_KEY = "lightning_accel_localsteps"
 _LOCAL_DEFAULTS = LocalStepsConfig()
-_LOCAL_OWN = ("sync_every", "fragments", "outer_lr", "outer_momentum", "nesterov", "compression", "overlap_steps")
+_LOCAL_OWN = (
+    "sync_every",
+    "fragments",
+    "outer_lr",
+    "outer_momentum",
+    "nesterov",
+    "compression",
+    "overlap_steps",
+    "sync_start",
+)
 
 
 def _local_hook(state, bucket):  # no annotations: DDP rejects the string ones this module postpones
@@ -713,6 +722,8 @@ class LocalStepsStrategy(DDPStrategy):
         overlap_steps: inner steps an exchange has to travel before it is applied (0: the step waits for it).
         block_size: elements per 1-bit scale block.
         sync_buffers: average floating-point buffers (BatchNorm statistics) at every sync of fragment 0.
+        sync_start: optimizer steps at the start that each average the parameters in fp32 (a synchronous start,
+            DDP's bytes per step) before the local steps begin (0: none).
         log_stats: log ``comm/bytes_sent`` (this rank, last step) every training step.
         **kwargs: :class:`~lightning.pytorch.strategies.DDPStrategy` and
             :class:`~torch.nn.parallel.DistributedDataParallel` arguments; ``forward_sync_buffers`` defaults to
@@ -738,6 +749,7 @@ class LocalStepsStrategy(DDPStrategy):
         overlap_steps: int = _LOCAL_DEFAULTS.overlap_steps,
         block_size: int = _LOCAL_DEFAULTS.block_size,
         sync_buffers: bool = _LOCAL_DEFAULTS.sync_buffers,
+        sync_start: int = _LOCAL_DEFAULTS.sync_start,
         log_stats: bool = True,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
@@ -770,6 +782,7 @@ class LocalStepsStrategy(DDPStrategy):
             overlap_steps=overlap_steps,
             block_size=block_size,
             sync_buffers=sync_buffers,
+            sync_start=sync_start,
         )
         check_bool("log_stats", log_stats, fix="Use False to stop logging.")
         super().__init__(

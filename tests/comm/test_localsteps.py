@@ -23,6 +23,8 @@ from tests.helpers import run_in_processes
         ({"block_size": 12}, ValueError, "`block_size`"),
         ({"nesterov": 1}, TypeError, "`nesterov`"),
         ({"sync_every": 2.0}, TypeError, "`sync_every`"),
+        ({"sync_start": -1}, ValueError, "`sync_start`"),
+        ({"sync_start": 1.5}, TypeError, "`sync_start`"),
     ],
 )
 def test_config_rejects_bad_values_naming_them(kwargs: dict, kind: type, needle: str) -> None:
@@ -144,6 +146,30 @@ def _oracle(rank: int, world: int) -> dict:
     full, resumed = run(None), run(6)
     out["resume_equal"] = torch.equal(full, resumed)
     out["final_same"] = all(torch.equal(gathered([full])[0], p) for p in gathered([full]))
+
+    # synchronous start (3 steps), then H=2 with 1-bit: the first steps average the parameters in fp32 (the mean of
+    # the ranks' parameters after each step, DDP's bytes), the local schedule starts after them from that average
+    from lightning_accel.comm.allreduce import fp32_ring_bytes
+
+    ps = params()
+    ls = LocalSteps(ps, LocalStepsConfig(sync_every=2, overlap_steps=0, block_size=16, sync_start=3))
+    start_err, start_bytes, synced = [], [], []
+    for step in range(1, 6):
+        inner(ps, step)
+        mean = torch.stack(gathered(ps)).mean(0)
+        sent = ls.step()
+        synced.append(ls.last_synced)
+        now = torch.cat([p.reshape(-1) for p in ps])
+        if step <= 3:
+            start_err.append((now - mean).abs().max().item())
+            start_bytes.append(sent)
+            if step == 3:
+                frag = ls.fragments[0]  # θ_global: the averaged parameters, in the fragment's padded layout
+                out["start_outer_is_params"] = torch.equal(frag.outer, ls._flatten(frag, torch.zeros_like(frag.outer)))
+    out["start_err"] = start_err
+    out["start_bytes_ok"] = all(b == fp32_ring_bytes(ls.fragments[0].layout.padded_numel, world) for b in start_bytes)
+    out["start_synced"] = synced
+    out["start_syncs"] = ls.syncs
     return out
 
 
@@ -177,3 +203,12 @@ def test_state_round_trip_with_an_exchange_in_flight_is_bit_exact(oracle: list[d
     for res in oracle:
         assert res["resume_equal"]
         assert res["final_same"]
+
+
+def test_a_synchronous_start_averages_every_step_then_hands_over_to_the_schedule(oracle: list[dict]) -> None:
+    for res in oracle:
+        assert max(res["start_err"]) < 1e-6  # each of the first 3 steps: every rank holds the mean of the parameters
+        assert res["start_bytes_ok"] and res["start_outer_is_params"]
+        # steps 1-3 synchronous; then H=2: step 4 is a sync (4 % 2 == 0), step 5 a local step
+        assert res["start_synced"] == [True, True, True, True, False]
+        assert res["start_syncs"] == 4
