@@ -58,7 +58,7 @@ from typing import Any, Literal
 import torch
 
 from lightning_accel._utils.checks import check_choice, check_int, check_number
-from lightning_accel._utils.compat import tensor_version
+from lightning_accel._utils.compat import copy_tensors, tensor_version
 from lightning_accel._utils.errors import one_line
 from lightning_accel._utils.forksafe import PerProcess
 from lightning_accel.checkpoint.codec import _NUMPY_FROM, buffer_strides, copy_into, same_bytes
@@ -248,7 +248,7 @@ class SnapshotPool:
                 if run.dst:
                     # One call for the small CPU tensors: the per-tensor cost of a snapshot is Python's, not the
                     # bytes' (~100 tensors of a few KB in a small model's checkpoint)
-                    torch._foreach_copy_(run.dst, run.src)
+                    copy_tensors(run.dst, run.src)
             if run.pending_device and torch.cuda.is_available():
                 torch.cuda.synchronize()  # the non-blocking device-to-host copies have landed
         finally:
