@@ -134,7 +134,20 @@ def _skip_save_barrier(strategy: DDPStrategy, args: tuple[Any, ...], kwargs: dic
     return name == SAVE_BARRIER and _writes_behind(strategy.checkpoint_io)
 
 
-class OneBitDDPStrategy(DDPStrategy):
+class _BackgroundSavesDDP(DDPStrategy):
+    """``DDPStrategy`` whose barrier after a save is skipped when the checkpoint IO writes in the background (the base
+    of this module's strategies)."""
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        """DDP's barrier, except the one after a save when the checkpoint IO writes in the background (see
+        ``_skip_save_barrier``: it would only add a round trip between the ranks to every save)."""
+        if _skip_save_barrier(self, args, kwargs):
+            return
+        super().barrier(*args, **kwargs)
+
+
+class OneBitDDPStrategy(_BackgroundSavesDDP):
     """DDP with 1-bit compressed averaging and error feedback (``Trainer(strategy="ddp_1bit")``).
 
     After ``warmup_steps`` optimizer steps of plain DDP (fp32 allreduce, the unmodified optimizer), what the ranks
@@ -629,14 +642,6 @@ class OneBitDDPStrategy(DDPStrategy):
         return out
 
     @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        """DDP's barrier, except the one after a save when the checkpoint IO writes in the background (see
-        ``_skip_save_barrier``: it would only add a round trip between the ranks to every save)."""
-        if _skip_save_barrier(self, args, kwargs):
-            return
-        super().barrier(*args, **kwargs)
-
-    @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: PathType, storage_options: Any | None = None
     ) -> None:
@@ -702,7 +707,7 @@ def _local_hook(state, bucket):  # no annotations: DDP rejects the string ones t
     return fut
 
 
-class LocalStepsStrategy(DDPStrategy):
+class LocalStepsStrategy(_BackgroundSavesDDP):
     """Local steps with a compressed outer update, DiLoCo-style (``Trainer(strategy="diloco")``).
 
     Each rank's optimizer (the inner optimizer: the user's, with its scheduler, clipping, accumulation, precision)
@@ -893,14 +898,6 @@ class LocalStepsStrategy(DDPStrategy):
                 f"diloco: {local.syncs} outer updates over {local.step_count} inner steps, "
                 f"{local.bytes_sent / 1e6:.2f} MB sent by rank {self.global_rank}"
             )
-
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        """DDP's barrier, except the one after a save when the checkpoint IO writes in the background (see
-        ``_skip_save_barrier``: it would only add a round trip between the ranks to every save)."""
-        if _skip_save_barrier(self, args, kwargs):
-            return
-        super().barrier(*args, **kwargs)
 
     @override
     def save_checkpoint(
