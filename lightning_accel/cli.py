@@ -340,20 +340,6 @@ def _check_config_paths(argv: list[str]) -> None:
             )
 
 
-def _end_distributed() -> None:
-    """After a run that ended normally, destroy the default process group while the interpreter is whole.
-
-    Why: Lightning leaves it up after ``fit``, and at interpreter exit gloo's worker threads can still hold work, so a
-    rank of a run that succeeded aborts ("terminate called without an active exception", SIGABRT;
-    pytorch/pytorch#190489) and torchrun reports the worker as failed (seen in two runs of
-    ``benchmarks/multinode.py``). Only after success: a rank whose run raised must not wait here for the others.
-    """
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``lightning-accel`` console script."""
     raw = list(sys.argv[1:] if argv is None else argv)
@@ -376,7 +362,6 @@ def main(argv: list[str] | None = None) -> None:
         _check_config_paths(raw)
         # None: LightningCLI reads sys.argv itself (passing both makes it warn)
         AccelCLI(args=None if argv is None else raw)
-        _end_distributed()
     except ArgumentError as e:
         if debug:
             raise
