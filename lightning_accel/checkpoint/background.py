@@ -175,7 +175,7 @@ class WriterStats:
 class _Buf:
     __slots__ = ("content_id", "key", "ptr", "refs", "source", "src_layout", "tensor")
 
-    def __init__(self, tensor: torch.Tensor, key: int = -1, src_layout: tuple[Any, ...] | None = None) -> None:
+    def __init__(self, tensor: torch.Tensor, key: int = -1) -> None:
         self.tensor, self.key = tensor, key
         self.ptr = tensor.data_ptr() if tensor.numel() else 0  # a buffer never moves: its address is its name
         self.refs = 0
@@ -183,7 +183,7 @@ class _Buf:
         #: (data pointer, version counter) of the tensor last copied in; None: unknown
         self.source: tuple[int, int] | None = None
         #: (device, dtype, shape, strides) of the tensors this buffer was laid out for (None: a private copy)
-        self.src_layout = src_layout
+        self.src_layout: tuple[Any, ...] | None = None
 
 
 class Snapshot:

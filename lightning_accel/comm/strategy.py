@@ -123,26 +123,21 @@ def _writes_behind(io: CheckpointIO | None) -> bool:
     return isinstance(io, AsyncCheckpointIO) or getattr(io, "async_save", False) is True
 
 
-def _skip_save_barrier(strategy: DDPStrategy, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """The barrier after a save is skipped, on every rank alike, when the checkpoint IO writes in the background.
-
-    Lightning ends ``Trainer.save_checkpoint`` with a barrier so that every rank sees the file once it returns; a
-    background writer never gives that (the file lands later, on rank 0's writer thread), so the barrier would only
-    cost every save a round trip between the ranks. Every rank holds the same IO, so all skip it or none does.
-    """
-    name = args[0] if args else kwargs.get("name")
-    return name == SAVE_BARRIER and _writes_behind(strategy.checkpoint_io)
-
-
 class _BackgroundSavesDDP(DDPStrategy):
     """``DDPStrategy`` whose barrier after a save is skipped when the checkpoint IO writes in the background (the base
     of this module's strategies)."""
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        """DDP's barrier, except the one after a save when the checkpoint IO writes in the background (see
-        ``_skip_save_barrier``: it would only add a round trip between the ranks to every save)."""
-        if _skip_save_barrier(self, args, kwargs):
+        """DDP's barrier, except the one that ends ``Trainer.save_checkpoint`` when the checkpoint IO writes in the
+        background.
+
+        Lightning ends a save with that barrier so that every rank sees the file once it returns; a background writer
+        never gives that (the file lands later, on rank 0's writer thread), so the barrier would only cost every save
+        a round trip between the ranks. Every rank holds the same IO, so all skip it or none does.
+        """
+        name = args[0] if args else kwargs.get("name")
+        if name == SAVE_BARRIER and _writes_behind(self.checkpoint_io):
             return
         super().barrier(*args, **kwargs)
 
