@@ -327,18 +327,27 @@ def shutdown_persistent_workers(loader: DataLoader[Any], *, wait: bool = True) -
     Args:
         loader: the loader.
         wait: join the workers before returning; ``False``: detach them from ``loader`` now and stop them on a
-            daemon thread (returned), e.g. while the loader already serves its next epoch in the main process
-            (joining 2 idle workers took 64 ms on the 2-core development machine).
+            thread (returned; the interpreter waits for it at exit), e.g. while the loader already serves its next
+            epoch in the main process (joining 2 idle workers took 64 ms on the 2-core development machine).
     """
-    it = getattr(loader, "_iterator", None)
-    shutdown = getattr(it, "_shutdown_workers", None)
+    it: Any = getattr(loader, "_iterator", None)
     loader._iterator = None
-    if shutdown is None:
+    if getattr(it, "_shutdown_workers", None) is None:
         return None
     if wait:
-        shutdown()
+        it._shutdown_workers()
         return None
-    t = threading.Thread(target=shutdown, name="la-stop-workers", daemon=True)
+    box = [it]
+    del it
+
+    def stop() -> None:
+        # The iterator (and the batches it still holds) is released here, while the interpreter runs: a daemon thread
+        # that dropped tensors during interpreter shutdown was killed inside torch's C++ deallocator, and the whole
+        # process aborted ("terminate called without an active exception", SIGABRT) after a successful fit.
+        box.pop()._shutdown_workers()
+
+    # Not a daemon: the interpreter waits for it at exit (bounded by the DataLoader's own worker-join timeouts).
+    t = threading.Thread(target=stop, name="la-stop-workers")
     t.start()
     return t
 

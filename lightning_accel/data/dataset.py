@@ -16,11 +16,13 @@ DataLoader deals batches round-robin) and starts origin reads for their uncached
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import queue
 import random
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -522,18 +524,38 @@ def _reserving(it: Iterator[Any], pool: BufferPool, count: int) -> Iterator[Any]
             first = False
             images = batch[0] if isinstance(batch, (tuple, list)) and batch else None
             if isinstance(images, torch.Tensor) and images.dim() > 1:
+                # not a daemon: a daemon thread inside torch at interpreter exit aborts the process
                 threading.Thread(
-                    target=pool.reserve,
-                    args=(tuple(images.shape), images.dtype, count),
-                    name="la-reserve-buffers",
-                    daemon=True,
+                    target=pool.reserve, args=(tuple(images.shape), images.dtype, count), name="la-reserve-buffers"
                 ).start()
         yield batch
 
 
+#: the running :func:`_read_ahead` producers, stopped and joined at interpreter exit
+_PRODUCERS: set[tuple[threading.Event, threading.Thread]] = set()
+_PRODUCER_EXIT_WAIT_S = 10.0
+
+
+@atexit.register
+def _stop_producers() -> None:
+    """Stop and join the producers that are still running when the interpreter exits.
+
+    Why: a daemon thread still inside torch (a transform, a tensor freed) when the interpreter shuts down is killed
+    there, in C++ that cannot unwind, and the whole process aborts (SIGABRT) after a successful fit; a launcher such as
+    torchrun then reports the run failed. ``atexit`` runs while threads can still finish.
+    """
+    live = list(_PRODUCERS)
+    for stop, _ in live:
+        stop.set()
+    deadline = time.monotonic() + _PRODUCER_EXIT_WAIT_S
+    for _, t in live:
+        t.join(max(0.0, deadline - time.monotonic()))
+
+
 def _read_ahead(it: Iterator[Any], depth: int, name: str = "la-read-ahead") -> Iterator[Any]:
     """Iterate ``it`` on a daemon thread (``name``), ``depth`` items ahead of the consumer; errors re-raise in the
-    consumer."""
+    consumer. Closing the consumer early stops the thread and waits (at most :data:`_PRODUCER_EXIT_WAIT_S`) for the item
+    it is producing; so does interpreter exit."""
     q: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=depth)
     stop = threading.Event()
 
@@ -556,6 +578,8 @@ def _read_ahead(it: Iterator[Any], depth: int, name: str = "la-read-ahead") -> I
             put(("error", e))
 
     t = threading.Thread(target=produce, name=name, daemon=True)
+    entry = (stop, t)
+    _PRODUCERS.add(entry)
     t.start()
     try:
         while True:
@@ -567,3 +591,6 @@ def _read_ahead(it: Iterator[Any], depth: int, name: str = "la-read-ahead") -> I
             yield value
     finally:
         stop.set()
+        if t is not threading.current_thread():
+            t.join(_PRODUCER_EXIT_WAIT_S)
+        _PRODUCERS.discard(entry)

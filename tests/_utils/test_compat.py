@@ -280,6 +280,7 @@ def test_shutdown_persistent_workers_stops_them_now() -> None:
     workers = list(loader._iterator._workers)  # type: ignore[union-attr]
     t = compat.shutdown_persistent_workers(loader, wait=False)  # detached now, stopped behind
     assert loader._iterator is None and t is not None
+    assert not t.daemon  # the interpreter waits for it: no thread left inside torch at shutdown
     t.join(30)
     assert not any(w.is_alive() for w in workers)
     compat.shutdown_persistent_workers(_loader())  # no workers: nothing to do

@@ -5,6 +5,8 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -221,6 +223,46 @@ def test_read_ahead_thread_propagates_errors(small_digits: Path, tmp_path: Path)
     loader = CacheDataLoader(ds, batch_size=50, num_workers=0, warm_num_workers=0)
     with pytest.raises(OSError, match=r"7/\d+\.jpg"):
         _epoch(loader)
+
+
+def test_read_ahead_closed_early_stops_and_joins_its_thread() -> None:
+    from lightning_accel.data import dataset as dataset_mod
+
+    started = threading.Event()
+
+    def slow() -> Any:
+        for k in range(1000):
+            started.set()
+            time.sleep(0.01)
+            yield torch.full((8,), k)
+
+    gen = dataset_mod._read_ahead(slow(), 2, name="la-test-read-ahead")
+    assert int(next(gen)[0]) == 0 and started.is_set()
+    (entry,) = [e for e in dataset_mod._PRODUCERS if e[1].name == "la-test-read-ahead"]
+    gen.close()
+    assert not entry[1].is_alive() and entry not in dataset_mod._PRODUCERS
+
+
+def test_process_exits_cleanly_with_a_read_ahead_thread_inside_torch() -> None:
+    # A daemon thread still inside torch at interpreter shutdown used to abort the process (SIGABRT) after a
+    # successful fit; the producer left open here transforms tensors until the interpreter exits.
+    code = textwrap.dedent(
+        """
+        import torch
+        from lightning_accel.data import dataset
+        def batches():
+            while True:
+                x = torch.randn(64, 3, 32, 32)
+                yield (torch.nn.functional.interpolate(x, scale_factor=2.0), torch.arange(64))
+        gen = dataset._read_ahead(batches(), 4)
+        next(gen)
+        KEEP = gen  # never closed: stopped by the exit hook
+        print("ok", flush=True)
+        """
+    )
+    for _ in range(3):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 
 
 def test_s3_cold_then_warm_moves_each_byte_once(
