@@ -74,6 +74,7 @@ __all__ = [
     "module_call_impl",
     "pin_memory",
     "redirect_find_unused_parameters_advice",
+    "register_before_thread_shutdown",
     "record_cuda_memory_history",
     "scheduler_last_lr",
     "set_checkpoint_filesystem",
@@ -350,6 +351,24 @@ def shutdown_persistent_workers(loader: DataLoader[Any], *, wait: bool = True) -
     t = threading.Thread(target=stop, name="la-stop-workers")
     t.start()
     return t
+
+
+def register_before_thread_shutdown(fn: Callable[[], None]) -> None:
+    """Call ``fn`` at interpreter exit before non-daemon threads are joined and before ``concurrent.futures``'
+    executors refuse new work, so background work can still finish there (``atexit`` runs after both).
+
+    ``threading._register_atexit`` (CPython, since 3.9; private) calls its functions in reverse order of registration,
+    and ``concurrent.futures.thread`` registers its shutdown when imported: importing it first puts ``fn`` before it.
+    Where the hook is missing, ``atexit.register``.
+    """
+    import atexit
+    import concurrent.futures.thread  # noqa: F401 - registers its exit hook now, so ``fn`` runs before it
+
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:
+        atexit.register(fn)
+    else:
+        register(fn)
 
 
 @functools.cache

@@ -13,7 +13,9 @@ tensors to the CPU on the training thread.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import weakref
 from collections import deque
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -22,7 +24,8 @@ from lightning.fabric.plugins import CheckpointIO
 from typing_extensions import override
 
 from lightning_accel._utils.checks import check_bool
-from lightning_accel._utils.compat import PathType
+from lightning_accel._utils.compat import PathType, register_before_thread_shutdown
+from lightning_accel._utils.errors import one_line
 from lightning_accel.checkpoint.background import (
     BackgroundWriter,
     CheckpointSaveError,
@@ -35,6 +38,32 @@ from lightning_accel.checkpoint.reader import read_checkpoint_with
 from lightning_accel.checkpoint.store import GC_GRACE_S, DeltaStore, SaveStats
 
 __all__ = ["CheckpointSaveError", "DeltaCheckpointIO"]
+
+log = logging.getLogger(__name__)
+
+#: this process's plugins, whose queued saves are finished at interpreter exit (:func:`_finish_saves_at_exit`)
+_LIVE: weakref.WeakSet[DeltaCheckpointIO] = weakref.WeakSet()
+
+
+def _finish_saves_at_exit() -> None:
+    """Finish the saves still queued when the interpreter exits, then release the directories' writer locks.
+
+    Why: a save requested after ``fit`` (``trainer.save_checkpoint("final.ckpt")``: the plugin's ``teardown`` has
+    already run) returns once its snapshot is taken; the writer is a daemon thread, and at interpreter exit it would
+    be stopped mid-save and the checkpoint lost. Lightning's ``AsyncCheckpointIO`` finishes it (its executor's thread
+    is joined at exit); so does this, before the interpreter's executors stop taking work (the save's parallel IO
+    uses one). A failure can no longer be raised to the caller: it is logged.
+    """
+    for io in list(_LIVE):
+        try:
+            io._writer.close()
+        except BaseException as e:  # noqa: BLE001 - nothing to raise to at exit; the error is logged
+            log.error("A checkpoint save still queued at exit failed: %s", one_line(e))
+        finally:
+            io.store.close()
+
+
+register_before_thread_shutdown(_finish_saves_at_exit)
 
 
 class DeltaCheckpointIO(CheckpointIO):
@@ -149,6 +178,7 @@ class DeltaCheckpointIO(CheckpointIO):
         )
         self.store = DeltaStore(storage_options=storage_options, options=options, gc_grace_s=gc_grace_s)
         self._writer = BackgroundWriter(max_pending=max_pending, on_error=on_save_error, start_delay_s=write_delay_s)
+        _LIVE.add(self)
         self.max_pending = max_pending
         self.write_delay_s = self._writer.start_delay_s
         self.on_save_error = on_save_error

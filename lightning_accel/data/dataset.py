@@ -16,7 +16,6 @@ DataLoader deals batches round-robin) and starts origin reads for their uncached
 
 from __future__ import annotations
 
-import atexit
 import math
 import os
 import queue
@@ -32,7 +31,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, default_collate, get_worker_info
 
 from lightning_accel._utils.checks import check_int, check_number
-from lightning_accel._utils.compat import shutdown_persistent_workers
+from lightning_accel._utils.compat import register_before_thread_shutdown, shutdown_persistent_workers
 from lightning_accel._utils.forksafe import ForkSafeLock, PerProcess
 from lightning_accel.data.buffers import BufferPool
 from lightning_accel.data.cache import SampleCache
@@ -536,13 +535,13 @@ _PRODUCERS: set[tuple[threading.Event, threading.Thread]] = set()
 _PRODUCER_EXIT_WAIT_S = 10.0
 
 
-@atexit.register
 def _stop_producers() -> None:
     """Stop and join the producers that are still running when the interpreter exits.
 
     Why: a daemon thread still inside torch (a transform, a tensor freed) when the interpreter shuts down is killed
     there, in C++ that cannot unwind, and the whole process aborts (SIGABRT) after a successful fit; a launcher such as
-    torchrun then reports the run failed. ``atexit`` runs while threads can still finish.
+    torchrun then reports the run failed. This runs while threads can still finish, before the interpreter's
+    executors stop taking work (a producer may be reading through one).
     """
     live = list(_PRODUCERS)
     for stop, _ in live:
@@ -550,6 +549,9 @@ def _stop_producers() -> None:
     deadline = time.monotonic() + _PRODUCER_EXIT_WAIT_S
     for _, t in live:
         t.join(max(0.0, deadline - time.monotonic()))
+
+
+register_before_thread_shutdown(_stop_producers)
 
 
 def _read_ahead(it: Iterator[Any], depth: int, name: str = "la-read-ahead") -> Iterator[Any]:

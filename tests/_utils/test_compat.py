@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import os
 import socket
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, get_args
@@ -111,6 +112,7 @@ PRIVATE_NAMES: list[tuple[str, Callable[[], Any], str, str]] = [
         "_shutdown_workers",
         "shutdown_persistent_workers",
     ),
+    ("threading._register_atexit", lambda: threading, "_register_atexit", "register_before_thread_shutdown"),
     ("torch._C._storage_Use_Count", lambda: torch._C, "_storage_Use_Count", "storage_use_count_fn"),
     ("UntypedStorage._cdata", lambda: torch.empty(1).untyped_storage(), "_cdata", "storage_use_count_fn"),
     ("Tensor._typed_storage", lambda: torch.empty(1), "_typed_storage", "empty_shared"),

@@ -229,3 +229,38 @@ def test_a_failed_save_that_rebased_a_chain_restarts_it(tmp_path: Path, monkeypa
     fresh = DeltaStore()
     assert torch.equal(fresh.load(tmp_path / "a.ckpt")["w"], w0)
     assert torch.equal(fresh.load(tmp_path / "c.ckpt")["w"], w)
+
+
+# A save requested after `fit` (teardown already closed the writer) and then the script ends: the writer's thread
+# must finish it before the interpreter exits, as Lightning's `AsyncCheckpointIO` does.
+_SAVE_THEN_EXIT = """
+import sys
+import lightning as L
+from lightning_accel.checkpoint import DeltaCheckpointIO
+from tests.tiny import CheckpointModel, tiny_loader
+
+root = sys.argv[1]
+io = DeltaCheckpointIO(async_save=True)
+trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+                    enable_progress_bar=False, enable_model_summary=False, plugins=[io])
+trainer.fit(CheckpointModel(), tiny_loader())
+trainer.save_checkpoint(root + "/final.ckpt")
+print("ASKED", flush=True)
+"""
+
+
+def test_a_save_requested_just_before_the_process_exits_is_finished_and_readable(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from lightning_accel.checkpoint import read_checkpoint
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    root = tmp_path / "ckpt"
+    cmd = [sys.executable, "-c", _SAVE_THEN_EXIT, str(root)]
+    r = subprocess.run(cmd, env=env, cwd=repo, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0 and "ASKED" in r.stdout, r.stderr[-2000:]
+    state = read_checkpoint(str(root / "final.ckpt"))
+    assert state["global_step"] > 0 and state["state_dict"]
