@@ -294,6 +294,8 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
         #: ``overlap="auto"``'s timing of overlapped against serial compressed steps (made at setup where overlapping
         #: is safe; None otherwise)
         self._overlap_trial: comm.OverlapTrial | None = None
+        #: the overlap decision read from a checkpoint (adopted at setup: a resumed fit does not time both orders again)
+        self._overlap_loaded: dict[str, Any] | None = None
         #: ``warmup_steps="auto"``'s watch of the variance until the warm-up ends (None otherwise)
         self._warmup_watch: comm.WarmupWatch | None = None
         #: why 1-bit averaging was switched off for the rest of the fit (:meth:`switch_off`), or None
@@ -457,12 +459,27 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
         if self._overlap_arg == "auto":
             if self.overlap:  # safe: which order is faster is measured at the first compressed steps
                 self._overlap_trial = comm.OverlapTrial(clock=self.step_clock)
+                if self._adopt_overlap_decision():
+                    return
             rank_zero_info(
                 "ddp_1bit: compressed momentum during backward (overlap) or after it, whichever is faster in the "
                 "first compressed steps"
                 if self.overlap
                 else f"ddp_1bit: compressed momentum starts after backward (no overlap: {'; '.join(blockers)})"
             )
+
+    def _adopt_overlap_decision(self) -> bool:
+        """Adopt the overlap decision of the checkpoint being resumed (every rank reads the same one), if any."""
+        loaded, trial = self._overlap_loaded, self._overlap_trial
+        if loaded is None or trial is None:
+            return False
+        trial.decision = dict(loaded)
+        self.overlap = bool(loaded["overlap"])
+        rank_zero_info(
+            f"ddp_1bit overlap='auto': {'overlap' if self.overlap else 'serial'}, as decided at step {loaded['step']} "
+            "of the checkpointed run"
+        )
+        return True
 
     @property
     def overlap_decision(self) -> dict[str, Any] | None:
@@ -647,6 +664,8 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
             world = state.process_group is None or state.process_group is dist.group.WORLD
             gathered = comm.gather_state_dict(state, dst=0 if world else None)
             if gathered is not None:
+                # overlap="auto"'s decision, the same on every rank (None while it is being measured)
+                gathered["overlap_decision"] = self.overlap_decision
                 checkpoint[CHECKPOINT_KEY] = gathered
         elif self._onebit_loaded is not None:
             checkpoint[CHECKPOINT_KEY] = self._onebit_loaded
@@ -657,8 +676,11 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         payload = checkpoint.get(CHECKPOINT_KEY)
         if payload is not None:
+            decision = payload.get("overlap_decision")
+            self._overlap_loaded = dict(decision) if isinstance(decision, dict) else None
             if self._onebit_state is not None:  # already set up: apply now
                 self._onebit_state.load_state_dict(comm.select_rank_state(payload, self.global_rank), self.world_size)
+                self._adopt_overlap_decision()
             else:  # DDP restores before wrapping the model: apply when the hook is registered
                 self._onebit_loaded = payload
         return checkpoint

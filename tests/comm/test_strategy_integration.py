@@ -516,6 +516,36 @@ def _overlap_auto(tmp: str, name: str) -> dict:
     }
 
 
+@_scenario("overlap_auto_resume")
+def _overlap_auto_resume(tmp: str, name: str) -> dict:
+    """A fit resumed after ``overlap="auto"`` decided keeps the checkpointed decision: it does not time both orders
+    again (its own clock here would now favour overlapping)."""
+
+    class Clock:
+        def __init__(self, strategy, serial_wins: bool) -> None:
+            self.t, self.strategy, self.serial_wins = 0.0, strategy, serial_wins
+
+        def __call__(self) -> float:
+            fast = self.strategy.overlap != self.serial_wins
+            self.t += 0.5 if fast else 1.0
+            return self.t
+
+    kw = {"group_numel": 300, "bucket_cap_mb": 0.0005}
+    first = _onebit(overlap="auto", **kw)
+    first.step_clock = Clock(first, serial_wins=True)
+    trainer, _ = _fit(first, max_steps=12)
+    ckpt = str(Path(tmp) / "overlap_auto.ckpt")
+    trainer.save_checkpoint(ckpt)
+    resumed = _onebit(overlap="auto", **kw)
+    resumed.step_clock = Clock(resumed, serial_wins=False)
+    _fit(resumed, max_steps=20, ckpt=ckpt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        saved = torch.load(ckpt, weights_only=True)["lightning_accel_onebit"]["overlap_decision"]
+    out = {"first": first.overlap_decision, "saved": saved}
+    return {**out, "resumed": resumed.overlap_decision, "final": resumed.overlap}
+
+
 @_scenario("overlap_clip")
 def _overlap_clip(tmp: str, name: str) -> dict:
     """ "auto" turns overlap off for what needs the whole gradient; True refuses it with the reason."""
@@ -806,6 +836,15 @@ class TestOverlap:
             assert d["serial_s"] < d["overlap_s"]
             np.testing.assert_array_equal(r["params"], r["always"])  # the order never changes the result
         _same_on_both_ranks(results, "overlap_auto")
+
+    @uses("overlap_auto_resume")
+    def test_a_resumed_fit_keeps_the_checkpointed_overlap_decision(self, results: list[dict]) -> None:
+        for r in _get(results, "overlap_auto_resume"):
+            assert r["first"] is not None and r["first"]["overlap"] is False
+            assert r["saved"] == r["first"] and r["resumed"] == r["first"]
+            assert r["final"] is False  # not timed again: its clock would have chosen to overlap
+        r0, r1 = _get(results, "overlap_auto_resume")
+        assert r0["resumed"] == r1["resumed"]
 
     @uses("overlap_clip")
     def test_overlap_is_refused_or_turned_off_with_clipping(self, results: list[dict]) -> None:
