@@ -275,7 +275,8 @@ class SampleCache(ResetOnPickle):
         it, e.g. the main process before the DataLoader workers are up); returns the samples covered."""
         if self.packed is None or not self.prefetch:
             return 0
-        return self.packed.prefetch(self._uncached(list(dict.fromkeys(indices))))
+        # for other readers: this process marks nothing as needed by itself
+        return self.packed.prefetch(self._uncached(list(dict.fromkeys(indices))), need=False)
 
     def drop_pending(self) -> None:
         """Forget outstanding prefetches (new epoch order); reads already running finish in the background."""

@@ -44,6 +44,7 @@ import os
 import random
 import threading
 import time
+import uuid
 import warnings
 import zlib
 from collections import OrderedDict
@@ -72,6 +73,11 @@ _AHEAD_TTL_S = 900.0
 # Staged shards each process keeps mapped (least recently used dropped first): a sample read from a mapped shard needs
 # no open, and a shard evicted while this process still reads it stays readable through its map (see `read`).
 _MAPPED = 4
+
+
+def _reader_token() -> str:
+    """A name for one reader in one process (its "needed" markers in the stage directory carry it)."""
+    return uuid.uuid4().hex[:12]
 
 
 @dataclass
@@ -359,6 +365,8 @@ class PackedReader(ResetOnPickle):
         self.staged_refetches = 0  # staged copies that failed their CRC and were fetched again (this process)
         self._touched: PerProcess[dict[int, float]] = PerProcess(dict)  # shard -> when this process last touched it
         self._maps: PerProcess[OrderedDict[int, mmap.mmap]] = PerProcess(OrderedDict)  # shard -> its file, mapped
+        self._token: PerProcess[str] = PerProcess(_reader_token)
+        self._needs: PerProcess[set[int]] = PerProcess(set)  # shards this reader marked as needed, not read yet
 
     def _shard_lock(self, s: int) -> threading.Lock:
         with self._lock:
@@ -370,32 +378,64 @@ class PackedReader(ResetOnPickle):
     def _ahead_path(self, s: int) -> str:
         return os.path.join(self.stage_dir, f"{self._names[s]}.ahead")
 
-    def _ahead(self) -> tuple[set[str], int]:
-        """The node's read-ahead: (staged-file paths marked ahead, their bytes) over every process of the node.
+    def _need_path(self, s: int) -> str:
+        return os.path.join(self.stage_dir, f"{self._names[s]}.{self._token.get()}.need")
 
-        A marker counts from the moment a reader starts the shard's download until a reader reads a sample of it;
-        markers older than ``_AHEAD_TTL_S`` (their process died) do not count."""
+    def _ahead(self) -> tuple[set[str], int]:
+        """The node's read-ahead: (staged-file paths marked ahead or needed, their bytes, each shard once) over every
+        process of the node.
+
+        An ``.ahead`` marker counts from the moment a reader starts the shard's download until a reader reads a
+        sample of it; a ``.need`` marker, from the moment a reader finds a shard of its next batches already staged
+        or coming until that reader reads from it. Markers older than ``_AHEAD_TTL_S`` (their process died) do not
+        count."""
         marked: set[str] = set()
         total = 0
         now = time.time()
         try:
             with os.scandir(self.stage_dir) as it:
                 for e in it:
-                    if not e.name.endswith(".ahead"):
+                    if not (e.name.endswith(".ahead") or e.name.endswith(".need")):
                         continue
-                    s = self._by_name.get(e.name[: -len(".ahead")])
+                    s = self._by_name.get(e.name.split(".", 1)[0])
+                    if s is None or self._path(s) in marked:
+                        continue
                     with contextlib.suppress(FileNotFoundError):
-                        if s is not None and now - e.stat().st_mtime < _AHEAD_TTL_S:
+                        if now - e.stat().st_mtime < _AHEAD_TTL_S:
                             marked.add(self._path(s))
                             total += self.pack.shard_sizes[s]
         except FileNotFoundError:
             pass
         return marked, total
 
+    def _need(self, s: int) -> None:
+        """Mark shard ``s`` (staged, or being staged by another reader) as needed by this reader until it reads
+        from it, so that eviction spares it.
+
+        Why: the ``.ahead`` marker goes at the first read by *any* reader of the node, but a shard's samples are
+        spread over several readers' batches (DataLoader workers take batches in turn). A worker running ahead read
+        its batch of the shard, a newer shard's staging evicted it (least recently used), and the worker whose batch
+        came next fetched it again: a cold epoch under the window shuffle fetched 1.06-1.12x the pack in 3 of 9
+        runs."""
+        needs = self._needs.get()
+        if s in needs:
+            return
+        try:
+            os.close(os.open(self._need_path(s), os.O_CREAT | os.O_WRONLY, 0o644))
+        except OSError:
+            return  # not marked: eviction may take it, and a read stages it again
+        needs.add(s)
+
     def _release(self, s: int) -> None:
-        """Shard ``s`` was read from: it is no longer ahead (eviction may take it, least recently used first)."""
+        """Shard ``s`` was read from: it is no longer ahead, nor needed by this reader (eviction may take it, least
+        recently used first)."""
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._ahead_path(s))
+        needs = self._needs.get()
+        if s in needs:
+            needs.discard(s)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._need_path(s))
 
     # ---- staging -------------------------------------------------------------------------------------------------
     def _stage(self, s: int) -> str | None:
@@ -479,7 +519,7 @@ class PackedReader(ResetOnPickle):
                 os.unlink(p)  # another process may hold it open: its reads go on, the file is freed after
             total -= size
 
-    def prefetch(self, indices: Sequence[int]) -> int:
+    def prefetch(self, indices: Sequence[int], need: bool = True) -> int:
         """Start staging (on the store's thread pool) the shards of ``indices`` not staged yet; returns how many of
         ``indices`` lie in a shard whose download this call started.
 
@@ -489,17 +529,27 @@ class PackedReader(ResetOnPickle):
         process together had 1.5 stages ahead, and a cold epoch under the window shuffle (``stage_bytes`` = 1/4 of
         the pack) fetched 1.31x the pack in one run and 1.00x in another, depending on timing
         (``benchmarks/_data_shards.py`` measures the bytes read). One shard may always be ahead, so a stage smaller
-        than two shards still reads ahead."""
+        than two shards still reads ahead.
+
+        ``need``: this process will read ``indices`` itself, so shards of them already staged (or being staged by
+        another reader) are marked as needed by it until it reads from them (:meth:`_need`); ``False`` for staging
+        on behalf of other readers (the main process before its workers start)."""
         if not self.staging:
             return 0
         started: set[int] = set()
+        seen: set[int] = set()
         cap = max(max(self.pack.shard_sizes, default=1), self.stage_bytes // 2)
         with self._lock:
             inflight = self._inflight.get()
             ahead_bytes: int | None = None
             for i in indices:
                 s = self.pack.shard[i]
-                if s in started or s in inflight or os.path.exists(self._path(s)):
+                if s in seen:
+                    continue
+                seen.add(s)
+                if s in inflight or os.path.exists(self._path(s)):
+                    if need:
+                        self._need(s)  # staged or coming: keep it until this reader has read from it
                     continue
                 if ahead_bytes is None:
                     ahead_bytes = self._ahead()[1]  # one directory scan per call, only when there is work
@@ -509,7 +559,9 @@ class PackedReader(ResetOnPickle):
                     os.makedirs(self.stage_dir, exist_ok=True)
                     fd = os.open(self._ahead_path(s), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
                 except FileExistsError:
-                    continue  # another reader of the node started it
+                    if need:
+                        self._need(s)  # another reader of the node started it
+                    continue
                 except OSError as e:
                     self._disable(e)
                     return 0
@@ -536,12 +588,18 @@ class PackedReader(ResetOnPickle):
             self._inflight.get().pop(s, None)
 
     def drop_pending(self) -> None:
-        """Forget staging not started yet (downloads already running finish)."""
+        """Forget staging not started yet (downloads already running finish) and this reader's "needed" marks (a new
+        order: its next batches are others)."""
         with self._lock:
             inflight = self._inflight.get()
             for f in list(inflight.values()):  # a cancelled future runs its done-callback inline: it pops itself
                 f.cancel()
             inflight.clear()
+            needs = self._needs.get()
+            for s in list(needs):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self._need_path(s))
+            needs.clear()
 
     # ---- reads ---------------------------------------------------------------------------------------------------
     def _mapped(self, s: int) -> mmap.mmap | None:

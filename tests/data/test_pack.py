@@ -323,6 +323,38 @@ def test_a_slow_consumer_never_loses_a_shard_staged_ahead(
     assert not list((tmp_path / "shards").glob("*.ahead"))  # read: no longer ahead, eviction may take it
 
 
+def test_a_shard_another_reader_still_needs_survives_eviction_after_the_first_reader_read_it(
+    s3_bucket: tuple[str, dict[str, Any]], small_digits: Path, tmp_path: Path
+) -> None:
+    # Two workers of one node: each reads one batch of shard 0. The first reads its batch, then stages and reads
+    # newer shards; the second's batch comes later. Shard 0 must still be staged for it.
+    bucket, opts = s3_bucket
+    url = f"s3://{bucket}/packed"
+    listing = pack_origin(str(small_digits), url, dest_storage_options=opts, shard_bytes=10_000)
+    pack = listing.pack
+    assert pack is not None and len(pack.shards) >= 6
+    biggest = max(pack.shard_sizes)
+    first, second = (_cache(url, tmp_path, opts, stage_bytes=3 * biggest) for _ in range(2))
+    assert first.packed is not None and second.packed is not None
+    shard0 = [i for i in range(len(listing)) if pack.shard[i] == 0]
+    half = len(shard0) // 2
+    assert first.packed.prefetch(shard0[:half]) == half  # the first worker's batch: it stages shard 0
+    _wait_staged(first)
+    assert second.packed.prefetch(shard0[half:]) == 0  # the second's next batch: staged already, marked needed
+    first.load(shard0[:half])  # read: no longer ahead
+    staged0 = first.packed._path(0)
+    os.utime(staged0, (1, 1))  # the oldest file of the stage
+    first.load([i for i in range(len(listing)) if 1 <= pack.shard[i] <= 4])  # the stage overflows, eviction runs
+    assert os.path.exists(staged0)  # spared: the second reader has not read from it yet
+    second.load(shard0[half:])
+    assert second.stats.as_dict()["bytes_fetched"] == 0  # nothing fetched twice
+    assert not list((tmp_path / "shards").glob("*.need"))  # read: no longer needed, eviction may take it
+    second.packed.prefetch(shard0[half:])
+    assert len(list((tmp_path / "shards").glob("*.need"))) == 1
+    second.packed.drop_pending()  # a new epoch's order: the old marks go
+    assert not list((tmp_path / "shards").glob("*.need"))
+
+
 def test_read_ahead_is_capped_per_node_not_per_process(
     s3_bucket: tuple[str, dict[str, Any]], small_digits: Path, tmp_path: Path
 ) -> None:
