@@ -298,14 +298,20 @@ def _wait_staged(c: SampleCache) -> None:
         time.sleep(0.01)
 
 
-def test_a_slow_consumer_never_loses_a_shard_staged_ahead(
-    s3_bucket: tuple[str, dict[str, Any]], small_digits: Path, tmp_path: Path
-) -> None:
+def _packed_on_s3(s3_bucket: tuple[str, dict[str, Any]], small_digits: Path) -> tuple[str, dict[str, Any], Any]:
+    """The digits packed into shards of ~10 KB (at least 6) on the test bucket: ``(url, storage options, listing)``."""
     bucket, opts = s3_bucket
     url = f"s3://{bucket}/packed"
     listing = pack_origin(str(small_digits), url, dest_storage_options=opts, shard_bytes=10_000)
+    assert listing.pack is not None and len(listing.pack.shards) >= 6
+    return url, opts, listing
+
+
+def test_a_slow_consumer_never_loses_a_shard_staged_ahead(
+    s3_bucket: tuple[str, dict[str, Any]], small_digits: Path, tmp_path: Path
+) -> None:
+    url, opts, listing = _packed_on_s3(s3_bucket, small_digits)
     pack = listing.pack
-    assert pack is not None and len(pack.shards) >= 6
     biggest = max(pack.shard_sizes)
     c = _cache(url, tmp_path, opts, stage_bytes=3 * biggest)
     assert c.packed is not None
@@ -328,11 +334,8 @@ def test_a_shard_another_reader_still_needs_survives_eviction_after_the_first_re
 ) -> None:
     # Two workers of one node: each reads one batch of shard 0. The first reads its batch, then stages and reads
     # newer shards; the second's batch comes later. Shard 0 must still be staged for it.
-    bucket, opts = s3_bucket
-    url = f"s3://{bucket}/packed"
-    listing = pack_origin(str(small_digits), url, dest_storage_options=opts, shard_bytes=10_000)
+    url, opts, listing = _packed_on_s3(s3_bucket, small_digits)
     pack = listing.pack
-    assert pack is not None and len(pack.shards) >= 6
     biggest = max(pack.shard_sizes)
     first, second = (_cache(url, tmp_path, opts, stage_bytes=3 * biggest) for _ in range(2))
     assert first.packed is not None and second.packed is not None
