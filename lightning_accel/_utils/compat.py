@@ -338,17 +338,11 @@ def shutdown_persistent_workers(loader: DataLoader[Any], *, wait: bool = True) -
     if wait:
         it._shutdown_workers()
         return None
-    box = [it]
-    del it
-
-    def stop() -> None:
-        # The iterator (and the batches it still holds) is released here, while the interpreter runs: a daemon thread
-        # that dropped tensors during interpreter shutdown was killed inside torch's C++ deallocator, and the whole
-        # process aborted ("terminate called without an active exception", SIGABRT) after a successful fit.
-        box.pop()._shutdown_workers()
-
-    # Not a daemon: the interpreter waits for it at exit (bounded by the DataLoader's own worker-join timeouts).
-    t = threading.Thread(target=stop, name="la-stop-workers")
+    # Not a daemon: the interpreter waits for it at exit (bounded by the DataLoader's own worker-join timeouts), so the
+    # iterator and the batches it still holds are released while the interpreter runs. A daemon thread that dropped
+    # them during interpreter shutdown was killed inside torch's C++ deallocator, and the whole process aborted
+    # ("terminate called without an active exception", SIGABRT) after a successful fit.
+    t = threading.Thread(target=it._shutdown_workers, name="la-stop-workers")
     t.start()
     return t
 

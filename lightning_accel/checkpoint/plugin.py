@@ -46,7 +46,8 @@ _LIVE: weakref.WeakSet[DeltaCheckpointIO] = weakref.WeakSet()
 
 
 def _finish_saves_at_exit() -> None:
-    """Finish the saves still queued when the interpreter exits, then release the directories' writer locks.
+    """Finish the saves still queued when the interpreter exits, then release the directories' writer locks (each
+    plugin's :meth:`~DeltaCheckpointIO.teardown`).
 
     Why: a save requested after ``fit`` (``trainer.save_checkpoint("final.ckpt")``: the plugin's ``teardown`` has
     already run) returns once its snapshot is taken; the writer is a daemon thread, and at interpreter exit it would
@@ -56,11 +57,9 @@ def _finish_saves_at_exit() -> None:
     """
     for io in list(_LIVE):
         try:
-            io._writer.close()
+            io.teardown()
         except BaseException as e:  # noqa: BLE001 - nothing to raise to at exit; the error is logged
             log.error("A checkpoint save still queued at exit failed: %s", one_line(e))
-        finally:
-            io.store.close()
 
 
 register_before_thread_shutdown(_finish_saves_at_exit)
