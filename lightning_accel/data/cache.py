@@ -275,8 +275,28 @@ class SampleCache(ResetOnPickle):
         it, e.g. the main process before the DataLoader workers are up); returns the samples covered."""
         if self.packed is None or not self.prefetch:
             return 0
-        # for other readers: this process marks nothing as needed by itself
-        return self.packed.prefetch(self._uncached(list(dict.fromkeys(indices))), need=False)
+        return self.packed.prefetch(self._uncached(list(dict.fromkeys(indices))))
+
+    @property
+    def stages_shards(self) -> bool:
+        """True when reads go through shards staged on a node-wide stage (a packed remote origin, read ahead)."""
+        return self.packed is not None and self.packed.staging and self.prefetch
+
+    def need(self, group: str, batches: Sequence[tuple[int, Sequence[int]]], done: Callable[[int], bool]) -> None:
+        """Packed remote origins only: keep the staged shards of upcoming ``batches`` (``(batch, indices)`` of the
+        order ``group``) until each batch is read (:meth:`release_batch`); see
+        :meth:`~lightning_accel.data.pack.PackedReader.need`. Samples a local tier holds need no shard."""
+        if not self.stages_shards:
+            return
+        assert self.packed is not None
+        todo = [(b, self._uncached(list(dict.fromkeys(ix)))) for b, ix in batches]
+        self.packed.need(group, [(b, ix) for b, ix in todo if ix], done)
+
+    def release_batch(self, group: str, batch: int, indices: Sequence[int]) -> None:
+        """Packed remote origins only: batch ``batch`` of the order ``group`` (samples ``indices``) was read."""
+        if self.stages_shards:
+            assert self.packed is not None
+            self.packed.release_batch(group, batch, indices)
 
     def drop_pending(self) -> None:
         """Forget outstanding prefetches (new epoch order); reads already running finish in the background."""

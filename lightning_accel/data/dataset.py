@@ -45,7 +45,12 @@ __all__ = [
     "split_indices",
 ]
 
-_HDR = 3  # order array header: [epoch token, length, batch size]
+_HDR = 4  # order array header: [epoch token, length, batch size, the publishing process's id]
+
+
+def _publisher_id() -> int:
+    """A random id for the process that publishes a dataset's orders (it names the orders' "needed" markers)."""
+    return random.getrandbits(48) or 1
 
 
 def default_num_workers() -> int:
@@ -82,12 +87,14 @@ class _ReadAhead:
     """One process's view of the published order: where each dataset position sits in it, and the last batch this
     process has started reading ahead (a worker reads ahead for its own batches only)."""
 
-    __slots__ = ("hinted_to", "pos", "token")
+    __slots__ = ("group", "hinted_to", "marked_to", "pos", "token")
 
     def __init__(self) -> None:
         self.token = 0  # the order token `pos` was built for (0: none yet)
         self.pos: torch.Tensor | None = None  # dataset position -> position in the order (-1: not in it)
         self.hinted_to = -1
+        self.marked_to = -1  # the last batch whose staged shards this process has marked as needed
+        self.group = ""  # the order's name in the stage's "needed" markers: "<publisher id>-<token>"
 
 
 class CachedDataset(Dataset):
@@ -126,6 +133,11 @@ class CachedDataset(Dataset):
         # [token, n, batch_size, order...]: written by the sampler in the main process, read by workers.
         self._order = torch.zeros(_HDR + max(1, len(self.indices)), dtype=torch.int64)
         self._order.share_memory_()
+        # done[b] = 1 once batch b of the current order has been read (by any worker): a "needed" marker placed for
+        # a batch another worker already read is removed at once instead of outliving the epoch.
+        self._done = torch.zeros(max(1, len(self.indices)), dtype=torch.uint8)
+        self._done.share_memory_()
+        self._publisher: PerProcess[int] = PerProcess(_publisher_id)
         self._ahead: PerProcess[_ReadAhead] = PerProcess(_ReadAhead)
         self._lock = ForkSafeLock()
 
@@ -159,6 +171,8 @@ class CachedDataset(Dataset):
         self._order[_HDR : _HDR + n] = torch.as_tensor(list(order[:n]), dtype=torch.int64)
         self._order[1] = n
         self._order[2] = max(1, int(batch_size))
+        self._order[3] = self._publisher.get()
+        self._done[: math.ceil(n / max(1, int(batch_size))) if n else 0] = 0
         self._order[0] += 1  # the token last: a worker that sees it sees the order too
         if self.prefetch_batches > 0 and n:
             # A packed remote origin stages shards node-wide: start on the first batches' shards here (the main
@@ -184,7 +198,8 @@ class CachedDataset(Dataset):
             order = self._order[_HDR : _HDR + n]
             pos = torch.full((len(self.indices),), -1, dtype=torch.int64)
             pos[order] = torch.arange(n, dtype=torch.int64)
-            ahead.pos, ahead.token, ahead.hinted_to = pos, token, -1
+            ahead.pos, ahead.token, ahead.hinted_to, ahead.marked_to = pos, token, -1, -1
+            ahead.group = f"{int(self._order[3]):x}-{token}"
             self.cache.drop_pending()
         return ahead
 
@@ -224,6 +239,40 @@ class CachedDataset(Dataset):
             ahead.hinted_to = nb
         if upcoming:
             self.cache.hint([self.indices[i] for i in upcoming])
+        if self.cache.stages_shards:
+            self._mark_needed(ahead, b, n, bs, nw)
+
+    def _mark_needed(self, ahead: _ReadAhead, b: int, n: int, bs: int, nw: int) -> None:
+        """Mark the staged shards of every batch up to this worker's read-ahead horizon as needed by it, whichever
+        worker reads it (see :meth:`~lightning_accel.data.pack.PackedReader.need`): a worker that runs ahead must
+        not let a shard go that another worker's batch still needs."""
+        last = min(math.ceil(n / bs) - 1, b + self.prefetch_batches * nw)
+        first = max(ahead.marked_to, b) + 1
+        if first > last:
+            return
+        batches = [
+            (x, [self.indices[int(i)] for i in self._order[_HDR + x * bs : _HDR + min(n, (x + 1) * bs)]])
+            for x in range(first, last + 1)
+        ]
+        done = self._done
+        self.cache.need(ahead.group, batches, lambda x: bool(done[x]))
+        ahead.marked_to = last
+
+    def _batch_read(self, positions: Sequence[int]) -> None:
+        """This batch's shards are no longer needed by it (see :meth:`_mark_needed`)."""
+        if self.prefetch_batches <= 0 or not positions or not self.cache.stages_shards:
+            return
+        with self._lock:
+            ahead = self._refresh_order()
+            if ahead is None or ahead.pos is None:
+                return
+            p = int(ahead.pos[positions[0]])
+            group = ahead.group
+        if p < 0:
+            return
+        b = p // int(self._order[2])
+        self._done[b] = 1  # before the markers go: a late marker for it sees it done (see `need`)
+        self.cache.release_batch(group, b, [self.indices[q] for q in positions])
 
     # ---- reads ---------------------------------------------------------------------------------------------------
     def __getitems__(self, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -231,6 +280,7 @@ class CachedDataset(Dataset):
         self._read_ahead(positions)
         in_worker = get_worker_info() is not None
         res = self.cache.load([self.indices[p] for p in positions], shared=in_worker and self.transform is None)
+        self._batch_read(positions)
         if self.cache.writes_behind and self._ends_epoch(positions):
             # A worker's last batch of the epoch: commit its write-behind queue first, so the next epoch (any
             # worker, or the main process's warm check) finds every sample this epoch decoded.

@@ -20,11 +20,12 @@ Layout under the packed origin (documented in ``docs/data.md``):
   worker and rank of the node (a POSIX lock per shard: one process downloads, the others wait and read the file),
   then reading samples from the staged file. Read-ahead (:meth:`PackedReader.prefetch`) stages the shards of
   upcoming misses on the store's thread pool. Read-ahead is accounted per node, not per process: a shard staged
-  ahead carries an ``.ahead`` marker file in the stage directory until some reader of the node has read from it, at
-  most half of ``stage_bytes`` is ahead (in flight or staged, unread) for the whole node, and eviction never takes
-  a shard still marked ahead, so a slow consumer does not lose a shard it was about to read. Staged shards are
-  evicted least recently used first beyond ``stage_bytes``; with ``stage_bytes`` at least the pack's size, a
-  shuffled cold epoch reads every shard exactly once, and under the shard-window shuffle
+  ahead carries an ``.ahead`` marker file in the stage directory until some reader of the node has read from it, and
+  a ``.need`` marker per upcoming batch of a rank's order that reads from it until that batch is read
+  (:meth:`PackedReader.need`); marked shards are capped at ``stage_bytes`` less one shard for the whole node, and
+  eviction takes a marked shard only when nothing else can go, so a slow consumer does not lose a shard it was about
+  to read. Staged shards are evicted least recently used first beyond ``stage_bytes``; with ``stage_bytes`` at
+  least the pack's size, a shuffled cold epoch reads every shard exactly once, and under the shard-window shuffle
   (:mod:`lightning_accel.data.sampler`) a stage of a few windows is enough.
 
 Every sample read is checked against its CRC-32: a staged copy that fails is deleted and fetched again, a sample that
@@ -42,9 +43,9 @@ import json
 import mmap
 import os
 import random
+import re
 import threading
 import time
-import uuid
 import warnings
 import zlib
 from collections import OrderedDict
@@ -75,9 +76,8 @@ _AHEAD_TTL_S = 900.0
 _MAPPED = 4
 
 
-def _reader_token() -> str:
-    """A name for one reader in one process (its "needed" markers in the stage directory carry it)."""
-    return uuid.uuid4().hex[:12]
+# An order's name in "needed" markers: a rank's random hex id and its epoch counter (a file name, never a path).
+_GROUP = re.compile(r"[0-9a-f]{1,16}-[0-9]{1,18}")
 
 
 @dataclass
@@ -365,8 +365,9 @@ class PackedReader(ResetOnPickle):
         self.staged_refetches = 0  # staged copies that failed their CRC and were fetched again (this process)
         self._touched: PerProcess[dict[int, float]] = PerProcess(dict)  # shard -> when this process last touched it
         self._maps: PerProcess[OrderedDict[int, mmap.mmap]] = PerProcess(OrderedDict)  # shard -> its file, mapped
-        self._token: PerProcess[str] = PerProcess(_reader_token)
-        self._needs: PerProcess[set[int]] = PerProcess(set)  # shards this reader marked as needed, not read yet
+        # "needed" markers this process made, per order (group -> {(shard, batch)}), and each rank's latest order
+        self._needs: PerProcess[dict[str, set[tuple[int, int]]]] = PerProcess(dict)
+        self._latest: PerProcess[dict[str, int]] = PerProcess(dict)
 
     def _shard_lock(self, s: int) -> threading.Lock:
         with self._lock:
@@ -378,64 +379,113 @@ class PackedReader(ResetOnPickle):
     def _ahead_path(self, s: int) -> str:
         return os.path.join(self.stage_dir, f"{self._names[s]}.ahead")
 
-    def _need_path(self, s: int) -> str:
-        return os.path.join(self.stage_dir, f"{self._names[s]}.{self._token.get()}.need")
+    def _need_path(self, s: int, group: str, batch: int) -> str:
+        return os.path.join(self.stage_dir, f"{self._names[s]}.{group}.{batch}.need")
 
     def _ahead(self) -> tuple[set[str], int]:
-        """The node's read-ahead: (staged-file paths marked ahead or needed, their bytes, each shard once) over every
-        process of the node.
+        """The node's protected read-ahead: (staged-file paths that eviction spares, their bytes, each shard once)
+        over every process of the node.
 
-        An ``.ahead`` marker counts from the moment a reader starts the shard's download until a reader reads a
-        sample of it; a ``.need`` marker, from the moment a reader finds a shard of its next batches already staged
-        or coming until that reader reads from it. Markers older than ``_AHEAD_TTL_S`` (their process died) do not
-        count."""
+        A shard counts while it has an ``.ahead`` marker (from the moment a reader starts its download until a
+        reader reads a sample of it), or while it is staged and some batch of a rank's order still needs it (a
+        ``.need`` marker per shard and batch, see :meth:`need`). Markers older than ``_AHEAD_TTL_S`` (their process
+        died) do not count; "needed" markers of an order this process has seen replaced by a newer one of the same
+        rank (batches never read: an epoch cut short) are removed."""
         marked: set[str] = set()
         total = 0
         now = time.time()
+        latest = self._latest.get()
         try:
             with os.scandir(self.stage_dir) as it:
-                for e in it:
-                    if not (e.name.endswith(".ahead") or e.name.endswith(".need")):
-                        continue
-                    s = self._by_name.get(e.name.split(".", 1)[0])
-                    if s is None or self._path(s) in marked:
-                        continue
-                    with contextlib.suppress(FileNotFoundError):
-                        if now - e.stat().st_mtime < _AHEAD_TTL_S:
-                            marked.add(self._path(s))
-                            total += self.pack.shard_sizes[s]
+                entries = list(it)
         except FileNotFoundError:
-            pass
+            return marked, total
+        names = {e.name for e in entries}
+        for e in entries:
+            parts = e.name.split(".")
+            if parts[-1] not in ("ahead", "need"):
+                continue
+            s = self._by_name.get(parts[0])
+            if s is None or self._path(s) in marked:
+                continue
+            if parts[-1] == "need":
+                rank, _, epoch = parts[1].rpartition("-")
+                if epoch.isdigit() and int(epoch) < latest.get(rank, -1):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(e.path)  # a stale order's leftover
+                    continue
+                if f"{parts[0]}.shard" not in names:
+                    continue  # needed but not staged (nor coming: that is an `.ahead`): nothing to spare
+            with contextlib.suppress(FileNotFoundError):
+                if now - e.stat().st_mtime < _AHEAD_TTL_S:
+                    marked.add(self._path(s))
+                    total += self.pack.shard_sizes[s]
         return marked, total
 
-    def _need(self, s: int) -> None:
-        """Mark shard ``s`` (staged, or being staged by another reader) as needed by this reader until it reads
-        from it, so that eviction spares it.
-
-        Why: the ``.ahead`` marker goes at the first read by *any* reader of the node, but a shard's samples are
-        spread over several readers' batches (DataLoader workers take batches in turn). A worker running ahead read
-        its batch of the shard, a newer shard's staging evicted it (least recently used), and the worker whose batch
-        came next fetched it again: a cold epoch under the window shuffle fetched 1.06-1.12x the pack in 3 of 9
-        runs."""
-        needs = self._needs.get()
-        if s in needs:
+    def _note_group(self, group: str) -> None:
+        """Record ``group`` ("<rank>-<epoch>") as its rank's current order; markers this process left for an older
+        order of that rank (batches it never saw read) are removed."""
+        if not _GROUP.fullmatch(group):
+            raise ValueError(f"`group` must look like '<hex rank>-<epoch>', got {group!r}.")
+        rank, _, epoch = group.rpartition("-")
+        latest = self._latest.get()
+        if int(epoch) <= latest.get(rank, -1):
             return
-        try:
-            os.close(os.open(self._need_path(s), os.O_CREAT | os.O_WRONLY, 0o644))
-        except OSError:
-            return  # not marked: eviction may take it, and a read stages it again
-        needs.add(s)
+        latest[rank] = int(epoch)
+        made = self._needs.get()
+        for old in [g for g in made if g != group and g.rpartition("-")[0] == rank]:
+            for s, b in made.pop(old):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self._need_path(s, old, b))
+
+    def need(self, group: str, batches: Sequence[tuple[int, Sequence[int]]], done: Callable[[int], bool]) -> None:
+        """Mark the shards of upcoming ``batches`` (``(batch, sample indices)`` of the order ``group``: one rank's
+        epoch) as needed until that batch is read (:meth:`release_batch`): eviction spares a staged shard while any
+        batch of any rank's order still needs it. ``done(batch)``: that batch has been read already (its marker, if
+        this call raced the read, is removed again).
+
+        Why per batch, and for every reader's batches: a shard's samples are spread over several readers' batches
+        (DataLoader workers take batches in turn, and each runs at its own pace). With one marker per reader, placed
+        for its own next batches and removed at its first read, a worker running ahead read its batch of a shard,
+        the other worker had not marked its own batch of it yet, a newer shard's staging evicted it, and the shard
+        was fetched again: a cold epoch under the window shuffle fetched 1.12x the pack in 1 of 5 runs of the quick
+        benchmark. Marking every batch of the horizon, whoever reads it, closes that gap."""
+        if not self.staging:
+            return
+        self._note_group(group)
+        made = self._needs.get().setdefault(group, set())
+        for b, indices in batches:
+            for s in {self.pack.shard[i] for i in indices}:
+                if (s, b) in made:
+                    continue
+                path = self._need_path(s, group, b)
+                try:
+                    os.makedirs(self.stage_dir, exist_ok=True)
+                    os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o644))
+                except OSError:
+                    return  # not marked: eviction may take it, and a read stages it again
+                if done(b):  # its reader finished between our check of the horizon and the marker
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)
+                    continue
+                made.add((s, b))
+
+    def release_batch(self, group: str, batch: int, indices: Sequence[int]) -> None:
+        """Batch ``batch`` of the order ``group`` was read (its samples ``indices``): its shards are no longer needed
+        by it (by whichever process marked them)."""
+        if not self.staging:
+            return
+        made = self._needs.get().get(group)
+        for s in {self.pack.shard[i] for i in indices}:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._need_path(s, group, batch))
+            if made is not None:
+                made.discard((s, batch))
 
     def _release(self, s: int) -> None:
-        """Shard ``s`` was read from: it is no longer ahead, nor needed by this reader (eviction may take it, least
-        recently used first)."""
+        """Shard ``s`` was read from: it is no longer ahead (the batches that still need it keep their markers)."""
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._ahead_path(s))
-        needs = self._needs.get()
-        if s in needs:
-            needs.discard(s)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._need_path(s))
 
     # ---- staging -------------------------------------------------------------------------------------------------
     def _stage(self, s: int) -> str | None:
@@ -499,9 +549,19 @@ class PackedReader(ResetOnPickle):
 
     def _evict(self, keep: str) -> None:
         """Delete least recently used staged shards until the stage holds ``stage_bytes``, sparing ``keep`` (being
-        read) and every shard still marked ahead (a reader of the node is about to read it; the node-wide cap in
-        :meth:`prefetch` keeps those at most half the stage)."""
-        ahead, _ = self._ahead()
+        read) and, while anything else can go, every shard still marked ahead or needed (a reader of the node is
+        about to read it; the node-wide cap in :meth:`prefetch` keeps those below the stage). ``stage_bytes`` is a
+        bound on disk use: when only marked shards are left (e.g. a global shuffle, where every upcoming batch
+        needs most shards) they go too, least recently used first, and are fetched again when read.
+
+        One eviction at a time on the node (a thread lock, then a record lock on ``evict.lock``): two stagings that
+        finished together each counted the other's victims as still there and deleted twice what the stage needed,
+        marked shards included (seen with one core kept busy: shards a batch had yet to read were evicted)."""
+        with self._lock, open(os.path.join(self.stage_dir, "evict.lock"), "a+b") as lock:
+            _lock_shard(lock)  # the same EDEADLK-tolerant wait as a shard's lock (a holder never waits for one)
+            self._evict_locked(keep)
+
+    def _evict_locked(self, keep: str) -> None:
         files = []
         with os.scandir(self.stage_dir) as it:
             for e in it:
@@ -509,64 +569,63 @@ class PackedReader(ResetOnPickle):
                     with contextlib.suppress(FileNotFoundError):
                         st = e.stat()
                         files.append((st.st_mtime, st.st_size, e.path))
+        ahead, _ = self._ahead()  # after the listing: a shard staged and marked in between is not in it
         total = sum(f[1] for f in files)
-        for _, size, p in sorted(files):
-            if total <= self.stage_bytes:
-                break
-            if p == keep or p in ahead:
-                continue
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(p)  # another process may hold it open: its reads go on, the file is freed after
-            total -= size
+        files.sort()
+        for spare_marked in (True, False):
+            for _, size, p in files:
+                if total <= self.stage_bytes:
+                    return
+                if p == keep or (spare_marked and p in ahead) or not os.path.exists(p):
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(p)  # another process may hold it open: its reads go on, the file is freed after
+                total -= size
 
-    def prefetch(self, indices: Sequence[int], need: bool = True) -> int:
+    def prefetch(self, indices: Sequence[int]) -> int:
         """Start staging (on the store's thread pool) the shards of ``indices`` not staged yet; returns how many of
         ``indices`` lie in a shard whose download this call started.
 
-        At most half the stage is ahead *for the whole node* (every worker and rank: the ``.ahead`` markers in the
-        stage directory), whatever the number of readers: read-ahead beyond what the stage holds would evict shards
-        staged for upcoming batches before they are read. With a cap per process instead, 2 workers and the main
-        process together had 1.5 stages ahead, and a cold epoch under the window shuffle (``stage_bytes`` = 1/4 of
-        the pack) fetched 1.31x the pack in one run and 1.00x in another, depending on timing
+        Marked shards (ahead or needed, see :meth:`_ahead`) are capped *for the whole node* (every worker and rank:
+        the markers live in the stage directory), whatever the number of readers, at ``stage_bytes`` less one shard:
+        read-ahead beyond what the stage holds would evict shards staged for upcoming batches before they are read,
+        and one shard's room is left for a read that stages inline. With a cap per process instead, 2 workers and
+        the main process together had 1.5 stages ahead, and a cold epoch under the window shuffle (``stage_bytes`` =
+        1/4 of the pack) fetched 1.31x the pack in one run and 1.00x in another, depending on timing
         (``benchmarks/_data_shards.py`` measures the bytes read). One shard may always be ahead, so a stage smaller
-        than two shards still reads ahead.
-
-        ``need``: this process will read ``indices`` itself, so shards of them already staged (or being staged by
-        another reader) are marked as needed by it until it reads from them (:meth:`_need`); ``False`` for staging
-        on behalf of other readers (the main process before its workers start)."""
+        than two shards still reads ahead."""
         if not self.staging:
             return 0
         started: set[int] = set()
         seen: set[int] = set()
-        cap = max(max(self.pack.shard_sizes, default=1), self.stage_bytes // 2)
+        biggest = max(self.pack.shard_sizes, default=1)
+        cap = max(biggest, self.stage_bytes - biggest)
         with self._lock:
             inflight = self._inflight.get()
-            ahead_bytes: int | None = None
+            ahead: tuple[set[str], int] | None = None
             for i in indices:
                 s = self.pack.shard[i]
                 if s in seen:
                     continue
                 seen.add(s)
                 if s in inflight or os.path.exists(self._path(s)):
-                    if need:
-                        self._need(s)  # staged or coming: keep it until this reader has read from it
                     continue
-                if ahead_bytes is None:
-                    ahead_bytes = self._ahead()[1]  # one directory scan per call, only when there is work
+                if ahead is None:
+                    ahead = self._ahead()  # one directory scan per call, only when there is work
+                marked, ahead_bytes = ahead
                 if ahead_bytes + self.pack.shard_sizes[s] > cap:
                     break
                 try:
                     os.makedirs(self.stage_dir, exist_ok=True)
                     fd = os.open(self._ahead_path(s), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
                 except FileExistsError:
-                    if need:
-                        self._need(s)  # another reader of the node started it
-                    continue
+                    continue  # another reader of the node started it
                 except OSError as e:
                     self._disable(e)
                     return 0
                 os.close(fd)
-                ahead_bytes += self.pack.shard_sizes[s]
+                if self._path(s) not in marked:
+                    ahead = (marked | {self._path(s)}, ahead_bytes + self.pack.shard_sizes[s])
                 fut = self.store.run(self._stage_quietly, s)
                 inflight[s] = fut
                 fut.add_done_callback(functools.partial(self._done, s))
@@ -588,18 +647,13 @@ class PackedReader(ResetOnPickle):
             self._inflight.get().pop(s, None)
 
     def drop_pending(self) -> None:
-        """Forget staging not started yet (downloads already running finish) and this reader's "needed" marks (a new
-        order: its next batches are others)."""
+        """Forget staging not started yet (a new order: its next batches are others); downloads already running
+        finish. The old order's "needed" markers go when :meth:`need` first sees the new order."""
         with self._lock:
             inflight = self._inflight.get()
             for f in list(inflight.values()):  # a cancelled future runs its done-callback inline: it pops itself
                 f.cancel()
             inflight.clear()
-            needs = self._needs.get()
-            for s in list(needs):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self._need_path(s))
-            needs.clear()
 
     # ---- reads ---------------------------------------------------------------------------------------------------
     def _mapped(self, s: int) -> mmap.mmap | None:

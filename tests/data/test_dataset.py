@@ -27,6 +27,8 @@ from lightning_accel.data import (
     list_origin,
 )
 
+from lightning_accel.data.dataset import _HDR
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -115,7 +117,7 @@ def test_read_ahead_state_is_per_process(small_digits: Path, tmp_cache_dir: Path
     ds.__getitems__(order[0:10])  # this process has read ahead up to batch 2
     assert ds._ahead.get().hinted_to == 2
     copy = pickle.loads(pickle.dumps(ds))  # a spawned worker: the published order travels, the hints do not
-    assert copy._ahead.get().hinted_to == -1 and copy._order[3:203].tolist() == order
+    assert copy._ahead.get().hinted_to == -1 and copy._order[_HDR : _HDR + 200].tolist() == order
     pid = os.fork()
     if pid == 0:  # a forked worker starts from its own batches too
         os._exit(0 if ds._ahead.get().hinted_to == -1 and ds._ahead.get().pos is None else 1)
@@ -132,7 +134,7 @@ def test_sampler_publishes_the_order_and_shards_ranks(small_digits: Path, tmp_ca
     o0 = list(s0)
     assert sorted(o0 + o1) == list(range(200))
     assert int(ds._order[0]) == 2 and int(ds._order[1]) == 100 and int(ds._order[2]) == 10
-    assert ds._order[3:103].tolist() == o0  # the last published order (this rank's)
+    assert ds._order[_HDR : _HDR + 100].tolist() == o0  # the last published order (this rank's)
 
 
 def test_read_ahead_fetches_the_next_batches_of_this_reader(small_digits: Path, tmp_cache_dir: Path) -> None:

@@ -329,11 +329,12 @@ def test_a_slow_consumer_never_loses_a_shard_staged_ahead(
     assert not list((tmp_path / "shards").glob("*.ahead"))  # read: no longer ahead, eviction may take it
 
 
-def test_a_shard_another_reader_still_needs_survives_eviction_after_the_first_reader_read_it(
+def test_a_shard_a_later_batch_still_needs_survives_eviction_after_the_first_reader_read_it(
     s3_bucket: tuple[str, dict[str, Any]], small_digits: Path, tmp_path: Path
 ) -> None:
-    # Two workers of one node: each reads one batch of shard 0. The first reads its batch, then stages and reads
-    # newer shards; the second's batch comes later. Shard 0 must still be staged for it.
+    # Two workers of one rank: batch 0 (the first worker's) and batch 1 (the second's) both read shard 0. The first
+    # marks its horizon (batch 1 included, whoever reads it), reads batch 0, then stages and reads newer shards
+    # before the second has marked anything. Shard 0 must still be staged for batch 1.
     url, opts, listing = _packed_on_s3(s3_bucket, small_digits)
     pack = listing.pack
     biggest = max(pack.shard_sizes)
@@ -341,21 +342,108 @@ def test_a_shard_another_reader_still_needs_survives_eviction_after_the_first_re
     assert first.packed is not None and second.packed is not None
     shard0 = [i for i in range(len(listing)) if pack.shard[i] == 0]
     half = len(shard0) // 2
+    done: set[int] = set()
     assert first.packed.prefetch(shard0[:half]) == half  # the first worker's batch: it stages shard 0
+    first.need("a1-1", [(1, shard0[half:])], done.__contains__)  # its horizon: the other worker's batch 1
     _wait_staged(first)
-    assert second.packed.prefetch(shard0[half:]) == 0  # the second's next batch: staged already, marked needed
     first.load(shard0[:half])  # read: no longer ahead
+    done.add(0)
+    first.release_batch("a1-1", 0, shard0[:half])
     staged0 = first.packed._path(0)
     os.utime(staged0, (1, 1))  # the oldest file of the stage
     first.load([i for i in range(len(listing)) if 1 <= pack.shard[i] <= 4])  # the stage overflows, eviction runs
-    assert os.path.exists(staged0)  # spared: the second reader has not read from it yet
+    assert os.path.exists(staged0)  # spared: batch 1 has not been read yet
     second.load(shard0[half:])
+    done.add(1)
+    second.release_batch("a1-1", 1, shard0[half:])
     assert second.stats.as_dict()["bytes_fetched"] == 0  # nothing fetched twice
     assert not list((tmp_path / "shards").glob("*.need"))  # read: no longer needed, eviction may take it
-    second.packed.prefetch(shard0[half:])
-    assert len(list((tmp_path / "shards").glob("*.need"))) == 1
-    second.packed.drop_pending()  # a new epoch's order: the old marks go
+    # A marker placed for a batch its reader already finished goes at once (the late worker raced the read).
+    second.need("a1-1", [(1, shard0[half:])], done.__contains__)
     assert not list((tmp_path / "shards").glob("*.need"))
+    # A new order of the same rank removes what the old one left (batches never read: an epoch cut short).
+    unread = [i for i in range(len(listing)) if pack.shard[i] == 5]  # marked only while no tier holds a sample
+    second.need("a1-1", [(7, unread)], done.__contains__)
+    assert len(list((tmp_path / "shards").glob("*.need"))) == 1
+    second.need("a1-2", [], done.__contains__)
+    assert not list((tmp_path / "shards").glob("*.need"))
+    with pytest.raises(ValueError, match="`group` must look like"):
+        second.need("../a1-3", [(0, shard0)], done.__contains__)  # a marker name never leaves the stage
+
+
+def test_a_worker_marks_the_shards_of_the_other_workers_upcoming_batches(
+    s3_bucket: tuple[str, dict[str, Any]], small_digits: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import types
+
+    import lightning_accel.data.dataset as dataset_mod
+    from lightning_accel.data import CachedDataset, EpochOrderSampler
+
+    url, opts, listing = _packed_on_s3(s3_bucket, small_digits)
+    pack = listing.pack
+    c = _cache(url, tmp_path, opts, stage_bytes=3 * max(pack.shard_sizes), prefetch=True)
+    ds = CachedDataset(c, prefetch_batches=1)
+    bs = sum(1 for s in pack.shard if s == 0) // 2  # batches 0 and 1 both read shard 0
+    order = list(EpochOrderSampler(ds, batch_size=bs, shuffle=False))
+    stage = tmp_path / "shards"
+    monkeypatch.setattr(dataset_mod, "get_worker_info", lambda: types.SimpleNamespace(num_workers=2, id=0))
+    ds.__getitems__(order[:bs])  # worker 0 reads batch 0; its horizon is batches 1 and 2, whoever reads them
+    assert {p.name.split(".")[-2] for p in stage.glob("*.need")} == {"1", "2"}
+    assert {pack.shard[i] for i in order[bs : 2 * bs]} == {0}
+    assert len(list(stage.glob("*.1.need"))) == 1  # shard 0 stays for batch 1 (worker 1's)
+    monkeypatch.setattr(dataset_mod, "get_worker_info", lambda: types.SimpleNamespace(num_workers=2, id=1))
+    ds.__getitems__(order[bs : 2 * bs])  # worker 1 reads batch 1: done, its markers go
+    assert not list(stage.glob("*.1.need")) and int(ds._done[1]) == 1
+    assert c.stats.as_dict()["bytes_fetched"] <= sum(pack.shard_sizes[:2])  # shard 0 once (and shard 1 ahead)
+
+
+def test_evictions_that_run_together_delete_only_what_the_stage_needs(
+    s3_bucket: tuple[str, dict[str, Any]], small_digits: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+    import time
+
+    url, opts, listing = _packed_on_s3(s3_bucket, small_digits)
+    pack = listing.pack
+    c = _cache(url, tmp_path, opts, stage_bytes=sum(pack.shard_sizes[:4]))
+    r = c.packed
+    assert r is not None
+    (tmp_path / "shards").mkdir()
+    for s in range(6):  # six shards staged, oldest first: two too many
+        Path(r._path(s)).write_bytes(b"x" * pack.shard_sizes[s])
+        os.utime(r._path(s), (s + 1, s + 1))
+    scan = r._ahead
+
+    def slow_scan() -> tuple[set[str], int]:
+        time.sleep(0.2)  # both evictions have looked before either deletes
+        return scan()
+
+    monkeypatch.setattr(r, "_ahead", slow_scan)
+    threads = [threading.Thread(target=r._evict, args=(r._path(5),)) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(p.name for p in (tmp_path / "shards").glob("*.shard")) == sorted(
+        Path(r._path(s)).name for s in range(2, 6)
+    )  # the two oldest went, and only they
+
+
+def test_the_stage_bound_holds_when_every_staged_shard_is_needed(
+    s3_bucket: tuple[str, dict[str, Any]], small_digits: Path, tmp_path: Path
+) -> None:
+    # A global shuffle: every upcoming batch needs most shards. Marked shards are spared only while something
+    # else can go; `stage_bytes` stays a bound on disk use.
+    url, opts, listing = _packed_on_s3(s3_bucket, small_digits)
+    pack = listing.pack
+    biggest = max(pack.shard_sizes)
+    c = _cache(url, tmp_path, opts, stage_bytes=2 * biggest)
+    everything = list(range(len(listing)))
+    c.need("b2-1", [(b, everything) for b in range(4)], lambda b: False)
+    c.load(everything)
+    staged = list((tmp_path / "shards").glob("*.shard"))
+    assert sum(p.stat().st_size for p in staged) <= 3 * biggest  # the stage, plus the shard being read
+    assert len(list((tmp_path / "shards").glob("*.need"))) == 4 * len(pack.shards)
 
 
 def test_read_ahead_is_capped_per_node_not_per_process(
@@ -376,7 +464,9 @@ def test_read_ahead_is_capped_per_node_not_per_process(
     for r in readers:
         _wait_staged(r)
     staged = list((tmp_path / "shards").glob("*.shard"))
-    assert len(staged) >= 1 and sum(p.stat().st_size for p in staged) <= 2 * biggest  # half the stage, node-wide
+    assert (
+        len(staged) >= 1 and sum(p.stat().st_size for p in staged) <= 3 * biggest
+    )  # the stage less a shard, node-wide
     assert len(list((tmp_path / "shards").glob("*.ahead"))) == len(staged)
 
 
