@@ -35,6 +35,7 @@ from lightning_accel._utils.compat import register_before_thread_shutdown, shutd
 from lightning_accel._utils.forksafe import ForkSafeLock, PerProcess
 from lightning_accel.data.buffers import BufferPool
 from lightning_accel.data.cache import SampleCache
+from lightning_accel.data.pack import new_publisher_id, order_group
 
 __all__ = [
     "CacheDataLoader",
@@ -46,11 +47,6 @@ __all__ = [
 ]
 
 _HDR = 4  # order array header: [epoch token, length, batch size, the publishing process's id]
-
-
-def _publisher_id() -> int:
-    """A random id for the process that publishes a dataset's orders (it names the orders' "needed" markers)."""
-    return random.getrandbits(48) or 1
 
 
 def default_num_workers() -> int:
@@ -94,7 +90,7 @@ class _ReadAhead:
         self.pos: torch.Tensor | None = None  # dataset position -> position in the order (-1: not in it)
         self.hinted_to = -1
         self.marked_to = -1  # the last batch whose staged shards this process has marked as needed
-        self.group = ""  # the order's name in the stage's "needed" markers: "<publisher id>-<token>"
+        self.group = ""  # the order's name in the stage's "needed" markers (`pack.order_group`)
 
 
 class CachedDataset(Dataset):
@@ -137,7 +133,7 @@ class CachedDataset(Dataset):
         # a batch another worker already read is removed at once instead of outliving the epoch.
         self._done = torch.zeros(max(1, len(self.indices)), dtype=torch.uint8)
         self._done.share_memory_()
-        self._publisher: PerProcess[int] = PerProcess(_publisher_id)
+        self._publisher: PerProcess[int] = PerProcess(new_publisher_id)
         self._ahead: PerProcess[_ReadAhead] = PerProcess(_ReadAhead)
         self._lock = ForkSafeLock()
 
@@ -199,7 +195,7 @@ class CachedDataset(Dataset):
             pos = torch.full((len(self.indices),), -1, dtype=torch.int64)
             pos[order] = torch.arange(n, dtype=torch.int64)
             ahead.pos, ahead.token, ahead.hinted_to, ahead.marked_to = pos, token, -1, -1
-            ahead.group = f"{int(self._order[3]):x}-{token}"
+            ahead.group = order_group(int(self._order[3]), token)
             self.cache.drop_pending()
         return ahead
 

@@ -76,8 +76,33 @@ _AHEAD_TTL_S = 900.0
 _MAPPED = 4
 
 
-# An order's name in "needed" markers: a rank's random hex id and its epoch counter (a file name, never a path).
+# An order's name in "needed" markers: its publisher's id in hex and its epoch counter (a file name, never a path).
 _GROUP = re.compile(r"[0-9a-f]{1,16}-[0-9]{1,18}")
+_PID_SHIFT = 20  # a publisher id is its process id shifted left by this, plus random low bits
+
+
+def new_publisher_id() -> int:
+    """An id for a process that publishes epoch orders (a rank's main process): its pid in the high bits, so a
+    reader can tell that an order's publisher died (its "needed" markers then protect nothing), and random low bits,
+    so a reused pid or another job sharing the stage does not collide."""
+    return (os.getpid() << _PID_SHIFT) | random.getrandbits(_PID_SHIFT) | 1
+
+
+def order_group(publisher: int, epoch: int) -> str:
+    """The name of one epoch's order of one publisher in "needed" markers (see :meth:`PackedReader.need`)."""
+    return f"{publisher:x}-{epoch}"
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return True  # no process named: assume its batches may still come
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, another user's
+        return True
+    return True
 
 
 @dataclass
@@ -389,8 +414,10 @@ class PackedReader(ResetOnPickle):
         A shard counts while it has an ``.ahead`` marker (from the moment a reader starts its download until a
         reader reads a sample of it), or while it is staged and some batch of a rank's order still needs it (a
         ``.need`` marker per shard and batch, see :meth:`need`). Markers older than ``_AHEAD_TTL_S`` (their process
-        died) do not count; "needed" markers of an order this process has seen replaced by a newer one of the same
-        rank (batches never read: an epoch cut short) are removed."""
+        died) do not count, nor do "needed" markers whose order's publisher (the rank's main process, see
+        :func:`new_publisher_id`) is gone: after a rank is killed and restarted its old markers would otherwise hold
+        their shards for those minutes. "Needed" markers of an order this process has seen replaced by a newer one of
+        the same rank (batches never read: an epoch cut short) are removed."""
         marked: set[str] = set()
         total = 0
         now = time.time()
@@ -401,6 +428,7 @@ class PackedReader(ResetOnPickle):
         except FileNotFoundError:
             return marked, total
         names = {e.name for e in entries}
+        alive: dict[str, bool] = {}
         for e in entries:
             parts = e.name.split(".")
             if parts[-1] not in ("ahead", "need"):
@@ -416,6 +444,10 @@ class PackedReader(ResetOnPickle):
                     continue
                 if f"{parts[0]}.shard" not in names:
                     continue  # needed but not staged (nor coming: that is an `.ahead`): nothing to spare
+                if rank not in alive:
+                    alive[rank] = _alive(int(rank, 16) >> _PID_SHIFT) if _GROUP.fullmatch(parts[1]) else False
+                if not alive[rank]:
+                    continue  # its rank died (e.g. killed, and restarted under a new id): no batch of it will come
             with contextlib.suppress(FileNotFoundError):
                 if now - e.stat().st_mtime < _AHEAD_TTL_S:
                     marked.add(self._path(s))

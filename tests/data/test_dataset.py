@@ -26,7 +26,6 @@ from lightning_accel.data import (
     decode_entry,
     list_origin,
 )
-
 from lightning_accel.data.dataset import _HDR
 
 REPO = Path(__file__).resolve().parents[2]

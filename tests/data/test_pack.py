@@ -61,7 +61,8 @@ def test_pack_refuses_to_overwrite_unless_asked(small_digits: Path, tmp_path: Pa
     pack_origin(str(small_digits), dest)
     with pytest.raises(FileExistsError, match="overwrite=True"):
         pack_origin(str(small_digits), dest)
-    assert len(pack_origin(str(small_digits), dest, overwrite=True, shard_bytes=10_000).pack.shards) > 1
+    again = pack_origin(str(small_digits), dest, overwrite=True, shard_bytes=10_000).pack
+    assert again is not None and len(again.shards) > 1
     with pytest.raises(ValueError, match="already a packed origin"):
         pack_origin(dest, str(tmp_path / "again"))
     with pytest.raises(ValueError, match=r"`shard_bytes` must be an integer >= 1, got 0\. It is the target shard size"):
@@ -427,6 +428,29 @@ def test_evictions_that_run_together_delete_only_what_the_stage_needs(
     assert sorted(p.name for p in (tmp_path / "shards").glob("*.shard")) == sorted(
         Path(r._path(s)).name for s in range(2, 6)
     )  # the two oldest went, and only they
+
+
+def test_needed_markers_of_a_rank_that_died_protect_nothing(
+    s3_bucket: tuple[str, dict[str, Any]], small_digits: Path, tmp_path: Path
+) -> None:
+    import subprocess
+    import sys
+
+    from lightning_accel.data.pack import _PID_SHIFT, new_publisher_id, order_group
+
+    url, opts, listing = _packed_on_s3(s3_bucket, small_digits)
+    pack = listing.pack
+    c = _cache(url, tmp_path, opts)
+    assert c.packed is not None
+    shard0 = [i for i in range(len(listing)) if pack.shard[i] == 0]
+    c.load(shard0)  # staged, read (no longer ahead)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone = order_group(int(dead.stdout) << _PID_SHIFT | 5, 1)  # a rank killed mid-epoch (its pid is free now)
+    c.packed.need(gone, [(3, shard0)], lambda b: False)
+    assert c.packed._ahead()[1] == 0  # its marker protects nothing
+    here = order_group(new_publisher_id(), 1)  # a live rank's
+    c.packed.need(here, [(3, shard0)], lambda b: False)
+    assert c.packed._ahead()[1] == pack.shard_sizes[0]
 
 
 def test_the_stage_bound_holds_when_every_staged_shard_is_needed(
