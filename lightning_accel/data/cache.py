@@ -285,11 +285,12 @@ class SampleCache(ResetOnPickle):
     def need(self, group: str, batches: Sequence[tuple[int, Sequence[int]]], done: Callable[[int], bool]) -> None:
         """Packed remote origins only: keep the staged shards of upcoming ``batches`` (``(batch, indices)`` of the
         order ``group``) until each batch is read (:meth:`release_batch`); see
-        :meth:`~lightning_accel.data.pack.PackedReader.need`. Samples a local tier holds need no shard."""
+        :meth:`~lightning_accel.data.pack.PackedReader.need`. Samples a local tier holds need no shard: those this
+        process tree has seen cached are left out without a lookup (a warm epoch pays one array read per batch)."""
         if not self.stages_shards:
             return
         assert self.packed is not None
-        todo = [(b, self._uncached(list(dict.fromkeys(ix)))) for b, ix in batches]
+        todo = [(b, self._uncached(self.not_yet_seen_cached(list(dict.fromkeys(ix))))) for b, ix in batches]
         self.packed.need(group, [(b, ix) for b, ix in todo if ix], done)
 
     def release_batch(self, group: str, batch: int, indices: Sequence[int]) -> None:
