@@ -216,6 +216,8 @@ class OneBitState:
         refreshing: whether the step now running refreshes Adam's frozen variance (set by the strategy before the
             step's backward, from :attr:`refresh_due`): the hook averages in fp32 and the compressor takes an exact
             Adam step (:meth:`~lightning_accel.comm.momentum.MomentumCompressor.refresh_step`).
+        refresh_missed: a refresh step did not step the optimizer (AMP's GradScaler skipped it: Inf/NaN gradients,
+            on every rank alike); the next step refreshes instead.
         local_grads: whether the last synchronising backward left each rank's own gradients (compressed-momentum
             stage: the optimizer step must average the momentum) rather than averaged ones.
         decisions: ``[{"step", "fp32_s", "onebit_s", "decision"}]``, every measurement ``compression="auto"`` made.
@@ -255,6 +257,7 @@ class OneBitState:
         "compressed_since",
         "warmup_end",
         "refreshing",
+        "refresh_missed",
         "local_grads",
         "decisions",
         "measure_fn",
@@ -300,6 +303,7 @@ class OneBitState:
         self.compressed_since: int | None = None
         self.warmup_end: int | None = AUTO_MIN_WARMUP if config.warmup_steps == "auto" else int(config.warmup_steps)
         self.refreshing = False
+        self.refresh_missed = False
         self.local_grads = False
         self.decisions: list[dict[str, Any]] = []
         self.measure_fn: Callable[[OneBitState], tuple[float, float]] | None = None
@@ -464,10 +468,13 @@ class OneBitState:
     def refresh_due(self) -> bool:
         """Whether the step now running is one of ``config.variance_refresh``'s fp32 steps: ``n = step -
         compressed_since`` is ``R * (2**j - 1)`` for some ``j >= 1`` (``R, 3R, 7R, ...``), in a compressed stage,
-        outside a ``compression="auto"`` trial. Stateless (a function of saved counters), so a resume keeps it."""
+        outside a ``compression="auto"`` trial; or the step after a refresh that a GradScaler skipped
+        (:attr:`refresh_missed`). A function of saved counters, so a resume keeps it."""
         r, since = self.config.variance_refresh, self.compressed_since
         if not r or since is None or not self.compressing or self.trial_until is not None:
             return False
+        if self.refresh_missed:
+            return True
         n = self.step - since
         if n <= 0 or n % r:
             return False
@@ -498,6 +505,7 @@ class OneBitState:
             self.plans.clear()
             self.kept.clear()
             self.compressed_since = None
+            self.refresh_missed = False
         self.decision = decision
 
     def __getstate__(self) -> dict[str, Any]:
@@ -534,7 +542,8 @@ class OneBitState:
     # ----------------------------------------------------------------- checkpointing (this rank)
     def state_dict(self) -> dict[str, Any]:
         """This rank's state: ``{"format", "world_size", "nodes_layout", "step", "mode", "decision",
-        "compressed_since", "warmup_end", "hparams", "groups": {"i,j,..": {"worker", "server"}}}`` (``nodes_layout``:
+        "compressed_since", "refresh_missed", "warmup_end", "hparams", "groups": {"i,j,..": {"worker", "server"}}}``
+        (``nodes_layout``:
         :attr:`layout_key`).
 
         Only tensors, ints, strings, bools and None, so ``torch.load(weights_only=True)`` reads it back. The momentum
@@ -552,6 +561,7 @@ class OneBitState:
             "mode": self.mode,
             "decision": self.decision,
             "compressed_since": self.compressed_since,
+            "refresh_missed": self.refresh_missed,
             "warmup_end": self.warmup_end,
             "hparams": {"block_size": self.config.block_size, "error_feedback": self.config.error_feedback},
             "groups": dict(sorted(groups.items())),
@@ -576,6 +586,7 @@ class OneBitState:
         if self.config.compression == "auto" and state.get("decision") is not None:
             self.decision = state["decision"]
         self.compressed_since = state.get("compressed_since")
+        self.refresh_missed = bool(state.get("refresh_missed", False))  # absent before: none missed
         if self.config.warmup_steps == "auto" and state.get("warmup_end") is not None:
             self.warmup_end = int(state["warmup_end"])  # resolved before the save; an explicit integer wins
         self.groups.clear()

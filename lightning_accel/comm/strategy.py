@@ -585,12 +585,14 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
                 )
 
         state.refreshing = refreshing
+        refreshed = False
 
         # the optimizer's step becomes "run the closure, then the compressed step if the backward left local
         # gradients (the refresh step if it averaged them for one), else the optimizer's own step" (its own: an LR
         # scheduler's wrapper, else the class's method): precision plugins, GradScaler skips and clipping are unchanged
         def compressed_or_plain(plain: Callable[..., Any]) -> Callable[..., Any]:
             def step(closure: Callable[[], Any] | None = None, **step_kwargs: Any) -> Any:
+                nonlocal refreshed
                 loss = None
                 if closure is not None:
                     # the hook hands this backward's buckets to the compressor (compressed stage only)
@@ -604,6 +606,7 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
                     comp.compressed_step()
                 elif state.refreshing:
                     comp.refresh_step()
+                    refreshed = True
                 else:
                     plain(**step_kwargs)
                 return loss
@@ -615,6 +618,10 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         finally:
             installed.restore()
+            if state.refreshing:
+                # a GradScaler that found Inf/NaN gradients never called the step: refresh at the next one instead
+                # of leaving the variance stale until the next scheduled refresh (twice as far each time)
+                state.refresh_missed = not refreshed
             state.refreshing = False
 
     @override

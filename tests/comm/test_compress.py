@@ -212,6 +212,11 @@ def test_state_dict_roundtrip_and_world_size_change() -> None:
     assert st.step == 7 and not st.pending and not st.groups
     with pytest.raises(ValueError, match="format"):
         st.load_state_dict({"format": 99})
+    assert not st.refresh_missed  # saved before the field existed: none missed
+    st.refresh_missed = True  # a refresh a GradScaler skipped is retried after a resume too
+    back = OneBitState()
+    back.load_state_dict(st.state_dict(), world_size=1)
+    assert back.refresh_missed
 
 
 def test_state_pickles_without_process_group() -> None:

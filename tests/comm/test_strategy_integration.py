@@ -429,6 +429,39 @@ def _nan(tmp: str, name: str) -> dict:
     }
 
 
+@_scenario("nan_refresh")
+def _nan_refresh(tmp: str, name: str) -> dict:
+    """AdamW with variance refreshes 2 and 6 steps into the compressed stage (steps 4 and 8, counted from 0); step
+    4's gradients are NaN on rank 1, so the GradScaler skips that refresh on every rank: step 5 refreshes instead."""
+    import lightning as L
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    fp32: list[int] = []
+    steps = [0]
+
+    class Probe(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if not trainer.strategy.onebit_state.local_grads:
+                fp32.append(steps[0])
+            steps[0] += 1
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1)
+    trainer, model = _fit(
+        _onebit(variance_refresh=2),
+        model=_module_cls()(nan_at=4),
+        plugins=[MixedPrecision("16-mixed", device="cpu", scaler=scaler)],
+        max_steps=10,
+        callbacks=[Probe()],
+    )
+    st = trainer.strategy.onebit_state
+    return {
+        "fp32_steps": fp32,
+        "missed": st.refresh_missed,
+        "finite_params": bool(all(torch.isfinite(p).all() for p in model.parameters())),
+        "params": _params(model),
+    }
+
+
 @_scenario("bf16")
 def _bf16(tmp: str, name: str) -> dict:
     trainer, model = _fit(_onebit(), precision="bf16-mixed")
@@ -781,6 +814,15 @@ class TestTrainingFeatures:
                 assert any(not np.array_equal(after[k], r["snaps"][5][k]) for k in after if k.startswith("err."))
         assert both[0]["scale"] == both[1]["scale"]
         _same_on_both_ranks(results, f"nan_{mode}")
+
+    @uses("nan_refresh")
+    def test_a_variance_refresh_the_grad_scaler_skipped_is_taken_at_the_next_step(self, results: list[dict]) -> None:
+        both = _get(results, "nan_refresh")
+        for r in both:
+            # warm-up (0, 1), the skipped refresh (4, its backward averaged in fp32), its retry (5), the next one (8)
+            assert r["fp32_steps"] == [0, 1, 4, 5, 8]
+            assert not r["missed"] and r["finite_params"]
+        _same_on_both_ranks(results, "nan_refresh")
 
     @uses("bf16")
     def test_bf16_mixed(self, results: list[dict]) -> None:
