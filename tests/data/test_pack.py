@@ -308,13 +308,20 @@ def _packed_on_s3(s3_bucket: tuple[str, dict[str, Any]], small_digits: Path) -> 
     return url, opts, listing
 
 
+def _staging_cache(
+    s3_bucket: tuple[str, dict[str, Any]], small_digits: Path, tmp_path: Path, stage_shards: int
+) -> tuple[Any, Any, SampleCache]:
+    """``(listing, pack, cache)`` over the packed digits on S3, the stage ``stage_shards`` of the biggest shard."""
+    url, opts, listing = _packed_on_s3(s3_bucket, small_digits)
+    c = _cache(url, tmp_path, opts, stage_bytes=stage_shards * max(listing.pack.shard_sizes))
+    assert c.packed is not None
+    return listing, listing.pack, c
+
+
 def test_a_slow_consumer_never_loses_a_shard_staged_ahead(
     s3_bucket: tuple[str, dict[str, Any]], small_digits: Path, tmp_path: Path
 ) -> None:
-    url, opts, listing = _packed_on_s3(s3_bucket, small_digits)
-    pack = listing.pack
-    biggest = max(pack.shard_sizes)
-    c = _cache(url, tmp_path, opts, stage_bytes=3 * biggest)
+    listing, pack, c = _staging_cache(s3_bucket, small_digits, tmp_path, 3)
     assert c.packed is not None
     first = [i for i in range(len(listing)) if pack.shard[i] == 0]
     assert c.packed.prefetch(first) == len(first)  # shard 0 staged ahead for a reader that is slow to come
@@ -458,10 +465,8 @@ def test_the_stage_bound_holds_when_every_staged_shard_is_needed(
 ) -> None:
     # A global shuffle: every upcoming batch needs most shards. Marked shards are spared only while something
     # else can go; `stage_bytes` stays a bound on disk use.
-    url, opts, listing = _packed_on_s3(s3_bucket, small_digits)
-    pack = listing.pack
+    listing, pack, c = _staging_cache(s3_bucket, small_digits, tmp_path, 2)
     biggest = max(pack.shard_sizes)
-    c = _cache(url, tmp_path, opts, stage_bytes=2 * biggest)
     everything = list(range(len(listing)))
     c.need("b2-1", [(b, everything) for b in range(4)], lambda b: False)
     c.load(everything)
