@@ -22,6 +22,7 @@ import queue
 import random
 import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -83,7 +84,7 @@ class _ReadAhead:
     """One process's view of the published order: where each dataset position sits in it, and the last batch this
     process has started reading ahead (a worker reads ahead for its own batches only)."""
 
-    __slots__ = ("group", "hinted_to", "marked_to", "pos", "token")
+    __slots__ = ("group", "hinted_to", "marked_to", "misaligned", "pos", "token")
 
     def __init__(self) -> None:
         self.token = 0  # the order token `pos` was built for (0: none yet)
@@ -91,6 +92,7 @@ class _ReadAhead:
         self.hinted_to = -1
         self.marked_to = -1  # the last batch whose staged shards this process has marked as needed
         self.group = ""  # the order's name in the stage's "needed" markers (`pack.order_group`)
+        self.misaligned = False  # the loader's batches are not the sampler's `batch_size`: no "needed" markers
 
 
 class CachedDataset(Dataset):
@@ -235,7 +237,19 @@ class CachedDataset(Dataset):
             ahead.hinted_to = nb
         if upcoming:
             self.cache.hint([self.indices[i] for i in upcoming])
-        if self.cache.stages_shards:
+        if self.cache.stages_shards and not ahead.misaligned:
+            if p % bs or (len(positions) != bs and p + len(positions) < n):
+                if self._order[_HDR + p : _HDR + p + len(positions)].tolist() != list(positions):
+                    return  # not a run of this order: the previous epoch's batch (see `_batch_read`)
+                ahead.misaligned = True
+                warnings.warn(
+                    f"the DataLoader's batches ({len(positions)} samples) are not the sampler's `batch_size` ({bs}): "
+                    "staged shards are not kept for upcoming batches, so a small stage may fetch some twice. Pass "
+                    "the DataLoader's batch size to the sampler (CacheDataLoader does it for you).",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                return
             self._mark_needed(ahead, b, n, bs, nw)
 
     def _mark_needed(self, ahead: _ReadAhead, b: int, n: int, bs: int, nw: int) -> None:
@@ -263,10 +277,15 @@ class CachedDataset(Dataset):
             if ahead is None or ahead.pos is None:
                 return
             p = int(ahead.pos[positions[0]])
-            group = ahead.group
-        if p < 0:
+            group, misaligned = ahead.group, ahead.misaligned
+        n, bs = int(self._order[1]), int(self._order[2])
+        if misaligned or p < 0 or p % bs:
             return
-        b = p // int(self._order[2])
+        b = p // bs
+        if self._order[_HDR + b * bs : _HDR + min(n, (b + 1) * bs)].tolist() != list(positions):
+            # not a batch of the current order: a persistent worker finishing the previous epoch's batch after the
+            # sampler published the next order (an epoch cut short by `limit_train_batches`)
+            return
         self._done[b] = 1  # before the markers go: a late marker for it sees it done (see `need`)
         self.cache.release_batch(group, b, [self.indices[q] for q in positions])
 
@@ -309,7 +328,8 @@ class EpochOrderSampler(DistributedSampler):
         shuffle: shuffle every epoch (seeded by ``seed + epoch``, identical on every rank).
         seed: shuffle seed.
         drop_last: drop the tail instead of padding to equal shards.
-        batch_size: the DataLoader's batch size (to map a batch to its position in the order).
+        batch_size: the DataLoader's batch size (to map a batch to its position in the order;
+            :class:`CacheDataLoader` sets it to its own).
     """
 
     def __init__(
@@ -439,6 +459,8 @@ class CacheDataLoader(DataLoader):
             allow_none=True,
             fix="0 reads warm batches in the main process; None keeps `num_workers`.",
         )
+        if isinstance(self.sampler, EpochOrderSampler) and self.batch_size is not None:
+            self.sampler.batch_size = self.batch_size  # the batches workers map to the order are this loader's
         self.cold_num_workers = self.num_workers
         self.warm_num_workers = warm_num_workers
         self.read_ahead = read_ahead

@@ -403,6 +403,27 @@ def test_a_worker_marks_the_shards_of_the_other_workers_upcoming_batches(
     ds.__getitems__(order[bs : 2 * bs])  # worker 1 reads batch 1: done, its markers go
     assert not list(stage.glob("*.1.need")) and int(ds._done[1]) == 1
     assert c.stats.as_dict()["bytes_fetched"] <= sum(pack.shard_sizes[:2])  # shard 0 once (and shard 1 ahead)
+    ds.__getitems__(order[bs : 2 * bs])  # batch 1 again: it is done, nothing to release, no error
+    ds.__getitems__(order[2 * bs : 3 * bs][::-1])  # not a batch of this order (the last epoch's): no effect
+    assert {p.name.split(".")[-2] for p in stage.glob("*.need")} == {"2", "3"}  # the two workers' horizons
+
+
+def test_batches_that_are_not_the_samplers_turn_marking_off_with_a_warning(
+    s3_bucket: tuple[str, dict[str, Any]], small_digits: Path, tmp_path: Path
+) -> None:
+    from lightning_accel.data import CacheDataLoader, CachedDataset, EpochOrderSampler
+
+    listing, pack, c = _staging_cache(s3_bucket, small_digits, tmp_path, 3)
+    c.prefetch = True
+    ds = CachedDataset(c, prefetch_batches=1)
+    sampler = EpochOrderSampler(ds, batch_size=16, shuffle=False)
+    assert CacheDataLoader(ds, batch_size=8, sampler=sampler).sampler.batch_size == 8  # the loader's batches count
+    sampler.batch_size = 16  # a plain DataLoader of 8 over a sampler told 16
+    order = list(sampler)
+    with pytest.warns(RuntimeWarning, match=r"DataLoader's batches \(8 samples\) are not the sampler's `batch_size`"):
+        ds.__getitems__(order[:8])
+    ds.__getitems__(order[8:16])  # warned once; nothing marked, nothing left behind
+    assert not list((tmp_path / "shards").glob("*.need"))
 
 
 def test_evictions_that_run_together_delete_only_what_the_stage_needs(
