@@ -128,7 +128,7 @@ class CachedDataset(Dataset):
         )
         self.transform = transform
         self.prefetch_batches = prefetch_batches
-        # [token, n, batch_size, order...]: written by the sampler in the main process, read by workers.
+        # [token, n, batch_size, publisher id, order...]: written by the sampler in the main process, read by workers.
         self._order = torch.zeros(_HDR + max(1, len(self.indices)), dtype=torch.int64)
         self._order.share_memory_()
         # done[b] = 1 once batch b of the current order has been read (by any worker): a "needed" marker placed for
