@@ -283,15 +283,6 @@ def _probe_goodput(net: Netns, seconds: float, port: int) -> float:
 # --- the ranks: one persistent Trainer process per namespace, driven by command files
 
 
-def _noop_hook(state, bucket):  # no annotations: DDP rejects string ones (this module postpones them)
-    """A DDP comm hook that communicates nothing (the bucket's local gradients, as a completed future)."""
-    import torch
-
-    fut: Any = torch.futures.Future()
-    fut.set_result(bucket.buffer())
-    return fut
-
-
 def _worker(rank: int, workdir: Path, hidden: int, batch: int) -> None:
     """One rank: wait for ``cmd-<k>.json``, fit a fresh model with the strategy it names, write the step end times."""
     import torch
@@ -319,7 +310,9 @@ def _worker(rank: int, workdir: Path, hidden: int, batch: int) -> None:
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             super().on_train_start(trainer, pl_module)
             if self.noop_hook:  # DDP's bucketing, no communication: the compute a step cannot avoid
-                trainer.strategy.model.register_comm_hook(None, _noop_hook)
+                from lightning_accel.comm.strategy import _local_hook  # the bucket's local gradients, as they are
+
+                trainer.strategy.model.register_comm_hook(None, _local_hook)
 
         @override
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
