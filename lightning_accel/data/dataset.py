@@ -166,16 +166,17 @@ class CachedDataset(Dataset):
     def publish_order(self, order: Sequence[int], batch_size: int) -> None:
         """Record this epoch's order (dataset positions) so workers can read ahead; called by the sampler."""
         n = min(len(order), self._order.numel() - _HDR)
+        bs = max(1, int(batch_size))
         self._order[_HDR : _HDR + n] = torch.as_tensor(list(order[:n]), dtype=torch.int64)
         self._order[1] = n
-        self._order[2] = max(1, int(batch_size))
+        self._order[2] = bs
         self._order[3] = self._publisher.get()
-        self._done[: math.ceil(n / max(1, int(batch_size))) if n else 0] = 0
+        self._done[: math.ceil(n / bs)] = 0
         self._order[0] += 1  # the token last: a worker that sees it sees the order too
         if self.prefetch_batches > 0 and n:
             # A packed remote origin stages shards node-wide: start on the first batches' shards here (the main
             # process, whose filesystem is already up) while the workers start and create their own clients.
-            head = order[: min(n, 4 * self.prefetch_batches * max(1, int(batch_size)))]
+            head = order[: min(n, 4 * self.prefetch_batches * bs)]
             self.cache.stage_ahead([self.indices[i] for i in head])
 
     def _read_ahead(self, positions: Sequence[int]) -> None:

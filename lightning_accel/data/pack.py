@@ -486,13 +486,16 @@ class PackedReader(ResetOnPickle):
             return
         self._note_group(group)
         made = self._needs.get().setdefault(group, set())
+        try:
+            os.makedirs(self.stage_dir, exist_ok=True)
+        except OSError:
+            return  # nothing marked: eviction may take those shards, and a read stages them again
         for b, indices in batches:
             for s in {self.pack.shard[i] for i in indices}:
                 if (s, b) in made:
                     continue
                 path = self._need_path(s, group, b)
                 try:
-                    os.makedirs(self.stage_dir, exist_ok=True)
                     os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o644))
                 except OSError:
                     return  # not marked: eviction may take it, and a read stages it again
@@ -609,7 +612,7 @@ class PackedReader(ResetOnPickle):
                 if total <= self.stage_bytes:
                     return
                 if p == keep or (spare_marked and p in ahead) or not os.path.exists(p):
-                    continue
+                    continue  # (gone: deleted by the first pass, or read as corrupt and removed)
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(p)  # another process may hold it open: its reads go on, the file is freed after
                 total -= size
@@ -634,7 +637,7 @@ class PackedReader(ResetOnPickle):
         cap = max(biggest, self.stage_bytes - biggest)
         with self._lock:
             inflight = self._inflight.get()
-            ahead: tuple[set[str], int] | None = None
+            ahead_bytes: int | None = None
             for i in indices:
                 s = self.pack.shard[i]
                 if s in seen:
@@ -642,9 +645,8 @@ class PackedReader(ResetOnPickle):
                 seen.add(s)
                 if s in inflight or os.path.exists(self._path(s)):
                     continue
-                if ahead is None:
-                    ahead = self._ahead()  # one directory scan per call, only when there is work
-                marked, ahead_bytes = ahead
+                if ahead_bytes is None:
+                    ahead_bytes = self._ahead()[1]  # one directory scan per call, only when there is work
                 if ahead_bytes + self.pack.shard_sizes[s] > cap:
                     break
                 try:
@@ -656,8 +658,7 @@ class PackedReader(ResetOnPickle):
                     self._disable(e)
                     return 0
                 os.close(fd)
-                if self._path(s) not in marked:
-                    ahead = (marked | {self._path(s)}, ahead_bytes + self.pack.shard_sizes[s])
+                ahead_bytes += self.pack.shard_sizes[s]  # neither staged nor started by anyone: not counted yet
                 fut = self.store.run(self._stage_quietly, s)
                 inflight[s] = fut
                 fut.add_done_callback(functools.partial(self._done, s))
