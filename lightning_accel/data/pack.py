@@ -76,6 +76,8 @@ _AHEAD_TTL_S = 900.0
 _MAPPED = 4
 
 
+# A staged shard's file name (see `PackedReader.__init__`): eviction touches no other file of the stage directory.
+_STAGED = re.compile(r"[0-9a-f]{20}\.shard")
 # An order's name in "needed" markers: its publisher's id in hex and its epoch counter (a file name, never a path).
 _GROUP = re.compile(r"[0-9a-f]{1,16}-[0-9]{1,18}")
 _PID_SHIFT = 20  # a publisher id is its process id shifted left by this, plus random low bits
@@ -600,7 +602,7 @@ class PackedReader(ResetOnPickle):
         files = []
         with os.scandir(self.stage_dir) as it:
             for e in it:
-                if e.name.endswith(".shard"):
+                if _STAGED.fullmatch(e.name):  # a user's own `*.shard` file beside them is not the stage's
                     with contextlib.suppress(FileNotFoundError):
                         st = e.stat()
                         files.append((st.st_mtime, st.st_size, e.path))

@@ -481,6 +481,30 @@ def test_needed_markers_of_a_rank_that_died_protect_nothing(
     assert c.packed._ahead()[1] == pack.shard_sizes[0]
 
 
+def test_a_users_files_beside_the_stage_come_out_byte_identical(
+    s3_bucket: tuple[str, dict[str, Any]], small_digits: Path, tmp_path: Path
+) -> None:
+    listing, pack, c = _staging_cache(s3_bucket, small_digits, tmp_path, 2)
+    assert c.packed is not None
+    stage = tmp_path / "shards"
+    stage.mkdir()
+    mine = {  # names like the stage's own files, and not
+        "notes.txt": b"mine",
+        "data.shard": b"a user's shard" * 100,
+        "0123456789.shard": b"x" * 50_000,
+        "a1.b2-1.3.need": b"",
+        "x.ahead": b"keep",
+    }
+    for name, data in mine.items():
+        (stage / name).write_bytes(data)
+    os.utime(stage / "data.shard", (1, 1))  # older than anything staged: first in line, were it the stage's
+    everything = list(range(len(listing)))
+    c.need("c3-1", [(b, everything) for b in range(2)], lambda b: False)
+    c.need("c3-2", [], lambda b: False)  # a new order: the old one's markers go
+    c.load(everything)  # the stage overflows: eviction runs many times
+    assert {n: (stage / n).read_bytes() for n in mine} == mine
+
+
 def test_the_stage_bound_holds_when_every_staged_shard_is_needed(
     s3_bucket: tuple[str, dict[str, Any]], small_digits: Path, tmp_path: Path
 ) -> None:
