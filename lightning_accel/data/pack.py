@@ -68,8 +68,8 @@ PACK_VERSION = 1
 DEFAULT_SHARD_BYTES = 16 << 20  # S3 reaches full per-request throughput at ~8-16 MB objects
 DEFAULT_STAGE_BYTES = 4 << 30
 _TOUCH_S = 0.5  # how often a process refreshes a staged shard's "last used" time while it reads from it
-# An `.ahead` marker older than this is left over by a process that died before reading its shard: ignored (and
-# removed by eviction). Far longer than any step between a read-ahead and its read.
+# A marker older than this protects nothing, whatever its process says: a backstop behind the pid checks. Far longer
+# than any step between a read-ahead and its read.
 _AHEAD_TTL_S = 900.0
 # Staged shards each process keeps mapped (least recently used dropped first): a sample read from a mapped shard needs
 # no open, and a shard evicted while this process still reads it stays readable through its map (see `read`).
@@ -93,6 +93,23 @@ def new_publisher_id() -> int:
 def order_group(publisher: int, epoch: int) -> str:
     """The name of one epoch's order of one publisher in "needed" markers (see :meth:`PackedReader.need`)."""
     return f"{publisher:x}-{epoch}"
+
+
+def _ahead_owner_alive(path: str) -> bool:
+    """Whether the process that started the read-ahead download behind the ``.ahead`` marker ``path`` (its pid is the
+    marker's content) is still running. An empty or unreadable marker (being written, or a foreign format) counts as
+    alive; a marker that is gone as not."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(32)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    try:
+        return _alive(int(data)) if data else True
+    except ValueError:
+        return True
 
 
 def _alive(pid: int) -> bool:
@@ -415,11 +432,13 @@ class PackedReader(ResetOnPickle):
 
         A shard counts while it has an ``.ahead`` marker (from the moment a reader starts its download until a
         reader reads a sample of it), or while it is staged and some batch of a rank's order still needs it (a
-        ``.need`` marker per shard and batch, see :meth:`need`). Markers older than ``_AHEAD_TTL_S`` (their process
-        died) do not count, nor do "needed" markers whose order's publisher (the rank's main process, see
-        :func:`new_publisher_id`) is gone: after a rank is killed and restarted its old markers would otherwise hold
-        their shards for those minutes. "Needed" markers of an order this process has seen replaced by a newer one of
-        the same rank (batches never read: an epoch cut short) are removed."""
+        ``.need`` marker per shard and batch, see :meth:`need`). Markers older than ``_AHEAD_TTL_S`` do not count, nor
+        do markers whose process is gone: an ``.ahead`` marker's download process (its content is the pid), a
+        "needed" marker's order publisher (the rank's main process, see :func:`new_publisher_id`). After a worker or
+        a rank is killed and restarted, its old markers would otherwise hold their shards for those minutes (and a
+        dead download's ``.ahead`` would keep every reader from starting that shard, see :meth:`_claim_ahead`).
+        "Needed" markers of an order this process has seen replaced by a newer one of the same rank (batches never
+        read: an epoch cut short) are removed."""
         marked: set[str] = set()
         total = 0
         now = time.time()
@@ -450,6 +469,8 @@ class PackedReader(ResetOnPickle):
                     alive[rank] = _alive(int(rank, 16) >> _PID_SHIFT) if _GROUP.fullmatch(parts[1]) else False
                 if not alive[rank]:
                     continue  # its rank died (e.g. killed, and restarted under a new id): no batch of it will come
+            elif not _ahead_owner_alive(e.path):
+                continue  # its download's process died (a worker killed or stopped): its readers are gone with it
             with contextlib.suppress(FileNotFoundError):
                 if now - e.stat().st_mtime < _AHEAD_TTL_S:
                     marked.add(self._path(s))
@@ -653,19 +674,37 @@ class PackedReader(ResetOnPickle):
                     break
                 try:
                     os.makedirs(self.stage_dir, exist_ok=True)
-                    fd = os.open(self._ahead_path(s), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-                except FileExistsError:
-                    continue  # another reader of the node started it
+                    fd = self._claim_ahead(s)
                 except OSError as e:
                     self._disable(e)
                     return 0
-                os.close(fd)
+                if fd is None:
+                    continue  # another reader of the node started it
+                try:
+                    os.write(fd, str(os.getpid()).encode())  # whose download: see `_ahead`
+                finally:
+                    os.close(fd)
                 ahead_bytes += self.pack.shard_sizes[s]  # neither staged nor started by anyone: not counted yet
                 fut = self.store.run(self._stage_quietly, s)
                 inflight[s] = fut
                 fut.add_done_callback(functools.partial(self._done, s))
                 started.add(s)
         return sum(1 for i in indices if self.pack.shard[i] in started)
+
+    def _claim_ahead(self, s: int) -> int | None:
+        """Create shard ``s``'s ``.ahead`` marker exclusively: its open descriptor, or ``None`` when a live reader of
+        the node holds it. A marker whose process died before the shard was read (a worker killed mid-download) is
+        taken over, instead of keeping every reader from starting that shard until ``_AHEAD_TTL_S``."""
+        path = self._ahead_path(s)
+        for _ in range(2):
+            try:
+                return os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                if _ahead_owner_alive(path):
+                    return None
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+        return None
 
     def _stage_quietly(self, s: int) -> None:
         try:

@@ -481,6 +481,36 @@ def test_needed_markers_of_a_rank_that_died_protect_nothing(
     assert c.packed._ahead()[1] == pack.shard_sizes[0]
 
 
+def test_a_read_ahead_marker_of_a_dead_download_is_taken_over(
+    s3_bucket: tuple[str, dict[str, Any]], small_digits: Path, tmp_path: Path
+) -> None:
+    import subprocess
+    import sys
+
+    url, opts, listing = _packed_on_s3(s3_bucket, small_digits)
+    pack = listing.pack
+    c = _cache(url, tmp_path, opts)
+    assert c.packed is not None
+    shard0 = [i for i in range(len(listing)) if pack.shard[i] == 0]
+    stage = tmp_path / "shards"
+    stage.mkdir()
+    marker = Path(c.packed._ahead_path(0))
+    marker.write_bytes(str(os.getpid()).encode())  # a live reader of the node is downloading it
+    assert c.packed.prefetch(shard0) == 0  # left to it
+    assert c.packed._ahead()[1] == pack.shard_sizes[0]
+    marker.write_bytes(b"")  # being written by its reader: alive as well
+    assert c.packed.prefetch(shard0) == 0
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    marker.write_bytes(dead.stdout.strip().encode())  # a worker killed mid-download (its pid is free now)
+    assert c.packed._ahead()[1] == 0  # protects nothing
+    assert c.packed.prefetch(shard0) == len(shard0)  # taken over: started at once, not after the marker's TTL
+    assert marker.read_bytes() == str(os.getpid()).encode()
+    _wait_staged(c)
+    c.load(shard0)
+    assert c.stats.as_dict()["bytes_fetched"] == pack.shard_sizes[0]
+    assert not marker.exists()  # read: no longer ahead
+
+
 def test_a_users_files_beside_the_stage_come_out_byte_identical(
     s3_bucket: tuple[str, dict[str, Any]], small_digits: Path, tmp_path: Path
 ) -> None:
