@@ -23,7 +23,9 @@ CPU fallback runs (in the training step or on the loader's thread, 2 DDP process
 ``--busy-core`` keeps one core busy for the whole run with a spinning subprocess (another job on the machine; recorded
 in ``config``); the 1-minute load at the start and end is in ``results`` either way.
 
-Also measured: the warm path through 2 worker processes with a RAM tier holding half the data (its hit rate with
+Also measured: how fast this process writes fresh memory the first time and again (``memory_touch_gb_s``, see
+:func:`memory_touch_gb_s`: on a virtual machine whose host reclaims idle memory, cold epochs pay for it), the warm
+path through 2 worker processes with a RAM tier holding half the data (its hit rate with
 2 workers), and the bytes read from S3 in the cold and in a warm epoch.
 """
 
@@ -351,6 +353,25 @@ class Cases:
             p.close()
 
 
+def memory_touch_gb_s(mib: int = 256) -> dict[str, float]:
+    """GB/s at which this process writes ``mib`` MiB of freshly allocated memory, the first time and right after.
+
+    Why it is in the results: on a virtual machine whose host reclaims the guest's idle memory, a write to memory the
+    guest has not used for a while first faults it back in on the host (measured on the 2-core machine of
+    ``docs/data.md``: 0.13 GB/s the first time, 1.6-6 GB/s right after). A cold cache epoch writes every decoded
+    sample to fresh pages (~300 MB in ``--quick``) and ImageFolder writes none: where ``first`` is far below
+    ``again``, the cold ratios measure the machine's memory as much as the pipelines."""
+    import numpy as np
+
+    out = {}
+    for name in ("first", "again"):
+        t0 = time.perf_counter()
+        a = np.ones(mib << 20, dtype=np.uint8)
+        out[name] = round((mib << 20) / 1e9 / (time.perf_counter() - t0), 2)
+        del a
+    return out
+
+
 def cache_numbers(
     data: Dataset224, cases: Cases, timings: dict[str, list[float]], entry_bytes: int
 ) -> tuple[dict[str, Any], dict[str, float]]:
@@ -457,11 +478,13 @@ def main() -> None:
             folder = ImageFolder(str(data.root), transform=ImageDecoder(224).pil_transform())
             entry_bytes = check_identical(data, work, folder)
             cases = Cases(data, work, folder, dataset_bytes=entry_bytes * n_images)
+            touch = memory_touch_gb_s()
             try:
                 timings = alternate(cases.all(), repeats=repeats, warmup=0)
             finally:
                 cases.close()
             results, ratios = cache_numbers(data, cases, timings, entry_bytes)
+            results["memory_touch_gb_s"] = touch
             shard_results, shard_ratios = shard_cases(args.quick)
             results.update(shard_results, loadavg_1min_end=round(os.getloadavg()[0], 2))
         ratios.update(shard_ratios)
