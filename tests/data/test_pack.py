@@ -458,22 +458,36 @@ def test_evictions_that_run_together_delete_only_what_the_stage_needs(
     )  # the two oldest went, and only they
 
 
-def test_needed_markers_of_a_rank_that_died_protect_nothing(
-    s3_bucket: tuple[str, dict[str, Any]], small_digits: Path, tmp_path: Path
-) -> None:
+def _dead_pid() -> int:
+    """The pid of a process that has exited (free now, as a killed worker's or rank's would be)."""
     import subprocess
     import sys
 
-    from lightning_accel.data.pack import _PID_SHIFT, new_publisher_id, order_group
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(done.stdout)
 
+
+def _shard0_cache(
+    s3_bucket: tuple[str, dict[str, Any]], small_digits: Path, tmp_path: Path
+) -> tuple[Any, SampleCache, list[int]]:
+    """``(pack, cache, the samples of shard 0)`` over the packed digits on S3, the default stage."""
     url, opts, listing = _packed_on_s3(s3_bucket, small_digits)
     pack = listing.pack
+    assert pack is not None
     c = _cache(url, tmp_path, opts)
     assert c.packed is not None
-    shard0 = [i for i in range(len(listing)) if pack.shard[i] == 0]
+    return pack, c, [i for i in range(len(listing)) if pack.shard[i] == 0]
+
+
+def test_needed_markers_of_a_rank_that_died_protect_nothing(
+    s3_bucket: tuple[str, dict[str, Any]], small_digits: Path, tmp_path: Path
+) -> None:
+    from lightning_accel.data.pack import _PID_SHIFT, new_publisher_id, order_group
+
+    pack, c, shard0 = _shard0_cache(s3_bucket, small_digits, tmp_path)
+    assert c.packed is not None
     c.load(shard0)  # staged, read (no longer ahead)
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    gone = order_group(int(dead.stdout) << _PID_SHIFT | 5, 1)  # a rank killed mid-epoch (its pid is free now)
+    gone = order_group(_dead_pid() << _PID_SHIFT | 5, 1)  # a rank killed mid-epoch (its pid is free now)
     c.packed.need(gone, [(3, shard0)], lambda b: False)
     assert c.packed._ahead()[1] == 0  # its marker protects nothing
     here = order_group(new_publisher_id(), 1)  # a live rank's
@@ -484,14 +498,8 @@ def test_needed_markers_of_a_rank_that_died_protect_nothing(
 def test_a_read_ahead_marker_of_a_dead_download_is_taken_over(
     s3_bucket: tuple[str, dict[str, Any]], small_digits: Path, tmp_path: Path
 ) -> None:
-    import subprocess
-    import sys
-
-    url, opts, listing = _packed_on_s3(s3_bucket, small_digits)
-    pack = listing.pack
-    c = _cache(url, tmp_path, opts)
+    pack, c, shard0 = _shard0_cache(s3_bucket, small_digits, tmp_path)
     assert c.packed is not None
-    shard0 = [i for i in range(len(listing)) if pack.shard[i] == 0]
     stage = tmp_path / "shards"
     stage.mkdir()
     marker = Path(c.packed._ahead_path(0))
@@ -500,8 +508,7 @@ def test_a_read_ahead_marker_of_a_dead_download_is_taken_over(
     assert c.packed._ahead()[1] == pack.shard_sizes[0]
     marker.write_bytes(b"")  # being written by its reader: alive as well
     assert c.packed.prefetch(shard0) == 0
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    marker.write_bytes(dead.stdout.strip().encode())  # a worker killed mid-download (its pid is free now)
+    marker.write_bytes(str(_dead_pid()).encode())  # a worker killed mid-download
     assert c.packed._ahead()[1] == 0  # protects nothing
     assert c.packed.prefetch(shard0) == len(shard0)  # taken over: started at once, not after the marker's TTL
     assert marker.read_bytes() == str(os.getpid()).encode()
