@@ -417,7 +417,8 @@ def test_batches_that_are_not_the_samplers_turn_marking_off_with_a_warning(
     c.prefetch = True
     ds = CachedDataset(c, prefetch_batches=1)
     sampler = EpochOrderSampler(ds, batch_size=16, shuffle=False)
-    assert CacheDataLoader(ds, batch_size=8, sampler=sampler).sampler.batch_size == 8  # the loader's batches count
+    CacheDataLoader(ds, batch_size=8, sampler=sampler)
+    assert sampler.batch_size == 8  # the loader's batches count
     sampler.batch_size = 16  # a plain DataLoader of 8 over a sampler told 16
     order = list(sampler)
     with pytest.warns(RuntimeWarning, match=r"DataLoader's batches \(8 samples\) are not the sampler's `batch_size`"):
