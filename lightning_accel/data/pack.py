@@ -681,7 +681,9 @@ class PackedReader(ResetOnPickle):
                 if fd is None:
                     continue  # another reader of the node started it
                 try:
-                    os.write(fd, str(os.getpid()).encode())  # whose download: see `_ahead`
+                    # whose download (see `_ahead`); one left empty (disk full) counts as a live one's until its TTL
+                    with contextlib.suppress(OSError):
+                        os.write(fd, str(os.getpid()).encode())
                 finally:
                     os.close(fd)
                 ahead_bytes += self.pack.shard_sizes[s]  # neither staged nor started by anyone: not counted yet

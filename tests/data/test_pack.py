@@ -519,6 +519,30 @@ def test_a_read_ahead_marker_of_a_dead_download_is_taken_over(
     assert not marker.exists()  # read: no longer ahead
 
 
+def test_a_read_ahead_marker_that_cannot_be_written_still_starts_its_shard(
+    s3_bucket: tuple[str, dict[str, Any]], small_digits: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    pack, c, shard0 = _shard0_cache(s3_bucket, small_digits, tmp_path)
+    assert c.packed is not None
+    write = os.write
+    mine = str(os.getpid()).encode()
+
+    def full_disk(fd: int, data: bytes) -> int:
+        if data == mine:  # the marker's pid: the disk is full
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write(fd, data)
+
+    monkeypatch.setattr(os, "write", full_disk)
+    assert c.packed.prefetch(shard0) == len(shard0)  # no error: the read-ahead goes on
+    monkeypatch.setattr(os, "write", write)
+    assert Path(c.packed._ahead_path(0)).read_bytes() == b""  # counts as a live download's until its TTL
+    _wait_staged(c)
+    c.load(shard0)
+    assert c.stats.as_dict()["bytes_fetched"] == pack.shard_sizes[0]
+
+
 def test_a_users_files_beside_the_stage_come_out_byte_identical(
     s3_bucket: tuple[str, dict[str, Any]], small_digits: Path, tmp_path: Path
 ) -> None:
