@@ -48,9 +48,11 @@ __all__ = [
     "FusedTransformerEncoderLayerMixin",
     "block_mixin",
     "conv_bn_forward",
+    "eager_children",
     "fused_children",
     "is_fused",
     "mha_supported",
+    "needs_eager",
     "original_class",
     "pack_qkv",
     "parse_kind",
@@ -142,11 +144,37 @@ class _FusedMixin(_ModuleBase):
     def _la_fused_children(self) -> tuple[str, ...]:
         return self.fused_children
 
+    def _la_bypassed(self) -> tuple[nn.Module | None, ...]:
+        """The sub-modules whose own call the fused forward skips (it reads their parameters instead)."""
+        return ()
+
+    def _la_eager_children(self) -> tuple[str, ...]:
+        """The fused children that run unfused now (see :func:`needs_eager`); the fusion report counts them so."""
+        return self._la_fused_children() if needs_eager(*self._la_bypassed()) else ()
+
     def __reduce_ex__(self, protocol: Any) -> Any:
         # The swapped class cannot be found by name; pickle the original class and the mixins instead, and the
         # module's state as `nn.Module` pickles it.
         cls = type(self)
         return _new_fused, (original_class(self), getattr(cls, "_la_mixins", ())), self.__getstate__()
+
+
+def needs_eager(*modules: nn.Module | None) -> bool:
+    """True when a fused forward must call ``modules`` one by one, as the unfused model does.
+
+    That is when one of them has forward or backward hooks (``torch.nn.utils.prune``'s mask, FSDP's unsharding, a
+    user's hook: a fused forward reads the parameters and would skip them) or is a training ``nn.Dropout`` with
+    ``p >= 1`` (it zeroes its input; the fused ops take ``p < 1``). Checked at every call, so hooks registered after
+    surgery count too.
+    """
+    for m in modules:
+        if m is None:
+            continue
+        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+            return True
+        if isinstance(m, nn.Dropout) and m.training and m.p >= 1:
+            return True
+    return False
 
 
 # --------------------------------------------------------------------------------------------------- conv-bn(-relu)
@@ -214,14 +242,31 @@ class FusedSequentialMixin(_FusedMixin):
     ``Conv2dNormActivation`` and ``MLPBlock``) whose forward runs fused groups from ``_la_plan``:
     ``{start index: (length, kind)}``, kinds as in :func:`parse_kind`.
 
-    The children stay where they were, so ``state_dict`` keys do not change.
+    The children stay where they were, so ``state_dict`` keys do not change. ``_la_members`` holds the modules each
+    group was planned over: a group whose children were replaced, inserted or removed since (``seq[1] = nn.ReLU()``),
+    or that :func:`needs_eager`, runs its children one by one.
     """
 
     _la_plan: dict[int, tuple[int, str]]
+    _la_members: dict[int, tuple[nn.Module, ...]]
 
     def _la_fused_children(self) -> tuple[str, ...]:
         names = list(compat.child_modules(self))
-        return tuple(names[i] for i in self._la_plan)
+        return tuple(names[i] for i in self._la_plan if i < len(names))
+
+    def _la_eager_children(self) -> tuple[str, ...]:
+        names, mods = list(compat.child_modules(self)), list(compat.child_modules(self).values())
+        plan = self._la_plan.items()
+        return tuple(names[i] for i, (n, _) in plan if i < len(names) and not self._la_runs(mods, i, n))
+
+    def _la_runs(self, mods: list[nn.Module | None], i: int, length: int) -> bool:
+        """The group planned at ``i`` still holds the modules it was planned over and may run fused."""
+        group = mods[i : i + length]
+        if "_la_members" in self.__dict__:  # absent in modules fused (and pickled) before it was recorded
+            members = self.__dict__["_la_members"].get(i, ())
+            if len(group) != len(members) or any(a is not b for a, b in zip(group, members, strict=True)):
+                return False
+        return not needs_eager(*group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the casts hold by construction: surgery plans a group only over children of exactly these classes
@@ -229,6 +274,8 @@ class FusedSequentialMixin(_FusedMixin):
         i = 0
         while i < len(mods):
             length, kind = self._la_plan.get(i, (1, ""))
+            if kind and not self._la_runs(cast(list[nn.Module | None], mods), i, length):
+                kind, length = "", 1  # changed or hooked since surgery: this module runs as it is
             if not kind:
                 x = mods[i](x)
                 i += 1
@@ -261,7 +308,12 @@ class FusedBasicBlockMixin(_FusedMixin):
     downsample: nn.Module | None
     fused_children = ("conv1", "conv2")
 
+    def _la_bypassed(self) -> tuple[nn.Module | None, ...]:
+        return self.conv1, self.bn1, self.relu, self.conv2, self.bn2  # relu: called once here, twice unfused
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if needs_eager(*self._la_bypassed()):
+            return cast(Any, original_class(self)).forward(self, x)
         identity = x if self.downsample is None else self.downsample(x)
         out = conv_bn_forward(self.conv1, self.bn1, x, relu=True, backend=self._la_backend)
         out = conv_bn_forward(self.conv2, self.bn2, out, relu=False, backend=self._la_backend)
@@ -285,7 +337,12 @@ class FusedBottleneckMixin(_FusedMixin):
     downsample: nn.Module | None
     fused_children = ("conv1", "conv2", "conv3")
 
+    def _la_bypassed(self) -> tuple[nn.Module | None, ...]:
+        return self.conv1, self.bn1, self.conv2, self.bn2, self.conv3, self.bn3, self.relu
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if needs_eager(*self._la_bypassed()):
+            return cast(Any, original_class(self)).forward(self, x)
         identity = x if self.downsample is None else self.downsample(x)
         out = conv_bn_forward(self.conv1, self.bn1, x, relu=True, backend=self._la_backend)
         out = conv_bn_forward(self.conv2, self.bn2, out, relu=True, backend=self._la_backend)
@@ -309,9 +366,15 @@ class FusedResNetMixin(_FusedMixin):
     layer4: nn.Module
     avgpool: nn.Module
     fc: nn.Module
+    relu: nn.Module
     fused_children = ("conv1",)
 
+    def _la_bypassed(self) -> tuple[nn.Module | None, ...]:
+        return self.conv1, self.bn1, self.relu
+
     def _forward_impl(self, x: torch.Tensor) -> torch.Tensor:
+        if needs_eager(*self._la_bypassed()):
+            return cast(Any, original_class(self))._forward_impl(self, x)
         x = self.maxpool(conv_bn_forward(self.conv1, self.bn1, x, relu=True, backend=self._la_backend))
         x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
         return self.fc(torch.flatten(self.avgpool(x), 1))
@@ -453,6 +516,12 @@ class FusedAttentionMixin(_FusedMixin):
         packed = ("qkv_proj",) if "qkv_proj" in compat.child_modules(self) else ()
         return (*packed, "proj") if self._la_fuse_out else packed
 
+    def _la_bypassed(self) -> tuple[nn.Module | None, ...]:
+        return (self.proj, self.resid_dropout) if self._la_fuse_out else ()
+
+    def _la_eager_children(self) -> tuple[str, ...]:
+        return ("proj",) if needs_eager(*self._la_bypassed()) else ()  # the packed GEMM is called as a module
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         b, s, c = x.shape
         children = compat.child_modules(self)
@@ -469,7 +538,7 @@ class FusedAttentionMixin(_FusedMixin):
             dropout_p=self.attn_dropout if self.training else 0.0,
         )
         y = y.transpose(1, 2).reshape(b, s, c)
-        if self._la_fuse_out:
+        if self._la_fuse_out and not needs_eager(*self._la_bypassed()):
             drop = self.resid_dropout
             return linear_dropout(
                 y, self.proj.weight, self.proj.bias, drop.p, drop.training, residual=residual, backend=self._la_backend
@@ -495,7 +564,16 @@ class FusedGPTBlockMixin(_FusedMixin):
         first = ("mlp.0",) if type(self.mlp[0]) is nn.Linear and module_activation(self.mlp[1]) is not None else ()
         return ("attn", *first, "mlp.2")
 
+    def _la_bypassed(self) -> tuple[nn.Module | None, ...]:
+        return (self.mlp, *self.mlp)
+
+    def _la_eager_children(self) -> tuple[str, ...]:
+        mlp = tuple(c for c in self._la_fused_children() if c.startswith("mlp."))
+        return mlp if needs_eager(*self._la_bypassed()) else ()  # the attention is called as a module
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if needs_eager(*self._la_bypassed()):
+            return cast(Any, original_class(self)).forward(self, x)
         x = self.attn(self.ln_1(x), residual=x)
         fc, act = self.mlp[0], self.mlp[1]
         # exact classes, checked by surgery before the swap
@@ -625,6 +703,10 @@ class FusedTransformerEncoderLayerMixin(_FusedMixin):
     activation: Any
     fused_children = ("self_attn", "linear1", "linear2")
 
+    def _la_bypassed(self) -> tuple[nn.Module | None, ...]:
+        act = self.activation if isinstance(self.activation, nn.Module) else None
+        return self.self_attn, self.linear1, self.dropout, self.linear2, self.dropout1, self.dropout2, act
+
     def forward(
         self,
         src: torch.Tensor,
@@ -635,6 +717,7 @@ class FusedTransformerEncoderLayerMixin(_FusedMixin):
         act = function_activation(self.activation)
         if (
             act is None
+            or needs_eager(*self._la_bypassed())
             or src_key_padding_mask is not None
             or src.is_nested
             or src.dim() != 3
@@ -687,6 +770,12 @@ class FusedPackedAttentionMixin(_FusedMixin):
     resid_dropout: nn.Dropout
     fused_children = ("c_attn", "c_proj")
 
+    def _la_bypassed(self) -> tuple[nn.Module | None, ...]:
+        return self.c_proj, self.resid_dropout
+
+    def _la_eager_children(self) -> tuple[str, ...]:
+        return ("c_proj",) if needs_eager(*self._la_bypassed()) else ()  # c_attn is called as a module
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         b, s, c = x.shape
         q, k, v = self.c_attn(x).split(c, dim=-1)
@@ -698,6 +787,9 @@ class FusedPackedAttentionMixin(_FusedMixin):
             dropout_p=self.attn_dropout.p if self.training else 0.0,
         )
         y = y.transpose(1, 2).reshape(b, s, c)
+        if needs_eager(*self._la_bypassed()):
+            out = self.resid_dropout(self.c_proj(y))
+            return out if residual is None else residual + out
         drop = self.resid_dropout
         return linear_dropout(
             y, self.c_proj.weight, self.c_proj.bias, drop.p, drop.training, residual=residual, backend=self._la_backend
@@ -719,7 +811,16 @@ class FusedGPT2BlockMixin(_FusedMixin):
     mlp: nn.Module
     fused_children = ("attn", "mlp.c_fc", "mlp.c_proj")
 
+    def _la_bypassed(self) -> tuple[nn.Module | None, ...]:
+        mlp = self.mlp
+        return tuple(cast(nn.Module, getattr(mlp, n)) for n in ("c_fc", "act", "c_proj", "dropout")) + (mlp,)
+
+    def _la_eager_children(self) -> tuple[str, ...]:
+        return ("mlp.c_fc", "mlp.c_proj") if needs_eager(*self._la_bypassed()) else ()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if needs_eager(*self._la_bypassed()):
+            return cast(Any, original_class(self)).forward(self, x)
         x = self.attn(self.ln_1(x), residual=x)
         mlp, backend = self.mlp, self._la_backend
         fc, proj, drop = cast(nn.Linear, mlp.c_fc), cast(nn.Linear, mlp.c_proj), cast(nn.Dropout, mlp.dropout)
@@ -793,6 +894,11 @@ def block_mixin(module: nn.Module) -> type[_FusedMixin] | None:
 def fused_children(module: nn.Module) -> tuple[str, ...]:
     """The sub-module paths (relative to ``module``) that ``module``'s fused forward runs through fused ops."""
     return module._la_fused_children() if is_fused(module) else ()
+
+
+def eager_children(module: nn.Module) -> tuple[str, ...]:
+    """The :func:`fused_children` of ``module`` that run unfused at its next call (hooks, a changed container)."""
+    return module._la_eager_children() if is_fused(module) else ()
 
 
 register_block("torchvision.models.resnet.BasicBlock", FusedBasicBlockMixin)

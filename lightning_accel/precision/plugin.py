@@ -20,7 +20,14 @@ from typing_extensions import override
 from lightning_accel._utils.checks import check_choice
 from lightning_accel._utils.triton import Backend, check_backend
 from lightning_accel.precision.compile import compile_in_place
-from lightning_accel.precision.surgery import DEFAULT_POLICY, FusionReport, Replacement, apply_fusions, unfuse
+from lightning_accel.precision.surgery import (
+    DEFAULT_POLICY,
+    FusionReport,
+    Replacement,
+    _ignore_list,
+    apply_fusions,
+    unfuse,
+)
 
 __all__ = ["FusedPrecision"]
 
@@ -65,7 +72,7 @@ class FusedPrecision(MixedPrecision):
         device: str | None = None,
         scaler: torch.amp.GradScaler | None = None,
         fusions: Sequence[str] | Mapping[str, Sequence[Replacement]] | None = None,
-        ignore_modules: Sequence[str | type] = (),
+        ignore_modules: str | type | Sequence[str | type] = (),
         compile: bool = False,
         compile_kwargs: dict[str, Any] | None = None,
         backend: Backend = "auto",
@@ -95,7 +102,7 @@ class FusedPrecision(MixedPrecision):
         # without an explicit device, follow the Trainer's accelerator at setup (see `convert_module`)
         self._follow_trainer_device = device is None and scaler is None
         self.fusions = fusions
-        self.ignore_modules = tuple(ignore_modules)
+        self.ignore_modules = _ignore_list(ignore_modules)
         self.compile = compile
         self.compile_kwargs = dict(compile_kwargs or {})
         self.backend = backend

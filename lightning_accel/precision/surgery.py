@@ -185,9 +185,15 @@ def _plan_sequential(seq: nn.Module, which: str) -> dict[int, tuple[int, str]]:
     plan: dict[int, tuple[int, str]] = {}
     i = 0
     while i < len(mods):
+        if _marked_ignored(mods[i]):
+            i += 1
+            continue
         cur, nxt = mods[i], mods[i + 1] if i + 1 < len(mods) else None
         if which == "conv" and isinstance(cur, nn.Conv2d) and _conv_ok(cur) and _bn_ok(nxt, cur):
-            act = _act_kind(mods[i + 2]) if i + 2 < len(mods) else None
+            if _marked_ignored(nxt):
+                i += 1
+                continue
+            act = _act_kind(mods[i + 2]) if i + 2 < len(mods) and not _marked_ignored(mods[i + 2]) else None
             if act is not None:
                 plan[i] = (3, "conv_bn_relu" if act == "relu" else f"conv_bn_{act}")
                 i += 3
@@ -197,9 +203,10 @@ def _plan_sequential(seq: nn.Module, which: str) -> dict[int, tuple[int, str]]:
             continue
         if which == "linear" and type(cur) is nn.Linear:
             j = i + 1
-            act = _act_kind(mods[j]) if j < len(mods) else None
+            act = _act_kind(mods[j]) if j < len(mods) and not _marked_ignored(mods[j]) else None
             j += act is not None
-            drop = j < len(mods) and type(mods[j]) is nn.Dropout
+            drop = j < len(mods) and type(mods[j]) is nn.Dropout and cast(nn.Dropout, mods[j]).p < 1
+            drop = drop and not _marked_ignored(mods[j])
             if act is not None or drop:
                 kind = "linear" + (f"_{act}" if act else "") + ("_dropout" if drop else "")
                 plan[i] = (j + drop - i, kind)
@@ -209,23 +216,48 @@ def _plan_sequential(seq: nn.Module, which: str) -> dict[int, tuple[int, str]]:
     return plan
 
 
+def _group_op(kind: str) -> str:
+    """``"conv"`` or ``"linear"``: the pattern of a planned group's kind."""
+    return "conv" if kind.startswith("conv_bn") else "linear"
+
+
+def _current_plan(m: nn.Module) -> dict[int, tuple[int, str]]:
+    """The groups planned in ``m`` earlier that still hold the modules they were planned over."""
+    plan: dict[int, tuple[int, str]] = getattr(m, "_la_plan", {})
+    if "_la_members" not in m.__dict__:  # fused before the members were recorded
+        return dict(plan)
+    mods, members = list(compat.child_modules(m).values()), m.__dict__["_la_members"]
+    return {
+        i: (n, kind)
+        for i, (n, kind) in plan.items()
+        if len(mods[i : i + n]) == n == len(members.get(i, ()))
+        and all(a is b for a, b in zip(mods[i : i + n], members[i], strict=True))
+    }
+
+
 def _seq_match(which: str) -> Callable[[nn.Module], bool]:
     def match(m: nn.Module) -> bool:
         if not _sequential_forward(m) or getattr(m, "_la_claimed", False):
             return False
-        done: dict[int, tuple[int, str]] = getattr(m, "_la_plan", {})
-        return any(i not in done for i in _plan_sequential(m, which))
+        done = _current_plan(m)
+        return any(done.get(i) != v for i, v in _plan_sequential(m, which).items())
 
     return match
 
 
 def _seq_apply(which: str) -> Callable[[nn.Module], tuple[str, list[ParamSwap]]]:
     def apply(m: nn.Module) -> tuple[str, list[ParamSwap]]:
-        plan: dict[int, tuple[int, str]] = dict(getattr(m, "_la_plan", {}))
-        new = {i: v for i, v in _plan_sequential(m, which).items() if i not in plan}
-        plan.update(new)
+        # groups of the other pattern that still hold their modules stay; this pattern's are planned afresh (a group
+        # whose modules changed since is dropped: the container was edited after surgery)
+        current = _current_plan(m)
+        fresh = _plan_sequential(m, which)
+        plan = {i: v for i, v in current.items() if _group_op(v[1]) != which} | fresh
+        new = {i: v for i, v in fresh.items() if current.get(i) != v}
         fm.swap_class(m, fm.FusedSequentialMixin)
+        mods = cast(list[nn.Module], list(compat.child_modules(m).values()))
         cast(fm.FusedSequentialMixin, m)._la_plan = plan
+        # a plain attribute (nn.Module.__setattr__ is typed for tensors and modules), kept by deepcopy and pickle
+        m.__dict__["_la_members"] = {i: tuple(mods[i : i + n]) for i, (n, _) in plan.items()}
         return ", ".join(f"[{i}:{i + n}] {kind}" for i, (n, kind) in sorted(new.items())), []
 
     return apply
@@ -263,9 +295,14 @@ def _qkv_match(m: nn.Module) -> bool:
         return False
     projs = [getattr(m, n, None) for n in ("q_proj", "k_proj", "v_proj")]
     linears = [p for p in projs if type(p) is nn.Linear]
-    if len(linears) != 3:
+    if len(linears) != 3 or fm.needs_eager(*linears):  # packing removes the three modules, and their hooks
         return False
-    shapes = {(p.in_features, p.out_features, p.bias is not None, p.weight.dtype, p.weight.device) for p in linears}
+    # one packed parameter has one requires_grad: projections that train differently stay apart
+    shapes = {
+        (p.in_features, p.out_features, p.bias is not None, p.weight.dtype, p.weight.device, p.weight.requires_grad)
+        + ((p.bias.requires_grad,) if p.bias is not None else ())
+        for p in linears
+    }
     return len(shapes) == 1
 
 
@@ -583,7 +620,10 @@ def _skip_reason(
                 f"{_REGISTER_HINT} with {_block_hint(m, 'attention')} if its forward is what that mixin states"
             )
         if mixin is fm.FusedAttentionMixin and not _qkv_match(m):
-            return "q_proj/k_proj/v_proj differ in shape, bias, dtype or device (or are not exactly nn.Linear)"
+            return (
+                "q_proj/k_proj/v_proj differ in shape, bias, dtype, device or requires_grad, have hooks, or are not "
+                "exactly nn.Linear"
+            )
         return f"registered with {mixin.__name__} but lacks the attributes its contract names"
     if parent is None:
         return "no pattern matched"
@@ -611,26 +651,40 @@ def _skip_reason(
 
 
 def _candidates(
-    model: nn.Module, policy: Mapping[str, Sequence[Replacement]], ignore: Sequence[str | type]
+    model: nn.Module,
+    policy: Mapping[str, Sequence[Replacement]],
+    ignore: Sequence[str | type],
+    split_qkv: Sequence[str] = (),
+    held: Sequence[str] = (),
 ) -> list[Candidate]:
     modules = dict(model.named_modules())
     covered: set[str] = set()
+    eager: set[str] = set()
     for path, m in modules.items():
         covered.update(f"{path}.{c}" if path else c for c in fm.fused_children(m))
+        eager.update(f"{path}.{c}" if path else c for c in fm.eager_children(m))
+    ignored_paths = {p for p, m in modules.items() if _ignored(p, m, ignore)}
     out = []
     for path, m, kind in eligible_modules(model):
         parent_path = path.rpartition(".")[0]
         parent = modules.get(parent_path) if path else None
+        if path in eager:
+            reason = "has hooks (a pruning mask, a user's hook) or a Dropout with p >= 1: its block runs it unfused"
+            out.append(Candidate(path, kind, type(m).__name__, False, reason))
+            continue
         fused = fm.is_fused(m) or path in covered
         if fused:
             out.append(
                 Candidate(path, kind, type(m).__name__ if not fm.is_fused(m) else fm.original_class(m).__name__, True)
             )
             continue
-        ignored = _ignored(path, m, ignore) or any(
-            _ignored(a, modules[a], ignore) for a in _ancestors(path) if a in modules
-        )
-        reason = _skip_reason(path, m, kind, parent, policy, ignored)
+        ignored = path in ignored_paths or any(a in ignored_paths for a in _ancestors(path))
+        if not ignored and path in split_qkv:
+            reason = "q_proj/k_proj/v_proj sit in different optimizer parameter groups (one packed parameter cannot)"
+        elif not ignored and (block := next((a for a in reversed(_ancestors(path)) if a in held), None)) is not None:
+            reason = f"its block `{block or '(root)'}` holds a module of `ignore_modules` its fused forward skips"
+        else:
+            reason = _skip_reason(path, m, kind, parent, policy, ignored)
         out.append(Candidate(path, kind, type(m).__name__, False, reason))
     return out
 
@@ -638,6 +692,75 @@ def _candidates(
 def _ancestors(path: str) -> list[str]:
     parts = path.split(".") if path else []
     return [".".join(parts[:i]) for i in range(len(parts))]
+
+
+# Set on the modules of `ignore_modules` for the duration of one `apply_fusions` call (a plain instance attribute):
+# a container's plan leaves them out, and no block whose forward would skip their call is swapped.
+_IGNORED_MARK = "_la_ignored"
+
+
+def _marked_ignored(m: nn.Module | None) -> bool:
+    return m is not None and m.__dict__.get(_IGNORED_MARK, False)
+
+
+def _holds_ignored(m: nn.Module) -> bool:
+    """A sub-module of ``m`` (not ``m`` itself) is in ``ignore_modules`` (marked by :func:`apply_fusions`)."""
+    return any(_marked_ignored(d) for d in m.modules() if d is not m)
+
+
+_SURGERY_ATTRS = ("_la_fuse_out", "_la_claimed", "_la_plan", "_la_members")
+
+
+def _class_snapshot(m: nn.Module) -> list[tuple[nn.Module, type, dict[str, object]]]:
+    """Each sub-module's class and surgery attributes, to undo a replacement (:func:`_restore_classes`)."""
+    return [(d, type(d), {k: d.__dict__[k] for k in _SURGERY_ATTRS if k in d.__dict__}) for d in m.modules()]
+
+
+def _restore_classes(snapshot: list[tuple[nn.Module, type, dict[str, object]]]) -> None:
+    for d, cls, attrs in snapshot:
+        if type(d) is not cls:
+            patching.swap_class(d, cls)
+        for k in _SURGERY_ATTRS:
+            d.__dict__.pop(k, None)
+        d.__dict__.update(attrs)
+
+
+def _skips_ignored(m: nn.Module) -> bool:
+    """A fused forward in ``m``'s tree would skip the call of (or compute through fused ops) an ignored module."""
+    for d in m.modules():
+        if not fm.is_fused(d) or isinstance(d, fm.FusedSequentialMixin):  # containers plan around ignored modules
+            continue
+        skipped = [*d._la_bypassed(), *(d.get_submodule(c) for c in fm.fused_children(d))]
+        if any(_marked_ignored(x) for x in skipped):
+            return True
+    return False
+
+
+def _ignore_list(ignore_modules: object) -> tuple[str | type, ...]:
+    """``ignore_modules`` as a tuple: one name or class, or a sequence of them."""
+    if isinstance(ignore_modules, (str, type)):
+        return (ignore_modules,)
+    if isinstance(ignore_modules, Iterable):
+        items = tuple(ignore_modules)
+        if all(isinstance(i, (str, type)) for i in items):
+            return items
+    raise TypeError(
+        f"`ignore_modules` must be module names (e.g. 'model.blocks.0') or nn.Module classes, or a list of them; got "
+        f"{ignore_modules!r}."
+    )
+
+
+def _param_groups(optimizers: Sequence[torch.optim.Optimizer]) -> dict[int, tuple[int, int]]:
+    """``{id(param): (optimizer index, group index)}``."""
+    return {
+        id(p): (i, j) for i, opt in enumerate(optimizers) for j, g in enumerate(opt.param_groups) for p in g["params"]
+    }
+
+
+def _qkv_groups(m: nn.Module, where: Mapping[int, tuple[int, int]]) -> set[tuple[int, int] | None]:
+    """The optimizer parameter groups holding ``m``'s q/k/v projections' parameters (None: in no optimizer)."""
+    params = [p for n in ("q_proj", "k_proj", "v_proj") for p in getattr(m, n).parameters()]
+    return {where.get(id(p)) for p in params}
 
 
 def replace_optimizer_params(optimizers: Iterable[torch.optim.Optimizer], swaps: Sequence[ParamSwap]) -> int:
@@ -688,7 +811,7 @@ def _ignored(name: str, module: nn.Module, ignore: Sequence[str | type]) -> bool
 def apply_fusions(
     model: nn.Module,
     fusions: Sequence[str] | Mapping[str, Sequence[Replacement]] | None = None,
-    ignore_modules: Sequence[str | type] = (),
+    ignore_modules: str | type | Sequence[str | type] = (),
     optimizers: Iterable[torch.optim.Optimizer] = (),
     warn_if_empty: bool = True,
     backend: Backend | None = None,
@@ -700,7 +823,8 @@ def apply_fusions(
         fusions: pattern names from :data:`DEFAULT_POLICY` (default: all), or a full policy
             ``{pattern: [Replacement, ...]}`` for custom patterns.
         ignore_modules: qualified module names (``"model.layers.0"``; their sub-modules too) or module classes to
-            leave alone.
+            leave alone (one name or class, or a sequence): no fused forward skips their call (a container fuses
+            around them, a block that holds one is not swapped).
         optimizers: optimizers already holding ``model``'s parameters; their references (and state) are patched for
             the parameters surgery replaces.
         warn_if_empty: emit a ``UserWarning`` when nothing matched.
@@ -710,7 +834,10 @@ def apply_fusions(
 
     Raises:
         ValueError: for an unknown pattern name.
+        TypeError: for ``ignore_modules`` that are not names or classes.
     """
+    ignore_modules = _ignore_list(ignore_modules)
+    optimizers = list(optimizers)
     if fusions is None:
         policy: Mapping[str, Sequence[Replacement]] = DEFAULT_POLICY
     elif isinstance(fusions, Mapping):
@@ -727,23 +854,58 @@ def apply_fusions(
         policy = {k: DEFAULT_POLICY[k] for k in DEFAULT_POLICY if k in fusions}
     report = FusionReport()
     # snapshot first: surgery changes the tree while we walk it
-    for name, module in list(model.named_modules()):
-        if _ignored(name, module, ignore_modules):
-            continue
-        for pattern, replacements in policy.items():
-            for rep in replacements:
-                if rep.match(module):
+    named = list(model.named_modules())
+    marked = [m for name, m in named if _ignored(name, m, ignore_modules)]
+    unknown_names = [
+        i for i in ignore_modules if isinstance(i, str) and not any(_ignored(n, m, (i,)) for n, m in named)
+    ]
+    if unknown_names:
+        warnings.warn(
+            f"`ignore_modules` names {unknown_names}, which are not modules of {type(model).__name__}; module names "
+            "are qualified as in `model.named_modules()` (e.g. 'blocks.0.mlp').",
+            UserWarning,
+            stacklevel=2,
+        )
+    where = _param_groups(optimizers)
+    split_qkv: list[str] = []
+    held: list[str] = []  # blocks left as they were: their fused forward would skip an ignored module
+    for m in marked:
+        m.__dict__[_IGNORED_MARK] = True
+    try:
+        for name, module in named:
+            if _marked_ignored(module):
+                continue
+            for pattern, replacements in policy.items():
+                for rep in replacements:
+                    if not rep.match(module):
+                        continue
+                    if rep.apply is _qkv_apply:
+                        if any(_marked_ignored(getattr(module, n)) for n in ("q_proj", "k_proj", "v_proj")):
+                            held.append(name)
+                            continue
+                        if len(_qkv_groups(module, where)) > 1:
+                            split_qkv.append(name)
+                            continue
+                    # a block whose fused forward would skip an ignored module's call is put back as it was
+                    undo = _class_snapshot(module) if _holds_ignored(module) else None
                     detail, swaps = rep.apply(module)
+                    if undo is not None and not swaps and _skips_ignored(module):
+                        _restore_classes(undo)
+                        held.append(name)
+                        continue
                     report.records.append(FusionRecord(name, pattern, detail))
                     report.param_swaps.extend(swaps)
-    report.candidates = _candidates(model, policy, ignore_modules)
+    finally:
+        for m in marked:
+            m.__dict__.pop(_IGNORED_MARK, None)
+    report.candidates = _candidates(model, policy, ignore_modules, split_qkv, held)
     if backend is not None:
         check_backend(backend)
         for m in model.modules():
             if fm.is_fused(m):
                 m._la_backend = backend
     if report.param_swaps:
-        replace_optimizer_params(list(optimizers), report.param_swaps)
+        replace_optimizer_params(optimizers, report.param_swaps)
     if report.records:
         log.info(
             "Fused %d pattern(s) in %s (%.0f%% of eligible modules):\n%s",

@@ -435,3 +435,115 @@ def test_the_class_swap_is_reversible_through_the_patching_handle() -> None:
     assert not is_fused(seq)
     x = torch.randn(2, 4)
     torch.testing.assert_close(seq(x), seq[1](seq[0](x)))
+
+
+def test_hooked_modules_run_unfused_and_their_hooks_run() -> None:
+    """A fused forward that would skip a module's call (pruning's pre-hook, a user's hook) runs it unfused instead."""
+    from torch.nn.utils import prune
+
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    ref = copy.deepcopy(seq)
+    for m in (seq, ref):
+        prune.l1_unstructured(m[0], "weight", amount=0.5)  # weight = weight_orig * mask, recomputed by a pre-hook
+    report = apply_fusions(seq, backend="reference")
+    assert report.counts() == {"linear_dropout": 1}
+    assert [(c.module, c.fused) for c in report.candidates] == [("0", False)]
+    assert "hooks" in report.candidates[0].reason
+    x = torch.randn(16, 8)
+    for model in (seq, ref):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):  # the stale `weight` of a skipped pre-hook would fail the second backward
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+    torch.testing.assert_close(seq[0].weight_orig, ref[0].weight_orig)
+
+    calls: list[str] = []
+    block = SmallResNet(width=8, blocks=(1,)).layers[0]
+    apply_fusions(block, backend="reference")
+    assert isinstance(block, FusedBasicBlockMixin)
+    eager = copy.deepcopy(block)
+    eager.__class__ = original_class(block)
+    handle = block.bn1.register_forward_hook(lambda m, i, o: calls.append("bn1"))  # registered after surgery
+    x = torch.randn(2, 8, 8, 8)
+    torch.testing.assert_close(block(x), eager(x), atol=1e-5, rtol=1e-5)
+    assert calls == ["bn1"]
+    handle.remove()
+    block(x)
+    assert calls == ["bn1"]  # fused again once the hook is gone
+
+    gpt = _gpt()
+    gpt.blocks[0].attn.q_proj.register_forward_hook(lambda m, i, o: calls.append("q"))
+    gpt.blocks[1].mlp[0].register_forward_pre_hook(lambda m, i: calls.append("fc"))
+    report = apply_fusions(gpt, backend="reference")
+    assert "q_proj" in gpt.blocks[0].attn._modules  # packing would drop the module and its hook
+    assert "qkv_proj" in gpt.blocks[1].attn._modules
+    calls.clear()
+    gpt(torch.randint(0, 11, (2, 9)))
+    assert calls == ["q", "fc"]
+
+
+def test_qkv_is_packed_only_for_projections_that_train_alike() -> None:
+    model = _gpt()
+    model.blocks[0].attn.k_proj.weight.requires_grad_(False)
+    opt = torch.optim.SGD(
+        [
+            {"params": [p for n, p in model.named_parameters() if "blocks.1.attn.q_proj" not in n]},
+            {"params": list(model.blocks[1].attn.q_proj.parameters()), "lr": 0.0},
+        ],
+        lr=0.1,
+    )
+    report = apply_fusions(model, optimizers=[opt])
+    assert "qkv" not in report.counts()  # block 0: mixed requires_grad; block 1: split across parameter groups
+    assert all("q_proj" in b.attn._modules for b in model.blocks)
+    assert sum(p.numel() for p in model.parameters() if p.requires_grad) == sum(
+        p.numel() for g in opt.param_groups for p in g["params"] if p.requires_grad
+    )
+
+
+def test_dropout_of_one_and_containers_changed_after_surgery_run_as_eager() -> None:
+    torch.manual_seed(0)
+    head = nn.Sequential(nn.Linear(8, 8), nn.Hardswish(), nn.Dropout(0.2), nn.Linear(8, 3), nn.ReLU(), nn.Dropout(1.0))
+    report = apply_fusions(head, backend="reference")
+    assert [r.detail for r in report.records] == ["[0:3] linear_hardswish_dropout, [3:5] linear_relu"]
+    x = torch.randn(4, 8)
+    assert torch.equal(head(x), torch.zeros(4, 3))  # Dropout(p=1) in training zeroes, as unfused
+    head.eval()
+    head[1] = nn.ReLU()  # the planned group no longer holds the modules it was planned over
+    torch.testing.assert_close(head(x), head[4](head[3](torch.relu(head[0](x)))))
+    head[2] = nn.Identity()
+    head.insert(0, nn.Identity())
+    y = head(x)  # every stale group runs its modules one by one
+    assert not any(c.fused for c in fused_candidates(head))
+    assert [r.detail for r in apply_fusions(head).records] == ["[1:3] linear_relu, [4:6] linear_relu"]
+    assert head._la_plan == {1: (2, "linear_relu"), 4: (2, "linear_relu")}  # surgery again: planned afresh
+    torch.testing.assert_close(head(x), y)
+    head.train()
+    head[3].p = 1.0  # an Identity now; the Dropout(p=1) at the end zeroes, unfused
+    assert torch.equal(head(x), torch.zeros(4, 3))
+
+
+def fused_candidates(model: nn.Module) -> list:
+    from lightning_accel.precision.surgery import _candidates
+
+    return _candidates(model, {}, ())
+
+
+def test_ignore_modules_inside_fused_containers_and_blocks() -> None:
+    seq = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU())
+    report = apply_fusions(seq, ignore_modules="2")  # one name, not its characters
+    assert [r.detail for r in report.records] == ["[0:2] linear_relu"]
+    block = SmallResNet(width=8, blocks=(1,)).layers[0]
+    report = apply_fusions(block, ignore_modules=["bn1"], warn_if_empty=False)
+    assert not is_fused(block) and [r.module for r in report.records] == ["downsample"]
+    assert "holds a module of `ignore_modules`" in {c.module: c.reason for c in report.skipped()}["conv2"]
+    gpt = _gpt()
+    report = apply_fusions(gpt, ignore_modules=[nn.LayerNorm, "blocks.0.mlp.2"])
+    assert isinstance(gpt.blocks[1], FusedGPTBlockMixin) and not isinstance(gpt.blocks[0], FusedGPTBlockMixin)
+    assert "_la_claimed" not in gpt.blocks[0].mlp.__dict__  # the undone block's container is free again
+    with pytest.warns(UserWarning, match=r"`ignore_modules` names \['blocks\.9'\]"):
+        apply_fusions(_gpt(), ignore_modules=["blocks.9"])
+    with pytest.raises(TypeError, match="`ignore_modules` must be module names"):
+        FusedPrecision(ignore_modules=[3])  # type: ignore[list-item]
+    assert FusedPrecision(ignore_modules="model.head").ignore_modules == ("model.head",)
