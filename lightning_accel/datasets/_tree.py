@@ -133,10 +133,11 @@ def check_tree(spec: TreeSpec, root: str | os.PathLike[str], want: dict | None, 
     return "build"
 
 
-def begin_render(spec: TreeSpec, root_p: Path, want: dict) -> None:
+def begin_render(spec: TreeSpec, root_p: Path, want: dict, *, arg: str = "root") -> None:
     """After :func:`check_tree` said ``"build"``: check ``root_p`` is writable, write the "rendering" marker first (a
     run killed halfway leaves a tree that is recognisably ours, so the next run may redo it) and empty the class
-    folders (which :func:`check_tree` allowed to hold only our own image names).
+    folders (which :func:`check_tree` allowed to hold only our own image names). ``arg`` is the argument name quoted
+    in the error.
 
     Raises:
         PermissionError: ``root_p`` cannot be written (nothing written).
@@ -148,7 +149,7 @@ def begin_render(spec: TreeSpec, root_p: Path, want: dict) -> None:
         probe.unlink()
     except OSError as e:
         raise PermissionError(
-            f"Cannot write the {spec.what} data set to `root` {str(root_p)!r}: {e.strerror or e}. "
+            f"Cannot write the {spec.what} data set to `{arg}` {str(root_p)!r}: {e.strerror or e}. "
             f"Choose a writable directory ({spec.writable_hint})."
         ) from e
     atomic_write_text(root_p / spec.marker, json.dumps({**want, "state": _RENDERING}, sort_keys=True))

@@ -22,8 +22,8 @@ from typing_extensions import override
 from lightning_accel._utils.checks import check_int
 from lightning_accel.data import CachedDataModule
 from lightning_accel.data.dataset import default_num_workers, split_indices
-from lightning_accel.datasets.digits import DIGITS_CLASSES, check_render_target, materialize_digits
-from lightning_accel.datasets.photos import check_photos_target, materialize_photos
+from lightning_accel.datasets.digits import DIGITS_CLASSES, check_render_target, digits_marker, materialize_digits
+from lightning_accel.datasets.photos import check_photos_target, materialize_photos, photos_marker
 
 __all__ = ["DigitsCachedDataModule", "DigitsDataModule", "PhotosCachedDataModule"]
 
@@ -35,19 +35,24 @@ DIGITS_STD = (0.318, 0.318, 0.318)
 class DigitsDataModule(LightningDataModule):
     """torchvision ``ImageFolder`` over the digits JPEGs, decoded every epoch (the baseline).
 
-    ``data_dir`` must be new, empty or a tree this module rendered: a directory of your own images is refused in
-    ``__init__`` (one ``ValueError``, nothing written); read those with
+    ``data_dir`` must be new, empty or a tree this module rendered with the same ``image_size`` and ``num_images``: a
+    directory of your own images, or digits rendered with other arguments, are refused in ``__init__`` (one
+    ``ValueError`` naming ``data_dir``, nothing written); read your own images with
     :class:`~lightning_accel.data.CachedDataModule` (``origin:``) or torchvision's ``ImageFolder``.
 
     Args:
         data_dir: where the JPEG tree lives or is created (only the demo's own tree, see above).
-        image_size: side of the rendered images in pixels.
+        image_size: side of the rendered images in pixels (at least 8).
         num_images: number of images (``None``: the 1,797 originals; more adds perturbed repeats).
         batch_size: per-device batch size.
-        num_workers: DataLoader workers (``None``: half the CPUs).
+        num_workers: DataLoader workers, 0 or more (``None``: half the CPUs).
         val_fraction: fraction held out for validation.
         augment: random affine augmentation of training images (on the CPU, per sample).
         seed: split seed.
+
+    Raises:
+        TypeError: an integer argument that is not one (a bool neither).
+        ValueError: an argument out of range, or a ``data_dir`` the digits may not be rendered into (see above).
     """
 
     def __init__(
@@ -63,10 +68,16 @@ class DigitsDataModule(LightningDataModule):
     ) -> None:
         super().__init__()
         check_int("batch_size", batch_size, low=1)
+        check_int("num_workers", num_workers, low=0, allow_none=True, fix="None uses half the CPUs.")
         split_indices(1, val_fraction, seed)  # validates val_fraction early
-        # Before any write: the digits are rendered into data_dir, which must not be someone's own image folder.
+        # The render's arguments under this module's names: prepare_data is the first to render, after the Trainer
+        # has started (and would name the renderer's `size`).
+        want = digits_marker(image_size, num_images, size_arg="image_size")
+        # Before any write (read-only): the digits are rendered into data_dir, which must not be someone's own image
+        # folder, nor digits made with other arguments.
         check_render_target(
             data_dir,
+            want,
             arg="data_dir",
             fix="for your own images use `lightning_accel.data.CachedDataModule`; else pick a new or empty `data_dir`",
         )
@@ -90,13 +101,14 @@ class DigitsDataModule(LightningDataModule):
 
     @override
     def prepare_data(self) -> None:
-        materialize_digits(self.data_dir, size=self.image_size, num_images=self.num_images)
+        materialize_digits(self.data_dir, size=self.image_size, num_images=self.num_images, arg="data_dir")
 
     @override
     def setup(self, stage: str) -> None:
         from torchvision.datasets import ImageFolder  # type: ignore[import-untyped]  # no type hints either
 
-        materialize_digits(self.data_dir, size=self.image_size, num_images=self.num_images)  # no-op when complete
+        # no-op when complete
+        materialize_digits(self.data_dir, size=self.image_size, num_images=self.num_images, arg="data_dir")
         train_full = ImageFolder(self.data_dir, transform=self._transforms(train=True))
         val_full = ImageFolder(self.data_dir, transform=self._transforms(train=False))
         tr, va = split_indices(len(train_full), self.val_fraction, self.seed)
@@ -168,22 +180,24 @@ class DigitsCachedDataModule(_RenderedCachedDataModule):
     on local rank 0 only); everything else is ``CachedDataModule``'s. The quickstart's data module
     (``examples/configs/quickstart.yaml``).
 
-    With ``digits_size`` set, ``origin`` must be new, empty or a tree this module rendered: a directory of your own
-    images is refused in ``__init__`` (one ``ValueError``, nothing written). For your own data use
+    With ``digits_size`` set, ``origin`` must be new, empty or a tree this module rendered with the same
+    ``digits_size`` and ``num_images``: a directory of your own images, or digits rendered with other arguments, are
+    refused in ``__init__`` (one ``ValueError`` naming ``origin``, nothing written). For your own data use
     :class:`~lightning_accel.data.CachedDataModule` with ``origin:`` (or ``digits_size=None`` here).
 
     Args:
         origin: local directory the digits are rendered into (created if missing; only the demo's own tree).
-        digits_size: side of the rendered JPEGs in pixels; ``None``: ``origin`` already holds the digits (or any
-            ImageFolder tree), render nothing and write nothing there.
+        digits_size: side of the rendered JPEGs in pixels (at least 8); ``None``: ``origin`` already holds the digits
+            (or any ImageFolder tree), render nothing and write nothing there.
         num_images: images to render (``None``: the 1,797 originals; more adds perturbed repeats).
         **kwargs: :class:`~lightning_accel.data.CachedDataModule` arguments (``cache_dir``, ``batch_size``, ...),
             with its defaults: ``image_size=224`` and the ImageNet ``mean``/``std`` unless given (the quickstart's
             YAML gives ``image_size: 64`` and the digits' statistics).
 
     Raises:
-        ValueError: ``origin`` is a remote URL, or a directory the demo did not write, while ``digits_size`` asks for
-            rendering.
+        TypeError: ``digits_size`` or ``num_images`` is not an integer (a bool neither).
+        ValueError: ``digits_size`` or ``num_images`` is out of range; or ``origin`` is a remote URL, a directory the
+            demo did not write, or digits made with other arguments, while ``digits_size`` asks for rendering.
     """
 
     def __init__(
@@ -199,11 +213,17 @@ class DigitsCachedDataModule(_RenderedCachedDataModule):
                 f"`origin` must be a local directory to render the digits into, got {origin!r}. Pass a local path, "
                 "or `digits_size=None` when the origin already holds the images."
             )
+        if digits_size is not None:
+            # under this module's names, before the Trainer starts (prepare_data would name the renderer's `size`)
+            want = digits_marker(digits_size, num_images, size_arg="digits_size")
+        else:
+            check_int("num_images", num_images, low=1, allow_none=True)
         if digits_size is not None and isinstance(origin, str):
             # Before anything is written: rendering into a user's own ImageFolder tree would replace (or mix with)
-            # their images.
+            # their images, and digits made with other arguments are refused rather than mixed.
             check_render_target(
                 origin.removeprefix("file://"),
+                want,
                 arg="origin",
                 fix="for your own images set `digits_size: null` or use `lightning_accel.data.CachedDataModule`; "
                 "else pick a new or empty `origin`",
@@ -214,7 +234,9 @@ class DigitsCachedDataModule(_RenderedCachedDataModule):
 
     def _render(self) -> None:
         if self.digits_size is not None:
-            materialize_digits(self.origin.removeprefix("file://"), size=self.digits_size, num_images=self.num_images)
+            materialize_digits(
+                self.origin.removeprefix("file://"), size=self.digits_size, num_images=self.num_images, arg="origin"
+            )
 
 
 class PhotosCachedDataModule(_RenderedCachedDataModule):
@@ -222,19 +244,22 @@ class PhotosCachedDataModule(_RenderedCachedDataModule):
 
     ``prepare_data`` (once per node) renders the photos with :func:`~lightning_accel.datasets.materialize_photos`
     before the cache lists them, and ``setup`` renders again (a no-op once the tree is complete); everything else is
-    ``CachedDataModule``'s. ``origin`` must be new, empty or a tree this module rendered: a directory of your own
-    images is refused in ``__init__`` (one ``ValueError``, nothing written).
+    ``CachedDataModule``'s. ``origin`` must be new, empty or a tree this module rendered with the same ``num_images``,
+    ``photo_size`` and ``photo_seed``: a directory of your own images, or photos rendered with other arguments, are
+    refused in ``__init__`` (one ``ValueError`` naming ``origin``, nothing written).
 
     Args:
         origin: local directory the photos are rendered into (created if missing; only the demo's own tree).
-        num_images: images to render (10 classes, balanced).
-        photo_size: side of the rendered JPEGs in pixels.
-        photo_seed: the data set's seed (same seed, byte-identical files).
+        num_images: images to render (10 classes, balanced; at least 10).
+        photo_size: side of the rendered JPEGs in pixels (at least 32).
+        photo_seed: the data set's seed, 0 or more (same seed, byte-identical files).
         **kwargs: :class:`~lightning_accel.data.CachedDataModule` arguments (``cache_dir``, ``image_size``,
             ``batch_size``, ``train_augment``, ...).
 
     Raises:
-        ValueError: ``origin`` is a remote URL, or a directory the demo did not write.
+        TypeError: ``num_images``, ``photo_size`` or ``photo_seed`` is not an integer (a bool neither).
+        ValueError: one of them is out of range; or ``origin`` is a remote URL, a directory the demo did not write, or
+            photos made with other arguments.
     """
 
     def __init__(
@@ -251,8 +276,11 @@ class PhotosCachedDataModule(_RenderedCachedDataModule):
                 f"`origin` must be a local directory to render the photos into, got {origin!r}. Pass a local path, "
                 "or use `lightning_accel.data.CachedDataModule` for images that are already there."
             )
+        # under this module's names, before the Trainer starts (prepare_data would name the renderer's `size`)
+        want = photos_marker(num_images, photo_size, photo_seed, size_arg="photo_size", seed_arg="photo_seed")
         check_photos_target(
             origin.removeprefix("file://"),
+            want,
             arg="origin",
             fix="for your own images use `lightning_accel.data.CachedDataModule`; else pick a new or empty `origin`",
         )
@@ -261,5 +289,9 @@ class PhotosCachedDataModule(_RenderedCachedDataModule):
 
     def _render(self) -> None:
         materialize_photos(
-            self.origin.removeprefix("file://"), num_images=self.num_images, size=self.photo_size, seed=self.photo_seed
+            self.origin.removeprefix("file://"),
+            num_images=self.num_images,
+            size=self.photo_size,
+            seed=self.photo_seed,
+            arg="origin",
         )

@@ -16,7 +16,7 @@ Contract:
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +29,7 @@ __all__ = [
     "DIGITS_CLASSES",
     "DigitsInfo",
     "check_render_target",
+    "digits_marker",
     "digits_tokens",
     "load_digits_arrays",
     "materialize_digits",
@@ -124,8 +125,42 @@ def _pad_center(img, size: int):
     return out
 
 
+def digits_marker(
+    size: int = 64,
+    num_images: int | None = None,
+    quality: int = 90,
+    *,
+    size_arg: str = "size",
+    count_arg: str = "num_images",
+) -> dict[str, int]:
+    """The marker content a render with these arguments writes (what :func:`check_render_target` compares a tree's
+    marker with), after checking the arguments: a data module checks its own in ``__init__`` through this.
+
+    Args:
+        size: side of the square images in pixels (at least 8).
+        num_images: total images (None: the 1,797 originals).
+        quality: JPEG quality.
+        size_arg: the name of ``size`` quoted in the error (a data module's ``image_size`` / ``digits_size``).
+        count_arg: the name of ``num_images`` quoted in the error.
+
+    Raises:
+        TypeError: an argument that is not an integer (a bool neither).
+        ValueError: an argument out of range.
+    """
+    check_int(size_arg, size, low=8, fix="It is the side of the images in pixels.")
+    check_int(count_arg, num_images, low=1, allow_none=True)
+    check_int("quality", quality, low=1, high=100, fix="It is the JPEG quality.")
+    n = DIGITS_COUNT if num_images is None else num_images
+    return {"size": size, "num_images": n, "quality": quality, "format_version": _FORMAT_VERSION}
+
+
 def materialize_digits(
-    root: str | os.PathLike[str], *, size: int = 64, num_images: int | None = None, quality: int = 90
+    root: str | os.PathLike[str],
+    *,
+    size: int = 64,
+    num_images: int | None = None,
+    quality: int = 90,
+    arg: str = "root",
 ) -> DigitsInfo:
     """Write the digits as ``<root>/<class>/<index:06d>.jpg`` and return what is there.
 
@@ -134,6 +169,7 @@ def materialize_digits(
         size: side of the square images in pixels (e.g. 64 for the quickstart, 224 for benchmarks).
         num_images: total images; defaults to the 1,797 originals. More repeats them with perturbations.
         quality: JPEG quality.
+        arg: the name of ``root`` quoted in errors (a data module's ``data_dir`` / ``origin``).
 
     Raises:
         TypeError: a ``size``/``num_images``/``quality`` that is not an integer (a bool neither).
@@ -141,18 +177,15 @@ def materialize_digits(
             or ``root`` holds files the renderer did not write (see :func:`check_render_target`), nothing written.
         PermissionError: ``root`` cannot be written.
     """
-    check_int("size", size, low=8, fix="It is the side of the images in pixels.")
-    check_int("num_images", num_images, low=1, allow_none=True)
-    check_int("quality", quality, low=1, high=100, fix="It is the JPEG quality.")
-    n = DIGITS_COUNT if num_images is None else num_images
+    want = digits_marker(size, num_images, quality)
+    n = want["num_images"]
     root_p = Path(os.fspath(root)).expanduser().resolve()
-    info = DigitsInfo(root=str(root_p), size=size, num_images=n, quality=quality)
-    want = {k: v for k, v in asdict(info).items() if k != "root"}
-    if check_render_target(root_p, want) == "reuse":
+    info = DigitsInfo(root=str(root_p), **want)
+    if check_render_target(root_p, want, arg=arg) == "reuse":
         return info
     # Only a (re)build needs the arrays: a complete tree is reused without loading scikit-learn (setup() calls this on
     # every rank after prepare_data() built it).
-    begin_render(_SPEC, root_p, want)
+    begin_render(_SPEC, root_p, want, arg=arg)
     images, labels = load_digits_arrays()
     base = len(images)
     for i in range(n):

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,14 @@ from lightning_accel.datasets._tree import TreeSpec, begin_render, check_tree, f
 # per process: the photographs and grain banks, made once (fork copies them from the parent)
 _WORKER: dict[Any, Any] = {}
 
-__all__ = ["PHOTO_CLASSES", "PhotosInfo", "check_photos_target", "load_photo_arrays", "materialize_photos"]
+__all__ = [
+    "PHOTO_CLASSES",
+    "PhotosInfo",
+    "check_photos_target",
+    "load_photo_arrays",
+    "materialize_photos",
+    "photos_marker",
+]
 
 PHOTO_CLASSES = (
     "circle",
@@ -213,6 +220,37 @@ def _render_range(args: tuple[str, int, int, int, int, int]) -> int:
     return stop - start
 
 
+def photos_marker(
+    num_images: int = 4000,
+    size: int = 384,
+    seed: int = 0,
+    quality: int = 90,
+    *,
+    size_arg: str = "size",
+    seed_arg: str = "seed",
+) -> dict[str, int]:
+    """The marker content a render with these arguments writes (what :func:`check_photos_target` compares a tree's
+    marker with), after checking the arguments: a data module checks its own in ``__init__`` through this.
+
+    Args:
+        num_images: total images (at least 10: one per class).
+        size: side of the square JPEGs in pixels (at least 32).
+        seed: the data set's seed.
+        quality: JPEG quality.
+        size_arg: the name of ``size`` quoted in the error (a data module's ``photo_size``).
+        seed_arg: the name of ``seed`` quoted in the error (a data module's ``photo_seed``).
+
+    Raises:
+        TypeError: an argument that is not an integer (a bool neither).
+        ValueError: an argument out of range.
+    """
+    check_int("num_images", num_images, low=10, fix="It is the total number of images (10 classes).")
+    check_int(size_arg, size, low=32, fix="It is the side of the images in pixels.")
+    check_int(seed_arg, seed, low=0)
+    check_int("quality", quality, low=1, high=100, fix="It is the JPEG quality.")
+    return {"size": size, "num_images": num_images, "quality": quality, "seed": seed, "format_version": _FORMAT_VERSION}
+
+
 def materialize_photos(
     root: str | os.PathLike[str],
     *,
@@ -221,6 +259,7 @@ def materialize_photos(
     seed: int = 0,
     quality: int = 90,
     workers: int | None = None,
+    arg: str = "root",
 ) -> PhotosInfo:
     """Write the photo data set as ``<root>/<class>/<index:06d>.jpg`` and return what is there.
 
@@ -231,6 +270,7 @@ def materialize_photos(
         seed: the data set's seed (same seed, same bytes).
         quality: JPEG quality.
         workers: rendering processes (``None``: every CPU; 0 or 1: in this process). Not part of the output.
+        arg: the name of ``root`` quoted in errors (a data module's ``origin``).
 
     Raises:
         TypeError: an argument that is not an integer (a bool neither).
@@ -238,17 +278,13 @@ def materialize_photos(
             holds files the renderer did not write, nothing written.
         PermissionError: ``root`` cannot be written.
     """
-    check_int("num_images", num_images, low=10, fix="It is the total number of images (10 classes).")
-    check_int("size", size, low=32, fix="It is the side of the images in pixels.")
-    check_int("seed", seed, low=0)
-    check_int("quality", quality, low=1, high=100, fix="It is the JPEG quality.")
+    want = photos_marker(num_images, size, seed, quality)
     check_int("workers", workers, low=0, allow_none=True)
     root_p = Path(os.fspath(root)).expanduser().resolve()
-    info = PhotosInfo(root=str(root_p), size=size, num_images=num_images, quality=quality, seed=seed)
-    want = {k: v for k, v in asdict(info).items() if k != "root"}
-    if check_tree(_SPEC, root_p, want, arg="root", fix=DEFAULT_FIX) == "reuse":
+    info = PhotosInfo(root=str(root_p), **want)
+    if check_tree(_SPEC, root_p, want, arg=arg, fix=DEFAULT_FIX) == "reuse":
         return info
-    begin_render(_SPEC, root_p, want)
+    begin_render(_SPEC, root_p, want, arg=arg)
     n_proc = min(os.cpu_count() or 1, num_images) if workers is None else max(1, workers)
     # contiguous chunks, a few per process so an unlucky slow chunk does not hold the others back
     chunks = max(1, min(num_images, n_proc * 4))

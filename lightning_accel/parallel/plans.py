@@ -42,6 +42,7 @@ __all__ = [
     "STYLES",
     "apply_fully_shard",
     "apply_tensor_parallel",
+    "check_plan_styles",
     "check_tensor_parallel_plan",
     "describe_coverage",
     "fsdp_groups",
@@ -263,12 +264,31 @@ def tensor_parallel_plan(model: nn.Module, tp_size: int) -> dict[str, str]:
     return plan
 
 
+def check_plan_styles(plan: Any, name: str = "tp_plan") -> dict[str, str]:
+    """``plan`` when it is a ``{module name: style}`` dict whose styles are all in :data:`STYLES` (the check that
+    needs no model, so a strategy can run it in ``__init__``).
+
+    Raises:
+        TypeError: ``plan`` is not a dict of strings to strings (one line naming ``name``, the value and the fix).
+        ValueError: a style is not one of :data:`STYLES` (one line listing the bad entries).
+    """
+    if not isinstance(plan, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in plan.items()):
+        got = one_line(f"{plan!r}")
+        raise TypeError(
+            f"`{name}` must be a dict {{module name: style}}, got {got[:120]}{'...' if len(got) > 120 else ''} "
+            f"({type(plan).__name__}). Map each nn.Linear name to one of {list(STYLES)}, e.g. "
+            "{'blocks.0.attn.q_proj': 'colwise', 'blocks.0.attn.proj': 'rowwise'}."
+        )
+    bad = {k: v for k, v in plan.items() if v not in STYLES}
+    if bad:
+        raise ValueError(f"`{name}` values must be one of {list(STYLES)}, got {bad}. Fix the style of these entries.")
+    return plan
+
+
 def check_tensor_parallel_plan(model: nn.Module, plan: dict[str, str], tp_size: int) -> None:
     """Raise ``ValueError`` (one line: the module, the numbers, the fix) when ``plan`` cannot split ``model``."""
     mods = dict(model.named_modules())
-    bad = {k: v for k, v in plan.items() if v not in STYLES}
-    if bad:
-        raise ValueError(f"`tp_plan` values must be one of {list(STYLES)}, got {bad}.")
+    check_plan_styles(plan)
     for name, style in plan.items():
         lin = mods.get(name)
         if not isinstance(lin, nn.Linear):
@@ -310,9 +330,13 @@ def _parts(name: str, lin: nn.Linear, style: str) -> int:
 
 
 def _attention_modules(model: nn.Module, plan: dict[str, str]) -> list[nn.Module]:
-    """Modules whose direct ``Linear`` children are column-split by name (attention): their head count shrinks."""
-    parents = {re.sub(r"\.[^.]+$", "", n) for n, s in plan.items() if s != "rowwise" and n.rsplit(".", 1)[-1] in
-               COLWISE_NAMES}  # fmt: skip
+    """Modules whose direct ``Linear`` children are column-split q/k/v projections (attention): their head count
+    shrinks. A child counts when its name is a column-wise or packed name, or its style is ``"colwise_packed"``."""
+    # packed names (`Wqkv`, `in_proj`) are not all column-wise names (the automatic plan does not pair them), but a
+    # user plan splitting one splits that attention's heads just the same
+    qkv_names = COLWISE_NAMES | PACKED_NAMES
+    parents = {re.sub(r"\.[^.]+$", "", n) for n, s in plan.items()
+               if s == "colwise_packed" or (s == "colwise" and n.rsplit(".", 1)[-1] in qkv_names)}  # fmt: skip
     mods = dict(model.named_modules())
     return [mods[p] for p in sorted(parents) if p in mods]
 

@@ -83,3 +83,43 @@ def test_cached_digits_need_a_local_origin_to_render_into() -> None:
     with pytest.raises(ValueError, match="`origin` must be a local directory"):
         DigitsCachedDataModule("s3://bucket/digits")
     DigitsCachedDataModule("s3://bucket/digits", digits_size=None)  # reading an existing remote tree is fine
+
+
+@pytest.mark.parametrize(
+    ("module", "kwargs", "kind", "match"),
+    [
+        ("plain", {"image_size": 4}, ValueError, r"`image_size` must be an integer >= 8, got 4\. It is the side"),
+        ("plain", {"image_size": True}, TypeError, r"`image_size` must be an integer >= 8, got True \(bool\)"),
+        ("plain", {"num_images": 0}, ValueError, r"`num_images` must be an integer >= 1 or None, got 0"),
+        ("plain", {"num_workers": -3}, ValueError, r"`num_workers` must be an integer >= 0 or None, got -3"),
+        ("cached", {"digits_size": 0}, ValueError, r"`digits_size` must be an integer >= 8, got 0\. It is the side"),
+        ("cached", {"num_images": 0}, ValueError, r"`num_images` must be an integer >= 1 or None, got 0"),
+        ("cached", {"digits_size": None, "num_images": "9"}, TypeError, r"`num_images` must be an integer >= 1"),
+    ],
+)
+def test_bad_arguments_are_refused_in_init_under_their_own_names(
+    tmp_path: Path, module: str, kwargs: dict, kind: type[Exception], match: str
+) -> None:
+    with pytest.raises(kind, match=match):
+        if module == "plain":
+            DigitsDataModule(data_dir=str(tmp_path / "d"), **kwargs)
+        else:
+            DigitsCachedDataModule(str(tmp_path / "d"), cache_dir=str(tmp_path / "cache"), **kwargs)
+    assert not (tmp_path / "d").exists()
+
+
+def test_a_tree_made_with_other_arguments_is_refused_in_init_naming_the_directory_argument(tmp_path: Path) -> None:
+    from lightning_accel.datasets import materialize_digits
+
+    root = tmp_path / "d"
+    materialize_digits(root, size=8, num_images=20)
+    with pytest.raises(ValueError, match=r"^`data_dir` .* already holds digits made with .*'size': 8.*'size': 16"):
+        DigitsDataModule(data_dir=str(root), image_size=16, num_images=20)
+    with pytest.raises(ValueError, match=r"^`origin` .* already holds digits made with .*'num_images': 20.* 30"):
+        DigitsCachedDataModule(str(root), digits_size=8, num_images=30, cache_dir=str(tmp_path / "cache"))
+    DigitsDataModule(data_dir=str(root), image_size=8, num_images=20)  # the same arguments: reused
+    # a tree that changes between __init__ and prepare_data is still refused under the user's argument name
+    dm = DigitsDataModule(data_dir=str(tmp_path / "late"), image_size=16, num_images=20)
+    materialize_digits(tmp_path / "late", size=8, num_images=20)
+    with pytest.raises(ValueError, match=r"^`data_dir` .* already holds digits made with"):
+        dm.prepare_data()

@@ -180,6 +180,31 @@ def test_bad_arguments(tmp_path: Path, kwargs: dict, kind: type[Exception], matc
     assert not (tmp_path / "p").exists()
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "kind", "match"),
+    [
+        ({"num_images": 5}, ValueError, r"`num_images` must be an integer >= 10, got 5"),
+        ({"photo_size": 8}, ValueError, r"`photo_size` must be an integer >= 32, got 8"),
+        ({"photo_seed": -1}, ValueError, r"`photo_seed` must be an integer >= 0, got -1"),
+        ({"photo_size": 64.0}, TypeError, r"`photo_size` must be an integer >= 32, got 64.0 \(float\)"),
+    ],
+)
+def test_data_module_refuses_bad_arguments_in_init(
+    tmp_path: Path, kwargs: dict, kind: type[Exception], match: str
+) -> None:
+    with pytest.raises(kind, match=match):
+        PhotosCachedDataModule(str(tmp_path / "p"), cache_dir=str(tmp_path / "cache"), **kwargs)
+    assert not (tmp_path / "p").exists()
+
+
+def test_data_module_refuses_photos_made_with_other_arguments_in_init(tmp_path: Path) -> None:
+    root = tmp_path / "p"
+    materialize_photos(root, num_images=10, size=48, workers=0)
+    with pytest.raises(ValueError, match=r"^`origin` .* already holds photos made with .*'size': 48.*'size': 64"):
+        PhotosCachedDataModule(str(root), num_images=10, photo_size=64, cache_dir=str(tmp_path / "cache"))
+    PhotosCachedDataModule(str(root), num_images=10, photo_size=48, cache_dir=str(tmp_path / "cache"))  # reused
+
+
 def test_data_module_renders_then_caches(tmp_path: Path) -> None:
     dm = PhotosCachedDataModule(
         str(tmp_path / "p"), num_images=20, photo_size=64, cache_dir=str(tmp_path / "cache"), ram_bytes=0,

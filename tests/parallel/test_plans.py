@@ -100,3 +100,40 @@ def test_tied_units_share_one_fsdp_group() -> None:
     outer.stack, outer.extra = shared, extra
     groups, notes = fsdp_groups(list(shared), outer)
     assert groups == [[first]] and "left to the enclosing FSDP group" in notes[0]
+
+
+class _PackedAttention(nn.Module):
+    """An attention holding a packed projection under the given name (`Wqkv`, `in_proj`) and `out_proj`."""
+
+    def __init__(self, packed: str, width: int = 8, heads: int = 2) -> None:
+        super().__init__()
+        self.n_head, self.n_embd = heads, width
+        self.add_module(packed, nn.Linear(width, 3 * width))
+        self.out_proj = nn.Linear(width, width)
+
+
+class _FakeMesh:
+    def size(self) -> int:
+        return 2
+
+
+@pytest.mark.parametrize("packed", ["Wqkv", "in_proj", "c_attn"])
+def test_user_plan_on_a_packed_name_divides_and_checks_the_head_count(
+    packed: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch.distributed.tensor.parallel as tp_mod
+
+    from lightning_accel.parallel.plans import apply_tensor_parallel, check_tensor_parallel_plan
+
+    # only the bookkeeping is under test: the DTensor split itself needs processes (integration test)
+    monkeypatch.setattr(tp_mod, "parallelize_module", lambda *args, **kwargs: None)
+    net = nn.Sequential(_PackedAttention(packed), _PackedAttention(packed))
+    plan = {f"{i}.{packed}": "colwise" for i in range(2)} | {f"{i}.out_proj": "rowwise" for i in range(2)}
+    chosen = apply_tensor_parallel(net, _FakeMesh(), plan)
+    assert chosen[f"0.{packed}"] == "colwise_packed"
+    assert [(m.n_embd, m.n_head) for m in net] == [(4, 1), (4, 1)]
+    odd = nn.Sequential(_PackedAttention(packed, width=6, heads=3))
+    with pytest.raises(ValueError, match=r"`_PackedAttention.n_head`=3 heads cannot be split over `tensor_parallel_s"):
+        check_tensor_parallel_plan(odd, {f"0.{packed}": "colwise", "0.out_proj": "rowwise"}, 2)
+    with pytest.raises(ValueError, match=r"`_PackedAttention.n_head`=3 heads cannot be split"):  # any name, by style
+        check_tensor_parallel_plan(odd, {f"0.{packed}": "colwise_packed", "0.out_proj": "rowwise"}, 2)

@@ -149,11 +149,29 @@ def test_either_spelling_parses_as_a_class_path(spelling: str) -> None:
         ({"tensor_parallel_size": True}, TypeError, r"`tensor_parallel_size` must be an integer >= 1, got True \(bool"),
         ({"data_parallel_size": 0}, ValueError, r"`data_parallel_size` must be an integer >= 1, got 0\. Or None"),
         ({"save_distributed_checkpoint": 1}, TypeError, r"`save_distributed_checkpoint` must be True or False"),
+        (
+            {"tensor_parallel_size": 2, "tp_plan": {"0.q": "columnwise"}},
+            ValueError,
+            r"`tp_plan` values must be one of \['colwise', 'rowwise', 'colwise_packed'\], got \{'0.q': 'columnwise'\}",
+        ),
+        (
+            {"tensor_parallel_size": 2, "tp_plan": ["0.q", "0.proj"]},
+            TypeError,
+            r"`tp_plan` must be a dict \{module name: style\}, got \['0.q', '0.proj'\] \(list\)\. Map each",
+        ),
     ],
 )
 def test_bad_sharded_arguments(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
         ShardedStrategy(**kwargs)
+
+
+def test_a_tp_plan_without_tensor_parallelism_warns_that_it_is_unused() -> None:
+    with pytest.warns(UserWarning, match=r"`tp_plan` is unused with `tensor_parallel_size=1`: no module is split"):
+        ShardedStrategy(tp_plan={"0.q": "colwise"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ShardedStrategy(2, tp_plan={"0.q": "colwise"}).tp_plan == {"0.q": "colwise"}
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ from lightning_accel._utils.checks import check_bool, check_choice, check_int, r
 from lightning_accel._utils.patching import Patch, patch
 from lightning_accel.parallel.plans import (
     apply_tensor_parallel,
+    check_plan_styles,
     describe_coverage,
     fsdp_groups,
     fsdp_units,
@@ -95,7 +96,8 @@ class ShardedStrategy(ModelParallelStrategy):
             the number of nodes).
         save_distributed_checkpoint: save a sharded ``torch.distributed.checkpoint`` folder instead of a full file
             (None: False).
-        tp_plan: ``{module name: "colwise" | "rowwise"}`` instead of the found pairs.
+        tp_plan: ``{module name: "colwise" | "rowwise" | "colwise_packed"}`` instead of the found pairs (checked
+            here; used only when ``tensor_parallel_size`` > 1, a warning says so otherwise).
         reshard_after_forward: ZeRO-3 (True) or keep gathered parameters until backward (False).
         batch_split: ``"data_parallel"`` (Lightning's rule: the ranks of a tensor-parallel group read the same batch,
             so the global batch is ``data_parallel_size x batch_size``) or ``"world"`` (the sampler splits over every
@@ -140,6 +142,16 @@ class ShardedStrategy(ModelParallelStrategy):
             new_given=save_distributed_checkpoint is not None,
         )
         save = False if save is None else check_bool("save_distributed_checkpoint", save)
+        if tp_plan is not None:
+            # a bad plan would otherwise surface only in `apply_plan`, after every process has launched
+            check_plan_styles(tp_plan, "tp_plan")
+            if tensor_parallel_size == 1:
+                warnings.warn(
+                    "`tp_plan` is unused with `tensor_parallel_size=1`: no module is split tensor-parallel. Pass "
+                    "`tensor_parallel_size` > 1 (or 'auto') to apply it, or drop `tp_plan`.",
+                    UserWarning,
+                    stacklevel=2,
+                )
         super().__init__(
             data_parallel_size="auto" if data_parallel_size is None else data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
