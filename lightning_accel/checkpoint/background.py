@@ -177,7 +177,9 @@ class _Buf:
 
     def __init__(self, tensor: torch.Tensor, key: int = -1) -> None:
         self.tensor, self.key = tensor, key
-        self.ptr = tensor.data_ptr() if tensor.numel() else 0  # a buffer never moves: its address is its name
+        # A buffer never moves: its address is its name. 0 (no name) when empty or not strided: a sparse tensor has
+        # no single data pointer (`data_ptr()` raises), and it stays in the skeleton, so no content id is asked for it.
+        self.ptr = tensor.data_ptr() if tensor.numel() and tensor.layout is torch.strided else 0
         self.refs = 0
         self.content_id = next(_content_ids)
         #: (data pointer, version counter) of the tensor last copied in; None: unknown
@@ -251,6 +253,11 @@ class SnapshotPool:
                     copy_tensors(run.dst, run.src)
             if run.pending_device and torch.cuda.is_available():
                 torch.cuda.synchronize()  # the non-blocking device-to-host copies have landed
+        except BaseException:
+            # No save will hold the buffers taken so far: release them, or they would stay held (never reused, never
+            # freed by a later snapshot) for the rest of the run.
+            self.release(Snapshot(None, run.bufs))
+            raise
         finally:
             self._idle.set()
         self.stats.snapshot_s += time.perf_counter() - t0

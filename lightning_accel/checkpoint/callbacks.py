@@ -25,6 +25,7 @@ adds it under torchrun): Lightning's own SIGTERM handler would wait for a collec
 
 from __future__ import annotations
 
+import importlib
 import os
 import posixpath
 import re
@@ -110,8 +111,9 @@ class CheckpointGuard(Callback):
     1. ``on_fit_start``: ``DeltaCheckpointIO`` otherwise takes a directory's writer lock at its first save, so a second
        run on the same directory trained a whole epoch before it was refused. Global rank zero (the rank that saves)
        claims each checkpoint callback's ``dirpath`` (resolved by ``ModelCheckpoint.setup`` by then); the outcome is
-       broadcast so every rank raises the same error together, none left waiting in a collective. Nothing happens
-       without a ``DeltaCheckpointIO``.
+       broadcast so every rank raises the same error together (type and message: a locked directory, a ``dirpath``
+       that is a file or cannot be written), none left waiting in a collective. Nothing happens without a
+       ``DeltaCheckpointIO``.
     2. ``on_train_start`` (after Lightning restored the optimizer state, before the first step): a param group that
        lacks a hyper-parameter of its optimizer's ``defaults`` (AdamW's state restored into SGD has no ``momentum``)
        is a one-line ``ValueError`` instead of a ``KeyError`` deep in the first ``step``. Every rank checks its own
@@ -126,16 +128,20 @@ class CheckpointGuard(Callback):
         dirs = [str(d) for cb in trainer.checkpoint_callbacks if (d := getattr(cb, "dirpath", None))]
         if io is None or not dirs:
             return
-        refusal = ""
+        error: BaseException | None = None
+        refusal: tuple[str, str, tuple[Any, ...], str] | None = None
         if trainer.is_global_zero:
             try:
                 for d in dirs:
                     io.claim(d)
-            except CheckpointDirectoryLockedError as e:
-                refusal = str(e)
+            except Exception as e:  # noqa: BLE001 - whatever it is, every rank must learn of it before it raises
+                error, refusal = e, _describe_error(e)
+        # Plain strings and numbers only: an exception object (or its class) may not unpickle on the other ranks.
         refusal = trainer.strategy.broadcast(refusal, src=0)
-        if refusal:
-            raise CheckpointDirectoryLockedError(refusal, directory=dirs[0], holder={})
+        if error is not None:
+            raise error
+        if refusal is not None:
+            raise _rebuild_error(refusal, dirs[0])
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -151,6 +157,31 @@ class CheckpointGuard(Callback):
                         f"{type(opt).__name__} (its param groups lack {missing}, have {extra[:2]}...). Resume with "
                         "the optimizer it was saved with, or start without `--ckpt_path` and load only the weights."
                     )
+
+
+def _describe_error(e: BaseException) -> tuple[str, str, tuple[Any, ...], str]:
+    """``(module, qualname, args, message)`` of ``e``, with ``args`` kept only when they are plain values."""
+    plain = all(isinstance(a, (str, int, float, bool, type(None))) for a in e.args)
+    return type(e).__module__, type(e).__qualname__, tuple(e.args) if plain else (), str(e)
+
+
+def _rebuild_error(described: tuple[str, str, tuple[Any, ...], str], directory: str) -> Exception:
+    """The error rank 0 raised (:func:`_describe_error`), rebuilt on another rank: the same type and message where the
+    type can be imported and built from its arguments, else a ``RuntimeError`` naming the type."""
+    module, qualname, args, message = described
+    if module == CheckpointDirectoryLockedError.__module__ and qualname == CheckpointDirectoryLockedError.__qualname__:
+        return CheckpointDirectoryLockedError(message, directory=directory, holder={})
+    try:
+        cls: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            cls = getattr(cls, part)
+        if isinstance(cls, type) and issubclass(cls, Exception):
+            err = cls(*args)
+            if str(err) == message:
+                return err
+    except Exception:  # noqa: BLE001 - not importable or not built from its args: the fallback below says it all
+        pass
+    return RuntimeError(f"{qualname}: {message}")
 
 
 class DeltaModelCheckpoint(ModelCheckpoint):

@@ -20,6 +20,7 @@ Both take either kind of checkpoint: ``export`` reads through :func:`~lightning_
 from __future__ import annotations
 
 import argparse
+import errno
 import io
 import json
 import os
@@ -96,13 +97,19 @@ def main(argv: list[str] | None = None, prog: str = "python -m lightning_accel.c
                 print(json.dumps({"path": path, "ok": False, "error": one_line(e, expected=_CHECKPOINT_ERRORS)}))
         return 1 if failed else 0
     try:
+        if store.fs.isdir(args.out):  # checked before the (possibly long) read; the rename would fail only at the end
+            raise IsADirectoryError(
+                errno.EISDIR,
+                f"Export target {args.out!r} is a directory. Pass the path of the file to write, e.g. "
+                f"{posixpath.join(args.out, posixpath.basename(args.path.rstrip('/')) or 'export.ckpt')!r}",
+            )
         ckpt = read_checkpoint_with(store, args.path)
+        buf = io.BytesIO()
+        torch.save(ckpt, buf)
+        store.fs.write(args.out, buf.getvalue())
     except Exception as e:  # noqa: BLE001 - one line, exit code 1
         print(f"{prog}: error: {one_line(e, expected=_CHECKPOINT_ERRORS)}", file=sys.stderr)
         return 1
-    buf = io.BytesIO()
-    torch.save(ckpt, buf)
-    store.fs.write(args.out, buf.getvalue())
     print(json.dumps({"path": args.path, "exported": args.out}))
     return 0
 
@@ -116,8 +123,22 @@ def collect(store: DeltaStore, directory: str, *, dry_run: bool = False) -> dict
 
     Returns:
         ``{"path", "dry_run", "last", "tracked", "untracked", "removed", "blobs_deleted", "pending", "note"?}``.
+
+    Raises:
+        FileNotFoundError: ``directory`` does not exist (nothing is created: a mistyped path is not a clean one).
+        NotADirectoryError: ``directory`` is a file.
     """
     root = os.path.abspath(strip_file_scheme(directory)) if is_local_url(directory) else directory.rstrip("/")
+    # Checked before anything resolves or locks it: taking the writer lock would create a mistyped directory and
+    # report it collected.
+    if not store.fs.isdir(root):
+        if store.fs.exists(root):
+            raise NotADirectoryError(
+                errno.ENOTDIR, f"{root!r} is a file, not a checkpoint directory. Pass the directory that holds it"
+            )
+        raise FileNotFoundError(
+            errno.ENOENT, f"Checkpoint directory {root!r} does not exist (nothing collected). Check the path"
+        )
     last = resolve_last(root, storage_options=store.fs.storage_options)
     tracked: set[str] = set()
     note = ""

@@ -19,7 +19,9 @@ Kinds:
    **Error bound** (per element, before the final cast to the tensor's dtype):
    ``|f(x^) - f(x)| <= s_block / 2 = max|d_block| / (2 * qmax)`` with ``qmax = 127`` (int8) or ``7`` (int4); for
    ``sqrt`` tensors the bound holds on ``sqrt(x)``, and ``x^ >= 0`` always. Deltas are always taken against the
-   *reconstructed* reference, so errors never accumulate along a chain.
+   *reconstructed* reference, so errors never accumulate along a chain. A delta that is not finite (an inf or NaN in
+   the tensor or its reference) has no finite block scale: :func:`encode_quant` refuses it (:class:`NonFiniteDelta`)
+   and the store keeps that tensor lossless. 1-byte floats (float8) are never quantized: an int8 delta is no smaller.
 
 All functions are pure (numpy/torch in, bytes out) and deterministic, so a reconstruction computed while saving is
 bit-identical to the one computed while loading — the store relies on that to chain deltas.
@@ -40,6 +42,7 @@ from lightning_accel._utils.checks import check_choice
 __all__ = [
     "BlobHeader",
     "CodecError",
+    "NonFiniteDelta",
     "decode_blob",
     "decode_chain",
     "dtype_from_name",
@@ -49,6 +52,7 @@ __all__ = [
     "encode_xor",
     "itemsize_of",
     "pack_blob",
+    "quantizable",
     "buffer_strides",
     "copy_into",
     "dense_layout",
@@ -100,6 +104,11 @@ class CodecError(ValueError):
     """A blob that cannot be decoded (corrupt, truncated, or of an unknown kind)."""
 
 
+class NonFiniteDelta(ValueError):
+    """A quantized delta was asked for a tensor whose delta against its reference is not finite (an inf or NaN in
+    either): its block's scale would be inf/NaN and every element of the block would decode to NaN."""
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """Stable name of a supported dtype (``torch.float32`` -> ``"float32"``).
 
@@ -122,12 +131,20 @@ def dtype_from_name(name: str) -> torch.dtype:
         raise CodecError(f"unknown dtype {name!r} in a blob or manifest") from None
 
 
+def quantizable(dtype: torch.dtype) -> bool:
+    """Whether tensors of ``dtype`` may be stored as quantized deltas: floats of 2 bytes or more. float8 tensors stay
+    lossless: an 8-bit delta is no smaller than the tensor, and torch lacks the reductions the encoder needs on them."""
+    return dtype.is_floating_point and itemsize_of(dtype) > 1
+
+
 def tensor_bytes(t: torch.Tensor) -> np.ndarray:
     """The raw bytes of a CPU tensor as a flat uint8 array (a view when the tensor is contiguous)."""
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    t = t.contiguous().reshape(-1)
+    # A lazy conjugate / negative view (`c.conj()`) cannot be viewed as bytes: materialise its values first (a no-op
+    # for every other tensor).
+    t = t.resolve_conj().resolve_neg().contiguous().reshape(-1)
     if t.numel() == 0:
         return np.zeros(0, dtype=np.uint8)
     return t.view(torch.uint8).numpy()
@@ -177,6 +194,8 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor, chunk: int = 1 << 19) -> bool:
     start returns early and no tensor-sized temporary is allocated."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
+    # Lazy conjugate / negative views cannot be reinterpreted as bytes: compare their values (no-op without the bits).
+    a, b = a.resolve_conj().resolve_neg(), b.resolve_conj().resolve_neg()
     if a.numel() * a.element_size() < _NUMPY_FROM:
         if not a.dtype.is_floating_point and not a.dtype.is_complex:  # integers and bools: value equality is bitwise
             return torch.equal(a, b)
@@ -196,8 +215,8 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     more is copied by numpy (a single memcpy pass: torch's multi-threaded copy is slower on a busy machine, see
     ``benchmarks/delta_checkpoint.py``) when ``dst`` is contiguous or has ``src``'s dense layout (channels_last
     weights into a channels_last buffer: one memcpy, no reordering)."""
-    if src.device.type != "cpu" or src.numel() * src.element_size() < _NUMPY_FROM:
-        dst.copy_(src)
+    if src.device.type != "cpu" or src.numel() * src.element_size() < _NUMPY_FROM or src.is_conj() or src.is_neg():
+        dst.copy_(src)  # (a lazy conjugate / negative view has no bytes to memcpy: torch resolves it while copying)
     elif _same_layout(dst, src):
         np.copyto(_span_bytes(dst), _span_bytes(src))
     elif dst.is_contiguous():
@@ -421,10 +440,17 @@ def encode_quant(
     Returns:
         ``(blob, reconstruction)``: the reconstruction is exactly what :func:`decode_blob` will return for this blob
         given the same reference; the caller must use it (not ``t``) as the next reference.
+
+    Raises:
+        ValueError: ``t`` is not :func:`quantizable`, or ``ref`` differs in dtype or size.
+        NonFiniteDelta: ``t - ref`` (in the quantization domain) holds an inf or NaN; encode the tensor losslessly.
     """
     check_choice("bits", bits, (8, 4))
-    if not t.is_floating_point() or ref.dtype != t.dtype or ref.numel() != t.numel():
-        raise ValueError("quantized deltas need a floating tensor and a reference of the same dtype and size")
+    if not quantizable(t.dtype) or ref.dtype != t.dtype or ref.numel() != t.numel():
+        raise ValueError(
+            "quantized deltas need a float tensor of 2 bytes or more per element and a reference of the same dtype "
+            f"and size, got {t.dtype}/{t.numel()} against {ref.dtype}/{ref.numel()}"
+        )
     qmax = _QMAX[bits]
     n = t.numel()
     # sqrt domain for non-negative tensors (Adam's exp_avg_sq): keeps x^ >= 0 and bounds the error of sqrt(x), which
@@ -436,6 +462,10 @@ def encode_quant(
         d = torch.cat([d, d.new_zeros(pad)])
     d = d.reshape(-1, block)
     scales = d.abs().amax(dim=1) / qmax
+    # An inf/NaN in `t` or `ref` (a running max initialised to inf, a diverged state), or a difference that overflows
+    # fp32, makes its block's scale inf/NaN, and every element of the block would decode to NaN.
+    if not bool(torch.isfinite(scales).all()):
+        raise NonFiniteDelta(f"the delta against {ref_key} is not finite (an inf or NaN in the tensor or reference)")
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     q = torch.round(d / safe.reshape(-1, 1)).clamp_(-qmax, qmax).to(torch.int8).reshape(-1)
     recon = _quant_apply(ref, q, scales, block, use_sqrt)

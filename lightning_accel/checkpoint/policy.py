@@ -69,7 +69,8 @@ class Plan:
 
 
 def wants_quant(options: StoreOptions, name: str, is_float: bool) -> bool:
-    """Whether tensor ``name`` may be stored as a quantized delta (``quantize`` set, a float tensor, selected by
+    """Whether tensor ``name`` may be stored as a quantized delta (``quantize`` set, ``is_float``: a float tensor of
+    2 bytes or more per element, :func:`~lightning_accel.checkpoint.codec.quantizable`; selected by
     ``quantize_groups``)."""
     if options.quantize is None or not is_float:
         return False

@@ -8,9 +8,11 @@ tiny, because the weights-only unpickler pays a fixed cost per tensor (Adam's ``
 *skeleton blob* (:func:`pack_skeleton_blob`).
 
 Allowed leaves: ``str``, ``bytes``, ``int``, ``float``, ``bool``, ``None``, ``complex``, ``torch.dtype``,
-``torch.device``, ``torch.Size``, tensors; containers: ``dict`` / ``OrderedDict`` / ``list`` / ``tuple`` / ``set``.
-Anything else (a custom class, a ``functools.partial``, an ``AttributeDict``) is refused at *save* time with the
-key path that holds it, so a checkpoint that was written can always be loaded safely.
+``torch.device``, ``torch.Size``, tensors; containers: ``dict`` / ``OrderedDict`` / ``list`` / ``tuple`` / ``set``;
+dict keys: the same leaves. Leaves and keys must be of these exact types: the weights-only unpickler refuses
+subclasses (a ``str`` or ``int`` ``Enum``, ``numpy.float64``) and ``frozenset``. Anything else (a custom class, a
+``functools.partial``, an ``AttributeDict``) is refused at *save* time with the key path that holds it, so a
+checkpoint that was written can always be loaded safely.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ __all__ = [
 
 PLACEHOLDER = "\x00la.tensor:"
 _PRIMITIVES = (str, bytes, int, float, bool, complex, type(None), torch.dtype, torch.device, torch.Size)
-_CONTAINERS = (dict, OrderedDict, list, tuple, set, frozenset)
+# No frozenset: `torch.load(weights_only=True)` refuses it (a checkpoint holding one could be written, never read).
+_CONTAINERS = (dict, OrderedDict, list, tuple, set)
 
 
 class UnsafeCheckpointContent(TypeError):
@@ -46,6 +49,12 @@ class UnsafeCheckpointContent(TypeError):
 
 def _key_str(k: Any) -> str:
     return str(k).replace("/", "%2F")
+
+
+def _is_leaf(obj: Any) -> bool:
+    """Whether ``obj`` is an allowed leaf: the exact types only, since the weights-only unpickler refuses subclasses
+    (``str``/``int`` Enums, ``numpy.float64``) that an ``isinstance`` test would let through."""
+    return type(obj) in _PRIMITIVES
 
 
 def split(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -79,28 +88,30 @@ def split(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.T
                 name, i = f"{base}#{i}", i + 1
             tensors[name] = obj.detach()
             return PLACEHOLDER + name
-        if isinstance(obj, str):
+        if type(obj) is str:
             if obj.startswith(PLACEHOLDER):
                 raise UnsafeCheckpointContent(
                     f"The string at `{path or '/'}` starts with the reserved placeholder prefix {PLACEHOLDER!r}."
                 )
             return obj
-        if isinstance(obj, _PRIMITIVES) and (type(obj) in _PRIMITIVES or isinstance(obj, torch.Size)):
+        if _is_leaf(obj):
             return obj
         if type(obj) in (dict, OrderedDict):
             out = type(obj)()
             for k, v in obj.items():
-                if not isinstance(k, _PRIMITIVES):
+                if not _is_leaf(k):
                     raise UnsafeCheckpointContent(
-                        f"The checkpoint has a dict key of type `{type(k).__qualname__}` at `{path or '/'}`; only "
-                        "primitive keys (str, int, float, bool, None) can be loaded without unpickling code."
+                        f"The checkpoint has a dict key {k!r} of type `{type(k).__module__}.{type(k).__qualname__}` "
+                        f"at `{path or '/'}`, which `torch.load(weights_only=True)` refuses; keys must be plain str, "
+                        "int, float, bool or None (not a subclass such as an Enum or numpy.float64). Convert the key "
+                        "in `on_save_checkpoint` / `state_dict()`, e.g. `key.value` or `str(key)`."
                     )
                 out[k] = walk(v, f"{path}/{_key_str(k)}")
             return out
         if type(obj) in (list, tuple):
             return type(obj)(walk(v, f"{path}/{i}") for i, v in enumerate(obj))
-        if type(obj) in (set, frozenset):
-            return type(obj)(walk(v, f"{path}/{i}") for i, v in enumerate(obj))
+        if type(obj) is set:
+            return {walk(v, f"{path}/{i}") for i, v in enumerate(obj)}
         raise UnsafeCheckpointContent(
             f"The checkpoint holds a `{type(obj).__module__}.{type(obj).__qualname__}` at `{path or '/'}`, which "
             "could only be restored by unpickling arbitrary code, so the delta checkpoint store refuses it. Store "

@@ -39,6 +39,7 @@ and, where one is at fault, the tensor.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import hashlib
@@ -179,6 +180,15 @@ def _split_path(path: str | os.PathLike[str]) -> tuple[str, str]:
         return os.path.dirname(s), s
     s = s.rstrip("/")
     return s.rsplit("/", 1)[0], s
+
+
+def _read_path(path: str | os.PathLike[str]) -> tuple[str, str]:
+    """``(blob directory, manifest path)`` for reading: as :func:`_split_path`, but a local symlink's blobs are found
+    beside the manifest it points at (a ``best.ckpt`` linked from another directory), not beside the link."""
+    directory, p = _split_path(path)
+    if is_local_url(p):
+        directory = os.path.dirname(os.path.realpath(p))
+    return directory, p
 
 
 class DeltaStore:
@@ -540,7 +550,7 @@ class DeltaStore:
         # snapshot is not hashed; a live tensor (synchronous saves) is.
         src_hash = _raw_hash(t) if content_id is None else f"content:{content_id}"
         timing.hash_s += time.perf_counter() - th
-        step = policy.plan(opts, name, dname, shape, src_hash, t.is_floating_point(), prev, dead)
+        step = policy.plan(opts, name, dname, shape, src_hash, codec.quantizable(t.dtype), prev, dead)
         if step.kind == "unchanged":
             assert prev is not None
             return dataclasses.replace(prev, content_id=content_id), [], "unchanged"
@@ -566,12 +576,17 @@ class DeltaStore:
         if step.kind in ("xor", "quant"):
             assert prev is not None and step.ref_key is not None
             level, threads = opts.zstd_level, opts.zstd_threads
+            quantized: tuple[bytes, torch.Tensor] | None = None
             if step.kind == "quant":
                 bits = 8 if opts.quantize == "int8" else 4
-                blob, recon = codec.encode_quant(
-                    t, prev.ref, step.ref_key, bits=bits, block=opts.quant_block, level=level, threads=threads
-                )
-                lossy = True
+                # An inf/NaN in the tensor or its reference has no finite block scale: a lossless XOR delta instead
+                # keeps them bit-exact.
+                with contextlib.suppress(codec.NonFiniteDelta):
+                    quantized = codec.encode_quant(
+                        t, prev.ref, step.ref_key, bits=bits, block=opts.quant_block, level=level, threads=threads
+                    )
+            if quantized is not None:
+                (blob, recon), lossy = quantized, True
             else:
                 blob = codec.encode_xor(t, prev.ref, step.ref_key, level=level, threads=threads)
                 recon, lossy = t, False  # XOR restores t bit-exactly whatever the reference was
@@ -675,7 +690,7 @@ class DeltaStore:
         Raises:
             CheckpointCorruptError: the manifest or the skeleton is damaged.
         """
-        directory, p = _split_path(path)
+        directory, p = _read_path(path)
         manifest = self.open_manifest(p)
         return self._skeleton(directory, p, manifest, None)[0]
 
@@ -842,7 +857,7 @@ class DeltaStore:
     ) -> tuple[dict[str, Any], Manifest]:
         """Load the checkpoint; a blob found missing makes it re-read the manifest and, when the writer replaced it
         meanwhile (a reader slower than ``gc_grace_s``), restore once more from the new version."""
-        directory, p = _split_path(path)
+        directory, p = _read_path(path)
         _, manifest, data = self._read_manifest(p)
         try:
             return self._restore_all(directory, p, manifest, map_location, check_keys, used_copies), manifest
@@ -917,7 +932,7 @@ class DeltaStore:
                 ``repair``, a blob or a second copy is damaged although the checkpoint still restores (its redundancy
                 is lost: the message names the files and says to run ``--repair``).
         """
-        directory, p = _split_path(path)
+        directory, p = _read_path(path)
         used: list[str] = []
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # reported in the summary instead
@@ -1017,18 +1032,20 @@ class DeltaStore:
         """Delete the manifest (or link) at ``p``; False when nothing was there."""
         if not self.fs.exists(p):
             return False
+        local = is_local_url(p)
+        link = local and os.path.islink(p)
+        # Checked before the writer lock is taken: a refused removal leaves the user's directory as it was.
+        if not link and (self.fs.isdir(p) or not is_manifest_bytes(self.fs.head(p, 128))):
+            raise NotADeltaCheckpointError(
+                f"Refusing to remove {p!r}: it is not a delta checkpoint manifest written by DeltaCheckpointIO."
+            )
         self._writable(directory)
         state = self._dirs.get().get(directory)
         if state is not None:
             state.live.pop(p, None)
-        local = is_local_url(p)
-        if local and os.path.islink(p):
+        if link:
             os.unlink(p)
             return True
-        if self.fs.isdir(p) or not is_manifest_bytes(self.fs.head(p, 128)):
-            raise NotADeltaCheckpointError(
-                f"Refusing to remove {p!r}: it is not a delta checkpoint manifest written by DeltaCheckpointIO."
-            )
         if local:
             self._materialize_links_to(directory, p)
         self._release(directory, p)
@@ -1055,8 +1072,8 @@ class DeltaStore:
         names = {posixpath.basename(os.fspath(t).rstrip("/")) for t in tracked if t}
         out: list[tuple[str, float]] = []
         for name in self.fs.list_files(directory):
-            url = safe_join(directory, name)
-            if name in names or (is_local_url(url) and os.path.islink(url)):
+            url = _listed(directory, name)
+            if url is None or name in names or (is_local_url(url) and os.path.islink(url)):
                 continue
             try:
                 if not is_manifest_bytes(self.fs.head(url, 128)):
@@ -1072,7 +1089,9 @@ class DeltaStore:
         state = self._dirs.get().get(directory)
         live: dict[str, dict[str, tuple[tuple[str, ...], tuple[int, ...]]]] = {}
         for name in self.fs.list_files(directory):
-            url = safe_join(directory, name)
+            url = _listed(directory, name)
+            if url is None:
+                continue
             try:
                 head = self.fs.head(url, 128)
                 if not is_manifest_bytes(head):
@@ -1152,8 +1171,9 @@ class DeltaStore:
             if keep != pending:
                 self._write_pending(blob_root, keep)
             for name in self.fs.list_files(directory):
-                if _TMP_RE.match(name):
-                    self.fs.rm(safe_join(directory, name))
+                url = _listed(directory, name) if _TMP_RE.match(name) else None
+                if url is not None:
+                    self.fs.rm(url)
                     deleted += 1
             return deleted
 
@@ -1222,6 +1242,16 @@ def _check_names(path: str, skeleton: Any, listed: set[str], small: set[str]) ->
             f"Checkpoint {path!r}: the manifest lists tensor `{extra[0]}`, which the checkpoint's structure does not "
             "hold — the manifest is damaged."
         )
+
+
+def _listed(directory: str, name: str) -> str | None:
+    """The URL of a file name listed in ``directory``, or None for a name :func:`safe_join` refuses (e.g. a user's
+    ``C:\\notes.txt``): this plugin never writes such a name, so the file is not its own and is left untouched,
+    rather than failing every save and collection in the directory."""
+    try:
+        return safe_join(directory, name)
+    except ValueError:
+        return None
 
 
 def _norm_dir(directory: str | os.PathLike[str]) -> str:

@@ -448,3 +448,22 @@ def test_write_delay_is_checked_in_init(bad: Any) -> None:
     with pytest.raises((TypeError, ValueError), match="`write_delay_s`"):
         DeltaCheckpointIO(async_save=True, write_delay_s=bad)
     assert DeltaCheckpointIO(async_save=True).write_delay_s == 0.05
+
+
+def test_sparse_tensors_snapshot_and_a_failed_snapshot_releases_its_buffers(tmp_path: Path) -> None:
+    sp = torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (5,))
+    io = DeltaCheckpointIO(async_save=True, gc_grace_s=0, write_delay_s=0)
+    io.save_checkpoint({"sp": sp, "w": torch.ones(3)}, tmp_path / "sp.ckpt")
+    io.wait()
+    back = io.load_checkpoint(tmp_path / "sp.ckpt")
+    assert torch.equal(back["sp"].to_dense(), sp.to_dense()) and torch.equal(back["w"], torch.ones(3))
+    io.teardown()
+    pool = SnapshotPool()
+    w = torch.randn(1000)
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        pool.take({"w": w, "meta": torch.empty(3, device="meta")})  # cannot be copied: the snapshot fails half-way
+    snap = pool.take({"w": w, "meta": 0})
+    # the buffer the failed snapshot had taken for `w` was released: refilled in place, not allocated again (the
+    # other allocation is the failed tensor's)
+    assert pool.stats.buffers_allocated == 2 and torch.equal(snap.tree["w"], w)
+    pool.release(snap)

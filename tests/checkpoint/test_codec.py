@@ -114,3 +114,36 @@ def test_corrupt_blob_is_a_codec_error(damage: str) -> None:
 def test_unsupported_dtype_is_named() -> None:
     with pytest.raises(TypeError, match="dtype"):
         codec.dtype_name(torch.quint8)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("where", ["tensor", "reference"])
+def test_quantized_delta_refuses_a_non_finite_delta(bad: float, where: str) -> None:
+    ref = torch.randn(1000)
+    x = ref + 0.01
+    (x if where == "tensor" else ref)[5] = bad
+    with pytest.raises(codec.NonFiniteDelta):
+        codec.encode_quant(x, ref, KEY)
+    big = torch.full((300,), 3e38)  # finite values whose difference overflows fp32
+    with pytest.raises(codec.NonFiniteDelta):
+        codec.encode_quant(big, -big, KEY)
+
+
+def test_float8_is_not_quantizable() -> None:
+    f8 = torch.randn(300).to(torch.float8_e4m3fn)
+    assert not codec.quantizable(f8.dtype) and codec.quantizable(torch.bfloat16)
+    with pytest.raises(ValueError, match="2 bytes or more"):
+        codec.encode_quant(f8, f8, KEY)
+
+
+@pytest.mark.parametrize("numel", [300, 20_000], ids=["small", "numpy-path"])
+def test_lazy_conjugate_and_negative_views_are_read_by_value(numel: int) -> None:
+    c = torch.randn(numel, dtype=torch.complex64)
+    for lazy in (c.conj(), torch._neg_view(c), c.conj().imag):
+        plain = lazy.clone().resolve_conj().resolve_neg()
+        assert lazy.is_conj() or lazy.is_neg()
+        assert _bits_equal(lazy, plain) and codec.same_bytes(lazy, plain) and codec.same_bytes(plain, lazy)
+        out = torch.empty_like(plain)
+        codec.copy_into(out, lazy)
+        assert torch.equal(out, plain)
+        assert torch.equal(codec.decode_blob(codec.encode_full(lazy), None, list(lazy.shape)), plain)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import enum
 from collections import OrderedDict
 
+import numpy as np
 import pytest
 import torch
 
@@ -53,3 +55,35 @@ def test_reserved_placeholder_string_refused() -> None:
 def test_duplicate_names_get_suffixes() -> None:
     _, tensors = split({"a/b": torch.zeros(300), "a": {"b": torch.ones(300)}})
     assert sorted(tensors) == ["a%2Fb", "a/b"]
+
+
+class _StrKey(str, enum.Enum):
+    A = "a"
+
+
+class _IntKey(int, enum.Enum):
+    B = 1
+
+
+@pytest.mark.parametrize(
+    "value,where",
+    [
+        ({"v": {_StrKey.A: 1}}, "/v"),
+        ({"v": {_IntKey.B: 1}}, "/v"),
+        ({"v": {np.float64(0.5): 1}}, "/v"),
+        ({"v": frozenset({3})}, "/v"),
+        ({"v": [_StrKey.A]}, "/v/0"),
+    ],
+    ids=["str-enum-key", "int-enum-key", "numpy-float-key", "frozenset", "str-enum-value"],
+)
+def test_what_the_weights_only_loader_refuses_is_refused_at_save(value: dict, where: str) -> None:
+    # Each of these passes an isinstance test but not `torch.load(weights_only=True)`: written, it could never load.
+    with pytest.raises(UnsafeCheckpointContent, match=f"`{where}`"):
+        split(value)
+
+
+def test_every_allowed_key_and_leaf_type_loads_back() -> None:
+    leaves = ["s", b"b", 1, 2.5, True, None, 1j, torch.float16, torch.device("cpu"), torch.Size([2, 3])]
+    ckpt = {"keys": {k: i for i, k in enumerate(leaves)}, "leaves": leaves, "set": {1, "a"}}
+    back = load_skeleton(dump_skeleton(split(ckpt)[0]))
+    assert back == ckpt

@@ -267,6 +267,22 @@ def test_cli_verify_and_export(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert exit_info.value.code == 0 and (tmp_path / "plain2.ckpt").exists()
 
 
+def test_cli_refuses_a_missing_gc_directory_and_an_export_onto_a_directory_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    DeltaStore().save(_state(0), tmp_path / "c.ckpt")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    for argv, words in [
+        (["gc", str(tmp_path / "typo")], "does not exist"),
+        (["gc", str(tmp_path / "c.ckpt")], "is a file"),
+        (["export", str(tmp_path / "c.ckpt"), str(tmp_path)], "is a directory"),
+    ]:
+        assert ckpt_main(argv) == 1
+        err = capsys.readouterr().err
+        assert words in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing created
+
+
 def test_s3_round_trip_remove_and_gc(s3_bucket: tuple[str, dict[str, Any]]) -> None:
     import fsspec
 
@@ -355,3 +371,76 @@ def test_a_dead_base_is_rebased_and_then_collected(tmp_path: Path) -> None:
     off.save(_drift(_state(0), 1e-3, 1), tmp_path / "o" / "b.ckpt")
     off.remove(tmp_path / "o" / "a.ckpt")
     assert off.save(_drift(_state(0), 1e-3, 2), tmp_path / "o" / "c.ckpt").tensors_rebased == 0
+
+
+def test_non_finite_values_stay_exact_under_quantization(tmp_path: Path) -> None:
+    store = DeltaStore(quantize="int8", quantize_groups="all", gc_grace_s=0, rebase_ratio=10.0)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1024, generator=g)
+    x[5] = float("inf")  # e.g. a running minimum initialised to inf
+    y = x + 0.01 * torch.randn(1024, generator=g)
+    y[5] = 3.0  # the inf became finite: its delta is not
+    z = y + 0.01 * torch.randn(1024, generator=g)
+    z[700] = float("nan")  # a NaN appears
+    f8 = torch.randn(300, generator=g)
+    for i, (t, b) in enumerate([(x, f8), (y, f8 + 0.5), (z, f8 - 0.5)]):
+        store.save({"b": t, "f8": b.to(torch.float8_e4m3fn)}, tmp_path / f"{i}.ckpt")
+    for i, (t, b) in enumerate([(x, f8), (y, f8 + 0.5), (z, f8 - 0.5)]):
+        back = store.load(tmp_path / f"{i}.ckpt")
+        assert codec.same_bytes(back["b"], t)  # bit-exact: a lossless delta, not a block of NaNs
+        assert codec.same_bytes(back["f8"], b.to(torch.float8_e4m3fn))  # float8 is never quantized
+    last = store.open_manifest(tmp_path / "2.ckpt")
+    assert len(last.tensors["b"].chain) == 2 and not last.lossy  # still a delta, a lossless one
+    store.close()
+
+
+def test_lazy_conjugate_and_negative_tensors_save_and_load(tmp_path: Path) -> None:
+    store = DeltaStore(gc_grace_s=0)
+    for n in (300, 20_000):
+        c = torch.randn(n, dtype=torch.complex64)
+        ckpt = {"conj": c.conj(), "neg": torch._neg_view(c), "imag": c.conj().imag}
+        for i in range(2):  # a full snapshot, then the "unchanged?" comparison against the chain's reference
+            store.save(ckpt, tmp_path / f"{n}-{i}.ckpt")
+            back = store.load(tmp_path / f"{n}-{i}.ckpt")
+            assert all(torch.equal(back[k], v.resolve_conj().resolve_neg()) for k, v in ckpt.items())
+    store.close()
+
+
+def test_files_named_as_the_plugin_never_writes_are_left_alone(tmp_path: Path) -> None:
+    user = tmp_path / "C:\\notes.txt"  # safe_join refuses the name: it cannot be one of ours
+    user.write_text("the user's")
+    store = DeltaStore(gc_grace_s=0)
+    store.save(_state(0), tmp_path / "a.ckpt")
+    store.save(_drift(_state(0), 1e-3, 0), tmp_path / "a.ckpt")  # replaces: collects garbage
+    assert store.collect_garbage(tmp_path) == 0
+    assert [u for u, _ in store.untracked_manifests(tmp_path, [])] == [str(tmp_path / "a.ckpt")]
+    store.remove(tmp_path / "a.ckpt")
+    store.close()
+    assert user.read_text() == "the user's" and not (tmp_path / "a.ckpt").exists()
+
+
+def test_a_refused_removal_leaves_the_directory_as_it_was(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("user")
+    store = DeltaStore()
+    with pytest.raises(NotADeltaCheckpointError, match="Refusing to remove"):
+        store.remove(tmp_path / "notes.txt")
+    with pytest.raises(NotADeltaCheckpointError, match="Refusing to remove"):
+        store.remove_checkpoints([str(tmp_path / "notes.txt")])
+    store.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]  # no blob directory, no lock
+
+
+def test_a_symlink_from_another_directory_loads_and_is_removed_as_a_link(tmp_path: Path) -> None:
+    (tmp_path / "run").mkdir()
+    (tmp_path / "best").mkdir()
+    store = DeltaStore(gc_grace_s=0)
+    store.save(_state(0), tmp_path / "run" / "last.ckpt")
+    store.close()
+    link = tmp_path / "best" / "best.ckpt"
+    link.symlink_to(tmp_path / "run" / "last.ckpt")
+    reader = DeltaStore(gc_grace_s=0)
+    assert _equal(reader.load(link), _state(0))
+    assert reader.read_skeleton(link)["epoch"] == 0 and reader.verify(link)["ok"]
+    reader.remove(link)
+    reader.close()
+    assert not link.is_symlink() and _equal(DeltaStore().load(tmp_path / "run" / "last.ckpt"), _state(0))
