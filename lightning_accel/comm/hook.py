@@ -133,7 +133,9 @@ def _plan(state: OneBitState, bucket: _Bucket) -> _Plan:
     if pos != bucket.buffer.numel():
         raise RuntimeError(f"DDP bucket holds {bucket.buffer.numel()} elements but its parameters {pos}.")
     plan = []
-    for key in _split_into_groups(state, set(idx)):
+    # a parameter with no elements holds nothing to average (and a group layout needs elements): in no group
+    nonempty = {i for i in idx if numel_of[i] > 0}
+    for key in _split_into_groups(state, nonempty) if nonempty else []:
         g = _group(state, key, numel_of, bucket.buffer.device)
         runs: list[tuple[int, int, int]] = []
         for i, co in zip(key, g.layout.offsets, strict=True):
@@ -322,14 +324,21 @@ class CommWorker:
         self.topology = None if topology is None else topology.duplicate(backend="gloo")
         self._jobs: queue.SimpleQueue[tuple[Callable[[], torch.Tensor], torch.futures.Future[torch.Tensor]] | None]
         self._jobs = queue.SimpleQueue()
+        #: the first exception a job raised (the thread goes on with the next job), else None
+        self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="lightning-accel-1bit", daemon=True)
         self._thread.start()
 
     def submit(self, job: Callable[[], torch.Tensor]) -> torch.futures.Future[torch.Tensor]:
-        """Queue ``job``; the future holds its result (or its exception)."""
+        """Queue ``job``; the future holds its result, or fails with its exception's type and message.
+
+        The job's exception itself is kept in :attr:`error` (the first one), for a caller that wants to raise it again.
+        """
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         self._jobs.put((job, fut))
-        return fut
+        # DDP reads a future's value in C++: an exception set from Python would reach it as a value ("Unable to cast
+        # ... to Tensor"); re-raised in a `then` callback it becomes the future's error, which DDP raises in backward
+        return fut.then(_value)
 
     def _run(self) -> None:
         while True:
@@ -340,6 +349,8 @@ class CommWorker:
             try:
                 fut.set_result(job())
             except BaseException as err:  # noqa: BLE001 - handed to DDP, which raises it in backward
+                if self.error is None:
+                    self.error = err
                 fut.set_exception(err)  # type: ignore[arg-type]  # torch's stub types it as the result
 
     def close(self, timeout: float = 30.0) -> None:
@@ -349,6 +360,10 @@ class CommWorker:
         if dist.is_initialized():
             with contextlib.suppress(Exception):  # already destroyed with the default group
                 dist.destroy_process_group(self.group)
+
+
+def _value(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+    return fut.wait()  # raises the job's exception inside `then`: the chained future fails with it
 
 
 def _worker(state: OneBitState) -> CommWorker:

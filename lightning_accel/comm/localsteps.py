@@ -15,8 +15,9 @@ inner steps each *fragment* (a contiguous group of parameters in model order) is
    (``θ_sent``: the local parameters the pseudo-gradient was taken from), so no step waits for the wire.
 
 Fragments sync in turn (Streaming DiLoCo): fragment ``f`` of ``F`` is sent at the steps ``t`` with
-``t ≡ ⌊(f+1) H / F⌋ (mod H)``, so each exchange carries ``1/F`` of the model and the exchanges spread over the ``H``
-steps. With ``F = 1`` and ``τ = 0`` this is DiLoCo.
+``t − S ≡ ⌊(f+1) H / F⌋ (mod H)`` (``S``: the ``sync_start`` steps of a synchronous start, 0 by default), so each
+exchange carries ``1/F`` of the model and the exchanges spread over the ``H`` steps. With ``F = 1`` and ``τ = 0`` this
+is DiLoCo.
 
 Bytes per rank and sync of a fragment of ``d`` elements: ``2 (N-1)/N · d/8`` (+ scales) with 1-bit, ``2 (N-1)/N · 4d``
 with fp32; per inner step that is divided by ``H``: DDP sends ``2 (N-1)/N · 4 d_model`` every step.
@@ -29,6 +30,7 @@ at save time is issued again after a load from the same inputs, so a resumed run
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, get_args
@@ -64,12 +66,16 @@ class LocalStepsConfig:
         compression: how pseudo-gradients are averaged: ``"1bit"`` (signs + block scales, error feedback on both
             sides) or ``"fp32"``.
         overlap_steps: ``τ``, inner steps between issuing a fragment's exchange and applying it (0: wait at once);
-            must be below ``sync_every // fragments``, so one exchange per fragment is in flight at most.
+            must be below ``sync_every // fragments``, so one exchange per fragment is in flight at most. None (the
+            default) resolves at construction to ``min(1, sync_every // fragments - 1)``: one step of overlap, or
+            none when a fragment is due every step (e.g. ``sync_every=1``, or ``fragments == sync_every``).
         block_size: elements per 1-bit scale block (a multiple of 8).
         sync_buffers: average floating-point buffers (BatchNorm statistics) in fp32 when fragment 0 is applied.
         sync_start: optimizer steps at the start of training that each average the parameters over the ranks in fp32
             (a synchronous start, DDP's bytes per step: DiLoCo starts its local steps from a model trained
-            synchronously); the ``H``-step schedule begins after them. 0: local steps from the first step.
+            synchronously); the ``H``-step schedule begins after them (it counts inner steps from the end
+            of the synchronous start: with ``F = 1`` the first sync is ``H`` steps after it). 0: local steps from the
+            first step.
     """
 
     sync_every: int = 64
@@ -78,7 +84,7 @@ class LocalStepsConfig:
     outer_momentum: float = 0.0
     nesterov: bool = True
     compression: OuterCompression = "1bit"
-    overlap_steps: int = 1
+    overlap_steps: int | None = None
     block_size: int = 640
     sync_buffers: bool = True
     sync_start: int = 0
@@ -91,13 +97,25 @@ class LocalStepsConfig:
                 f"`fragments` must be <= `sync_every` ({self.sync_every}), got {self.fragments}: each fragment needs "
                 "its own step. Use fewer fragments or a larger `sync_every`."
             )
-        check_number("outer_lr", self.outer_lr, low=0.0, low_open=True, fix="Use 1.0 (or DiLoCo's 0.7).")
+        check_number(
+            "outer_lr",
+            self.outer_lr,
+            low=0.0,
+            high=math.inf,
+            low_open=True,
+            high_open=True,
+            fix="Use 1.0 (or DiLoCo's 0.7).",
+        )
         check_number(
             "outer_momentum", self.outer_momentum, low=0.0, high=1.0, high_open=True, fix="Use 0 (or DiLoCo's 0.9)."
         )
         check_bool("nesterov", self.nesterov, fix="Use True (DiLoCo's outer step).")
         check_choice("compression", self.compression, OUTER_COMPRESSIONS, fix="Use '1bit' (or 'fp32' to compare).")
         gap = self.sync_every // self.fragments
+        if self.overlap_steps is None:
+            # one step of overlap hides each exchange behind a step; a schedule with a fragment due every step
+            # (gap 1) has no step to give it, so it waits
+            object.__setattr__(self, "overlap_steps", min(1, gap - 1))
         check_int(
             "overlap_steps",
             self.overlap_steps,
@@ -117,7 +135,7 @@ class LocalStepsConfig:
         )
 
     def send_phase(self, fragment: int) -> int:
-        """The step residue ``t mod H`` at which ``fragment`` is sent."""
+        """The step residue ``(t - sync_start) mod H`` at which ``fragment`` is sent."""
         return ((fragment + 1) * self.sync_every // self.fragments) % self.sync_every
 
 
@@ -193,6 +211,8 @@ class LocalSteps:
 
     Args:
         params: the trained parameters (those with ``requires_grad``; frozen ones never change, so never travel).
+            Parameters with no elements are left out (there is nothing to average; the flat layouts need at least
+            one element per parameter).
         config: the hyper-parameters.
         group: the process group to average over (None: the default group). Use a group of its own when other
             collectives may run while an exchange is in flight.
@@ -214,9 +234,12 @@ class LocalSteps:
         group: dist.ProcessGroup | None = None,
         buffers: Sequence[torch.Tensor] = (),
     ) -> None:
-        if not params:
-            raise ValueError("`params` is empty: local steps need at least one trained parameter.")
-        self.params = list(params)
+        self.params = [p for p in params if p.numel() > 0]
+        if not self.params:
+            raise ValueError(
+                f"`params` holds no parameter with elements ({len(params)} given): local steps need at least one "
+                "trained parameter. Pass the model's trainable parameters."
+            )
         self.config = config
         self.group = group
         self.buffers = [b for b in buffers if b.is_floating_point()] if config.sync_buffers else []
@@ -269,6 +292,8 @@ class LocalSteps:
             self.last_bytes = self.bytes_sent - before
             self.last_synced = True
             return self.last_bytes
+        tau = cfg.overlap_steps
+        assert tau is not None  # resolved by the config
         synced = False
         for frag in self.fragments:
             if frag.sent_at is not None:
@@ -276,13 +301,16 @@ class LocalSteps:
                 if not frag.served and age >= 1:
                     self._serve(frag)
                     synced = True
-                if age >= cfg.overlap_steps:
+                if age >= tau:
                     self._apply(frag)
                     synced = True
+        # the schedule starts when the synchronous start ends (the step count itself is saved and restored, so a
+        # resumed run keeps the same phase)
+        phase = (t - cfg.sync_start) % cfg.sync_every
         for frag in self.fragments:
-            if t % cfg.sync_every == cfg.send_phase(frag.index) and frag.sent_at is None:
+            if phase == cfg.send_phase(frag.index) and frag.sent_at is None:
                 synced = True
-                if cfg.overlap_steps == 0:
+                if tau == 0:
                     self._sync_now(frag)
                 else:
                     self._send(frag, t)

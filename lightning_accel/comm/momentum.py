@@ -367,6 +367,8 @@ class MomentumCompressor:
                 # frozen, or unused on every rank (DDP's verdict is global): torch skips it too
                 if (not p.requires_grad) if planned else (p.grad is None):
                     continue
+                if p.numel() == 0:  # nothing to average or update (and a group layout needs elements)
+                    continue
                 i = index.get(id(p))
                 if i is None:
                     raise ValueError(

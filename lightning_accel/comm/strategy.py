@@ -283,6 +283,9 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
         #: whether the compressed momentum of this fit starts during backward (resolved at setup)
         self.overlap = False
         self._onebit_state: comm.OneBitState | None = None
+        #: whether ``_onebit_state`` is the hook's state of the model DDP wraps in this fit (it stays inspectable
+        #: after the fit; a later fit makes a new one)
+        self._onebit_live = False
         self._onebit_loaded: dict[str, Any] | None = None
         self._compressors: dict[int, comm.MomentumCompressor] = {}
         #: ``compression="auto"``'s timing, replaceable: ``state -> (fp32_seconds, onebit_seconds)`` (tests, probes);
@@ -359,6 +362,16 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
                 "so training proceeds as plain (uncompressed) DDP.",
                 category=UserWarning,
             )
+            loaded, self._onebit_loaded = self._onebit_loaded, None
+            # nothing here uses it, and carrying it into this fit's checkpoints would hand a later multi-process
+            # resume the state of the run before this one (its error feedback, step and decision)
+            if loaded is not None:
+                rank_zero_warn(
+                    f"The checkpoint's 1-bit state was saved by {loaded.get('world_size')} processes and this fit runs "
+                    "one process: it is dropped (its checkpoints hold none), so a resume with several processes "
+                    "starts with a fresh warm-up. Resume with the same number of processes to keep it.",
+                    category=UserWarning,
+                )
             return
         assert isinstance(self.model, DistributedDataParallel)
         local = self._processes_per_node or self.num_processes
@@ -386,6 +399,7 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
         self._auto_trial = comm.StepTrial(clock=self.step_clock)
         self._onebit_state = state
         self.model.register_comm_hook(state, comm.onebit_hook)
+        self._onebit_live = True
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -625,6 +639,22 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
             state.refreshing = False
 
     @override
+    def backward(
+        self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
+        try:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        except RuntimeError as err:
+            # DDP raises a failure of the gradient path's comm thread as a RuntimeError quoting it: raise the
+            # thread's own exception (its type, message and traceback) instead
+            state = self._onebit_state
+            worker = state.comm_worker if state is not None else None
+            if worker is None or worker.error is None or worker.error is err:
+                raise
+            failure, worker.error = worker.error, None  # raised once
+            raise failure from err
+
+    @override
     def teardown(self) -> None:
         # scratch buffers (several copies of the model's size) go now, not when the cyclic GC finds the trainer; the
         # error state stays (it is state, and inspectable after fit)
@@ -635,6 +665,9 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
                 live.restore()
         if self._onebit_state is not None:
             self._onebit_state.close()  # and the gradient path's comm thread, if it ran
+        # a later fit on this Trainer builds a new state: a checkpoint it resumes must wait for that one
+        self._onebit_live = False
+        self._onebit_loaded = self._overlap_loaded = None
         super().teardown()
 
     @override
@@ -685,7 +718,7 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
         if payload is not None:
             decision = payload.get("overlap_decision")
             self._overlap_loaded = dict(decision) if isinstance(decision, dict) else None
-            if self._onebit_state is not None:  # already set up: apply now
+            if self._onebit_state is not None and self._onebit_live:  # set up in this fit: apply now
                 self._onebit_state.load_state_dict(comm.select_rank_state(payload, self.global_rank), self.world_size)
                 self._adopt_overlap_decision()
             else:  # DDP restores before wrapping the model: apply when the hook is registered
@@ -748,7 +781,9 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
         outer_momentum: outer momentum (0; DiLoCo: 0.9).
         nesterov: Nesterov outer momentum (DiLoCo: True).
         compression: ``"1bit"`` or ``"fp32"`` averaging of the pseudo-gradients.
-        overlap_steps: inner steps an exchange has to travel before it is applied (0: the step waits for it).
+        overlap_steps: inner steps an exchange has to travel before it is applied (0: the step waits for it; below
+            ``sync_every // fragments``). None: 1, or 0 when a fragment is due every step
+            (``sync_every // fragments == 1``).
         block_size: elements per 1-bit scale block.
         sync_buffers: average floating-point buffers (BatchNorm statistics) at every sync of fragment 0.
         sync_start: optimizer steps at the start that each average the parameters in fp32 (a synchronous start,
@@ -775,7 +810,7 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
         outer_momentum: float = _LOCAL_DEFAULTS.outer_momentum,
         nesterov: bool = _LOCAL_DEFAULTS.nesterov,
         compression: OuterCompression = _LOCAL_DEFAULTS.compression,
-        overlap_steps: int = _LOCAL_DEFAULTS.overlap_steps,
+        overlap_steps: int | None = None,
         block_size: int = _LOCAL_DEFAULTS.block_size,
         sync_buffers: bool = _LOCAL_DEFAULTS.sync_buffers,
         sync_start: int = _LOCAL_DEFAULTS.sync_start,
@@ -827,7 +862,11 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
         )
         self._log_stats = log_stats
         self._local: LocalSteps | None = None
+        #: whether ``_local`` belongs to the model DDP wraps in this fit (it stays inspectable after the fit; a later
+        #: fit makes a new one)
+        self._local_live = False
         self._loaded: dict[str, Any] | None = None
+        self._loaded_from = ""  # the checkpoint `_loaded` came from (for messages)
         self._outer_group: dist.ProcessGroup | None = None
 
     @property
@@ -842,6 +881,16 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
 
     @override
     def configure_ddp(self) -> None:
+        if self.world_size == 1 and self._loaded is not None:
+            # the checkpoint holds several ranks' own parameters and optimizer states; one process can continue none
+            # of them as local steps (and its own checkpoints would carry the stale payload into a later resume)
+            ranks = len(self._loaded["ranks"])
+            self._loaded = None
+            raise ValueError(
+                f"`ckpt_path` {self._loaded_from!r} holds the local-steps state of {ranks} ranks and this fit runs 1 "
+                f"process: it cannot continue their local steps. Resume with {ranks} processes (or load the weights "
+                "alone with a fresh strategy)."
+            )
         super().configure_ddp()  # wraps the model and broadcasts rank 0's parameters
         if self.world_size == 1:
             rank_zero_warn(
@@ -864,6 +913,7 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
             group=self._outer_group,
             buffers=list(module.buffers()),
         )
+        self._local_live = True
         if self._loaded is not None:
             self._restore_local(self._loaded)
             self._loaded = None
@@ -947,14 +997,16 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         payload = checkpoint.get(LOCALSTEPS_CHECKPOINT_KEY)
         if payload is not None:
-            if self._local is not None:  # already set up: apply now
+            if self._local is not None and self._local_live:  # set up in this fit: apply now
                 self._restore_local(payload)
             else:  # DDP broadcasts rank 0's parameters when it wraps the model: apply after that
-                self._loaded = payload
+                self._loaded, self._loaded_from = payload, str(checkpoint_path)
         return checkpoint
 
     @override
     def teardown(self) -> None:
+        # a later fit on this Trainer builds a new outer state: a checkpoint it resumes must wait for that one
+        self._local_live = False
         self._loaded = None
         super().teardown()
 

@@ -3,7 +3,8 @@
 One pair of processes runs every scenario in turn: the alias and a plain fit (no gradient traffic, the ranks end
 identical), training features (clipping, accumulation, a frozen parameter, bf16-mixed, an LR scheduler, BatchNorm
 buffers averaged), resume from a checkpoint taken with an exchange in flight against an uninterrupted run (through
-Lightning's CheckpointIO and through ``DeltaCheckpointIO``), and the argument checks.
+Lightning's CheckpointIO and through ``DeltaCheckpointIO``, and a second ``fit`` of the same Trainer), and the argument
+checks. One process resumes that checkpoint too (refused: it cannot continue two ranks' local steps).
 """
 
 from __future__ import annotations
@@ -62,10 +63,10 @@ def _fit(strategy, model, root: str, ckpt: str | None = None, callbacks=(), **kw
     import lightning as L
 
     kw.setdefault("max_steps", 16)
+    kw.setdefault("devices", 2)
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",
-        devices=2,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -147,7 +148,7 @@ def _resume(tmp: str, delta: bool = False) -> dict:
 
     saver = SaveAfterEpoch0()
     full = _module(sched=True)
-    _fit(strategy(), full, tmp, max_steps=-1, max_epochs=2, callbacks=[saver], **io())
+    first = _fit(strategy(), full, tmp, max_steps=-1, max_epochs=2, callbacks=[saver], **io())
     resumed = _module(sched=True)
     trainer = _fit(strategy(), resumed, tmp, max_steps=-1, max_epochs=2, ckpt=ckpt, **io())
     out = {
@@ -159,6 +160,12 @@ def _resume(tmp: str, delta: bool = False) -> dict:
     if not delta:
         payload = torch.load(ckpt, weights_only=True)["lightning_accel_localsteps"]
         out["ranks_saved"] = len(payload["ranks"])
+        out["ckpt"] = ckpt
+        # the Trainer of the uninterrupted fit resumes the checkpoint in a second fit: the same as a fresh Trainer
+        again = _module(sched=True)
+        first.fit(again, _data(), ckpt_path=ckpt)
+        out["refit"] = _params(again)
+        out["refit_steps"] = first.strategy.local_steps.step_count
     return out
 
 
@@ -223,11 +230,47 @@ def test_resume_with_an_exchange_in_flight_equals_the_uninterrupted_run(results:
         assert res.get("ranks_saved", 2) == 2
 
 
+def test_a_second_fit_of_the_same_trainer_resumes_like_a_fresh_one(results: list[dict]) -> None:
+    for res in _get(results, "resume"):
+        assert res["refit_steps"] == 16
+        np.testing.assert_array_equal(res["full"], res["refit"])
+
+
+def _single(rank: int, world: int, ckpt: str, tmp: str) -> str:
+    from lightning_accel.comm import LocalStepsStrategy
+
+    strategy = LocalStepsStrategy(sync_every=4, fragments=2, overlap_steps=1, block_size=16)
+    try:
+        _fit(strategy, _module(sched=True), tmp, ckpt=ckpt, max_steps=-1, max_epochs=2, devices=1)
+    except ValueError as err:
+        return str(err)
+    return "resumed"
+
+
+def test_one_process_refuses_a_checkpoint_of_several_ranks(results: list[dict], tmp_path: Path) -> None:
+    """Its checkpoint holds each rank's own parameters; one process can continue none of them (and would otherwise
+    hand the stale payload on to its own checkpoints)."""
+    ckpt = _get(results, "resume")[0]["ckpt"]
+    (msg,) = run_in_processes(_single, 1, args=(ckpt, str(tmp_path)), init_process_group=False, timeout=180)
+    assert "`ckpt_path`" in msg and "2 ranks" in msg and "Resume with 2 processes" in msg, msg
+
+
+def test_default_overlap_follows_the_schedule() -> None:
+    from lightning_accel.comm import LocalStepsStrategy
+
+    assert LocalStepsStrategy().local_steps_config.overlap_steps == 1
+    # a fragment due every step leaves no step to overlap with: the default waits instead of refusing
+    assert LocalStepsStrategy(sync_every=1, compression="fp32").local_steps_config.overlap_steps == 0
+    assert LocalStepsStrategy(sync_every=4, fragments=4).local_steps_config.overlap_steps == 0
+
+
 def test_bad_arguments_are_refused_at_construction() -> None:
     from lightning_accel.comm import LocalStepsStrategy
 
     with pytest.raises(ValueError, match="`overlap_steps`"):
         LocalStepsStrategy(sync_every=4, fragments=2, overlap_steps=2)
+    with pytest.raises(ValueError, match="`outer_lr`"):
+        LocalStepsStrategy(outer_lr=float("inf"))
     with pytest.raises(ValueError, match="`sync_evry`"):
         LocalStepsStrategy(sync_evry=4)
     with pytest.raises(ValueError, match="`ddp_comm_hook`"):

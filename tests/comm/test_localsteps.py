@@ -20,6 +20,10 @@ from tests.helpers import run_in_processes
         ({"compression": "int3"}, ValueError, "`compression`"),
         ({"outer_momentum": 1.0}, ValueError, "`outer_momentum`"),
         ({"outer_lr": 0.0}, ValueError, "`outer_lr`"),
+        ({"outer_lr": float("inf")}, ValueError, "`outer_lr`"),
+        ({"outer_lr": float("nan")}, ValueError, "`outer_lr`"),
+        ({"outer_momentum": float("inf")}, ValueError, "`outer_momentum`"),
+        ({"overlap_steps": 1, "sync_every": 1}, ValueError, "`overlap_steps`"),
         ({"block_size": 12}, ValueError, "`block_size`"),
         ({"nesterov": 1}, TypeError, "`nesterov`"),
         ({"sync_every": 2.0}, TypeError, "`sync_every`"),
@@ -30,6 +34,23 @@ from tests.helpers import run_in_processes
 def test_config_rejects_bad_values_naming_them(kwargs: dict, kind: type, needle: str) -> None:
     with pytest.raises(kind, match=needle):
         LocalStepsConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "overlap"),
+    [
+        ({}, 1),
+        ({"sync_every": 8, "fragments": 2}, 1),
+        ({"sync_every": 1, "compression": "fp32"}, 0),  # a sync every step: nothing to overlap with
+        ({"sync_every": 4, "fragments": 4}, 0),  # a fragment due every step
+        ({"sync_every": 4, "fragments": 4, "overlap_steps": 0}, 0),
+        ({"sync_every": 8, "overlap_steps": 5}, 5),
+    ],
+)
+def test_default_overlap_follows_the_schedule(kwargs: dict, overlap: int) -> None:
+    cfg = LocalStepsConfig(**kwargs)
+    assert cfg.overlap_steps == overlap
+    assert LocalStepsConfig(**{**kwargs, "overlap_steps": overlap}) == cfg  # resolved: the same config as explicit
 
 
 def test_split_fragments_is_contiguous_balanced_and_complete() -> None:
@@ -170,6 +191,33 @@ def _oracle(rank: int, world: int) -> dict:
     out["start_bytes_ok"] = all(b == fp32_ring_bytes(ls.fragments[0].layout.padded_numel, world) for b in start_bytes)
     out["start_synced"] = synced
     out["start_syncs"] = ls.syncs
+
+    # the schedule counts from the end of the synchronous start: H=4 syncs H steps after it, then every H steps
+    def sync_steps(sync_start: int, **kw: int) -> list[int]:
+        ps = params()
+        cfg = LocalStepsConfig(sync_every=4, compression="fp32", sync_start=sync_start, **kw)
+        ls = LocalSteps(ps, cfg)
+        at = []
+        for step in range(1, 17):
+            inner(ps, step)
+            ls.step()
+            if ls.last_synced:
+                at.append(step)
+        return at
+
+    out["schedule"] = {s: sync_steps(s, overlap_steps=0) for s in (0, 3, 5)}
+    out["schedule_streamed"] = sync_steps(3, fragments=2, overlap_steps=1)
+
+    # a parameter with no elements is left out of the fragments; the others train and sync as usual
+    ps = [torch.zeros(0), *params(), torch.zeros(0, 3)]
+    ls = LocalSteps(ps, LocalStepsConfig(sync_every=2, fragments=2, overlap_steps=0, block_size=16))
+    for step in range(1, 5):
+        inner(ps, step)
+        ls.step()
+    ls.final_sync()
+    out["empty_tracked"] = [p.numel() for p in ls.params]
+    out["empty_same"] = all(torch.equal(gathered(ps)[0], p) for p in gathered(ps))
+    out["empty_syncs"] = ls.syncs
     return out
 
 
@@ -209,6 +257,20 @@ def test_a_synchronous_start_averages_every_step_then_hands_over_to_the_schedule
     for res in oracle:
         assert max(res["start_err"]) < 1e-6  # each of the first 3 steps: every rank holds the mean of the parameters
         assert res["start_bytes_ok"] and res["start_outer_is_params"]
-        # steps 1-3 synchronous; then H=2: step 4 is a sync (4 % 2 == 0), step 5 a local step
-        assert res["start_synced"] == [True, True, True, True, False]
+        # steps 1-3 synchronous; then H=2 counted from there: step 4 a local step, step 5 the first sync
+        assert res["start_synced"] == [True, True, True, False, True]
         assert res["start_syncs"] == 4
+
+
+def test_the_schedule_begins_after_the_synchronous_start(oracle: list[dict]) -> None:
+    for res in oracle:
+        assert res["schedule"] == {0: [4, 8, 12, 16], 3: [1, 2, 3, 7, 11, 15], 5: [1, 2, 3, 4, 5, 9, 13]}
+        # fragment 0 sent at 5, 9, 13 and fragment 1 at 7, 11, 15 (2 and 4 steps past the start), each applied a
+        # step later: step 4 is the only local step without an exchange
+        assert res["schedule_streamed"] == [1, 2, 3, *range(5, 17)]
+
+
+def test_parameters_without_elements_are_left_out(oracle: list[dict]) -> None:
+    for res in oracle:
+        assert res["empty_tracked"] == [37, 15, 64]
+        assert res["empty_same"] and res["empty_syncs"] == 4 + 2  # a fragment each step, then both at the end

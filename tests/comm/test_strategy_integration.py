@@ -2,10 +2,11 @@
 
 The tests are grouped by concern, one class each: the registered alias and ``compression="auto"`` (injected timings and
 real-step trials, other optimizers, the restored ``optimizer.step``); training features (gradient accumulation,
-clipping, ``static_graph``, unused and frozen parameters, NaN steps under a GradScaler, ``bf16-mixed``); overlap;
-resume-from-checkpoint against an uninterrupted run (gradient compression, SGD-momentum and AdamW compressed
-momentum). A class's ``LAUNCH`` names its pair of processes; training features and overlap share one, because a pair
-costs the imports of two processes (seconds each on a loaded 2-core machine).
+clipping, ``static_graph``, unused, frozen and empty parameters, NaN steps under a GradScaler, ``bf16-mixed``, a
+failure in the comm thread); overlap; resume-from-checkpoint against an uninterrupted run (gradient compression,
+SGD-momentum and AdamW compressed momentum; a second ``fit`` of the same Trainer; one process resuming two). A
+class's ``LAUNCH`` names its pair of processes; training features and overlap share one, because a pair costs the
+imports of two processes (seconds each on a loaded 2-core machine).
 
 Each group's pair runs only the scenarios of the tests selected in it (``-k resume_sgdm`` runs one scenario), and a
 scenario that raises fails its own tests only (its traceback is the failure message).
@@ -35,10 +36,17 @@ def _module_cls():
 
     class TinyMLP(L.LightningModule):
         def __init__(
-            self, unused: bool = False, nan_at: int | None = None, opt: str = "adamw", frozen: bool = False
+            self,
+            unused: bool = False,
+            nan_at: int | None = None,
+            opt: str = "adamw",
+            frozen: bool = False,
+            empty: bool = False,
         ) -> None:
             super().__init__()
             torch.manual_seed(0)
+            # a parameter with no elements first (a zero-width layer, a pruned head): it trains as with plain DDP
+            self.empty = nn.Parameter(torch.zeros(0, 16)) if empty else None
             self.net = nn.Sequential(nn.Linear(16, 48), nn.ReLU(), nn.Linear(48, 4))
             self.unused = nn.Linear(8, 8) if unused else None
             self.frozen = nn.Linear(16, 16) if frozen else None
@@ -53,6 +61,8 @@ def _module_cls():
             if self.frozen is not None:
                 x = x + self.frozen(x)
             loss = F.cross_entropy(self.net(x).float(), y)
+            if self.empty is not None:
+                loss = loss + (x @ self.empty.t()).sum()
             if self.nan_at is not None and self.global_step == self.nan_at and self.global_rank == 1:
                 loss = loss * float("nan")
             self.losses.append(float(loss.detach()))
@@ -86,10 +96,10 @@ def _fit(strategy, root: Path | None = None, ckpt: str | None = None, model=None
     import lightning as L
 
     trainer_kwargs.setdefault("max_steps", 6)
+    trainer_kwargs.setdefault("devices", 2)
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",
-        devices=2,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -120,10 +130,11 @@ def _opt_state(trainer) -> dict[str, np.ndarray]:
     return out
 
 
-def _resume(strategy, tmp: str, name: str, **model_kwargs) -> dict:
-    """2 epochs of 8 steps uninterrupted, against 1 epoch + checkpoint + resume (well past warm-up)."""
+def _resume(strategy, tmp: str, name: str, refit: bool = False, **model_kwargs) -> dict:
+    """2 epochs of 8 steps uninterrupted, against 1 epoch + checkpoint + resume (well past warm-up); ``refit``: the
+    Trainer of the uninterrupted fit resumes the checkpoint in a second ``fit`` as well."""
     Model = _module_cls()
-    _, full = _fit(strategy(), max_steps=-1, max_epochs=2, model=Model(**model_kwargs))
+    first, full = _fit(strategy(), max_steps=-1, max_epochs=2, model=Model(**model_kwargs))
     trainer, _ = _fit(strategy(), max_steps=-1, max_epochs=1, model=Model(**model_kwargs))
     ckpt = str(Path(tmp) / f"{name}.ckpt")
     trainer.save_checkpoint(ckpt)
@@ -145,6 +156,12 @@ def _resume(strategy, tmp: str, name: str, **model_kwargs) -> dict:
         ck = torch.load(ckpt, weights_only=True)
     out["ckpt_world"] = ck["lightning_accel_onebit"]["world_size"]
     out["ckpt_decision"] = ck["lightning_accel_onebit"]["decision"]
+    out["ckpt"] = ckpt
+    if refit:
+        again = Model(**model_kwargs)
+        first.fit(again, _data(), ckpt_path=ckpt)
+        out["refit"] = _params(again)
+        out["refit_step"] = first.strategy.onebit_state.step
     return out
 
 
@@ -477,7 +494,44 @@ def _resume_scenario(tmp: str, name: str) -> dict:
         return _resume(lambda: _onebit(compressed_signal="gradients", bucket_cap_mb=0.0001), tmp, "grads")
     if name == "resume_sgdm":
         return _resume(lambda: _onebit(group_numel=500), tmp, "sgdm", opt="sgdm")
-    return _resume(lambda: _onebit(group_numel=500), tmp, "adamw")
+    return _resume(lambda: _onebit(group_numel=500), tmp, "adamw", refit=True)
+
+
+@_scenario("empty_momentum", "empty_gradients")
+def _empty(tmp: str, name: str) -> dict:
+    """A parameter with no elements: in no group (a group layout needs elements), every other one compressed."""
+    mode = name.removeprefix("empty_")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "proven only for plain SGD"
+        trainer, model = _fit(_onebit(compressed_signal=mode), model=_module_cls()(empty=True))
+    st = trainer.strategy.onebit_state
+    return {
+        "mode": st.mode,
+        "compressed": st.stats.compressed_calls,
+        "keys": [list(k) for k in st.groups],
+        "params": _params(model),
+        "finite": bool(np.isfinite(_params(model)).all()),
+    }
+
+
+@_scenario("comm_error")
+def _comm_error(tmp: str, name: str) -> dict:
+    """A job of the gradient path's comm thread that raises: the fit raises that exception (type and message)."""
+    from lightning_accel.comm import hook
+
+    def broken(state, bucket):
+        raise KeyError("a failure inside the comm thread")
+
+    original, hook._plan = hook._plan, broken  # the first compressed bucket's job raises (on every rank alike)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _fit(_onebit(compressed_signal="gradients"), max_steps=4)
+    except Exception as err:  # noqa: BLE001 - what the user would see
+        return {"type": type(err).__name__, "message": str(err)}
+    finally:
+        hook._plan = original
+    return {"type": None, "message": ""}
 
 
 @_scenario("overlap_sgdm_True", "overlap_sgdm_False", "overlap_adamw_True", "overlap_adamw_False")
@@ -829,6 +883,19 @@ class TestTrainingFeatures:
         r = _get(results, "bf16")[0]
         assert r["compressed"] > 0 and all(math.isfinite(v) for v in r["losses"])
 
+    @uses("empty_{mode}")
+    @pytest.mark.parametrize("mode", ["momentum", "gradients"])
+    def test_a_parameter_without_elements_trains_like_ddp(self, results: list[dict], mode: str) -> None:
+        r = _get(results, f"empty_{mode}")[0]
+        assert r["mode"] == mode and r["compressed"] > 0 and r["finite"]
+        assert r["keys"] and all(0 not in k for k in r["keys"])  # parameter 0 is the empty one
+        _same_on_both_ranks(results, f"empty_{mode}")
+
+    @uses("comm_error")
+    def test_a_failure_in_the_comm_thread_reaches_the_user_as_itself(self, results: list[dict]) -> None:
+        for r in _get(results, "comm_error"):
+            assert r["type"] == "KeyError" and "a failure inside the comm thread" in r["message"], r
+
 
 class TestResume:
     """A resumed run continues bit for bit like an uninterrupted one."""
@@ -845,6 +912,21 @@ class TestResume:
             assert res["mode"] == ("gradients" if name == "resume" else "momentum")
             np.testing.assert_array_equal(res["full"], res["resumed"])
         np.testing.assert_array_equal(both[0]["resumed"], both[1]["resumed"])
+
+    @uses("resume_adamw")
+    def test_a_second_fit_of_the_same_trainer_resumes_like_a_fresh_one(self, results: list[dict]) -> None:
+        for res in _get(results, "resume_adamw"):
+            assert res["refit_step"] == 16
+            np.testing.assert_array_equal(res["full"], res["refit"])
+
+    @uses("resume_adamw")
+    def test_one_process_drops_the_state_of_several(self, results: list[dict], tmp_path: Path) -> None:
+        """One process trains as plain DDP: the checkpoint's 1-bit state is dropped with a warning and not handed on
+        to its own checkpoints (a later resume with several processes would restore the run before it)."""
+        ckpt = _get(results, "resume_adamw")[0]["ckpt"]
+        (r,) = run_in_processes(_single, 1, args=(ckpt, str(tmp_path)), init_process_group=False, timeout=180)
+        assert any("saved by 2 processes" in w and "dropped" in w for w in r["warnings"]), r["warnings"]
+        assert r["step"] == 8 + 16 and not r["payload"]  # epoch 2 unsplit: 16 batches in one process
 
 
 class TestOverlap:
@@ -894,6 +976,23 @@ class TestOverlap:
         assert r["auto"] is False
         msg = r["true"]
         assert "`overlap=True`" in msg and "gradient_clip_val=1.0" in msg and "overlap='auto'" in msg
+
+
+def _single(rank: int, world: int, ckpt: str, tmp: str) -> dict:
+    """Resume a 2-process checkpoint with 1 process to the end of epoch 2 and save: the warnings and what was saved."""
+    import lightning_accel  # noqa: F401
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer, _ = _fit(_onebit(group_numel=500), ckpt=ckpt, max_steps=-1, max_epochs=2, devices=1)
+        path = str(Path(tmp) / "single.ckpt")
+        trainer.save_checkpoint(path)
+    ck = torch.load(path, weights_only=True)
+    return {
+        "warnings": [str(w.message) for w in caught],
+        "step": ck["global_step"],
+        "payload": "lightning_accel_onebit" in ck,
+    }
 
 
 def test_a_scenario_that_raises_fails_alone(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
