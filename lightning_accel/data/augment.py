@@ -20,13 +20,14 @@ augmentation on either device, on whichever thread runs it, and in every run.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import numbers
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_accel._utils.checks import check_number
+from lightning_accel._utils.checks import check_int, check_number
 
 __all__ = ["GpuAugment"]
 
@@ -40,6 +41,26 @@ def _global_seed() -> int:
     if dist.is_available() and dist.is_initialized():
         seed = seed * 1_000_033 + dist.get_rank()
     return seed % (2**63 - 1)
+
+
+def _numbers(name: str, value: object, *, pair: bool = False) -> tuple[float, ...]:
+    """``value`` (a sequence of real numbers; exactly two, ``(low, high)``, when ``pair``) as a tuple of floats.
+
+    Raises:
+        TypeError: not a sequence, or an item that is not a real number (a string, a bool, None).
+        ValueError: ``pair`` and not two items, or an item that is NaN.
+    """
+    expected = "a (low, high) pair of numbers" if pair else "a sequence of numbers, one per channel"
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise TypeError(f"`{name}` must be {expected}, got {value!r} ({type(value).__name__}).")
+    items = list(value)
+    for v in items:
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise TypeError(f"`{name}` must be {expected}, got {value!r}, holding {v!r} ({type(v).__name__}).")
+    out = tuple(float(v) for v in items)
+    if (pair and len(out) != 2) or any(math.isnan(v) for v in out):
+        raise ValueError(f"`{name}` must be {expected}, got {value!r}.")
+    return out
 
 
 class GpuAugment(nn.Module):
@@ -81,14 +102,20 @@ class GpuAugment(nn.Module):
         seed: int | None = None,
     ) -> None:
         super().__init__()
+        mean, std = _numbers("mean", mean), _numbers("std", std)
         if len(mean) != len(std):
             raise ValueError(f"`mean` and `std` need one value per channel, got {len(mean)} and {len(std)}.")
         if any(s <= 0 for s in std):
             raise ValueError(f"`std` must hold values > 0, got {tuple(std)}.")
-        if crop_scale is not None and not (0 < crop_scale[0] <= crop_scale[1] <= 1):
-            raise ValueError(f"`crop_scale` must satisfy 0 < low <= high <= 1, got {tuple(crop_scale)}.")
+        if crop_scale is not None:
+            crop_scale = _numbers("crop_scale", crop_scale, pair=True)
+            if not 0 < crop_scale[0] <= crop_scale[1] <= 1:
+                raise ValueError(f"`crop_scale` must satisfy 0 < low <= high <= 1, got {tuple(crop_scale)}.")
+        crop_ratio = _numbers("crop_ratio", crop_ratio, pair=True)
         if not 0 < crop_ratio[0] <= crop_ratio[1]:
             raise ValueError(f"`crop_ratio` must satisfy 0 < low <= high, got {tuple(crop_ratio)}.")
+        check_int("size", size, low=1, allow_none=True, fix="None keeps the input size.")
+        check_int("seed", seed, allow_none=True, fix="None follows torch's global seed.")
         check_number("flip_p", flip_p, low=0.0, high=1.0)
         for name, v in (("brightness", brightness), ("contrast", contrast), ("saturation", saturation)):
             check_number(name, v, low=0.0, high=1.0, high_open=True, fix="0 leaves it unchanged.")

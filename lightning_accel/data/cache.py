@@ -36,7 +36,7 @@ from lightning_accel._utils.forksafe import ForkSafeLock, PerProcess, ResetOnPic
 from lightning_accel._utils.malloc import keep_freed_memory
 from lightning_accel.data.buffers import BufferPool, alloc_shared
 from lightning_accel.data.codec import CorruptEntryError, copy_payload, encode_entry, peek_shape
-from lightning_accel.data.decode import DecodeError
+from lightning_accel.data.decode import DecodeError, decoder_fingerprint
 from lightning_accel.data.origin import Listing, ObjectStore
 from lightning_accel.data.pack import DEFAULT_STAGE_BYTES, PackedReader
 from lightning_accel.data.stats import CacheStats
@@ -89,11 +89,13 @@ class _Batch:
         n = len(indices)
         return cls(indices, keys, shared, labels=[0] * n, kept=[True] * n)
 
-    def result(self) -> BatchResult:
-        """The batch without its skipped samples."""
+    def result(self, row_like: tuple[tuple[int, ...], torch.dtype] | None = None) -> BatchResult:
+        """The batch without its skipped samples; ``row_like`` (shape and dtype of one row of an earlier batch) shapes
+        a batch whose samples were all skipped: ``(0, C, H, W)``, which augmentations accept, not ``(0,)``."""
         label_t = torch.tensor(self.labels, dtype=torch.int64)
-        if self.out is None:  # every sample skipped
-            return BatchResult(torch.empty(0, dtype=torch.uint8), label_t[:0], [])
+        if self.out is None:  # every sample skipped before a row was allocated
+            shape, dtype = row_like if row_like is not None else ((), torch.uint8)
+            return BatchResult(torch.empty((0, *shape), dtype=dtype), label_t[:0], [])
         keep_pos = [p for p, k in enumerate(self.kept) if k]
         if self.skipped:
             return BatchResult(self.out[keep_pos], label_t[keep_pos], keep_pos)
@@ -106,12 +108,15 @@ class SampleCache(ResetOnPickle):
     Args:
         store: the origin.
         listing: its keys, labels and class names (shared by every rank and worker); the class names namespace
-            entries with the origin's URL (entries hold labels).
-        decode: deterministic ``bytes -> tensor`` step; its ``fingerprint`` attribute (or its repr) namespaces entries.
+            entries with the origin's URL. Batch labels always come from the listing, never from the entries, so a
+            relabelled manifest takes effect without decoding again.
+        decode: deterministic ``bytes -> tensor`` step; its ``fingerprint`` attribute (else the stable identity
+            :func:`~lightning_accel.data.decode.decoder_fingerprint` derives) namespaces entries.
         ram: the RAM tier (``None``: none).
         ssd: the SSD tier (``None``: none).
         stats: shared counters (a new :class:`CacheStats` by default).
-        on_decode_error: ``"raise"`` (error naming the key) or ``"skip"`` (drop the sample from its batch, count it).
+        on_decode_error: ``"raise"`` (error naming the key) or ``"skip"`` (drop the sample from its batch, count it;
+            a batch whose samples all fail is returned with 0 samples, never dropped: see ``docs/data.md``).
         max_pending: most prefetched origin reads outstanding per process.
         prefetch: read ahead (:meth:`hint`) and read a batch's misses concurrently on the store's thread pool.
             ``None`` (default): only for remote origins. A local origin (plain path, ``file://``) is read inline in
@@ -167,9 +172,9 @@ class SampleCache(ResetOnPickle):
         self.on_decode_error = on_decode_error
         self.max_pending = max_pending
         self.prefetch = (not store.is_local) if prefetch is None else bool(prefetch)
-        fp = getattr(decode, "fingerprint", None) or repr(decode)
-        # Entries hold their label, so the class list is part of the key: a cache written under other classes (a
-        # class folder added or removed) is never read back with shifted labels.
+        fp = decoder_fingerprint(decode)
+        # The class list is part of the key: a cache written under other classes (a class folder added or removed)
+        # is kept apart. Entries hold their label too, but reads take it from the listing (see `_place`).
         classes = "\x1f".join(listing.classes)
         self.namespace = hashlib.sha1(f"{store.url}|{fp}|{classes}".encode()).hexdigest()[:12]
         # Read-ahead futures of this process (a forked child's copies belong to threads it does not have).
@@ -182,6 +187,9 @@ class SampleCache(ResetOnPickle):
                 stage_dir = os.path.join(base, "shards")
             self.packed = PackedReader(store, listing.pack, os.fspath(stage_dir), stage_bytes, on_staged=self._account)
         self._seen = (0, 0)
+        # The shape and dtype of one row of this process's last batch: a batch whose samples were all skipped
+        # (on_decode_error="skip") is returned as 0 rows of it.
+        self._row_like: tuple[tuple[int, ...], torch.dtype] | None = None
         # 1 once a process of this tree found the RAM tier ("keep" policy) full, shared like the two below: the main
         # process's first warm epoch then does not copy a batch of SSD hits for a promotion the tier must refuse
         # (10-17 ms on its first batch here, when only the cold pass's workers had learnt it).
@@ -380,8 +388,10 @@ class SampleCache(ResetOnPickle):
                 self._ram_full = True  # stop offering it misses and SSD hits
             overflow = [i for i in r.not_stored if i < len(ram_writes)]
             if ssd is not None:
-                to_ssd, ssd_pos = [to_ram[i] for i in overflow], overflow  # the overflow: to the SSD tier
-                rejected -= len(to_ssd)
+                # The overflow joins the SSD writes: with `misses_to="ssd"` (or a "fifo" RAM tier) `to_ssd` already
+                # holds the batch's misses, and only the promoted SSD hits went to the RAM tier.
+                to_ssd, ssd_pos = [*to_ssd, *(to_ram[i] for i in overflow)], [*ssd_pos, *overflow]
+                rejected -= len(overflow)
             else:
                 lost = overflow
         if ssd is not None and to_ssd:
@@ -523,7 +533,9 @@ class SampleCache(ResetOnPickle):
             refetches=refetches,
             decode_skipped=batch.skipped,
         )
-        return batch.result()
+        if batch.out is not None:
+            self._row_like = (tuple(batch.out.shape[1:]), batch.out.dtype)
+        return batch.result(self._row_like)
 
     def _read_tiers(self, batch: _Batch) -> list[int]:
         """Copy every entry the tiers hold into its batch row (one read transaction per tier); returns the
@@ -564,7 +576,10 @@ class SampleCache(ResetOnPickle):
             batch.row_shape = list(batch.out.shape[1:])
         assert batch.out is not None
         i = batch.indices[pos]
-        batch.labels[pos] = copy_payload(buf, batch.rows[pos], batch.out.dtype, batch.row_shape, verify=not verified[i])
+        copy_payload(buf, batch.rows[pos], batch.out.dtype, batch.row_shape, verify=not verified[i])
+        # The label comes from the listing, not from the entry: a relabelled manifest (same key, same bytes, new
+        # label) takes effect without decoding anything again. One list lookup per hit.
+        batch.labels[pos] = self.listing.labels[i]
         verified[i] = 1
 
     def _drop_corrupt(self, batch: _Batch) -> tuple[int, int]:

@@ -15,14 +15,14 @@ import functools
 import hashlib
 import os
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from lightning.pytorch import LightningDataModule
 from typing_extensions import override
 
-from lightning_accel._utils.checks import check_bytes, check_choice, check_int
+from lightning_accel._utils.checks import check_bool, check_bytes, check_choice, check_int
 from lightning_accel._utils.rank import node_rank
 from lightning_accel.data.augment import GpuAugment
 from lightning_accel.data.cache import SampleCache
@@ -101,6 +101,22 @@ def _check_tier_budget(name: str, value: object, budget: int | None, image_size:
         )
 
 
+def _check_callable(name: str, value: object, expected: str) -> None:
+    """``value`` must be callable or None (a TypeError in the one-line ``check_*`` form otherwise)."""
+    if value is not None and not callable(value):
+        raise TypeError(f"`{name}` must be {expected} or None, got {value!r} ({type(value).__name__}).")
+
+
+def _check_text(name: str, value: object, expected: str) -> None:
+    """``value`` must be a non-empty string or None (TypeError for another type, ValueError for a blank string)."""
+    if value is None:
+        return
+    if not isinstance(value, str):
+        raise TypeError(f"`{name}` must be {expected} or None, got {value!r} ({type(value).__name__}).")
+    if not value.strip():
+        raise ValueError(f"`{name}` must be {expected} or None, got {value!r}.")
+
+
 def _check_classes(classes: object) -> list[str] | None:
     """A list of class names: TypeError for anything but a sequence of strings, ValueError for an empty list, an
     empty name or a name given twice (the message reads as every ``check_*`` message does)."""
@@ -157,7 +173,9 @@ class CachedDataModule(LightningDataModule):
         storage_options: fsspec options for the origin (S3 endpoint, credentials, ...).
         manifest: a JSONL file under ``origin`` with ``{"key": ..., "label": ...}`` lines instead of a tree.
         val_origin: a separate validation origin (same layout); ``None`` splits ``val_fraction`` off ``origin``.
-        val_fraction: held-out fraction when ``val_origin`` is None (deterministic split by ``seed``).
+        val_fraction: held-out fraction when ``val_origin`` is None (deterministic split by ``seed``). A fraction
+            that leaves either split empty is an error in ``setup``; 0 holds out nothing (validation then reads the
+            training samples).
         seed: shuffle and split seed.
         classes: the class names, label ``i`` being ``classes[i]`` (``None``: the class folders of ``origin``,
             sorted). The class list is fixed once, from this argument or the training origin, and every split is
@@ -170,7 +188,9 @@ class CachedDataModule(LightningDataModule):
         image_size: side of the cached images (resize shorter side + centre crop); ignored when ``decode`` is given.
         decode: deterministic ``bytes -> tensor`` step whose output is cached (default ``ImageDecoder(image_size)``).
         on_decode_error: ``"raise"`` or ``"skip"`` (skipped samples are counted in ``cache/decode_skipped``, and each
-            rank that skipped any warns with its count when a pass over a loader ends, and at teardown).
+            rank that skipped any warns with its count when a pass over a loader ends, and at teardown). A batch whose
+            samples all fail reaches the model with 0 samples rather than being dropped: every rank keeps the same
+            number of batches, which DDP needs; a ``training_step`` used with ``"skip"`` must accept N = 0.
 
     Cache tiers:
         cache_dir: local directory (not a network filesystem) for the SSD tier and the shared listing.
@@ -224,6 +244,8 @@ class CachedDataModule(LightningDataModule):
 
     Raises:
         ValueError: an argument out of range (the message names it, with the value and what is expected).
+        TypeError: an argument of the wrong type (a string for a number or a flag, a non-callable ``decode``,
+            ``transform`` or augmentation, ...), named the same way.
     """
 
     def __init__(
@@ -273,8 +295,33 @@ class CachedDataModule(LightningDataModule):
     ) -> None:
         super().__init__()
         check_origin(origin)
+        if val_origin is not None:
+            check_origin(val_origin, "val_origin")
+        if storage_options is not None and not isinstance(storage_options, Mapping):
+            raise TypeError(
+                "`storage_options` must be a dict of fsspec options (e.g. {'key': ..., 'secret': ...}) or None, got "
+                f"{storage_options!r} ({type(storage_options).__name__})."
+            )
+        _check_text("manifest", manifest, "a JSONL file under `origin` (a relative key such as 'train.jsonl')")
+        _check_text("ram_dir", ram_dir, "a local directory path")
+        check_int("seed", seed)
+        _check_callable("decode", decode, "a callable `decode(data: bytes) -> torch.Tensor`")
+        _check_callable("transform", transform, "a callable `transform(image: torch.Tensor) -> torch.Tensor`")
+        for name, aug in (("train_augment", train_augment), ("val_augment", val_augment)):
+            _check_callable(name, aug, "a GpuAugment (or a callable `augment(images, train=...) -> images`)")
+        check_bool("warm_on_prepare", warm_on_prepare)
+        if prefetch is not None:
+            check_bool("prefetch", prefetch, fix="None: only for remote origins.")
         check_int("batch_size", batch_size, low=1)
         check_int("num_workers", num_workers, low=0, allow_none=True, fix="None: half the CPUs, at most 8.")
+        check_int(
+            "warm_num_workers",
+            warm_num_workers,
+            low=0,
+            allow_none=True,
+            fix="0 reads warm batches in the main process; None keeps `num_workers`.",
+        )
+        check_int("log_every_n_steps", log_every_n_steps, low=1, fix="It counts training steps between logs.")
         self.cache_dir = _local_cache_dir(cache_dir)
         check_choice("on_decode_error", on_decode_error, ("raise", "skip"))
         check_choice("policy", policy, ("keep", "fifo"))
@@ -339,7 +386,7 @@ class CachedDataModule(LightningDataModule):
         self._ready: dict[int, tuple[torch.Tensor, int]] = {}
         self._stream_base = 0
         # logging
-        self.log_every_n_steps = max(1, log_every_n_steps)
+        self.log_every_n_steps = log_every_n_steps
         # state: the node's statistics (shared with the workers), the datasets and caches made in setup
         self.stats = CacheStats()
         self.train_set: CachedDataset | None = None
@@ -449,6 +496,14 @@ class CachedDataModule(LightningDataModule):
             self._caches["val"] = vcache
             return self._dataset(cache), self._dataset(vcache)
         tr, va = split_indices(len(listing), self.val_fraction, self.seed)
+        if self.val_fraction > 0 and (not va or not tr):
+            # Refused rather than patched up: an empty validation split used to validate on the training samples,
+            # and an empty training split trains on nothing.
+            raise ValueError(
+                f"`val_fraction` {self.val_fraction!r} splits the {len(listing)} samples of `origin` {self.origin!r} "
+                f"into {len(tr)} training and {len(va)} validation samples; each needs at least 1. Pick a "
+                "`val_fraction` that leaves both non-empty, 0 to hold out nothing, or pass `val_origin`."
+            )
         return self._dataset(cache, tr), self._dataset(cache, va if va else tr)
 
     def _dataset(self, cache: SampleCache, indices: Sequence[int] | None = None) -> CachedDataset:

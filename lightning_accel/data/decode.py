@@ -1,15 +1,20 @@
 """The deterministic ``decode`` step whose output is cached: raw bytes -> fixed-size uint8 CHW tensor.
 
 A decoder is any picklable callable ``decode(data: bytes) -> torch.Tensor`` with a ``fingerprint`` string attribute
-(it namespaces the cache: change the decoder and old entries are not reused). It must be deterministic; random
-augmentation belongs after the cache (a CPU ``transform`` or :class:`~lightning_accel.data.augment.GpuAugment`).
+(it namespaces the cache: change the decoder and old entries are not reused). Without one, the cache derives a stable
+identity (:func:`decoder_fingerprint`). It must be deterministic; random augmentation belongs after the cache (a CPU
+``transform`` or :class:`~lightning_accel.data.augment.GpuAugment`).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import inspect
 import io
-from collections.abc import Sequence
+import types
+import warnings
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -18,11 +23,92 @@ import torch
 from lightning_accel._utils import compat
 from lightning_accel._utils.checks import check_int
 
-__all__ = ["DecodeError", "ImageDecoder"]
+__all__ = ["DecodeError", "ImageDecoder", "decoder_fingerprint"]
 
 
 class DecodeError(ValueError):
     """A sample's bytes could not be decoded; the message names the key."""
+
+
+_ADDRESS = " at 0x"  # what object.__repr__ and function reprs embed: a memory address, new in every process
+
+
+def _code_digest(code: types.CodeType) -> str:
+    """A digest of a code object's bytecode, names and constants (nested code objects included; line numbers not)."""
+    h = hashlib.sha1(code.co_code)
+    h.update(repr(code.co_names).encode())
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            h.update(_code_digest(c).encode())
+        elif isinstance(c, frozenset):  # `x in {"a", "b"}`: its order follows the per-process string hash seed
+            h.update(repr(sorted(repr(v) for v in c)).encode())
+        else:
+            h.update(repr(c).encode())
+    return h.hexdigest()[:16]
+
+
+def _stable_identity(obj: Any, depth: int = 0) -> str | None:
+    """A text naming ``obj`` that is the same in every process, or None when none can be made."""
+    text = repr(obj)
+    if _ADDRESS not in text:
+        return text  # a repr without an address (numbers, strings, dataclasses, ImageDecoder, ...)
+    if depth > 4:
+        return None
+    named: list[tuple[str, Any]] = []  # (label, value) pairs whose stable identities make up obj's
+    if isinstance(obj, functools.partial):
+        named = [("", v) for v in (obj.func, *obj.args)] + [(f"{k}=", v) for k, v in sorted(obj.keywords.items())]
+        head = ["partial"]
+    elif isinstance(obj, types.MethodType):
+        named, head = [("", obj.__func__), ("", obj.__self__)], ["method"]
+    elif isinstance(obj, types.FunctionType):
+        # The code is part of the identity: editing the function's body decodes again, never serves old entries.
+        cells = [c.cell_contents for c in obj.__closure__ or ()]
+        kwdefaults = sorted((obj.__kwdefaults__ or {}).items())
+        named = [("", v) for v in (*(obj.__defaults__ or ()), *cells)] + [(f"{k}=", v) for k, v in kwdefaults]
+        head = [f"{obj.__module__}.{obj.__qualname__}", _code_digest(obj.__code__)]
+    elif isinstance(obj, (type, types.BuiltinFunctionType)):
+        return f"{obj.__module__}.{obj.__qualname__}"
+    elif hasattr(obj, "__dict__"):
+        cls = type(obj)
+        call = inspect.getattr_static(cls, "__call__", None)
+        head = [f"{cls.__module__}.{cls.__qualname__}"]
+        head += [_code_digest(call.__code__)] if isinstance(call, types.FunctionType) else []
+        named = [(f"{k}=", v) for k, v in sorted(vars(obj).items())]
+    else:
+        return None
+    parts = list(head)
+    for label, value in named:
+        ident = _stable_identity(value, depth + 1)
+        if ident is None:
+            return None
+        parts.append(label + ident)
+    return f"({', '.join(parts)})"
+
+
+def decoder_fingerprint(decode: Callable[[bytes], torch.Tensor]) -> str:
+    """The text that namespaces a decoder's cache entries; the same in every run for the same decoder.
+
+    Its ``fingerprint`` attribute when it has one (set it to a string that changes whenever the output changes);
+    else its ``repr`` when that holds no memory address; else an identity made of what defines it: a function's module,
+    qualified name, code, default arguments and closure values (a lambda or nested function too), an object's class,
+    ``__call__`` code and attributes, a ``functools.partial``'s function and arguments. Code the decoder calls is not
+    part of it: give the decoder a ``fingerprint`` when that changes. When no identity can be made (an attribute whose
+    repr holds a memory address), this warns and falls back to the repr: nothing is served from an earlier run.
+    """
+    fp = getattr(decode, "fingerprint", None)
+    if fp:
+        return str(fp)
+    ident = _stable_identity(decode)
+    if ident is not None:
+        return ident
+    warnings.warn(
+        f"`decode` {decode!r} has no `fingerprint` and no identity that is the same in every run, so the cache "
+        "cannot recognise its entries in a later run (every run decodes again). Set `decode.fingerprint` to a string "
+        "that changes whenever its output changes, e.g. 'my_decode-v1'.",
+        UserWarning,
+        stacklevel=3,
+    )
+    return repr(decode)
 
 
 class ImageDecoder:

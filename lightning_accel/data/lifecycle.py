@@ -90,12 +90,17 @@ def _mapped_dirs() -> dict[str, set[int]] | None:
         if not pid.isdigit():
             continue
         try:
-            with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as f:
+            # Bytes, decoded as os.listdir does (surrogateescape): a path that is not UTF-8 still matches its tier.
+            with open(f"/proc/{pid}/maps", "rb") as f:
                 for line in f:
                     parts = line.split(maxsplit=5)
-                    if len(parts) == 6 and parts[5].startswith("/"):
-                        path = parts[5].rstrip("\n").removesuffix(" (deleted)")
-                        out.setdefault(os.path.dirname(path), set()).add(int(pid))
+                    if len(parts) == 6 and parts[5].startswith(b"/"):
+                        path = os.fsdecode(parts[5].rstrip(b"\n")).removesuffix(" (deleted)")
+                        # The kernel writes a newline in a path as the 4 characters "\012" (and leaves a literal
+                        # "\012" as it is): count the directory under both spellings, so a mapped tier whose path
+                        # holds either is seen as in use.
+                        for p in {path, path.replace("\\012", "\n")}:
+                            out.setdefault(os.path.dirname(p), set()).add(int(pid))
         except OSError:  # gone meanwhile, or another user's process
             continue
     return out

@@ -287,12 +287,19 @@ def list_origin(
                 continue
             try:
                 rec = json.loads(line)
-                key, label = str(rec["key"]), int(rec["label"])
+                key, label = str(rec["key"]), rec["label"]
             except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(
                     f"`manifest` {store.url_of(manifest)!r} line {n} is not "
                     f'{{"key": "<relative key>", "label": <int>}}: {line[:120]!r}'
                 ) from e
+            # A label is a class index: an integer >= 0. 3.7 or true would be truncated to another class, and -1
+            # would index the class list from its end.
+            if isinstance(label, bool) or not isinstance(label, int) or label < 0:
+                raise ValueError(
+                    f"`manifest` {store.url_of(manifest)!r} line {n} (key {key!r}) has label {label!r}; a label must "
+                    "be an integer >= 0 (the class index). Fix that line."
+                )
             safe_join(root, key)  # validates
             keys.append(key)
             labels.append(label)

@@ -155,8 +155,7 @@ class PackIndex:
             raise ValueError(f"pack index {where!r} is malformed ({type(e).__name__}: {e}); re-run pack_origin.") from e
         if any(len(c) != n for c in cols):
             raise ValueError(f"pack index {where!r} has columns of different lengths; re-run pack_origin.")
-        for k in shards:
-            safe_join("root", k)  # a shard key never leaves the origin
+        _check_keys(where, "shard", shards)  # a shard key never leaves the origin
         shard, offset, size, crc = cols
         for i in range(n):
             s = shard[i]
@@ -166,6 +165,18 @@ class PackIndex:
                     f"size {size[i]}); re-run pack_origin."
                 )
         return cls(shards, sizes, shard, offset, size, crc)
+
+
+def _check_keys(where: str, kind: str, keys: Sequence[str]) -> None:
+    """Refuse a key of the pack index ``where`` that would escape the origin (one line naming the index URL)."""
+    for k in keys:
+        try:
+            safe_join("root", k)
+        except ValueError as e:
+            raise ValueError(
+                f"pack index {where!r} has {kind} key {k!r}, which would escape the origin (a key is a relative POSIX "
+                "path without `..`, `.`, a leading `/`, a scheme or backslashes); re-run pack_origin."
+            ) from e
 
 
 def load_pack_index(store: ObjectStore) -> Listing | None:
@@ -191,6 +202,7 @@ def load_pack_index(store: ObjectStore) -> Listing | None:
         raise ValueError(f"pack index {where!r} is malformed ({type(e).__name__}: {e}); re-run pack_origin.") from e
     if len(labels) != len(keys) or not keys:
         raise ValueError(f"pack index {where!r} lists {len(keys)} keys and {len(labels)} labels; re-run pack_origin.")
+    _check_keys(where, "sample", keys)  # sample keys name cache entries and errors: never outside the origin either
     pack = PackIndex.from_dict(d, len(keys), where)
     return Listing(origin=store.url, keys=keys, labels=labels, classes=[str(c) for c in classes], pack=pack)
 

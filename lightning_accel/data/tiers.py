@@ -32,9 +32,9 @@ Contract:
 - **Faults**: a directory that cannot be created or written, or a full disk, disables the tier with one warning per
   process; callers keep working with the remaining tiers.
 - **Ownership**: a RAM tier (``name="ram"``, or ``marker=True``) writes :data:`TIER_MARKER` into its directory when it
-  opens it (owner pid/host/user and creation time, :func:`read_marker`). Cleaning up RAM tiers
-  (:mod:`~lightning_accel.data.lifecycle`) considers only directories that carry it, so nothing the package did not
-  create is ever removed.
+  creates it (missing or empty when first opened; owner pid/host/user and creation time, :func:`read_marker`).
+  Cleaning up RAM tiers (:mod:`~lightning_accel.data.lifecycle`) considers only directories that carry it, so nothing
+  the package did not create is ever removed.
 - Thread safety: every operation holds a per-process lock for its transaction (``set_mapsize`` must not run while
   another thread of the process has a transaction open), so a read-ahead thread and the main thread can share a tier.
 """
@@ -311,8 +311,8 @@ class LmdbTier:
         name: label used in warnings and statistics (``"ssd"``, ``"ram"``).
         policy: ``"keep"`` (admit nothing when full) or ``"fifo"`` (evict oldest to make room).
         sync: fsync every commit (off by default; see the module notes).
-        marker: write :data:`TIER_MARKER` when the tier is opened, so tier cleanup may remove the directory later
-            (``None``: for a RAM tier, ``name="ram"``).
+        marker: write :data:`TIER_MARKER` when the tier is opened in a directory it creates (missing or empty), so
+            tier cleanup may remove the directory later (``None``: for a RAM tier, ``name="ram"``).
     """
 
     def __init__(
@@ -401,10 +401,13 @@ class LmdbTier:
                 try:
                     cap = self.cap_bytes
                     initial = _INITIAL_MAP if cap is None else cap  # see "Budget never exceeded" above
+                    # Only a directory this tier creates (missing or empty before the environment is opened) becomes
+                    # a marked tier: one that held anything, an LMDB database of the user's included (the same
+                    # data.mdb/lock.mdb), is never offered to the cleanup. Decided before opening, which creates
+                    # the files; a tier marked before keeps its marker.
+                    mark = self.marker and (not os.path.isdir(self.path) or not os.listdir(self.path))
                     opened = _open_env(self.path, self._key, initial, self.sync)
-                    # Only a directory holding nothing but this tier's files becomes a marked tier: a directory
-                    # that also holds other files is never offered to the cleanup.
-                    if self.marker and set(os.listdir(self.path)) <= set(LMDB_FILES):
+                    if mark and set(os.listdir(self.path)) <= set(LMDB_FILES):
                         write_marker(self.path)
                 except Exception as e:  # lmdb.Error, OSError (read-only dir, ENOSPC, ...)
                     self._disable(e)

@@ -68,6 +68,29 @@ def test_bad_arguments_name_themselves() -> None:
         GpuAugment(MEAN, STD)(torch.zeros(3, 4, 4, dtype=torch.uint8))
 
 
+@pytest.mark.parametrize(
+    ("kw", "error", "pattern"),
+    [
+        ({"size": 0}, ValueError, r"`size` must be an integer >= 1 or None, got 0\. None keeps the input size"),
+        ({"size": -4}, ValueError, r"`size` must be an integer >= 1 or None, got -4"),
+        ({"size": 2.5}, TypeError, r"`size` must be an integer >= 1 or None, got 2\.5 \(float\)"),
+        ({"seed": "abc"}, TypeError, r"`seed` must be an integer or None, got 'abc' \(str\)"),
+        ({"crop_scale": (0.5,)}, ValueError, r"`crop_scale` must be a \(low, high\) pair of numbers, got \(0\.5,\)"),
+        ({"crop_ratio": "wide"}, TypeError, r"`crop_ratio` must be a \(low, high\) pair of numbers, got 'wide'"),
+        (
+            {"std": [1, 1, "1"]},
+            TypeError,
+            r"`std` must be a sequence of numbers, one per channel, .*holding '1' \(str\)",
+        ),
+        ({"mean": 0.5}, TypeError, r"`mean` must be a sequence of numbers, one per channel, got 0\.5 \(float\)"),
+    ],
+)
+def test_bad_sizes_seeds_and_sequences_fail_at_construction(kw: dict, error: type, pattern: str) -> None:
+    with pytest.raises(error, match=pattern) as e:
+        GpuAugment(**kw)
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.gpu
 def test_cuda_matches_the_cpu_fallback() -> None:
     x = _batch(16, 64, 64)

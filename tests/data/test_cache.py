@@ -138,6 +138,26 @@ def test_decode_errors_raise_naming_the_key_or_are_skipped(small_digits: Path, t
     assert c.stats.as_dict()["decode_skipped"] == 1
 
 
+def test_a_batch_whose_samples_all_fail_keeps_the_row_shape(small_digits: Path, tmp_path: Path) -> None:
+    """A decoder without `decode_into` allocates no row before it fails: the empty batch still has 4 dimensions."""
+
+    def strict(data: bytes) -> torch.Tensor:
+        if not data.startswith(b"\xff\xd8"):
+            raise ValueError("not a JPEG")
+        return ImageDecoder(16)(data)
+
+    origin = tmp_path / "origin"
+    shutil.copytree(small_digits, origin)
+    bad = sorted((origin / "3").glob("*.jpg"))[:2]
+    for p in bad:
+        p.write_bytes(b"this is not a jpeg")
+    store = ObjectStore(str(origin))
+    c = SampleCache(store, list_origin(store), strict, on_decode_error="skip")
+    assert tuple(c.load([0]).images.shape) == (1, 3, 16, 16)
+    out = c.load([c.listing.keys.index(f"3/{p.name}") for p in bad])
+    assert tuple(out.images.shape) == (0, 3, 16, 16) and out.images.dtype == torch.uint8 and out.kept == []
+
+
 def test_over_budget_keeps_a_stable_subset(small_digits: Path, tmp_cache_dir: Path) -> None:
     store = ObjectStore(str(small_digits))
     budget = 800 * 1024  # 200 entries of 2 LMDB pages each (40 px) need ~1.7 MB: about half fits
@@ -332,3 +352,101 @@ def test_gpu_decode_fills_the_cache_in_its_own_namespace(small_digits: Path, tmp
     assert (cold.images.float() - ref.float()).abs().mean() <= 3
     s = gpu.stats.as_dict()
     assert (s["origin_fetches"], s["ssd_hits"], s["writes"]) == (len(idx), len(idx), len(idx))
+
+
+def test_labels_come_from_the_listing_not_the_cached_entries(small_digits: Path, tmp_cache_dir: Path) -> None:
+    """A relabelled sample (same key, same bytes, new label) is served with its new label, without a new decode."""
+    from lightning_accel.data import Listing
+
+    c = _cache(small_digits, tmp_cache_dir)
+    first = c.load([0, 1, 2])
+    old = c.listing
+    relabelled = Listing(old.origin, old.keys, [(y + 1) % len(old.classes) for y in old.labels], old.classes)
+    c2 = SampleCache(c.store, relabelled, ImageDecoder(16), ssd=LmdbTier(tmp_cache_dir / "ssd", 64 << 20, name="ssd"))
+    assert c2.namespace == c.namespace  # same entries, read back
+    again = c2.load([0, 1, 2])
+    assert c2.stats.as_dict()["origin_fetches"] == 0 and torch.equal(again.images, first.images)
+    assert again.labels.tolist() == [relabelled.labels[i] for i in (0, 1, 2)] != first.labels.tolist()
+
+
+@pytest.mark.parametrize("setting", ["misses_to_ssd", "fifo"])
+def test_misses_next_to_promoted_ssd_hits_are_stored(small_digits: Path, tmp_cache_dir: Path, setting: str) -> None:
+    """A batch with SSD hits to promote and misses to store keeps both: the misses reach the SSD tier."""
+    store = ObjectStore(str(small_digits))
+    policy = "fifo" if setting == "fifo" else "keep"
+    c = SampleCache(
+        store,
+        list_origin(store),
+        ImageDecoder(16),
+        ram=LmdbTier(tmp_cache_dir / "ram", 8 << 20, name="ram", policy=policy),
+        ssd=LmdbTier(tmp_cache_dir / "ssd", 64 << 20, name="ssd", policy=policy),
+        misses_to="ssd" if setting == "misses_to_ssd" else "ram",
+        write_behind=False,
+    )
+    c.load([0, 1])  # misses: to the SSD tier (a "fifo" RAM tier takes no misses)
+    c.load([0, 1, 2, 3])  # 0, 1: SSD hits promoted to RAM; 2, 3: misses
+    assert c.ram is not None and c.ssd is not None
+    assert c.ssd.contains([c.key(2), c.key(3)]) == [True, True] and len(c.ram) == 2
+    assert c.stats.as_dict()["writes"] == 6  # 2 + (2 promoted + 2 misses)
+    c.load([2, 3])
+    assert c.stats.as_dict()["origin_fetches"] == 4  # read back, not fetched again
+
+
+def _module_decoders(tmp: Path) -> Path:
+    """A module of decoders without a `fingerprint` (a function, a class instance, a partial)."""
+    mod = tmp / "mydecoders.py"
+    mod.write_text(
+        "import functools\n"
+        "from lightning_accel.data import ImageDecoder\n"
+        "def my_decode(data, size=16):\n"
+        "    return ImageDecoder(size)(data)\n"
+        "class MyDecode:\n"
+        "    def __init__(self, size):\n"
+        "        self.size = size\n"
+        "    def __call__(self, data):\n"
+        "        return ImageDecoder(self.size)(data)\n"
+        "DECODERS = [my_decode, MyDecode(16), MyDecode(24), functools.partial(my_decode, size=24)]\n"
+    )
+    return mod
+
+
+def test_a_decoder_without_fingerprint_keeps_its_namespace_across_runs(tmp_path: Path) -> None:
+    """Its repr holds a memory address; the namespace must not: a later run reads what an earlier one cached."""
+    import subprocess
+    import sys
+
+    _module_decoders(tmp_path)
+    code = (
+        "import mydecoders\n"
+        "from lightning_accel.data.decode import decoder_fingerprint\n"
+        "print('|'.join(decoder_fingerprint(d) for d in mydecoders.DECODERS))\n"
+    )
+    runs = [
+        subprocess.run(
+            [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        for _ in range(2)
+    ]
+    assert runs[0] == runs[1] and " at 0x" not in runs[0]
+    fps = runs[0].split("|")
+    assert len(set(fps)) == 4  # other state (size 16 vs 24) or another decoder: another namespace
+
+
+def test_decoder_fingerprint_follows_the_code_and_warns_when_it_cannot(tmp_path: Path) -> None:
+    from lightning_accel.data.decode import decoder_fingerprint
+
+    assert decoder_fingerprint(ImageDecoder(16)) == ImageDecoder(16).fingerprint
+    assert decoder_fingerprint(lambda b: b) != decoder_fingerprint(lambda b: b[::-1])  # another body
+    size = 16
+    assert "16" in decoder_fingerprint(lambda b: ImageDecoder(size)(b))  # a closure's values count
+
+    class Holder:
+        def __init__(self) -> None:
+            self.handle = object()  # its repr holds an address: no identity is the same in every run
+
+        def __call__(self, data: bytes) -> torch.Tensor:
+            return torch.zeros(1)
+
+    with pytest.warns(UserWarning, match=r"`decode` .* has no `fingerprint`.*Set `decode\.fingerprint`"):
+        fp = decoder_fingerprint(Holder())
+    assert " at 0x" in fp  # the repr: never serves another run's entries

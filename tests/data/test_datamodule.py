@@ -93,3 +93,101 @@ def test_a_new_image_size_on_the_same_cache_dir_decodes_again(small_digits: Path
         assert tuple(x.shape) == (8, 3, size, size)
         assert dm.cache_stats["origin_fetches"] == fetched
         dm.teardown("fit")
+
+
+@pytest.mark.parametrize(
+    ("kw", "error", "pattern"),
+    [
+        ({"log_every_n_steps": 0}, ValueError, r"`log_every_n_steps` must be an integer >= 1, got 0\."),
+        ({"log_every_n_steps": -5}, ValueError, r"`log_every_n_steps` must be an integer >= 1, got -5\."),
+        ({"log_every_n_steps": "10"}, TypeError, r"`log_every_n_steps` must be an integer >= 1, got '10' \(str\)"),
+        ({"warm_num_workers": -1}, ValueError, r"`warm_num_workers` must be an integer >= 0 or None, got -1\."),
+        ({"warm_num_workers": "0"}, TypeError, r"`warm_num_workers` must be an integer >= 0 or None, got '0' \(str\)"),
+        ({"seed": "abc"}, TypeError, r"`seed` must be an integer, got 'abc' \(str\)"),
+        ({"seed": True}, TypeError, r"`seed` must be an integer, got True \(bool\)"),
+        ({"prefetch": "no"}, TypeError, r"`prefetch` must be True or False, got 'no' \(str\)\. None: only for remote"),
+        ({"warm_on_prepare": "false"}, TypeError, r"`warm_on_prepare` must be True or False, got 'false' \(str\)"),
+        ({"val_origin": ""}, ValueError, r"`val_origin` must be a non-empty path or fsspec URL, got ''\."),
+        ({"val_origin": 5}, TypeError, r"`val_origin` must be a non-empty path or fsspec URL, got 5 \(int\)"),
+        ({"manifest": 5}, TypeError, r"`manifest` must be a JSONL file under `origin` .* or None, got 5 \(int\)"),
+        ({"manifest": " "}, ValueError, r"`manifest` must be a JSONL file under `origin` .* or None, got ' '\."),
+        ({"ram_dir": 5}, TypeError, r"`ram_dir` must be a local directory path or None, got 5 \(int\)"),
+        ({"transform": 5}, TypeError, r"`transform` must be a callable .* or None, got 5 \(int\)"),
+        ({"decode": 5}, TypeError, r"`decode` must be a callable `decode\(data: bytes\) -> torch\.Tensor` or None"),
+        ({"train_augment": "x"}, TypeError, r"`train_augment` must be a GpuAugment .* or None, got 'x' \(str\)"),
+        ({"val_augment": 1}, TypeError, r"`val_augment` must be a GpuAugment .* or None, got 1 \(int\)"),
+        ({"storage_options": "x"}, TypeError, r"`storage_options` must be a dict of fsspec options .*got 'x' \(str\)"),
+    ],
+)
+def test_bad_flags_paths_and_callables_fail_at_construction(
+    tmp_path: Path, kw: dict[str, Any], error: type[Exception], pattern: str
+) -> None:
+    with pytest.raises(error, match=pattern) as e:
+        _make(tmp_path, **kw)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("val_fraction", "counts"), [(0.01, "40 training and 0 validation"), (0.99, "0 training and 40")]
+)
+def test_a_split_leaving_either_side_empty_is_refused(tmp_path: Path, val_fraction: float, counts: str) -> None:
+    """Never validate on the training samples by accident, nor train on nothing."""
+    from lightning_accel.datasets import materialize_digits
+
+    materialize_digits(tmp_path / "digits", size=16, num_images=40)
+    dm = CachedDataModule(
+        str(tmp_path / "digits"),
+        cache_dir=str(tmp_path / "cache"),
+        ram_bytes=0,
+        image_size=16,
+        val_fraction=val_fraction,
+    )
+    with pytest.raises(ValueError, match=rf"`val_fraction` {val_fraction} splits the 40 samples .* into {counts}") as e:
+        dm.setup("fit")
+    assert "\n" not in str(e.value) and "`val_origin`" in str(e.value)
+    ok = CachedDataModule(
+        str(tmp_path / "digits"), cache_dir=str(tmp_path / "cache"), ram_bytes=0, image_size=16, val_fraction=0.05
+    )
+    ok.setup("fit")
+    assert ok.train_set is not None and ok.val_set is not None
+    assert (len(ok.train_set), len(ok.val_set)) == (38, 2)
+    assert not set(ok.train_set.indices) & set(ok.val_set.indices)
+
+
+def test_a_batch_of_undecodable_samples_arrives_empty_so_ranks_keep_equal_counts(tmp_path: Path) -> None:
+    """on_decode_error="skip" never drops a batch (DDP needs the same number of batches on every rank): one whose
+    samples all fail arrives as (0, C, H, W) images and (0,) labels, which the augmentation passes through."""
+    import shutil
+
+    import torch
+
+    from lightning_accel.datasets import materialize_digits
+
+    materialize_digits(tmp_path / "digits", size=16, num_images=10)
+    origin = tmp_path / "origin"
+    for c in ("a", "b"):
+        (origin / c).mkdir(parents=True)
+    good = sorted((tmp_path / "digits").rglob("*.jpg"))
+    for i in range(2):
+        shutil.copy(good[i], origin / "a" / f"{i}.jpg")
+        (origin / "b" / f"{i}.jpg").write_bytes(b"not a jpeg")
+    dm = CachedDataModule(
+        str(origin),
+        cache_dir=str(tmp_path / "cache"),
+        ram_bytes=0,
+        image_size=16,
+        num_workers=0,
+        batch_size=2,
+        val_fraction=0.0,
+        on_decode_error="skip",
+    )
+    dm.setup("validate")
+    loader = dm.val_dataloader()
+    with pytest.warns(RuntimeWarning, match="skipped 2 undecodable"):
+        batches = list(loader)
+    assert len(batches) == len(loader) == 2
+    (x0, y0), (x1, y1) = batches
+    assert tuple(x0.shape) == (2, 3, 16, 16) and y0.tolist() == [0, 0]
+    assert tuple(x1.shape) == (0, 3, 16, 16) and tuple(y1.shape) == (0,) and y1.dtype == torch.int64
+    assert tuple(dm.val_augment(x1, train=False).shape) == (0, 3, 16, 16)
+    assert dm.cache_stats["decode_skipped"] == 2

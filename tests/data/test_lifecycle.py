@@ -166,3 +166,33 @@ def test_data_clean_reports_a_missing_root(tmp_path: Path, capsys: pytest.Captur
     cap = capsys.readouterr()
     assert cap.out == "" and len(cap.err.strip().splitlines()) == 1
     assert "`--root`" in cap.err and "nowhere" in cap.err and "is not an existing directory" in cap.err
+
+
+def test_a_ram_dir_holding_an_lmdb_database_of_the_users_gets_no_marker(tmp_path: Path) -> None:
+    """The user's own data.mdb/lock.mdb look like a tier's files: only a directory the tier creates is marked."""
+    import lmdb
+
+    from lightning_accel.data.lifecycle import remove_tier
+    from lightning_accel.data.tiers import read_marker
+
+    mine = tmp_path / "user_lmdb"
+    env = lmdb.open(str(mine), map_size=1 << 20)
+    with env.begin(write=True) as txn:
+        txn.put(b"record", b"precious")
+    env.close()
+    assert LmdbTier(mine, 1 << 20, name="ram").open() and read_marker(str(mine)) is None
+    assert not remove_tier(str(mine)) and {p.name for p in mine.iterdir()} == {"data.mdb", "lock.mdb"}
+    assert find_tiers(str(tmp_path)) == []
+    empty = tmp_path / "empty"
+    empty.mkdir()  # an empty directory (made ahead, e.g. by a launcher) becomes a tier as a missing one does
+    assert LmdbTier(empty, 1 << 20, name="ram").open() and read_marker(str(empty)) is not None
+
+
+def test_a_tier_whose_path_holds_a_newline_is_in_use_while_mapped(tmp_path: Path) -> None:
+    """/proc/<pid>/maps writes a newline in a path as \\012: the tier is still seen as mapped, and not swept."""
+    t = LmdbTier(tmp_path / "job\nb", 1 << 20, name="ram")
+    t.open()
+    t.put_many([(b"k", b"v")])
+    (info,) = find_tiers(str(tmp_path))
+    assert info.in_use and sweep(str(tmp_path), older_than_s=0) == []
+    assert t.get(b"k") == b"v" and (tmp_path / "job\nb").is_dir()

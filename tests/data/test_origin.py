@@ -42,6 +42,17 @@ def test_manifest_origin(tmp_path: Path) -> None:
         list_origin(ObjectStore(str(tmp_path)), manifest="nope.jsonl")
 
 
+@pytest.mark.parametrize("label", [-1, 3.7, True, "3", None])
+def test_a_manifest_label_must_be_an_integer_at_least_0(tmp_path: Path, label: object) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "x.bin").write_bytes(b"x")
+    lines = [{"key": "a/x.bin", "label": 0}, {"key": "a/x.bin", "label": label}]
+    (tmp_path / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    with pytest.raises(ValueError, match=r"`manifest` '.*m\.jsonl' line 2 \(key 'a/x\.bin'\) has label .*>= 0") as e:
+        list_origin(ObjectStore(str(tmp_path)), manifest="m.jsonl")
+    assert "\n" not in str(e.value)
+
+
 def test_missing_or_empty_origin_names_the_url(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=str(tmp_path / "missing")):
         list_origin(ObjectStore(str(tmp_path / "missing")))

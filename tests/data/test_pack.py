@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,12 @@ def test_bad_indexes_are_refused_with_the_url(small_digits: Path, tmp_path: Path
 
     with pytest.raises(ValueError, match="escape"):
         listing_with(shards=[{"key": "../../etc/passwd", "bytes": 10}])
+    for bad in ("../../../etc/passwd", "/abs/key", "s3://other/key"):  # a sample key leaves the origin too
+        keys = [bad, *good["keys"][1:]]
+        with pytest.raises(ValueError, match=rf"pack index '.*{PACK_INDEX}' has sample key '{re.escape(bad)}'"):
+            listing_with(keys=keys)
+    with pytest.raises(ValueError, match=rf"pack index '.*{PACK_INDEX}' has shard key '\.\./x\.bin'"):
+        listing_with(shards=[{**good["shards"][0], "key": "../x.bin"}, *good["shards"][1:]])
     with pytest.raises(ValueError, match="outside its shard"):
         listing_with(offset=[10**9] * len(good["offset"]))
     with pytest.raises(ValueError, match="version"):
