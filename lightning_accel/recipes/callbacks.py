@@ -20,6 +20,7 @@ from typing_extensions import override
 from lightning_accel._utils.checks import check_choice, check_int, renamed_argument
 from lightning_accel._utils.errors import one_line
 from lightning_accel._utils.patching import Patch, patch
+from lightning_accel.recipes.channel_groups import check_module_names
 from lightning_accel.recipes.distill import (
     check_distillation_args,
     combine_losses,
@@ -100,7 +101,8 @@ class LinearScalingLR(Callback):
 
     Idempotent across resume: the factor applied is stored in each param group (saved with the optimizer state) and in
     this callback's ``state_dict``; resuming with the same setup changes nothing, resuming with a different global
-    batch (e.g. more devices) rescales by the ratio of the two factors. The factor is logged as ``lr_scale/factor``
+    batch (e.g. more devices) rescales by the ratio of the two factors; a later fit of the same callback without a
+    checkpoint scales the fresh rates afresh. The factor is logged as ``lr_scale/factor``
     and ``lr_scale/global_batch_size``.
 
     Args:
@@ -130,6 +132,12 @@ class LinearScalingLR(Callback):
                 f"({type(trainer.train_dataloader).__name__}). Pass `batch_size=` to LinearScalingLR."
             )
         return int(per_device) * trainer.num_devices * trainer.num_nodes * trainer.accumulate_grad_batches
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        # the factor a checkpoint recorded belongs to the fit that resumes from it: `load_state_dict` sets it after
+        # this hook, so a later fit of the same callback without a checkpoint starts from the unscaled rates
+        self._restored_factor = None
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -181,7 +189,8 @@ class PerStepLR(Callback):
 
     Resumed at another world size (or batch size), the restored step counts steps of the old size: the schedule's
     position is converted through the epochs it represents (:func:`bind_to_fit`), so it continues from the same
-    progress fraction and reaches ``min_lr`` at this fit's last step (not early, not half-way).
+    progress fraction and reaches ``min_lr`` at the end of this fit (at ``total_steps``, the index one past its last
+    step; not early, not half-way).
     """
 
     @override
@@ -401,7 +410,8 @@ class StructuredPruning(Callback):
         schedule: epoch (or epochs) at whose start to prune; ``0`` prunes before training (prune-then-fine-tune).
         target: dotted name of the submodule to prune (``None``: the LightningModule itself, traced through its
             ``forward``).
-        ignore_modules: module names (relative to the pruned module) whose outputs must keep all channels.
+        ignore_modules: module names (relative to the pruned module) whose outputs must keep all channels; one name
+            alone may be a string. Checked against the module's ``named_modules()`` at ``setup``.
         ignore: deprecated spelling of ``ignore_modules`` (same values).
         round_to: keep a multiple of this many channels per group.
         fold_bn: rank the channels of a layer followed by a BatchNorm on the BN-folded filter norm
@@ -417,7 +427,8 @@ class StructuredPruning(Callback):
 
     Raises:
         TypeError: an ``amount``, ``norm``, ``schedule`` entry or ``round_to`` of the wrong type (a bool for an epoch).
-        ValueError: ``amount`` outside [0, 1), a bad ``norm``, negative or duplicate epochs in ``schedule``.
+        ValueError: ``amount`` outside [0, 1), a bad ``norm``, negative or duplicate epochs in ``schedule``; at
+            ``setup``, an ``ignore_modules`` name that is not a module of the pruned module.
     """
 
     def __init__(
@@ -452,8 +463,9 @@ class StructuredPruning(Callback):
         self.schedule = sorted(epochs)
         self.step_amounts = dict(zip(self.schedule, schedule_amounts(self.amount, len(self.schedule)), strict=True))
         self.target = target
-        given = tuple(ignore_modules)
-        self.ignore_modules = tuple(renamed_argument("ignore_modules", given, "ignore", ignore, new_given=bool(given)))
+        given = check_module_names("ignore_modules", ignore_modules) or ()
+        old = check_module_names("ignore", ignore)
+        self.ignore_modules = tuple(renamed_argument("ignore_modules", given, "ignore", old, new_given=bool(given)))
         self.round_to = round_to
         self.done: list[int] = []
         self.history: list[dict[str, Any]] = []
@@ -472,7 +484,8 @@ class StructuredPruning(Callback):
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self._module(pl_module)  # validates `target` early
+        # `target` and the ignored names, checked before the first epoch rather than at the pruning step
+        check_module_names("ignore_modules", self.ignore_modules, self._module(pl_module))
         if self._hook is None:
             # Resuming from a pruned checkpoint: give the layers the saved (smaller) shapes before the weights load.
             def pre_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:

@@ -31,7 +31,7 @@ from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
 from lightning_accel._utils.checks import renamed_argument
 from lightning_accel._utils.errors import one_line
 
-__all__ = ["CONV_TYPES", "NORM_TYPES", "ChannelGroup", "Layer", "Norm", "find_channel_groups"]
+__all__ = ["CONV_TYPES", "NORM_TYPES", "ChannelGroup", "Layer", "Norm", "check_module_names", "find_channel_groups"]
 
 #: the convolutions a channel group can slice (``groups == 1`` only)
 CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -209,6 +209,44 @@ def _trace(model: nn.Module, example_inputs: tuple[Any, ...]) -> torch.fx.GraphM
     return gm
 
 
+def check_module_names(
+    arg: str, names: str | Iterable[str] | None, model: nn.Module | None = None
+) -> tuple[str, ...] | None:
+    """``names`` (module names such as ``ignore_modules``) as a tuple, checked; None stays None.
+
+    A lone string is one name (``"fc1"``, not ``("f", "c", "1")``). With ``model``, every name must be one of its
+    ``named_modules()``: a misspelt name would otherwise protect nothing, silently.
+
+    Args:
+        arg: the argument's name, for the error message.
+        names: a module name or an iterable of them.
+        model: the module the names are relative to (None: not checked against a model yet).
+
+    Raises:
+        TypeError: an entry that is not a string.
+        ValueError: (with ``model``) names that are not modules of ``model``, all of them in one line.
+    """
+    if names is None:
+        return None
+    out = (names,) if isinstance(names, str) else tuple(names)
+    bad_type = [n for n in out if not isinstance(n, str)]
+    if bad_type:
+        raise TypeError(
+            f"`{arg}` must hold module names (strings), got {bad_type[0]!r} ({type(bad_type[0]).__name__}). Pass names "
+            "from `named_modules()`, e.g. ['fc1']."
+        )
+    if model is not None:
+        known = dict(model.named_modules())
+        unknown = [n for n in out if n not in known]
+        if unknown:
+            some = ", ".join(repr(n) for n in list(known)[1:7])
+            raise ValueError(
+                f"`{arg}` names modules that {type(model).__name__} does not have: {unknown}. Pass names from its "
+                f"`named_modules()` (e.g. {some})."
+            )
+    return out
+
+
 def find_channel_groups(
     model: nn.Module,
     example_inputs: tuple[Any, ...] | torch.Tensor,
@@ -221,16 +259,20 @@ def find_channel_groups(
     Args:
         model: the network (any ``nn.Module`` torch.fx can trace; a LightningModule works if its ``forward`` does).
         example_inputs: inputs for one forward pass (a tensor or a tuple of positional args), on the model's device.
-        ignore_modules: names of modules whose output channels must not be pruned.
+        ignore_modules: names of modules whose output channels must not be pruned (one name alone: a string).
         ignore: deprecated spelling of ``ignore_modules`` (same values).
+
+    Raises:
+        ValueError: an ``ignore_modules`` name that is not in ``model.named_modules()``.
     """
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
-    gm = _trace(model, tuple(example_inputs))
-    ignore_modules = tuple(ignore_modules)
+    ignore_modules = check_module_names("ignore_modules", ignore_modules) or ()
     ignore_modules = renamed_argument(
-        "ignore_modules", ignore_modules, "ignore", ignore, new_given=bool(ignore_modules)
+        "ignore_modules", ignore_modules, "ignore", check_module_names("ignore", ignore), new_given=bool(ignore_modules)
     )
+    check_module_names("ignore_modules", ignore_modules, model)  # before tracing: a typo fails fast
+    gm = _trace(model, tuple(example_inputs))
     flow = _ChannelFlow(dict(model.named_modules()), set(ignore_modules))
     for node in gm.graph.nodes:
         flow.visit(node)

@@ -143,7 +143,8 @@ class WarmupCosineLR(LRScheduler):
         total_steps: optimizer steps of the whole run; ``None`` leaves the schedule unbound until :meth:`bind`
             (the learning rate stays at the warm-up start until then).
         warmup_steps: steps of linear warm-up (mutually exclusive with ``warmup_fraction``).
-        warmup_fraction: warm-up as a fraction of ``total_steps`` in [0, 1).
+        warmup_fraction: warm-up as a fraction of ``total_steps`` in [0, 1) (rounded to whole steps, at most
+            ``total_steps - 1``: the run keeps at least one step of cosine).
         min_lr: learning rate at the end of the cosine (absolute, for every group; ``0 <= min_lr``).
         last_epoch: index of the last step taken (``-1`` to start fresh), as in torch schedulers.
 
@@ -211,7 +212,9 @@ class WarmupCosineLR(LRScheduler):
         whole = isinstance(total_steps, float) and total_steps.is_integer()
         total = check_int("total_steps", int(total_steps) if whole else total_steps, low=1)
         if self.warmup_fraction is not None:
-            warm = int(round(self.warmup_fraction * total))
+            # a fraction in [0, 1) is always valid: rounding (0.95 of 10 steps, 0.6 of 1) must not make the warm-up
+            # the whole run, which only `warmup_steps` given as a count may ask for (and is refused below)
+            warm = min(int(round(self.warmup_fraction * total)), total - 1)
         else:
             warm = self.warmup_steps_arg or 0
         if warm >= total and warm > 0:
@@ -227,7 +230,8 @@ class WarmupCosineLR(LRScheduler):
 
         Binding again to the same values is a no-op. Binding a restored (resumed) schedule to a new length continues
         the cosine of the new length from the restored position: extending a finished run (more ``max_epochs``)
-        resumes on the longer curve instead of staying at ``min_lr``, and ends at ``min_lr`` at the new last step.
+        resumes on the longer curve instead of staying at ``min_lr``, and reaches ``min_lr`` at the new
+        ``total_steps`` (the index one past the fit's last step, which trains just above it).
 
         Args:
             total_steps: optimizer steps of the whole (current) fit.

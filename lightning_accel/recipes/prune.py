@@ -29,7 +29,14 @@ import torch
 from torch import nn
 
 from lightning_accel._utils.checks import check_choice, check_int, check_number, renamed_argument
-from lightning_accel.recipes.channel_groups import CONV_TYPES, NORM_TYPES, ChannelGroup, Norm, find_channel_groups
+from lightning_accel.recipes.channel_groups import (
+    CONV_TYPES,
+    NORM_TYPES,
+    ChannelGroup,
+    Norm,
+    check_module_names,
+    find_channel_groups,
+)
 
 __all__ = [
     "PruneResult",
@@ -283,7 +290,8 @@ def apply_structured_pruning(
         example_inputs: inputs for one traced forward pass, on the model's device.
         norm: filter norm used to rank channels, ``"l1"`` or ``"l2"``.
         optimizers: optimizers over ``model``'s parameters whose per-parameter state is sliced to match.
-        ignore_modules: module names whose output channels must not be pruned.
+        ignore_modules: module names whose output channels must not be pruned (one name alone: a string); each must
+            be in ``model.named_modules()``.
         round_to: keep a multiple of this many channels per group (e.g. 8 for vectorised kernels).
         fold_bn: rank a producer followed by a BatchNorm on its BN-folded filter (see :func:`channel_importance`).
         ignore: deprecated spelling of ``ignore_modules`` (same values).
@@ -292,16 +300,16 @@ def apply_structured_pruning(
         A :class:`PruneResult`; a warning is raised when nothing was pruned.
 
     Raises:
-        ValueError: bad ``amount``/``norm``/``round_to``, each named.
+        ValueError: bad ``amount``/``norm``/``round_to``, each named; an ``ignore_modules`` name not in the model.
         TypeError: an ``amount``/``norm``/``round_to`` of the wrong type, each named; a model torch.fx cannot trace.
     """
     amount = check_amount(amount)
     check_choice("norm", norm, ("l1", "l2"))
     check_int("round_to", round_to, low=1)
     before = count_parameters(model)
-    ignore_modules = tuple(ignore_modules)
+    ignore_modules = check_module_names("ignore_modules", ignore_modules) or ()
     ignore_modules = renamed_argument(
-        "ignore_modules", ignore_modules, "ignore", ignore, new_given=bool(ignore_modules)
+        "ignore_modules", ignore_modules, "ignore", check_module_names("ignore", ignore), new_given=bool(ignore_modules)
     )
     groups, skipped = find_channel_groups(model, example_inputs, ignore_modules=ignore_modules)
     plans = []

@@ -271,7 +271,8 @@ class Snapshot:
         """Copy the snapshot back into the live tensors (in place) and return the ``extra`` state it holds.
 
         Raises:
-            RuntimeError: nothing was taken, or the model / optimizers no longer have the layout of the snapshot.
+            RuntimeError: nothing was taken, or the model / optimizers no longer have the layout of the snapshot
+                (checked before anything is copied, so a refused restore leaves the live state as it was).
         """
         if self.step is None:
             raise RuntimeError("RollbackGuard: no snapshot has been taken yet, so there is nothing to restore.")
@@ -281,6 +282,15 @@ class Snapshot:
                 raise RuntimeError(
                     f"RollbackGuard: the model has {len(tensors)} tensors, its snapshot {len(self._model)}: the model "
                     "changed since the snapshot was taken."
+                )
+            bad = next(
+                (i for i, (t, b) in enumerate(zip(tensors, self._model, strict=True)) if t.shape != b.shape), None
+            )
+            if bad is not None:
+                raise RuntimeError(
+                    f"RollbackGuard: model tensor {bad} has shape {tuple(tensors[bad].shape)}, its snapshot (step "
+                    f"{self.step}) {tuple(self._model[bad].shape)}: the model was resized since. Take a new snapshot "
+                    "after changing the model's shapes."
                 )
             for t, b in zip(tensors, self._model, strict=True):
                 t.copy_(b, non_blocking=True)

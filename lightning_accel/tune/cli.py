@@ -1,14 +1,16 @@
-"""``lightning-accel tune --config job.yaml [--budget 5m] [--out tuned.yaml] [--allow-batch-change]``.
+"""``lightning-accel tune --config job.yaml [--budget 5m] [--out tuned.yaml] [--allow-batch-change] [--force]``.
 
 Tunes the job a ``lightning-accel fit`` config describes (see :func:`lightning_accel.tune.tune_job`) and writes
 ``tuned.yaml`` (which ``lightning-accel fit --config tuned.yaml`` runs unchanged) and ``tune_report.{json,md,png}``
-beside it. A multi-device job (``trainer.devices`` / ``num_nodes``) tunes under its own processes: Lightning starts
-them as for ``fit``, by running this same command line in each.
+beside it; files there that ``tune`` did not write are left alone unless ``--force``, and ``--out`` is never the
+``--config`` itself. A multi-device job (``trainer.devices`` / ``num_nodes``) tunes under its own processes:
+Lightning starts them as for ``fit``, by running this same command line in each.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from lightning_accel._utils.errors import one_line
@@ -32,7 +34,17 @@ def build_parser(prog: str = "lightning-accel tune") -> argparse.ArgumentParser:
     p.add_argument("--skip", default=None, help="comma-separated words: leave out options named so (e.g. compile)")
     p.add_argument("--no-cache", action="store_true", help="measure again even when this job was tuned before")
     p.add_argument("--cache-dir", default=None, help="where results are cached (default ~/.cache/lightning_accel/tune)")
+    p.add_argument(
+        "--force", action="store_true", help="overwrite files at --out and beside it that tune did not write"
+    )
     return p
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet): compare the paths
+        return os.path.realpath(a) == os.path.realpath(b)
 
 
 def main(argv: list[str] | None = None, prog: str = "lightning-accel tune") -> int:
@@ -42,6 +54,11 @@ def main(argv: list[str] | None = None, prog: str = "lightning-accel tune") -> i
 
     args = build_parser(prog).parse_args(argv)
     try:
+        if _same_file(args.out, args.config):
+            raise ValueError(
+                f"`--out` {args.out!r} is the `--config` it tunes: writing the tuned config there would replace the "
+                "job. Pass another `--out`, e.g. tuned.yaml."
+            )
         job = load_job(args.config)
         levers = [s.strip() for s in args.levers.split(",")] if args.levers else None
         res = tune_job(
@@ -56,6 +73,7 @@ def main(argv: list[str] | None = None, prog: str = "lightning-accel tune") -> i
             skip=[s.strip() for s in args.skip.split(",")] if args.skip else (),
             cache_dir=args.cache_dir,
             use_cache=not args.no_cache,
+            force=args.force,
         )
     except (ValueError, TypeError, FileNotFoundError, RuntimeError) as e:
         print(f"{prog}: error: {one_line(e)}", file=sys.stderr)

@@ -9,6 +9,7 @@ objects of a run that implement :class:`lightning_accel._utils.levers.Lever` (``
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,7 +52,11 @@ class RollbackGuard(Callback):
       hyper-parameters and the LR schedulers' state are copied into one reused set of CPU buffers (pinned on CUDA):
       one CPU copy of model + optimizer state is the memory bound. A snapshot is taken in the optimizer step after
       it falls due, before the update, and only when that step's loss and gradients are finite on every rank (so a
-      snapshot never holds the update of a bad step); the first is the state at the start of ``fit``.
+      snapshot never holds the update of a bad step). The first is the state at the first training batch of ``fit``,
+      after every callback's ``on_train_start`` (a learning rate scaled by ``LinearScalingLR``, a schedule bound by
+      ``PerStepLR``); and when the optimizers' parameters are replaced mid-fit (``StructuredPruning`` slices the
+      layers), a fresh one is taken in the next optimizer step, before its update: the old one no longer fits the
+      model.
     * **Rollback.** On a trigger on any rank, every rank restores the snapshot in place (parameters, buffers,
       optimizer state, learning rates, schedulers; with ``replay_lost_steps`` in a fit bound by ``max_steps`` the
       step counter too, so it trains the steps the rollback took back and its schedule ends where it would have;
@@ -174,6 +179,9 @@ class RollbackGuard(Callback):
         self._epoch_end = False
         self._snap_due = False
         self._loss: torch.Tensor | None = None
+        # the optimizers' parameters at the last snapshot (None: none taken in this fit yet); a change means the
+        # model was rebuilt (pruned) and the snapshot no longer fits it
+        self._layout: list[list[torch.Tensor]] | None = None
 
     # -- set-up --------------------------------------------------------------------------------------------------
     @override
@@ -194,6 +202,7 @@ class RollbackGuard(Callback):
         self._since, self._was_active, self._window_end = {}, {}, -1
         self._pending, self._grad_norm, self._loss = [], None, None
         self._opt_steps, self._stopped, self._snap_due = 0, False, False
+        self._layout = None
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -203,7 +212,17 @@ class RollbackGuard(Callback):
                 lever.switch_off("switched off by RollbackGuard before the checkpoint this fit resumed from")
         self._poll_levers(step)
         self._pending.clear()
-        self._take_snapshot(trainer, pl_module)
+        # the first snapshot waits for the first batch: callbacks later in the list still change the state in their
+        # own `on_train_start` (LinearScalingLR scales the rates, PerStepLR binds the schedule), and a snapshot taken
+        # before them would undo that on a rollback
+        self._layout = None
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._layout is None:
+            self._take_snapshot(trainer, pl_module)
 
     # -- the levers ----------------------------------------------------------------------------------------------
     def _poll_levers(self, step: int) -> None:
@@ -237,6 +256,10 @@ class RollbackGuard(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         self._opt_steps += 1
+        if self._layout_changed(trainer):
+            # the parameters were replaced since the snapshot (pruning): it cannot be restored into this model, so the
+            # state before this step's update, which the change produced from a good state, is the one to go back to
+            self._take_snapshot(trainer, pl_module)
         sample = self.watch_grad_norm and (self._opt_steps - 1) % self._gn_every == 0
         norm: torch.Tensor | None = None
         if sample or self._snap_due:
@@ -334,9 +357,25 @@ class RollbackGuard(Callback):
             self._snap_due = False
 
     # -- snapshot and rollback -----------------------------------------------------------------------------------
+    @staticmethod
+    def _params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+        return [p for g in opt.param_groups for p in g["params"]]
+
+    def _layout_changed(self, trainer: pl.Trainer) -> bool:
+        """Whether the optimizers hold other parameter tensors than at the last snapshot (identity: ~1 us a step)."""
+        layout, opts = self._layout, trainer.optimizers
+        if layout is None or len(layout) != len(opts):
+            return layout is not None
+        for old, opt in zip(layout, opts, strict=True):
+            now = self._params(opt)
+            if len(now) != len(old) or not all(map(operator.is_, now, old)):
+                return True
+        return False
+
     def _take_snapshot(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         schedulers = {str(i): c.scheduler.state_dict() for i, c in enumerate(trainer.lr_scheduler_configs)}
         self.snapshot.take(trainer.global_step, pl_module, list(trainer.optimizers), {"schedulers": schedulers})
+        self._layout = [self._params(opt) for opt in trainer.optimizers]
 
     def _restore(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> int:
         extra = self.snapshot.restore(pl_module, list(trainer.optimizers))
@@ -417,6 +456,7 @@ class RollbackGuard(Callback):
         self.snapshot.release()
         self._pending.clear()
         self._grad_norm = None
+        self._layout = None  # it holds the parameters: do not keep them alive after the fit
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -351,11 +351,27 @@ def _checkpoint_options(job: dict[str, Any]) -> list[Option]:
 
 
 def _double_batch(job: dict[str, Any], batch: int) -> dict[str, Any]:
+    """Twice the per-device ``batch``, with the learning rate scaled along by ``LinearScalingLR``.
+
+    A job that already has a ``LinearScalingLR`` keeps it with its ``base_batch_size`` (the batch its learning rate
+    was tuned for): it scales by the new global batch over that base, i.e. twice what it scaled by before. Replacing
+    its base with the current global batch would scale the already scaled rate once more. A job without one gets one
+    whose base is the current global batch (its configured rate was right for that batch).
+    """
     job["data"].setdefault("init_args", {})["batch_size"] = 2 * batch
     t = job.setdefault("trainer", {})
-    cbs = [c for c in as_list(t.get("callbacks")) if not _class_path(c).endswith("LinearScalingLR")]
-    base = batch * world_of(job) * int(t.get("accumulate_grad_batches", 1) or 1)
-    cbs.append({"class_path": "lightning_accel.callbacks.LinearScalingLR", "init_args": {"base_batch_size": base}})
+    cbs = as_list(t.get("callbacks"))
+    mine = [c for c in cbs if isinstance(c, dict) and _class_path(c).endswith("LinearScalingLR")]
+    if mine:
+        for c in mine:
+            args = c.get("init_args") or {}
+            if isinstance(args.get("batch_size"), int):  # a per-device batch given to it, not read from the loader
+                args["batch_size"] = 2 * args["batch_size"]
+                c["init_args"] = args
+    else:
+        cbs = [c for c in cbs if not _class_path(c).endswith("LinearScalingLR")]  # a bare class path: no base known
+        base = batch * world_of(job) * int(t.get("accumulate_grad_batches", 1) or 1)
+        cbs.append({"class_path": "lightning_accel.callbacks.LinearScalingLR", "init_args": {"base_batch_size": base}})
     t["callbacks"] = cbs
     return job
 

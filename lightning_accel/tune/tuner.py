@@ -34,6 +34,7 @@ from typing import Any
 from lightning_accel._utils.rank import distributed_ready, global_rank, local_rank, node_rank
 from lightning_accel.tune.core import (
     DEFAULT_MARGIN,
+    LEVERS,
     Budget,
     TrialResult,
     TuneCache,
@@ -60,6 +61,11 @@ __all__ = ["GUARD_CLASS_PATH", "TuneResult", "exhaustive", "job_from_objects", "
 #: the callback ``tune`` adds to the config it writes
 GUARD_CLASS_PATH = "lightning_accel.callbacks.RollbackGuard"
 _TRIAL_VERSION = 2  # part of the fingerprint: a change of what a trial measures invalidates the cache
+#: the first line of every ``tuned.yaml`` ``tune`` writes (followed by the job's fingerprint): a file at ``--out``
+#: that does not start with it is the user's, and is not overwritten without ``force``
+HEADER = "# written by `lightning-accel tune`"
+#: the marker in the reports ``tune`` writes (a key of the JSON report, a text chunk of the PNG)
+_REPORT_MARK = "lightning-accel tune"
 
 
 @dataclass
@@ -151,15 +157,19 @@ def _env(job: dict[str, Any]) -> dict[str, Any]:
     import lightning
     import torch
 
+    import lightning_accel
+
     dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or platform.machine()
+    # no host name: the nodes of a multi-node job must compute one fingerprint, hence one cache decision and one work
+    # folder (the device model, the CPU count and the world size say what the trials measure on)
     return {
         "torch": torch.__version__,
         "lightning": lightning.__version__,
+        "lightning_accel": lightning_accel.__version__,
         "device": dev,
         "cuda": torch.cuda.is_available(),
         "cpus": os.cpu_count(),
         "world": world_of(job),
-        "host": platform.node(),
     }
 
 
@@ -169,6 +179,12 @@ def _rank_zero() -> bool:
     if distributed_ready() or "RANK" in os.environ:
         return global_rank() == 0
     return local_rank() == 0 and node_rank() == 0
+
+
+def _node_leader() -> bool:
+    """The first process of its node (local rank 0): it removes the node's trial folder and stores the cache entry on
+    the node's disk, so that a node-local cache answers the next tune of the job as rank 0's does."""
+    return local_rank() == 0
 
 
 def _say(msg: str, verbose: bool) -> None:
@@ -203,6 +219,7 @@ def tune_job(
     cache_dir: str | os.PathLike[str] | None = None,
     use_cache: bool = True,
     verbose: bool = True,
+    force: bool = False,
 ) -> TuneResult:
     """Tune ``job`` (a ``lightning-accel fit`` config mapping); see the module docstring for the loop.
 
@@ -211,19 +228,32 @@ def tune_job(
         budget: the whole tune's wall-clock limit (``"5m"``, ``"90s"`` or seconds).
         out: where ``tuned.yaml`` goes (the reports beside it); None: write nothing.
         allow_batch_change: also try twice the per-device batch with ``LinearScalingLR``.
-        margin: the fraction a lever must beat the best step time by to be kept.
+        margin: the fraction in [0, 1) a lever must beat the best step time by to be kept.
         warmup: untimed steps at the start of each trial; ``steps``: timed steps.
-        k: loss steps compared by the numerics check.
-        levers: restrict to these levers (default: all that apply).
-        skip: leave out the options whose name holds one of these words (e.g. ``["compile"]``: no torch.compile).
+        k: loss steps compared by the numerics check (>= 1).
+        levers: restrict to these levers, names from ``core.LEVERS`` (default: all that apply; one name alone is
+            taken as a list of one).
+        skip: leave out the options whose name holds one of these words (e.g. ``["compile"]``: no torch.compile; one
+            word alone is taken as a list of one).
         cache_dir: the cache (default ``$LIGHTNING_ACCEL_CACHE/tune`` or ``~/.cache/lightning_accel/tune``).
         use_cache: read the cache (results are stored either way).
         verbose: a progress line per trial on stderr (rank 0).
+        force: overwrite files at ``out`` and ``tune_report.{json,md,png}`` beside it that ``tune`` did not write.
+
+    Raises:
+        TypeError / ValueError: an argument out of its range, an unknown lever, or (without ``force``) a file at
+            ``out`` or beside it that ``tune`` did not write -- all before any trial runs.
     """
-    from lightning_accel._utils.checks import check_int
+    from lightning_accel._utils.checks import check_bool, check_int, check_number
 
     check_int("warmup", warmup, low=1)
     check_int("steps", steps, low=2)
+    check_int("k", k, low=1, fix="It is the number of loss steps the numerics check compares.")
+    margin = check_number("margin", margin, low=0, high=1, high_open=True, fix="Pass a fraction such as 0.03.")
+    force = check_bool("force", force)
+    levers, skip = _check_levers(levers, skip, allow_batch_change)
+    if out is not None and _rank_zero():  # only rank 0 writes: its view of the folder decides
+        check_outputs(out, force=force)
     start = time.monotonic()
     seconds = parse_duration(budget)
     job = copy.deepcopy(dict(job))
@@ -241,19 +271,13 @@ def tune_job(
     }
     key = fingerprint({"job": job, "settings": settings}, _env(job))
     cache = TuneCache(cache_dir or Path(os.environ.get("LIGHTNING_ACCEL_CACHE", "~/.cache/lightning_accel")) / "tune")
-    hit = cache.load(key) if use_cache else None
-    if hit is not None:
+    # rank 0's entry where the ranks can already talk (a job started by torchrun): one hit-or-miss for all of them
+    hit = agree(cache.load(key) if use_cache else None)
+    res = _from_cache(hit, key, seconds) if hit is not None else None
+    if res is not None:
         _say(f"tune: cached result for this job ({cache.path(key)})", verbose)
-        res = TuneResult(
-            hit["config"],
-            [TrialResult(**t) for t in hit["trials"]],
-            hit["chosen"],
-            key,
-            True,
-            time.monotonic() - start,
-            seconds,
-        )
-        res.paths = write_outputs(res, out) if out is not None and _rank_zero() else {}
+        res.seconds = time.monotonic() - start
+        res.paths = write_outputs(res, out, force=force) if out is not None and _rank_zero() else {}
         return res
 
     bud = Budget(seconds)
@@ -339,12 +363,13 @@ def tune_job(
             if lever_best is not None:
                 chosen[lever] = lever_best.name
     finally:
-        if _rank_zero():
+        if _node_leader():  # every node worked in its own `work` (the same path: one folder on a shared disk)
             shutil.rmtree(work, ignore_errors=True)
     res = TuneResult(with_guard(best_job), trials, chosen, key, False, time.monotonic() - start, seconds)
-    if _rank_zero():
+    if _node_leader():  # every rank holds rank 0's records (`agree`), so every node stores the same entry
         cache.store(key, {"config": res.config, "trials": [t.to_dict() for t in trials], "chosen": chosen})
-        res.paths = write_outputs(res, out) if out is not None else {}
+    if _rank_zero():
+        res.paths = write_outputs(res, out, force=force) if out is not None else {}
     _say(
         f"tune: done in {res.seconds:.0f} s of {seconds:.0f} s; kept: {', '.join(chosen.values()) or 'nothing'}",
         verbose,
@@ -371,6 +396,49 @@ def tune(
     return tune_job(job_from_objects(trainer_kwargs, model, datamodule, seed), **kwargs)
 
 
+def _check_levers(
+    levers: Sequence[str] | str | None, skip: Sequence[str] | str, allow_batch_change: bool
+) -> tuple[list[str] | None, list[str]]:
+    """``levers`` and ``skip`` as lists of names, checked: a lone string is one name (not its characters), every lever
+    is one of ``core.LEVERS``, every skip word a non-empty string (the empty word is in every option's name).
+
+    Raises:
+        TypeError: a skip word that is not a string.
+        ValueError: an unknown lever, ``batch`` without ``allow_batch_change``, an empty skip word.
+    """
+    lv = [levers] if isinstance(levers, str) else None if levers is None else list(levers)
+    sk = [skip] if isinstance(skip, str) else list(skip)
+    for name in lv or []:
+        if name not in LEVERS:
+            raise ValueError(
+                f"`levers` must name levers from {', '.join(LEVERS)}, got {name!r}. Fix the name, or leave `levers` "
+                "out to try all that apply."
+            )
+    if lv and "batch" in lv and not allow_batch_change:
+        raise ValueError(
+            "`levers` names 'batch', which is tried only with `allow_batch_change=True` (`--allow-batch-change`). "
+            "Allow it, or drop 'batch'."
+        )
+    for word in sk:
+        if not isinstance(word, str) or not word:
+            kind = TypeError if not isinstance(word, str) else ValueError
+            raise kind(f"`skip` must hold non-empty words of option names, got {word!r}. Pass e.g. ['compile'].")
+    return lv, sk
+
+
+def _from_cache(hit: Any, key: str, budget_s: float) -> TuneResult | None:
+    """The result a cache entry holds, or None when the entry is not one (another version's layout, a hand edit):
+    a cache entry that cannot be read is a miss, never an error."""
+    try:
+        trials = [TrialResult(**t) for t in hit["trials"]]
+        config, chosen = hit["config"], hit["chosen"]
+    except (TypeError, KeyError):
+        return None
+    if not trials or not isinstance(config, dict) or not isinstance(chosen, dict):
+        return None
+    return TuneResult(config, trials, chosen, key, True, 0.0, budget_s)
+
+
 def _options(lever: str, job: dict[str, Any], skip: Sequence[str]) -> list[Option]:
     return [o for o in options_for(lever, job) if not any(w in o.name for w in skip)]
 
@@ -386,20 +454,77 @@ def with_guard(job: dict[str, Any]) -> dict[str, Any]:
     return j
 
 
-def write_outputs(res: TuneResult, out: str | os.PathLike[str]) -> dict[str, str]:
-    """Write ``tuned.yaml`` at ``out`` and ``tune_report.{json,md,png}`` beside it; returns the paths."""
+def _written_by_tune(path: Path, kind: str) -> bool:
+    """Whether the existing file ``path`` (``kind``: a key of :func:`_report_paths`) is one ``tune`` wrote:
+    ``tuned.yaml`` and ``tune_report.md`` by their first line, ``tune_report.json`` by its ``written_by`` key (or, from
+    before that key, its ``fingerprint`` and ``trials``), ``tune_report.png`` by its text chunk (or, from before it,
+    being a PNG beside a JSON report of ``tune``)."""
+    try:
+        if kind == "png":
+            data = path.read_bytes()
+            if _REPORT_MARK.encode() in data:
+                return True
+            json_path = path.with_suffix(".json")
+            return data.startswith(b"\x89PNG") and json_path.is_file() and _written_by_tune(json_path, "json")
+        text = path.read_text(errors="replace")
+    except OSError:
+        return False
+    if kind == "json":
+        try:
+            data = json.loads(text)
+        except ValueError:
+            return False
+        return isinstance(data, dict) and (
+            data.get("written_by") == _REPORT_MARK or {"fingerprint", "trials"} <= data.keys()
+        )
+    return text.startswith("# tune report (job " if kind == "md" else HEADER)
+
+
+def _report_paths(out: Path) -> dict[str, Path]:
+    stem = out.parent / "tune_report"
+    return {"tuned": out, "json": Path(f"{stem}.json"), "md": Path(f"{stem}.md"), "png": Path(f"{stem}.png")}
+
+
+def check_outputs(out: str | os.PathLike[str], *, force: bool = False) -> None:
+    """Refuse to overwrite, at ``out`` or as ``tune_report.{json,md,png}`` beside it, a file ``tune`` did not write.
+
+    Raises:
+        ValueError: ``out`` is a folder, or (without ``force``) one of those files exists and is not ``tune``'s.
+    """
+    paths = _report_paths(Path(out))
+    if paths["tuned"].is_dir():
+        raise ValueError(f"`out` {os.fspath(out)!r} is a folder. Pass the path of the YAML to write, e.g. tuned.yaml.")
+    if force:
+        return
+    for name, path in paths.items():
+        if path.exists() and not _written_by_tune(path, name):
+            what = f"`out` {os.fspath(out)!r}" if name == "tuned" else f"the report {os.fspath(path)!r} beside `out`"
+            raise ValueError(
+                f"{what} is a file `lightning-accel tune` did not write (no {HEADER!r} line / report marker): "
+                "refusing to overwrite it. Pass another `--out` (`out=`) or `--force` (`force=True`) to overwrite it."
+            )
+
+
+def write_outputs(res: TuneResult, out: str | os.PathLike[str], *, force: bool = False) -> dict[str, str]:
+    """Write ``tuned.yaml`` at ``out`` and ``tune_report.{json,md,png}`` beside it; returns the paths.
+
+    Raises:
+        ValueError: (without ``force``) a file there that ``tune`` did not write (:func:`check_outputs`).
+    """
     import yaml
 
     from lightning_accel._utils.atomic import atomic_write_bytes, atomic_write_text
 
+    check_outputs(out, force=force)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     kept = ", ".join(res.chosen.values()) or "nothing"
-    head = f"# written by `lightning-accel tune` (job {res.fingerprint}); kept: {kept}\n"
+    head = f"{HEADER} (job {res.fingerprint}); kept: {kept}\n"
     atomic_write_text(out, head + yaml.safe_dump(res.config, sort_keys=False))
     paths = {"tuned": str(out)}
     stem = out.parent / "tune_report"
     summary = {
+        "written_by": _REPORT_MARK,
         "fingerprint": res.fingerprint,
         "cached": res.cached,
         "seconds": res.seconds,
@@ -475,7 +600,7 @@ def report_png(trials: Sequence[TrialResult]) -> bytes | None:
     ax.set_title("tune: one bar per trial (grey baseline, green kept, red rejected)")
     fig.tight_layout()
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
+    fig.savefig(buf, format="png", dpi=110, metadata={"Software": _REPORT_MARK})  # marks it as tune's own
     return buf.getvalue()
 
 

@@ -63,6 +63,19 @@ def test_resume_does_not_compound(tmp_path: Path) -> None:
     assert probe3.lrs and all(lr == pytest.approx(0.04) for lr in probe3.lrs)
 
 
+def test_a_later_fit_without_a_checkpoint_scales_the_fresh_rates(tmp_path: Path) -> None:
+    ckpt = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    t = trainer(callbacks=[LinearScalingLR(base_batch_size=16), ckpt], enable_checkpointing=True)
+    t.fit(_constant_model(0.01), loader(batch_size=32))
+    cb = LinearScalingLR(base_batch_size=16)
+    trainer(callbacks=[cb], max_epochs=2).fit(
+        _constant_model(0.01), loader(batch_size=32), ckpt_path=tmp_path / "last.ckpt"
+    )
+    probe = LRProbe()  # the same callback, a fresh model, no checkpoint: x2 of 0.01, not "already x2" from the last fit
+    trainer(callbacks=[cb, probe]).fit(_constant_model(0.01), loader(batch_size=32))
+    assert probe.lrs and all(lr == pytest.approx(0.02) for lr in probe.lrs)
+
+
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="`base_batch_size`"):
         LinearScalingLR(base_batch_size=0)

@@ -117,6 +117,15 @@ def test_warmup_fraction_and_bad_arguments() -> None:
         WarmupCosineLR(_opt(), total_steps=float("inf"))
 
 
+@pytest.mark.parametrize(("fraction", "total", "warm"), [(0.95, 10, 9), (0.6, 1, 0), (0.9, 5, 4), (0.5, 3, 2)])
+def test_a_warmup_fraction_is_never_the_whole_run(fraction: float, total: int, warm: int) -> None:
+    # any fraction in [0, 1) is valid: rounding it to whole steps must leave at least one step of cosine
+    assert WarmupCosineLR(_opt(), total_steps=total, warmup_fraction=fraction).warmup_steps == warm
+    unbound = WarmupCosineLR(_opt(), warmup_fraction=fraction)
+    unbound.bind(total)  # PerStepLR's path
+    assert unbound.warmup_steps == warm
+
+
 def test_unbound_schedule_must_be_bound_before_stepping() -> None:
     opt = _opt(1.0)
     sched = WarmupCosineLR(opt, warmup_fraction=0.25)

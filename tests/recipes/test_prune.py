@@ -284,6 +284,21 @@ def test_folded_importance_ranks_by_the_normalised_output() -> None:
     assert int(folded.argmax()) == 5 and int(folded.argmin()) == 2
 
 
+def test_ignore_modules_takes_one_name_as_a_string_and_refuses_names_the_model_lacks() -> None:
+    model = _resnet()
+    as_str = find_channel_groups(model, X, ignore_modules="layers.1.conv1")  # one name, not its characters
+    assert as_str[1] == find_channel_groups(model, X, ignore_modules=["layers.1.conv1"])[1]
+    assert ("layers.1.conv1", "ignored") in as_str[1]
+    before = [p.shape for p in model.parameters()]
+    with pytest.raises(
+        ValueError, match=r"`ignore_modules` names modules that SmallResNet does not have: \['layers.1.conv_1'\]"
+    ):
+        apply_structured_pruning(model, 0.5, X, ignore_modules=["layers.1.conv1", "layers.1.conv_1"])
+    assert [p.shape for p in model.parameters()] == before  # refused before anything was pruned
+    with pytest.raises(TypeError, match=r"`ignore_modules` must hold module names \(strings\), got 3 \(int\)"):
+        find_channel_groups(model, X, ignore_modules=[3])
+
+
 def test_ignore_modules_keeps_a_layer_and_the_old_spelling_still_works() -> None:
     model = _resnet()
     groups, skipped = find_channel_groups(model, X, ignore_modules=["layers.1.conv1"])

@@ -142,6 +142,16 @@ def test_ignore_modules_and_its_deprecated_spelling() -> None:
         StructuredPruning(ignore_modules=["a"], ignore=["b"])
 
 
+def test_ignore_modules_takes_one_name_and_an_unknown_name_fails_at_setup() -> None:
+    assert StructuredPruning(ignore_modules="model.stem").ignore_modules == ("model.stem",)
+    cb = StructuredPruning(0.5, ignore_modules=["model.stme"])
+    with pytest.raises(
+        ValueError, match=r"`ignore_modules` names modules that ImageClassifier does not have: \['model.stme'\]"
+    ):
+        trainer(callbacks=[cb]).fit(classifier(), loader())
+    assert cb.done == []
+
+
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="`amount` must be a number >= 0 and < 1, got 1.0"):
         StructuredPruning(amount=1.0)

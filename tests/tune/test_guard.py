@@ -126,6 +126,19 @@ def test_snapshot_before_the_first_step_resets_the_optimizer_state() -> None:
         Snapshot().restore(model, [opt])
 
 
+def test_snapshot_refuses_a_resized_model_in_one_line_and_changes_nothing() -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
+    snap = Snapshot()
+    snap.take(3, model)
+    model[0] = nn.Linear(4, 4)  # what pruning does: same tensor count, smaller tensors
+    model[1] = nn.Linear(4, 1)
+    before = [p.clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"model tensor 0 has shape \(4, 4\), its snapshot \(step 3\) \(8, 4\)") as e:
+        snap.restore(model)
+    assert "\n" not in str(e.value)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

@@ -8,10 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from lightning.pytorch import Callback
 
 from lightning_accel.callbacks import PerformanceMonitor, RollbackGuard
+from lightning_accel.recipes import LinearScalingLR, PerStepLR, StructuredPruning, WarmupCosineLR
 from tests import tiny
 
 
@@ -164,3 +166,83 @@ def test_a_snapshot_never_holds_the_update_of_a_bad_step() -> None:
     trainer = tiny.trainer(max_epochs=1, limit_train_batches=8, callbacks=[guard, NaNAt(5)])
     trainer.fit(model, tiny.loader())
     assert guard.rollbacks == 1 and guard.events[0]["restored_step"] == 4 and _finite(model)  # 5 had NaN grads
+
+
+class LRs(Callback):
+    """The first param group's learning rate at each training batch."""
+
+    def __init__(self) -> None:
+        self.lrs: list[float] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+
+class Scheduled(pl.LightningModule):
+    """A linear model whose ``WarmupCosineLR`` has no length: ``PerStepLR`` binds it at the start of the fit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.lin(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        return {"optimizer": opt, "lr_scheduler": WarmupCosineLR(opt, warmup_steps=2)}
+
+
+def test_the_first_snapshot_holds_what_callbacks_after_the_guard_set_at_train_start() -> None:
+    # the guard comes first in the list: its `on_train_start` runs before LinearScalingLR scales the rate and before
+    # PerStepLR binds the schedule; a rollback to a snapshot taken there would undo both
+    guard, probe = RollbackGuard(check_every=1, verbose=False), LRs()
+    model = tiny.classifier(lr=0.01)
+    trainer = tiny.trainer(
+        max_steps=8, max_epochs=-1, limit_train_batches=8, callbacks=[guard, LinearScalingLR(16), NaNAt(3), probe]
+    )
+    trainer.fit(model, tiny.loader(batch_size=32))  # global batch 32 over base 16: x2
+    assert guard.rollbacks == 1 and guard.events[0]["restored_step"] == 0
+    n = guard.events[0]["replayed"]  # the model's own cosine schedule, from the scaled peak, before and after it
+    assert probe.lrs[0] == pytest.approx(0.02) and probe.lrs[:n] == probe.lrs[n : 2 * n] and _finite(model)
+
+    guard, probe = RollbackGuard(check_every=1, verbose=False), LRs()
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(320, 4)), batch_size=32)
+    trainer = tiny.trainer(
+        max_steps=10, max_epochs=-1, limit_train_batches=10, callbacks=[guard, PerStepLR(), NaNAt(4), probe]
+    )
+    trainer.fit(Scheduled(), data)  # before: "WarmupCosineLR was stepped before `total_steps` was known"
+    assert guard.rollbacks == 1 and guard.events[0]["restored_step"] == 0 and trainer.global_step == 10
+    n = guard.events[0]["replayed"]
+    assert probe.lrs[:n] == probe.lrs[n : 2 * n]  # the replayed steps take the same rates
+
+
+class MLP(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+        self.example_input_array = torch.zeros(2, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+
+@pytest.mark.parametrize("guard_first", [True, False])
+@pytest.mark.parametrize(("epoch", "nan_step"), [(0, 2), (1, 4)])
+def test_a_rollback_after_pruning_restores_the_pruned_model(guard_first: bool, epoch: int, nan_step: int) -> None:
+    # 4 steps an epoch; the NaN comes in the pruning step itself (epoch 1) or two steps after it (epoch 0)
+    guard = RollbackGuard(check_every=1, verbose=False)
+    prune = StructuredPruning(0.5, schedule=epoch)
+    cbs = [guard, prune] if guard_first else [prune, guard]
+    model = MLP()
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(128, 4)), batch_size=32)
+    trainer = tiny.trainer(max_epochs=2, limit_train_batches=4, callbacks=[*cbs, NaNAt(nan_step)])
+    trainer.fit(model, data)  # before: "The size of tensor a (4) must match the size of tensor b (8)"
+    assert guard.rollbacks == 1 and guard.events[0]["restored_step"] == 4 * epoch
+    assert model.net[0].out_features == 4 and _finite(model)

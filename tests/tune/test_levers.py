@@ -102,6 +102,23 @@ def test_batch_option_doubles_the_batch_and_scales_the_learning_rate() -> None:
     ]  # the configured global batch: 16 per device x 2 devices
 
 
+def test_batch_option_keeps_the_jobs_own_linear_scaling_base() -> None:
+    # the job's rate was tuned for a global batch of 256 and scaled by 32 / 256; twice the batch must scale it by
+    # 64 / 256 -- a base of the current global batch (32) would scale the already scaled rate again
+    own = {"class_path": "lightning_accel.callbacks.LinearScalingLR", "init_args": {"base_batch_size": 256}}
+    given = {
+        "class_path": "lightning_accel.callbacks.LinearScalingLR",
+        "init_args": {"base_batch_size": 8, "batch_size": 16},
+    }
+    for cb, after in ((own, own["init_args"]), (given, {"base_batch_size": 8, "batch_size": 32})):
+        job = {**JOB, "trainer": {**JOB["trainer"], "callbacks": [cb]}}
+        (opt,) = options_for("batch", job)
+        big = opt.apply(job)
+        assert big["data"]["init_args"]["batch_size"] == 32
+        assert big["trainer"]["callbacks"] == [{"class_path": cb["class_path"], "init_args": after}]
+        assert job["trainer"]["callbacks"] == [cb]  # the job itself left alone
+
+
 def test_an_unknown_lever_is_refused() -> None:
     with pytest.raises(ValueError, match="`lever` must be one of"):
         options_for("magic", JOB)

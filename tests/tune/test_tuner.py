@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -86,3 +87,126 @@ def test_the_grid_keeps_each_rows_fastest_round_and_gives_a_twin_extra_its_rows_
     plain, fast, twin, odd = rows
     assert plain["step_s"] == 0.090 and fast["step_s"] == 0.070 and odd["step_s"] == 0.300
     assert twin["same_as"] == ["precision: bf16-mixed"] and twin["step_s"] == 0.070 and twin["runs"] == [0.080, 0.070]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (
+            {"levers": ["precison"]},
+            "`levers` must name levers from data, precision, strategy, checkpoint, batch, got 'precison'",
+        ),
+        ({"levers": ["batch"]}, "`levers` names 'batch', which is tried only with `allow_batch_change=True`"),
+        ({"skip": [""]}, "`skip` must hold non-empty words of option names, got ''"),
+        ({"margin": 3}, "`margin` must be a number >= 0 and < 1, got 3"),
+        ({"k": 0}, "`k` must be an integer >= 1, got 0"),
+    ],
+)
+def test_bad_arguments_are_refused_before_any_trial(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, kwargs: dict[str, Any], match: str
+) -> None:
+    seen, fake = _script([0.1] * 9)
+    monkeypatch.setattr(tuner, "run_trial", fake)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=match):
+        tuner.tune_job(JOB, out=None, use_cache=False, cache_dir=tmp_path, verbose=False, **kwargs)
+    assert seen == []
+
+
+def test_a_lone_string_is_one_lever_or_one_skip_word(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    seen, fake = _script([0.100, 0.200] * 4)
+    monkeypatch.setattr(tuner, "run_trial", fake)
+    monkeypatch.chdir(tmp_path)
+    res = tuner.tune_job(
+        JOB, out=None, levers="precision", skip="Fused", use_cache=False, cache_dir=tmp_path, verbose=False
+    )
+    # not the words 'F', 'u', 's', 'e', 'd' (which skip every option) nor the levers 'p', 'r', ...
+    assert [t.name for t in res.trials] == ["baseline", "precision: bf16-mixed"]
+
+
+def test_a_cache_entry_of_another_layout_is_a_miss(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    kwargs: dict[str, Any] = {"out": None, "levers": ["precision"], "skip": ["Fused"], "cache_dir": tmp_path}
+    seen, fake = _script([0.100, 0.200, 0.100] * 5)
+    monkeypatch.setattr(tuner, "run_trial", fake)
+    monkeypatch.chdir(tmp_path)
+    first = tuner.tune_job(JOB, verbose=False, **kwargs)
+    entry = tmp_path / f"{first.fingerprint}.json"
+    good = json.loads(entry.read_text())
+    newer = json.loads(json.dumps(good))
+    newer["trials"][0]["a_field_of_another_version"] = 1
+    for data in (newer, {"config": {}}, {"config": {}, "trials": "x", "chosen": {}}, []):
+        entry.write_text(json.dumps(data))
+        res = tuner.tune_job(JOB, verbose=False, **kwargs)
+        assert not res.cached and res.trials[0].name == "baseline"  # measured again
+    assert len(seen) == 5 * 3
+    assert tuner.tune_job(JOB, verbose=False, **kwargs).cached  # the entry the last tune stored
+
+
+def test_the_fingerprint_holds_the_package_version_and_no_host_name() -> None:
+    import lightning_accel
+
+    env = tuner._env(JOB)
+    assert env["lightning_accel"] == lightning_accel.__version__ and "host" not in env
+
+
+def _tool_files(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(out.parent.iterdir()) if p.is_file()}
+
+
+def test_outputs_never_overwrite_a_file_tune_did_not_write(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    _, fake = _script([0.100, 0.200, 0.100] * 6)
+    monkeypatch.setattr(tuner, "run_trial", fake)
+    out = tmp_path / "tuned.yaml"
+    kwargs: dict[str, Any] = {"levers": ["precision"], "skip": ["Fused"], "use_cache": False, "verbose": False}
+    res = tuner.tune_job(JOB, out=out, cache_dir=tmp_path / "c", **kwargs)
+    assert set(res.paths) >= {"tuned", "json", "md"}
+    assert tuner.tune_job(JOB, out=out, cache_dir=tmp_path / "c", **kwargs).paths  # tune's own files: overwritten
+    if "png" in res.paths:
+        assert b"lightning-accel tune" in Path(res.paths["png"]).read_bytes()
+    for name in ("tuned.yaml", "tune_report.md", "tune_report.json", "tune_report.png"):
+        before = _tool_files(out)
+        (tmp_path / name).write_bytes(b"the user's own file\n")
+        mine = _tool_files(out)
+        with pytest.raises(ValueError, match="did not write .* refusing to overwrite it. Pass another `--out`") as e:
+            tuner.tune_job(JOB, out=out, cache_dir=tmp_path / "c", **kwargs)
+        assert "\n" not in str(e.value) and _tool_files(out) == mine  # nothing written
+        res = tuner.tune_job(JOB, out=out, cache_dir=tmp_path / "c", force=True, **kwargs)
+        if name != "tune_report.png" or "png" in res.paths:  # the chart needs matplotlib
+            assert (tmp_path / name).read_bytes() != b"the user's own file\n"
+        assert set(_tool_files(out)) == set(before)
+
+
+def test_tune_cli_refuses_an_out_that_is_the_config(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lightning_accel.tune.cli import main
+
+    seen, fake = _script([0.1] * 9)
+    monkeypatch.setattr(tuner, "run_trial", fake)
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("# the user's job\n" + json.dumps(JOB))
+    text = cfg.read_text()
+    assert main(["--config", str(cfg), "--out", str(cfg), "--levers", "precision", "--force"]) == 2
+    assert "`--out` " in capsys.readouterr().err and cfg.read_text() == text and seen == []
+
+
+def _rank_on_its_own_host(rank: int, world: int, root: str) -> tuple[bool, list[str]]:
+    import platform
+
+    platform.node = lambda: f"node{rank}"  # type: ignore[assignment]  # as on a job of two nodes
+    _, fake = _script([0.1, 0.2, 0.1])
+    tuner.run_trial = fake  # type: ignore[assignment]
+    res = tuner.tune_job(
+        JOB, out=f"{root}/tuned.yaml", cache_dir=f"{root}/c", levers=["precision"], skip=["Fused"], verbose=False
+    )
+    return res.cached, sorted(p.name for p in Path(root).iterdir())
+
+
+def test_every_node_takes_the_same_cache_decision_and_leaves_no_work_folder(tmp_path: Path) -> None:
+    from tests.helpers import run_in_processes
+
+    first = run_in_processes(_rank_on_its_own_host, 2, (str(tmp_path),), timeout=120)
+    assert [cached for cached, _ in first] == [False, False]
+    assert not [n for n in sorted(p.name for p in tmp_path.iterdir()) if n.startswith(".tune-")]
+    again = run_in_processes(_rank_on_its_own_host, 2, (str(tmp_path),), timeout=120)
+    assert [cached for cached, _ in again] == [True, True]  # before: rank 1 measured, rank 0 returned
