@@ -187,6 +187,10 @@ class ImageClassifier(LightningModule):
     @override
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
+        if x.shape[0] == 0:
+            # every sample failed to decode (`on_decode_error="skip"`): nothing to learn, but the step still runs on
+            # every rank (DDP averages gradients each step), so return a zero loss that reaches every parameter
+            return self(x).sum() * 0.0
         loss = F.cross_entropy(self(x), y)
         self.log("train_loss", loss, prog_bar=True)
         return loss
@@ -194,6 +198,8 @@ class ImageClassifier(LightningModule):
     @override
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch
+        if x.shape[0] == 0:  # an empty batch (see training_step) has no accuracy; the metrics sync at epoch end
+            return
         logits = self(x)
         self.val_acc(logits, y)
         self.log("val_loss", F.cross_entropy(logits, y), prog_bar=True, sync_dist=True)
@@ -202,6 +208,8 @@ class ImageClassifier(LightningModule):
     @override
     def test_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch
+        if x.shape[0] == 0:
+            return
         self.test_acc(self(x), y)
         self.log("test_acc", self.test_acc)
 

@@ -70,3 +70,17 @@ def test_image_classifier_sizes_its_example_input_like_the_data() -> None:
     model = ImageClassifier(width=4)
     trainer(fast_dev_run=1).fit(model, datamodule=Sized(batch_size=8, n=16))
     assert tuple(model.example_input_array.shape) == (2, 3, 8, 8)
+
+
+def test_image_classifier_steps_through_an_empty_batch() -> None:
+    """A batch whose samples all failed to decode arrives empty: the step still reaches every parameter (DDP needs
+    every rank to step) with a zero loss, and evaluation skips it."""
+    model = ImageClassifier(num_classes=10, width=8, blocks=(1,))
+    empty = (torch.zeros(0, 3, 16, 16), torch.zeros(0, dtype=torch.long))
+    loss = model.training_step(empty, 0)
+    assert loss.item() == 0.0
+    loss.backward()
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+    model.validation_step(empty, 0)
+    model.test_step(empty, 0)
+    assert model.val_acc.update_count == 0 and model.test_acc.update_count == 0
