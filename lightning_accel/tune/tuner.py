@@ -252,8 +252,16 @@ def tune_job(
     margin = check_number("margin", margin, low=0, high=1, high_open=True, fix="Pass a fraction such as 0.03.")
     force = check_bool("force", force)
     levers, skip = _check_levers(levers, skip, allow_batch_change)
-    if out is not None and _rank_zero():  # only rank 0 writes: its view of the folder decides
-        check_outputs(out, force=force)
+    if out is not None:  # only rank 0 writes: its view of the folder decides, and every rank raises alike
+        refusal = None
+        if _rank_zero():
+            try:
+                check_outputs(out, force=force)
+            except ValueError as e:
+                refusal = str(e)
+        refusal = agree(refusal)
+        if refusal is not None:
+            raise ValueError(refusal)
     start = time.monotonic()
     seconds = parse_duration(budget)
     job = copy.deepcopy(dict(job))
