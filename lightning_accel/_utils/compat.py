@@ -257,6 +257,20 @@ def set_child_modules(module: nn.Module, children: Mapping[str, nn.Module | None
     module._modules = dict(children)
 
 
+def module_has_hooks(module: nn.Module) -> bool:
+    """Whether ``module`` has forward, forward-pre, backward or backward-pre hooks of its own (module-global hooks
+    not counted).
+
+    ``nn.Module`` has no public way to ask; a fused forward that reads a module's parameters instead of calling it
+    must know whether calling it would run hooks (``torch.nn.utils.prune``'s mask, FSDP's unsharding).
+    ``nn.Module._forward_hooks`` / ``_forward_pre_hooks`` / ``_backward_hooks`` (since torch 1.0),
+    ``_backward_pre_hooks`` (since torch 2.0).
+    """
+    return bool(
+        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
+    )
+
+
 def module_call_impl(module: nn.Module) -> Callable[..., Any]:
     """``module``'s eager ``__call__`` body (hooks + ``forward``), which ``torch.compile`` compiles in place.
 

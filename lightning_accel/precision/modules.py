@@ -170,7 +170,7 @@ def needs_eager(*modules: nn.Module | None) -> bool:
     for m in modules:
         if m is None:
             continue
-        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+        if compat.module_has_hooks(m):
             return True
         if isinstance(m, nn.Dropout) and m.training and m.p >= 1:
             return True

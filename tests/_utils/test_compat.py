@@ -78,6 +78,10 @@ PRIVATE_NAMES: list[tuple[str, Callable[[], Any], str, str]] = [
     ("GradScaler._scale", lambda: torch.amp.GradScaler("cpu"), "_scale", "grad_scaler_scale"),
     ("LRScheduler._last_lr", _scheduler, "_last_lr", "scheduler_last_lr / set_scheduler_last_lr"),
     ("nn.Module._modules", lambda: nn.Linear(1, 1), "_modules", "child_modules / set_child_modules"),
+    ("nn.Module._forward_hooks", lambda: nn.Linear(1, 1), "_forward_hooks", "module_has_hooks"),
+    ("nn.Module._forward_pre_hooks", lambda: nn.Linear(1, 1), "_forward_pre_hooks", "module_has_hooks"),
+    ("nn.Module._backward_hooks", lambda: nn.Linear(1, 1), "_backward_hooks", "module_has_hooks"),
+    ("nn.Module._backward_pre_hooks", lambda: nn.Linear(1, 1), "_backward_pre_hooks", "module_has_hooks"),
     (
         "ModelParallelStrategy._data_parallel_size",
         lambda: __import__("lightning.pytorch.strategies", fromlist=["x"]).ModelParallelStrategy(),
@@ -230,6 +234,21 @@ def test_scheduler_last_lr_round_trip() -> None:
     compat.set_scheduler_last_lr(sched, [0.5])
     assert sched.get_last_lr() == [0.5]
     assert compat.scheduler_last_lr(object()) is None
+
+
+def test_module_has_hooks_sees_each_kind() -> None:
+    lin = nn.Linear(1, 1)
+    assert not compat.module_has_hooks(lin)
+    handles = [
+        lin.register_forward_hook(lambda m, i, o: None),
+        lin.register_forward_pre_hook(lambda m, i: None),
+        lin.register_full_backward_hook(lambda m, gi, go: None),
+        lin.register_full_backward_pre_hook(lambda m, go: None),
+    ]
+    for h in handles:
+        assert compat.module_has_hooks(lin)
+        h.remove()
+    assert not compat.module_has_hooks(lin)
 
 
 def test_child_modules_keep_repeats_and_order() -> None:

@@ -65,11 +65,13 @@ def test_user_image_folder_is_refused_and_left_byte_identical(tmp_path: Path, cl
 def test_user_folder_without_rendering_is_read_not_written(tmp_path: Path) -> None:
     root = _user_tree(tmp_path / "mine", ["cat", "dog"])
     before = _hashes(root)
-    dm = DigitsCachedDataModule(str(root), digits_size=None, image_size=8, cache_dir=str(tmp_path / "c"), ram_bytes=0)
+    dm = DigitsCachedDataModule(
+        str(root), digits_size=None, image_size=8, cache_dir=str(tmp_path / "c"), ram_bytes=0, val_fraction=0.5
+    )
     dm.prepare_data()
     dm.setup("fit")
     assert dm.train_set is not None and dm.val_set is not None
-    assert len(dm.train_set.cache.listing) == 4
+    assert len(dm.train_set) == 2 and len(dm.val_set) == 2
     assert _hashes(root) == before
 
 
