@@ -213,8 +213,17 @@ class AccelCLI(LightningCLI):
         super().parse_arguments(parser, args)
         sub = self.config.get("subcommand")
         ckpt_path = self.config[sub].get("ckpt_path") if sub else None
-        if not (isinstance(ckpt_path, str) and os.path.isfile(ckpt_path)):
-            return  # "last"/"best"/a URL: resolved and read later, by the checkpoint plugin's reader
+        if not isinstance(ckpt_path, str):
+            return
+        if _is_ckpt_keyword(ckpt_path):
+            # a keyword is a keyword even when a file of that name sits in the cwd (`./last` names such a file):
+            # hidden from LightningCLI too, which would `torch.load` that file; resolved when the Trainer exists
+            if os.path.exists(ckpt_path):
+                self._hidden_ckpt_path = ckpt_path
+                self.config[sub]["ckpt_path"] = None
+            return
+        if not os.path.isfile(ckpt_path):
+            return  # a URL: resolved and read later, by the checkpoint plugin's reader
         model = compat.cli_model_config(read_ckpt_arg(ckpt_path).get("hyper_parameters", {}))
         if model is not None:
             self.config = parser.parse_object({sub: {"model": model}}, self.config)
@@ -294,6 +303,13 @@ def _default_progress_bar(config: dict[str, Any], callbacks: list[Any]) -> Any:
     return VersionRichProgressBar()
 
 
+def _is_ckpt_keyword(ckpt_path: str) -> bool:
+    """True for the ``ckpt_path`` values Lightning resolves itself: ``last``, ``best``, ``hpc``, ``registry`` and
+    ``registry:<name>`` (any case, as Lightning matches it)."""
+    low = ckpt_path.lower()
+    return ckpt_path in ("last", "best", "hpc") or low == "registry" or low.startswith("registry:")
+
+
 def read_ckpt_arg(path: str) -> dict[str, Any]:
     """The checkpoint at ``--ckpt_path``, read by the project's reader; any damage is one :class:`ConfigError`.
 
@@ -326,18 +342,61 @@ def default_loggers(root: str | None) -> list[Any]:
 
 
 def _check_config_paths(argv: list[str]) -> None:
-    """Fail early, in plain words, on ``--config`` paths that do not exist (jsonargparse's message is cryptic)."""
+    """Fail early, in plain words naming the file, on ``--config`` files that do not exist, are not valid YAML, are
+    empty or hold something else than a mapping of settings (jsonargparse's messages say ``<unicode string>`` and
+    ``Unexpected config:``, never which file).
+
+    Raises:
+        FileNotFoundError: a path that is not a file.
+        ConfigError: a file whose content cannot be a config.
+    """
     for i, a in enumerate(argv):
         path = None
         if a in ("-c", "--config") and i + 1 < len(argv):
             path = argv[i + 1]
         elif a.startswith("--config="):
             path = a.split("=", 1)[1]
-        if path is not None and not path.lstrip().startswith(("{", "[")) and not os.path.isfile(path):
+        if path is None or path.lstrip().startswith(("{", "[")):
+            continue  # none given, or an inline config string (jsonargparse reads those itself)
+        if not os.path.isfile(path):
             raise FileNotFoundError(
                 f"`--config` {path!r} does not exist (cwd: {os.getcwd()}). "
                 "Pass the path of a YAML file, e.g. `--config examples/configs/quickstart.yaml`."
             )
+        _check_config_file(path)
+
+
+def _check_config_file(path: str) -> None:
+    """Refuse a ``--config`` file that is not valid YAML, is empty or is not a mapping, naming the file."""
+    import yaml  # type: ignore[import-untyped]  # PyYAML ships no type hints
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            content = yaml.safe_load(f)
+    except UnicodeDecodeError as e:
+        raise ConfigError("", f"`--config` {path!r} is not a text file ({e.reason}). Pass a YAML file.") from e
+    except yaml.YAMLError as e:
+        # PyYAML's parts: what it was reading and where that began (an open bracket), what went wrong and where
+        parts = []
+        for part in ("context", "problem"):
+            text, mark = getattr(e, part, None), getattr(e, f"{part}_mark", None)
+            if text:
+                parts.append(f"{text} (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else text)
+        raise ConfigError(
+            "",
+            f"`--config` {path!r} is not valid YAML: {', '.join(parts) or one_line(e)}. "
+            "Fix the syntax (brackets, quotes, indentation).",
+        ) from e
+    if content is None:
+        raise ConfigError(
+            "", f"`--config` {path!r} is empty. Put settings in it (e.g. `trainer:` then `  max_epochs: 5`) or drop it."
+        )
+    if not isinstance(content, dict):
+        raise ConfigError(
+            "",
+            f"`--config` {path!r} must hold a mapping of settings (`key: value` lines), got a "
+            f"{type(content).__name__}. E.g. `trainer:` then `  max_epochs: 5`.",
+        )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -121,11 +121,13 @@ def test_help_names_every_tool(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_ckpt_path_last_says_which_file_it_resumed(
-    digits_dir: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+    digits_dir: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     run = tmp_path / "run"
     main(_fit_argv(digits_dir, run))
     capfd.readouterr()
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "last").write_text("notes\n")  # a file named like the keyword: `last` still means the checkpoint
     main(_fit_argv(digits_dir, run, "--trainer.max_epochs=2", "--ckpt_path=last"))
     err = capfd.readouterr().err
     assert f"lightning-accel: resuming from {run / 'checkpoints' / 'last.ckpt'}" in err.splitlines()
@@ -142,3 +144,29 @@ def test_optimizer_state_of_another_optimizer(
     line = _one_line_error(_fit_argv(digits_dir, run, *sgd, "--trainer.max_epochs=2", "--ckpt_path=last"), capsys)
     assert "SGD" in line and "momentum" in line and "ckpt_path" in line
     assert last.read_bytes() == before  # refused before the first step: nothing saved over it
+
+
+@pytest.mark.parametrize(
+    ("content", "words"),
+    [
+        ("trainer:\n  max_epochs: [1\n", ["not valid YAML", "line 2, column 15", "expected ',' or ']'"]),
+        ("", ["is empty"]),
+        ("# only a comment\n", ["is empty"]),
+        ("- trainer\n- model\n", ["must hold a mapping of settings", "got a list"]),
+    ],
+    ids=["syntax", "empty", "comment-only", "list"],
+)
+def test_a_config_file_that_is_no_config_names_the_file(
+    content: str, words: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "job.yaml"
+    config.write_text(content)
+    line = _one_line_error(["fit", "--config", str(config)], capsys)
+    assert f"`--config` {str(config)!r}" in line and all(w in line for w in words), line
+
+
+def test_a_value_of_the_wrong_type_in_a_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "job.yaml"
+    config.write_text('trainer:\n  max_epochs: "five"\n')
+    line = _one_line_error(["fit", "--config", str(config), "--print_config"], capsys)
+    assert line == "lightning-accel: error: trainer.max_epochs: expected int or None, got 'five'."

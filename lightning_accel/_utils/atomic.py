@@ -11,9 +11,11 @@ fsspec filesystem); :func:`atomic_write_bytes` / :func:`atomic_write_text` are i
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
+import stat
 import uuid
 from pathlib import Path
 from typing import Any
@@ -64,6 +66,37 @@ def _fsync_file(path: Path) -> None:
         os.fsync(f.fileno())
 
 
+# The longest file name most filesystems take (ext4, xfs, btrfs, APFS: 255 bytes). The temporary name adds 38 bytes
+# (`.` + `.` + 32 hex digits + `.tmp`) to the target's, so a valid 230-byte name would not fit without trimming.
+_NAME_MAX = 255
+_TMP_EXTRA = len("..") + 32 + len(".tmp")
+
+
+def _tmp_name(name: str) -> str:
+    """``.<name>.<32 hex>.tmp``, with ``name`` cut short enough for the whole to fit in :data:`_NAME_MAX` bytes.
+
+    The shape is what the clean-up of interrupted writes recognises (the checkpoint store's garbage collection,
+    the dataset renderer): keep it when changing this.
+    """
+    base = name
+    while len(os.fsencode(base)) > _NAME_MAX - _TMP_EXTRA:
+        base = base[:-1]  # by characters, so a multi-byte character is never split
+    return f".{base}.{uuid.uuid4().hex}.tmp"
+
+
+def _keep_mode(final: Path, new: Path) -> None:
+    """Give ``new`` the permission bits of the file it replaces, so an overwrite keeps e.g. a 0o600 file private
+    (a fresh file gets the umask's default, which is usually wider). Nothing to do for a new target."""
+    try:
+        st = os.stat(final)
+    except OSError:
+        return  # no file there yet (or unreadable): the new file keeps its own mode
+    if not stat.S_ISREG(st.st_mode):
+        return  # a directory or a device there: the replace itself will say what is wrong
+    with contextlib.suppress(OSError):  # e.g. a source file owned by someone else: publishing matters more
+        os.chmod(new, stat.S_IMODE(st.st_mode))
+
+
 def _publish_local(source: bytes | memoryview | str | os.PathLike[str], final: Path, durable: bool) -> None:
     final.parent.mkdir(parents=True, exist_ok=True)
     if not isinstance(source, (bytes, bytearray, memoryview)):
@@ -71,6 +104,7 @@ def _publish_local(source: bytes | memoryview | str | os.PathLike[str], final: P
         if durable:
             _fsync_file(src)
         try:
+            _keep_mode(final, src)
             os.replace(src, final)  # a finished file on the same filesystem: one rename, no copy
         except OSError as e:
             if e.errno != errno.EXDEV:
@@ -79,7 +113,7 @@ def _publish_local(source: bytes | memoryview | str | os.PathLike[str], final: P
             if durable:
                 fsync_dir(final.parent)
             return
-    tmp = final.parent / f".{final.name}.{uuid.uuid4().hex}.tmp"
+    tmp = final.parent / _tmp_name(final.name)
     try:
         if isinstance(source, (bytes, bytearray, memoryview)):
             with open(tmp, "wb") as f:
@@ -91,6 +125,7 @@ def _publish_local(source: bytes | memoryview | str | os.PathLike[str], final: P
             shutil.copyfile(source, tmp)
             if durable:
                 _fsync_file(tmp)
+        _keep_mode(final, tmp)
         os.replace(tmp, final)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -113,6 +148,8 @@ def atomic_publish_file(
 
     Local targets: ``<dir>/.<name>.<uuid>.tmp`` + write + fsync + ``os.replace`` + fsync of the directory; the
     temporary file is removed if anything fails (e.g. ``ENOSPC``), and the error is re-raised (the old file stays).
+    ``<name>`` is cut short where the temporary name would pass 255 bytes, so any valid file name can be published;
+    a file that is replaced keeps its permission bits.
     Object stores: one call under the final name (``pipe_file`` for bytes, ``put_file`` for a file: one PUT, or a
     multipart upload that S3 also makes visible only once complete); never a temporary object and a ``mv``.
 
@@ -157,7 +194,8 @@ def atomic_write_bytes(
     """Write ``data`` to ``path`` so that readers never observe a partial file (see :func:`atomic_publish_file`).
 
     Local paths: ``<dir>/.<name>.<uuid>.tmp`` + write + fsync + ``os.replace`` + fsync of the directory; the temporary
-    file is removed if anything fails (e.g. ``ENOSPC``), and the error is re-raised. Remote fsspec URLs: one ``pipe``
+    file is removed if anything fails (e.g. ``ENOSPC``), and the error is re-raised; an overwritten file keeps its
+    permission bits. Remote fsspec URLs: one ``pipe``
     call (object PUTs are atomic).
 
     Args:

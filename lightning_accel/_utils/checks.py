@@ -7,13 +7,15 @@ Contract of every ``check_*`` function:
 - the message is one line: the argument in backticks, what is accepted, the value received (and its type for a
   TypeError), then the fix when the caller gives one — ```warmup_steps` must be an integer >= 0, got -1. Use 0 to
   compress from the first step.``;
-- the checked value is returned (normalised: ``check_number`` returns a float, ``check_bytes`` an int), so a caller
-  writes ``self.steps = check_int("steps", steps, low=1)``.
+- the checked value is returned (normalised: ``check_int`` returns an int, ``check_number`` a float, ``check_bytes`` an
+  int), so a caller writes ``self.steps = check_int("steps", steps, low=1)``; numpy scalars (``np.int64(3)``, what
+  arithmetic on arrays hands back) are accepted and come back as plain Python numbers.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 import re
 import warnings
 from collections.abc import Iterable
@@ -71,15 +73,17 @@ def check_int(
     fix: str = "",
     allow_none: bool = False,
 ) -> Any:
-    """``value`` as an ``int`` in ``[low, high]`` (either bound optional); ``None`` passes when ``allow_none``."""
+    """``value`` (any integer type, e.g. ``np.int64``, never a bool) as an ``int`` in ``[low, high]`` (either bound
+    optional); ``None`` passes when ``allow_none``."""
     expected = _range("an integer", low, high, False, False) + (" or None" if allow_none else "")
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise _fail(TypeError, name, expected, value, fix)
-    if (low is not None and value < low) or (high is not None and value > high):
+    v = int(value)
+    if (low is not None and v < low) or (high is not None and v > high):
         raise _fail(ValueError, name, expected, value, fix)
-    return value
+    return v
 
 
 def check_number(
@@ -93,12 +97,12 @@ def check_number(
     fix: str = "",
     allow_none: bool = False,
 ) -> Any:
-    """``value`` (an int or a float, never a bool, never NaN) as a ``float`` within the bounds; ``low_open`` /
-    ``high_open`` exclude the bound itself (``low=0, low_open=True`` is "> 0")."""
+    """``value`` (any real number type, e.g. ``np.float32``, never a bool, never NaN) as a ``float`` within the
+    bounds; ``low_open`` / ``high_open`` exclude the bound itself (``low=0, low_open=True`` is "> 0")."""
     expected = _range("a number", low, high, low_open, high_open) + (" or None" if allow_none else "")
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise _fail(TypeError, name, expected, value, fix)
     v = float(value)
     bad = math.isnan(v)

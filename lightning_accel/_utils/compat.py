@@ -507,6 +507,7 @@ _JSONARGPARSE_NOISE = re.compile(
     r"Expected a <class '(NoneType|str|int|float|bool|dict|list)'>$|Validation failed)"
 )
 _JSONARGPARSE_KEY = re.compile(r'Parser key "([^"]+)"')
+_JSONARGPARSE_EXPECTED = re.compile(r"^Expected a <class '([^']+)'>$")
 _JSONARGPARSE_CLASS_PATH = re.compile(r"class_path='([^']+)'")
 
 
@@ -527,6 +528,8 @@ def jsonargparse_useful_line(text: str) -> tuple[str, str]:
 
     A line in backticks (this project's errors quote the argument) wins; otherwise the first line that is not
     jsonargparse's scaffolding (e.g. ``Expected a typing.Literal['int8', 'int4']``), with the rejected value appended.
+    When every line is scaffolding (a plain value no subtype of an ``Optional[int]`` took), the message is built from
+    it: ``expected int or None, got 'five'.``
     The inner key is the ``Parser key`` of the class argument above that line, when the parser named one below the
     outermost key.
     """
@@ -534,7 +537,7 @@ def jsonargparse_useful_line(text: str) -> tuple[str, str]:
     keys = [(i, m.group(1)) for i, ln in enumerate(lines) for m in [_JSONARGPARSE_KEY.search(ln)] if m]
     candidates = [i for i, ln in enumerate(lines) if ln and not _JSONARGPARSE_NOISE.match(ln)]
     if not candidates:
-        return "", " ".join(text.split())[:300]
+        return "", _expected_got(lines) or " ".join(text.split())[:300]
     ticked = [i for i in candidates if "`" in lines[i]]
     pick = ticked[0] if ticked else candidates[0]
     message = lines[pick]
@@ -545,6 +548,17 @@ def jsonargparse_useful_line(text: str) -> tuple[str, str]:
     inner = [k for i, k in keys if i < pick]
     outer = keys[0][1] if keys else ""
     return (inner[-1] if inner and inner[-1] != outer else ""), message
+
+
+def _expected_got(lines: list[str]) -> str:
+    """``expected int or None, got 'five'.`` from a Union dump's ``Expected a <class '...'>`` and ``Given value:``
+    lines, or ``""`` when it has neither."""
+    types = [m.group(1) for ln in lines for m in [_JSONARGPARSE_EXPECTED.match(ln)] if m]
+    given = next((ln.removeprefix("Given value:").strip() for ln in lines if ln.startswith("Given value:")), None)
+    if not types or given is None:
+        return ""
+    words = dict.fromkeys("None" if t == "NoneType" else t for t in types)  # in order, once each
+    return f"expected {' or '.join(words)}, got {given[:100]!r}."
 
 
 #: How Lightning's `_CheckpointConnector` starts the error for a resume whose checkpoint epoch is at `max_epochs`.

@@ -11,7 +11,8 @@
 - **Errors.** One classification (:func:`is_transient`). Permanent errors (missing key, access denied, a directory
   where a file was expected, a full or read-only disk, bad arguments) fail at once, keeping their type so callers can
   still ``except FileNotFoundError``, and name the URL. Anything else (connection resets, timeouts, throttling, 5xx)
-  is retried ``retries`` times with exponential backoff ``backoff_s * 2**attempt``, then raised as
+  is retried ``retries`` times with exponential backoff ``backoff_s * 2**attempt`` (each wait at most a day), then
+  raised as
   :class:`StorageUnavailableError` naming the URL and the attempts.
 - **Writes publish atomically** through :func:`~lightning_accel._utils.atomic.atomic_write_bytes`: readers see the
   old object or the new one, never a partial one.
@@ -53,6 +54,12 @@ _PERMANENT_ERRNOS = frozenset(
 # Built-in error types whose message is rewritten to name the URL (s3fs's say only "The specified key does not
 # exist.", with no key at all), keeping the type.
 _RENAMEABLE = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError, OSError)
+# Permanent errors of these exact types (fsspec's "Invalid bucket name", "not supported") carry no URL: re-raised as
+# the same type with the URL in front. Subclasses keep theirs: their constructors take other arguments.
+_RENAMEABLE_PLAIN = (ValueError, TypeError, NotImplementedError)
+# The longest single wait between retries: `time.sleep` overflows near 1e10 s, and no store outage worth waiting for
+# lasts longer than a day.
+_MAX_BACKOFF_S = 86_400.0
 _DEFAULT_ERRNO = {
     FileNotFoundError: errno.ENOENT,
     FileExistsError: errno.EEXIST,
@@ -89,9 +96,13 @@ def is_transient(error: BaseException) -> bool:
     return not (isinstance(error, OSError) and error.errno in _PERMANENT_ERRNOS)
 
 
-def _naming(error: Exception, url: str) -> Exception:
+def _naming(error: Exception, url: str, op: str = "access") -> Exception:
     """``error``, or an error of the same built-in type whose message names ``url`` (the original as its cause)."""
-    if type(error) not in _RENAMEABLE or url in str(error):
+    if url in str(error):
+        return error
+    if type(error) in _RENAMEABLE_PLAIN:
+        return type(error)(f"cannot {op} {url!r}: {error}")
+    if type(error) not in _RENAMEABLE:
         return error
     assert isinstance(error, OSError)
     code = error.errno or _DEFAULT_ERRNO.get(type(error), errno.EIO)
@@ -121,11 +132,12 @@ class FileStore:
         storage_options: fsspec options for remote URLs (endpoint, credentials), e.g.
             ``{"key": ..., "secret": ..., "client_kwargs": {"endpoint_url": ...}}`` for S3.
         retries: retries of a transient error before :class:`StorageUnavailableError` is raised.
-        backoff_s: the first backoff; it doubles with each retry.
+        backoff_s: the first backoff in seconds (at most a day); it doubles with each retry, each wait capped at a
+            day.
 
     Raises:
         TypeError: ``storage_options`` is not a mapping, ``retries`` not an int or ``backoff_s`` not a number.
-        ValueError: ``retries`` or ``backoff_s`` is negative.
+        ValueError: ``retries`` or ``backoff_s`` is negative, or ``backoff_s`` is above a day (or infinite).
     """
 
     def __init__(
@@ -138,7 +150,7 @@ class FileStore:
             )
         self.retries: int = check_int("retries", retries, low=0, fix="Use 0 to fail on the first transient error.")
         self.backoff_s: float = check_number(
-            "backoff_s", backoff_s, low=0, fix="It is the first retry's wait in seconds."
+            "backoff_s", backoff_s, low=0, high=_MAX_BACKOFF_S, fix="It is the first retry's wait in seconds."
         )
         self.storage_options: dict[str, Any] = dict(storage_options or {})
         self._filesystems: PerProcess[dict[str, Any]] = PerProcess(dict)  # protocol -> this process's filesystem
@@ -202,7 +214,7 @@ class FileStore:
                 return fn()
             except Exception as e:
                 if not is_transient(e):
-                    named = _naming(e, url)
+                    named = _naming(e, url, op)
                     if named is e:
                         raise
                     raise named from e
@@ -213,7 +225,8 @@ class FileStore:
                         url=url,
                         attempts=attempt + 1,
                     ) from e
-                time.sleep(self.backoff_s * (2**attempt))
+                # the exponent is bounded so that `2**attempt` stays a float (inf at worst), never an int overflow
+                time.sleep(min(self.backoff_s * 2.0 ** min(attempt, 64), _MAX_BACKOFF_S))
                 attempt += 1
                 if on_retry is not None:
                     on_retry(e)

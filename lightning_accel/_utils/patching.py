@@ -11,6 +11,10 @@ the wrapper, and an upgrade that renames the method passes silently. Here:
 - :meth:`Patch.restore` puts back exactly what was there: an instance attribute is reinstated, a method that came
   from the class is removed again from the instance ``__dict__`` (so the class's method shows through); restoring
   twice is a no-op;
+- patches on one attribute stack (the newer wraps the older) and may be restored in any order: restoring one that
+  another patch has wrapped since leaves the attribute alone and splices it out of the chain instead (the patch above
+  now delegates to, and will restore, what was there before it), so a replacement that calls ``p.original`` when it
+  runs skips the restored patch at once;
 - :func:`restore_all` undoes every patch on an object (teardown paths).
 
 Swapping an instance's class (module surgery) goes through :func:`swap_class`, which is reversible the same way.
@@ -35,7 +39,7 @@ _ACTIVE: dict[tuple[int, str], Patch] = {}
 class Patch:
     """One installed replacement of ``obj.<name>``; :meth:`restore` undoes it."""
 
-    __slots__ = ("_obj", "installed", "key", "name", "original", "_own")
+    __slots__ = ("_obj", "installed", "key", "name", "original", "_own", "_value")
 
     def __init__(self, obj: Any, name: str, key: str, original: Any, own: Any) -> None:
         self._obj = obj
@@ -44,21 +48,42 @@ class Patch:
         #: what ``getattr(obj, name)`` returned before the patch (the bound original method) — call this to delegate.
         self.original = original
         self._own = own  # the instance-``__dict__`` value before the patch, or _MISSING when it came from the class
+        self._value: Any = _MISSING  # what the patch installed (set by `patch`)
         self.installed = True
 
     def restore(self) -> None:
-        """Put the original back (idempotent)."""
+        """Put the original back (idempotent).
+
+        When a newer live patch on the same attribute wraps this one, the attribute is left alone (it holds the newer
+        patch) and the newer patch is rewired instead: its ``original`` becomes this patch's ``original`` and it will
+        put back what was there before this patch. Restoring the patches of one attribute in any order therefore ends
+        with the attribute as it was before the first.
+        """
         if not self.installed:
             return
         self.installed = False
         obj = self._obj
-        if self._own is _MISSING:
+        above = self._wrapper()
+        if above is not None:
+            above.original = self.original
+            above._own = self._own
+        elif self._own is _MISSING:
             with contextlib.suppress(AttributeError):
                 delattr(obj, self.name)
         else:
             setattr(obj, self.name, self._own)
         if _ACTIVE.get((id(obj), self.key)) is self:
             del _ACTIVE[(id(obj), self.key)]
+
+    def _wrapper(self) -> Patch | None:
+        """The live patch installed on the same attribute on top of this one, when this one is not the top."""
+        if getattr(self._obj, self.name, _MISSING) is self._value:
+            return None  # this patch is what the attribute holds: the top of the stack
+        for p in _ACTIVE.values():
+            same_attribute = p is not self and p.installed and p._obj is self._obj and p.name == self.name
+            if same_attribute and (p.original is self._value or p._own is self._value):
+                return p
+        return None  # replaced by hand since: put the original back, as before any stacking
 
     def __repr__(self) -> str:
         state = "installed" if self.installed else "restored"
@@ -97,7 +122,8 @@ def patch(obj: Any, name: str, replacement: Callable[[Patch], Any], *, key: str 
     original = getattr(obj, name)
     own = vars(obj).get(name, _MISSING) if hasattr(obj, "__dict__") else _MISSING
     p = Patch(obj, name, key, original, own)
-    setattr(obj, name, replacement(p))
+    p._value = replacement(p)
+    setattr(obj, name, p._value)
     _ACTIVE[(id(obj), key)] = p
     return p
 

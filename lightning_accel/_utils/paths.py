@@ -10,7 +10,8 @@ __all__ = ["safe_join"]
 def safe_join(root: str, key: str) -> str:
     """Join ``key`` under ``root`` (a path or URL), refusing keys that would escape it.
 
-    Rejects absolute keys, ``..`` components, backslashes, NUL bytes and URL schemes inside the key.
+    Rejects absolute keys, ``..`` components, backslashes, NUL bytes and URL schemes inside the key. A root that is
+    the top of its tree (``/``, ``file:///``, ``s3://``) keeps its own slashes: ``safe_join("/", "a")`` is ``/a``.
 
     Raises:
         ValueError: naming the key and the root.
@@ -29,4 +30,11 @@ def safe_join(root: str, key: str) -> str:
             f"Key {key!r} would escape or is not a plain relative path under {root!r}. "
             "Use a relative POSIX path without `..`, `.`, a leading `/`, a scheme or backslashes."
         )
-    return posixpath.join(root.rstrip("/"), key) if root else key
+    if not root:
+        return key
+    trimmed = root.rstrip("/")
+    if not trimmed:
+        return "/" + key  # the filesystem root: stripping its slash would make the result relative
+    if trimmed.endswith(":"):
+        return root + key  # only slashes after a scheme (`file:///`, `s3://`): they are the anchor, keep them
+    return posixpath.join(trimmed, key)

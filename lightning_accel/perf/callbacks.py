@@ -9,7 +9,6 @@ import functools
 import logging
 import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -20,9 +19,10 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_accel._utils import compat
-from lightning_accel._utils.atomic import atomic_write_bytes, atomic_write_text
-from lightning_accel._utils.checks import check_int, check_number
+from lightning_accel._utils.atomic import atomic_write_bytes, atomic_write_text, is_local_url, strip_file_scheme
+from lightning_accel._utils.checks import check_bool, check_int, check_number
 from lightning_accel._utils.patching import Patch, patch
+from lightning_accel._utils.paths import safe_join
 from lightning_accel._utils.rank import global_rank
 from lightning_accel.perf.cuda_memory import (
     AllocatorSettings,
@@ -88,7 +88,9 @@ class PerformanceMonitor(Callback):
         samples_fn: ``batch -> number of samples`` (None: Lightning's batch-size extraction).
         tokens_fn: ``batch -> number of tokens`` for tokens/s (None: not reported).
         nvml: sample GPU utilisation and memory through NVML when available.
-        report_path: where to write the JSON report (None: ``<log_dir>/perf_report.json``; ``""``: do not write).
+        report_path: where to write the JSON report, a local path or an fsspec URL such as ``s3://bucket/run.json``
+            (None: ``<log_dir>/perf_report.json``; ``""``: do not write); the PNG goes beside it with the suffix
+            ``.png``. Checked here: a file name, never an existing directory.
         verbose: print the report on rank 0.
         clock: override the segment clock (tests inject a fake one).
         span_clock: override the clock for validation/checkpoint spans (tests).
@@ -110,8 +112,12 @@ class PerformanceMonitor(Callback):
         span_clock: Clock | None = None,
     ) -> None:
         super().__init__()
-        check_int("log_every_n_steps", log_every_n_steps, low=1, allow_none=True)
-        check_int(
+        # checked before the fit, so that a typo fails in seconds instead of after the whole run
+        count_flops = check_bool("count_flops", count_flops)
+        nvml = check_bool("nvml", nvml)
+        verbose = check_bool("verbose", verbose)
+        log_every_n_steps = check_int("log_every_n_steps", log_every_n_steps, low=1, allow_none=True)
+        skip_steps = check_int(
             "skip_steps",
             skip_steps,
             low=1 if count_flops else 0,
@@ -120,7 +126,11 @@ class PerformanceMonitor(Callback):
             if count_flops
             else "",
         )
-        check_number("peak_flops", peak_flops, low=0, low_open=True, allow_none=True, fix="Pass the device's FLOP/s.")
+        peak_flops = check_number(
+            "peak_flops", peak_flops, low=0, low_open=True, allow_none=True, fix="Pass the device's FLOP/s."
+        )
+        _check_callable("samples_fn", samples_fn, "a function `batch -> number of samples`")
+        _check_callable("tokens_fn", tokens_fn, "a function `batch -> number of tokens`")
         self.log_every_n_steps = log_every_n_steps
         self.skip_steps = skip_steps
         self.count_flops = count_flops
@@ -128,7 +138,7 @@ class PerformanceMonitor(Callback):
         self.samples_fn = samples_fn
         self.tokens_fn = tokens_fn
         self.nvml = nvml
-        self.report_path = report_path
+        self.report_path = _check_report_path(report_path)
         self.verbose = verbose
         self._clock = clock
         self._span_clock = span_clock
@@ -178,16 +188,16 @@ class PerformanceMonitor(Callback):
             return
 
         def timed(p: Patch) -> Callable[..., Any]:
-            orig = p.original
-
-            @functools.wraps(orig)
+            # `p.original` is read at each call, not captured: if another patch below this one is restored first,
+            # the chain is rewired through `p.original` and this wrapper must follow it
+            @functools.wraps(p.original)
             def timed_save(*args: Any, **kwargs: Any) -> Any:
                 timer = self.timer
                 if timer is None:
-                    return orig(*args, **kwargs)
+                    return p.original(*args, **kwargs)
                 timer.begin("checkpoint")
                 try:
-                    return orig(*args, **kwargs)
+                    return p.original(*args, **kwargs)
                 finally:
                     timer.end("checkpoint")
 
@@ -407,7 +417,8 @@ class PerformanceMonitor(Callback):
             return None
         if self.report_path is not None:
             return self.report_path
-        return os.fspath(Path(self._log_dir) / "perf_report.json") if self._log_dir else None
+        # string joins, never pathlib: `Path("s3://b/logs")` collapses the scheme to a local folder named `s3:`
+        return safe_join(os.fspath(self._log_dir), "perf_report.json") if self._log_dir else None
 
     @staticmethod
     def _write_png(json_path: str, epochs: list[dict[str, float]]) -> str | None:
@@ -417,7 +428,7 @@ class PerformanceMonitor(Callback):
         if not plot_available():
             rank_zero_info("PerformanceMonitor: no perf_report.png (needs matplotlib: `pip install matplotlib`).")
             return None
-        png = os.fspath(Path(json_path).with_suffix(".png"))
+        png = _with_suffix(json_path, ".png")
         atomic_write_bytes(png, epoch_breakdown_png(epochs))
         return png
 
@@ -477,6 +488,39 @@ class PerformanceMonitor(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         flops = state_dict.get("flops_per_step")
         self._flops.flops = int(flops) if flops is not None else None
+
+
+def _check_callable(name: str, value: Any, expected: str) -> None:
+    if value is not None and not callable(value):
+        raise TypeError(f"`{name}` must be {expected} or None, got {value!r} ({type(value).__name__}).")
+
+
+def _check_report_path(value: Any) -> str | None:
+    """``report_path`` as a string: None, ``""``, a local file path or an fsspec URL, never an existing directory."""
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(
+            f'`report_path` must be a file path or URL (a string), None or "", got {value!r} ({type(value).__name__}). '
+            "E.g. `report_path='runs/perf_report.json'`."
+        )
+    path = os.fspath(value)
+    if path and is_local_url(path) and os.path.isdir(strip_file_scheme(path)):
+        raise ValueError(
+            f"`report_path` must be a file path, got {path!r}, an existing directory. "
+            f"Name the file, e.g. {safe_join(path, 'perf_report.json')!r}."
+        )
+    return str(path)
+
+
+def _with_suffix(path: str, suffix: str) -> str:
+    """``path`` with the extension of its last component replaced by ``suffix`` (added when it has none).
+
+    String operations on purpose: ``Path("s3://b/r.json")`` would collapse the URL to ``s3:/b/r.json``.
+    """
+    head, sep, name = path.rpartition("/")
+    stem, dot, _ = name.rpartition(".")
+    return f"{head}{sep}{stem if dot and stem else name}{suffix}"
 
 
 def _table_peak(trainer: pl.Trainer) -> float | None:
@@ -554,10 +598,10 @@ class CudaMemoryManager(Callback):
         garbage_collection_threshold: reclaim cached blocks above this fraction of device memory.
         log_every_n_steps: logging window (None: the trainer's ``log_every_n_steps``).
         release_threshold: fragmentation above which cached blocks are released (None: never).
-        release_min_reserved_gb: only release when at least this much is reserved.
+        release_min_reserved_gb: only release when at least this much is reserved (>= 0).
         snapshot_dir: where OOM snapshots go (None: the trainer's ``log_dir`` or ``default_root_dir``).
         record_history: record allocation stack traces for richer snapshots.
-        max_history_entries: ring-buffer size of the history when ``record_history``.
+        max_history_entries: ring-buffer size of the history when ``record_history`` (>= 1).
     """
 
     def __init__(
@@ -574,8 +618,8 @@ class CudaMemoryManager(Callback):
         max_history_entries: int = 100_000,
     ) -> None:
         super().__init__()
-        check_int("log_every_n_steps", log_every_n_steps, low=1, allow_none=True)
-        check_number(
+        log_every_n_steps = check_int("log_every_n_steps", log_every_n_steps, low=1, allow_none=True)
+        release_threshold = check_number(
             "release_threshold",
             release_threshold,
             low=0,
@@ -585,11 +629,23 @@ class CudaMemoryManager(Callback):
             allow_none=True,
             fix="E.g. 0.5 (a fragmentation fraction).",
         )
+        release_min_reserved_gb = check_number(
+            "release_min_reserved_gb", release_min_reserved_gb, low=0, fix="Use 0 to release at any pool size."
+        )
+        record_history = check_bool("record_history", record_history)
+        max_history_entries = check_int(
+            "max_history_entries", max_history_entries, low=1, fix="E.g. 100000 (allocations kept in the history)."
+        )
+        if snapshot_dir is not None and not isinstance(snapshot_dir, (str, os.PathLike)):
+            raise TypeError(
+                f"`snapshot_dir` must be a directory path or URL (a string) or None, got {snapshot_dir!r} "
+                f"({type(snapshot_dir).__name__})."
+            )
         self.settings = AllocatorSettings(expandable_segments, max_split_size_mb, garbage_collection_threshold)
         self.log_every_n_steps = log_every_n_steps
         self.release_threshold = release_threshold
         self.release_min_reserved_bytes = int(release_min_reserved_gb * (1 << 30))
-        self.snapshot_dir = snapshot_dir
+        self.snapshot_dir = os.fspath(snapshot_dir) if snapshot_dir is not None else None
         self.record_history = record_history
         self.max_history_entries = max_history_entries
         self.applied: AppliedSettings | None = None
@@ -671,7 +727,9 @@ class CudaMemoryManager(Callback):
         if not self._active or not _is_oom(exception):
             return
         root = self._snapshot_root or self.snapshot_dir or os.getcwd()
-        path = Path(root) / f"oom_snapshot_rank{global_rank()}.pickle"
+        path = safe_join(
+            os.fspath(root), f"oom_snapshot_rank{global_rank()}.pickle"
+        )  # a string join: root may be a URL
         try:
             self.snapshot_path = dump_memory_snapshot(path)
         except Exception as e:  # never mask the OOM itself

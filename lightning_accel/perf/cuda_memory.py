@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_accel._utils.checks import check_int, check_number
+from lightning_accel._utils.checks import check_bool, check_int, check_number
 from lightning_accel._utils.errors import one_line
 
 __all__ = [
@@ -58,6 +58,9 @@ class AllocatorSettings:
     garbage_collection_threshold: float | None = 0.8
 
     def __post_init__(self) -> None:
+        if self.expandable_segments is not None:
+            # a YAML `"false"` is a non-empty string, which `as_dict` would read as True: refuse it here
+            check_bool("expandable_segments", self.expandable_segments, fix="Use True, False or None (leave as is).")
         check_int(
             "max_split_size_mb",
             self.max_split_size_mb,

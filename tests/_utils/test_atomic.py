@@ -40,6 +40,51 @@ def test_failed_write_keeps_old_file_and_cleans_tmp(tmp_path: Path, monkeypatch:
     assert [x.name for x in tmp_path.iterdir()] == ["f.bin"]
 
 
+@pytest.mark.parametrize("name", ["n" * 230, "é" * 127, "x" * 255])
+def test_long_valid_file_names_are_written_atomically(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    import re
+
+    from lightning_accel.checkpoint.store import _TMP_RE  # the clean-up must still recognise the temporary file
+
+    p = tmp_path / name
+    p.write_bytes(b"old")
+    seen: list[str] = []
+    real_replace = os.replace
+
+    def replace(src: Any, dst: Any) -> None:
+        seen.append(Path(src).name)
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    atomic_write_bytes(p, b"new")
+    assert p.read_bytes() == b"new"
+    assert [x.name for x in tmp_path.iterdir()] == [name]
+    assert len(os.fsencode(seen[0])) <= 255 and _TMP_RE.match(seen[0])
+    assert re.fullmatch(r"\.(.+)\.[0-9a-f]{32}\.tmp", seen[0]).group(1) == name[: len(seen[0]) - 38]  # type: ignore[union-attr]
+
+
+def test_overwrite_keeps_the_permission_bits(tmp_path: Path) -> None:
+    from lightning_accel._utils.atomic import atomic_publish_file
+
+    secret = tmp_path / "secret.json"
+    secret.write_text("{}")
+    secret.chmod(0o600)
+    atomic_write_bytes(secret, b'{"a": 1}')
+    assert secret.stat().st_mode & 0o777 == 0o600
+    done = tmp_path / "finished.json"
+    done.write_text("{}")
+    done.chmod(0o644)
+    atomic_publish_file(done, secret)  # a finished file renamed into place takes the old file's bits too
+    assert secret.stat().st_mode & 0o777 == 0o600
+    fresh = tmp_path / "fresh.json"
+    atomic_write_bytes(fresh, b"{}")  # a new file: the umask's default, as open() gives
+    umask = os.umask(0)
+    os.umask(umask)
+    assert fresh.stat().st_mode & 0o777 == 0o666 & ~umask
+
+
 def test_atomic_write_s3(s3_bucket: tuple[str, dict]) -> None:
     import fsspec
 

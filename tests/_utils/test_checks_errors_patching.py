@@ -59,6 +59,21 @@ def test_checks_return_the_normalised_value():
     assert check_bytes("r", None, allow_none=True) is None
 
 
+def test_checks_accept_numpy_scalars_and_return_python_numbers():
+    np = pytest.importorskip("numpy")
+    n = check_int("n", np.int64(3), low=1)
+    assert n == 3 and type(n) is int
+    x = check_number("x", np.float32(0.5), low=0)
+    assert x == 0.5 and type(x) is float
+    assert type(check_number("x", np.int64(2))) is float
+    with pytest.raises(ValueError, match="`n` must be an integer >= 1, got np.int64\\(0\\)"):
+        check_int("n", np.int64(0), low=1)
+    with pytest.raises(TypeError, match="`n` must be an integer, got np.float64\\(1.0\\) \\(float64\\)"):
+        check_int("n", np.float64(1.0))
+    with pytest.raises(TypeError, match="got np.True_ \\(bool\\)|got True \\(bool_\\)"):
+        check_number("x", np.bool_(True))
+
+
 def test_one_line_joins_lines_names_unexpected_types_and_keeps_the_first_line_on_request():
     assert one_line(ValueError("a\n  b")) == "a b"
     assert one_line(OSError("disk\nfull"), expected=(ValueError,)) == "OSError: disk full"
@@ -103,6 +118,33 @@ def test_patch_restores_an_instance_attribute_and_restore_all_undoes_every_patch
     patch(t, "step", lambda p: lambda x: 0, key="second")  # a second key stacks on top; restore_all undoes both
     assert t.step(3) == 0
     restore_all(t)
+    assert t.step is own
+
+
+@pytest.mark.parametrize("order", ["oldest_first", "newest_first"])
+def test_patches_on_one_attribute_restore_in_any_order(order: str):
+    t = _Thing()
+    a = patch(t, "step", lambda p: lambda x: p.original(x) * 10, key="a")
+    b = patch(t, "step", lambda p: lambda x: p.original(x) + 100, key="b")
+    assert t.step(1) == 120
+    first, second = (a, b) if order == "oldest_first" else (b, a)
+    first.restore()
+    assert t.step(1) == (102 if order == "oldest_first" else 20)  # only the live patch still applies
+    second.restore()
+    assert t.step(1) == 2
+    assert "step" not in vars(t)  # the class method shows through again
+    assert active_patch(t, "a") is None and active_patch(t, "b") is None
+
+
+def test_an_out_of_order_restore_puts_back_an_instance_attribute():
+    t = _Thing()
+    own = lambda x: x - 1  # noqa: E731
+    t.step = own  # type: ignore[method-assign]
+    a = patch(t, "step", lambda p: lambda x: p.original(x) * 2, key="a")
+    b = patch(t, "step", lambda p: lambda x: p.original(x) * 3, key="b")
+    a.restore()
+    assert t.step(5) == 12
+    b.restore()
     assert t.step is own
 
 

@@ -372,6 +372,7 @@ def _jsonargparse_error(args: list[str], *, instantiate: bool = False) -> BaseEx
     parser = ArgumentParser(exit_on_error=False)
     parser.add_argument("--trainer.max_epochs", type=int)
     parser.add_argument("--mode", type=Literal["int8", "int4"])
+    parser.add_argument("--trainer.max_steps", type=Optional[int])  # noqa: UP045
     parser.add_argument("--cbs", type=Optional[list[Union[_Refuses, _Other]]])  # noqa: UP007, UP045
     try:
         cfg = parser.parse_args(args)
@@ -389,6 +390,9 @@ def test_jsonargparse_error_readers_on_real_parse_errors():
     e = _jsonargparse_error(["--mode=int2"])
     assert compat.jsonargparse_error_key(str(e)) == "mode"
     assert "Literal['int8', 'int4']" in compat.jsonargparse_useful_line(str(e))[1]
+    e = _jsonargparse_error(["--trainer.max_steps=five"])  # every line of the Union dump is scaffolding
+    assert compat.jsonargparse_error_key(str(e)) == "trainer.max_steps"
+    assert compat.jsonargparse_useful_line(str(e)) == ("", "expected int or None, got 'five'.")
 
 
 def test_jsonargparse_error_readers_on_a_class_that_refuses_its_arguments():

@@ -153,6 +153,33 @@ def test_bad_arguments_are_refused() -> None:
         FileStore(retries=-1)
     with pytest.raises(ValueError, match="`backoff_s`"):
         FileStore(backoff_s=-0.1)
+    with pytest.raises(ValueError, match="`backoff_s` must be a number >= 0 and <= 86400, got inf"):
+        FileStore(backoff_s=float("inf"))
+
+
+def test_many_retries_wait_at_most_a_day_each(monkeypatch: pytest.MonkeyPatch) -> None:
+    sleeps: list[float] = []
+    monkeypatch.setattr(time, "sleep", sleeps.append)
+    store = FileStore(retries=80, backoff_s=3600.0)
+
+    def reset() -> bytes:
+        raise ConnectionResetError("reset")
+
+    with pytest.raises(StorageUnavailableError, match="after 81 attempts"):  # never an OverflowError from the wait
+        store.call("read", "s3://b/k", reset)
+    assert sleeps[:2] == [3600.0, 7200.0] and max(sleeps) == 86_400.0 and len(sleeps) == 80
+
+
+@pytest.mark.parametrize(
+    "error", [ValueError("Invalid bucket name"), NotImplementedError("not supported"), TypeError("x")]
+)
+def test_permanent_errors_of_any_kind_name_the_url(error: Exception) -> None:
+    def op() -> bytes:
+        raise error
+
+    with pytest.raises(type(error), match=r"cannot read 'memory://bucket/key': ") as info:
+        FileStore(retries=0).call("read", "memory://bucket/key", op)
+    assert type(info.value) is type(error) and info.value.__cause__ is error
 
 
 def test_pickles_without_its_filesystems(s3_bucket: tuple[str, dict[str, Any]]) -> None:

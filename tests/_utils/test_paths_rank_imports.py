@@ -19,6 +19,15 @@ def test_safe_join_accepts_plain_keys(key: str) -> None:
     assert safe_join("/tmp/r", key) == f"/tmp/r/{key}"
 
 
+@pytest.mark.parametrize(
+    ("root", "joined"),
+    [("/", "/a/b"), ("file:///", "file:///a/b"), ("s3://", "s3://a/b"), ("/data/", "/data/a/b"), ("", "a/b")],
+)
+def test_safe_join_keeps_the_root_anchor(root: str, joined: str) -> None:
+    # the top of a tree stays absolute: stripping its slash would turn `/` + key into a relative path
+    assert safe_join(root, "a/b") == joined
+
+
 @pytest.mark.parametrize("key", ["../x", "a/../../x", "/etc/passwd", "a\\b", "s3://other/k", "a/./b", "", "a\x00b"])
 def test_safe_join_refuses_escapes(key: str) -> None:
     with pytest.raises(ValueError, match="key|Key"):

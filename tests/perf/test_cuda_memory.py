@@ -30,6 +30,11 @@ def test_settings_string_and_validation() -> None:
         AllocatorSettings(max_split_size_mb=4)
     with pytest.raises(ValueError, match="`garbage_collection_threshold`"):
         AllocatorSettings(garbage_collection_threshold=1.5)
+    # a string from YAML is truthy: it must be refused, never read as "on"
+    with pytest.raises(TypeError, match="`expandable_segments` must be True or False, got 'false'"):
+        AllocatorSettings(expandable_segments="false")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="`expandable_segments` must be True or False, got 0"):
+        AllocatorSettings(expandable_segments=0)  # type: ignore[arg-type]
 
 
 def test_parse_and_merge() -> None:

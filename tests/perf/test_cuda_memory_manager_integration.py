@@ -127,6 +127,34 @@ def test_bad_arguments() -> None:
         CudaMemoryManager(max_split_size_mb=True)
     with pytest.raises(ValueError, match="`log_every_n_steps`"):
         CudaMemoryManager(log_every_n_steps=0)
+    with pytest.raises(ValueError, match="`release_min_reserved_gb` must be a number >= 0, got -5"):
+        CudaMemoryManager(release_min_reserved_gb=-5)
+    with pytest.raises(TypeError, match="`release_min_reserved_gb` must be a number >= 0, got None"):
+        CudaMemoryManager(release_min_reserved_gb=None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="`max_history_entries` must be an integer >= 1, got -1"):
+        CudaMemoryManager(max_history_entries=-1)
+    with pytest.raises(TypeError, match="`record_history` must be True or False, got 'yes'"):
+        CudaMemoryManager(record_history="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="`expandable_segments` must be True or False, got 'false' \\(str\\)"):
+        CudaMemoryManager(expandable_segments="false")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="`snapshot_dir` must be a directory path"):
+        CudaMemoryManager(snapshot_dir=5)  # type: ignore[arg-type]
+
+
+def test_oom_snapshot_goes_to_a_remote_log_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fsspec = pytest.importorskip("fsspec")
+    monkeypatch.chdir(tmp_path)  # a URL turned into a local path would land in here, in a folder named `memory:`
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    mm = CudaMemoryManager(snapshot_dir=f"memory://oom-{tmp_path.name}/logs")
+    mm._active = True  # as `setup` leaves it on a CUDA device
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda *a, **k: {"segments": []})
+    try:
+        mm.on_exception(fake_trainer(tmp_path, ListLogger()), None, torch.OutOfMemoryError("CUDA out of memory"))  # type: ignore[arg-type]
+        assert mm.snapshot_path == f"memory://oom-{tmp_path.name}/logs/oom_snapshot_rank0.pickle"
+        assert fsspec.filesystem("memory").exists(f"/oom-{tmp_path.name}/logs/oom_snapshot_rank0.pickle")
+        assert list(tmp_path.iterdir()) == []
+    finally:
+        fsspec.filesystem("memory").rm(f"/oom-{tmp_path.name}", recursive=True)
 
 
 class Hog(TimedModule):

@@ -130,6 +130,65 @@ def test_bad_arguments() -> None:
         PerformanceMonitor(peak_flops=-1.0)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"count_flops": "false"}, TypeError, "`count_flops` must be True or False, got 'false' \\(str\\)"),
+        ({"verbose": "no"}, TypeError, "`verbose` must be True or False"),
+        ({"nvml": 0}, TypeError, "`nvml` must be True or False, got 0"),
+        ({"samples_fn": 5}, TypeError, "`samples_fn` must be a function `batch -> number of samples` or None, got 5"),
+        ({"tokens_fn": "len"}, TypeError, "`tokens_fn` must be a function"),
+        ({"report_path": 123}, TypeError, "`report_path` must be a file path or URL \\(a string\\).*got 123 \\(int\\)"),
+    ],
+)
+def test_bad_arguments_fail_before_the_fit(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        PerformanceMonitor(**kwargs)
+
+
+def test_report_path_that_is_a_directory_fails_in_init(tmp_path: Path) -> None:
+    with pytest.raises(
+        ValueError, match="`report_path` must be a file path, got .*an existing directory. Name the file"
+    ):
+        PerformanceMonitor(report_path=str(tmp_path))
+    assert PerformanceMonitor(report_path=tmp_path / "r.json").report_path == str(tmp_path / "r.json")
+
+
+def test_report_and_picture_go_to_a_remote_log_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fsspec = pytest.importorskip("fsspec")
+    pytest.importorskip("matplotlib")
+    monkeypatch.chdir(tmp_path)  # a URL turned into a local path would land in here, in a folder named `memory:`
+    mem = fsspec.filesystem("memory")
+    root = f"/perf-{tmp_path.name}"
+    try:
+        trainer = pl.Trainer(
+            accelerator="cpu", max_steps=4, logger=CSVLogger(f"memory://{root}", name="logs"),
+            callbacks=[PerformanceMonitor(skip_steps=1, count_flops=False, verbose=False)], enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        )  # fmt: skip
+        train, _ = loaders(None, 0.0)
+        trainer.fit(TimedModule(), train)
+        written = {p.rsplit("/", 1)[-1] for p in mem.find(root)}
+        assert {"perf_report.json", "perf_report.png"} <= written
+        assert list(tmp_path.iterdir()) == []
+    finally:
+        mem.rm(root, recursive=True)
+
+
+def test_png_beside_a_report_url_keeps_the_scheme(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fsspec = pytest.importorskip("fsspec")
+    pytest.importorskip("matplotlib")
+    monkeypatch.chdir(tmp_path)
+    url = f"memory://perf-png-{tmp_path.name}/run/report.json"
+    try:
+        png = PerformanceMonitor._write_png(url, [{"epoch": 0.0, "data": 1.0, "compute": 2.0}])
+        assert png == f"memory://perf-png-{tmp_path.name}/run/report.png"
+        assert fsspec.filesystem("memory").exists(f"/perf-png-{tmp_path.name}/run/report.png")
+        assert list(tmp_path.iterdir()) == []
+    finally:
+        fsspec.filesystem("memory").rm(f"/perf-png-{tmp_path.name}", recursive=True)
+
+
 def test_peak_flops_gives_mfu_and_tokens_fn(tmp_path: Path) -> None:
     _, mon, _ = fit(tmp_path, decode_s=0.0, compute_s=0.01, peak_flops=1e9, tokens_fn=lambda b: 10, report_path="")
     r = mon.report
