@@ -7,15 +7,16 @@ Contract of every ``check_*`` function:
 - the message is one line: the argument in backticks, what is accepted, the value received (and its type for a
   TypeError), then the fix when the caller gives one — ```warmup_steps` must be an integer >= 0, got -1. Use 0 to
   compress from the first step.``;
-- the checked value is returned (normalised: ``check_int`` returns an int, ``check_number`` a float, ``check_bytes`` an
-  int), so a caller writes ``self.steps = check_int("steps", steps, low=1)``; numpy scalars (``np.int64(3)``, what
-  arithmetic on arrays hands back) are accepted and come back as plain Python numbers.
+- the checked value is returned (normalised: ``check_number`` returns a float, ``check_bytes`` an int), so a caller
+  writes ``self.steps = check_int("steps", steps, low=1)``;
+- numpy scalars are refused like any other type: most callers keep the value they were given, and an ``np.int64``
+  kept in a Trainer's hyper-parameters would fail later (a checkpoint's weights-only loader, a DataLoader's
+  ``batch_size``) far from its cause; ``int(x)`` / ``float(x)`` is the fix the message asks for.
 """
 
 from __future__ import annotations
 
 import math
-import numbers
 import re
 import warnings
 from collections.abc import Iterable
@@ -73,17 +74,15 @@ def check_int(
     fix: str = "",
     allow_none: bool = False,
 ) -> Any:
-    """``value`` (any integer type, e.g. ``np.int64``, never a bool) as an ``int`` in ``[low, high]`` (either bound
-    optional); ``None`` passes when ``allow_none``."""
+    """``value`` as an ``int`` in ``[low, high]`` (either bound optional); ``None`` passes when ``allow_none``."""
     expected = _range("an integer", low, high, False, False) + (" or None" if allow_none else "")
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    if isinstance(value, bool) or not isinstance(value, int):
         raise _fail(TypeError, name, expected, value, fix)
-    v = int(value)
-    if (low is not None and v < low) or (high is not None and v > high):
+    if (low is not None and value < low) or (high is not None and value > high):
         raise _fail(ValueError, name, expected, value, fix)
-    return v
+    return value
 
 
 def check_number(
@@ -97,12 +96,12 @@ def check_number(
     fix: str = "",
     allow_none: bool = False,
 ) -> Any:
-    """``value`` (any real number type, e.g. ``np.float32``, never a bool, never NaN) as a ``float`` within the
-    bounds; ``low_open`` / ``high_open`` exclude the bound itself (``low=0, low_open=True`` is "> 0")."""
+    """``value`` (an int or a float, never a bool, never NaN) as a ``float`` within the bounds; ``low_open`` /
+    ``high_open`` exclude the bound itself (``low=0, low_open=True`` is "> 0")."""
     expected = _range("a number", low, high, low_open, high_open) + (" or None" if allow_none else "")
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _fail(TypeError, name, expected, value, fix)
     v = float(value)
     bad = math.isnan(v)

@@ -59,19 +59,12 @@ def test_checks_return_the_normalised_value():
     assert check_bytes("r", None, allow_none=True) is None
 
 
-def test_checks_accept_numpy_scalars_and_return_python_numbers():
+def test_checks_refuse_numpy_scalars_with_the_fix():
     np = pytest.importorskip("numpy")
-    n = check_int("n", np.int64(3), low=1)
-    assert n == 3 and type(n) is int
-    x = check_number("x", np.float32(0.5), low=0)
-    assert x == 0.5 and type(x) is float
-    assert type(check_number("x", np.int64(2))) is float
-    with pytest.raises(ValueError, match="`n` must be an integer >= 1, got np.int64\\(0\\)"):
-        check_int("n", np.int64(0), low=1)
-    with pytest.raises(TypeError, match="`n` must be an integer, got np.float64\\(1.0\\) \\(float64\\)"):
-        check_int("n", np.float64(1.0))
-    with pytest.raises(TypeError, match="got np.True_ \\(bool\\)|got True \\(bool_\\)"):
-        check_number("x", np.bool_(True))
+    with pytest.raises(TypeError, match=r"`n` must be an integer >= 1, got np.int64\(3\) \(int64\)"):
+        check_int("n", np.int64(3), low=1)
+    with pytest.raises(TypeError, match=r"`x` must be a number"):
+        check_number("x", np.float32(0.5))
 
 
 def test_one_line_joins_lines_names_unexpected_types_and_keeps_the_first_line_on_request():
