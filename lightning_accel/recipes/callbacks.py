@@ -300,13 +300,13 @@ class KnowledgeDistillation(Callback):
                 self._captured.append((args, kwargs, output))
 
         def distilled(p: Patch) -> Callable[..., Any]:
-            original = p.original  # bound method of the class (or a user's instance override)
-
             def training_step(*args: Any, **kwargs: Any) -> Any:
                 self._captured = []
                 self._capturing = True
                 try:
-                    out = original(*args, **kwargs)
+                    # `p.original` (the class's bound method, or a user's instance override) read at each call: a
+                    # patch below this one restored first is spliced out of the chain through it
+                    out = p.original(*args, **kwargs)
                 finally:
                     self._capturing = False
                 batch = args[0] if args else kwargs.get("batch")
