@@ -343,8 +343,12 @@ class EpochOrderSampler(DistributedSampler):
         drop_last: bool = False,
         batch_size: int = 1,
     ) -> None:
+        check_int("batch_size", batch_size, low=1, fix="It is the DataLoader's batch size.")
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
         self.batch_size = batch_size
+        #: whether the DataLoader drops a last partial batch (:class:`CacheDataLoader` sets it): the epoch of a state
+        #: saved with fewer positions left than a batch is then over
+        self.loader_drop_last = False
         self.resume_epoch = -1  # the epoch `resume_skip` applies to (-1: none)
         self.resume_skip = 0
         self.progress_epoch = -1  # positions of `progress_epoch`'s order the consumer has taken (see `advance`)
@@ -367,12 +371,25 @@ class EpochOrderSampler(DistributedSampler):
             self.progress_epoch, self.consumed = self.epoch, 0
         self.consumed += int(n)
 
+    def layout(self) -> dict[str, int]:
+        """What this rank's order depends on besides the seed and the epoch: positions saved under another layout
+        name other samples (subclasses add theirs)."""
+        return {"num_replicas": self.num_replicas, "drop_last": int(self.drop_last), "num_samples": self.num_samples}
+
     def state_dict(self) -> dict[str, int]:
-        """Where training is in the epoch: ``{"epoch", "consumed"}`` (positions of this rank's order)."""
-        return {"epoch": self.progress_epoch, "consumed": self.consumed, "seed": self.seed}
+        """Where training is in the epoch: ``{"epoch", "consumed"}`` (positions of this rank's order), with the seed
+        and the :meth:`layout` they refer to."""
+        return {"epoch": self.progress_epoch, "consumed": self.consumed, "seed": self.seed, **self.layout()}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Resume at ``state`` (from :meth:`state_dict`): that epoch's order skips what was consumed.
+
+        A state whose epoch was finished (every position consumed, or fewer than a batch left when the DataLoader drops
+        a last partial batch: an end-of-epoch checkpoint) resumes at the start of the next epoch; Lightning builds the
+        resumed epoch's iterator before it calls ``set_epoch``, so the sampler must already be there. A state saved
+        under another :meth:`layout` (world size, ``drop_last``, shuffle window) resumes at the same fraction of the
+        epoch, with a warning: its positions name other samples here, so some of this epoch's samples may be read
+        twice or not at all (the step count stays the uninterrupted run's).
 
         Raises:
             ValueError: the state was saved with another shuffle seed (the remaining samples would be others).
@@ -382,8 +399,23 @@ class EpochOrderSampler(DistributedSampler):
                 f"the checkpoint's sampler used `seed` {state['seed']}, this one {self.seed}: resuming mid-epoch "
                 "needs the same seed. Set `seed` back, or resume from an end-of-epoch checkpoint."
             )
-        epoch = int(state.get("epoch", -1))
-        self.resume(epoch, int(state.get("consumed", 0)))
+        epoch, consumed = int(state.get("epoch", -1)), max(0, int(state.get("consumed", 0)))
+        here = self.layout()
+        saved = {k: int(state[k]) for k in here if k in state}
+        if epoch >= 0 and consumed and saved != {k: here[k] for k in saved}:
+            before = saved.get("num_samples") or self.num_samples
+            consumed = min(self.num_samples, round(consumed * self.num_samples / before))
+            warnings.warn(
+                f"the checkpoint's sampler state was saved under {saved}, this sampler has {here}: epoch {epoch} "
+                f"resumes at the same fraction ({consumed} of {self.num_samples} positions), and some of its samples "
+                "may be read twice or not at all. Resume with the same layout for an exact continuation.",
+                UserWarning,
+                stacklevel=2,
+            )
+        left = self.num_samples - consumed
+        if epoch >= 0 and (left <= 0 or (self.loader_drop_last and left < self.batch_size)):
+            epoch, consumed = epoch + 1, 0  # that epoch was finished: the next one starts whole
+        self.resume(epoch, consumed)
         if epoch >= 0:
             # Lightning creates the resumed epoch's iterator before it calls `set_epoch` (workers and the read-ahead
             # thread start drawing indices at once): the epoch must be right already.
@@ -462,10 +494,12 @@ class CacheDataLoader(DataLoader):
         )
         if isinstance(self.sampler, EpochOrderSampler) and self.batch_size is not None:
             self.sampler.batch_size = self.batch_size  # the batches workers map to the order are this loader's
+            self.sampler.loader_drop_last = bool(self.drop_last)
         self.cold_num_workers = self.num_workers
         self.warm_num_workers = warm_num_workers
-        self.read_ahead = read_ahead
-        self.read_threads = 1 if read_threads is None else max(1, read_threads)
+        self.read_ahead = check_int("read_ahead", read_ahead, low=0, fix="It counts batches read ahead (0: none).")
+        check_int("read_threads", read_threads, low=1, allow_none=True, fix="None reads on one thread.")
+        self.read_threads = 1 if read_threads is None else read_threads
         self.is_warm = False
         self.on_epoch_end = on_epoch_end
         self.batch_transform = batch_transform

@@ -144,6 +144,9 @@ class ShardWindowSampler(EpochOrderSampler):
         self.shard_of = [int(s) for s in shard_of]
         self.window = window
 
+    def layout(self) -> dict[str, int]:
+        return {**super().layout(), "window": self.window}
+
     def epoch_order(self) -> list[int]:
         return windowed_order(
             self.shard_of,

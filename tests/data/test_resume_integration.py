@@ -151,3 +151,19 @@ def test_a_cache_dir_that_is_a_file_is_refused_in_init(tmp_path: Path) -> None:
     for bad in (f, f / "sub"):
         with pytest.raises(ValueError, match=r"`cache_dir` must be a directory.*is a file.*Pass a directory"):
             CachedDataModule("digits", cache_dir=str(bad))
+
+
+def test_a_run_resumed_from_an_end_of_epoch_checkpoint_trains_the_next_epoch_through_workers(
+    small_digits: Path, tmp_path: Path
+) -> None:
+    """A cold cache on resume (another node, a lost tier) reads through DataLoader workers, which draw the resumed
+    epoch's indices before Lightning calls ``set_epoch``: the sampler must already be at the next epoch."""
+    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1)
+    _trainer(tmp_path, ckpt, max_epochs=1).fit(_Seen(), datamodule=_dm(small_digits, tmp_path, num_workers=1))
+    path = next((tmp_path / "ckpt").glob("epoch=0-*.ckpt"))
+    second = _Seen()
+    fresh = tmp_path / "fresh"  # nothing cached: the resumed epoch is cold, read by the worker
+    trainer = _trainer(fresh, enable_checkpointing=False)
+    trainer.fit(second, datamodule=_dm(small_digits, fresh, num_workers=1), ckpt_path=path)
+    assert trainer.global_step == 20
+    assert len(second.seen) == 160 and {e for e, _, _ in second.seen} == {1}  # all of epoch 1, nothing skipped

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +71,8 @@ def test_sampler_state_resumes_the_epoch_where_training_stopped() -> None:
     a.advance(8)
     a.advance(8)
     state = a.state_dict()
-    assert state == {"epoch": 3, "consumed": 16, "seed": 1}
+    layout = {"num_replicas": 1, "drop_last": 0, "num_samples": 50, "window": 2}
+    assert state == {"epoch": 3, "consumed": 16, "seed": 1, **layout}
     b = ShardWindowSampler(ds, _shards(50, 10), window=2, seed=1, batch_size=8)
     b.load_state_dict(state)
     b.set_epoch(3)
@@ -81,6 +83,46 @@ def test_sampler_state_resumes_the_epoch_where_training_stopped() -> None:
     c = EpochOrderSampler(ds, seed=2)
     with pytest.raises(ValueError, match="`seed`"):
         c.load_state_dict(state)
+
+
+def test_a_finished_epoch_resumes_at_the_next_one_before_set_epoch() -> None:
+    """An end-of-epoch state: the next epoch must be whole already when the loader's workers draw its indices (Lightning
+    builds the iterator before it calls ``set_epoch``)."""
+    ds: Any = list(range(20))
+    a = EpochOrderSampler(ds, seed=1, batch_size=8)
+    a.set_epoch(4)
+    a.advance(20)
+    nxt = EpochOrderSampler(ds, seed=1, batch_size=8)
+    nxt.set_epoch(5)
+    b = EpochOrderSampler(ds, seed=1, batch_size=8)
+    b.load_state_dict(a.state_dict())
+    assert b.epoch == 5 and list(b) == list(nxt)
+    # a loader that drops the last partial batch: 4 positions left are no batch, the epoch was finished too
+    a.set_epoch(4)
+    a.consumed = 16
+    c = EpochOrderSampler(ds, seed=1, batch_size=8)
+    c.loader_drop_last = True
+    c.load_state_dict(a.state_dict())
+    assert c.epoch == 5 and list(c) == list(nxt)
+    d = EpochOrderSampler(ds, seed=1, batch_size=8)  # without it those 4 are one more batch of epoch 4
+    d.load_state_dict(a.state_dict())
+    assert d.epoch == 4 and len(list(d)) == 4
+
+
+def test_a_state_of_another_layout_resumes_at_the_same_fraction_with_a_warning() -> None:
+    ds: Any = list(range(40))
+    two = EpochOrderSampler(ds, num_replicas=2, rank=0, seed=1, batch_size=4)
+    two.set_epoch(2)
+    two.advance(8)  # 8 of this rank's 20 positions
+    one = EpochOrderSampler(ds, seed=1, batch_size=4)
+    with pytest.warns(UserWarning, match=r"resumes at the same fraction \(16 of 40 positions\)"):
+        one.load_state_dict(two.state_dict())
+    assert one.epoch == 2 and len(list(one)) == 24
+    same = EpochOrderSampler(ds, num_replicas=2, rank=0, seed=1, batch_size=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        same.load_state_dict(two.state_dict())  # the same layout: exact, silent
+    assert len(list(same)) == 12
 
 
 def _loader(url: str, opts: dict[str, Any], tmp: Path, stage_bytes: int, window: int | None) -> CacheDataLoader:
