@@ -541,10 +541,10 @@ class OneBitState:
 
     # ----------------------------------------------------------------- checkpointing (this rank)
     def state_dict(self) -> dict[str, Any]:
-        """This rank's state: ``{"format", "world_size", "nodes_layout", "step", "mode", "decision",
+        """This rank's state: ``{"format", "world_size", "nodes_layout", "step", "mode", "decision", "trial_until",
         "compressed_since", "refresh_missed", "warmup_end", "hparams", "groups": {"i,j,..": {"worker", "server"}}}``
-        (``nodes_layout``:
-        :attr:`layout_key`).
+        (``nodes_layout``: :attr:`layout_key`; ``trial_until``: not None when saved during a ``compression="auto"``
+        trial, whose ``decision`` is then the mode being tried, not a measured one).
 
         Only tensors, ints, strings, bools and None, so ``torch.load(weights_only=True)`` reads it back. The momentum
         and the frozen variance live in the optimizer's own state (``momentum_buffer``, ``exp_avg``, ``exp_avg_sq``),
@@ -560,6 +560,7 @@ class OneBitState:
             "step": self.step,
             "mode": self.mode,
             "decision": self.decision,
+            "trial_until": self.trial_until,
             "compressed_since": self.compressed_since,
             "refresh_missed": self.refresh_missed,
             "warmup_end": self.warmup_end,
@@ -573,6 +574,10 @@ class OneBitState:
         With another world size, block size or node layout (flat against hierarchical, other processes per node) the
         error state cannot be mapped (chunks change owners, worker errors change shape): it is reset with a warning,
         and the step count (warm-up progress) and the decision are kept.
+
+        ``compression="auto"``: a decision saved during a trial of real steps (``trial_until`` set) is the mode being
+        tried, not a measured one, and the trial's step times are not saved: it loads as undecided, so the trial runs
+        again from the first resumed step. (States saved without ``trial_until`` load their decision as it is.)
         """
         if state.get("format") not in _READABLE:
             raise ValueError(
@@ -583,8 +588,10 @@ class OneBitState:
         self.step = int(state["step"])
         if state.get("mode") is not None:
             self.mode = state["mode"]
+        self.trial_until = None  # a trial's step times live in the process that took them
         if self.config.compression == "auto" and state.get("decision") is not None:
-            self.decision = state["decision"]
+            # saved mid-trial: undecided, else the tried mode would be kept for good without being measured
+            self.decision = None if state.get("trial_until") is not None else state["decision"]
         self.compressed_since = state.get("compressed_since")
         self.refresh_missed = bool(state.get("refresh_missed", False))  # absent before: none missed
         if self.config.warmup_steps == "auto" and state.get("warmup_end") is not None:

@@ -162,6 +162,40 @@ def test_step_trial_refuses_bad_step_counts(steps: object, error: type[Exception
         StepTrial(steps=steps)  # type: ignore[arg-type]
 
 
+def test_a_state_saved_during_the_auto_trial_resumes_undecided_and_tries_again() -> None:
+    """A checkpoint taken while ``compression="auto"`` tries 1-bit steps must not make the tried mode the decision:
+    the resumed state is undecided and its trial runs again (a decision saved outside a trial, or by a state without
+    ``trial_until``, loads as it is)."""
+    from lightning_accel.comm import OneBitState, StepTrial
+
+    cpu = torch.device("cpu")
+    st = OneBitState(compression="auto", warmup_steps=2, recheck_every=0)
+    trial = StepTrial(clock=_Clock())
+    for step in range(4):  # the trial of 1-bit steps starts at step 2, the end of warm-up
+        st.step = step
+        trial.step_started(st, cpu)
+    assert st.decision == "1bit" and st.trial_until == 6
+    saved = st.state_dict()
+    assert saved["trial_until"] == 6
+    resumed = OneBitState(compression="auto", warmup_steps=2, recheck_every=0)
+    resumed.trial_until = 5  # a live state's trial ends with the load: its step times are not in the checkpoint
+    resumed.load_state_dict(saved, 1)
+    resumed.step = 4
+    assert resumed.decision is None and resumed.trial_until is None
+    assert resumed.needs_decision and not resumed.compressing
+    assert StepTrial(clock=_Clock()).step_started(resumed, cpu) is None
+    assert resumed.decision == "1bit" and resumed.trial_until == 4 + 3 + 1  # tried again from the resumed step
+
+    st.trial_until = None  # decided (what the trial's end leaves): the decision is kept
+    kept = OneBitState(compression="auto", warmup_steps=2, recheck_every=0)
+    kept.load_state_dict(st.state_dict(), 1)
+    assert kept.decision == "1bit" and not kept.needs_decision
+    old = {k: v for k, v in saved.items() if k != "trial_until"}  # written before `trial_until` was saved
+    legacy = OneBitState(compression="auto", warmup_steps=2, recheck_every=0)
+    legacy.load_state_dict(old, 1)
+    assert legacy.decision == "1bit"
+
+
 @pytest.mark.parametrize(
     ("flag", "new", "value"),
     [("compress", "compressed_signal", "gradients"), ("backend", "compressor_backend", "reference")],

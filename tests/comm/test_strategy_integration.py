@@ -254,6 +254,20 @@ def _trial(tmp: str, name: str) -> dict:
     return _auto_summary(*_fit(strategy, max_steps=12))
 
 
+@_scenario("trial_resume")
+def _trial_resume(tmp: str, name: str) -> dict:
+    """compression="auto" checkpointed during its trial of 1-bit steps (warm-up 4: the trial runs steps 4-7, decides
+    at 8; the fit stops after step 5), then resumed."""
+    trainer, _ = _fit(_onebit(compression="auto", warmup_steps=4), max_steps=6)
+    ckpt = str(Path(tmp) / f"{name}.ckpt")
+    trainer.save_checkpoint(ckpt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        saved = torch.load(ckpt, weights_only=True)["lightning_accel_onebit"]
+    out = {"saved": {k: saved[k] for k in ("step", "decision", "trial_until")}}
+    return {**out, **_auto_summary(*_fit(_onebit(compression="auto", warmup_steps=4), max_steps=14, ckpt=ckpt))}
+
+
 @_scenario("warmup_auto_refresh", "warmup_auto_watch", "warmup_auto_sgdm")
 def _warmup_auto(tmp: str, name: str) -> dict:
     """warmup_steps="auto": AdamW with variance refreshes (ends at 10), AdamW with the variance kept frozen (the
@@ -773,6 +787,19 @@ class TestAliasAndAuto:
         # fp32: the 4 trial steps were compressed, the rest not; 1bit: every step from 4 on
         assert r["compressed"] == (4 if branch == "fp32" else 8) * max(1, r["groups"])
         _same_on_both_ranks(results, f"trial_{branch}")
+
+    @uses("trial_resume")
+    def test_auto_checkpointed_during_its_trial_decides_again_after_resume(self, results: list[dict]) -> None:
+        r, other = _get(results, "trial_resume")
+        # the checkpoint holds the mode being tried, flagged as such
+        assert r["saved"] == {"step": 6, "decision": "1bit", "trial_until": 8}
+        # the resumed fit tried again from its first step (no step times before it in this process: timed on the
+        # buffers) instead of keeping the tried mode unmeasured
+        (d,) = r["decisions"]
+        assert d["step"] == 6 and d["source"] == "buffers"
+        assert r["decision"] == d["decision"] and r["last_compressed"] == (d["decision"] == "1bit")
+        assert r["decisions"] == other["decisions"] and r["decision"] == other["decision"]
+        np.testing.assert_array_equal(r["params"], other["params"])
 
     @uses("warmup_auto_refresh", "warmup_auto_watch", "warmup_auto_sgdm")
     def test_auto_warmup_resolves_per_optimizer_and_refreshes_the_variance(self, results: list[dict]) -> None:
