@@ -205,7 +205,12 @@ def measure_activation_bytes(
             pass
         return t
 
-    was_training = model.training
+    # the measurement must leave the user's model as it was: every module's own mode (`train(was)` would reset
+    # a submodule the user put in eval), buffers a training forward updates (BatchNorm's running stats) and the RNG
+    modes = [(m, m.training) for m in model.modules()]
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    rng = torch.random.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     model.train()
     device = params[0].device if params else torch.device("cpu")
     try:
@@ -220,7 +225,14 @@ def measure_activation_bytes(
         _sync(device)
         t2 = time.perf_counter()
     finally:
-        model.train(was_training)
+        for m, mode in modes:
+            m.training = mode
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        torch.random.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
         for p in params:
             p.grad = None
     return ActivationProfile(
@@ -306,7 +318,7 @@ def largest_unit_params(model: nn.Module, unit_types: Iterable[type[nn.Module]] 
         units = [m for m in model.modules() if isinstance(m, types)]
     else:
         units = _block_lists(model) or [m for m in model.modules() if not list(m.children())]
-    sizes = [sum(p.numel() for p in u.parameters()) for u in units]
+    sizes = [sum(p.numel() for p in u.parameters()) for u in units]  # `parameters()` counts a tied one once
     return max(sizes, default=sum(p.numel() for p in model.parameters()))
 
 
@@ -319,7 +331,13 @@ def pipeline_stage_params(model: nn.Module, stages: int) -> list[int]:
     total = sum(p.numel() for p in model.parameters())
     if not blocks:
         return [total] + [0] * (stages - 1)
-    sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    # a parameter shared between blocks (the same block repeated, tied weights) is held once, by the first block
+    # that has it: counted per block it would exceed `total` and leave `outside` negative
+    seen: set[int] = set()
+    sizes = []
+    for b in blocks:
+        sizes.append(sum(p.numel() for p in b.parameters() if id(p) not in seen))
+        seen.update(id(p) for p in b.parameters())
     outside = total - sum(sizes)
     out = [0] * stages
     target = sum(sizes) / stages

@@ -237,15 +237,17 @@ def batch_tensors(batch: Any) -> list[torch.Tensor]:
 
 def split_batch(batch: Any, chunks: int) -> list[Any]:
     """Split every tensor of ``batch`` (nested tuples / lists / dicts) along dim 0 into ``chunks`` equal parts;
-    non-tensors are repeated.
+    non-tensors and 0-dim tensors (a scalar has no batch dimension) are repeated.
 
     Raises:
         ValueError: a tensor's first dimension is not divisible by ``chunks``.
     """
 
     def split(x: Any) -> list[Any]:
+        if isinstance(x, torch.Tensor) and x.ndim == 0:  # as `gather_batch` passes it through
+            return [x] * chunks
         if isinstance(x, torch.Tensor):
-            if x.ndim == 0 or x.shape[0] % chunks:
+            if x.shape[0] % chunks:
                 raise ValueError(
                     f"a batch tensor of shape {tuple(x.shape)} cannot be split into `microbatches`={chunks} equal "
                     f"micro-batches. Use a batch size that is a multiple of {chunks} (and `drop_last=True`), or set "
@@ -375,6 +377,11 @@ class PipelineRunner:
                 if r == self.replica and self.pp_rank in ranks:
                     out.append((params, g))
         return out
+
+    def set_loss_fn(self, loss_fn: Callable[[Any, Any], torch.Tensor]) -> None:
+        """Use ``loss_fn`` from now on (a new Trainer reusing this split); the schedules built with the old one go."""
+        self.loss_fn = loss_fn
+        self._schedules.clear()
 
     # --------------------------------------------------------------------------------------------------- schedule
     @property

@@ -220,7 +220,18 @@ def select_strategy(
     Raises:
         ValueError: for a bad argument (named, with the value and the fix).
     """
-    _check_arguments(policy, devices, num_nodes, headroom, activation_scale, inter_node_gbps)
+    _check_arguments(
+        policy=policy,
+        devices=devices,
+        num_nodes=num_nodes,
+        headroom=headroom,
+        activation_scale=activation_scale,
+        inter_node_gbps=inter_node_gbps,
+        device_memory_bytes=device_memory_bytes,
+        bytes_per_param=bytes_per_param,
+        microbatches=microbatches,
+        onebit_break_even=onebit_break_even,
+    )
     if policy == "measure":  # the estimates decide what is a candidate; `choose_by_trial` then measures them
         policy = "memory"
     world = devices * num_nodes
@@ -253,20 +264,31 @@ def select_strategy(
 
 
 def _check_arguments(
-    policy: str,
-    devices: int,
-    num_nodes: int,
-    headroom: float,
-    activation_scale: float,
-    inter_node_gbps: float | None,
+    *,
+    policy: str = "memory",
+    devices: int = 1,
+    num_nodes: int = 1,
+    headroom: float = 0.2,
+    activation_scale: float = 1.0,
+    inter_node_gbps: float | None = None,
+    device_memory_bytes: int | None = None,
+    bytes_per_param: float = ADAM_MIXED_BYTES_PER_PARAM,
+    microbatches: int | None = None,
+    onebit_break_even: float | None = None,
 ) -> None:
-    """Raise ``ValueError`` for a bad :func:`select_strategy` argument (named, with the value and the fix)."""
+    """Raise ``ValueError`` (``TypeError`` for a wrong type) for a bad :func:`select_strategy` argument (named, with
+    the value and the fix). ``AutoStrategy.__init__`` calls it too, so a bad value fails where it is written, on
+    every rank, not later on the rank that chooses."""
     check_choice("policy", policy, POLICIES)
     check_int("devices", devices, low=1, fix="It counts the devices per node.")
     check_int("num_nodes", num_nodes, low=1)
     check_number("headroom", headroom, low=0.0, high=1.0, high_open=True, fix="E.g. 0.2 keeps 20 % free.")
     check_number("activation_scale", activation_scale, low=0, low_open=True)
     check_number("inter_node_gbps", inter_node_gbps, low=0, low_open=True, allow_none=True, fix="It is in Gbit/s.")
+    check_int("device_memory_bytes", device_memory_bytes, low=1, allow_none=True, fix="It is one device's bytes.")
+    check_number("bytes_per_param", bytes_per_param, low=0, low_open=True, fix="E.g. 16 for Adam.")
+    check_int("microbatches", microbatches, low=1, allow_none=True)
+    check_number("onebit_break_even", onebit_break_even, low=0, low_open=True, allow_none=True, fix="In Gbit/s.")
 
 
 def _by_rules(params: int, layers: int, world: int, facts: dict[str, Any]) -> StrategyChoice:
@@ -495,29 +517,63 @@ class TrialCache:
         self.path = path
         self._mem: dict[str, dict[str, float]] = {}
 
-    def _load(self) -> dict[str, dict[str, float]]:
+    def _read(self) -> Any:
+        """The file's JSON (None: no file, or a torn or unreadable one)."""
         import json
         import os
 
         if self.path is None or not os.path.exists(self.path):
-            return dict(self._mem)
+            return None
         try:
             with open(self.path) as f:
-                data = json.load(f)
+                return json.load(f)
         except (OSError, ValueError):  # a torn or foreign file: measure again
+            return None
+
+    @staticmethod
+    def _times(value: Any) -> dict[str, float] | None:
+        """``value`` as ``{plan: seconds}``, or None when it is not one (such an entry is measured again)."""
+        if not isinstance(value, dict):
+            return None
+        out: dict[str, float] = {}
+        for plan, t in value.items():
+            if isinstance(t, bool) or not isinstance(t, (int, float)):
+                return None
+            out[str(plan)] = float(t)
+        return out
+
+    def _load(self) -> dict[str, dict[str, float]]:
+        data = self._read()
+        if data is None:
             return dict(self._mem)
-        return {k: {p: float(t) for p, t in v.items()} for k, v in data.items() if isinstance(v, dict)}
+        if not isinstance(data, dict):  # valid JSON but not a cache (a list, a number): measure again
+            return {}
+        return {k: t for k, v in data.items() if (t := self._times(v)) is not None}
 
     def get(self, key: str) -> dict[str, float] | None:
         return self._load().get(key)
 
     def put(self, key: str, times: dict[str, float]) -> None:
+        """Keep ``times`` for ``key``, in the file too; the file's other entries, even those this cache cannot
+        read, are written back unchanged. A file holding JSON that is not an object (not a cache) is left as it
+        is, with a warning: it runs on one rank after the trial, where raising would strand the others."""
         import json
+        import warnings
 
         self._mem[key] = dict(times)
         if self.path is None:
             return
-        data = self._load()
+        data = self._read()
+        if data is None:
+            data = {}
+        elif not isinstance(data, dict):
+            warnings.warn(
+                f"`trial_cache` file `{self.path}` holds JSON that is not a trial cache (a {type(data).__name__}, "
+                "expected an object of measured times); it is left as it is and nothing is kept. Pass another path "
+                "or remove the file.",
+                stacklevel=2,
+            )
+            return
         data[key] = dict(times)
         atomic_write_text(self.path, json.dumps(data, indent=1, sort_keys=True))
 

@@ -93,3 +93,33 @@ def test_bad_arguments() -> None:
         estimate_fsdp(10, 0, world=0, largest_unit=1)
     with pytest.raises(ValueError, match="`stages`"):
         pipeline_stage_params(mlp(), 0)
+
+
+def test_parameters_shared_between_blocks_are_counted_once() -> None:
+    block = nn.Linear(100, 100)
+
+    class Shared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Linear(10, 100)
+            self.blocks = nn.ModuleList([block] * 4)  # the same block four times: its weights exist once
+
+    m = Shared()
+    total = sum(p.numel() for p in m.parameters())
+    stages = pipeline_stage_params(m, 2)
+    assert min(stages) >= 0 and sum(stages) == total
+
+
+def test_measuring_activations_leaves_the_model_as_it_was() -> None:
+    m = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 1))
+    m.train()
+    m[2].eval()  # a submodule the user put in eval mode
+    stats = [b.clone() for b in m.buffers()]
+    x = torch.randn(16, 4) + 5.0
+    torch.manual_seed(3)
+    expected_next = torch.rand(1)
+    torch.manual_seed(3)
+    measure_activation_bytes(m, x)
+    assert [x.training for x in m.modules()] == [True, True, True, False, True]
+    assert all(torch.equal(a, b) for a, b in zip(stats, m.buffers(), strict=True))  # BatchNorm stats unchanged
+    assert torch.equal(torch.rand(1), expected_next)  # the RNG stream too

@@ -79,6 +79,11 @@ def test_keep_only_drops_what_the_stage_does_not_use_and_keeps_tied_weights() ->
     assert dropped + sum(p.numel() for p in gpt.parameters()) == total
 
 
+def test_split_batch_repeats_a_scalar_tensor() -> None:
+    parts = split_batch((torch.arange(4), torch.tensor(0.5)), 2)  # a 0-dim tensor has no batch dimension
+    assert [float(p[1]) for p in parts] == [0.5, 0.5] and [p[0].tolist() for p in parts] == [[0, 1], [2, 3]]
+
+
 def test_split_batch_needs_equal_micro_batches() -> None:
     parts = split_batch([torch.arange(8), {"m": torch.ones(8, 2)}], 4)
     assert len(parts) == 4 and parts[1][0].tolist() == [2, 3] and parts[3][1]["m"].shape == (2, 2)

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 
 from lightning_accel.models.lit import TinyGPT
@@ -176,3 +177,62 @@ def test_pipeline_predict_returns_the_single_process_predictions_on_every_rank()
         assert got["ids"] == ref[0]["ids"]
     assert (r0["out"]["logits"] == r1["out"]["logits"]).all()
     assert "batch_split='data_parallel'" in r0["refused"] and "batch_split='data_parallel'" in r1["refused"]
+
+
+class SmallNet(pl.LightningModule):
+    """An `nn.Sequential` of five pieces, SGD: a one-step update shows any scale error in the gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self(batch[0]), batch[1])
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", torch.nn.functional.mse_loss(self(batch[0]), batch[1]))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _small_loader() -> torch.utils.data.DataLoader:
+    g = torch.Generator().manual_seed(1)
+    ds = torch.utils.data.TensorDataset(torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g))
+    return torch.utils.data.DataLoader(ds, batch_size=4)
+
+
+def _fit_accumulate_validate(strategy: Any, devices: int) -> dict[str, Any]:
+    import lightning.pytorch as pl
+
+    model = SmallNet()
+    t = pl.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=1, accumulate_grad_batches=2, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+    )  # fmt: skip
+    t.fit(model, _small_loader())
+    state = t.strategy.lightning_module_state_dict()
+    (val,) = t.validate(model, _small_loader(), verbose=False)  # a second setup on the module the fit split
+    return {"state": {k: v.numpy() for k, v in state.items()}, "val_loss": val["val_loss"]}
+
+
+def _pipeline_accumulate_validate(rank: int, world: int) -> dict[str, Any]:
+    from lightning_accel.parallel import PipelineStrategy
+
+    return _fit_accumulate_validate(PipelineStrategy(), 2)
+
+
+def test_pipeline_accumulates_the_mean_and_validates_after_fit_like_one_process() -> None:
+    ref = _fit_accumulate_validate("auto", 1)
+    r0, r1 = run_in_processes(_pipeline_accumulate_validate, 2, init_process_group=False, timeout=300)
+    assert sorted(r0["state"]) == sorted(ref["state"])  # the full state is gathered to rank 0
+    for k, v in ref["state"].items():  # the mean of the accumulated gradients, not their sum
+        assert torch.allclose(torch.from_numpy(r0["state"][k]), torch.from_numpy(v), atol=1e-6), k
+    assert abs(r0["val_loss"] - ref["val_loss"]) < 1e-5 and abs(r1["val_loss"] - ref["val_loss"]) < 1e-5

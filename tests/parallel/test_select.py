@@ -100,6 +100,10 @@ def test_rules_policy() -> None:
         ({"inter_node_gbps": 0}, "`inter_node_gbps`"),
         ({"device_memory_bytes": -1}, "`device_memory_bytes`"),
         ({"activation_scale": 0}, "`activation_scale`"),
+        ({"microbatches": 0}, "`microbatches`"),
+        ({"microbatches": -1}, "`microbatches`"),
+        ({"bytes_per_param": -16}, "`bytes_per_param`"),
+        ({"onebit_break_even": -5}, "`onebit_break_even`"),
     ],
 )
 def test_bad_arguments(kwargs: dict, match: str) -> None:
@@ -135,7 +139,37 @@ def test_trial_cache_publishes_its_file_whole(tmp_path: Path, monkeypatch: pytes
     assert TrialCache(str(path)).get("k") == {"ddp": 1.5}
 
 
-@pytest.mark.parametrize("kwargs", [{"devices": True}, {"num_nodes": 1.0}, {"headroom": "0.2"}])
+@pytest.mark.parametrize(
+    "content",
+    ["[1, 2]", '"a string"', '{"k": {"ddp": "fast"}}', '{"k": {"ddp": null}}', '{"k": [1.5]}', "7"],
+)
+def test_trial_cache_reads_a_file_that_is_not_a_cache_as_empty(tmp_path: Path, content: str) -> None:
+    from lightning_accel.parallel.select import TrialCache
+
+    path = tmp_path / "trials.json"
+    path.write_text(content)
+    assert TrialCache(str(path)).get("k") is None  # measured again, never a crash
+
+
+def test_trial_cache_keeps_the_file_entries_it_does_not_own(tmp_path: Path) -> None:
+    import json
+
+    from lightning_accel.parallel.select import TrialCache
+
+    path = tmp_path / "trials.json"
+    path.write_text('{"note": "mine", "bad": {"ddp": "x"}, "k": {"ddp": 0.5}}')
+    TrialCache(str(path)).put("j", {"fsdp": 2.0})
+    assert json.loads(path.read_text()) == {"note": "mine", "bad": {"ddp": "x"}, "k": {"ddp": 0.5}, "j": {"fsdp": 2.0}}
+    path.write_text("[1, 2]")
+    with pytest.warns(UserWarning, match="`trial_cache` file .* not a trial cache"):
+        TrialCache(str(path)).put("j", {"fsdp": 2.0})
+    assert path.read_text() == "[1, 2]"
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"devices": True}, {"num_nodes": 1.0}, {"headroom": "0.2"}, {"microbatches": "4"}, {"bytes_per_param": "16"}],
+)
 def test_wrong_argument_types_are_type_errors(kwargs: dict) -> None:
     with pytest.raises(TypeError, match=f"`{next(iter(kwargs))}` must be"):
         select_strategy(mlp(), **{"devices": 2, "device_memory_bytes": 10**9, **kwargs})

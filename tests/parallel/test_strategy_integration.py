@@ -170,6 +170,14 @@ def test_bad_arguments() -> None:
         AutoStrategy(policy="magic")
     with pytest.raises(ValueError, match="`example_batch_size`"):
         AutoStrategy(example_batch_size=0)
+    # checked where they are written, on every rank (the choice itself runs on rank 0 only)
+    for kwargs in ({"headroom": 1.5}, {"device_memory_bytes": -1}, {"inter_node_gbps": 0}, {"bytes_per_param": 0}):
+        with pytest.raises(ValueError, match=f"`{next(iter(kwargs))}`"):
+            AutoStrategy(**kwargs)
+    with pytest.raises(TypeError, match="`bytes_per_param`"):
+        AutoStrategy(bytes_per_param="16")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="`microbatches`"):
+        AutoStrategy(pipeline_kwargs={"microbatches": 0})
 
 
 def test_lightning_cli_instantiates_it(tmp_path: Path) -> None:
@@ -278,3 +286,27 @@ def test_real_fsdp_swap_on_gpu() -> None:
     t = trainer(st, accelerator="cuda", devices=1)
     t.fit(Deep(), loader())
     assert isinstance(t.strategy, FSDPStrategy) and t.global_step == 3
+
+
+class FailsToChoose(AutoStrategy):
+    """Its choice raises (only rank 0 chooses): a model the estimate cannot take, a file it cannot read."""
+
+    def _choose(self, *args: Any, **kwargs: Any) -> StrategyChoice:
+        raise ValueError("the estimate cannot take this model")
+
+
+def _fail_to_choose(rank: int, world: int) -> str:
+    from datetime import timedelta
+
+    try:
+        trainer(FailsToChoose(timeout=timedelta(seconds=60)), devices=2).fit(Deep(depth=3), loader())
+    except ValueError as e:
+        return str(e)
+    return "fit"
+
+
+def test_an_error_while_choosing_raises_on_every_rank() -> None:
+    from tests.helpers import run_in_processes
+
+    got = run_in_processes(_fail_to_choose, 2, init_process_group=False, timeout=120)
+    assert got == ["the estimate cannot take this model"] * 2  # rank 1 raises it too, instead of waiting

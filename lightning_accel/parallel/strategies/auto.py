@@ -56,6 +56,7 @@ from lightning_accel.parallel.select import (
     StrategyChoice,
     TrialCache,
     TrialFailed,
+    _check_arguments,
     choose_by_trial,
     select_strategy,
     trial_key,
@@ -168,6 +169,14 @@ class AutoStrategy(DDPStrategy):
             check_choice("candidates", c, PLANS, fix="Name plans a trial can time.")
         check_int("example_batch_size", example_batch_size, low=1, allow_none=True)
         check_int("trial_steps", trial_steps, low=1)
+        # the choice is made at setup on rank 0 only: a bad value must fail here, on every rank
+        _check_arguments(
+            headroom=headroom,
+            inter_node_gbps=inter_node_gbps,
+            device_memory_bytes=device_memory_bytes,
+            bytes_per_param=bytes_per_param,
+            microbatches=(pipeline_kwargs or {}).get("microbatches"),
+        )
         super().__init__(**ddp_kwargs)
         self.policy = policy
         self.device_memory_bytes = device_memory_bytes
@@ -286,13 +295,30 @@ class AutoStrategy(DDPStrategy):
         assert model is not None, "AutoStrategy.setup_environment runs after Trainer.fit connected the model"
         trainer = model.trainer
         devices = len(self.parallel_devices or [self.root_device])
-        choice = self._choose(model, self.root_device, devices, self.num_nodes) if self.global_rank == 0 else None
-        if self.policy == "measure" and distributed_ready():
-            choice = self._measure(model, choice)
-        elif distributed_ready():  # every rank gets rank 0's choice: they swap, or refuse, together
-            box: list[Any] = [choice]
+        choice: StrategyChoice | None = None
+        if not distributed_ready():
+            choice = self._choose(model, self.root_device, devices, self.num_nodes)
+        else:
+            # every rank gets rank 0's choice, or its error: they swap, or raise, together (a rank 0 that raised
+            # alone would leave the others waiting in this broadcast)
+            error: BaseException | None = None
+            box: list[Any] = [(None, None)]
+            if self.global_rank == 0:
+                try:
+                    choice = self._choose(model, self.root_device, devices, self.num_nodes)
+                except Exception as e:  # noqa: BLE001 -- re-raised below, after the other ranks have it
+                    error = e
+                box = [(choice, None if error is None else (type(error).__name__, str(error)))]
             torch.distributed.broadcast_object_list(box, src=0)
-            choice = box[0]
+            choice, failed = box[0]
+            if error is not None:
+                raise error
+            if failed is not None:
+                kind, msg = failed
+                same: dict[str, type[Exception]] = {"ValueError": ValueError, "TypeError": TypeError}
+                raise same.get(kind, RuntimeError)(msg if kind in same else f"AutoStrategy on rank 0: {kind}: {msg}")
+            if self.policy == "measure":
+                choice = self._measure(model, choice)
         assert choice is not None
         name = choice.strategy
         self._record(choice)
@@ -307,12 +333,9 @@ class AutoStrategy(DDPStrategy):
         new.setup_environment()  # the process group exists: only devices and ranks are set up
         self.chosen = new
 
-    def _measure(self, model: pl.LightningModule, choice: StrategyChoice | None) -> StrategyChoice:
-        """Every rank: time the plans rank 0's estimate lets fit, on copies of ``model`` (collective, same order
-        everywhere; the cache is read on rank 0 and its answer shared)."""
-        box: list[Any] = [choice]
-        torch.distributed.broadcast_object_list(box, src=0)
-        memory_choice: StrategyChoice = box[0]
+    def _measure(self, model: pl.LightningModule, memory_choice: StrategyChoice) -> StrategyChoice:
+        """Every rank: time the plans rank 0's estimate (``memory_choice``, the same on every rank) lets fit, on
+        copies of ``model`` (collective, same order everywhere; the cache is read on rank 0 and its answer shared)."""
         example = getattr(model, "example_input_array", None)
         if not isinstance(example, torch.Tensor):
             raise ValueError(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -39,6 +40,10 @@ __all__ = ["PipelineStrategy"]
 _CLIP_KEY = "lightning_accel.parallel.PipelineStrategy.clip_grad_by_norm"
 _FORWARD_KEY = "lightning_accel.parallel.PipelineStrategy.forward"
 _LOG_KEY = "lightning_accel.parallel.PipelineStrategy.log"
+
+#: every module a PipelineStrategy split, with its runner: the split strips the module to this rank's stages, so a
+#: later setup on it (another Trainer function, a second `fit`) must run on the same split
+_RUNNERS: weakref.WeakKeyDictionary[torch.nn.Module, PipelineRunner] = weakref.WeakKeyDictionary()
 
 
 @contextlib.contextmanager
@@ -193,13 +198,32 @@ class PipelineStrategy(DDPStrategy):
             )
         if not module.automatic_optimization:
             raise ValueError("PipelineStrategy needs automatic optimization (`self.automatic_optimization = True`).")
+        runner = _RUNNERS.get(module)
+        if runner is None:
+            self.runner = _RUNNERS[module] = self._split(module)
+        else:  # `validate`/`test`/`predict` after `fit`, a second `fit`: the module holds only this rank's stages
+            self._reuse(module, runner)
+        self.model = self.precision_plugin.convert_module(module)
+        self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            optimizers_to_device(self.optimizers, self.root_device)
+        self.setup_precision_plugin()
+        # `gradient_clip_val` clips by the whole model's norm: Lightning calls this method of the precision plugin
+        # right before the optimizer step; a stage alone would clip by its own, smaller norm
+        self._clip_patch = patch(
+            self.precision_plugin, "clip_grad_by_norm", lambda p: self._clip_whole_model, key=_CLIP_KEY
+        )
+
+    def _split(self, module: pl.LightningModule) -> PipelineRunner:
+        """Split ``module`` into stages and keep only this rank's (see :class:`PipelineRunner`)."""
         pieces = find_pipeline_modules(module)
         example = getattr(module, "example_input_array", None)
         costs = piece_costs(pieces, example if isinstance(example, torch.Tensor) else None)
         layout = pipeline_layout(
             costs, self.world_size, pipeline_size=self.pipeline_size, stages_per_rank=self.stages_per_rank
         )
-        self.runner = PipelineRunner(
+        runner = PipelineRunner(
             module,
             pieces,
             layout,
@@ -212,19 +236,38 @@ class PipelineStrategy(DDPStrategy):
         rank_zero_info(
             f"PipelineStrategy: {len(pieces)} pieces of `{type(module).__name__}` in {layout.num_stages} stages "
             f"{list(layout.bounds)} over {layout.pp} ranks x {layout.dp} replica(s), schedule {self.schedule}, "
-            f"{self.runner.microbatches} micro-batches."
+            f"{runner.microbatches} micro-batches."
         )
-        self.model = self.precision_plugin.convert_module(module)
-        self.model_to_device()
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
-            optimizers_to_device(self.optimizers, self.root_device)
-        self.setup_precision_plugin()
-        # `gradient_clip_val` clips by the whole model's norm: Lightning calls this method of the precision plugin
-        # right before the optimizer step; a stage alone would clip by its own, smaller norm
-        self._clip_patch = patch(
-            self.precision_plugin, "clip_grad_by_norm", lambda p: self._clip_whole_model, key=_CLIP_KEY
+        return runner
+
+    def _reuse(self, module: pl.LightningModule, runner: PipelineRunner) -> None:
+        """Run on the split an earlier setup made of ``module``: splitting it again would balance the pieces this
+        rank kept (the others' parameters are gone), so the ranks would disagree on the stages.
+
+        Raises:
+            ValueError: this strategy asks for another split than the one ``module`` has (both, and the fix).
+        """
+        lay = runner.layout
+        have = (lay.dp * lay.pp, lay.pp, lay.stages_per_rank, runner.schedule_name, runner.microbatches, runner.rank)
+        want = (
+            self.world_size,
+            self._pp,
+            self.stages_per_rank,
+            self.schedule,
+            self.microbatches or 2 * self._pp,
+            self.global_rank,
         )
+        if have != want:
+            names = ("world_size", "pipeline_size", "stages_per_rank", "schedule", "microbatches", "global_rank")
+            diff = ", ".join(f"`{n}` {h!r} (now {w!r})" for n, h, w in zip(names, have, want, strict=True) if h != w)
+            raise ValueError(
+                f"PipelineStrategy: `{type(module).__name__}` was already split into pipeline stages with {diff}; "
+                "each rank holds only its stages, so it cannot be split again. Use the same pipeline settings, or "
+                "a fresh module (load the saved checkpoint into it)."
+            )
+        if getattr(runner.loss_fn, "__self__", None) is not self:
+            runner.set_loss_fn(self._loss_fn)
+        self.runner = runner
 
     def _clip_whole_model(self, optimizer: Any, clip_val: float) -> Any:
         """``Precision.clip_grad_by_norm`` while this strategy runs: the norm over every stage's gradients."""
@@ -377,11 +420,16 @@ class PipelineStrategy(DDPStrategy):
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         # the schedule already ran every micro-batch's backward in `training_step`: hand its gradients back (added
-        # to what gradient accumulation kept), and run the hooks
+        # to what gradient accumulation kept), and run the hooks. Lightning divides the loss it would backpropagate
+        # by `accumulate_grad_batches`; the schedule backpropagated the undivided one, so its gradients are divided
+        # here (the accumulated gradient is then the mean over the batches, as in one process)
         module = self.lightning_module
         assert module is not None and self.runner is not None
+        accumulate = module.trainer.accumulate_grad_batches if module._trainer is not None else 1
         for p, g in zip(self.runner.params, self._grads, strict=False):
             if g is not None:
+                if accumulate > 1:
+                    g = g / accumulate
                 p.grad = g if p.grad is None else p.grad + g
         self._grads = []
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
