@@ -30,6 +30,7 @@ from lightning_accel.data.dataset import (
     CacheDataLoader,
     CachedDataset,
     EpochOrderSampler,
+    check_warm_num_workers,
     default_num_workers,
     split_indices,
 )
@@ -314,13 +315,7 @@ class CachedDataModule(LightningDataModule):
             check_bool("prefetch", prefetch, fix="None: only for remote origins.")
         check_int("batch_size", batch_size, low=1)
         check_int("num_workers", num_workers, low=0, allow_none=True, fix="None: half the CPUs, at most 8.")
-        check_int(
-            "warm_num_workers",
-            warm_num_workers,
-            low=0,
-            allow_none=True,
-            fix="0 reads warm batches in the main process; None keeps `num_workers`.",
-        )
+        check_warm_num_workers(warm_num_workers)
         check_int("log_every_n_steps", log_every_n_steps, low=1, fix="It counts training steps between logs.")
         self.cache_dir = _local_cache_dir(cache_dir)
         check_choice("on_decode_error", on_decode_error, ("raise", "skip"))

@@ -437,6 +437,17 @@ class EpochOrderSampler(DistributedSampler):
         return iter(order)
 
 
+def check_warm_num_workers(value: object) -> None:
+    """``warm_num_workers`` as :class:`CacheDataLoader` and the data module take it: 0 or more, or None."""
+    check_int(
+        "warm_num_workers",
+        value,
+        low=0,
+        allow_none=True,
+        fix="0 reads warm batches in the main process; None keeps `num_workers`.",
+    )
+
+
 class CacheDataLoader(DataLoader):
     """A ``DataLoader`` for :class:`CachedDataset` that picks the fastest path per epoch.
 
@@ -485,13 +496,7 @@ class CacheDataLoader(DataLoader):
         kwargs.setdefault("collate_fn", collate_batch)
         check_int("transform_ahead", transform_ahead, low=1, fix="It counts batches transformed ahead of the consumer.")
         super().__init__(dataset, **kwargs)
-        check_int(
-            "warm_num_workers",
-            warm_num_workers,
-            low=0,
-            allow_none=True,
-            fix="0 reads warm batches in the main process; None keeps `num_workers`.",
-        )
+        check_warm_num_workers(warm_num_workers)
         if isinstance(self.sampler, EpochOrderSampler) and self.batch_size is not None:
             self.sampler.batch_size = self.batch_size  # the batches workers map to the order are this loader's
             self.sampler.loader_drop_last = bool(self.drop_last)

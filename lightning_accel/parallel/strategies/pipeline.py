@@ -425,7 +425,10 @@ class PipelineStrategy(DDPStrategy):
         # here (the accumulated gradient is then the mean over the batches, as in one process)
         module = self.lightning_module
         assert module is not None and self.runner is not None
-        accumulate = module.trainer.accumulate_grad_batches if module._trainer is not None else 1
+        try:
+            accumulate = module.trainer.accumulate_grad_batches
+        except RuntimeError:  # not attached to a Trainer (the strategy driven by hand): nothing accumulates
+            accumulate = 1
         for p, g in zip(self.runner.params, self._grads, strict=False):
             if g is not None:
                 if accumulate > 1:
