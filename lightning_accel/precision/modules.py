@@ -18,6 +18,7 @@ the same swapped class; the original class must itself be importable, as for any
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
 import torch
@@ -50,6 +51,7 @@ __all__ = [
     "conv_bn_forward",
     "eager_children",
     "fused_children",
+    "holds_planned",
     "is_fused",
     "mha_supported",
     "needs_eager",
@@ -237,6 +239,15 @@ def parse_kind(kind: str) -> tuple[str, Activation, bool]:
     return "linear", cast(Activation, act), dropout
 
 
+def holds_planned(seq: nn.Module, mods: Sequence[nn.Module | None], i: int, length: int) -> bool:
+    """Whether ``mods[i : i + length]`` (``seq``'s children) are still the modules surgery planned a group over at
+    ``i`` (``seq``'s ``_la_members``); True for a container fused, and pickled, before the members were recorded."""
+    if "_la_members" not in seq.__dict__:
+        return True
+    group, members = mods[i : i + length], seq.__dict__["_la_members"].get(i, ())
+    return len(group) == len(members) and all(a is b for a, b in zip(group, members, strict=True))
+
+
 class FusedSequentialMixin(_FusedMixin):
     """``nn.Sequential`` (or a subclass that keeps ``nn.Sequential.forward``, such as torchvision's
     ``Conv2dNormActivation`` and ``MLPBlock``) whose forward runs fused groups from ``_la_plan``:
@@ -261,12 +272,7 @@ class FusedSequentialMixin(_FusedMixin):
 
     def _la_runs(self, mods: list[nn.Module | None], i: int, length: int) -> bool:
         """The group planned at ``i`` still holds the modules it was planned over and may run fused."""
-        group = mods[i : i + length]
-        if "_la_members" in self.__dict__:  # absent in modules fused (and pickled) before it was recorded
-            members = self.__dict__["_la_members"].get(i, ())
-            if len(group) != len(members) or any(a is not b for a, b in zip(group, members, strict=True)):
-                return False
-        return not needs_eager(*group)
+        return holds_planned(self, mods, i, length) and not needs_eager(*mods[i : i + length])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the casts hold by construction: surgery plans a group only over children of exactly these classes

@@ -224,15 +224,8 @@ def _group_op(kind: str) -> str:
 def _current_plan(m: nn.Module) -> dict[int, tuple[int, str]]:
     """The groups planned in ``m`` earlier that still hold the modules they were planned over."""
     plan: dict[int, tuple[int, str]] = getattr(m, "_la_plan", {})
-    if "_la_members" not in m.__dict__:  # fused before the members were recorded
-        return dict(plan)
-    mods, members = list(compat.child_modules(m).values()), m.__dict__["_la_members"]
-    return {
-        i: (n, kind)
-        for i, (n, kind) in plan.items()
-        if len(mods[i : i + n]) == n == len(members.get(i, ()))
-        and all(a is b for a, b in zip(mods[i : i + n], members[i], strict=True))
-    }
+    mods = list(compat.child_modules(m).values())
+    return {i: (n, kind) for i, (n, kind) in plan.items() if fm.holds_planned(m, mods, i, n)}
 
 
 def _seq_match(which: str) -> Callable[[nn.Module], bool]:
