@@ -6,9 +6,24 @@ Order: an initialised default process group wins; otherwise the launchers' envir
 
 from __future__ import annotations
 
+import importlib
 import os
+from typing import Any
 
-__all__ = ["distributed_ready", "global_rank", "is_global_zero", "local_rank", "node_rank", "world_size"]
+__all__ = [
+    "ErrorDescription",
+    "describe_error",
+    "distributed_ready",
+    "global_rank",
+    "is_global_zero",
+    "local_rank",
+    "node_rank",
+    "rebuild_error",
+    "world_size",
+]
+
+#: ``(module, qualname, args, message)`` of an exception: plain data that any rank can unpickle
+ErrorDescription = tuple[str, str, tuple[Any, ...], str]
 
 
 def distributed_ready() -> bool:
@@ -62,3 +77,27 @@ def world_size() -> int:
 def is_global_zero() -> bool:
     """True on global rank 0."""
     return global_rank() == 0
+
+
+def describe_error(e: BaseException) -> ErrorDescription:
+    """``e`` as plain data to broadcast, so that the other ranks raise it too (:func:`rebuild_error`); ``args`` are kept
+    only when they are plain values. An exception object (or its class) may not unpickle on another rank."""
+    plain = all(isinstance(a, (str, int, float, bool, type(None))) for a in e.args)
+    return type(e).__module__, type(e).__qualname__, tuple(e.args) if plain else (), str(e)
+
+
+def rebuild_error(described: ErrorDescription, where: str = "") -> Exception:
+    """The error another rank described (:func:`describe_error`): the same type and message where the type can be
+    imported and built from its arguments, else a ``RuntimeError`` naming the type after ``where``."""
+    module, qualname, args, message = described
+    try:
+        cls: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            cls = getattr(cls, part)
+        if isinstance(cls, type) and issubclass(cls, Exception):
+            err = cls(*args)
+            if str(err) == message:
+                return err
+    except Exception:  # noqa: BLE001 - not importable or not built from its args: the fallback below says it all
+        pass
+    return RuntimeError(f"{where}{qualname}: {message}")

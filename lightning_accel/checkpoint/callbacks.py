@@ -25,7 +25,6 @@ adds it under torchrun): Lightning's own SIGTERM handler would wait for a collec
 
 from __future__ import annotations
 
-import importlib
 import os
 import posixpath
 import re
@@ -45,6 +44,7 @@ from lightning_accel._utils import compat
 from lightning_accel._utils.atomic import is_local_url, strip_file_scheme
 from lightning_accel._utils.checks import check_bool
 from lightning_accel._utils.fs import FileStore
+from lightning_accel._utils.rank import ErrorDescription, describe_error, rebuild_error
 from lightning_accel.checkpoint.lock import CheckpointDirectoryLockedError
 from lightning_accel.checkpoint.plugin import DeltaCheckpointIO
 from lightning_accel.checkpoint.reader import resolve_last
@@ -129,13 +129,13 @@ class CheckpointGuard(Callback):
         if io is None or not dirs:
             return
         error: BaseException | None = None
-        refusal: tuple[str, str, tuple[Any, ...], str] | None = None
+        refusal: ErrorDescription | None = None
         if trainer.is_global_zero:
             try:
                 for d in dirs:
                     io.claim(d)
             except Exception as e:  # noqa: BLE001 - whatever it is, every rank must learn of it before it raises
-                error, refusal = e, _describe_error(e)
+                error, refusal = e, describe_error(e)
         # Plain strings and numbers only: an exception object (or its class) may not unpickle on the other ranks.
         refusal = trainer.strategy.broadcast(refusal, src=0)
         if error is not None:
@@ -159,29 +159,13 @@ class CheckpointGuard(Callback):
                     )
 
 
-def _describe_error(e: BaseException) -> tuple[str, str, tuple[Any, ...], str]:
-    """``(module, qualname, args, message)`` of ``e``, with ``args`` kept only when they are plain values."""
-    plain = all(isinstance(a, (str, int, float, bool, type(None))) for a in e.args)
-    return type(e).__module__, type(e).__qualname__, tuple(e.args) if plain else (), str(e)
-
-
-def _rebuild_error(described: tuple[str, str, tuple[Any, ...], str], directory: str) -> Exception:
-    """The error rank 0 raised (:func:`_describe_error`), rebuilt on another rank: the same type and message where the
-    type can be imported and built from its arguments, else a ``RuntimeError`` naming the type."""
-    module, qualname, args, message = described
+def _rebuild_error(described: ErrorDescription, directory: str) -> Exception:
+    """Rank 0's claim error on another rank (:func:`~lightning_accel._utils.rank.rebuild_error`); a locked directory
+    is rebuilt with its directory (its holder is rank 0's to read)."""
+    module, qualname, _, message = described
     if module == CheckpointDirectoryLockedError.__module__ and qualname == CheckpointDirectoryLockedError.__qualname__:
         return CheckpointDirectoryLockedError(message, directory=directory, holder={})
-    try:
-        cls: Any = importlib.import_module(module)
-        for part in qualname.split("."):
-            cls = getattr(cls, part)
-        if isinstance(cls, type) and issubclass(cls, Exception):
-            err = cls(*args)
-            if str(err) == message:
-                return err
-    except Exception:  # noqa: BLE001 - not importable or not built from its args: the fallback below says it all
-        pass
-    return RuntimeError(f"{qualname}: {message}")
+    return rebuild_error(described)
 
 
 class DeltaModelCheckpoint(ModelCheckpoint):

@@ -51,3 +51,23 @@ def test_require_names_package_and_fix() -> None:
     require("torch", purpose="x")
     with pytest.raises(ModuleNotFoundError, match=r"pip install not-a-real-pkg-xyz"):
         require("not_a_real_pkg_xyz", purpose="The thing", pip_name="not-a-real-pkg-xyz")
+
+
+def test_an_error_described_on_one_rank_is_rebuilt_on_another():
+    import pickle
+
+    from lightning_accel._utils.rank import describe_error, rebuild_error
+
+    for err in (ValueError("`x` must be 1"), FileNotFoundError("`dirpath` '/tmp/d' does not exist")):
+        described = pickle.loads(pickle.dumps(describe_error(err)))  # plain data: any rank unpickles it
+        again = rebuild_error(described)
+        assert type(again) is type(err) and str(again) == str(err)
+    # an OSError's filename is not among its args: not rebuilt alike, so a RuntimeError says what it was
+    again = rebuild_error(describe_error(NotADirectoryError(20, "Not a directory", "/tmp/f")))
+    assert type(again) is RuntimeError and str(again) == "NotADirectoryError: [Errno 20] Not a directory: '/tmp/f'"
+
+    class Local(Exception):  # not importable by its qualified name on another rank
+        pass
+
+    again = rebuild_error(describe_error(Local("boom")), where="on rank 0: ")
+    assert type(again) is RuntimeError and str(again).startswith("on rank 0: ") and str(again).endswith("Local: boom")

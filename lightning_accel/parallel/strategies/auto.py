@@ -49,7 +49,7 @@ from typing_extensions import override
 from lightning_accel._utils import compat
 from lightning_accel._utils.checks import check_choice, check_int
 from lightning_accel._utils.errors import one_line
-from lightning_accel._utils.rank import distributed_ready
+from lightning_accel._utils.rank import describe_error, distributed_ready, rebuild_error
 from lightning_accel.parallel.callbacks import ChoiceCheck
 from lightning_accel.parallel.select import (
     POLICIES,
@@ -308,15 +308,13 @@ class AutoStrategy(DDPStrategy):
                     choice = self._choose(model, self.root_device, devices, self.num_nodes)
                 except Exception as e:  # noqa: BLE001 -- re-raised below, after the other ranks have it
                     error = e
-                box = [(choice, None if error is None else (type(error).__name__, str(error)))]
+                box = [(choice, None if error is None else describe_error(error))]
             torch.distributed.broadcast_object_list(box, src=0)
             choice, failed = box[0]
             if error is not None:
                 raise error
             if failed is not None:
-                kind, msg = failed
-                same: dict[str, type[Exception]] = {"ValueError": ValueError, "TypeError": TypeError}
-                raise same.get(kind, RuntimeError)(msg if kind in same else f"AutoStrategy on rank 0: {kind}: {msg}")
+                raise rebuild_error(failed, where="AutoStrategy on rank 0: ")
             if self.policy == "measure":
                 choice = self._measure(model, choice)
         assert choice is not None
