@@ -22,7 +22,16 @@ import warnings
 from collections.abc import Iterable
 from typing import Any, TypeVar
 
-__all__ = ["check_bool", "check_bytes", "check_choice", "check_int", "check_number", "parse_bytes", "renamed_argument"]
+__all__ = [
+    "check_bool",
+    "check_bytes",
+    "check_callable",
+    "check_choice",
+    "check_int",
+    "check_number",
+    "parse_bytes",
+    "renamed_argument",
+]
 
 T = TypeVar("T")
 
@@ -132,6 +141,12 @@ def check_bool(name: str, value: Any, *, fix: str = "") -> bool:
     if not isinstance(value, bool):
         raise _fail(TypeError, name, "True or False", value, fix)
     return value
+
+
+def check_callable(name: str, value: Any, expected: str) -> None:
+    """``value`` must be callable or None (``expected`` says what it is called with); a ``TypeError`` otherwise."""
+    if value is not None and not callable(value):
+        raise TypeError(f"`{name}` must be {expected} or None, got {value!r} ({type(value).__name__}).")
 
 
 def parse_bytes(value: Any) -> int | None:

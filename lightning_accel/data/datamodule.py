@@ -22,7 +22,7 @@ import torch
 from lightning.pytorch import LightningDataModule
 from typing_extensions import override
 
-from lightning_accel._utils.checks import check_bool, check_bytes, check_choice, check_int
+from lightning_accel._utils.checks import check_bool, check_bytes, check_callable, check_choice, check_int
 from lightning_accel._utils.rank import node_rank
 from lightning_accel.data.augment import GpuAugment
 from lightning_accel.data.cache import SampleCache
@@ -100,12 +100,6 @@ def _check_tier_budget(name: str, value: object, budget: int | None, image_size:
             f"its B-tree pages and headroom{what}. Raise `{name}` to at least {need} bytes (e.g. '64MiB'), or set it "
             "to 0 to disable the tier."
         )
-
-
-def _check_callable(name: str, value: object, expected: str) -> None:
-    """``value`` must be callable or None (a TypeError in the one-line ``check_*`` form otherwise)."""
-    if value is not None and not callable(value):
-        raise TypeError(f"`{name}` must be {expected} or None, got {value!r} ({type(value).__name__}).")
 
 
 def _check_text(name: str, value: object, expected: str) -> None:
@@ -306,10 +300,10 @@ class CachedDataModule(LightningDataModule):
         _check_text("manifest", manifest, "a JSONL file under `origin` (a relative key such as 'train.jsonl')")
         _check_text("ram_dir", ram_dir, "a local directory path")
         check_int("seed", seed)
-        _check_callable("decode", decode, "a callable `decode(data: bytes) -> torch.Tensor`")
-        _check_callable("transform", transform, "a callable `transform(image: torch.Tensor) -> torch.Tensor`")
+        check_callable("decode", decode, "a callable `decode(data: bytes) -> torch.Tensor`")
+        check_callable("transform", transform, "a callable `transform(image: torch.Tensor) -> torch.Tensor`")
         for name, aug in (("train_augment", train_augment), ("val_augment", val_augment)):
-            _check_callable(name, aug, "a GpuAugment (or a callable `augment(images, train=...) -> images`)")
+            check_callable(name, aug, "a GpuAugment (or a callable `augment(images, train=...) -> images`)")
         check_bool("warm_on_prepare", warm_on_prepare)
         if prefetch is not None:
             check_bool("prefetch", prefetch, fix="None: only for remote origins.")

@@ -20,7 +20,7 @@ from typing_extensions import override
 
 from lightning_accel._utils import compat
 from lightning_accel._utils.atomic import atomic_write_bytes, atomic_write_text, is_local_url, strip_file_scheme
-from lightning_accel._utils.checks import check_bool, check_int, check_number
+from lightning_accel._utils.checks import check_bool, check_callable, check_int, check_number
 from lightning_accel._utils.patching import Patch, patch
 from lightning_accel._utils.paths import safe_join
 from lightning_accel._utils.rank import global_rank
@@ -129,8 +129,8 @@ class PerformanceMonitor(Callback):
         peak_flops = check_number(
             "peak_flops", peak_flops, low=0, low_open=True, allow_none=True, fix="Pass the device's FLOP/s."
         )
-        _check_callable("samples_fn", samples_fn, "a function `batch -> number of samples`")
-        _check_callable("tokens_fn", tokens_fn, "a function `batch -> number of tokens`")
+        check_callable("samples_fn", samples_fn, "a function `batch -> number of samples`")
+        check_callable("tokens_fn", tokens_fn, "a function `batch -> number of tokens`")
         self.log_every_n_steps = log_every_n_steps
         self.skip_steps = skip_steps
         self.count_flops = count_flops
@@ -488,11 +488,6 @@ class PerformanceMonitor(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         flops = state_dict.get("flops_per_step")
         self._flops.flops = int(flops) if flops is not None else None
-
-
-def _check_callable(name: str, value: Any, expected: str) -> None:
-    if value is not None and not callable(value):
-        raise TypeError(f"`{name}` must be {expected} or None, got {value!r} ({type(value).__name__}).")
 
 
 def _check_report_path(value: Any) -> str | None:
