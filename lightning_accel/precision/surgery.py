@@ -216,11 +216,6 @@ def _plan_sequential(seq: nn.Module, which: str) -> dict[int, tuple[int, str]]:
     return plan
 
 
-def _group_op(kind: str) -> str:
-    """``"conv"`` or ``"linear"``: the pattern of a planned group's kind."""
-    return "conv" if kind.startswith("conv_bn") else "linear"
-
-
 def _current_plan(m: nn.Module) -> dict[int, tuple[int, str]]:
     """The groups planned in ``m`` earlier that still hold the modules they were planned over."""
     plan: dict[int, tuple[int, str]] = getattr(m, "_la_plan", {})
@@ -244,7 +239,8 @@ def _seq_apply(which: str) -> Callable[[nn.Module], tuple[str, list[ParamSwap]]]
         # whose modules changed since is dropped: the container was edited after surgery)
         current = _current_plan(m)
         fresh = _plan_sequential(m, which)
-        plan = {i: v for i, v in current.items() if _group_op(v[1]) != which} | fresh
+        # `parse_kind`'s op is "conv_bn" or "linear"; `which` is "conv" or "linear"
+        plan = {i: v for i, v in current.items() if not fm.parse_kind(v[1])[0].startswith(which)} | fresh
         new = {i: v for i, v in fresh.items() if current.get(i) != v}
         fm.swap_class(m, fm.FusedSequentialMixin)
         mods = cast(list[nn.Module], list(compat.child_modules(m).values()))
