@@ -23,7 +23,14 @@ from lightning_accel.ops.linear_dropout import reference as ld_ref
 from lightning_accel.ops.linear_dropout import triton as ld_kernels
 from lightning_accel.ops.norm import layer_norm, rms_norm
 from lightning_accel.ops.norm import reference as norm_ref
-from tests.ops._cases import DTYPE_IDS, DTYPES, assert_close, assert_grad_close, leaves
+from tests.ops._cases import (
+    DTYPE_IDS,
+    DTYPES,
+    assert_close,
+    assert_grad_close,
+    conv_bn_batch_edge_against_eager,
+    leaves,
+)
 
 torch.set_num_threads(1)
 
@@ -173,3 +180,9 @@ def test_conv_bn_backward_split_over_a_large_batch() -> None:
     cbr_ref.conv_bn_relu(xr, wr, None, gr, ber, None, None, True, 0.1, 1e-5, activation="silu").backward(dy)
     for got, want in ((xs.grad, xr.grad), (ws.grad, wr.grad), (gs.grad, gr.grad), (bes.grad, ber.grad)):
         assert_grad_close(got, want, 1e-5, 1e-5)
+
+
+@pytest.mark.parametrize(("shape", "padding"), [((0, 3, 5, 5), 1), ((1, 3, 1, 1), 1)], ids=["empty", "one_value"])
+def test_conv_bn_batch_edge_cases_match_eager(shape: tuple[int, int, int, int], padding: int) -> None:
+    """An empty batch and one value per channel on the Triton path behave as eager BatchNorm2d in training."""
+    conv_bn_batch_edge_against_eager("triton", shape, padding)

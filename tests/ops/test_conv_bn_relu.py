@@ -3,11 +3,20 @@ eval-mode folding, autocast, saved-memory accounting and gradcheck."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
 from lightning_accel.ops.conv_bn_relu import ConvBNReLUFunction, conv_bn_relu, fold_bn_into_conv, reference
-from tests.ops._cases import DTYPE_IDS, DTYPES, assert_close, assert_grad_close, leaves
+from tests.ops._cases import (
+    DTYPE_IDS,
+    DTYPES,
+    assert_close,
+    assert_grad_close,
+    conv_bn_batch_edge_against_eager,
+    leaves,
+)
 
 # (N, C_in, H, W), C_out, kernel, stride, padding, groups
 CASES = [((3, 5, 9, 7), 6, 3, 2, 1, 1), ((2, 4, 5, 11), 8, 1, 1, 0, 2), ((1, 3, 6, 6), 3, 3, 1, "same", 3)]
@@ -144,3 +153,28 @@ def test_auto_is_eager_on_cpu_and_eager_matches() -> None:
 def test_bad_input_rank() -> None:
     with pytest.raises(ValueError, match="`x` must be a 4-D"):
         conv_bn_relu(torch.randn(3, 4, 5), torch.randn(2, 4, 1, 1), None, None, None, None, None, True, 0.1, 1e-5)
+
+
+# an empty batch (eager: empty output, zero gradients, running statistics untouched) and one value per channel after
+# the conv (eager: ValueError "Expected more than 1 value per channel when training")
+EDGE_BATCHES = [((0, 3, 5, 5), 1), ((0, 3, 5, 5), "same"), ((1, 3, 1, 1), 1), ((1, 3, 1, 1), "same")]
+EDGE_IDS = ["empty", "empty_same", "one_value", "one_value_same"]
+
+
+@pytest.mark.parametrize(("shape", "padding"), EDGE_BATCHES, ids=EDGE_IDS)
+@pytest.mark.parametrize("backend", ["auto", "eager", "reference"])
+def test_batch_edge_cases_match_eager(backend: str, shape: tuple[int, int, int, int], padding: int | str) -> None:
+    conv_bn_batch_edge_against_eager(backend, shape, padding)
+
+
+def test_empty_batch_through_the_function_warns_nothing_and_keeps_running_stats() -> None:
+    x, w = torch.randn(0, 2, 4, 4, requires_grad=True), torch.randn(3, 2, 3, 3, requires_grad=True)
+    rm, rv = torch.full((3,), 0.5), torch.full((3,), 2.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a variance over no values warns in torch
+        y = ConvBNReLUFunction.apply(x, w, None, None, None, rm, rv, 0.1, 1e-5, (1, 1, 1, 1), True)
+        y.sum().backward()
+    assert y.shape == (0, 3, 4, 4)
+    assert w.grad is not None and not w.grad.any()
+    torch.testing.assert_close(rm, torch.full((3,), 0.5))
+    torch.testing.assert_close(rv, torch.full((3,), 2.0))

@@ -115,6 +115,32 @@ def test_conv_bn_act_in_a_sequential_subclass(act: str) -> None:
     assert report.coverage() == 1.0 and report.coverage_by_kind() == {"conv_bn": (2, 2)}
 
 
+@pytest.mark.parametrize("shape", [(0, 3, 5, 5), (1, 3, 1, 1)], ids=["empty", "one_value_per_channel"])
+def test_conv_bn_act_batch_edge_cases_as_eager(shape: tuple[int, int, int, int]) -> None:
+    """An empty batch: empty output, zero gradients, running statistics untouched, one more batch tracked. One value
+    per channel in training: eager's ValueError. The fused forward (reference backend) does what eager does."""
+    torch.manual_seed(0)
+    model = nn.Sequential(ConvNormAct(3, 4, nn.ReLU(inplace=True)))
+    eager = copy.deepcopy(model)
+    apply_fusions(model, backend="reference", warn_if_empty=False)
+    x = torch.randn(shape)
+    if shape[0] == 0:
+        y, ye = model(x), eager(x)
+        assert y.shape == ye.shape == (0, 4, 5, 5)
+        y.sum().backward()
+        ye.sum().backward()
+        for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+            assert p.grad is not None and q.grad is not None
+            torch.testing.assert_close(p.grad, q.grad)
+    else:
+        with pytest.raises(ValueError, match="Expected more than 1 value per channel when training"):
+            eager(x)
+        with pytest.raises(ValueError, match="Expected more than 1 value per channel when training"):
+            model(x)
+    for ba, bb in zip(model.buffers(), eager.buffers(), strict=True):
+        torch.testing.assert_close(ba, bb)  # running statistics and num_batches_tracked
+
+
 class MLPLike(nn.Sequential):
     """The layout of torchvision's MLPBlock: Linear, GELU, Dropout, Linear, Dropout."""
 

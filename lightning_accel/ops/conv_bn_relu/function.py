@@ -30,6 +30,12 @@ class ConvBNReLUFunction(torch.autograd.Function):
     ``running_mean``/``running_var`` (optional) are updated in place with ``momentum`` like ``nn.BatchNorm2d`` does
     (unbiased variance). ``relu`` is True/False (ReLU or none) or an activation name; ``on_triton`` runs the
     batch-norm + activation passes in the Triton kernels.
+
+    Batches behave as in eager ``nn.BatchNorm2d`` training: an empty one (N = 0) gives an empty output, zero gradients
+    and unchanged running statistics; one with a single value per channel (N * H_out * W_out = 1) raises.
+
+    Raises:
+        ValueError: ``Expected more than 1 value per channel when training`` for a single value per channel.
     """
 
     @staticmethod
@@ -50,6 +56,9 @@ class ConvBNReLUFunction(torch.autograd.Function):
     ) -> torch.Tensor:
         act = reference.resolve_activation(relu)
         y = F.conv2d(x, weight, bias, *conv_args)
+        count = reference.check_batch_values(y)
+        # an empty batch has nothing for a kernel to do (and an empty launch grid): the torch path returns it as is
+        on_triton = on_triton and count > 0
         if on_triton:
             from lightning_accel.ops.conv_bn_relu import triton as kernels
 
@@ -63,7 +72,8 @@ class ConvBNReLUFunction(torch.autograd.Function):
         else:
             out, mean, invstd, unbiased_var = reference.bn_relu_forward(y, bn_weight, bn_bias, eps, act)
         del y  # the point of the fusion: the conv output is not kept for backward
-        if running_mean is not None and running_var is not None:
+        # like eager BatchNorm, an empty batch leaves the running statistics alone (its statistics are undefined)
+        if running_mean is not None and running_var is not None and count > 0:
             running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
             running_var.mul_(1 - momentum).add_(unbiased_var.to(running_var.dtype), alpha=momentum)
         ctx.save_for_backward(x, weight, bias, bn_weight, bn_bias, mean, invstd)
@@ -141,7 +151,9 @@ def conv_bn_relu(
     ``backend``: ``"auto"`` uses the fused function on CUDA (where activation memory is what limits batch size), with
     the Triton batch-norm + activation kernels when Triton is installed, and the eager oracle elsewhere (on a CPU the
     recomputed convolution costs more time than the memory is worth); ``"reference"`` forces the fused function's
-    torch path, ``"triton"`` its kernels (CUDA, or the interpreter); ``"eager"`` forces the oracle.
+    torch path, ``"triton"`` its kernels (CUDA, or the interpreter); ``"eager"`` forces the oracle. Every backend
+    treats an empty batch and a batch of one value per channel as eager ``nn.BatchNorm2d`` does (see
+    :class:`ConvBNReLUFunction`).
     """
     if x.dim() != 4:
         raise ValueError(f"`x` must be a 4-D (N, C, H, W) tensor, got shape {tuple(x.shape)}.")
@@ -156,8 +168,6 @@ def conv_bn_relu(
     if not training and running_mean is not None and running_var is not None:
         w, b = fold_bn_into_conv(weight, bias, bn_weight, bn_bias, running_mean, running_var, eps)
         return activation_forward(F.conv2d(x, w, b, stride, padding, dilation, groups), act)
-    if x.numel() == 0:
-        raise ValueError(f"BatchNorm in training needs a non-empty batch, got shape {tuple(x.shape)}.")
     device_type = x.device.type
     if torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)

@@ -14,7 +14,14 @@ import torch.nn.functional as F
 
 from lightning_accel.ops.activation import Activation, activation_backward, activation_forward, check_activation
 
-__all__ = ["bn_relu_backward", "bn_relu_forward", "conv_bn_relu", "fold_bn", "resolve_activation"]
+__all__ = [
+    "bn_relu_backward",
+    "bn_relu_forward",
+    "check_batch_values",
+    "conv_bn_relu",
+    "fold_bn",
+    "resolve_activation",
+]
 
 _DIMS = (0, 2, 3)
 
@@ -59,6 +66,23 @@ def resolve_activation(relu: bool | str, activation: str | None = None) -> Activ
     return "relu" if relu else "none"
 
 
+def check_batch_values(y: torch.Tensor) -> int:
+    """The number of values per channel (N * H * W) that batch statistics of the conv output ``y`` average over.
+
+    Raises:
+        ValueError: when that number is 1, with eager ``F.batch_norm``'s message: the variance of one value is 0 and
+            normalising it gives the bias alone, so eager training refuses it.
+    """
+    count = y.shape[0] * y.shape[2] * y.shape[3]
+    if count == 1:
+        raise ValueError(
+            f"Expected more than 1 value per channel when training, got input size {y.size()}: the batch norm "
+            "after the convolution averages over N * H_out * W_out = 1 value; train on more than one sample (or a "
+            "larger image), or evaluate with running statistics (`training=False`)."
+        )
+    return count
+
+
 def _acc(t: torch.Tensor) -> torch.Tensor:
     return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
 
@@ -85,9 +109,13 @@ def bn_relu_forward(
 
     Returns:
         ``(out, mean, invstd, unbiased_var)``; ``out`` has ``y``'s dtype, the statistics are float32 (float64 stays).
+        For an empty ``y`` the output is empty and the statistics are those of a zero variance (nothing uses them).
     """
     yf = _acc(y)
-    n = y.numel() // y.shape[1]
+    n = y.shape[0] * y.shape[2] * y.shape[3]
+    if n == 0:  # an empty batch (eager returns it as is): a variance over no values would warn and be NaN
+        var = yf.new_zeros(y.shape[1])
+        return torch.empty_like(y), var, torch.rsqrt(var + eps), var
     mean = yf.mean(_DIMS)
     var = yf.var(_DIMS, unbiased=False)
     invstd = torch.rsqrt(var + eps)
