@@ -5,14 +5,18 @@ model state per parameter):
 
 * **model state** ``b = 16`` for Adam: mixed precision keeps a 2-byte compute copy of each weight, a 2-byte gradient,
   a 4-byte fp32 master weight and two 4-byte moments (2 + 2 + 4 + 4 + 4); pure fp32 Adam is also 16 (4 + 4 + 4 + 4).
-  SGD with momentum is 12 in fp32. Pass ``bytes_per_param`` for other optimizers.
-* **DDP**: every device holds everything: ``b·P + A``.
+  SGD with momentum is 12 in fp32. Pass ``bytes_per_param`` for other optimizers. ``P`` counts the parameters that
+  train; a frozen one (``requires_grad=False``) has no gradient and no optimizer state and costs its weight alone, at
+  its own dtype's element size: ``W`` bytes for all of them (:func:`trainable_and_frozen`).
+* **DDP**: every device holds everything: ``b·P + W + A``.
 * **FSDP (ZeRO-3)**: state sharded over ``N``, plus the largest wrapped unit gathered in full for its forward and
   backward (2-byte weights and 2-byte gradients: ``4·L``, the term DeepSpeed's ``estimate_zero3_model_states_mem_needs``
-  uses): ``b·P/N + 4·L + A``.
-* **Pipeline** (``S = N`` stages, ``M`` micro-batches, 1F1B schedule): the heaviest stage's state, plus its share of
-  the activations for the micro-batches in flight (at most ``min(S, M)``, each ``1/M`` of the batch):
-  ``b·P_stage + A/S · min(S, M)/M``.
+  uses): ``(b·P + W)/N + 4·L + A``.
+* **Pipeline** (``S = N`` stages, ``M`` micro-batches, 1F1B schedule; ``A`` the activations of the batch the pipeline
+  runs): the heaviest stage's state (a parameter used by several stages counted in each: every one keeps a copy),
+  plus its share of the activations for the micro-batches in flight (at most ``min(S, M)``, each ``1/M`` of the
+  batch): ``b·P_stage + W_stage + A/S · min(S, M)/M``, with ``M`` by default :func:`default_microbatches`, what
+  ``PipelineStrategy`` runs.
 
 Activations are *measured* when they can be: :func:`measure_activation_bytes` runs one forward and backward of an
 example batch and sums the distinct tensors autograd saved for backward. Parameters are excluded, and so are the
@@ -50,9 +54,12 @@ __all__ = [
     "estimate_fsdp",
     "estimate_pipeline",
     "estimate_tensor_parallel",
+    "default_microbatches",
     "largest_unit_params",
     "measure_activation_bytes",
+    "pipeline_stage_parameters",
     "pipeline_stage_params",
+    "trainable_and_frozen",
     "transformer_shape",
 ]
 
@@ -60,6 +67,38 @@ __all__ = [
 ADAM_MIXED_BYTES_PER_PARAM = 16
 #: Attributes holding an attention module's head count (divided by a tensor-parallel size; read by the estimate).
 HEAD_ATTRIBUTES = ("n_head", "num_heads", "n_heads", "num_attention_heads")
+#: Micro-batches per pipeline rank in a step when none are given: 2 keeps every rank busy in 1F1B's steady state (at
+#: least one micro-batch per rank is required) without cutting the batch finer than needed.
+MICROBATCHES_PER_RANK = 2
+
+
+def default_microbatches(pipeline_size: int) -> int:
+    """Micro-batches per step of a pipeline of ``pipeline_size`` ranks when none are given:
+    ``MICROBATCHES_PER_RANK · pipeline_size``. The one rule the pipeline plans run with and their memory estimate
+    assumes."""
+    check_int("pipeline_size", pipeline_size, low=1)
+    return MICROBATCHES_PER_RANK * pipeline_size
+
+
+def trainable_and_frozen(params: Iterable[torch.Tensor]) -> tuple[int, int]:
+    """Split ``params`` (each counted once, however often listed) into what their model state costs.
+
+    Returns:
+        ``(P, W)``: the elements of the trainable parameters (each costs ``bytes_per_param``), and the bytes of the
+        frozen ones (``requires_grad=False``): their weights alone at their own dtype's element size, since a frozen
+        parameter has no gradient and no optimizer state, and autocast does not cache a low-precision copy of it.
+    """
+    seen: set[int] = set()
+    trainable = frozen = 0
+    for p in params:
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if p.requires_grad:
+            trainable += p.numel()
+        else:
+            frozen += p.numel() * p.element_size()
+    return trainable, frozen
 
 
 @dataclass(frozen=True)
@@ -322,47 +361,77 @@ def largest_unit_params(model: nn.Module, unit_types: Iterable[type[nn.Module]] 
     return max(sizes, default=sum(p.numel() for p in model.parameters()))
 
 
-def pipeline_stage_params(model: nn.Module, stages: int) -> list[int]:
-    """Parameters per stage when the longest block stack is cut into ``stages`` contiguous, balanced pieces; the
-    parameters outside the stack (embeddings, heads) go to the first stage (pessimistic: the first stage also holds
-    the embedding in most pipelines). Returns one number per stage."""
+def pipeline_stage_parameters(model: nn.Module, stages: int) -> list[list[nn.Parameter]]:
+    """The parameters each stage holds when the longest block stack is cut into ``stages`` contiguous, balanced
+    pieces; the parameters outside the stack (embeddings, heads) go to the first stage (pessimistic: the first stage
+    also holds the embedding in most pipelines). A parameter used by blocks on several stages (the same block
+    repeated, tied weights) is listed for each of them: every stage that runs it keeps a copy with its own gradient
+    and optimizer state, as ``PipelineStrategy`` does. Returns one list per stage, each parameter once in it."""
     check_int("stages", stages, low=1)
     blocks = _block_lists(model)
-    total = sum(p.numel() for p in model.parameters())
-    if not blocks:
-        return [total] + [0] * (stages - 1)
-    # a parameter shared between blocks (the same block repeated, tied weights) is held once, by the first block
-    # that has it: counted per block it would exceed `total` and leave `outside` negative
+    held: list[dict[int, nn.Parameter]] = [{} for _ in range(stages)]
+    # the split balances each block's parameters not seen in an earlier block: a shared one weighs on it once
     seen: set[int] = set()
     sizes = []
     for b in blocks:
         sizes.append(sum(p.numel() for p in b.parameters() if id(p) not in seen))
         seen.update(id(p) for p in b.parameters())
-    outside = total - sum(sizes)
-    out = [0] * stages
     target = sum(sizes) / stages
     stage, acc = 0, 0
-    for s in sizes:  # greedy contiguous split
+    for b, s in zip(blocks, sizes, strict=True):  # greedy contiguous split
         if acc >= target and stage < stages - 1:
             stage, acc = stage + 1, 0
-        out[stage] += s
         acc += s
-    out[0] += outside
-    return out
+        for p in b.parameters():
+            held[stage].setdefault(id(p), p)
+    for p in model.parameters():
+        if id(p) not in seen:
+            held[0].setdefault(id(p), p)
+    return [list(h.values()) for h in held]
 
 
-def estimate_ddp(params: int, activations: int, *, bytes_per_param: int = ADAM_MIXED_BYTES_PER_PARAM) -> MemoryEstimate:
-    """``b·P + A``: every device holds the full model state."""
-    return MemoryEstimate("ddp", bytes_per_param * params, 0, activations, f"{bytes_per_param}·P + A")
+def pipeline_stage_params(model: nn.Module, stages: int) -> list[int]:
+    """Parameters per stage of :func:`pipeline_stage_parameters` (a parameter shared by several stages counts in
+    each). Returns one number per stage."""
+    return [sum(p.numel() for p in ps) for ps in pipeline_stage_parameters(model, stages)]
+
+
+def estimate_ddp(
+    params: int, activations: int, *, bytes_per_param: int = ADAM_MIXED_BYTES_PER_PARAM, frozen_bytes: int = 0
+) -> MemoryEstimate:
+    """``b·P + W + A``: every device holds the full model state.
+
+    Args:
+        params: parameters that train (each costs ``bytes_per_param``; all of them when ``frozen_bytes`` is 0).
+        activations: activation bytes of one per-device batch.
+        bytes_per_param: model-state bytes per trainable parameter.
+        frozen_bytes: bytes of the frozen parameters' weights (no gradient, no optimizer state; see
+            :func:`trainable_and_frozen`).
+    """
+    return MemoryEstimate(
+        "ddp",
+        bytes_per_param * params + frozen_bytes,
+        0,
+        activations,
+        f"{bytes_per_param}·P + W + A" if frozen_bytes else f"{bytes_per_param}·P + A",
+    )
 
 
 def estimate_fsdp(
-    params: int, activations: int, world: int, largest_unit: int, *, bytes_per_param: int = ADAM_MIXED_BYTES_PER_PARAM
+    params: int,
+    activations: int,
+    world: int,
+    largest_unit: int,
+    *,
+    bytes_per_param: int = ADAM_MIXED_BYTES_PER_PARAM,
+    frozen_bytes: int = 0,
 ) -> MemoryEstimate:
-    """``b·P/N + 4·L + A``: state sharded over ``world`` devices, the largest unit gathered for compute."""
+    """``(b·P + W)/N + 4·L + A``: state sharded over ``world`` devices, the largest unit gathered for compute
+    (``params`` and ``frozen_bytes`` as for :func:`estimate_ddp`; ``largest_unit`` counts all its parameters)."""
     check_int("world", world, low=1)
-    state = -(-bytes_per_param * params // world)  # ceil
-    return MemoryEstimate("fsdp", state, 4 * largest_unit, activations, f"{bytes_per_param}·P/{world} + 4·L + A")
+    state = -(-(bytes_per_param * params + frozen_bytes) // world)  # ceil
+    formula = f"({bytes_per_param}·P + W)/{world}" if frozen_bytes else f"{bytes_per_param}·P/{world}"
+    return MemoryEstimate("fsdp", state, 4 * largest_unit, activations, formula + " + 4·L + A")
 
 
 def estimate_pipeline(
@@ -371,16 +440,32 @@ def estimate_pipeline(
     *,
     microbatches: int | None = None,
     bytes_per_param: int = ADAM_MIXED_BYTES_PER_PARAM,
+    stage_frozen_bytes: list[int] | None = None,
 ) -> MemoryEstimate:
-    """``b·P_stage + A/S · min(S, M)/M`` for the heaviest stage (1F1B; ``M`` defaults to ``4·S``)."""
+    """``b·P_stage + W_stage + A/S · min(S, M)/M`` for the heaviest stage (1F1B).
+
+    Args:
+        stage_params: per stage, the parameters it trains (a parameter several stages hold counts in each).
+        activations: activation bytes of the whole batch the pipeline runs in one step (all its micro-batches).
+        microbatches: ``M``, micro-batches per step (None: :func:`default_microbatches` of the ``S`` stages, what
+            ``PipelineStrategy`` runs without one).
+        bytes_per_param: model-state bytes per trainable parameter.
+        stage_frozen_bytes: per stage, the bytes of its frozen parameters' weights (None: none frozen).
+    """
     s = len(stage_params)
     if s < 1:
         raise ValueError(f"`stage_params` must list at least one stage's parameter count, got {stage_params!r}.")
-    m = microbatches or 4 * s
+    frozen = list(stage_frozen_bytes) if stage_frozen_bytes is not None else [0] * s
+    if len(frozen) != s:
+        raise ValueError(
+            f"`stage_frozen_bytes` lists {len(frozen)} stage(s) and `stage_params` {s}: give one number per stage."
+        )
+    m = microbatches or default_microbatches(s)
     act = int(activations / s * min(s, m) / m)
-    return MemoryEstimate(
-        "pipeline", bytes_per_param * max(stage_params), 0, act, f"{bytes_per_param}·P_stage + A/{s}·{min(s, m)}/{m}"
-    )
+    state = max(bytes_per_param * p + w for p, w in zip(stage_params, frozen, strict=True))
+    w = " + W_stage" if any(frozen) else ""
+    formula = f"{bytes_per_param}·P_stage{w} + A/{s}·{min(s, m)}/{m}"
+    return MemoryEstimate("pipeline", state, 0, act, formula)
 
 
 def estimate_tensor_parallel(
@@ -391,16 +476,18 @@ def estimate_tensor_parallel(
     largest_unit: int,
     *,
     bytes_per_param: int = ADAM_MIXED_BYTES_PER_PARAM,
+    frozen_bytes: int = 0,
+    split_frozen_bytes: int = 0,
 ) -> MemoryEstimate:
-    """``b·(P - P_tp + P_tp/N) + 4·L/N + A``: the split matrices' state divided over ``world`` tensor-parallel
-    ranks, the rest replicated, the largest block gathered a ``1/N`` slice at a time; activations counted whole (a
-    pessimistic bound: the split layers' activations shrink too)."""
+    """``b·(P - P_tp + P_tp/N) + W - W_tp + W_tp/N + 4·L/N + A``: the split matrices' state divided over ``world``
+    tensor-parallel ranks, the rest replicated, the largest block gathered a ``1/N`` slice at a time; activations
+    counted whole (a pessimistic bound: the split layers' activations shrink too). ``params`` / ``split_params``
+    count trainable parameters, ``frozen_bytes`` / ``split_frozen_bytes`` the frozen weights' bytes (all, and those of
+    the split matrices), as for :func:`estimate_ddp`."""
     check_int("world", world, low=1)
-    state = bytes_per_param * (params - split_params) + -(-bytes_per_param * split_params // world)
-    return MemoryEstimate(
-        "tp",
-        state,
-        -(-4 * largest_unit // world),
-        activations,
-        f"{bytes_per_param}·(P-P_tp+P_tp/{world}) + 4·L/{world} + A",
-    )
+    split = bytes_per_param * split_params + split_frozen_bytes
+    state = bytes_per_param * (params - split_params) + frozen_bytes - split_frozen_bytes + -(-split // world)
+    formula = f"{bytes_per_param}·(P-P_tp+P_tp/{world}) + 4·L/{world} + A"
+    if frozen_bytes:
+        formula = formula.replace(" + 4·L", f" + W-W_tp+W_tp/{world} + 4·L", 1)
+    return MemoryEstimate("tp", state, -(-4 * largest_unit // world), activations, formula)

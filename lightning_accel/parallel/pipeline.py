@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_accel._utils.checks import check_choice, check_int
+from lightning_accel.parallel.estimate import trainable_and_frozen
 
 __all__ = [
     "SCHEDULES",
@@ -74,14 +75,16 @@ def find_pipeline_modules(module: nn.Module) -> list[nn.Module]:
     )
 
 
-def _params(m: nn.Module) -> int:
-    return sum(p.numel() for p in m.parameters())
+def _state_bytes(m: nn.Module, bytes_per_param: int) -> int:
+    trainable, frozen = trainable_and_frozen(m.parameters())
+    return bytes_per_param * trainable + frozen
 
 
 def piece_costs(pieces: Sequence[nn.Module], example_input: Any = None, *, bytes_per_param: int = 16) -> list[int]:
-    """Bytes each piece costs on its stage: ``bytes_per_param · parameters`` plus the activations autograd saves for
-    its backward, measured by running ``example_input`` through the pieces in order (one forward, no backward;
-    0 without an example)."""
+    """Bytes each piece costs on its stage: ``bytes_per_param`` per trainable parameter, a frozen one's weight bytes
+    alone (no gradient, no optimizer state; :func:`~lightning_accel.parallel.estimate.trainable_and_frozen`), plus the
+    activations autograd saves for its backward, measured by running ``example_input`` through the pieces in order
+    (one forward, no backward; 0 without an example)."""
     acts = [0] * len(pieces)
     if example_input is not None:
         x = example_input
@@ -102,7 +105,7 @@ def piece_costs(pieces: Sequence[nn.Module], example_input: Any = None, *, bytes
                 x = p(x)
             acts[i] = int(sum(seen.values()))
             x = x.detach()
-    return [bytes_per_param * _params(p) + a for p, a in zip(pieces, acts, strict=False)]
+    return [_state_bytes(p, bytes_per_param) + a for p, a in zip(pieces, acts, strict=False)]
 
 
 def balance_stages(costs: Sequence[float], stages: int) -> list[tuple[int, int]]:

@@ -42,6 +42,7 @@ from lightning_accel.parallel.estimate import (
     ADAM_MIXED_BYTES_PER_PARAM,
     MemoryEstimate,
     count_layers,
+    default_microbatches,
     estimate_activation_bytes,
     estimate_ddp,
     estimate_fsdp,
@@ -49,10 +50,11 @@ from lightning_accel.parallel.estimate import (
     estimate_tensor_parallel,
     largest_unit_params,
     measure_activation_bytes,
-    pipeline_stage_params,
+    pipeline_stage_parameters,
+    trainable_and_frozen,
     transformer_shape,
 )
-from lightning_accel.parallel.pipeline import batch_tensors, find_pipeline_modules
+from lightning_accel.parallel.pipeline import balance_stages, batch_tensors, find_pipeline_modules, piece_costs
 from lightning_accel.parallel.plans import tensor_parallel_plan
 
 __all__ = [
@@ -68,6 +70,8 @@ __all__ = [
 ]
 
 POLICIES = ("memory", "rules", "measure")
+#: how a chosen pipeline reads its batch, as ``PipelineStrategy``'s ``batch_split``
+_BATCH_SPLITS = ("data_parallel", "world")
 
 #: plan -> the strategy name a Trainer runs it with
 PLAN_STRATEGY = {
@@ -190,6 +194,7 @@ def select_strategy(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     onebit_break_even: float | None = None,
     activation_scale: float = 1.0,
+    batch_split: str = "data_parallel",
 ) -> StrategyChoice:
     """Choose data, sharded or pipeline parallelism for ``model`` on ``devices × num_nodes`` devices.
 
@@ -207,12 +212,17 @@ def select_strategy(
         policy: ``"memory"`` (estimate and fit) or ``"rules"`` (the rule-of-thumb thresholds).
         headroom: fraction of device memory kept free for the CUDA context, allocator caching and workspaces.
         bytes_per_param: model-state bytes per parameter (16: Adam, mixed precision or fp32).
-        microbatches: pipeline micro-batches (None: ``4 × stages``).
+        microbatches: pipeline micro-batches (None: ``2 × stages``,
+            :func:`~lightning_accel.parallel.estimate.default_microbatches`, what ``PipelineStrategy`` runs).
         loss_fn: ``output -> scalar`` for the measurement (default: sum of the output).
         onebit_break_even: override the break-even bandwidth in Gbit/s (None: measured from ``example_batch``'s
             backward time, else :data:`DEFAULT_ONEBIT_BREAK_EVEN_GBPS`).
         activation_scale: multiply measured activations (and backward time) by this, e.g. ``per-device batch /
             example batch`` when the example batch is smaller than the real one (activations grow linearly with it).
+        batch_split: the batch a chosen pipeline runs, as ``PipelineStrategy(batch_split=...)`` reads it:
+            ``"data_parallel"`` (``strategy="pipeline"``'s default: the per-device batch) or ``"world"`` (every
+            device's batch gathered into one, ``world ×`` the per-device batch: what ``AutoStrategy`` runs). The
+            pipeline's activations are estimated for that batch.
 
     Returns:
         A :class:`StrategyChoice`; ``strategy, why = select_strategy(...)`` also works.
@@ -231,6 +241,7 @@ def select_strategy(
         bytes_per_param=bytes_per_param,
         microbatches=microbatches,
         onebit_break_even=onebit_break_even,
+        batch_split=batch_split,
     )
     if policy == "measure":  # the estimates decide what is a candidate; `choose_by_trial` then measures them
         policy = "memory"
@@ -249,13 +260,19 @@ def select_strategy(
     facts["activations_source"] = "measured" if act.measured else ("estimated" if act.bytes else "none")
     if act.measured:
         facts["backward_s"] = act.backward_s
-    ests = _estimates(model, params, act.bytes, world, microbatches, bytes_per_param)
+    # a frozen parameter (`requires_grad=False`) keeps its weight only: no gradient, no optimizer state
+    trainable, frozen_bytes = trainable_and_frozen(model.parameters())
+    facts["trainable_params"], facts["frozen_bytes"] = trainable, frozen_bytes
+    # the pipeline runs its own batch (the gathered one with `batch_split="world"`) cut into its micro-batches
+    facts["pipeline_microbatches"] = microbatches or default_microbatches(world)
+    facts["pipeline_activations"] = act.bytes * (world if batch_split == "world" else 1)
+    ests = _estimates(model, act.bytes, world, bytes_per_param, facts)
     table = "; ".join(f"{k} {_gb(e.total)} ({e.formula})" for k, e in ests.items())
     head = (
         f"{params / 1e6:.1f} M parameters, {world} device(s) with {_gb(capacity_total)} each "
         f"({_gb(capacity)} usable at {headroom:.0%} headroom); {act.note}. Per device: {table}."
     )
-    be, be_src = _break_even(onebit_break_even, act, params, world)
+    be, be_src = _break_even(onebit_break_even, act, trainable, world)  # only trainable parameters have gradients
     facts["onebit_break_even_gbps"] = be
     case = _Case(num_nodes, world, capacity, act.bytes, ests, head, be, be_src, inter_node_gbps, policy, facts)
     if case.fits("ddp"):
@@ -275,6 +292,7 @@ def _check_arguments(
     bytes_per_param: float = ADAM_MIXED_BYTES_PER_PARAM,
     microbatches: int | None = None,
     onebit_break_even: float | None = None,
+    batch_split: str = "data_parallel",
 ) -> None:
     """Raise ``ValueError`` (``TypeError`` for a wrong type) for a bad :func:`select_strategy` argument (named, with
     the value and the fix). ``AutoStrategy.__init__`` calls it too, so a bad value fails where it is written, on
@@ -289,6 +307,7 @@ def _check_arguments(
     check_number("bytes_per_param", bytes_per_param, low=0, low_open=True, fix="E.g. 16 for Adam.")
     check_int("microbatches", microbatches, low=1, allow_none=True)
     check_number("onebit_break_even", onebit_break_even, low=0, low_open=True, allow_none=True, fix="In Gbit/s.")
+    check_choice("batch_split", batch_split, _BATCH_SPLITS)
 
 
 def _by_rules(params: int, layers: int, world: int, facts: dict[str, Any]) -> StrategyChoice:
@@ -358,45 +377,69 @@ def _activations(
 
 
 def _estimates(
-    model: nn.Module, params: int, acts: int, world: int, microbatches: int | None, bytes_per_param: int
+    model: nn.Module, acts: int, world: int, bytes_per_param: int, facts: dict[str, Any]
 ) -> dict[str, MemoryEstimate]:
     """Bytes per device of each plan, in the order of preference (data parallel < sharded < tensor parallel <
-    pipeline: each adds communication on the critical path or idle time)."""
-    tp_params, tp_blocker = _tensor_parallel_params(model, world)
+    pipeline: each adds communication on the critical path or idle time). Trainable parameters cost
+    ``bytes_per_param``, frozen ones their weight bytes (``facts``' ``trainable_params`` / ``frozen_bytes``); the
+    pipeline's activations and micro-batches are ``facts``' ``pipeline_activations`` / ``pipeline_microbatches``."""
+    trainable, frozen = facts["trainable_params"], facts["frozen_bytes"]
+    largest = largest_unit_params(model)
+    tp_split, tp_blocker = _tensor_parallel_params(model, world)
+    stages, pp_blocker = _pipeline_stages(model, world, bytes_per_param)
+    per_stage = [trainable_and_frozen(ps) for ps in stages]
     pipeline = estimate_pipeline(
-        pipeline_stage_params(model, world), acts, microbatches=microbatches, bytes_per_param=bytes_per_param
+        [p for p, _ in per_stage],
+        facts["pipeline_activations"],
+        microbatches=facts["pipeline_microbatches"],
+        bytes_per_param=bytes_per_param,
+        stage_frozen_bytes=[w for _, w in per_stage],
     )
     tp = estimate_tensor_parallel(
-        params, tp_params, acts, world, largest_unit_params(model), bytes_per_param=bytes_per_param
+        trainable,
+        tp_split[0],
+        acts,
+        world,
+        largest,
+        bytes_per_param=bytes_per_param,
+        frozen_bytes=frozen,
+        split_frozen_bytes=tp_split[1],
     )
     return {
-        "ddp": estimate_ddp(params, acts, bytes_per_param=bytes_per_param),
-        "fsdp": estimate_fsdp(params, acts, world, largest_unit_params(model), bytes_per_param=bytes_per_param),
+        "ddp": estimate_ddp(trainable, acts, bytes_per_param=bytes_per_param, frozen_bytes=frozen),
+        "fsdp": estimate_fsdp(trainable, acts, world, largest, bytes_per_param=bytes_per_param, frozen_bytes=frozen),
         "tp": dataclasses.replace(tp, blocker=tp_blocker),
-        "pipeline": dataclasses.replace(pipeline, blocker=_pipeline_blocker(model, world)),
+        "pipeline": dataclasses.replace(pipeline, blocker=pp_blocker),
     }
 
 
-def _tensor_parallel_params(model: nn.Module, world: int) -> tuple[int, str]:
-    """Parameters of the ``Linear`` layers the tensor-parallel plan splits over ``world``, and why it cannot run
-    ("" when it can)."""
+def _tensor_parallel_params(model: nn.Module, world: int) -> tuple[tuple[int, int], str]:
+    """The ``Linear`` layers the tensor-parallel plan splits over ``world``: their trainable parameters and frozen
+    weight bytes (:func:`~lightning_accel.parallel.estimate.trainable_and_frozen`), and why it cannot run ("" when
+    it can)."""
     try:
         plan = tensor_parallel_plan(model, max(1, world))
     except ValueError as e:
-        return 0, f"cannot split: {one_line(str(e))}"
+        return (0, 0), f"cannot split: {one_line(str(e))}"
     mods = dict(model.named_modules())
-    return sum(p.numel() for name in plan for p in mods[name].parameters()), ""
+    return trainable_and_frozen(p for name in plan for p in mods[name].parameters()), ""
 
 
-def _pipeline_blocker(model: nn.Module, world: int) -> str:
-    """Why a ``world``-stage pipeline cannot split ``model`` ("" when it can)."""
+def _pipeline_stages(model: nn.Module, world: int, bytes_per_param: int) -> tuple[list[list[nn.Parameter]], str]:
+    """The parameters each of ``world`` pipeline stages holds, and why a pipeline cannot split ``model`` ("" when it
+    can). The stages are ``PipelineStrategy``'s: its pieces, balanced by :func:`piece_costs` (on model state: the
+    strategy also weighs the activations of ``example_input_array``, which this does not run), each stage holding
+    every parameter its pieces use, so a weight tied between stages (embedding and head) counts in each. A model the
+    pipeline cannot split gets the block-stack split of :func:`pipeline_stage_parameters` for the table."""
     try:
         pieces = find_pipeline_modules(model)
     except TypeError as e:
-        return f"cannot split: {one_line(str(e))}"
+        return pipeline_stage_parameters(model, world), f"cannot split: {one_line(str(e))}"
     if len(pieces) < world:
-        return f"cannot split: {len(pieces)} pipeline piece(s) for {world} stages"
-    return ""
+        blocker = f"cannot split: {len(pieces)} pipeline piece(s) for {world} stages"
+        return pipeline_stage_parameters(model, world), blocker
+    bounds = balance_stages(piece_costs(pieces, bytes_per_param=bytes_per_param), world)
+    return [list({id(p): p for piece in pieces[a:b] for p in piece.parameters()}.values()) for a, b in bounds], ""
 
 
 def _break_even(given: float | None, act: _Activations, params: int, world: int) -> tuple[float, str]:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_accel._utils.checks import check_choice
+from lightning_accel.parallel.estimate import default_microbatches
 from lightning_accel.parallel.pipeline import (
     PipelineRunner,
     find_pipeline_modules,
@@ -96,7 +97,8 @@ def plan_stepper(
         target: what ``loss_fn`` compares the output with (sliced like ``inputs``); None with the default loss.
         loss_fn: ``(output, target) -> scalar`` (default: the output's mean).
         lr: AdamW learning rate.
-        microbatches: pipeline micro-batches (default ``2 x world``).
+        microbatches: pipeline micro-batches (default ``2 x world``:
+            :func:`~lightning_accel.parallel.estimate.default_microbatches`).
         schedule: pipeline schedule.
     """
     check_choice("plan", plan, PLANS)
@@ -106,7 +108,7 @@ def plan_stepper(
     if plan == "pipeline":
         pieces = find_pipeline_modules(model)
         layout = pipeline_layout(piece_costs(pieces, inputs[:1]), world)
-        m = microbatches or 2 * world
+        m = microbatches or default_microbatches(world)
         runner = PipelineRunner(
             model, pieces, layout, rank=rank, device=device, schedule=schedule, microbatches=m, loss_fn=loss
         )

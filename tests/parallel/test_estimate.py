@@ -16,6 +16,12 @@ from lightning_accel.parallel import (
     measure_activation_bytes,
     pipeline_stage_params,
 )
+from lightning_accel.parallel.estimate import (
+    default_microbatches,
+    estimate_tensor_parallel,
+    pipeline_stage_parameters,
+    trainable_and_frozen,
+)
 
 
 def mlp(width: int = 256, depth: int = 4) -> nn.Sequential:
@@ -95,19 +101,48 @@ def test_bad_arguments() -> None:
         pipeline_stage_params(mlp(), 0)
 
 
-def test_parameters_shared_between_blocks_are_counted_once() -> None:
+def test_parameters_shared_between_blocks_count_on_every_stage_that_holds_them() -> None:
     block = nn.Linear(100, 100)
 
     class Shared(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.emb = nn.Linear(10, 100)
-            self.blocks = nn.ModuleList([block] * 4)  # the same block four times: its weights exist once
+            self.blocks = nn.ModuleList([block] * 4)  # the same block four times: its weights exist once per holder
 
     m = Shared()
-    total = sum(p.numel() for p in m.parameters())
-    stages = pipeline_stage_params(m, 2)
-    assert min(stages) >= 0 and sum(stages) == total
+    held = sum(p.numel() for p in block.parameters())
+    emb = sum(p.numel() for p in m.emb.parameters())
+    # both stages run the block, so both keep a copy (with its gradient and optimizer state): charged to each
+    assert pipeline_stage_params(m, 2) == [held + emb, held]
+    assert [len(ps) for ps in pipeline_stage_parameters(m, 2)] == [4, 2]  # weight + bias (+ the embedding's)
+
+
+def test_frozen_parameters_cost_their_weights_only() -> None:
+    m = mlp(256, 4)
+    for p in m[:3].parameters():  # a frozen backbone, a trainable head
+        p.requires_grad_(False)
+    m[:2].to(torch.bfloat16)  # a frozen weight costs its own dtype's element size
+    layer = 256 * 256
+    trainable, frozen = trainable_and_frozen([*m.parameters(), *m.parameters()])  # each counted once
+    assert (trainable, frozen) == (layer, 2 * 2 * layer + 4 * layer)
+    assert estimate_ddp(trainable, 0, frozen_bytes=frozen).model_state == 16 * layer + 8 * layer
+    assert estimate_ddp(trainable, 0, frozen_bytes=frozen).formula == "16·P + W + A"
+    assert estimate_fsdp(trainable, 0, world=2, largest_unit=layer, frozen_bytes=frozen).model_state == 12 * layer
+    pp = estimate_pipeline([0, layer], 0, stage_frozen_bytes=[4 * layer, 4 * layer])
+    assert pp.model_state == 20 * layer
+    tp = estimate_tensor_parallel(trainable, layer, 0, 2, layer, frozen_bytes=frozen, split_frozen_bytes=4 * layer)
+    assert tp.model_state == 8 * layer + 4 * layer + 2 * layer
+    with pytest.raises(ValueError, match="`stage_frozen_bytes` lists 1 stage"):
+        estimate_pipeline([1, 1], 0, stage_frozen_bytes=[0])
+
+
+def test_pipeline_micro_batches_default_to_what_the_strategy_runs() -> None:
+    assert default_microbatches(4) == 8
+    pp = estimate_pipeline([10, 10], 8000)  # 2 stages, 4 micro-batches of the batch, 2 in flight
+    assert pp.activations == 8000 // 2 * 2 // 4 and pp.formula.endswith("A/2·2/4")
+    with pytest.raises(ValueError, match="`pipeline_size`"):
+        default_microbatches(0)
 
 
 def test_measuring_activations_leaves_the_model_as_it_was() -> None:

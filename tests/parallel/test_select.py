@@ -247,3 +247,46 @@ def test_autocast_weight_copies_are_not_activations() -> None:
         bf16 = measure_activation_bytes(net, x).activation_bytes
     assert fp32 == 4 * 8 * 512 * 4  # each Linear's input
     assert bf16 == fp32 // 2  # the inputs in bf16; the bf16 weight copies (2 MB) are model state, not activations
+
+
+def test_a_frozen_backbone_keeps_data_parallel_where_it_fits() -> None:
+    m = mlp()
+    for p in m[:3].parameters():  # fine-tuning: a frozen backbone, one trainable layer
+        p.requires_grad_(False)
+    layer = 256 * 256
+    need = 16 * layer + 4 * 3 * layer  # the head's full Adam state, the backbone's fp32 weights alone
+    c = select_strategy(m, devices=2, device_memory_bytes=need, headroom=0.0)
+    assert (c.plan, c.fits) == ("ddp", True) and c.estimates["ddp"].total == need
+    assert c.facts["trainable_params"] == layer and c.facts["frozen_bytes"] == 12 * layer
+    assert c.estimates["fsdp"].model_state == need // 2
+    # the pipeline's stages: three frozen layers' weights on one, the trainable layer's state on the other
+    assert c.estimates["pipeline"].model_state == 16 * layer
+
+
+def test_a_weight_tied_between_stages_counts_on_each() -> None:
+    from lightning_accel.models.transformer import GPT
+
+    g = GPT(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=32, dropout=0.0)
+    assert g.head.weight is g.tok_emb.weight  # the embedding and the head share their weight
+    c = select_strategy(g, devices=2, device_memory_bytes=10**9)
+    pieces = g.pipeline_modules()
+    first = sum(p.numel() for piece in pieces[:2] for p in piece.parameters())  # the embedding and a block
+    last = sum(p.numel() for piece in pieces[2:] for p in piece.parameters())  # a block and the (tied) head
+    assert first + last > sum(p.numel() for p in g.parameters())  # the tied weight is held twice
+    assert c.estimates["pipeline"].model_state == 16 * max(first, last)
+
+
+def test_the_pipeline_estimate_runs_the_batch_and_micro_batches_of_the_plan() -> None:
+    x = torch.randn(64, 256)
+    acts = 4 * 64 * 256 * 4
+    c = select_strategy(mlp(), devices=2, device_memory_bytes=10**9, example_batch=x)
+    # `strategy="pipeline"`: the per-device batch, in 2 x 2 micro-batches of which 2 are in flight on a stage
+    assert c.facts["pipeline_microbatches"] == 4 and c.facts["pipeline_activations"] == acts
+    assert c.estimates["pipeline"].activations == acts // 2 * 2 // 4
+    w = select_strategy(mlp(), devices=2, device_memory_bytes=10**9, example_batch=x, batch_split="world")
+    assert w.facts["pipeline_activations"] == 2 * acts  # both devices' batches gathered into the pipeline's
+    assert w.estimates["pipeline"].activations == 2 * acts // 2 * 2 // 4
+    m8 = select_strategy(mlp(), devices=2, device_memory_bytes=10**9, example_batch=x, microbatches=8)
+    assert m8.estimates["pipeline"].activations == acts // 2 * 2 // 8
+    with pytest.raises(ValueError, match="`batch_split`"):
+        select_strategy(mlp(), devices=2, device_memory_bytes=10**9, batch_split="pipeline")

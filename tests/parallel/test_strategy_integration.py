@@ -115,7 +115,12 @@ def test_a_plan_that_fits_nowhere_is_refused_with_the_estimate() -> None:
         st.resolve(Deep(depth=3), accelerator="cpu", devices=2)
     loose = AutoStrategy(device_memory_bytes=500, allow_unfit=True)
     with pytest.warns(UserWarning, match="no plan fits"):
-        assert isinstance(loose.resolve(Deep(depth=3), accelerator="cpu", devices=2), PipelineStrategy)
+        built = loose.resolve(Deep(depth=3), accelerator="cpu", devices=2)
+    assert loose.choice is not None
+    ests = loose.choice.estimates
+    # the smallest estimate runs: FSDP here, the pipeline's activations being those of the global batch it runs
+    assert loose.choice.plan == min((k for k in ests if not ests[k].blocker), key=lambda k: ests[k].total) == "fsdp"
+    assert isinstance(built, ShardedStrategy)
 
 
 def test_pipeline_registered_and_bad_arguments() -> None:
@@ -310,3 +315,56 @@ def test_an_error_while_choosing_raises_on_every_rank() -> None:
 
     got = run_in_processes(_fail_to_choose, 2, init_process_group=False, timeout=120)
     assert got == ["the estimate cannot take this model"] * 2  # rank 1 raises it too, instead of waiting
+
+
+def test_resolve_estimates_the_pipeline_micro_batches_it_builds() -> None:
+    st = AutoStrategy(device_memory_bytes=10**9, example_batch_size=16, pipeline_kwargs={"microbatches": 8})
+    st.resolve(Deep(depth=4), accelerator="cpu", devices=2)
+    assert st.choice is not None
+    facts = st.choice.facts
+    assert facts["pipeline_microbatches"] == 8  # the `microbatches` the built PipelineStrategy runs
+    assert facts["pipeline_activations"] == 2 * facts["activations"]  # its batch: both devices' batches gathered
+
+
+class RecordsMicroBatches(Deep):
+    def __init__(self) -> None:
+        super().__init__(depth=8)
+        self.rows: list[int] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.rows.append(int(batch[0].shape[0]))  # the pipeline calls it with micro-batches only
+        return super().training_step(batch, batch_idx)
+
+
+def _estimated_and_built_pipeline(rank: int, world: int) -> dict[str, Any]:
+    from lightning_accel.parallel import select_strategy
+
+    torch.set_num_threads(1)
+    model = RecordsMicroBatches()
+    # the memory that fits the pipeline AutoStrategy estimates, and neither DDP nor FSDP
+    probe = select_strategy(
+        model, devices=2, device_memory_bytes=10**9, example_batch=model.example_input_array, batch_split="world"
+    )
+    st = AutoStrategy(device_memory_bytes=probe.estimates["pipeline"].total, headroom=0.0, example_batch_size=4)
+    t = trainer(st, devices=2, max_steps=1)
+    t.fit(model, loader())
+    assert st.choice is not None and isinstance(t.strategy, PipelineStrategy) and t.strategy.runner is not None
+    return {
+        "plan": st.choice.plan,
+        "estimated_microbatches": st.choice.facts["pipeline_microbatches"],
+        "estimated_activations": st.choice.facts["pipeline_activations"],
+        "activations": st.choice.facts["activations"],
+        "run_microbatches": t.strategy.runner.microbatches,
+        "rows": model.rows,
+    }
+
+
+def test_the_pipeline_estimate_describes_the_plan_that_runs() -> None:
+    from tests.helpers import run_in_processes
+
+    for got in run_in_processes(_estimated_and_built_pipeline, 2, init_process_group=False, timeout=300):
+        assert got["plan"] == "pipeline"
+        assert got["run_microbatches"] == got["estimated_microbatches"] == 4  # 2 x 2 ranks
+        # the estimate's batch is the one the plan runs: 2 ranks x 4 samples, cut into micro-batches of 8 / 4 rows
+        assert got["estimated_activations"] == 2 * got["activations"]
+        assert set(got["rows"]) == {2 * 4 // got["estimated_microbatches"]}

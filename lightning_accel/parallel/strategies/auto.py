@@ -176,6 +176,7 @@ class AutoStrategy(DDPStrategy):
             device_memory_bytes=device_memory_bytes,
             bytes_per_param=bytes_per_param,
             microbatches=(pipeline_kwargs or {}).get("microbatches"),
+            batch_split=(pipeline_kwargs or {}).get("batch_split", "world"),
         )
         super().__init__(**ddp_kwargs)
         self.policy = policy
@@ -260,12 +261,21 @@ class AutoStrategy(DDPStrategy):
             headroom=self.headroom,
             bytes_per_param=self.bytes_per_param,
             activation_scale=scale,
+            # the pipeline's estimate describes the one `_runnable` builds: its batch and its micro-batches
+            microbatches=self._pipeline_kwargs["microbatches"],
+            batch_split=self._pipeline_kwargs["batch_split"],
         )
+
+    @property
+    def _pipeline_kwargs(self) -> dict[str, Any]:
+        """``PipelineStrategy``'s arguments for a chosen pipeline: ``pipeline_kwargs`` over ``batch_split="world"``
+        (the chosen plan trains on DDP's global batch and steps per epoch)."""
+        return {"batch_split": "world", "microbatches": None, **self.pipeline_kwargs}
 
     def _runnable(self, name: str, devices: int) -> Strategy:
         # `batch_split="world"`: the chosen plan trains on DDP's global batch and steps per epoch
         if name == "pipeline":
-            return PipelineStrategy(**{"batch_split": "world", **self.pipeline_kwargs})
+            return PipelineStrategy(**self._pipeline_kwargs)
         kwargs = {"batch_split": "world", **self.sharded_kwargs}
         if name == "tp":
             kwargs.setdefault("tensor_parallel_size", devices)

@@ -17,6 +17,7 @@ from typing_extensions import override
 
 from lightning_accel._utils.checks import check_choice, check_int
 from lightning_accel._utils.patching import Patch, patch
+from lightning_accel.parallel.estimate import default_microbatches
 from lightning_accel.parallel.pipeline import (
     SCHEDULES,
     PipelineRunner,
@@ -97,7 +98,8 @@ class PipelineStrategy(DDPStrategy):
         pipeline_size: ranks per pipeline (None: the world size); ``world / pipeline_size`` replicas train data
             parallel.
         schedule: ``"1f1b"`` (default), ``"gpipe"`` or ``"interleaved1f1b"``.
-        microbatches: micro-batches per step (None: ``2 x pipeline_size``); must divide the batch size.
+        microbatches: micro-batches per step (None: ``2 x pipeline_size``,
+            :func:`~lightning_accel.parallel.estimate.default_microbatches`); must divide the batch size.
         stages_per_rank: stages per rank (interleaved: default 2).
         batch_split: ``"data_parallel"`` (the ranks of one pipeline read the same batch: the global batch is
             ``replicas x batch_size``) or ``"world"`` (the sampler splits over every rank, as DDP's, and each pipeline
@@ -230,7 +232,7 @@ class PipelineStrategy(DDPStrategy):
             rank=self.global_rank,
             device=self.root_device,
             schedule=self.schedule,
-            microbatches=self.microbatches or 2 * layout.pp,
+            microbatches=self.microbatches or default_microbatches(layout.pp),
             loss_fn=self._loss_fn,
         )
         rank_zero_info(
@@ -254,7 +256,7 @@ class PipelineStrategy(DDPStrategy):
             self._pp,
             self.stages_per_rank,
             self.schedule,
-            self.microbatches or 2 * self._pp,
+            self.microbatches or default_microbatches(self._pp),
             self.global_rank,
         )
         if have != want:
