@@ -219,10 +219,12 @@ def select_strategy(
             backward time, else :data:`DEFAULT_ONEBIT_BREAK_EVEN_GBPS`).
         activation_scale: multiply measured activations (and backward time) by this, e.g. ``per-device batch /
             example batch`` when the example batch is smaller than the real one (activations grow linearly with it).
-        batch_split: the batch a chosen pipeline runs, as ``PipelineStrategy(batch_split=...)`` reads it:
-            ``"data_parallel"`` (``strategy="pipeline"``'s default: the per-device batch) or ``"world"`` (every
-            device's batch gathered into one, ``world ×`` the per-device batch: what ``AutoStrategy`` runs). The
-            pipeline's activations are estimated for that batch.
+        batch_split: the batch a chosen model-parallel plan runs, as ``PipelineStrategy`` / ``ShardedStrategy``
+            ``(batch_split=...)`` read it: ``"data_parallel"`` (their default: the per-device batch) or ``"world"``
+            (the batches of a pipeline's or tensor-parallel group's devices gathered into one: ``world ×`` the
+            per-device batch for a pipeline over every device, ``devices ×`` for a tensor-parallel group, which spans
+            one node; what ``AutoStrategy`` runs). The pipeline's and tensor parallelism's activations are estimated
+            for that batch.
 
     Returns:
         A :class:`StrategyChoice`; ``strategy, why = select_strategy(...)`` also works.
@@ -266,6 +268,10 @@ def select_strategy(
     # the pipeline runs its own batch (the gathered one with `batch_split="world"`) cut into its micro-batches
     facts["pipeline_microbatches"] = microbatches or default_microbatches(world)
     facts["pipeline_activations"] = act.bytes * (world if batch_split == "world" else 1)
+    # tensor parallelism splits over the devices of one node (a group across nodes would put its per-layer
+    # collectives on the slow link), and with `batch_split="world"` each group runs its ranks' batches gathered
+    facts["tp_size"] = devices
+    facts["tp_activations"] = act.bytes * (devices if batch_split == "world" else 1)
     ests = _estimates(model, act.bytes, world, bytes_per_param, facts)
     table = "; ".join(f"{k} {_gb(e.total)} ({e.formula})" for k, e in ests.items())
     head = (
@@ -382,10 +388,12 @@ def _estimates(
     """Bytes per device of each plan, in the order of preference (data parallel < sharded < tensor parallel <
     pipeline: each adds communication on the critical path or idle time). Trainable parameters cost
     ``bytes_per_param``, frozen ones their weight bytes (``facts``' ``trainable_params`` / ``frozen_bytes``); the
-    pipeline's activations and micro-batches are ``facts``' ``pipeline_activations`` / ``pipeline_microbatches``."""
+    pipeline's activations and micro-batches are ``facts``' ``pipeline_activations`` / ``pipeline_microbatches``,
+    tensor parallelism's group size and activations ``facts``' ``tp_size`` / ``tp_activations``."""
     trainable, frozen = facts["trainable_params"], facts["frozen_bytes"]
     largest = largest_unit_params(model)
-    tp_split, tp_blocker = _tensor_parallel_params(model, world)
+    tp_size = facts["tp_size"]
+    tp_split, tp_blocker = _tensor_parallel_params(model, tp_size)
     stages, pp_blocker = _pipeline_stages(model, world, bytes_per_param)
     per_stage = [trainable_and_frozen(ps) for ps in stages]
     pipeline = estimate_pipeline(
@@ -398,8 +406,8 @@ def _estimates(
     tp = estimate_tensor_parallel(
         trainable,
         tp_split[0],
-        acts,
-        world,
+        facts["tp_activations"],
+        tp_size,
         largest,
         bytes_per_param=bytes_per_param,
         frozen_bytes=frozen,

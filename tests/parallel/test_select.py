@@ -290,3 +290,19 @@ def test_the_pipeline_estimate_runs_the_batch_and_micro_batches_of_the_plan() ->
     assert m8.estimates["pipeline"].activations == acts // 2 * 2 // 8
     with pytest.raises(ValueError, match="`batch_split`"):
         select_strategy(mlp(), devices=2, device_memory_bytes=10**9, batch_split="pipeline")
+
+
+def test_the_tensor_parallel_estimate_splits_over_one_node_and_runs_its_batch() -> None:
+    from lightning_accel.models.transformer import GPT
+
+    model = GPT(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, dropout=0.0)
+    x = torch.randint(0, 64, (4, 16))
+    one = select_strategy(model, devices=4, device_memory_bytes=10**10, example_batch=x)
+    two = select_strategy(model, devices=2, num_nodes=2, device_memory_bytes=10**10, example_batch=x)
+    # the plan AutoStrategy builds splits over the devices of one node: 4 ways on one node, 2 ways on two
+    assert one.facts["tp_size"] == 4 and two.facts["tp_size"] == 2
+    assert one.estimates["tp"].model_state < two.estimates["tp"].model_state
+    assert one.estimates["tp"].activations == two.estimates["tp"].activations == one.facts["activations"]
+    # `batch_split="world"`: the group runs its devices' batches gathered into one
+    w = select_strategy(model, devices=2, num_nodes=2, device_memory_bytes=10**10, example_batch=x, batch_split="world")
+    assert w.estimates["tp"].activations == 2 * w.facts["activations"]

@@ -263,8 +263,15 @@ class AutoStrategy(DDPStrategy):
             activation_scale=scale,
             # the pipeline's estimate describes the one `_runnable` builds: its batch and its micro-batches
             microbatches=self._pipeline_kwargs["microbatches"],
-            batch_split=self._pipeline_kwargs["batch_split"],
+            batch_split=self._model_parallel_batch_split,
         )
+
+    @property
+    def _model_parallel_batch_split(self) -> str:
+        """The batch the estimates give the model-parallel plans: ``"world"`` (gathered, the larger) when either the
+        pipeline or the tensor-parallel plan runs it, so neither estimate is optimistic."""
+        splits = {self._pipeline_kwargs["batch_split"], self.sharded_kwargs.get("batch_split", "world")}
+        return "world" if "world" in splits else "data_parallel"
 
     @property
     def _pipeline_kwargs(self) -> dict[str, Any]:
