@@ -8,7 +8,8 @@ overlap with backward, other tenants of the machine), so the run measures it at 
 **Real steps** (:class:`StepTrial`, what ``OneBitDDPStrategy`` does): the strategy times every optimizer step. At the
 end of warm-up it switches to the other mode for ``1 + steps`` steps (the first builds the compression state and is
 not timed), then compares the median of those steps with the median of the last ``steps`` steps before the switch
-(steps 0, which is DDP's first iteration, excluded). The figures include everything a step does (compression, the
+(the process's first step excluded: step 0, DDP's first iteration, or a resumed process's first; a resumed process
+times ``steps`` steps of its own before it tries). The figures include everything a step does (compression, the
 collectives, their overlap with backward, contention for the cores), measured minutes apart on the same job.
 
 **Buffers** (:func:`decide`, for the comm hook used without the strategy, and where there are no step times to
@@ -171,6 +172,12 @@ class StepTrial:
     Call :meth:`step_started` at the start of every optimizer step, before its backward, on every rank: it closes the
     previous step's interval, starts a trial where a decision is due, ends one (collective: every rank reaches the same
     step) and opens the next interval. ``clock`` returns seconds (replaceable in tests).
+
+    The first step it sees is never a reference step (step 0 is DDP's first iteration; a resumed process's first step
+    rebuilds DDP's buckets and warms its caches too). A process that starts past step 0 (a resumed fit) has no step
+    times from before: it takes no decision (nor recheck) until it has timed ``steps`` steps of its own after its
+    first (``state.decide_from``), so that an undecided trial saved in the checkpoint is run again from real steps of
+    this process, not decided on timed buffers; a decided fit keeps its decision meanwhile.
     """
 
     def __init__(self, steps: int = TRIAL_STEPS, clock: Callable[[], float] = time.perf_counter) -> None:
@@ -181,6 +188,8 @@ class StepTrial:
         self._open: tuple[int, str, float] | None = None
         #: the clock's reading at the last :meth:`step_started` (an :class:`OverlapTrial` of the same step reuses it)
         self.last_now: float | None = None
+        #: the first step this trial saw (0, or the first step of a resumed process); None before
+        self.first: int | None = None
 
     @staticmethod
     def _mode(state: OneBitState) -> str:
@@ -189,6 +198,10 @@ class StepTrial:
     def step_started(self, state: OneBitState, device: torch.device) -> str | None:
         """Book-keeping at the start of step ``state.step``; returns the decision when one was made now."""
         now = self.last_now = self.clock()
+        if self.first is None:
+            self.first = state.step
+            if state.step > 0:  # resumed: the steps before the checkpoint were timed by another process
+                state.decide_from = state.step + 1 + self.steps
         if self._open is not None and self._open[0] == state.step - 1:
             self.durations[self._open[0]] = (self._open[1], now - self._open[2])
         for k in [k for k in self.durations if k < state.step - 4 * self.steps - 4]:  # keep the recent ones
@@ -213,8 +226,11 @@ class StepTrial:
         before = "fp32" if tried == "1bit" else "1bit"
         # the tried mode's steps after its first one (which builds the compression state or the buckets' fp32 path)
         new = [d for k, (m, d) in self.durations.items() if start < k < start + self.steps + 1 and m == tried]
-        # the steps before the switch, DDP's first iteration excluded
-        old = [d for k, (m, d) in self.durations.items() if max(1, start - self.steps) <= k < start and m == before]
+        # the steps before the switch, this process's first one excluded (DDP's first iteration, or a resumed one's)
+        first = self.first or 0
+        old = [
+            d for k, (m, d) in self.durations.items() if max(first + 1, start - self.steps) <= k < start and m == before
+        ]
         if not new or not old:  # e.g. a step that did not reach the optimizer: fall back to timing the buffers
             return decide(state, device, step=start)
         t32, t1 = (median(old), median(new)) if before == "fp32" else (median(new), median(old))

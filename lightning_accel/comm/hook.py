@@ -354,12 +354,15 @@ class CommWorker:
                 fut.set_exception(err)  # type: ignore[arg-type]  # torch's stub types it as the result
 
     def close(self, timeout: float = 30.0) -> None:
-        """Stop the thread after the queued jobs (bounded wait) and destroy the worker's process group."""
+        """Stop the thread after the queued jobs (bounded wait) and destroy the worker's process groups (its own, and
+        its copy of the node layout's)."""
         self._jobs.put(None)
         self._thread.join(timeout)
         if dist.is_initialized():
             with contextlib.suppress(Exception):  # already destroyed with the default group
                 dist.destroy_process_group(self.group)
+        if self.topology is not None:
+            self.topology.destroy()
 
 
 def _value(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:

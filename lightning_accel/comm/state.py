@@ -224,6 +224,10 @@ class OneBitState:
         measure_fn: optional ``state -> (fp32_seconds, onebit_seconds)`` replacing the timing (tests, custom probes).
         trial_until: while ``compression="auto"`` times real steps of the other mode
             (:class:`~lightning_accel.comm.auto.StepTrial`), the step it decides at; None otherwise.
+        decide_from: with ``compression="auto"``, no decision (nor recheck) before this step; None: no such bound.
+            A :class:`~lightning_accel.comm.auto.StepTrial` sets it in a process that starts past step 0 (a resumed
+            fit), whose step times from before are gone: it first times steps of its own, so that the decision again
+            compares real steps (not saved; the hook alone never sets it).
         groups: ``{key: GroupState}``, keyed by the sorted parameter indices of each group.
         param_index: ``{id(parameter): index}`` from :meth:`set_parameters` (first-seen order otherwise).
         param_numels: element counts of the trainable parameters by index (what ``"auto"`` times).
@@ -262,6 +266,7 @@ class OneBitState:
         "decisions",
         "measure_fn",
         "trial_until",
+        "decide_from",
         "groups",
         "param_index",
         "param_numels",
@@ -308,6 +313,7 @@ class OneBitState:
         self.decisions: list[dict[str, Any]] = []
         self.measure_fn: Callable[[OneBitState], tuple[float, float]] | None = None
         self.trial_until: int | None = None
+        self.decide_from: int | None = None
         self.groups: dict[tuple[int, ...], GroupState] = {}
         self.param_index: dict[int, int] = {}
         self.param_numels: list[int] = []
@@ -488,6 +494,8 @@ class OneBitState:
         end = self.warmup_end
         if cfg.compression != "auto" or end is None or self.step < end or self.trial_until is not None:
             return False
+        if self.decide_from is not None and self.step < self.decide_from:  # a resumed process times its own first
+            return False
         if self.decision is None:
             return True
         return (
@@ -536,6 +544,7 @@ class OneBitState:
         self.topology = None
         self.refreshing = False
         self.param_index = {}
+        self.decide_from = None  # absent from states pickled before it existed
         for k, v in state.items():
             setattr(self, k, v)
 
@@ -577,7 +586,8 @@ class OneBitState:
 
         ``compression="auto"``: a decision saved during a trial of real steps (``trial_until`` set) is the mode being
         tried, not a measured one, and the trial's step times are not saved: it loads as undecided, so the trial runs
-        again from the first resumed step. (States saved without ``trial_until`` load their decision as it is.)
+        again (:class:`~lightning_accel.comm.auto.StepTrial` starts it once the resumed process has timed steps of its
+        own). (States saved without ``trial_until`` load their decision as it is.)
         """
         if state.get("format") not in _READABLE:
             raise ValueError(

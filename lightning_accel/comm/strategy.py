@@ -32,6 +32,7 @@ and each rank takes back its own on resume, bit-exact at the same world size.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 from collections.abc import Callable, Mapping
@@ -277,7 +278,8 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
         self._overlap_arg: bool | Literal["auto"] = overlap
         self._hierarchical_arg: Hierarchical = hierarchical
         self._processes_per_node = processes_per_node
-        #: the node layout when this fit averages hierarchically (resolved when the model is wrapped), else None
+        #: the node layout when this fit averages hierarchically (resolved when the model is wrapped), else None; its
+        #: process groups are destroyed at teardown (its numbers stay readable)
         self.node_topology: comm.NodeTopology | None = None
         self._find_unused = bool(kwargs.get("find_unused_parameters", False))
         #: whether the compressed momentum of this fit starts during backward (resolved at setup)
@@ -665,6 +667,10 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
                 live.restore()
         if self._onebit_state is not None:
             self._onebit_state.close()  # and the gradient path's comm thread, if it ran
+        if self.node_topology is not None:
+            # the intra- and cross-node groups were made for this fit (a later fit makes its own): left alive, every
+            # fit of a tuning loop or a notebook would add two; every rank tears down, so every rank destroys them
+            self.node_topology.destroy()
         # a later fit on this Trainer builds a new state: a checkpoint it resumes must wait for that one
         self._onebit_live = False
         self._onebit_loaded = self._overlap_loaded = None
@@ -986,7 +992,8 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
                 "outer": local.state_dict(),
             }
             gathered: list[Any] = [None] * self.world_size
-            dist.all_gather_object(gathered, own, group=self._outer_group)  # our own processes' objects
+            # our own processes' objects; after teardown (no exchange in flight any more) on the default group
+            dist.all_gather_object(gathered, own, group=self._outer_group)
             checkpoint[LOCALSTEPS_CHECKPOINT_KEY] = {"format": 1, "ranks": gathered}
         elif self._loaded is not None:
             checkpoint[LOCALSTEPS_CHECKPOINT_KEY] = self._loaded
@@ -1008,6 +1015,13 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
         # a later fit on this Trainer builds a new outer state: a checkpoint it resumes must wait for that one
         self._local_live = False
         self._loaded = None
+        if self._outer_group is not None:
+            # made for this fit's exchanges (a later fit makes its own): left alive, every fit of a loop that builds
+            # a strategy per fit would add one; every rank tears down, so every rank destroys it
+            if dist.is_initialized():
+                with contextlib.suppress(ValueError):  # no longer registered (the default group was made anew)
+                    dist.destroy_process_group(self._outer_group)
+            self._outer_group = None
         super().teardown()
 
     @classmethod

@@ -10,6 +10,7 @@ average correctly; only the traffic would cross the slow link where it need not.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
@@ -54,6 +55,20 @@ class NodeTopology:
         the same point). A thread that issues its own collectives needs groups of its own, so that the order of
         each group's collectives is the same on every rank."""
         return node_topology(self.local_size, backend=backend)
+
+    def destroy(self) -> None:
+        """Destroy the two process groups, on every rank at the same point (``torch.distributed`` asks that of
+        ``destroy_process_group``, though on gloo it exchanges nothing). Whoever made the layout destroys it when
+        done: each ``new_group`` stays registered, with its connections, until destroyed or until the default group
+        goes, so a process that fits again and again (a tuning loop, a notebook) would pile them up. The layout's
+        numbers stay readable; the groups must not be used again. Nothing happens once the default group is gone (it
+        took these with it)."""
+        if not dist.is_initialized():
+            return
+        for group in (self.intra, self.cross):
+            # raised for a group no longer registered (destroyed already, or a default group made anew since)
+            with contextlib.suppress(ValueError):
+                dist.destroy_process_group(group)
 
 
 def resolve_hierarchical(hierarchical: Hierarchical, world_size: int, local_size: int | None) -> bool:

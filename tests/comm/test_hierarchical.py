@@ -284,3 +284,57 @@ def test_the_error_state_is_gathered_in_one_collective_per_dtype_and_only_to_the
         assert g["1"]["server"] == ("torch.float64", [2, 1], [[0.5], [1.5]])
     assert out[1]["to_zero"] is None
     assert out[0]["to_zero"] == out[0]["everyone"]
+
+
+def _fits_in_one_process(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    os.environ.update(LOCAL_RANK=str(rank))
+    import lightning as L
+    from torch.distributed.distributed_c10d import _world
+
+    from lightning_accel.strategies import OneBitDDPStrategy
+    from tests.tiny import CheckpointModel, tiny_loader
+
+    def live_groups() -> int:
+        return len(_world.pg_map)  # every process group this process holds, the default one included
+
+    counts, layouts, calls = [], [], []
+    # the momentum path, then the gradient path (its comm thread makes groups of its own, the layout's included)
+    for signal in ("auto", "gradients"):
+        # 2 nodes x 1 process: the layout of two machines, simulated by the two processes of this one
+        strategy = OneBitDDPStrategy(
+            warmup_steps=2,
+            compression="1bit",
+            compressed_signal=signal,
+            hierarchical=True,
+            processes_per_node=1,
+            overlap=False,
+            log_stats=False,
+        )
+        trainer = L.Trainer(
+            max_steps=4,
+            accelerator="cpu",
+            devices=world,
+            strategy=strategy,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp,
+        )
+        trainer.fit(CheckpointModel(), tiny_loader())
+        counts.append(live_groups())
+        topo, state = strategy.node_topology, strategy.onebit_state
+        assert topo is not None and state is not None
+        layouts.append((topo.nodes, topo.local_size))
+        calls.append(state.stats.compressed_calls)
+    return {"counts": counts, "layouts": layouts, "calls": calls}
+
+
+def test_repeated_hierarchical_fits_leave_no_process_groups_behind(tmp_path: Path) -> None:
+    """Each fit makes the intra- and cross-node groups (and the comm thread its copies of them); its teardown destroys
+    them on every rank, so fits in one process leave only the default group alive, whatever their number."""
+    out = run_in_processes(_fits_in_one_process, 2, (str(tmp_path),), init_process_group=False)
+    for o in out:
+        assert o["layouts"] == [(2, 1), (2, 1)]  # hierarchical both times; the numbers stay readable after the fit
+        assert all(c > 0 for c in o["calls"])
+        assert o["counts"] == [1, 1]

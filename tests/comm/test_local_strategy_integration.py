@@ -169,8 +169,25 @@ def _resume(tmp: str, delta: bool = False) -> dict:
     return out
 
 
+def _groups(tmp: str) -> dict:
+    from torch.distributed.distributed_c10d import _world
+
+    from lightning_accel.comm import LocalStepsStrategy
+
+    counts = []
+    for _ in range(2):  # a strategy per fit, as a tuning loop builds them
+        trainer = _fit(LocalStepsStrategy(sync_every=2), _module(), tmp, max_steps=4)
+        counts.append(len(_world.pg_map))  # every process group this process holds, the default one included
+    # after the fit its own group is gone: a checkpoint saved now gathers the ranks' states on the default group
+    ckpt = str(Path(tmp) / "after-fit.ckpt")
+    trainer.save_checkpoint(ckpt)
+    payload = torch.load(ckpt, weights_only=True)["lightning_accel_localsteps"]
+    return {"counts": counts, "ranks_saved": len(payload["ranks"])}
+
+
 SCENARIOS = {
     "plain": _plain,
+    "groups": _groups,
     "features": _features,
     "resume": _resume,
     "resume_delta": lambda tmp: _resume(tmp, delta=True),
@@ -275,3 +292,9 @@ def test_bad_arguments_are_refused_at_construction() -> None:
         LocalStepsStrategy(sync_evry=4)
     with pytest.raises(ValueError, match="`ddp_comm_hook`"):
         LocalStepsStrategy(ddp_comm_hook=lambda s, b: None)
+
+
+def test_fits_leave_no_process_group_behind_and_save_after_the_fit(results: list[dict]) -> None:
+    for res in _get(results, "groups"):
+        assert res["counts"] == [1, 1]  # the default group alone: each fit destroyed the outer group it made
+        assert res["ranks_saved"] == 2

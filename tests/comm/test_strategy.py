@@ -164,8 +164,8 @@ def test_step_trial_refuses_bad_step_counts(steps: object, error: type[Exception
 
 def test_a_state_saved_during_the_auto_trial_resumes_undecided_and_tries_again() -> None:
     """A checkpoint taken while ``compression="auto"`` tries 1-bit steps must not make the tried mode the decision:
-    the resumed state is undecided and its trial runs again (a decision saved outside a trial, or by a state without
-    ``trial_until``, loads as it is)."""
+    the resumed state is undecided and its trial runs again, once the resumed process has timed fp32 steps of its own
+    to compare with (a decision saved outside a trial, or by a state without ``trial_until``, loads as it is)."""
     from lightning_accel.comm import OneBitState, StepTrial
 
     cpu = torch.device("cpu")
@@ -175,6 +175,7 @@ def test_a_state_saved_during_the_auto_trial_resumes_undecided_and_tries_again()
         st.step = step
         trial.step_started(st, cpu)
     assert st.decision == "1bit" and st.trial_until == 6
+    assert st.decide_from is None  # a fit from step 0 tries at the end of warm-up: its warm-up steps are timed
     saved = st.state_dict()
     assert saved["trial_until"] == 6
     resumed = OneBitState(compression="auto", warmup_steps=2, recheck_every=0)
@@ -183,8 +184,16 @@ def test_a_state_saved_during_the_auto_trial_resumes_undecided_and_tries_again()
     resumed.step = 4
     assert resumed.decision is None and resumed.trial_until is None
     assert resumed.needs_decision and not resumed.compressing
-    assert StepTrial(clock=_Clock()).step_started(resumed, cpu) is None
-    assert resumed.decision == "1bit" and resumed.trial_until == 4 + 3 + 1  # tried again from the resumed step
+    again = StepTrial(clock=_Clock())
+    for step in range(4, 8):  # the resumed process's first step, then the 3 fp32 steps the trial compares with
+        resumed.step = step
+        assert again.step_started(resumed, cpu) is None
+        assert resumed.decision is None and resumed.trial_until is None and not resumed.needs_decision
+    assert resumed.decide_from == 8
+    resumed.step = 8
+    assert resumed.needs_decision
+    assert again.step_started(resumed, cpu) is None
+    assert resumed.decision == "1bit" and resumed.trial_until == 8 + 3 + 1  # tried again, after steps of its own
 
     st.trial_until = None  # decided (what the trial's end leaves): the decision is kept
     kept = OneBitState(compression="auto", warmup_steps=2, recheck_every=0)

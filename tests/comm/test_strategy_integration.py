@@ -257,7 +257,7 @@ def _trial(tmp: str, name: str) -> dict:
 @_scenario("trial_resume")
 def _trial_resume(tmp: str, name: str) -> dict:
     """compression="auto" checkpointed during its trial of 1-bit steps (warm-up 4: the trial runs steps 4-7, decides
-    at 8; the fit stops after step 5), then resumed."""
+    at 8; the fit stops after step 5), then resumed (at step 6: fp32 steps 6-9, the trial 10-13, decided at 14)."""
     trainer, _ = _fit(_onebit(compression="auto", warmup_steps=4), max_steps=6)
     ckpt = str(Path(tmp) / f"{name}.ckpt")
     trainer.save_checkpoint(ckpt)
@@ -265,7 +265,7 @@ def _trial_resume(tmp: str, name: str) -> dict:
         warnings.simplefilter("ignore")
         saved = torch.load(ckpt, weights_only=True)["lightning_accel_onebit"]
     out = {"saved": {k: saved[k] for k in ("step", "decision", "trial_until")}}
-    return {**out, **_auto_summary(*_fit(_onebit(compression="auto", warmup_steps=4), max_steps=14, ckpt=ckpt))}
+    return {**out, **_auto_summary(*_fit(_onebit(compression="auto", warmup_steps=4), max_steps=16, ckpt=ckpt))}
 
 
 @_scenario("warmup_auto_refresh", "warmup_auto_watch", "warmup_auto_sgdm")
@@ -793,10 +793,10 @@ class TestAliasAndAuto:
         r, other = _get(results, "trial_resume")
         # the checkpoint holds the mode being tried, flagged as such
         assert r["saved"] == {"step": 6, "decision": "1bit", "trial_until": 8}
-        # the resumed fit tried again from its first step (no step times before it in this process: timed on the
-        # buffers) instead of keeping the tried mode unmeasured
+        # the resumed fit tried again instead of keeping the tried mode unmeasured, from real steps of its own: its
+        # first step (untimed as a reference) and 3 timed fp32 steps, then the trial
         (d,) = r["decisions"]
-        assert d["step"] == 6 and d["source"] == "buffers"
+        assert d["step"] == 6 + 1 + 3 and d["source"] == "steps"
         assert r["decision"] == d["decision"] and r["last_compressed"] == (d["decision"] == "1bit")
         assert r["decisions"] == other["decisions"] and r["decision"] == other["decision"]
         np.testing.assert_array_equal(r["params"], other["params"])
