@@ -18,9 +18,24 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Generic, TypeVar
 
-__all__ = ["ForkSafeLock", "PerProcess", "ResetOnPickle"]
+__all__ = ["ForkSafeLock", "PerProcess", "ResetOnPickle", "cuda_available"]
 
 _T = TypeVar("_T")
+
+
+def cuda_available() -> bool:
+    """Whether a CUDA device is visible, asked without initialising CUDA in this process where NVML can answer.
+
+    ``torch.cuda.is_available()`` asks the CUDA runtime (``cuInit``) unless ``PYTORCH_NVML_BASED_CUDA_CHECK=1``, and a
+    process that did so before ``fork`` leaves its children unable to use CUDA ("CUDA initialization error"): a
+    plugin or callback constructed before ``Trainer.fit`` with a fork-based launcher (``strategy="ddp_notebook"`` /
+    ``"ddp_fork"``) would break every rank. ``torch.cuda.device_count()`` asks NVML first, as Lightning's own
+    ``CUDAAccelerator.is_available`` does. Use this wherever a constructor needs to know.
+    """
+    import torch
+
+    return torch.cuda.device_count() > 0
+
 
 # Serialises the first `get()` of every PerProcess in a process: two threads racing there would each build a value
 # (two locks guarding one resource). Re-entrant because a factory may itself get() another PerProcess. A fork can

@@ -21,6 +21,7 @@ from typing_extensions import override
 from lightning_accel._utils import compat
 from lightning_accel._utils.atomic import atomic_write_bytes, atomic_write_text, is_local_url, strip_file_scheme
 from lightning_accel._utils.checks import check_bool, check_callable, check_int, check_number
+from lightning_accel._utils.forksafe import cuda_available
 from lightning_accel._utils.patching import Patch, patch
 from lightning_accel._utils.paths import safe_join
 from lightning_accel._utils.rank import global_rank
@@ -652,7 +653,7 @@ class CudaMemoryManager(Callback):
         self._batches = 0
         self._snapshot_root: str | None = None
         self._host = False  # no CUDA: log host memory
-        if torch.cuda.is_available():
+        if cuda_available():
             self._apply()
 
     def _apply(self) -> None:

@@ -18,6 +18,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_accel._utils.checks import check_choice
+from lightning_accel._utils.forksafe import cuda_available
 from lightning_accel._utils.triton import Backend, check_backend
 from lightning_accel.precision.compile import compile_in_place
 from lightning_accel.precision.surgery import (
@@ -98,7 +99,7 @@ class FusedPrecision(MixedPrecision):
             ("preserve", "channels_last"),
             fix="`channels_last` stores the model's conv weights NHWC; `preserve` leaves the layout as built.",
         )
-        super().__init__(precision, device or ("cuda" if torch.cuda.is_available() else "cpu"), scaler)
+        super().__init__(precision, device or ("cuda" if cuda_available() else "cpu"), scaler)
         # without an explicit device, follow the Trainer's accelerator at setup (see `convert_module`)
         self._follow_trainer_device = device is None and scaler is None
         self.fusions = fusions

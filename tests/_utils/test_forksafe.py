@@ -116,3 +116,18 @@ def test_first_get_from_racing_threads_makes_one_value() -> None:
     for t in threads:
         t.join(timeout=10)
     assert len(made) == 1 and all(v is made[0] for v in seen) and len(seen) == 4
+
+
+def test_plugins_built_before_a_fork_ask_cuda_through_the_fork_safe_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    import lightning_accel as la
+    from lightning_accel._utils.forksafe import cuda_available
+
+    def refuse() -> bool:  # the CUDA runtime's check: a process that ran it before a fork breaks its children
+        raise AssertionError("torch.cuda.is_available() called while constructing")
+
+    monkeypatch.setattr(torch.cuda, "is_available", refuse)
+    la.FusedPrecision("bf16-mixed")
+    la.CudaMemoryManager()
+    assert cuda_available() is (torch.cuda.device_count() > 0)
