@@ -167,6 +167,8 @@ def time_plan(stepper: Stepper, *, steps: int = 3, warmup: int = 1) -> float:
         if torch.cuda.is_available() and next(stepper.model.parameters(), torch.empty(0)).is_cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    t = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    # on the model's device: NCCL, the GPU backend, reduces device tensors only
+    device = next(stepper.model.parameters(), torch.empty(0)).device
+    t = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)

@@ -306,3 +306,21 @@ def test_the_tensor_parallel_estimate_splits_over_one_node_and_runs_its_batch() 
     # `batch_split="world"`: the group runs its devices' batches gathered into one
     w = select_strategy(model, devices=2, num_nodes=2, device_memory_bytes=10**10, example_batch=x, batch_split="world")
     assert w.estimates["tp"].activations == 2 * w.facts["activations"]
+
+
+def test_a_timed_plan_reduces_its_time_on_the_model_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_accel.parallel import trials
+
+    asked, reduced = [], []
+    real_tensor = torch.tensor
+
+    def tensor(data, **kw):  # records the device asked for, builds on the CPU so that the time can be read back
+        asked.append(kw.pop("device", None))
+        return real_tensor(data, **kw)
+
+    monkeypatch.setattr(trials.torch, "tensor", tensor)
+    monkeypatch.setattr(trials.dist, "all_reduce", lambda t, op=None: reduced.append(t))
+    model = nn.Linear(2, 2, device="meta")  # stands for a model on the GPU: NCCL reduces device tensors only
+    stepper = trials.Stepper("ddp", model, torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1), lambda: 0.0)
+    trials.time_plan(stepper, steps=2, warmup=0)
+    assert asked == [torch.device("meta")] and len(reduced) == 1
