@@ -20,6 +20,7 @@ bounded thread pool, keeping at most ``max_pending`` reads (and their bytes) out
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -301,11 +302,27 @@ class SampleCache(ResetOnPickle):
         todo = [(b, self._uncached(self.not_yet_seen_cached(list(dict.fromkeys(ix))))) for b, ix in batches]
         self.packed.need(group, [(b, ix) for b, ix in todo if ix], done)
 
+    def drop_needs(self, group: str) -> None:
+        """Packed remote origins only: remove every "needed" marker of the order ``group`` (see
+        :meth:`~lightning_accel.data.pack.PackedReader.drop_needs`)."""
+        if self.stages_shards:
+            assert self.packed is not None
+            self.packed.drop_needs(group)
+
     def release_batch(self, group: str, batch: int, indices: Sequence[int]) -> None:
         """Packed remote origins only: batch ``batch`` of the order ``group`` (samples ``indices``) was read."""
         if self.stages_shards:
             assert self.packed is not None
             self.packed.release_batch(group, batch, indices)
+
+    def reading(self, batch: tuple[str, int] | None) -> contextlib.AbstractContextManager[None]:
+        """Packed remote origins only: the loads of this thread inside the block read batch ``batch[1]`` of the order
+        ``batch[0]`` (``None``: no batch of an order), so a shard they stage waits for earlier batches of that order
+        rather than evict a shard they still need; see :meth:`~lightning_accel.data.pack.PackedReader.reading`."""
+        if batch is None or not self.stages_shards:
+            return contextlib.nullcontext()
+        assert self.packed is not None
+        return self.packed.reading(*batch)
 
     def drop_pending(self) -> None:
         """Forget outstanding prefetches (new epoch order); reads already running finish in the background."""

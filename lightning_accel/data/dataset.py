@@ -178,6 +178,16 @@ class CachedDataset(Dataset):
             # process, whose filesystem is already up) while the workers start and create their own clients.
             head = order[: min(n, 4 * self.prefetch_batches * bs)]
             self.cache.stage_ahead([self.indices[i] for i in head])
+            # ...and mark them needed by their batches: a worker's horizon covers only batches after its own first
+            # one, so batch 0 (and each worker's first) had only the `.ahead` marker, which the first read by any
+            # reader removes. Another worker reading the same shard for its batch first left it unprotected.
+            if self.cache.stages_shards:
+                done = self._done
+                batches = [
+                    (x, [self.indices[int(i)] for i in head[x * bs : (x + 1) * bs]])
+                    for x in range(math.ceil(len(head) / bs))
+                ]
+                self.cache.need(order_group(int(self._order[3]), int(self._order[0])), batches, lambda x: bool(done[x]))
 
     def _read_ahead(self, positions: Sequence[int]) -> None:
         if self.prefetch_batches <= 0 or not positions or not getattr(self.cache, "prefetch", True):
@@ -243,6 +253,7 @@ class CachedDataset(Dataset):
                 if self._order[_HDR + p : _HDR + p + len(positions)].tolist() != list(positions):
                     return  # not a run of this order: the previous epoch's batch (see `_batch_read`)
                 ahead.misaligned = True
+                self.cache.drop_needs(ahead.group)  # the sampler's marks for its first batches would never go
                 warnings.warn(
                     f"the DataLoader's batches ({len(positions)} samples) are not the sampler's `batch_size` ({bs}): "
                     "staged shards are not kept for upcoming batches, so a small stage may fetch some twice. Pass "
@@ -269,24 +280,34 @@ class CachedDataset(Dataset):
         self.cache.need(ahead.group, batches, lambda x: bool(done[x]))
         ahead.marked_to = last
 
-    def _batch_read(self, positions: Sequence[int]) -> None:
-        """This batch's shards are no longer needed by it (see :meth:`_mark_needed`)."""
+    def _batch_of(self, positions: Sequence[int]) -> tuple[str, int] | None:
+        """``(order group, batch number)`` of ``positions`` in the published order when shards are staged and marked
+        per batch (see :meth:`_mark_needed`); None otherwise, or when it is not a batch of the current order."""
         if self.prefetch_batches <= 0 or not positions or not self.cache.stages_shards:
-            return
+            return None
         with self._lock:
             ahead = self._refresh_order()
             if ahead is None or ahead.pos is None:
-                return
+                return None
             p = int(ahead.pos[positions[0]])
             group, misaligned = ahead.group, ahead.misaligned
         n, bs = int(self._order[1]), int(self._order[2])
         if misaligned or p < 0 or p % bs:
-            return
+            return None
         b = p // bs
         if self._order[_HDR + b * bs : _HDR + min(n, (b + 1) * bs)].tolist() != list(positions):
             # not a batch of the current order: a persistent worker finishing the previous epoch's batch after the
             # sampler published the next order (an epoch cut short by `limit_train_batches`)
+            return None
+        return group, b
+
+    def _batch_read(self, positions: Sequence[int]) -> None:
+        """This batch's shards are no longer needed by it (see :meth:`_mark_needed`)."""
+        # Looked up again after the read: the sampler may have published the next order meanwhile.
+        batch = self._batch_of(positions)
+        if batch is None:
             return
+        group, b = batch
         self._done[b] = 1  # before the markers go: a late marker for it sees it done (see `need`)
         self.cache.release_batch(group, b, [self.indices[q] for q in positions])
 
@@ -295,7 +316,9 @@ class CachedDataset(Dataset):
         """One batch as ``(images, labels)`` (skipped undecodable samples are left out)."""
         self._read_ahead(positions)
         in_worker = get_worker_info() is not None
-        res = self.cache.load([self.indices[p] for p in positions], shared=in_worker and self.transform is None)
+        # A shard this batch stages waits for earlier batches of the order rather than evict one they still need.
+        with self.cache.reading(self._batch_of(positions)):
+            res = self.cache.load([self.indices[p] for p in positions], shared=in_worker and self.transform is None)
         self._batch_read(positions)
         if self.cache.writes_behind and self._ends_epoch(positions):
             # A worker's last batch of the epoch: commit its write-behind queue first, so the next epoch (any

@@ -24,9 +24,10 @@ Layout under the packed origin (documented in ``docs/data.md``):
   a ``.need`` marker per upcoming batch of a rank's order that reads from it until that batch is read
   (:meth:`PackedReader.need`); marked shards are capped at ``stage_bytes`` less one shard for the whole node, and
   eviction takes a marked shard only when nothing else can go, so a slow consumer does not lose a shard it was about
-  to read. Staged shards are evicted least recently used first beyond ``stage_bytes``; with ``stage_bytes`` at
-  least the pack's size, a shuffled cold epoch reads every shard exactly once, and under the shard-window shuffle
-  (:mod:`lightning_accel.data.sampler`) a stage of a few windows is enough.
+  to read; a reader whose new shard would evict one that only earlier batches of its order still need waits for
+  them instead (:meth:`PackedReader.reading`). Staged shards are evicted least recently used first beyond
+  ``stage_bytes``; with ``stage_bytes`` at least the pack's size, a shuffled cold epoch reads every shard exactly
+  once, and under the shard-window shuffle (:mod:`lightning_accel.data.sampler`) a stage of a few windows is enough.
 
 Every sample read is checked against its CRC-32: a staged copy that fails is deleted and fetched again, a sample that
 fails straight from the store is an :class:`~lightning_accel.data.origin.OriginError` naming the shard and the key.
@@ -49,7 +50,7 @@ import time
 import warnings
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -74,6 +75,11 @@ _AHEAD_TTL_S = 900.0
 # Staged shards each process keeps mapped (least recently used dropped first): a sample read from a mapped shard needs
 # no open, and a shard evicted while this process still reads it stays readable through its map (see `read`).
 _MAPPED = 4
+# How long a reader that would have to evict a shard still needed by an earlier batch of its own order waits for that
+# batch to be read (see `PackedReader._wait_for_room`), and how often it looks. The earlier batch's reader never waits
+# for this one, so the wait ends when it has read; the bound is a backstop for a reader that vanished unnoticed.
+_ROOM_WAIT_S = 60.0
+_ROOM_POLL_S = 0.02
 
 
 # A staged shard's file name (see `PackedReader.__init__`): eviction touches no other file of the stage directory.
@@ -424,6 +430,8 @@ class PackedReader(ResetOnPickle):
         # "needed" markers this process made, per order (group -> {(shard, batch)}), and each rank's latest order
         self._needs: PerProcess[dict[str, set[tuple[int, int]]]] = PerProcess(dict)
         self._latest: PerProcess[dict[str, int]] = PerProcess(dict)
+        # the (order, batch) each thread of this process is reading, if any (see `reading`)
+        self._reading: PerProcess[threading.local] = PerProcess(threading.local)
 
     def _shard_lock(self, s: int) -> threading.Lock:
         with self._lock:
@@ -540,6 +548,23 @@ class PackedReader(ResetOnPickle):
                     continue
                 made.add((s, b))
 
+    def drop_needs(self, group: str) -> None:
+        """Remove every "needed" marker of the order ``group``, whichever process placed it: its batches will not be
+        released one by one (the DataLoader's batches are not the sampler's, see ``CachedDataset``)."""
+        if not self.staging or not _GROUP.fullmatch(group):
+            return
+        self._needs.get().pop(group, None)
+        try:
+            with os.scandir(self.stage_dir) as it:
+                names = [e.name for e in it]
+        except FileNotFoundError:
+            return
+        for name in names:
+            parts = name.split(".")
+            if len(parts) == 4 and parts[1] == group and parts[3] == "need" and parts[0] in self._by_name:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(self.stage_dir, name))
+
     def release_batch(self, group: str, batch: int, indices: Sequence[int]) -> None:
         """Batch ``batch`` of the order ``group`` was read (its samples ``indices``): its shards are no longer needed
         by it (by whichever process marked them)."""
@@ -551,6 +576,74 @@ class PackedReader(ResetOnPickle):
                 os.unlink(self._need_path(s, group, batch))
             if made is not None:
                 made.discard((s, batch))
+
+    @contextlib.contextmanager
+    def reading(self, group: str, batch: int) -> Iterator[None]:
+        """Reads by this thread inside the block are for batch ``batch`` of the order ``group`` (one rank's epoch, as
+        in :meth:`need`): a shard they stage waits, rather than evict a shard that an earlier batch of that order
+        still needs (see :meth:`_wait_for_room`)."""
+        local = self._reading.get()
+        outer = getattr(local, "batch", None)
+        local.batch = (group, batch)
+        try:
+            yield
+        finally:
+            local.batch = outer
+
+    def _room_blocked(self, s: int, group: str, batch: int) -> bool:
+        """Whether staging shard ``s`` now would evict a staged shard that only earlier batches (``< batch``) of the
+        order ``group`` still need: the stage is full once the shards no reader needs are gone, and such a shard
+        exists. Shards needed by later batches, by another order (another rank, another data set) or staged ahead and
+        not read yet are not waited for: their readers may be waiting for this one (a later batch of this order is
+        read after this one by the DataLoader; ranks wait for each other in collectives)."""
+        staged: dict[str, int] = {}
+        needs: dict[str, set[tuple[str, int]]] = {}
+        ahead: set[str] = set()
+        try:
+            with os.scandir(self.stage_dir) as it:
+                entries = list(it)
+        except FileNotFoundError:
+            return False
+        for e in entries:
+            parts = e.name.split(".")
+            if _STAGED.fullmatch(e.name):
+                with contextlib.suppress(FileNotFoundError):
+                    staged[e.path] = e.stat().st_size
+            elif parts[-1] == "ahead" and len(parts) == 2:
+                ahead.add(os.path.join(self.stage_dir, f"{parts[0]}.shard"))
+            elif parts[-1] == "need" and len(parts) == 4 and parts[2].isdigit():
+                path = os.path.join(self.stage_dir, f"{parts[0]}.shard")
+                needs.setdefault(path, set()).add((parts[1], int(parts[2])))
+        if self._path(s) in staged:
+            return False
+        over = sum(staged.values()) + self.pack.shard_sizes[s] - self.stage_bytes
+        if over <= 0:
+            return False
+        marked, _ = self._ahead()
+        if sum(b for p, b in staged.items() if p not in marked) >= over:
+            return False  # eviction makes room from shards no reader needs
+        return any(
+            p in marked and p not in ahead and p in needs and all(g == group and b < batch for g, b in needs[p])
+            for p in staged
+        )
+
+    def _wait_for_room(self, s: int) -> None:
+        """Before this thread stages shard ``s`` for the batch it is reading (:meth:`reading`), wait while that would
+        evict a shard only earlier batches of its order still need (at most ``_ROOM_WAIT_S``).
+
+        Why: the DataLoader's workers read their batches in turn, each at its own pace, and one can be several
+        batches ahead of another (``prefetch_factor`` batches per worker are in flight). Its new shards then meet a
+        stage full of shards the slower worker's batches still need, and eviction, bound by ``stage_bytes``, took the
+        oldest of them, the very next one to be read: it was fetched again (a cold epoch under the window shuffle with
+        one worker slowed by 0.3 s per batch fetched 1.19x the pack, 4 of 17 shards twice). The slower batches never
+        wait for a later one, so the wait ends when they are read, and the DataLoader hands out the later batch only
+        after those anyway. Reads with no batch (read-ahead on the store's threads, a plain ``load``) never wait."""
+        current = getattr(self._reading.get(), "batch", None)
+        if current is None:
+            return
+        deadline = time.monotonic() + _ROOM_WAIT_S
+        while self._room_blocked(s, *current) and time.monotonic() < deadline:
+            time.sleep(_ROOM_POLL_S)
 
     def _release(self, s: int) -> None:
         """Shard ``s`` was read from: it is no longer ahead (the batches that still need it keep their markers)."""
@@ -568,6 +661,7 @@ class PackedReader(ResetOnPickle):
             return None
         try:
             os.makedirs(self.stage_dir, exist_ok=True)
+            self._wait_for_room(s)  # before the shard's lock: an earlier batch's reader may need this shard too
             # One download per node: a thread lock within this process, then a POSIX record lock (fcntl) across
             # processes. Record locks, unlike flock, are not inherited by a forked child, so a DataLoader worker
             # forked while a download is running can never keep that shard locked.

@@ -402,6 +402,11 @@ def test_a_worker_marks_the_shards_of_the_other_workers_upcoming_batches(
     order = list(EpochOrderSampler(ds, batch_size=bs, shuffle=False))
     stage = tmp_path / "shards"
     monkeypatch.setattr(dataset_mod, "get_worker_info", lambda: types.SimpleNamespace(num_workers=2, id=0))
+    assert {p.name.split(".")[-2] for p in stage.glob("*.need")} == {"0", "1", "2", "3"}  # the batches staged ahead
+    for p in stage.glob("*.need"):
+        p.unlink()  # (to see the horizon alone)
+    assert c.packed is not None
+    c.packed._needs.get().clear()
     ds.__getitems__(order[:bs])  # worker 0 reads batch 0; its horizon is batches 1 and 2, whoever reads them
     assert {p.name.split(".")[-2] for p in stage.glob("*.need")} == {"1", "2"}
     assert {pack.shard[i] for i in order[bs : 2 * bs]} == {0}
@@ -629,3 +634,87 @@ def test_a_shard_evicted_while_a_reader_still_reads_it_is_not_fetched_again(
     os.unlink(c.packed._path(0))  # another reader of the node evicts it between this reader's batches
     c.load(first[1:])
     assert c.stats.as_dict()["bytes_fetched"] == pack.shard_sizes[0]  # read through this reader's map
+
+
+def test_a_worker_ahead_waits_for_an_earlier_batch_rather_than_evict_its_shard(
+    s3_bucket: tuple[str, dict[str, Any]], small_digits: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+    import time
+
+    # Two workers of one rank, a stage of two shards. The fast worker has read batches 1 (shard 0) and 3 (shard 1);
+    # its batch 5 needs shard 2 while the stage holds only shards that the slow worker's batches 0 and 2 still need.
+    # Evicting one of them for batch 5 fetched it again when the slow worker came to it.
+    url, opts, listing = _packed_on_s3(s3_bucket, small_digits)
+    pack = listing.pack
+    slow, fast = (_cache(url, tmp_path, opts, stage_bytes=pack.shard_sizes[0] + pack.shard_sizes[1]) for _ in range(2))
+    assert fast.packed is not None
+    of = [[i for i in range(len(listing)) if pack.shard[i] == s] for s in range(3)]
+    batches = {0: of[0][::2], 1: of[0][1::2], 2: of[1][::2], 3: of[1][1::2], 5: of[2]}
+    done: set[int] = set()
+    fast.need("a1-1", list(batches.items()), done.__contains__)  # the horizons of both workers
+
+    def read(c: SampleCache, b: int) -> None:
+        with c.reading(("a1-1", b)):
+            c.load(batches[b])
+        done.add(b)
+        c.release_batch("a1-1", b, batches[b])
+
+    read(fast, 1)
+    read(fast, 3)
+    waiting = threading.Event()
+    blocked = fast.packed._room_blocked
+
+    def watched(s: int, group: str, batch: int) -> bool:
+        if blocked(s, group, batch):
+            waiting.set()
+            return True
+        return False
+
+    monkeypatch.setattr(fast.packed, "_room_blocked", watched)
+    ahead = threading.Thread(target=read, args=(fast, 5))
+    ahead.start()
+    while ahead.is_alive() and not waiting.is_set():  # batch 5 waits (before: it evicted and went on)
+        time.sleep(0.01)
+    read(slow, 0)  # the slow worker comes
+    read(slow, 2)
+    ahead.join()
+    assert done == set(batches)
+    assert slow.stats.as_dict()["bytes_fetched"] == 0  # shards 0 and 1 were still staged
+    assert fast.stats.as_dict()["bytes_fetched"] == sum(pack.shard_sizes[:3])  # each shard once
+    staged = list((tmp_path / "shards").glob("*.shard"))
+    assert sum(p.stat().st_size for p in staged) <= pack.shard_sizes[0] + pack.shard_sizes[1] + max(pack.shard_sizes)
+    # Reads outside a batch of an order (read-ahead, a plain load) and later batches' shards never wait.
+    assert not fast.packed._room_blocked(3, "a1-1", 0) and not blocked(3, "b2-1", 9)
+
+
+def test_the_first_batches_keep_their_shards_when_another_worker_reads_them_first(
+    s3_bucket: tuple[str, dict[str, Any]], small_digits: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import types
+
+    import lightning_accel.data.dataset as dataset_mod
+
+    # The sampler stages the first batches' shards ahead. Worker 1 reads batch 1 before worker 0 reads batch 0 (both
+    # in shard 0): that read removes shard 0's read-ahead marker, and no worker's horizon covers batch 0. Newer shards
+    # then evicted shard 0 before worker 0 read it, and it was fetched twice.
+    listing, pack, c = _staging_cache(s3_bucket, small_digits, tmp_path, 4)
+    c.prefetch = True
+    ds = CachedDataset(c, prefetch_batches=1)
+    bs = -(-sum(1 for s in pack.shard if s == 0) // 2)  # batches 0 and 1 read shard 0, no later batch does
+    order = list(EpochOrderSampler(ds, batch_size=bs, shuffle=False))  # publishes: the first shards staged ahead
+    assert 0 not in {pack.shard[i] for i in order[2 * bs :]}
+    _wait_staged(c)
+    stage = tmp_path / "shards"
+    assert {p.name.split(".")[-2] for p in stage.glob("*.need")} >= {"0", "1"}  # marked by their batches
+    monkeypatch.setattr(dataset_mod, "get_worker_info", lambda: types.SimpleNamespace(num_workers=2, id=1))
+    ds.__getitems__(order[bs : 2 * bs])  # worker 1's batch 1 first
+    assert c.packed is not None
+    os.utime(c.packed._path(0), (1, 1))  # the oldest file of the stage
+    c.load([i for i in range(len(listing)) if 2 <= pack.shard[i] <= 4])  # newer shards: the stage overflows
+    assert os.path.exists(c.packed._path(0))  # spared for batch 0
+    c.packed._maps.get().clear()  # worker 0 is another process: no map of shard 0 keeps it readable there
+    monkeypatch.setattr(dataset_mod, "get_worker_info", lambda: types.SimpleNamespace(num_workers=2, id=0))
+    ds.__getitems__(order[:bs])
+    assert c.stats.as_dict()["bytes_fetched"] == sum(pack.shard_sizes[:5])  # each shard once
+    assert not list(stage.glob("*.0.need"))  # read: no longer needed
