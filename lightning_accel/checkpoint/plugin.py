@@ -25,6 +25,7 @@ from typing_extensions import override
 
 from lightning_accel._utils.checks import check_bool
 from lightning_accel._utils.compat import PathType, register_before_thread_shutdown
+from lightning_accel._utils.deferred import resolve_deferred
 from lightning_accel._utils.errors import one_line
 from lightning_accel.checkpoint.background import (
     BackgroundWriter,
@@ -209,8 +210,19 @@ class DeltaCheckpointIO(CheckpointIO):
         self.history.append(stats)
         return stats
 
+    @property
+    def resolves_deferred(self) -> bool:
+        """With ``async_save``: a checkpoint value still being produced (a
+        :class:`~lightning_accel._utils.deferred.Deferred`, e.g. ``ddp_1bit``'s gather of every rank's error state)
+        is kept as it is by the snapshot and resolved on the writer thread before encoding, so the training thread
+        does not wait for it."""
+        return self.async_save
+
     def _save_snapshot(self, snap: Snapshot, path: str) -> SaveStats:
-        stats = self.store.save(snap.tree, path, content_id=snap.content_id, pause=self._writer.yield_to_snapshots)
+        # the values still being produced at the snapshot (collectives in flight) are waited for here, off the
+        # training thread; they are fresh tensors of this save alone, so they need no snapshot copy
+        tree = resolve_deferred(snap.tree)
+        stats = self.store.save(tree, path, content_id=snap.content_id, pause=self._writer.yield_to_snapshots)
         self.history.append(stats)
         return stats
 

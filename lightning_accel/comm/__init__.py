@@ -55,6 +55,7 @@ from lightning_accel.comm.state import (
     OneBitState,
     StepBytes,
     gather_state_dict,
+    gather_state_dict_async,
     select_rank_state,
 )
 from lightning_accel.comm.strategy import CHECKPOINT_KEY, LocalStepsStrategy, OneBitDDPStrategy
@@ -96,6 +97,7 @@ __all__ = [
     "decode",
     "fp32_ring_bytes",
     "gather_state_dict",
+    "gather_state_dict_async",
     "measure",
     "momentum_kind",
     "node_topology",

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_accel._utils.checks import check_choice
+from lightning_accel._utils.deferred import Deferred
 from lightning_accel._utils.triton import use_triton
 from lightning_accel.comm.allreduce import (
     CompressedAllreduce,
@@ -39,6 +40,7 @@ __all__ = [
     "OneBitState",
     "StepBytes",
     "gather_state_dict",
+    "gather_state_dict_async",
     "select_rank_state",
 ]
 
@@ -641,32 +643,86 @@ def gather_state_dict(state: OneBitState, dst: int | None = None) -> dict[str, A
     Without it, an ``all_gather``: every rank returns it.
     """
     local = state.state_dict()
+    if local["world_size"] == 1:
+        return _stacked_alone(local)
+    receive = dst is None or dist.get_rank() == dst
+    issued = _issue_gathers(state, local, dst, receive, async_op=False)
+    return _assemble(local, issued) if receive else None
+
+
+def gather_state_dict_async(state: OneBitState, dst: int) -> tuple[Deferred | None, list[Any]]:
+    """:func:`gather_state_dict` to ``dst`` with its collectives issued asynchronously, so no rank waits for them here.
+
+    The error tensors are copied when the collectives are issued (the next step may change them meanwhile). Returns
+    ``(value, works)``: on ``dst`` a :class:`~lightning_accel._utils.deferred.Deferred` whose result is the stacked
+    state (waiting for the collectives first), elsewhere None; on every rank the collectives' work handles, to wait
+    for before the process group goes (a failure of the collective surfaces there, or from the result on ``dst``).
+    """
+    local = state.state_dict()
+    if local["world_size"] == 1:  # nothing to gather: copied now, as the snapshot of a value would be
+        stacked = _stacked_alone(local)
+        stacked["groups"] = {k: {t: x.clone() for t, x in v.items()} for k, v in stacked["groups"].items()}
+        return Deferred(lambda: stacked), []
+    receive = dist.get_rank() == dst
+    issued = _issue_gathers(state, local, dst, receive, async_op=True)
+    works = [work for _, _, work in issued if work is not None]
+    if not receive:
+        return None, works
+
+    def produce() -> dict[str, Any]:
+        for work in works:
+            work.wait()
+        return _assemble(local, issued)
+
+    return Deferred(produce), works
+
+
+def _stacked_alone(local: dict[str, Any]) -> dict[str, Any]:
+    return {**local, "groups": {k: {t: v[t].unsqueeze(0) for t in v} for k, v in local["groups"].items()}}
+
+
+def _issue_gathers(
+    state: OneBitState, local: dict[str, Any], dst: int | None, receive: bool, *, async_op: bool
+) -> list[tuple[list[int], list[torch.Tensor] | None, Any]]:
+    """One gather (to ``dst``) or all-gather per dtype of the error tensors, in the same order on every rank: per
+    dtype, the pieces' indices (into :func:`_pieces`), the received flat tensors (None where nothing is received)
+    and the work handle (None when not ``async_op``)."""
     n = local["world_size"]
-    if n == 1:
-        return {**local, "groups": {k: {t: v[t].unsqueeze(0) for t in v} for k, v in local["groups"].items()}}
-    pieces = [(k, t, v[t]) for k, v in local["groups"].items() for t in ("worker", "server")]
+    pieces = _pieces(local)
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, (_, _, x) in enumerate(pieces):
         by_dtype.setdefault(x.dtype, []).append(i)
-    receive = dst is None or dist.get_rank() == dst
-    out: dict[str, Any] = {**local, "groups": {k: {} for k in local["groups"]}}
+    issued = []
     for dtype in sorted(by_dtype, key=str):  # the same order on every rank
         idx = by_dtype[dtype]
-        flat = torch.cat([pieces[i][2].reshape(-1) for i in idx])
+        flat = torch.cat([pieces[i][2].reshape(-1) for i in idx])  # a copy: what is sent cannot change any more
         parts: list[torch.Tensor] | None = [torch.empty_like(flat) for _ in range(n)] if receive else None
         if parts is not None and dst is None:
-            dist.all_gather(parts, flat, group=state.process_group)
+            work = dist.all_gather(parts, flat, group=state.process_group, async_op=async_op)
         else:
-            dist.gather(flat, parts, dst=dst, group=state.process_group)
-        if parts is None:
-            continue
+            work = dist.gather(flat, parts, dst=dst, group=state.process_group, async_op=async_op)
+        issued.append((idx, parts, work))
+    return issued
+
+
+def _pieces(local: dict[str, Any]) -> list[tuple[str, str, torch.Tensor]]:
+    return [(k, t, v[t]) for k, v in local["groups"].items() for t in ("worker", "server")]
+
+
+def _assemble(local: dict[str, Any], issued: list[tuple[list[int], list[torch.Tensor] | None, Any]]) -> dict[str, Any]:
+    """The stacked state from the received flat tensors of :func:`_issue_gathers` (collectives finished)."""
+    n = local["world_size"]
+    pieces = _pieces(local)
+    out: dict[str, Any] = {**local, "groups": {k: {} for k in local["groups"]}}
+    for idx, parts, _ in issued:
+        assert parts is not None
         off = 0
         for i in idx:
             k, t, x = pieces[i]
             m = x.numel()
             out["groups"][k][t] = torch.stack([p[off : off + m] for p in parts]).reshape(n, *x.shape).cpu()
             off += m
-    return out if receive else None
+    return out
 
 
 def select_rank_state(gathered: dict[str, Any], rank: int) -> dict[str, Any]:

@@ -33,8 +33,10 @@ and each rank takes back its own on resume, bit-exact at the same world size.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, Literal
@@ -54,6 +56,8 @@ from typing_extensions import override
 import lightning_accel.comm as comm
 from lightning_accel._utils.checks import check_bool, check_choice, check_int
 from lightning_accel._utils.compat import PathType, grad_scaler_scale, redirect_find_unused_parameters_advice
+from lightning_accel._utils.deferred import Deferred, resolves_deferred
+from lightning_accel._utils.errors import one_line
 from lightning_accel._utils.patching import active_patch, patch
 from lightning_accel._utils.rank import distributed_ready
 from lightning_accel.comm.config import (
@@ -114,6 +118,15 @@ def _ddp_kwargs(kwargs: dict[str, Any], *, alias: str, cls: str, own: tuple[str,
 
 #: the barrier ``Trainer.save_checkpoint`` ends with
 SAVE_BARRIER = "Trainer.save_checkpoint"
+
+
+def _with_overlap(gathered: Deferred, overlap: dict[str, Any] | None) -> dict[str, Any]:
+    return {**gathered.result(), "overlap_decision": overlap}
+
+
+def _on_cpu(state: comm.OneBitState) -> bool:
+    """Whether the error-feedback tensors of ``state`` live on the CPU."""
+    return all(x.device.type == "cpu" for g in state.groups.values() for x in (g.worker_error, g.server_error))
 
 
 def _writes_behind(io: CheckpointIO | None) -> bool:
@@ -289,6 +302,8 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
         #: after the fit; a later fit makes a new one)
         self._onebit_live = False
         self._onebit_loaded: dict[str, Any] | None = None
+        #: the work handles of the last save's asynchronous gather of the error state (see `save_checkpoint`)
+        self._state_gathers: list[Any] = []
         self._compressors: dict[int, comm.MomentumCompressor] = {}
         #: ``compression="auto"``'s timing, replaceable: ``state -> (fp32_seconds, onebit_seconds)`` (tests, probes);
         #: when set, it replaces the trial of real steps
@@ -667,6 +682,7 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
                 live.restore()
         if self._onebit_state is not None:
             self._onebit_state.close()  # and the gradient path's comm thread, if it ran
+        self._wait_state_gathers(raise_errors=False)
         if self.node_topology is not None:
             # the intra- and cross-node groups were made for this fit (a later fit makes its own): left alive, every
             # fit of a tuning loop or a notebook would add two; every rank tears down, so every rank destroys them
@@ -699,6 +715,24 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
             )
         return out
 
+    def _wait_state_gathers(self, *, raise_errors: bool = True) -> None:
+        """Wait for the last save's asynchronous gather of the error state (on every rank: the senders' buffers and
+        errors), before the next one or the process group's end. ``raise_errors=False`` (teardown, possibly after
+        another error) warns instead of raising, so the error that ended the fit is the one reported."""
+        works, self._state_gathers = self._state_gathers, []
+        for work in works:
+            try:
+                work.wait()
+            except Exception as e:
+                if raise_errors:
+                    raise
+                # on the rank that saw it (rank 0 may not have)
+                warnings.warn(
+                    f"ddp_1bit: the last save's gather of the error state failed on rank {self.global_rank}: "
+                    f"{one_line(e)}",
+                    stacklevel=2,
+                )
+
     @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: PathType, storage_options: Any | None = None
@@ -706,13 +740,23 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
         # Called on every rank: gather each rank's error state (a collective) so rank 0 writes all of them; only
         # global rank 0 writes (DDPStrategy.save_checkpoint), so only it receives the others' bytes
         state = self._onebit_state
+        self._wait_state_gathers()  # the previous save's, long done: their errors surface here
         if state is not None and distributed_ready():
             world = state.process_group is None or state.process_group is dist.group.WORLD
-            gathered = comm.gather_state_dict(state, dst=0 if world else None)
-            if gathered is not None:
-                # overlap="auto"'s decision, the same on every rank (None while it is being measured)
-                gathered["overlap_decision"] = self.overlap_decision
-                checkpoint[CHECKPOINT_KEY] = gathered
+            # overlap="auto"'s decision, the same on every rank (None while it is being measured)
+            overlap = self.overlap_decision
+            if world and resolves_deferred(self.checkpoint_io) and _on_cpu(state):
+                # A background writer encodes the checkpoint later anyway: the gather runs meanwhile instead of
+                # making rank 0 wait here for the slowest rank and the round trip (the whole of the stall a 1-bit
+                # fit's save added over an fp32 fit's). On CPU tensors (gloo) only: not yet run on a GPU.
+                deferred, self._state_gathers = comm.gather_state_dict_async(state, dst=0)
+                if deferred is not None:
+                    checkpoint[CHECKPOINT_KEY] = Deferred(functools.partial(_with_overlap, deferred, overlap))
+            else:
+                gathered = comm.gather_state_dict(state, dst=0 if world else None)
+                if gathered is not None:
+                    gathered["overlap_decision"] = overlap
+                    checkpoint[CHECKPOINT_KEY] = gathered
         elif self._onebit_loaded is not None:
             checkpoint[CHECKPOINT_KEY] = self._onebit_loaded
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)

@@ -264,3 +264,45 @@ def test_a_save_requested_just_before_the_process_exits_is_finished_and_readable
     assert r.returncode == 0 and "ASKED" in r.stdout, r.stderr[-2000:]
     state = read_checkpoint(str(root / "final.ckpt"))
     assert state["global_step"] > 0 and state["state_dict"]
+
+
+def test_a_deferred_value_is_resolved_on_the_writer_thread_and_saved(tmp_path: Path) -> None:
+    import threading
+
+    from lightning_accel._utils.deferred import Deferred
+    from lightning_accel.checkpoint import read_checkpoint
+
+    release, on = threading.Event(), []
+
+    def produce() -> dict[str, Any]:  # a collective still in flight when the training thread returns
+        on.append(threading.get_ident())
+        release.wait(30)
+        return {"errors": torch.arange(4.0), "world_size": 2}
+
+    io = DeltaCheckpointIO(async_save=True)
+    path = str(tmp_path / "a.ckpt")
+    io.save_checkpoint({"state_dict": {"w": torch.ones(3)}, "gathered": Deferred(produce)}, path)
+    release.set()  # the save returned before the value existed
+    io.teardown()
+    assert on and on[0] != threading.get_ident()
+    back = read_checkpoint(path)
+    assert torch.equal(back["gathered"]["errors"], torch.arange(4.0)) and back["gathered"]["world_size"] == 2
+    assert torch.equal(back["state_dict"]["w"], torch.ones(3))
+
+
+def test_a_deferred_value_that_fails_fails_that_save_and_keeps_the_last_checkpoint(tmp_path: Path) -> None:
+    from lightning_accel._utils.deferred import Deferred
+    from lightning_accel.checkpoint import read_checkpoint
+
+    def fail() -> Any:
+        raise RuntimeError("gather failed: rank 1 is gone")
+
+    io = DeltaCheckpointIO(async_save=True, on_save_error="warn")
+    path = str(tmp_path / "a.ckpt")
+    io.save_checkpoint({"w": torch.ones(3)}, path)
+    io.wait()
+    with pytest.warns(UserWarning, match="rank 1 is gone"):
+        io.save_checkpoint({"w": torch.zeros(3), "gathered": Deferred(fail)}, path)
+        io.wait()
+    io.teardown()
+    assert torch.equal(read_checkpoint(path)["w"], torch.ones(3))

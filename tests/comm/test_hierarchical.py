@@ -256,7 +256,7 @@ class _FakeState:
 
 
 def _gather(rank: int, world_size: int) -> dict[str, Any]:
-    from lightning_accel.comm import gather_state_dict
+    from lightning_accel.comm import gather_state_dict, gather_state_dict_async
 
     def plain(groups: dict[str, Any]) -> dict[str, Any]:  # tensors do not outlive their process through the queue
         return {k: {t: (str(x.dtype), list(x.shape), x.tolist()) for t, x in v.items()} for k, v in groups.items()}
@@ -264,7 +264,24 @@ def _gather(rank: int, world_size: int) -> dict[str, Any]:
     everyone = gather_state_dict(_FakeState(rank, world_size))  # type: ignore[arg-type]
     to_zero = gather_state_dict(_FakeState(rank, world_size), dst=0)  # type: ignore[arg-type]
     assert everyone is not None
-    return {"everyone": plain(everyone["groups"]), "to_zero": None if to_zero is None else plain(to_zero["groups"])}
+    # issued asynchronously: what is sent is copied at the call, so a step that changes the errors afterwards (the
+    # next one, while the collective may still run) does not reach the saved state
+    live = _FakeState(rank, world_size)
+    groups = live.state_dict()["groups"]
+    live.state_dict = lambda: {"world_size": world_size, "step": 3, "groups": groups}  # type: ignore[method-assign]
+    deferred, works = gather_state_dict_async(live, dst=0)  # type: ignore[arg-type]
+    for v in groups.values():
+        for x in v.values():
+            x.fill_(-7)
+    for work in works:
+        work.wait()
+    later = deferred.result() if deferred is not None else None
+    return {
+        "everyone": plain(everyone["groups"]),
+        "to_zero": None if to_zero is None else plain(to_zero["groups"]),
+        "async": None if later is None else plain(later["groups"]),
+        "async_works": len(works),
+    }
 
 
 def test_the_error_state_is_gathered_in_one_collective_per_dtype_and_only_to_the_writer_with_dst() -> None:
@@ -284,6 +301,9 @@ def test_the_error_state_is_gathered_in_one_collective_per_dtype_and_only_to_the
         assert g["1"]["server"] == ("torch.float64", [2, 1], [[0.5], [1.5]])
     assert out[1]["to_zero"] is None
     assert out[0]["to_zero"] == out[0]["everyone"]
+    # the asynchronous gather gives rank 0 the same state, as it was when issued; one collective per dtype each
+    assert out[0]["async"] == out[0]["everyone"] and out[1]["async"] is None
+    assert out[0]["async_works"] == out[1]["async_works"] == 2
 
 
 def _fits_in_one_process(rank: int, world: int, tmp: str) -> dict[str, Any]:

@@ -511,6 +511,53 @@ def _resume_scenario(tmp: str, name: str) -> dict:
     return _resume(lambda: _onebit(group_numel=500), tmp, "adamw", refit=True)
 
 
+@_scenario("resume_delta_async")
+def _resume_delta_async(tmp: str, name: str) -> dict:
+    """Resume = uninterrupted through ``DeltaCheckpointIO(async_save=True)``, whose writer resolves the error state
+    that the strategy gathers asynchronously at each save (the training thread does not wait for the gather)."""
+    import threading
+
+    from lightning.pytorch.callbacks import Callback
+
+    from lightning_accel._utils.deferred import Deferred
+    from lightning_accel.checkpoint import DeltaCheckpointIO, read_checkpoint
+
+    ckpt = str(Path(tmp) / "delta" / "onebit.ckpt")
+    main = threading.get_ident()
+    produced_on: list[int] = []
+    real = Deferred.result
+
+    def result(self: Deferred) -> object:
+        produced_on.append(threading.get_ident())
+        return real(self)
+
+    class SaveAfterEpoch0(Callback):  # a save in the middle of the fit, as a checkpoint callback makes one
+        def on_train_epoch_end(self, trainer, pl_module) -> None:
+            if trainer.current_epoch == 0:
+                trainer.save_checkpoint(ckpt)
+
+    def strategy():
+        return _onebit(group_numel=500, checkpoint_io=DeltaCheckpointIO(async_save=True))
+
+    Model = _module_cls()
+    Deferred.result = result  # type: ignore[method-assign]
+    try:
+        _, full = _fit(strategy(), max_steps=-1, max_epochs=2, model=Model(), callbacks=[SaveAfterEpoch0()])
+    finally:
+        Deferred.result = real  # type: ignore[method-assign]
+    trainer, resumed = _fit(strategy(), max_steps=-1, max_epochs=2, ckpt=ckpt, model=Model())
+    saved = read_checkpoint(ckpt)["lightning_accel_onebit"] if trainer.global_rank == 0 else None
+    return {
+        "full": _params(full),
+        "resumed": _params(resumed),
+        "step": trainer.strategy.onebit_state.step,
+        "deferred_on_writer": bool(produced_on) and main not in produced_on,
+        "deferred_calls": len(produced_on),
+        "saved_world": None if saved is None else int(saved["world_size"]),
+        "saved_worker_rows": None if saved is None else [int(g["worker"].shape[0]) for g in saved["groups"].values()],
+    }
+
+
 @_scenario("empty_momentum", "empty_gradients")
 def _empty(tmp: str, name: str) -> dict:
     """A parameter with no elements: in no group (a group layout needs elements), every other one compressed."""
@@ -939,6 +986,17 @@ class TestResume:
             assert res["mode"] == ("gradients" if name == "resume" else "momentum")
             np.testing.assert_array_equal(res["full"], res["resumed"])
         np.testing.assert_array_equal(both[0]["resumed"], both[1]["resumed"])
+
+    @uses("resume_delta_async")
+    def test_resume_through_the_async_delta_writer_continues_exactly(self, results: list[dict]) -> None:
+        both = _get(results, "resume_delta_async")
+        for res in both:
+            assert res["step"] == 16
+            np.testing.assert_array_equal(res["full"], res["resumed"])
+        r0, r1 = both
+        # rank 0's writer thread, not its training thread, waited for the gather of every rank's error state
+        assert r0["deferred_on_writer"] and r0["deferred_calls"] >= 1 and r1["deferred_calls"] == 0
+        assert r0["saved_world"] == 2 and r0["saved_worker_rows"] and set(r0["saved_worker_rows"]) == {2}
 
     @uses("resume_adamw")
     def test_a_second_fit_of_the_same_trainer_resumes_like_a_fresh_one(self, results: list[dict]) -> None:
