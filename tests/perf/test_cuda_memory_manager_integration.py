@@ -71,6 +71,7 @@ def test_cuda_path_with_mocked_allocator(tmp_path: Path, monkeypatch: pytest.Mon
     for n in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
         monkeypatch.delenv(n, raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # what the constructor asks (fork-safe)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     confs: list[str] = []
     monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", confs.append)
@@ -112,6 +113,7 @@ def test_cuda_path_with_mocked_allocator(tmp_path: Path, monkeypatch: pytest.Mon
 
 def test_late_cuda_init_warns_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # what the constructor asks (fork-safe)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", lambda conf: None)
     with pytest.warns(UserWarning, match="already initialised.*PYTORCH_ALLOC_CONF="):
@@ -145,6 +147,7 @@ def test_oom_snapshot_goes_to_a_remote_log_dir(tmp_path: Path, monkeypatch: pyte
     fsspec = pytest.importorskip("fsspec")
     monkeypatch.chdir(tmp_path)  # a URL turned into a local path would land in here, in a folder named `memory:`
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     mm = CudaMemoryManager(snapshot_dir=f"memory://oom-{tmp_path.name}/logs")
     mm._active = True  # as `setup` leaves it on a CUDA device
     monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda *a, **k: {"segments": []})
