@@ -34,6 +34,7 @@ from lightning_accel._utils.errors import one_line
 from lightning_accel.parallel.estimate import HEAD_ATTRIBUTES, block_stack
 
 __all__ = [
+    "BATCH_SPLITS",
     "COLWISE_NAMES",
     "HEAD_ATTRIBUTES",
     "PACKED_NAMES",
@@ -54,6 +55,13 @@ __all__ = [
     "tensor_parallel_plan",
     "unpack_rows",
 ]
+
+#: How a model-parallel plan reads its batch (``batch_split`` of the sharded and pipeline strategies, and of the
+#: memory estimate). ``"data_parallel"``: the sampler splits the data over the data-parallel replicas only (every rank
+#: of a tensor-parallel / pipeline group reads the same batch: the global batch is ``replicas x batch_size``);
+#: ``"world"``: it splits over every rank, as DDP does, and each group gathers its ranks' batches into one (the global
+#: batch and the steps per epoch are DDP's).
+BATCH_SPLITS = ("data_parallel", "world")
 
 #: ``Linear`` names split by output features (their outputs are sharded), as in Llama / GPT-2 / BERT code.
 COLWISE_NAMES = frozenset(

@@ -55,7 +55,7 @@ from lightning_accel.parallel.estimate import (
     transformer_shape,
 )
 from lightning_accel.parallel.pipeline import balance_stages, batch_tensors, find_pipeline_modules, piece_costs
-from lightning_accel.parallel.plans import tensor_parallel_plan
+from lightning_accel.parallel.plans import BATCH_SPLITS, tensor_parallel_plan
 
 __all__ = [
     "DEFAULT_ONEBIT_BREAK_EVEN_GBPS",
@@ -70,8 +70,6 @@ __all__ = [
 ]
 
 POLICIES = ("memory", "rules", "measure")
-#: how a chosen pipeline reads its batch, as ``PipelineStrategy``'s ``batch_split``
-_BATCH_SPLITS = ("data_parallel", "world")
 
 #: plan -> the strategy name a Trainer runs it with
 PLAN_STRATEGY = {
@@ -313,7 +311,7 @@ def _check_arguments(
     check_number("bytes_per_param", bytes_per_param, low=0, low_open=True, fix="E.g. 16 for Adam.")
     check_int("microbatches", microbatches, low=1, allow_none=True)
     check_number("onebit_break_even", onebit_break_even, low=0, low_open=True, allow_none=True, fix="In Gbit/s.")
-    check_choice("batch_split", batch_split, _BATCH_SPLITS)
+    check_choice("batch_split", batch_split, BATCH_SPLITS)
 
 
 def _by_rules(params: int, layers: int, world: int, facts: dict[str, Any]) -> StrategyChoice:

@@ -11,13 +11,9 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from torch.distributed.tensor import DTensor
 
-__all__ = ["BATCH_SPLITS", "gather_batch", "optimizers_to_device", "precision_name", "raw_optimizer"]
+from lightning_accel.parallel.plans import BATCH_SPLITS
 
-#: ``"data_parallel"``: the sampler splits the data over the data-parallel replicas only (every rank of a
-#: tensor-parallel / pipeline group reads the same batch: the global batch is ``replicas x batch_size``);
-#: ``"world"``: it splits over every rank, as DDP does, and each group gathers its ranks' batches into one (the global
-#: batch and the steps per epoch are DDP's).
-BATCH_SPLITS = ("data_parallel", "world")
+__all__ = ["BATCH_SPLITS", "gather_batch", "optimizers_to_device", "precision_name", "raw_optimizer"]
 
 
 def gather_batch(batch: Any, group: Any) -> Any:
