@@ -182,12 +182,8 @@ class CachedDataset(Dataset):
             # one, so batch 0 (and each worker's first) had only the `.ahead` marker, which the first read by any
             # reader removes. Another worker reading the same shard for its batch first left it unprotected.
             if self.cache.stages_shards:
-                done = self._done
-                batches = [
-                    (x, [self.indices[int(i)] for i in head[x * bs : (x + 1) * bs]])
-                    for x in range(math.ceil(len(head) / bs))
-                ]
-                self.cache.need(order_group(int(self._order[3]), int(self._order[0])), batches, lambda x: bool(done[x]))
+                group = order_group(int(self._order[3]), int(self._order[0]))
+                self._need(group, 0, math.ceil(len(head) / bs) - 1, n, bs)
 
     def _read_ahead(self, positions: Sequence[int]) -> None:
         if self.prefetch_batches <= 0 or not positions or not getattr(self.cache, "prefetch", True):
@@ -272,13 +268,18 @@ class CachedDataset(Dataset):
         first = max(ahead.marked_to, b) + 1
         if first > last:
             return
+        self._need(ahead.group, first, last, n, bs)
+        ahead.marked_to = last
+
+    def _need(self, group: str, first: int, last: int, n: int, bs: int) -> None:
+        """Mark the shards of batches ``first`` to ``last`` of the published order ``group`` (``n`` positions in
+        batches of ``bs``) as needed by those batches until each is read."""
         batches = [
             (x, [self.indices[int(i)] for i in self._order[_HDR + x * bs : _HDR + min(n, (x + 1) * bs)]])
             for x in range(first, last + 1)
         ]
         done = self._done
-        self.cache.need(ahead.group, batches, lambda x: bool(done[x]))
-        ahead.marked_to = last
+        self.cache.need(group, batches, lambda x: bool(done[x]))
 
     def _batch_of(self, positions: Sequence[int]) -> tuple[str, int] | None:
         """``(order group, batch number)`` of ``positions`` in the published order when shards are staged and marked

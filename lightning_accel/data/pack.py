@@ -96,6 +96,15 @@ def new_publisher_id() -> int:
     return (os.getpid() << _PID_SHIFT) | random.getrandbits(_PID_SHIFT) | 1
 
 
+def _need_marker(name: str) -> tuple[str, str, int] | None:
+    """``(shard name, order group, batch)`` of a "needed" marker's file name (``PackedReader._need_path``); None for
+    any other name."""
+    parts = name.split(".")
+    if len(parts) != 4 or parts[3] != "need" or not parts[2].isdigit():
+        return None
+    return parts[0], parts[1], int(parts[2])
+
+
 def order_group(publisher: int, epoch: int) -> str:
     """The name of one epoch's order of one publisher in "needed" markers (see :meth:`PackedReader.need`)."""
     return f"{publisher:x}-{epoch}"
@@ -560,8 +569,8 @@ class PackedReader(ResetOnPickle):
         except FileNotFoundError:
             return
         for name in names:
-            parts = name.split(".")
-            if len(parts) == 4 and parts[1] == group and parts[3] == "need" and parts[0] in self._by_name:
+            marker = _need_marker(name)
+            if marker is not None and marker[1] == group and marker[0] in self._by_name:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(self.stage_dir, name))
 
@@ -606,14 +615,15 @@ class PackedReader(ResetOnPickle):
             return False
         for e in entries:
             parts = e.name.split(".")
+            marker = _need_marker(e.name)
             if _STAGED.fullmatch(e.name):
                 with contextlib.suppress(FileNotFoundError):
                     staged[e.path] = e.stat().st_size
             elif parts[-1] == "ahead" and len(parts) == 2:
                 ahead.add(os.path.join(self.stage_dir, f"{parts[0]}.shard"))
-            elif parts[-1] == "need" and len(parts) == 4 and parts[2].isdigit():
-                path = os.path.join(self.stage_dir, f"{parts[0]}.shard")
-                needs.setdefault(path, set()).add((parts[1], int(parts[2])))
+            elif marker is not None:
+                path = os.path.join(self.stage_dir, f"{marker[0]}.shard")
+                needs.setdefault(path, set()).add(marker[1:])
         if self._path(s) in staged:
             return False
         over = sum(staged.values()) + self.pack.shard_sizes[s] - self.stage_bytes
