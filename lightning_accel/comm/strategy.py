@@ -32,7 +32,6 @@ and each rank takes back its own on resume, bit-exact at the same world size.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import time
@@ -70,7 +69,7 @@ from lightning_accel.comm.config import (
     resolve_renamed,
 )
 from lightning_accel.comm.localsteps import LocalSteps, LocalStepsConfig, OuterCompression
-from lightning_accel.comm.topology import HIERARCHICAL_CHOICES, Hierarchical
+from lightning_accel.comm.topology import HIERARCHICAL_CHOICES, Hierarchical, destroy_group
 
 __all__ = ["CHECKPOINT_KEY", "LOCALSTEPS_CHECKPOINT_KEY", "STEP_PATCH_KEY", "LocalStepsStrategy", "OneBitDDPStrategy"]
 
@@ -1062,9 +1061,7 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
         if self._outer_group is not None:
             # made for this fit's exchanges (a later fit makes its own): left alive, every fit of a loop that builds
             # a strategy per fit would add one; every rank tears down, so every rank destroys it
-            if dist.is_initialized():
-                with contextlib.suppress(ValueError):  # no longer registered (the default group was made anew)
-                    dist.destroy_process_group(self._outer_group)
+            destroy_group(self._outer_group)
             self._outer_group = None
         super().teardown()
 

@@ -18,7 +18,14 @@ import torch.distributed as dist
 
 from lightning_accel._utils.checks import check_choice, check_int
 
-__all__ = ["HIERARCHICAL_CHOICES", "Hierarchical", "NodeTopology", "node_topology", "resolve_hierarchical"]
+__all__ = [
+    "HIERARCHICAL_CHOICES",
+    "Hierarchical",
+    "NodeTopology",
+    "destroy_group",
+    "node_topology",
+    "resolve_hierarchical",
+]
 
 #: hierarchical averaging: ``"auto"`` (when there are several nodes and several processes per node), or forced
 Hierarchical: TypeAlias = bool | Literal["auto"]
@@ -63,12 +70,19 @@ class NodeTopology:
         goes, so a process that fits again and again (a tuning loop, a notebook) would pile them up. The layout's
         numbers stay readable; the groups must not be used again. Nothing happens once the default group is gone (it
         took these with it)."""
-        if not dist.is_initialized():
-            return
         for group in (self.intra, self.cross):
-            # raised for a group no longer registered (destroyed already, or a default group made anew since)
-            with contextlib.suppress(ValueError):
-                dist.destroy_process_group(group)
+            destroy_group(group)
+
+
+def destroy_group(group: dist.ProcessGroup) -> None:
+    """Destroy ``group`` (a group this process made with ``new_group``; never the default one), called on every rank
+    at the same point. Nothing happens once the default group is gone (it took ``group`` with it) or when ``group``
+    was destroyed already."""
+    if not dist.is_initialized():
+        return
+    # raised for a group no longer registered (destroyed already, or a default group made anew since)
+    with contextlib.suppress(ValueError):
+        dist.destroy_process_group(group)
 
 
 def resolve_hierarchical(hierarchical: Hierarchical, world_size: int, local_size: int | None) -> bool:
