@@ -10,8 +10,10 @@ __all__ = ["safe_join"]
 def safe_join(root: str, key: str) -> str:
     """Join ``key`` under ``root`` (a path or URL), refusing keys that would escape it.
 
-    Rejects absolute keys, ``..`` components, backslashes, NUL bytes and URL schemes inside the key. A root that is
-    the top of its tree (``/``, ``file:///``, ``s3://``) keeps its own slashes: ``safe_join("/", "a")`` is ``/a``.
+    Rejects absolute keys, ``..`` components, backslashes, NUL bytes, URL schemes and fsspec's chain separator
+    ``::`` inside the key (fsspec reads ``root/a::b`` as the file ``root/a``, so the key would alias another). A root
+    that is the top of its tree (``/``, ``file:///``, ``s3://``) keeps its own slashes: ``safe_join("/", "a")`` is
+    ``/a``.
 
     Raises:
         ValueError: naming the key and the root.
@@ -23,12 +25,13 @@ def safe_join(root: str, key: str) -> str:
         or "\\" in key
         or "\x00" in key
         or "://" in key
+        or "::" in key
         or any(part in ("..", ".") for part in key.split("/"))
     )
     if bad:
         raise ValueError(
             f"Key {key!r} would escape or is not a plain relative path under {root!r}. "
-            "Use a relative POSIX path without `..`, `.`, a leading `/`, a scheme or backslashes."
+            "Use a relative POSIX path without `..`, `.`, a leading `/`, a scheme, `::` or backslashes."
         )
     if not root:
         return key

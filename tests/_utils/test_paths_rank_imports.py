@@ -28,10 +28,20 @@ def test_safe_join_keeps_the_root_anchor(root: str, joined: str) -> None:
     assert safe_join(root, "a/b") == joined
 
 
-@pytest.mark.parametrize("key", ["../x", "a/../../x", "/etc/passwd", "a\\b", "s3://other/k", "a/./b", "", "a\x00b"])
+@pytest.mark.parametrize(
+    "key", ["../x", "a/../../x", "/etc/passwd", "a\\b", "s3://other/k", "a/./b", "", "a\x00b", "a::/etc/passwd"]
+)
 def test_safe_join_refuses_escapes(key: str) -> None:
     with pytest.raises(ValueError, match="key|Key"):
         safe_join("/tmp/r", key)
+
+
+def test_a_chained_key_would_alias_another_key() -> None:
+    """Why ``::`` is refused: fsspec opens ``root/a::x`` as the file ``root/a``, another key's."""
+    import fsspec
+
+    _, path = fsspec.core.url_to_fs("/tmp/r/a::/etc/passwd")
+    assert path == "/tmp/r/a"
 
 
 def test_rank_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
