@@ -27,7 +27,7 @@ from lightning_accel.comm.allreduce import (
     onebit_allreduce,
     run_pipelined,
 )
-from lightning_accel.comm.auto import OverlapTrial, StepTrial, decide, measure
+from lightning_accel.comm.auto import OverlapTrial, StepTiming, StepTrial, decide, measure
 from lightning_accel.comm.compress import (
     BlockTable,
     Compressor,
@@ -91,6 +91,7 @@ __all__ = [
     "compress_fast",
     "compress_reference",
     "StepBytes",
+    "StepTiming",
     "StepTrial",
     "WarmupWatch",
     "decide",

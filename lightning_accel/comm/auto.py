@@ -5,12 +5,15 @@ link is slow compared with that work. Nothing predicts that well from outside (l
 overlap with backward, other tenants of the machine), so the run measures it at the end of warm-up (and every
 ``recheck_every`` steps if asked). Two ways, both collective and decided on rank 0:
 
-**Real steps** (:class:`StepTrial`, what ``OneBitDDPStrategy`` does): the strategy times every optimizer step. At the
-end of warm-up it switches to the other mode for ``1 + steps`` steps (the first builds the compression state and is
-not timed), then compares the median of those steps with the median of the last ``steps`` steps before the switch
-(the process's first step excluded: step 0, DDP's first iteration, or a resumed process's first; a resumed process
-times ``steps`` steps of its own before it tries). The figures include everything a step does (compression, the
-collectives, their overlap with backward, contention for the cores), measured minutes apart on the same job.
+**Real steps** (:class:`StepTrial`, what ``OneBitDDPStrategy`` does): the strategy times every training step with a
+:class:`StepTiming`, from the start of its forward to the end of its optimizer step. At the end of warm-up it switches
+to the other mode for ``1 + steps`` steps (the first builds the compression state and is not timed), then compares the
+median of those steps with the median of the last ``steps`` steps before the switch (the process's first step
+excluded: step 0, DDP's first iteration, or a resumed process's first; a resumed process times ``steps`` steps of its
+own before it tries). The figures include everything a step does (compression, the collectives, their overlap with
+backward, contention for the cores), measured seconds apart on the same job. What runs between two steps is left out:
+the wait for the next batch, callbacks, validation and checkpoint saves do not depend on the mode, and a trial that
+fell in a data-bound stretch (a cold cache's first epoch) would otherwise compare the loader's waits.
 
 **Buffers** (:func:`decide`, for the comm hook used without the strategy, and where there are no step times to
 compare):
@@ -40,11 +43,22 @@ import torch
 import torch.distributed as dist
 
 from lightning_accel._utils.checks import check_int
+from lightning_accel._utils.clocks import Clock, HostClock
 from lightning_accel.comm.allreduce import CompressedAllreduce, CompressFn, run_pipelined
 from lightning_accel.comm.compress import GroupLayout
 from lightning_accel.comm.state import OneBitState
 
-__all__ = ["MARGIN", "STEP_MARGIN", "TRIAL_STEPS", "OverlapTrial", "StepTrial", "decide", "measure"]
+__all__ = [
+    "MARGIN",
+    "STEP_MARGIN",
+    "TRIAL_STEPS",
+    "Duration",
+    "OverlapTrial",
+    "StepTiming",
+    "StepTrial",
+    "decide",
+    "measure",
+]
 
 log = logging.getLogger("lightning_accel.comm")
 
@@ -55,6 +69,52 @@ MARGIN = 0.1
 STEP_MARGIN = 0.03
 #: timed steps per mode in a :class:`StepTrial`
 TRIAL_STEPS = 3
+
+#: one step's seconds, or a function that returns them (a CUDA event pair resolves when a decision reads it)
+Duration = float | Callable[[], float]
+
+
+def _seconds(d: Duration) -> float:
+    return float(d()) if callable(d) else float(d)
+
+
+class StepTiming:
+    """Times training steps for the trials: from the start of a step's forward to the end of its optimizer step.
+
+    Call :meth:`begin` where a step's work starts and :meth:`end` where it ends, in a ``finally``. Pairs nest and only
+    the outermost counts: under automatic optimization the optimizer step runs the training step (forward, backward)
+    inside it, under manual optimization the training step runs the optimizer steps. What runs between two steps (the
+    wait for the next batch, callbacks, validation, checkpoint saves) is not in any span.
+
+    Args:
+        clock: marks the spans' ends (a :class:`~lightning_accel._utils.clocks.HostClock` on the CPU; a
+            :class:`~lightning_accel._utils.clocks.CudaEventClock` on CUDA, where a host clock read at the end of a
+            step would miss its queued kernels: the span then resolves, waiting for its end event, when read).
+    """
+
+    def __init__(self, clock: Clock | None = None) -> None:
+        self.clock: Clock = clock if clock is not None else HostClock()
+        self._depth = 0
+        self._start: Any = None
+
+    def begin(self) -> None:
+        """A step's work starts (marks the clock only when no span is open)."""
+        self._depth += 1
+        if self._depth == 1:
+            self._start = self.clock.mark()
+
+    def end(self) -> Duration | None:
+        """The work begun by the matching :meth:`begin` ends: the outermost span's duration, else None."""
+        if self._depth == 0:
+            return None
+        self._depth -= 1
+        if self._depth:
+            return None
+        start, end, clock = self._start, self.clock.mark(), self.clock
+        self._start = None
+        if isinstance(clock, HostClock):
+            return clock.elapsed(start, end)
+        return lambda: clock.elapsed(start, end)
 
 
 def _groups(state: OneBitState, numels: list[int] | None) -> list[list[int]]:
@@ -169,9 +229,10 @@ def decide(
 class StepTrial:
     """``compression="auto"`` from real step times (see the module docstring); driven by the strategy.
 
-    Call :meth:`step_started` at the start of every optimizer step, before its backward, on every rank: it closes the
-    previous step's interval, starts a trial where a decision is due, ends one (collective: every rank reaches the same
-    step) and opens the next interval. ``clock`` returns seconds (replaceable in tests).
+    Call :meth:`step_started` at the start of every optimizer step, before its backward, on every rank: it starts a
+    trial where a decision is due, ends one (collective: every rank reaches the same step) and opens the step. Call
+    :meth:`step_ended` with the step's duration (a :class:`StepTiming` span) when it has ended; a step that never
+    ends (it raised) is not timed.
 
     The first step it sees is never a reference step (step 0 is DDP's first iteration; a resumed process's first step
     rebuilds DDP's buckets and warms its caches too). A process that starts past step 0 (a resumed fit) has no step
@@ -180,14 +241,11 @@ class StepTrial:
     this process, not decided on timed buffers; a decided fit keeps its decision meanwhile.
     """
 
-    def __init__(self, steps: int = TRIAL_STEPS, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, steps: int = TRIAL_STEPS) -> None:
         self.steps = check_int("steps", steps, low=1, fix="Use e.g. 3.")
-        self.clock = clock
-        #: ``{step: (mode, seconds)}`` of the recent steps
-        self.durations: dict[int, tuple[str, float]] = {}
-        self._open: tuple[int, str, float] | None = None
-        #: the clock's reading at the last :meth:`step_started` (an :class:`OverlapTrial` of the same step reuses it)
-        self.last_now: float | None = None
+        #: ``{step: (mode, duration)}`` of the recent steps
+        self.durations: dict[int, tuple[str, Duration]] = {}
+        self._open: tuple[int, str] | None = None
         #: the first step this trial saw (0, or the first step of a resumed process); None before
         self.first: int | None = None
 
@@ -197,13 +255,10 @@ class StepTrial:
 
     def step_started(self, state: OneBitState, device: torch.device) -> str | None:
         """Book-keeping at the start of step ``state.step``; returns the decision when one was made now."""
-        now = self.last_now = self.clock()
         if self.first is None:
             self.first = state.step
             if state.step > 0:  # resumed: the steps before the checkpoint were timed by another process
                 state.decide_from = state.step + 1 + self.steps
-        if self._open is not None and self._open[0] == state.step - 1:
-            self.durations[self._open[0]] = (self._open[1], now - self._open[2])
         for k in [k for k in self.durations if k < state.step - 4 * self.steps - 4]:  # keep the recent ones
             del self.durations[k]
         decision = None
@@ -215,8 +270,16 @@ class StepTrial:
             else:  # try the other mode
                 state.set_decision("1bit" if state.decision in (None, "fp32") else "fp32")
                 state.trial_until = state.step + self.steps + 1
-        self._open = (state.step, self._mode(state), now)
+        self._open = (state.step, self._mode(state))
         return decision
+
+    def step_ended(self, duration: Duration) -> None:
+        """The step opened by the last :meth:`step_started` ended after ``duration`` (seconds, or a function of none
+        that returns them)."""
+        if self._open is not None:
+            step, mode = self._open
+            self.durations[step] = (mode, duration)
+        self._open = None
 
     def _finish(self, state: OneBitState, device: torch.device) -> str:
         assert state.trial_until is not None and state.decision is not None
@@ -233,7 +296,8 @@ class StepTrial:
         ]
         if not new or not old:  # e.g. a step that did not reach the optimizer: fall back to timing the buffers
             return decide(state, device, step=start)
-        t32, t1 = (median(old), median(new)) if before == "fp32" else (median(new), median(old))
+        new_s, old_s = median(_seconds(d) for d in new), median(_seconds(d) for d in old)
+        t32, t1 = (old_s, new_s) if before == "fp32" else (new_s, old_s)
         return decide(state, device, timings=(t32, t1), step=start)
 
 
@@ -250,20 +314,19 @@ class OverlapTrial:
     rank takes the same decision without a broadcast) and the serial order is kept only when faster by
     ``STEP_MARGIN``.
 
-    Call :meth:`step_started` at the start of every optimizer step on every rank; it returns whether that step
-    overlaps. ``clock`` returns seconds (replaceable in tests).
+    Call :meth:`step_started` at the start of every optimizer step on every rank (it returns whether that step
+    overlaps) and :meth:`step_ended` with its duration (a :class:`StepTiming` span) once it has ended.
 
     Attributes:
         decision: ``{"step", "overlap_s", "serial_s", "overlap"}`` once decided, else None.
     """
 
-    def __init__(self, steps: int = TRIAL_STEPS, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, steps: int = TRIAL_STEPS) -> None:
         self.steps = check_int("steps", steps, low=1, fix="Use e.g. 3.")
-        self.clock = clock
         self.decision: dict[str, Any] | None = None
         self._first: int | None = None  # the first compressed step
-        self._times: dict[bool, list[float]] = {True: [], False: []}
-        self._open: tuple[int, bool, float] | None = None
+        self._times: dict[bool, list[Duration]] = {True: [], False: []}
+        self._open: bool | None = None  # the order of the step being timed
 
     def step_started(
         self,
@@ -271,21 +334,14 @@ class OverlapTrial:
         compressing: bool,
         group: dist.ProcessGroup | None,
         device: torch.device,
-        now: float | None = None,
         timed: bool = True,
     ) -> bool:
         """Book-keeping at the start of optimizer step ``step``; returns whether it overlaps. Collective at the step
-        that decides (every rank reaches the same step). ``now``: this step's clock reading when the caller has one
-        (a :class:`StepTrial`'s of the same step), else the clock is read. ``timed=False``: a compressed-stage step
-        that is not a compressed one (a variance refresh) takes its place in the blocks but is not timed."""
-        now = self.clock() if now is None else now
+        that decides (every rank reaches the same step). ``timed=False``: a compressed-stage step that is not a
+        compressed one (a variance refresh) takes its place in the blocks but is not timed."""
+        self._open = None
         if self.decision is not None:
             return bool(self.decision["overlap"])
-        if self._open is not None and self._open[0] == step - 1:
-            k, overlapped, t0 = self._open
-            if self._first is not None and k - self._first not in (0, self.steps + 1):  # the blocks' first steps
-                self._times[overlapped].append(now - t0)
-        self._open = None
         if not compressing:  # fp32 steps (warm-up, a compression trial, fp32 decided): nothing to time yet
             self._first = None
             self._times = {True: [], False: []}
@@ -296,16 +352,20 @@ class OverlapTrial:
         if age >= 2 * (self.steps + 1):
             return self._decide(step, group, device)
         overlapped = age <= self.steps
-        if timed:
-            self._open = (step, overlapped, now)
+        if timed and age not in (0, self.steps + 1):  # the blocks' first steps are not timed
+            self._open = overlapped
         return overlapped
+
+    def step_ended(self, duration: Duration) -> None:
+        """The step opened by the last :meth:`step_started` ended after ``duration`` (seconds, or a function of none
+        that returns them)."""
+        if self._open is not None:
+            self._times[self._open].append(duration)
+        self._open = None
 
     def _decide(self, step: int, group: dist.ProcessGroup | None, device: torch.device) -> bool:
         t = torch.tensor(
-            [
-                median(self._times[True]) if self._times[True] else 0.0,
-                median(self._times[False]) if self._times[False] else 0.0,
-            ],
+            [median(_seconds(d) for d in self._times[flag]) if self._times[flag] else 0.0 for flag in (True, False)],
             dtype=torch.float64,
             device=device,
         )

@@ -36,7 +36,8 @@ import functools
 import inspect
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -54,6 +55,7 @@ from typing_extensions import override
 
 import lightning_accel.comm as comm
 from lightning_accel._utils.checks import check_bool, check_choice, check_int
+from lightning_accel._utils.clocks import CudaEventClock, HostClock
 from lightning_accel._utils.compat import PathType, grad_scaler_scale, redirect_find_unused_parameters_advice
 from lightning_accel._utils.deferred import Deferred, resolves_deferred
 from lightning_accel._utils.errors import one_line
@@ -307,8 +309,11 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
         #: ``compression="auto"``'s timing, replaceable: ``state -> (fp32_seconds, onebit_seconds)`` (tests, probes);
         #: when set, it replaces the trial of real steps
         self.measure_fn: Callable[[comm.OneBitState], tuple[float, float]] | None = None
-        #: the clock that times the steps of ``compression="auto"``'s trial (seconds; replaceable in tests)
+        #: the host clock that times the steps of the ``"auto"`` trials on the CPU (seconds; replaceable in tests; on
+        #: CUDA, unless replaced, the steps are timed with CUDA events instead)
         self.step_clock: Callable[[], float] = time.perf_counter
+        #: times each step from its forward to the end of its optimizer step, for the trials (made with the hook)
+        self._step_timing: comm.StepTiming | None = None
         self._auto_trial: comm.StepTrial | None = None  # made with the hook (there is nothing to time without one)
         #: ``overlap="auto"``'s timing of overlapped against serial compressed steps (made at setup where overlapping
         #: is safe; None otherwise)
@@ -412,7 +417,9 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
             state.load_state_dict(comm.select_rank_state(self._onebit_loaded, self.global_rank), self.world_size)
             self._onebit_loaded = None
         state.measure_fn = self.measure_fn
-        self._auto_trial = comm.StepTrial(clock=self.step_clock)
+        self._auto_trial = comm.StepTrial()
+        cuda = self.root_device.type == "cuda" and self.step_clock is time.perf_counter
+        self._step_timing = comm.StepTiming(CudaEventClock(self.root_device) if cuda else HostClock(self.step_clock))
         self._onebit_state = state
         self.model.register_comm_hook(state, comm.onebit_hook)
         self._onebit_live = True
@@ -488,7 +495,7 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
         self._overlap_trial = None
         if self._overlap_arg == "auto":
             if self.overlap:  # safe: which order is faster is measured at the first compressed steps
-                self._overlap_trial = comm.OverlapTrial(clock=self.step_clock)
+                self._overlap_trial = comm.OverlapTrial()
                 if self._adopt_overlap_decision():
                     return
             rank_zero_info(
@@ -562,6 +569,36 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
         model: Any = None,
         **kwargs: Any,
     ) -> Any:
+        with self._timed_step():
+            return self._optimizer_step(optimizer, closure, model, **kwargs)
+
+    @contextmanager
+    def _timed_step(self) -> Iterator[None]:
+        """One step's span for the ``"auto"`` trials (the outermost of the optimizer and training steps counts: see
+        :class:`~lightning_accel.comm.auto.StepTiming`); a step that raises is not timed."""
+        timing = self._step_timing
+        if timing is None:
+            yield
+            return
+        timing.begin()
+        done = False
+        try:
+            yield
+            done = True
+        finally:
+            span = timing.end()
+            if done and span is not None:
+                for trial in (self._auto_trial, self._overlap_trial):
+                    if trial is not None:
+                        trial.step_ended(span)
+
+    def _optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Any = None,
+        **kwargs: Any,
+    ) -> Any:
         state, trial = self._onebit_state, self._auto_trial
         # warmup_steps="auto" ends before this step: first, so that compression="auto"'s trial starts at it
         watch = self._warmup_watch
@@ -602,10 +639,8 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
         otrial = self._overlap_trial
         if otrial is not None and self.switched_off_reason is None:
             known = otrial.decision is not None
-            # one clock reading per step: the compression trial's, when it timed this step
-            now = trial.last_now if trial is not None and state.config.compression == "auto" else None
             self.overlap = otrial.step_started(
-                state.step, state.compressing, state.process_group, self.root_device, now=now, timed=not refreshing
+                state.step, state.compressing, state.process_group, self.root_device, timed=not refreshing
             )
             if not known and otrial.decision is not None:
                 d = otrial.decision
@@ -701,7 +736,8 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        out = super().training_step(*args, **kwargs)
+        with self._timed_step():  # the step's span under manual optimization (nested in the optimizer step otherwise)
+            out = super().training_step(*args, **kwargs)
         state, module = self._onebit_state, self.lightning_module
         last = state.stats.last_step if state is not None else None
         if self._log_stats and last is not None and module is not None and last.sent:

@@ -24,62 +24,17 @@ that costs.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from lightning_accel._utils.checks import check_choice, check_int
+from lightning_accel._utils.clocks import Clock, CudaEventClock, HostClock
 
 __all__ = ["CATEGORIES", "Clock", "CudaEventClock", "HostClock", "StepTimer", "TimerTotals"]
 
 #: Categories of step time, in report order. ``eval`` is validation run inside ``fit``; ``other`` is whatever the
 #: timer saw but could not attribute (it stays near zero because the two segments tile the loop).
 CATEGORIES: tuple[str, ...] = ("data", "compute", "comm", "checkpoint", "eval", "other")
-
-
-class Clock(Protocol):
-    """Marks points in time; :meth:`elapsed` turns two marks into seconds (it may block until ``end`` happened)."""
-
-    def mark(self) -> Any: ...
-
-    def elapsed(self, start: Any, end: Any) -> float: ...
-
-
-class HostClock:
-    """Host wall clock (``time.perf_counter`` by default; pass any ``() -> float`` for tests)."""
-
-    def __init__(self, now: Callable[[], float] = time.perf_counter) -> None:
-        self._now = now
-
-    def mark(self) -> float:
-        return self._now()
-
-    def elapsed(self, start: float, end: float) -> float:
-        return end - start
-
-
-class CudaEventClock:
-    """CUDA events recorded on the current stream: intervals on the GPU timeline, resolved without a per-step sync.
-
-    Args:
-        device: the CUDA device whose current stream is marked.
-    """
-
-    def __init__(self, device: Any = None) -> None:
-        import torch
-
-        self._torch = torch
-        self._device = device
-
-    def mark(self) -> Any:
-        ev = self._torch.cuda.Event(enable_timing=True)
-        ev.record(self._torch.cuda.current_stream(self._device))
-        return ev
-
-    def elapsed(self, start: Any, end: Any) -> float:
-        end.synchronize()  # returns at once for all but the newest event of a flush
-        return start.elapsed_time(end) / 1000.0
 
 
 @dataclass

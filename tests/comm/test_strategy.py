@@ -170,10 +170,11 @@ def test_a_state_saved_during_the_auto_trial_resumes_undecided_and_tries_again()
 
     cpu = torch.device("cpu")
     st = OneBitState(compression="auto", warmup_steps=2, recheck_every=0)
-    trial = StepTrial(clock=_Clock())
+    trial = StepTrial()
     for step in range(4):  # the trial of 1-bit steps starts at step 2, the end of warm-up
         st.step = step
         trial.step_started(st, cpu)
+        trial.step_ended(1.0)
     assert st.decision == "1bit" and st.trial_until == 6
     assert st.decide_from is None  # a fit from step 0 tries at the end of warm-up: its warm-up steps are timed
     saved = st.state_dict()
@@ -184,10 +185,11 @@ def test_a_state_saved_during_the_auto_trial_resumes_undecided_and_tries_again()
     resumed.step = 4
     assert resumed.decision is None and resumed.trial_until is None
     assert resumed.needs_decision and not resumed.compressing
-    again = StepTrial(clock=_Clock())
+    again = StepTrial()
     for step in range(4, 8):  # the resumed process's first step, then the 3 fp32 steps the trial compares with
         resumed.step = step
         assert again.step_started(resumed, cpu) is None
+        again.step_ended(1.0)
         assert resumed.decision is None and resumed.trial_until is None and not resumed.needs_decision
     assert resumed.decide_from == 8
     resumed.step = 8
@@ -222,27 +224,16 @@ def test_lightningcli_parses_the_deprecated_spelling(flag: str, new: str, value:
     assert getattr(cli.trainer.strategy.onebit_config, new) == value
 
 
-class _Clock:
-    """A scripted clock: each step of ``overlapped``/``serial`` seconds, by the order the trial asks for."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def _run_overlap_trial(overlap_s: float, serial_s: float, fp32_steps: int = 2) -> tuple[list[bool], dict]:
     from lightning_accel.comm import OverlapTrial
 
-    clock = _Clock()
-    trial = OverlapTrial(steps=3, clock=clock)
+    trial = OverlapTrial(steps=3)
     orders = []
     for step in range(fp32_steps + 14):
         compressing = step >= fp32_steps
         overlapped = trial.step_started(step, compressing, None, torch.device("cpu"))
         orders.append(overlapped)
-        clock.now += (overlap_s if overlapped else serial_s) if compressing else 1.0
+        trial.step_ended((overlap_s if overlapped else serial_s) if compressing else 1.0)
     assert trial.decision is not None
     return orders, trial.decision
 
@@ -263,13 +254,67 @@ def test_overlap_trial_keeps_overlap_on_a_near_tie_and_restarts_after_fp32_steps
 
     _, decision = _run_overlap_trial(overlap_s=0.500, serial_s=0.495)  # 1 % faster: within the margin
     assert decision["overlap"]
-    clock = _Clock()
-    trial = OverlapTrial(steps=2, clock=clock)
+    trial = OverlapTrial(steps=2)
     for step, compressing in enumerate([True, True, False, True, True, True, True, True, True, True]):
         trial.step_started(step, compressing, None, torch.device("cpu"))
-        clock.now += 1.0
+        trial.step_ended(1.0)
     # the compressed run restarted at step 3 (a fp32 step interrupted the first one): decided at 3 + 2 * 3
     assert trial.decision is not None and trial.decision["step"] == 9
+
+
+def test_overlap_trial_leaves_out_the_blocks_first_steps_refreshes_and_steps_that_never_ended() -> None:
+    """Only the timed steps of each block enter its median: not a block's first step (it builds state), not a
+    variance refresh (``timed=False``), not a step whose end was never reported (it raised); durations may be
+    functions, resolved when the trial decides (CUDA event pairs)."""
+    from lightning_accel.comm import OverlapTrial
+
+    trial = OverlapTrial(steps=3)
+    cpu = torch.device("cpu")
+    # overlapped block: steps 0 (first, 9 s), 1 (refresh, 9 s), 2 and 3 (2 s, lazily); serial block: step 4 (first,
+    # 9 s), 5 (raised: never ended), 6 and 7 (1 s)
+    for step in range(8):
+        trial.step_started(step, True, None, cpu, timed=step != 1)
+        if step == 5:
+            continue
+        trial.step_ended((lambda: 2.0) if step in (2, 3) else 1.0 if step in (6, 7) else 9.0)
+    assert trial.step_started(8, True, None, cpu) is False  # serial is faster
+    assert trial.decision == {"step": 8, "overlap_s": 2.0, "serial_s": 1.0, "overlap": False}
+
+
+def test_step_trial_times_each_step_from_its_start_to_its_end_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``compression="auto"`` compares the steps' own durations: what passes between two steps (a data-bound
+    epoch's wait for batches, a save) does not enter the trial."""
+    import lightning_accel.comm.auto as auto
+    from lightning_accel.comm import OneBitState, StepTiming, StepTrial
+    from lightning_accel.perf import HostClock
+
+    figures: list[tuple[float, float]] = []
+
+    def decide(state: OneBitState, device: torch.device, **kw: object) -> str:  # rank 0's verdict, without a group
+        t32, t1 = kw["timings"]  # type: ignore[misc]
+        figures.append((t32, t1))
+        state.set_decision("1bit" if t1 * (1 + auto.STEP_MARGIN) < t32 else "fp32")
+        return str(state.decision)
+
+    monkeypatch.setattr(auto, "decide", decide)
+
+    now = [0.0]
+    timing = StepTiming(HostClock(lambda: now[0]))
+    st = OneBitState(compression="auto", warmup_steps=4, recheck_every=0)
+    trial = StepTrial()
+    for step in range(9):  # fp32 steps 0-3 (1 s each, 5 s waits for data between), the 1-bit trial 4-7 (0.8 s)
+        st.step = step
+        timing.begin()  # the optimizer step (automatic optimization) ...
+        trial.step_started(st, torch.device("cpu"))
+        timing.begin()  # ... runs the training step inside it: nested, not a second span
+        now[0] += 0.8 if st.compressing else 1.0
+        assert timing.end() is None
+        span = timing.end()
+        assert span == pytest.approx(0.8 if st.compressing else 1.0)
+        trial.step_ended(span)
+        now[0] += 5.0 if step < 4 else 0.0  # the loader's wait: outside every span
+    assert figures == [pytest.approx((1.0, 0.8))] and st.decision == "1bit"
+    assert timing.end() is None  # an unmatched end is ignored
 
 
 @pytest.mark.parametrize("cls_name", ["OneBitDDPStrategy", "LocalStepsStrategy"])
