@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_accel._utils.checks import check_int
+from lightning_accel._utils.checks import check_choice, check_int
 
 __all__ = [
     "HEAD_ATTRIBUTES",
@@ -55,10 +55,13 @@ __all__ = [
     "estimate_pipeline",
     "estimate_tensor_parallel",
     "default_microbatches",
+    "pipeline_in_flight",
     "largest_unit_params",
     "measure_activation_bytes",
     "pipeline_stage_parameters",
     "pipeline_stage_params",
+    "resolve_stages_per_rank",
+    "SCHEDULES",
     "trainable_and_frozen",
     "transformer_shape",
 ]
@@ -70,6 +73,29 @@ HEAD_ATTRIBUTES = ("n_head", "num_heads", "n_heads", "num_attention_heads")
 #: Micro-batches per pipeline rank in a step when none are given: 2 keeps every rank busy in 1F1B's steady state (at
 #: least one micro-batch per rank is required) without cutting the batch finer than needed.
 MICROBATCHES_PER_RANK = 2
+
+
+#: pipeline schedules (``PipelineStrategy(schedule=...)``): what a stage keeps in flight differs, see
+#: :func:`estimate_pipeline`
+SCHEDULES = ("1f1b", "gpipe", "interleaved1f1b")
+
+
+def resolve_stages_per_rank(schedule: str, stages_per_rank: int | None) -> int:
+    """Check ``schedule`` and ``stages_per_rank`` together; returns the stages per rank (None: 2 for the interleaved
+    schedule, else 1).
+
+    Raises:
+        ValueError: an unknown schedule, or a count the schedule cannot run (both values and what it needs).
+    """
+    check_choice("schedule", schedule, SCHEDULES)
+    check_int("stages_per_rank", stages_per_rank, low=1, allow_none=True)
+    spr = stages_per_rank if stages_per_rank is not None else (2 if schedule == "interleaved1f1b" else 1)
+    if (schedule == "interleaved1f1b") != (spr > 1):
+        raise ValueError(
+            f"`stages_per_rank`={spr} with `schedule`={schedule!r}: the interleaved schedule needs >= 2 stages "
+            "per rank, '1f1b' and 'gpipe' exactly 1."
+        )
+    return spr
 
 
 def default_microbatches(pipeline_size: int) -> int:
@@ -434,6 +460,27 @@ def estimate_fsdp(
     return MemoryEstimate("fsdp", state, 4 * largest_unit, activations, formula + " + 4·L + A")
 
 
+def pipeline_in_flight(schedule: str, pipeline_size: int, microbatches: int, stages_per_rank: int = 1) -> int:
+    """Stage-micro-batches whose activations the busiest rank (the first) holds at once under ``schedule``: one
+    stage's forward of one micro-batch each, kept until its backward.
+
+    ``"gpipe"`` runs every forward first: all ``M``. ``"1f1b"``: ``min(M, S)`` on the first of ``S`` ranks (its
+    warm-up of ``S - 1`` forwards, then one forward before each backward). ``"interleaved1f1b"`` with ``v`` stages
+    per rank: ``min(v·M, (v-1)·S + 2·(S-1) + 1)`` (the warm-up of torch's and Megatron's interleaved schedules,
+    then one more), which for ``M >= S`` is 1F1B's bytes times ``1 + (S-1)/(S·v)``.
+    """
+    check_choice("schedule", schedule, SCHEDULES)
+    check_int("pipeline_size", pipeline_size, low=1)
+    check_int("microbatches", microbatches, low=1)
+    v = resolve_stages_per_rank(schedule, stages_per_rank)
+    s, m = pipeline_size, microbatches
+    if schedule == "gpipe":
+        return m
+    if schedule == "1f1b":
+        return min(m, s)
+    return min(v * m, (v - 1) * s + 2 * (s - 1) + 1)
+
+
 def estimate_pipeline(
     stage_params: list[int],
     activations: int,
@@ -441,30 +488,49 @@ def estimate_pipeline(
     microbatches: int | None = None,
     bytes_per_param: int = ADAM_MIXED_BYTES_PER_PARAM,
     stage_frozen_bytes: list[int] | None = None,
+    schedule: str = "1f1b",
+    stages_per_rank: int | None = None,
 ) -> MemoryEstimate:
-    """``b·P_stage + W_stage + A/S · min(S, M)/M`` for the heaviest stage (1F1B).
+    """``Σ_rank (b·P_stage + W_stage) + A/(S·v) · F/M`` for the heaviest rank: its stages' model state, and the
+    activations of the ``F`` stage-micro-batches it holds at once (:func:`pipeline_in_flight`: ``min(S, M)`` for
+    1F1B, ``M`` for GPipe), each ``1/(S·v)`` of one micro-batch's.
 
     Args:
-        stage_params: per stage, the parameters it trains (a parameter several stages hold counts in each).
+        stage_params: per stage, the parameters it trains (a parameter several stages hold counts in each), in loop
+            order: ``S·v`` stages for ``S`` pipeline ranks with ``v`` stages each, rank ``r`` holding stages
+            ``r, r + S, ...`` (``PipelineStrategy``'s layout).
         activations: activation bytes of the whole batch the pipeline runs in one step (all its micro-batches).
-        microbatches: ``M``, micro-batches per step (None: :func:`default_microbatches` of the ``S`` stages, what
+        microbatches: ``M``, micro-batches per step (None: :func:`default_microbatches` of the ``S`` ranks, what
             ``PipelineStrategy`` runs without one).
         bytes_per_param: model-state bytes per trainable parameter.
         stage_frozen_bytes: per stage, the bytes of its frozen parameters' weights (None: none frozen).
+        schedule: ``"1f1b"``, ``"gpipe"`` or ``"interleaved1f1b"`` (:data:`SCHEDULES`).
+        stages_per_rank: ``v`` (None: 2 for the interleaved schedule, else 1); must divide the number of stages.
     """
-    s = len(stage_params)
-    if s < 1:
+    n = len(stage_params)
+    if n < 1:
         raise ValueError(f"`stage_params` must list at least one stage's parameter count, got {stage_params!r}.")
-    frozen = list(stage_frozen_bytes) if stage_frozen_bytes is not None else [0] * s
-    if len(frozen) != s:
+    v = resolve_stages_per_rank(schedule, stages_per_rank)
+    if n % v:
         raise ValueError(
-            f"`stage_frozen_bytes` lists {len(frozen)} stage(s) and `stage_params` {s}: give one number per stage."
+            f"`stage_params` lists {n} stage(s), not a multiple of `stages_per_rank`={v}: give {v} stages per rank."
         )
+    frozen = list(stage_frozen_bytes) if stage_frozen_bytes is not None else [0] * n
+    if len(frozen) != n:
+        raise ValueError(
+            f"`stage_frozen_bytes` lists {len(frozen)} stage(s) and `stage_params` {n}: give one number per stage."
+        )
+    s = n // v
     m = microbatches or default_microbatches(s)
-    act = int(activations / s * min(s, m) / m)
-    state = max(bytes_per_param * p + w for p, w in zip(stage_params, frozen, strict=True))
+    held = pipeline_in_flight(schedule, s, m, v)
+    act = int(activations / n * held / m)
+    per_stage = [bytes_per_param * p + w for p, w in zip(stage_params, frozen, strict=True)]
+    state = max(sum(per_stage[r::s]) for r in range(s))
     w = " + W_stage" if any(frozen) else ""
-    formula = f"{bytes_per_param}·P_stage{w} + A/{s}·{min(s, m)}/{m}"
+    stage_state = f"{bytes_per_param}·P_stage{w}"
+    if v > 1:
+        stage_state = f"{v}·({stage_state})"
+    formula = f"{stage_state} + A/{n}·{held}/{m}"
     return MemoryEstimate("pipeline", state, 0, act, formula)
 
 

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_accel._utils.checks import check_choice, check_int
-from lightning_accel.parallel.estimate import trainable_and_frozen
+from lightning_accel.parallel.estimate import SCHEDULES, resolve_stages_per_rank, trainable_and_frozen
 
 __all__ = [
     "SCHEDULES",
@@ -44,10 +44,9 @@ __all__ = [
     "piece_costs",
     "join_outputs",
     "pipeline_layout",
+    "resolve_stages_per_rank",
     "split_batch",
 ]
-
-SCHEDULES = ("1f1b", "gpipe", "interleaved1f1b")
 
 
 def find_pipeline_modules(module: nn.Module) -> list[nn.Module]:

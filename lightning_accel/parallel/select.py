@@ -51,6 +51,7 @@ from lightning_accel.parallel.estimate import (
     largest_unit_params,
     measure_activation_bytes,
     pipeline_stage_parameters,
+    resolve_stages_per_rank,
     trainable_and_frozen,
     transformer_shape,
 )
@@ -193,6 +194,9 @@ def select_strategy(
     onebit_break_even: float | None = None,
     activation_scale: float = 1.0,
     batch_split: str = "data_parallel",
+    pipeline_size: int | None = None,
+    schedule: str = "1f1b",
+    stages_per_rank: int | None = None,
 ) -> StrategyChoice:
     """Choose data, sharded or pipeline parallelism for ``model`` on ``devices × num_nodes`` devices.
 
@@ -223,6 +227,12 @@ def select_strategy(
             per-device batch for a pipeline over every device, ``devices ×`` for a tensor-parallel group, which spans
             one node; what ``AutoStrategy`` runs). The pipeline's and tensor parallelism's activations are estimated
             for that batch.
+        pipeline_size: ranks per pipeline, as ``PipelineStrategy(pipeline_size=...)`` (None: every device; a
+            divisor of the world size, the rest pipeline replicas): the pipeline's stages, micro-batches and batch
+            are estimated for it.
+        schedule: the pipeline schedule (``"1f1b"``, ``"gpipe"``, ``"interleaved1f1b"``): GPipe keeps every
+            micro-batch's activations until its backward, 1F1B at most one per pipeline rank.
+        stages_per_rank: pipeline stages per rank (None: 2 for the interleaved schedule, else 1).
 
     Returns:
         A :class:`StrategyChoice`; ``strategy, why = select_strategy(...)`` also works.
@@ -242,6 +252,10 @@ def select_strategy(
         microbatches=microbatches,
         onebit_break_even=onebit_break_even,
         batch_split=batch_split,
+        pipeline_size=pipeline_size,
+        schedule=schedule,
+        stages_per_rank=stages_per_rank,
+        world=devices * num_nodes,
     )
     if policy == "measure":  # the estimates decide what is a candidate; `choose_by_trial` then measures them
         policy = "memory"
@@ -264,8 +278,11 @@ def select_strategy(
     trainable, frozen_bytes = trainable_and_frozen(model.parameters())
     facts["trainable_params"], facts["frozen_bytes"] = trainable, frozen_bytes
     # the pipeline runs its own batch (the gathered one with `batch_split="world"`) cut into its micro-batches
-    facts["pipeline_microbatches"] = microbatches or default_microbatches(world)
-    facts["pipeline_activations"] = act.bytes * (world if batch_split == "world" else 1)
+    pp = pipeline_size or world
+    facts["pipeline_size"], facts["pipeline_schedule"] = pp, schedule
+    facts["stages_per_rank"] = resolve_stages_per_rank(schedule, stages_per_rank)
+    facts["pipeline_microbatches"] = microbatches or default_microbatches(pp)
+    facts["pipeline_activations"] = act.bytes * (pp if batch_split == "world" else 1)
     # tensor parallelism splits over the devices of one node (a group across nodes would put its per-layer
     # collectives on the slow link), and with `batch_split="world"` each group runs its ranks' batches gathered
     facts["tp_size"] = devices
@@ -297,10 +314,15 @@ def _check_arguments(
     microbatches: int | None = None,
     onebit_break_even: float | None = None,
     batch_split: str = "data_parallel",
+    pipeline_size: int | None = None,
+    schedule: str = "1f1b",
+    stages_per_rank: int | None = None,
+    world: int | None = None,
 ) -> None:
     """Raise ``ValueError`` (``TypeError`` for a wrong type) for a bad :func:`select_strategy` argument (named, with
     the value and the fix). ``AutoStrategy.__init__`` calls it too, so a bad value fails where it is written, on
-    every rank, not later on the rank that chooses."""
+    every rank, not later on the rank that chooses. ``world``: the device count, where known (``pipeline_size``
+    must divide it)."""
     check_choice("policy", policy, POLICIES)
     check_int("devices", devices, low=1, fix="It counts the devices per node.")
     check_int("num_nodes", num_nodes, low=1)
@@ -312,6 +334,13 @@ def _check_arguments(
     check_int("microbatches", microbatches, low=1, allow_none=True)
     check_number("onebit_break_even", onebit_break_even, low=0, low_open=True, allow_none=True, fix="In Gbit/s.")
     check_choice("batch_split", batch_split, BATCH_SPLITS)
+    check_int("pipeline_size", pipeline_size, low=1, allow_none=True)
+    resolve_stages_per_rank(schedule, stages_per_rank)
+    if world is not None and pipeline_size is not None and world % pipeline_size:
+        raise ValueError(
+            f"`pipeline_size`={pipeline_size} does not divide the {world} device(s): every pipeline replica needs all "
+            f"its stages. Use a divisor of {world}."
+        )
 
 
 def _by_rules(params: int, layers: int, world: int, facts: dict[str, Any]) -> StrategyChoice:
@@ -386,13 +415,15 @@ def _estimates(
     """Bytes per device of each plan, in the order of preference (data parallel < sharded < tensor parallel <
     pipeline: each adds communication on the critical path or idle time). Trainable parameters cost
     ``bytes_per_param``, frozen ones their weight bytes (``facts``' ``trainable_params`` / ``frozen_bytes``); the
-    pipeline's activations and micro-batches are ``facts``' ``pipeline_activations`` / ``pipeline_microbatches``,
+    pipeline's ranks, schedule, stages per rank, activations and micro-batches are ``facts``' ``pipeline_size`` /
+    ``pipeline_schedule`` / ``stages_per_rank`` / ``pipeline_activations`` / ``pipeline_microbatches``,
     tensor parallelism's group size and activations ``facts``' ``tp_size`` / ``tp_activations``."""
     trainable, frozen = facts["trainable_params"], facts["frozen_bytes"]
     largest = largest_unit_params(model)
     tp_size = facts["tp_size"]
     tp_split, tp_blocker = _tensor_parallel_params(model, tp_size)
-    stages, pp_blocker = _pipeline_stages(model, world, bytes_per_param)
+    spr = facts["stages_per_rank"]
+    stages, pp_blocker = _pipeline_stages(model, facts["pipeline_size"] * spr, bytes_per_param)
     per_stage = [trainable_and_frozen(ps) for ps in stages]
     pipeline = estimate_pipeline(
         [p for p, _ in per_stage],
@@ -400,6 +431,8 @@ def _estimates(
         microbatches=facts["pipeline_microbatches"],
         bytes_per_param=bytes_per_param,
         stage_frozen_bytes=[w for _, w in per_stage],
+        schedule=facts["pipeline_schedule"],
+        stages_per_rank=spr,
     )
     tp = estimate_tensor_parallel(
         trainable,
@@ -432,11 +465,12 @@ def _tensor_parallel_params(model: nn.Module, world: int) -> tuple[tuple[int, in
 
 
 def _pipeline_stages(model: nn.Module, world: int, bytes_per_param: int) -> tuple[list[list[nn.Parameter]], str]:
-    """The parameters each of ``world`` pipeline stages holds, and why a pipeline cannot split ``model`` ("" when it
-    can). The stages are ``PipelineStrategy``'s: its pieces, balanced by :func:`piece_costs` (on model state: the
-    strategy also weighs the activations of ``example_input_array``, which this does not run), each stage holding
-    every parameter its pieces use, so a weight tied between stages (embedding and head) counts in each. A model the
-    pipeline cannot split gets the block-stack split of :func:`pipeline_stage_parameters` for the table."""
+    """The parameters each of ``world`` pipeline stages (every rank's stages, in loop order) holds, and why a
+    pipeline cannot split ``model`` ("" when it can). The stages are ``PipelineStrategy``'s: its pieces, balanced by
+    :func:`piece_costs` (on model state: the strategy also weighs the activations of ``example_input_array``, which
+    this does not run), each stage holding every parameter its pieces use, so a weight tied between stages (embedding
+    and head) counts in each. A model the pipeline cannot split gets the block-stack split of
+    :func:`pipeline_stage_parameters` for the table."""
     try:
         pieces = find_pipeline_modules(model)
     except TypeError as e:
@@ -517,7 +551,7 @@ def _beyond_data_parallel(c: _Case) -> StrategyChoice:
     for plan, what in (
         ("tp", "tensor parallel splits each block's attention and MLP matrices over the devices (a unit too large "
                "to gather whole)"),
-        ("pipeline", f"a {world}-stage pipeline holds one stage's layers per device"),
+        ("pipeline", f"a {c.facts['pipeline_size']}-rank pipeline holds its stages' layers per device"),
     ):  # fmt: skip
         if world > 1 and c.fits(plan):
             why = (
@@ -544,14 +578,22 @@ class TrialFailed(RuntimeError):
     """Raised by a trial whose plan failed (on some rank); its message is the error, already one line."""
 
 
-def trial_key(model: nn.Module, world: int, device: str, batch_shape: tuple[int, ...], candidates: list[str]) -> str:
-    """What a trial's result depends on: the model's class, size and depth, the world, the device, the batch."""
+def trial_key(
+    model: nn.Module,
+    world: int,
+    device: str,
+    batch_shape: tuple[int, ...],
+    candidates: list[str],
+    pipeline: str = "",
+) -> str:
+    """What a trial's result depends on: the model's class, size and depth, the world, the device, the batch, and
+    ``pipeline``, how a timed pipeline runs (its schedule, micro-batches, stages per rank; "" adds nothing)."""
     params = sum(p.numel() for p in model.parameters())
     shape = "x".join(map(str, batch_shape))
-    return (
-        f"{type(model).__name__}|P={params}|L={count_layers(model)}|world={world}|{device}|batch={shape}|"
-        + ",".join(candidates)
+    key = f"{type(model).__name__}|P={params}|L={count_layers(model)}|world={world}|{device}|batch={shape}|" + ",".join(
+        candidates
     )
+    return f"{key}|pipeline={pipeline}" if pipeline else key
 
 
 class TrialCache:

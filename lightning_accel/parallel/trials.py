@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_accel._utils.checks import check_choice
-from lightning_accel.parallel.estimate import default_microbatches
+from lightning_accel.parallel.estimate import default_microbatches, resolve_stages_per_rank
 from lightning_accel.parallel.pipeline import (
     PipelineRunner,
     find_pipeline_modules,
@@ -83,6 +83,7 @@ def plan_stepper(
     lr: float = 1e-3,
     microbatches: int | None = None,
     schedule: str = "1f1b",
+    stages_per_rank: int | None = None,
 ) -> Stepper:
     """Apply ``plan`` to ``model`` (changed in place: pass a copy) over the default process group.
 
@@ -100,6 +101,7 @@ def plan_stepper(
         microbatches: pipeline micro-batches (default ``2 x world``:
             :func:`~lightning_accel.parallel.estimate.default_microbatches`).
         schedule: pipeline schedule.
+        stages_per_rank: pipeline stages per rank (None: 2 for the interleaved schedule, else 1).
     """
     check_choice("plan", plan, PLANS)
     loss = loss_fn or _mean_loss
@@ -107,7 +109,8 @@ def plan_stepper(
     device = inputs.device
     if plan == "pipeline":
         pieces = find_pipeline_modules(model)
-        layout = pipeline_layout(piece_costs(pieces, inputs[:1]), world)
+        spr = resolve_stages_per_rank(schedule, stages_per_rank)
+        layout = pipeline_layout(piece_costs(pieces, inputs[:1]), world, stages_per_rank=spr)
         m = microbatches or default_microbatches(world)
         runner = PipelineRunner(
             model, pieces, layout, rank=rank, device=device, schedule=schedule, microbatches=m, loss_fn=loss

@@ -145,6 +145,34 @@ def test_pipeline_micro_batches_default_to_what_the_strategy_runs() -> None:
         default_microbatches(0)
 
 
+def test_the_pipeline_estimate_follows_the_schedule_and_the_stages_per_rank() -> None:
+    from lightning_accel.parallel.estimate import pipeline_in_flight
+
+    # 4 ranks, 8 micro-batches: GPipe keeps all 8 in flight on the first rank, 1F1B 4
+    assert pipeline_in_flight("gpipe", 4, 8) == 8 and pipeline_in_flight("1f1b", 4, 8) == 4
+    assert pipeline_in_flight("1f1b", 4, 2) == 2  # fewer micro-batches than ranks: all of them
+    # interleaved, 2 stages per rank: the warm-up (1·4 + 2·3) and one more, of 16 stage-micro-batches; in bytes 1F1B's
+    # times 1 + (S-1)/(S·v) once M >= S
+    assert pipeline_in_flight("interleaved1f1b", 4, 8, 2) == 11
+    assert pipeline_in_flight("interleaved1f1b", 2, 1, 2) == 2  # capped by what there is
+    acts = 64_000
+    f1b = estimate_pipeline([10] * 4, acts, microbatches=8)
+    gpipe = estimate_pipeline([10] * 4, acts, microbatches=8, schedule="gpipe")
+    inter = estimate_pipeline([10] * 8, acts, microbatches=8, schedule="interleaved1f1b")
+    assert (f1b.activations, gpipe.activations) == (acts // 4 * 4 // 8, acts // 4)
+    assert inter.activations == pytest.approx(f1b.activations * (1 + 3 / 8), rel=1e-6)
+    assert gpipe.formula.endswith("A/4·8/8") and inter.formula == "2·(16·P_stage) + A/8·11/8"
+    # each rank holds its stages' state: rank r has stages r and r + 4
+    uneven = estimate_pipeline([1, 2, 3, 4, 50, 6, 7, 8], 0, bytes_per_param=1, schedule="interleaved1f1b")
+    assert uneven.model_state == 51
+    with pytest.raises(ValueError, match="`stages_per_rank`=2 with `schedule`='gpipe'"):
+        estimate_pipeline([10] * 4, acts, schedule="gpipe", stages_per_rank=2)
+    with pytest.raises(ValueError, match="lists 3 stage.*`stages_per_rank`=2"):
+        estimate_pipeline([10] * 3, acts, schedule="interleaved1f1b")
+    with pytest.raises(ValueError, match="`schedule`"):
+        estimate_pipeline([10] * 4, acts, schedule="zero-bubble")
+
+
 def test_measuring_activations_leaves_the_model_as_it_was() -> None:
     m = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 1))
     m.train()

@@ -14,8 +14,8 @@ P = 4 * 256 * 256  # parameters of mlp()
 MB = 1_000_000
 
 
-def mlp() -> nn.Sequential:
-    return nn.Sequential(*[nn.Linear(256, 256, bias=False) for _ in range(4)])
+def mlp(layers: int = 4) -> nn.Sequential:
+    return nn.Sequential(*[nn.Linear(256, 256, bias=False) for _ in range(layers)])
 
 
 def pick(mem: int, devices: int = 4, **kw):
@@ -290,6 +290,40 @@ def test_the_pipeline_estimate_runs_the_batch_and_micro_batches_of_the_plan() ->
     assert m8.estimates["pipeline"].activations == acts // 2 * 2 // 8
     with pytest.raises(ValueError, match="`batch_split`"):
         select_strategy(mlp(), devices=2, device_memory_bytes=10**9, batch_split="pipeline")
+
+
+def test_the_pipeline_estimate_is_the_pipeline_of_its_size_and_schedule() -> None:
+    x = torch.randn(64, 256)
+    full = select_strategy(mlp(layers=8), devices=4, device_memory_bytes=10**9, example_batch=x, batch_split="world")
+    half = select_strategy(
+        mlp(layers=8), devices=4, device_memory_bytes=10**9, example_batch=x, batch_split="world", pipeline_size=2
+    )
+    # 2 ranks per pipeline (2 replicas): 2 stages of the 8 layers, each holding twice the state of 4 stages; its
+    # batch is its 2 ranks' batches gathered, in 2 x 2 micro-batches
+    assert full.facts["pipeline_size"] == 4 and half.facts["pipeline_size"] == 2
+    assert half.estimates["pipeline"].model_state == 2 * full.estimates["pipeline"].model_state
+    assert (
+        half.facts["pipeline_microbatches"] == 4 and half.facts["pipeline_activations"] == 2 * half.facts["activations"]
+    )
+    gpipe = select_strategy(mlp(layers=8), devices=4, device_memory_bytes=10**9, example_batch=x, schedule="gpipe")
+    f1b = select_strategy(mlp(layers=8), devices=4, device_memory_bytes=10**9, example_batch=x)
+    assert gpipe.estimates["pipeline"].activations == 2 * f1b.estimates["pipeline"].activations  # 8 in flight, not 4
+    inter = select_strategy(
+        mlp(layers=8), devices=4, device_memory_bytes=10**9, example_batch=x, schedule="interleaved1f1b"
+    )
+    assert inter.facts["stages_per_rank"] == 2 and "2·(16·P_stage)" in inter.estimates["pipeline"].formula
+    with pytest.raises(ValueError, match="`pipeline_size`=3 does not divide the 4 device"):
+        select_strategy(mlp(), devices=4, device_memory_bytes=10**9, pipeline_size=3)
+    with pytest.raises(ValueError, match="`stages_per_rank`=1 with `schedule`='interleaved1f1b'"):
+        select_strategy(mlp(), devices=4, device_memory_bytes=10**9, schedule="interleaved1f1b", stages_per_rank=1)
+
+
+def test_a_cached_trial_holds_for_the_same_pipeline_only() -> None:
+    from lightning_accel.parallel.select import trial_key
+
+    args = (mlp(), 2, "cpu", (8, 256), ["ddp", "pipeline"])
+    assert trial_key(*args) == trial_key(*args, "")  # written before the pipeline's settings were part of it
+    assert trial_key(*args, "1f1b,m=None,v=None") != trial_key(*args, "gpipe,m=None,v=None")
 
 
 def test_the_tensor_parallel_estimate_splits_over_one_node_and_runs_its_batch() -> None:

@@ -183,6 +183,10 @@ def test_bad_arguments() -> None:
         AutoStrategy(bytes_per_param="16")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="`microbatches`"):
         AutoStrategy(pipeline_kwargs={"microbatches": 0})
+    with pytest.raises(ValueError, match="`stages_per_rank`=2 with `schedule`='gpipe'"):
+        AutoStrategy(pipeline_kwargs={"schedule": "gpipe", "stages_per_rank": 2})
+    with pytest.raises(ValueError, match="`pipeline_size`"):
+        AutoStrategy(pipeline_kwargs={"pipeline_size": 0})
 
 
 def test_lightning_cli_instantiates_it(tmp_path: Path) -> None:
@@ -324,6 +328,12 @@ def test_resolve_estimates_the_pipeline_micro_batches_it_builds() -> None:
     facts = st.choice.facts
     assert facts["pipeline_microbatches"] == 8  # the `microbatches` the built PipelineStrategy runs
     assert facts["pipeline_activations"] == 2 * facts["activations"]  # its batch: both devices' batches gathered
+    gpipe = AutoStrategy(device_memory_bytes=10**9, example_batch_size=16, pipeline_kwargs={"schedule": "gpipe"})
+    gpipe.resolve(Deep(depth=4), accelerator="cpu", devices=2)
+    assert gpipe.choice is not None and gpipe.choice.facts["pipeline_schedule"] == "gpipe"
+    ests = gpipe.choice.estimates["pipeline"], st.choice.estimates["pipeline"]
+    # all 4 micro-batches in flight (of 2 x 2), against 2 of 8 for the 1F1B pipeline above
+    assert ests[0].activations == pytest.approx(ests[1].activations * (4 / 4) / (2 / 8), rel=1e-3)
 
 
 class RecordsMicroBatches(Deep):

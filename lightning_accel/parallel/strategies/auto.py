@@ -134,7 +134,8 @@ class AutoStrategy(DDPStrategy):
         fsdp_kwargs: when given, a chosen ``"fsdp"`` runs as Lightning's ``FSDPStrategy(**fsdp_kwargs)`` (FSDP1,
             GPUs only; e.g. ``cpu_offload``) instead of :class:`ShardedStrategy` (FSDP2, CPU and GPU).
         sharded_kwargs: keyword arguments for :class:`ShardedStrategy` (the ``"fsdp"`` and ``"tp"`` plans).
-        pipeline_kwargs: keyword arguments for :class:`PipelineStrategy` (``schedule``, ``microbatches``).
+        pipeline_kwargs: keyword arguments for :class:`PipelineStrategy` (``schedule``, ``microbatches``,
+            ``pipeline_size``, ``stages_per_rank``); the pipeline's memory estimate is made for them.
         trial_steps: timed steps per candidate for ``policy="measure"`` (after one warm-up step).
         trial_cache: a JSON file keeping measured times per model / world / device (None: this process only).
         candidates: the plans ``policy="measure"`` times (None: every plan the memory estimate lets fit; a plan
@@ -177,6 +178,9 @@ class AutoStrategy(DDPStrategy):
             bytes_per_param=bytes_per_param,
             microbatches=(pipeline_kwargs or {}).get("microbatches"),
             batch_split=(pipeline_kwargs or {}).get("batch_split", "world"),
+            pipeline_size=(pipeline_kwargs or {}).get("pipeline_size"),
+            schedule=(pipeline_kwargs or {}).get("schedule", "1f1b"),
+            stages_per_rank=(pipeline_kwargs or {}).get("stages_per_rank"),
         )
         super().__init__(**ddp_kwargs)
         self.policy = policy
@@ -261,9 +265,13 @@ class AutoStrategy(DDPStrategy):
             headroom=self.headroom,
             bytes_per_param=self.bytes_per_param,
             activation_scale=scale,
-            # the pipeline's estimate describes the one `_runnable` builds: its batch and its micro-batches
+            # the pipeline's estimate describes the one `_runnable` builds: its ranks, schedule, stages, batch and
+            # micro-batches
             microbatches=self._pipeline_kwargs["microbatches"],
             batch_split=self._model_parallel_batch_split,
+            pipeline_size=self._pipeline_kwargs.get("pipeline_size"),
+            schedule=self._pipeline_kwargs.get("schedule", "1f1b"),
+            stages_per_rank=self._pipeline_kwargs.get("stages_per_rank"),
         )
 
     @property
@@ -367,7 +375,10 @@ class AutoStrategy(DDPStrategy):
         # take this rank's share of it, tensor-parallel and pipeline plans the whole, as `batch_split="world"` does)
         x = torch.cat([per_rank] * world).to(self.root_device)
         plans = list(self.candidates or memory_choice.estimates)
-        key = trial_key(model, world, self.root_device.type, tuple(x.shape), plans)
+        pk = self._pipeline_kwargs
+        # a timed pipeline's schedule and cuts change its time: a cached figure holds for the same ones only
+        how = f"{pk.get('schedule', '1f1b')},m={pk['microbatches']},v={pk.get('stages_per_rank')}"
+        key = trial_key(model, world, self.root_device.type, tuple(x.shape), plans, how if "pipeline" in plans else "")
         cached: list[Any] = [self.trial_cache.get(key) if self.global_rank == 0 else None]
         torch.distributed.broadcast_object_list(cached, src=0)
         shared = TrialCache()
@@ -378,7 +389,14 @@ class AutoStrategy(DDPStrategy):
         def trial(plan: str) -> float:
             seconds, error = float("inf"), ""
             try:  # any failure, building the plan or in any step, drops the plan (never the run)
-                stepper = plan_stepper(plan, copy.deepcopy(model).to(self.root_device), x, microbatches=microbatches)
+                stepper = plan_stepper(
+                    plan,
+                    copy.deepcopy(model).to(self.root_device),
+                    x,
+                    microbatches=microbatches,
+                    schedule=self._pipeline_kwargs.get("schedule", "1f1b"),
+                    stages_per_rank=self._pipeline_kwargs.get("stages_per_rank"),
+                )
                 seconds = time_plan(stepper, steps=self.trial_steps)
             except Exception as e:  # noqa: BLE001
                 error = f"{type(e).__name__}: {one_line(e)}"

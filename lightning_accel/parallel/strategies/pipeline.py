@@ -19,13 +19,13 @@ from lightning_accel._utils.checks import check_choice, check_int
 from lightning_accel._utils.patching import Patch, patch
 from lightning_accel.parallel.estimate import default_microbatches
 from lightning_accel.parallel.pipeline import (
-    SCHEDULES,
     PipelineRunner,
     batch_tensors,
     find_pipeline_modules,
     join_outputs,
     piece_costs,
     pipeline_layout,
+    resolve_stages_per_rank,
     split_batch,
 )
 from lightning_accel.parallel.strategies._helpers import (
@@ -128,17 +128,10 @@ class PipelineStrategy(DDPStrategy):
         batch_split: str = "data_parallel",
         **ddp_kwargs: Any,
     ) -> None:
-        check_choice("schedule", schedule, SCHEDULES)
         check_choice("batch_split", batch_split, BATCH_SPLITS)
         check_int("pipeline_size", pipeline_size, low=1, allow_none=True)
         check_int("microbatches", microbatches, low=1, allow_none=True)
-        check_int("stages_per_rank", stages_per_rank, low=1, allow_none=True)
-        spr = stages_per_rank if stages_per_rank is not None else (2 if schedule == "interleaved1f1b" else 1)
-        if (schedule == "interleaved1f1b") != (spr > 1):
-            raise ValueError(
-                f"`stages_per_rank`={spr} with `schedule`={schedule!r}: the interleaved schedule needs >= 2 stages "
-                "per rank, '1f1b' and 'gpipe' exactly 1."
-            )
+        spr = resolve_stages_per_rank(schedule, stages_per_rank)
         super().__init__(**ddp_kwargs)
         self.pipeline_size = pipeline_size
         self.schedule = schedule
