@@ -7,13 +7,18 @@ overlap with backward, other tenants of the machine), so the run measures it at 
 
 **Real steps** (:class:`StepTrial`, what ``OneBitDDPStrategy`` does): the strategy times every training step with a
 :class:`StepTiming`, from the start of its forward to the end of its optimizer step. At the end of warm-up it switches
-to the other mode for ``1 + steps`` steps (the first builds the compression state and is not timed), then compares the
-median of those steps with the median of the last ``steps`` steps before the switch (the process's first step
+to the other mode for ``1 + steps`` steps (the first builds the compression state and is not timed), then back to the
+mode before for ``1 + steps`` more (the first untimed again), and compares the median of the tried mode's ``steps``
+with the median of the mode before's ``2 · steps``: the last ``steps`` before the switch (the process's first step
 excluded: step 0, DDP's first iteration, or a resumed process's first; a resumed process times ``steps`` steps of its
-own before it tries). The figures include everything a step does (compression, the collectives, their overlap with
-backward, contention for the cores), measured seconds apart on the same job. What runs between two steps is left out:
-the wait for the next batch, callbacks, validation and checkpoint saves do not depend on the mode, and a trial that
-fell in a data-bound stretch (a cold cache's first epoch) would otherwise compare the loader's waits.
+own before it tries) and the ``steps`` after the switch back. Timing the mode before on both sides of the tried one
+cancels a load that drifts during the trial (a cold cache's loader workers decoding on the same cores: on the
+end-to-end photo job, 2 CPU processes, one fit timed fp32 at 98 ms before the switch against 66 ms for the 1-bit steps
+right after it, where other fits of the job timed fp32 faster than 1-bit). The figures include everything a step does
+(compression, the collectives, their overlap with backward, contention for the cores), measured seconds apart on the
+same job. What runs between two steps is left out: the wait for the next batch, callbacks, validation and checkpoint
+saves do not depend on the mode, and a trial that fell in a data-bound stretch (a cold cache's first epoch) would
+otherwise compare the loader's waits.
 
 **Buffers** (:func:`decide`, for the comm hook used without the strategy, and where there are no step times to
 compare):
@@ -230,7 +235,9 @@ class StepTrial:
     """``compression="auto"`` from real step times (see the module docstring); driven by the strategy.
 
     Call :meth:`step_started` at the start of every optimizer step, before its backward, on every rank: it starts a
-    trial where a decision is due, ends one (collective: every rank reaches the same step) and opens the step. Call
+    trial where a decision is due (the other mode for ``1 + steps`` steps, then the mode before for ``1 + steps``:
+    ``state.trial_until`` marks the end of each), ends one (collective: every rank reaches the same step) and opens
+    the step. Call
     :meth:`step_ended` with the step's duration (a :class:`StepTiming` span) when it has ended; a step that never
     ends (it raised) is not timed.
 
@@ -246,6 +253,9 @@ class StepTrial:
         #: ``{step: (mode, duration)}`` of the recent steps
         self.durations: dict[int, tuple[str, Duration]] = {}
         self._open: tuple[int, str] | None = None
+        #: the running trial's first step and the mode it tries; the step it went back to the mode before (or None)
+        self._trial: tuple[int, str] | None = None
+        self._back: int | None = None
         #: the first step this trial saw (0, or the first step of a resumed process); None before
         self.first: int | None = None
 
@@ -259,17 +269,24 @@ class StepTrial:
             self.first = state.step
             if state.step > 0:  # resumed: the steps before the checkpoint were timed by another process
                 state.decide_from = state.step + 1 + self.steps
-        for k in [k for k in self.durations if k < state.step - 4 * self.steps - 4]:  # keep the recent ones
+        for k in [k for k in self.durations if k < state.step - 4 * self.steps - 4]:  # the last trial's 3 phases
             del self.durations[k]
         decision = None
         if state.trial_until is not None and state.step >= state.trial_until:
-            decision = self._finish(state, device)
+            if self._trial is not None and self._back is None:  # the tried steps are done: the mode before, again
+                self._back = state.step
+                state.set_decision("fp32" if self._trial[1] == "1bit" else "1bit")
+                state.trial_until = state.step + self.steps + 1
+            else:
+                decision = self._finish(state, device)
         elif state.needs_decision:  # (never during a trial)
             if state.measure_fn is not None:  # injected figures: decide now, no trial
                 decision = decide(state, device)
             else:  # try the other mode
-                state.set_decision("1bit" if state.decision in (None, "fp32") else "fp32")
+                tried = "1bit" if state.decision in (None, "fp32") else "fp32"
+                state.set_decision(tried)
                 state.trial_until = state.step + self.steps + 1
+                self._trial, self._back = (state.step, tried), None
         self._open = (state.step, self._mode(state))
         return decision
 
@@ -283,17 +300,24 @@ class StepTrial:
 
     def _finish(self, state: OneBitState, device: torch.device) -> str:
         assert state.trial_until is not None and state.decision is not None
-        start = state.trial_until - self.steps - 1
+        if self._trial is not None:
+            start, tried = self._trial
+        else:  # a trial this object did not start (a state handed over mid-trial): the tried steps only
+            start, tried = state.trial_until - self.steps - 1, state.decision
+        back, self._trial, self._back = self._back, None, None
         state.trial_until = None
-        tried = state.decision
         before = "fp32" if tried == "1bit" else "1bit"
         # the tried mode's steps after its first one (which builds the compression state or the buckets' fp32 path)
-        new = [d for k, (m, d) in self.durations.items() if start < k < start + self.steps + 1 and m == tried]
-        # the steps before the switch, this process's first one excluded (DDP's first iteration, or a resumed one's)
+        new = [d for k, (m, d) in self.durations.items() if start < k <= start + self.steps and m == tried]
+        # the mode before: the steps before the switch (this process's first one excluded: DDP's first iteration, or
+        # a resumed one's) and, after the tried steps, those after the first one back; a load that drifts during
+        # the trial (a cold cache's loader workers on the same cores) then weighs on both modes alike
         first = self.first or 0
         old = [
             d for k, (m, d) in self.durations.items() if max(first + 1, start - self.steps) <= k < start and m == before
         ]
+        if back is not None:
+            old += [d for k, (m, d) in self.durations.items() if back < k <= back + self.steps and m == before]
         if not new or not old:  # e.g. a step that did not reach the optimizer: fall back to timing the buffers
             return decide(state, device, step=start)
         new_s, old_s = median(_seconds(d) for d in new), median(_seconds(d) for d in old)

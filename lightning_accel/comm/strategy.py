@@ -626,9 +626,10 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
                     f"{1e3 * last['fp32_s']:.2f} ms, 1-bit {1e3 * last['onebit_s']:.2f} ms per step -> {decision}"
                 )
             elif trying is None and state.trial_until is not None:
+                tried, before = ("1-bit", "fp32") if state.compressing else ("fp32", "1-bit")
                 rank_zero_info(
-                    f"ddp_1bit compression='auto' at step {state.step}: timing {trial.steps + 1} steps "
-                    f"with {'1-bit' if state.compressing else 'fp32'} averaging against the steps before"
+                    f"ddp_1bit compression='auto' at step {state.step}: timing {trial.steps + 1} steps with {tried} "
+                    f"averaging, then {trial.steps + 1} with {before} again, against the {before} steps around them"
                 )
         comp = self._compressors.get(id(optimizer))
         if state is None or comp is None:

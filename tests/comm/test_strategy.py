@@ -302,7 +302,8 @@ def test_step_trial_times_each_step_from_its_start_to_its_end_only(monkeypatch: 
     timing = StepTiming(HostClock(lambda: now[0]))
     st = OneBitState(compression="auto", warmup_steps=4, recheck_every=0)
     trial = StepTrial()
-    for step in range(9):  # fp32 steps 0-3 (1 s each, 5 s waits for data between), the 1-bit trial 4-7 (0.8 s)
+    for step in range(13):  # fp32 steps 0-3 (1 s each, 5 s waits for data between), the 1-bit trial 4-7 (0.8 s),
+        # fp32 again 8-11, decided at 12
         st.step = step
         timing.begin()  # the optimizer step (automatic optimization) ...
         trial.step_started(st, torch.device("cpu"))
@@ -312,9 +313,39 @@ def test_step_trial_times_each_step_from_its_start_to_its_end_only(monkeypatch: 
         span = timing.end()
         assert span == pytest.approx(0.8 if st.compressing else 1.0)
         trial.step_ended(span)
-        now[0] += 5.0 if step < 4 else 0.0  # the loader's wait: outside every span
+        now[0] += 5.0 if step < 4 or step > 8 else 0.0  # the loader's wait: outside every span
     assert figures == [pytest.approx((1.0, 0.8))] and st.decision == "1bit"
     assert timing.end() is None  # an unmatched end is ignored
+
+
+def test_step_trial_times_the_mode_before_on_both_sides_of_the_tried_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load that falls during the trial (a cold cache's workers decoding on the same cores, then done) weighs on
+    both modes: the fp32 steps after the 1-bit ones count as much as those before."""
+    import lightning_accel.comm.auto as auto
+    from lightning_accel.comm import OneBitState, StepTrial
+
+    figures: list[tuple[float, float]] = []
+
+    def decide(state: OneBitState, device: torch.device, **kw: object) -> str:
+        t32, t1 = kw["timings"]  # type: ignore[misc]
+        figures.append((t32, t1))
+        state.set_decision("1bit" if t1 * (1 + auto.STEP_MARGIN) < t32 else "fp32")
+        return str(state.decision)
+
+    monkeypatch.setattr(auto, "decide", decide)
+    st = OneBitState(compression="auto", warmup_steps=4, recheck_every=0)
+    trial = StepTrial()
+    modes = []
+    for step in range(14):
+        st.step = step
+        trial.step_started(st, torch.device("cpu"))
+        modes.append(st.compressing)
+        # fp32 steps take 2.0 s before the trial and 1.0 s after it (the load fell); a 1-bit step 1.5 s
+        trial.step_ended(1.5 if st.compressing else (2.0 if step < 4 else 1.0))
+    assert modes == [False] * 4 + [True] * 4 + [False] * 6
+    # fp32: the median of 2, 2, 2, 1, 1, 1 against 1.5: not faster by the margin, so fp32 (the steps before alone
+    # would have chosen 1-bit)
+    assert figures == [pytest.approx((1.5, 1.5))] and st.decision == "fp32" and st.trial_until is None
 
 
 @pytest.mark.parametrize("cls_name", ["OneBitDDPStrategy", "LocalStepsStrategy"])

@@ -207,7 +207,7 @@ def _onebit(**kw):
 @_scenario("alias")
 def _alias(tmp: str, name: str) -> dict:
     """The registered alias with every default: AdamW -> compressed momentum, compression="auto" measured here."""
-    trainer, model = _fit("ddp_1bit", max_steps=16)
+    trainer, model = _fit("ddp_1bit", max_steps=20)
     st = trainer.strategy.onebit_state
     return {
         "cls": type(trainer.strategy).__name__,
@@ -251,13 +251,14 @@ def _trial(tmp: str, name: str) -> dict:
     clock = Clock(0.5 if name == "trial_1bit" else 2.0)
     clock.strategy = strategy
     strategy.step_clock = clock
-    return _auto_summary(*_fit(strategy, max_steps=12))
+    return _auto_summary(*_fit(strategy, max_steps=16))
 
 
 @_scenario("trial_resume")
 def _trial_resume(tmp: str, name: str) -> dict:
-    """compression="auto" checkpointed during its trial of 1-bit steps (warm-up 4: the trial runs steps 4-7, decides
-    at 8; the fit stops after step 5), then resumed (at step 6: fp32 steps 6-9, the trial 10-13, decided at 14)."""
+    """compression="auto" checkpointed during its trial of 1-bit steps (warm-up 4: the trial runs steps 4-7, fp32
+    again 8-11, decides at 12; the fit stops after step 5), then resumed (at step 6: fp32 steps 6-9, the trial 10-13,
+    fp32 again 14-17, decided at 18)."""
     trainer, _ = _fit(_onebit(compression="auto", warmup_steps=4), max_steps=6)
     ckpt = str(Path(tmp) / f"{name}.ckpt")
     trainer.save_checkpoint(ckpt)
@@ -265,7 +266,7 @@ def _trial_resume(tmp: str, name: str) -> dict:
         warnings.simplefilter("ignore")
         saved = torch.load(ckpt, weights_only=True)["lightning_accel_onebit"]
     out = {"saved": {k: saved[k] for k in ("step", "decision", "trial_until")}}
-    return {**out, **_auto_summary(*_fit(_onebit(compression="auto", warmup_steps=4), max_steps=16, ckpt=ckpt))}
+    return {**out, **_auto_summary(*_fit(_onebit(compression="auto", warmup_steps=4), max_steps=20, ckpt=ckpt))}
 
 
 @_scenario("warmup_auto_refresh", "warmup_auto_watch", "warmup_auto_sgdm")
@@ -796,9 +797,9 @@ class TestAliasAndAuto:
         r0, r1 = _get(results, "alias")
         assert r0["cls"] == "OneBitDDPStrategy"
         assert "onebit_hook" in r0["hook"], "Lightning skips comm hooks on CPU; the strategy must register its own"
-        assert r0["mode"] == "momentum" and r0["step"] == 16
-        # compression="auto" decided once, from real steps: 10 fp32 warm-up steps, then 4 compressed ones timed
-        # against them, the same verdict on every rank
+        assert r0["mode"] == "momentum" and r0["step"] == 20
+        # compression="auto" decided once, from real steps: 10 fp32 warm-up steps, then 4 compressed ones and 4 fp32
+        # ones again, timed against the fp32 steps around them, the same verdict on every rank
         assert len(r0["decisions"]) == 1 and r0["decisions"] == r1["decisions"]
         d = r0["decisions"][0]
         assert d["step"] == 10 and d["source"] == "steps" and d["fp32_s"] > 0 and d["onebit_s"] > 0
@@ -827,11 +828,12 @@ class TestAliasAndAuto:
             other[k] for k in ("decisions", "decision", "compressed")
         ]  # the same decision and figures everywhere
         (d,) = r["decisions"]
-        # steps 1-3 (fp32) against 5-7 (1-bit; step 4 builds the compression state): 1.0 s against 0.5 s or 2.0 s
+        # steps 1-3 and 9-11 (fp32; step 8 is the first one back) against 5-7 (1-bit; step 4 builds the compression
+        # state): 1.0 s against 0.5 s or 2.0 s; decided at step 12
         assert d["step"] == 4 and d["source"] == "steps"
         assert d["fp32_s"] == 1.0 and d["onebit_s"] == (0.5 if branch == "1bit" else 2.0)
         assert r["decision"] == branch and r["last_compressed"] == (branch == "1bit")
-        # fp32: the 4 trial steps were compressed, the rest not; 1bit: every step from 4 on
+        # fp32: the 4 trial steps were compressed, the rest not; 1bit: those and every step from 12 on
         assert r["compressed"] == (4 if branch == "fp32" else 8) * max(1, r["groups"])
         _same_on_both_ranks(results, f"trial_{branch}")
 
