@@ -237,9 +237,8 @@ class StepTrial:
     Call :meth:`step_started` at the start of every optimizer step, before its backward, on every rank: it starts a
     trial where a decision is due (the other mode for ``1 + steps`` steps, then the mode before for ``1 + steps``:
     ``state.trial_until`` marks the end of each), ends one (collective: every rank reaches the same step) and opens
-    the step. Call
-    :meth:`step_ended` with the step's duration (a :class:`StepTiming` span) when it has ended; a step that never
-    ends (it raised) is not timed.
+    the step. Call :meth:`step_ended` with the step's duration (a :class:`StepTiming` span) when it has ended; a step
+    that never ends (it raised) is not timed.
 
     The first step it sees is never a reference step (step 0 is DDP's first iteration; a resumed process's first step
     rebuilds DDP's buckets and warms its caches too). A process that starts past step 0 (a resumed fit) has no step
@@ -307,17 +306,18 @@ class StepTrial:
         back, self._trial, self._back = self._back, None, None
         state.trial_until = None
         before = "fp32" if tried == "1bit" else "1bit"
+
+        def timed(low: int, high: int, mode: str) -> list[Duration]:  # steps low..high in ``mode``
+            return [d for k, (m, d) in self.durations.items() if low <= k <= high and m == mode]
+
         # the tried mode's steps after its first one (which builds the compression state or the buckets' fp32 path)
-        new = [d for k, (m, d) in self.durations.items() if start < k <= start + self.steps and m == tried]
+        new = timed(start + 1, start + self.steps, tried)
         # the mode before: the steps before the switch (this process's first one excluded: DDP's first iteration, or
         # a resumed one's) and, after the tried steps, those after the first one back; a load that drifts during
         # the trial (a cold cache's loader workers on the same cores) then weighs on both modes alike
-        first = self.first or 0
-        old = [
-            d for k, (m, d) in self.durations.items() if max(first + 1, start - self.steps) <= k < start and m == before
-        ]
+        old = timed(max((self.first or 0) + 1, start - self.steps), start - 1, before)
         if back is not None:
-            old += [d for k, (m, d) in self.durations.items() if back < k <= back + self.steps and m == before]
+            old += timed(back + 1, back + self.steps, before)
         if not new or not old:  # e.g. a step that did not reach the optimizer: fall back to timing the buffers
             return decide(state, device, step=start)
         new_s, old_s = median(_seconds(d) for d in new), median(_seconds(d) for d in old)
