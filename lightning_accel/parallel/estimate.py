@@ -469,10 +469,9 @@ def pipeline_in_flight(schedule: str, pipeline_size: int, microbatches: int, sta
     per rank: ``min(v·M, (v-1)·S + 2·(S-1) + 1)`` (the warm-up of torch's and Megatron's interleaved schedules,
     then one more), which for ``M >= S`` is 1F1B's bytes times ``1 + (S-1)/(S·v)``.
     """
-    check_choice("schedule", schedule, SCHEDULES)
     check_int("pipeline_size", pipeline_size, low=1)
     check_int("microbatches", microbatches, low=1)
-    v = resolve_stages_per_rank(schedule, stages_per_rank)
+    v = resolve_stages_per_rank(schedule, stages_per_rank)  # checks the schedule too
     s, m = pipeline_size, microbatches
     if schedule == "gpipe":
         return m

@@ -68,6 +68,20 @@ from lightning_accel.parallel.trials import PLANS, plan_stepper, time_plan
 __all__ = ["AutoStrategy", "resolve_trainer_kwargs", "trainer_devices"]
 
 
+def _pipeline_arguments(pipeline_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """``PipelineStrategy``'s arguments for a chosen pipeline: ``pipeline_kwargs`` over ``batch_split="world"`` (the
+    chosen plan trains on DDP's global batch and steps per epoch) and the strategy's own defaults of what the
+    estimate and the trial read (one place for them, so the estimate, the trial and the built plan agree)."""
+    return {
+        "batch_split": "world",
+        "microbatches": None,
+        "pipeline_size": None,
+        "schedule": "1f1b",
+        "stages_per_rank": None,
+        **(pipeline_kwargs or {}),
+    }
+
+
 def _fsdp_runs_on(device: torch.device) -> bool:
     """torch's FSDP refuses CPU-only processes ("FSDP needs a non-CPU accelerator device", checked with torch 2.14)."""
     return device.type != "cpu"
@@ -171,16 +185,17 @@ class AutoStrategy(DDPStrategy):
         check_int("example_batch_size", example_batch_size, low=1, allow_none=True)
         check_int("trial_steps", trial_steps, low=1)
         # the choice is made at setup on rank 0 only: a bad value must fail here, on every rank
+        pk = _pipeline_arguments(pipeline_kwargs)
         _check_arguments(
             headroom=headroom,
             inter_node_gbps=inter_node_gbps,
             device_memory_bytes=device_memory_bytes,
             bytes_per_param=bytes_per_param,
-            microbatches=(pipeline_kwargs or {}).get("microbatches"),
-            batch_split=(pipeline_kwargs or {}).get("batch_split", "world"),
-            pipeline_size=(pipeline_kwargs or {}).get("pipeline_size"),
-            schedule=(pipeline_kwargs or {}).get("schedule", "1f1b"),
-            stages_per_rank=(pipeline_kwargs or {}).get("stages_per_rank"),
+            microbatches=pk["microbatches"],
+            batch_split=pk["batch_split"],
+            pipeline_size=pk["pipeline_size"],
+            schedule=pk["schedule"],
+            stages_per_rank=pk["stages_per_rank"],
         )
         super().__init__(**ddp_kwargs)
         self.policy = policy
@@ -254,6 +269,7 @@ class AutoStrategy(DDPStrategy):
             mem = torch.cuda.get_device_properties(device).total_memory
         elif mem is None:
             mem = _host_memory_bytes() // max(1, devices)
+        pk = self._pipeline_kwargs
         return select_strategy(
             model,
             devices=devices,
@@ -267,11 +283,11 @@ class AutoStrategy(DDPStrategy):
             activation_scale=scale,
             # the pipeline's estimate describes the one `_runnable` builds: its ranks, schedule, stages, batch and
             # micro-batches
-            microbatches=self._pipeline_kwargs["microbatches"],
+            microbatches=pk["microbatches"],
             batch_split=self._model_parallel_batch_split,
-            pipeline_size=self._pipeline_kwargs.get("pipeline_size"),
-            schedule=self._pipeline_kwargs.get("schedule", "1f1b"),
-            stages_per_rank=self._pipeline_kwargs.get("stages_per_rank"),
+            pipeline_size=pk["pipeline_size"],
+            schedule=pk["schedule"],
+            stages_per_rank=pk["stages_per_rank"],
         )
 
     @property
@@ -283,9 +299,8 @@ class AutoStrategy(DDPStrategy):
 
     @property
     def _pipeline_kwargs(self) -> dict[str, Any]:
-        """``PipelineStrategy``'s arguments for a chosen pipeline: ``pipeline_kwargs`` over ``batch_split="world"``
-        (the chosen plan trains on DDP's global batch and steps per epoch)."""
-        return {"batch_split": "world", "microbatches": None, **self.pipeline_kwargs}
+        """``PipelineStrategy``'s arguments for a chosen pipeline (see :func:`_pipeline_arguments`)."""
+        return _pipeline_arguments(self.pipeline_kwargs)
 
     def _runnable(self, name: str, devices: int) -> Strategy:
         # `batch_split="world"`: the chosen plan trains on DDP's global batch and steps per epoch
@@ -377,14 +392,13 @@ class AutoStrategy(DDPStrategy):
         plans = list(self.candidates or memory_choice.estimates)
         pk = self._pipeline_kwargs
         # a timed pipeline's schedule and cuts change its time: a cached figure holds for the same ones only
-        how = f"{pk.get('schedule', '1f1b')},m={pk['microbatches']},v={pk.get('stages_per_rank')}"
+        how = f"{pk['schedule']},m={pk['microbatches']},v={pk['stages_per_rank']}"
         key = trial_key(model, world, self.root_device.type, tuple(x.shape), plans, how if "pipeline" in plans else "")
         cached: list[Any] = [self.trial_cache.get(key) if self.global_rank == 0 else None]
         torch.distributed.broadcast_object_list(cached, src=0)
         shared = TrialCache()
         if cached[0] is not None:
             shared.put(key, cached[0])
-        microbatches = self.pipeline_kwargs.get("microbatches")
 
         def trial(plan: str) -> float:
             seconds, error = float("inf"), ""
@@ -393,9 +407,9 @@ class AutoStrategy(DDPStrategy):
                     plan,
                     copy.deepcopy(model).to(self.root_device),
                     x,
-                    microbatches=microbatches,
-                    schedule=self._pipeline_kwargs.get("schedule", "1f1b"),
-                    stages_per_rank=self._pipeline_kwargs.get("stages_per_rank"),
+                    microbatches=pk["microbatches"],
+                    schedule=pk["schedule"],
+                    stages_per_rank=pk["stages_per_rank"],
                 )
                 seconds = time_plan(stepper, steps=self.trial_steps)
             except Exception as e:  # noqa: BLE001
