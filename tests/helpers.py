@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
+import threading
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -11,6 +13,36 @@ from typing import Any
 import torch.multiprocessing as mp
 
 __all__ = ["free_port", "run_in_processes"]
+
+#: the environment the test session started with; the fork server starts from it, whichever test starts it
+_SESSION_ENV = dict(os.environ)
+#: imported once, in the fork server, before it forks the ranks: torch and Lightning cost ~4 s of CPU per process to
+#: import, most of a short multi-process test on 2 cores
+_PRELOAD = ["lightning"]
+_server_started = False
+
+
+def _context() -> Any:
+    """The ``forkserver`` context, its server started from the session's environment with :data:`_PRELOAD` imported.
+
+    A forked rank's environment is its fork server's, not its parent's: :func:`_worker` sets the parent's current
+    one, as ``spawn`` would have passed it."""
+    global _server_started
+    ctx = mp.get_context("forkserver")
+    if not _server_started:
+        ctx.set_forkserver_preload(_PRELOAD)
+        from multiprocessing import forkserver
+
+        current = dict(os.environ)
+        os.environ.clear()
+        os.environ.update(_SESSION_ENV)
+        try:
+            forkserver.ensure_running()
+        finally:
+            os.environ.clear()
+            os.environ.update(current)
+        _server_started = True
+    return ctx
 
 
 def free_port() -> int:
@@ -30,6 +62,7 @@ def _worker(
     init_process_group: bool,
     env: dict[str, str],
 ) -> None:
+    os.environ.clear()
     os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -58,6 +91,10 @@ def _worker(
 
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+        # A forked rank ends in os._exit, which skips interpreter exit: join the threads and run the atexit hooks a
+        # spawned rank's exit would have run (writers that flush, producers that stop).
+        threading._shutdown()  # type: ignore[attr-defined]
+        atexit._run_exitfuncs()
 
 
 def run_in_processes(
@@ -69,7 +106,10 @@ def run_in_processes(
     init_process_group: bool = True,
     env: dict[str, str] | None = None,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` in ``nprocs`` spawned processes and return their results by rank.
+    """Run ``fn(rank, world_size, *args)`` in ``nprocs`` fresh processes and return their results by rank.
+
+    The processes are forked from a server that has imported Lightning once (:func:`_context`); each gets this
+    process's current environment plus ``env``, as a spawned process would.
 
     With ``init_process_group=True`` a gloo default group is ready when ``fn`` starts; with ``False`` only the
     torchrun-style environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR/PORT``) is set, which is what
@@ -77,13 +117,12 @@ def run_in_processes(
     ``fn`` and its results must be picklable (define ``fn`` at module level). A failure in any rank raises
     ``RuntimeError`` with that rank's traceback.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.SimpleQueue()
     port = free_port()
+    environ = {**os.environ, **(env or {})}
     procs = [
-        ctx.Process(
-            target=_worker, args=(r, nprocs, port, fn, args, queue, init_process_group, dict(env or {})), daemon=False
-        )
+        ctx.Process(target=_worker, args=(r, nprocs, port, fn, args, queue, init_process_group, environ), daemon=False)
         for r in range(nprocs)
     ]
     for p in procs:
