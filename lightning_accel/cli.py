@@ -4,11 +4,12 @@ Models and data modules are chosen by ``class_path`` in YAML (``--config FILE``)
 LightningModule / LightningDataModule works, not only ours. When the config sets no logger, runs log with
 ``CSVLogger`` (``metrics.csv`` under ``trainer.default_root_dir``) and TensorBoard when it is installed.
 
-User mistakes (a missing config, an unknown class path, a bad argument, an unwritable data directory, a missing
-optional package, an origin that cannot be reached or has no credentials) end with one
-``lightning-accel: error: <key>: <message>`` line and exit code 2: for a value a class refuses, ``<key>`` is the
-config key (``trainer.plugins``, ``data``, ...) and ``<message>`` the line that class raised, picked out of
-jsonargparse's Union dump. Set ``LIGHTNING_ACCEL_DEBUG=1`` to see the full text and traceback instead.
+User mistakes (a missing config, an unknown class path, a misspelled key or strategy name, a bad argument, an
+unwritable data directory, a missing optional package, an origin that cannot be reached or has no credentials) end
+with one ``lightning-accel: error: <key>: <message>`` line and exit code 2: for a value a class refuses, ``<key>`` is
+the config key (``trainer.plugins``, ``data``, ...) and ``<message>`` the line that class raised, picked out of
+jsonargparse's Union dump; a misspelled key or strategy name gets the closest accepted one. Set
+``LIGHTNING_ACCEL_DEBUG=1`` to see the full text and traceback instead.
 
 Besides LightningCLI's subcommands, ``lightning-accel ckpt verify|export|gc`` (delta checkpoints),
 ``lightning-accel data pack`` (shards) and ``lightning-accel tune`` (measure the levers on a job, write the tuned
@@ -17,6 +18,8 @@ config; :mod:`lightning_accel.tune`) are plain argparse tools; ``--help`` lists 
 
 from __future__ import annotations
 
+import difflib
+import importlib
 import inspect
 import os
 import pickle
@@ -98,11 +101,17 @@ def _config_key_of(config: Any, class_path: str) -> str:
 def config_error(exc: BaseException, config: Any = None) -> ConfigError:
     """One :class:`ConfigError` from a jsonargparse parsing error or a refused instantiation.
 
+    A key no argument takes (``--data.batchsize``, ``batch_sise:`` in YAML, ``--trainer.max_epocs``) becomes
+    ``data.batchsize: not an option of <class>; did you mean 'batch_size'?`` (see :func:`_unknown_option_error`).
+
     Args:
         exc: the error (``ArgumentError`` from parsing; ``ValueError``/``TypeError`` from instantiating classes).
         config: the parsed config as a dict, to find the key of the class that raised when the text does not say.
     """
     text = str(exc)
+    unknown = compat.jsonargparse_unknown_option(text)
+    if unknown is not None and (err := _unknown_option_error(*unknown, detail=text)) is not None:
+        return err
     outer = compat.jsonargparse_error_key(text)
     inner, message = compat.jsonargparse_useful_line(text)
     if not outer and config is not None:
@@ -110,6 +119,127 @@ def config_error(exc: BaseException, config: Any = None) -> ConfigError:
         outer = _config_key_of(config, cp) if cp else ""
     key = ".".join(k for k in (outer, inner) if k)
     return ConfigError(key, message, text)
+
+
+# The config groups that are one fixed class rather than a `class_path:` (AccelCLI always builds Lightning's Trainer).
+_GROUP_CLASSES: dict[str, type] = {"trainer": Trainer}
+
+
+def _unknown_option_error(key: str, class_path: str, option: str, detail: str = "") -> ConfigError | None:
+    """``<key>.<option>: not an option of <class>; did you mean '<closest>'?`` for an option the class does not take.
+
+    Args:
+        key: the config key of the class (``data``, ``trainer``, ``trainer.plugins``).
+        class_path: the class given by ``class_path``; ``""`` for a group of a fixed class (``trainer``).
+        option: the option that was refused.
+        detail: jsonargparse's full text, kept in :attr:`ConfigError.detail`.
+
+    Returns:
+        None when the class cannot be named (an unknown top-level option, a class that does not import): the caller
+        keeps jsonargparse's line.
+    """
+    cls = _import_class(class_path) if class_path else _GROUP_CLASSES.get(key)
+    if cls is None:
+        return None
+    options = _class_options(cls)
+    close = difflib.get_close_matches(option, options, n=1)
+    if close:
+        fix = f"did you mean {close[0]!r}?"
+    elif class_path:
+        fix = f"`--{key}.help {class_path}` lists its options."
+    else:
+        fix = "`--help` lists its options."
+    return ConfigError(f"{key}.{option}" if key else option, f"not an option of {cls.__name__}; {fix}", detail)
+
+
+def _class_options(cls: type) -> list[str]:
+    """The options a config of ``cls`` accepts, in signature order, as jsonargparse reads them (it follows
+    ``**kwargs`` into the parent class's signature, which ``inspect.signature`` alone does not)."""
+    from jsonargparse import ArgumentParser
+
+    try:
+        parser = ArgumentParser(exit_on_error=False)
+        parser.add_class_arguments(cls, fail_untyped=False)
+        keys = parser.get_defaults().keys()  # a jsonargparse Namespace: not iterable like a dict
+        return list(dict.fromkeys(k.split(".")[0] for k in keys))
+    except Exception:  # noqa: BLE001 - only an error message's suggestion depends on it: fall back to the signature
+        params = inspect.signature(cls).parameters.values()
+        return [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+def _import_class(class_path: str) -> type | None:
+    """The class ``class_path`` names, or None when it does not import."""
+    module, _, name = class_path.rpartition(".")
+    try:
+        obj = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return None
+    return obj if isinstance(obj, type) else None
+
+
+# the strategies this suite registers are told from Lightning's by the module of their class
+_OWN_PACKAGE = __name__.split(".")[0]
+
+
+def _strategy_name_error(name: str) -> ConfigError:
+    """``trainer.strategy: '<name>' is not a strategy name; did you mean ...? Names: ...`` for a string Lightning's
+    ``StrategyRegistry`` does not hold.
+
+    The close matches come from every registered name; the names listed are only the base ones, this suite's first
+    (``ddp_1bit``, not ``ddp_1bit_find_unused_parameters_true``; ``ddp``, not ``ddp_spawn``), so the line stays short.
+    """
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    names = ["auto", *StrategyRegistry.available_strategies()]
+    close = difflib.get_close_matches(name.lower(), names, n=1)
+    # `StrategyRegistry.get` builds the strategy: read the registered class by item instead
+    ours = [
+        n
+        for n in names
+        if n in StrategyRegistry and StrategyRegistry[n]["strategy"].__module__.startswith(_OWN_PACKAGE)
+    ]
+    theirs = [n for n in names if n not in ours]
+
+    def base(group: list[str]) -> list[str]:  # a variant is a registered name plus a suffix
+        return [n for n in group if not any(n.startswith(f"{b}_") for b in group)]
+
+    variants = [n for n in theirs if n not in base(theirs)]
+    guess = f"; did you mean {close[0]!r}?" if close else "."
+    return ConfigError(
+        "trainer.strategy",
+        f"{name!r} is not a strategy name{guess} Names: {', '.join(base(ours))} (lightning-accel); "
+        f"{', '.join(base(theirs))} (Lightning){f', and variants such as {variants[0]!r}' if variants else ''}; "
+        "or a Strategy `class_path:`.",
+    )
+
+
+def _precision_conflict_error(precision: Any, plugins: Any) -> ConfigError | None:
+    """``trainer.precision: ... trainer.plugins ...`` when both set the precision (Lightning refuses that with the
+    plugin object's repr), else None. The fix names the plugin's own ``precision`` argument when it has one."""
+    from lightning.pytorch.plugins import Precision
+
+    items = plugins if isinstance(plugins, (list, tuple)) else [plugins]
+    plugin = next((p for p in items if isinstance(p, Precision)), None)
+    if precision is None or plugin is None:
+        return None
+    cls = type(plugin).__name__
+    param = inspect.signature(type(plugin)).parameters.get("precision")
+    if param is None:
+        fix = f"drop `trainer.precision`, or {cls} from `trainer.plugins`."
+    else:
+        try:
+            choices = typing.get_args(typing.get_type_hints(type(plugin).__init__).get("precision"))
+        except Exception:  # noqa: BLE001 - a hint that does not resolve only costs the list of choices
+            choices = ()
+        takes = f" ({cls} takes {' or '.join(map(repr, choices))})" if choices else ""
+        fix = (
+            f"drop `trainer.precision` and give the precision to the plugin, `init_args: {{precision: {precision}}}` "
+            f"under its `class_path:` in `trainer.plugins`{takes}."
+        )
+    return ConfigError(
+        "trainer.precision",
+        f"{str(precision)!r} is set and `trainer.plugins` holds {cls}, which sets the precision itself: {fix}",
+    )
 
 
 class SaveConfigBesideLogs(SaveConfigCallback):
@@ -263,7 +393,15 @@ class AccelCLI(LightningCLI):
         elastic = [ElasticExit()] if not any(isinstance(c, ElasticExit) for c in callbacks) else []
         kwargs["callbacks"] = [*callbacks, *([bar] if bar is not None else []), CheckpointGuard(), *elastic]
         kwargs.update(resolve_trainer_kwargs({**config, "callbacks": kwargs["callbacks"]}, self.model))
-        trainer = super().instantiate_trainer(**kwargs)
+        try:
+            trainer = super().instantiate_trainer(**kwargs)
+        except ValueError as e:
+            # Lightning's accelerator connector refuses these two with generic text (its own names only, an object
+            # repr); told apart by the values, which keep their meaning whatever Lightning's wording becomes
+            err = _trainer_flag_error({**config, **kwargs})
+            if err is None:
+                raise
+            raise err from e
         # `--ckpt_path last`: resolved here (Lightning finds nothing on an object store: it drops the `s3://`) and
         # named, so a run never resumes another file than the user meant without saying which.
         if self.subcommand and sub.get("ckpt_path") == "last":
@@ -273,6 +411,16 @@ class AccelCLI(LightningCLI):
             if sub["ckpt_path"] not in (None, "last") and trainer.is_global_zero:
                 print(f"lightning-accel: resuming from {sub['ckpt_path']}", file=sys.stderr)
         return trainer
+
+
+def _trainer_flag_error(config: dict[str, Any]) -> ConfigError | None:
+    """The one-line error for a Trainer flag Lightning refused with a ``ValueError``, when the flags show which."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    strategy = config.get("strategy")
+    if isinstance(strategy, str) and strategy.lower() != "auto" and strategy.lower() not in StrategyRegistry:
+        return _strategy_name_error(strategy)
+    return _precision_conflict_error(config.get("precision"), config.get("plugins"))
 
 
 class VersionRichProgressBar(RichProgressBar):
@@ -347,8 +495,8 @@ def _check_config_paths(argv: list[str]) -> None:
     ``Unexpected config:``, never which file).
 
     Raises:
-        FileNotFoundError: a path that is not a file.
-        ConfigError: a file whose content cannot be a config.
+        FileNotFoundError: a path that does not exist.
+        ConfigError: a folder (its YAML files suggested), or a file whose content cannot be a config.
     """
     for i, a in enumerate(argv):
         path = None
@@ -358,12 +506,31 @@ def _check_config_paths(argv: list[str]) -> None:
             path = a.split("=", 1)[1]
         if path is None or path.lstrip().startswith(("{", "[")):
             continue  # none given, or an inline config string (jsonargparse reads those itself)
+        if os.path.isdir(path):
+            raise ConfigError("", _config_folder_message(path))
         if not os.path.isfile(path):
             raise FileNotFoundError(
                 f"`--config` {path!r} does not exist (cwd: {os.getcwd()}). "
                 "Pass the path of a YAML file, e.g. `--config examples/configs/quickstart.yaml`."
             )
         _check_config_file(path)
+
+
+def _config_folder_message(path: str) -> str:
+    """Why a ``--config`` folder is refused, with the YAML files in it to pick from."""
+    names = sorted(
+        n for n in os.listdir(path) if n.endswith((".yaml", ".yml")) and os.path.isfile(os.path.join(path, n))
+    )
+    if not names:
+        return (
+            f"`--config` {path!r} is a folder, not a YAML file, and holds no .yaml file. Pass the path of a YAML file, "
+            "e.g. `--config examples/configs/quickstart.yaml`."
+        )
+    shown = ", ".join(names[:6]) + (f", ... ({len(names)} in all)" if len(names) > 6 else "")
+    return (
+        f"`--config` {path!r} is a folder, not a YAML file. Pass one of its YAML files ({shown}), e.g. "
+        f"`--config {os.path.join(path, names[0])}`."
+    )
 
 
 def _check_config_file(path: str) -> None:

@@ -214,3 +214,12 @@ def test_origin_without_credentials_is_one_line(
     lines = [ln for ln in err.splitlines() if ln.startswith("lightning-accel: error:")]
     assert len(lines) == 1 and lines[0].startswith("lightning-accel: error: data: "), err
     assert "s3://no-such-bucket-lightning-accel/train" in lines[0]
+
+
+def test_tune_help_is_plain_text() -> None:
+    from lightning_accel.tune.cli import build_parser, plain_help
+
+    text = build_parser().format_help()
+    assert "``" not in text and ":func:" not in text, text
+    assert "(see lightning_accel.tune.tune_job)" in " ".join(text.split())
+    assert plain_help("a ``b``\n:class:`~x.Y` and :mod:`z`") == "a `b` x.Y and z"

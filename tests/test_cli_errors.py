@@ -170,3 +170,116 @@ def test_a_value_of_the_wrong_type_in_a_config_file(tmp_path: Path, capsys: pyte
     config.write_text('trainer:\n  max_epochs: "five"\n')
     line = _one_line_error(["fit", "--config", str(config), "--print_config"], capsys)
     assert line == "lightning-accel: error: trainer.max_epochs: expected int or None, got 'five'."
+
+
+_REPO = Path(__file__).resolve().parent.parent
+_QUICKSTART = _REPO / "examples" / "configs" / "quickstart.yaml"
+_BORING = [
+    "fit",
+    "--model=lightning.pytorch.demos.boring_classes.BoringModel",
+    "--data=lightning.pytorch.demos.boring_classes.BoringDataModule",
+    "--trainer.logger=false",
+    "--trainer.enable_checkpointing=false",
+]
+
+
+def test_a_misspelled_strategy_name_names_the_key_and_the_suites_strategies(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    line = _one_line_error([*_BORING, f"--trainer.default_root_dir={tmp_path}", "--trainer.strategy=ddp_1bits"], capsys)
+    assert line.startswith(
+        "lightning-accel: error: trainer.strategy: 'ddp_1bits' is not a strategy name; did you mean 'ddp_1bit'? "
+        "Names: ddp_1bit, diloco, pipeline (lightning-accel); auto, ddp, "
+    ), line
+    assert "Example choices" not in line and "ddp_find_unused" not in line  # base names only: the line stays short
+    line = _one_line_error([*_BORING, f"--trainer.default_root_dir={tmp_path}", "--trainer.strategy=zzz"], capsys)
+    assert "'zzz' is not a strategy name. Names: ddp_1bit" in line and "did you mean" not in line
+
+
+def test_precision_beside_a_precision_plugin_names_both_keys_and_the_plugins_argument(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plugin = "--trainer.plugins=[{class_path: lightning_accel.precision.plugin.FusedPrecision}]"
+    argv = [*_BORING, f"--trainer.default_root_dir={tmp_path}", plugin, "--trainer.precision=16-mixed"]
+    line = _one_line_error(argv, capsys)
+    assert line == (
+        "lightning-accel: error: trainer.precision: '16-mixed' is set and `trainer.plugins` holds FusedPrecision, "
+        "which sets the precision itself: drop `trainer.precision` and give the precision to the plugin, "
+        "`init_args: {precision: 16-mixed}` under its `class_path:` in `trainer.plugins` (FusedPrecision takes "
+        "'bf16-mixed' or '16-mixed')."
+    )
+
+
+@pytest.mark.parametrize(
+    ("yaml_edit", "args", "expected"),
+    [
+        (
+            None,
+            ["--data.batchsize=32"],
+            "data.batchsize: not an option of DigitsCachedDataModule; did you mean 'batch_size'?",
+        ),
+        (
+            ("batch_size: 64", "batch_sise: 64"),
+            [],
+            "data.batch_sise: not an option of DigitsCachedDataModule; did you mean 'batch_size'?",
+        ),
+        (None, ["--model.init_args.widht=8"], "model.widht: not an option of ImageClassifier; did you mean 'width'?"),
+        (None, ["--trainer.max_epocs=3"], "trainer.max_epocs: not an option of Trainer; did you mean 'max_epochs'?"),
+        (
+            ("max_epochs: 5", "max_epocs: 5"),
+            [],
+            "trainer.max_epocs: not an option of Trainer; did you mean 'max_epochs'?",
+        ),
+        (
+            None,
+            ["--data.qqq=1"],
+            "data.qqq: not an option of DigitsCachedDataModule; "
+            "`--data.help lightning_accel.datasets.DigitsCachedDataModule` lists its options.",
+        ),
+    ],
+    ids=["data-cli", "data-yaml", "model-cli", "trainer-cli", "trainer-yaml", "no-close-match"],
+)
+def test_a_misspelled_key_names_the_class_and_the_closest_option(
+    yaml_edit: tuple[str, str] | None,
+    args: list[str],
+    expected: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    config = _QUICKSTART
+    if yaml_edit is not None:
+        config = tmp_path / "job.yaml"
+        config.write_text(_QUICKSTART.read_text().replace(*yaml_edit))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", "--config", str(config), *args, "--print_config"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"lightning-accel: error: {expected}" in err.splitlines(), err
+    assert "NestedArg" not in err and "is not accepted" not in err
+
+
+def test_a_config_folder_is_named_a_folder_with_its_yaml_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    configs = _REPO / "examples" / "configs"
+    line = _one_line_error(["fit", "--config", f"{configs}/"], capsys)
+    assert line.startswith(f"lightning-accel: error: `--config` '{configs}/' is a folder, not a YAML file. "), line
+    assert "quickstart.yaml" in line and f"e.g. `--config {configs}/all_plugins.yaml`" in line
+    line = _one_line_error(["fit", "--config", str(tmp_path)], capsys)
+    assert "is a folder, not a YAML file, and holds no .yaml file" in line and "does not exist" not in line
+
+
+def test_data_pack_and_ckpt_gc_errors_are_one_finished_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["data", "pack", str(tmp_path / "missing"), str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert err.startswith("lightning-accel data: error: FileNotFoundError: ") and len(err.splitlines()) == 1, err
+    with pytest.raises(SystemExit):
+        main(["ckpt", "gc", str(tmp_path / "missing"), "--dry-run"])
+    err = capsys.readouterr().err
+    assert err == (
+        f"lightning-accel ckpt: error: Checkpoint directory '{tmp_path / 'missing'}' does not exist (nothing "
+        "collected). Check the path.\n"
+    )
+    assert not (tmp_path / "missing").exists()

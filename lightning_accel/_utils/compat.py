@@ -67,6 +67,7 @@ __all__ = [
     "is_resume_past_max_epochs",
     "jsonargparse_error_class_path",
     "jsonargparse_error_key",
+    "jsonargparse_unknown_option",
     "jpeg_decode_ops",
     "jsonargparse_useful_line",
     "materialize_distributed_module",
@@ -523,6 +524,38 @@ def jsonargparse_error_class_path(text: str) -> str:
     return m.group(1) if m else ""
 
 
+_JSONARGPARSE_OPTION = re.compile(r"^Option '([^']+)' is not accepted")
+_JSONARGPARSE_GROUP_OPTION = re.compile(r"^Group '([^']+)' does not accept option '([^']+)'")
+_JSONARGPARSE_UNRECOGNIZED = re.compile(r"^unrecognized arguments: --([^\s=]+)")
+_JSONARGPARSE_NESTED_ARG = re.compile(r"^NestedArg\(key='[^']*', val=(.+)\)$")
+_JSONARGPARSE_GIVEN_CLASS_PATH = re.compile(r"^Problem with given class_path '([^']+)'")
+
+
+def jsonargparse_unknown_option(text: str) -> tuple[str, str, str] | None:
+    """``(key, class path, option)`` when a jsonargparse error is about an option nothing accepts, else None.
+
+    Three texts say so: ``Option 'batchsize' is not accepted`` under ``Problem with given class_path '...'`` (a
+    ``class_path:`` config, on the command line or in YAML: ``key`` is its ``Parser key``, the class path is given),
+    ``Group 'trainer' does not accept option 'max_epocs'`` (a YAML key of a class group: the class path is ``""``)
+    and ``unrecognized arguments: --trainer.max_epocs=3`` (the same on the command line: ``key`` is what precedes
+    the last dot, ``""`` for a top-level option).
+    """
+    lines = [ln.strip().removeprefix("- ").strip() for ln in text.splitlines()]
+    for i, ln in enumerate(lines):
+        m = _JSONARGPARSE_OPTION.match(ln)
+        if m:
+            paths = [p.group(1) for p in map(_JSONARGPARSE_GIVEN_CLASS_PATH.match, lines[:i]) if p]
+            return jsonargparse_error_key(text), (paths[-1] if paths else ""), m.group(1)
+        m = _JSONARGPARSE_GROUP_OPTION.match(ln)
+        if m:
+            return m.group(1), "", m.group(2)
+        m = _JSONARGPARSE_UNRECOGNIZED.match(ln)
+        if m:
+            key, _, option = m.group(1).rpartition(".")
+            return key, "", option
+    return None
+
+
 def jsonargparse_useful_line(text: str) -> tuple[str, str]:
     """``(inner key, message)``: the line of a jsonargparse error that says what is wrong.
 
@@ -544,7 +577,11 @@ def jsonargparse_useful_line(text: str) -> tuple[str, str]:
     if "got" not in message.lower():
         given = next((ln for ln in lines[pick + 1 :] if ln.startswith("Given value:")), None)
         if given is not None and len(given) < 120:
-            message = f"{message.rstrip('.')}, got {given.removeprefix('Given value:').strip()!r}."
+            value = given.removeprefix("Given value:").strip()
+            # a `--key.sub=value` argument reaches the text as jsonargparse's internal `NestedArg(key=..., val=...)`:
+            # only its value (already quoted) is shown
+            nested = _JSONARGPARSE_NESTED_ARG.match(value)
+            message = f"{message.rstrip('.')}, got {nested.group(1) if nested else repr(value)}."
     inner = [k for i, k in keys if i < pick]
     outer = keys[0][1] if keys else ""
     return (inner[-1] if inner and inner[-1] != outer else ""), message

@@ -26,6 +26,7 @@ import json
 import os
 import pickle
 import posixpath
+import re
 import sys
 from typing import Any
 
@@ -43,6 +44,7 @@ __all__ = ["collect", "main"]
 
 # What a damaged, foreign or missing checkpoint raises: reported in one line, exit code 1.
 _CHECKPOINT_ERRORS = (CheckpointCorruptError, NotADeltaCheckpointError, OSError, pickle.UnpicklingError)
+_ERRNO_PREFIX = re.compile(r"^\[Errno -?\d+\] ")
 
 
 def _parser(prog: str) -> argparse.ArgumentParser:
@@ -80,10 +82,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m lightning_accel.c
             store = DeltaStore(storage_options=opts, **({} if args.grace_s is None else {"gc_grace_s": args.grace_s}))
             print(json.dumps(collect(store, args.path, dry_run=args.dry_run)))
         except Exception as e:  # noqa: BLE001 - one line, exit code 1
-            print(
-                f"{prog}: error: {one_line(e, expected=(*_CHECKPOINT_ERRORS, ValueError, RuntimeError))}",
-                file=sys.stderr,
-            )
+            print(f"{prog}: error: {_error_line(e, (*_CHECKPOINT_ERRORS, ValueError, RuntimeError))}", file=sys.stderr)
             return 1
         return 0
     store = DeltaStore(storage_options=opts)
@@ -101,17 +100,23 @@ def main(argv: list[str] | None = None, prog: str = "python -m lightning_accel.c
             raise IsADirectoryError(
                 errno.EISDIR,
                 f"Export target {args.out!r} is a directory. Pass the path of the file to write, e.g. "
-                f"{posixpath.join(args.out, posixpath.basename(args.path.rstrip('/')) or 'export.ckpt')!r}",
+                f"{posixpath.join(args.out, posixpath.basename(args.path.rstrip('/')) or 'export.ckpt')!r}.",
             )
         ckpt = read_checkpoint_with(store, args.path)
         buf = io.BytesIO()
         torch.save(ckpt, buf)
         store.fs.write(args.out, buf.getvalue())
     except Exception as e:  # noqa: BLE001 - one line, exit code 1
-        print(f"{prog}: error: {one_line(e, expected=_CHECKPOINT_ERRORS)}", file=sys.stderr)
+        print(f"{prog}: error: {_error_line(e, _CHECKPOINT_ERRORS)}", file=sys.stderr)
         return 1
     print(json.dumps({"path": args.path, "exported": args.out}))
     return 0
+
+
+def _error_line(error: BaseException, expected: tuple[type[BaseException], ...]) -> str:
+    """``error`` as the one line the command prints: without the ``[Errno 2]`` that ``str()`` puts before an
+    ``OSError`` raised with an errno (the message says what happened; the number tells the user nothing)."""
+    return _ERRNO_PREFIX.sub("", one_line(error, expected=expected), count=1)
 
 
 def collect(store: DeltaStore, directory: str, *, dry_run: bool = False) -> dict[str, Any]:
@@ -134,10 +139,10 @@ def collect(store: DeltaStore, directory: str, *, dry_run: bool = False) -> dict
     if not store.fs.isdir(root):
         if store.fs.exists(root):
             raise NotADirectoryError(
-                errno.ENOTDIR, f"{root!r} is a file, not a checkpoint directory. Pass the directory that holds it"
+                errno.ENOTDIR, f"{root!r} is a file, not a checkpoint directory. Pass the directory that holds it."
             )
         raise FileNotFoundError(
-            errno.ENOENT, f"Checkpoint directory {root!r} does not exist (nothing collected). Check the path"
+            errno.ENOENT, f"Checkpoint directory {root!r} does not exist (nothing collected). Check the path."
         )
     last = resolve_last(root, storage_options=store.fs.storage_options)
     tracked: set[str] = set()

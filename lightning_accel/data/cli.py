@@ -100,7 +100,7 @@ def _clean(args: argparse.Namespace, prog: str) -> int:
         "dry_run": args.dry_run,
         "removed": [r.path for r in removed],
         "bytes_freed": sum(r.bytes for r in removed),
-        "kept": [{"path": t.path, "in_use": t.in_use, "bytes": t.bytes} for t in kept],
+        "kept": [{"path": t.path, "in_use": t.in_use, "bytes": t.bytes, "note": t.note} for t in kept],
     }
     print(json.dumps(summary))
     return 0
@@ -119,8 +119,18 @@ def main(argv: list[str] | None = None, prog: str = "lightning-accel data") -> i
         print(f"{prog}: error: {one_line(e)}", file=sys.stderr)
         return 2
 
+    # the progress line is rewritten in place (`\r`): it is ended before the next line, and only if it was started,
+    # so an error before the first sample is the only line printed
+    started = False
+
     def progress(done: int, total: int) -> None:
+        nonlocal started
+        started = True
         print(f"\rpacked {done}/{total} samples", end="", file=sys.stderr, flush=True)
+
+    def end_progress() -> None:
+        if started:
+            print(file=sys.stderr)
 
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -137,9 +147,10 @@ def main(argv: list[str] | None = None, prog: str = "lightning-accel data") -> i
                 shuffle_seed=args.shuffle_seed,
             )
     except (OriginError, FileNotFoundError, FileExistsError, ValueError, OSError) as e:
-        print(f"\n{prog}: error: {type(e).__name__}: {one_line(e)}", file=sys.stderr)
+        end_progress()
+        print(f"{prog}: error: {type(e).__name__}: {one_line(e)}", file=sys.stderr)
         return 1
-    print(file=sys.stderr)
+    end_progress()
     for w in caught:  # one line each (files left out of the pack), not Python's two-line warning format
         print(f"{prog}: warning: {one_line(str(w.message))}", file=sys.stderr)
     assert listing.pack is not None

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningDataModule
+from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_accel._utils.checks import check_bool, check_bytes, check_callable, check_choice, check_int
@@ -241,7 +242,13 @@ class CachedDataModule(LightningDataModule):
         ValueError: an argument out of range (the message names it, with the value and what is expected).
         TypeError: an argument of the wrong type (a string for a number or a flag, a non-callable ``decode``,
             ``transform`` or augmentation, ...), named the same way.
+        FileNotFoundError: ``origin`` or ``val_origin`` is a local path that does not exist (remote URLs are
+            checked when ``prepare_data`` lists them).
     """
+
+    #: a subclass that writes ``origin`` in ``prepare_data`` (a rendered demo set) sets this: the origin may be
+    #: missing when the module is built
+    _origin_made_in_prepare: bool = False
 
     def __init__(
         self,
@@ -289,9 +296,9 @@ class CachedDataModule(LightningDataModule):
         log_every_n_steps: int = 50,
     ) -> None:
         super().__init__()
-        check_origin(origin)
+        check_origin(origin, must_exist=not self._origin_made_in_prepare)
         if val_origin is not None:
-            check_origin(val_origin, "val_origin")
+            check_origin(val_origin, "val_origin", must_exist=True)
         if storage_options is not None and not isinstance(storage_options, Mapping):
             raise TypeError(
                 "`storage_options` must be a dict of fsspec options (e.g. {'key': ..., 'secret': ...}) or None, got "
@@ -409,7 +416,13 @@ class CachedDataModule(LightningDataModule):
         ssd = LmdbTier(os.path.join(self.cache_dir, "ssd"), self.ssd_bytes, name="ssd", policy=self.policy)
         ram = None
         if self.ram_bytes and self.ram_dir is not None:
-            ram = LmdbTier(self.ram_dir, self.ram_bytes, name="ram", policy=self.policy)
+            ram = LmdbTier(
+                self.ram_dir,
+                self.ram_bytes,
+                name="ram",
+                policy=self.policy,
+                note=f"RAM tier of the cache in {os.path.abspath(self.cache_dir)}",
+            )
         for tier in (ram, ssd):
             if tier is not None:
                 tier.open()  # in the main process: an unusable directory warns once here, before workers start
@@ -689,10 +702,17 @@ class CachedDataModule(LightningDataModule):
 
     @override
     def test_dataloader(self) -> CacheDataLoader:
+        """The validation split's loader, with a warning: the module has no test split of its own. To test on held-out
+        data, point ``val_origin`` at it for the ``test`` run (``--data.val_origin=DIR`` on the command line)."""
+        rank_zero_warn(
+            f"{type(self).__name__} has no test split: `test` runs on the validation split (`val_origin`, or the "
+            "`val_fraction` held out of `origin`). To test on other data, pass it as `val_origin` for the test run."
+        )
         return self.val_dataloader()
 
     @override
     def predict_dataloader(self) -> CacheDataLoader:
+        """The validation split's loader (the module has no prediction split of its own)."""
         return self.val_dataloader()
 
     # ---- device side ---------------------------------------------------------------------------------------------

@@ -69,12 +69,14 @@ def touch(path: str) -> None:
 
 @dataclass
 class TierInfo:
-    """One RAM tier directory: its path, bytes on tmpfs, newest mtime, and the pids that map it."""
+    """One RAM tier directory: its path, bytes on tmpfs, newest mtime, the pids that map it, and its marker's note
+    (what it caches, e.g. the data module's ``cache_dir``; None for a tier made without one)."""
 
     path: str
     bytes: int
     last_use: float
     pids: list[int]
+    note: str | None = None
 
     @property
     def in_use(self) -> bool:
@@ -175,7 +177,9 @@ def find_tiers(root: str | None = None) -> list[TierInfo]:
             pids = [-1]  # no /proc: cannot tell, treat as in use
         else:
             pids = sorted({p for d, ps in mapped.items() if d == real or d.startswith(real + os.sep) for p in ps})
-        out.append(TierInfo(e.path, size, newest, pids))
+        marker = read_marker(e.path) or {}
+        note = marker.get("note")
+        out.append(TierInfo(e.path, size, newest, pids, note if isinstance(note, str) else None))
     return out
 
 

@@ -42,18 +42,27 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".t
 _T = TypeVar("_T")
 
 
-def check_origin(url: object, name: str = "origin") -> str:
-    """``url`` when it is a non-empty string (a local path or an fsspec URL).
+def check_origin(url: object, name: str = "origin", *, must_exist: bool = False) -> str:
+    """``url`` when it is a non-empty string (a local path or an fsspec URL); with ``must_exist``, a local path (or
+    ``file://`` URL) must exist as well. Remote URLs are not contacted here: their errors come when they are listed.
 
     Raises:
         TypeError: ``url`` is not a string.
         ValueError: ``url`` is empty (or blank).
+        FileNotFoundError: ``must_exist`` and ``url`` is a local path that does not exist.
     """
     expected = "a non-empty path or fsspec URL"
     if not isinstance(url, str):
         raise TypeError(f"`{name}` must be {expected}, got {url!r} ({type(url).__name__}).")
     if not url.strip():
         raise ValueError(f"`{name}` must be {expected}, got {url!r}.")
+    if must_exist and ("://" not in url or url.startswith("file://")):
+        path = url.removeprefix("file://")
+        if not os.path.exists(path):
+            raise FileNotFoundError(
+                f"`{name}` {url!r} does not exist (cwd: {os.getcwd()}). Pass a directory holding <class>/<image> "
+                "files, a packed origin or a manifest's directory."
+            )
     return url
 
 

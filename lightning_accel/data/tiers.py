@@ -200,9 +200,9 @@ def default_ram_dir(tag: str) -> str | None:
     return None
 
 
-def write_marker(path: str) -> None:
+def write_marker(path: str, note: str | None = None) -> None:
     """Write the tier marker into the directory ``path`` unless it is there already (atomically: a sweep never reads
-    half a marker). It says who created the tier and when."""
+    half a marker). It says who created the tier and when, and ``note`` what it caches (shown by the cleanup)."""
     import getpass
     import json
     import socket
@@ -222,6 +222,8 @@ def write_marker(path: str) -> None:
         "owner": {"pid": os.getpid(), "host": socket.gethostname(), "user": user},
         "created": time.time(),
     }
+    if note:
+        doc["note"] = note
     atomic_write_text(target, json.dumps(doc))
 
 
@@ -313,6 +315,8 @@ class LmdbTier:
         sync: fsync every commit (off by default; see the module notes).
         marker: write :data:`TIER_MARKER` when the tier is opened in a directory it creates (missing or empty), so
             tier cleanup may remove the directory later (``None``: for a RAM tier, ``name="ram"``).
+        note: what the tier caches, recorded in the marker so that ``lightning-accel data clean`` can say whose
+            tier a directory is (the data module records its ``cache_dir``).
     """
 
     def __init__(
@@ -324,6 +328,7 @@ class LmdbTier:
         policy: str = "keep",
         sync: bool = False,
         marker: bool | None = None,
+        note: str | None = None,
     ) -> None:
         check_int(f"{name}_bytes", budget_bytes, low=0, allow_none=True, fix="None: no cap.")
         check_choice("policy", policy, ("keep", "fifo"))
@@ -334,6 +339,7 @@ class LmdbTier:
         self.policy = policy
         self.sync = sync
         self.marker = name == "ram" if marker is None else bool(marker)
+        self.note = note
         self.disabled = budget_bytes == 0
         self.disabled_reason: str | None = "budget is 0" if self.disabled else None
         self._psize = 4096  # LMDB's page size, known once opened (the same in every process)
@@ -408,7 +414,7 @@ class LmdbTier:
                     mark = self.marker and (not os.path.isdir(self.path) or not os.listdir(self.path))
                     opened = _open_env(self.path, self._key, initial, self.sync)
                     if mark and set(os.listdir(self.path)) <= set(LMDB_FILES):
-                        write_marker(self.path)
+                        write_marker(self.path, self.note)
                 except Exception as e:  # lmdb.Error, OSError (read-only dir, ENOSPC, ...)
                     self._disable(e)
                     return False

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningDataModule
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, Subset
 from typing_extensions import override
 
@@ -147,6 +148,8 @@ class DigitsDataModule(LightningDataModule):
 
     @override
     def test_dataloader(self) -> DataLoader:
+        """The validation split's loader, with a warning: the demo has no test split of its own."""
+        rank_zero_warn(f"{type(self).__name__} has no test split: `test` runs on the validation split.")
         return self.val_dataloader()
 
     @override
@@ -156,6 +159,8 @@ class DigitsDataModule(LightningDataModule):
 
 class _RenderedCachedDataModule(CachedDataModule):
     """A ``CachedDataModule`` over a demo tree that ``_render`` materialises (idempotent) before it is listed."""
+
+    _origin_made_in_prepare = True
 
     def _render(self) -> None:
         """Materialise the tree into ``origin``; here nothing: the origin is read as it is."""

@@ -11,7 +11,7 @@ from lightning.pytorch import LightningModule
 from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
-from lightning_accel._utils.checks import check_int
+from lightning_accel._utils.checks import check_int, check_number
 from lightning_accel.models.resnet import SmallResNet
 from lightning_accel.models.transformer import GPT
 from lightning_accel.recipes.callbacks import bind_to_fit
@@ -83,6 +83,12 @@ def _datamodule_num_classes(module: LightningModule) -> int | None:
     return None
 
 
+def _check_optimizer_args(lr: object, weight_decay: object) -> None:
+    """The AdamW arguments of this room's modules, checked when the module is built."""
+    check_number("lr", lr, low=0, low_open=True, fix="It is AdamW's peak learning rate, e.g. `lr=1e-3`.")
+    check_number("weight_decay", weight_decay, low=0, fix="0 disables it.")
+
+
 class ImageClassifier(LightningModule):
     """``SmallResNet`` trained with cross-entropy; logs ``train_loss``, ``val_loss``, ``val_acc``, ``test_acc``.
 
@@ -115,6 +121,7 @@ class ImageClassifier(LightningModule):
         super().__init__()
         if num_classes != "auto":
             check_int("num_classes", num_classes, low=2, fix="Or pass 'auto' to follow the data module.")
+        _check_optimizer_args(lr, weight_decay)
         self.save_hyperparameters()
         # "auto": the body is built now (callbacks that look at `model` in their own `setup`, which Lightning runs
         # before this module's, find it), with a provisional 2-way head that `setup` replaces before any use.
@@ -245,6 +252,7 @@ class TinyGPT(LightningModule):
         weight_decay: float = 0.01,
     ) -> None:
         super().__init__()
+        _check_optimizer_args(lr, weight_decay)
         self.save_hyperparameters()
         self.model = GPT(vocab_size, block_size, n_layer, n_head, n_embd, dropout)
 

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_accel._utils.checks import check_int, check_number
 from lightning_accel.precision.modules import FusedAttentionMixin, FusedGPTBlockMixin, register_block
 
 __all__ = ["GPT", "CausalSelfAttention", "GPTBlock", "GPTEmbedding", "GPTHead"]
@@ -112,6 +113,16 @@ class GPT(nn.Module):
         dropout: float = 0.1,
     ) -> None:
         super().__init__()
+        for name, value in (("vocab_size", vocab_size), ("block_size", block_size), ("n_layer", n_layer)):
+            check_int(name, value, low=1)
+        check_int("n_head", n_head, low=1)
+        check_int("n_embd", n_embd, low=1)
+        if n_embd % n_head:
+            raise ValueError(
+                f"`n_embd` must be a multiple of `n_head`, got n_embd={n_embd}, n_head={n_head}. Each head takes "
+                f"n_embd / n_head channels: e.g. n_embd={n_head * max(1, round(n_embd / n_head))}."
+            )
+        check_number("dropout", dropout, low=0, high=1, high_open=True, fix="It is a probability; 0 disables it.")
         self.block_size = block_size
         self.tok_emb = nn.Embedding(vocab_size, n_embd)
         self.pos_emb = nn.Embedding(block_size, n_embd)

@@ -377,7 +377,13 @@ class PerformanceMonitor(Callback):
                 "no report. Run more steps or lower `skip_steps`."
             )
             return
-        context: dict[str, Any] = {"precision": str(trainer.precision), "num_workers": _num_workers(trainer)}
+        context: dict[str, Any] = {
+            "precision": str(trainer.precision),
+            "num_workers": _num_workers(trainer),
+            # class names with their bases': a subclass of FusedPrecision or OneBitDDPStrategy counts as one
+            "precision_plugin": [c.__name__ for c in type(trainer.precision_plugin).__mro__],
+            "strategy": [c.__name__ for c in type(trainer.strategy).__mro__],
+        }
         extras: dict[str, Any] = {"world_size": trainer.world_size, "device": str(trainer.strategy.root_device)}
         if self._ddp_prev is not None:
             extras["comm_source"] = "DDP runtime stats (exposed backward allreduce)"

@@ -29,7 +29,9 @@ def verdict_text(dominant: str, shares: Mapping[str, float], context: Mapping[st
     Args:
         dominant: the category with the largest share.
         shares: category -> fraction of step time.
-        context: optional facts that sharpen the advice: ``num_workers``, ``mfu``, ``precision``, ``world_size``.
+        context: optional facts that sharpen the advice: ``num_workers``, ``mfu``, ``precision``, ``world_size``,
+            ``precision_plugin`` and ``strategy`` (their class names with their bases': the advice leaves out what
+            is already on).
     """
     p = _pct(shares.get(dominant, 0.0))
     workers = context.get("num_workers")
@@ -43,12 +45,23 @@ def verdict_text(dominant: str, shares: Mapping[str, float], context: Mapping[st
         m = context.get("mfu")
         mtxt = f" at {_pct(m)} MFU" if isinstance(m, float) else ""
         prec = context.get("precision")
-        ptxt = f" (precision now {prec})" if prec else ""
+        fixes = ["torch.compile", "a larger batch per device"]
+        # advise what is not already on: a reduced precision first, then the fused kernels
+        if not (prec and "16" in str(prec)):
+            ptxt = f" (precision now {prec})" if prec else ""
+            fixes.insert(0, f"bf16-mixed / FusedPrecision{ptxt}")
+        elif "FusedPrecision" not in context.get("precision_plugin", ()):
+            fixes.insert(0, f"FusedPrecision (fused Conv+BN+ReLU, attention, norms; precision now {prec})")
         return (
             f"{p} of step time is compute{mtxt}: the input pipeline keeps up. Make the step cheaper: "
-            f"bf16-mixed / FusedPrecision{ptxt}, torch.compile, a larger batch per device."
+            f"{', '.join(fixes)}."
         )
     if dominant == "comm":
+        if "OneBitDDPStrategy" in context.get("strategy", ()):
+            return (
+                f"{p} of step time is exposed gradient communication, already 1-bit compressed: on a slow link use "
+                "local steps (strategy='diloco'), accumulate gradients over more batches, or a faster interconnect."
+            )
         return (
             f"{p} of step time is exposed gradient communication: use strategy='ddp_1bit' (1-bit compressed "
             "allreduce), accumulate gradients over more batches, or a faster interconnect."

@@ -154,10 +154,7 @@ class FusedPrecision(MixedPrecision):
             # in place (`param.data` swapped): optimizers built later, or already holding these parameters, see them
             module.to(memory_format=torch.channels_last)
         if report.records:
-            rank_zero_info(
-                f"FusedPrecision fused {report.counts()}, {100 * report.coverage():.0f}% of the eligible modules "
-                f"(backend={self.backend!r}):\n{report.table()}"
-            )
+            rank_zero_info(f"FusedPrecision (backend={self.backend!r}): {report.summary()}:\n{report.table()}")
         if self.compile:
             compile_in_place(module, **self.compile_kwargs)
         return module

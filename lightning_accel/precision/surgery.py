@@ -128,6 +128,19 @@ class FusionReport:
             out[r.pattern] = out.get(r.pattern, 0) + 1
         return out
 
+    def summary(self) -> str:
+        """One line: eligible modules fused per kind, and the module rewrites that did it per pattern, e.g.
+        ``10/10 eligible modules fused (conv_bn 10/10) by 7 rewrites ({'conv_bn_relu': 7})``: a rewrite (a block,
+        a ``Sequential``) may fuse several eligible modules."""
+        done = sum(c.fused for c in self.candidates)
+        kinds = ", ".join(f"{k} {a}/{b}" for k, (a, b) in self.coverage_by_kind().items())
+        head = (
+            f"{done}/{len(self.candidates)} eligible modules fused ({kinds})"
+            if self.candidates
+            else "no eligible modules"
+        )
+        return f"{head} by {len(self.records)} rewrites ({self.counts()})"
+
     def table(self) -> str:
         """Markdown: the fusions, the coverage line, and the skipped eligible modules with why (what is logged)."""
         lines = ["| module | pattern | fused |", "|---|---|---|"]
@@ -896,13 +909,7 @@ def apply_fusions(
     if report.param_swaps:
         replace_optimizer_params(optimizers, report.param_swaps)
     if report.records:
-        log.info(
-            "Fused %d pattern(s) in %s (%.0f%% of eligible modules):\n%s",
-            len(report),
-            type(model).__name__,
-            100 * report.coverage(),
-            report.table(),
-        )
+        log.info("%s: %s:\n%s", type(model).__name__, report.summary(), report.table())
     elif warn_if_empty and not any(fm.is_fused(m) for m in model.modules()):  # a second call is not "nothing"
         warnings.warn(
             f"Module surgery found nothing to fuse in {type(model).__name__} for patterns {list(policy)}. "

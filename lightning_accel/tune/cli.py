@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 from lightning_accel._utils.errors import one_line
@@ -18,9 +19,21 @@ from lightning_accel._utils.errors import one_line
 __all__ = ["main"]
 
 
+# reStructuredText in the docstring that a terminal shows as is: a role (:func:`~a.b`) and a literal (``x``)
+_RST_ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")
+_RST_LITERAL = re.compile(r"``([^`]+)``")
+
+
+def plain_help(text: str) -> str:
+    """``text`` (reStructuredText from a docstring) as ``--help`` shows it: roles become the name they point at,
+    double-backtick literals take single backticks (as the options' help quotes a command), lines are joined."""
+    text = _RST_ROLE.sub(r"\1", text)
+    return " ".join(_RST_LITERAL.sub(r"`\1`", text).split())
+
+
 def build_parser(prog: str = "lightning-accel tune") -> argparse.ArgumentParser:
-    """The argument parser of ``tune``."""
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[1].replace("\n", " "))
+    """The argument parser of ``tune``; its description is the module docstring's second paragraph, in plain text."""
+    p = argparse.ArgumentParser(prog=prog, description=plain_help(__doc__.split("\n\n")[1]))
     p.add_argument("--config", "-c", required=True, help="the job's YAML, as `lightning-accel fit --config` takes")
     p.add_argument("--budget", default="5m", help="wall-clock limit of the whole tune (90s, 5m, 1h; default 5m)")
     p.add_argument("--out", default="tuned.yaml", help="the tuned config (reports beside it; default tuned.yaml)")

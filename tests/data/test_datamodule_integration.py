@@ -144,9 +144,26 @@ def test_bad_input_is_reported_with_the_argument(tmp_path: Path) -> None:
         CachedDataModule(str(tmp_path), ssd_bytes="huge")
     with pytest.raises(ValueError, match="`batch_size`"):
         CachedDataModule(str(tmp_path), batch_size=0)
-    dm = CachedDataModule(str(tmp_path / "nowhere"), cache_dir=str(tmp_path / "c"), ram_bytes=0)
-    with pytest.raises(FileNotFoundError, match="nowhere"):
+    # a local origin that does not exist is refused when the module is built, not when the Trainer lists it
+    with pytest.raises(FileNotFoundError, match="`origin` '.*nowhere' does not exist"):
+        CachedDataModule(str(tmp_path / "nowhere"), cache_dir=str(tmp_path / "c"), ram_bytes=0)
+    with pytest.raises(FileNotFoundError, match="`val_origin` 'file://.*nowhere' does not exist"):
+        CachedDataModule(str(tmp_path), val_origin=f"file://{tmp_path / 'nowhere'}", ram_bytes=0)
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    dm = CachedDataModule(str(gone), cache_dir=str(tmp_path / "c"), ram_bytes=0)
+    gone.rmdir()  # removed after the module was built: listing it names it
+    with pytest.raises(FileNotFoundError, match="gone"):
         dm.prepare_data()
+
+
+def test_test_runs_on_the_validation_split_and_says_so(small_digits: Path, tmp_path: Path) -> None:
+    dm = _dm(small_digits, tmp_path, num_workers=0)
+    dm.prepare_data()
+    dm.setup("test")
+    with pytest.warns(UserWarning, match="has no test split.*pass it as `val_origin`"):
+        loader = dm.test_dataloader()
+    assert loader.dataset is dm.val_set
 
 
 def test_warm_on_prepare_fills_the_ssd_tier_once(small_digits: Path, tmp_path: Path) -> None:

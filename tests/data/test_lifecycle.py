@@ -67,6 +67,7 @@ def test_data_clean_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     out = json.loads(capsys.readouterr().out)
     assert out["removed"] == [str(stale)] and out["bytes_freed"] > 0
     assert [k["path"] for k in out["kept"]] == [str(fresh)] and fresh.exists()
+    assert out["kept"][0]["note"] is None  # made without a note (a data module's tier names its cache_dir)
     assert data_main(["clean", "--root", str(tmp_path), "--older-than", "soon"]) == 2
     assert "`--older-than` must be" in capsys.readouterr().err
 
@@ -82,6 +83,10 @@ def test_prepare_data_sweeps_stale_tiers_next_to_its_own(
     assert dm.ram_dir is not None and Path(dm.ram_dir).parent == root
     dm.prepare_data()
     assert not stale.exists() and fresh.exists()
+    # the module's own tier says whose it is: the cleanup lists it with its cache_dir
+    (own,) = [t for t in find_tiers(str(root)) if t.path == dm.ram_dir]
+    assert own.note == f"RAM tier of the cache in {tmp_path / 'cache'}"
+    assert {t.note for t in find_tiers(str(root)) if t.path != dm.ram_dir} == {None}  # made without a note
     with pytest.raises(ValueError, match="`ram_ttl`"):
         CachedDataModule(str(small_digits), cache_dir=str(tmp_path / "cache"), ram_ttl="forever")
 

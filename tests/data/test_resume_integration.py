@@ -150,7 +150,7 @@ def test_a_cache_dir_that_is_a_file_is_refused_in_init(tmp_path: Path) -> None:
     f.write_text("not a directory")
     for bad in (f, f / "sub"):
         with pytest.raises(ValueError, match=r"`cache_dir` must be a directory.*is a file.*Pass a directory"):
-            CachedDataModule("digits", cache_dir=str(bad))
+            CachedDataModule(str(tmp_path), cache_dir=str(bad))
 
 
 def test_a_run_resumed_from_an_end_of_epoch_checkpoint_trains_the_next_epoch_through_workers(

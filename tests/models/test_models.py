@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -84,3 +86,19 @@ def test_image_classifier_steps_through_an_empty_batch() -> None:
     model.validation_step(empty, 0)
     model.test_step(empty, 0)
     assert model.val_acc.update_count == 0 and model.test_acc.update_count == 0
+
+
+@pytest.mark.parametrize(
+    ("build", "error", "match"),
+    [
+        (lambda: ImageClassifier(lr=-1), ValueError, r"`lr` must be a number > 0, got -1"),
+        (lambda: ImageClassifier(weight_decay="x"), TypeError, r"`weight_decay` must be a number >= 0, got 'x'"),
+        (lambda: TinyGPT(lr=0), ValueError, r"`lr` must be a number > 0, got 0"),
+        (lambda: TinyGPT(n_embd=100, n_head=3), ValueError, r"`n_embd` must be a multiple of `n_head`.*n_embd=99"),
+        (lambda: TinyGPT(dropout=1.0), ValueError, r"`dropout` must be a number >= 0 and < 1, got 1.0"),
+        (lambda: GPT(vocab_size=0), ValueError, r"`vocab_size` must be an integer >= 1, got 0"),
+    ],
+)
+def test_bad_model_arguments_are_refused_when_built(build: Any, error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        build()

@@ -165,6 +165,21 @@ def test_report_shares_dominant_and_verdict() -> None:
     assert "limit_val_batches" in build_report(_totals(compute=1.0, eval=3.0)).verdict
 
 
+def test_verdict_advises_only_what_is_not_already_on() -> None:
+    compute = _totals(data=1.0, compute=9.0)
+    fp32 = build_report(compute, context={"precision": "32-true"}).verdict
+    assert "bf16-mixed / FusedPrecision (precision now 32-true)" in fp32
+    amp = build_report(compute, context={"precision": "bf16-mixed", "precision_plugin": ["MixedPrecision"]}).verdict
+    assert "bf16-mixed /" not in amp and "FusedPrecision (fused" in amp and "torch.compile" in amp
+    fused = build_report(
+        compute, context={"precision": "bf16-mixed", "precision_plugin": ["MyFused", "FusedPrecision"]}
+    ).verdict
+    assert "FusedPrecision" not in fused and "torch.compile, a larger batch per device." in fused
+    comm = _totals(compute=1.0, comm=3.0)
+    onebit = build_report(comm, context={"strategy": ["OneBitDDPStrategy", "DDPStrategy"]}).verdict
+    assert "already 1-bit compressed" in onebit and "strategy='diloco'" in onebit and "ddp_1bit" not in onebit
+
+
 def test_report_without_steps_says_how_to_fix() -> None:
     with pytest.raises(ValueError, match="limit_train_batches"):
         build_report(TimerTotals())

@@ -44,6 +44,8 @@ def test_resnet_patterns_numerics_and_in_place() -> None:
     keys = list(model.state_dict())
     report = apply_fusions(model, backend="reference")  # the fused functions' torch path, not eager ops
     assert report.counts() == {"conv_bn_relu": 5}  # stem, 2 blocks, 2 downsamples
+    # the line that is logged tells eligible modules (conv+bn pairs: 1 + 2 x 2 + 2) from the rewrites that fused them
+    assert report.summary() == "7/7 eligible modules fused (conv_bn 7/7) by 5 rewrites ({'conv_bn_relu': 5})"
     assert {r.module for r in report.records} == {
         "stem",
         "layers.0",
