@@ -190,7 +190,7 @@ def _strategy_name_error(name: str) -> ConfigError:
     """
     from lightning.pytorch.strategies import StrategyRegistry
 
-    names = ["auto", *StrategyRegistry.available_strategies()]
+    names = sorted({"auto", *StrategyRegistry.available_strategies()})  # sorted: registration order varies
     close = difflib.get_close_matches(name.lower(), names, n=1)
     # `StrategyRegistry.get` builds the strategy: read the registered class by item instead
     ours = [
@@ -203,13 +203,13 @@ def _strategy_name_error(name: str) -> ConfigError:
     def base(group: list[str]) -> list[str]:  # a variant is a registered name plus a suffix
         return [n for n in group if not any(n.startswith(f"{b}_") for b in group)]
 
-    variants = [n for n in theirs if n not in base(theirs)]
+    variants = sorted((n for n in theirs if n not in base(theirs)), key=lambda n: (len(n), n))  # shortest first
     guess = f"; did you mean {close[0]!r}?" if close else "."
+    example = f", and variants such as {variants[0]!r}" if variants else ""
     return ConfigError(
         "trainer.strategy",
         f"{name!r} is not a strategy name{guess} Names: {', '.join(base(ours))} (lightning-accel); "
-        f"{', '.join(base(theirs))} (Lightning){f', and variants such as {variants[0]!r}' if variants else ''}; "
-        "or a Strategy `class_path:`.",
+        f"{', '.join(base(theirs))} (Lightning){example}; or a Strategy `class_path:`.",
     )
 
 
