@@ -233,6 +233,8 @@ class DigitsCachedDataModule(_RenderedCachedDataModule):
                 fix="for your own images set `digits_size: null` or use `lightning_accel.data.CachedDataModule`; "
                 "else pick a new or empty `origin`",
             )
+        # with nothing to render the origin must already be there: checked like any CachedDataModule's
+        self._origin_made_in_prepare = digits_size is not None
         super().__init__(origin, **kwargs)
         self.digits_size = digits_size
         self.num_images = num_images

@@ -77,6 +77,10 @@ def test_cached_digits_without_rendering_read_an_existing_tree(digits_dir: Path,
     dm.setup("fit")
     assert dm.train_set is not None and dm.val_set is not None
     assert len(dm.train_set) + len(dm.val_set) == 1797
+    # nothing to render: a missing tree is refused when the module is built, as CachedDataModule's is
+    with pytest.raises(FileNotFoundError, match="`origin` '.*absent' does not exist"):
+        DigitsCachedDataModule(str(tmp_path / "absent"), digits_size=None, cache_dir=str(tmp_path / "cache"))
+    DigitsCachedDataModule(str(tmp_path / "new"), cache_dir=str(tmp_path / "cache"))  # rendered in prepare_data
 
 
 def test_cached_digits_need_a_local_origin_to_render_into() -> None:
