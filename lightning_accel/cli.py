@@ -19,7 +19,6 @@ config; :mod:`lightning_accel.tune`) are plain argparse tools; ``--help`` lists 
 from __future__ import annotations
 
 import difflib
-import importlib
 import inspect
 import os
 import pickle
@@ -37,6 +36,7 @@ import lightning_accel  # noqa: F401 - registers the strategy aliases on import
 from lightning_accel._utils import compat
 from lightning_accel._utils.errors import one_line
 from lightning_accel._utils.fs import StorageUnavailableError
+from lightning_accel._utils.imports import import_object
 from lightning_accel.checkpoint.callbacks import CheckpointGuard, ElasticExit
 from lightning_accel.checkpoint.lock import CheckpointDirectoryLockedError
 from lightning_accel.data.origin import OriginError
@@ -168,12 +168,8 @@ def _class_options(cls: type) -> list[str]:
 
 
 def _import_class(class_path: str) -> type | None:
-    """The class ``class_path`` names, or None when it does not import."""
-    module, _, name = class_path.rpartition(".")
-    try:
-        obj = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError):
-        return None
+    """The class ``class_path`` names, or None when it does not import or is not a class."""
+    obj = import_object(class_path)
     return obj if isinstance(obj, type) else None
 
 

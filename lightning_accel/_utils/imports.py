@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 from functools import cache
+from typing import Any
 
-__all__ = ["module_available", "require"]
+__all__ = ["import_object", "module_available", "require"]
+
+
+def import_object(path: str) -> Any | None:
+    """The object a dotted ``path`` (``pkg.module.Name``) names, or None when it does not import (a config's
+    ``class_path`` read for a suggestion or a lever, where a wrong path is reported elsewhere)."""
+    module, _, name = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return None
 
 
 @cache

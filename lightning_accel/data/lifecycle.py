@@ -26,6 +26,7 @@ import re
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from lightning_accel._utils.checks import check_number
 from lightning_accel.data.tiers import LMDB_FILES, TIER_MARKER, read_marker
@@ -121,14 +122,19 @@ def _scan(path: str) -> tuple[int, float]:
     return total, newest
 
 
-def _is_tier(entry: os.DirEntry[str]) -> bool:
-    """A directory (not a link) of the calling user that carries the tier marker."""
+def _tier_marker(entry: os.DirEntry[str]) -> dict[str, Any] | None:
+    """The marker of a directory (not a link) of the calling user that carries one, else None."""
     try:
         if not entry.is_dir(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_uid != os.getuid():
-            return False
+            return None
     except OSError:
-        return False
-    return read_marker(entry.path) is not None
+        return None
+    return read_marker(entry.path)
+
+
+def _is_tier(entry: os.DirEntry[str]) -> bool:
+    """A directory (not a link) of the calling user that carries the tier marker."""
+    return _tier_marker(entry) is not None
 
 
 def other_entries(root: str) -> list[str]:
@@ -166,7 +172,8 @@ def find_tiers(root: str | None = None) -> list[TierInfo]:
     mapped = _mapped_dirs()
     out = []
     for e in entries:
-        if not _is_tier(e):
+        marker = _tier_marker(e)
+        if marker is None:
             continue
         try:
             size, newest = _scan(e.path)
@@ -177,7 +184,6 @@ def find_tiers(root: str | None = None) -> list[TierInfo]:
             pids = [-1]  # no /proc: cannot tell, treat as in use
         else:
             pids = sorted({p for d, ps in mapped.items() if d == real or d.startswith(real + os.sep) for p in ps})
-        marker = read_marker(e.path) or {}
         note = marker.get("note")
         out.append(TierInfo(e.path, size, newest, pids, note if isinstance(note, str) else None))
     return out

@@ -113,10 +113,15 @@ class GPT(nn.Module):
         dropout: float = 0.1,
     ) -> None:
         super().__init__()
-        for name, value in (("vocab_size", vocab_size), ("block_size", block_size), ("n_layer", n_layer)):
+        sizes = {
+            "vocab_size": vocab_size,
+            "block_size": block_size,
+            "n_layer": n_layer,
+            "n_head": n_head,
+            "n_embd": n_embd,
+        }
+        for name, value in sizes.items():
             check_int(name, value, low=1)
-        check_int("n_head", n_head, low=1)
-        check_int("n_embd", n_embd, low=1)
         if n_embd % n_head:
             raise ValueError(
                 f"`n_embd` must be a multiple of `n_head`, got n_embd={n_embd}, n_head={n_head}. Each head takes "

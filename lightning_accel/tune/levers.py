@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import copy
 import functools
-import importlib
 import inspect
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from lightning_accel._utils.imports import import_object
 
 __all__ = [
     "Option",
@@ -85,17 +86,9 @@ def _class_path(entry: Any) -> str:
     return str(entry.get("class_path", "")) if isinstance(entry, dict) else str(entry)
 
 
-def _resolve(class_path: str) -> Any:
-    module, _, name = class_path.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError):
-        return None
-
-
 def _accepts(class_path: str, arg: str) -> tuple[bool, Any]:
     """Whether the class takes ``arg`` (or ``**kwargs``), and the default it has there."""
-    cls = _resolve(class_path)
+    cls = import_object(class_path)
     if cls is None:
         return False, None
     params = inspect.signature(cls.__init__).parameters
