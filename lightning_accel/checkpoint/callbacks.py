@@ -208,6 +208,12 @@ class DeltaModelCheckpoint(ModelCheckpoint):
         super().__init__(dirpath=dirpath, **kwargs)
 
     @override
+    def state_dict(self) -> dict[str, Any]:
+        # `save_top_k` beside Lightning's keys: without a `monitor` Lightning tracks only the newest checkpoint, so
+        # its state alone cannot tell "keep every checkpoint" (-1) from "keep one" (1); `ckpt gc` reads it.
+        return {**super().state_dict(), "save_top_k": self.save_top_k}
+
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self._restored = dict(state_dict)
@@ -229,8 +235,9 @@ class DeltaModelCheckpoint(ModelCheckpoint):
         name this callback's ``filename`` or ``last`` template produces. It is removed when it is older than the
         resumed checkpoint (a removal the killed run never made), or newer when the run resumes from a ``last``
         checkpoint (saves made after that ``last.ckpt``: the resumed run saves those steps again). Newer ones are
-        kept when resuming from an older step checkpoint on purpose. Their blobs go after the store's
-        ``gc_grace_s``.
+        kept when resuming from an older step checkpoint on purpose. With ``save_top_k=-1`` (keep every checkpoint)
+        Lightning removes nothing, so no older checkpoint is a removal it missed: only the newer ones go. Their blobs
+        go after the store's ``gc_grace_s``.
 
         Returns:
             The checkpoints removed (or found, with ``keep_orphans``).
@@ -257,26 +264,30 @@ class DeltaModelCheckpoint(ModelCheckpoint):
         made_here = (_name_pattern(self, self.filename), last_name)
         plain_last = self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION
         from_last = last_name.fullmatch(posixpath.basename(str(ckpt_path))) is not None
+        # Without a `monitor` Lightning's state tracks only the newest checkpoint, whatever `save_top_k` keeps: with
+        # -1 every older checkpoint is one the user keeps, never a removal the killed run missed.
+        keeps_all = self.save_top_k == -1
         found = []
         for url, created in store.untracked_manifests(directory, tracked):
             name = posixpath.basename(url)
             if name == plain_last or not any(p.fullmatch(name) for p in made_here):
                 continue
-            if created < resumed_at or from_last:
+            if (created >= resumed_at and from_last) or (created < resumed_at and not keeps_all):
                 found.append(url)
         if not found:
             return []
         names = ", ".join(posixpath.basename(u) for u in found[:6]) + (" ..." if len(found) > 6 else "")
+        count = f"{len(found)} checkpoint" + ("s" if len(found) != 1 else "")
         where = f"{directory} (resumed from {posixpath.basename(str(ckpt_path))})"
         if self.keep_orphans:
             rank_zero_warn(
-                f"{len(found)} checkpoints in {where} were left by a killed run and are not tracked by "
-                f"ModelCheckpoint, which will never remove them: {names}. Kept (`keep_orphans=True`); "
-                f"`lightning-accel ckpt gc {directory}` removes them."
+                f"{count} in {where}, left by a killed run, not tracked by ModelCheckpoint, which will never "
+                f"remove them: {names}. Kept (`keep_orphans=True`); `lightning-accel ckpt gc {directory}` removes "
+                "them."
             )
         else:
             rank_zero_warn(
-                f"Removing {len(found)} checkpoints in {where} that a killed run left and ModelCheckpoint no longer "
+                f"Removing {count} in {where} that a killed run left and ModelCheckpoint no longer "
                 f"tracks (it would never remove them): {names}. Pass `DeltaModelCheckpoint(keep_orphans=True)` to "
                 "keep them."
             )

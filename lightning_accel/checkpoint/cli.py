@@ -28,6 +28,7 @@ import pickle
 import posixpath
 import re
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -158,6 +159,16 @@ def collect(store: DeltaStore, directory: str, *, dry_run: bool = False) -> dict
         ]
         if not states:
             note = f"{last} holds no ModelCheckpoint state for this directory: no checkpoint removed"
+        elif keeps := [s for s in states if _keeps_all(s)]:
+            note = (
+                f"{last}'s ModelCheckpoint "
+                + (
+                    "keeps every checkpoint (save_top_k=-1)"
+                    if keeps[0].get("save_top_k") == -1
+                    else "has no monitor (with save_top_k=-1 it keeps every checkpoint)"
+                )
+                + " and its state lists only the newest: no checkpoint removed"
+            )
         for s in states:
             tracked |= compat.model_checkpoint_tracked(s)
         tracked.add(last)
@@ -183,6 +194,14 @@ def collect(store: DeltaStore, directory: str, *, dry_run: bool = False) -> dict
     if note:
         out["note"] = note
     return out
+
+
+def _keeps_all(state: Mapping[str, Any]) -> bool:
+    """Whether a ``ModelCheckpoint`` state may keep checkpoints it does not list: ``save_top_k=-1`` (recorded by
+    ``DeltaModelCheckpoint``), or no ``monitor`` and no recorded ``save_top_k`` (Lightning then lists only the newest
+    checkpoint, for ``save_top_k=-1`` as for 1)."""
+    top_k = state.get("save_top_k")
+    return top_k == -1 or (top_k is None and state.get("monitor") is None)
 
 
 def _same_dir(a: str, b: str) -> bool:

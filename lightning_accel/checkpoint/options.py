@@ -136,7 +136,7 @@ class StoreOptions:
             self.redundancy,
             low=1,
             high=2,
-            fix="1: one copy of every blob; 2: a second copy of each base blob.",
+            fix="1: one copy of every blob; 2: a second copy of every blob.",
         )
         check_int("inline_bytes", self.inline_bytes, low=0, high=1 << 30, fix="Default 1024 bytes.")
         check_int(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import posixpath
 import weakref
 from collections import deque
 from collections.abc import Sequence
@@ -23,6 +24,7 @@ from typing import Any, Literal
 from lightning.fabric.plugins import CheckpointIO
 from typing_extensions import override
 
+from lightning_accel._utils import compat
 from lightning_accel._utils.checks import check_bool
 from lightning_accel._utils.compat import PathType, register_before_thread_shutdown
 from lightning_accel._utils.deferred import resolve_deferred
@@ -36,7 +38,7 @@ from lightning_accel.checkpoint.background import (
 )
 from lightning_accel.checkpoint.options import StoreOptions
 from lightning_accel.checkpoint.reader import read_checkpoint_with
-from lightning_accel.checkpoint.store import GC_GRACE_S, DeltaStore, SaveStats
+from lightning_accel.checkpoint.store import GC_GRACE_S, DeltaStore, SaveStats, split_path
 
 __all__ = ["CheckpointSaveError", "DeltaCheckpointIO"]
 
@@ -255,6 +257,10 @@ class DeltaCheckpointIO(CheckpointIO):
         ``torch.load(weights_only=True)``, so a run can switch to this plugin and resume from an older checkpoint
         (both through :func:`~lightning_accel.checkpoint.read_checkpoint`). ``weights_only=False`` is refused: this
         plugin never unpickles arbitrary objects.
+
+        The plain ``torch.save`` checkpoints that the checkpoint's ``ModelCheckpoint`` states track in their own
+        ``dirpath`` are adopted (:meth:`DeltaStore.adopt`): the resumed run may rotate them out and replace
+        ``last.ckpt`` as it would with ``TorchCheckpointIO``. Any other file that is not this plugin's stays refused.
         """
         if weights_only is False:
             raise ValueError(
@@ -262,7 +268,9 @@ class DeltaCheckpointIO(CheckpointIO):
                 "arbitrary pickled objects. Load without `weights_only`, or use `TorchCheckpointIO` for trusted files."
             )
         self._writer.wait()
-        return read_checkpoint_with(self.store, path, map_location=map_location or "cpu")
+        checkpoint = read_checkpoint_with(self.store, path, map_location=map_location or "cpu")
+        self.store.adopt(_tracked_checkpoints(checkpoint))
+        return checkpoint
 
     @override
     def remove_checkpoint(self, path: PathType) -> None:
@@ -313,3 +321,17 @@ class DeltaCheckpointIO(CheckpointIO):
             self.store.close()
             self.store.forget()
             trim_heap()  # the chain bases and snapshot buffers just freed go back to the OS
+
+
+def _tracked_checkpoints(checkpoint: dict[str, Any]) -> list[str]:
+    """The checkpoint paths that ``checkpoint``'s ``ModelCheckpoint`` states track inside their own ``dirpath``:
+    those Lightning may replace or remove after restoring one of them."""
+    callbacks = checkpoint.get("callbacks")
+    out = []
+    for state in compat.model_checkpoint_states(callbacks if isinstance(callbacks, dict) else {}):
+        dirpath = state.get("dirpath")
+        if not isinstance(dirpath, str) or not dirpath:
+            continue
+        home = split_path(posixpath.join(dirpath, "x"))[0]
+        out += [t for t in compat.model_checkpoint_tracked(state) if split_path(t)[0] == home]
+    return out

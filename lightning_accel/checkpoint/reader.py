@@ -29,11 +29,10 @@ from lightning_accel._utils.errors import one_line
 from lightning_accel._utils.fs import FileStore
 from lightning_accel._utils.paths import safe_join
 from lightning_accel.checkpoint.manifest import CheckpointCorruptError, NotADeltaCheckpointError, is_manifest_bytes
-from lightning_accel.checkpoint.store import DeltaStore
+from lightning_accel.checkpoint.store import TORCH_ZIP_MAGIC, DeltaStore
 
 __all__ = ["read_checkpoint", "read_checkpoint_with", "resolve_last"]
 
-_ZIP_MAGIC = b"PK\x03\x04"
 # Legacy (pre-zip) `torch.save` files begin with a pickle of protocol >= 2 (opcode PROTO = 0x80).
 _PICKLE_PROTO = b"\x80"
 
@@ -76,10 +75,10 @@ def read_checkpoint_with(
     except NotADeltaCheckpointError:
         if store.fs.isdir(p):
             raise
-        head = store.fs.head(p, len(_ZIP_MAGIC))
+        head = store.fs.head(p, len(TORCH_ZIP_MAGIC))
     except IsADirectoryError as e:  # a remote "directory" seen through a file operation
         raise NotADeltaCheckpointError(f"Checkpoint path {p!r} is a directory, not a checkpoint file.") from e
-    if not (head.startswith(_ZIP_MAGIC) or head.startswith(_PICKLE_PROTO)):
+    if not (head.startswith(TORCH_ZIP_MAGIC) or head.startswith(_PICKLE_PROTO)):
         raise NotADeltaCheckpointError(
             f"Checkpoint {p!r} is neither a delta checkpoint manifest nor a `torch.save` file (it starts with "
             f"{head!r}). Pass a file written by `DeltaCheckpointIO`, `Trainer.save_checkpoint` or `torch.save`."

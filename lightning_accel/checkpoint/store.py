@@ -173,7 +173,18 @@ class _DirState:
     live: dict[str, dict[str, tuple[tuple[str, ...], tuple[int, ...]]]] = field(default_factory=dict)
 
 
-def _split_path(path: str | os.PathLike[str]) -> tuple[str, str]:
+#: How a file in ``torch.save``'s format (a zip archive, since torch 1.6) begins.
+TORCH_ZIP_MAGIC = b"PK\x03\x04"
+
+
+def _is_torch_zip(head: bytes) -> bool:
+    """Whether a file starting with ``head`` is in ``torch.save``'s (zip) format."""
+    return head.startswith(TORCH_ZIP_MAGIC)
+
+
+def split_path(path: str | os.PathLike[str]) -> tuple[str, str]:
+    """``(directory, path)`` of a checkpoint path as the store names them (local: absolute, without ``file://``;
+    URLs: without a trailing slash)."""
     s = os.fspath(path)
     if is_local_url(s):
         s = os.path.abspath(strip_file_scheme(s))
@@ -183,9 +194,9 @@ def _split_path(path: str | os.PathLike[str]) -> tuple[str, str]:
 
 
 def _read_path(path: str | os.PathLike[str]) -> tuple[str, str]:
-    """``(blob directory, manifest path)`` for reading: as :func:`_split_path`, but a local symlink's blobs are found
+    """``(blob directory, manifest path)`` for reading: as :func:`split_path`, but a local symlink's blobs are found
     beside the manifest it points at (a ``best.ckpt`` linked from another directory), not beside the link."""
-    directory, p = _split_path(path)
+    directory, p = split_path(path)
     if is_local_url(p):
         directory = os.path.dirname(os.path.realpath(p))
     return directory, p
@@ -257,6 +268,8 @@ class DeltaStore:
         # Per directory: blob keys of manifests this process replaced or removed since its last collection (they were
         # referenced until then, whatever the pending-deletions record says).
         self._released: PerProcess[dict[str, set[str]]] = PerProcess(dict)
+        # Plain `torch.save` checkpoints that a resumed run's checkpoint callbacks track (see `adopt`).
+        self._adopted: PerProcess[set[str]] = PerProcess(set)
 
     # The options, readable on the store as before they were grouped (``store.quantize``, ``store.lock``).
     quantize = property(lambda self: self.options.quantize)
@@ -322,6 +335,36 @@ class DeltaStore:
             raise CheckpointCorruptError(f"invalid blob key {key!r} in a manifest")
         return safe_join(safe_join(directory, BLOB_DIR), f"{key[:2]}/{key}")
 
+    def adopt(self, paths: Iterable[str | os.PathLike[str]]) -> list[str]:
+        """Let :meth:`save` replace and :meth:`remove` delete the plain ``torch.save`` checkpoints at ``paths``,
+        which are otherwise refused as files this store did not write.
+
+        For a run that switched to this plugin and resumed from ``TorchCheckpointIO`` checkpoints: the restored
+        ``ModelCheckpoint`` state tracks them, and Lightning rotates them out of its top-k and replaces ``last.ckpt``
+        as it would with ``TorchCheckpointIO``. Only regular files in ``torch.save``'s zip format are adopted (a
+        folder, a link or any other file stays refused), and only in this process.
+
+        Returns:
+            The paths adopted.
+        """
+        adopted = []
+        for path in paths:
+            _, p = split_path(path)
+            if is_local_url(p) and os.path.islink(p):
+                continue
+            try:
+                if self.fs.isdir(p) or not _is_torch_zip(self.fs.head(p, 4)):
+                    continue
+            except OSError:  # gone, or unreadable: nothing to adopt
+                continue
+            self._adopted.get().add(p)
+            adopted.append(p)
+        return adopted
+
+    def _adopted_file(self, path: str, head: bytes) -> bool:
+        """Whether ``path`` is an adopted plain checkpoint (see :meth:`adopt`) that still holds one (``head``)."""
+        return path in self._adopted.get() and _is_torch_zip(head)
+
     def _check_target(self, path: str) -> bool:
         """True when ``path`` already holds a manifest (to be replaced); raise if it holds anything else."""
         if not self.fs.exists(path):
@@ -338,12 +381,15 @@ class DeltaStore:
         if truncated_manifest_head(head) or (not is_manifest_bytes(head) and damaged_manifest_head(head)):
             return False  # a manifest of this plugin cut short or damaged: nothing to keep, replaced like a new path
         if not is_manifest_bytes(head):
+            if self._adopted_file(path, head):
+                self._adopted.get().discard(path)
+                return False  # replaced like a new path, as TorchCheckpointIO would overwrite it
             raise NotADeltaCheckpointError(
                 f"Checkpoint path {path!r} already holds a file that is not a delta checkpoint manifest (e.g. a "
                 "`torch.save` checkpoint); refusing to overwrite it. Move it away or save to another directory."
             )
         if self.gc_grace_s > 0:  # without a grace period nothing waits: no need to read what it referenced
-            self._release(_split_path(path)[0], path)
+            self._release(split_path(path)[0], path)
         return True
 
     def _release(self, directory: str, path: str) -> None:
@@ -396,7 +442,7 @@ class DeltaStore:
         if not isinstance(checkpoint, dict):
             raise TypeError(f"`checkpoint` must be a dict, got {type(checkpoint).__name__}.")
         t0 = time.perf_counter()
-        directory, path = _split_path(path)
+        directory, path = split_path(path)
         opts = self.options
         with self._lock:
             self._writable(directory)
@@ -651,7 +697,7 @@ class DeltaStore:
         return self._read_manifest(path)[1]
 
     def _read_manifest(self, path: str | os.PathLike[str]) -> tuple[dict[str, Any], Manifest, bytes]:
-        _, p = _split_path(path)
+        _, p = split_path(path)
         # The head first, one read (a manifest is usually all of it): a plain `torch.save` file of gigabytes is not
         # downloaded just to be told apart, and a manifest costs one request on an object store.
         try:
@@ -1011,7 +1057,7 @@ class DeltaStore:
             NotADeltaCheckpointError: ``path`` holds something else (it is left alone).
             CheckpointDirectoryLockedError: another writer holds the directory.
         """
-        directory, p = _split_path(path)
+        directory, p = split_path(path)
         with self._lock:
             if not self._unlink_manifest(directory, p):
                 return 0
@@ -1023,7 +1069,7 @@ class DeltaStore:
         dirs: dict[str, None] = {}
         with self._lock:
             for path in paths:
-                directory, p = _split_path(path)
+                directory, p = split_path(path)
                 if self._unlink_manifest(directory, p):
                     dirs[directory] = None
             return sum(self.collect_garbage(d) for d in dirs)
@@ -1035,9 +1081,18 @@ class DeltaStore:
         local = is_local_url(p)
         link = local and os.path.islink(p)
         # Checked before the writer lock is taken: a refused removal leaves the user's directory as it was.
-        if not link and (self.fs.isdir(p) or not is_manifest_bytes(self.fs.head(p, 128))):
+        head = b"" if link or self.fs.isdir(p) else self.fs.head(p, 128)
+        if not link and not is_manifest_bytes(head):
+            if self._adopted_file(p, head):
+                self._writable(directory)
+                self._adopted.get().discard(p)
+                self.fs.rm(p)  # a plain checkpoint: no blobs of its own
+                if local:
+                    fsync_dir(directory)
+                return True
             raise NotADeltaCheckpointError(
-                f"Refusing to remove {p!r}: it is not a delta checkpoint manifest written by DeltaCheckpointIO."
+                f"Refusing to remove {p!r}: it is not a delta checkpoint manifest written by DeltaCheckpointIO. "
+                "Move it away yourself if it should go."
             )
         self._writable(directory)
         state = self._dirs.get().get(directory)
@@ -1102,7 +1157,7 @@ class DeltaStore:
                 keys.add(skeleton)
                 for chain, _ in chains.values():
                     keys.update(chain)
-                live[_split_path(url)[1]] = chains
+                live[split_path(url)[1]] = chains
             except (FileNotFoundError, IsADirectoryError):  # removed meanwhile / dangling link
                 continue
             except (ValueError, KeyError, TypeError, AttributeError) as e:

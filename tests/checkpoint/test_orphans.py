@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_accel.checkpoint import DeltaCheckpointIO, DeltaModelCheckpoint, resolve_ckpt_path
 from lightning_accel.checkpoint.cli import main as ckpt_main
@@ -182,7 +183,7 @@ def test_a_resumed_run_on_s3_removes_a_killed_runs_checkpoint_and_so_does_gc(
     store.save({"state_dict": {"w": torch.randn(4096)}, "global_step": 9}, f"{dirpath}/step=9.ckpt")
     store.fs.write(f"{dirpath}/notes.txt", b"mine")
     store.close()
-    with pytest.warns(UserWarning, match="Removing 1 checkpoints"):
+    with pytest.warns(UserWarning, match="Removing 1 checkpoint in"):
         cb, _ = fit(6)
     names = sorted(store.fs.list_files(dirpath))
     assert names == ["last.ckpt", "notes.txt", "step=5.ckpt", "step=6.ckpt"], names
@@ -193,3 +194,41 @@ def test_a_resumed_run_on_s3_removes_a_killed_runs_checkpoint_and_so_does_gc(
     assert ckpt_main(["gc", dirpath, "--grace-s", "0", "--storage-options", json.dumps(opts)]) == 0
     assert sorted(store.fs.list_files(dirpath)) == names
     assert store.pending_deletions(dirpath) == {}
+
+
+def test_keep_every_checkpoint_without_a_monitor_survives_a_resume_and_gc(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `save_top_k=-1` with no `monitor`: Lightning's state lists only the newest checkpoint, yet every one is kept.
+    ckpt = tmp_path / "ckpt"
+
+    def fit(max_steps: int, resume: bool) -> DeltaModelCheckpoint:
+        cb = DeltaModelCheckpoint(dirpath=ckpt, filename="{step}", every_n_train_steps=1, save_top_k=-1, save_last=True)
+        io = DeltaCheckpointIO()
+        trainer = ckpt_trainer(tmp_path, [io], [cb], max_steps=max_steps, max_epochs=None, limit_val_batches=0)
+        trainer.fit(CheckpointModel(), tiny_loader(), ckpt_path="last" if resume else None)
+        return cb
+
+    fit(3, resume=False)
+    kept = ["step=1.ckpt", "step=2.ckpt", "step=3.ckpt"]
+    assert sorted(p.name for p in ckpt.glob("step=*.ckpt")) == kept
+    assert ckpt_main(["gc", str(ckpt), "--dry-run"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert listed["untracked"] == [] and "save_top_k=-1" in listed["note"]
+    newer = ckpt / "step=9.ckpt"  # a killed run's save after its last last.ckpt: the resumed run saves it again
+    store = DeltaStore()
+    store.save({"state_dict": {"w": torch.randn(64)}, "global_step": 9}, newer)
+    store.close()
+    cb = fit(5, resume=True)
+    assert [Path(p).name for p in cb.orphans] == ["step=9.ckpt"]
+    assert sorted(p.name for p in ckpt.glob("step=*.ckpt")) == [*kept, "step=4.ckpt", "step=5.ckpt"]
+    # Lightning's own ModelCheckpoint without a monitor records no `save_top_k`: `ckpt gc` cannot tell what it
+    # keeps, so it removes nothing.
+    plain_dir = tmp_path / "plain"
+    cb2 = ModelCheckpoint(dirpath=plain_dir, filename="{step}", every_n_train_steps=1, save_top_k=-1, save_last=True)
+    trainer = ckpt_trainer(tmp_path, [DeltaCheckpointIO()], [cb2], max_steps=2, max_epochs=None, limit_val_batches=0)
+    trainer.fit(CheckpointModel(), tiny_loader())
+    assert ckpt_main(["gc", str(plain_dir)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["removed"] == [] and "no monitor" in out["note"]
+    assert sorted(p.name for p in plain_dir.glob("step=*.ckpt")) == ["step=1.ckpt", "step=2.ckpt"]

@@ -11,6 +11,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
 from lightning_accel import DeltaCheckpointIO
+from lightning_accel.checkpoint.manifest import NotADeltaCheckpointError
 from lightning_accel.checkpoint.store import BLOB_DIR, PENDING_NAME, DeltaStore
 from tests.tiny import CheckpointModel, tiny_loader
 from tests.tiny import ckpt_trainer as trainer
@@ -137,6 +138,45 @@ def test_loads_plain_torch_checkpoint_safely(tmp_path: Path) -> None:
     assert torch.equal(DeltaCheckpointIO().load_checkpoint(p)["state_dict"]["w"], torch.ones(3))
     with pytest.raises(ValueError, match="weights_only=False"):
         DeltaCheckpointIO().load_checkpoint(p, weights_only=False)
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_run_switched_to_the_plugin_rotates_the_plain_checkpoints_it_resumed_from(
+    tmp_path: Path, async_save: bool
+) -> None:
+    # The first run writes plain `torch.save` checkpoints; the second resumes from them with the plugin, in the same
+    # `dirpath`: Lightning rotates the tracked plain files out and replaces `last.ckpt`, as TorchCheckpointIO would.
+    ckpt = tmp_path / "ckpt"
+
+    def fit(max_epochs: int, plugins: list, resume: bool) -> None:  # noqa: ANN001
+        cb = ModelCheckpoint(dirpath=ckpt, save_top_k=2, monitor="step", mode="max", save_last=True)
+        trainer(tmp_path, plugins, [cb], max_epochs=max_epochs, limit_val_batches=0).fit(
+            CheckpointModel(), tiny_loader(), ckpt_path=str(ckpt / "last.ckpt") if resume else None
+        )
+
+    fit(2, [], resume=False)
+    plain = sorted(p.name for p in ckpt.glob("*.ckpt"))
+    assert len(plain) == 3
+    user = ckpt / "epoch=9-step=99.ckpt"  # a user's own torch.save file, named like a checkpoint, never tracked
+    torch.save({"w": torch.ones(2)}, user)
+    (ckpt / "notes.txt").write_text("mine")
+    io = DeltaCheckpointIO(async_save=async_save)
+    fit(4, [io], resume=True)
+    io.teardown()
+    names = sorted(p.name for p in ckpt.glob("*.ckpt"))
+    assert names == ["epoch=2-step=24.ckpt", "epoch=3-step=32.ckpt", "epoch=9-step=99.ckpt", "last.ckpt"], names
+    store = DeltaStore()
+    for name in ("epoch=2-step=24.ckpt", "epoch=3-step=32.ckpt", "last.ckpt"):
+        assert store.verify(ckpt / name)["ok"], name  # delta manifests now
+    assert torch.equal(torch.load(user, weights_only=True)["w"], torch.ones(2))
+    assert (ckpt / "notes.txt").read_text() == "mine"
+    # Only tracked zip files are adopted: a text file is still refused.
+    assert store.adopt([ckpt / "notes.txt", ckpt / "missing.ckpt"]) == []
+    with pytest.raises(NotADeltaCheckpointError, match="Refusing to remove"):
+        store.remove(ckpt / "notes.txt")
+    assert store.adopt([user]) == [str(user)]  # adopted by hand: removed like a manifest
+    store.remove(user)
+    assert not user.exists()
 
 
 def test_async_removal_is_ordered_after_queued_saves(tmp_path: Path) -> None:
