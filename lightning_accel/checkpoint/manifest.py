@@ -80,6 +80,10 @@ __all__ = [
 
 MANIFEST_FORMAT = "lightning-accel/delta-checkpoint"
 MANIFEST_VERSION = 1
+#: Every top-level key a manifest may hold (``redundancy`` and ``checksum`` are absent from older ones).
+_MANIFEST_KEYS = frozenset(
+    {"format", "version", "blob_dir", "created", "skeleton", "lossy", "tensors", "redundancy", "checksum"}
+)
 _MANIFEST_PREFIX = ('{"format":"' + MANIFEST_FORMAT + '"').encode()
 BLOB_DIR = ".delta_blobs"
 #: Suffix of the second copy of a full (base) blob written with ``redundancy=2``.
@@ -318,6 +322,11 @@ class Manifest:
                 raise ValueError(f"unsupported manifest version {raw['version']!r}")
             if not is_blob_key(raw["skeleton"]):
                 raise ValueError(f"bad skeleton key {raw['skeleton']!r}")
+            # A key this format does not write is damage (one flipped bit in "checksum" would otherwise turn a
+            # checked manifest into an unchecked one that reads as written before checksums).
+            unknown = sorted(set(raw) - _MANIFEST_KEYS)
+            if unknown:
+                raise ValueError(f"unknown keys {unknown}")
             checksum = raw.get("checksum", "")
             redundancy = raw.get("redundancy", 1)
             if redundancy not in (1, 2) or isinstance(redundancy, bool):

@@ -104,6 +104,11 @@ def test_a_manifest_in_the_old_format_loads_with_the_same_restore_path(tmp_path:
     summary = DeltaStore().verify(tmp_path / "old.ckpt")
     assert summary["ok"] and summary["manifest_checksum"] is False
     assert DeltaStore().verify(tmp_path / "b.ckpt")["manifest_checksum"] is True
+    # A flipped bit in the key "checksum" does not pass the manifest off as one from before checksums.
+    renamed = (tmp_path / "b.ckpt").read_bytes().replace(b'"checksum"', b'"checksul"')
+    (tmp_path / "renamed.ckpt").write_bytes(renamed)
+    with pytest.raises(CheckpointCorruptError, match=r"unknown keys \['checksul'\]"):
+        DeltaStore().open_manifest(tmp_path / "renamed.ckpt")
 
 
 def test_damaged_entries_and_manifests_name_the_file_and_tensor() -> None:
