@@ -62,8 +62,16 @@ def _per_node(name: str, path: str) -> str:
         ) from e
 
 
-def _local_cache_dir(cache_dir: str) -> str:
-    """``cache_dir`` as an absolute local path (``file://`` accepted); raises for a remote URL or a file."""
+def _local_cache_dir(cache_dir: object) -> str:
+    """``cache_dir`` as an absolute local path (``file://`` accepted); raises for a remote URL or a file, and for
+    anything but a non-empty string (an empty one would put the cache in the working directory)."""
+    if isinstance(cache_dir, os.PathLike):
+        cache_dir = os.fspath(cache_dir)
+    if not isinstance(cache_dir, str) or not cache_dir.strip():
+        raise (ValueError if isinstance(cache_dir, str) else TypeError)(
+            f"`cache_dir` must be a local directory path, got {cache_dir!r} ({type(cache_dir).__name__}). Pass a "
+            "directory, e.g. '.cache/lightning_accel' (the default)."
+        )
     if "://" in cache_dir and not cache_dir.startswith("file://"):
         raise ValueError(
             f"`cache_dir` must be a local directory (LMDB needs a local filesystem), got {cache_dir!r}. "

@@ -42,6 +42,7 @@ Contract:
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import struct
 import threading
@@ -141,6 +142,15 @@ class _Env:
     env: Any
     dbs: dict[str, Any] = field(default_factory=dict)
     psize: int = 4096
+    # With `writemap` (tmpfs), a descriptor of the data file through which each write transaction reserves the pages
+    # it may add (`LmdbTier._reserve`): a write through the map into a full tmpfs is a SIGBUS, not an error.
+    reserve_fd: int | None = None
+
+    def close(self) -> None:
+        self.env.close()
+        if self.reserve_fd is not None:
+            os.close(self.reserve_fd)
+            self.reserve_fd = None
 
 
 # This process's environments by real path, and the lock every tier operation of this process holds for its
@@ -161,7 +171,7 @@ def _close_before_fork() -> None:
     envs = _ENVS.get()
     for e in envs.values():
         with contextlib.suppress(Exception):
-            e.env.close()
+            e.close()
     envs.clear()
 
 
@@ -175,6 +185,10 @@ if hasattr(os, "register_at_fork"):
 
 class BudgetTooSmallError(ValueError):
     """A single entry does not fit in a tier's byte budget."""
+
+
+class _FilesystemFull(OSError):
+    """The filesystem under a tier that writes through its map cannot hold the pages a write needs."""
 
 
 @dataclass
@@ -273,6 +287,7 @@ def _open_env(path: str, key: str, map_size: int, sync: bool) -> _Env:
     if opened is not None:
         return opened
     os.makedirs(path, exist_ok=True)
+    writemap = _on_tmpfs(path)
     env = lmdb.open(
         path,
         map_size=map_size,
@@ -288,7 +303,7 @@ def _open_env(path: str, key: str, map_size: int, sync: bool) -> _Env:
         # commit: one copy of each 150 KB entry fewer (0.147 -> 0.115 ms per put, best of 4 here). On ext4 the map's
         # write faults cost more than the copy (0.118 -> 0.199 ms): there, the plain path. The file never exceeds
         # the map either way, and the map is capped at the budget.
-        writemap=_on_tmpfs(path),
+        writemap=writemap,
         meminit=False,
         max_readers=512,
         max_spare_txns=2,
@@ -297,6 +312,8 @@ def _open_env(path: str, key: str, map_size: int, sync: bool) -> _Env:
         with env.begin(write=True) as txn:
             dbs = {n: env.open_db(n.encode(), txn=txn) for n in ("data", "index", "fifo", "meta")}
         opened = _Env(env, dbs, int(env.stat()["psize"]))
+        if writemap:
+            opened.reserve_fd = os.open(os.path.join(path, "data.mdb"), os.O_RDWR | os.O_CLOEXEC)
     except BaseException:
         env.close()
         raise
@@ -344,6 +361,7 @@ class LmdbTier:
         self.disabled_reason: str | None = "budget is 0" if self.disabled else None
         self._psize = 4096  # LMDB's page size, known once opened (the same in every process)
         self._usable_override: int | None = None
+        self._warned_full = False
 
     # ---- environment ---------------------------------------------------------------------------------------------
     @property
@@ -582,6 +600,13 @@ class LmdbTier:
                 self._env.set_mapsize(0)
             except BudgetTooSmallError:
                 raise
+            except _FilesystemFull as e:
+                # As at the budget: the tier keeps what it holds and admits nothing more (a "fifo" tier still
+                # replaces its oldest entries, whose pages it reuses).
+                self._filesystem_full(e)
+                res.rejected += len(items)
+                res.not_stored.extend(range(len(items)))
+                return res
             except Exception as e:  # ENOSPC, read-only filesystem, ...
                 self._disable(e)
                 return PutResult(rejected=len(items), not_stored=list(range(len(items))))
@@ -608,11 +633,13 @@ class LmdbTier:
         need = sum(self._check_fits(k, len(v), usable) for k, v in items if txn.get(k, db=index) is None)
         if used + need <= usable:
             return 0
+        self._reserve(0, 2 * len(items))  # the B-tree pages the evictions copy
         used, n = self._evict_oldest(txn, used, used + need - usable)
         txn.put(_K_USED, _U64.pack(used), db=meta)
         return n
 
     def _put_txn(self, txn: Any, items: Sequence[tuple[bytes, bytes | bytearray]]) -> PutResult:
+        self._reserve(sum(self.cost(k, len(v)) for k, v in items), len(items))
         data, index, fifo, meta = (self._dbs[n] for n in ("data", "index", "fifo", "meta"))
         res = PutResult()
         raw = txn.get(_K_USED, db=meta)
@@ -640,6 +667,54 @@ class LmdbTier:
         txn.put(_K_USED, _U64.pack(used), db=meta)
         txn.put(_K_SEQ, _U64.pack(seq), db=meta)
         return res
+
+    def _reserve(self, nbytes: int, entries: int) -> None:
+        """Inside a write transaction (LMDB's writer lock, across processes): when this tier writes through its map
+        (tmpfs), allocate the data file's pages past the last one in use for ``nbytes`` of entries plus the B-tree
+        pages ``entries`` writes may copy, so that the filesystem refuses them here, as an error, instead of
+        killing the process with SIGBUS at the write. Pages below the last one in use are allocated already (LMDB
+        reuses them); the reservation past it is what the next transactions fill.
+
+        Raises:
+            _FilesystemFull: the filesystem has no room for them.
+        """
+        opened = self._opened()
+        if opened is None or opened.reserve_fd is None:
+            return
+        info = self._env.info()
+        start = (int(info["last_pgno"]) + 1) * self._psize
+        length = min(nbytes + (4 * entries + 32) * self._psize, int(info["map_size"]) - start)
+        if length <= 0:
+            return
+        try:
+            os.posix_fallocate(opened.reserve_fd, start, length)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise _FilesystemFull(e.errno, f"no room for {length} more bytes in {self.path}") from e
+            if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+                opened.reserve_fd = None  # cannot reserve here: write as before
+                return
+            raise
+
+    def _filesystem_full(self, err: OSError) -> None:
+        """Treat the tier as full at what it holds now (see :meth:`_reserve`), with one warning per process."""
+        used = self.used_bytes()
+        self._usable_override = used
+        if not self._warned_full:
+            self._warned_full = True
+            try:
+                st = os.statvfs(self.path)
+                free = f"{st.f_bavail * st.f_frsize} bytes free"
+            except OSError:
+                free = "free space unknown"
+            warnings.warn(
+                f"lightning_accel cache: the filesystem of the {self.name} tier at {self.path!r} is full ({free}, "
+                f"{err.strerror}) at {used} of its {self.budget_bytes}-byte budget: the tier keeps what it holds and "
+                f"admits nothing more. Give that filesystem more room (for /dev/shm in Docker: `--shm-size`) or "
+                f"lower `{self.name}_bytes`.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
     def _evict_oldest(self, txn: Any, used: int, need: int) -> tuple[int, int]:
         fifo = self._dbs["fifo"]
@@ -674,6 +749,7 @@ class LmdbTier:
         for _ in range(8):
             try:
                 with self._env.begin(write=True) as txn:
+                    self._reserve(0, len(keys))
                     meta = self._dbs["meta"]
                     raw = txn.get(_K_USED, db=meta)
                     used = 0 if raw is None else _U64.unpack(raw)[0]

@@ -11,7 +11,8 @@ from lightning_accel.data import CachedDataModule, CachedDataset
 
 
 def _make(tmp: Path, **kw: Any) -> CachedDataModule:
-    return CachedDataModule(str(tmp), cache_dir=str(tmp / "cache"), **kw)
+    kw.setdefault("cache_dir", str(tmp / "cache"))
+    return CachedDataModule(str(tmp), **kw)
 
 
 @pytest.mark.parametrize(
@@ -112,6 +113,9 @@ def test_a_new_image_size_on_the_same_cache_dir_decodes_again(small_digits: Path
         ({"manifest": 5}, TypeError, r"`manifest` must be a JSONL file under `origin` .* or None, got 5 \(int\)"),
         ({"manifest": " "}, ValueError, r"`manifest` must be a JSONL file under `origin` .* or None, got ' '\."),
         ({"ram_dir": 5}, TypeError, r"`ram_dir` must be a local directory path or None, got 5 \(int\)"),
+        ({"cache_dir": 5}, TypeError, r"`cache_dir` must be a local directory path, got 5 \(int\)\. Pass a dir"),
+        ({"cache_dir": ""}, ValueError, r"`cache_dir` must be a local directory path, got '' \(str\)"),
+        ({"cache_dir": None}, TypeError, r"`cache_dir` must be a local directory path, got None"),
         ({"transform": 5}, TypeError, r"`transform` must be a callable .* or None, got 5 \(int\)"),
         ({"decode": 5}, TypeError, r"`decode` must be a callable `decode\(data: bytes\) -> torch\.Tensor` or None"),
         ({"train_augment": "x"}, TypeError, r"`train_augment` must be a GpuAugment .* or None, got 'x' \(str\)"),

@@ -164,3 +164,52 @@ def test_tier_arguments_are_checked() -> None:
         LmdbTier("/nonexistent/x", True, name="ram")
     with pytest.raises(ValueError, match="`policy` must be 'keep' or 'fifo', got 'lru'"):
         LmdbTier("/nonexistent/x", 1 << 20, policy="lru")
+
+
+_FILL_A_SMALL_TMPFS = """
+import os, sys, warnings
+from lightning_accel.data.tiers import LmdbTier
+warnings.simplefilter("always")
+t = LmdbTier(sys.argv[1], 64 << 20, name="ram", policy=sys.argv[2])
+v = os.urandom(150_000)
+stored = 0
+with warnings.catch_warnings(record=True) as seen:
+    for b in range(60):  # 72 MB of entries against an 8 MB filesystem
+        stored += t.put_many([(f"k{b}-{i}".encode(), v) for i in range(8)]).stored
+assert 0 < stored < 60 and len(t) == stored or sys.argv[2] == "fifo", (stored, len(t))
+assert not t.disabled
+keys, n = t.scan_keys(b"k", limit=1000), len(t)
+with t.reader() as get:
+    assert sum(bytes(get(k)) == v for k in keys) == n
+full = [w for w in seen if "is full" in str(w.message)]
+assert len(full) == 1 and "`ram_bytes`" in str(full[0].message), [str(w.message) for w in seen]
+print("ok", stored, len(t))
+"""
+
+
+@pytest.mark.parametrize("policy", ["keep", "fifo"])
+def test_a_tier_on_a_full_tmpfs_stops_admitting_instead_of_crashing(tmp_path: Path, policy: str) -> None:
+    # A RAM tier writes through its map on tmpfs, where a write into a full filesystem is a SIGBUS: its budget above
+    # the filesystem's room must end in one warning and a full tier, the process alive. Run in a child process so
+    # that a crash is seen as one.
+    import subprocess
+    import sys
+
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    d = tmp_path / "shm"
+    d.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(d)], capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip() or r.returncode}")
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", _FILL_A_SMALL_TMPFS, str(d / "ram"), policy],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        subprocess.run(["umount", "-l", str(d)], check=False)
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
+    assert out.stdout.startswith("ok")
