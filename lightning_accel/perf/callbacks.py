@@ -377,12 +377,17 @@ class PerformanceMonitor(Callback):
                 "no report. Run more steps or lower `skip_steps`."
             )
             return
+        ios = _checkpoint_io_layers(trainer.strategy.checkpoint_io)
         context: dict[str, Any] = {
             "precision": str(trainer.precision),
             "num_workers": _num_workers(trainer),
             # class names with their bases': a subclass of FusedPrecision or OneBitDDPStrategy counts as one
             "precision_plugin": [c.__name__ for c in type(trainer.precision_plugin).__mro__],
             "strategy": [c.__name__ for c in type(trainer.strategy).__mro__],
+            # the same for the checkpoint IO and every IO it wraps; and whether one already writes in the background
+            # without being an AsyncCheckpointIO (`DeltaCheckpointIO(async_save=True)`)
+            "checkpoint_io": [c.__name__ for io in ios for c in type(io).__mro__],
+            "checkpoint_async": any(getattr(io, "async_save", False) is True for io in ios),
         }
         extras: dict[str, Any] = {"world_size": trainer.world_size, "device": str(trainer.strategy.root_device)}
         if self._ddp_prev is not None:
@@ -450,7 +455,8 @@ class PerformanceMonitor(Callback):
 
     @staticmethod
     def _reduce(trainer: pl.Trainer, totals: TimerTotals) -> TimerTotals:
-        """Mean seconds over ranks (one small all-reduce at the end of fit); steps/samples/tokens summed for rates."""
+        """Mean seconds over ranks (one small all-reduce at the end of fit); steps per rank; samples/tokens summed over
+        ranks and counted once per batch (:func:`_ranks_per_batch`), for the job's rates."""
         if trainer.world_size <= 1:
             return totals
         vals = [totals.seconds[c] for c in CATEGORIES] + [totals.steps, totals.samples, totals.tokens]
@@ -460,14 +466,17 @@ class PerformanceMonitor(Callback):
         out = TimerTotals()
         for i, c in enumerate(CATEGORIES):
             out.seconds[c] = float(t[i]) / ws
-        # per-device rates: average steps per rank, samples summed over ranks over the (mean) wall time = global rate
+        # per-device rates: average steps per rank, samples summed over ranks over the (mean) wall time = global rate;
+        # the ranks of a tensor-parallel group or a pipeline all saw their group's batch: count it once
+        share = _ranks_per_batch(trainer)
         out.steps = int(round(float(t[len(CATEGORIES)]) / ws))
-        out.samples = int(t[len(CATEGORIES) + 1])
-        out.tokens = int(t[len(CATEGORIES) + 2])
+        out.samples = int(round(float(t[len(CATEGORIES) + 1]) / share))
+        out.tokens = int(round(float(t[len(CATEGORIES) + 2]) / share))
         return out
 
     def _reduce_epochs(self, trainer: pl.Trainer) -> list[dict[str, float]]:
-        """Per-epoch seconds averaged over ranks, samples summed (one all-reduce, every rank has the same epochs)."""
+        """Per-epoch seconds averaged over ranks, samples summed and counted once per batch, as :meth:`_reduce` does
+        (one all-reduce, every rank has the same epochs)."""
         rows = [[e.seconds[c] for c in CATEGORIES] + [e.steps, e.samples] for e in self._epochs]
         if not rows:
             return []
@@ -475,8 +484,9 @@ class PerformanceMonitor(Callback):
             t = torch.tensor(rows, dtype=torch.float64, device=trainer.strategy.root_device)
             t = trainer.strategy.reduce(t, reduce_op="sum")
             rows = (t.cpu() / trainer.world_size).tolist()
+            share = _ranks_per_batch(trainer)
             for r in rows:
-                r[-1] *= trainer.world_size  # samples: the sum over ranks
+                r[-1] *= trainer.world_size / share  # samples: the sum over ranks, each group's batch once
         out: list[dict[str, float]] = []
         for epoch, r in zip(self._epoch_numbers, rows, strict=True):
             d: dict[str, float] = {"epoch": float(epoch)}
@@ -536,6 +546,41 @@ def _table_peak(trainer: pl.Trainer) -> float | None:
         return get_available_flops(device, precision_dtype(str(trainer.precision)))
     except Exception:
         return None
+
+
+def _ranks_per_batch(trainer: pl.Trainer) -> int:
+    """How many ranks train on each batch together: the ranks of one tensor-parallel group or one pipeline.
+
+    They all see their group's batch in the hooks (the same one read by each, or the one gathered from their parts
+    with ``batch_split="world"``), so the samples summed over ranks count it that many times. Read from the device
+    mesh of Lightning's ``ModelParallelStrategy`` (``ShardedStrategy`` too): the ranks outside its ``"data_parallel"``
+    dimension; from ``pipeline_size`` for ``PipelineStrategy`` (None: the whole world). 1 for DDP, FSDP, DeepSpeed
+    and single-device strategies.
+    """
+    world = max(1, trainer.world_size)
+    strategy = trainer.strategy
+    share = 1
+    try:
+        mesh = getattr(strategy, "device_mesh", None)  # ModelParallelStrategy raises before the processes start
+    except RuntimeError:
+        mesh = None
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    if mesh is not None and "data_parallel" in names:
+        share = int(mesh.size()) // max(1, int(mesh["data_parallel"].size()))
+    elif hasattr(strategy, "pipeline_size"):
+        share = int(strategy.pipeline_size or world)
+    # a group size that does not divide the world is not one this rule knows: count every rank
+    return share if 1 <= share <= world and world % share == 0 else 1
+
+
+def _checkpoint_io_layers(io: Any) -> list[Any]:
+    """``io`` and every checkpoint IO it wraps (``AsyncCheckpointIO(x)`` wraps ``x`` as its ``checkpoint_io``),
+    outermost first."""
+    layers: list[Any] = []
+    while io is not None and not any(io is seen for seen in layers):
+        layers.append(io)
+        io = getattr(io, "checkpoint_io", None)
+    return layers
 
 
 def _log_dir(trainer: pl.Trainer) -> str | None:

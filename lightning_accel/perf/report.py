@@ -30,8 +30,10 @@ def verdict_text(dominant: str, shares: Mapping[str, float], context: Mapping[st
         dominant: the category with the largest share.
         shares: category -> fraction of step time.
         context: optional facts that sharpen the advice: ``num_workers``, ``mfu``, ``precision``, ``world_size``,
-            ``precision_plugin`` and ``strategy`` (their class names with their bases': the advice leaves out what
-            is already on).
+            ``precision_plugin``, ``strategy`` and ``checkpoint_io`` (their class names with their bases', the
+            checkpoint IO's with those of the IOs it wraps: the advice leaves out what is already on), and
+            ``checkpoint_async`` (the checkpoint IO already writes in the background without being an
+            ``AsyncCheckpointIO``, e.g. ``DeltaCheckpointIO(async_save=True)``).
     """
     p = _pct(shares.get(dominant, 0.0))
     workers = context.get("num_workers")
@@ -67,6 +69,24 @@ def verdict_text(dominant: str, shares: Mapping[str, float], context: Mapping[st
             "allreduce), accumulate gradients over more batches, or a faster interconnect."
         )
     if dominant == "checkpoint":
+        io = context.get("checkpoint_io", ())
+        delta = "DeltaCheckpointIO" in io
+        background = "AsyncCheckpointIO" in io or bool(context.get("checkpoint_async"))
+        if delta and background:
+            return (
+                f"{p} of step time stalls in checkpoint saves, already written as deltas in the background: save "
+                "less often (every_n_train_steps); what is left is gathering the state and copying its tensors."
+            )
+        if delta:
+            return (
+                f"{p} of step time stalls in checkpoint saves, already written as deltas: save less often "
+                "(every_n_train_steps), or write in the background (DeltaCheckpointIO(async_save=True))."
+            )
+        if background:
+            return (
+                f"{p} of step time stalls in checkpoint saves, already written in the background: save less often "
+                "(every_n_train_steps), or DeltaCheckpointIO to write less."
+            )
         return (
             f"{p} of step time stalls in checkpoint saves: save less often (every_n_train_steps), use "
             "AsyncCheckpointIO, or DeltaCheckpointIO to write less."

@@ -7,17 +7,19 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_accel._utils.checks import check_choice, check_int, renamed_argument
+from lightning_accel._utils.checks import check_bool, check_choice, check_int, renamed_argument
 from lightning_accel._utils.errors import one_line
 from lightning_accel._utils.patching import Patch, patch
 from lightning_accel.recipes.channel_groups import check_module_names
@@ -76,6 +78,20 @@ def bind_to_fit(sched: WarmupCosineLR, trainer: Trainer, total_steps: int | floa
         )
 
 
+def _data_parallel_replicas(trainer: Trainer) -> int:
+    """How many different batches ``trainer``'s ranks read per step: the sampler's ``num_replicas``.
+
+    Not the process count: the ranks of one tensor-parallel group or pipeline read the same batch by default
+    (``ShardedStrategy(tensor_parallel_size=N)``, ``PipelineStrategy``, Lightning's ``ModelParallelStrategy``), so
+    they are one replica. Strategies without a distributed sampler (a single device) have one; a parallel strategy that
+    does not say uses the world size.
+    """
+    kwargs = trainer.distributed_sampler_kwargs
+    if kwargs and "num_replicas" in kwargs:
+        return max(1, int(kwargs["num_replicas"]))
+    return max(1, trainer.world_size)
+
+
 def _loader_batch_size(obj: Any) -> int | None:
     if isinstance(obj, DataLoader):
         if obj.batch_size is not None:
@@ -95,9 +111,14 @@ def _loader_batch_size(obj: Any) -> int | None:
 class LinearScalingLR(Callback):
     """Scale every optimizer's learning rate by ``global_batch / base_batch_size`` once, at the start of training.
 
-    ``global_batch = per-device batch x devices x nodes x accumulate_grad_batches``. The per-device batch is read
-    from the training DataLoader (``batch_size``) unless ``batch_size`` is given. Schedulers created in
-    ``configure_optimizers`` are scaled along (their base rates), so warm-up and cosine follow the scaled peak.
+    ``global_batch = per-device batch x data-parallel replicas x accumulate_grad_batches``. The per-device batch is
+    read from the training DataLoader (``batch_size``) unless ``batch_size`` is given. The replicas are the ranks the
+    strategy's sampler splits the data over (``num_replicas`` of ``trainer.distributed_sampler_kwargs``; 1 on a
+    single device): every process under DDP and FSDP, but one per tensor-parallel group or pipeline when the ranks of
+    a group read the same batch (``ShardedStrategy`` / ``PipelineStrategy`` with the default
+    ``batch_split="data_parallel"``). Schedulers created in ``configure_optimizers`` are scaled along (see
+    :func:`~lightning_accel.recipes.lr.apply_lr_scale`: base rates, ``OneCycleLR``'s and ``CyclicLR``'s peaks), so
+    warm-up and cosine follow the scaled peak; a ``SequentialLR`` is refused (its schedulers keep their own base rates).
 
     Idempotent across resume: the factor applied is stored in each param group (saved with the optimizer state) and in
     this callback's ``state_dict``; resuming with the same setup changes nothing, resuming with a different global
@@ -111,7 +132,8 @@ class LinearScalingLR(Callback):
 
     Raises:
         TypeError: a ``base_batch_size``/``batch_size`` that is not an integer.
-        ValueError: a non-positive ``base_batch_size``/``batch_size``, or a per-device batch size that cannot be found.
+        ValueError: a non-positive ``base_batch_size``/``batch_size``; at the start of training, a per-device batch size
+            that cannot be found, or a ``SequentialLR`` to scale.
     """
 
     def __init__(self, base_batch_size: int, batch_size: int | None = None) -> None:
@@ -124,14 +146,14 @@ class LinearScalingLR(Callback):
         self._restored_factor: float | None = None
 
     def global_batch(self, trainer: Trainer) -> int:
-        """``per-device batch x devices x nodes x accumulate_grad_batches`` for ``trainer``'s current fit."""
+        """``per-device batch x data-parallel replicas x accumulate_grad_batches`` for ``trainer``'s current fit."""
         per_device = self.batch_size if self.batch_size is not None else _loader_batch_size(trainer.train_dataloader)
         if per_device is None:
             raise ValueError(
                 "LinearScalingLR could not read the per-device batch size from the train DataLoader "
                 f"({type(trainer.train_dataloader).__name__}). Pass `batch_size=` to LinearScalingLR."
             )
-        return int(per_device) * trainer.num_devices * trainer.num_nodes * trainer.accumulate_grad_batches
+        return int(per_device) * _data_parallel_replicas(trainer) * trainer.accumulate_grad_batches
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -207,6 +229,17 @@ class PerStepLR(Callback):
             rank_zero_warn("PerStepLR found no WarmupCosineLR scheduler in this fit; it changed nothing.")
 
 
+def _input_dtype(precision: Precision) -> torch.dtype | None:
+    """The dtype ``precision`` converts floating-point inputs to (``"bf16-true"``: bfloat16, ``"64-true"``: float64),
+    or None when it leaves float32 alone (``"32-true"``, the ``*-mixed`` modes). Lightning's plugins convert the model
+    to the dtype they convert its inputs to."""
+    probe = torch.zeros((), dtype=torch.float32)
+    out = precision.convert_input(probe)
+    if isinstance(out, torch.Tensor) and out.dtype != probe.dtype:
+        return out.dtype
+    return None
+
+
 class KnowledgeDistillation(Callback):
     """Add ``alpha * T^2 * KL(teacher || student)`` to the student's loss and weight the hard loss by ``1 - alpha``.
 
@@ -227,17 +260,24 @@ class KnowledgeDistillation(Callback):
     moved to the module's device at fit start. Under DDP each rank runs its own teacher copy on its own shard of the
     batch.
 
+    **Precision.** At fit start the teacher is converted, in place, to the dtype the Trainer's precision gives the
+    student's inputs (``"bf16-true"``: bfloat16, ``"16-true"``: float16, ``"64-true"``: float64; the ``*-mixed``
+    modes and ``"32-true"`` leave it as it is), and its inputs are converted like the batch. Its forward runs inside
+    the student's ``training_step``, so under the precision's context too (autocast for ``*-mixed``).
+
     Args:
         teacher: the teacher network (any ``nn.Module`` mapping the student's inputs to logits of the same shape), or
             the path of a checkpoint of it, plain or ``DeltaCheckpointIO`` (then ``teacher_class`` is required; read
             with :func:`~lightning_accel.checkpoint.read_checkpoint`, which never unpickles arbitrary objects).
-        temperature: softening temperature ``T > 0``.
+        temperature: softening temperature ``T > 0``, finite.
         alpha: weight of the distillation term in [0, 1].
-        teacher_class: the teacher's class (or import path) when ``teacher`` is a checkpoint path.
+        teacher_class: the teacher's class (or import path) when ``teacher`` is a checkpoint path; with a module as
+            ``teacher`` it is unused, and a warning says so.
 
     Raises:
-        ValueError: ``temperature <= 0``, ``alpha`` outside [0, 1], a teacher that is a submodule of the student, or
-            (at the first step) teacher logits whose shape differs from the student's -- each naming the argument.
+        ValueError: ``temperature`` not finite and > 0, ``alpha`` outside [0, 1], a teacher that is a submodule of the
+            student, or (at the first step) teacher logits whose shape differs from the student's -- each naming the
+            argument.
     """
 
     def __init__(
@@ -250,10 +290,18 @@ class KnowledgeDistillation(Callback):
         check_distillation_args(temperature, alpha)
         if isinstance(teacher, (str, os.PathLike)):
             teacher = load_teacher(teacher, teacher_class)
+        elif teacher_class is not None:
+            warnings.warn(
+                f"`teacher_class` ({teacher_class!r}) is used only when `teacher` is a checkpoint path; `teacher` is "
+                f"a module ({type(teacher).__name__}), so it is ignored. Drop `teacher_class`.",
+                UserWarning,
+                stacklevel=2,
+            )
         self.teacher = freeze_teacher(teacher)
         self.temperature = float(temperature)
         self.alpha = float(alpha)
         self._module: LightningModule | None = None
+        self._precision: Precision | None = None
         self._hook: Any = None
         self._patch: Patch | None = None
         self._capturing = False
@@ -267,6 +315,12 @@ class KnowledgeDistillation(Callback):
                 "wrapped by DDP. Keep the teacher out of the module (pass it only to KnowledgeDistillation)."
             )
         self.teacher.to(pl_module.device)
+        self._precision = trainer.precision_plugin
+        dtype = _input_dtype(self._precision)
+        if dtype is not None:
+            # not `convert_module`: a plugin may keep state about the one model it converts (FusedPrecision records
+            # it to undo its surgery), and a frozen teacher needs only the dtype its inputs arrive in
+            self.teacher.to(dtype=dtype)
         freeze_teacher(self.teacher)
         self._install(pl_module)
 
@@ -332,6 +386,7 @@ class KnowledgeDistillation(Callback):
             self._patch.restore()
             self._patch = None
         self._module = None
+        self._precision = None
 
     def _student_logits(self, out: Any) -> torch.Tensor:
         if isinstance(out, Mapping) and "logits" in out:
@@ -362,6 +417,10 @@ class KnowledgeDistillation(Callback):
         hard = out["loss"] if isinstance(out, Mapping) else out
         student = self._student_logits(out)
         t_args, t_kwargs = self._teacher_inputs(pl_module, batch)
+        if self._precision is not None:
+            # inputs made by `distillation_inputs` may not have been through the precision's conversion of the batch
+            t_args, t_kwargs = self._precision.convert_input((t_args, t_kwargs))
+        # inside the student's `training_step`, so under the precision's forward context (autocast, default dtype)
         with torch.no_grad():
             teacher = self.teacher(*t_args, **t_kwargs)
         if not isinstance(teacher, torch.Tensor):
@@ -426,7 +485,9 @@ class StructuredPruning(Callback):
             leaves frozen norms frozen (they still get the recalibrated statistics).
 
     Raises:
-        TypeError: an ``amount``, ``norm``, ``schedule`` entry or ``round_to`` of the wrong type (a bool for an epoch).
+        TypeError: an ``amount``, ``norm``, ``schedule`` entry, ``target``, ``ignore_modules`` entry, ``round_to``,
+            ``fold_bn``, ``recalibrate_bn`` or ``train_mode`` of the wrong type (a bool for an epoch, an int for a
+            flag).
         ValueError: ``amount`` outside [0, 1), a bad ``norm``, negative or duplicate epochs in ``schedule``; at
             ``setup``, an ``ignore_modules`` name that is not a module of the pruned module.
     """
@@ -456,9 +517,15 @@ class StructuredPruning(Callback):
         if len(set(epochs)) != len(epochs):
             raise ValueError(f"`schedule` has repeated epochs: {schedule!r}. List each epoch once.")
         check_int("round_to", round_to, low=1)
-        self.fold_bn = bool(fold_bn)
-        self.recalibrate_bn = bool(recalibrate_bn)
-        self.train_mode = bool(train_mode)
+        if target is not None and not isinstance(target, str):
+            raise TypeError(
+                f"`target` must be the dotted name of a submodule (a string) or None, got {target!r} "
+                f"({type(target).__name__}). E.g. 'model', or None to prune the whole module."
+            )
+        # a YAML `recalibrate_bn: "false"` must not read as True
+        self.fold_bn = check_bool("fold_bn", fold_bn)
+        self.recalibrate_bn = check_bool("recalibrate_bn", recalibrate_bn)
+        self.train_mode = check_bool("train_mode", train_mode)
         self.norm = norm
         self.schedule = sorted(epochs)
         self.step_amounts = dict(zip(self.schedule, schedule_amounts(self.amount, len(self.schedule)), strict=True))

@@ -223,11 +223,16 @@ def check_module_names(
         model: the module the names are relative to (None: not checked against a model yet).
 
     Raises:
-        TypeError: an entry that is not a string.
+        TypeError: ``names`` neither a string nor an iterable, or an entry that is not a string.
         ValueError: (with ``model``) names that are not modules of ``model``, all of them in one line.
     """
     if names is None:
         return None
+    if not isinstance(names, (str, Iterable)):
+        raise TypeError(
+            f"`{arg}` must be a module name or a list of them (strings), got {names!r} ({type(names).__name__}). "
+            "Pass names from `named_modules()`, e.g. ['fc1']."
+        )
     out = (names,) if isinstance(names, str) else tuple(names)
     bad_type = [n for n in out if not isinstance(n, str)]
     if bad_type:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import math
 import os
 
 import torch
@@ -44,13 +45,22 @@ __all__ = [
 
 
 def check_distillation_args(temperature: float, alpha: float) -> None:
-    """Validate ``temperature > 0`` and ``alpha`` in [0, 1] (through ``_utils.checks.check_number``).
+    """Validate ``temperature`` finite and > 0 and ``alpha`` in [0, 1] (through ``_utils.checks.check_number``).
 
     Raises:
         TypeError: an argument that is not a number (a bool or a string neither), naming it.
         ValueError: naming the argument, with the value and the fix.
     """
-    check_number("temperature", temperature, low=0, low_open=True, fix="Typical values are 1-8 (4 is a good start).")
+    # an infinite temperature flattens both distributions to uniform: the soft loss is NaN (inf^2 x 0), not a signal
+    check_number(
+        "temperature",
+        temperature,
+        low=0,
+        high=math.inf,
+        low_open=True,
+        high_open=True,
+        fix="Typical values are 1-8 (4 is a good start).",
+    )
     check_number(
         "alpha",
         alpha,
@@ -69,7 +79,7 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
     Args:
         student_logits: the student's raw scores, last dim = classes.
         teacher_logits: the teacher's raw scores, same shape.
-        temperature: softening temperature ``T > 0``.
+        temperature: softening temperature ``T > 0``, finite.
     """
     check_distillation_args(temperature, 0.0)
     check_logits_match(student_logits, teacher_logits)

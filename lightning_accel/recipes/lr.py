@@ -19,11 +19,11 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Iterable
-from typing import overload
+from typing import Any, overload
 
 import torch
 from torch.optim import Optimizer
-from torch.optim.lr_scheduler import LRScheduler
+from torch.optim.lr_scheduler import CyclicLR, LRScheduler, SequentialLR
 
 from lightning_accel._utils import compat
 from lightning_accel._utils.checks import check_int, check_number
@@ -51,16 +51,31 @@ def linear_scaling_factor(global_batch_size: int, base_batch_size: int) -> float
     return global_batch_size / base_batch_size
 
 
+#: Per-group keys holding learning rates a scheduler computes from: torch's ``LRScheduler`` writes ``initial_lr``;
+#: ``OneCycleLR`` writes ``max_lr`` and ``min_lr`` and anneals between the three, so all of them scale with ``lr``.
+_GROUP_LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")
+
+
+def _scaled(value: Any, rel: float) -> Any:
+    """``value * rel`` as a new object: a tensor rate may be the caller's own tensor (torch optimizers keep the one
+    passed as ``lr=``, shared by every group that inherits it), so multiplying it in place would change the caller's
+    value and scale a shared tensor once per group."""
+    return value * rel
+
+
 def apply_lr_scale(
     optimizer: Optimizer, factor: float, schedulers: Iterable[LRScheduler] = (), *, fallback_applied: float = 1.0
 ) -> float:
     """Scale ``optimizer``'s learning rates so that the total applied factor becomes ``factor``.
 
     For each param group the factor already applied is read from ``group[APPLIED_KEY]`` (``fallback_applied`` when
-    the key is absent), and ``lr`` (and ``initial_lr``, which schedulers read) is multiplied by
-    ``factor / applied``. Schedulers attached to this optimizer get their ``base_lrs`` and last values scaled the same
-    way, so a schedule built before the scaling (Lightning builds it in ``configure_optimizers``) follows the scaled
-    rates. Calling it twice with the same factor changes nothing.
+    the key is absent), and ``lr`` -- with the rates schedulers keep in the group: ``initial_lr``, and
+    ``OneCycleLR``'s ``max_lr`` / ``min_lr`` -- is multiplied by ``factor / applied``. Schedulers attached to this
+    optimizer get their ``base_lrs`` (and ``CyclicLR`` its ``max_lrs``) and last values scaled the same way, so a
+    schedule built before the scaling (Lightning builds it in ``configure_optimizers``) follows the scaled rates:
+    a warm-up reaches the scaled peak. Absolute floors (``min_lr`` of :class:`WarmupCosineLR`, ``eta_min`` of
+    ``CosineAnnealingLR``) are not scaled. Tensor rates are replaced by new tensors, never multiplied in place.
+    Calling it twice with the same factor changes nothing.
 
     Args:
         optimizer: the optimizer to scale in place.
@@ -74,28 +89,37 @@ def apply_lr_scale(
 
     Raises:
         TypeError: ``factor`` not a number.
-        ValueError: ``factor`` not positive and finite.
+        ValueError: ``factor`` not positive and finite; or, when the rates change, a ``SequentialLR`` attached to
+            ``optimizer``: its schedulers restart from their own (unscaled) base rates at each milestone, which this
+            function cannot reach -- nothing is changed then.
     """
     check_number("factor", factor, low=0, high=math.inf, low_open=True, high_open=True)
-    rel_by_group: list[float] = []
-    for group in optimizer.param_groups:
-        applied = float(group.get(APPLIED_KEY, fallback_applied))
-        rel = factor / applied
-        rel_by_group.append(rel)
+    rel_by_group = [factor / float(group.get(APPLIED_KEY, fallback_applied)) for group in optimizer.param_groups]
+    attached = [s for s in schedulers if getattr(s, "optimizer", None) is optimizer]
+    if any(r != 1.0 for r in rel_by_group):
+        for sched in attached:
+            if isinstance(sched, SequentialLR):
+                raise ValueError(
+                    f"`schedulers` holds a SequentialLR, whose schedulers restart from their own base rates at each "
+                    f"milestone, so the factor x{factor:g} cannot be applied to it. Use one scheduler (e.g. "
+                    "lightning_accel.WarmupCosineLR for a warm-up then cosine), or scale the learning rate yourself "
+                    "and drop the scaling."
+                )
+    for group, rel in zip(optimizer.param_groups, rel_by_group, strict=True):
         if rel != 1.0:
-            for key in ("lr", "initial_lr"):
+            for key in _GROUP_LR_KEYS:
                 if key in group:
-                    v = group[key]
-                    group[key] = v * rel if not isinstance(v, torch.Tensor) else v.mul_(rel)
+                    group[key] = _scaled(group[key], rel)
         group[APPLIED_KEY] = float(factor)
-    for sched in schedulers:
-        if getattr(sched, "optimizer", None) is not optimizer:
-            continue
+    for sched in attached:
         if hasattr(sched, "base_lrs"):
-            sched.base_lrs = [b * r for b, r in zip(sched.base_lrs, rel_by_group, strict=False)]
+            sched.base_lrs = [_scaled(b, r) for b, r in zip(sched.base_lrs, rel_by_group, strict=False)]
+        if isinstance(sched, CyclicLR):
+            # CyclicLR oscillates between `base_lrs` and its own `max_lrs`, read at every step
+            sched.max_lrs = [_scaled(m, r) for m, r in zip(sched.max_lrs, rel_by_group, strict=False)]
         last = compat.scheduler_last_lr(sched)
         if last is not None:
-            compat.set_scheduler_last_lr(sched, [v * r for v, r in zip(last, rel_by_group, strict=False)])
+            compat.set_scheduler_last_lr(sched, [_scaled(v, r) for v, r in zip(last, rel_by_group, strict=False)])
     return rel_by_group[0] if rel_by_group else 1.0
 
 
@@ -122,6 +146,23 @@ def warmup_cosine_value(
     return min_lr + (base - min_lr) * 0.5 * (1.0 + math.cos(math.pi * t))
 
 
+def _check_min_lr(min_lr: float, optimizer: Optimizer) -> None:
+    """Refuse a ``min_lr`` above a group's base rate, before the scheduler touches the optimizer.
+
+    The base rate is what ``LRScheduler.__init__`` takes as ``base_lrs``: the group's ``initial_lr`` (a scheduler
+    built earlier, or a resume, set it), else its ``lr``. A later ``LinearScalingLR`` with a factor below 1 may still
+    bring a base rate under ``min_lr`` (the floor is absolute, not scaled): the class docstring says so.
+    """
+    bases = [float(g.get("initial_lr", g["lr"])) for g in optimizer.param_groups]
+    for i, base in enumerate(bases):
+        if min_lr > base:
+            raise ValueError(
+                f"`min_lr` ({min_lr:g}) must be at most the base learning rate of every param group, got {base:g} for "
+                f"group {i}: the cosine would raise that group's rate instead of decaying it. Pass a `min_lr` <= "
+                f"{min(bases):g} (e.g. the base rate / 100)."
+            )
+
+
 class WarmupCosineLR(LRScheduler):
     """Linear warm-up to each group's base learning rate, then cosine annealing to ``min_lr``; step it per batch.
 
@@ -145,13 +186,15 @@ class WarmupCosineLR(LRScheduler):
         warmup_steps: steps of linear warm-up (mutually exclusive with ``warmup_fraction``).
         warmup_fraction: warm-up as a fraction of ``total_steps`` in [0, 1) (rounded to whole steps, at most
             ``total_steps - 1``: the run keeps at least one step of cosine).
-        min_lr: learning rate at the end of the cosine (absolute, for every group; ``0 <= min_lr``).
+        min_lr: learning rate at the end of the cosine (absolute, for every group; ``0 <= min_lr <=`` each group's base
+            rate). It is not scaled by :func:`apply_lr_scale` / ``LinearScalingLR``: a factor below 1 that brings a
+            base rate under ``min_lr`` makes that group's cosine rise towards it.
         last_epoch: index of the last step taken (``-1`` to start fresh), as in torch schedulers.
 
     Raises:
         TypeError: an argument of the wrong type (a bool for a step count, too), naming it.
-        ValueError: both or a bad warm-up argument, a negative ``min_lr``, or a warm-up that is not shorter than
-            ``total_steps`` -- each naming the argument.
+        ValueError: both or a bad warm-up argument, a negative ``min_lr`` or one above a group's base rate, or a
+            warm-up that is not shorter than ``total_steps`` -- each naming the argument.
     """
 
     def __init__(
@@ -195,6 +238,7 @@ class WarmupCosineLR(LRScheduler):
             self._resolve(total_steps)
         elif self.warmup_steps_arg is not None:
             self.warmup_steps = self.warmup_steps_arg
+        _check_min_lr(self.min_lr, optimizer)
         super().__init__(optimizer, last_epoch)
 
     @property

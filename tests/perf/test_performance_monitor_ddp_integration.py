@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from tests.helpers import run_in_processes
 
 
@@ -33,7 +35,13 @@ def _fit(rank: int, world_size: int, root: str) -> dict[str, Any]:
     trainer.fit(TimedModule(), train)
     r = mon.report
     assert r is not None
-    return {"seconds": r.seconds, "steps": r.steps, "extras": r.extras, "samples_per_s": r.samples_per_s}
+    return {
+        "seconds": r.seconds,
+        "steps": r.steps,
+        "extras": r.extras,
+        "samples_per_s": r.samples_per_s,
+        "step_time_s": r.step_time_s,
+    }
 
 
 def test_ddp_two_ranks_agree_and_comm_is_sourced(tmp_path) -> None:
@@ -43,3 +51,5 @@ def test_ddp_two_ranks_agree_and_comm_is_sourced(tmp_path) -> None:
     assert a["extras"]["comm_source"].startswith("DDP runtime stats")
     assert a["extras"]["world_size"] == 2
     assert a["seconds"]["comm"] > 0.0 and a["seconds"]["compute"] > 0.0  # gloo allreduce is never free
+    # the job's throughput: each rank reads its own batch of 4, so a step trains on 2 x 4 samples
+    assert a["samples_per_s"] * a["step_time_s"] == pytest.approx(8)

@@ -29,7 +29,14 @@ class SlowSave(Callback):
         self.saves += 1
 
 
-def fit(tmp_path: Path, decode_s: float, compute_s: float, save_s: float = 0.0, **monitor_kw: Any):
+def fit(
+    tmp_path: Path,
+    decode_s: float,
+    compute_s: float,
+    save_s: float = 0.0,
+    plugins: list[Any] | None = None,
+    **monitor_kw: Any,
+):
     torch.manual_seed(0)
     vt = VirtualTime()
     mon = PerformanceMonitor(clock=HostClock(vt), span_clock=HostClock(vt), log_every_n_steps=4, **monitor_kw)
@@ -48,6 +55,7 @@ def fit(tmp_path: Path, decode_s: float, compute_s: float, save_s: float = 0.0, 
         enable_checkpointing=bool(save_s),
         enable_progress_bar=False,
         enable_model_summary=False,
+        plugins=plugins,
     )
     train, val = loaders(vt, decode_s)
     trainer.fit(TimedModule(vt, compute_s=compute_s, val_s=0.5), train, val)
@@ -98,6 +106,15 @@ def test_checkpoint_stall_is_attributed(tmp_path: Path) -> None:
     assert slow.saves == 2  # steps 5 and 10, both counted
     assert r.seconds["checkpoint"] == pytest.approx(2 * 0.25)
     assert r.seconds["data"] == pytest.approx(10 * 0.004)  # the saves in the gaps are not counted as data wait
+
+
+def test_checkpoint_advice_leaves_out_the_checkpoint_io_in_use(tmp_path: Path) -> None:
+    from lightning_accel.checkpoint import DeltaCheckpointIO
+
+    trainer, mon, _ = fit(tmp_path, decode_s=0.001, compute_s=0.005, save_s=1.0, plugins=[DeltaCheckpointIO()])
+    r = mon.report
+    assert r is not None and r.dominant == "checkpoint"
+    assert "already written as deltas" in r.verdict and "DeltaCheckpointIO to write less" not in r.verdict
 
 
 def test_too_few_steps_warns_instead_of_crashing(tmp_path: Path) -> None:

@@ -178,6 +178,23 @@ def test_verdict_advises_only_what_is_not_already_on() -> None:
     comm = _totals(compute=1.0, comm=3.0)
     onebit = build_report(comm, context={"strategy": ["OneBitDDPStrategy", "DDPStrategy"]}).verdict
     assert "already 1-bit compressed" in onebit and "strategy='diloco'" in onebit and "ddp_1bit" not in onebit
+    ckpt = _totals(compute=1.0, checkpoint=3.0)
+    plain = build_report(ckpt, context={"checkpoint_io": ["TorchCheckpointIO", "CheckpointIO"]}).verdict
+    assert "AsyncCheckpointIO" in plain and "DeltaCheckpointIO to write less" in plain
+    delta = build_report(ckpt, context={"checkpoint_io": ["DeltaCheckpointIO", "CheckpointIO"]}).verdict
+    assert "already written as deltas" in delta and "DeltaCheckpointIO(async_save=True)" in delta
+    assert "AsyncCheckpointIO" not in delta and "to write less" not in delta
+    wrapped = ["AsyncCheckpointIO", "_WrappingCheckpointIO", "CheckpointIO", "TorchCheckpointIO", "CheckpointIO"]
+    background = build_report(ckpt, context={"checkpoint_io": wrapped}).verdict
+    assert "already written in the background" in background and "use AsyncCheckpointIO" not in background
+    assert "DeltaCheckpointIO to write less" in background
+    for ctx in (
+        {"checkpoint_io": ["AsyncCheckpointIO", "CheckpointIO", "DeltaCheckpointIO", "CheckpointIO"]},
+        {"checkpoint_io": ["DeltaCheckpointIO", "CheckpointIO"], "checkpoint_async": True},
+    ):
+        both = build_report(ckpt, context=ctx).verdict
+        assert "already written as deltas in the background" in both and "every_n_train_steps" in both
+        assert "AsyncCheckpointIO" not in both and "DeltaCheckpointIO" not in both
 
 
 def test_report_without_steps_says_how_to_fix() -> None:

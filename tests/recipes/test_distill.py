@@ -53,9 +53,12 @@ def test_combine_losses() -> None:
     assert combine_losses(hard, soft, 1.0).item() == pytest.approx(4.0)
 
 
-@pytest.mark.parametrize(("bad", "kind"), [(0.0, ValueError), (-1.0, ValueError), ("4", TypeError), (True, TypeError)])
+@pytest.mark.parametrize(
+    ("bad", "kind"),
+    [(0.0, ValueError), (-1.0, ValueError), (float("inf"), ValueError), ("4", TypeError), (True, TypeError)],
+)
 def test_bad_temperature(bad: object, kind: type[Exception]) -> None:
-    with pytest.raises(kind, match="`temperature` must be a number > 0, got .*Typical values are 1-8"):
+    with pytest.raises(kind, match="`temperature` must be a number > 0 and < inf, got .*Typical values are 1-8"):
         check_distillation_args(bad, 0.5)  # type: ignore[arg-type]
 
 

@@ -148,6 +148,10 @@ def test_teacher_from_a_delta_checkpoint_of_a_run(tmp_path: Path) -> None:
 def test_bad_input_names_the_argument() -> None:
     with pytest.raises(ValueError, match="`temperature`"):
         KnowledgeDistillation(_teacher(), temperature=0.0)
+    with pytest.raises(ValueError, match="`temperature` must be a number > 0 and < inf, got inf"):
+        KnowledgeDistillation(_teacher(), temperature=float("inf"))
+    with pytest.warns(UserWarning, match="`teacher_class` .* is used only when `teacher` is a checkpoint path"):
+        KnowledgeDistillation(_teacher(), teacher_class=ImageClassifier)
     with pytest.raises(ValueError, match="`alpha`"):
         KnowledgeDistillation(_teacher(), alpha=-0.1)
     failed = classifier()
@@ -178,6 +182,42 @@ class _NoLogits(LightningModule):
 def test_protocol_violation_explains_the_fix() -> None:
     with pytest.raises(ValueError, match="'logits'"):
         trainer(callbacks=[KnowledgeDistillation(_teacher())]).fit(_NoLogits(), loader())
+
+
+class _RecordsContext(nn.Module):
+    """A teacher that records, at each forward, its weight's dtype, the default dtype and whether CPU autocast is on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _teacher()
+        self.seen: list[tuple[torch.dtype, torch.dtype, bool]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append((self.net[1].weight.dtype, torch.get_default_dtype(), torch.is_autocast_enabled("cpu")))
+        return self.net(x)
+
+
+@pytest.mark.parametrize(
+    ("precision", "dtype", "autocast"),
+    [
+        ("bf16-true", torch.bfloat16, False),
+        ("16-true", torch.float16, False),
+        ("64-true", torch.float64, False),
+        ("bf16-mixed", torch.float32, True),
+    ],
+)
+def test_teacher_takes_the_precision_of_the_student(precision: str, dtype: torch.dtype, autocast: bool) -> None:
+    teacher = _RecordsContext()
+    student = DictStudent()
+    trainer(precision=precision, limit_train_batches=2, callbacks=[KnowledgeDistillation(teacher)]).fit(
+        student, loader(batch_size=16)
+    )
+    # converted as the student is (a "-true" precision: its dtype), frozen and in eval mode
+    assert {p.dtype for p in teacher.parameters()} == {dtype}
+    assert not teacher.training and not any(p.requires_grad for p in teacher.parameters())
+    # and run under the student's forward context: the default dtype of a "-true" precision, autocast of a "-mixed" one
+    default = dtype if precision.endswith("-true") else torch.float32
+    assert teacher.seen == [(dtype, default, autocast)] * 2
 
 
 def _ddp_fit(rank: int, world_size: int) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Trainer-level tests of LinearScalingLR: the global batch, schedulers scaled along, idempotent resume."""
+"""Trainer-level tests of LinearScalingLR: the global batch (model-parallel ranks that share a batch counted once),
+schedulers scaled along, idempotent resume."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_accel.callbacks import LinearScalingLR
 from lightning_accel.recipes.lr import WarmupCosineLR
+from tests.helpers import run_in_processes
 from tests.tiny import LRProbe, classifier, loader, trainer
 
 
@@ -83,3 +85,38 @@ def test_bad_arguments() -> None:
         LinearScalingLR(base_batch_size=8, batch_size=-2)
     with pytest.raises(TypeError, match="`base_batch_size`"):
         LinearScalingLR(base_batch_size=True)
+
+
+def _model_parallel_fits(rank: int, world_size: int) -> dict[str, Any]:
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_accel.models import TinyGPT
+    from lightning_accel.parallel import PipelineStrategy, ShardedStrategy
+
+    found = {}
+    for name, strategy in (("pipeline", PipelineStrategy()), ("tensor", ShardedStrategy(tensor_parallel_size=2))):
+        torch.manual_seed(0)  # every rank builds the same data: the two ranks of the group read the same batch of 8
+        tokens = torch.randint(0, 27, (32, 17))
+        cb = LinearScalingLR(base_batch_size=8)
+        t = pl.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=strategy,
+            max_steps=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[cb],
+        )
+        t.fit(TinyGPT(n_layer=2, n_embd=32, block_size=17), DataLoader(TensorDataset(tokens), batch_size=8))
+        found[name] = (cb.global_batch_size, cb.factor)
+    return found
+
+
+@pytest.mark.slow
+def test_ranks_of_a_pipeline_or_tensor_parallel_group_are_one_replica() -> None:
+    # 2 processes, 1 data-parallel replica: the global batch is the one batch of 8 the group reads, not 2 x 8
+    for found in run_in_processes(_model_parallel_fits, 2, init_process_group=False, timeout=300):
+        assert found == {"pipeline": (8, 1.0), "tensor": (8, 1.0)}

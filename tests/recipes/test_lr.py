@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -66,6 +68,58 @@ def test_apply_lr_scale_scales_attached_schedulers() -> None:
     assert opt.param_groups[0]["lr"] == pytest.approx(0.3)  # peak = scaled base right after warm-up
 
 
+def _run(opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        out.append(float(opt.param_groups[0]["lr"]))
+        opt.step()
+        sched.step()
+    return out
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        # (optimizer, k) -> the scheduler built at k x the unscaled rates
+        lambda opt, k: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1 * k, total_steps=12),
+        lambda opt, k: torch.optim.lr_scheduler.CyclicLR(opt, base_lr=0.01 * k, max_lr=0.1 * k, step_size_up=3),
+        lambda opt, k: torch.optim.lr_scheduler.CosineAnnealingLR(opt, 12, eta_min=1e-3),  # `eta_min` is absolute
+        lambda opt, k: WarmupCosineLR(opt, total_steps=12, warmup_steps=3, min_lr=1e-3),
+    ],
+    ids=["OneCycleLR", "CyclicLR", "CosineAnnealingLR", "WarmupCosineLR"],
+)
+def test_scaled_schedules_follow_the_scaled_rates(make: Callable[[torch.optim.Optimizer, float], Any]) -> None:
+    # scaled after the scheduler was built (as LinearScalingLR does) == built at the scaled rates: a warm-up or a
+    # cycle reaches the scaled peak (OneCycleLR's `max_lr`/`min_lr` live in the param group, CyclicLR's on itself)
+    opt = _opt(0.1)
+    sched = make(opt, 1)
+    apply_lr_scale(opt, 4.0, [sched])
+    ref_opt = _opt(0.4)
+    assert _run(opt, sched, 12) == pytest.approx(_run(ref_opt, make(ref_opt, 4), 12))
+
+
+def test_tensor_rates_are_replaced_not_mutated() -> None:
+    lr = torch.tensor(0.1)
+    p, q = torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([{"params": [p]}, {"params": [q]}], lr=lr)  # both groups hold the caller's tensor
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2)
+    apply_lr_scale(opt, 4.0, [sched])
+    assert float(lr) == pytest.approx(0.1)  # the caller's tensor is left alone ...
+    assert [float(g["lr"]) for g in opt.param_groups] == pytest.approx([0.4, 0.4])  # ... and shared: scaled once
+    assert [float(b) for b in sched.base_lrs] == pytest.approx([0.4, 0.4])
+
+
+def test_a_sequential_schedule_is_refused_before_anything_changes() -> None:
+    opt = _opt(0.1)
+    warm = torch.optim.lr_scheduler.LinearLR(opt, 0.1, 1.0, 3)
+    cos = torch.optim.lr_scheduler.CosineAnnealingLR(opt, 9)
+    seq = torch.optim.lr_scheduler.SequentialLR(opt, [warm, cos], [3])
+    with pytest.raises(ValueError, match="`schedulers` holds a SequentialLR.*x4.*WarmupCosineLR"):
+        apply_lr_scale(opt, 4.0, [seq])
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.01) and APPLIED_KEY not in opt.param_groups[0]
+    assert apply_lr_scale(opt, 1.0, [seq]) == 1.0  # nothing to scale: accepted
+
+
 def test_fallback_applied_for_groups_without_key() -> None:
     opt = _opt(0.4)  # already scaled x4 by a run whose optimizer state lacks the key
     apply_lr_scale(opt, 4.0, fallback_applied=4.0)
@@ -106,6 +160,9 @@ def test_warmup_fraction_and_bad_arguments() -> None:
         WarmupCosineLR(_opt(), total_steps=10, warmup_steps=-1)
     with pytest.raises(ValueError, match="`min_lr`"):
         WarmupCosineLR(_opt(), total_steps=10, min_lr=-1.0)
+    with pytest.raises(ValueError, match="`min_lr` \\(0.15\\) must be at most the base .* got 0.1 for group 0"):
+        WarmupCosineLR(_opt(0.1, groups=2), total_steps=10, min_lr=0.15)  # the second group's base is 0.2
+    assert WarmupCosineLR(_opt(0.1), total_steps=10, min_lr=0.1).min_lr == 0.1  # a flat end is allowed
     with pytest.raises(ValueError, match="`total_steps` must be an integer >= 1, got 0"):
         WarmupCosineLR(_opt(), total_steps=0)
     with pytest.raises(TypeError, match="`total_steps`"):

@@ -171,6 +171,14 @@ def test_bad_arguments() -> None:
         StructuredPruning(norm="l0")
     with pytest.raises(ValueError, match="`target` 'nope'"):
         trainer(callbacks=[StructuredPruning(target="nope")]).fit(classifier(), loader())
+    # refused when the callback is built, each naming the argument, not at setup or through bool()
+    with pytest.raises(TypeError, match="`target` must be the dotted name of a submodule .* got 3 \\(int\\)"):
+        StructuredPruning(target=3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="`ignore_modules` must be a module name or a list of them .* got 5 \\(int\\)"):
+        StructuredPruning(ignore_modules=5)  # type: ignore[arg-type]
+    for flag in ("fold_bn", "recalibrate_bn", "train_mode"):
+        with pytest.raises(TypeError, match=f"`{flag}` must be True or False, got 'false' \\(str\\)"):
+            StructuredPruning(**{flag: "false"})
 
 
 def _ddp_prune(rank: int, world_size: int) -> dict[str, Any]:
