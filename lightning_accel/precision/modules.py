@@ -48,7 +48,9 @@ __all__ = [
     "FusedSequentialMixin",
     "FusedTransformerEncoderLayerMixin",
     "block_mixin",
+    "conv_bn_block_problem",
     "conv_bn_forward",
+    "conv_bn_problem",
     "eager_children",
     "fused_children",
     "holds_planned",
@@ -150,9 +152,18 @@ class _FusedMixin(_ModuleBase):
         """The sub-modules whose own call the fused forward skips (it reads their parameters instead)."""
         return ()
 
+    def _la_fuses_itself(self) -> bool:
+        """Whether the module itself counts as fused in the fusion report when it is an eligible module (see
+        :meth:`FusedAttentionMixin._la_fuses_itself` for one that may not)."""
+        return True
+
     def _la_eager_children(self) -> tuple[str, ...]:
         """The fused children that run unfused now (see :func:`needs_eager`); the fusion report counts them so."""
         return self._la_fused_children() if needs_eager(*self._la_bypassed()) else ()
+
+    def _la_eager_reason(self) -> str:
+        """Why :meth:`_la_eager_children` run unfused (the fusion report's reason)."""
+        return "has hooks (a pruning mask, a user's hook) or a Dropout with p >= 1: its block runs it unfused"
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         # The swapped class cannot be found by name; pickle the original class and the mixins instead, and the
@@ -180,6 +191,29 @@ def needs_eager(*modules: nn.Module | None) -> bool:
 
 
 # --------------------------------------------------------------------------------------------------- conv-bn(-relu)
+
+
+def conv_bn_problem(
+    conv: nn.Module | None, bn: nn.Module | None, conv_name: str = "conv", bn_name: str = "bn"
+) -> str | None:
+    """Why ``bn(conv(x))`` cannot run as one :func:`conv_bn_forward` (None when it can); ``conv_name``/``bn_name``
+    name the two modules in the reason.
+
+    Only exact classes fuse: an ``nn.Conv2d`` with ``padding_mode="zeros"`` (its forward pads with zeros, as the op
+    does) and an ``nn.BatchNorm2d`` over the conv's output channels. A subclass or look-alike has a forward of its own
+    that the fused op would skip: ``nn.SyncBatchNorm`` all-reduces its batch statistics across processes (what
+    ``Trainer(sync_batchnorm=True)`` converts to), torchvision's ``FrozenBatchNorm2d`` has fixed statistics and no
+    ``momentum``.
+    """
+    if type(conv) is not nn.Conv2d:
+        return f"{conv_name} is {type(conv).__name__}: only nn.Conv2d is fused"
+    if conv.padding_mode != "zeros":
+        return f"{conv_name} has padding_mode={conv.padding_mode!r}: only 'zeros' is fused"
+    if type(bn) is not nn.BatchNorm2d:
+        return f"{bn_name} is {type(bn).__name__}: only nn.BatchNorm2d is fused"
+    if bn.num_features != conv.out_channels:
+        return f"{bn_name} has {bn.num_features} features for the {conv.out_channels} output channels of {conv_name}"
+    return None
 
 
 def conv_bn_forward(
@@ -270,6 +304,12 @@ class FusedSequentialMixin(_FusedMixin):
         plan = self._la_plan.items()
         return tuple(names[i] for i, (n, _) in plan if i < len(names) and not self._la_runs(mods, i, n))
 
+    def _la_eager_reason(self) -> str:
+        return (
+            "has hooks (a pruning mask, a user's hook), a Dropout with p >= 1, or its container's children changed "
+            "since surgery: runs unfused"
+        )
+
     def _la_runs(self, mods: list[nn.Module | None], i: int, length: int) -> bool:
         """The group planned at ``i`` still holds the modules it was planned over and may run fused."""
         return holds_planned(self, mods, i, length) and not needs_eager(*mods[i : i + length])
@@ -299,11 +339,50 @@ class FusedSequentialMixin(_FusedMixin):
         return x
 
 
-class FusedBasicBlockMixin(_FusedMixin):
+class _ConvBnBlockMixin(_FusedMixin):
+    """Base of the ResNet block forwards: ``conv_bn_pairs`` are the ``(conv, batch norm)`` attributes the fused forward
+    runs through :func:`conv_bn_forward`, with the block's ``relu`` fused into some of them.
+
+    The fused forward runs only while :func:`conv_bn_block_problem` finds nothing (checked at every call, so a batch
+    norm replaced after surgery, such as by ``nn.SyncBatchNorm.convert_sync_batchnorm`` for a later fit, runs as the
+    block's own forward, with its synchronisation) and no bypassed module :func:`needs_eager`.
+    """
+
+    conv_bn_pairs: tuple[tuple[str, str], ...] = ()
+
+    def _la_problem(self) -> str | None:
+        """Why the fused forward does not run now (None when it does)."""
+        if needs_eager(*self._la_bypassed()):
+            return "has hooks (a pruning mask, a user's hook): its block runs it unfused"
+        return conv_bn_block_problem(cast(nn.Module, self), type(self))
+
+    def _la_eager_children(self) -> tuple[str, ...]:
+        return self._la_fused_children() if self._la_problem() is not None else ()
+
+    def _la_eager_reason(self) -> str:
+        return self._la_problem() or super()._la_eager_reason()
+
+
+def conv_bn_block_problem(block: nn.Module, mixin: type) -> str | None:
+    """Why ``mixin`` (:class:`FusedBasicBlockMixin`, :class:`FusedBottleneckMixin` or :class:`FusedResNetMixin`) cannot
+    run ``block`` fused (None when it can): each of its conv + batch norm pairs must pass :func:`conv_bn_problem`, and
+    ``relu``, which the fused forward folds into the convolutions, must be an ``nn.ReLU``."""
+    for conv, bn in getattr(mixin, "conv_bn_pairs", ()):
+        why = conv_bn_problem(getattr(block, conv, None), getattr(block, bn, None), conv, bn)
+        if why is not None:
+            return why
+    relu = getattr(block, "relu", None)
+    if type(relu) is not nn.ReLU:
+        return f"relu is {type(relu).__name__}: only nn.ReLU is fused after a batch norm"
+    return None
+
+
+class FusedBasicBlockMixin(_ConvBnBlockMixin):
     """A torchvision-style ``BasicBlock``: fused conv1-bn1-relu, conv2-bn2 (and downsample conv-bn), add, relu.
 
     Contract of a registered class: its forward is ``relu(bn2(conv2(relu(bn1(conv1(x))))) + identity)`` with
-    ``identity = x if downsample is None else downsample(x)``, for the attributes below.
+    ``identity = x if downsample is None else downsample(x)``, for the attributes below. Surgery swaps only blocks whose
+    pairs pass :func:`conv_bn_block_problem` (exact ``nn.Conv2d``, ``nn.BatchNorm2d`` and ``nn.ReLU``).
     """
 
     conv1: nn.Conv2d
@@ -313,12 +392,13 @@ class FusedBasicBlockMixin(_FusedMixin):
     bn2: nn.BatchNorm2d
     downsample: nn.Module | None
     fused_children = ("conv1", "conv2")
+    conv_bn_pairs = (("conv1", "bn1"), ("conv2", "bn2"))
 
     def _la_bypassed(self) -> tuple[nn.Module | None, ...]:
         return self.conv1, self.bn1, self.relu, self.conv2, self.bn2  # relu: called once here, twice unfused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if needs_eager(*self._la_bypassed()):
+        if self._la_problem() is not None:
             return cast(Any, original_class(self)).forward(self, x)
         identity = x if self.downsample is None else self.downsample(x)
         out = conv_bn_forward(self.conv1, self.bn1, x, relu=True, backend=self._la_backend)
@@ -326,11 +406,11 @@ class FusedBasicBlockMixin(_FusedMixin):
         return self.relu(out + identity)
 
 
-class FusedBottleneckMixin(_FusedMixin):
+class FusedBottleneckMixin(_ConvBnBlockMixin):
     """A torchvision ``Bottleneck``: three fused conv-bn(-relu) stages, add, relu.
 
     Contract: forward is ``relu(bn3(conv3(relu(bn2(conv2(relu(bn1(conv1(x)))))))) + identity)``, identity as in
-    :class:`FusedBasicBlockMixin`.
+    :class:`FusedBasicBlockMixin`; the same checks apply.
     """
 
     conv1: nn.Conv2d
@@ -342,12 +422,13 @@ class FusedBottleneckMixin(_FusedMixin):
     relu: nn.Module
     downsample: nn.Module | None
     fused_children = ("conv1", "conv2", "conv3")
+    conv_bn_pairs = (("conv1", "bn1"), ("conv2", "bn2"), ("conv3", "bn3"))
 
     def _la_bypassed(self) -> tuple[nn.Module | None, ...]:
         return self.conv1, self.bn1, self.conv2, self.bn2, self.conv3, self.bn3, self.relu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if needs_eager(*self._la_bypassed()):
+        if self._la_problem() is not None:
             return cast(Any, original_class(self)).forward(self, x)
         identity = x if self.downsample is None else self.downsample(x)
         out = conv_bn_forward(self.conv1, self.bn1, x, relu=True, backend=self._la_backend)
@@ -356,11 +437,11 @@ class FusedBottleneckMixin(_FusedMixin):
         return self.relu(out + identity)
 
 
-class FusedResNetMixin(_FusedMixin):
+class FusedResNetMixin(_ConvBnBlockMixin):
     """A torchvision ``ResNet``: the stem conv1-bn1-relu fused; the rest as in ``ResNet._forward_impl``.
 
     Contract: ``_forward_impl`` is ``fc(flatten(avgpool(layer4(layer3(layer2(layer1(maxpool(relu(bn1(conv1(x))))))))),
-    1))`` and ``forward`` calls it.
+    1))`` and ``forward`` calls it; the stem passes the checks of :func:`conv_bn_block_problem`.
     """
 
     conv1: nn.Conv2d
@@ -374,12 +455,13 @@ class FusedResNetMixin(_FusedMixin):
     fc: nn.Module
     relu: nn.Module
     fused_children = ("conv1",)
+    conv_bn_pairs = (("conv1", "bn1"),)
 
     def _la_bypassed(self) -> tuple[nn.Module | None, ...]:
         return self.conv1, self.bn1, self.relu
 
     def _forward_impl(self, x: torch.Tensor) -> torch.Tensor:
-        if needs_eager(*self._la_bypassed()):
+        if self._la_problem() is not None:
             return cast(Any, original_class(self))._forward_impl(self, x)
         x = self.maxpool(conv_bn_forward(self.conv1, self.bn1, x, relu=True, backend=self._la_backend))
         x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
@@ -421,15 +503,23 @@ class FusedRMSNormMixin(_FusedMixin):
 
 
 def _qkv_state_dict_post_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-    """Write the packed projection back as ``q_proj``/``k_proj``/``v_proj`` keys (an unfused model loads it)."""
-    for kind in ("weight", "bias"):
-        key = f"{prefix}qkv_proj.{kind}"
-        if key not in state_dict:
-            continue
-        packed = state_dict.pop(key)
-        # clone: a view would make torch.save write the whole packed storage three times
-        for name, part in zip(("q_proj", "k_proj", "v_proj"), packed.detach().chunk(3, dim=0), strict=True):
-            state_dict[f"{prefix}{name}.{kind}"] = part.clone()
+    """Write the packed projection back as ``q_proj``/``k_proj``/``v_proj`` keys (an unfused model loads it), in the
+    unfused model's key order (``q_proj.weight, q_proj.bias, k_proj.weight, ...`` where ``qkv_proj``'s keys were)."""
+    packed = {kind: f"{prefix}qkv_proj.{kind}" for kind in ("weight", "bias")}
+    if not any(key in state_dict for key in packed.values()):
+        return
+    # this module's keys were written last (the hook runs at the end of its own state_dict call): take them out and
+    # put them back in order, with the parts in the packed keys' place
+    own = {k: state_dict.pop(k) for k in [k for k in state_dict if k.startswith(prefix)]}
+    for key, value in own.items():
+        if key not in packed.values():
+            state_dict[key] = value
+        elif key == next(k for k in packed.values() if k in own):  # the first packed key: write every part here
+            # clone: a view would make torch.save write the whole packed storage three times
+            parts = {kind: own[k].detach().chunk(3, dim=0) for kind, k in packed.items() if k in own}
+            for i, name in enumerate(("q_proj", "k_proj", "v_proj")):
+                for kind, chunks in parts.items():
+                    state_dict[f"{prefix}{name}.{kind}"] = chunks[i].clone()
 
 
 def _qkv_load_state_dict_pre_hook(
@@ -471,8 +561,16 @@ def pack_qkv(attn: nn.Module) -> list[tuple[list[torch.Tensor], nn.Parameter]]:
 
     Raises:
         TypeError: when a projection is not an ``nn.Linear``.
+        ValueError: when two projections share a parameter (tied weights, or the same module twice): the packed copy
+            would untie them.
     """
     q, k, v = _linear(attn, "q_proj"), _linear(attn, "k_proj"), _linear(attn, "v_proj")
+    params = [t for lin in (q, k, v) for t in lin.parameters(recurse=False)]
+    if len({id(t) for t in params}) != len(params):
+        raise ValueError(
+            f"`q_proj`/`k_proj`/`v_proj` of {type(attn).__name__} share a parameter; packing copies them into one, "
+            "which would untie them. Leave this module out of the `qkv` fusion (`ignore_modules=`)."
+        )
     with torch.no_grad():
         packed = nn.Linear(q.in_features, 3 * q.out_features, bias=q.bias is not None)
         packed.weight = nn.Parameter(torch.cat([q.weight, k.weight, v.weight]), requires_grad=q.weight.requires_grad)
@@ -522,6 +620,11 @@ class FusedAttentionMixin(_FusedMixin):
         packed = ("qkv_proj",) if "qkv_proj" in compat.child_modules(self) else ()
         return (*packed, "proj") if self._la_fuse_out else packed
 
+    def _la_fuses_itself(self) -> bool:
+        # a GPT block swaps its attention in for the output projection's epilogue even when the q/k/v projections
+        # stay apart (frozen alone, tied, split across optimizer groups): the attention itself is fused only packed
+        return "qkv_proj" in compat.child_modules(self)
+
     def _la_bypassed(self) -> tuple[nn.Module | None, ...]:
         return (self.proj, self.resid_dropout) if self._la_fuse_out else ()
 
@@ -567,8 +670,9 @@ class FusedGPTBlockMixin(_FusedMixin):
     mlp: nn.Sequential
 
     def _la_fused_children(self) -> tuple[str, ...]:
+        # not "attn": the attention module is counted by itself (fused when its q/k/v projections were packed)
         first = ("mlp.0",) if type(self.mlp[0]) is nn.Linear and module_activation(self.mlp[1]) is not None else ()
-        return ("attn", *first, "mlp.2")
+        return (*first, "mlp.2")
 
     def _la_bypassed(self) -> tuple[nn.Module | None, ...]:
         return (self.mlp, *self.mlp)

@@ -13,18 +13,20 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
-from lightning_accel._utils.checks import check_choice
+from lightning_accel._utils.checks import check_bool, check_choice
 from lightning_accel._utils.forksafe import cuda_available
 from lightning_accel._utils.triton import Backend, check_backend
 from lightning_accel.precision.compile import compile_in_place
+from lightning_accel.precision.optim_state import pack_qkv_optimizer_state, unpack_qkv_optimizer_state
 from lightning_accel.precision.surgery import (
-    DEFAULT_POLICY,
     FusionReport,
     Replacement,
+    _fusion_policy,
     _ignore_list,
     apply_fusions,
     unfuse,
@@ -44,6 +46,11 @@ class FusedPrecision(MixedPrecision):
     ``MixedPrecision``, ``ThroughputMonitor`` derives the right peak FLOPs from it.
 
     Pass it instead of ``Trainer(precision=...)``: ``Trainer(plugins=[FusedPrecision("bf16-mixed")])``.
+
+    Checkpoints look unfused: the model's ``state_dict`` keys through state-dict hooks, the optimizer state through
+    :meth:`on_save_checkpoint` (a packed q/k/v parameter's state is saved as its three parts'), so a run with or
+    without this plugin, or with other ``fusions``, resumes from it; :meth:`on_load_checkpoint` packs an unfused
+    optimizer state for the fused model.
 
     Args:
         precision: ``"bf16-mixed"`` or ``"16-mixed"``.
@@ -85,13 +92,28 @@ class FusedPrecision(MixedPrecision):
             ("bf16-mixed", "16-mixed"),
             fix="FusedPrecision carries the precision mode itself: pass it here and drop `Trainer(precision=...)`.",
         )
+        _fusion_policy(fusions)  # raises, naming `fusions`, for anything apply_fusions would refuse
         if fusions is not None and not isinstance(fusions, Mapping):
             fusions = [fusions] if isinstance(fusions, str) else list(fusions)
-            unknown = [f for f in fusions if f not in DEFAULT_POLICY]
-            if unknown:
-                raise ValueError(
-                    f"`fusions` has unknown pattern(s) {unknown}; expected names from {sorted(DEFAULT_POLICY)}."
-                )
+        if device is not None and not _is_device_type(device):
+            raise (TypeError if not isinstance(device, str) else ValueError)(
+                f"`device` must be a torch device type such as 'cuda' or 'cpu' (the autocast device, without an "
+                f"index) or None to follow the Trainer, got {device!r} ({type(device).__name__}). Use 'cuda' for "
+                "GPUs."
+            )
+        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+            raise TypeError(
+                f"`scaler` must be a `torch.amp.GradScaler` or None (a default one for '16-mixed'), got {scaler!r} "
+                f"({type(scaler).__name__})."
+            )
+        check_bool("compile", compile, fix="`compile=True` compiles the module in place after surgery.")
+        if compile_kwargs is not None and (
+            not isinstance(compile_kwargs, Mapping) or not all(isinstance(k, str) for k in compile_kwargs)
+        ):
+            raise TypeError(
+                "`compile_kwargs` must be a dict of `torch.compile` keyword arguments (e.g. {'mode': "
+                f"'max-autotune'}}) or None, got {compile_kwargs!r} ({type(compile_kwargs).__name__})."
+            )
         check_backend(backend)
         check_choice(
             "memory_format",
@@ -159,6 +181,36 @@ class FusedPrecision(MixedPrecision):
             compile_in_place(module, **self.compile_kwargs)
         return module
 
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Save the optimizer state as the unfused model's: a packed q/k/v parameter's per-parameter state (e.g.
+        Adam's ``exp_avg``) as its three parts' (:func:`.optim_state.unpack_qkv_optimizer_state`), so a run without
+        QKV packing resumes from the checkpoint (the model's keys are unfused already)."""
+        self._map_optimizer_states(checkpoint, unpack_qkv_optimizer_state)
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Before Lightning loads the optimizers (this hook runs first), lay an optimizer state saved unfused out for
+        the packed parameters (:func:`~lightning_accel.precision.optim_state.pack_qkv_optimizer_state`).
+
+        Raises:
+            ValueError: when a saved optimizer state fits neither layout (the message names the fix).
+        """
+        module = self._module() if self._module is not None else None
+        trainer = _attached_trainer(module) if module is not None else None
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:  # only a fit restores optimizers
+            self._map_optimizer_states(checkpoint, pack_qkv_optimizer_state)
+
+    def _map_optimizer_states(self, checkpoint: dict[str, Any], fn: Any) -> None:
+        """``checkpoint["optimizer_states"][i] = fn(state, optimizer i, module)`` for the Trainer's optimizers."""
+        module = self._module() if self._module is not None else None
+        states = checkpoint.get("optimizer_states")
+        if module is None or not isinstance(states, list):
+            return
+        for i, optimizer in enumerate(_existing_optimizers(module)[: len(states)]):
+            if isinstance(states[i], dict):
+                states[i] = fn(states[i], optimizer, module)
+
     def _adopt_trainer_device(self, module: nn.Module) -> None:
         """Autocast (and a default GradScaler) on the device type the Trainer actually uses, e.g. ``cpu`` on a GPU
         machine with ``accelerator="cpu"``."""
@@ -171,6 +223,16 @@ class FusedPrecision(MixedPrecision):
         self.device = device_type
         if self.scaler is not None:
             self.scaler = torch.amp.GradScaler(device=device_type)
+
+
+def _is_device_type(device: object) -> bool:
+    """``device`` is a device type torch knows (``"cuda"``, ``"cpu"``, ``"mps"``...), without an index."""
+    if not isinstance(device, str):
+        return False
+    try:
+        return torch.device(device).type == device
+    except RuntimeError:
+        return False
 
 
 def _existing_optimizers(module: nn.Module) -> list[torch.optim.Optimizer]:

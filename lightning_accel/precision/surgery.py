@@ -173,14 +173,6 @@ class Replacement:
 # ------------------------------------------------------------------------------------------------ conv_bn_relu
 
 
-def _conv_ok(m: nn.Module | None) -> bool:
-    return type(m) is nn.Conv2d and m.padding_mode == "zeros"
-
-
-def _bn_ok(m: nn.Module | None, conv: nn.Conv2d) -> bool:
-    return type(m) is nn.BatchNorm2d and m.num_features == conv.out_channels
-
-
 def _sequential_forward(m: nn.Module) -> bool:
     """``m`` runs its children in order: ``nn.Sequential`` or a subclass that keeps ``nn.Sequential.forward``."""
     cls = fm.original_class(m)
@@ -202,7 +194,7 @@ def _plan_sequential(seq: nn.Module, which: str) -> dict[int, tuple[int, str]]:
             i += 1
             continue
         cur, nxt = mods[i], mods[i + 1] if i + 1 < len(mods) else None
-        if which == "conv" and isinstance(cur, nn.Conv2d) and _conv_ok(cur) and _bn_ok(nxt, cur):
+        if which == "conv" and isinstance(cur, nn.Conv2d) and fm.conv_bn_problem(cur, nxt) is None:
             if _marked_ignored(nxt):
                 i += 1
                 continue
@@ -271,8 +263,14 @@ def _registered(m: nn.Module, mixin: type) -> bool:
 
 
 def _block_match(mixin: type, attrs: Sequence[str]) -> Callable[[nn.Module], bool]:
+    """A registered ResNet block with the attributes ``attrs`` whose conv + batch norm pairs fuse exactly as in a
+    container (:func:`~.modules.conv_bn_block_problem`: an ``nn.SyncBatchNorm`` or a ``FrozenBatchNorm2d`` keeps the
+    block's own forward)."""
+
     def match(m: nn.Module) -> bool:
-        return _registered(m, mixin) and all(hasattr(m, a) for a in attrs)
+        return (
+            _registered(m, mixin) and all(hasattr(m, a) for a in attrs) and fm.conv_bn_block_problem(m, mixin) is None
+        )
 
     return match
 
@@ -292,20 +290,44 @@ def _attention_ok(m: nn.Module | None) -> bool:
     return m is not None and fm.block_mixin(m) is fm.FusedAttentionMixin
 
 
-def _qkv_match(m: nn.Module) -> bool:
-    if not _attention_ok(m) or "qkv_proj" in compat.child_modules(m):
-        return False
-    projs = [getattr(m, n, None) for n in ("q_proj", "k_proj", "v_proj")]
-    linears = [p for p in projs if type(p) is nn.Linear]
-    if len(linears) != 3 or fm.needs_eager(*linears):  # packing removes the three modules, and their hooks
-        return False
+_QKV = ("q_proj", "k_proj", "v_proj")
+
+
+def _qkv_problem(m: nn.Module) -> str | None:
+    """Why the ``q_proj``/``k_proj``/``v_proj`` of ``m`` cannot be packed into one parameter, judged on ``m`` alone
+    (None when they can). :func:`apply_fusions` also refuses parameters shared with other modules, ignored
+    projections and projections in different optimizer parameter groups."""
+    projs = {n: getattr(m, n, None) for n in _QKV}
+    for n, lin in projs.items():
+        if type(lin) is not nn.Linear:
+            return f"{n} is {type(lin).__name__}: only nn.Linear projections are packed"
+    linears = cast(dict[str, nn.Linear], projs)
+    for i, a in enumerate(_QKV):
+        same = [b for b in _QKV[i + 1 :] if linears[b] is linears[a]]
+        if same:
+            return f"{same[0]} is the same module as {a}: one module cannot become two parts of a packed parameter"
+    hooked = [n for n, lin in linears.items() if fm.needs_eager(lin)]
+    if hooked:  # packing removes the three modules, and their hooks
+        return f"{hooked[0]} has hooks (a pruning mask, a user's hook) that packing would drop"
+    q = linears["q_proj"]
+    for n, lin in linears.items():
+        if (lin.in_features, lin.out_features) != (q.in_features, q.out_features):
+            return f"{n} maps {lin.in_features}->{lin.out_features}, q_proj {q.in_features}->{q.out_features}"
+        if (lin.bias is None) != (q.bias is None):
+            return "some of q_proj/k_proj/v_proj have a bias and some not"
+        if (lin.weight.dtype, lin.weight.device) != (q.weight.dtype, q.weight.device):
+            return f"{n} is {lin.weight.dtype} on {lin.weight.device}, q_proj {q.weight.dtype} on {q.weight.device}"
     # one packed parameter has one requires_grad: projections that train differently stay apart
-    shapes = {
-        (p.in_features, p.out_features, p.bias is not None, p.weight.dtype, p.weight.device, p.weight.requires_grad)
-        + ((p.bias.requires_grad,) if p.bias is not None else ())
-        for p in linears
-    }
-    return len(shapes) == 1
+    for kind in ("weight", "bias"):
+        grads = {n: getattr(lin, kind).requires_grad for n, lin in linears.items() if getattr(lin, kind) is not None}
+        if len(set(grads.values())) > 1:
+            frozen = ", ".join(f"{n}.{kind}" for n, g in grads.items() if not g)
+            return f"requires_grad differs ({frozen} frozen, the others not): a packed parameter has one requires_grad"
+    return None
+
+
+def _qkv_match(m: nn.Module) -> bool:
+    return _attention_ok(m) and "qkv_proj" not in compat.child_modules(m) and _qkv_problem(m) is None
 
 
 def _qkv_apply(m: nn.Module) -> tuple[str, list[ParamSwap]]:
@@ -522,6 +544,22 @@ def _attention_kind(m: nn.Module) -> bool:
     return _packed_linear(m) is not None
 
 
+def _batch_norm_like(m: nn.Module | None) -> bool:
+    """A batch norm a user expects to fuse with the conv before it: ``nn.BatchNorm2d`` (subclasses included),
+    ``nn.SyncBatchNorm`` and classes named ``...BatchNorm2d`` such as torchvision's ``FrozenBatchNorm2d`` (by name: the
+    surgery imports no vision library). Only exact ``nn.BatchNorm2d`` is fused; the others are eligible so that the
+    report says why they were not."""
+    return isinstance(m, (nn.BatchNorm2d, nn.SyncBatchNorm)) or (
+        m is not None and type(m).__name__.endswith("BatchNorm2d")
+    )
+
+
+def _block_conv(parent: nn.Module | None, name: str) -> bool:
+    """``name`` is a conv of a registered ResNet block (its ``conv_bn_pairs``), whatever its norm layer is."""
+    mixin = fm.block_mixin(parent) if parent is not None else None
+    return any(conv == name for conv, _ in getattr(mixin, "conv_bn_pairs", ()))
+
+
 def _is_activation(m: nn.Module | None) -> bool:
     if m is None or isinstance(m, nn.MultiheadAttention):
         return False
@@ -538,7 +576,9 @@ def eligible_modules(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
       Linears or a packed ``Linear(C, 3 * C)`` named ``in_proj``, ``c_attn``, ``qkv`` or ``qkv_proj`` (its own
       sub-modules are not counted again);
     - ``"conv_bn"``: every ``nn.Conv2d`` whose next sibling (in its parent's registration order, which is the
-      execution order in a sequential container) is an ``nn.BatchNorm2d``;
+      execution order in a sequential container) is a batch norm (``nn.BatchNorm2d``, ``nn.SyncBatchNorm``,
+      torchvision's ``FrozenBatchNorm2d``), and every conv of a registered ResNet block (``conv1``... with ``bn1``...,
+      whatever its norm layer is);
     - ``"linear"``: every ``nn.Linear`` whose next sibling is an activation module or an ``nn.Dropout``.
 
     Linears and convs that are followed by nothing fusable (a classifier head, a patch embedding) are not eligible.
@@ -548,7 +588,7 @@ def eligible_modules(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
     modules = dict(model.named_modules())
     norms: tuple[type[nn.Module], ...] = (nn.LayerNorm, *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))
     for path, m in modules.items():
-        if any(path.startswith(a + ".") for a in inside):
+        if any(path.startswith(a + ".") if a else path for a in inside):  # "" is the root: all below are its own
             continue
         parent_path, _, name = path.rpartition(".")
         parent = modules.get(parent_path) if path else None
@@ -557,7 +597,7 @@ def eligible_modules(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
         elif _attention_kind(m):
             out.append((path, m, "attention"))
             inside.append(path)
-        elif isinstance(m, nn.Conv2d) and isinstance(_next_sibling(parent, name), nn.BatchNorm2d):
+        elif isinstance(m, nn.Conv2d) and (_batch_norm_like(_next_sibling(parent, name)) or _block_conv(parent, name)):
             out.append((path, m, "conv_bn"))
         elif isinstance(m, nn.Linear):
             nxt = _next_sibling(parent, name)
@@ -587,6 +627,26 @@ def _block_hint(parent: nn.Module, kind: str) -> str:
     return "a FusedBlockMixin subclass of your own"
 
 
+def _mixin_pattern(mixin: type) -> str:
+    """The pattern of :data:`DEFAULT_POLICY` that installs a registered block ``mixin``."""
+    if mixin in (fm.FusedBasicBlockMixin, fm.FusedBottleneckMixin, fm.FusedResNetMixin):
+        return "conv_bn_relu"
+    if mixin in (fm.FusedGPTBlockMixin, fm.FusedGPT2BlockMixin, fm.FusedTransformerEncoderLayerMixin):
+        return "linear_dropout"
+    if mixin is fm.FusedAttentionMixin:
+        return "qkv"
+    if mixin is fm.FusedPackedAttentionMixin:
+        return "attention"
+    return "block"
+
+
+def _next_named(parent: nn.Module, name: str) -> tuple[str, nn.Module | None]:
+    """The name and module of the child registered after ``name`` in ``parent`` (``("", None)`` for the last)."""
+    names = [n for n, c in compat.child_modules(parent).items() if c is not None]
+    i = names.index(name) if name in names else len(names)
+    return (names[i + 1], compat.child_modules(parent)[names[i + 1]]) if i + 1 < len(names) else ("", None)
+
+
 def _skip_reason(
     path: str,
     m: nn.Module,
@@ -594,11 +654,13 @@ def _skip_reason(
     parent: nn.Module | None,
     policy: Mapping[str, Sequence[Replacement]],
     ignored: bool,
+    ignored_paths: set[str] | frozenset[str] = frozenset(),
 ) -> str:
     cls = type(m).__name__
     if ignored:
         return "ignored (`ignore_modules`)"
-    if set(policy) <= set(DEFAULT_POLICY) and not set(ELIGIBLE_KINDS[kind]) & set(policy):
+    default = set(policy) <= set(DEFAULT_POLICY)  # names, so "not selected" can be said
+    if default and not set(ELIGIBLE_KINDS[kind]) & set(policy):
         return f"pattern `{ELIGIBLE_KINDS[kind][0]}` not selected (`fusions={sorted(policy)}`)"
     if kind == "norm":
         shape = tuple(getattr(m, "normalized_shape", ()))
@@ -621,11 +683,14 @@ def _skip_reason(
                 f"unregistered attention class `{fm.qualname(m)}` ({what}; its forward is its own): "
                 f"{_REGISTER_HINT} with {_block_hint(m, 'attention')} if its forward is what that mixin states"
             )
-        if mixin is fm.FusedAttentionMixin and not _qkv_match(m):
-            return (
-                "q_proj/k_proj/v_proj differ in shape, bias, dtype, device or requires_grad, have hooks, or are not "
-                "exactly nn.Linear"
-            )
+        if mixin is fm.FusedAttentionMixin:
+            if default and "qkv" not in policy:
+                return f"q_proj/k_proj/v_proj not packed: pattern `qkv` not selected (`fusions={sorted(policy)}`)"
+            why = _qkv_problem(m)
+            if why:
+                return why
+        elif default and _mixin_pattern(mixin) not in policy:
+            return f"registered with {mixin.__name__}, whose pattern `{_mixin_pattern(mixin)}` is not selected"
         return f"registered with {mixin.__name__} but lacks the attributes its contract names"
     if parent is None:
         return "no pattern matched"
@@ -637,14 +702,33 @@ def _skip_reason(
             return f"padding_mode={m.padding_mode!r} (only 'zeros' is fused)"
     if kind == "linear" and type(m) is not nn.Linear:
         return f"`{cls}` is a subclass of nn.Linear"
+    parent_path, _, name = path.rpartition(".")
+    nxt_name, nxt = _next_named(parent, name)
+    nxt_path = f"{parent_path}.{nxt_name}" if parent_path else nxt_name
     if issubclass(pcls, nn.Sequential):
         if pcls.forward is not nn.Sequential.forward:
             return f"parent `{pcls.__name__}` overrides nn.Sequential.forward: {_REGISTER_HINT} or add a `Replacement`"
         if getattr(parent, "_la_claimed", False):
             return "its container is run by a fused block whose forward handles this module differently"
-        return "the module after it is not fused with it (BatchNorm2d of other channels, another class)"
+        if nxt is not None and nxt_path in ignored_paths:
+            return f"the module after it, `{nxt_path}`, is in `ignore_modules` (it runs on its own)"
+        if kind == "conv_bn":
+            return fm.conv_bn_problem(m, nxt, f"`{path}`", f"`{nxt_path}`") or "no pattern matched"
+        return (
+            f"the module after it, `{nxt_path}` ({type(nxt).__name__}), is not a fused activation or a Dropout with "
+            "p < 1"
+        )
     mixin = fm.block_mixin(parent)
     if mixin is not None:
+        pattern = _mixin_pattern(mixin)
+        if default and pattern not in policy:
+            return (
+                f"its block `{pcls.__name__}` is registered with {mixin.__name__}, whose pattern `{pattern}` is not "
+                f"selected (`fusions={sorted(policy)}`)"
+            )
+        why = fm.conv_bn_block_problem(parent, mixin) if kind == "conv_bn" and _block_conv(parent, name) else None
+        if why:
+            return f"{why}, so its block `{pcls.__name__}` runs its own forward"
         return f"parent `{pcls.__name__}` is registered with {mixin.__name__} but does not meet its contract"
     return (
         f"inside `{fm.qualname(pcls)}`, whose own forward calls it: {_REGISTER_HINT} with "
@@ -656,38 +740,40 @@ def _candidates(
     model: nn.Module,
     policy: Mapping[str, Sequence[Replacement]],
     ignore: Sequence[str | type],
-    split_qkv: Sequence[str] = (),
+    refused: Mapping[str, str] | None = None,
     held: Sequence[str] = (),
 ) -> list[Candidate]:
+    """Every eligible module of ``model``, fused or not; ``refused`` (``{module path: reason}``) and ``held`` (blocks
+    left as they were because of ``ignore_modules``) are what :func:`apply_fusions` decided beyond the matchers."""
+    refused = refused or {}
     modules = dict(model.named_modules())
     covered: set[str] = set()
-    eager: set[str] = set()
+    eager: dict[str, str] = {}
     for path, m in modules.items():
         covered.update(f"{path}.{c}" if path else c for c in fm.fused_children(m))
-        eager.update(f"{path}.{c}" if path else c for c in fm.eager_children(m))
+        children = fm.eager_children(m)
+        if children and fm.is_fused(m):
+            eager.update({f"{path}.{c}" if path else c: m._la_eager_reason() for c in children})
     ignored_paths = {p for p, m in modules.items() if _ignored(p, m, ignore)}
     out = []
     for path, m, kind in eligible_modules(model):
         parent_path = path.rpartition(".")[0]
         parent = modules.get(parent_path) if path else None
+        cls = fm.original_class(m).__name__
         if path in eager:
-            reason = "has hooks (a pruning mask, a user's hook) or a Dropout with p >= 1: its block runs it unfused"
-            out.append(Candidate(path, kind, type(m).__name__, False, reason))
+            out.append(Candidate(path, kind, cls, False, eager[path]))
             continue
-        fused = fm.is_fused(m) or path in covered
-        if fused:
-            out.append(
-                Candidate(path, kind, type(m).__name__ if not fm.is_fused(m) else fm.original_class(m).__name__, True)
-            )
+        if (fm.is_fused(m) and m._la_fuses_itself()) or path in covered:
+            out.append(Candidate(path, kind, cls, True))
             continue
         ignored = path in ignored_paths or any(a in ignored_paths for a in _ancestors(path))
-        if not ignored and path in split_qkv:
-            reason = "q_proj/k_proj/v_proj sit in different optimizer parameter groups (one packed parameter cannot)"
+        if not ignored and path in refused:
+            reason = refused[path]
         elif not ignored and (block := next((a for a in reversed(_ancestors(path)) if a in held), None)) is not None:
             reason = f"its block `{block or '(root)'}` holds a module of `ignore_modules` its fused forward skips"
         else:
-            reason = _skip_reason(path, m, kind, parent, policy, ignored)
-        out.append(Candidate(path, kind, type(m).__name__, False, reason))
+            reason = _skip_reason(path, m, kind, parent, policy, ignored, ignored_paths)
+        out.append(Candidate(path, kind, cls, False, reason))
     return out
 
 
@@ -732,6 +818,8 @@ def _skips_ignored(m: nn.Module) -> bool:
     for d in m.modules():
         if not fm.is_fused(d) or isinstance(d, fm.FusedSequentialMixin):  # containers plan around ignored modules
             continue
+        if _marked_ignored(d):  # its class was swapped by the block replacement (a GPT block's attention)
+            return True
         skipped = [*d._la_bypassed(), *(d.get_submodule(c) for c in fm.fused_children(d))]
         if any(_marked_ignored(x) for x in skipped):
             return True
@@ -759,10 +847,41 @@ def _param_groups(optimizers: Sequence[torch.optim.Optimizer]) -> dict[int, tupl
     }
 
 
-def _qkv_groups(m: nn.Module, where: Mapping[int, tuple[int, int]]) -> set[tuple[int, int] | None]:
-    """The optimizer parameter groups holding ``m``'s q/k/v projections' parameters (None: in no optimizer)."""
-    params = [p for n in ("q_proj", "k_proj", "v_proj") for p in getattr(m, n).parameters()]
-    return {where.get(id(p)) for p in params}
+def _param_owners(model: nn.Module) -> dict[int, list[str]]:
+    """``{id(parameter): [qualified names]}`` of the parameters registered in more than one place of ``model``
+    (tied weights; a module reachable under two paths counts once: its parameter has one owner)."""
+    owners: dict[int, dict[tuple[int, str], str]] = {}
+    modules = dict(model.named_modules(remove_duplicate=False))
+    for name, p in model.named_parameters(remove_duplicate=False):
+        path, _, attr = name.rpartition(".")
+        owners.setdefault(id(p), {}).setdefault((id(modules[path]), attr), name)
+    return {i: list(names.values()) for i, names in owners.items() if len(names) > 1}
+
+
+def _qkv_refusal(
+    name: str,
+    m: nn.Module,
+    where: Mapping[int, tuple[int, int]],
+    shared: Mapping[int, list[str]],
+) -> str | None:
+    """Why :func:`apply_fusions` does not pack ``m`` (at ``name``) although :func:`_qkv_match` accepts it, from what the
+    module alone cannot tell: an ignored projection, a parameter shared with another module (packing copies it, which
+    would untie the two), projections in different optimizer parameter groups (one packed parameter cannot be)."""
+    for n in _QKV:
+        if _marked_ignored(getattr(m, n)):
+            return f"{n} is in `ignore_modules` (packing would replace it)"
+    prefix = f"{name}." if name else ""
+    for n in _QKV:
+        for kind, p in getattr(m, n).named_parameters(recurse=False):
+            others = [o for o in shared.get(id(p), []) if o != f"{prefix}{n}.{kind}"]
+            if others:
+                return (
+                    f"{n}.{kind} is shared with `{others[0]}` (tied weights): packing copies it, which would untie them"
+                )
+    params = [p for n in _QKV for p in getattr(m, n).parameters()]
+    if len({where.get(id(p)) for p in params}) > 1:
+        return "q_proj/k_proj/v_proj sit in different optimizer parameter groups (one packed parameter cannot)"
+    return None
 
 
 def replace_optimizer_params(optimizers: Iterable[torch.optim.Optimizer], swaps: Sequence[ParamSwap]) -> int:
@@ -798,6 +917,49 @@ def replace_optimizer_params(optimizers: Iterable[torch.optim.Optimizer], swaps:
                 group["params"] = params
                 changed += 1
     return changed
+
+
+def _fusion_policy(fusions: object) -> Mapping[str, Sequence[Replacement]]:
+    """The policy ``fusions`` selects: None (all of :data:`DEFAULT_POLICY`), one pattern name or a sequence of them,
+    or a custom ``{pattern: [Replacement, ...]}`` policy, returned as it is.
+
+    Raises:
+        TypeError: for anything else, a name that is not a string, or a policy value that is not a list of
+            ``Replacement``.
+        ValueError: for an unknown pattern name.
+    """
+    names = sorted(DEFAULT_POLICY)
+    if fusions is None:
+        return DEFAULT_POLICY
+    if isinstance(fusions, Mapping):
+        for key, reps in fusions.items():
+            if (
+                not isinstance(key, str)
+                or isinstance(reps, (str, bytes))
+                or not isinstance(reps, Sequence)
+                or not all(isinstance(r, Replacement) for r in reps)
+            ):
+                raise TypeError(
+                    f"`fusions` as a policy must map pattern names to lists of `Replacement`, got {key!r}: {reps!r}. "
+                    f"Pass pattern names from {names} to select built-in patterns."
+                )
+        return cast(Mapping[str, Sequence[Replacement]], fusions)
+    items = [fusions] if isinstance(fusions, str) else fusions
+    if isinstance(items, (bytes, Mapping)) or not isinstance(items, Iterable):
+        raise TypeError(
+            f"`fusions` must be pattern names from {names} (one or a list), a `{{pattern: [Replacement]}}` policy or "
+            f"None for all, got {fusions!r} ({type(fusions).__name__})."
+        )
+    items = list(items)
+    if not all(isinstance(f, str) for f in items):
+        raise TypeError(f"`fusions` must hold pattern names (strings) from {names}, got {items!r}.")
+    unknown = [f for f in items if f not in DEFAULT_POLICY]
+    if unknown:
+        raise ValueError(
+            f"`fusions` has unknown pattern(s) {unknown}; expected names from {names} "
+            "(or a `{pattern: [Replacement]}` policy for custom ones)."
+        )
+    return {k: DEFAULT_POLICY[k] for k in DEFAULT_POLICY if k in items}
 
 
 def _ignored(name: str, module: nn.Module, ignore: Sequence[str | type]) -> bool:
@@ -836,24 +998,11 @@ def apply_fusions(
 
     Raises:
         ValueError: for an unknown pattern name.
-        TypeError: for ``ignore_modules`` that are not names or classes.
+        TypeError: for ``fusions`` of another type, or ``ignore_modules`` that are not names or classes.
     """
     ignore_modules = _ignore_list(ignore_modules)
     optimizers = list(optimizers)
-    if fusions is None:
-        policy: Mapping[str, Sequence[Replacement]] = DEFAULT_POLICY
-    elif isinstance(fusions, Mapping):
-        policy = fusions
-    else:
-        if isinstance(fusions, str):
-            fusions = [fusions]
-        unknown = [f for f in fusions if f not in DEFAULT_POLICY]
-        if unknown:
-            raise ValueError(
-                f"`fusions` has unknown pattern(s) {unknown}; expected names from {sorted(DEFAULT_POLICY)} "
-                "(or a `{pattern: [Replacement]}` policy for custom ones)."
-            )
-        policy = {k: DEFAULT_POLICY[k] for k in DEFAULT_POLICY if k in fusions}
+    policy = _fusion_policy(fusions)
     report = FusionReport()
     # snapshot first: surgery changes the tree while we walk it
     named = list(model.named_modules())
@@ -869,7 +1018,8 @@ def apply_fusions(
             stacklevel=2,
         )
     where = _param_groups(optimizers)
-    split_qkv: list[str] = []
+    shared = _param_owners(model)
+    refused: dict[str, str] = {}  # attention modules whose q/k/v projections stay apart, with the reason
     held: list[str] = []  # blocks left as they were: their fused forward would skip an ignored module
     for m in marked:
         m.__dict__[_IGNORED_MARK] = True
@@ -881,13 +1031,9 @@ def apply_fusions(
                 for rep in replacements:
                     if not rep.match(module):
                         continue
-                    if rep.apply is _qkv_apply:
-                        if any(_marked_ignored(getattr(module, n)) for n in ("q_proj", "k_proj", "v_proj")):
-                            held.append(name)
-                            continue
-                        if len(_qkv_groups(module, where)) > 1:
-                            split_qkv.append(name)
-                            continue
+                    if rep.apply is _qkv_apply and (why := _qkv_refusal(name, module, where, shared)) is not None:
+                        refused[name] = why
+                        continue
                     # a block whose fused forward would skip an ignored module's call is put back as it was
                     undo = _class_snapshot(module) if _holds_ignored(module) else None
                     detail, swaps = rep.apply(module)
@@ -900,7 +1046,7 @@ def apply_fusions(
     finally:
         for m in marked:
             m.__dict__.pop(_IGNORED_MARK, None)
-    report.candidates = _candidates(model, policy, ignore_modules, split_qkv, held)
+    report.candidates = _candidates(model, policy, ignore_modules, refused, held)
     if backend is not None:
         check_backend(backend)
         for m in model.modules():

@@ -135,6 +135,53 @@ def test_grad_scaler_state_saved_and_restored(tmp_path: Path) -> None:
     assert probe.scale_at_start == scale
 
 
+class _OptimizerProbe(Callback):
+    """The first optimizer's state when training starts (after Lightning restored the checkpoint)."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        opt = trainer.optimizers[0]
+        names = {id(p): n for n, p in pl_module.named_parameters()}
+        self.state = {names[id(p)]: {k: v.clone() for k, v in opt.state[p].items()} for p in opt.state}
+
+
+def _resume(plugin: Any, ckpt: Path, tmp_path: Path, **kw: Any) -> dict[str, dict[str, torch.Tensor]]:
+    probe = _OptimizerProbe()
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=3, plugins=[plugin], callbacks=[probe], logger=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path, enable_checkpointing=False,
+    )  # fmt: skip
+    trainer.fit(TinyGPT(**kw), _token_loader(), ckpt_path=ckpt)
+    return probe.state
+
+
+def test_resume_across_qkv_packing_both_ways(tmp_path: Path) -> None:
+    kw = dict(vocab_size=11, block_size=16, n_layer=1, n_head=2, n_embd=16, dropout=0.0)
+    ckpts = {}
+    for name, plugin in (("plain", MixedPrecision("bf16-mixed", "cpu")), ("fused", FusedPrecision(device="cpu"))):
+        trainer = L.Trainer(
+            accelerator="cpu", max_steps=2, plugins=[plugin], logger=False, enable_progress_bar=False,
+            enable_model_summary=False, default_root_dir=tmp_path, enable_checkpointing=False,
+        )  # fmt: skip
+        trainer.fit(TinyGPT(**kw), _token_loader())
+        ckpts[name] = tmp_path / f"{name}.ckpt"
+        trainer.save_checkpoint(ckpts[name])
+    saved = {k: torch.load(v, weights_only=True)["optimizer_states"][0] for k, v in ckpts.items()}
+    # a fused run saves the optimizer state as the unfused run does: same parameter count, q/k/v apart
+    assert [g["params"] for g in saved["fused"]["param_groups"]] == [
+        g["params"] for g in saved["plain"]["param_groups"]
+    ]
+    names = [n for n, _ in TinyGPT(**kw).named_parameters()]  # the unfused order the plain optimizer has
+    attn = "model.blocks.0.attn"
+    for src in ("plain", "fused"):
+        fused_state = _resume(FusedPrecision(device="cpu"), ckpts[src], tmp_path, **kw)  # packs on load
+        plain_state = _resume(MixedPrecision("bf16-mixed", "cpu"), ckpts[src], tmp_path, **kw)
+        parts = [saved[src]["state"][names.index(f"{attn}.{x}_proj.weight")] for x in "qkv"]
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(fused_state[f"{attn}.qkv_proj.weight"][key], torch.cat([p[key] for p in parts]))
+            torch.testing.assert_close(plain_state[f"{attn}.k_proj.weight"][key], parts[1][key])
+        assert float(fused_state[f"{attn}.qkv_proj.weight"]["step"]) == 2.0
+
+
 def test_trainer_precision_and_plugin_together_is_refused() -> None:
     with pytest.raises(ValueError, match="precision"):
         L.Trainer(accelerator="cpu", precision="bf16-mixed", plugins=[FusedPrecision("bf16-mixed", device="cpu")])

@@ -140,7 +140,7 @@ def test_qkv_state_dict_compatible_both_ways() -> None:
     fused, plain = _gpt(), _gpt()
     apply_fusions(fused, backend="reference")
     sd = fused.state_dict()
-    assert sd.keys() == plain.state_dict().keys()  # fused checkpoints look unfused
+    assert list(sd) == list(plain.state_dict())  # fused checkpoints look unfused, key order included
     plain.load_state_dict(sd)  # fused -> unfused
     torch.manual_seed(1)
     other = _gpt()
@@ -549,3 +549,174 @@ def test_ignore_modules_inside_fused_containers_and_blocks() -> None:
     with pytest.raises(TypeError, match="`ignore_modules` must be module names"):
         FusedPrecision(ignore_modules=[3])  # type: ignore[list-item]
     assert FusedPrecision(ignore_modules="model.head").ignore_modules == ("model.head",)
+
+
+# ------------------------------------------------------------------ what is refused, and the report saying why
+
+
+class _CountingBatchNorm(nn.BatchNorm2d):
+    """A BatchNorm2d subclass with a forward of its own (as nn.SyncBatchNorm has): it must be called."""
+
+    calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        type(self).calls += 1
+        return super().forward(x)
+
+
+def _frozen_bn(c: int) -> nn.Module:
+    tv = pytest.importorskip("torchvision")
+    return tv.ops.misc.FrozenBatchNorm2d(c)
+
+
+@pytest.mark.parametrize(
+    ("norm", "cls"),
+    [(_frozen_bn, "FrozenBatchNorm2d"), (lambda c: nn.GroupNorm(2, c), "GroupNorm"), ("sync", "SyncBatchNorm")],
+    ids=["frozen_bn", "group_norm", "sync_bn"],
+)
+def test_resnet_blocks_with_other_norm_layers_are_left_unfused_with_the_reason(norm: object, cls: str) -> None:
+    tv = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    if norm == "sync":  # what Trainer(sync_batchnorm=True) does before convert_module
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(tv.models.resnet18(num_classes=4))
+    else:
+        model = tv.models.resnet18(num_classes=4, norm_layer=norm)
+    eager = copy.deepcopy(model)
+    report = apply_fusions(model, warn_if_empty=False)
+    assert not any(is_fused(m) for m in model.modules()) and len(report) == 0
+    assert report.candidates and report.coverage() == 0.0  # eligible, and said to be unfused
+    why = {c.module: c.reason for c in report.skipped()}
+    assert (
+        why["layer1.0.conv1"]
+        == f"bn1 is {cls}: only nn.BatchNorm2d is fused, so its block `BasicBlock` runs its own forward"
+    )
+    assert why["conv1"].startswith(f"bn1 is {cls}: only nn.BatchNorm2d is fused")  # the ResNet stem
+    if cls == "SyncBatchNorm":  # the downsample Sequential: the generic conv + bn path refuses it too
+        assert why["layer2.0.downsample.0"] == (
+            "`layer2.0.downsample.1` is SyncBatchNorm: only nn.BatchNorm2d is fused"
+        )
+        return  # SyncBatchNorm needs a process group (and a GPU) to run
+    x = torch.randn(2, 3, 32, 32)
+    torch.testing.assert_close(model(x), eager(x))
+
+
+def test_generic_conv_bn_path_fuses_only_exact_batch_norm() -> None:
+    seq = nn.Sequential(nn.Conv2d(3, 4, 3), nn.SyncBatchNorm(4), nn.ReLU(), nn.Conv2d(4, 4, 3), _CountingBatchNorm(4))
+    report = apply_fusions(seq, warn_if_empty=False)
+    assert len(report) == 0 and not is_fused(seq)
+    why = {c.module: c.reason for c in report.skipped()}
+    assert why == {
+        "0": "`1` is SyncBatchNorm: only nn.BatchNorm2d is fused",
+        "3": "`4` is _CountingBatchNorm: only nn.BatchNorm2d is fused",
+    }
+
+
+def test_a_block_whose_batch_norm_is_replaced_after_surgery_runs_its_own_forward() -> None:
+    torch.manual_seed(0)
+    model = SmallResNet(width=8, blocks=(1,))
+    apply_fusions(model)
+    block = model.layers[0]
+    assert is_fused(block, FusedBasicBlockMixin)
+    eager = copy.deepcopy(model)
+    counting = _CountingBatchNorm(8)
+    counting.load_state_dict(block.bn1.state_dict())
+    block.bn1 = counting  # e.g. convert_sync_batchnorm for a later fit
+    eager.layers[0].bn1 = copy.deepcopy(counting)
+    _CountingBatchNorm.calls = 0
+    x = torch.randn(2, 3, 16, 16)
+    torch.testing.assert_close(model(x), eager(x))
+    assert _CountingBatchNorm.calls == 2  # once in each model: the fused block did not skip it
+    why = {c.module: c.reason for c in apply_fusions(model).skipped()}
+    assert why["layers.0.conv1"] == "bn1 is _CountingBatchNorm: only nn.BatchNorm2d is fused"
+
+
+def test_tied_or_shared_qkv_parameters_are_not_packed() -> None:
+    from lightning_accel.models.transformer import CausalSelfAttention
+    from lightning_accel.precision.modules import pack_qkv
+
+    attn = CausalSelfAttention(16, 2)
+    attn.k_proj.weight = attn.q_proj.weight  # tied
+    n_params = sum(p.numel() for p in attn.parameters())
+    report = apply_fusions(attn, warn_if_empty=False)
+    assert "qkv_proj" not in attn._modules and sum(p.numel() for p in attn.parameters()) == n_params
+    assert report.skipped()[0].reason == (
+        "q_proj.weight is shared with `k_proj.weight` (tied weights): packing copies it, which would untie them"
+    )
+    with pytest.raises(ValueError, match="share a parameter"):
+        pack_qkv(attn)
+
+    attn = CausalSelfAttention(16, 2)
+    attn.v_proj = attn.k_proj  # the same module twice
+    report = apply_fusions(attn, warn_if_empty=False)
+    assert "qkv_proj" not in attn._modules
+    assert report.skipped()[0].reason.startswith("v_proj is the same module as k_proj")
+
+    model = _gpt()
+    model.blocks[0].attn.v_proj.bias = model.blocks[0].attn.proj.bias  # shared with another module of the model
+    report = apply_fusions(model)
+    assert "qkv_proj" not in model.blocks[0].attn._modules and "qkv_proj" in model.blocks[1].attn._modules
+    why = {c.module: c.reason for c in report.skipped()}
+    assert why == {
+        "blocks.0.attn": "v_proj.bias is shared with `blocks.0.attn.proj.bias` (tied weights): packing copies it, "
+        "which would untie them"
+    }
+
+
+def test_attention_counts_as_fused_only_when_its_qkv_was_packed() -> None:
+    model = GPT(vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=16)
+    model.blocks[0].attn.q_proj.weight.requires_grad_(False)
+    report = apply_fusions(model)
+    assert is_fused(model.blocks[0], FusedGPTBlockMixin) and "qkv_proj" not in model.blocks[0].attn._modules
+    assert report.coverage_by_kind()["attention"] == (0, 1)
+    (skipped,) = report.skipped()
+    assert (skipped.module, skipped.cls) == ("blocks.0.attn", "CausalSelfAttention")
+    assert skipped.reason == (
+        "requires_grad differs (q_proj.weight frozen, the others not): a packed parameter has one requires_grad"
+    )
+    # projections split across optimizer parameter groups, and the `qkv` pattern left out
+    model = _gpt()
+    attn = model.blocks[0].attn
+    q_params = set(attn.q_proj.parameters())
+    opt = torch.optim.SGD(
+        [{"params": list(q_params)}, {"params": [p for p in model.parameters() if p not in q_params]}], lr=0.1
+    )
+    why = {c.module: c.reason for c in apply_fusions(model, optimizers=[opt]).skipped()}
+    assert list(why) == ["blocks.0.attn"] and "different optimizer parameter groups" in why["blocks.0.attn"]
+    why = {c.module: c.reason for c in apply_fusions(_gpt(), fusions=["linear_dropout", "norm"]).skipped()}
+    assert why["blocks.1.attn"].startswith("q_proj/k_proj/v_proj not packed: pattern `qkv` not selected")
+
+
+def test_skip_reasons_name_the_ignored_neighbour_and_the_unselected_pattern() -> None:
+    seq = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Linear(4, 4), nn.ReLU())
+    report = apply_fusions(seq, ignore_modules=["1", "3"], warn_if_empty=False)
+    why = {c.module: c.reason for c in report.skipped()}
+    assert why == {
+        "0": "the module after it, `1`, is in `ignore_modules` (it runs on its own)",
+        "2": "the module after it, `3`, is in `ignore_modules` (it runs on its own)",
+    }
+    report = apply_fusions(SmallResNet(width=8, blocks=(1,)), fusions=["block"], warn_if_empty=False)
+    why = {c.module: c.reason for c in report.skipped()}
+    assert why["layers.0.conv1"] == (
+        "its block `BasicBlock` is registered with FusedBasicBlockMixin, whose pattern `conv_bn_relu` is not selected "
+        "(`fusions=['block']`)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"fusions": 123}, TypeError, r"`fusions` must be pattern names from .* got 123 \(int\)"),
+        ({"fusions": {"x": 1}}, TypeError, r"`fusions` as a policy must map pattern names to lists of `Replacement`"),
+        ({"fusions": ["norm", 3]}, TypeError, r"`fusions` must hold pattern names"),
+        ({"compile": "yes"}, TypeError, r"`compile` must be True or False, got 'yes' \(str\)"),
+        ({"compile_kwargs": ["mode"]}, TypeError, r"`compile_kwargs` must be a dict .* got \['mode'\] \(list\)"),
+        ({"device": "gpu"}, ValueError, r"`device` must be a torch device type .* got 'gpu' \(str\)\. Use 'cuda'"),
+        ({"device": "cuda:0"}, ValueError, r"`device` must be a torch device type .* without an index"),
+        ({"device": 3}, TypeError, r"`device` must be a torch device type .* got 3 \(int\)"),
+        ({"scaler": "yes"}, TypeError, r"`scaler` must be a `torch.amp.GradScaler` or None .* got 'yes' \(str\)"),
+    ],
+)
+def test_plugin_arguments_are_checked_at_construction(kwargs: dict, error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message) as info:
+        FusedPrecision("16-mixed", **kwargs)
+    assert "\n" not in str(info.value)
