@@ -143,7 +143,9 @@ class SampleCache(ResetOnPickle):
 
     # (retries, bytes) of the store already added to the statistics: a baseline of the store's own counters, which
     # restart at 0 in a pickled copy of the store (a spawned worker's), so it restarts with them.
-    _reset_on_pickle = {"_seen": (0, 0)}
+    # The tier keys, computed once per process from the listing (`_tier_keys`); a pickled copy computes its own rather
+    # than carry them (a spawned worker's pickle stays small).
+    _reset_on_pickle = {"_seen": (0, 0), "_keys": None}
 
     def __init__(
         self,
@@ -178,6 +180,7 @@ class SampleCache(ResetOnPickle):
         # is kept apart. Entries hold their label too, but reads take it from the listing (see `_place`).
         classes = "\x1f".join(listing.classes)
         self.namespace = hashlib.sha1(f"{store.url}|{fp}|{classes}".encode()).hexdigest()[:12]
+        self._keys: tuple[str, list[bytes]] | None = None  # (namespace, tier key of each listing entry)
         # Read-ahead futures of this process (a forked child's copies belong to threads it does not have).
         self._pending: PerProcess[dict[int, Future[bytes]]] = PerProcess(dict)
         self.packed: PackedReader | None = None
@@ -227,11 +230,46 @@ class SampleCache(ResetOnPickle):
         return [(n, t) for n, t in (("ram", self.ram), ("ssd", self.ssd)) if t is not None and not t.disabled]
 
     def key(self, i: int) -> bytes:
-        """The tier key of listing entry ``i``."""
-        k = self.listing.keys[i]
-        if len(k) > _MAX_KEY:
-            k = "sha1:" + hashlib.sha1(k.encode()).hexdigest()
-        return f"{self.namespace}/{k}".encode()
+        """The tier key of listing entry ``i``: ``<namespace>/<key>`` followed by the sample's content identity (see
+        :meth:`_tier_keys`)."""
+        return self._tier_keys()[i]
+
+    def keys_of(self, indices: Sequence[int]) -> list[bytes]:
+        """The tier keys of listing entries ``indices``."""
+        keys = self._tier_keys()
+        return [keys[i] for i in indices]
+
+    def _tier_keys(self) -> list[bytes]:
+        """Every listing entry's tier key, made once per process (and again if ``namespace`` changed).
+
+        A key is ``<namespace>/<sample key>\\0<content identity>``: for a packed origin the index's CRC-32 and size
+        of the sample, else the listing's stamp (:class:`~lightning_accel.data.origin.SampleKeys`: size and mtime, or
+        ETag and size). A file changed under the same name therefore has a new key once the origin is listed again
+        (a re-pack writes a new index): it is decoded again, and the old entry is never served. NUL cannot occur in a
+        key (``safe_join`` refuses it), so no two (key, identity) pairs meet. A listing without identities (a
+        ``Listing`` built from a plain list of keys) keys by name alone.
+
+        Made once per listing (7 ms for 30k samples here), not per read: the warm path reads ~30k samples/s, and a
+        batch's keys are now list lookups (1.3 us per 64 samples, against 17 us to format them per read before).
+        Every rank and worker reads the same listing (``listing-*.json``, or the pack index), so all of them compute
+        the same keys."""
+        made = self._keys
+        if made is not None and made[0] == self.namespace:
+            return made[1]
+        listing, ns = self.listing, self.namespace
+        pack = listing.pack
+        if pack is not None:
+            stamps: Sequence[str] | None = [f"{c:08x}.{n}" for c, n in zip(pack.crc32, pack.size, strict=True)]
+        else:
+            stamps = listing.stamps
+        keys = []
+        for j, k in enumerate(listing.keys):
+            tail = f"{k}\0{stamps[j]}" if stamps is not None and stamps[j] else k
+            if len(tail.encode()) > _MAX_KEY:
+                tail = "sha1:" + hashlib.sha1(tail.encode()).hexdigest()
+            keys.append(f"{ns}/{tail}".encode())
+        self._keys = (ns, keys)
+        return keys
 
     # ---- prefetch ------------------------------------------------------------------------------------------------
     def hint(self, indices: Sequence[int]) -> int:
@@ -252,7 +290,7 @@ class SampleCache(ResetOnPickle):
         self.stats.add(bytes_fetched=fetched, retries=retried)
 
     def _uncached(self, todo: list[int]) -> list[int]:
-        keys = [self.key(i) for i in todo]
+        keys = self.keys_of(todo)
         for _, tier in self.tiers:
             if not todo:
                 break
@@ -480,7 +518,7 @@ class SampleCache(ResetOnPickle):
         out = [bool(b) for b in seen]
         rest = [p for p, b in enumerate(out) if not b]
         if rest and self.tiers:
-            keys = [self.key(indices[p]) for p in rest]
+            keys = self.keys_of([indices[p] for p in rest])
             found = [False] * len(keys)
             for _, tier in self.tiers:
                 have = tier.contains(keys)
@@ -527,7 +565,7 @@ class SampleCache(ResetOnPickle):
             OriginError: the origin cannot deliver a missing sample (names the URL).
             DecodeError: a sample cannot be decoded and ``on_decode_error="raise"`` (names the URL).
         """
-        batch = _Batch.start(indices, [self.key(i) for i in indices], shared)
+        batch = _Batch.start(indices, self.keys_of(indices), shared)
         missing = self._read_tiers(batch)
         if len(missing) < len(indices):
             hit = np.asarray(indices, dtype=np.int64)

@@ -3,8 +3,9 @@ removes stale RAM tiers (see ``docs/data.md``).
 
 ``pack SOURCE DEST [--shard-bytes 16MiB] [--shuffle-seed N] [--manifest FILE] [--storage-options JSON]
 [--dest-storage-options JSON] [--overwrite]``: copy an ImageFolder tree (or a manifest's keys) into shards plus an
-index, so a cold epoch from an object store costs one GET per shard instead of one per image. Prints a JSON summary;
-exit 2 on bad arguments, 1 when the source or destination fails.
+index, so a cold epoch from an object store costs one GET per shard instead of one per image. ``DEST`` must be missing,
+empty or hold a pack (replaced with ``--overwrite``, which touches only that pack's files): a ``DEST`` holding any
+other file is refused. Prints a JSON summary; exit 2 on bad arguments, 1 when the source or destination fails.
 
 ``clean [--older-than 0s] [--root DIR] [--tier NAME ...] [--dry-run]``: remove the RAM tiers under ``DIR`` (default
 ``/dev/shm/lightning_accel``) that no process uses and that were last used longer ago than ``--older-than``; prints a
@@ -41,7 +42,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     k.add_argument("--manifest", default=None, help="JSONL manifest under SOURCE instead of a tree")
     k.add_argument("--storage-options", default=None, help="fsspec options of SOURCE as JSON")
     k.add_argument("--dest-storage-options", default=None, help="fsspec options of DEST as JSON (default: SOURCE's)")
-    k.add_argument("--overwrite", action="store_true", help="replace a pack already at DEST")
+    k.add_argument("--overwrite", action="store_true", help="replace a pack already at DEST (only its own files)")
     k.add_argument("--shuffle-seed", type=int, default=None, help="write samples in a seeded random order")
     c = sub.add_parser("clean", help="remove RAM tiers no process uses (on /dev/shm by default)")
     c.add_argument("--older-than", default="0s", help="only tiers last used longer ago than this, e.g. 12h, 7d")

@@ -7,6 +7,10 @@ concurrency and bounded retries, and its listing (an ImageFolder-style tree or a
   backoff (``backoff_s * 2**attempt``); permanent ones (missing key, access denied) fail at once. Either way the error
   names the URL.
 - Keys never escape the origin (``safe_join``).
+- A tree's or manifest's listing records each key's *content identity* (:class:`SampleKeys`): its size and
+  modification time on a local disk, its ETag (or another checksum or time the store lists) and size on an object
+  store. The cache folds it into each entry's key, so a file changed under the same name is decoded again once the
+  origin is listed again.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ import functools
 import hashlib
 import json
 import os
-from collections.abc import Callable, Sequence
+import posixpath
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -34,7 +39,9 @@ __all__ = [
     "Listing",
     "ObjectStore",
     "OriginError",
+    "SampleKeys",
     "check_origin",
+    "content_stamp",
     "list_origin",
 ]
 
@@ -193,10 +200,73 @@ class ObjectStore(ResetOnPickle):
         return [f.result() for f in futs]
 
 
+class SampleKeys(list[str]):
+    """A listing's relative keys, and beside them each key's content identity (``stamps[i]`` belongs to ``self[i]``).
+
+    A stamp is a short string that changes when the file's bytes change (see :func:`content_stamp`); ``""`` is
+    unknown. The cache folds it into each entry's key, so a file changed under the same name is decoded again.
+
+    Why a list of its own rather than a field of :class:`Listing`: a listing is rebuilt with new labels or classes
+    from its keys (``Listing(old.origin, old.keys, new_labels, classes)``, as class remapping does), and the stamps
+    must travel with the keys they describe. A new list made from the keys (a subset, a copy) carries none, as it
+    must: its positions are others.
+
+    Raises:
+        ValueError: ``stamps`` does not hold one string per key.
+    """
+
+    stamps: list[str] | None
+
+    def __init__(self, keys: Iterable[str] = (), stamps: Sequence[str] | None = None) -> None:
+        super().__init__(keys)
+        if stamps is not None and len(stamps) != len(self):
+            raise ValueError(
+                f"`stamps` must hold one content identity per key: got {len(stamps)} for {len(self)} keys. List the "
+                "origin again (list_origin)."
+            )
+        self.stamps = [str(s) for s in stamps] if stamps is not None else None
+
+
+def content_stamp(info: Mapping[str, Any]) -> str:
+    """The content identity of one file from its fsspec listing entry ``info``: its size, and its ETag (or another
+    checksum the store lists: GCS ``md5Hash``/``crc32c``, Azure ``etag``), else its modification time (a local disk:
+    ``mtime``; ``LastModified``, ``updated``, ``created``). Deterministic for a given entry, so every rank and
+    worker that reads one listing computes the same cache keys.
+
+    A checksum comes first where there is one: an object uploaded again with the same bytes keeps its (single-part)
+    ETag and its cache entries, while its time changes. Locally, the size and the mtime (sub-microsecond) are what
+    ``rsync``'s quick check trusts too: a file rewritten in place gets a new mtime; for a symlink, its target's.
+    """
+    if info.get("islink"):
+        # A local symlink (a tree of links into a shared store): fsspec's directory listing gives the link's own
+        # mtime, which does not change when the file it points to is rewritten. The target's is what identifies.
+        try:
+            st = os.stat(str(info["name"]))
+        except (OSError, KeyError):
+            return ""  # a dangling link: its read fails, naming it
+        return f"{st.st_size}@{st.st_mtime}"
+    size = info.get("size")
+    for name in ("ETag", "etag", "md5Hash", "crc32c"):
+        tag = info.get(name)
+        if tag:
+            tag = str(tag).strip('"')  # S3 quotes its ETags
+            return f"{size}:{tag}"
+    for name in ("mtime", "LastModified", "last_modified", "updated", "created"):
+        when = info.get(name)
+        if when is not None:
+            stamp = getattr(when, "timestamp", None)  # a datetime: its instant, whatever its time zone says
+            return f"{size}@{stamp() if callable(stamp) else when}"
+    return f"{size}" if size is not None else ""
+
+
 @dataclass
 class Listing:
     """The samples of an origin: relative keys, integer labels and class names (label ``i`` is ``classes[i]``);
-    ``pack`` says where each sample lives when the origin is packed (see :mod:`lightning_accel.data.pack`)."""
+    ``pack`` says where each sample lives when the origin is packed (see :mod:`lightning_accel.data.pack`).
+
+    ``keys`` is a :class:`SampleKeys` when the listing knows each file's content identity (a tree or a manifest
+    listed by :func:`list_origin`); a packed origin's identities are its index's CRC-32 and size.
+    """
 
     origin: str
     keys: list[str]
@@ -207,15 +277,24 @@ class Listing:
     def __len__(self) -> int:
         return len(self.keys)
 
+    @property
+    def stamps(self) -> list[str] | None:
+        """Each key's content identity (see :class:`SampleKeys`); ``None`` when the listing does not record them."""
+        return getattr(self.keys, "stamps", None)
+
     def fingerprint(self) -> str:
-        """A short hash of the keys and labels (detects a changed origin)."""
+        """A short hash of the keys, labels and content identities (detects a changed origin)."""
         h = hashlib.sha1()
         for k, y in zip(self.keys, self.labels, strict=False):
             h.update(f"{k}\t{y}\n".encode())
+        for st in self.stamps or ():
+            h.update(f"{st}\n".encode())
         return h.hexdigest()[:16]
 
     def to_json(self) -> str:
         d: dict[str, Any] = {"origin": self.origin, "classes": self.classes, "keys": self.keys, "labels": self.labels}
+        if self.stamps is not None:
+            d["stamps"] = self.stamps
         if self.pack is not None:
             d["pack"] = self.pack.to_dict()
         return json.dumps(d)
@@ -223,7 +302,8 @@ class Listing:
     @classmethod
     def from_json(cls, text: str) -> Listing:
         d = json.loads(text)
-        keys = list(d["keys"])
+        stamps = d.get("stamps")
+        keys = SampleKeys(d["keys"], stamps) if stamps is not None else list(d["keys"])
         pack = None
         if d.get("pack") is not None:
             from lightning_accel.data.pack import PackIndex
@@ -273,6 +353,11 @@ def list_origin(
     Packed layout (:func:`~lightning_accel.data.pack.pack_origin`): the origin's ``lightning-accel-pack.json`` index
     (one GET) is the listing; it wins over the tree layout.
 
+    A tree's or manifest's listing records each key's content identity (:func:`content_stamp`, in
+    :attr:`Listing.stamps`) from the same directory listing that finds the files: free for a tree (the recursive
+    listing carries sizes, times and ETags), and for a manifest one listing of each directory its keys live in (a
+    key no listing shows gets ``""``: its read fails as before).
+
     Raises:
         FileNotFoundError: the origin (or manifest) does not exist, naming the URL.
         ValueError: nothing to train on (no matching files), or a class directory without images (torchvision's
@@ -309,13 +394,21 @@ def list_origin(
                     f"`manifest` {store.url_of(manifest)!r} line {n} (key {key!r}) has label {label!r}; a label must "
                     "be an integer >= 0 (the class index). Fix that line."
                 )
-            safe_join(root, key)  # validates
+            try:
+                safe_join(root, key)
+            except ValueError as e:
+                raise ValueError(
+                    f"`manifest` {store.url_of(manifest)!r} line {n} has key {key!r}, which would escape the origin "
+                    "or is not a plain relative path (a key is a relative POSIX path without `..`, `.`, a leading "
+                    "`/`, a scheme, `::` or backslashes). Fix that line."
+                ) from e
             keys.append(key)
             labels.append(label)
         if not keys:
             raise ValueError(f"`manifest` {store.url_of(manifest)!r} lists no samples.")
         classes = [str(c) for c in range(max(labels) + 1)]
-        return Listing(origin=store.url, keys=keys, labels=labels, classes=classes)
+        stamps = _manifest_stamps(store, keys)
+        return Listing(origin=store.url, keys=SampleKeys(keys, stamps), labels=labels, classes=classes)
     if not exists:
         raise FileNotFoundError(
             f"`origin` {store.url!r} does not exist. Pass a directory or URL holding <class>/<image> files "
@@ -327,13 +420,14 @@ def list_origin(
     if packed is not None:
         return packed
     exts = tuple(e.lower() for e in extensions)
-    rels = []
-    for p in fs.find(root):
+    found: dict[str, str] = {}  # relative key -> its content identity
+    for p, info in fs.find(root, detail=True).items():
         rel = p[len(root) :].lstrip("/") if root else p
         parts = rel.split("/")
         if len(parts) < 2 or any(s.startswith(".") for s in parts) or not rel.lower().endswith(exts):
             continue
-        rels.append(rel)
+        found[rel] = content_stamp(info)
+    rels = list(found)
     if not rels:
         raise ValueError(
             f"`origin` {store.url!r} holds no files with extensions {list(exts)} inside class directories. "
@@ -343,4 +437,35 @@ def list_origin(
     classes = sorted({r.split("/", 1)[0] for r in rels})
     _check_no_empty_class(store, fs, root, set(classes), exts)
     cidx = {c: i for i, c in enumerate(classes)}
-    return Listing(origin=store.url, keys=rels, labels=[cidx[r.split("/", 1)[0]] for r in rels], classes=classes)
+    keys = SampleKeys(rels, [found[r] for r in rels])
+    return Listing(origin=store.url, keys=keys, labels=[cidx[r.split("/", 1)[0]] for r in rels], classes=classes)
+
+
+def _manifest_stamps(store: ObjectStore, keys: Sequence[str]) -> list[str]:
+    """The content identity of each of a manifest's ``keys``, from one listing of each directory they live in (not
+    one request per key: a LIST returns up to 1,000 objects on S3). A directory that cannot be listed, and a key its
+    listing lacks, give ``""``: that key's read fails, naming it, as it would have."""
+    fs, root = store.fs, store.root
+    dirs = sorted({posixpath.dirname(k) for k in keys})
+
+    def entries(d: str) -> dict[str, str]:
+        path = safe_join(root, d) if d else root
+        try:
+            listed = fs.ls(path, detail=True)
+        except Exception:  # missing or unlistable: the reads of its keys report it
+            return {}
+        out = {}
+        for e in listed:
+            if e.get("type") != "directory":
+                name = str(e["name"]).rstrip("/")
+                out[name[len(root) :].lstrip("/") if root else name] = content_stamp(e)  # as the tree's keys
+        return out
+
+    if store.is_local or len(dirs) == 1:
+        listed = [entries(d) for d in dirs]
+    else:  # a remote store: the listings concurrently, on the store's bounded pool
+        listed = [f.result() for f in [store.run(entries, d) for d in dirs]]
+    by_key: dict[str, str] = {}
+    for e in listed:
+        by_key.update(e)
+    return [by_key.get(k, "") for k in keys]

@@ -11,7 +11,13 @@ Layout under the packed origin (documented in ``docs/data.md``):
 
 - ``shards/000000.bin``, ...: the samples' original bytes, concatenated (no headers; nothing to unpickle);
 - ``lightning-accel-pack.json``, written last (a reader never sees a half-written pack): format and version, class
-  names, the shards' keys and sizes, and per sample its key, label, shard, byte offset, size and CRC-32.
+  names, the shards' keys and sizes, and per sample its key, label, shard, byte offset, size and CRC-32;
+- ``lightning-accel-pack.writing.json`` while a pack is being written: every key the writer may create or replace,
+  published before it touches any of them and removed when the pack is complete, so a pack killed halfway leaves
+  only files a later :func:`pack_origin` knows as its own.
+
+:func:`pack_origin` writes into a destination that is missing, empty, or holds only a pack of its own (and with
+``overwrite`` replaces that pack): a file no pack wrote is never overwritten or removed.
 
 :func:`~lightning_accel.data.origin.list_origin` recognises the index, and :class:`PackedReader` reads samples:
 
@@ -66,6 +72,11 @@ __all__ = ["PACK_INDEX", "PackIndex", "PackedReader", "pack_origin"]
 PACK_INDEX = "lightning-accel-pack.json"
 PACK_FORMAT = "lightning-accel-pack"
 PACK_VERSION = 1
+# What a pack being written owns at its destination (see `_claim_dest`): written before any shard, removed last.
+PACK_JOURNAL = "lightning-accel-pack.writing.json"
+_JOURNAL_FORMAT = "lightning-accel-pack-writing"
+# The temporary name a local atomic publish of the index or the journal leaves behind when killed (`_utils.atomic`).
+_OWN_TMP = re.compile(r"\.lightning-accel-pack(\.writing)?\.json\.[0-9a-f]{32}\.tmp")
 DEFAULT_SHARD_BYTES = 16 << 20  # S3 reaches full per-request throughput at ~8-16 MB objects
 DEFAULT_STAGE_BYTES = 4 << 30
 _TOUCH_S = 0.5  # how often a process refreshes a staged shard's "last used" time while it reads from it
@@ -246,7 +257,10 @@ def pack_origin(
         shard_bytes: target shard size; a shard closes before the sample that would overflow it (a sample larger
             than ``shard_bytes`` gets a shard of its own).
         max_concurrency: concurrent reads from ``source``.
-        overwrite: replace a pack already at ``dest`` (its index is removed first, so readers never mix the two).
+        overwrite: replace a pack already at ``dest``: its index is removed just before the first new shard is
+            written (readers never mix the two), the new shards are written, the new index is published, then the
+            old pack's shards the new one does not reuse are removed. Only files the old pack's index (or an
+            interrupted pack's journal) lists are replaced or removed.
         progress: called as ``progress(done, total)`` after each group of samples.
         shuffle_seed: write the samples into the shards in a random order drawn from this seed (the listing keeps
             its order; only where each sample lives changes), so every shard holds a mix of classes and a shuffle
@@ -256,8 +270,13 @@ def pack_origin(
     Empty files, and image files PIL cannot decode, are left out (one warning with their count and the first keys);
     the class list stays that of ``source``, so labels do not move.
 
+    A destination left by a pack that was killed halfway (no index, its journal) is taken over without
+    ``overwrite``: it holds nothing but that pack's own files.
+
     Raises:
-        FileExistsError: ``dest`` already holds a pack and ``overwrite`` is False.
+        FileExistsError: ``dest`` already holds a pack and ``overwrite`` is False; or ``dest`` holds a file that no
+            pack wrote (e.g. an ImageFolder tree, or a user's ``shards/000000.bin``), or an index that cannot be
+            read; or ``dest`` is a file.
         TypeError: ``shard_bytes`` is not an integer.
         ValueError: ``shard_bytes`` < 1, or ``source`` is itself a pack.
     """
@@ -269,20 +288,36 @@ def pack_origin(
     dst = ObjectStore(dest, storage_options if dest_storage_options is None else dest_storage_options)
     fs, root = dst.fs, dst.root
     index_path = safe_join(root, PACK_INDEX)
-    if fs.exists(index_path):
-        if not overwrite:
-            raise FileExistsError(
-                f"`dest` {dst.url!r} already holds a pack ({PACK_INDEX}). Pass `overwrite=True` (`--overwrite`) to "
-                "replace it, or choose another prefix."
-            )
-        fs.rm_file(index_path)
-    fs.makedirs(safe_join(root, "shards"), exist_ok=True)
+    journal_path = safe_join(root, PACK_JOURNAL)
+    has_index, owned, leftovers = _claim_dest(dst, overwrite)
+    # Every file this call may create or replace is listed in the journal before it is touched, so a pack killed at
+    # any point leaves only files the next pack_origin recognises as its own. Nothing is written before the first
+    # shard: a source that fails before it (unreachable, nothing decodable) leaves `dest` as it was, an old pack
+    # included.
+    claimed = set(owned)
+
+    def publish_journal() -> None:
+        doc = {"format": _JOURNAL_FORMAT, "keys": sorted(claimed)}
+        atomic_publish_file(json.dumps(doc, separators=(",", ":")).encode(), journal_path, fs=fs)
+
     shards: list[str] = []
     shard_sizes: list[int] = []
     buf = bytearray()
 
     def flush() -> None:
         key = f"shards/{len(shards):06d}.bin"
+        first, grew = not shards, key not in claimed
+        if grew:
+            # claim the next keys in growing runs (one journal write per doubling, not per shard); a key claimed
+            # but never written is simply absent. No such key held a file: `_claim_dest` refused any.
+            k = len(shards)
+            claimed.update(f"shards/{j:06d}.bin" for j in range(k, k + max(16, k)))
+        if first or grew:
+            publish_journal()
+        if first:
+            if has_index:
+                fs.rm_file(index_path)  # no longer a pack: a reader never mixes the old index with new shards
+            fs.makedirs(safe_join(root, "shards"), exist_ok=True)
         fs.pipe_file(safe_join(root, key), bytes(buf))
         shards.append(key)
         shard_sizes.append(len(buf))
@@ -349,7 +384,78 @@ def pack_origin(
     # The index last, published atomically (one PUT on an object store): a pack killed halfway has no index and is
     # not a pack.
     atomic_publish_file(json.dumps(doc, separators=(",", ":")).encode(), index_path, fs=fs)
+    # Then the old pack's shards the new one does not reuse (left behind before), and an interrupted publish's
+    # temporary files; the journal last, so a kill in between still leaves them known.
+    for key in sorted(owned - set(shards)) + leftovers:
+        with contextlib.suppress(FileNotFoundError):
+            fs.rm_file(safe_join(root, key))
+    fs.rm_file(journal_path)
     return Listing(origin=dst.url, keys=keys, labels=labels, classes=listing.classes, pack=pack)
+
+
+def _claim_dest(dst: ObjectStore, overwrite: bool) -> tuple[bool, set[str], list[str]]:
+    """Check that :func:`pack_origin` may write into ``dst``; returns (whether it holds a pack index, the keys of
+    files a pack wrote there: the index's shards and an interrupted pack's journal's keys, the temporary files of
+    an interrupted publish of the index or the journal).
+
+    Only a missing or empty destination, or one holding nothing but files of a pack (its index, the shards the index
+    lists, and what an interrupted pack's journal lists), is accepted: anything else may be a user's, and the pack
+    would overwrite it (``shards/000000.bin``) or turn the folder (an ImageFolder tree) into a pack.
+
+    Raises:
+        FileExistsError: one line naming ``dst`` and the fix (see :func:`pack_origin`).
+    """
+    fs, root = dst.fs, dst.root
+    if fs.isfile(root):
+        raise FileExistsError(
+            f"`dest` {dst.url!r} is a file; pack_origin writes a folder (prefix) of shards and an index. Choose a "
+            "new or empty folder."
+        )
+    rels = [p[len(root) :].lstrip("/") if root else p for p in fs.find(root)]
+    present = set(rels)
+    owned: set[str] = set()
+    has_index = PACK_INDEX in present
+    if has_index:
+        owned.update(_listed_keys(dst, PACK_INDEX, PACK_FORMAT, lambda d: [str(x["key"]) for x in d["shards"]]))
+    if PACK_JOURNAL in present:
+        owned.update(_listed_keys(dst, PACK_JOURNAL, _JOURNAL_FORMAT, lambda d: [str(k) for k in d["keys"]]))
+    owned -= {PACK_INDEX, PACK_JOURNAL}  # never data files, whatever a tampered index says: removed only by name
+    leftovers = sorted(r for r in rels if _OWN_TMP.fullmatch(r))
+    foreign = sorted(present - owned - {PACK_INDEX, PACK_JOURNAL} - set(leftovers))
+    if foreign:
+        shown = ", ".join(repr(k) for k in foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise FileExistsError(
+            f"`dest` {dst.url!r} holds {len(foreign)} file(s) that no pack wrote ({shown}); refusing to pack there, "
+            "as it would overwrite or mix with them (`overwrite` replaces only a previous pack's files). Choose a new "
+            "or empty folder (prefix), or move those files away."
+        )
+    if has_index and not overwrite:
+        raise FileExistsError(
+            f"`dest` {dst.url!r} already holds a pack ({PACK_INDEX}). Pass `overwrite=True` (`--overwrite`) to "
+            "replace it, or choose another prefix."
+        )
+    return has_index, owned & present, leftovers
+
+
+def _listed_keys(dst: ObjectStore, name: str, fmt: str, keys_of: Callable[[dict[str, Any]], list[str]]) -> list[str]:
+    """The keys that the pack file ``name`` (the index or the journal, of format ``fmt``) at ``dst`` lists.
+
+    Raises:
+        FileExistsError: the file cannot be read as one, so which files a pack wrote is unknown (one line).
+    """
+    where = dst.url_of(name)
+    try:
+        d = json.loads(dst.fs.cat_file(safe_join(dst.root, name)))
+        if not isinstance(d, dict) or d.get("format") != fmt:
+            raise ValueError(f"format {d.get('format') if isinstance(d, dict) else None!r}, expected {fmt!r}")
+        keys = keys_of(d)
+        _check_keys(where, "file", keys)
+    except (ValueError, KeyError, TypeError) as e:
+        raise FileExistsError(
+            f"`dest` holds {where!r}, which cannot be read as a {fmt} file ({type(e).__name__}: {e}), so which files "
+            "a pack wrote there is unknown; refusing to pack there. Choose a new or empty folder, or empty this one."
+        ) from e
+    return keys
 
 
 def _decodable(key: str, data: bytes) -> bool:
