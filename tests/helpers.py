@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import socket
+import subprocess
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -157,3 +160,22 @@ def run_in_processes(
         codes = [p.exitcode for p in procs]
         raise RuntimeError(f"ranks did not all report within {timeout}s (exit codes {codes}, got {sorted(results)})")
     return [results[r] for r in range(nprocs)]
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` (e.g. ``"8m"``) mounted at ``path`` (made) for the block, lazily unmounted after: a real
+    full filesystem. Skips the test without root or where mounting fails, with the reason."""
+    import pytest
+
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    path.mkdir(parents=True, exist_ok=True)
+    mount = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)]
+    r = subprocess.run(mount, capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip() or r.returncode}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)

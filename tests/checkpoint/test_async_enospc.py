@@ -6,8 +6,6 @@ are gone (every blob left is referenced by a manifest). Needs root (``mount -t t
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,6 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accel.checkpoint import DeltaCheckpointIO
 from lightning_accel.checkpoint.plugin import CheckpointSaveError
+from tests.helpers import mounted_tmpfs
 
 
 def _until(done: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
@@ -33,17 +32,8 @@ def _until(done: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
 
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
-    if not hasattr(os, "geteuid") or os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    d = tmp_path / "disk"
-    d.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=30m", "tmpfs", str(d)], capture_output=True, text=True)
-    if r.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip() or r.returncode}")
-    try:
+    with mounted_tmpfs(tmp_path / "disk", "30m") as d:
         yield d
-    finally:
-        subprocess.run(["umount", "-l", str(d)], check=False)
 
 
 class _Model(L.LightningModule):

@@ -10,7 +10,7 @@ import pytest
 
 from lightning_accel.data import tiers as tiers_mod
 from lightning_accel.data.tiers import BudgetTooSmallError, LmdbTier, parse_bytes
-from tests.helpers import run_in_processes
+from tests.helpers import mounted_tmpfs, run_in_processes
 
 VAL = 10_000  # bytes per test value: 3 LMDB overflow pages
 
@@ -195,21 +195,12 @@ def test_a_tier_on_a_full_tmpfs_stops_admitting_instead_of_crashing(tmp_path: Pa
     import subprocess
     import sys
 
-    if not hasattr(os, "geteuid") or os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    d = tmp_path / "shm"
-    d.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(d)], capture_output=True, text=True)
-    if r.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip() or r.returncode}")
-    try:
+    with mounted_tmpfs(tmp_path / "shm", "8m") as d:
         out = subprocess.run(
             [sys.executable, "-c", _FILL_A_SMALL_TMPFS, str(d / "ram"), policy],
             capture_output=True,
             text=True,
             timeout=120,
         )
-    finally:
-        subprocess.run(["umount", "-l", str(d)], check=False)
     assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
     assert out.stdout.startswith("ok")
