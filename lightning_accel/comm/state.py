@@ -579,12 +579,13 @@ class OneBitState:
             "groups": dict(sorted(groups.items())),
         }
 
-    def load_state_dict(self, state: dict[str, Any], world_size: int | None = None) -> None:
+    def load_state_dict(self, state: dict[str, Any], world_size: int | None = None, *, warn: bool = True) -> None:
         """Restore :meth:`state_dict` output; error tensors are adopted when their group first appears.
 
         With another world size, block size or node layout (flat against hierarchical, other processes per node) the
-        error state cannot be mapped (chunks change owners, worker errors change shape): it is reset with a warning,
-        and the step count (warm-up progress) and the decision are kept.
+        error state cannot be mapped (chunks change owners, worker errors change shape): it is reset with a warning
+        (``warn=False``: silently; every rank resets alike, so one rank warning is enough), and the step count
+        (warm-up progress) and the decision are kept.
 
         ``compression="auto"``: a decision saved during a trial of real steps (``trial_until`` set) is the mode being
         tried, not a measured one, and the trial's step times are not saved: it loads as undecided, so the trial runs
@@ -614,20 +615,22 @@ class OneBitState:
         block_size = self.config.block_size
         saved_layout = state.get("nodes_layout")  # absent before hierarchical averaging: flat
         if saved_layout != self.layout_key:
-            warnings.warn(
-                f"1-bit error-feedback state was saved with node layout {saved_layout!r} ([processes per node, "
-                f"nodes]; None: flat) and is loaded with {self.layout_key!r}: the error state is reset to zero "
-                "(training continues compressed).",
-                stacklevel=2,
-            )
+            if warn:
+                warnings.warn(
+                    f"1-bit error-feedback state was saved with node layout {saved_layout!r} ([processes per node, "
+                    f"nodes]; None: flat) and is loaded with {self.layout_key!r}: the error state is reset to zero "
+                    "(training continues compressed).",
+                    stacklevel=2,
+                )
             return
         if state["world_size"] != world_size or state["hparams"]["block_size"] != block_size:
-            warnings.warn(
-                f"1-bit error-feedback state was saved with world_size={state['world_size']}, "
-                f"block_size={state['hparams']['block_size']} and is loaded with world_size={world_size}, "
-                f"block_size={block_size}: the error state is reset to zero (training continues compressed).",
-                stacklevel=2,
-            )
+            if warn:
+                warnings.warn(
+                    f"1-bit error-feedback state was saved with world_size={state['world_size']}, "
+                    f"block_size={state['hparams']['block_size']} and is loaded with world_size={world_size}, "
+                    f"block_size={block_size}: the error state is reset to zero (training continues compressed).",
+                    stacklevel=2,
+                )
             return
         for k, v in state["groups"].items():
             self.pending[_key_parse(k)] = (v["worker"], v["server"])

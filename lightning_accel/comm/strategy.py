@@ -22,12 +22,16 @@ backward need the whole backward first: then the optimizer step compresses every
 A thin adapter over :class:`~lightning_accel.comm.localsteps.LocalSteps`: it wraps the model in DDP (the sampler, the
 initial broadcast, ``no_sync`` for accumulation stay Lightning's) but installs a comm hook that communicates nothing,
 so every rank's optimizer steps on its own gradients; after each optimizer step it hands over to the outer schedule.
-The fit ends with a last sync of every fragment and every rank holding the shared parameters ``θ_global``.
+The fit ends with a last sync of every fragment and every rank holding the shared parameters ``θ_global``: as the step
+that ends it completes when Lightning's own rules foresee it (``max_steps``, the last batch of ``max_epochs``), so the
+callbacks' hooks of that step and of the epoch's end (the checkpoints saved at the end) see ``θ_global``; else (early
+stopping, ``max_time``) in ``on_train_end``, after the callbacks' own.
 
-Its checkpoints: Lightning writes rank 0's model and optimizer; between syncs the ranks' parameters and optimizer
-states differ, so every rank's own parameters, optimizer states and outer state (error feedback, exchanges in flight)
-are gathered into the checkpoint under :data:`LOCALSTEPS_CHECKPOINT_KEY` (world size x the model and optimizer size)
-and each rank takes back its own on resume, bit-exact at the same world size.
+Its checkpoints: Lightning writes rank 0's model, optimizer and precision plugin; between syncs the ranks' parameters,
+buffers (BatchNorm statistics), optimizer states and loss scales (each rank's GradScaler skips the steps its own
+gradients overflow) differ, so every rank's own, and its outer state (error feedback, exchanges in flight), are
+gathered into the checkpoint under :data:`LOCALSTEPS_CHECKPOINT_KEY` (world size x the model and optimizer size) and
+each rank takes back its own on resume, bit-exact at the same world size.
 """
 
 from __future__ import annotations
@@ -121,8 +125,8 @@ def _ddp_kwargs(kwargs: dict[str, Any], *, alias: str, cls: str, own: tuple[str,
 SAVE_BARRIER = "Trainer.save_checkpoint"
 
 
-def _with_overlap(gathered: Deferred, overlap: dict[str, Any] | None) -> dict[str, Any]:
-    return {**gathered.result(), "overlap_decision": overlap}
+def _with_extras(gathered: Deferred, extras: dict[str, Any]) -> dict[str, Any]:
+    return {**gathered.result(), **extras}
 
 
 def _on_cpu(state: comm.OneBitState) -> bool:
@@ -160,20 +164,24 @@ class _BackgroundSavesDDP(DDPStrategy):
 class OneBitDDPStrategy(_BackgroundSavesDDP):
     """DDP with 1-bit compressed averaging and error feedback (``Trainer(strategy="ddp_1bit")``).
 
-    After ``warmup_steps`` optimizer steps of plain DDP (fp32 allreduce, the unmodified optimizer), what the ranks
-    average travels through the two-phase compressed allreduce (signs packed 8 per byte + one fp32 ``mean |x|`` scale
-    per block): about 30x fewer bytes than an fp32 ring allreduce, at any number of processes. For SGD with momentum,
+    After ``warmup_steps`` steps of plain DDP (fp32 allreduce, the unmodified optimizer), what the ranks average
+    travels through the two-phase compressed allreduce (signs packed 8 per byte + one fp32 ``mean |x|`` scale per
+    block): about 30x fewer bytes than an fp32 ring allreduce, at any number of processes. For SGD with momentum,
     Adam and AdamW that is the optimizer's momentum (Adam's variance frozen at the end of warm-up, as in DeepSpeed's
     1-bit Adam; the algorithm is in :mod:`lightning_accel.comm.momentum`), and DDP's own gradient allreduce does not
     run; for other optimizers it is the gradient buckets (with a warning). ``compression="auto"`` times real steps
     both ways at the end of warm-up and keeps plain DDP when compression does not pay. See ``docs/onebit.md``.
 
     Args:
-        warmup_steps: optimizer steps of plain DDP first (>= 2: DDP rebuilds its buckets after step 1; Adam's variance
-            is frozen at its end), or ``"auto"``: 10 for SGD, the gradient path and Adam/AdamW with
+        warmup_steps: steps of plain DDP first (>= 2: DDP rebuilds its buckets after step 1; Adam's variance is frozen
+            at its end), or ``"auto"``: 10 for SGD, the gradient path and Adam/AdamW with
             ``variance_refresh > 0``; with ``variance_refresh=0``, until Adam's variance has settled (per-tensor means
             moved < 10 % over 5 steps), from step 10 and at the latest 15 % of the fit's steps
-            (:mod:`lightning_accel.comm.warmup`). The resolved value is logged and saved in checkpoints.
+            (:mod:`lightning_accel.comm.warmup`). The resolved value is logged and saved in checkpoints (and, while
+            ``"auto"`` is still deciding, what its next check compares with). A step here (and in ``variance_refresh``
+            and ``recheck_every``) is an averaging step, a backward pass whose gradients DDP synchronises: one per
+            optimizer step under automatic optimization; under manual optimization one per ``manual_backward``
+            (two optimizers stepped after one backward count one).
         block_size: maximum elements per scale block (multiple of 8).
         min_compress_numel: buckets smaller than this stay fp32.
         error_feedback: keep the compression residuals (turn off only to measure what they buy).
@@ -203,10 +211,10 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
             the 1-bit exchange between the ranks of different nodes that hold the same shard, all-gather inside the
             node: each *node*, not each rank, sends its compressed share over the slow link;
             :class:`~lightning_accel.comm.HierarchicalOneBitAllreduce`): ``"auto"`` (when there are several nodes
-            and several processes per node), ``True`` (whenever the layout splits) or ``False`` (the flat exchange
-            between all ranks). The same averaging up to the compression error; the error state saved in
-            checkpoints is per shard, so a resume keeps the layout it was saved with (another layout resets it,
-            with a warning).
+            and several processes per node), ``True`` (whenever the layout splits into several nodes; a job on one
+            node raises) or ``False`` (the flat exchange between all ranks). The same averaging up to the
+            compression error; the error state saved in checkpoints is per shard, so a resume keeps the layout it
+            was saved with (another layout resets it, with a warning).
         processes_per_node: the processes each node runs, when it is not Lightning's ``devices`` (the number of
             processes this strategy launches or joins per node; ``LOCAL_WORLD_SIZE`` under torchrun). Ranks are
             numbered node-major, as every launcher does.
@@ -322,6 +330,8 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
         self._overlap_loaded: dict[str, Any] | None = None
         #: ``warmup_steps="auto"``'s watch of the variance until the warm-up ends (None otherwise)
         self._warmup_watch: comm.WarmupWatch | None = None
+        #: the watch's state read from a checkpoint saved while it was deciding (adopted when it is made at setup)
+        self._warmup_loaded: dict[str, Any] | None = None
         #: why 1-bit averaging was switched off for the rest of the fit (:meth:`switch_off`), or None
         self.switched_off_reason: str | None = None
 
@@ -414,7 +424,10 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
         if self._config.warmup_steps == "auto":
             state.warmup_end = None  # resolved at setup (_resolve_warmup), unless the checkpoint below holds it
         if self._onebit_loaded is not None:
-            state.load_state_dict(comm.select_rank_state(self._onebit_loaded, self.global_rank), self.world_size)
+            # every rank resets alike when the error state cannot be mapped: one warning, from rank zero
+            state.load_state_dict(
+                comm.select_rank_state(self._onebit_loaded, self.global_rank), self.world_size, warn=self.is_global_zero
+            )
             self._onebit_loaded = None
         state.measure_fn = self.measure_fn
         self._auto_trial = comm.StepTrial()
@@ -447,6 +460,9 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
             device=self.root_device,
         )
         if watch.watching:
+            loaded, self._warmup_loaded = self._warmup_loaded, None
+            if loaded is not None:  # saved between two checks: the next one compares with the check before the save
+                watch.load_state_dict(loaded)
             self._warmup_watch = watch
         else:  # nothing to watch: decided now (no collective at the checks)
             state.warmup_end = comm.AUTO_MIN_WARMUP
@@ -724,7 +740,7 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
             self.node_topology.destroy()
         # a later fit on this Trainer builds a new state: a checkpoint it resumes must wait for that one
         self._onebit_live = False
-        self._onebit_loaded = self._overlap_loaded = None
+        self._onebit_loaded = self._overlap_loaded = self._warmup_loaded = None
         super().teardown()
 
     @override
@@ -779,20 +795,25 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
         self._wait_state_gathers()  # the previous save's, long done: their errors surface here
         if state is not None and distributed_ready():
             world = state.process_group is None or state.process_group is dist.group.WORLD
-            # overlap="auto"'s decision, the same on every rank (None while it is being measured)
-            overlap = self.overlap_decision
+            watch = self._warmup_watch
+            extras = {
+                # overlap="auto"'s decision, the same on every rank (None while it is being measured)
+                "overlap_decision": self.overlap_decision,
+                # warmup_steps="auto" still deciding: the last check's per-tensor means. Rank 0's, as its optimizer
+                # states are the ones Lightning saves (and they are every rank's: the warm-up averages in fp32)
+                "warmup_watch": None if watch is None else watch.state_dict(),
+            }
             if world and resolves_deferred(self.checkpoint_io) and _on_cpu(state):
                 # A background writer encodes the checkpoint later anyway: the gather runs meanwhile instead of
                 # making rank 0 wait here for the slowest rank and the round trip (the whole of the stall a 1-bit
                 # fit's save added over an fp32 fit's). On CPU tensors (gloo) only: not yet run on a GPU.
                 deferred, self._state_gathers = comm.gather_state_dict_async(state, dst=0)
                 if deferred is not None:
-                    checkpoint[CHECKPOINT_KEY] = Deferred(functools.partial(_with_overlap, deferred, overlap))
+                    checkpoint[CHECKPOINT_KEY] = Deferred(functools.partial(_with_extras, deferred, extras))
             else:
                 gathered = comm.gather_state_dict(state, dst=0 if world else None)
                 if gathered is not None:
-                    gathered["overlap_decision"] = overlap
-                    checkpoint[CHECKPOINT_KEY] = gathered
+                    checkpoint[CHECKPOINT_KEY] = {**gathered, **extras}
         elif self._onebit_loaded is not None:
             checkpoint[CHECKPOINT_KEY] = self._onebit_loaded
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
@@ -804,9 +825,16 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
         if payload is not None:
             decision = payload.get("overlap_decision")
             self._overlap_loaded = dict(decision) if isinstance(decision, dict) else None
+            watch = payload.get("warmup_watch")  # absent from checkpoints saved before it was kept
+            self._warmup_loaded = dict(watch) if isinstance(watch, dict) else None
             if self._onebit_state is not None and self._onebit_live:  # set up in this fit: apply now
-                self._onebit_state.load_state_dict(comm.select_rank_state(payload, self.global_rank), self.world_size)
+                self._onebit_state.load_state_dict(
+                    comm.select_rank_state(payload, self.global_rank), self.world_size, warn=self.is_global_zero
+                )
                 self._adopt_overlap_decision()
+                if self._warmup_watch is not None and self._warmup_loaded is not None:
+                    self._warmup_watch.load_state_dict(self._warmup_loaded)
+                self._warmup_loaded = None
             else:  # DDP restores before wrapping the model: apply when the hook is registered
                 self._onebit_loaded = payload
         return checkpoint
@@ -841,6 +869,21 @@ _LOCAL_OWN = (
     "overlap_steps",
     "sync_start",
 )
+
+
+def _load_buffers(module: torch.nn.Module, saved: Mapping[str, torch.Tensor]) -> None:
+    """Copy ``saved`` (a rank's buffers by name, from its checkpoint) into ``module``'s buffers, in place (the outer
+    state holds references to them)."""
+    own = dict(module.named_buffers())
+    if own.keys() != saved.keys():
+        missing, extra = sorted(own.keys() - saved.keys()), sorted(saved.keys() - own.keys())
+        raise ValueError(
+            f"the checkpoint's local-steps state holds other buffers than the model: missing {missing}, unexpected "
+            f"{extra}. Resume with the model the checkpoint was saved from."
+        )
+    with torch.no_grad():
+        for name, b in own.items():
+            b.copy_(saved[name])
 
 
 def _local_hook(state, bucket):  # no annotations: DDP rejects the string ones this module postpones
@@ -954,6 +997,8 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
         self._loaded: dict[str, Any] | None = None
         self._loaded_from = ""  # the checkpoint `_loaded` came from (for messages)
         self._outer_group: dist.ProcessGroup | None = None
+        #: the inner step at which this fit's final sync ran (None: not yet)
+        self._final_synced_at: int | None = None
 
     @property
     def local_steps_config(self) -> LocalStepsConfig:
@@ -1000,12 +1045,14 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
             buffers=list(module.buffers()),
         )
         self._local_live = True
+        self._final_synced_at = None
         if self._loaded is not None:
             self._restore_local(self._loaded)
             self._loaded = None
 
     def _restore_local(self, payload: Mapping[str, Any]) -> None:
-        """This rank's parameters and outer state from a checkpoint (after DDP's broadcast overwrote them)."""
+        """This rank's parameters, buffers and outer state from a checkpoint (after DDP's broadcast overwrote them
+        with rank 0's)."""
         assert self._local is not None
         ranks = payload["ranks"]
         if len(ranks) != self.world_size:
@@ -1015,6 +1062,9 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
             )
         own = ranks[self.global_rank]
         self._local.load_local_flats(own["local"])
+        buffers = own.get("buffers")  # absent from checkpoints of format 1
+        if buffers is not None and self.lightning_module is not None:
+            _load_buffers(self.lightning_module, buffers)
         self._local.load_state_dict(own["outer"])
 
     @override
@@ -1035,25 +1085,57 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
         **kwargs: Any,
     ) -> Any:
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self._local is not None:
-            self._local.step()
+        local, module = self._local, self.lightning_module
+        if local is not None:
+            local.step()
+            # automatic optimization: this is the batch's only step, not yet counted in `global_step`
+            if module is not None and module.automatic_optimization and self._fit_ends_after(1):
+                self._final_sync()
         return out
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         out = super().training_step(*args, **kwargs)
         local, module = self._local, self.lightning_module
+        # manual optimization: the batch's optimizer steps ran inside the training step, and are counted
+        if local is not None and module is not None and not module.automatic_optimization and self._fit_ends_after(0):
+            self._final_sync()
         if self._log_stats and local is not None and module is not None:
             module.log("comm/bytes_sent", float(local.last_bytes), on_step=True, on_epoch=False, batch_size=1)
         return out
+
+    def _fit_ends_after(self, uncounted_steps: int) -> bool:
+        """Whether the fit ends with the batch now running (Lightning's own stop rules: ``max_steps`` reached, or the
+        last batch of the last of ``max_epochs``), ``uncounted_steps`` optimizer steps of it not yet in
+        ``global_step``. The same on every rank: the counters are. A stop decided elsewhere (early stopping,
+        ``max_time``) is not foreseen here; :meth:`on_train_end` syncs then."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None:
+            return False
+        if trainer.max_steps != -1 and trainer.global_step + uncounted_steps >= trainer.max_steps:
+            return True
+        max_epochs = trainer.max_epochs
+        if max_epochs is None or max_epochs == -1 or trainer.current_epoch + 1 < max_epochs:
+            return False
+        progress = trainer.fit_loop.epoch_loop.batch_progress  # this batch is counted as ready before it runs
+        return bool(progress.is_last_batch) or progress.current.ready == trainer.num_training_batches
+
+    def _final_sync(self) -> None:
+        """The exchanges in flight, then one last sync of every fragment: every rank holds θ_global (a collective)."""
+        local = self._local
+        assert local is not None
+        local.final_sync()
+        self._final_synced_at = local.step_count
 
     @override
     def on_train_end(self) -> None:
         super().on_train_end()
         local = self._local
         if local is not None:
-            # the exchanges in flight, then one last sync of every fragment: every rank ends with θ_global
-            local.final_sync()
+            # synced already when the last step was foreseen (before the callbacks' hooks of that step, so the
+            # checkpoints saved at the end hold θ_global); a fit stopped otherwise syncs now
+            if self._final_synced_at != local.step_count:
+                self._final_sync()
             rank_zero_info(
                 f"diloco: {local.syncs} outer updates over {local.step_count} inner steps, "
                 f"{local.bytes_sent / 1e6:.2f} MB sent by rank {self.global_rank}"
@@ -1063,18 +1145,21 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: PathType, storage_options: Any | None = None
     ) -> None:
-        # called on every rank: gather each rank's own parameters, optimizer states and outer state (a collective)
-        local = self._local
-        if local is not None and distributed_ready():
+        # called on every rank: gather each rank's own parameters, buffers, optimizer states, precision plugin state
+        # (a GradScaler's scale: each rank skips the steps its own gradients overflow) and outer state (a collective)
+        local, module = self._local, self.lightning_module
+        if local is not None and module is not None and distributed_ready():
             own = {
                 "local": local.local_flats(),
+                "buffers": {name: b.detach().to("cpu", copy=True) for name, b in module.named_buffers()},
                 "optimizers": checkpoint.get("optimizer_states", []),
+                "precision": checkpoint.get(type(self.precision_plugin).__qualname__),
                 "outer": local.state_dict(),
             }
             gathered: list[Any] = [None] * self.world_size
             # our own processes' objects; after teardown (no exchange in flight any more) on the default group
             dist.all_gather_object(gathered, own, group=self._outer_group)
-            checkpoint[LOCALSTEPS_CHECKPOINT_KEY] = {"format": 1, "ranks": gathered}
+            checkpoint[LOCALSTEPS_CHECKPOINT_KEY] = {"format": 2, "ranks": gathered}
         elif self._loaded is not None:
             checkpoint[LOCALSTEPS_CHECKPOINT_KEY] = self._loaded
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
@@ -1084,6 +1169,16 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         payload = checkpoint.get(LOCALSTEPS_CHECKPOINT_KEY)
         if payload is not None:
+            ranks = payload["ranks"]
+            key = type(self.precision_plugin).__qualname__
+            if (
+                len(ranks) == self.world_size
+                and ranks[self.global_rank].get("precision") is not None
+                and key in checkpoint
+            ):
+                # Lightning restores the precision plugin from the checkpoint this returns (rank 0's state): this
+                # rank's own instead
+                checkpoint[key] = ranks[self.global_rank]["precision"]
             if self._local is not None and self._local_live:  # set up in this fit: apply now
                 self._restore_local(payload)
             else:  # DDP broadcasts rank 0's parameters when it wraps the model: apply after that

@@ -89,8 +89,9 @@ def resolve_hierarchical(hierarchical: Hierarchical, world_size: int, local_size
     """Whether to average hierarchically in a job of ``world_size`` ranks with ``local_size`` per node.
 
     ``"auto"``: when there are several processes per node and several nodes (``1 < local_size < world_size``, and
-    ``local_size`` divides ``world_size``). ``True`` insists (and raises when the layout cannot be split); ``False``:
-    the flat exchange between all ranks.
+    ``local_size`` divides ``world_size``). ``True`` insists (and raises when the layout cannot be split into several
+    nodes: ``local_size`` does not divide ``world_size``, or every rank is on one node); ``False``: the flat exchange
+    between all ranks.
 
     Raises:
         ValueError: ``hierarchical=True`` without a layout of several nodes of equal size, or a bad value.
@@ -106,6 +107,13 @@ def resolve_hierarchical(hierarchical: Hierarchical, world_size: int, local_size
             f"`hierarchical=True` needs the processes per node to divide the world size, got {local_size!r} "
             f"processes per node for {world_size} processes. Give `processes_per_node=`, or use "
             "`hierarchical='auto'`."
+        )
+    if local_size == world_size:
+        # one node: the 1-bit exchange between nodes would have no peer, and everything would travel in fp32
+        raise ValueError(
+            f"`hierarchical=True` needs several nodes, got one node of {world_size} processes (processes per node: "
+            f"{local_size}). Give `processes_per_node=` (the processes each node runs) if the job spans several "
+            "nodes, or use `hierarchical='auto'` or `False`."
         )
     return True
 

@@ -28,7 +28,8 @@ ends the warm-up at the same step even if their states differed by rounding.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -88,6 +89,7 @@ class WarmupWatch:
         self.group = group
         self.device = device or torch.device("cpu")
         self._last: torch.Tensor | None = None
+        self._checked: int | None = None  # the step of the last check
         self.changes: list[tuple[int, float]] = []
         if not self.optimizers:
             self.reason = "nothing to freeze (no Adam/AdamW variance)"
@@ -117,7 +119,9 @@ class WarmupWatch:
 
     def end_at(self, step: int) -> bool:
         """Whether the warm-up ends before step ``step`` (the step about to run). Call it on every rank at every
-        warm-up step: the checks (every :data:`CHECK_EVERY` steps from :data:`AUTO_MIN_WARMUP`) all-reduce one float."""
+        warm-up step: the checks (every :data:`CHECK_EVERY` steps from :data:`AUTO_MIN_WARMUP`) all-reduce one float.
+        Called again at the same step (several optimizers stepping after one backward), it does not check again: the
+        first optimizer's update would pass for the variance settling."""
         if step < AUTO_MIN_WARMUP:
             return False
         if not self.watching:
@@ -125,14 +129,16 @@ class WarmupWatch:
         if step >= self.cap:
             self.reason = f"the cap, {FALLBACK_FRACTION:.0%} of the fit"
             return True
-        if (step - AUTO_MIN_WARMUP) % CHECK_EVERY:
+        if (step - AUTO_MIN_WARMUP) % CHECK_EVERY or step == self._checked:
             return False
+        self._checked = step
         means = self._means()
         last, self._last = self._last, means
         if means is None or last is None or last.shape != means.shape:
             change = math.inf
         else:
-            change = float((means - last).abs().sum() / means.abs().sum().clamp_min(1e-300))
+            # `last` is on the CPU when it came from a checkpoint
+            change = float((means - last.to(means.device)).abs().sum() / means.abs().sum().clamp_min(1e-300))
         agreed = torch.tensor([change if math.isfinite(change) else 1e300], dtype=torch.float64)
         if dist.is_available() and dist.is_initialized():
             agreed = agreed.to(self.device)
@@ -145,3 +151,22 @@ class WarmupWatch:
             self._last = None
             return True
         return False
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the next check compares against, for checkpoints: ``{"last", "changes"}`` (``last``: a CPU copy of
+        the previous check's per-tensor means, or None; ``changes``: :attr:`changes`). Tensors, ints, floats and
+        lists only, so ``torch.load(weights_only=True)`` reads it back.
+
+        Without it, a fit resumed between two checks would compare its first check with nothing (a change of
+        ``inf``) and end the warm-up :data:`CHECK_EVERY` or more steps later than the uninterrupted fit.
+        """
+        return {
+            "last": None if self._last is None else self._last.detach().to("cpu", copy=True),
+            "changes": [[step, change] for step, change in self.changes],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict` output (taken at the same step as the optimizer states it goes with)."""
+        last = state.get("last")
+        self._last = None if last is None else last.to(torch.float64)
+        self.changes = [(int(step), float(change)) for step, change in state.get("changes", [])]

@@ -160,6 +160,10 @@ def test_resolve_hierarchical() -> None:
     assert resolve_hierarchical(True, 4, 1) is True
     with pytest.raises(ValueError, match="processes per node"):
         resolve_hierarchical(True, 6, 4)
+    # one node of several processes (no `processes_per_node`): nothing to split, one line that says so
+    with pytest.raises(ValueError, match=r"`hierarchical=True` needs several nodes, got one node of 2 processes") as e:
+        resolve_hierarchical(True, 2, 2)
+    assert "\n" not in str(e.value) and "`processes_per_node=`" in str(e.value)
     with pytest.raises(ValueError, match="`hierarchical`"):
         resolve_hierarchical("yes", 4, 2)  # type: ignore[arg-type]
 

@@ -21,7 +21,9 @@ import torch.nn.functional as F
 from tests.helpers import run_in_processes
 
 
-def _module(frozen: bool = False, sched: bool = False, bn: bool = False):
+def _module(
+    frozen: bool = False, sched: bool = False, bn: bool = False, overflow_at: int | None = None, manual: bool = False
+):
     import lightning as L
 
     class Net(L.LightningModule):
@@ -35,12 +37,21 @@ def _module(frozen: bool = False, sched: bool = False, bn: bool = False):
             self.frozen = nn.Linear(16, 16) if frozen else None
             if self.frozen is not None:
                 self.frozen.requires_grad_(False)
+            self.automatic_optimization = not manual
 
         def training_step(self, batch, batch_idx):
             x, y = batch
             if self.frozen is not None:
                 x = x + self.frozen(x)
-            return F.cross_entropy(self.net(x).float(), y)
+            loss = F.cross_entropy(self.net(x).float(), y)
+            if overflow_at == self.global_step and self.global_rank == 1:  # this rank's GradScaler skips the step
+                loss = loss * float("inf")
+            if manual:
+                opt = self.optimizers()
+                opt.zero_grad()
+                self.manual_backward(loss)
+                opt.step()
+            return loss
 
         def configure_optimizers(self):
             opt = torch.optim.AdamW(self.parameters(), lr=0.01)
@@ -64,11 +75,11 @@ def _fit(strategy, model, root: str, ckpt: str | None = None, callbacks=(), **kw
 
     kw.setdefault("max_steps", 16)
     kw.setdefault("devices", 2)
+    kw.setdefault("enable_checkpointing", False)
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",
         logger=False,
-        enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=root,
@@ -169,6 +180,83 @@ def _resume(tmp: str, delta: bool = False) -> dict:
     return out
 
 
+def _resume_rank_state(tmp: str) -> dict:
+    """Each rank's own buffers and loss scale across a resume: BatchNorm statistics of each rank's data (the ranks'
+    halves differ), and a GradScaler that only rank 1's skipped step (step 3) halved. Saved after epoch 0, resumed."""
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from lightning_accel.comm import LocalStepsStrategy
+
+    ckpt = str(Path(tmp) / "rank-state.ckpt")
+
+    class SaveAfterEpoch0(Callback):
+        def on_train_epoch_end(self, trainer, pl_module):
+            if trainer.current_epoch == 0:
+                trainer.save_checkpoint(ckpt)
+
+    def run(path: str | None, callbacks=()) -> tuple:
+        model = _module(bn=True, overflow_at=3)
+        scaler = torch.amp.GradScaler("cpu")
+        strategy = LocalStepsStrategy(sync_every=4, fragments=2, overlap_steps=1, block_size=16)
+        plugin = MixedPrecision("16-mixed", "cpu", scaler=scaler)
+        _fit(strategy, model, tmp, ckpt=path, max_steps=-1, max_epochs=2, plugins=[plugin], callbacks=callbacks)
+        buffers = {k: b.detach().numpy().copy() for k, b in model.named_buffers()}
+        return _params(model), buffers, float(scaler.get_scale())
+
+    full, full_buffers, full_scale = run(None, [SaveAfterEpoch0()])
+    resumed, resumed_buffers, resumed_scale = run(ckpt)
+    return {
+        "full": full,
+        "resumed": resumed,
+        "full_buffers": full_buffers,
+        "resumed_buffers": resumed_buffers,
+        "full_scale": full_scale,
+        "resumed_scale": resumed_scale,
+    }
+
+
+def _last_checkpoint(tmp: str) -> dict:
+    """The checkpoints saved at the end of a fit hold θ_global: ended by ``max_steps`` (a checkpoint every 3 steps,
+    the last one at the last step), by ``max_epochs`` (the checkpoint of the epoch's end), and under manual
+    optimization."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_accel.comm import LocalStepsStrategy
+
+    out = {}
+    cases = {
+        "max_steps": ({"max_steps": 6}, {"every_n_train_steps": 3}, {}),
+        "max_epochs": ({"max_steps": -1, "max_epochs": 1}, {}, {}),
+        "manual": ({"max_steps": 6}, {"every_n_train_steps": 3}, {"manual": True}),
+    }
+    for case, (limits, every, module_kw) in cases.items():
+        dirpath = Path(tmp) / f"last-{case}"
+        model = _module(**module_kw)
+        saver = ModelCheckpoint(dirpath=dirpath, save_last=True, save_top_k=-1, **every)
+        trainer = _fit(
+            LocalStepsStrategy(sync_every=4, fragments=2),
+            model,
+            tmp,
+            callbacks=[saver],
+            enable_checkpointing=True,
+            **limits,
+        )
+        ck = torch.load(dirpath / "last.ckpt", weights_only=True)
+        saved = torch.cat([v.float().reshape(-1) for k, v in ck["state_dict"].items() if "running" not in k])
+        ranks = ck["lightning_accel_localsteps"]["ranks"]
+        out[case] = {
+            "params": _params(model),
+            "saved": saved.numpy().copy(),
+            "ranks_equal": all(
+                torch.equal(a, b) for r in ranks[1:] for a, b in zip(ranks[0]["local"], r["local"], strict=True)
+            ),
+            "steps": trainer.strategy.local_steps.step_count,
+            "syncs": trainer.strategy.local_steps.syncs,
+        }
+    return out
+
+
 def _groups(tmp: str) -> dict:
     from torch.distributed.distributed_c10d import _world
 
@@ -191,6 +279,8 @@ SCENARIOS = {
     "features": _features,
     "resume": _resume,
     "resume_delta": lambda tmp: _resume(tmp, delta=True),
+    "resume_rank_state": _resume_rank_state,
+    "last_checkpoint": _last_checkpoint,
 }
 
 
@@ -245,6 +335,30 @@ def test_resume_with_an_exchange_in_flight_equals_the_uninterrupted_run(results:
         assert res["steps"] == 16
         np.testing.assert_array_equal(res["full"], res["resumed"])
         assert res.get("ranks_saved", 2) == 2
+
+
+def test_resume_gives_each_rank_its_own_buffers_and_loss_scale(results: list[dict]) -> None:
+    """Lightning's own checkpoint holds rank 0's buffers and GradScaler; each rank must continue with its own."""
+    r0, r1 = _get(results, "resume_rank_state")
+    assert r1["full_scale"] == r0["full_scale"] / 2  # only rank 1 skipped a step
+    for res in (r0, r1):
+        assert res["resumed_scale"] == res["full_scale"]
+        np.testing.assert_array_equal(res["full"], res["resumed"])
+        assert res["full_buffers"].keys() == res["resumed_buffers"].keys()
+        for k, v in res["full_buffers"].items():
+            np.testing.assert_array_equal(v, res["resumed_buffers"][k], err_msg=k)
+
+
+@pytest.mark.parametrize("case", ["max_steps", "max_epochs", "manual"])
+def test_the_checkpoint_saved_at_the_end_of_the_fit_holds_the_synced_model(results: list[dict], case: str) -> None:
+    r0, r1 = (res[case] for res in _get(results, "last_checkpoint"))
+    np.testing.assert_array_equal(r0["params"], r1["params"])  # every rank ends with θ_global ...
+    np.testing.assert_array_equal(r0["saved"], r0["params"])  # ... and last.ckpt holds it
+    assert r0["ranks_equal"]  # every rank's own parameters in it are θ_global too
+    # one final sync of both fragments, not a second one at the end of the fit: fragments sent at 2 and 4, the one
+    # sent at 6 (max_epochs: 8) applied by the final sync, then both synced once more
+    steps = 8 if case == "max_epochs" else 6
+    assert r0["steps"] == steps and r0["syncs"] == steps // 2 + 2
 
 
 def test_a_second_fit_of_the_same_trainer_resumes_like_a_fresh_one(results: list[dict]) -> None:

@@ -42,6 +42,7 @@ def _module_cls():
             opt: str = "adamw",
             frozen: bool = False,
             empty: bool = False,
+            step_data: bool = False,
         ) -> None:
             super().__init__()
             torch.manual_seed(0)
@@ -54,10 +55,14 @@ def _module_cls():
                 self.frozen.requires_grad_(False)
             self.nan_at = nan_at
             self.opt = opt
+            self.step_data = step_data
             self.losses: list[float] = []
 
         def training_step(self, batch, batch_idx):
             x, y = batch
+            if self.step_data:  # a batch drawn from (step, rank): a fit resumed mid-epoch sees the same batches
+                g = torch.Generator().manual_seed(1000 * self.global_step + self.global_rank)
+                x, y = torch.randn(x.shape, generator=g), torch.randint(0, 4, y.shape, generator=g)
             if self.frozen is not None:
                 x = x + self.frozen(x)
             loss = F.cross_entropy(self.net(x).float(), y)
@@ -510,6 +515,50 @@ def _resume_scenario(tmp: str, name: str) -> dict:
     if name == "resume_sgdm":
         return _resume(lambda: _onebit(group_numel=500), tmp, "sgdm", opt="sgdm")
     return _resume(lambda: _onebit(group_numel=500), tmp, "adamw", refit=True)
+
+
+@_scenario("resume_warmup_watch")
+def _resume_warmup_watch(tmp: str, name: str) -> dict:
+    """``warmup_steps="auto"`` with the variance kept frozen, checkpointed at step 12 while its watch decides (checks at
+    10 and 15; the cap, 15 % of ``max_steps=140``, at 21), then resumed; both fits stop at step 24. Then the checkpoint
+    resumed with another block size for one step: the error state is reset, with one warning (rank zero's)."""
+    from lightning.pytorch.callbacks import Callback
+
+    ckpt = str(Path(tmp) / f"{name}.ckpt")
+
+    class SaveAndStop(Callback):
+        def __init__(self, save: bool) -> None:
+            self.save = save
+
+        def on_train_batch_end(self, trainer, *args) -> None:
+            if self.save and trainer.global_step == 12:
+                trainer.save_checkpoint(ckpt)
+            if trainer.global_step >= 24:
+                trainer.should_stop = True
+
+    def run(save: bool, path: str | None) -> tuple:
+        strategy = _onebit(warmup_steps="auto", variance_refresh=0)
+        model = _module_cls()(step_data=True)
+        trainer, model = _fit(strategy, model=model, ckpt=path, max_steps=140, callbacks=[SaveAndStop(save)])
+        return trainer.strategy, model
+
+    full, full_model = run(True, None)
+    resumed, resumed_model = run(False, ckpt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        saved = torch.load(ckpt, weights_only=True)["lightning_accel_onebit"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _fit(_onebit(warmup_steps="auto", variance_refresh=0, block_size=256), ckpt=ckpt, max_steps=13)
+    return {
+        "full_end": full.onebit_state.warmup_end,
+        "resumed_end": resumed.onebit_state.warmup_end,
+        "saved_end": saved["warmup_end"],
+        "saved_last": saved["warmup_watch"]["last"] is not None,
+        "full": _params(full_model),
+        "resumed": _params(resumed_model),
+        "reset_warnings": [str(w.message) for w in caught if "reset" in str(w.message)],
+    }
 
 
 @_scenario("resume_delta_async")
@@ -988,6 +1037,24 @@ class TestResume:
             assert res["mode"] == ("gradients" if name == "resume" else "momentum")
             np.testing.assert_array_equal(res["full"], res["resumed"])
         np.testing.assert_array_equal(both[0]["resumed"], both[1]["resumed"])
+
+    @uses("resume_warmup_watch")
+    def test_auto_warmup_checkpointed_while_deciding_ends_where_the_uninterrupted_one_does(
+        self, results: list[dict]
+    ) -> None:
+        both = _get(results, "resume_warmup_watch")
+        for res in both:
+            # undecided at the save, with the means of the check at 10; the uninterrupted fit ends at the next check
+            assert res["saved_end"] is None and res["saved_last"]
+            assert res["full_end"] == 15 and res["resumed_end"] == res["full_end"]
+            np.testing.assert_array_equal(res["full"], res["resumed"])
+        np.testing.assert_array_equal(both[0]["resumed"], both[1]["resumed"])
+
+    @uses("resume_warmup_watch")
+    def test_a_reset_error_state_warns_once(self, results: list[dict]) -> None:
+        r0, r1 = _get(results, "resume_warmup_watch")
+        assert len(r0["reset_warnings"]) == 1 and "block_size=256" in r0["reset_warnings"][0]
+        assert r1["reset_warnings"] == []  # every rank resets alike: rank zero says so
 
     @uses("resume_delta_async")
     def test_resume_through_the_async_delta_writer_continues_exactly(self, results: list[dict]) -> None:

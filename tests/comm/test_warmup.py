@@ -108,3 +108,33 @@ def test_watch_ends_at_the_minimum_when_nothing_is_frozen_or_the_variance_is_ref
     for watch in (WarmupWatch([], cap=100), WarmupWatch([opt], cap=100, refreshed=True)):
         assert next(s for s in range(0, 20) if watch.end_at(s)) == AUTO_MIN_WARMUP
         assert watch.changes == []
+
+
+def test_watch_resumed_between_checks_decides_as_the_uninterrupted_one() -> None:
+    """Its state saved after the first check (through ``torch.save``/``load(weights_only=True)``, as in a checkpoint)
+    and loaded into a new watch: the second check compares with the first one's means, not with nothing."""
+    import io
+
+    opt, _ = _adam([1.0, 4.0])
+    full = WarmupWatch([opt], cap=100)
+    assert not any(full.end_at(s) for s in range(0, 12))  # the first check, at 10: nothing to compare with
+    buf = io.BytesIO()
+    torch.save(full.state_dict(), buf)
+    buf.seek(0)
+    resumed = WarmupWatch([opt], cap=100)
+    resumed.load_state_dict(torch.load(buf, weights_only=True))
+    fresh = WarmupWatch([opt], cap=100)  # what a resume made before the state was saved
+    ends = [next(s for s in range(12, 40) if w.end_at(s)) for w in (full, resumed, fresh)]
+    assert ends == [AUTO_MIN_WARMUP + CHECK_EVERY] * 2 + [AUTO_MIN_WARMUP + 2 * CHECK_EVERY]
+    assert resumed.changes == full.changes
+
+
+def test_watch_checks_once_per_step_whatever_the_optimizers_stepping_after_one_backward() -> None:
+    """Manual optimization with two optimizers calls it twice at each step: the second call (after the first
+    optimizer updated its variance) must not compare that update with the first call's means."""
+    opt, _ = _adam([1.0, 4.0])
+    watch = WarmupWatch([opt], cap=100)
+    assert not watch.end_at(AUTO_MIN_WARMUP)
+    _scale(opt, 0.97)  # the first optimizer's step: 3 %, below the threshold
+    assert not watch.end_at(AUTO_MIN_WARMUP)
+    assert watch.changes == [(AUTO_MIN_WARMUP, math.inf)]
