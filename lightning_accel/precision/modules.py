@@ -47,6 +47,7 @@ __all__ = [
     "FusedRMSNormMixin",
     "FusedSequentialMixin",
     "FusedTransformerEncoderLayerMixin",
+    "QKV_PARTS",
     "block_mixin",
     "conv_bn_block_problem",
     "conv_bn_forward",
@@ -502,6 +503,10 @@ class FusedRMSNormMixin(_FusedMixin):
 # ------------------------------------------------------------------------------------------------- attention and GPT
 
 
+#: The three projections QKV packing joins, in their packed order (rows of ``qkv_proj``).
+QKV_PARTS = ("q_proj", "k_proj", "v_proj")
+
+
 def _qkv_state_dict_post_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
     """Write the packed projection back as ``q_proj``/``k_proj``/``v_proj`` keys (an unfused model loads it), in the
     unfused model's key order (``q_proj.weight, q_proj.bias, k_proj.weight, ...`` where ``qkv_proj``'s keys were)."""
@@ -517,7 +522,7 @@ def _qkv_state_dict_post_hook(module: nn.Module, state_dict: dict[str, Any], pre
         elif key == next(k for k in packed.values() if k in own):  # the first packed key: write every part here
             # clone: a view would make torch.save write the whole packed storage three times
             parts = {kind: own[k].detach().chunk(3, dim=0) for kind, k in packed.items() if k in own}
-            for i, name in enumerate(("q_proj", "k_proj", "v_proj")):
+            for i, name in enumerate(QKV_PARTS):
                 for kind, chunks in parts.items():
                     state_dict[f"{prefix}{name}.{kind}"] = chunks[i].clone()
 
@@ -534,7 +539,7 @@ def _qkv_load_state_dict_pre_hook(
 ) -> None:
     """Accept unfused checkpoints: concatenate ``q_proj``/``k_proj``/``v_proj`` keys into ``qkv_proj``."""
     for kind in ("weight", "bias"):
-        keys = [f"{prefix}{n}.{kind}" for n in ("q_proj", "k_proj", "v_proj")]
+        keys = [f"{prefix}{n}.{kind}" for n in QKV_PARTS]
         if all(k in state_dict for k in keys):
             state_dict[f"{prefix}qkv_proj.{kind}"] = torch.cat([state_dict.pop(k) for k in keys], dim=0)
 
@@ -638,7 +643,7 @@ class FusedAttentionMixin(_FusedMixin):
             qkv = cast(nn.Linear, children["qkv_proj"])
             q, k, v = qkv(x).split(qkv.out_features // 3, dim=-1)
         else:
-            q, k, v = (cast(nn.Module, children[n])(x) for n in ("q_proj", "k_proj", "v_proj"))
+            q, k, v = (cast(nn.Module, children[n])(x) for n in QKV_PARTS)
         y = F.scaled_dot_product_attention(
             _split_heads(q, self.n_head),
             _split_heads(k, self.n_head),

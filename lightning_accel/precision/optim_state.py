@@ -31,8 +31,6 @@ from lightning_accel.precision import modules as fm
 
 __all__ = ["pack_qkv_optimizer_state", "packed_qkv_parameters", "unpack_qkv_optimizer_state"]
 
-_PARTS = ("q_proj", "k_proj", "v_proj")
-
 # (parameter, part): part -1 for a parameter that is not packed, 0/1/2 for the q/k/v rows of a packed one
 _Key = tuple[torch.Tensor, int]
 
@@ -56,7 +54,7 @@ def _unfused_rank(model: nn.Module, packed: Mapping[int, nn.Parameter]) -> dict[
         own = list(qkv.parameters(recurse=False)) if qkv is not None else []
         if not own or id(own[0]) not in packed:
             continue
-        for part in range(len(_PARTS)):
+        for part in range(len(fm.QKV_PARTS)):
             for p in own:
                 rank.setdefault((id(p), part), len(rank))
     # the packed parameters are ordered among themselves; the others keep their group position (see `_expand`)
@@ -69,7 +67,7 @@ def _expand(params: Sequence[torch.Tensor], packed: Mapping[int, nn.Parameter], 
     run: list[torch.Tensor] = []
 
     def flush() -> None:
-        keys = [(p, part) for p in run for part in range(len(_PARTS))]
+        keys = [(p, part) for p in run for part in range(len(fm.QKV_PARTS))]
         out.extend(sorted(keys, key=lambda k: rank.get((id(k[0]), k[1]), len(rank))))
         run.clear()
 
@@ -91,7 +89,7 @@ def _plain(value: Any) -> bool:
 
 def _part_name(name: str, part: int) -> str:
     head, sep, tail = name.rpartition("qkv_proj")
-    return f"{head}{_PARTS[part]}{tail}" if sep else f"{name}.{_PARTS[part]}"
+    return f"{head}{fm.QKV_PARTS[part]}{tail}" if sep else f"{name}.{fm.QKV_PARTS[part]}"
 
 
 def unpack_qkv_optimizer_state(
@@ -121,13 +119,14 @@ def unpack_qkv_optimizer_state(
     old_state: dict[Any, Any] = state_dict.get("state", {})
     new_state: dict[int, Any] = {}
     new_groups: list[dict[str, Any]] = []
+    numbered = 0
     for s, g in zip(saved, groups, strict=True):
         index = {id(p): i for p, i in zip(g["params"], s["params"], strict=True)}
         names = dict(zip((id(p) for p in g["params"]), s.get("param_names", ()), strict=False))
         params: list[int] = []
         param_names: list[str] = []
         for p, part in _expand(g["params"], packed, rank):
-            new = _next_index(new_groups, params)
+            new, numbered = numbered, numbered + 1  # parameters numbered across the groups, in order
             entry = old_state.get(index[id(p)])
             if entry is not None:
                 if part < 0:
@@ -148,11 +147,6 @@ def unpack_qkv_optimizer_state(
     return {**state_dict, "state": new_state, "param_groups": new_groups}
 
 
-def _next_index(done: list[dict[str, Any]], current: list[int]) -> int:
-    """The next parameter index when ``done`` groups and ``current`` (the group being built) are numbered in order."""
-    return sum(len(g["params"]) for g in done) + len(current)
-
-
 def _split(entry: Mapping[str, Any], p: torch.Tensor, part: int) -> dict[str, Any] | None:
     """The ``part`` rows of a packed parameter's state (None when a tensor of it cannot be split by rows)."""
     out: dict[str, Any] = {}
@@ -163,7 +157,7 @@ def _split(entry: Mapping[str, Any], p: torch.Tensor, part: int) -> dict[str, An
             if value.shape != p.shape:
                 return None
             # clone: a view would keep (and a save would write) the whole packed tensor for each part
-            out[key] = value.chunk(len(_PARTS), dim=0)[part].clone()
+            out[key] = value.chunk(len(fm.QKV_PARTS), dim=0)[part].clone()
         else:  # `step` and other scalars: the three parts were stepped together; each gets its own (stepped in place)
             out[key] = value.clone() if isinstance(value, torch.Tensor) else value
     return out
@@ -196,6 +190,7 @@ def pack_qkv_optimizer_state(
     old_state: dict[Any, Any] = state_dict.get("state", {})
     new_state: dict[int, Any] = {}
     new_groups: list[dict[str, Any]] = []
+    numbered = 0
     for j, (s, g) in enumerate(zip(saved, groups, strict=True)):
         keys = _expand(g["params"], packed, rank)
         n_saved = len(s.get("params", ()))
@@ -205,16 +200,16 @@ def pack_qkv_optimizer_state(
         params: list[int] = []
         if n_saved == len(g["params"]):
             for i in s["params"]:
-                new = _next_index(new_groups, params)
+                new, numbered = numbered, numbered + 1  # parameters numbered across the groups, in order
                 if i in old_state:
                     new_state[new] = old_state[i]
                 params.append(new)
         elif n_saved == len(keys):
             index = {(id(p), part): i for (p, part), i in zip(keys, s["params"], strict=True)}
             for p in g["params"]:
-                new = _next_index(new_groups, params)
+                new, numbered = numbered, numbered + 1  # parameters numbered across the groups, in order
                 if id(p) in packed:
-                    merged = _concat([old_state.get(index[(id(p), k)]) for k in range(len(_PARTS))], p, j)
+                    merged = _concat([old_state.get(index[(id(p), k)]) for k in range(len(fm.QKV_PARTS))], p, j)
                     if merged is not None:
                         new_state[new] = merged
                 elif index[(id(p), -1)] in old_state:
@@ -236,7 +231,7 @@ def _concat(entries: Sequence[Any], p: torch.Tensor, group: int) -> dict[str, An
     """The packed parameter ``p``'s state from its q/k/v parts' (None: start without state)."""
     if any(not e for e in entries) or any(e.keys() != entries[0].keys() for e in entries):
         return None
-    part_shape = (p.shape[0] // len(_PARTS), *p.shape[1:])
+    part_shape = (p.shape[0] // len(fm.QKV_PARTS), *p.shape[1:])
     out: dict[str, Any] = {}
     for key, value in entries[0].items():
         values = [e[key] for e in entries]

@@ -290,20 +290,17 @@ def _attention_ok(m: nn.Module | None) -> bool:
     return m is not None and fm.block_mixin(m) is fm.FusedAttentionMixin
 
 
-_QKV = ("q_proj", "k_proj", "v_proj")
-
-
 def _qkv_problem(m: nn.Module) -> str | None:
     """Why the ``q_proj``/``k_proj``/``v_proj`` of ``m`` cannot be packed into one parameter, judged on ``m`` alone
     (None when they can). :func:`apply_fusions` also refuses parameters shared with other modules, ignored
     projections and projections in different optimizer parameter groups."""
-    projs = {n: getattr(m, n, None) for n in _QKV}
+    projs = {n: getattr(m, n, None) for n in fm.QKV_PARTS}
     for n, lin in projs.items():
         if type(lin) is not nn.Linear:
             return f"{n} is {type(lin).__name__}: only nn.Linear projections are packed"
     linears = cast(dict[str, nn.Linear], projs)
-    for i, a in enumerate(_QKV):
-        same = [b for b in _QKV[i + 1 :] if linears[b] is linears[a]]
+    for i, a in enumerate(fm.QKV_PARTS):
+        same = [b for b in fm.QKV_PARTS[i + 1 :] if linears[b] is linears[a]]
         if same:
             return f"{same[0]} is the same module as {a}: one module cannot become two parts of a packed parameter"
     hooked = [n for n, lin in linears.items() if fm.needs_eager(lin)]
@@ -539,7 +536,7 @@ def _attention_kind(m: nn.Module) -> bool:
     if isinstance(m, nn.MultiheadAttention):
         return True
     children = compat.child_modules(m)
-    if all(isinstance(children.get(n), nn.Linear) for n in ("q_proj", "k_proj", "v_proj")):
+    if all(isinstance(children.get(n), nn.Linear) for n in fm.QKV_PARTS):
         return True
     return _packed_linear(m) is not None
 
@@ -620,7 +617,7 @@ def _block_hint(parent: nn.Module, kind: str) -> str:
     if kind == "linear" and {"c_fc", "c_proj"} <= names:
         return "FusedGPT2BlockMixin (on the block that holds this MLP)"
     if kind == "attention":
-        if {"q_proj", "k_proj", "v_proj"} <= names:
+        if set(fm.QKV_PARTS) <= names:
             return "FusedAttentionMixin"
         if "c_attn" in names:
             return "FusedPackedAttentionMixin"
@@ -642,9 +639,10 @@ def _mixin_pattern(mixin: type) -> str:
 
 def _next_named(parent: nn.Module, name: str) -> tuple[str, nn.Module | None]:
     """The name and module of the child registered after ``name`` in ``parent`` (``("", None)`` for the last)."""
-    names = [n for n, c in compat.child_modules(parent).items() if c is not None]
+    children = compat.child_modules(parent)
+    names = [n for n, c in children.items() if c is not None]
     i = names.index(name) if name in names else len(names)
-    return (names[i + 1], compat.child_modules(parent)[names[i + 1]]) if i + 1 < len(names) else ("", None)
+    return (names[i + 1], children[names[i + 1]]) if i + 1 < len(names) else ("", None)
 
 
 def _skip_reason(
@@ -867,18 +865,18 @@ def _qkv_refusal(
     """Why :func:`apply_fusions` does not pack ``m`` (at ``name``) although :func:`_qkv_match` accepts it, from what the
     module alone cannot tell: an ignored projection, a parameter shared with another module (packing copies it, which
     would untie the two), projections in different optimizer parameter groups (one packed parameter cannot be)."""
-    for n in _QKV:
+    for n in fm.QKV_PARTS:
         if _marked_ignored(getattr(m, n)):
             return f"{n} is in `ignore_modules` (packing would replace it)"
     prefix = f"{name}." if name else ""
-    for n in _QKV:
+    for n in fm.QKV_PARTS:
         for kind, p in getattr(m, n).named_parameters(recurse=False):
             others = [o for o in shared.get(id(p), []) if o != f"{prefix}{n}.{kind}"]
             if others:
                 return (
                     f"{n}.{kind} is shared with `{others[0]}` (tied weights): packing copies it, which would untie them"
                 )
-    params = [p for n in _QKV for p in getattr(m, n).parameters()]
+    params = [p for n in fm.QKV_PARTS for p in getattr(m, n).parameters()]
     if len({where.get(id(p)) for p in params}) > 1:
         return "q_proj/k_proj/v_proj sit in different optimizer parameter groups (one packed parameter cannot)"
     return None

@@ -11,13 +11,13 @@ from tests.helpers import run_in_processes
 
 
 def _fits(rank: int, world_size: int) -> dict[str, Any]:
-    import lightning.pytorch as pl
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_accel.callbacks import PerformanceMonitor
     from lightning_accel.models import TinyGPT
     from lightning_accel.parallel import PipelineStrategy, ShardedStrategy
+    from tests.tiny import trainer
 
     runs = {
         "pipeline": lambda: PipelineStrategy(),
@@ -31,17 +31,7 @@ def _fits(rank: int, world_size: int) -> dict[str, Any]:
         mon = PerformanceMonitor(
             report_path="", verbose=False, count_flops=False, skip_steps=1, tokens_fn=lambda b: int(b[0].numel())
         )
-        t = pl.Trainer(
-            accelerator="cpu",
-            devices=2,
-            strategy=strategy(),
-            max_steps=4,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=[mon],
-        )
+        t = trainer(devices=2, strategy=strategy(), max_steps=4, callbacks=[mon])
         t.fit(TinyGPT(n_layer=2, n_embd=32, block_size=17), DataLoader(TensorDataset(tokens), batch_size=8))
         r = mon.report
         assert r is not None and r.samples_per_s is not None and r.tokens_per_s is not None

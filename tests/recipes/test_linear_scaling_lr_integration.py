@@ -88,7 +88,6 @@ def test_bad_arguments() -> None:
 
 
 def _model_parallel_fits(rank: int, world_size: int) -> dict[str, Any]:
-    import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_accel.models import TinyGPT
@@ -99,17 +98,7 @@ def _model_parallel_fits(rank: int, world_size: int) -> dict[str, Any]:
         torch.manual_seed(0)  # every rank builds the same data: the two ranks of the group read the same batch of 8
         tokens = torch.randint(0, 27, (32, 17))
         cb = LinearScalingLR(base_batch_size=8)
-        t = pl.Trainer(
-            accelerator="cpu",
-            devices=2,
-            strategy=strategy,
-            max_steps=1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=[cb],
-        )
+        t = trainer(devices=2, strategy=strategy, max_steps=1, callbacks=[cb])
         t.fit(TinyGPT(n_layer=2, n_embd=32, block_size=17), DataLoader(TensorDataset(tokens), batch_size=8))
         found[name] = (cb.global_batch_size, cb.factor)
     return found
