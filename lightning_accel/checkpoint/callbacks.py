@@ -48,6 +48,7 @@ from lightning_accel._utils.rank import ErrorDescription, describe_error, rebuil
 from lightning_accel.checkpoint.lock import CheckpointDirectoryLockedError
 from lightning_accel.checkpoint.plugin import DeltaCheckpointIO
 from lightning_accel.checkpoint.reader import resolve_last
+from lightning_accel.checkpoint.store import store_path
 
 __all__ = ["CheckpointGuard", "DeltaModelCheckpoint", "ElasticExit", "resolve_ckpt_path", "trainer_storage_options"]
 
@@ -247,8 +248,8 @@ class DeltaModelCheckpoint(ModelCheckpoint):
         self.orphans = []
         if io is None or state is None or not ckpt_path or not dirpath or state.get("dirpath") != dirpath:
             return []
-        directory = _norm(str(dirpath))
-        if _norm(posixpath.dirname(str(ckpt_path).rstrip("/"))) != directory:
+        directory = store_path(str(dirpath))
+        if store_path(posixpath.dirname(str(ckpt_path).rstrip("/"))) != directory:
             return []
         io.wait()
         store = io.store
@@ -258,7 +259,7 @@ class DeltaModelCheckpoint(ModelCheckpoint):
             return []
         tracked = compat.model_checkpoint_tracked(state) | {str(ckpt_path)}
         for cb in trainer.checkpoint_callbacks:
-            if isinstance(cb, ModelCheckpoint) and cb.dirpath and _norm(str(cb.dirpath)) == directory:
+            if isinstance(cb, ModelCheckpoint) and cb.dirpath and store_path(str(cb.dirpath)) == directory:
                 tracked |= {cb.best_model_path, cb.kth_best_model_path, cb.last_model_path, *cb.best_k_models}
         last_name = _name_pattern(self, self.CHECKPOINT_NAME_LAST)
         made_here = (_name_pattern(self, self.filename), last_name)
@@ -316,11 +317,6 @@ class DeltaModelCheckpoint(ModelCheckpoint):
             store = FileStore(options)
             if store.isdir(dirpath) and store.list_files(dirpath):
                 rank_zero_warn(f"Checkpoint directory {dirpath} exists and is not empty.")
-
-
-def _norm(path: str) -> str:
-    """A directory as the store names it (local: absolute, no scheme; URLs: no trailing slash)."""
-    return os.path.abspath(strip_file_scheme(path)) if is_local_url(path) else path.rstrip("/")
 
 
 def _name_pattern(cb: ModelCheckpoint, template: str | None) -> re.Pattern[str]:

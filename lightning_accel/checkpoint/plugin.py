@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import posixpath
 import weakref
 from collections import deque
 from collections.abc import Sequence
@@ -38,7 +37,7 @@ from lightning_accel.checkpoint.background import (
 )
 from lightning_accel.checkpoint.options import StoreOptions
 from lightning_accel.checkpoint.reader import read_checkpoint_with
-from lightning_accel.checkpoint.store import GC_GRACE_S, DeltaStore, SaveStats, split_path
+from lightning_accel.checkpoint.store import GC_GRACE_S, DeltaStore, SaveStats, split_path, store_path
 
 __all__ = ["CheckpointSaveError", "DeltaCheckpointIO"]
 
@@ -332,6 +331,6 @@ def _tracked_checkpoints(checkpoint: dict[str, Any]) -> list[str]:
         dirpath = state.get("dirpath")
         if not isinstance(dirpath, str) or not dirpath:
             continue
-        home = split_path(posixpath.join(dirpath, "x"))[0]
+        home = store_path(dirpath)
         out += [t for t in compat.model_checkpoint_tracked(state) if split_path(t)[0] == home]
     return out

@@ -182,15 +182,17 @@ def _is_torch_zip(head: bytes) -> bool:
     return head.startswith(TORCH_ZIP_MAGIC)
 
 
-def split_path(path: str | os.PathLike[str]) -> tuple[str, str]:
-    """``(directory, path)`` of a checkpoint path as the store names them (local: absolute, without ``file://``;
-    URLs: without a trailing slash)."""
+def store_path(path: str | os.PathLike[str]) -> str:
+    """A file or directory as the store names it (local: absolute, without ``file://``; URLs: without a trailing
+    slash), so that two spellings of one place compare equal."""
     s = os.fspath(path)
-    if is_local_url(s):
-        s = os.path.abspath(strip_file_scheme(s))
-        return os.path.dirname(s), s
-    s = s.rstrip("/")
-    return s.rsplit("/", 1)[0], s
+    return os.path.abspath(strip_file_scheme(s)) if is_local_url(s) else s.rstrip("/")
+
+
+def split_path(path: str | os.PathLike[str]) -> tuple[str, str]:
+    """``(directory, path)`` of a checkpoint path as the store names them (see :func:`store_path`)."""
+    s = store_path(path)
+    return (os.path.dirname(s), s) if is_local_url(s) else (s.rsplit("/", 1)[0], s)
 
 
 def _read_path(path: str | os.PathLike[str]) -> tuple[str, str]:
