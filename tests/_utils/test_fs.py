@@ -223,3 +223,47 @@ def test_a_forked_child_makes_its_own_s3_filesystem(s3_bucket: tuple[str, dict[s
             os._exit(code)
     assert _wait(pid) == 0
     assert store.filesystem(f"s3://{bucket}") is parent_fs and store.read(f"s3://{bucket}/k") == b"v"
+
+
+
+def test_retries_count_every_attempt_on_s3() -> None:
+    """``retries`` is the whole budget: neither botocore nor s3fs retries inside an attempt (5 requests each before)."""
+    import socket
+    import threading
+
+    requests: list[bytes] = []
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.2)
+    stop = threading.Event()
+    body = b"<Error><Code>InternalError</Code><Message>We encountered an internal error.</Message></Error>"
+    reply = b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+
+    def serve() -> None:  # an S3 endpoint answering every request with a 500: a transient error
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            conn.settimeout(2)
+            with contextlib.suppress(OSError), conn:
+                while data := conn.recv(65536):
+                    requests.append(data.split(b"\r\n")[0])
+                    conn.sendall(reply)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    port = server.getsockname()[1]
+    opts = {"key": "k", "secret": "s", "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"}}
+    try:
+        with pytest.raises(StorageUnavailableError, match="after 3 attempts") as info:
+            FileStore(opts, retries=2, backoff_s=0.0).read("s3://bucket/key", 0, 10)
+        assert info.value.attempts == 3 and requests == [b"GET /bucket/key HTTP/1.1"] * 3
+        requests.clear()
+        with pytest.raises(StorageUnavailableError):  # a retry policy the user configures is theirs to keep
+            mine = {**opts, "config_kwargs": {"retries": {"total_max_attempts": 2}}}
+            FileStore(mine, retries=0).read("s3://bucket/key", 0, 10)
+        assert len(requests) == 2
+    finally:
+        stop.set()
+        thread.join(5)
+        server.close()
