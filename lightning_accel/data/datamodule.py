@@ -504,7 +504,7 @@ class CachedDataModule(LightningDataModule):
             )
             vcache = self._cache(self.val_origin, vlisting)
             self._caches["val"] = vcache
-            return self._dataset(cache), self._dataset(vcache)
+            return self._dataset(cache), self._dataset(vcache, lane=1)
         tr, va = split_indices(len(listing), self.val_fraction, self.seed)
         if self.val_fraction > 0 and (not va or not tr):
             # Refused rather than patched up: an empty validation split used to validate on the training samples,
@@ -514,10 +514,13 @@ class CachedDataModule(LightningDataModule):
                 f"into {len(tr)} training and {len(va)} validation samples; each needs at least 1. Pick a "
                 "`val_fraction` that leaves both non-empty, 0 to hold out nothing, or pass `val_origin`."
             )
-        return self._dataset(cache, tr), self._dataset(cache, va if va else tr)
+        return self._dataset(cache, tr), self._dataset(cache, va if va else tr, lane=1)
 
-    def _dataset(self, cache: SampleCache, indices: Sequence[int] | None = None) -> CachedDataset:
-        return CachedDataset(cache, indices, transform=self.transform, prefetch_batches=self.prefetch_batches)
+    def _dataset(self, cache: SampleCache, indices: Sequence[int] | None = None, *, lane: int = 0) -> CachedDataset:
+        # Validation counts in its own lane: its workers run beside the training loader's persistent ones.
+        return CachedDataset(
+            cache, indices, transform=self.transform, prefetch_batches=self.prefetch_batches, stats_lane=lane
+        )
 
     @override
     def prepare_data(self) -> None:

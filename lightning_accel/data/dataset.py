@@ -37,6 +37,7 @@ from lightning_accel._utils.forksafe import ForkSafeLock, PerProcess
 from lightning_accel.data.buffers import BufferPool
 from lightning_accel.data.cache import SampleCache
 from lightning_accel.data.pack import new_publisher_id, order_group
+from lightning_accel.data.stats import LANES
 
 __all__ = [
     "CacheDataLoader",
@@ -104,6 +105,10 @@ class CachedDataset(Dataset):
         transform: optional per-sample CPU transform applied after the cache (random augmentation goes here or,
             better, in :class:`~lightning_accel.data.augment.GpuAugment` on the device).
         prefetch_batches: how many of its own upcoming batches a worker reads ahead from the origin.
+        stats_lane: the rows of the cache's :class:`~lightning_accel.data.stats.CacheStats` its DataLoader workers
+            count in (``0`` to ``LANES - 1``). Datasets whose loaders run at once over one statistics object (training
+            with persistent workers and validation) need different lanes: workers of the same id would otherwise add
+            to one row from two processes and lose counts.
     """
 
     def __init__(
@@ -113,6 +118,7 @@ class CachedDataset(Dataset):
         *,
         transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
         prefetch_batches: int = 2,
+        stats_lane: int = 0,
     ) -> None:
         self.cache = cache
         self.indices = list(range(len(cache))) if indices is None else [int(i) for i in indices]
@@ -126,6 +132,7 @@ class CachedDataset(Dataset):
             low=0,
             fix="It counts batches read ahead per reader; 0 to read only on demand.",
         )
+        self.stats_lane = check_int("stats_lane", stats_lane, low=0, high=LANES - 1, fix="Give each loader its own.")
         self.transform = transform
         self.prefetch_batches = prefetch_batches
         # [token, n, batch_size, publisher id, order...]: written by the sampler in the main process, read by workers.

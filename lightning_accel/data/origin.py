@@ -4,8 +4,8 @@ concurrency and bounded retries, and its listing (an ImageFolder-style tree or a
 - Reads go through the package's fsspec layer (:class:`~lightning_accel._utils.fs.FileStore`): the filesystem is
   made lazily in each process (async filesystems such as s3fs are not fork-safe) and never pickled.
 - Transient errors (connection resets, timeouts, throttling, 5xx) are retried ``retries`` times with exponential
-  backoff (``backoff_s * 2**attempt``), the only retries (the S3 client's own are off); permanent ones (missing key, access denied) fail at once. Either way the error
-  names the URL.
+  backoff (``backoff_s * 2**attempt``), the only retries (the S3 client's own are off); permanent ones (missing key,
+  access denied) fail at once. Either way the error names the URL.
 - Keys never escape the origin (``safe_join``).
 - A tree's or manifest's listing records each key's *content identity* (:class:`SampleKeys`): its size and
   modification time on a local disk, its ETag (or another checksum or time the store lists) and size on an object

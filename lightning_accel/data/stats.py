@@ -1,8 +1,10 @@
 """Cache statistics shared by the main process and every DataLoader worker.
 
 The counters live in one int64 tensor in shared memory, one row per process slot (row 0: the main process, row
-``1 + worker_id``: a DataLoader worker), so workers count without locks and without sending anything back, and the
-main process reads the sum at any time. The tensor crosses into workers with the dataset: fork inherits the mapping,
+``1 + lane * 65 + worker_id``: a DataLoader worker, ``lane`` the ``stats_lane`` of the dataset it iterates), so
+workers count without locks and without sending anything back, and the main process reads the sum at any time. Lanes
+keep the workers of two loaders running at once (training and validation) off each other's rows: ``+=`` on shared
+memory from two processes loses counts. The tensor crosses into workers with the dataset: fork inherits the mapping,
 spawn shares it through torch's multiprocessing reductions. Pickled any other way (``pickle.dumps``) it is a copy.
 """
 
@@ -14,7 +16,7 @@ import torch
 
 from lightning_accel._utils.forksafe import ForkSafeLock
 
-__all__ = ["FIELDS", "CacheStats", "summarize"]
+__all__ = ["FIELDS", "LANES", "CacheStats", "summarize"]
 
 FIELDS = (
     "requests",  # samples asked for
@@ -31,7 +33,9 @@ FIELDS = (
     "retries",  # transient origin errors retried
 )
 _IDX = {f: i for i, f in enumerate(FIELDS)}
-_SLOTS = 66
+_WORKER_SLOTS = 65  # worker rows per lane (worker ids beyond share rows modulo this)
+LANES = 4  # loaders that may count at once with distinct rows
+_ROWS = 1 + LANES * _WORKER_SLOTS
 
 
 def summarize(totals: torch.Tensor | list[int]) -> dict[str, Any]:
@@ -49,13 +53,17 @@ class CacheStats:
     """Lock-free counters shared across processes; ``as_dict()`` sums every slot."""
 
     def __init__(self) -> None:
-        self._t = torch.zeros(_SLOTS, len(FIELDS), dtype=torch.int64)
+        self._t = torch.zeros(_ROWS, len(FIELDS), dtype=torch.int64)
         self._t.share_memory_()
         self._lock = ForkSafeLock()  # threads of one process share its slot
 
     def _slot(self) -> int:
         info = torch.utils.data.get_worker_info()
-        return 0 if info is None else 1 + info.id % (_SLOTS - 1)
+        if info is None:
+            return 0
+        lane = getattr(info.dataset, "stats_lane", 0)
+        lane = lane if isinstance(lane, int) and 0 <= lane < LANES else 0
+        return 1 + lane * _WORKER_SLOTS + info.id % _WORKER_SLOTS
 
     def add(self, **counts: int) -> None:
         """Add to this process's slot, e.g. ``stats.add(ssd_hits=3, requests=3)``."""

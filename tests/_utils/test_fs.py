@@ -225,7 +225,6 @@ def test_a_forked_child_makes_its_own_s3_filesystem(s3_bucket: tuple[str, dict[s
     assert store.filesystem(f"s3://{bucket}") is parent_fs and store.read(f"s3://{bucket}/k") == b"v"
 
 
-
 def test_retries_count_every_attempt_on_s3() -> None:
     """``retries`` is the whole budget: neither botocore nor s3fs retries inside an attempt (5 requests each before)."""
     import socket

@@ -195,3 +195,23 @@ def test_a_batch_of_undecodable_samples_arrives_empty_so_ranks_keep_equal_counts
     assert tuple(x1.shape) == (0, 3, 16, 16) and tuple(y1.shape) == (0,) and y1.dtype == torch.int64
     assert tuple(dm.val_augment(x1, train=False).shape) == (0, 3, 16, 16)
     assert dm.cache_stats["decode_skipped"] == 2
+
+
+def test_training_and_validation_workers_count_in_their_own_rows(small_digits: Path, tmp_path: Path) -> None:
+    """Worker 0 of the training loader and worker 0 of the validation loader run at once (persistent training
+    workers): they must not add to one shared-memory row from two processes, which loses counts."""
+    dm = CachedDataModule(
+        str(small_digits), cache_dir=str(tmp_path / "cache"), ram_bytes=0, image_size=16, batch_size=8, num_workers=1
+    )
+    dm.setup("fit")
+    assert dm.train_set is not None and dm.val_set is not None
+    assert (dm.train_set.stats_lane, dm.val_set.stats_lane) == (0, 1)
+    for loader in (dm.train_dataloader(), dm.val_dataloader()):
+        loader.warm_num_workers = None  # read in the worker even once warm
+        next(iter(loader))
+    rows = [int(i) for i in (dm.stats._t[:, 0] > 0).nonzero().flatten()]  # rows with requests
+    assert len([r for r in rows if r > 0]) == 2, rows  # two worker rows, one per loader
+    assert dm.cache_stats["requests"] >= 16
+    dm.teardown("fit")
+    with pytest.raises(ValueError, match=r"`stats_lane` must be an integer >= 0 and <= 3, got 4"):
+        CachedDataset(dm.train_set.cache, stats_lane=4)
