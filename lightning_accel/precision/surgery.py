@@ -97,7 +97,11 @@ class Candidate:
 @dataclass
 class FusionReport:
     """What :func:`apply_fusions` did: ``records`` (one per fusion), ``param_swaps`` (old params -> new param) and
-    ``candidates`` (every eligible module of the model after surgery, fused or not, with the reason when not)."""
+    ``candidates`` (every eligible module of the model after surgery, fused or not, with the reason when not).
+
+    Once :func:`apply_fusions` returns, each swap's list of old parameters is empty: the report outlives the surgery
+    (the precision plugin keeps it), and holding the replaced q/k/v weights would keep a second copy of every packed
+    projection alive for the whole fit."""
 
     records: list[FusionRecord] = field(default_factory=list)
     param_swaps: list[ParamSwap] = field(default_factory=list)
@@ -1052,6 +1056,8 @@ def apply_fusions(
                 m._la_backend = backend
     if report.param_swaps:
         replace_optimizer_params(optimizers, report.param_swaps)
+        for olds, _ in report.param_swaps:
+            olds.clear()  # the optimizers hold the new parameters now: release the replaced ones
     if report.records:
         log.info("%s: %s:\n%s", type(model).__name__, report.summary(), report.table())
     elif warn_if_empty and not any(fm.is_fused(m) for m in model.modules()):  # a second call is not "nothing"

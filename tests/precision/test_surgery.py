@@ -720,3 +720,18 @@ def test_plugin_arguments_are_checked_at_construction(kwargs: dict, error: type[
     with pytest.raises(error, match=message) as info:
         FusedPrecision("16-mixed", **kwargs)
     assert "\n" not in str(info.value)
+
+
+def test_the_report_releases_the_replaced_parameters() -> None:
+    """The report outlives surgery (the plugin keeps it): it must not keep the unpacked q/k/v weights alive."""
+    import gc
+    import weakref
+
+    model = _gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    olds = [weakref.ref(p) for n, p in model.named_parameters() if any(f".{q}_proj." in n for q in ("q", "k", "v"))]
+    assert olds
+    report = apply_fusions(model, optimizers=[opt], backend="reference")
+    gc.collect()
+    assert report.param_swaps and all(not old for old, _ in report.param_swaps)
+    assert all(r() is None for r in olds)
