@@ -1129,7 +1129,7 @@ class DeltaStore:
         names = {posixpath.basename(os.fspath(t).rstrip("/")) for t in tracked if t}
         out: list[tuple[str, float]] = []
         for name in self.fs.list_files(directory):
-            url = _listed(directory, name)
+            url = None if _TMP_RE.match(name) else _listed(directory, name)  # an interrupted write is no checkpoint
             if url is None or name in names or (is_local_url(url) and os.path.islink(url)):
                 continue
             try:
@@ -1146,7 +1146,9 @@ class DeltaStore:
         state = self._dirs.get().get(directory)
         live: dict[str, dict[str, tuple[tuple[str, ...], tuple[int, ...]]]] = {}
         for name in self.fs.list_files(directory):
-            url = _listed(directory, name)
+            # An interrupted write's temporary file is no manifest (the single writer publishes by rename): read as
+            # one, a manifest cut short by a kill stopped every later collection as "damaged".
+            url = None if _TMP_RE.match(name) else _listed(directory, name)
             if url is None:
                 continue
             try:
@@ -1229,10 +1231,20 @@ class DeltaStore:
                 self._write_pending(blob_root, keep)
             for name in self.fs.list_files(directory):
                 url = _listed(directory, name) if _TMP_RE.match(name) else None
-                if url is not None:
+                # The directory is shared with the user and other tools, whose own atomic writes may use the same
+                # `.<name>.<hex>.tmp` form: only a manifest's interrupted write is this store's to remove (a tmp
+                # file killed before its first byte is left: it cannot be told apart).
+                if url is not None and is_manifest_bytes(self._head(url)):
                     self.fs.rm(url)
                     deleted += 1
             return deleted
+
+    def _head(self, url: str) -> bytes:
+        """The first bytes of ``url`` (enough for :func:`is_manifest_bytes`); ``b""`` if it went meanwhile."""
+        try:
+            return self.fs.head(url, 256)
+        except (FileNotFoundError, IsADirectoryError):
+            return b""
 
     def pending_deletions(self, directory: str | os.PathLike[str]) -> dict[str, float]:
         """The blobs of ``directory`` waiting for their grace period: blob key -> time (``time.time()``) since which

@@ -5,8 +5,10 @@ from __future__ import annotations
 import errno
 import json
 import os
+import posixpath
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -236,10 +238,14 @@ def test_leftovers_of_a_killed_save_are_collected(tmp_path: Path) -> None:
     orphan.parent.mkdir(parents=True, exist_ok=True)
     orphan.write_bytes(codec.encode_full(torch.zeros(10)))
     tmp = tmp_path / f".b.ckpt.{'0' * 32}.tmp"
-    tmp.write_bytes(b"partial")
+    tmp.write_bytes((tmp_path / "a.ckpt").read_bytes()[:150])  # a manifest's write, cut short
+    # a user's own atomic write in flight beside the checkpoints, named in the same form: not the store's
+    mine = tmp_path / f".notes.txt.{'1' * 32}.tmp"
+    mine.write_bytes(b"half of my notes")
     store.close()  # the next writer (a fresh process) collects it
     assert DeltaStore(gc_grace_s=0).collect_garbage(tmp_path) == 2
     assert not orphan.exists() and not tmp.exists()
+    assert mine.read_bytes() == b"half of my notes"
     assert DeltaStore().verify(tmp_path / "a.ckpt")["ok"]
 
 
@@ -444,3 +450,20 @@ def test_a_symlink_from_another_directory_loads_and_is_removed_as_a_link(tmp_pat
     reader.remove(link)
     reader.close()
     assert not link.is_symlink() and _equal(DeltaStore().load(tmp_path / "run" / "last.ckpt"), _state(0))
+
+
+def test_a_manifest_write_cut_short_does_not_stop_collection(tmp_path: Path) -> None:
+    """A kill during a manifest's write leaves its temporary file: it is no (damaged) manifest, so blobs are still
+    collected and the file itself goes; nor is it an untracked checkpoint."""
+    store = DeltaStore(gc_grace_s=0)
+    store.save(_state(0), tmp_path / "a.ckpt")
+    store.save(_state(1), tmp_path / "b.ckpt")
+    cut = tmp_path / f".c.ckpt.{'a' * 32}.tmp"
+    cut.write_bytes((tmp_path / "b.ckpt").read_bytes()[:60])
+    assert [posixpath.basename(u) for u, _ in store.untracked_manifests(tmp_path, [])] == ["a.ckpt", "b.ckpt"]
+    store.remove(tmp_path / "a.ckpt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "damaged manifest" warning
+        store.collect_garbage(tmp_path)
+    assert not cut.exists() and _blobs(tmp_path) == store.live_keys(str(tmp_path))
+    assert store.verify(tmp_path / "b.ckpt")["ok"]
