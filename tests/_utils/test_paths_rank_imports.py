@@ -13,7 +13,7 @@ from lightning_accel._utils import (
 )
 
 
-@pytest.mark.parametrize("key", ["a/b.bin", "x", "deep/er/key-1_2.jpg"])
+@pytest.mark.parametrize("key", ["a/b.bin", "x", "deep/er/key-1_2.jpg", "100%.jpg", "a%20b.png", "%2e%2ex/y"])
 def test_safe_join_accepts_plain_keys(key: str) -> None:
     assert safe_join("s3://bucket/root/", key) == f"s3://bucket/root/{key}"
     assert safe_join("/tmp/r", key) == f"/tmp/r/{key}"
@@ -29,7 +29,26 @@ def test_safe_join_keeps_the_root_anchor(root: str, joined: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "key", ["../x", "a/../../x", "/etc/passwd", "a\\b", "s3://other/k", "a/./b", "", "a\x00b", "a::/etc/passwd"]
+    "key",
+    [
+        "../x",
+        "a/../../x",
+        "/etc/passwd",
+        "a\\b",
+        "s3://other/k",
+        "a/./b",
+        "",
+        "a\x00b",
+        "a::/etc/passwd",
+        # percent-encoded: an HTTP client decodes them and collapses the dot segments
+        "%2e%2e/secret.txt",
+        "a/%2E%2E/%2e%2E/x",
+        "..%2fsecret",
+        "%252e%252e/x",  # encoded twice
+        "%2fetc/passwd",
+        "a%5cb",
+        "%2e/x",
+    ],
 )
 def test_safe_join_refuses_escapes(key: str) -> None:
     with pytest.raises(ValueError, match="key|Key"):
