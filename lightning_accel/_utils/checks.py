@@ -20,6 +20,7 @@ import math
 import re
 import warnings
 from collections.abc import Iterable
+from fractions import Fraction
 from typing import Any, TypeVar
 
 __all__ = [
@@ -57,6 +58,12 @@ def _fail(kind: type[Exception], name: str, expected: str, value: Any, fix: str)
     got = f"{value!r} ({type(value).__name__})" if kind is TypeError else repr(value)
     tail = f" {fix.strip()}" if fix and fix.strip() else ""
     return kind(f"`{name}` must be {expected}, got {got}.{tail}")
+
+
+def _numpy(value: Any) -> bool:
+    """True for a numpy scalar (``np.int64``, ``np.float64``, ``np.str_`` subclass Python's own types or compare equal
+    to them, so ``isinstance`` and ``==`` alone let them through)."""
+    return type(value).__module__.partition(".")[0] == "numpy"
 
 
 def _range(kind: str, low: float | None, high: float | None, low_open: bool, high_open: bool) -> str:
@@ -110,9 +117,12 @@ def check_number(
     expected = _range("a number", low, high, low_open, high_open) + (" or None" if allow_none else "")
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or _numpy(value):
         raise _fail(TypeError, name, expected, value, fix)
-    v = float(value)
+    try:
+        v = float(value)
+    except OverflowError:  # an int beyond any float (10**400)
+        raise _fail(ValueError, name, expected, value, fix) from None
     bad = math.isnan(v)
     if low is not None:
         bad = bad or (v <= low if low_open else v < low)
@@ -129,9 +139,13 @@ def check_choice(name: str, value: T, choices: Iterable[Any], *, fix: str = "") 
     expected = (
         "one of " + ", ".join(repr(c) for c in allowed) if len(allowed) > 2 else " or ".join(repr(c) for c in allowed)
     )
-    if not any(value == c and isinstance(value, bool) == isinstance(c, bool) for c in allowed):
+    if _numpy(value) or not any(value == c and isinstance(value, bool) == isinstance(c, bool) for c in allowed):
         kinds = {type(c) for c in allowed}
-        wrong_type = not any(isinstance(value, k) for k in kinds) or isinstance(value, bool) and bool not in kinds
+        wrong_type = (
+            _numpy(value)
+            or not any(isinstance(value, k) for k in kinds)
+            or (isinstance(value, bool) and bool not in kinds)
+        )
         raise _fail(TypeError if wrong_type else ValueError, name, expected, value, fix)
     return value
 
@@ -156,7 +170,8 @@ def parse_bytes(value: Any) -> int | None:
     if isinstance(value, str):
         m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
         if m and m.group(2).lower() in _UNITS:
-            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+            # exact: a float would round "1.1GB" and overflow on a 400-digit count
+            return int(Fraction(m.group(1)) * _UNITS[m.group(2).lower()])
     return None
 
 

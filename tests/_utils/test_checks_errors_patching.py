@@ -65,6 +65,20 @@ def test_checks_refuse_numpy_scalars_with_the_fix():
         check_int("n", np.int64(3), low=1)
     with pytest.raises(TypeError, match=r"`x` must be a number"):
         check_number("x", np.float32(0.5))
+    # these three subclass float / str or compare equal to an int choice: isinstance and == alone let them through
+    with pytest.raises(TypeError, match=r"`x` must be a number, got np.float64\(0.5\) \(float64\)"):
+        check_number("x", np.float64(0.5))
+    with pytest.raises(TypeError, match=r"`bits` must be 8 or 4, got np.int64\(8\) \(int64\)"):
+        check_choice("bits", np.int64(8), (8, 4))
+    with pytest.raises(TypeError, match=r"`mode` must be 'a' or 'b', got np.str_\('a'\) \(str_\)"):
+        check_choice("mode", np.str_("a"), ("a", "b"))
+
+
+def test_huge_numbers_are_a_value_error_or_exact() -> None:
+    with pytest.raises(ValueError, match=r"`x` must be a number >= 0, got 1000"):
+        check_number("x", 10**400, low=0)
+    assert check_bytes("b", "1" + "0" * 400) == 10**400  # exact, no float on the way
+    assert check_bytes("b", "2.01KB") == 2010  # through a float: 2.01 * 1000 = 2009.9999999999998 -> 2009
 
 
 def test_one_line_joins_lines_names_unexpected_types_and_keeps_the_first_line_on_request():
