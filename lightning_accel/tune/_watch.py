@@ -292,10 +292,15 @@ class Snapshot:
                     f"{self.step}) {tuple(self._model[bad].shape)}: the model was resized since. Take a new snapshot "
                     "after changing the model's shapes."
                 )
+            if len(optimizers) != len(self._opt):
+                raise RuntimeError(
+                    f"RollbackGuard: {len(optimizers)} optimizers, the snapshot (step {self.step}) holds "
+                    f"{len(self._opt)}: the optimizers changed since it was taken. Take a new snapshot after replacing "
+                    "them."
+                )
+            # every refusal above, before the first copy: a refused restore must leave the live state as it was
             for t, b in zip(tensors, self._model, strict=True):
                 t.copy_(b, non_blocking=True)
-            if len(optimizers) != len(self._opt):
-                raise RuntimeError(f"RollbackGuard: {len(optimizers)} optimizers, the snapshot holds {len(self._opt)}.")
             for opt, saved, keys, groups in zip(optimizers, self._opt, self._opt_keys, self._groups, strict=True):
                 params = self._state_params(opt)
                 for j, p in enumerate(params):

@@ -40,9 +40,11 @@ __all__ = [
     "Numerics",
     "TrialResult",
     "TuneCache",
+    "canonical_precision",
     "check_numerics",
     "decide",
     "fingerprint",
+    "folder_problem",
     "lever_order",
     "parse_duration",
     "progress_line",
@@ -82,6 +84,12 @@ _PRECISION_ALIASES = {
     "bf16-true": "bf16-true",
     "16-true": "16-true",
 }
+
+
+def canonical_precision(precision: Any) -> str:
+    """Lightning's full spelling of a precision setting (``32`` and ``"32"`` -> ``"32-true"``, ``"bf16"`` ->
+    ``"bf16-mixed"``, ...): two spellings of one setting compare equal. Anything else comes back as ``str()``."""
+    return _PRECISION_ALIASES.get(str(precision), str(precision))
 
 
 def tolerance(precision: str, *, reorders: bool = False) -> float:
@@ -246,6 +254,20 @@ class TuneCache:
             raise ValueError(f"`key` must be a fingerprint (16 hex digits), got {key!r}. Pass `fingerprint(...)`.")
         return self.directory / f"{key}.json"
 
+    def check(self) -> None:
+        """Refuse, in one line, a cache directory that cannot be created or written (checked before any trial: a
+        tune must not find out after all its trials ran).
+
+        Raises:
+            ValueError: a file on its path, or the nearest existing folder on it is not writable.
+        """
+        problem = folder_problem(self.directory)
+        if problem is not None:
+            raise ValueError(
+                f"`cache_dir` {os.fspath(self.directory)!r} cannot hold the tune cache: {problem}. Pass a folder you "
+                "can write (`--cache-dir`, `cache_dir=`)."
+            )
+
     def load(self, key: str) -> dict[str, Any] | None:
         """The stored result of ``key``, or None."""
         try:
@@ -262,6 +284,22 @@ class TuneCache:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, json.dumps(result, indent=1, default=repr))
         return path
+
+
+def folder_problem(folder: str | os.PathLike[str]) -> str | None:
+    """Why ``folder`` cannot be created or written, in words (None: it can): the nearest path on it that exists is a
+    file, or a folder this process cannot write."""
+    p = Path(folder).expanduser().absolute()
+    try:
+        while not p.exists() and p != p.parent:
+            p = p.parent
+        if not p.is_dir():
+            return f"{os.fspath(p)!r} is a file, not a folder"
+    except OSError as e:  # a folder on the way that cannot be searched
+        return f"{os.fspath(p)!r} cannot be read ({e.strerror or e})"
+    if not os.access(p, os.W_OK | os.X_OK):
+        return f"the folder {os.fspath(p)!r} is not writable"
+    return None
 
 
 _UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}

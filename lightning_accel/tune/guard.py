@@ -60,7 +60,9 @@ class RollbackGuard(Callback):
     * **Rollback.** On a trigger on any rank, every rank restores the snapshot in place (parameters, buffers,
       optimizer state, learning rates, schedulers; with ``replay_lost_steps`` in a fit bound by ``max_steps`` the
       step counter too, so it trains the steps the rollback took back and its schedule ends where it would have;
-      the data position goes on), the most recently switched-on active lever is switched off through its
+      the data position goes on) and drops every optimizer's gradients (``set_to_none``: under gradient
+      accumulation a rollback mid-window leaves the window's step only the gradients of the batches after it), the
+      most recently switched-on active lever is switched off through its
       ``switch_off(reason)`` (``ddp_1bit`` -> fp32 averaging, fused modules -> the reference ops, quantized
       checkpoint deltas -> lossless), the event is logged
       (``guard/rollbacks``, a ``rank_zero_warn`` line with the reason, an entry in :attr:`events`, a line in the
@@ -379,6 +381,11 @@ class RollbackGuard(Callback):
 
     def _restore(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> int:
         extra = self.snapshot.restore(pl_module, list(trainer.optimizers))
+        # under gradient accumulation a check can fall mid-window: `.grad` then holds the bad batches' sum (a NaN),
+        # and the window's optimizer step would apply it to the restored weights. Dropping it makes that step use
+        # only the gradients of the window's batches after the restore, computed from the restored weights.
+        for opt in trainer.optimizers:
+            opt.zero_grad(set_to_none=True)
         for i, c in enumerate(trainer.lr_scheduler_configs):
             state = extra.get("schedulers", {}).get(str(i))
             if state is not None:

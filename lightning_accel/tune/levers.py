@@ -13,6 +13,9 @@ the best job is written back as YAML unchanged in form. The options of each leve
   times the sharded and pipeline plans itself);
 * ``checkpoint`` (a job that saves): ``torch.save``, ``DeltaCheckpointIO``, ``DeltaCheckpointIO(async_save=True)``;
 * ``batch`` (only when allowed): twice the per-device batch with ``LinearScalingLR``.
+
+An option that sets a plugin the job already has (``FusedPrecision``, ``DeltaCheckpointIO``) edits that entry's
+``init_args``: the user's other arguments (``ignore_modules``, ``quantize``, ``storage_options``, ...) stay.
 """
 
 from __future__ import annotations
@@ -98,28 +101,40 @@ def _accepts(class_path: str, arg: str) -> tuple[bool, Any]:
     return any(p.kind is p.VAR_KEYWORD for p in params.values()), None
 
 
-def world_of(job: dict[str, Any]) -> int:
-    """``devices x num_nodes`` of the job (``"auto"``/-1 devices count as one per CPU-less host: 1)."""
-    t = job.get("trainer") or {}
-    devices = t.get("devices", 1)
+def _device_count(devices: Any) -> int:
+    """How many devices a ``trainer.devices`` value asks for, read as Lightning reads it: a list of indices, a count,
+    or a string of either (``"2"``; ``"0,1"`` and ``"1,"`` are index lists, as ``--trainer.devices=0,1`` passes them);
+    ``"auto"``, -1 and anything unreadable count as 1 (the number is not in the config)."""
+    if isinstance(devices, str):
+        # the spelling of lightning.fabric's `_normalize_parse_gpu_string_input` (private: not imported)
+        text = devices.strip()
+        if "," in text:
+            ids = [x.strip() for x in text.split(",") if x.strip()]
+            return len(ids) if ids and all(x.isdigit() for x in ids) else 1
+        return int(text) if text.isdigit() and int(text) > 0 else 1
     if isinstance(devices, (list, tuple)):
-        n = len(devices)
-    elif isinstance(devices, int) and devices > 0:
-        n = devices
-    elif isinstance(devices, str) and devices.isdigit():
-        n = int(devices)
-    else:
-        n = 1
-    return n * int(t.get("num_nodes", 1) or 1)
+        return max(1, len(devices))
+    if isinstance(devices, int) and not isinstance(devices, bool) and devices > 0:
+        return devices
+    return 1
+
+
+def world_of(job: dict[str, Any]) -> int:
+    """``devices x num_nodes`` of the job (``devices`` read as :func:`_device_count` says; ``"auto"``/-1 count as 1)."""
+    t = job.get("trainer") or {}
+    return _device_count(t.get("devices", 1)) * int(t.get("num_nodes", 1) or 1)
 
 
 def job_precision(job: dict[str, Any]) -> str:
-    """The job's precision: a ``FusedPrecision`` plugin's mode, else ``trainer.precision`` (default 32-true)."""
+    """The job's precision in Lightning's full spelling (``core.canonical_precision``): a ``FusedPrecision`` plugin's
+    mode, else ``trainer.precision`` (default 32-true)."""
+    from lightning_accel.tune.core import canonical_precision
+
     t = job.get("trainer") or {}
-    for p in as_list(t.get("plugins")):
-        if _class_path(p).endswith("FusedPrecision"):
-            return str((p.get("init_args") or {}).get("precision", "bf16-mixed"))
-    return str(t.get("precision") or "32-true")
+    fused = _fused_entry(job)
+    if fused is not None:
+        return canonical_precision(_init_args(fused).get("precision", "bf16-mixed"))
+    return canonical_precision(t.get("precision") or "32-true")
 
 
 def has_checkpoints(job: dict[str, Any]) -> bool:
@@ -134,21 +149,61 @@ def has_checkpoints(job: dict[str, Any]) -> bool:
 CHANNELS_LAST = "channels_last"
 
 
+def _init_args(entry: Any) -> dict[str, Any]:
+    """A ``class_path`` entry's ``init_args`` (a bare class path string has none)."""
+    return dict(entry.get("init_args") or {}) if isinstance(entry, dict) else {}
+
+
+def _fused_entry(job: dict[str, Any]) -> Any:
+    """The job's ``FusedPrecision`` plugin entry, or None."""
+    plugins = as_list((job.get("trainer") or {}).get("plugins"))
+    return next((p for p in plugins if _class_path(p).endswith("FusedPrecision")), None)
+
+
+#: the ``FusedPrecision`` arguments the precision lever sets, with the plugin's defaults; the others
+#: (``ignore_modules``, ``fusions``, ``backend``, ...) are the user's and every option keeps them
+_FUSED_LEVER_ARGS = {"precision": "bf16-mixed", "compile": False, "memory_format": "preserve"}
+
+
+def _fused_setting(init: dict[str, Any]) -> tuple[str, bool, str]:
+    """What the precision lever controls in ``FusedPrecision`` ``init_args``: (mode, compile, memory format)."""
+    from lightning_accel.tune.core import canonical_precision
+
+    full = {**_FUSED_LEVER_ARGS, **{k: v for k, v in init.items() if k in _FUSED_LEVER_ARGS}}
+    return canonical_precision(full["precision"]), bool(full["compile"]), str(full["memory_format"])
+
+
 def _set_precision(
     job: dict[str, Any], mode: str, *, fused: bool = False, compile: bool = False, channels_last: bool = False
 ) -> dict[str, Any]:
+    """Set the precision; a fused option edits the job's own ``FusedPrecision`` entry (in its place among the
+    plugins) so the user's other arguments stay, and adds one when there is none."""
     t = job.setdefault("trainer", {})
-    plugins = [p for p in as_list(t.get("plugins")) if "Precision" not in _class_path(p)]
     t.pop("precision", None)
+    mine = _fused_entry(job)
+    entry: dict[str, Any] | None = None
     if fused:
-        init: dict[str, Any] = {"precision": mode}
-        if compile:
-            init["compile"] = True
-        if channels_last:
-            init["memory_format"] = "channels_last"
-        plugins.append({"class_path": _FUSED, "init_args": init})
+        init = _init_args(mine)
+        layout = CHANNELS_LAST if channels_last else "preserve"
+        want = {"precision": mode, "compile": compile, "memory_format": layout}
+        for key, value in want.items():
+            # a default is left out (or dropped): the YAML says only what differs from the plugin's own defaults
+            if key != "precision" and value == _FUSED_LEVER_ARGS[key]:
+                init.pop(key, None)
+            else:
+                init[key] = value
+        entry = {"class_path": _class_path(mine) if mine is not None else _FUSED, "init_args": init}
     else:
         t["precision"] = mode
+    plugins = []
+    for p in as_list(t.get("plugins")):
+        if "Precision" not in _class_path(p):
+            plugins.append(p)
+        elif p is mine and entry is not None:
+            plugins.append(entry)
+            entry = None
+    if entry is not None:
+        plugins.append(entry)
     t["plugins"] = plugins
     if not plugins:
         t.pop("plugins")
@@ -156,11 +211,13 @@ def _set_precision(
 
 
 def _precision_options(job: dict[str, Any]) -> list[Option]:
+    """The precision options but the job's own setting (however Lightning lets it be spelt)."""
     now = job_precision(job)
-    fused = any(_class_path(p).endswith("FusedPrecision") for p in as_list((job.get("trainer") or {}).get("plugins")))
+    mine = _fused_entry(job)
+    current = _fused_setting(_init_args(mine)) if mine is not None else None
     out = []
     for mode in ("32-true", "bf16-mixed"):
-        if mode != now or fused:
+        if mode != now or mine is not None:
             out.append(
                 Option(
                     "precision",
@@ -169,26 +226,22 @@ def _precision_options(job: dict[str, Any]) -> list[Option]:
                     {"trainer.precision": mode},
                 )
             )
-    out.append(
+    fused_opts = [
         Option(
             "precision",
             "precision: FusedPrecision(bf16-mixed)",
             lambda j: _set_precision(j, "bf16-mixed", fused=True),
             {"trainer.plugins": "FusedPrecision(bf16-mixed)"},
-        )
-    )
-    # NHWC conv weights: ~30 % faster bf16 convolutions on x86 CPUs (oneDNN) and tensor cores; the tuner leaves this
-    # out for a model without 4-D weights (its baseline trial says)
-    out.append(
+        ),
+        # NHWC conv weights: ~30 % faster bf16 convolutions on x86 CPUs (oneDNN) and tensor cores; the tuner leaves
+        # this out for a model without 4-D weights (its baseline trial says)
         Option(
             "precision",
             f"precision: FusedPrecision(bf16-mixed, {CHANNELS_LAST})",
             lambda j: _set_precision(j, "bf16-mixed", fused=True, channels_last=True),
             {"trainer.plugins": "FusedPrecision(bf16-mixed, memory_format=channels_last)"},
-        )
-    )
-    # torch.compile: the first steps compile (66 s for the 4-wide ResNet on 2 CPU cores), hence the estimate
-    out.append(
+        ),
+        # torch.compile: the first steps compile (66 s for the 4-wide ResNet on 2 CPU cores), hence the estimate
         Option(
             "precision",
             "precision: FusedPrecision(bf16-mixed, compile)",
@@ -196,8 +249,15 @@ def _precision_options(job: dict[str, Any]) -> list[Option]:
             {"trainer.plugins": "FusedPrecision(bf16-mixed, compile=True)"},
             cost=2.0,
             extra_s=60.0,
-        )
-    )
+        ),
+    ]
+    # an option that would set what the job's own FusedPrecision already has is no option
+    settings = [
+        ("bf16-mixed", False, "preserve"),
+        ("bf16-mixed", False, CHANNELS_LAST),
+        ("bf16-mixed", True, "preserve"),
+    ]
+    out += [o for o, setting in zip(fused_opts, settings, strict=True) if setting != current]
     return out
 
 
@@ -308,10 +368,23 @@ def _strategy_options(job: dict[str, Any]) -> list[Option]:
 
 
 def _set_checkpoint_io(job: dict[str, Any], io: dict[str, Any] | None) -> dict[str, Any]:
+    """Set the checkpoint IO (None: Lightning's ``torch.save``). The job's own ``DeltaCheckpointIO`` entry is edited
+    in its place among the plugins, so its other arguments (``quantize``, ``storage_options``, ``redundancy``, ...)
+    stay; another IO is replaced."""
     t = job.setdefault("trainer", {})
-    plugins = [p for p in as_list(t.get("plugins")) if "CheckpointIO" not in _class_path(p)]
-    if io is not None:
-        plugins.append(copy.deepcopy(io))
+    mine = next((p for p in as_list(t.get("plugins")) if "CheckpointIO" in _class_path(p)), None)
+    entry = copy.deepcopy(io)
+    if entry is not None and mine is not None and _class_path(mine).endswith("DeltaCheckpointIO"):
+        entry = {"class_path": _class_path(mine), "init_args": {**_init_args(mine), **_init_args(io)}}
+    plugins = []
+    for p in as_list(t.get("plugins")):
+        if "CheckpointIO" not in _class_path(p):
+            plugins.append(p)
+        elif p is mine and entry is not None:
+            plugins.append(entry)
+            entry = None
+    if entry is not None:
+        plugins.append(entry)
     t["plugins"] = plugins
     if not plugins:
         t.pop("plugins")

@@ -37,10 +37,11 @@ _DROPPED = ("ModelCheckpoint", "PerformanceMonitor", "EarlyStopping", "RollbackG
 class TrialProbe(Callback):
     """Records one trial: per-step losses, the time of each timed step, one checkpoint save, peak memory.
 
-    Step time is the median period between the starts of consecutive steps in ``[warmup, warmup + steps]`` (data wait
-    included; the median, because on a shared machine a few steps stall for reasons of their own); the step holding
-    the timed checkpoint save is left out and the save is reported on its own. The slowest rank's value is kept (one
-    all-reduce at the end).
+    Step time is the median period between the starts of consecutive optimizer steps in ``[warmup, warmup + steps]``
+    (data wait included; the median, because on a shared machine a few steps stall for reasons of their own); under
+    gradient accumulation a step starts at the first batch of its window, and the saves below are made once per step
+    too. The step holding the timed checkpoint save is left out and the save is reported on its own. The slowest
+    rank's value is kept (one all-reduce at the end).
 
     Args:
         warmup: steps before the timed window.
@@ -58,6 +59,10 @@ class TrialProbe(Callback):
         self.step_s: float | None = None
         self.peak_mem: int | None = None
         self.steps_per_epoch: int | None = None
+        # the global step at the last recorded start / the last batch end: under gradient accumulation several
+        # batches share one step, and only the first batch of the window starts it, only its last one ends it
+        self._started: int | None = None
+        self._ended: int | None = None
 
     def _now(self, trainer: Trainer) -> float:
         if trainer.strategy.root_device.type == "cuda":
@@ -69,11 +74,15 @@ class TrialProbe(Callback):
         if trainer.strategy.root_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
         n = trainer.num_training_batches
-        self.steps_per_epoch = int(n) if n != float("inf") else None
+        per_step = max(1, int(trainer.accumulate_grad_batches))
+        self.steps_per_epoch = -(-int(n) // per_step) if n != float("inf") else None  # optimizer steps (ceil)
+        self._started, self._ended = None, trainer.global_step
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        if self.warmup <= trainer.global_step <= self.warmup + self.steps:
+        step = trainer.global_step
+        if self.warmup <= step <= self.warmup + self.steps and step != self._started:
+            self._started = step
             self.starts.append(self._now(trainer))
 
     @override
@@ -82,9 +91,10 @@ class TrialProbe(Callback):
     ) -> None:
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         self.losses.append(float(loss.detach()) if isinstance(loss, torch.Tensor) else float("nan"))
-        if self.ckpt_dir is None:
-            return
         done = trainer.global_step  # steps finished, this one included
+        stepped, self._ended = done != self._ended, done
+        if self.ckpt_dir is None or not stepped:  # a batch inside an accumulation window: no step ended here
+            return
         if done == self.warmup:  # untimed: the first save of a process pays one-time costs
             trainer.save_checkpoint(os.path.join(self.ckpt_dir, "warm.ckpt"))
         elif done == self.warmup + self.steps // 2:
@@ -155,6 +165,10 @@ def _trial_job(job: dict[str, Any], *, warmup: int, steps: int, root: str, save:
     )
     for key in ("max_time", "val_check_interval", "check_val_every_n_epoch"):
         t.pop(key, None)
+    # what `fit --print_config` writes at the top level for `fit` itself: a trial is a short fit from the initial
+    # weights (resuming would measure the checkpoint's steps, and AccelCLI without a subcommand refuses the keys)
+    for key in ("ckpt_path", "weights_only"):
+        j.pop(key, None)
     t.update(
         callbacks=cbs,
         max_steps=warmup + steps + 1,

@@ -26,11 +26,13 @@ import platform
 import shutil
 import sys
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_accel._utils.errors import one_line
 from lightning_accel._utils.rank import distributed_ready, global_rank, local_rank, node_rank
 from lightning_accel.tune.core import (
     DEFAULT_MARGIN,
@@ -41,6 +43,7 @@ from lightning_accel.tune.core import (
     check_numerics,
     decide,
     fingerprint,
+    folder_problem,
     lever_order,
     parse_duration,
     progress_line,
@@ -60,7 +63,8 @@ __all__ = ["GUARD_CLASS_PATH", "TuneResult", "exhaustive", "job_from_objects", "
 
 #: the callback ``tune`` adds to the config it writes
 GUARD_CLASS_PATH = "lightning_accel.callbacks.RollbackGuard"
-_TRIAL_VERSION = 2  # part of the fingerprint: a change of what a trial measures invalidates the cache
+_TRIAL_VERSION = 3  # part of the fingerprint: a change of what a trial measures invalidates the cache (3: one
+# step time per optimizer step under gradient accumulation)
 #: the first line of every ``tuned.yaml`` ``tune`` writes (followed by the job's fingerprint): a file at ``--out``
 #: that does not start with it is the user's, and is not overwritten without ``force``
 HEADER = "# written by `lightning-accel tune`"
@@ -75,7 +79,9 @@ class TuneResult:
     Attributes:
         config: the tuned job (a config mapping, what ``tuned.yaml`` holds).
         trials: every trial, in order (the baseline first).
-        chosen: lever -> the kept option's name (levers left as configured are absent).
+        chosen: lever -> the names of its kept options whose edits are in ``config`` (several, as two options of
+            the data lever, joined by ``", "`` in the order kept; an option a later kept one of its lever replaced is
+            left out; levers left as configured are absent).
         fingerprint: the job's cache key; ``cached``: whether this result came from the cache.
         seconds: wall seconds of this call; ``budget_s``: the budget.
         paths: the files written (``tuned``, ``json``, ``md``, ``png``).
@@ -105,15 +111,25 @@ class TuneResult:
 def load_job(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The job in a ``lightning-accel fit`` YAML (``fit:`` nesting accepted).
 
+    The file is checked as ``lightning-accel fit --config`` checks it (the same one-line messages).
+
     Raises:
-        FileNotFoundError / ValueError: a missing file, or one that is no job mapping.
+        FileNotFoundError: a missing file.
+        ValueError: a folder (its YAML files named), a file that is not valid YAML, is empty or holds no job mapping.
     """
     import yaml  # type: ignore[import-untyped]  # PyYAML ships no type hints
 
+    from lightning_accel.cli import _check_config_file, _config_folder_message
+
     p = Path(path)
+    if p.is_dir():
+        raise ValueError(_config_folder_message(os.fspath(path)))
     if not p.is_file():
-        raise FileNotFoundError(f"`--config` {os.fspath(path)!r} does not exist. Pass the YAML `fit` runs.")
-    job = yaml.safe_load(p.read_text())
+        raise FileNotFoundError(
+            f"`--config` {os.fspath(path)!r} does not exist (cwd: {os.getcwd()}). Pass the YAML `fit` runs."
+        )
+    _check_config_file(os.fspath(path))  # invalid YAML, empty, not a mapping: one line naming the file
+    job = yaml.safe_load(p.read_text(encoding="utf-8"))
     if isinstance(job, dict) and isinstance(job.get("fit"), dict):
         job = job["fit"]
     if not isinstance(job, dict) or "model" not in job:
@@ -136,20 +152,55 @@ def _as_config(obj: Any, arg: str) -> dict[str, Any]:
     return {"class_path": f"{type(obj).__module__}.{type(obj).__qualname__}", "init_args": dict(hp)}
 
 
+def _not_yaml(value: Any, where: str = "") -> tuple[str, Any] | None:
+    """The first value in ``value`` (nested mappings and lists) that a YAML config cannot hold, with its dotted key;
+    None when all of it can."""
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            found = _not_yaml(v, f"{where}.{k}" if where else str(k))
+            if found is not None:
+                return found
+        return None
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            found = _not_yaml(v, f"{where}[{i}]")
+            if found is not None:
+                return found
+        return None
+    return None if value is None or isinstance(value, (str, int, float, bool)) else (where, value)
+
+
 def job_from_objects(trainer_kwargs: Mapping[str, Any] | None, model: Any, datamodule: Any, seed: int = 0) -> dict:
     """A job config from the Python API's arguments: ``trainer_kwargs`` (YAML-able values) and a model / data module
-    given as config mappings or as instances that saved their hyper-parameters."""
+    given as config mappings or as instances that saved their hyper-parameters.
+
+    Raises:
+        TypeError: a value a YAML config cannot hold, naming the argument (``trainer_kwargs``, ``model``,
+            ``datamodule``) and the key it is at.
+    """
     job: dict[str, Any] = {"seed_everything": seed, "trainer": copy.deepcopy(dict(trainer_kwargs or {}))}
     job["model"] = _as_config(model, "model")
     if datamodule is not None:
         job["data"] = _as_config(datamodule, "datamodule")
-    try:
-        json.dumps(job)
-    except TypeError as e:
+    # each source on its own: the message names the argument that holds the value, and its key
+    sources = (("trainer_kwargs", trainer_kwargs, job["trainer"]), ("model", model, job["model"]))
+    for arg, given, part in (*sources, ("datamodule", datamodule, job.get("data"))):
+        instance = isinstance(part, dict) and given is not None and not isinstance(given, Mapping)
+        found = _not_yaml(part["init_args"] if instance and isinstance(part, dict) else part)
+        if found is None:
+            continue
+        where, value = found
+        what = f"`{arg}` hyper-parameter {where!r}" if instance else f"`{arg}` value {where!r}"
+        fix = (
+            "Pass plugins and callbacks as {'class_path': ..., 'init_args': ...}."
+            if arg == "trainer_kwargs"
+            else f"Save YAML-able hyper-parameters (e.g. str() of a path), or pass `{arg}` as a "
+            "{'class_path': ..., 'init_args': ...} mapping."
+        )
         raise TypeError(
-            f"`trainer_kwargs` values must be YAML-able (strings, numbers, class_path mappings): {e}. Pass plugins and "
-            "callbacks as {'class_path': ..., 'init_args': ...}."
-        ) from None
+            f"{what} is of type {type(value).__name__} ({value!r}), which a YAML config cannot hold: values must be "
+            f"strings, numbers, booleans, None, lists or mappings of them. {fix}"
+        )
     return job
 
 
@@ -240,9 +291,14 @@ def tune_job(
         verbose: a progress line per trial on stderr (rank 0).
         force: overwrite files at ``out`` and ``tune_report.{json,md,png}`` beside it that ``tune`` did not write.
 
+    The written config keeps the job's own ``seed_everything`` (the trials all run on one pinned seed, 0 unless the
+    job gives an integer); a job's ``ckpt_path`` stays in it, but the trials train from the initial weights (the
+    baseline's reason in the report says so).
+
     Raises:
-        TypeError / ValueError: an argument out of its range, an unknown lever, or (without ``force``) a file at
-            ``out`` or beside it that ``tune`` did not write -- all before any trial runs.
+        TypeError / ValueError: an argument out of its range, an unknown lever, a folder for ``out`` or the cache
+            that cannot be written, or (without ``force``) a file at ``out`` or beside it that ``tune`` did not write
+            -- all before any trial runs.
     """
     from lightning_accel._utils.checks import check_bool, check_int, check_number
 
@@ -252,19 +308,23 @@ def tune_job(
     margin = check_number("margin", margin, low=0, high=1, high_open=True, fix="Pass a fraction such as 0.03.")
     force = check_bool("force", force)
     levers, skip = _check_levers(levers, skip, allow_batch_change)
-    if out is not None:  # only rank 0 writes: its view of the folder decides, and every rank raises alike
-        refusal = None
-        if _rank_zero():
-            try:
+    cache = TuneCache(cache_dir or Path(os.environ.get("LIGHTNING_ACCEL_CACHE", "~/.cache/lightning_accel")) / "tune")
+    # only rank 0 writes the outputs: its view of the folders decides, and every rank raises alike
+    refusal = None
+    if _rank_zero():
+        try:
+            if out is not None:
                 check_outputs(out, force=force)
-            except ValueError as e:
-                refusal = str(e)
-        refusal = agree(refusal)
-        if refusal is not None:
-            raise ValueError(refusal)
+            cache.check()  # results are stored either way (`use_cache` only reads)
+        except ValueError as e:
+            refusal = str(e)
+    refusal = agree(refusal)
+    if refusal is not None:
+        raise ValueError(refusal)
     start = time.monotonic()
     seconds = parse_duration(budget)
-    job = copy.deepcopy(dict(job))
+    user_job = copy.deepcopy(dict(job))  # what the written config starts from (its own seed setting)
+    job = copy.deepcopy(user_job)
     if job.get("seed_everything") in (None, True, False):
         job["seed_everything"] = 0  # the same seed for every trial: the same init and batches
     settings = {
@@ -277,8 +337,7 @@ def tune_job(
         "skip": list(skip),
         "v": _TRIAL_VERSION,
     }
-    key = fingerprint({"job": job, "settings": settings}, _env(job))
-    cache = TuneCache(cache_dir or Path(os.environ.get("LIGHTNING_ACCEL_CACHE", "~/.cache/lightning_accel")) / "tune")
+    key = fingerprint({"job": user_job, "settings": settings}, _env(job))
     # rank 0's entry where the ranks can already talk (a job started by torchrun): one hit-or-miss for all of them
     hit = agree(cache.load(key) if use_cache else None)
     res = _from_cache(hit, key, seconds) if hit is not None else None
@@ -297,6 +356,8 @@ def tune_job(
         m = run_trial(job, warmup=warmup, steps=steps, root=work / "t0")
         base = _result("baseline", "baseline", None, m)
         base.decision, base.reason = "baseline", "the job as configured"
+        if job.get("ckpt_path"):  # a trial is a short fit from the start: resuming would measure the checkpoint
+            base.reason += "; every trial trains from the initial weights, not from the job's `ckpt_path`"
         base = agree(base)  # rank 0's record (its losses are the reference) on every rank
         if base.error is not None:
             raise RuntimeError(f"the baseline trial of the job failed: {base.error}. Check that `fit` runs the config.")
@@ -317,11 +378,15 @@ def tune_job(
         if levers:
             plan = [lv for lv in plan if lv in levers]
         chosen: dict[str, str] = {}
+        # once a kept option changed the sample order (another data module), every later trial runs in that order:
+        # compared with the baseline, it needs the same allowance
+        best_reorders = False
         planned = sum(len(_options(str(lv), job, skip)) for lv in plan)
         i = 0
         best_ratio = 1  # the best job's per-device batch over the baseline's
         for lever in plan:
-            lever_best: Option | None = None
+            lever_start = best_job
+            kept_opts: list[Option] = []
             opts = _options(lever, best_job, skip)
             for opt in opts:
                 i += 1
@@ -345,7 +410,7 @@ def tune_job(
                     m.losses,
                     job_precision(cand) if m.losses else precision0,
                     k=k,
-                    reorders=opt.reorders,
+                    reorders=opt.reorders or best_reorders,
                     samples_ratio=ratio,
                 )
                 r.numerics = asdict(num) if m.error is None else None
@@ -367,17 +432,34 @@ def tune_job(
                 slowest = max(slowest, r.seconds)
                 best_step = agree(best_step)
                 if r.decision == "kept":
-                    best_job, best_step, lever_best, best_ratio = cand, float(r.step_s or best_step), opt, ratio
-            if lever_best is not None:
-                chosen[lever] = lever_best.name
+                    best_job, best_step, best_ratio = cand, float(r.step_s or best_step), ratio
+                    best_reorders = best_reorders or opt.reorders
+                    kept_opts.append(opt)
+            names = _in_effect(lever_start, kept_opts)
+            if names:
+                chosen[lever] = ", ".join(names)
     finally:
         if _node_leader():  # every node worked in its own `work` (the same path: one folder on a shared disk)
             shutil.rmtree(work, ignore_errors=True)
-    res = TuneResult(with_guard(best_job), trials, chosen, key, False, time.monotonic() - start, seconds)
-    if _node_leader():  # every rank holds rank 0's records (`agree`), so every node stores the same entry
-        cache.store(key, {"config": res.config, "trials": [t.to_dict() for t in trials], "chosen": chosen})
+    config = with_guard(best_job)
+    if "seed_everything" in user_job:  # the pinned seed was the trials' business: the job's own setting goes back
+        config["seed_everything"] = user_job["seed_everything"]
+    else:
+        config.pop("seed_everything", None)
+    res = TuneResult(config, trials, chosen, key, False, time.monotonic() - start, seconds)
+    # the outputs first: the cache is a convenience, and a failure to store it must not cost the tune's result
     if _rank_zero():
         res.paths = write_outputs(res, out, force=force) if out is not None else {}
+    if _node_leader():  # every rank holds rank 0's records (`agree`), so every node stores the same entry
+        entry = {"config": config, "trials": [t.to_dict() for t in trials], "chosen": chosen, "budget_s": seconds}
+        try:
+            cache.store(key, entry)
+        except OSError as e:
+            warnings.warn(
+                f"tune: the result could not be stored in the cache {os.fspath(cache.path(key))!r} ({one_line(e)}); "
+                "this tune's result stands, but the next tune of this job measures it again.",
+                stacklevel=2,
+            )
     _say(
         f"tune: done in {res.seconds:.0f} s of {seconds:.0f} s; kept: {', '.join(chosen.values()) or 'nothing'}",
         verbose,
@@ -434,17 +516,83 @@ def _check_levers(
     return lv, sk
 
 
+#: the type each field of a cached trial must have (a float field takes an int too; None where the field allows it)
+_TRIAL_FIELDS: dict[str, tuple[type, ...]] = {
+    "name": (str,),
+    "lever": (str,),
+    "changes": (dict,),
+    "step_s": (float, int, type(None)),
+    "ref_step_s": (float, int, type(None)),
+    "breakdown": (dict,),
+    "dominant": (str,),
+    "verdict": (str,),
+    "losses": (list,),
+    "numerics": (dict, type(None)),
+    "peak_mem_bytes": (int, type(None)),
+    "memory_ok": (bool,),
+    "decision": (str,),
+    "reason": (str,),
+    "seconds": (float, int),
+    "error": (str, type(None)),
+}
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _trial_of(entry: Any) -> TrialResult | None:
+    """A cached trial, or None when a field is missing, unknown or of another type (the report reads them all)."""
+    if not isinstance(entry, dict) or set(entry) - set(_TRIAL_FIELDS) or not {"name", "lever"} <= set(entry):
+        return None
+    for name, value in entry.items():
+        kinds = _TRIAL_FIELDS[name]
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            return None
+    if not all(_number(v) for v in entry.get("breakdown", {}).values()) or not all(
+        _number(v) for v in entry.get("losses", [])
+    ):
+        return None
+    num = entry.get("numerics")
+    if num is not None and not (isinstance(num.get("ok"), bool) and _number(num.get("max_rel_gap"))):
+        return None
+    return TrialResult(**entry)
+
+
 def _from_cache(hit: Any, key: str, budget_s: float) -> TuneResult | None:
-    """The result a cache entry holds, or None when the entry is not one (another version's layout, a hand edit):
-    a cache entry that cannot be read is a miss, never an error."""
-    try:
-        trials = [TrialResult(**t) for t in hit["trials"]]
-        config, chosen = hit["config"], hit["chosen"]
-    except (TypeError, KeyError):
+    """The result a cache entry holds, or None when the entry is not one (another version's layout, a hand edit, a
+    field of another type): a cache entry that cannot be read is a miss, never an error. An entry whose tune skipped
+    options for its budget is a miss too when this tune's budget is larger: it could measure them."""
+    if not isinstance(hit, dict):
         return None
-    if not trials or not isinstance(config, dict) or not isinstance(chosen, dict):
+    config, chosen, raw = hit.get("config"), hit.get("chosen"), hit.get("trials")
+    if not isinstance(config, dict) or not isinstance(chosen, dict) or not isinstance(raw, list) or not raw:
         return None
-    return TuneResult(config, trials, chosen, key, True, 0.0, budget_s)
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in chosen.items()):
+        return None
+    trials = [_trial_of(t) for t in raw]
+    if any(t is None for t in trials):
+        return None
+    cut = any(t is not None and t.decision == "skipped" and t.reason.startswith("budget") for t in trials)
+    was = hit.get("budget_s")
+    if cut and not (isinstance(was, (int, float)) and budget_s <= was):
+        return None
+    return TuneResult(config, [t for t in trials if t is not None], chosen, key, True, 0.0, budget_s)
+
+
+def _in_effect(start: dict[str, Any], kept: Sequence[Option]) -> list[str]:
+    """The names of the ``kept`` options (applied in turn to ``start``) whose edits show in the result: an option a
+    later one replaced (``bf16-mixed``, then ``FusedPrecision``) is left out; one the later ones build on
+    (``CachedDataModule``, then ``num_workers=0`` on it) stays."""
+
+    def apply(opts: Sequence[Option]) -> dict[str, Any]:
+        j = start
+        for o in opts:
+            j = o.apply(j)
+        return j
+
+    final = apply(kept)
+    return [o.name for i, o in enumerate(kept) if apply([*kept[:i], *kept[i + 1 :]]) != final]
 
 
 def _options(lever: str, job: dict[str, Any], skip: Sequence[str]) -> list[Option]:
@@ -497,9 +645,16 @@ def check_outputs(out: str | os.PathLike[str], *, force: bool = False) -> None:
     """Refuse to overwrite, at ``out`` or as ``tune_report.{json,md,png}`` beside it, a file ``tune`` did not write.
 
     Raises:
-        ValueError: ``out`` is a folder, or (without ``force``) one of those files exists and is not ``tune``'s.
+        ValueError: ``out`` is a folder or in one that cannot be created or written (a file on its path), or (without
+            ``force``) one of those files exists and is not ``tune``'s.
     """
     paths = _report_paths(Path(out))
+    problem = folder_problem(paths["tuned"].parent)  # the trials' work folder goes beside it too
+    if problem is not None:
+        raise ValueError(
+            f"`out` {os.fspath(out)!r} cannot be written: {problem}. Pass an `--out` (`out=`) in a folder you can "
+            "write, e.g. tuned/tuned.yaml."
+        )
     if paths["tuned"].is_dir():
         raise ValueError(f"`out` {os.fspath(out)!r} is a folder. Pass the path of the YAML to write, e.g. tuned.yaml.")
     if force:

@@ -139,6 +139,19 @@ def test_snapshot_refuses_a_resized_model_in_one_line_and_changes_nothing() -> N
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
 
 
+def test_snapshot_refuses_another_optimizer_count_before_copying_anything() -> None:
+    model = nn.Linear(4, 2)
+    snap = Snapshot()
+    snap.take(5, model, [torch.optim.SGD(model.parameters(), lr=0.1)])
+    with torch.no_grad():
+        model.weight.fill_(7.0)
+    two = [torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)]
+    with pytest.raises(RuntimeError, match=r"2 optimizers, the snapshot \(step 5\) holds 1") as e:
+        snap.restore(model, two)
+    assert "\n" not in str(e.value)
+    assert bool((model.weight == 7.0).all())  # the model was not overwritten by the refused restore
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

@@ -97,6 +97,19 @@ def test_a_max_steps_fit_trains_the_steps_a_rollback_took_back() -> None:
     assert _finite(model)
 
 
+def test_a_rollback_mid_accumulation_window_drops_the_bad_gradients() -> None:
+    # the check after the window's first batch sees its NaN loss; the NaN gradient it left in `.grad` must not reach
+    # the restored weights through the window's step (that re-poisoned them: rollback after rollback, then a stop)
+    guard = RollbackGuard(snapshot_every=4, check_every=1, verbose=False)
+    model = tiny.classifier()
+    trainer = tiny.trainer(
+        max_epochs=-1, max_steps=12, limit_train_batches=8, accumulate_grad_batches=2, callbacks=[guard, NaNAt(9)]
+    )
+    trainer.fit(model, tiny.loader())
+    assert [e["action"] for e in guard.events] == ["rollback"] and guard.events[0]["restored_step"] == 8
+    assert trainer.global_step == 12 and _finite(model)
+
+
 def test_replay_off_or_an_epoch_bound_fit_keeps_the_step_counter() -> None:
     for kwargs, replay in (({"max_epochs": -1, "max_steps": 16}, False), ({"max_epochs": 2}, True)):
         guard = RollbackGuard(snapshot_every=4, check_every=1, replay_lost_steps=replay, verbose=False)

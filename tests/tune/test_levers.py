@@ -122,3 +122,58 @@ def test_batch_option_keeps_the_jobs_own_linear_scaling_base() -> None:
 def test_an_unknown_lever_is_refused() -> None:
     with pytest.raises(ValueError, match="`lever` must be one of"):
         options_for("magic", JOB)
+
+
+def test_lever_options_edit_the_users_own_plugin_and_keep_its_other_arguments() -> None:
+    io = {
+        "class_path": "lightning_accel.plugins.DeltaCheckpointIO",
+        "init_args": {"async_save": True, "quantize": "int8", "redundancy": 2, "storage_options": {"anon": True}},
+    }
+    fp = {
+        "class_path": "lightning_accel.plugins.FusedPrecision",
+        "init_args": {"precision": "bf16-mixed", "ignore_modules": ["head"], "fusions": ["conv_bn"]},
+    }
+    job = {**JOB, "trainer": {**JOB["trainer"], "plugins": [fp, io]}}
+    before = copy.deepcopy(job)
+    sync = _by_name("checkpoint", job)["checkpoint: DeltaCheckpointIO(async_save=False)"].apply(job)
+    assert sync["trainer"]["plugins"] == [fp, {**io, "init_args": {**io["init_args"], "async_save": False}}]
+    nhwc = _by_name("precision", job)["precision: FusedPrecision(bf16-mixed, channels_last)"].apply(job)
+    assert nhwc["trainer"]["plugins"] == [
+        {**fp, "init_args": {**fp["init_args"], "memory_format": "channels_last"}},
+        io,
+    ]
+    compiled = _by_name("precision", nhwc)["precision: FusedPrecision(bf16-mixed, compile)"].apply(nhwc)
+    assert compiled["trainer"]["plugins"][0]["init_args"] == {**fp["init_args"], "compile": True}
+    assert job == before
+
+
+FUSED = "lightning_accel.plugins.FusedPrecision"
+
+
+@pytest.mark.parametrize(
+    ("trainer", "left_out"),
+    [
+        ({"precision": 32}, "precision: 32-true"),
+        ({"precision": "32"}, "precision: 32-true"),
+        ({"precision": "bf16"}, "precision: bf16-mixed"),
+        (
+            {"plugins": [{"class_path": FUSED, "init_args": {"precision": "bf16-mixed"}}]},
+            "precision: FusedPrecision(bf16-mixed)",
+        ),
+        (
+            {"plugins": [FUSED]},  # a bare class path: the plugin's defaults
+            "precision: FusedPrecision(bf16-mixed)",
+        ),
+    ],
+)
+def test_the_precision_lever_never_offers_the_jobs_own_setting(trainer: dict[str, Any], left_out: str) -> None:
+    names = list(_by_name("precision", {**JOB, "trainer": trainer}))
+    assert left_out not in names and len(names) == 4
+
+
+@pytest.mark.parametrize(
+    ("devices", "world"), [("0,1", 2), ("0,1,2,3", 4), ("1,", 1), (" 3 ", 3), ([0, 1], 2), ("auto", 1), (-1, 1)]
+)
+def test_world_of_reads_devices_as_lightning_does(devices: Any, world: int) -> None:
+    assert world_of({"trainer": {"accelerator": "gpu", "devices": devices}}) == world
+    assert world_of({"trainer": {"devices": devices, "num_nodes": 2}}) == 2 * world

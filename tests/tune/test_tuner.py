@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
-from lightning_accel.tune import tuner
+from lightning_accel.tune import core, runner, tuner
 from lightning_accel.tune.levers import job_precision
 from lightning_accel.tune.runner import TrialMeasure
 
@@ -210,3 +211,226 @@ def test_every_node_takes_the_same_cache_decision_and_leaves_no_work_folder(tmp_
     assert not [n for n in sorted(p.name for p in tmp_path.iterdir()) if n.startswith(".tune-")]
     again = run_in_processes(_rank_on_its_own_host, 2, (str(tmp_path),), timeout=120)
     assert [cached for cached, _ in again] == [True, True]  # before: rank 1 measured, rank 0 returned
+
+
+DATA_JOB: dict[str, Any] = {
+    **JOB,
+    "data": {
+        "class_path": "lightning_accel.datasets.DigitsDataModule",
+        "init_args": {"data_dir": "digits", "batch_size": 32},
+    },
+}
+
+
+def _data_tune(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, times: list[float], shift: float
+) -> tuple[tuner.TuneResult, str]:
+    """The data lever on DATA_JOB with CachedDataModule and num_workers=0 as its options; the cached job's losses are
+    ``shift`` times the baseline's (another sample order)."""
+    left = list(times)
+
+    def fake(job: dict[str, Any], *, warmup: int, steps: int, root: str | Path) -> TrialMeasure:
+        m = TrialMeasure()
+        cached = "CachedDataModule" in job["data"]["class_path"]
+        m.losses = [x * (shift if cached else 1.0) for x in LOSSES]
+        m.step_s, m.seconds, m.dominant = left.pop(0), 1.0, "data"
+        return m
+
+    monkeypatch.setattr(tuner, "run_trial", fake)
+    out = tmp_path / "tuned.yaml"
+    skip = [f"workers={n}" for n in range(1, 5)]  # whatever the CPU count: num_workers=0 is the one workers option
+    res = tuner.tune_job(
+        DATA_JOB,
+        budget="10m",
+        out=out,
+        levers=["data"],
+        skip=skip,
+        use_cache=False,
+        cache_dir=tmp_path / "c",
+        verbose=False,
+    )
+    assert [t.name for t in res.trials] == [
+        "baseline",
+        "data: CachedDataModule over the image folder",
+        "data: num_workers=0",
+    ]
+    return res, out.read_text().splitlines()[0]
+
+
+def test_an_option_on_a_kept_reordering_job_keeps_the_order_allowance(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # the cached order moves the loss by 4 % (within 2 % + the 5 % order allowance); num_workers=0 runs on the cached
+    # job, in its order, and must be judged with the same allowance (it was rejected for numerics)
+    res, _ = _data_tune(monkeypatch, tmp_path, [0.100, 0.080, 0.100, 0.060, 0.080], shift=1.04)
+    assert [t.decision for t in res.trials] == ["baseline", "kept", "kept"]
+    assert res.config["data"]["class_path"] == "lightning_accel.data.CachedDataModule"
+    assert res.config["data"]["init_args"]["num_workers"] == 0
+
+
+def test_every_kept_option_of_a_lever_still_in_the_config_is_named(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    res, header = _data_tune(monkeypatch, tmp_path, [0.100, 0.080, 0.100, 0.060, 0.080], shift=1.01)
+    both = "data: CachedDataModule over the image folder, data: num_workers=0"
+    assert res.chosen == {"data": both} and header.endswith(f"kept: {both}")
+
+
+def test_a_kept_option_a_later_one_replaced_is_not_named(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # bf16-mixed kept, then FusedPrecision kept on it: the tuned config holds the plugin alone
+    _, fake = _script([0.100, 0.080, 0.100, 0.060, 0.080])
+    monkeypatch.setattr(tuner, "run_trial", fake)
+    res = tuner.tune_job(
+        JOB,
+        out=None,
+        levers=["precision"],
+        skip=["compile", "channels_last"],
+        use_cache=False,
+        cache_dir=tmp_path,
+        verbose=False,
+    )
+    assert [t.decision for t in res.trials] == ["baseline", "kept", "kept"]
+    assert res.chosen == {"precision": "precision: FusedPrecision(bf16-mixed)"}
+
+
+def test_a_cached_tune_cut_short_by_its_budget_is_measured_again_with_a_larger_one(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    seen, fake = _script([0.1] * 20)
+    monkeypatch.setattr(tuner, "run_trial", fake)
+    kwargs: dict[str, Any] = {"out": None, "levers": ["precision"], "skip": ["Fused"], "cache_dir": tmp_path}
+    monkeypatch.setattr(tuner, "Budget", lambda s: core.Budget(s, clock=lambda: 0.0))
+    short = tuner.tune_job(JOB, budget="2s", verbose=False, **kwargs)  # a 1 s baseline: ~5 s per option
+    assert [t.decision for t in short.trials] == ["baseline", "skipped"] and len(seen) == 1
+    assert tuner.tune_job(JOB, budget="2s", verbose=False, **kwargs).cached  # the same budget: the same answer
+    longer = tuner.tune_job(JOB, budget="10m", verbose=False, **kwargs)
+    assert not longer.cached and [t.decision for t in longer.trials] == ["baseline", "rejected"]
+    assert tuner.tune_job(JOB, budget="2s", verbose=False, **kwargs).cached  # a complete result serves any budget
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("breakdown", None), ("numerics", True), ("losses", ["x"]), ("step_s", "fast"), ("memory_ok", 1)],
+)
+def test_a_cache_entry_with_a_field_of_another_type_is_a_miss(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, field: str, value: Any
+) -> None:
+    seen, fake = _script([0.100, 0.200, 0.100] * 2)
+    monkeypatch.setattr(tuner, "run_trial", fake)
+    kwargs: dict[str, Any] = {"levers": ["precision"], "skip": ["Fused"], "cache_dir": tmp_path / "c"}
+    first = tuner.tune_job(JOB, out=None, verbose=False, **kwargs)
+    entry = tmp_path / "c" / f"{first.fingerprint}.json"
+    data = json.loads(entry.read_text())
+    data["trials"][1][field] = value
+    entry.write_text(json.dumps(data))
+    res = tuner.tune_job(JOB, out=tmp_path / "o" / "tuned.yaml", verbose=False, **kwargs)
+    assert not res.cached and len(seen) == 6 and (tmp_path / "o" / "tune_report.md").is_file()
+
+
+def test_the_cached_trial_fields_are_the_trial_results() -> None:
+    from dataclasses import fields
+
+    assert set(tuner._TRIAL_FIELDS) == {f.name for f in fields(core.TrialResult)}
+
+
+def test_the_written_config_keeps_the_jobs_own_seed_setting(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    seen_seeds: list[Any] = []
+
+    def fake(job: dict[str, Any], *, warmup: int, steps: int, root: str | Path) -> TrialMeasure:
+        seen_seeds.append(job.get("seed_everything"))
+        m = TrialMeasure()
+        m.step_s, m.losses, m.seconds, m.dominant = 0.1, list(LOSSES), 1.0, "compute"
+        return m
+
+    monkeypatch.setattr(tuner, "run_trial", fake)
+    unseeded = {k: v for k, v in JOB.items() if k != "seed_everything"}
+    for i, (job, written) in enumerate((({**JOB, "seed_everything": True}, True), (unseeded, None))):
+        out = tmp_path / str(i) / "tuned.yaml"
+        res = tuner.tune_job(
+            job, out=out, levers=["precision"], skip=["Fused"], cache_dir=tmp_path / "c", verbose=False
+        )
+        assert res.config.get("seed_everything", None) is written and ("seed_everything" in res.config) is (i == 0)
+        assert yaml.safe_load(out.read_text()).get("seed_everything") is written
+    assert set(seen_seeds) == {0}  # every trial on one pinned seed
+
+
+def test_a_jobs_ckpt_path_stays_in_the_config_and_the_report_says_trials_start_fresh(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    seen, fake = _script([0.1, 0.2, 0.1])
+    monkeypatch.setattr(tuner, "run_trial", fake)
+    job = {**JOB, "ckpt_path": "last.ckpt", "weights_only": None}
+    res = tuner.tune_job(job, out=None, levers=["precision"], skip=["Fused"], use_cache=False, cache_dir=tmp_path)
+    assert res.config["ckpt_path"] == "last.ckpt" and "not from the job's `ckpt_path`" in res.trials[0].reason
+    trial = runner._trial_job(job, warmup=1, steps=2, root=str(tmp_path), save=False)
+    assert "ckpt_path" not in trial and "weights_only" not in trial  # AccelCLI without a subcommand refuses them
+
+
+def test_folders_that_cannot_be_written_are_refused_before_any_trial(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    seen, fake = _script([0.1] * 9)
+    monkeypatch.setattr(tuner, "run_trial", fake)
+    a_file = tmp_path / "job.yaml"
+    a_file.write_text("model: {}\n")
+    for kwargs, match in (
+        ({"out": a_file / "tuned.yaml", "cache_dir": tmp_path / "c"}, r"`out` .* cannot be written: .* is a file"),
+        ({"out": None, "cache_dir": a_file / "cache"}, r"`cache_dir` .* cannot hold the tune cache: .* is a file"),
+    ):
+        with pytest.raises(ValueError, match=match) as e:
+            tuner.tune_job(JOB, levers=["precision"], verbose=False, **kwargs)
+        assert "\n" not in str(e.value)
+    assert seen == []
+
+
+def test_a_cache_that_cannot_be_stored_is_a_warning_after_the_outputs(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _, fake = _script([0.1, 0.2, 0.1])
+    monkeypatch.setattr(tuner, "run_trial", fake)
+
+    def full_disk(self: core.TuneCache, key: str, result: Any) -> Path:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(core.TuneCache, "store", full_disk)
+    out = tmp_path / "o" / "tuned.yaml"
+    with pytest.warns(UserWarning, match="could not be stored in the cache .* result stands"):
+        res = tuner.tune_job(JOB, out=out, levers=["precision"], skip=["Fused"], cache_dir=tmp_path, verbose=False)
+    assert out.is_file() and res.paths["tuned"] == str(out)
+
+
+@pytest.mark.parametrize(
+    ("content", "words"),
+    [
+        ("trainer:\n  devices: [1\nmodel: x\n", "is not valid YAML: while parsing a flow sequence (line 2, column 12)"),
+        ("", "is empty"),
+        ("- a\n- b\n", "must hold a mapping of settings"),
+        (None, "is a folder, not a YAML file"),
+    ],
+)
+def test_tune_cli_refuses_a_config_that_is_no_yaml_job_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str | None, words: str
+) -> None:
+    from lightning_accel.tune.cli import main
+
+    seen, fake = _script([0.1] * 9)
+    monkeypatch.setattr(tuner, "run_trial", fake)
+    cfg = tmp_path / "cfg"
+    if content is None:
+        cfg.mkdir()
+    else:
+        cfg.write_text(content)
+    assert main(["--config", str(cfg), "--out", str(tmp_path / "o" / "tuned.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"`--config` {str(cfg)!r} " in err and words in err and seen == []
+
+
+def test_tune_names_the_argument_and_key_of_a_value_yaml_cannot_hold() -> None:
+    class Model:
+        hparams = {"width": 4, "vocab_file": Path("vocab.txt")}
+
+    with pytest.raises(TypeError, match=r"`model` hyper-parameter 'vocab_file' is of type PosixPath") as e:
+        tuner.job_from_objects({"accelerator": "cpu"}, Model(), None)
+    assert "trainer_kwargs" not in str(e.value)
+    with pytest.raises(TypeError, match=r"`trainer_kwargs` value 'plugins\[0\]' is of type object"):
+        tuner.job_from_objects({"plugins": [object()]}, JOB["model"], None)
