@@ -33,8 +33,9 @@ heads and layers read from the model by :func:`transformer_shape`, the batch and
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +61,7 @@ __all__ = [
     "measure_activation_bytes",
     "pipeline_stage_parameters",
     "pipeline_stage_params",
+    "preserved_state",
     "resolve_stages_per_rank",
     "SCHEDULES",
     "trainable_and_frozen",
@@ -228,6 +230,31 @@ def _copies_a_parameter(t: torch.Tensor, param_ids: set[int]) -> bool:
     return False
 
 
+@contextlib.contextmanager
+def preserved_state(modules: Iterable[nn.Module]) -> Iterator[None]:
+    """Run the block on ``modules`` and leave them as they were, whatever happens inside: every submodule's own
+    ``training`` flag (``train(was)`` would reset a submodule the user put in eval), every buffer's values (a training
+    forward updates BatchNorm's running statistics and ``num_batches_tracked``) and torch's RNG state, CPU and CUDA
+    (dropout draws from it). What measures a model on an example batch runs inside it, so measuring never changes what
+    the user then trains or evaluates; parameters and their gradients are the caller's business."""
+    mods = list({id(m): m for root in modules for m in root.modules()}.values())
+    modes = [(m, m.training) for m in mods]
+    buffers = list({id(b): (b, b.detach().clone()) for m in mods for b in m.buffers(recurse=False)}.values())
+    rng = torch.random.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        torch.random.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
 def measure_activation_bytes(
     model: nn.Module, example_batch: Any, *, loss_fn: Callable[[Any], torch.Tensor] | None = None
 ) -> ActivationProfile:
@@ -236,7 +263,8 @@ def measure_activation_bytes(
     Every tensor packed for backward is seen through ``torch.autograd.graph.saved_tensors_hooks``; tensors are
     de-duplicated by storage (a view and its base count once), and storages that belong to parameters are skipped, as
     are copies of parameters (autocast's low-precision weights: reached from a parameter by casts and views only).
-    Gradients are cleared afterwards; the model's ``training`` flag is restored.
+    It runs in training mode inside :func:`preserved_state`: every module's ``training`` flag, the buffers
+    (BatchNorm's running statistics) and the RNG state are restored afterwards; gradients are cleared.
 
     Args:
         model: an ``nn.Module`` (a LightningModule works: its ``forward`` is called).
@@ -270,34 +298,21 @@ def measure_activation_bytes(
             pass
         return t
 
-    # the measurement must leave the user's model as it was: every module's own mode (`train(was)` would reset
-    # a submodule the user put in eval), buffers a training forward updates (BatchNorm's running stats) and the RNG
-    modes = [(m, m.training) for m in model.modules()]
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    rng = torch.random.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    model.train()
     device = params[0].device if params else torch.device("cpu")
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with preserved_state([model]):
+            model.train()  # every module's own mode comes back when `preserved_state` ends
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                _sync(device)
+                t0 = time.perf_counter()
+                out = _call(model, example_batch)
+                loss = (loss_fn or _scalar)(out)
+                _sync(device)
+                t1 = time.perf_counter()
+            loss.backward()
             _sync(device)
-            t0 = time.perf_counter()
-            out = _call(model, example_batch)
-            loss = (loss_fn or _scalar)(out)
-            _sync(device)
-            t1 = time.perf_counter()
-        loss.backward()
-        _sync(device)
-        t2 = time.perf_counter()
+            t2 = time.perf_counter()
     finally:
-        for m, mode in modes:
-            m.training = mode
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
-        torch.random.set_rng_state(rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
         for p in params:
             p.grad = None
     return ActivationProfile(

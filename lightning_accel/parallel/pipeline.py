@@ -31,7 +31,12 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_accel._utils.checks import check_choice, check_int
-from lightning_accel.parallel.estimate import SCHEDULES, resolve_stages_per_rank, trainable_and_frozen
+from lightning_accel.parallel.estimate import (
+    SCHEDULES,
+    preserved_state,
+    resolve_stages_per_rank,
+    trainable_and_frozen,
+)
 
 __all__ = [
     "SCHEDULES",
@@ -39,6 +44,7 @@ __all__ = [
     "PipelineRunner",
     "balance_stages",
     "batch_tensors",
+    "check_stages_train",
     "find_pipeline_modules",
     "keep_only",
     "piece_costs",
@@ -46,6 +52,7 @@ __all__ = [
     "pipeline_layout",
     "resolve_stages_per_rank",
     "split_batch",
+    "trainable_pieces",
 ]
 
 
@@ -83,33 +90,53 @@ def piece_costs(pieces: Sequence[nn.Module], example_input: Any = None, *, bytes
     """Bytes each piece costs on its stage: ``bytes_per_param`` per trainable parameter, a frozen one's weight bytes
     alone (no gradient, no optimizer state; :func:`~lightning_accel.parallel.estimate.trainable_and_frozen`), plus the
     activations autograd saves for its backward, measured by running ``example_input`` through the pieces in order
-    (one forward, no backward; 0 without an example)."""
+    (one forward in training mode, no backward; 0 without an example).
+
+    The forward runs inside :func:`~lightning_accel.parallel.estimate.preserved_state`: the pieces' modes, their
+    buffers (BatchNorm's running statistics) and the RNG state are as before afterwards, so measuring at setup never
+    changes what is then trained or evaluated. ``example_input`` must be a batch the pieces can run in training mode
+    (BatchNorm needs more than one sample): the strategy measures on ``example_input_array``."""
     acts = [0] * len(pieces)
     if example_input is not None:
-        x = example_input
-        for i, p in enumerate(pieces):
-            param_ptrs = {q.untyped_storage().data_ptr() for q in p.parameters()}
-            seen: dict[int, int] = {}
+        with preserved_state(pieces):
+            for p in pieces:
+                p.train()  # the activations a training step keeps for its backward (dropout masks included)
+            x = example_input
+            for i, p in enumerate(pieces):
+                param_ptrs = {q.untyped_storage().data_ptr() for q in p.parameters()}
+                seen: dict[int, int] = {}
 
-            def pack(t: torch.Tensor, seen: dict[int, int] = seen, skip: set[int] = param_ptrs) -> torch.Tensor:
-                try:
-                    s = t.untyped_storage()
-                    if s.data_ptr() not in skip:
-                        seen.setdefault(s.data_ptr(), s.nbytes())
-                except (RuntimeError, NotImplementedError):
-                    pass
-                return t
+                def pack(t: torch.Tensor, seen: dict[int, int] = seen, skip: set[int] = param_ptrs) -> torch.Tensor:
+                    try:
+                        s = t.untyped_storage()
+                        if s.data_ptr() not in skip:
+                            seen.setdefault(s.data_ptr(), s.nbytes())
+                    except (RuntimeError, NotImplementedError):
+                        pass
+                    return t
 
-            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                x = p(x)
-            acts[i] = int(sum(seen.values()))
-            x = x.detach()
+                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    x = p(x)
+                acts[i] = int(sum(seen.values()))
+                x = x.detach()
     return [_state_bytes(p, bytes_per_param) + a for p, a in zip(pieces, acts, strict=False)]
 
 
-def balance_stages(costs: Sequence[float], stages: int) -> list[tuple[int, int]]:
+def trainable_pieces(pieces: Sequence[nn.Module]) -> list[bool]:
+    """Per piece, whether it holds a parameter that trains (``requires_grad``): what :func:`balance_stages` gives
+    every stage when it can, since a stage without one leaves its rank's optimizer an empty parameter list."""
+    return [any(p.requires_grad for p in piece.parameters()) for piece in pieces]
+
+
+def balance_stages(
+    costs: Sequence[float], stages: int, *, trainable: Sequence[bool] | None = None
+) -> list[tuple[int, int]]:
     """Cut ``costs`` into ``stages`` contiguous, non-empty runs minimising the largest run's sum (exact linear
     partition by dynamic programming). Returns ``(start, stop)`` per stage.
+
+    With ``trainable`` (per piece, :func:`trainable_pieces`), every run also holds at least one trainable piece when
+    that is possible (at least ``stages`` trainable pieces): the best such cut, which may be less balanced. When it is
+    not possible the plain balance is returned; :func:`check_stages_train` names the stages left without one.
 
     Raises:
         ValueError: more stages than pieces, with both numbers and the fix.
@@ -121,9 +148,16 @@ def balance_stages(costs: Sequence[float], stages: int) -> list[tuple[int, int]]
             f"cannot cut {n} pipeline piece(s) into {stages} stages: every stage needs at least one. Use at most {n} "
             "stages (fewer processes per pipeline, or `stages_per_rank=1`), or split the network into more pieces."
         )
+    if trainable is not None and len(trainable) != n:
+        raise ValueError(f"`trainable` has {len(trainable)} entries for {n} pieces: give one per piece.")
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + float(c))
+    # trained[i]: trainable pieces among the first i; a run (j, i) may stand alone when it holds one
+    trained = [0]
+    for t in trainable if trainable is not None else [True] * n:
+        trained.append(trained[-1] + bool(t))
+    need = trainable is not None and trained[-1] >= stages
     inf = float("inf")
     # best[k][i]: the smallest max-run for the first i pieces in k runs; cut[k][i]: where the last run starts
     best = [[inf] * (n + 1) for _ in range(stages + 1)]
@@ -132,6 +166,8 @@ def balance_stages(costs: Sequence[float], stages: int) -> list[tuple[int, int]]
     for k in range(1, stages + 1):
         for i in range(k, n - (stages - k) + 1):
             for j in range(k - 1, i):
+                if need and trained[i] == trained[j]:
+                    continue
                 v = max(best[k - 1][j], prefix[i] - prefix[j])
                 if v < best[k][i]:
                     best[k][i], cut[k][i] = v, j
@@ -142,6 +178,39 @@ def balance_stages(costs: Sequence[float], stages: int) -> list[tuple[int, int]]
         bounds.append((j, i))
         i = j
     return bounds[::-1]
+
+
+def check_stages_train(
+    bounds: Sequence[tuple[int, int]], trainable: Sequence[bool], *, model: str = "the model"
+) -> None:
+    """Raise when a stage of ``bounds`` holds no trainable piece: its rank's optimizer would get an empty parameter
+    list (torch refuses it) while the other ranks wait for it. Every rank computes the same ``bounds`` from the same
+    model, so every rank raises alike.
+
+    Raises:
+        ValueError: one line naming the stage(s), their pieces, the trainable pieces and the fix.
+    """
+    idle = [s for s, (a, b) in enumerate(bounds) if not any(trainable[a:b])]
+    if not idle:
+        return
+    held = [i for i, t in enumerate(trainable) if t]
+    where = ", ".join(
+        f"{s} (piece {a})" if b - a == 1 else f"{s} (pieces {a}..{b - 1})"
+        for s, (a, b) in ((s, bounds[s]) for s in idle)
+    )
+    if held:
+        why = f"only {len(held)} of the {len(trainable)} pieces ({held}) train, too few for {len(bounds)} stages"
+        fix = (
+            f"Use at most {len(held)} stage{'s' if len(held) > 1 else ''} (`pipeline_size`, `stages_per_rank`), "
+            "unfreeze a parameter in those pieces, or train the frozen backbone data parallel (`strategy='ddp'`)."
+        )
+    else:
+        why = f"none of its {len(trainable)} pieces trains"
+        fix = "Unfreeze the parameters to train (`requires_grad_(True)`), or only validate / test / predict."
+    raise ValueError(
+        f"pipeline stage(s) {where} of {model} hold no parameter that trains, so their rank's optimizer would be "
+        f"empty: {why}. {fix}"
+    )
 
 
 def keep_only(root: nn.Module, owned: Sequence[nn.Module]) -> int:
@@ -159,6 +228,15 @@ def keep_only(root: nn.Module, owned: Sequence[nn.Module]) -> int:
             if id(b) not in keep:
                 m.register_buffer(name, None)
     return dropped
+
+
+def _parameter_order(root: nn.Module) -> dict[str, int]:
+    """``{name: place}`` in ``root.named_parameters()`` order; every name of a tied parameter gets its first place."""
+    first: dict[int, int] = {}
+    order: dict[str, int] = {}
+    for name, p in root.named_parameters(remove_duplicate=False):
+        order[name] = first.setdefault(id(p), len(first))
+    return order
 
 
 class _Stage(nn.Module):
@@ -203,9 +281,15 @@ class PipelineLayout:
 
 
 def pipeline_layout(
-    costs: Sequence[float], world: int, *, pipeline_size: int | None = None, stages_per_rank: int = 1
+    costs: Sequence[float],
+    world: int,
+    *,
+    pipeline_size: int | None = None,
+    stages_per_rank: int = 1,
+    trainable: Sequence[bool] | None = None,
 ) -> PipelineLayout:
     """Balance ``costs`` over ``pipeline_size · stages_per_rank`` stages; the rest of ``world`` is data parallel.
+    With ``trainable`` (per piece), every stage gets a trainable piece when it can (:func:`balance_stages`).
 
     Raises:
         ValueError: ``world`` not divisible by ``pipeline_size``, or more stages than pieces (both numbers, the fix).
@@ -218,7 +302,7 @@ def pipeline_layout(
             "processes."
         )
     check_int("stages_per_rank", stages_per_rank, low=1)
-    bounds = balance_stages(costs, pp * stages_per_rank)
+    bounds = balance_stages(costs, pp * stages_per_rank, trainable=trainable)
     return PipelineLayout(world // pp, pp, stages_per_rank, tuple(bounds))
 
 
@@ -334,6 +418,12 @@ class PipelineRunner:
         self.replica, self.pp_rank = divmod(rank, layout.pp)
         self.stage_ids = layout.stages_of(rank)
         self.stage_modules = [_Stage(pieces[a:b]) for a, b in (layout.bounds[s] for s in self.stage_ids)]
+        #: per piece, whether it trains (every rank knows it for every stage: read before the others' are dropped)
+        self.trainable = tuple(trainable_pieces(pieces))
+        #: the unsplit ``root``'s parameter names in ``named_parameters()`` order (a tied parameter's every name maps
+        #: to its first place): a full optimizer state lists its parameters in that order, the one a one-process
+        #: optimizer over ``root.parameters()`` has, since ``Optimizer.load_state_dict`` matches them by position
+        self.param_order = _parameter_order(root)
         self._tied = self._tied_groups(pieces)  # collective: every rank creates every group, in the same order
         #: this replica's pipeline ranks / this pipeline rank's replicas
         self.pp_group, self.dp_group = self._groups()

@@ -16,6 +16,10 @@
   divided like its head count. The reorder is undone for full state dicts (:func:`unpack_rows`), so a checkpoint
   keeps the unsplit layout. ``nn.MultiheadAttention`` (``in_proj_weight``) is refused with one line: its forward
   takes the width from its input, so no per-rank attribute can make a split run.
+* An ``nn.Sequential`` MLP is paired only across modules that act on each feature alone
+  (:data:`ELEMENTWISE_MODULES`: activations, dropout, identity): between the pair each rank holds a slice of the
+  features, on which a ``Softmax`` or a parameter-free ``LayerNorm`` would compute something else. Such a pair stays
+  replicated, and the coverage says why.
 * :func:`tensor_parallel_coverage` says which ``Linear`` modules a plan splits and which stay replicated, and why.
 
 The core never imports Lightning; ``ShardedStrategy`` (``strategy.py``) applies these inside a Trainer.
@@ -36,6 +40,7 @@ from lightning_accel.parallel.estimate import HEAD_ATTRIBUTES, block_stack
 __all__ = [
     "BATCH_SPLITS",
     "COLWISE_NAMES",
+    "ELEMENTWISE_MODULES",
     "HEAD_ATTRIBUTES",
     "PACKED_NAMES",
     "PACKED_WIDTH_ATTRIBUTES",
@@ -77,6 +82,14 @@ PACKED_NAMES = frozenset({"c_attn", "qkv", "qkv_proj", "Wqkv", "in_proj"})
 PACKED_WIDTH_ATTRIBUTES = ("n_embd", "embed_dim", "split_size", "hidden_size", "d_model")
 #: plan styles: ``"colwise_packed"`` is ``"colwise"`` on rows reordered per head (:func:`pack_rows`)
 STYLES = ("colwise", "rowwise", "colwise_packed")
+#: Parameter-free modules that act on each feature alone: the only ones an ``nn.Sequential`` MLP may have between the
+#: column-wise and the row-wise ``Linear`` of a pair, since between them each rank holds a slice of the features. A
+#: module that mixes features (``Softmax(dim=-1)``, ``LayerNorm(elementwise_affine=False)``, ``GLU``) would compute
+#: on the slice alone, a different function (Softmax: 0.033 off on a 16-32-16 MLP), so such a pair stays replicated.
+ELEMENTWISE_MODULES: tuple[type[nn.Module], ...] = (
+    nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Mish, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU,
+    nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.Softplus, nn.Softsign, nn.Tanhshrink, nn.Dropout, nn.Identity,
+)  # fmt: skip
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:
@@ -201,22 +214,58 @@ def _packed_parts(name: str, lin: nn.Linear, width: int | None = None) -> int:
     return 3 if width is None or lin.out_features == 3 * width else 1
 
 
-def _linear_pairs(module: nn.Module) -> dict[str, str]:
-    """``{relative name: "colwise" | "colwise_packed" | "rowwise"}`` for the column/row pairs inside one block."""
+def _elementwise(m: nn.Module) -> bool:
+    """Whether ``m`` acts on each feature alone (:data:`ELEMENTWISE_MODULES`, or an ``nn.Sequential`` of them)."""
+    if isinstance(m, nn.Sequential):
+        return all(_elementwise(c) for c in m)
+    return type(m) in ELEMENTWISE_MODULES
+
+
+def _sequential_pairs(seq: nn.Sequential, join: str) -> tuple[dict[str, str], dict[str, str]]:
+    """The ``Linear, elementwise..., Linear`` MLP pairs of ``seq`` whose features chain, and, for a ``Linear`` left
+    unpaired because a feature-mixing module sits between it and its partner, why. Names are prefixed by ``join``."""
     plan: dict[str, str] = {}
+    why: dict[str, str] = {}
+    prev: tuple[str, nn.Linear] | None = None
+    between: list[tuple[str, nn.Module]] = []
+    for n, c in seq.named_children():
+        if isinstance(c, nn.Linear):
+            if prev is not None and prev[1].out_features == c.in_features and join + prev[0] not in plan:
+                mixing = [(m, x) for m, x in between if not _elementwise(x)]
+                if not mixing:
+                    plan[join + prev[0]], plan[join + n] = "colwise", "rowwise"
+                else:
+                    label = ", ".join(f"`{join}{m}` ({type(x).__name__})" for m, x in mixing)
+                    for name, partner in ((prev[0], n), (n, prev[0])):
+                        why.setdefault(
+                            join + name, f"{label} between it and its partner `{join}{partner}` mixes features"
+                        )
+            prev, between = (n, c), []
+        elif any(True for _ in c.parameters()):
+            prev, between = None, []  # a module with weights (a norm, a conv) ends the MLP pattern
+        else:
+            between.append((n, c))
+    return plan, {k: v for k, v in why.items() if k not in plan}
+
+
+def _linear_pairs(module: nn.Module, base: str = "") -> tuple[dict[str, str], dict[str, str]]:
+    """``{name: "colwise" | "colwise_packed" | "rowwise"}`` for the column/row pairs inside one block, and
+    ``{name: why it stays replicated}`` for a ``Linear`` whose pair a feature-mixing module broke; names are relative
+    to ``module``, prefixed by ``base`` (the block's name in the model)."""
+    plan: dict[str, str] = {}
+    why: dict[str, str] = {}
     for prefix, m in module.named_modules():
         children = list(m.named_children())
         linears = {n: c for n, c in children if isinstance(c, nn.Linear)}
         if not linears:
             continue
-        join = (prefix + ".") if prefix else ""
+        path = ".".join(x for x in (base, prefix) if x)
+        join = (path + ".") if path else ""
         if isinstance(m, nn.Sequential):
-            # Linear, activation..., Linear whose features chain: the MLP pattern
-            seq = [(n, c) for n, c in children if isinstance(c, nn.Linear) or any(True for _ in c.parameters())]
-            for (n1, a), (n2, b) in zip(seq, seq[1:], strict=False):
-                chained = isinstance(a, nn.Linear) and isinstance(b, nn.Linear) and a.out_features == b.in_features
-                if chained and join + n1 not in plan and join + n2 not in plan:
-                    plan[join + n1], plan[join + n2] = "colwise", "rowwise"
+            # Linear, elementwise activation..., Linear whose features chain: the MLP pattern
+            pairs, broken = _sequential_pairs(m, join)
+            plan.update(pairs)
+            why.update(broken)
             continue
         col = [n for n in linears if n in COLWISE_NAMES]
         row = [n for n in linears if n in ROWWISE_NAMES]
@@ -227,7 +276,19 @@ def _linear_pairs(module: nn.Module) -> dict[str, str]:
             if len(width) == 1 and out_width == width.pop():
                 plan.update({join + n: "colwise_packed" if parts[n] > 1 else "colwise" for n in col})
                 plan[join + row[0]] = "rowwise"
-    return plan
+    return plan, why
+
+
+def _block_pairs(model: nn.Module) -> tuple[dict[str, str], dict[str, str]]:
+    """:func:`_linear_pairs` of every block of the repeated stack (or of ``model``), with fully qualified names."""
+    names = {id(m): n for n, m in model.named_modules()}
+    plan: dict[str, str] = {}
+    why: dict[str, str] = {}
+    for block in block_stack(model) or [model]:
+        pairs, broken = _linear_pairs(block, names[id(block)])
+        plan.update(pairs)
+        why.update(broken)
+    return plan, why
 
 
 def _refuse_multihead_attention(model: nn.Module, plan: dict[str, str]) -> None:
@@ -253,20 +314,17 @@ def tensor_parallel_plan(model: nn.Module, tp_size: int) -> dict[str, str]:
             count, or a split dimension or head count is not divisible by ``tp_size``.
     """
     check_int("tensor_parallel_size", tp_size, low=1)
-    names = {id(m): n for n, m in model.named_modules()}
-    plan: dict[str, str] = {}
-    for block in block_stack(model) or [model]:
-        base = names[id(block)]
-        for rel, style in _linear_pairs(block).items():
-            plan[f"{base}.{rel}" if base else rel] = style
+    plan, broken = _block_pairs(model)
     _refuse_multihead_attention(model, plan)
     if not plan:
         n_linear = sum(isinstance(m, nn.Linear) for m in model.modules())
+        mixing = f"; {next(iter(broken.values()))}" if broken else ""
         raise ValueError(
             f"tensor parallel found 0 parallelisable layer pairs in `{type(model).__name__}` ({n_linear} Linear "
             f"modules, none in a column/row pair: q/k/v (or a packed {sorted(PACKED_NAMES)[:2]}...) + output "
-            f"projection named {sorted(ROWWISE_NAMES)[:4]}..., or an nn.Sequential `Linear, act, Linear` MLP). Use the "
-            "sharded plan (`fsdp`) for this model, or pass an explicit `tp_plan` {module name: 'colwise' | 'rowwise'}."
+            f"projection named {sorted(ROWWISE_NAMES)[:4]}..., or an nn.Sequential `Linear, act, Linear` MLP with "
+            f"only elementwise modules between{mixing}). Use the sharded plan (`fsdp`) for this model, or pass an "
+            "explicit `tp_plan` {module name: 'colwise' | 'rowwise'}."
         )
     check_tensor_parallel_plan(model, plan, tp_size)
     return plan
@@ -365,7 +423,9 @@ def unpack_rows(t: torch.Tensor, tp: int, parts: int = 3) -> torch.Tensor:
 
 def tensor_parallel_coverage(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     """``{Linear name: what the plan does with it}``: ``"colwise"``, ``"colwise_packed"`` (per head),
-    ``"rowwise"``, or ``"replicated: <why>"`` (outside the repeated blocks, or no column/row partner)."""
+    ``"rowwise"``, or ``"replicated: <why>"`` (outside the repeated blocks, a feature-mixing module such as
+    ``Softmax`` between it and its partner, or no column/row partner)."""
+    _, broken = _block_pairs(model)
     blocks = {id(b) for b in block_stack(model)}
     in_block: set[str] = set()
     for name, m in model.named_modules():
@@ -379,6 +439,8 @@ def tensor_parallel_coverage(model: nn.Module, plan: dict[str, str]) -> dict[str
             out[name] = plan[name]
         elif blocks and name not in in_block:
             out[name] = "replicated: outside the repeated blocks (embeddings, head)"
+        elif name in broken:
+            out[name] = f"replicated: {broken[name]}"
         else:
             out[name] = "replicated: no column/row partner in its block"
     return out

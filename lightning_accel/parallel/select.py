@@ -55,7 +55,14 @@ from lightning_accel.parallel.estimate import (
     trainable_and_frozen,
     transformer_shape,
 )
-from lightning_accel.parallel.pipeline import balance_stages, batch_tensors, find_pipeline_modules, piece_costs
+from lightning_accel.parallel.pipeline import (
+    balance_stages,
+    batch_tensors,
+    check_stages_train,
+    find_pipeline_modules,
+    piece_costs,
+    trainable_pieces,
+)
 from lightning_accel.parallel.plans import BATCH_SPLITS, tensor_parallel_plan
 
 __all__ = [
@@ -468,9 +475,10 @@ def _pipeline_stages(model: nn.Module, world: int, bytes_per_param: int) -> tupl
     """The parameters each of ``world`` pipeline stages (every rank's stages, in loop order) holds, and why a
     pipeline cannot split ``model`` ("" when it can). The stages are ``PipelineStrategy``'s: its pieces, balanced by
     :func:`piece_costs` (on model state: the strategy also weighs the activations of ``example_input_array``, which
-    this does not run), each stage holding every parameter its pieces use, so a weight tied between stages (embedding
-    and head) counts in each. A model the pipeline cannot split gets the block-stack split of
-    :func:`pipeline_stage_parameters` for the table."""
+    this does not run) with a trainable piece in every stage where it can, each stage holding every parameter its
+    pieces use, so a weight tied between stages (embedding and head) counts in each. A model the pipeline cannot
+    split gets the block-stack split of :func:`pipeline_stage_parameters` for the table; one whose stages cannot all
+    train (more stages than trainable pieces: the strategy refuses to fit it) gets its split and that blocker."""
     try:
         pieces = find_pipeline_modules(model)
     except TypeError as e:
@@ -478,8 +486,14 @@ def _pipeline_stages(model: nn.Module, world: int, bytes_per_param: int) -> tupl
     if len(pieces) < world:
         blocker = f"cannot split: {len(pieces)} pipeline piece(s) for {world} stages"
         return pipeline_stage_parameters(model, world), blocker
-    bounds = balance_stages(piece_costs(pieces, bytes_per_param=bytes_per_param), world)
-    return [list({id(p): p for piece in pieces[a:b] for p in piece.parameters()}.values()) for a, b in bounds], ""
+    trainable = trainable_pieces(pieces)
+    bounds = balance_stages(piece_costs(pieces, bytes_per_param=bytes_per_param), world, trainable=trainable)
+    stages = [list({id(p): p for piece in pieces[a:b] for p in piece.parameters()}.values()) for a, b in bounds]
+    try:
+        check_stages_train(bounds, trainable, model=f"`{type(model).__name__}`")
+    except ValueError as e:
+        return stages, f"cannot split: {one_line(str(e))}"
+    return stages, ""
 
 
 def _break_even(given: float | None, act: _Activations, params: int, world: int) -> tuple[float, str]:

@@ -24,10 +24,12 @@ from lightning_accel._utils.checks import check_choice
 from lightning_accel.parallel.estimate import default_microbatches, resolve_stages_per_rank
 from lightning_accel.parallel.pipeline import (
     PipelineRunner,
+    check_stages_train,
     find_pipeline_modules,
     piece_costs,
     pipeline_layout,
     split_batch,
+    trainable_pieces,
 )
 from lightning_accel.parallel.plans import apply_fully_shard, apply_tensor_parallel
 
@@ -84,6 +86,7 @@ def plan_stepper(
     microbatches: int | None = None,
     schedule: str = "1f1b",
     stages_per_rank: int | None = None,
+    split_example: torch.Tensor | None = None,
 ) -> Stepper:
     """Apply ``plan`` to ``model`` (changed in place: pass a copy) over the default process group.
 
@@ -102,6 +105,14 @@ def plan_stepper(
             :func:`~lightning_accel.parallel.estimate.default_microbatches`).
         schedule: pipeline schedule.
         stages_per_rank: pipeline stages per rank (None: 2 for the interleaved schedule, else 1).
+        split_example: the batch the pipeline's stage split measures activations on (None: ``inputs``, the whole
+            batch). Pass what ``PipelineStrategy`` splits on, the LightningModule's ``example_input_array``, to time
+            the stages it will build (``AutoStrategy`` does); the forward leaves the model as it was
+            (:func:`~lightning_accel.parallel.pipeline.piece_costs`).
+
+    Raises:
+        ValueError: a pipeline stage would hold no trainable parameter (on every rank alike:
+            :func:`~lightning_accel.parallel.pipeline.check_stages_train`), a batch the plan cannot split.
     """
     check_choice("plan", plan, PLANS)
     loss = loss_fn or _mean_loss
@@ -110,7 +121,12 @@ def plan_stepper(
     if plan == "pipeline":
         pieces = find_pipeline_modules(model)
         spr = resolve_stages_per_rank(schedule, stages_per_rank)
-        layout = pipeline_layout(piece_costs(pieces, inputs[:1]), world, stages_per_rank=spr)
+        # the split `PipelineStrategy` makes: its example (a batch BatchNorm can run in training mode, not one sample)
+        # and its rule that every stage trains
+        example = (inputs if split_example is None else split_example).to(device)
+        trainable = trainable_pieces(pieces)
+        layout = pipeline_layout(piece_costs(pieces, example), world, stages_per_rank=spr, trainable=trainable)
+        check_stages_train(layout.bounds, trainable, model=f"`{type(model).__name__}`")
         m = microbatches or default_microbatches(world)
         runner = PipelineRunner(
             model, pieces, layout, rank=rank, device=device, schedule=schedule, microbatches=m, loss_fn=loss

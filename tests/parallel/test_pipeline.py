@@ -9,12 +9,14 @@ from torch import nn
 from lightning_accel.models.transformer import GPT
 from lightning_accel.parallel.pipeline import (
     balance_stages,
+    check_stages_train,
     find_pipeline_modules,
     join_outputs,
     keep_only,
     piece_costs,
     pipeline_layout,
     split_batch,
+    trainable_pieces,
 )
 
 
@@ -105,3 +107,45 @@ def test_join_outputs_rebuilds_a_batch_from_its_micro_batches() -> None:
     assert torch.equal(joined["o"].score, torch.tensor([0.0, 1.0, 2.0]))  # 0-dim: stacked
     assert joined["ids"] == [0, 0, 1, 1, 2, 2]  # lists: one entry per sample
     assert join_outputs(["a", "b"]) == ["a", "b"]  # anything else: one value per micro-batch
+
+
+def test_measuring_the_pieces_leaves_batchnorm_statistics_rng_and_modes_as_they_were() -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.5), nn.ReLU(), nn.Linear(16, 2))
+    net[2].eval()  # a submodule the user put in eval: it must stay there
+    x = torch.randn(16, 8) * 5 + 3
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    modes = [m.training for m in net.modules()]
+    rng = torch.random.get_rng_state()
+    costs = piece_costs(find_pipeline_modules(net), x)
+    assert costs[1] > 2 * 16 * 4  # BatchNorm's activations were measured (training mode) ...
+    # ... and its running statistics, the RNG the dropout drew from and every module's mode are back
+    assert all(torch.equal(v, before[k]) for k, v in net.state_dict().items())
+    assert int(net[1].num_batches_tracked) == 0
+    assert torch.equal(torch.random.get_rng_state(), rng)
+    assert [m.training for m in net.modules()] == modes
+
+
+def test_every_stage_gets_a_trainable_piece_when_it_can() -> None:
+    # a heavy frozen backbone (pieces 0-2) and light trainable heads: the plain balance gives the backbone a stage
+    costs = [100, 100, 100, 1, 1, 1]
+    trainable = [False, False, False, True, True, True]
+    assert balance_stages(costs, 2)[0] == (0, 2)
+    bounds = balance_stages(costs, 2, trainable=trainable)
+    assert all(any(trainable[a:b]) for a, b in bounds) and bounds == [(0, 4), (4, 6)]
+    check_stages_train(bounds, trainable)  # every stage trains: no error
+    bounds3 = balance_stages(costs, 3, trainable=trainable)
+    assert bounds3 == [(0, 4), (4, 5), (5, 6)]
+    # more stages than trainable pieces: the plain balance, which the strategy refuses to fit, naming the stage
+    few = [False, False, False, False, True, False]
+    plain = balance_stages(costs, 2, trainable=few)
+    assert plain == balance_stages(costs, 2)
+    with pytest.raises(ValueError, match=r"stage\(s\) 0 \(pieces 0..1\) of `Net` hold no parameter that trains.*"
+                       r"only 1 of the 6 pieces \(\[4\]\) train.*Use at most 1 stage \(") as e:  # fmt: skip
+        check_stages_train(plain, few, model="`Net`")
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=r"none of its 6 pieces trains\. Unfreeze"):
+        check_stages_train(plain, [False] * 6)
+    net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    net[0].requires_grad_(False)
+    assert trainable_pieces(list(net)) == [False, False, True]

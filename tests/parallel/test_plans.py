@@ -7,7 +7,13 @@ import pytest
 from torch import nn
 
 from lightning_accel.models.transformer import GPT
-from lightning_accel.parallel.plans import fsdp_units, mixed_precision_policy, tensor_parallel_plan
+from lightning_accel.parallel.plans import (
+    describe_coverage,
+    fsdp_units,
+    mixed_precision_policy,
+    tensor_parallel_coverage,
+    tensor_parallel_plan,
+)
 
 
 def test_gpt_plan_pairs_attention_and_mlp() -> None:
@@ -137,3 +143,26 @@ def test_user_plan_on_a_packed_name_divides_and_checks_the_head_count(
         check_tensor_parallel_plan(odd, {f"0.{packed}": "colwise", "0.out_proj": "rowwise"}, 2)
     with pytest.raises(ValueError, match=r"`_PackedAttention.n_head`=3 heads cannot be split"):  # any name, by style
         check_tensor_parallel_plan(odd, {f"0.{packed}": "colwise_packed", "0.out_proj": "rowwise"}, 2)
+
+
+def test_an_mlp_pair_is_split_across_elementwise_modules_only() -> None:
+    def block() -> nn.Sequential:
+        return nn.Sequential(
+            nn.Linear(16, 32), nn.GELU(), nn.Dropout(0.1), nn.Linear(32, 16),  # elementwise between: split
+            nn.LayerNorm(16),
+            nn.Linear(16, 32), nn.Softmax(dim=-1), nn.Linear(32, 16),  # Softmax mixes the features: replicated
+            nn.LayerNorm(16),
+            nn.Linear(16, 32), nn.LayerNorm(32, elementwise_affine=False), nn.Linear(32, 16),  # so does a plain norm
+        )  # fmt: skip
+
+    net = nn.Sequential(block(), block())
+    plan = tensor_parallel_plan(net, 2)
+    assert plan == {"0.0": "colwise", "0.3": "rowwise", "1.0": "colwise", "1.3": "rowwise"}
+    cov = tensor_parallel_coverage(net, plan)
+    assert cov["0.5"] == "replicated: `0.6` (Softmax) between it and its partner `0.7` mixes features"
+    assert cov["1.11"] == "replicated: `1.10` (LayerNorm) between it and its partner `1.9` mixes features"
+    assert "8 replicated: `0.5` (`0.6` (Softmax) between it" in describe_coverage(cov, 2)
+    # a model whose every pair is broken has nothing to split: the error says which module broke a pair
+    mixing = nn.Sequential(*[nn.Sequential(nn.Linear(16, 32), nn.Softmax(dim=-1), nn.Linear(32, 16)) for _ in "ab"])
+    with pytest.raises(ValueError, match=r"0 parallelisable layer pairs.*`0.1` \(Softmax\) between it and its partner"):
+        tensor_parallel_plan(mixing, 2)

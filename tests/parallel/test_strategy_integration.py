@@ -3,6 +3,7 @@ resolved before the Trainer is built."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -378,3 +379,56 @@ def test_the_pipeline_estimate_describes_the_plan_that_runs() -> None:
         # the estimate's batch is the one the plan runs: 2 ranks x 4 samples, cut into micro-batches of 8 / 4 rows
         assert got["estimated_activations"] == 2 * got["activations"]
         assert set(got["rows"]) == {2 * 4 // got["estimated_microbatches"]}
+
+
+def test_misspelled_keywords_are_refused_when_the_strategy_is_built() -> None:
+    # before, `micro_batches=8` went on to DDPStrategy, which keeps it for a DDP wrapper the pipeline never builds
+    for bad, close in ({"micro_batches": 8}, "microbatches"), ({"schedual": "gpipe"}, "schedule"):
+        key = next(iter(bad))
+        expected = rf"unknown keyword argument\(s\) `{key}`.*`microbatches`.*`process_group_backend`.*-> `{close}`"
+        with pytest.raises(TypeError, match=rf"PipelineStrategy got {expected}") as e:
+            PipelineStrategy(**bad)
+        assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=r"AutoStrategy `pipeline_kwargs` got unknown keyword argument\(s\) "
+                       r"`micro_batches`.*`microbatches`"):  # fmt: skip
+        AutoStrategy(pipeline_kwargs={"micro_batches": 8})
+    with pytest.raises(ValueError, match=r"AutoStrategy `sharded_kwargs` got unknown keyword argument\(s\) "
+                       r"`tensor_paralel_size`.*-> `tensor_parallel_size`"):  # fmt: skip
+        AutoStrategy(sharded_kwargs={"tensor_paralel_size": 2})
+    # the right names pass, DDPStrategy's own included; DistributedDataParallel's pass too (LightningCLI fills every
+    # one in at its default, below), with a warning when set, since no DDP wrapper is built
+    PipelineStrategy(microbatches=8, schedule="gpipe", process_group_backend="gloo", find_unused_parameters=False)
+    with pytest.warns(UserWarning, match=r"PipelineStrategy ignores `find_unused_parameters`: the pipeline's stages"):
+        PipelineStrategy(find_unused_parameters=True)
+    AutoStrategy(pipeline_kwargs={"microbatches": 8, "timeout": None}, sharded_kwargs={"tp_plan": None})
+
+
+def test_the_cli_builds_a_pipeline_strategy_with_every_ddp_keyword_filled_in(tmp_path: Path) -> None:
+    from lightning_accel.cli import AccelCLI
+
+    cfg = _cli_config(tmp_path, "  devices: 1\n", "")
+    text = cfg.read_text().replace("lightning_accel.parallel.AutoStrategy", "lightning_accel.parallel.PipelineStrategy")
+    cfg.write_text(text.replace("init_args: {}", "init_args: {schedule: gpipe, process_group_backend: gloo}"))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="PipelineStrategy ignores")  # the filled-in defaults change nothing
+        cli = AccelCLI(args=["--config", str(cfg)], run=False)
+    st = cli.trainer.strategy
+    assert isinstance(st, PipelineStrategy) and st.schedule == "gpipe"
+
+
+def test_the_measure_policy_resolved_before_the_trainer_still_times_the_plans(tmp_path: Path) -> None:
+    from lightning_accel.cli import AccelCLI
+
+    # the CLI resolves every AutoStrategy before building the Trainer: with policy "measure" it must stay unresolved
+    run = f"  devices: 1\n  max_steps: 1\n  enable_checkpointing: false\n  default_root_dir: {tmp_path}\n"
+    auto_args = "policy: measure, device_memory_bytes: 1000000000, trial_steps: 1, candidates: [ddp]"
+    cfg = _cli_config(tmp_path, run, auto_args)
+    cli = AccelCLI(args=["--config", str(cfg)], run=False)
+    auto = cli.trainer.strategy
+    assert isinstance(auto, AutoStrategy) and auto.choice is None and not auto._resolved
+    assert not any(isinstance(c, ChoiceCheck) for c in cli.trainer.callbacks)  # rank 0 decides for every rank
+    cli.trainer.fit(cli.model, loader())
+    assert auto.choice is not None and auto.choice.policy == "measure" and set(auto.choice.measured) == {"ddp"}
+    # a plain `resolve` call too
+    st = AutoStrategy(policy="measure", device_memory_bytes=10**9)
+    assert st.resolve(Deep(depth=3), accelerator="cpu", devices=2) is st and st.choice is None

@@ -1,9 +1,12 @@
 """What the sharded and pipeline strategies share: optimizer unwrapping, optimizer state placement, precision name,
-and the batch gathered over a model-parallel group (``batch_split="world"``)."""
+the batch gathered over a model-parallel group (``batch_split="world"``), and the check of keyword arguments passed
+on to another class."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import difflib
+import inspect
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -11,9 +14,19 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from torch.distributed.tensor import DTensor
 
+from lightning_accel._utils.errors import one_line
 from lightning_accel.parallel.plans import BATCH_SPLITS
 
-__all__ = ["BATCH_SPLITS", "gather_batch", "optimizers_to_device", "precision_name", "raw_optimizer"]
+__all__ = [
+    "BATCH_SPLITS",
+    "check_keywords",
+    "gather_batch",
+    "keyword_defaults",
+    "keyword_names",
+    "optimizers_to_device",
+    "precision_name",
+    "raw_optimizer",
+]
 
 
 def gather_batch(batch: Any, group: Any) -> Any:
@@ -71,3 +84,56 @@ def precision_name(plugin: Precision) -> str:
 def raw_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     """The torch optimizer behind a ``LightningOptimizer`` (or ``optimizer`` itself)."""
     return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def keyword_defaults(*functions: Callable[..., Any]) -> dict[str, Any]:
+    """``{name: default}`` of the named parameters of ``functions`` (typically ``__init__`` methods: a class's own
+    and those of the bases its ``**kwargs`` go to), in order, each once (the first function's default wins);
+    ``self`` and ``*args`` / ``**kwargs`` are left out, a parameter without a default maps to
+    ``inspect.Parameter.empty``."""
+    out: dict[str, Any] = {}
+    for fn in functions:
+        for p in inspect.signature(fn).parameters.values():
+            if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+                out.setdefault(p.name, p.default)
+    return out
+
+
+def keyword_names(*functions: Callable[..., Any]) -> tuple[str, ...]:
+    """The names of :func:`keyword_defaults`, in order."""
+    return tuple(keyword_defaults(*functions))
+
+
+def check_keywords(
+    name: str,
+    given: Mapping[str, Any],
+    accepted: Sequence[str],
+    *,
+    unlisted: Sequence[str] = (),
+    unlisted_as: str = "",
+    kind: type[Exception] = ValueError,
+) -> None:
+    """Raise ``kind`` (one line: ``name``, the unknown keys with their values, the accepted names, the closest
+    ones) when ``given`` holds a key outside ``accepted`` and ``unlisted``: a misspelled keyword would otherwise be
+    passed on to a base class that ignores it, or fail only when a plan is built, after every process has started.
+
+    Args:
+        name: who got the keywords, as the message starts (``"PipelineStrategy"``).
+        given: the keywords received.
+        accepted: the names accepted, listed in the message.
+        unlisted: more names accepted, too many to list: the message names them as ``unlisted_as``.
+        unlisted_as: those names in words (``"DistributedDataParallel's keywords"``).
+        kind: the exception type (``TypeError`` for a function's own ``**kwargs``, as Python raises).
+
+    Raises:
+        ValueError: (or ``kind``) an unknown key.
+    """
+    names = [*accepted, *unlisted]
+    unknown = [k for k in given if k not in names]
+    if not unknown:
+        return
+    got = ", ".join(f"`{k}`={one_line(repr(given[k]))[:40]}" for k in unknown)
+    hints = [f"`{k}` -> `{close[0]}`" for k in unknown if (close := difflib.get_close_matches(k, names, n=1))]
+    guess = f" ({'; '.join(hints)}?)" if hints else ""
+    listed = ", ".join(f"`{a}`" for a in accepted) + (f", or {unlisted_as}" if unlisted else "")
+    raise kind(f"{name} got unknown keyword argument(s) {got}; expected one of {listed}. Fix the spelling{guess}.")

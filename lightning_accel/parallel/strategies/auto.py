@@ -6,12 +6,13 @@ CLI instantiates the model, calls :meth:`AutoStrategy.resolve` with the config's
 parallel is chosen (it is a ``DDPStrategy``), else the chosen strategy (``ddp_1bit``: the registered 1-bit strategy;
 ``fsdp``: :class:`ShardedStrategy` (FSDP2, CPU and GPU; Lightning's ``FSDPStrategy`` when ``fsdp_kwargs`` are given);
 ``tp``: :class:`ShardedStrategy` with ``tensor_parallel_size``; ``pipeline``: :class:`PipelineStrategy`), so
-Lightning sets that strategy up like any other. ``policy="measure"`` needs the process group for its trial, so it is
-decided in ``setup_environment`` (below); resolved early, it uses the memory policy's answer. There is no process
-group yet, so every process chooses for itself; :class:`ChoiceCheck` compares the choices once the group is up and
-stops the run with an error naming them if they differ (possible across nodes: the ``ddp_1bit`` advice uses a
-measured backward time). In Python, call :func:`~lightning_accel.parallel.select_strategy` and pass its name to
-``Trainer(strategy=...)``, or pass what :meth:`AutoStrategy.resolve` returns.
+Lightning sets that strategy up like any other. ``policy="measure"`` needs the process group for its trial, so
+``resolve`` returns the ``AutoStrategy`` itself, unresolved, and the choice is made in ``setup_environment`` (below),
+trial included. Otherwise there is no process group yet, so every process chooses for itself; :class:`ChoiceCheck`
+compares the choices once the group is up and stops the run with an error naming them if they differ (possible across
+nodes: the ``ddp_1bit`` advice uses a measured backward time). In Python, call
+:func:`~lightning_accel.parallel.select_strategy` and pass its name to ``Trainer(strategy=...)``, or pass what
+:meth:`AutoStrategy.resolve` returns.
 
 **Handed to a Trainer directly**, an ``AutoStrategy`` starts as DDP (its launcher starts the processes exactly like
 ``strategy="ddp"``); once the process group is up (``setup_environment``, before the model is configured or moved)
@@ -42,7 +43,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.accelerators import Accelerator, AcceleratorRegistry, CUDAAccelerator, MPSAccelerator
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, Strategy, StrategyRegistry
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, Strategy, StrategyRegistry
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
@@ -61,11 +62,15 @@ from lightning_accel.parallel.select import (
     select_strategy,
     trial_key,
 )
-from lightning_accel.parallel.strategies.pipeline import PipelineStrategy
+from lightning_accel.parallel.strategies._helpers import check_keywords, keyword_names
+from lightning_accel.parallel.strategies.pipeline import PIPELINE_ARGUMENTS, PIPELINE_UNLISTED, PipelineStrategy
 from lightning_accel.parallel.strategies.sharded import ShardedStrategy
 from lightning_accel.parallel.trials import PLANS, plan_stepper, time_plan
 
 __all__ = ["AutoStrategy", "resolve_trainer_kwargs", "trainer_devices"]
+
+#: every keyword ``ShardedStrategy(...)`` takes (``sharded_kwargs``): its own and ``ModelParallelStrategy``'s
+_SHARDED_ARGUMENTS = keyword_names(ShardedStrategy.__init__, ModelParallelStrategy.__init__)
 
 
 def _pipeline_arguments(pipeline_kwargs: dict[str, Any] | None) -> dict[str, Any]:
@@ -147,9 +152,11 @@ class AutoStrategy(DDPStrategy):
             scaled by ``example_batch_size / len(example_input_array)``.
         fsdp_kwargs: when given, a chosen ``"fsdp"`` runs as Lightning's ``FSDPStrategy(**fsdp_kwargs)`` (FSDP1,
             GPUs only; e.g. ``cpu_offload``) instead of :class:`ShardedStrategy` (FSDP2, CPU and GPU).
-        sharded_kwargs: keyword arguments for :class:`ShardedStrategy` (the ``"fsdp"`` and ``"tp"`` plans).
+        sharded_kwargs: keyword arguments for :class:`ShardedStrategy` (the ``"fsdp"`` and ``"tp"`` plans); an unknown
+            key is refused here.
         pipeline_kwargs: keyword arguments for :class:`PipelineStrategy` (``schedule``, ``microbatches``,
-            ``pipeline_size``, ``stages_per_rank``); the pipeline's memory estimate is made for them.
+            ``pipeline_size``, ``stages_per_rank``); the pipeline's memory estimate is made for them; an unknown key
+            is refused here.
         trial_steps: timed steps per candidate for ``policy="measure"`` (after one warm-up step).
         trial_cache: a JSON file keeping measured times per model / world / device (None: this process only).
         candidates: the plans ``policy="measure"`` times (None: every plan the memory estimate lets fit; a plan
@@ -184,7 +191,16 @@ class AutoStrategy(DDPStrategy):
             check_choice("candidates", c, PLANS, fix="Name plans a trial can time.")
         check_int("example_batch_size", example_batch_size, low=1, allow_none=True)
         check_int("trial_steps", trial_steps, low=1)
-        # the choice is made at setup on rank 0 only: a bad value must fail here, on every rank
+        # the choice is made at setup on rank 0 only: a bad value must fail here, on every rank (a misspelled key
+        # would otherwise surface only when the chosen plan is built, or never: `PipelineStrategy` took any keyword)
+        check_keywords(
+            "AutoStrategy `pipeline_kwargs`",
+            pipeline_kwargs or {},
+            PIPELINE_ARGUMENTS,
+            unlisted=PIPELINE_UNLISTED,
+            unlisted_as="DistributedDataParallel's keywords",
+        )
+        check_keywords("AutoStrategy `sharded_kwargs`", sharded_kwargs or {}, _SHARDED_ARGUMENTS)
         pk = _pipeline_arguments(pipeline_kwargs)
         _check_arguments(
             headroom=headroom,
@@ -234,15 +250,31 @@ class AutoStrategy(DDPStrategy):
             num_nodes: the Trainer's ``num_nodes``.
             plugins: the Trainer's ``plugins`` (a precision plugin among them rules FSDP out).
 
+        With ``policy="measure"`` nothing is chosen here: the trial times the plans on the running processes,
+        which do not exist yet. This strategy is returned unresolved (``choice`` stays None) and chooses in
+        ``setup_environment``, as when handed to a Trainer directly: rank 0's estimate, the trial on every rank, the
+        swap to the fastest plan.
+
         Returns:
             What to pass as ``Trainer(strategy=...)``: this strategy when data parallel is chosen (``choice`` is
-            kept; ``setup`` does not choose again), else the chosen strategy (also kept in :attr:`chosen`). Add
-            ``ChoiceCheck(self.choice.strategy)`` to the Trainer's callbacks when several processes each resolve.
+            kept; ``setup`` does not choose again) or the policy is ``"measure"`` (it chooses at setup), else the
+            chosen strategy (also kept in :attr:`chosen`). Add ``ChoiceCheck(self.choice.strategy)`` to the Trainer's
+            callbacks when several processes each resolve (and ``choice`` is set).
 
         Raises:
             ValueError: FSDP was chosen but cannot run (CPU devices, or a precision plugin FSDP cannot take).
         """
         parallel = trainer_devices(accelerator, devices)
+        if self.policy == "measure":
+            # the trial needs the process group: leave the whole choice to `setup_environment`, where rank 0
+            # estimates, every rank times the candidates and all swap alike (choosing by memory here would make
+            # the trial never run)
+            self.choice, self.chosen, self._resolved = None, self, False
+            rank_zero_info(
+                "AutoStrategy (measure): the plans are timed once the processes are connected; the choice is made "
+                "at setup."
+            )
+            return self
         choice = self._choose(model, parallel[0], len(parallel), num_nodes)
         self._record(choice)
         self._resolved = True
@@ -410,6 +442,7 @@ class AutoStrategy(DDPStrategy):
                     microbatches=pk["microbatches"],
                     schedule=pk["schedule"],
                     stages_per_rank=pk["stages_per_rank"],
+                    split_example=example,  # what the built PipelineStrategy splits on
                 )
                 seconds = time_plan(stepper, steps=self.trial_steps)
             except Exception as e:  # noqa: BLE001
@@ -502,8 +535,9 @@ def _as_list(value: Any) -> list[Any]:
 def resolve_trainer_kwargs(trainer_kwargs: dict[str, Any], model: Any) -> dict[str, Any]:
     """``trainer_kwargs`` with an ``AutoStrategy`` under ``"strategy"`` resolved for ``model`` (else unchanged).
 
-    The resolved strategy replaces the ``AutoStrategy`` and a :class:`ChoiceCheck` joins ``"callbacks"``; only the
-    keys that change are returned, so the result can be merged over the original (``{**kwargs, **result}``).
+    The resolved strategy replaces the ``AutoStrategy`` and a :class:`ChoiceCheck` joins ``"callbacks"`` (not with
+    ``policy="measure"``, which chooses at setup: rank 0's choice goes to every rank); only the keys that change are
+    returned, so the result can be merged over the original (``{**kwargs, **result}``).
     """
     strategy = trainer_kwargs.get("strategy")
     if not isinstance(strategy, AutoStrategy) or not isinstance(model, pl.LightningModule):
@@ -515,6 +549,7 @@ def resolve_trainer_kwargs(trainer_kwargs: dict[str, Any], model: Any) -> dict[s
         num_nodes=int(trainer_kwargs.get("num_nodes", 1) or 1),
         plugins=trainer_kwargs.get("plugins"),
     )
-    assert strategy.choice is not None
+    if strategy.choice is None:  # policy "measure": rank 0's choice is shared at setup, there is nothing to compare
+        return {"strategy": resolved}
     callbacks: Sequence[Any] = _as_list(trainer_kwargs.get("callbacks"))
     return {"strategy": resolved, "callbacks": [*callbacks, ChoiceCheck(strategy.choice.strategy)]}

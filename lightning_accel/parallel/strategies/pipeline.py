@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -21,22 +21,27 @@ from lightning_accel.parallel.estimate import default_microbatches
 from lightning_accel.parallel.pipeline import (
     PipelineRunner,
     batch_tensors,
+    check_stages_train,
     find_pipeline_modules,
     join_outputs,
     piece_costs,
     pipeline_layout,
     resolve_stages_per_rank,
     split_batch,
+    trainable_pieces,
 )
 from lightning_accel.parallel.strategies._helpers import (
     BATCH_SPLITS,
+    check_keywords,
     gather_batch,
+    keyword_defaults,
+    keyword_names,
     optimizers_to_device,
     precision_name,
     raw_optimizer,
 )
 
-__all__ = ["PipelineStrategy"]
+__all__ = ["PIPELINE_ARGUMENTS", "PIPELINE_UNLISTED", "PipelineStrategy"]
 
 _CLIP_KEY = "lightning_accel.parallel.PipelineStrategy.clip_grad_by_norm"
 _FORWARD_KEY = "lightning_accel.parallel.PipelineStrategy.forward"
@@ -92,7 +97,12 @@ class PipelineStrategy(DDPStrategy):
 
     **Checkpoints**: the stages' states are gathered to rank 0 and saved as one full checkpoint through the
     ``CheckpointIO`` (the model ``state_dict`` is the unsplit model's, so the file also loads without a pipeline;
-    optimizer state is keyed by parameter name); on resume every rank reads it and keeps its stage's part.
+    optimizer state is keyed by parameter name, its parameters listed in the unsplit model's order, so a one-process
+    ``optimizer.load_state_dict`` matches them); on resume every rank reads it and keeps its stage's part.
+
+    **Frozen parameters**: the split gives every stage a trainable parameter when it can (a frozen backbone shares a
+    stage with a piece that trains), since a stage without one would leave its rank's optimizer empty; a ``fit``
+    whose pipeline has more stages than trainable pieces is refused at setup, on every rank, naming the stages.
 
     Args:
         pipeline_size: ranks per pipeline (None: the world size); ``world / pipeline_size`` replicas train data
@@ -105,7 +115,10 @@ class PipelineStrategy(DDPStrategy):
             ``replicas x batch_size``) or ``"world"`` (the sampler splits over every rank, as DDP's, and each pipeline
             gathers its ranks' batches into the one it runs: the global batch and the steps per epoch are those of
             DDP on the same Trainer; what ``AutoStrategy`` uses).
-        **ddp_kwargs: ``process_group_backend``, ``timeout``, ... for ``DDPStrategy``'s process group.
+        **ddp_kwargs: ``process_group_backend``, ``timeout``, ...: ``DDPStrategy``'s own arguments
+            (:data:`PIPELINE_ARGUMENTS`). ``DistributedDataParallel``'s keywords are accepted, since LightningCLI
+            fills them all in, but the pipeline is not wrapped in it, so one set to another value than its default
+            only draws a warning; any other name is refused (``TypeError``, naming the closest accepted one).
 
     ``predict`` runs the batch through the pipeline like an evaluation step; the last stage calls ``predict_step``
     on each micro-batch's output, the micro-batches' predictions are joined
@@ -128,6 +141,25 @@ class PipelineStrategy(DDPStrategy):
         batch_split: str = "data_parallel",
         **ddp_kwargs: Any,
     ) -> None:
+        # a misspelled `micro_batches=8` would go on to DDPStrategy, which keeps it for a DDP wrapper never built here.
+        # DistributedDataParallel's own keywords pass (LightningCLI fills every one in, at its default), with a warning
+        # when one is set: no DDP wrapper is built, so it changes nothing
+        check_keywords(
+            "PipelineStrategy",
+            ddp_kwargs,
+            PIPELINE_ARGUMENTS,
+            unlisted=PIPELINE_UNLISTED,
+            unlisted_as="DistributedDataParallel's keywords",
+            kind=TypeError,
+        )
+        unused = [
+            k for k, v in ddp_kwargs.items() if k in _DDP_WRAPPER_DEFAULTS and not _is(v, _DDP_WRAPPER_DEFAULTS[k])
+        ]
+        if unused:
+            rank_zero_warn(
+                f"PipelineStrategy ignores {', '.join(f'`{k}`' for k in unused)}: the pipeline's stages are not "
+                "wrapped in DistributedDataParallel (the pipeline syncs their gradients itself). Drop the argument(s)."
+            )
         check_choice("batch_split", batch_split, BATCH_SPLITS)
         check_int("pipeline_size", pipeline_size, low=1, allow_none=True)
         check_int("microbatches", microbatches, low=1, allow_none=True)
@@ -193,14 +225,17 @@ class PipelineStrategy(DDPStrategy):
             )
         if not module.automatic_optimization:
             raise ValueError("PipelineStrategy needs automatic optimization (`self.automatic_optimization = True`).")
+        fitting = trainer.state.fn == TrainerFn.FITTING
         runner = _RUNNERS.get(module)
         if runner is None:
-            self.runner = _RUNNERS[module] = self._split(module)
+            self.runner = _RUNNERS[module] = self._split(module, fitting)
         else:  # `validate`/`test`/`predict` after `fit`, a second `fit`: the module holds only this rank's stages
             self._reuse(module, runner)
+            if fitting:
+                self._check_stages_train(module, runner.layout.bounds, runner.trainable)
         self.model = self.precision_plugin.convert_module(module)
         self.model_to_device()
-        if trainer.state.fn == TrainerFn.FITTING:
+        if fitting:
             self.setup_optimizers(trainer)
             optimizers_to_device(self.optimizers, self.root_device)
         self.setup_precision_plugin()
@@ -210,14 +245,23 @@ class PipelineStrategy(DDPStrategy):
             self.precision_plugin, "clip_grad_by_norm", lambda p: self._clip_whole_model, key=_CLIP_KEY
         )
 
-    def _split(self, module: pl.LightningModule) -> PipelineRunner:
-        """Split ``module`` into stages and keep only this rank's (see :class:`PipelineRunner`)."""
+    def _split(self, module: pl.LightningModule, fitting: bool) -> PipelineRunner:
+        """Split ``module`` into stages and keep only this rank's (see :class:`PipelineRunner`); every stage gets a
+        trainable piece when it can, and a ``fit`` whose split leaves a stage without one is refused before the module
+        is changed (:meth:`_check_stages_train`)."""
         pieces = find_pipeline_modules(module)
         example = getattr(module, "example_input_array", None)
         costs = piece_costs(pieces, example if isinstance(example, torch.Tensor) else None)
+        trainable = trainable_pieces(pieces)
         layout = pipeline_layout(
-            costs, self.world_size, pipeline_size=self.pipeline_size, stages_per_rank=self.stages_per_rank
+            costs,
+            self.world_size,
+            pipeline_size=self.pipeline_size,
+            stages_per_rank=self.stages_per_rank,
+            trainable=trainable,
         )
+        if fitting:
+            self._check_stages_train(module, layout.bounds, trainable)
         runner = PipelineRunner(
             module,
             pieces,
@@ -234,6 +278,18 @@ class PipelineStrategy(DDPStrategy):
             f"{runner.microbatches} micro-batches."
         )
         return runner
+
+    @staticmethod
+    def _check_stages_train(
+        module: pl.LightningModule, bounds: tuple[tuple[int, int], ...], trainable: Sequence[bool]
+    ) -> None:
+        """Refuse a fit in which a stage holds no trainable parameter: that rank's ``configure_optimizers`` would
+        get an empty parameter list and raise alone, leaving the other ranks waiting. Every rank splits the same
+        model the same way, so every rank raises here, alike."""
+        try:
+            check_stages_train(bounds, trainable, model=f"`{type(module).__name__}`")
+        except ValueError as e:
+            raise ValueError(f"PipelineStrategy: {e}") from None
 
     def _reuse(self, module: pl.LightningModule, runner: PipelineRunner) -> None:
         """Run on the split an earlier setup made of ``module``: splitting it again would balance the pieces this
@@ -470,6 +526,18 @@ class PipelineStrategy(DDPStrategy):
             else:
                 for g, h in zip(merged["param_groups"], part["param_groups"], strict=False):
                     g["params"] += [p for p in h["params"] if p not in g["params"]]
+        # the ranks' parts come rank by rank (an interleaved rank holds stages 0 and 2): put every group's parameters,
+        # and the state, in the unsplit model's order, the order a one-process optimizer built over
+        # `self.parameters()` has; `Optimizer.load_state_dict` matches them by position (a checkpoint loaded
+        # without the pipeline), the pipeline's own load by name
+        order = runner.param_order
+
+        def place(name: Any) -> int:
+            return order.get(name, len(order))
+
+        for g in merged["param_groups"]:
+            g["params"].sort(key=place)  # stable: a name the model does not list keeps its place after the others
+        merged["state"] = {k: merged["state"][k] for k in sorted(merged["state"], key=place)}
         return merged
 
     @override
@@ -503,3 +571,25 @@ class PipelineStrategy(DDPStrategy):
             self._clip_patch.restore()
             self._clip_patch = None
         super().teardown()
+
+
+#: the keywords ``PipelineStrategy(...)`` takes: its own and ``DDPStrategy``'s named arguments (plus, passing with a
+#: warning when set, DistributedDataParallel's: ``_DDP_WRAPPER_DEFAULTS``)
+PIPELINE_ARGUMENTS = keyword_names(PipelineStrategy.__init__, DDPStrategy.__init__)
+#: DistributedDataParallel's keywords and their defaults, where DDPStrategy's ``**kwargs`` go (the wrapped module is
+#: no keyword)
+_DDP_WRAPPER_DEFAULTS = {
+    k: v
+    for k, v in keyword_defaults(torch.nn.parallel.DistributedDataParallel.__init__).items()
+    if k != "module" and k not in PIPELINE_ARGUMENTS
+}
+#: the names of ``_DDP_WRAPPER_DEFAULTS``: accepted, too many to list in an error
+PIPELINE_UNLISTED = tuple(_DDP_WRAPPER_DEFAULTS)
+
+
+def _is(value: Any, default: Any) -> bool:
+    """Whether ``value`` is ``default`` (as LightningCLI fills it in); a value that cannot compare is not."""
+    try:
+        return value is default or (type(value) is type(default) and bool(value == default))
+    except Exception:  # noqa: BLE001 -- a tensor, a mesh: never "equal" to a default
+        return False
