@@ -7,26 +7,48 @@
 - Never writes into someone else's directory: a renderer writes only into a directory that does not exist, is empty,
   or carries its own marker and nothing but the class folders of ``NNNNNN.jpg`` files it writes. Anything else (a
   user's ImageFolder tree, a note file) is refused with one line before the first write, and left as it was.
+- One render at a time per directory: a render holds an exclusive ``flock`` on a lock file in the root
+  (``.lightning_accel_<what>.lock``, left in place: removing a lock file races with a process about to lock it) from
+  before it decides to (re)build until its final marker is written. A second render of the same directory waits for
+  the first and then decides again (reuse, rebuild or refuse) on what the first one left. Forked rendering processes
+  inherit the lock, so it is held until the last of them is gone.
+- No partial image at a final name: images are written to ``.NNNNNN.jpg.<hex>.tmp`` and renamed into place
+  (:func:`~lightning_accel._utils.atomic.atomic_publish_file`); the temporary names a killed render leaves behind are
+  recognised as the renderer's own and removed by the next render.
 
 :class:`TreeSpec` names one renderer's marker, classes and marker keys; :func:`check_tree` decides (without writing),
-:func:`begin_render` writes the "rendering" marker and empties the class folders, :func:`finish_render` makes the tree
-durable and writes the final marker.
+:func:`render_lock` serialises renders, :func:`begin_render` writes the "rendering" marker and empties the class
+folders, :func:`publish_image` writes one image, :func:`finish_render` makes the tree durable and writes the final
+marker.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from lightning_accel._utils.atomic import atomic_write_text, fsync_dir
+from lightning_accel._utils.atomic import atomic_publish_file, atomic_write_text, fsync_dir
 
-__all__ = ["TreeSpec", "begin_render", "check_tree", "finish_render"]
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; renders of one directory are then not serialised
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = ["TreeSpec", "begin_render", "check_tree", "finish_render", "publish_image", "render_lock"]
 
 _RENDERING = "rendering"  # the marker's `state` while a render is under way
 IMAGE_NAME = re.compile(r"\d{6}\.jpg")  # the only file names a renderer writes in a class folder
+# an image's temporary name while it is written (atomic_publish_file's `.<name>.<32 hex>.tmp`): a render killed
+# mid-write leaves one behind, which is still the renderer's own file
+IMAGE_TMP_NAME = re.compile(r"\.\d{6}\.jpg\.[0-9a-f]{32}\.tmp")
 PROBE = ".write_probe"  # written and removed before the render (left behind only by a kill in between)
 
 
@@ -52,6 +74,11 @@ class TreeSpec:
     def _marker_tmp(self) -> re.Pattern[str]:  # atomic_write_text's temporary marker
         return re.compile(re.escape(f".{self.marker}.") + r"[0-9a-f]+\.tmp")
 
+    @property
+    def lock(self) -> str:
+        """The lock file's name in the root (``.lightning_accel_digits.lock`` beside the ``.json`` marker)."""
+        return self.marker.removesuffix(".json") + ".lock"
+
 
 def _read_marker(spec: TreeSpec, path: Path) -> dict | None:
     """The marker's content when it is one the renderer wrote (its keys, its states), else None."""
@@ -71,12 +98,13 @@ def _foreign_entry(spec: TreeSpec, root: Path) -> Path | None:
     """The first entry under ``root`` that the renderer does not write (None: the tree holds only its own files)."""
     tmp = spec._marker_tmp
     for entry in sorted(root.iterdir()):
-        if entry.name in (spec.marker, PROBE) or tmp.fullmatch(entry.name):
+        if entry.name in (spec.marker, spec.lock, PROBE) or tmp.fullmatch(entry.name):
             continue
         if entry.name not in spec.classes or entry.is_symlink() or not entry.is_dir():
             return entry
         for f in sorted(entry.iterdir()):
-            if not IMAGE_NAME.fullmatch(f.name) or f.is_symlink() or not f.is_file():
+            own = IMAGE_NAME.fullmatch(f.name) or IMAGE_TMP_NAME.fullmatch(f.name)
+            if not own or f.is_symlink() or not f.is_file():
                 return f
     return None
 
@@ -106,8 +134,8 @@ def check_tree(spec: TreeSpec, root: str | os.PathLike[str], want: dict | None, 
         return "build"
     if not root_p.is_dir():
         raise ValueError(f"`{arg}` {str(root_p)!r} is a file, not a directory to render the demo {w} into; {fix}.")
-    if all(e.name == PROBE for e in root_p.iterdir()):  # empty (or only our probe, from a kill right after it)
-        return "build"
+    if all(e.name in (PROBE, spec.lock) for e in root_p.iterdir()):
+        return "build"  # empty, or only our probe or lock file (a render killed before its first marker)
     have = _read_marker(spec, root_p / spec.marker)
     if have is None:
         raise ValueError(
@@ -133,6 +161,64 @@ def check_tree(spec: TreeSpec, root: str | os.PathLike[str], want: dict | None, 
     return "build"
 
 
+def _unwritable(spec: TreeSpec, root_p: Path, arg: str, e: OSError) -> PermissionError:
+    return PermissionError(
+        f"Cannot write the {spec.what} data set to `{arg}` {str(root_p)!r}: {e.strerror or e}. "
+        f"Choose a writable directory ({spec.writable_hint})."
+    )
+
+
+@contextlib.contextmanager
+def render_lock(spec: TreeSpec, root_p: Path, *, arg: str = "root") -> Iterator[None]:
+    """Hold an exclusive lock on ``root_p``'s lock file for the block: one render of a directory at a time.
+
+    Call it only after :func:`check_tree` said ``"build"`` (it creates ``root_p`` and the lock file), and call
+    :func:`check_tree` again inside the block: another render may have finished (or started over) while this one
+    waited. The lock is an ``flock`` on an open file, so the kernel releases it when the last process holding it
+    exits, however it exits (a killed render never leaves a stale lock); processes forked inside the block share it,
+    so a render whose workers outlive it still holds the directory until they are gone. Where ``flock`` does not
+    exist (Windows) the block runs unlocked.
+
+    Args:
+        spec: the renderer.
+        root_p: the (resolved) root directory.
+        arg: the argument name quoted in the error and in the warning issued when another render holds the lock.
+
+    Raises:
+        PermissionError: ``root_p`` or its lock file cannot be created (nothing else written).
+    """
+    lock = root_p / spec.lock
+    try:
+        root_p.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+    except OSError as e:
+        raise _unwritable(spec, root_p, arg, e) from e
+    try:
+        if fcntl is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                warnings.warn(
+                    f"Another process is rendering the {spec.what} into `{arg}` {str(root_p)!r}; waiting for it to "
+                    f"finish (it holds {str(lock)!r}).",
+                    stacklevel=4,
+                )
+                fcntl.flock(fd, fcntl.LOCK_EX)  # blocks until that render (and any worker it forked) is gone
+        yield
+    finally:
+        os.close(fd)  # releases the lock (once no forked worker holds the file open either)
+
+
+def publish_image(img: Any, path: Path, quality: int) -> None:
+    """Save the PIL image ``img`` as a JPEG at ``path`` through a temporary name and a rename: a process killed
+    mid-write leaves a temporary file (recognised and removed by the next render), never a partial image under its
+    final name. The data is not fsynced (thousands of small files that a render can always redo; only the folders
+    are, by :func:`finish_render`)."""
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", quality=quality)
+    atomic_publish_file(buf.getvalue(), path, durable=False)
+
+
 def begin_render(spec: TreeSpec, root_p: Path, want: dict, *, arg: str = "root") -> None:
     """After :func:`check_tree` said ``"build"``: check ``root_p`` is writable, write the "rendering" marker first (a
     run killed halfway leaves a tree that is recognisably ours, so the next run may redo it) and empty the class
@@ -148,10 +234,7 @@ def begin_render(spec: TreeSpec, root_p: Path, want: dict, *, arg: str = "root")
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
-        raise PermissionError(
-            f"Cannot write the {spec.what} data set to `{arg}` {str(root_p)!r}: {e.strerror or e}. "
-            f"Choose a writable directory ({spec.writable_hint})."
-        ) from e
+        raise _unwritable(spec, root_p, arg, e) from e
     atomic_write_text(root_p / spec.marker, json.dumps({**want, "state": _RENDERING}, sort_keys=True))
     for c in spec.classes:
         d = root_p / c

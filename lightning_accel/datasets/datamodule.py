@@ -20,7 +20,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, Subset
 from typing_extensions import override
 
-from lightning_accel._utils.checks import check_int
+from lightning_accel._utils.checks import check_bool, check_int
 from lightning_accel.data import CachedDataModule
 from lightning_accel.data.dataset import default_num_workers, split_indices
 from lightning_accel.datasets.digits import DIGITS_CLASSES, check_render_target, digits_marker, materialize_digits
@@ -44,7 +44,7 @@ class DigitsDataModule(LightningDataModule):
     Args:
         data_dir: where the JPEG tree lives or is created (only the demo's own tree, see above).
         image_size: side of the rendered images in pixels (at least 8).
-        num_images: number of images (``None``: the 1,797 originals; more adds perturbed repeats).
+        num_images: number of images, at least 10 (``None``: the 1,797 originals; more adds perturbed repeats).
         batch_size: per-device batch size.
         num_workers: DataLoader workers, 0 or more (``None``: half the CPUs).
         val_fraction: fraction held out for validation.
@@ -52,7 +52,7 @@ class DigitsDataModule(LightningDataModule):
         seed: split seed.
 
     Raises:
-        TypeError: an integer argument that is not one (a bool neither).
+        TypeError: an integer argument that is not one (a bool neither), or an ``augment`` that is not a bool.
         ValueError: an argument out of range, or a ``data_dir`` the digits may not be rendered into (see above).
     """
 
@@ -70,6 +70,8 @@ class DigitsDataModule(LightningDataModule):
         super().__init__()
         check_int("batch_size", batch_size, low=1)
         check_int("num_workers", num_workers, low=0, allow_none=True, fix="None uses half the CPUs.")
+        check_bool("augment", augment)
+        check_int("seed", seed, fix="It seeds the train/validation split.")
         split_indices(1, val_fraction, seed)  # validates val_fraction early
         # The render's arguments under this module's names: prepare_data is the first to render, after the Trainer
         # has started (and would name the renderer's `size`).
@@ -194,7 +196,7 @@ class DigitsCachedDataModule(_RenderedCachedDataModule):
         origin: local directory the digits are rendered into (created if missing; only the demo's own tree).
         digits_size: side of the rendered JPEGs in pixels (at least 8); ``None``: ``origin`` already holds the digits
             (or any ImageFolder tree), render nothing and write nothing there.
-        num_images: images to render (``None``: the 1,797 originals; more adds perturbed repeats).
+        num_images: images to render, at least 10 (``None``: the 1,797 originals; more adds perturbed repeats).
         **kwargs: :class:`~lightning_accel.data.CachedDataModule` arguments (``cache_dir``, ``batch_size``, ...),
             with its defaults: ``image_size=224`` and the ImageNet ``mean``/``std`` unless given (the quickstart's
             YAML gives ``image_size: 64`` and the digits' statistics).

@@ -11,6 +11,9 @@ Contract:
 - Never writes into someone else's directory: it renders only into a directory that does not exist, is empty, or
   carries its own marker and nothing but the class folders of ``NNNNNN.jpg`` files it writes. Anything else (a user's
   ImageFolder tree, a note file) is refused with one line before the first write, and left as it was.
+- One render of a directory at a time (a lock file, ``.lightning_accel_digits.lock``, held for the whole render: a
+  second render waits), and no partial image under a final name (each is written to a temporary name and renamed);
+  see :mod:`lightning_accel.datasets._tree`.
 """
 
 from __future__ import annotations
@@ -23,7 +26,14 @@ import numpy as np
 
 from lightning_accel._utils.checks import check_int
 from lightning_accel._utils.imports import require
-from lightning_accel.datasets._tree import TreeSpec, begin_render, check_tree, finish_render
+from lightning_accel.datasets._tree import (
+    TreeSpec,
+    begin_render,
+    check_tree,
+    finish_render,
+    publish_image,
+    render_lock,
+)
 
 __all__ = [
     "DIGITS_CLASSES",
@@ -138,7 +148,8 @@ def digits_marker(
 
     Args:
         size: side of the square images in pixels (at least 8).
-        num_images: total images (None: the 1,797 originals).
+        num_images: total images, at least 10: image ``i`` is of class ``i % 10``, and a class without images would
+            fail the loader only after the render (None: the 1,797 originals).
         quality: JPEG quality.
         size_arg: the name of ``size`` quoted in the error (a data module's ``image_size`` / ``digits_size``).
         count_arg: the name of ``num_images`` quoted in the error.
@@ -148,7 +159,13 @@ def digits_marker(
         ValueError: an argument out of range.
     """
     check_int(size_arg, size, low=8, fix="It is the side of the images in pixels.")
-    check_int(count_arg, num_images, low=1, allow_none=True)
+    check_int(
+        count_arg,
+        num_images,
+        low=10,
+        allow_none=True,
+        fix="Every one of the 10 classes needs an image: pass 10 or more, or None for the 1,797 originals.",
+    )
     check_int("quality", quality, low=1, high=100, fix="It is the JPEG quality.")
     n = DIGITS_COUNT if num_images is None else num_images
     return {"size": size, "num_images": n, "quality": quality, "format_version": _FORMAT_VERSION}
@@ -164,10 +181,13 @@ def materialize_digits(
 ) -> DigitsInfo:
     """Write the digits as ``<root>/<class>/<index:06d>.jpg`` and return what is there.
 
+    While another process renders into ``root``, this call waits for it (one warning says so), then reuses, rebuilds
+    or refuses what it left, as for any tree.
+
     Args:
         root: a local directory (created if missing).
         size: side of the square images in pixels (e.g. 64 for the quickstart, 224 for benchmarks).
-        num_images: total images; defaults to the 1,797 originals. More repeats them with perturbations.
+        num_images: total images (at least 10); defaults to the 1,797 originals. More repeats them with perturbations.
         quality: JPEG quality.
         arg: the name of ``root`` quoted in errors (a data module's ``data_dir`` / ``origin``).
 
@@ -183,16 +203,20 @@ def materialize_digits(
     info = DigitsInfo(root=str(root_p), **want)
     if check_render_target(root_p, want, arg=arg) == "reuse":
         return info
-    # Only a (re)build needs the arrays: a complete tree is reused without loading scikit-learn (setup() calls this on
-    # every rank after prepare_data() built it).
-    begin_render(_SPEC, root_p, want, arg=arg)
-    images, labels = load_digits_arrays()
-    base = len(images)
-    for i in range(n):
-        src = i % base
-        img = _render(images[src], size, i // base, src)
-        img.save(root_p / str(int(labels[src])) / f"{i:06d}.jpg", format="JPEG", quality=quality)
-    finish_render(_SPEC, root_p, want)
+    with render_lock(_SPEC, root_p, arg=arg):
+        # again under the lock: a render that held it may have finished this very tree, or another one
+        if check_render_target(root_p, want, arg=arg) == "reuse":
+            return info
+        # Only a (re)build needs the arrays: a complete tree is reused without loading scikit-learn (setup() calls
+        # this on every rank after prepare_data() built it).
+        begin_render(_SPEC, root_p, want, arg=arg)
+        images, labels = load_digits_arrays()
+        base = len(images)
+        for i in range(n):
+            src = i % base
+            img = _render(images[src], size, i // base, src)
+            publish_image(img, root_p / str(int(labels[src])) / f"{i:06d}.jpg", quality)
+        finish_render(_SPEC, root_p, want)
     return info
 
 

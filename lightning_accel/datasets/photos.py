@@ -14,15 +14,22 @@ Contract:
 - Deterministic: image ``i`` is drawn from ``numpy.random.default_rng([seed, i])`` alone, so the same arguments give
   byte-identical files whatever ``workers`` renders them; label ``i % 10`` (balanced classes).
 - Fast: the images are rendered by ``workers`` forked processes (default: every CPU); 4,000 images at 384 px take
-  ~15 s on 2 cores.
-- Idempotent, crash-safe and never writing into someone else's directory: the same marker-file contract as the digits
-  (:mod:`lightning_accel.datasets._tree`), with the marker ``.lightning_accel_photos.json``.
+  ~15 s on 2 cores. The workers die with the render: on Linux the kernel kills them when the rendering process dies
+  (``PR_SET_PDEATHSIG``), elsewhere each stops before its next image once its parent is gone; so a render killed
+  halfway stops writing, and the next render of the folder does not mix the killed one's images into its own.
+- Idempotent, crash-safe, one render of a folder at a time and never writing into someone else's directory: the same
+  contract as the digits (:mod:`lightning_accel.datasets._tree`: marker ``.lightning_accel_photos.json``, lock file
+  ``.lightning_accel_photos.lock``, images renamed into place).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import multiprocessing as mp
 import os
+import signal
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +38,14 @@ import numpy as np
 
 from lightning_accel._utils.checks import check_int
 from lightning_accel._utils.imports import require
-from lightning_accel.datasets._tree import TreeSpec, begin_render, check_tree, finish_render
+from lightning_accel.datasets._tree import (
+    TreeSpec,
+    begin_render,
+    check_tree,
+    finish_render,
+    publish_image,
+    render_lock,
+)
 
 # per process: the photographs and grain banks, made once (fork copies them from the parent)
 _WORKER: dict[Any, Any] = {}
@@ -211,12 +225,34 @@ def _noise_bank(size: int, seed: int) -> np.ndarray:
     return bank
 
 
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def _die_with_parent(parent: int) -> None:
+    """Pool initializer: end this worker when the rendering process ``parent`` dies, however it dies.
+
+    A forked pool worker otherwise outlives a parent killed by SIGTERM/SIGKILL and goes on writing its chunk into a
+    folder that the next render is already filling. On Linux ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` has the kernel kill
+    the worker with its parent (SIGKILL: a Python-level SIGTERM handler inherited through fork, e.g. Lightning's,
+    would keep it alive); :func:`_render_range` also checks ``os.getppid()`` before each image, the portable fallback.
+    """
+    _WORKER["parent"] = parent
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):  # no prctl in this libc: the per-image check still stops it
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before prctl took effect: nobody will read this worker's result
+        os._exit(1)
+
+
 def _render_range(args: tuple[str, int, int, int, int, int]) -> int:
     root, start, stop, size, quality, seed = args
     photos = _WORKER.get("photos") or load_photo_arrays()
+    parent = _WORKER.get("parent")  # set in forked workers only
     for i in range(start, stop):
+        if parent is not None and os.getppid() != parent:
+            os._exit(1)  # orphaned (the render was killed): writing on would mix into the next render's tree
         label, img = render_photo(photos, i, size, seed)
-        img.save(Path(root) / PHOTO_CLASSES[label] / f"{i:06d}.jpg", format="JPEG", quality=quality)
+        publish_image(img, Path(root) / PHOTO_CLASSES[label] / f"{i:06d}.jpg", quality)
     return stop - start
 
 
@@ -263,6 +299,9 @@ def materialize_photos(
 ) -> PhotosInfo:
     """Write the photo data set as ``<root>/<class>/<index:06d>.jpg`` and return what is there.
 
+    While another process renders into ``root``, this call waits for it (one warning says so), then reuses, rebuilds
+    or refuses what it left, as for any tree.
+
     Args:
         root: a local directory (created if missing; only a new or empty one, or one this function rendered).
         num_images: total images (label ``i % 10``: balanced classes).
@@ -284,7 +323,17 @@ def materialize_photos(
     info = PhotosInfo(root=str(root_p), **want)
     if check_tree(_SPEC, root_p, want, arg=arg, fix=DEFAULT_FIX) == "reuse":
         return info
-    begin_render(_SPEC, root_p, want, arg=arg)
+    with render_lock(_SPEC, root_p, arg=arg):
+        # again under the lock: a render that held it may have finished this very tree, or another one
+        if check_tree(_SPEC, root_p, want, arg=arg, fix=DEFAULT_FIX) == "reuse":
+            return info
+        begin_render(_SPEC, root_p, want, arg=arg)
+        _render_all(root_p, num_images, size, quality, seed, workers)
+        finish_render(_SPEC, root_p, want)
+    return info
+
+
+def _render_all(root_p: Path, num_images: int, size: int, quality: int, seed: int, workers: int | None) -> None:
     n_proc = min(os.cpu_count() or 1, num_images) if workers is None else max(1, workers)
     # contiguous chunks, a few per process so an unlucky slow chunk does not hold the others back
     chunks = max(1, min(num_images, n_proc * 4))
@@ -298,12 +347,11 @@ def materialize_photos(
         else:
             # fork: a worker starts in milliseconds with the photographs already in memory (spawn would re-import
             # the package, seconds per worker); rendering is PIL + numpy only, no torch threads in the children
-            with mp.get_context("fork").Pool(n_proc) as pool:
+            ctx = mp.get_context("fork")
+            with ctx.Pool(n_proc, initializer=_die_with_parent, initargs=(os.getpid(),)) as pool:
                 pool.map(_render_range, jobs, chunksize=1)
     finally:
         _WORKER.pop("photos", None)
-    finish_render(_SPEC, root_p, want)
-    return info
 
 
 def check_photos_target(

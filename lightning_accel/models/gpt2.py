@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_accel._utils.checks import check_int, check_number
 from lightning_accel.precision.modules import FusedGPT2BlockMixin, FusedPackedAttentionMixin, register_block
 
 __all__ = ["GPT2Attention", "GPT2Block", "GPT2Embedding", "GPT2Head", "GPT2MLP", "gpt2_lm"]
@@ -109,7 +110,21 @@ def gpt2_lm(
     """``nn.Sequential(GPT2Embedding, GPT2Block x layers, GPT2Head)`` with the head tied to the token embedding
     (``net[-1].head.weight is net[0].wte.weight``): the form a pipeline splits, with the packed attention and tied
     weights the parallel plans handle. GPT-2's initialisation (N(0, 0.02) weights, zero biases) is drawn after
-    ``torch.manual_seed(seed)``."""
+    ``torch.manual_seed(seed)``.
+
+    Raises:
+        TypeError: a size or ``seed`` that is not an integer, or a ``dropout`` that is not a number, naming it.
+        ValueError: a size below 1, a ``dropout`` outside [0, 1), or a ``width`` that ``heads`` does not divide.
+    """
+    for name, value in (("vocab", vocab), ("seq", seq), ("layers", layers), ("heads", heads), ("width", width)):
+        check_int(name, value, low=1)
+    check_number("dropout", dropout, low=0, high=1, high_open=True, fix="It is a probability; 0 disables it.")
+    check_int("seed", seed)
+    if width % heads:
+        raise ValueError(
+            f"`width` must be a multiple of `heads`, got width={width}, heads={heads}. Each head takes width / heads "
+            f"channels: e.g. width={heads * max(1, round(width / heads))}."
+        )
     torch.manual_seed(seed)
     embed, head = GPT2Embedding(vocab, seq, width), GPT2Head(vocab, width)
     head.head.weight = embed.wte.weight

@@ -2,22 +2,38 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities import rank_zero_info
+from torch.optim.lr_scheduler import LRScheduler
 from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
 from lightning_accel._utils.checks import check_int, check_number
-from lightning_accel.models.resnet import SmallResNet
+from lightning_accel.models.resnet import SmallResNet, _check_blocks
 from lightning_accel.models.transformer import GPT
 from lightning_accel.recipes.callbacks import bind_to_fit
 from lightning_accel.recipes.lr import WarmupCosineLR
 
 __all__ = ["ImageClassifier", "TinyGPT"]
+
+
+class _ConstantLR(LRScheduler):
+    """Each param group's base learning rate at every step: the default schedule of a fit with no step bound.
+
+    Unlike torch's ``ConstantLR`` it returns the base rates rather than keeping whatever rate the optimizer holds, so a
+    fit resumed from a checkpoint of a decayed schedule trains at ``lr`` again, and a rate scaled through the base
+    rates (:class:`~lightning_accel.recipes.LinearScalingLR`) is followed.
+    """
+
+    @override
+    def get_lr(self) -> list[float | torch.Tensor]:
+        return list(self.base_lrs)
 
 
 def _adamw_cosine(module: LightningModule, lr: float, weight_decay: float) -> Any:
@@ -29,14 +45,27 @@ def _adamw_cosine(module: LightningModule, lr: float, weight_decay: float) -> An
     ``on_train_start``, after Lightning restored the checkpoint's scheduler state -- so an extended run (more
     ``max_epochs``) continues on the longer cosine, and a run resumed at another world size continues from the same
     progress fraction.
+
+    A fit with no step bound has no length to decay over: only ``max_time``, or ``max_epochs=-1`` without
+    ``max_steps`` (``trainer.estimated_stepping_batches`` is infinite), or a dataloader without a length and no
+    ``max_steps`` (Lightning answers ``-1``, which used to end the cosine after one step). The learning rate then stays
+    at ``lr`` for the whole fit (the default schedule has no warm-up), and one info line says so.
     """
     opt = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=weight_decay)
     try:  # `LightningModule.trainer` raises when no Trainer is attached (configure_optimizers called by hand)
         trainer = module.trainer if module.fabric is None else None  # under Fabric: a stand-in without the count
     except RuntimeError:
         trainer = None
-    total = max(1, int(trainer.estimated_stepping_batches)) if trainer is not None else 1000
-    sched = WarmupCosineLR(opt, total_steps=total, warmup_steps=0, min_lr=lr * 0.01)
+    horizon = float(trainer.estimated_stepping_batches) if trainer is not None else 1000.0
+    sched: LRScheduler
+    if math.isinf(horizon) or horizon < 1:
+        rank_zero_info(
+            f"{type(module).__name__}: the fit has no step bound (`max_steps`, or `max_epochs` over a dataloader "
+            f"with a length), so the learning rate stays at lr={lr:g} instead of following a cosine decay."
+        )
+        sched = _ConstantLR(opt)
+    else:
+        sched = WarmupCosineLR(opt, total_steps=max(1, int(horizon)), warmup_steps=0, min_lr=lr * 0.01)
     module.__dict__["_default_schedule"] = sched  # not an nn.Module attribute: kept out of state_dict/hparams
     return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
@@ -44,8 +73,8 @@ def _adamw_cosine(module: LightningModule, lr: float, weight_decay: float) -> An
 def _bind_default_schedule(module: LightningModule) -> None:
     """Re-bind the schedule :func:`_adamw_cosine` built to the current fit (at ``on_train_start``; see there)."""
     sched = module.__dict__.get("_default_schedule")
-    if sched is None:
-        return  # configure_optimizers replaced (LightningCLI `optimizer:`/`lr_scheduler:` blocks)
+    if not isinstance(sched, WarmupCosineLR):
+        return  # configure_optimizers replaced (LightningCLI `optimizer:`/`lr_scheduler:` blocks), or no step bound
     if any(cfg.scheduler is sched for cfg in module.trainer.lr_scheduler_configs):
         bind_to_fit(sched, module.trainer, sched.total_steps_arg)
 
@@ -93,7 +122,12 @@ class ImageClassifier(LightningModule):
     """``SmallResNet`` trained with cross-entropy; logs ``train_loss``, ``val_loss``, ``val_acc``, ``test_acc``.
 
     Batches are ``(images, labels)`` with float images (N, C, H, W). Uses AdamW with per-step cosine decay unless a
-    LightningCLI ``optimizer:``/``lr_scheduler:`` block replaces ``configure_optimizers``.
+    LightningCLI ``optimizer:``/``lr_scheduler:`` block replaces ``configure_optimizers`` (a fit with no step bound,
+    e.g. only ``max_time``, trains at a constant ``lr``: see :func:`_adamw_cosine`).
+
+    Several validation or test dataloaders are evaluated separately: each has its own accuracy metric, and Lightning
+    logs its values as ``val_acc/dataloader_idx_<i>`` (``val_loss/...``, ``test_acc/...`` likewise); with one
+    dataloader the names are the plain ones above.
 
     ``num_classes="auto"`` takes the class count from the Trainer's data module in ``setup`` (its ``num_classes``,
     or ``len(classes)``; ``CachedDataModule`` has both after ``setup``) and sizes the head there, identically on
@@ -105,9 +139,13 @@ class ImageClassifier(LightningModule):
     Args:
         num_classes: number of classes, or ``"auto"`` (follow the data module; it must say how many).
         width: channels of the first stage.
-        blocks: blocks per stage.
+        blocks: blocks per stage, each at least 1 (its length is the number of stages).
         lr: peak learning rate.
         weight_decay: AdamW weight decay.
+
+    Raises:
+        TypeError: an argument of the wrong type, naming it.
+        ValueError: an argument out of range, naming it.
     """
 
     def __init__(
@@ -121,6 +159,7 @@ class ImageClassifier(LightningModule):
         super().__init__()
         if num_classes != "auto":
             check_int("num_classes", num_classes, low=2, fix="Or pass 'auto' to follow the data module.")
+        _check_blocks(blocks)  # not rebound: save_hyperparameters keeps the value as given (a YAML list)
         _check_optimizer_args(lr, weight_decay)
         self.save_hyperparameters()
         # "auto": the body is built now (callbacks that look at `model` in their own `setup`, which Lightning runs
@@ -130,6 +169,9 @@ class ImageClassifier(LightningModule):
         self.model = SmallResNet(num_classes=n, width=width, blocks=tuple(blocks))
         self.val_acc = MulticlassAccuracy(num_classes=n)
         self.test_acc = MulticlassAccuracy(num_classes=n)
+        # the accuracy of validation/test dataloaders 1, 2, ... (`val_1`, `test_2`), made at their first batch: one
+        # metric shared by all loaders would mix their counts. Metric states are not saved: no state_dict entries.
+        self.extra_acc = torch.nn.ModuleDict()
         self.example_input_array = torch.zeros(2, 3, 64, 64)  # until `setup` sees the data's image size
 
     def _build_head(self, num_classes: int) -> None:
@@ -143,7 +185,21 @@ class ImageClassifier(LightningModule):
             self.model.fc = torch.nn.Linear(fc.in_features, num_classes, device=fc.weight.device)
         self.val_acc = MulticlassAccuracy(num_classes=num_classes)
         self.test_acc = MulticlassAccuracy(num_classes=num_classes)
+        self.extra_acc = torch.nn.ModuleDict()
         self._head_pending = False
+
+    def _accuracy(self, stage: str, dataloader_idx: int, device: torch.device) -> tuple[MulticlassAccuracy, str]:
+        """``stage``'s (``"val"`` / ``"test"``) accuracy metric for dataloader ``dataloader_idx`` and its attribute
+        path (the ``metric_attribute`` Lightning asks for: a metric made after its first lookup of the module's
+        metrics would not be found)."""
+        if dataloader_idx == 0:
+            return getattr(self, f"{stage}_acc"), f"{stage}_acc"
+        key = f"{stage}_{dataloader_idx}"
+        if key not in self.extra_acc:
+            self.extra_acc[key] = MulticlassAccuracy(num_classes=self.hparams["num_classes"]).to(device)
+        metric = self.extra_acc[key]
+        assert isinstance(metric, MulticlassAccuracy)
+        return metric, f"extra_acc.{key}"
 
     @override
     def setup(self, stage: str) -> None:
@@ -203,22 +259,25 @@ class ImageClassifier(LightningModule):
         return loss
 
     @override
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
+    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         x, y = batch
         if x.shape[0] == 0:  # an empty batch (see training_step) has no accuracy; the metrics sync at epoch end
             return
         logits = self(x)
-        self.val_acc(logits, y)
+        acc, attribute = self._accuracy("val", dataloader_idx, logits.device)
+        acc(logits, y)
         self.log("val_loss", F.cross_entropy(logits, y), prog_bar=True, sync_dist=True)
-        self.log("val_acc", self.val_acc, prog_bar=True)
+        self.log("val_acc", acc, prog_bar=True, metric_attribute=attribute)
 
     @override
-    def test_step(self, batch: Any, batch_idx: int) -> None:
+    def test_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         x, y = batch
         if x.shape[0] == 0:
             return
-        self.test_acc(self(x), y)
-        self.log("test_acc", self.test_acc)
+        logits = self(x)
+        acc, attribute = self._accuracy("test", dataloader_idx, logits.device)
+        acc(logits, y)
+        self.log("test_acc", acc, metric_attribute=attribute)
 
     @override
     def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
@@ -237,7 +296,9 @@ class ImageClassifier(LightningModule):
 class TinyGPT(LightningModule):
     """``GPT`` trained on next-token prediction; batches are int64 token tensors (B, T) or ``(tokens, ...)`` tuples.
 
-    Logs ``train_loss`` and ``val_loss``. Pairs with :func:`lightning_accel.datasets.digits_tokens`.
+    Logs ``train_loss`` and ``val_loss`` (``val_loss/dataloader_idx_<i>`` per loader with several validation
+    dataloaders). Pairs with :func:`lightning_accel.datasets.digits_tokens`. The optimizer and schedule are
+    :class:`ImageClassifier`'s (a fit with no step bound trains at a constant ``lr``).
     """
 
     def __init__(
@@ -272,7 +333,7 @@ class TinyGPT(LightningModule):
         return loss
 
     @override
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
+    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         self.log("val_loss", self._loss(batch), prog_bar=True, sync_dist=True)
 
     @override

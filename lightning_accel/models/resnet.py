@@ -13,6 +13,27 @@ from lightning_accel.precision.modules import FusedBasicBlockMixin, register_blo
 __all__ = ["BasicBlock", "SmallResNet"]
 
 
+def _check_blocks(blocks: object) -> tuple[int, ...]:
+    """``blocks`` (blocks per stage) as a tuple of integers >= 1, or one line naming what is wrong.
+
+    A stage of 0 (or a negative number of) blocks would be skipped silently, building a smaller network than asked.
+
+    Raises:
+        TypeError: ``blocks`` is not a sequence of integers (a string, a bare integer, a bool inside).
+        ValueError: it is empty, or a stage has fewer than one block.
+    """
+    if isinstance(blocks, (str, bytes)) or not isinstance(blocks, Sequence):
+        raise TypeError(
+            f"`blocks` must be a list of blocks per stage (integers >= 1), got {blocks!r} ({type(blocks).__name__}). "
+            "E.g. `blocks=(1, 1, 1)` for three stages of one block."
+        )
+    if not blocks:
+        raise ValueError(f"`blocks` must be a non-empty list of blocks per stage, got {blocks!r}.")
+    for i, n in enumerate(blocks):
+        check_int(f"blocks[{i}]", n, low=1, fix="Every stage needs a block: leave the stage out instead.")
+    return tuple(blocks)
+
+
 class BasicBlock(nn.Module):
     """conv3x3-BN-ReLU-conv3x3-BN (+ shortcut) -ReLU, attribute names as in ``torchvision.models.resnet``."""
 
@@ -46,7 +67,7 @@ class SmallResNet(nn.Module):
     Args:
         num_classes: output logits.
         width: channels of the first stage; each later stage doubles it.
-        blocks: number of blocks per stage (its length is the number of stages).
+        blocks: number of blocks per stage, each at least 1 (its length is the number of stages).
         in_channels: input channels.
     """
 
@@ -56,8 +77,7 @@ class SmallResNet(nn.Module):
         super().__init__()
         check_int("num_classes", num_classes, low=2)
         check_int("width", width, low=1)
-        if not blocks:
-            raise ValueError(f"`blocks` must be a non-empty list of blocks per stage, got {blocks!r}.")
+        blocks = _check_blocks(blocks)
         self.stem = nn.Sequential(
             nn.Conv2d(in_channels, width, 3, stride=1, padding=1, bias=False),
             nn.BatchNorm2d(width),

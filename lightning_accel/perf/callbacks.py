@@ -6,6 +6,7 @@ fragmentation logging and OOM snapshots), thin callbacks over the plain-torch co
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 from collections.abc import Callable
@@ -36,7 +37,7 @@ from lightning_accel.perf.cuda_memory import (
 )
 from lightning_accel.perf.flops import StepFlopCounter, precision_dtype
 from lightning_accel.perf.nvml import NvmlSampler, nvml_available
-from lightning_accel.perf.plot import epoch_breakdown_png, plot_available
+from lightning_accel.perf.plot import epoch_breakdown_png, is_breakdown_png, plot_available
 from lightning_accel.perf.report import BottleneckReport, build_report
 from lightning_accel.perf.timers import CATEGORIES, Clock, CudaEventClock, HostClock, StepTimer, TimerTotals
 
@@ -60,8 +61,11 @@ class PerformanceMonitor(Callback):
     * **compute**: ``on_train_batch_start`` to ``on_train_batch_end`` (forward, backward, optimizer), minus the exposed
       communication below. CUDA events on GPU; no per-step synchronisation (events are resolved at log time).
     * **comm**: exposed DDP gradient communication, from DDP's own runtime statistics
-      (``avg_backward_comm_time - avg_backward_compute_comm_overlap_time``, sampled every 10th iteration). Not
-      measured: FSDP/DeepSpeed collectives and comm hooks that overlap with compute; their time stays in compute.
+      (``avg_backward_comm_time - avg_backward_compute_comm_overlap_time``, sampled every 10th iteration), charged
+      once per batch that synchronised gradients: with gradient accumulation only the batch that steps the optimizer
+      does (the micro-batches before it run under ``no_sync`` and send nothing; under manual optimization every
+      batch counts). Not measured: FSDP/DeepSpeed collectives and comm hooks that overlap with compute; their time
+      stays in compute.
     * **checkpoint**: time inside ``trainer.save_checkpoint`` (state gathering + write; with ``AsyncCheckpointIO``
       only the blocking part), which is what the training loop stalls on.
     * **eval**: validation run inside ``fit``.
@@ -91,7 +95,10 @@ class PerformanceMonitor(Callback):
         nvml: sample GPU utilisation and memory through NVML when available.
         report_path: where to write the JSON report, a local path or an fsspec URL such as ``s3://bucket/run.json``
             (None: ``<log_dir>/perf_report.json``; ``""``: do not write); the PNG goes beside it with the suffix
-            ``.png``. Checked here: a file name, never an existing directory.
+            ``.png``. Checked here: a file name, never an existing directory, never a ``.png`` name (the picture
+            would overwrite the report). A file already at either place that the monitor did not write (neither a
+            report of its own, nor a picture it drew, nor a file this instance wrote) is never overwritten: that
+            file is skipped, with one warning naming it.
         verbose: print the report on rank 0.
         clock: override the segment clock (tests inject a fake one).
         span_clock: override the clock for validation/checkpoint spans (tests).
@@ -157,6 +164,8 @@ class PerformanceMonitor(Callback):
         self._epoch_numbers: list[int] = []
         self._epoch_mark = TimerTotals()
         self._epoch_index: int | None = None
+        self._step_before = 0  # trainer.global_step when the current batch started
+        self._written: set[str] = set()  # report and picture files this instance wrote (it may replace them)
         self.png_path: str | None = None
 
     # -- set-up / tear-down --------------------------------------------------------------------------------------
@@ -259,6 +268,7 @@ class PerformanceMonitor(Callback):
         if timer is None:
             return
         timer.batch_start()
+        self._step_before = trainer.global_step
         if self.count_flops and self._flops.flops is None and timer.seen_steps == self.skip_steps - 1:
             self._flops.start()
 
@@ -271,7 +281,11 @@ class PerformanceMonitor(Callback):
             return
         if self._flops.active:
             self._flops.stop()
-        timer.batch_end(self._samples(batch), self.tokens_fn(batch) if self.tokens_fn is not None else 0)
+        # DDP allreduces only in the backward of a batch that steps the optimizer: Lightning runs the accumulating
+        # micro-batches under `no_sync`. Under manual optimization the user decides; every batch is assumed to sync.
+        synced = not pl_module.automatic_optimization or trainer.global_step != self._step_before
+        tokens = self.tokens_fn(batch) if self.tokens_fn is not None else 0
+        timer.batch_end(self._samples(batch), tokens, synced=synced)
         if timer.seen_steps > self.skip_steps and timer.seen_steps % self._every == 0:
             self._log_window(trainer)
 
@@ -326,8 +340,9 @@ class PerformanceMonitor(Callback):
         assert self.timer is not None
         comm = self._ddp_exposed_comm(trainer)
         if comm:
-            # exposed comm happened inside the step segments: move it out of compute before the window closes
-            self.timer.move(comm * self.timer.window_steps, src="compute", dst="comm")
+            # exposed comm happened inside the step segments: move it out of compute before the window closes. DDP's
+            # figure is per synchronising iteration; accumulation micro-batches (no_sync) sent nothing.
+            self.timer.move(comm * self.timer.window_sync_steps, src="compute", dst="comm")
         return self.timer.flush()
 
     def _log_window(self, trainer: pl.Trainer) -> None:
@@ -417,10 +432,15 @@ class PerformanceMonitor(Callback):
         path = self._report_file()
         written = ""
         if path:
-            atomic_write_text(path, r.to_json())
-            written = f"\n(report written to {path}"
-            self.png_path = self._write_png(path, r.epochs)
-            written += f", picture {self.png_path})" if self.png_path else ")"
+            places = []
+            if _may_replace(path, "report", self._written):
+                atomic_write_text(path, r.to_json())
+                self._written.add(path)
+                places.append(f"report written to {path}")
+            self.png_path = self._write_png(path, r.epochs, self._written)
+            if self.png_path:
+                places.append(f"picture {self.png_path}")
+            written = f"\n({', '.join(places)})" if places else ""
         if self.verbose:
             rank_zero_info(r.format() + written)
 
@@ -433,15 +453,22 @@ class PerformanceMonitor(Callback):
         return safe_join(os.fspath(self._log_dir), "perf_report.json") if self._log_dir else None
 
     @staticmethod
-    def _write_png(json_path: str, epochs: list[dict[str, float]]) -> str | None:
-        """``perf_report.png`` beside the JSON: seconds per category, one stacked bar per epoch (needs matplotlib)."""
+    def _write_png(json_path: str, epochs: list[dict[str, float]], written: set[str] | None = None) -> str | None:
+        """``perf_report.png`` beside the JSON: seconds per category, one stacked bar per epoch (needs matplotlib).
+
+        Not written over a file the monitor did not write (see :func:`_may_replace`; ``written`` holds the files this
+        instance wrote, and receives the picture's path); None when nothing was written."""
         if not epochs:
             return None
         if not plot_available():
             rank_zero_info("PerformanceMonitor: no perf_report.png (needs matplotlib: `pip install matplotlib`).")
             return None
         png = _with_suffix(json_path, ".png")
+        written = set() if written is None else written
+        if not _may_replace(png, "picture", written):
+            return None
         atomic_write_bytes(png, epoch_breakdown_png(epochs))
+        written.add(png)
         return png
 
     @staticmethod
@@ -522,7 +549,76 @@ def _check_report_path(value: Any) -> str | None:
             f"`report_path` must be a file path, got {path!r}, an existing directory. "
             f"Name the file, e.g. {safe_join(path, 'perf_report.json')!r}."
         )
+    if path.rpartition("/")[2].lower().endswith(".png"):
+        raise ValueError(
+            f"`report_path` must name the JSON report, not a .png, got {path!r}: the picture goes beside the report "
+            f"with the suffix .png and would overwrite it. Name the report e.g. {_with_suffix(path, '.json')!r}."
+        )
     return str(path)
+
+
+# a report of this monitor is small (a few KB, one entry per epoch): a bigger file at its place is not one
+_OWN_FILE_MAX_BYTES = 1 << 20
+_REPORT_KEYS = frozenset({"seconds", "shares", "dominant", "verdict", "steps", "step_time_s"})
+
+
+def _read_head(path: str, n: int) -> bytes | None:
+    """The first ``n`` bytes of the file at ``path`` (local or fsspec URL); None when nothing is there, or when the
+    store cannot be asked (the write then says what is wrong, as it did before this check existed).
+
+    Raises:
+        Exception: something is there but cannot be read as a file (a directory, no permission).
+    """
+    if is_local_url(path):
+        local = strip_file_scheme(path)
+        if not os.path.lexists(local):
+            return None
+        with open(local, "rb") as f:
+            return f.read(n)
+    import fsspec
+
+    try:
+        fs, fs_path = fsspec.core.url_to_fs(path)
+        there = fs.exists(fs_path)
+    except Exception:  # no such filesystem installed, an unreachable store, no credentials
+        return None
+    if not there:
+        return None
+    with fs.open(fs_path, "rb") as f:
+        return bytes(f.read(n))
+
+
+def _is_own_file(head: bytes) -> bool:
+    """Whether ``head`` (a whole small file, or the start of a larger one) is a report or a picture the monitor wrote:
+    a PNG with the monitor's text chunk, or a JSON object with every key of :class:`BottleneckReport`."""
+    if is_breakdown_png(head):
+        return True
+    if len(head) >= _OWN_FILE_MAX_BYTES:
+        return False
+    try:
+        data = json.loads(head.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(data, dict) and set(data) >= _REPORT_KEYS
+
+
+def _may_replace(path: str, what: str, written: set[str]) -> bool:
+    """Whether the monitor may write its ``what`` ("report", "picture") at ``path``: nothing is there, or a file this
+    instance wrote (``written``), or one the monitor recognisably wrote (an earlier run's report or picture). Else
+    one warning names the file, which is left as it is."""
+    if path in written:
+        return True
+    try:
+        head = _read_head(path, _OWN_FILE_MAX_BYTES)
+    except Exception:  # there but unreadable (a directory, no permission): not the monitor's; no crash over it
+        head = b""
+    if head is None or _is_own_file(head):
+        return True
+    rank_zero_warn(
+        f"PerformanceMonitor: {path!r} exists and is not a {what} the monitor wrote, so the {what} is not written "
+        "there (that file is left as it is). Move it, or pass another `report_path`."
+    )
+    return False
 
 
 def _with_suffix(path: str, suffix: str) -> str:

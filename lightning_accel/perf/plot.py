@@ -11,7 +11,11 @@ from collections.abc import Mapping, Sequence
 from lightning_accel._utils.imports import module_available
 from lightning_accel.perf.timers import CATEGORIES
 
-__all__ = ["PLOT_CATEGORIES", "epoch_breakdown_png", "plot_available"]
+__all__ = ["PLOT_CATEGORIES", "PNG_SOFTWARE", "epoch_breakdown_png", "is_breakdown_png", "plot_available"]
+
+#: The ``Software`` text chunk of every picture :func:`epoch_breakdown_png` draws: how the monitor recognises a
+#: picture of its own (which it may replace) from a user's file of the same name (which it never overwrites).
+PNG_SOFTWARE = "lightning_accel PerformanceMonitor epoch breakdown"
 
 #: The categories drawn, bottom to top (``other`` -- time outside all of them -- goes on top when non-zero).
 PLOT_CATEGORIES: tuple[str, ...] = ("data", "compute", "comm", "checkpoint", "eval", "other")
@@ -69,5 +73,11 @@ def epoch_breakdown_png(epochs: Sequence[Mapping[str, float]], *, title: str = "
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False, fontsize=8)
     fig.tight_layout()
     buf = io.BytesIO()
-    fig.savefig(buf, format="png")
+    fig.savefig(buf, format="png", metadata={"Software": PNG_SOFTWARE})
     return buf.getvalue()
+
+
+def is_breakdown_png(head: bytes) -> bool:
+    """Whether ``head`` (the first bytes of a file; text chunks come before the image data) is a PNG that
+    :func:`epoch_breakdown_png` drew."""
+    return head.startswith(b"\x89PNG\r\n\x1a\n") and b"Software\x00" + PNG_SOFTWARE.encode() in head

@@ -83,6 +83,7 @@ class StepTimer:
         self.totals = TimerTotals()
         self.seen_steps = 0  # all batch_end calls, counted or not
         self._window = TimerTotals()
+        self._window_syncs = 0  # counted steps of the window that synchronised gradients (see batch_end)
         # pending (category, start mark, end mark, seconds to subtract); resolved in flush()
         self._pending: list[tuple[str, Any, Any, float]] = []
         self._seg: str | None = None  # "gap" | "step" | None
@@ -101,14 +102,23 @@ class StepTimer:
             self._pending.append(("data", self._seg_mark, now, self._seg_excluded))
         self._seg, self._seg_mark, self._seg_excluded = "step", now, 0.0
 
-    def batch_end(self, samples: int = 0, tokens: int = 0) -> None:
-        """The batch's optimizer step is done: closes the step and opens the data gap."""
+    def batch_end(self, samples: int = 0, tokens: int = 0, *, synced: bool = True) -> None:
+        """The batch's optimizer step is done: closes the step and opens the data gap.
+
+        Args:
+            samples: samples in the batch.
+            tokens: tokens in the batch.
+            synced: whether the batch synchronised gradients across processes. ``False`` for a gradient-accumulation
+                micro-batch (DDP's ``no_sync``: nothing is sent), so a per-synchronisation cost is charged
+                :attr:`window_sync_steps` times, not once per step.
+        """
         now = self.clock.mark()
         if self._seg == "step" and self._counting():
             self._pending.append(("compute", self._seg_mark, now, self._seg_excluded))
             self._window.steps += 1
             self._window.samples += int(samples)
             self._window.tokens += int(tokens)
+            self._window_syncs += int(synced)
         self.seen_steps += 1
         self._seg, self._seg_mark, self._seg_excluded = "gap", now, 0.0
 
@@ -172,6 +182,12 @@ class StepTimer:
         """Steps counted since the previous :meth:`flush` (e.g. to turn a per-step cost into a :meth:`move`)."""
         return self._window.steps
 
+    @property
+    def window_sync_steps(self) -> int:
+        """Counted steps since the previous :meth:`flush` that synchronised gradients (``batch_end(synced=True)``):
+        what a per-synchronisation cost, such as DDP's mean exposed allreduce time, is multiplied by."""
+        return self._window_syncs
+
     # -- results --------------------------------------------------------------------------------------------------
     def _resolve(self) -> None:
         """Turn pending (start, end) marks into seconds of the window (blocks on the newest CUDA event only)."""
@@ -184,5 +200,6 @@ class StepTimer:
         previous flush; the window is also added to :attr:`totals`."""
         self._resolve()
         window, self._window = self._window, TimerTotals()
+        self._window_syncs = 0
         self.totals.add(window)
         return window

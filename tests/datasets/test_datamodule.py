@@ -94,10 +94,15 @@ def test_cached_digits_need_a_local_origin_to_render_into() -> None:
     [
         ("plain", {"image_size": 4}, ValueError, r"`image_size` must be an integer >= 8, got 4\. It is the side"),
         ("plain", {"image_size": True}, TypeError, r"`image_size` must be an integer >= 8, got True \(bool\)"),
-        ("plain", {"num_images": 0}, ValueError, r"`num_images` must be an integer >= 1 or None, got 0"),
+        ("plain", {"num_images": 0}, ValueError, r"`num_images` must be an integer >= 10 or None, got 0"),
+        # fewer images than classes: some class folder would stay empty, which failed only after the render
+        ("plain", {"num_images": 9}, ValueError, r"`num_images` must be an integer >= 10 or None, got 9\. Every one"),
+        ("plain", {"seed": "a"}, TypeError, r"^`seed` must be an integer, got 'a' \(str\)\. It seeds the"),
+        ("plain", {"augment": "yes"}, TypeError, r"^`augment` must be True or False, got 'yes' \(str\)"),
         ("plain", {"num_workers": -3}, ValueError, r"`num_workers` must be an integer >= 0 or None, got -3"),
         ("cached", {"digits_size": 0}, ValueError, r"`digits_size` must be an integer >= 8, got 0\. It is the side"),
-        ("cached", {"num_images": 0}, ValueError, r"`num_images` must be an integer >= 1 or None, got 0"),
+        ("cached", {"num_images": 0}, ValueError, r"`num_images` must be an integer >= 10 or None, got 0"),
+        ("cached", {"num_images": 5}, ValueError, r"`num_images` must be an integer >= 10 or None, got 5\. Every one"),
         ("cached", {"digits_size": None, "num_images": "9"}, TypeError, r"`num_images` must be an integer >= 1"),
     ],
 )

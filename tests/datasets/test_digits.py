@@ -81,7 +81,8 @@ def test_mismatched_marker_is_refused(tmp_path: Path) -> None:
     ("kwargs", "kind", "match"),
     [
         ({"size": 4}, ValueError, "`size` must be an integer >= 8, got 4. It is the side of the images in pixels"),
-        ({"num_images": 0}, ValueError, "`num_images` must be an integer >= 1 or None, got 0"),
+        ({"num_images": 0}, ValueError, "`num_images` must be an integer >= 10 or None, got 0"),
+        ({"num_images": 9}, ValueError, "`num_images` must be an integer >= 10 or None, got 9. Every one of the 10"),
         ({"quality": 101}, ValueError, "`quality` must be an integer >= 1 and <= 100, got 101"),
         ({"size": True}, TypeError, "`size` must be an integer >= 8, got True \\(bool\\)"),
         ({"num_images": 2.0}, TypeError, "`num_images`"),
@@ -96,7 +97,7 @@ def test_unwritable_root_is_clear(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(PermissionError, match=r"Cannot write the digits.*writable directory"):
-        materialize_digits(blocker / "sub", size=8, num_images=5)
+        materialize_digits(blocker / "sub", size=8, num_images=10)
 
 
 def test_sklearn_missing_is_clear(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

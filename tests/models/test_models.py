@@ -1,11 +1,15 @@
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
+from lightning.pytorch import Callback, Trainer
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from lightning_accel.models import GPT, GPTBlock, ImageClassifier, SmallResNet, TinyGPT
+from lightning_accel.models.gpt2 import gpt2_lm
 
 
 @pytest.mark.parametrize("size", [8, 32, 33])
@@ -97,8 +101,105 @@ def test_image_classifier_steps_through_an_empty_batch() -> None:
         (lambda: TinyGPT(n_embd=100, n_head=3), ValueError, r"`n_embd` must be a multiple of `n_head`.*n_embd=99"),
         (lambda: TinyGPT(dropout=1.0), ValueError, r"`dropout` must be a number >= 0 and < 1, got 1.0"),
         (lambda: GPT(vocab_size=0), ValueError, r"`vocab_size` must be an integer >= 1, got 0"),
+        # a stage of < 1 block used to be skipped silently: a smaller network than asked for
+        (lambda: ImageClassifier(blocks=(1, -1)), ValueError, r"^`blocks\[1\]` must be an integer >= 1, got -1\. "),
+        (lambda: ImageClassifier(blocks=(0, 0)), ValueError, r"^`blocks\[0\]` must be an integer >= 1, got 0"),
+        (lambda: ImageClassifier(blocks=3), TypeError, r"^`blocks` must be a list of blocks per stage.*got 3 \(int\)"),
+        (lambda: SmallResNet(blocks=(1, True)), TypeError, r"^`blocks\[1\]` must be an integer >= 1, got True"),
+        (lambda: gpt2_lm(layers=-1), ValueError, r"^`layers` must be an integer >= 1, got -1\.$"),
+        (lambda: gpt2_lm(dropout=2.0), ValueError, r"^`dropout` must be a number >= 0 and < 1, got 2\.0"),
+        (lambda: gpt2_lm(width=30, heads=4), ValueError, r"^`width` must be a multiple of `heads`.*width=32\.$"),
     ],
 )
 def test_bad_model_arguments_are_refused_when_built(build: Any, error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
         build()
+
+
+class _StopAfter(Callback):
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+
+    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        if trainer.global_step >= self.steps:
+            trainer.should_stop = True
+
+
+class _Stream(IterableDataset):
+    """Token sequences without a length: the Trainer cannot know how many steps an epoch has."""
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        g = torch.Generator().manual_seed(0)
+        for _ in range(12):
+            yield torch.randint(0, 27, (17,), generator=g)
+
+
+def test_a_fit_without_a_step_bound_trains_at_a_constant_lr() -> None:
+    """Only `max_time`, `max_epochs=-1` or a stream bound the fit: `estimated_stepping_batches` is infinite (the
+    default schedule crashed on `int(inf)`) or -1 for a loader without a length (the cosine ended after one step);
+    the learning rate now stays at `lr`."""
+    from tests.tiny import LRProbe, classifier, loader, trainer
+
+    probe = LRProbe()
+    t = trainer(max_epochs=-1, limit_train_batches=3, callbacks=[probe, _StopAfter(5)])
+    assert t.estimated_stepping_batches == float("inf")
+    t.fit(classifier(width=4, lr=0.02), loader(8, 24))
+    assert t.global_step == 5 and probe.lrs == [0.02] * 5
+    assert t.optimizers[0].param_groups[0]["lr"] == 0.02
+
+    probe = LRProbe()
+    t = trainer(max_epochs=1, limit_train_batches=None, callbacks=[probe])
+    t.fit(TinyGPT(n_layer=1, n_embd=16, n_head=2, block_size=16, lr=3e-3), DataLoader(_Stream(), batch_size=4))
+    assert t.global_step == 3 and probe.lrs == [3e-3] * 3
+
+
+def test_a_bounded_fit_keeps_the_cosine() -> None:
+    from tests.tiny import LRProbe, classifier, loader, trainer
+
+    probe = LRProbe()
+    trainer(max_epochs=2, limit_train_batches=3, callbacks=[probe]).fit(classifier(width=4, lr=0.02), loader(8, 24))
+    assert probe.lrs[0] == 0.02 and probe.lrs == sorted(probe.lrs, reverse=True) and probe.lrs[-1] < 0.01
+
+
+def _labelled_by(model: ImageClassifier, n: int) -> DataLoader:
+    """The first ``n`` digits labelled with ``model``'s own predictions: accuracy 1 there, whatever it learnt."""
+    from tests.tiny import digits_tensors
+
+    x, _ = digits_tensors(n).tensors
+    with torch.no_grad():
+        y = model.eval()(x).argmax(1)
+    return DataLoader(TensorDataset(x, y), batch_size=16)
+
+
+def test_several_validation_and_test_loaders_are_measured_each_on_its_own() -> None:
+    """Two loaders used to crash (no `dataloader_idx`); each now has its own accuracy (one shared metric would mix
+    their counts), logged under Lightning's per-loader names, equal to what each loader alone gives."""
+    from tests.tiny import classifier, loader, trainer
+
+    torch.manual_seed(0)
+    model = classifier(width=4)
+    trainer(max_epochs=1, limit_train_batches=8).fit(model, loader(32, 256))
+    a, b = loader(16, 64), _labelled_by(model, 48)
+    t = trainer(limit_val_batches=1.0, limit_test_batches=1.0)
+    alone = [t.validate(model, dl, verbose=False)[0] for dl in (a, b)]
+    assert set(alone[0]) == {"val_acc", "val_loss"}  # one loader: the plain names
+    both = t.validate(model, [a, b], verbose=False)
+    for i in (0, 1):
+        assert both[i][f"val_acc/dataloader_idx_{i}"] == pytest.approx(alone[i]["val_acc"], abs=1e-6)
+        assert both[i][f"val_loss/dataloader_idx_{i}"] == pytest.approx(alone[i]["val_loss"], rel=1e-5)
+    assert alone[1]["val_acc"] == 1.0 and alone[0]["val_acc"] < 0.9  # the two loaders do differ
+    tested = t.test(model, [a, b], verbose=False)
+    assert [r[f"test_acc/dataloader_idx_{i}"] for i, r in enumerate(tested)] == pytest.approx(
+        [r["val_acc"] for r in alone], abs=1e-6
+    )
+    # and inside fit, validating both loaders every epoch
+    fit = trainer(max_epochs=2, limit_train_batches=2, limit_val_batches=1.0, num_sanity_val_steps=1)
+    fit.fit(model, loader(32, 64), [a, b])
+    assert {"val_acc/dataloader_idx_0", "val_acc/dataloader_idx_1"} <= set(fit.callback_metrics)
+
+    gpt = TinyGPT(n_layer=1, n_embd=16, n_head=2, block_size=16)
+    streams = [DataLoader(list(_Stream()), batch_size=4), DataLoader(list(_Stream())[:4], batch_size=4)]
+    t = trainer(limit_val_batches=1.0)
+    one = [t.validate(gpt, dl, verbose=False)[0]["val_loss"] for dl in streams]
+    two = t.validate(gpt, streams, verbose=False)
+    assert [r[f"val_loss/dataloader_idx_{i}"] for i, r in enumerate(two)] == pytest.approx(one, rel=1e-5)

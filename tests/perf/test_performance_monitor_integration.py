@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -156,6 +157,12 @@ def test_bad_arguments() -> None:
         ({"samples_fn": 5}, TypeError, "`samples_fn` must be a function `batch -> number of samples` or None, got 5"),
         ({"tokens_fn": "len"}, TypeError, "`tokens_fn` must be a function"),
         ({"report_path": 123}, TypeError, "`report_path` must be a file path or URL \\(a string\\).*got 123 \\(int\\)"),
+        # the picture goes to `<report minus suffix>.png`: a .png report would be overwritten by it
+        (
+            {"report_path": "runs/run.PNG"},
+            ValueError,
+            r"^`report_path` must name the JSON report, not a \.png, got 'runs/run\.PNG'.*e\.g\. 'runs/run\.json'\.$",
+        ),
     ],
 )
 def test_bad_arguments_fail_before_the_fit(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
@@ -254,3 +261,74 @@ def test_a_crash_leaves_no_wrapper_and_no_dispatch_mode() -> None:
         trainer.fit(Crash(), train)
     assert "save_checkpoint" not in trainer.__dict__
     assert not _get_current_dispatch_mode_stack()
+
+
+def _quick_fit(mon: PerformanceMonitor, **trainer_kw: Any) -> pl.Trainer:
+    kw: dict[str, Any] = dict(
+        accelerator="cpu", max_epochs=1, limit_train_batches=6, limit_val_batches=0, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[mon],
+    )  # fmt: skip
+    kw.update(trainer_kw)
+    trainer = pl.Trainer(**kw)
+    train, _ = loaders(None, 0.0)
+    trainer.fit(TimedModule(), train)
+    return trainer
+
+
+@pytest.mark.parametrize(("accumulate", "syncs"), [(1, 10), (4, 3)])
+def test_comm_is_charged_once_per_batch_that_synchronises(accumulate: int, syncs: int) -> None:
+    """DDP's exposed comm is a per-allreduce figure; with gradient accumulation the micro-batches under `no_sync`
+    send nothing, so only the batches that step the optimizer are charged (every batch was, and the verdict turned
+    to `comm`). 12 batches, 2 warm-up: with 4 per step the counted ones step at batches 3, 7 and 11."""
+    vt = VirtualTime()
+    mon = PerformanceMonitor(
+        clock=HostClock(vt), span_clock=HostClock(vt), log_every_n_steps=4, report_path="", count_flops=False
+    )
+    mon._ddp_exposed_comm = lambda trainer: 0.002  # type: ignore[method-assign]  # DDP's figure, without DDP
+    trainer = pl.Trainer(
+        accelerator="cpu", max_epochs=1, limit_train_batches=12, limit_val_batches=0, logger=False,
+        accumulate_grad_batches=accumulate, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[mon],
+    )  # fmt: skip
+    train, _ = loaders(vt, 0.0)
+    trainer.fit(TimedModule(vt, compute_s=0.01), train)
+    r = mon.report
+    assert r is not None and r.steps == 10
+    assert r.seconds["comm"] == pytest.approx(syncs * 0.002)
+    assert r.seconds["compute"] + r.seconds["comm"] == pytest.approx(10 * 0.01)  # moved out of compute, not added
+    assert r.dominant == "compute"
+
+
+def test_a_file_the_monitor_did_not_write_is_never_overwritten(tmp_path: Path) -> None:
+    """`report_path="results"` puts the picture at `results.png`: a user's file there (or at the report's own path)
+    stays as it was, with one warning naming it; the monitor's own files of an earlier run are replaced."""
+    pytest.importorskip("matplotlib")
+    users_png = tmp_path / "results.png"
+    users_png.write_bytes(b"\x89PNG\r\n\x1a\nthe user's own plot")
+    mon = PerformanceMonitor(skip_steps=1, count_flops=False, verbose=False, report_path=str(tmp_path / "results"))
+    with pytest.warns(UserWarning, match=r"'.*results\.png' exists and is not a picture the monitor wrote"):
+        _quick_fit(mon)
+    assert users_png.read_bytes() == b"\x89PNG\r\n\x1a\nthe user's own plot"
+    assert mon.png_path is None and json.loads((tmp_path / "results").read_text())["steps"] == 5
+
+    users_json = tmp_path / "notes.json"
+    users_json.write_text('{"my": "notes"}')
+    mon = PerformanceMonitor(skip_steps=1, count_flops=False, verbose=False, report_path=str(users_json))
+    with pytest.warns(UserWarning, match=r"'.*notes\.json' exists and is not a report the monitor wrote"):
+        _quick_fit(mon)
+    assert users_json.read_text() == '{"my": "notes"}'
+    assert mon.png_path == str(tmp_path / "notes.png")  # nothing was there: the picture is written
+
+    # an earlier run's report and picture (another monitor, another process) are the monitor's own: replaced
+    mon = PerformanceMonitor(skip_steps=1, count_flops=False, verbose=False, report_path=str(tmp_path / "run.json"))
+    _quick_fit(mon)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mon2 = PerformanceMonitor(
+            skip_steps=1, count_flops=False, verbose=False, report_path=str(tmp_path / "run.json")
+        )
+        _quick_fit(mon2, limit_train_batches=8)
+        _quick_fit(mon2, limit_train_batches=7)  # the same instance again: its own files
+    assert not [w for w in caught if "PerformanceMonitor" in str(w.message)]
+    assert json.loads((tmp_path / "run.json").read_text())["steps"] == 6
+    assert mon2.png_path == str(tmp_path / "run.png")

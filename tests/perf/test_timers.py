@@ -82,6 +82,21 @@ def test_stop_drops_the_trailing_gap_and_unmatched_end_is_ignored() -> None:
     assert timer.flush().seconds["data"] == 0.0
 
 
+def test_sync_steps_count_only_the_counted_batches_that_synchronised() -> None:
+    """What a per-allreduce cost is multiplied by: accumulation micro-batches (``synced=False``) send nothing."""
+    ft, timer = make(skip=1)
+    for i in range(9):
+        ft.advance(0.1)
+        timer.batch_start()
+        ft.advance(1.0)
+        timer.batch_end(4, synced=i % 4 == 3)  # steps at batches 3 and 7
+    assert (timer.window_steps, timer.window_sync_steps) == (8, 2)
+    timer.flush()
+    assert (timer.window_steps, timer.window_sync_steps) == (0, 0)
+    run_step(ft, timer, 0.1, 1.0)  # synced by default
+    assert timer.window_sync_steps == 1
+
+
 def test_move_and_bad_category() -> None:
     ft, timer = make()
     run_step(ft, timer, 0.0, 1.0)
