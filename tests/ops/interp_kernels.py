@@ -23,6 +23,7 @@ from lightning_accel.ops.linear_dropout import reference as ld_ref
 from lightning_accel.ops.linear_dropout import triton as ld_kernels
 from lightning_accel.ops.norm import layer_norm, rms_norm
 from lightning_accel.ops.norm import reference as norm_ref
+from lightning_accel.ops.norm import triton as norm_kernels
 from tests.ops._cases import (
     DTYPE_IDS,
     DTYPES,
@@ -186,3 +187,75 @@ def test_conv_bn_backward_split_over_a_large_batch() -> None:
 def test_conv_bn_batch_edge_cases_match_eager(shape: tuple[int, int, int, int], padding: int) -> None:
     """An empty batch and one value per channel on the Triton path behave as eager BatchNorm2d in training."""
     conv_bn_batch_edge_against_eager("triton", shape, padding)
+
+
+def _strided(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A leaf of ``2 * n`` values and its every-other-value view: what a slice of a packed parameter looks like."""
+    big = torch.randn(2 * n, requires_grad=True)
+    return big, big[::2]
+
+
+def _twin(big: torch.Tensor) -> torch.Tensor:
+    return big.detach().clone().requires_grad_()
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+def test_norm_kernels_with_strided_parameter_views(rms: bool) -> None:
+    """The kernels index weight/bias as contiguous: a strided view used to give silently wrong rows."""
+    torch.manual_seed(0)
+    x, dy = torch.randn(6, 37), torch.randn(6, 37)
+    (wbig, w), (bbig, b) = _strided(37), _strided(37)
+    xs = x.clone().requires_grad_()
+    y = rms_norm(xs, w, 1e-5, backend="triton") if rms else layer_norm(xs, w, b, 1e-5, backend="triton")
+    y.backward(dy)
+    xr, wbig_r, bbig_r = x.clone().requires_grad_(), _twin(wbig), _twin(bbig)
+    wr, br = wbig_r[::2], bbig_r[::2]
+    yr = norm_ref.rms_norm(xr, wr, 1e-5) if rms else norm_ref.layer_norm(xr, wr, br, 1e-5)
+    yr.backward(dy)
+    assert_close(y, yr, 1e-5, 1e-5)
+    for got, want in ((xs.grad, xr.grad), (wbig.grad, wbig_r.grad)) + (() if rms else ((bbig.grad, bbig_r.grad),)):
+        assert_grad_close(got, want, 1e-5, 1e-5)
+    # the launcher itself, given a strided last dimension (the autograd function copies it before; a caller may not)
+    xt = x.t().contiguous().t()
+    got = norm_kernels.norm_forward(xt, w, b, 1e-5, rms)
+    for a, e in zip(got, norm_ref.norm_forward(x, w, b, 1e-5, rms), strict=True):
+        assert_close(a, e, 1e-5, 1e-5)
+
+
+@pytest.mark.parametrize("gemm", ["torch", "triton"])
+@pytest.mark.parametrize("bias_kind", ["strided", "one", "scalar"])
+def test_linear_dropout_kernels_with_strided_or_broadcast_bias(gemm: str, bias_kind: str) -> None:
+    """A strided bias view, and a ``(1,)`` / ``()`` bias that ``F.linear`` broadcasts: the epilogue used to read N
+    contiguous values from it (past the end of a one-value bias)."""
+    torch.manual_seed(0)
+    x, w, dy = torch.randn(4, 19), torch.randn(23, 19) / 19**0.5, torch.randn(4, 23)
+    big = torch.randn(46, requires_grad=True)
+    big_r = _twin(big)
+    pick = {"strided": lambda t: t[::2], "one": lambda t: t[5:6], "scalar": lambda t: t[5]}[bias_kind]
+    y = linear_dropout(x, w, pick(big), 0.0, True, backend="triton", gemm=gemm)  # type: ignore[arg-type]
+    y.backward(dy)
+    yr = torch.nn.functional.linear(x, w, pick(big_r))
+    yr.backward(dy)
+    assert_close(y, yr, 1e-5, 1e-5)
+    assert_grad_close(big.grad, big_r.grad, 1e-5, 1e-5)
+    # the launcher with a residual whose last dimension is strided
+    r = torch.randn(23, 4).t()
+    out, _ = ld_kernels.forward(x, w, pick(big).detach().expand(23), r, 0, 0.0, torch.float32, gemm)
+    assert_close(out, yr.detach() + r, 1e-5, 1e-5)
+
+
+def test_conv_bn_kernels_with_strided_bn_parameters() -> None:
+    """The BN kernels index bn_weight/bn_bias as contiguous: strided views used to give wrong channels."""
+    torch.manual_seed(0)
+    x, w = torch.randn(2, 3, 4, 4), torch.randn(5, 3, 3, 3) / 5
+    (gbig, g), (bbig, be) = _strided(5), _strided(5)
+    y = conv_bn_relu(x, w, None, g, be, None, None, True, 0.1, 1e-5, 1, 1, backend="triton", activation="silu")
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    gbig_r, bbig_r = _twin(gbig), _twin(bbig)
+    gr, ber = gbig_r[::2], bbig_r[::2]
+    yr = cbr_ref.conv_bn_relu(x, w, None, gr, ber, None, None, True, 0.1, 1e-5, 1, 1, activation="silu")
+    yr.backward(dy)
+    assert_close(y, yr, 1e-5, 1e-5)
+    assert_grad_close(gbig.grad, gbig_r.grad, 1e-5, 1e-5)
+    assert_grad_close(bbig.grad, bbig_r.grad, 1e-5, 1e-5)

@@ -178,3 +178,62 @@ def test_empty_batch_through_the_function_warns_nothing_and_keeps_running_stats(
     assert w.grad is not None and not w.grad.any()
     torch.testing.assert_close(rm, torch.full((3,), 0.5))
     torch.testing.assert_close(rv, torch.full((3,), 2.0))
+
+
+# kernel, dilation, padding: odd and even effective kernels ("same" pads one more on the right/bottom for an even one)
+STRING_PADDINGS = [((3, 3), 1, "same"), ((2, 4), 1, "same"), ((2, 3), (3, 2), "same"), ((3, 2), 1, "valid")]
+
+
+@pytest.mark.parametrize(("kernel", "dilation", "padding"), STRING_PADDINGS, ids=["odd", "even", "dilated", "valid"])
+def test_string_padding_gradients_match_eager(kernel: tuple[int, int], dilation: object, padding: str) -> None:
+    torch.manual_seed(0)
+    x, w, b = torch.randn(2, 3, 7, 6), torch.randn(4, 3, *kernel) / 4, torch.randn(4) * 0.1
+    g, be = torch.rand(4) + 0.5, torch.randn(4) * 0.1
+    xs, ws, bs, gs, bes = leaves(x, w, b, g, be)
+    xr, wr, br, gr, ber = leaves(x, w, b, g, be)
+    args = (None, None, True, 0.1, 1e-5, 1, padding, dilation)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns once that an even "same" kernel pads a copy of the input
+        y = conv_bn_relu(xs, ws, bs, gs, bes, *args, backend="reference")  # type: ignore[arg-type]
+        yr = reference.conv_bn_relu(xr, wr, br, gr, ber, *args)  # type: ignore[arg-type]
+        dy = torch.randn_like(yr)
+        y.backward(dy)
+        yr.backward(dy)
+    torch.testing.assert_close(y, yr)
+    for got, want in ((xs, xr), (ws, wr), (bs, br), (gs, gr), (bes, ber)):
+        assert_grad_close(got.grad, want.grad, 1e-5, 1e-5)
+
+
+def test_same_padding_compiles_into_one_graph() -> None:
+    """``torch.compile(fullgraph=True)`` raises on a graph break, and Dynamo traces an autograd.Function's backward
+    with its forward: the backward used to call ``torch.autograd.grad`` for a string padding, which it cannot trace."""
+    torch.manual_seed(0)
+    w, g, be = torch.randn(4, 3, 3, 3, requires_grad=True), torch.rand(4) + 0.5, torch.randn(4)
+
+    def fused(x: torch.Tensor) -> torch.Tensor:
+        return conv_bn_relu(x, w, None, g, be, None, None, True, 0.1, 1e-5, 1, "same", backend="reference")
+
+    x = torch.randn(2, 3, 5, 5)
+    y = torch.compile(fused, fullgraph=True, backend="eager")(x)
+    y.sum().backward()
+    compiled_grad, w.grad = w.grad, None
+    fused(x).sum().backward()
+    torch.testing.assert_close(y, fused(x))
+    torch.testing.assert_close(compiled_grad, w.grad)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("name", ["bn_weight", "bn_bias", "running_mean", "running_var"])
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_batch_norm_vectors_of_another_shape_refused(name: str, backend: str) -> None:
+    """Eager ``F.batch_norm`` refuses them; the torch path used to broadcast a (1,) one (the folded eval path too)."""
+    vectors = {"bn_weight": torch.ones(5), "bn_bias": torch.zeros(5), "running_mean": None, "running_var": None}
+    vectors[name] = torch.ones(1)
+    if name.startswith("running"):
+        vectors["running_mean" if name == "running_var" else "running_var"] = torch.ones(5)
+    for training in (True, False):
+        with pytest.raises(ValueError, match=rf"^`{name}` must have one value per output channel .*\(5,\), got \(1,\)"):
+            conv_bn_relu(
+                torch.randn(2, 3, 4, 4), torch.randn(5, 3, 3, 3), None, *vectors.values(), training, 0.1, 1e-5,
+                backend=backend,  # type: ignore[arg-type]
+            )  # fmt: skip

@@ -4,6 +4,8 @@ autocast, gradcheck, argument errors. The Triton kernels: ``test_triton_interpre
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -126,3 +128,48 @@ def test_bad_arguments() -> None:
         linear_dropout(x, w, residual=torch.randn(3, 4))
     with pytest.raises(ValueError, match="`gemm` must be 'torch' or 'triton', got 'cublas'"):
         linear_dropout(x, w, gemm="cublas")  # type: ignore[arg-type]
+
+
+def test_seed_is_honoured_on_the_eager_path() -> None:
+    """``backend="auto"`` on a CPU runs eager ops; a given seed still fixes the mask, the reference path's bits, and
+    leaves torch's global generator alone (``F.dropout`` would draw from it and ignore the seed)."""
+    torch.manual_seed(0)
+    x, w, b, r = _inputs((2, 5, 8), 16, torch.float32)
+    state = torch.get_rng_state()
+    a = linear_dropout(x, w, b, 0.5, True, r, seed=7)  # auto: eager ops on CPU
+    again = linear_dropout(x, w, b, 0.5, True, r, seed=7, backend="eager")
+    assert torch.equal(torch.get_rng_state(), state)
+    other = linear_dropout(x, w, b, 0.5, True, r, seed=8)
+    assert torch.equal(a, again) and not torch.equal(a, other)
+    torch.testing.assert_close(a, linear_dropout(x, w, b, 0.5, True, r, seed=7, backend="reference"))
+    xs = x.clone().requires_grad_()
+    y = linear_dropout(xs, w, None, 0.5, True, seed=7)
+    assert y.grad_fn is not None and "LinearDropout" not in type(y.grad_fn).__name__  # still the eager path
+    y.sum().backward()
+    keep = reference.dropout_mask(7, (10, 16), 0.5, "cpu").view(2, 5, 16)
+    torch.testing.assert_close(xs.grad, (keep.float() / 0.5) @ w)
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+@pytest.mark.parametrize("bias_shape", [(), (1,)], ids=str)
+def test_bias_that_broadcasts_like_f_linear(backend: str, bias_shape: tuple[int, ...]) -> None:
+    torch.manual_seed(0)
+    x, w, _, r = _inputs((3, 5), 6, torch.float32)
+    b = torch.randn(bias_shape)
+    bs, be = leaves(b, b)
+    y = linear_dropout(x, w, bs, 0.0, True, r, backend=backend)  # type: ignore[arg-type]
+    ye = torch.nn.functional.linear(x, w, be) + r
+    torch.testing.assert_close(y, ye)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    ye.backward(dy)
+    assert bs.grad is not None and bs.grad.shape == bias_shape
+    torch.testing.assert_close(bs.grad, be.grad)
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+@pytest.mark.parametrize("bias_shape", [(2,), (3, 6), (1, 6)], ids=str)
+def test_bias_of_another_shape_refused(backend: str, bias_shape: tuple[int, ...]) -> None:
+    x, w = torch.randn(3, 5), torch.randn(6, 5)
+    with pytest.raises(ValueError, match=rf"^`bias` must have shape \(6,\) .*got {re.escape(str(bias_shape))}"):
+        linear_dropout(x, w, torch.zeros(bias_shape), backend=backend)  # type: ignore[arg-type]

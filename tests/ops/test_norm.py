@@ -5,6 +5,8 @@ The Triton kernels are checked against the same oracle under the interpreter (``
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -78,3 +80,13 @@ def test_forced_triton_without_cuda_or_interpreter_fails_clearly(monkeypatch: py
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         layer_norm(torch.randn(2, 4), backend="triton")
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference", "eager"])
+@pytest.mark.parametrize("bias_shape", [(1,), (4, 8), (7,)], ids=str)
+def test_bad_bias_shape_refused_on_every_backend(backend: str, bias_shape: tuple[int, ...]) -> None:
+    """``F.layer_norm`` refuses a bias that is not (N,); the torch path used to broadcast a (1,) or (M, N) one."""
+    x = torch.randn(4, 8, requires_grad=True)
+    expected = rf"^`bias` of `layer_norm` must have shape \(8,\).*got {re.escape(str(bias_shape))}"
+    with pytest.raises(ValueError, match=expected):
+        layer_norm(x, torch.ones(8), torch.zeros(bias_shape), backend=backend)  # type: ignore[arg-type]

@@ -95,25 +95,43 @@ class ConvBNReLUFunction(torch.autograd.Function):
             dy, dgamma, dbeta = reference.bn_relu_backward(dout, y, bn_weight, bn_bias, mean, invstd, ctx.act)
         del y
         dx = dw = db = None
-        if isinstance(padding, str):  # "same"/"valid": let autograd find the padding the forward used
-            with torch.enable_grad():
-                xd = x.detach().requires_grad_(need_x)
-                wd = weight.detach().requires_grad_(need_w)
-                bd = bias.detach().requires_grad_(need_b) if bias is not None else None
-                y2 = F.conv2d(xd, wd, bd, *ctx.conv_args)
-            inputs = [t for t, need in ((xd, need_x), (wd, need_w), (bd, need_b)) if need and t is not None]
-            grads = iter(torch.autograd.grad(y2, inputs, dy) if inputs else ())
-            dx = next(grads) if need_x else None
-            dw = next(grads) if need_w else None
-            db = next(grads) if need_b and bias is not None else None
-        elif need_x or need_w or need_b:
+        if need_x or need_w or need_b:
             # the op autograd itself runs for a conv's backward: one call, and traceable by torch.compile (which
-            # breaks the graph on `torch.autograd.grad` inside a backward)
+            # breaks the graph on `torch.autograd.grad` inside a backward). A string padding becomes the numbers the
+            # forward used; "same" with an even effective kernel pads one more on the right/bottom (as torch does)
+            pad, extra = _explicit_padding(padding, weight, dilation)
+            xp = F.pad(x, [0, extra[1], 0, extra[0]]) if any(extra) else x
             dx, dw, db = torch.ops.aten.convolution_backward(
-                dy, x, weight, [weight.shape[0]] if bias is not None else None, _pair(stride), _pair(padding),
+                dy, xp, weight, [weight.shape[0]] if bias is not None else None, _pair(stride), pad,
                 _pair(dilation), False, [0, 0], groups, [need_x, need_w, need_b and bias is not None],
             )  # fmt: skip
+            if dx is not None and any(extra):
+                dx = dx[:, :, : x.shape[2], : x.shape[3]]
         return dx, dw, db, dgamma, dbeta, None, None, None, None, None, None, None
+
+
+def _check_channels(weight: torch.Tensor, **vectors: torch.Tensor | None) -> None:
+    """Refuse a batch-norm vector that is not ``(C_out,)``: eager ``F.batch_norm`` refuses it, the torch path would
+    broadcast a ``(1,)`` one silently (the folded eval path too) and the Triton kernels would read past its end."""
+    c = weight.shape[0]
+    for name, t in vectors.items():
+        if t is not None and t.shape != (c,):
+            raise ValueError(
+                f"`{name}` must have one value per output channel of the convolution, shape ({c},), got "
+                f"{tuple(t.shape)}. Give BatchNorm2d num_features={c}."
+            )
+
+
+def _explicit_padding(padding: Any, weight: torch.Tensor, dilation: Any) -> tuple[list[int], list[int]]:
+    """``(padding, extra)`` per spatial dimension: the symmetric padding of ``F.conv2d(..., padding)`` and what
+    ``padding="same"`` adds on the right/bottom when ``dilation * (kernel - 1)`` is odd (torch's own rule)."""
+    if not isinstance(padding, str):
+        return _pair(padding), [0, 0]
+    if padding == "valid":
+        return [0, 0], [0, 0]
+    d = _pair(dilation)
+    total = [d[i] * (weight.shape[2 + i] - 1) for i in range(2)]  # "same" implies stride 1 (F.conv2d checks)
+    return [t // 2 for t in total], [t % 2 for t in total]
 
 
 def _pair(v: Any) -> list[int]:
@@ -154,10 +172,15 @@ def conv_bn_relu(
     torch path, ``"triton"`` its kernels (CUDA, or the interpreter); ``"eager"`` forces the oracle. Every backend
     treats an empty batch and a batch of one value per channel as eager ``nn.BatchNorm2d`` does (see
     :class:`ConvBNReLUFunction`).
+
+    Raises:
+        ValueError: for an ``x`` that is not 4-D, or a ``bn_weight``, ``bn_bias``, ``running_mean`` or
+            ``running_var`` that is not ``(C_out,)`` (eager ``F.batch_norm`` refuses them too).
     """
     if x.dim() != 4:
         raise ValueError(f"`x` must be a 4-D (N, C, H, W) tensor, got shape {tuple(x.shape)}.")
     check_backend(backend)
+    _check_channels(weight, bn_weight=bn_weight, bn_bias=bn_bias, running_mean=running_mean, running_var=running_var)
     act = reference.resolve_activation(relu, activation)
     if backend == "eager" or (backend == "auto" and not x.is_cuda):
         return reference.conv_bn_relu(

@@ -6,7 +6,8 @@ normalises the conv output with the batch statistics, applies the affine and the
 batch-norm kernel and an activation kernel, and stores both outputs for backward). Backward: one program per channel
 reduces ``sum(dz)`` and ``sum(dz * xhat)`` over the recomputed conv output (``dz = dout * act'(z)``), then one pass
 writes ``dy`` (the reduction is split over the batch too, ``(C, min(N, 32))`` programs, then summed). Statistics and
-arithmetic are float32 inside the kernels; tensors are NCHW-contiguous.
+arithmetic are float32 inside the kernels; the launchers make every tensor NCHW-contiguous (per-channel vectors
+contiguous) before a launch, copying only those that are not.
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ def _bwd_kernel(
 
 
 def _args(t: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor:
-    return t if t is not None else fallback
+    # the kernels index the per-channel vectors as W + c: a strided view (a slice of a packed buffer) is copied
+    return t.contiguous() if t is not None else fallback
 
 
 def bn_act_forward(

@@ -7,6 +7,7 @@ With an ``activation`` it also saves the pre-activation (which eager's activatio
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 import torch
@@ -107,16 +108,26 @@ def linear_dropout(
     Args:
         x: input (..., K).
         weight: (N, K).
-        bias: (N,) or None.
+        bias: (N,), or a bias that broadcasts to it as ``F.linear`` allows (``()`` or ``(1,)``), or None.
         p: dropout probability in [0, 1).
         training: apply dropout (``False``: ``p`` is ignored).
         residual: (..., N) tensor added after dropout, or None.
-        seed: the dropout seed; by default drawn from torch's CPU generator.
-        backend: ``"auto"`` (Triton on CUDA, eager ``F.linear`` + ``F.dropout`` elsewhere), ``"triton"``,
-            ``"reference"`` (the function's torch path, mask from a ``torch.Generator``) or ``"eager"``.
+        seed: the dropout seed (unused without dropout). On every path the same seed, ``p``, output shape and device
+            give the same mask, call after call, without touching torch's global generator. The ``"reference"`` and
+            ``"eager"`` paths (so ``"auto"`` off CUDA) draw it from a ``torch.Generator`` seeded with ``seed`` and get
+            the same bits as each other; the Triton kernels draw it with Philox ``tl.rand`` (a different, equally
+            valid mask for the same seed). ``None`` (default): the fused paths draw a seed from torch's CPU generator,
+            the eager path calls ``F.dropout`` (torch's generator for the device), so ``torch.manual_seed`` makes
+            runs repeatable either way.
+        backend: ``"auto"`` (Triton on CUDA, eager ``F.linear`` + ``F.dropout`` elsewhere; with a ``seed``, the
+            seeded mask instead of ``F.dropout``), ``"triton"``, ``"reference"`` (the function's torch path, mask
+            from a ``torch.Generator``) or ``"eager"``.
         gemm: ``"torch"`` (cuBLAS GEMM + Triton epilogue) or ``"triton"`` (GEMM and epilogue in one Triton kernel).
         activation: applied before dropout: ``"none"`` (default), ``"relu"``, ``"relu6"``, ``"hardswish"``,
             ``"silu"``, ``"gelu"`` or ``"gelu_tanh"`` (``nn.GELU(approximate="tanh")``).
+
+    Raises:
+        ValueError: for ``p`` outside [0, 1), or a ``weight``, ``bias`` or ``residual`` whose shape does not fit ``x``.
     """
     if isinstance(p, bool) or not (isinstance(p, (int, float)) and 0.0 <= p < 1.0):  # the check only when it fails
         check_number("p", p, low=0, high=1, high_open=True, fix="Use p=0 for no dropout.")
@@ -131,13 +142,27 @@ def linear_dropout(
         raise ValueError(
             f"`residual` must have the output's shape {(*x.shape[:-1], weight.shape[0])}, got {tuple(residual.shape)}."
         )
+    n = weight.shape[0]
+    if bias is not None and not (bias.dim() <= 1 and bias.numel() in (1, n)):
+        raise ValueError(
+            f"`bias` must have shape ({n},) (or () / (1,), which broadcast to it), got {tuple(bias.shape)}. Pass "
+            "one bias per output feature."
+        )
     act = check_activation(activation) if activation != "none" else "none"
     p = p if training else 0.0
     path = resolve_backend(x, backend)
     if path == "eager":
-        y = F.dropout(activation_forward(F.linear(x, weight, bias), act), p, training=p > 0)
+        y = activation_forward(F.linear(x, weight, bias), act)
+        if p > 0 and seed is not None:
+            # F.dropout takes no seed: draw the reference path's mask (same generator, same 2-D shape, same bits)
+            keep = reference.dropout_mask(seed, (math.prod(y.shape[:-1]), n), p, y.device).view(y.shape)
+            y = torch.where(keep, y / (1.0 - p), y.new_zeros(()))
+        else:
+            y = F.dropout(y, p, training=p > 0)
         return y if residual is None else residual + y
     seed = (new_seed() if p > 0 else 0) if seed is None else seed  # no draw without dropout: RNG streams stay as eager
+    if bias is not None and bias.shape != (n,):
+        bias = bias.expand(n)  # the kernels read N values; autograd sums the gradient back to the broadcast shape
     device_type = x.device.type
     if torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)

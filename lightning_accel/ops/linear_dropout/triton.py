@@ -147,12 +147,20 @@ def forward(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``dropout(act(x @ weight.T + bias)) + residual`` for a 2-D ``x`` (M, K), ``weight`` (N, K); residual (M, N).
 
+    ``bias`` is ``(N,)`` (:func:`~..function.linear_dropout` expands a broadcast ``(1,)`` or ``()`` bias first). The
+    kernels index the bias as contiguous and the rows of ``x``/``residual`` by ``stride(0)``, so a strided bias view
+    and a strided last dimension are copied first (contiguous tensors are not).
+
     Returns:
         ``(out, pre)``: ``pre`` is the pre-activation in ``x``'s dtype (None without an activation).
     """
     m, k = x.shape
     n = weight.shape[0]
     _check_offsets(m, n)
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"`bias` must have shape ({n},) here, got {tuple(bias.shape)}. Expand it to ({n},) first.")
+    bias = bias.contiguous() if bias is not None else None
+    residual = residual if residual is None or residual.stride(-1) == 1 else residual.contiguous()
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     pre = torch.empty((m, n), dtype=x.dtype, device=x.device) if activation != "none" else None
     pre_arg = pre if pre is not None else out
@@ -160,6 +168,7 @@ def forward(
     b = bias if bias is not None else out
     flags = {"HAS_B": bias is not None, "HAS_R": residual is not None, "ACT": code(activation)}
     if gemm == "triton" and fused_gemm_supported(x.dtype):
+        # the GEMM kernel walks K with unit steps: only the row strides are arguments
         x = x if x.stride(1) == 1 else x.contiguous()
         weight = weight if weight.stride(1) == 1 else weight.contiguous()
         _matmul_epilogue_kernel[_grid(m, n)](
@@ -188,6 +197,7 @@ def dropout_backward(
     if p == 0 and activation == "none":
         return dout.to(dtype)
     dout = dout if dout.stride(1) == 1 else dout.contiguous()
+    pre = pre if pre is None or pre.stride(1) == 1 else pre.contiguous()
     dz = torch.empty((m, n), dtype=dtype, device=dout.device)
     pre_arg = pre if pre is not None and activation != "none" else dz
     _dropout_bwd_kernel[_grid(m, n)](

@@ -55,12 +55,19 @@ class NormFunction(torch.autograd.Function):
         return dx.view(dy.shape), dw, db, None, None, None
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor | None, name: str) -> None:
-    if weight is not None and weight.shape != (x.shape[-1],):
-        raise ValueError(
-            f"`{name}` normalises the last dimension ({x.shape[-1]}) and needs a weight of shape ({x.shape[-1]},), "
-            f"got {tuple(weight.shape)}. Pass `normalized_shape` equal to the last dimension only."
-        )
+def _check(x: torch.Tensor, weight: torch.Tensor | None, name: str, bias: torch.Tensor | None = None) -> None:
+    """Refuse a ``weight`` or ``bias`` that is not ``(N,)`` for the last dimension ``N`` of ``x``.
+
+    ``F.layer_norm`` refuses them too; without this check the torch path would broadcast a ``(1,)`` or ``(M, N)``
+    bias silently and the Triton kernels would read ``N`` elements from it (out of bounds).
+    """
+    n = x.shape[-1]
+    for arg, t in (("weight", weight), ("bias", bias)):
+        if t is not None and t.shape != (n,):
+            raise ValueError(
+                f"`{arg}` of `{name}` must have shape ({n},), one value per feature of the last dimension of `x`, "
+                f"got {tuple(t.shape)}. Pass `normalized_shape` equal to the last dimension only."
+            )
 
 
 def layer_norm(
@@ -79,8 +86,11 @@ def layer_norm(
         eps: variance epsilon.
         backend: ``"auto"`` (Triton on CUDA, ``F.layer_norm`` elsewhere), ``"triton"`` (force; a CPU needs
             ``TRITON_INTERPRET=1``), ``"reference"`` (the function's torch path) or ``"eager"``.
+
+    Raises:
+        ValueError: for a ``weight`` or ``bias`` that is not ``(N,)`` (``F.layer_norm`` refuses them too).
     """
-    _check(x, weight, "layer_norm")
+    _check(x, weight, "layer_norm", bias)
     path = resolve_backend(x, backend)
     if path == "eager":
         return reference.layer_norm(x, weight, bias, eps)

@@ -106,7 +106,14 @@ def _warps(block: int) -> int:
 def norm_forward(
     x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, rms: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Kernel version of :func:`..reference.norm_forward` for a 2-D ``x`` with a contiguous last dimension."""
+    """Kernel version of :func:`..reference.norm_forward` for a 2-D ``x``; ``weight``/``bias`` are ``(N,)``.
+
+    The kernel indexes rows by ``stride(0)`` and everything else as contiguous, so a strided last dimension of ``x``
+    and strided parameter views (``w[::2]``, a slice of a packed buffer) are copied first; a contiguous one is not.
+    """
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    weight = weight.contiguous() if weight is not None else None
+    bias = bias.contiguous() if bias is not None else None
     m, n = x.shape
     y = torch.empty_like(x)
     mean = torch.empty(m, dtype=torch.float32, device=x.device)
@@ -129,8 +136,10 @@ def norm_backward(
     rms: bool,
     has_bias: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Kernel version of :func:`..reference.norm_backward`."""
+    """Kernel version of :func:`..reference.norm_backward` (strided inputs copied as in :func:`norm_forward`)."""
     m, n = x.shape
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    weight = weight.contiguous() if weight is not None else None
     dy = dy.contiguous()
     dx = torch.empty_like(x)
     block = _block_n(n)
