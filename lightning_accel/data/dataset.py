@@ -432,8 +432,8 @@ class EpochOrderSampler(DistributedSampler):
             )
         epoch, consumed = int(state.get("epoch", -1)), max(0, int(state.get("consumed", 0)))
         here = self.layout()
-        saved = {k: int(state[k]) for k in here if k in state}
-        if epoch >= 0 and consumed and saved != {k: here[k] for k in saved}:
+        saved = {k: int(v) for k, v in state.items() if k not in _POSITION_KEYS}
+        if epoch >= 0 and consumed and _layouts_differ(saved, here):
             before = saved.get("num_samples") or self.num_samples
             consumed = min(self.num_samples, round(consumed * self.num_samples / before))
             warnings.warn(
@@ -477,6 +477,24 @@ def check_warm_num_workers(value: object) -> None:
         allow_none=True,
         fix="0 reads warm batches in the main process; None keeps `num_workers`.",
     )
+
+
+# The keys of a sampler's state that are positions, not layout; and the value a layout key has for a sampler that
+# does not list it (a global shuffle has no window). A key without a default that one side lacks is not compared:
+# states saved before the key existed resume as they did.
+_POSITION_KEYS = frozenset({"epoch", "consumed", "seed"})
+_LAYOUT_DEFAULTS = {"window": 0}
+
+
+def _layouts_differ(saved: dict[str, int], here: dict[str, int]) -> bool:
+    """True when a sampler state saved under ``saved`` names other samples under ``here`` (compared over the keys of
+    both: a switch between the global and the shard-window shuffle changes the order, though only one lists a
+    window)."""
+    for key in saved.keys() | here.keys():
+        a, b = saved.get(key, _LAYOUT_DEFAULTS.get(key)), here.get(key, _LAYOUT_DEFAULTS.get(key))
+        if a is not None and b is not None and a != b:
+            return True
+    return False
 
 
 class CacheDataLoader(DataLoader):

@@ -49,6 +49,7 @@ import hashlib
 import json
 import mmap
 import os
+import posixpath
 import random
 import re
 import threading
@@ -233,6 +234,22 @@ def load_pack_index(store: ObjectStore) -> Listing | None:
     return Listing(origin=store.url, keys=keys, labels=labels, classes=[str(c) for c in classes], pack=pack)
 
 
+def _within(inner: ObjectStore, outer: ObjectStore) -> bool:
+    """True when ``inner`` is ``outer`` or a folder below it (local paths through their real paths; URLs of one
+    protocol by their paths; an object store with its own options may be another endpoint: not compared)."""
+    if inner.is_local != outer.is_local:
+        return False
+    if inner.is_local:
+        a, b = os.path.realpath(inner.root), os.path.realpath(outer.root)
+    else:
+        if inner.url.split("://", 1)[0] != outer.url.split("://", 1)[0]:
+            return False
+        if inner.files.storage_options != outer.files.storage_options:
+            return False
+        a, b = posixpath.normpath(inner.root), posixpath.normpath(outer.root)
+    return a == b or a.startswith(b.rstrip("/") + "/")
+
+
 def pack_origin(
     source: str,
     dest: str,
@@ -278,14 +295,20 @@ def pack_origin(
             pack wrote (e.g. an ImageFolder tree, or a user's ``shards/000000.bin``), or an index that cannot be
             read; or ``dest`` is a file.
         TypeError: ``shard_bytes`` is not an integer.
-        ValueError: ``shard_bytes`` < 1, or ``source`` is itself a pack.
+        ValueError: ``shard_bytes`` < 1, ``source`` is itself a pack, or ``dest`` is ``source`` or a folder inside it.
     """
     check_int("shard_bytes", shard_bytes, low=1, fix="It is the target shard size in bytes.")
     src = ObjectStore(source, storage_options, max_concurrency=max_concurrency)
+    dst = ObjectStore(dest, storage_options if dest_storage_options is None else dest_storage_options)
+    if _within(dst, src):
+        raise ValueError(
+            f"`dest` {dst.url!r} is inside `source` {src.url!r}: the pack would become a folder of the data set it "
+            "packs (a class folder without images, which the next listing refuses). Choose a destination outside "
+            "the source tree."
+        )
     listing = list_origin(src, manifest=manifest)
     if listing.pack is not None:
         raise ValueError(f"`source` {src.url!r} is already a packed origin; read it directly.")
-    dst = ObjectStore(dest, storage_options if dest_storage_options is None else dest_storage_options)
     fs, root = dst.fs, dst.root
     index_path = safe_join(root, PACK_INDEX)
     journal_path = safe_join(root, PACK_JOURNAL)

@@ -22,7 +22,9 @@ hold a random mix of classes; the measured cost on the digits task is in ``docs/
 
 from __future__ import annotations
 
+import array
 import math
+import zlib
 from collections.abc import Sequence
 
 import torch
@@ -145,7 +147,10 @@ class ShardWindowSampler(EpochOrderSampler):
         self.window = window
 
     def layout(self) -> dict[str, int]:
-        return {**super().layout(), "window": self.window}
+        # The order also follows which shard each sample is in: a re-pack (other shard sizes, other files) moves the
+        # samples between shards, and the same positions name others.
+        shards = zlib.crc32(array.array("q", self.shard_of).tobytes())
+        return {**super().layout(), "window": self.window, "shards": shards}
 
     def epoch_order(self) -> list[int]:
         return windowed_order(

@@ -278,6 +278,40 @@ def _on_tmpfs(path: str) -> bool:
     return fstype == "tmpfs"
 
 
+_TIER_DBS = ("data", "index", "fifo", "meta")  # the named databases of a tier's LMDB environment
+
+
+def _foreign_contents(path: str) -> str | None:
+    """What in the non-empty directory ``path`` the tier must not write into, or None.
+
+    Opening an LMDB environment writes into the ``data.mdb`` there: an LMDB database of the user's would gain the
+    tier's databases and entries. A ``data.mdb`` holding only a tier's named databases is a tier's (one made before
+    markers, or whose marker could not be written); other files beside the tier's are left alone either way.
+    """
+    if read_marker(path) is not None or not os.path.isfile(os.path.join(path, "data.mdb")):
+        return None
+    return None if _tier_dbs_only(path) else "an LMDB database (data.mdb)"
+
+
+def _tier_dbs_only(path: str) -> bool:
+    """True when the LMDB environment at ``path`` holds nothing but a tier's named databases (read-only, no lock;
+    only when this process has no environment open there: LMDB forbids opening one twice in a process)."""
+    import lmdb
+
+    try:
+        env = lmdb.open(path, readonly=True, lock=False, subdir=True, max_dbs=0, readahead=False)
+    except lmdb.Error:
+        return False
+    try:
+        with env.begin() as txn:
+            names = {bytes(k).decode("utf-8", "replace") for k, _ in txn.cursor()}
+    except lmdb.Error:
+        return False
+    finally:
+        env.close()
+    return names <= set(_TIER_DBS)
+
+
 def _open_env(path: str, key: str, map_size: int, sync: bool) -> _Env:
     """This process's environment at ``path`` (``key``: its real path), opened now if needed; holds ``_LOCK``."""
     import lmdb
@@ -310,7 +344,7 @@ def _open_env(path: str, key: str, map_size: int, sync: bool) -> _Env:
     )
     try:
         with env.begin(write=True) as txn:
-            dbs = {n: env.open_db(n.encode(), txn=txn) for n in ("data", "index", "fifo", "meta")}
+            dbs = {n: env.open_db(n.encode(), txn=txn) for n in _TIER_DBS}
         opened = _Env(env, dbs, int(env.stat()["psize"]))
         if writemap:
             opened.reserve_fd = os.open(os.path.join(path, "data.mdb"), os.O_RDWR | os.O_CLOEXEC)
@@ -430,6 +464,16 @@ class LmdbTier:
                     # data.mdb/lock.mdb), is never offered to the cleanup. Decided before opening, which creates
                     # the files; a tier marked before keeps its marker.
                     mark = self.marker and (not os.path.isdir(self.path) or not os.listdir(self.path))
+                    if (
+                        self.marker
+                        and not mark
+                        and self._key not in _ENVS.get()  # open in this process already: a tier's
+                        and (foreign := _foreign_contents(self.path)) is not None
+                    ):
+                        raise FileExistsError(
+                            f"it holds {foreign} this cache did not create, left untouched; point the {self.name} tier "
+                            "at a new or empty directory"
+                        )
                     opened = _open_env(self.path, self._key, initial, self.sync)
                     if mark and set(os.listdir(self.path)) <= set(LMDB_FILES):
                         write_marker(self.path, self.note)

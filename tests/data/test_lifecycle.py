@@ -173,8 +173,9 @@ def test_data_clean_reports_a_missing_root(tmp_path: Path, capsys: pytest.Captur
     assert "`--root`" in cap.err and "nowhere" in cap.err and "is not an existing directory" in cap.err
 
 
-def test_a_ram_dir_holding_an_lmdb_database_of_the_users_gets_no_marker(tmp_path: Path) -> None:
-    """The user's own data.mdb/lock.mdb look like a tier's files: only a directory the tier creates is marked."""
+def test_a_ram_dir_holding_an_lmdb_database_of_the_users_is_left_untouched(tmp_path: Path) -> None:
+    """The user's own data.mdb/lock.mdb look like a tier's files: the tier neither marks nor writes into them (opening
+    the environment added the tier's four databases to the user's), it is disabled with one warning instead."""
     import lmdb
 
     from lightning_accel.data.lifecycle import remove_tier
@@ -185,9 +186,22 @@ def test_a_ram_dir_holding_an_lmdb_database_of_the_users_gets_no_marker(tmp_path
     with env.begin(write=True) as txn:
         txn.put(b"record", b"precious")
     env.close()
-    assert LmdbTier(mine, 1 << 20, name="ram").open() and read_marker(str(mine)) is None
+    before = (mine / "data.mdb").read_bytes()
+    tier = LmdbTier(mine, 1 << 20, name="ram")
+    with pytest.warns(RuntimeWarning, match=r"the ram tier at .*user_lmdb.* is disabled .*this cache did not create"):
+        assert not tier.open()
+    assert tier.put_many([(b"k", b"v")]).stored == 0 and tier.get(b"k") is None
+    assert (mine / "data.mdb").read_bytes() == before and read_marker(str(mine)) is None
     assert not remove_tier(str(mine)) and {p.name for p in mine.iterdir()} == {"data.mdb", "lock.mdb"}
     assert find_tiers(str(tmp_path)) == []
+    # a tier's own environment without its marker (made before markers, or the marker failed) is still used
+    legacy = tmp_path / "legacy"
+    env = lmdb.open(str(legacy), map_size=1 << 20, max_dbs=4)
+    with env.begin(write=True) as txn:
+        for name in (b"data", b"index", b"fifo", b"meta"):
+            env.open_db(name, txn=txn)
+    env.close()
+    assert LmdbTier(legacy, 1 << 20, name="ram").open()
     empty = tmp_path / "empty"
     empty.mkdir()  # an empty directory (made ahead, e.g. by a launcher) becomes a tier as a missing one does
     assert LmdbTier(empty, 1 << 20, name="ram").open() and read_marker(str(empty)) is not None

@@ -192,3 +192,24 @@ def test_s3_destination_keeps_a_users_objects_and_overwrite_drops_unused_shards(
         pack_origin(src, url, dest_storage_options=opts, overwrite=True)
     assert fs.cat_file(f"{bucket}/packed/notes.txt") == b"mine"
     assert list_origin(ObjectStore(url, opts)).pack == new
+
+
+def test_a_destination_inside_the_source_is_refused_before_anything_is_written(
+    small_digits: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Packing into a folder of the source made an empty class folder of it: the source no longer listed."""
+    from lightning_accel.data.cli import main as data_main
+
+    src = _tree(small_digits, tmp_path / "src")
+    before = _files(src)
+    for dest in (src / "packed", src, src / "3" / "deeper"):
+        with pytest.raises(ValueError, match=r"`dest` .* is inside `source` .*Choose a destination outside"):
+            pack_origin(str(src), str(dest))
+    (tmp_path / "link").symlink_to(src)  # the same tree through a link
+    with pytest.raises(ValueError, match="is inside `source`"):
+        pack_origin(str(tmp_path / "link"), str(src / "packed"))
+    assert data_main(["pack", str(src), str(src / "packed")]) == 1
+    assert "is inside `source`" in capsys.readouterr().err
+    assert _files(src) == before and not (src / "packed").exists()
+    assert len(list_origin(ObjectStore(str(src))).keys) == 40  # still a data set
+    pack_origin(str(src), str(tmp_path / "src-packed"))  # beside it is fine, a name sharing the prefix included
