@@ -338,9 +338,17 @@ class LocalSteps:
         return [self._flatten(f, torch.zeros_like(f.outer)).cpu() for f in self.fragments]
 
     def load_local_flats(self, flats: Sequence[torch.Tensor]) -> None:
-        """Set this rank's parameters from :meth:`local_flats` output."""
-        if len(flats) != len(self.fragments):
-            raise ValueError(f"expected {len(self.fragments)} fragment tensors, got {len(flats)}.")
+        """Set this rank's parameters from :meth:`local_flats` output (of the same layout: check the state saved with
+        them first, :meth:`check_state`; these sizes are checked here too, before anything is copied).
+
+        Raises:
+            ValueError: other fragment sizes than this layout's.
+        """
+        sizes = [f.outer.numel() for f in self.fragments]
+        if [flat.numel() for flat in flats] != sizes:
+            raise ValueError(
+                f"expected {len(sizes)} fragment tensors of {sizes} elements, got {[flat.numel() for flat in flats]}."
+            )
         for frag, flat in zip(self.fragments, flats, strict=True):
             self._unflatten_copy(frag, flat.to(frag.outer.device))
 
@@ -470,29 +478,45 @@ class LocalSteps:
             ],
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Adopt a :meth:`state_dict` of the same layout (same parameters, fragments and world size) and issue again
-        the exchanges that were in flight (a collective: call it on every rank at the same point).
+    def check_state(self, state: dict[str, Any]) -> None:
+        """Refuse a :meth:`state_dict` of another layout, before anything is loaded: call it before restoring any
+        part of a checkpoint saved with it (:meth:`load_local_flats` too), so a refused resume overwrites nothing.
+        The verdict and its message depend only on what every rank shares (the layout, the world size, the config):
+        every rank refuses alike, with the same line.
 
         Raises:
-            ValueError: the state was made for another world size, parameter split or compression.
+            ValueError: the state was made for another world size, parameter split (``fragments``, or other
+                trainable parameters) or compression, or by another version.
         """
         if state.get("format") != _FORMAT:
             raise ValueError(f"local-steps state of format {state.get('format')!r}; this version reads {_FORMAT}.")
         mine = [list(f.params) for f in self.fragments]
         theirs = [list(f["params"]) for f in state["fragments"]]
+        my_numels = [f.outer.numel() for f in self.fragments]
+        their_numels = [f["outer"].numel() for f in state["fragments"]]
         saved_cfg = state.get("config", {})
         if (
             state["world_size"] != self.world_size
             or mine != theirs
+            or my_numels != their_numels
             or saved_cfg.get("compression") != (self.config.compression)
         ):
             raise ValueError(
-                f"the checkpoint's local-steps state was made for world size {state['world_size']}, fragments "
-                f"{[len(p) for p in theirs]} and compression {saved_cfg.get('compression')!r}; this run has "
-                f"{self.world_size}, {[len(p) for p in mine]} and {self.config.compression!r}. Resume with the same "
-                "`fragments`, `compression` and number of processes."
+                f"the checkpoint's local-steps state was made for world size {state['world_size']}, fragments of "
+                f"{[len(p) for p in theirs]} parameters ({their_numels} elements) and compression "
+                f"{saved_cfg.get('compression')!r}; this run has {self.world_size}, {[len(p) for p in mine]} "
+                f"({my_numels}) and {self.config.compression!r}. Resume with the same `fragments`, `compression`, "
+                "trainable parameters and number of processes."
             )
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Adopt a :meth:`state_dict` of the same layout (same parameters, fragments and world size) and issue again
+        the exchanges that were in flight (a collective: call it on every rank at the same point).
+
+        Raises:
+            ValueError: the state was made for another layout (:meth:`check_state`); nothing is loaded then.
+        """
+        self.check_state(state)
         self.step_count = int(state["step"])
         self.bytes_sent = int(state["bytes_sent"])
         self.syncs = int(state["syncs"])

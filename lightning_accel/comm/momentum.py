@@ -43,8 +43,11 @@ hook does not average them in the compressed stage, so DDP's gradient allreduce 
 Every quantity stays in the optimizer's own state (``momentum_buffer``; ``exp_avg``, ``exp_avg_sq``,
 ``max_exp_avg_sq`` with ``amsgrad``, ``step``), so a checkpoint holds it, and the unmodified optimizer can take over
 again (``compression="auto"`` going back to fp32) from consistent values. The freeze step is kept per parameter as
-``state["onebit_freeze_step"]``. Each group's hyper-parameters (lr, momentum, betas, weight decay) are read at every
-step, so parameter groups and LR schedulers work as with the plain optimizer.
+``state["onebit_freeze_step"]``, with the stage that froze it (``state["onebit_stage"]``: the step the stage began).
+A stage this process begins drops the marks the optimizer held before (an earlier stage's, perhaps of a run whose
+1-bit state was not restored and whose stage began at the same step number), so every new stage freezes the variance
+at its own start; a stage restored from a checkpoint keeps them. Each group's hyper-parameters (lr, momentum, betas,
+weight decay) are read at every step, so parameter groups and LR schedulers work as with the plain optimizer.
 
 Variance refreshes (Adam/AdamW, ``variance_refresh=R``): a variance frozen once goes stale as the gradients shrink
 (every later step too small; on a character GPT at 4 processes that cost most of a +3.2 % loss gap against DDP,
@@ -164,6 +167,8 @@ class MomentumCompressor:
         self.state = state
         self._denoms: dict[int, tuple[int, torch.Tensor]] = {}
         self._early: _Started | None = None
+        #: the ``state.stage_token`` of the stage whose start dropped this optimizer's older freeze marks
+        self._entered: object | None = None
 
     # ------------------------------------------------------------------ the step
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -234,6 +239,7 @@ class MomentumCompressor:
         if self.kind != "adam":
             raise RuntimeError("refresh_step is for Adam/AdamW: SGD has no variance to refresh.")
         st = self.state
+        self._enter_stage()
         for key, entries in self._groups():
             ratios = []
             for e in entries:
@@ -323,8 +329,22 @@ class MomentumCompressor:
         self._denoms.clear()
 
     def _begin_stage(self, step: int) -> None:
-        if self.state.compressed_since is None:
-            self.state.compressed_since = step
+        self.state.begin_stage(step)
+        self._enter_stage()
+
+    def _enter_stage(self) -> None:
+        """At this optimizer's first step of a stage this process began: drop the freeze marks it holds. They predate
+        the stage (an earlier one's, maybe of a run restored without its 1-bit state, whose stage began at the same
+        step number and would pass for this one), so each parameter freezes its variance at this stage's start. Every
+        rank alike: the stage begins at the same step everywhere."""
+        token = self.state.stage_token
+        if token is None or token is self._entered:
+            return
+        self._entered = token
+        for s in self.optimizer.state.values():
+            s.pop("onebit_stage", None)
+            s.pop("onebit_freeze_step", None)
+        self._denoms.clear()
 
     def _start(self, key: tuple[int, ...], entries: list[_Entry]) -> tuple[CompressedAllreduce, GroupState]:
         """Step 2 for one group and its (not yet started) compressed allreduce."""

@@ -88,6 +88,11 @@ class GroupState:
             self.server_error.copy_(server_error)
 
 
+def _signal_str(mode: str, kinds: tuple[str, ...] | None) -> str:
+    """``"gradients"``, ``"momentum (adam)"``: what an error state's residuals are in, for messages."""
+    return f"{mode} ({', '.join(kinds)})" if mode == "momentum" and kinds else mode
+
+
 def _key_str(key: tuple[int, ...]) -> str:
     return ",".join(map(str, key))
 
@@ -209,7 +214,16 @@ class OneBitState:
         mode: ``"gradients"`` or ``"momentum"``, resolved from ``config.compressed_signal`` once the optimizer is
             known.
         decision: ``"1bit"``, ``"fp32"`` or None (not decided yet) for the steps after warm-up.
-        compressed_since: the step the current compressed stage began (Adam's variance is frozen there), or None.
+        compressed_since: the step the current compressed stage began (Adam's variance is frozen there), or None
+            (no stage in progress: warm-up, fp32 steps, or a resumed fit that does not compress from its first step).
+        stage_token: a fresh object for each compressed stage this process began (:meth:`begin_stage`), None when the
+            stage in progress was restored from a checkpoint (or none is). The momentum step drops the Adam freeze
+            marks an optimizer held before a stage it began: they belong to an earlier stage, perhaps of a run whose
+            1-bit state was not restored, whose stage began at the same step number (not saved).
+        kinds: the momentum kinds (``"sgd"``, ``"adam"``) of the optimizers whose momentum is compressed, sorted
+            (:meth:`set_signal`; empty for gradients): with ``mode``, what the error feedback's residuals are in.
+        loaded_signal: ``(mode, kinds)`` of the state :meth:`load_state_dict` restored (``kinds`` None when it did
+            not save them), until :meth:`set_signal` compares it with this fit's; None otherwise (not saved).
         warmup_end: the first step after warm-up, or None while it is being decided: ``config.warmup_steps`` when it
             is an integer; ``"auto"`` starts at :data:`~lightning_accel.comm.warmup.AUTO_MIN_WARMUP` (what it means
             for the gradients the hook alone compresses), and :class:`~lightning_accel.comm.OneBitDDPStrategy`
@@ -261,6 +275,9 @@ class OneBitState:
         "mode",
         "decision",
         "compressed_since",
+        "stage_token",
+        "kinds",
+        "loaded_signal",
         "warmup_end",
         "refreshing",
         "refresh_missed",
@@ -308,6 +325,9 @@ class OneBitState:
         self.mode: str = "momentum" if config.compressed_signal == "momentum" else "gradients"
         self.decision: str | None = None if config.compression == "auto" else config.compression
         self.compressed_since: int | None = None
+        self.stage_token: object | None = None
+        self.kinds: tuple[str, ...] = ()
+        self.loaded_signal: tuple[str, tuple[str, ...] | None] | None = None
         self.warmup_end: int | None = AUTO_MIN_WARMUP if config.warmup_steps == "auto" else int(config.warmup_steps)
         self.refreshing = False
         self.refresh_missed = False
@@ -506,6 +526,53 @@ class OneBitState:
             and (not self.decisions or self.decisions[-1]["step"] != self.step)
         )
 
+    def begin_stage(self, step: int) -> None:
+        """Enter a compressed stage at ``step`` unless one is in progress (the momentum step calls it at each of its
+        steps): ``compressed_since`` becomes ``step`` and :attr:`stage_token` a fresh object."""
+        if self.compressed_since is None:
+            self.compressed_since = step
+            self.stage_token = object()
+
+    def end_stage(self) -> None:
+        """Leave the compressed stage in progress, if any: the next compressed step begins a new one, which freezes
+        Adam's variance again (the steps in between updated it)."""
+        self.compressed_since = None
+        self.stage_token = None
+        self.refresh_missed = False
+
+    def set_signal(self, mode: str, kinds: Iterable[str] = (), *, warn: bool = True) -> None:
+        """Set what this fit compresses: ``mode`` (``"gradients"`` or ``"momentum"``) and, for momentum, the momentum
+        ``kinds`` of its optimizers (:func:`~lightning_accel.comm.momentum.momentum_kind`).
+
+        Error state loaded from a checkpoint that compressed another signal is reset to zero with a warning
+        (``warn=False``: silently; every rank resets alike): its residuals are in other units (gradients, SGD
+        momentum, or Adam's preconditioned momentum ``m / D``), and the groups of both paths are keyed by the same
+        parameter indices, so they would otherwise be adopted as they are. Its compressed stage ends too (the fit
+        that saved it updated the optimizer's state in another way).
+        """
+        check_choice("mode", mode, ("gradients", "momentum"))
+        self.mode = mode
+        self.kinds = tuple(sorted(set(kinds))) if mode == "momentum" else ()
+        loaded, self.loaded_signal = self.loaded_signal, None
+        if loaded is None:
+            return
+        saved_mode, saved_kinds = loaded
+        if saved_mode == mode and (saved_kinds is None or saved_kinds == self.kinds):
+            return
+        had_errors = bool(self.pending or self.groups)
+        self.groups.clear()
+        self.pending.clear()
+        self.plans.clear()
+        self.kept.clear()
+        self.end_stage()
+        if warn and had_errors:
+            warnings.warn(
+                f"1-bit error-feedback state was saved compressing {_signal_str(saved_mode, saved_kinds)} and is "
+                f"loaded into a fit compressing {_signal_str(mode, self.kinds)}: the error state is reset to zero "
+                "(training continues compressed).",
+                stacklevel=2,
+            )
+
     def set_decision(self, decision: str) -> None:
         """Enter ``decision`` (``"1bit"`` or ``"fp32"``) from the step now running; a change resets the error state."""
         check_choice("decision", decision, ("1bit", "fp32"))
@@ -514,8 +581,7 @@ class OneBitState:
             self.pending.clear()
             self.plans.clear()
             self.kept.clear()
-            self.compressed_since = None
-            self.refresh_missed = False
+            self.end_stage()
         self.decision = decision
 
     def __getstate__(self) -> dict[str, Any]:
@@ -532,6 +598,8 @@ class OneBitState:
             "bucket_fn",
             "topology",
             "refreshing",
+            "stage_token",
+            "loaded_signal",
         )
         return {k: getattr(self, k) for k in self.__slots__ if k not in dropped}
 
@@ -547,15 +615,19 @@ class OneBitState:
         self.refreshing = False
         self.param_index = {}
         self.decide_from = None  # absent from states pickled before it existed
+        self.stage_token = None  # the stage (if any) continues from a saved state: its freeze marks hold
+        self.loaded_signal = None
+        self.kinds = ()
         for k, v in state.items():
             setattr(self, k, v)
 
     # ----------------------------------------------------------------- checkpointing (this rank)
     def state_dict(self) -> dict[str, Any]:
-        """This rank's state: ``{"format", "world_size", "nodes_layout", "step", "mode", "decision", "trial_until",
-        "compressed_since", "refresh_missed", "warmup_end", "hparams", "groups": {"i,j,..": {"worker", "server"}}}``
-        (``nodes_layout``: :attr:`layout_key`; ``trial_until``: not None when saved during a ``compression="auto"``
-        trial, whose ``decision`` is then the mode being tried, not a measured one).
+        """This rank's state: ``{"format", "world_size", "nodes_layout", "step", "mode", "kinds", "decision",
+        "trial_until", "compressed_since", "refresh_missed", "warmup_end", "hparams", "groups": {"i,j,..": {"worker",
+        "server"}}}`` (``nodes_layout``: :attr:`layout_key`; ``kinds``: :attr:`kinds`, as a list; ``trial_until``: not
+        None when saved during a ``compression="auto"`` trial, whose ``decision`` is then the mode being tried, not a
+        measured one).
 
         Only tensors, ints, strings, bools and None, so ``torch.load(weights_only=True)`` reads it back. The momentum
         and the frozen variance live in the optimizer's own state (``momentum_buffer``, ``exp_avg``, ``exp_avg_sq``),
@@ -570,6 +642,7 @@ class OneBitState:
             "nodes_layout": self.layout_key,
             "step": self.step,
             "mode": self.mode,
+            "kinds": list(self.kinds),
             "decision": self.decision,
             "trial_until": self.trial_until,
             "compressed_since": self.compressed_since,
@@ -591,6 +664,12 @@ class OneBitState:
         tried, not a measured one, and the trial's step times are not saved: it loads as undecided, so the trial runs
         again (:class:`~lightning_accel.comm.auto.StepTrial` starts it once the resumed process has timed steps of its
         own). (States saved without ``trial_until`` load their decision as it is.)
+
+        A compressed stage continues only into a fit that compresses from the loaded step on: loaded into one that does
+        not (``compression="fp32"``, a warm-up that ends later, ``"auto"`` undecided), ``compressed_since`` is
+        cleared, so the stage that fit eventually begins freezes Adam's variance again, and its own checkpoints do not
+        carry the old stage on. The saved ``mode`` and ``kinds`` are compared with this fit's by :meth:`set_signal`
+        (their error state is in other units when they differ).
         """
         if state.get("format") not in _READABLE:
             raise ValueError(
@@ -599,16 +678,23 @@ class OneBitState:
         if world_size is None:
             world_size = dist.get_world_size(self.process_group) if dist.is_initialized() else 1
         self.step = int(state["step"])
-        if state.get("mode") is not None:
-            self.mode = state["mode"]
+        saved_mode = state.get("mode") or "gradients"  # format 1 compressed gradients only
+        self.mode = saved_mode
+        kinds = state.get("kinds")  # absent before it was saved: only the mode is compared
+        self.loaded_signal = (saved_mode, None if kinds is None else tuple(sorted(set(kinds))))
         self.trial_until = None  # a trial's step times live in the process that took them
         if self.config.compression == "auto" and state.get("decision") is not None:
             # saved mid-trial: undecided, else the tried mode would be kept for good without being measured
             self.decision = None if state.get("trial_until") is not None else state["decision"]
         self.compressed_since = state.get("compressed_since")
+        self.stage_token = None  # restored, not begun here: the optimizer's freeze marks of this stage hold
         self.refresh_missed = bool(state.get("refresh_missed", False))  # absent before: none missed
         if self.config.warmup_steps == "auto" and state.get("warmup_end") is not None:
             self.warmup_end = int(state["warmup_end"])  # resolved before the save; an explicit integer wins
+        if not self.compressing:
+            # this fit does not continue the stage: its first steps update Adam's variance (fp32 or warm-up steps),
+            # so the stage it begins later must freeze it again, and its checkpoints must not carry this one on
+            self.end_stage()
         self.groups.clear()
         self.plans.clear()
         self.pending.clear()

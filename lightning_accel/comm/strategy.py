@@ -541,7 +541,10 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
         return None if self._overlap_trial is None else self._overlap_trial.decision
 
     def _resolve_compress(self) -> None:
-        """Momentum compression for supported optimizers, gradient compression otherwise (see ``compressed_signal``)."""
+        """Momentum compression for supported optimizers, gradient compression otherwise (see ``compressed_signal``).
+
+        Error feedback restored from a checkpoint that compressed another signal is reset here, with a warning
+        (:meth:`~lightning_accel.comm.OneBitState.set_signal`): its residuals are in other units."""
         state = self._onebit_state
         self._compressors = {}
         if state is None:
@@ -573,9 +576,10 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
                 want = "gradients"
             else:
                 want = "momentum"
-        state.mode = want
         if want == "momentum":
             self._compressors = {id(o): comm.MomentumCompressor(o, state) for o in optimizers}
+        # every rank compares the same saved signal with the same resolved one: all reset alike, rank zero warns
+        state.set_signal(want, [c.kind for c in self._compressors.values()], warn=self.is_global_zero)
 
     @override
     def optimizer_step(
@@ -827,10 +831,14 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
             self._overlap_loaded = dict(decision) if isinstance(decision, dict) else None
             watch = payload.get("warmup_watch")  # absent from checkpoints saved before it was kept
             self._warmup_loaded = dict(watch) if isinstance(watch, dict) else None
-            if self._onebit_state is not None and self._onebit_live:  # set up in this fit: apply now
-                self._onebit_state.load_state_dict(
+            state = self._onebit_state
+            if state is not None and self._onebit_live:  # set up in this fit: apply now
+                mode, kinds = state.mode, state.kinds
+                state.load_state_dict(
                     comm.select_rank_state(payload, self.global_rank), self.world_size, warn=self.is_global_zero
                 )
+                if list(self.optimizers):  # this fit's signal is resolved already: compare the loaded one with it
+                    state.set_signal(mode, kinds, warn=self.is_global_zero)
                 self._adopt_overlap_decision()
                 if self._warmup_watch is not None and self._warmup_loaded is not None:
                     self._warmup_watch.load_state_dict(self._warmup_loaded)
@@ -871,18 +879,26 @@ _LOCAL_OWN = (
 )
 
 
-def _load_buffers(module: torch.nn.Module, saved: Mapping[str, torch.Tensor]) -> None:
-    """Copy ``saved`` (a rank's buffers by name, from its checkpoint) into ``module``'s buffers, in place (the outer
-    state holds references to them)."""
+def _check_buffers(module: torch.nn.Module, saved: Mapping[str, torch.Tensor]) -> None:
+    """Refuse ``saved`` (a rank's buffers by name, from its checkpoint) unless it names ``module``'s buffers, with
+    their shapes (the same verdict on every rank: the ranks' buffers share names and shapes)."""
     own = dict(module.named_buffers())
-    if own.keys() != saved.keys():
-        missing, extra = sorted(own.keys() - saved.keys()), sorted(saved.keys() - own.keys())
+    missing, extra = sorted(own.keys() - saved.keys()), sorted(saved.keys() - own.keys())
+    reshaped = sorted(n for n in own.keys() & saved.keys() if own[n].shape != saved[n].shape)
+    if missing or extra or reshaped:
+        found = {"missing": missing, "unexpected": extra, "of other shapes": reshaped}
         raise ValueError(
-            f"the checkpoint's local-steps state holds other buffers than the model: missing {missing}, unexpected "
-            f"{extra}. Resume with the model the checkpoint was saved from."
+            "the checkpoint's local-steps state holds other buffers than the model: "
+            f"{', '.join(f'{what} {names}' for what, names in found.items() if names)}. Resume with the model the "
+            "checkpoint was saved from."
         )
+
+
+def _load_buffers(module: torch.nn.Module, saved: Mapping[str, torch.Tensor]) -> None:
+    """Copy ``saved`` (checked by :func:`_check_buffers`) into ``module``'s buffers, in place (the outer state holds
+    references to them)."""
     with torch.no_grad():
-        for name, b in own.items():
+        for name, b in module.named_buffers():
             b.copy_(saved[name])
 
 
@@ -1061,10 +1077,16 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
                 "Resume with the same number of processes (or load the weights alone with a fresh strategy)."
             )
         own = ranks[self.global_rank]
-        self._local.load_local_flats(own["local"])
+        # every check before the first copy: a refused resume leaves the model as it was, on every rank (each checks
+        # its own part, and the parts share their layout)
+        self._local.check_state(own["outer"])
         buffers = own.get("buffers")  # absent from checkpoints of format 1
-        if buffers is not None and self.lightning_module is not None:
-            _load_buffers(self.lightning_module, buffers)
+        module = self.lightning_module
+        if buffers is not None and module is not None:
+            _check_buffers(module, buffers)
+        self._local.load_local_flats(own["local"])
+        if buffers is not None and module is not None:
+            _load_buffers(module, buffers)
         self._local.load_state_dict(own["outer"])
 
     @override

@@ -213,10 +213,11 @@ def test_state_dict_roundtrip_and_world_size_change() -> None:
     with pytest.raises(ValueError, match="format"):
         st.load_state_dict({"format": 99})
     assert not st.refresh_missed  # saved before the field existed: none missed
-    st.refresh_missed = True  # a refresh a GradScaler skipped is retried after a resume too
+    # a refresh a GradScaler skipped is retried after a resume too (in a stage that continues: past the warm-up)
+    st.step, st.compressed_since, st.refresh_missed = 12, 10, True
     back = OneBitState()
     back.load_state_dict(st.state_dict(), world_size=1)
-    assert back.refresh_missed
+    assert back.refresh_missed and back.compressed_since == 10
 
 
 def test_state_pickles_without_process_group() -> None:

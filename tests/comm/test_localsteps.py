@@ -274,3 +274,40 @@ def test_parameters_without_elements_are_left_out(oracle: list[dict]) -> None:
     for res in oracle:
         assert res["empty_tracked"] == [37, 15, 64]
         assert res["empty_same"] and res["empty_syncs"] == 4 + 2  # a fragment each step, then both at the end
+
+
+@pytest.mark.parametrize("change", ["fragments", "trainable"])
+def test_a_resume_of_another_layout_is_refused_before_anything_is_restored(
+    one_process_group: None, change: str
+) -> None:
+    """A checkpoint of another parameter split (``fragments``, or other trainable parameters) is refused with the
+    layout message and the fix, before any parameter, buffer or outer state is overwritten (this rank's parameters
+    were restored first, and the check came after them: a deep ``ValueError`` or a ``RuntimeError`` about a shape,
+    some parameters already changed). The message depends only on what every rank shares: the same line on each."""
+    from lightning_accel.comm import LocalStepsStrategy
+    from lightning_accel.comm.localsteps import LocalSteps
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+
+    saved_model = model()
+    with torch.no_grad():
+        for p in saved_model.parameters():
+            p.add_(1.0)  # what the saving rank had trained: differs from the live parameters everywhere
+    if change == "trainable":
+        saved_model[0].weight.requires_grad_(False)  # frozen when saved, trained now
+    saved_cfg = LocalStepsConfig(sync_every=4, fragments=2 if change == "fragments" else 1, block_size=16)
+    saved = LocalSteps([p for p in saved_model.parameters() if p.requires_grad], saved_cfg)
+    own = {"local": saved.local_flats(), "outer": saved.state_dict(), "optimizers": [], "precision": None}
+
+    strategy = LocalStepsStrategy(sync_every=4, fragments=1, block_size=16, parallel_devices=[torch.device("cpu")])
+    live = model()
+    strategy._local = LocalSteps(list(live.parameters()), strategy.local_steps_config)
+    before = [p.detach().clone() for p in live.parameters()]
+    outer = [f.outer.clone() for f in strategy._local.fragments]
+    with pytest.raises(ValueError, match=r"local-steps state was made for .* Resume with the same `fragments`"):
+        strategy._restore_local({"format": 2, "ranks": [own]})
+    assert all(torch.equal(a, p) for a, p in zip(before, live.parameters(), strict=True)), "parameters overwritten"
+    assert all(torch.equal(a, f.outer) for a, f in zip(outer, strategy._local.fragments, strict=True))
+    assert strategy._local.step_count == 0

@@ -284,3 +284,71 @@ def test_a_backward_without_optimizer_step_changes_nothing(runs: dict, name: str
             a, b = torch.from_numpy(r0["params"][step][i]), torch.from_numpy(r1["params"][step][i])
             assert torch.equal(a, b)
             torch.testing.assert_close(a, expected[step][i], atol=2e-5, rtol=1e-5)
+
+
+def _train(
+    model: Params, opt: torch.optim.Optimizer, steps: int, state: OneBitState | None = None
+) -> MomentumCompressor | None:
+    """``steps`` steps of one process as the strategy runs them (the hook counts each backward; its gradients stay
+    local in the compressed stage, where the compressor steps); without ``state``, plain DDP's steps."""
+    comp = MomentumCompressor(opt, state) if state is not None else None
+    for _ in range(steps):
+        t = int(next(iter(opt.state.values()))["step"]) if opt.state else 0
+        for p, c in zip(model.parameters(), coefficients(0, t), strict=True):
+            p.grad = c
+        compressing = state is not None and state.compressing
+        if state is not None:
+            state.step += 1  # the hook counted this backward
+        if comp is not None and compressing:
+            comp.compressed_step()
+        else:
+            opt.step()
+    return comp
+
+
+def _restored(opt: torch.optim.Optimizer, model: Params) -> torch.optim.Optimizer:
+    """The optimizer a resumed fit builds and loads from the checkpoint (its state, the freeze marks included)."""
+    new = make_optimizer("adamw", list(model.parameters()))
+    new.load_state_dict(opt.state_dict())
+    return new
+
+
+@pytest.mark.parametrize("between", ["ddp", "fp32", "nothing"])
+def test_a_new_compressed_stage_freezes_the_variance_at_its_own_start(one_process_group: None, between: str) -> None:
+    """A 1-bit fit whose stage began at step 2, then plain DDP (its checkpoints hold no 1-bit state: the next 1-bit fit
+    counts from 0, and its stage begins at step 2 again) or a ``compression="fp32"`` fit (which loads the stage and
+    saves it again), both updating Adam's variance, then a 1-bit fit: its stage freezes the variance at its own start,
+    not at the first stage's step (whose bias correction ``1 - β2^2`` makes the denominator ~22x too large). Resumed
+    within the stage (``nothing`` between), the freeze holds."""
+    torch.manual_seed(0)
+    model = Params(SIZES)
+    opt = make_optimizer("adamw", list(model.parameters()))
+    first = OneBitState(warmup_steps=2, compressed_signal="momentum", parameters=model.parameters())
+    _train(model, opt, 6, first)
+    assert first.compressed_since == 2
+    assert {int(s["onebit_freeze_step"]) for s in opt.state.values()} == {2}
+    saved = first.state_dict()
+    if between == "ddp":
+        opt = _restored(opt, model)
+        _train(model, opt, 24)
+        resumed = OneBitState(warmup_steps=2, compressed_signal="momentum", parameters=model.parameters())
+    elif between == "fp32":
+        opt = _restored(opt, model)
+        fp32 = OneBitState(warmup_steps=2, compression="fp32", compressed_signal="momentum")
+        fp32.load_state_dict(saved, 1)
+        assert fp32.compressed_since is None  # this fit does not continue the stage, nor do its checkpoints
+        _train(model, opt, 24, fp32)
+        saved = fp32.state_dict()
+        assert saved["compressed_since"] is None
+    if between != "ddp":
+        resumed = OneBitState(warmup_steps=2, compressed_signal="momentum", parameters=model.parameters())
+        resumed.load_state_dict(saved, 1)
+    opt = _restored(opt, model)
+    before = int(next(iter(opt.state.values()))["step"])
+    comp = _train(model, opt, 3 if between == "ddp" else 1, resumed)  # "ddp": 2 warm-up steps first
+    assert comp is not None
+    stage_start = before + 2 if between == "ddp" else before
+    expected = 2 if between == "nothing" else stage_start
+    assert {int(s["onebit_freeze_step"]) for s in opt.state.values()} == {expected}
+    for i, p in enumerate(model.parameters()):  # the denominator the step used is that of the freeze
+        torch.testing.assert_close(comp._denoms[id(p)][1], _denom(opt, p, expected), msg=f"parameter {i}")

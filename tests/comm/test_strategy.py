@@ -377,3 +377,88 @@ def test_the_barrier_after_a_save_is_skipped_only_behind_a_background_writer(
         strategy.barrier()
         expected = [("pre_setup",), ()] if skipped else [("Trainer.save_checkpoint",), (), ("pre_setup",), ()]
         assert calls == expected, (type(io).__name__, calls)
+
+
+def _saved_onebit_state(mode: str, kinds: list[str] | None) -> dict:
+    """A 1-bit state saved mid-stage (``kinds``: None, as saved before they were) holding one group's error state."""
+    from lightning_accel.comm import OneBitState
+
+    src = OneBitState(warmup_steps=2)
+    src.step, src.mode, src.compressed_since = 6, mode, 2
+    src.pending[(0, 1)] = (torch.ones(48), torch.ones(48))
+    saved = src.state_dict()
+    if kinds is None:
+        saved.pop("kinds", None)
+    else:
+        saved["kinds"] = kinds
+    return saved
+
+
+@pytest.mark.parametrize(
+    ("saved_mode", "saved_kinds", "signal", "optimizer", "reset"),
+    [
+        ("momentum", ["adam"], "gradients", "adamw", True),  # Adam's m / D residuals adopted as gradient residuals
+        ("gradients", [], "auto", "adamw", True),
+        ("momentum", ["sgd"], "auto", "adamw", True),  # SGD momentum units, not m / D
+        ("momentum", None, "gradients", "adamw", True),  # saved before the kinds were: the mode is compared
+        ("momentum", ["adam"], "auto", "adamw", False),
+        ("momentum", None, "momentum", "adamw", False),
+        ("gradients", [], "gradients", "sgdm", False),
+    ],
+)
+def test_error_feedback_of_another_compressed_signal_is_reset_on_resume(
+    saved_mode: str, saved_kinds: list[str] | None, signal: str, optimizer: str, reset: bool
+) -> None:
+    """The gradient path and the momentum path key their groups by the same parameter indices: resumed with another
+    ``compressed_signal`` (or another momentum kind), the saved residuals are in other units and must be reset with
+    the reset warning (and the stage ends), not adopted; the same signal keeps them, silently."""
+    from lightning_accel.comm import OneBitDDPStrategy, OneBitState
+    from tests.comm.test_momentum import make_optimizer
+
+    strategy = OneBitDDPStrategy(warmup_steps=2, compressed_signal=signal)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    params = list(model.parameters())
+    state = OneBitState(config=strategy.onebit_config, parameters=params)
+    state.load_state_dict(_saved_onebit_state(saved_mode, saved_kinds), 1)
+    assert list(state.pending) == [(0, 1)]
+    strategy._onebit_state = state
+    strategy.optimizers = [make_optimizer(optimizer, params)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        strategy._resolve_compress()
+    resets = [w for w in caught if "error state is reset to zero" in str(w.message)]
+    assert state.mode == ("gradients" if signal == "gradients" else "momentum")
+    if reset:
+        assert not state.pending and not state.groups
+        assert state.compressed_since is None  # the other path's stage ended with that fit
+        assert len(resets) == 1 and f"compressing {saved_mode}" in str(resets[0].message)
+    else:
+        assert list(state.pending) == [(0, 1)] and state.compressed_since == 2
+        assert not resets
+    assert state.state_dict()["mode"] == state.mode
+
+
+@pytest.mark.parametrize(
+    ("fit", "continues"),
+    [
+        ({}, True),
+        ({"compression": "fp32"}, False),
+        ({"warmup_steps": 10}, False),  # the steps up to 10 update Adam's variance again
+        ({"compression": "auto"}, True),  # the saved decision (1-bit) is adopted
+    ],
+)
+def test_a_compressed_stage_continues_only_into_a_fit_that_compresses(fit: dict, continues: bool) -> None:
+    """A stage loaded into a fit that does not compress from the loaded step on ends there: the stage that fit
+    eventually begins freezes Adam's variance again, and its own checkpoints do not hand the old one on."""
+    from lightning_accel.comm import OneBitState
+
+    saved = _saved_onebit_state("momentum", ["adam"])
+    saved["decision"] = "1bit"
+    state = OneBitState(**{"warmup_steps": 2, "compressed_signal": "momentum", **fit})
+    state.load_state_dict(saved, 1)
+    assert state.compressed_since == (2 if continues else None)
+    assert state.state_dict()["compressed_since"] == (2 if continues else None)
+    undecided = {**saved, "trial_until": 8}  # saved during an "auto" trial: undecided, not compressing
+    state = OneBitState(warmup_steps=2, compression="auto")
+    state.load_state_dict(undecided, 1)
+    assert state.decision is None and state.compressed_since is None
