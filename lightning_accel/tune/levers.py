@@ -195,19 +195,25 @@ def _set_precision(
         entry = {"class_path": _class_path(mine) if mine is not None else _FUSED, "init_args": init}
     else:
         t["precision"] = mode
+    _place_plugin(t, "Precision", mine, entry)
+    return job
+
+
+def _place_plugin(trainer: dict[str, Any], kind: str, mine: Any, entry: dict[str, Any] | None) -> None:
+    """Put ``entry`` among ``trainer["plugins"]`` in place of the plugins whose class path holds ``kind``: where
+    ``mine`` (the job's own, edited into ``entry``) stood, else at the end; ``entry=None`` only removes them."""
     plugins = []
-    for p in as_list(t.get("plugins")):
-        if "Precision" not in _class_path(p):
+    for p in as_list(trainer.get("plugins")):
+        if kind not in _class_path(p):
             plugins.append(p)
         elif p is mine and entry is not None:
             plugins.append(entry)
             entry = None
     if entry is not None:
         plugins.append(entry)
-    t["plugins"] = plugins
+    trainer["plugins"] = plugins
     if not plugins:
-        t.pop("plugins")
-    return job
+        trainer.pop("plugins")
 
 
 def _precision_options(job: dict[str, Any]) -> list[Option]:
@@ -376,18 +382,7 @@ def _set_checkpoint_io(job: dict[str, Any], io: dict[str, Any] | None) -> dict[s
     entry = copy.deepcopy(io)
     if entry is not None and mine is not None and _class_path(mine).endswith("DeltaCheckpointIO"):
         entry = {"class_path": _class_path(mine), "init_args": {**_init_args(mine), **_init_args(io)}}
-    plugins = []
-    for p in as_list(t.get("plugins")):
-        if "CheckpointIO" not in _class_path(p):
-            plugins.append(p)
-        elif p is mine and entry is not None:
-            plugins.append(entry)
-            entry = None
-    if entry is not None:
-        plugins.append(entry)
-    t["plugins"] = plugins
-    if not plugins:
-        t.pop("plugins")
+    _place_plugin(t, "CheckpointIO", mine, entry)
     return job
 
 
