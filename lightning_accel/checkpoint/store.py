@@ -1125,11 +1125,11 @@ class DeltaStore:
         in ``tracked`` (names, paths or URLs; compared by file name), as ``(url, created)``, oldest first. Symlinks and
         damaged manifests are left out (never removed by a reconciliation).
         """
-        directory = _norm_dir(directory)
+        directory = store_path(directory)
         names = {posixpath.basename(os.fspath(t).rstrip("/")) for t in tracked if t}
         out: list[tuple[str, float]] = []
         for name in self.fs.list_files(directory):
-            url = None if _TMP_RE.match(name) else _listed(directory, name)  # an interrupted write is no checkpoint
+            url = _listed(directory, name)
             if url is None or name in names or (is_local_url(url) and os.path.islink(url)):
                 continue
             try:
@@ -1146,9 +1146,7 @@ class DeltaStore:
         state = self._dirs.get().get(directory)
         live: dict[str, dict[str, tuple[tuple[str, ...], tuple[int, ...]]]] = {}
         for name in self.fs.list_files(directory):
-            # An interrupted write's temporary file is no manifest (the single writer publishes by rename): read as
-            # one, a manifest cut short by a kill stopped every later collection as "damaged".
-            url = None if _TMP_RE.match(name) else _listed(directory, name)
+            url = _listed(directory, name)
             if url is None:
                 continue
             try:
@@ -1194,7 +1192,7 @@ class DeltaStore:
         Raises:
             CheckpointDirectoryLockedError: another writer holds the directory.
         """
-        directory = _norm_dir(directory)
+        directory = store_path(directory)
         grace = self.gc_grace_s if grace_s is None else check_number("grace_s", grace_s, low=0, fix="0: at once.")
         with self._lock:
             self._writable(directory)
@@ -1230,7 +1228,7 @@ class DeltaStore:
             if keep != pending:
                 self._write_pending(blob_root, keep)
             for name in self.fs.list_files(directory):
-                url = _listed(directory, name) if _TMP_RE.match(name) else None
+                url = _listed(directory, name, tmp=True)
                 # The directory is shared with the user and other tools, whose own atomic writes may use the same
                 # `.<name>.<hex>.tmp` form: only a manifest's interrupted write is this store's to remove (a tmp
                 # file killed before its first byte is left: it cannot be told apart).
@@ -1249,7 +1247,7 @@ class DeltaStore:
     def pending_deletions(self, directory: str | os.PathLike[str]) -> dict[str, float]:
         """The blobs of ``directory`` waiting for their grace period: blob key -> time (``time.time()``) since which
         no manifest references it."""
-        return self._read_pending(safe_join(_norm_dir(directory), BLOB_DIR))
+        return self._read_pending(safe_join(store_path(directory), BLOB_DIR))
 
     def _read_pending(self, blob_root: str) -> dict[str, float]:
         try:
@@ -1278,7 +1276,7 @@ class DeltaStore:
             if directory is None:
                 self._dirs.get().clear()
             else:
-                self._dirs.get().pop(_norm_dir(directory), None)
+                self._dirs.get().pop(store_path(directory), None)
 
 
 def _is_a_directory(fs: FileStore, path: str) -> str:
@@ -1313,19 +1311,21 @@ def _check_names(path: str, skeleton: Any, listed: set[str], small: set[str]) ->
         )
 
 
-def _listed(directory: str, name: str) -> str | None:
+def _listed(directory: str, name: str, *, tmp: bool = False) -> str | None:
     """The URL of a file name listed in ``directory``, or None for a name :func:`safe_join` refuses (e.g. a user's
     ``C:\\notes.txt``): this plugin never writes such a name, so the file is not its own and is left untouched,
-    rather than failing every save and collection in the directory."""
+    rather than failing every save and collection in the directory.
+
+    Only names of temporary files (an interrupted write's ``.X.<32 hex>.tmp``) with ``tmp=True``, only others without:
+    a temporary file is no manifest (the single writer publishes by rename; read as one, a manifest cut short by a
+    kill stopped every later collection as "damaged") and no checkpoint.
+    """
+    if bool(_TMP_RE.match(name)) != tmp:
+        return None
     try:
         return safe_join(directory, name)
     except ValueError:
         return None
-
-
-def _norm_dir(directory: str | os.PathLike[str]) -> str:
-    s = os.fspath(directory)
-    return os.path.abspath(strip_file_scheme(s)) if is_local_url(s) else s.rstrip("/")
 
 
 def _target_device(map_location: Any) -> torch.device | None:

@@ -560,11 +560,7 @@ class OneBitState:
         if saved_mode == mode and (saved_kinds is None or saved_kinds == self.kinds):
             return
         had_errors = bool(self.pending or self.groups)
-        self.groups.clear()
-        self.pending.clear()
-        self.plans.clear()
-        self.kept.clear()
-        self.end_stage()
+        self._reset_errors()
         if warn and had_errors:
             warnings.warn(
                 f"1-bit error-feedback state was saved compressing {_signal_str(saved_mode, saved_kinds)} and is "
@@ -577,12 +573,16 @@ class OneBitState:
         """Enter ``decision`` (``"1bit"`` or ``"fp32"``) from the step now running; a change resets the error state."""
         check_choice("decision", decision, ("1bit", "fp32"))
         if decision != self.decision:
-            self.groups.clear()
-            self.pending.clear()
-            self.plans.clear()
-            self.kept.clear()
-            self.end_stage()
+            self._reset_errors()
         self.decision = decision
+
+    def _reset_errors(self) -> None:
+        """Zero the error state (and the compressed stage with it): it belongs to another way of compressing."""
+        self.groups.clear()
+        self.pending.clear()
+        self.plans.clear()
+        self.kept.clear()
+        self.end_stage()
 
     def __getstate__(self) -> dict[str, Any]:
         # the process group, the id()-keyed maps and the callbacks do not survive pickling; the error state does

@@ -145,12 +145,12 @@ class ShardWindowSampler(EpochOrderSampler):
         check_int("shuffle_window", window, low=1, fix=_WINDOW_FIX)
         self.shard_of = [int(s) for s in shard_of]
         self.window = window
+        # The order also follows which shard each sample is in: a re-pack (other shard sizes, other files) moves the
+        # samples between shards, and the same positions name others. Fixed here; `layout` runs at every save.
+        self._shards_crc = zlib.crc32(array.array("q", self.shard_of).tobytes())
 
     def layout(self) -> dict[str, int]:
-        # The order also follows which shard each sample is in: a re-pack (other shard sizes, other files) moves the
-        # samples between shards, and the same positions name others.
-        shards = zlib.crc32(array.array("q", self.shard_of).tobytes())
-        return {**super().layout(), "window": self.window, "shards": shards}
+        return {**super().layout(), "window": self.window, "shards": self._shards_crc}
 
     def epoch_order(self) -> list[int]:
         return windowed_order(

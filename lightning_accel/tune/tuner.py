@@ -570,14 +570,14 @@ def _from_cache(hit: Any, key: str, budget_s: float) -> TuneResult | None:
         return None
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in chosen.items()):
         return None
-    trials = [_trial_of(t) for t in raw]
-    if any(t is None for t in trials):
+    trials = [t for t in map(_trial_of, raw) if t is not None]
+    if len(trials) != len(raw):  # a damaged trial: a miss
         return None
-    cut = any(t is not None and t.decision == "skipped" and t.reason.startswith("budget") for t in trials)
+    cut = any(t.decision == "skipped" and t.reason.startswith("budget") for t in trials)
     was = hit.get("budget_s")
     if cut and not (isinstance(was, (int, float)) and budget_s <= was):
         return None
-    return TuneResult(config, [t for t in trials if t is not None], chosen, key, True, 0.0, budget_s)
+    return TuneResult(config, trials, chosen, key, True, 0.0, budget_s)
 
 
 def _in_effect(start: dict[str, Any], kept: Sequence[Option]) -> list[str]:

@@ -41,6 +41,9 @@ class NormFunction(torch.autograd.Function):
         x2 = x.reshape(-1, shape[-1])
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
+        if weight is not None:
+            # a strided view (a slice of a packed buffer) copied once here, and saved so, not again in backward
+            weight = weight.contiguous()
         on_triton = use_triton(x, backend)
         y, mean, rstd = _impl(on_triton).norm_forward(x2, weight, bias, eps, rms)
         ctx.save_for_backward(x2, weight, mean, rstd)

@@ -63,7 +63,7 @@ from lightning_accel.parallel.select import (
     trial_key,
 )
 from lightning_accel.parallel.strategies._helpers import check_keywords, keyword_names
-from lightning_accel.parallel.strategies.pipeline import PIPELINE_ARGUMENTS, PIPELINE_UNLISTED, PipelineStrategy
+from lightning_accel.parallel.strategies.pipeline import PipelineStrategy, check_pipeline_keywords
 from lightning_accel.parallel.strategies.sharded import ShardedStrategy
 from lightning_accel.parallel.trials import PLANS, plan_stepper, time_plan
 
@@ -193,13 +193,7 @@ class AutoStrategy(DDPStrategy):
         check_int("trial_steps", trial_steps, low=1)
         # the choice is made at setup on rank 0 only: a bad value must fail here, on every rank (a misspelled key
         # would otherwise surface only when the chosen plan is built, or never: `PipelineStrategy` took any keyword)
-        check_keywords(
-            "AutoStrategy `pipeline_kwargs`",
-            pipeline_kwargs or {},
-            PIPELINE_ARGUMENTS,
-            unlisted=PIPELINE_UNLISTED,
-            unlisted_as="DistributedDataParallel's keywords",
-        )
+        check_pipeline_keywords("AutoStrategy `pipeline_kwargs`", pipeline_kwargs or {})
         check_keywords("AutoStrategy `sharded_kwargs`", sharded_kwargs or {}, _SHARDED_ARGUMENTS)
         pk = _pipeline_arguments(pipeline_kwargs)
         _check_arguments(

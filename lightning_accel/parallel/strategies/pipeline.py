@@ -41,7 +41,7 @@ from lightning_accel.parallel.strategies._helpers import (
     raw_optimizer,
 )
 
-__all__ = ["PIPELINE_ARGUMENTS", "PIPELINE_UNLISTED", "PipelineStrategy"]
+__all__ = ["PIPELINE_ARGUMENTS", "PIPELINE_UNLISTED", "PipelineStrategy", "check_pipeline_keywords"]
 
 _CLIP_KEY = "lightning_accel.parallel.PipelineStrategy.clip_grad_by_norm"
 _FORWARD_KEY = "lightning_accel.parallel.PipelineStrategy.forward"
@@ -144,14 +144,7 @@ class PipelineStrategy(DDPStrategy):
         # a misspelled `micro_batches=8` would go on to DDPStrategy, which keeps it for a DDP wrapper never built here.
         # DistributedDataParallel's own keywords pass (LightningCLI fills every one in, at its default), with a warning
         # when one is set: no DDP wrapper is built, so it changes nothing
-        check_keywords(
-            "PipelineStrategy",
-            ddp_kwargs,
-            PIPELINE_ARGUMENTS,
-            unlisted=PIPELINE_UNLISTED,
-            unlisted_as="DistributedDataParallel's keywords",
-            kind=TypeError,
-        )
+        check_pipeline_keywords("PipelineStrategy", ddp_kwargs, kind=TypeError)
         unused = [
             k for k, v in ddp_kwargs.items() if k in _DDP_WRAPPER_DEFAULTS and not _is(v, _DDP_WRAPPER_DEFAULTS[k])
         ]
@@ -585,6 +578,19 @@ _DDP_WRAPPER_DEFAULTS = {
 }
 #: the names of ``_DDP_WRAPPER_DEFAULTS``: accepted, too many to list in an error
 PIPELINE_UNLISTED = tuple(_DDP_WRAPPER_DEFAULTS)
+
+
+def check_pipeline_keywords(name: str, kwargs: Mapping[str, Any], *, kind: type[Exception] = ValueError) -> None:
+    """Refuse keywords of ``kwargs`` that ``PipelineStrategy(...)`` does not take (one line, ``kind``, naming
+    ``name`` and the closest accepted name); ``DistributedDataParallel``'s keywords pass."""
+    check_keywords(
+        name,
+        kwargs,
+        PIPELINE_ARGUMENTS,
+        unlisted=PIPELINE_UNLISTED,
+        unlisted_as="DistributedDataParallel's keywords",
+        kind=kind,
+    )
 
 
 def _is(value: Any, default: Any) -> bool:
