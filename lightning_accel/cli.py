@@ -529,8 +529,9 @@ def _config_folder_message(path: str) -> str:
     )
 
 
-def _check_config_file(path: str) -> None:
-    """Refuse a ``--config`` file that is not valid YAML, is empty or is not a mapping, naming the file."""
+def _check_config_file(path: str) -> dict[str, Any]:
+    """Refuse a ``--config`` file that is not valid YAML, is empty or is not a mapping, naming the file; else its
+    content."""
     import yaml  # type: ignore[import-untyped]  # PyYAML ships no type hints
 
     try:
@@ -560,6 +561,7 @@ def _check_config_file(path: str) -> None:
             f"`--config` {path!r} must hold a mapping of settings (`key: value` lines), got a "
             f"{type(content).__name__}. E.g. `trainer:` then `  max_epochs: 5`.",
         )
+    return content
 
 
 def main(argv: list[str] | None = None) -> None:

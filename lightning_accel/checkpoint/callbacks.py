@@ -48,7 +48,7 @@ from lightning_accel._utils.rank import ErrorDescription, describe_error, rebuil
 from lightning_accel.checkpoint.lock import CheckpointDirectoryLockedError
 from lightning_accel.checkpoint.plugin import DeltaCheckpointIO
 from lightning_accel.checkpoint.reader import resolve_last
-from lightning_accel.checkpoint.store import store_path
+from lightning_accel.checkpoint.store import split_path, store_path
 
 __all__ = ["CheckpointGuard", "DeltaModelCheckpoint", "ElasticExit", "resolve_ckpt_path", "trainer_storage_options"]
 
@@ -249,7 +249,7 @@ class DeltaModelCheckpoint(ModelCheckpoint):
         if io is None or state is None or not ckpt_path or not dirpath or state.get("dirpath") != dirpath:
             return []
         directory = store_path(str(dirpath))
-        if store_path(posixpath.dirname(str(ckpt_path).rstrip("/"))) != directory:
+        if split_path(str(ckpt_path))[0] != directory:
             return []
         io.wait()
         store = io.store

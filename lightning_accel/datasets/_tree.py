@@ -30,7 +30,7 @@ import json
 import os
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +42,7 @@ try:
 except ImportError:  # Windows: no flock; renders of one directory are then not serialised
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["TreeSpec", "begin_render", "check_tree", "finish_render", "publish_image", "render_lock"]
+__all__ = ["TreeSpec", "begin_render", "check_tree", "finish_render", "publish_image", "render_lock", "render_tree"]
 
 _RENDERING = "rendering"  # the marker's `state` while a render is under way
 IMAGE_NAME = re.compile(r"\d{6}\.jpg")  # the only file names a renderer writes in a class folder
@@ -217,6 +217,27 @@ def publish_image(img: Any, path: Path, quality: int) -> None:
     buf = io.BytesIO()
     img.save(buf, format="JPEG", quality=quality)
     atomic_publish_file(buf.getvalue(), path, durable=False)
+
+
+def render_tree(
+    spec: TreeSpec, root_p: Path, want: dict, draw: Callable[[], None], *, arg: str = "root", fix: str
+) -> None:
+    """Render ``spec``'s data set into ``root_p`` unless it holds that very data set already: decide
+    (:func:`check_tree`), then under :func:`render_lock` decide again (a render that held the lock may have finished
+    this tree, or another one), write the "rendering" marker (:func:`begin_render`), ``draw()`` every image (through
+    :func:`publish_image`) and publish the tree (:func:`finish_render`).
+
+    Raises:
+        ValueError, PermissionError: as :func:`check_tree`, :func:`render_lock` and :func:`begin_render`.
+    """
+    if check_tree(spec, root_p, want, arg=arg, fix=fix) == "reuse":
+        return
+    with render_lock(spec, root_p, arg=arg):
+        if check_tree(spec, root_p, want, arg=arg, fix=fix) == "reuse":
+            return
+        begin_render(spec, root_p, want, arg=arg)
+        draw()
+        finish_render(spec, root_p, want)
 
 
 def begin_render(spec: TreeSpec, root_p: Path, want: dict, *, arg: str = "root") -> None:

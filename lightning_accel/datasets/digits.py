@@ -26,14 +26,7 @@ import numpy as np
 
 from lightning_accel._utils.checks import check_int
 from lightning_accel._utils.imports import require
-from lightning_accel.datasets._tree import (
-    TreeSpec,
-    begin_render,
-    check_tree,
-    finish_render,
-    publish_image,
-    render_lock,
-)
+from lightning_accel.datasets._tree import TreeSpec, check_tree, publish_image, render_tree
 
 __all__ = [
     "DIGITS_CLASSES",
@@ -201,22 +194,18 @@ def materialize_digits(
     n = want["num_images"]
     root_p = Path(os.fspath(root)).expanduser().resolve()
     info = DigitsInfo(root=str(root_p), **want)
-    if check_render_target(root_p, want, arg=arg) == "reuse":
-        return info
-    with render_lock(_SPEC, root_p, arg=arg):
-        # again under the lock: a render that held it may have finished this very tree, or another one
-        if check_render_target(root_p, want, arg=arg) == "reuse":
-            return info
+
+    def draw() -> None:
         # Only a (re)build needs the arrays: a complete tree is reused without loading scikit-learn (setup() calls
         # this on every rank after prepare_data() built it).
-        begin_render(_SPEC, root_p, want, arg=arg)
         images, labels = load_digits_arrays()
         base = len(images)
         for i in range(n):
             src = i % base
             img = _render(images[src], size, i // base, src)
             publish_image(img, root_p / str(int(labels[src])) / f"{i:06d}.jpg", quality)
-        finish_render(_SPEC, root_p, want)
+
+    render_tree(_SPEC, root_p, want, draw, arg=arg, fix=DEFAULT_FIX)
     return info
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import multiprocessing as mp
 import os
 import signal
@@ -38,14 +39,7 @@ import numpy as np
 
 from lightning_accel._utils.checks import check_int
 from lightning_accel._utils.imports import require
-from lightning_accel.datasets._tree import (
-    TreeSpec,
-    begin_render,
-    check_tree,
-    finish_render,
-    publish_image,
-    render_lock,
-)
+from lightning_accel.datasets._tree import TreeSpec, check_tree, publish_image, render_tree
 
 # per process: the photographs and grain banks, made once (fork copies them from the parent)
 _WORKER: dict[Any, Any] = {}
@@ -321,15 +315,8 @@ def materialize_photos(
     check_int("workers", workers, low=0, allow_none=True)
     root_p = Path(os.fspath(root)).expanduser().resolve()
     info = PhotosInfo(root=str(root_p), **want)
-    if check_tree(_SPEC, root_p, want, arg=arg, fix=DEFAULT_FIX) == "reuse":
-        return info
-    with render_lock(_SPEC, root_p, arg=arg):
-        # again under the lock: a render that held it may have finished this very tree, or another one
-        if check_tree(_SPEC, root_p, want, arg=arg, fix=DEFAULT_FIX) == "reuse":
-            return info
-        begin_render(_SPEC, root_p, want, arg=arg)
-        _render_all(root_p, num_images, size, quality, seed, workers)
-        finish_render(_SPEC, root_p, want)
+    draw = functools.partial(_render_all, root_p, num_images, size, quality, seed, workers)
+    render_tree(_SPEC, root_p, want, draw, arg=arg, fix=DEFAULT_FIX)
     return info
 
 

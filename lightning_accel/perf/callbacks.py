@@ -23,6 +23,7 @@ from lightning_accel._utils import compat
 from lightning_accel._utils.atomic import atomic_write_bytes, atomic_write_text, is_local_url, strip_file_scheme
 from lightning_accel._utils.checks import check_bool, check_callable, check_int, check_number
 from lightning_accel._utils.forksafe import cuda_available
+from lightning_accel._utils.fs import FileStore
 from lightning_accel._utils.patching import Patch, patch
 from lightning_accel._utils.paths import safe_join
 from lightning_accel._utils.rank import global_rank
@@ -569,23 +570,12 @@ def _read_head(path: str, n: int) -> bytes | None:
     Raises:
         Exception: something is there but cannot be read as a file (a directory, no permission).
     """
-    if is_local_url(path):
-        local = strip_file_scheme(path)
-        if not os.path.lexists(local):
-            return None
-        with open(local, "rb") as f:
-            return f.read(n)
-    import fsspec
-
+    store = FileStore(retries=0)
     try:
-        fs, fs_path = fsspec.core.url_to_fs(path)
-        there = fs.exists(fs_path)
+        there = store.exists(path)
     except Exception:  # no such filesystem installed, an unreachable store, no credentials
         return None
-    if not there:
-        return None
-    with fs.open(fs_path, "rb") as f:
-        return bytes(f.read(n))
+    return store.head(path, n) if there else None
 
 
 def _is_own_file(head: bytes) -> bool:

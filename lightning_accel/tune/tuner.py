@@ -117,8 +117,6 @@ def load_job(path: str | os.PathLike[str]) -> dict[str, Any]:
         FileNotFoundError: a missing file.
         ValueError: a folder (its YAML files named), a file that is not valid YAML, is empty or holds no job mapping.
     """
-    import yaml  # type: ignore[import-untyped]  # PyYAML ships no type hints
-
     from lightning_accel.cli import _check_config_file, _config_folder_message
 
     p = Path(path)
@@ -128,8 +126,8 @@ def load_job(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise FileNotFoundError(
             f"`--config` {os.fspath(path)!r} does not exist (cwd: {os.getcwd()}). Pass the YAML `fit` runs."
         )
-    _check_config_file(os.fspath(path))  # invalid YAML, empty, not a mapping: one line naming the file
-    job = yaml.safe_load(p.read_text(encoding="utf-8"))
+    # invalid YAML, empty, not a mapping: one line naming the file; else the parsed file
+    job: Any = _check_config_file(os.fspath(path))
     if isinstance(job, dict) and isinstance(job.get("fit"), dict):
         job = job["fit"]
     if not isinstance(job, dict) or "model" not in job:
@@ -674,7 +672,7 @@ def write_outputs(res: TuneResult, out: str | os.PathLike[str], *, force: bool =
     Raises:
         ValueError: (without ``force``) a file there that ``tune`` did not write (:func:`check_outputs`).
     """
-    import yaml
+    import yaml  # type: ignore[import-untyped]  # PyYAML ships no type hints
 
     from lightning_accel._utils.atomic import atomic_write_bytes, atomic_write_text
 
