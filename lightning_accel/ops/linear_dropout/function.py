@@ -7,7 +7,6 @@ With an ``activation`` it also saves the pre-activation (which eager's activatio
 
 from __future__ import annotations
 
-import math
 from typing import Any, Literal
 
 import torch
@@ -153,12 +152,8 @@ def linear_dropout(
     path = resolve_backend(x, backend)
     if path == "eager":
         y = activation_forward(F.linear(x, weight, bias), act)
-        if p > 0 and seed is not None:
-            # F.dropout takes no seed: draw the reference path's mask (same generator, same 2-D shape, same bits)
-            keep = reference.dropout_mask(seed, (math.prod(y.shape[:-1]), n), p, y.device).view(y.shape)
-            y = torch.where(keep, y / (1.0 - p), y.new_zeros(()))
-        else:
-            y = F.dropout(y, p, training=p > 0)
+        # F.dropout takes no seed: with one, the reference path's mask (same generator, same 2-D shape, same bits)
+        y = reference.apply_dropout(y, seed, p) if p > 0 and seed is not None else F.dropout(y, p, training=p > 0)
         return y if residual is None else residual + y
     seed = (new_seed() if p > 0 else 0) if seed is None else seed  # no draw without dropout: RNG streams stay as eager
     if bias is not None and bias.shape != (n,):

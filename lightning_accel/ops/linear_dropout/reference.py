@@ -13,7 +13,14 @@ import torch.nn.functional as F
 
 from lightning_accel.ops.activation import Activation, activation_backward, activation_forward
 
-__all__ = ["dropout_backward", "dropout_mask", "epilogue_act_forward", "epilogue_forward", "linear_dropout"]
+__all__ = [
+    "apply_dropout",
+    "dropout_backward",
+    "dropout_mask",
+    "epilogue_act_forward",
+    "epilogue_forward",
+    "linear_dropout",
+]
 
 
 def linear_dropout(
@@ -37,6 +44,16 @@ def dropout_mask(seed: int, shape: tuple[int, ...], p: float, device: torch.devi
     g = torch.Generator(device=device)
     g.manual_seed(seed)
     return torch.rand(shape, generator=g, device=device) >= p
+
+
+def apply_dropout(z: torch.Tensor, seed: int, p: float) -> torch.Tensor:
+    """``z * keep / (1 - p)``, the mask of ``seed`` drawn over ``z`` as the 2-D ``(rows, N)`` matrix the kernels see
+    (so an N-D ``z`` gets the same bits as its 2-D view)."""
+    rows = 1
+    for d in z.shape[:-1]:
+        rows *= d
+    keep = dropout_mask(seed, (rows, z.shape[-1]), p, z.device).view(z.shape)
+    return torch.where(keep, z / (1.0 - p), z.new_zeros(()))
 
 
 def _acc(t: torch.Tensor) -> torch.Tensor:
@@ -73,7 +90,7 @@ def epilogue_act_forward(
         pre = z.to(y.dtype)
         z = activation_forward(z, activation)
     if p > 0:
-        z = torch.where(dropout_mask(seed, tuple(y.shape), p, y.device), z / (1.0 - p), torch.zeros_like(z))
+        z = apply_dropout(z, seed, p)
     if residual is not None:
         z = z + _acc(residual)
     return z.to(out_dtype), pre
@@ -92,8 +109,7 @@ def dropout_backward(
         return dout.to(dtype)
     dz = _acc(dout)
     if p > 0:
-        keep = dropout_mask(seed, tuple(dout.shape), p, dout.device)
-        dz = torch.where(keep, dz / (1.0 - p), torch.zeros((), dtype=dz.dtype, device=dout.device))
+        dz = apply_dropout(dz, seed, p)
     if activation != "none" and pre is not None:
         dz = activation_backward(_acc(pre), dz, activation)
     return dz.to(dtype)
