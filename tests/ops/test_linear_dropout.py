@@ -173,3 +173,33 @@ def test_bias_of_another_shape_refused(backend: str, bias_shape: tuple[int, ...]
     x, w = torch.randn(3, 5), torch.randn(6, 5)
     with pytest.raises(ValueError, match=rf"^`bias` must have shape \(6,\) .*got {re.escape(str(bias_shape))}"):
         linear_dropout(x, w, torch.zeros(bias_shape), backend=backend)  # type: ignore[arg-type]
+
+
+def test_auto_dropout_compiles_as_one_graph_where_auto_picks_the_fused_function(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On CUDA ``"auto"`` picks the fused function, whose seed draw (``Tensor.item()``) Dynamo cannot trace: inside
+    ``torch.compile`` the call takes the ``F.dropout`` path instead, so ``fullgraph=True`` holds with dropout active.
+    Off CUDA ``"auto"`` already means eager; the device's choice is simulated."""
+    from lightning_accel.ops.linear_dropout import function
+
+    monkeypatch.setattr(function, "resolve_backend", lambda where, backend: "reference")
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(6, 8, requires_grad=True)
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return linear_dropout(x, w, None, 0.5, True)
+
+    y = torch.compile(f, fullgraph=True, backend="eager")(x, w)
+    y.sum().backward()
+    kept = y != 0
+    assert 0 < int(kept.sum()) < y.numel()  # dropout ran
+    torch.testing.assert_close(y[kept], (2 * (x @ w.t()))[kept].detach())
+    assert w.grad is not None and bool(torch.isfinite(w.grad).all())
+    # outside torch.compile the simulated device's fused function runs (a seed drawn, the mask regenerated)
+    calls: list[int] = []
+    real = function.LinearDropoutFunction.apply
+    monkeypatch.setattr(function.LinearDropoutFunction, "apply", lambda *a: calls.append(1) or real(*a))
+    f(x, w)
+    assert calls == [1]

@@ -118,8 +118,9 @@ def linear_dropout(
             valid mask for the same seed). ``None`` (default): the fused paths draw a seed from torch's CPU generator,
             the eager path calls ``F.dropout`` (torch's generator for the device), so ``torch.manual_seed`` makes
             runs repeatable either way.
-        backend: ``"auto"`` (Triton on CUDA, eager ``F.linear`` + ``F.dropout`` elsewhere; with a ``seed``, the
-            seeded mask instead of ``F.dropout``), ``"triton"``, ``"reference"`` (the function's torch path, mask
+        backend: ``"auto"`` (Triton on CUDA, eager ``F.linear`` + ``F.dropout`` elsewhere and, for dropout without
+            a ``seed``, inside ``torch.compile`` on every device; with a ``seed``, the seeded mask instead of
+            ``F.dropout``), ``"triton"``, ``"reference"`` (the function's torch path, mask
             from a ``torch.Generator``) or ``"eager"``.
         gemm: ``"torch"`` (cuBLAS GEMM + Triton epilogue) or ``"triton"`` (GEMM and epilogue in one Triton kernel).
         activation: applied before dropout: ``"none"`` (default), ``"relu"``, ``"relu6"``, ``"hardswish"``,
@@ -150,6 +151,10 @@ def linear_dropout(
     act = check_activation(activation) if activation != "none" else "none"
     p = p if training else 0.0
     path = resolve_backend(x, backend)
+    if backend == "auto" and p > 0 and seed is None and torch.compiler.is_compiling():
+        # Under torch.compile: F.linear + F.dropout, which Dynamo traces and the compiler fuses itself. The fused
+        # function draws its seed with Tensor.item(), a graph break (an error under fullgraph=True).
+        path = "eager"
     if path == "eager":
         y = activation_forward(F.linear(x, weight, bias), act)
         # F.dropout takes no seed: with one, the reference path's mask (same generator, same 2-D shape, same bits)
