@@ -214,6 +214,8 @@ def decide(
     gain = 1 - step_s / best_step_s if best_step_s > 0 else 0.0
     if step_s <= need:
         return Decision(True, f"{100 * gain:.1f} % faster than the best so far (margin {100 * margin:g} %)")
+    if abs(gain) < 0.0005:  # "0.0 % faster" or "-0.0 % slower" read as a fault
+        return Decision(False, f"as fast as the best so far (needs {100 * margin:g} % faster)")
     if gain > 0:
         return Decision(False, f"only {100 * gain:.1f} % faster (needs {100 * margin:g} %)")
     return Decision(False, f"{100 * -gain:.1f} % slower than the best so far")

@@ -33,13 +33,16 @@ def _ok(gap: float = 0.0):  # noqa: ANN202 - a passing numerics check
     [
         (0.090, True, "10.0 % faster"),
         (0.0975, False, "only 2.5 % faster (needs 3 %)"),
-        (0.100, False, "0.0 % slower"),
+        (0.100, False, "as fast as the best so far (needs 3 % faster)"),
+        (0.10001, False, "as fast as the best so far"),
+        (0.09999, False, "as fast as the best so far"),
         (0.120, False, "20.0 % slower"),
     ],
 )
 def test_decide_keeps_only_what_beats_the_margin(step: float, keep: bool, words: str) -> None:
     d = decide(0.100, step, numerics=_ok(), memory_ok=True, margin=0.03)
     assert d.keep is keep and words in d.reason, d
+    assert "-0.0" not in d.reason and " 0.0 %" not in d.reason, d
 
 
 def test_decide_refuses_a_faster_lever_that_fails_numerics_memory_or_errors() -> None:
