@@ -196,15 +196,17 @@ class DigitsCachedDataModule(_RenderedCachedDataModule):
         origin: local directory the digits are rendered into (created if missing; only the demo's own tree).
         digits_size: side of the rendered JPEGs in pixels (at least 8); ``None``: ``origin`` already holds the digits
             (or any ImageFolder tree), render nothing and write nothing there.
-        num_images: images to render, at least 10 (``None``: the 1,797 originals; more adds perturbed repeats).
+        num_images: images to render, at least 10 (``None``: the 1,797 originals; more adds perturbed repeats);
+            only with ``digits_size``.
         **kwargs: :class:`~lightning_accel.data.CachedDataModule` arguments (``cache_dir``, ``batch_size``, ...),
             with its defaults: ``image_size=224`` and the ImageNet ``mean``/``std`` unless given (the quickstart's
             YAML gives ``image_size: 64`` and the digits' statistics).
 
     Raises:
         TypeError: ``digits_size`` or ``num_images`` is not an integer (a bool neither).
-        ValueError: ``digits_size`` or ``num_images`` is out of range; or ``origin`` is a remote URL, a directory the
-            demo did not write, or digits made with other arguments, while ``digits_size`` asks for rendering.
+        ValueError: ``digits_size`` or ``num_images`` is out of range, or ``num_images`` given without
+            ``digits_size``; or ``origin`` is a remote URL, a directory the demo did not write, or digits made with
+            other arguments, while ``digits_size`` asks for rendering.
     """
 
     def __init__(
@@ -223,8 +225,12 @@ class DigitsCachedDataModule(_RenderedCachedDataModule):
         if digits_size is not None:
             # under this module's names, before the Trainer starts (prepare_data would name the renderer's `size`)
             want = digits_marker(digits_size, num_images, size_arg="digits_size")
-        else:
-            check_int("num_images", num_images, low=1, allow_none=True)
+        elif num_images is not None:  # nothing is rendered: a count would be silently ignored
+            raise ValueError(
+                f"`num_images` is only used to render the digits, got num_images={num_images!r} with "
+                "digits_size=None (nothing rendered; the origin's images are read as they are). Remove "
+                "`num_images`, or set `digits_size` to render that many."
+            )
         if digits_size is not None and isinstance(origin, str):
             # Before anything is written: rendering into a user's own ImageFolder tree would replace (or mix with)
             # their images, and digits made with other arguments are refused rather than mixed.

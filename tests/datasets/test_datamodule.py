@@ -89,6 +89,12 @@ def test_cached_digits_need_a_local_origin_to_render_into() -> None:
     DigitsCachedDataModule("s3://bucket/digits", digits_size=None)  # reading an existing remote tree is fine
 
 
+def test_cached_digits_refuse_a_count_with_nothing_to_render(digits_dir: Path, tmp_path: Path) -> None:
+    # nothing is rendered without `digits_size`: the count would be silently ignored
+    with pytest.raises(ValueError, match=r"`num_images` is only used to render.*num_images=500 with digits_size=None"):
+        DigitsCachedDataModule(str(digits_dir), digits_size=None, num_images=500, cache_dir=str(tmp_path / "c"))
+
+
 @pytest.mark.parametrize(
     ("module", "kwargs", "kind", "match"),
     [
@@ -103,7 +109,7 @@ def test_cached_digits_need_a_local_origin_to_render_into() -> None:
         ("cached", {"digits_size": 0}, ValueError, r"`digits_size` must be an integer >= 8, got 0\. It is the side"),
         ("cached", {"num_images": 0}, ValueError, r"`num_images` must be an integer >= 10 or None, got 0"),
         ("cached", {"num_images": 5}, ValueError, r"`num_images` must be an integer >= 10 or None, got 5\. Every one"),
-        ("cached", {"digits_size": None, "num_images": "9"}, TypeError, r"`num_images` must be an integer >= 1"),
+        ("cached", {"digits_size": None, "num_images": "9"}, ValueError, r"`num_images` is only used to render"),
     ],
 )
 def test_bad_arguments_are_refused_in_init_under_their_own_names(
