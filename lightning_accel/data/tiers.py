@@ -437,14 +437,17 @@ class LmdbTier:
             usable = min(usable, self._usable_override)
         return max(0, usable)
 
-    def _disable(self, err: BaseException) -> None:
+    def _disable(
+        self,
+        err: BaseException,
+        fix: str = "Point the cache at a writable local directory with free space to re-enable it.",
+    ) -> None:
         if not self.disabled:
             self.disabled = True
             self.disabled_reason = f"{type(err).__name__}: {err}"
             warnings.warn(
                 f"lightning_accel cache: the {self.name} tier at {self.path!r} is disabled ({self.disabled_reason}); "
-                "training continues with the remaining tiers. Point the cache at a writable local directory with "
-                "free space to re-enable it.",
+                f"training continues with the remaining tiers. {fix}",
                 RuntimeWarning,
                 stacklevel=3,
             )
@@ -470,10 +473,11 @@ class LmdbTier:
                         and self._key not in _ENVS.get()  # open in this process already: a tier's
                         and (foreign := _foreign_contents(self.path)) is not None
                     ):
-                        raise FileExistsError(
-                            f"it holds {foreign} this cache did not create, left untouched; point the {self.name} tier "
-                            "at a new or empty directory"
+                        self._disable(
+                            FileExistsError(f"it holds {foreign} this cache did not create, left untouched"),
+                            f"Point the {self.name} tier at a new or empty directory to re-enable it.",
                         )
+                        return False
                     opened = _open_env(self.path, self._key, initial, self.sync)
                     if mark and set(os.listdir(self.path)) <= set(LMDB_FILES):
                         write_marker(self.path, self.note)

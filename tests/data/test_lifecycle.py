@@ -188,8 +188,11 @@ def test_a_ram_dir_holding_an_lmdb_database_of_the_users_is_left_untouched(tmp_p
     env.close()
     before = (mine / "data.mdb").read_bytes()
     tier = LmdbTier(mine, 1 << 20, name="ram")
-    with pytest.warns(RuntimeWarning, match=r"the ram tier at .*user_lmdb.* is disabled .*this cache did not create"):
+    disabled = r"the ram tier at .*user_lmdb.* is disabled .*this cache did not create"
+    with pytest.warns(RuntimeWarning, match=disabled) as w:
         assert not tier.open()
+    # the fix fits the cause (not the generic "a writable local directory with free space")
+    assert str(w[0].message).endswith("Point the ram tier at a new or empty directory to re-enable it.")
     assert tier.put_many([(b"k", b"v")]).stored == 0 and tier.get(b"k") is None
     assert (mine / "data.mdb").read_bytes() == before and read_marker(str(mine)) is None
     assert not remove_tier(str(mine)) and {p.name for p in mine.iterdir()} == {"data.mdb", "lock.mdb"}
