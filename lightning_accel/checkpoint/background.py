@@ -585,6 +585,18 @@ class BackgroundWriter:
         """Counters of this process's writer."""
         return self._jobs.get().stats
 
+    def queued_outcome(self, key: str) -> bool | None:
+        """What the jobs not finished yet leave at ``key``: True when its newest queued or running job is a save (the
+        file will exist), False when it is a removal (it will not), None when no job of ``key`` is queued or running
+        (the file system knows)."""
+        jobs = self._jobs.get()
+        with jobs.cond:
+            outcome: bool | None = None
+            for job in ([jobs.running] if jobs.running is not None else []) + list(jobs.queue):
+                if job.key == key:
+                    outcome = job.bounded
+            return outcome
+
     def submit(self, fn: Callable[..., Any], *args: Any, key: str | None = None, bounded: bool = False) -> Future:
         """Queue ``fn(*args)``; first report any earlier failure.
 

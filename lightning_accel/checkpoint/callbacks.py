@@ -43,14 +43,22 @@ from typing_extensions import override
 from lightning_accel._utils import compat
 from lightning_accel._utils.atomic import is_local_url, strip_file_scheme
 from lightning_accel._utils.checks import check_bool
+from lightning_accel._utils.errors import one_line
 from lightning_accel._utils.fs import FileStore
 from lightning_accel._utils.rank import ErrorDescription, describe_error, rebuild_error
 from lightning_accel.checkpoint.lock import CheckpointDirectoryLockedError
 from lightning_accel.checkpoint.plugin import DeltaCheckpointIO
 from lightning_accel.checkpoint.reader import resolve_last
-from lightning_accel.checkpoint.store import split_path, store_path
+from lightning_accel.checkpoint.store import split_path, store_dir
 
-__all__ = ["CheckpointGuard", "DeltaModelCheckpoint", "ElasticExit", "resolve_ckpt_path", "trainer_storage_options"]
+__all__ = [
+    "CheckpointGuard",
+    "DeltaModelCheckpoint",
+    "ElasticExit",
+    "resolve_ckpt_path",
+    "teardown_wrapped_io",
+    "trainer_storage_options",
+]
 
 
 def delta_io(trainer: pl.Trainer) -> DeltaCheckpointIO | None:
@@ -59,6 +67,21 @@ def delta_io(trainer: pl.Trainer) -> DeltaCheckpointIO | None:
     if isinstance(io, AsyncCheckpointIO):
         io = io.checkpoint_io
     return io if isinstance(io, DeltaCheckpointIO) else None
+
+
+def teardown_wrapped_io(trainer: pl.Trainer) -> None:
+    """Tear down a ``DeltaCheckpointIO`` that Lightning's ``AsyncCheckpointIO`` wraps (its writer lock released, its
+    chain state and buffers freed), as Lightning tears down an unwrapped one at the end of every stage.
+
+    Why: ``AsyncCheckpointIO.teardown`` joins its own thread but does not call the wrapped IO's ``teardown``, so the
+    directory stayed locked until the process exited: ``lightning-accel ckpt gc`` from another shell and a second fit
+    on the same ``dirpath`` in the same process (a notebook) were refused as "another writer". Called from the
+    ``teardown`` hook of :class:`DeltaModelCheckpoint` and :class:`CheckpointGuard`, which Lightning runs after the
+    strategy's (the wrapper's saves are finished by then).
+    """
+    io: Any = trainer.strategy.checkpoint_io
+    if isinstance(io, AsyncCheckpointIO) and isinstance(io.checkpoint_io, DeltaCheckpointIO):
+        io.checkpoint_io.teardown()
 
 
 def trainer_storage_options(trainer: pl.Trainer) -> dict[str, Any] | None:
@@ -119,6 +142,8 @@ class CheckpointGuard(Callback):
        lacks a hyper-parameter of its optimizer's ``defaults`` (AdamW's state restored into SGD has no ``momentum``)
        is a one-line ``ValueError`` instead of a ``KeyError`` deep in the first ``step``. Every rank checks its own
        optimizers, which hold the same state: no collective.
+    3. ``teardown``: a ``DeltaCheckpointIO`` inside Lightning's ``AsyncCheckpointIO`` is torn down (its directory's
+       writer lock released), which the wrapper does not do (:func:`teardown_wrapped_io`).
 
     The ``lightning-accel`` CLI adds this callback by itself.
     """
@@ -158,6 +183,11 @@ class CheckpointGuard(Callback):
                         f"{type(opt).__name__} (its param groups lack {missing}, have {extra[:2]}...). Resume with "
                         "the optimizer it was saved with, or start without `--ckpt_path` and load only the weights."
                     )
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Tear down a ``DeltaCheckpointIO`` wrapped by ``AsyncCheckpointIO`` (:func:`teardown_wrapped_io`)."""
+        teardown_wrapped_io(trainer)
 
 
 def _rebuild_error(described: ErrorDescription, directory: str) -> Exception:
@@ -206,6 +236,7 @@ class DeltaModelCheckpoint(ModelCheckpoint):
         self.keep_orphans = check_bool("keep_orphans", keep_orphans)
         self.orphans: list[str] = []
         self._restored: dict[str, Any] | None = None
+        self._store: FileStore | None = None  # the file store of `dirpath`, with the options (made in `setup`)
         super().__init__(dirpath=dirpath, **kwargs)
 
     @override
@@ -248,7 +279,7 @@ class DeltaModelCheckpoint(ModelCheckpoint):
         self.orphans = []
         if io is None or state is None or not ckpt_path or not dirpath or state.get("dirpath") != dirpath:
             return []
-        directory = store_path(str(dirpath))
+        directory = store_dir(str(dirpath))
         if split_path(str(ckpt_path))[0] != directory:
             return []
         io.wait()
@@ -259,7 +290,7 @@ class DeltaModelCheckpoint(ModelCheckpoint):
             return []
         tracked = compat.model_checkpoint_tracked(state) | {str(ckpt_path)}
         for cb in trainer.checkpoint_callbacks:
-            if isinstance(cb, ModelCheckpoint) and cb.dirpath and store_path(str(cb.dirpath)) == directory:
+            if isinstance(cb, ModelCheckpoint) and cb.dirpath and store_dir(str(cb.dirpath)) == directory:
                 tracked |= {cb.best_model_path, cb.kth_best_model_path, cb.last_model_path, *cb.best_k_models}
         last_name = _name_pattern(self, self.CHECKPOINT_NAME_LAST)
         made_here = (_name_pattern(self, self.filename), last_name)
@@ -296,6 +327,44 @@ class DeltaModelCheckpoint(ModelCheckpoint):
         self.orphans = found
         return found
 
+    @override
+    def file_exists(self, filepath: Any, trainer: pl.Trainer) -> bool:
+        """Whether ``filepath`` exists on global rank zero (as Lightning's, one collective on every rank), counting a
+        checkpoint that an async ``DeltaCheckpointIO`` still has queued as existing (and one queued for removal as
+        gone).
+
+        Why: Lightning names a save that would reuse an existing file name ``-v1``, ``-v2``... by asking this; with
+        ``async_save`` the previous save of the name was often not written yet, so the next one took the same name
+        and replaced it (``filename="{epoch}"`` saving every few steps with ``save_top_k=-1`` kept 2 of 4).
+
+        With ``DeltaCheckpointIO(on_save_error="warn")`` a store that cannot be reached (an object-store outage) is
+        warned and counted as "does not exist": the save under that name then fails and is warned like any other, and
+        training goes on as that option promises, instead of stopping on this check.
+        """
+        local = False
+        if trainer.is_global_zero:
+            io = delta_io(trainer)
+            queued = io.exists(filepath) if io is not None else None
+            if queued is not None:
+                local = queued
+            else:
+                store = self._store if self._store is not None else FileStore(self._options(trainer))
+                try:
+                    local = store.exists(filepath)
+                except Exception as e:  # noqa: BLE001 - any store error (botocore's are not OSErrors); re-raised
+                    if io is None or io.on_save_error != "warn":
+                        raise
+                    rank_zero_warn(
+                        f"Could not check whether checkpoint {filepath} exists ({one_line(e, first=True)}); "
+                        "saving under that name (`on_save_error='warn'` keeps training)."
+                    )
+        return trainer.strategy.reduce_boolean_decision(local, all=False)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().teardown(trainer, pl_module, stage)
+        teardown_wrapped_io(trainer)  # the directory's writer lock, which `AsyncCheckpointIO` would keep
+
     def _options(self, trainer: pl.Trainer | None) -> dict[str, Any] | None:
         if self.storage_options is not None:
             return self.storage_options
@@ -310,13 +379,12 @@ class DeltaModelCheckpoint(ModelCheckpoint):
             super().setup(trainer, pl_module, stage)
         options = self._options(trainer)
         dirpath = str(self.dirpath) if self.dirpath else ""
+        store = self._store = FileStore(options)
         if options and dirpath and not is_local_url(dirpath):
-            store = FileStore(options)
             compat.set_checkpoint_filesystem(self, store.filesystem(dirpath))
-        if trainer.is_global_zero and stage == "fit" and self.save_top_k != 0 and dirpath:
-            store = FileStore(options)
-            if store.isdir(dirpath) and store.list_files(dirpath):
-                rank_zero_warn(f"Checkpoint directory {dirpath} exists and is not empty.")
+        listing = trainer.is_global_zero and stage == "fit" and self.save_top_k != 0 and dirpath
+        if listing and store.isdir(dirpath) and store.list_files(dirpath):
+            rank_zero_warn(f"Checkpoint directory {dirpath} exists and is not empty.")
 
 
 def _name_pattern(cb: ModelCheckpoint, template: str | None) -> re.Pattern[str]:

@@ -39,7 +39,7 @@ from lightning_accel._utils.cliargs import json_object_arg
 from lightning_accel._utils.errors import one_line
 from lightning_accel.checkpoint.manifest import CheckpointCorruptError, NotADeltaCheckpointError
 from lightning_accel.checkpoint.reader import read_checkpoint_with, resolve_last
-from lightning_accel.checkpoint.store import DeltaStore, store_path
+from lightning_accel.checkpoint.store import DeltaStore, store_dir
 
 __all__ = ["collect", "main"]
 
@@ -134,7 +134,7 @@ def collect(store: DeltaStore, directory: str, *, dry_run: bool = False) -> dict
         FileNotFoundError: ``directory`` does not exist (nothing is created: a mistyped path is not a clean one).
         NotADirectoryError: ``directory`` is a file.
     """
-    root = store_path(directory)
+    root = store_dir(directory)
     # Checked before anything resolves or locks it: taking the writer lock would create a mistyped directory and
     # report it collected.
     if not store.fs.isdir(root):

@@ -7,11 +7,13 @@ Use it like any ``CheckpointIO``::
 It composes with Lightning's own ``AsyncCheckpointIO(DeltaCheckpointIO())`` too, but the built-in ``async_save=True``
 is preferred: it queues ``remove_checkpoint`` behind the saves (Lightning's wrapper runs removals on the caller's
 thread, so a removal can overtake a queued save), bounds the saves in flight (``max_pending``) and only snapshots
-tensors to the CPU on the training thread.
+tensors to the CPU on the training thread. ``AsyncCheckpointIO.teardown`` does not tear down the IO it wraps (its
+directory's writer lock would stay taken until the process exits): ``DeltaModelCheckpoint`` and ``CheckpointGuard`` do.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -24,6 +26,7 @@ from lightning.fabric.plugins import CheckpointIO
 from typing_extensions import override
 
 from lightning_accel._utils import compat
+from lightning_accel._utils.atomic import is_local_url
 from lightning_accel._utils.checks import check_bool
 from lightning_accel._utils.compat import PathType, register_before_thread_shutdown
 from lightning_accel._utils.deferred import resolve_deferred
@@ -35,9 +38,10 @@ from lightning_accel.checkpoint.background import (
     WriterStats,
     trim_heap,
 )
+from lightning_accel.checkpoint.lock import prepare_directory
 from lightning_accel.checkpoint.options import StoreOptions
 from lightning_accel.checkpoint.reader import read_checkpoint_with
-from lightning_accel.checkpoint.store import GC_GRACE_S, DeltaStore, SaveStats, split_path, store_path
+from lightning_accel.checkpoint.store import GC_GRACE_S, DeltaStore, SaveStats, split_path, store_dir
 
 __all__ = ["CheckpointSaveError", "DeltaCheckpointIO"]
 
@@ -187,6 +191,8 @@ class DeltaCheckpointIO(CheckpointIO):
         self.history: deque[SaveStats] = deque(maxlen=10_000)
         #: why quantized deltas were switched off (:meth:`switch_off`), or None
         self.switched_off_reason: str | None = None
+        # local directories made on the training thread by async saves (:meth:`_make_directory`)
+        self._made_dirs: set[str] = set()
 
     # -- the lever protocol (lightning_accel._utils.levers.Lever) --------------------------------------------------
     lever_name = "quantized_checkpoint"
@@ -241,10 +247,37 @@ class DeltaCheckpointIO(CheckpointIO):
             )
         path_s = os.fspath(path)
         if self.async_save:
-            self._writer.submit_save(self._save_snapshot, checkpoint, path_s)
+            key = split_path(path_s)[1]  # one key per file however it is spelt: coalescing and `exists` compare it
+            self._make_directory(key)
+            self._writer.submit_save(self._save_snapshot, checkpoint, key)
         else:
             self._writer.wait()
             self._save_now(checkpoint, path_s)
+
+    def _make_directory(self, path: str) -> None:
+        """Async mode: make the local directory of ``path`` (as :func:`split_path` names it) on the training thread,
+        before the save returns.
+
+        Why: Lightning acts on the file system right after ``save_checkpoint`` returns: ``save_last="link"`` calls
+        ``os.symlink`` into the directory, which fails with ``FileNotFoundError`` while the first save of a fresh
+        ``dirpath`` is still queued (and its fallback, ``shutil.copy`` of the target, fails too). A directory that
+        cannot be made, or one where a queued save will put a file, is left to the save, which reports it as before
+        (:class:`CheckpointSaveError`): the queued save of that file comes first.
+        """
+        directory = split_path(path)[0]
+        if directory in self._made_dirs or not is_local_url(directory):
+            return
+        missing = directory
+        while not os.path.lexists(missing):
+            if self._writer.queued_outcome(missing):
+                return
+            parent = os.path.dirname(missing)
+            if parent == missing:
+                break
+            missing = parent
+        with contextlib.suppress(OSError):
+            prepare_directory(directory)
+            self._made_dirs.add(directory)
 
     @override
     def load_checkpoint(
@@ -280,7 +313,8 @@ class DeltaCheckpointIO(CheckpointIO):
             CheckpointSaveError: an earlier async save failed (``on_save_error="raise"``), naming the first failure.
         """
         if self.async_save:
-            self._writer.submit(self.store.remove, os.fspath(path), key=os.fspath(path))
+            key = split_path(path)[1]
+            self._writer.submit(self.store.remove, key, key=key)
         else:
             self._writer.wait()
             self.store.remove(os.fspath(path))
@@ -292,6 +326,13 @@ class DeltaCheckpointIO(CheckpointIO):
             CheckpointDirectoryLockedError: another live run writes there.
         """
         self.store.claim(os.fspath(directory))
+
+    def exists(self, path: PathType) -> bool | None:
+        """Whether a checkpoint will be at ``path`` once the queued async saves and removals ran: True when the newest
+        queued or running job of ``path`` saves it, False when it removes it, None when none is queued (ask the file
+        system). ``DeltaModelCheckpoint.file_exists`` asks this first: a checkpoint still queued is not on disk yet,
+        and Lightning's version counter (``epoch=0-v1.ckpt``) would otherwise give the next save the same name."""
+        return self._writer.queued_outcome(split_path(path)[1]) if self.async_save else None
 
     def wait(self) -> None:
         """Block until queued saves and removals are done; raise the first background error."""
@@ -331,6 +372,6 @@ def _tracked_checkpoints(checkpoint: dict[str, Any]) -> list[str]:
         dirpath = state.get("dirpath")
         if not isinstance(dirpath, str) or not dirpath:
             continue
-        home = store_path(dirpath)
+        home = store_dir(dirpath)
         out += [t for t in compat.model_checkpoint_tracked(state) if split_path(t)[0] == home]
     return out

@@ -107,6 +107,9 @@ __all__ = [
     "StoreOptions",
     "entry_crc",
     "is_manifest_bytes",
+    "split_path",
+    "store_dir",
+    "store_path",
 ]
 
 _TMP_RE = re.compile(r"^\..+\.[0-9a-f]{32}\.tmp$")
@@ -189,10 +192,27 @@ def store_path(path: str | os.PathLike[str]) -> str:
     return os.path.abspath(strip_file_scheme(s)) if is_local_url(s) else s.rstrip("/")
 
 
+def store_dir(directory: str | os.PathLike[str]) -> str:
+    """A checkpoint directory as the store names it: as :func:`store_path`, and a local one with its symlinks resolved.
+
+    Why: the store keys its writer lock, chain state and collections by directory, so every spelling of one local
+    directory (relative, through a symlink: Lightning's ``ModelCheckpoint`` resolves its ``dirpath`` with
+    ``realpath``, a user's ``trainer.save_checkpoint("link/final.ckpt")`` does not) must name it the same way; two
+    names took its ``flock`` twice and the process refused its own saves as "another writer".
+    """
+    s = store_path(directory)
+    return os.path.realpath(s) if is_local_url(s) else s
+
+
 def split_path(path: str | os.PathLike[str]) -> tuple[str, str]:
-    """``(directory, path)`` of a checkpoint path as the store names them (see :func:`store_path`)."""
+    """``(directory, path)`` of a checkpoint path as the store names them: the directory as :func:`store_dir` names
+    it, the path inside it as :func:`store_path` does (a local ``last.ckpt`` symlink stays the link, not its target).
+    """
     s = store_path(path)
-    return (os.path.dirname(s), s) if is_local_url(s) else (s.rsplit("/", 1)[0], s)
+    if not is_local_url(s):
+        return s.rsplit("/", 1)[0], s
+    directory = os.path.realpath(os.path.dirname(s))
+    return directory, os.path.join(directory, os.path.basename(s))
 
 
 def _read_path(path: str | os.PathLike[str]) -> tuple[str, str]:
@@ -321,7 +341,7 @@ class DeltaStore:
             CheckpointDirectoryLockedError: another live writer holds it.
         """
         with self._lock:
-            self._writable(directory.rstrip("/"))
+            self._writable(store_dir(directory))
 
     def close(self) -> None:
         """Release this process's writer locks (the next save in a directory takes its lock again)."""
@@ -1125,7 +1145,7 @@ class DeltaStore:
         in ``tracked`` (names, paths or URLs; compared by file name), as ``(url, created)``, oldest first. Symlinks and
         damaged manifests are left out (never removed by a reconciliation).
         """
-        directory = store_path(directory)
+        directory = store_dir(directory)
         names = {posixpath.basename(os.fspath(t).rstrip("/")) for t in tracked if t}
         out: list[tuple[str, float]] = []
         for name in self.fs.list_files(directory):
@@ -1192,7 +1212,7 @@ class DeltaStore:
         Raises:
             CheckpointDirectoryLockedError: another writer holds the directory.
         """
-        directory = store_path(directory)
+        directory = store_dir(directory)
         grace = self.gc_grace_s if grace_s is None else check_number("grace_s", grace_s, low=0, fix="0: at once.")
         with self._lock:
             self._writable(directory)
@@ -1247,7 +1267,7 @@ class DeltaStore:
     def pending_deletions(self, directory: str | os.PathLike[str]) -> dict[str, float]:
         """The blobs of ``directory`` waiting for their grace period: blob key -> time (``time.time()``) since which
         no manifest references it."""
-        return self._read_pending(safe_join(store_path(directory), BLOB_DIR))
+        return self._read_pending(safe_join(store_dir(directory), BLOB_DIR))
 
     def _read_pending(self, blob_root: str) -> dict[str, float]:
         try:
@@ -1276,7 +1296,7 @@ class DeltaStore:
             if directory is None:
                 self._dirs.get().clear()
             else:
-                self._dirs.get().pop(store_path(directory), None)
+                self._dirs.get().pop(store_dir(directory), None)
 
 
 def _is_a_directory(fs: FileStore, path: str) -> str:
