@@ -15,6 +15,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 from torch.utils.data import DataLoader
 from typing_extensions import override
@@ -32,6 +33,7 @@ from lightning_accel.recipes.distill import (
 )
 from lightning_accel.recipes.lr import WarmupCosineLR, apply_lr_scale, linear_scaling_factor
 from lightning_accel.recipes.prune import (
+    PruneResult,
     apply_structured_pruning,
     batch_norms,
     check_amount,
@@ -240,6 +242,23 @@ def _input_dtype(precision: Precision) -> torch.dtype | None:
     return None
 
 
+def _floating_dtype(module: nn.Module) -> torch.dtype | None:
+    """The dtype of ``module``'s first floating-point parameter (or buffer): what its layers compute in."""
+    for t in (*module.parameters(), *module.buffers()):
+        if t.is_floating_point():
+            return t.dtype
+    return None
+
+
+def _to_floating_dtype(data: Any, dtype: torch.dtype) -> Any:
+    """``data`` with every floating-point tensor of another dtype converted to ``dtype``; the rest as it is."""
+
+    def convert(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
+
+    return apply_to_collection(data, torch.Tensor, convert)
+
+
 class KnowledgeDistillation(Callback):
     """Add ``alpha * T^2 * KL(teacher || student)`` to the student's loss and weight the hard loss by ``1 - alpha``.
 
@@ -262,8 +281,14 @@ class KnowledgeDistillation(Callback):
 
     **Precision.** At fit start the teacher is converted, in place, to the dtype the Trainer's precision gives the
     student's inputs (``"bf16-true"``: bfloat16, ``"16-true"``: float16, ``"64-true"``: float64; the ``*-mixed``
-    modes and ``"32-true"`` leave it as it is), and its inputs are converted like the batch. Its forward runs inside
-    the student's ``training_step``, so under the precision's context too (autocast for ``*-mixed``).
+    modes and ``"32-true"`` leave it as it is), and its inputs are converted like the batch, then to the teacher's
+    own floating-point dtype where that differs (a bfloat16 teacher kept small beside a float32 student, a float64
+    teacher; integer inputs such as token ids are left alone). Its forward runs inside the student's
+    ``training_step``, so under the precision's context too (autocast for ``*-mixed``).
+
+    **Automatic optimization only.** The distillation term is added to the loss ``training_step`` returns, which
+    Lightning back-propagates; a module with ``automatic_optimization = False`` calls ``manual_backward`` itself, on
+    its own loss, so the callback refuses it at fit start instead of training without the teacher.
 
     Args:
         teacher: the teacher network (any ``nn.Module`` mapping the student's inputs to logits of the same shape), or
@@ -276,8 +301,8 @@ class KnowledgeDistillation(Callback):
 
     Raises:
         ValueError: ``temperature`` not finite and > 0, ``alpha`` outside [0, 1], a teacher that is a submodule of the
-            student, or (at the first step) teacher logits whose shape differs from the student's -- each naming the
-            argument.
+            student, (at fit start) a module with manual optimization, or (at the first step) teacher logits whose
+            shape differs from the student's -- each naming the argument.
     """
 
     def __init__(
@@ -302,6 +327,7 @@ class KnowledgeDistillation(Callback):
         self.alpha = float(alpha)
         self._module: LightningModule | None = None
         self._precision: Precision | None = None
+        self._teacher_dtype: torch.dtype | None = None
         self._hook: Any = None
         self._patch: Patch | None = None
         self._capturing = False
@@ -314,6 +340,14 @@ class KnowledgeDistillation(Callback):
                 "`teacher` is a submodule of the student LightningModule, so it would be trained, checkpointed and "
                 "wrapped by DDP. Keep the teacher out of the module (pass it only to KnowledgeDistillation)."
             )
+        if not pl_module.automatic_optimization:
+            # the soft term would be added to a returned loss nobody back-propagates: training without the teacher
+            raise ValueError(
+                f"KnowledgeDistillation needs automatic optimization, but {type(pl_module).__name__} sets "
+                "`automatic_optimization = False`: its `manual_backward` never sees the distillation term the callback "
+                "adds to the returned loss. Use automatic optimization, or drop the callback and add "
+                "`lightning_accel.recipes.distillation_loss(student_logits, teacher_logits, T)` to your loss yourself."
+            )
         self.teacher.to(pl_module.device)
         self._precision = trainer.precision_plugin
         dtype = _input_dtype(self._precision)
@@ -322,6 +356,7 @@ class KnowledgeDistillation(Callback):
             # it to undo its surgery), and a frozen teacher needs only the dtype its inputs arrive in
             self.teacher.to(dtype=dtype)
         freeze_teacher(self.teacher)
+        self._teacher_dtype = _floating_dtype(self.teacher)
         self._install(pl_module)
 
     @override
@@ -387,6 +422,7 @@ class KnowledgeDistillation(Callback):
             self._patch = None
         self._module = None
         self._precision = None
+        self._teacher_dtype = None
 
     def _student_logits(self, out: Any) -> torch.Tensor:
         if isinstance(out, Mapping) and "logits" in out:
@@ -420,6 +456,9 @@ class KnowledgeDistillation(Callback):
         if self._precision is not None:
             # inputs made by `distillation_inputs` may not have been through the precision's conversion of the batch
             t_args, t_kwargs = self._precision.convert_input((t_args, t_kwargs))
+        if self._teacher_dtype is not None:
+            # a teacher kept in another dtype than the student's inputs (bf16 to save memory) needs its own
+            t_args, t_kwargs = _to_floating_dtype((t_args, t_kwargs), self._teacher_dtype)
         # inside the student's `training_step`, so under the precision's forward context (autocast, default dtype)
         with torch.no_grad():
             teacher = self.teacher(*t_args, **t_kwargs)
@@ -435,6 +474,53 @@ class KnowledgeDistillation(Callback):
         if isinstance(out, Mapping):
             return {**out, "loss": loss}
         return loss
+
+
+def _submodule_inputs(pl_module: nn.Module, sub: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """The positional arguments ``pl_module(*args)`` passes to its submodule ``sub`` first; None when unknown.
+
+    One forward in eval mode and without gradients (BatchNorm statistics untouched, modes restored); it runs to the
+    end rather than being cut short at ``sub``'s call, so other hooks on the module see a whole forward. Unknown:
+    ``forward`` fails on ``args`` (a LightningModule without one, whose ``training_step`` calls the submodule),
+    does not call ``sub``, or calls it with keyword arguments (which a trace cannot take).
+    """
+    seen: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    def pre_hook(module: nn.Module, a: tuple[Any, ...], kw: dict[str, Any]) -> None:
+        seen.append((a, kw))
+
+    handle = sub.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    modes = {m: m.training for m in pl_module.modules()}
+    pl_module.eval()
+    try:
+        with torch.no_grad():
+            pl_module(*args)
+    except Exception:
+        if not seen:
+            return None
+    finally:
+        handle.remove()
+        for m, t in modes.items():
+            m.train(t)
+    if not seen or seen[0][1]:
+        return None
+    return seen[0][0]
+
+
+def _broadcast_norm_statistics(trainer: Trainer, norms: Sequence[nn.Module]) -> None:
+    """Give every rank rank 0's BatchNorm running statistics (what DDP's ``broadcast_buffers`` does at each forward).
+
+    Each rank updates its statistics from its own batches after that broadcast, so they differ between ranks by the
+    time the next step starts; channels ranked on them (``fold_bn``) would then differ too, and so would the optimizer
+    state each rank slices with its own indices, although the re-wrap by DDP copies rank 0's weights. Every rank calls
+    this at the same pruning step (a collective per statistic); one process does nothing.
+    """
+    if trainer.world_size < 2 or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    for bn in norms:
+        for stat in (bn.running_mean, bn.running_var):
+            if isinstance(stat, torch.Tensor):
+                torch.distributed.broadcast(stat, src=0)
 
 
 class StructuredPruning(Callback):
@@ -461,22 +547,26 @@ class StructuredPruning(Callback):
     **Checkpoints.** A checkpoint saved after pruning holds the smaller weights. While this callback is attached
     (e.g. when resuming with ``ckpt_path``) the module's layers are resized to the checkpoint's shapes before the
     weights load; elsewhere use :func:`lightning_accel.recipes.prune.resize_to_state_dict` before
-    ``load_state_dict``. The epochs already pruned are in the callback's state, so resuming never prunes twice.
+    ``load_state_dict``. The epochs already pruned are in the callback's state, so resuming never prunes twice; the
+    state is keyed by ``target`` and ``schedule``, so several of these callbacks (a backbone and a head pruned by
+    their own amounts, at their own epochs) can share a Trainer and its checkpoints.
 
     Args:
         amount: total fraction in [0, 1) of each prunable group's channels to remove.
         norm: filter norm ranking the channels, ``"l1"`` or ``"l2"``.
         schedule: epoch (or epochs) at whose start to prune; ``0`` prunes before training (prune-then-fine-tune).
         target: dotted name of the submodule to prune (``None``: the LightningModule itself, traced through its
-            ``forward``).
+            ``forward``). It is traced with the inputs the module's ``forward`` passes to it (so it may sit behind a
+            stem), or with the module's inputs when ``forward`` does not reach it.
         ignore_modules: module names (relative to the pruned module) whose outputs must keep all channels; one name
             alone may be a string. Checked against the module's ``named_modules()`` at ``setup``.
         ignore: deprecated spelling of ``ignore_modules`` (same values).
         round_to: keep a multiple of this many channels per group.
         fold_bn: rank the channels of a layer followed by a BatchNorm on the BN-folded filter norm
-            (:func:`~lightning_accel.recipes.prune.channel_importance`) instead of the raw filter norm. Off by default:
-            it did not lower the accuracy drop of pruning + fine-tune on the digits ResNet (``benchmarks/recipes.py``
-            measures that drop, ``pruned_acc_drop``, over several seeds).
+            (:func:`~lightning_accel.recipes.prune.channel_importance`) instead of the raw filter norm; under DDP the
+            statistics are rank 0's on every rank (each rank's own differ), so all ranks keep the same channels. Off
+            by default: it did not lower the accuracy drop of pruning + fine-tune on the digits ResNet
+            (``benchmarks/recipes.py`` measures that drop, ``pruned_acc_drop``, over several seeds).
         recalibrate_bn: after each pruning step, rebuild every BatchNorm's running statistics from the pruning batch
             (:func:`~lightning_accel.recipes.prune.recalibrate_batchnorm`: one extra no-grad forward). The sliced
             statistics describe the unpruned network: the layers behind a pruned group see fewer input channels.
@@ -537,6 +627,8 @@ class StructuredPruning(Callback):
         self.done: list[int] = []
         self.history: list[dict[str, Any]] = []
         self._hook: Any = None
+        # the target's `forward` inputs are the LightningModule's (its `forward` does not reach the target)
+        self._target_takes_inputs = False
 
     def _module(self, pl_module: LightningModule) -> nn.Module:
         if self.target is None:
@@ -573,18 +665,31 @@ class StructuredPruning(Callback):
             self._hook.remove()
             self._hook = None
 
-    def _example_inputs(self, pl_module: LightningModule, batch: Any) -> tuple[Any, ...]:
+    def _example_inputs(self, trainer: Trainer, pl_module: LightningModule, batch: Any) -> tuple[Any, ...]:
+        """The positional inputs of the pruned module: the LightningModule's example input (``example_input_array``,
+        else the batch's inputs) converted by the Trainer's precision like a batch, or, with a ``target``, what the
+        module's ``forward`` passes to that submodule."""
         ex = pl_module.example_input_array
         if ex is None:
             ex = batch[0] if isinstance(batch, (list, tuple)) else batch
         if isinstance(ex, torch.Tensor):
-            return (ex.to(pl_module.device),)
-        if isinstance(ex, tuple):
-            return tuple(a.to(pl_module.device) if isinstance(a, torch.Tensor) else a for a in ex)
-        raise ValueError(
-            "StructuredPruning needs an example input to trace the model: set `example_input_array` on the module "
-            f"or use (inputs, targets) batches (got a {type(ex).__name__})."
-        )
+            args: tuple[Any, ...] = (ex.to(pl_module.device),)
+        elif isinstance(ex, tuple):
+            args = tuple(a.to(pl_module.device) if isinstance(a, torch.Tensor) else a for a in ex)
+        else:
+            raise ValueError(
+                "StructuredPruning needs an example input to trace the model: set `example_input_array` on the module "
+                f"or use (inputs, targets) batches (got a {type(ex).__name__})."
+            )
+        # a "-true" precision converted the module (bf16, fp64) and converts each batch, but not `example_input_array`
+        args = trainer.precision_plugin.convert_input(args)
+        if self.target is None:
+            return args
+        # a submodule after a stem (or any preprocessing in `forward`) does not take the LightningModule's inputs;
+        # where `forward` does not tell, the target is assumed to take them (the whole model under another name)
+        found = _submodule_inputs(pl_module, self._module(pl_module), args)
+        self._target_takes_inputs = found is None
+        return args if found is None else found
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
@@ -603,30 +708,13 @@ class StructuredPruning(Callback):
                 "learn the pruned network's statistics. Pass `train_mode=False` to keep frozen norms frozen."
             )
             module.train()
+        if self.fold_bn:
+            _broadcast_norm_statistics(trainer, norms)
         before = count_parameters(module)
-        result = apply_structured_pruning(
-            module,
-            self.step_amounts[epoch],
-            self._example_inputs(pl_module, batch),
-            norm=self.norm,
-            optimizers=trainer.optimizers,
-            ignore_modules=self.ignore_modules,
-            round_to=self.round_to,
-            fold_bn=self.fold_bn,
-        )
-        if self.recalibrate_bn:
-            # one no-grad pass over the pruning batch with the norms in train mode: the sliced statistics describe the
-            # unpruned network, which costs accuracy in eval mode until they are re-estimated (benchmarks/recipes.py
-            # measures the pruned model's accuracy); frozen norms (`train_mode=False`) keep these fresh ones
-            inputs = batch[0] if isinstance(batch, (list, tuple)) else batch
-            try:
-                recalibrate_batchnorm(module, [inputs], forward=lambda _, x: pl_module(x))
-            except Exception as e:
-                raise ValueError(
-                    "StructuredPruning could not rebuild the BatchNorm statistics by calling the module on the batch's "
-                    f"inputs ({type(e).__name__}: {one_line(e)}). Use (inputs, targets) batches or pass "
-                    "`recalibrate_bn=False`."
-                ) from e
+        # the forwards below (trace, target probe, recalibration) run as the training step's does: under a "-true"
+        # precision's default dtype, a "-mixed" one's autocast
+        with trainer.precision_plugin.forward_context():
+            result = self._prune(trainer, pl_module, module, batch, self.step_amounts[epoch])
         self._rewrap_ddp(trainer, pl_module)
         self.done.append(epoch)
         record = {
@@ -643,6 +731,37 @@ class StructuredPruning(Callback):
         for logger in trainer.loggers:
             logger.log_metrics({"pruning/params": float(result.params_after)}, step=trainer.global_step)
 
+    def _prune(
+        self, trainer: Trainer, pl_module: LightningModule, module: nn.Module, batch: Any, amount: float
+    ) -> PruneResult:
+        """One pruning step of ``module`` by ``amount``, then (``recalibrate_bn``) its BatchNorm statistics rebuilt."""
+        result = apply_structured_pruning(
+            module,
+            amount,
+            self._example_inputs(trainer, pl_module, batch),
+            norm=self.norm,
+            optimizers=trainer.optimizers,
+            ignore_modules=self.ignore_modules,
+            round_to=self.round_to,
+            fold_bn=self.fold_bn,
+        )
+        if self.recalibrate_bn:
+            # one no-grad pass over the pruning batch with the norms in train mode: the sliced statistics describe the
+            # unpruned network, which costs accuracy in eval mode until they are re-estimated (benchmarks/recipes.py
+            # measures the pruned model's accuracy); frozen norms (`train_mode=False`) keep these fresh ones
+            inputs = batch[0] if isinstance(batch, (list, tuple)) else batch
+            # through the LightningModule's forward, unless it does not reach the target (then traced on the inputs)
+            direct = self._target_takes_inputs
+            try:
+                recalibrate_batchnorm(module, [inputs], forward=lambda m, x: m(x) if direct else pl_module(x))
+            except Exception as e:
+                raise ValueError(
+                    "StructuredPruning could not rebuild the BatchNorm statistics by calling the module on the batch's "
+                    f"inputs ({type(e).__name__}: {one_line(e)}). Use (inputs, targets) batches or pass "
+                    "`recalibrate_bn=False`."
+                ) from e
+        return result
+
     @staticmethod
     def _rewrap_ddp(trainer: Trainer, pl_module: LightningModule) -> None:
         from lightning.pytorch.strategies import DDPStrategy
@@ -652,6 +771,24 @@ class StructuredPruning(Callback):
         if isinstance(strategy, DDPStrategy) and isinstance(strategy.model, DistributedDataParallel):
             strategy.model = pl_module
             strategy.configure_ddp()
+
+    @property
+    @override
+    def state_key(self) -> str:
+        # one key per pruned submodule and schedule: Lightning refuses two stateful callbacks with one key (at fit
+        # start), and pruning a backbone and a head with their own amounts and epochs takes two callbacks
+        # spelt as Lightning's own keys (`ModelCheckpoint{...}`): the class name and the distinguishing arguments
+        return f"{type(self).__qualname__}{ {'target': self.target, 'schedule': self.schedule}!r}"
+
+    @override
+    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        # a checkpoint written when the key was the bare class name: its state belongs to this callback if it is the
+        # only StructuredPruning of the Trainer (otherwise which one pruned is unknown, and none is restored)
+        states = checkpoint.get("callbacks") or {}
+        legacy = states.get(type(self).__qualname__)
+        mine = sum(isinstance(cb, StructuredPruning) for cb in trainer.callbacks) == 1  # type: ignore[attr-defined]
+        if legacy and self.state_key not in states and mine:
+            self.load_state_dict(dict(legacy))
 
     @override
     def state_dict(self) -> dict[str, Any]:

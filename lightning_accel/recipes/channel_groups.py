@@ -476,7 +476,9 @@ def _flatten(node: torch.fx.Node, x: tuple[int, int], src: torch.fx.Node, info: 
 
 def _binary(node: torch.fx.Node, shape: tuple[int, ...], info: dict, uf: _UnionFind) -> None:
     """Element-wise op: operands that carry channels along the same output dim are merged (residual adds)."""
-    tensors = [(a, a_shape) for a in node.args if isinstance(a, torch.fx.Node) and (a_shape := _shape(a)) is not None]
+    # the operands, positional or keyword (`torch.add(out, other=identity)`): a residual given by keyword must merge too
+    operands = [*node.args, *node.kwargs.values()]
+    tensors = [(a, a_shape) for a in operands if isinstance(a, torch.fx.Node) and (a_shape := _shape(a)) is not None]
     out_dim: int | None = None
     for a, a_shape in tensors:
         if a in info:

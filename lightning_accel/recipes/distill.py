@@ -74,7 +74,9 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
     """``T^2 * KL(softmax(teacher / T) || softmax(student / T))``, summed over classes, averaged over rows.
 
     Logits of any shape ``(..., C)`` work (e.g. ``(B, T, V)`` for language models): all leading dims are rows.
-    Computed in float32 for stability under mixed precision. Gradients flow to ``student_logits`` only.
+    Computed in float32 for stability under mixed precision. Gradients flow to ``student_logits`` only. Classes whose
+    teacher logit is ``-inf`` (masked) have zero teacher probability and contribute nothing (``0 log 0 = 0``), also
+    where the student masks them too.
 
     Args:
         student_logits: the student's raw scores, last dim = classes.
@@ -86,8 +88,12 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
     t = float(temperature)
     c = student_logits.shape[-1]
     s = F.log_softmax(student_logits.float().reshape(-1, c) / t, dim=-1)
-    p = F.log_softmax(teacher_logits.detach().float().reshape(-1, c) / t, dim=-1)
-    return F.kl_div(s, p, reduction="batchmean", log_target=True) * (t * t)
+    log_p = F.log_softmax(teacher_logits.detach().float().reshape(-1, c) / t, dim=-1)
+    p = log_p.exp()
+    # classes the teacher gives no mass (logits masked to -inf: padded vocabularies, forbidden classes) contribute
+    # 0 log 0 = 0; `F.kl_div` computes exp(-inf) * (-inf - s) = 0 * -inf = NaN there, which made the whole loss NaN
+    kl = torch.where(p > 0, p * (log_p - s), torch.zeros_like(p))
+    return kl.sum() / kl.shape[0] * (t * t)
 
 
 def combine_losses(hard: torch.Tensor, soft: torch.Tensor, alpha: float) -> torch.Tensor:

@@ -23,7 +23,7 @@ from typing import Any, overload
 
 import torch
 from torch.optim import Optimizer
-from torch.optim.lr_scheduler import CyclicLR, LRScheduler, SequentialLR
+from torch.optim.lr_scheduler import ChainedScheduler, CyclicLR, LRScheduler, SequentialLR
 
 from lightning_accel._utils import compat
 from lightning_accel._utils.checks import check_int, check_number
@@ -63,6 +63,30 @@ def _scaled(value: Any, rel: float) -> Any:
     return value * rel
 
 
+def _chained_states(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """The states of the schedulers a ``ChainedScheduler`` steps, nested chains included, from its ``state_dict()``
+    (which holds them in order under ``"_schedulers"`` and whose ``load_state_dict`` loads them back into them)."""
+    out: list[dict[str, Any]] = []
+    for inner in state.get("_schedulers") or ():
+        if isinstance(inner, dict):
+            out.append(inner)
+            out.extend(_chained_states(inner))
+    return out
+
+
+def _scale_chained(sched: ChainedScheduler, rel_by_group: list[float]) -> None:
+    """Scale the base rates (``CyclicLR``: and peaks) of the schedulers ``sched`` steps, through its public
+    ``state_dict`` / ``load_state_dict``: a closed-form scheduler inside a chain (``LambdaLR``) computes from its own
+    ``base_lrs`` at every step, so the scaling would otherwise be undone at the first step."""
+    state = sched.state_dict()
+    for inner in _chained_states(state):
+        for key in ("base_lrs", "max_lrs", "_last_lr"):
+            values = inner.get(key)
+            if isinstance(values, list):
+                inner[key] = [_scaled(v, r) for v, r in zip(values, rel_by_group, strict=False)]
+    sched.load_state_dict(state)
+
+
 def apply_lr_scale(
     optimizer: Optimizer, factor: float, schedulers: Iterable[LRScheduler] = (), *, fallback_applied: float = 1.0
 ) -> float:
@@ -73,14 +97,17 @@ def apply_lr_scale(
     ``OneCycleLR``'s ``max_lr`` / ``min_lr`` -- is multiplied by ``factor / applied``. Schedulers attached to this
     optimizer get their ``base_lrs`` (and ``CyclicLR`` its ``max_lrs``) and last values scaled the same way, so a
     schedule built before the scaling (Lightning builds it in ``configure_optimizers``) follows the scaled rates:
-    a warm-up reaches the scaled peak. Absolute floors (``min_lr`` of :class:`WarmupCosineLR`, ``eta_min`` of
-    ``CosineAnnealingLR``) are not scaled. Tensor rates are replaced by new tensors, never multiplied in place.
-    Calling it twice with the same factor changes nothing.
+    a warm-up reaches the scaled peak. The schedulers a ``ChainedScheduler`` steps are scaled with it (a ``LambdaLR``
+    inside one computes from its own base rates). A bound :class:`WarmupCosineLR` gets its current rate recomputed from
+    the scaled base rates (past the warm-up it is not proportional to them). Absolute floors (``min_lr`` of
+    :class:`WarmupCosineLR`, ``eta_min`` of ``CosineAnnealingLR``) are not scaled. Tensor rates are replaced by new
+    tensors, never multiplied in place. Calling it twice with the same factor changes nothing.
 
     Args:
         optimizer: the optimizer to scale in place.
         factor: the total factor wanted relative to the unscaled rates (> 0).
-        schedulers: schedulers whose ``optimizer`` is ``optimizer`` (others are ignored).
+        schedulers: schedulers whose ``optimizer`` is ``optimizer`` (others are ignored); list a ``ChainedScheduler``
+            alone, not also the schedulers it steps (those would be scaled twice).
         fallback_applied: factor assumed applied for groups without the key (e.g. a checkpoint written before the key
             existed).
 
@@ -98,7 +125,9 @@ def apply_lr_scale(
     attached = [s for s in schedulers if getattr(s, "optimizer", None) is optimizer]
     if any(r != 1.0 for r in rel_by_group):
         for sched in attached:
-            if isinstance(sched, SequentialLR):
+            chained = _chained_states(sched.state_dict()) if isinstance(sched, ChainedScheduler) else []
+            # a SequentialLR's state is the one with milestones
+            if isinstance(sched, SequentialLR) or any("_milestones" in inner for inner in chained):
                 raise ValueError(
                     f"`schedulers` holds a SequentialLR, whose schedulers restart from their own base rates at each "
                     f"milestone, so the factor x{factor:g} cannot be applied to it. Use one scheduler (e.g. "
@@ -117,9 +146,15 @@ def apply_lr_scale(
         if isinstance(sched, CyclicLR):
             # CyclicLR oscillates between `base_lrs` and its own `max_lrs`, read at every step
             sched.max_lrs = [_scaled(m, r) for m, r in zip(sched.max_lrs, rel_by_group, strict=False)]
+        if isinstance(sched, ChainedScheduler) and any(r != 1.0 for r in rel_by_group):
+            _scale_chained(sched, rel_by_group)
         last = compat.scheduler_last_lr(sched)
         if last is not None:
             compat.set_scheduler_last_lr(sched, [_scaled(v, r) for v, r in zip(last, rel_by_group, strict=False)])
+        if isinstance(sched, WarmupCosineLR) and sched.bound and any(r != 1.0 for r in rel_by_group):
+            # past the warm-up the rate is `min_lr + (base - min_lr) * c`, not proportional to the base: scaling the
+            # current rate would be off by `min_lr * (1 - c) * (rel - 1)` until the next step (a resume on more devices)
+            sched._apply_current()
     return rel_by_group[0] if rel_by_group else 1.0
 
 

@@ -34,6 +34,28 @@ def test_loss_matches_the_formula() -> None:
     )
 
 
+def test_classes_the_teacher_masks_contribute_nothing() -> None:
+    # a teacher logit of -inf (a padded vocabulary, a forbidden class) used to make the loss NaN: F.kl_div computes
+    # exp(-inf) * (-inf - s) = 0 * -inf there
+    torch.manual_seed(0)
+    s, t = torch.randn(4, 6), torch.randn(4, 6)
+    t_masked, s_masked = t.clone(), s.clone()
+    t_masked[:, 4:] = float("-inf")
+    s_masked[:, 5] = float("-inf")  # masked by both
+    T = 2.0
+    p_t = F.softmax(t_masked[:, :4] / T, -1)
+    for student in (s, s_masked):
+        x = student.clone().requires_grad_(True)
+        loss = distillation_loss(x, t_masked, T)
+        expected = (p_t * (p_t.log() - F.log_softmax(x[:, :] / T, -1)[:, :4])).sum(-1).mean() * T * T
+        assert torch.isfinite(loss) and loss.item() == pytest.approx(expected.item(), rel=1e-5)
+        loss.backward()
+        assert x.grad is not None and torch.isfinite(x.grad).all()
+    # the teacher's mass on a class the student rules out is an infinite divergence, as it should be
+    t_masked[:, 5] = 0.0
+    assert distillation_loss(s_masked, t_masked, T).item() == float("inf")
+
+
 def test_gradient_reaches_the_student_only() -> None:
     s = torch.randn(4, 3, requires_grad=True)
     t = torch.randn(4, 3, requires_grad=True)

@@ -220,6 +220,63 @@ def test_teacher_takes_the_precision_of_the_student(precision: str, dtype: torch
     assert teacher.seen == [(dtype, default, autocast)] * 2
 
 
+@pytest.mark.parametrize(
+    ("teacher_dtype", "precision"),
+    [(torch.bfloat16, "32-true"), (torch.float64, "32-true"), (torch.float64, "bf16-mixed")],
+)
+def test_a_teacher_in_another_dtype_gets_its_inputs_in_its_dtype(teacher_dtype: torch.dtype, precision: str) -> None:
+    # a bfloat16 teacher kept small beside a float32 student used to fail with torch's "mat1 and mat2 must have the
+    # same dtype" at the first step: its inputs were the student's
+    teacher = _teacher().to(teacher_dtype)
+    callbacks: list[Callback] = [KnowledgeDistillation(teacher, 2.0, 0.5)]
+    check = _LossCheck(nn.Sequential(_Cast(teacher_dtype), copy.deepcopy(teacher).eval()), alpha=0.5, T=2.0)
+    if precision == "32-true":  # under autocast the student's bf16 logits make the recomputed loss differ a little
+        callbacks.append(check)
+    t = trainer(precision=precision, limit_train_batches=2, callbacks=callbacks)
+    t.fit(DictStudent(), loader(batch_size=16))
+    assert check.checked == (2 if precision == "32-true" else 0)
+    assert torch.isfinite(t.callback_metrics["distill/soft_loss"])
+    assert {p.dtype for p in teacher.parameters()} == {teacher_dtype}  # left in its own dtype
+
+
+class _Cast(nn.Module):
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.dtype)
+
+
+class _ManualStudent(DictStudent):
+    """Manual optimization: ``training_step`` back-propagates its own loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        opt = self.optimizers()
+        opt.zero_grad()  # type: ignore[union-attr]
+        self.manual_backward(loss)
+        opt.step()  # type: ignore[union-attr]
+        return loss
+
+
+def test_manual_optimization_is_refused_at_fit_start() -> None:
+    # the callback adds the soft term to the returned loss, which nobody back-propagates under manual optimization:
+    # the student used to train exactly as without a teacher, silently (with distill/* metrics logged)
+    student = _ManualStudent()
+    before = [p.detach().clone() for p in student.parameters()]
+    with pytest.raises(ValueError, match="KnowledgeDistillation needs automatic optimization, but _ManualStudent sets"):
+        trainer(limit_train_batches=2, callbacks=[KnowledgeDistillation(_teacher())]).fit(student, loader())
+    assert all(torch.equal(a, b) for a, b in zip(before, student.parameters(), strict=True))  # nothing trained
+    assert type(student).training_step is _ManualStudent.training_step and "training_step" not in vars(student)
+
+
 def _ddp_fit(rank: int, world_size: int) -> dict[str, Any]:
     import lightning.pytorch as pl
 

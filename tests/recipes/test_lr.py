@@ -98,6 +98,48 @@ def test_scaled_schedules_follow_the_scaled_rates(make: Callable[[torch.optim.Op
     assert _run(opt, sched, 12) == pytest.approx(_run(ref_opt, make(ref_opt, 4), 12))
 
 
+def _chained(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.ChainedScheduler:
+    warm = torch.optim.lr_scheduler.LinearLR(opt, 0.25, 1.0, total_iters=3)
+    decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, 12) / 12)))
+    return torch.optim.lr_scheduler.ChainedScheduler([warm, decay])
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_the_schedulers_of_a_chained_schedule_are_scaled(nested: bool) -> None:
+    # a LambdaLR inside a ChainedScheduler computes from its own base rates, which were not scaled: the rate fell back
+    # to the unscaled one at the first step
+    opt = _opt(0.1, groups=2)
+    ref_opt = _opt(0.4, groups=2)  # built at the scaled rates
+    chained, ref = _chained(opt), _chained(ref_opt)
+    if nested:  # a chain inside a chain
+        chained = torch.optim.lr_scheduler.ChainedScheduler([chained])
+        ref = torch.optim.lr_scheduler.ChainedScheduler([ref])
+    apply_lr_scale(opt, 4.0, [chained])
+    for _ in range(14):
+        assert [g["lr"] for g in opt.param_groups] == pytest.approx([g["lr"] for g in ref_opt.param_groups])
+        for o, s in ((opt, chained), (ref_opt, ref)):
+            o.step()
+            s.step()
+    seq = torch.optim.lr_scheduler.SequentialLR(opt, [torch.optim.lr_scheduler.ConstantLR(opt, 0.5, 2)], [])
+    with pytest.raises(ValueError, match="`schedulers` holds a SequentialLR"):
+        apply_lr_scale(opt, 8.0, [torch.optim.lr_scheduler.ChainedScheduler([seq])])
+
+
+def test_rescaling_a_schedule_past_its_warmup_keeps_the_absolute_floor() -> None:
+    # a resume on more devices rescales mid-cosine: the current rate was multiplied by the ratio, as if `min_lr`
+    # scaled too, so the first resumed step trained at 2 x (min + (b - min) c) instead of min + (2b - min) c
+    opt = _opt(0.1, groups=2)
+    sched = WarmupCosineLR(opt, total_steps=20, warmup_steps=2, min_lr=0.01)
+    apply_lr_scale(opt, 2.0, [sched])
+    for _ in range(12):
+        opt.step()
+        sched.step()
+    apply_lr_scale(opt, 4.0, [sched])  # x2 again
+    expected = [warmup_cosine_value(12, 0.4 * (i + 1), 20, 2, 0.01) for i in range(2)]
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx(expected)
+    assert sched.get_last_lr() == pytest.approx(expected)
+
+
 def test_tensor_rates_are_replaced_not_mutated() -> None:
     lr = torch.tensor(0.1)
     p, q = torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))

@@ -44,6 +44,47 @@ def test_groups_of_a_resnet_couple_residual_adds() -> None:
     assert ("fc", "model output") in skipped  # the logits keep their size
 
 
+class _KeywordResidual(nn.Module):
+    """``conv(x) + x`` spelt with the skip connection as a keyword operand."""
+
+    def __init__(self, spelling: str) -> None:
+        super().__init__()
+        self.spelling = spelling
+        self.a = nn.Conv2d(3, 8, 3, padding=1)
+        self.b = nn.Conv2d(8, 8, 3, padding=1)
+        self.head = nn.Conv2d(8, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.a(x)
+        z = self.b(torch.relu(y))
+        if self.spelling == "other":
+            out = torch.add(z, other=y)
+        elif self.spelling == "input+other":
+            out = torch.add(input=z, other=y)
+        else:
+            out = torch.mul(z, other=y)
+        return self.head(out)
+
+
+@pytest.mark.parametrize("spelling", ["other", "input+other", "mul"])
+def test_a_residual_given_by_keyword_is_coupled(spelling: str) -> None:
+    # `torch.add(z, other=y)`: the keyword operand was not looked at, so `a` and `b` were pruned as two groups with
+    # their own indices -- the add then mixed unrelated channels (or, spelt `input=`, the pruned model crashed)
+    torch.manual_seed(0)
+    model = _KeywordResidual(spelling)
+    x = torch.randn(2, 3, 6, 6)
+    with torch.no_grad():  # channels 0-3 of the residual stream are exactly zero in both branches
+        for conv in (model.a, model.b):
+            conv.weight[:4] = 0
+            conv.bias[:4] = 0
+    expected = model(x)
+    groups, _ = find_channel_groups(model, (x,))
+    assert [sorted(g.names) for g in groups] == [["a", "b"]]
+    apply_structured_pruning(model, 0.5, (x,))
+    assert model.a.out_channels == model.b.out_channels == model.head.in_channels == 4
+    assert torch.allclose(model(x), expected, atol=1e-6)
+
+
 def _silence_channels(model: SmallResNet, amount: float) -> None:
     """Make the lowest-index `amount` of every group's channels exactly zero after BatchNorm (eval mode)."""
     groups, _ = find_channel_groups(model, X)

@@ -11,6 +11,7 @@ import pytest
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
 from typing_extensions import override
 
 from lightning_accel.callbacks import StructuredPruning
@@ -133,6 +134,54 @@ def test_resume_from_a_pruned_checkpoint(tmp_path: Path) -> None:
     assert cb.done == [0] and len(cb.history) == 1
 
 
+@pytest.mark.parametrize(("precision", "dtype"), [("bf16-true", torch.bfloat16), ("64-true", torch.float64)])
+@pytest.mark.parametrize("target", [None, "model"])
+def test_a_true_precision_traces_with_converted_example_inputs(
+    precision: str, dtype: torch.dtype, target: str | None
+) -> None:
+    # `example_input_array` (float32) was traced against the converted (bf16 / fp64) module: a raw torch.fx ShapeProp
+    # error at the first batch
+    model = classifier(width=8)
+    check = _OptimizerMatchesModel()
+    cb = StructuredPruning(0.5, schedule=0, target=target)
+    trainer(precision=precision, callbacks=[cb, check], limit_train_batches=2).fit(model, loader())
+    assert model.model.layers[0].conv1.out_channels == 4 and check.checked == 2
+    assert {p.dtype for p in model.parameters()} == {dtype}
+
+
+def test_two_pruning_callbacks_share_a_trainer_and_its_checkpoints(tmp_path: Path) -> None:
+    # both were keyed "StructuredPruning": Lightning refused the second stateful callback of the type at fit start
+    def callbacks() -> list[StructuredPruning]:
+        return [StructuredPruning(0.5, schedule=0, target="model.layers"), StructuredPruning(0.25, schedule=1)]
+
+    model = classifier(width=8)
+    first = callbacks()
+    ckpt = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    trainer(max_epochs=2, callbacks=[*first, ckpt], enable_checkpointing=True, default_root_dir=tmp_path).fit(
+        model, loader()
+    )
+    assert [cb.done for cb in first] == [[0], [1]]
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=True)["callbacks"]
+    assert [saved[cb.state_key]["done"] for cb in first] == [[0], [1]]
+    fresh, again = classifier(width=8), callbacks()
+    trainer(max_epochs=3, callbacks=again).fit(fresh, loader(), ckpt_path=tmp_path / "last.ckpt")
+    assert [cb.done for cb in again] == [[0], [1]]  # each restored its own epochs: nothing pruned twice
+    assert count_parameters(fresh) == count_parameters(model)
+
+
+def test_a_checkpoint_keyed_by_the_class_name_still_restores(tmp_path: Path) -> None:
+    ckpt = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    model = classifier(width=8)
+    cb = StructuredPruning(0.5, schedule=0)
+    trainer(callbacks=[cb, ckpt], enable_checkpointing=True, default_root_dir=tmp_path).fit(model, loader())
+    state = torch.load(tmp_path / "last.ckpt", weights_only=True)
+    state["callbacks"] = {"StructuredPruning": state["callbacks"].pop(cb.state_key), **state["callbacks"]}
+    torch.save(state, tmp_path / "old.ckpt")  # as written before the key named the target and schedule
+    fresh, again = classifier(width=8), StructuredPruning(0.5, schedule=0)
+    trainer(max_epochs=2, callbacks=[again]).fit(fresh, loader(), ckpt_path=tmp_path / "old.ckpt")
+    assert again.done == [0] and count_parameters(fresh) == count_parameters(model)
+
+
 def test_ignore_modules_and_its_deprecated_spelling() -> None:
     assert StructuredPruning(ignore_modules=["model.stem"]).ignore_modules == ("model.stem",)
     with pytest.warns(DeprecationWarning, match="`ignore` is deprecated; use `ignore_modules` \\(same values\\)"):
@@ -181,6 +230,71 @@ def test_bad_arguments() -> None:
             StructuredPruning(**{flag: "false"})
 
 
+class _StemThenBody(LightningModule):
+    """``forward`` = ``body(stem(x))``: the body takes the stem's 8 channels, not the 3-channel images."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.body = nn.Sequential(
+            nn.Conv2d(8, 16, 3, padding=1),
+            nn.BatchNorm2d(16),
+            nn.ReLU(),
+            nn.Conv2d(16, 8, 1),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(8, 10),
+        )
+
+    @override
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(torch.relu(self.stem(x)))
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self(x), y)
+
+    @override
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def test_a_target_after_a_stem_is_traced_with_its_own_inputs() -> None:
+    # `target` used to be traced with the LightningModule's inputs (3-channel images), which the body's first conv
+    # (8 input channels) cannot take: a raw torch.fx ShapeProp error at the first batch
+    model = _StemThenBody()
+    bn = model.body[1]
+    check = _OptimizerMatchesModel()
+    trainer(callbacks=[StructuredPruning(0.5, target="body"), check], limit_train_batches=2).fit(model, loader())
+    assert model.body[0].out_channels == 8 and model.body[3].in_channels == 8 and check.checked == 2
+    assert model.stem.out_channels == 8  # outside the target: untouched
+    assert int(bn.num_batches_tracked) > 0 and model.training  # trained on, and the modes came back
+
+
+class _NoForward(LightningModule):
+    """No ``forward``: ``training_step`` calls the network itself (the target takes the batch's inputs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = classifier(width=8).model
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+    @override
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def test_a_target_of_a_module_without_forward_takes_the_batch_inputs() -> None:
+    model = _NoForward()
+    trainer(callbacks=[StructuredPruning(0.5, target="net")], limit_train_batches=2).fit(model, loader())
+    assert model.net.layers[0].conv1.out_channels == 4
+
+
 def _ddp_prune(rank: int, world_size: int) -> dict[str, Any]:
     import lightning.pytorch as pl
 
@@ -225,3 +339,50 @@ def test_prunes_on_the_gpu() -> None:
     )
     assert check.checked == 2 and next(model.parameters()).is_cuda
     assert model.model.layers[0].conv1.out_channels == 4
+
+
+class _RankOwnStatistics(Callback):
+    """Before epoch 1's pruning batch, rank 1 gets BatchNorm statistics of its own (each rank updates its statistics
+    from its own batches after DDP's broadcast, so they always differ a little; here, enough to rank channels apart)."""
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if trainer.current_epoch == 1 and batch_idx == 0 and trainer.global_rank == 1:
+            g = torch.Generator().manual_seed(5)
+            for bn in batch_norms(pl_module):
+                bn.running_var.copy_(torch.rand(bn.running_var.shape, generator=g) * 4 + 0.1)
+
+
+def _ddp_prune_folded(rank: int, world_size: int) -> dict[str, Any]:
+    import lightning.pytorch as pl
+
+    pl.seed_everything(0)
+    model = classifier(width=8)
+    t = Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_epochs=2,
+        limit_train_batches=2,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[_RankOwnStatistics(), StructuredPruning(amount=0.5, schedule=1, fold_bn=True)],
+    )
+    t.fit(model, loader(batch_size=16, shuffle=True))
+    opt = t.optimizers[0]
+    return {
+        "weights": torch.cat([p.detach().flatten() for p in model.parameters()]).tolist(),
+        "exp_avg": torch.cat([opt.state[p]["exp_avg"].flatten() for p in model.parameters()]).tolist(),
+    }
+
+
+@pytest.mark.slow
+def test_ddp_ranks_keep_the_same_channels_with_folded_norms() -> None:
+    # `fold_bn` ranked on each rank's own running statistics: the ranks kept different channels, DDP's re-wrap copied
+    # rank 0's weights but each rank sliced its Adam moments with its own indices, and the replicas drifted apart
+    r0, r1 = run_in_processes(_ddp_prune_folded, 2, init_process_group=False, timeout=240)
+    assert torch.equal(torch.tensor(r0["exp_avg"]), torch.tensor(r1["exp_avg"]))
+    assert torch.equal(torch.tensor(r0["weights"]), torch.tensor(r1["weights"]))
