@@ -352,6 +352,22 @@ class LocalSteps:
         for frag, flat in zip(self.fragments, flats, strict=True):
             self._unflatten_copy(frag, flat.to(frag.outer.device))
 
+    def abandon(self) -> None:
+        """Complete every exchange in flight and drop its result: nothing changes (parameters, outer state, error
+        feedback), but the process group's collectives stay matched. For an outer state about to be replaced (the
+        model's parameters were replaced mid-fit). A collective: call it on every rank at the same step."""
+        for frag in self.fragments:
+            if frag.sent_at is None:
+                continue
+            if frag._op is not None:
+                if not frag.served:
+                    frag._op.serve()
+                frag._op.finish()
+            elif frag._work is not None:
+                frag._work.wait()
+            frag.sent, frag.sent_at, frag.served = None, None, False
+            frag._op, frag._work, frag._delta = None, None, None
+
     @property
     def in_flight(self) -> bool:
         """Whether an exchange has been issued and not yet applied."""

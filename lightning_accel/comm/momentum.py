@@ -328,6 +328,19 @@ class MomentumCompressor:
         self.state.kept.clear()
         self._denoms.clear()
 
+    def parameters_replaced(self) -> None:
+        """Forget what this compressor keeps per parameter object, after the model's parameters were replaced mid-fit
+        (the optimizer re-pointed to new tensors, the state re-numbered by
+        :meth:`~lightning_accel.comm.state.OneBitState.replace_parameters`): the frozen denominators (keyed by the old
+        tensors' ids, which new tensors may reuse, with other shapes) and the kept buffers are made again from the
+        optimizer's state at the next step. The freeze marks live in that state and are kept: the compressed stage and
+        its frozen variance continue. A step started during a backward that never reached its optimizer step (not the
+        case between two training steps) is completed and dropped first, on every rank alike."""
+        early, self._early = self._early, None
+        if early is not None:
+            self._discard(early)
+        self.release()
+
     def _begin_stage(self, step: int) -> None:
         self.state.begin_stage(step)
         self._enter_stage()

@@ -362,6 +362,38 @@ class OneBitState:
         self.param_numels = [p.numel() if p.requires_grad else 0 for p in params]
         self.plans.clear()
 
+    def replace_parameters(self, parameters: Iterable[torch.nn.Parameter]) -> int:
+        """Number a re-wrapped model's parameters (a callback that reshaped them mid-fit, such as structured pruning,
+        wraps the model in DDP again) and keep everything else: the step, the warm-up, the decision, the compressed
+        stage and the statistics continue.
+
+        The error feedback of a group survives only if every parameter of it kept its number of elements (its
+        residuals are laid out by element): the others are dropped, and their groups start again from zero error at
+        their next compressed step, exactly as after a resume at another world size. With another number of
+        parameters, the indices no longer name the same tensors: every group is dropped. The kept buffers and the
+        bucket plans are dropped too (made again for the new layouts).
+
+        Returns:
+            The number of groups (with error state, or loaded and not yet adopted) that were dropped.
+        """
+        old = list(self.param_numels)
+        self.set_parameters(parameters)
+        new = self.param_numels
+        if len(old) != len(new):
+            changed: set[int] | None = None  # every index
+        else:
+            changed = {i for i, (a, b) in enumerate(zip(old, new, strict=True)) if a != b}
+
+        def stale(key: tuple[int, ...]) -> bool:
+            return changed is None or not changed.isdisjoint(key)
+
+        dropped = [k for k in self.groups if stale(k)] + [k for k in self.pending if stale(k)]
+        for k in dropped:
+            self.groups.pop(k, None)
+            self.pending.pop(k, None)
+        self.kept.clear()
+        return len(dropped)
+
     def new_group(self, key: tuple[int, ...], numels: list[int], device: torch.device) -> tuple[GroupState, bool]:
         """A fresh group for ``key``, with the error state a checkpoint left for it in ``pending`` when it fits.
 

@@ -383,6 +383,9 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
 
     @override
     def configure_ddp(self) -> None:
+        """Wrap the model in DDP and register the 1-bit hook, on every device type. Called again during the fit (a
+        callback that replaced the parameters wraps the model again: ``StructuredPruning``), the same state and
+        schedule continue on the new parameters (no second warm-up; see :meth:`_rewrapped`)."""
         super().configure_ddp()  # wraps the model; DDPStrategy registers comm hooks only on CUDA, and has none here
         self._register_onebit_hook()
 
@@ -405,6 +408,9 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
                 )
             return
         assert isinstance(self.model, DistributedDataParallel)
+        if self._onebit_live and self._onebit_state is not None:
+            self._rewrapped(self._onebit_state)
+            return
         local = self._processes_per_node or self.num_processes
         self.node_topology = None
         if comm.resolve_hierarchical(self._hierarchical_arg, self.world_size, local):
@@ -436,6 +442,32 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
         self._onebit_state = state
         self.model.register_comm_hook(state, comm.onebit_hook)
         self._onebit_live = True
+
+    def _rewrapped(self, state: comm.OneBitState) -> None:
+        """The model was wrapped in DDP again during this fit (``configure_ddp`` called after ``setup``: a callback
+        that reshaped parameters, such as :class:`~lightning_accel.recipes.StructuredPruning`): the same state and
+        schedule continue on the new parameters.
+
+        The step count, the warm-up (resolved or still watched), ``compression="auto"``'s decision and trial, the
+        overlap decision, the compressed stage (Adam's frozen variance: the optimizer's own state, which the caller
+        re-pointed and reshaped with the parameters) and the statistics are kept; no second warm-up runs. The error
+        feedback of groups whose parameters changed size restarts from zero (one line says how many); DDP rebuilding
+        the new wrapper's buckets after its first step is handled as after a resume. Every rank re-wraps at the same
+        step (the caller's collective re-wrap), so every rank keeps and drops the same state.
+        """
+        assert isinstance(self.model, DistributedDataParallel)
+        state.close()  # the gradient path's comm thread and the kept buffers belong to the old layouts
+        state.process_group = self.model.process_group
+        dropped = state.replace_parameters(self.model.module.parameters())
+        for c in self._compressors.values():
+            c.parameters_replaced()
+        self.model.register_comm_hook(state, comm.onebit_hook)
+        stage = "compressed" if state.compressing else "fp32"
+        rank_zero_info(
+            f"ddp_1bit: the model was wrapped in DDP again at step {state.step}; the {stage} schedule continues "
+            f"({state.mode}, no second warm-up), the error feedback of {dropped} group(s) whose parameters changed "
+            "size restarts from zero"
+        )
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -1028,6 +1060,11 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
 
     @override
     def configure_ddp(self) -> None:
+        """Wrap the model in DDP with a hook that communicates nothing, and build the outer state. Called again during
+        the fit (a callback that replaced the parameters wraps the model again: ``StructuredPruning``), it is a sync
+        point: the exchanges in flight complete and are dropped, every rank takes rank 0's parameters (DDP's
+        broadcast), and a new outer state for the new shapes continues the old one's schedule
+        (:meth:`_continue_schedule`)."""
         if self.world_size == 1 and self._loaded is not None:
             # the checkpoint holds several ranks' own parameters and optimizer states; one process can continue none
             # of them as local steps (and its own checkpoints would carry the stale payload into a later resume)
@@ -1038,6 +1075,11 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
                 f"process: it cannot continue their local steps. Resume with {ranks} processes (or load the weights "
                 "alone with a fresh strategy)."
             )
+        # wrapped again during this fit (a callback that reshaped the parameters, such as StructuredPruning): the
+        # exchanges in flight were issued for the old parameters; they complete (matched on every rank) and are dropped
+        previous = self._local if self._local_live else None
+        if previous is not None:
+            previous.abandon()
         super().configure_ddp()  # wraps the model and broadcasts rank 0's parameters
         if self.world_size == 1:
             rank_zero_warn(
@@ -1062,9 +1104,27 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
         )
         self._local_live = True
         self._final_synced_at = None
+        if previous is not None:
+            self._continue_schedule(previous)
         if self._loaded is not None:
             self._restore_local(self._loaded)
             self._loaded = None
+
+    def _continue_schedule(self, previous: LocalSteps) -> None:
+        """After a re-wrap during the fit: the new outer state (made for the new parameters, from the ones DDP just
+        broadcast: rank 0's, a sync point where every rank holds the same model) takes over the step count and the
+        totals of ``previous``, so the sync schedule keeps its phase and the synchronous start does not run again. The
+        outer momentum and the error feedback, laid out for the old shapes, restart from zero; the other ranks' local
+        progress since the last sync is dropped (their parameters were pruned on their own values, so only one rank's
+        are known to match its structure)."""
+        local = self._local
+        assert local is not None
+        local.step_count, local.bytes_sent, local.syncs = previous.step_count, previous.bytes_sent, previous.syncs
+        rank_zero_info(
+            f"diloco: the model was wrapped in DDP again at inner step {local.step_count}; every "
+            "rank continues from rank 0's parameters with a new outer state (momentum and error feedback from zero), "
+            "on the same sync schedule"
+        )
 
     def _restore_local(self, payload: Mapping[str, Any]) -> None:
         """This rank's parameters, buffers and outer state from a checkpoint (after DDP's broadcast overwrote them
