@@ -19,9 +19,11 @@ config; :mod:`lightning_accel.tune`) are plain argparse tools; ``--help`` lists 
 from __future__ import annotations
 
 import difflib
+import importlib
 import inspect
 import os
 import pickle
+import re
 import sys
 import typing
 from typing import Any, Union
@@ -109,20 +111,261 @@ def config_error(exc: BaseException, config: Any = None) -> ConfigError:
         config: the parsed config as a dict, to find the key of the class that raised when the text does not say.
     """
     text = str(exc)
-    unknown = compat.jsonargparse_unknown_option(text)
-    if unknown is not None and (err := _unknown_option_error(*unknown, detail=text)) is not None:
+    if (err := _required_error(text)) is not None:
         return err
+    unknown = compat.jsonargparse_unknown_option(text)
+    if unknown is not None:
+        key, class_path, option = unknown
+        key = _nested_option_key(text, key)[0]
+        if (err := _unknown_option_error(key, class_path, option, detail=text)) is not None:
+            return err
     outer = compat.jsonargparse_error_key(text)
+    if (err := _misspelled_class_key_error(outer, text)) is not None:
+        return err
     inner, message = compat.jsonargparse_useful_line(text)
     if not outer and config is not None:
         cp = compat.jsonargparse_error_class_path(text)
         outer = _config_key_of(config, cp) if cp else ""
     key = ".".join(k for k in (outer, inner) if k)
-    return ConfigError(key, message, text)
+    if (err := _name_with_options_error(key, text)) is not None:
+        return err
+    if (err := _class_name_error(key, text)) is not None:
+        return err
+    return ConfigError(key, _missing_attribute_message(message), text)
+
+
+_NAME_NOT_PATH = re.compile(r"^(?:- )?Expected a dot import path string: (\S+)$")
+_NESTED_GIVEN = re.compile(r"^Given value: NestedArg\(key='([^']+)'")
+
+
+def _name_with_options_error(key: str, text: str) -> ConfigError | None:
+    """``trainer.strategy: 'ddp_1bit' is a name, which takes no options; ...`` for an option given under a value that
+    is a registered name (``--trainer.strategy=ddp_1bit --trainer.strategy.warmup_steps=3``), else None.
+
+    jsonargparse only nests options under a class, so it says ``Expected a dot import path string: ddp_1bit, got
+    '3'``; the fix is the class's path, which for a strategy name the registry tells.
+    """
+    lines = [ln.strip() for ln in text.splitlines()]
+    name = next((m.group(1) for ln in lines if (m := _NAME_NOT_PATH.match(ln))), None)
+    option = next((m.group(1) for ln in lines if (m := _NESTED_GIVEN.match(ln))), None)
+    if name is None or option is None:
+        return None
+    path = _strategy_class_path(name) if key == "trainer.strategy" else None
+    cls = f"`--{key}={path}`" if path else f"the class by its import path (`--{key}=package.module.Class`)"
+    params = _strategy_init_params(name) if path else {}
+    also = "".join(f" `--{key}.{k}={v}`" for k, v in params.items() if k != option)
+    also = f" and{also} (what the name sets)" if also else ""
+    return ConfigError(
+        f"{key}.{option}",
+        f"{name!r} is a name, which takes no options; to set {option!r}, give {cls}, then `--{key}.{option}=...`"
+        f"{also} (in YAML: `class_path:` and `init_args:` under `{key.split('.')[-1]}:`).",
+        text,
+    )
+
+
+_BARE_NAME = re.compile(r"^(?:(--[\w.]+): )?Expected a dot import path string: ([A-Za-z_]\w*)(?:, got .*)?$")
+# where a class named without its module is looked for: the package's public names, then the demo
+_NAME_HOMES = ("lightning_accel", "lightning_accel.data", "lightning_accel.models", "lightning_accel.datasets")
+
+
+def _class_name_error(key: str, text: str) -> ConfigError | None:
+    """``model: 'ImageClassifier' is a class name without its module; give its import path, e.g.
+    `--model=lightning_accel.models.ImageClassifier`.`` for a bare class name jsonargparse could not resolve, else None.
+
+    jsonargparse resolves a bare name only among the subclasses imported so far: the demo's classes are not imported
+    until a config names them, and its line (``Expected a dot import path string``) does not say what to write.
+    """
+    found = next((m for ln in text.splitlines() if (m := _BARE_NAME.match(ln.strip().removeprefix("- ")))), None)
+    if found is None:
+        return None
+    option, name = found.groups()
+    key = option.removeprefix("--") if option else key
+    flag = key.removesuffix(".help")
+    cls = None
+    for home in _NAME_HOMES:
+        try:
+            obj = vars(importlib.import_module(home)).get(name)  # vars: not the deprecated lazy aliases
+        except ImportError:
+            continue
+        if isinstance(obj, type):
+            cls = obj
+            break
+    fix = (
+        f"give its import path, e.g. `--{key}={_public_path(cls)}`"
+        if cls is not None
+        else f"give its import path (`--{key}=package.module.{name}`)"
+    )
+    if flag != key:
+        fix = fix.replace(f"`--{key}=", f"`--{key} ")  # `--model.help CLASS`
+    return ConfigError(key, f"{name!r} is a class name without its module; {fix}.", text)
+
+
+def _public_path(cls: type) -> str:
+    """The shortest import path of ``cls`` through the modules that define it as an attribute (never a lazy alias)."""
+    parts = cls.__module__.split(".")
+    for n in range(1, len(parts) + 1):
+        module = ".".join(parts[:n])
+        try:
+            if vars(importlib.import_module(module)).get(cls.__name__) is cls:
+                return f"{module}.{cls.__name__}"
+        except ImportError:
+            continue
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _strategy_init_params(name: str) -> dict[str, Any]:
+    """The arguments the ``StrategyRegistry`` passes with ``name`` (``ddp_spawn``: ``start_method='spawn'``)."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    return dict(StrategyRegistry[name].get("init_params") or {}) if name in StrategyRegistry else {}
+
+
+def _strategy_class_path(name: str) -> str | None:
+    """The shortest import path of the class the ``StrategyRegistry`` holds for ``name``, or None."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    if name not in StrategyRegistry:
+        return None
+    return _public_path(StrategyRegistry[name]["strategy"])
+
+
+_NO_ATTRIBUTE = re.compile(r"^module '([\w.]+)' has no attribute '(\w+)'")
+
+
+def _missing_attribute_message(message: str) -> str:
+    """``message`` for a ``class_path`` whose module lacks the class, rewritten to name the path and the closest public
+    name of that module (``lightning_accel.PerStepLRR`` -> ``'lightning_accel.PerStepLR'``), without the config dump
+    jsonargparse appends; any other message as it is."""
+    m = _NO_ATTRIBUTE.match(message)
+    if m is None:
+        return message
+    module, name = m.groups()
+    try:
+        names = [n for n in dir(importlib.import_module(module)) if not n.startswith("_")]
+    except Exception:  # noqa: BLE001 - only the suggestion depends on it
+        names = []
+    close = difflib.get_close_matches(name, names, n=1)
+    if not close:  # a case slip (GPUAugment) is below difflib's cutoff: compare without case
+        close = [n for n in names if n.lower() == name.lower()][:1]
+    fix = f"did you mean '{module}.{close[0]}'?" if close else f"check the class name and the module {module!r}."
+    return f"class_path '{module}.{name}' does not exist: module {module!r} has no attribute {name!r}; {fix}"
+
+
+_REQUIRED = re.compile(r"^the following arguments are required: (.+)$")
+
+
+def _required_error(text: str) -> ConfigError | None:
+    """``model, data: required; ...`` for the classes a subcommand needs and nobody gave (argparse's line names them
+    ``fit.data, fit.model``, with the subcommand as a prefix no config or option uses), else None."""
+    m = _REQUIRED.match(text.strip().splitlines()[0] if text.strip() else "")
+    if m is None:
+        return None
+    keys = [k.strip().split(".", 1)[-1] for k in m.group(1).split(",")]
+    keys = sorted(keys, key=lambda k: (k != "model", k))  # the model first, as the options list it
+    example = " ".join(f"`--{k}=package.module.Class`" for k in keys)
+    return ConfigError(
+        ", ".join(keys),
+        f"required; give a config that sets {' and '.join(f'`{k}:`' for k in keys)} (e.g. `--config "
+        f"examples/configs/quickstart.yaml`) or the {'class' if len(keys) == 1 else 'classes'} on the command line: "
+        f"{example}.",
+        text,
+    )
 
 
 # The config groups that are one fixed class rather than a `class_path:` (AccelCLI always builds Lightning's Trainer).
 _GROUP_CLASSES: dict[str, type] = {"trainer": Trainer}
+
+# The keys of a `class_path:` config itself (jsonargparse's subclass spec), told apart from the class's options.
+_CLASS_CONFIG_KEYS = ("class_path", "init_args", "dict_kwargs")
+
+_PARSER_KEY = re.compile(r'Parser key "([^"]+)"')
+_NOT_ACCEPTED = re.compile(r"^Option '[^']+' is not accepted")
+_NOT_A_SUBCLASS = re.compile(r"^Not a valid subclass of ")
+_GIVEN_DICT_KEY = re.compile(r"[{,]\s*'([A-Za-z_][A-Za-z0-9_]*)': ")
+
+
+def _nested_option_key(text: str, outer: str, at: re.Pattern[str] = _NOT_ACCEPTED) -> tuple[str, int]:
+    """The full config key of the class a jsonargparse error is about, and the index of the line saying what is wrong:
+    ``data.train_augment`` for an option of the ``train_augment`` class nested in ``data`` (jsonargparse names each
+    level in its own indented ``Parser key`` line, the outermost one first). The line is the first matching ``at``
+    (default: ``Option '...' is not accepted``); ``(outer, -1)`` when no line does.
+    """
+    stack: list[tuple[int, str]] = []  # (indent, key) of the Parser keys enclosing the current line
+    for n, raw in enumerate(text.splitlines()):
+        indent = len(raw) - len(raw.lstrip())
+        line = raw.strip().removeprefix("- ").strip()
+        if at.match(line):
+            keys: list[str] = []
+            for _, k in stack:
+                keys = [k] if keys and k.startswith(f"{keys[-1]}.") else [*keys, k]  # a level may repeat its parent
+            return ".".join(keys) or outer, n
+        m = _PARSER_KEY.search(line)
+        if m:
+            stack = [(i, k) for i, k in stack if i < indent] + [(indent, m.group(1))]
+    return outer, -1
+
+
+_SUBCOMMAND_OPTION = re.compile(r"^Subcommand '([^']+)' does not accept option '([^']+)'")
+_UNRECOGNIZED = re.compile(r"unrecognized arguments: --([^\s=]+)")
+_TOP_NOT_ACCEPTED = re.compile(r"^Option '([^']+)' is not accepted")  # the YAML's text under `--print_config`
+
+
+def _top_level_key_error(text: str, subparsers: dict[str, Any], args: Any) -> ConfigError | None:
+    """``trainner: not an option of `lightning-accel fit`; did you mean 'trainer'?`` for a top-level key no
+    subcommand option starts with (a misspelled ``trainer:`` in YAML, ``--trainner.max_steps``, ``--ckpt_paht``);
+    None for any other error (a misspelled option *inside* a known group is told by :func:`config_error`).
+
+    Args:
+        text: jsonargparse's error text (``Subcommand 'fit' does not accept option 'trainner.max_steps'`` for YAML,
+            ``Option 'trainner.max_steps' is not accepted`` for YAML under ``--print_config``,
+            ``unrecognized arguments: --trainner.max_steps 1`` for the command line).
+        subparsers: the parser of each subcommand, by name (``{"": parser}`` without subcommands).
+        args: the command line, to tell which subcommand an ``unrecognized arguments`` error is about.
+    """
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    words = [a for a in args if isinstance(a, str)] if isinstance(args, (list, tuple)) else []
+    sub = next((a for a in words if a in subparsers), "")
+    if m := _SUBCOMMAND_OPTION.match(first):
+        sub, option = m.group(1), m.group(2)
+    elif m := (_UNRECOGNIZED.match(first) or _TOP_NOT_ACCEPTED.match(first)):
+        option = m.group(1)
+    else:
+        return None
+    chosen = [subparsers[sub]] if sub in subparsers else list(subparsers.values())
+    keys = sorted(set().union(*(compat.parser_option_keys(p) for p in chosen)))
+    head = option.split(".")[0]
+    if not keys or head in keys:
+        return None
+    where = f"`lightning-accel {sub}`" if sub else "`lightning-accel`"
+    close = difflib.get_close_matches(head, keys, n=1)
+    fix = f"did you mean {close[0]!r}?" if close else f"{where[:-1]} --help` lists its options."
+    return ConfigError(head, f"not an option of {where}; {fix}", text)
+
+
+def _misspelled_class_key_error(key: str, text: str) -> ConfigError | None:
+    """``<key>.clas_path: not a key of a class config; did you mean 'class_path'?`` when jsonargparse refused a
+    ``class_path:`` config (``Not a valid subclass``, its dict dumped as ``Given value``) that has a key close to
+    ``class_path`` / ``init_args`` / ``dict_kwargs``; None otherwise. jsonargparse's own line says ``expected None``
+    or ``expected str``, which hides the typo.
+    """
+    key, at = _nested_option_key(text, key, _NOT_A_SUBCLASS)  # the innermost class refused: its key, its line
+    if at < 0:
+        return None
+    lines = [ln.strip() for ln in text.splitlines()[at:]]
+    given = next((ln for ln in lines if ln.startswith("Given value: {")), None)  # the dict that class was given
+    for name in _GIVEN_DICT_KEY.findall(given or ""):
+        close = difflib.get_close_matches(name, _CLASS_CONFIG_KEYS, n=1, cutoff=0.8)
+        if name not in _CLASS_CONFIG_KEYS and close:
+            return ConfigError(f"{key}.{name}" if key else name, _class_key_message(close[0]), text)
+    return None
+
+
+def _class_key_message(close: str) -> str:
+    """The message for a misspelled key of a ``class_path:`` config whose closest key is ``close``."""
+    return (
+        f"not a key of a class config; did you mean {close!r}? (a class is given as `class_path:` with its import "
+        "path and `init_args:` with its arguments)"
+    )
 
 
 def _unknown_option_error(key: str, class_path: str, option: str, detail: str = "") -> ConfigError | None:
@@ -142,6 +385,11 @@ def _unknown_option_error(key: str, class_path: str, option: str, detail: str = 
     if cls is None:
         return None
     options = _class_options(cls)
+    head = option.split(".")[0]  # `init_arg.width`: a misspelled `init_args:` holding the options
+    if class_path and head not in options:
+        structural = difflib.get_close_matches(head, _CLASS_CONFIG_KEYS, n=1, cutoff=0.8)
+        if structural and head not in _CLASS_CONFIG_KEYS:
+            return ConfigError(f"{key}.{head}" if key else head, _class_key_message(structural[0]), detail)
     close = difflib.get_close_matches(option, options, n=1)
     if close:
         fix = f"did you mean {close[0]!r}?"
@@ -244,6 +492,8 @@ class SaveConfigBesideLogs(SaveConfigCallback):
     Lightning's callback writes to ``trainer.log_dir``, which without a logger is ``default_root_dir`` -- the working
     directory unless set -- so every ``logger: false`` run left a ``config.yaml`` there. Without a logger there is no
     run directory to keep the config beside, so it is not saved (the YAML the run was started with is the record).
+    A log directory that already holds a config (a logger with a fixed ``version``) keeps it; this run's is saved as
+    ``config_1.yaml`` (``_2``, ...) beside it.
     Every rank reads the same ``trainer.logger``, so all ranks take the same path through the parent's collectives.
     """
 
@@ -251,7 +501,34 @@ class SaveConfigBesideLogs(SaveConfigCallback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if trainer.logger is None:
             self.save_to_log_dir = False
+        elif self.save_to_log_dir and not self.already_saved and not self.overwrite:
+            self.config_filename = self._free_filename(trainer)
         super().setup(trainer, pl_module, stage)
+
+    def _free_filename(self, trainer: Trainer) -> str:
+        """``config.yaml``, or ``config_1.yaml``, ``config_2.yaml``, ... when the log directory already holds the
+        config of an earlier run: a logger with a fixed ``version`` (resuming with ``--ckpt_path``, or ``validate``
+        after ``fit``) writes into the same directory, where Lightning's callback refused to start with a traceback
+        whose fixes (``LightningCLI(save_config_kwargs=...)``) the command cannot take. The earlier file is kept.
+        Rank 0 picks the name; every rank takes it (a collective: all ranks reach it, see the class docstring)."""
+        from lightning.fabric.utilities.cloud_io import get_filesystem
+
+        log_dir = trainer.log_dir  # broadcast from rank 0
+        name = self.config_filename
+        if trainer.is_global_zero and log_dir is not None:
+            fs = get_filesystem(log_dir)
+            stem, ext = os.path.splitext(name)
+            n = 0
+            while fs.isfile(os.path.join(log_dir, name)):
+                n += 1
+                name = f"{stem}_{n}{ext}"
+            if n:
+                print(
+                    f"lightning-accel: {log_dir} holds {self.config_filename} of an earlier run (kept); this run's "
+                    f"config is saved as {name}",
+                    file=sys.stderr,
+                )
+        return str(trainer.strategy.broadcast(name))
 
 
 def int_first_hint(hint: Any) -> Any:
@@ -336,7 +613,16 @@ class AccelCLI(LightningCLI):
 
     @override
     def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
-        super().parse_arguments(parser, args)
+        from jsonargparse import ArgumentError
+
+        try:
+            super().parse_arguments(parser, args)
+        except ArgumentError as e:
+            subparsers = compat.cli_subcommand_parsers(self, parser)  # none when run=False
+            err = _top_level_key_error(str(e), subparsers, sys.argv[1:] if args is None else args)
+            if err is None:
+                raise
+            raise err from e
         sub = self.config.get("subcommand")
         ckpt_path = self.config[sub].get("ckpt_path") if sub else None
         if not isinstance(ckpt_path, str):
@@ -406,7 +692,39 @@ class AccelCLI(LightningCLI):
             sub["ckpt_path"] = resolve_ckpt_path(trainer, "last")
             if sub["ckpt_path"] not in (None, "last") and trainer.is_global_zero:
                 print(f"lightning-accel: resuming from {sub['ckpt_path']}", file=sys.stderr)
+        if self.subcommand and isinstance(ckpt := sub.get("ckpt_path"), str):
+            _check_manifest_reader(ckpt, trainer)
         return trainer
+
+
+def _check_manifest_reader(ckpt_path: str, trainer: Trainer) -> None:
+    """Refuse, before any step, a local ``ckpt_path`` that is a DeltaCheckpointIO manifest when the Trainer's
+    checkpoint IO is no DeltaCheckpointIO: Lightning's ``TorchCheckpointIO`` would ``torch.load`` the JSON manifest
+    and end in a long ``WeightsUnpickler error: Unsupported operand 123`` traceback (a plain ``torch.save`` file needs
+    nothing: DeltaCheckpointIO reads both kinds).
+
+    Raises:
+        ConfigError: naming the file and the two fixes (the plugin, or an exported plain file).
+    """
+    from lightning_accel.checkpoint import DeltaCheckpointIO
+    from lightning_accel.checkpoint.manifest import is_manifest_bytes
+
+    if not os.path.isfile(ckpt_path):
+        return
+    with open(ckpt_path, "rb") as f:
+        if not is_manifest_bytes(f.read(128)):
+            return
+    io: Any = trainer.strategy.checkpoint_io
+    while io is not None:  # a wrapper (AsyncCheckpointIO) holds the IO it wraps as `checkpoint_io`
+        if isinstance(io, DeltaCheckpointIO):
+            return
+        io = getattr(io, "checkpoint_io", None)
+    raise ConfigError(
+        "ckpt_path",
+        f"{ckpt_path!r} is a DeltaCheckpointIO manifest and `trainer.plugins` holds no DeltaCheckpointIO to read "
+        "it: add `--trainer.plugins+=lightning_accel.DeltaCheckpointIO` (or its `class_path:` in the YAML), or pass "
+        "a plain file made by `lightning-accel ckpt export`.",
+    )
 
 
 def _trainer_flag_error(config: dict[str, Any]) -> ConfigError | None:

@@ -157,6 +157,23 @@ def test_resume_from_last_continues_like_an_uninterrupted_run(digits_dir: Path, 
         assert float(resumed[2][key]) == pytest.approx(float(whole[2][key]), abs=1e-6), key
 
 
+def test_a_logger_with_a_fixed_version_keeps_each_runs_config(
+    digits_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`fit` then `validate` into one log directory (a fixed logger `version`, as a resume keeps its logs together):
+    the second run used to stop with Lightning's `expected .../config.yaml to NOT exist` traceback."""
+    root = tmp_path / "run"
+    logger = ["--trainer.logger=CSVLogger", f"--trainer.logger.save_dir={root}", "--trainer.logger.version=v1"]
+    main(["fit", *_tiny(digits_dir, root), *logger, "--trainer.max_epochs=1", "--trainer.limit_train_batches=1"])
+    log_dir = root / "lightning_logs" / "v1"
+    first = (log_dir / "config.yaml").read_text()
+    capsys.readouterr()
+    main(["validate", *_tiny(digits_dir, root), *logger, "--trainer.limit_val_batches=1"])
+    assert (log_dir / "config.yaml").read_text() == first  # the fit's record is kept
+    assert "limit_val_batches: 2" in first and "limit_val_batches: 1" in (log_dir / "config_1.yaml").read_text()
+    assert f"{log_dir} holds config.yaml of an earlier run (kept)" in capsys.readouterr().err
+
+
 ALL_PLUGINS = REPO / "examples" / "configs" / "all_plugins.yaml"
 _PLUGINS = "--trainer.plugins=[{class_path: lightning_accel.%s, init_args: {%s}}]"
 

@@ -55,6 +55,7 @@ __all__ = [
     "allocator_settings_setter",
     "child_modules",
     "cli_model_config",
+    "cli_subcommand_parsers",
     "compile_error_types",
     "compiled_call_impl",
     "cuda_memory_snapshot",
@@ -72,6 +73,7 @@ __all__ = [
     "jsonargparse_useful_line",
     "materialize_distributed_module",
     "model_checkpoint_setup_without_listing",
+    "parser_option_keys",
     "module_call_impl",
     "pin_memory",
     "redirect_find_unused_parameters_advice",
@@ -172,6 +174,28 @@ def cli_model_config(hparams: Mapping[str, Any]) -> dict[str, Any] | None:
     if "_class_path" in config:
         return {"class_path": config.pop("_class_path"), "dict_kwargs": config}
     return config
+
+
+def cli_subcommand_parsers(cli: Any, parser: Any) -> dict[str, Any]:
+    """The parser of each subcommand of a ``LightningCLI``, by name; ``{"": parser}`` without subcommands (or
+    before ``setup_parser`` made them).
+
+    LightningCLI keeps them only in its private ``_subcommand_parsers`` (set by ``_add_subcommands``; checked
+    2.4.0-2.6.6), and jsonargparse's own map sits in a private action: no public API lists them.
+    """
+    return getattr(cli, "_subcommand_parsers", None) or {"": parser}
+
+
+def parser_option_keys(parser: Any) -> set[str]:
+    """The top-level keys of a (jsonargparse) parser's options: ``trainer`` for ``--trainer.max_steps``, ``help`` and
+    suppressed entries left out.
+
+    ``argparse.ArgumentParser`` lists its actions only in the private ``_actions`` (in every Python 3 release;
+    jsonargparse's parser subclasses it): no public API enumerates a parser's options.
+    """
+    import argparse
+
+    return {a.dest.split(".")[0] for a in parser._actions if a.dest not in ("help", argparse.SUPPRESS)}
 
 
 # -- torch: DistributedDataParallel ----------------------------------------------------------------------------------

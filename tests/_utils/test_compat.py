@@ -7,6 +7,7 @@ torch upgrade that drops one is caught here rather than as an ``AttributeError``
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import os
 import socket
@@ -116,6 +117,7 @@ PRIVATE_NAMES: list[tuple[str, Callable[[], Any], str, str]] = [
         "_shutdown_workers",
         "shutdown_persistent_workers",
     ),
+    ("ArgumentParser._actions", lambda: argparse.ArgumentParser(), "_actions", "parser_option_keys"),
     ("threading._register_atexit", lambda: threading, "_register_atexit", "register_before_thread_shutdown"),
     ("torch._C._storage_Use_Count", lambda: torch._C, "_storage_Use_Count", "storage_use_count_fn"),
     ("UntypedStorage._cdata", lambda: torch.empty(1).untyped_storage(), "_cdata", "storage_use_count_fn"),
@@ -171,7 +173,35 @@ def test_lightning_cli_hyper_parameter_keys_are_still_used() -> None:
     )
 
 
+def test_lightning_cli_still_keeps_its_subcommand_parsers() -> None:
+    import inspect
+
+    from lightning.pytorch.cli import LightningCLI
+
+    assert "self._subcommand_parsers" in inspect.getsource(LightningCLI), (
+        f"LightningCLI no longer keeps `_subcommand_parsers` ({VERSIONS}); update "
+        "lightning_accel._utils.compat.cli_subcommand_parsers."
+    )
+
+
 # -- behaviour ---------------------------------------------------------------------------------------------------
+
+
+def test_parser_option_keys_and_cli_subcommand_parsers() -> None:
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_argument("--trainer.max_steps", type=int)
+    parser.add_argument("--seed_everything", type=int)
+    assert compat.parser_option_keys(parser) == {"trainer", "seed_everything"}
+
+    class NoSubcommands:
+        pass
+
+    assert compat.cli_subcommand_parsers(NoSubcommands(), parser) == {"": parser}
+    cli = NoSubcommands()
+    cli._subcommand_parsers = {"fit": parser}  # type: ignore[attr-defined]
+    assert compat.cli_subcommand_parsers(cli, parser) == {"fit": parser}
 
 
 def test_cli_model_config() -> None:
