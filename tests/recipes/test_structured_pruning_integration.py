@@ -301,19 +301,7 @@ def _ddp_prune(rank: int, world_size: int) -> dict[str, Any]:
     pl.seed_everything(0)
     model = classifier(width=8)
     cb = StructuredPruning(amount=0.5, schedule=1)
-    t = Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy="ddp",
-        max_epochs=2,
-        limit_train_batches=2,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[cb],
-    )
+    t = trainer(devices=2, strategy="ddp", max_epochs=2, limit_train_batches=2, callbacks=[cb])
     t.fit(model, loader(batch_size=16, shuffle=True))
     return {
         "params": count_parameters(model),
@@ -358,19 +346,8 @@ def _ddp_prune_folded(rank: int, world_size: int) -> dict[str, Any]:
 
     pl.seed_everything(0)
     model = classifier(width=8)
-    t = Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy="ddp",
-        max_epochs=2,
-        limit_train_batches=2,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[_RankOwnStatistics(), StructuredPruning(amount=0.5, schedule=1, fold_bn=True)],
-    )
+    callbacks = [_RankOwnStatistics(), StructuredPruning(amount=0.5, schedule=1, fold_bn=True)]
+    t = trainer(devices=2, strategy="ddp", max_epochs=2, limit_train_batches=2, callbacks=callbacks)
     t.fit(model, loader(batch_size=16, shuffle=True))
     opt = t.optimizers[0]
     return {
