@@ -22,7 +22,7 @@ from typing_extensions import override
 from lightning_accel.comm.localsteps import LocalStepsConfig
 from lightning_accel.models import ImageClassifier
 from tests.helpers import run_in_processes
-from tests.tiny import loader
+from tests.tiny import loader, trainer
 
 
 class _Net(ImageClassifier):
@@ -76,21 +76,10 @@ def _fit(strategy: Any, opt: str, *, epochs: int, batches: int, prune_at: int, c
     pl.seed_everything(0)
     record = _Record()
     model = _Net(opt)
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_epochs=epochs,
-        limit_train_batches=batches,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[StructuredPruning(amount=0.3, schedule=prune_at), record],
-    )
-    trainer.fit(model, loader(batch_size=16, n=192, shuffle=True), ckpt_path=ckpt)
-    return trainer, model, record.rows
+    callbacks = [StructuredPruning(amount=0.3, schedule=prune_at), record]
+    t = trainer(devices=2, strategy=strategy, max_epochs=epochs, limit_train_batches=batches, callbacks=callbacks)
+    t.fit(model, loader(batch_size=16, n=192, shuffle=True), ckpt_path=ckpt)
+    return t, model, record.rows
 
 
 def _onebit(rank: int, world: int, tmp: str) -> dict[str, Any]:
