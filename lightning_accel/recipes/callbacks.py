@@ -507,20 +507,28 @@ def _submodule_inputs(pl_module: nn.Module, sub: nn.Module, args: tuple[Any, ...
     return seen[0][0]
 
 
-def _broadcast_norm_statistics(trainer: Trainer, norms: Sequence[nn.Module]) -> None:
-    """Give every rank rank 0's BatchNorm running statistics (what DDP's ``broadcast_buffers`` does at each forward).
+def _broadcast_module_state(trainer: Trainer, module: nn.Module) -> None:
+    """Give every rank rank 0's parameters and buffers of ``module`` before it is ranked and sliced.
 
-    Each rank updates its statistics from its own batches after that broadcast, so they differ between ranks by the
-    time the next step starts; channels ranked on them (``fold_bn``) would then differ too, and so would the optimizer
-    state each rank slices with its own indices, although the re-wrap by DDP copies rank 0's weights. Every rank calls
-    this at the same pruning step (a collective per statistic); one process does nothing.
+    Why: each rank ranks channels on its own values and slices its own optimizer state with the indices it found,
+    while the re-wrap by DDP then copies rank 0's weights. Values that differ between ranks therefore let ranks keep
+    different channels and slice their optimizer states apart: BatchNorm running statistics (each rank updates them
+    from its own batches after DDP's broadcast; ``fold_bn`` ranks on them) and, under local-steps strategies
+    (``diloco``), the weights themselves between syncs. Under plain DDP the weights are already equal and this costs
+    one broadcast of the module at a pruning step. Every rank calls it at the same pruning step (a collective per
+    tensor); one process, or a strategy that does not replicate the module with DDP, does nothing.
     """
-    if trainer.world_size < 2 or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+    from lightning.pytorch.strategies import DDPStrategy
+
+    if (
+        trainer.world_size < 2
+        or not isinstance(trainer.strategy, DDPStrategy)
+        or not (torch.distributed.is_available() and torch.distributed.is_initialized())
+    ):
         return
-    for bn in norms:
-        for stat in (bn.running_mean, bn.running_var):
-            if isinstance(stat, torch.Tensor):
-                torch.distributed.broadcast(stat, src=0)
+    with torch.no_grad():
+        for t in (*module.parameters(), *module.buffers()):
+            torch.distributed.broadcast(t.data, src=0)
 
 
 class StructuredPruning(Callback):
@@ -543,6 +551,9 @@ class StructuredPruning(Callback):
     equivalent of rebuilding the optimizer with ``trainer.strategy.setup_optimizers(trainer)`` but keeping the kept
     channels' state and the LR schedule's position (``setup_optimizers`` would restart warm-up). Under DDP the model
     is re-wrapped (``DDPStrategy.configure_ddp``) because DDP's gradient buckets are sized for the old parameters.
+    Every rank ranks rank 0's parameters and buffers (broadcast first), so all ranks keep the same channels and slice
+    their optimizer states alike: BatchNorm statistics differ between ranks, and so do the weights between syncs
+    under local steps (``strategy="diloco"``, whose re-wrap then continues from rank 0's model).
 
     **Checkpoints.** A checkpoint saved after pruning holds the smaller weights. While this callback is attached
     (e.g. when resuming with ``ckpt_path``) the module's layers are resized to the checkpoint's shapes before the
@@ -563,8 +574,7 @@ class StructuredPruning(Callback):
         ignore: deprecated spelling of ``ignore_modules`` (same values).
         round_to: keep a multiple of this many channels per group.
         fold_bn: rank the channels of a layer followed by a BatchNorm on the BN-folded filter norm
-            (:func:`~lightning_accel.recipes.prune.channel_importance`) instead of the raw filter norm; under DDP the
-            statistics are rank 0's on every rank (each rank's own differ), so all ranks keep the same channels. Off
+            (:func:`~lightning_accel.recipes.prune.channel_importance`) instead of the raw filter norm. Off
             by default: it did not lower the accuracy drop of pruning + fine-tune on the digits ResNet
             (``benchmarks/recipes.py`` measures that drop, ``pruned_acc_drop``, over several seeds).
         recalibrate_bn: after each pruning step, rebuild every BatchNorm's running statistics from the pruning batch
@@ -708,8 +718,7 @@ class StructuredPruning(Callback):
                 "learn the pruned network's statistics. Pass `train_mode=False` to keep frozen norms frozen."
             )
             module.train()
-        if self.fold_bn:
-            _broadcast_norm_statistics(trainer, norms)
+        _broadcast_module_state(trainer, module)
         before = count_parameters(module)
         # the forwards below (trace, target probe, recalibration) run as the training step's does: under a "-true"
         # precision's default dtype, a "-mixed" one's autocast

@@ -363,3 +363,68 @@ def test_ddp_ranks_keep_the_same_channels_with_folded_norms() -> None:
     r0, r1 = run_in_processes(_ddp_prune_folded, 2, init_process_group=False, timeout=240)
     assert torch.equal(torch.tensor(r0["exp_avg"]), torch.tensor(r1["exp_avg"]))
     assert torch.equal(torch.tensor(r0["weights"]), torch.tensor(r1["weights"]))
+
+
+class _RanksDisagree(Callback):
+    """At epoch 1's pruning batch (placed before StructuredPruning): the ranks' weights rank the channels in opposite
+    orders (what drift between syncs does under local steps, exaggerated), and every optimizer state tensor of a
+    parameter holds its output-channel index, so what each rank kept shows in its sliced state afterwards."""
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if trainer.current_epoch != 1 or batch_idx != 0:
+            return
+        opt = trainer.optimizers[0]
+        with torch.no_grad():
+            for p in pl_module.parameters():
+                if p.dim() != 4:
+                    continue
+                n = p.shape[0]
+                order = torch.arange(1, n + 1, dtype=p.dtype)
+                scale = order if trainer.global_rank == 0 else order.flip(0)
+                p.copy_(p.sign() * scale.view(-1, 1, 1, 1))
+                for t in opt.state[p].values():
+                    if isinstance(t, torch.Tensor) and t.shape == p.shape:
+                        t.copy_(torch.arange(n, dtype=t.dtype).view(-1, 1, 1, 1).expand_as(t))
+
+
+class _KeptChannels(Callback):
+    """After the pruning (placed after StructuredPruning): the output channels each conv kept, read from its state."""
+
+    def __init__(self) -> None:
+        self.kept: list[list[int]] = []
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if trainer.current_epoch != 1 or batch_idx != 0:
+            return
+        opt = trainer.optimizers[0]
+        for p in pl_module.parameters():
+            if p.dim() == 4:
+                t = next(v for v in opt.state[p].values() if isinstance(v, torch.Tensor) and v.shape == p.shape)
+                self.kept.append([int(c) for c in t[:, 0, 0, 0]])
+
+
+def _prune_where_ranks_disagree(rank: int, world_size: int, strategy: str) -> list[list[int]]:
+    import lightning.pytorch as pl
+
+    pl.seed_everything(0)
+    model = classifier(width=8)
+    kept = _KeptChannels()
+    callbacks = [_RanksDisagree(), StructuredPruning(amount=0.5, schedule=1), kept]
+    t = trainer(devices=2, strategy=strategy, max_epochs=2, limit_train_batches=2, callbacks=callbacks)
+    t.fit(model, loader(batch_size=16, shuffle=True))
+    return kept.kept
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "diloco"])
+def test_ranks_whose_weights_differ_keep_rank_0s_channels(strategy: str) -> None:
+    # each rank ranked its own weights and sliced its optimizer state with its own indices: under local steps
+    # (weights differ between syncs) the ranks kept different channels while the re-wrap gave them rank 0's weights
+    r0, r1 = run_in_processes(_prune_where_ranks_disagree, 2, (strategy,), init_process_group=False, timeout=240)
+    assert r0 == r1
+    # rank 0's weights grow with the channel index: each conv kept a top range of its channels (all of them when not
+    # pruned); rank 1's own ranking would have kept the bottom ones
+    assert r0 and all(k == list(range(k[0], k[0] + len(k))) for k in r0)
+    assert any(k[0] > 0 for k in r0)
