@@ -358,7 +358,9 @@ def tune_job(
             base.reason += "; every trial trains from the initial weights, not from the job's `ckpt_path`"
         base = agree(base)  # rank 0's record (its losses are the reference) on every rank
         if base.error is not None:
-            raise RuntimeError(f"the baseline trial of the job failed: {base.error}. Check that `fit` runs the config.")
+            # the error may end with its own punctuation ("did you mean 'trainer'?"): no second stop after it
+            error = base.error if base.error.endswith((".", "?", "!")) else f"{base.error}."
+            raise RuntimeError(f"the baseline trial of the job failed: {error} Check that `fit` runs the config.")
         if not agree(m.conv_weights):  # no convolution weights: a memory-format option cannot change anything
             skip = [*skip, CHANNELS_LAST]
         trials.append(base)

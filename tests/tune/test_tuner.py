@@ -434,3 +434,26 @@ def test_tune_names_the_argument_and_key_of_a_value_yaml_cannot_hold() -> None:
     assert "trainer_kwargs" not in str(e.value)
     with pytest.raises(TypeError, match=r"`trainer_kwargs` value 'plugins\[0\]' is of type object"):
         tuner.job_from_objects({"plugins": [object()]}, JOB["model"], None)
+
+
+@pytest.mark.parametrize(
+    ("error", "shown"),
+    [
+        ("trainner: not an option; did you mean 'trainer'?", "did you mean 'trainer'? Check that"),
+        ("RuntimeError: boom", "RuntimeError: boom. Check that"),
+    ],
+)
+def test_a_failed_baseline_is_one_sentence_per_part(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, error: str, shown: str
+) -> None:
+    def fail(job: dict[str, Any], *, warmup: int, steps: int, root: str | Path) -> TrialMeasure:
+        m = TrialMeasure()
+        m.error = error
+        return m
+
+    monkeypatch.setattr(tuner, "run_trial", fail)
+    with pytest.raises(RuntimeError, match="baseline trial of the job failed") as e:
+        tuner.tune_job(
+            JOB, budget="10m", out=None, levers=["precision"], use_cache=False, cache_dir=tmp_path, verbose=False
+        )
+    assert shown in str(e.value) and "?." not in str(e.value)
