@@ -429,9 +429,11 @@ def resolve_ckpt_path(trainer: pl.Trainer, ckpt_path: Any) -> Any:
             found.append((hit[1], hit[0]))
     if not found:
         where = ", ".join(str(c.dirpath) for c in callbacks)
+        # the hint only where it applies: a callback that already saves `last.ckpt` has just not saved one yet
+        hint = "" if any(c.save_last for c in callbacks) else " HINT: Set `ModelCheckpoint(..., save_last=True)`."
         rank_zero_warn(
-            f'`ckpt_path="last"` is set, but there is no last checkpoint in {where}.'
-            " No checkpoint will be loaded. HINT: Set `ModelCheckpoint(..., save_last=True)`."
+            f'`ckpt_path="last"` is set, but there is no last checkpoint in {where}. No checkpoint will be loaded '
+            f"(a first run starts from the initial weights).{hint}"
         )
         return None
     return max(found)[1]

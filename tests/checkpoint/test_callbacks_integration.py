@@ -45,8 +45,12 @@ def test_custom_endpoint_only_on_the_plugin_saves_resumes_from_last(
     assert trainer.global_step == 3 * 8 and trainer.current_epoch == 3  # continued from step 16, not from 0
     # An empty directory: None (a fresh run), with Lightning's warning.
     empty = ckpt_trainer(tmp_path, [io], [DeltaModelCheckpoint(dirpath=f"s3://{bucket}/none", save_last=True)])
-    with pytest.warns(UserWarning, match="no last checkpoint"):
+    with pytest.warns(UserWarning, match="no last checkpoint") as w:
         assert resolve_ckpt_path(empty, "last") is None
+    assert "HINT" not in str(w[0].message)  # it saves `last.ckpt` already: a first run, not a missing option
+    plain = ckpt_trainer(tmp_path, [io], [DeltaModelCheckpoint(dirpath=f"s3://{bucket}/none")])
+    with pytest.warns(UserWarning, match=r"no last checkpoint.*HINT: Set `ModelCheckpoint\(..., save_last=True\)`"):
+        assert resolve_ckpt_path(plain, "last") is None
     assert resolve_ckpt_path(empty, "best") == "best"
     with pytest.raises(TypeError, match="`storage_options` must be a dict"):
         DeltaModelCheckpoint(dirpath=dirpath, storage_options="anon")  # type: ignore[arg-type]
