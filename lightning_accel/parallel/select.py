@@ -28,6 +28,7 @@ estimate's ``blocker`` and never fits; a candidate whose trial fails at any poin
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -410,7 +411,18 @@ def _activations(
         return _Activations(0, 0.0, False, note)
     if _on_meta(model, example_batch):
         return _estimated_activations(model, example_batch, scale)
-    prof = measure_activation_bytes(model, example_batch, loss_fn=loss_fn)
+    try:
+        prof = measure_activation_bytes(model, example_batch, loss_fn=loss_fn)
+    except Exception as e:  # noqa: BLE001 - reported in the note and a warning; the plan falls back to a lower bound
+        # e.g. a model that sizes a layer in `setup()` from the data module (`num_classes="auto"`), which has not run
+        # when a strategy is chosen before the Trainer exists (the CLI chooses then)
+        why = one_line(e, first=True).rstrip(".")
+        note = (
+            f"activations not measured (the example batch's forward/backward failed: {why}): estimates are model "
+            "state only, a lower bound"
+        )
+        warnings.warn(f"AutoStrategy: {note}.", RuntimeWarning, stacklevel=2)
+        return _Activations(0, 0.0, False, note)
     acts = int(prof.activation_bytes * scale)
     note = f"activations {_gb(acts)} measured from one forward/backward of the example batch"
     return _Activations(acts, prof.backward_s * scale, True, note)

@@ -237,6 +237,19 @@ def test_meta_device_activations_are_estimated_not_measured() -> None:
         measure_activation_bytes(gpt, batch)
 
 
+def test_a_model_that_cannot_run_before_setup_gets_a_lower_bound_and_a_warning() -> None:
+    # the demo classifier with `num_classes="auto"` sizes its head in `setup()`: a strategy chosen before the Trainer
+    # exists (the CLI chooses then) could not run its forward; it stopped the whole command with a traceback
+    from lightning_accel.models import ImageClassifier
+
+    model = ImageClassifier(num_classes="auto", width=4)
+    with pytest.warns(RuntimeWarning, match=r"activations not measured \(the example batch's forward/backward failed"):
+        c = select_strategy(model, devices=2, device_memory_bytes=10**10, example_batch=torch.zeros(4, 3, 8, 8))
+    assert c.facts["activations"] == 0
+    assert "sizes its head in `setup()`" in c.explanation and "a lower bound" in c.explanation
+    assert all(not p.requires_grad or p.grad is None for p in model.parameters())
+
+
 def test_autocast_weight_copies_are_not_activations() -> None:
     from lightning_accel.parallel.estimate import measure_activation_bytes
 
