@@ -52,7 +52,11 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Verify, export or clean up delta checkpoints.")
     sub = p.add_subparsers(dest="command", required=True)
     v = sub.add_parser("verify", help="restore every tensor with all checksums")
-    v.add_argument("paths", nargs="+", help="checkpoint paths or URLs (delta manifests or torch.save files)")
+    v.add_argument(
+        "paths",
+        nargs="+",
+        help="checkpoint paths or URLs (delta manifests or torch.save files), or directories: their *.ckpt files",
+    )
     v.add_argument(
         "--repair", action="store_true", help="rewrite a damaged blob or second copy from its good twin (redundancy=2)"
     )
@@ -89,7 +93,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m lightning_accel.c
     store = DeltaStore(storage_options=opts)
     failed = False
     if args.command == "verify":
-        for path in args.paths:
+        for path in _verify_targets(store, args.paths):
             try:
                 print(json.dumps(_verify(store, path, args.repair)))
             except Exception as e:  # noqa: BLE001 - verify reports every failure as its JSON line, never a traceback
@@ -112,6 +116,21 @@ def main(argv: list[str] | None = None, prog: str = "python -m lightning_accel.c
         return 1
     print(json.dumps({"path": args.path, "exported": args.out}))
     return 0
+
+
+def _verify_targets(store: DeltaStore, paths: list[str]) -> list[str]:
+    """``paths`` with each directory replaced by the ``*.ckpt`` files directly inside it, by name (what
+    ``ModelCheckpoint`` writes there; the blob store beside them is checked through their manifests). A directory
+    without any stays in the list, so its line says so."""
+    out: list[str] = []
+    for path in paths:
+        try:
+            is_dir = store.fs.isdir(path)
+        except Exception:  # noqa: BLE001 - the verify of the path itself reports what is wrong with it
+            is_dir = False
+        names = sorted(n for n in store.fs.list_files(path) if n.endswith(".ckpt")) if is_dir else []
+        out += [posixpath.join(path.rstrip("/"), n) for n in names] if names else [path]
+    return out
 
 
 def _error_line(error: BaseException, expected: tuple[type[BaseException], ...]) -> str:

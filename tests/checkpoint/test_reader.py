@@ -105,3 +105,24 @@ def test_cli_verifies_and_exports_plain_files_too(tmp_path: Path, capsys: pytest
     assert _same(torch.load(tmp_path / "out.ckpt", weights_only=True), _ckpt())
     assert ckpt_main(["export", str(tmp_path / "notes.txt"), str(tmp_path / "x.ckpt")]) == 1
     assert "notes.txt" in capsys.readouterr().err and not (tmp_path / "x.ckpt").exists()
+
+
+def test_cli_verifies_every_checkpoint_of_a_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "ckpts"
+    store = DeltaStore()
+    store.save(_ckpt(), run / "epoch=0.ckpt")
+    store.save(_ckpt(), run / "last.ckpt")
+    torch.save(_ckpt(), run / "plain.ckpt")
+    (run / "notes.txt").write_text("not a checkpoint")  # a user's file beside them: not a checkpoint, not verified
+    assert ckpt_main(["verify", str(run)]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [Path(x["path"]).name for x in lines] == ["epoch=0.ckpt", "last.ckpt", "plain.ckpt"]
+    assert all(x["ok"] for x in lines)
+    (run / "broken.ckpt").write_text("{")
+    assert ckpt_main(["verify", str(run)]) == 1
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [x["ok"] for x in lines] == [False, True, True, True]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert ckpt_main(["verify", str(empty)]) == 1
+    assert "is a directory" in json.loads(capsys.readouterr().out)["error"]
