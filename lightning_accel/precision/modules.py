@@ -293,8 +293,28 @@ class FusedSequentialMixin(_FusedMixin):
     or that :func:`needs_eager`, runs its children one by one.
     """
 
-    _la_plan: dict[int, tuple[int, str]]
+    # empty by default: an instance of the swapped class that surgery did not plan (made by `type(seq)(...)`) runs
+    # its children one by one; surgery sets the instance's own plan
+    _la_plan: dict[int, tuple[int, str]] = {}  # never mutated: surgery assigns a new dict
     _la_members: dict[int, tuple[nn.Module, ...]]
+
+    def __getitem__(self, idx: Any) -> Any:
+        """``nn.Sequential``'s indexing; a slice (``seq[2:]``, made as ``self.__class__(...)``) keeps the fused groups
+        that lie wholly inside it, at their new positions, with this container's backend."""
+        out = cast(Any, super()).__getitem__(idx)
+        if not isinstance(idx, slice) or not isinstance(out, FusedSequentialMixin) or out is self:
+            return out
+        start, stop, step = idx.indices(len(compat.child_modules(self)))
+        plan: dict[int, tuple[int, str]] = {}
+        if step == 1:
+            plan = {i - start: (n, kind) for i, (n, kind) in self._la_plan.items() if start <= i and i + n <= stop}
+        out._la_plan = plan
+        if "_la_members" in self.__dict__:
+            members = self.__dict__["_la_members"]
+            out.__dict__["_la_members"] = {i: members[i + start] for i in plan if i + start in members}
+        if "_la_backend" in self.__dict__:
+            out._la_backend = self._la_backend
+        return out
 
     def _la_fused_children(self) -> tuple[str, ...]:
         names = list(compat.child_modules(self))
@@ -315,7 +335,9 @@ class FusedSequentialMixin(_FusedMixin):
         """The group planned at ``i`` still holds the modules it was planned over and may run fused."""
         return holds_planned(self, mods, i, length) and not needs_eager(*mods[i : i + length])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        # `input`, as nn.Sequential.forward names it: a call `seq(input=x)` keeps working after surgery
+        x = input
         # the casts hold by construction: surgery plans a group only over children of exactly these classes
         mods = cast(list[nn.Module], list(compat.child_modules(self).values()))
         i = 0
@@ -480,14 +502,18 @@ class FusedLayerNormMixin(_FusedMixin):
     bias: nn.Parameter | None
     eps: float
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # `input`, as nn.LayerNorm.forward names it
         if len(self.normalized_shape) != 1:  # surgery does not match these; kept for safety
-            return super().forward(x)
-        return layer_norm(x, self.weight, self.bias, self.eps, backend=self._la_backend)
+            return super().forward(input)
+        return layer_norm(input, self.weight, self.bias, self.eps, backend=self._la_backend)
 
 
 class FusedRMSNormMixin(_FusedMixin):
-    """``nn.RMSNorm`` over the last dimension through the fused norm op (``eps=None``: the dtype's epsilon)."""
+    """``nn.RMSNorm`` over the last dimension through the fused norm op.
+
+    ``eps=None`` means, as in ``torch.rms_norm``, the epsilon of the dtype the statistics are computed in: float32's
+    for float16 / bfloat16 inputs (not the half type's own, 64000x larger for bfloat16), the input's otherwise.
+    """
 
     normalized_shape: tuple[int, ...]
     weight: nn.Parameter | None
@@ -496,8 +522,14 @@ class FusedRMSNormMixin(_FusedMixin):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if len(self.normalized_shape) != 1:
             return super().forward(x)
-        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        eps = self.eps if self.eps is not None else _default_rms_eps(x.dtype)
         return rms_norm(x, self.weight, eps, backend=self._la_backend)
+
+
+def _default_rms_eps(dtype: torch.dtype) -> float:
+    """``nn.RMSNorm(eps=None)``'s epsilon for an input of ``dtype``: that of its accumulation type (``at::opmath_type``:
+    float32 for the half types), which the fused op also accumulates in."""
+    return torch.finfo(torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype).eps
 
 
 # ------------------------------------------------------------------------------------------------- attention and GPT
@@ -603,6 +635,14 @@ def _split_heads(t: torch.Tensor, n_head: int) -> torch.Tensor:
     return t.view(b, s, n_head, c // n_head).transpose(1, 2)
 
 
+def _attention_residual(attn: nn.Module, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``x + attn(h)`` for a block's fused attention: the residual add rides in ``attn``'s output epilogue, unless
+    ``attn`` has hooks of its own, which must see (and may replace) ``attn(h)`` alone, as in the unfused block."""
+    if needs_eager(attn):
+        return x + attn(h)
+    return cast(torch.Tensor, attn(h, residual=x))
+
+
 class FusedAttentionMixin(_FusedMixin):
     """Causal self-attention with packed QKV (after :func:`pack_qkv`) and the output ``proj`` + ``resid_dropout``
     (+ the block's residual) fused into one :func:`~lightning_accel.ops.linear_dropout` call.
@@ -689,7 +729,7 @@ class FusedGPTBlockMixin(_FusedMixin):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if needs_eager(*self._la_bypassed()):
             return cast(Any, original_class(self)).forward(self, x)
-        x = self.attn(self.ln_1(x), residual=x)
+        x = _attention_residual(self.attn, self.ln_1(x), x)
         fc, act = self.mlp[0], self.mlp[1]
         # exact classes, checked by surgery before the swap
         proj, drop = cast(nn.Linear, self.mlp[2]), cast(nn.Dropout, self.mlp[3])
@@ -936,7 +976,7 @@ class FusedGPT2BlockMixin(_FusedMixin):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if needs_eager(*self._la_bypassed()):
             return cast(Any, original_class(self)).forward(self, x)
-        x = self.attn(self.ln_1(x), residual=x)
+        x = _attention_residual(self.attn, self.ln_1(x), x)
         mlp, backend = self.mlp, self._la_backend
         fc, proj, drop = cast(nn.Linear, mlp.c_fc), cast(nn.Linear, mlp.c_proj), cast(nn.Dropout, mlp.dropout)
         act = module_activation(mlp.act) or "none"  # surgery checked it is a fused kind

@@ -19,6 +19,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_accel._utils.checks import check_bool, check_choice
+from lightning_accel._utils.errors import one_line
 from lightning_accel._utils.forksafe import cuda_available
 from lightning_accel._utils.triton import Backend, check_backend
 from lightning_accel.precision.compile import compile_in_place
@@ -33,6 +34,27 @@ from lightning_accel.precision.surgery import (
 )
 
 __all__ = ["FusedPrecision"]
+
+
+def _compile_probe(*args: Any) -> None:
+    """A function to check ``torch.compile``'s arguments on (its compilation is lazy: nothing is compiled)."""
+
+
+def _check_compile_kwargs(compile_kwargs: Mapping[str, Any]) -> None:
+    """Refuse ``compile_kwargs`` that ``torch.compile`` itself refuses (an unknown keyword, mode or backend, or
+    ``mode`` with ``options``): ``torch.compile`` checks them when called, which the plugin does only at ``setup``,
+    after the data and the model are built, so check them now with a lazy ``torch.compile`` of a no-op.
+
+    Raises:
+        ValueError: naming ``compile_kwargs``, the value and ``torch.compile``'s reason.
+    """
+    try:
+        torch.compile(_compile_probe, **compile_kwargs)
+    except Exception as e:  # TypeError, RuntimeError, torch._dynamo's InvalidBackend: all mean "not accepted"
+        raise ValueError(
+            f"`compile_kwargs` must be keyword arguments `torch.compile` accepts, got {dict(compile_kwargs)!r}: "
+            f"{one_line(e, first=True).rstrip('.')}. Fix or drop the offending key (e.g. {{'mode': 'max-autotune'}})."
+        ) from e
 
 
 class FusedPrecision(MixedPrecision):
@@ -114,6 +136,8 @@ class FusedPrecision(MixedPrecision):
                 "`compile_kwargs` must be a dict of `torch.compile` keyword arguments (e.g. {'mode': "
                 f"'max-autotune'}}) or None, got {compile_kwargs!r} ({type(compile_kwargs).__name__})."
             )
+        if compile_kwargs:
+            _check_compile_kwargs(compile_kwargs)
         check_backend(backend)
         check_choice(
             "memory_format",

@@ -886,11 +886,37 @@ def _qkv_refusal(
     return None
 
 
+def _merged_state(states: Sequence[Mapping[str, object] | None], olds: Sequence[torch.Tensor]) -> dict | None:
+    """The optimizer state of a parameter packed from ``olds`` (concatenated along dim 0), given theirs (``states``),
+    or None for a fresh start.
+
+    Only state that is element-wise (each tensor shaped as its own parameter: Adam's ``exp_avg``, SGD's
+    ``momentum_buffer``) or scalar (``step``, equal for parameters stepped together) is merged; a factored state (an
+    ``Adafactor``'s ``(rows, 1)`` / ``(1, cols)`` second moments) or parts with different keys start fresh:
+    concatenating a factored state along dim 0 gives a shape the optimizer's next step fails on (or, worse, a wrong
+    statistic).
+    """
+    full = [s for s in states if s]
+    if len(full) != len(states) or any(s.keys() != full[0].keys() for s in full):
+        return None
+    merged: dict[str, object] = {}
+    for key, val in full[0].items():
+        vals = [s[key] for s in full]
+        if torch.is_tensor(val) and val.dim() > 0:
+            if not all(torch.is_tensor(v) and v.shape == o.shape for v, o in zip(vals, olds, strict=True)):
+                return None
+            merged[key] = torch.cat(cast(list[torch.Tensor], vals), dim=0)
+        else:
+            merged[key] = val  # scalars such as `step` are equal for params stepped together
+    return merged
+
+
 def replace_optimizer_params(optimizers: Iterable[torch.optim.Optimizer], swaps: Sequence[ParamSwap]) -> int:
     """Point optimizers at new parameters: each ``(olds, new)`` puts ``new`` where the first old one was.
 
     Per-parameter state (e.g. Adam's ``exp_avg``) is concatenated along dim 0 when every old parameter has state of
-    matching layout (QKV packing concatenates the weights the same way); otherwise the new parameter starts fresh.
+    matching layout (QKV packing concatenates the weights the same way); otherwise the new parameter starts fresh
+    (see :func:`_merged_state`).
 
     Returns:
         the number of parameter groups changed.
@@ -902,15 +928,8 @@ def replace_optimizer_params(optimizers: Iterable[torch.optim.Optimizer], swaps:
                 ids = [i for i, p in enumerate(group["params"]) if any(p is o for o in olds)]
                 if not ids:
                     continue
-                states = [s for s in (opt.state.get(o) for o in olds) if s]
-                if len(states) == len(olds) and all(s.keys() == states[0].keys() for s in states):
-                    merged = {}
-                    for key, val in states[0].items():
-                        vals = [s[key] for s in states]
-                        if torch.is_tensor(val) and val.dim() > 0 and val.shape[1:] == new.shape[1:]:
-                            merged[key] = torch.cat(vals, dim=0)
-                        else:
-                            merged[key] = val  # scalars such as `step` are equal for params stepped together
+                merged = _merged_state([opt.state.get(o) for o in olds], olds)
+                if merged is not None:
                     opt.state[new] = merged
                 for o in olds:
                     opt.state.pop(o, None)
@@ -964,6 +983,25 @@ def _fusion_policy(fusions: object) -> Mapping[str, Sequence[Replacement]]:
     return {k: DEFAULT_POLICY[k] for k in DEFAULT_POLICY if k in items}
 
 
+def _optimizer_list(optimizers: object) -> list[torch.optim.Optimizer]:
+    """``optimizers`` as a list: one ``torch.optim.Optimizer`` or an iterable of them.
+
+    Raises:
+        TypeError: naming ``optimizers`` for anything else (before surgery changes the model).
+    """
+    if isinstance(optimizers, torch.optim.Optimizer) or hasattr(optimizers, "param_groups"):
+        return [cast(torch.optim.Optimizer, optimizers)]
+    items = list(optimizers) if isinstance(optimizers, Iterable) and not isinstance(optimizers, (str, bytes)) else None
+    # duck-typed: a wrapper that shares its optimizer's `param_groups` and `state` (Lightning's LightningOptimizer)
+    if items is None or not all(hasattr(o, "param_groups") and hasattr(o, "state") for o in items):
+        raise TypeError(
+            f"`optimizers` must be a `torch.optim.Optimizer` or a list of them (those already holding the model's "
+            f"parameters), got {optimizers!r} ({type(optimizers).__name__}). Pass `optimizers=[opt]`, or nothing "
+            "when no optimizer exists yet."
+        )
+    return cast(list[torch.optim.Optimizer], items)
+
+
 def _ignored(name: str, module: nn.Module, ignore: Sequence[str | type]) -> bool:
     for item in ignore:
         if isinstance(item, type):
@@ -978,7 +1016,7 @@ def apply_fusions(
     model: nn.Module,
     fusions: Sequence[str] | Mapping[str, Sequence[Replacement]] | None = None,
     ignore_modules: str | type | Sequence[str | type] = (),
-    optimizers: Iterable[torch.optim.Optimizer] = (),
+    optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] = (),
     warn_if_empty: bool = True,
     backend: Backend | None = None,
 ) -> FusionReport:
@@ -991,8 +1029,8 @@ def apply_fusions(
         ignore_modules: qualified module names (``"model.layers.0"``; their sub-modules too) or module classes to
             leave alone (one name or class, or a sequence): no fused forward skips their call (a container fuses
             around them, a block that holds one is not swapped).
-        optimizers: optimizers already holding ``model``'s parameters; their references (and state) are patched for
-            the parameters surgery replaces.
+        optimizers: optimizers already holding ``model``'s parameters (one or a list); their references (and state)
+            are patched for the parameters surgery replaces.
         warn_if_empty: emit a ``UserWarning`` when nothing matched.
         backend: the ops backend every fused module uses: ``"auto"`` (default: Triton kernels on CUDA, plain torch
             ops elsewhere), ``"reference"`` (the fused functions' torch path, e.g. to exercise it on a CPU),
@@ -1000,10 +1038,11 @@ def apply_fusions(
 
     Raises:
         ValueError: for an unknown pattern name.
-        TypeError: for ``fusions`` of another type, or ``ignore_modules`` that are not names or classes.
+        TypeError: for ``fusions`` of another type, ``ignore_modules`` that are not names or classes, or
+            ``optimizers`` that are not optimizers.
     """
     ignore_modules = _ignore_list(ignore_modules)
-    optimizers = list(optimizers)
+    optimizers = _optimizer_list(optimizers)
     policy = _fusion_policy(fusions)
     report = FusionReport()
     # snapshot first: surgery changes the tree while we walk it

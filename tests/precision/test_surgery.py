@@ -4,9 +4,11 @@ idempotence, state_dict compatibility, optimizer references, ignore lists, warni
 from __future__ import annotations
 
 import copy
+import inspect
 import pickle
 import re
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -710,6 +712,10 @@ def test_skip_reasons_name_the_ignored_neighbour_and_the_unselected_pattern() ->
         ({"fusions": ["norm", 3]}, TypeError, r"`fusions` must hold pattern names"),
         ({"compile": "yes"}, TypeError, r"`compile` must be True or False, got 'yes' \(str\)"),
         ({"compile_kwargs": ["mode"]}, TypeError, r"`compile_kwargs` must be a dict .* got \['mode'\] \(list\)"),
+        # torch.compile checks these only when called, i.e. at the fit's setup: the plugin checks them here
+        ({"compile_kwargs": {"modes": "max-autotune"}}, ValueError, r"`compile_kwargs` must be .* 'modes'"),
+        ({"compile_kwargs": {"mode": "fastest"}}, ValueError, r"`compile_kwargs` .* Unrecognized mode=fastest"),
+        ({"compile_kwargs": {"backend": "no_such_backend"}}, ValueError, r"`compile_kwargs` .* Invalid backend"),
         ({"device": "gpu"}, ValueError, r"`device` must be a torch device type .* got 'gpu' \(str\)\. Use 'cuda'"),
         ({"device": "cuda:0"}, ValueError, r"`device` must be a torch device type .* without an index"),
         ({"device": 3}, TypeError, r"`device` must be a torch device type .* got 3 \(int\)"),
@@ -735,3 +741,151 @@ def test_the_report_releases_the_replaced_parameters() -> None:
     gc.collect()
     assert report.param_swaps and all(not old for old, _ in report.param_swaps)
     assert all(r() is None for r in olds)
+
+
+def test_plugin_accepts_the_compile_kwargs_torch_compile_accepts() -> None:
+    plugin = FusedPrecision("bf16-mixed", device="cpu", compile_kwargs={"backend": "eager", "dynamic": False})
+    assert plugin.compile_kwargs == {"backend": "eager", "dynamic": False}
+
+
+@pytest.mark.parametrize("optimizers", [[1], 5, "adam"])
+def test_apply_fusions_refuses_optimizers_that_are_not_optimizers(optimizers: object) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    with pytest.raises(TypeError, match=r"`optimizers` must be a `torch.optim.Optimizer` or a list of them") as info:
+        apply_fusions(model, optimizers=optimizers)
+    assert "\n" not in str(info.value)
+    assert not is_fused(model)  # refused before surgery
+
+
+def test_apply_fusions_takes_one_optimizer_and_patches_it() -> None:
+    torch.manual_seed(0)
+    model = GPT(vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=16)
+    opt = torch.optim.Adam(model.parameters())
+    apply_fusions(model, optimizers=opt)  # one optimizer, not a list: "'Adam' object is not iterable" before
+    qkv = model.get_submodule("blocks.0.attn.qkv_proj").weight
+    assert any(p is qkv for g in opt.param_groups for p in g["params"])
+
+
+@pytest.mark.parametrize("block", ["gpt", "gpt2"])
+def test_a_hook_on_a_fused_blocks_attention_sees_the_attention_output_alone(block: str) -> None:
+    """The fused GPT / GPT-2 block adds its residual inside the attention's output epilogue; a forward hook on the
+    attention module (capturing or ablating it) must still see and replace ``attn(x)``, not ``x + attn(x)``."""
+    from lightning_accel.models.gpt2 import GPT2Block
+    from lightning_accel.models.transformer import GPTBlock
+
+    torch.manual_seed(0)
+    ref = (GPTBlock(16, 4) if block == "gpt" else GPT2Block(16, 4)).eval()
+    fused = copy.deepcopy(ref)
+    apply_fusions(fused, backend="reference")
+    assert is_fused(fused) and is_fused(fused.attn)
+    x = torch.randn(2, 5, 16)
+    seen: dict[str, torch.Tensor] = {}
+    for tag, model in (("ref", ref), ("fused", fused)):
+        model.attn.register_forward_hook(lambda m, args, out, tag=tag: seen.__setitem__(tag, out.detach()))
+    torch.testing.assert_close(fused(x), ref(x), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(seen["fused"], seen["ref"], atol=1e-5, rtol=1e-5)
+    for model in (ref, fused):  # an ablation: the hook's return value replaces the attention output
+        model.attn.register_forward_hook(lambda m, args, out: torch.zeros_like(out))
+    torch.testing.assert_close(fused(x), ref(x), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ref(x), ref.mlp(ref.ln_2(x)) + x, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Dropout(0.0)),
+        lambda: nn.LayerNorm(8),
+        lambda: nn.RMSNorm(8),
+    ],
+    ids=["sequential", "layer_norm", "rms_norm"],
+)
+def test_a_fused_module_takes_its_input_by_the_original_keyword(make: Callable[[], nn.Module]) -> None:
+    """``nn.Sequential.forward(input)`` / ``nn.LayerNorm.forward(input)``: ``seq(input=x)`` raised a TypeError after
+    surgery (the fused forward named it ``x``)."""
+    torch.manual_seed(0)
+    ref = make()
+    fused = copy.deepcopy(ref)
+    apply_fusions(fused, backend="reference")
+    assert is_fused(fused)
+    original = original_class(fused).forward
+    assert list(inspect.signature(type(fused).forward).parameters) == list(inspect.signature(original).parameters)
+    x = torch.randn(2, 3, 8)
+    name = next(iter(list(inspect.signature(original).parameters)[1:]))
+    torch.testing.assert_close(fused(**{name: x}), ref(**{name: x}))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_rms_norm_without_eps_uses_the_epsilon_eager_uses(dtype: torch.dtype, backend: str) -> None:
+    """``nn.RMSNorm(eps=None)`` takes float32's epsilon for half inputs (``torch.rms_norm`` computes in float32); the
+    fused forward took the half type's own (bfloat16: 7.8e-3), off by up to half the output for small activations."""
+    torch.manual_seed(0)
+    ref = nn.RMSNorm(64, eps=None).to(dtype)
+    fused = copy.deepcopy(ref)
+    apply_fusions(fused, backend=backend)
+    x = (torch.randn(4, 64) * 0.05).to(dtype)  # mean square ~2.5e-3: an epsilon of 7.8e-3 dominates it
+    torch.testing.assert_close(fused(x), ref(x), atol=0, rtol=0)
+
+
+def test_rms_norm_without_eps_under_autocast_matches_eager() -> None:
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(64, 64), nn.RMSNorm(64, eps=None))
+    fused = copy.deepcopy(ref)
+    apply_fusions(fused)
+    x = torch.randn(4, 64) * 0.05
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.testing.assert_close(fused(x), ref(x), atol=0, rtol=0)
+
+
+def test_qkv_packing_with_a_factored_optimizer_state_starts_the_packed_state_fresh() -> None:
+    """``torch.optim.Adafactor`` keeps ``(rows, 1)`` and ``(1, cols)`` second moments: concatenating them along dim 0
+    made a ``(3, cols)`` column state next to q's ``(rows, 1)`` row state, and the next step failed on the shapes."""
+    torch.manual_seed(0)
+    model = GPT(vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=16, dropout=0.0)
+    opt = torch.optim.Adafactor(model.parameters(), lr=1e-2)
+    idx = torch.randint(0, 11, (2, 8))
+    model(idx).float().sum().backward()
+    opt.step()
+    opt.zero_grad()
+    apply_fusions(model, optimizers=[opt])
+    qkv = model.get_submodule("blocks.0.attn.qkv_proj")
+    assert not opt.state.get(qkv.weight)  # fresh: no element-wise state to carry over
+    ln = model.get_submodule("blocks.0.ln_1").weight
+    assert opt.state[ln]  # untouched parameters keep theirs
+    model(idx).float().sum().backward()
+    opt.step()  # raised "The size of tensor a (16) must match the size of tensor b (48)" before
+    assert opt.state[qkv.weight]["row_var"].shape == (48, 1)
+
+
+def test_qkv_packing_concatenates_element_wise_optimizer_state() -> None:
+    torch.manual_seed(0)
+    model = GPT(vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=16, dropout=0.0)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    model(torch.randint(0, 11, (2, 8))).float().sum().backward()
+    opt.step()
+    attn = model.get_submodule("blocks.0.attn")
+    parts = [opt.state[getattr(attn, n).weight]["momentum_buffer"].clone() for n in ("q_proj", "k_proj", "v_proj")]
+    apply_fusions(model, optimizers=[opt])
+    torch.testing.assert_close(opt.state[attn.qkv_proj.weight]["momentum_buffer"], torch.cat(parts))
+
+
+def test_a_slice_of_a_fused_sequential_runs_and_keeps_the_groups_inside_it() -> None:
+    """``nn.Sequential.__getitem__`` builds a slice as ``self.__class__(...)``: the swapped class without the plan,
+    whose forward raised ``AttributeError: 'FusedSequential' object has no attribute '_la_plan'``."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 3), nn.BatchNorm2d(4), nn.ReLU()
+    ).eval()
+    fused = copy.deepcopy(ref)
+    apply_fusions(fused, backend="reference")
+    x = torch.randn(2, 3, 10, 10)
+    inputs = {0: x, 1: ref[0](x), 3: ref[:3](x)}
+    for start, stop, groups in [(0, 3, {0: (3, "conv_bn_relu")}), (1, None, {2: (3, "conv_bn_relu")}), (0, 2, {})]:
+        part = fused[start:stop]
+        assert isinstance(part, FusedSequentialMixin) and part._la_plan == groups
+        assert all(m._la_backend == "reference" for m in [part] if groups)
+        torch.testing.assert_close(part(inputs[start]), ref[start:stop](inputs[start]), atol=1e-5, rtol=1e-5)
+    every_other = fused[::2]  # no whole group inside: runs its children one by one
+    assert every_other._la_plan == {}
+    # a container of the swapped class made any other way runs unfused rather than failing
+    torch.testing.assert_close(type(fused)(*list(ref)[:3])(x), ref[:3](x))
