@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 from lightning_accel._utils import compat, patching
+from lightning_accel._utils.checks import check_bool
 from lightning_accel._utils.triton import Backend, check_backend
 from lightning_accel.ops.activation import function_activation, module_activation
 from lightning_accel.precision import modules as fm
@@ -1038,9 +1039,10 @@ def apply_fusions(
 
     Raises:
         ValueError: for an unknown pattern name.
-        TypeError: for ``fusions`` of another type, ``ignore_modules`` that are not names or classes, or
-            ``optimizers`` that are not optimizers.
+        TypeError: for ``fusions`` of another type, ``ignore_modules`` that are not names or classes,
+            ``optimizers`` that are not optimizers, or a ``warn_if_empty`` that is not True or False.
     """
+    warn_if_empty = check_bool("warn_if_empty", warn_if_empty)
     ignore_modules = _ignore_list(ignore_modules)
     optimizers = _optimizer_list(optimizers)
     policy = _fusion_policy(fusions)

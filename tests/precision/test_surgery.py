@@ -757,6 +757,13 @@ def test_apply_fusions_refuses_optimizers_that_are_not_optimizers(optimizers: ob
     assert not is_fused(model)  # refused before surgery
 
 
+def test_apply_fusions_refuses_a_warn_if_empty_that_is_not_a_bool() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    with pytest.raises(TypeError, match=r"`warn_if_empty` must be True or False, got 'no'"):
+        apply_fusions(model, warn_if_empty="no")  # type: ignore[arg-type]  # a YAML/CLI string read as truthy
+    assert not is_fused(model)
+
+
 def test_apply_fusions_takes_one_optimizer_and_patches_it() -> None:
     torch.manual_seed(0)
     model = GPT(vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=16)
