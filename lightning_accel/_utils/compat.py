@@ -70,6 +70,8 @@ __all__ = [
     "jsonargparse_error_key",
     "jsonargparse_unknown_option",
     "jpeg_decode_ops",
+    "lightning_compiled_forward",
+    "logger_step",
     "jsonargparse_useful_line",
     "materialize_distributed_module",
     "model_checkpoint_setup_without_listing",
@@ -310,6 +312,25 @@ def compiled_call_impl(module: nn.Module) -> Callable[..., Any] | None:
     ``nn.Module._compiled_call_impl`` (since torch 2.2, with ``nn.Module.compile``).
     """
     return getattr(module, "_compiled_call_impl", None)
+
+
+def lightning_compiled_forward(module: nn.Module) -> Any:
+    """What ``trainer.fit(torch.compile(model))`` left on the LightningModule ``model``, or None: Lightning keeps the
+    compiled forward in the private ``_compiler_ctx`` (set by ``lightning.pytorch.utilities.compile``'s
+    ``from_compiled``; checked 2.4.0-2.6.6); no public attribute says a LightningModule runs compiled."""
+    return getattr(module, "_compiler_ctx", None)
+
+
+def logger_step(trainer: pl.Trainer) -> int:
+    """The step Lightning logs its own metrics at (``self.log``, ``LearningRateMonitor``, ``DeviceStatsMonitor``):
+    the batches that stepped the optimizers so far, once per batch whatever the number of optimizers.
+
+    Lightning keeps it only in the fit loop's private ``epoch_loop._batches_that_stepped`` (checked 2.4.0-2.6.6);
+    ``trainer.global_step`` counts optimizer steps instead (two per batch with two optimizers under manual
+    optimization). Where a future Lightning drops the counter, ``trainer.global_step``.
+    """
+    step = getattr(getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None), "_batches_that_stepped", None)
+    return int(step) if isinstance(step, int) else int(trainer.global_step)
 
 
 def set_compiled_call_impl(module: nn.Module, fn: Callable[..., Any]) -> None:

@@ -8,7 +8,9 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import os
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -72,15 +74,18 @@ class PerformanceMonitor(Callback):
     * **eval**: validation run inside ``fit``.
     * **throughput**: samples/s (batch size found by Lightning's ``extract_batch_size`` or ``samples_fn``),
       tokens/s when ``tokens_fn`` says how to count them.
-    * **MFU**: FLOPs of one training step counted once with ``torch.utils.flop_counter`` (the second batch; that step
-      is excluded from timings), over the device's peak for the trainer's precision (Lightning's table on CUDA, or
+    * **MFU**: FLOPs of one training step counted once per ``fit`` with ``torch.utils.flop_counter`` (the second
+      batch; that step is excluded from timings; a resumed fit keeps its checkpoint's count, a step that raised inside
+      the count leaves none), over the device's peak for the trainer's precision (Lightning's table on CUDA, or
       ``peak_flops``).
     * **GPU utilisation and memory**: NVML (``pip install nvidia-ml-py``), sampled only when logging.
 
     Logging: every ``log_every_n_steps`` steps, rank 0 sends window means to the trainer's loggers
-    (``perf/data_s``, ``perf/compute_s``, ``perf/step_s``, ``perf/data_frac``, ``perf/samples_per_s``, ...). At the
-    end of ``fit`` the totals are averaged over ranks, and rank 0 prints the report and writes it as JSON
-    (``perf_report.json`` in the trainer's ``log_dir``). The report is also kept in :attr:`report`.
+    (``perf/data_s``, ``perf/compute_s``, ``perf/step_s``, ``perf/data_frac``, ``perf/samples_per_s``, ...), on the
+    step axis of the run's own ``self.log`` metrics (Lightning's batches that stepped, not ``trainer.global_step``,
+    which counts every optimizer's steps). At the end of ``fit`` the totals are averaged over ranks, and rank 0
+    prints the report and writes it as JSON (``perf_report.json`` in the trainer's ``log_dir``). The report is also
+    kept in :attr:`report`.
 
     Overhead: two clock reads and a batch-size lookup per step; see ``benchmarks/monitor_overhead.py``.
 
@@ -94,12 +99,13 @@ class PerformanceMonitor(Callback):
         samples_fn: ``batch -> number of samples`` (None: Lightning's batch-size extraction).
         tokens_fn: ``batch -> number of tokens`` for tokens/s (None: not reported).
         nvml: sample GPU utilisation and memory through NVML when available.
-        report_path: where to write the JSON report, a local path or an fsspec URL such as ``s3://bucket/run.json``
-            (None: ``<log_dir>/perf_report.json``; ``""``: do not write); the PNG goes beside it with the suffix
-            ``.png``. Checked here: a file name, never an existing directory, never a ``.png`` name (the picture
-            would overwrite the report). A file already at either place that the monitor did not write (neither a
-            report of its own, nor a picture it drew, nor a file this instance wrote) is never overwritten: that
-            file is skipped, with one warning naming it.
+        report_path: where to write the JSON report, a local path (a leading ``~`` is the home directory) or an fsspec
+            URL such as ``s3://bucket/run.json`` (None: ``<log_dir>/perf_report.json``; ``""``: do not write); the PNG
+            goes beside it with the suffix ``.png``. Checked here: a file name, never an existing directory nor a
+            directory's spelling (``runs/``), never a ``.png`` name (the picture would overwrite the report). A file
+            already at either place that the monitor did not write (neither a report of its own, nor a picture it
+            drew, nor a file this instance wrote) is never overwritten: that file is skipped, with one warning naming
+            it.
         verbose: print the report on rank 0.
         clock: override the segment clock (tests inject a fake one).
         span_clock: override the clock for validation/checkpoint spans (tests).
@@ -138,6 +144,12 @@ class PerformanceMonitor(Callback):
         peak_flops = check_number(
             "peak_flops", peak_flops, low=0, low_open=True, allow_none=True, fix="Pass the device's FLOP/s."
         )
+        if peak_flops is not None and math.isinf(peak_flops):  # every MFU would be 0
+            raise ValueError(
+                f"`peak_flops` must be a finite number > 0 or None, got {peak_flops}. Pass the device's FLOP/s "
+                "(e.g. 989e12, an H100's dense bf16 peak), or None to leave MFU out on a device Lightning's table "
+                "does not know."
+            )
         check_callable("samples_fn", samples_fn, "a function `batch -> number of samples`")
         check_callable("tokens_fn", tokens_fn, "a function `batch -> number of tokens`")
         self.log_every_n_steps = log_every_n_steps
@@ -158,7 +170,7 @@ class PerformanceMonitor(Callback):
         self._nvml_last: dict[str, float] = {}
         self._every = 50
         self._save_patch: Patch | None = None
-        self._ddp_prev: tuple[int, float] | None = None  # (DDP iterations seen, exposed comm per step)
+        self._ddp_timed: weakref.ref[Any] | None = None  # the DDP module asked to time itself in this fit
         self._peak_cache: tuple[float | None] | None = None
         self._log_dir: str | None = None
         self._epochs: list[TimerTotals] = []  # per epoch, this rank's totals (reduced at the end of fit)
@@ -180,6 +192,11 @@ class PerformanceMonitor(Callback):
             clock = CudaEventClock(device) if device.type == "cuda" else HostClock()
         self.timer = StepTimer(clock=clock, span_clock=self._span_clock or HostClock(), skip_steps=self.skip_steps)
         self.report = None
+        # counted again for this fit's model and batch (a count of an earlier fit of this instance is another model's);
+        # a resumed fit gets its checkpoint's count back in `load_state_dict`, which Lightning calls after `setup`
+        self._flops.cancel()
+        self._flops.flops = None
+        self._ddp_timed = None  # a DDP module of an earlier fit says nothing about this one
         self._peak_cache = None
         self._epochs, self._epoch_numbers = [], []
         self._epoch_mark = TimerTotals()
@@ -231,7 +248,9 @@ class PerformanceMonitor(Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._flops.stop()  # never leave a dispatch mode active after a crash
+        # never leave a dispatch mode active after a crash; a step that crashed inside the count (an OOM in backward)
+        # has no FLOP total: dropped, so that neither MFU nor a checkpoint saved now (OnExceptionCheckpoint) keep half
+        self._flops.cancel()
         self._unwrap_save_checkpoint(trainer)
 
     # -- the loop ------------------------------------------------------------------------------------------------
@@ -320,16 +339,17 @@ class PerformanceMonitor(Callback):
         self._init_ddp_timing(trainer)
 
     def _init_ddp_timing(self, trainer: pl.Trainer) -> None:
-        if self._ddp_prev is not None:
-            return
+        """Ask this fit's DDP module to time itself: once per module, so also a model wrapped again during the fit
+        (StructuredPruning) or in a later fit of this instance, never a module of an earlier fit only."""
         model = getattr(trainer.strategy, "model", None)
+        if model is None or (self._ddp_timed is not None and self._ddp_timed() is model):
+            return
         if compat.set_ddp_runtime_logging_sample_rate(model, _DDP_TIMING_SAMPLE_RATE):
-            self._ddp_prev = (0, 0.0)
+            self._ddp_timed = weakref.ref(model)
 
     def _ddp_exposed_comm(self, trainer: pl.Trainer) -> float | None:
         """Seconds per step of DDP gradient communication not hidden behind backward, from DDP's own timers."""
-        if self._ddp_prev is None:
-            self._init_ddp_timing(trainer)
+        self._init_ddp_timing(trainer)
         d = compat.ddp_logging_data(getattr(trainer.strategy, "model", None))
         if d is None:
             return None
@@ -367,7 +387,7 @@ class PerformanceMonitor(Callback):
             self._nvml_last = self._sampler.sample()
             metrics.update({f"perf/{k}": v for k, v in self._nvml_last.items()})
         for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+            logger.log_metrics(metrics, step=compat.logger_step(trainer))
 
     def _peak(self, trainer: pl.Trainer) -> float | None:
         if self.peak_flops is not None:
@@ -394,6 +414,7 @@ class PerformanceMonitor(Callback):
             )
             return
         ios = _checkpoint_io_layers(trainer.strategy.checkpoint_io)
+        dm = getattr(trainer, "datamodule", None)  # set by `fit(datamodule=...)`; not declared on the Trainer class
         context: dict[str, Any] = {
             "precision": str(trainer.precision),
             "num_workers": _num_workers(trainer),
@@ -404,9 +425,14 @@ class PerformanceMonitor(Callback):
             # without being an AsyncCheckpointIO (`DeltaCheckpointIO(async_save=True)`)
             "checkpoint_io": [c.__name__ for io in ios for c in type(io).__mro__],
             "checkpoint_async": any(getattr(io, "async_save", False) is True for io in ios),
+            # the data module's class names (a CachedDataModule subclass counts), the device type, and whether the
+            # model already runs compiled: the advice leaves out what is already on, and GPU work on a CPU run
+            "datamodule": [c.__name__ for c in type(dm).__mro__] if dm is not None else [],
+            "device": trainer.strategy.root_device.type,
+            "compiled": _is_compiled(pl_module),
         }
         extras: dict[str, Any] = {"world_size": trainer.world_size, "device": str(trainer.strategy.root_device)}
-        if self._ddp_prev is not None:
+        if self._ddp_timed is not None:
             extras["comm_source"] = "DDP runtime stats (exposed backward allreduce)"
         if self._sampler is not None:
             extras.update({f"last_{k}": round(v, 2) for k, v in (self._sampler.sample() or self._nvml_last).items()})
@@ -428,7 +454,7 @@ class PerformanceMonitor(Callback):
         if r.mfu is not None:
             summary["perf/report/mfu"] = r.mfu
         for logger in trainer.loggers:
-            logger.log_metrics(summary, step=trainer.global_step)
+            logger.log_metrics(summary, step=compat.logger_step(trainer))
         self._log_epoch_scalars(trainer, r.epochs)
         path = self._report_file()
         written = ""
@@ -544,7 +570,17 @@ def _check_report_path(value: Any) -> str | None:
             f'`report_path` must be a file path or URL (a string), None or "", got {value!r} ({type(value).__name__}). '
             "E.g. `report_path='runs/perf_report.json'`."
         )
-    path = os.fspath(value)
+    # `~/runs/r.json` (a YAML config, a quoted argument) is the home directory's, as for Lightning's checkpoint dirpath;
+    # unexpanded it became a folder named `~` in the working directory
+    path = os.path.expanduser(os.fspath(value))
+    name = path.rstrip("/" + os.sep).rpartition("/")[2].rpartition(os.sep)[2]
+    if path and (path.endswith(("/", os.sep)) or name in ("", ".", "..")):
+        # a directory's spelling: the report would land as a file named like the directory, and the picture beside
+        # it (`<dir>/.png`) fail after the whole fit
+        raise ValueError(
+            f"`report_path` must name a file, got {path!r}, which names a directory. Name the file, e.g. "
+            f"{path + ('' if path.endswith(('/', os.sep)) else '/') + 'perf_report.json'!r}."
+        )
     if path and is_local_url(path) and os.path.isdir(strip_file_scheme(path)):
         raise ValueError(
             f"`report_path` must be a file path, got {path!r}, an existing directory. "
@@ -659,6 +695,21 @@ def _ranks_per_batch(trainer: pl.Trainer) -> int:
     return share if 1 <= share <= world and world % share == 0 else 1
 
 
+def _is_compiled(module: torch.nn.Module) -> bool:
+    """Whether ``module`` already runs under ``torch.compile``: ``trainer.fit(torch.compile(model))`` (Lightning
+    keeps the compiled forward on the module), a compiled submodule (an ``OptimizedModule`` child), or
+    ``nn.Module.compile()`` in place."""
+    if compat.lightning_compiled_forward(module) is not None:
+        return True
+    for m in module.modules():
+        if compat.compiled_call_impl(m) is not None:
+            return True
+        # by class name: importing torch._dynamo to check isinstance costs seconds in a run that never compiled
+        if any(c.__name__ == "OptimizedModule" for c in type(m).__mro__):
+            return True
+    return False
+
+
 def _checkpoint_io_layers(io: Any) -> list[Any]:
     """``io`` and every checkpoint IO it wraps (``AsyncCheckpointIO(x)`` wraps ``x`` as its ``checkpoint_io``),
     outermost first."""
@@ -732,7 +783,8 @@ class CudaMemoryManager(Callback):
         log_every_n_steps: logging window (None: the trainer's ``log_every_n_steps``).
         release_threshold: fragmentation above which cached blocks are released (None: never).
         release_min_reserved_gb: only release when at least this much is reserved (>= 0).
-        snapshot_dir: where OOM snapshots go (None: the trainer's ``log_dir`` or ``default_root_dir``).
+        snapshot_dir: where OOM snapshots go, a local directory (a leading ``~`` is the home directory) or an fsspec
+            URL (None: the trainer's ``log_dir`` or ``default_root_dir``).
         record_history: record allocation stack traces for richer snapshots.
         max_history_entries: ring-buffer size of the history when ``record_history`` (>= 1).
     """
@@ -778,7 +830,8 @@ class CudaMemoryManager(Callback):
         self.log_every_n_steps = log_every_n_steps
         self.release_threshold = release_threshold
         self.release_min_reserved_bytes = int(release_min_reserved_gb * (1 << 30))
-        self.snapshot_dir = os.fspath(snapshot_dir) if snapshot_dir is not None else None
+        # `~` is the home directory (as for the report path and Lightning's checkpoint dirpath), not a folder named `~`
+        self.snapshot_dir = os.path.expanduser(os.fspath(snapshot_dir)) if snapshot_dir is not None else None
         self.record_history = record_history
         self.max_history_entries = max_history_entries
         self.applied: AppliedSettings | None = None
@@ -838,7 +891,7 @@ class CudaMemoryManager(Callback):
                 if self._batches % self._every == 0 and trainer.is_global_zero:
                     host = host_memory_stats()
                     for logger in trainer.loggers:
-                        logger.log_metrics(host, step=trainer.global_step)
+                        logger.log_metrics(host, step=compat.logger_step(trainer))
             return
         self._batches += 1
         if self._batches % self._every != 0:
@@ -853,7 +906,7 @@ class CudaMemoryManager(Callback):
             metrics["mem/releases"] = float(self.releases)
         if trainer.is_global_zero:
             for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=trainer.global_step)
+                logger.log_metrics(metrics, step=compat.logger_step(trainer))
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:

@@ -35,7 +35,8 @@ def precision_dtype(precision: str | None) -> torch.dtype:
 class StepFlopCounter:
     """Counts FLOPs between :meth:`start` and :meth:`stop` (one training step: forward, backward, optimizer).
 
-    Safe to call :meth:`stop` twice or without :meth:`start` (e.g. from an exception handler).
+    Safe to call :meth:`stop` twice or without :meth:`start`. A step that did not finish (an exception inside it)
+    is :meth:`cancel`-led instead: its partial count (a forward without its backward) is not a step's FLOPs.
     """
 
     def __init__(self) -> None:
@@ -63,3 +64,11 @@ class StepFlopCounter:
         mode.__exit__(None, None, None)
         self.flops = int(mode.get_total_flops())
         return self.flops
+
+    def cancel(self) -> None:
+        """Stop counting and drop what was counted since :meth:`start` (the step did not finish); :attr:`flops`
+        keeps its earlier value (None when nothing was counted before). Safe without :meth:`start`."""
+        if self._mode is None:
+            return
+        mode, self._mode = self._mode, None
+        mode.__exit__(None, None, None)

@@ -33,21 +33,34 @@ def verdict_text(dominant: str, shares: Mapping[str, float], context: Mapping[st
             ``precision_plugin``, ``strategy`` and ``checkpoint_io`` (their class names with their bases', the
             checkpoint IO's with those of the IOs it wraps: the advice leaves out what is already on), and
             ``checkpoint_async`` (the checkpoint IO already writes in the background without being an
-            ``AsyncCheckpointIO``, e.g. ``DeltaCheckpointIO(async_save=True)``).
+            ``AsyncCheckpointIO``, e.g. ``DeltaCheckpointIO(async_save=True)``), ``datamodule`` (the trainer's data
+            module class names with their bases': a ``CachedDataModule`` is not advised to itself), ``device`` (the
+            device type: GPU augmentation is not advised to a CPU run) and ``compiled`` (the model already runs
+            under ``torch.compile``: not advised again).
     """
     p = _pct(shares.get(dominant, 0.0))
     workers = context.get("num_workers")
     if dominant == "data":
         w = f" (now {workers})" if workers is not None else ""
+        if "CachedDataModule" in context.get("datamodule", ()):
+            # it already decodes once and augments on the device: what is left is its own knobs
+            return (
+                f"{p} of step time waits for data, already read through CachedDataModule: raise num_workers{w} for "
+                "the cold epochs (they decode every sample once), or give the cache's RAM tier room (ram_bytes) so "
+                "that warm epochs read from memory."
+            )
+        gpu = "" if context.get("device") == "cpu" else "; move per-sample augmentation to the GPU"
         return (
             f"{p} of step time waits for data: use CachedDataModule (decode once, read cached tensors) "
-            f"or raise num_workers{w}; move per-sample augmentation to the GPU."
+            f"or raise num_workers{w}{gpu}."
         )
     if dominant == "compute":
         m = context.get("mfu")
         mtxt = f" at {_pct(m)} MFU" if isinstance(m, float) else ""
         prec = context.get("precision")
         fixes = ["torch.compile", "a larger batch per device"]
+        if context.get("compiled"):  # the model already runs compiled
+            fixes.remove("torch.compile")
         # advise what is not already on: a reduced precision first, then the fused kernels
         if not (prec and "16" in str(prec)):
             ptxt = f" (precision now {prec})" if prec else ""

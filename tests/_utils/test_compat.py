@@ -173,6 +173,45 @@ def test_lightning_cli_hyper_parameter_keys_are_still_used() -> None:
     )
 
 
+def test_lightning_still_keeps_its_logging_step_and_compiled_forward() -> None:
+    import inspect
+
+    from lightning.pytorch.loops import training_epoch_loop
+    from lightning.pytorch.utilities import compile as lightning_compile
+
+    assert "self._batches_that_stepped" in inspect.getsource(training_epoch_loop), (
+        f"Lightning's epoch loop no longer counts `_batches_that_stepped` ({VERSIONS}); update "
+        "lightning_accel._utils.compat.logger_step."
+    )
+    assert "_compiler_ctx" in inspect.getsource(lightning_compile), (
+        f"Lightning no longer keeps a compiled module's `_compiler_ctx` ({VERSIONS}); update "
+        "lightning_accel._utils.compat.lightning_compiled_forward."
+    )
+
+
+def test_logger_step_is_the_batches_that_stepped(tmp_path: Path) -> None:
+    class TwoOptimizers(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            self.a, self.b = nn.Linear(2, 1), nn.Linear(2, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            for opt, layer in zip(self.optimizers(), (self.a, self.b), strict=True):
+                opt.zero_grad()
+                self.manual_backward(layer(batch[0]).sum())
+                opt.step()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.a.parameters(), 0.1), torch.optim.SGD(self.b.parameters(), 0.1)
+
+    trainer = pl.Trainer(
+        max_steps=6, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False
+    )
+    trainer.fit(TwoOptimizers(), DataLoader(TensorDataset(torch.randn(8, 2)), batch_size=2))
+    assert trainer.global_step == 6 and compat.logger_step(trainer) == 3  # two optimizer steps per batch
+
+
 def test_lightning_cli_still_keeps_its_subcommand_parsers() -> None:
     import inspect
 

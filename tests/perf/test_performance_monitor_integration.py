@@ -157,6 +157,16 @@ def test_bad_arguments() -> None:
         ({"samples_fn": 5}, TypeError, "`samples_fn` must be a function `batch -> number of samples` or None, got 5"),
         ({"tokens_fn": "len"}, TypeError, "`tokens_fn` must be a function"),
         ({"report_path": 123}, TypeError, "`report_path` must be a file path or URL \\(a string\\).*got 123 \\(int\\)"),
+        ({"peak_flops": float("inf")}, ValueError, "^`peak_flops` must be a finite number > 0 or None, got inf"),
+        # a directory's spelling: the report landed as a file named like the directory, and the picture beside it
+        # (`runs/.png`) failed with FileExistsError after the whole fit
+        (
+            {"report_path": "runs/"},
+            ValueError,
+            r"^`report_path` must name a file, got 'runs/', which names a directory\. .*'runs/perf_report\.json'",
+        ),
+        ({"report_path": "memory://bucket/"}, ValueError, "e\\.g\\. 'memory://bucket/perf_report\\.json'"),
+        ({"report_path": "."}, ValueError, "`report_path` must name a file, got '\\.'"),
         # the picture goes to `<report minus suffix>.png`: a .png report would be overwritten by it
         (
             {"report_path": "runs/run.PNG"},
@@ -332,3 +342,241 @@ def test_a_file_the_monitor_did_not_write_is_never_overwritten(tmp_path: Path) -
     assert not [w for w in caught if "PerformanceMonitor" in str(w.message)]
     assert json.loads((tmp_path / "run.json").read_text())["steps"] == 6
     assert mon2.png_path == str(tmp_path / "run.png")
+
+
+class TwoOptimizers(TimedModule):
+    """Manual optimization with two optimizers (SGD with momentum, AdamW): `trainer.global_step` moves by 2 a batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.other = torch.nn.Linear(8, 2)
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        for opt, layer in zip(self.optimizers(), (self.lin, self.other), strict=True):
+            loss = torch.nn.functional.cross_entropy(layer(x), y)
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+        self.log("train_loss", loss)
+
+    def configure_optimizers(self) -> Any:
+        return (
+            torch.optim.SGD(self.lin.parameters(), lr=0.1, momentum=0.9),
+            torch.optim.AdamW(self.other.parameters(), lr=1e-2),
+        )
+
+
+def _csv_steps(path: Path, column: str) -> list[int]:
+    with open(path, newline="") as f:
+        return [int(r["step"]) for r in csv.DictReader(f) if r.get(column)]
+
+
+def test_perf_and_memory_metrics_share_lightning_step_axis(tmp_path: Path) -> None:
+    """`perf/*` and `mem/*` go on the step axis of the run's own `self.log` metrics (Lightning's batches that stepped,
+    as LearningRateMonitor uses), not `trainer.global_step`: with two optimizers that counts 2 a batch, and it is one
+    ahead at `on_train_batch_end`, so the monitor's lines were drawn at 8, 12, 16 beside a loss at 1, 3, 5, 7."""
+    from lightning_accel.callbacks import CudaMemoryManager
+
+    logger = CSVLogger(tmp_path, name="logs")
+    mon = PerformanceMonitor(log_every_n_steps=2, skip_steps=1, count_flops=False, report_path="", verbose=False)
+    mem = CudaMemoryManager(log_every_n_steps=2)
+    trainer = pl.Trainer(
+        accelerator="cpu", max_epochs=1, limit_train_batches=8, log_every_n_steps=2, logger=logger,
+        callbacks=[mon, mem], enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    train, _ = loaders(None, 0.0)
+    trainer.fit(TwoOptimizers(), train)
+    assert trainer.global_step == 16
+    metrics = Path(logger.log_dir) / "metrics.csv"
+    loss = _csv_steps(metrics, "train_loss")
+    assert loss == [1, 3, 5, 7]
+    assert _csv_steps(metrics, "perf/step_s") == loss  # a window every 2 batches, beside the loss
+    if not torch.cuda.is_available():
+        assert _csv_steps(metrics, "mem/host_rss_gb") == loss
+    assert _csv_steps(metrics, "perf/report/step_s") == [8]  # the summary: after the last of the 8 batches
+
+
+class TwoLayers(TimedModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.pre(x))
+
+
+def test_each_fit_counts_its_own_flops_and_a_resume_keeps_the_checkpoints(tmp_path: Path) -> None:
+    """A monitor reused for a second fit reported the first model's FLOPs (and MFU); a resumed fit still takes the
+    count from its checkpoint (restored after `setup`), so the slow counted step is not paid again."""
+    mon = PerformanceMonitor(verbose=False, report_path="")
+    _quick_fit(mon)
+    assert mon.report is not None and mon.report.flops_per_step == 256  # Linear(8, 2), batch 4: 2 x 2 x 4 x 8 x 2
+    trainer = pl.Trainer(
+        accelerator="cpu", max_epochs=1, limit_train_batches=6, limit_val_batches=0, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[mon],
+    )  # fmt: skip
+    train, _ = loaders(None, 0.0)
+    trainer.fit(TwoLayers(), train)
+    # + Linear(8, 8): forward 2 x 4 x 8 x 8 = 512, weight grad 512; and the grad of its output through Linear(8, 2)
+    assert mon.report is not None and mon.report.flops_per_step == 256 + 128 + 2 * 512
+    ckpt = tmp_path / "one.ckpt"
+    trainer.save_checkpoint(ckpt)
+    state = torch.load(ckpt, weights_only=False)
+    state["callbacks"]["PerformanceMonitor"]["flops_per_step"] = 999  # what a resume must keep
+    torch.save(state, ckpt)
+    resumed = PerformanceMonitor(verbose=False, report_path="")
+    trainer = pl.Trainer(
+        accelerator="cpu", max_epochs=2, limit_train_batches=6, limit_val_batches=0, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[resumed],
+    )  # fmt: skip
+    trainer.fit(TwoLayers(), train, ckpt_path=str(ckpt))
+    assert resumed.report is not None and resumed.report.flops_per_step == 999
+
+
+def test_a_crash_inside_the_counted_step_keeps_no_partial_count(tmp_path: Path) -> None:
+    """An exception inside the FLOP-counted step (an OOM in backward) left the forward's FLOPs as the step's count,
+    and `OnExceptionCheckpoint` saved that half count into the checkpoint for every resume."""
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    mon = PerformanceMonitor(report_path="", verbose=False)
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=5, logger=False, limit_val_batches=0, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[mon, OnExceptionCheckpoint(tmp_path, "crash")],
+    )  # fmt: skip
+    train, _ = loaders(None, 0.0)
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit(CrashAfterForward(), train)
+    assert mon._flops.flops is None and not mon._flops.active
+    assert torch.load(tmp_path / "crash.ckpt", weights_only=False)["callbacks"]["PerformanceMonitor"] == {
+        "flops_per_step": None
+    }
+
+
+class CrashAfterForward(TimedModule):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if batch_idx == 1:  # the FLOP-counted step, after its forward
+            raise RuntimeError("boom")
+        return loss
+
+
+class Starve(Callback):
+    """Every gap before a batch takes ``s`` virtual seconds (listed before the monitor: its clock reads after)."""
+
+    def __init__(self, vt: VirtualTime, s: float) -> None:
+        self.vt, self.s = vt, s
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.vt.advance(self.s)
+
+
+def _verdict(tmp_path: Path, model: pl.LightningModule, vt: VirtualTime, starve_s: float, **fit_kw: Any) -> str:
+    mon = PerformanceMonitor(
+        clock=HostClock(vt), span_clock=HostClock(vt), count_flops=False, report_path="", verbose=False
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu", max_epochs=1, limit_train_batches=5, limit_val_batches=0, logger=False,
+        default_root_dir=tmp_path, callbacks=[Starve(vt, starve_s), mon], enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(model, **fit_kw)
+    assert mon.report is not None
+    return mon.report.verdict
+
+
+def test_data_advice_leaves_out_the_cached_data_module_in_use_and_gpu_work_on_a_cpu_run(tmp_path: Path) -> None:
+    """A data-bound CPU run reading through CachedDataModule was told to use CachedDataModule and to move its
+    augmentation to the GPU (it already augments on the device, and there is no GPU); a plain loader on the CPU is
+    still pointed at CachedDataModule and num_workers, without the GPU."""
+    from lightning_accel.datasets import DigitsCachedDataModule
+
+    vt = VirtualTime()
+    dm = DigitsCachedDataModule(
+        str(tmp_path / "digits"), digits_size=8, num_images=40, image_size=8, batch_size=8, num_workers=0,
+        cache_dir=str(tmp_path / "cache"), ram_bytes=0, val_fraction=0.2, mean=(0.5,) * 3, std=(0.5,) * 3,
+    )  # fmt: skip
+
+    class Digits(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(3 * 8 * 8, 10)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            vt.advance(0.01)
+            return torch.nn.functional.cross_entropy(self.lin(x.flatten(1)), y)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    cached = _verdict(tmp_path, Digits(), vt, 0.1, datamodule=dm)
+    assert "already read through CachedDataModule" in cached and "num_workers (now 0)" in cached
+    assert "use CachedDataModule" not in cached and "GPU" not in cached
+    vt = VirtualTime()
+    train, _ = loaders(vt, 0.0)
+    plain = _verdict(tmp_path, TimedModule(vt, compute_s=0.01), vt, 0.1, train_dataloaders=train)
+    assert "use CachedDataModule" in plain and "raise num_workers (now 0)" in plain and "GPU" not in plain
+
+
+def test_compute_advice_leaves_out_torch_compile_for_a_compiled_model(tmp_path: Path) -> None:
+    """`trainer.fit(torch.compile(model))` was still advised torch.compile; so were a compiled submodule and
+    `nn.Module.compile()` (the eager backend: compiled, without a C++ toolchain)."""
+    vt = VirtualTime()
+    train, _ = loaders(vt, 0.0)
+    plain = _verdict(tmp_path, TimedModule(vt, compute_s=0.05), vt, 0.0, train_dataloaders=train)
+    assert "torch.compile" in plain
+    compiled = torch.compile(TimedModule(vt, compute_s=0.05), backend="eager")
+    verdict = _verdict(tmp_path, compiled, vt, 0.0, train_dataloaders=train)  # type: ignore[arg-type]
+    assert "of step time is compute" in verdict and "torch.compile" not in verdict
+    assert "a larger batch per device" in verdict
+
+    from lightning_accel.perf.callbacks import _is_compiled
+
+    inner = TimedModule()
+    inner.lin = torch.compile(inner.lin, backend="eager")  # type: ignore[assignment]
+    in_place = TimedModule()
+    in_place.compile(backend="eager")
+    assert _is_compiled(inner) and _is_compiled(in_place) and not _is_compiled(TimedModule())
+
+
+def test_ddp_timing_is_asked_of_each_fits_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The request that DDP time its allreduce went to the first fit's module only: a later fit of the same monitor
+    (or a model wrapped again) kept DDP's default sampling, and a later single-device fit still reported its comm
+    as measured by DDP's runtime stats."""
+    from lightning_accel._utils import compat
+
+    asked: list[int] = []
+    real = compat.set_ddp_runtime_logging_sample_rate
+
+    def pretend_ddp(model: Any, rate: int) -> bool:  # every model answers as a DDP module would
+        asked.append(id(model))
+        return True
+
+    mon = PerformanceMonitor(skip_steps=1, count_flops=False, report_path="", verbose=False)
+    monkeypatch.setattr(compat, "set_ddp_runtime_logging_sample_rate", pretend_ddp)
+    first = _quick_fit(mon)
+    second = _quick_fit(mon)
+    assert asked and set(asked) == {id(first.strategy.model), id(second.strategy.model)}
+    assert len(asked) == 2  # once per module, not at every flush
+    assert mon.report is not None and "comm_source" in mon.report.extras
+    monkeypatch.setattr(compat, "set_ddp_runtime_logging_sample_rate", real)
+    _quick_fit(mon)  # a single-device model: not DDP
+    assert mon.report is not None and "comm_source" not in mon.report.extras
+
+
+def test_a_leading_tilde_is_the_home_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`report_path="~/runs/r.json"` (a YAML config does not expand it) wrote into a folder named `~` in the working
+    directory; it is the home directory, as for Lightning's checkpoint `dirpath`. The same for OOM snapshots."""
+    from lightning_accel.callbacks import CudaMemoryManager
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    mon = PerformanceMonitor(skip_steps=1, count_flops=False, verbose=False, report_path="~/runs/r.json")
+    assert mon.report_path == str(tmp_path / "home" / "runs" / "r.json")
+    _quick_fit(mon)
+    assert json.loads((tmp_path / "home" / "runs" / "r.json").read_text())["steps"] == 5
+    assert not (tmp_path / "~").exists()
+    assert CudaMemoryManager(snapshot_dir="~/snaps").snapshot_dir == str(tmp_path / "home" / "snaps")
+    assert CudaMemoryManager(snapshot_dir="s3://b/snaps").snapshot_dir == "s3://b/snaps"

@@ -190,6 +190,15 @@ def test_verdict_advises_only_what_is_not_already_on() -> None:
         compute, context={"precision": "bf16-mixed", "precision_plugin": ["MyFused", "FusedPrecision"]}
     ).verdict
     assert "FusedPrecision" not in fused and "torch.compile, a larger batch per device." in fused
+    compiled = build_report(compute, context={"precision": "32-true", "compiled": True}).verdict
+    assert "torch.compile" not in compiled and "a larger batch per device." in compiled
+    data = _totals(data=9.0, compute=1.0)
+    assert "augmentation to the GPU" in build_report(data, context={"device": "cuda"}).verdict
+    on_cpu = build_report(data, context={"device": "cpu", "num_workers": 2}).verdict
+    assert "use CachedDataModule" in on_cpu and "num_workers (now 2)" in on_cpu and "GPU" not in on_cpu
+    cached = build_report(data, context={"datamodule": ["MyData", "CachedDataModule"], "device": "cuda"}).verdict
+    assert "already read through CachedDataModule" in cached and "use CachedDataModule" not in cached
+    assert "GPU" not in cached
     comm = _totals(compute=1.0, comm=3.0)
     onebit = build_report(comm, context={"strategy": ["OneBitDDPStrategy", "DDPStrategy"]}).verdict
     assert "already 1-bit compressed" in onebit and "strategy='diloco'" in onebit and "ddp_1bit" not in onebit
