@@ -26,6 +26,7 @@ from lightning_accel._utils.atomic import atomic_write_bytes, atomic_write_text,
 from lightning_accel._utils.checks import check_bool, check_callable, check_int, check_number
 from lightning_accel._utils.forksafe import cuda_available
 from lightning_accel._utils.fs import FileStore
+from lightning_accel._utils.levers import find_levers
 from lightning_accel._utils.patching import Patch, patch
 from lightning_accel._utils.paths import safe_join
 from lightning_accel._utils.rank import global_rank
@@ -430,6 +431,9 @@ class PerformanceMonitor(Callback):
             "datamodule": [c.__name__ for c in type(dm).__mro__] if dm is not None else [],
             "device": trainer.strategy.root_device.type,
             "compiled": _is_compiled(pl_module),
+            # whether a lever strategy (`ddp_1bit`) changes training at the end of the fit: compressing, not still in
+            # its fp32 warm-up or kept at fp32 by `compression="auto"`
+            "strategy_lever_active": any(lv.lever_active for lv in find_levers([trainer.strategy])),
         }
         extras: dict[str, Any] = {"world_size": trainer.world_size, "device": str(trainer.strategy.root_device)}
         if self._ddp_timed is not None:

@@ -73,6 +73,13 @@ def verdict_text(dominant: str, shares: Mapping[str, float], context: Mapping[st
         )
     if dominant == "comm":
         if "OneBitDDPStrategy" in context.get("strategy", ()):
+            if not context.get("strategy_lever_active", True):
+                return (
+                    f"{p} of step time is exposed gradient communication, averaged in fp32 by ddp_1bit when the run "
+                    "ended (its warm-up had not ended, or compression='auto' measured fp32 faster on this link): "
+                    "accumulate gradients over more batches or use a faster interconnect; if the warm-up never ended, "
+                    "a longer run or fewer `warmup_steps`."
+                )
             return (
                 f"{p} of step time is exposed gradient communication, already 1-bit compressed: on a slow link use "
                 "local steps (strategy='diloco'), accumulate gradients over more batches, or a faster interconnect."

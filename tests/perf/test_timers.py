@@ -202,6 +202,11 @@ def test_verdict_advises_only_what_is_not_already_on() -> None:
     comm = _totals(compute=1.0, comm=3.0)
     onebit = build_report(comm, context={"strategy": ["OneBitDDPStrategy", "DDPStrategy"]}).verdict
     assert "already 1-bit compressed" in onebit and "strategy='diloco'" in onebit and "ddp_1bit" not in onebit
+    # a run that ended in ddp_1bit's fp32 warm-up (or with `compression="auto"` keeping fp32) compressed nothing
+    fp32 = build_report(
+        comm, context={"strategy": ["OneBitDDPStrategy", "DDPStrategy"], "strategy_lever_active": False}
+    ).verdict
+    assert "averaged in fp32 by ddp_1bit" in fp32 and "already 1-bit compressed" not in fp32
     ckpt = _totals(compute=1.0, checkpoint=3.0)
     plain = build_report(ckpt, context={"checkpoint_io": ["TorchCheckpointIO", "CheckpointIO"]}).verdict
     assert "AsyncCheckpointIO" in plain and "DeltaCheckpointIO to write less" in plain
