@@ -620,12 +620,13 @@ def run_link_cases(quick: bool, *, hidden: int = 4096) -> tuple[dict[str, Any], 
                 m = measure(name, mbit, row["goodput_mbps"])
                 row.setdefault(f"{name}_step_s_runs", []).append(m["step_s"])
                 row[f"{name}_step_s"] = min(row[f"{name}_step_s_runs"])
-                if name == "auto":  # what it decided, from which figures (ms per step)
+                if name == "auto":  # what it decided, from which figures (ms per step); and its overlap="auto"
                     row.setdefault("auto_decisions", []).extend(
                         f"{d['decision']} ({d.get('source', 'buffers')}: fp32 {1e3 * d['fp32_s']:.0f} ms, "
                         f"1-bit {1e3 * d['onebit_s']:.0f} ms)"
                         for d in m["decisions"]
                     )
+                    row.setdefault("auto_overlap_decisions", []).append(m["overlap_decision"])
             row["speedup"] = ratio(row["ddp_step_s"], row["onebit_step_s"])
         ratios["step_speedup_100mbit"] = links["100mbit"]["speedup"]
         ratios["step_speedup_1gbit"] = links["1gbit"]["speedup"]
