@@ -304,7 +304,7 @@ _CLASS_KEYS = "(a class is given as `class_path:` with its import path and `init
             f"model.clas_path: not a key of a class config; did you mean 'class_path'? {_CLASS_KEYS}",
         ),
         (
-            ("init_args:\n    width", "init_arg:\n    width"),
+            ("init_args:\n    num_classes: auto", "init_arg:\n    num_classes: auto"),
             [],
             f"model.init_arg: not a key of a class config; did you mean 'init_args'? {_CLASS_KEYS}",
         ),
