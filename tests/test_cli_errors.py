@@ -14,6 +14,18 @@ from lightning_accel.cli import _user_line, main
 from tests.test_cli import _tiny
 
 
+def _edited(config: Path, yaml_edit: tuple[str, str] | None, tmp_path: Path) -> Path:
+    """``config``, or a copy in ``tmp_path`` with the first occurrence of ``yaml_edit[0]`` (which must be there)
+    replaced by ``yaml_edit[1]``."""
+    if yaml_edit is None:
+        return config
+    text = config.read_text()
+    assert yaml_edit[0] in text
+    edited = tmp_path / "job.yaml"
+    edited.write_text(text.replace(*yaml_edit, 1))
+    return edited
+
+
 def _one_line_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     capsys.readouterr()
     with pytest.raises(SystemExit) as exc:
@@ -248,10 +260,7 @@ def test_a_misspelled_key_names_the_class_and_the_closest_option(
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    config = _QUICKSTART
-    if yaml_edit is not None:
-        config = tmp_path / "job.yaml"
-        config.write_text(_QUICKSTART.read_text().replace(*yaml_edit))
+    config = _edited(_QUICKSTART, yaml_edit, tmp_path)
     capsys.readouterr()
     with pytest.raises(SystemExit) as exc:
         main(["fit", "--config", str(config), *args, "--print_config"])
@@ -380,12 +389,7 @@ def test_a_misspelled_key_or_class_anywhere_in_the_config_is_named_with_its_fix(
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    config = _ALL_PLUGINS
-    if yaml_edit is not None:
-        config = tmp_path / "job.yaml"
-        text = _ALL_PLUGINS.read_text()
-        assert yaml_edit[0] in text
-        config.write_text(text.replace(*yaml_edit, 1))
+    config = _edited(_ALL_PLUGINS, yaml_edit, tmp_path)
     line = _one_line_error(["fit", "--config", str(config), *args, "--print_config"], capsys)
     assert line.startswith(f"lightning-accel: error: {expected}"), line
     assert "Given value" not in line and "{'" not in line and "is not accepted" not in line
