@@ -10,8 +10,9 @@
   manifests this plugin wrote, never another file), then the blobs nothing references for ``S`` seconds (default: the
   store's ``gc_grace_s``). ``--dry-run`` lists what would go and removes nothing. Takes the directory's writer lock:
   refused while a run writes there. Prints one JSON object.
-- ``export PATH OUT [--storage-options JSON]``: write a plain ``torch.save`` checkpoint that ``torch.load`` and
-  Lightning's ``TorchCheckpointIO`` open.
+- ``export PATH OUT [--overwrite] [--storage-options JSON]``: write a plain ``torch.save`` checkpoint that
+  ``torch.load`` and Lightning's ``TorchCheckpointIO`` open; an existing ``OUT`` is refused unless ``--overwrite``,
+  and ``OUT`` = ``PATH`` always.
 
 Both take either kind of checkpoint: ``export`` reads through :func:`~lightning_accel.checkpoint.read_checkpoint`,
 ``verify`` checks a delta checkpoint with ``DeltaStore.verify`` and reads a plain file through the same reader.
@@ -39,7 +40,7 @@ from lightning_accel._utils.cliargs import json_object_arg
 from lightning_accel._utils.errors import one_line
 from lightning_accel.checkpoint.manifest import CheckpointCorruptError, NotADeltaCheckpointError
 from lightning_accel.checkpoint.reader import read_checkpoint_with, resolve_last
-from lightning_accel.checkpoint.store import DeltaStore, store_dir
+from lightning_accel.checkpoint.store import DeltaStore, check_export_target, store_dir
 
 __all__ = ["collect", "main"]
 
@@ -62,7 +63,8 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     )
     e = sub.add_parser("export", help="write a plain torch.save checkpoint")
     e.add_argument("path", help="checkpoint path or URL (a delta manifest or a torch.save file)")
-    e.add_argument("out", help="output file (path or URL)")
+    e.add_argument("out", help="output file (path or URL); an existing file is refused unless --overwrite")
+    e.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     g = sub.add_parser("gc", help="remove checkpoints ModelCheckpoint no longer tracks, then unreferenced blobs")
     g.add_argument("path", help="checkpoint directory (path or URL)")
     g.add_argument("--dry-run", action="store_true", help="list what would be removed; remove nothing")
@@ -101,12 +103,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m lightning_accel.c
                 print(json.dumps({"path": path, "ok": False, "error": one_line(e, expected=_CHECKPOINT_ERRORS)}))
         return 1 if failed else 0
     try:
-        if store.fs.isdir(args.out):  # checked before the (possibly long) read; the rename would fail only at the end
-            raise IsADirectoryError(
-                errno.EISDIR,
-                f"Export target {args.out!r} is a directory. Pass the path of the file to write, e.g. "
-                f"{posixpath.join(args.out, posixpath.basename(args.path.rstrip('/')) or 'export.ckpt')!r}.",
-            )
+        # checked before the (possibly long) read; the rename would fail only at the end
+        check_export_target(store.fs, args.path, args.out, overwrite=args.overwrite)
         ckpt = read_checkpoint_with(store, args.path)
         buf = io.BytesIO()
         torch.save(ckpt, buf)

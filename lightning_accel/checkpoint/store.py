@@ -105,6 +105,7 @@ __all__ = [
     "NotADeltaCheckpointError",
     "SaveStats",
     "StoreOptions",
+    "check_export_target",
     "entry_crc",
     "is_manifest_bytes",
     "split_path",
@@ -1054,13 +1055,20 @@ class DeltaStore:
             "top_level_keys": sorted(map(str, ckpt)),
         }
 
-    def export(self, path: str | os.PathLike[str], out: str | os.PathLike[str]) -> str:
+    def export(self, path: str | os.PathLike[str], out: str | os.PathLike[str], *, overwrite: bool = False) -> str:
         """Write the checkpoint at ``path`` as one plain ``torch.save`` file at ``out`` (what ``torch.load`` and
-        ``TorchCheckpointIO`` read). Returns ``out``."""
+        ``TorchCheckpointIO`` read). Returns ``out``.
+
+        Raises:
+            FileExistsError: ``out`` already exists and ``overwrite`` is false (it is left alone), or ``out`` is
+                ``path`` itself (refused even with ``overwrite``: the export would replace what it reads).
+            IsADirectoryError: ``out`` is a directory.
+        """
+        out_s = os.fspath(out)
+        check_export_target(self.fs, os.fspath(path), out_s, overwrite=overwrite)
         ckpt = self.load(path)
         buf = io.BytesIO()
         torch.save(ckpt, buf)
-        out_s = os.fspath(out)
         self.fs.write(out_s, buf.getvalue())
         return out_s
 
@@ -1297,6 +1305,38 @@ class DeltaStore:
                 self._dirs.get().clear()
             else:
                 self._dirs.get().pop(store_dir(directory), None)
+
+
+def check_export_target(fs: FileStore, path: str, out: str, *, overwrite: bool) -> None:
+    """Refuse an export target that would lose something: a directory, the checkpoint being exported (through any
+    spelling or symlink), or, unless ``overwrite``, an existing file (which may be a user's; an export only writes a
+    new one unless told to replace it). Checked before the (possibly long) read.
+
+    Raises:
+        IsADirectoryError: ``out`` is a directory.
+        FileExistsError: ``out`` is ``path`` itself, or exists and ``overwrite`` is false.
+    """
+    if fs.isdir(out):
+        raise IsADirectoryError(
+            errno.EISDIR,
+            f"Export target {out!r} is a directory. Pass the path of the file to write, e.g. "
+            f"{posixpath.join(out, posixpath.basename(path.rstrip('/')) or 'export.ckpt')!r}.",
+        )
+    same = store_path(out) == store_path(path)
+    if not same and is_local_url(out) and is_local_url(path):
+        same = os.path.realpath(store_path(out)) == os.path.realpath(store_path(path))
+    if same:
+        raise FileExistsError(
+            errno.EEXIST,
+            f"Export target {out!r} is the checkpoint being exported; replacing it would lose the original. Pass "
+            "another output path.",
+        )
+    if not overwrite and fs.exists(out):
+        raise FileExistsError(
+            errno.EEXIST,
+            f"Export target {out!r} already exists and was left alone. Pass another output path, or "
+            "`--overwrite` (`overwrite=True` from Python) to replace it.",
+        )
 
 
 def _is_a_directory(fs: FileStore, path: str) -> str:

@@ -289,6 +289,34 @@ def test_cli_refuses_a_missing_gc_directory_and_an_export_onto_a_directory_in_on
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing created
 
 
+def test_export_leaves_an_existing_file_and_the_exported_checkpoint_alone(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = DeltaStore()
+    store.save(_state(0), tmp_path / "c.ckpt")
+    store.close()
+    ckpt_bytes = (tmp_path / "c.ckpt").read_bytes()
+    (tmp_path / "notes.pt").write_bytes(b"a user's own file")
+    (tmp_path / "link.ckpt").symlink_to(tmp_path / "c.ckpt")
+    for argv, words in [
+        (["export", str(tmp_path / "c.ckpt"), str(tmp_path / "notes.pt")], "already exists"),
+        (["export", str(tmp_path / "c.ckpt"), str(tmp_path / "c.ckpt")], "is the checkpoint being exported"),
+        (["export", str(tmp_path / "c.ckpt"), str(tmp_path / "link.ckpt"), "--overwrite"], "being exported"),
+    ]:
+        assert ckpt_main(argv) == 1
+        err = capsys.readouterr().err
+        assert words in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert (tmp_path / "notes.pt").read_bytes() == b"a user's own file"
+    assert (tmp_path / "c.ckpt").read_bytes() == ckpt_bytes
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        DeltaStore().export(tmp_path / "c.ckpt", tmp_path / "notes.pt")
+    assert (tmp_path / "notes.pt").read_bytes() == b"a user's own file"
+    # asked for: replaced
+    assert ckpt_main(["export", str(tmp_path / "c.ckpt"), str(tmp_path / "notes.pt"), "--overwrite"]) == 0
+    loaded = torch.load(tmp_path / "notes.pt", weights_only=True)
+    assert torch.equal(loaded["state_dict"]["w"], _state(0)["state_dict"]["w"])
+
+
 def test_s3_round_trip_remove_and_gc(s3_bucket: tuple[str, dict[str, Any]]) -> None:
     import fsspec
 
