@@ -23,7 +23,6 @@ import importlib
 import inspect
 import os
 import pickle
-import re
 import sys
 import typing
 from typing import Any, Union
@@ -116,7 +115,7 @@ def config_error(exc: BaseException, config: Any = None) -> ConfigError:
     unknown = compat.jsonargparse_unknown_option(text)
     if unknown is not None:
         key, class_path, option = unknown
-        key = _nested_option_key(text, key)[0]
+        key = compat.jsonargparse_nested_option_key(text, key)[0]
         if (err := _unknown_option_error(key, class_path, option, detail=text)) is not None:
             return err
     outer = compat.jsonargparse_error_key(text)
@@ -134,10 +133,6 @@ def config_error(exc: BaseException, config: Any = None) -> ConfigError:
     return ConfigError(key, _missing_attribute_message(message), text)
 
 
-_NAME_NOT_PATH = re.compile(r"^(?:- )?Expected a dot import path string: (\S+)$")
-_NESTED_GIVEN = re.compile(r"^Given value: NestedArg\(key='([^']+)'")
-
-
 def _name_with_options_error(key: str, text: str) -> ConfigError | None:
     """``trainer.strategy: 'ddp_1bit' is a name, which takes no options; ...`` for an option given under a value that
     is a registered name (``--trainer.strategy=ddp_1bit --trainer.strategy.warmup_steps=3``), else None.
@@ -145,11 +140,10 @@ def _name_with_options_error(key: str, text: str) -> ConfigError | None:
     jsonargparse only nests options under a class, so it says ``Expected a dot import path string: ddp_1bit, got
     '3'``; the fix is the class's path, which for a strategy name the registry tells.
     """
-    lines = [ln.strip() for ln in text.splitlines()]
-    name = next((m.group(1) for ln in lines if (m := _NAME_NOT_PATH.match(ln))), None)
-    option = next((m.group(1) for ln in lines if (m := _NESTED_GIVEN.match(ln))), None)
-    if name is None or option is None:
+    found = compat.jsonargparse_name_given_option(text)
+    if found is None:
         return None
+    name, option = found
     path = _strategy_class_path(name) if key == "trainer.strategy" else None
     cls = f"`--{key}={path}`" if path else f"the class by its import path (`--{key}=package.module.Class`)"
     params = _strategy_init_params(name) if path else {}
@@ -163,7 +157,6 @@ def _name_with_options_error(key: str, text: str) -> ConfigError | None:
     )
 
 
-_BARE_NAME = re.compile(r"^(?:(--[\w.]+): )?Expected a dot import path string: ([A-Za-z_]\w*)(?:, got .*)?$")
 # where a class named without its module is looked for: the package's public names, then the demo
 _NAME_HOMES = ("lightning_accel", "lightning_accel.data", "lightning_accel.models", "lightning_accel.datasets")
 
@@ -175,10 +168,10 @@ def _class_name_error(key: str, text: str) -> ConfigError | None:
     jsonargparse resolves a bare name only among the subclasses imported so far: the demo's classes are not imported
     until a config names them, and its line (``Expected a dot import path string``) does not say what to write.
     """
-    found = next((m for ln in text.splitlines() if (m := _BARE_NAME.match(ln.strip().removeprefix("- ")))), None)
+    found = compat.jsonargparse_bare_class_name(text)
     if found is None:
         return None
-    option, name = found.groups()
+    option, name = found
     key = option.removeprefix("--") if option else key
     flag = key.removesuffix(".help")
     cls = None
@@ -229,17 +222,14 @@ def _strategy_class_path(name: str) -> str | None:
     return _public_path(StrategyRegistry[name]["strategy"])
 
 
-_NO_ATTRIBUTE = re.compile(r"^module '([\w.]+)' has no attribute '(\w+)'")
-
-
 def _missing_attribute_message(message: str) -> str:
     """``message`` for a ``class_path`` whose module lacks the class, rewritten to name the path and the closest public
     name of that module (``lightning_accel.PerStepLRR`` -> ``'lightning_accel.PerStepLR'``), without the config dump
     jsonargparse appends; any other message as it is."""
-    m = _NO_ATTRIBUTE.match(message)
-    if m is None:
+    found = compat.missing_module_attribute(message)
+    if found is None:
         return message
-    module, name = m.groups()
+    module, name = found
     try:
         names = [n for n in dir(importlib.import_module(module)) if not n.startswith("_")]
     except Exception:  # noqa: BLE001 - only the suggestion depends on it
@@ -251,16 +241,13 @@ def _missing_attribute_message(message: str) -> str:
     return f"class_path '{module}.{name}' does not exist: module {module!r} has no attribute {name!r}; {fix}"
 
 
-_REQUIRED = re.compile(r"^the following arguments are required: (.+)$")
-
-
 def _required_error(text: str) -> ConfigError | None:
     """``model, data: required; ...`` for the classes a subcommand needs and nobody gave (argparse's line names them
     ``fit.data, fit.model``, with the subcommand as a prefix no config or option uses), else None."""
-    m = _REQUIRED.match(text.strip().splitlines()[0] if text.strip() else "")
-    if m is None:
+    required = compat.argparse_required_keys(text)
+    if required is None:
         return None
-    keys = [k.strip().split(".", 1)[-1] for k in m.group(1).split(",")]
+    keys = [k.split(".", 1)[-1] for k in required]
     keys = sorted(keys, key=lambda k: (k != "model", k))  # the model first, as the options list it
     example = " ".join(f"`--{k}=package.module.Class`" for k in keys)
     return ConfigError(
@@ -278,37 +265,6 @@ _GROUP_CLASSES: dict[str, type] = {"trainer": Trainer}
 # The keys of a `class_path:` config itself (jsonargparse's subclass spec), told apart from the class's options.
 _CLASS_CONFIG_KEYS = ("class_path", "init_args", "dict_kwargs")
 
-_PARSER_KEY = re.compile(r'Parser key "([^"]+)"')
-_NOT_ACCEPTED = re.compile(r"^Option '[^']+' is not accepted")
-_NOT_A_SUBCLASS = re.compile(r"^Not a valid subclass of ")
-_GIVEN_DICT_KEY = re.compile(r"[{,]\s*'([A-Za-z_][A-Za-z0-9_]*)': ")
-
-
-def _nested_option_key(text: str, outer: str, at: re.Pattern[str] = _NOT_ACCEPTED) -> tuple[str, int]:
-    """The full config key of the class a jsonargparse error is about, and the index of the line saying what is wrong:
-    ``data.train_augment`` for an option of the ``train_augment`` class nested in ``data`` (jsonargparse names each
-    level in its own indented ``Parser key`` line, the outermost one first). The line is the first matching ``at``
-    (default: ``Option '...' is not accepted``); ``(outer, -1)`` when no line does.
-    """
-    stack: list[tuple[int, str]] = []  # (indent, key) of the Parser keys enclosing the current line
-    for n, raw in enumerate(text.splitlines()):
-        indent = len(raw) - len(raw.lstrip())
-        line = raw.strip().removeprefix("- ").strip()
-        if at.match(line):
-            keys: list[str] = []
-            for _, k in stack:
-                keys = [k] if keys and k.startswith(f"{keys[-1]}.") else [*keys, k]  # a level may repeat its parent
-            return ".".join(keys) or outer, n
-        m = _PARSER_KEY.search(line)
-        if m:
-            stack = [(i, k) for i, k in stack if i < indent] + [(indent, m.group(1))]
-    return outer, -1
-
-
-_SUBCOMMAND_OPTION = re.compile(r"^Subcommand '([^']+)' does not accept option '([^']+)'")
-_UNRECOGNIZED = re.compile(r"unrecognized arguments: --([^\s=]+)")
-_TOP_NOT_ACCEPTED = re.compile(r"^Option '([^']+)' is not accepted")  # the YAML's text under `--print_config`
-
 
 def _top_level_key_error(text: str, subparsers: dict[str, Any], args: Any) -> ConfigError | None:
     """``trainner: not an option of `lightning-accel fit`; did you mean 'trainer'?`` for a top-level key no
@@ -322,15 +278,12 @@ def _top_level_key_error(text: str, subparsers: dict[str, Any], args: Any) -> Co
         subparsers: the parser of each subcommand, by name (``{"": parser}`` without subcommands).
         args: the command line, to tell which subcommand an ``unrecognized arguments`` error is about.
     """
-    first = text.strip().splitlines()[0] if text.strip() else ""
-    words = [a for a in args if isinstance(a, str)] if isinstance(args, (list, tuple)) else []
-    sub = next((a for a in words if a in subparsers), "")
-    if m := _SUBCOMMAND_OPTION.match(first):
-        sub, option = m.group(1), m.group(2)
-    elif m := (_UNRECOGNIZED.match(first) or _TOP_NOT_ACCEPTED.match(first)):
-        option = m.group(1)
-    else:
+    found = compat.jsonargparse_top_level_option(text)
+    if found is None:
         return None
+    named, option = found
+    words = [a for a in args if isinstance(a, str)] if isinstance(args, (list, tuple)) else []
+    sub = named if named is not None else next((a for a in words if a in subparsers), "")
     chosen = [subparsers[sub]] if sub in subparsers else list(subparsers.values())
     keys = sorted(set().union(*(compat.parser_option_keys(p) for p in chosen)))
     head = option.split(".")[0]
@@ -348,12 +301,11 @@ def _misspelled_class_key_error(key: str, text: str) -> ConfigError | None:
     ``class_path`` / ``init_args`` / ``dict_kwargs``; None otherwise. jsonargparse's own line says ``expected None``
     or ``expected str``, which hides the typo.
     """
-    key, at = _nested_option_key(text, key, _NOT_A_SUBCLASS)  # the innermost class refused: its key, its line
+    # the innermost class refused: its key, its line
+    key, at = compat.jsonargparse_nested_option_key(text, key, at="not a subclass")
     if at < 0:
         return None
-    lines = [ln.strip() for ln in text.splitlines()[at:]]
-    given = next((ln for ln in lines if ln.startswith("Given value: {")), None)  # the dict that class was given
-    for name in _GIVEN_DICT_KEY.findall(given or ""):
+    for name in compat.jsonargparse_given_dict_keys([ln.strip() for ln in text.splitlines()[at:]]):  # what it was given
         close = difflib.get_close_matches(name, _CLASS_CONFIG_KEYS, n=1, cutoff=0.8)
         if name not in _CLASS_CONFIG_KEYS and close:
             return ConfigError(f"{key}.{name}" if key else name, _class_key_message(close[0]), text)

@@ -643,6 +643,105 @@ def _expected_got(lines: list[str]) -> str:
     return f"expected {' or '.join(words)}, got {given[:100]!r}."
 
 
+_JSONARGPARSE_NAME_NOT_PATH = re.compile(r"^(?:- )?Expected a dot import path string: (\S+)$")
+_JSONARGPARSE_NESTED_GIVEN = re.compile(r"^Given value: NestedArg\(key='([^']+)'")
+_JSONARGPARSE_BARE_NAME = re.compile(
+    r"^(?:(--[\w.]+): )?Expected a dot import path string: ([A-Za-z_]\w*)(?:, got .*)?$"
+)
+
+
+def jsonargparse_name_given_option(text: str) -> tuple[str, str] | None:
+    """``(name, option)`` when a jsonargparse error says an option was nested under a plain name (``--trainer.strategy
+    =ddp_1bit --trainer.strategy.warmup_steps=3``: ``Expected a dot import path string: ddp_1bit`` and ``Given value:
+    NestedArg(key='warmup_steps', ...)``), else None: jsonargparse nests options only under a class path."""
+    lines = [ln.strip() for ln in text.splitlines()]
+    name = next((m.group(1) for ln in lines if (m := _JSONARGPARSE_NAME_NOT_PATH.match(ln))), None)
+    option = next((m.group(1) for ln in lines if (m := _JSONARGPARSE_NESTED_GIVEN.match(ln))), None)
+    return None if name is None or option is None else (name, option)
+
+
+def jsonargparse_bare_class_name(text: str) -> tuple[str | None, str] | None:
+    """``(option, name)`` when a jsonargparse error is about a class given by a bare name it could not resolve
+    (``Expected a dot import path string: ImageClassifier``; ``option`` is the ``--model`` it was given to when the
+    line names one, else None), or None for any other error."""
+    lines = (ln.strip().removeprefix("- ") for ln in text.splitlines())
+    found = next((m for ln in lines if (m := _JSONARGPARSE_BARE_NAME.match(ln))), None)
+    return None if found is None else (found.group(1), found.group(2))
+
+
+_NO_ATTRIBUTE = re.compile(r"^module '([\w.]+)' has no attribute '(\w+)'")
+
+
+def missing_module_attribute(message: str) -> tuple[str, str] | None:
+    """``(module, name)`` from Python's ``module 'x.y' has no attribute 'Name'`` (how jsonargparse reports a
+    ``class_path`` whose module lacks the class), else None."""
+    m = _NO_ATTRIBUTE.match(message)
+    return None if m is None else (m.group(1), m.group(2))
+
+
+_ARGPARSE_REQUIRED = re.compile(r"^the following arguments are required: (.+)$")
+
+
+def argparse_required_keys(text: str) -> list[str] | None:
+    """The keys argparse's ``the following arguments are required: fit.model, fit.data`` names (as written there),
+    or None for any other error."""
+    m = _ARGPARSE_REQUIRED.match(text.strip().splitlines()[0] if text.strip() else "")
+    return None if m is None else [k.strip() for k in m.group(1).split(",")]
+
+
+_JSONARGPARSE_NOT_ACCEPTED = re.compile(r"^Option '[^']+' is not accepted")
+_JSONARGPARSE_NOT_A_SUBCLASS = re.compile(r"^Not a valid subclass of ")
+
+
+def jsonargparse_nested_option_key(text: str, outer: str, *, at: str = "not accepted") -> tuple[str, int]:
+    """The full config key of the class a jsonargparse error is about, and the index of the line saying what is wrong:
+    ``data.train_augment`` for an option of the ``train_augment`` class nested in ``data`` (jsonargparse names each
+    level in its own indented ``Parser key`` line, the outermost one first). The line is the first ``Option '...' is
+    not accepted`` (``at="not accepted"``) or ``Not a valid subclass of ...`` (``at="not a subclass"``); ``(outer,
+    -1)`` when no line is.
+    """
+    pattern = {"not accepted": _JSONARGPARSE_NOT_ACCEPTED, "not a subclass": _JSONARGPARSE_NOT_A_SUBCLASS}[at]
+    stack: list[tuple[int, str]] = []  # (indent, key) of the Parser keys enclosing the current line
+    for n, raw in enumerate(text.splitlines()):
+        indent = len(raw) - len(raw.lstrip())
+        line = raw.strip().removeprefix("- ").strip()
+        if pattern.match(line):
+            keys: list[str] = []
+            for _, k in stack:
+                keys = [k] if keys and k.startswith(f"{keys[-1]}.") else [*keys, k]  # a level may repeat its parent
+            return ".".join(keys) or outer, n
+        m = _JSONARGPARSE_KEY.search(line)
+        if m:
+            stack = [(i, k) for i, k in stack if i < indent] + [(indent, m.group(1))]
+    return outer, -1
+
+
+_JSONARGPARSE_GIVEN_DICT_KEY = re.compile(r"[{,]\s*'([A-Za-z_][A-Za-z0-9_]*)': ")
+
+
+def jsonargparse_given_dict_keys(lines: list[str]) -> list[str]:
+    """The keys of the first dict jsonargparse dumps as ``Given value: {...}`` among ``lines`` (stripped), in the
+    order written, its nested dicts' keys included."""
+    given = next((ln for ln in lines if ln.startswith("Given value: {")), None)
+    return _JSONARGPARSE_GIVEN_DICT_KEY.findall(given or "")
+
+
+_JSONARGPARSE_SUBCOMMAND_OPTION = re.compile(r"^Subcommand '([^']+)' does not accept option '([^']+)'")
+
+
+def jsonargparse_top_level_option(text: str) -> tuple[str | None, str] | None:
+    """``(subcommand, option)`` when the first line of a jsonargparse error refuses an option outside every group:
+    ``Subcommand 'fit' does not accept option 'trainner.max_steps'`` (a YAML key: the subcommand is named),
+    ``unrecognized arguments: --trainner.max_steps 1`` (the command line) or ``Option 'trainner.max_steps' is not
+    accepted`` (YAML under ``--print_config``), the last two with ``subcommand`` None; else None."""
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    if m := _JSONARGPARSE_SUBCOMMAND_OPTION.match(first):
+        return m.group(1), m.group(2)
+    if m := (_JSONARGPARSE_UNRECOGNIZED.match(first) or _JSONARGPARSE_OPTION.match(first)):
+        return None, m.group(1)
+    return None
+
+
 #: How Lightning's `_CheckpointConnector` starts the error for a resume whose checkpoint epoch is at `max_epochs`.
 _RESUME_EPOCH_PREFIX = "You restored a checkpoint with current_epoch="
 

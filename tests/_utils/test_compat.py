@@ -473,6 +473,76 @@ def test_jsonargparse_error_readers_on_a_class_that_refuses_its_arguments():
     assert not compat.is_jsonargparse_union_error(ValueError("x"))
 
 
+class _Outer:
+    def __init__(self, aug: _Other | None = None) -> None:
+        self.aug = aug
+
+
+def _parse_error(parser: Any, args: list[str]) -> str:
+    try:
+        parser.parse_args(args)
+    except Exception as e:  # noqa: BLE001 - the error is what is tested
+        return str(e)
+    raise AssertionError(f"jsonargparse accepted {args}")
+
+
+def test_jsonargparse_readers_of_names_options_and_keys(tmp_path: Path) -> None:
+    from typing import Union  # noqa: UP035
+
+    from jsonargparse import ArgumentParser
+    from lightning.pytorch import LightningModule
+
+    here = f"{__name__}"
+    p = ArgumentParser(exit_on_error=False)
+    p.add_argument("--model", type=_Other)
+    p.add_argument("--strategy", type=Union[str, _Other], default="auto")  # noqa: UP007
+    p.add_argument("--data", type=_Outer)
+    text = _parse_error(p, ["--model=ImageClassifierX"])
+    assert compat.jsonargparse_bare_class_name(text) == (None, "ImageClassifierX")
+    assert compat.jsonargparse_name_given_option(text) is None
+    text = _parse_error(p, ["--strategy=ddp", "--strategy.s=3"])
+    assert compat.jsonargparse_name_given_option(text) == ("ddp", "s")
+    text = _parse_error(p, ["--trainner.max_steps=1"])
+    assert compat.jsonargparse_top_level_option(text) == (None, "trainner.max_steps")
+    nested = f'{{"class_path":"{here}._Outer","init_args":{{"aug":{{"class_path":"{here}._Other","init_args":'
+    text = _parse_error(p, [f'--data={nested}{{"m":2}}}}}}}}'])
+    assert compat.jsonargparse_nested_option_key(text, "data") == (
+        "data.aug",
+        text.splitlines().index(next(ln for ln in text.splitlines() if "Option 'm' is not accepted" in ln)),
+    )
+    assert compat.jsonargparse_top_level_option(text) is None
+    # a class config whose class_path key is misspelt, given to a base class with subclasses
+    q = ArgumentParser(exit_on_error=False)
+    q.add_subclass_arguments(LightningModule, "model")
+    text = _parse_error(q, ['--model={"clas_path":"lightning_accel.models.ImageClassifier","init_args":{"width":1}}'])
+    key, at = compat.jsonargparse_nested_option_key(text, "model", at="not a subclass")
+    assert key == "model" and at > 0
+    lines = [ln.strip() for ln in text.splitlines()[at:]]
+    assert compat.jsonargparse_given_dict_keys(lines) == ["clas_path", "init_args", "width"]
+    assert compat.jsonargparse_nested_option_key(text, "model")[1] == -1
+    # subcommands: a missing required class, a YAML key no subcommand option takes
+    fit = ArgumentParser(exit_on_error=False)
+    fit.add_argument("--config", action="config")
+    fit.add_argument("--model", type=_Other, required=True)
+    fit.add_argument("--data", type=_Other, required=True)
+    top = ArgumentParser(exit_on_error=False)
+    top.add_subcommands().add_subcommand("fit", fit)
+    assert compat.argparse_required_keys(_parse_error(top, ["fit"])) == ["fit.model", "fit.data"]
+    (tmp_path / "job.yaml").write_text("trainner: {max_steps: 1}\n")
+    text = _parse_error(top, ["fit", f"--config={tmp_path / 'job.yaml'}"])
+    assert compat.jsonargparse_top_level_option(text) == ("fit", "trainner.max_steps")
+    assert compat.argparse_required_keys(text) is None
+
+
+def test_missing_module_attribute_reads_pythons_attribute_error() -> None:
+    import importlib
+
+    with pytest.raises(AttributeError) as exc:
+        _ = importlib.import_module("lightning_accel").PerStepLRR
+    assert compat.missing_module_attribute(str(exc.value)) == ("lightning_accel", "PerStepLRR")
+    assert compat.missing_module_attribute("something else") is None
+
+
 def test_resume_past_max_epochs_reads_lightnings_refusal(tmp_path):
     from lightning.pytorch.demos.boring_classes import BoringModel
     from lightning.pytorch.utilities.exceptions import MisconfigurationException
