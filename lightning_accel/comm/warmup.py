@@ -21,8 +21,10 @@ when the element-weighted relative change ``sum_i n_i |mean_i(v̂_t) - mean_i(v�
 below :data:`STABLE_CHANGE`. Why per-tensor means: a single element's ``v̂`` keeps the noise of its own squared
 gradients (with ``β2 = 0.95`` it moves ~20 % every 5 steps for ever on ``benchmarks/localsteps.py``'s LM), while a
 tensor's mean follows the trend the frozen variance must not miss (there it falls below 10 % between steps 30 and 40
-of 240, for ``β2`` 0.95 and 0.999 alike). The change is MAX-reduced across ranks (one float per check), so every rank
-ends the warm-up at the same step even if their states differed by rounding.
+of 240, for ``β2`` 0.95 and 0.999 alike). Why means and not sums: a tensor that changes size between two checks
+(``StructuredPruning`` keeps the strongest channels) keeps its mean, while its sum drops with the channels removed and
+would pass for a trend (one more check before the warm-up ends). The change is MAX-reduced across ranks (one float
+per check), so every rank ends the warm-up at the same step even if their states differed by rounding.
 """
 
 from __future__ import annotations
@@ -104,7 +106,8 @@ class WarmupWatch:
         return bool(self.optimizers) and not self.refreshed
 
     def _means(self) -> torch.Tensor | None:
-        """``n_i * mean_i(v̂)`` per watched tensor that has a variance (fp64), or None before any has."""
+        """``[mean_i(v̂), n_i]`` per watched tensor that has a variance (fp64, shape ``(2, tensors)``), or None before
+        any has."""
         out: list[torch.Tensor] = []
         for opt in self.optimizers:
             for group in opt.param_groups:
@@ -114,8 +117,9 @@ class WarmupWatch:
                     v, step = s.get("exp_avg_sq"), int(s.get("step", 0))
                     if v is None or step == 0:
                         continue  # not reached yet (frozen, or unused so far): nothing to freeze either
-                    out.append(v.double().sum() / (1 - beta2**step))
-        return torch.stack(out) if out else None
+                    mean = v.double().mean() / (1 - beta2**step)
+                    out.append(torch.stack([mean, torch.tensor(float(v.numel()), dtype=torch.float64)]))
+        return torch.stack(out, dim=1) if out else None
 
     def end_at(self, step: int) -> bool:
         """Whether the warm-up ends before step ``step`` (the step about to run). Call it on every rank at every
@@ -137,8 +141,10 @@ class WarmupWatch:
         if means is None or last is None or last.shape != means.shape:
             change = math.inf
         else:
-            # `last` is on the CPU when it came from a checkpoint
-            change = float((means - last.to(means.device)).abs().sum() / means.abs().sum().clamp_min(1e-300))
+            # `last` is on the CPU when it came from a checkpoint; weighted by today's sizes
+            mean, n = means[0], means[1]
+            moved = (n * (mean - last[0].to(means.device)).abs()).sum()
+            change = float(moved / (n * mean.abs()).sum().clamp_min(1e-300))
         agreed = torch.tensor([change if math.isfinite(change) else 1e300], dtype=torch.float64)
         if dist.is_available() and dist.is_initialized():
             agreed = agreed.to(self.device)
@@ -154,8 +160,8 @@ class WarmupWatch:
 
     def state_dict(self) -> dict[str, Any]:
         """What the next check compares against, for checkpoints: ``{"last", "changes"}`` (``last``: a CPU copy of
-        the previous check's per-tensor means, or None; ``changes``: :attr:`changes`). Tensors, ints, floats and
-        lists only, so ``torch.load(weights_only=True)`` reads it back.
+        the previous check's per-tensor means and sizes, shape ``(2, tensors)``, or None; ``changes``:
+        :attr:`changes`). Tensors, ints, floats and lists only, so ``torch.load(weights_only=True)`` reads it back.
 
         Without it, a fit resumed between two checks would compare its first check with nothing (a change of
         ``inf``) and end the warm-up :data:`CHECK_EVERY` or more steps later than the uninterrupted fit.
@@ -168,5 +174,7 @@ class WarmupWatch:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from :meth:`state_dict` output (taken at the same step as the optimizer states it goes with)."""
         last = state.get("last")
-        self._last = None if last is None else last.to(torch.float64)
+        # a 1-D `last` holds the per-tensor sums earlier versions kept: not comparable with means, so the next check
+        # compares with nothing (one check later, as a resume between two checks did then)
+        self._last = None if last is None or last.dim() != 2 else last.to(torch.float64)
         self.changes = [(int(step), float(change)) for step, change in state.get("changes", [])]

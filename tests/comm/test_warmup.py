@@ -138,3 +138,24 @@ def test_watch_checks_once_per_step_whatever_the_optimizers_stepping_after_one_b
     _scale(opt, 0.97)  # the first optimizer's step: 3 %, below the threshold
     assert not watch.end_at(AUTO_MIN_WARMUP)
     assert watch.changes == [(AUTO_MIN_WARMUP, math.inf)]
+
+
+def test_watch_is_not_delayed_by_a_tensor_that_shrank_between_two_checks() -> None:
+    """A pruned tensor (its channels kept, with their variance) changes size, not its mean variance: no trend. Sums
+    of the variance halved with the channels and delayed the end by one check."""
+    opt, params = _adam([1.0, 4.0])
+    watch = WarmupWatch([opt], cap=100)
+    assert not watch.end_at(AUTO_MIN_WARMUP)
+    state = opt.state[params[1]]
+    state["exp_avg_sq"] = state["exp_avg_sq"][:2].clone()  # half the channels pruned
+    state["exp_avg"] = state["exp_avg"][:2].clone()
+    assert watch.end_at(AUTO_MIN_WARMUP + CHECK_EVERY)
+    assert watch.changes[-1] == (AUTO_MIN_WARMUP + CHECK_EVERY, 0.0)
+
+
+def test_watch_reads_a_saved_state_of_per_tensor_sums_as_nothing_to_compare_with() -> None:
+    opt, _ = _adam([1.0, 4.0])
+    watch = WarmupWatch([opt], cap=100)
+    watch.load_state_dict({"last": torch.tensor([4.0, 16.0], dtype=torch.float64), "changes": [[10, math.inf]]})
+    assert not watch.end_at(AUTO_MIN_WARMUP + CHECK_EVERY)  # compared with nothing: one check later
+    assert watch.end_at(AUTO_MIN_WARMUP + 2 * CHECK_EVERY)
