@@ -54,6 +54,7 @@ def build_parser(prog: str = "lightning-accel tune") -> argparse.ArgumentParser:
 
 
 def _same_file(a: str, b: str) -> bool:
+    a, b = os.path.expanduser(a), os.path.expanduser(b)  # `--out=~/job.yaml` reaches us unexpanded
     try:
         return os.path.samefile(a, b)
     except OSError:  # one of them does not exist (yet): compare the paths
@@ -61,7 +62,7 @@ def _same_file(a: str, b: str) -> bool:
 
 
 def main(argv: list[str] | None = None, prog: str = "lightning-accel tune") -> int:
-    """Run ``tune``; 0 on success, 2 with one ``error:`` line on a user mistake."""
+    """Run ``tune``; 0 on success, 2 with one ``error:`` line on a user mistake, 130 when interrupted (Ctrl-C)."""
     from lightning_accel.tune.core import DEFAULT_MARGIN
     from lightning_accel.tune.tuner import load_job, tune_job
 
@@ -91,6 +92,9 @@ def main(argv: list[str] | None = None, prog: str = "lightning-accel tune") -> i
     except (ValueError, TypeError, FileNotFoundError, RuntimeError) as e:
         print(f"{prog}: error: {one_line(e)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the tune stops where it was (its trial folder removed), no traceback
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
     if res.paths:
         print(f"tuned config: {res.paths['tuned']}; report: {res.paths['md']}")
     return 0

@@ -30,8 +30,17 @@ from lightning_accel.tune.levers import as_list
 # TrialProbe is named by class_path in the trial configs; it is no callback a user adds, so it is not exported
 __all__ = ["TrialMeasure", "agree", "run_trial"]
 
-#: callbacks a trial drops from the job: it saves and monitors by itself, and stops by step count
-_DROPPED = ("ModelCheckpoint", "PerformanceMonitor", "EarlyStopping", "RollbackGuard", "ProgressBar")
+#: callbacks a trial drops from the job: it saves and monitors by itself, and stops by step count; and the monitors
+#: that only log, which refuse a Trainer without a logger (a trial has none): with them no trial of the job ran
+_DROPPED = (
+    "ModelCheckpoint",
+    "PerformanceMonitor",
+    "EarlyStopping",
+    "RollbackGuard",
+    "ProgressBar",
+    "LearningRateMonitor",
+    "DeviceStatsMonitor",
+)
 
 
 class TrialProbe(Callback):
@@ -73,6 +82,8 @@ class TrialProbe(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.strategy.root_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
+        else:
+            _reset_peak_rss()
         n = trainer.num_training_batches
         per_step = max(1, int(trainer.accumulate_grad_batches))
         self.steps_per_epoch = -(-int(n) // per_step) if n != float("inf") else None  # optimizer steps (ceil)
@@ -109,16 +120,37 @@ class TrialProbe(Callback):
         if self.save_step is not None and 0 <= self.save_step < len(periods):
             periods.pop(self.save_step)
         local = statistics.median(periods) if len(periods) >= 2 else -1.0
-        if dev.type == "cuda":
-            mem = float(torch.cuda.max_memory_allocated(dev))
-        else:
-            mem = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # KiB on Linux
+        mem = float(torch.cuda.max_memory_allocated(dev)) if dev.type == "cuda" else float(_peak_rss())
         t = torch.tensor([local, mem, self.save_s], dtype=torch.float64, device=dev)
         if trainer.world_size > 1:
             # the slowest rank's time counts; every rank takes part in this one collective
             t = trainer.strategy.reduce(t, reduce_op="max")
         self.step_s = float(t[0]) if float(t[0]) > 0 else None
         self.peak_mem, self.save_s = int(t[1]), float(t[2])
+
+
+def _peak_rss() -> int:
+    """The process's peak resident memory in bytes since :func:`_reset_peak_rss` (``VmHWM``, which that resets;
+    ``ru_maxrss``, the peak of the process's life, where there is no ``/proc``)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # KiB on Linux
+
+
+def _reset_peak_rss() -> None:
+    """Start the process's peak resident memory afresh (Linux: ``/proc/self/clear_refs``; nowhere else). Every trial
+    runs in the tune's one process, whose peak only grows: without this each trial's memory was the largest of all
+    the trials before it (a lever that saves memory could not show it, and one trial's peak rejected the next)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 class TrialMeasure:
@@ -144,11 +176,14 @@ def _trial_job(job: dict[str, Any], *, warmup: int, steps: int, root: str, save:
     j = copy.deepcopy(job)
     t = j.setdefault("trainer", {})
     cbs = [c for c in as_list(t.get("callbacks")) if not any(d in str(_cp(c)) for d in _DROPPED)]
+    # the monitor counts batches: under gradient accumulation the probe's warm-up steps are `accumulate` batches each
+    acc = t.get("accumulate_grad_batches", 1)
+    acc = acc if isinstance(acc, int) and not isinstance(acc, bool) and acc > 1 else 1
     cbs.append(
         {
             "class_path": "lightning_accel.callbacks.PerformanceMonitor",
             "init_args": {
-                "skip_steps": warmup,
+                "skip_steps": warmup * acc,
                 "count_flops": False,
                 "nvml": False,
                 "report_path": "",
@@ -165,6 +200,7 @@ def _trial_job(job: dict[str, Any], *, warmup: int, steps: int, root: str, save:
     )
     for key in ("max_time", "val_check_interval", "check_val_every_n_epoch"):
         t.pop(key, None)
+    _compress_from_warmup(t, warmup)
     # what `fit --print_config` writes at the top level for `fit` itself: a trial is a short fit from the initial
     # weights (resuming would measure the checkpoint's steps, and AccelCLI without a subcommand refuses the keys)
     for key in ("ckpt_path", "weights_only"):
@@ -182,6 +218,24 @@ def _trial_job(job: dict[str, Any], *, warmup: int, steps: int, root: str, save:
         default_root_dir=root,
     )
     return j
+
+
+def _compress_from_warmup(trainer: dict[str, Any], warmup: int) -> None:
+    """A ``ddp_1bit`` trial compresses in its timed steps: the strategy's own warm-up (``warmup_steps="auto"``: at
+    least 10 fp32 steps) is cut to the trial's untimed ones, and ``compression="auto"`` (which times a few steps both
+    ways at the end of its warm-up) compresses. Without this a trial of 3 + 12 steps times plain fp32 DDP almost
+    throughout, and the lever is kept or rejected on noise (identical losses: the compressed stage never ran). The
+    written config keeps the job's own settings: only the trial's warm-up is shorter."""
+    s = trainer.get("strategy")
+    if s == "ddp_1bit":
+        s = {"class_path": "lightning_accel.strategies.OneBitDDPStrategy"}
+    if not (isinstance(s, dict) and _cp(s).endswith("OneBitDDPStrategy")):
+        return
+    init = dict(s.get("init_args") or {})
+    init["warmup_steps"] = max(2, warmup)  # >= 2: DDP rebuilds its buckets after the first step
+    if init.get("compression", "auto") == "auto":
+        init["compression"] = "1bit"
+    trainer["strategy"] = {**s, "init_args": init}
 
 
 def _cp(entry: Any) -> str:
@@ -202,6 +256,9 @@ def run_trial(job: dict[str, Any], *, warmup: int, steps: int, root: str | os.Pa
 
     A trial that raises (an unsupported lever, an out-of-memory) is reported through ``error``, not raised -- unless
     the failure is in the job itself, which the baseline's caller turns into an error. Every rank runs the same trial.
+
+    Raises:
+        KeyboardInterrupt: the trial was interrupted (Ctrl-C): the tune stops, it does not go on to the next trial.
     """
     from lightning_accel.cli import AccelCLI
 
@@ -231,16 +288,24 @@ def run_trial(job: dict[str, Any], *, warmup: int, steps: int, root: str | os.Pa
         m.save_s = probe.save_s
         m.peak_mem = probe.peak_mem
         m.mem_limit = _memory_limit(trainer.strategy.root_device)
+        every = _save_every(job) or probe.steps_per_epoch or steps
         if probe.step_s is not None:
-            every = _save_every(job) or probe.steps_per_epoch or steps
             m.step_s = probe.step_s + (probe.save_s / every if save else 0.0)
         if monitor.report is not None:
             rep = monitor.report
-            m.breakdown = {k: v / max(rep.steps, 1) for k, v in rep.seconds.items()}
+            # per optimizer step, as `step_s`: the monitor's steps are batches (an accumulation window holds several)
+            steps_done = max(rep.steps / max(1, int(trainer.accumulate_grad_batches)), 1e-9)
+            m.breakdown = {k: v / steps_done for k, v in rep.seconds.items()}
             m.dominant, m.verdict = rep.dominant, rep.verdict
+            if save:
+                _amortise_saves(m, probe.save_s / every, trainer)
         if m.step_s is None:
             m.error = f"fewer than {warmup + steps + 1} steps ran (the epoch is shorter: lower the trial steps)"
     except (Exception, SystemExit) as e:  # a lever the job cannot take: reported, the tune goes on
+        if isinstance(e, SystemExit) and isinstance(e.__context__, KeyboardInterrupt):
+            # Ctrl-C inside `fit`: Lightning shuts the trial down and turns the interrupt into `sys.exit(1)`, which
+            # is the user stopping the tune, not a lever that failed
+            raise KeyboardInterrupt from None
         if isinstance(e, torch.OutOfMemoryError):
             m.peak_mem, m.error = None, f"out of memory: {one_line(e)}"
         else:
@@ -252,6 +317,31 @@ def run_trial(job: dict[str, Any], *, warmup: int, steps: int, root: str | os.Pa
             torch.cuda.empty_cache()
     m.seconds = time.perf_counter() - start
     return m
+
+
+def _amortise_saves(m: TrialMeasure, per_step: float, trainer: Trainer) -> None:
+    """The breakdown's checkpoint time as the step time counts it: the timed save amortised over the job's save
+    interval. The monitor saw the probe's saves raw (the untimed warm-up one too) over a dozen steps: a job that
+    saves once per epoch of hundreds of steps read as checkpoint-bound, and its levers were tried in that order. The
+    verdict follows the corrected breakdown when its dominant category changes (or stays ``checkpoint``)."""
+    from lightning_accel.perf.report import verdict_text
+
+    m.breakdown["checkpoint"] = per_step
+    dominant = max(m.breakdown, key=lambda c: m.breakdown[c])
+    if dominant == m.dominant and dominant != "checkpoint":
+        return
+    total = sum(m.breakdown.values())
+    shares = {c: (v / total if total > 0 else 0.0) for c, v in m.breakdown.items()}
+    io = trainer.strategy.checkpoint_io
+    context = {
+        "precision": str(trainer.precision),
+        "device": trainer.strategy.root_device.type,
+        "precision_plugin": [c.__name__ for c in type(trainer.precision_plugin).__mro__],
+        "strategy": [c.__name__ for c in type(trainer.strategy).__mro__],
+        "checkpoint_io": [c.__name__ for c in type(io).__mro__],
+        "checkpoint_async": getattr(io, "async_save", False) is True,
+    }
+    m.dominant, m.verdict = dominant, verdict_text(dominant, shares, context)
 
 
 class _quiet:

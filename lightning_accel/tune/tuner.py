@@ -63,8 +63,8 @@ __all__ = ["GUARD_CLASS_PATH", "TuneResult", "exhaustive", "job_from_objects", "
 
 #: the callback ``tune`` adds to the config it writes
 GUARD_CLASS_PATH = "lightning_accel.callbacks.RollbackGuard"
-_TRIAL_VERSION = 3  # part of the fingerprint: a change of what a trial measures invalidates the cache (3: one
-# step time per optimizer step under gradient accumulation)
+_TRIAL_VERSION = 4  # part of the fingerprint: a change of what a trial measures invalidates the cache (3: one
+# step time per optimizer step under gradient accumulation; 4: a ddp_1bit trial compresses in its timed steps)
 #: the first line of every ``tuned.yaml`` ``tune`` writes (followed by the job's fingerprint): a file at ``--out``
 #: that does not start with it is the user's, and is not overwritten without ``force``
 HEADER = "# written by `lightning-accel tune`"
@@ -306,6 +306,8 @@ def tune_job(
     margin = check_number("margin", margin, low=0, high=1, high_open=True, fix="Pass a fraction such as 0.03.")
     force = check_bool("force", force)
     levers, skip = _check_levers(levers, skip, allow_batch_change)
+    if out is not None:  # `~` is the home directory, as for `--cache-dir` (`--out=~/x.yaml` reaches us unexpanded)
+        out = Path(out).expanduser()
     cache = TuneCache(cache_dir or Path(os.environ.get("LIGHTNING_ACCEL_CACHE", "~/.cache/lightning_accel")) / "tune")
     # only rank 0 writes the outputs: its view of the folders decides, and every rank raises alike
     refusal = None
@@ -604,7 +606,9 @@ def with_guard(job: dict[str, Any]) -> dict[str, Any]:
     j = copy.deepcopy(job)
     t = j.setdefault("trainer", {})
     cbs = as_list(t.get("callbacks"))
-    if not any(isinstance(c, dict) and str(c.get("class_path", "")).endswith("RollbackGuard") for c in cbs):
+    # an entry may be a bare class path (`- lightning_accel.callbacks.RollbackGuard`), which `fit` takes too: a second
+    # guard beside it is refused by Lightning (two stateful callbacks of one type), so tuned.yaml would not load
+    if not any(str(c.get("class_path", "") if isinstance(c, dict) else c).endswith("RollbackGuard") for c in cbs):
         cbs.append({"class_path": GUARD_CLASS_PATH})
     t["callbacks"] = cbs
     return j
@@ -648,7 +652,7 @@ def check_outputs(out: str | os.PathLike[str], *, force: bool = False) -> None:
         ValueError: ``out`` is a folder or in one that cannot be created or written (a file on its path), or (without
             ``force``) one of those files exists and is not ``tune``'s.
     """
-    paths = _report_paths(Path(out))
+    paths = _report_paths(Path(out).expanduser())
     problem = folder_problem(paths["tuned"].parent)  # the trials' work folder goes beside it too
     if problem is not None:
         raise ValueError(
@@ -679,7 +683,7 @@ def write_outputs(res: TuneResult, out: str | os.PathLike[str], *, force: bool =
     from lightning_accel._utils.atomic import atomic_write_bytes, atomic_write_text
 
     check_outputs(out, force=force)
-    out = Path(out)
+    out = Path(out).expanduser()
     out.parent.mkdir(parents=True, exist_ok=True)
     kept = ", ".join(res.chosen.values()) or "nothing"
     head = f"{HEADER} (job {res.fingerprint}); kept: {kept}\n"

@@ -457,3 +457,47 @@ def test_a_failed_baseline_is_one_sentence_per_part(
             JOB, budget="10m", out=None, levers=["precision"], use_cache=False, cache_dir=tmp_path, verbose=False
         )
     assert shown in str(e.value) and "?." not in str(e.value)
+
+
+def test_a_guard_the_job_names_by_a_bare_class_path_is_not_added_twice() -> None:
+    # `fit` takes a callback as a bare class path; a second guard beside it made tuned.yaml fail to load (Lightning
+    # refuses two stateful callbacks of one type)
+    from lightning_accel.cli import AccelCLI
+
+    job = {
+        "trainer": {"accelerator": "cpu", "logger": False, "callbacks": ["lightning_accel.callbacks.RollbackGuard"]},
+        "model": {"class_path": "lightning_accel.models.ImageClassifier", "init_args": {"width": 4}},
+        "data": {"class_path": "tests.tiny.TinyDigits", "init_args": {"batch_size": 16, "n": 64}},
+    }
+    config = tuner.with_guard(job)
+    assert config["trainer"]["callbacks"] == ["lightning_accel.callbacks.RollbackGuard"]
+    cli = AccelCLI(args=config, run=False)
+    assert sum(type(c).__name__ == "RollbackGuard" for c in cli.trainer.callbacks) == 1  # type: ignore[attr-defined]
+
+
+def test_an_out_under_the_home_directory_is_written_there_and_checked_there(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `--out=~/tuned/tuned.yaml` reaches tune unexpanded: it wrote a folder named `~` in the working directory, and
+    # the user's file at ~/tuned/tuned.yaml was never looked at
+    from lightning_accel.tune.cli import main
+
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    cwd.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    seen, fake = _script([0.100, 0.200, 0.100] * 6)
+    monkeypatch.setattr(tuner, "run_trial", fake)
+    kwargs: dict[str, Any] = {"levers": ["precision"], "skip": ["Fused"], "use_cache": False, "verbose": False}
+    res = tuner.tune_job(JOB, out="~/tuned/tuned.yaml", cache_dir=tmp_path / "c", **kwargs)
+    assert Path(res.paths["tuned"]) == home / "tuned" / "tuned.yaml" and (home / "tuned" / "tuned.yaml").is_file()
+    assert list(cwd.iterdir()) == []
+    (home / "tuned" / "tuned.yaml").write_text("the user's own file\n")
+    with pytest.raises(ValueError, match="refusing to overwrite it"):
+        tuner.tune_job(JOB, out="~/tuned/tuned.yaml", cache_dir=tmp_path / "c", **kwargs)
+    cfg = home / "job.yaml"
+    cfg.write_text(json.dumps(JOB))
+    n = len(seen)
+    assert main(["--config", str(cfg), "--out=~/job.yaml", "--levers", "precision", "--force"]) == 2
+    assert "is the `--config` it tunes" in capsys.readouterr().err and len(seen) == n
