@@ -832,6 +832,17 @@ def model_checkpoint_setup_without_listing(callback: Any) -> Any:
         callback.save_top_k = top_k
 
 
+# --- checkpoint: when a ModelCheckpoint saves during an epoch ------------------------------------------------------
+
+
+def model_checkpoint_step_interval(callback: Any) -> int:
+    """``every_n_train_steps`` of a ``ModelCheckpoint`` (0: none), which it keeps only as the private
+    ``_every_n_train_steps`` (checked 2.4.0-2.6.6): it saves in ``on_train_batch_end`` when the global step is a
+    multiple of it. 0 for a callback without one (another ``Checkpoint``)."""
+    n = getattr(callback, "_every_n_train_steps", 0)
+    return int(n) if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 0
+
+
 # --- checkpoint: which checkpoints a resumed ModelCheckpoint tracks ---------------------------------------------------
 
 

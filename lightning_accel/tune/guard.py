@@ -17,11 +17,12 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_accel._utils.checks import check_bool, check_int
-from lightning_accel._utils.compat import rewind_global_step
+from lightning_accel._utils.compat import model_checkpoint_step_interval, rewind_global_step
 from lightning_accel._utils.levers import Lever, find_levers
 from lightning_accel._utils.rank import distributed_ready
 from lightning_accel.tune._watch import SeriesWatch, Snapshot, Trigger, WatchRule
@@ -179,6 +180,7 @@ class RollbackGuard(Callback):
         self._cpu = True
         self._stopped = False
         self._epoch_end = False
+        self._save_every: list[int] = []
         self._snap_due = False
         self._loss: torch.Tensor | None = None
         # the optimizers' parameters at the last snapshot (None: none taken in this fit yet); a change means the
@@ -205,6 +207,9 @@ class RollbackGuard(Callback):
         self._pending, self._grad_norm, self._loss = [], None, None
         self._opt_steps, self._stopped, self._snap_due = 0, False, False
         self._layout = None
+        # the step intervals of the checkpoint callbacks that save inside an epoch (`every_n_train_steps`): the
+        # values pending are checked before such a save, which must not hold the weights of a bad step
+        self._save_every = [n for cb in trainer.checkpoint_callbacks if (n := model_checkpoint_step_interval(cb))]
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -298,8 +303,23 @@ class RollbackGuard(Callback):
         if isinstance(loss, torch.Tensor):
             self._pending.append((trainer.global_step, loss.detach(), self._grad_norm))
         self._grad_norm = None
-        if len(self._pending) >= self._every:
+        # checkpoint callbacks run after every other callback's hook: a step save at this step comes after this check
+        save_due = any(trainer.global_step % n == 0 for n in self._save_every)
+        if len(self._pending) >= self._every or (self._pending and save_due):
             self._check(trainer, pl_module)
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # a validation inside an epoch (`val_check_interval`) ends with the checkpoint callbacks' saves: the steps
+        # since the last check are checked first, as at the end of an epoch (every rank validates at the same step)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if not fitting or trainer.sanity_checking or not self._pending or self._stopped:
+            return
+        self._epoch_end = True  # not a batch hook: Lightning takes epoch metrics only
+        try:
+            self._check(trainer, pl_module)
+        finally:
+            self._epoch_end = False
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -65,6 +65,12 @@ PRIVATE_NAMES: list[tuple[str, Callable[[], Any], str, str]] = [
     ("Strategy._launcher", DDPStrategy, "_launcher", "set_launcher"),
     ("ModelCheckpoint._fs", lambda: ModelCheckpoint(), "_fs", "set_checkpoint_filesystem"),
     (
+        "ModelCheckpoint._every_n_train_steps",
+        lambda: ModelCheckpoint(every_n_train_steps=4),
+        "_every_n_train_steps",
+        "model_checkpoint_step_interval",
+    ),
+    (
         "DistributedDataParallel._set_ddp_runtime_logging_sample_rate",
         lambda: torch.nn.parallel.DistributedDataParallel,
         "_set_ddp_runtime_logging_sample_rate",
@@ -644,6 +650,12 @@ def test_model_checkpoint_setup_without_listing_skips_the_listing(tmp_path: Path
 
 
 # --- checkpoint: which checkpoints a resumed ModelCheckpoint tracks ---------------------------------------------------
+
+
+def test_model_checkpoint_step_interval_is_every_n_train_steps() -> None:
+    assert compat.model_checkpoint_step_interval(ModelCheckpoint(every_n_train_steps=4)) == 4
+    assert compat.model_checkpoint_step_interval(ModelCheckpoint()) == 0
+    assert compat.model_checkpoint_step_interval(object()) == 0
 
 
 def test_model_checkpoint_state_names_what_it_tracks(tmp_path: Path) -> None:

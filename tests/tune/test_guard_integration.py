@@ -259,3 +259,53 @@ def test_a_rollback_after_pruning_restores_the_pruned_model(guard_first: bool, e
     trainer.fit(model, data)  # before: "The size of tensor a (4) must match the size of tensor b (8)"
     assert guard.rollbacks == 1 and guard.events[0]["restored_step"] == 4 * epoch
     assert model.net[0].out_features == 4 and _finite(model)
+
+
+class SavedFinite(Callback):
+    """Records, for every checkpoint saved, its global step and whether every weight in it is finite."""
+
+    def __init__(self) -> None:
+        self.saves: list[tuple[int, bool]] = []
+
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        weights = [v for v in checkpoint["state_dict"].values() if v.is_floating_point()]
+        self.saves.append((trainer.global_step, all(bool(torch.isfinite(v).all()) for v in weights)))
+
+
+def test_a_step_checkpoint_between_two_checks_never_holds_a_bad_step(tmp_path: Path) -> None:
+    """``every_n_train_steps=4`` saves at step 8; the default check interval (5 on a CPU) would check the NaN of
+    step 6 only at step 10, after that save: the steps pending are checked before a step save."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    guard, saved = RollbackGuard(snapshot_every=4, verbose=False), SavedFinite()
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1)
+    trainer = tiny.trainer(
+        max_epochs=1, limit_train_batches=8, enable_checkpointing=True, callbacks=[guard, NaNAt(5), ckpt, saved]
+    )
+    trainer.fit(tiny.classifier(), tiny.loader())
+    assert guard.rollbacks == 1 and guard.events[0]["step"] == 8
+    assert [step for step, _ in saved.saves] == [4, 8] and all(ok for _, ok in saved.saves)
+
+
+def test_a_validation_inside_the_epoch_checks_the_steps_before_its_save(tmp_path: Path) -> None:
+    """``val_check_interval=4`` validates (and ModelCheckpoint saves) after step 4, before the first check at step 5:
+    the validation start checks the steps pending."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    guard, saved = RollbackGuard(snapshot_every=2, verbose=False), SavedFinite()
+    ckpt = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1)
+    trainer = tiny.trainer(
+        max_epochs=1,
+        limit_train_batches=8,
+        limit_val_batches=2,
+        val_check_interval=4,
+        num_sanity_val_steps=0,
+        enable_checkpointing=True,
+        callbacks=[guard, NaNAt(2), ckpt, saved],
+    )
+    trainer.fit(tiny.classifier(), tiny.loader(), tiny.loader())
+    assert guard.rollbacks == 1 and guard.events[0]["step"] == 4
+    assert [step for step, _ in saved.saves] == [4, 8] and all(ok for _, ok in saved.saves)
+    assert trainer.callback_metrics["guard/rollbacks"] == 1.0
