@@ -3,7 +3,9 @@
 - Idempotent and crash-safe: the marker file is written first (saying "rendering") and rewritten last (saying what
   the tree holds). A tree whose marker matches the arguments is reused as is, one whose marker says "rendering" (a run
   killed halfway) is rebuilt, and so is one made with the same arguments by an older ``format_version`` of the
-  renderer; one whose marker differs otherwise is refused rather than mixed.
+  renderer, or one whose class folders lack an image the marker counts (a copy cut short, a folder removed: reused,
+  it would shift the labels of the classes after the missing one); one whose marker differs otherwise is refused
+  rather than mixed.
 - Never writes into someone else's directory: a renderer writes only into a directory that does not exist, is empty,
   or carries its own marker and nothing but the class folders of ``NNNNNN.jpg`` files it writes. Anything else (a
   user's ImageFolder tree, a note file) is refused with one line before the first write, and left as it was.
@@ -61,7 +63,8 @@ class TreeSpec:
         marker: the marker file's name in the root.
         classes: the class folder names.
         info_keys: the keys of the marker's content (without ``state``).
-        writable_hint: how to pick a writable directory, quoted by :func:`begin_render`'s ``PermissionError``.
+        writable_hint: how to pick a writable directory, quoted by :func:`begin_render`'s ``PermissionError``;
+            ``{arg}`` in it is replaced by the name of the argument that gave the directory (``origin``, ``data_dir``).
     """
 
     what: str
@@ -118,8 +121,37 @@ def _older_format_only(have: dict, want: dict) -> bool:
     return same_args and isinstance(old, int) and isinstance(new, int) and old < new
 
 
+def _missing_images(spec: TreeSpec, root_p: Path, have: dict) -> str | None:
+    """What is wrong with a tree whose marker says "complete" (None: nothing), as a phrase: it lacks a class folder
+    or some of the ``have["num_images"]`` images ``000000.jpg`` ... under its class folders, or holds more.
+
+    A marker says complete, not that the files are still there: a copy of the tree cut short (the marker is copied
+    first, being a dotfile in the root), or a class folder removed by hand, used to be reused as is, and torchvision's
+    ``ImageFolder`` then numbered the remaining folders from 0, labelling every image of a later class as the class
+    before it. One directory listing per class folder (no file is opened).
+    """
+    want_n = have.get("num_images")
+    found: list[int] = []
+    for c in spec.classes:
+        d = root_p / c
+        if d.is_symlink() or not d.is_dir():
+            return f"lacks its class folder {c!r}"
+        with os.scandir(d) as it:
+            found.extend(int(e.name[:6]) for e in it if IMAGE_NAME.fullmatch(e.name))
+    if isinstance(want_n, int):
+        missing = want_n - len(set(found) & set(range(want_n)))
+        if missing:
+            return f"lacks {missing} of its {want_n} images"
+        if len(found) > want_n:  # a larger render's images, or copies in a second class: ImageFolder reads them all
+            return f"holds {len(found) - want_n} image(s) beyond its {want_n}"
+    return None
+
+
 def check_tree(spec: TreeSpec, root: str | os.PathLike[str], want: dict | None, *, arg: str, fix: str) -> str:
     """Decide, without writing anything, whether ``spec``'s data set may be rendered into ``root``.
+
+    A tree whose marker says complete but whose class folders lack an image (a copy cut short, files removed by
+    hand) is rebuilt like a tree left by a killed render, when it holds nothing but the renderer's own files.
 
     Returns:
         ``"reuse"``: a complete tree made with ``want`` is there (``want=None``: any complete tree of this renderer);
@@ -144,8 +176,10 @@ def check_tree(spec: TreeSpec, root: str | os.PathLike[str], want: dict | None, 
         )
     if "state" not in have:  # a complete demo tree: reused as is (nothing written), or refused when made otherwise
         if want is None or have == want:
-            return "reuse"
-        if not _older_format_only(have, want):
+            if _missing_images(spec, root_p, have) is None:
+                return "reuse"
+            # else: a damaged tree (see _missing_images): rebuilt (below) when it holds nothing but its own files
+        elif not _older_format_only(have, want):
             raise ValueError(
                 f"`{arg}` {str(root_p)!r} already holds {w} made with {have}, not {want}. "
                 "Pass another directory, or delete this one to rebuild it."
@@ -164,7 +198,7 @@ def check_tree(spec: TreeSpec, root: str | os.PathLike[str], want: dict | None, 
 def _unwritable(spec: TreeSpec, root_p: Path, arg: str, e: OSError) -> PermissionError:
     return PermissionError(
         f"Cannot write the {spec.what} data set to `{arg}` {str(root_p)!r}: {e.strerror or e}. "
-        f"Choose a writable directory ({spec.writable_hint})."
+        f"Choose a writable directory ({spec.writable_hint.replace('{arg}', arg)})."
     )
 
 
@@ -235,6 +269,14 @@ def render_tree(
     with render_lock(spec, root_p, arg=arg):
         if check_tree(spec, root_p, want, arg=arg, fix=fix) == "reuse":
             return
+        have = _read_marker(spec, root_p / spec.marker)
+        missing = _missing_images(spec, root_p, have) if have is not None and "state" not in have else None
+        if missing is not None:
+            warnings.warn(
+                f"`{arg}` {str(root_p)!r} holds a complete {spec.what} tree by its marker, but it {missing} (a copy "
+                "cut short, or files removed or added by hand): rendering it again.",
+                stacklevel=3,
+            )
         begin_render(spec, root_p, want, arg=arg)
         draw()
         finish_render(spec, root_p, want)

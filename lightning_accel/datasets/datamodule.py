@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,23 @@ DIGITS_MEAN = (0.188, 0.188, 0.188)
 DIGITS_STD = (0.318, 0.318, 0.318)
 
 
+def _local_dir(name: str, value: object, what: str) -> str:
+    """``value`` (a ``str`` or an ``os.PathLike`` such as ``pathlib.Path``) as a ``str``, else one ``TypeError``.
+
+    A ``Path`` is what a script passes for a directory: it used to be refused as "not a local directory" (or, as a
+    data module's ``origin``, with "must be a non-empty path"), and ``None`` failed deep in ``pathlib``.
+    """
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str) or not value:
+        kind = ValueError if isinstance(value, str) else TypeError
+        raise kind(
+            f"`{name}` must be a non-empty directory path (a str or pathlib.Path) to hold {what}, got {value!r} "
+            f"({type(value).__name__}). Pass e.g. `{name}='data/{what.split()[-1]}'`."
+        )
+    return value
+
+
 class DigitsDataModule(LightningDataModule):
     """torchvision ``ImageFolder`` over the digits JPEGs, decoded every epoch (the baseline).
 
@@ -42,18 +61,21 @@ class DigitsDataModule(LightningDataModule):
     :class:`~lightning_accel.data.CachedDataModule` (``origin:``) or torchvision's ``ImageFolder``.
 
     Args:
-        data_dir: where the JPEG tree lives or is created (only the demo's own tree, see above).
+        data_dir: where the JPEG tree lives or is created (a ``str`` or ``pathlib.Path``; only the demo's own tree,
+            see above).
         image_size: side of the rendered images in pixels (at least 8).
         num_images: number of images, at least 10 (``None``: the 1,797 originals; more adds perturbed repeats).
         batch_size: per-device batch size.
         num_workers: DataLoader workers, 0 or more (``None``: half the CPUs).
-        val_fraction: fraction held out for validation.
+        val_fraction: fraction held out for validation (it must leave one image to train on at least).
         augment: random affine augmentation of training images (on the CPU, per sample).
-        seed: split seed.
+        seed: split seed (any seed torch takes: -2**63 .. 2**64 - 1).
 
     Raises:
-        TypeError: an integer argument that is not one (a bool neither), or an ``augment`` that is not a bool.
-        ValueError: an argument out of range, or a ``data_dir`` the digits may not be rendered into (see above).
+        TypeError: an integer argument that is not one (a bool neither), an ``augment`` that is not a bool, or a
+            ``data_dir`` that is not a path.
+        ValueError: an argument out of range, a ``val_fraction`` that holds out every image, or a ``data_dir`` the
+            digits may not be rendered into (see above).
     """
 
     def __init__(
@@ -68,14 +90,28 @@ class DigitsDataModule(LightningDataModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
+        data_dir = _local_dir("data_dir", data_dir, "the digits")
         check_int("batch_size", batch_size, low=1)
         check_int("num_workers", num_workers, low=0, allow_none=True, fix="None uses half the CPUs.")
         check_bool("augment", augment)
         check_int("seed", seed, fix="It seeds the train/validation split.")
+        if not -(2**63) <= seed < 2**64:  # else torch.Generator.manual_seed: "Overflow when unpacking long long"
+            raise ValueError(
+                f"`seed` must be an integer in torch's seed range -2**63 .. 2**64 - 1, got {seed}. It seeds the "
+                "train/validation split."
+            )
         split_indices(1, val_fraction, seed)  # validates val_fraction early
         # The render's arguments under this module's names: prepare_data is the first to render, after the Trainer
         # has started (and would name the renderer's `size`).
         want = digits_marker(image_size, num_images, size_arg="image_size")
+        # the split setup() will make, now: a fraction that rounds to every image left the training split empty, and
+        # the fit then ran no step (a Lightning warning about a zero-length loader, not an error)
+        n = want["num_images"]
+        if not split_indices(n, val_fraction, seed)[0]:
+            raise ValueError(
+                f"`val_fraction` {val_fraction!r} holds out all {n} images, leaving none to train on. Lower it "
+                f"(below {math.floor((n - 0.5) / n * 1e4) / 1e4:g} for {n} images), or render more with `num_images`."
+            )
         # Before any write (read-only): the digits are rendered into data_dir, which must not be someone's own image
         # folder, nor digits made with other arguments.
         check_render_target(
@@ -193,7 +229,8 @@ class DigitsCachedDataModule(_RenderedCachedDataModule):
     :class:`~lightning_accel.data.CachedDataModule` with ``origin:`` (or ``digits_size=None`` here).
 
     Args:
-        origin: local directory the digits are rendered into (created if missing; only the demo's own tree).
+        origin: local directory the digits are rendered into (a ``str`` or ``pathlib.Path``; created if missing; only
+            the demo's own tree).
         digits_size: side of the rendered JPEGs in pixels (at least 8); ``None``: ``origin`` already holds the digits
             (or any ImageFolder tree), render nothing and write nothing there.
         num_images: images to render, at least 10 (``None``: the 1,797 originals; more adds perturbed repeats);
@@ -203,7 +240,7 @@ class DigitsCachedDataModule(_RenderedCachedDataModule):
             YAML gives ``image_size: 64`` and the digits' statistics).
 
     Raises:
-        TypeError: ``digits_size`` or ``num_images`` is not an integer (a bool neither).
+        TypeError: ``digits_size`` or ``num_images`` is not an integer (a bool neither), or ``origin`` is not a path.
         ValueError: ``digits_size`` or ``num_images`` is out of range, or ``num_images`` given without
             ``digits_size``; or ``origin`` is a remote URL, a directory the demo did not write, or digits made with
             other arguments, while ``digits_size`` asks for rendering.
@@ -217,7 +254,8 @@ class DigitsCachedDataModule(_RenderedCachedDataModule):
         num_images: int | None = None,
         **kwargs: Any,
     ) -> None:
-        if digits_size is not None and isinstance(origin, str) and "://" in origin and not origin.startswith("file://"):
+        origin = _local_dir("origin", origin, "the digits")
+        if digits_size is not None and "://" in origin and not origin.startswith("file://"):
             raise ValueError(
                 f"`origin` must be a local directory to render the digits into, got {origin!r}. Pass a local path, "
                 "or `digits_size=None` when the origin already holds the images."
@@ -231,7 +269,7 @@ class DigitsCachedDataModule(_RenderedCachedDataModule):
                 "digits_size=None (nothing rendered; the origin's images are read as they are). Remove "
                 "`num_images`, or set `digits_size` to render that many."
             )
-        if digits_size is not None and isinstance(origin, str):
+        if digits_size is not None:
             # Before anything is written: rendering into a user's own ImageFolder tree would replace (or mix with)
             # their images, and digits made with other arguments are refused rather than mixed.
             check_render_target(
@@ -264,7 +302,8 @@ class PhotosCachedDataModule(_RenderedCachedDataModule):
     refused in ``__init__`` (one ``ValueError`` naming ``origin``, nothing written).
 
     Args:
-        origin: local directory the photos are rendered into (created if missing; only the demo's own tree).
+        origin: local directory the photos are rendered into (a ``str`` or ``pathlib.Path``; created if missing; only
+            the demo's own tree).
         num_images: images to render (10 classes, balanced; at least 10).
         photo_size: side of the rendered JPEGs in pixels (at least 32).
         photo_seed: the data set's seed, 0 or more (same seed, byte-identical files).
@@ -272,7 +311,8 @@ class PhotosCachedDataModule(_RenderedCachedDataModule):
             ``batch_size``, ``train_augment``, ...).
 
     Raises:
-        TypeError: ``num_images``, ``photo_size`` or ``photo_seed`` is not an integer (a bool neither).
+        TypeError: ``num_images``, ``photo_size`` or ``photo_seed`` is not an integer (a bool neither), or ``origin``
+            is not a path.
         ValueError: one of them is out of range; or ``origin`` is a remote URL, a directory the demo did not write, or
             photos made with other arguments.
     """
@@ -286,7 +326,8 @@ class PhotosCachedDataModule(_RenderedCachedDataModule):
         photo_seed: int = 0,
         **kwargs: Any,
     ) -> None:
-        if not isinstance(origin, str) or ("://" in origin and not origin.startswith("file://")):
+        origin = _local_dir("origin", origin, "the photos")
+        if "://" in origin and not origin.startswith("file://"):
             raise ValueError(
                 f"`origin` must be a local directory to render the photos into, got {origin!r}. Pass a local path, "
                 "or use `lightning_accel.data.CachedDataModule` for images that are already there."

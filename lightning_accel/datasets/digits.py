@@ -7,7 +7,8 @@ Contract:
   brightness), so the same arguments always give byte-identical files.
 - Idempotent and crash-safe: the marker file ``.lightning_accel_digits.json`` is written first (saying "rendering")
   and rewritten last (saying what the tree holds). A tree whose marker matches the arguments is reused as is, one whose
-  marker says "rendering" (a run killed halfway) is rebuilt, one whose marker differs is refused rather than mixed.
+  marker says "rendering" (a run killed halfway), or whose class folders lack an image (a copy cut short), is rebuilt,
+  one whose marker differs is refused rather than mixed.
 - Never writes into someone else's directory: it renders only into a directory that does not exist, is empty, or
   carries its own marker and nothing but the class folders of ``NNNNNN.jpg`` files it writes. Anything else (a user's
   ImageFolder tree, a note file) is refused with one line before the first write, and left as it was.
@@ -47,9 +48,7 @@ _SPEC = TreeSpec(
     marker=MARKER,
     classes=DIGITS_CLASSES,
     info_keys=frozenset({"size", "num_images", "quality", "format_version"}),
-    writable_hint=(
-        "e.g. `--data.origin=/tmp/digits` in the quickstart, `--data.data_dir=/tmp/digits` for DigitsDataModule"
-    ),
+    writable_hint="e.g. `{arg}=/tmp/digits`; in the quickstart `--data.origin=/tmp/digits`",
 )
 DEFAULT_FIX = "for your own images use `lightning_accel.data.CachedDataModule`; else pick a new or empty directory"
 
@@ -141,8 +140,9 @@ def digits_marker(
 
     Args:
         size: side of the square images in pixels (at least 8).
-        num_images: total images, at least 10: image ``i`` is of class ``i % 10``, and a class without images would
-            fail the loader only after the render (None: the 1,797 originals).
+        num_images: total images, at least 10: image ``i`` is scikit-learn's digit ``i % 1797`` (the first ten are
+            the digits 0-9 in order), and a class without images would fail the loader only after the render (None:
+            the 1,797 originals).
         quality: JPEG quality.
         size_arg: the name of ``size`` quoted in the error (a data module's ``image_size`` / ``digits_size``).
         count_arg: the name of ``num_images`` quoted in the error.

@@ -9,14 +9,18 @@ Contract:
   levels per channel away from the background under it (visible at the training resolution in every image).
   Learnable, not trivially: at 64 px a star, a cross and a ring of 13-20 px differ by a few pixels on a textured
   background.
-- Photo-sized files: ``size`` >= 384 px at ``quality`` 90 gives 40-60 KB per JPEG (decoding one costs several times a
-  224 px digit; ``docs/performance.md`` has the measured numbers).
+- Photo-sized files: ``size`` >= 384 px at ``quality`` 90 gives 33-60 KB per JPEG, ~46 KB median (200 images at 384 px:
+  9 % below 40 KB); decoding one costs several times a 224 px digit (``docs/performance.md`` has the measured numbers).
 - Deterministic: image ``i`` is drawn from ``numpy.random.default_rng([seed, i])`` alone, so the same arguments give
-  byte-identical files whatever ``workers`` renders them; label ``i % 10`` (balanced classes).
-- Fast: the images are rendered by ``workers`` forked processes (default: every CPU); 4,000 images at 384 px take
-  ~15 s on 2 cores. The workers die with the render: on Linux the kernel kills them when the rendering process dies
-  (``PR_SET_PDEATHSIG``), elsewhere each stops before its next image once its parent is gone; so a render killed
-  halfway stops writing, and the next render of the folder does not mix the killed one's images into its own.
+  byte-identical files whatever ``workers`` renders them; its shape is ``PHOTO_CLASSES[i % 10]`` (balanced classes).
+- Labels: :data:`PHOTO_CLASSES` is the render order, not the training labels. ``ImageFolder`` and the data modules
+  number the class folders in sorted order (``bar`` is label 0): name a prediction with the data module's
+  ``classes[label]``, never with ``PHOTO_CLASSES[label]``.
+- Fast: the images are rendered by ``workers`` forked processes (default: every CPU this process may use); 4,000
+  images at 384 px take ~15 s on 2 cores. The workers die with the render: on Linux the kernel kills them when the
+  rendering process dies (``PR_SET_PDEATHSIG``), elsewhere each stops before its next image once its parent is gone;
+  so a render killed halfway stops writing, and the next render of the folder does not mix the killed one's images
+  into its own.
 - Idempotent, crash-safe, one render of a folder at a time and never writing into someone else's directory: the same
   contract as the digits (:mod:`lightning_accel.datasets._tree`: marker ``.lightning_accel_photos.json``, lock file
   ``.lightning_accel_photos.lock``, images renamed into place).
@@ -72,7 +76,7 @@ _SPEC = TreeSpec(
     marker=MARKER,
     classes=PHOTO_CLASSES,
     info_keys=frozenset({"size", "num_images", "quality", "seed", "format_version"}),
-    writable_hint="e.g. `root=/tmp/photos`",
+    writable_hint="e.g. `{arg}=/tmp/photos`",
 )
 DEFAULT_FIX = "for your own images use `lightning_accel.data.CachedDataModule`; else pick a new or empty directory"
 
@@ -148,11 +152,13 @@ def _shape_mask(label: int, size: int, rng: np.random.Generator) -> Any:
 
 
 def render_photo(photos: list[np.ndarray], index: int, size: int, seed: int) -> tuple[int, Any]:
-    """Image ``index`` of the data set: its label and an RGB PIL image of ``size`` px, from ``default_rng([seed, i])``.
+    """Image ``index`` of the data set: its class (an index into :data:`PHOTO_CLASSES`, the render order; the data
+    modules' labels number the folders in sorted order) and an RGB PIL image of ``size`` px, from
+    ``default_rng([seed, i])``.
 
     Args:
         photos: :func:`load_photo_arrays`'s arrays.
-        index: the image's index (its label is ``index % 10``).
+        index: the image's index (its shape is ``PHOTO_CLASSES[index % 10]``).
         size: side in pixels.
         seed: the data set's seed.
     """
@@ -298,11 +304,12 @@ def materialize_photos(
 
     Args:
         root: a local directory (created if missing; only a new or empty one, or one this function rendered).
-        num_images: total images (label ``i % 10``: balanced classes).
+        num_images: total images (image ``i`` of class ``PHOTO_CLASSES[i % 10]``: balanced classes).
         size: side of the square JPEGs in pixels.
         seed: the data set's seed (same seed, same bytes).
         quality: JPEG quality.
-        workers: rendering processes (``None``: every CPU; 0 or 1: in this process). Not part of the output.
+        workers: rendering processes (``None``: every CPU this process may use, its affinity mask where it has one;
+            0 or 1: in this process). Not part of the output.
         arg: the name of ``root`` quoted in errors (a data module's ``origin``).
 
     Raises:
@@ -320,8 +327,18 @@ def materialize_photos(
     return info
 
 
+def _usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity mask where the OS has one (``taskset``, a Slurm job's
+    ``--cpus-per-task``), else the machine's count. ``os.cpu_count()`` alone counts the whole machine: on a 64-core
+    node with 2 cores allotted, the render forked 64 workers onto those 2 cores."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # macOS, Windows: no affinity call
+        return os.cpu_count() or 1
+
+
 def _render_all(root_p: Path, num_images: int, size: int, quality: int, seed: int, workers: int | None) -> None:
-    n_proc = min(os.cpu_count() or 1, num_images) if workers is None else max(1, workers)
+    n_proc = min(_usable_cpus(), num_images) if workers is None else max(1, workers)
     # contiguous chunks, a few per process so an unlucky slow chunk does not hold the others back
     chunks = max(1, min(num_images, n_proc * 4))
     bounds = np.linspace(0, num_images, chunks + 1).round().astype(int)

@@ -82,9 +82,13 @@ class GPT2Embedding(nn.Module):
     def __init__(self, vocab: int, seq: int, n_embd: int) -> None:
         super().__init__()
         self.wte, self.wpe = nn.Embedding(vocab, n_embd), nn.Embedding(seq, n_embd)
+        self.seq = seq
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        s = idx.shape[1]
+        if s > self.seq:  # else the position embedding's bare "IndexError: index out of range in self"
+            raise ValueError(f"Sequence length {s} exceeds `seq` {self.seq}, the longest sequence this model embeds.")
+        return self.wte(idx) + self.wpe(torch.arange(s, device=idx.device))
 
 
 class GPT2Head(nn.Module):
@@ -109,29 +113,37 @@ def gpt2_lm(
 ) -> nn.Sequential:
     """``nn.Sequential(GPT2Embedding, GPT2Block x layers, GPT2Head)`` with the head tied to the token embedding
     (``net[-1].head.weight is net[0].wte.weight``): the form a pipeline splits, with the packed attention and tied
-    weights the parallel plans handle. GPT-2's initialisation (N(0, 0.02) weights, zero biases) is drawn after
-    ``torch.manual_seed(seed)``.
+    weights the parallel plans handle. GPT-2's initialisation (N(0, 0.02) weights, zero biases) is drawn from the CPU
+    generator seeded with ``seed`` inside :func:`torch.random.fork_rng`: the same ``seed`` gives the same weights in
+    every process, and the caller's global random state (``seed_everything``'s) is left as it was.
 
     Raises:
         TypeError: a size or ``seed`` that is not an integer, or a ``dropout`` that is not a number, naming it.
-        ValueError: a size below 1, a ``dropout`` outside [0, 1), or a ``width`` that ``heads`` does not divide.
+        ValueError: a size below 1, a ``seed`` outside torch's seed range, a ``dropout`` outside [0, 1), or a ``width``
+            that ``heads`` does not divide.
     """
     for name, value in (("vocab", vocab), ("seq", seq), ("layers", layers), ("heads", heads), ("width", width)):
         check_int(name, value, low=1)
     check_number("dropout", dropout, low=0, high=1, high_open=True, fix="It is a probability; 0 disables it.")
     check_int("seed", seed)
+    if not -(2**63) <= seed < 2**64:  # else torch's generator: "Overflow when unpacking long long"
+        raise ValueError(f"`seed` must be an integer in torch's seed range -2**63 .. 2**64 - 1, got {seed}.")
     if width % heads:
         raise ValueError(
             f"`width` must be a multiple of `heads`, got width={width}, heads={heads}. Each head takes width / heads "
             f"channels: e.g. width={heads * max(1, round(width / heads))}."
         )
-    torch.manual_seed(seed)
-    embed, head = GPT2Embedding(vocab, seq, width), GPT2Head(vocab, width)
-    head.head.weight = embed.wte.weight
-    net = nn.Sequential(embed, *[GPT2Block(width, heads, dropout) for _ in range(layers)], head)
-    for m in net.modules():
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, std=0.02)
-        if isinstance(m, nn.Linear) and m.bias is not None:
-            nn.init.zeros_(m.bias)
+    # A forked generator state: reseeding the global one here would make everything the caller draws afterwards
+    # (dropout masks, shuffles) the same whatever seed they had set. The CPU generator alone is seeded, as
+    # torch.manual_seed did on CPU (same weights as before), and no CUDA state is touched.
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(seed)
+        embed, head = GPT2Embedding(vocab, seq, width), GPT2Head(vocab, width)
+        head.head.weight = embed.wte.weight
+        net = nn.Sequential(embed, *[GPT2Block(width, heads, dropout) for _ in range(layers)], head)
+        for m in net.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
     return net

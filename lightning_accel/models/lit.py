@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import numbers
+from collections.abc import Sequence, Sized
 from typing import Any, Literal
 
 import torch
@@ -91,11 +92,36 @@ def _datamodule_image_size(module: LightningModule) -> int | None:
     return None
 
 
-def _datamodule_num_classes(module: LightningModule) -> int | None:
+def _integer_count(value: object) -> int | None:
+    """``value`` as a Python int when it is an integer of any kind (``int``, a numpy integer, an integer tensor of one
+    element), else None. A bool is not a count."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+            return None
+        return int(value.item())
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    return None
+
+
+def _datamodule_num_classes(module: LightningModule, *, strict: bool = False) -> int | None:
     """The number of classes of the attached data module, or None when it does not say.
 
-    Read in this order: a ``num_classes`` attribute, then the length of a ``classes`` attribute (both public on
-    :class:`~lightning_accel.data.CachedDataModule` after its ``setup``, which Lightning runs before the model's).
+    Read in this order: a ``num_classes`` attribute (an integer: Python's, numpy's, or a one-element integer tensor
+    such as ``labels.max() + 1``), then the length of a ``classes`` attribute (a list or tuple of names, a numpy array
+    such as scikit-learn's ``LabelEncoder.classes_``, a ``{name: index}`` dict); both are public on
+    :class:`~lightning_accel.data.CachedDataModule` after its ``setup``, which Lightning runs before the model's.
+
+    Args:
+        module: the LightningModule whose Trainer's data module is read.
+        strict: the count sizes a head (``num_classes="auto"``): a ``num_classes`` that is not an integer, or a count
+            below 2, is an error rather than "does not say" (None) or a count used as is.
+
+    Raises:
+        ValueError: with ``strict``, the data module's ``num_classes`` is not an integer >= 2 (and not None), or it
+            lists fewer than 2 ``classes``: a classifier needs two classes at least.
     """
     try:
         dm = getattr(module.trainer, "datamodule", None)  # set by the data connector, not declared on the class
@@ -103,25 +129,66 @@ def _datamodule_num_classes(module: LightningModule) -> int | None:
         return None
     if dm is None:
         return None
-    n = getattr(dm, "num_classes", None)
-    if isinstance(n, int) and not isinstance(n, bool) and n > 0:
-        return n
+    where = type(dm).__name__
+    raw = getattr(dm, "num_classes", None)
+    if raw is not None:
+        n = _integer_count(raw)
+        if strict and (n is None or n < 2):
+            raise ValueError(
+                f"`num_classes='auto'` needs a class count >= 2, but `{where}.num_classes` is {raw!r} "
+                f"({type(raw).__name__}). Fix the data module's `num_classes`, or set an integer `num_classes`."
+            )
+        if n is not None and n > 0:
+            return n
     classes = getattr(dm, "classes", None)
-    if isinstance(classes, Sequence) and not isinstance(classes, str) and len(classes) > 0:
-        return len(classes)
-    return None
+    if classes is None or isinstance(classes, (str, bytes)) or not isinstance(classes, Sized) or len(classes) == 0:
+        return None
+    if strict and len(classes) < 2:
+        raise ValueError(
+            f"`num_classes='auto'` needs two classes at least, but `{where}.classes` lists {len(classes)}: "
+            f"{classes!r}. Check the data's class folders (or labels), or set an integer `num_classes`."
+        )
+    return len(classes)
+
+
+def _as_indices(t: torch.Tensor, what: str) -> torch.Tensor:
+    """Class labels or tokens as int64 indices: ``cross_entropy`` takes int64 targets only (int32 ones raise "expected
+    target dtype to be Long or Byte"), and ``nn.Embedding`` no uint8/int16 ones, yet a dataset's numpy int32 or uint8
+    labels (or tokens) collate as such.
+
+    Raises:
+        TypeError: ``t`` holds floats (or complex numbers): those are not indices, and rounding them would guess.
+    """
+    if t.dtype == torch.int64:
+        return t
+    if t.is_floating_point() or t.is_complex():
+        raise TypeError(
+            f"The batch's {what} must be integer indices, got a {t.dtype} tensor. Return them as integers from the "
+            "dataset (e.g. `int(label)`, or `.long()`)."
+        )
+    return t.long()
 
 
 def _check_optimizer_args(lr: object, weight_decay: object) -> None:
     """The AdamW arguments of this room's modules, checked when the module is built."""
-    check_number("lr", lr, low=0, low_open=True, fix="It is AdamW's peak learning rate, e.g. `lr=1e-3`.")
-    check_number("weight_decay", weight_decay, low=0, fix="0 disables it.")
+    # finite: an infinite rate or decay turns every weight into NaN/inf at the first step
+    check_number(
+        "lr",
+        lr,
+        low=0,
+        low_open=True,
+        high=math.inf,
+        high_open=True,
+        fix="It is AdamW's peak learning rate, e.g. `lr=1e-3`.",
+    )
+    check_number("weight_decay", weight_decay, low=0, high=math.inf, high_open=True, fix="0 disables it.")
 
 
 class ImageClassifier(LightningModule):
     """``SmallResNet`` trained with cross-entropy; logs ``train_loss``, ``val_loss``, ``val_acc``, ``test_acc``.
 
-    Batches are ``(images, labels)`` with float images (N, C, H, W). Uses AdamW with per-step cosine decay unless a
+    Batches are ``(images, labels)`` with float images (N, C, H, W) and integer labels of any integer dtype (int32 or
+    uint8 labels are widened to int64; float labels are refused). Uses AdamW with per-step cosine decay unless a
     LightningCLI ``optimizer:``/``lr_scheduler:`` block replaces ``configure_optimizers`` (a fit with no step bound,
     e.g. only ``max_time``, trains at a constant ``lr``: see :func:`_adamw_cosine`).
 
@@ -129,8 +196,9 @@ class ImageClassifier(LightningModule):
     logs its values as ``val_acc/dataloader_idx_<i>`` (``val_loss/...``, ``test_acc/...`` likewise); with one
     dataloader the names are the plain ones above.
 
-    ``num_classes="auto"`` takes the class count from the Trainer's data module in ``setup`` (its ``num_classes``,
-    or ``len(classes)``; ``CachedDataModule`` has both after ``setup``) and sizes the head there, identically on
+    ``num_classes="auto"`` takes the class count from the Trainer's data module in ``setup`` (its ``num_classes``: an
+    int, a numpy integer or a one-element integer tensor; or ``len(classes)``; ``CachedDataModule`` has both after
+    ``setup``) and sizes the head there, identically on
     every rank (the body exists from ``__init__``; calling the model before ``setup`` raises rather than use a
     provisional head); ``hparams.num_classes`` then holds the resolved integer, so checkpoints restore with
     ``ImageClassifier.load_from_checkpoint`` without a data module. An integer builds the network in ``__init__``; a
@@ -165,6 +233,7 @@ class ImageClassifier(LightningModule):
         # "auto": the body is built now (callbacks that look at `model` in their own `setup`, which Lightning runs
         # before this module's, find it), with a provisional 2-way head that `setup` replaces before any use.
         self._head_pending = num_classes == "auto"
+        self._auto = self._head_pending  # for messages: the head's size came from the data, not the argument
         n = 2 if num_classes == "auto" else num_classes
         self.model = SmallResNet(num_classes=n, width=width, blocks=tuple(blocks))
         self.val_acc = MulticlassAccuracy(num_classes=n)
@@ -209,10 +278,10 @@ class ImageClassifier(LightningModule):
         reads the same listing and builds the same head before DDP wraps the model and the optimizer is created.
 
         Raises:
-            ValueError: ``num_classes="auto"`` and the data module does not say how many classes it has, or the data
-                has more classes than an integer ``num_classes``.
+            ValueError: ``num_classes="auto"`` and the data module does not say how many classes it has, or says a
+                count that is not an integer >= 2; or the data has more classes than an integer ``num_classes``.
         """
-        n_data = _datamodule_num_classes(self)
+        n_data = _datamodule_num_classes(self, strict=self._head_pending)
         if self._head_pending:
             if n_data is None:
                 raise ValueError(
@@ -232,11 +301,27 @@ class ImageClassifier(LightningModule):
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """An unresolved ``"auto"`` head (no ``setup`` ran) takes the checkpoint's class count before the load."""
+        """An unresolved ``"auto"`` head (no ``setup`` ran) takes the checkpoint's class count before the load; a head
+        already sized for another count is refused in one line (torch's ``load_state_dict`` would list every
+        mismatched tensor over several lines, without saying which argument or data set made the counts differ).
+
+        Raises:
+            ValueError: the checkpoint's head has another number of classes than this model's.
+        """
+        head = checkpoint.get("state_dict", {}).get("model.fc.weight")
+        if not isinstance(head, torch.Tensor) or head.dim() != 2:
+            return  # a checkpoint without a plain head tensor (another layout): the load decides
+        n_ckpt = int(head.shape[0])
         if self._head_pending:
-            head = checkpoint.get("state_dict", {}).get("model.fc.weight")
-            if head is not None:
-                self._build_head(int(head.shape[0]))
+            self._build_head(n_ckpt)
+            return
+        n_model = getattr(self.model.fc, "out_features", None)  # a surgery may have replaced the Linear
+        if isinstance(n_model, int) and n_ckpt != n_model:
+            raise ValueError(
+                f"The checkpoint was trained on {n_ckpt} classes, but this `ImageClassifier` has {n_model} outputs "
+                f"({'`num_classes=auto` read from the data module' if self._auto else f'`num_classes={n_model}`'}). "
+                f"Resume on data with the checkpoint's {n_ckpt} classes, or set `num_classes: {n_ckpt}`."
+            )
 
     @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -254,6 +339,7 @@ class ImageClassifier(LightningModule):
             # every sample failed to decode (`on_decode_error="skip"`): nothing to learn, but the step still runs on
             # every rank (DDP averages gradients each step), so return a zero loss that reaches every parameter
             return self(x).sum() * 0.0
+        y = _as_indices(y, "labels")
         loss = F.cross_entropy(self(x), y)
         self.log("train_loss", loss, prog_bar=True)
         return loss
@@ -263,6 +349,7 @@ class ImageClassifier(LightningModule):
         x, y = batch
         if x.shape[0] == 0:  # an empty batch (see training_step) has no accuracy; the metrics sync at epoch end
             return
+        y = _as_indices(y, "labels")
         logits = self(x)
         acc, attribute = self._accuracy("val", dataloader_idx, logits.device)
         acc(logits, y)
@@ -274,6 +361,7 @@ class ImageClassifier(LightningModule):
         x, y = batch
         if x.shape[0] == 0:
             return
+        y = _as_indices(y, "labels")
         logits = self(x)
         acc, attribute = self._accuracy("test", dataloader_idx, logits.device)
         acc(logits, y)
@@ -294,7 +382,8 @@ class ImageClassifier(LightningModule):
 
 
 class TinyGPT(LightningModule):
-    """``GPT`` trained on next-token prediction; batches are int64 token tensors (B, T) or ``(tokens, ...)`` tuples.
+    """``GPT`` trained on next-token prediction; batches are integer token tensors (B, T) or ``(tokens, ...)`` tuples
+    (int64, or a narrower integer dtype such as a uint16/int32 token file's, widened to int64).
 
     Logs ``train_loss`` and ``val_loss`` (``val_loss/dataloader_idx_<i>`` per loader with several validation
     dataloaders). Pairs with :func:`lightning_accel.datasets.digits_tokens`. The optimizer and schedule are
@@ -322,7 +411,7 @@ class TinyGPT(LightningModule):
         return self.model(idx)
 
     def _loss(self, batch: Any) -> torch.Tensor:
-        tokens = batch[0] if isinstance(batch, (list, tuple)) else batch
+        tokens = _as_indices(batch[0] if isinstance(batch, (list, tuple)) else batch, "tokens")
         logits = self(tokens[:, :-1])
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
 

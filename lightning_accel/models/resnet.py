@@ -77,6 +77,7 @@ class SmallResNet(nn.Module):
         super().__init__()
         check_int("num_classes", num_classes, low=2)
         check_int("width", width, low=1)
+        check_int("in_channels", in_channels, low=1, fix="It is the images' channels: 3 for RGB, 1 for grey.")
         blocks = _check_blocks(blocks)
         self.stem = nn.Sequential(
             nn.Conv2d(in_channels, width, 3, stride=1, padding=1, bias=False),

@@ -95,9 +95,22 @@ def test_image_classifier_steps_through_an_empty_batch() -> None:
 @pytest.mark.parametrize(
     ("build", "error", "match"),
     [
-        (lambda: ImageClassifier(lr=-1), ValueError, r"`lr` must be a number > 0, got -1"),
-        (lambda: ImageClassifier(weight_decay="x"), TypeError, r"`weight_decay` must be a number >= 0, got 'x'"),
-        (lambda: TinyGPT(lr=0), ValueError, r"`lr` must be a number > 0, got 0"),
+        (lambda: ImageClassifier(lr=-1), ValueError, r"`lr` must be a number > 0 and < inf, got -1"),
+        (
+            lambda: ImageClassifier(weight_decay="x"),
+            TypeError,
+            r"`weight_decay` must be a number >= 0 and < inf, got 'x'",
+        ),
+        (lambda: TinyGPT(lr=0), ValueError, r"`lr` must be a number > 0 and < inf, got 0"),
+        # an infinite rate or decay used to be accepted: every weight NaN after the first step
+        (lambda: ImageClassifier(lr=float("inf")), ValueError, r"^`lr` must be a number > 0 and < inf, got inf\. "),
+        (lambda: TinyGPT(weight_decay=float("inf")), ValueError, r"^`weight_decay` must be a number >= 0 and < inf"),
+        (lambda: SmallResNet(in_channels=0), ValueError, r"^`in_channels` must be an integer >= 1, got 0\. "),
+        (
+            lambda: gpt2_lm(seed=2**64),
+            ValueError,
+            r"^`seed` must be an integer in torch's seed range .*, got 18446744073709551616\.$",
+        ),
         (lambda: TinyGPT(n_embd=100, n_head=3), ValueError, r"`n_embd` must be a multiple of `n_head`.*n_embd=99"),
         (lambda: TinyGPT(dropout=1.0), ValueError, r"`dropout` must be a number >= 0 and < 1, got 1.0"),
         (lambda: GPT(vocab_size=0), ValueError, r"`vocab_size` must be an integer >= 1, got 0"),
