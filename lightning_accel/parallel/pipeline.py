@@ -7,6 +7,9 @@ previous piece's single tensor output, found by :func:`find_pipeline_modules`:
    LightningModule), returning the pieces in forward order, or
 2. the network as an ``nn.Sequential`` (the module itself or a direct child): its children are the pieces.
 
+Either way the pieces must hold every parameter of the module (a head beside an ``nn.Sequential`` backbone would be
+left out of the pipeline's forward): a split that leaves one out is refused, naming it.
+
 The stages are contiguous runs of pieces balanced by :func:`balance_stages` on each piece's model-state bytes plus
 its measured activations (:func:`piece_costs`). On each rank, :func:`keep_only` drops the parameters of every piece
 it does not run, so its optimizer sees only its stage(s) and its memory holds only its share. A parameter used by
@@ -60,7 +63,8 @@ def find_pipeline_modules(module: nn.Module) -> list[nn.Module]:
     """The pieces of ``module`` in forward order (see the module docstring for the two ways to provide them).
 
     Raises:
-        TypeError: ``module`` provides neither, naming the module and what is needed.
+        TypeError: ``module`` provides neither, or the pieces leave out some of its parameters (named, with the
+            fix).
     """
     candidates: list[nn.Module] = [module, *module.children()]
     for m in candidates:
@@ -69,15 +73,38 @@ def find_pipeline_modules(module: nn.Module) -> list[nn.Module]:
             pieces = list(fn())
             if not pieces or not all(isinstance(p, nn.Module) for p in pieces):
                 raise TypeError(f"`{type(m).__name__}.pipeline_modules()` must return a non-empty list of nn.Modules.")
-            return pieces
+            owner = "its own" if m is module else f"its child `{type(m).__name__}`'s"
+            return _check_complete(module, pieces, f"{owner} `pipeline_modules()`")
     for m in candidates:
         if isinstance(m, nn.Sequential) and len(m) > 0:
-            return list(m)
+            where = "itself" if m is module else f"its child `{type(m).__name__}`"
+            return _check_complete(module, list(m), f"the children of {where} (an `nn.Sequential`)")
     raise TypeError(
         f"PipelineStrategy cannot split `{type(module).__name__}`: it needs the pieces of its forward in order. Give "
         "it (or the network it holds, e.g. `self.model`) a `pipeline_modules()` method returning the modules whose "
         "composition is the forward (each takes the previous one's single tensor output), or make the network an "
         "`nn.Sequential`."
+    )
+
+
+def _check_complete(module: nn.Module, pieces: list[nn.Module], source: str) -> list[nn.Module]:
+    """``pieces`` when they hold every parameter of ``module``: the pipeline's forward is their composition and each
+    rank keeps only its stages' parameters, so a parameter outside them (a head beside an ``nn.Sequential`` backbone)
+    would silently leave the model trained, and saved.
+
+    Raises:
+        TypeError: parameters of ``module`` that no piece holds (named, with the fix).
+    """
+    held = {id(p) for piece in pieces for p in piece.parameters()}
+    left = [n for n, p in module.named_parameters() if id(p) not in held]
+    if not left:
+        return pieces
+    more = f" and {len(left) - 5} more" if len(left) > 5 else ""
+    raise TypeError(
+        f"PipelineStrategy cannot split `{type(module).__name__}`: the pieces from {source} leave out the "
+        f"parameters {', '.join(f'`{n}`' for n in left[:5])}{more}, which the pipeline's forward (the pieces in order) "
+        "would drop. Give the LightningModule a `pipeline_modules()` method returning every piece of its forward in "
+        "order (e.g. `[*self.features, self.head]`)."
     )
 
 
@@ -484,10 +511,25 @@ class PipelineRunner:
     def has_last(self) -> bool:
         return self.layout.num_stages - 1 in self.stage_ids
 
-    def _schedule(self, key: Any) -> Any:
-        """One schedule per micro-batch shape: ``PipelineStage`` infers and fixes its buffers' shapes on first use."""
-        if key in self._schedules:
-            return self._schedules[key]
+    def eval_microbatches(self, rows: int) -> int:
+        """The micro-batches to evaluate a batch of ``rows`` samples in: ``microbatches`` when they divide it, else the
+        largest count below that does (the last batch of an evaluation loader, which keeps every sample, is often
+        smaller; forward only, so the count changes no result). The interleaved schedule needs a multiple of the
+        pipeline size; with none that divides ``rows``, ``microbatches`` (the split then says what is wrong)."""
+        m = self.microbatches
+        if rows <= 0 or rows % m == 0:
+            return m
+        step = self.layout.pp if self.schedule_name == "interleaved1f1b" else 1
+        fits = [d for d in range(step, min(m, rows) + 1, step) if rows % d == 0]
+        return max(fits) if fits else m
+
+    def _schedule(self, key: Any, microbatches: int | None = None) -> Any:
+        """One schedule per micro-batch shape (and count): ``PipelineStage`` infers and fixes its buffers' shapes on
+        first use. A count other than ``microbatches`` (:meth:`eval_microbatches`) evaluates with GPipe's schedule,
+        which, unlike 1F1B's, runs fewer micro-batches than stages."""
+        n = microbatches or self.microbatches
+        if (key, n) in self._schedules:
+            return self._schedules[(key, n)]
         from torch.distributed import pipelining as pl
 
         stages: list[Any] = [
@@ -496,11 +538,11 @@ class PipelineRunner:
         ]
         sched: Any
         if self.schedule_name == "interleaved1f1b":
-            sched = pl.ScheduleInterleaved1F1B(stages, self.microbatches, loss_fn=self.loss_fn)
+            sched = pl.ScheduleInterleaved1F1B(stages, n, loss_fn=self.loss_fn)
         else:
-            cls = pl.Schedule1F1B if self.schedule_name == "1f1b" else pl.ScheduleGPipe
-            sched = cls(stages[0], self.microbatches, loss_fn=self.loss_fn)
-        self._schedules[key] = sched
+            cls = pl.Schedule1F1B if self.schedule_name == "1f1b" and n == self.microbatches else pl.ScheduleGPipe
+            sched = cls(stages[0], n, loss_fn=self.loss_fn)
+        self._schedules[(key, n)] = sched
         return sched
 
     def step(self, inputs: Sequence[Any] | None, targets: Sequence[Any] | None, key: Any = None) -> torch.Tensor:
@@ -522,9 +564,17 @@ class PipelineRunner:
         return self._loss_everywhere(losses)
 
     @torch.no_grad()
-    def evaluate(self, inputs: Sequence[Any] | None, targets: Sequence[Any] | None, key: Any = None) -> torch.Tensor:
-        """Forward only (``schedule.eval``); the mean micro-batch loss on every rank of this pipeline."""
-        sched = self._schedule(("eval", key))
+    def evaluate(
+        self,
+        inputs: Sequence[Any] | None,
+        targets: Sequence[Any] | None,
+        key: Any = None,
+        microbatches: int | None = None,
+    ) -> torch.Tensor:
+        """Forward only (``schedule.eval``) of ``microbatches`` micro-batches (None: :attr:`microbatches`; the same on
+        every rank of the pipeline, see :meth:`eval_microbatches`); the mean micro-batch loss on every rank of this
+        pipeline."""
+        sched = self._schedule(("eval", key), microbatches)
         losses: list[torch.Tensor] = []
         kwargs = self._microbatch_kwargs(inputs, targets, losses)
         sched.eval(**kwargs)

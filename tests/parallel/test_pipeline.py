@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from lightning_accel.models.transformer import GPT
+from lightning_accel.parallel import select_strategy
 from lightning_accel.parallel.pipeline import (
     balance_stages,
     check_stages_train,
@@ -70,6 +71,35 @@ def test_a_sequential_is_split_and_anything_else_is_named() -> None:
 
     with pytest.raises(TypeError, match=r"cannot split `Opaque`.*`pipeline_modules\(\)`.*nn.Sequential"):
         find_pipeline_modules(Opaque())
+
+
+def test_pieces_that_leave_out_a_parameter_of_the_module_are_refused() -> None:
+    # an `nn.Sequential` backbone beside a head: its children were taken as the whole network, so the pipeline
+    # trained (and saved) the model without the head, and the selector estimated it without the head's parameters
+    class BackboneAndHead(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.features = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8))
+            self.head = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.features(x))
+
+    net = BackboneAndHead()
+    left_out = r"leave out the parameters `head.weight`, `head.bias`"
+    with pytest.raises(
+        TypeError, match=r"from the children of its child `Sequential` \(an `nn.Sequential`\) " + left_out
+    ):
+        find_pipeline_modules(net)
+    choice = select_strategy(net, devices=2, device_memory_bytes=10**9)
+    assert "leave out the parameters `head.weight`" in choice.estimates["pipeline"].blocker
+    net.pipeline_modules = lambda: [*net.features, net.head]  # type: ignore[method-assign,assignment]
+    assert find_pipeline_modules(net) == [*net.features, net.head]  # the fix the error names
+    with pytest.raises(
+        TypeError, match=r"`BackboneAndHead`: the pieces from its own `pipeline_modules\(\)` " + left_out
+    ):
+        net.pipeline_modules = lambda: list(net.features)  # type: ignore[method-assign,assignment]
+        find_pipeline_modules(net)
 
 
 def test_keep_only_drops_what_the_stage_does_not_use_and_keeps_tied_weights() -> None:

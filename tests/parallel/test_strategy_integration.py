@@ -432,3 +432,20 @@ def test_the_measure_policy_resolved_before_the_trainer_still_times_the_plans(tm
     # a plain `resolve` call too
     st = AutoStrategy(policy="measure", device_memory_bytes=10**9)
     assert st.resolve(Deep(depth=3), accelerator="cpu", devices=2) is st and st.choice is None
+
+
+def test_misspelled_or_mistyped_arguments_are_refused_in_init() -> None:
+    # a misspelled argument of its own went on to DistributedDataParallel, which refused it only when wrapping the
+    # model (after the choice was made without it)
+    with pytest.raises(TypeError, match=r"`device_memory`=1073741824.*`device_memory` -> `device_memory_bytes`"):
+        AutoStrategy(device_memory=2**30)
+    AutoStrategy(find_unused_parameters=True, process_group_backend="gloo")  # DDP's keywords still pass
+    with pytest.raises(TypeError, match=r"`candidates` must be a list of plan names .* got 'ddp' \(str\)"):
+        AutoStrategy(candidates="ddp")  # type: ignore[arg-type]  # was checked letter by letter: "got 'd'"
+    for name in ("allow_unfit", "use_example_input"):
+        with pytest.raises(TypeError, match=f"`{name}` must be True or False, got 'no'"):
+            AutoStrategy(**{name: "no"})
+    with pytest.raises(TypeError, match="`trial_cache` must be a path"):
+        AutoStrategy(trial_cache=3)  # type: ignore[arg-type]  # a file descriptor to `open`
+    with pytest.raises(ValueError, match="`tensor_parallel_size`"):
+        AutoStrategy(sharded_kwargs={"tensor_parallel_size": 0})

@@ -23,6 +23,7 @@ __all__ = [
     "gather_batch",
     "keyword_defaults",
     "keyword_names",
+    "named_optimizer_state",
     "optimizers_to_device",
     "precision_name",
     "raw_optimizer",
@@ -65,6 +66,37 @@ def gather_batch(batch: Any, group: Any) -> Any:
         return x
 
     return walk(batch)
+
+
+def named_optimizer_state(state: Mapping[str, Any], group_names: Sequence[Sequence[str]], who: str) -> dict[str, Any]:
+    """``state`` (an ``Optimizer.state_dict()``) with its parameters named: a state that lists them by position (what
+    ``DDPStrategy`` and one process save) gets ``group_names[i][j]`` for the ``j``-th parameter of group ``i``, its
+    per-parameter state keyed the same way; a state already keyed by name (what the sharded and pipeline strategies
+    save) is returned as it is. ``group_names`` lists, per group, the names of the unsplit model's parameters in the
+    order a one-process optimizer holds them.
+
+    Raises:
+        ValueError: the groups differ in number or size from ``group_names`` (``who`` names the strategy).
+    """
+    groups = list(state.get("param_groups", []))
+    ids = [p for g in groups for p in g["params"]]
+    if not ids or not all(isinstance(p, int) and not isinstance(p, bool) for p in ids):
+        return dict(state)
+    sizes = [len(g["params"]) for g in groups]
+    want = [len(n) for n in group_names]
+    if sizes != want:
+        raise ValueError(
+            f"{who} cannot resume the optimizer state of this checkpoint: it lists its parameters by position in "
+            f"groups of {sizes} parameters, the optimizer of this model has groups of {want}. Resume with the "
+            "`configure_optimizers` that saved it."
+        )
+    name = {p: n for g, names in zip(groups, group_names, strict=True) for p, n in zip(g["params"], names, strict=True)}
+    per_param = state.get("state", {})
+    return {
+        **state,
+        "state": {name[k]: v for k, v in per_param.items() if k in name},
+        "param_groups": [dict(g, params=[name[p] for p in g["params"]]) for g in groups],
+    }
 
 
 def optimizers_to_device(optimizers: Sequence[Any], device: torch.device) -> None:

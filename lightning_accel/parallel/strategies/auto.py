@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -48,7 +49,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_accel._utils import compat
-from lightning_accel._utils.checks import check_choice, check_int
+from lightning_accel._utils.checks import check_bool, check_choice, check_int
 from lightning_accel._utils.errors import one_line
 from lightning_accel._utils.rank import describe_error, distributed_ready, rebuild_error
 from lightning_accel.parallel.callbacks import ChoiceCheck
@@ -63,7 +64,11 @@ from lightning_accel.parallel.select import (
     trial_key,
 )
 from lightning_accel.parallel.strategies._helpers import check_keywords, keyword_names
-from lightning_accel.parallel.strategies.pipeline import PipelineStrategy, check_pipeline_keywords
+from lightning_accel.parallel.strategies.pipeline import (
+    PIPELINE_UNLISTED,
+    PipelineStrategy,
+    check_pipeline_keywords,
+)
 from lightning_accel.parallel.strategies.sharded import ShardedStrategy
 from lightning_accel.parallel.trials import PLANS, plan_stepper, time_plan
 
@@ -164,7 +169,9 @@ class AutoStrategy(DDPStrategy):
             (``world x`` the per-device batch), and a chosen tensor-parallel or pipeline plan trains on it too
             (``batch_split="world"``); a trial that fails is dropped with its error (``choice.dropped``).
         allow_unfit: when no plan fits the estimate, run the smallest anyway instead of raising.
-        **ddp_kwargs: forwarded to ``DDPStrategy`` (used when DDP is chosen).
+        **ddp_kwargs: forwarded to ``DDPStrategy`` (used when DDP is chosen): its own keywords and
+            ``DistributedDataParallel``'s; any other name (a misspelled argument of this class) is refused here
+            (``TypeError``, naming the closest accepted one).
     """
 
     def __init__(
@@ -181,20 +188,48 @@ class AutoStrategy(DDPStrategy):
         sharded_kwargs: dict[str, Any] | None = None,
         pipeline_kwargs: dict[str, Any] | None = None,
         trial_steps: int = 3,
-        trial_cache: str | None = None,
+        trial_cache: str | os.PathLike[str] | None = None,
         candidates: list[str] | None = None,
         allow_unfit: bool = False,
         **ddp_kwargs: Any,
     ) -> None:
         check_choice("policy", policy, POLICIES)
+        if candidates is not None and not isinstance(candidates, (list, tuple)):
+            # a string would be checked letter by letter ("got 'd'" for candidates="ddp")
+            raise TypeError(
+                f"`candidates` must be a list of plan names (of {', '.join(map(repr, PLANS))}) or None, got "
+                f"{candidates!r} ({type(candidates).__name__}). Pass e.g. `candidates=['ddp', 'fsdp']`."
+            )
         for c in candidates or []:
             check_choice("candidates", c, PLANS, fix="Name plans a trial can time.")
+        check_bool("use_example_input", use_example_input)
+        check_bool("allow_unfit", allow_unfit)
+        if trial_cache is not None and not isinstance(trial_cache, (str, os.PathLike)):
+            # an int is a file descriptor to `os.path.exists` / `open`: the cache would read (and close) it
+            raise TypeError(
+                f"`trial_cache` must be a path to a JSON file or None, got {trial_cache!r} "
+                f"({type(trial_cache).__name__}). Pass e.g. `trial_cache='trials.json'`."
+            )
+        # an argument of this class misspelled (`device_memory=`) would go on to DistributedDataParallel, which
+        # refuses it only when DDP wraps the model, after every process has started (or never, if another plan wins)
+        check_keywords(
+            "AutoStrategy",
+            ddp_kwargs,
+            _AUTO_ARGUMENTS,
+            unlisted=PIPELINE_UNLISTED,
+            unlisted_as="DistributedDataParallel's keywords",
+            kind=TypeError,
+        )
         check_int("example_batch_size", example_batch_size, low=1, allow_none=True)
         check_int("trial_steps", trial_steps, low=1)
         # the choice is made at setup on rank 0 only: a bad value must fail here, on every rank (a misspelled key
         # would otherwise surface only when the chosen plan is built, or never: `PipelineStrategy` took any keyword)
         check_pipeline_keywords("AutoStrategy `pipeline_kwargs`", pipeline_kwargs or {})
         check_keywords("AutoStrategy `sharded_kwargs`", sharded_kwargs or {}, _SHARDED_ARGUMENTS)
+        if sharded_kwargs:  # their values too (`tensor_parallel_size=0`), here rather than once a plan is chosen
+            with warnings.catch_warnings():  # `tp_plan` without a size: the chosen "tp" plan gets the devices'
+                warnings.simplefilter("ignore")
+                ShardedStrategy(**{"batch_split": "world", **sharded_kwargs})
         pk = _pipeline_arguments(pipeline_kwargs)
         _check_arguments(
             headroom=headroom,
@@ -219,7 +254,7 @@ class AutoStrategy(DDPStrategy):
         self.sharded_kwargs = dict(sharded_kwargs or {})
         self.pipeline_kwargs = dict(pipeline_kwargs or {})
         self.trial_steps = trial_steps
-        self.trial_cache = TrialCache(trial_cache)
+        self.trial_cache = TrialCache(None if trial_cache is None else os.fspath(trial_cache))
         self.candidates = list(candidates) if candidates else None
         self.allow_unfit = allow_unfit
         self.choice: StrategyChoice | None = None
@@ -520,6 +555,11 @@ class AutoStrategy(DDPStrategy):
         compat.set_launcher(new, self.launcher)  # the processes were started by this launcher; it must stop them
         new.connect(model)
         compat.set_trainer_strategy(trainer, new)
+
+
+#: the keywords ``AutoStrategy(...)`` takes by name: its own and ``DDPStrategy``'s (plus DistributedDataParallel's,
+#: :data:`~lightning_accel.parallel.strategies.pipeline.PIPELINE_UNLISTED`, passed on to the DDP wrapper)
+_AUTO_ARGUMENTS = keyword_names(AutoStrategy.__init__, DDPStrategy.__init__)
 
 
 def _as_list(value: Any) -> list[Any]:

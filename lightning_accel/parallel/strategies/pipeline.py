@@ -36,6 +36,7 @@ from lightning_accel.parallel.strategies._helpers import (
     gather_batch,
     keyword_defaults,
     keyword_names,
+    named_optimizer_state,
     optimizers_to_device,
     precision_name,
     raw_optimizer,
@@ -94,11 +95,18 @@ class PipelineStrategy(DDPStrategy):
     every rank logs the loss (``ModelCheckpoint(monitor=...)`` works on any rank). ``backward`` is then a no-op (the
     schedule did it); gradients of tied parameters are summed between their stages and, with ``world > pipeline
     size``, averaged over the replicas; ``gradient_clip_val`` clips by the norm of the *whole* model's gradient.
+    The schedule averages the micro-batches' gradients (torch's pipelining rule) and the logged values are their
+    mean: that is one process's step for a loss that is a *mean* over the batch's samples (``F.cross_entropy``'s
+    default). A loss *summed* over the samples (``reduction="sum"``) trains with ``1 / microbatches`` of one
+    process's gradient and logs ``1 / microbatches`` of its value (checked: 0.25 with 4 micro-batches): divide it by
+    the batch size, or use a mean.
 
     **Checkpoints**: the stages' states are gathered to rank 0 and saved as one full checkpoint through the
     ``CheckpointIO`` (the model ``state_dict`` is the unsplit model's, so the file also loads without a pipeline;
     optimizer state is keyed by parameter name, its parameters listed in the unsplit model's order, so a one-process
-    ``optimizer.load_state_dict`` matches them); on resume every rank reads it and keeps its stage's part.
+    ``optimizer.load_state_dict`` matches them); on resume every rank reads it and keeps its stage's part. A
+    checkpoint saved by DDP or one process (its optimizer state lists the parameters by position) resumes too: the
+    positions are named in the unsplit model's order first.
 
     **Frozen parameters**: the split gives every stage a trainable parameter when it can (a frozen backbone shares a
     stage with a piece that trains), since a stage without one would leave its rank's optimizer empty; a ``fit``
@@ -109,7 +117,9 @@ class PipelineStrategy(DDPStrategy):
             parallel.
         schedule: ``"1f1b"`` (default), ``"gpipe"`` or ``"interleaved1f1b"``.
         microbatches: micro-batches per step (None: ``2 x pipeline_size``,
-            :func:`~lightning_accel.parallel.estimate.default_microbatches`); must divide the batch size.
+            :func:`~lightning_accel.parallel.estimate.default_microbatches`); must divide the training batch size.
+            An evaluation or prediction batch they do not divide (a loader's last, smaller batch) runs in the largest
+            count below that does (:meth:`~lightning_accel.parallel.pipeline.PipelineRunner.eval_microbatches`).
         stages_per_rank: stages per rank (interleaved: default 2).
         batch_split: ``"data_parallel"`` (the ranks of one pipeline read the same batch: the global batch is
             ``replicas x batch_size``) or ``"world"`` (the sampler splits over every rank, as DDP's, and each pipeline
@@ -385,12 +395,16 @@ class PipelineStrategy(DDPStrategy):
     def _run(self, name: str, batch: Any, batch_idx: int, train: bool) -> torch.Tensor:
         module, runner = self.lightning_module, self.runner
         assert module is not None and runner is not None, "PipelineStrategy.setup builds the pipeline"
-        mbs = split_batch(batch, runner.microbatches)
+        n = runner.microbatches
+        if not train:  # every rank of the pipeline holds the same batch: they choose the same count
+            rows = next((t.shape[0] for t in batch_tensors(batch) if t.ndim), 0)
+            n = runner.eval_microbatches(int(rows))
+        mbs = split_batch(batch, n)
         key = tuple(tuple(t.shape) for t in batch_tensors(mbs[0]))
         inputs = [self._capture(module, name, mb, batch_idx) for mb in mbs] if runner.has_first else None
         self._hook, self._logged, self._mbs = (name, batch_idx), {}, mbs
         targets = [torch.tensor([i]) for i in range(len(mbs))] if runner.has_last else None
-        loss = runner.step(inputs, targets, key) if train else runner.evaluate(inputs, targets, key)
+        loss = runner.step(inputs, targets, key) if train else runner.evaluate(inputs, targets, key, n)
         self._relog(module, runner)
         self._mbs = []
         return loss
@@ -552,11 +566,32 @@ class PipelineStrategy(DDPStrategy):
         assert module is not None
         own = {n for n, _ in module.named_parameters()}
         for opt, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=False):
+            if _positional(state):  # a DDP or one-process checkpoint: name its parameters first (every rank alike)
+                state = named_optimizer_state(state, self._group_names(raw_optimizer(opt)), "PipelineStrategy")
             mine: dict[str, Any] = {
                 "state": {k: v for k, v in state["state"].items() if k in own},
                 "param_groups": [dict(g, params=[p for p in g["params"] if p in own]) for g in state["param_groups"]],
             }
             set_optimizer_state_dict(module, raw_optimizer(opt), mine)
+
+    def _group_names(self, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+        """Per parameter group of ``optimizer``, the names of the unsplit model's parameters in it, in the unsplit
+        model's order (what a one-process optimizer over ``self.parameters()`` lists by position), each under the
+        name this rank knows it by where it holds it. Collective over the ranks of this pipeline, which hold every
+        stage between them."""
+        module, runner = self.lightning_module, self.runner
+        assert module is not None and runner is not None
+        order = runner.param_order
+        names = {id(p): n for n, p in module.named_parameters()}
+        local = [[(order[names[id(p)]], names[id(p)]) for p in g["params"]] for g in optimizer.param_groups]
+        parts: list[Any] = [None] * torch.distributed.get_world_size(runner.pp_group)
+        torch.distributed.all_gather_object(parts, local, group=runner.pp_group)
+        out: list[list[str]] = []
+        for i, mine in enumerate(local):
+            by_place = {place: name for part in parts if i < len(part) for place, name in part[i]}
+            by_place.update(dict(mine))  # a tied parameter under this rank's name for it
+            out.append([by_place[place] for place in sorted(by_place)])
+        return out
 
     @override
     def teardown(self) -> None:
@@ -564,6 +599,11 @@ class PipelineStrategy(DDPStrategy):
             self._clip_patch.restore()
             self._clip_patch = None
         super().teardown()
+
+
+def _positional(state: Mapping[str, Any]) -> bool:
+    """Whether an optimizer state lists its parameters by position (ints), as ``DDPStrategy`` and one process save."""
+    return any(isinstance(p, int) for g in state.get("param_groups", []) for p in g["params"])
 
 
 #: the keywords ``PipelineStrategy(...)`` takes: its own and ``DDPStrategy``'s named arguments (plus, passing with a

@@ -33,6 +33,7 @@ from lightning_accel.parallel.plans import (
 from lightning_accel.parallel.strategies._helpers import (
     BATCH_SPLITS,
     gather_batch,
+    named_optimizer_state,
     optimizers_to_device,
     precision_name,
     raw_optimizer,
@@ -82,8 +83,9 @@ class ShardedStrategy(ModelParallelStrategy):
     Runs on CPU (gloo) and CUDA (NCCL). **Checkpoints**: by default (``save_distributed_checkpoint=False``, unlike
     ``ModelParallelStrategy``'s ``True``) a *full* state dict (model and FQN-keyed optimizer state gathered to rank 0)
     is written through the Trainer's ``CheckpointIO`` (so ``DeltaCheckpointIO`` and ``AsyncCheckpointIO`` apply) and
-    read back through it on every rank, each keeping its shard; ``save_distributed_checkpoint=True`` uses Lightning's
-    ``torch.distributed.checkpoint`` folder (one file per rank, no ``CheckpointIO``).
+    read back through it on every rank, each keeping its shard (a DDP or one-process checkpoint too: its optimizer
+    state, which lists the parameters by position, is named first); ``save_distributed_checkpoint=True`` uses
+    Lightning's ``torch.distributed.checkpoint`` folder (one file per rank, no ``CheckpointIO``).
 
     **Mesh sizes**: the arguments mean what they mean for ``ModelParallelStrategy`` (``"auto"`` data-parallel size:
     the number of nodes; ``"auto"`` tensor-parallel size: the devices of one node), and the defaults shard over every
@@ -351,7 +353,12 @@ class ShardedStrategy(ModelParallelStrategy):
             options=StateDictOptions(full_state_dict=True, strict=strict),
         )
         states = checkpoint.pop("optimizer_states", [])
+        names = {id(p): n for n, p in self.model.named_parameters()}
         for opt, state in zip(self.optimizers, states, strict=False):
+            # a DDP or one-process checkpoint lists the parameters by position: `set_optimizer_state_dict` wants
+            # names (given positions, it kept the full tensors beside the shards and trained on wrong state)
+            groups = [[names[id(p)] for p in g["params"]] for g in raw_optimizer(opt).param_groups]
+            state = named_optimizer_state(state, groups, "ShardedStrategy")
             if self._packed() and isinstance(state.get("state"), dict):
                 state = dict(state, state=self._reorder(dict(state["state"]), pack_rows))
             set_optimizer_state_dict(
