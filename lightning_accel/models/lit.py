@@ -277,18 +277,20 @@ class ImageClassifier(LightningModule):
         The data module's ``setup`` has run (Lightning calls it first), so its class count is known here; every rank
         reads the same listing and builds the same head before DDP wraps the model and the optimizer is created.
 
+        Without a data module that tells the count, the head is left to a checkpoint (``ckpt_path``), restored after
+        this hook; a run with neither stops at its start, before any batch (:meth:`_require_head`).
+
         Raises:
-            ValueError: ``num_classes="auto"`` and the data module does not say how many classes it has, or says a
-                count that is not an integer >= 2; or the data has more classes than an integer ``num_classes``.
+            ValueError: ``num_classes="auto"`` and the data module says a count that is not an integer >= 2; or the
+                data has more classes than an integer ``num_classes``.
         """
         n_data = _datamodule_num_classes(self, strict=self._head_pending)
         if self._head_pending:
             if n_data is None:
-                raise ValueError(
-                    "`num_classes='auto'` needs a data module that tells its class count (`num_classes` or `classes`, "
-                    "e.g. lightning_accel.data.CachedDataModule); pass the data as `datamodule=` or set an integer "
-                    "`num_classes`."
-                )
+                # `test(model, dataloaders=..., ckpt_path=...)`: a checkpoint, restored after `setup` (Lightning does
+                # not tell `setup` whether one comes), sizes the head in `on_load_checkpoint`; without one the run
+                # stops at its start (`_require_head`), before any batch
+                return
             self._build_head(n_data)
         elif n_data is not None and n_data > self.hparams["num_classes"]:
             raise ValueError(
@@ -298,6 +300,36 @@ class ImageClassifier(LightningModule):
         size = _datamodule_image_size(self)
         if size is not None:
             self.example_input_array = torch.zeros(2, 3, size, size)
+
+    def _require_head(self) -> None:
+        """Stop a run whose ``"auto"`` head neither the data module nor a checkpoint sized (called at the start of
+        every loop, after the checkpoint restore).
+
+        Raises:
+            ValueError: the head is still unsized.
+        """
+        if self._head_pending:
+            raise ValueError(
+                "`num_classes='auto'` needs a data module that tells its class count (`num_classes` or `classes`, "
+                "e.g. lightning_accel.data.CachedDataModule) or a checkpoint to take it from; pass the data as "
+                "`datamodule=`, a `ckpt_path`, or set an integer `num_classes`."
+            )
+
+    @override
+    def on_fit_start(self) -> None:
+        self._require_head()
+
+    @override
+    def on_validation_start(self) -> None:
+        self._require_head()
+
+    @override
+    def on_test_start(self) -> None:
+        self._require_head()
+
+    @override
+    def on_predict_start(self) -> None:
+        self._require_head()
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:

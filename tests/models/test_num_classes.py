@@ -92,6 +92,24 @@ def test_auto_needs_a_data_module_that_tells(tmp_path: Path) -> None:
         model(torch.randn(1, 3, 8, 8))
 
 
+def test_auto_takes_its_head_from_the_checkpoint_of_an_evaluation(tmp_path: Path) -> None:
+    """``test(ImageClassifier("auto"), dataloaders=..., ckpt_path=...)``: no data module tells the count, the
+    checkpoint does (it is restored after ``setup``, which used to refuse the run)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = DataLoader(TensorDataset(torch.randn(8, 3, 8, 8), torch.arange(8) % 3), batch_size=4)
+    fitted = ImageClassifier(num_classes=3, width=4, blocks=(1,))
+    trainer(max_steps=1).fit(fitted, train_dataloaders=data)
+    path = tmp_path / "three.ckpt"
+    t = trainer(max_steps=1)
+    t.fit(fitted, train_dataloaders=data)
+    t.save_checkpoint(path)
+    model = ImageClassifier(num_classes="auto", width=4, blocks=(1,))
+    out = trainer().test(model, dataloaders=data, ckpt_path=path, verbose=False)
+    assert model.model.fc.out_features == 3 and "test_acc" in out[0]
+    assert torch.equal(model.model.fc.weight, fitted.model.fc.weight)
+
+
 def test_an_explicit_int_keeps_building_in_init() -> None:
     model = ImageClassifier(num_classes=7, width=4, blocks=(1,))
     assert model.model is not None and model.model.fc.out_features == 7
