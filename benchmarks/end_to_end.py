@@ -173,7 +173,7 @@ class SaveBreakdown(Callback):
 
 
 def _plain_dm(root: Path, size: int) -> L.LightningDataModule:
-    from lightning_accel.data.dataset import default_num_workers, split_indices
+    from lightning_accel.data.dataset import default_num_workers, split_keys
 
     class PlainPhotos(L.LightningDataModule):
         """torchvision ImageFolder + DataLoader: decode, crop, resize and normalise every sample every epoch."""
@@ -187,7 +187,9 @@ def _plain_dm(root: Path, size: int) -> L.LightningDataModule:
                 [T.RandomResizedCrop(size, scale=CROP, antialias=True), T.RandomHorizontalFlip(), *norm]
             )
             val_t = T.Compose([T.Resize(size, antialias=True), T.CenterCrop(size), *norm])
-            tr, va = split_indices(len(ImageFolder(str(root))), 0.1, 0)  # CachedDataModule's split of the same listing
+            # CachedDataModule's split of the same listing: by each sample's relative key (`class/file.jpg`)
+            keys = [Path(p).relative_to(root).as_posix() for p, _ in ImageFolder(str(root)).samples]
+            tr, va = split_keys(keys, 0.1, 0)
             self.train = torch.utils.data.Subset(ImageFolder(str(root), transform=train_t), tr)
             self.val = torch.utils.data.Subset(ImageFolder(str(root), transform=val_t), va)
 

@@ -48,7 +48,7 @@ def _numbers(name: str, value: object, *, pair: bool = False) -> tuple[float, ..
 
     Raises:
         TypeError: not a sequence, or an item that is not a real number (a string, a bool, None).
-        ValueError: ``pair`` and not two items, or an item that is NaN.
+        ValueError: ``pair`` and not two items, or an item that is NaN or infinite.
     """
     expected = "a (low, high) pair of numbers" if pair else "a sequence of numbers, one per channel"
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
@@ -58,8 +58,11 @@ def _numbers(name: str, value: object, *, pair: bool = False) -> tuple[float, ..
         if isinstance(v, bool) or not isinstance(v, numbers.Real):
             raise TypeError(f"`{name}` must be {expected}, got {value!r}, holding {v!r} ({type(v).__name__}).")
     out = tuple(float(v) for v in items)
-    if (pair and len(out) != 2) or any(math.isnan(v) for v in out):
+    if pair and len(out) != 2:
         raise ValueError(f"`{name}` must be {expected}, got {value!r}.")
+    bad = [v for v in out if not math.isfinite(v)]
+    if bad:  # an infinite std normalised every image to 0; an infinite ratio cropped to a line
+        raise ValueError(f"`{name}` must be {expected}, got {value!r}, holding {bad[0]!r}: every value must be finite.")
     return out
 
 

@@ -11,6 +11,7 @@ and logs cache statistics as ``cache/...`` through the Trainer's loggers.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import hashlib
 import os
@@ -31,9 +32,11 @@ from lightning_accel.data.dataset import (
     CacheDataLoader,
     CachedDataset,
     EpochOrderSampler,
+    check_seed,
     check_warm_num_workers,
     default_num_workers,
     split_indices,
+    split_keys,
 )
 from lightning_accel.data.decode import ImageDecoder
 from lightning_accel.data.lifecycle import parse_duration, ram_root, sweep, touch
@@ -177,8 +180,9 @@ class CachedDataModule(LightningDataModule):
         storage_options: fsspec options for the origin (S3 endpoint, credentials, ...).
         manifest: a JSONL file under ``origin`` with ``{"key": ..., "label": ...}`` lines instead of a tree.
         val_origin: a separate validation origin (same layout); ``None`` splits ``val_fraction`` off ``origin``.
-        val_fraction: held-out fraction when ``val_origin`` is None (deterministic split by ``seed``). A fraction
-            that leaves either split empty is an error in ``setup``; 0 holds out nothing (validation then reads the
+        val_fraction: held-out fraction when ``val_origin`` is None (deterministic split by ``seed`` and each
+            sample's key, so a sample stays on its side when the origin grows or is re-packed). A fraction that
+            leaves either split empty is an error in ``setup``; 0 holds out nothing (validation then reads the
             training samples).
         seed: shuffle and split seed.
         classes: the class names, label ``i`` being ``classes[i]`` (``None``: the class folders of ``origin``,
@@ -233,9 +237,11 @@ class CachedDataModule(LightningDataModule):
 
     Augmentation (on the device, in ``on_after_batch_transfer``):
         train_augment: batch augmentation for training (default: normalise with ``mean``/``std``).
-        val_augment: batch transform for evaluation (default: normalise only).
-        mean: per-channel mean for the default augmentations.
-        std: per-channel std for the default augmentations.
+        val_augment: batch transform for evaluation (default: normalise only, with a :class:`GpuAugment`
+            ``train_augment``'s ``mean``, ``std`` and output ``size``, so both splits reach the model alike).
+        mean: per-channel mean for the default augmentations (``None``: a :class:`GpuAugment` ``train_augment``'s,
+            else ImageNet's).
+        std: per-channel std for the default augmentations (``None``: as ``mean``).
         cpu_augment: where a :class:`GpuAugment` ``train_augment`` runs when the batches stay on the CPU (no GPU, or
             ``accelerator="cpu"``): ``"thread"`` (default) on a background thread of each rank, two batches ahead of
             the training step, so augmenting overlaps with the step instead of adding to it (torch ops release the
@@ -297,8 +303,8 @@ class CachedDataModule(LightningDataModule):
         # augmentation
         train_augment: GpuAugment | None = None,
         val_augment: GpuAugment | None = None,
-        mean: Sequence[float] = IMAGENET_MEAN,
-        std: Sequence[float] = IMAGENET_STD,
+        mean: Sequence[float] | None = None,
+        std: Sequence[float] | None = None,
         cpu_augment: str = "thread",
         # logging
         log_every_n_steps: int = 50,
@@ -314,7 +320,7 @@ class CachedDataModule(LightningDataModule):
             )
         _check_text("manifest", manifest, "a JSONL file under `origin` (a relative key such as 'train.jsonl')")
         _check_text("ram_dir", ram_dir, "a local directory path")
-        check_int("seed", seed)
+        check_seed(seed)
         check_callable("decode", decode, "a callable `decode(data: bytes) -> torch.Tensor`")
         check_callable("transform", transform, "a callable `transform(image: torch.Tensor) -> torch.Tensor`")
         for name, aug in (("train_augment", train_augment), ("val_augment", val_augment)):
@@ -379,12 +385,34 @@ class CachedDataModule(LightningDataModule):
         self.warm_num_workers = warm_num_workers
         self.transform = transform
         # augmentation
-        self.train_augment = (
-            train_augment if train_augment is not None else GpuAugment(mean, std, crop_scale=None, flip_p=0.0)
+        # The default evaluation transform normalises as training does: with ImageNet's statistics instead of a
+        # GpuAugment train_augment's own (and at another size), validation scored images the model never saw.
+        given = train_augment if isinstance(train_augment, GpuAugment) else None
+        default = GpuAugment(
+            mean if mean is not None else (given.mean if given is not None else IMAGENET_MEAN),
+            std if std is not None else (given.std if given is not None else IMAGENET_STD),
+            size=given.size if given is not None else None,
+            crop_scale=None,
+            flip_p=0.0,
         )
-        self.val_augment = (
-            val_augment if val_augment is not None else GpuAugment(mean, std, crop_scale=None, flip_p=0.0)
-        )
+        if given is not None and val_augment is None:
+            mismatch = [
+                f"`{name}` {ours}"
+                for name, ours, theirs, arg in (
+                    ("mean", default.mean, given.mean, mean),
+                    ("std", default.std, given.std, std),
+                )
+                if arg is not None and ours != theirs
+            ]
+            if mismatch:
+                rank_zero_warn(
+                    f"{' and '.join(mismatch)} {'differs' if len(mismatch) == 1 else 'differ'} from `train_augment`'s "
+                    f"(mean {given.mean}, std {given.std}): the default validation transform normalises with the "
+                    "arguments, training with `train_augment`'s. Pass the same values, or leave `mean`/`std` out to "
+                    "follow `train_augment`."
+                )
+        self.train_augment = train_augment if train_augment is not None else default
+        self.val_augment = val_augment if val_augment is not None else copy.deepcopy(default)
         self.cpu_augment = cpu_augment
         # training batches augmented ahead on the loader's thread (`_augment_ahead`), by id until the step takes them
         self._ready: dict[int, tuple[torch.Tensor, int]] = {}
@@ -505,7 +533,7 @@ class CachedDataModule(LightningDataModule):
             vcache = self._cache(self.val_origin, vlisting)
             self._caches["val"] = vcache
             return self._dataset(cache), self._dataset(vcache, lane=1)
-        tr, va = split_indices(len(listing), self.val_fraction, self.seed)
+        tr, va = split_keys(listing.keys, self.val_fraction, self.seed)
         if self.val_fraction > 0 and (not va or not tr):
             # Refused rather than patched up: an empty validation split used to validate on the training samples,
             # and an empty training split trains on nothing.

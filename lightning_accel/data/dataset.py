@@ -16,6 +16,7 @@ DataLoader deals batches round-robin) and starts origin reads for their uncached
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import queue
@@ -43,9 +44,11 @@ __all__ = [
     "CacheDataLoader",
     "CachedDataset",
     "EpochOrderSampler",
+    "check_seed",
     "collate_batch",
     "default_num_workers",
     "split_indices",
+    "split_keys",
 ]
 
 _HDR = 4  # order array header: [epoch token, length, batch size, the publishing process's id]
@@ -71,6 +74,51 @@ def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], li
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
     n_val = int(round(n * val_fraction))
     return sorted(perm[n_val:]), sorted(perm[:n_val])
+
+
+def check_seed(seed: object) -> int:
+    """``seed`` as the shuffle and split seed: an integer in ``-2**63 .. 2**63 - 1``.
+
+    The global shuffle seeds torch's generator with ``seed + epoch`` (``DistributedSampler``), which torch takes only
+    within ``-2**63 .. 2**64 - 1``: ``2**64 - 1`` trained epoch 0, then failed in epoch 1 with "Overflow when unpacking
+    long long", naming no argument.
+
+    Raises:
+        TypeError: not an integer (a bool included).
+        ValueError: outside that range.
+    """
+    fix = "It seeds the shuffle and the train/validation split."
+    value: int = check_int("seed", seed, fix=fix)
+    if not -(2**63) <= value <= 2**63 - 1:
+        raise ValueError(
+            f"`seed` must be an integer in -2**63 .. 2**63 - 1 (the shuffle seeds torch with `seed + epoch`), got "
+            f"{value}. {fix}"
+        )
+    return value
+
+
+def split_keys(keys: Sequence[str], val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Deterministic train/validation split of the positions of ``keys``, decided by each key's name.
+
+    The ``round(len(keys) * val_fraction)`` keys with the smallest seeded hash are held out (the same counts as
+    :func:`split_indices`). A sample keeps its side when others are added, removed or reordered (an origin that
+    grew, a re-pack in another order): a split by position put 19 of 20 held-out samples of a 200-image origin into
+    training after one image was added, so a run continued on the grown origin validated on samples it had trained
+    on. Adding ``k`` samples moves at most the change in the held-out count (about ``k * val_fraction``) across.
+
+    Raises:
+        TypeError: ``val_fraction`` is not a number.
+        ValueError: ``val_fraction`` is not in [0, 1).
+    """
+    check_number("val_fraction", val_fraction, low=0.0, high=1.0, high_open=True, fix="0 holds out nothing.")
+    n_val = int(round(len(keys) * val_fraction))
+    if n_val == 0:
+        return list(range(len(keys))), []
+    # md5 as a well-mixed, fast hash (not for security): 1.3 M ImageNet-like keys in about 1.4 s here
+    salt = f"{seed}\0".encode()
+    digests = [hashlib.md5(salt + k.encode(), usedforsecurity=False).digest() for k in keys]
+    rank = sorted(range(len(keys)), key=lambda i: (digests[i], i))
+    return sorted(rank[n_val:]), sorted(rank[:n_val])
 
 
 def collate_batch(batch: Any) -> Any:
@@ -375,6 +423,7 @@ class EpochOrderSampler(DistributedSampler):
         batch_size: int = 1,
     ) -> None:
         check_int("batch_size", batch_size, low=1, fix="It is the DataLoader's batch size.")
+        check_seed(seed)
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
         self.batch_size = batch_size
         #: whether the DataLoader drops a last partial batch (:class:`CacheDataLoader` sets it): the epoch of a state
@@ -382,6 +431,9 @@ class EpochOrderSampler(DistributedSampler):
         self.loader_drop_last = False
         self.resume_epoch = -1  # the epoch `resume_skip` applies to (-1: none)
         self.resume_skip = 0
+        # positions `__len__` adds in the resumed epoch: the batches the checkpointed run had done are counted by the
+        # Trainer in its batch size, the rest in this loader's (see `load_state_dict`)
+        self.resume_extra = 0
         self.progress_epoch = -1  # positions of `progress_epoch`'s order the consumer has taken (see `advance`)
         self.consumed = 0
 
@@ -389,11 +441,19 @@ class EpochOrderSampler(DistributedSampler):
         """This rank's whole order for the current epoch (``DistributedSampler``'s; subclasses change it)."""
         return list(super().__iter__())
 
-    def resume(self, epoch: int, consumed: int) -> None:
+    def resume(self, epoch: int, consumed: int, extra: int = 0) -> None:
         """Skip the first ``consumed`` positions of ``epoch``'s order (a run resumed mid-epoch) for that epoch only;
-        ``len`` stays the whole epoch's, as the Trainer counts the batches already done."""
+        ``len`` stays the whole epoch's (plus ``extra``), as the Trainer counts the batches already done."""
         self.resume_epoch, self.resume_skip = int(epoch), max(0, int(consumed))
+        self.resume_extra = int(extra)
         self.progress_epoch, self.consumed = self.resume_epoch, self.resume_skip
+
+    def __len__(self) -> int:
+        """The epoch's positions; in a resumed epoch whose checkpoint counted a smaller batch size, more, so that
+        ``ceil(len / batch_size)`` covers the batches the Trainer counts as done plus the batches left."""
+        if self.resume_epoch == self.epoch:
+            return self.num_samples + self.resume_extra
+        return self.num_samples
 
     def advance(self, n: int) -> None:
         """Count ``n`` positions of the current epoch as consumed by training (the consumer calls this per batch;
@@ -410,7 +470,13 @@ class EpochOrderSampler(DistributedSampler):
     def state_dict(self) -> dict[str, int]:
         """Where training is in the epoch: ``{"epoch", "consumed"}`` (positions of this rank's order), with the seed
         and the :meth:`layout` they refer to."""
-        return {"epoch": self.progress_epoch, "consumed": self.consumed, "seed": self.seed, **self.layout()}
+        return {
+            "epoch": self.progress_epoch,
+            "consumed": self.consumed,
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            **self.layout(),
+        }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Resume at ``state`` (from :meth:`state_dict`): that epoch's order skips what was consumed.
@@ -431,6 +497,10 @@ class EpochOrderSampler(DistributedSampler):
                 "needs the same seed. Set `seed` back, or resume from an end-of-epoch checkpoint."
             )
         epoch, consumed = int(state.get("epoch", -1)), max(0, int(state.get("consumed", 0)))
+        # The Trainer restores the batches it counts as done in the checkpoint's batch size and ends the epoch after
+        # `len(loader)` batches: under another batch size, the last batch of the epoch would never be asked for.
+        saved_batch = int(state.get("batch_size", 0) or 0)
+        done_batches = -(-consumed // saved_batch) if saved_batch > 0 and saved_batch != self.batch_size else None
         here = self.layout()
         saved = {k: int(v) for k, v in state.items() if k not in _POSITION_KEYS}
         if epoch >= 0 and consumed and _layouts_differ(saved, here):
@@ -446,7 +516,11 @@ class EpochOrderSampler(DistributedSampler):
         left = self.num_samples - consumed
         if epoch >= 0 and (left <= 0 or (self.loader_drop_last and left < self.batch_size)):
             epoch, consumed = epoch + 1, 0  # that epoch was finished: the next one starts whole
-        self.resume(epoch, consumed)
+            done_batches = None
+        # Only ever longer: the Trainer fixes `len(loader)` once for the whole run, and a shorter resumed epoch would
+        # cut the later ones short (a longer one ends them early and naturally, when the sampler runs out).
+        extra = 0 if done_batches is None else max(0, done_batches * self.batch_size - consumed)
+        self.resume(epoch, consumed, extra)
         if epoch >= 0:
             # Lightning creates the resumed epoch's iterator before it calls `set_epoch` (workers and the read-ahead
             # thread start drawing indices at once): the epoch must be right already.
@@ -455,7 +529,7 @@ class EpochOrderSampler(DistributedSampler):
     def set_epoch(self, epoch: int) -> None:
         """As ``DistributedSampler``'s; a pending resume skip ends with its epoch."""
         if epoch != self.resume_epoch:
-            self.resume_epoch, self.resume_skip = -1, 0
+            self.resume_epoch, self.resume_skip, self.resume_extra = -1, 0, 0
         super().set_epoch(epoch)
 
     def __iter__(self) -> Iterator[int]:
@@ -482,7 +556,7 @@ def check_warm_num_workers(value: object) -> None:
 # The keys of a sampler's state that are positions, not layout; and the value a layout key has for a sampler that
 # does not list it (a global shuffle has no window). A key without a default that one side lacks is not compared:
 # states saved before the key existed resume as they did.
-_POSITION_KEYS = frozenset({"epoch", "consumed", "seed"})
+_POSITION_KEYS = frozenset({"epoch", "consumed", "seed", "batch_size"})
 _LAYOUT_DEFAULTS = {"window": 0}
 
 

@@ -34,7 +34,9 @@ Contract:
 - **Ownership**: a RAM tier (``name="ram"``, or ``marker=True``) writes :data:`TIER_MARKER` into its directory when it
   creates it (missing or empty when first opened; owner pid/host/user and creation time, :func:`read_marker`).
   Cleaning up RAM tiers (:mod:`~lightning_accel.data.lifecycle`) considers only directories that carry it, so nothing
-  the package did not create is ever removed.
+  the package did not create is ever removed. No tier, marked or not, opens a directory holding an LMDB database
+  other than a tier's (its ``data.mdb`` would gain the tier's databases and entries): the tier is disabled with one
+  warning instead.
 - Thread safety: every operation holds a per-process lock for its transaction (``set_mapsize`` must not run while
   another thread of the process has a transaction open), so a read-ahead thread and the main thread can share a tier.
 """
@@ -466,10 +468,12 @@ class LmdbTier:
                     # a marked tier: one that held anything, an LMDB database of the user's included (the same
                     # data.mdb/lock.mdb), is never offered to the cleanup. Decided before opening, which creates
                     # the files; a tier marked before keeps its marker.
-                    mark = self.marker and (not os.path.isdir(self.path) or not os.listdir(self.path))
+                    fresh = not os.path.isdir(self.path) or not os.listdir(self.path)
+                    mark = self.marker and fresh
+                    # Any tier, marked or not: the SSD tier (`cache_dir/ssd`) wrote its databases into an LMDB
+                    # database of the user's found there.
                     if (
-                        self.marker
-                        and not mark
+                        not fresh
                         and self._key not in _ENVS.get()  # open in this process already: a tier's
                         and (foreign := _foreign_contents(self.path)) is not None
                     ):

@@ -24,7 +24,7 @@ from typing_extensions import override
 
 from lightning_accel._utils.checks import check_bool, check_int
 from lightning_accel.data import CachedDataModule
-from lightning_accel.data.dataset import default_num_workers, split_indices
+from lightning_accel.data.dataset import default_num_workers, split_indices, split_keys
 from lightning_accel.datasets.digits import DIGITS_CLASSES, check_render_target, digits_marker, materialize_digits
 from lightning_accel.datasets.photos import check_photos_target, materialize_photos, photos_marker
 
@@ -150,7 +150,9 @@ class DigitsDataModule(LightningDataModule):
         materialize_digits(self.data_dir, size=self.image_size, num_images=self.num_images, arg="data_dir")
         train_full = ImageFolder(self.data_dir, transform=self._transforms(train=True))
         val_full = ImageFolder(self.data_dir, transform=self._transforms(train=False))
-        tr, va = split_indices(len(train_full), self.val_fraction, self.seed)
+        # by each image's relative key, as CachedDataModule splits the same tree: both hold out the same images
+        keys = [Path(path).relative_to(self.data_dir).as_posix() for path, _ in train_full.samples]
+        tr, va = split_keys(keys, self.val_fraction, self.seed)
         self.train_set = Subset(train_full, tr)
         self.val_set = Subset(val_full, va if va else tr)
 

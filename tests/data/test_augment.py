@@ -83,6 +83,10 @@ def test_bad_arguments_name_themselves() -> None:
             r"`std` must be a sequence of numbers, one per channel, .*holding '1' \(str\)",
         ),
         ({"mean": 0.5}, TypeError, r"`mean` must be a sequence of numbers, one per channel, got 0\.5 \(float\)"),
+        # an infinite std normalised every image to 0, silently; an infinite ratio cropped to a line
+        ({"std": (1.0, float("inf"), 1.0)}, ValueError, r"`std` must be .*holding inf: every value must be finite\.$"),
+        ({"mean": (float("-inf"),) * 3}, ValueError, r"`mean` must be .*holding -inf: every value must be finite"),
+        ({"crop_ratio": (0.5, float("inf"))}, ValueError, r"`crop_ratio` must be a \(low, high\) pair .*holding inf"),
     ],
 )
 def test_bad_sizes_seeds_and_sequences_fail_at_construction(kw: dict, error: type, pattern: str) -> None:

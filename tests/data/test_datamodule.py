@@ -30,6 +30,13 @@ def _make(tmp: Path, **kw: Any) -> CachedDataModule:
         ({"prefetch_batches": -3}, r"`prefetch_batches` must be an integer >= 0, got -3\. .*0 to read only on demand"),
         ({"num_workers": -1}, r"`num_workers` must be an integer >= 0 or None, got -1"),
         ({"shuffle_window": 0}, r"`shuffle_window` must be an integer >= 1 or None, got 0"),
+        # trained epoch 0, then the global shuffle's `seed + epoch` overflowed torch's seed in epoch 1
+        (
+            {"seed": 2**64 - 1},
+            r"^`seed` must be an integer in -2\*\*63 \.\. 2\*\*63 - 1 \(the shuffle seeds torch with "
+            r"`seed \+ epoch`\), got 18446744073709551615\. It seeds the shuffle and the train/validation split\.$",
+        ),
+        ({"seed": -(2**63) - 1}, r"^`seed` must be an integer in -2\*\*63 .* got -9223372036854775809\. It seeds"),
         ({"policy": "lru"}, r"`policy` must be 'keep' or 'fifo', got 'lru'"),
         ({"shuffle": "local"}, r"`shuffle` must be one of 'auto', 'global', 'window', got 'local'"),
         (
@@ -215,3 +222,56 @@ def test_training_and_validation_workers_count_in_their_own_rows(small_digits: P
     dm.teardown("fit")
     with pytest.raises(ValueError, match=r"`stats_lane` must be an integer >= 0 and <= 3, got 4"):
         CachedDataset(dm.train_set.cache, stats_lane=4)
+
+
+def _split_keys(dm: CachedDataModule) -> tuple[set[str], set[str]]:
+    dm.prepare_data()
+    dm.setup("fit")
+    assert dm.train_set is not None and dm.val_set is not None
+    keys = dm.train_set.cache.listing.keys
+    return {keys[i] for i in dm.train_set.indices}, {keys[i] for i in dm.val_set.indices}
+
+
+def test_the_validation_split_stays_held_out_when_the_origin_grows(tmp_path: Path) -> None:
+    """A split by position moved 19 of the 20 held-out samples into training when one image was added: a run
+    continued on the grown origin validated on samples it had trained on."""
+    from lightning_accel.datasets import materialize_digits
+
+    origin = tmp_path / "digits"
+    materialize_digits(origin, size=16, num_images=200)
+
+    def dm() -> CachedDataModule:
+        return CachedDataModule(
+            str(origin), cache_dir=str(tmp_path / "cache"), ram_bytes=0, image_size=16, val_fraction=0.1, seed=3
+        )
+
+    train, val = _split_keys(dm())
+    assert (len(train), len(val)) == (180, 20)
+    first = sorted((origin / "0").iterdir())[0]
+    for name in ("0/00-added.jpg", "5/00-added.jpg"):  # sorted first: every later position shifts
+        (origin / name).write_bytes(first.read_bytes())
+    train2, val2 = _split_keys(dm())
+    assert (len(train2), len(val2)) == (182, 20)
+    assert not val2 & train  # no sample trained on before is validated on now
+    assert len(val2 & val) >= 18  # at most the added samples took a held-out place
+    assert dm().seed == 3 and _split_keys(dm()) == (train2, val2)  # deterministic
+
+
+def test_the_default_validation_transform_follows_a_gpu_augment_train_augment(tmp_path: Path) -> None:
+    """With only ``train_augment`` given, validation was normalised with ImageNet's statistics at the cached size,
+    training with the augment's own at its ``size``: the model was scored on images unlike any it trained on."""
+    import torch
+
+    from lightning_accel.data import GpuAugment
+
+    aug = GpuAugment(mean=(0.19,) * 3, std=(0.32,) * 3, size=12, crop_scale=(0.8, 1.0), flip_p=0.0)
+    dm = _make(tmp_path, image_size=16, train_augment=aug)
+    x = torch.full((2, 3, 16, 16), 51, dtype=torch.uint8)  # 0.2 after scaling
+    val = dm.val_augment(x, train=False)
+    assert val.shape == (2, 3, 12, 12) and val.shape == aug(x, train=True).shape
+    assert torch.allclose(val, torch.full_like(val, (0.2 - 0.19) / 0.32), atol=1e-5)
+    assert dm.val_augment is not aug and (dm.val_augment.mean, dm.val_augment.std) == (aug.mean, aug.std)
+    with pytest.warns(UserWarning, match=r"`mean` \(0\.5, 0\.5, 0\.5\) differs from `train_augment`'s"):
+        _make(tmp_path, image_size=16, train_augment=aug, mean=(0.5,) * 3)
+    plain = _make(tmp_path, image_size=16)  # nothing given: ImageNet's, as before
+    assert plain.val_augment.mean == (0.485, 0.456, 0.406) and plain.val_augment.size is None

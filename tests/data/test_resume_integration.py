@@ -167,3 +167,26 @@ def test_a_run_resumed_from_an_end_of_epoch_checkpoint_trains_the_next_epoch_thr
     trainer.fit(second, datamodule=_dm(small_digits, fresh, num_workers=1), ckpt_path=path)
     assert trainer.global_step == 20
     assert len(second.seen) == 160 and {e for e, _, _ in second.seen} == {1}  # all of epoch 1, nothing skipped
+
+
+@pytest.mark.parametrize("new_batch", [20, 12])
+def test_a_run_resumed_mid_epoch_with_another_batch_size_reads_every_remaining_sample(
+    small_digits: Path, tmp_path: Path, new_batch: int
+) -> None:
+    """The Trainer counts the checkpoint's batches (of 16) as done and stops the epoch at ``len(loader)`` batches of
+    the new size: the loader's length must leave room for every remaining sample (the last partial batch of 20 was
+    never asked for)."""
+    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)
+    first = _Seen()
+    with pytest.raises(RuntimeError, match="killed"):
+        _trainer(tmp_path, ckpt, _Kill(at_step=4), max_epochs=1).fit(first, datamodule=_dm(small_digits, tmp_path))
+    path = next((tmp_path / "ckpt").glob("*step=3.ckpt"))
+    second = _Seen()
+    trainer = _trainer(tmp_path, enable_checkpointing=False, max_epochs=2)
+    trainer.fit(second, datamodule=_dm(small_digits, tmp_path, batch_size=new_batch), ckpt_path=path)
+    before = [s[1:] for s in first.seen[: 3 * 16]]
+    after = [s[1:] for s in second.seen if s[0] == 0]
+    assert len(before) + len(after) == 160  # epoch 0: each of the 160 training samples once
+    assert len(set(before) | set(after)) == len(set(s[1:] for s in first.seen + second.seen if s[0] == 0))
+    assert sorted(s[1:] for s in second.seen if s[0] == 1) == sorted(before + after)  # epoch 1 whole, same samples
+    assert trainer.global_step == 3 + -(-(160 - 48) // new_batch) + -(-160 // new_batch)

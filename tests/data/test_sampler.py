@@ -72,7 +72,8 @@ def test_sampler_state_resumes_the_epoch_where_training_stopped() -> None:
     a.advance(8)
     state = a.state_dict()
     layout = {"num_replicas": 1, "drop_last": 0, "num_samples": 50, "window": 2}
-    assert {k: v for k, v in state.items() if k != "shards"} == {"epoch": 3, "consumed": 16, "seed": 1, **layout}
+    position = {"epoch": 3, "consumed": 16, "seed": 1, "batch_size": 8}
+    assert {k: v for k, v in state.items() if k != "shards"} == {**position, **layout}
     b = ShardWindowSampler(ds, _shards(50, 10), window=2, seed=1, batch_size=8)
     b.load_state_dict(state)
     b.set_epoch(3)

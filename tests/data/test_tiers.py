@@ -204,3 +204,39 @@ def test_a_tier_on_a_full_tmpfs_stops_admitting_instead_of_crashing(tmp_path: Pa
         )
     assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
     assert out.stdout.startswith("ok")
+
+
+def _lmdb_keys(path: Path) -> list[bytes]:
+    """The main database's keys, read in a child process (LMDB forbids a second environment in this one)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import lmdb, sys; e = lmdb.open(sys.argv[1], readonly=True, lock=False, max_dbs=8); "
+        "print(' '.join(sorted(bytes(k).decode() for k, _ in e.begin().cursor())))"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True)
+    return [k.encode() for k in out.stdout.split()]
+
+
+def test_the_ssd_tier_never_writes_into_an_lmdb_database_of_the_users(tmp_path: Path) -> None:
+    """``cache_dir/ssd`` holding the user's own LMDB database: the SSD tier used to add its databases and entries to
+    it (the RAM tier already refused such a directory)."""
+    import lmdb
+
+    path = tmp_path / "cache" / "ssd"
+    path.mkdir(parents=True)
+    env = lmdb.open(str(path), map_size=1 << 20)
+    with env.begin(write=True) as txn:
+        txn.put(b"mine", b"precious")
+    env.close()
+    tier = LmdbTier(str(path), 4 << 20, name="ssd")
+    with pytest.warns(RuntimeWarning, match=r"ssd tier at .* is disabled .*holds an LMDB database \(data\.mdb\)"):
+        assert not tier.open()
+    tier.put_many([(b"k", b"v" * 100)])  # a disabled tier writes nothing
+    assert _lmdb_keys(path) == [b"mine"]
+    own = LmdbTier(str(tmp_path / "cache2" / "ssd"), 4 << 20, name="ssd")  # a tier's own directory reopens
+    assert own.open()
+    own.put_many([(b"k", b"v" * 100)])
+    own.flush()
+    assert _lmdb_keys(tmp_path / "cache2" / "ssd") == [b"data", b"fifo", b"index", b"meta"]

@@ -138,3 +138,18 @@ def test_a_tree_made_with_other_arguments_is_refused_in_init_naming_the_director
     materialize_digits(tmp_path / "late", size=8, num_images=20)
     with pytest.raises(ValueError, match=r"^`data_dir` .* already holds digits made with"):
         dm.prepare_data()
+
+
+def test_the_plain_and_the_cached_module_hold_out_the_same_images(digits_dir: Path, tmp_path: Path) -> None:
+    """Both split a tree by each image's relative key, so a comparison of the two validates on the same images."""
+    plain = DigitsDataModule(data_dir=str(digits_dir), image_size=32, val_fraction=0.1, seed=3)
+    plain.setup("fit")
+    folder = plain.val_set.dataset
+    plain_val = {Path(folder.samples[i][0]).relative_to(digits_dir).as_posix() for i in plain.val_set.indices}
+    cached = CachedDataModule(
+        origin=str(digits_dir), cache_dir=str(tmp_path / "c"), image_size=32, val_fraction=0.1, seed=3, ram_bytes=0
+    )
+    cached.setup("fit")
+    val = cached.val_set
+    cached_val = {val.cache.listing.keys[i] for i in val.indices}
+    assert len(plain_val) == 180 and plain_val == cached_val
