@@ -266,12 +266,12 @@ class CachedDataModule(LightningDataModule):
 
     def __init__(
         self,
-        origin: str,
+        origin: str | os.PathLike[str],
         *,
         # where the data is
         storage_options: dict[str, Any] | None = None,
         manifest: str | None = None,
-        val_origin: str | None = None,
+        val_origin: str | os.PathLike[str] | None = None,
         val_fraction: float = 0.1,
         seed: int = 0,
         classes: Sequence[str] | None = None,
@@ -310,6 +310,9 @@ class CachedDataModule(LightningDataModule):
         log_every_n_steps: int = 50,
     ) -> None:
         super().__init__()
+        # a local `pathlib.Path` is a path as much as its string (`cache_dir` takes one too)
+        origin = os.fspath(origin) if isinstance(origin, os.PathLike) else origin
+        val_origin = os.fspath(val_origin) if isinstance(val_origin, os.PathLike) else val_origin
         check_origin(origin, must_exist=not self._origin_made_in_prepare)
         if val_origin is not None:
             check_origin(val_origin, "val_origin", must_exist=True)

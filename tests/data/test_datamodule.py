@@ -275,3 +275,16 @@ def test_the_default_validation_transform_follows_a_gpu_augment_train_augment(tm
         _make(tmp_path, image_size=16, train_augment=aug, mean=(0.5,) * 3)
     plain = _make(tmp_path, image_size=16)  # nothing given: ImageNet's, as before
     assert plain.val_augment.mean == (0.485, 0.456, 0.406) and plain.val_augment.size is None
+
+
+def test_a_pathlib_origin_is_a_local_path(tmp_path: Path) -> None:
+    """``cache_dir`` took a ``pathlib.Path``; ``origin`` and ``val_origin`` refused one ("must be a non-empty path")."""
+    from lightning_accel.datasets import materialize_digits
+
+    materialize_digits(tmp_path / "d", size=8, num_images=40)
+    dm = CachedDataModule(
+        origin=tmp_path / "d", val_origin=tmp_path / "d", cache_dir=tmp_path / "c", image_size=8, ram_bytes=0
+    )
+    assert dm.origin == str(tmp_path / "d") and dm.val_origin == str(tmp_path / "d")
+    dm.setup("fit")
+    assert len(dm.train_set) == 40
