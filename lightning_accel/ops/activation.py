@@ -2,8 +2,9 @@
 
 Shared by :mod:`~lightning_accel.ops.conv_bn_relu` and :mod:`~lightning_accel.ops.linear_dropout` (their Triton
 kernels use :mod:`.activation_triton`, the same formulas). Each derivative is the one torch's own backward uses, at
-the kinks included (``relu``: ``z > 0``; ``relu6``: ``0 < z < 6``; ``hardswish``: ``0`` below ``-3``, ``z / 3 + 0.5``
-on ``[-3, 3]``, ``1`` above), so a fused gradient matches eager's bit for bit in the branches.
+the kinks included (``relu``: ``z > 0``; ``relu6``: ``0 < z < 6``; ``hardswish``: ``0`` up to ``-3`` included,
+``z / 3 + 0.5`` on ``(-3, 3)``, ``1`` from ``3`` on, as ``aten::hardswish_backward`` does), so a fused gradient
+matches eager's bit for bit in the branches.
 
 ``module_activation`` names the kind of an activation module (exact classes only: a subclass may compute something
 else), so module surgery can tell which ``Conv2d -> BatchNorm2d -> act`` or ``Linear -> act`` chains it may fuse.
@@ -80,7 +81,7 @@ def activation_backward(z: torch.Tensor, dy: torch.Tensor, activation: Activatio
         return torch.where((z > 0) & (z < 6), dy, zero)
     if activation == "hardswish":
         mid = dy * (z / 3 + 0.5)
-        return torch.where(z < -3, zero, torch.where(z <= 3, mid, dy))
+        return torch.where(z <= -3, zero, torch.where(z < 3, mid, dy))
     if activation == "silu":
         s = torch.sigmoid(z)
         return dy * s * (1 + z * (1 - s))

@@ -50,7 +50,7 @@ def act_backward(z, dy, ACT: tl.constexpr):
     elif ACT == 2:
         dy = tl.where((z > 0.0) & (z < 6.0), dy, 0.0)
     elif ACT == 3:
-        dy = tl.where(z < -3.0, 0.0, tl.where(z <= 3.0, dy * (z / 3.0 + 0.5), dy))
+        dy = tl.where(z <= -3.0, 0.0, tl.where(z < 3.0, dy * (z / 3.0 + 0.5), dy))
     elif ACT == 4:
         s = tl.sigmoid(z)
         dy = dy * s * (1.0 + z * (1.0 - s))

@@ -259,3 +259,16 @@ def test_conv_bn_kernels_with_strided_bn_parameters() -> None:
     assert_close(y, yr, 1e-5, 1e-5)
     assert_grad_close(gbig.grad, gbig_r.grad, 1e-5, 1e-5)
     assert_grad_close(bbig.grad, bbig_r.grad, 1e-5, 1e-5)
+
+
+@pytest.mark.parametrize("act", ["relu", "relu6", "hardswish"])
+def test_activation_kernel_derivative_at_the_kinks(act: str) -> None:
+    """The kernels' piecewise derivatives take torch's branch on the kinks themselves (``x = 0``: the pre-activations
+    are exactly the bias)."""
+    kinks = [-6.0, -3.5, -3.0, -2.5, 0.0, 0.5, 2.5, 3.0, 3.5, 6.0, 6.5]
+    x, w = torch.zeros(2, 3), torch.ones(len(kinks), 3)
+    b_kernel, b_eager = leaves(torch.tensor(kinks), torch.tensor(kinks))
+    linear_dropout(x, w, b_kernel, backend="triton", activation=act).sum().backward()  # type: ignore[arg-type]
+    linear_dropout(x, w, b_eager, backend="eager", activation=act).sum().backward()  # type: ignore[arg-type]
+    assert b_kernel is not None and b_eager is not None
+    torch.testing.assert_close(b_kernel.grad, b_eager.grad, rtol=0, atol=0)

@@ -237,3 +237,26 @@ def test_batch_norm_vectors_of_another_shape_refused(name: str, backend: str) ->
                 torch.randn(2, 3, 4, 4), torch.randn(5, 3, 3, 3), None, *vectors.values(), training, 0.1, 1e-5,
                 backend=backend,  # type: ignore[arg-type]
             )  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ["reference", "eager"])
+def test_momentum_none_with_running_statistics_is_one_clear_error(backend: str) -> None:
+    """``nn.BatchNorm2d(momentum=None)`` spelled into the function: a TypeError naming `momentum` and the fix, not an
+    arithmetic error from inside the running-statistics update."""
+    x, w = torch.randn(2, 3, 4, 4), torch.randn(4, 3, 3, 3)
+    rm, rv = torch.zeros(4), torch.ones(4)
+    with pytest.raises(TypeError, match=r"`momentum` must be a number, got None.*num_batches_tracked"):
+        conv_bn_relu(x, w, None, None, None, rm, rv, True, None, 1e-5, backend=backend)  # type: ignore[arg-type]
+    torch.testing.assert_close(rm, torch.zeros(4))  # nothing was updated before the error
+
+
+@pytest.mark.parametrize("backend", ["eager", "reference", "auto"])
+def test_eval_without_running_statistics_uses_batch_statistics_on_every_backend(backend: str) -> None:
+    """``nn.BatchNorm2d(track_running_stats=False).eval()`` normalises with the batch; so does the function on every
+    backend (the eager one raised ``running_mean must be defined in evaluation mode``)."""
+    torch.manual_seed(0)
+    conv, bn = torch.nn.Conv2d(3, 4, 3, bias=False), torch.nn.BatchNorm2d(4, track_running_stats=False).eval()
+    x = torch.randn(2, 3, 6, 6)
+    want = torch.relu(bn(conv(x)))
+    got = conv_bn_relu(x, conv.weight, None, bn.weight, bn.bias, None, None, False, 0.1, bn.eps, backend=backend)  # type: ignore[arg-type]
+    torch.testing.assert_close(got, want)

@@ -90,3 +90,21 @@ def test_bad_bias_shape_refused_on_every_backend(backend: str, bias_shape: tuple
     expected = rf"^`bias` of `layer_norm` must have shape \(8,\).*got {re.escape(str(bias_shape))}"
     with pytest.raises(ValueError, match=expected):
         layer_norm(x, torch.ones(8), torch.zeros(bias_shape), backend=backend)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("backend", ["eager", "reference"])
+def test_rms_norm_eps_none_is_nn_rmsnorm_default(dtype: torch.dtype, backend: str) -> None:
+    """``nn.RMSNorm()`` has ``eps=None``; passing it on gives ``F.rms_norm``'s value (the compute dtype's machine
+    epsilon), visible on rows whose mean square is far below bfloat16's epsilon."""
+    x = torch.full((2, 4), 1e-3, dtype=torch.float64).to(dtype).requires_grad_()
+    module = torch.nn.RMSNorm(4, dtype=dtype)
+    assert module.eps is None
+    y = rms_norm(x, module.weight, module.eps, backend=backend)  # type: ignore[arg-type]
+    torch.testing.assert_close(y, module(x))
+
+
+@pytest.mark.parametrize("fn", [layer_norm, rms_norm], ids=["layer_norm", "rms_norm"])
+def test_eps_not_a_number_is_one_clear_error(fn: object) -> None:
+    with pytest.raises(TypeError, match=r"`eps` must be a number, got '1e-5' \(str\)\. Pass a float"):
+        fn(torch.randn(2, 4), None, eps="1e-5", backend="reference")  # type: ignore[operator]

@@ -14,7 +14,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
+from lightning_accel._utils.checks import check_number
 from lightning_accel._utils.triton import Backend, check_backend, use_triton
 from lightning_accel.ops.activation import Activation, activation_forward
 from lightning_accel.ops.conv_bn_relu import reference
@@ -81,6 +83,7 @@ class ConvBNReLUFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[Any, ...]:
         x, weight, bias, bn_weight, bn_bias, mean, invstd = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
@@ -174,12 +177,20 @@ def conv_bn_relu(
     :class:`ConvBNReLUFunction`).
 
     Raises:
+        TypeError: for a ``momentum`` that is not a number (None included) while running statistics are updated.
         ValueError: for an ``x`` that is not 4-D, or a ``bn_weight``, ``bn_bias``, ``running_mean`` or
             ``running_var`` that is not ``(C_out,)`` (eager ``F.batch_norm`` refuses them too).
     """
     if x.dim() != 4:
         raise ValueError(f"`x` must be a 4-D (N, C, H, W) tensor, got shape {tuple(x.shape)}.")
     check_backend(backend)
+    if training and running_mean is not None and (isinstance(momentum, bool) or not isinstance(momentum, (int, float))):
+        # `nn.BatchNorm2d(momentum=None)` means a cumulative average, which the module turns into a number per step;
+        # the function (like `F.batch_norm`) takes that number, and None would fail deep in the update
+        check_number(
+            "momentum", momentum, fix="For a cumulative average (`nn.BatchNorm2d(momentum=None)`) pass "
+            "`1 / num_batches_tracked` after incrementing `num_batches_tracked`, as the module does.",
+        )  # fmt: skip
     _check_channels(weight, bn_weight=bn_weight, bn_bias=bn_bias, running_mean=running_mean, running_var=running_var)
     act = reference.resolve_activation(relu, activation)
     if backend == "eager" or (backend == "auto" and not x.is_cuda):

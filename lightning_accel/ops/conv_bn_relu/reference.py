@@ -47,8 +47,12 @@ def conv_bn_relu(
     """Oracle: ``act(batch_norm(conv2d(x)))`` exactly as the three eager modules compute it.
 
     ``activation`` (one of :data:`~lightning_accel.ops.activation.ACTIVATIONS`) wins over ``relu`` when given.
+    Without running statistics, ``training=False`` normalises with batch statistics, as
+    ``nn.BatchNorm2d(track_running_stats=False)`` does in eval mode.
     """
     y = F.conv2d(x, weight, bias, stride, padding, dilation, groups)
+    # nn.BatchNorm2d(track_running_stats=False) normalises with batch statistics in eval mode too (its `bn_training`)
+    training = training or (running_mean is None and running_var is None)
     y = F.batch_norm(y, running_mean, running_var, bn_weight, bn_bias, training, momentum, eps)
     return activation_forward(y, resolve_activation(relu, activation))
 

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from lightning_accel._utils.checks import check_choice, check_number
 from lightning_accel._utils.triton import Backend, resolve_backend, use_triton
@@ -65,6 +66,7 @@ class LinearDropoutFunction(torch.autograd.Function):
         return out.view(*lead, weight.shape[0])
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[Any, ...]:
         x2, weight, pre = ctx.saved_tensors
         d2 = dout.reshape(-1, dout.shape[-1])

@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.autograd.function import once_differentiable
 
+from lightning_accel._utils.checks import check_number
 from lightning_accel._utils.triton import Backend, resolve_backend, use_triton
 from lightning_accel.ops.norm import reference
 
@@ -51,6 +53,7 @@ class NormFunction(torch.autograd.Function):
         return y.view(shape)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
         x2, weight, mean, rstd = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1])
@@ -73,6 +76,19 @@ def _check(x: torch.Tensor, weight: torch.Tensor | None, name: str, bias: torch.
             )
 
 
+def _check_eps(eps: object, name: str) -> float:
+    """``eps`` as a float; a clear TypeError (naming ``name``'s argument) for None or a non-number."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        check_number("eps", eps, fix=f"Pass a float such as 1e-5 to `{name}`.")
+    return float(eps)  # type: ignore[arg-type]
+
+
+def _default_rms_eps(dtype: torch.dtype) -> float:
+    """``F.rms_norm``'s epsilon for ``eps=None``: that of the dtype the op computes in (float32 for float16, bfloat16
+    and float32 inputs, float64 for float64), not of the input's own dtype (bfloat16's would be 0.0078)."""
+    return torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
+
+
 def layer_norm(
     x: torch.Tensor,
     weight: torch.Tensor | None = None,
@@ -91,9 +107,11 @@ def layer_norm(
             ``TRITON_INTERPRET=1``), ``"reference"`` (the function's torch path) or ``"eager"``.
 
     Raises:
+        TypeError: for an ``eps`` that is not a number.
         ValueError: for a ``weight`` or ``bias`` that is not ``(N,)`` (``F.layer_norm`` refuses them too).
     """
     _check(x, weight, "layer_norm", bias)
+    eps = _check_eps(eps, "layer_norm")
     path = resolve_backend(x, backend)
     if path == "eager":
         return reference.layer_norm(x, weight, bias, eps)
@@ -101,10 +119,15 @@ def layer_norm(
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6, backend: Backend = "auto"
+    x: torch.Tensor, weight: torch.Tensor | None = None, eps: float | None = 1e-6, backend: Backend = "auto"
 ) -> torch.Tensor:
-    """RMSNorm over the last dimension (``x / sqrt(mean(x**2) + eps) * weight``); dispatch as :func:`layer_norm`."""
+    """RMSNorm over the last dimension (``x / sqrt(mean(x**2) + eps) * weight``); dispatch as :func:`layer_norm`.
+
+    ``eps=None`` (``nn.RMSNorm``'s default) means what it means to ``F.rms_norm``: the machine epsilon of the compute
+    dtype, float32's (about 1.2e-7) for float16, bfloat16 and float32 inputs, float64's for float64 ones.
+    """
     _check(x, weight, "rms_norm")
+    eps = _default_rms_eps(x.dtype) if eps is None else _check_eps(eps, "rms_norm")
     path = resolve_backend(x, backend)
     if path == "eager":
         return reference.rms_norm(x, weight, eps)
