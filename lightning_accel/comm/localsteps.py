@@ -171,6 +171,8 @@ class Fragment:
         errors: the 1-bit worker and server error feedback, as the comm hook keeps it (None with fp32).
         sent: float32 copy of the local parameters the exchange in flight was taken from (None when idle).
         sent_at: the inner step it was issued at (None when idle).
+        adopted_at: the inner step at which every rank last adopted ``θ_global`` exactly (no inner step since: the
+            parameters *are* ``θ_global``; None when they have moved on, or it is not known).
     """
 
     __slots__ = (
@@ -178,6 +180,7 @@ class Fragment:
         "_delta",
         "_op",
         "_work",
+        "adopted_at",
         "errors",
         "index",
         "layout",
@@ -199,6 +202,7 @@ class Fragment:
         self.errors = GroupState(tuple(params), layout) if onebit else None
         self.sent: torch.Tensor | None = None
         self.sent_at: int | None = None
+        self.adopted_at: int | None = 0  # built from the parameters, before any inner step
         self.served = False
         self._op: OneBitAllreduce | None = None
         self._work: Any = None
@@ -327,11 +331,17 @@ class LocalSteps:
                 self._apply(frag)
 
     def final_sync(self) -> None:
-        """End of training: apply the exchanges in flight, then sync every fragment once more and copy ``θ_global``
-        into the parameters, so every rank ends with the same model (a collective)."""
+        """End of training: apply the exchanges in flight, then sync once more every fragment that moved since its
+        last sync and copy ``θ_global`` into the parameters, so every rank ends with the same model (a collective).
+
+        A fragment whose parameters are ``θ_global`` already (synced at this very step: the fit ended on a step of the
+        schedule, or a resume ran no step) is left alone: an outer step on its zero pseudo-gradient would still move
+        ``θ_global`` by the outer momentum (``lr μ² m`` with Nesterov) or by the 1-bit residual, a step the algorithm
+        never takes. The verdict is a function of the step counts, the same on every rank."""
         self.finish()
         for frag in self.fragments:
-            self._sync_now(frag)  # no step between send and apply: the parameters become θ_global exactly
+            if frag.adopted_at != self.step_count:
+                self._sync_now(frag)  # no step between send and apply: the parameters become θ_global exactly
 
     def local_flats(self) -> list[torch.Tensor]:
         """CPU copies of this rank's parameters, one canonical flat tensor per fragment (for checkpoints)."""
@@ -432,8 +442,10 @@ class LocalSteps:
         assert frag.sent is not None
         if frag.sent_at == self.step_count:  # no inner step since the send: adopt θ_global exactly (every rank alike)
             self._unflatten_copy(frag, new_outer)
+            frag.adopted_at = self.step_count
         else:  # keep the progress made while the exchange travelled: θ_local += θ_global,new − θ_sent
             self._unflatten_add(frag, new_outer - frag.sent)
+            frag.adopted_at = None
         frag.outer.copy_(new_outer)
         frag.sent, frag.sent_at, frag.served, frag._op, frag._work, frag._delta = None, None, False, None, None, None
         if frag.index == 0 and self.buffers:
@@ -449,6 +461,7 @@ class LocalSteps:
             flat.div_(self.world_size)
             self.bytes_sent += fp32_ring_bytes(frag.layout.padded_numel, self.world_size)
             self._unflatten_copy(frag, flat)
+            frag.adopted_at = self.step_count
         if self.buffers:
             self._average_buffers()
         self.syncs += 1
@@ -489,6 +502,7 @@ class LocalSteps:
                     "sent": cpu(f.sent),
                     "sent_at": f.sent_at,
                     "served": f.served,
+                    "adopted_at": f.adopted_at,
                 }
                 for f in self.fragments
             ],
@@ -545,6 +559,7 @@ class LocalSteps:
                 f.errors.server_error.copy_(s["server_error"])
             f.sent = None if s["sent"] is None else s["sent"].to(dev)
             f.sent_at = s["sent_at"]
+            f.adopted_at = s.get("adopted_at")  # absent from older states: not known, the final sync runs
             f.served = False
             f._op = f._work = None
         for f, s in zip(self.fragments, state["fragments"], strict=True):

@@ -427,9 +427,12 @@ class MomentumCompressor:
             return g
         g, _ = st.new_group(key, [e.n for e in entries], entries[0].p.device)  # state that no longer fits: reset
         # a group that no longer exists (a parameter stopped or started receiving gradients) is dropped: its error
-        # belonged to another layout
-        for k in [k for k in st.groups if not set(k).isdisjoint(key)]:
-            del st.groups[k]
+        # belonged to another layout. So is one a checkpoint left in `pending` (not adopted yet): the run that saved
+        # it drops it here too, and adopted later (when its parameters have gradients again) it would bring back an
+        # error the uninterrupted run no longer has
+        for k in [k for k in (*st.groups, *st.pending) if not set(k).isdisjoint(key)]:
+            st.groups.pop(k, None)
+            st.pending.pop(k, None)
         st.groups[key] = g
         return g
 

@@ -22,10 +22,10 @@ backward need the whole backward first: then the optimizer step compresses every
 A thin adapter over :class:`~lightning_accel.comm.localsteps.LocalSteps`: it wraps the model in DDP (the sampler, the
 initial broadcast, ``no_sync`` for accumulation stay Lightning's) but installs a comm hook that communicates nothing,
 so every rank's optimizer steps on its own gradients; after each optimizer step it hands over to the outer schedule.
-The fit ends with a last sync of every fragment and every rank holding the shared parameters ``θ_global``: as the step
-that ends it completes when Lightning's own rules foresee it (``max_steps``, the last batch of ``max_epochs``), so the
-callbacks' hooks of that step and of the epoch's end (the checkpoints saved at the end) see ``θ_global``; else (early
-stopping, ``max_time``) in ``on_train_end``, after the callbacks' own.
+The fit ends with a last sync of every fragment that moved since its last one and every rank holding the shared
+parameters ``θ_global``: as the step that ends it completes when Lightning's own rules foresee it (``max_steps``, the
+last batch of ``max_epochs``), so the callbacks' hooks of that step and of the epoch's end (the checkpoints saved at the
+end) see ``θ_global``; else (early stopping, ``max_time``) in ``on_train_end``, after the callbacks' own.
 
 Its checkpoints: Lightning writes rank 0's model, optimizer and precision plugin; between syncs the ranks' parameters,
 buffers (BatchNorm statistics), optimizer states and loss scales (each rank's GradScaler skips the steps its own
@@ -1120,6 +1120,8 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
         local = self._local
         assert local is not None
         local.step_count, local.bytes_sent, local.syncs = previous.step_count, previous.bytes_sent, previous.syncs
+        for frag in local.fragments:  # built from the parameters every rank holds now: they are θ_global
+            frag.adopted_at = local.step_count
         rank_zero_info(
             f"diloco: the model was wrapped in DDP again at inner step {local.step_count}; every "
             "rank continues from rank 0's parameters with a new outer state (momentum and error feedback from zero), "
@@ -1203,7 +1205,8 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
         return bool(progress.is_last_batch) or progress.current.ready == trainer.num_training_batches
 
     def _final_sync(self) -> None:
-        """The exchanges in flight, then one last sync of every fragment: every rank holds θ_global (a collective)."""
+        """The exchanges in flight, then one last sync of every fragment that moved since its last one: every rank
+        holds θ_global (a collective)."""
         local = self._local
         assert local is not None
         local.final_sync()

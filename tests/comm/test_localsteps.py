@@ -218,6 +218,38 @@ def _oracle(rank: int, world: int) -> dict:
     out["empty_tracked"] = [p.numel() for p in ls.params]
     out["empty_same"] = all(torch.equal(gathered(ps)[0], p) for p in gathered(ps))
     out["empty_syncs"] = ls.syncs
+
+    # the final sync leaves alone a fragment synced at that very step: with outer momentum (fp32) or 1-bit residuals
+    # an outer step on its zero pseudo-gradient would still move θ_global (by lr μ² m, or by the residual), a step
+    # DiLoCo never takes. Fragment 1 is sent at step 4 (the last) and, with overlap, applied by the final sync's
+    # `finish` at that step; fragment 0, synced at step 3, moved since and syncs once more
+    final: dict[str, tuple[float, int, int]] = {}
+    for name, kw in {
+        "fp32_momentum": {"compression": "fp32", "outer_lr": 0.7, "outer_momentum": 0.9, "overlap_steps": 0},
+        "onebit": {"block_size": 16, "overlap_steps": 0},
+        "streamed": {"fragments": 2, "sync_every": 4, "overlap_steps": 1, "compression": "fp32", "outer_momentum": 0.9},
+    }.items():
+        ps = params()
+        ls = LocalSteps(ps, LocalStepsConfig(**{"sync_every": 2, **kw}))
+        for step in range(1, 5):
+            inner(ps, step)
+            ls.step()
+        ls.finish()
+        before = torch.cat([p.reshape(-1) for p in ps]).clone()
+        state, flats, syncs = ls.state_dict(), ls.local_flats(), ls.syncs
+        ls.final_sync()
+        moved = torch.cat([p.reshape(-1) for p in ps]) - before
+        # frozen fragments: the elements of fragment 1 (the last parameter, 64 elements)
+        frozen = moved[-64:] if name == "streamed" else moved
+        # a resumed state knows it too (a fit resumed from a checkpoint saved at its end runs no step)
+        again = params()
+        resumed = LocalSteps(again, LocalStepsConfig(**{"sync_every": 2, **kw}))
+        resumed.load_local_flats(flats)
+        resumed.load_state_dict(state)
+        resumed_syncs = resumed.syncs
+        resumed.final_sync()
+        final[name] = (frozen.abs().max().item(), ls.syncs - syncs, resumed.syncs - resumed_syncs)
+    out["final_sync"] = final
     return out
 
 
@@ -273,7 +305,18 @@ def test_the_schedule_begins_after_the_synchronous_start(oracle: list[dict]) -> 
 def test_parameters_without_elements_are_left_out(oracle: list[dict]) -> None:
     for res in oracle:
         assert res["empty_tracked"] == [37, 15, 64]
-        assert res["empty_same"] and res["empty_syncs"] == 4 + 2  # a fragment each step, then both at the end
+        # a fragment each step, then at the end the one synced before the last step (the other just synced)
+        assert res["empty_same"] and res["empty_syncs"] == 4 + 1
+
+
+def test_the_final_sync_takes_no_outer_step_for_a_fragment_synced_at_that_step(oracle: list[dict]) -> None:
+    for res in oracle:
+        final = res["final_sync"]
+        # synced at step 4 (the last): nothing moves, no extra outer update, after a resume too
+        assert final["fp32_momentum"] == (0.0, 0, 0)
+        assert final["onebit"] == (0.0, 0, 0)
+        # streamed: fragment 1 (sent and applied at step 4) stays; fragment 0 (synced at step 3) syncs once more
+        assert final["streamed"] == (0.0, 1, 1)
 
 
 @pytest.mark.parametrize("change", ["fragments", "trainable"])

@@ -352,3 +352,49 @@ def test_a_new_compressed_stage_freezes_the_variance_at_its_own_start(one_proces
     assert {int(s["onebit_freeze_step"]) for s in opt.state.values()} == {expected}
     for i, p in enumerate(model.parameters()):  # the denominator the step used is that of the freeze
         torch.testing.assert_close(comp._denoms[id(p)][1], _denom(opt, p, expected), msg=f"parameter {i}")
+
+
+def test_a_resume_drops_loaded_error_state_of_a_group_that_changed_like_the_uninterrupted_run(
+    one_process_group: None,
+) -> None:
+    """A parameter without a gradient at some compressed step (unused in that step on every rank) changes the step's
+    groups: the uninterrupted run drops the error feedback of the group it belonged to. A run resumed just before that
+    step holds that error as loaded state not yet adopted; it must drop it too, not adopt it when the parameter has a
+    gradient again (the resumed run then differs from the uninterrupted one: bit-exact resume broken)."""
+    sizes = [(40,), (9, 7)]
+    used = [(0, 1), (0, 1), (0, 1), (0, 1), (0,), (0, 1)]  # the parameters with a gradient at each step
+    cut = 4  # the resumed run saves after this many steps (2 warm-up steps, 2 compressed)
+
+    def run(resume: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = Params(sizes)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+        def fresh() -> OneBitState:
+            return OneBitState(
+                warmup_steps=2, compressed_signal="momentum", block_size=16, parameters=model.parameters()
+            )
+
+        state = fresh()
+        comp = MomentumCompressor(opt, state)
+        for t, idx in enumerate(used):
+            if resume and t == cut:
+                saved, opt_state = state.state_dict(), opt.state_dict()
+                assert len(saved["groups"]) == 1  # the group of both parameters, with its error feedback
+                opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+                opt.load_state_dict(opt_state)
+                state = fresh()
+                state.load_state_dict(saved, 1)
+                comp = MomentumCompressor(opt, state)
+            g = torch.Generator().manual_seed(t)
+            for i, p in enumerate(model.parameters()):
+                p.grad = torch.randn(p.shape, generator=g) if i in idx else None
+            state.step += 1  # the hook counted this backward
+            if state.compressing:
+                comp.compressed_step()
+            else:
+                opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    for a, b in zip(run(False), run(True), strict=True):
+        assert torch.equal(a, b)
