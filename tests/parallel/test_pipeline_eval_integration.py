@@ -10,26 +10,17 @@ import lightning.pytorch as pl
 import torch
 
 from tests.helpers import run_in_processes
+from tests.parallel.test_plans_integration import SmallNet
 
 
-class Net(pl.LightningModule):
+class Net(SmallNet):
+    """``SmallNet``'s step, its network regrouped into 4 pieces (4 interleaved stages on 2 ranks)."""
+
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
         tanh_linear = [torch.nn.Sequential(torch.nn.Tanh(), torch.nn.Linear(8, n)) for n in (8, 8, 1)]
-        self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), *tanh_linear)  # 4 pieces: 4 interleaved stages
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return torch.nn.functional.mse_loss(self(batch[0]), batch[1])
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        self.log("val_loss", torch.nn.functional.mse_loss(self(batch[0]), batch[1]))
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), *tanh_linear)
 
 
 def _loader(samples: int) -> torch.utils.data.DataLoader:

@@ -36,6 +36,20 @@ def test_the_probe_records_and_saves_once_per_optimizer_step(tmp_path: Path, acc
     assert len(probe.losses) == 7 * accumulate  # every batch's loss
 
 
+def _job(*, n: int = 128, batch_size: int = 16, callbacks: list[Any] | None = None, **trainer: Any) -> dict[str, Any]:
+    """The digits CNN job the trials below run: one CPU epoch of ``n`` samples, no checkpoints unless
+    ``enable_checkpointing=True``; ``trainer`` adds Trainer settings."""
+    t: dict[str, Any] = {"accelerator": "cpu", "max_epochs": 1, "enable_checkpointing": False, **trainer}
+    if callbacks is not None:
+        t["callbacks"] = callbacks
+    return {
+        "seed_everything": 0,
+        "trainer": t,
+        "model": {"class_path": "lightning_accel.models.ImageClassifier", "init_args": {"width": 4}},
+        "data": {"class_path": "tests.tiny.TinyDigits", "init_args": {"batch_size": batch_size, "n": n}},
+    }
+
+
 class InterruptAt(Callback):
     """Ctrl-C in the middle of a trial: ``KeyboardInterrupt`` at the start of step ``step``."""
 
@@ -51,17 +65,7 @@ def test_ctrl_c_in_a_trial_stops_the_tune_instead_of_failing_the_trial(tmp_path:
     # Lightning turns Ctrl-C inside `fit` into `sys.exit(1)`: the tune must stop there (exit 130, nothing written,
     # its trial folder removed), not report "trial failed: SystemExit: 1" and go on with the next trial
     monkeypatch.chdir(tmp_path)
-    job = {
-        "seed_everything": 0,
-        "trainer": {
-            "accelerator": "cpu",
-            "max_epochs": 1,
-            "enable_checkpointing": False,
-            "callbacks": [{"class_path": f"{__name__}.InterruptAt", "init_args": {"step": 2}}],
-        },
-        "model": {"class_path": "lightning_accel.models.ImageClassifier", "init_args": {"width": 4}},
-        "data": {"class_path": "tests.tiny.TinyDigits", "init_args": {"batch_size": 16, "n": 128}},
-    }
+    job = _job(callbacks=[{"class_path": f"{__name__}.InterruptAt", "init_args": {"step": 2}}])
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     argv = ["--config", "job.yaml", "--out", "out/tuned.yaml", "--warmup", "2", "--steps", "3"]
     code = main([*argv, "--levers", "precision", "--cache-dir", str(tmp_path / "cache")])
@@ -102,12 +106,7 @@ def test_a_ddp_1bit_trial_compresses_in_its_timed_steps(strategy: Any, want: dic
 def test_the_breakdown_amortises_the_trials_saves_as_the_step_time_does(tmp_path: Path) -> None:
     # a job saving once per epoch of 64 steps: the trial's two saves (the untimed warm-up one included) counted raw
     # over its few timed steps read as a checkpoint-bound job, and the verdict sent the tune to the checkpoint lever
-    job = {
-        "seed_everything": 0,
-        "trainer": {"accelerator": "cpu", "max_epochs": 1},
-        "model": {"class_path": "lightning_accel.models.ImageClassifier", "init_args": {"width": 4}},
-        "data": {"class_path": "tests.tiny.TinyDigits", "init_args": {"batch_size": 16, "n": 1024}},
-    }
+    job = _job(n=1024, enable_checkpointing=True)
     m = run_trial(job, warmup=2, steps=4, root=tmp_path)
     assert m.error is None and m.save_s > 0
     assert m.breakdown["checkpoint"] == pytest.approx(m.save_s / 64)  # what `step_s` adds for the save
@@ -141,12 +140,7 @@ def test_under_gradient_accumulation_the_breakdown_is_per_optimizer_step_after_t
         monitors.append(self)
 
     monkeypatch.setattr(PerformanceMonitor, "on_train_end", spy)
-    job = {
-        "seed_everything": 0,
-        "trainer": {"accelerator": "cpu", "max_epochs": 1, "enable_checkpointing": False, "accumulate_grad_batches": 4},
-        "model": {"class_path": "lightning_accel.models.ImageClassifier", "init_args": {"width": 4}},
-        "data": {"class_path": "tests.tiny.TinyDigits", "init_args": {"batch_size": 8, "n": 512}},
-    }
+    job = _job(n=512, batch_size=8, accumulate_grad_batches=4)
     m = run_trial(job, warmup=2, steps=3, root=tmp_path)
     assert m.error is None and len(monitors) == 1 and monitors[0].report is not None
     rep = monitors[0].report
@@ -174,12 +168,7 @@ class HoldMemory(Callback):
 def test_a_trials_host_memory_is_its_own_peak_not_the_tunes(tmp_path: Path) -> None:
     # every trial runs in the tune's one process, whose peak resident memory only grows: a trial after a hungry one
     # reported the hungry one's peak (a lever that saves memory could not show it)
-    job: dict[str, Any] = {
-        "seed_everything": 0,
-        "trainer": {"accelerator": "cpu", "max_epochs": 1, "enable_checkpointing": False},
-        "model": {"class_path": "lightning_accel.models.ImageClassifier", "init_args": {"width": 4}},
-        "data": {"class_path": "tests.tiny.TinyDigits", "init_args": {"batch_size": 16, "n": 128}},
-    }
+    job = _job()
     hungry = {**job, "trainer": {**job["trainer"], "callbacks": [{"class_path": f"{__name__}.HoldMemory"}]}}
     a = run_trial(hungry, warmup=2, steps=3, root=tmp_path / "a")
     b = run_trial(job, warmup=2, steps=3, root=tmp_path / "b")
@@ -190,19 +179,11 @@ def test_a_trials_host_memory_is_its_own_peak_not_the_tunes(tmp_path: Path) -> N
 def test_a_job_with_a_learning_rate_monitor_is_measured(tmp_path: Path) -> None:
     # `fit` runs it (with its default logger); a trial has no logger, and LearningRateMonitor refuses a Trainer
     # without one: the baseline failed and no job that logs its learning rate could be tuned
-    job = {
-        "seed_everything": 0,
-        "trainer": {
-            "accelerator": "cpu",
-            "max_epochs": 1,
-            "enable_checkpointing": False,
-            "callbacks": [
-                {"class_path": "lightning.pytorch.callbacks.LearningRateMonitor"},
-                "lightning.pytorch.callbacks.DeviceStatsMonitor",
-            ],
-        },
-        "model": {"class_path": "lightning_accel.models.ImageClassifier", "init_args": {"width": 4}},
-        "data": {"class_path": "tests.tiny.TinyDigits", "init_args": {"batch_size": 16, "n": 128}},
-    }
+    job = _job(
+        callbacks=[
+            {"class_path": "lightning.pytorch.callbacks.LearningRateMonitor"},
+            "lightning.pytorch.callbacks.DeviceStatsMonitor",
+        ]
+    )
     m = run_trial(job, warmup=2, steps=3, root=tmp_path)
     assert m.error is None and m.step_s is not None
