@@ -137,6 +137,8 @@ class BottleneckReport:
         extras: device facts (GPU utilisation, memory, world size, how comm was measured).
         epochs: per epoch, ``{"epoch": e, <category>: seconds, "steps": n, "samples_per_s": rate}`` (the same
             reductions over ranks as the totals); drawn into ``perf_report.png``.
+        context: the facts the verdict was given from (:func:`verdict_text`'s ``context``, ``mfu`` included), so a
+            caller that corrects the breakdown can give the verdict again from the same facts; not in the JSON.
     """
 
     seconds: dict[str, float]
@@ -151,10 +153,13 @@ class BottleneckReport:
     mfu: float | None = None
     extras: dict[str, Any] = field(default_factory=dict)
     epochs: list[dict[str, float]] = field(default_factory=list)
+    context: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict."""
-        return asdict(self)
+        """JSON-ready dict (without :attr:`context`, the verdict's inputs)."""
+        d = asdict(self)
+        del d["context"]
+        return d
 
     def to_json(self) -> str:
         """Indented JSON."""
@@ -229,4 +234,5 @@ def build_report(
         mfu=m,
         extras=dict(extras or {}),
         epochs=[dict(e) for e in epochs],
+        context=ctx,
     )

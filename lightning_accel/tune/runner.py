@@ -17,6 +17,7 @@ import resource
 import statistics
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -298,7 +299,7 @@ def run_trial(job: dict[str, Any], *, warmup: int, steps: int, root: str | os.Pa
             m.breakdown = {k: v / steps_done for k, v in rep.seconds.items()}
             m.dominant, m.verdict = rep.dominant, rep.verdict
             if save:
-                _amortise_saves(m, probe.save_s / every, trainer)
+                _amortise_saves(m, probe.save_s / every, rep.context)
         if m.step_s is None:
             m.error = f"fewer than {warmup + steps + 1} steps ran (the epoch is shorter: lower the trial steps)"
     except (Exception, SystemExit) as e:  # a lever the job cannot take: reported, the tune goes on
@@ -319,11 +320,12 @@ def run_trial(job: dict[str, Any], *, warmup: int, steps: int, root: str | os.Pa
     return m
 
 
-def _amortise_saves(m: TrialMeasure, per_step: float, trainer: Trainer) -> None:
+def _amortise_saves(m: TrialMeasure, per_step: float, context: Mapping[str, Any]) -> None:
     """The breakdown's checkpoint time as the step time counts it: the timed save amortised over the job's save
     interval. The monitor saw the probe's saves raw (the untimed warm-up one too) over a dozen steps: a job that
     saves once per epoch of hundreds of steps read as checkpoint-bound, and its levers were tried in that order. The
-    verdict follows the corrected breakdown when its dominant category changes (or stays ``checkpoint``)."""
+    verdict follows the corrected breakdown when its dominant category changes (or stays ``checkpoint``), given from
+    the facts the monitor gave its own from (``context``: the report's)."""
     from lightning_accel.perf.report import verdict_text
 
     m.breakdown["checkpoint"] = per_step
@@ -332,15 +334,6 @@ def _amortise_saves(m: TrialMeasure, per_step: float, trainer: Trainer) -> None:
         return
     total = sum(m.breakdown.values())
     shares = {c: (v / total if total > 0 else 0.0) for c, v in m.breakdown.items()}
-    io = trainer.strategy.checkpoint_io
-    context = {
-        "precision": str(trainer.precision),
-        "device": trainer.strategy.root_device.type,
-        "precision_plugin": [c.__name__ for c in type(trainer.precision_plugin).__mro__],
-        "strategy": [c.__name__ for c in type(trainer.strategy).__mro__],
-        "checkpoint_io": [c.__name__ for c in type(io).__mro__],
-        "checkpoint_async": getattr(io, "async_save", False) is True,
-    }
     m.dominant, m.verdict = dominant, verdict_text(dominant, shares, context)
 
 

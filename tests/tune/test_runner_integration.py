@@ -120,7 +120,7 @@ def test_a_verdict_the_raw_saves_made_is_given_again_from_the_amortised_breakdow
     m = TrialMeasure()
     m.breakdown = {"data": 0.001, "compute": 0.010, "comm": 0.0, "checkpoint": 0.030, "eval": 0.0, "other": 0.0}
     m.dominant, m.verdict = "checkpoint", "71 % of step time stalls in checkpoint saves: ..."
-    _amortise_saves(m, 0.0005, tiny.trainer())
+    _amortise_saves(m, 0.0005, {"device": "cpu", "precision": "32-true"})
     assert m.breakdown["checkpoint"] == 0.0005 and m.dominant == "compute"
     assert "compute" in m.verdict and "checkpoint saves" not in m.verdict
 
