@@ -689,7 +689,6 @@ def argparse_required_keys(text: str) -> list[str] | None:
     return None if m is None else [k.strip() for k in m.group(1).split(",")]
 
 
-_JSONARGPARSE_NOT_ACCEPTED = re.compile(r"^Option '[^']+' is not accepted")
 _JSONARGPARSE_NOT_A_SUBCLASS = re.compile(r"^Not a valid subclass of ")
 
 
@@ -700,7 +699,7 @@ def jsonargparse_nested_option_key(text: str, outer: str, *, at: str = "not acce
     not accepted`` (``at="not accepted"``) or ``Not a valid subclass of ...`` (``at="not a subclass"``); ``(outer,
     -1)`` when no line is.
     """
-    pattern = {"not accepted": _JSONARGPARSE_NOT_ACCEPTED, "not a subclass": _JSONARGPARSE_NOT_A_SUBCLASS}[at]
+    pattern = {"not accepted": _JSONARGPARSE_OPTION, "not a subclass": _JSONARGPARSE_NOT_A_SUBCLASS}[at]
     stack: list[tuple[int, str]] = []  # (indent, key) of the Parser keys enclosing the current line
     for n, raw in enumerate(text.splitlines()):
         indent = len(raw) - len(raw.lstrip())
