@@ -30,6 +30,7 @@ __all__ = [
     "check_choice",
     "check_int",
     "check_number",
+    "check_torch_seed",
     "parse_bytes",
     "renamed_argument",
 ]
@@ -99,6 +100,16 @@ def check_int(
     if (low is not None and value < low) or (high is not None and value > high):
         raise _fail(ValueError, name, expected, value, fix)
     return value
+
+
+def check_torch_seed(value: Any, *, fix: str = "") -> int:
+    """``value`` as a ``seed`` torch's generators take (``manual_seed``: ``-2**63 .. 2**64 - 1``); one line naming
+    ``seed`` otherwise, where torch would say only "Overflow when unpacking long long"."""
+    check_int("seed", value, fix=fix)
+    if not -(2**63) <= value < 2**64:
+        then = f" {fix}" if fix else ""
+        raise ValueError(f"`seed` must be an integer in torch's seed range -2**63 .. 2**64 - 1, got {value}.{then}")
+    return int(value)
 
 
 def check_number(

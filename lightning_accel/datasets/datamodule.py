@@ -22,7 +22,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, Subset
 from typing_extensions import override
 
-from lightning_accel._utils.checks import check_bool, check_int
+from lightning_accel._utils.checks import check_bool, check_int, check_torch_seed
 from lightning_accel.data import CachedDataModule
 from lightning_accel.data.dataset import default_num_workers, split_indices, split_keys
 from lightning_accel.datasets.digits import DIGITS_CLASSES, check_render_target, digits_marker, materialize_digits
@@ -94,12 +94,7 @@ class DigitsDataModule(LightningDataModule):
         check_int("batch_size", batch_size, low=1)
         check_int("num_workers", num_workers, low=0, allow_none=True, fix="None uses half the CPUs.")
         check_bool("augment", augment)
-        check_int("seed", seed, fix="It seeds the train/validation split.")
-        if not -(2**63) <= seed < 2**64:  # else torch.Generator.manual_seed: "Overflow when unpacking long long"
-            raise ValueError(
-                f"`seed` must be an integer in torch's seed range -2**63 .. 2**64 - 1, got {seed}. It seeds the "
-                "train/validation split."
-            )
+        check_torch_seed(seed, fix="It seeds the train/validation split.")
         split_indices(1, val_fraction, seed)  # validates val_fraction early
         # The render's arguments under this module's names: prepare_data is the first to render, after the Trainer
         # has started (and would name the renderer's `size`).

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_accel._utils.checks import check_int, check_number
+from lightning_accel._utils.checks import check_int, check_number, check_torch_seed
 from lightning_accel.precision.modules import FusedGPT2BlockMixin, FusedPackedAttentionMixin, register_block
 
 __all__ = ["GPT2Attention", "GPT2Block", "GPT2Embedding", "GPT2Head", "GPT2MLP", "gpt2_lm"]
@@ -125,9 +125,7 @@ def gpt2_lm(
     for name, value in (("vocab", vocab), ("seq", seq), ("layers", layers), ("heads", heads), ("width", width)):
         check_int(name, value, low=1)
     check_number("dropout", dropout, low=0, high=1, high_open=True, fix="It is a probability; 0 disables it.")
-    check_int("seed", seed)
-    if not -(2**63) <= seed < 2**64:  # else torch's generator: "Overflow when unpacking long long"
-        raise ValueError(f"`seed` must be an integer in torch's seed range -2**63 .. 2**64 - 1, got {seed}.")
+    check_torch_seed(seed)
     if width % heads:
         raise ValueError(
             f"`width` must be a multiple of `heads`, got width={width}, heads={heads}. Each head takes width / heads "

@@ -7,7 +7,14 @@ import pickle
 import pytest
 import torch
 
-from lightning_accel._utils.checks import check_bool, check_bytes, check_choice, check_int, check_number
+from lightning_accel._utils.checks import (
+    check_bool,
+    check_bytes,
+    check_choice,
+    check_int,
+    check_number,
+    check_torch_seed,
+)
 from lightning_accel._utils.errors import one_line
 from lightning_accel._utils.patching import active_patch, patch, restore_all, swap_class
 
@@ -38,6 +45,14 @@ from lightning_accel._utils.patching import active_patch, patch, restore_all, sw
         (lambda: check_bytes("ram", "5XB"), ValueError, "`ram` must be a byte count"),
         (lambda: check_bytes("ram", 1.5), TypeError, "got 1.5 (float)"),
         (lambda: check_bytes("ram", 10, low=100), ValueError, "an integer >= 100"),
+        (
+            lambda: check_torch_seed(2**64, fix="It seeds the split."),
+            ValueError,
+            "`seed` must be an integer in torch's seed range -2**63 .. 2**64 - 1, got 18446744073709551616. It seeds "
+            "the split.",
+        ),
+        (lambda: check_torch_seed(-(2**63) - 1), ValueError, "got -9223372036854775809."),
+        (lambda: check_torch_seed("1"), TypeError, "`seed` must be an integer, got '1' (str)."),
     ],
 )
 def test_checks_raise_one_line_naming_argument_value_and_fix(call, kind, message):
