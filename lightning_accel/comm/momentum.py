@@ -38,7 +38,8 @@ hook does not average them in the compressed stage, so DDP's gradient allreduce 
    written as ``m̄ - μ·m_prev``); Adam ``p -= lr/(1-β1^t) · ū`` (= torch's ``m̄ / D``), AdamW first decaying
    ``p *= 1 - lr·wd``. The bias correction of ``m̄`` continues with ``t`` (it is still an EMA that keeps being
    updated); that of ``v`` stays at ``T`` (``v/(1-β2^T)`` is the bias-corrected estimate at the freeze, frozen as a
-   whole). A parameter that no warm-up step reached has no variance to freeze and uses ``D = 1``.
+   whole). A parameter that no warm-up step reached has no variance to freeze and uses ``D = 1``; the floor
+   ``|m̂/D| <= 1`` then caps each of its elements' steps at ``lr`` (where Adam's first steps are about ``lr`` too).
 
 Every quantity stays in the optimizer's own state (``momentum_buffer``; ``exp_avg``, ``exp_avg_sq``,
 ``max_exp_avg_sq`` with ``amsgrad``, ``step``), so a checkpoint holds it, and the unmodified optimizer can take over
