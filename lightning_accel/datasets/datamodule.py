@@ -67,15 +67,16 @@ class DigitsDataModule(LightningDataModule):
         num_images: number of images, at least 10 (``None``: the 1,797 originals; more adds perturbed repeats).
         batch_size: per-device batch size.
         num_workers: DataLoader workers, 0 or more (``None``: half the CPUs).
-        val_fraction: fraction held out for validation (it must leave one image to train on at least).
+        val_fraction: fraction held out for validation (it must leave one image on each side; 0 holds out nothing,
+            and validation then reads the training images, as :class:`~lightning_accel.data.CachedDataModule` does).
         augment: random affine augmentation of training images (on the CPU, per sample).
         seed: split seed (any seed torch takes: -2**63 .. 2**64 - 1).
 
     Raises:
         TypeError: an integer argument that is not one (a bool neither), an ``augment`` that is not a bool, or a
             ``data_dir`` that is not a path.
-        ValueError: an argument out of range, a ``val_fraction`` that holds out every image, or a ``data_dir`` the
-            digits may not be rendered into (see above).
+        ValueError: an argument out of range, a ``val_fraction`` that holds out every image or (above 0) none, or a
+            ``data_dir`` the digits may not be rendered into (see above).
     """
 
     def __init__(
@@ -102,10 +103,17 @@ class DigitsDataModule(LightningDataModule):
         # the split setup() will make, now: a fraction that rounds to every image left the training split empty, and
         # the fit then ran no step (a Lightning warning about a zero-length loader, not an error)
         n = want["num_images"]
-        if not split_indices(n, val_fraction, seed)[0]:
+        tr, va = split_indices(n, val_fraction, seed)
+        if not tr:
             raise ValueError(
                 f"`val_fraction` {val_fraction!r} holds out all {n} images, leaving none to train on. Lower it "
                 f"(below {math.floor((n - 0.5) / n * 1e4) / 1e4:g} for {n} images), or render more with `num_images`."
+            )
+        if val_fraction > 0 and not va:
+            # it rounds to no image: validation would silently read the training images (what 0 asks for)
+            raise ValueError(
+                f"`val_fraction` {val_fraction!r} holds out none of the {n} images. Raise it (to at least "
+                f"{math.ceil(1e4 / n) / 1e4:g} for {n} images), or pass 0 to validate on the training images."
             )
         # Before any write (read-only): the digits are rendered into data_dir, which must not be someone's own image
         # folder, nor digits made with other arguments.

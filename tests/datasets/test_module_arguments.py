@@ -25,8 +25,14 @@ from lightning_accel.datasets import DigitsCachedDataModule, DigitsDataModule, P
         ({"data_dir": ""}, ValueError, r"^`data_dir` must be a non-empty directory path"),
         # a split that holds out every image: the fit then ran no step
         ({"num_images": 10, "val_fraction": 0.95}, ValueError, r"^`val_fraction` 0.95 holds out all 10 images"),
+        # a fraction that rounds to no image: validation silently read the training images
+        (
+            {"num_images": 10, "val_fraction": 0.04},
+            ValueError,
+            r"^`val_fraction` 0.04 holds out none of the 10 images\. Raise it \(to at least 0.1 for 10 images\)",
+        ),
     ],
-    ids=["seed-overflow", "data-dir-none", "data-dir-empty", "empty-train-split"],
+    ids=["seed-overflow", "data-dir-none", "data-dir-empty", "empty-train-split", "empty-val-split"],
 )
 def test_digits_module_refuses_in_init(
     tmp_path: Path, kwargs: dict[str, Any], kind: type[Exception], match: str
@@ -41,6 +47,8 @@ def test_digits_module_refuses_in_init(
 def test_a_split_leaving_one_training_image_is_accepted(tmp_path: Path) -> None:
     DigitsDataModule(str(tmp_path / "d"), num_images=10, val_fraction=0.9)
     DigitsDataModule(str(tmp_path / "d"), seed=-1)  # torch takes negative seeds
+    DigitsDataModule(str(tmp_path / "d"), num_images=10, val_fraction=0.1)  # the smallest that holds one out
+    DigitsDataModule(str(tmp_path / "d"), num_images=10, val_fraction=0)  # validates on the training images
 
 
 def test_a_pathlib_origin_is_a_local_directory(tmp_path: Path) -> None:
