@@ -18,12 +18,14 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_accel._utils import compat
 from lightning_accel._utils.atomic import atomic_write_bytes, atomic_write_text, is_local_url, strip_file_scheme
 from lightning_accel._utils.checks import check_bool, check_callable, check_int, check_number
+from lightning_accel._utils.errors import one_line
 from lightning_accel._utils.forksafe import cuda_available
 from lightning_accel._utils.fs import FileStore
 from lightning_accel._utils.levers import find_levers
@@ -76,17 +78,20 @@ class PerformanceMonitor(Callback):
     * **throughput**: samples/s (batch size found by Lightning's ``extract_batch_size`` or ``samples_fn``),
       tokens/s when ``tokens_fn`` says how to count them.
     * **MFU**: FLOPs of one training step counted once per ``fit`` with ``torch.utils.flop_counter`` (the second
-      batch; that step is excluded from timings; a resumed fit keeps its checkpoint's count, a step that raised inside
-      the count leaves none), over the device's peak for the trainer's precision (Lightning's table on CUDA, or
+      batch; that step is excluded from timings; a resumed fit counts its own step too, a step that raised inside the
+      count leaves none), over the device's peak for the trainer's precision (Lightning's table on CUDA, or
       ``peak_flops``).
     * **GPU utilisation and memory**: NVML (``pip install nvidia-ml-py``), sampled only when logging.
 
-    Logging: every ``log_every_n_steps`` steps, rank 0 sends window means to the trainer's loggers
+    Logging: every ``log_every_n_steps`` optimizer steps (with gradient accumulation, that many times the
+    accumulated batches; counted as Lightning counts its own logging steps, also in a resumed fit), rank 0 sends
+    window means to the trainer's loggers
     (``perf/data_s``, ``perf/compute_s``, ``perf/step_s``, ``perf/data_frac``, ``perf/samples_per_s``, ...), on the
     step axis of the run's own ``self.log`` metrics (Lightning's batches that stepped, not ``trainer.global_step``,
     which counts every optimizer's steps). At the end of ``fit`` the totals are averaged over ranks, and rank 0
     prints the report and writes it as JSON (``perf_report.json`` in the trainer's ``log_dir``). The report is also
-    kept in :attr:`report`.
+    kept in :attr:`report`. A fit that stops early (Ctrl+C, an exception) gets the report of the steps it measured
+    all the same, from each rank's own numbers (no exchange between ranks then), with ``interrupted`` in its extras.
 
     Overhead: two clock reads and a batch-size lookup per step; see ``benchmarks/monitor_overhead.py``.
 
@@ -103,10 +108,10 @@ class PerformanceMonitor(Callback):
         report_path: where to write the JSON report, a local path (a leading ``~`` is the home directory) or an fsspec
             URL such as ``s3://bucket/run.json`` (None: ``<log_dir>/perf_report.json``; ``""``: do not write); the PNG
             goes beside it with the suffix ``.png``. Checked here: a file name, never an existing directory nor a
-            directory's spelling (``runs/``), never a ``.png`` name (the picture would overwrite the report). A file
-            already at either place that the monitor did not write (neither a report of its own, nor a picture it
-            drew, nor a file this instance wrote) is never overwritten: that file is skipped, with one warning naming
-            it.
+            directory's spelling (``runs/``), never a ``.png`` name (the picture would overwrite the report), never
+            under an existing file, never a URL whose scheme no installed fsspec filesystem handles. A file already at
+            either place that the monitor did not write (neither a report of its own, nor a picture it drew, nor a
+            file this instance wrote) is never overwritten: that file is skipped, with one warning naming it.
         verbose: print the report on rank 0.
         clock: override the segment clock (tests inject a fake one).
         span_clock: override the clock for validation/checkpoint spans (tests).
@@ -122,7 +127,7 @@ class PerformanceMonitor(Callback):
         samples_fn: Callable[[Any], int] | None = None,
         tokens_fn: Callable[[Any], int] | None = None,
         nvml: bool = True,
-        report_path: str | None = None,
+        report_path: str | os.PathLike[str] | None = None,
         verbose: bool = True,
         clock: Clock | None = None,
         span_clock: Clock | None = None,
@@ -180,6 +185,7 @@ class PerformanceMonitor(Callback):
         self._epoch_index: int | None = None
         self._step_before = 0  # trainer.global_step when the current batch started
         self._written: set[str] = set()  # report and picture files this instance wrote (it may replace them)
+        self._finished = False  # this fit's report was made (at its end, or when it was interrupted)
         self.png_path: str | None = None
 
     # -- set-up / tear-down --------------------------------------------------------------------------------------
@@ -193,8 +199,10 @@ class PerformanceMonitor(Callback):
             clock = CudaEventClock(device) if device.type == "cuda" else HostClock()
         self.timer = StepTimer(clock=clock, span_clock=self._span_clock or HostClock(), skip_steps=self.skip_steps)
         self.report = None
-        # counted again for this fit's model and batch (a count of an earlier fit of this instance is another model's);
-        # a resumed fit gets its checkpoint's count back in `load_state_dict`, which Lightning calls after `setup`
+        self._finished = False
+        # counted again for this fit's model and batch: a count of an earlier fit of this instance, or of the fit that
+        # saved the checkpoint a fit resumes from, is another batch size's, precision's or model's; so the monitor keeps
+        # no state in checkpoints, and the count an older checkpoint holds is ignored (the base `load_state_dict`)
         self._flops.cancel()
         self._flops.flops = None
         self._ddp_timed = None  # a DDP module of an earlier fit says nothing about this one
@@ -249,10 +257,24 @@ class PerformanceMonitor(Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """A fit that stops early (Ctrl+C, an exception) still gets the report of the steps it measured: built and
+        written as at a normal end, from this rank's own numbers (a rank that raised cannot count on the others to
+        join an all-reduce, so no collective runs here), marked ``interrupted`` in its extras."""
         # never leave a dispatch mode active after a crash; a step that crashed inside the count (an OOM in backward)
-        # has no FLOP total: dropped, so that neither MFU nor a checkpoint saved now (OnExceptionCheckpoint) keep half
+        # has no FLOP total: dropped, so that MFU does not take half a step's count
         self._flops.cancel()
         self._unwrap_save_checkpoint(trainer)
+        # Lightning calls no `teardown` of callbacks after an exception: the monitor closes what it opened
+        try:
+            if self.timer is not None and not self._finished and trainer.state.fn == TrainerFn.FITTING:
+                self._finish(trainer, pl_module, interrupted=exception)
+        except Exception as e:  # never mask the exception that stopped the fit
+            log.error("PerformanceMonitor: the report of the interrupted fit could not be made: %r", e)
+        finally:
+            self._finished = True
+            if self._sampler is not None:
+                self._sampler.close()
+                self._sampler = None
 
     # -- the loop ------------------------------------------------------------------------------------------------
     @override
@@ -307,7 +329,10 @@ class PerformanceMonitor(Callback):
         synced = not pl_module.automatic_optimization or trainer.global_step != self._step_before
         tokens = self.tokens_fn(batch) if self.tokens_fn is not None else 0
         timer.batch_end(self._samples(batch), tokens, synced=synced)
-        if timer.seen_steps > self.skip_steps and timer.seen_steps % self._every == 0:
+        # Lightning's rule for its own logging (the n-th batch that stepped, n a multiple of the window), so windows
+        # land on the rows of the run's `self.log` metrics also after a resume and with gradient accumulation; every
+        # rank reaches the same decision (the flush asks DDP for its timers on each)
+        if timer.seen_steps > self.skip_steps and synced and (compat.logger_step(trainer) + 1) % self._every == 0:
             self._log_window(trainer)
 
     def _samples(self, batch: Any) -> int:
@@ -399,16 +424,30 @@ class PerformanceMonitor(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        timer = self.timer
-        if timer is None:
+        if self.timer is None or self._finished:
             return
+        self._finished = True  # before the work: a failure in it reaches `on_exception`, which must not start again
         self._flops.stop()
+        self._finish(trainer, pl_module)
+
+    def _finish(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, *, interrupted: BaseException | None = None
+    ) -> None:
+        """Close the timings and make the report: reduced over ranks at the end of a fit (every rank is here), this
+        rank's own numbers when ``interrupted`` (no collective); rank 0 logs, writes and prints it."""
+        timer = self.timer
+        assert timer is not None
         self._close_epoch(trainer)  # flushes the last window
-        timer.stop()
+        timer.stop()  # an interrupted batch, or validation or a save cut short, is not counted
         self._flush(trainer)
-        totals = self._reduce(trainer, timer.totals)
-        epochs = self._reduce_epochs(trainer)
+        if interrupted is None:
+            totals = self._reduce(trainer, timer.totals)
+            epochs = self._reduce_epochs(trainer)
+        else:
+            totals, epochs = timer.totals, self._reduce_epochs(trainer, collective=False)
         if totals.steps <= 0:
+            if interrupted is not None:  # the exception says what happened; advice on `skip_steps` would mislead
+                return
             rank_zero_warn(
                 f"PerformanceMonitor: no step was timed ({timer.seen_steps} steps ran, {self.skip_steps} are warm-up); "
                 "no report. Run more steps or lower `skip_steps`."
@@ -438,6 +477,10 @@ class PerformanceMonitor(Callback):
         extras: dict[str, Any] = {"world_size": trainer.world_size, "device": str(trainer.strategy.root_device)}
         if self._ddp_timed is not None:
             extras["comm_source"] = "DDP runtime stats (exposed backward allreduce)"
+        if interrupted is not None:
+            extras["interrupted"] = type(interrupted).__name__
+            if trainer.world_size > 1:
+                extras["ranks"] = f"rank {trainer.global_rank}'s numbers only (the fit stopped before ranks met)"
         if self._sampler is not None:
             extras.update({f"last_{k}": round(v, 2) for k, v in (self._sampler.sample() or self._nvml_last).items()})
         self.report = build_report(
@@ -532,13 +575,13 @@ class PerformanceMonitor(Callback):
         out.tokens = int(round(float(t[len(CATEGORIES) + 2]) / share))
         return out
 
-    def _reduce_epochs(self, trainer: pl.Trainer) -> list[dict[str, float]]:
+    def _reduce_epochs(self, trainer: pl.Trainer, *, collective: bool = True) -> list[dict[str, float]]:
         """Per-epoch seconds averaged over ranks, samples summed and counted once per batch, as :meth:`_reduce` does
-        (one all-reduce, every rank has the same epochs)."""
+        (one all-reduce, every rank has the same epochs); this rank's own rows when not ``collective``."""
         rows = [[e.seconds[c] for c in CATEGORIES] + [e.steps, e.samples] for e in self._epochs]
         if not rows:
             return []
-        if trainer.world_size > 1:
+        if collective and trainer.world_size > 1:
             t = torch.tensor(rows, dtype=torch.float64, device=trainer.strategy.root_device)
             t = trainer.strategy.reduce(t, reduce_op="sum")
             rows = (t.cpu() / trainer.world_size).tolist()
@@ -554,15 +597,6 @@ class PerformanceMonitor(Callback):
             d["samples_per_s"] = float(r[-1]) / wall if wall > 0 else 0.0
             out.append(d)
         return out
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return {"flops_per_step": self._flops.flops}
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        flops = state_dict.get("flops_per_step")
-        self._flops.flops = int(flops) if flops is not None else None
 
 
 def _check_report_path(value: Any) -> str | None:
@@ -590,12 +624,53 @@ def _check_report_path(value: Any) -> str | None:
             f"`report_path` must be a file path, got {path!r}, an existing directory. "
             f"Name the file, e.g. {safe_join(path, 'perf_report.json')!r}."
         )
+    if path and is_local_url(path):
+        _check_no_file_above("report_path", path, "perf_report.json")
+    elif path:
+        _check_protocol("report_path", path)
     if path.rpartition("/")[2].lower().endswith(".png"):
         raise ValueError(
             f"`report_path` must name the JSON report, not a .png, got {path!r}: the picture goes beside the report "
             f"with the suffix .png and would overwrite it. Name the report e.g. {_with_suffix(path, '.json')!r}."
         )
     return str(path)
+
+
+def _check_protocol(name: str, url: str) -> None:
+    """Raise when no installed fsspec filesystem handles the scheme of ``url`` (each one of a chained
+    ``simplecache::s3://...``): the write would fail only after the whole fit, or when the fit has failed."""
+    import fsspec
+
+    for part in url.split("::"):
+        protocol = part.partition("://")[0] if "://" in part else part
+        try:
+            fsspec.get_filesystem_class(protocol)
+        except ImportError as e:
+            raise ImportError(
+                f"`{name}` is {url!r}, whose scheme `{protocol}://` needs a package that is not installed "
+                f"({one_line(e)}). Install it, or pass a local path."
+            ) from None
+        except ValueError:
+            raise ValueError(
+                f"`{name}` must be a local path or an fsspec URL, got {url!r}, whose scheme `{protocol}://` no "
+                "filesystem knows. Check its spelling (e.g. `s3://bucket/run.json`), or pass a local path."
+            ) from None
+
+
+def _check_no_file_above(name: str, path: str, example: str) -> None:
+    """Raise when a folder of the local ``path`` (``file://`` allowed) is an existing file: the write would fail after
+    the whole fit (``runs`` a file, ``runs/perf_report.json`` the report)."""
+    parent = os.path.dirname(os.path.abspath(strip_file_scheme(path)))
+    while parent and not os.path.exists(parent):
+        above = os.path.dirname(parent)
+        if above == parent:
+            return
+        parent = above
+    if parent and not os.path.isdir(parent):
+        raise ValueError(
+            f"`{name}` must be a path under a directory, got {path!r}, but {parent!r} is a file, not a directory. "
+            f"Move that file, or pass a path in a directory, e.g. {os.path.join(os.path.dirname(parent), example)!r}."
+        )
 
 
 # a report of this monitor is small (a few KB, one entry per epoch): a bigger file at its place is not one
@@ -766,14 +841,17 @@ class CudaMemoryManager(Callback):
        in ``__init__`` so that a callback built before the Trainer (the usual case, and LightningCLI's) acts before
        the first CUDA allocation: they go to ``PYTORCH_ALLOC_CONF`` and the allocator's runtime setter. If CUDA was
        already initialised, a warning says what did not take effect and how to fix it (:attr:`applied`).
-    2. **Fragmentation** every ``log_every_n_steps`` steps: ``mem/allocated_gb``, ``mem/reserved_gb``,
+    2. **Fragmentation** every ``log_every_n_steps`` optimizer steps, on the steps Lightning logs the run's own
+       ``self.log`` metrics at (also in a resumed fit, a later fit of the same callback, and with gradient
+       accumulation, where a window is that many optimizer steps): ``mem/allocated_gb``, ``mem/reserved_gb``,
        ``mem/fragmentation`` (1 - allocated/reserved), ``mem/inactive_split_gb``, ``mem/alloc_retries``,
        ``mem/ooms``, from ``torch.cuda.memory_stats()`` (a host-side read, no device sync).
     3. **Release** (optional): when fragmentation exceeds ``release_threshold`` on a pool of at least
        ``release_min_reserved_gb``, ``torch.cuda.empty_cache()`` runs at the end of a training batch (after the
        optimizer step, when no activations are alive), at most once per logging window.
     4. **OOM**: on ``torch.OutOfMemoryError``, the allocator's snapshot is written to
-       ``<snapshot_dir>/oom_snapshot_rank<r>.pickle`` and the error log says where it is and how to open it
+       ``<snapshot_dir>/oom_snapshot_rank<r>.pickle`` (``..._rank<r>-2.pickle`` and on when a file is already there:
+       an earlier snapshot is never overwritten) and the error log says where it is and how to open it
        (https://pytorch.org/memory_viz). With ``record_history=True`` the snapshot also holds the stack trace of every
        allocation (costs a few µs per allocation; off by default).
 
@@ -788,7 +866,8 @@ class CudaMemoryManager(Callback):
         release_threshold: fragmentation above which cached blocks are released (None: never).
         release_min_reserved_gb: only release when at least this much is reserved (>= 0).
         snapshot_dir: where OOM snapshots go, a local directory (a leading ``~`` is the home directory) or an fsspec
-            URL (None: the trainer's ``log_dir`` or ``default_root_dir``).
+            URL (None: the trainer's ``log_dir`` or ``default_root_dir``). Checked here: never an existing file nor
+            under one, never a URL whose scheme no installed fsspec filesystem handles.
         record_history: record allocation stack traces for richer snapshots.
         max_history_entries: ring-buffer size of the history when ``record_history`` (>= 1).
     """
@@ -802,7 +881,7 @@ class CudaMemoryManager(Callback):
         log_every_n_steps: int | None = None,
         release_threshold: float | None = None,
         release_min_reserved_gb: float = 1.0,
-        snapshot_dir: str | None = None,
+        snapshot_dir: str | os.PathLike[str] | None = None,
         record_history: bool = False,
         max_history_entries: int = 100_000,
     ) -> None:
@@ -830,6 +909,23 @@ class CudaMemoryManager(Callback):
                 f"`snapshot_dir` must be a directory path or URL (a string) or None, got {snapshot_dir!r} "
                 f"({type(snapshot_dir).__name__})."
             )
+        if math.isinf(release_min_reserved_gb):
+            raise ValueError(
+                f"`release_min_reserved_gb` must be a finite number >= 0, got {release_min_reserved_gb}. "
+                "Pass `release_threshold=None` to never release cached blocks."
+            )
+        if snapshot_dir is not None:
+            # an OOM snapshot is written when the fit fails: a file at the directory's place would lose it then
+            local = os.path.expanduser(os.fspath(snapshot_dir))
+            if local and not is_local_url(local):
+                _check_protocol("snapshot_dir", local)
+            elif local:
+                if os.path.isfile(strip_file_scheme(local)):
+                    raise ValueError(
+                        f"`snapshot_dir` must be a directory, got {local!r}, an existing file. Pass a directory, e.g. "
+                        f"{os.path.join(os.path.dirname(strip_file_scheme(local)), 'oom_snapshots')!r}."
+                    )
+                _check_no_file_above("snapshot_dir", safe_join(local, "x"), "oom_snapshots")
         self.settings = AllocatorSettings(expandable_segments, max_split_size_mb, garbage_collection_threshold)
         self.log_every_n_steps = log_every_n_steps
         self.release_threshold = release_threshold
@@ -844,7 +940,7 @@ class CudaMemoryManager(Callback):
         self._every = 50
         self._active = False
         self._cpu_noted = False
-        self._batches = 0
+        self._step_before = 0  # trainer.global_step when the current batch started
         self._snapshot_root: str | None = None
         self._host = False  # no CUDA: log host memory
         if cuda_available():
@@ -886,19 +982,35 @@ class CudaMemoryManager(Callback):
         self._active = False
 
     @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._step_before = trainer.global_step
+
+    def _due(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> int | None:
+        """The logger step to log at after this batch, or None: Lightning's own rule (the ``n``-th batch that steps
+        the optimizer, ``n`` a multiple of the window), so the numbers land on the rows of the run's ``self.log``
+        metrics in every fit of this instance, after a resume and with gradient accumulation (whose micro-batches
+        before the optimizer step are not counted: a window is ``log_every_n_steps`` optimizer steps)."""
+        if pl_module.automatic_optimization and trainer.global_step == self._step_before:
+            return None  # an accumulation micro-batch: the optimizer did not step
+        step = compat.logger_step(trainer)  # the batches that stepped before this one
+        return step if (step + 1) % self._every == 0 else None
+
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if not self._active:
-            if self._host:
-                self._batches += 1
-                if self._batches % self._every == 0 and trainer.is_global_zero:
-                    host = host_memory_stats()
-                    for logger in trainer.loggers:
-                        logger.log_metrics(host, step=compat.logger_step(trainer))
+        if not self._active and not self._host:
             return
-        self._batches += 1
-        if self._batches % self._every != 0:
+        step = self._due(trainer, pl_module)
+        if step is None:
+            return
+        if not self._active:
+            if trainer.is_global_zero:
+                host = host_memory_stats()
+                for logger in trainer.loggers:
+                    logger.log_metrics(host, step=step)
             return
         device = trainer.strategy.root_device
         frag = fragmentation_stats(torch.cuda.memory_stats(device))
@@ -910,20 +1022,28 @@ class CudaMemoryManager(Callback):
             metrics["mem/releases"] = float(self.releases)
         if trainer.is_global_zero:
             for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=compat.logger_step(trainer))
+                logger.log_metrics(metrics, step=step)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        if not self._active or not _is_oom(exception):
+        if not self._active:
             return
-        root = self._snapshot_root or self.snapshot_dir or os.getcwd()
-        path = safe_join(
-            os.fspath(root), f"oom_snapshot_rank{global_rank()}.pickle"
-        )  # a string join: root may be a URL
+        if _is_oom(exception):
+            self._write_oom_snapshot()
+        # Lightning calls no `teardown` of callbacks after an exception: stop the allocation history here, or every
+        # later allocation of the process (a notebook, a retry) keeps paying for a stack trace
         try:
+            self.teardown(trainer, pl_module, "fit")
+        except Exception as e:  # never mask the exception that stopped the fit
+            log.error("CudaMemoryManager: stopping the allocation history failed: %r", e)
+
+    def _write_oom_snapshot(self) -> None:
+        root = self._snapshot_root or self.snapshot_dir or os.getcwd()
+        try:
+            path = _free_snapshot_path(os.fspath(root), global_rank())
             self.snapshot_path = dump_memory_snapshot(path)
         except Exception as e:  # never mask the OOM itself
-            log.error("CudaMemoryManager: out of memory, and writing the memory snapshot to %s failed: %r", path, e)
+            log.error("CudaMemoryManager: out of memory, and writing the memory snapshot under %s failed: %r", root, e)
             return
         hint = "" if self.record_history else " Pass record_history=True to include allocation stack traces."
         log.error(
@@ -932,6 +1052,24 @@ class CudaMemoryManager(Callback):
             self.snapshot_path,
             hint,
         )
+
+
+def _free_snapshot_path(root: str, rank: int) -> str:
+    """``<root>/oom_snapshot_rank<r>.pickle``, or ``..._rank<r>-2.pickle``, ``-3``, ... when that is taken: a snapshot
+    of an earlier out-of-memory error (another fit in this process, another run into the same ``snapshot_dir``) or a
+    file of the user's is never overwritten. String joins: ``root`` may be a URL."""
+    store = FileStore(retries=0)
+    stem = f"oom_snapshot_rank{rank}"
+    n = 1
+    while True:
+        path = safe_join(root, f"{stem}{'' if n == 1 else f'-{n}'}.pickle")
+        try:
+            taken = store.exists(path)
+        except Exception:  # a store that cannot be asked may still take the write: the write says what is wrong
+            return path
+        if not taken:
+            return path
+        n += 1
 
 
 def _is_oom(exc: BaseException) -> bool:

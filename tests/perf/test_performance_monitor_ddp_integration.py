@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -53,3 +54,56 @@ def test_ddp_two_ranks_agree_and_comm_is_sourced(tmp_path) -> None:
     assert a["seconds"]["comm"] > 0.0 and a["seconds"]["compute"] > 0.0  # gloo allreduce is never free
     # the job's throughput: each rank reads its own batch of 4, so a step trains on 2 x 4 samples
     assert a["samples_per_s"] * a["step_time_s"] == pytest.approx(8)
+
+
+def _interrupted_fit(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    import os
+
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.callbacks import Callback
+
+    from lightning_accel.callbacks import PerformanceMonitor
+    from tests.tiny import TimedModule, loaders
+
+    class Stop(Callback):
+        """Both ranks stop at batch 7; from then on a collective would fail (a rank that raised alone never has
+        its peers join one)."""
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if batch_idx == 6:
+
+                def collective(*args: Any, **kwargs: Any) -> Any:
+                    raise AssertionError("a collective after the fit stopped")
+
+                for name in ("reduce", "barrier", "broadcast", "all_gather"):
+                    setattr(trainer.strategy, name, collective)
+                raise RuntimeError("stopped")
+
+    torch.manual_seed(0)
+    report = os.path.join(root, "perf.json")
+    mon = PerformanceMonitor(log_every_n_steps=3, report_path=report, verbose=False)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", max_steps=12, limit_val_batches=0, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
+        callbacks=[mon, Stop()],
+    )  # fmt: skip
+    train, _ = loaders(None, 0.0)
+    try:
+        trainer.fit(TimedModule(), train)
+    except RuntimeError as e:
+        assert str(e) == "stopped"
+    r = mon.report
+    assert r is not None
+    return {"steps": r.steps, "extras": r.extras, "written": os.path.exists(report)}
+
+
+def test_an_interrupted_ddp_fit_reports_on_every_rank_without_a_collective(tmp_path) -> None:
+    """An exception (or Ctrl+C) stopping a DDP fit left no report on any rank; it is made on every rank from that
+    rank's own numbers, and rank 0 writes it."""
+    a, b = run_in_processes(_interrupted_fit, 2, (str(tmp_path),), init_process_group=False)
+    assert a["steps"] == b["steps"] == 5
+    assert a["extras"]["interrupted"] == b["extras"]["interrupted"] == "RuntimeError"
+    assert a["extras"]["ranks"].startswith("rank 0's numbers") and b["extras"]["ranks"].startswith("rank 1's")
+    assert a["written"]  # by rank 0, before its fit returned
+    assert json.loads((tmp_path / "perf.json").read_text())["extras"]["ranks"].startswith("rank 0's numbers")

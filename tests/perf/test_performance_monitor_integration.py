@@ -93,11 +93,11 @@ def test_verdict_data_vs_compute(tmp_path: Path) -> None:
     # without validation in the picture the starved run is data-bound
     assert mon.report is not None
     shares = {k: v for k, v in mon.report.seconds.items() if k != "eval"}
-    assert max(shares, key=shares.get) == "data"
+    assert max(shares, key=shares.__getitem__) == "data"
     trainer, mon, _ = fit(tmp_path / "b", decode_s=0.0, compute_s=0.005, report_path="")
     assert mon.report is not None and mon.report.seconds["data"] == 0.0
     shares = {k: v for k, v in mon.report.seconds.items() if k != "eval"}
-    assert max(shares, key=shares.get) == "compute"
+    assert max(shares, key=shares.__getitem__) == "compute"
 
 
 def test_checkpoint_stall_is_attributed(tmp_path: Path) -> None:
@@ -134,6 +134,37 @@ def test_too_few_steps_warns_instead_of_crashing(tmp_path: Path) -> None:
     with pytest.warns(UserWarning, match="no step was timed"):
         trainer.fit(TimedModule(), train)
     assert mon.report is None
+
+
+class Interrupt(Callback):
+    """Stops the fit after ``at`` training batches, as Ctrl+C does (or with ``error``)."""
+
+    def __init__(self, at: int, error: BaseException) -> None:
+        self.at, self.error = at, error
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx + 1 == self.at:
+            raise self.error
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt(), RuntimeError("boom")])
+def test_an_interrupted_fit_still_writes_the_report_of_what_was_measured(tmp_path: Path, error: BaseException) -> None:
+    """A long run stopped with Ctrl+C (Lightning then exits) or by an exception wrote no report at all."""
+    mon = PerformanceMonitor(log_every_n_steps=4, verbose=False)
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=20, limit_val_batches=0, default_root_dir=tmp_path, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[mon, Interrupt(8, error)],
+    )  # fmt: skip
+    train, _ = loaders(None, 0.0)
+    with pytest.raises(SystemExit if isinstance(error, KeyboardInterrupt) else RuntimeError):
+        trainer.fit(TimedModule(), train)
+    r = mon.report
+    assert r is not None and r.steps == 6  # 8 batches ran, 2 of them warm-up
+    assert r.extras["interrupted"] == type(error).__name__ and r.flops_per_step == 256
+    assert trainer.log_dir is not None
+    written = json.loads((Path(trainer.log_dir) / "perf_report.json").read_text())
+    assert written["steps"] == 6 and written["extras"]["interrupted"] == type(error).__name__
+    assert "save_checkpoint" not in trainer.__dict__
 
 
 def test_bad_arguments() -> None:
@@ -186,6 +217,41 @@ def test_report_path_that_is_a_directory_fails_in_init(tmp_path: Path) -> None:
     ):
         PerformanceMonitor(report_path=str(tmp_path))
     assert PerformanceMonitor(report_path=tmp_path / "r.json").report_path == str(tmp_path / "r.json")
+
+
+def test_report_url_nothing_can_write_fails_in_init(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A misspelt scheme, or one whose fsspec package is missing, failed only when the report was written, after the
+    whole fit."""
+    pytest.importorskip("fsspec")
+    from fsspec.registry import known_implementations
+
+    with pytest.raises(ValueError, match=r"^`report_path` must be a local path or an fsspec URL, got 'se://b/r\.json'"):
+        PerformanceMonitor(report_path="se://b/r.json")
+    entry = {"class": "lightning_accel_absent_fs.FS", "err": "Install lightning-accel-absent-fs"}
+    monkeypatch.setitem(known_implementations, "absentfs", entry)
+    with pytest.raises(
+        ImportError, match=r"^`report_path` is 'absentfs://b/r\.json', whose scheme `absentfs://` needs"
+    ):
+        PerformanceMonitor(report_path="absentfs://b/r.json")
+    with pytest.raises(ImportError, match="`absentfs://` needs a package"):
+        PerformanceMonitor(report_path="simplecache::absentfs://b/r.json")
+    assert (
+        PerformanceMonitor(report_path="simplecache::memory://b/r.json").report_path == "simplecache::memory://b/r.json"
+    )
+
+
+@pytest.mark.parametrize("under", ["runs", "runs/deeper/still"])
+def test_report_path_under_a_file_fails_in_init(tmp_path: Path, under: str) -> None:
+    """`runs` a file, `runs/perf_report.json` the report: the fit ran to its end and then failed writing it."""
+    (tmp_path / "runs").write_text("a file of the user's")
+    path = str(tmp_path / under / "r.json")
+    with pytest.raises(
+        ValueError, match=rf"^`report_path` must be a path under a directory, got '{path}', but '.*runs'"
+    ):
+        PerformanceMonitor(report_path=path)
+    with pytest.raises(ValueError, match="is a file, not a directory"):
+        PerformanceMonitor(report_path="file://" + path)
+    assert (tmp_path / "runs").read_text() == "a file of the user's"
 
 
 def test_report_and_picture_go_to_a_remote_log_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -352,7 +418,7 @@ class TwoOptimizers(TimedModule):
         self.automatic_optimization = False
         self.other = torch.nn.Linear(8, 2)
 
-    def training_step(self, batch: Any, batch_idx: int) -> None:
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         for opt, layer in zip(self.optimizers(), (self.lin, self.other), strict=True):
             loss = torch.nn.functional.cross_entropy(layer(x), y)
@@ -360,6 +426,7 @@ class TwoOptimizers(TimedModule):
             self.manual_backward(loss)
             opt.step()
         self.log("train_loss", loss)
+        return loss.detach()  # under manual optimization Lightning only passes it on to the batch-end hooks
 
     def configure_optimizers(self) -> Any:
         return (
@@ -398,6 +465,40 @@ def test_perf_and_memory_metrics_share_lightning_step_axis(tmp_path: Path) -> No
     assert _csv_steps(metrics, "perf/report/step_s") == [8]  # the summary: after the last of the 8 batches
 
 
+class LoggedLoss(TimedModule):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss)
+        return loss
+
+
+def test_perf_windows_land_on_the_loss_rows_after_a_resume_and_with_accumulation(tmp_path: Path) -> None:
+    """Windows were counted in batches from the start of each fit: a fit resumed at step 6 logged at 9 and 13
+    beside a loss at 7 and 11, and with 2 batches a step at 1, 3, 5, 7 beside a loss at 3 and 7."""
+
+    def run(max_steps: int, **kw: Any) -> tuple[pl.Trainer, list[int], list[int]]:
+        mon = PerformanceMonitor(log_every_n_steps=4, skip_steps=1, count_flops=False, report_path="", verbose=False)
+        logger = CSVLogger(tmp_path, name="logs")
+        ckpt_path = kw.pop("ckpt_path", None)
+        trainer = pl.Trainer(
+            accelerator="cpu", max_steps=max_steps, limit_val_batches=0, log_every_n_steps=4, logger=logger,
+            callbacks=[mon], enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kw,
+        )  # fmt: skip
+        train, _ = loaders(None, 0.0)
+        trainer.fit(LoggedLoss(), train, ckpt_path=ckpt_path)
+        metrics = Path(logger.log_dir) / "metrics.csv"
+        return trainer, sorted(set(_csv_steps(metrics, "train_loss"))), sorted(set(_csv_steps(metrics, "perf/step_s")))
+
+    first, loss, perf = run(6)
+    assert loss == [3] and perf == [3, 6]  # and the last, shorter window at the end of the fit
+    ckpt = tmp_path / "six.ckpt"
+    first.save_checkpoint(ckpt)
+    _, loss, perf = run(14, ckpt_path=str(ckpt))
+    assert loss == [7, 11] and perf == [7, 11, 14]
+    _, loss, perf = run(8, accumulate_grad_batches=2)
+    assert loss == [3, 7] and perf == [3, 7]
+
+
 class TwoLayers(TimedModule):
     def __init__(self) -> None:
         super().__init__()
@@ -407,9 +508,9 @@ class TwoLayers(TimedModule):
         return self.lin(self.pre(x))
 
 
-def test_each_fit_counts_its_own_flops_and_a_resume_keeps_the_checkpoints(tmp_path: Path) -> None:
-    """A monitor reused for a second fit reported the first model's FLOPs (and MFU); a resumed fit still takes the
-    count from its checkpoint (restored after `setup`), so the slow counted step is not paid again."""
+def test_each_fit_and_each_resume_counts_its_own_flops(tmp_path: Path) -> None:
+    """A monitor reused for a second fit reported the first model's FLOPs (and MFU); a fit resumed from a checkpoint
+    reported the count of the fit that saved it, although it ran another batch size (its MFU was off by that ratio)."""
     mon = PerformanceMonitor(verbose=False, report_path="")
     _quick_fit(mon)
     assert mon.report is not None and mon.report.flops_per_step == 256  # Linear(8, 2), batch 4: 2 x 2 x 4 x 8 x 2
@@ -423,21 +524,24 @@ def test_each_fit_counts_its_own_flops_and_a_resume_keeps_the_checkpoints(tmp_pa
     assert mon.report is not None and mon.report.flops_per_step == 256 + 128 + 2 * 512
     ckpt = tmp_path / "one.ckpt"
     trainer.save_checkpoint(ckpt)
+    older = tmp_path / "older.ckpt"  # what an earlier version wrote: the saving fit's count
     state = torch.load(ckpt, weights_only=False)
-    state["callbacks"]["PerformanceMonitor"]["flops_per_step"] = 999  # what a resume must keep
-    torch.save(state, ckpt)
-    resumed = PerformanceMonitor(verbose=False, report_path="")
-    trainer = pl.Trainer(
-        accelerator="cpu", max_epochs=2, limit_train_batches=6, limit_val_batches=0, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[resumed],
-    )  # fmt: skip
-    trainer.fit(TwoLayers(), train, ckpt_path=str(ckpt))
-    assert resumed.report is not None and resumed.report.flops_per_step == 999
+    state["callbacks"]["PerformanceMonitor"] = {"flops_per_step": 256 + 128 + 2 * 512}
+    torch.save(state, older)
+    wide, _ = loaders(None, 0.0, batch_size=8)  # the resumed fit runs twice the batch: twice the FLOPs per step
+    for path in (ckpt, older):
+        resumed = PerformanceMonitor(verbose=False, report_path="")
+        trainer = pl.Trainer(
+            accelerator="cpu", max_epochs=2, limit_train_batches=6, limit_val_batches=0, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[resumed],
+        )  # fmt: skip
+        trainer.fit(TwoLayers(), wide, ckpt_path=str(path))
+        assert resumed.report is not None and resumed.report.flops_per_step == 2 * (256 + 128 + 2 * 512), path.name
 
 
 def test_a_crash_inside_the_counted_step_keeps_no_partial_count(tmp_path: Path) -> None:
     """An exception inside the FLOP-counted step (an OOM in backward) left the forward's FLOPs as the step's count,
-    and `OnExceptionCheckpoint` saved that half count into the checkpoint for every resume."""
+    and `OnExceptionCheckpoint` saved that half count into the checkpoint; no count goes into a checkpoint now."""
     from lightning.pytorch.callbacks import OnExceptionCheckpoint
 
     mon = PerformanceMonitor(report_path="", verbose=False)
@@ -449,9 +553,7 @@ def test_a_crash_inside_the_counted_step_keeps_no_partial_count(tmp_path: Path) 
     with pytest.raises(RuntimeError, match="boom"):
         trainer.fit(CrashAfterForward(), train)
     assert mon._flops.flops is None and not mon._flops.active
-    assert torch.load(tmp_path / "crash.ckpt", weights_only=False)["callbacks"]["PerformanceMonitor"] == {
-        "flops_per_step": None
-    }
+    assert "PerformanceMonitor" not in torch.load(tmp_path / "crash.ckpt", weights_only=False)["callbacks"]
 
 
 class CrashAfterForward(TimedModule):
