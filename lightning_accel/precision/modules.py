@@ -178,8 +178,8 @@ def needs_eager(*modules: nn.Module | None) -> bool:
 
     That is when one of them has forward or backward hooks (``torch.nn.utils.prune``'s mask, FSDP's unsharding, a
     user's hook: a fused forward reads the parameters and would skip them) or is a training ``nn.Dropout`` with
-    ``p >= 1`` (it zeroes its input; the fused ops take ``p < 1``). Checked at every call, so hooks registered after
-    surgery count too.
+    ``p >= 1`` (it zeroes its input: the eager modules do that at no cost, with nothing to fuse). Checked at every
+    call, so hooks registered after surgery count too.
     """
     for m in modules:
         if m is None:

@@ -79,7 +79,9 @@ class FusedPrecision(MixedPrecision):
         device: the autocast device type; default ``"cuda"`` when available, else ``"cpu"``.
         scaler: a custom ``torch.amp.GradScaler`` (16-mixed only).
         fusions: pattern names to apply (default: all of ``conv_bn_relu``, ``linear_dropout``, ``qkv``,
-            ``attention``, ``norm``, ``block``), or a custom ``{pattern: [Replacement]}`` policy.
+            ``attention``, ``norm``, ``block``), or a custom ``{pattern: [Replacement]}`` policy. ``[]`` selects
+            none: mixed precision alone (plus ``memory_format`` and ``compile``), the model's modules untouched and
+            no nothing-matched warning, e.g. to measure what fusion adds with everything else equal.
         ignore_modules: qualified module names (relative to the LightningModule, e.g. ``"model.blocks.0"``) or classes
             to leave unfused.
         compile: ``torch.compile`` the LightningModule's ``__call__`` after surgery, in place; if compilation fails
@@ -127,6 +129,12 @@ class FusedPrecision(MixedPrecision):
             raise TypeError(
                 f"`scaler` must be a `torch.amp.GradScaler` or None (a default one for '16-mixed'), got {scaler!r} "
                 f"({type(scaler).__name__})."
+            )
+        if scaler is not None and precision == "bf16-mixed":
+            # Lightning's own refusal comes later and names no fix
+            raise ValueError(
+                f"`scaler` is for precision='16-mixed' only, got {scaler!r} with precision='bf16-mixed'. Drop "
+                "`scaler` (bfloat16 needs no loss scaling) or use precision='16-mixed'."
             )
         check_bool("compile", compile, fix="`compile=True` compiles the module in place after surgery.")
         if compile_kwargs is not None and (

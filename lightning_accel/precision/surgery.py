@@ -1026,13 +1026,15 @@ def apply_fusions(
     Args:
         model: the module tree to modify (the object itself is changed; nothing is returned instead of it).
         fusions: pattern names from :data:`DEFAULT_POLICY` (default: all), or a full policy
-            ``{pattern: [Replacement, ...]}`` for custom patterns.
+            ``{pattern: [Replacement, ...]}`` for custom patterns. An empty selection (``[]`` or ``{}``) fuses
+            nothing, on purpose: the model is left as it is, without the nothing-matched warning.
         ignore_modules: qualified module names (``"model.layers.0"``; their sub-modules too) or module classes to
             leave alone (one name or class, or a sequence): no fused forward skips their call (a container fuses
             around them, a block that holds one is not swapped).
         optimizers: optimizers already holding ``model``'s parameters (one or a list); their references (and state)
             are patched for the parameters surgery replaces.
-        warn_if_empty: emit a ``UserWarning`` when nothing matched.
+        warn_if_empty: emit a ``UserWarning`` when the selected patterns matched nothing (never for an empty
+            selection, which asks for nothing).
         backend: the ops backend every fused module uses: ``"auto"`` (default: Triton kernels on CUDA, plain torch
             ops elsewhere), ``"reference"`` (the fused functions' torch path, e.g. to exercise it on a CPU),
             ``"triton"`` or ``"eager"``. None leaves already-fused modules as they are.
@@ -1101,7 +1103,8 @@ def apply_fusions(
             olds.clear()  # the optimizers hold the new parameters now: release the replaced ones
     if report.records:
         log.info("%s: %s:\n%s", type(model).__name__, report.summary(), report.table())
-    elif warn_if_empty and not any(fm.is_fused(m) for m in model.modules()):  # a second call is not "nothing"
+    elif warn_if_empty and policy and not any(fm.is_fused(m) for m in model.modules()):
+        # an empty policy asked for nothing, and a second call (all fused already) is not "nothing"
         warnings.warn(
             f"Module surgery found nothing to fuse in {type(model).__name__} for patterns {list(policy)}. "
             "See docs/fused.md for what is matched; pass `fusions=` / `ignore_modules=` to change the selection.",

@@ -272,3 +272,79 @@ def test_activation_kernel_derivative_at_the_kinks(act: str) -> None:
     linear_dropout(x, w, b_eager, backend="eager", activation=act).sum().backward()  # type: ignore[arg-type]
     assert b_kernel is not None and b_eager is not None
     torch.testing.assert_close(b_kernel.grad, b_eager.grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("act", ["relu", "silu"])
+def test_conv_bn_kernels_keep_channels_last(act: str) -> None:
+    """A channels_last convolution output stays channels_last through the BN kernels, forward and backward, as it does
+    through eager Conv2d + BatchNorm2d (the launchers used to copy it to NCHW and return NCHW)."""
+    torch.manual_seed(0)
+    cl = torch.channels_last
+    x, w = torch.randn(3, 4, 5, 6).to(memory_format=cl), (torch.randn(6, 4, 3, 3) / 6).to(memory_format=cl)
+    g, be = torch.rand(6) + 0.5, torch.randn(6)
+    rm, rv = torch.zeros(6), torch.ones(6)
+    rm_r, rv_r = rm.clone(), rv.clone()
+    xs, ws, gs, bes = leaves(x, w, g, be)
+    y = conv_bn_relu(xs, ws, None, gs, bes, rm, rv, True, 0.1, 1e-5, 1, 1, backend="triton", activation=act)  # type: ignore[arg-type]
+    xr, wr, gr, ber = leaves(x, w, g, be)
+    yr = cbr_ref.conv_bn_relu(xr, wr, None, gr, ber, rm_r, rv_r, True, 0.1, 1e-5, 1, 1, activation=act)  # type: ignore[arg-type]
+    assert yr.is_contiguous(memory_format=cl)
+    assert y.is_contiguous(memory_format=cl) and y.stride() == yr.stride()
+    dy = torch.randn(3, 6, 5, 6)  # an NCHW gradient: the backward kernels take it in the conv output's layout
+    y.backward(dy)
+    yr.backward(dy)
+    assert_close(y, yr, 1e-5, 1e-5)
+    torch.testing.assert_close(rm, rm_r)
+    torch.testing.assert_close(rv, rv_r)
+    for got, want in ((xs, xr), (ws, wr), (gs, gr), (bes, ber)):
+        assert got is not None and want is not None and got.grad is not None and want.grad is not None
+        assert_grad_close(got.grad, want.grad, 1e-5, 1e-5)
+    assert xs is not None and xs.grad is not None and xs.grad.is_contiguous(memory_format=cl)
+
+
+def test_float64_gets_float64_results_on_the_triton_backend() -> None:
+    """The kernels compute in float32; float64 inputs take the torch path and match the float64 eager ops (a large
+    mean cost the float32 kernels up to 0.3 % of the result)."""
+    torch.manual_seed(0)
+    f64 = torch.float64
+    x = torch.randn(3, 4, 6, 6, dtype=f64) * 10 + 1e4
+    w, g, be = torch.randn(6, 4, 3, 3, dtype=f64), torch.rand(6, dtype=f64) + 0.5, torch.randn(6, dtype=f64)
+    y = conv_bn_relu(x, w, None, g, be, None, None, True, 0.1, 1e-5, 1, 1, backend="triton", activation="none")
+    want = torch.nn.functional.batch_norm(torch.nn.functional.conv2d(x, w, None, 1, 1), None, None, g, be, True)
+    assert y.dtype == f64
+    torch.testing.assert_close(y, want, atol=1e-9, rtol=1e-9)
+    a, wl, r = torch.randn(7, 33, dtype=f64) + 1e3, torch.randn(9, 33, dtype=f64), torch.randn(7, 9, dtype=f64)
+    for gemm in ("torch", "triton"):
+        got = linear_dropout(a, wl, None, 0.0, True, r, backend="triton", gemm=gemm, activation="gelu")
+        assert got.dtype == f64
+        torch.testing.assert_close(got, torch.nn.functional.gelu(a @ wl.t()) + r, atol=1e-9, rtol=1e-9)
+    # a float32 input with a float64 residual: the residual is not rounded to float32 on the way through
+    r_big = torch.randn(7, 9, dtype=f64) + 1e9
+    got = linear_dropout(a.float(), wl.float(), None, 0.0, True, r_big, backend="triton")
+    torch.testing.assert_close(got, (a.float() @ wl.float().t()).to(f64) + r_big, atol=1e-6, rtol=0)
+    rows = torch.randn(7, 33, dtype=f64) * 1e-3 + 1e2
+    torch.testing.assert_close(
+        layer_norm(rows, None, None, 1e-5, backend="triton"), torch.nn.functional.layer_norm(rows, (33,)),
+        atol=1e-9, rtol=1e-9,
+    )  # fmt: skip
+    torch.testing.assert_close(
+        rms_norm(rows, None, 1e-6, backend="triton"), torch.nn.functional.rms_norm(rows, (33,), eps=1e-6),
+        atol=1e-9, rtol=1e-9,
+    )  # fmt: skip
+    assert rms_norm(rows, None, 1e-6, backend="triton").dtype == f64
+
+
+@pytest.mark.parametrize("gemm", ["torch", "triton"])
+def test_kernels_without_features(gemm: str) -> None:
+    """Rows of no features (``nn.LayerNorm(0)``) and Linears with no inputs or outputs, as the eager ops give them."""
+    for k, n in ((0, 5), (4, 0), (0, 0)):
+        x, w, b = leaves(torch.randn(2, 3, k), torch.randn(n, k), torch.randn(n))
+        assert x is not None and w is not None and b is not None
+        y = linear_dropout(x, w, b, 0.3, True, seed=1, backend="triton", gemm=gemm)  # type: ignore[arg-type]
+        y.sum().backward()
+        assert y.shape == (2, 3, n) and w.grad is not None and w.grad.shape == (n, k)
+    for shape in ((4, 0), (0, 0)):
+        x = torch.randn(shape, requires_grad=True)
+        for y in (layer_norm(x, torch.ones(0), torch.zeros(0), backend="triton"), rms_norm(x, None, backend="triton")):
+            y.sum().backward()
+            assert y.shape == shape and x.grad is not None and x.grad.shape == shape

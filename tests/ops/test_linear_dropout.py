@@ -118,9 +118,9 @@ def test_gradcheck_float64() -> None:
 
 def test_bad_arguments() -> None:
     x, w = torch.randn(3, 4), torch.randn(5, 4)
-    with pytest.raises(ValueError, match=r"`p` must be a number >= 0 and < 1, got 1.0. Use p=0 for no dropout"):
-        linear_dropout(x, w, p=1.0)
-    with pytest.raises(TypeError, match=r"`p` must be a number >= 0 and < 1, got False \(bool\)"):
+    with pytest.raises(ValueError, match=r"`p` must be a number >= 0 and <= 1, got 1.5. Use p=0 for no dropout"):
+        linear_dropout(x, w, p=1.5)
+    with pytest.raises(TypeError, match=r"`p` must be a number >= 0 and <= 1, got False \(bool\)"):
         linear_dropout(x, w, p=False)
     with pytest.raises(ValueError, match="`weight` has shape"):
         linear_dropout(x, torch.randn(5, 3))
@@ -203,3 +203,38 @@ def test_auto_dropout_compiles_as_one_graph_where_auto_picks_the_fused_function(
     monkeypatch.setattr(function.LinearDropoutFunction, "apply", lambda *a: calls.append(1) or real(*a))
     f(x, w)
     assert calls == [1]
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference", "eager"])
+@pytest.mark.parametrize("seed", [None, 7], ids=["no_seed", "seed"])
+def test_p_one_drops_everything_like_nn_dropout(backend: str, seed: int | None) -> None:
+    """``p=1`` is what ``nn.Dropout(p=1)`` allows: zeros (plus the residual), zero gradients, no NaN (a scale of
+    ``1 / (1 - p)`` would be infinite)."""
+    torch.manual_seed(0)
+    x, w, b, r = leaves(torch.randn(2, 3, 4), torch.randn(5, 4), torch.randn(5), torch.randn(2, 3, 5))
+    y = linear_dropout(x, w, b, 1.0, True, r, seed=seed, backend=backend, activation="gelu")  # type: ignore[arg-type]
+    y.backward(torch.randn_like(y))
+    assert r is not None and torch.equal(y, r.detach())
+    for t in (x, w, b):
+        assert t is not None and t.grad is not None
+        assert torch.equal(t.grad, torch.zeros_like(t.grad))
+    assert r.grad is not None and torch.isfinite(r.grad).all()
+    eager = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Dropout(1.0))
+    assert torch.equal(linear_dropout(x, eager[0].weight, eager[0].bias, 1.0, True, backend=backend), eager(x))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("k", "n"), [(0, 5), (4, 0), (0, 0)], ids=["no_inputs", "no_outputs", "neither"])
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_linear_without_features_behaves_as_eager(k: int, n: int, p: float) -> None:
+    """``nn.Linear(0, N)`` outputs its bias, ``nn.Linear(K, 0)`` nothing; the fused function used to fail on
+    reshaping the empty input to ``(-1, 0)``."""
+    x, w, b, r = leaves(torch.randn(2, 3, k), torch.randn(n, k), torch.randn(n), torch.randn(2, 3, n))
+    assert x is not None and w is not None and b is not None and r is not None
+    y = linear_dropout(x, w, b, p, True, r, seed=1, backend="reference", activation="gelu")
+    y.sum().backward()
+    assert y.shape == (2, 3, n)
+    if p == 0:
+        torch.testing.assert_close(y, torch.nn.functional.gelu(b).expand(2, 3, n) + r)
+    assert x.grad is not None and x.grad.shape == x.shape
+    assert w.grad is not None and w.grad.shape == (n, k)
+    assert b.grad is not None and b.grad.shape == (n,)

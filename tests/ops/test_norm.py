@@ -108,3 +108,17 @@ def test_rms_norm_eps_none_is_nn_rmsnorm_default(dtype: torch.dtype, backend: st
 def test_eps_not_a_number_is_one_clear_error(fn: object) -> None:
     with pytest.raises(TypeError, match=r"`eps` must be a number, got '1e-5' \(str\)\. Pass a float"):
         fn(torch.randn(2, 4), None, eps="1e-5", backend="reference")  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("shape", [(4, 0), (0, 0), (2, 0, 0)], ids=str)
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+def test_no_features_behaves_as_eager(shape: tuple[int, ...], rms: bool) -> None:
+    """Rows of no features (``nn.LayerNorm(0)``) give an empty output and empty gradients, as ``F.layer_norm`` does;
+    the function used to fail on reshaping the empty input to ``(-1, 0)``."""
+    x, w, b = leaves(torch.randn(shape), torch.ones(0), torch.zeros(0))
+    assert x is not None and w is not None and b is not None
+    y = rms_norm(x, w, 1e-6, backend="reference") if rms else layer_norm(x, w, b, 1e-5, backend="reference")
+    y.sum().backward()
+    assert y.shape == x.shape
+    assert x.grad is not None and x.grad.shape == x.shape
+    assert w.grad is not None and w.grad.shape == (0,)

@@ -224,6 +224,21 @@ def test_idempotent_and_warns_only_when_nothing_ever_matched() -> None:
         apply_fusions(nn.Sequential(nn.Linear(2, 2), nn.Tanh()))
 
 
+@pytest.mark.parametrize("fusions", [[], {}], ids=["no_names", "empty_policy"])
+def test_an_empty_selection_fuses_nothing_without_a_warning(fusions: list | dict) -> None:
+    """``fusions=[]`` asks for no fusion (mixed precision alone): the model stays as built, and nothing warns that
+    surgery "found nothing", which the user asked for."""
+    model = _gpt()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report = apply_fusions(model, fusions=fusions)
+        plugin = FusedPrecision(fusions=fusions)
+        assert plugin.convert_module(model) is model
+    assert len(report) == 0 and not report.param_swaps
+    assert not any(is_fused(m) for m in model.modules())
+    assert plugin.report is not None and not plugin.report.records and not plugin.lever_active
+
+
 def test_subclasses_with_their_own_forward_are_not_touched() -> None:
     class MyNorm(nn.LayerNorm):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -725,6 +740,12 @@ def test_skip_reasons_name_the_ignored_neighbour_and_the_unselected_pattern() ->
 def test_plugin_arguments_are_checked_at_construction(kwargs: dict, error: type[Exception], message: str) -> None:
     with pytest.raises(error, match=message) as info:
         FusedPrecision("16-mixed", **kwargs)
+    assert "\n" not in str(info.value)
+
+
+def test_a_scaler_with_bf16_is_refused_with_the_fix() -> None:
+    with pytest.raises(ValueError, match=r"`scaler` is for precision='16-mixed' only, .* Drop `scaler`") as info:
+        FusedPrecision("bf16-mixed", scaler=torch.amp.GradScaler("cpu"))
     assert "\n" not in str(info.value)
 
 

@@ -172,7 +172,9 @@ def conv_bn_relu(
     ``backend``: ``"auto"`` uses the fused function on CUDA (where activation memory is what limits batch size), with
     the Triton batch-norm + activation kernels when Triton is installed, and the eager oracle elsewhere (on a CPU the
     recomputed convolution costs more time than the memory is worth); ``"reference"`` forces the fused function's
-    torch path, ``"triton"`` its kernels (CUDA, or the interpreter); ``"eager"`` forces the oracle. Every backend
+    torch path, ``"triton"`` its kernels (CUDA, or the interpreter; float64 inputs take the torch path, since the
+    kernels compute in float32); ``"eager"`` forces the oracle. The output has the layout (NCHW or channels_last) of
+    the convolution's output, as with the eager modules. Every backend
     treats an empty batch and a batch of one value per channel as eager ``nn.BatchNorm2d`` does (see
     :class:`ConvBNReLUFunction`).
 
@@ -210,7 +212,8 @@ def conv_bn_relu(
     elif weight.dtype != x.dtype:
         weight = weight.to(x.dtype)
         bias = bias.to(x.dtype) if bias is not None else None
-    on_triton = use_triton(x, backend)
+    # the kernels compute in float32: float64 takes the torch path, which keeps float64 (as the eager modules do)
+    on_triton = use_triton(x, backend) and x.dtype != torch.float64
     with torch.autocast(device_type, enabled=False):
         return ConvBNReLUFunction.apply(
             x, weight, bias, bn_weight, bn_bias, running_mean, running_var, momentum, eps, conv_args, act, on_triton

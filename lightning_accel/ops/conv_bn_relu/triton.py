@@ -6,8 +6,11 @@ normalises the conv output with the batch statistics, applies the affine and the
 batch-norm kernel and an activation kernel, and stores both outputs for backward). Backward: one program per channel
 reduces ``sum(dz)`` and ``sum(dz * xhat)`` over the recomputed conv output (``dz = dout * act'(z)``), then one pass
 writes ``dy`` (the reduction is split over the batch too, ``(C, min(N, 32))`` programs, then summed). Statistics and
-arithmetic are float32 inside the kernels; the launchers make every tensor NCHW-contiguous (per-channel vectors
-contiguous) before a launch, copying only those that are not.
+arithmetic are float32 inside the kernels. The kernels address the (N, C, H, W) tensors in either dense layout, NCHW
+(contiguous) or NHWC (``torch.channels_last``), through a channel stride and a spatial stride, and write their outputs
+in the layout of the conv output, as eager ``nn.BatchNorm2d`` does: a channels_last model gets channels_last
+activations without a copy. A tensor in neither layout, and a ``dout`` in another layout than the conv output, is
+copied to the conv output's layout first; per-channel vectors are made contiguous.
 """
 
 from __future__ import annotations
@@ -39,12 +42,12 @@ def _affine(y, c, MEAN, INVSTD, W, B, HAS_W: tl.constexpr, HAS_B: tl.constexpr, 
 
 @triton.jit
 def _fwd_kernel(
-    Y, OUT, MEAN, INVSTD, W, B, total, C, HW,
+    Y, OUT, MEAN, INVSTD, W, B, total, C, STRIDE_C,
     HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < total
-    c = (offs // HW) % C
+    c = (offs // STRIDE_C) % C  # STRIDE_C: H * W for NCHW, 1 for NHWC
     y = tl.load(Y + offs, mask=mask, other=0.0).to(tl.float32)
     _, z = _affine(y, c, MEAN, INVSTD, W, B, HAS_W, HAS_B, mask)
     tl.store(OUT + offs, act_forward(z, ACT).to(OUT.dtype.element_ty), mask=mask)
@@ -52,7 +55,7 @@ def _fwd_kernel(
 
 @triton.jit
 def _bwd_reduce_kernel(
-    DOUT, Y, MEAN, INVSTD, W, B, SUM_DZ, SUM_DZX, N, C, HW, SPLIT,
+    DOUT, Y, MEAN, INVSTD, W, B, SUM_DZ, SUM_DZX, N, C, HW, SPLIT, STRIDE_C, STRIDE_HW,
     HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     c = tl.program_id(0)
@@ -60,13 +63,13 @@ def _bwd_reduce_kernel(
     acc_dz = tl.zeros((BLOCK,), dtype=tl.float32)
     acc_dzx = tl.zeros((BLOCK,), dtype=tl.float32)
     for n in range(part, N, SPLIT):
-        base = n * C * HW + c * HW
+        base = n * C * HW + c * STRIDE_C
         for h0 in range(0, HW, BLOCK):
             hw = h0 + tl.arange(0, BLOCK)
             mask = hw < HW
             cc = tl.zeros((BLOCK,), dtype=tl.int32) + c
-            y = tl.load(Y + base + hw, mask=mask, other=0.0).to(tl.float32)
-            d = tl.load(DOUT + base + hw, mask=mask, other=0.0).to(tl.float32)
+            y = tl.load(Y + base + hw * STRIDE_HW, mask=mask, other=0.0).to(tl.float32)
+            d = tl.load(DOUT + base + hw * STRIDE_HW, mask=mask, other=0.0).to(tl.float32)
             xhat, z = _affine(y, cc, MEAN, INVSTD, W, B, HAS_W, HAS_B, mask)
             dz = tl.where(mask, act_backward(z, d, ACT), 0.0)
             acc_dz += dz
@@ -77,12 +80,12 @@ def _bwd_reduce_kernel(
 
 @triton.jit
 def _bwd_kernel(
-    DOUT, Y, DY, MEAN, INVSTD, W, B, SUM_DZ, SUM_DZX, total, C, HW, count,
+    DOUT, Y, DY, MEAN, INVSTD, W, B, SUM_DZ, SUM_DZX, total, C, STRIDE_C, count,
     HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < total
-    c = (offs // HW) % C
+    c = (offs // STRIDE_C) % C
     y = tl.load(Y + offs, mask=mask, other=0.0).to(tl.float32)
     d = tl.load(DOUT + offs, mask=mask, other=0.0).to(tl.float32)
     xhat, z = _affine(y, c, MEAN, INVSTD, W, B, HAS_W, HAS_B, mask)
@@ -93,6 +96,17 @@ def _bwd_kernel(
     if HAS_W:
         g = g * tl.load(W + c, mask=mask, other=0.0).to(tl.float32)
     tl.store(DY + offs, (g * (dz - mean_dz - xhat * mean_dzx)).to(DY.dtype.element_ty), mask=mask)
+
+
+def _layout(y: torch.Tensor) -> tuple[torch.Tensor, torch.memory_format, int, int]:
+    """``(y, memory_format, channel stride, spatial stride)``: ``y`` itself when it is dense NCHW or NHWC (the layouts
+    the kernels address), else an NCHW copy."""
+    _, c, h, w = y.shape
+    if y.is_contiguous():
+        return y, torch.contiguous_format, h * w, 1
+    if y.is_contiguous(memory_format=torch.channels_last):
+        return y, torch.channels_last, 1, c
+    return y.contiguous(), torch.contiguous_format, h * w, 1
 
 
 def _args(t: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor:
@@ -108,14 +122,15 @@ def bn_act_forward(
     invstd: torch.Tensor,
     activation: Activation,
 ) -> torch.Tensor:
-    """``act((y - mean) * invstd * bn_weight + bn_bias)`` per channel of the (N, C, H, W) ``y``, in ``y``'s dtype."""
-    y = y.contiguous()
+    """``act((y - mean) * invstd * bn_weight + bn_bias)`` per channel of the (N, C, H, W) ``y``, in ``y``'s dtype and
+    layout (NCHW, or NHWC for a channels_last ``y``)."""
+    y, fmt, stride_c, _ = _layout(y)
     n, c, h, w = y.shape
-    out = torch.empty_like(y)
+    out = torch.empty_like(y, memory_format=fmt)
     total = y.numel()
     mean, invstd = mean.float().contiguous(), invstd.float().contiguous()
     _fwd_kernel[(triton.cdiv(total, _BLOCK),)](
-        y, out, mean, invstd, _args(bn_weight, mean), _args(bn_bias, mean), total, c, h * w,
+        y, out, mean, invstd, _args(bn_weight, mean), _args(bn_bias, mean), total, c, stride_c,
         HAS_W=bn_weight is not None, HAS_B=bn_bias is not None, ACT=code(activation), BLOCK=_BLOCK,
     )  # fmt: skip
     return out
@@ -130,8 +145,10 @@ def bn_act_backward(
     invstd: torch.Tensor,
     activation: Activation,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """``(dy, dbn_weight, dbn_bias)``: the kernels' version of :func:`.reference.bn_relu_backward`."""
-    y, dout = y.contiguous(), dout.contiguous()
+    """``(dy, dbn_weight, dbn_bias)``: the kernels' version of :func:`.reference.bn_relu_backward`; ``dy`` has the
+    layout of ``y`` (NCHW, or NHWC for a channels_last ``y``)."""
+    y, fmt, stride_c, stride_hw = _layout(y)
+    dout = dout.contiguous(memory_format=fmt)  # a no-op when autograd hands it over in y's layout, as it usually does
     n, c, h, w = y.shape
     mean, invstd = mean.float().contiguous(), invstd.float().contiguous()
     split = min(n, 32)
@@ -139,12 +156,14 @@ def bn_act_backward(
     part_dzx = torch.empty((split, c), dtype=torch.float32, device=y.device)
     wt, bt = _args(bn_weight, mean), _args(bn_bias, mean)
     flags = {"HAS_W": bn_weight is not None, "HAS_B": bn_bias is not None, "ACT": code(activation), "BLOCK": _BLOCK}
-    _bwd_reduce_kernel[(c, split)](dout, y, mean, invstd, wt, bt, part_dz, part_dzx, n, c, h * w, split, **flags)
+    _bwd_reduce_kernel[(c, split)](
+        dout, y, mean, invstd, wt, bt, part_dz, part_dzx, n, c, h * w, split, stride_c, stride_hw, **flags
+    )
     sum_dz, sum_dzx = part_dz.sum(0), part_dzx.sum(0)
-    dy = torch.empty_like(y)
+    dy = torch.empty_like(y, memory_format=fmt)
     total = y.numel()
     _bwd_kernel[(triton.cdiv(total, _BLOCK),)](
-        dout, y, dy, mean, invstd, wt, bt, sum_dz, sum_dzx, total, c, h * w, float(n * h * w), **flags
+        dout, y, dy, mean, invstd, wt, bt, sum_dz, sum_dzx, total, c, stride_c, float(n * h * w), **flags
     )
     dgamma = sum_dzx.to(bn_weight.dtype) if bn_weight is not None else None
     dbeta = sum_dz.to(bn_bias.dtype) if bn_bias is not None else None

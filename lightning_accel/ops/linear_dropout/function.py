@@ -7,6 +7,7 @@ With an ``activation`` it also saves the pre-activation (which eager's activatio
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 import torch
@@ -47,8 +48,9 @@ class LinearDropoutFunction(torch.autograd.Function):
         activation: Activation = "none",
     ) -> torch.Tensor:
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1])
-        r2 = residual.reshape(-1, residual.shape[-1]).contiguous() if residual is not None else None
+        rows = math.prod(lead)  # not reshape(-1, K): -1 is ambiguous for an empty tensor (K = 0, nn.Linear(0, N))
+        x2 = x.reshape(rows, x.shape[-1])
+        r2 = residual.reshape(rows, residual.shape[-1]).contiguous() if residual is not None else None
         out_dtype = torch.promote_types(x.dtype, residual.dtype) if residual is not None else x.dtype
         on_triton = use_triton(x, backend)
         if on_triton:
@@ -69,7 +71,7 @@ class LinearDropoutFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[Any, ...]:
         x2, weight, pre = ctx.saved_tensors
-        d2 = dout.reshape(-1, dout.shape[-1])
+        d2 = dout.reshape(x2.shape[0], dout.shape[-1])
         if ctx.on_triton:
             from lightning_accel.ops.linear_dropout import triton as kernels
 
@@ -110,7 +112,8 @@ def linear_dropout(
         x: input (..., K).
         weight: (N, K).
         bias: (N,), or a bias that broadcasts to it as ``F.linear`` allows (``()`` or ``(1,)``), or None.
-        p: dropout probability in [0, 1).
+        p: dropout probability in [0, 1]. ``p=1`` drops everything, as ``nn.Dropout(p=1)`` does: the output is
+            zeros (plus ``residual``) and ``x``, ``weight`` and ``bias`` get zero gradients; it runs eager ops.
         training: apply dropout (``False``: ``p`` is ignored).
         residual: (..., N) tensor added after dropout, or None.
         seed: the dropout seed (unused without dropout). On every path the same seed, ``p``, output shape and device
@@ -128,11 +131,14 @@ def linear_dropout(
         activation: applied before dropout: ``"none"`` (default), ``"relu"``, ``"relu6"``, ``"hardswish"``,
             ``"silu"``, ``"gelu"`` or ``"gelu_tanh"`` (``nn.GELU(approximate="tanh")``).
 
+    float64 inputs (``x`` or ``residual``) take the torch path on ``backend="triton"`` too: the kernels compute in
+    float32, and float64 gets float64 results, as from the eager ops.
+
     Raises:
-        ValueError: for ``p`` outside [0, 1), or a ``weight``, ``bias`` or ``residual`` whose shape does not fit ``x``.
+        ValueError: for ``p`` outside [0, 1], or a ``weight``, ``bias`` or ``residual`` whose shape does not fit ``x``.
     """
-    if isinstance(p, bool) or not (isinstance(p, (int, float)) and 0.0 <= p < 1.0):  # the check only when it fails
-        check_number("p", p, low=0, high=1, high_open=True, fix="Use p=0 for no dropout.")
+    if isinstance(p, bool) or not (isinstance(p, (int, float)) and 0.0 <= p <= 1.0):  # the check only when it fails
+        check_number("p", p, low=0, high=1, fix="Use p=0 for no dropout, p=1 to drop everything.")
     if gemm not in ("torch", "triton"):
         check_choice("gemm", gemm, ("torch", "triton"))
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
@@ -157,10 +163,17 @@ def linear_dropout(
         # Under torch.compile: F.linear + F.dropout, which Dynamo traces and the compiler fuses itself. The fused
         # function draws its seed with Tensor.item(), a graph break (an error under fullgraph=True).
         path = "eager"
+    if p >= 1:
+        # everything dropped: F.dropout's zeros (no mask to draw, so no seed either); the fused paths scale the kept
+        # values by 1 / (1 - p), whose gradient through the mask would be 0 * inf = NaN
+        path = "eager"
+    elif path == "triton" and torch.float64 in (x.dtype, residual.dtype if residual is not None else None):
+        # the kernels compute (and load a residual) in float32: float64 keeps float64 on the torch path
+        path = "reference"
     if path == "eager":
         y = activation_forward(F.linear(x, weight, bias), act)
         # F.dropout takes no seed: with one, the reference path's mask (same generator, same 2-D shape, same bits)
-        y = reference.apply_dropout(y, seed, p) if p > 0 and seed is not None else F.dropout(y, p, training=p > 0)
+        y = reference.apply_dropout(y, seed, p) if 0 < p < 1 and seed is not None else F.dropout(y, p, training=p > 0)
         return y if residual is None else residual + y
     seed = (new_seed() if p > 0 else 0) if seed is None else seed  # no draw without dropout: RNG streams stay as eager
     if bias is not None and bias.shape != (n,):
