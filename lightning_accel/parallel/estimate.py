@@ -8,20 +8,25 @@ model state per parameter):
   SGD with momentum is 12 in fp32. Pass ``bytes_per_param`` for other optimizers. ``P`` counts the parameters that
   train; a frozen one (``requires_grad=False``) has no gradient and no optimizer state and costs its weight alone, at
   its own dtype's element size: ``W`` bytes for all of them (:func:`trainable_and_frozen`).
-* **DDP**: every device holds everything: ``b·P + W + A``.
-* **FSDP (ZeRO-3)**: state sharded over ``N``, plus the largest wrapped unit gathered in full for its forward and
-  backward (2-byte weights and 2-byte gradients: ``4·L``, the term DeepSpeed's ``estimate_zero3_model_states_mem_needs``
-  uses): ``(b·P + W)/N + 4·L + A``.
+* **buffers** ``B``: the module buffers (BatchNorm's running statistics, registered tables and masks, persistent or
+  not) at their own element size (:func:`buffer_bytes`). No plan shards or splits them: every device that runs a
+  module holds its buffers whole.
+* **DDP**: every device holds everything: ``b·P + W + B + A``.
+* **FSDP (ZeRO-3)**: state sharded over ``N``, plus the largest wrapped unit (:func:`largest_unit_params`: a block,
+  or the rest of the model outside the blocks) gathered in full for its forward and backward (2-byte weights and
+  2-byte gradients: ``4·L``, the term DeepSpeed's ``estimate_zero3_model_states_mem_needs`` uses); ``fully_shard``
+  leaves buffers replicated: ``(b·P + W)/N + B + 4·L + A``.
 * **Pipeline** (``S = N`` stages, ``M`` micro-batches, 1F1B schedule; ``A`` the activations of the batch the pipeline
   runs): the heaviest stage's state (a parameter used by several stages counted in each: every one keeps a copy),
   plus its share of the activations for the micro-batches in flight (at most ``min(S, M)``, each ``1/M`` of the
-  batch): ``b·P_stage + W_stage + A/S · min(S, M)/M``, with ``M`` by default :func:`default_microbatches`, what
-  ``PipelineStrategy`` runs.
+  batch): ``b·P_stage + W_stage + B_stage + A/S · min(S, M)/M``, with ``M`` by default :func:`default_microbatches`,
+  what ``PipelineStrategy`` runs.
 
 Activations are *measured* when they can be: :func:`measure_activation_bytes` runs one forward and backward of an
-example batch and sums the distinct tensors autograd saved for backward. Parameters are excluded, and so are the
-copies of them autocast makes (a bf16 weight saved for a matmul's backward is model state, not an activation). That
-is what stays alive between forward and backward, on any device. Measure under the autocast you train with (bf16
+example batch and sums the distinct tensors autograd saved for backward. Parameters and buffers are excluded
+(BatchNorm saves its running statistics for backward; they are model state, counted once in ``B``), and so are the
+copies of parameters autocast makes (a bf16 weight saved for a matmul's backward is model state, not an activation).
+That is what stays alive between forward and backward, on any device. Measure under the autocast you train with (bf16
 halves it).
 
 A model or batch on the **meta device** has no values to run, so the activations are *estimated* with the
@@ -42,13 +47,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_accel._utils.checks import check_choice, check_int
+from lightning_accel._utils.checks import check_callable, check_choice, check_int
 
 __all__ = [
     "HEAD_ATTRIBUTES",
     "ActivationProfile",
     "MemoryEstimate",
     "block_stack",
+    "buffer_bytes",
     "count_layers",
     "estimate_activation_bytes",
     "estimate_ddp",
@@ -59,6 +65,7 @@ __all__ = [
     "pipeline_in_flight",
     "largest_unit_params",
     "measure_activation_bytes",
+    "pipeline_stage_buffer_bytes",
     "pipeline_stage_parameters",
     "pipeline_stage_params",
     "preserved_state",
@@ -129,13 +136,25 @@ def trainable_and_frozen(params: Iterable[torch.Tensor]) -> tuple[int, int]:
     return trainable, frozen
 
 
+def buffer_bytes(modules: Iterable[nn.Module]) -> int:
+    """Bytes of the buffers of ``modules`` and their submodules at their own element size: BatchNorm's running
+    statistics and ``num_batches_tracked``, tables and masks a model registers, persistent or not (each occupies
+    memory on every device that runs it). Each buffer counts once however often it is reached (a module shared by
+    several, a buffer registered twice)."""
+    seen: dict[int, int] = {}
+    for root in modules:
+        for b in root.buffers():
+            seen.setdefault(id(b), b.numel() * b.element_size())
+    return sum(seen.values())
+
+
 @dataclass(frozen=True)
 class MemoryEstimate:
     """Bytes per device for one strategy.
 
     Attributes:
         strategy: ``"ddp"``, ``"fsdp"`` or ``"pipeline"``.
-        model_state: parameters + gradients + optimizer state on one device.
+        model_state: parameters + gradients + optimizer state + module buffers on one device.
         working: extra transient model memory (FSDP's gathered unit).
         activations: activation bytes on one device.
         formula: the formula with the numbers filled in, for explanations.
@@ -262,7 +281,8 @@ def measure_activation_bytes(
 
     Every tensor packed for backward is seen through ``torch.autograd.graph.saved_tensors_hooks``; tensors are
     de-duplicated by storage (a view and its base count once), and storages that belong to parameters are skipped, as
-    are copies of parameters (autocast's low-precision weights: reached from a parameter by casts and views only).
+    are copies of parameters (autocast's low-precision weights: reached from a parameter by casts and views only) and
+    the model's buffers (BatchNorm saves its running statistics for backward: model state, not activations).
     It runs in training mode inside :func:`preserved_state`: every module's ``training`` flag, the buffers
     (BatchNorm's running statistics) and the RNG state are restored afterwards; gradients are cleared.
 
@@ -274,14 +294,17 @@ def measure_activation_bytes(
 
     Raises:
         ValueError: the model or the batch is on the meta device (nothing to measure; the fix names the formula).
+        TypeError: ``loss_fn`` is neither callable nor None.
     """
+    check_callable("loss_fn", loss_fn, "a function `output -> scalar loss`")
     params = list(model.parameters())
     if any(p.is_meta for p in params) or (isinstance(example_batch, torch.Tensor) and example_batch.is_meta):
         raise ValueError(
             f"cannot measure activations of `{type(model).__name__}` on the meta device: nothing runs there. Use "
             "`estimate_activation_bytes(...)` (the transformer formula) or `select_strategy`, which estimates them."
         )
-    param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+    # buffers too: they live as long as the model, and the estimates count them once as model state (`buffer_bytes`)
+    param_ptrs = {t.untyped_storage().data_ptr() for t in [*params, *model.buffers()]}
     param_ids = {id(p) for p in params}
     seen: dict[int, int] = {}
     count = 0
@@ -391,15 +414,32 @@ def count_layers(model: nn.Module) -> int:
 
 
 def largest_unit_params(model: nn.Module, unit_types: Iterable[type[nn.Module]] | None = None) -> int:
-    """Parameters of the largest FSDP unit: the biggest block of ``unit_types`` (default: the elements of the longest
-    block stack, the usual auto-wrap policy), else the biggest leaf module."""
+    """Parameters of the largest unit FSDP gathers in full at once (the ``L`` of :func:`estimate_fsdp`).
+
+    By default the units ``ShardedStrategy`` wraps: each block of the longest block stack, then the rest of the model
+    (everything no block holds): as one unit when ``model`` holds parameters directly, else one per direct child
+    holding any. With ``unit_types`` (an auto-wrap policy's classes): each module of those types, and the root holding
+    the rest. Units that share a parameter (an embedding tied to the head) are gathered together and count as one;
+    each parameter counts once in a unit. The rest is often the largest unit (a CNN's stem, stages and head outside
+    its few repeated blocks; a language model's embedding and head)."""
     types = tuple(unit_types) if unit_types else None
     if types:
         units = [m for m in model.modules() if isinstance(m, types)]
+        roots = [model]
     else:
-        units = _block_lists(model) or [m for m in model.modules() if not list(m.children())]
-    sizes = [sum(p.numel() for p in u.parameters()) for u in units]  # `parameters()` counts a tied one once
-    return max(sizes, default=sum(p.numel() for p in model.parameters()))
+        units = block_stack(model)
+        has_own = any(True for _ in model.parameters(recurse=False))
+        roots = [model] if has_own else [c for c in model.children() if any(True for _ in c.parameters())]
+    groups = [{id(p): p.numel() for p in u.parameters()} for u in units]
+    held = {i for g in groups for i in g}
+    groups += [{id(p): p.numel() for p in r.parameters() if id(p) not in held} for r in roots]
+    merged: list[dict[int, int]] = []
+    for g in groups:  # units sharing a parameter are one group, gathered together
+        for other in [m for m in merged if not m.keys().isdisjoint(g)]:
+            merged.remove(other)
+            g = {**other, **g}
+        merged.append(g)
+    return max((sum(g.values()) for g in merged), default=sum(p.numel() for p in model.parameters()))
 
 
 def pipeline_stage_parameters(model: nn.Module, stages: int) -> list[list[nn.Parameter]]:
@@ -408,27 +448,49 @@ def pipeline_stage_parameters(model: nn.Module, stages: int) -> list[list[nn.Par
     also holds the embedding in most pipelines). A parameter used by blocks on several stages (the same block
     repeated, tied weights) is listed for each of them: every stage that runs it keeps a copy with its own gradient
     and optimizer state, as ``PipelineStrategy`` does. Returns one list per stage, each parameter once in it."""
+    held: list[dict[int, nn.Parameter]] = [{} for _ in range(stages)]
+    seen: set[int] = set()
+    for stage, blocks in enumerate(_stage_blocks(model, stages)):
+        for b in blocks:
+            for p in b.parameters():
+                held[stage].setdefault(id(p), p)
+                seen.add(id(p))
+    for p in model.parameters():
+        if id(p) not in seen:
+            held[0].setdefault(id(p), p)
+    return [list(h.values()) for h in held]
+
+
+def _stage_blocks(model: nn.Module, stages: int) -> list[list[nn.Module]]:
+    """The blocks of the longest block stack each of ``stages`` stages runs: a greedy contiguous split balancing each
+    block's parameters not seen in an earlier block (a shared one weighs on the first block using it only)."""
     check_int("stages", stages, low=1)
     blocks = _block_lists(model)
-    held: list[dict[int, nn.Parameter]] = [{} for _ in range(stages)]
-    # the split balances each block's parameters not seen in an earlier block: a shared one weighs on it once
     seen: set[int] = set()
     sizes = []
     for b in blocks:
         sizes.append(sum(p.numel() for p in b.parameters() if id(p) not in seen))
         seen.update(id(p) for p in b.parameters())
     target = sum(sizes) / stages
+    out: list[list[nn.Module]] = [[] for _ in range(stages)]
     stage, acc = 0, 0
     for b, s in zip(blocks, sizes, strict=True):  # greedy contiguous split
         if acc >= target and stage < stages - 1:
             stage, acc = stage + 1, 0
         acc += s
-        for p in b.parameters():
-            held[stage].setdefault(id(p), p)
-    for p in model.parameters():
-        if id(p) not in seen:
-            held[0].setdefault(id(p), p)
-    return [list(h.values()) for h in held]
+        out[stage].append(b)
+    return out
+
+
+def pipeline_stage_buffer_bytes(model: nn.Module, stages: int) -> list[int]:
+    """Bytes of the buffers each stage of :func:`pipeline_stage_parameters`'s split holds: its blocks' buffers, and
+    on the first stage those outside the block stack (as for the parameters). Returns one number per stage."""
+    split = _stage_blocks(model, stages)
+    inside = {id(b) for blocks in split for m in blocks for b in m.buffers()}
+    outside = [b for b in model.buffers() if id(b) not in inside]
+    out = [buffer_bytes(blocks) for blocks in split]
+    out[0] += sum(b.numel() * b.element_size() for b in {id(b): b for b in outside}.values())
+    return out
 
 
 def pipeline_stage_params(model: nn.Module, stages: int) -> list[int]:
@@ -437,10 +499,20 @@ def pipeline_stage_params(model: nn.Module, stages: int) -> list[int]:
     return [sum(p.numel() for p in ps) for ps in pipeline_stage_parameters(model, stages)]
 
 
+def _state_terms(bytes_per_param: int, frozen_bytes: int, buffers: int) -> str:
+    """``b·P`` with `` + W`` and `` + B`` where there are frozen weights and buffers (the formulas' model state)."""
+    return f"{bytes_per_param}·P" + (" + W" if frozen_bytes else "") + (" + B" if buffers else "")
+
+
 def estimate_ddp(
-    params: int, activations: int, *, bytes_per_param: int = ADAM_MIXED_BYTES_PER_PARAM, frozen_bytes: int = 0
+    params: int,
+    activations: int,
+    *,
+    bytes_per_param: int = ADAM_MIXED_BYTES_PER_PARAM,
+    frozen_bytes: int = 0,
+    buffer_bytes: int = 0,
 ) -> MemoryEstimate:
-    """``b·P + W + A``: every device holds the full model state.
+    """``b·P + W + B + A``: every device holds the full model state.
 
     Args:
         params: parameters that train (each costs ``bytes_per_param``; all of them when ``frozen_bytes`` is 0).
@@ -448,13 +520,14 @@ def estimate_ddp(
         bytes_per_param: model-state bytes per trainable parameter.
         frozen_bytes: bytes of the frozen parameters' weights (no gradient, no optimizer state; see
             :func:`trainable_and_frozen`).
+        buffer_bytes: bytes of the module buffers (:func:`buffer_bytes`), held whole on every device.
     """
     return MemoryEstimate(
         "ddp",
-        bytes_per_param * params + frozen_bytes,
+        bytes_per_param * params + frozen_bytes + buffer_bytes,
         0,
         activations,
-        f"{bytes_per_param}·P + W + A" if frozen_bytes else f"{bytes_per_param}·P + A",
+        _state_terms(bytes_per_param, frozen_bytes, buffer_bytes) + " + A",
     )
 
 
@@ -466,12 +539,16 @@ def estimate_fsdp(
     *,
     bytes_per_param: int = ADAM_MIXED_BYTES_PER_PARAM,
     frozen_bytes: int = 0,
+    buffer_bytes: int = 0,
 ) -> MemoryEstimate:
-    """``(b·P + W)/N + 4·L + A``: state sharded over ``world`` devices, the largest unit gathered for compute
-    (``params`` and ``frozen_bytes`` as for :func:`estimate_ddp`; ``largest_unit`` counts all its parameters)."""
+    """``(b·P + W)/N + B + 4·L + A``: state sharded over ``world`` devices, the buffers replicated (``fully_shard``
+    shards parameters only), the largest unit gathered for compute (``params``, ``frozen_bytes`` and ``buffer_bytes``
+    as for :func:`estimate_ddp`; ``largest_unit`` counts all its parameters)."""
     check_int("world", world, low=1)
-    state = -(-(bytes_per_param * params + frozen_bytes) // world)  # ceil
+    state = -(-(bytes_per_param * params + frozen_bytes) // world) + buffer_bytes  # ceil
     formula = f"({bytes_per_param}·P + W)/{world}" if frozen_bytes else f"{bytes_per_param}·P/{world}"
+    if buffer_bytes:
+        formula += " + B"
     return MemoryEstimate("fsdp", state, 4 * largest_unit, activations, formula + " + 4·L + A")
 
 
@@ -504,9 +581,10 @@ def estimate_pipeline(
     stage_frozen_bytes: list[int] | None = None,
     schedule: str = "1f1b",
     stages_per_rank: int | None = None,
+    stage_buffer_bytes: list[int] | None = None,
 ) -> MemoryEstimate:
-    """``Σ_rank (b·P_stage + W_stage) + A/(S·v) · F/M`` for the heaviest rank: its stages' model state, and the
-    activations of the ``F`` stage-micro-batches it holds at once (:func:`pipeline_in_flight`: ``min(S, M)`` for
+    """``Σ_rank (b·P_stage + W_stage + B_stage) + A/(S·v) · F/M`` for the heaviest rank: its stages' model state, and
+    the activations of the ``F`` stage-micro-batches it holds at once (:func:`pipeline_in_flight`: ``min(S, M)`` for
     1F1B, ``M`` for GPipe), each ``1/(S·v)`` of one micro-batch's.
 
     Args:
@@ -520,6 +598,8 @@ def estimate_pipeline(
         stage_frozen_bytes: per stage, the bytes of its frozen parameters' weights (None: none frozen).
         schedule: ``"1f1b"``, ``"gpipe"`` or ``"interleaved1f1b"`` (:data:`SCHEDULES`).
         stages_per_rank: ``v`` (None: 2 for the interleaved schedule, else 1); must divide the number of stages.
+        stage_buffer_bytes: per stage, the bytes of its modules' buffers (None: none;
+            :func:`pipeline_stage_buffer_bytes`).
     """
     n = len(stage_params)
     if n < 1:
@@ -534,13 +614,18 @@ def estimate_pipeline(
         raise ValueError(
             f"`stage_frozen_bytes` lists {len(frozen)} stage(s) and `stage_params` {n}: give one number per stage."
         )
+    buffers = list(stage_buffer_bytes) if stage_buffer_bytes is not None else [0] * n
+    if len(buffers) != n:
+        raise ValueError(
+            f"`stage_buffer_bytes` lists {len(buffers)} stage(s) and `stage_params` {n}: give one number per stage."
+        )
     s = n // v
     m = microbatches or default_microbatches(s)
     held = pipeline_in_flight(schedule, s, m, v)
     act = int(activations / n * held / m)
-    per_stage = [bytes_per_param * p + w for p, w in zip(stage_params, frozen, strict=True)]
+    per_stage = [bytes_per_param * p + w + b for p, w, b in zip(stage_params, frozen, buffers, strict=True)]
     state = max(sum(per_stage[r::s]) for r in range(s))
-    w = " + W_stage" if any(frozen) else ""
+    w = (" + W_stage" if any(frozen) else "") + (" + B_stage" if any(buffers) else "")
     stage_state = f"{bytes_per_param}·P_stage{w}"
     if v > 1:
         stage_state = f"{v}·({stage_state})"
@@ -558,16 +643,20 @@ def estimate_tensor_parallel(
     bytes_per_param: int = ADAM_MIXED_BYTES_PER_PARAM,
     frozen_bytes: int = 0,
     split_frozen_bytes: int = 0,
+    buffer_bytes: int = 0,
 ) -> MemoryEstimate:
-    """``b·(P - P_tp + P_tp/N) + W - W_tp + W_tp/N + 4·L/N + A``: the split matrices' state divided over ``world``
-    tensor-parallel ranks, the rest replicated, the largest block gathered a ``1/N`` slice at a time; activations
-    counted whole (a pessimistic bound: the split layers' activations shrink too). ``params`` / ``split_params``
-    count trainable parameters, ``frozen_bytes`` / ``split_frozen_bytes`` the frozen weights' bytes (all, and those of
-    the split matrices), as for :func:`estimate_ddp`."""
+    """``b·(P - P_tp + P_tp/N) + W - W_tp + W_tp/N + B + 4·L/N + A``: the split matrices' state divided over ``world``
+    tensor-parallel ranks, the rest and the buffers replicated, the largest block gathered a ``1/N`` slice at a time;
+    activations counted whole (a pessimistic bound: the split layers' activations shrink too). ``params`` /
+    ``split_params`` count trainable parameters, ``frozen_bytes`` / ``split_frozen_bytes`` the frozen weights' bytes
+    (all, and those of the split matrices), ``buffer_bytes`` the module buffers, as for :func:`estimate_ddp`."""
     check_int("world", world, low=1)
     split = bytes_per_param * split_params + split_frozen_bytes
     state = bytes_per_param * (params - split_params) + frozen_bytes - split_frozen_bytes + -(-split // world)
+    state += buffer_bytes
     formula = f"{bytes_per_param}·(P-P_tp+P_tp/{world}) + 4·L/{world} + A"
+    if buffer_bytes:
+        formula = formula.replace(" + 4·L", " + B + 4·L", 1)
     if frozen_bytes:
-        formula = formula.replace(" + 4·L", f" + W-W_tp+W_tp/{world} + 4·L", 1)
+        formula = formula.replace(" + ", f" + W-W_tp+W_tp/{world} + ", 1)
     return MemoryEstimate("tp", state, -(-4 * largest_unit // world), activations, formula)

@@ -37,11 +37,13 @@ import torch
 from torch import nn
 
 from lightning_accel._utils.atomic import atomic_write_text
-from lightning_accel._utils.checks import check_choice, check_int, check_number
+from lightning_accel._utils.checks import check_callable, check_choice, check_int, check_number
 from lightning_accel._utils.errors import one_line
 from lightning_accel.parallel.estimate import (
     ADAM_MIXED_BYTES_PER_PARAM,
     MemoryEstimate,
+    block_stack,
+    buffer_bytes,
     count_layers,
     default_microbatches,
     estimate_activation_bytes,
@@ -51,6 +53,7 @@ from lightning_accel.parallel.estimate import (
     estimate_tensor_parallel,
     largest_unit_params,
     measure_activation_bytes,
+    pipeline_stage_buffer_bytes,
     pipeline_stage_parameters,
     resolve_stages_per_rank,
     trainable_and_frozen,
@@ -246,7 +249,7 @@ def select_strategy(
         A :class:`StrategyChoice`; ``strategy, why = select_strategy(...)`` also works.
 
     Raises:
-        ValueError: for a bad argument (named, with the value and the fix).
+        ValueError: for a bad argument (named, with the value and the fix; ``TypeError`` for a wrong type).
     """
     _check_arguments(
         policy=policy,
@@ -265,6 +268,8 @@ def select_strategy(
         stages_per_rank=stages_per_rank,
         world=devices * num_nodes,
     )
+    # a bad one would fail inside the measurement, which falls back to a lower bound with a warning
+    check_callable("loss_fn", loss_fn, "a function `output -> scalar loss`")
     if policy == "measure":  # the estimates decide what is a candidate; `choose_by_trial` then measures them
         policy = "memory"
     world = devices * num_nodes
@@ -285,6 +290,8 @@ def select_strategy(
     # a frozen parameter (`requires_grad=False`) keeps its weight only: no gradient, no optimizer state
     trainable, frozen_bytes = trainable_and_frozen(model.parameters())
     facts["trainable_params"], facts["frozen_bytes"] = trainable, frozen_bytes
+    # buffers (BatchNorm's running statistics, registered tables) sit whole on every device that runs their module
+    facts["buffer_bytes"] = buffer_bytes([model])
     # the pipeline runs its own batch (the gathered one with `batch_split="world"`) cut into its micro-batches
     pp = pipeline_size or world
     facts["pipeline_size"], facts["pipeline_schedule"] = pp, schedule
@@ -433,16 +440,20 @@ def _estimates(
 ) -> dict[str, MemoryEstimate]:
     """Bytes per device of each plan, in the order of preference (data parallel < sharded < tensor parallel <
     pipeline: each adds communication on the critical path or idle time). Trainable parameters cost
-    ``bytes_per_param``, frozen ones their weight bytes (``facts``' ``trainable_params`` / ``frozen_bytes``); the
+    ``bytes_per_param``, frozen ones their weight bytes (``facts``' ``trainable_params`` / ``frozen_bytes``), the
+    module buffers their bytes on every device that runs them (``facts``' ``buffer_bytes``); the
     pipeline's ranks, schedule, stages per rank, activations and micro-batches are ``facts``' ``pipeline_size`` /
     ``pipeline_schedule`` / ``stages_per_rank`` / ``pipeline_activations`` / ``pipeline_microbatches``,
     tensor parallelism's group size and activations ``facts``' ``tp_size`` / ``tp_activations``."""
-    trainable, frozen = facts["trainable_params"], facts["frozen_bytes"]
+    trainable, frozen, buffers = facts["trainable_params"], facts["frozen_bytes"], facts["buffer_bytes"]
     largest = largest_unit_params(model)
+    # the tensor-parallel plan wraps no FSDP unit: its `4·L/N` term is a slice of one block, the largest
+    blocks = block_stack(model)
+    largest_block = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=largest)
     tp_size = facts["tp_size"]
     tp_split, tp_blocker = _tensor_parallel_params(model, tp_size)
     spr = facts["stages_per_rank"]
-    stages, pp_blocker = _pipeline_stages(model, facts["pipeline_size"] * spr, bytes_per_param)
+    stages, stage_buffers, pp_blocker = _pipeline_stages(model, facts["pipeline_size"] * spr, bytes_per_param)
     per_stage = [trainable_and_frozen(ps) for ps in stages]
     pipeline = estimate_pipeline(
         [p for p, _ in per_stage],
@@ -452,20 +463,23 @@ def _estimates(
         stage_frozen_bytes=[w for _, w in per_stage],
         schedule=facts["pipeline_schedule"],
         stages_per_rank=spr,
+        stage_buffer_bytes=stage_buffers,
     )
     tp = estimate_tensor_parallel(
         trainable,
         tp_split[0],
         facts["tp_activations"],
         tp_size,
-        largest,
+        largest_block,
         bytes_per_param=bytes_per_param,
         frozen_bytes=frozen,
         split_frozen_bytes=tp_split[1],
+        buffer_bytes=buffers,
     )
+    state = {"bytes_per_param": bytes_per_param, "frozen_bytes": frozen, "buffer_bytes": buffers}
     return {
-        "ddp": estimate_ddp(trainable, acts, bytes_per_param=bytes_per_param, frozen_bytes=frozen),
-        "fsdp": estimate_fsdp(trainable, acts, world, largest, bytes_per_param=bytes_per_param, frozen_bytes=frozen),
+        "ddp": estimate_ddp(trainable, acts, **state),
+        "fsdp": estimate_fsdp(trainable, acts, world, largest, **state),
         "tp": dataclasses.replace(tp, blocker=tp_blocker),
         "pipeline": dataclasses.replace(pipeline, blocker=pp_blocker),
     }
@@ -483,29 +497,35 @@ def _tensor_parallel_params(model: nn.Module, world: int) -> tuple[tuple[int, in
     return trainable_and_frozen(p for name in plan for p in mods[name].parameters()), ""
 
 
-def _pipeline_stages(model: nn.Module, world: int, bytes_per_param: int) -> tuple[list[list[nn.Parameter]], str]:
-    """The parameters each of ``world`` pipeline stages (every rank's stages, in loop order) holds, and why a
-    pipeline cannot split ``model`` ("" when it can). The stages are ``PipelineStrategy``'s: its pieces, balanced by
-    :func:`piece_costs` (on model state: the strategy also weighs the activations of ``example_input_array``, which
-    this does not run) with a trainable piece in every stage where it can, each stage holding every parameter its
-    pieces use, so a weight tied between stages (embedding and head) counts in each. A model the pipeline cannot
-    split gets the block-stack split of :func:`pipeline_stage_parameters` for the table; one whose stages cannot all
-    train (more stages than trainable pieces: the strategy refuses to fit it) gets its split and that blocker."""
+def _pipeline_stages(
+    model: nn.Module, world: int, bytes_per_param: int
+) -> tuple[list[list[nn.Parameter]], list[int], str]:
+    """The parameters each of ``world`` pipeline stages (every rank's stages, in loop order) holds, the bytes of its
+    pieces' buffers, and why a pipeline cannot split ``model`` ("" when it can). The stages are
+    ``PipelineStrategy``'s: its pieces, balanced by :func:`piece_costs` (on model state: the strategy also weighs the
+    activations of ``example_input_array``, which this does not run) with a trainable piece in every stage where it
+    can, each stage holding every parameter its pieces use, so a weight tied between stages (embedding and head)
+    counts in each. A model the pipeline cannot split gets the block-stack split of
+    :func:`pipeline_stage_parameters` (and :func:`pipeline_stage_buffer_bytes`) for the table; one whose stages
+    cannot all train (more stages than trainable pieces: the strategy refuses to fit it) gets its split and that
+    blocker."""
     try:
         pieces = find_pipeline_modules(model)
     except TypeError as e:
-        return pipeline_stage_parameters(model, world), f"cannot split: {one_line(str(e))}"
+        blocker = f"cannot split: {one_line(str(e))}"
+        return pipeline_stage_parameters(model, world), pipeline_stage_buffer_bytes(model, world), blocker
     if len(pieces) < world:
         blocker = f"cannot split: {len(pieces)} pipeline piece(s) for {world} stages"
-        return pipeline_stage_parameters(model, world), blocker
+        return pipeline_stage_parameters(model, world), pipeline_stage_buffer_bytes(model, world), blocker
     trainable = trainable_pieces(pieces)
     bounds = balance_stages(piece_costs(pieces, bytes_per_param=bytes_per_param), world, trainable=trainable)
     stages = [list({id(p): p for piece in pieces[a:b] for p in piece.parameters()}.values()) for a, b in bounds]
+    buffers = [buffer_bytes(pieces[a:b]) for a, b in bounds]
     try:
         check_stages_train(bounds, trainable, model=f"`{type(model).__name__}`")
     except ValueError as e:
-        return stages, f"cannot split: {one_line(str(e))}"
-    return stages, ""
+        return stages, buffers, f"cannot split: {one_line(str(e))}"
+    return stages, buffers, ""
 
 
 def _break_even(given: float | None, act: _Activations, params: int, world: int) -> tuple[float, str]:
@@ -635,17 +655,28 @@ class TrialCache:
         self._mem: dict[str, dict[str, float]] = {}
 
     def _read(self) -> Any:
-        """The file's JSON (None: no file, or a torn or unreadable one)."""
+        """The file's JSON (None: no file, an empty one, or one that is not JSON or cannot be read)."""
+        return self._read_why()[0]
+
+    def _read_why(self) -> tuple[Any, str]:
+        """The file's JSON and, when the file exists but holds no JSON, why (``(None, "")``: no file, or an empty
+        one, which holds nothing to keep)."""
         import json
         import os
 
         if self.path is None or not os.path.exists(self.path):
-            return None
+            return None, ""
         try:
             with open(self.path) as f:
-                return json.load(f)
-        except (OSError, ValueError):  # a torn or foreign file: measure again
-            return None
+                text = f.read()
+        except (OSError, ValueError) as e:  # a folder, no permission, not text
+            return None, f"cannot be read ({type(e).__name__}: {one_line(e, first=True)})"
+        if not text.strip():
+            return None, ""
+        try:
+            return json.loads(text), ""
+        except ValueError:  # not JSON (this cache writes atomically, so never a torn file of its own): measure again
+            return None, "does not hold JSON"
 
     @staticmethod
     def _times(value: Any) -> dict[str, float] | None:
@@ -672,15 +703,24 @@ class TrialCache:
 
     def put(self, key: str, times: dict[str, float]) -> None:
         """Keep ``times`` for ``key``, in the file too; the file's other entries, even those this cache cannot
-        read, are written back unchanged. A file holding JSON that is not an object (not a cache) is left as it
-        is, with a warning: it runs on one rank after the trial, where raising would strand the others."""
+        read, are written back unchanged. Never raises: a file that is not a cache (not JSON, JSON that is not an
+        object, or unreadable) is left as it is, and a path that cannot be written is skipped, each with a warning
+        (the times stay in memory): the file is not this cache's to overwrite, and this runs on one rank after the
+        trial, where raising would fail the run on that rank alone."""
         import json
         import warnings
 
         self._mem[key] = dict(times)
         if self.path is None:
             return
-        data = self._read()
+        data, why = self._read_why()
+        if why:
+            warnings.warn(
+                f"`trial_cache` file `{self.path}` {why}, so it is not a trial cache; it is left as it is and "
+                "nothing is kept. Pass another path or remove the file.",
+                stacklevel=2,
+            )
+            return
         if data is None:
             data = {}
         elif not isinstance(data, dict):
@@ -692,7 +732,14 @@ class TrialCache:
             )
             return
         data[key] = dict(times)
-        atomic_write_text(self.path, json.dumps(data, indent=1, sort_keys=True))
+        try:
+            atomic_write_text(self.path, json.dumps(data, indent=1, sort_keys=True))
+        except OSError as e:  # a folder that cannot be made or written: the times are kept for this run only
+            warnings.warn(
+                f"`trial_cache` file `{self.path}` cannot be written ({type(e).__name__}: {one_line(e, first=True)}); "
+                "the measured times are kept for this run only. Pass a path in a writable folder.",
+                stacklevel=2,
+            )
 
 
 def choose_by_trial(

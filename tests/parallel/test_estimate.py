@@ -186,3 +186,67 @@ def test_measuring_activations_leaves_the_model_as_it_was() -> None:
     assert [x.training for x in m.modules()] == [True, True, True, False, True]
     assert all(torch.equal(a, b) for a, b in zip(stats, m.buffers(), strict=True))  # BatchNorm stats unchanged
     assert torch.equal(torch.rand(1), expected_next)  # the RNG stream too
+
+
+def test_module_buffers_count_as_model_state_on_every_device_that_runs_them() -> None:
+    torchvision = pytest.importorskip("torchvision")
+    from lightning_accel.parallel.estimate import buffer_bytes, pipeline_stage_buffer_bytes
+
+    # BatchNorm2d(64): fp32 running mean and variance, and an int64 `num_batches_tracked`
+    assert buffer_bytes([nn.BatchNorm2d(64)]) == 2 * 64 * 4 + 8
+    # ResNet-18's 20 BatchNorm layers over 64 + 4·64 + 5·128 + 5·256 + 5·512 = 4800 channels
+    assert buffer_bytes([torchvision.models.resnet18()]) == 2 * 4800 * 4 + 20 * 8
+    bn = nn.BatchNorm1d(8)
+    assert buffer_bytes([bn, nn.Sequential(bn, bn)]) == 2 * 8 * 4 + 8  # each buffer once, however often reached
+    b = 1000
+    assert estimate_ddp(10, 0, buffer_bytes=b).model_state == 160 + b
+    assert estimate_ddp(10, 0, buffer_bytes=b).formula == "16·P + B + A"
+    f = estimate_fsdp(10, 0, world=2, largest_unit=5, buffer_bytes=b)  # `fully_shard` shards parameters only
+    assert (f.model_state, f.formula) == (80 + b, "16·P/2 + B + 4·L + A")
+    tp = estimate_tensor_parallel(10, 4, 0, 2, 5, buffer_bytes=b, frozen_bytes=8)
+    assert (tp.model_state, tp.formula) == (16 * 6 + 32 + 8 + b, "16·(P-P_tp+P_tp/2) + W-W_tp+W_tp/2 + B + 4·L/2 + A")
+    pp = estimate_pipeline([10, 10], 0, stage_buffer_bytes=[0, b])
+    assert (pp.model_state, pp.formula) == (160 + b, "16·P_stage + B_stage + A/2·2/4")
+    with pytest.raises(ValueError, match="`stage_buffer_bytes` lists 1 stage"):
+        estimate_pipeline([1, 1], 0, stage_buffer_bytes=[0])
+
+    class Blocks(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("table", torch.zeros(100))  # outside the stack: on the first stage
+            self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)) for _ in range(4)])
+
+    per_bn = 2 * 8 * 4 + 8
+    assert pipeline_stage_buffer_bytes(Blocks(), 2) == [400 + 2 * per_bn, 2 * per_bn]
+
+
+def test_running_statistics_are_not_activations() -> None:
+    # BatchNorm saves its running statistics for backward: model state (counted in `buffer_bytes`), not activations
+    m = nn.Sequential(nn.Linear(8, 8, bias=False), nn.BatchNorm1d(8))
+    x = torch.randn(4, 8)
+    # the Linear's input and output (saved by BatchNorm), BatchNorm's saved mean and inverse std
+    assert measure_activation_bytes(m, x).activation_bytes == 2 * 4 * 8 * 4 + 2 * 8 * 4
+
+
+def test_the_largest_fsdp_unit_is_what_the_sharded_strategy_gathers_at_once() -> None:
+    torchvision = pytest.importorskip("torchvision")
+
+    # ResNet-18's only repeated stack is a stage's two blocks: the stages, stem and head outside it are gathered as
+    # units of their own, each direct child of the network one (the largest: layer4)
+    net = torchvision.models.resnet18(num_classes=4)
+    assert largest_unit_params(net) == sum(p.numel() for p in net.layer4.parameters())
+
+    class Lit(nn.Module):  # a LightningModule holding the network: the network outside its blocks is one unit
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = torchvision.models.resnet18(num_classes=4)
+
+    lit = Lit()
+    in_blocks = sum(p.numel() for p in lit.model.layer1.parameters())
+    assert largest_unit_params(lit) == sum(p.numel() for p in lit.parameters()) - in_blocks
+    # a language model: the embedding tied to the head is one unit, larger than a block
+    g = GPT(vocab_size=5000, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.0)
+    assert largest_unit_params(g) == g.tok_emb.weight.numel() > sum(p.numel() for p in g.blocks[0].parameters())
+    # an auto-wrap policy's classes: those modules, and the root holding the rest
+    m = nn.Sequential(nn.Linear(100, 100), nn.Linear(100, 10), nn.Linear(10, 10))
+    assert largest_unit_params(m, [nn.Linear]) == 100 * 100 + 100

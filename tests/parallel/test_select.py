@@ -112,6 +112,17 @@ def test_bad_arguments(kwargs: dict, match: str) -> None:
         select_strategy(mlp(), **args)
 
 
+def test_a_loss_fn_that_is_not_callable_is_refused_not_measured_as_nothing() -> None:
+    # it failed inside the measurement, which fell back to no activations at all with a warning
+    x = torch.randn(4, 256)
+    with pytest.raises(TypeError, match=r"`loss_fn` must be a function `output -> scalar loss` or None, got 'mse'"):
+        select_strategy(mlp(), devices=2, device_memory_bytes=10**9, example_batch=x, loss_fn="mse")  # type: ignore[arg-type]
+    from lightning_accel.parallel import measure_activation_bytes
+
+    with pytest.raises(TypeError, match=r"`loss_fn` must be .* got 'mse' \(str\)"):
+        measure_activation_bytes(mlp(), x, loss_fn="mse")  # type: ignore[arg-type]
+
+
 def test_unknown_device_memory_on_cpu_says_what_to_pass() -> None:
     if torch.cuda.is_available():
         pytest.skip("CUDA provides the device memory")
@@ -164,6 +175,35 @@ def test_trial_cache_keeps_the_file_entries_it_does_not_own(tmp_path: Path) -> N
     with pytest.warns(UserWarning, match="`trial_cache` file .* not a trial cache"):
         TrialCache(str(path)).put("j", {"fsdp": 2.0})
     assert path.read_text() == "[1, 2]"
+
+
+def test_trial_cache_that_cannot_be_written_warns_and_keeps_the_times_in_memory(tmp_path: Path) -> None:
+    from lightning_accel.parallel.select import TrialCache
+
+    (tmp_path / "plain").write_text("mine")
+    cache = TrialCache(str(tmp_path / "plain" / "trials.json"))  # its folder is a file: nothing can be written there
+    with pytest.warns(UserWarning, match="`trial_cache` file .* cannot be written .*FileExistsError"):
+        cache.put("j", {"fsdp": 2.0})  # after the trial, on rank 0 alone: a warning, never an error
+    assert cache.get("j") == {"fsdp": 2.0} and (tmp_path / "plain").read_text() == "mine"
+
+
+@pytest.mark.parametrize("content", ["my notes: keep them\n", '{"k": {"ddp": 0.5}'])
+def test_trial_cache_never_overwrites_a_file_that_is_not_json(tmp_path: Path, content: str) -> None:
+    from lightning_accel.parallel.select import TrialCache
+
+    path = tmp_path / "trials.json"  # a file of the user's (or a cache an editor left half-written) at that path
+    path.write_text(content)
+    with pytest.warns(UserWarning, match="`trial_cache` file .* does not hold JSON, so it is not a trial cache"):
+        TrialCache(str(path)).put("j", {"fsdp": 2.0})
+    assert path.read_text() == content
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    with pytest.warns(UserWarning, match="cannot be read .*IsADirectoryError"):
+        TrialCache(str(folder)).put("j", {"fsdp": 2.0})  # a warning on the rank that writes, never an error
+    empty = tmp_path / "empty.json"
+    empty.touch()  # nothing in it to lose: the cache starts there
+    TrialCache(str(empty)).put("j", {"fsdp": 2.0})
+    assert TrialCache(str(empty)).get("j") == {"fsdp": 2.0}
 
 
 @pytest.mark.parametrize(
@@ -374,3 +414,33 @@ def test_a_timed_plan_reduces_its_time_on_the_model_device(monkeypatch: pytest.M
     stepper = trials.Stepper("ddp", model, torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1), lambda: 0.0)
     trials.time_plan(stepper, steps=2, warmup=0)
     assert asked == [torch.device("meta")] and len(reduced) == 1
+
+
+def test_the_estimates_hold_the_buffers_of_a_real_network() -> None:
+    torchvision = pytest.importorskip("torchvision")
+    net = torchvision.models.resnet18(num_classes=10)
+    params = sum(p.numel() for p in net.parameters())
+    buffers = 2 * 4800 * 4 + 20 * 8  # its BatchNorm layers' running statistics and step counters
+    c = select_strategy(net, devices=2, device_memory_bytes=10**10, bytes_per_param=12)  # SGD with momentum
+    assert c.facts["buffer_bytes"] == buffers
+    assert c.estimates["ddp"].model_state == 12 * params + buffers
+    assert c.estimates["fsdp"].model_state == -(-12 * params // 2) + buffers  # replicated, not sharded
+    assert c.estimates["tp"].model_state == 12 * params + buffers  # a CNN: nothing split
+
+    class Masked(nn.Sequential):  # a registered table in one piece: held by the stage that runs it
+        def __init__(self) -> None:
+            super().__init__(nn.Linear(64, 64), nn.Linear(64, 64))
+            self[1].register_buffer("mask", torch.ones(64, 1000))
+
+    c = select_strategy(Masked(), devices=2, device_memory_bytes=10**10)
+    per_layer = 16 * (64 * 64 + 64)
+    assert c.estimates["pipeline"].model_state == per_layer + 64 * 1000 * 4
+    assert c.estimates["ddp"].model_state == 2 * per_layer + 64 * 1000 * 4
+
+
+def test_the_fsdp_estimate_gathers_the_largest_unit_the_strategy_wraps() -> None:
+    torchvision = pytest.importorskip("torchvision")
+    net = torchvision.models.resnet18(num_classes=10)
+    c = select_strategy(net, devices=8, device_memory_bytes=10**10)
+    # layer4 (a direct child outside the one repeated stack, a stage's two blocks) is gathered whole, not a block
+    assert c.estimates["fsdp"].working == 4 * sum(p.numel() for p in net.layer4.parameters())

@@ -149,6 +149,8 @@ def test_either_spelling_parses_as_a_class_path(spelling: str) -> None:
         ({"tensor_parallel_size": True}, TypeError, r"`tensor_parallel_size` must be an integer >= 1, got True \(bool"),
         ({"data_parallel_size": 0}, ValueError, r"`data_parallel_size` must be an integer >= 1, got 0\. Or None"),
         ({"save_distributed_checkpoint": 1}, TypeError, r"`save_distributed_checkpoint` must be True or False"),
+        # `fully_shard` would refuse it only at setup, once every process has started
+        ({"reshard_after_forward": "no"}, TypeError, r"`reshard_after_forward` must be True or False, got 'no' \(str"),
         (
             {"tensor_parallel_size": 2, "tp_plan": {"0.q": "columnwise"}},
             ValueError,

@@ -190,6 +190,31 @@ def test_bad_arguments() -> None:
         AutoStrategy(pipeline_kwargs={"pipeline_size": 0})
 
 
+def test_a_misspelled_fsdp_keyword_is_refused_where_it_is_written() -> None:
+    # FSDP is built at setup on GPUs only: without this check the key would fail there, or never
+    with pytest.raises(ValueError, match=r"`fsdp_kwargs`.*`cpu_oflload`=True.*`cpu_oflload` -> `cpu_offload`"):
+        AutoStrategy(fsdp_kwargs={"cpu_oflload": True})
+    with pytest.raises(ValueError, match="`device_id`"):  # FSDPStrategy passes it itself: it would arrive twice
+        AutoStrategy(fsdp_kwargs={"device_id": 0})
+    # FSDPStrategy's own keywords and FullyShardedDataParallel's, where its **kwargs go
+    st = AutoStrategy(fsdp_kwargs={"cpu_offload": False, "sharding_strategy": "FULL_SHARD", "limit_all_gathers": True})
+    assert st.fsdp_kwargs["limit_all_gathers"] is True
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"fsdp_kwargs": ["cpu_offload"]}, r"`fsdp_kwargs` must be a dict .*got \['cpu_offload'\] \(list\)"),
+        ({"pipeline_kwargs": "gpipe"}, r"`pipeline_kwargs` must be a dict .*got 'gpipe' \(str\)"),
+        ({"sharded_kwargs": [("tensor_parallel_size", 2)]}, r"`sharded_kwargs` must be a dict"),
+        ({"sharded_kwargs": {"reshard_after_forward": "no"}}, r"`reshard_after_forward` must be True or False"),
+    ],
+)
+def test_keyword_dicts_of_the_wrong_type_are_refused_naming_the_argument(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(TypeError, match=match):
+        AutoStrategy(**kwargs)
+
+
 def test_lightning_cli_instantiates_it(tmp_path: Path) -> None:
     from lightning_accel.cli import AccelCLI
 

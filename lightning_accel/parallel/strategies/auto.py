@@ -37,7 +37,7 @@ from __future__ import annotations
 import copy
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -76,6 +76,19 @@ __all__ = ["AutoStrategy", "resolve_trainer_kwargs", "trainer_devices"]
 
 #: every keyword ``ShardedStrategy(...)`` takes (``sharded_kwargs``): its own and ``ModelParallelStrategy``'s
 _SHARDED_ARGUMENTS = keyword_names(ShardedStrategy.__init__, ModelParallelStrategy.__init__)
+
+#: what ``FSDPStrategy`` passes to ``FullyShardedDataParallel`` itself: the same name in ``fsdp_kwargs`` would reach
+#: it twice ("got multiple values for keyword argument") when the model is wrapped
+_FSDP_SET_BY_STRATEGY = ("module", "device_id")
+
+
+def _fsdp_arguments() -> tuple[str, ...]:
+    """Every keyword ``FSDPStrategy(**fsdp_kwargs)`` takes: its own, then those of ``FullyShardedDataParallel``, where
+    its ``**kwargs`` go, less the ones the strategy sets (read from the signatures of the installed versions)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    names = keyword_names(FSDPStrategy.__init__, FullyShardedDataParallel.__init__)
+    return tuple(n for n in names if n not in _FSDP_SET_BY_STRATEGY)
 
 
 def _pipeline_arguments(pipeline_kwargs: dict[str, Any] | None) -> dict[str, Any]:
@@ -156,7 +169,9 @@ class AutoStrategy(DDPStrategy):
         example_batch_size: the real per-device batch size; activations measured on ``example_input_array`` are
             scaled by ``example_batch_size / len(example_input_array)``.
         fsdp_kwargs: when given, a chosen ``"fsdp"`` runs as Lightning's ``FSDPStrategy(**fsdp_kwargs)`` (FSDP1,
-            GPUs only; e.g. ``cpu_offload``) instead of :class:`ShardedStrategy` (FSDP2, CPU and GPU).
+            GPUs only; e.g. ``cpu_offload``) instead of :class:`ShardedStrategy` (FSDP2, CPU and GPU). Its keys are
+            ``FSDPStrategy``'s keywords and ``FullyShardedDataParallel``'s (but ``module`` and ``device_id``, which
+            the strategy sets); an unknown key is refused here.
         sharded_kwargs: keyword arguments for :class:`ShardedStrategy` (the ``"fsdp"`` and ``"tp"`` plans); an unknown
             key is refused here.
         pipeline_kwargs: keyword arguments for :class:`PipelineStrategy` (``schedule``, ``microbatches``,
@@ -203,6 +218,17 @@ class AutoStrategy(DDPStrategy):
         for c in candidates or []:
             check_choice("candidates", c, PLANS, fix="Name plans a trial can time.")
         check_bool("use_example_input", use_example_input)
+        for arg, kw in (
+            ("fsdp_kwargs", fsdp_kwargs),
+            ("sharded_kwargs", sharded_kwargs),
+            ("pipeline_kwargs", pipeline_kwargs),
+        ):
+            if kw is not None and not isinstance(kw, Mapping):
+                # a list or a string would fail deep in `dict()` or be read key by key, letter by letter
+                raise TypeError(
+                    f"`{arg}` must be a dict of keyword arguments or None, got {one_line(repr(kw))[:60]} "
+                    f"({type(kw).__name__}). Pass e.g. `{arg}={{'name': value}}`."
+                )
         check_bool("allow_unfit", allow_unfit)
         if trial_cache is not None and not isinstance(trial_cache, (str, os.PathLike)):
             # an int is a file descriptor to `os.path.exists` / `open`: the cache would read (and close) it
@@ -226,6 +252,9 @@ class AutoStrategy(DDPStrategy):
         # would otherwise surface only when the chosen plan is built, or never: `PipelineStrategy` took any keyword)
         check_pipeline_keywords("AutoStrategy `pipeline_kwargs`", pipeline_kwargs or {})
         check_keywords("AutoStrategy `sharded_kwargs`", sharded_kwargs or {}, _SHARDED_ARGUMENTS)
+        # `FSDPStrategy` keeps any key for `FullyShardedDataParallel`, which refuses a misspelled one only when it
+        # wraps the model: at setup, on GPUs only, after every process has started
+        check_keywords("AutoStrategy `fsdp_kwargs`", fsdp_kwargs or {}, _fsdp_arguments())
         if sharded_kwargs:  # their values too (`tensor_parallel_size=0`), here rather than once a plan is chosen
             with warnings.catch_warnings():  # `tp_plan` without a size: the chosen "tp" plan gets the devices'
                 warnings.simplefilter("ignore")

@@ -144,6 +144,12 @@ class ShardedStrategy(ModelParallelStrategy):
             new_given=save_distributed_checkpoint is not None,
         )
         save = False if save is None else check_bool("save_distributed_checkpoint", save)
+        # `fully_shard` refuses anything else only at setup, after every process has started
+        check_bool(
+            "reshard_after_forward",
+            reshard_after_forward,
+            fix="True frees the gathered parameters after forward (ZeRO-3), False keeps them until backward.",
+        )
         if tp_plan is not None:
             # a bad plan would otherwise surface only in `apply_plan`, after every process has launched
             check_plan_styles(tp_plan, "tp_plan")
