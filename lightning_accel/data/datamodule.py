@@ -15,8 +15,9 @@ import copy
 import functools
 import hashlib
 import os
+import sys
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -25,9 +26,10 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_accel._utils.checks import check_bool, check_bytes, check_callable, check_choice, check_int
+from lightning_accel._utils.paths import safe_join
 from lightning_accel._utils.rank import node_rank
 from lightning_accel.data.augment import GpuAugment
-from lightning_accel.data.cache import SampleCache
+from lightning_accel.data.cache import MAX_PENDING, SampleCache
 from lightning_accel.data.dataset import (
     CacheDataLoader,
     CachedDataset,
@@ -40,8 +42,7 @@ from lightning_accel.data.dataset import (
 )
 from lightning_accel.data.decode import ImageDecoder
 from lightning_accel.data.lifecycle import parse_duration, ram_root, sweep, touch
-from lightning_accel.data.origin import Listing, ObjectStore, check_origin, list_origin
-from lightning_accel.data.pack import DEFAULT_STAGE_BYTES
+from lightning_accel.data.origin import Listing, ObjectStore, check_origin, check_storage_options, list_origin
 from lightning_accel.data.sampler import ShardWindowSampler, auto_window
 from lightning_accel.data.stats import CacheStats, summarize
 from lightning_accel.data.tiers import LmdbTier, default_ram_dir
@@ -221,8 +222,8 @@ class CachedDataModule(LightningDataModule):
         prefetch_batches: upcoming batches each reader reads ahead from the origin.
         stage_bytes: a packed remote origin (``pack_origin``) is read a whole shard at a time, staged under
             ``cache_dir/shards`` (shared by the workers and ranks of the node); at most this many bytes are kept
-            (least recently used out first). At least the packed data's size reads each shard once per cold epoch
-            under any shuffle; less needs the window shuffle (``shuffle``).
+            (least recently used out first; ``None``: no cap, every shard staged stays). At least the packed data's
+            size reads each shard once per cold epoch under any shuffle; less needs the window shuffle (``shuffle``).
         shuffle: training order: ``"global"`` (a shuffle of all samples), ``"window"`` (shard-aware: each rank
             reads within a window of shards, see :mod:`~lightning_accel.data.sampler`; packed origins only) or
             ``"auto"`` (``"window"`` for a packed remote origin whose pack exceeds ``stage_bytes``).
@@ -280,7 +281,7 @@ class CachedDataModule(LightningDataModule):
         decode: Callable[[bytes], torch.Tensor] | None = None,
         on_decode_error: str = "raise",
         # cache tiers
-        cache_dir: str = ".cache/lightning_accel",
+        cache_dir: str | os.PathLike[str] = ".cache/lightning_accel",
         ram_bytes: int | str = "256MiB",
         ssd_bytes: int | str | None = "20GiB",
         ram_dir: str | None = None,
@@ -292,7 +293,7 @@ class CachedDataModule(LightningDataModule):
         retries: int = 4,
         prefetch: bool | None = None,
         prefetch_batches: int = 2,
-        stage_bytes: int | str = "4GiB",
+        stage_bytes: int | str | None = "4GiB",
         shuffle: str = "auto",
         shuffle_window: int | None = None,
         # loading
@@ -316,12 +317,17 @@ class CachedDataModule(LightningDataModule):
         check_origin(origin, must_exist=not self._origin_made_in_prepare)
         if val_origin is not None:
             check_origin(val_origin, "val_origin", must_exist=True)
-        if storage_options is not None and not isinstance(storage_options, Mapping):
-            raise TypeError(
-                "`storage_options` must be a dict of fsspec options (e.g. {'key': ..., 'secret': ...}) or None, got "
-                f"{storage_options!r} ({type(storage_options).__name__})."
-            )
+        storage_options = check_storage_options(storage_options)
         _check_text("manifest", manifest, "a JSONL file under `origin` (a relative key such as 'train.jsonl')")
+        if manifest is not None:
+            try:  # the listing joins it under each origin: a key that escapes would fail only in `setup`, on every rank
+                safe_join("", manifest)
+            except ValueError:
+                raise ValueError(
+                    f"`manifest` must be a JSONL file under `origin` (a relative key such as 'train.jsonl'), got "
+                    f"{manifest!r}. Use a relative POSIX path without `..`, `.`, a leading `/`, a scheme, `::` or "
+                    "backslashes."
+                ) from None
         _check_text("ram_dir", ram_dir, "a local directory path")
         check_seed(seed)
         check_callable("decode", decode, "a callable `decode(data: bytes) -> torch.Tensor`")
@@ -352,7 +358,7 @@ class CachedDataModule(LightningDataModule):
         )
         # where the data is
         self.origin = origin
-        self.storage_options = dict(storage_options or {})
+        self.storage_options = storage_options
         self.manifest = manifest
         self.val_origin = val_origin
         self.val_fraction = val_fraction
@@ -473,10 +479,10 @@ class CachedDataModule(LightningDataModule):
             ssd=ssd,
             stats=self.stats,
             on_decode_error=self.on_decode_error,
-            max_pending=max(64, self.prefetch_batches * self.batch_size * 2),
+            max_pending=min(MAX_PENDING, max(64, self.prefetch_batches * self.batch_size * 2)),
             prefetch=self.prefetch,
             stage_dir=os.path.join(self.cache_dir, "shards"),
-            stage_bytes=self.stage_bytes if self.stage_bytes is not None else DEFAULT_STAGE_BYTES,
+            stage_bytes=self.stage_bytes if self.stage_bytes is not None else sys.maxsize,  # None: no cap
         )
 
     @property

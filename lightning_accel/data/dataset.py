@@ -667,11 +667,21 @@ class CacheDataLoader(DataLoader):
             it = _read_ahead((fn(b, k) for k, b in enumerate(it)), self.transform_ahead, name="la-transform-ahead")
         if self.on_epoch_end is None:
             return it
+        return _then(it, self._pass_batches(), self.on_epoch_end)
+
+    def _pass_batches(self) -> int | None:
+        """The batches this pass yields (None: unknown). ``len(self)`` but in a resumed epoch, whose pass yields only
+        the batches not yet seen while its length stays the whole epoch's: the Trainer stops asking after those, so
+        counting to ``len(self)`` would never reach the pass's end (its report came only at teardown)."""
         try:
-            n: int | None = len(self)
+            n = len(self)
         except TypeError:  # a sampler without a length
-            n = None
-        return _then(it, n, self.on_epoch_end)
+            return None
+        s, bs = self.sampler, self.batch_size
+        if isinstance(s, EpochOrderSampler) and s.resume_epoch == s.epoch and s.resume_skip > 0 and bs:
+            left = max(0, s.num_samples - s.resume_skip)
+            n = left // bs if self.drop_last else -(-left // bs)
+        return n
 
     def _iter(self) -> Any:
         self._check_warm()

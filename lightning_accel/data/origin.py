@@ -41,6 +41,7 @@ __all__ = [
     "OriginError",
     "SampleKeys",
     "check_origin",
+    "check_storage_options",
     "content_stamp",
     "list_origin",
 ]
@@ -71,6 +72,35 @@ def check_origin(url: object, name: str = "origin", *, must_exist: bool = False)
                 "files, a packed origin or a manifest's directory."
             )
     return url
+
+
+def check_storage_options(value: object, name: str = "storage_options") -> dict[str, Any]:
+    """``value`` as a dict of fsspec options: None (no options) or a mapping whose keys, and those of the mappings
+    nested in it (``client_kwargs``, ...), are strings, as fsspec passes them on as keyword arguments. A non-string
+    key would otherwise fail only at the first read, deep inside fsspec ("keywords must be strings"). The error names
+    the key, never the values (they hold credentials).
+
+    Raises:
+        TypeError: ``value`` is not a mapping, or one of its keys is not a string.
+    """
+    expected = "a dict of fsspec options with string keys (e.g. {'key': ..., 'secret': ...}) or None"
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise TypeError(f"`{name}` must be {expected}, got {value!r} ({type(value).__name__}).")
+    todo: list[tuple[str, Mapping[Any, Any]]] = [("", value)]
+    while todo:
+        where, options = todo.pop()
+        for key, inner in options.items():
+            if not isinstance(key, str):
+                within = f" in `{name}{where}`" if where else ""
+                raise TypeError(
+                    f"`{name}` must be {expected}, got a key {key!r} ({type(key).__name__}){within}. Write each "
+                    "option's name as a string."
+                )
+            if isinstance(inner, Mapping):
+                todo.append((f"{where}[{key!r}]", inner))
+    return dict(value)
 
 
 class OriginError(OSError):
@@ -106,7 +136,7 @@ class ObjectStore(ResetOnPickle):
         check_int("max_concurrency", max_concurrency, low=1, fix="It counts origin reads in flight per process.")
         self.url = url.rstrip("/") if "://" in url else os.path.abspath(os.path.expanduser(url))
         # The one fsspec layer: per-process filesystems, the transient/permanent split, the retry loop.
-        self.files = FileStore(storage_options, retries=retries, backoff_s=backoff_s)
+        self.files = FileStore(check_storage_options(storage_options), retries=retries, backoff_s=backoff_s)
         self.max_concurrency = max_concurrency
         # This process's read threads, made by the first `run` (a local origin never needs any).
         self._threads: PerProcess[ThreadPoolExecutor] = PerProcess(

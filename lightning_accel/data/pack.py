@@ -66,7 +66,14 @@ from lightning_accel._utils.atomic import atomic_publish_file
 from lightning_accel._utils.checks import check_int
 from lightning_accel._utils.forksafe import ForkSafeLock, PerProcess, ResetOnPickle
 from lightning_accel._utils.paths import safe_join
-from lightning_accel.data.origin import IMAGE_EXTENSIONS, Listing, ObjectStore, OriginError, list_origin
+from lightning_accel.data.origin import (
+    IMAGE_EXTENSIONS,
+    Listing,
+    ObjectStore,
+    OriginError,
+    check_storage_options,
+    list_origin,
+)
 
 __all__ = ["PACK_INDEX", "PackIndex", "PackedReader", "pack_origin"]
 
@@ -294,10 +301,12 @@ def pack_origin(
         FileExistsError: ``dest`` already holds a pack and ``overwrite`` is False; or ``dest`` holds a file that no
             pack wrote (e.g. an ImageFolder tree, or a user's ``shards/000000.bin``), or an index that cannot be
             read; or ``dest`` is a file.
-        TypeError: ``shard_bytes`` is not an integer.
+        TypeError: ``shard_bytes`` is not an integer, or a storage options argument is not a dict with string keys.
         ValueError: ``shard_bytes`` < 1, ``source`` is itself a pack, or ``dest`` is ``source`` or a folder inside it.
     """
     check_int("shard_bytes", shard_bytes, low=1, fix="It is the target shard size in bytes.")
+    check_storage_options(storage_options)
+    check_storage_options(dest_storage_options, "dest_storage_options")
     src = ObjectStore(source, storage_options, max_concurrency=max_concurrency)
     dst = ObjectStore(dest, storage_options if dest_storage_options is None else dest_storage_options)
     if _within(dst, src):
@@ -521,6 +530,68 @@ def _lock_shard(f: Any) -> None:
             delay = min(0.05, delay * 2)
 
 
+# Thread locks per lock-file path, for the whole process. Why process-wide: a POSIX record lock belongs to the
+# process, so two threads (or two readers of one process sharing a stage) that lock the same file would both "hold"
+# it, and closing any descriptor of that file drops the process's lock.
+_PATH_LOCKS: PerProcess[dict[str, threading.Lock]] = PerProcess(dict)
+_PATH_LOCKS_GUARD = ForkSafeLock()
+# What staging leaves behind when its process is killed: a shard's lock file, and the temporary file of a download
+# killed mid-write (the `_utils.atomic` temporary name of a staged shard). Nothing else of the stage is swept.
+_SHARD_NAME = re.compile(r"[0-9a-f]{20}")
+_STAGE_LOCK = re.compile(r"([0-9a-f]{20})\.shard\.lock")
+_STAGE_TMP = re.compile(r"\.([0-9a-f]{20})\.shard\.[0-9a-f]{32}\.tmp")
+
+
+def _path_lock(path: str) -> threading.Lock:
+    with _PATH_LOCKS_GUARD:
+        return _PATH_LOCKS.get().setdefault(path, threading.Lock())
+
+
+@contextlib.contextmanager
+def _node_lock(path: str, *, wait: bool = True) -> Iterator[bool]:
+    """Hold the node-wide lock whose lock file is ``path``: a thread lock of this process, then a POSIX record lock
+    on the file across processes. Yields True once held; with ``wait=False``, yields False at once when another
+    thread or process holds it.
+
+    The lock file exists only while its lock is held: the holder unlinks it before letting go, so no lock file is
+    left behind per shard ever staged. A process killed while holding it leaves the file, unlocked (the kernel drops
+    a dead process's record locks), and the next holder removes it. Why the check after locking: a waiter may lock a
+    file its previous holder has just unlinked, while a newcomer locks the new file at the same name; only the holder
+    of the file the name points to holds the lock, the other tries again."""
+    tlock = _path_lock(path)
+    if not tlock.acquire(blocking=wait):
+        yield False
+        return
+    try:
+        while True:
+            with open(path, "a+b") as f:
+                if wait:
+                    _lock_shard(f)
+                else:
+                    try:
+                        fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    except OSError as e:
+                        if e.errno not in (errno.EACCES, errno.EAGAIN, errno.EDEADLK):
+                            raise
+                        yield False
+                        return
+                try:
+                    st = os.stat(path)
+                except FileNotFoundError:
+                    continue  # unlinked by its previous holder: lock the new one
+                mine = os.fstat(f.fileno())
+                if (st.st_ino, st.st_dev) != (mine.st_ino, mine.st_dev):
+                    continue
+                try:
+                    yield True
+                finally:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)  # while still held: nobody can be holding the file at this name
+                return
+    finally:
+        tlock.release()
+
+
 class PackedReader(ResetOnPickle):
     """Reads samples of a packed origin (see the module docstring for local and remote reads).
 
@@ -561,7 +632,6 @@ class PackedReader(ResetOnPickle):
         self._by_name = {n: s for s, n in enumerate(self._names)}
         self._inflight: PerProcess[dict[int, Future[None]]] = PerProcess(dict)
         self._lock = ForkSafeLock(reentrant=True)  # a done-callback can run inline, under the lock
-        self._shard_locks: PerProcess[dict[int, threading.Lock]] = PerProcess(dict)
         self.staged_refetches = 0  # staged copies that failed their CRC and were fetched again (this process)
         self._touched: PerProcess[dict[int, float]] = PerProcess(dict)  # shard -> when this process last touched it
         self._maps: PerProcess[OrderedDict[int, mmap.mmap]] = PerProcess(OrderedDict)  # shard -> its file, mapped
@@ -570,10 +640,8 @@ class PackedReader(ResetOnPickle):
         self._latest: PerProcess[dict[str, int]] = PerProcess(dict)
         # the (order, batch) each thread of this process is reading, if any (see `reading`)
         self._reading: PerProcess[threading.local] = PerProcess(threading.local)
-
-    def _shard_lock(self, s: int) -> threading.Lock:
-        with self._lock:
-            return self._shard_locks.get().setdefault(s, threading.Lock())
+        if self.staging:
+            self.sweep()  # what a killed run left, before this one stages anything
 
     def _path(self, s: int) -> str:
         return os.path.join(self.stage_dir, f"{self._names[s]}.shard")
@@ -803,9 +871,8 @@ class PackedReader(ResetOnPickle):
             self._wait_for_room(s)  # before the shard's lock: an earlier batch's reader may need this shard too
             # One download per node: a thread lock within this process, then a POSIX record lock (fcntl) across
             # processes. Record locks, unlike flock, are not inherited by a forked child, so a DataLoader worker
-            # forked while a download is running can never keep that shard locked.
-            with self._shard_lock(s), open(path + ".lock", "a+b") as lock:
-                _lock_shard(lock)  # the others wait here, then read the file
+            # forked while a download is running can never keep that shard locked. The lock file goes with the lock.
+            with _node_lock(path + ".lock"):  # the others wait here, then read the file
                 if os.path.exists(path):
                     return path
                 data = self.store.fetch(self.pack.shards[s])
@@ -860,9 +927,59 @@ class PackedReader(ResetOnPickle):
         One eviction at a time on the node (a thread lock, then a record lock on ``evict.lock``): two stagings that
         finished together each counted the other's victims as still there and deleted twice what the stage needed,
         marked shards included (seen with one core kept busy: shards a batch had yet to read were evicted)."""
-        with self._lock, open(os.path.join(self.stage_dir, "evict.lock"), "a+b") as lock:
-            _lock_shard(lock)  # the same EDEADLK-tolerant wait as a shard's lock (a holder never waits for one)
+        # the same EDEADLK-tolerant wait as a shard's lock (a holder never waits for one)
+        with self._lock, _node_lock(os.path.join(self.stage_dir, "evict.lock")):
             self._evict_locked(keep)
+        self.sweep()
+
+    def sweep(self) -> int:
+        """Remove what staging processes killed mid-way left in the stage directory: lock files whose lock nobody
+        holds, the temporary files of shard downloads killed mid-write (a download in progress holds its shard's
+        lock, so its file is never taken), and the "needed" markers of orders whose publishing process is gone (a
+        killed rank's: no batch of it will be read to release them). Returns how many files were removed.
+
+        Only files named as the stage names its own are considered (a user's files beside them are never touched),
+        and a lock held by a live process or thread is skipped without waiting. Runs when a reader is created and
+        after each staged shard, so leftovers of a killed worker or rank do not pile up over runs."""
+        try:
+            with os.scandir(self.stage_dir) as it:
+                names = [e.name for e in it]
+        except OSError:
+            return 0
+        # lock file -> the leftovers its lock guards (the lock file itself, if there, goes on release)
+        leftovers: dict[str, list[str]] = {}
+        removed = 0
+        alive: dict[str, bool] = {}
+        for name in names:
+            marker = _need_marker(name)
+            if marker is not None and _SHARD_NAME.fullmatch(marker[0]) and _GROUP.fullmatch(marker[1]):
+                # a "needed" marker of an order whose publisher died (a rank killed): nothing will ever release it
+                rank = marker[1].rpartition("-")[0]
+                if rank not in alive:
+                    alive[rank] = _alive(int(rank, 16) >> _PID_SHIFT)
+                if not alive[rank]:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(self.stage_dir, name))
+                        removed += 1
+            elif name == "evict.lock":
+                leftovers.setdefault(name, [])
+            elif (m := _STAGE_LOCK.fullmatch(name) or _STAGE_TMP.fullmatch(name)) is not None:
+                found = leftovers.setdefault(f"{m.group(1)}.shard.lock", [])
+                if name.endswith(".tmp"):
+                    found.append(name)
+        for lock, tmps in leftovers.items():
+            try:
+                with _node_lock(os.path.join(self.stage_dir, lock), wait=False) as held:
+                    if not held:
+                        continue  # a live download or eviction: its files are in use
+                    for name in tmps:
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(os.path.join(self.stage_dir, name))
+                            removed += 1
+                    removed += lock in names  # the lock file, unlinked on the way out
+            except OSError:
+                continue  # an unwritable stage: nothing to sweep from it
+        return removed
 
     def _evict_locked(self, keep: str) -> None:
         files = []

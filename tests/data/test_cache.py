@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -31,7 +32,7 @@ def _cache(origin: Path, tmp: Path, *, ram: int = 0, ssd: int | None = 64 << 20,
 
 
 def test_cold_then_warm_identical_to_imagefolder(small_digits: Path, tmp_cache_dir: Path) -> None:
-    from torchvision.datasets import ImageFolder
+    from torchvision.datasets import ImageFolder  # type: ignore[import-untyped]
 
     c = _cache(small_digits, tmp_cache_dir)
     idx = [5, 0, 199, 42]
@@ -120,6 +121,7 @@ def test_corrupt_entry_is_evicted_refetched_and_counted(small_digits: Path, tmp_
     s = c.stats.as_dict()
     assert torch.equal(again.images, good)
     assert (s["refetches"], s["evictions"], s["origin_fetches"]) == (1, 1, 1)
+    assert c.ssd is not None
     decode_entry(c.ssd.get(key) or b"")  # the refetched entry is valid again
 
 
@@ -212,9 +214,14 @@ def test_each_entry_is_verified_once_per_process_tree(small_digits: Path, tmp_ca
 
     c = _cache(small_digits, tmp_cache_dir)
     c.load(list(range(8)))  # cold: decoded and written by this process tree, so trusted
-    calls = []
+    calls: list[int] = []
     real = codec._digest
-    monkeypatch.setattr(codec, "_digest", lambda *a: calls.append(1) or real(*a))
+
+    def counted(*a: Any) -> Any:
+        calls.append(1)
+        return real(*a)
+
+    monkeypatch.setattr(codec, "_digest", counted)
     c.load(list(range(8)))
     assert calls == []
     run2 = _cache(small_digits, tmp_cache_dir)  # a later run over the same tiers: checks each entry once
@@ -436,7 +443,9 @@ def test_decoder_fingerprint_follows_the_code_and_warns_when_it_cannot(tmp_path:
     from lightning_accel.data.decode import decoder_fingerprint
 
     assert decoder_fingerprint(ImageDecoder(16)) == ImageDecoder(16).fingerprint
-    assert decoder_fingerprint(lambda b: b) != decoder_fingerprint(lambda b: b[::-1])  # another body
+    assert decoder_fingerprint(lambda b: torch.tensor(list(b))) != decoder_fingerprint(
+        lambda b: torch.tensor(list(b[::-1]))
+    )  # another body
     size = 16
     assert "16" in decoder_fingerprint(lambda b: ImageDecoder(size)(b))  # a closure's values count
 
@@ -450,3 +459,35 @@ def test_decoder_fingerprint_follows_the_code_and_warns_when_it_cannot(tmp_path:
     with pytest.warns(UserWarning, match=r"`decode` .* has no `fingerprint`.*Set `decode\.fingerprint`"):
         fp = decoder_fingerprint(Holder())
     assert " at 0x" in fp  # the repr: never serves another run's entries
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "pattern"),
+    [
+        (10**12, ValueError, r"^`max_pending` must be an integer >= 0 and <= 65536, got 1000000000000\. It counts"),
+        (-5, ValueError, r"^`max_pending` must be an integer >= 0 and <= 65536, got -5\. "),
+        ("64", TypeError, r"^`max_pending` must be an integer >= 0 and <= 65536, got '64' \(str\)\. "),
+    ],
+)
+def test_max_pending_out_of_range_fails_at_construction(
+    small_digits: Path, tmp_path: Path, value: object, error: type[Exception], pattern: str
+) -> None:
+    with pytest.raises(error, match=pattern) as e:
+        _cache(small_digits, tmp_path, ssd=0, max_pending=value, prefetch=True)
+    assert "\n" not in str(e.value) and "pass a few batches' worth" in str(e.value)
+    assert _cache(small_digits, tmp_path, ssd=0, max_pending=65_536).max_pending == 65_536
+
+
+def test_the_data_module_keeps_its_read_ahead_within_max_pending(small_digits: Path, tmp_path: Path) -> None:
+    from lightning_accel.data import CachedDataModule
+
+    dm = CachedDataModule(
+        str(small_digits),
+        cache_dir=str(tmp_path / "cache"),
+        ram_bytes=0,
+        num_workers=0,
+        batch_size=512,
+        prefetch_batches=100,
+    )
+    dm.setup("fit")
+    assert dm.train_set is not None and dm.train_set.cache.max_pending == 65_536

@@ -119,6 +119,17 @@ def test_a_new_image_size_on_the_same_cache_dir_decodes_again(small_digits: Path
         ({"val_origin": 5}, TypeError, r"`val_origin` must be a non-empty path or fsspec URL, got 5 \(int\)"),
         ({"manifest": 5}, TypeError, r"`manifest` must be a JSONL file under `origin` .* or None, got 5 \(int\)"),
         ({"manifest": " "}, ValueError, r"`manifest` must be a JSONL file under `origin` .* or None, got ' '\."),
+        # a key that escapes `origin` failed only in `setup`, on every rank
+        (
+            {"manifest": "../train.jsonl"},
+            ValueError,
+            r"^`manifest` must be .*, got '\.\./train\.jsonl'\. Use a relative",
+        ),
+        (
+            {"manifest": "/data/train.jsonl"},
+            ValueError,
+            r"^`manifest` must be .*, got '/data/train\.jsonl'\. Use a rel",
+        ),
         ({"ram_dir": 5}, TypeError, r"`ram_dir` must be a local directory path or None, got 5 \(int\)"),
         ({"cache_dir": 5}, TypeError, r"`cache_dir` must be a local directory path, got 5 \(int\)\. Pass a dir"),
         ({"cache_dir": ""}, ValueError, r"`cache_dir` must be a local directory path, got '' \(str\)"),
@@ -287,4 +298,57 @@ def test_a_pathlib_origin_is_a_local_path(tmp_path: Path) -> None:
     )
     assert dm.origin == str(tmp_path / "d") and dm.val_origin == str(tmp_path / "d")
     dm.setup("fit")
-    assert len(dm.train_set) == 40
+    assert dm.train_set is not None and len(dm.train_set) == 40
+
+
+def test_stage_bytes_none_is_no_cap_and_comes_through_a_config_file(small_digits: Path, tmp_path: Path) -> None:
+    import sys
+
+    from jsonargparse import ArgumentParser
+
+    from lightning_accel.data import pack_origin
+
+    packed = tmp_path / "packed"
+    pack_origin(str(small_digits), str(packed))
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(CachedDataModule, "data")
+    cfg = parser.parse_args(["--data.origin", str(packed), "--data.stage_bytes", "null"])  # `stage_bytes: null`
+    dm = parser.instantiate_classes(cfg).data
+    assert dm.stage_bytes is None
+    dm = CachedDataModule(str(packed), cache_dir=str(tmp_path / "cache"), ram_bytes=0, num_workers=0, stage_bytes=None)
+    dm.setup("fit")
+    assert dm.train_set is not None and dm.train_set.cache.packed is not None
+    assert dm.train_set.cache.packed.stage_bytes == sys.maxsize  # every staged shard stays
+
+
+@pytest.mark.parametrize(
+    ("options", "where"),
+    [
+        ({1: "x", "key": "secret-value"}, r"got a key 1 \(int\)\. "),
+        (
+            {"client_kwargs": {("endpoint",): "http://h"}},
+            r"got a key \('endpoint',\) \(tuple\) in `\w+\['client_kwargs'\]`\. ",
+        ),
+    ],
+)
+def test_storage_options_with_non_string_keys_fail_at_construction(
+    small_digits: Path, tmp_path: Path, options: dict[Any, Any], where: str
+) -> None:
+    from lightning_accel.data import ObjectStore, pack_origin
+
+    calls = [
+        ("storage_options", lambda: _make(tmp_path, storage_options=options)),
+        ("storage_options", lambda: ObjectStore("s3://bucket/train", options)),
+        ("storage_options", lambda: pack_origin(str(small_digits), str(tmp_path / "p"), storage_options=options)),
+        (
+            "dest_storage_options",
+            lambda: pack_origin(str(small_digits), str(tmp_path / "p"), dest_storage_options=options),
+        ),
+    ]
+    for name, call in calls:
+        with pytest.raises(TypeError, match=rf"^`{name}` must be a dict of fsspec options with string keys .*{where}"):
+            call()
+    with pytest.raises(TypeError) as e:
+        _make(tmp_path, storage_options=options)
+    assert "secret-value" not in str(e.value) and "\n" not in str(e.value)  # credentials stay out of the message
+    assert not (tmp_path / "p").exists()  # refused before anything was written

@@ -722,3 +722,80 @@ def test_the_first_batches_keep_their_shards_when_another_worker_reads_them_firs
     ds.__getitems__(order[:bs])
     assert c.stats.as_dict()["bytes_fetched"] == sum(pack.shard_sizes[:5])  # each shard once
     assert not list(stage.glob("*.0.need"))  # read: no longer needed
+
+
+def _hold_lock(path: str, held: Any, done: Any) -> None:
+    """In a child process: hold a record lock on ``path`` (a live download of another process) until ``done``."""
+    import fcntl
+
+    with open(path, "a+b") as f:
+        fcntl.lockf(f, fcntl.LOCK_EX)
+        held.set()
+        done.wait(60)
+
+
+def test_staging_leaves_no_lock_files_and_a_killed_downloads_leftovers_are_swept(
+    s3_bucket: tuple[str, dict[str, Any]], small_digits: Path, tmp_path: Path
+) -> None:
+    import multiprocessing as mp
+
+    listing, pack, c = _staging_cache(s3_bucket, small_digits, tmp_path, 2)
+    assert c.packed is not None
+    stage = tmp_path / "shards"
+    c.load(list(range(len(listing))))  # every shard staged, most evicted again
+    assert not list(stage.glob("*.lock"))  # a lock file lives only while its lock is held
+    names = [os.path.basename(c.packed._path(s)) for s in range(len(pack.shards))]
+    # A download killed mid-write (its lock file and half-written temporary file), a live download of another
+    # process (its lock held: kept), and a user's files named like the stage's.
+    dead_tmp = stage / f".{names[0]}.{'a' * 32}.tmp"
+    dead_tmp.write_bytes(b"half a shard")
+    (stage / f"{names[0]}.lock").write_bytes(b"")
+    (stage / "evict.lock").write_bytes(b"")
+    live_tmp = stage / f".{names[1]}.{'b' * 32}.tmp"
+    live_tmp.write_bytes(b"being written")
+    mine = {
+        "notes.lock": b"mine",
+        f".{names[2]}.tmp": b"mine too",
+        f".data.shard.{'c' * 32}.tmp": b"and mine",
+        "0123.shard.lock": b"",
+    }
+    for name, data in mine.items():
+        (stage / name).write_bytes(data)
+    ctx = mp.get_context("fork")
+    held, done = ctx.Event(), ctx.Event()
+    holder = ctx.Process(target=_hold_lock, args=(str(stage / f"{names[1]}.lock"), held, done))
+    holder.start()
+    try:
+        assert held.wait(30)
+        fresh = _cache(c.store.url, tmp_path, c.store.storage_options, stage_bytes=c.packed.stage_bytes)
+        assert fresh.packed is not None
+        assert not dead_tmp.exists() and not (stage / f"{names[0]}.lock").exists()
+        assert not (stage / "evict.lock").exists()
+        assert live_tmp.exists() and (stage / f"{names[1]}.lock").exists()  # never a lock a live process holds
+    finally:
+        done.set()
+        holder.join(30)
+    assert fresh.packed.sweep() == 2  # its holder is gone: the lock file and the temporary file
+    assert not live_tmp.exists() and not (stage / f"{names[1]}.lock").exists()
+    assert {n: (stage / n).read_bytes() for n in mine} == mine
+
+
+def test_needed_markers_of_a_rank_that_died_are_swept(
+    s3_bucket: tuple[str, dict[str, Any]], small_digits: Path, tmp_path: Path
+) -> None:
+    from lightning_accel.data.pack import _PID_SHIFT, new_publisher_id, order_group
+
+    pack, c, shard0 = _shard0_cache(s3_bucket, small_digits, tmp_path)
+    assert c.packed is not None
+    c.load(shard0)
+    gone = order_group(_dead_pid() << _PID_SHIFT | 5, 1)  # a rank killed mid-epoch: nothing releases its markers
+    here = order_group(new_publisher_id(), 1)
+    c.packed.need(gone, [(b, shard0) for b in range(3)], lambda b: False)
+    c.packed.need(here, [(3, shard0)], lambda b: False)
+    stage = tmp_path / "shards"
+    mine = stage / f"{os.path.basename(c.packed._path(0))[:-6]}.notes-1.0.need"  # a user's, named like a marker
+    mine.write_bytes(b"mine")
+    assert len(list(stage.glob(f"*.{gone}.*.need"))) == 3
+    assert c.packed.sweep() == 3
+    assert not list(stage.glob(f"*.{gone}.*.need"))
+    assert len(list(stage.glob(f"*.{here}.*.need"))) == 1 and mine.read_bytes() == b"mine"  # a live rank's stays

@@ -190,3 +190,47 @@ def test_a_run_resumed_mid_epoch_with_another_batch_size_reads_every_remaining_s
     assert len(set(before) | set(after)) == len(set(s[1:] for s in first.seen + second.seen if s[0] == 0))
     assert sorted(s[1:] for s in second.seen if s[0] == 1) == sorted(before + after)  # epoch 1 whole, same samples
     assert trainer.global_step == 3 + -(-(160 - 48) // new_batch) + -(-160 // new_batch)
+
+
+class _EpochEnds(L.Callback):
+    """Records, in order, the ends of training epochs beside the data module's undecodable-sample warnings."""
+
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.events.append(f"epoch {trainer.current_epoch} ended")
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_a_resumed_epoch_reports_its_skipped_samples_when_it_ends(
+    small_digits: Path, tmp_path: Path, num_workers: int
+) -> None:
+    import shutil
+    import warnings
+
+    origin = tmp_path / "origin"
+    shutil.copytree(small_digits, origin)
+    for p in sorted((origin / "4").glob("*.jpg"))[:8]:
+        p.write_bytes(b"")  # undecodable; some of them fall in the part of epoch 1 left after the checkpoint
+
+    def dm() -> CachedDataModule:
+        return _dm(origin, tmp_path, num_workers=num_workers, on_decode_error="skip")
+
+    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=13, save_top_k=-1)
+    _trainer(tmp_path, ckpt, max_steps=13).fit(_Seen(), datamodule=dm())
+    path = next((tmp_path / "ckpt").glob("*step=13.ckpt"))
+    events: list[str] = []
+
+    def record(message: Warning | str, *args: Any, **kwargs: Any) -> None:
+        if "undecodable" in str(message):
+            events.append(str(message))
+
+    with warnings.catch_warnings():  # restores `showwarning` on the way out
+        warnings.simplefilter("always")
+        warnings.showwarning = record  # in the order they come, beside the epoch ends
+        _trainer(tmp_path, _EpochEnds(events), enable_checkpointing=False).fit(_Seen(), datamodule=dm(), ckpt_path=path)
+    assert len(events) == 2, events
+    assert events[1] == "epoch 1 ended"  # reported as the resumed epoch ends, not at teardown
+    assert events[0].startswith("lightning_accel data: rank 0 skipped ")
+    assert " undecodable sample(s) in training (epoch 1; " in events[0]
