@@ -23,13 +23,14 @@ from typing_extensions import override
 from lightning_accel._utils.checks import check_bool, check_choice, check_int, renamed_argument
 from lightning_accel._utils.errors import one_line
 from lightning_accel._utils.patching import Patch, patch
-from lightning_accel.recipes.channel_groups import check_module_names
+from lightning_accel.recipes.channel_groups import UntraceableModelError, check_module_names
 from lightning_accel.recipes.distill import (
     check_distillation_args,
     combine_losses,
     distillation_loss,
     freeze_teacher,
     load_teacher,
+    teacher_fingerprint,
 )
 from lightning_accel.recipes.lr import WarmupCosineLR, apply_lr_scale, linear_scaling_factor
 from lightning_accel.recipes.prune import (
@@ -43,7 +44,14 @@ from lightning_accel.recipes.prune import (
     schedule_amounts,
 )
 
-__all__ = ["KnowledgeDistillation", "LinearScalingLR", "PerStepLR", "StructuredPruning", "bind_to_fit"]
+__all__ = [
+    "KnowledgeDistillation",
+    "LinearScalingLR",
+    "PerStepLR",
+    "StructuredPruning",
+    "bind_to_fit",
+    "fit_scheduler_steps",
+]
 
 
 def fit_steps_per_epoch(trainer: Trainer) -> float | None:
@@ -62,16 +70,49 @@ def fit_steps_per_epoch(trainer: Trainer) -> float | None:
     return float(per_epoch)
 
 
-def bind_to_fit(sched: WarmupCosineLR, trainer: Trainer, total_steps: int | float | None = None) -> None:
+def fit_scheduler_steps(trainer: Trainer, frequency: int) -> tuple[int | float, float | None]:
+    """Steps a per-step scheduler with ``frequency`` takes in ``trainer``'s current fit, and per epoch (``None`` when
+    ``max_steps`` bounds the fit).
+
+    Lightning steps an ``interval="step"`` scheduler after an optimizer step whose batch position in the epoch
+    (1-based) is a multiple of ``frequency``; the optimizer steps at every ``accumulate_grad_batches``-th batch and at
+    the epoch's last one. With ``frequency=1`` these are the optimizer steps (``estimated_stepping_batches``).
+    """
+    total_optimizer_steps = trainer.estimated_stepping_batches
+    if frequency == 1:
+        return total_optimizer_steps, fit_steps_per_epoch(trainer)
+    if not math.isfinite(total_optimizer_steps):
+        return total_optimizer_steps, None  # no bound at all: `WarmupCosineLR.bind` refuses it with the fix
+    accumulate = trainer.accumulate_grad_batches
+    every = math.lcm(accumulate, frequency)  # batch positions that are both an optimizer and a scheduler step
+    batches = trainer.num_training_batches
+    if not math.isfinite(batches):
+        return int(total_optimizer_steps) * accumulate // every, None
+    batches = int(batches)
+    # the epoch's last batch steps the optimizer too when it closes a partial accumulation
+    per_epoch = batches // every + int(batches % accumulate != 0 and batches % frequency == 0)
+    if fit_steps_per_epoch(trainer) is not None:
+        return per_epoch * (trainer.max_epochs or 0), float(per_epoch)
+    # bounded by `max_steps`: whole epochs, then the first optimizer steps of a last one (none of them its final batch)
+    full, rest = divmod(int(total_optimizer_steps), math.ceil(batches / accumulate))
+    return full * per_epoch + rest * accumulate // every, None
+
+
+def bind_to_fit(
+    sched: WarmupCosineLR, trainer: Trainer, total_steps: int | float | None = None, frequency: int = 1
+) -> None:
     """Bind ``sched`` to ``trainer``'s current fit: its length, and (resumed) its position in this fit's steps.
 
     Call it at ``on_train_start`` (after Lightning restored the checkpoint's scheduler state, which would otherwise
-    keep the first fit's horizon). ``total_steps`` defaults to ``trainer.estimated_stepping_batches``. Every rank
-    computes the same values from its own Trainer; no collective.
+    keep the first fit's horizon). ``total_steps`` defaults to the number of times Lightning steps the scheduler in
+    this fit: ``trainer.estimated_stepping_batches`` with the default ``frequency=1``, fewer with the ``frequency`` of
+    its ``interval="step"`` config (:func:`fit_scheduler_steps`). Every rank computes the same values from its own
+    Trainer; no collective.
     """
     before = (sched.total_steps, sched.step_offset)
-    total = trainer.estimated_stepping_batches if total_steps is None else total_steps
-    sched.bind(total, steps_per_epoch=fit_steps_per_epoch(trainer))
+    fit_total, per_epoch = fit_scheduler_steps(trainer, frequency)
+    total = fit_total if total_steps is None else total_steps
+    sched.bind(total, steps_per_epoch=per_epoch)
     if before[0] is not None and before != (sched.total_steps, sched.step_offset):
         step = max(0, sched.last_epoch)
         rank_zero_info(
@@ -211,6 +252,13 @@ class PerStepLR(Callback):
     continues on the 20-epoch cosine instead of training at ``min_lr``). Schedules given an explicit ``total_steps``
     keep their length. Other schedulers are left alone.
 
+    **Frequency.** A scheduler config with ``interval="step"`` keeps its ``frequency``: Lightning then steps the
+    schedule after every optimizer step that ends a batch position (in the epoch) divisible by ``frequency``, and the
+    schedule is bound to that number of steps (:func:`fit_scheduler_steps`), so it still spans the whole fit. A config
+    with the default ``interval="epoch"`` (the CLI block's) is switched to ``"step"``; one that also sets a
+    ``frequency`` other than 1 (a step every N epochs) is refused with a ``ValueError`` at ``on_train_start``, as is a
+    ``frequency`` larger than the batches of an epoch (the schedule would never step).
+
     Resumed at another world size (or batch size), the restored step counts steps of the old size: the schedule's
     position is converted through the epochs it represents (:func:`bind_to_fit`), so it continues from the same
     progress fraction and reaches ``min_lr`` at the end of this fit (at ``total_steps``, the index one past its last
@@ -223,10 +271,24 @@ class PerStepLR(Callback):
         for cfg in trainer.lr_scheduler_configs:
             if isinstance(cfg.scheduler, WarmupCosineLR):
                 found += 1
-                cfg.interval = "step"
-                cfg.frequency = 1
                 sched = cfg.scheduler
-                bind_to_fit(sched, trainer, sched.total_steps_arg)
+                if cfg.interval != "step" and cfg.frequency != 1:
+                    # "every N epochs" cannot be kept by a per-step schedule, and N batches is not what was asked
+                    raise ValueError(
+                        f"PerStepLR steps WarmupCosineLR per optimizer step, but its scheduler config has `interval` "
+                        f"{cfg.interval!r} with `frequency` {cfg.frequency!r} (a step every {cfg.frequency} epochs). "
+                        "Set `interval: 'step'` (`frequency` then counts batches), or drop PerStepLR."
+                    )
+                # LightningCLI's `lr_scheduler:` block gives the default interval, "epoch"
+                cfg.interval = "step"
+                steps, _ = fit_scheduler_steps(trainer, cfg.frequency)
+                if steps == 0 and sched.total_steps_arg is None:
+                    raise ValueError(
+                        f"The WarmupCosineLR scheduler config's `frequency` {cfg.frequency!r} never steps it in this "
+                        f"fit ({trainer.num_training_batches} batches per epoch). Use a `frequency` of at most the "
+                        "batches per epoch (1 steps it at every optimizer step)."
+                    )
+                bind_to_fit(sched, trainer, sched.total_steps_arg, frequency=cfg.frequency)
         if not found:
             rank_zero_warn("PerStepLR found no WarmupCosineLR scheduler in this fit; it changed nothing.")
 
@@ -279,6 +341,12 @@ class KnowledgeDistillation(Callback):
     moved to the module's device at fit start. Under DDP each rank runs its own teacher copy on its own shard of the
     batch.
 
+    **Several teachers.** Each callback adds its own term: with two, the second takes the first's combined loss as its
+    hard loss. The callbacks log apart (``distill/soft_loss`` for the first, ``distill/soft_loss_1`` for the second, in
+    ``callbacks`` order) and checkpoint apart: the state key names the teacher (its class and a hash of its weights,
+    :func:`~lightning_accel.recipes.distill.teacher_fingerprint`), ``temperature`` and ``alpha``, so a resume with
+    the same teachers gives each callback its own state.
+
     **Precision.** At fit start the teacher is converted, in place, to the dtype the Trainer's precision gives the
     student's inputs (``"bf16-true"``: bfloat16, ``"16-true"``: float16, ``"64-true"``: float64; the ``*-mixed``
     modes and ``"32-true"`` leave it as it is), and its inputs are converted like the batch, then to the teacher's
@@ -325,12 +393,17 @@ class KnowledgeDistillation(Callback):
         self.teacher = freeze_teacher(teacher)
         self.temperature = float(temperature)
         self.alpha = float(alpha)
+        # fixed here, before any fit converts the teacher (device, precision) or a schedule changes `alpha`, so a
+        # resume with the same arguments finds the same key
+        config = {"teacher": teacher_fingerprint(self.teacher), "temperature": self.temperature, "alpha": self.alpha}
+        self._state_key = f"{type(self).__qualname__}{config!r}"
         self._module: LightningModule | None = None
         self._precision: Precision | None = None
         self._teacher_dtype: torch.dtype | None = None
         self._hook: Any = None
         self._patch: Patch | None = None
         self._capturing = False
+        self._log_suffix = ""
         self._captured: list[tuple[tuple[Any, ...], dict[str, Any], Any]] = []
 
     @override
@@ -357,6 +430,10 @@ class KnowledgeDistillation(Callback):
             self.teacher.to(dtype=dtype)
         freeze_teacher(self.teacher)
         self._teacher_dtype = _floating_dtype(self.teacher)
+        # several teachers log apart (`distill/soft_loss`, `distill/soft_loss_1`, ...): one name would average them
+        mine = [cb for cb in trainer.callbacks if isinstance(cb, KnowledgeDistillation)]  # type: ignore[attr-defined]
+        index = next(i for i, cb in enumerate(mine) if cb is self)
+        self._log_suffix = f"_{index}" if index else ""
         self._install(pl_module)
 
     @override
@@ -375,10 +452,38 @@ class KnowledgeDistillation(Callback):
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._uninstall()  # a failed fit must not leave the module wrapped
 
+    @property
+    @override
+    def state_key(self) -> str:
+        # one key per teacher and hyper-parameters: Lightning refuses two stateful callbacks with one key, and an
+        # ensemble distils from two teachers with two callbacks; spelt as Lightning's own keys (`ModelCheckpoint{...}`)
+        return self._state_key
+
     @override
     def state_dict(self) -> dict[str, Any]:
         # Hyper-parameters only: the teacher's weights never go into the student's checkpoints.
         return {"temperature": self.temperature, "alpha": self.alpha}
+
+    @override
+    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        # a checkpoint written when the key was the bare class name (one callback at most): its state belongs to this
+        # callback if it is the only KnowledgeDistillation of the Trainer (otherwise which one wrote it is unknown)
+        states = checkpoint.get("callbacks") or {}
+        legacy = states.get(type(self).__qualname__)
+        mine = [cb for cb in trainer.callbacks if isinstance(cb, KnowledgeDistillation)]  # type: ignore[attr-defined]
+        if legacy and self.state_key not in states and len(mine) == 1:
+            self.load_state_dict(dict(legacy))
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # the configured hyper-parameters win over a checkpoint's (an older one, keyed by the bare class name, may
+        # hold others): a change is reported
+        saved = {k: state_dict.get(k) for k in ("temperature", "alpha")}
+        if saved != {"temperature": self.temperature, "alpha": self.alpha}:
+            rank_zero_warn(
+                f"KnowledgeDistillation: the checkpoint was trained with temperature {saved['temperature']} and alpha "
+                f"{saved['alpha']}; this fit continues with temperature {self.temperature} and alpha {self.alpha}."
+            )
 
     def _install(self, pl_module: LightningModule) -> None:
         if self._module is not None:
@@ -469,8 +574,9 @@ class KnowledgeDistillation(Callback):
             )
         soft = distillation_loss(student, teacher, self.temperature)
         loss = combine_losses(hard, soft, self.alpha)
-        pl_module.log("distill/hard_loss", hard.detach(), on_step=True, on_epoch=True, sync_dist=True)
-        pl_module.log("distill/soft_loss", soft.detach(), on_step=True, on_epoch=True, sync_dist=True)
+        suffix = self._log_suffix
+        pl_module.log(f"distill/hard_loss{suffix}", hard.detach(), on_step=True, on_epoch=True, sync_dist=True)
+        pl_module.log(f"distill/soft_loss{suffix}", soft.detach(), on_step=True, on_epoch=True, sync_dist=True)
         if isinstance(out, Mapping):
             return {**out, "loss": loss}
         return loss
@@ -670,6 +776,24 @@ class StructuredPruning(Callback):
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._remove_hook()
 
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # a scheduled epoch this fit never starts leaves the model (partly) unpruned, which nothing else would show
+        start, last = trainer.current_epoch, trainer.max_epochs
+        missed = [e for e in self.schedule if e < start and e not in self.done]
+        if missed:
+            rank_zero_warn(
+                f"StructuredPruning: `schedule` epochs {missed} come before epoch {start}, where this fit starts (a "
+                "resumed checkpoint that did not prune at them), so they will not prune. Schedule epochs >= "
+                f"{start} to prune in this fit."
+            )
+        beyond = [e for e in self.schedule if last is not None and last >= 0 and e >= last]
+        if beyond and last is not None:
+            rank_zero_warn(
+                f"StructuredPruning: `schedule` epochs {beyond} are not reached with `max_epochs={last}` (the last "
+                f"epoch is {last - 1}), so they will not prune. Raise `max_epochs` or schedule earlier epochs."
+            )
+
     def _remove_hook(self) -> None:
         if self._hook is not None:
             self._hook.remove()
@@ -744,16 +868,27 @@ class StructuredPruning(Callback):
         self, trainer: Trainer, pl_module: LightningModule, module: nn.Module, batch: Any, amount: float
     ) -> PruneResult:
         """One pruning step of ``module`` by ``amount``, then (``recalibrate_bn``) its BatchNorm statistics rebuilt."""
-        result = apply_structured_pruning(
-            module,
-            amount,
-            self._example_inputs(trainer, pl_module, batch),
-            norm=self.norm,
-            optimizers=trainer.optimizers,
-            ignore_modules=self.ignore_modules,
-            round_to=self.round_to,
-            fold_bn=self.fold_bn,
-        )
+        try:
+            result = apply_structured_pruning(
+                module,
+                amount,
+                self._example_inputs(trainer, pl_module, batch),
+                norm=self.norm,
+                optimizers=trainer.optimizers,
+                ignore_modules=self.ignore_modules,
+                round_to=self.round_to,
+                fold_bn=self.fold_bn,
+            )
+        except UntraceableModelError as e:
+            # the core cannot know the dotted names `target` takes, nor that the module already is a `target`
+            prefix = f"{self.target}." if self.target else ""
+            inside = [prefix + name for name, _ in module.named_children()]
+            what = f"`target` {self.target!r}" if self.target else "the LightningModule"
+            raise TypeError(
+                f"StructuredPruning could not trace {what} ({type(module).__name__}) with torch.fx ({e.reason}). Pass "
+                f"a traceable submodule as `target`, e.g. one of {inside}, or keep data-dependent control flow out of "
+                "its forward."
+            ) from e
         if self.recalibrate_bn:
             # one no-grad pass over the pruning batch with the norms in train mode: the sliced statistics describe the
             # unpruned network, which costs accuracy in eval mode until they are re-estimated (benchmarks/recipes.py

@@ -31,7 +31,16 @@ from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
 from lightning_accel._utils.checks import renamed_argument
 from lightning_accel._utils.errors import one_line
 
-__all__ = ["CONV_TYPES", "NORM_TYPES", "ChannelGroup", "Layer", "Norm", "check_module_names", "find_channel_groups"]
+__all__ = [
+    "CONV_TYPES",
+    "NORM_TYPES",
+    "ChannelGroup",
+    "Layer",
+    "Norm",
+    "UntraceableModelError",
+    "check_module_names",
+    "find_channel_groups",
+]
 
 #: the convolutions a channel group can slice (``groups == 1`` only)
 CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -187,16 +196,27 @@ def _squeeze_map(in_shape: Sequence[int], out_shape: Sequence[int], dim: int) ->
     return None
 
 
+class UntraceableModelError(TypeError):
+    """torch.fx cannot trace the model to prune (data-dependent control flow, ...); ``reason`` is the tracer's error
+    in one line."""
+
+    def __init__(self, message: str, *, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 def _trace(model: nn.Module, example_inputs: tuple[Any, ...]) -> torch.fx.GraphModule:
     try:
         tracer = torch.fx.Tracer()
         graph = tracer.trace(model)
         gm = torch.fx.GraphModule(tracer.root, graph)
     except Exception as e:
-        raise TypeError(
-            f"Structured pruning could not trace `{type(model).__name__}` with torch.fx "
-            f"({type(e).__name__}: {one_line(e)}). Prune a traceable submodule instead (e.g. `target='model'`), or "
-            "keep data-dependent control flow out of its forward."
+        reason = f"{type(e).__name__}: {one_line(e)}"
+        children = [name for name, _ in model.named_children()]
+        raise UntraceableModelError(
+            f"Structured pruning could not trace `{type(model).__name__}` with torch.fx ({reason}). Prune a traceable "
+            f"submodule instead (its children: {children}), or keep data-dependent control flow out of its forward.",
+            reason=reason,
         ) from e
     modes = {m: m.training for m in model.modules()}
     model.eval()

@@ -20,6 +20,7 @@ whose gradient is Hinton's ``(p_student - p_teacher) / T`` -- the cross-entropy 
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import inspect
 import math
@@ -41,6 +42,7 @@ __all__ = [
     "distillation_loss",
     "freeze_teacher",
     "load_teacher",
+    "teacher_fingerprint",
 ]
 
 
@@ -124,6 +126,34 @@ def freeze_teacher(teacher: nn.Module) -> nn.Module:
     teacher.requires_grad_(False)
     teacher.eval()
     return teacher
+
+
+#: Values of each tensor that :func:`teacher_fingerprint` reads.
+_FINGERPRINT_SAMPLES = 4096
+
+
+def teacher_fingerprint(teacher: nn.Module) -> str:
+    """``"<class name>@<hash>"``: the teacher's class and a 12-hex-digit hash of its ``state_dict`` (names, dtypes,
+    shapes, and up to 4096 evenly spaced values of each tensor), the same in every process, on every device and in
+    every run with the same weights.
+
+    It tells two teachers of one architecture apart (an ensemble of checkpoints). Entries whose bytes cannot be read
+    as a dense tensor's (the ``meta`` device, sparse or quantized tensors, a module's extra state) contribute their
+    names, types and shapes only.
+    """
+    h = hashlib.blake2b(digest_size=6)
+    for name, t in teacher.state_dict().items():
+        if not isinstance(t, torch.Tensor):
+            h.update(f"{name}:{type(t).__qualname__};".encode())
+            continue
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        if t.device.type == "meta" or t.layout != torch.strided or t.is_quantized:
+            continue
+        # evenly spaced elements, not all: a large teacher on the GPU would otherwise be copied to the host whole
+        flat = t.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // _FINGERPRINT_SAMPLES)][:_FINGERPRINT_SAMPLES]
+        h.update(sample.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return f"{type(teacher).__qualname__}@{h.hexdigest()}"
 
 
 def _resolve_class(cls: type[nn.Module] | str | None, path: str) -> type[nn.Module]:

@@ -227,7 +227,8 @@ class WarmupCosineLR(LRScheduler):
         last_epoch: index of the last step taken (``-1`` to start fresh), as in torch schedulers.
 
     Raises:
-        TypeError: an argument of the wrong type (a bool for a step count, too), naming it.
+        TypeError: an ``optimizer`` that is no ``Optimizer``, or an argument of the wrong type (a bool for a step
+            count, too), naming it.
         ValueError: both or a bad warm-up argument, a negative ``min_lr`` or one above a group's base rate, or a
             warm-up that is not shorter than ``total_steps`` -- each naming the argument.
     """
@@ -242,6 +243,12 @@ class WarmupCosineLR(LRScheduler):
         min_lr: float = 0.0,
         last_epoch: int = -1,
     ) -> None:
+        if not isinstance(optimizer, Optimizer):
+            # read below (`min_lr` against each group's rate) before torch's own check would name it
+            raise TypeError(
+                f"`optimizer` must be a torch.optim.Optimizer, got {type(optimizer).__name__}. Pass the optimizer "
+                "(e.g. `WarmupCosineLR(torch.optim.AdamW(model.parameters()), ...)`), not the model or its parameters."
+            )
         if warmup_steps is not None and warmup_fraction is not None:
             raise ValueError(
                 f"Pass either `warmup_steps` ({warmup_steps!r}) or `warmup_fraction` ({warmup_fraction!r}), not both."

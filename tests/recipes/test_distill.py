@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import pickle
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from lightning_accel.recipes.distill import (
     distillation_loss,
     freeze_teacher,
     load_teacher,
+    teacher_fingerprint,
 )
 
 
@@ -154,3 +157,30 @@ def test_teacher_from_a_delta_checkpoint(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("not a checkpoint")
     with pytest.raises(ValueError, match=r"notes\.txt.* neither a delta checkpoint manifest nor"):
         load_teacher(tmp_path / "notes.txt", _Net)
+
+
+class _WithExtraState(nn.Linear):
+    """A layer whose ``state_dict`` holds a non-tensor entry (``get_extra_state``), as some quantized layers do."""
+
+    def get_extra_state(self) -> Any:
+        return {"format": "e4m3"}
+
+    def set_extra_state(self, state: Any) -> None:
+        pass
+
+
+def test_teacher_fingerprint_tells_weights_apart_and_reads_any_state() -> None:
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    same = copy.deepcopy(a)
+    other = copy.deepcopy(a)
+    with torch.no_grad():
+        other.get_submodule("0").get_parameter("weight")[0, 0] += 1.0
+    assert teacher_fingerprint(a) == teacher_fingerprint(same)
+    assert teacher_fingerprint(a) != teacher_fingerprint(other)
+    assert teacher_fingerprint(a).startswith("Sequential@")
+    # entries without readable bytes (extra state, meta tensors) count by name and type
+    assert teacher_fingerprint(_WithExtraState(4, 3)).startswith("_WithExtraState@")
+    with torch.device("meta"):
+        meta = nn.Linear(4, 3)
+    assert teacher_fingerprint(meta) == teacher_fingerprint(copy.deepcopy(meta))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -105,7 +106,7 @@ def test_teacher_stays_out_of_optimizer_and_checkpoint(tmp_path: Path) -> None:
     assert not any(id(p) in teacher_ids for g in t.optimizers[0].param_groups for p in g["params"])
     saved = torch.load(tmp_path / "last.ckpt", weights_only=True)
     assert set(saved["state_dict"]) == set(student.state_dict())
-    assert saved["callbacks"]["KnowledgeDistillation"] == {"temperature": 4.0, "alpha": 0.5}
+    assert saved["callbacks"][kd.state_key] == {"temperature": 4.0, "alpha": 0.5}
     n_teacher = sum(p.numel() for p in teacher.parameters())
     assert not any(v.numel() == n_teacher for v in saved["state_dict"].values())
 
@@ -324,3 +325,43 @@ def test_teacher_follows_the_student_to_the_gpu() -> None:
     t = trainer(accelerator="gpu", callbacks=[KnowledgeDistillation(teacher, temperature=2.0, alpha=0.5), check])
     t.fit(DictStudent(), loader())
     assert next(teacher.parameters()).is_cuda and check.checked == 4
+
+
+def test_two_teachers_train_log_and_resume_apart(tmp_path: Path) -> None:
+    """Two callbacks (an ensemble of two teachers of one architecture) share a Trainer, its logs and checkpoints."""
+    first, second = _teacher(seed=1), _teacher(seed=2)
+    kds = [KnowledgeDistillation(first, temperature=2.0), KnowledgeDistillation(second, temperature=2.0)]
+    assert kds[0].state_key != kds[1].state_key
+    ckpt = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    t = trainer(callbacks=[*kds, ckpt], enable_checkpointing=True)
+    t.fit(DictStudent(), loader())
+    assert {"distill/soft_loss_epoch", "distill/soft_loss_1_epoch"} <= set(t.callback_metrics)
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=False)["callbacks"]
+    assert {kd.state_key for kd in kds} <= set(saved)
+
+    # a resume with fresh callbacks over the same teachers, listed the other way round, maps each state back
+    again = [KnowledgeDistillation(copy.deepcopy(second), temperature=2.0, alpha=0.5)]
+    again.append(KnowledgeDistillation(copy.deepcopy(first), temperature=2.0, alpha=0.5))
+    assert [kd.state_key for kd in again] == [kds[1].state_key, kds[0].state_key]
+    restored: list[tuple[str, dict[str, Any]]] = []
+
+    def recorder(kd: KnowledgeDistillation) -> Callable[[dict[str, Any]], None]:
+        return lambda state: restored.append((kd.state_key, state))
+
+    for kd in again:
+        kd.load_state_dict = recorder(kd)  # type: ignore[method-assign, assignment]
+    trainer(callbacks=again, max_epochs=2).fit(DictStudent(), loader(), ckpt_path=tmp_path / "last.ckpt")
+    assert sorted(restored) == sorted((kd.state_key, saved[kd.state_key]) for kd in kds)
+
+
+def test_a_bare_class_name_state_from_an_older_checkpoint_is_checked(tmp_path: Path) -> None:
+    t = trainer(callbacks=[KnowledgeDistillation(_teacher(), temperature=3.0)], enable_checkpointing=False)
+    t.fit(DictStudent(), loader())
+    t.save_checkpoint(tmp_path / "a.ckpt")
+    state = torch.load(tmp_path / "a.ckpt", weights_only=False)
+    state["callbacks"] = {"KnowledgeDistillation": {"temperature": 4.0, "alpha": 0.5}}
+    torch.save(state, tmp_path / "old.ckpt")
+    with pytest.warns(UserWarning, match="trained with temperature 4.0 and alpha 0.5; this fit continues with temp"):
+        trainer(callbacks=[KnowledgeDistillation(_teacher(), temperature=3.0)], max_epochs=2).fit(
+            DictStudent(), loader(), ckpt_path=tmp_path / "old.ckpt"
+        )

@@ -212,6 +212,13 @@ def test_warmup_fraction_and_bad_arguments() -> None:
     with pytest.raises(TypeError, match="`warmup_steps` must be an integer >= 0 or None, got True"):
         WarmupCosineLR(_opt(), total_steps=10, warmup_steps=True)
     assert WarmupCosineLR(_opt(), total_steps=10.0).total_steps == 10  # a whole float is a step count
+
+
+@pytest.mark.parametrize("given", [None, torch.nn.Linear(2, 2)])
+def test_something_else_than_an_optimizer_is_named(given: Any) -> None:
+    # the model (or nothing) where the optimizer belongs, named before `param_groups` is read
+    with pytest.raises(TypeError, match=r"`optimizer` must be a torch.optim.Optimizer, got (NoneType|Linear)\. Pass"):
+        WarmupCosineLR(given, total_steps=10)
     with pytest.raises(ValueError, match="infinite"):
         WarmupCosineLR(_opt(), total_steps=float("inf"))
 

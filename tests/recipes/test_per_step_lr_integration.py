@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -61,3 +62,52 @@ def test_warns_when_there_is_nothing_to_bind() -> None:
     m.configure_optimizers = lambda: torch.optim.SGD(m.parameters(), lr=0.1)  # type: ignore[method-assign]
     with pytest.warns(UserWarning, match="found no WarmupCosineLR"):
         trainer(callbacks=[PerStepLR()], limit_train_batches=1).fit(m, loader())
+
+
+def _scheduled(interval: str, frequency: int) -> Any:
+    m = classifier()
+
+    def configure_optimizers() -> dict[str, Any]:
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        config = {"scheduler": WarmupCosineLR(opt), "interval": interval, "frequency": frequency}
+        return {"optimizer": opt, "lr_scheduler": config}
+
+    m.configure_optimizers = configure_optimizers  # type: ignore[method-assign]
+    return m
+
+
+@pytest.mark.parametrize(
+    ("accumulate", "batches", "epochs", "max_steps", "steps"), [(1, 8, 1, -1, 4), (2, 7, 2, -1, 2), (1, 8, 3, 10, 5)]
+)
+def test_step_frequency_is_kept_and_the_schedule_spans_the_fit(
+    accumulate: int, batches: int, epochs: int, max_steps: int, steps: int
+) -> None:
+    probe = LRProbe()
+    t = trainer(
+        callbacks=[PerStepLR(), probe],
+        limit_train_batches=batches,
+        max_epochs=epochs,
+        max_steps=max_steps,
+        accumulate_grad_batches=accumulate,
+    )
+    t.fit(_scheduled("step", 2 if accumulate == 1 else 3), loader())
+    cfg = t.lr_scheduler_configs[0]
+    sched = cfg.scheduler
+    assert cfg.interval == "step" and cfg.frequency == (2 if accumulate == 1 else 3)
+    assert isinstance(sched, WarmupCosineLR)
+    # bound to the steps Lightning takes at this frequency, so the cosine ends at `min_lr` with the fit
+    assert sched.total_steps == steps and sched.last_epoch == steps
+    assert t.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.0)
+    if accumulate == 1:  # the rate changes every second batch
+        assert probe.lrs[0::2] == probe.lrs[1::2]
+        assert probe.lrs[0::2] == pytest.approx([0.05 * (1 + math.cos(math.pi * k / steps)) for k in range(steps)])
+
+
+def test_epoch_frequency_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"`interval` 'epoch' with `frequency` 2"):
+        trainer(callbacks=[PerStepLR()]).fit(_scheduled("epoch", 2), loader())
+
+
+def test_frequency_that_never_steps_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"`frequency` 9 never steps it"):
+        trainer(callbacks=[PerStepLR()], limit_train_batches=8).fit(_scheduled("step", 9), loader())

@@ -12,9 +12,11 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
 from lightning_accel.callbacks import StructuredPruning
+from lightning_accel.models import TinyGPT
 from lightning_accel.recipes.prune import batch_norms, count_parameters, recalibrate_batchnorm
 from tests.helpers import run_in_processes
 from tests.tiny import classifier, loader, trainer
@@ -428,3 +430,38 @@ def test_ranks_whose_weights_differ_keep_rank_0s_channels(strategy: str) -> None
     # pruned); rank 1's own ranking would have kept the bottom ones
     assert r0 and all(k == list(range(k[0], k[0] + len(k))) for k in r0)
     assert any(k[0] > 0 for k in r0)
+
+
+def test_scheduled_epochs_the_fit_never_runs_are_reported(tmp_path: Path) -> None:
+    model = classifier(width=8)
+    before = count_parameters(model)
+    with pytest.warns(UserWarning, match=r"`schedule` epochs \[3\] are not reached with `max_epochs=2`"):
+        trainer(callbacks=[StructuredPruning(0.5, schedule=[1, 3])], max_epochs=2).fit(model, loader())
+    assert count_parameters(model) < before  # epoch 1 pruned; the warning is about epoch 3 only
+
+    # a plain run's checkpoint resumed with pruning at epoch 0 added: the fit starts at epoch 1
+    plain = trainer()
+    plain.fit(classifier(width=8), loader())
+    plain.save_checkpoint(tmp_path / "plain.ckpt")
+    resumed = classifier(width=8)
+    with pytest.warns(UserWarning, match=r"`schedule` epochs \[0\] come before epoch 1, where this fit starts"):
+        trainer(callbacks=[StructuredPruning(0.5, schedule=0)], max_epochs=2).fit(
+            resumed, loader(), ckpt_path=tmp_path / "plain.ckpt"
+        )
+    assert count_parameters(resumed) == before
+
+
+@pytest.mark.parametrize(
+    ("target", "what", "inside"),
+    [("model", "`target` 'model' (GPT)", "'model.blocks'"), (None, "the LightningModule (TinyGPT)", "['model']")],
+)
+def test_an_untraceable_module_names_the_target_and_submodules_to_try(
+    target: str | None, what: str, inside: str
+) -> None:
+    tokens = DataLoader(TensorDataset(torch.randint(0, 27, (16, 17))), batch_size=8)
+    model = TinyGPT(n_layer=1, n_embd=32)  # its forward checks the sequence length: data-dependent control flow
+    with pytest.raises(TypeError, match="could not trace") as info:
+        trainer(callbacks=[StructuredPruning(0.25, target=target)], limit_train_batches=1).fit(model, tokens)
+    message = str(info.value)
+    assert f"could not trace {what} with torch.fx" in message and inside in message
+    assert "e.g. `target='model'`" not in message  # not the advice to pass the `target` already given
