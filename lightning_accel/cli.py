@@ -18,13 +18,18 @@ config; :mod:`lightning_accel.tune`) are plain argparse tools; ``--help`` lists 
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import glob
 import importlib
 import inspect
 import os
 import pickle
+import re
 import sys
 import typing
+import warnings
+from collections.abc import Iterator
 from typing import Any, Union
 
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
@@ -146,6 +151,17 @@ def _name_with_options_error(key: str, text: str) -> ConfigError | None:
     name, option = found
     path = _strategy_class_path(name) if key == "trainer.strategy" else None
     cls = f"`--{key}={path}`" if path else f"the class by its import path (`--{key}=package.module.Class`)"
+    options = _class_options(strategy) if path and (strategy := _import_class(path)) is not None else []
+    if path and options and option.split(".")[0] not in options:
+        # the class takes no such option either: pointing at `--key.<option>` would only lead to a second error
+        close = _closest(option, options)
+        fix = f"did you mean {close!r}?" if close else f"`--{key}.help {path}` lists its options."
+        return ConfigError(
+            f"{key}.{option}",
+            f"{name!r} is a name, which takes no options, and its class {path.rsplit('.', 1)[-1]} has no option "
+            f"{option!r}; {fix} (an option is given with the class: `--{key}={path}` `--{key}.<option>=...`).",
+            text,
+        )
     params = _strategy_init_params(name) if path else {}
     also = "".join(f" `--{key}.{k}={v}`" for k, v in params.items() if k != option)
     also = f" and{also} (what the name sets)" if also else ""
@@ -290,8 +306,8 @@ def _top_level_key_error(text: str, subparsers: dict[str, Any], args: Any) -> Co
     if not keys or head in keys:
         return None
     where = f"`lightning-accel {sub}`" if sub else "`lightning-accel`"
-    close = difflib.get_close_matches(head, keys, n=1)
-    fix = f"did you mean {close[0]!r}?" if close else f"{where[:-1]} --help` lists its options."
+    close = _closest(head, keys)
+    fix = f"did you mean {close!r}?" if close else f"{where[:-1]} --help` lists its options."
     return ConfigError(head, f"not an option of {where}; {fix}", text)
 
 
@@ -342,14 +358,24 @@ def _unknown_option_error(key: str, class_path: str, option: str, detail: str = 
         structural = difflib.get_close_matches(head, _CLASS_CONFIG_KEYS, n=1, cutoff=0.8)
         if structural and head not in _CLASS_CONFIG_KEYS:
             return ConfigError(f"{key}.{head}" if key else head, _class_key_message(structural[0]), detail)
-    close = difflib.get_close_matches(option, options, n=1)
+    close = _closest(option, options)
     if close:
-        fix = f"did you mean {close[0]!r}?"
+        fix = f"did you mean {close!r}?"
     elif class_path:
         fix = f"`--{key}.help {class_path}` lists its options."
     else:
         fix = "`--help` lists its options."
     return ConfigError(f"{key}.{option}" if key else option, f"not an option of {cls.__name__}; {fix}", detail)
+
+
+def _closest(name: str, choices: list[str]) -> str | None:
+    """The accepted name ``name`` most likely meant: the only one it begins (a shortened option, ``max_ep``, which
+    spelling alone would match to ``max_steps``), else the closest spelling; None when nothing is close."""
+    starting = [c for c in choices if c.startswith(name)]
+    if len(starting) == 1:
+        return starting[0]
+    close = difflib.get_close_matches(name, choices, n=1)
+    return close[0] if close else None
 
 
 def _class_options(cls: type) -> list[str]:
@@ -504,8 +530,17 @@ class AccelArgumentParser(LightningArgumentParser):
 
     ``limit_train_batches: 1`` means one batch and ``1.0`` the whole epoch (Lightning's documented meaning), for the
     ``limit_*_batches``, ``val_check_interval`` and ``overfit_batches`` family, whatever order the signature's Union
-    resolved to (see :func:`int_first_hint`).
+    resolved to (see :func:`int_first_hint`). A config it writes (``--print_config``, the run's ``config.yaml``)
+    names every class by its current import path, never a deprecated alias (see :func:`_current_class_paths`).
     """
+
+    @override
+    def dump(self, namespace: Any, *args: Any, **kwargs: Any) -> str:
+        # `--print_config` dumps straight from the parse, before AccelCLI.parse_arguments can rewrite the config
+        namespace = namespace.clone()
+        _current_class_paths(namespace)
+        with _quiet_alias_lookups():
+            return str(super().dump(namespace, *args, **kwargs))
 
     @override
     def add_lightning_class_args(
@@ -551,7 +586,9 @@ class AccelCLI(LightningCLI):
             subclass_mode_data=True,
             save_config_callback=SaveConfigBesideLogs,
             parser_class=AccelArgumentParser,
-            parser_kwargs={"prog": "lightning-accel", "exit_on_error": False, "epilog": _EPILOG},
+            # allow_abbrev=False: argparse would take `--trainer.max_ep` for `--trainer.max_epochs` and a typo for
+            # whichever option it prefixes; an option is spelt in full or refused with the closest name
+            parser_kwargs={"prog": "lightning-accel", "exit_on_error": False, "epilog": _EPILOG, "allow_abbrev": False},
             args=args,
             run=run,
         )
@@ -565,6 +602,13 @@ class AccelCLI(LightningCLI):
 
     @override
     def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
+        """Parse as LightningCLI does; every ``class_path`` that names a deprecated alias of this package is replaced by
+        the class's current import path (see :func:`_current_class_paths`)."""
+        with _quiet_alias_lookups():
+            self._parse_arguments(parser, args)
+        _current_class_paths(self.config)
+
+    def _parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
         from jsonargparse import ArgumentError
 
         try:
@@ -586,6 +630,9 @@ class AccelCLI(LightningCLI):
                 self._hidden_ckpt_path = ckpt_path
                 self.config[sub]["ckpt_path"] = None
             return
+        if os.path.isdir(ckpt_path):
+            _check_ckpt_folder(ckpt_path)
+            return  # a sharded checkpoint (a folder of shards): read by the strategy that wrote it
         if not os.path.isfile(ckpt_path):
             return  # a URL: resolved and read later, by the checkpoint plugin's reader
         model = compat.cli_model_config(read_ckpt_arg(ckpt_path).get("hyper_parameters", {}))
@@ -604,7 +651,8 @@ class AccelCLI(LightningCLI):
         """Instantiate as LightningCLI does; a class refusing its arguments becomes one :class:`ConfigError` naming
         the config key (jsonargparse reports it inside a dump of every Union subtype it tried)."""
         try:
-            super().instantiate_classes()
+            with _quiet_alias_lookups():
+                super().instantiate_classes()
         except (ValueError, TypeError) as e:
             if isinstance(e, ConfigError) or not compat.is_jsonargparse_union_error(e):
                 raise
@@ -643,10 +691,64 @@ class AccelCLI(LightningCLI):
 
             sub["ckpt_path"] = resolve_ckpt_path(trainer, "last")
             if sub["ckpt_path"] not in (None, "last") and trainer.is_global_zero:
-                print(f"lightning-accel: resuming from {sub['ckpt_path']}", file=sys.stderr)
+                doing = _CKPT_USE.get(self.subcommand, "using")  # only `fit` resumes a run
+                print(f"lightning-accel: {doing} {sub['ckpt_path']}", file=sys.stderr)
         if self.subcommand and isinstance(ckpt := sub.get("ckpt_path"), str):
             _check_manifest_reader(ckpt, trainer)
         return trainer
+
+
+@contextlib.contextmanager
+def _quiet_alias_lookups() -> Iterator[None]:
+    """Silence the ``DeprecationWarning`` of this package's moved names (``lightning_accel.ImageClassifier``) when
+    jsonargparse looks them up: to name a class by its shortest import path it tries ``getattr`` on every parent
+    module, so ``class_path: lightning_accel.models.ImageClassifier`` warned about an alias the config never named."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore",
+            message=r"`lightning_accel\.\w+` is deprecated",
+            category=DeprecationWarning,
+            module="jsonargparse",
+        )
+        yield
+
+
+def _current_class_paths(config: Any) -> None:
+    """Replace, in place, every ``class_path`` of ``config`` that names a deprecated alias of a moved class (a module's
+    lazy ``__getattr__`` name, e.g. ``lightning_accel.ImageClassifier``) by the class's current import path
+    (``lightning_accel.models.ImageClassifier``).
+
+    jsonargparse resolves a bare class name (``--model=ImageClassifier``) to the shortest path that reaches the class,
+    which is the alias: the run's saved ``config.yaml`` would name it, warn when reloaded and stop loading once the
+    alias is removed. Paths that name a class where it is defined, or that do not import, are left as they are.
+    """
+    from jsonargparse import Namespace
+
+    if isinstance(config, Namespace):
+        path = config.get("class_path")
+        if isinstance(path, str):
+            config["class_path"] = _current_class_path(path)
+        for value in vars(config).values():
+            _current_class_paths(value)
+    elif isinstance(config, (list, tuple)):
+        for value in config:
+            _current_class_paths(value)
+
+
+def _current_class_path(class_path: str) -> str:
+    """``class_path``, or the current import path of its class when ``class_path`` names a deprecated alias."""
+    module_name, _, name = class_path.rpartition(".")
+    module = sys.modules.get(module_name)  # the parse imported every class it resolved
+    if module is None or name in vars(module):  # vars: a module's own names, never a lazy alias
+        return class_path
+    with warnings.catch_warnings():  # the alias warns; its target is what is read here
+        warnings.simplefilter("ignore", DeprecationWarning)
+        obj = getattr(module, name, None)
+    return _public_path(obj) if isinstance(obj, type) else class_path
+
+
+# what the run does with the checkpoint `--ckpt_path last` resolved to, in the line that names it
+_CKPT_USE = {"fit": "resuming from", "validate": "validating", "test": "testing", "predict": "predicting with"}
 
 
 def _check_manifest_reader(ckpt_path: str, trainer: Trainer) -> None:
@@ -722,6 +824,30 @@ def _is_ckpt_keyword(ckpt_path: str) -> bool:
     ``registry:<name>`` (any case, as Lightning matches it)."""
     low = ckpt_path.lower()
     return ckpt_path in ("last", "best", "hpc") or low == "registry" or low.startswith("registry:")
+
+
+def _check_ckpt_folder(path: str) -> None:
+    """Refuse a ``--ckpt_path`` folder that holds ``.ckpt`` files (a ``checkpoints/`` or ``lightning_logs/`` folder):
+    it is not a checkpoint but a place of them, and Lightning's reader opened it as a file and ended in an
+    ``IsADirectoryError`` traceback once the model was built. A folder without ``.ckpt`` files may be a sharded
+    checkpoint (distributed checkpoint shards, DeepSpeed), which its strategy reads: it is let through.
+
+    Raises:
+        ConfigError: naming the folder, its newest checkpoint as the example and the ``last`` keyword.
+    """
+    found = glob.glob(os.path.join(glob.escape(path), "**", "*.ckpt"), recursive=True)
+    files = [f for f in found if os.path.isfile(f)]
+    if not files:
+        return
+    newest = max(files, key=os.path.getmtime)
+    which = (
+        f"{len(files)} checkpoints: pass one of them, e.g. the newest," if len(files) > 1 else "1 checkpoint: pass it,"
+    )
+    raise ConfigError(
+        "ckpt_path",
+        f"{path!r} is a folder, not a checkpoint file; it holds {which} `--ckpt_path={newest}`, or `--ckpt_path last` "
+        "for the last checkpoint the run's ModelCheckpoint saved.",
+    )
 
 
 def read_ckpt_arg(path: str) -> dict[str, Any]:
@@ -800,13 +926,19 @@ def _config_folder_message(path: str) -> str:
 
 
 def _check_config_file(path: str) -> dict[str, Any]:
-    """Refuse a ``--config`` file that is not valid YAML, is empty or is not a mapping, naming the file; else its
-    content."""
+    """Refuse a ``--config`` file that is not valid YAML, sets a key twice in one mapping, is empty or is not a
+    mapping, naming the file; else its content."""
     import yaml  # type: ignore[import-untyped]  # PyYAML ships no type hints
 
     try:
         with open(path, encoding="utf-8") as f:
-            content = yaml.safe_load(f)
+            content = yaml.load(f, Loader=_unique_key_loader())  # noqa: S506 - a SafeLoader subclass
+    except _DuplicateKeyError as e:
+        raise ConfigError(
+            "",
+            f"`--config` {path!r} sets {e.key!r} twice in one mapping (lines {e.first} and {e.second}): YAML keeps "
+            f"only the second, so everything set by the first was dropped. Keep one {e.key!r} and merge the two.",
+        ) from e
     except UnicodeDecodeError as e:
         raise ConfigError("", f"`--config` {path!r} is not a text file ({e.reason}). Pass a YAML file.") from e
     except yaml.YAMLError as e:
@@ -831,7 +963,76 @@ def _check_config_file(path: str) -> dict[str, Any]:
             f"`--config` {path!r} must hold a mapping of settings (`key: value` lines), got a "
             f"{type(content).__name__}. E.g. `trainer:` then `  max_epochs: 5`.",
         )
+    _refuse_variables(path, content)
     return content
+
+
+class _DuplicateKeyError(ValueError):
+    """A key set twice in one YAML mapping, with the 1-based lines of both."""
+
+    def __init__(self, key: Any, first: int, second: int) -> None:
+        super().__init__(f"{key!r} set twice (lines {first} and {second})")
+        self.key = key
+        self.first = first
+        self.second = second
+
+
+def _unique_key_loader() -> type:
+    """PyYAML's ``SafeLoader``, refusing a mapping that holds a key twice (:class:`_DuplicateKeyError`).
+
+    PyYAML (and so jsonargparse) keeps the last value of a repeated key without a word: a second ``trainer:`` block
+    dropped every setting of the first (``max_epochs: 1`` became the default of 1000 epochs).
+    """
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # `<<: *base`: keys set beside a merge override it, as YAML means
+                key = self.construct_object(key_node, deep=deep)
+                try:
+                    first = seen.setdefault(key, key_node.start_mark.line + 1)
+                except TypeError:
+                    continue  # an unhashable key: SafeLoader refuses it itself
+                if first != key_node.start_mark.line + 1:
+                    raise _DuplicateKeyError(key, first, key_node.start_mark.line + 1)
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeyLoader
+
+
+# What a user writes expecting it expanded: `${NAME}` anywhere (shell, docker-compose, OmegaConf), or a value that
+# starts with `$NAME` as a whole path part (`$HOME/runs`, `$CKPT`). A `$` elsewhere (a password, `price$usd`) is a
+# literal character that a refusal would leave no way to write.
+_VARIABLE = re.compile(r"\$\{[^}]*\}|^\$[A-Za-z_][A-Za-z0-9_]*(?=/|$)")
+
+
+def _refuse_variables(path: str, content: Any, key: str = "") -> None:
+    """Refuse a ``--config`` value holding ``${NAME}``, or starting with ``$NAME`` as a whole path part (``$HOME/x``):
+    configs are read as plain YAML, nothing in them
+    is expanded, so ``default_root_dir: ${RUNS}/x`` would make a folder literally named ``${RUNS}`` in the working
+    directory. The shell expands the same value given on the command line, which the message suggests.
+
+    Raises:
+        ConfigError: naming the key, the value, the file and the two fixes.
+    """
+    if isinstance(content, dict):
+        for k, v in content.items():
+            _refuse_variables(path, v, f"{key}.{k}" if key else str(k))
+    elif isinstance(content, list):
+        for i, v in enumerate(content):
+            _refuse_variables(path, v, f"{key}[{i}]")
+    elif isinstance(content, str) and (found := _VARIABLE.search(content)) is not None:
+        # a list item has no command-line flag of its own: the example is given for plain keys only
+        example = f': `--{key}="{content}"`' if "[" not in key else ""
+        raise ConfigError(
+            key,
+            f"{content!r} in `--config` {path!r} holds {found.group()!r}, which is not expanded (config values are "
+            "taken as written, not read from the environment); write the value itself, or give it on the command "
+            f"line, where the shell expands it{example}.",
+        )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -240,3 +241,38 @@ def test_tune_help_is_plain_text() -> None:
     assert "``" not in text and ":func:" not in text, text
     assert "(see lightning_accel.tune.tune_job)" in " ".join(text.split())
     assert plain_help("a ``b``\n:class:`~x.Y` and :mod:`z`") == "a `b` x.Y and z"
+
+
+def test_a_bare_class_name_is_saved_by_its_current_import_path(
+    monkeypatch: pytest.MonkeyPatch, recwarn: pytest.WarningsRecorder
+) -> None:
+    # once the demo is imported, jsonargparse resolves `--model=ImageClassifier` to the shortest path reaching the
+    # class, the deprecated alias `lightning_accel.ImageClassifier`: the saved config.yaml named it, and reloading it
+    # (or any config naming the class) warned about the alias
+    import lightning_accel.datasets
+    import lightning_accel.models  # noqa: F401 - the demo imported, as in a script or an earlier run in the process
+    from lightning_accel.cli import AccelCLI
+
+    monkeypatch.setattr("sys.argv", ["lightning-accel"])
+    warnings.simplefilter("always", DeprecationWarning)
+    cli = AccelCLI(args=["--model=ImageClassifier", "--data=DigitsDataModule", "--trainer.logger=false"], run=False)
+    assert cli.config["model"]["class_path"] == "lightning_accel.models.ImageClassifier"
+    assert cli.config["data"]["class_path"] == "lightning_accel.datasets.DigitsDataModule"
+    saved = cli.parser.dump(cli.config, skip_none=False)  # what SaveConfigCallback writes
+    assert "class_path: lightning_accel.models.ImageClassifier" in saved
+    assert "class_path: lightning_accel.datasets.DigitsDataModule" in saved
+    alias_warnings = [str(w.message) for w in recwarn if "`lightning_accel." in str(w.message)]
+    assert not alias_warnings
+
+
+def test_print_config_names_a_bare_class_by_its_current_import_path(capsys: pytest.CaptureFixture[str]) -> None:
+    # `--print_config` dumps the config straight from the parse: it printed the alias `lightning_accel.ImageClassifier`
+    import lightning_accel.datasets
+    import lightning_accel.models  # noqa: F401 - the demo imported, as in a script or an earlier run in the process
+
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", "--model=ImageClassifier", "--data=DigitsDataModule", "--print_config"])
+    assert exc.value.code in (0, None)
+    out = capsys.readouterr().out
+    assert "class_path: lightning_accel.models.ImageClassifier" in out
+    assert "class_path: lightning_accel.datasets.DigitsDataModule" in out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ import pytest
 
 from lightning_accel._utils.fs import FileStore
 from lightning_accel.checkpoint.lock import DirectoryLock
-from lightning_accel.cli import _user_line, main
+from lightning_accel.cli import _check_config_file, _user_line, main
 from tests.test_cli import _tiny
 
 
@@ -145,6 +146,11 @@ def test_ckpt_path_last_says_which_file_it_resumed(
     main(_fit_argv(digits_dir, run, "--trainer.max_epochs=2", "--ckpt_path=last"))
     err = capfd.readouterr().err
     assert f"lightning-accel: resuming from {run / 'checkpoints' / 'last.ckpt'}" in err.splitlines()
+    # validating a checkpoint resumes nothing: the line says what the run does with it
+    argv = [a for a in _fit_argv(digits_dir, run) if "max_epochs" not in a and "limit_train" not in a]
+    main(["validate", *argv[1:], "--ckpt_path=last"])
+    err = capfd.readouterr().err
+    assert f"lightning-accel: validating {run / 'checkpoints' / 'last.ckpt'}" in err.splitlines()
 
 
 def test_optimizer_state_of_another_optimizer(
@@ -440,3 +446,104 @@ def test_a_delta_checkpoint_without_the_plugin_to_read_it(
         "`class_path:` in the YAML), or pass a plain file made by `lightning-accel ckpt export`."
     )
     main([*argv, "--trainer.plugins+=lightning_accel.DeltaCheckpointIO", f"--ckpt_path={last}"])  # the fix works
+
+
+@pytest.mark.parametrize(
+    ("option", "expected"),
+    [
+        (["--trainer.max_ep", "1"], "trainer.max_ep: not an option of Trainer; did you mean 'max_epochs'?"),
+        (["--trainer.limit_val=0"], "trainer.limit_val: not an option of Trainer; did you mean 'limit_val_batches'?"),
+        (["--seed_every", "3"], "seed_every: not an option of `lightning-accel fit`; did you mean 'seed_everything'?"),
+    ],
+    ids=["trainer-space", "trainer-equals", "top-level"],
+)
+def test_a_shortened_option_is_refused_with_its_full_name(
+    option: list[str], expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # argparse took any unique prefix of an option (`--trainer.max_ep` ran with `max_epochs`), so a typo bound
+    # silently to whichever option it began; `--print_config` then printed the config and exited 0
+    line = _one_line_error([*_BORING, *option, "--print_config"], capsys)
+    assert line == f"lightning-accel: error: {expected}"
+
+
+def test_a_variable_in_a_config_is_refused_not_taken_literally(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `${RUNS}` was taken as written: `default_root_dir: ${RUNS}/x` made a folder named `${RUNS}` in the cwd
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("RUNS", str(tmp_path / "runs"))
+    config = tmp_path / "job.yaml"
+    config.write_text(
+        "trainer:\n  default_root_dir: ${RUNS}/x\n  callbacks:\n"
+        "    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n      init_args:\n        dirpath: $CKPT\n"
+    )
+    line = _one_line_error([*_BORING, "--config", str(config), "--print_config"], capsys)
+    assert line == (
+        f"lightning-accel: error: trainer.default_root_dir: '${{RUNS}}/x' in `--config` {str(config)!r} holds "
+        "'${RUNS}', which is not expanded (config values are taken as written, not read from the environment); "
+        "write the value itself, or give it on the command line, where the shell expands it: "
+        '`--trainer.default_root_dir="${RUNS}/x"`.'
+    )
+    config.write_text(config.read_text().replace("${RUNS}/x", "runs"))  # a list item: the key, no flag to suggest
+    line = _one_line_error([*_BORING, "--config", str(config), "--print_config"], capsys)
+    assert line.startswith("lightning-accel: error: trainer.callbacks[0].init_args.dirpath: '$CKPT' in `--config` ")
+    assert line.endswith("where the shell expands it.")
+    assert not list(tmp_path.glob("$*"))
+    # any other `$` is a literal character (a password, a name), which a refusal would leave no way to write
+    config.write_text(config.read_text().replace("$CKPT", "ck$pt/x$y"))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        main([*_BORING, "--config", str(config), "--print_config"])
+    assert exc.value.code in (0, None) and "dirpath: ck$pt/x$y" in capsys.readouterr().out
+
+
+def test_a_folder_of_checkpoints_as_ckpt_path_names_its_newest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `--ckpt_path runs/.../checkpoints` was opened as a file once the model was built: an IsADirectoryError traceback
+    monkeypatch.chdir(tmp_path)
+    folder = Path("logs", "version_0", "checkpoints")
+    folder.mkdir(parents=True)
+    (folder / "epoch=0-step=4.ckpt").write_bytes(b"not read")
+    argv = [*_BORING, "--trainer.default_root_dir=.", "--trainer.max_epochs=1", "--trainer.limit_train_batches=1"]
+    line = _one_line_error([*argv, f"--ckpt_path={folder}"], capsys)
+    assert line == (
+        f"lightning-accel: error: ckpt_path: {str(folder)!r} is a folder, not a checkpoint file; it holds 1 "
+        f"checkpoint: pass it, `--ckpt_path={folder / 'epoch=0-step=4.ckpt'}`, or `--ckpt_path last` for the last "
+        "checkpoint the run's ModelCheckpoint saved."
+    )
+    (folder / "last.ckpt").write_bytes(b"not read")
+    line = _one_line_error(["validate", *argv[1:], "--ckpt_path=logs"], capsys)
+    assert f"it holds 2 checkpoints: pass one of them, e.g. the newest, `--ckpt_path={folder}{os.sep}" in line
+
+
+def test_an_option_the_class_of_a_strategy_name_does_not_take(capsys: pytest.CaptureFixture[str]) -> None:
+    # the name error said to give the class, then `--trainer.strategy.sync_evry=...`: an option the class does not
+    # take either, so following the advice only led to a second error
+    argv = [*_BORING, "--trainer.strategy=diloco", "--trainer.strategy.sync_evry=3", "--print_config"]
+    assert _one_line_error(argv, capsys) == (
+        "lightning-accel: error: trainer.strategy.sync_evry: 'diloco' is a name, which takes no options, and its class "
+        "LocalStepsStrategy has no option 'sync_evry'; did you mean 'sync_every'? (an option is given with the class: "
+        "`--trainer.strategy=lightning_accel.LocalStepsStrategy` `--trainer.strategy.<option>=...`)."
+    )
+    argv = [*_BORING, "--trainer.strategy=diloco", "--trainer.strategy.sync_every=3", "--print_config"]
+    assert "give `--trainer.strategy=lightning_accel.LocalStepsStrategy`, then `--trainer.strategy.sync_every=...`" in (
+        _one_line_error(argv, capsys)
+    )
+
+
+def test_a_key_set_twice_in_a_config_is_refused_with_both_lines(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # YAML keeps the last of a repeated key without a word: the first `trainer:` block (max_epochs: 1) was dropped and
+    # the run went on for Lightning's default 1000 epochs
+    config = tmp_path / "job.yaml"
+    config.write_text("trainer:\n  max_epochs: 1\nseed_everything: 0\ntrainer:\n  limit_train_batches: 2\n")
+    line = _one_line_error([*_BORING, "--config", str(config), "--print_config"], capsys)
+    assert line == (
+        f"lightning-accel: error: `--config` {str(config)!r} sets 'trainer' twice in one mapping (lines 1 and 4): YAML "
+        "keeps only the second, so everything set by the first was dropped. Keep one 'trainer' and merge the two."
+    )
+    # a key set beside a `<<:` merge overrides the merged one, as YAML means: no error
+    config.write_text("base: &b\n  max_epochs: 1\n  max_steps: 3\ntrainer:\n  <<: *b\n  max_epochs: 2\n")
+    assert _check_config_file(str(config))["trainer"] == {"max_epochs": 2, "max_steps": 3}
