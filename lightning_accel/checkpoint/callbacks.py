@@ -266,10 +266,11 @@ class DeltaModelCheckpoint(ModelCheckpoint):
         candidate must be a manifest this plugin wrote (recognised by its bytes: any other file is left alone) whose
         name this callback's ``filename`` or ``last`` template produces. It is removed when it is older than the
         resumed checkpoint (a removal the killed run never made), or newer when the run resumes from a ``last``
-        checkpoint (saves made after that ``last.ckpt``: the resumed run saves those steps again). Newer ones are
-        kept when resuming from an older step checkpoint on purpose. With ``save_top_k=-1`` (keep every checkpoint)
-        Lightning removes nothing, so no older checkpoint is a removal it missed: only the newer ones go. Their blobs
-        go after the store's ``gc_grace_s``.
+        checkpoint (saves of later steps made after that ``last.ckpt``: the resumed run saves those steps again; a
+        save of the resumed step itself, which a callback after the one writing ``last.ckpt`` makes, is kept). Newer
+        ones are kept when resuming from an older step checkpoint on purpose. With ``save_top_k=-1`` (keep every
+        checkpoint) Lightning removes nothing, so no older checkpoint is a removal it missed: only the newer ones go.
+        Their blobs go after the store's ``gc_grace_s``.
 
         Returns:
             The checkpoints removed (or found, with ``keep_orphans``).
@@ -299,12 +300,17 @@ class DeltaModelCheckpoint(ModelCheckpoint):
         # Without a `monitor` Lightning's state tracks only the newest checkpoint, whatever `save_top_k` keeps: with
         # -1 every older checkpoint is one the user keeps, never a removal the killed run missed.
         keeps_all = self.save_top_k == -1
+        resumed_step = trainer.global_step  # restored from the resumed checkpoint before training starts
         found = []
         for url, created in store.untracked_manifests(directory, tracked):
             name = posixpath.basename(url)
             if name == plain_last or not any(p.fullmatch(name) for p in made_here):
                 continue
-            if (created >= resumed_at and from_last) or (created < resumed_at and not keeps_all):
+            # A newer save of the resumed step is this callback's own, made after the one writing `last.ckpt` took
+            # the callbacks' state (callbacks save in order): the resumed run never makes it again, so it is kept.
+            if (created >= resumed_at and from_last and not store.saved_at_step(url, resumed_step)) or (
+                created < resumed_at and not keeps_all
+            ):
                 found.append(url)
         if not found:
             return []
@@ -387,10 +393,19 @@ class DeltaModelCheckpoint(ModelCheckpoint):
             rank_zero_warn(f"Checkpoint directory {dirpath} exists and is not empty.")
 
 
+# A metric value as `format()` writes a number: sign, digits with `_`/`,` grouping, fraction, exponent, `%`; nan/inf.
+_NUMBER = r"[-+ ]?(?:(?:\d[\d_,]*(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?%?|nan|inf|NAN|INF)"
+
+
 def _name_pattern(cb: ModelCheckpoint, template: str | None) -> re.Pattern[str]:
     """The file names ``cb`` makes from ``template`` (its ``filename``, default ``{epoch}-{step}``, or the ``last``
-    name): each ``{metric[:format]}`` becomes ``metric=<value>`` (with ``auto_insert_metric_name``) or ``<value>``,
-    then an optional version suffix (``-v1``) and the extension."""
+    name): each ``{metric[:format]}`` becomes ``metric=<number>`` (with ``auto_insert_metric_name``) or ``<number>``,
+    then an optional version suffix (``-v1``) and the extension.
+
+    A value is a number as a format spec writes it (``12``, ``012``, ``-0.25``, ``1.5e-03``, ``1_000``, ``50.0%``,
+    ``nan``, ``inf``): Lightning formats metrics, which are numbers. Any other text there is the user's
+    (``step=12-keep.ckpt``, a copy kept out of the rotation) and must never match.
+    """
     template = template or "{epoch}" + cb.CHECKPOINT_JOIN_CHAR + "{step}"
     parts = re.split(r"\{([^{}:]*)(?::[^{}]*)?\}", template)
     out = []
@@ -399,7 +414,7 @@ def _name_pattern(cb: ModelCheckpoint, template: str | None) -> re.Pattern[str]:
             out.append(re.escape(part))
         else:
             prefix = re.escape(part + cb.CHECKPOINT_EQUALS_CHAR) if cb.auto_insert_metric_name else ""
-            out.append(prefix + r"[-+\w.]+?")
+            out.append(prefix + _NUMBER)
     version = re.escape(cb.CHECKPOINT_JOIN_CHAR) + r"v\d+"
     return re.compile("".join(out) + f"(?:{version})?" + re.escape(cb.FILE_EXTENSION))
 

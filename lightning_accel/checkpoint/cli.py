@@ -12,7 +12,7 @@
   refused while a run writes there. Prints one JSON object.
 - ``export PATH OUT [--overwrite] [--storage-options JSON]``: write a plain ``torch.save`` checkpoint that
   ``torch.load`` and Lightning's ``TorchCheckpointIO`` open; an existing ``OUT`` is refused unless ``--overwrite``,
-  and ``OUT`` = ``PATH`` always.
+  and ``OUT`` = ``PATH`` always, as is an ``OUT`` that names no file (empty, or ending with ``/``).
 
 Both take either kind of checkpoint: ``export`` reads through :func:`~lightning_accel.checkpoint.read_checkpoint`,
 ``verify`` checks a delta checkpoint with ``DeltaStore.verify`` and reads a plain file through the same reader.
@@ -40,7 +40,7 @@ from lightning_accel._utils.cliargs import json_object_arg
 from lightning_accel._utils.errors import one_line
 from lightning_accel.checkpoint.manifest import CheckpointCorruptError, NotADeltaCheckpointError
 from lightning_accel.checkpoint.reader import read_checkpoint_with, resolve_last
-from lightning_accel.checkpoint.store import DeltaStore, check_export_target, store_dir
+from lightning_accel.checkpoint.store import BLOB_DIR, DeltaStore, check_export_target, store_dir
 
 __all__ = ["collect", "main"]
 
@@ -110,7 +110,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m lightning_accel.c
         torch.save(ckpt, buf)
         store.fs.write(args.out, buf.getvalue())
     except Exception as e:  # noqa: BLE001 - one line, exit code 1
-        print(f"{prog}: error: {_error_line(e, _CHECKPOINT_ERRORS)}", file=sys.stderr)
+        # ValueError: an `OUT` that names no file (empty, or ending with '/'), refused by `check_export_target`.
+        print(f"{prog}: error: {_error_line(e, (*_CHECKPOINT_ERRORS, ValueError))}", file=sys.stderr)
         return 1
     print(json.dumps({"path": args.path, "exported": args.out}))
     return 0
@@ -142,7 +143,10 @@ def collect(store: DeltaStore, directory: str, *, dry_run: bool = False) -> dict
     state of its newest ``last*.ckpt`` does not track, then collect unreferenced blobs (after ``store.gc_grace_s``).
 
     Without a ``last*.ckpt`` holding a ``ModelCheckpoint`` state for this directory nothing tells which checkpoints
-    are tracked: no checkpoint is removed (the summary's ``note`` says why), only unreferenced blobs.
+    are tracked: no checkpoint is removed (the summary's ``note`` says why), only unreferenced blobs. A directory
+    without a blob store (``.delta_blobs``) is left exactly as it is: not even the writer lock is created there. A
+    checkpoint saved after that ``last*.ckpt`` at the same ``global_step`` is kept too: another ``ModelCheckpoint`` on
+    the directory saved it in the same step, after ``last.ckpt`` recorded the callbacks' state.
 
     Returns:
         ``{"path", "dry_run", "last", "tracked", "untracked", "removed", "blobs_deleted", "pending", "note"?}``.
@@ -165,10 +169,13 @@ def collect(store: DeltaStore, directory: str, *, dry_run: bool = False) -> dict
     last = resolve_last(root, storage_options=store.fs.storage_options)
     tracked: set[str] = set()
     note = ""
+    last_step: object = None
     if last is None:
         note = "no last*.ckpt in the directory, so nothing says which checkpoints are tracked: none removed"
     else:
-        callbacks = store.read_skeleton(last).get("callbacks")
+        skeleton = store.read_skeleton(last)
+        last_step = skeleton.get("global_step")
+        callbacks = skeleton.get("callbacks")
         states = [
             s
             for s in compat.model_checkpoint_states(callbacks if isinstance(callbacks, dict) else {})
@@ -190,6 +197,12 @@ def collect(store: DeltaStore, directory: str, *, dry_run: bool = False) -> dict
             tracked |= compat.model_checkpoint_tracked(s)
         tracked.add(last)
     found = [] if note else store.untracked_manifests(root, tracked)
+    if found and last is not None:
+        # Another ModelCheckpoint on this directory that saves after the one writing `last.ckpt` (callbacks save in
+        # order) wrote its newest checkpoint at the same step, after `last.ckpt` took the callbacks' state: a kept
+        # checkpoint of a finished run, not a killed run's leftover (those are of later steps).
+        last_created = store.open_manifest(last).created
+        found = [(u, c) for u, c in found if not (c >= last_created and store.saved_at_step(u, last_step))]
     untracked = [url for url, _ in found if url.endswith(".ckpt")]  # only checkpoint names: never `x.ckpt.bak`
     out: dict[str, Any] = {
         "path": root,
@@ -200,7 +213,10 @@ def collect(store: DeltaStore, directory: str, *, dry_run: bool = False) -> dict
         "removed": [],
         "blobs_deleted": 0,
     }
-    if not dry_run:
+    # A directory without a blob store holds nothing of this plugin's to collect: taking the writer lock there (the
+    # run's root given instead of its checkpoint directory) would leave a `.delta_blobs/.lock` in the user's folder.
+    has_store = store.fs.isdir(posixpath.join(root, BLOB_DIR))
+    if not dry_run and (untracked or has_store):
         try:
             deleted = store.remove_checkpoints(untracked) if untracked else store.collect_garbage(root)
             out["removed"] = out["untracked"]
@@ -208,6 +224,8 @@ def collect(store: DeltaStore, directory: str, *, dry_run: bool = False) -> dict
             out["pending"] = len(store.pending_deletions(root))
         finally:
             store.close()
+    elif not dry_run:
+        out["pending"] = 0
     if note:
         out["note"] = note
     return out

@@ -293,6 +293,10 @@ class DeltaStore:
         self._released: PerProcess[dict[str, set[str]]] = PerProcess(dict)
         # Plain `torch.save` checkpoints that a resumed run's checkpoint callbacks track (see `adopt`).
         self._adopted: PerProcess[set[str]] = PerProcess(set)
+        # Directories whose last collection left blobs waiting out their grace period -> the oldest one's time. A
+        # collection anywhere finishes those of the others once due (`_collect_due_elsewhere`).
+        self._waiting: PerProcess[dict[str, float]] = PerProcess(dict)
+        self._collecting_elsewhere = False
 
     # The options, readable on the store as before they were grouped (``store.quantize``, ``store.lock``).
     quantize = property(lambda self: self.options.quantize)
@@ -763,6 +767,23 @@ class DeltaStore:
         manifest = self.open_manifest(p)
         return self._skeleton(directory, p, manifest, None)[0]
 
+    def saved_at_step(self, path: str | os.PathLike[str], step: object) -> bool:
+        """Whether the checkpoint at ``path`` records Lightning's ``global_step`` equal to ``step`` (an ``int``;
+        anything else never matches), reading only its manifest and skeleton. A checkpoint that cannot be read or
+        records no step does not match.
+
+        Why: ``ModelCheckpoint(save_last=True)`` writes ``last.ckpt`` before the other checkpoint callbacks of the
+        same step save, so their newest checkpoint is missing from the callback state ``last.ckpt`` holds; its step
+        tells such a save apart from one a killed run made at a later step.
+        """
+        if not isinstance(step, int) or isinstance(step, bool):
+            return False
+        try:
+            saved = self.read_skeleton(path).get("global_step")
+        except (OSError, ValueError, RuntimeError):  # removed meanwhile, damaged, not a manifest: no match
+            return False
+        return isinstance(saved, int) and not isinstance(saved, bool) and saved == step
+
     def _skeleton(
         self, directory: str, p: str, manifest: Manifest, used_copies: list[str] | None
     ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -1063,6 +1084,7 @@ class DeltaStore:
             FileExistsError: ``out`` already exists and ``overwrite`` is false (it is left alone), or ``out`` is
                 ``path`` itself (refused even with ``overwrite``: the export would replace what it reads).
             IsADirectoryError: ``out`` is a directory.
+            ValueError: ``out`` is empty or ends with ``/`` (it names no file).
         """
         out_s = os.fspath(out)
         check_export_target(self.fs, os.fspath(path), out_s, overwrite=overwrite)
@@ -1198,6 +1220,11 @@ class DeltaStore:
                 ) from e
         if state is not None:
             state.live = live
+            if not live:
+                # No checkpoint is left here (`save_top_k` removed the last one of a subdirectory): the chain bases
+                # would keep a whole checkpoint's blobs alive only for deltas of saves that may never come here
+                # again. The next save here starts with full snapshots instead.
+                state.entries = {}
             for entry in state.entries.values():
                 keys.update(entry.entry.chain)
         return keys
@@ -1208,14 +1235,16 @@ class DeltaStore:
 
         A blob found unreferenced is first recorded in the pending-deletions record ``.delta_blobs/.pending`` with the
         time; a later collection deletes it once the grace period has passed (a reader that opened a manifest
-        meanwhile still finds its blobs), and drops it from the record if a manifest references it again.
+        meanwhile still finds its blobs), and drops it from the record if a manifest references it again. The other
+        directories where this store's collections left blobs waiting are collected too once those are past the
+        store's ``gc_grace_s`` (a checkpoint subdirectory may see no save or removal again).
 
         Args:
             directory: the checkpoint directory.
             grace_s: the grace period (default: the store's ``gc_grace_s``; 0 deletes at once).
 
         Returns:
-            The number of files deleted.
+            The number of files deleted (in ``directory`` and the others collected with it).
 
         Raises:
             CheckpointDirectoryLockedError: another writer holds the directory.
@@ -1255,6 +1284,10 @@ class DeltaStore:
                     keep[key] = since
             if keep != pending:
                 self._write_pending(blob_root, keep)
+            if keep:
+                self._waiting.get()[directory] = min(keep.values())
+            else:
+                self._waiting.get().pop(directory, None)
             for name in self.fs.list_files(directory):
                 url = _listed(directory, name, tmp=True)
                 # The directory is shared with the user and other tools, whose own atomic writes may use the same
@@ -1263,7 +1296,40 @@ class DeltaStore:
                 if url is not None and is_manifest_bytes(self._head(url)):
                     self.fs.rm(url)
                     deleted += 1
-            return deleted
+            return deleted + self._collect_due_elsewhere(directory)
+
+    def _collect_due_elsewhere(self, directory: str) -> int:
+        """Collect the other directories whose waiting blobs are past the grace period; returns the files deleted.
+
+        Why: a directory may see no save or removal after its last removal. ``ModelCheckpoint`` puts a checkpoint in
+        a subdirectory of its own when ``filename`` holds a ``/`` (a metric named ``val/loss``); once ``save_top_k``
+        removed it, its blobs (a whole checkpoint's bytes) waited for a collection there that never came.
+        """
+        if self._collecting_elsewhere:
+            return 0
+        waiting = self._waiting.get()
+        now = time.time()
+        due = [d for d, since in waiting.items() if d != directory and now - since >= self.gc_grace_s]
+        deleted = 0
+        self._collecting_elsewhere = True
+        try:
+            for other in due:
+                waiting.pop(other, None)
+                try:
+                    # Gone (removed by the user) or no longer this store's to write (another writer's lock): left
+                    # alone, and not re-created by taking its lock.
+                    if self.fs.isdir(safe_join(other, BLOB_DIR)):
+                        deleted += self.collect_garbage(other)
+                except Exception as e:  # noqa: BLE001 - housekeeping of another directory must not fail this call
+                    warnings.warn(
+                        f"Could not collect the unreferenced blobs of checkpoint directory {other!r}: {one_line(e)}. "
+                        f"Run `lightning-accel ckpt gc {other}` once nothing writes there.",
+                        UserWarning,
+                        stacklevel=3,
+                    )
+        finally:
+            self._collecting_elsewhere = False
+        return deleted
 
     def _head(self, url: str) -> bytes:
         """The first bytes of ``url`` (enough for :func:`is_manifest_bytes`); ``b""`` if it went meanwhile."""
@@ -1313,14 +1379,23 @@ def check_export_target(fs: FileStore, path: str, out: str, *, overwrite: bool) 
     new one unless told to replace it). Checked before the (possibly long) read.
 
     Raises:
+        ValueError: ``out`` is empty or ends with a ``/`` (it names no file).
         IsADirectoryError: ``out`` is a directory.
         FileExistsError: ``out`` is ``path`` itself, or exists and ``overwrite`` is false.
     """
+    name = posixpath.basename(path.rstrip("/")) or "export.ckpt"
+    # An empty target resolved to the working directory (five failed renames onto it, then an error about the
+    # store's reachability), and `out/` was written as a file named `out`: neither names a file to write.
+    if not out.strip() or out.endswith(("/", os.sep)):
+        raise ValueError(
+            f"Export target {out!r} names no file: it is empty or ends with '/'. Pass the path of the file to write, "
+            f"e.g. {posixpath.join(out.strip() or '.', name)!r}."
+        )
     if fs.isdir(out):
         raise IsADirectoryError(
             errno.EISDIR,
             f"Export target {out!r} is a directory. Pass the path of the file to write, e.g. "
-            f"{posixpath.join(out, posixpath.basename(path.rstrip('/')) or 'export.ckpt')!r}.",
+            f"{posixpath.join(out, name)!r}.",
         )
     same = store_path(out) == store_path(path)
     if not same and is_local_url(out) and is_local_url(path):

@@ -232,3 +232,57 @@ def test_keep_every_checkpoint_without_a_monitor_survives_a_resume_and_gc(
     out = json.loads(capsys.readouterr().out)
     assert out["removed"] == [] and "no monitor" in out["note"]
     assert sorted(p.name for p in plain_dir.glob("step=*.ckpt")) == ["step=1.ckpt", "step=2.ckpt"]
+
+
+def test_a_later_callbacks_save_of_the_last_step_survives_gc_and_a_resume(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Callbacks save in order: the first writes `last.ckpt` (taking every callback's state), then the second saves
+    # its newest best of the same step, which that state cannot list. It is a finished run's checkpoint to keep.
+    ckpt = tmp_path / "ckpt"
+
+    def fit(max_steps: int, resume: bool) -> tuple[DeltaModelCheckpoint, DeltaModelCheckpoint]:
+        first = _callback(ckpt)
+        best = DeltaModelCheckpoint(
+            dirpath=ckpt, filename="best-{step}", every_n_train_steps=2, save_top_k=1, monitor="step", mode="max"
+        )
+        io = DeltaCheckpointIO()
+        io.store.gc_grace_s = 0.0
+        trainer = ckpt_trainer(tmp_path, [io], [first, best], max_steps=max_steps, max_epochs=None, limit_val_batches=0)
+        trainer.fit(CheckpointModel(), tiny_loader(), ckpt_path="last" if resume else None)
+        return first, best
+
+    _, best = fit(4, resume=False)
+    assert Path(best.best_model_path).name == "best-step=4.ckpt"
+    names = sorted(p.name for p in ckpt.glob("*.ckpt"))
+    assert names == ["best-step=4.ckpt", "last.ckpt", "step=3.ckpt", "step=4.ckpt"]
+    assert ckpt_main(["gc", str(ckpt), "--grace-s", "0"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["untracked"] == [] and out["removed"] == []
+    assert sorted(p.name for p in ckpt.glob("*.ckpt")) == names
+    # A killed run's save of a later step is still a leftover.
+    store = DeltaStore(gc_grace_s=0.0)
+    store.save({"state_dict": {"w": torch.randn(64)}, "global_step": 5}, ckpt / "best-step=5.ckpt")
+    store.close()
+    assert ckpt_main(["gc", str(ckpt), "--dry-run"]) == 0
+    assert json.loads(capsys.readouterr().out)["untracked"] == ["best-step=5.ckpt"]
+    first, best = fit(5, resume=True)
+    assert [Path(p).name for p in best.orphans] == ["best-step=5.ckpt"] and first.orphans == []
+    assert (ckpt / "best-step=4.ckpt").exists()
+    assert DeltaStore().verify(ckpt / "best-step=4.ckpt")["ok"]
+
+
+def test_a_resume_keeps_a_users_copy_of_a_manifest_whose_name_only_starts_like_a_checkpoint(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    _fit(tmp_path, ckpt, 6, resume=False)
+    copies = [ckpt / "step=5-keep.ckpt", ckpt / "step=5.best.ckpt"]  # kept out of the rotation by hand
+    for copy in copies:
+        shutil.copy(ckpt / "step=5.ckpt", copy)
+    older = ckpt / "step=1-v1.ckpt"  # a name the callback makes: a removal a killed run never made
+    shutil.copy(ckpt / "step=5.ckpt", older)
+    with pytest.warns(UserWarning, match=r"Removing 1 checkpoint in"):
+        cb = _fit(tmp_path, ckpt, 8, resume=True)
+    assert [Path(p).name for p in cb.orphans] == ["step=1-v1.ckpt"] and not older.exists()
+    for copy in copies:
+        assert copy.exists(), copy.name
+        assert DeltaStore().verify(copy)["ok"]

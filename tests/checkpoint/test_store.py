@@ -179,7 +179,7 @@ def test_bad_paths_are_refused_clearly(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         store.load(tmp_path / "nope.ckpt")
     with pytest.raises(ValueError, match="`quantize`"):
-        DeltaStore(quantize="int3")  # type: ignore[arg-type]
+        DeltaStore(quantize="int3")
     with pytest.raises(TypeError, match="`/bad`"):
         store.save({"bad": object()}, tmp_path / "x.ckpt")
     assert not (tmp_path / "x.ckpt").exists()
@@ -289,6 +289,18 @@ def test_cli_refuses_a_missing_gc_directory_and_an_export_onto_a_directory_in_on
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing created
 
 
+def test_cli_gc_leaves_a_directory_without_checkpoints_as_it_was(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "run"  # e.g. the run's root given instead of its checkpoint directory
+    run.mkdir()
+    (run / "notes.txt").write_text("mine")
+    assert ckpt_main(["gc", str(run), "--grace-s", "0"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["removed"] == [] and out["blobs_deleted"] == 0 and out["pending"] == 0
+    assert sorted(p.name for p in run.iterdir()) == ["notes.txt"]  # no `.delta_blobs/.lock` left behind
+
+
 def test_export_leaves_an_existing_file_and_the_exported_checkpoint_alone(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -315,6 +327,45 @@ def test_export_leaves_an_existing_file_and_the_exported_checkpoint_alone(
     assert ckpt_main(["export", str(tmp_path / "c.ckpt"), str(tmp_path / "notes.pt"), "--overwrite"]) == 0
     loaded = torch.load(tmp_path / "notes.pt", weights_only=True)
     assert torch.equal(loaded["state_dict"]["w"], _state(0)["state_dict"]["w"])
+
+
+def test_the_blobs_of_a_removed_subdirectory_checkpoint_go_at_a_later_save_elsewhere(tmp_path: Path) -> None:
+    # `ModelCheckpoint(filename="{epoch}-{val/loss:.2f}")` puts each checkpoint in a subdirectory of its own, where
+    # nothing is saved or removed again once `save_top_k` removed it.
+    store = DeltaStore()  # the default grace period: the removal only records the blobs as waiting
+    sub = tmp_path / "epoch=0-val"
+    store.save(_state(0), sub / "loss=0.50.ckpt")
+    store.save(_state(1), tmp_path / "last.ckpt")
+    store.remove(sub / "loss=0.50.ckpt")
+    assert _blobs(sub), "blobs a reader may still need go only after the grace period"
+    store.gc_grace_s = 0.0  # the grace period has passed
+    store.save(_drift(_state(1), 1e-3, 1), tmp_path / "last.ckpt")
+    assert _blobs(sub) == set()  # the chain base too: no checkpoint is left there to delta against
+    assert store.pending_deletions(sub) == {}
+    assert _equal(store.load(tmp_path / "last.ckpt"), _drift(_state(1), 1e-3, 1))
+    # A later save there starts from a full snapshot and restores exactly.
+    store.save(_state(2), sub / "loss=0.40.ckpt")
+    store.close()
+    assert _equal(store.load(sub / "loss=0.40.ckpt"), _state(2))
+    assert store.verify(sub / "loss=0.40.ckpt")["ok"]
+
+
+def test_export_refuses_a_target_that_names_no_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = DeltaStore()
+    store.save(_state(0), tmp_path / "c.ckpt")
+    store.close()
+    monkeypatch.chdir(tmp_path)  # an empty target would resolve here
+    before = sorted(p.name for p in tmp_path.iterdir())
+    for out in ["", " ", "exported/", str(tmp_path / "exported") + "/"]:
+        assert ckpt_main(["export", str(tmp_path / "c.ckpt"), out]) == 1
+        err = capsys.readouterr().err
+        assert "names no file" in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+        assert "ValueError" not in err
+        with pytest.raises(ValueError, match="names no file"):
+            store.export(tmp_path / "c.ckpt", out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # `exported/` was not written as a file `exported`
 
 
 def test_s3_round_trip_remove_and_gc(s3_bucket: tuple[str, dict[str, Any]]) -> None:
