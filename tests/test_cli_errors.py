@@ -547,3 +547,24 @@ def test_a_key_set_twice_in_a_config_is_refused_with_both_lines(
     # a key set beside a `<<:` merge overrides the merged one, as YAML means: no error
     config.write_text("base: &b\n  max_epochs: 1\n  max_steps: 3\ntrainer:\n  <<: *b\n  max_epochs: 2\n")
     assert _check_config_file(str(config))["trainer"] == {"max_epochs": 2, "max_steps": 3}
+
+
+@pytest.mark.parametrize(
+    "argv, unknown",
+    [
+        (["ckpt", "export", "a.ckpt", "b.ckpt", "--over"], "--over"),  # was taken as --overwrite
+        (["data", "pack", "src", "dst", "--shard", "1MiB"], "--shard"),  # was taken as --shard-bytes
+        (["data", "clean", "--dry"], "--dry"),  # was taken as --dry-run
+        (["tune", "--config", "job.yaml", "--budg", "1m"], "--budg"),  # was taken as --budget
+    ],
+    ids=["ckpt", "data-pack", "data-clean", "tune"],
+)
+def test_the_tools_refuse_shortened_options(
+    argv: list[str], unknown: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)  # nothing is read or written: the parse fails first
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert f"unrecognized arguments: {unknown}" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

@@ -50,9 +50,11 @@ _ERRNO_PREFIX = re.compile(r"^\[Errno -?\d+\] ")
 
 
 def _parser(prog: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="Verify, export or clean up delta checkpoints.")
+    p = argparse.ArgumentParser(
+        prog=prog, allow_abbrev=False, description="Verify, export or clean up delta checkpoints."
+    )
     sub = p.add_subparsers(dest="command", required=True)
-    v = sub.add_parser("verify", help="restore every tensor with all checksums")
+    v = sub.add_parser("verify", allow_abbrev=False, help="restore every tensor with all checksums")
     v.add_argument(
         "paths",
         nargs="+",
@@ -61,11 +63,13 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     v.add_argument(
         "--repair", action="store_true", help="rewrite a damaged blob or second copy from its good twin (redundancy=2)"
     )
-    e = sub.add_parser("export", help="write a plain torch.save checkpoint")
+    e = sub.add_parser("export", allow_abbrev=False, help="write a plain torch.save checkpoint")
     e.add_argument("path", help="checkpoint path or URL (a delta manifest or a torch.save file)")
     e.add_argument("out", help="output file (path or URL); an existing file is refused unless --overwrite")
     e.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
-    g = sub.add_parser("gc", help="remove checkpoints ModelCheckpoint no longer tracks, then unreferenced blobs")
+    g = sub.add_parser(
+        "gc", allow_abbrev=False, help="remove checkpoints ModelCheckpoint no longer tracks, then unreferenced blobs"
+    )
     g.add_argument("path", help="checkpoint directory (path or URL)")
     g.add_argument("--dry-run", action="store_true", help="list what would be removed; remove nothing")
     g.add_argument(

@@ -33,9 +33,11 @@ __all__ = ["main"]
 
 
 def _parser(prog: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="Prepare data for CachedDataModule.")
+    p = argparse.ArgumentParser(prog=prog, allow_abbrev=False, description="Prepare data for CachedDataModule.")
     sub = p.add_subparsers(dest="command", required=True)
-    k = sub.add_parser("pack", help="pack an origin into shards + index (one GET per shard when read)")
+    k = sub.add_parser(
+        "pack", allow_abbrev=False, help="pack an origin into shards + index (one GET per shard when read)"
+    )
     k.add_argument("source", help="ImageFolder tree (or manifest root): path or fsspec URL")
     k.add_argument("dest", help="where to write the packed origin: path or fsspec URL")
     k.add_argument("--shard-bytes", default=str(DEFAULT_SHARD_BYTES), help="target shard size, e.g. 16MiB")
@@ -44,7 +46,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     k.add_argument("--dest-storage-options", default=None, help="fsspec options of DEST as JSON (default: SOURCE's)")
     k.add_argument("--overwrite", action="store_true", help="replace a pack already at DEST (only its own files)")
     k.add_argument("--shuffle-seed", type=int, default=None, help="write samples in a seeded random order")
-    c = sub.add_parser("clean", help="remove RAM tiers no process uses (on /dev/shm by default)")
+    c = sub.add_parser("clean", allow_abbrev=False, help="remove RAM tiers no process uses (on /dev/shm by default)")
     c.add_argument("--older-than", default="0s", help="only tiers last used longer ago than this, e.g. 12h, 7d")
     c.add_argument("--root", default=None, help="where the tiers are (default: /dev/shm/lightning_accel)")
     c.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")

@@ -33,7 +33,7 @@ def plain_help(text: str) -> str:
 
 def build_parser(prog: str = "lightning-accel tune") -> argparse.ArgumentParser:
     """The argument parser of ``tune``; its description is the module docstring's second paragraph, in plain text."""
-    p = argparse.ArgumentParser(prog=prog, description=plain_help(__doc__.split("\n\n")[1]))
+    p = argparse.ArgumentParser(prog=prog, allow_abbrev=False, description=plain_help(__doc__.split("\n\n")[1]))
     p.add_argument("--config", "-c", required=True, help="the job's YAML, as `lightning-accel fit --config` takes")
     p.add_argument("--budget", default="5m", help="wall-clock limit of the whole tune (90s, 5m, 1h; default 5m)")
     p.add_argument("--out", default="tuned.yaml", help="the tuned config (reports beside it; default tuned.yaml)")
