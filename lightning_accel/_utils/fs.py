@@ -149,6 +149,35 @@ def _read_local(path: str, start: int | None, end: int | None) -> bytes:
         return f.read(max(0, hi - lo))
 
 
+def check_storage_options(value: object, name: str = "storage_options") -> dict[str, Any]:
+    """``value`` as a dict of fsspec options: None (no options) or a mapping whose keys, and those of the mappings
+    nested in it (``client_kwargs``, ...), are strings, as fsspec passes them on as keyword arguments. A non-string
+    key would otherwise fail only at the first read, deep inside fsspec ("keywords must be strings"). The error names
+    the key, never the values (they hold credentials).
+
+    Raises:
+        TypeError: ``value`` is not a mapping, or one of its keys is not a string.
+    """
+    expected = "a dict of fsspec options with string keys (e.g. {'key': ..., 'secret': ...}) or None"
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise TypeError(f"`{name}` must be {expected}, got {value!r} ({type(value).__name__}).")
+    todo: list[tuple[str, Mapping[Any, Any]]] = [("", value)]
+    while todo:
+        where, options = todo.pop()
+        for key, inner in options.items():
+            if not isinstance(key, str):
+                within = f" in `{name}{where}`" if where else ""
+                raise TypeError(
+                    f"`{name}` must be {expected}, got a key {key!r} ({type(key).__name__}){within}. Write each "
+                    "option's name as a string."
+                )
+            if isinstance(inner, Mapping):
+                todo.append((f"{where}[{key!r}]", inner))
+    return dict(value)
+
+
 def _share_botocore_loader(fs: Any) -> None:
     """Give a new s3fs filesystem that has no session yet (none in ``storage_options``) the session s3fs would make,
     with the process's shared botocore data loader.
@@ -197,16 +226,12 @@ class FileStore:
     def __init__(
         self, storage_options: Mapping[str, Any] | None = None, *, retries: int = 4, backoff_s: float = 0.2
     ) -> None:
-        if storage_options is not None and not isinstance(storage_options, Mapping):
-            raise TypeError(
-                f"`storage_options` must be a dict of fsspec options or None, got {storage_options!r}. Example: "
-                '`{"client_kwargs": {"endpoint_url": "https://s3.example.com"}}`.'
-            )
+        options = check_storage_options(storage_options)
         self.retries: int = check_int("retries", retries, low=0, fix="Use 0 to fail on the first transient error.")
         self.backoff_s: float = check_number(
             "backoff_s", backoff_s, low=0, high=_MAX_BACKOFF_S, fix="It is the first retry's wait in seconds."
         )
-        self.storage_options: dict[str, Any] = dict(storage_options or {})
+        self.storage_options: dict[str, Any] = options
         self._filesystems: PerProcess[dict[str, Any]] = PerProcess(dict)  # protocol -> this process's filesystem
         self._lock = ForkSafeLock()
 

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from lightning_accel._utils.atomic import atomic_write_text, is_local_url
 from lightning_accel._utils.checks import check_int
-from lightning_accel._utils.forksafe import ForkSafeLock, PerProcess, ResetOnPickle
-from lightning_accel._utils.fs import FileStore, StorageUnavailableError
+from lightning_accel._utils.forksafe import ForkSafeLock, PerProcess
+from lightning_accel._utils.fs import FileStore, StorageUnavailableError, check_storage_options
 from lightning_accel._utils.paths import safe_join
 
 if TYPE_CHECKING:
@@ -74,40 +74,21 @@ def check_origin(url: object, name: str = "origin", *, must_exist: bool = False)
     return url
 
 
-def check_storage_options(value: object, name: str = "storage_options") -> dict[str, Any]:
-    """``value`` as a dict of fsspec options: None (no options) or a mapping whose keys, and those of the mappings
-    nested in it (``client_kwargs``, ...), are strings, as fsspec passes them on as keyword arguments. A non-string
-    key would otherwise fail only at the first read, deep inside fsspec ("keywords must be strings"). The error names
-    the key, never the values (they hold credentials).
-
-    Raises:
-        TypeError: ``value`` is not a mapping, or one of its keys is not a string.
-    """
-    expected = "a dict of fsspec options with string keys (e.g. {'key': ..., 'secret': ...}) or None"
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        raise TypeError(f"`{name}` must be {expected}, got {value!r} ({type(value).__name__}).")
-    todo: list[tuple[str, Mapping[Any, Any]]] = [("", value)]
-    while todo:
-        where, options = todo.pop()
-        for key, inner in options.items():
-            if not isinstance(key, str):
-                within = f" in `{name}{where}`" if where else ""
-                raise TypeError(
-                    f"`{name}` must be {expected}, got a key {key!r} ({type(key).__name__}){within}. Write each "
-                    "option's name as a string."
-                )
-            if isinstance(inner, Mapping):
-                todo.append((f"{where}[{key!r}]", inner))
-    return dict(value)
-
-
 class OriginError(OSError):
     """The origin could not deliver a key (permanent error, or transient errors beyond the retry budget)."""
 
 
-class ObjectStore(ResetOnPickle):
+class _Counts:
+    """What one process read through an :class:`ObjectStore` (see its ``_counts``)."""
+
+    __slots__ = ("bytes_read", "retried")
+
+    def __init__(self) -> None:
+        self.retried = 0
+        self.bytes_read = 0
+
+
+class ObjectStore:
     """Reads keys under ``url`` through fsspec.
 
     Args:
@@ -119,9 +100,8 @@ class ObjectStore(ResetOnPickle):
         backoff_s: first backoff; doubles per retry.
     """
 
-    # The filesystem, the read pool and the lock pickle fresh by themselves (PerProcess, ForkSafeLock). The counters
-    # are this process's; the cache's baseline for them restarts at 0 in a pickled copy too.
-    _reset_on_pickle = {"retried": 0, "bytes_read": 0}
+    # The filesystem, the read pool, the lock and the counters are this process's: each restarts in a pickled copy
+    # (PerProcess, ForkSafeLock) and in a forked child, as the cache's baseline for the counters does.
 
     def __init__(
         self,
@@ -136,16 +116,28 @@ class ObjectStore(ResetOnPickle):
         check_int("max_concurrency", max_concurrency, low=1, fix="It counts origin reads in flight per process.")
         self.url = url.rstrip("/") if "://" in url else os.path.abspath(os.path.expanduser(url))
         # The one fsspec layer: per-process filesystems, the transient/permanent split, the retry loop.
-        self.files = FileStore(check_storage_options(storage_options), retries=retries, backoff_s=backoff_s)
+        self.files = FileStore(storage_options, retries=retries, backoff_s=backoff_s)
         self.max_concurrency = max_concurrency
         # This process's read threads, made by the first `run` (a local origin never needs any).
         self._threads: PerProcess[ThreadPoolExecutor] = PerProcess(
             functools.partial(ThreadPoolExecutor, max_concurrency, thread_name_prefix="la-origin")
         )
         self._lock = ForkSafeLock()
-        # Counters of this process, read (as differences) by the cache for its statistics.
-        self.retried = 0
-        self.bytes_read = 0
+        # Counters of this process, read (as differences) by the cache for its statistics. Per process, not plain
+        # fields: a DataLoader worker forked while the main process's stage-ahead downloads were in flight inherited
+        # the main process's count and added it to the statistics again (a packed epoch "fetched" 1.17-1.73x the
+        # pack, its shards each read once).
+        self._counts: PerProcess[_Counts] = PerProcess(_Counts)
+
+    @property
+    def retried(self) -> int:
+        """Retries of transient errors in this process so far."""
+        return self._counts.get().retried
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes this process read from the origin so far."""
+        return self._counts.get().bytes_read
 
     @property
     def storage_options(self) -> dict[str, Any]:
@@ -188,7 +180,7 @@ class ObjectStore(ResetOnPickle):
 
     def _count_retry(self, error: BaseException) -> None:
         with self._lock:
-            self.retried += 1
+            self._counts.get().retried += 1
 
     def fetch(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         """Read one key (bytes ``[start, end)`` of it when given: one ranged GET), retrying transient errors.
@@ -211,7 +203,7 @@ class ObjectStore(ResetOnPickle):
                 "`storage_options` grant read access."
             ) from e
         with self._lock:
-            self.bytes_read += len(data)
+            self._counts.get().bytes_read += len(data)
         return data
 
     def run(self, fn: Callable[..., _T], *args: Any) -> Future[_T]:

@@ -149,6 +149,8 @@ def test_transient_errors_are_retried_with_exponential_backoff(
 def test_bad_arguments_are_refused() -> None:
     with pytest.raises(TypeError, match="`storage_options` must be a dict"):
         FileStore("anon=true")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^`storage_options` must be .*, got a key 1 \(int\)\. Write each option's"):
+        FileStore({1: "x"})
     with pytest.raises(ValueError, match="`retries` must be an integer >= 0"):
         FileStore(retries=-1)
     with pytest.raises(ValueError, match="`backoff_s`"):

@@ -47,6 +47,9 @@ def test_arguments_reach_the_store_and_are_validated_there() -> None:
     assert s.fs.storage_options == {"a": 1}
     with pytest.raises(TypeError, match="`storage_options` must be a dict"):
         DeltaCheckpointIO(storage_options="anon")  # type: ignore[arg-type]
+    # a key that is not a string failed only at the first save, inside fsspec ("keywords must be strings")
+    with pytest.raises(TypeError, match=r"got a key 1 \(int\) in `storage_options\['client_kwargs'\]`"):
+        DeltaCheckpointIO(storage_options={"client_kwargs": {1: "x"}})
     with pytest.raises(ValueError, match="`max_chain` must be an integer >= 1"):
         DeltaCheckpointIO(max_chain=0)
     with pytest.raises(TypeError):
