@@ -107,6 +107,12 @@ class _Batch:
         return BatchResult(self.out, label_t, keep_pos)
 
 
+def _no_counts() -> list[int]:
+    """A fresh baseline of a store's (retries, bytes) counters (a module-level factory: :class:`PerProcess` pickles
+    it)."""
+    return [0, 0]
+
+
 class SampleCache(ResetOnPickle):
     """Decoded samples of one origin, cached in byte-budgeted tiers.
 
@@ -146,11 +152,9 @@ class SampleCache(ResetOnPickle):
             tier; SSD hits are promoted into the RAM tier while it has room). See :meth:`_write` for why.
     """
 
-    # (retries, bytes) of the store already added to the statistics: a baseline of the store's own counters, which
-    # restart at 0 in a pickled copy of the store (a spawned worker's), so it restarts with them.
     # The tier keys, computed once per process from the listing (`_tier_keys`); a pickled copy computes its own rather
     # than carry them (a spawned worker's pickle stays small).
-    _reset_on_pickle = {"_seen": (0, 0), "_keys": None}
+    _reset_on_pickle = {"_keys": None}
 
     def __init__(
         self,
@@ -203,7 +207,9 @@ class SampleCache(ResetOnPickle):
                 base = os.path.dirname(near.path) if near is not None else tempfile.gettempdir()
                 stage_dir = os.path.join(base, "shards")
             self.packed = PackedReader(store, listing.pack, os.fspath(stage_dir), stage_bytes, on_staged=self._account)
-        self._seen = (0, 0)
+        # (retries, bytes) of the store already added to the statistics: a baseline of the store's own counters,
+        # which are per process (they restart in a pickled copy and in a forked child), so it is per process too
+        self._seen: PerProcess[list[int]] = PerProcess(_no_counts)
         # The shape and dtype of one row of this process's last batch: a batch whose samples were all skipped
         # (on_decode_error="skip") is returned as 0 rows of it.
         self._row_like: tuple[tuple[int, ...], torch.dtype] | None = None
@@ -298,8 +304,9 @@ class SampleCache(ResetOnPickle):
         """Add the store's new bytes and retries to the statistics. Counted where the bytes arrive (each batch, and
         each staged shard), so read-ahead that was never used, or done by the main process, is included too."""
         with self._lock:
-            retried, fetched = self.store.retried - self._seen[0], self.store.bytes_read - self._seen[1]
-            self._seen = (self.store.retried, self.store.bytes_read)
+            seen = self._seen.get()
+            retried, fetched = self.store.retried - seen[0], self.store.bytes_read - seen[1]
+            seen[:] = [self.store.retried, self.store.bytes_read]
         self.stats.add(bytes_fetched=fetched, retries=retried)
 
     def _uncached(self, todo: list[int]) -> list[int]:
