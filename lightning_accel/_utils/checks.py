@@ -58,6 +58,8 @@ _UNITS = {
 def _fail(kind: type[Exception], name: str, expected: str, value: Any, fix: str) -> Exception:
     got = f"{value!r} ({type(value).__name__})" if kind is TypeError else repr(value)
     tail = f" {fix.strip()}" if fix and fix.strip() else ""
+    if kind is TypeError and _numpy(value):  # the contract's fix, said (see the module docstring)
+        tail = f" Pass a Python value: `int(...)`, `float(...)` or `str(...)` of the numpy scalar.{tail}"
     return kind(f"`{name}` must be {expected}, got {got}.{tail}")
 
 

@@ -76,8 +76,12 @@ def test_checks_return_the_normalised_value():
 
 def test_checks_refuse_numpy_scalars_with_the_fix():
     np = pytest.importorskip("numpy")
-    with pytest.raises(TypeError, match=r"`n` must be an integer >= 1, got np.int64\(3\) \(int64\)"):
-        check_int("n", np.int64(3), low=1)
+    with pytest.raises(TypeError, match=r"`n` must be an integer >= 1, got np.int64\(3\) \(int64\)") as exc:
+        check_int("n", np.int64(3), low=1, fix="It counts steps.")
+    # the fix is said, before the caller's own
+    assert str(exc.value).endswith(
+        ". Pass a Python value: `int(...)`, `float(...)` or `str(...)` of the numpy scalar. It counts steps."
+    )
     with pytest.raises(TypeError, match=r"`x` must be a number"):
         check_number("x", np.float32(0.5))
     # these three subclass float / str or compare equal to an int choice: isinstance and == alone let them through
