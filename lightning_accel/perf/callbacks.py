@@ -326,13 +326,11 @@ class PerformanceMonitor(Callback):
             self._flops.stop()
         # DDP allreduces only in the backward of a batch that steps the optimizer: Lightning runs the accumulating
         # micro-batches under `no_sync`. Under manual optimization the user decides; every batch is assumed to sync.
-        synced = not pl_module.automatic_optimization or trainer.global_step != self._step_before
+        synced = _stepped(trainer, pl_module, self._step_before)
         tokens = self.tokens_fn(batch) if self.tokens_fn is not None else 0
         timer.batch_end(self._samples(batch), tokens, synced=synced)
-        # Lightning's rule for its own logging (the n-th batch that stepped, n a multiple of the window), so windows
-        # land on the rows of the run's `self.log` metrics also after a resume and with gradient accumulation; every
-        # rank reaches the same decision (the flush asks DDP for its timers on each)
-        if timer.seen_steps > self.skip_steps and synced and (compat.logger_step(trainer) + 1) % self._every == 0:
+        # every rank reaches the same decision (the flush asks DDP for its timers on each)
+        if timer.seen_steps > self.skip_steps and synced and _log_due(trainer, self._every):
             self._log_window(trainer)
 
     def _samples(self, batch: Any) -> int:
@@ -634,6 +632,20 @@ def _check_report_path(value: Any) -> str | None:
             f"with the suffix .png and would overwrite it. Name the report e.g. {_with_suffix(path, '.json')!r}."
         )
     return str(path)
+
+
+def _stepped(trainer: pl.Trainer, pl_module: pl.LightningModule, step_before: int) -> bool:
+    """Whether the batch that began at ``trainer.global_step == step_before`` stepped the optimizer: Lightning runs
+    accumulation micro-batches without a step (and, under DDP, without the allreduce); under manual optimization the
+    user decides, so every batch counts as one that stepped."""
+    return not pl_module.automatic_optimization or trainer.global_step != step_before
+
+
+def _log_due(trainer: pl.Trainer, every: int) -> bool:
+    """Lightning's rule for its own logging, asked after a batch that stepped: the n-th such batch logs when n is a
+    multiple of ``every`` (``logger_step`` counts the ones before it). Windows that follow it land on the rows of the
+    run's ``self.log`` metrics in every fit, after a resume and with gradient accumulation."""
+    return (compat.logger_step(trainer) + 1) % every == 0
 
 
 def _check_protocol(name: str, url: str) -> None:
@@ -992,10 +1004,9 @@ class CudaMemoryManager(Callback):
         the optimizer, ``n`` a multiple of the window), so the numbers land on the rows of the run's ``self.log``
         metrics in every fit of this instance, after a resume and with gradient accumulation (whose micro-batches
         before the optimizer step are not counted: a window is ``log_every_n_steps`` optimizer steps)."""
-        if pl_module.automatic_optimization and trainer.global_step == self._step_before:
+        if not _stepped(trainer, pl_module, self._step_before):
             return None  # an accumulation micro-batch: the optimizer did not step
-        step = compat.logger_step(trainer)  # the batches that stepped before this one
-        return step if (step + 1) % self._every == 0 else None
+        return compat.logger_step(trainer) if _log_due(trainer, self._every) else None
 
     @override
     def on_train_batch_end(
