@@ -141,11 +141,12 @@ def buffer_bytes(modules: Iterable[nn.Module]) -> int:
     statistics and ``num_batches_tracked``, tables and masks a model registers, persistent or not (each occupies
     memory on every device that runs it). Each buffer counts once however often it is reached (a module shared by
     several, a buffer registered twice)."""
-    seen: dict[int, int] = {}
-    for root in modules:
-        for b in root.buffers():
-            seen.setdefault(id(b), b.numel() * b.element_size())
-    return sum(seen.values())
+    return _distinct_bytes(b for root in modules for b in root.buffers())
+
+
+def _distinct_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of ``tensors`` at their own element size, each tensor once however often it is listed."""
+    return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
 
 
 @dataclass(frozen=True)
@@ -489,7 +490,7 @@ def pipeline_stage_buffer_bytes(model: nn.Module, stages: int) -> list[int]:
     inside = {id(b) for blocks in split for m in blocks for b in m.buffers()}
     outside = [b for b in model.buffers() if id(b) not in inside]
     out = [buffer_bytes(blocks) for blocks in split]
-    out[0] += sum(b.numel() * b.element_size() for b in {id(b): b for b in outside}.values())
+    out[0] += _distinct_bytes(outside)
     return out
 
 
