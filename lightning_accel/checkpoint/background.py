@@ -6,12 +6,13 @@ Contract:
 1. **Snapshots into reused buffers.** :class:`SnapshotPool` copies every tensor of a checkpoint into private CPU
    buffers *synchronously*, so optimizer steps that run while the save is in flight cannot race it. A buffer is kept
    per tensor (by its position in the checkpoint) and reused by the next snapshot once no save in flight holds it,
-   so a warm run allocates nothing per save (:attr:`WriterStats.buffers_allocated` stops growing). A CPU tensor that
-   is the one copied into the newest snapshot of the same position, at the same in-place version, and whose bytes
-   still equal it, is not copied at all: the snapshot shares that buffer and its *content id*, so the store knows it
-   unchanged without hashing it (``last.ckpt`` right after ``step=N.ckpt``). Small CPU tensors are copied by one
-   ``torch._foreach_copy_`` after the traversal, large ones by one memcpy each. Accelerator tensors are copied into
-   pinned buffers (asynchronous device-to-host copies, one synchronisation per snapshot).
+   so a warm run allocates nothing per save (:attr:`WriterStats.buffers_allocated` stops growing). A large CPU tensor
+   (64 KB or more) that is the one copied into the newest snapshot of the same position, at the same in-place
+   version, and whose bytes still equal it, is not copied at all: the snapshot shares that buffer and its *content
+   id*, so the store knows it unchanged without hashing it (``last.ckpt`` right after ``step=N.ckpt``). Small CPU
+   tensors are copied by one ``torch._foreach_copy_`` after the traversal without being compared (cheaper than the
+   comparison; the store compares them on the writer's thread), large ones by one memcpy each. Accelerator tensors
+   are copied into pinned buffers (asynchronous device-to-host copies, one synchronisation per snapshot).
 2. :class:`BackgroundWriter` runs jobs (saves *and* removals) on a single worker thread in submission order, so a
    ``remove`` that ModelCheckpoint issues after a ``save`` can never overtake it. The worker runs at the caller's
    CPU priority: a lowered priority lets the data loader and the training threads starve it, and a starved writer
@@ -297,19 +298,23 @@ class SnapshotPool:
             b = _Buf(src.to("cpu", copy=True) if src.device.type != "cpu" else src.clone())
             b.refs += 1
             return b
-        device = src.device
-        cpu = device.type == "cpu"
-        layout = (device, src.dtype, src.shape, src.stride())
+        cpu = src.is_cpu
+        layout = (src.device, src.dtype, src.shape, src.stride())
         old = self._latest.get(key)
         # The buffer fits when it was laid out for a tensor of this very layout (the usual case: no stride
         # arithmetic), or when its own layout is the one this tensor wants
         fits = old is not None and (old.src_layout == layout or _layout_key(old.tensor) == _wanted(src))
         source = (src.data_ptr(), tensor_version(src)) if cpu else None
+        # A small CPU tensor joins the one batched copy at the end; a large one is copied by one memcpy
+        small = cpu and src.nbytes < _NUMPY_FROM
         # The byte comparison only runs when the source is the same tensor at the same version as the one copied
         # last: a tensor modified in place since (an optimizer step) is copied without comparing first, which halves
         # the snapshot of a trained state. Equal version counters do not prove equal bytes (writes through `.data`
-        # do not count), so those are still compared.
-        if old is not None and fits and old.source == source and cpu and same_bytes(old.tensor, src):
+        # do not count, nor do BatchNorm's running statistics, which its kernel writes in place), so those are
+        # still compared, but only when large: a small tensor costs less to copy in the batched copy than to compare
+        # (~10 us each: half a small ResNet's snapshot when `last.ckpt` follows `step=N.ckpt`), and the store still
+        # finds its bytes unchanged by its own comparison, on the writer's thread.
+        if old is not None and fits and old.source == source and cpu and not small and same_bytes(old.tensor, src):
             old.refs += 1
             self.stats.tensors_shared += 1
             return old
@@ -327,7 +332,7 @@ class SnapshotPool:
             non_blocking = b.tensor.is_pinned()
             b.tensor.copy_(src, non_blocking=non_blocking)
             run.pending_device |= non_blocking
-        elif src.numel() * src.element_size() < _NUMPY_FROM:
+        elif small:
             run.dst.append(b.tensor)
             run.src.append(src)
         else:

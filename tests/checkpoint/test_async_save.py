@@ -106,6 +106,24 @@ def test_a_snapshot_content_id_skips_even_the_comparison(tmp_path: Path, monkeyp
     assert torch.equal(DeltaStore().load(tmp_path / "b.ckpt")["w"], w)
 
 
+def test_async_small_tensors_copied_again_are_still_saved_as_unchanged(tmp_path: Path) -> None:
+    """The snapshot copies small tensors without comparing them (cheaper on the training thread), so their
+    content ids are new at every save; the writer's store still finds them unchanged (``last.ckpt`` right after
+    ``step=N.ckpt``) and writes no blob for them, and both checkpoints load exactly."""
+    io = DeltaCheckpointIO(async_save=True)
+    # 16 KB: stored as a blob of its own (not inline in the skeleton), copied by the snapshot without comparing
+    state = {"state_dict": {"bn.running_mean": torch.randn(4096), "w": torch.randn(40_000)}, "step": 3}
+    io.save_checkpoint(state, str(tmp_path / "step=3.ckpt"))
+    io.save_checkpoint(state, str(tmp_path / "last.ckpt"))
+    io.wait()
+    first, second = list(io.history)[-2:]
+    assert second.tensors_unchanged == 2 and second.bytes_written < first.bytes_written / 100
+    io.teardown()
+    for name in ("step=3.ckpt", "last.ckpt"):
+        got = DeltaStore().load(tmp_path / name)["state_dict"]
+        assert all(torch.equal(got[k], v) for k, v in state["state_dict"].items())
+
+
 def test_a_failed_save_deletes_the_blobs_it_wrote_and_nothing_else(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
