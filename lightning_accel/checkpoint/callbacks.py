@@ -345,9 +345,12 @@ class DeltaModelCheckpoint(ModelCheckpoint):
 
         With ``DeltaCheckpointIO(on_save_error="warn")`` a store that cannot be reached (an object-store outage) is
         warned and counted as "does not exist": the save under that name then fails and is warned like any other, and
-        training goes on as that option promises, instead of stopping on this check.
+        training goes on as that option promises, instead of stopping on this check. Otherwise the store's error is
+        raised on global rank zero and an ``OSError`` naming it on every other rank, all after the same collectives
+        (a raise on rank zero alone left the others waiting in the collective until its timeout).
         """
         local = False
+        error: BaseException | None = None
         if trainer.is_global_zero:
             io = delta_io(trainer)
             queued = io.exists(filepath) if io is not None else None
@@ -359,11 +362,19 @@ class DeltaModelCheckpoint(ModelCheckpoint):
                     local = store.exists(filepath)
                 except Exception as e:  # noqa: BLE001 - any store error (botocore's are not OSErrors); re-raised
                     if io is None or io.on_save_error != "warn":
-                        raise
-                    rank_zero_warn(
-                        f"Could not check whether checkpoint {filepath} exists ({one_line(e, first=True)}); "
-                        "saving under that name (`on_save_error='warn'` keeps training)."
-                    )
+                        error = e
+                    else:
+                        rank_zero_warn(
+                            f"Could not check whether checkpoint {filepath} exists ({one_line(e, first=True)}); "
+                            "saving under that name (`on_save_error='warn'` keeps training)."
+                        )
+        if trainer.strategy.reduce_boolean_decision(error is not None, all=False):
+            if error is not None:
+                raise error
+            raise OSError(
+                f"Could not check whether checkpoint {filepath} exists: the store failed on global rank 0 (its error "
+                "is raised there); `DeltaCheckpointIO(on_save_error='warn')` keeps training through store outages."
+            )
         return trainer.strategy.reduce_boolean_decision(local, all=False)
 
     @override

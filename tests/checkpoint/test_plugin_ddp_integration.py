@@ -42,3 +42,31 @@ def test_ddp_rank_zero_writes_and_all_ranks_resume(tmp_path: Path) -> None:
     assert results[0]["checksum"] == results[1]["checksum"]  # both ranks restored the same state and stayed in sync
     names = sorted(p.name for p in (tmp_path / "ckpt").glob("*.ckpt"))
     assert "last.ckpt" in names
+
+
+def _outage_at_the_name_check(rank: int, world_size: int, root: str) -> str:
+    from lightning_accel.checkpoint import DeltaCheckpointIO, DeltaModelCheckpoint
+    from tests.checkpoint.test_async_names import _Outage
+    from tests.tiny import CheckpointModel, ckpt_trainer, tiny_loader
+
+    io = DeltaCheckpointIO(async_save=True)  # on_save_error="raise"
+    cb = DeltaModelCheckpoint(
+        dirpath=f"{root}/ckpt", filename="{epoch}", every_n_train_steps=2, save_top_k=-1, monitor="train_loss"
+    )
+    kw = dict(strategy="ddp", devices=world_size, use_distributed_sampler=True, max_epochs=1)
+    t = ckpt_trainer(root, [io], [cb, _Outage(cb)], **kw)
+    try:
+        t.fit(CheckpointModel(), tiny_loader(64))
+    except (ConnectionError, OSError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_store_error_at_the_name_check_stops_every_rank(tmp_path: Path) -> None:
+    """The existence check runs on rank 0; its failure reaches every rank through the same collective, so every rank
+    stops with an error instead of the others waiting in the collective until its timeout."""
+    results = run_in_processes(_outage_at_the_name_check, 2, (str(tmp_path),), init_process_group=False, timeout=120)
+    assert "Could not connect" in results[0]
+    assert results[1].startswith("OSError") and "failed on global rank 0" in results[1]
