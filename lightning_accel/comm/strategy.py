@@ -50,6 +50,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.constants import default_pg_timeout
@@ -127,6 +128,14 @@ SAVE_BARRIER = "Trainer.save_checkpoint"
 
 def _with_extras(gathered: Deferred, extras: dict[str, Any]) -> dict[str, Any]:
     return {**gathered.result(), **extras}
+
+
+def _weights_only(checkpoint: Mapping[str, Any]) -> bool:
+    """Whether ``checkpoint`` is a weights-only dump (``trainer.save_checkpoint(..., weights_only=True)``,
+    ``ModelCheckpoint(save_weights_only=True)``): Lightning leaves out the optimizer states then, and refuses to resume
+    training from such a file, so the strategies' resume state has no use in it. Every rank dumps alike, so every rank
+    skips the same collective."""
+    return "optimizer_states" not in checkpoint
 
 
 def _on_cpu(state: comm.OneBitState) -> bool:
@@ -334,6 +343,9 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
         self._warmup_loaded: dict[str, Any] | None = None
         #: why 1-bit averaging was switched off for the rest of the fit (:meth:`switch_off`), or None
         self.switched_off_reason: str | None = None
+        #: manual optimization: whether the training step now running is a variance refresh (decided before its
+        #: backward, see :meth:`training_step`)
+        self._manual_refresh = False
 
     # -- the lever protocol (lightning_accel._utils.levers.Lever) --------------------------------------------------
     lever_name = "ddp_1bit"
@@ -346,7 +358,9 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
     def switch_off(self, reason: str) -> bool:
         """Average in fp32 (plain DDP allreduce, the optimizer's own step) from the next step on, for the rest of
         the fit; ``compression="auto"`` stops re-measuring. Call it on every rank at the same step (it does not
-        communicate). Returns whether 1-bit averaging was on."""
+        communicate). Returns whether 1-bit averaging was on. A later ``fit`` of the same Trainer starts again with
+        its own warm-up and 1-bit averaging after it (:attr:`switched_off_reason` is cleared); call it again there
+        to keep it off."""
         state = self._onebit_state
         if state is None or self.switched_off_reason is not None:
             return False
@@ -411,6 +425,10 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
         if self._onebit_live and self._onebit_state is not None:
             self._rewrapped(self._onebit_state)
             return
+        # a new fit (a second `fit` of the same Trainer) builds a new state that compresses after its warm-up: a
+        # switch-off of an earlier fit no longer holds, and left set it would make `switch_off` report "already off"
+        # (a guard that turns 1-bit off again at the fit's start then leaves it on) and skip the "auto" trials
+        self.switched_off_reason = None
         local = self._processes_per_node or self.num_processes
         self.node_topology = None
         if comm.resolve_hierarchical(self._hierarchical_arg, self.world_size, local):
@@ -472,6 +490,11 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
     @override
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)  # wraps the model (configure_ddp registers the hook), then sets up the optimizers
+        if trainer.state.fn != TrainerFn.FITTING:
+            # validate / test / predict wrap nothing and step nothing, but the strategy still holds the last fit's
+            # optimizers: resolving again would replace that fit's decisions (the measured overlap order) with
+            # undecided ones, and a checkpoint saved afterwards would lose them
+            return
         self._resolve_compress()
         self._resolve_overlap(trainer)
         self._resolve_warmup(trainer)
@@ -687,8 +710,18 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
         if state is None or comp is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         # a variance refresh (Adam, compressed stage): this step averages in fp32 and takes the exact Adam step (a
-        # function of saved counters only, so a resumed fit refreshes at the same steps)
-        refreshing = comp.kind == "adam" and state.refresh_due
+        # function of saved counters only, so a resumed fit refreshes at the same steps). Under manual optimization
+        # the backward ran already (and counted its step): the training step decided it before that backward
+        module = self.lightning_module
+        manual = module is not None and not module.automatic_optimization
+        if manual:
+            # unless a `compression="auto"` trial began at this step (no refresh runs in a trial): then the plain step
+            # takes the gradients the hook averaged in fp32
+            refreshing = (
+                comp.kind == "adam" and self._manual_refresh and state.compressing and state.trial_until is None
+            )
+        else:
+            refreshing = comp.kind == "adam" and state.refresh_due
         otrial = self._overlap_trial
         if otrial is not None and self.switched_off_reason is None:
             known = otrial.decision is not None
@@ -740,7 +773,8 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
                 # a GradScaler that found Inf/NaN gradients never called the step: refresh at the next one instead
                 # of leaving the variance stale until the next scheduled refresh (twice as far each time)
                 state.refresh_missed = not refreshed
-            state.refreshing = False
+            # manual optimization: a later backward of the same refresh step averages in fp32 too
+            state.refreshing = self._manual_refresh
 
     @override
     def backward(
@@ -789,9 +823,22 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._timed_step():  # the step's span under manual optimization (nested in the optimizer step otherwise)
-            out = super().training_step(*args, **kwargs)
         state, module = self._onebit_state, self.lightning_module
+        manual = state is not None and module is not None and not module.automatic_optimization
+        if manual:
+            assert state is not None
+            # manual optimization runs the step's backward here, before any optimizer step: a variance refresh must be
+            # decided now, so the hook averages this step's gradients in fp32 for the exact Adam step (automatic
+            # optimization decides it in the optimizer step, whose closure runs the backward)
+            self._manual_refresh = state.refresh_due and any(c.kind == "adam" for c in self._compressors.values())
+            state.refreshing = self._manual_refresh
+        try:
+            with self._timed_step():  # the step's span under manual optimization (nested in the optimizer step else)
+                out = super().training_step(*args, **kwargs)
+        finally:
+            if manual:
+                assert state is not None
+                self._manual_refresh = state.refreshing = False
         last = state.stats.last_step if state is not None else None
         if self._log_stats and last is not None and module is not None and last.sent:
             # the hook has finished the previous step's buckets; this logs that step's traffic
@@ -829,7 +876,9 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
         # global rank 0 writes (DDPStrategy.save_checkpoint), so only it receives the others' bytes
         state = self._onebit_state
         self._wait_state_gathers()  # the previous save's, long done: their errors surface here
-        if state is not None and distributed_ready():
+        if _weights_only(checkpoint):
+            pass  # the weights alone: no rank's error state (world size x the model's size) goes in
+        elif state is not None and distributed_ready():
             world = state.process_group is None or state.process_group is dist.group.WORLD
             watch = self._warmup_watch
             extras = {
@@ -1107,7 +1156,7 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
         if previous is not None:
             self._continue_schedule(previous)
         if self._loaded is not None:
-            self._restore_local(self._loaded)
+            self._restore_local(self._loaded, self._loaded_from)
             self._loaded = None
 
     def _continue_schedule(self, previous: LocalSteps) -> None:
@@ -1128,24 +1177,33 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
             "on the same sync schedule"
         )
 
-    def _restore_local(self, payload: Mapping[str, Any]) -> None:
-        """This rank's parameters, buffers and outer state from a checkpoint (after DDP's broadcast overwrote them
-        with rank 0's)."""
+    def _restore_local(self, payload: Mapping[str, Any], source: str) -> None:
+        """This rank's parameters, buffers and outer state from the checkpoint ``source`` (after DDP's broadcast
+        overwrote them with rank 0's).
+
+        Raises:
+            ValueError: the checkpoint holds the state of another number of ranks, or of another layout (naming
+                ``source``; every rank refuses alike, before anything is restored).
+        """
         assert self._local is not None
         ranks = payload["ranks"]
         if len(ranks) != self.world_size:
             raise ValueError(
-                f"the checkpoint's local-steps state holds {len(ranks)} ranks; this run has {self.world_size}. "
-                "Resume with the same number of processes (or load the weights alone with a fresh strategy)."
+                f"`ckpt_path` {source!r} holds the local-steps state of {len(ranks)} ranks and this fit runs "
+                f"{self.world_size} processes: it cannot continue their local steps. Resume with {len(ranks)} "
+                "processes (or load the weights alone with a fresh strategy)."
             )
         own = ranks[self.global_rank]
         # every check before the first copy: a refused resume leaves the model as it was, on every rank (each checks
         # its own part, and the parts share their layout)
-        self._local.check_state(own["outer"])
         buffers = own.get("buffers")  # absent from checkpoints of format 1
         module = self.lightning_module
-        if buffers is not None and module is not None:
-            _check_buffers(module, buffers)
+        try:
+            self._local.check_state(own["outer"])
+            if buffers is not None and module is not None:
+                _check_buffers(module, buffers)
+        except ValueError as err:
+            raise ValueError(f"`ckpt_path` {source!r}: {err}") from err
         self._local.load_local_flats(own["local"])
         if buffers is not None and module is not None:
             _load_buffers(module, buffers)
@@ -1233,7 +1291,9 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
         # called on every rank: gather each rank's own parameters, buffers, optimizer states, precision plugin state
         # (a GradScaler's scale: each rank skips the steps its own gradients overflow) and outer state (a collective)
         local, module = self._local, self.lightning_module
-        if local is not None and module is not None and distributed_ready():
+        if _weights_only(checkpoint):
+            pass  # the weights alone: no rank's parameters and outer state (world size x the model's size) go in
+        elif local is not None and module is not None and distributed_ready():
             own = {
                 "local": local.local_flats(),
                 "buffers": {name: b.detach().to("cpu", copy=True) for name, b in module.named_buffers()},
@@ -1265,7 +1325,7 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
                 # rank's own instead
                 checkpoint[key] = ranks[self.global_rank]["precision"]
             if self._local is not None and self._local_live:  # set up in this fit: apply now
-                self._restore_local(payload)
+                self._restore_local(payload, str(checkpoint_path))
             else:  # DDP broadcasts rank 0's parameters when it wraps the model: apply after that
                 self._loaded, self._loaded_from = payload, str(checkpoint_path)
         return checkpoint

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import traceback
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -48,6 +49,7 @@ def _module(
                 loss = loss * float("inf")
             if manual:
                 opt = self.optimizers()
+                assert not isinstance(opt, list)
                 opt.zero_grad()
                 self.manual_backward(loss)
                 opt.step()
@@ -225,7 +227,7 @@ def _last_checkpoint(tmp: str) -> dict:
     from lightning_accel.comm import LocalStepsStrategy
 
     out = {}
-    cases = {
+    cases: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {
         "max_steps": ({"max_steps": 6}, {"every_n_train_steps": 3}, {}),
         "max_epochs": ({"max_steps": -1, "max_epochs": 1}, {}, {}),
         "manual": ({"max_steps": 6}, {"every_n_train_steps": 3}, {"manual": True}),
@@ -270,7 +272,11 @@ def _groups(tmp: str) -> dict:
     ckpt = str(Path(tmp) / "after-fit.ckpt")
     trainer.save_checkpoint(ckpt)
     payload = torch.load(ckpt, weights_only=True)["lightning_accel_localsteps"]
-    return {"counts": counts, "ranks_saved": len(payload["ranks"])}
+    # a weights-only checkpoint holds rank 0's weights alone (Lightning cannot resume training from it)
+    weights = str(Path(tmp) / "after-fit-weights.ckpt")
+    trainer.save_checkpoint(weights, weights_only=True)
+    weights_keys = sorted(torch.load(weights, weights_only=True))
+    return {"counts": counts, "ranks_saved": len(payload["ranks"]), "weights_keys": weights_keys}
 
 
 SCENARIOS = {
@@ -414,3 +420,26 @@ def test_fits_leave_no_process_group_behind_and_save_after_the_fit(results: list
     for res in _get(results, "groups"):
         assert res["counts"] == [1, 1]  # the default group alone: each fit destroyed the outer group it made
         assert res["ranks_saved"] == 2
+
+
+def test_a_weights_only_checkpoint_holds_no_local_steps_state(results: list[dict]) -> None:
+    for res in _get(results, "groups"):
+        assert "lightning_accel_localsteps" not in res["weights_keys"]
+        assert "state_dict" in res["weights_keys"] and "optimizer_states" not in res["weights_keys"]
+
+
+def test_a_checkpoint_of_other_ranks_or_layout_is_refused_naming_it(one_process_group: None) -> None:
+    """In one process (the strategy's checks, without a fit): the refusal names `ckpt_path`, its value and the fix."""
+    from lightning_accel.comm import LocalStepsStrategy
+    from lightning_accel.comm.localsteps import LocalSteps
+
+    strategy = LocalStepsStrategy(sync_every=4)
+    config = strategy.local_steps_config
+    strategy._local = LocalSteps([nn.Parameter(torch.zeros(8))], config)
+    with pytest.raises(
+        ValueError, match=r"^`ckpt_path` '/ckpts/a.ckpt' holds the local-steps state of 2 ranks .* Resume"
+    ):
+        strategy._restore_local({"format": 2, "ranks": [{}, {}]}, "/ckpts/a.ckpt")
+    other = LocalSteps([nn.Parameter(torch.zeros(16))], config).state_dict()  # other trainable parameters
+    with pytest.raises(ValueError, match=r"^`ckpt_path` '/ckpts/b.ckpt': .* Resume with the same `fragments`"):
+        strategy._restore_local({"format": 2, "ranks": [{"outer": other, "local": []}]}, "/ckpts/b.ckpt")

@@ -14,11 +14,13 @@ scenario that raises fails its own tests only (its traceback is the failure mess
 
 from __future__ import annotations
 
+import functools
 import math
 import traceback
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -34,6 +36,8 @@ WARMUP = 2
 def _module_cls():
     import lightning as L
 
+    from lightning_accel._utils.compat import ddp_logging_data
+
     class TinyMLP(L.LightningModule):
         def __init__(
             self,
@@ -43,8 +47,10 @@ def _module_cls():
             frozen: bool = False,
             empty: bool = False,
             step_data: bool = False,
+            manual: bool = False,
         ) -> None:
             super().__init__()
+            self.automatic_optimization = not manual
             torch.manual_seed(0)
             # a parameter with no elements first (a zero-width layer, a pruned head): it trains as with plain DDP
             self.empty = nn.Parameter(torch.zeros(0, 16)) if empty else None
@@ -71,11 +77,17 @@ def _module_cls():
             if self.nan_at is not None and self.global_step == self.nan_at and self.global_rank == 1:
                 loss = loss * float("nan")
             self.losses.append(float(loss.detach()))
+            if not self.automatic_optimization:  # the same zero_grad, backward, step as the automatic loop
+                opt = self.optimizers()
+                assert not isinstance(opt, list)
+                opt.zero_grad()
+                self.manual_backward(loss)
+                opt.step()
             return loss
 
         def on_train_batch_end(self, outputs, batch, batch_idx):
             # while DDP wraps the module (the strategy unwraps it at teardown): which comm hook is registered?
-            self.hook_name = self.trainer.strategy.model._get_ddp_logging_data().get("comm_hook")
+            self.hook_name = (ddp_logging_data(self.trainer.strategy.model) or {}).get("comm_hook")
 
         def configure_optimizers(self):
             if self.opt == "sgdm":
@@ -102,11 +114,11 @@ def _fit(strategy, root: Path | None = None, ckpt: str | None = None, model=None
 
     trainer_kwargs.setdefault("max_steps", 6)
     trainer_kwargs.setdefault("devices", 2)
+    trainer_kwargs.setdefault("enable_checkpointing", False)
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",
         logger=False,
-        enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=root,
@@ -190,12 +202,16 @@ def _auto_summary(trainer, model) -> dict:
 SCENARIOS: dict[str, Callable[[str], dict]] = {}
 
 
+def _call_scenario(fn: Callable[..., dict], name: str, tmp: str) -> dict:
+    return fn(tmp, name)
+
+
 def _scenario(*names: str) -> Callable[[Callable[..., dict]], Callable[..., dict]]:
     """Register ``fn(tmp, name)`` under each of ``names``."""
 
     def register(fn: Callable[..., dict]) -> Callable[..., dict]:
         for name in names:
-            SCENARIOS[name] = lambda tmp, fn=fn, name=name: fn(tmp, name)
+            SCENARIOS[name] = functools.partial(_call_scenario, fn, name)
         return fn
 
     return register
@@ -245,7 +261,8 @@ def _trial(tmp: str, name: str) -> dict:
 
     class Clock:
         def __init__(self, cost: float) -> None:
-            self.t, self.cost, self.strategy = 0.0, cost, None
+            self.t, self.cost = 0.0, cost
+            self.strategy: Any = None
 
         def __call__(self) -> float:
             st = self.strategy.onebit_state
@@ -287,7 +304,9 @@ def _warmup_auto(tmp: str, name: str) -> dict:
         strategy, steps, opt = _onebit(warmup_steps="auto"), 14, "sgdm"
     seen: list[tuple[int, bool, bool]] = []
 
-    class Probe(__import__("lightning").pytorch.callbacks.Callback):
+    from lightning.pytorch.callbacks import Callback
+
+    class Probe(Callback):
         def on_train_batch_end(self, trainer, *args) -> None:
             st = trainer.strategy.onebit_state
             seen.append((trainer.global_step, st.local_grads, st.stats.last_step.compressed_sent > 0))
@@ -368,7 +387,7 @@ def _clip(tmp: str, name: str) -> dict:
     class Spy(L.Callback):
         def on_train_start(self, trainer, pl_module):
             comp = next(iter(trainer.strategy._compressors.values()))
-            self.norms = []
+            self.norms: list[float] = []
 
             def spy(p):
                 def compressed_step():
@@ -499,6 +518,37 @@ def _nan_refresh(tmp: str, name: str) -> dict:
     }
 
 
+@_scenario("refresh_manual")
+def _refresh_manual(tmp: str, name: str) -> dict:
+    """AdamW with variance refreshes 2 and 6 steps into the compressed stage (steps 4 and 8, counted from 0), under
+    automatic and under manual optimization (the same zero_grad, backward and step): the same fp32 steps, the same
+    parameters."""
+    import lightning as L
+
+    class Probe(L.Callback):
+        def __init__(self) -> None:
+            self.fp32: list[int] = []
+            self.steps = 0
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if not trainer.strategy.onebit_state.local_grads:
+                self.fp32.append(self.steps)
+            self.steps += 1
+
+    out: dict = {}
+    for mode in ("automatic", "manual"):
+        probe = Probe()
+        trainer, model = _fit(
+            _onebit(variance_refresh=2, compression="1bit"),
+            model=_module_cls()(manual=mode == "manual"),
+            max_steps=10,
+            callbacks=[probe],
+        )
+        st = trainer.strategy.onebit_state
+        out[mode] = {"fp32_steps": probe.fp32, "missed": st.refresh_missed, "params": _params(model)}
+    return out
+
+
 @_scenario("bf16")
 def _bf16(tmp: str, name: str) -> dict:
     trainer, model = _fit(_onebit(), precision="bf16-mixed")
@@ -559,6 +609,62 @@ def _resume_warmup_watch(tmp: str, name: str) -> dict:
         "resumed": _params(resumed_model),
         "reset_warnings": [str(w.message) for w in caught if "reset" in str(w.message)],
     }
+
+
+@_scenario("switch_off_refit")
+def _switch_off_refit(tmp: str, name: str) -> dict:
+    """A second ``fit`` of the same Trainer after ``switch_off`` ended 1-bit averaging in the first: its new state
+    compresses after its warm-up until it is switched off again, at its start (as ``RollbackGuard`` does)."""
+    from lightning.pytorch.callbacks import Callback
+
+    ckpt = str(Path(tmp) / "switch_off_refit.ckpt")
+
+    class SwitchOff(Callback):
+        def __init__(self) -> None:
+            self.returned: list[bool] = []
+
+        def on_train_start(self, trainer, pl_module):
+            if trainer.global_step > 0:  # the second fit, resumed from step 1
+                self.returned.append(trainer.strategy.switch_off("again"))
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 1 and not self.returned:
+                trainer.save_checkpoint(ckpt)
+            if trainer.global_step == 4 and not self.returned:
+                self.returned.append(trainer.strategy.switch_off("first"))
+
+    off = SwitchOff()
+    strategy = _onebit(compression="1bit")
+    trainer, _ = _fit(strategy, max_steps=8, callbacks=[off])
+    first = strategy.onebit_state.stats.compressed_calls
+    trainer.fit(_module_cls()(), _data(), ckpt_path=ckpt)
+    state = strategy.onebit_state
+    return {
+        "returned": off.returned,
+        "first": first,
+        "second": state.stats.compressed_calls,
+        "decision": state.decision,
+        "reason": strategy.switched_off_reason,
+    }
+
+
+@_scenario("weights_only")
+def _weights_only(tmp: str, name: str) -> dict:
+    """A weights-only checkpoint (``ModelCheckpoint(save_weights_only=True)`` every 2 steps, and after the fit)
+    against a full one: the 1-bit state goes into the full one only."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    dirpath = Path(tmp) / "weights_only"
+    saver = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=2, save_weights_only=True, save_top_k=-1)
+    trainer, _ = _fit(_onebit(compression="1bit"), max_steps=4, callbacks=[saver], enable_checkpointing=True)
+    trainer.save_checkpoint(dirpath / "after.ckpt", weights_only=True)
+    trainer.save_checkpoint(dirpath / "full.ckpt")
+    out = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for path in sorted(dirpath.glob("*.ckpt")):
+            out[path.name] = "lightning_accel_onebit" in torch.load(path, weights_only=True)
+    return {"has_state": out}
 
 
 @_scenario("resume_delta_async")
@@ -658,7 +764,8 @@ def _overlap(tmp: str, name: str) -> dict:
     class Early(L.Callback):
         def on_train_start(self, trainer, pl_module):
             comp = next(iter(trainer.strategy._compressors.values()))
-            self.calls, self.started = 0, []
+            self.calls = 0
+            self.started: list[int] = []
 
             def spy(p):
                 def on_bucket(params, grads):
@@ -742,6 +849,38 @@ def _overlap_auto_resume(tmp: str, name: str) -> dict:
         saved = torch.load(ckpt, weights_only=True)["lightning_accel_onebit"]["overlap_decision"]
     out = {"first": first.overlap_decision, "saved": saved}
     return {**out, "resumed": resumed.overlap_decision, "final": resumed.overlap}
+
+
+@_scenario("overlap_after_validate")
+def _overlap_after_validate(tmp: str, name: str) -> dict:
+    """``trainer.validate`` after a fit whose ``overlap="auto"`` decided (a scripted clock: serial steps cost half)
+    keeps the decision, and a checkpoint saved after it holds the decision."""
+
+    class WithValidation(_module_cls()):  # type: ignore[misc]
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            self.log("val_loss", F.cross_entropy(self.net(x), y), sync_dist=True)
+
+    class Clock:
+        def __init__(self, strategy) -> None:
+            self.t, self.strategy = 0.0, strategy
+
+        def __call__(self) -> float:
+            self.t += 1.0 if self.strategy.overlap else 0.5
+            return self.t
+
+    strategy = _onebit(overlap="auto", group_numel=300, bucket_cap_mb=0.0005)
+    strategy.step_clock = Clock(strategy)
+    model = WithValidation()
+    trainer, _ = _fit(strategy, max_steps=12, model=model)
+    fitted = strategy.overlap_decision
+    trainer.validate(model, _data(32), verbose=False)
+    ckpt = str(Path(tmp) / "after_validate.ckpt")
+    trainer.save_checkpoint(ckpt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        saved = torch.load(ckpt, weights_only=True)["lightning_accel_onebit"]["overlap_decision"]
+    return {"fitted": fitted, "validated": strategy.overlap_decision, "saved": saved, "final": strategy.overlap}
 
 
 @_scenario("overlap_clip")
@@ -1003,6 +1142,17 @@ class TestTrainingFeatures:
             assert not r["missed"] and r["finite_params"]
         _same_on_both_ranks(results, "nan_refresh")
 
+    @uses("refresh_manual")
+    def test_variance_refreshes_under_manual_optimization_match_automatic(self, results: list[dict]) -> None:
+        for r in _get(results, "refresh_manual"):
+            auto, manual = r["automatic"], r["manual"]
+            # warm-up (0, 1), then the refreshes 2 and 6 steps into the compressed stage: fp32 averaging, exact Adam
+            assert auto["fp32_steps"] == manual["fp32_steps"] == [0, 1, 4, 8]
+            assert not auto["missed"] and not manual["missed"]
+            np.testing.assert_array_equal(auto["params"], manual["params"])
+        r0, r1 = _get(results, "refresh_manual")
+        np.testing.assert_array_equal(r0["manual"]["params"], r1["manual"]["params"])
+
     @uses("bf16")
     def test_bf16_mixed(self, results: list[dict]) -> None:
         r = _get(results, "bf16")[0]
@@ -1073,6 +1223,25 @@ class TestResume:
             assert res["refit_step"] == 16
             np.testing.assert_array_equal(res["full"], res["refit"])
 
+    @uses("switch_off_refit")
+    def test_a_switch_off_holds_for_its_own_fit_only(self, results: list[dict]) -> None:
+        for r in _get(results, "switch_off_refit"):
+            assert r["first"] == 4 - WARMUP  # compressed from the warm-up's end to the switch-off at step 4
+            # the second fit's switch-off at its start (step 1, in its warm-up: 1-bit not on yet) keeps it off for
+            # the rest of that fit, instead of being ignored as "already off"
+            assert r["returned"] == [True, False]
+            assert r["second"] == 0 and r["decision"] == "fp32" and r["reason"] == "again"
+
+    @uses("weights_only")
+    def test_a_weights_only_checkpoint_holds_no_onebit_state(self, results: list[dict]) -> None:
+        for r in _get(results, "weights_only"):
+            assert r["has_state"] == {
+                "after.ckpt": False,
+                "epoch=0-step=2.ckpt": False,
+                "epoch=0-step=4.ckpt": False,
+                "full.ckpt": True,
+            }
+
     @uses("resume_adamw")
     def test_one_process_drops_the_state_of_several(self, results: list[dict], tmp_path: Path) -> None:
         """One process trains as plain DDP: the checkpoint's 1-bit state is dropped with a warning and not handed on
@@ -1123,6 +1292,14 @@ class TestOverlap:
             assert r["final"] is False  # not timed again: its clock would have chosen to overlap
         r0, r1 = _get(results, "overlap_auto_resume")
         assert r0["resumed"] == r1["resumed"]
+
+    @uses("overlap_after_validate")
+    def test_validate_after_the_fit_keeps_its_overlap_decision(self, results: list[dict]) -> None:
+        for r in _get(results, "overlap_after_validate"):
+            assert r["fitted"] is not None and r["fitted"]["overlap"] is False
+            # not replaced by an undecided trial: the checkpoint saved after validate holds the fit's decision
+            assert r["validated"] == r["fitted"] and r["saved"] == r["fitted"]
+            assert r["final"] is False
 
     @uses("overlap_clip")
     def test_overlap_is_refused_or_turned_off_with_clipping(self, results: list[dict]) -> None:
