@@ -36,7 +36,7 @@ from lightning_accel._utils.checks import check_int, check_number
 from lightning_accel._utils.compat import copy_tensors
 from lightning_accel.checkpoint.codec import buffer_strides
 
-__all__ = ["Snapshot", "SeriesWatch", "Trigger", "WatchRule"]
+__all__ = ["Snapshot", "SeriesWatch", "Trigger", "WatchRule", "batch_loss", "local_shard", "unscaled_loss"]
 
 
 @dataclass(frozen=True)
@@ -182,6 +182,22 @@ class SeriesWatch:
         self.mean, self.var, self.last = float(state["mean"]), float(state["var"]), float(state["last"])
 
 
+try:  # torch >= 2.4 (public since then); older torch has no sharded tensors to handle
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # pragma: no cover - depends on the torch build
+    _DTensor = None  # type: ignore[assignment, misc]
+
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """This process's part of ``t``: the local shard of a ``DTensor`` (the parameters and optimizer state of
+    ``fully_shard`` / ``ShardedStrategy``; a view, so copying into it writes the live shard), else ``t`` itself. The
+    snapshot copies each process's own shard: no collective, and ``_foreach_copy_`` refuses a DTensor beside a plain
+    tensor."""
+    if _DTensor is not None and isinstance(t, _DTensor):
+        return t.to_local()
+    return t
+
+
 def _buffer_like(t: torch.Tensor, old: torch.Tensor | None) -> torch.Tensor:
     # the layout the delta checkpoint's snapshot buffers take: a channels_last weight copies without reordering
     stride = buffer_strides(t)
@@ -229,7 +245,7 @@ class Snapshot:
     ) -> None:
         """Copy the state of ``step``; ``extra``: small Python state (e.g. scheduler ``state_dict``s), deep-copied."""
         with torch.no_grad():
-            tensors = self._model_tensors(model)
+            tensors = [local_shard(t) for t in self._model_tensors(model)]
             old: list[torch.Tensor | None] = (
                 list(self._model) if len(self._model) == len(tensors) else [None] * len(tensors)
             )
@@ -246,6 +262,7 @@ class Snapshot:
                     saved = {}
                     for k, v in state.items():
                         if isinstance(v, torch.Tensor):
+                            v = local_shard(v)
                             saved[k] = _buffer_like(v, prev.get(f"{j}/{k}"))
                             srcs.append(v)
                             dsts.append(saved[k])
@@ -277,7 +294,7 @@ class Snapshot:
         if self.step is None:
             raise RuntimeError("RollbackGuard: no snapshot has been taken yet, so there is nothing to restore.")
         with torch.no_grad():
-            tensors = self._model_tensors(model)
+            tensors = [local_shard(t) for t in self._model_tensors(model)]
             if len(tensors) != len(self._model):
                 raise RuntimeError(
                     f"RollbackGuard: the model has {len(tensors)} tensors, its snapshot {len(self._model)}: the model "
@@ -318,8 +335,12 @@ class Snapshot:
                         v = saved[f"{j}/{k}"]
                         live = state.get(k)
                         if isinstance(v, torch.Tensor):
-                            if isinstance(live, torch.Tensor) and live.shape == v.shape:
-                                live.copy_(v, non_blocking=True)
+                            if isinstance(live, torch.Tensor) and local_shard(live).shape == v.shape:
+                                local_shard(live).copy_(v, non_blocking=True)
+                            elif v.dim() > 0 and _DTensor is not None and isinstance(p, _DTensor):
+                                # a sharded parameter's state is sharded alike (the optimizer adds it to the param)
+                                here = v.to(p.to_local().device, copy=True)
+                                state[k] = _DTensor.from_local(here, p.device_mesh, p.placements, run_check=False)
                             else:
                                 state[k] = v.to(p.device if v.dim() > 0 else v.device, copy=True)
                         else:
@@ -338,3 +359,21 @@ class Snapshot:
 def finite(values: Iterable[float]) -> bool:
     """Whether every value is finite."""
     return all(math.isfinite(v) for v in values)
+
+
+def unscaled_loss(loss: torch.Tensor, scaler: Any = None) -> torch.Tensor:
+    """``loss`` as a detached fp32 scalar, divided by the loss scale when ``scaler`` (a ``torch.amp.GradScaler``)
+    scaled it for ``backward``: Lightning calls ``on_before_backward`` with the scaled loss. Called in that hook, before
+    the optimizer step's ``scaler.update()`` changes the scale; the scale is taken as a tensor (``scaler.scale`` of a
+    one), so no host sync."""
+    value = loss.detach().float().sum()
+    if scaler is not None:
+        value = value / scaler.scale(torch.ones((), device=value.device)).float()
+    return value
+
+
+def batch_loss(backward_losses: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """A batch's loss from the (unscaled) losses given to ``backward`` in it: their sum, None when there were none.
+    Manual optimization's ``training_step`` may return nothing; what it passed to ``manual_backward`` (one loss, or
+    one per optimizer) is then the batch's loss."""
+    return torch.stack(list(backward_losses)).sum() if backward_losses else None

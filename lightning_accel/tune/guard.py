@@ -25,7 +25,15 @@ from lightning_accel._utils.checks import check_bool, check_int
 from lightning_accel._utils.compat import model_checkpoint_step_interval, rewind_global_step
 from lightning_accel._utils.levers import Lever, find_levers
 from lightning_accel._utils.rank import distributed_ready
-from lightning_accel.tune._watch import SeriesWatch, Snapshot, Trigger, WatchRule
+from lightning_accel.tune._watch import (
+    SeriesWatch,
+    Snapshot,
+    Trigger,
+    WatchRule,
+    batch_loss,
+    local_shard,
+    unscaled_loss,
+)
 
 __all__ = ["RollbackGuard"]
 
@@ -39,14 +47,16 @@ class RollbackGuard(Callback):
 
     Contract:
 
-    * **Watch.** Every training batch's loss (``training_step``'s ``loss``) and, with ``watch_grad_norm``, the total
-      gradient norm before each optimizer step (2-norm over the LightningModule's gradients, after AMP unscaling)
-      are fed to the rule of :class:`~lightning_accel.tune._watch.WatchRule`: ``nan_streak`` non-finite values in a
-      row, or ``spike_steps`` values in a row more than ``spike_sigma`` EMA standard deviations above the EMA mean
-      (armed after ``arm_after`` values). For ``window_steps`` steps after a lever switches on (the 1-bit compressed
-      stage starting after warm-up; fused modules and quantized checkpoints from the start of the fit, i.e. right
-      after surgery or a resume) the stricter ``window_sigma`` / ``window_spike_steps`` apply. With a GradScaler a
-      non-finite gradient norm is the scaler's business (it skips that step) and is not counted.
+    * **Watch.** Every training batch's loss (``training_step``'s ``loss``; under manual optimization, when
+      ``training_step`` returns none, the sum of the losses given to ``manual_backward`` in the batch, unscaled) and,
+      with ``watch_grad_norm``, the total gradient norm before each optimizer step (2-norm over the LightningModule's
+      gradients, after AMP unscaling) are fed to the rule of :class:`~lightning_accel.tune._watch.WatchRule`:
+      ``nan_streak`` non-finite values in a row, or ``spike_steps`` values in a row more than ``spike_sigma`` EMA
+      standard deviations above the EMA mean (armed after ``arm_after`` values). For ``window_steps`` steps after a
+      lever switches on (the 1-bit compressed stage starting after warm-up; fused modules and quantized checkpoints
+      from the start of the fit, i.e. right after surgery or a resume) the stricter ``window_sigma`` /
+      ``window_spike_steps`` apply. With a GradScaler a non-finite gradient norm is the scaler's business (it skips
+      that step) and is not counted.
     * **Cost.** The values stay on the device; every ``check_every`` steps they are copied to the host at once (one
       sync) and, with several processes, one 3-element all-reduce makes every rank decide alike. Every
       ``snapshot_every`` steps (when no streak is open) the model's tensors, the optimizers' state and
@@ -73,6 +83,9 @@ class RollbackGuard(Callback):
     * **Resume.** Its state (rollbacks, events, levers switched off, the rule's statistics) is saved in checkpoints;
       on resume, levers it had switched off are switched off again at the start of ``fit``.
     * **DDP.** Every collective runs on every rank at the same step (the check steps are the same everywhere).
+      Sharded parameters and optimizer state (DTensors of ``fully_shard`` / ``ShardedStrategy``) are snapshotted
+      and restored shard by shard, each rank its own; a sampled gradient norm of sharded gradients is made whole
+      (``full_tensor``: one small all-reduce, on every rank at the same step).
 
     Args:
         snapshot_every: optimizer steps between in-memory snapshots.
@@ -183,6 +196,9 @@ class RollbackGuard(Callback):
         self._save_every: list[int] = []
         self._snap_due = False
         self._loss: torch.Tensor | None = None
+        self._scaler_obj: Any = None
+        self._manual = False
+        self._backward: list[torch.Tensor] = []  # this batch's losses given to `manual_backward`
         # the optimizers' parameters at the last snapshot (None: none taken in this fit yet); a change means the
         # model was rebuilt (pruned) and the snapshot no longer fits it
         self._layout: list[list[torch.Tensor]] | None = None
@@ -201,10 +217,12 @@ class RollbackGuard(Callback):
         cpu = self._cpu = strategy.root_device.type == "cpu"
         self._every = self.check_every or (5 if cpu else 10)
         self._gn_every = self.grad_norm_every or (10 if cpu else 1)
-        self._scaler = getattr(strategy.precision_plugin, "scaler", None) is not None
+        self._scaler_obj = getattr(strategy.precision_plugin, "scaler", None)
+        self._scaler = self._scaler_obj is not None
+        self._manual = not pl_module.automatic_optimization
         # per-fit state (a second `fit` with the same guard starts watching afresh; rollbacks and events stay)
         self._since, self._was_active, self._window_end = {}, {}, -1
-        self._pending, self._grad_norm, self._loss = [], None, None
+        self._pending, self._grad_norm, self._loss, self._backward = [], None, None, []
         self._opt_steps, self._stopped, self._snap_due = 0, False, False
         self._layout = None
         # the step intervals of the checkpoint callbacks that save inside an epoch (`every_n_train_steps`): the
@@ -257,6 +275,10 @@ class RollbackGuard(Callback):
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         if self._snap_due:
             self._loss = loss.detach()  # the snapshot below is taken only if this loss is finite
+        if self._manual:
+            # the batch's loss when `training_step` returns none: the scale is the one of this backward (the step's
+            # `scaler.update()` may change it before the batch ends)
+            self._backward.append(unscaled_loss(loss, self._scaler_obj))
 
     @override
     def on_before_optimizer_step(
@@ -273,6 +295,11 @@ class RollbackGuard(Callback):
             grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
             if grads:
                 norm = torch.nn.utils.get_total_norm(grads)  # device tensor: no sync
+                if isinstance(norm, torch.Tensor) and local_shard(norm) is not norm:
+                    # sharded gradients (`fully_shard`): the norm is a DTensor holding each rank's partial sum, which
+                    # `torch.stack` and `dist.all_reduce` below refuse; its full value is one small all-reduce, on
+                    # every rank alike (the sampling and the due snapshot are the same on every rank)
+                    norm = norm.full_tensor()  # type: ignore[attr-defined]
         if sample and norm is not None:
             self._grad_norm = norm if self._grad_norm is None else torch.maximum(self._grad_norm, norm)
         if self._snap_due:
@@ -300,6 +327,11 @@ class RollbackGuard(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        backward, self._backward = self._backward, []
+        if not isinstance(loss, torch.Tensor):
+            # manual optimization whose `training_step` returns nothing (as Lightning's examples do): unwatched, a
+            # NaN ran on through every later step
+            loss = batch_loss(backward)
         if isinstance(loss, torch.Tensor):
             self._pending.append((trainer.global_step, loss.detach(), self._grad_norm))
         self._grad_norm = None
@@ -482,6 +514,7 @@ class RollbackGuard(Callback):
             self._note_in_reports(trainer)
         self.snapshot.release()
         self._pending.clear()
+        self._backward.clear()
         self._grad_norm = None
         self._layout = None  # it holds the parameters: do not keep them alive after the fit
 

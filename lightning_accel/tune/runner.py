@@ -17,6 +17,7 @@ import resource
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -26,13 +27,16 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
 from lightning_accel._utils.errors import one_line
+from lightning_accel._utils.imports import import_object
+from lightning_accel.tune._watch import batch_loss, unscaled_loss
 from lightning_accel.tune.levers import as_list
 
 # TrialProbe is named by class_path in the trial configs; it is no callback a user adds, so it is not exported
 __all__ = ["TrialMeasure", "agree", "run_trial"]
 
-#: callbacks a trial drops from the job: it saves and monitors by itself, and stops by step count; and the monitors
-#: that only log, which refuse a Trainer without a logger (a trial has none): with them no trial of the job ran
+#: callbacks a trial drops from the job (by name, and by class: their subclasses too): it saves and monitors by
+#: itself, and stops by step count; and the monitors that only log, which refuse a Trainer without a logger (a trial
+#: has none): with them no trial of the job ran
 _DROPPED = (
     "ModelCheckpoint",
     "PerformanceMonitor",
@@ -51,7 +55,10 @@ class TrialProbe(Callback):
     (data wait included; the median, because on a shared machine a few steps stall for reasons of their own); under
     gradient accumulation a step starts at the first batch of its window, and the saves below are made once per step
     too. The step holding the timed checkpoint save is left out and the save is reported on its own. The slowest
-    rank's value is kept (one all-reduce at the end).
+    rank's value is kept (one all-reduce at the end). A batch's loss is ``training_step``'s, or under manual
+    optimization that returns none, the sum of the (unscaled) losses given to ``manual_backward`` in it. A trial does
+    not validate: a ``ReduceLROnPlateau`` the job conditions on a metric the trial does not log (``val_loss``) is
+    skipped at an epoch end instead of failing the fit.
 
     Args:
         warmup: steps before the timed window.
@@ -66,6 +73,7 @@ class TrialProbe(Callback):
         self.starts: list[float] = []
         self.save_s = 0.0
         self.save_step: int | None = None
+        self._warm_saved = False
         self.step_s: float | None = None
         self.peak_mem: int | None = None
         self.steps_per_epoch: int | None = None
@@ -73,6 +81,9 @@ class TrialProbe(Callback):
         # batches share one step, and only the first batch of the window starts it, only its last one ends it
         self._started: int | None = None
         self._ended: int | None = None
+        self._manual = False
+        self._scaler: Any = None
+        self._backward: list[torch.Tensor] = []  # this batch's losses given to `manual_backward`
 
     def _now(self, trainer: Trainer) -> float:
         if trainer.strategy.root_device.type == "cuda":
@@ -81,6 +92,13 @@ class TrialProbe(Callback):
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        for config in trainer.lr_scheduler_configs:
+            # a trial does not validate: a ReduceLROnPlateau that monitors a validation metric (`val_loss`) would
+            # make Lightning raise at the end of the first epoch of a job whose epochs are shorter than the trial,
+            # failing a job `fit` runs. Not strict, Lightning skips its update when the metric is missing (a
+            # training metric it monitors is there, and it steps as in the job).
+            if config.reduce_on_plateau:
+                config.strict = False
         if trainer.strategy.root_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
         else:
@@ -89,6 +107,13 @@ class TrialProbe(Callback):
         per_step = max(1, int(trainer.accumulate_grad_batches))
         self.steps_per_epoch = -(-int(n) // per_step) if n != float("inf") else None  # optimizer steps (ceil)
         self._started, self._ended = None, trainer.global_step
+        self._manual = not pl_module.automatic_optimization
+        self._scaler, self._backward = getattr(trainer.precision_plugin, "scaler", None), []
+
+    @override
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
+        if self._manual:  # the batch's loss when `training_step` returns none (unscaled as this backward scaled it)
+            self._backward.append(unscaled_loss(loss, self._scaler))
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
@@ -102,17 +127,26 @@ class TrialProbe(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        backward, self._backward = self._backward, []
+        if not isinstance(loss, torch.Tensor):
+            # manual optimization whose `training_step` returns nothing: a NaN here failed the numerics of every
+            # trial, the job's own included ("loss is nan at step 0"), and no lever could be kept
+            loss = batch_loss(backward)
         self.losses.append(float(loss.detach()) if isinstance(loss, torch.Tensor) else float("nan"))
         done = trainer.global_step  # steps finished, this one included
         stepped, self._ended = done != self._ended, done
         if self.ckpt_dir is None or not stepped:  # a batch inside an accumulation window: no step ended here
             return
-        if done == self.warmup:  # untimed: the first save of a process pays one-time costs
+        # reached, not equal: under manual optimization with several optimizers the global step moves by one per
+        # optimizer step, several in a batch, and may pass over a given value (no save was made, nor timed)
+        if not self._warm_saved and done >= self.warmup:  # untimed: a process's first save pays one-time costs
+            self._warm_saved = True
             trainer.save_checkpoint(os.path.join(self.ckpt_dir, "warm.ckpt"))
-        elif done == self.warmup + self.steps // 2:
+        elif self.save_step is None and done >= self.warmup + self.steps // 2:
             t = time.perf_counter()
             trainer.save_checkpoint(os.path.join(self.ckpt_dir, f"step{done}.ckpt"))
-            self.save_s, self.save_step = time.perf_counter() - t, done - 1 - self.warmup
+            # the period from this step's start (the last one recorded) to the next holds the save
+            self.save_s, self.save_step = time.perf_counter() - t, len(self.starts) - 1
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -176,7 +210,7 @@ class TrialMeasure:
 def _trial_job(job: dict[str, Any], *, warmup: int, steps: int, root: str, save: bool) -> dict[str, Any]:
     j = copy.deepcopy(job)
     t = j.setdefault("trainer", {})
-    cbs = [c for c in as_list(t.get("callbacks")) if not any(d in str(_cp(c)) for d in _DROPPED)]
+    cbs = [c for c in as_list(t.get("callbacks")) if not _dropped(c)]
     # the monitor counts batches: under gradient accumulation the probe's warm-up steps are `accumulate` batches each
     acc = t.get("accumulate_grad_batches", 1)
     acc = acc if isinstance(acc, int) and not isinstance(acc, bool) and acc > 1 else 1
@@ -219,6 +253,46 @@ def _trial_job(job: dict[str, Any], *, warmup: int, steps: int, root: str, save:
         default_root_dir=root,
     )
     return j
+
+
+def _dropped(entry: Any) -> bool:
+    """Whether a trial leaves the job's callback ``entry`` out (see ``_DROPPED``): by its class, so that a subclass
+    of one of them under a name of its own (``BestCheckpoint(ModelCheckpoint)``) is left out too -- Lightning refuses
+    a ``ModelCheckpoint`` or a progress bar beside the trial's ``enable_checkpointing=False`` /
+    ``enable_progress_bar=False``, and an ``EarlyStopping`` on ``val_loss`` without validation, which failed the
+    baseline of a job ``fit`` runs; by its name when its class does not import (``fit`` reports that)."""
+    path = _cp(entry)
+    if any(d in path for d in _DROPPED):
+        return True
+    try:
+        cls = import_object(path) if path else None
+    except Exception:  # a module that fails on import: the trial's `fit` reports it
+        return False
+    return isinstance(cls, type) and issubclass(cls, _dropped_classes())
+
+
+def _dropped_classes() -> tuple[type, ...]:
+    """The classes of ``_DROPPED`` (imported here: the tune's trial imports them anyway)."""
+    from lightning.pytorch.callbacks import (
+        DeviceStatsMonitor,
+        EarlyStopping,
+        LearningRateMonitor,
+        ModelCheckpoint,
+        ProgressBar,
+    )
+
+    from lightning_accel.perf.callbacks import PerformanceMonitor
+    from lightning_accel.tune.guard import RollbackGuard
+
+    return (
+        ModelCheckpoint,
+        PerformanceMonitor,
+        EarlyStopping,
+        RollbackGuard,
+        ProgressBar,
+        LearningRateMonitor,
+        DeviceStatsMonitor,
+    )
 
 
 def _compress_from_warmup(trainer: dict[str, Any], warmup: int) -> None:
@@ -270,7 +344,9 @@ def run_trial(job: dict[str, Any], *, warmup: int, steps: int, root: str | os.Pa
     save = _saves(job)
     cli: Any = None
     try:
-        with _quiet():
+        with _quiet(), warnings.catch_warnings():
+            # the plateau schedulers the probe made lenient (the trial has no validation metric to give them)
+            warnings.filterwarnings("ignore", message="ReduceLROnPlateau conditioned on metric .* not available")
             argv = list(sys.argv)
             del sys.argv[1:]  # LightningCLI warns when it gets both a command line and a config
             try:

@@ -19,6 +19,7 @@ The loop (rank 0 decides every step, the other ranks follow its broadcast):
 from __future__ import annotations
 
 import copy
+import hashlib
 import itertools
 import json
 import os
@@ -278,7 +279,7 @@ def tune_job(
         out: where ``tuned.yaml`` goes (the reports beside it); None: write nothing.
         allow_batch_change: also try twice the per-device batch with ``LinearScalingLR``.
         margin: the fraction in [0, 1) a lever must beat the best step time by to be kept.
-        warmup: untimed steps at the start of each trial; ``steps``: timed steps.
+        warmup: untimed steps at the start of each trial (>= 1); ``steps``: timed steps (>= 3).
         k: loss steps compared by the numerics check (>= 1).
         levers: restrict to these levers, names from ``core.LEVERS`` (default: all that apply; one name alone is
             taken as a list of one).
@@ -294,17 +295,30 @@ def tune_job(
     baseline's reason in the report says so).
 
     Raises:
-        TypeError / ValueError: an argument out of its range, an unknown lever, a folder for ``out`` or the cache
-            that cannot be written, or (without ``force``) a file at ``out`` or beside it that ``tune`` did not write
-            -- all before any trial runs.
+        TypeError / ValueError: an argument out of its range or of another type (a flag that is not a bool, a path
+            that is not one), an empty or unknown lever, a folder for ``out`` or the cache that cannot be written,
+            or (without ``force``) a file at ``out`` or beside it that ``tune`` did not write -- all before any trial
+            runs.
     """
     from lightning_accel._utils.checks import check_bool, check_int, check_number
 
     check_int("warmup", warmup, low=1)
-    check_int("steps", steps, low=2)
+    # the step time is a median of >= 2 step periods, and a job that saves has one period (its timed save's) left out
+    check_int("steps", steps, low=3, fix="A trial times at least 2 steps besides the one of its checkpoint save.")
     check_int("k", k, low=1, fix="It is the number of loss steps the numerics check compares.")
     margin = check_number("margin", margin, low=0, high=1, high_open=True, fix="Pass a fraction such as 0.03.")
     force = check_bool("force", force)
+    # a string here ("no", "false") is truthy: it would try the batch lever, skip the cache or print, against the ask
+    allow_batch_change = check_bool("allow_batch_change", allow_batch_change)
+    use_cache = check_bool("use_cache", use_cache)
+    verbose = check_bool("verbose", verbose)
+    for name, path in (("out", out), ("cache_dir", cache_dir)):
+        if path is not None and not isinstance(path, (str, os.PathLike)):
+            example = "the YAML to write, e.g. 'tuned/tuned.yaml'" if name == "out" else "a folder, e.g. 'tune-cache'"
+            raise TypeError(
+                f"`{name}` must be a path (str or os.PathLike) or None, got {path!r} ({type(path).__name__}). "
+                f"Pass {example}."
+            )
     levers, skip = _check_levers(levers, skip, allow_batch_change)
     if out is not None:  # `~` is the home directory, as for `--cache-dir` (`--out=~/x.yaml` reaches us unexpanded)
         out = Path(out).expanduser()
@@ -325,6 +339,10 @@ def tune_job(
     seconds = parse_duration(budget)
     user_job = copy.deepcopy(dict(job))  # what the written config starts from (its own seed setting)
     job = copy.deepcopy(user_job)
+    if job.get("trainer") is None:
+        # `trainer:` with every line under it commented out is YAML's null, which `fit` reads as no setting; the
+        # trials and the written config edit a mapping there (an AttributeError on None failed the baseline)
+        job["trainer"] = {}
     if job.get("seed_everything") in (None, True, False):
         job["seed_everything"] = 0  # the same seed for every trial: the same init and batches
     settings = {
@@ -404,7 +422,7 @@ def tune_job(
                     continue
                 _say(progress_line(i, max(i, planned), bud, opt.name), verbose)
                 cand = opt.apply(best_job)
-                m = run_trial(cand, warmup=warmup, steps=steps, root=work / f"t{i}")
+                m = run_trial(_scratch_cache(cand, job, work), warmup=warmup, steps=steps, root=work / f"t{i}")
                 ratio = best_ratio * opt.samples_ratio
                 r = _result(opt.name, lever, opt, m, ratio)
                 num = check_numerics(
@@ -419,7 +437,9 @@ def tune_job(
                 # the best job again, right after the candidate, when the decision turns on the time (rank 0 says
                 # so: every rank runs the same trials)
                 if agree(m.error is None and r.step_s is not None and num.ok and r.memory_ok):
-                    again = run_trial(best_job, warmup=warmup, steps=steps, root=work / f"t{i}-again")
+                    again = run_trial(
+                        _scratch_cache(best_job, job, work), warmup=warmup, steps=steps, root=work / f"t{i}-again"
+                    )
                     if again.error is None and again.step_s is not None:
                         # the best job's times just before and just after the candidate: a load that rises or
                         # falls across the three trials moves the mean as much as the candidate
@@ -442,7 +462,7 @@ def tune_job(
                 chosen[lever] = ", ".join(names)
     finally:
         if _node_leader():  # every node worked in its own `work` (the same path: one folder on a shared disk)
-            shutil.rmtree(work, ignore_errors=True)
+            _remove_scratch(work)
     config = with_guard(best_job)
     if "seed_everything" in user_job:  # the pinned seed was the trials' business: the job's own setting goes back
         config["seed_everything"] = user_job["seed_everything"]
@@ -496,10 +516,15 @@ def _check_levers(
 
     Raises:
         TypeError: a skip word that is not a string.
-        ValueError: an unknown lever, ``batch`` without ``allow_batch_change``, an empty skip word.
+        ValueError: an empty ``levers``, an unknown lever, ``batch`` without ``allow_batch_change``, an empty skip word.
     """
     lv = [levers] if isinstance(levers, str) else None if levers is None else list(levers)
     sk = [skip] if isinstance(skip, str) else list(skip)
+    if lv is not None and not lv:  # an empty list asks for no lever: not "all of them", which None says
+        raise ValueError(
+            f"`levers` must name at least one lever from {', '.join(LEVERS)}, got an empty list. Name the levers to "
+            "try, or leave `levers` out (None) to try all that apply."
+        )
     for name in lv or []:
         if name not in LEVERS:
             raise ValueError(
@@ -649,8 +674,8 @@ def check_outputs(out: str | os.PathLike[str], *, force: bool = False) -> None:
     """Refuse to overwrite, at ``out`` or as ``tune_report.{json,md,png}`` beside it, a file ``tune`` did not write.
 
     Raises:
-        ValueError: ``out`` is a folder or in one that cannot be created or written (a file on its path), or (without
-            ``force``) one of those files exists and is not ``tune``'s.
+        ValueError: ``out`` is a folder, is named as one of those reports, or is in a folder that cannot be created or
+            written (a file on its path), or (without ``force``) one of those files exists and is not ``tune``'s.
     """
     paths = _report_paths(Path(out).expanduser())
     problem = folder_problem(paths["tuned"].parent)  # the trials' work folder goes beside it too
@@ -661,6 +686,13 @@ def check_outputs(out: str | os.PathLike[str], *, force: bool = False) -> None:
         )
     if paths["tuned"].is_dir():
         raise ValueError(f"`out` {os.fspath(out)!r} is a folder. Pass the path of the YAML to write, e.g. tuned.yaml.")
+    # the reports go beside `out` under fixed names: an `out` of one of them would be overwritten by that report
+    clash = next((p.name for k, p in paths.items() if k != "tuned" and p == paths["tuned"]), None)
+    if clash is not None:
+        raise ValueError(
+            f"`out` {os.fspath(out)!r} is named as the report {clash!r} that `tune` writes beside it, which would "
+            "replace the tuned config. Pass another name, e.g. tuned.yaml."
+        )
     if force:
         return
     for name, path in paths.items():
@@ -794,6 +826,8 @@ def exhaustive(
     "runs": [...], "numerics_ok": ..., "error": ...}`` (step times normalised per baseline batch, as the tuner's).
     """
     job = copy.deepcopy(dict(job))
+    if job.get("trainer") is None:  # `trainer:` with nothing under it (see `tune_job`)
+        job["trainer"] = {}
     if job.get("seed_everything") in (None, True, False):
         job["seed_everything"] = 0
     per: list[list[Option | None]] = [[None, *_options(lv, job, skip)] for lv in levers]
@@ -818,7 +852,9 @@ def exhaustive(
     for r in range(rounds):
         for idx in order if r % 2 == 0 else reversed(order):
             cand, ratio = built[idx]
-            m = run_trial(cand, warmup=warmup, steps=steps, root=Path(root) / f"g{idx}")
+            m = run_trial(
+                _scratch_cache(cand, job, Path(root)), warmup=warmup, steps=steps, root=Path(root) / f"g{idx}"
+            )
             if m.error is not None or m.step_s is None:
                 rows[idx]["error"] = m.error
             else:
@@ -826,7 +862,7 @@ def exhaustive(
                 rows[idx]["losses"] = rows[idx]["losses"] or m.losses
                 rows[idx]["precision"], rows[idx]["ratio"] = job_precision(cand), ratio
     if _rank_zero():
-        shutil.rmtree(root, ignore_errors=True)
+        _remove_scratch(Path(root))
     for idx, same in twin.items():
         src = rows[same]
         rows[idx].update({k: src[k] for k in ("runs", "error", "losses", "precision", "ratio") if k in src})
@@ -845,6 +881,41 @@ def exhaustive(
             row["numerics_ok"], row["numerics"] = num.ok, num.reason
         row.pop("losses")
     return rows
+
+
+def _scratch_ram(work: Path) -> str | None:
+    """The RAM-tier folder of the data caches the trials under ``work`` build (None: no tmpfs, no RAM tier)."""
+    from lightning_accel.data.tiers import default_ram_dir
+
+    return default_ram_dir("tune-" + hashlib.sha1(os.fspath(work.absolute()).encode()).hexdigest()[:12])
+
+
+def _scratch_cache(trial: dict[str, Any], job: dict[str, Any], work: Path) -> dict[str, Any]:
+    """``trial`` as it runs under ``work``: a ``CachedDataModule`` the data lever put in place of ``job``'s own data
+    module, with no ``cache_dir`` of its own, caches into ``work`` (and a RAM tier of the tune's, see
+    :func:`_scratch_ram`), which the tune removes at its end. By default it would fill ``.cache/lightning_accel`` in
+    the working folder and a RAM tier in ``/dev/shm`` with the decoded data set, left behind after the tune whether
+    the lever was kept or not. The config written keeps the module's defaults; a job whose own data module is a
+    ``CachedDataModule`` trains on the cache it names, as ``fit`` would."""
+    data = trial.get("data")
+    if not _class_of(trial).endswith("CachedDataModule") or _class_of(job).endswith("CachedDataModule"):
+        return trial
+    init = dict((data or {}).get("init_args") or {})
+    if "cache_dir" in init:
+        return trial
+    init["cache_dir"] = os.fspath(work.absolute() / "data-cache")
+    ram = _scratch_ram(work)
+    if ram is not None and "ram_dir" not in init:
+        init["ram_dir"] = ram
+    return {**trial, "data": {**(data or {}), "init_args": init}}
+
+
+def _remove_scratch(work: Path) -> None:
+    """Remove the trials' folder ``work`` and the RAM tier of their data caches (:func:`_scratch_cache`)."""
+    shutil.rmtree(work, ignore_errors=True)
+    ram = _scratch_ram(work)
+    if ram is not None:
+        shutil.rmtree(ram, ignore_errors=True)
 
 
 def _class_of(job: dict[str, Any]) -> str:

@@ -190,3 +190,13 @@ def test_levers_are_found_by_protocol() -> None:
     assert isinstance(toy, Lever) and not isinstance(object(), Lever)
     assert find_levers([None, toy, object(), toy]) == [toy]
     assert RollbackGuard(levers=[toy]).extra_levers == [toy]
+
+
+def test_a_batch_loss_from_scaled_backward_losses_is_unscaled() -> None:
+    from lightning_accel.tune._watch import batch_loss, unscaled_loss
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    losses = [unscaled_loss(scaler.scale(torch.tensor(v)), scaler) for v in (2.0, 0.5)]
+    total = batch_loss(losses)
+    assert total is not None and float(total) == 2.5  # the sum of the losses as computed, not as scaled
+    assert float(unscaled_loss(torch.tensor([1.0, 3.0]))) == 4.0 and batch_loss([]) is None

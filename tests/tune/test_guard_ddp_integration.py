@@ -74,3 +74,68 @@ def test_a_nan_on_one_rank_rolls_back_every_rank_and_1bit_falls_back_to_fp32() -
     after = [(c, sent) for s, c, sent in a["rows"] if s >= 12]
     assert compressed and all(c > 0 for c in compressed)  # the compressed stage ran before the rollback
     assert after and all(c == 0 and sent > 0 for c, sent in after)  # then fp32 averaging only
+
+
+def _sharded_fit(rank: int, world_size: int) -> dict[str, Any]:
+    import math
+
+    import lightning.pytorch as pl
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from lightning_accel.callbacks import RollbackGuard
+    from lightning_accel.parallel import ShardedStrategy
+
+    class Deep(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+            self.example_input_array = torch.zeros(4, 8)
+            self.fired = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            loss = F.mse_loss(self(batch[0]), batch[0])
+            if self.trainer.global_step == 9 and not self.fired:  # the NaN reaches the weights of step 10
+                self.fired, loss = True, loss * math.nan
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    torch.manual_seed(0)
+    guard = RollbackGuard(snapshot_every=4, check_every=2, grad_norm_every=1, verbose=False)
+    model = Deep()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=ShardedStrategy(),
+        max_steps=16,
+        callbacks=[guard],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    data = torch.utils.data.TensorDataset(torch.randn(256, 8))
+    trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=4))
+    shards = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]  # DTensor: its shard
+    return {
+        "events": [{k: v for k, v in e.items() if k != "reason"} for e in guard.events],
+        "sharded": all(hasattr(p, "to_local") for p in model.parameters()),
+        "finite": all(bool(t.isfinite().all()) for t in shards),
+        "step": trainer.global_step,
+    }
+
+
+def test_a_sharded_fit_is_rolled_back_on_every_rank() -> None:
+    # the parameters and the optimizer state of `fully_shard` are DTensors: the first snapshot raised ("got mixed
+    # torch.Tensor and DTensor"), and the sharded gradient norm failed the snapshot's soundness all-reduce
+    a, b = run_in_processes(_sharded_fit, 2, init_process_group=False)
+    assert a["sharded"] and b["sharded"]
+    assert a["events"] == b["events"] and len(a["events"]) == 1
+    assert a["events"][0]["restored_step"] == 8 and a["events"][0]["action"] == "rollback"
+    assert a["finite"] and b["finite"] and a["step"] == b["step"] == 16

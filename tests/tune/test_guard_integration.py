@@ -309,3 +309,39 @@ def test_a_validation_inside_the_epoch_checks_the_steps_before_its_save(tmp_path
     assert guard.rollbacks == 1 and guard.events[0]["step"] == 4
     assert [step for step, _ in saved.saves] == [4, 8] and all(ok for _, ok in saved.saves)
     assert trainer.callback_metrics["guard/rollbacks"] == 1.0
+
+
+class ManualSilent(pl.LightningModule):
+    """Manual optimization whose ``training_step`` returns nothing (as Lightning's examples do); its loss turns NaN in
+    the batch after global step ``nan_at``, once."""
+
+    def __init__(self, nan_at: int) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.net = tiny.classifier().model
+        self.nan_at: int | None = nan_at
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self.net(x), y)
+        if self.trainer.global_step == self.nan_at:
+            self.nan_at, loss = None, loss * math.nan
+        opt = self.optimizers()
+        opt.zero_grad()  # type: ignore[union-attr]
+        self.manual_backward(loss)
+        opt.step()  # type: ignore[union-attr]
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+def test_manual_optimization_that_returns_no_loss_is_watched() -> None:
+    # the guard read only `training_step`'s loss: here there is none, it watched nothing, and the NaN ran on into
+    # every later step's weights
+    guard = RollbackGuard(snapshot_every=4, check_every=1, watch_grad_norm=False, verbose=False)
+    model = ManualSilent(nan_at=9)
+    trainer = tiny.trainer(max_epochs=2, limit_train_batches=8, callbacks=[guard])
+    trainer.fit(model, tiny.loader())
+    assert _finite(model) and guard.rollbacks == 1
+    e = guard.events[0]
+    assert e["step"] == 10 and e["restored_step"] == 8 and "loss non-finite" in e["reason"]

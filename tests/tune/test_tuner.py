@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
+import yaml  # type: ignore[import-untyped]  # PyYAML ships no type hints
 
 from lightning_accel.tune import core, runner, tuner
 from lightning_accel.tune.levers import job_precision
@@ -101,6 +101,8 @@ def test_the_grid_keeps_each_rows_fastest_round_and_gives_a_twin_extra_its_rows_
         ({"skip": [""]}, "`skip` must hold non-empty words of option names, got ''"),
         ({"margin": 3}, "`margin` must be a number >= 0 and < 1, got 3"),
         ({"k": 0}, "`k` must be an integer >= 1, got 0"),
+        # a job that saves leaves its save's step period out: 2 timed steps left one period, and no trial had a time
+        ({"steps": 2}, "`steps` must be an integer >= 3, got 2. A trial times at least 2 steps besides"),
     ],
 )
 def test_bad_arguments_are_refused_before_any_trial(
@@ -135,7 +137,8 @@ def test_a_cache_entry_of_another_layout_is_a_miss(monkeypatch: pytest.MonkeyPat
     good = json.loads(entry.read_text())
     newer = json.loads(json.dumps(good))
     newer["trials"][0]["a_field_of_another_version"] = 1
-    for data in (newer, {"config": {}}, {"config": {}, "trials": "x", "chosen": {}}, []):
+    damaged: list[Any] = [newer, {"config": {}}, {"config": {}, "trials": "x", "chosen": {}}, []]
+    for data in damaged:
         entry.write_text(json.dumps(data))
         res = tuner.tune_job(JOB, verbose=False, **kwargs)
         assert not res.cached and res.trials[0].name == "baseline"  # measured again
@@ -194,9 +197,9 @@ def test_tune_cli_refuses_an_out_that_is_the_config(
 def _rank_on_its_own_host(rank: int, world: int, root: str) -> tuple[bool, list[str]]:
     import platform
 
-    platform.node = lambda: f"node{rank}"  # type: ignore[assignment]  # as on a job of two nodes
+    platform.node = lambda: f"node{rank}"  # as on a job of two nodes
     _, fake = _script([0.1, 0.2, 0.1])
-    tuner.run_trial = fake  # type: ignore[assignment]
+    tuner.run_trial = fake
     res = tuner.tune_job(
         JOB, out=f"{root}/tuned.yaml", cache_dir=f"{root}/c", levers=["precision"], skip=["Fused"], verbose=False
     )
@@ -501,3 +504,98 @@ def test_an_out_under_the_home_directory_is_written_there_and_checked_there(
     n = len(seen)
     assert main(["--config", str(cfg), "--out=~/job.yaml", "--levers", "precision", "--force"]) == 2
     assert "is the `--config` it tunes" in capsys.readouterr().err and len(seen) == n
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"levers": []}, ValueError, r"`levers` must name at least one lever .*, got an empty list"),
+        ({"allow_batch_change": "no"}, TypeError, r"`allow_batch_change` must be True or False, got 'no' \(str\)"),
+        ({"use_cache": "false"}, TypeError, r"`use_cache` must be True or False, got 'false' \(str\)"),
+        ({"verbose": 0}, TypeError, r"`verbose` must be True or False, got 0 \(int\)"),
+        ({"out": 123}, TypeError, r"`out` must be a path \(str or os.PathLike\) or None, got 123 \(int\)\. Pass"),
+        ({"cache_dir": 7}, TypeError, r"`cache_dir` must be a path \(str or os.PathLike\) or None, got 7 \(int\)"),
+    ],
+)
+def test_arguments_of_another_kind_are_refused_before_any_trial(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    # an empty `levers` tried every lever; a string flag ("no") is truthy and tried the batch lever / skipped the cache
+    seen, fake = _script([0.1] * 9)
+    monkeypatch.setattr(tuner, "run_trial", fake)
+    monkeypatch.chdir(tmp_path)
+    args: dict[str, Any] = {"out": None, "use_cache": False, "cache_dir": tmp_path, "verbose": False, **kwargs}
+    with pytest.raises(error, match=match):
+        tuner.tune_job(JOB, **args)
+    assert seen == []
+
+
+@pytest.mark.parametrize("name", ["tune_report.json", "tune_report.md", "tune_report.png"])
+@pytest.mark.parametrize("force", [False, True])
+def test_an_out_named_as_a_report_is_refused_before_any_trial(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, name: str, force: bool
+) -> None:
+    # the report of that name is written beside `out` after it: the tuned config was replaced by the report
+    seen, fake = _script([0.1] * 9)
+    monkeypatch.setattr(tuner, "run_trial", fake)
+    with pytest.raises(ValueError, match=f"`out` .* is named as the report '{name}' that `tune` writes beside it"):
+        tuner.tune_job(JOB, out=tmp_path / name, force=force, use_cache=False, cache_dir=tmp_path, verbose=False)
+    assert seen == [] and not list(tmp_path.iterdir())
+
+
+def test_a_data_cache_the_tune_put_in_place_lives_in_its_work_folder(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # the data lever's CachedDataModule (no `cache_dir` of its own) cached the decoded data set into
+    # .cache/lightning_accel in the working folder and a RAM tier in /dev/shm, left there after the tune
+    monkeypatch.setenv("LIGHTNING_ACCEL_RAM_ROOT", str(tmp_path / "shm"))
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    data = {"class_path": "lightning_accel.datasets.DigitsDataModule", "init_args": {"data_dir": str(tmp_path / "d")}}
+    seen: list[dict[str, Any]] = []
+    times = [0.100, 0.050, 0.100]
+
+    def fake(job: dict[str, Any], *, warmup: int, steps: int, root: str | Path) -> TrialMeasure:
+        init = job["data"].get("init_args") or {}
+        seen.append(dict(init))
+        for key in ("cache_dir", "ram_dir"):  # what the data module creates there
+            if key in init:
+                Path(init[key]).mkdir(parents=True, exist_ok=True)
+        m = TrialMeasure()
+        m.step_s, m.losses, m.seconds, m.dominant = times.pop(0), list(LOSSES), 1.0, "data"
+        return m
+
+    monkeypatch.setattr(tuner, "run_trial", fake)
+    out = tmp_path / "out" / "tuned.yaml"
+    res = tuner.tune_job(
+        {**JOB, "data": data}, out=out, levers=["data"], skip=["num_workers"], cache_dir=tmp_path / "c", verbose=False
+    )
+    assert [t.decision for t in res.trials] == ["baseline", "kept"] and len(seen) == 3
+    cached = seen[1]
+    assert Path(cached["cache_dir"]).parent.parent == out.parent  # <out folder>/.tune-<key>/data-cache
+    assert Path(cached["ram_dir"]).parent == tmp_path / "shm"
+    assert not Path(cached["cache_dir"]).exists() and not Path(cached["ram_dir"]).exists()  # removed with the trials
+    assert list((tmp_path / "cwd").iterdir()) == []
+    # the written config keeps the module's own defaults
+    assert res.config["data"]["class_path"].endswith("CachedDataModule")
+    assert "cache_dir" not in res.config["data"]["init_args"] and "ram_dir" not in res.config["data"]["init_args"]
+    own = {**JOB, "data": {"class_path": "lightning_accel.data.CachedDataModule", "init_args": {"origin": "x"}}}
+    assert tuner._scratch_cache(own, own, tmp_path) == own  # the job's own cache: its trials use it, as `fit` does
+
+
+def test_a_job_whose_trainer_section_is_empty_is_tuned(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # `trainer:` with every line under it commented out is YAML's null, which `fit` runs: the levers' edits and the
+    # trials failed on it (AttributeError: 'NoneType' object has no attribute ...)
+    seen: list[Any] = []
+    _, script = _script([0.100, 0.050, 0.100])
+
+    def fake(job: dict[str, Any], **kwargs: Any) -> TrialMeasure:
+        seen.append(job["trainer"])
+        return script(job, **kwargs)
+
+    monkeypatch.setattr(tuner, "run_trial", fake)
+    job = {**JOB, "trainer": None}
+    res = tuner.tune_job(job, out=None, levers=["precision"], skip=["Fused"], cache_dir=tmp_path, verbose=False)
+    assert [t.decision for t in res.trials] == ["baseline", "kept"] and all(isinstance(t, dict) for t in seen)
+    assert res.config["trainer"] == {"precision": "bf16-mixed", "callbacks": [{"class_path": tuner.GUARD_CLASS_PATH}]}
+    assert job["trainer"] is None  # the caller's job is left as it was
