@@ -31,6 +31,7 @@ import io
 import json
 import os
 import re
+import stat
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -97,17 +98,33 @@ def _read_marker(spec: TreeSpec, path: Path) -> dict | None:
     return have
 
 
+def _own_root_entry(spec: TreeSpec, name: str) -> bool:
+    """``name`` in a tree's root is one of the renderer's own files other than a class folder: the marker, the lock
+    file, the write probe or a temporary marker (:func:`~lightning_accel._utils.atomic.atomic_write_text`'s, there
+    only while a render writes the marker, or left by one killed at that moment)."""
+    return name in (spec.marker, spec.lock, PROBE) or spec._marker_tmp.fullmatch(name) is not None
+
+
 def _foreign_entry(spec: TreeSpec, root: Path) -> Path | None:
-    """The first entry under ``root`` that the renderer does not write (None: the tree holds only its own files)."""
-    tmp = spec._marker_tmp
+    """The first entry under ``root`` that the renderer does not write (None: the tree holds only its own files).
+
+    Another process may render into ``root`` during the scan (the scan is read-only and takes no lock): a file of
+    the renderer's own name that is gone by the time it is looked at (an image's temporary file renamed into place,
+    an image removed by a rebuild) was the renderer's, not a foreign entry.
+    """
     for entry in sorted(root.iterdir()):
-        if entry.name in (spec.marker, spec.lock, PROBE) or tmp.fullmatch(entry.name):
+        if _own_root_entry(spec, entry.name):
             continue
         if entry.name not in spec.classes or entry.is_symlink() or not entry.is_dir():
             return entry
         for f in sorted(entry.iterdir()):
-            own = IMAGE_NAME.fullmatch(f.name) or IMAGE_TMP_NAME.fullmatch(f.name)
-            if not own or f.is_symlink() or not f.is_file():
+            if not (IMAGE_NAME.fullmatch(f.name) or IMAGE_TMP_NAME.fullmatch(f.name)):
+                return f
+            try:
+                mode = f.lstat().st_mode
+            except FileNotFoundError:
+                continue  # renamed or removed since the listing by a render under way: it was an own file
+            if not stat.S_ISREG(mode):  # a folder or a link under an image's name: not something a render writes
                 return f
     return None
 
@@ -166,8 +183,10 @@ def check_tree(spec: TreeSpec, root: str | os.PathLike[str], want: dict | None, 
         return "build"
     if not root_p.is_dir():
         raise ValueError(f"`{arg}` {str(root_p)!r} is a file, not a directory to render the demo {w} into; {fix}.")
-    if all(e.name in (PROBE, spec.lock) for e in root_p.iterdir()):
-        return "build"  # empty, or only our probe or lock file (a render killed before its first marker)
+    if all(_own_root_entry(spec, e.name) and e.name != spec.marker for e in root_p.iterdir()):
+        # empty, or only our probe, lock or temporary marker: a render starting (its first marker not yet renamed
+        # into place), or one killed before that
+        return "build"
     have = _read_marker(spec, root_p / spec.marker)
     if have is None:
         raise ValueError(
@@ -285,8 +304,8 @@ def render_tree(
 def begin_render(spec: TreeSpec, root_p: Path, want: dict, *, arg: str = "root") -> None:
     """After :func:`check_tree` said ``"build"``: check ``root_p`` is writable, write the "rendering" marker first (a
     run killed halfway leaves a tree that is recognisably ours, so the next run may redo it) and empty the class
-    folders (which :func:`check_tree` allowed to hold only our own image names). ``arg`` is the argument name quoted
-    in the error.
+    folders (which :func:`check_tree` allowed to hold only our own image names) and the root of a temporary marker
+    a killed render left. Call it under :func:`render_lock`. ``arg`` is the argument name quoted in the error.
 
     Raises:
         PermissionError: ``root_p`` cannot be written (nothing written).
@@ -299,6 +318,10 @@ def begin_render(spec: TreeSpec, root_p: Path, want: dict, *, arg: str = "root")
     except OSError as e:
         raise _unwritable(spec, root_p, arg, e) from e
     atomic_write_text(root_p / spec.marker, json.dumps({**want, "state": _RENDERING}, sort_keys=True))
+    for entry in root_p.iterdir():
+        # a killed render's half-written marker (the lock keeps out a live render's)
+        if spec._marker_tmp.fullmatch(entry.name):
+            entry.unlink(missing_ok=True)
     for c in spec.classes:
         d = root_p / c
         d.mkdir(exist_ok=True)

@@ -20,13 +20,15 @@ import torch
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, Subset
+from torchvision.datasets import ImageFolder  # type: ignore[import-untyped]  # torchvision ships no type hints
+from torchvision.datasets.folder import IMG_EXTENSIONS  # type: ignore[import-untyped]
 from typing_extensions import override
 
 from lightning_accel._utils.checks import check_bool, check_int, check_torch_seed
 from lightning_accel.data import CachedDataModule
 from lightning_accel.data.dataset import default_num_workers, split_indices, split_keys
 from lightning_accel.datasets.digits import DIGITS_CLASSES, check_render_target, digits_marker, materialize_digits
-from lightning_accel.datasets.photos import check_photos_target, materialize_photos, photos_marker
+from lightning_accel.datasets.photos import PHOTO_CLASSES, check_photos_target, materialize_photos, photos_marker
 
 __all__ = ["DigitsCachedDataModule", "DigitsDataModule", "PhotosCachedDataModule"]
 
@@ -50,6 +52,27 @@ def _local_dir(name: str, value: object, what: str) -> str:
             f"({type(value).__name__}). Pass e.g. `{name}='data/{what.split()[-1]}'`."
         )
     return value
+
+
+class _DigitsFolder(ImageFolder):
+    """torchvision's ``ImageFolder`` over a digits tree: the class folders ``"0"``..``"9"`` only (label ``i`` is digit
+    ``i``), whatever else ``root`` holds. A module-level class: a DataLoader worker started by ``spawn`` or
+    ``forkserver`` receives the data set pickled."""
+
+    @override
+    def find_classes(self, directory: str | os.PathLike[str]) -> tuple[list[str], dict[str, int]]:
+        return list(DIGITS_CLASSES), {c: i for i, c in enumerate(DIGITS_CLASSES)}
+
+
+def _digits_folder(root: str, transform: Any) -> _DigitsFolder:
+    """:class:`_DigitsFolder` over ``root``, skipping every file or folder whose name starts with a dot, as
+    :func:`~lightning_accel.data.origin.list_origin` does (the two modules read the same images)."""
+
+    def visible_image(path: str) -> bool:  # used while listing only: the data set does not keep it
+        rel = Path(path).relative_to(root)
+        return not any(part.startswith(".") for part in rel.parts) and path.lower().endswith(IMG_EXTENSIONS)
+
+    return _DigitsFolder(root, transform=transform, is_valid_file=visible_image)
 
 
 class DigitsDataModule(LightningDataModule):
@@ -81,7 +104,7 @@ class DigitsDataModule(LightningDataModule):
 
     def __init__(
         self,
-        data_dir: str = "data/digits64",
+        data_dir: str | os.PathLike[str] = "data/digits64",
         image_size: int = 64,
         num_images: int | None = None,
         batch_size: int = 64,
@@ -147,12 +170,31 @@ class DigitsDataModule(LightningDataModule):
 
     @override
     def setup(self, stage: str) -> None:
-        from torchvision.datasets import ImageFolder  # type: ignore[import-untyped]  # no type hints either
+        """Render the digits (a no-op when the tree is complete), then read the class folders ``"0"``..``"9"`` and
+        split them.
 
-        # no-op when complete
+        The tree is read as :class:`~lightning_accel.data.CachedDataModule` reads it (files and folders whose names
+        start with a dot are skipped), with the ten classes fixed: torchvision's ``ImageFolder`` would take any folder
+        in ``data_dir`` for a class, so a folder added beside the digits (``.ipynb_checkpoints``, ``0_old``) made it
+        fail ("Found no valid file") or shift every label after it.
+
+        Raises:
+            ValueError: ``data_dir`` holds a folder beside the class folders whose name does not start with a dot
+                (the cached module refuses it too: the two read the same images).
+        """
         materialize_digits(self.data_dir, size=self.image_size, num_images=self.num_images, arg="data_dir")
-        train_full = ImageFolder(self.data_dir, transform=self._transforms(train=True))
-        val_full = ImageFolder(self.data_dir, transform=self._transforms(train=False))
+        extra = sorted(
+            e.name
+            for e in os.scandir(self.data_dir)
+            if e.is_dir() and not e.name.startswith(".") and e.name not in DIGITS_CLASSES
+        )
+        if extra:
+            raise ValueError(
+                f"`data_dir` {self.data_dir!r} holds the folder(s) {extra[:3]} beside the digits' class folders "
+                f"{list(DIGITS_CLASSES)}; they would be read as classes. Move them out of `data_dir`."
+            )
+        train_full = _digits_folder(self.data_dir, self._transforms(train=True))
+        val_full = _digits_folder(self.data_dir, self._transforms(train=False))
         # by each image's relative key, as CachedDataModule splits the same tree: both hold out the same images
         keys = [Path(path).relative_to(self.data_dir).as_posix() for path, _ in train_full.samples]
         tr, va = split_keys(keys, self.val_fraction, self.seed)
@@ -242,7 +284,9 @@ class DigitsCachedDataModule(_RenderedCachedDataModule):
             only with ``digits_size``.
         **kwargs: :class:`~lightning_accel.data.CachedDataModule` arguments (``cache_dir``, ``batch_size``, ...),
             with its defaults: ``image_size=224`` and the ImageNet ``mean``/``std`` unless given (the quickstart's
-            YAML gives ``image_size: 64`` and the digits' statistics).
+            YAML gives ``image_size: 64`` and the digits' statistics); with ``digits_size``, ``classes`` (``None``)
+            means the ten digits, so a folder added to ``origin`` beside them is refused in ``setup`` (one line
+            naming it) rather than read as an eleventh class.
 
     Raises:
         TypeError: ``digits_size`` or ``num_images`` is not an integer (a bool neither), or ``origin`` is not a path.
@@ -253,7 +297,7 @@ class DigitsCachedDataModule(_RenderedCachedDataModule):
 
     def __init__(
         self,
-        origin: str = "data/digits64",
+        origin: str | os.PathLike[str] = "data/digits64",
         *,
         digits_size: int | None = 64,
         num_images: int | None = None,
@@ -286,6 +330,11 @@ class DigitsCachedDataModule(_RenderedCachedDataModule):
             )
         # with nothing to render the origin must already be there: checked like any CachedDataModule's
         self._origin_made_in_prepare = digits_size is not None
+        # the rendered tree's classes, fixed: a folder added beside them would otherwise be listed as a class (one
+        # sorting before "9" shifted the labels after it); listed with them, it is refused in `setup`. `None` too:
+        # LightningCLI passes every CachedDataModule argument, `classes: null` included
+        if digits_size is not None and kwargs.get("classes") is None:
+            kwargs["classes"] = list(DIGITS_CLASSES)
         super().__init__(origin, **kwargs)
         self.digits_size = digits_size
         self.num_images = num_images
@@ -313,7 +362,8 @@ class PhotosCachedDataModule(_RenderedCachedDataModule):
         photo_size: side of the rendered JPEGs in pixels (at least 32).
         photo_seed: the data set's seed, 0 or more (same seed, byte-identical files).
         **kwargs: :class:`~lightning_accel.data.CachedDataModule` arguments (``cache_dir``, ``image_size``,
-            ``batch_size``, ``train_augment``, ...).
+            ``batch_size``, ``train_augment``, ...); ``classes`` (``None``) means ``sorted(PHOTO_CLASSES)``, so a folder
+            added to ``origin`` beside them is refused in ``setup`` (one line naming it) rather than read as a class.
 
     Raises:
         TypeError: ``num_images``, ``photo_size`` or ``photo_seed`` is not an integer (a bool neither), or ``origin``
@@ -324,7 +374,7 @@ class PhotosCachedDataModule(_RenderedCachedDataModule):
 
     def __init__(
         self,
-        origin: str = "data/photos",
+        origin: str | os.PathLike[str] = "data/photos",
         *,
         num_images: int = 4000,
         photo_size: int = 384,
@@ -345,6 +395,9 @@ class PhotosCachedDataModule(_RenderedCachedDataModule):
             arg="origin",
             fix="for your own images use `lightning_accel.data.CachedDataModule`; else pick a new or empty `origin`",
         )
+        # the rendered tree's classes (the folders in sorted order, as listed), fixed as for the digits
+        if kwargs.get("classes") is None:
+            kwargs["classes"] = sorted(PHOTO_CLASSES)
         super().__init__(origin, **kwargs)
         self.num_images, self.photo_size, self.photo_seed = num_images, photo_size, photo_seed
 

@@ -15,18 +15,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_accel._utils.checks import check_int, check_number, check_torch_seed
+from lightning_accel.models.transformer import _check_heads
 from lightning_accel.precision.modules import FusedGPT2BlockMixin, FusedPackedAttentionMixin, register_block
 
 __all__ = ["GPT2Attention", "GPT2Block", "GPT2Embedding", "GPT2Head", "GPT2MLP", "gpt2_lm"]
 
 
 class GPT2Attention(nn.Module):
-    """Causal self-attention with a packed ``c_attn`` projection."""
+    """Causal self-attention with a packed ``c_attn`` projection.
+
+    Raises:
+        TypeError, ValueError: ``n_embd`` or ``n_head`` is not an integer >= 1, ``n_head`` does not divide
+            ``n_embd``, or ``dropout`` is not a probability in [0, 1).
+    """
 
     def __init__(self, n_embd: int, n_head: int, dropout: float = 0.0) -> None:
         super().__init__()
-        if n_embd % n_head:
-            raise ValueError(f"`n_embd` must be a multiple of `n_head`, got {n_embd} and {n_head}. Change either.")
+        _check_heads(n_embd, n_head)
+        check_number("dropout", dropout, low=0, high=1, high_open=True, fix="It is a probability; 0 disables it.")
         # the q/k/v width is an attribute, not read from the input: tensor parallel divides it with `n_head`
         self.n_embd, self.n_head = n_embd, n_head
         self.c_attn = nn.Linear(n_embd, 3 * n_embd)
@@ -44,10 +50,17 @@ class GPT2Attention(nn.Module):
 
 
 class GPT2MLP(nn.Module):
-    """``dropout(c_proj(act(c_fc(x))))`` with ``act`` GELU (tanh approximation, as GPT-2)."""
+    """``dropout(c_proj(act(c_fc(x))))`` with ``act`` GELU (tanh approximation, as GPT-2); ``hidden`` is the inner
+    width (``None``: ``4 * n_embd``).
+
+    Raises:
+        TypeError, ValueError: ``n_embd`` or ``hidden`` is not an integer >= 1.
+    """
 
     def __init__(self, n_embd: int, dropout: float = 0.0, hidden: int | None = None) -> None:
         super().__init__()
+        check_int("n_embd", n_embd, low=1)
+        check_int("hidden", hidden, low=1, allow_none=True, fix="None uses 4 * n_embd.")
         self.c_fc = nn.Linear(n_embd, hidden or 4 * n_embd)
         self.act = nn.GELU(approximate="tanh")
         self.c_proj = nn.Linear(hidden or 4 * n_embd, n_embd)
@@ -88,6 +101,8 @@ class GPT2Embedding(nn.Module):
         s = idx.shape[1]
         if s > self.seq:  # else the position embedding's bare "IndexError: index out of range in self"
             raise ValueError(f"Sequence length {s} exceeds `seq` {self.seq}, the longest sequence this model embeds.")
+        if s == 0:  # else the attention's "cannot reshape tensor of 0 elements"
+            raise ValueError("Sequence length 0: the model embeds 1 to `seq` tokens. Pass at least one token.")
         return self.wte(idx) + self.wpe(torch.arange(s, device=idx.device))
 
 
@@ -126,11 +141,7 @@ def gpt2_lm(
         check_int(name, value, low=1)
     check_number("dropout", dropout, low=0, high=1, high_open=True, fix="It is a probability; 0 disables it.")
     check_torch_seed(seed)
-    if width % heads:
-        raise ValueError(
-            f"`width` must be a multiple of `heads`, got width={width}, heads={heads}. Each head takes width / heads "
-            f"channels: e.g. width={heads * max(1, round(width / heads))}."
-        )
+    _check_heads(width, heads, width="width", heads="heads")
     # A forked generator state: reseeding the global one here would make everything the caller draws afterwards
     # (dropout masks, shuffles) the same whatever seed they had set. The CPU generator alone is seeded, as
     # torch.manual_seed did on CPU (same weights as before), and no CUDA state is touched.

@@ -443,7 +443,20 @@ class TinyGPT(LightningModule):
         return self.model(idx)
 
     def _loss(self, batch: Any) -> torch.Tensor:
+        """Mean next-token cross-entropy: the model reads ``tokens[:, :-1]`` and predicts ``tokens[:, 1:]``.
+
+        Raises:
+            ValueError: the tokens are not (B, T) with 2 <= T <= ``block_size + 1`` (a sequence of one token has no
+                next token to predict; it used to stop in the attention with "cannot reshape tensor of 0 elements").
+        """
         tokens = _as_indices(batch[0] if isinstance(batch, (list, tuple)) else batch, "tokens")
+        longest = self.hparams["block_size"] + 1
+        if tokens.dim() != 2 or not 2 <= tokens.shape[1] <= longest:
+            raise ValueError(
+                f"`TinyGPT` trains on batches of token sequences (B, T) with 2 <= T <= block_size + 1 = {longest} (it "
+                f"predicts tokens[:, 1:] from tokens[:, :-1]), got shape {tuple(tokens.shape)}. Batch sequences of "
+                f"that length, or set `block_size` to T - 1."
+            )
         logits = self(tokens[:, :-1])
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
 

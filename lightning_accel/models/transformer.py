@@ -12,13 +12,53 @@ from lightning_accel.precision.modules import FusedAttentionMixin, FusedGPTBlock
 __all__ = ["GPT", "CausalSelfAttention", "GPTBlock", "GPTEmbedding", "GPTHead"]
 
 
+def _check_heads(n_embd: object, n_head: object, *, width: str = "n_embd", heads: str = "n_head") -> None:
+    """Check an attention layer's width and head count: integers >= 1, the width a multiple of the heads.
+
+    A head count of 0 used to stop with a bare ``ZeroDivisionError``, and a negative one (it divides the width) built
+    a layer that failed only in its first forward.
+
+    Args:
+        n_embd: the model width.
+        n_head: the number of heads.
+        width: the width's argument name in the message.
+        heads: the head count's argument name in the message.
+
+    Raises:
+        TypeError: a value that is not an integer (a bool neither).
+        ValueError: a value below 1, or a width that the head count does not divide.
+    """
+    c: int = check_int(width, n_embd, low=1)
+    h: int = check_int(heads, n_head, low=1, fix="It is the number of attention heads.")
+    if c % h:
+        raise ValueError(
+            f"`{width}` must be a multiple of `{heads}`, got {width}={c}, {heads}={h}. Each head takes "
+            f"{width} / {heads} channels: e.g. {width}={h * max(1, round(c / h))}."
+        )
+
+
+def _check_length(s: int, block_size: int) -> None:
+    """Refuse a sequence the model cannot embed: longer than ``block_size`` (the position embedding's bare
+    ``IndexError``), or empty (the attention's "cannot reshape tensor of 0 elements")."""
+    if not 1 <= s <= block_size:
+        raise ValueError(
+            f"Sequence length {s} is outside 1..{block_size}: the model embeds 1 to `block_size` tokens. Pass "
+            f"sequences of that length, or a larger `block_size`."
+        )
+
+
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal attention with separate ``q_proj``/``k_proj``/``v_proj`` and an output ``proj`` + dropout."""
+    """Multi-head causal attention with separate ``q_proj``/``k_proj``/``v_proj`` and an output ``proj`` + dropout.
+
+    Raises:
+        TypeError, ValueError: ``n_embd`` or ``n_head`` is not an integer >= 1, ``n_head`` does not divide
+            ``n_embd``, or ``dropout`` is not a probability in [0, 1).
+    """
 
     def __init__(self, n_embd: int, n_head: int, dropout: float = 0.0, bias: bool = True) -> None:
         super().__init__()
-        if n_embd % n_head:
-            raise ValueError(f"`n_embd` ({n_embd}) must be divisible by `n_head` ({n_head}).")
+        _check_heads(n_embd, n_head)
+        check_number("dropout", dropout, low=0, high=1, high_open=True, fix="It is a probability; 0 disables it.")
         self.n_head = n_head
         self.q_proj = nn.Linear(n_embd, n_embd, bias=bias)
         self.k_proj = nn.Linear(n_embd, n_embd, bias=bias)
@@ -42,10 +82,15 @@ class CausalSelfAttention(nn.Module):
 
 
 class GPTBlock(nn.Module):
-    """``x + attn(ln_1(x))`` then ``x + mlp(ln_2(x))``; the MLP is ``fc -> GELU -> proj -> Dropout``."""
+    """``x + attn(ln_1(x))`` then ``x + mlp(ln_2(x))``; the MLP is ``fc -> GELU -> proj -> Dropout``.
+
+    Raises:
+        TypeError, ValueError: as :class:`CausalSelfAttention`, or ``mlp_ratio`` is not an integer >= 1.
+    """
 
     def __init__(self, n_embd: int, n_head: int, dropout: float = 0.0, mlp_ratio: int = 4, bias: bool = True) -> None:
         super().__init__()
+        check_int("mlp_ratio", mlp_ratio, low=1, fix="The MLP's hidden width is mlp_ratio * n_embd (4 in GPT-2).")
         self.ln_1 = nn.LayerNorm(n_embd)
         self.attn = CausalSelfAttention(n_embd, n_head, dropout, bias)
         self.ln_2 = nn.LayerNorm(n_embd)
@@ -75,8 +120,7 @@ class GPTEmbedding(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         s = idx.shape[1]
-        if s > self.block_size:
-            raise ValueError(f"Sequence length {s} exceeds `block_size` {self.block_size}.")
+        _check_length(s, self.block_size)
         return self.drop(self.tok_emb(idx) + self.pos_emb(torch.arange(s, device=idx.device)))
 
 
@@ -122,11 +166,7 @@ class GPT(nn.Module):
         }
         for name, value in sizes.items():
             check_int(name, value, low=1)
-        if n_embd % n_head:
-            raise ValueError(
-                f"`n_embd` must be a multiple of `n_head`, got n_embd={n_embd}, n_head={n_head}. Each head takes "
-                f"n_embd / n_head channels: e.g. n_embd={n_head * max(1, round(n_embd / n_head))}."
-            )
+        _check_heads(n_embd, n_head)
         check_number("dropout", dropout, low=0, high=1, high_open=True, fix="It is a probability; 0 disables it.")
         self.block_size = block_size
         self.tok_emb = nn.Embedding(vocab_size, n_embd)
@@ -158,8 +198,7 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         b, s = idx.shape
-        if s > self.block_size:
-            raise ValueError(f"Sequence length {s} exceeds `block_size` {self.block_size}.")
+        _check_length(s, self.block_size)
         pos = torch.arange(s, device=idx.device)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         for blk in self.blocks:

@@ -215,3 +215,20 @@ def test_data_module_renders_then_caches(tmp_path: Path) -> None:
     assert dm.num_classes == 10 and list(dm.classes) == sorted(PHOTO_CLASSES)
     x, y = next(iter(dm.train_dataloader()))
     assert tuple(x.shape[1:]) == (3, 32, 32) and len(y) == 4
+
+
+def test_data_module_refuses_a_folder_added_beside_the_classes(tmp_path: Path) -> None:
+    """A folder added to a rendered tree (`b_old` sorts between `bar` and `circle`) used to be listed as an eleventh
+    class, every label after it shifted by one; it is refused in `setup` in one line naming it."""
+    root = tmp_path / "p"
+    materialize_photos(root, num_images=10, size=32, workers=0)
+    (root / "b_old").mkdir()
+    (root / "b_old" / "000000.jpg").write_bytes(next((root / "circle").glob("*.jpg")).read_bytes())
+    dm = PhotosCachedDataModule(  # `classes: null` as LightningCLI passes it from a YAML config
+        str(root), num_images=10, photo_size=32, cache_dir=str(tmp_path / "cache"), ram_bytes=0, num_workers=0,
+        classes=None,
+    )  # fmt: skip
+    assert dm.num_classes == 10
+    with pytest.raises(ValueError, match=r"^`origin` .*\['b_old'\][^\n]*Remove the folder") as exc:
+        dm.setup("fit")
+    assert "\n" not in str(exc.value)

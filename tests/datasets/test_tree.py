@@ -51,7 +51,7 @@ def test_a_killed_photo_render_stops_writing_and_the_next_render_is_not_mixed(tm
 
     info = materialize_photos(root, num_images=40, size=32, seed=1, workers=2)
     time.sleep(0.5)
-    sizes = {}
+    sizes: dict[int, int] = {}
     for p in root.rglob("*.jpg"):
         with Image.open(p) as im:
             sizes[im.size[0]] = sizes.get(im.size[0], 0) + 1
@@ -120,3 +120,47 @@ def test_a_temporary_image_left_by_a_killed_render_is_the_renderers_own(tmp_path
     assert not leftover.exists() and (root / "3" / "000003.jpg").is_file()
     assert sum(1 for _ in root.rglob("*.jpg")) == 20
     assert "state" not in json.loads(marker.read_text())
+
+
+def test_an_image_renamed_into_place_during_the_check_is_not_someone_elses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The read-only check (a data module's ``__init__``, a second render before it waits for the lock) lists a class
+    folder while another process renders into it: a temporary image listed, then renamed into place by that render
+    before the check looks at it, used to be taken for a file the demo did not write, and the check refused the
+    folder."""
+    root = tmp_path / "d"
+    materialize_digits(root, size=8, num_images=20)
+    marker = root / digits_mod.MARKER
+    marker.write_text(json.dumps({**json.loads(marker.read_text()), "state": "rendering"}))  # a render under way
+    final = root / "3" / "000003.jpg"
+    tmp = root / "3" / f".000003.jpg.{'cd' * 16}.tmp"
+    final.rename(tmp)  # the image being written
+    listing = Path.iterdir
+
+    def iterdir_then_publish(self: Path):  # the render renames the image between the listing and the look at it
+        names = list(listing(self))
+        if self == root / "3" and tmp.exists():
+            os.replace(tmp, final)
+        return iter(names)
+
+    monkeypatch.setattr(Path, "iterdir", iterdir_then_publish)
+    want = digits_mod.digits_marker(8, 20)
+    assert digits_mod.check_render_target(root, want) == "build"
+
+
+def test_a_render_writing_its_first_marker_is_not_someone_elses_folder(tmp_path: Path) -> None:
+    """A render's first marker is written to a temporary name and renamed: a folder holding only the lock file and that
+    temporary marker (a render starting, or one killed right then) used to be refused as "not a digits demo tree"; it
+    is the renderer's own, and the next render completes it and removes the temporary marker."""
+    root = tmp_path / "d"
+    root.mkdir()
+    (root / ".lightning_accel_digits.lock").write_bytes(b"")
+    half = root / f".{digits_mod.MARKER}.{'ef' * 16}.tmp"
+    half.write_text('{"format_ver')
+    want = digits_mod.digits_marker(8, 20)
+    assert digits_mod.check_render_target(root, want) == "build"
+    materialize_digits(root, size=8, num_images=20)
+    assert not half.exists()
+    assert sum(1 for _ in root.rglob("*.jpg")) == 20
+    assert json.loads((root / digits_mod.MARKER).read_text()) == want

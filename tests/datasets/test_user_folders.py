@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import pickle
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -129,3 +131,48 @@ def test_quickstart_pointed_at_a_user_folder_is_one_cli_line(
     assert "`digits_size: null`" in lines[0] and "lightning_accel.data.CachedDataModule" in lines[0]
     assert len(lines[0]) - len(str(root.resolve())) <= 400 - 60
     assert _hashes(root) == before
+
+
+def _planted(root: Path, folder: str) -> Path:
+    """A rendered digits tree with ``folder`` added beside the class folders, holding a copy of digit 0."""
+    materialize_digits(root, size=8, num_images=30)
+    (root / folder).mkdir()
+    (root / folder / "000000-copy.jpg").write_bytes((root / "0" / "000000.jpg").read_bytes())
+    return root
+
+
+def test_a_hidden_folder_beside_the_digits_is_not_read_as_a_class(tmp_path: Path) -> None:
+    """A folder such as Jupyter's `.ipynb_checkpoints` inside `data_dir` used to be a class of the plain module's
+    `ImageFolder`: label 0, so digit d was labelled d + 1 (or, empty, the fit stopped with "Found no valid file")."""
+    root = _planted(tmp_path / "d", ".ipynb_checkpoints")
+    (root / "3" / ".ipynb_checkpoints").mkdir()
+    (root / "3" / ".ipynb_checkpoints" / "000003-copy.jpg").write_bytes((root / "3" / "000003.jpg").read_bytes())
+    dm = DigitsDataModule(root, image_size=8, num_images=30, num_workers=0, val_fraction=0.2)
+    dm.setup("fit")
+    assert dm.train_set is not None
+    folder: Any = dm.train_set.dataset
+    assert folder.classes == [str(i) for i in range(10)]
+    assert len(folder.samples) == 30  # the renderer's images only
+    assert all(Path(path).parent.name == str(label) for path, label in folder.samples)
+    # a DataLoader worker started by spawn / forkserver receives the data set pickled
+    assert pickle.loads(pickle.dumps(dm.train_set)).dataset.samples == folder.samples
+
+
+@pytest.mark.parametrize("module", ["plain", "cached", "cached_from_yaml"])
+def test_a_visible_folder_beside_the_digits_is_refused_in_one_line(tmp_path: Path, module: str) -> None:
+    """A folder named like `0_old` sorts among the digits: both modules used to read it as a class, shifting the
+    labels of the digits after it (the cached module then also reported 11 classes)."""
+    root = _planted(tmp_path / "d", "0_old")
+    dm: DigitsDataModule | DigitsCachedDataModule
+    if module == "plain":
+        dm = DigitsDataModule(root, image_size=8, num_images=30, num_workers=0)
+    else:
+        # from a YAML config LightningCLI passes every argument, `classes: null` included
+        extra = {"classes": None} if module == "cached_from_yaml" else {}
+        dm = DigitsCachedDataModule(
+            root, digits_size=8, num_images=30, num_workers=0, image_size=8, cache_dir=str(tmp_path / "c"), **extra
+        )
+        assert dm.num_classes == 10
+    with pytest.raises(ValueError, match="0_old") as exc:
+        dm.setup("fit")
+    _one_line_error(exc, root)

@@ -8,8 +8,8 @@ import torch
 from lightning.pytorch import Callback, Trainer
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
-from lightning_accel.models import GPT, GPTBlock, ImageClassifier, SmallResNet, TinyGPT
-from lightning_accel.models.gpt2 import gpt2_lm
+from lightning_accel.models import GPT, CausalSelfAttention, GPTBlock, ImageClassifier, SmallResNet, TinyGPT
+from lightning_accel.models.gpt2 import GPT2MLP, GPT2Attention, GPT2Block, gpt2_lm
 
 
 @pytest.mark.parametrize("size", [8, 32, 33])
@@ -44,7 +44,18 @@ def test_gpt_is_causal() -> None:
     torch.testing.assert_close(a[:, :-1], b[:, :-1])  # changing the last token never changes earlier outputs
     with pytest.raises(ValueError, match="block_size"):
         net(torch.zeros(1, 10, dtype=torch.long))
-    with pytest.raises(ValueError, match="divisible"):
+
+
+def test_gpt_names_an_empty_sequence() -> None:
+    """No token at all used to stop in the attention with "cannot reshape tensor of 0 elements"."""
+    net = GPT(vocab_size=11, block_size=9, n_layer=1, n_head=2, n_embd=16)
+    with pytest.raises(ValueError, match=r"^Sequence length 0 is outside 1\.\.9: .*`block_size`"):
+        net(torch.zeros(2, 0, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"^Sequence length 0 is outside 1\.\.9: "):
+        net.pipeline_modules()[0](torch.zeros(2, 0, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"^Sequence length 0: the model embeds 1 to `seq` tokens"):
+        gpt2_lm(seq=9)(torch.zeros(2, 0, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"^`n_embd` must be a multiple of `n_head`, got n_embd=10, n_head=3\. "):
         GPTBlock(10, 3)
 
 
@@ -60,7 +71,7 @@ def test_lightning_modules_learn_one_batch() -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
-    assert loss.item() < first * 0.5
+    assert first is not None and loss.item() < first * 0.5
     gpt = TinyGPT(n_layer=1, n_embd=16, n_head=2)
     tokens = torch.randint(0, 27, (4, 65))
     assert gpt._loss(tokens).ndim == 0
@@ -75,6 +86,7 @@ def test_image_classifier_sizes_its_example_input_like_the_data() -> None:
 
     model = ImageClassifier(width=4)
     trainer(fast_dev_run=1).fit(model, datamodule=Sized(batch_size=8, n=16))
+    assert isinstance(model.example_input_array, torch.Tensor)
     assert tuple(model.example_input_array.shape) == (2, 3, 8, 8)
 
 
@@ -97,7 +109,7 @@ def test_image_classifier_steps_through_an_empty_batch() -> None:
     [
         (lambda: ImageClassifier(lr=-1), ValueError, r"`lr` must be a number > 0 and < inf, got -1"),
         (
-            lambda: ImageClassifier(weight_decay="x"),
+            lambda: ImageClassifier(weight_decay="x"),  # type: ignore[arg-type]
             TypeError,
             r"`weight_decay` must be a number >= 0 and < inf, got 'x'",
         ),
@@ -117,7 +129,11 @@ def test_image_classifier_steps_through_an_empty_batch() -> None:
         # a stage of < 1 block used to be skipped silently: a smaller network than asked for
         (lambda: ImageClassifier(blocks=(1, -1)), ValueError, r"^`blocks\[1\]` must be an integer >= 1, got -1\. "),
         (lambda: ImageClassifier(blocks=(0, 0)), ValueError, r"^`blocks\[0\]` must be an integer >= 1, got 0"),
-        (lambda: ImageClassifier(blocks=3), TypeError, r"^`blocks` must be a list of blocks per stage.*got 3 \(int\)"),
+        (
+            lambda: ImageClassifier(blocks=3),  # type: ignore[arg-type]
+            TypeError,
+            r"^`blocks` must be a list of blocks per stage.*got 3 \(int\)",
+        ),
         (lambda: SmallResNet(blocks=(1, True)), TypeError, r"^`blocks\[1\]` must be an integer >= 1, got True"),
         (lambda: gpt2_lm(layers=-1), ValueError, r"^`layers` must be an integer >= 1, got -1\.$"),
         (lambda: gpt2_lm(dropout=2.0), ValueError, r"^`dropout` must be a number >= 0 and < 1, got 2\.0"),
@@ -127,6 +143,33 @@ def test_image_classifier_steps_through_an_empty_batch() -> None:
 def test_bad_model_arguments_are_refused_when_built(build: Any, error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
         build()
+
+
+@pytest.mark.parametrize(
+    ("build", "error", "match"),
+    [
+        # a head count of 0 stopped with a bare ZeroDivisionError; a negative one divides the width, and the layer
+        # failed only in its first forward
+        (lambda: CausalSelfAttention(64, 0), ValueError, r"^`n_head` must be an integer >= 1, got 0\. "),
+        (lambda: CausalSelfAttention(64, -2), ValueError, r"^`n_head` must be an integer >= 1, got -2\. "),
+        (lambda: GPT2Attention(32, 0), ValueError, r"^`n_head` must be an integer >= 1, got 0\. "),
+        (lambda: GPT2Block(32, 0), ValueError, r"^`n_head` must be an integer >= 1, got 0\. "),
+        (
+            lambda: GPTBlock(32, 2.0),  # type: ignore[arg-type]
+            TypeError,
+            r"^`n_head` must be an integer >= 1, got 2\.0 \(float\)",
+        ),
+        # an MLP of no hidden units was built and trained as a block without one
+        (lambda: GPTBlock(32, 2, mlp_ratio=0), ValueError, r"^`mlp_ratio` must be an integer >= 1, got 0\. "),
+        (lambda: GPT2MLP(32, hidden=0), ValueError, r"^`hidden` must be an integer >= 1 or None, got 0\. "),
+        (lambda: CausalSelfAttention(32, 2, dropout=1.5), ValueError, r"^`dropout` must be a number >= 0 and < 1"),
+    ],
+)
+def test_bad_block_arguments_are_refused_in_one_line(build: Any, error: type[Exception], match: str) -> None:
+    """The building blocks are public: they check their own arguments, as GPT and gpt2_lm do."""
+    with pytest.raises(error, match=match) as exc:
+        build()
+    assert "\n" not in str(exc.value)
 
 
 class _StopAfter(Callback):
@@ -211,7 +254,10 @@ def test_several_validation_and_test_loaders_are_measured_each_on_its_own() -> N
     assert {"val_acc/dataloader_idx_0", "val_acc/dataloader_idx_1"} <= set(fit.callback_metrics)
 
     gpt = TinyGPT(n_layer=1, n_embd=16, n_head=2, block_size=16)
-    streams = [DataLoader(list(_Stream()), batch_size=4), DataLoader(list(_Stream())[:4], batch_size=4)]
+    streams: list[DataLoader[torch.Tensor]] = [
+        DataLoader(list(_Stream()), batch_size=4),  # type: ignore[arg-type]  # a list is a map-style dataset
+        DataLoader(list(_Stream())[:4], batch_size=4),  # type: ignore[arg-type]
+    ]
     t = trainer(limit_val_batches=1.0)
     one = [t.validate(gpt, dl, verbose=False)[0]["val_loss"] for dl in streams]
     two = t.validate(gpt, streams, verbose=False)

@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accel.models import ImageClassifier, TinyGPT
-from lightning_accel.models.gpt2 import gpt2_lm
+from lightning_accel.models.gpt2 import GPT2Embedding, GPT2Head, gpt2_lm
 from tests.tiny import trainer
 
 
@@ -27,8 +27,10 @@ def test_gpt2_lm_leaves_the_global_random_state_alone() -> None:
     b = gpt2_lm(layers=1, seed=5)
     assert not torch.equal(torch.rand(4), expected)
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
-    assert not torch.equal(gpt2_lm(layers=1, seed=6)[0].wte.weight, a[0].wte.weight)
-    assert a[-1].head.weight is a[0].wte.weight
+    first, last, other = a[0], a[-1], gpt2_lm(layers=1, seed=6)[0]
+    assert isinstance(first, GPT2Embedding) and isinstance(last, GPT2Head) and isinstance(other, GPT2Embedding)
+    assert not torch.equal(other.wte.weight, first.wte.weight)
+    assert last.head.weight is first.wte.weight
 
 
 class _CountDM(L.LightningDataModule):
@@ -117,6 +119,17 @@ def test_tiny_gpt_takes_narrow_integer_tokens(dtype: torch.dtype) -> None:
     tokens = torch.randint(0, 27, (2, 65), generator=torch.Generator().manual_seed(0))
     assert torch.equal(model._loss(tokens.to(dtype)), model._loss(tokens))
     assert torch.equal(model._loss((tokens.to(dtype), torch.zeros(2))), model._loss(tokens))
+
+
+@pytest.mark.parametrize("length", [1, 67])
+def test_tiny_gpt_names_a_sequence_it_cannot_learn_from(length: int) -> None:
+    """One token has no next token to predict (it stopped in the attention with "cannot reshape tensor of 0
+    elements"); 67 tokens feed 66 to a model of block_size 65, which the error now says in terms of the batch."""
+    model = TinyGPT(n_layer=1, n_embd=16, n_head=2, block_size=65)
+    tokens = torch.randint(0, 27, (2, length))
+    with pytest.raises(ValueError, match=rf"^`TinyGPT` trains on .* 2 <= T <= block_size \+ 1 = 66 .*\(2, {length}\)"):
+        model.training_step(tokens, 0)
+    model.training_step(torch.randint(0, 27, (2, 2)), 0)  # the shortest sequence it learns from
 
 
 def test_resuming_on_another_class_count_is_one_line(tmp_path: Any) -> None:
