@@ -193,10 +193,13 @@ class Snapshot:
     """One checkpoint copied into pool buffers: ``tree`` (the checkpoint with buffer tensors) and
     :meth:`content_id` (the id of a buffer tensor's content, for the store's "unchanged?" test)."""
 
-    __slots__ = ("_ids", "bufs", "tree")
+    __slots__ = ("_ids", "bufs", "shares_memory", "tree")
 
-    def __init__(self, tree: Any, bufs: list[_Buf]) -> None:
+    def __init__(self, tree: Any, bufs: list[_Buf], shares_memory: bool = False) -> None:
         self.tree, self.bufs = tree, bufs
+        #: whether two of the checkpoint's tensors viewed one storage (tied weights): the buffers do not, so the save
+        #: must record it (see ``BackgroundWriter.submit_save``'s ``describe``)
+        self.shares_memory = shares_memory
         # By data pointer: the store sees detached aliases of the buffers, and a held buffer's address is its own.
         self._ids = {b.ptr: b.content_id for b in bufs if b.ptr}
 
@@ -210,10 +213,13 @@ class Snapshot:
 class _Take:
     """One snapshot in progress: the buffers it holds, the small CPU copies it batches, the tensors seen so far."""
 
-    __slots__ = ("bufs", "dst", "pending_device", "seen", "src")
+    __slots__ = ("bases", "bufs", "dst", "pending_device", "seen", "shared", "src")
 
     def __init__(self) -> None:
         self.bufs: list[_Buf] = []
+        # the storages seen (device type, address of the storage's first byte) and whether one was seen twice
+        self.bases: set[tuple[bool, Any]] = set()
+        self.shared = False
         self.seen = 0  # the key of the next tensor: its position in the traversal
         self.dst: list[torch.Tensor] = []  # small CPU copies, done by one `_foreach_copy_` at the end
         self.src: list[torch.Tensor] = []
@@ -262,7 +268,7 @@ class SnapshotPool:
         finally:
             self._idle.set()
         self.stats.snapshot_s += time.perf_counter() - t0
-        return Snapshot(tree, run.bufs)
+        return Snapshot(tree, run.bufs, run.shared)
 
     def yield_to(self, timeout: float = 1.0) -> None:
         """Called by the writer between tensors: wait (at most ``timeout`` seconds) while the training thread takes a
@@ -299,6 +305,14 @@ class SnapshotPool:
             b.refs += 1
             return b
         cpu = src.is_cpu
+        if src.numel():
+            # Two tensors view one storage iff their storages start at the same address: two cheap calls per tensor
+            # (an `untyped_storage()` object per tensor would cost several times more), on the training thread.
+            base = (cpu, src.data_ptr() - src.storage_offset() * src.element_size())
+            if base in run.bases:
+                run.shared = True
+            else:
+                run.bases.add(base)
         layout = (src.device, src.dtype, src.shape, src.stride())
         old = self._latest.get(key)
         # The buffer fits when it was laid out for a tensor of this very layout (the usual case: no stride
@@ -381,6 +395,16 @@ def _wanted(src: torch.Tensor) -> tuple[Any, ...]:
     """The shape, dtype and strides of ``src``'s buffer (:func:`~lightning_accel.checkpoint.codec.buffer_strides`:
     channels_last weights copy as one memcpy, not a reorder), to compare with a buffer's ``_layout_key``."""
     return tuple(src.shape), src.dtype, buffer_strides(src)
+
+
+def _described(
+    args: tuple[Any, ...], snap: Snapshot | None, checkpoint: Any, describe: Callable[[Any], Any] | None
+) -> tuple[Any, ...]:
+    """``args`` and, with ``describe``, what it says of ``checkpoint`` where ``snap`` found shared storages (else
+    None): see :meth:`BackgroundWriter.submit_save`."""
+    if describe is None:
+        return args
+    return (*args, describe(checkpoint) if snap is not None and snap.shares_memory else None)
 
 
 class _Job:
@@ -620,17 +644,26 @@ class BackgroundWriter:
         """
         return self._submit(fn, args, key, bounded, None)
 
-    def submit_save(self, fn: Callable[..., Any], checkpoint: Any, path: str) -> Future:
+    def submit_save(
+        self,
+        fn: Callable[..., Any],
+        checkpoint: Any,
+        path: str,
+        describe: Callable[[Any], Any] | None = None,
+    ) -> Future:
         """Snapshot ``checkpoint`` into the pool's buffers on this thread and queue ``fn(snapshot, path)`` (a
-        :class:`Snapshot`; its buffers are reused once the job ran). A queued, unstarted save of ``path`` gets the
-        new snapshot instead (latest wins: the older state would only be overwritten); otherwise, with every slot
-        taken, the call waits until one frees (a save of another path is never given this state: every path holds
-        exactly the state saved there).
+        :class:`Snapshot`; its buffers are reused once the job ran), or with ``describe``
+        ``fn(snapshot, path, describe(checkpoint))`` where the snapshot found tensors sharing a storage
+        (:attr:`Snapshot.shares_memory`) and ``fn(snapshot, path, None)`` elsewhere: ``describe`` runs on this thread,
+        right after the snapshot, only when there is sharing to describe. A queued, unstarted save of ``path`` gets the
+        new snapshot and ``args`` instead (latest wins: the older state would only be overwritten); otherwise, with
+        every slot taken, the call waits until one frees (a save of another path is never given this state: every
+        path holds exactly the state saved there).
 
         Raises:
             CheckpointSaveError: an earlier job failed (``on_error="raise"``): the first failure, once.
         """
-        return self._submit(fn, (), path, True, checkpoint)
+        return self._submit(fn, (), path, True, checkpoint, describe)
 
     def _settle_overflow(self, jobs: _Jobs) -> bool:
         """Under ``jobs.cond``: after a save admitted past ``max_pending``, wait until the saves in flight are within
@@ -644,7 +677,13 @@ class BackgroundWriter:
         return waited
 
     def _submit(
-        self, fn: Callable[..., Any], args: tuple[Any, ...], key: str | None, bounded: bool, checkpoint: Any
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        key: str | None,
+        bounded: bool,
+        checkpoint: Any,
+        describe: Callable[[Any], Any] | None = None,
     ) -> Future:
         jobs = self._jobs.get()
         self._report(jobs)
@@ -664,7 +703,14 @@ class BackgroundWriter:
                 if target is not None:  # unstarted: the worker will not start it while we hold the lock
                     if checkpoint is not None:
                         self._refill(jobs, target, checkpoint)
-                    target.args = args
+                        try:
+                            target.args = _described(args, target.snap, checkpoint, describe)
+                        except BaseException:  # its snapshot and its old description no longer go together
+                            jobs.queue.remove(target)
+                            BackgroundWriter._drop(jobs, target)
+                            raise
+                    else:
+                        target.args = args
                     jobs.stats.coalesced += 1
                     if jobs.stats.coalesced == 1 or jobs.stats.coalesced % 100 == 0:
                         log.info(
@@ -697,12 +743,15 @@ class BackgroundWriter:
                 jobs.stats.pending_peak = max(jobs.stats.pending_peak, jobs.bounded)
         if failed:  # a job failed while this save waited for a slot: report it now, save nothing
             self._report(jobs)
-            return self._submit(fn, args, key, bounded, checkpoint)
+            return self._submit(fn, args, key, bounded, checkpoint, describe)
         job = _Job(fn, args, key, True)
         try:
             if checkpoint is not None:
                 job.snap = jobs.pool.take(checkpoint)  # outside the lock: the worker goes on meanwhile
+                job.args = _described(args, job.snap, checkpoint, describe)
         except BaseException:
+            if job.snap is not None:  # no save will hold its buffers
+                jobs.pool.release(job.snap)
             with jobs.cond:
                 jobs.bounded -= 1
                 jobs.cond.notify_all()

@@ -8,8 +8,10 @@
 - ``gc DIR [--dry-run] [--grace-s S] [--storage-options JSON]``: remove the delta checkpoints of ``DIR`` that the
   ``ModelCheckpoint`` state of its newest ``last*.ckpt`` does not track (a killed run's leftovers; only ``*.ckpt``
   manifests this plugin wrote, never another file), then the blobs nothing references for ``S`` seconds (default: the
-  store's ``gc_grace_s``). ``--dry-run`` lists what would go and removes nothing. Takes the directory's writer lock:
-  refused while a run writes there. Prints one JSON object.
+  store's ``gc_grace_s``). Subdirectories of ``DIR`` with a blob store of their own (checkpoints saved by a
+  ``filename`` with a ``/``) have their unreferenced blobs collected too. ``--dry-run`` lists what would go and
+  removes nothing. Takes the writer lock of each directory it collects: refused while a run writes there. Prints one
+  JSON object.
 - ``export PATH OUT [--overwrite] [--storage-options JSON]``: write a plain ``torch.save`` checkpoint that
   ``torch.load`` and Lightning's ``TorchCheckpointIO`` open; an existing ``OUT`` is refused unless ``--overwrite``,
   and ``OUT`` = ``PATH`` always, as is an ``OUT`` that names no file (empty, or ending with ``/``).
@@ -89,6 +91,15 @@ def main(argv: list[str] | None = None, prog: str = "python -m lightning_accel.c
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     if args.command == "gc":
+        grace = args.grace_s
+        if grace is not None and not grace >= 0:  # NaN fails too
+            # Named as the user typed it; the store would name its own keyword (`gc_grace_s`).
+            print(
+                f"{prog}: error: `--grace-s` must be a number of seconds >= 0, got {grace!r}. Use 0 to delete "
+                "unreferenced blobs at once, or leave it out for the default (60).",
+                file=sys.stderr,
+            )
+            return 2
         try:
             store = DeltaStore(storage_options=opts, **({} if args.grace_s is None else {"gc_grace_s": args.grace_s}))
             print(json.dumps(collect(store, args.path, dry_run=args.dry_run)))
@@ -104,7 +115,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m lightning_accel.c
                 print(json.dumps(_verify(store, path, args.repair)))
             except Exception as e:  # noqa: BLE001 - verify reports every failure as its JSON line, never a traceback
                 failed = True
-                print(json.dumps({"path": path, "ok": False, "error": one_line(e, expected=_CHECKPOINT_ERRORS)}))
+                print(json.dumps({"path": path, "ok": False, "error": _error_line(e, _CHECKPOINT_ERRORS)}))
         return 1 if failed else 0
     try:
         # checked before the (possibly long) read; the rename would fail only at the end
@@ -152,8 +163,14 @@ def collect(store: DeltaStore, directory: str, *, dry_run: bool = False) -> dict
     checkpoint saved after that ``last*.ckpt`` at the same ``global_step`` is kept too: another ``ModelCheckpoint`` on
     the directory saved it in the same step, after ``last.ckpt`` recorded the callbacks' state.
 
+    Subdirectories of ``directory`` (at any depth, not through symlinks) that hold a blob store of their own (a
+    ``filename`` with a ``/`` saves into one) have their unreferenced blobs collected too, after the same grace period
+    and under their own writer lock; their checkpoints are not removed.
+
     Returns:
-        ``{"path", "dry_run", "last", "tracked", "untracked", "removed", "blobs_deleted", "pending", "note"?}``.
+        ``{"path", "dry_run", "last", "tracked", "untracked", "removed", "blobs_deleted", "subdirectories",
+        "pending", "note"?}`` (``subdirectories``: those collected, relative to ``directory``; ``blobs_deleted``
+        and ``pending`` count them in).
 
     Raises:
         FileNotFoundError: ``directory`` does not exist (nothing is created: a mistyped path is not a clean one).
@@ -220,12 +237,22 @@ def collect(store: DeltaStore, directory: str, *, dry_run: bool = False) -> dict
     # A directory without a blob store holds nothing of this plugin's to collect: taking the writer lock there (the
     # run's root given instead of its checkpoint directory) would leave a `.delta_blobs/.lock` in the user's folder.
     has_store = store.fs.isdir(posixpath.join(root, BLOB_DIR))
-    if not dry_run and (untracked or has_store):
+    # Checkpoints saved under a `filename` with a `/` (`{epoch}-{val/loss:.2f}`) live in subdirectories, each with its
+    # own blob store beside them: the blobs of those `save_top_k` removed wait there for a collection too.
+    below = _blob_stores_below(store, root)
+    out["subdirectories"] = [posixpath.relpath(d, root) if is_local_url(root) else d[len(root) + 1 :] for d in below]
+    if not dry_run and (untracked or has_store or below):
         try:
-            deleted = store.remove_checkpoints(untracked) if untracked else store.collect_garbage(root)
+            deleted = 0
+            if untracked or has_store:
+                deleted = store.remove_checkpoints(untracked) if untracked else store.collect_garbage(root)
             out["removed"] = out["untracked"]
+            pending = len(store.pending_deletions(root)) if has_store else 0
+            for sub in below:
+                deleted += store.collect_garbage(sub)
+                pending += len(store.pending_deletions(sub))
             out["blobs_deleted"] = deleted
-            out["pending"] = len(store.pending_deletions(root))
+            out["pending"] = pending
         finally:
             store.close()
     elif not dry_run:
@@ -233,6 +260,24 @@ def collect(store: DeltaStore, directory: str, *, dry_run: bool = False) -> dict
     if note:
         out["note"] = note
     return out
+
+
+def _blob_stores_below(store: DeltaStore, root: str) -> list[str]:
+    """The subdirectories of ``root``, at any depth, that hold a blob store (``.delta_blobs``), sorted; not inside a
+    blob store, and (locally) not through a symlink, which may lead out of ``root`` or back into it."""
+    found: set[str] = set()
+    if is_local_url(root):
+        top = strip_file_scheme(root)
+        for d, dirs, _ in os.walk(top):
+            if d != top and BLOB_DIR in dirs and not os.path.islink(os.path.join(d, BLOB_DIR)):
+                found.add(d)
+            dirs[:] = [x for x in dirs if x != BLOB_DIR and not os.path.islink(os.path.join(d, x))]
+    else:
+        for rel in store.fs.find(root):
+            parts = rel.split("/")
+            if BLOB_DIR in parts[:-1] and (i := parts.index(BLOB_DIR)) > 0:
+                found.add(posixpath.join(root, *parts[:i]))
+    return sorted(found)
 
 
 def _keeps_all(state: Mapping[str, Any]) -> bool:

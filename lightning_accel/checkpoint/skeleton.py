@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import io
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -28,6 +29,9 @@ from lightning_accel.checkpoint import codec
 __all__ = [
     "PLACEHOLDER",
     "UnsafeCheckpointContent",
+    "alias_groups",
+    "checkpoint_aliases",
+    "restore_aliases",
     "dump_skeleton",
     "fill_skeleton",
     "load_skeleton",
@@ -57,6 +61,16 @@ def _is_leaf(obj: Any) -> bool:
     return type(obj) in _PRIMITIVES
 
 
+def _unique_name(path: str, taken: Any) -> str:
+    """The tensor name of key path ``path``: the path without its leading ``/`` (``"tensor"`` at the root), with
+    ``#1``, ``#2``, ... appended when two key paths spell the same name."""
+    name = path.lstrip("/") or "tensor"
+    base, i = name, 1
+    while name in taken:
+        name, i = f"{base}#{i}", i + 1
+    return name
+
+
 def split(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Replace every dense tensor by a placeholder (sparse / non-strided tensors stay in the skeleton).
 
@@ -82,10 +96,7 @@ def split(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.T
                 )
             if obj.is_sparse or obj.layout != torch.strided:
                 return obj.detach()
-            name = path.lstrip("/") or "tensor"
-            base, i = name, 1
-            while name in tensors:
-                name, i = f"{base}#{i}", i + 1
+            name = _unique_name(path, tensors)
             tensors[name] = obj.detach()
             return PLACEHOLDER + name
         if type(obj) is str:
@@ -174,9 +185,13 @@ def placeholder_names(skeleton: Any) -> set[str]:
     return wanted
 
 
-def pack_skeleton_blob(skeleton_bytes: bytes, small: dict[str, torch.Tensor]) -> bytes:
+def pack_skeleton_blob(
+    skeleton_bytes: bytes, small: dict[str, torch.Tensor], aliases: list[list[list[Any]]] | None = None
+) -> bytes:
     """One blob (kind ``"skeleton"``): the ``torch.save``d skeleton followed by the raw bytes of the small tensors,
-    zstd on top; the header lists ``[name, dtype, shape, offset]`` per small tensor."""
+    zstd on top; the header lists ``[name, dtype, shape, offset]`` per small tensor and, when tensors of the
+    checkpoint share memory, their :func:`alias_groups` under ``aliases`` (absent otherwise, so a checkpoint without
+    shared tensors writes the same blob as before the record existed)."""
     parts, items, offset = [skeleton_bytes], [], len(skeleton_bytes)
     for name, t in small.items():
         raw = codec.tensor_bytes(t)
@@ -192,6 +207,8 @@ def pack_skeleton_blob(skeleton_bytes: bytes, small: dict[str, torch.Tensor]) ->
         "items": items,
         "skeleton_bytes": len(skeleton_bytes),
     }
+    if aliases:
+        header["aliases"] = aliases
     return codec.pack_blob(header, codec.zstd_compress(body, 3, 0))
 
 
@@ -217,3 +234,110 @@ def unpack_skeleton_blob(blob: bytes) -> tuple[dict[str, Any], dict[str, torch.T
             raise codec.CodecError(f"small tensor {name!r} lies outside the skeleton blob")
         small[name] = codec.tensor_from_bytes(body[offset : offset + size], dtype, shape)
     return skeleton, small
+
+
+def checkpoint_aliases(checkpoint: Any) -> list[list[list[Any]]]:
+    """:func:`alias_groups` of the tensors of ``checkpoint``, named as :func:`split` names them.
+
+    Unlike :func:`split` it builds no skeleton and skips, rather than refuses, what a skeleton cannot hold (a value
+    still being produced is resolved later, and :func:`split` judges the result): an async save records the sharing
+    of the live tensors before its snapshot copies each of them into a buffer of its own.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(obj: Any, path: str) -> None:
+        if isinstance(obj, torch.Tensor):
+            if obj.layout == torch.strided and not obj.is_sparse:
+                tensors[_unique_name(path, tensors)] = obj
+        elif type(obj) in (dict, OrderedDict):
+            for k, v in obj.items():
+                walk(v, f"{path}/{_key_str(k)}")
+        elif type(obj) in (list, tuple, set):
+            for i, v in enumerate(obj):
+                walk(v, f"{path}/{i}")
+
+    walk(checkpoint, "")
+    return alias_groups(tensors)
+
+
+def alias_groups(tensors: Mapping[str, torch.Tensor]) -> list[list[list[Any]]]:
+    """The tensors that share memory, grouped by storage: ``[[name, byte offset, strides], ...]`` per group of two or
+    more (tied weights, two state-dict keys viewing one buffer), in ``tensors``' order.
+
+    ``torch.save`` writes a storage once and ``torch.load`` gives the tensors viewing it one storage again; the delta
+    store saves every tensor on its own, so it records this to restore the sharing (:func:`restore_aliases`).
+    Empty tensors hold no memory and are left out, and so are lazy conjugate / negative views (``c.conj()``): their
+    values are not the bytes of the memory they view, so they are restored as copies of their own.
+    """
+    by_storage: dict[tuple[Any, ...], list[list[Any]]] = {}
+    for name, t in tensors.items():
+        if t.layout != torch.strided or t.is_sparse or not t.numel() or t.device.type == "meta":
+            continue
+        if t.is_conj() or t.is_neg():  # saved as its resolved values, which are not the bytes it views
+            continue
+        storage = t.untyped_storage()
+        if not storage.data_ptr() or not storage.nbytes():
+            continue
+        member = [name, int(t.storage_offset()) * t.element_size(), [int(s) for s in t.stride()]]
+        by_storage.setdefault((t.device, storage.data_ptr()), []).append(member)
+    return [group for group in by_storage.values() if len(group) > 1]
+
+
+#: Most bytes one restored group of shared tensors may span (a damaged record must not allocate without bound).
+_MAX_ALIAS_SPAN = 1 << 48
+
+
+def restore_aliases(groups: Any, tensors: dict[str, torch.Tensor], device: torch.device | None = None) -> None:
+    """Make each group of :func:`alias_groups` share one storage again, in place in ``tensors``.
+
+    Each member's restored values are copied into one new buffer at the byte offset and with the strides it had at
+    save time; bytes no member covers are zero. The buffer is made on ``device`` (default: the first member's), so
+    the sharing survives a ``map_location``.
+
+    Raises:
+        ValueError: the record is damaged (an unknown tensor name, a bad offset or strides).
+    """
+    if not isinstance(groups, list):
+        raise ValueError(f"the shared-tensor record is a {type(groups).__name__}, not a list")
+    for group in groups:
+        if not isinstance(group, list):
+            raise ValueError(f"a shared-tensor group is a {type(group).__name__}, not a list")
+        members: list[tuple[str, torch.Tensor, int, list[int], int]] = []
+        for member in group:
+            if not (isinstance(member, list) and len(member) == 3 and member[0] in tensors):
+                raise ValueError(f"shared-tensor entry {member!r} names no tensor of the checkpoint")
+            name, offset, stride = member
+            t = tensors[name]
+            ints = [offset, *stride] if isinstance(stride, list) else []
+            if len(ints) != t.dim() + 1 or not all(type(v) is int and 0 <= v < _MAX_ALIAS_SPAN for v in ints):
+                raise ValueError(
+                    f"shared-tensor entry {member!r} has a bad offset or strides for shape {list(t.shape)}"
+                )
+            size = t.element_size()
+            if offset % size:
+                raise ValueError(f"shared-tensor entry {member!r}: offset not a multiple of the {size}-byte item")
+            span = (sum((n - 1) * s for n, s in zip(t.shape, stride, strict=True)) + 1) * size if t.numel() else 0
+            members.append((name, t, offset, stride, span))
+        if not members:
+            continue
+        align = max(t.element_size() for _, t, _, _, _ in members)
+        base = min(offset for _, _, offset, _, _ in members) // align * align
+        end = max(offset + span for _, _, offset, _, span in members)
+        total = -(-(end - base) // align) * align
+        if total > _MAX_ALIAS_SPAN:
+            raise ValueError(f"a shared-tensor group spans {total} bytes")
+        buf = torch.zeros(total, dtype=torch.uint8, device=device if device is not None else members[0][1].device)
+        storage = buf.untyped_storage()
+        for name, t, offset, stride, _ in members:
+            size = t.element_size()
+            view = torch.empty(0, dtype=t.dtype, device=buf.device)
+            view.set_(storage, (offset - base) // size, t.shape, stride)
+            try:
+                view.copy_(t)
+            except RuntimeError:  # a view that overlaps itself (an `expand`): written element by element instead
+                flat = torch.empty(0, dtype=t.dtype, device=buf.device).set_(storage, 0, (total // size,), (1,))
+                index = torch.arange(total // size, device=buf.device).as_strided(
+                    t.shape, stride, (offset - base) // size
+                )
+                flat[index.reshape(-1)] = t.reshape(-1).to(buf.device)
+            tensors[name] = view

@@ -85,10 +85,12 @@ from lightning_accel.checkpoint.manifest import (
 from lightning_accel.checkpoint.options import StoreOptions
 from lightning_accel.checkpoint.policy import ChainState
 from lightning_accel.checkpoint.skeleton import (
+    alias_groups,
     dump_skeleton,
     fill_skeleton,
     pack_skeleton_blob,
     placeholder_names,
+    restore_aliases,
     split,
     unpack_skeleton_blob,
 )
@@ -439,8 +441,12 @@ class DeltaStore:
         *,
         content_id: Callable[[torch.Tensor], int | None] | None = None,
         pause: Callable[[], None] | None = None,
+        aliases: list[list[list[Any]]] | None = None,
     ) -> SaveStats:
         """Write ``checkpoint`` as a delta checkpoint at ``path`` (a manifest file).
+
+        Tensors that share memory (tied weights, views of one buffer) are recorded as such and share one storage
+        again when loaded, as with ``torch.save`` / ``torch.load``.
 
         The tensors must not change while this runs (the adapter snapshots them first in async mode). The first save
         (or removal) in a directory takes its writer lock (:mod:`~lightning_accel.checkpoint.lock`).
@@ -457,6 +463,9 @@ class DeltaStore:
                 :class:`~lightning_accel.checkpoint.background.Snapshot`.
             pause: called before each tensor is encoded (a background writer waits there while the training thread
                 takes a snapshot).
+            aliases: which tensors share memory
+                (:func:`~lightning_accel.checkpoint.skeleton.checkpoint_aliases` of the live checkpoint), when
+                ``checkpoint`` is a snapshot whose copies no longer do; ``None``: found in ``checkpoint`` itself.
 
         Raises:
             NotADeltaCheckpointError: ``path`` is a directory or a foreign file.
@@ -475,6 +484,10 @@ class DeltaStore:
             self._writable(directory)
             replacing = self._check_target(path)
             skeleton, all_tensors = split(checkpoint)
+            if aliases is None:
+                aliases = alias_groups(all_tensors)
+            else:  # recorded before a snapshot: only what this checkpoint still holds with its shape
+                aliases = [g for g in aliases if all(m[0] in all_tensors for m in g)]
             self._warn_if_groups_match_nothing(all_tensors)
             tensors = {n: t for n, t in all_tensors.items() if t.numel() * t.element_size() >= opts.inline_bytes}
             small = {n: t for n, t in all_tensors.items() if n not in tensors}
@@ -529,7 +542,7 @@ class DeltaStore:
                                     stats.blobs_written += 1
                         del blobs  # on disk now: not held while the next tensors encode
                 t_write = time.perf_counter()
-                skel_blob = pack_skeleton_blob(dump_skeleton(skeleton), small)
+                skel_blob = pack_skeleton_blob(dump_skeleton(skeleton), small, aliases)
                 skel_key = _blob_key(skel_blob)
                 skel_url = self.blob_url(directory, skel_key)
                 for url in [skel_url, skel_url + COPY_SUFFIX] if opts.redundancy >= 2 else [skel_url]:
@@ -786,11 +799,14 @@ class DeltaStore:
 
     def _skeleton(
         self, directory: str, p: str, manifest: Manifest, used_copies: list[str] | None
-    ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    ) -> tuple[dict[str, Any], dict[str, torch.Tensor], Any]:
+        """The skeleton, the small tensors and the record of tensors sharing memory (``[]`` when none did, or the
+        checkpoint was written before the record existed)."""
         what = "the skeleton (non-tensor state)"
         skel = self._fetch(directory, manifest.skeleton, p, what, True, manifest.copies == 2, used_copies)
         try:
             skeleton, small = unpack_skeleton_blob(skel)
+            aliases = codec.read_header(skel)[0].get("aliases", [])
             if not isinstance(skeleton, dict):
                 raise TypeError(f"it holds a {type(skeleton).__name__}, not a dict")
         except Exception as e:  # noqa: BLE001 - anything here means the skeleton is unusable
@@ -798,7 +814,7 @@ class DeltaStore:
                 f"Checkpoint {p!r}: the skeleton (non-tensor state) cannot be read safely ({type(e).__name__}: "
                 f"{one_line(e, first=True)[:300]})."
             ) from e
-        return skeleton, small
+        return skeleton, small, aliases
 
     def _fetch(
         self,
@@ -974,7 +990,7 @@ class DeltaStore:
         check_keys: bool,
         used_copies: list[str] | None,
     ) -> dict[str, Any]:
-        skeleton, small = self._skeleton(directory, p, manifest, used_copies)
+        skeleton, small, aliases = self._skeleton(directory, p, manifest, used_copies)
         items = list(manifest.tensors.items())
         _check_names(p, skeleton, set(manifest.tensors), set(small))
         all_copies = manifest.copies == 2
@@ -1004,8 +1020,18 @@ class DeltaStore:
             seen.add(k)
         tensors.update(small)
         device = _target_device(map_location)
-        if device is not None:
-            tensors = {n: t.to(device) for n, t in tensors.items()}
+        shared: set[str] = set()
+        if aliases:
+            try:
+                restore_aliases(aliases, tensors, device)
+            except (ValueError, TypeError, RuntimeError) as e:
+                raise CheckpointCorruptError(
+                    f"Checkpoint {p!r}: the skeleton's record of tensors sharing memory is damaged ({e}). Load another "
+                    "checkpoint of the directory."
+                ) from e
+            shared = {m[0] for g in aliases for m in g}
+        if device is not None:  # the shared groups were rebuilt on `device` already: moving them would copy each
+            tensors = {n: t if n in shared else t.to(device) for n, t in tensors.items()}
         return fill_skeleton(skeleton, tensors)
 
     def verify(self, path: str | os.PathLike[str], *, repair: bool = False) -> dict[str, Any]:

@@ -475,3 +475,28 @@ def test_sparse_tensors_snapshot_and_a_failed_snapshot_releases_its_buffers(tmp_
     # other allocation is the failed tensor's)
     assert pool.stats.buffers_allocated == 2 and torch.equal(snap.tree["w"], w)
     pool.release(snap)
+
+
+def test_a_snapshot_says_whether_tensors_shared_a_storage_and_describe_runs_only_then() -> None:
+    """Tied weights (one storage, two checkpoint entries; a view at an offset too) are copied into two buffers: the
+    snapshot says so, and a save's ``describe`` runs on the caller's thread only for such a snapshot."""
+    pool = SnapshotPool()
+    w = torch.randn(10, 4)
+    assert pool.take({"a": w, "b": w.t()}).shares_memory
+    assert pool.take({"a": w[2:], "b": torch.randn(3), "c": w[:1]}).shares_memory
+    assert not pool.take(
+        {"a": torch.randn(3), "b": torch.randn(3), "e": torch.empty(0), "f": torch.empty(0)}
+    ).shares_memory
+    described: list[Any] = []
+    got: list[Any] = []
+
+    def describe(ck: Any) -> str:
+        described.append(ck)
+        return "tied"
+
+    writer = BackgroundWriter(max_pending=2)
+    writer.submit_save(lambda snap, path, what: got.append((path, what)), {"a": w, "b": w}, "tied.ckpt", describe)
+    writer.submit_save(lambda snap, path, what: got.append((path, what)), {"a": w}, "alone.ckpt", describe)
+    writer.wait()
+    writer.close()
+    assert got == [("tied.ckpt", "tied"), ("alone.ckpt", None)] and len(described) == 1

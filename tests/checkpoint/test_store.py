@@ -289,6 +289,36 @@ def test_cli_refuses_a_missing_gc_directory_and_an_export_onto_a_directory_in_on
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing created
 
 
+def test_cli_error_lines_have_one_format_across_subcommands(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = str(tmp_path / "missing.ckpt")
+    assert ckpt_main(["verify", missing]) == 1
+    verify_error = json.loads(capsys.readouterr().out)["error"]
+    assert ckpt_main(["export", missing, str(tmp_path / "out.pt")]) == 1
+    export_error = capsys.readouterr().err.strip()
+    assert ckpt_main(["gc", str(tmp_path / "typo")]) == 1
+    gc_error = capsys.readouterr().err.strip()
+    assert "does not exist" in verify_error and not verify_error.startswith("[Errno")
+    assert export_error.endswith(f": error: {verify_error}")  # the same line, without Python's errno prefix
+    assert "[Errno" not in export_error + gc_error
+
+
+@pytest.mark.parametrize("grace", ["-1", "nan"])
+def test_cli_gc_names_a_bad_grace_period_as_typed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], grace: str
+) -> None:
+    store = DeltaStore(gc_grace_s=60)
+    store.save(_state(0), tmp_path / "a.ckpt")
+    store.save(_state(1), tmp_path / "b.ckpt")
+    store.remove(tmp_path / "a.ckpt")
+    store.close()
+    before = sorted(p.name for p in (tmp_path / BLOB_DIR).rglob("*"))
+    assert ckpt_main(["gc", str(tmp_path), "--grace-s", grace]) == 2
+    err = capsys.readouterr().err
+    assert f"`--grace-s` must be a number of seconds >= 0, got {float(grace)!r}" in err
+    assert len(err.strip().splitlines()) == 1 and "gc_grace_s" not in err
+    assert sorted(p.name for p in (tmp_path / BLOB_DIR).rglob("*")) == before
+
+
 def test_cli_gc_leaves_a_directory_without_checkpoints_as_it_was(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -299,6 +329,62 @@ def test_cli_gc_leaves_a_directory_without_checkpoints_as_it_was(
     out = json.loads(capsys.readouterr().out)
     assert out["removed"] == [] and out["blobs_deleted"] == 0 and out["pending"] == 0
     assert sorted(p.name for p in run.iterdir()) == ["notes.txt"]  # no `.delta_blobs/.lock` left behind
+
+
+def _blob_files(directory: Any) -> set[str]:
+    """The blob keys stored in ``directory``'s blob store (second copies and other files left out)."""
+    return {p.name for p in Path(directory, BLOB_DIR).rglob("*") if p.is_file() and len(p.name) == 40}
+
+
+def test_cli_gc_collects_the_blob_stores_of_subdirectories(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # `ModelCheckpoint(filename="{epoch}-{val/loss:.2f}")` saves into `epoch=0-val/`, with a blob store of its own
+    root, sub, deeper = tmp_path / "ckpt", tmp_path / "ckpt" / "epoch=0-val", tmp_path / "ckpt" / "a" / "b-val"
+    store = DeltaStore(gc_grace_s=60)
+    store.save(_state(0), root / "last.ckpt")
+    store.save(_state(1), sub / "loss=0.50.ckpt")
+    store.save(_state(2), sub / "loss=0.40.ckpt")
+    store.save(_state(3), deeper / "loss=0.30.ckpt")
+    store.save(_state(4), deeper / "loss=0.20.ckpt")
+    store.remove(sub / "loss=0.50.ckpt")  # what `save_top_k` does; its blobs wait out the grace period
+    store.remove(deeper / "loss=0.30.ckpt")
+    kept = {d: store.live_keys(str(d)) for d in (sub, deeper)}
+    store.close()
+    assert all(_blob_files(d) > kept[d] for d in (sub, deeper))
+    (sub / "notes.txt").write_text("mine")
+    (sub / BLOB_DIR / "README").write_text("mine too")
+    outside = tmp_path / "elsewhere"
+    store2 = DeltaStore(gc_grace_s=0)
+    store2.save(_state(5), outside / "x.ckpt")
+    store2.remove(outside / "x.ckpt")  # unreferenced, but not below the directory: left alone
+    store2.close()
+    outside_blobs = _blob_files(outside)
+    (root / "linked").symlink_to(outside)
+
+    assert ckpt_main(["gc", str(root)]) == 0  # within the grace period: nothing deleted yet
+    out = json.loads(capsys.readouterr().out)
+    assert out["blobs_deleted"] == 0 and out["pending"] > 0 and out["subdirectories"] == ["a/b-val", "epoch=0-val"]
+    assert ckpt_main(["gc", str(root), "--grace-s", "0"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["blobs_deleted"] > 0 and out["pending"] == 0
+    assert all(_blob_files(d) == kept[d] for d in (sub, deeper))
+    assert (sub / "notes.txt").read_text() == "mine" and (sub / BLOB_DIR / "README").read_text() == "mine too"
+    assert _blob_files(outside) == outside_blobs
+    assert _equal(DeltaStore().load(sub / "loss=0.40.ckpt"), _state(2))
+    assert _equal(DeltaStore().load(deeper / "loss=0.20.ckpt"), _state(4))
+
+
+def test_cli_gc_refuses_a_subdirectory_a_run_writes_to(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root, sub = tmp_path / "ckpt", tmp_path / "ckpt" / "epoch=0-val"
+    writer = DeltaStore(gc_grace_s=60)
+    writer.save(_state(0), sub / "a.ckpt")
+    writer.save(_state(1), sub / "b.ckpt")
+    writer.remove(sub / "a.ckpt")
+    before = _blob_files(sub)
+    assert ckpt_main(["gc", str(root), "--grace-s", "0"]) == 1  # the writer still holds the subdirectory's lock
+    err = capsys.readouterr().err
+    assert "epoch=0-val" in err and len(err.strip().splitlines()) == 1
+    assert _blob_files(sub) == before and (sub / BLOB_DIR / ".lock").exists()
+    writer.close()
 
 
 def test_export_leaves_an_existing_file_and_the_exported_checkpoint_alone(
