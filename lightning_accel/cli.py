@@ -8,7 +8,7 @@ User mistakes (a missing config, an unknown class path, a misspelled key or stra
 unwritable data directory, a missing optional package, an origin that cannot be reached or has no credentials) end
 with one ``lightning-accel: error: <key>: <message>`` line and exit code 2: for a value a class refuses, ``<key>`` is
 the config key (``trainer.plugins``, ``data``, ...) and ``<message>`` the line that class raised, picked out of
-jsonargparse's Union dump; a misspelled key or strategy name gets the closest accepted one. Set
+jsonargparse's Union dump; a misspelled key, strategy name or subcommand gets the closest accepted one. Set
 ``LIGHTNING_ACCEL_DEBUG=1`` to see the full text and traceback instead.
 
 Besides LightningCLI's subcommands, ``lightning-accel ckpt verify|export|gc`` (delta checkpoints),
@@ -60,14 +60,6 @@ __all__ = [
 
 # Errors our code raises for bad input carry the argument, the value and the fix; show them without a traceback.
 _USER_ERRORS = (ValueError, TypeError, PermissionError, FileNotFoundError, ModuleNotFoundError, NotADirectoryError)
-
-_EPILOG = (
-    "other commands: `lightning-accel ckpt {verify,export,gc} ...` checks, exports or cleans DeltaCheckpointIO "
-    "checkpoints; "
-    "`lightning-accel tune --config job.yaml` measures each lever on the job and writes tuned.yaml; "
-    "`lightning-accel data pack ...` packs an origin into shards for CachedDataModule, `lightning-accel data clean` "
-    "removes RAM tiers no process uses (each takes --help)."
-)
 
 
 class ConfigError(ValueError):
@@ -302,9 +294,22 @@ def _top_level_key_error(text: str, subparsers: dict[str, Any], args: Any) -> Co
     sub = named if named is not None else next((a for a in words if a in subparsers), "")
     chosen = [subparsers[sub]] if sub in subparsers else list(subparsers.values())
     keys = sorted(set().union(*(compat.parser_option_keys(p) for p in chosen)))
-    head = option.split(".")[0]
+    head, _, rest = option.partition(".")
+    if named is not None and head in _GROUP_CLASSES and rest and rest not in _class_options(_GROUP_CLASSES[head]):
+        # `fit:` in a config given before the subcommand: jsonargparse refuses a misspelt Trainer option there with
+        # the subcommand's line (`Subcommand 'fit' does not accept option 'trainer.max_epocs'`), never its class's
+        return _unknown_option_error(head, "", rest, detail=text)
     if not keys or head in keys:
         return None
+    if sub and (head in LightningCLI.subcommands() or head == "subcommand"):
+        # a config written for the whole command (`fit:` sections) given after the subcommand
+        return ConfigError(
+            head,
+            f"a config given after the subcommand holds {sub}'s settings at its top level (`trainer:`, `model:`, "
+            f"`data:`); drop the `{head}:` level, or give this config before any subcommand "
+            "(`lightning-accel --config job.yaml`, where its sections choose the subcommand).",
+            text,
+        )
     where = f"`lightning-accel {sub}`" if sub else "`lightning-accel`"
     close = _closest(head, keys)
     fix = f"did you mean {close!r}?" if close else f"{where[:-1]} --help` lists its options."
@@ -525,6 +530,20 @@ def int_first_hint(hint: Any) -> Any:
     return Union[ordered]  # noqa: UP007 - built from a tuple on purpose (see above)
 
 
+# The subcommands `main` hands to their own argparse tools before LightningCLI parses, with what each does.
+_TOOLS = {
+    "ckpt": "checks, exports or cleans DeltaCheckpointIO checkpoints (`ckpt {verify,export,gc}`)",
+    "data": "packs an origin into shards for CachedDataModule (`data pack`), removes unused RAM tiers (`data clean`)",
+    "tune": "measures each lever on a job and writes the tuned config (`tune --config job.yaml`)",
+}
+
+
+def _subcommand_names() -> list[str]:
+    """Every subcommand of ``lightning-accel``: LightningCLI's (``fit``, ``validate``, ``test``, ``predict``), then
+    the tools :func:`main` runs itself (:data:`_TOOLS`)."""
+    return [*LightningCLI.subcommands(), *_TOOLS]
+
+
 class AccelArgumentParser(LightningArgumentParser):
     """``LightningArgumentParser`` that keeps an integer an integer for every Trainer argument typed int-or-float.
 
@@ -541,6 +560,22 @@ class AccelArgumentParser(LightningArgumentParser):
         _current_class_paths(namespace)
         with _quiet_alias_lookups():
             return str(super().dump(namespace, *args, **kwargs))
+
+    @override
+    def add_subcommands(self, required: bool = True, dest: str = "subcommand", **kwargs: Any) -> Any:
+        """The subcommands, with ``ckpt``, ``data`` and ``tune`` listed beside LightningCLI's in the usage line and
+        the help: :func:`main` runs those three before this parser sees the command line, so argparse never knew them.
+        """
+        names = _subcommand_names()
+        kwargs.setdefault("metavar", "{" + ",".join(names) + "}")
+        kwargs.setdefault(
+            "description",
+            "For more details of each subcommand, add it as an argument followed by --help. Besides "
+            f"{', '.join(LightningCLI.subcommands())}: "
+            + "; ".join(f"{name} {what}" for name, what in _TOOLS.items())
+            + " (each takes --help).",
+        )
+        return super().add_subcommands(required, dest, **kwargs)
 
     @override
     def add_lightning_class_args(
@@ -588,7 +623,7 @@ class AccelCLI(LightningCLI):
             parser_class=AccelArgumentParser,
             # allow_abbrev=False: argparse would take `--trainer.max_ep` for `--trainer.max_epochs` and a typo for
             # whichever option it prefixes; an option is spelt in full or refused with the closest name
-            parser_kwargs={"prog": "lightning-accel", "exit_on_error": False, "epilog": _EPILOG, "allow_abbrev": False},
+            parser_kwargs={"prog": "lightning-accel", "exit_on_error": False, "allow_abbrev": False},
             args=args,
             run=run,
         )
@@ -634,6 +669,10 @@ class AccelCLI(LightningCLI):
             _check_ckpt_folder(ckpt_path)
             return  # a sharded checkpoint (a folder of shards): read by the strategy that wrote it
         if not os.path.isfile(ckpt_path):
+            # a local path: refused before the model, the data and the Trainer are built (an empty one means no
+            # checkpoint to Lightning, as `--ckpt_path=$CKPT` with CKPT unset gives: left to it)
+            if ckpt_path and "://" not in ckpt_path:
+                _check_ckpt_exists(ckpt_path)
             return  # a URL: resolved and read later, by the checkpoint plugin's reader
         model = compat.cli_model_config(read_ckpt_arg(ckpt_path).get("hyper_parameters", {}))
         if model is not None:
@@ -826,6 +865,23 @@ def _is_ckpt_keyword(ckpt_path: str) -> bool:
     return ckpt_path in ("last", "best", "hpc") or low == "registry" or low.startswith("registry:")
 
 
+def _check_ckpt_exists(path: str) -> None:
+    """Refuse a local ``--ckpt_path`` that does not exist, naming the path and the ways out. Lightning found it missing
+    only once the model, the data (rendered or listed) and the Trainer were built, with a line that said neither the
+    working directory a relative path is read from nor the ``last`` keyword.
+
+    Raises:
+        ConfigError: naming the path, the working directory and the fixes.
+    """
+    if os.path.lexists(os.path.expanduser(path)):  # Lightning's fsspec reader expands `~` (`--ckpt_path=~/x.ckpt`)
+        return  # something is there (a broken link, a special file): the reader names what is wrong with it
+    raise ConfigError(
+        "ckpt_path",
+        f"{path!r} does not exist (cwd: {os.getcwd()}); pass a checkpoint file, `--ckpt_path last` for the last "
+        "checkpoint the run's ModelCheckpoint saved, or start without `--ckpt_path`.",
+    )
+
+
 def _check_ckpt_folder(path: str) -> None:
     """Refuse a ``--ckpt_path`` folder that holds ``.ckpt`` files (a ``checkpoints/`` or ``lightning_logs/`` folder):
     it is not a checkpoint but a place of them, and Lightning's reader opened it as a file and ended in an
@@ -884,7 +940,8 @@ def default_loggers(root: str | None) -> list[Any]:
 def _check_config_paths(argv: list[str]) -> None:
     """Fail early, in plain words naming the file, on ``--config`` files that do not exist, are not valid YAML, are
     empty or hold something else than a mapping of settings (jsonargparse's messages say ``<unicode string>`` and
-    ``Unexpected config:``, never which file).
+    ``Unexpected config:``, never which file), and on inline config strings that are no YAML mapping
+    (:func:`_check_inline_config`).
 
     Raises:
         FileNotFoundError: a path that does not exist.
@@ -896,8 +953,11 @@ def _check_config_paths(argv: list[str]) -> None:
             path = argv[i + 1]
         elif a.startswith("--config="):
             path = a.split("=", 1)[1]
-        if path is None or path.lstrip().startswith(("{", "[")):
-            continue  # none given, or an inline config string (jsonargparse reads those itself)
+        if path is None:
+            continue
+        if path.lstrip().startswith(("{", "[")):
+            _check_inline_config(path)  # an inline config string: jsonargparse reads it, once it is known to be YAML
+            continue
         if os.path.isdir(path):
             raise ConfigError("", _config_folder_message(path))
         if not os.path.isfile(path):
@@ -906,6 +966,47 @@ def _check_config_paths(argv: list[str]) -> None:
                 "Pass the path of a YAML file, e.g. `--config examples/configs/quickstart.yaml`."
             )
         _check_config_file(path)
+
+
+def _check_inline_config(text: str) -> None:
+    """Refuse an inline ``--config`` string that is not a YAML mapping, or whose flow mapping lacks the space after a
+    colon (``{trainer:{max_epochs:1}}`` reads as one key ``'max_epochs:1'``): jsonargparse said only ``config: in
+    "<unicode string>", line 1, column 2``.
+
+    Raises:
+        ConfigError: naming the string, what is wrong and the spelling that works.
+    """
+    import yaml  # type: ignore[import-untyped]  # PyYAML ships no type hints
+
+    example = "e.g. `--config '{trainer: {max_epochs: 1}}'`"
+    try:
+        content = yaml.load(text, Loader=_unique_key_loader())  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as e:
+        problem = getattr(e, "problem", None) or one_line(e)
+        raise ConfigError(
+            "", f"`--config` {text!r} is not valid YAML ({problem}); an inline config is a YAML mapping, {example}."
+        ) from e
+    except _DuplicateKeyError as e:
+        raise ConfigError("", f"`--config` {text!r} sets {e.key!r} twice; keep one, {example}.") from e
+    if not isinstance(content, dict):
+        raise ConfigError("", f"`--config` {text!r} must be a mapping of settings, {example}.")
+
+    def glued(obj: Any) -> str | None:  # a `key:value` without the space YAML needs after the colon
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                if isinstance(k, str) and ":" in k and v is None:
+                    return k
+                if (found := glued(v)) is not None:
+                    return found
+        return None
+
+    if (key := glued(content)) is not None:
+        name, _, value = key.partition(":")
+        raise ConfigError(
+            "",
+            f"`--config` {text!r} holds the key {key!r}: YAML needs a space after the colon, `{name}: {value}` "
+            f"({example}).",
+        )
 
 
 def _config_folder_message(path: str) -> str:
@@ -928,7 +1029,7 @@ def _config_folder_message(path: str) -> str:
 def _check_config_file(path: str) -> dict[str, Any]:
     """Refuse a ``--config`` file that is not valid YAML, sets a key twice in one mapping, is empty or is not a
     mapping, naming the file; else its content."""
-    import yaml  # type: ignore[import-untyped]  # PyYAML ships no type hints
+    import yaml
 
     try:
         with open(path, encoding="utf-8") as f:
@@ -1035,6 +1136,77 @@ def _refuse_variables(path: str, content: Any, key: str = "") -> None:
         )
 
 
+def _subcommand_error(argv: list[str]) -> ConfigError | None:
+    """The one line for a command line whose subcommand is misspelt or missing, decided from ``argv``; None when the
+    subcommand is fine (the parse failed on something else) or cannot be told.
+
+    argparse says ``invalid choice: 'fitt' (choose from 'fit', 'validate', 'test', 'predict')``, which neither guesses
+    the subcommand meant nor names ``ckpt``, ``data`` and ``tune`` (run by :func:`main` before the parser).
+    """
+    names = _subcommand_names()
+    configs: list[str | None] = []
+    word = None
+    i = 0
+    while i < len(argv):  # the options the top-level parser takes before a subcommand
+        a = argv[i]
+        if a in ("-c", "--config"):
+            configs.append(argv[i + 1] if i + 1 < len(argv) else None)
+            i += 2
+        elif a.startswith("--config="):
+            configs.append(a.split("=", 1)[1])
+            i += 1
+        elif a == "--print_config" or a.startswith("--print_config="):
+            i += 1
+        elif a.startswith("-"):
+            return None  # an option the scan does not know (it may take a value): the parser's own line stays
+        else:
+            word = a
+            break
+    listing = f"{', '.join(names[:-1])} or {names[-1]}"
+    if word is not None:
+        if word in _TOOLS:  # `lightning-accel -c job.yaml tune`: main runs a tool only when it comes first
+            return ConfigError(
+                "", f"{word!r} must come first, before any option: `lightning-accel {word} ...` (its options after it)."
+            )
+        if word in names:
+            return _config_before_subcommand_error(word, configs)
+        close = difflib.get_close_matches(word, names, n=1)
+        guess = f"; did you mean {close[0]!r}?" if close else "."
+        return ConfigError("", f"{word!r} is not a subcommand{guess} The subcommands are {listing}.")
+    for path in configs:  # a config may choose the subcommand itself (`subcommand: fit`, or a top-level `fit:`)
+        if path is None or not os.path.isfile(path):
+            return None  # an inline config string: not read here
+        content = _check_config_file(path)
+        if "subcommand" in content or any(n in content for n in LightningCLI.subcommands()):
+            return None
+    example = next((p for p in configs if p), "job.yaml")  # the user's own config, placed after the subcommand
+    return ConfigError(
+        "",
+        f"a subcommand is required: {listing}, e.g. `lightning-accel fit --config {example}` "
+        "(`lightning-accel --help` says what each does).",
+    )
+
+
+def _config_before_subcommand_error(word: str, configs: list[str | None]) -> ConfigError | None:
+    """The fix for a subcommand's config given before the subcommand (``lightning-accel --config job.yaml fit``), else
+    None. There it is read as the config of the whole command, whose keys are the subcommands (``fit:``, ...), so
+    jsonargparse refused its first key (``Option 'model.init_args.num_classes' is not accepted before subcommand
+    'fit'``) without saying that the order is the mistake."""
+    for path in configs:
+        if path is None or not os.path.isfile(path):
+            continue  # an inline config string: not read here
+        content = _check_config_file(path)
+        if "subcommand" in content or any(n in content for n in LightningCLI.subcommands()):
+            continue  # a config of the whole command, as it should be there
+        return ConfigError(
+            "",
+            f"`--config` {path!r} comes before the subcommand {word!r}, where a config holds one section per "
+            f"subcommand (`{word}:`), and it holds {word}'s own settings; give it after the subcommand: "
+            f"`lightning-accel {word} --config {path}`.",
+        )
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``lightning-accel`` console script."""
     raw = list(sys.argv[1:] if argv is None else argv)
@@ -1060,8 +1232,11 @@ def main(argv: list[str] | None = None) -> None:
     except ArgumentError as e:
         if debug:
             raise
-        err = config_error(e)
-        msg = str(err) if err.key else one_line(e)  # a message without a key: jsonargparse's own line
+        err = _subcommand_error(raw)
+        if err is None:
+            err = config_error(e)
+        # a message of config_error without a key: jsonargparse's own line; ours have no detail to fall back on
+        msg = str(err) if err.key or not err.detail else one_line(e)
         print(f"lightning-accel: error: {msg}", file=sys.stderr)
         print("(run with --help for the options; LIGHTNING_ACCEL_DEBUG=1 for the full text)", file=sys.stderr)
         raise SystemExit(2) from None
@@ -1078,10 +1253,13 @@ def main(argv: list[str] | None = None) -> None:
         print(f"lightning-accel: error: checkpoint: {one_line(e)}", file=sys.stderr)
         print("(set LIGHTNING_ACCEL_DEBUG=1 for the full traceback)", file=sys.stderr)
         raise SystemExit(2) from None
-    except (OriginError, StorageUnavailableError) as e:  # the data's origin: unreachable, no credentials, refused
+    except (OriginError, StorageUnavailableError) as e:  # a store: unreachable, no credentials, refused
         if debug:
             raise
-        print(f"lightning-accel: error: data: {type(e).__name__}: {one_line(e)}", file=sys.stderr)
+        # an OriginError is the data's origin; a bare StorageUnavailableError may be any store (a `--ckpt_path` URL,
+        # a checkpoint directory), named by the URL in its message: "data" would send the user to the wrong key
+        where = "data" if isinstance(e, OriginError) else "storage"
+        print(f"lightning-accel: error: {where}: {type(e).__name__}: {one_line(e)}", file=sys.stderr)
         print("(set LIGHTNING_ACCEL_DEBUG=1 for the full traceback)", file=sys.stderr)
         raise SystemExit(2) from None
     except _USER_ERRORS as e:

@@ -53,6 +53,54 @@ def test_ckpt_path_of_a_text_file(digits_dir: Path, tmp_path: Path, capsys: pyte
     assert not (tmp_path / "run" / "checkpoints").exists()  # nothing trained, nothing saved
 
 
+def test_ckpt_path_that_does_not_exist_is_refused_before_anything_is_built(
+    digits_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    built: list[str] = []
+
+    def instantiate_classes(self: object) -> None:  # stands in for building the model, the data and the Trainer
+        built.append("classes")
+        raise RuntimeError("stop before building")
+
+    monkeypatch.setattr("lightning_accel.cli.AccelCLI.instantiate_classes", instantiate_classes)
+    line = _one_line_error(_fit_argv(digits_dir, tmp_path / "run", "--ckpt_path=runs/last.ckpt"), capsys)
+    assert line == (
+        f"lightning-accel: error: ckpt_path: 'runs/last.ckpt' does not exist (cwd: {tmp_path}); pass a checkpoint "
+        "file, `--ckpt_path last` for the last checkpoint the run's ModelCheckpoint saved, or start without "
+        "`--ckpt_path`."
+    )
+    assert built == []  # Lightning said so only once the model, the data and the Trainer were built
+    # an empty path is no checkpoint to Lightning (`--ckpt_path=$CKPT` with CKPT unset): not refused here
+    with pytest.raises(RuntimeError, match="stop before building"):
+        main(_fit_argv(digits_dir, tmp_path / "run", "--ckpt_path="))
+    assert built == ["classes"]
+
+
+def test_ckpt_path_under_the_home_folder_is_not_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_accel.cli import _check_ckpt_exists
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "last.ckpt").write_bytes(b"")
+    _check_ckpt_exists("~/last.ckpt")  # Lightning's reader expands `~`: the file is there
+    with pytest.raises(ValueError, match=r"^ckpt_path: '~/nope\.ckpt' does not exist"):
+        _check_ckpt_exists("~/nope.ckpt")
+
+
+def test_a_store_error_outside_the_data_is_not_called_a_data_error(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lightning_accel._utils.fs import StorageUnavailableError
+
+    def unreachable(args: list[str] | None = None) -> None:  # what reading a `--ckpt_path` URL raises, unwrapped
+        url = "s3://bucket/run/last.ckpt"
+        raise StorageUnavailableError(f"cannot read {url!r} after 5 attempts: timeout", url=url, attempts=5)
+
+    monkeypatch.setattr("lightning_accel.cli.AccelCLI", unreachable)
+    line = _one_line_error(["validate", "--ckpt_path=s3://bucket/run/last.ckpt"], capsys)
+    assert line.startswith("lightning-accel: error: storage: StorageUnavailableError: cannot read 's3://bucket/run/")
+
+
 def test_truncated_checkpoints(digits_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run = tmp_path / "run"
     main(_fit_argv(digits_dir, run))
@@ -133,6 +181,103 @@ def test_help_names_every_tool(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "data pack" in out and "data clean" in out and "ckpt" in out
+
+
+_SUBCOMMANDS = "The subcommands are fit, validate, test, predict, ckpt, data or tune."
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["fitt"], f"'fitt' is not a subcommand; did you mean 'fit'? {_SUBCOMMANDS}"),
+        (["tnue", "--trainer.max_epochs=1"], f"'tnue' is not a subcommand; did you mean 'tune'? {_SUBCOMMANDS}"),
+        (["--config", "{}", "chpt"], f"'chpt' is not a subcommand; did you mean 'ckpt'? {_SUBCOMMANDS}"),
+        (["zzz"], f"'zzz' is not a subcommand. {_SUBCOMMANDS}"),
+        (["--config", "{}", "tune"], "'tune' must come first, before any option: `lightning-accel tune ...`"),
+        ([], "a subcommand is required: fit, validate, test, predict, ckpt, data or tune, e.g. `lightning-accel fit"),
+        (["--print_config"], "a subcommand is required: fit, validate, test, predict, ckpt, data or tune"),
+    ],
+)
+def test_a_misspelt_or_missing_subcommand_names_every_subcommand(
+    argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert _one_line_error(argv, capsys).startswith(f"lightning-accel: error: {expected}")
+
+
+def test_a_config_that_chooses_the_subcommand_is_no_missing_subcommand(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "job.yaml"
+    config.write_text("fit:\n  trainer:\n    max_epochs: 1\n")
+    line = _one_line_error(["--config", str(config)], capsys)
+    assert "subcommand" not in line and "model, data: required" in line
+
+
+def test_a_config_before_the_subcommand_is_told_to_come_after_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "job.yaml"
+    config.write_text("trainer:\n  max_epochs: 1\n")
+    line = _one_line_error(["--config", str(config), "fit"], capsys)
+    assert line == (
+        f"lightning-accel: error: `--config` {str(config)!r} comes before the subcommand 'fit', where a config holds "
+        "one section per subcommand (`fit:`), and it holds fit's own settings; give it after the subcommand: "
+        f"`lightning-accel fit --config {config}`."
+    )
+    line = _one_line_error(["--config", str(config)], capsys)  # and no subcommand at all: the example uses it
+    assert line.endswith(
+        f"e.g. `lightning-accel fit --config {config}` (`lightning-accel --help` says what each does)."
+    )
+
+
+def test_a_config_with_subcommand_sections_is_told_where_it_goes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "job.yaml"
+    config.write_text("fit:\n  trainer:\n    max_epocs: 1\n")
+    # before any subcommand (where `fit:` belongs): the misspelt Trainer option is named with its fix
+    line = _one_line_error(["--config", str(config)], capsys)
+    assert line == "lightning-accel: error: trainer.max_epocs: not an option of Trainer; did you mean 'max_epochs'?"
+    # after the subcommand: the `fit:` level is the mistake (was "fit: not an option of `lightning-accel fit`")
+    line = _one_line_error(["fit", "--config", str(config)], capsys)
+    assert line == (
+        "lightning-accel: error: fit: a config given after the subcommand holds fit's settings at its top level "
+        "(`trainer:`, `model:`, `data:`); drop the `fit:` level, or give this config before any subcommand "
+        "(`lightning-accel --config job.yaml`, where its sections choose the subcommand)."
+    )
+
+
+_INLINE = "e.g. `--config '{trainer: {max_epochs: 1}}'`"
+
+
+@pytest.mark.parametrize(
+    ("inline", "expected"),
+    [
+        # was `config: in "<unicode string>", line 1, column 2`
+        (
+            "{trainer:{max_epocs:1}}",
+            f"holds the key 'max_epocs:1': YAML needs a space after the colon, `max_epocs: 1` ({_INLINE}).",
+        ),
+        (
+            "{trainer: {max_epochs: 1}",
+            f"is not valid YAML (expected ',' or '}}', but got '<stream end>'); an inline config is a YAML mapping, "
+            f"{_INLINE}.",
+        ),
+        ("[1, 2]", f"must be a mapping of settings, {_INLINE}."),
+    ],
+)
+def test_an_inline_config_that_is_no_yaml_mapping_says_how_to_write_one(
+    inline: str, expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    line = _one_line_error(["fit", "--config", inline], capsys)
+    assert line == f"lightning-accel: error: `--config` {inline!r} {expected}"
+
+
+def test_help_lists_every_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "{fit,validate,test,predict,ckpt,data,tune}" in out.replace("\n", "").replace(" ", "")
 
 
 def test_ckpt_path_last_says_which_file_it_resumed(

@@ -52,6 +52,15 @@ __all__ = ["CachedDataModule", "map_classes"]
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
+# Upper bounds of the counts a typo (an extra digit, a byte count in the wrong field) would turn into a hang or a
+# machine brought down. Each DataLoader worker is a process holding its own decoders and origin handles: more
+# than a large node's cores only costs memory and start-up time.
+_MAX_WORKERS = 256
+# Each read in flight is a thread of the process's origin pool (and a socket for a remote store).
+_MAX_CONCURRENCY = 1024
+# Waits double from 0.2 s between retries: 16 retries already wait about 3.6 hours in all before giving up.
+_MAX_RETRIES = 16
+
 
 def _per_node(name: str, path: str) -> str:
     """``path`` with ``{node_rank}`` replaced by this node's index (node-local directories when several simulated
@@ -215,8 +224,9 @@ class CachedDataModule(LightningDataModule):
         warm_on_prepare: fill the SSD tier in ``prepare_data`` (once per node, progress bar) instead of in epoch 1.
 
     Reading the origin:
-        max_concurrency: origin reads in flight per process.
-        retries: retries of a transient origin error (exponential backoff).
+        max_concurrency: origin reads in flight per process, 1 to 1024 (a thread each).
+        retries: retries of a transient origin error (exponential backoff from 0.2 s), 0 to 16 (16 already wait
+            about 3.6 hours in all).
         prefetch: read ahead and read misses on a thread pool (``None``: only for remote origins; a local origin is
             read inline, which costs less CPU; ``True`` for a slow local disk).
         prefetch_batches: upcoming batches each reader reads ahead from the origin.
@@ -232,8 +242,9 @@ class CachedDataModule(LightningDataModule):
 
     Loading:
         batch_size: per-device batch size.
-        num_workers: DataLoader workers for cold epochs (``None``: half the CPUs, at most 8).
-        warm_num_workers: workers once the cache is warm (0: main-process batch reads; ``None``: keep ``num_workers``).
+        num_workers: DataLoader workers for cold epochs, 0 to 256 (``None``: half the CPUs, at most 8).
+        warm_num_workers: workers once the cache is warm, 0 to 256 (0: main-process batch reads; ``None``: keep
+            ``num_workers``).
         transform: optional per-sample CPU transform applied after the cache (in the workers).
 
     Augmentation (on the device, in ``on_after_batch_transfer``):
@@ -338,8 +349,23 @@ class CachedDataModule(LightningDataModule):
         if prefetch is not None:
             check_bool("prefetch", prefetch, fix="None: only for remote origins.")
         check_int("batch_size", batch_size, low=1)
-        check_int("num_workers", num_workers, low=0, allow_none=True, fix="None: half the CPUs, at most 8.")
+        check_int(
+            "num_workers",
+            num_workers,
+            low=0,
+            high=_MAX_WORKERS,
+            allow_none=True,
+            fix="Each is a process: use about the CPU count, or None for half the CPUs, at most 8.",
+        )
         check_warm_num_workers(warm_num_workers)
+        check_int(
+            "warm_num_workers",
+            warm_num_workers,
+            low=0,
+            high=_MAX_WORKERS,
+            allow_none=True,
+            fix="Each is a process: 0 reads warm batches in the main process; None keeps `num_workers`.",
+        )
         check_int("log_every_n_steps", log_every_n_steps, low=1, fix="It counts training steps between logs.")
         self.cache_dir = _local_cache_dir(cache_dir)
         check_choice("on_decode_error", on_decode_error, ("raise", "skip"))
@@ -348,8 +374,20 @@ class CachedDataModule(LightningDataModule):
         check_choice("shuffle", shuffle, ("auto", "global", "window"))
         check_int("shuffle_window", shuffle_window, low=1, allow_none=True, fix="It counts the shards of a window.")
         split_indices(1, val_fraction, seed)  # validates val_fraction now
-        check_int("max_concurrency", max_concurrency, low=1, fix="It counts origin reads in flight per process.")
-        check_int("retries", retries, low=0, fix="It counts retries of a transient origin error; 0 for none.")
+        check_int(
+            "max_concurrency",
+            max_concurrency,
+            low=1,
+            high=_MAX_CONCURRENCY,
+            fix="It counts origin reads in flight per process, a thread each (16 to 64 suit an object store).",
+        )
+        check_int(
+            "retries",
+            retries,
+            low=0,
+            high=_MAX_RETRIES,
+            fix="It counts retries of a transient origin error, each wait twice the last from 0.2 s; 0 for none.",
+        )
         check_int(
             "prefetch_batches",
             prefetch_batches,

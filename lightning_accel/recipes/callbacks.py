@@ -672,9 +672,9 @@ class StructuredPruning(Callback):
         amount: total fraction in [0, 1) of each prunable group's channels to remove.
         norm: filter norm ranking the channels, ``"l1"`` or ``"l2"``.
         schedule: epoch (or epochs) at whose start to prune; ``0`` prunes before training (prune-then-fine-tune).
-        target: dotted name of the submodule to prune (``None``: the LightningModule itself, traced through its
-            ``forward``). It is traced with the inputs the module's ``forward`` passes to it (so it may sit behind a
-            stem), or with the module's inputs when ``forward`` does not reach it.
+        target: dotted name of the submodule to prune, never empty (``None``: the LightningModule itself, traced
+            through its ``forward``). It is traced with the inputs the module's ``forward`` passes to it (so it may
+            sit behind a stem), or with the module's inputs when ``forward`` does not reach it.
         ignore_modules: module names (relative to the pruned module) whose outputs must keep all channels; one name
             alone may be a string. Checked against the module's ``named_modules()`` at ``setup``.
         ignore: deprecated spelling of ``ignore_modules`` (same values).
@@ -694,8 +694,8 @@ class StructuredPruning(Callback):
         TypeError: an ``amount``, ``norm``, ``schedule`` entry, ``target``, ``ignore_modules`` entry, ``round_to``,
             ``fold_bn``, ``recalibrate_bn`` or ``train_mode`` of the wrong type (a bool for an epoch, an int for a
             flag).
-        ValueError: ``amount`` outside [0, 1), a bad ``norm``, negative or duplicate epochs in ``schedule``; at
-            ``setup``, an ``ignore_modules`` name that is not a module of the pruned module.
+        ValueError: ``amount`` outside [0, 1), a bad ``norm``, negative or duplicate epochs in ``schedule``, an
+            empty ``target``; at ``setup``, an ``ignore_modules`` name that is not a module of the pruned module.
     """
 
     def __init__(
@@ -727,6 +727,12 @@ class StructuredPruning(Callback):
             raise TypeError(
                 f"`target` must be the dotted name of a submodule (a string) or None, got {target!r} "
                 f"({type(target).__name__}). E.g. 'model', or None to prune the whole module."
+            )
+        if target is not None and not target.strip():
+            # `get_submodule("")` is the module itself: an empty name would silently prune the whole model
+            raise ValueError(
+                f"`target` must be the dotted name of a submodule or None, got {target!r}. Use None to prune the "
+                "whole LightningModule, or name the submodule, e.g. 'model'."
             )
         # a YAML `recalibrate_bn: "false"` must not read as True
         self.fold_bn = check_bool("fold_bn", fold_bn)

@@ -24,11 +24,11 @@ def _make(tmp: Path, **kw: Any) -> CachedDataModule:
         ({"ssd_bytes": 4096}, r"`ssd_bytes` 4096 is below the minimum"),
         (
             {"max_concurrency": 0},
-            r"`max_concurrency` must be an integer >= 1, got 0\. It counts origin reads in flight",
+            r"`max_concurrency` must be an integer >= 1 and <= 1024, got 0\. It counts origin reads in flight",
         ),
-        ({"retries": -1}, r"`retries` must be an integer >= 0, got -1\. .*0 for none"),
+        ({"retries": -1}, r"`retries` must be an integer >= 0 and <= 16, got -1\. .*0 for none"),
         ({"prefetch_batches": -3}, r"`prefetch_batches` must be an integer >= 0, got -3\. .*0 to read only on demand"),
-        ({"num_workers": -1}, r"`num_workers` must be an integer >= 0 or None, got -1"),
+        ({"num_workers": -1}, r"`num_workers` must be an integer >= 0 and <= 256 or None, got -1"),
         ({"shuffle_window": 0}, r"`shuffle_window` must be an integer >= 1 or None, got 0"),
         # trained epoch 0, then the global shuffle's `seed + epoch` overflowed torch's seed in epoch 1
         (
@@ -55,9 +55,9 @@ def test_bad_budgets_and_reader_settings_fail_at_construction(tmp_path: Path, kw
 @pytest.mark.parametrize(
     ("kw", "pattern"),
     [
-        ({"max_concurrency": 2.5}, r"`max_concurrency` must be an integer >= 1, got 2\.5 \(float\)"),
+        ({"max_concurrency": 2.5}, r"`max_concurrency` must be an integer >= 1 and <= 1024, got 2\.5 \(float\)"),
         ({"batch_size": True}, r"`batch_size` must be an integer >= 1, got True \(bool\)"),
-        ({"retries": False}, r"`retries` must be an integer >= 0, got False \(bool\)"),
+        ({"retries": False}, r"`retries` must be an integer >= 0 and <= 16, got False \(bool\)"),
         ({"prefetch_batches": True}, r"`prefetch_batches` must be an integer >= 0, got True \(bool\)"),
         ({"shuffle_window": True}, r"`shuffle_window` must be an integer >= 1 or None, got True \(bool\)"),
         ({"ram_bytes": True}, r"`ram_bytes` must be a byte count .*, got True \(bool\)\. RAM is finite"),
@@ -72,6 +72,42 @@ def test_wrong_types_are_type_errors(tmp_path: Path, kw: dict[str, Any], pattern
     with pytest.raises(TypeError, match=pattern) as e:
         _make(tmp_path, **kw)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("kw", "pattern"),
+    [
+        # each was accepted, to fork a million workers, start a million threads or retry for ages
+        (
+            {"num_workers": 10**6},
+            r"^`num_workers` must be an integer >= 0 and <= 256 or None, got 1000000\. Each is a process: use about "
+            r"the CPU count, or None for half the CPUs, at most 8\.$",
+        ),
+        (
+            {"warm_num_workers": 257},
+            r"^`warm_num_workers` must be an integer >= 0 and <= 256 or None, got 257\. Each is a process: 0 reads",
+        ),
+        (
+            {"max_concurrency": 10**6},
+            r"^`max_concurrency` must be an integer >= 1 and <= 1024, got 1000000\. It counts origin reads in flight "
+            r"per process, a thread each",
+        ),
+        (
+            {"retries": 17},
+            r"^`retries` must be an integer >= 0 and <= 16, got 17\. It counts retries of a transient origin error, "
+            r"each wait twice the last from 0\.2 s; 0 for none\.$",
+        ),
+    ],
+)
+def test_counts_above_their_bound_fail_at_construction(tmp_path: Path, kw: dict[str, Any], pattern: str) -> None:
+    with pytest.raises(ValueError, match=pattern) as e:
+        _make(tmp_path, **kw)
+    assert "\n" not in str(e.value)
+
+
+def test_counts_at_their_bound_are_accepted(tmp_path: Path) -> None:
+    dm = _make(tmp_path, num_workers=256, warm_num_workers=256, max_concurrency=1024, retries=16)
+    assert (dm.num_workers, dm.warm_num_workers, dm.max_concurrency, dm.retries) == (256, 256, 1024, 16)
 
 
 def test_small_but_workable_budgets_and_zero_are_accepted(tmp_path: Path) -> None:

@@ -179,10 +179,10 @@ class AutoStrategy(DDPStrategy):
             is refused here.
         trial_steps: timed steps per candidate for ``policy="measure"`` (after one warm-up step).
         trial_cache: a JSON file keeping measured times per model / world / device (None: this process only).
-        candidates: the plans ``policy="measure"`` times (None: every plan the memory estimate lets fit; a plan
-            that cannot run the model is never tried). Every plan is timed at the global batch the Trainer will run
-            (``world x`` the per-device batch), and a chosen tensor-parallel or pipeline plan trains on it too
-            (``batch_split="world"``); a trial that fails is dropped with its error (``choice.dropped``).
+        candidates: the plans ``policy="measure"`` times, a non-empty list (None: every plan the memory estimate
+            lets fit; a plan that cannot run the model is never tried). Every plan is timed at the global batch the
+            Trainer will run (``world x`` the per-device batch), and a chosen tensor-parallel or pipeline plan trains
+            on it too (``batch_split="world"``); a trial that fails is dropped with its error (``choice.dropped``).
         allow_unfit: when no plan fits the estimate, run the smallest anyway instead of raising.
         **ddp_kwargs: forwarded to ``DDPStrategy`` (used when DDP is chosen): its own keywords and
             ``DistributedDataParallel``'s; any other name (a misspelled argument of this class) is refused here
@@ -214,6 +214,12 @@ class AutoStrategy(DDPStrategy):
             raise TypeError(
                 f"`candidates` must be a list of plan names (of {', '.join(map(repr, PLANS))}) or None, got "
                 f"{candidates!r} ({type(candidates).__name__}). Pass e.g. `candidates=['ddp', 'fsdp']`."
+            )
+        if candidates is not None and len(candidates) == 0:
+            # an empty list would read as "no restriction" (like None), not "time nothing": say which was meant
+            raise ValueError(
+                f"`candidates` must be a non-empty list of plan names (of {', '.join(map(repr, PLANS))}) or None, "
+                f"got {candidates!r}. Use None to time every plan the memory estimate lets fit."
             )
         for c in candidates or []:
             check_choice("candidates", c, PLANS, fix="Name plans a trial can time.")
