@@ -367,9 +367,9 @@ class TrialResult:
         lever: the lever (``"baseline"``, ``"data"``, ``"precision"``, ...).
         changes: the config changes against the job as configured (dotted keys -> values).
         step_s: normalised seconds per step (slowest rank; per baseline batch; checkpoint saves amortised).
-        ref_step_s: what the decision compared with: the mean of the best job's step times just before this trial
-            and in a trial right after it (None when the trial failed or its numerics did not pass, so the time did
-            not matter, or the trial after it failed).
+        ref_step_s: what the decision compared with: the faster of the best job's step times just before this
+            trial and in a trial right after it (None when the trial failed or its numerics did not pass, so the
+            time did not matter, or the trial after it failed).
         breakdown: seconds per step by category (data, compute, comm, checkpoint, ...), mean over ranks.
         dominant: the category with the largest share; ``verdict`` the monitor's sentence.
         losses: rank 0's per-step training losses.

@@ -441,9 +441,11 @@ def tune_job(
                         _scratch_cache(best_job, job, work), warmup=warmup, steps=steps, root=work / f"t{i}-again"
                     )
                     if again.error is None and again.step_s is not None:
-                        # the best job's times just before and just after the candidate: a load that rises or
-                        # falls across the three trials moves the mean as much as the candidate
-                        r.ref_step_s = 0.5 * (best_step + again.step_s / best_ratio)
+                        # the best job's times just before and just after the candidate: the faster of the two,
+                        # so that a stall in one of them cannot carry a slower candidate past the margin (their
+                        # mean kept a lever 11 % slower than the job after a reference trial took 1.8x its time);
+                        # a load that rises across the three trials costs a lever at most a rejection
+                        r.ref_step_s = min(best_step, again.step_s / best_ratio)
                         best_step = again.step_s / best_ratio
                         slowest = max(slowest, again.seconds)
                 ref = r.ref_step_s if r.ref_step_s is not None else best_step

@@ -55,13 +55,23 @@ def test_a_candidate_is_compared_with_the_best_job_measured_around_it(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     # the baseline ran under load (100 ms); the candidate (90 ms) beats that stale time by 10 %, but the baseline's
-    # trial right after it takes 82 ms: against the mean of the two (91 ms) the candidate is only 1 % faster
+    # trial right after it takes 82 ms: against the faster of the two the candidate is slower
     seen, res = _tune(monkeypatch, tmp_path, [0.100, 0.090, 0.082])
     assert seen == ["32-true", "bf16-mixed", "32-true"]  # baseline, candidate, the best job again
     trial = res.trials[1]
-    assert trial.ref_step_s == pytest.approx(0.091)
-    assert trial.decision == "rejected" and "only 1.1 % faster" in trial.reason
+    assert trial.ref_step_s == pytest.approx(0.082)
+    assert trial.decision == "rejected" and "slower than the best so far" in trial.reason
     assert res.chosen == {}
+
+
+def test_a_stall_in_the_reference_trial_after_a_candidate_does_not_keep_a_slower_candidate(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # the job takes 42 ms, the candidate 49 ms, and the job's trial right after it stalls at 76 ms: against their mean
+    # (59 ms) the slower candidate counted as 17 % faster and was kept
+    seen, res = _tune(monkeypatch, tmp_path, [0.042, 0.049, 0.076])
+    assert res.trials[1].ref_step_s == pytest.approx(0.042)
+    assert res.trials[1].decision == "rejected" and res.chosen == {}
 
 
 def test_a_candidate_that_holds_its_gain_against_the_fresh_time_is_kept(
@@ -69,7 +79,7 @@ def test_a_candidate_that_holds_its_gain_against_the_fresh_time_is_kept(
 ) -> None:
     seen, res = _tune(monkeypatch, tmp_path, [0.100, 0.080, 0.098])
     assert len(seen) == 3
-    assert res.trials[1].ref_step_s == pytest.approx(0.099) and res.trials[1].decision == "kept"
+    assert res.trials[1].ref_step_s == pytest.approx(0.098) and res.trials[1].decision == "kept"
     assert res.chosen == {"precision": res.trials[1].name}
 
 
