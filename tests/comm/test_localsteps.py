@@ -349,8 +349,11 @@ def test_a_resume_of_another_layout_is_refused_before_anything_is_restored(
     strategy._local = LocalSteps(list(live.parameters()), strategy.local_steps_config)
     before = [p.detach().clone() for p in live.parameters()]
     outer = [f.outer.clone() for f in strategy._local.fragments]
-    with pytest.raises(ValueError, match=r"local-steps state was made for .* Resume with the same `fragments`"):
-        strategy._restore_local({"format": 2, "ranks": [own]})
+    with pytest.raises(
+        ValueError,
+        match=r"`ckpt_path` 'run/last.ckpt': .*local-steps state was made for .* Resume with the same `fragments`",
+    ):
+        strategy._restore_local({"format": 2, "ranks": [own]}, "run/last.ckpt")
     assert all(torch.equal(a, p) for a, p in zip(before, live.parameters(), strict=True)), "parameters overwritten"
     assert all(torch.equal(a, f.outer) for a, f in zip(outer, strategy._local.fragments, strict=True))
     assert strategy._local.step_count == 0
