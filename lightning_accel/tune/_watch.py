@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor  # public since torch 2.4, the oldest this project supports
 
 from lightning_accel._utils.checks import check_int, check_number
 from lightning_accel._utils.compat import copy_tensors
@@ -182,18 +183,12 @@ class SeriesWatch:
         self.mean, self.var, self.last = float(state["mean"]), float(state["var"]), float(state["last"])
 
 
-try:  # torch >= 2.4 (public since then); older torch has no sharded tensors to handle
-    from torch.distributed.tensor import DTensor as _DTensor
-except ImportError:  # pragma: no cover - depends on the torch build
-    _DTensor = None  # type: ignore[assignment, misc]
-
-
 def local_shard(t: torch.Tensor) -> torch.Tensor:
     """This process's part of ``t``: the local shard of a ``DTensor`` (the parameters and optimizer state of
     ``fully_shard`` / ``ShardedStrategy``; a view, so copying into it writes the live shard), else ``t`` itself. The
     snapshot copies each process's own shard: no collective, and ``_foreach_copy_`` refuses a DTensor beside a plain
     tensor."""
-    if _DTensor is not None and isinstance(t, _DTensor):
+    if isinstance(t, DTensor):
         return t.to_local()
     return t
 
@@ -337,10 +332,10 @@ class Snapshot:
                         if isinstance(v, torch.Tensor):
                             if isinstance(live, torch.Tensor) and local_shard(live).shape == v.shape:
                                 local_shard(live).copy_(v, non_blocking=True)
-                            elif v.dim() > 0 and _DTensor is not None and isinstance(p, _DTensor):
+                            elif v.dim() > 0 and isinstance(p, DTensor):
                                 # a sharded parameter's state is sharded alike (the optimizer adds it to the param)
                                 here = v.to(p.to_local().device, copy=True)
-                                state[k] = _DTensor.from_local(here, p.device_mesh, p.placements, run_check=False)
+                                state[k] = DTensor.from_local(here, p.device_mesh, p.placements, run_check=False)
                             else:
                                 state[k] = v.to(p.device if v.dim() > 0 else v.device, copy=True)
                         else:
