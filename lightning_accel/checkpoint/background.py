@@ -51,7 +51,7 @@ import threading
 import time
 import warnings
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -190,18 +190,40 @@ class _Buf:
 
 
 class Snapshot:
-    """One checkpoint copied into pool buffers: ``tree`` (the checkpoint with buffer tensors) and
-    :meth:`content_id` (the id of a buffer tensor's content, for the store's "unchanged?" test)."""
+    """One checkpoint copied into pool buffers: ``tree`` (the checkpoint with buffer tensors), :meth:`content_id`
+    (the id of a buffer tensor's content, for the store's "unchanged?" test) and :meth:`aliases` (which of the
+    checkpoint's tensors viewed one storage)."""
 
-    __slots__ = ("_ids", "bufs", "shares_memory", "tree")
+    __slots__ = ("_ids", "bufs", "shared", "tree")
 
-    def __init__(self, tree: Any, bufs: list[_Buf], shares_memory: bool = False) -> None:
+    def __init__(self, tree: Any, bufs: list[_Buf], shared: list[list[tuple[int, int, list[int]]]] | None = None):
         self.tree, self.bufs = tree, bufs
-        #: whether two of the checkpoint's tensors viewed one storage (tied weights): the buffers do not, so the save
-        #: must record it (see ``BackgroundWriter.submit_save``'s ``describe``)
-        self.shares_memory = shares_memory
+        #: the tensors of the checkpoint that viewed one storage (tied weights, one score tensor held under several
+        #: keys), per storage: ``(address of the member's buffer, byte offset, strides)`` as the live tensor had them.
+        #: The buffers do not share, so the save records this (:meth:`aliases`).
+        self.shared = shared or []
         # By data pointer: the store sees detached aliases of the buffers, and a held buffer's address is its own.
         self._ids = {b.ptr: b.content_id for b in bufs if b.ptr}
+
+    @property
+    def shares_memory(self) -> bool:
+        """Whether two of the checkpoint's tensors viewed one storage."""
+        return bool(self.shared)
+
+    def aliases(self, tensors: Mapping[str, torch.Tensor]) -> list[list[list[Any]]]:
+        """:func:`~lightning_accel.checkpoint.skeleton.alias_groups` of the live checkpoint, named as ``tensors``
+        (what :func:`~lightning_accel.checkpoint.skeleton.split` made of :attr:`tree`) names the buffers: the record
+        the store keeps so that a load shares the storages again. Runs on the writer's thread; a member the tree no
+        longer holds (a value the save resolved into another tensor) is left out, and so is a group left with one."""
+        if not self.shared:
+            return []
+        wanted = {m[0] for group in self.shared for m in group}
+        names: dict[int, str] = {}
+        for name, t in tensors.items():
+            if t.numel() and t.device.type == "cpu" and t.data_ptr() in wanted:
+                names[t.data_ptr()] = name
+        groups = [[[names[p], off, strides] for p, off, strides in group if p in names] for group in self.shared]
+        return [g for g in groups if len(g) > 1]
 
     def content_id(self, t: torch.Tensor) -> int | None:
         """The content id of ``t`` if it is (an alias of) one of this snapshot's whole buffers, else None."""
@@ -217,9 +239,10 @@ class _Take:
 
     def __init__(self) -> None:
         self.bufs: list[_Buf] = []
-        # the storages seen (device type, address of the storage's first byte) and whether one was seen twice
-        self.bases: set[tuple[bool, Any]] = set()
-        self.shared = False
+        # the storages seen (on CPU?, address of the storage's first byte) -> the first tensor seen viewing it, with
+        # its key; and every later tensor viewing a storage seen before: (storage, key, tensor)
+        self.bases: dict[tuple[bool, Any], tuple[int, torch.Tensor]] = {}
+        self.shared: list[tuple[tuple[bool, Any], int, torch.Tensor]] = []
         self.seen = 0  # the key of the next tensor: its position in the traversal
         self.dst: list[torch.Tensor] = []  # small CPU copies, done by one `_foreach_copy_` at the end
         self.src: list[torch.Tensor] = []
@@ -243,7 +266,11 @@ class SnapshotPool:
         self._idle = threading.Event()
         self._idle.set()
         self._latest: dict[int, _Buf] = {}  # key (traversal position) -> newest snapshot buffer of it
-        self._spare: dict[tuple[Any, ...], list[torch.Tensor]] = {}  # released buffers not newest of any key
+        # released buffers no longer the newest of their key, kept under that key with their layout: the next
+        # snapshot of the key while its newest is still held (`last.ckpt` right after `step=N.ckpt`) takes one back
+        # without working out a layout or looking up spares (~4 us a tensor, half again a small model's snapshot)
+        self._free: dict[int, list[_Buf]] = {}
+        self._spare: dict[tuple[Any, ...], list[torch.Tensor]] = {}  # released buffers of no key (layout changed)
         self.stats = stats if stats is not None else WriterStats()
 
     def take(self, obj: Any) -> Snapshot:
@@ -268,7 +295,7 @@ class SnapshotPool:
         finally:
             self._idle.set()
         self.stats.snapshot_s += time.perf_counter() - t0
-        return Snapshot(tree, run.bufs, run.shared)
+        return Snapshot(tree, run.bufs, _shared_groups(run) if run.shared else None)
 
     def yield_to(self, timeout: float = 1.0) -> None:
         """Called by the writer between tensors: wait (at most ``timeout`` seconds) while the training thread takes a
@@ -310,9 +337,9 @@ class SnapshotPool:
             # (an `untyped_storage()` object per tensor would cost several times more), on the training thread.
             base = (cpu, src.data_ptr() - src.storage_offset() * src.element_size())
             if base in run.bases:
-                run.shared = True
+                run.shared.append((base, key, src))
             else:
-                run.bases.add(base)
+                run.bases[base] = (key, src)
         layout = (src.device, src.dtype, src.shape, src.stride())
         old = self._latest.get(key)
         # The buffer fits when it was laid out for a tensor of this very layout (the usual case: no stride
@@ -338,7 +365,7 @@ class SnapshotPool:
         else:
             if old is not None and old.refs == 0:
                 self._spare.setdefault(_shape_key(old.tensor), []).append(old.tensor)
-            b = _Buf(self._buffer(src, _wanted(src)), key)
+            b = self._free_buf(key, layout) or _Buf(self._buffer(src, _wanted(src)), key)
             self._latest[key] = b
         b.src_layout = layout
         b.source = source
@@ -353,6 +380,18 @@ class SnapshotPool:
             copy_into(b.tensor, src)
         b.refs += 1
         return b
+
+    def _free_buf(self, key: int, layout: tuple[Any, ...]) -> _Buf | None:
+        """A released buffer of position ``key`` laid out for ``layout``, with a new content id; one laid out for
+        another layout goes to the spares (the structure changed), where a tensor of its layout finds it."""
+        free = self._free.get(key)
+        while free:
+            b = free.pop()
+            if b.src_layout == layout:
+                b.content_id = next(_content_ids)
+                return b
+            self._spare.setdefault(_shape_key(b.tensor), []).append(b.tensor)
+        return None
 
     def _buffer(self, src: torch.Tensor, want: tuple[Any, ...]) -> torch.Tensor:
         pin = src.device.type == "cuda" and torch.cuda.is_available()
@@ -369,16 +408,43 @@ class SnapshotPool:
         with self._lock:
             for b in snap.bufs:
                 b.refs -= 1
-                if b.refs == 0 and self._latest.get(b.key) is not b:  # superseded: a spare for any same-shape key
-                    self._spare.setdefault(_shape_key(b.tensor), []).append(b.tensor)
+                if b.refs == 0 and self._latest.get(b.key) is not b:  # superseded: free for its key
+                    if b.key >= 0 and b.src_layout is not None:
+                        self._free.setdefault(b.key, []).append(b)
+                    else:  # a private copy: a spare for any same-shape key
+                        self._spare.setdefault(_shape_key(b.tensor), []).append(b.tensor)
             snap.bufs, snap.tree = [], None
 
     def clear(self) -> None:
         """Drop every buffer no save holds (the memory goes back once the last snapshot using it is released)."""
         with self._lock:
             self._latest.clear()
+            self._free.clear()
             self._spare.clear()
             self.stats.buffer_bytes = 0
+
+
+def _shared_groups(run: _Take) -> list[list[tuple[int, int, list[int]]]]:
+    """The storages ``run`` saw viewed by two or more tensors: per storage, in the checkpoint's order, each member's
+    ``(address of its buffer, byte offset, strides)``, as :func:`~lightning_accel.checkpoint.skeleton.alias_groups`
+    describes a member. The members it leaves out are left out (a lazy conjugate or negative view, whose values are
+    not the bytes it views; a meta tensor), and so is a storage left with one member."""
+    by_storage: dict[tuple[Any, ...], list[tuple[int, torch.Tensor]]] = {}
+    for base, key, t in run.shared:
+        members = by_storage.get(base)
+        if members is None:
+            members = by_storage[base] = [run.bases[base]]
+        members.append((key, t))
+    groups = []
+    for members in by_storage.values():
+        kept = [
+            (run.bufs[key].ptr, int(t.storage_offset()) * t.element_size(), [int(s) for s in t.stride()])
+            for key, t in members
+            if not (t.is_conj() or t.is_neg() or t.device.type == "meta")
+        ]
+        if len(kept) > 1:
+            groups.append((members[0][0], kept))
+    return [kept for _, kept in sorted(groups, key=lambda g: g[0])]
 
 
 def _layout_key(t: torch.Tensor) -> tuple[Any, ...]:
@@ -395,16 +461,6 @@ def _wanted(src: torch.Tensor) -> tuple[Any, ...]:
     """The shape, dtype and strides of ``src``'s buffer (:func:`~lightning_accel.checkpoint.codec.buffer_strides`:
     channels_last weights copy as one memcpy, not a reorder), to compare with a buffer's ``_layout_key``."""
     return tuple(src.shape), src.dtype, buffer_strides(src)
-
-
-def _described(
-    args: tuple[Any, ...], snap: Snapshot | None, checkpoint: Any, describe: Callable[[Any], Any] | None
-) -> tuple[Any, ...]:
-    """``args`` and, with ``describe``, what it says of ``checkpoint`` where ``snap`` found shared storages (else
-    None): see :meth:`BackgroundWriter.submit_save`."""
-    if describe is None:
-        return args
-    return (*args, describe(checkpoint) if snap is not None and snap.shares_memory else None)
 
 
 class _Job:
@@ -649,21 +705,18 @@ class BackgroundWriter:
         fn: Callable[..., Any],
         checkpoint: Any,
         path: str,
-        describe: Callable[[Any], Any] | None = None,
     ) -> Future:
         """Snapshot ``checkpoint`` into the pool's buffers on this thread and queue ``fn(snapshot, path)`` (a
-        :class:`Snapshot`; its buffers are reused once the job ran), or with ``describe``
-        ``fn(snapshot, path, describe(checkpoint))`` where the snapshot found tensors sharing a storage
-        (:attr:`Snapshot.shares_memory`) and ``fn(snapshot, path, None)`` elsewhere: ``describe`` runs on this thread,
-        right after the snapshot, only when there is sharing to describe. A queued, unstarted save of ``path`` gets the
-        new snapshot and ``args`` instead (latest wins: the older state would only be overwritten); otherwise, with
+        :class:`Snapshot`; its buffers are reused once the job ran; which tensors shared a storage is in
+        :meth:`Snapshot.aliases`). A queued, unstarted save of ``path`` gets the
+        new snapshot instead (latest wins: the older state would only be overwritten); otherwise, with
         every slot taken, the call waits until one frees (a save of another path is never given this state: every
         path holds exactly the state saved there).
 
         Raises:
             CheckpointSaveError: an earlier job failed (``on_error="raise"``): the first failure, once.
         """
-        return self._submit(fn, (), path, True, checkpoint, describe)
+        return self._submit(fn, (), path, True, checkpoint)
 
     def _settle_overflow(self, jobs: _Jobs) -> bool:
         """Under ``jobs.cond``: after a save admitted past ``max_pending``, wait until the saves in flight are within
@@ -683,7 +736,6 @@ class BackgroundWriter:
         key: str | None,
         bounded: bool,
         checkpoint: Any,
-        describe: Callable[[Any], Any] | None = None,
     ) -> Future:
         jobs = self._jobs.get()
         self._report(jobs)
@@ -703,14 +755,7 @@ class BackgroundWriter:
                 if target is not None:  # unstarted: the worker will not start it while we hold the lock
                     if checkpoint is not None:
                         self._refill(jobs, target, checkpoint)
-                        try:
-                            target.args = _described(args, target.snap, checkpoint, describe)
-                        except BaseException:  # its snapshot and its old description no longer go together
-                            jobs.queue.remove(target)
-                            BackgroundWriter._drop(jobs, target)
-                            raise
-                    else:
-                        target.args = args
+                    target.args = args
                     jobs.stats.coalesced += 1
                     if jobs.stats.coalesced == 1 or jobs.stats.coalesced % 100 == 0:
                         log.info(
@@ -743,12 +788,11 @@ class BackgroundWriter:
                 jobs.stats.pending_peak = max(jobs.stats.pending_peak, jobs.bounded)
         if failed:  # a job failed while this save waited for a slot: report it now, save nothing
             self._report(jobs)
-            return self._submit(fn, args, key, bounded, checkpoint, describe)
+            return self._submit(fn, args, key, bounded, checkpoint)
         job = _Job(fn, args, key, True)
         try:
             if checkpoint is not None:
                 job.snap = jobs.pool.take(checkpoint)  # outside the lock: the worker goes on meanwhile
-                job.args = _described(args, job.snap, checkpoint, describe)
         except BaseException:
             if job.snap is not None:  # no save will hold its buffers
                 jobs.pool.release(job.snap)

@@ -41,7 +41,6 @@ from lightning_accel.checkpoint.background import (
 from lightning_accel.checkpoint.lock import prepare_directory
 from lightning_accel.checkpoint.options import StoreOptions
 from lightning_accel.checkpoint.reader import read_checkpoint_with
-from lightning_accel.checkpoint.skeleton import checkpoint_aliases
 from lightning_accel.checkpoint.store import GC_GRACE_S, DeltaStore, SaveStats, split_path, store_dir
 
 __all__ = ["CheckpointSaveError", "DeltaCheckpointIO"]
@@ -226,12 +225,12 @@ class DeltaCheckpointIO(CheckpointIO):
         does not wait for it."""
         return self.async_save
 
-    def _save_snapshot(self, snap: Snapshot, path: str, aliases: list[list[list[Any]]] | None = None) -> SaveStats:
+    def _save_snapshot(self, snap: Snapshot, path: str) -> SaveStats:
         # the values still being produced at the snapshot (collectives in flight) are waited for here, off the
         # training thread; they are fresh tensors of this save alone, so they need no snapshot copy
         tree = resolve_deferred(snap.tree)
         stats = self.store.save(
-            tree, path, content_id=snap.content_id, pause=self._writer.yield_to_snapshots, aliases=aliases
+            tree, path, content_id=snap.content_id, pause=self._writer.yield_to_snapshots, aliases=snap.aliases
         )
         self.history.append(stats)
         return stats
@@ -252,10 +251,10 @@ class DeltaCheckpointIO(CheckpointIO):
         if self.async_save:
             key = split_path(path_s)[1]  # one key per file however it is spelt: coalescing and `exists` compare it
             self._make_directory(key)
-            # The snapshot copies every tensor into a buffer of its own: which of them share memory (tied weights)
-            # is recorded from the live tensors, so the load shares them again as a synchronous save's does; only
-            # when the snapshot saw a storage twice (recording costs a walk of the checkpoint on this thread).
-            self._writer.submit_save(self._save_snapshot, checkpoint, key, describe=checkpoint_aliases)
+            # The snapshot copies every tensor into a buffer of its own and notes which of them shared a storage (tied
+            # weights, ModelCheckpoint's score tensor under several keys) as it copies them: the writer records that
+            # (`Snapshot.aliases`), so the load shares them again as a synchronous save's does.
+            self._writer.submit_save(self._save_snapshot, checkpoint, key)
         else:
             self._writer.wait()
             self._save_now(checkpoint, path_s)

@@ -30,7 +30,6 @@ __all__ = [
     "PLACEHOLDER",
     "UnsafeCheckpointContent",
     "alias_groups",
-    "checkpoint_aliases",
     "restore_aliases",
     "dump_skeleton",
     "fill_skeleton",
@@ -234,30 +233,6 @@ def unpack_skeleton_blob(blob: bytes) -> tuple[dict[str, Any], dict[str, torch.T
             raise codec.CodecError(f"small tensor {name!r} lies outside the skeleton blob")
         small[name] = codec.tensor_from_bytes(body[offset : offset + size], dtype, shape)
     return skeleton, small
-
-
-def checkpoint_aliases(checkpoint: Any) -> list[list[list[Any]]]:
-    """:func:`alias_groups` of the tensors of ``checkpoint``, named as :func:`split` names them.
-
-    Unlike :func:`split` it builds no skeleton and skips, rather than refuses, what a skeleton cannot hold (a value
-    still being produced is resolved later, and :func:`split` judges the result): an async save records the sharing
-    of the live tensors before its snapshot copies each of them into a buffer of its own.
-    """
-    tensors: dict[str, torch.Tensor] = {}
-
-    def walk(obj: Any, path: str) -> None:
-        if isinstance(obj, torch.Tensor):
-            if obj.layout == torch.strided and not obj.is_sparse:
-                tensors[_unique_name(path, tensors)] = obj
-        elif type(obj) in (dict, OrderedDict):
-            for k, v in obj.items():
-                walk(v, f"{path}/{_key_str(k)}")
-        elif type(obj) in (list, tuple, set):
-            for i, v in enumerate(obj):
-                walk(v, f"{path}/{i}")
-
-    walk(checkpoint, "")
-    return alias_groups(tensors)
 
 
 def alias_groups(tensors: Mapping[str, torch.Tensor]) -> list[list[list[Any]]]:

@@ -52,7 +52,7 @@ import time
 import warnings
 import weakref
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -441,7 +441,7 @@ class DeltaStore:
         *,
         content_id: Callable[[torch.Tensor], int | None] | None = None,
         pause: Callable[[], None] | None = None,
-        aliases: list[list[list[Any]]] | None = None,
+        aliases: list[list[list[Any]]] | Callable[[Mapping[str, torch.Tensor]], list[list[list[Any]]]] | None = None,
     ) -> SaveStats:
         """Write ``checkpoint`` as a delta checkpoint at ``path`` (a manifest file).
 
@@ -463,9 +463,10 @@ class DeltaStore:
                 :class:`~lightning_accel.checkpoint.background.Snapshot`.
             pause: called before each tensor is encoded (a background writer waits there while the training thread
                 takes a snapshot).
-            aliases: which tensors share memory
-                (:func:`~lightning_accel.checkpoint.skeleton.checkpoint_aliases` of the live checkpoint), when
-                ``checkpoint`` is a snapshot whose copies no longer do; ``None``: found in ``checkpoint`` itself.
+            aliases: which tensors share memory, when ``checkpoint`` is a snapshot whose copies no longer do: the
+                :func:`~lightning_accel.checkpoint.skeleton.alias_groups` record, or a function that makes it from the
+                named tensors of ``checkpoint`` (:meth:`~lightning_accel.checkpoint.background.Snapshot.aliases`);
+                ``None``: found in ``checkpoint`` itself.
 
         Raises:
             NotADeltaCheckpointError: ``path`` is a directory or a foreign file.
@@ -486,6 +487,8 @@ class DeltaStore:
             skeleton, all_tensors = split(checkpoint)
             if aliases is None:
                 aliases = alias_groups(all_tensors)
+            elif callable(aliases):  # the snapshot's record, named as `split` names its buffers
+                aliases = aliases(all_tensors)
             else:  # recorded before a snapshot: only what this checkpoint still holds with its shape
                 aliases = [g for g in aliases if all(m[0] in all_tensors for m in g)]
             self._warn_if_groups_match_nothing(all_tensors)

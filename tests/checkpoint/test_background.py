@@ -19,6 +19,7 @@ import torch
 
 from lightning_accel.checkpoint import DeltaCheckpointIO
 from lightning_accel.checkpoint.background import BackgroundWriter, CheckpointSaveError, SnapshotPool
+from lightning_accel.checkpoint.skeleton import alias_groups, split
 
 
 def _until(done: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
@@ -477,26 +478,23 @@ def test_sparse_tensors_snapshot_and_a_failed_snapshot_releases_its_buffers(tmp_
     pool.release(snap)
 
 
-def test_a_snapshot_says_whether_tensors_shared_a_storage_and_describe_runs_only_then() -> None:
-    """Tied weights (one storage, two checkpoint entries; a view at an offset too) are copied into two buffers: the
-    snapshot says so, and a save's ``describe`` runs on the caller's thread only for such a snapshot."""
+def test_a_snapshot_records_the_storages_its_tensors_shared_as_the_live_checkpoint_has_them() -> None:
+    """Tied weights, views at offsets and strides, one score tensor under several keys (ModelCheckpoint's
+    ``best_model_score`` / ``best_k_models``) are copied into buffers of their own: the snapshot records which of them
+    shared a storage as it copies them, and names them as ``split`` names its buffers, giving the record
+    ``alias_groups`` makes of the live checkpoint (lazy conjugate views, empty and unshared tensors left out)."""
     pool = SnapshotPool()
-    w = torch.randn(10, 4)
-    assert pool.take({"a": w, "b": w.t()}).shares_memory
-    assert pool.take({"a": w[2:], "b": torch.randn(3), "c": w[:1]}).shares_memory
-    assert not pool.take(
-        {"a": torch.randn(3), "b": torch.randn(3), "e": torch.empty(0), "f": torch.empty(0)}
-    ).shares_memory
-    described: list[Any] = []
-    got: list[Any] = []
-
-    def describe(ck: Any) -> str:
-        described.append(ck)
-        return "tied"
-
-    writer = BackgroundWriter(max_pending=2)
-    writer.submit_save(lambda snap, path, what: got.append((path, what)), {"a": w, "b": w}, "tied.ckpt", describe)
-    writer.submit_save(lambda snap, path, what: got.append((path, what)), {"a": w}, "alone.ckpt", describe)
-    writer.wait()
-    writer.close()
-    assert got == [("tied.ckpt", "tied"), ("alone.ckpt", None)] and len(described) == 1
+    w, score, c = torch.randn(10, 4), torch.tensor(0.5), torch.randn(4, dtype=torch.complex64)
+    cases = [
+        {"a": w, "b": w.t()},
+        {"a": w[2:], "b": torch.randn(3), "c": w[:1], "d": {"e": [w[5], w]}},
+        {"cb": {"best": score, "current": score, "k": {"p1": score, "p2": torch.tensor(0.1)}}, "w": w},
+        {"c": c, "conj": c.conj(), "c2": c[1:]},
+        {"a": torch.randn(3), "b": torch.randn(3), "e": torch.empty(0), "f": torch.empty(0)},
+    ]
+    for ck in cases:
+        snap = pool.take(ck)
+        want = alias_groups(split(ck)[1])
+        assert snap.shares_memory == bool(want)
+        assert snap.aliases(split(snap.tree)[1]) == want and (want or ck is cases[-1])
+        pool.release(snap)
