@@ -104,17 +104,22 @@ class PerformanceMonitor(Callback):
             CPU).
         samples_fn: ``batch -> number of samples`` (None: Lightning's batch-size extraction).
         tokens_fn: ``batch -> number of tokens`` for tokens/s (None: not reported).
-        nvml: sample GPU utilisation and memory through NVML when available.
+        nvml: sample GPU utilisation and memory through NVML when available: of the GPU torch trains on, found by
+            its UUID or PCI bus id (NVML numbers all GPUs, torch only those ``CUDA_VISIBLE_DEVICES`` leaves); one
+            warning when only an index is left to go by.
         report_path: where to write the JSON report, a local path (a leading ``~`` is the home directory) or an fsspec
             URL such as ``s3://bucket/run.json`` (None: ``<log_dir>/perf_report.json``; ``""``: do not write); the PNG
             goes beside it with the suffix ``.png``. Checked here: a file name, never an existing directory nor a
             directory's spelling (``runs/``), never a ``.png`` name (the picture would overwrite the report), never
             under an existing file, never a URL whose scheme no installed fsspec filesystem handles. A file already at
             either place that the monitor did not write (neither a report of its own, nor a picture it drew, nor a
-            file this instance wrote) is never overwritten: that file is skipped, with one warning naming it.
+            file this instance wrote) is never overwritten: that file is skipped, with one warning naming it. A file
+            that cannot be written at the end of the fit (a full disk, a removed folder) is one warning too: the fit
+            does not fail over it, and the report stays in :attr:`report`.
         verbose: print the report on rank 0.
-        clock: override the segment clock (tests inject a fake one).
-        span_clock: override the clock for validation/checkpoint spans (tests).
+        clock: override the segment clock, an object with ``mark()`` and ``elapsed(start, end)`` such as
+            ``HostClock(fn)`` (tests inject a fake one; checked here).
+        span_clock: override the clock for validation/checkpoint spans (tests; the same kind of object).
     """
 
     def __init__(
@@ -158,6 +163,8 @@ class PerformanceMonitor(Callback):
             )
         check_callable("samples_fn", samples_fn, "a function `batch -> number of samples`")
         check_callable("tokens_fn", tokens_fn, "a function `batch -> number of tokens`")
+        _check_clock("clock", clock)
+        _check_clock("span_clock", span_clock)
         self.log_every_n_steps = log_every_n_steps
         self.skip_steps = skip_steps
         self.count_flops = count_flops
@@ -214,7 +221,12 @@ class PerformanceMonitor(Callback):
         self._log_dir = _log_dir(trainer) if self.report_path is None else None
         self._every = self.log_every_n_steps or _trainer_log_every_n_steps(trainer)
         if self.nvml and device.type == "cuda" and nvml_available():
-            self._sampler = NvmlSampler(_nvml_index(device))
+            # matched to torch's device by UUID / PCI bus id (NVML numbers every GPU of the machine, torch only the
+            # visible ones); opened here, once per fit, so that a GPU it cannot match is said before training
+            self._sampler = NvmlSampler.for_device(device)
+            self._sampler.open()
+            if self._sampler.note:
+                rank_zero_warn(f"PerformanceMonitor: {self._sampler.note}")
         self._wrap_save_checkpoint(trainer)
 
     def _wrap_save_checkpoint(self, trainer: pl.Trainer) -> None:
@@ -505,11 +517,20 @@ class PerformanceMonitor(Callback):
         written = ""
         if path:
             places = []
-            if _may_replace(path, "report", self._written):
-                atomic_write_text(path, r.to_json())
-                self._written.add(path)
-                places.append(f"report written to {path}")
-            self.png_path = self._write_png(path, r.epochs, self._written)
+            # the fit is over and its numbers are in `self.report`: a file that cannot be written (a full disk, a log
+            # directory removed during the run, expired storage credentials) is said, never turned into a failed fit
+            try:
+                if _may_replace(path, "report", self._written):
+                    atomic_write_text(path, r.to_json())
+                    self._written.add(path)
+                    places.append(f"report written to {path}")
+            except Exception as e:
+                _warn_unwritten("report", path, e)
+            try:
+                self.png_path = self._write_png(path, r.epochs, self._written)
+            except Exception as e:
+                self.png_path = None
+                _warn_unwritten("picture", _with_suffix(path, ".png"), e)
             if self.png_path:
                 places.append(f"picture {self.png_path}")
             written = f"\n({', '.join(places)})" if places else ""
@@ -632,6 +653,27 @@ def _check_report_path(value: Any) -> str | None:
             f"with the suffix .png and would overwrite it. Name the report e.g. {_with_suffix(path, '.json')!r}."
         )
     return str(path)
+
+
+def _check_clock(name: str, value: Any) -> None:
+    """``value`` must be None or a :class:`~lightning_accel.perf.timers.Clock` (``mark()`` and ``elapsed(a, b)``): a
+    plain ``time.perf_counter`` failed only at the first training batch."""
+    if value is None or (callable(getattr(value, "mark", None)) and callable(getattr(value, "elapsed", None))):
+        return
+    fix = f" Wrap a `() -> seconds` function in a clock: `{name}=HostClock(fn)`." if callable(value) else ""
+    raise TypeError(
+        f"`{name}` must be a clock with `mark()` and `elapsed(start, end)` (e.g. `HostClock()` from "
+        f"`lightning_accel.perf`) or None, got {value!r} ({type(value).__name__}).{fix}"
+    )
+
+
+def _warn_unwritten(what: str, path: str, error: BaseException) -> None:
+    """One warning: the ``what`` ("report", "picture") could not be written at ``path``; the report stays available."""
+    rank_zero_warn(
+        f"PerformanceMonitor: the {what} could not be written to {path!r} ({one_line(error, expected=(OSError,))}); "
+        "the fit is not affected and the report is kept in `PerformanceMonitor.report`. Check that the place is "
+        "writable, or pass another `report_path`."
+    )
 
 
 def _stepped(trainer: pl.Trainer, pl_module: pl.LightningModule, step_before: int) -> bool:
@@ -831,16 +873,6 @@ def _num_workers(trainer: pl.Trainer) -> int | None:
         if flat:
             n = getattr(flat[0], "num_workers", None)
     return int(n) if n is not None else None
-
-
-def _nvml_index(device: torch.device) -> int:
-    """NVML enumerates all GPUs; map the CUDA index through ``CUDA_VISIBLE_DEVICES`` when it lists integers."""
-    idx = device.index or 0
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-    parts = [p.strip() for p in visible.split(",") if p.strip()]
-    if parts and all(p.isdigit() for p in parts) and idx < len(parts):
-        return int(parts[idx])
-    return idx
 
 
 log = logging.getLogger(__name__)

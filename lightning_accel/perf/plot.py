@@ -36,7 +36,8 @@ def plot_available() -> bool:
 
 
 def epoch_breakdown_png(epochs: Sequence[Mapping[str, float]], *, title: str = "Where step time went") -> bytes:
-    """Render per-epoch seconds per category as a stacked bar chart and return the PNG bytes.
+    """Render per-epoch seconds per category as a stacked bar chart and return the PNG bytes (drawn off-screen; the
+    process's matplotlib backend is not changed).
 
     Args:
         epochs: one mapping per epoch with ``"epoch"`` and a seconds value per category of
@@ -51,14 +52,15 @@ def epoch_breakdown_png(epochs: Sequence[Mapping[str, float]], *, title: str = "
         raise ValueError("`epochs` is empty: no epoch was timed, nothing to plot.")
     if not plot_available():
         raise ModuleNotFoundError("perf_report.png needs matplotlib: `pip install matplotlib`.")
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)  # headless: never opens a window, works without a display
+    # a Figure on its own Agg canvas, never pyplot nor `matplotlib.use`: headless and without a display, and the
+    # process's backend (a notebook's inline one, an interactive window's) is left as the user set it
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     assert set(PLOT_CATEGORIES) == set(CATEGORIES)
     labels = [str(int(e.get("epoch", i))) for i, e in enumerate(epochs)]
     fig = Figure(figsize=(max(4.0, 0.6 * len(epochs) + 2.5), 3.2), dpi=100)
+    FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     bottom = [0.0] * len(epochs)
     for cat in PLOT_CATEGORIES:

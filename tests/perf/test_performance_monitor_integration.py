@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -189,6 +190,14 @@ def test_bad_arguments() -> None:
         ({"tokens_fn": "len"}, TypeError, "`tokens_fn` must be a function"),
         ({"report_path": 123}, TypeError, "`report_path` must be a file path or URL \\(a string\\).*got 123 \\(int\\)"),
         ({"peak_flops": float("inf")}, ValueError, "^`peak_flops` must be a finite number > 0 or None, got inf"),
+        # a plain function or a typo failed only at the first training batch, with an AttributeError
+        (
+            {"clock": time.perf_counter},
+            TypeError,
+            r"^`clock` must be a clock with `mark\(\)` and `elapsed\(start, end\)` .*got <built-in function "
+            r"perf_counter> \(builtin_function_or_method\)\. Wrap .* `clock=HostClock\(fn\)`\.$",
+        ),
+        ({"span_clock": "host"}, TypeError, r"^`span_clock` must be a clock .* got 'host' \(str\)\.$"),
         # a directory's spelling: the report landed as a file named like the directory, and the picture beside it
         # (`runs/.png`) failed with FileExistsError after the whole fit
         (
@@ -682,3 +691,27 @@ def test_a_leading_tilde_is_the_home_directory(tmp_path: Path, monkeypatch: pyte
     assert not (tmp_path / "~").exists()
     assert CudaMemoryManager(snapshot_dir="~/snaps").snapshot_dir == str(tmp_path / "home" / "snaps")
     assert CudaMemoryManager(snapshot_dir="s3://b/snaps").snapshot_dir == "s3://b/snaps"
+
+
+def test_a_report_that_cannot_be_written_does_not_fail_the_finished_fit(tmp_path: Path) -> None:
+    """The report folder was replaced by a file during the run: writing the report raised after the whole fit, so
+    `trainer.fit` failed (and the trainer ended INTERRUPTED) although training had finished."""
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "runs"
+    out.mkdir()
+
+    class ReplaceFolder(Callback):
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            out.rmdir()
+            out.write_text("a file of the user's")
+
+    mon = PerformanceMonitor(skip_steps=1, count_flops=False, verbose=False, report_path=str(out / "r.json"))
+    with pytest.warns(UserWarning) as record:
+        trainer = _quick_fit(mon, callbacks=[mon, ReplaceFolder()])
+    assert trainer.state.status == "finished"
+    assert mon.report is not None and mon.report.steps == 5
+    lines = [str(w.message) for w in record if "could not be written" in str(w.message)]
+    assert len(lines) == 2 and all("\n" not in line for line in lines)
+    assert lines[0].startswith(f"PerformanceMonitor: the report could not be written to {str(out / 'r.json')!r} (")
+    assert lines[1].startswith(f"PerformanceMonitor: the picture could not be written to {str(out / 'r.png')!r} (")
+    assert out.read_text() == "a file of the user's"
