@@ -315,7 +315,10 @@ class _UtilSampler:
 
         from lightning_accel.perf.nvml import NvmlSampler
 
-        self.nvml, self.samples, self._stop = NvmlSampler(torch.cuda.current_device()), [], threading.Event()
+        # the GPU torch trains on, matched by UUID / PCI bus id (NVML numbers every GPU of the machine)
+        self.nvml = NvmlSampler.for_device(torch.cuda.current_device())
+        self.samples: list[float] = []
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
 
@@ -328,6 +331,7 @@ class _UtilSampler:
     def stop(self) -> float | None:
         self._stop.set()
         self._thread.join()
+        self.nvml.close()
         return round(statistics.mean(self.samples), 1) if self.samples else None
 
 
