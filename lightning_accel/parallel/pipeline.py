@@ -47,6 +47,7 @@ __all__ = [
     "PipelineRunner",
     "balance_stages",
     "batch_tensors",
+    "check_no_sync_batchnorm",
     "check_stages_train",
     "find_pipeline_modules",
     "keep_only",
@@ -237,6 +238,27 @@ def check_stages_train(
     raise ValueError(
         f"pipeline stage(s) {where} of {model} hold no parameter that trains, so their rank's optimizer would be "
         f"empty: {why}. {fix}"
+    )
+
+
+def check_no_sync_batchnorm(module: nn.Module, *, model: str = "the model") -> None:
+    """Raise when ``module`` holds an ``nn.SyncBatchNorm``: in training it all-gathers its batch statistics over every
+    rank of its process group in each forward, but a pipeline stage's forward runs on its own rank only, so that rank
+    would wait forever for ranks busy with other stages. Static (no forward runs), so every rank raises alike, before
+    any stage runs.
+
+    Raises:
+        ValueError: one line naming the module(s) and the fix.
+    """
+    synced = [name or "(the model)" for name, m in module.named_modules() if isinstance(m, nn.SyncBatchNorm)]
+    if not synced:
+        return
+    more = f" and {len(synced) - 3} more" if len(synced) > 3 else ""
+    raise ValueError(
+        f"a pipeline cannot train {model}: it holds `nn.SyncBatchNorm` ({', '.join(f'`{n}`' for n in synced[:3])}"
+        f"{more}), which syncs over every rank in each training forward while a pipeline stage runs on one rank. Use "
+        "`nn.BatchNorm*` in the pipeline (drop `Trainer(sync_batchnorm=True)` / `convert_sync_batchnorm`), or train "
+        "it data parallel (`strategy='ddp'`)."
     )
 
 

@@ -62,6 +62,7 @@ from lightning_accel.parallel.estimate import (
 from lightning_accel.parallel.pipeline import (
     balance_stages,
     batch_tensors,
+    check_no_sync_batchnorm,
     check_stages_train,
     find_pipeline_modules,
     piece_costs,
@@ -523,6 +524,7 @@ def _pipeline_stages(
     buffers = [buffer_bytes(pieces[a:b]) for a, b in bounds]
     try:
         check_stages_train(bounds, trainable, model=f"`{type(model).__name__}`")
+        check_no_sync_batchnorm(model, model=f"`{type(model).__name__}`")
     except ValueError as e:
         return stages, buffers, f"cannot split: {one_line(str(e))}"
     return stages, buffers, ""

@@ -24,6 +24,7 @@ from lightning_accel._utils.checks import check_choice
 from lightning_accel.parallel.estimate import default_microbatches, resolve_stages_per_rank
 from lightning_accel.parallel.pipeline import (
     PipelineRunner,
+    check_no_sync_batchnorm,
     check_stages_train,
     find_pipeline_modules,
     piece_costs,
@@ -112,7 +113,8 @@ def plan_stepper(
 
     Raises:
         ValueError: a pipeline stage would hold no trainable parameter (on every rank alike:
-            :func:`~lightning_accel.parallel.pipeline.check_stages_train`), a batch the plan cannot split.
+            :func:`~lightning_accel.parallel.pipeline.check_stages_train`) or an ``nn.SyncBatchNorm``
+            (:func:`~lightning_accel.parallel.pipeline.check_no_sync_batchnorm`), a batch the plan cannot split.
     """
     check_choice("plan", plan, PLANS)
     loss = loss_fn or _mean_loss
@@ -120,6 +122,8 @@ def plan_stepper(
     device = inputs.device
     if plan == "pipeline":
         pieces = find_pipeline_modules(model)
+        # before any forward: a stage running a `SyncBatchNorm` alone would wait forever for the other ranks
+        check_no_sync_batchnorm(model, model=f"`{type(model).__name__}`")
         spr = resolve_stages_per_rank(schedule, stages_per_rank)
         # the split `PipelineStrategy` makes: its example (a batch BatchNorm can run in training mode, not one sample)
         # and its rule that every stage trains

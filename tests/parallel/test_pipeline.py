@@ -10,6 +10,7 @@ from lightning_accel.models.transformer import GPT
 from lightning_accel.parallel import select_strategy
 from lightning_accel.parallel.pipeline import (
     balance_stages,
+    check_no_sync_batchnorm,
     check_stages_train,
     find_pipeline_modules,
     join_outputs,
@@ -93,12 +94,12 @@ def test_pieces_that_leave_out_a_parameter_of_the_module_are_refused() -> None:
         find_pipeline_modules(net)
     choice = select_strategy(net, devices=2, device_memory_bytes=10**9)
     assert "leave out the parameters `head.weight`" in choice.estimates["pipeline"].blocker
-    net.pipeline_modules = lambda: [*net.features, net.head]  # type: ignore[method-assign,assignment]
+    net.pipeline_modules = lambda: [*net.features, net.head]  # type: ignore[assignment]
     assert find_pipeline_modules(net) == [*net.features, net.head]  # the fix the error names
     with pytest.raises(
         TypeError, match=r"`BackboneAndHead`: the pieces from its own `pipeline_modules\(\)` " + left_out
     ):
-        net.pipeline_modules = lambda: list(net.features)  # type: ignore[method-assign,assignment]
+        net.pipeline_modules = lambda: list(net.features)  # type: ignore[assignment]
         find_pipeline_modules(net)
 
 
@@ -151,7 +152,8 @@ def test_measuring_the_pieces_leaves_batchnorm_statistics_rng_and_modes_as_they_
     assert costs[1] > 2 * 16 * 4  # BatchNorm's activations were measured (training mode) ...
     # ... and its running statistics, the RNG the dropout drew from and every module's mode are back
     assert all(torch.equal(v, before[k]) for k, v in net.state_dict().items())
-    assert int(net[1].num_batches_tracked) == 0
+    tracked = net[1].num_batches_tracked
+    assert isinstance(tracked, torch.Tensor) and int(tracked) == 0
     assert torch.equal(torch.random.get_rng_state(), rng)
     assert [m.training for m in net.modules()] == modes
 
@@ -179,3 +181,13 @@ def test_every_stage_gets_a_trainable_piece_when_it_can() -> None:
     net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
     net[0].requires_grad_(False)
     assert trainable_pieces(list(net)) == [False, False, True]
+
+
+def test_a_network_with_sync_batchnorm_cannot_be_pipelined() -> None:
+    net = nn.Sequential(nn.Linear(8, 16), nn.SyncBatchNorm(16), nn.ReLU(), nn.Linear(16, 8))
+    with pytest.raises(ValueError, match=r"it holds `nn.SyncBatchNorm` \(`1`\).*a pipeline stage runs on one rank"):
+        check_no_sync_batchnorm(net)
+    check_no_sync_batchnorm(nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16)))  # a plain BatchNorm pipelines
+    # the selector never picks (nor times) the pipeline for it
+    est = select_strategy(net, devices=2, device_memory_bytes=10**9).estimates["pipeline"]
+    assert "SyncBatchNorm" in est.blocker

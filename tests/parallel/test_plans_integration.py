@@ -38,7 +38,9 @@ def make_model() -> Any:
 def loader(replicas: int = 1, rank: int = 0) -> torch.utils.data.DataLoader:
     g = torch.Generator().manual_seed(0)
     ds = torch.utils.data.TensorDataset(torch.randint(0, 27, (8, 17), generator=g))
-    sampler = torch.utils.data.DistributedSampler(ds, num_replicas=replicas, rank=rank, shuffle=False)
+    sampler: torch.utils.data.DistributedSampler[Any] = torch.utils.data.DistributedSampler(
+        ds, num_replicas=replicas, rank=rank, shuffle=False
+    )
     return torch.utils.data.DataLoader(ds, batch_size=8 // replicas, sampler=sampler)
 
 
@@ -133,7 +135,7 @@ class PredictingGPT(ConstantLRGPT):
 def _predict(rank: int, world: int) -> Any:
     import lightning.pytorch as pl
 
-    from lightning_accel.parallel import PipelineStrategy
+    from lightning_accel.parallel import PipelineStrategy, ShardedStrategy
 
     torch.manual_seed(0)
     model = PredictingGPT(n_layer=4, n_embd=32, n_head=4, block_size=16, dropout=0.0)
@@ -142,27 +144,37 @@ def _predict(rank: int, world: int) -> Any:
         enable_model_summary=False, use_distributed_sampler=False,
     )  # fmt: skip
     out = t.predict(model, loader())
-    refused = ""
-    try:
-        t2 = pl.Trainer(
-            accelerator="cpu", devices=2, strategy=PipelineStrategy(batch_split="world"), logger=False,
-            enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-        )  # fmt: skip
-        t2.predict(model, loader())
-    except ValueError as e:
-        refused = str(e)
+    # `batch_split="world"` (what AutoStrategy builds): each rank reads half the samples, as under DDP, and gets
+    # the predictions of its own rows of the batch its pipeline gathered
+    t2 = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=PipelineStrategy(batch_split="world"), logger=False,
+        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+    )  # fmt: skip
+    mine = t2.predict(model, loader(2, rank))
+    # the same for the tensor-parallel plan's gathered batch
+    t3 = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=ShardedStrategy(tensor_parallel_size=2, batch_split="world"),
+        logger=False, enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    tp_model = PredictingGPT(n_layer=4, n_embd=32, n_head=4, block_size=16, dropout=0.0)
+    tp_mine = t3.predict(tp_model, loader(2, rank))
+
     # numpy, not tensors: a tensor sent back to the parent may be a shared-memory handle that dies with its process
-    (pred,) = out
-    got = {
-        "logits": pred["logits"].numpy(),
-        "last": pred["last"][0].numpy(),
-        "last_is_tuple": isinstance(pred["last"], tuple),
-    }
-    got.update(ids=pred["ids"], batches=len(out), device=pred["logits"].device.type)
-    return {"out": got, "refused": refused}
+    def plain(out: Any) -> dict[str, Any]:
+        (pred,) = out
+        got = {
+            "logits": pred["logits"].numpy(),
+            "last": pred["last"][0].numpy(),
+            "last_is_tuple": isinstance(pred["last"], tuple),
+        }
+        got.update(ids=pred["ids"], batches=len(out), device=pred["logits"].device.type)
+        return got
+
+    return {"out": plain(out), "world": plain(mine), "tp_world": plain(tp_mine)}
 
 
-def test_pipeline_predict_returns_the_single_process_predictions_on_every_rank() -> None:
+def test_pipeline_and_tensor_parallel_predict_return_the_single_process_predictions() -> None:
     torch.manual_seed(0)
     ref_model = PredictingGPT(n_layer=4, n_embd=32, n_head=4, block_size=16, dropout=0.0).eval()
     with torch.no_grad():
@@ -176,7 +188,12 @@ def test_pipeline_predict_returns_the_single_process_predictions_on_every_rank()
         assert torch.equal(torch.from_numpy(got["last"]), ref[0]["last"][0]) and got["last_is_tuple"]
         assert got["ids"] == ref[0]["ids"]
     assert (r0["out"]["logits"] == r1["out"]["logits"]).all()
-    assert "batch_split='data_parallel'" in r0["refused"] and "batch_split='data_parallel'" in r1["refused"]
+    # `batch_split="world"`: rank r read samples r, r + 2, ... (DistributedSampler) and predicts those alone
+    for rank, got in [*enumerate((r0["world"], r1["world"])), *enumerate((r0["tp_world"], r1["tp_world"]))]:
+        assert got["batches"] == 1 and got["device"] == "cpu" and got["last_is_tuple"]
+        assert torch.allclose(torch.from_numpy(got["logits"]), ref[0]["logits"][rank::2], atol=TOL)
+        assert torch.equal(torch.from_numpy(got["last"]), ref[0]["last"][0][rank::2])
+        assert got["ids"] == ref[0]["ids"][rank::2]
 
 
 class SmallNet(pl.LightningModule):

@@ -4,6 +4,7 @@ comes back when the fit ends, and ``ShardedStrategy``'s arguments mean what ``Mo
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -40,9 +41,9 @@ def loader() -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(16, 8, generator=g)), batch_size=4)
 
 
-def trainer(strategy: Any, callbacks: list[Callback] | None = None, **kw: Any) -> pl.Trainer:
+def trainer(strategy: Any, callbacks: list[Callback] | None = None, max_steps: int = 2, **kw: Any) -> pl.Trainer:
     return pl.Trainer(
-        accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=max_steps, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks or [], **kw,
     )  # fmt: skip
 
@@ -188,3 +189,33 @@ def test_a_tp_plan_without_tensor_parallelism_warns_that_it_is_unused() -> None:
 def test_bad_pipeline_arguments(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
         PipelineStrategy(**kwargs)
+
+
+class SyncNormed(Small):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.SyncBatchNorm(16), nn.ReLU(), nn.Linear(16, 8))
+
+
+def test_the_pipeline_refuses_sync_batchnorm_before_a_stage_runs() -> None:
+    # a stage's SyncBatchNorm would wait in its collective for ranks running other stages: refused at setup, on
+    # every rank alike, naming the module
+    with pytest.raises(ValueError, match=r"PipelineStrategy: a pipeline cannot train `SyncNormed`.*`net\.1`"):
+        trainer(PipelineStrategy()).fit(SyncNormed(), loader())
+
+
+def test_the_pipeline_refuses_a_sharded_checkpoint_folder_naming_it(tmp_path: Path) -> None:
+    t = trainer(ShardedStrategy(save_distributed_checkpoint=True))
+    t.fit(Small(), loader())
+    folder = tmp_path / "sharded.ckpt"
+    t.save_checkpoint(folder)
+    assert folder.is_dir()
+    with pytest.raises(ValueError, match=r"PipelineStrategy cannot resume from `.*sharded\.ckpt`: it is a folder"):
+        trainer(PipelineStrategy(), max_steps=4).fit(Small(), loader(), ckpt_path=folder)
+    full = tmp_path / "full.ckpt"  # what the sharded plan saves by default resumes under the pipeline
+    t = trainer(ShardedStrategy())
+    t.fit(Small(), loader())
+    t.save_checkpoint(full)
+    t = trainer(PipelineStrategy(), max_steps=4)
+    t.fit(Small(), loader(), ckpt_path=full)
+    assert t.global_step == 4

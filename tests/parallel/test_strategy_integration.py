@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, StrategyRegistry
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ParallelStrategy, StrategyRegistry
 from torch import nn
 
 import lightning_accel.parallel.strategies.auto as auto_mod
@@ -73,6 +73,7 @@ class Inspect(Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         s = trainer.strategy
+        assert isinstance(s, ParallelStrategy)
         self.seen = (type(s), type(s.precision_plugin).__name__, s.parallel_devices, s.launcher, s.lightning_module)
         raise Stop
 
@@ -145,7 +146,7 @@ def test_pipeline_on_an_unsplittable_module_names_it() -> None:
             self.net = nn.ModuleDict({"a": nn.Linear(8, 8)})  # type: ignore[assignment]
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.net["a"](x)
+            return self.net["a"](x)  # type: ignore[call-overload]
 
     with pytest.raises(TypeError, match=r"cannot split `Opaque`: it needs the pieces of its forward"):
         trainer(PipelineStrategy()).fit(Opaque(), loader())
@@ -159,14 +160,14 @@ def test_ddp_1bit_resolves_by_registered_name(monkeypatch: pytest.MonkeyPatch) -
             pass
 
         monkeypatch.setitem(StrategyRegistry, "ddp_1bit", {"strategy": Fake1Bit, "init_params": {}, "description": ""})
-    built = st._build("ddp_1bit", None)  # type: ignore[arg-type]
+    built = st._build("ddp_1bit", None)
     assert isinstance(built, DDPStrategy)
     # Not monkeypatch.delitem: it saves the old value with `registry.get(name)`, which the registry overrides to
     # *instantiate* the strategy, so the "restored" entry would be a strategy object instead of its record.
     saved = dict.pop(StrategyRegistry, "ddp_1bit")
     try:
         with pytest.warns(UserWarning, match="no strategy of that name is registered"):
-            assert st._build("ddp_1bit", None) is None  # type: ignore[arg-type]
+            assert st._build("ddp_1bit", None) is None
     finally:
         dict.__setitem__(StrategyRegistry, "ddp_1bit", saved)
 
@@ -258,7 +259,7 @@ def test_cli_resolves_before_the_trainer_is_built(tmp_path: Path) -> None:
     # the Trainer was built with the chosen strategy: no swap at setup, no private Lightning API
     assert isinstance(cli.trainer.strategy, OneBitDDPStrategy) and auto.chosen is cli.trainer.strategy
     assert cli.trainer.num_nodes == 2
-    checks = [c for c in cli.trainer.callbacks if isinstance(c, ChoiceCheck)]
+    checks = [c for c in cli.trainer.callbacks if isinstance(c, ChoiceCheck)]  # type: ignore[attr-defined]
     assert len(checks) == 1 and checks[0].strategy == "ddp_1bit"
 
 
@@ -280,6 +281,38 @@ def test_resolve_keeps_itself_when_ddp_fits_and_setup_does_not_choose_again() ->
     t = trainer(st)
     t.fit(model, loader())
     assert t.strategy is st and st.choice is first and t.global_step == 3
+
+
+class CountsTrials(AutoStrategy):
+    trials = 0
+
+    def _measure(self, model: pl.LightningModule, memory_choice: StrategyChoice) -> StrategyChoice:
+        self.trials += 1
+        return super()._measure(model, memory_choice)
+
+
+class DeepValidates(Deep):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", F.mse_loss(self(batch[0]), batch[0]))
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0])
+
+
+def test_validate_test_and_predict_after_fit_keep_the_choice_without_timing_again() -> None:
+    st = CountsTrials("measure", device_memory_bytes=10**9, trial_steps=1, candidates=["ddp"])
+    model = DeepValidates(depth=3)
+    t = trainer(st)
+    t.fit(model, loader())
+    first = st.choice
+    assert first is not None and first.policy == "measure" and first.measured and st.trials == 1
+    t.validate(model, loader(), verbose=False)
+    t.predict(model, loader())
+    t.fit(model, loader())  # a second fit of the same module (max_steps reached: nothing more to train)
+    # the trained module keeps the plan it was trained with: a second trial could time another plan faster
+    assert st.trials == 1 and st.choice is first and t.strategy is st
+    t.fit(DeepValidates(depth=3), loader())  # another module is chosen for afresh
+    assert st.trials == 2 and st.choice is not first
 
 
 def test_resolve_trainer_kwargs_leaves_other_strategies_alone() -> None:
@@ -451,7 +484,7 @@ def test_the_measure_policy_resolved_before_the_trainer_still_times_the_plans(tm
     cli = AccelCLI(args=["--config", str(cfg)], run=False)
     auto = cli.trainer.strategy
     assert isinstance(auto, AutoStrategy) and auto.choice is None and not auto._resolved
-    assert not any(isinstance(c, ChoiceCheck) for c in cli.trainer.callbacks)  # rank 0 decides for every rank
+    assert not any(isinstance(c, ChoiceCheck) for c in cli.trainer.callbacks)  # type: ignore[attr-defined]
     cli.trainer.fit(cli.model, loader())
     assert auto.choice is not None and auto.choice.policy == "measure" and set(auto.choice.measured) == {"ddp"}
     # a plain `resolve` call too
@@ -469,7 +502,7 @@ def test_misspelled_or_mistyped_arguments_are_refused_in_init() -> None:
         AutoStrategy(candidates="ddp")  # type: ignore[arg-type]  # was checked letter by letter: "got 'd'"
     for name in ("allow_unfit", "use_example_input"):
         with pytest.raises(TypeError, match=f"`{name}` must be True or False, got 'no'"):
-            AutoStrategy(**{name: "no"})
+            AutoStrategy(**{name: "no"})  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="`trial_cache` must be a path"):
         AutoStrategy(trial_cache=3)  # type: ignore[arg-type]  # a file descriptor to `open`
     with pytest.raises(ValueError, match="`tensor_parallel_size`"):

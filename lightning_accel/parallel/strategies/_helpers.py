@@ -1,5 +1,6 @@
 """What the sharded and pipeline strategies share: optimizer unwrapping, optimizer state placement, precision name,
-the batch gathered over a model-parallel group (``batch_split="world"``), and the check of keyword arguments passed
+the batch gathered over a model-parallel group (``batch_split="world"``) and each rank's share of its predictions, and
+the check of keyword arguments passed
 on to another class."""
 
 from __future__ import annotations
@@ -15,12 +16,15 @@ from lightning.pytorch.plugins.precision import Precision
 from torch.distributed.tensor import DTensor
 
 from lightning_accel._utils.errors import one_line
+from lightning_accel.parallel.pipeline import batch_tensors
 from lightning_accel.parallel.plans import BATCH_SPLITS
 
 __all__ = [
     "BATCH_SPLITS",
     "check_keywords",
     "gather_batch",
+    "leading_rows",
+    "own_predictions",
     "keyword_defaults",
     "keyword_names",
     "named_optimizer_state",
@@ -66,6 +70,37 @@ def gather_batch(batch: Any, group: Any) -> Any:
         return x
 
     return walk(batch)
+
+
+def leading_rows(batch: Any) -> int:
+    """The rows of ``batch``: dim 0 of its first tensor that has one (0 when none has)."""
+    return next((int(t.shape[0]) for t in batch_tensors(batch) if t.ndim), 0)
+
+
+def own_predictions(predictions: Any, local_rows: int, group: Any) -> Any:
+    """This rank's share of ``predictions`` made for a batch :func:`gather_batch` gathered over ``group``: the rows
+    this rank read (``local_rows``) of every tensor with the gathered batch's rows and of every list with one entry
+    per sample, through dicts and tuples (namedtuples too); anything else (a per-batch value) as it is. Collective:
+    every rank of ``group`` calls it (the ranks' row counts are shared)."""
+    import torch.distributed as dist
+
+    counts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(counts, local_rows, group=group)
+    start, total = sum(counts[: dist.get_rank(group)]), sum(counts)
+
+    def rows(out: Any) -> Any:
+        if isinstance(out, torch.Tensor):
+            return out[start : start + local_rows] if out.ndim and out.shape[0] == total else out
+        if isinstance(out, dict):
+            return type(out)({k: rows(v) for k, v in out.items()})
+        if isinstance(out, tuple):
+            parts = [rows(v) for v in out]
+            return type(out)(*parts) if hasattr(out, "_fields") else tuple(parts)
+        if isinstance(out, list):
+            return out[start : start + local_rows] if len(out) == total else out
+        return out
+
+    return rows(predictions)
 
 
 def named_optimizer_state(state: Mapping[str, Any], group_names: Sequence[Sequence[str]], who: str) -> dict[str, Any]:

@@ -16,8 +16,9 @@ nodes: the ``ddp_1bit`` advice uses a measured backward time). In Python, call
 
 **Handed to a Trainer directly**, an ``AutoStrategy`` starts as DDP (its launcher starts the processes exactly like
 ``strategy="ddp"``); once the process group is up (``setup_environment``, before the model is configured or moved)
-rank 0 chooses (with ``policy="measure"``, every rank then times the candidates together), broadcasts the
-choice, and every rank swaps the Trainer's strategy for the chosen one, handing over
+every rank runs the estimate (it runs the model on ``example_input_array``, so a collective in its forward is joined
+by every rank), rank 0's choice is broadcast (with ``policy="measure"``, every rank then times the candidates
+together), and every rank swaps the Trainer's strategy for the chosen one, handing over
 accelerator, devices, cluster environment, checkpoint IO, precision and launcher. Lightning has no public API for
 that swap: it goes through :mod:`lightning_accel._utils.compat`.
 
@@ -37,6 +38,7 @@ from __future__ import annotations
 import copy
 import os
 import warnings
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -295,6 +297,8 @@ class AutoStrategy(DDPStrategy):
         self.choice: StrategyChoice | None = None
         self.chosen: Strategy | None = None
         self._resolved = False  # chosen by `resolve` before the Trainer was built: `setup_environment` keeps it
+        # the module `setup_environment` chose for: a later Trainer function on it keeps that choice
+        self._chosen_for: weakref.ReferenceType[pl.LightningModule] | None = None
 
     def resolve(
         self,
@@ -430,32 +434,51 @@ class AutoStrategy(DDPStrategy):
         model = self.lightning_module
         assert model is not None, "AutoStrategy.setup_environment runs after Trainer.fit connected the model"
         trainer = model.trainer
+        if self.choice is not None and self._chosen_for is not None and self._chosen_for() is model:
+            # `validate` / `test` / `predict` after `fit` (or a second `fit`) on the same module: it keeps the plan it
+            # was trained with. Choosing again would re-run the estimate and the whole trial, and a re-timed trial
+            # may pick another plan for the trained module. Every rank holds the same choice: all take this alike
+            self._use(self.choice, model, trainer)
+            return
         devices = len(self.parallel_devices or [self.root_device])
         choice: StrategyChoice | None = None
         if not distributed_ready():
             choice = self._choose(model, self.root_device, devices, self.num_nodes)
         else:
-            # every rank gets rank 0's choice, or its error: they swap, or raise, together (a rank 0 that raised
-            # alone would leave the others waiting in this broadcast)
+            # Every rank runs the estimate, though only rank 0's answer is used: it runs the model's forward and
+            # backward on `example_input_array`, and a module that runs a collective there (`nn.SyncBatchNorm` on
+            # GPUs, any layer that all-reduces statistics) would leave a rank 0 that ran it alone waiting for ranks
+            # that sit in the broadcast below. Every rank gets rank 0's choice, or its error: they swap, or raise,
+            # together (a rank 0 that raised alone would leave the others waiting in this broadcast).
             error: BaseException | None = None
-            box: list[Any] = [(None, None)]
-            if self.global_rank == 0:
-                try:
-                    choice = self._choose(model, self.root_device, devices, self.num_nodes)
-                except Exception as e:  # noqa: BLE001 -- re-raised below, after the other ranks have it
-                    error = e
-                box = [(choice, None if error is None else describe_error(error))]
+            try:
+                choice = self._choose(model, self.root_device, devices, self.num_nodes)
+            except Exception as e:  # noqa: BLE001 -- rank 0's is re-raised below, after the other ranks have it
+                error = e
+            box: list[Any] = [(choice, None if error is None else describe_error(error))]
             torch.distributed.broadcast_object_list(box, src=0)
             choice, failed = box[0]
-            if error is not None:
-                raise error
-            if failed is not None:
+            if failed is not None:  # rank 0's error, on every rank; another rank's own error yields to rank 0's choice
+                if error is not None and self.global_rank == 0:
+                    raise error
                 raise rebuild_error(failed, where="AutoStrategy on rank 0: ")
             if self.policy == "measure":
                 choice = self._measure(model, choice)
         assert choice is not None
-        name = choice.strategy
         self._record(choice)
+        self._chosen_for = weakref.ref(model)
+        self._use(choice, model, trainer)
+
+    @override
+    def __getstate__(self) -> dict[str, Any]:
+        # a weak reference cannot be pickled (a spawning launcher pickles the strategy): a copy chooses afresh
+        state = super().__getstate__()
+        state["_chosen_for"] = None
+        return state
+
+    def _use(self, choice: StrategyChoice, model: pl.LightningModule, trainer: pl.Trainer) -> None:
+        """Keep this strategy (data parallel chosen) or swap the Trainer's for the one ``choice`` names."""
+        name = choice.strategy
         if name in ("ddp", "auto"):
             self.chosen = self
             return

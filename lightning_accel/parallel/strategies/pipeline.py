@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -21,6 +22,7 @@ from lightning_accel.parallel.estimate import default_microbatches
 from lightning_accel.parallel.pipeline import (
     PipelineRunner,
     batch_tensors,
+    check_no_sync_batchnorm,
     check_stages_train,
     find_pipeline_modules,
     join_outputs,
@@ -36,8 +38,10 @@ from lightning_accel.parallel.strategies._helpers import (
     gather_batch,
     keyword_defaults,
     keyword_names,
+    leading_rows,
     named_optimizer_state,
     optimizers_to_device,
+    own_predictions,
     precision_name,
     raw_optimizer,
 )
@@ -133,10 +137,13 @@ class PipelineStrategy(DDPStrategy):
     ``predict`` runs the batch through the pipeline like an evaluation step; the last stage calls ``predict_step``
     on each micro-batch's output, the micro-batches' predictions are joined
     (:func:`~lightning_accel.parallel.pipeline.join_outputs`), moved to the CPU and returned on every rank of the
-    pipeline (with ``batch_split="data_parallel"``: every rank of a pipeline read the same batch).
+    pipeline (with ``batch_split="data_parallel"``: every rank of a pipeline read the same batch; with
+    ``batch_split="world"`` each rank gets the predictions of the rows it read, as under DDP).
 
     Not supported: ``16-mixed`` (its GradScaler would unscale after the stage-wise clipping; use ``bf16-mixed``),
-    ``predict`` with ``batch_split="world"``, manual optimization.
+    manual optimization, ``nn.SyncBatchNorm`` in a ``fit`` (it syncs over every rank in each training forward while a
+    stage runs on one rank: refused at setup, on every rank) and any other module that runs a collective over every
+    rank in its forward (nothing can detect one before it waits).
     """
 
     strategy_name = "pipeline"
@@ -180,6 +187,7 @@ class PipelineStrategy(DDPStrategy):
         self._predicted: dict[int, Any] = {}  # predict: each micro-batch's `predict_step` output (last stage)
         self._grads: list[torch.Tensor | None] = []
         self._clip_patch: Patch | None = None
+        self._local_rows = 0  # `batch_split="world"`: the rows this rank read of the batch its pipeline gathered
 
     @classmethod
     @override
@@ -206,6 +214,8 @@ class PipelineStrategy(DDPStrategy):
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         batch = super().batch_to_device(batch, device, dataloader_idx)
         if self.batch_split == "world" and self.runner is not None:
+            # this rank's rows: `predict_step` hands back its own share of the gathered batch's predictions
+            self._local_rows = leading_rows(batch)
             batch = gather_batch(batch, self.runner.pp_group)
         return batch
 
@@ -229,6 +239,13 @@ class PipelineStrategy(DDPStrategy):
         if not module.automatic_optimization:
             raise ValueError("PipelineStrategy needs automatic optimization (`self.automatic_optimization = True`).")
         fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            # before any forward (the split measures one): a stage's `SyncBatchNorm` syncs in training only, and the
+            # rank running it would wait forever for the ranks running other stages; every rank refuses alike
+            try:
+                check_no_sync_batchnorm(module, model=f"`{type(module).__name__}`")
+            except ValueError as e:
+                raise ValueError(f"PipelineStrategy: {e}") from None
         runner = _RUNNERS.get(module)
         if runner is None:
             self.runner = _RUNNERS[module] = self._split(module, fitting)
@@ -455,14 +472,10 @@ class PipelineStrategy(DDPStrategy):
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        """The batch's predictions on every rank of this pipeline (see the class notes), on the CPU."""
+        """The batch's predictions on every rank of this pipeline (see the class notes), on the CPU; with
+        ``batch_split="world"`` each rank's share of them, the rows of the batch it read (as under DDP)."""
         runner = self.runner
         assert runner is not None, "PipelineStrategy.setup builds the pipeline"
-        if self.batch_split != "data_parallel":
-            raise ValueError(
-                f"PipelineStrategy(batch_split={self.batch_split!r}) cannot `predict`: each rank's predictions would "
-                "be those of the batch its pipeline gathered. Predict with `batch_split='data_parallel'` (the default)."
-            )
         self._predicted = {}
         with self.precision_plugin.predict_step_context():
             self._run("predict_step", args[0], args[1] if len(args) > 1 else kwargs.get("batch_idx", 0), train=False)
@@ -473,6 +486,8 @@ class PipelineStrategy(DDPStrategy):
         self._predicted = {}
         src = runner.layout.rank_of(runner.layout.num_stages - 1, runner.replica)
         torch.distributed.broadcast_object_list(payload, src=src, group=runner.pp_group)
+        if self.batch_split == "world":  # the pipeline ran its ranks' batches gathered: keep this rank's rows
+            return own_predictions(payload[0], self._local_rows, runner.pp_group)
         return payload[0]
 
     @override
@@ -546,6 +561,25 @@ class PipelineStrategy(DDPStrategy):
             g["params"].sort(key=place)  # stable: a name the model does not list keeps its place after the others
         merged["state"] = {k: merged["state"][k] for k in sorted(merged["state"], key=place)}
         return merged
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """The full checkpoint at ``checkpoint_path``, read on every rank (each keeps its stage's part on load).
+
+        Raises:
+            ValueError: ``checkpoint_path`` is a folder (a sharded ``torch.distributed.checkpoint``, as
+                ``ShardedStrategy(save_distributed_checkpoint=True)`` saves), which the pipeline cannot read; every
+                rank raises alike.
+        """
+        if os.path.isdir(os.fspath(checkpoint_path)):
+            # the CheckpointIO would fail with "Is a directory", naming neither the format nor the way out
+            raise ValueError(
+                f"PipelineStrategy cannot resume from `{checkpoint_path}`: it is a folder (a sharded "
+                "torch.distributed.checkpoint, as `ShardedStrategy(save_distributed_checkpoint=True)` saves), and the "
+                "pipeline reads full checkpoint files. Resume it with `ShardedStrategy`, or save with "
+                "`save_distributed_checkpoint=False` (the default) for a file any plan resumes from."
+            )
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

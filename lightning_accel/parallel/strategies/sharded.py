@@ -33,8 +33,10 @@ from lightning_accel.parallel.plans import (
 from lightning_accel.parallel.strategies._helpers import (
     BATCH_SPLITS,
     gather_batch,
+    leading_rows,
     named_optimizer_state,
     optimizers_to_device,
+    own_predictions,
     precision_name,
     raw_optimizer,
 )
@@ -104,7 +106,8 @@ class ShardedStrategy(ModelParallelStrategy):
         batch_split: ``"data_parallel"`` (Lightning's rule: the ranks of a tensor-parallel group read the same batch,
             so the global batch is ``data_parallel_size x batch_size``) or ``"world"`` (the sampler splits over every
             rank, as DDP's, and each tensor-parallel group gathers its ranks' batches: the global batch and the steps
-            per epoch are those of DDP on the same Trainer; what ``AutoStrategy`` uses).
+            per epoch are those of DDP on the same Trainer; what ``AutoStrategy`` uses; ``predict`` returns each
+            rank the predictions of the rows it read).
         distributed_checkpoint: deprecated name of ``save_distributed_checkpoint`` (same values).
         **kwargs: ``process_group_backend``, ``timeout`` for ``ModelParallelStrategy``.
     """
@@ -173,6 +176,7 @@ class ShardedStrategy(ModelParallelStrategy):
         self.reshard_after_forward = reshard_after_forward
         self.batch_split = batch_split
         self.applied: dict[str, Any] = {}  # what setup did: {"tp": plan, "tp_coverage": ..., "fsdp_units": n}
+        self._local_rows = 0  # `batch_split="world"`: the rows this rank read of the batch its group gathered
         self._clip_patch: Patch | None = None
 
     @override
@@ -226,8 +230,22 @@ class ShardedStrategy(ModelParallelStrategy):
         if self.batch_split == "world" and self.device_mesh is not None:
             tp_mesh = self.device_mesh["tensor_parallel"]
             if tp_mesh.size() > 1:
+                # this rank's rows: `predict_step` hands back its own share of the gathered batch's predictions
+                self._local_rows = leading_rows(batch)
                 batch = gather_batch(batch, tp_mesh.get_group())
         return batch
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The LightningModule's ``predict_step``; with ``batch_split="world"`` and tensor parallelism, this rank's
+        share of its predictions: the rows of the batch it read of the batch its group gathered (as under DDP), so
+        no sample is predicted twice (see :func:`~lightning_accel.parallel.strategies._helpers.own_predictions`)."""
+        out = super().predict_step(*args, **kwargs)
+        if self.batch_split == "world" and self.device_mesh is not None:
+            tp_mesh = self.device_mesh["tensor_parallel"]
+            if tp_mesh.size() > 1:
+                out = own_predictions(out, self._local_rows, tp_mesh.get_group())
+        return out
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
