@@ -54,6 +54,7 @@ __all__ = [
     "ConfigError",
     "SaveConfigBesideLogs",
     "VersionRichProgressBar",
+    "check_trainer_values",
     "config_error",
     "main",
 ]
@@ -682,8 +683,14 @@ class AccelCLI(LightningCLI):
 
     @override
     def before_instantiate_classes(self) -> None:
+        """Refuse a malformed Trainer value (:func:`check_trainer_values`) before the model, the data and the Trainer
+        are built, and put back a ``ckpt_path`` hidden from LightningCLI's own read."""
+        sub = self.config.get("subcommand")
+        trainer = (self.config[sub] if sub else self.config).get("trainer")
+        if trainer is not None:
+            check_trainer_values(trainer.as_dict() if hasattr(trainer, "as_dict") else dict(trainer))
         if self._hidden_ckpt_path is not None:
-            self.config[self.config["subcommand"]]["ckpt_path"] = self._hidden_ckpt_path
+            self.config[sub]["ckpt_path"] = self._hidden_ckpt_path
 
     @override
     def instantiate_classes(self) -> None:
@@ -828,6 +835,97 @@ def _trainer_flag_error(config: dict[str, Any]) -> ConfigError | None:
     if isinstance(strategy, str) and strategy.lower() != "auto" and strategy.lower() not in StrategyRegistry:
         return _strategy_name_error(strategy)
     return _precision_conflict_error(config.get("precision"), config.get("plugins"))
+
+
+# the forms `devices` takes, shown in every refusal of it
+_DEVICES_FORMS = (
+    "a positive int (how many devices, or processes on CPU: `--trainer.devices=2`), a list of device indices "
+    "(`--trainer.devices=[0,1]`), -1 for every device, or 'auto'"
+)
+
+
+def _parse_devices(value: Any) -> int | list[int] | None:
+    """``value`` of ``trainer.devices`` as Lightning reads it (``"2"`` -> 2, ``"0,1"`` -> ``[0, 1]``, ``"-1"`` -> -1),
+    or None when it is no form of a device count or list (``"abc"``, ``"1.5"``, ``-3``, ``0``, ``[]``, ``[0, 0]``)."""
+    parsed: Any = value
+    if isinstance(value, str):
+        text = value.strip()
+        if re.fullmatch(r"-?\d+", text):
+            parsed = int(text)
+        elif re.fullmatch(r"\d+(\s*,\s*\d+)*\s*,?", text):  # Lightning's `"0,1"` and `"1,"` (device index 1)
+            parsed = [int(x) for x in text.split(",") if x.strip()]
+        else:
+            return None
+    if isinstance(parsed, bool):
+        return None
+    if isinstance(parsed, int):
+        return parsed if parsed > 0 or parsed == -1 else None
+    if isinstance(parsed, (list, tuple)):
+        ok = (
+            parsed
+            and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in parsed)
+            and len(set(parsed)) == len(parsed)
+        )
+        return list(parsed) if ok else None
+    return None
+
+
+def _runs_on_cpu(accelerator: Any) -> bool:
+    """True when ``trainer.accelerator`` is the CPU: ``cpu``, a ``CPUAccelerator`` class config, or ``auto`` on a
+    machine where Lightning finds no other accelerator (its ``auto`` order: TPU, MPS, CUDA, then CPU)."""
+    from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator, MPSAccelerator, XLAAccelerator
+
+    if isinstance(accelerator, CPUAccelerator):
+        return True
+    if isinstance(accelerator, dict) and isinstance(accelerator.get("class_path"), str):
+        cls = _import_class(accelerator["class_path"])
+        return cls is not None and issubclass(cls, CPUAccelerator)
+    if not isinstance(accelerator, str):
+        return False
+    if accelerator.lower() == "cpu":
+        return True
+    return accelerator.lower() == "auto" and not any(
+        a.is_available() for a in (XLAAccelerator, MPSAccelerator, CUDAAccelerator)
+    )
+
+
+def check_trainer_values(trainer: dict[str, Any]) -> None:
+    """Refuse a ``trainer`` config value that Lightning would refuse late or not at all, naming the key, the value,
+    what is expected and the fix.
+
+    Lightning refused ``devices: abc`` (and ``1.5``, ``-3``, ``[0,x]``) only once the model and the data were built,
+    with ``TypeError: `devices` selected with `CPUAccelerator` should be an int > 0.``, which names neither the key
+    nor the value; ``num_nodes: 0`` without the key; and it took ``accumulate_grad_batches: 0`` and ended the first
+    step in a ``ZeroDivisionError`` traceback.
+
+    Args:
+        trainer: the ``trainer`` section of the parsed config, as a dict.
+
+    Raises:
+        ConfigError: for the first refused value, keyed ``trainer.<name>``.
+    """
+    devices = trainer.get("devices", "auto")
+    if devices is not None and devices != "auto":
+        parsed = _parse_devices(devices)
+        if parsed is None:
+            raise ConfigError(
+                "trainer.devices",
+                f"{devices!r} is not a number of devices or a list of them: expected {_DEVICES_FORMS}.",
+            )
+        if (parsed == -1 or isinstance(parsed, list)) and _runs_on_cpu(trainer.get("accelerator", "auto")):
+            raise ConfigError(
+                "trainer.devices",
+                f"{devices!r} {'selects every device' if parsed == -1 else 'selects device indices'}, which the CPU "
+                "accelerator does not take: on CPU `devices` is the number of processes, a positive int "
+                "(`--trainer.devices=2`), or 'auto'.",
+            )
+    for name, fix in (("num_nodes", 1), ("accumulate_grad_batches", 1)):
+        value = trainer.get(name, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(
+                f"trainer.{name}",
+                f"{value!r} is not a positive int: expected 1 or more (e.g. `--trainer.{name}={fix}`, the default).",
+            )
 
 
 class VersionRichProgressBar(RichProgressBar):

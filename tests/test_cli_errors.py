@@ -713,3 +713,79 @@ def test_the_tools_refuse_shortened_options(
     assert exc.value.code == 2
     assert f"unrecognized arguments: {unknown}" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+_DEVICES_FORMS = (
+    "expected a positive int (how many devices, or processes on CPU: `--trainer.devices=2`), a list of device indices "
+    "(`--trainer.devices=[0,1]`), -1 for every device, or 'auto'."
+)
+
+
+@pytest.mark.parametrize(
+    ("option", "expected"),
+    [
+        (
+            "--trainer.devices=abc",
+            f"trainer.devices: 'abc' is not a number of devices or a list of them: {_DEVICES_FORMS}",
+        ),
+        (
+            "--trainer.devices=1.5",
+            f"trainer.devices: '1.5' is not a number of devices or a list of them: {_DEVICES_FORMS}",
+        ),
+        (
+            "--trainer.devices=-3",
+            f"trainer.devices: '-3' is not a number of devices or a list of them: {_DEVICES_FORMS}",
+        ),
+        ("--trainer.devices=0", f"trainer.devices: '0' is not a number of devices or a list of them: {_DEVICES_FORMS}"),
+        (
+            "--trainer.devices=[0,x]",
+            f"trainer.devices: '[0,x]' is not a number of devices or a list of them: {_DEVICES_FORMS}",
+        ),
+        (
+            "--trainer.devices=[0,1]",
+            "trainer.devices: [0, 1] selects device indices, which the CPU accelerator does not take: on CPU `devices` "
+            "is the number of processes, a positive int (`--trainer.devices=2`), or 'auto'.",
+        ),
+        (
+            "--trainer.num_nodes=0",
+            "trainer.num_nodes: 0 is not a positive int: expected 1 or more (e.g. `--trainer.num_nodes=1`, the "
+            "default).",
+        ),
+        (
+            "--trainer.accumulate_grad_batches=0",
+            "trainer.accumulate_grad_batches: 0 is not a positive int: expected 1 or more (e.g. "
+            "`--trainer.accumulate_grad_batches=1`, the default).",
+        ),
+    ],
+    ids=["word", "fraction", "negative", "zero", "bad-list", "indices-on-cpu", "no-nodes", "no-accumulation"],
+)
+def test_a_malformed_trainer_value_is_refused_before_anything_is_built(
+    option: str, expected: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Lightning refused `devices=abc` once the model and the data were built, with a line naming neither the key nor
+    # the value (`devices` selected with `CPUAccelerator` should be an int > 0.), and ran `accumulate_grad_batches=0`
+    # into a ZeroDivisionError traceback at the first step
+    built: list[str] = []
+
+    def instantiate_classes(self: object) -> None:  # stands in for building the model, the data and the Trainer
+        built.append("classes")
+
+    monkeypatch.setattr("lightning_accel.cli.AccelCLI.instantiate_classes", instantiate_classes)
+    line = _one_line_error([*_BORING, "--trainer.accelerator=cpu", option], capsys)
+    assert line == f"lightning-accel: error: {expected}"
+    assert built == []
+
+
+@pytest.mark.parametrize("devices", ["2", "auto", "1,"])
+def test_a_well_formed_devices_value_is_not_refused(devices: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    built: list[str] = []
+
+    def instantiate_classes(self: object) -> None:
+        built.append("classes")
+        raise RuntimeError("stop before building")
+
+    monkeypatch.setattr("lightning_accel.cli.AccelCLI.instantiate_classes", instantiate_classes)
+    accelerator = "cuda" if devices == "1," else "cpu"  # device indices are for an accelerator with devices
+    with pytest.raises(RuntimeError, match="stop before building"):
+        main([*_BORING, f"--trainer.accelerator={accelerator}", f"--trainer.devices={devices}"])
+    assert built == ["classes"]

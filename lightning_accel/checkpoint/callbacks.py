@@ -49,7 +49,7 @@ from lightning_accel._utils.rank import ErrorDescription, describe_error, rebuil
 from lightning_accel.checkpoint.lock import CheckpointDirectoryLockedError
 from lightning_accel.checkpoint.plugin import DeltaCheckpointIO
 from lightning_accel.checkpoint.reader import resolve_last
-from lightning_accel.checkpoint.store import split_path, store_dir
+from lightning_accel.checkpoint.store import relative_to, split_path, store_dir
 
 __all__ = [
     "CheckpointGuard",
@@ -264,13 +264,15 @@ class DeltaModelCheckpoint(ModelCheckpoint):
         (``best_k_models``, ``best_model_path``, ``kth_best_model_path``, ``last_model_path``), those of the other
         checkpoint callbacks on the same directory, the resumed checkpoint and every plain ``last.ckpt``. A
         candidate must be a manifest this plugin wrote (recognised by its bytes: any other file is left alone) whose
-        name this callback's ``filename`` or ``last`` template produces. It is removed when it is older than the
-        resumed checkpoint (a removal the killed run never made), or newer when the run resumes from a ``last``
-        checkpoint (saves of later steps made after that ``last.ckpt``: the resumed run saves those steps again; a
-        save of the resumed step itself, which a callback after the one writing ``last.ckpt`` makes, is kept). Newer
-        ones are kept when resuming from an older step checkpoint on purpose. With ``save_top_k=-1`` (keep every
-        checkpoint) Lightning removes nothing, so no older checkpoint is a removal it missed: only the newer ones go.
-        Their blobs go after the store's ``gc_grace_s``.
+        name this callback's ``filename`` or ``last`` template produces; a ``filename`` with a ``/`` saves into
+        subdirectories of ``dirpath``, whose manifests are candidates by their path below it (only in a subdirectory
+        with a blob store of its own: a folder without one holds nothing this plugin wrote). It is removed when it
+        is older than the resumed checkpoint (a removal the killed run never made), or newer when the run resumes
+        from a ``last`` checkpoint (saves of later steps made after that ``last.ckpt``: the resumed run saves those
+        steps again; a save of the resumed step itself, which a callback after the one writing ``last.ckpt`` makes,
+        is kept). Newer ones are kept when resuming from an older step checkpoint on purpose. With
+        ``save_top_k=-1`` (keep every checkpoint) Lightning removes nothing, so no older checkpoint is a removal it
+        missed: only the newer ones go. Their blobs go after the store's ``gc_grace_s``.
 
         Returns:
             The checkpoints removed (or found, with ``keep_orphans``).
@@ -302,8 +304,10 @@ class DeltaModelCheckpoint(ModelCheckpoint):
         keeps_all = self.save_top_k == -1
         resumed_step = trainer.global_step  # restored from the resumed checkpoint before training starts
         found = []
-        for url, created in store.untracked_manifests(directory, tracked):
-            name = posixpath.basename(url)
+        # a `filename` with a `/` (`{epoch}-{val/loss:.2f}`) saves into subdirectories: matched by the path below
+        # `dirpath`, as the callback's templates write it
+        for url, created in store.untracked_manifests(directory, tracked, subdirectories=True):
+            name = relative_to(url, directory)
             if name == plain_last or not any(p.fullmatch(name) for p in made_here):
                 continue
             # A newer save of the resumed step is this callback's own, made after the one writing `last.ckpt` took
@@ -312,9 +316,18 @@ class DeltaModelCheckpoint(ModelCheckpoint):
                 created < resumed_at and not keeps_all
             ):
                 found.append(url)
+        if not self.keep_orphans:
+            # a subdirectory another live writer holds is its to change: its checkpoints are left, and the fit goes on
+            held: set[str] = set()
+            for sub in {split_path(u)[0] for u in found} - {directory}:
+                try:
+                    store.claim(sub)
+                except CheckpointDirectoryLockedError:
+                    held.add(sub)
+            found = [u for u in found if split_path(u)[0] not in held]
         if not found:
             return []
-        names = ", ".join(posixpath.basename(u) for u in found[:6]) + (" ..." if len(found) > 6 else "")
+        names = ", ".join(relative_to(u, directory) for u in found[:6]) + (" ..." if len(found) > 6 else "")
         count = f"{len(found)} checkpoint" + ("s" if len(found) != 1 else "")
         where = f"{directory} (resumed from {posixpath.basename(str(ckpt_path))})"
         if self.keep_orphans:

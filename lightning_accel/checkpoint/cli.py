@@ -9,9 +9,9 @@
   ``ModelCheckpoint`` state of its newest ``last*.ckpt`` does not track (a killed run's leftovers; only ``*.ckpt``
   manifests this plugin wrote, never another file), then the blobs nothing references for ``S`` seconds (default: the
   store's ``gc_grace_s``). Subdirectories of ``DIR`` with a blob store of their own (checkpoints saved by a
-  ``filename`` with a ``/``) have their unreferenced blobs collected too. ``--dry-run`` lists what would go and
-  removes nothing. Takes the writer lock of each directory it collects: refused while a run writes there. Prints one
-  JSON object.
+  ``filename`` with a ``/``) are treated the same way; one left with nothing but the store's own files is removed.
+  ``--dry-run`` lists what would go and removes nothing. Takes the writer lock of each directory it collects: refused
+  while a run writes there. Prints one JSON object.
 - ``export PATH OUT [--overwrite] [--storage-options JSON]``: write a plain ``torch.save`` checkpoint that
   ``torch.load`` and Lightning's ``TorchCheckpointIO`` open; an existing ``OUT`` is refused unless ``--overwrite``,
   and ``OUT`` = ``PATH`` always, as is an ``OUT`` that names no file (empty, or ending with ``/``).
@@ -42,7 +42,7 @@ from lightning_accel._utils.cliargs import json_object_arg
 from lightning_accel._utils.errors import one_line
 from lightning_accel.checkpoint.manifest import CheckpointCorruptError, NotADeltaCheckpointError
 from lightning_accel.checkpoint.reader import read_checkpoint_with, resolve_last
-from lightning_accel.checkpoint.store import BLOB_DIR, DeltaStore, check_export_target, store_dir
+from lightning_accel.checkpoint.store import BLOB_DIR, DeltaStore, check_export_target, split_path, store_dir
 
 __all__ = ["collect", "main"]
 
@@ -164,17 +164,24 @@ def collect(store: DeltaStore, directory: str, *, dry_run: bool = False) -> dict
     the directory saved it in the same step, after ``last.ckpt`` recorded the callbacks' state.
 
     Subdirectories of ``directory`` (at any depth, not through symlinks) that hold a blob store of their own (a
-    ``filename`` with a ``/`` saves into one) have their unreferenced blobs collected too, after the same grace period
-    and under their own writer lock; their checkpoints are not removed.
+    ``filename`` with a ``/`` saves into one) are treated the same way: their untracked checkpoints are removed and
+    their unreferenced blobs collected, after the same grace period and under their own writer lock. A subdirectory
+    left with nothing but the store's own files (``.delta_blobs`` with its lock, no blob) is removed, then the empty
+    folders that led to it; one that holds anything else (a user's file, a blob in its grace period) is kept whole.
+
+    Every directory it writes is locked before anything is removed: one that a live run holds refuses the whole
+    collection, which then removes nothing.
 
     Returns:
         ``{"path", "dry_run", "last", "tracked", "untracked", "removed", "blobs_deleted", "subdirectories",
-        "pending", "note"?}`` (``subdirectories``: those collected, relative to ``directory``; ``blobs_deleted``
-        and ``pending`` count them in).
+        "emptied", "pending", "note"?}`` (checkpoints and ``subdirectories``, those collected, relative to
+        ``directory``; ``emptied``: the subdirectories removed; ``blobs_deleted`` and ``pending`` count them in;
+        ``emptied`` and ``pending`` only without ``dry_run``).
 
     Raises:
         FileNotFoundError: ``directory`` does not exist (nothing is created: a mistyped path is not a clean one).
         NotADirectoryError: ``directory`` is a file.
+        CheckpointDirectoryLockedError: a live writer holds ``directory`` or one of the subdirectories.
     """
     root = store_dir(directory)
     # Checked before anything resolves or locks it: taking the writer lock would create a mistyped directory and
@@ -217,7 +224,7 @@ def collect(store: DeltaStore, directory: str, *, dry_run: bool = False) -> dict
         for s in states:
             tracked |= compat.model_checkpoint_tracked(s)
         tracked.add(last)
-    found = [] if note else store.untracked_manifests(root, tracked)
+    found = [] if note else store.untracked_manifests(root, tracked, subdirectories=True)
     if found and last is not None:
         # Another ModelCheckpoint on this directory that saves after the one writing `last.ckpt` (callbacks save in
         # order) wrote its newest checkpoint at the same step, after `last.ckpt` took the callbacks' state: a kept
@@ -229,8 +236,8 @@ def collect(store: DeltaStore, directory: str, *, dry_run: bool = False) -> dict
         "path": root,
         "dry_run": dry_run,
         "last": last,
-        "tracked": sorted(os.path.basename(t) for t in tracked),
-        "untracked": [posixpath.basename(u) for u in untracked],
+        "tracked": sorted(_relative(t, root) for t in tracked),
+        "untracked": [_relative(u, root) for u in untracked],
         "removed": [],
         "blobs_deleted": 0,
     }
@@ -239,18 +246,30 @@ def collect(store: DeltaStore, directory: str, *, dry_run: bool = False) -> dict
     has_store = store.fs.isdir(posixpath.join(root, BLOB_DIR))
     # Checkpoints saved under a `filename` with a `/` (`{epoch}-{val/loss:.2f}`) live in subdirectories, each with its
     # own blob store beside them: the blobs of those `save_top_k` removed wait there for a collection too.
-    below = _blob_stores_below(store, root)
-    out["subdirectories"] = [posixpath.relpath(d, root) if is_local_url(root) else d[len(root) + 1 :] for d in below]
+    below = store.blob_stores_below(root)
+    out["subdirectories"] = [_relative(d, root) for d in below]
+    if not dry_run:  # which subdirectories end up empty depends on the blobs the collection deletes: not foretold
+        out["emptied"] = []
+    in_root = [u for u in untracked if split_path(u)[0] == root]
     if not dry_run and (untracked or has_store or below):
         try:
-            deleted = 0
-            if untracked or has_store:
-                deleted = store.remove_checkpoints(untracked) if untracked else store.collect_garbage(root)
+            # every directory this collection writes, locked first: one a live run holds refuses it before any removal
+            for d in [*([root] if in_root or has_store else []), *below]:
+                store.claim(d)
+            deleted = store.remove_checkpoints(untracked) if untracked else 0
+            if has_store and not in_root:
+                deleted += store.collect_garbage(root)
             out["removed"] = out["untracked"]
             pending = len(store.pending_deletions(root)) if has_store else 0
             for sub in below:
                 deleted += store.collect_garbage(sub)
                 pending += len(store.pending_deletions(sub))
+            # the deepest first: a subdirectory's own subdirectory may be all that keeps it
+            for sub in sorted(below, reverse=True):
+                if store.remove_if_emptied(sub):
+                    out["emptied"].append(_relative(sub, root))
+                    _remove_empty_parents(sub, root)
+            out["emptied"].sort()
             out["blobs_deleted"] = deleted
             out["pending"] = pending
         finally:
@@ -262,22 +281,28 @@ def collect(store: DeltaStore, directory: str, *, dry_run: bool = False) -> dict
     return out
 
 
-def _blob_stores_below(store: DeltaStore, root: str) -> list[str]:
-    """The subdirectories of ``root``, at any depth, that hold a blob store (``.delta_blobs``), sorted; not inside a
-    blob store, and (locally) not through a symlink, which may lead out of ``root`` or back into it."""
-    found: set[str] = set()
-    if is_local_url(root):
-        top = strip_file_scheme(root)
-        for d, dirs, _ in os.walk(top):
-            if d != top and BLOB_DIR in dirs and not os.path.islink(os.path.join(d, BLOB_DIR)):
-                found.add(d)
-            dirs[:] = [x for x in dirs if x != BLOB_DIR and not os.path.islink(os.path.join(d, x))]
-    else:
-        for rel in store.fs.find(root):
-            parts = rel.split("/")
-            if BLOB_DIR in parts[:-1] and (i := parts.index(BLOB_DIR)) > 0:
-                found.add(posixpath.join(root, *parts[:i]))
-    return sorted(found)
+def _relative(path: str, root: str) -> str:
+    """``path`` relative to ``root`` when it lies below it (``/``-separated), else its file name."""
+    if is_local_url(root) and is_local_url(path):
+        rel = os.path.relpath(strip_file_scheme(path), strip_file_scheme(root))
+        return os.path.basename(path) if rel.startswith("..") else rel.replace(os.sep, "/")
+    top = root.rstrip("/") + "/"
+    return path[len(top) :] if path.startswith(top) else posixpath.basename(path.rstrip("/"))
+
+
+def _remove_empty_parents(sub: str, root: str) -> None:
+    """Remove the folders between ``root`` and the removed ``sub`` that are left empty (made for ``sub`` by a
+    ``filename`` with more than one ``/``); an object store has no folders to remove."""
+    if not is_local_url(root):
+        return
+    top = os.path.realpath(strip_file_scheme(root))
+    d = os.path.dirname(strip_file_scheme(sub))
+    while os.path.realpath(d) != top and os.path.realpath(d).startswith(top + os.sep):
+        try:
+            os.rmdir(d)  # only an empty folder: anything in it keeps it
+        except OSError:
+            return
+        d = os.path.dirname(d)
 
 
 def _keeps_all(state: Mapping[str, Any]) -> bool:

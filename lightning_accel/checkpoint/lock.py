@@ -313,14 +313,23 @@ class DirectoryLock:
             err, self.lost, self._held = self.lost, None, False
             raise err
 
-    def release(self) -> None:
-        """Give the lock up (idempotent). The lease object is deleted only while it is still ours."""
+    def release(self, *, remove: bool = False) -> None:
+        """Give the lock up (idempotent). The lease object is deleted only while it is still ours.
+
+        Args:
+            remove: local directories: delete the lock file too (it is unlinked while still held, so no other writer
+                can hold it at that moment; one that comes later makes a new file). Object stores always delete the
+                lease object.
+        """
         if not self._held:
             return
         self._held = False
         if self._fd is not None:
             import fcntl
 
+            if remove:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(strip_file_scheme(self.url))
             with contextlib.suppress(OSError):
                 os.ftruncate(self._fd, 0)  # an empty lock file: released cleanly
                 fcntl.flock(self._fd, fcntl.LOCK_UN)

@@ -66,7 +66,7 @@ from lightning_accel._utils.forksafe import ForkSafeLock, PerProcess
 from lightning_accel._utils.fs import FileStore
 from lightning_accel._utils.paths import safe_join
 from lightning_accel.checkpoint import codec, policy
-from lightning_accel.checkpoint.lock import CheckpointDirectoryLockedError, DirectoryLock, prepare_directory
+from lightning_accel.checkpoint.lock import LOCK_NAME, CheckpointDirectoryLockedError, DirectoryLock, prepare_directory
 from lightning_accel.checkpoint.manifest import (
     BLOB_DIR,
     COPY_SUFFIX,
@@ -1199,25 +1199,114 @@ class DeltaStore:
                 data = self.fs.read(target) if data is None else data
                 self.fs.write(link, data)  # os.replace swaps the link for a real manifest
 
-    def untracked_manifests(self, directory: str | os.PathLike[str], tracked: Iterable[str]) -> list[tuple[str, float]]:
-        """The manifests of ``directory`` (recognised by their first bytes: never another file) whose names are not
-        in ``tracked`` (names, paths or URLs; compared by file name), as ``(url, created)``, oldest first. Symlinks and
-        damaged manifests are left out (never removed by a reconciliation).
+    def untracked_manifests(
+        self, directory: str | os.PathLike[str], tracked: Iterable[str], *, subdirectories: bool = False
+    ) -> list[tuple[str, float]]:
+        """The manifests of ``directory`` (recognised by their first bytes: never another file) that ``tracked`` does
+        not name, as ``(url, created)``, oldest first. Symlinks and damaged manifests are left out (never removed by a
+        reconciliation).
+
+        Args:
+            directory: the checkpoint directory.
+            tracked: names, paths or URLs of the tracked checkpoints. One names a manifest when it ends with the
+                manifest's path relative to ``directory`` (its name, for one directly inside), so a directory read
+                from another mount point or URL still matches.
+            subdirectories: also the manifests of the subdirectories of ``directory`` that hold a blob store of their
+                own (:meth:`blob_stores_below`: a ``filename`` with a ``/`` saves there); a folder without one holds no
+                checkpoint this plugin wrote.
         """
         directory = store_dir(directory)
-        names = {posixpath.basename(os.fspath(t).rstrip("/")) for t in tracked if t}
+        paths = {os.fspath(t).rstrip("/").replace(os.sep, "/") for t in tracked if t}
+        folders = [directory, *(self.blob_stores_below(directory) if subdirectories else [])]
         out: list[tuple[str, float]] = []
-        for name in self.fs.list_files(directory):
-            url = _listed(directory, name)
-            if url is None or name in names or (is_local_url(url) and os.path.islink(url)):
-                continue
-            try:
-                if not is_manifest_bytes(self.fs.head(url, 128)):
+        for folder in folders:
+            prefix = relative_to(folder, directory)
+            for name in self.fs.list_files(folder):
+                url = _listed(folder, name)
+                rel = f"{prefix}/{name}" if prefix else name
+                if url is None or any(t == rel or t.endswith(f"/{rel}") for t in paths):
                     continue
-                out.append((url, Manifest.from_json(url, self.fs.read(url)).created))
-            except (FileNotFoundError, IsADirectoryError, CheckpointCorruptError):
-                continue
+                if is_local_url(url) and os.path.islink(url):
+                    continue
+                try:
+                    if not is_manifest_bytes(self.fs.head(url, 128)):
+                        continue
+                    out.append((url, Manifest.from_json(url, self.fs.read(url)).created))
+                except (FileNotFoundError, IsADirectoryError, CheckpointCorruptError):
+                    continue
         return sorted(out, key=lambda uc: (uc[1], uc[0]))
+
+    def blob_stores_below(self, root: str | os.PathLike[str]) -> list[str]:
+        """The subdirectories of ``root``, at any depth, that hold a blob store (``.delta_blobs``), sorted; not inside
+        a blob store, and (locally) not through a symlink, which may lead out of ``root`` or back into it."""
+        root = store_dir(root)
+        found: set[str] = set()
+        if is_local_url(root):
+            top = strip_file_scheme(root)
+            for d, dirs, _ in os.walk(top):
+                if d != top and BLOB_DIR in dirs and not os.path.islink(os.path.join(d, BLOB_DIR)):
+                    found.add(d)
+                dirs[:] = [x for x in dirs if x != BLOB_DIR and not os.path.islink(os.path.join(d, x))]
+        else:
+            for rel in self.fs.find(root):
+                parts = rel.split("/")
+                if BLOB_DIR in parts[:-1] and (i := parts.index(BLOB_DIR)) > 0:
+                    found.add(posixpath.join(root, *parts[:i]))
+        return sorted(found)
+
+    def remove_if_emptied(self, directory: str | os.PathLike[str]) -> bool:
+        """Remove what this store made in ``directory`` -- its blob store ``.delta_blobs`` with the writer lock and
+        the empty blob folders -- and then ``directory`` itself, when nothing else is left there: no checkpoint, no
+        blob (one waiting for its grace period included) and no file or folder of anyone else, in which case
+        everything is left as it is.
+
+        Why: a checkpoint subdirectory (a ``filename`` with a ``/``) whose last checkpoint was removed kept the blob
+        store's lock file and folders, and so the subdirectory, for good.
+
+        Returns:
+            True when ``directory`` was removed (on an object store: nothing of the store is left under it).
+
+        Raises:
+            CheckpointDirectoryLockedError: a live writer holds ``directory`` (nothing is removed).
+        """
+        directory = store_dir(directory)
+        blob_root = safe_join(directory, BLOB_DIR)
+        lock_rel = posixpath.relpath(LOCK_NAME, BLOB_DIR)
+        with self._lock:
+            self._writable(directory)  # refused while a live writer holds it; ours while we look and remove
+            if not is_local_url(directory):
+                # Folders are only prefixes: the lease object, deleted on release, is all there may be.
+                left = [rel for rel in self.fs.find(directory) if rel != LOCK_NAME]
+                if left:
+                    return False
+                self._release_lock(directory, remove=True)
+                return True
+            path = strip_file_scheme(directory)
+            blobs = strip_file_scheme(blob_root)
+            if os.path.islink(blobs) or os.listdir(path) != [BLOB_DIR]:
+                return False
+            shards: list[str] = []
+            for d, dirs, files in os.walk(blobs):
+                own = {lock_rel} if d == blobs else set()  # no lock file when the store runs with `lock=False`
+                if any(os.path.islink(os.path.join(d, x)) for x in dirs) or not set(files) <= own:
+                    return False  # a blob, the pending record, a file of someone else's: not empty
+                if d != blobs:
+                    shards.append(d)
+            for d in sorted(shards, reverse=True):  # the deepest first: each is empty once its children went
+                os.rmdir(d)
+            self._release_lock(directory, remove=True)
+            try:
+                os.rmdir(blobs)
+                os.rmdir(path)
+            except OSError:  # a writer made a new lock file meanwhile: its store is no longer empty
+                return False
+            return True
+
+    def _release_lock(self, directory: str, *, remove: bool = False) -> None:
+        """Give up this store's writer lock of ``directory`` (deleting the lock file with ``remove``)."""
+        lk = self._locks.get().pop(directory, None)
+        if lk is not None:
+            lk.release(remove=remove)
 
     def live_keys(self, directory: str) -> set[str]:
         """Blob keys referenced by any manifest in ``directory`` or by this process's chain state."""
@@ -1473,6 +1562,15 @@ def _check_names(path: str, skeleton: Any, listed: set[str], small: set[str]) ->
             f"Checkpoint {path!r}: the manifest lists tensor `{extra[0]}`, which the checkpoint's structure does not "
             "hold — the manifest is damaged."
         )
+
+
+def relative_to(path: str, root: str) -> str:
+    """``path`` relative to ``root`` (a directory at or below it), ``/``-separated; ``""`` for ``root`` itself."""
+    if path == root:
+        return ""
+    if is_local_url(root):
+        return os.path.relpath(strip_file_scheme(path), strip_file_scheme(root)).replace(os.sep, "/")
+    return path[len(root.rstrip("/")) + 1 :]
 
 
 def _listed(directory: str, name: str, *, tmp: bool = False) -> str | None:

@@ -63,7 +63,7 @@ def _same_file(a: str, b: str) -> bool:
 
 def main(argv: list[str] | None = None, prog: str = "lightning-accel tune") -> int:
     """Run ``tune``; 0 on success, 2 with one ``error:`` line on a user mistake, 130 when interrupted (Ctrl-C)."""
-    from lightning_accel.tune.core import DEFAULT_MARGIN
+    from lightning_accel.tune.core import DEFAULT_MARGIN, named_as_flags
     from lightning_accel.tune.tuner import load_job, tune_job
 
     args = build_parser(prog).parse_args(argv)
@@ -75,20 +75,21 @@ def main(argv: list[str] | None = None, prog: str = "lightning-accel tune") -> i
             )
         job = load_job(args.config)
         levers = [s.strip() for s in args.levers.split(",")] if args.levers else None
-        res = tune_job(
-            job,
-            budget=args.budget,
-            out=args.out,
-            allow_batch_change=args.allow_batch_change,
-            margin=DEFAULT_MARGIN if args.margin is None else args.margin,
-            warmup=args.warmup,
-            steps=args.steps,
-            levers=levers,
-            skip=[s.strip() for s in args.skip.split(",")] if args.skip else (),
-            cache_dir=args.cache_dir,
-            use_cache=not args.no_cache,
-            force=args.force,
-        )
+        with named_as_flags():  # its refusals name this command's flags (`--budget`), not tune_job's keywords
+            res = tune_job(
+                job,
+                budget=args.budget,
+                out=args.out,
+                allow_batch_change=args.allow_batch_change,
+                margin=DEFAULT_MARGIN if args.margin is None else args.margin,
+                warmup=args.warmup,
+                steps=args.steps,
+                levers=levers,
+                skip=[s.strip() for s in args.skip.split(",")] if args.skip else (),
+                cache_dir=args.cache_dir,
+                use_cache=not args.no_cache,
+                force=args.force,
+            )
     except (ValueError, TypeError, FileNotFoundError, RuntimeError) as e:
         print(f"{prog}: error: {one_line(e)}", file=sys.stderr)
         return 2

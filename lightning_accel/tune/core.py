@@ -6,7 +6,7 @@ Everything the tuner *decides* lives here so that it can be tested with injected
 * :func:`decide` -- whether a trial's lever is kept (faster by the margin, numerics pass, memory fits);
 * :func:`lever_order` -- which lever is tried first, from the baseline's bottleneck verdict;
 * :func:`fingerprint` and :class:`TuneCache` -- a second tune of the same job is a cache read;
-* :class:`Budget` and :func:`parse_duration` -- the whole tune stays within ``--budget``;
+* :class:`Budget` and :func:`parse_duration` -- the whole tune stays within its ``budget``;
 * :class:`TrialResult` -- one row of the report.
 
 The numerics rule (documented in ``docs/tune.md``): each trial runs on the baseline's seed and batches. Over the first
@@ -19,13 +19,15 @@ Any NaN/inf fails.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import os
 import re
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,12 +42,15 @@ __all__ = [
     "Numerics",
     "TrialResult",
     "TuneCache",
+    "arg_label",
     "canonical_precision",
     "check_numerics",
     "decide",
     "fingerprint",
     "folder_problem",
     "lever_order",
+    "named_arg",
+    "named_as_flags",
     "parse_duration",
     "progress_line",
     "tolerance",
@@ -266,8 +271,8 @@ class TuneCache:
         problem = folder_problem(self.directory)
         if problem is not None:
             raise ValueError(
-                f"`cache_dir` {os.fspath(self.directory)!r} cannot hold the tune cache: {problem}. Pass a folder you "
-                "can write (`--cache-dir`, `cache_dir=`)."
+                f"{named_arg('cache_dir')} {os.fspath(self.directory)!r} cannot hold the tune cache: {problem}. Pass a "
+                f"folder you can write as {named_arg('cache_dir')}."
             )
 
     def load(self, key: str) -> dict[str, Any] | None:
@@ -304,6 +309,41 @@ def folder_problem(folder: str | os.PathLike[str]) -> str | None:
     return None
 
 
+# True while the `lightning-accel tune` command runs the tune: its messages then name the command's flags. A Python
+# caller of `tune(...)` / `tune_job(...)` gave keyword arguments: a flag it never typed would send it looking in vain.
+_NAMED_AS_FLAGS: ContextVar[bool] = ContextVar("lightning_accel_tune_named_as_flags", default=False)
+
+
+@contextlib.contextmanager
+def named_as_flags() -> Iterator[None]:
+    """Within it, messages name the arguments of a tune as the ``lightning-accel tune`` flags (``--budget``,
+    ``--cache-dir``); outside it, as the keyword arguments of :func:`~lightning_accel.tune.tune_job` (``budget``)."""
+    token = _NAMED_AS_FLAGS.set(True)
+    try:
+        yield
+    finally:
+        _NAMED_AS_FLAGS.reset(token)
+
+
+def arg_label(name: str) -> str:
+    """The keyword argument ``name`` of :func:`~lightning_accel.tune.tune_job` as the caller spelled it: the name itself
+    from Python, its flag (``--cache-dir`` for ``cache_dir``) under :func:`named_as_flags`."""
+    return "--" + name.replace("_", "-") if _NAMED_AS_FLAGS.get() else name
+
+
+def named_arg(name: str, value: Any = None, flag_value: Any = None) -> str:
+    """The argument ``name`` for a message, in backticks, with ``value`` when given: ``budget``, ``force=True``,
+    ``skip=['compile']`` from Python; ``--budget``, ``--force`` (a switch takes no value), ``--skip compile`` under
+    :func:`named_as_flags`, where ``flag_value`` (when given) is written in place of ``value``."""
+    label = arg_label(name)
+    if value is None:
+        return f"`{label}`"
+    if _NAMED_AS_FLAGS.get():
+        shown = value if flag_value is None else flag_value
+        return f"`{label}`" if shown is True else f"`{label} {shown}`"
+    return f"`{label}={value!r}`"
+
+
 _UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
 
 
@@ -318,10 +358,12 @@ def parse_duration(text: str | float | int) -> float:
     else:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(s|m|min|h|)\s*", str(text))
         if m is None:
-            raise ValueError(f"`--budget` must be a duration such as 90s, 5m or 1h, got {text!r}.")
+            raise ValueError(f"{named_arg('budget')} must be a duration such as 90s, 5m or 1h, got {text!r}.")
         seconds = float(m.group(1)) * _UNITS[m.group(2)]
     if not seconds > 0:
-        raise ValueError(f"`--budget` must be positive, got {text!r}. Pass e.g. 5m.")
+        raise ValueError(
+            f"{named_arg('budget')} must be positive, got {text!r}. Pass e.g. {named_arg('budget', '5m')}."
+        )
     return seconds
 
 

@@ -41,11 +41,13 @@ from lightning_accel.tune.core import (
     Budget,
     TrialResult,
     TuneCache,
+    arg_label,
     check_numerics,
     decide,
     fingerprint,
     folder_problem,
     lever_order,
+    named_arg,
     parse_duration,
     progress_line,
 )
@@ -302,21 +304,26 @@ def tune_job(
     """
     from lightning_accel._utils.checks import check_bool, check_int, check_number
 
-    check_int("warmup", warmup, low=1)
+    # every message names the argument as the caller gave it: the keyword here, the flag under `lightning-accel tune`
+    check_int(arg_label("warmup"), warmup, low=1)
     # the step time is a median of >= 2 step periods, and a job that saves has one period (its timed save's) left out
-    check_int("steps", steps, low=3, fix="A trial times at least 2 steps besides the one of its checkpoint save.")
-    check_int("k", k, low=1, fix="It is the number of loss steps the numerics check compares.")
-    margin = check_number("margin", margin, low=0, high=1, high_open=True, fix="Pass a fraction such as 0.03.")
-    force = check_bool("force", force)
+    check_int(
+        arg_label("steps"), steps, low=3, fix="A trial times at least 2 steps besides the one of its checkpoint save."
+    )
+    check_int(arg_label("k"), k, low=1, fix="It is the number of loss steps the numerics check compares.")
+    margin = check_number(
+        arg_label("margin"), margin, low=0, high=1, high_open=True, fix="Pass a fraction such as 0.03."
+    )
+    force = check_bool(arg_label("force"), force)
     # a string here ("no", "false") is truthy: it would try the batch lever, skip the cache or print, against the ask
-    allow_batch_change = check_bool("allow_batch_change", allow_batch_change)
-    use_cache = check_bool("use_cache", use_cache)
-    verbose = check_bool("verbose", verbose)
+    allow_batch_change = check_bool(arg_label("allow_batch_change"), allow_batch_change)
+    use_cache = check_bool(arg_label("use_cache"), use_cache)
+    verbose = check_bool(arg_label("verbose"), verbose)
     for name, path in (("out", out), ("cache_dir", cache_dir)):
         if path is not None and not isinstance(path, (str, os.PathLike)):
             example = "the YAML to write, e.g. 'tuned/tuned.yaml'" if name == "out" else "a folder, e.g. 'tune-cache'"
             raise TypeError(
-                f"`{name}` must be a path (str or os.PathLike) or None, got {path!r} ({type(path).__name__}). "
+                f"{named_arg(name)} must be a path (str or os.PathLike) or None, got {path!r} ({type(path).__name__}). "
                 f"Pass {example}."
             )
     levers, skip = _check_levers(levers, skip, allow_batch_change)
@@ -524,24 +531,27 @@ def _check_levers(
     sk = [skip] if isinstance(skip, str) else list(skip)
     if lv is not None and not lv:  # an empty list asks for no lever: not "all of them", which None says
         raise ValueError(
-            f"`levers` must name at least one lever from {', '.join(LEVERS)}, got an empty list. Name the levers to "
-            "try, or leave `levers` out (None) to try all that apply."
+            f"{named_arg('levers')} must name at least one lever from {', '.join(LEVERS)}, got an empty list. Name the "
+            f"levers to try, or leave {named_arg('levers')} out (None) to try all that apply."
         )
     for name in lv or []:
         if name not in LEVERS:
             raise ValueError(
-                f"`levers` must name levers from {', '.join(LEVERS)}, got {name!r}. Fix the name, or leave `levers` "
-                "out to try all that apply."
+                f"{named_arg('levers')} must name levers from {', '.join(LEVERS)}, got {name!r}. Fix the name, or "
+                f"leave {named_arg('levers')} out to try all that apply."
             )
     if lv and "batch" in lv and not allow_batch_change:
         raise ValueError(
-            "`levers` names 'batch', which is tried only with `allow_batch_change=True` (`--allow-batch-change`). "
-            "Allow it, or drop 'batch'."
+            f"{named_arg('levers')} names 'batch', which is tried only with "
+            f"{named_arg('allow_batch_change', True)}. Allow it, or drop 'batch'."
         )
     for word in sk:
         if not isinstance(word, str) or not word:
             kind = TypeError if not isinstance(word, str) else ValueError
-            raise kind(f"`skip` must hold non-empty words of option names, got {word!r}. Pass e.g. ['compile'].")
+            raise kind(
+                f"{named_arg('skip')} must hold non-empty words of option names, got {word!r}. Pass e.g. "
+                f"{named_arg('skip', ['compile'], 'compile')}."
+            )
     return lv, sk
 
 
@@ -683,26 +693,34 @@ def check_outputs(out: str | os.PathLike[str], *, force: bool = False) -> None:
     problem = folder_problem(paths["tuned"].parent)  # the trials' work folder goes beside it too
     if problem is not None:
         raise ValueError(
-            f"`out` {os.fspath(out)!r} cannot be written: {problem}. Pass an `--out` (`out=`) in a folder you can "
-            "write, e.g. tuned/tuned.yaml."
+            f"{named_arg('out')} {os.fspath(out)!r} cannot be written: {problem}. Pass an {named_arg('out')} in a "
+            f"folder you can write, e.g. {named_arg('out', 'tuned/tuned.yaml')}."
         )
     if paths["tuned"].is_dir():
-        raise ValueError(f"`out` {os.fspath(out)!r} is a folder. Pass the path of the YAML to write, e.g. tuned.yaml.")
+        raise ValueError(
+            f"{named_arg('out')} {os.fspath(out)!r} is a folder. Pass the path of the YAML to write, e.g. "
+            f"{named_arg('out', 'tuned.yaml')}."
+        )
     # the reports go beside `out` under fixed names: an `out` of one of them would be overwritten by that report
     clash = next((p.name for k, p in paths.items() if k != "tuned" and p == paths["tuned"]), None)
     if clash is not None:
         raise ValueError(
-            f"`out` {os.fspath(out)!r} is named as the report {clash!r} that `tune` writes beside it, which would "
-            "replace the tuned config. Pass another name, e.g. tuned.yaml."
+            f"{named_arg('out')} {os.fspath(out)!r} is named as the report {clash!r} that `tune` writes beside it, "
+            f"which would replace the tuned config. Pass another name, e.g. {named_arg('out', 'tuned.yaml')}."
         )
     if force:
         return
     for name, path in paths.items():
         if path.exists() and not _written_by_tune(path, name):
-            what = f"`out` {os.fspath(out)!r}" if name == "tuned" else f"the report {os.fspath(path)!r} beside `out`"
+            what = (
+                f"{named_arg('out')} {os.fspath(out)!r}"
+                if name == "tuned"
+                else f"the report {os.fspath(path)!r} beside {named_arg('out')}"
+            )
             raise ValueError(
                 f"{what} is a file `lightning-accel tune` did not write (no {HEADER!r} line / report marker): "
-                "refusing to overwrite it. Pass another `--out` (`out=`) or `--force` (`force=True`) to overwrite it."
+                f"refusing to overwrite it. Pass another {named_arg('out')}, or {named_arg('force', True)} to "
+                "overwrite it."
             )
 
 

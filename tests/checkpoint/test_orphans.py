@@ -286,3 +286,86 @@ def test_a_resume_keeps_a_users_copy_of_a_manifest_whose_name_only_starts_like_a
     for copy in copies:
         assert copy.exists(), copy.name
         assert DeltaStore().verify(copy)["ok"]
+
+
+def _fit_into_subdirectories(tmp_path: Path, ckpt: Path, max_steps: int, resume: bool) -> DeltaModelCheckpoint:
+    """A fit whose ``filename`` holds a ``/``: each checkpoint goes to a subdirectory of its own (``step=5/w.ckpt``),
+    as ``{epoch}-{val/loss:.2f}`` does."""
+    cb = DeltaModelCheckpoint(
+        dirpath=ckpt,
+        filename="{step}/w",
+        every_n_train_steps=1,
+        save_top_k=2,
+        save_last=True,
+        monitor="step",
+        mode="max",
+    )
+    io = DeltaCheckpointIO()
+    io.store.gc_grace_s = 0.0
+    trainer = ckpt_trainer(tmp_path, [io], [cb], max_steps=max_steps, max_epochs=None, limit_val_batches=0)
+    trainer.fit(CheckpointModel(), tiny_loader(), ckpt_path="last" if resume else None)
+    return cb
+
+
+def _plant_in_subdirectories(ckpt: Path) -> dict[str, Path]:
+    """A killed run's checkpoints in subdirectories (with their blob stores), beside files the plugin did not write."""
+    shutil.copytree(ckpt / "step=5", ckpt / "step=0")  # removed long ago: a removal the killed run never made
+    shutil.copytree(ckpt / "step=5", ckpt / "step=9")
+    (ckpt / "step=9" / "notes.txt").write_text("mine")  # a user's file beside a leftover checkpoint
+    (ckpt / "mine").mkdir()  # a user's folder, no blob store: a manifest copied there is the user's
+    shutil.copy(ckpt / "step=5" / "w.ckpt", ckpt / "mine" / "w.ckpt")
+    return {
+        "older": ckpt / "step=0" / "w.ckpt",
+        "newer": ckpt / "step=9" / "w.ckpt",
+        "notes": ckpt / "step=9" / "notes.txt",
+        "copy": ckpt / "mine" / "w.ckpt",
+    }
+
+
+def test_gc_removes_a_killed_runs_checkpoints_in_subdirectories_and_the_folders_it_empties(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `ckpt gc` looked at the files directly in DIR only: a `filename` with a `/` left its untracked checkpoints for
+    # good, and every subdirectory `save_top_k` emptied kept its `.delta_blobs/.lock`
+    ckpt = tmp_path / "ckpt"
+    _fit_into_subdirectories(tmp_path, ckpt, 6, resume=False)
+    emptied = ["step=1", "step=2", "step=3", "step=4"]
+    assert all((ckpt / d / BLOB_DIR / ".lock").exists() and not (ckpt / d / "w.ckpt").exists() for d in emptied)
+    planted = _plant_in_subdirectories(ckpt)
+    copy = planted["copy"].read_bytes()
+    # refused while a live run writes one of the subdirectories: nothing removed, nothing emptied
+    writer = DeltaStore()
+    writer.claim(str(ckpt / "step=9"))
+    assert ckpt_main(["gc", str(ckpt), "--grace-s", "0"]) == 1
+    assert "step=9" in capsys.readouterr().err
+    assert all(p.exists() for p in planted.values()) and all((ckpt / d).exists() for d in emptied)
+    writer.close()
+    assert ckpt_main(["gc", str(ckpt), "--grace-s", "0"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["untracked"] == out["removed"] == ["step=0/w.ckpt", "step=9/w.ckpt"]
+    assert sorted(out["tracked"]) == ["last.ckpt", "step=5/w.ckpt", "step=6/w.ckpt"]
+    assert out["emptied"] == ["step=0", *emptied] and out["pending"] == 0
+    assert sorted(p.name for p in ckpt.iterdir()) == [BLOB_DIR, "last.ckpt", "mine", "step=5", "step=6", "step=9"]
+    # a folder that still holds a user's file is kept, and so is a manifest in a folder without a blob store
+    assert planted["notes"].read_text() == "mine" and not planted["newer"].exists()
+    assert planted["copy"].read_bytes() == copy
+    store = DeltaStore()
+    for name in ("last.ckpt", "step=5/w.ckpt", "step=6/w.ckpt"):
+        assert store.verify(ckpt / name)["ok"]
+
+
+def test_a_resumed_run_removes_a_killed_runs_checkpoints_in_subdirectories(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    _fit_into_subdirectories(tmp_path, ckpt, 6, resume=False)
+    planted = _plant_in_subdirectories(ckpt)
+    copy = planted["copy"].read_bytes()
+    with pytest.warns(UserWarning, match=r"Removing 2 checkpoints .*: step=0/w.ckpt, step=9/w.ckpt\."):
+        cb = _fit_into_subdirectories(tmp_path, ckpt, 8, resume=True)
+    assert sorted(Path(p).relative_to(ckpt).as_posix() for p in cb.orphans) == ["step=0/w.ckpt", "step=9/w.ckpt"]
+    assert not planted["older"].exists() and not planted["newer"].exists()
+    assert planted["notes"].read_text() == "mine" and planted["copy"].read_bytes() == copy
+    assert sorted(p.relative_to(ckpt).as_posix() for p in ckpt.glob("*/w.ckpt")) == [
+        "mine/w.ckpt",
+        "step=7/w.ckpt",
+        "step=8/w.ckpt",
+    ]

@@ -632,3 +632,52 @@ def test_a_manifest_write_cut_short_does_not_stop_collection(tmp_path: Path) -> 
         store.collect_garbage(tmp_path)
     assert not cut.exists() and _blobs(tmp_path) == store.live_keys(str(tmp_path))
     assert store.verify(tmp_path / "b.ckpt")["ok"]
+
+
+def test_cli_gc_removes_a_subdirectory_left_with_only_its_blob_store(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a subdirectory whose last checkpoint `save_top_k` removed kept `.delta_blobs/.lock` (and so itself) for good
+    root = tmp_path / "ckpt"
+    nested, flat, foreign, kept = root / "a" / "b-val", root / "c-val", root / "d-val", root / "e-val"
+    store = DeltaStore(gc_grace_s=60)
+    store.save(_state(0), root / "last.ckpt")
+    for i, d in enumerate((nested, flat, foreign, kept)):
+        store.save(_state(i + 1), d / "x.ckpt")
+        if d != kept:
+            store.remove(d / "x.ckpt")  # what `save_top_k` does; its blobs wait out the grace period
+    store.close()
+    (foreign / BLOB_DIR / "README").write_text("mine")  # a user's file inside the blob store: the folder stays
+    assert ckpt_main(["gc", str(root)]) == 0  # blobs in their grace period: the store is not empty yet
+    out = json.loads(capsys.readouterr().out)
+    assert out["emptied"] == [] and out["pending"] > 0 and (nested / BLOB_DIR / ".lock").exists()
+    assert ckpt_main(["gc", str(root), "--grace-s", "0"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["emptied"] == ["a/b-val", "c-val"] and out["pending"] == 0
+    # `a` only led to `a/b-val`: gone with it
+    assert sorted(p.name for p in root.iterdir()) == [BLOB_DIR, "d-val", "e-val", "last.ckpt"]
+    assert (foreign / BLOB_DIR / "README").read_text() == "mine"
+    assert _equal(DeltaStore().load(kept / "x.ckpt"), _state(4))
+
+
+@pytest.mark.timeout(300)
+def test_cli_gc_on_s3_removes_a_subdirectory_left_with_only_its_blob_store(
+    s3_bucket: tuple[str, dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    bucket, opts = s3_bucket
+    root = f"s3://{bucket}/run/ckpt"
+    # folders are prefixes there: the store's objects (blobs waiting out their grace period) are all a subdirectory
+    # is made of, and with them gone nothing of it is left
+    store = DeltaStore(storage_options=opts, gc_grace_s=60)
+    store.save(_state(0), f"{root}/last.ckpt")
+    for sub in ("a-val", "b-val"):
+        store.save(_state(1), f"{root}/{sub}/x.ckpt")
+        store.remove(f"{root}/{sub}/x.ckpt")
+    store.close()
+    store.fs.write(f"{root}/b-val/notes.txt", b"mine")
+    assert any(rel.startswith(f"{BLOB_DIR}/") for rel in store.fs.find(f"{root}/a-val"))
+    assert ckpt_main(["gc", root, "--grace-s", "0", "--storage-options", json.dumps(opts)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["emptied"] == ["a-val"] and out["subdirectories"] == ["a-val", "b-val"]
+    assert store.fs.find(f"{root}/a-val") == []
+    assert store.fs.read(f"{root}/b-val/notes.txt") == b"mine"

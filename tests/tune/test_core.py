@@ -15,6 +15,7 @@ from lightning_accel.tune.core import (
     decide,
     fingerprint,
     lever_order,
+    named_as_flags,
     parse_duration,
     progress_line,
     tolerance,
@@ -98,7 +99,10 @@ def test_lever_order_follows_the_verdict() -> None:
 
 
 def test_fingerprint_is_stable_and_sensitive() -> None:
-    job = {"trainer": {"devices": 2, "precision": "32-true"}, "model": {"class_path": "m.M"}}
+    job: dict[str, dict[str, object]] = {
+        "trainer": {"devices": 2, "precision": "32-true"},
+        "model": {"class_path": "m.M"},
+    }
     env = {"torch": "2.x", "world": 2}
     assert fingerprint(job, env) == fingerprint({"model": {"class_path": "m.M"}, "trainer": dict(job["trainer"])}, env)
     assert fingerprint(job, env) != fingerprint(job, {**env, "world": 1})
@@ -135,5 +139,7 @@ def test_parse_duration(text: str, seconds: float) -> None:
 
 @pytest.mark.parametrize("text", ["soon", "-5m", "0", "5 days"])
 def test_parse_duration_refuses(text: str) -> None:
-    with pytest.raises(ValueError, match="`--budget` must be"):
+    with pytest.raises(ValueError, match="`budget` must be"):  # the keyword: the command names its flag instead
+        parse_duration(text)
+    with named_as_flags(), pytest.raises(ValueError, match="`--budget` must be"):
         parse_duration(text)

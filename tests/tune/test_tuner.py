@@ -181,7 +181,7 @@ def test_outputs_never_overwrite_a_file_tune_did_not_write(monkeypatch: pytest.M
         before = _tool_files(out)
         (tmp_path / name).write_bytes(b"the user's own file\n")
         mine = _tool_files(out)
-        with pytest.raises(ValueError, match="did not write .* refusing to overwrite it. Pass another `--out`") as e:
+        with pytest.raises(ValueError, match="did not write .* refusing to overwrite it. Pass another `out`") as e:
             tuner.tune_job(JOB, out=out, cache_dir=tmp_path / "c", **kwargs)
         assert "\n" not in str(e.value) and _tool_files(out) == mine  # nothing written
         res = tuner.tune_job(JOB, out=out, cache_dir=tmp_path / "c", force=True, **kwargs)
@@ -609,3 +609,65 @@ def test_a_job_whose_trainer_section_is_empty_is_tuned(monkeypatch: pytest.Monke
     assert [t.decision for t in res.trials] == ["baseline", "kept"] and all(isinstance(t, dict) for t in seen)
     assert res.config["trainer"] == {"precision": "bf16-mixed", "callbacks": [{"class_path": tuner.GUARD_CLASS_PATH}]}
     assert job["trainer"] is None  # the caller's job is left as it was
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "flags", "from_python", "from_the_command"),
+    [
+        ({"budget": "soon"}, ["--budget", "soon"], "`budget` must be a duration", "`--budget` must be a duration"),
+        ({"budget": "0"}, ["--budget", "0"], "Pass e.g. `budget='5m'`.", "Pass e.g. `--budget 5m`."),
+        ({"steps": 2}, ["--steps", "2"], "`steps` must be an integer >= 3", "`--steps` must be an integer >= 3"),
+        ({"margin": 1.5}, ["--margin", "1.5"], "`margin` must be a number", "`--margin` must be a number"),
+        (
+            {"levers": ["batch"]},
+            ["--levers", "batch"],
+            "`levers` names 'batch', which is tried only with `allow_batch_change=True`.",
+            "`--levers` names 'batch', which is tried only with `--allow-batch-change`.",
+        ),
+        ({"skip": [""]}, ["--skip", ","], "Pass e.g. `skip=['compile']`.", "Pass e.g. `--skip compile`."),
+        (
+            {"cache_dir": "afile/cache"},
+            ["--cache-dir", "afile/cache"],
+            "Pass a folder you can write as `cache_dir`.",
+            "Pass a folder you can write as `--cache-dir`.",
+        ),
+        (
+            {"out": "mine.yaml"},
+            ["--out", "mine.yaml"],
+            "Pass another `out`, or `force=True` to overwrite it.",
+            "Pass another `--out`, or `--force` to overwrite it.",
+        ),
+    ],
+    ids=["budget", "budget-zero", "steps", "margin", "levers", "skip", "cache-dir", "out"],
+)
+def test_refusals_name_the_keyword_from_python_and_the_flag_from_the_command(
+    kwargs: dict[str, Any],
+    flags: list[str],
+    from_python: str,
+    from_the_command: str,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # `tune_job(budget="soon")` was told about `--budget`, a flag a Python caller never typed, and the command was
+    # told about `steps` / `cache_dir=`, keywords it has no use for
+    from lightning_accel.tune.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("a file where the cache folder would go\n")
+    (tmp_path / "mine.yaml").write_text("the user's own file\n")
+    seen, fake = _script([0.1] * 9)
+    monkeypatch.setattr(tuner, "run_trial", fake)
+    settings: dict[str, Any] = {"out": "tuned.yaml", "cache_dir": "cache", "levers": ["precision"], **kwargs}
+    with pytest.raises((ValueError, TypeError)) as e:
+        tuner.tune_job(JOB, verbose=False, **settings)
+    assert from_python in str(e.value)
+    assert "`--" not in str(e.value)  # no flag of the command
+    (tmp_path / "job.yaml").write_text(json.dumps(JOB))
+    argv = ["--config", "job.yaml", "--out", "tuned.yaml", "--cache-dir", "cache", "--levers", "precision", *flags]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and from_the_command in err, err
+    assert "=True" not in err and "`cache_dir`" not in err and "`steps`" not in err  # no keyword of the Python API
+    assert seen == []  # refused before any trial
+    assert (tmp_path / "mine.yaml").read_text() == "the user's own file\n"
