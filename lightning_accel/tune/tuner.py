@@ -802,13 +802,14 @@ def report_png(trials: Sequence[TrialResult]) -> bytes | None:
         return None
     import io
 
-    import matplotlib
-
-    matplotlib.use("Agg")
+    # drawn on its own Agg canvas: `matplotlib.use("Agg")` would switch the whole process (a notebook's inline
+    # figures stop showing after the tune)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     colours = {"baseline": "#777777", "kept": "#2a9d3f", "rejected": "#d1495b", "skipped": "#cccccc"}
     fig = Figure(figsize=(max(6.0, 0.7 * len(trials) + 2), 4.2))
+    FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     ys = [1000 * (t.step_s or 0.0) for t in trials]
     ax.bar(range(len(trials)), ys, color=[colours.get(t.decision, "#999999") for t in trials])

@@ -671,3 +671,23 @@ def test_refusals_name_the_keyword_from_python_and_the_flag_from_the_command(
     assert "=True" not in err and "`cache_dir`" not in err and "`steps`" not in err  # no keyword of the Python API
     assert seen == []  # refused before any trial
     assert (tmp_path / "mine.yaml").read_text() == "the user's own file\n"
+
+
+def test_the_report_picture_leaves_the_processs_matplotlib_backend_as_the_user_set_it() -> None:
+    """Drawing the trials' chart switched the process to the Agg backend: after a tune in a notebook, its inline
+    figures no longer showed."""
+    matplotlib = pytest.importorskip("matplotlib")
+    from lightning_accel.tune.core import TrialResult
+
+    before = matplotlib.get_backend()
+    matplotlib.use("svg")  # a backend other than Agg, as a notebook's inline one is
+    try:
+        trials = [
+            TrialResult(name="baseline", lever="baseline", step_s=0.1, decision="baseline"),
+            TrialResult(name="precision: bf16-mixed", lever="precision", step_s=0.08, decision="kept"),
+        ]
+        png = tuner.report_png(trials)
+        assert matplotlib.get_backend() == "svg"
+    finally:
+        matplotlib.use(before)
+    assert png is not None and png.startswith(b"\x89PNG\r\n\x1a\n")
