@@ -13,8 +13,9 @@ when given a batch tensor), and all samples are transformed together:
 Device-agnostic torch ops: on a CUDA batch it runs on the GPU (the point: the CPU does not touch pixels); on a CPU batch
 (no GPU, or ``trainer.accelerator="cpu"``) the same code runs on the CPU, the transparent fallback. Random
 parameters come from a CPU generator seeded by ``seed`` (or, when None, torch's global seed, which ``seed_everything``
-sets) and the batch's index in the stream (a call counter, or the ``call`` argument), so the same seed gives the same
-augmentation on either device, on whichever thread runs it, and in every run.
+sets), the rank under ``torch.distributed`` and the batch's index in the stream (a call counter, or the ``call``
+argument), so the same seed gives the same augmentation on either device, on whichever thread runs it, and in every
+run, while each rank draws its own.
 """
 
 from __future__ import annotations
@@ -32,15 +33,20 @@ from lightning_accel._utils.checks import check_int, check_number
 __all__ = ["GpuAugment"]
 
 
-def _global_seed() -> int:
-    """The seed ``seed=None`` follows: torch's initial seed (what ``seed_everything`` / ``torch.manual_seed`` set; in
-    a DataLoader worker, that worker's seed), mixed with the rank so ranks augment differently. Without a seed call
-    torch starts from a random one, so an unseeded run is still fresh randomness."""
-    seed = torch.initial_seed()
+def _with_rank(seed: int) -> int:
+    """``seed`` mixed with this process's rank under ``torch.distributed``, so ranks augment differently: with one
+    seed for all, every rank drew the same crop, flip and colour factors for the ``j``-th sample of batch ``k``."""
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
         seed = seed * 1_000_033 + dist.get_rank()
     return seed % (2**63 - 1)
+
+
+def _global_seed() -> int:
+    """The seed ``seed=None`` follows: torch's initial seed (what ``seed_everything`` / ``torch.manual_seed`` set; in
+    a DataLoader worker, that worker's seed), mixed with the rank. Without a seed call torch starts from a random
+    one, so an unseeded run is still fresh randomness."""
+    return _with_rank(torch.initial_seed())
 
 
 def _numbers(name: str, value: object, *, pair: bool = False) -> tuple[float, ...]:
@@ -80,7 +86,8 @@ class GpuAugment(nn.Module):
         contrast: factor drawn from ``[1 - c, 1 + c]``.
         saturation: factor drawn from ``[1 - s, 1 + s]``.
         seed: seed of the parameters (``None``: follow torch's global seed, so ``seed_everything`` makes runs
-            repeat exactly; mixed with the rank under DDP).
+            repeat exactly). Either way it is mixed with the rank under ``torch.distributed``: each rank draws its
+            own parameters, and the same rank of a run with the same world size repeats them.
 
     ``augment.eval()`` (or ``forward(x, train=False)``) skips the random part: resize to ``size`` and normalise only.
 
@@ -143,7 +150,7 @@ class GpuAugment(nn.Module):
 
     def _generator(self, call: int | None = None) -> torch.Generator:
         g = torch.Generator()
-        base = self.seed if self.seed is not None else _global_seed()
+        base = _with_rank(self.seed) if self.seed is not None else _global_seed()
         if call is None:
             call = self._calls
             self._calls += 1

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from lightning_accel._utils.checks import check_choice, check_int
+from lightning_accel._utils.checks import check_bool, check_choice, check_int
 from lightning_accel._utils.forksafe import ForkSafeLock, PerProcess, ResetOnPickle
 from lightning_accel._utils.malloc import keep_freed_memory
 from lightning_accel.data.buffers import BufferPool, alloc_shared
@@ -174,6 +174,16 @@ class SampleCache(ResetOnPickle):
         misses_to: str = "ram",
     ) -> None:
         check_choice("misses_to", misses_to, ("ram", "ssd"))
+        if not callable(decode):  # else every read fails, in a DataLoader worker, far from here
+            raise TypeError(
+                f"`decode` must be a callable `decode(data: bytes) -> torch.Tensor`, got {decode!r} "
+                f"({type(decode).__name__}). Pass e.g. `ImageDecoder(224)`."
+            )
+        # strings are truthy: prefetch="no" would read ahead, write_behind="false" write behind
+        if prefetch is not None:
+            check_bool("prefetch", prefetch, fix="None: only for remote origins.")
+        if write_behind is not None:
+            check_bool("write_behind", write_behind, fix="None: only inside DataLoader workers.")
         check_choice("on_decode_error", on_decode_error, ("raise", "skip"))
         check_int(
             "max_pending",

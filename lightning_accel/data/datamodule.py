@@ -42,7 +42,15 @@ from lightning_accel.data.dataset import (
 )
 from lightning_accel.data.decode import ImageDecoder
 from lightning_accel.data.lifecycle import parse_duration, ram_root, sweep, touch
-from lightning_accel.data.origin import Listing, ObjectStore, check_origin, check_storage_options, list_origin
+from lightning_accel.data.origin import (
+    MAX_CONCURRENCY,
+    MAX_RETRIES,
+    Listing,
+    ObjectStore,
+    check_origin,
+    check_storage_options,
+    list_origin,
+)
 from lightning_accel.data.sampler import ShardWindowSampler, auto_window
 from lightning_accel.data.stats import CacheStats, summarize
 from lightning_accel.data.tiers import LmdbTier, default_ram_dir
@@ -56,10 +64,6 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 # machine brought down. Each DataLoader worker is a process holding its own decoders and origin handles: more
 # than a large node's cores only costs memory and start-up time.
 _MAX_WORKERS = 256
-# Each read in flight is a thread of the process's origin pool (and a socket for a remote store).
-_MAX_CONCURRENCY = 1024
-# Waits double from 0.2 s between retries: 16 retries already wait about 3.6 hours in all before giving up.
-_MAX_RETRIES = 16
 
 
 def _per_node(name: str, path: str) -> str:
@@ -342,6 +346,8 @@ class CachedDataModule(LightningDataModule):
         _check_text("ram_dir", ram_dir, "a local directory path")
         check_seed(seed)
         check_callable("decode", decode, "a callable `decode(data: bytes) -> torch.Tensor`")
+        # checked even when a `decode` makes it unused: a typo (image_size="224") must not pass silently
+        check_int("image_size", image_size, low=1, allow_none=True, fix="None keeps the original size.")
         check_callable("transform", transform, "a callable `transform(image: torch.Tensor) -> torch.Tensor`")
         for name, aug in (("train_augment", train_augment), ("val_augment", val_augment)):
             check_callable(name, aug, "a GpuAugment (or a callable `augment(images, train=...) -> images`)")
@@ -378,14 +384,14 @@ class CachedDataModule(LightningDataModule):
             "max_concurrency",
             max_concurrency,
             low=1,
-            high=_MAX_CONCURRENCY,
+            high=MAX_CONCURRENCY,
             fix="It counts origin reads in flight per process, a thread each (16 to 64 suit an object store).",
         )
         check_int(
             "retries",
             retries,
             low=0,
-            high=_MAX_RETRIES,
+            high=MAX_RETRIES,
             fix="It counts retries of a transient origin error, each wait twice the last from 0.2 s; 0 for none.",
         )
         check_int(
@@ -480,15 +486,20 @@ class CachedDataModule(LightningDataModule):
     def _store(self, url: str) -> ObjectStore:
         return ObjectStore(url, self.storage_options, max_concurrency=self.max_concurrency, retries=self.retries)
 
-    def _listing_path(self, url: str) -> str:
-        h = hashlib.sha1(f"{url}|{self.manifest}".encode()).hexdigest()[:16]
+    def _listing_path(self, store: ObjectStore) -> str:
+        # The store's URL (a local origin made absolute), not the argument: a relative `origin` names another
+        # directory from another working directory, and two jobs sharing `cache_dir` read each other's listing.
+        h = hashlib.sha1(f"{store.url}|{self.manifest}".encode()).hexdigest()[:16]
         return os.path.join(self.cache_dir, f"listing-{h}.json")
 
     def _list(self, url: str, *, refresh: bool) -> Listing:
-        path = self._listing_path(url)
+        store = self._store(url)
+        path = self._listing_path(store)
         if not refresh and os.path.exists(path):
-            return Listing.load(path)
-        listing = list_origin(self._store(url), manifest=self.manifest)
+            saved = Listing.load(path)
+            if saved.origin == store.url:  # else another origin's (a file written before the URL was normalised)
+                return saved
+        listing = list_origin(store, manifest=self.manifest)
         # An unwritable cache dir is reported once by the SSD tier; without the file, ranks only list again.
         with contextlib.suppress(OSError):
             listing.save(path)
@@ -548,9 +559,13 @@ class CachedDataModule(LightningDataModule):
         """Fix the class list once (the argument, else the training origin's) and check it against a checkpoint's."""
         fixed = self._given_classes if self._given_classes is not None else list(listing.classes)
         if self._classes is not None and self._classes != fixed:
+            # the classes that differ: the first few of each list alone were often the same ones
+            gone = [c for c in self._classes if c not in fixed]
+            new = [c for c in fixed if c not in self._classes]
             raise ValueError(
-                f"`origin` {self.origin!r} now has classes {fixed[:5]}, not the {self._classes[:5]} fixed before "
-                f"({len(fixed)} against {len(self._classes)}). Restore the origin's class folders, or pass `classes`."
+                f"`origin` {self.origin!r} now has {len(fixed)} classes, not the {len(self._classes)} fixed before "
+                f"(missing {gone[:5]}{' ...' if len(gone) > 5 else ''}, new {new[:5]}{' ...' if len(new) > 5 else ''}"
+                "). Restore the origin's class folders, or pass `classes`."
             )
         self._classes = fixed
         self._check_ckpt_classes()
@@ -882,8 +897,13 @@ class CachedDataModule(LightningDataModule):
     @override
     def teardown(self, stage: str) -> None:
         """Copy the RAM tier's entries to the SSD tier (local rank 0 of each node), so they survive a reboot; fsync.
-        Report undecodable samples skipped since the last report."""
+        Report undecodable samples skipped since the last report. A checkpoint's sampler position ends with the fit
+        that restored it: a later ``fit`` without ``ckpt_path`` starts its first epoch whole."""
         self._report_skipped(f"{getattr(stage, 'value', stage)}")
+        if getattr(stage, "value", stage) == "fit":
+            # Otherwise kept until a batch of a later epoch is consumed (`_consumed`): a resumed fit that ended with
+            # the resumed epoch left it, and the next fit's loader skipped that epoch's first samples again.
+            self._resume = None
         trainer = self.trainer
         spill = trainer is None or int(getattr(trainer, "local_rank", 0)) == 0
         for cache in self._caches.values():

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import numbers
 import os
 import queue
 import random
@@ -32,11 +33,12 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, default_collate, get_worker_info
 
-from lightning_accel._utils.checks import check_int, check_number
+from lightning_accel._utils.checks import check_bool, check_int, check_number
 from lightning_accel._utils.compat import register_before_thread_shutdown, shutdown_persistent_workers
 from lightning_accel._utils.forksafe import ForkSafeLock, PerProcess
 from lightning_accel.data.buffers import BufferPool
 from lightning_accel.data.cache import SampleCache
+from lightning_accel.data.origin import MAX_CONCURRENCY
 from lightning_accel.data.pack import new_publisher_id, order_group
 from lightning_accel.data.stats import LANES
 
@@ -169,6 +171,14 @@ class CachedDataset(Dataset):
         stats_lane: int = 0,
     ) -> None:
         self.cache = cache
+        if indices is not None:
+            # `int(i)` would turn 2.7 into 2 (another sample) and True into 1: a listing position is an int
+            bad = next((i for i in indices if isinstance(i, bool) or not isinstance(i, numbers.Integral)), None)
+            if bad is not None:
+                raise TypeError(
+                    f"`indices` must hold integers (positions in the cache's listing), got {bad!r} "
+                    f"({type(bad).__name__}). Pass `int` positions."
+                )
         self.indices = list(range(len(cache))) if indices is None else [int(i) for i in indices]
         if self.indices and not 0 <= min(self.indices) <= max(self.indices) < len(cache):
             raise ValueError(
@@ -424,6 +434,11 @@ class EpochOrderSampler(DistributedSampler):
     ) -> None:
         check_int("batch_size", batch_size, low=1, fix="It is the DataLoader's batch size.")
         check_seed(seed)
+        check_int("num_replicas", num_replicas, low=1, fix="It is the number of ranks (the world size).")
+        check_int("rank", rank, low=0, high=num_replicas - 1, fix=f"There are {num_replicas} ranks.")
+        # strings are truthy: drop_last="no" dropped the tail, shuffle="false" shuffled
+        check_bool("shuffle", shuffle)
+        check_bool("drop_last", drop_last)
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
         self.batch_size = batch_size
         #: whether the DataLoader drops a last partial batch (:class:`CacheDataLoader` sets it): the epoch of a state
@@ -592,7 +607,7 @@ class CacheDataLoader(DataLoader):
         dataset: the dataset.
         warm_num_workers: workers once the cache is warm (``None``: never switch).
         read_ahead: batches the main-process path reads ahead of the consumer (0: read on demand, no threads).
-        read_threads: threads that read those batches in parallel (default 1, see above).
+        read_threads: threads that read those batches in parallel, 1 to 1024 (default 1, see above).
         on_epoch_end: called (no arguments) in the iterating process when a pass over the loader reaches its last
             batch (just before handing it out, its samples read) or ends, e.g. to report what the epoch skipped;
             not called for a pass abandoned early.
@@ -626,7 +641,15 @@ class CacheDataLoader(DataLoader):
         self.cold_num_workers = self.num_workers
         self.warm_num_workers = warm_num_workers
         self.read_ahead = check_int("read_ahead", read_ahead, low=0, fix="It counts batches read ahead (0: none).")
-        check_int("read_threads", read_threads, low=1, allow_none=True, fix="None reads on one thread.")
+        # Each is a thread, and the batches in flight grow with them: 10**6 read the whole epoch ahead into memory.
+        check_int(
+            "read_threads",
+            read_threads,
+            low=1,
+            high=MAX_CONCURRENCY,
+            allow_none=True,
+            fix="None reads on one thread (the fastest on few cores).",
+        )
         self.read_threads = 1 if read_threads is None else read_threads
         self.is_warm = False
         self.on_epoch_end = on_epoch_end

@@ -12,6 +12,7 @@ import functools
 import hashlib
 import inspect
 import io
+import logging
 import types
 import warnings
 from collections.abc import Callable, Sequence
@@ -47,6 +48,34 @@ def _code_digest(code: types.CodeType) -> str:
     return h.hexdigest()[:16]
 
 
+def _global_names(code: types.CodeType) -> set[str]:
+    """The names a code object (and the code nested in it: lambdas, comprehensions) may load as globals."""
+    names = set(code.co_names)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            names |= _global_names(c)
+    return names
+
+
+def _global_values(fn: types.FunctionType) -> list[tuple[str, Any]]:
+    """``(name=, value)`` of the module-level values ``fn`` reads: data, not code (modules, classes and functions are
+    code it calls, named by its own code already). A decoder reading a module-level setting (``SIZE = 16``) changes
+    its output when that setting changes, as a closure value does; values without a stable form are left out (the
+    caller cannot name them in every run either)."""
+    scope = fn.__globals__
+    out = []
+    for name in sorted(_global_names(fn.__code__)):
+        if name not in scope:
+            continue  # an attribute name, a builtin, or a global not defined (yet)
+        value = scope[name]
+        if isinstance(value, (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType)):
+            continue
+        if isinstance(value, logging.Logger):  # its repr holds its level: a run at DEBUG must not decode again
+            continue
+        out.append((f"{name}=", value))
+    return out
+
+
 def _stable_identity(obj: Any, depth: int = 0) -> str | None:
     """A text naming ``obj`` that is the same in every process, or None when none can be made."""
     text = repr(obj)
@@ -55,6 +84,7 @@ def _stable_identity(obj: Any, depth: int = 0) -> str | None:
     if depth > 4:
         return None
     named: list[tuple[str, Any]] = []  # (label, value) pairs whose stable identities make up obj's
+    optional: list[tuple[str, Any]] = []  # pairs left out when they have no stable identity (module-level values)
     if isinstance(obj, functools.partial):
         named = [("", v) for v in (obj.func, *obj.args)] + [(f"{k}=", v) for k, v in sorted(obj.keywords.items())]
         head = ["partial"]
@@ -66,6 +96,7 @@ def _stable_identity(obj: Any, depth: int = 0) -> str | None:
         kwdefaults = sorted((obj.__kwdefaults__ or {}).items())
         named = [("", v) for v in (*(obj.__defaults__ or ()), *cells)] + [(f"{k}=", v) for k, v in kwdefaults]
         head = [f"{obj.__module__}.{obj.__qualname__}", _code_digest(obj.__code__)]
+        optional = _global_values(obj)
     elif isinstance(obj, (type, types.BuiltinFunctionType)):
         return f"{obj.__module__}.{obj.__qualname__}"
     elif hasattr(obj, "__dict__"):
@@ -74,6 +105,7 @@ def _stable_identity(obj: Any, depth: int = 0) -> str | None:
         head = [f"{cls.__module__}.{cls.__qualname__}"]
         head += [_code_digest(call.__code__)] if isinstance(call, types.FunctionType) else []
         named = [(f"{k}=", v) for k, v in sorted(vars(obj).items())]
+        optional = _global_values(call) if isinstance(call, types.FunctionType) else []
     else:
         return None
     parts = list(head)
@@ -82,6 +114,10 @@ def _stable_identity(obj: Any, depth: int = 0) -> str | None:
         if ident is None:
             return None
         parts.append(label + ident)
+    for label, value in optional:
+        ident = _stable_identity(value, depth + 1)
+        if ident is not None:
+            parts.append("global " + label + ident)
     return f"({', '.join(parts)})"
 
 
@@ -90,9 +126,10 @@ def decoder_fingerprint(decode: Callable[[bytes], torch.Tensor]) -> str:
 
     Its ``fingerprint`` attribute when it has one (set it to a string that changes whenever the output changes);
     else its ``repr`` when that holds no memory address; else an identity made of what defines it: a function's module,
-    qualified name, code, default arguments and closure values (a lambda or nested function too), an object's class,
-    ``__call__`` code and attributes, a ``functools.partial``'s function and arguments. Code the decoder calls is not
-    part of it: give the decoder a ``fingerprint`` when that changes. When no identity can be made (an attribute whose
+    qualified name, code, default arguments, closure values and the module-level values its code reads (a lambda or
+    nested function too), an object's class, ``__call__`` code (with the module-level values it reads) and attributes,
+    a ``functools.partial``'s function and arguments. Code the decoder calls is not part of it: give the decoder a
+    ``fingerprint`` when that changes. When no identity can be made (an attribute whose
     repr holds a memory address), this warns and falls back to the repr: nothing is served from an earlier run.
     """
     fp = getattr(decode, "fingerprint", None)
@@ -142,6 +179,8 @@ class ImageDecoder:
             raise ValueError(f"`device` must be None (CPU) or a CUDA device such as 'cuda', got {device!r}.")
         if not isinstance(draft, bool):
             raise TypeError(f"`draft` must be True or False, got {draft!r} ({type(draft).__name__}).")
+        if not isinstance(fast_jpeg, bool):  # a string is truthy: fast_jpeg="no" decoded through libjpeg-turbo
+            raise TypeError(f"`fast_jpeg` must be True or False, got {fast_jpeg!r} ({type(fast_jpeg).__name__}).")
         self.size = size
         self.fast_jpeg = bool(fast_jpeg)
         self.device = device

@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import posixpath
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -36,6 +37,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "IMAGE_EXTENSIONS",
+    "MAX_CONCURRENCY",
+    "MAX_RETRIES",
     "Listing",
     "ObjectStore",
     "OriginError",
@@ -48,6 +51,14 @@ __all__ = [
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 _T = TypeVar("_T")
+
+# Upper bounds a typo (an extra digit) would otherwise turn into a process brought down or a job that never fails.
+# Each read in flight is a thread of the process's read pool (and a socket for a remote store): 10**6 of them
+# exhaust the process's threads long before an object store serves them.
+MAX_CONCURRENCY = 1024
+# Waits double from `backoff_s` between retries: from 0.2 s, 16 retries already wait about 3.6 hours before giving up.
+MAX_RETRIES = 16
+_CONCURRENCY_FIX = "It counts origin reads in flight per process, a thread each (16 to 64 suit an object store)."
 
 
 def check_origin(url: object, name: str = "origin", *, must_exist: bool = False) -> str:
@@ -95,9 +106,13 @@ class ObjectStore:
         url: the origin root, e.g. ``/data/train``, ``file:///data/train``, ``s3://bucket/train``.
         storage_options: fsspec options (endpoint, credentials), e.g.
             ``{"key": ..., "secret": ..., "client_kwargs": {"endpoint_url": ...}}`` for S3.
-        max_concurrency: the most reads in flight from this process.
-        retries: retries of a transient error before giving up.
-        backoff_s: first backoff; doubles per retry.
+        max_concurrency: the most reads in flight from this process, 1 to 1024 (a thread each).
+        retries: retries of a transient error before giving up, 0 to 16.
+        backoff_s: first backoff in seconds (at most a day); doubles per retry.
+
+    Raises:
+        TypeError: ``url`` is not a string, ``max_concurrency`` or ``retries`` not an int, ``backoff_s`` not a number.
+        ValueError: ``url`` is blank, or ``max_concurrency``, ``retries`` or ``backoff_s`` is out of range (or NaN).
     """
 
     # The filesystem, the read pool, the lock and the counters are this process's: each restarts in a pickled copy
@@ -113,7 +128,14 @@ class ObjectStore:
         backoff_s: float = 0.2,
     ) -> None:
         check_origin(url)
-        check_int("max_concurrency", max_concurrency, low=1, fix="It counts origin reads in flight per process.")
+        check_int("max_concurrency", max_concurrency, low=1, high=MAX_CONCURRENCY, fix=_CONCURRENCY_FIX)
+        check_int(
+            "retries",
+            retries,
+            low=0,
+            high=MAX_RETRIES,
+            fix="It counts retries of a transient origin error, each wait twice the last; 0 for none.",
+        )
         self.url = url.rstrip("/") if "://" in url else os.path.abspath(os.path.expanduser(url))
         # The one fsspec layer: per-process filesystems, the transient/permanent split, the retry loop.
         self.files = FileStore(storage_options, retries=retries, backoff_s=backoff_s)
@@ -370,7 +392,9 @@ def list_origin(
     """List an origin once.
 
     ImageFolder layout: ``<origin>/<class>/**/<file><ext>``; classes are the sorted top-level directory names (like
-    torchvision's ``ImageFolder``), hidden files and files outside class directories are ignored. Manifest layout:
+    torchvision's ``ImageFolder``), hidden files and files outside class directories are ignored, and files whose
+    keys are not plain relative paths (a backslash or ``::``: names an object store allows) are left
+    out with a warning. Manifest layout:
     ``manifest`` names a JSONL file under the origin with one ``{"key": "<relative key>", "label": <int>}`` per line.
     Packed layout (:func:`~lightning_accel.data.pack.pack_origin`): the origin's ``lightning-accel-pack.json`` index
     (one GET) is the listing; it wins over the tree layout.
@@ -443,12 +467,30 @@ def list_origin(
         return packed
     exts = tuple(e.lower() for e in extensions)
     found: dict[str, str] = {}  # relative key -> its content identity
+    unreadable: list[str] = []
     for p, info in fs.find(root, detail=True).items():
         rel = p[len(root) :].lstrip("/") if root else p
         parts = rel.split("/")
         if len(parts) < 2 or any(s.startswith(".") for s in parts) or not rel.lower().endswith(exts):
             continue
+        try:
+            safe_join(root, rel)
+        except ValueError:
+            # An object store names objects freely (`a\b.jpg`, `a::b.jpg`), but every read joins the key
+            # under the origin and refuses such a key: listed, it failed the fit at its first read, mid-epoch.
+            unreadable.append(rel)
+            continue
         found[rel] = content_stamp(info)
+    if unreadable:
+        unreadable.sort()
+        shown = ", ".join(repr(k) for k in unreadable[:3]) + (", ..." if len(unreadable) > 3 else "")
+        warnings.warn(
+            f"`origin` {store.url!r}: left out {len(unreadable)} file(s) whose keys are not plain relative paths "
+            f"({shown}: a backslash, `::` or a percent-encoded `..`); they cannot "
+            "be read safely. Rename them to include them.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     rels = list(found)
     if not rels:
         raise ValueError(

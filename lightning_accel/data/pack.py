@@ -63,11 +63,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_accel._utils.atomic import atomic_publish_file
-from lightning_accel._utils.checks import check_int
+from lightning_accel._utils.checks import check_bool, check_callable, check_int
 from lightning_accel._utils.forksafe import ForkSafeLock, PerProcess, ResetOnPickle
 from lightning_accel._utils.paths import safe_join
 from lightning_accel.data.origin import (
+    _CONCURRENCY_FIX,
     IMAGE_EXTENSIONS,
+    MAX_CONCURRENCY,
     Listing,
     ObjectStore,
     OriginError,
@@ -280,7 +282,7 @@ def pack_origin(
         manifest: a JSONL manifest under ``source`` instead of an ImageFolder tree (see ``list_origin``).
         shard_bytes: target shard size; a shard closes before the sample that would overflow it (a sample larger
             than ``shard_bytes`` gets a shard of its own).
-        max_concurrency: concurrent reads from ``source``.
+        max_concurrency: concurrent reads from ``source``, 1 to 1024 (a thread each).
         overwrite: replace a pack already at ``dest``: its index is removed just before the first new shard is
             written (readers never mix the two), the new shards are written, the new index is published, then the
             old pack's shards the new one does not reuse are removed. Only files the old pack's index (or an
@@ -301,10 +303,18 @@ def pack_origin(
         FileExistsError: ``dest`` already holds a pack and ``overwrite`` is False; or ``dest`` holds a file that no
             pack wrote (e.g. an ImageFolder tree, or a user's ``shards/000000.bin``), or an index that cannot be
             read; or ``dest`` is a file.
-        TypeError: ``shard_bytes`` is not an integer, or a storage options argument is not a dict with string keys.
-        ValueError: ``shard_bytes`` < 1, ``source`` is itself a pack, or ``dest`` is ``source`` or a folder inside it.
+        TypeError: ``shard_bytes``, ``max_concurrency`` or ``shuffle_seed`` is not an integer, ``overwrite`` not a
+            bool, ``progress`` not callable, or a storage options argument is not a dict with string keys.
+        ValueError: ``shard_bytes`` < 1, ``max_concurrency`` outside 1 to 1024, ``source`` is itself a pack, or
+            ``dest`` is ``source`` or a folder inside it.
     """
     check_int("shard_bytes", shard_bytes, low=1, fix="It is the target shard size in bytes.")
+    check_int("max_concurrency", max_concurrency, low=1, high=MAX_CONCURRENCY, fix=_CONCURRENCY_FIX)
+    # A truthy string ("no", "false" from a config) would replace the pack at `dest`: only a bool says "replace".
+    check_bool("overwrite", overwrite, fix="True replaces a pack already at `dest`.")
+    # random.Random seeds from any str, float or bytes: a typo would still pack, in an order no int seed gives.
+    check_int("shuffle_seed", shuffle_seed, allow_none=True, fix="None keeps the listing order.")
+    check_callable("progress", progress, "a callable `progress(done: int, total: int)`")
     check_storage_options(storage_options)
     check_storage_options(dest_storage_options, "dest_storage_options")
     src = ObjectStore(source, storage_options, max_concurrency=max_concurrency)

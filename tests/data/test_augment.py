@@ -1,9 +1,12 @@
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
 from lightning_accel.data import GpuAugment
+from tests.helpers import run_in_processes
 
 MEAN, STD = (0.2, 0.3, 0.4), (0.5, 0.25, 0.2)
 
@@ -98,8 +101,30 @@ def test_bad_sizes_seeds_and_sequences_fail_at_construction(kw: dict, error: typ
 @pytest.mark.gpu
 def test_cuda_matches_the_cpu_fallback() -> None:
     x = _batch(16, 64, 64)
-    kw = {"size": 48, "crop_scale": (0.2, 1.0), "brightness": 0.2, "contrast": 0.2, "saturation": 0.2, "seed": 3}
+    kw: dict[str, Any] = {
+        "size": 48,
+        "crop_scale": (0.2, 1.0),
+        "brightness": 0.2,
+        "contrast": 0.2,
+        "saturation": 0.2,
+        "seed": 3,
+    }
     cpu = GpuAugment(MEAN, STD, **kw)(x, train=True)
     gpu = GpuAugment(MEAN, STD, **kw).cuda()(x.cuda(), train=True)
     assert gpu.device.type == "cuda"
     torch.testing.assert_close(gpu.cpu(), cpu, atol=1e-4, rtol=1e-4)
+
+
+def _augment_on_rank(rank: int, world: int, seed: int | None) -> list[object]:
+    torch.manual_seed(0)  # the same global seed on every rank, as `seed_everything` gives
+    aug = GpuAugment((0.5,) * 3, (0.25,) * 3, crop_scale=(0.2, 1.0), flip_p=0.5, brightness=0.4, seed=seed)
+    x = torch.full((4, 3, 16, 16), 100, dtype=torch.uint8)
+    x[..., :8] = 200
+    return [aug(x, train=True).numpy(), aug.forward(x, train=True, call=0).numpy()]
+
+
+@pytest.mark.parametrize("seed", [0, None])
+def test_ranks_draw_their_own_parameters_and_repeat_them(seed: int | None) -> None:
+    (a0, again0), (a1, again1) = run_in_processes(_augment_on_rank, 2, (seed,), timeout=120)
+    assert (a0 == again0).all() and (a1 == again1).all()  # batch 0 of each rank's stream, drawn twice
+    assert not (a0 == a1).all()  # the same input on both ranks, augmented differently

@@ -441,6 +441,65 @@ def test_a_decoder_without_fingerprint_keeps_its_namespace_across_runs(tmp_path:
     assert len(set(fps)) == 4  # other state (size 16 vs 24) or another decoder: another namespace
 
 
+def test_a_decoder_reading_a_module_level_setting_gets_another_namespace_when_it_changes(
+    small_digits: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two jobs sharing a cache directory, whose decoders differ only in a module-level setting (the image size a
+    config sets): the second must decode at its own size, not read the first job's entries."""
+    import importlib
+
+    (tmp_path / "settingdecoders.py").write_text(
+        "import threading\n"
+        "from lightning_accel.data import ImageDecoder\n"
+        "SIZE = 16\n"
+        "LOCK = threading.Lock()  # no stable form: left out of the identity, not a reason to give it up\n"
+        "def by_setting(data):\n"
+        "    with LOCK:\n"
+        "        return ImageDecoder(SIZE)(data)\n"
+        "class BySetting:\n"
+        "    def __call__(self, data):\n"
+        "        return ImageDecoder(SIZE)(data)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    mod = importlib.import_module("settingdecoders")
+    store = ObjectStore(str(small_digits))
+    listing = list_origin(store)
+    for decode in (mod.by_setting, mod.BySetting()):
+        ssd = tmp_path / f"ssd-{type(decode).__name__}"
+        monkeypatch.setattr(mod, "SIZE", 16)
+        first = SampleCache(store, listing, decode, ssd=LmdbTier(ssd, 64 << 20, name="ssd"))
+        assert first.load([0, 1]).images.shape == (2, 3, 16, 16)
+        same = SampleCache(store, listing, decode, ssd=LmdbTier(ssd, 64 << 20, name="ssd"))
+        assert same.namespace == first.namespace  # the same setting: the entries are read back
+        monkeypatch.setattr(mod, "SIZE", 24)
+        second = SampleCache(store, listing, decode, ssd=LmdbTier(ssd, 64 << 20, name="ssd"))
+        assert second.namespace != first.namespace
+        assert torch.equal(second.load([0, 1]).images, _reference_at(small_digits, listing.keys[:2], 24))
+
+
+@pytest.mark.parametrize(
+    ("kw", "error", "pattern"),
+    [
+        # truthy strings: they used to switch the read-ahead and the write-behind thread on
+        ({"prefetch": "no"}, TypeError, r"^`prefetch` must be True or False, got 'no' \(str\)\. None: only for remote"),
+        ({"write_behind": "false"}, TypeError, r"^`write_behind` must be True or False, got 'false' \(str\)\. None: "),
+        ({"decode": 3}, TypeError, r"^`decode` must be a callable `decode\(data: bytes\) -> torch\.Tensor`, got 3 "),
+        ({"decode": None}, TypeError, r"^`decode` must be a callable .*, got None \(NoneType\)\. Pass e\.g\."),
+    ],
+)
+def test_cache_flags_and_decoder_are_checked(
+    small_digits: Path, kw: dict[str, Any], error: type[Exception], pattern: str
+) -> None:
+    store = ObjectStore(str(small_digits))
+    args = {"decode": ImageDecoder(16), **kw}
+    with pytest.raises(error, match=pattern):
+        SampleCache(store, list_origin(store), **args)
+
+
+def _reference_at(origin: Path, keys: list[str], size: int) -> torch.Tensor:
+    return torch.stack([ImageDecoder(size)((origin / k).read_bytes()) for k in keys])
+
+
 def test_decoder_fingerprint_follows_the_code_and_warns_when_it_cannot(tmp_path: Path) -> None:
     from lightning_accel.data.decode import decoder_fingerprint
 

@@ -1,7 +1,9 @@
-"""``CachedDataModule`` argument checks: every bad value is one line at construction, naming the argument."""
+"""``CachedDataModule`` argument checks (every bad value is one line at construction, naming the argument) and its
+listing (which origin a saved listing belongs to, what a changed class list says)."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -388,3 +390,55 @@ def test_storage_options_with_non_string_keys_fail_at_construction(
         _make(tmp_path, storage_options=options)
     assert "secret-value" not in str(e.value) and "\n" not in str(e.value)  # credentials stay out of the message
     assert not (tmp_path / "p").exists()  # refused before anything was written
+
+
+def _tree(root: Path, classes: range) -> Path:
+    from lightning_accel.datasets import materialize_digits
+
+    materialize_digits(root, size=16, num_images=30)
+    for c in set(range(10)) - set(classes):
+        shutil.rmtree(root / str(c))
+    return root
+
+
+def test_a_relative_origin_in_two_working_directories_keeps_its_own_listing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two jobs sharing `cache_dir`, each started in its own directory with ``origin="data"``: each lists its own."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    _tree(a / "data", range(10))
+    _tree(b / "data", range(5))
+    shared = str(tmp_path / "cache")
+    monkeypatch.chdir(a)
+    dm_a = CachedDataModule("data", cache_dir=shared, image_size=16, num_workers=0, ram_bytes=0)
+    dm_a.prepare_data()
+    monkeypatch.chdir(b)
+    dm_b = CachedDataModule("data", cache_dir=shared, image_size=16, num_workers=0, ram_bytes=0)
+    dm_b.prepare_data()  # lists b/data while job a is between its prepare_data and its setup
+    monkeypatch.chdir(a)
+    dm_a.setup("fit")
+    assert dm_a.classes == [str(c) for c in range(10)]
+    assert dm_a.train_set is not None and dm_a.train_set.cache.listing.origin == str(a / "data")
+    monkeypatch.chdir(b)
+    dm_b.setup("fit")
+    assert dm_b.classes == [str(c) for c in range(5)]
+
+
+def test_a_class_folder_removed_between_fits_is_named(tmp_path: Path) -> None:
+    origin = _tree(tmp_path / "data", range(10))
+    dm = CachedDataModule(str(origin), cache_dir=str(tmp_path / "cache"), image_size=16, num_workers=0, ram_bytes=0)
+    dm.prepare_data()
+    dm.setup("fit")
+    shutil.rmtree(origin / "9")
+    with pytest.raises(
+        ValueError, match=r"now has 9 classes, not the 10 fixed before \(missing \['9'\], new \[\]\)\. Restore the"
+    ):
+        dm.prepare_data()  # a second fit lists the origin again
+
+
+def test_image_size_is_checked_even_with_a_decode_of_its_own(tmp_path: Path) -> None:
+    from lightning_accel.data import ImageDecoder
+
+    with pytest.raises(TypeError, match=r"^`image_size` must be an integer >= 1 or None, got '224' \(str\)\. None"):
+        _make(tmp_path, decode=ImageDecoder(16), image_size="224")
+    assert _make(tmp_path, decode=ImageDecoder(16), image_size=None).decode.size == 16  # type: ignore[attr-defined]

@@ -74,6 +74,7 @@ def test_workers_share_tiers_and_statistics(small_digits: Path, tmp_cache_dir: P
         persistent_workers=True,
         collate_fn=collate_batch,
     )
+    assert ds.cache.ram is not None and ds.cache.ssd is not None
     ds.cache.ram.open()  # the parent holds both environments open while workers start
     ds.cache.ssd.open()
     labels0, n0 = _epoch(loader)
@@ -237,7 +238,7 @@ def test_read_ahead_closed_early_stops_and_joins_its_thread() -> None:
             time.sleep(0.01)
             yield torch.full((8,), k)
 
-    gen = dataset_mod._read_ahead(slow(), 2, name="la-test-read-ahead")
+    gen: Any = dataset_mod._read_ahead(slow(), 2, name="la-test-read-ahead")  # a generator (typed an Iterator)
     assert int(next(gen)[0]) == 0 and started.is_set()
     (entry,) = [e for e in dataset_mod._PRODUCERS if e[1].name == "la-test-read-ahead"]
     gen.close()
@@ -322,7 +323,9 @@ def test_warm_up_killed_halfway_leaves_only_complete_entries(small_digits: Path,
     assert 40 <= n < 200
     with tier.reader() as get:
         for k in tier._env.begin(db=tier._dbs["index"]).cursor().iternext(values=False):
-            decode_entry(get(bytes(k)))  # every committed entry is complete and passes its checksum
+            entry = get(bytes(k))
+            assert entry is not None
+            decode_entry(entry)  # every committed entry is complete and passes its checksum
     ds = _dataset(str(small_digits), tmp_cache_dir)
     labels, total = _epoch(CacheDataLoader(ds, batch_size=50, num_workers=0))
     s = ds.stats.as_dict()
@@ -335,3 +338,43 @@ def test_loader_checks_warm_num_workers() -> None:
         CacheDataLoader(ds, warm_num_workers=-1)
     with pytest.raises(TypeError, match=r"`warm_num_workers` must be an integer >= 0 or None, got True \(bool\)"):
         CacheDataLoader(ds, warm_num_workers=True)
+
+
+@pytest.mark.parametrize(
+    ("kw", "error", "pattern"),
+    [
+        # a truthy string dropped the tail (drop_last="no") or shuffled (shuffle="false")
+        ({"drop_last": "no"}, TypeError, r"^`drop_last` must be True or False, got 'no' \(str\)\.$"),
+        ({"shuffle": "false"}, TypeError, r"^`shuffle` must be True or False, got 'false' \(str\)\.$"),
+        ({"num_replicas": 2.0}, TypeError, r"^`num_replicas` must be an integer >= 1, got 2\.0 \(float\)\. It is"),
+        (
+            {"num_replicas": 0},
+            ValueError,
+            r"^`num_replicas` must be an integer >= 1, got 0\. It is the number of ranks",
+        ),
+        ({"num_replicas": 2, "rank": 2}, ValueError, r"^`rank` must be an integer >= 0 and <= 1, got 2\. There are 2"),
+    ],
+)
+def test_sampler_arguments_are_checked(kw: dict[str, Any], error: type[Exception], pattern: str) -> None:
+    with pytest.raises(error, match=pattern):
+        EpochOrderSampler(list(range(10)), **kw)  # type: ignore[arg-type]
+
+
+def test_loader_bounds_its_read_threads() -> None:
+    ds: Any = list(range(4))
+    # a thread each, with as many batches in flight: a million read the whole epoch ahead into memory
+    with pytest.raises(
+        ValueError, match=r"^`read_threads` must be an integer >= 1 and <= 1024 or None, got 1000000\. "
+    ):
+        CacheDataLoader(ds, read_threads=10**6)
+    assert CacheDataLoader(ds, read_threads=1024).read_threads == 1024
+
+
+def test_dataset_indices_must_be_integers(small_digits: Path, tmp_cache_dir: Path) -> None:
+    cache = _dataset(str(small_digits), tmp_cache_dir).cache
+    # int(2.7) would be sample 2: another sample than the caller meant
+    with pytest.raises(
+        TypeError, match=r"^`indices` must hold integers \(positions in the cache's listing\), got 2\.7"
+    ):
+        CachedDataset(cache, [0, 2.7])  # type: ignore[list-item]
+    assert CachedDataset(cache, [3, 1]).indices == [3, 1]

@@ -97,6 +97,12 @@ def test_image_size_is_checked() -> None:
     assert ImageDecoder(None).size is None
 
 
+@pytest.mark.parametrize("value", ["no", 0, None])
+def test_fast_jpeg_must_be_a_bool(value: object) -> None:
+    with pytest.raises(TypeError, match=rf"^`fast_jpeg` must be True or False, got {value!r} \("):
+        ImageDecoder(16, fast_jpeg=value)  # type: ignore[arg-type]
+
+
 def test_device_must_be_cuda() -> None:
     with pytest.raises(ValueError, match=r"`device` must be None \(CPU\) or a CUDA device"):
         ImageDecoder(24, device="cpu")

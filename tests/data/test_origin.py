@@ -13,7 +13,7 @@ from lightning_accel.data.origin import Listing, ObjectStore, OriginError, list_
 
 
 def test_lists_an_imagefolder_like_torchvision(small_digits: Path) -> None:
-    from torchvision.datasets import ImageFolder
+    from torchvision.datasets import ImageFolder  # type: ignore[import-untyped]
 
     listing = list_origin(ObjectStore(str(small_digits)))
     ref = ImageFolder(str(small_digits))
@@ -122,6 +122,31 @@ def test_s3_origin_through_moto(s3_bucket: tuple[str, dict[str, Any]], small_dig
         list_origin(ObjectStore(f"s3://{bucket}/nothing", opts))
 
 
+def test_s3_keys_that_cannot_be_read_are_left_out_of_the_listing_with_a_warning(
+    s3_bucket: tuple[str, dict[str, Any]], small_digits: Path
+) -> None:
+    import fsspec
+
+    bucket, opts = s3_bucket
+    fs = fsspec.filesystem("s3", skip_instance_cache=True, **opts)
+    local = sorted(p for p in small_digits.rglob("*.jpg"))[:6]
+    for p in local:
+        fs.pipe_file(f"{bucket}/train/{p.parent.name}/{p.name}", p.read_bytes())
+    cls = local[0].parent.name
+    # names S3 accepts, which no read under the origin does (`::` chains filesystems, a backslash is a separator)
+    fs.pipe_file(f"{bucket}/train/{cls}/win\\shot.jpg", local[0].read_bytes())
+    fs.pipe_file(f"{bucket}/train/{cls}/a::b.jpg", local[0].read_bytes())
+    store = ObjectStore(f"s3://{bucket}/train", opts)
+    with pytest.warns(RuntimeWarning, match=r"left out 2 file\(s\) whose keys are not plain relative paths \("):
+        listing = list_origin(store)
+    assert sorted(listing.keys) == sorted(f"{p.parent.name}/{p.name}" for p in local)
+    assert store.fetch_many(listing.keys) == [(small_digits / k).read_bytes() for k in listing.keys]
+    # a class folder holding only such files is refused, as an empty one is: dropping it would shift the labels
+    fs.pipe_file(f"{bucket}/train/zz/a::b.jpg", local[0].read_bytes())
+    with pytest.warns(RuntimeWarning, match="left out 3 file"), pytest.raises(ValueError, match=r"\['zz'\] holding no"):
+        list_origin(store)
+
+
 def test_memory_origin() -> None:
     import fsspec
 
@@ -166,7 +191,40 @@ def test_store_arguments_are_checked() -> None:
         ObjectStore(" ")
     with pytest.raises(TypeError, match=r"`origin` must be a non-empty path or fsspec URL, got 3 \(int\)"):
         ObjectStore(3)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"`max_concurrency` must be an integer >= 1, got 0\. It counts origin reads"):
+    with pytest.raises(
+        ValueError, match=r"`max_concurrency` must be an integer >= 1 and <= 1024, got 0\. It counts origin"
+    ):
         ObjectStore("/data", max_concurrency=0)
-    with pytest.raises(TypeError, match=r"`max_concurrency` must be an integer >= 1, got True \(bool\)"):
+    with pytest.raises(TypeError, match=r"`max_concurrency` must be an integer >= 1 and <= 1024, got True \(bool\)"):
         ObjectStore("/data", max_concurrency=True)
+
+
+@pytest.mark.parametrize(
+    ("kw", "error", "pattern"),
+    [
+        # a thread each: a million would exhaust the process's threads (CachedDataModule refuses it as well)
+        (
+            {"max_concurrency": 10**6},
+            ValueError,
+            r"^`max_concurrency` must be an integer >= 1 and <= 1024, got 1000000\. It counts origin reads in flight "
+            r"per process, a thread each \(16 to 64 suit an object store\)\.$",
+        ),
+        ({"max_concurrency": 0}, ValueError, r"^`max_concurrency` must be an integer >= 1 and <= 1024, got 0\. "),
+        ({"max_concurrency": 4.0}, TypeError, r"^`max_concurrency` must be an integer >= 1 and <= 1024, got 4\.0 "),
+        (
+            {"retries": 10**6},
+            ValueError,
+            r"^`retries` must be an integer >= 0 and <= 16, got 1000000\. It counts retries of a transient origin",
+        ),
+        ({"retries": -1}, ValueError, r"^`retries` must be an integer >= 0 and <= 16, got -1\. "),
+        ({"backoff_s": float("nan")}, ValueError, r"^`backoff_s` must be a number >= 0 and <= 86400, got nan\. "),
+    ],
+)
+def test_store_counts_are_bounded_like_the_datamodules(
+    kw: dict[str, Any], error: type[Exception], pattern: str
+) -> None:
+    with pytest.raises(error, match=pattern):
+        ObjectStore("/data", **kw)
+    # the bounds themselves are accepted
+    store = ObjectStore("/data", max_concurrency=1024, retries=16)
+    assert (store.max_concurrency, store.retries) == (1024, 16)

@@ -72,6 +72,36 @@ def test_pack_refuses_to_overwrite_unless_asked(small_digits: Path, tmp_path: Pa
         pack_origin(str(small_digits), str(tmp_path / "x"), shard_bytes=True)
 
 
+@pytest.mark.parametrize(
+    ("kw", "error", "pattern"),
+    [
+        (
+            {"max_concurrency": 10**6},
+            ValueError,
+            r"^`max_concurrency` must be an integer >= 1 and <= 1024, got 1000000\. It counts origin reads in flight "
+            r"per process",
+        ),
+        ({"max_concurrency": 0}, ValueError, r"^`max_concurrency` must be an integer >= 1 and <= 1024, got 0\. "),
+        # a config's "no" is truthy: it would have replaced the pack
+        ({"overwrite": "no"}, TypeError, r"^`overwrite` must be True or False, got 'no' \(str\)\. True replaces"),
+        ({"overwrite": 0}, TypeError, r"^`overwrite` must be True or False, got 0 \(int\)\. "),
+        ({"shuffle_seed": "7"}, TypeError, r"^`shuffle_seed` must be an integer or None, got '7' \(str\)\. None keeps"),
+        ({"shuffle_seed": 1.5}, TypeError, r"^`shuffle_seed` must be an integer or None, got 1\.5 \(float\)\. "),
+        ({"shuffle_seed": True}, TypeError, r"^`shuffle_seed` must be an integer or None, got True \(bool\)\. "),
+        ({"progress": 3}, TypeError, r"^`progress` must be a callable `progress\(done: int, total: int\)` or None, "),
+    ],
+)
+def test_pack_arguments_are_checked_before_anything_is_touched(
+    small_digits: Path, tmp_path: Path, kw: dict[str, Any], error: type[Exception], pattern: str
+) -> None:
+    dest = tmp_path / "packed"
+    pack_origin(str(small_digits), str(dest))
+    before = {p.relative_to(dest): p.read_bytes() for p in dest.rglob("*") if p.is_file()}
+    with pytest.raises(error, match=pattern):
+        pack_origin(str(small_digits), str(dest), shard_bytes=10_000, **kw)
+    assert {p.relative_to(dest): p.read_bytes() for p in dest.rglob("*") if p.is_file()} == before
+
+
 def test_bad_indexes_are_refused_with_the_url(small_digits: Path, tmp_path: Path) -> None:
     dest = tmp_path / "packed"
     pack_origin(str(small_digits), str(dest))

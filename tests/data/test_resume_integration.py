@@ -234,3 +234,21 @@ def test_a_resumed_epoch_reports_its_skipped_samples_when_it_ends(
     assert events[1] == "epoch 1 ended"  # reported as the resumed epoch ends, not at teardown
     assert events[0].startswith("lightning_accel data: rank 0 skipped ")
     assert " undecodable sample(s) in training (epoch 1; " in events[0]
+
+
+def test_a_fit_after_a_resumed_fit_starts_its_first_epoch_whole(small_digits: Path, tmp_path: Path) -> None:
+    full = _Seen()
+    _trainer(tmp_path, max_epochs=1, enable_checkpointing=False).fit(full, datamodule=_dm(small_digits, tmp_path))
+    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)
+    _trainer(tmp_path, ckpt, max_steps=3).fit(_Seen(), datamodule=_dm(small_digits, tmp_path))
+    dm = _dm(small_digits, tmp_path)
+    resumed = _Seen()
+    # the resumed fit ends with the epoch it resumed: no batch of a later epoch reaches the module
+    _trainer(tmp_path, max_epochs=1, enable_checkpointing=False).fit(
+        resumed, datamodule=dm, ckpt_path=next((tmp_path / "ckpt").glob("*step=3.ckpt"))
+    )
+    assert len(resumed.seen) == 7 * 16
+    # the same module in a new fit without `ckpt_path`: the checkpoint's position is not applied again
+    again = _Seen()
+    _trainer(tmp_path, max_epochs=1, enable_checkpointing=False).fit(again, datamodule=dm)
+    assert again.seen == full.seen
