@@ -25,19 +25,32 @@ def compile_errors() -> tuple[type[BaseException], ...]:
 
 
 class CompileFallback:
-    """The callable installed as ``module._compiled_call_impl``: compiled first, eager for good after a failure."""
+    """The callable installed as ``module._compiled_call_impl``: compiled first, eager for good after a failure.
+
+    A call that fails to compile is run again eagerly, as if it were the first: until a compiled call has gone through,
+    the module's buffers are copied before each call and put back after a failure. Compilation is per graph, so with a
+    graph break the part before it may have run (updating batch-norm statistics and ``num_batches_tracked`` in place)
+    before a later part failed to compile; the eager rerun would count that batch twice.
+    """
 
     def __init__(self, module: nn.Module, **compile_kwargs: Any) -> None:
         self.eager = compat.module_call_impl(module)
         self.compiled = torch.compile(self.eager, **compile_kwargs)
         self.name = type(module).__name__
         self.failed: BaseException | None = None
+        self.succeeded = False  # a compiled call went through: compilation is done, no more buffer copies
+        self._module = module
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.failed is None:
+            saved = None if self.succeeded else _snapshot_buffers(self._module)
             try:
-                return self.compiled(*args, **kwargs)
+                out = self.compiled(*args, **kwargs)
+                self.succeeded = True
+                return out
             except compile_errors() as e:
+                if saved is not None:
+                    _restore_buffers(saved)
                 self.failed = e
                 first = one_line(e, first=True)[:300]
                 warnings.warn(
@@ -48,6 +61,29 @@ class CompileFallback:
                     stacklevel=2,
                 )
         return self.eager(*args, **kwargs)
+
+
+_Snapshot = list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]]
+
+
+def _snapshot_buffers(module: nn.Module) -> _Snapshot:
+    """``(owner, name, buffer, copy)`` of every buffer of ``module`` (shared buffers once)."""
+    seen: set[int] = set()
+    out: _Snapshot = []
+    for owner in module.modules():
+        for name, buf in owner.named_buffers(recurse=False):
+            if buf is not None and id(buf) not in seen:
+                seen.add(id(buf))
+                out.append((owner, name, buf, buf.detach().clone()))
+    return out
+
+
+def _restore_buffers(saved: _Snapshot) -> None:
+    """Put the buffers of :func:`_snapshot_buffers` back: the same tensor objects, with the copied values."""
+    with torch.no_grad():
+        for owner, name, buf, copy in saved:
+            buf.copy_(copy)
+            setattr(owner, name, buf)  # a forward may have replaced the buffer itself
 
 
 def compile_in_place(module: nn.Module, **compile_kwargs: Any) -> bool:

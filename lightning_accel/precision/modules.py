@@ -541,7 +541,8 @@ QKV_PARTS = ("q_proj", "k_proj", "v_proj")
 
 def _qkv_state_dict_post_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
     """Write the packed projection back as ``q_proj``/``k_proj``/``v_proj`` keys (an unfused model loads it), in the
-    unfused model's key order (``q_proj.weight, q_proj.bias, k_proj.weight, ...`` where ``qkv_proj``'s keys were)."""
+    unfused model's key order (``q_proj.weight, q_proj.bias, k_proj.weight, ...`` where ``qkv_proj``'s keys were).
+    The values are views of the packed parameter's rows, as every other entry is a reference to its parameter."""
     packed = {kind: f"{prefix}qkv_proj.{kind}" for kind in ("weight", "bias")}
     if not any(key in state_dict for key in packed.values()):
         return
@@ -552,11 +553,13 @@ def _qkv_state_dict_post_hook(module: nn.Module, state_dict: dict[str, Any], pre
         if key not in packed.values():
             state_dict[key] = value
         elif key == next(k for k in packed.values() if k in own):  # the first packed key: write every part here
-            # clone: a view would make torch.save write the whole packed storage three times
+            # views, not copies: like every other entry of a state dict they share the parameter's storage, so an
+            # in-place update through them (an EMA model updated through `state_dict().values()`) reaches the model;
+            # `torch.save` writes the shared storage once
             parts = {kind: own[k].detach().chunk(3, dim=0) for kind, k in packed.items() if k in own}
             for i, name in enumerate(QKV_PARTS):
                 for kind, chunks in parts.items():
-                    state_dict[f"{prefix}{name}.{kind}"] = chunks[i].clone()
+                    state_dict[f"{prefix}{name}.{kind}"] = chunks[i]
 
 
 def _qkv_load_state_dict_pre_hook(

@@ -172,9 +172,12 @@ class FusedPrecision(MixedPrecision):
 
     @property
     def lever_active(self) -> bool:
-        """Whether the converted model has fused modules computing through their fused forward."""
+        """Whether the converted model has fused modules computing through their fused forward: fused by this plugin,
+        or already fused when it converted the model (a second fit of the same model, whose surgery changes nothing)."""
         module = self._module() if self._module is not None else None
-        return self.switched_off_reason is None and module is not None and bool(self.report and self.report.records)
+        if self.switched_off_reason is not None or module is None or self.report is None:
+            return False
+        return bool(self.report.records) or any(c.fused for c in self.report.candidates)
 
     def switch_off(self, reason: str) -> bool:
         """Put the converted model back on the reference ops (:func:`~lightning_accel.precision.surgery.unfuse`:

@@ -1120,6 +1120,10 @@ def unfuse(model: nn.Module) -> int:
     whose parameters surgery repacked (packed QKV) cannot get their original parameters back: they stay packed and
     compute on the plain torch path (``backend="eager"``, the ops' oracles).
 
+    The modules come back as surgery found them, so a later :func:`apply_fusions` fuses them again: the plan a
+    container kept and the claim a block put on its MLP container go with the class swap (left behind, they would
+    make the container look fused already, and the next surgery fuse nothing).
+
     Returns:
         the number of modules changed.
     """
@@ -1131,5 +1135,10 @@ def unfuse(model: nn.Module) -> int:
             m._la_backend = "eager"
         else:
             patching.swap_class(m, fm.original_class(m))
+            for attr in ("_la_plan", "_la_members", "_la_backend"):
+                m.__dict__.pop(attr, None)
         changed += 1
+    # every block that claimed a container is back on its own forward now (only attention modules stay fused)
+    for m in model.modules():
+        m.__dict__.pop("_la_claimed", None)
     return changed

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import copy
 import inspect
+import io
 import pickle
 import re
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
@@ -27,6 +29,7 @@ from lightning_accel.precision.modules import (
     original_class,
     register_block,
 )
+from lightning_accel.precision.surgery import unfuse
 
 PACKAGE = Path(__file__).resolve().parents[2] / "lightning_accel"
 
@@ -153,8 +156,35 @@ def test_qkv_state_dict_compatible_both_ways() -> None:
     packed = {"weight": q.weight.detach().clone() * 0 + 1, "bias": q.bias.detach().clone()}
     q.load_state_dict(packed)  # the packed keys themselves still load
     assert torch.all(q.weight == 1)
-    # saved tensors are not views into the packed storage (torch.save would write it three times)
-    assert sd["blocks.0.attn.q_proj.weight"].untyped_storage().nbytes() == 16 * 16 * 4
+
+
+def test_qkv_state_dict_entries_share_the_packed_storage_like_every_other_entry() -> None:
+    """``state_dict()`` returns references to the parameters: an EMA model updated in place through
+    ``state_dict().values()`` must move its packed q/k/v weights too (copies left them at their first values), and
+    ``torch.save`` writes the shared storage once."""
+    torch.manual_seed(0)
+    plain = _gpt()
+    model = copy.deepcopy(plain)
+    apply_fusions(model, backend="reference")
+    ema = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+        for e, m in zip(ema.state_dict().values(), model.state_dict().values(), strict=True):
+            e.copy_(0.5 * e + 0.5 * m)  # in place, as EMA implementations update their copy
+    moved = {k: v - plain.state_dict()[k] for k, v in ema.state_dict().items() if k.endswith("_proj.weight")}
+    assert {"blocks.0.attn.q_proj.weight", "blocks.1.attn.v_proj.weight"} <= moved.keys()
+    for key, delta in moved.items():
+        torch.testing.assert_close(delta, torch.full_like(delta, 0.5), msg=key)
+    packed = cast(nn.Linear, model.get_submodule("blocks.0.attn.qkv_proj")).weight
+    assert model.state_dict()["blocks.0.attn.k_proj.weight"].data_ptr() == packed[16:32].data_ptr()
+
+    def saved_bytes(m: nn.Module) -> int:
+        buffer = io.BytesIO()
+        torch.save(m.state_dict(), buffer)
+        return len(buffer.getvalue())
+
+    assert saved_bytes(model) <= saved_bytes(plain)  # the packed storage once, not three times
 
 
 def test_optimizer_references_and_state_follow_qkv_packing() -> None:
@@ -283,6 +313,46 @@ def test_compile_falls_back_to_eager_with_a_clear_warning() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         torch.testing.assert_close(model(x), expected)  # warned once; stays eager
+
+
+def test_a_compile_failure_after_a_graph_break_does_not_count_the_batch_twice() -> None:
+    """With a graph break, the graph before it runs before the one after it is compiled: when that second compilation
+    fails, the eager rerun of the call must start from the buffers as they were (batch-norm statistics once)."""
+    compiled_graphs: list[int] = []
+
+    def second_graph_fails(gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., object]:
+        compiled_graphs.append(len(compiled_graphs))
+        if len(compiled_graphs) > 1:
+            raise RuntimeError("no compiler for this graph")
+        return gm.forward
+
+    class BreakAfterNorm(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.body(x).mean((2, 3))
+            if h.sum() > -1e9:  # data-dependent branch: a graph break
+                h = h * 2
+            return self.head(h)
+
+    torch.manual_seed(0)
+    model = BreakAfterNorm()
+    apply_fusions(model, backend="reference")
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 3, 6, 6)
+    compile_in_place(model, backend=second_graph_fails)
+    with pytest.warns(UserWarning, match="`torch.compile` failed for BreakAfterNorm"):
+        torch.testing.assert_close(model(x), ref(x))
+    assert len(compiled_graphs) == 2  # the first graph compiled and ran before the second failed
+    bn, bn_ref = model.body[1], ref.body[1]
+    assert isinstance(bn, nn.BatchNorm2d) and isinstance(bn_ref, nn.BatchNorm2d)
+    assert bn.num_batches_tracked is not None and bn_ref.num_batches_tracked is not None
+    assert int(bn.num_batches_tracked) == int(bn_ref.num_batches_tracked) == 1
+    torch.testing.assert_close(bn.running_mean, bn_ref.running_mean, atol=0, rtol=0)
+    torch.testing.assert_close(bn.running_var, bn_ref.running_var, atol=0, rtol=0)
 
 
 def test_compile_in_place_works_with_a_working_backend() -> None:
@@ -917,3 +987,43 @@ def test_a_slice_of_a_fused_sequential_runs_and_keeps_the_groups_inside_it() -> 
     assert every_other._la_plan == {}
     # a container of the swapped class made any other way runs unfused rather than failing
     torch.testing.assert_close(type(fused)(*list(ref)[:3])(x), ref[:3](x))
+
+
+def test_unfuse_then_apply_fusions_fuses_the_model_again() -> None:
+    """``unfuse`` puts modules back as surgery found them: a later ``apply_fusions`` fuses every container and block
+    again, with the same report, instead of taking the plan a container kept for a fusion already in place."""
+    torch.manual_seed(0)
+    cnn = nn.Sequential(
+        nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()),
+        nn.Flatten(),
+        nn.Sequential(nn.Linear(64, 8), nn.ReLU(), nn.Dropout(0.1)),
+    )
+    gpt = _gpt()
+    for model in (cnn, gpt):
+        first = apply_fusions(model, backend="reference")
+        assert unfuse(model) > 0
+        assert not any(is_fused(m) for m in model.modules() if not hasattr(m, "qkv_proj"))  # packed QKV stays
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no "found nothing to fuse"
+            again = apply_fusions(model, backend="reference")
+        assert again.summary().split(" by ")[0] == first.summary().split(" by ")[0]
+        assert again.coverage() == 1.0
+        assert all(m._la_backend == "reference" for m in model.modules() if is_fused(m))
+    assert is_fused(cnn[0], FusedSequentialMixin) and is_fused(cnn[2], FusedSequentialMixin)
+    assert any(is_fused(m, FusedGPTBlockMixin) for m in gpt.modules())
+
+
+def test_a_plugin_converting_an_already_fused_model_reports_its_fused_modules_as_active() -> None:
+    """A second fit of the same model (a fresh ``FusedPrecision``) finds everything fused already, so its surgery
+    records no rewrite; the modules still run fused, and the lever must say so (and switch them off on request)."""
+    torch.manual_seed(0)
+    model = _gpt()
+    first = FusedPrecision(device="cpu")
+    first.convert_module(model)
+    assert first.lever_active
+    second = FusedPrecision(device="cpu")
+    second.convert_module(model)
+    assert second.report is not None and not second.report.records and second.report.coverage() == 1.0
+    assert second.lever_active
+    assert second.switch_off("diverged") and not second.lever_active
+    assert not any(is_fused(m) for m in model.modules() if not hasattr(m, "qkv_proj"))  # packed QKV stays
