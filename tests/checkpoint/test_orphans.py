@@ -18,10 +18,10 @@ from lightning_accel.checkpoint.store import BLOB_DIR, DeltaStore
 from tests.tiny import CheckpointModel, ckpt_trainer, tiny_loader
 
 
-def _callback(dirpath: Any, **kw: Any) -> DeltaModelCheckpoint:
+def _callback(dirpath: Any, filename: str = "{step}", **kw: Any) -> DeltaModelCheckpoint:
     return DeltaModelCheckpoint(
         dirpath=dirpath,
-        filename="{step}",
+        filename=filename,
         every_n_train_steps=1,
         save_top_k=2,
         save_last=True,
@@ -291,15 +291,7 @@ def test_a_resume_keeps_a_users_copy_of_a_manifest_whose_name_only_starts_like_a
 def _fit_into_subdirectories(tmp_path: Path, ckpt: Path, max_steps: int, resume: bool) -> DeltaModelCheckpoint:
     """A fit whose ``filename`` holds a ``/``: each checkpoint goes to a subdirectory of its own (``step=5/w.ckpt``),
     as ``{epoch}-{val/loss:.2f}`` does."""
-    cb = DeltaModelCheckpoint(
-        dirpath=ckpt,
-        filename="{step}/w",
-        every_n_train_steps=1,
-        save_top_k=2,
-        save_last=True,
-        monitor="step",
-        mode="max",
-    )
+    cb = _callback(ckpt, filename="{step}/w")
     io = DeltaCheckpointIO()
     io.store.gc_grace_s = 0.0
     trainer = ckpt_trainer(tmp_path, [io], [cb], max_steps=max_steps, max_epochs=None, limit_val_batches=0)
