@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -349,10 +350,12 @@ class KnowledgeDistillation(Callback):
 
     **Precision.** At fit start the teacher is converted, in place, to the dtype the Trainer's precision gives the
     student's inputs (``"bf16-true"``: bfloat16, ``"16-true"``: float16, ``"64-true"``: float64; the ``*-mixed``
-    modes and ``"32-true"`` leave it as it is), and its inputs are converted like the batch, then to the teacher's
-    own floating-point dtype where that differs (a bfloat16 teacher kept small beside a float32 student, a float64
-    teacher; integer inputs such as token ids are left alone). Its forward runs inside the student's
-    ``training_step``, so under the precision's context too (autocast for ``*-mixed``).
+    modes and ``"32-true"`` leave it as it is); the tensors it converts are kept on the CPU meanwhile and put back at
+    fit end (also after a failed fit), so the teacher leaves the fit with its own dtypes and exact values. Its inputs
+    are converted like the batch, then to the teacher's own floating-point dtype where that differs (a bfloat16 teacher
+    kept small beside a float32 student, a float64 teacher; integer inputs such as token ids are left alone). Its
+    forward runs inside the student's ``training_step``, so under the precision's context too (autocast for
+    ``*-mixed``).
 
     **Automatic optimization only.** The distillation term is added to the loss ``training_step`` returns, which
     Lightning back-propagates; a module with ``automatic_optimization = False`` calls ``manual_backward`` itself, on
@@ -405,6 +408,8 @@ class KnowledgeDistillation(Callback):
         self._capturing = False
         self._log_suffix = ""
         self._captured: list[tuple[tuple[Any, ...], dict[str, Any], Any]] = []
+        # the teacher's tensors (on the CPU) as they were before a "-true" precision converted them for the fit
+        self._teacher_originals: dict[str, torch.Tensor] = {}
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -425,6 +430,13 @@ class KnowledgeDistillation(Callback):
         self._precision = trainer.precision_plugin
         dtype = _input_dtype(self._precision)
         if dtype is not None:
+            # the user's own values of the tensors the conversion changes, restored at fit end: converted in place and
+            # left so, a float32 teacher would keep bfloat16-rounded weights for every later fit and for the user
+            self._teacher_originals = {
+                name: t.detach().to("cpu", copy=True)
+                for name, t in (*self.teacher.named_parameters(), *self.teacher.named_buffers())
+                if t.is_floating_point() and t.dtype != dtype
+            }
             # not `convert_module`: a plugin may keep state about the one model it converts (FusedPrecision records
             # it to undo its surgery), and a frozen teacher needs only the dtype its inputs arrive in
             self.teacher.to(dtype=dtype)
@@ -516,7 +528,22 @@ class KnowledgeDistillation(Callback):
         self._patch = patch(pl_module, "training_step", distilled, key=f"KnowledgeDistillation-{id(self)}")
         self._module = pl_module
 
+    def _restore_teacher(self) -> None:
+        """Give the teacher back the dtypes and exact values it had before the fit's precision converted it (on the
+        device it was moved to)."""
+        if not self._teacher_originals:
+            return
+        tensors = dict((*self.teacher.named_parameters(), *self.teacher.named_buffers()))
+        with torch.no_grad():
+            for name, original in self._teacher_originals.items():
+                t = tensors.get(name)
+                if t is not None:
+                    # `.data`, as `Module.to` converts: the same Parameter objects, in their original dtype again
+                    t.data = original.to(t.device)
+        self._teacher_originals = {}
+
     def _uninstall(self) -> None:
+        self._restore_teacher()
         if self._module is None:
             return
         if self._hook is not None:
@@ -664,9 +691,11 @@ class StructuredPruning(Callback):
     **Checkpoints.** A checkpoint saved after pruning holds the smaller weights. While this callback is attached
     (e.g. when resuming with ``ckpt_path``) the module's layers are resized to the checkpoint's shapes before the
     weights load; elsewhere use :func:`lightning_accel.recipes.prune.resize_to_state_dict` before
-    ``load_state_dict``. The epochs already pruned are in the callback's state, so resuming never prunes twice; the
-    state is keyed by ``target`` and ``schedule``, so several of these callbacks (a backbone and a head pruned by
-    their own amounts, at their own epochs) can share a Trainer and its checkpoints.
+    ``load_state_dict``. The epochs already pruned are in the callback's state, so resuming never prunes twice, nor
+    does another fit of the module already pruned; a later fit of another module without a checkpoint (a fresh model)
+    is pruned on the schedule from the start. The state is keyed by ``target`` and ``schedule``, so several of these
+    callbacks (a backbone and a head pruned by their own amounts, at their own epochs) can share a Trainer and its
+    checkpoints.
 
     Args:
         amount: total fraction in [0, 1) of each prunable group's channels to remove.
@@ -751,6 +780,8 @@ class StructuredPruning(Callback):
         self._hook: Any = None
         # the target's `forward` inputs are the LightningModule's (its `forward` does not reach the target)
         self._target_takes_inputs = False
+        # the module `done` describes: a fit of another module (a fresh model, no checkpoint) starts unpruned
+        self._owner: weakref.ReferenceType[LightningModule] | None = None
 
     def _module(self, pl_module: LightningModule) -> nn.Module:
         if self.target is None:
@@ -767,6 +798,12 @@ class StructuredPruning(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         # `target` and the ignored names, checked before the first epoch rather than at the pruning step
         check_module_names("ignore_modules", self.ignore_modules, self._module(pl_module))
+        if stage == "fit" and (self._owner is None or self._owner() is not pl_module):
+            # the epochs pruned belong to the module that was pruned: a later fit of a fresh module by this callback
+            # prunes it on its own schedule (a resume restores them through `load_state_dict`, after this hook), while
+            # another fit of the module already pruned does not prune it twice
+            self.done = []
+            self.history = []
         if self._hook is None:
             # Resuming from a pruned checkpoint: give the layers the saved (smaller) shapes before the weights load.
             def pre_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
@@ -784,6 +821,7 @@ class StructuredPruning(Callback):
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._owner = weakref.ref(pl_module)  # `done` (restored or empty) now describes this module
         # a scheduled epoch this fit never starts leaves the model (partly) unpruned, which nothing else would show
         start, last = trainer.current_epoch, trainer.max_epochs
         missed = [e for e in self.schedule if e < start and e not in self.done]
@@ -799,6 +837,12 @@ class StructuredPruning(Callback):
                 f"StructuredPruning: `schedule` epochs {beyond} are not reached with `max_epochs={last}` (the last "
                 f"epoch is {last - 1}), so they will not prune. Raise `max_epochs` or schedule earlier epochs."
             )
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a weak reference cannot be pickled (`ddp_spawn` pickles the callbacks); a copy has pruned no module of its own
+        state = self.__dict__.copy()
+        state["_owner"] = None
+        return state
 
     def _remove_hook(self) -> None:
         if self._hook is not None:

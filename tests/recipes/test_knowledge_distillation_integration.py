@@ -213,12 +213,42 @@ def test_teacher_takes_the_precision_of_the_student(precision: str, dtype: torch
     trainer(precision=precision, limit_train_batches=2, callbacks=[KnowledgeDistillation(teacher)]).fit(
         student, loader(batch_size=16)
     )
-    # converted as the student is (a "-true" precision: its dtype), frozen and in eval mode
-    assert {p.dtype for p in teacher.parameters()} == {dtype}
+    # given back in its own dtype (it ran in the student's, recorded below), frozen and in eval mode
+    assert {p.dtype for p in teacher.parameters()} == {torch.float32}
     assert not teacher.training and not any(p.requires_grad for p in teacher.parameters())
     # and run under the student's forward context: the default dtype of a "-true" precision, autocast of a "-mixed" one
     default = dtype if precision.endswith("-true") else torch.float32
     assert teacher.seen == [(dtype, default, autocast)] * 2
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "16-true", "64-true"])
+def test_a_true_precision_gives_the_teacher_back_unchanged_for_the_next_fit(precision: str) -> None:
+    # the teacher kept the fit's dtype: the next float32 fit distilled from bfloat16-rounded weights, run in bfloat16
+    teacher = _RecordsContext()
+    original = {k: v.clone() for k, v in teacher.state_dict().items()}
+    cb = KnowledgeDistillation(teacher)
+    trainer(precision=precision, limit_train_batches=1, callbacks=[cb]).fit(DictStudent(), loader(batch_size=16))
+    after = teacher.state_dict()
+    assert all(after[k].dtype == v.dtype and torch.equal(after[k], v) for k, v in original.items())
+    trainer(limit_train_batches=1, callbacks=[cb]).fit(DictStudent(), loader(batch_size=16))
+    assert [seen[0] for seen in teacher.seen] == [_precision_dtype(precision), torch.float32]
+    # a failed fit gives it back too
+    with pytest.raises(RuntimeError, match="stop"):
+        trainer(precision=precision, limit_train_batches=1, callbacks=[cb, _Raises()]).fit(
+            DictStudent(), loader(batch_size=16)
+        )
+    after = teacher.state_dict()
+    assert all(after[k].dtype == v.dtype and torch.equal(after[k], v) for k, v in original.items())
+
+
+def _precision_dtype(precision: str) -> torch.dtype:
+    return {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}[precision]
+
+
+class _Raises(Callback):
+    @override
+    def on_train_batch_end(self, *args: Any) -> None:
+        raise RuntimeError("stop")
 
 
 @pytest.mark.parametrize(

@@ -136,6 +136,28 @@ def test_resume_from_a_pruned_checkpoint(tmp_path: Path) -> None:
     assert cb.done == [0] and len(cb.history) == 1
 
 
+def test_a_later_fit_of_a_fresh_module_is_pruned_and_the_pruned_one_is_not_pruned_twice(tmp_path: Path) -> None:
+    # the epochs pruned in the first fit were kept: the second model trained unpruned, without a word
+    cb = StructuredPruning(0.5, schedule=0)
+    first, second = classifier(width=8), classifier(width=8)
+    full = count_parameters(first)
+    trainer(callbacks=[cb], limit_train_batches=2).fit(first, loader())
+    pruned = count_parameters(first)
+    assert pruned < 0.35 * full
+    trainer(callbacks=[cb], limit_train_batches=2).fit(second, loader())
+    assert count_parameters(second) == pruned and cb.done == [0] and len(cb.history) == 1
+    trainer(callbacks=[cb], limit_train_batches=2).fit(second, loader())  # the same, already pruned module
+    assert count_parameters(second) == pruned and cb.done == [0]
+    # resuming a fresh module with the same callback restores the pruned epochs instead of pruning again
+    ckpt = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    trainer(callbacks=[cb, ckpt], enable_checkpointing=True, default_root_dir=tmp_path).fit(
+        classifier(width=8), loader()
+    )
+    fresh = classifier(width=8)
+    trainer(callbacks=[cb], max_epochs=2).fit(fresh, loader(), ckpt_path=tmp_path / "last.ckpt")
+    assert count_parameters(fresh) == pruned and cb.done == [0] and len(cb.history) == 1
+
+
 @pytest.mark.parametrize(("precision", "dtype"), [("bf16-true", torch.bfloat16), ("64-true", torch.float64)])
 @pytest.mark.parametrize("target", [None, "model"])
 def test_a_true_precision_traces_with_converted_example_inputs(
