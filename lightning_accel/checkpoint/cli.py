@@ -42,7 +42,14 @@ from lightning_accel._utils.cliargs import json_object_arg
 from lightning_accel._utils.errors import one_line
 from lightning_accel.checkpoint.manifest import CheckpointCorruptError, NotADeltaCheckpointError
 from lightning_accel.checkpoint.reader import read_checkpoint_with, resolve_last
-from lightning_accel.checkpoint.store import BLOB_DIR, DeltaStore, check_export_target, split_path, store_dir
+from lightning_accel.checkpoint.store import (
+    BLOB_DIR,
+    DeltaStore,
+    check_export_target,
+    relative_to,
+    split_path,
+    store_dir,
+)
 
 __all__ = ["collect", "main"]
 
@@ -236,8 +243,8 @@ def collect(store: DeltaStore, directory: str, *, dry_run: bool = False) -> dict
         "path": root,
         "dry_run": dry_run,
         "last": last,
-        "tracked": sorted(_relative(t, root) for t in tracked),
-        "untracked": [_relative(u, root) for u in untracked],
+        "tracked": sorted(relative_to(t, root) for t in tracked),
+        "untracked": [relative_to(u, root) for u in untracked],
         "removed": [],
         "blobs_deleted": 0,
     }
@@ -247,7 +254,7 @@ def collect(store: DeltaStore, directory: str, *, dry_run: bool = False) -> dict
     # Checkpoints saved under a `filename` with a `/` (`{epoch}-{val/loss:.2f}`) live in subdirectories, each with its
     # own blob store beside them: the blobs of those `save_top_k` removed wait there for a collection too.
     below = store.blob_stores_below(root)
-    out["subdirectories"] = [_relative(d, root) for d in below]
+    out["subdirectories"] = [relative_to(d, root) for d in below]
     if not dry_run:  # which subdirectories end up empty depends on the blobs the collection deletes: not foretold
         out["emptied"] = []
     in_root = [u for u in untracked if split_path(u)[0] == root]
@@ -267,7 +274,7 @@ def collect(store: DeltaStore, directory: str, *, dry_run: bool = False) -> dict
             # the deepest first: a subdirectory's own subdirectory may be all that keeps it
             for sub in sorted(below, reverse=True):
                 if store.remove_if_emptied(sub):
-                    out["emptied"].append(_relative(sub, root))
+                    out["emptied"].append(relative_to(sub, root))
                     _remove_empty_parents(sub, root)
             out["emptied"].sort()
             out["blobs_deleted"] = deleted
@@ -279,15 +286,6 @@ def collect(store: DeltaStore, directory: str, *, dry_run: bool = False) -> dict
     if note:
         out["note"] = note
     return out
-
-
-def _relative(path: str, root: str) -> str:
-    """``path`` relative to ``root`` when it lies below it (``/``-separated), else its file name."""
-    if is_local_url(root) and is_local_url(path):
-        rel = os.path.relpath(strip_file_scheme(path), strip_file_scheme(root))
-        return os.path.basename(path) if rel.startswith("..") else rel.replace(os.sep, "/")
-    top = root.rstrip("/") + "/"
-    return path[len(top) :] if path.startswith(top) else posixpath.basename(path.rstrip("/"))
 
 
 def _remove_empty_parents(sub: str, root: str) -> None:

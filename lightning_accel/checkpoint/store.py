@@ -1565,12 +1565,15 @@ def _check_names(path: str, skeleton: Any, listed: set[str], small: set[str]) ->
 
 
 def relative_to(path: str, root: str) -> str:
-    """``path`` relative to ``root`` (a directory at or below it), ``/``-separated; ``""`` for ``root`` itself."""
+    """``path`` relative to ``root``, ``/``-separated (``""`` for ``root`` itself); the file name of a path that does
+    not lie below ``root`` (a tracked checkpoint another run saved elsewhere)."""
     if path == root:
         return ""
-    if is_local_url(root):
-        return os.path.relpath(strip_file_scheme(path), strip_file_scheme(root)).replace(os.sep, "/")
-    return path[len(root.rstrip("/")) + 1 :]
+    if is_local_url(root) and is_local_url(path):
+        rel = os.path.relpath(strip_file_scheme(path), strip_file_scheme(root))
+        return os.path.basename(path) if rel.startswith("..") else rel.replace(os.sep, "/")
+    top = root.rstrip("/") + "/"
+    return path[len(top) :] if path.startswith(top) else posixpath.basename(path.rstrip("/"))
 
 
 def _listed(directory: str, name: str, *, tmp: bool = False) -> str | None:
