@@ -33,14 +33,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import re
 import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 from torch import nn
+
+from lightning_accel._utils.patching import Patch, patch
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -53,6 +57,7 @@ __all__ = [
     "DDP_FIND_UNUSED_CLASS_ADVICE",
     "PathType",
     "allocator_settings_setter",
+    "carry_callback_results_from_workers",
     "child_modules",
     "cli_model_config",
     "cli_subcommand_parsers",
@@ -143,6 +148,94 @@ def set_launcher(strategy: Strategy, launcher: Any) -> None:
     ``Strategy.launcher`` is a read-only property over ``_launcher`` (since Lightning 2.0; checked 2.4.0-2.6.6).
     """
     strategy._launcher = launcher
+
+
+# -- Lightning: callbacks' results from the processes of the multiprocessing launcher --------------------------------
+
+log = logging.getLogger(__name__)
+
+#: the key of ``extra`` (what rank 0's worker sends back to the main process) that carries callbacks' results
+WORKER_RESULTS_KEY = "lightning_accel_callback_results"
+_CARRY_KEY = "lightning_accel-callback-results"
+_carry_lock = threading.Lock()
+_carriers: weakref.WeakSet[Any] = weakref.WeakSet()  # the live callbacks that asked for the two patches below
+_carry_patches: list[Patch] = []
+
+
+def carry_callback_results_from_workers(callback: Any) -> None:
+    """Make Lightning's multiprocessing launcher (``strategy="ddp_spawn"``, ``"ddp_fork"``, ``"ddp_notebook"``) send
+    callbacks' results from rank 0's worker process back to the main process's callbacks, for as long as
+    ``callback`` (or another that asked) is alive.
+
+    Those strategies fit in processes they start, each on an unpickled copy of the callbacks, and send back only the
+    weights and ``trainer.callback_metrics``: what a callback made (a report) stays in the worker, and the user's
+    object in the main process keeps nothing. A callback takes part by defining ``worker_results_token`` (a string
+    unique to the instance, copied with it), ``worker_results()`` (called in rank 0's worker once the fit has
+    ended; returns something picklable) and ``load_worker_results(results)`` (called on the main process's instance
+    with the same token). A ``worker_results()`` that raises is logged and skipped: the fit's own results still
+    return.
+
+    The launcher's hooks for this, ``get_extra_results`` / ``update_main_process_results``, are public methods of a
+    private class, ``lightning.pytorch.strategies.launchers.multiprocessing._MultiProcessingLauncher`` (that shape
+    since Lightning 2.0; checked 2.4.0-2.6.6), and no public API hands a callback the launcher in the main process
+    (callbacks' hooks run in the workers only), so they are patched on the class: installed once, by the first
+    callback that asks, and restored when the last of them is garbage-collected. Call it in the main process before
+    the fit (the callback's ``__init__``) and in the worker (its ``setup``), since a spawned worker imports the
+    modules afresh.
+    """
+    from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+
+    def get_extra_results(p: Patch) -> Callable[..., dict[str, Any]]:
+        def wrapped(self: Any, trainer: pl.Trainer) -> dict[str, Any]:
+            extra = p.original(self, trainer)
+            results: dict[str, Any] = {}
+            for cb in trainer.callbacks:  # type: ignore[attr-defined]
+                token, fn = getattr(cb, "worker_results_token", None), getattr(cb, "worker_results", None)
+                if isinstance(token, str) and callable(fn):
+                    try:
+                        results[token] = fn()
+                    except Exception as err:  # noqa: BLE001 - a callback's extra must not lose the fit's results
+                        log.warning("%s: its results stay in the worker process: %r", type(cb).__name__, err)
+            return {**extra, WORKER_RESULTS_KEY: results} if results else dict(extra)
+
+        return wrapped
+
+    def update_main_process_results(p: Patch) -> Callable[..., None]:
+        def wrapped(self: Any, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
+            p.original(self, trainer, extra)
+            results = extra.get(WORKER_RESULTS_KEY) or {}
+            for cb in trainer.callbacks:  # type: ignore[attr-defined]
+                token, load = getattr(cb, "worker_results_token", None), getattr(cb, "load_worker_results", None)
+                if isinstance(token, str) and token in results and callable(load):
+                    load(results[token])
+
+        return wrapped
+
+    with _carry_lock:
+        if callback not in _carriers:
+            _carriers.add(callback)
+            weakref.finalize(callback, _release_carry_patches)
+        if not _carry_patches:
+            _carry_patches.append(
+                patch(_MultiProcessingLauncher, "get_extra_results", get_extra_results, key=f"{_CARRY_KEY}-get")
+            )
+            _carry_patches.append(
+                patch(
+                    _MultiProcessingLauncher,
+                    "update_main_process_results",
+                    update_main_process_results,
+                    key=f"{_CARRY_KEY}-update",
+                )
+            )
+
+
+def _release_carry_patches() -> None:
+    """A callback that asked for the results patches died: restore them when no live one is left."""
+    with _carry_lock:
+        if any(True for _ in _carriers):  # iterating skips the callback being collected
+            return
+        while _carry_patches:
+            _carry_patches.pop().restore()
 
 
 # -- Lightning: ModelCheckpoint's filesystem -------------------------------------------------------------------------

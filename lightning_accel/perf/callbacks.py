@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import os
+import uuid
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -90,8 +91,11 @@ class PerformanceMonitor(Callback):
     step axis of the run's own ``self.log`` metrics (Lightning's batches that stepped, not ``trainer.global_step``,
     which counts every optimizer's steps). At the end of ``fit`` the totals are averaged over ranks, and rank 0
     prints the report and writes it as JSON (``perf_report.json`` in the trainer's ``log_dir``). The report is also
-    kept in :attr:`report`. A fit that stops early (Ctrl+C, an exception) gets the report of the steps it measured
-    all the same, from each rank's own numbers (no exchange between ranks then), with ``interrupted`` in its extras.
+    kept in :attr:`report` (and the picture's path in :attr:`png_path`), also on the main process's instance under
+    ``strategy="ddp_spawn"`` / ``"ddp_fork"`` / ``"ddp_notebook"``, whose fit runs in processes of their own: rank
+    0's worker sends them back when the fit returns. A fit that stops early (Ctrl+C, an exception) gets the report of
+    the steps it measured all the same, from each rank's own numbers (no exchange between ranks then), with
+    ``interrupted`` in its extras.
 
     Overhead: two clock reads and a batch-size lookup per step; see ``benchmarks/monitor_overhead.py``.
 
@@ -194,12 +198,17 @@ class PerformanceMonitor(Callback):
         self._written: set[str] = set()  # report and picture files this instance wrote (it may replace them)
         self._finished = False  # this fit's report was made (at its end, or when it was interrupted)
         self.png_path: str | None = None
+        # the spawning launchers fit on a copy of this instance in each worker: rank 0's copy sends its report back to
+        # this one, found by this token (pickled with the copy)
+        self.worker_results_token = uuid.uuid4().hex
+        compat.carry_callback_results_from_workers(self)
 
     # -- set-up / tear-down --------------------------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        compat.carry_callback_results_from_workers(self)  # a spawned worker imported the launcher afresh
         device = trainer.strategy.root_device
         clock = self._clock
         if clock is None:
@@ -228,6 +237,14 @@ class PerformanceMonitor(Callback):
             if self._sampler.note:
                 rank_zero_warn(f"PerformanceMonitor: {self._sampler.note}")
         self._wrap_save_checkpoint(trainer)
+
+    def worker_results(self) -> dict[str, Any]:
+        """What rank 0's worker process of a spawning launcher sends back to the main process's instance."""
+        return {"report": self.report, "png_path": self.png_path}
+
+    def load_worker_results(self, results: dict[str, Any]) -> None:
+        """Take the report made in rank 0's worker process (the main process of a spawning launcher)."""
+        self.report, self.png_path = results["report"], results["png_path"]
 
     def _wrap_save_checkpoint(self, trainer: pl.Trainer) -> None:
         # Shadow the bound method on this trainer instance only (restored in teardown): every save, whoever calls it

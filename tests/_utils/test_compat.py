@@ -63,6 +63,12 @@ PRIVATE_NAMES: list[tuple[str, Callable[[], Any], str, str]] = [
     ("_AcceleratorConnector.strategy", lambda: _trainer()._accelerator_connector, "strategy", "set_trainer_strategy"),
     ("ParallelStrategy._layer_sync", DDPStrategy, "_layer_sync", "get_layer_sync / set_layer_sync"),
     ("Strategy._launcher", DDPStrategy, "_launcher", "set_launcher"),
+    (
+        "lightning.pytorch.strategies.launchers.multiprocessing._MultiProcessingLauncher",
+        _module("lightning.pytorch.strategies.launchers.multiprocessing"),
+        "_MultiProcessingLauncher",
+        "carry_callback_results_from_workers",
+    ),
     ("ModelCheckpoint._fs", lambda: ModelCheckpoint(), "_fs", "set_checkpoint_filesystem"),
     (
         "ModelCheckpoint._every_n_train_steps",
@@ -697,3 +703,46 @@ def test_model_checkpoint_state_names_what_it_tracks(tmp_path: Path) -> None:
     on_disk = {p.name for p in (tmp_path / "ck").iterdir()}
     assert tracked == on_disk == {"step=3.ckpt", "step=4.ckpt", "last.ckpt"}, (tracked, on_disk, VERSIONS)
     assert compat.model_checkpoint_states({"Other": {"x": 1}, "ModelCheckpoint{}": [1]}) == []
+
+
+def test_carry_callback_results_from_workers_hands_a_workers_results_to_the_main_instance(caplog) -> None:
+    """What the spawning launcher does around the fit, without the processes: rank 0's worker packs ``extra`` from
+    its copies of the callbacks, the main process unpacks it onto the instances with the same token."""
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+
+    class Made(Callback):
+        def __init__(self, token: str, value: Any = None, fail: bool = False) -> None:
+            self.worker_results_token, self.value, self.fail, self.loaded = token, value, fail, None
+
+        def worker_results(self) -> Any:
+            if self.fail:
+                raise OSError("no report")
+            return {"value": self.value}
+
+        def load_worker_results(self, results: Any) -> None:
+            self.loaded = results
+
+    owner = Made("owner")
+    compat.carry_callback_results_from_workers(owner)
+    compat.carry_callback_results_from_workers(owner)  # idempotent: wrapped once
+    launcher = _MultiProcessingLauncher(DDPStrategy(), start_method="spawn")
+    worker = _trainer(callbacks=[Made("a", 1), Made("b", fail=True), Callback()])
+    with caplog.at_level("WARNING"):
+        extra = launcher.get_extra_results(worker)
+    assert extra[compat.WORKER_RESULTS_KEY] == {"a": {"value": 1}}  # the failing one skipped, said once
+    assert "callback_metrics_bytes" in extra  # Lightning's own part untouched
+    assert [r.message for r in caplog.records if "stay in the worker" in r.message] == [
+        "Made: its results stay in the worker process: OSError('no report')"
+    ]
+    mine, other = Made("a"), Made("c")
+    launcher.update_main_process_results(_trainer(callbacks=[other, mine]), extra)
+    assert mine.loaded == {"value": 1} and other.loaded is None
+    # restored once no callback that asked is alive
+    import gc
+
+    del owner
+    gc.collect()
+    assert not any(True for _ in compat._carriers)
+    assert "wrapped" not in _MultiProcessingLauncher.get_extra_results.__qualname__
+    assert "wrapped" not in _MultiProcessingLauncher.update_main_process_results.__qualname__

@@ -107,3 +107,26 @@ def test_an_interrupted_ddp_fit_reports_on_every_rank_without_a_collective(tmp_p
     assert a["extras"]["ranks"].startswith("rank 0's numbers") and b["extras"]["ranks"].startswith("rank 1's")
     assert a["written"]  # by rank 0, before its fit returned
     assert json.loads((tmp_path / "perf.json").read_text())["extras"]["ranks"].startswith("rank 0's numbers")
+
+
+def test_ddp_spawn_brings_the_report_back_to_the_main_process(tmp_path) -> None:
+    """Under ``ddp_spawn`` the fit runs on copies of the callbacks in processes of their own: the user's monitor in
+    the main process kept ``report`` None (rank 0's worker wrote the JSON, nothing came back)."""
+    import lightning.pytorch as pl
+
+    from lightning_accel.callbacks import PerformanceMonitor
+    from tests.tiny import TimedModule, loaders
+
+    report = tmp_path / "perf.json"
+    mon = PerformanceMonitor(log_every_n_steps=3, report_path=str(report), verbose=False)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=6, limit_val_batches=0, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=str(tmp_path), callbacks=[mon],
+    )  # fmt: skip
+    train, _ = loaders(None, 0.0)
+    trainer.fit(TimedModule(), train)
+    assert mon.report is not None
+    assert mon.report.steps == 4  # 6 steps, the first 2 skipped
+    assert mon.report.extras["world_size"] == 2
+    assert json.loads(report.read_text())["steps"] == mon.report.steps
