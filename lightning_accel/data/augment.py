@@ -72,6 +72,10 @@ def _numbers(name: str, value: object, *, pair: bool = False) -> tuple[float, ..
     return out
 
 
+#: the largest output side ``size`` accepts (a 16384 px RGB float batch of one is already 3 GiB)
+MAX_SIZE = 16384
+
+
 class GpuAugment(nn.Module):
     """Per-sample random resized crop, flip, colour jitter, then normalise; training-time randomness only.
 
@@ -124,7 +128,8 @@ class GpuAugment(nn.Module):
         crop_ratio = _numbers("crop_ratio", crop_ratio, pair=True)
         if not 0 < crop_ratio[0] <= crop_ratio[1]:
             raise ValueError(f"`crop_ratio` must satisfy 0 < low <= high, got {tuple(crop_ratio)}.")
-        check_int("size", size, low=1, allow_none=True, fix="None keeps the input size.")
+        # the output batch is allocated at this size: a typo such as 22400 would ask for gigabytes per batch
+        check_int("size", size, low=1, high=MAX_SIZE, allow_none=True, fix="None keeps the input size; use e.g. 224.")
         check_int("seed", seed, allow_none=True, fix="None follows torch's global seed.")
         check_number("flip_p", flip_p, low=0.0, high=1.0)
         for name, v in (("brightness", brightness), ("contrast", contrast), ("saturation", saturation)):

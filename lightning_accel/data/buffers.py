@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from lightning_accel._utils import compat
+from lightning_accel._utils.checks import check_int
 from lightning_accel._utils.forksafe import ForkSafeLock, PerProcess
 
 __all__ = ["BufferPool", "alloc_shared"]
@@ -58,7 +59,11 @@ class BufferPool:
     """
 
     def __init__(self, max_buffers: int = 8) -> None:
-        self.max_buffers = max_buffers
+        # each kept storage is a whole batch (9.6 MB at 64 x 3 x 224 x 224 uint8): a pool of thousands would hold
+        # gigabytes nobody asked for
+        self.max_buffers = check_int(
+            "max_buffers", max_buffers, low=0, high=1024, fix="0 turns pooling off; use e.g. 8."
+        )
         self._free: PerProcess[_FreeBuffers] = PerProcess(_FreeBuffers)
         self._lock = ForkSafeLock()
 

@@ -88,6 +88,7 @@ _JOURNAL_FORMAT = "lightning-accel-pack-writing"
 # The temporary name a local atomic publish of the index or the journal leaves behind when killed (`_utils.atomic`).
 _OWN_TMP = re.compile(r"\.lightning-accel-pack(\.writing)?\.json\.[0-9a-f]{32}\.tmp")
 DEFAULT_SHARD_BYTES = 16 << 20  # S3 reaches full per-request throughput at ~8-16 MB objects
+MAX_SHARD_BYTES = 4 << 30  # shards are built in memory
 DEFAULT_STAGE_BYTES = 4 << 30
 _TOUCH_S = 0.5  # how often a process refreshes a staged shard's "last used" time while it reads from it
 # A marker older than this protects nothing, whatever its process says: a backstop behind the pid checks. Far longer
@@ -305,10 +306,17 @@ def pack_origin(
             read; or ``dest`` is a file.
         TypeError: ``shard_bytes``, ``max_concurrency`` or ``shuffle_seed`` is not an integer, ``overwrite`` not a
             bool, ``progress`` not callable, or a storage options argument is not a dict with string keys.
-        ValueError: ``shard_bytes`` < 1, ``max_concurrency`` outside 1 to 1024, ``source`` is itself a pack, or
-            ``dest`` is ``source`` or a folder inside it.
+        ValueError: ``shard_bytes`` outside 1 to 4 GiB (a shard is built in memory), ``max_concurrency`` outside 1
+            to 1024, ``source`` is itself a pack, or ``dest`` is ``source`` or a folder inside it.
     """
-    check_int("shard_bytes", shard_bytes, low=1, fix="It is the target shard size in bytes.")
+    # a shard is built in memory before it is written: the bound keeps one from growing to the whole data set
+    check_int(
+        "shard_bytes",
+        shard_bytes,
+        low=1,
+        high=MAX_SHARD_BYTES,
+        fix="It is the target shard size in bytes; use e.g. 16 << 20.",
+    )
     check_int("max_concurrency", max_concurrency, low=1, high=MAX_CONCURRENCY, fix=_CONCURRENCY_FIX)
     # A truthy string ("no", "false" from a config) would replace the pack at `dest`: only a bool says "replace".
     check_bool("overwrite", overwrite, fix="True replaces a pack already at `dest`.")

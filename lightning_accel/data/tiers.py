@@ -53,7 +53,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_accel._utils.checks import check_bytes, check_choice, check_int
+from lightning_accel._utils.checks import check_bool, check_bytes, check_choice, check_int
 from lightning_accel._utils.forksafe import PerProcess
 
 __all__ = [
@@ -383,8 +383,14 @@ class LmdbTier:
         marker: bool | None = None,
         note: str | None = None,
     ) -> None:
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(
+                f"LmdbTier: `name` must be a non-empty string (the label of warnings and statistics), got {name!r}. "
+                'Use e.g. name="ssd" or name="ram".'
+            )
         check_int(f"{name}_bytes", budget_bytes, low=0, allow_none=True, fix="None: no cap.")
         check_choice("policy", policy, ("keep", "fifo"))
+        check_bool("sync", sync)
         self.path = os.fspath(path)
         self._key = os.path.realpath(self.path)  # one environment per directory, however it is spelt
         self.budget_bytes = budget_bytes

@@ -74,9 +74,14 @@ def test_bad_arguments_name_themselves() -> None:
 @pytest.mark.parametrize(
     ("kw", "error", "pattern"),
     [
-        ({"size": 0}, ValueError, r"`size` must be an integer >= 1 or None, got 0\. None keeps the input size"),
-        ({"size": -4}, ValueError, r"`size` must be an integer >= 1 or None, got -4"),
-        ({"size": 2.5}, TypeError, r"`size` must be an integer >= 1 or None, got 2\.5 \(float\)"),
+        (
+            {"size": 0},
+            ValueError,
+            r"`size` must be an integer >= 1 and <= 16384 or None, got 0\. None keeps the input size",
+        ),
+        ({"size": -4}, ValueError, r"`size` must be an integer >= 1 and <= 16384 or None, got -4"),
+        ({"size": 22400}, ValueError, r"`size` must be an integer >= 1 and <= 16384 or None, got 22400\. None keeps"),
+        ({"size": 2.5}, TypeError, r"`size` must be an integer >= 1 and <= 16384 or None, got 2\.5 \(float\)"),
         ({"seed": "abc"}, TypeError, r"`seed` must be an integer or None, got 'abc' \(str\)"),
         ({"crop_scale": (0.5,)}, ValueError, r"`crop_scale` must be a \(low, high\) pair of numbers, got \(0\.5,\)"),
         ({"crop_ratio": "wide"}, TypeError, r"`crop_ratio` must be a \(low, high\) pair of numbers, got 'wide'"),

@@ -66,9 +66,14 @@ def test_pack_refuses_to_overwrite_unless_asked(small_digits: Path, tmp_path: Pa
     assert again is not None and len(again.shards) > 1
     with pytest.raises(ValueError, match="already a packed origin"):
         pack_origin(dest, str(tmp_path / "again"))
-    with pytest.raises(ValueError, match=r"`shard_bytes` must be an integer >= 1, got 0\. It is the target shard size"):
+    with pytest.raises(
+        ValueError,
+        match=r"`shard_bytes` must be an integer >= 1 and <= 4294967296, got 0\. It is the target shard size",
+    ):
         pack_origin(str(small_digits), str(tmp_path / "x"), shard_bytes=0)
-    with pytest.raises(TypeError, match=r"`shard_bytes` must be an integer >= 1, got True \(bool\)"):
+    with pytest.raises(ValueError, match=r"`shard_bytes` must be an integer >= 1 and <= 4294967296, got 8589934592\."):
+        pack_origin(str(small_digits), str(tmp_path / "x"), shard_bytes=8 << 30)  # built in memory: refused
+    with pytest.raises(TypeError, match=r"`shard_bytes` must be an integer >= 1 and <= 4294967296, got True \(bool\)"):
         pack_origin(str(small_digits), str(tmp_path / "x"), shard_bytes=True)
 
 

@@ -164,6 +164,20 @@ def test_tier_arguments_are_checked() -> None:
         LmdbTier("/nonexistent/x", True, name="ram")
     with pytest.raises(ValueError, match="`policy` must be 'keep' or 'fifo', got 'lru'"):
         LmdbTier("/nonexistent/x", 1 << 20, policy="lru")
+    with pytest.raises(ValueError, match=r"LmdbTier: `name` must be a non-empty string .*, got ''\. Use e\.g\."):
+        LmdbTier("/nonexistent/x", 1 << 20, name="")
+    with pytest.raises(TypeError, match=r"`sync` must be"):
+        LmdbTier("/nonexistent/x", 1 << 20, sync="no")
+
+
+def test_buffer_pool_bounds_its_buffers() -> None:
+    from lightning_accel.data.buffers import BufferPool
+
+    assert BufferPool(0).max_buffers == 0  # pooling off
+    with pytest.raises(ValueError, match=r"`max_buffers` must be an integer >= 0 and <= 1024, got 100000\. 0 turns"):
+        BufferPool(100_000)
+    with pytest.raises(TypeError, match=r"`max_buffers` must be an integer .*, got 2\.0 \(float\)"):
+        BufferPool(2.0)  # type: ignore[arg-type]
 
 
 _FILL_A_SMALL_TMPFS = """
