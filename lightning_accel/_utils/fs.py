@@ -34,7 +34,7 @@ from lightning_accel._utils.atomic import atomic_write_bytes, is_local_url, stri
 from lightning_accel._utils.checks import check_int, check_number
 from lightning_accel._utils.forksafe import ForkSafeLock, PerProcess
 
-__all__ = ["FileStore", "StorageUnavailableError", "is_transient"]
+__all__ = ["FileStore", "StorageUnavailableError", "is_transient", "storage_endpoint"]
 
 _T = TypeVar("_T")
 
@@ -176,6 +176,25 @@ def check_storage_options(value: object, name: str = "storage_options") -> dict[
             if isinstance(inner, Mapping):
                 todo.append((f"{where}[{key!r}]", inner))
     return dict(value)
+
+
+def storage_endpoint(options: Mapping[str, Any] | None) -> str | None:
+    """The service endpoint ``options`` point a filesystem at, or None for the protocol's default: ``endpoint_url``
+    (s3fs, gcsfs, adlfs ...), ``client_kwargs["endpoint_url"]`` (s3fs through botocore), ``endpoint`` or ``host``.
+
+    One URL such as ``s3://data/train`` names other objects on another endpoint (a MinIO beside AWS, a moto server in
+    a test), so what is derived from a URL alone (a listing saved beside a cache) is told apart by this too. Never the
+    credentials: a rotated key is the same store.
+    """
+    if not options:
+        return None
+    for where in (options, options.get("client_kwargs")):
+        if isinstance(where, Mapping):
+            for key in ("endpoint_url", "endpoint", "host"):
+                value = where.get(key)
+                if isinstance(value, str) and value:
+                    return value.rstrip("/")
+    return None
 
 
 def _share_botocore_loader(fs: Any) -> None:

@@ -26,6 +26,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_accel._utils.checks import check_bool, check_bytes, check_callable, check_choice, check_int
+from lightning_accel._utils.fs import storage_endpoint
 from lightning_accel._utils.paths import safe_join
 from lightning_accel._utils.rank import node_rank
 from lightning_accel.data.augment import GpuAugment
@@ -488,8 +489,11 @@ class CachedDataModule(LightningDataModule):
 
     def _listing_path(self, store: ObjectStore) -> str:
         # The store's URL (a local origin made absolute), not the argument: a relative `origin` names another
-        # directory from another working directory, and two jobs sharing `cache_dir` read each other's listing.
-        h = hashlib.sha1(f"{store.url}|{self.manifest}".encode()).hexdigest()[:16]
+        # directory from another working directory, and two jobs sharing `cache_dir` read each other's listing. For
+        # the same reason an object store's endpoint (not its credentials): one `s3://` URL names other objects on
+        # another endpoint. (Only added when set, so the listings of the default endpoint keep their names.)
+        endpoint = "" if store.is_local else storage_endpoint(self.storage_options) or ""
+        h = hashlib.sha1(f"{store.url}|{self.manifest}{'|' + endpoint if endpoint else ''}".encode()).hexdigest()[:16]
         return os.path.join(self.cache_dir, f"listing-{h}.json")
 
     def _list(self, url: str, *, refresh: bool) -> Listing:

@@ -19,7 +19,7 @@ import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 from fsspec.spec import AbstractFileSystem
 
-from lightning_accel._utils.fs import FileStore, StorageUnavailableError, is_transient
+from lightning_accel._utils.fs import FileStore, StorageUnavailableError, is_transient, storage_endpoint
 
 
 @pytest.fixture(params=["local", "file-url", "memory", "s3"])
@@ -290,3 +290,18 @@ def test_retries_count_every_attempt_on_s3() -> None:
         stop.set()
         thread.join(5)
         server.close()
+
+
+@pytest.mark.parametrize(
+    ("options", "endpoint"),
+    [
+        (None, None),
+        ({"key": "k", "secret": "s"}, None),  # credentials alone: the protocol's default endpoint
+        ({"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000/"}, "secret": "s"}, "http://127.0.0.1:9000"),
+        ({"endpoint_url": "https://minio.local"}, "https://minio.local"),
+        ({"host": "https://gcs.example"}, "https://gcs.example"),
+        ({"client_kwargs": {"region_name": "eu-west-1"}}, None),
+    ],
+)
+def test_storage_endpoint_reads_the_endpoint_never_the_credentials(options: Any, endpoint: str | None) -> None:
+    assert storage_endpoint(options) == endpoint

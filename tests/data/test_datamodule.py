@@ -442,3 +442,59 @@ def test_image_size_is_checked_even_with_a_decode_of_its_own(tmp_path: Path) -> 
     with pytest.raises(TypeError, match=r"^`image_size` must be an integer >= 1 or None, got '224' \(str\)\. None"):
         _make(tmp_path, decode=ImageDecoder(16), image_size="224")
     assert _make(tmp_path, decode=ImageDecoder(16), image_size=None).decode.size == 16  # type: ignore[attr-defined]
+
+
+def test_one_s3_url_on_two_endpoints_keeps_two_listings(
+    s3_bucket: tuple[str, dict[str, Any]], small_digits: Path, tmp_path: Path
+) -> None:
+    """Two jobs sharing `cache_dir` read `s3://<bucket>/train` from two endpoints holding different objects: each
+    lists its own (the listing file was named after the URL alone, so the second job read the first one's)."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import fsspec
+
+    from tests.conftest import s3_storage_options
+    from tests.helpers import free_port
+
+    bucket, opts_a = s3_bucket
+    port = free_port()
+    # in a process of its own: moto's servers in one process share one backend, so they would hold the same objects
+    serve = f"from moto.server import ThreadedMotoServer as S; S(ip_address='127.0.0.1', port={port}).start()"
+    other = subprocess.Popen([sys.executable, "-c", f"{serve}; import time; time.sleep(300)"])
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the second S3 endpoint did not start"
+                time.sleep(0.1)
+        opts_b = s3_storage_options(f"http://127.0.0.1:{port}")
+        images = sorted(small_digits.rglob("*.jpg"))
+        for opts, classes in ((opts_a, {"0", "1", "2"}), (opts_b, {"3", "4"})):
+            fs = fsspec.filesystem("s3", skip_instance_cache=True, **opts)
+            if not fs.exists(bucket):
+                fs.mkdir(bucket)
+            for p in [p for c in sorted(classes) for p in [p for p in images if p.parent.name == c][:4]]:
+                fs.pipe_file(f"{bucket}/train/{p.parent.name}/{p.name}", p.read_bytes())
+        shared = str(tmp_path / "cache")
+        made = [
+            CachedDataModule(
+                f"s3://{bucket}/train", cache_dir=shared, storage_options=opts, image_size=16, num_workers=0,
+                ram_bytes=0, val_fraction=0.0,
+            )
+            for opts in (opts_a, opts_b)
+        ]  # fmt: skip
+        for dm in made:
+            dm.prepare_data()
+        for dm in made:
+            dm.setup("fit")
+        assert made[0].classes == ["0", "1", "2"]
+        assert made[1].classes == ["3", "4"]
+    finally:
+        other.kill()
+        other.wait()
