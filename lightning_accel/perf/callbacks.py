@@ -544,7 +544,9 @@ class PerformanceMonitor(Callback):
             except Exception as e:
                 _warn_unwritten("report", path, e)
             try:
-                self.png_path = self._write_png(path, r.epochs, self._written)
+                # an interrupted fit's bars are this rank's own seconds, not a mean (no collective ran)
+                ylabel = f"seconds (rank {trainer.global_rank}'s own)" if "ranks" in r.extras else None
+                self.png_path = self._write_png(path, r.epochs, self._written, ylabel=ylabel)
             except Exception as e:
                 self.png_path = None
                 _warn_unwritten("picture", _with_suffix(path, ".png"), e)
@@ -563,7 +565,9 @@ class PerformanceMonitor(Callback):
         return safe_join(os.fspath(self._log_dir), "perf_report.json") if self._log_dir else None
 
     @staticmethod
-    def _write_png(json_path: str, epochs: list[dict[str, float]], written: set[str] | None = None) -> str | None:
+    def _write_png(
+        json_path: str, epochs: list[dict[str, float]], written: set[str] | None = None, *, ylabel: str | None = None
+    ) -> str | None:
         """``perf_report.png`` beside the JSON: seconds per category, one stacked bar per epoch (needs matplotlib).
 
         Not written over a file the monitor did not write (see :func:`_may_replace`; ``written`` holds the files this
@@ -577,7 +581,9 @@ class PerformanceMonitor(Callback):
         written = set() if written is None else written
         if not _may_replace(png, "picture", written):
             return None
-        atomic_write_bytes(png, epoch_breakdown_png(epochs))
+        atomic_write_bytes(
+            png, epoch_breakdown_png(epochs) if ylabel is None else epoch_breakdown_png(epochs, ylabel=ylabel)
+        )
         written.add(png)
         return png
 

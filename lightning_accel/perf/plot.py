@@ -35,7 +35,12 @@ def plot_available() -> bool:
     return module_available("matplotlib")
 
 
-def epoch_breakdown_png(epochs: Sequence[Mapping[str, float]], *, title: str = "Where step time went") -> bytes:
+def epoch_breakdown_png(
+    epochs: Sequence[Mapping[str, float]],
+    *,
+    title: str = "Where step time went",
+    ylabel: str = "seconds (mean over ranks)",
+) -> bytes:
     """Render per-epoch seconds per category as a stacked bar chart and return the PNG bytes (drawn off-screen; the
     process's matplotlib backend is not changed).
 
@@ -43,6 +48,7 @@ def epoch_breakdown_png(epochs: Sequence[Mapping[str, float]], *, title: str = "
         epochs: one mapping per epoch with ``"epoch"`` and a seconds value per category of
             :data:`~lightning_accel.perf.timers.CATEGORIES` (missing categories count as 0).
         title: the chart's title.
+        ylabel: the y axis's label: what the seconds are (the mean over ranks, or one rank's own).
 
     Raises:
         ModuleNotFoundError: matplotlib is not installed (``pip install matplotlib``).
@@ -70,7 +76,7 @@ def epoch_breakdown_png(epochs: Sequence[Mapping[str, float]], *, title: str = "
         ax.bar(labels, vals, bottom=bottom, color=_COLORS[cat], label=cat, width=0.7)
         bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
     ax.set_xlabel("epoch")
-    ax.set_ylabel("seconds (mean over ranks)")
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False, fontsize=8)
     fig.tight_layout()

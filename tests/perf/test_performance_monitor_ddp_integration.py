@@ -80,6 +80,16 @@ def _interrupted_fit(rank: int, world_size: int, root: str) -> dict[str, Any]:
                     setattr(trainer.strategy, name, collective)
                 raise RuntimeError("stopped")
 
+    import lightning_accel.perf.callbacks as monitor_module
+
+    drawn: list[dict[str, Any]] = []
+    draw = monitor_module.epoch_breakdown_png
+
+    def spy(epochs: Any, **kw: Any) -> bytes:
+        drawn.append(kw)
+        return draw(epochs, **kw)
+
+    monitor_module.epoch_breakdown_png = spy  # type: ignore[assignment]  # this worker process only
     torch.manual_seed(0)
     report = os.path.join(root, "perf.json")
     mon = PerformanceMonitor(log_every_n_steps=3, report_path=report, verbose=False)
@@ -95,7 +105,7 @@ def _interrupted_fit(rank: int, world_size: int, root: str) -> dict[str, Any]:
         assert str(e) == "stopped"
     r = mon.report
     assert r is not None
-    return {"steps": r.steps, "extras": r.extras, "written": os.path.exists(report)}
+    return {"steps": r.steps, "extras": r.extras, "written": os.path.exists(report), "drawn": drawn}
 
 
 def test_an_interrupted_ddp_fit_reports_on_every_rank_without_a_collective(tmp_path) -> None:
@@ -107,6 +117,8 @@ def test_an_interrupted_ddp_fit_reports_on_every_rank_without_a_collective(tmp_p
     assert a["extras"]["ranks"].startswith("rank 0's numbers") and b["extras"]["ranks"].startswith("rank 1's")
     assert a["written"]  # by rank 0, before its fit returned
     assert json.loads((tmp_path / "perf.json").read_text())["extras"]["ranks"].startswith("rank 0's numbers")
+    if a["drawn"]:  # matplotlib installed: the picture's axis says whose seconds they are, not "mean over ranks"
+        assert a["drawn"] == [{"ylabel": "seconds (rank 0's own)"}]
 
 
 def test_ddp_spawn_brings_the_report_back_to_the_main_process(tmp_path) -> None:
