@@ -30,7 +30,7 @@ __all__ = [
     "check_choice",
     "check_int",
     "check_number",
-    "check_torch_seed",
+    "check_seed",
     "parse_bytes",
     "renamed_argument",
 ]
@@ -104,14 +104,25 @@ def check_int(
     return value
 
 
-def check_torch_seed(value: Any, *, fix: str = "") -> int:
-    """``value`` as a ``seed`` torch's generators take (``manual_seed``: ``-2**63 .. 2**64 - 1``); one line naming
-    ``seed`` otherwise, where torch would say only "Overflow when unpacking long long"."""
-    check_int("seed", value, fix=fix)
-    if not -(2**63) <= value < 2**64:
-        then = f" {fix}" if fix else ""
-        raise ValueError(f"`seed` must be an integer in torch's seed range -2**63 .. 2**64 - 1, got {value}.{then}")
-    return int(value)
+#: the seeds Lightning's ``seed_everything`` takes (its ``min_seed_value`` / ``max_seed_value``: numpy's legacy seed
+#: range), spelt out so the plain-torch cores need not import Lightning for two integers; every ``seed`` argument of
+#: the package takes exactly these, so a seed that works in one place works in all, and in ``seed_everything``
+SEED_MIN = 0
+SEED_MAX = 2**32 - 1
+
+
+def check_seed(name: str, value: Any, *, what: str) -> int:
+    """``value`` as a seed in ``SEED_MIN .. SEED_MAX`` (what ``seed_everything`` takes), else one line naming ``name``,
+    the value, the range and what the seed seeds (``what``, e.g. "the train/validation split"). Also keeps
+    ``seed + epoch`` within torch's generator range, where torch would say only "Overflow when unpacking long long".
+
+    Raises:
+        TypeError: ``value`` is not an integer (a bool neither).
+        ValueError: ``value`` is outside the range.
+    """
+    fix = f"It seeds {what}; any seed `lightning.seed_everything` takes (0 .. 2**32 - 1) works."
+    checked: int = check_int(name, value, low=SEED_MIN, high=SEED_MAX, fix=fix)
+    return checked
 
 
 def check_number(

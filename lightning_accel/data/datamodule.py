@@ -25,7 +25,7 @@ from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_accel._utils.checks import check_bool, check_bytes, check_callable, check_choice, check_int
+from lightning_accel._utils.checks import check_bool, check_bytes, check_callable, check_choice, check_int, check_seed
 from lightning_accel._utils.fs import storage_endpoint
 from lightning_accel._utils.paths import safe_join
 from lightning_accel._utils.rank import node_rank
@@ -35,7 +35,6 @@ from lightning_accel.data.dataset import (
     CacheDataLoader,
     CachedDataset,
     EpochOrderSampler,
-    check_seed,
     check_warm_num_workers,
     default_num_workers,
     split_indices,
@@ -345,7 +344,7 @@ class CachedDataModule(LightningDataModule):
                     "backslashes."
                 ) from None
         _check_text("ram_dir", ram_dir, "a local directory path")
-        check_seed(seed)
+        check_seed("seed", seed, what="the shuffle and the train/validation split")
         check_callable("decode", decode, "a callable `decode(data: bytes) -> torch.Tensor`")
         # checked even when a `decode` makes it unused: a typo (image_size="224") must not pass silently
         check_int("image_size", image_size, low=1, allow_none=True, fix="None keeps the original size.")

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, default_collate, get_worker_info
 
-from lightning_accel._utils.checks import check_bool, check_int, check_number
+from lightning_accel._utils.checks import check_bool, check_int, check_number, check_seed
 from lightning_accel._utils.compat import register_before_thread_shutdown, shutdown_persistent_workers
 from lightning_accel._utils.forksafe import ForkSafeLock, PerProcess
 from lightning_accel.data.buffers import BufferPool
@@ -46,7 +46,6 @@ __all__ = [
     "CacheDataLoader",
     "CachedDataset",
     "EpochOrderSampler",
-    "check_seed",
     "collate_batch",
     "default_num_workers",
     "split_indices",
@@ -76,27 +75,6 @@ def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], li
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
     n_val = int(round(n * val_fraction))
     return sorted(perm[n_val:]), sorted(perm[:n_val])
-
-
-def check_seed(seed: object) -> int:
-    """``seed`` as the shuffle and split seed: an integer in ``-2**63 .. 2**63 - 1``.
-
-    The global shuffle seeds torch's generator with ``seed + epoch`` (``DistributedSampler``), which torch takes only
-    within ``-2**63 .. 2**64 - 1``: ``2**64 - 1`` trained epoch 0, then failed in epoch 1 with "Overflow when unpacking
-    long long", naming no argument.
-
-    Raises:
-        TypeError: not an integer (a bool included).
-        ValueError: outside that range.
-    """
-    fix = "It seeds the shuffle and the train/validation split."
-    value: int = check_int("seed", seed, fix=fix)
-    if not -(2**63) <= value <= 2**63 - 1:
-        raise ValueError(
-            f"`seed` must be an integer in -2**63 .. 2**63 - 1 (the shuffle seeds torch with `seed + epoch`), got "
-            f"{value}. {fix}"
-        )
-    return value
 
 
 def split_keys(keys: Sequence[str], val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -433,7 +411,7 @@ class EpochOrderSampler(DistributedSampler):
         batch_size: int = 1,
     ) -> None:
         check_int("batch_size", batch_size, low=1, fix="It is the DataLoader's batch size.")
-        check_seed(seed)
+        check_seed("seed", seed, what="the shuffle and the train/validation split")
         check_int("num_replicas", num_replicas, low=1, fix="It is the number of ranks (the world size).")
         check_int("rank", rank, low=0, high=num_replicas - 1, fix=f"There are {num_replicas} ranks.")
         # strings are truthy: drop_last="no" dropped the tail, shuffle="false" shuffled

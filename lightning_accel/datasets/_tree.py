@@ -4,8 +4,9 @@
   the tree holds). A tree whose marker matches the arguments is reused as is, one whose marker says "rendering" (a run
   killed halfway) is rebuilt, and so is one made with the same arguments by an older ``format_version`` of the
   renderer, or one whose class folders lack an image the marker counts (a copy cut short, a folder removed: reused,
-  it would shift the labels of the classes after the missing one); one whose marker differs otherwise is refused
-  rather than mixed.
+  it would shift the labels of the classes after the missing one) or hold an image that is not a whole JPEG (empty or
+  cut short by a power loss after the render: served, it would stop the loader mid-epoch); one whose marker differs
+  otherwise is refused rather than mixed.
 - Never writes into someone else's directory: a renderer writes only into a directory that does not exist, is empty,
   or carries its own marker and nothing but the class folders of ``NNNNNN.jpg`` files it writes. Anything else (a
   user's ImageFolder tree, a note file) is refused with one line before the first write, and left as it was.
@@ -45,7 +46,16 @@ try:
 except ImportError:  # Windows: no flock; renders of one directory are then not serialised
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["TreeSpec", "begin_render", "check_tree", "finish_render", "publish_image", "render_lock", "render_tree"]
+__all__ = [
+    "TreeSpec",
+    "begin_render",
+    "check_tree",
+    "finish_render",
+    "publish_image",
+    "render_lock",
+    "render_tree",
+    "resolve_root",
+]
 
 _RENDERING = "rendering"  # the marker's `state` while a render is under way
 IMAGE_NAME = re.compile(r"\d{6}\.jpg")  # the only file names a renderer writes in a class folder
@@ -82,6 +92,26 @@ class TreeSpec:
     def lock(self) -> str:
         """The lock file's name in the root (``.lightning_accel_digits.lock`` beside the ``.json`` marker)."""
         return self.marker.removesuffix(".json") + ".lock"
+
+
+def resolve_root(root: object, *, arg: str, what: str) -> Path:
+    """``root`` (a ``str`` or ``os.PathLike``) as an absolute path, or one line naming ``arg``.
+
+    An empty string used to resolve to the current directory, so ``materialize_digits("")`` rendered into whatever
+    directory the script ran in when it was empty; ``None`` failed in ``os.fspath`` without naming the argument.
+
+    Raises:
+        TypeError: ``root`` is not a ``str`` or ``os.PathLike``.
+        ValueError: ``root`` is empty.
+    """
+    value = os.fspath(root) if isinstance(root, os.PathLike) else root
+    if not isinstance(value, str) or not value:
+        kind = ValueError if isinstance(value, str) else TypeError
+        raise kind(
+            f"`{arg}` must be a non-empty directory path (a str or pathlib.Path) to render the demo {what} into, got "
+            f"{root!r} ({type(root).__name__}). Pass e.g. `{arg}='data/{what}'`."
+        )
+    return Path(value).expanduser().resolve()
 
 
 def _read_marker(spec: TreeSpec, path: Path) -> dict | None:
@@ -138,29 +168,59 @@ def _older_format_only(have: dict, want: dict) -> bool:
     return same_args and isinstance(old, int) and isinstance(new, int) and old < new
 
 
+def _cut_short(path: str) -> bool:
+    """The file at ``path`` is not a whole JPEG as the renderer writes it: it does not start with the JPEG
+    start-of-image marker ``FF D8`` or does not end with the end-of-image marker ``FF D9`` (nothing follows it in a
+    file PIL writes), or it cannot be read.
+
+    An image is published without an ``fsync`` of its data (:func:`publish_image`), so a power loss after a render can
+    leave a zero-length file or a file cut short under its final name; the loader then failed on it mid-epoch
+    ("Truncated File Read", "cannot identify image file"). Inside the entropy-coded data a ``FF`` byte is always
+    followed by ``00`` or a restart marker, so a file cut anywhere else does not end in ``FF D9``. Two 2-byte reads per
+    file, no decode.
+    """
+    try:
+        with open(path, "rb") as f:
+            head = f.read(2)
+            f.seek(-2, os.SEEK_END)  # OSError for a file of fewer than 2 bytes
+            tail = f.read(2)
+    except OSError:
+        return True
+    return head != b"\xff\xd8" or tail != b"\xff\xd9"
+
+
 def _missing_images(spec: TreeSpec, root_p: Path, have: dict) -> str | None:
     """What is wrong with a tree whose marker says "complete" (None: nothing), as a phrase: it lacks a class folder
-    or some of the ``have["num_images"]`` images ``000000.jpg`` ... under its class folders, or holds more.
+    or some of the ``have["num_images"]`` images ``000000.jpg`` ... under its class folders, holds more, or holds an
+    image that is not a whole JPEG (:func:`_cut_short`).
 
     A marker says complete, not that the files are still there: a copy of the tree cut short (the marker is copied
     first, being a dotfile in the root), or a class folder removed by hand, used to be reused as is, and torchvision's
     ``ImageFolder`` then numbered the remaining folders from 0, labelling every image of a later class as the class
-    before it. One directory listing per class folder (no file is opened).
+    before it. Nor does it say the files are whole: a power loss after the render can leave images cut short or empty.
+    One directory listing per class folder, and the first and last two bytes of every image.
     """
     want_n = have.get("num_images")
     found: list[int] = []
+    damaged: list[str] = []
     for c in spec.classes:
         d = root_p / c
         if d.is_symlink() or not d.is_dir():
             return f"lacks its class folder {c!r}"
         with os.scandir(d) as it:
-            found.extend(int(e.name[:6]) for e in it if IMAGE_NAME.fullmatch(e.name))
+            for e in it:
+                if IMAGE_NAME.fullmatch(e.name):
+                    found.append(int(e.name[:6]))
+                    if _cut_short(e.path):
+                        damaged.append(f"{c}/{e.name}")
     if isinstance(want_n, int):
         missing = want_n - len(set(found) & set(range(want_n)))
         if missing:
             return f"lacks {missing} of its {want_n} images"
         if len(found) > want_n:  # a larger render's images, or copies in a second class: ImageFolder reads them all
             return f"holds {len(found) - want_n} image(s) beyond its {want_n}"
+    if damaged:
+        return f"holds {len(damaged)} image(s) cut short or empty (e.g. {sorted(damaged)[0]!r})"
     return None
 
 
@@ -168,17 +228,20 @@ def check_tree(spec: TreeSpec, root: str | os.PathLike[str], want: dict | None, 
     """Decide, without writing anything, whether ``spec``'s data set may be rendered into ``root``.
 
     A tree whose marker says complete but whose class folders lack an image (a copy cut short, files removed by
-    hand) is rebuilt like a tree left by a killed render, when it holds nothing but the renderer's own files.
+    hand) or hold one that is not a whole JPEG (empty or cut short by a power loss) is rebuilt like a tree left by a
+    killed render, when it holds nothing but the renderer's own files.
 
     Returns:
         ``"reuse"``: a complete tree made with ``want`` is there (``want=None``: any complete tree of this renderer);
         ``"build"``: rendering may (re)write it.
 
     Raises:
-        ValueError: (one line) ``root`` holds anything the renderer did not write, or a tree made with other arguments.
+        TypeError: (one line) ``root`` is not a path.
+        ValueError: (one line) ``root`` is empty, holds anything the renderer did not write, or a tree made with other
+            arguments.
     """
     w = spec.what
-    root_p = Path(os.fspath(root)).expanduser().resolve()
+    root_p = resolve_root(root, arg=arg, what=w)
     if not root_p.exists():
         return "build"
     if not root_p.is_dir():
@@ -293,7 +356,7 @@ def render_tree(
         if missing is not None:
             warnings.warn(
                 f"`{arg}` {str(root_p)!r} holds a complete {spec.what} tree by its marker, but it {missing} (a copy "
-                "cut short, or files removed or added by hand): rendering it again.",
+                "cut short, files removed or added by hand, or a power loss after the render): rendering it again.",
                 stacklevel=3,
             )
         begin_render(spec, root_p, want, arg=arg)

@@ -18,13 +18,14 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningDataModule
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import nn
 from torch.utils.data import DataLoader, Subset
 from torchvision.datasets import ImageFolder  # type: ignore[import-untyped]  # torchvision ships no type hints
 from torchvision.datasets.folder import IMG_EXTENSIONS  # type: ignore[import-untyped]
 from typing_extensions import override
 
-from lightning_accel._utils.checks import check_bool, check_int, check_torch_seed
+from lightning_accel._utils.checks import check_bool, check_int, check_seed
 from lightning_accel.data import CachedDataModule
 from lightning_accel.data.dataset import default_num_workers, split_indices, split_keys
 from lightning_accel.datasets.digits import DIGITS_CLASSES, check_render_target, digits_marker, materialize_digits
@@ -35,6 +36,16 @@ __all__ = ["DigitsCachedDataModule", "DigitsDataModule", "PhotosCachedDataModule
 # Digits are white strokes on black; these are the per-channel statistics of the 64 px rendering.
 DIGITS_MEAN = (0.188, 0.188, 0.188)
 DIGITS_STD = (0.318, 0.318, 0.318)
+# the BatchNorm layers (torch's common base class is private): they cannot train on a batch of one 1x1 feature map
+_BATCH_NORMS = (
+    nn.BatchNorm1d,
+    nn.BatchNorm2d,
+    nn.BatchNorm3d,
+    nn.LazyBatchNorm1d,
+    nn.LazyBatchNorm2d,
+    nn.LazyBatchNorm3d,
+    nn.SyncBatchNorm,
+)
 
 
 def _local_dir(name: str, value: object, what: str) -> str:
@@ -88,12 +99,14 @@ class DigitsDataModule(LightningDataModule):
             see above).
         image_size: side of the rendered images in pixels (at least 8).
         num_images: number of images, at least 10 (``None``: the 1,797 originals; more adds perturbed repeats).
-        batch_size: per-device batch size.
+        batch_size: per-device batch size. A last training batch of one image is dropped when the model has a
+            BatchNorm layer (it cannot train on one image once a feature map is 1x1, and would normalise by that one
+            image's statistics otherwise); every other last batch is kept.
         num_workers: DataLoader workers, 0 or more (``None``: half the CPUs).
         val_fraction: fraction held out for validation (it must leave one image on each side; 0 holds out nothing,
             and validation then reads the training images, as :class:`~lightning_accel.data.CachedDataModule` does).
         augment: random affine augmentation of training images (on the CPU, per sample).
-        seed: split seed (any seed torch takes: -2**63 .. 2**64 - 1).
+        seed: split seed, ``0 .. 2**32 - 1`` (what ``seed_everything`` takes).
 
     Raises:
         TypeError: an integer argument that is not one (a bool neither), an ``augment`` that is not a bool, or a
@@ -118,7 +131,7 @@ class DigitsDataModule(LightningDataModule):
         check_int("batch_size", batch_size, low=1)
         check_int("num_workers", num_workers, low=0, allow_none=True, fix="None uses half the CPUs.")
         check_bool("augment", augment)
-        check_torch_seed(seed, fix="It seeds the train/validation split.")
+        check_seed("seed", seed, what="the train/validation split")
         split_indices(1, val_fraction, seed)  # validates val_fraction early
         # The render's arguments under this module's names: prepare_data is the first to render, after the Trainer
         # has started (and would name the renderer's `size`).
@@ -211,7 +224,7 @@ class DigitsDataModule(LightningDataModule):
         """Number of classes (10); ``ImageClassifier(num_classes="auto")`` reads it."""
         return len(DIGITS_CLASSES)
 
-    def _loader(self, ds: Subset, shuffle: bool) -> DataLoader:
+    def _loader(self, ds: Subset, shuffle: bool, drop_last: bool = False) -> DataLoader:
         return DataLoader(
             ds,
             batch_size=self.batch_size,
@@ -219,12 +232,41 @@ class DigitsDataModule(LightningDataModule):
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
             pin_memory=torch.cuda.is_available(),
+            drop_last=drop_last,
         )
+
+    def _drop_lone_last_batch(self, n: int) -> bool:
+        """Whether the training loader drops its last batch: only when that batch would hold one sample on a rank and
+        the Trainer's model has a BatchNorm layer.
+
+        BatchNorm cannot train on one sample once a feature map is down to 1x1 (``SmallResNet`` on 8 to 15 px images:
+        "Expected more than 1 value per channel when training"), so such a fit crashed at the end of its first epoch
+        (e.g. ``image_size=8, num_images=101, batch_size=16``: 81 training images, a last batch of 1); on larger maps
+        it would normalise by one image's statistics. Any other last batch is kept, so no image is left out
+        otherwise; a ``batch_size`` of 1 is left as it is (every batch is one image: dropping would leave nothing).
+
+        Under a distributed strategy a rank reads ``ceil(n / world_size)`` images (Lightning's ``DistributedSampler``);
+        every rank computes the same answer from the same numbers, with no collective.
+        """
+        trainer = self.trainer
+        if trainer is None:
+            return False
+        replicas = trainer.world_size if trainer.distributed_sampler_kwargs is not None else 1
+        per_rank = -(-n // replicas)
+        if per_rank <= self.batch_size or per_rank % self.batch_size != 1:
+            return False
+        if not any(isinstance(m, _BATCH_NORMS) for m in trainer.lightning_module.modules()):
+            return False
+        rank_zero_info(
+            f"{type(self).__name__}: the last training batch of each epoch would hold 1 image ({per_rank} per rank, "
+            f"`batch_size` {self.batch_size}), which the model's BatchNorm cannot train on; it is dropped."
+        )
+        return True
 
     @override
     def train_dataloader(self) -> DataLoader:
         assert self.train_set is not None, "call setup('fit') first"
-        return self._loader(self.train_set, shuffle=True)
+        return self._loader(self.train_set, shuffle=True, drop_last=self._drop_lone_last_batch(len(self.train_set)))
 
     @override
     def val_dataloader(self) -> DataLoader:
@@ -286,11 +328,13 @@ class DigitsCachedDataModule(_RenderedCachedDataModule):
             with its defaults: ``image_size=224`` and the ImageNet ``mean``/``std`` unless given (the quickstart's
             YAML gives ``image_size: 64`` and the digits' statistics); with ``digits_size``, ``classes`` (``None``)
             means the ten digits, so a folder added to ``origin`` beside them is refused in ``setup`` (one line
-            naming it) rather than read as an eleventh class.
+            naming it) rather than read as an eleventh class; ``seed`` (the shuffle and split seed) is one of
+            ``0 .. 2**32 - 1``, what ``seed_everything`` takes.
 
     Raises:
-        TypeError: ``digits_size`` or ``num_images`` is not an integer (a bool neither), or ``origin`` is not a path.
-        ValueError: ``digits_size`` or ``num_images`` is out of range, or ``num_images`` given without
+        TypeError: ``digits_size``, ``num_images`` or ``seed`` is not an integer (a bool neither), or ``origin`` is
+            not a path.
+        ValueError: ``digits_size``, ``num_images`` or ``seed`` is out of range, or ``num_images`` given without
             ``digits_size``; or ``origin`` is a remote URL, a directory the demo did not write, or digits made with
             other arguments, while ``digits_size`` asks for rendering.
     """
@@ -360,14 +404,15 @@ class PhotosCachedDataModule(_RenderedCachedDataModule):
             the demo's own tree).
         num_images: images to render (10 classes, balanced; at least 10).
         photo_size: side of the rendered JPEGs in pixels (at least 32).
-        photo_seed: the data set's seed, 0 or more (same seed, byte-identical files).
+        photo_seed: the data set's seed, ``0 .. 2**32 - 1`` (same seed, byte-identical files).
         **kwargs: :class:`~lightning_accel.data.CachedDataModule` arguments (``cache_dir``, ``image_size``,
             ``batch_size``, ``train_augment``, ...); ``classes`` (``None``) means ``sorted(PHOTO_CLASSES)``, so a folder
-            added to ``origin`` beside them is refused in ``setup`` (one line naming it) rather than read as a class.
+            added to ``origin`` beside them is refused in ``setup`` (one line naming it) rather than read as a class;
+            ``seed`` (the shuffle and split seed) is one of ``0 .. 2**32 - 1``, as ``photo_seed``.
 
     Raises:
-        TypeError: ``num_images``, ``photo_size`` or ``photo_seed`` is not an integer (a bool neither), or ``origin``
-            is not a path.
+        TypeError: ``num_images``, ``photo_size``, ``photo_seed`` or ``seed`` is not an integer (a bool neither), or
+            ``origin`` is not a path.
         ValueError: one of them is out of range; or ``origin`` is a remote URL, a directory the demo did not write, or
             photos made with other arguments.
     """

@@ -7,8 +7,9 @@ Contract:
   brightness), so the same arguments always give byte-identical files.
 - Idempotent and crash-safe: the marker file ``.lightning_accel_digits.json`` is written first (saying "rendering")
   and rewritten last (saying what the tree holds). A tree whose marker matches the arguments is reused as is, one whose
-  marker says "rendering" (a run killed halfway), or whose class folders lack an image (a copy cut short), is rebuilt,
-  one whose marker differs is refused rather than mixed.
+  marker says "rendering" (a run killed halfway), or whose class folders lack an image (a copy cut short) or hold one
+  that is not a whole JPEG (empty or cut short by a power loss), is rebuilt, one whose marker differs is refused rather
+  than mixed.
 - Never writes into someone else's directory: it renders only into a directory that does not exist, is empty, or
   carries its own marker and nothing but the class folders of ``NNNNNN.jpg`` files it writes. Anything else (a user's
   ImageFolder tree, a note file) is refused with one line before the first write, and left as it was.
@@ -27,7 +28,7 @@ import numpy as np
 
 from lightning_accel._utils.checks import check_int
 from lightning_accel._utils.imports import require
-from lightning_accel.datasets._tree import TreeSpec, check_tree, publish_image, render_tree
+from lightning_accel.datasets._tree import TreeSpec, check_tree, publish_image, render_tree, resolve_root
 
 __all__ = [
     "DIGITS_CLASSES",
@@ -185,14 +186,16 @@ def materialize_digits(
         arg: the name of ``root`` quoted in errors (a data module's ``data_dir`` / ``origin``).
 
     Raises:
-        TypeError: a ``size``/``num_images``/``quality`` that is not an integer (a bool neither).
-        ValueError: bad ``size``/``num_images``/``quality``; ``root`` already holds digits made with other arguments;
+        TypeError: a ``size``/``num_images``/``quality`` that is not an integer (a bool neither), or a ``root`` that is
+            not a path.
+        ValueError: bad ``size``/``num_images``/``quality``; an empty ``root`` (it is not the current directory);
+            ``root`` already holds digits made with other arguments;
             or ``root`` holds files the renderer did not write (see :func:`check_render_target`), nothing written.
         PermissionError: ``root`` cannot be written.
     """
     want = digits_marker(size, num_images, quality)
     n = want["num_images"]
-    root_p = Path(os.fspath(root)).expanduser().resolve()
+    root_p = resolve_root(root, arg=arg, what="digits")
     info = DigitsInfo(root=str(root_p), **want)
 
     def draw() -> None:

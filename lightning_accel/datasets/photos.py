@@ -41,9 +41,9 @@ from typing import Any
 
 import numpy as np
 
-from lightning_accel._utils.checks import check_int
+from lightning_accel._utils.checks import check_int, check_seed
 from lightning_accel._utils.imports import require
-from lightning_accel.datasets._tree import TreeSpec, check_tree, publish_image, render_tree
+from lightning_accel.datasets._tree import TreeSpec, check_tree, publish_image, render_tree, resolve_root
 
 # per process: the photographs and grain banks, made once (fork copies them from the parent)
 _WORKER: dict[Any, Any] = {}
@@ -271,7 +271,7 @@ def photos_marker(
     Args:
         num_images: total images (at least 10: one per class).
         size: side of the square JPEGs in pixels (at least 32).
-        seed: the data set's seed.
+        seed: the data set's seed, ``0 .. 2**32 - 1`` (what ``seed_everything`` takes).
         quality: JPEG quality.
         size_arg: the name of ``size`` quoted in the error (a data module's ``photo_size``).
         seed_arg: the name of ``seed`` quoted in the error (a data module's ``photo_seed``).
@@ -282,7 +282,7 @@ def photos_marker(
     """
     check_int("num_images", num_images, low=10, fix="It is the total number of images (10 classes).")
     check_int(size_arg, size, low=32, fix="It is the side of the images in pixels.")
-    check_int(seed_arg, seed, low=0)
+    check_seed(seed_arg, seed, what="the photos (same seed, byte-identical files)")
     check_int("quality", quality, low=1, high=100, fix="It is the JPEG quality.")
     return {"size": size, "num_images": num_images, "quality": quality, "seed": seed, "format_version": _FORMAT_VERSION}
 
@@ -306,21 +306,22 @@ def materialize_photos(
         root: a local directory (created if missing; only a new or empty one, or one this function rendered).
         num_images: total images (image ``i`` of class ``PHOTO_CLASSES[i % 10]``: balanced classes).
         size: side of the square JPEGs in pixels.
-        seed: the data set's seed (same seed, same bytes).
+        seed: the data set's seed, ``0 .. 2**32 - 1`` (same seed, same bytes).
         quality: JPEG quality.
         workers: rendering processes (``None``: every CPU this process may use, its affinity mask where it has one;
             0 or 1: in this process). Not part of the output.
         arg: the name of ``root`` quoted in errors (a data module's ``origin``).
 
     Raises:
-        TypeError: an argument that is not an integer (a bool neither).
-        ValueError: an argument out of range; ``root`` already holds photos made with other arguments; or ``root``
-            holds files the renderer did not write, nothing written.
+        TypeError: an argument that is not an integer (a bool neither), or a ``root`` that is not a path.
+        ValueError: an argument out of range; an empty ``root`` (it is not the current directory); ``root`` already
+            holds photos made with other arguments; or ``root`` holds files the renderer did not write, nothing
+            written.
         PermissionError: ``root`` cannot be written.
     """
     want = photos_marker(num_images, size, seed, quality)
     check_int("workers", workers, low=0, allow_none=True)
-    root_p = Path(os.fspath(root)).expanduser().resolve()
+    root_p = resolve_root(root, arg=arg, what="photos")
     info = PhotosInfo(root=str(root_p), **want)
     draw = functools.partial(_render_all, root_p, num_images, size, quality, seed, workers)
     render_tree(_SPEC, root_p, want, draw, arg=arg, fix=DEFAULT_FIX)

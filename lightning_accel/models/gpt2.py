@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_accel._utils.checks import check_int, check_number, check_torch_seed
+from lightning_accel._utils.checks import check_int, check_number, check_seed
 from lightning_accel.models.transformer import _check_heads
 from lightning_accel.precision.modules import FusedGPT2BlockMixin, FusedPackedAttentionMixin, register_block
 
@@ -54,13 +54,15 @@ class GPT2MLP(nn.Module):
     width (``None``: ``4 * n_embd``).
 
     Raises:
-        TypeError, ValueError: ``n_embd`` or ``hidden`` is not an integer >= 1.
+        TypeError, ValueError: ``n_embd`` or ``hidden`` is not an integer >= 1, or ``dropout`` is not a probability in
+            [0, 1).
     """
 
     def __init__(self, n_embd: int, dropout: float = 0.0, hidden: int | None = None) -> None:
         super().__init__()
         check_int("n_embd", n_embd, low=1)
         check_int("hidden", hidden, low=1, allow_none=True, fix="None uses 4 * n_embd.")
+        check_number("dropout", dropout, low=0, high=1, high_open=True, fix="It is a probability; 0 disables it.")
         self.c_fc = nn.Linear(n_embd, hidden or 4 * n_embd)
         self.act = nn.GELU(approximate="tanh")
         self.c_proj = nn.Linear(hidden or 4 * n_embd, n_embd)
@@ -71,10 +73,16 @@ class GPT2MLP(nn.Module):
 
 
 class GPT2Block(nn.Module):
-    """Pre-norm block: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``."""
+    """Pre-norm block: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``.
+
+    Raises:
+        TypeError, ValueError: as :class:`GPT2Attention`.
+    """
 
     def __init__(self, n_embd: int, n_head: int, dropout: float = 0.0) -> None:
         super().__init__()
+        # before the first layer is built: `LayerNorm(-4)` stopped with torch's "negative dimension", naming no argument
+        _check_heads(n_embd, n_head)
         self.ln_1 = nn.LayerNorm(n_embd)
         self.attn = GPT2Attention(n_embd, n_head, dropout)
         self.ln_2 = nn.LayerNorm(n_embd)
@@ -90,10 +98,17 @@ register_block(GPT2Block, FusedGPT2BlockMixin)
 
 
 class GPT2Embedding(nn.Module):
-    """Token (``wte``) + position (``wpe``) embeddings."""
+    """Token (``wte``) + position (``wpe``) embeddings.
+
+    Raises:
+        TypeError, ValueError: ``vocab``, ``seq`` or ``n_embd`` is not an integer >= 1 (an embedding of 0 tokens was
+            built, and failed on the first token it was given).
+    """
 
     def __init__(self, vocab: int, seq: int, n_embd: int) -> None:
         super().__init__()
+        for name, value in (("vocab", vocab), ("seq", seq), ("n_embd", n_embd)):
+            check_int(name, value, low=1)
         self.wte, self.wpe = nn.Embedding(vocab, n_embd), nn.Embedding(seq, n_embd)
         self.seq = seq
 
@@ -107,10 +122,16 @@ class GPT2Embedding(nn.Module):
 
 
 class GPT2Head(nn.Module):
-    """Final LayerNorm and the LM ``head`` (its weight is the embedding's, tied by :func:`gpt2_lm`)."""
+    """Final LayerNorm and the LM ``head`` (its weight is the embedding's, tied by :func:`gpt2_lm`).
+
+    Raises:
+        TypeError, ValueError: ``vocab`` or ``n_embd`` is not an integer >= 1.
+    """
 
     def __init__(self, vocab: int, n_embd: int) -> None:
         super().__init__()
+        check_int("vocab", vocab, low=1)
+        check_int("n_embd", n_embd, low=1)
         self.ln_f, self.head = nn.LayerNorm(n_embd), nn.Linear(n_embd, vocab, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -134,13 +155,13 @@ def gpt2_lm(
 
     Raises:
         TypeError: a size or ``seed`` that is not an integer, or a ``dropout`` that is not a number, naming it.
-        ValueError: a size below 1, a ``seed`` outside torch's seed range, a ``dropout`` outside [0, 1), or a ``width``
-            that ``heads`` does not divide.
+        ValueError: a size below 1, a ``seed`` outside ``seed_everything``'s range ``0 .. 2**32 - 1``, a ``dropout``
+            outside [0, 1), or a ``width`` that ``heads`` does not divide.
     """
     for name, value in (("vocab", vocab), ("seq", seq), ("layers", layers), ("heads", heads), ("width", width)):
         check_int(name, value, low=1)
     check_number("dropout", dropout, low=0, high=1, high_open=True, fix="It is a probability; 0 disables it.")
-    check_torch_seed(seed)
+    check_seed("seed", seed, what="the initial weights")
     _check_heads(width, heads, width="width", heads="heads")
     # A forked generator state: reseeding the global one here would make everything the caller draws afterwards
     # (dropout masks, shuffles) the same whatever seed they had set. The CPU generator alone is seeded, as

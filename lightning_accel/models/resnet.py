@@ -35,10 +35,18 @@ def _check_blocks(blocks: object) -> tuple[int, ...]:
 
 
 class BasicBlock(nn.Module):
-    """conv3x3-BN-ReLU-conv3x3-BN (+ shortcut) -ReLU, attribute names as in ``torchvision.models.resnet``."""
+    """conv3x3-BN-ReLU-conv3x3-BN (+ shortcut) -ReLU, attribute names as in ``torchvision.models.resnet``.
+
+    Raises:
+        TypeError, ValueError: ``in_ch``, ``out_ch`` or ``stride`` is not an integer >= 1 (a block of 0 channels, or
+            of stride 0, was built and failed only in its first forward).
+    """
 
     def __init__(self, in_ch: int, out_ch: int, stride: int = 1) -> None:
         super().__init__()
+        check_int("in_ch", in_ch, low=1, fix="It is the input's channels.")
+        check_int("out_ch", out_ch, low=1, fix="It is the block's output channels.")
+        check_int("stride", stride, low=1, fix="1 keeps the size, 2 halves it.")
         self.conv1 = nn.Conv2d(in_ch, out_ch, 3, stride=stride, padding=1, bias=False)
         self.bn1 = nn.BatchNorm2d(out_ch)
         self.relu = nn.ReLU(inplace=True)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_accel._utils.checks import check_int, check_number
+from lightning_accel._utils.checks import check_bool, check_int, check_number
 from lightning_accel.precision.modules import FusedAttentionMixin, FusedGPTBlockMixin, register_block
 
 __all__ = ["GPT", "CausalSelfAttention", "GPTBlock", "GPTEmbedding", "GPTHead"]
@@ -52,13 +52,15 @@ class CausalSelfAttention(nn.Module):
 
     Raises:
         TypeError, ValueError: ``n_embd`` or ``n_head`` is not an integer >= 1, ``n_head`` does not divide
-            ``n_embd``, or ``dropout`` is not a probability in [0, 1).
+            ``n_embd``, ``dropout`` is not a probability in [0, 1), or ``bias`` is not a bool.
     """
 
     def __init__(self, n_embd: int, n_head: int, dropout: float = 0.0, bias: bool = True) -> None:
         super().__init__()
         _check_heads(n_embd, n_head)
         check_number("dropout", dropout, low=0, high=1, high_open=True, fix="It is a probability; 0 disables it.")
+        # a string is truthy: bias="no" built the biases it asked to leave out
+        check_bool("bias", bias)
         self.n_head = n_head
         self.q_proj = nn.Linear(n_embd, n_embd, bias=bias)
         self.k_proj = nn.Linear(n_embd, n_embd, bias=bias)
@@ -90,6 +92,8 @@ class GPTBlock(nn.Module):
 
     def __init__(self, n_embd: int, n_head: int, dropout: float = 0.0, mlp_ratio: int = 4, bias: bool = True) -> None:
         super().__init__()
+        # before the first layer is built: `LayerNorm(-1)` stopped with torch's "negative dimension", naming no argument
+        _check_heads(n_embd, n_head)
         check_int("mlp_ratio", mlp_ratio, low=1, fix="The MLP's hidden width is mlp_ratio * n_embd (4 in GPT-2).")
         self.ln_1 = nn.LayerNorm(n_embd)
         self.attn = CausalSelfAttention(n_embd, n_head, dropout, bias)

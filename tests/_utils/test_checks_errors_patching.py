@@ -13,7 +13,7 @@ from lightning_accel._utils.checks import (
     check_choice,
     check_int,
     check_number,
-    check_torch_seed,
+    check_seed,
 )
 from lightning_accel._utils.errors import one_line
 from lightning_accel._utils.patching import active_patch, patch, restore_all, swap_class
@@ -46,13 +46,17 @@ from lightning_accel._utils.patching import active_patch, patch, restore_all, sw
         (lambda: check_bytes("ram", 1.5), TypeError, "got 1.5 (float)"),
         (lambda: check_bytes("ram", 10, low=100), ValueError, "an integer >= 100"),
         (
-            lambda: check_torch_seed(2**64, fix="It seeds the split."),
+            lambda: check_seed("seed", 2**32, what="the split"),
             ValueError,
-            "`seed` must be an integer in torch's seed range -2**63 .. 2**64 - 1, got 18446744073709551616. It seeds "
-            "the split.",
+            "`seed` must be an integer >= 0 and <= 4294967295, got 4294967296. It seeds the split; any seed "
+            "`lightning.seed_everything` takes (0 .. 2**32 - 1) works.",
         ),
-        (lambda: check_torch_seed(-(2**63) - 1), ValueError, "got -9223372036854775809."),
-        (lambda: check_torch_seed("1"), TypeError, "`seed` must be an integer, got '1' (str)."),
+        (lambda: check_seed("photo_seed", -1, what="the photos"), ValueError, "`photo_seed` must be an integer >= 0"),
+        (
+            lambda: check_seed("seed", "1", what="x"),
+            TypeError,
+            "`seed` must be an integer >= 0 and <= 4294967295, got '1' (str).",
+        ),
     ],
 )
 def test_checks_raise_one_line_naming_argument_value_and_fix(call, kind, message):

@@ -32,13 +32,14 @@ def _make(tmp: Path, **kw: Any) -> CachedDataModule:
         ({"prefetch_batches": -3}, r"`prefetch_batches` must be an integer >= 0, got -3\. .*0 to read only on demand"),
         ({"num_workers": -1}, r"`num_workers` must be an integer >= 0 and <= 256 or None, got -1"),
         ({"shuffle_window": 0}, r"`shuffle_window` must be an integer >= 1 or None, got 0"),
-        # trained epoch 0, then the global shuffle's `seed + epoch` overflowed torch's seed in epoch 1
+        # trained epoch 0, then the global shuffle's `seed + epoch` overflowed torch's seed in epoch 1; the range is
+        # `seed_everything`'s, as for every seed of the package
         (
             {"seed": 2**64 - 1},
-            r"^`seed` must be an integer in -2\*\*63 \.\. 2\*\*63 - 1 \(the shuffle seeds torch with "
-            r"`seed \+ epoch`\), got 18446744073709551615\. It seeds the shuffle and the train/validation split\.$",
+            r"^`seed` must be an integer >= 0 and <= 4294967295, got 18446744073709551615\. It seeds the shuffle and "
+            r"the train/validation split; any seed `lightning.seed_everything` takes \(0 \.\. 2\*\*32 - 1\) works\.$",
         ),
-        ({"seed": -(2**63) - 1}, r"^`seed` must be an integer in -2\*\*63 .* got -9223372036854775809\. It seeds"),
+        ({"seed": -1}, r"^`seed` must be an integer >= 0 and <= 4294967295, got -1\. It seeds"),
         ({"policy": "lru"}, r"`policy` must be 'keep' or 'fifo', got 'lru'"),
         ({"shuffle": "local"}, r"`shuffle` must be one of 'auto', 'global', 'window', got 'local'"),
         (
@@ -149,8 +150,8 @@ def test_a_new_image_size_on_the_same_cache_dir_decodes_again(small_digits: Path
         ({"log_every_n_steps": "10"}, TypeError, r"`log_every_n_steps` must be an integer >= 1, got '10' \(str\)"),
         ({"warm_num_workers": -1}, ValueError, r"`warm_num_workers` must be an integer >= 0 or None, got -1\."),
         ({"warm_num_workers": "0"}, TypeError, r"`warm_num_workers` must be an integer >= 0 or None, got '0' \(str\)"),
-        ({"seed": "abc"}, TypeError, r"`seed` must be an integer, got 'abc' \(str\)"),
-        ({"seed": True}, TypeError, r"`seed` must be an integer, got True \(bool\)"),
+        ({"seed": "abc"}, TypeError, r"`seed` must be an integer >= 0 and <= 4294967295, got 'abc' \(str\)"),
+        ({"seed": True}, TypeError, r"`seed` must be an integer >= 0 and <= 4294967295, got True \(bool\)"),
         ({"prefetch": "no"}, TypeError, r"`prefetch` must be True or False, got 'no' \(str\)\. None: only for remote"),
         ({"warm_on_prepare": "false"}, TypeError, r"`warm_on_prepare` must be True or False, got 'false' \(str\)"),
         ({"val_origin": ""}, ValueError, r"`val_origin` must be a non-empty path or fsspec URL, got ''\."),

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from torchvision.datasets import ImageFolder  # type: ignore[import-untyped]  # torchvision ships no type hints
 
 from lightning_accel.datasets import DigitsDataModule, materialize_digits, materialize_photos
 
@@ -28,7 +29,9 @@ def test_a_complete_tree_without_a_class_folder_is_rendered_again_not_mislabelle
         dm.prepare_data()
     dm.setup("fit")
     assert _hashes(root) == good
-    ds = dm.train_set.dataset  # type: ignore[union-attr]
+    assert dm.train_set is not None
+    ds = dm.train_set.dataset
+    assert isinstance(ds, ImageFolder)
     assert ds.classes == dm.classes and all(Path(p).parent.name == str(y) for p, y in ds.samples)
 
 
@@ -70,4 +73,37 @@ def test_an_image_copied_into_a_second_class_is_rendered_again(tmp_path: Path) -
     shutil.copy(src, root / ("5" if src.parent.name != "5" else "6") / src.name)
     with pytest.warns(UserWarning, match=r"holds 1 image\(s\) beyond its 20"):
         materialize_digits(root, size=8, num_images=20)
+    assert _hashes(root) == good
+
+
+def _cut(path: Path, keep: int) -> None:
+    """Leave the first ``keep`` bytes of ``path``, as a power loss does to a file whose data was not yet on disk."""
+    path.write_bytes(path.read_bytes()[:keep])
+
+
+def test_images_cut_short_by_a_power_loss_are_rendered_again_never_served(tmp_path: Path) -> None:
+    """A JPEG cut short and an empty one under a complete marker used to be reused: the loader then stopped mid-epoch
+    with "Truncated File Read"."""
+    root = tmp_path / "d"
+    materialize_digits(root, size=16, num_images=20)
+    good = _hashes(root)
+    cut = next(root.rglob("000003.jpg"))
+    _cut(cut, cut.stat().st_size // 2)
+    _cut(next(root.rglob("000004.jpg")), 0)
+    dm = DigitsDataModule(str(root), image_size=16, num_images=20, batch_size=4, num_workers=0, val_fraction=0.0)
+    with pytest.warns(UserWarning, match=r"holds 2 image\(s\) cut short or empty \(e\.g\. '3/000003\.jpg'\)"):
+        dm.prepare_data()
+    dm.setup("fit")
+    assert _hashes(root) == good  # the same bytes as the first render
+    assert sum(len(x) for x, _ in dm.train_dataloader()) == 20
+
+
+@pytest.mark.parametrize("keep", [0, 1, 2, 300])
+def test_a_photo_cut_short_is_rendered_again_and_identical(tmp_path: Path, keep: int) -> None:
+    root = tmp_path / "p"
+    materialize_photos(root, num_images=20, size=32, workers=0)
+    good = _hashes(root)
+    _cut(next(root.rglob("000011.jpg")), keep)
+    with pytest.warns(UserWarning, match=r"holds 1 image\(s\) cut short or empty"):
+        materialize_photos(root, num_images=20, size=32, workers=0)
     assert _hashes(root) == good

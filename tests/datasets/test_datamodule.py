@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torchvision.datasets import ImageFolder  # type: ignore[import-untyped]  # torchvision ships no type hints
 
 from lightning_accel.data import CachedDataModule
 from lightning_accel.datasets import DigitsCachedDataModule, DigitsDataModule
@@ -15,6 +16,7 @@ def test_datamodule_batches(digits_dir: Path) -> None:
     dm.setup("fit")
     x, y = next(iter(dm.train_dataloader()))
     assert x.shape == (16, 3, 32, 32) and x.dtype == torch.float32 and y.dtype == torch.int64
+    assert dm.train_set is not None and dm.val_set is not None
     assert len(dm.train_set) + len(dm.val_set) == 1797
     with pytest.raises(ValueError, match="`batch_size` must be an integer >= 1, got 0"):
         DigitsDataModule(batch_size=0)
@@ -50,6 +52,7 @@ data:
     assert isinstance(dm, CachedDataModule) and dm.ssd_bytes == 64 << 20 and dm.train_augment.crop_scale == (0.5, 1.0)
     dm.prepare_data()
     dm.setup("fit")
+    assert dm.train_set is not None and dm.val_set is not None
     assert len(dm.train_set) + len(dm.val_set) == 50
 
 
@@ -103,7 +106,12 @@ def test_cached_digits_refuse_a_count_with_nothing_to_render(digits_dir: Path, t
         ("plain", {"num_images": 0}, ValueError, r"`num_images` must be an integer >= 10 or None, got 0"),
         # fewer images than classes: some class folder would stay empty, which failed only after the render
         ("plain", {"num_images": 9}, ValueError, r"`num_images` must be an integer >= 10 or None, got 9\. Every one"),
-        ("plain", {"seed": "a"}, TypeError, r"^`seed` must be an integer, got 'a' \(str\)\. It seeds the"),
+        (
+            "plain",
+            {"seed": "a"},
+            TypeError,
+            r"^`seed` must be an integer >= 0 and <= 4294967295, got 'a' \(str\)\. It seeds the",
+        ),
         ("plain", {"augment": "yes"}, TypeError, r"^`augment` must be True or False, got 'yes' \(str\)"),
         ("plain", {"num_workers": -3}, ValueError, r"`num_workers` must be an integer >= 0 or None, got -3"),
         ("cached", {"digits_size": 0}, ValueError, r"`digits_size` must be an integer >= 8, got 0\. It is the side"),
@@ -144,12 +152,15 @@ def test_the_plain_and_the_cached_module_hold_out_the_same_images(digits_dir: Pa
     """Both split a tree by each image's relative key, so a comparison of the two validates on the same images."""
     plain = DigitsDataModule(data_dir=str(digits_dir), image_size=32, val_fraction=0.1, seed=3)
     plain.setup("fit")
+    assert plain.val_set is not None
     folder = plain.val_set.dataset
+    assert isinstance(folder, ImageFolder)
     plain_val = {Path(folder.samples[i][0]).relative_to(digits_dir).as_posix() for i in plain.val_set.indices}
     cached = CachedDataModule(
         origin=str(digits_dir), cache_dir=str(tmp_path / "c"), image_size=32, val_fraction=0.1, seed=3, ram_bytes=0
     )
     cached.setup("fit")
     val = cached.val_set
+    assert val is not None
     cached_val = {val.cache.listing.keys[i] for i in val.indices}
     assert len(plain_val) == 180 and plain_val == cached_val

@@ -8,7 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lightning_accel.datasets import DIGITS_CLASSES, digits_tokens, load_digits_arrays, materialize_digits
+from lightning_accel.datasets import (
+    DIGITS_CLASSES,
+    digits_tokens,
+    load_digits_arrays,
+    materialize_digits,
+    materialize_photos,
+)
 from lightning_accel.datasets.digits import DIGITS_COUNT, MARKER
 
 
@@ -27,7 +33,7 @@ def test_real_digits_arrays() -> None:
 
 
 def test_session_tree_is_imagefolder(digits_dir: Path) -> None:
-    from torchvision.datasets import ImageFolder
+    from torchvision.datasets import ImageFolder  # type: ignore[import-untyped]  # torchvision ships no type hints
 
     ds = ImageFolder(str(digits_dir))
     assert len(ds) == 1797 and ds.classes == list(DIGITS_CLASSES)
@@ -117,3 +123,26 @@ def test_tokens() -> None:
     tokens, labels = digits_tokens()
     assert tokens.shape == (1797, 65) and tokens.max() < 27
     assert (tokens[:, 0] == labels + 17).all()
+
+
+@pytest.mark.parametrize("render", ["digits", "photos"])
+@pytest.mark.parametrize(
+    ("root", "kind", "match"),
+    [
+        # an empty string resolved to the current directory: the digits were rendered into it when it was empty
+        ("", ValueError, r"^`root` must be a non-empty directory path .*, got '' \(str\)\. Pass e\.g\. `root='data/"),
+        # os.fspath's "expected str, bytes or os.PathLike object, not NoneType", naming no argument
+        (None, TypeError, r"^`root` must be a non-empty directory path .*, got None \(NoneType\)\. Pass e\.g\."),
+    ],
+)
+def test_an_empty_or_missing_root_is_refused_never_the_current_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, render: str, root: object, kind: type[Exception], match: str
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(kind, match=match) as exc:
+        if render == "digits":
+            materialize_digits(root, size=8, num_images=10)  # type: ignore[arg-type]
+        else:
+            materialize_photos(root, num_images=10, size=32, workers=0)  # type: ignore[arg-type]
+    assert "\n" not in str(exc.value)
+    assert list(tmp_path.iterdir()) == []

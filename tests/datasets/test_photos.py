@@ -185,7 +185,7 @@ def test_bad_arguments(tmp_path: Path, kwargs: dict, kind: type[Exception], matc
     [
         ({"num_images": 5}, ValueError, r"`num_images` must be an integer >= 10, got 5"),
         ({"photo_size": 8}, ValueError, r"`photo_size` must be an integer >= 32, got 8"),
-        ({"photo_seed": -1}, ValueError, r"`photo_seed` must be an integer >= 0, got -1"),
+        ({"photo_seed": -1}, ValueError, r"`photo_seed` must be an integer >= 0 and <= 4294967295, got -1"),
         ({"photo_size": 64.0}, TypeError, r"`photo_size` must be an integer >= 32, got 64.0 \(float\)"),
     ],
 )

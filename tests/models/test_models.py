@@ -8,8 +8,8 @@ import torch
 from lightning.pytorch import Callback, Trainer
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
-from lightning_accel.models import GPT, CausalSelfAttention, GPTBlock, ImageClassifier, SmallResNet, TinyGPT
-from lightning_accel.models.gpt2 import GPT2MLP, GPT2Attention, GPT2Block, gpt2_lm
+from lightning_accel.models import GPT, BasicBlock, CausalSelfAttention, GPTBlock, ImageClassifier, SmallResNet, TinyGPT
+from lightning_accel.models.gpt2 import GPT2MLP, GPT2Attention, GPT2Block, GPT2Embedding, GPT2Head, gpt2_lm
 
 
 @pytest.mark.parametrize("size", [8, 32, 33])
@@ -121,7 +121,7 @@ def test_image_classifier_steps_through_an_empty_batch() -> None:
         (
             lambda: gpt2_lm(seed=2**64),
             ValueError,
-            r"^`seed` must be an integer in torch's seed range .*, got 18446744073709551616\.$",
+            r"^`seed` must be an integer >= 0 and <= 4294967295, got 18446744073709551616\. It seeds the initial",
         ),
         (lambda: TinyGPT(n_embd=100, n_head=3), ValueError, r"`n_embd` must be a multiple of `n_head`.*n_embd=99"),
         (lambda: TinyGPT(dropout=1.0), ValueError, r"`dropout` must be a number >= 0 and < 1, got 1.0"),
@@ -163,6 +163,22 @@ def test_bad_model_arguments_are_refused_when_built(build: Any, error: type[Exce
         (lambda: GPTBlock(32, 2, mlp_ratio=0), ValueError, r"^`mlp_ratio` must be an integer >= 1, got 0\. "),
         (lambda: GPT2MLP(32, hidden=0), ValueError, r"^`hidden` must be an integer >= 1 or None, got 0\. "),
         (lambda: CausalSelfAttention(32, 2, dropout=1.5), ValueError, r"^`dropout` must be a number >= 0 and < 1"),
+        # a negative width stopped in the first LayerNorm with torch's "negative dimension", naming no argument
+        (lambda: GPTBlock(-1, 1), ValueError, r"^`n_embd` must be an integer >= 1, got -1\.$"),
+        (lambda: GPT2Block(-4, 2), ValueError, r"^`n_embd` must be an integer >= 1, got -4\.$"),
+        # torch's own "dropout probability has to be between 0 and 1", naming no argument
+        (lambda: GPT2MLP(32, dropout=5.0), ValueError, r"^`dropout` must be a number >= 0 and < 1, got 5\.0\. "),
+        # a truthy string built the biases it asked to leave out
+        (
+            lambda: GPTBlock(32, 2, bias="no"),  # type: ignore[arg-type]
+            TypeError,
+            r"^`bias` must be True or False, got 'no' \(str\)",
+        ),
+        # accepted: a layer of no tokens, channels or stride, failing only in its first forward
+        (lambda: GPT2Embedding(0, 4, 8), ValueError, r"^`vocab` must be an integer >= 1, got 0\.$"),
+        (lambda: GPT2Head(4, 0), ValueError, r"^`n_embd` must be an integer >= 1, got 0\.$"),
+        (lambda: BasicBlock(0, 4), ValueError, r"^`in_ch` must be an integer >= 1, got 0\. "),
+        (lambda: BasicBlock(4, 4, stride=0), ValueError, r"^`stride` must be an integer >= 1, got 0\. "),
     ],
 )
 def test_bad_block_arguments_are_refused_in_one_line(build: Any, error: type[Exception], match: str) -> None:
