@@ -37,6 +37,7 @@ from lightning_accel.data.dataset import (
     EpochOrderSampler,
     check_warm_num_workers,
     default_num_workers,
+    drop_lone_last_batch,
     split_indices,
     split_keys,
 )
@@ -720,7 +721,7 @@ class CachedDataModule(LightningDataModule):
         self._ready[id(out)] = (out, call)  # the reference keeps `id(out)` unique until the step takes it
         return out, y
 
-    def _loader(self, ds: CachedDataset | None, shuffle: bool) -> CacheDataLoader:
+    def _loader(self, ds: CachedDataset | None, shuffle: bool, *, lone_last: bool = False) -> CacheDataLoader:
         if ds is None:
             raise RuntimeError("`CachedDataModule.setup()` must run before asking for a dataloader.")
         replicas, rank = self._sharding()
@@ -741,6 +742,11 @@ class CachedDataModule(LightningDataModule):
             )
         else:
             sampler = EpochOrderSampler(ds, replicas, rank, shuffle=shuffle, seed=self.seed, batch_size=self.batch_size)
+        # `lone_last`: the training loader, which drops a last batch of one sample that the model's BatchNorm cannot
+        # train on (see `drop_lone_last_batch`; the sampler's resume arithmetic follows the loader's `drop_last`)
+        trainer = self.trainer
+        model = trainer.lightning_module if lone_last and trainer is not None else None
+        drop_last = drop_lone_last_batch(model, len(sampler), self.batch_size, type(self).__name__)
         return CacheDataLoader(
             ds,
             batch_size=self.batch_size,
@@ -748,6 +754,7 @@ class CachedDataModule(LightningDataModule):
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
             pin_memory=torch.cuda.is_available(),
+            drop_last=drop_last,
             warm_num_workers=self.warm_num_workers,
             on_epoch_end=functools.partial(self._report_skipped, "training" if shuffle else "evaluation"),
             batch_transform=self._ahead_transform() if shuffle else None,
@@ -757,7 +764,7 @@ class CachedDataModule(LightningDataModule):
     def train_dataloader(self) -> CacheDataLoader:
         """The training loader; its sampler counts consumed batches, and Lightning keeps the loader's
         ``state_dict`` in checkpoints, so a run resumed mid-epoch reads only that epoch's samples not yet seen."""
-        self._train_loader = self._loader(self.train_set, shuffle=True)
+        self._train_loader = self._loader(self.train_set, shuffle=True, lone_last=True)
         if self._resume is not None and isinstance(self._train_loader.sampler, EpochOrderSampler):
             self._train_loader.sampler.load_state_dict(self._resume)
         return self._train_loader

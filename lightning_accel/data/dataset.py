@@ -17,6 +17,7 @@ DataLoader deals batches round-robin) and starts origin reads for their uncached
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import numbers
 import os
@@ -36,6 +37,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, default_co
 from lightning_accel._utils.checks import check_bool, check_int, check_number, check_seed
 from lightning_accel._utils.compat import register_before_thread_shutdown, shutdown_persistent_workers
 from lightning_accel._utils.forksafe import ForkSafeLock, PerProcess
+from lightning_accel._utils.rank import is_global_zero
 from lightning_accel.data.buffers import BufferPool
 from lightning_accel.data.cache import SampleCache
 from lightning_accel.data.origin import MAX_CONCURRENCY
@@ -48,9 +50,12 @@ __all__ = [
     "EpochOrderSampler",
     "collate_batch",
     "default_num_workers",
+    "drop_lone_last_batch",
     "split_indices",
     "split_keys",
 ]
+
+log = logging.getLogger(__name__)
 
 _HDR = 4  # order array header: [epoch token, length, batch size, the publishing process's id]
 
@@ -62,6 +67,40 @@ def default_num_workers() -> int:
     except AttributeError:  # pragma: no cover - macOS
         n = os.cpu_count() or 1
     return max(1, min(8, n // 2))
+
+
+# the BatchNorm layers (torch's common base class is private): they cannot train on a batch of one 1x1 feature map
+_BATCH_NORMS = (
+    torch.nn.BatchNorm1d,
+    torch.nn.BatchNorm2d,
+    torch.nn.BatchNorm3d,
+    torch.nn.LazyBatchNorm1d,
+    torch.nn.LazyBatchNorm2d,
+    torch.nn.LazyBatchNorm3d,
+    torch.nn.SyncBatchNorm,
+)
+
+
+def drop_lone_last_batch(model: torch.nn.Module | None, per_rank: int, batch_size: int, owner: str) -> bool:
+    """Whether a training loader should drop its last batch: only when that batch holds one sample on a rank
+    (``per_rank`` samples, ``batch_size`` a batch) and ``model`` has a BatchNorm layer; said once (info) when so.
+
+    BatchNorm cannot train on one sample once a feature map is down to 1x1 (a ResNet on 8 to 15 px images: "Expected
+    more than 1 value per channel when training"), so such a fit crashed at the end of its first epoch; on larger maps
+    it would normalise by one image's statistics. Any other last batch is kept, so no sample is left out otherwise; a
+    ``batch_size`` of 1 is left as it is (every batch is one sample: dropping would leave nothing). Every rank gets
+    the same answer from the same numbers, with no collective.
+    """
+    if model is None or per_rank <= batch_size or per_rank % batch_size != 1:
+        return False
+    if not any(isinstance(m, _BATCH_NORMS) for m in model.modules()):
+        return False
+    if is_global_zero():
+        log.info(
+            f"{owner}: the last training batch of each epoch would hold 1 sample ({per_rank} per rank, `batch_size` "
+            f"{batch_size}), which the model's BatchNorm cannot train on; it is dropped."
+        )
+    return True
 
 
 def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:

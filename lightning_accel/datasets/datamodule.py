@@ -18,8 +18,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningDataModule
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torch import nn
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, Subset
 from torchvision.datasets import ImageFolder  # type: ignore[import-untyped]  # torchvision ships no type hints
 from torchvision.datasets.folder import IMG_EXTENSIONS  # type: ignore[import-untyped]
@@ -27,7 +26,7 @@ from typing_extensions import override
 
 from lightning_accel._utils.checks import check_bool, check_int, check_seed
 from lightning_accel.data import CachedDataModule
-from lightning_accel.data.dataset import default_num_workers, split_indices, split_keys
+from lightning_accel.data.dataset import default_num_workers, drop_lone_last_batch, split_indices, split_keys
 from lightning_accel.datasets.digits import DIGITS_CLASSES, check_render_target, digits_marker, materialize_digits
 from lightning_accel.datasets.photos import PHOTO_CLASSES, check_photos_target, materialize_photos, photos_marker
 
@@ -36,16 +35,6 @@ __all__ = ["DigitsCachedDataModule", "DigitsDataModule", "PhotosCachedDataModule
 # Digits are white strokes on black; these are the per-channel statistics of the 64 px rendering.
 DIGITS_MEAN = (0.188, 0.188, 0.188)
 DIGITS_STD = (0.318, 0.318, 0.318)
-# the BatchNorm layers (torch's common base class is private): they cannot train on a batch of one 1x1 feature map
-_BATCH_NORMS = (
-    nn.BatchNorm1d,
-    nn.BatchNorm2d,
-    nn.BatchNorm3d,
-    nn.LazyBatchNorm1d,
-    nn.LazyBatchNorm2d,
-    nn.LazyBatchNorm3d,
-    nn.SyncBatchNorm,
-)
 
 
 def _local_dir(name: str, value: object, what: str) -> str:
@@ -236,32 +225,14 @@ class DigitsDataModule(LightningDataModule):
         )
 
     def _drop_lone_last_batch(self, n: int) -> bool:
-        """Whether the training loader drops its last batch: only when that batch would hold one sample on a rank and
-        the Trainer's model has a BatchNorm layer.
-
-        BatchNorm cannot train on one sample once a feature map is down to 1x1 (``SmallResNet`` on 8 to 15 px images:
-        "Expected more than 1 value per channel when training"), so such a fit crashed at the end of its first epoch
-        (e.g. ``image_size=8, num_images=101, batch_size=16``: 81 training images, a last batch of 1); on larger maps
-        it would normalise by one image's statistics. Any other last batch is kept, so no image is left out
-        otherwise; a ``batch_size`` of 1 is left as it is (every batch is one image: dropping would leave nothing).
-
-        Under a distributed strategy a rank reads ``ceil(n / world_size)`` images (Lightning's ``DistributedSampler``);
-        every rank computes the same answer from the same numbers, with no collective.
-        """
+        """Whether the training loader drops a last batch of one image the model's BatchNorm cannot train on (see
+        :func:`~lightning_accel.data.dataset.drop_lone_last_batch`). Under a distributed strategy a rank reads
+        ``ceil(n / world_size)`` images (Lightning's ``DistributedSampler``)."""
         trainer = self.trainer
         if trainer is None:
             return False
         replicas = trainer.world_size if trainer.distributed_sampler_kwargs is not None else 1
-        per_rank = -(-n // replicas)
-        if per_rank <= self.batch_size or per_rank % self.batch_size != 1:
-            return False
-        if not any(isinstance(m, _BATCH_NORMS) for m in trainer.lightning_module.modules()):
-            return False
-        rank_zero_info(
-            f"{type(self).__name__}: the last training batch of each epoch would hold 1 image ({per_rank} per rank, "
-            f"`batch_size` {self.batch_size}), which the model's BatchNorm cannot train on; it is dropped."
-        )
-        return True
+        return drop_lone_last_batch(trainer.lightning_module, -(-n // replicas), self.batch_size, type(self).__name__)
 
     @override
     def train_dataloader(self) -> DataLoader:
