@@ -107,13 +107,16 @@ def bind_to_fit(
     Call it at ``on_train_start`` (after Lightning restored the checkpoint's scheduler state, which would otherwise
     keep the first fit's horizon). ``total_steps`` defaults to the number of times Lightning steps the scheduler in
     this fit: ``trainer.estimated_stepping_batches`` with the default ``frequency=1``, fewer with the ``frequency`` of
-    its ``interval="step"`` config (:func:`fit_scheduler_steps`). Every rank computes the same values from its own
-    Trainer; no collective.
+    its ``interval="step"`` config (:func:`fit_scheduler_steps`). A schedule resumed at another number of steps per
+    epoch (world size, batch size) continues from the restored whole epochs converted to this fit's steps, plus the
+    steps it took into the interrupted epoch, which Lightning resumes at the same batch count
+    (:meth:`~lightning_accel.recipes.lr.WarmupCosineLR.bind` with ``epochs_done=trainer.current_epoch``). Every rank
+    computes the same values from its own Trainer; no collective.
     """
     before = (sched.total_steps, sched.step_offset)
     fit_total, per_epoch = fit_scheduler_steps(trainer, frequency)
     total = fit_total if total_steps is None else total_steps
-    sched.bind(total, steps_per_epoch=per_epoch)
+    sched.bind(total, steps_per_epoch=per_epoch, epochs_done=trainer.current_epoch)
     if before[0] is not None and before != (sched.total_steps, sched.step_offset):
         step = max(0, sched.last_epoch)
         rank_zero_info(
@@ -261,9 +264,10 @@ class PerStepLR(Callback):
     ``frequency`` larger than the batches of an epoch (the schedule would never step).
 
     Resumed at another world size (or batch size), the restored step counts steps of the old size: the schedule's
-    position is converted through the epochs it represents (:func:`bind_to_fit`), so it continues from the same
-    progress fraction and reaches ``min_lr`` at the end of this fit (at ``total_steps``, the index one past its last
-    step; not early, not half-way).
+    position is converted through the epochs it represents (:func:`bind_to_fit`; the steps taken into an interrupted
+    epoch stay as they are, since Lightning resumes that epoch at the same batch count), so it continues from the same
+    point of the run and reaches ``min_lr`` at the end of this fit (at ``total_steps``, the index one past its last
+    step; not early, not half-way), from an end-of-epoch checkpoint or a mid-epoch one.
     """
 
     @override

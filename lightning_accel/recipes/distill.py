@@ -128,18 +128,21 @@ def freeze_teacher(teacher: nn.Module) -> nn.Module:
     return teacher
 
 
-#: Values of each tensor that :func:`teacher_fingerprint` reads.
-_FINGERPRINT_SAMPLES = 4096
+#: Elements of a tensor hashed per host copy: bounds the host memory the fingerprint of a GPU teacher takes (16 MB of
+#: float32) without copying the teacher to the host whole.
+_FINGERPRINT_CHUNK = 1 << 22
 
 
 def teacher_fingerprint(teacher: nn.Module) -> str:
     """``"<class name>@<hash>"``: the teacher's class and a 12-hex-digit hash of its ``state_dict`` (names, dtypes,
-    shapes, and up to 4096 evenly spaced values of each tensor), the same in every process, on every device and in
-    every run with the same weights.
+    shapes and every value of every tensor), the same in every process, on every device and in every run with the same
+    weights.
 
-    It tells two teachers of one architecture apart (an ensemble of checkpoints). Entries whose bytes cannot be read
-    as a dense tensor's (the ``meta`` device, sparse or quantized tensors, a module's extra state) contribute their
-    names, types and shapes only.
+    It tells two teachers of one architecture apart (an ensemble of checkpoints), whichever values differ: every byte
+    is read, a tensor at a time in chunks of at most 4M elements copied to the host (one pass over the weights: 0.13 s
+    for 100 MB of float32 on one core here; :class:`~lightning_accel.recipes.KnowledgeDistillation` computes it once,
+    at construction). Entries whose bytes cannot be read as a dense tensor's (the ``meta`` device, sparse or quantized
+    tensors, a module's extra state) contribute their names, types and shapes only.
     """
     h = hashlib.blake2b(digest_size=6)
     for name, t in teacher.state_dict().items():
@@ -149,10 +152,12 @@ def teacher_fingerprint(teacher: nn.Module) -> str:
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
         if t.device.type == "meta" or t.layout != torch.strided or t.is_quantized:
             continue
-        # evenly spaced elements, not all: a large teacher on the GPU would otherwise be copied to the host whole
+        # all values, not a sample: a sample of 4096 evenly spaced values skips most of a larger tensor (the last rows
+        # of a 512 x 10 head, every column but one of a wide layer), and teachers differing there shared a key
         flat = t.detach().reshape(-1)
-        sample = flat[:: max(1, flat.numel() // _FINGERPRINT_SAMPLES)][:_FINGERPRINT_SAMPLES]
-        h.update(sample.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        for start in range(0, flat.numel(), _FINGERPRINT_CHUNK):
+            chunk = flat[start : start + _FINGERPRINT_CHUNK].cpu().contiguous()
+            h.update(chunk.view(torch.uint8).numpy().data)
     return f"{type(teacher).__qualname__}@{h.hexdigest()}"
 
 
@@ -187,7 +192,9 @@ def load_teacher(path: str | os.PathLike[str], teacher_class: type[nn.Module] | 
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: no/bad ``teacher_class``, weights that do not fit it, or a file that is no checkpoint.
+        ValueError: no/bad ``teacher_class``, one that the checkpoint's ``hyper_parameters`` cannot construct (a plain
+            ``state_dict`` file of a class with required arguments), weights that do not fit it, or a file that is no
+            checkpoint.
         pickle.UnpicklingError: a plain file holding objects ``torch.load(weights_only=True)`` refuses.
     """
     p = os.fspath(path)
@@ -205,7 +212,17 @@ def load_teacher(path: str | os.PathLike[str], teacher_class: type[nn.Module] | 
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         # LightningCLI adds bookkeeping keys (`_class_path`, `_instantiator`) that are not constructor arguments.
         hparams = {k: v for k, v in hparams.items() if k in params}
-    model = cls(**hparams)
+    try:
+        model = cls(**hparams)
+    except TypeError as e:
+        # a plain `state_dict` file (or a module that never called `save_hyperparameters`) has no constructor arguments
+        # to give: Python's message names neither the checkpoint nor a way out
+        given = f"its `hyper_parameters` {sorted(hparams)}" if hparams else "no `hyper_parameters`"
+        raise ValueError(
+            f"`teacher_class` {cls.__name__} cannot be built from checkpoint {p!r}, which holds {given}: "
+            f"{one_line(e)}. Save the teacher with `self.save_hyperparameters()` in its `__init__`, or build and load "
+            "it yourself and pass the module as `teacher`."
+        ) from e
     resize_to_state_dict(model, state)  # a structurally pruned teacher has smaller layers than a fresh one
     try:
         model.load_state_dict(state)

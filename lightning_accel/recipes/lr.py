@@ -115,12 +115,22 @@ def apply_lr_scale(
         The relative change applied to the first param group (1.0 when nothing changed).
 
     Raises:
-        TypeError: ``factor`` not a number.
-        ValueError: ``factor`` not positive and finite; or, when the rates change, a ``SequentialLR`` attached to
-            ``optimizer``: its schedulers restart from their own (unscaled) base rates at each milestone, which this
-            function cannot reach -- nothing is changed then.
+        TypeError: ``factor`` or ``fallback_applied`` not a number.
+        ValueError: ``factor`` or ``fallback_applied`` not positive and finite; or, when the rates change, a
+            ``SequentialLR`` attached to ``optimizer``: its schedulers restart from their own (unscaled) base rates at
+            each milestone, which this function cannot reach -- nothing is changed then.
     """
     check_number("factor", factor, low=0, high=math.inf, low_open=True, high_open=True)
+    # divided by below: a factor of 0 (or a string from a config) must be named, not fail as a ZeroDivisionError
+    check_number(
+        "fallback_applied",
+        fallback_applied,
+        low=0,
+        high=math.inf,
+        low_open=True,
+        high_open=True,
+        fix="It is the factor already applied to groups without a record of it; 1.0 means none.",
+    )
     rel_by_group = [factor / float(group.get(APPLIED_KEY, fallback_applied)) for group in optimizer.param_groups]
     attached = [s for s in schedulers if getattr(s, "optimizer", None) is optimizer]
     if any(r != 1.0 for r in rel_by_group):
@@ -229,14 +239,14 @@ class WarmupCosineLR(LRScheduler):
     Raises:
         TypeError: an ``optimizer`` that is no ``Optimizer``, or an argument of the wrong type (a bool for a step
             count, too), naming it.
-        ValueError: both or a bad warm-up argument, a negative ``min_lr`` or one above a group's base rate, or a
-            warm-up that is not shorter than ``total_steps`` -- each naming the argument.
+        ValueError: both or a bad warm-up argument, a negative ``min_lr`` or one above a group's base rate, a
+            ``last_epoch`` below -1, or a warm-up that is not shorter than ``total_steps`` -- each naming the argument.
     """
 
     def __init__(
         self,
         optimizer: Optimizer,
-        total_steps: int | None = None,
+        total_steps: int | float | None = None,
         *,
         warmup_steps: int | None = None,
         warmup_fraction: float | None = None,
@@ -264,6 +274,13 @@ class WarmupCosineLR(LRScheduler):
             fix="It is a fraction of the total steps.",
         )
         check_number("min_lr", min_lr, low=0)
+        # torch's own check of a resumed `last_epoch` would blame a missing `initial_lr` for a string or a -2
+        check_int(
+            "last_epoch",
+            last_epoch,
+            low=-1,
+            fix="It is the index of the last step taken: -1 starts fresh (a resume restores it by `load_state_dict`).",
+        )
         self.warmup_steps_arg = None if warmup_steps is None else int(warmup_steps)
         self.warmup_fraction = None if warmup_fraction is None else float(warmup_fraction)
         self.min_lr = float(min_lr)
@@ -311,7 +328,9 @@ class WarmupCosineLR(LRScheduler):
         self.total_steps = total
         self.warmup_steps = warm
 
-    def bind(self, total_steps: int | float, steps_per_epoch: float | None = None) -> None:
+    def bind(
+        self, total_steps: int | float, steps_per_epoch: float | None = None, *, epochs_done: int | None = None
+    ) -> None:
         """Fix ``total_steps`` (e.g. to ``trainer.estimated_stepping_batches``) and re-apply the current step's rate.
 
         Binding again to the same values is a no-op. Binding a restored (resumed) schedule to a new length continues
@@ -326,13 +345,25 @@ class WarmupCosineLR(LRScheduler):
                 batch size changed), the restored position is converted through the epochs it represents, so the
                 schedule continues from the same progress fraction to the end of the new horizon instead of
                 counting old steps against the new horizon.
+            epochs_done: whole epochs the restored position covers (Lightning's ``trainer.current_epoch`` at the
+                start of the resumed fit). Used only with a changed ``steps_per_epoch``: the whole epochs are
+                converted, and the steps taken into the interrupted epoch are kept as they are, because Lightning
+                resumes that epoch at the same batch count (a step count that reaches this fit's
+                ``steps_per_epoch`` restarts the epoch, and the position restarts with it). So a resume mid-epoch
+                reaches ``min_lr`` at the end of the fit too, not early. ``None`` converts the whole position.
         """
         self._resolve(total_steps)
         step = max(0, self.last_epoch)
         position = step + self.step_offset
         old = self.steps_per_epoch
         if steps_per_epoch is not None and old is not None and steps_per_epoch != old:
-            position = int(round(position * steps_per_epoch / old))
+            into = position - epochs_done * old if epochs_done is not None else -1.0
+            if epochs_done is not None and 0 <= into < old:
+                # Lightning restarts an epoch whose restored batch count reaches this fit's batches per epoch
+                kept = into if into < steps_per_epoch else 0
+                position = int(round(epochs_done * steps_per_epoch + kept))
+            else:
+                position = int(round(position * steps_per_epoch / old))
         self.step_offset = position - step
         if steps_per_epoch is not None:
             self.steps_per_epoch = float(steps_per_epoch)

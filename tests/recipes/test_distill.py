@@ -184,3 +184,47 @@ def test_teacher_fingerprint_tells_weights_apart_and_reads_any_state() -> None:
     with torch.device("meta"):
         meta = nn.Linear(4, 3)
     assert teacher_fingerprint(meta) == teacher_fingerprint(copy.deepcopy(meta))
+
+
+@pytest.mark.parametrize(
+    ("shape", "index"),
+    [
+        ((10, 512), (9, 500)),  # a classifier head of 5120 values: its last rows
+        ((64, 4096), (3, 7)),  # a wide matrix: a value between the columns a sample of 4096 would read
+    ],
+)
+def test_teacher_fingerprint_reads_every_value(shape: tuple[int, int], index: tuple[int, int]) -> None:
+    torch.manual_seed(0)
+    a = nn.Linear(shape[1], shape[0])
+    b = copy.deepcopy(a)
+    with torch.no_grad():
+        b.weight[index] += 1.0
+    assert teacher_fingerprint(a) != teacher_fingerprint(b)
+
+
+def test_teacher_fingerprint_of_a_teacher_restored_from_its_checkpoint(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    net = _Net()
+    path = tmp_path / "teacher.ckpt"
+    torch.save({"state_dict": net.state_dict()}, path)
+    assert teacher_fingerprint(load_teacher(path, _Net)) == teacher_fingerprint(net)
+    assert teacher_fingerprint(_Net()) != teacher_fingerprint(net)  # other initial weights
+    # dtypes without a numpy counterpart (bfloat16) and bool buffers are read too
+    half = copy.deepcopy(net).to(torch.bfloat16)
+    half.register_buffer("mask", torch.ones(3, dtype=torch.bool))
+    assert teacher_fingerprint(half) == teacher_fingerprint(copy.deepcopy(half))
+
+
+def test_a_teacher_class_the_checkpoint_cannot_construct_is_named(tmp_path: Path) -> None:
+    # a plain `state_dict` file of a class with required arguments used to fail with Python's bare TypeError
+    path = tmp_path / "plain.ckpt"
+    torch.save({"state_dict": nn.Linear(3, 4).state_dict()}, path)
+    with pytest.raises(
+        ValueError,
+        match=r"`teacher_class` Linear cannot be built from checkpoint '.*plain\.ckpt', which holds no "
+        r"`hyper_parameters`: .*missing 2 required positional arguments.* Save the teacher with",
+    ):
+        load_teacher(path, nn.Linear)
+    torch.save({"state_dict": nn.Linear(3, 4).state_dict(), "hyper_parameters": {"in_features": 3}}, path)
+    with pytest.raises(ValueError, match=r"which holds its `hyper_parameters` \['in_features'\]: .*'out_features'"):
+        load_teacher(path, nn.Linear)

@@ -73,7 +73,7 @@ def test_loss_is_the_weighted_sum_with_the_dict_protocol() -> None:
     trainer(callbacks=[kd, check]).fit(student, loader())
     assert check.checked == 4
     assert "training_step" not in student.__dict__  # unwrapped after fit
-    assert student.training_step.__func__ is DictStudent.training_step  # the original method comes back
+    assert student.training_step.__func__ is DictStudent.training_step  # type: ignore[attr-defined]  # the original
     assert not teacher.training and not any(p.requires_grad for p in teacher.parameters())
     assert all(torch.equal(a, b) for a, b in zip(teacher.parameters(), reference.parameters(), strict=True))
 
@@ -118,7 +118,7 @@ def test_teacher_from_a_checkpoint_path(tmp_path: Path) -> None:
         big, loader()
     )
     kd = KnowledgeDistillation(str(tmp_path / "last.ckpt"), teacher_class="lightning_accel.models.ImageClassifier")
-    assert isinstance(kd.teacher, ImageClassifier) and kd.teacher.hparams.width == 8
+    assert isinstance(kd.teacher, ImageClassifier) and kd.teacher.hparams["width"] == 8
     x = torch.randn(2, 3, 8, 8)
     big.eval()
     with torch.no_grad():
@@ -138,7 +138,7 @@ def test_teacher_from_a_delta_checkpoint_of_a_run(tmp_path: Path) -> None:
     ).fit(big, loader())
     assert (tmp_path / "last.ckpt").read_bytes().startswith(b'{"format":"lightning-accel/delta-checkpoint"')
     kd = KnowledgeDistillation(str(tmp_path / "last.ckpt"), teacher_class="lightning_accel.models.ImageClassifier")
-    assert isinstance(kd.teacher, ImageClassifier) and kd.teacher.hparams.width == 8
+    assert isinstance(kd.teacher, ImageClassifier) and kd.teacher.hparams["width"] == 8
     x = torch.randn(2, 3, 8, 8)
     big.eval()
     with torch.no_grad():
@@ -194,7 +194,8 @@ class _RecordsContext(nn.Module):
         self.seen: list[tuple[torch.dtype, torch.dtype, bool]] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.seen.append((self.net[1].weight.dtype, torch.get_default_dtype(), torch.is_autocast_enabled("cpu")))
+        weight = self.net.get_submodule("1").get_parameter("weight")
+        self.seen.append((weight.dtype, torch.get_default_dtype(), torch.is_autocast_enabled("cpu")))
         return self.net(x)
 
 
@@ -287,7 +288,7 @@ class _ManualStudent(DictStudent):
         self.automatic_optimization = False
 
     @override
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:  # type: ignore[override]
         x, y = batch
         loss = F.cross_entropy(self.net(x), y)
         opt = self.optimizers()
@@ -395,3 +396,18 @@ def test_a_bare_class_name_state_from_an_older_checkpoint_is_checked(tmp_path: P
         trainer(callbacks=[KnowledgeDistillation(_teacher(), temperature=3.0)], max_epochs=2).fit(
             DictStudent(), loader(), ckpt_path=tmp_path / "old.ckpt"
         )
+
+
+def test_two_teachers_differing_in_a_few_values_distil_side_by_side() -> None:
+    """Teachers that share all but the last row of their head (one class retrained) are two teachers: each callback
+    keeps its own state key, so one Trainer takes both."""
+    torch.manual_seed(0)
+    first = nn.Sequential(nn.Flatten(), nn.Linear(192, 512), nn.ReLU(), nn.Linear(512, 10))
+    second = copy.deepcopy(first)
+    with torch.no_grad():
+        second.get_submodule("3").get_parameter("weight")[9] += 0.5
+    kds = [KnowledgeDistillation(first, temperature=2.0), KnowledgeDistillation(second, temperature=2.0)]
+    assert kds[0].state_key != kds[1].state_key
+    t = trainer(callbacks=kds, limit_train_batches=2)
+    t.fit(DictStudent(), loader())
+    assert {"distill/soft_loss_epoch", "distill/soft_loss_1_epoch"} <= set(t.callback_metrics)

@@ -30,7 +30,7 @@ def test_linear_scaling_factor() -> None:
         with pytest.raises(
             kind, match="`base_batch_size` must be an integer >= 1, got .*Pass the batch size in samples"
         ):
-            linear_scaling_factor(64, bad)
+            linear_scaling_factor(64, bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="`global_batch_size`"):
         linear_scaling_factor(0, 64)
 
@@ -317,3 +317,39 @@ def test_rebinding_an_extended_run_continues_from_the_same_step() -> None:
     s, start, lrs = _restored(old.state_dict(), 32, 8.0)  # extended to 4 epochs
     assert start == 16 and s.step_offset == 0 and lrs[0] == pytest.approx(warmup_cosine_value(16, 0.1, 32, 0, 0.001))
     assert lrs[-1] == pytest.approx(0.001) and len(lrs) == 17
+
+
+@pytest.mark.parametrize(
+    ("new_spe", "epochs_done", "position"),
+    [
+        (16.0, 1, 19),  # 1 epoch converted (16 steps) + the 3 steps into epoch 1, which Lightning resumes at batch 3
+        (2.0, 1, 2),  # 3 steps reach the 2 of an epoch now: Lightning restarts epoch 1, and the position with it
+        (16.0, None, 22),  # no epoch count: the whole position is converted (11 x 16 / 8)
+    ],
+)
+def test_rebinding_mid_epoch_keeps_the_steps_into_the_epoch(
+    new_spe: float, epochs_done: int | None, position: int
+) -> None:
+    old = _stepped(32, 11, 8.0)  # 4 epochs of 8 steps; stopped 3 steps into epoch 1
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    s = WarmupCosineLR(opt, min_lr=0.001)
+    s.load_state_dict(old.state_dict())
+    total = int(4 * new_spe)
+    s.bind(total, steps_per_epoch=new_spe, epochs_done=epochs_done)
+    assert s.last_epoch + s.step_offset == position
+    assert opt.param_groups[0]["lr"] == pytest.approx(warmup_cosine_value(position, 0.1, total, 0, 0.001))
+
+
+def test_bad_last_epoch_and_fallback_factor_are_named() -> None:
+    # a string or -2 used to reach torch's check of a resumed schedule, which blames a missing `initial_lr`
+    with pytest.raises(TypeError, match="`last_epoch` must be an integer >= -1, got '3' \\(str\\)\\. It is the index"):
+        WarmupCosineLR(_opt(), total_steps=10, last_epoch="3")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="`last_epoch` must be an integer >= -1, got -2"):
+        WarmupCosineLR(_opt(), total_steps=10, last_epoch=-2)
+    # a factor of 0 assumed applied used to divide by zero
+    opt = _opt()
+    with pytest.raises(ValueError, match="`fallback_applied` must be a number > 0 and < inf, got 0\\. It is the"):
+        apply_lr_scale(opt, 2.0, fallback_applied=0)
+    with pytest.raises(TypeError, match="`fallback_applied` must be a number"):
+        apply_lr_scale(opt, 2.0, fallback_applied="1")  # type: ignore[arg-type]
+    assert opt.param_groups[0]["lr"] == 0.1 and APPLIED_KEY not in opt.param_groups[0]  # nothing changed

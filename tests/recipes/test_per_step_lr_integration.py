@@ -8,10 +8,11 @@ from typing import Any
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_accel.callbacks import PerStepLR
 from lightning_accel.cli import AccelCLI
-from lightning_accel.recipes.lr import WarmupCosineLR
+from lightning_accel.recipes.lr import WarmupCosineLR, warmup_cosine_value
 from tests.tiny import LRProbe, classifier, loader, trainer
 
 CONFIG = """
@@ -49,7 +50,8 @@ def test_cli_lr_scheduler_block_runs_per_step(tmp_path: Path) -> None:
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(CONFIG.format(root=tmp_path))
     cli = AccelCLI(args=["fit", "--config", str(cfg)])
-    probe = next(c for c in cli.trainer.callbacks if isinstance(c, LRProbe))
+    callbacks: list[Any] = cli.trainer.callbacks  # type: ignore[attr-defined]
+    probe = next(c for c in callbacks if isinstance(c, LRProbe))
     sched = cli.trainer.lr_scheduler_configs[0].scheduler
     assert isinstance(sched, WarmupCosineLR)
     assert sched.total_steps == 8 and sched.warmup_steps == 2  # 2 epochs x 4 batches, 25 % warm-up
@@ -111,3 +113,45 @@ def test_epoch_frequency_is_refused() -> None:
 def test_frequency_that_never_steps_is_refused() -> None:
     with pytest.raises(ValueError, match=r"`frequency` 9 never steps it"):
         trainer(callbacks=[PerStepLR()], limit_train_batches=8).fit(_scheduled("step", 9), loader())
+
+
+def _warmup_cosine_model() -> Any:
+    m = classifier()
+
+    def configure_optimizers() -> dict[str, Any]:
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        return {"optimizer": opt, "lr_scheduler": WarmupCosineLR(opt, warmup_steps=2, min_lr=0.001)}
+
+    m.configure_optimizers = configure_optimizers  # type: ignore[method-assign]
+    return m
+
+
+@pytest.mark.parametrize(
+    ("batch_size", "start", "steps"),
+    [
+        (16, 3, 29),  # 16 batches per epoch now: the 13 left of epoch 0 (Lightning resumes at batch 3), then 16
+        (64, 3, 5),  # 4 batches per epoch now: the 1 left of epoch 0, then 4
+    ],
+)
+def test_a_resume_mid_epoch_at_another_batch_size_ends_at_min_lr_with_the_fit(
+    tmp_path: Path, batch_size: int, start: int, steps: int
+) -> None:
+    # 2 epochs of 8 batches of 32; resumed from the checkpoint after 3 steps of epoch 0
+    first = trainer(
+        callbacks=[PerStepLR(), ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)],
+        enable_checkpointing=True,
+        limit_train_batches=None,
+        max_epochs=2,
+    )
+    first.fit(_warmup_cosine_model(), loader(32, 256))
+    probe = LRProbe()
+    t = trainer(callbacks=[PerStepLR(), probe], limit_train_batches=None, max_epochs=2)
+    t.fit(_warmup_cosine_model(), loader(batch_size, 256), ckpt_path=tmp_path / "epoch=0-step=3.ckpt")
+    sched = t.lr_scheduler_configs[0].scheduler
+    assert isinstance(sched, WarmupCosineLR)
+    total = 2 * 256 // batch_size
+    assert sched.total_steps == total and len(probe.lrs) == steps and start + steps == total
+    # the 3 steps taken stay 3 steps (not 3 x 8/4 or 3 x 8/16): the cosine ends with the fit, no step at min_lr
+    expected = [warmup_cosine_value(start + k, 0.1, total, 2, 0.001) for k in range(steps)]
+    assert probe.lrs == pytest.approx(expected, rel=1e-9)
+    assert probe.lrs[-1] > 0.001 and t.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.001)
