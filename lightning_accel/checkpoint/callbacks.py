@@ -84,6 +84,15 @@ def teardown_wrapped_io(trainer: pl.Trainer) -> None:
         io.checkpoint_io.teardown()
 
 
+def attach_io(trainer: pl.Trainer) -> None:
+    """A stage starts: the Trainer's ``DeltaCheckpointIO`` (also inside ``AsyncCheckpointIO``) holds its directories'
+    writer locks from their first write until its ``teardown`` again (:meth:`DeltaCheckpointIO.attach`), also after an
+    earlier stage of the same Trainer tore it down."""
+    io = delta_io(trainer)
+    if io is not None:
+        io.attach()
+
+
 def trainer_storage_options(trainer: pl.Trainer) -> dict[str, Any] | None:
     """The ``storage_options`` of the Trainer's ``DeltaCheckpointIO`` (also inside ``AsyncCheckpointIO``), or None."""
     io = delta_io(trainer)
@@ -145,8 +154,14 @@ class CheckpointGuard(Callback):
     3. ``teardown``: a ``DeltaCheckpointIO`` inside Lightning's ``AsyncCheckpointIO`` is torn down (its directory's
        writer lock released), which the wrapper does not do (:func:`teardown_wrapped_io`).
 
+    ``setup`` marks the start of a stage for the plugin (:func:`attach_io`).
+
     The ``lightning-accel`` CLI adds this callback by itself.
     """
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        attach_io(trainer)  # every rank: no collective
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -342,7 +357,7 @@ class DeltaModelCheckpoint(ModelCheckpoint):
                 f"tracks (it would never remove them): {names}. Pass `DeltaModelCheckpoint(keep_orphans=True)` to "
                 "keep them."
             )
-            store.remove_checkpoints(found)
+            store.remove_checkpoints(found, drop_emptied=True)
         self.orphans = found
         return found
 
@@ -407,6 +422,7 @@ class DeltaModelCheckpoint(ModelCheckpoint):
         # with the options.
         with compat.model_checkpoint_setup_without_listing(self):
             super().setup(trainer, pl_module, stage)
+        attach_io(trainer)  # a stage starts: the plugin holds its locks until its teardown (every rank, no collective)
         options = self._options(trainer)
         dirpath = str(self.dirpath) if self.dirpath else ""
         store = self._store = FileStore(options)

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
+import threading
 import weakref
 from collections import deque
 from collections.abc import Sequence
@@ -134,6 +136,18 @@ class DeltaCheckpointIO(CheckpointIO):
         io_threads: threads that encode/decode tensors in parallel.
         lock: take the directory's writer lock at the first save (refuses a second writer; see
             :mod:`~lightning_accel.checkpoint.lock`). Disable only on filesystems without ``flock``.
+
+    The writer lock is held while a stage can write: from the first save (or :meth:`claim`) until ``teardown``, which
+    Lightning calls at the end of every ``fit`` / ``validate`` / ... A save or removal after that (a post-fit
+    ``trainer.save_checkpoint("final.ckpt")``) takes the lock only while it is written (with ``async_save``: until
+    the writer has nothing more queued) and releases it with the chain state, so another process may resume from or
+    collect the directory while this one lives on. :meth:`attach` (``DeltaModelCheckpoint`` and ``CheckpointGuard``
+    at the start of a stage) and :meth:`claim` (``CheckpointGuard``, the ``lightning-accel`` CLI) make writes hold it
+    until the next ``teardown`` again.
+
+    ``remove_checkpoint`` also removes the checkpoint's folder once it holds nothing but the blob store's own files
+    (a ``filename`` with a ``/`` gives each checkpoint a subfolder): at once, or when the blobs it left have waited out
+    ``gc_grace_s``. A folder with any other file or folder in it is left as it is.
     """
 
     # Explicit keyword-only arguments rather than `**store_kwargs`: LightningCLI (jsonargparse) builds the
@@ -193,6 +207,13 @@ class DeltaCheckpointIO(CheckpointIO):
         self.switched_off_reason: str | None = None
         # local directories made on the training thread by async saves (:meth:`_make_directory`)
         self._made_dirs: set[str] = set()
+        # those of them that did not exist -> the folder above the topmost one made (what a removal may take back)
+        self._created_dirs: dict[str, str] = {}
+        # True from construction or `claim` until `teardown`: writes keep the directory's writer lock. False after
+        # `teardown`: each write holds it only while it is written (`_release_if_detached`). Changed, and read before
+        # a release, under `_stage_lock`, so a release on the writer thread cannot undo a `claim` made meanwhile.
+        self._attached = True
+        self._stage_lock = threading.Lock()
 
     # -- the lever protocol (lightning_accel._utils.levers.Lever) --------------------------------------------------
     lever_name = "quantized_checkpoint"
@@ -228,12 +249,79 @@ class DeltaCheckpointIO(CheckpointIO):
     def _save_snapshot(self, snap: Snapshot, path: str) -> SaveStats:
         # the values still being produced at the snapshot (collectives in flight) are waited for here, off the
         # training thread; they are fresh tensors of this save alone, so they need no snapshot copy
-        tree = resolve_deferred(snap.tree)
-        stats = self.store.save(
-            tree, path, content_id=snap.content_id, pause=self._writer.yield_to_snapshots, aliases=snap.aliases
-        )
+        try:
+            tree = resolve_deferred(snap.tree)
+            stats = self.store.save(
+                tree, path, content_id=snap.content_id, pause=self._writer.yield_to_snapshots, aliases=snap.aliases
+            )
+        except BaseException:
+            self._after_failed_save(path)
+            raise
+        finally:
+            self._release_if_detached(running=1)
         self.history.append(stats)
         return stats
+
+    def _remove_now(self, path: str, *, running: int = 0) -> None:
+        try:
+            self.store.remove(path, drop_emptied=True)
+            self._drop_made_directory(split_path(path)[0])
+        finally:
+            self._release_if_detached(running=running)
+
+    def _after_failed_save(self, path: str) -> None:
+        """A save failed (a full disk, a store outage): when its folder holds no file, the blob store the save made
+        there (its lock file, empty blob folders) goes again, and with it the folder
+        (:meth:`~lightning_accel.checkpoint.store.DeltaStore.remove_if_emptied`: a folder with anything else in it,
+        a blob waiting out its grace period included, is left as it is).
+
+        Why: under a full disk every failed save of a ``filename`` with a ``/`` left a folder of its own behind.
+        """
+        directory = split_path(path)[0]
+        # the save's own error is what the caller must see: a folder that cannot be checked or removed stays
+        with contextlib.suppress(Exception):
+            if self.store.fs.isdir(directory) and not self.store.fs.list_files(directory):
+                self.store.remove_if_emptied(directory)
+        self._drop_made_directory(directory)
+
+    def _drop_made_directory(self, directory: str) -> None:
+        """After a removal in ``directory``: remove the folders :meth:`_make_directory` made for it (up to the one that
+        existed) that are empty now, deepest first; the first one holding anything stops it.
+
+        Why: a removal that cancels a queued save (``save_top_k`` rotating a checkpoint out before its save started)
+        left the empty folder made for it on the training thread, one per cancelled save with a ``filename`` holding a
+        ``/``. A folder that existed before, or holds a file or folder of anyone's, is never removed.
+        """
+        if directory not in self._made_dirs:
+            return  # not made on the training thread (no async save went there, or not a local directory)
+        stop = self._created_dirs.get(directory)
+        d = directory
+        while stop is not None and d != stop and d.startswith(stop.rstrip(os.sep) + os.sep):
+            try:
+                os.rmdir(d)  # only an empty folder
+            except FileNotFoundError:
+                pass  # the store removed it (its blob store was all that was left there)
+            except OSError:
+                break
+            d = os.path.dirname(d)
+        if not os.path.lexists(directory):
+            # an async save into it makes it again before returning (and records it again)
+            self._created_dirs.pop(directory, None)
+            self._made_dirs.discard(directory)
+
+    def _release_if_detached(self, *, running: int = 0) -> None:
+        """After a write outside a stage (after ``teardown``): release the writer locks and forget the chain state once
+        no other write is queued (``running``: the writer's job calling this, still counted as pending).
+
+        Why: the lock was taken again by a post-fit ``trainer.save_checkpoint`` and held until the process exited, so
+        a resume or ``ckpt gc`` from another process was refused while this one lived on. The chain state goes with
+        the lock: once another writer may collect the directory, a later delta must not rely on blobs it kept alive.
+        """
+        with self._stage_lock:
+            if self._attached or self._writer.pending > running:
+                return
+            self.store.close()
+            self.store.forget()
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: PathType, storage_options: Any | None = None) -> None:
@@ -257,7 +345,13 @@ class DeltaCheckpointIO(CheckpointIO):
             self._writer.submit_save(self._save_snapshot, checkpoint, key)
         else:
             self._writer.wait()
-            self._save_now(checkpoint, path_s)
+            try:
+                self._save_now(checkpoint, path_s)
+            except BaseException:
+                self._after_failed_save(path_s)
+                raise
+            finally:
+                self._release_if_detached()
 
     def _make_directory(self, path: str) -> None:
         """Async mode: make the local directory of ``path`` (as :func:`split_path` names it) on the training thread,
@@ -283,6 +377,8 @@ class DeltaCheckpointIO(CheckpointIO):
         with contextlib.suppress(OSError):
             prepare_directory(directory)
             self._made_dirs.add(directory)
+            if missing != directory:
+                self._created_dirs[directory] = missing
 
     @override
     def load_checkpoint(
@@ -319,18 +415,30 @@ class DeltaCheckpointIO(CheckpointIO):
         """
         if self.async_save:
             key = split_path(path)[1]
-            self._writer.submit(self.store.remove, key, key=key)
+            self._writer.submit(functools.partial(self._remove_now, running=1), key, key=key)
         else:
             self._writer.wait()
-            self.store.remove(os.fspath(path))
+            self._remove_now(os.fspath(path))
 
     def claim(self, directory: PathType) -> None:
-        """Take ``directory``'s writer lock now (a second writer is refused before training, not at its first save).
+        """Take ``directory``'s writer lock now (a second writer is refused before training, not at its first save) and
+        hold the locks of the directories written from here on until :meth:`teardown`, as during a stage.
 
         Raises:
             CheckpointDirectoryLockedError: another live run writes there.
         """
-        self.store.claim(os.fspath(directory))
+        with self._stage_lock:
+            self._attached = True
+            self.store.claim(os.fspath(directory))
+
+    def attach(self) -> None:
+        """A stage starts: from here on, a directory's writer lock (and the chain state that makes saves deltas) is
+        held from its first write until :meth:`teardown`, as for a new plugin. ``DeltaModelCheckpoint`` and
+        ``CheckpointGuard`` call it in their ``setup``; without them a plugin torn down by an earlier stage of the same
+        Trainer (``validate``, the ``Tuner``) holds the lock only while each save is written, and each save is then a
+        full snapshot."""
+        with self._stage_lock:
+            self._attached = True
 
     def exists(self, path: PathType) -> bool | None:
         """Whether a checkpoint will be at ``path`` once the queued async saves and removals ran: True when the newest
@@ -359,7 +467,10 @@ class DeltaCheckpointIO(CheckpointIO):
     def teardown(self) -> None:
         """Wait for the saves in flight (at most ``max_pending + 1``) and queued removals, then free the snapshot
         buffers and the chain bases (a later save starts its chains anew) and release the directory's writer lock;
-        raise a background failure not reported yet rather than lose it (one already raised is not raised again)."""
+        raise a background failure not reported yet rather than lose it (one already raised is not raised again).
+        Writes after this hold the lock only while they are written (see the class docstring)."""
+        with self._stage_lock:
+            self._attached = False
         try:
             self._writer.close()
         finally:

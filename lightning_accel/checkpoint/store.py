@@ -298,6 +298,9 @@ class DeltaStore:
         # Directories whose last collection left blobs waiting out their grace period -> the oldest one's time. A
         # collection anywhere finishes those of the others once due (`_collect_due_elsewhere`).
         self._waiting: PerProcess[dict[str, float]] = PerProcess(dict)
+        # Directories a removal with `drop_emptied` left with only blobs waiting out their grace period: removed, if
+        # nothing else is there by then, by the collection that deletes those blobs.
+        self._drop_later: PerProcess[set[str]] = PerProcess(set)
         self._collecting_elsewhere = False
 
     # The options, readable on the store as before they were grouped (``store.quantize``, ``store.lock``).
@@ -1124,12 +1127,18 @@ class DeltaStore:
         return out_s
 
     # ------------------------------------------------------------------ remove / collect
-    def remove(self, path: str | os.PathLike[str]) -> int:
+    def remove(self, path: str | os.PathLike[str], *, drop_emptied: bool = False) -> int:
         """Delete the checkpoint at ``path`` and collect the blobs no remaining manifest references (once their grace
         period ``gc_grace_s`` has passed).
 
         A symlink is removed as a link. Local symlinks that point at the removed manifest (Lightning's
         ``save_last="link"``) are first replaced by a copy of it, so they stay loadable. A missing path is a no-op.
+
+        Args:
+            path: the manifest.
+            drop_emptied: when the removal leaves the checkpoint's folder with nothing but this store's own files,
+                remove them and the folder (:meth:`remove_if_emptied`), now or, for blobs waiting out their grace
+                period, at the collection that deletes them.
 
         Returns:
             The number of blobs deleted.
@@ -1138,22 +1147,36 @@ class DeltaStore:
             NotADeltaCheckpointError: ``path`` holds something else (it is left alone).
             CheckpointDirectoryLockedError: another writer holds the directory.
         """
-        directory, p = split_path(path)
-        with self._lock:
-            if not self._unlink_manifest(directory, p):
-                return 0
-            return self.collect_garbage(directory)
+        return self.remove_checkpoints([os.fspath(path)], drop_emptied=drop_emptied)
 
-    def remove_checkpoints(self, paths: list[str]) -> int:
-        """:meth:`remove` each of ``paths`` (manifests), then collect garbage once per directory. Returns the number
-        of blobs deleted."""
+    def remove_checkpoints(self, paths: list[str], *, drop_emptied: bool = False) -> int:
+        """:meth:`remove` each of ``paths`` (manifests), then collect garbage once per directory (and, with
+        ``drop_emptied``, remove each folder left with only this store's own files). Returns the number of blobs
+        deleted."""
         dirs: dict[str, None] = {}
         with self._lock:
             for path in paths:
                 directory, p = split_path(path)
                 if self._unlink_manifest(directory, p):
                     dirs[directory] = None
-            return sum(self.collect_garbage(d) for d in dirs)
+            deleted = 0
+            for d in dirs:
+                deleted += self.collect_garbage(d)
+                if drop_emptied:
+                    self._drop_if_emptied(d)
+            return deleted
+
+    def _drop_if_emptied(self, directory: str) -> None:
+        """After a removal with ``drop_emptied``: remove ``directory`` if only this store's files are left there;
+        while blobs of it wait out their grace period, note it so the collection that deletes them does so then."""
+        if directory in self._waiting.get():
+            self._drop_later.get().add(directory)
+            return
+        self._drop_later.get().discard(directory)
+        if self.fs.list_files(directory):  # a checkpoint (or any file) is left: the usual case, one listing
+            return
+        if self.remove_if_emptied(directory):
+            self.forget(directory)
 
     def _unlink_manifest(self, directory: str, p: str) -> bool:
         """Delete the manifest (or link) at ``p``; False when nothing was there."""
@@ -1438,6 +1461,8 @@ class DeltaStore:
                     # alone, and not re-created by taking its lock.
                     if self.fs.isdir(safe_join(other, BLOB_DIR)):
                         deleted += self.collect_garbage(other)
+                        if other in self._drop_later.get():
+                            self._drop_if_emptied(other)
                 except Exception as e:  # noqa: BLE001 - housekeeping of another directory must not fail this call
                     warnings.warn(
                         f"Could not collect the unreferenced blobs of checkpoint directory {other!r}: {one_line(e)}. "

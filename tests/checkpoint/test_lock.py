@@ -14,8 +14,15 @@ from typing import Any
 
 import pytest
 import torch
+from lightning.pytorch import Callback
+from typing_extensions import override
 
-from lightning_accel.checkpoint import CheckpointDirectoryLockedError, DeltaCheckpointIO, DeltaStore
+from lightning_accel.checkpoint import (
+    CheckpointDirectoryLockedError,
+    DeltaCheckpointIO,
+    DeltaModelCheckpoint,
+    DeltaStore,
+)
 from lightning_accel.checkpoint.lock import LOCK_NAME
 
 
@@ -32,6 +39,7 @@ def test_second_process_refused_then_takes_over_from_a_killed_holder(tmp_path: P
     ready = ctx.Event()
     child = ctx.Process(target=_hold, args=(str(tmp_path), ready), daemon=True)
     child.start()
+    assert child.pid is not None
     try:
         assert ready.wait(60)
         io = DeltaCheckpointIO()
@@ -109,3 +117,74 @@ def test_s3_lease_refuses_a_second_writer_and_expired_or_dead_leases_are_taken_o
         second.save({"w": torch.ones(300)}, f"{root}/c.ckpt")
     second.close()
     assert torch.equal(DeltaStore(storage_options=opts).load(f"{root}/c.ckpt")["w"], torch.ones(300))
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_save_after_fit_holds_the_lock_only_while_it_is_written(tmp_path: Path, async_save: bool) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from tests.tiny import CheckpointModel, ckpt_trainer, tiny_loader
+
+    ckpt = tmp_path / "ckpt"
+    io = DeltaCheckpointIO(async_save=async_save)
+    trainer = ckpt_trainer(tmp_path, [io], [ModelCheckpoint(dirpath=ckpt, save_last=True)], max_epochs=1)
+    trainer.fit(CheckpointModel(), tiny_loader(32))
+    trainer.save_checkpoint(ckpt / "final.ckpt")  # after `fit`: the plugin's teardown has run
+    io.wait()
+    assert (ckpt / LOCK_NAME).read_text() == ""  # released as the save ended, not at the process's exit
+    # Another writer of the directory (a resumed run, `ckpt gc`) is not refused while this process lives on.
+    other = DeltaStore(gc_grace_s=0)
+    other.collect_garbage(ckpt)
+    assert json.loads((ckpt / LOCK_NAME).read_text())["pid"] == os.getpid()  # taken by `other`
+    other.close()
+    final = DeltaStore().load(ckpt / "final.ckpt")
+    assert torch.equal(final["state_dict"]["net.0.weight"], trainer.lightning_module.state_dict()["net.0.weight"])
+    # A later save of this plugin takes the lock again for its own writing, and gives it back.
+    trainer.save_checkpoint(ckpt / "final2.ckpt")
+    io.wait()
+    assert (ckpt / LOCK_NAME).read_text() == ""
+    assert torch.equal(
+        DeltaStore().load(ckpt / "final2.ckpt")["state_dict"]["net.0.weight"], final["state_dict"]["net.0.weight"]
+    )
+    # `claim` (CheckpointGuard, the CLI) holds it again until the next teardown.
+    io.claim(ckpt)
+    trainer.save_checkpoint(ckpt / "final3.ckpt")
+    io.wait()
+    with pytest.raises(CheckpointDirectoryLockedError):
+        DeltaStore().claim(str(ckpt))
+    io.teardown()
+    assert (ckpt / LOCK_NAME).read_text() == ""
+
+
+class _LockProbe(Callback):
+    """Records, at the end of each training epoch (after that epoch's save), whether the directory is held."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.held: list[bool] = []
+
+    @override
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        try:
+            DeltaStore(lock=True).claim(str(self.directory))
+        except CheckpointDirectoryLockedError:
+            self.held.append(True)
+        else:
+            self.held.append(False)
+
+
+def test_a_fit_after_an_earlier_stage_holds_the_lock_and_saves_deltas(tmp_path: Path) -> None:
+    from tests.tiny import CheckpointModel, ckpt_trainer, tiny_loader
+
+    ckpt = tmp_path / "ckpt"
+    io = DeltaCheckpointIO()
+    probe = _LockProbe(ckpt)
+    cb = DeltaModelCheckpoint(dirpath=ckpt, save_last=True, every_n_train_steps=2)
+    trainer = ckpt_trainer(tmp_path, [io], [cb, probe], max_epochs=2)
+    model = CheckpointModel()
+    trainer.validate(model, tiny_loader(32))  # a stage whose teardown tears the plugin down
+    trainer.fit(model, tiny_loader(64))
+    # `on_train_epoch_end` runs before the epoch's `last.ckpt` save: the first epoch's check sees the step saves
+    assert probe.held == [True, True]
+    assert any(s.tensors_delta + s.tensors_unchanged for s in io.history)  # the chain state was kept between saves
+    assert (ckpt / LOCK_NAME).read_text() == ""  # released by the fit's teardown

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -220,3 +221,89 @@ def test_quickstart_yaml_wires_the_plugin(tmp_path: Path) -> None:
     )
     io = cli.trainer.strategy.checkpoint_io
     assert isinstance(io, DeltaCheckpointIO) and io.async_save
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_top_k_removes_the_subfolders_it_empties_and_nothing_of_the_users(tmp_path: Path, async_save: bool) -> None:
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "epoch=0").mkdir(parents=True)  # a folder the run saves into, holding a file of the user's
+    (ckpt / "epoch=0" / "notes.txt").write_text("mine")
+    (ckpt / "epoch=9").mkdir()  # and a user's empty folder the run never saves into
+    io = DeltaCheckpointIO(async_save=async_save, gc_grace_s=0)
+    # `filename` with a `/`: one subfolder per epoch, each with its own blob store
+    cb = ModelCheckpoint(dirpath=ckpt, filename="{epoch}/{step}", save_top_k=1, every_n_train_steps=3)
+    t = trainer(tmp_path, [io], [cb], max_epochs=4)
+    t.fit(CheckpointModel(), tiny_loader(64))
+    assert sorted(p.name for p in ckpt.iterdir()) == ["epoch=0", "epoch=3", "epoch=9"]
+    # the user's file stays, with the blob store beside it (none, when the save there was cancelled while queued)
+    assert {p.name for p in (ckpt / "epoch=0").iterdir()} - {BLOB_DIR} == {"notes.txt"}
+    assert (ckpt / "epoch=0" / "notes.txt").read_text() == "mine"
+    assert list((ckpt / "epoch=9").iterdir()) == []
+    assert [p.name for p in (ckpt / "epoch=3").glob("*.ckpt")] == [os.path.basename(cb.best_model_path)]
+    assert DeltaStore().verify(cb.best_model_path)["ok"]
+
+
+def test_a_subfolder_emptied_while_its_blobs_wait_goes_with_them(tmp_path: Path) -> None:
+    io = DeltaCheckpointIO()  # the default grace period: the removal leaves the blobs waiting
+    state = {"w": torch.randn(4096)}
+    io.save_checkpoint(state, tmp_path / "epoch=0" / "a.ckpt")
+    io.save_checkpoint(state, tmp_path / "epoch=1" / "b.ckpt")
+    io.remove_checkpoint(tmp_path / "epoch=0" / "a.ckpt")
+    assert (tmp_path / "epoch=0" / BLOB_DIR / PENDING_NAME).exists()  # a reader may still need its blobs
+    io.store.gc_grace_s = 0.0  # the grace period has passed
+    io.save_checkpoint({"w": state["w"] + 1}, tmp_path / "epoch=1" / "c.ckpt")
+    io.remove_checkpoint(tmp_path / "epoch=1" / "b.ckpt")  # the next rotation collects the blobs that waited
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch=1"]
+    io.teardown()
+    assert torch.equal(DeltaStore().load(tmp_path / "epoch=1" / "c.ckpt")["w"], state["w"] + 1)
+
+
+def test_a_removal_that_cancels_a_queued_save_removes_the_folders_made_for_it(tmp_path: Path) -> None:
+    io = DeltaCheckpointIO(async_save=True, write_delay_s=5.0)  # the saves stay queued until the removals come
+    (tmp_path / "mine").mkdir()  # a folder of the user's, empty
+    state = {"w": torch.randn(600)}
+    for path in (tmp_path / "a" / "epoch=1" / "x.ckpt", tmp_path / "mine" / "x.ckpt"):
+        io.save_checkpoint(state, path)
+        assert path.parent.is_dir()  # made before the save returns (Lightning may link into it at once)
+        io.remove_checkpoint(path)
+    io.wait()
+    assert io.writer_stats.cancelled == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]  # `a/epoch=1` made for the save, and `a`, went
+    assert list((tmp_path / "mine").iterdir()) == []
+    # a later save there makes it again
+    io.save_checkpoint(state, tmp_path / "a" / "epoch=1" / "y.ckpt")
+    io.teardown()
+    assert torch.equal(DeltaStore().load(tmp_path / "a" / "epoch=1" / "y.ckpt")["w"], state["w"])
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_failed_save_takes_back_the_folder_it_made_and_nothing_else(
+    tmp_path: Path, async_save: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    io = DeltaCheckpointIO(async_save=async_save, on_save_error="warn")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    write = io.store.fs.write
+
+    def full_disk(url: str, data: bytes) -> None:
+        if "/.delta_blobs/" in str(url):
+            raise OSError(errno.ENOSPC, "No space left on device", str(url))
+        write(url, data)
+
+    monkeypatch.setattr(io.store.fs, "write", full_disk)
+    for path in (tmp_path / "epoch=1" / "x.ckpt", tmp_path / "mine" / "x.ckpt"):
+        if async_save:
+            io.save_checkpoint({"w": torch.randn(600)}, path)
+            with pytest.warns(UserWarning, match="No space left"):
+                io.wait()
+        else:
+            with pytest.raises(OSError, match="No space left"):
+                io.save_checkpoint({"w": torch.randn(600)}, path)
+    # the folder made for the failed save went; the user's folder and file stay
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "mine"
+    assert not (tmp_path / "mine" / "x.ckpt").exists()
+    monkeypatch.setattr(io.store.fs, "write", write)  # space again: the next save there works
+    io.save_checkpoint({"w": torch.ones(600)}, tmp_path / "epoch=1" / "x.ckpt")
+    io.teardown()
+    assert torch.equal(DeltaStore().load(tmp_path / "epoch=1" / "x.ckpt")["w"], torch.ones(600))
