@@ -1107,26 +1107,34 @@ def _check_inline_config(text: str) -> None:
         )
 
 
-def _config_folder_message(path: str) -> str:
-    """Why a ``--config`` folder is refused, with the YAML files in it to pick from."""
+def _config_example(label: str, path: str) -> str:
+    """How the caller passes ``path``: ``--config PATH`` on the command line, ``label='PATH'`` from Python."""
+    return f"`{label} {path}`" if label.startswith("-") else f"`{label}={path!r}`"
+
+
+def _config_folder_message(path: str, label: str = "--config") -> str:
+    """Why a ``--config`` folder is refused, with the YAML files in it to pick from; ``label``: the name the caller
+    gave the path by (the flag, or a Python function's keyword argument)."""
     names = sorted(
         n for n in os.listdir(path) if n.endswith((".yaml", ".yml")) and os.path.isfile(os.path.join(path, n))
     )
     if not names:
         return (
-            f"`--config` {path!r} is a folder, not a YAML file, and holds no .yaml file. Pass the path of a YAML file, "
-            "e.g. `--config examples/configs/quickstart.yaml`."
+            f"`{label}` {path!r} is a folder, not a YAML file, and holds no .yaml file. Pass the path of a YAML file, "
+            f"e.g. {_config_example(label, 'examples/configs/quickstart.yaml')}."
         )
     shown = ", ".join(names[:6]) + (f", ... ({len(names)} in all)" if len(names) > 6 else "")
     return (
-        f"`--config` {path!r} is a folder, not a YAML file. Pass one of its YAML files ({shown}), e.g. "
-        f"`--config {os.path.join(path, names[0])}`."
+        f"`{label}` {path!r} is a folder, not a YAML file. Pass one of its YAML files ({shown}), e.g. "
+        f"{_config_example(label, os.path.join(path, names[0]))}."
     )
 
 
-def _check_config_file(path: str) -> dict[str, Any]:
+def _check_config_file(path: str, label: str = "--config", overrides: bool = True) -> dict[str, Any]:
     """Refuse a ``--config`` file that is not valid YAML, sets a key twice in one mapping, is empty or is not a
-    mapping, naming the file; else its content."""
+    mapping, naming the file as the caller gave it (``label``: the flag, or a Python function's keyword argument);
+    else its content. ``overrides``: the command also takes each setting as a flag (``--trainer.max_epochs``), which
+    a refusal may suggest."""
     import yaml
 
     try:
@@ -1135,11 +1143,11 @@ def _check_config_file(path: str) -> dict[str, Any]:
     except _DuplicateKeyError as e:
         raise ConfigError(
             "",
-            f"`--config` {path!r} sets {e.key!r} twice in one mapping (lines {e.first} and {e.second}): YAML keeps "
+            f"`{label}` {path!r} sets {e.key!r} twice in one mapping (lines {e.first} and {e.second}): YAML keeps "
             f"only the second, so everything set by the first was dropped. Keep one {e.key!r} and merge the two.",
         ) from e
     except UnicodeDecodeError as e:
-        raise ConfigError("", f"`--config` {path!r} is not a text file ({e.reason}). Pass a YAML file.") from e
+        raise ConfigError("", f"`{label}` {path!r} is not a text file ({e.reason}). Pass a YAML file.") from e
     except yaml.YAMLError as e:
         # PyYAML's parts: what it was reading and where that began (an open bracket), what went wrong and where
         parts = []
@@ -1149,20 +1157,20 @@ def _check_config_file(path: str) -> dict[str, Any]:
                 parts.append(f"{text} (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else text)
         raise ConfigError(
             "",
-            f"`--config` {path!r} is not valid YAML: {', '.join(parts) or one_line(e)}. "
+            f"`{label}` {path!r} is not valid YAML: {', '.join(parts) or one_line(e)}. "
             "Fix the syntax (brackets, quotes, indentation).",
         ) from e
     if content is None:
         raise ConfigError(
-            "", f"`--config` {path!r} is empty. Put settings in it (e.g. `trainer:` then `  max_epochs: 5`) or drop it."
+            "", f"`{label}` {path!r} is empty. Put settings in it (e.g. `trainer:` then `  max_epochs: 5`) or drop it."
         )
     if not isinstance(content, dict):
         raise ConfigError(
             "",
-            f"`--config` {path!r} must hold a mapping of settings (`key: value` lines), got a "
+            f"`{label}` {path!r} must hold a mapping of settings (`key: value` lines), got a "
             f"{type(content).__name__}. E.g. `trainer:` then `  max_epochs: 5`.",
         )
-    _refuse_variables(path, content)
+    _refuse_variables(path, content, label=label, overrides=overrides)
     return content
 
 
@@ -1208,7 +1216,7 @@ def _unique_key_loader() -> type:
 _VARIABLE = re.compile(r"\$\{[^}]*\}|^\$[A-Za-z_][A-Za-z0-9_]*(?=/|$)")
 
 
-def _refuse_variables(path: str, content: Any, key: str = "") -> None:
+def _refuse_variables(path: str, content: Any, key: str = "", label: str = "--config", overrides: bool = True) -> None:
     """Refuse a ``--config`` value holding ``${NAME}``, or starting with ``$NAME`` as a whole path part (``$HOME/x``):
     configs are read as plain YAML, nothing in them
     is expanded, so ``default_root_dir: ${RUNS}/x`` would make a folder literally named ``${RUNS}`` in the working
@@ -1219,18 +1227,25 @@ def _refuse_variables(path: str, content: Any, key: str = "") -> None:
     """
     if isinstance(content, dict):
         for k, v in content.items():
-            _refuse_variables(path, v, f"{key}.{k}" if key else str(k))
+            _refuse_variables(path, v, f"{key}.{k}" if key else str(k), label, overrides)
     elif isinstance(content, list):
         for i, v in enumerate(content):
-            _refuse_variables(path, v, f"{key}[{i}]")
+            _refuse_variables(path, v, f"{key}[{i}]", label, overrides)
     elif isinstance(content, str) and (found := _VARIABLE.search(content)) is not None:
         # a list item has no command-line flag of its own: the example is given for plain keys only
         example = f': `--{key}="{content}"`' if "[" not in key else ""
+        # a command without per-setting flags (`tune`) and a Python caller (``label`` a keyword argument) have no
+        # command line to give the value on: a flag they would refuse is no fix
+        if overrides:
+            fix = f"write the value itself, or give it on the command line, where the shell expands it{example}"
+        elif label.startswith("-"):
+            fix = "write the value itself"
+        else:
+            fix = "write the value itself, or set it in the loaded job from `os.environ`"
         raise ConfigError(
             key,
-            f"{content!r} in `--config` {path!r} holds {found.group()!r}, which is not expanded (config values are "
-            "taken as written, not read from the environment); write the value itself, or give it on the command "
-            f"line, where the shell expands it{example}.",
+            f"{content!r} in `{label}` {path!r} holds {found.group()!r}, which is not expanded (config values are "
+            f"taken as written, not read from the environment); {fix}.",
         )
 
 

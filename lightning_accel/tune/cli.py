@@ -73,9 +73,10 @@ def main(argv: list[str] | None = None, prog: str = "lightning-accel tune") -> i
                 f"`--out` {args.out!r} is the `--config` it tunes: writing the tuned config there would replace the "
                 "job. Pass another `--out`, e.g. tuned.yaml."
             )
-        job = load_job(args.config)
         levers = [s.strip() for s in args.levers.split(",")] if args.levers else None
-        with named_as_flags():  # its refusals name this command's flags (`--budget`), not tune_job's keywords
+        # the refusals name this command's flags (`--config`, `--budget`), not load_job's / tune_job's keywords
+        with named_as_flags():
+            job = load_job(args.config)
             res = tune_job(
                 job,
                 budget=args.budget,

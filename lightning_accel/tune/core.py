@@ -47,6 +47,7 @@ __all__ = [
     "check_numerics",
     "decide",
     "fingerprint",
+    "flags_named",
     "folder_problem",
     "lever_order",
     "named_arg",
@@ -323,6 +324,11 @@ def named_as_flags() -> Iterator[None]:
         yield
     finally:
         _NAMED_AS_FLAGS.reset(token)
+
+
+def flags_named() -> bool:
+    """Whether messages name the ``lightning-accel tune`` flags (inside :func:`named_as_flags`)."""
+    return _NAMED_AS_FLAGS.get()
 
 
 def arg_label(name: str) -> str:

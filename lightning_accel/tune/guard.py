@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
@@ -68,6 +68,12 @@ class RollbackGuard(Callback):
       ``PerStepLR``); and when the optimizers' parameters are replaced mid-fit (``StructuredPruning`` slices the
       layers), a fresh one is taken in the next optimizer step, before its update: the old one no longer fits the
       model.
+    * **Checkpoints.** The values pending are also checked before each save a checkpoint callback can make between
+      two checks, so no checkpoint holds the weights of a bad step: at the end of an epoch, at the start of a
+      validation, at a step where a ``ModelCheckpoint(every_n_train_steps=N)`` saves, and at every step when a
+      ``ModelCheckpoint`` saves by the clock (``train_time_interval``: any step may save). When the last optimizer
+      step's gradient norm was not sampled, that check also makes sure every weight is finite (one norm over the
+      parameters), so a NaN gradient does not reach a checkpoint before the next loss shows it.
     * **Rollback.** On a trigger on any rank, every rank restores the snapshot in place (parameters, buffers,
       optimizer state, learning rates, schedulers; with ``replay_lost_steps`` in a fit bound by ``max_steps`` the
       step counter too, so it trains the steps the rollback took back and its schedule ends where it would have;
@@ -115,7 +121,7 @@ class RollbackGuard(Callback):
             with its data either way (its counter is not taken back). Step-indexed callbacks
             (``ModelCheckpoint(every_n_train_steps=...)``) see the replayed step numbers again.
         levers: extra :class:`~lightning_accel._utils.levers.Lever` objects to manage, beside those found on the
-            Trainer (strategy, precision plugin, checkpoint IO).
+            Trainer (strategy, precision plugin, checkpoint IO); None: none.
         verbose: print each rollback on rank 0.
 
     Attributes:
@@ -142,7 +148,7 @@ class RollbackGuard(Callback):
         window_steps: int = 100,
         window_sigma: float = 4.0,
         window_spike_steps: int = 2,
-        levers: Sequence[Any] = (),
+        levers: Sequence[Any] | None = (),
         replay_lost_steps: bool = True,
         verbose: bool = True,
     ) -> None:
@@ -168,13 +174,21 @@ class RollbackGuard(Callback):
             window_sigma=window_sigma,
             window_spike_steps=window_spike_steps,
         )
+        if levers is None:  # `levers: null` in a YAML config: none beside the Trainer's own
+            levers = ()
+        if isinstance(levers, (str, bytes, Lever)) or not isinstance(levers, Iterable):
+            raise TypeError(
+                f"`levers` must be a list of lever objects, got {type(levers).__name__} ({levers!r}). Pass a list, "
+                "e.g. `levers=[my_lever]`, or leave it out for the Trainer's own levers."
+            )
+        levers = list(levers)
         bad = [lv for lv in levers if not isinstance(lv, Lever)]
         if bad:
             raise TypeError(
                 f"`levers` must hold objects with `lever_name`, `lever_active` and `switch_off(reason)`, got "
                 f"{type(bad[0]).__name__}. Implement lightning_accel._utils.levers.Lever or drop it."
             )
-        self.extra_levers = list(levers)
+        self.extra_levers = levers
         self.rollbacks = 0
         self.events: list[dict[str, Any]] = []
         self.switched_off: list[str] = []
@@ -194,6 +208,11 @@ class RollbackGuard(Callback):
         self._stopped = False
         self._epoch_end = False
         self._save_every: list[int] = []
+        self._timed_save = False
+        # an optimizer step of this batch was not sampled: a save before the next batch's loss holds the weights its
+        # update produced, from gradients nobody looked at
+        self._unchecked_update = False
+        self._weights_ok: torch.Tensor | None = None  # 1. when every weight is finite (taken before such a save)
         self._snap_due = False
         self._loss: torch.Tensor | None = None
         self._scaler_obj: Any = None
@@ -224,10 +243,18 @@ class RollbackGuard(Callback):
         self._since, self._was_active, self._window_end = {}, {}, -1
         self._pending, self._grad_norm, self._loss, self._backward = [], None, None, []
         self._opt_steps, self._stopped, self._snap_due = 0, False, False
+        self._unchecked_update, self._weights_ok = False, None
         self._layout = None
         # the step intervals of the checkpoint callbacks that save inside an epoch (`every_n_train_steps`): the
         # values pending are checked before such a save, which must not hold the weights of a bad step
         self._save_every = [n for cb in trainer.checkpoint_callbacks if (n := model_checkpoint_step_interval(cb))]
+        # a ModelCheckpoint that saves neither every N epochs nor every N steps saves by the clock
+        # (`train_time_interval`, rank 0's clock): any step may save, so every step is checked before it (unforeseen,
+        # such a save held up to `check_every - 1` unchecked steps, the weights of a NaN among them)
+        self._timed_save = any(
+            isinstance(cb, ModelCheckpoint) and not cb.every_n_epochs and not model_checkpoint_step_interval(cb)
+            for cb in trainer.checkpoint_callbacks
+        )
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -248,6 +275,7 @@ class RollbackGuard(Callback):
     ) -> None:
         if self._layout is None:
             self._take_snapshot(trainer, pl_module)
+        self._unchecked_update = False  # this batch's loss is computed from the last update's weights: it shows them
 
     # -- the levers ----------------------------------------------------------------------------------------------
     def _poll_levers(self, step: int) -> None:
@@ -290,20 +318,44 @@ class RollbackGuard(Callback):
             # state before this step's update, which the change produced from a good state, is the one to go back to
             self._take_snapshot(trainer, pl_module)
         sample = self.watch_grad_norm and (self._opt_steps - 1) % self._gn_every == 0
-        norm: torch.Tensor | None = None
-        if sample or self._snap_due:
-            grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-            if grads:
-                norm = torch.nn.utils.get_total_norm(grads)  # device tensor: no sync
-                if isinstance(norm, torch.Tensor) and local_shard(norm) is not norm:
-                    # sharded gradients (`fully_shard`): the norm is a DTensor holding each rank's partial sum, which
-                    # `torch.stack` and `dist.all_reduce` below refuse; its full value is one small all-reduce, on
-                    # every rank alike (the sampling and the due snapshot are the same on every rank)
-                    norm = norm.full_tensor()  # type: ignore[attr-defined]
+        norm = self._norm(optimizer) if sample or self._snap_due else None
         if sample and norm is not None:
             self._grad_norm = norm if self._grad_norm is None else torch.maximum(self._grad_norm, norm)
+        # several optimizers (manual optimization) step in one batch: any of them unsampled leaves the batch's update
+        # unchecked until the next batch's loss
+        self._unchecked_update = self._unchecked_update or not sample
         if self._snap_due:
             self._snapshot_if_sound(trainer, pl_module, norm)
+
+    @staticmethod
+    def _norm(optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+        """The total 2-norm of ``optimizer``'s gradients as a device tensor (no sync); None when it has none."""
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if not grads:
+            return None
+        norm = torch.nn.utils.get_total_norm(grads)
+        if isinstance(norm, torch.Tensor) and local_shard(norm) is not norm:
+            # sharded gradients (`fully_shard`): the norm is a DTensor holding each rank's partial sum, which
+            # `torch.stack` and `dist.all_reduce` refuse; its full value is one small all-reduce, on every rank alike
+            # (the sampling, the due snapshot and the saves are the same on every rank)
+            norm = norm.full_tensor()  # type: ignore[attr-defined]
+        return norm
+
+    def _probe_weights(self, pl_module: pl.LightningModule) -> None:
+        """Before a save that would hold the update of a step whose gradient norm was not sampled (every 10th on a
+        CPU), whether every weight is finite (one norm over the parameters, a device tensor: no sync; its host copy
+        is the check's): a NaN gradient shows in the next loss only, after the save. The gradients themselves may be
+        gone by then (Lightning drops them before a validation)."""
+        if not self._unchecked_update:
+            return
+        self._unchecked_update = False
+        params = [p.detach() for p in pl_module.parameters()]
+        if not params:
+            return
+        norm = torch.nn.utils.get_total_norm(params)
+        if local_shard(norm) is not norm:  # sharded parameters: one small all-reduce, on every rank alike
+            norm = norm.full_tensor()  # type: ignore[attr-defined]
+        self._weights_ok = norm.isfinite().float().reshape(())
 
     def _snapshot_if_sound(self, trainer: pl.Trainer, pl_module: pl.LightningModule, norm: torch.Tensor | None) -> None:
         """Take the due snapshot now, before the optimizer updates anything, if the weights about to be saved just
@@ -332,20 +384,29 @@ class RollbackGuard(Callback):
             # manual optimization whose `training_step` returns nothing (as Lightning's examples do): unwatched, a
             # NaN ran on through every later step
             loss = batch_loss(backward)
+        # checkpoint callbacks run after every other callback's hook: a step save at this step comes after this check
+        save_due = self._timed_save or any(trainer.global_step % n == 0 for n in self._save_every)
         if isinstance(loss, torch.Tensor):
             self._pending.append((trainer.global_step, loss.detach(), self._grad_norm))
         self._grad_norm = None
-        # checkpoint callbacks run after every other callback's hook: a step save at this step comes after this check
-        save_due = any(trainer.global_step % n == 0 for n in self._save_every)
-        if len(self._pending) >= self._every or (self._pending and save_due):
+        if save_due:
+            self._probe_weights(pl_module)
+        if len(self._pending) >= self._every or (save_due and self._due()):
             self._check(trainer, pl_module)
+
+    def _due(self) -> bool:
+        """Whether anything awaits a check (the same on every rank: the values and the probes are taken alike)."""
+        return bool(self._pending) or self._weights_ok is not None
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # a validation inside an epoch (`val_check_interval`) ends with the checkpoint callbacks' saves: the steps
         # since the last check are checked first, as at the end of an epoch (every rank validates at the same step)
         fitting = trainer.state.fn == TrainerFn.FITTING
-        if not fitting or trainer.sanity_checking or not self._pending or self._stopped:
+        if not fitting or trainer.sanity_checking or self._stopped:
+            return
+        self._probe_weights(pl_module)
+        if not self._due():
             return
         self._epoch_end = True  # not a batch hook: Lightning takes epoch metrics only
         try:
@@ -357,7 +418,9 @@ class RollbackGuard(Callback):
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # the last steps of an epoch are checked before validation and checkpoints see them (every rank ends the
         # epoch with the same number of pending values, so the collective matches)
-        if self._pending and not self._stopped:
+        if not self._stopped:
+            self._probe_weights(pl_module)
+        if self._due() and not self._stopped:
             self._epoch_end = True
             try:
                 self._check(trainer, pl_module)
@@ -365,36 +428,42 @@ class RollbackGuard(Callback):
                 self._epoch_end = False
 
     # -- the check -----------------------------------------------------------------------------------------------
-    def _local(self) -> tuple[Trigger | None, bool]:
-        """Run the rule over the values recorded since the last check (one host sync)."""
+    def _local(self, step: int) -> tuple[Trigger | None, bool]:
+        """Run the rule over the values recorded since the last check, and the weights' probe when one was taken
+        (one host sync)."""
         pending, self._pending = self._pending, []
-        if not pending:
+        probe, self._weights_ok = self._weights_ok, None
+        if not pending and probe is None:
             return None, False
         flat = [t for _, lo, gn in pending for t in ((lo, gn) if gn is not None else (lo,))]
+        flat += [probe] if probe is not None else []
         if self._cpu:  # no sync to save: item() per value is cheaper than stacking (~1 us against ~4 us a value)
             values = [float(t.item()) for t in flat]
         else:
             values = torch.stack([t.float().reshape(()) for t in flat]).cpu().tolist()
         trigger: Trigger | None = None
         k = 0
-        for step, _, gn in pending:
-            strict = step <= self._window_end
-            t = self.watches["loss"].update(step, values[k], strict)
+        for at, _, gn in pending:
+            strict = at <= self._window_end
+            t = self.watches["loss"].update(at, values[k], strict)
             k += 1
             if gn is not None:
                 v = values[k]
                 k += 1
                 if not (self._scaler and not math.isfinite(v)):  # the scaler skips such a step itself
-                    t = t or self.watches["grad_norm"].update(step, v, strict)
+                    t = t or self.watches["grad_norm"].update(at, v, strict)
             if t is not None and trigger is None:
                 trigger = t
+        if probe is not None and trigger is None and values[-1] < 1.0:
+            # the last update, whose gradients were not sampled, made a weight NaN/inf: no loss has shown it yet
+            trigger = Trigger("weights", step, "nonfinite", step, math.nan, 0.0)
         open_streak = any(w.nan_run or w.spike_run for w in self.watches.values())
         return trigger, open_streak
 
     def _check(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         step = trainer.global_step
         self._poll_levers(step)
-        trigger, open_streak = self._local()
+        trigger, open_streak = self._local(step)
         code = _CODES[trigger.kind] if trigger is not None else 0
         start = trigger.streak_start if trigger is not None else step
         g_code, g_start, g_open = float(code), float(-start), float(open_streak)

@@ -18,6 +18,7 @@ The loop (rank 0 decides every step, the other ranks follow its broadcast):
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import itertools
@@ -45,6 +46,7 @@ from lightning_accel.tune.core import (
     check_numerics,
     decide,
     fingerprint,
+    flags_named,
     folder_problem,
     lever_order,
     named_arg,
@@ -114,7 +116,9 @@ class TuneResult:
 def load_job(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The job in a ``lightning-accel fit`` YAML (``fit:`` nesting accepted).
 
-    The file is checked as ``lightning-accel fit --config`` checks it (the same one-line messages).
+    The file is checked as ``lightning-accel fit --config`` checks it (the same one-line messages), each naming the
+    file as the caller gave it: the keyword argument ``path`` from Python, the ``--config`` flag from the ``tune``
+    command (which calls it under :func:`~lightning_accel.tune.core.named_as_flags`).
 
     Raises:
         FileNotFoundError: a missing file.
@@ -122,21 +126,20 @@ def load_job(path: str | os.PathLike[str]) -> dict[str, Any]:
     """
     from lightning_accel.cli import _check_config_file, _config_folder_message
 
+    label = "--config" if flags_named() else "path"
     p = Path(path)
     if p.is_dir():
-        raise ValueError(_config_folder_message(os.fspath(path)))
+        raise ValueError(_config_folder_message(os.fspath(path), label))
     if not p.is_file():
         raise FileNotFoundError(
-            f"`--config` {os.fspath(path)!r} does not exist (cwd: {os.getcwd()}). Pass the YAML `fit` runs."
+            f"`{label}` {os.fspath(path)!r} does not exist (cwd: {os.getcwd()}). Pass the YAML `fit` runs."
         )
     # invalid YAML, empty, not a mapping: one line naming the file; else the parsed file
-    job: Any = _check_config_file(os.fspath(path))
+    job: Any = _check_config_file(os.fspath(path), label, overrides=False)
     if isinstance(job, dict) and isinstance(job.get("fit"), dict):
         job = job["fit"]
     if not isinstance(job, dict) or "model" not in job:
-        raise ValueError(
-            f"`--config` {os.fspath(path)!r} holds no job: expected a mapping with `model:` (and `data:`)."
-        )
+        raise ValueError(f"`{label}` {os.fspath(path)!r} holds no job: expected a mapping with `model:` (and `data:`).")
     return job
 
 
@@ -845,6 +848,10 @@ def exhaustive(
     (``same_as`` names it): two trials of one config differ by run-to-run noise alone. Returns one row per
     combination, then one per extra: ``{"names": [...], "step_s": fastest,
     "runs": [...], "numerics_ok": ..., "error": ...}`` (step times normalised per baseline batch, as the tuner's).
+
+    The trials run in a folder ``.tune-grid-<hash>`` that the grid makes under ``root`` and removes at the end, also
+    when interrupted; ``root`` itself and anything else in it are left alone (``root`` is removed only when the grid
+    created it and it is empty at the end).
     """
     job = copy.deepcopy(dict(job))
     if job.get("trainer") is None:  # `trainer:` with nothing under it (see `tune_job`)
@@ -870,20 +877,30 @@ def exhaustive(
     twin = {len(combos) + i: configs.index(cfg) for i, (_, cfg) in enumerate(extras) if cfg in configs}
     built += [(cfg, _batch_ratio(job, cfg)) for _, cfg in extras]
     order = [i for i in range(len(rows)) if i not in twin]
-    for r in range(rounds):
-        for idx in order if r % 2 == 0 else reversed(order):
-            cand, ratio = built[idx]
-            m = run_trial(
-                _scratch_cache(cand, job, Path(root)), warmup=warmup, steps=steps, root=Path(root) / f"g{idx}"
-            )
-            if m.error is not None or m.step_s is None:
-                rows[idx]["error"] = m.error
-            else:
-                rows[idx]["runs"].append(m.step_s / ratio)
-                rows[idx]["losses"] = rows[idx]["losses"] or m.losses
-                rows[idx]["precision"], rows[idx]["ratio"] = job_precision(cand), ratio
-    if _rank_zero():
-        _remove_scratch(Path(root))
+    # the trials work in a folder of the grid's own under `root` (which may be the user's project: removing `root`
+    # itself took every file in it); its name comes from the grid, so every process of a multi-device job uses the
+    # same one, and a folder of that name left by an interrupted run of the same grid is the grid's too
+    grid_root = Path(root).expanduser()
+    made_root = not grid_root.exists()
+    grid = json.dumps({"job": job, "levers": list(levers), "skip": list(skip)}, sort_keys=True, default=repr)
+    work = grid_root / f".tune-grid-{hashlib.sha1(grid.encode()).hexdigest()[:12]}"
+    try:
+        for r in range(rounds):
+            for idx in order if r % 2 == 0 else reversed(order):
+                cand, ratio = built[idx]
+                m = run_trial(_scratch_cache(cand, job, work), warmup=warmup, steps=steps, root=work / f"g{idx}")
+                if m.error is not None or m.step_s is None:
+                    rows[idx]["error"] = m.error
+                else:
+                    rows[idx]["runs"].append(m.step_s / ratio)
+                    rows[idx]["losses"] = rows[idx]["losses"] or m.losses
+                    rows[idx]["precision"], rows[idx]["ratio"] = job_precision(cand), ratio
+    finally:
+        if _rank_zero():
+            _remove_scratch(work)
+            if made_root:  # `root` was made for the grid: it goes too, unless something else was put in it since
+                with contextlib.suppress(OSError):
+                    grid_root.rmdir()
     for idx, same in twin.items():
         src = rows[same]
         rows[idx].update({k: src[k] for k in ("runs", "error", "losses", "precision", "ratio") if k in src})

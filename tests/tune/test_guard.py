@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -190,6 +191,24 @@ def test_levers_are_found_by_protocol() -> None:
     assert isinstance(toy, Lever) and not isinstance(object(), Lever)
     assert find_levers([None, toy, object(), toy]) == [toy]
     assert RollbackGuard(levers=[toy]).extra_levers == [toy]
+
+
+@pytest.mark.parametrize(
+    ("levers", "got"),
+    [(_Toy(), "got _Toy"), ("ddp_1bit", "got str ('ddp_1bit')"), (3, "got int (3)")],
+    ids=["one-lever", "a-name", "a-number"],
+)
+def test_levers_that_are_no_list_are_refused_in_one_line(levers: Any, got: str) -> None:
+    # a lone lever, a number: Python's "'int' object is not iterable" named no argument; a string was taken letter
+    # by letter
+    with pytest.raises(TypeError, match="`levers` must be a list of lever objects") as e:
+        RollbackGuard(levers=levers)
+    assert got in str(e.value) and "`levers=[my_lever]`" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_levers_none_is_no_extra_lever() -> None:
+    # `levers: null` in a YAML config: "'NoneType' object is not iterable" from the constructor
+    assert RollbackGuard(levers=None).extra_levers == []
 
 
 def test_a_batch_loss_from_scaled_backward_losses_is_unscaled() -> None:

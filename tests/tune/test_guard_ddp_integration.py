@@ -139,3 +139,84 @@ def test_a_sharded_fit_is_rolled_back_on_every_rank() -> None:
     assert a["events"] == b["events"] and len(a["events"]) == 1
     assert a["events"][0]["restored_step"] == 8 and a["events"][0]["action"] == "rollback"
     assert a["finite"] and b["finite"] and a["step"] == b["step"] == 16
+
+
+def _timed_save_fit(rank: int, world_size: int, root: str, sharded: bool) -> dict[str, Any]:
+    import math
+    from datetime import timedelta
+
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch import Callback
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_accel.callbacks import RollbackGuard
+    from lightning_accel.parallel import ShardedStrategy
+    from tests import tiny
+
+    class NaNGradOnRank0(Callback):
+        """NaN gradients on rank 0 after the gradient averaging, at global step 7, once: its update makes rank 0's
+        weights NaN while its loss (and rank 1's everything) stays finite."""
+
+        def __init__(self) -> None:
+            self.fired = False
+
+        def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, opt: Any) -> None:
+            if trainer.global_step == 7 and trainer.global_rank == 0 and not self.fired:
+                self.fired = True
+                for p in pl_module.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(math.nan)
+
+    class Saves(Callback):
+        def __init__(self) -> None:
+            self.steps: list[int] = []
+
+        def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, ckpt: Any) -> None:
+            self.steps.append(trainer.global_step)
+
+    torch.manual_seed(0)
+    # the default gradient-norm sampling on a CPU (every 10th step) leaves step 7 unsampled
+    guard, saves = RollbackGuard(snapshot_every=2, verbose=False), Saves()
+    callbacks: list[Callback] = [guard, NaNGradOnRank0(), saves]
+    if not sharded:  # the clock's saves (0 s: at every step); the sharded fit checks the save at the epoch's end
+        callbacks.append(ModelCheckpoint(dirpath=root, train_time_interval=timedelta(0), save_top_k=-1))
+    trainer = tiny.trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=ShardedStrategy() if sharded else "ddp",
+        max_epochs=1,
+        limit_train_batches=8,
+        enable_checkpointing=not sharded,
+        callbacks=callbacks,
+    )
+    model = tiny.classifier()
+    trainer.fit(model, tiny.loader(batch_size=8, n=256))
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    return {
+        "events": [{k: v for k, v in e.items() if k != "reason"} for e in guard.events],
+        "reasons": [e["reason"] for e in guard.events],
+        "saves": saves.steps,
+        "finite": all(bool(torch.isfinite(t).all()) for t in local),
+    }
+
+
+def test_a_nan_update_on_one_rank_never_reaches_a_save_and_every_rank_rolls_back(tmp_path: Any) -> None:
+    # a save every step by the clock held the NaN weights of rank 0's update of step 7: its loss was finite, its
+    # gradient norm not sampled, and the next check came only after the save
+    import torch
+
+    a, b = run_in_processes(_timed_save_fit, 2, (str(tmp_path), False), init_process_group=False)
+    assert a["events"] == b["events"] and len(a["events"]) == 1 and a["events"][0]["step"] == 8
+    assert "weights non-finite" in a["reasons"][0] and "another rank" in b["reasons"][0]
+    assert a["saves"] == b["saves"] == list(range(1, 9)) and a["finite"] and b["finite"]
+    for path in tmp_path.glob("*.ckpt"):
+        state = torch.load(path, weights_only=False)["state_dict"]
+        assert all(bool(torch.isfinite(v).all()) for v in state.values() if v.is_floating_point()), path.name
+
+
+def test_a_sharded_update_is_checked_before_the_epochs_end_on_every_rank(tmp_path: Any) -> None:
+    # the weights' check before a save takes the norm of sharded parameters (DTensors): one collective, every rank
+    a, b = run_in_processes(_timed_save_fit, 2, (str(tmp_path), True), init_process_group=False)
+    assert a["events"] == b["events"] and len(a["events"]) == 1 and a["events"][0]["step"] == 8
+    assert a["finite"] and b["finite"]

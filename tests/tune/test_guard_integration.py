@@ -289,6 +289,65 @@ def test_a_step_checkpoint_between_two_checks_never_holds_a_bad_step(tmp_path: P
     assert [step for step, _ in saved.saves] == [4, 8] and all(ok for _, ok in saved.saves)
 
 
+def test_a_checkpoint_saved_by_the_clock_never_holds_a_bad_step(tmp_path: Path) -> None:
+    """``train_time_interval`` saves whenever its interval has passed, at any step (0 s: at every step, so the test
+    does not depend on the clock); the default check interval (5 on a CPU) checked the NaN of step 2 only at step 5,
+    after the saves of steps 3 and 4 had written its weights: every step is checked before such a save."""
+    from datetime import timedelta
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    guard, saved = RollbackGuard(snapshot_every=2, verbose=False), SavedFinite()
+    ckpt = ModelCheckpoint(dirpath=tmp_path, train_time_interval=timedelta(0), save_top_k=-1)
+    trainer = tiny.trainer(
+        max_epochs=1, limit_train_batches=8, enable_checkpointing=True, callbacks=[guard, NaNAt(2), ckpt, saved]
+    )
+    trainer.fit(tiny.classifier(), tiny.loader())
+    assert guard.rollbacks == 1 and guard.events[0]["step"] == 3  # the update of step 2's NaN, checked at once
+    assert guard.events[0]["restored_step"] <= 2
+    assert [step for step, _ in saved.saves] == list(range(1, 9)) and all(ok for _, ok in saved.saves), saved.saves
+    for path in tmp_path.glob("*.ckpt"):  # what a resume would load
+        state = torch.load(path, weights_only=False)["state_dict"]
+        assert all(bool(torch.isfinite(v).all()) for v in state.values() if v.is_floating_point()), path.name
+
+
+@pytest.mark.parametrize(
+    "save",
+    ["every_n_train_steps", "train_time_interval", "epoch_end", "val_check_interval"],
+)
+def test_a_save_right_after_a_nan_gradient_never_holds_its_update(tmp_path: Path, save: str) -> None:
+    """The batch of global step 7 gives a finite loss but NaN gradients (its loss is made NaN after Lightning kept
+    it), and its update makes every weight NaN before the save of step 8; the gradient norm is sampled every 10th step
+    on a CPU, so only the loss of step 9 would have shown it: the gradients of a step that was not sampled are
+    checked before a save that would hold its update."""
+    from datetime import timedelta
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    saves: dict[str, dict[str, Any]] = {
+        "every_n_train_steps": {"every_n_train_steps": 4},
+        "train_time_interval": {"train_time_interval": timedelta(0)},
+        "epoch_end": {},
+        "val_check_interval": {},
+    }
+    kwargs = saves[save]
+    guard, saved = RollbackGuard(snapshot_every=2, verbose=False), SavedFinite()
+    ckpt = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, **kwargs)
+    validate = save == "val_check_interval"
+    trainer = tiny.trainer(
+        max_epochs=1,
+        limit_train_batches=12 if validate else 8,
+        limit_val_batches=2 if validate else 0,
+        val_check_interval=8 if validate else None,
+        num_sanity_val_steps=0,
+        enable_checkpointing=True,
+        callbacks=[guard, NaNAt(7), ckpt, saved],
+    )
+    trainer.fit(tiny.classifier(), tiny.loader(), tiny.loader() if validate else None)
+    assert 8 in [step for step, _ in saved.saves] and all(ok for _, ok in saved.saves), (saved.saves, guard.events)
+    assert guard.rollbacks == 1 and guard.events[0]["step"] == 8 and "weights non-finite" in guard.events[0]["reason"]
+
+
 def test_a_validation_inside_the_epoch_checks_the_steps_before_its_save(tmp_path: Path) -> None:
     """``val_check_interval=4`` validates (and ModelCheckpoint saves) after step 4, before the first check at step 5:
     the validation start checks the steps pending."""

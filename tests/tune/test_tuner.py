@@ -100,6 +100,41 @@ def test_the_grid_keeps_each_rows_fastest_round_and_gives_a_twin_extra_its_rows_
     assert twin["same_as"] == ["precision: bf16-mixed"] and twin["step_s"] == 0.070 and twin["runs"] == [0.080, 0.070]
 
 
+@pytest.mark.parametrize("interrupted", [False, True], ids=["done", "ctrl-c"])
+def test_the_grid_removes_only_its_own_folder_under_root(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, interrupted: bool
+) -> None:
+    # `root` was removed as a whole at the end: given the user's project folder, the grid deleted every file in it
+    roots: list[Path] = []
+
+    def fake(job: dict[str, Any], *, warmup: int, steps: int, root: str | Path) -> TrialMeasure:
+        Path(root).mkdir(parents=True)
+        (Path(root) / "trial.ckpt").write_text("a trial's file")
+        roots.append(Path(root))
+        if interrupted and len(roots) == 2:
+            raise KeyboardInterrupt
+        m = TrialMeasure()
+        m.step_s, m.losses, m.seconds, m.dominant = 0.1, list(LOSSES), 1.0, "compute"
+        return m
+
+    monkeypatch.setattr(tuner, "run_trial", fake)
+    project, fresh = tmp_path / "project", tmp_path / "fresh" / "grid"
+    project.mkdir()
+    (project / "train.py").write_text("# the user's script\n")
+    for root in (project, fresh):
+        roots.clear()
+        if interrupted:
+            with pytest.raises(KeyboardInterrupt):
+                tuner.exhaustive(JOB, ["precision"], skip=["Fused"], rounds=1, root=root)
+        else:
+            assert len(tuner.exhaustive(JOB, ["precision"], skip=["Fused"], rounds=1, root=root)) == 2
+        assert roots and all(r.parent.parent == root and r.parent.name.startswith(".tune-grid-") for r in roots)
+        assert not any(r.exists() for r in roots)
+    assert sorted(p.name for p in project.iterdir()) == ["train.py"]
+    assert (project / "train.py").read_text() == "# the user's script\n"
+    assert not fresh.exists()  # the folder the grid made for itself is gone
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
@@ -436,6 +471,41 @@ def test_tune_cli_refuses_a_config_that_is_no_yaml_job_in_one_line(
     assert main(["--config", str(cfg), "--out", str(tmp_path / "o" / "tuned.yaml")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"`--config` {str(cfg)!r} " in err and words in err and seen == []
+
+
+@pytest.mark.parametrize(
+    ("content", "words"),
+    [
+        (None, "is a folder, not a YAML file. Pass one of its YAML files (a.yaml), e.g. `path="),
+        ("missing", "does not exist"),
+        ("model: [1\n", "is not valid YAML"),
+        ("", "is empty"),
+        ("trainer: {}\n", "holds no job"),
+        ("model:\n  init_args:\n    root: ${DATA}/x\n", "set it in the loaded job from `os.environ`"),
+    ],
+    ids=["folder", "missing", "yaml", "empty", "no-model", "variable"],
+)
+def test_load_job_names_its_keyword_from_python_and_the_flag_from_the_command(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str | None, words: str
+) -> None:
+    # `load_job(path)` from Python was told about `--config`, a flag its caller never typed
+    from lightning_accel.tune.cli import main
+
+    cfg = tmp_path / "job.yaml"
+    if content is None:
+        cfg.mkdir()
+        (cfg / "a.yaml").write_text("model: {}\n")
+    elif content != "missing":
+        cfg.write_text(content)
+    with pytest.raises((ValueError, FileNotFoundError)) as e:
+        tuner.load_job(cfg)
+    assert f"`path` {str(cfg)!r} " in str(e.value) and words in str(e.value)
+    assert "--config" not in str(e.value) and "command line" not in str(e.value)
+    assert main(["--config", str(cfg), "--out", str(tmp_path / "o" / "tuned.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"`--config` {str(cfg)!r} " in err and "`path`" not in err, err
+    # `tune` takes no `--model.init_args.root=...` flag: its refusal must not suggest one
+    assert "os.environ" not in err and "--model." not in err
 
 
 def test_tune_names_the_argument_and_key_of_a_value_yaml_cannot_hold() -> None:
