@@ -247,6 +247,10 @@ class MomentumCompressor:
                 old = self._prepare_adam(e)  # advances the step count, as the compressed step would
                 ratios.append((e, old / self._exact_adam(e)))
             g = st.groups.get(key)
+            if g is None and key in st.pending:
+                # a resumed fit whose first step is a refresh: the checkpoint's error state is not adopted yet (the
+                # compressed step adopts it), and left as it is it would not be rescaled as the uninterrupted run's was
+                g = self._group_state(key, entries)
             if g is None or not st.config.error_feedback:
                 continue
             ratio = torch.ones(g.layout.padded_numel, dtype=torch.float32, device=g.layout.device)

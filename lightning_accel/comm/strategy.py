@@ -337,6 +337,9 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
         self._overlap_trial: comm.OverlapTrial | None = None
         #: the overlap decision read from a checkpoint (adopted at setup: a resumed fit does not time both orders again)
         self._overlap_loaded: dict[str, Any] | None = None
+        #: the gradients a manual-optimization fit on the gradient path left at the save it resumes from
+        #: (:meth:`_leftover_grads`), given back at the start of training
+        self._grads_loaded: dict[str, torch.Tensor] | None = None
         #: ``warmup_steps="auto"``'s watch of the variance until the warm-up ends (None otherwise)
         self._warmup_watch: comm.WarmupWatch | None = None
         #: the watch's state read from a checkpoint saved while it was deciding (adopted when it is made at setup)
@@ -810,7 +813,7 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
             self.node_topology.destroy()
         # a later fit on this Trainer builds a new state: a checkpoint it resumes must wait for that one
         self._onebit_live = False
-        self._onebit_loaded = self._overlap_loaded = self._warmup_loaded = None
+        self._onebit_loaded = self._overlap_loaded = self._warmup_loaded = self._grads_loaded = None
         super().teardown()
 
     @override
@@ -868,6 +871,40 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
                     stacklevel=2,
                 )
 
+    def _leftover_grads(self, state: comm.OneBitState) -> dict[str, torch.Tensor] | None:
+        """The ``.grad`` of every parameter that holds one, by name (copies on the CPU), when the next step's
+        averaging reads them: under manual optimization on the gradient path. Else None.
+
+        DDP copies a parameter's whole ``.grad`` into its bucket, including what an earlier backward left there and
+        no ``zero_grad`` cleared (a GAN's generator step leaves gradients on the discriminator; a parameter unused in
+        a backward keeps its last ones), and the compressed gradient path folds that into the error feedback. A
+        resumed fit must start from the same gradients to continue bit-exactly. The automatic loop clears the
+        gradients before every backward, so its checkpoints need none (and carry none).
+        """
+        module = self.lightning_module
+        if state.mode != "gradients" or module is None or module.automatic_optimization:
+            return None
+        return {
+            name: p.grad.detach().to("cpu", copy=True) for name, p in module.named_parameters() if p.grad is not None
+        }
+
+    @override
+    def on_train_start(self) -> None:
+        """Give the parameters back the gradients :meth:`_leftover_grads` saved in the checkpoint this fit resumes (a
+        parameter the checkpoint holds none for keeps none): every rank, the same ones, as DDP left them at the save.
+        Here, not at the restore: ``Trainer`` clears every gradient when the fit's stage begins."""
+        super().on_train_start()
+        saved, self._grads_loaded = self._grads_loaded, None
+        module = self.lightning_module
+        if saved is None or module is None:
+            return
+        for name, p in module.named_parameters():
+            g = saved.get(name)
+            if g is None or g.shape != p.shape:
+                p.grad = None
+            else:
+                p.grad = g.to(device=p.device, dtype=p.dtype, copy=True)
+
     @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: PathType, storage_options: Any | None = None
@@ -887,6 +924,9 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
                 # warmup_steps="auto" still deciding: the last check's per-tensor means. Rank 0's, as its optimizer
                 # states are the ones Lightning saves (and they are every rank's: the warm-up averages in fp32)
                 "warmup_watch": None if watch is None else watch.state_dict(),
+                # manual optimization on the gradient path: the gradients a step leaves behind (rank 0's; DDP hands
+                # every rank the same averaged ones), which the next step's buckets carry into the error feedback
+                "leftover_grads": self._leftover_grads(state),
             }
             if world and resolves_deferred(self.checkpoint_io) and _on_cpu(state):
                 # A background writer encodes the checkpoint later anyway: the gather runs meanwhile instead of
@@ -908,6 +948,8 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         payload = checkpoint.get(CHECKPOINT_KEY)
         if payload is not None:
+            grads = payload.get("leftover_grads")  # absent from checkpoints saved before it was kept
+            self._grads_loaded = dict(grads) if isinstance(grads, Mapping) else None
             decision = payload.get("overlap_decision")
             self._overlap_loaded = dict(decision) if isinstance(decision, dict) else None
             watch = payload.get("warmup_watch")  # absent from checkpoints saved before it was kept
@@ -1159,6 +1201,37 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
             self._restore_local(self._loaded, self._loaded_from)
             self._loaded = None
 
+    def _follow_trainable(self) -> None:
+        """Before an inner step: when the parameters that require gradients are no longer the ones the outer state
+        syncs (a callback unfroze or froze some mid-fit: ``BaseFinetuning`` unfreezing a backbone), sync every fragment
+        (every rank then holds ``θ_global``) and continue with a new outer state over the parameters trained now.
+
+        Without it a parameter unfrozen mid-fit would train on each rank alone, never averaged, and the fit would end
+        with ranks that disagree; a parameter frozen mid-fit would keep travelling, and a 1-bit block it shares with
+        trained ones would move it. The parameters unfrozen here have not moved since DDP broadcast them (frozen until
+        this step), so after the sync every rank holds the same model. The outer momentum and the error feedback,
+        laid out for the old fragments, restart from zero; the step count keeps the sync schedule's phase. Every rank
+        runs the same callbacks, so every rank rebuilds at the same step (the sync is a collective).
+        """
+        local = self._local
+        assert local is not None and isinstance(self.model, DistributedDataParallel)
+        trained = [p for p in self.model.module.parameters() if p.requires_grad and p.numel() > 0]
+        if len(trained) == len(local.params) and all(a is b for a, b in zip(trained, local.params, strict=True)):
+            return
+        local.final_sync()
+        self._local = LocalSteps(
+            trained, self._config, group=self._outer_group, buffers=list(self.model.module.buffers())
+        )
+        self._local.step_count, self._local.bytes_sent = local.step_count, local.bytes_sent
+        self._local.syncs = local.syncs
+        for frag in self._local.fragments:  # built from the parameters every rank holds now: they are θ_global
+            frag.adopted_at = local.step_count
+        rank_zero_info(
+            f"diloco: the trained parameters changed at inner step {local.step_count} ({len(local.params)} -> "
+            f"{len(trained)} tensors): every fragment was synced and a new outer state (momentum and error feedback "
+            "from zero) continues on the same sync schedule"
+        )
+
     def _continue_schedule(self, previous: LocalSteps) -> None:
         """After a re-wrap during the fit: the new outer state (made for the new parameters, from the ones DDP just
         broadcast: rank 0's, a sync point where every rank holds the same model) takes over the step count and the
@@ -1226,6 +1299,8 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
         model: Any = None,
         **kwargs: Any,
     ) -> Any:
+        if self._local is not None and self._local_live:
+            self._follow_trainable()
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
         local, module = self._local, self.lightning_module
         if local is not None:

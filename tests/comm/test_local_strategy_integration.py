@@ -2,9 +2,10 @@
 
 One pair of processes runs every scenario in turn: the alias and a plain fit (no gradient traffic, the ranks end
 identical), training features (clipping, accumulation, a frozen parameter, bf16-mixed, an LR scheduler, BatchNorm
-buffers averaged), resume from a checkpoint taken with an exchange in flight against an uninterrupted run (through
-Lightning's CheckpointIO and through ``DeltaCheckpointIO``, and a second ``fit`` of the same Trainer), and the argument
-checks. One process resumes that checkpoint too (refused: it cannot continue two ranks' local steps).
+buffers averaged, a parameter unfrozen mid-fit), resume from a checkpoint taken with an exchange in flight against an
+uninterrupted run (through Lightning's CheckpointIO and through ``DeltaCheckpointIO``, and a second ``fit`` of the same
+Trainer), and the argument checks. One process resumes that checkpoint too (refused: it cannot continue two ranks'
+local steps).
 """
 
 from __future__ import annotations
@@ -279,6 +280,28 @@ def _groups(tmp: str) -> dict:
     return {"counts": counts, "ranks_saved": len(payload["ranks"]), "weights_keys": weights_keys}
 
 
+def _unfreeze(tmp: str) -> dict:
+    """A parameter frozen at the start is unfrozen mid-fit by a callback (as ``BaseFinetuning`` unfreezes a backbone):
+    from then on it trains, and is averaged like the others."""
+    import lightning as L
+
+    from lightning_accel.comm import LocalStepsStrategy
+
+    class Unfreeze(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            if trainer.global_step == 5:
+                pl_module.frozen.requires_grad_(True)
+
+    model = _module(frozen=True)
+    before = model.frozen.weight.detach().clone()
+    trainer = _fit(LocalStepsStrategy(sync_every=4), model, tmp, max_steps=12, callbacks=[Unfreeze()])
+    return {
+        "params": _params(model),
+        "frozen_moved": float((model.frozen.weight.detach() - before).abs().max()),
+        "tracked": len(trainer.strategy.local_steps.params),
+    }
+
+
 SCENARIOS = {
     "plain": _plain,
     "groups": _groups,
@@ -287,6 +310,7 @@ SCENARIOS = {
     "resume_delta": lambda tmp: _resume(tmp, delta=True),
     "resume_rank_state": _resume_rank_state,
     "last_checkpoint": _last_checkpoint,
+    "unfreeze": _unfreeze,
 }
 
 
@@ -333,6 +357,13 @@ def test_clipping_accumulation_frozen_bf16_scheduler_and_buffers(results: list[d
     assert r0["frozen_same"] and not r0["frozen_tracked"]
     assert r0["steps"] == 6  # optimizer steps, not micro-batches
     assert r0["lr"] == pytest.approx(0.01 * 0.1**2)  # StepLR(step_size=3) after 6 inner steps
+
+
+def test_a_parameter_unfrozen_mid_fit_is_averaged_and_the_ranks_end_identical(results: list[dict]) -> None:
+    r0, r1 = _get(results, "unfreeze")
+    assert r0["frozen_moved"] > 1e-4  # it trained once unfrozen
+    assert r0["tracked"] == 6  # the outer state syncs it: the 4 tensors of `net` and the 2 of `frozen`
+    np.testing.assert_array_equal(r0["params"], r1["params"])
 
 
 @pytest.mark.parametrize("name", ["resume", "resume_delta"])

@@ -567,6 +567,86 @@ def _resume_scenario(tmp: str, name: str) -> dict:
     return _resume(lambda: _onebit(group_numel=500), tmp, "adamw", refit=True)
 
 
+def _gan_cls():
+    import lightning as L
+
+    class TinyGAN(L.LightningModule):
+        """Manual optimization, two optimizers: the generator's step backpropagates through the discriminator and
+        leaves its gradients there (no ``zero_grad`` of the discriminator until its own step), so DDP hands the next
+        backward's buckets those gradients plus the new ones."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            torch.manual_seed(0)
+            self.gen = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16))
+            self.disc = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+
+        def training_step(self, batch, batch_idx):
+            optimizers = self.optimizers()
+            assert isinstance(optimizers, list)
+            opt_g, opt_d = optimizers
+            # a batch drawn from (step, rank): a fit resumed mid-epoch sees the same batches
+            g = torch.Generator().manual_seed(1000 * self.global_step + self.global_rank)
+            z, real = torch.randn(8, 8, generator=g), torch.randn(8, 16, generator=g)
+            fake = self.gen(z)
+            opt_g.zero_grad()
+            self.manual_backward(F.softplus(-self.disc(fake)).mean())
+            opt_g.step()
+            opt_d.zero_grad()
+            self.manual_backward(F.softplus(-self.disc(real)).mean() + F.softplus(self.disc(fake.detach())).mean())
+            opt_d.step()
+
+        def configure_optimizers(self):
+            return [torch.optim.RMSprop(self.gen.parameters(), lr=1e-3), torch.optim.RMSprop(self.disc.parameters())]
+
+    return TinyGAN
+
+
+@_scenario("resume_gan")
+def _resume_gan(tmp: str, name: str) -> dict:
+    """A manual-optimization GAN on the gradient path (its generator steps leave gradients on the discriminator):
+    10 batches (20 optimizer steps) uninterrupted against 5 + checkpoint + resume, compressed from the third batch."""
+
+    def strategy():
+        return _onebit(compressed_signal="gradients", find_unused_parameters=True, min_compress_numel=0)
+
+    Model = _gan_cls()
+    _, full = _fit(strategy(), max_steps=20, model=Model())
+    trainer, _ = _fit(strategy(), max_steps=10, model=Model())
+    ckpt = str(Path(tmp) / f"{name}.ckpt")
+    trainer.save_checkpoint(ckpt)
+    trainer, resumed = _fit(strategy(), max_steps=20, ckpt=ckpt, model=Model())
+    st = trainer.strategy.onebit_state
+    return {
+        "full": _params(full),
+        "resumed": _params(resumed),
+        "mode": st.mode,
+        "compressed": st.stats.compressed_calls,
+    }
+
+
+@_scenario("resume_at_refresh")
+def _resume_at_refresh(tmp: str, name: str) -> dict:
+    """AdamW, compressed from step 2, variance refreshed 8 steps into the stage: a checkpoint saved after step 10
+    resumes with the refresh step, before any compressed step has adopted the checkpoint's error state."""
+    Model = _module_cls()
+    _, full = _fit(_onebit(group_numel=500), max_steps=14, model=Model(step_data=True))
+    trainer, _ = _fit(_onebit(group_numel=500), max_steps=10, model=Model(step_data=True))
+    ckpt = str(Path(tmp) / f"{name}.ckpt")
+    trainer.save_checkpoint(ckpt)
+    _, resumed = _fit(_onebit(group_numel=500), max_steps=14, ckpt=ckpt, model=Model(step_data=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        saved = torch.load(ckpt, weights_only=True)["lightning_accel_onebit"]
+    return {
+        "full": _params(full),
+        "resumed": _params(resumed),
+        "saved_step": saved["step"],
+        "saved_since": saved["compressed_since"],
+    }
+
+
 @_scenario("resume_warmup_watch")
 def _resume_warmup_watch(tmp: str, name: str) -> dict:
     """``warmup_steps="auto"`` with the variance kept frozen, checkpointed at step 12 while its watch decides (checks at
@@ -1185,6 +1265,23 @@ class TestResume:
             assert res["ckpt_world"] == 2 and res["step"] == 16 and res["ckpt_decision"] == "1bit"
             assert res["groups"] > 1 and not res["reset_warnings"] and res["compressed"] > 0
             assert res["mode"] == ("gradients" if name == "resume" else "momentum")
+            np.testing.assert_array_equal(res["full"], res["resumed"])
+        np.testing.assert_array_equal(both[0]["resumed"], both[1]["resumed"])
+
+    @uses("resume_at_refresh")
+    def test_a_resume_whose_first_step_refreshes_the_variance_continues_exactly(self, results: list[dict]) -> None:
+        both = _get(results, "resume_at_refresh")
+        for res in both:
+            # the refresh is due 8 steps into the stage that began at step 2: the resumed fit's first step
+            assert res["saved_step"] == 10 and res["saved_since"] == 2
+            np.testing.assert_array_equal(res["full"], res["resumed"])
+        np.testing.assert_array_equal(both[0]["resumed"], both[1]["resumed"])
+
+    @uses("resume_gan")
+    def test_a_manual_gan_on_the_gradient_path_resumes_exactly(self, results: list[dict]) -> None:
+        both = _get(results, "resume_gan")
+        for res in both:
+            assert res["mode"] == "gradients" and res["compressed"] > 0
             np.testing.assert_array_equal(res["full"], res["resumed"])
         np.testing.assert_array_equal(both[0]["resumed"], both[1]["resumed"])
 
