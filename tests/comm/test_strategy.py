@@ -462,3 +462,24 @@ def test_a_compressed_stage_continues_only_into_a_fit_that_compresses(fit: dict,
     state = OneBitState(warmup_steps=2, compression="auto")
     state.load_state_dict(undecided, 1)
     assert state.decision is None and state.compressed_since is None
+
+
+@pytest.mark.parametrize(
+    ("fp32_ms", "onebit_ms", "decision"),
+    [
+        (62.8, 60.5, "fp32"),  # 1-bit 3.8 % faster: a trial's fit-to-fit noise, kept on the exact path
+        (62.8, 59.0, "1bit"),  # 6.4 % faster: past the 5 % margin
+        (62.8, 70.0, "fp32"),
+    ],
+)
+def test_auto_takes_1bit_from_real_steps_only_when_5_percent_faster(
+    one_process_group: None, fp32_ms: float, onebit_ms: float, decision: str
+) -> None:
+    """A 3 % margin let a trial that timed 1-bit 3.8 % faster by chance (the end-to-end CPU job) take it, and that
+    fit then ran slower and needed an epoch more to its accuracy target."""
+    from lightning_accel.comm import OneBitState
+    from lightning_accel.comm.auto import decide
+
+    state = OneBitState(compression="auto", warmup_steps=2, recheck_every=0)
+    assert decide(state, torch.device("cpu"), timings=(fp32_ms / 1e3, onebit_ms / 1e3), step=10) == decision
+    assert state.decisions[-1]["decision"] == decision
