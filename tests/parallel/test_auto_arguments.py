@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,3 +22,25 @@ def test_an_empty_candidates_list_is_refused_with_the_fix(empty: Any) -> None:
 def test_none_and_a_list_of_plans_are_accepted() -> None:
     assert AutoStrategy(policy="measure", candidates=None).candidates is None
     assert AutoStrategy(policy="measure", candidates=["ddp", "fsdp"]).candidates == ["ddp", "fsdp"]
+
+
+def test_a_plan_listed_twice_in_candidates_is_refused_with_the_list_to_pass() -> None:
+    # the trial would time it twice (real training steps each) and list it twice in its table
+    with pytest.raises(ValueError, match=r"^`candidates` must name each plan once, got \['ddp', 'fsdp', 'ddp'\]") as e:
+        AutoStrategy(policy="measure", candidates=["ddp", "fsdp", "ddp"])
+    msg = str(e.value)
+    assert "\n" not in msg and msg.endswith("('ddp' more than once). Pass ['ddp', 'fsdp'].")
+    assert AutoStrategy(policy="measure", candidates=["fsdp", "ddp"]).candidates == ["fsdp", "ddp"]
+
+
+@pytest.mark.parametrize(
+    ("path", "what"), [("", "an empty path"), (" ", "an empty path"), ("FOLDER", "an existing folder")]
+)
+def test_a_trial_cache_that_cannot_be_a_file_is_refused_in_init(path: str, what: str, tmp_path: Path) -> None:
+    # the trial would run its timed steps and then keep nothing, with only a warning after it
+    path = str(tmp_path) if path == "FOLDER" else path
+    with pytest.raises(ValueError, match=r"^`trial_cache` must be a path to a JSON file or None, got ") as e:
+        AutoStrategy(policy="measure", trial_cache=path)
+    msg = str(e.value)
+    assert "\n" not in msg and f"got {path!r} ({what}). Pass a file path, e.g. `trial_cache='trials.json'`." in msg
+    assert AutoStrategy(policy="measure", trial_cache=tmp_path / "trials.json").trial_cache.path is not None

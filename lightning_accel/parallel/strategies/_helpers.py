@@ -21,6 +21,7 @@ from lightning_accel.parallel.plans import BATCH_SPLITS
 
 __all__ = [
     "BATCH_SPLITS",
+    "broadcast_buffers",
     "check_keywords",
     "gather_batch",
     "leading_rows",
@@ -70,6 +71,37 @@ def gather_batch(batch: Any, group: Any) -> Any:
         return x
 
     return walk(batch)
+
+
+def broadcast_buffers(module: torch.nn.Module, src: int, group: Any = None) -> int:
+    """Copy every plain-tensor buffer of ``module`` (BatchNorm's running statistics and step counts, registered
+    tables) from global rank ``src`` to the other ranks of ``group`` (None: every rank), as ``DistributedDataParallel``
+    does before each training forward (``broadcast_buffers=True``). Buffers are packed into one tensor per dtype, so
+    a ResNet's hundred BatchNorm buffers cost a few collectives, not a hundred. DTensor buffers are left alone (their
+    mesh places them). Collective: every rank of ``group`` calls it with the same module structure.
+
+    Returns:
+        The number of buffers broadcast (0 when the group holds one rank).
+    """
+    import torch.distributed as dist
+
+    if dist.get_world_size(group) == 1:
+        return 0
+    buffers = [b for b in module.buffers() if not isinstance(b, DTensor)]
+    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for b in buffers:
+        by_kind.setdefault((b.dtype, b.device), []).append(b)
+    for bufs in by_kind.values():
+        flat = torch.cat([b.detach().reshape(-1) for b in bufs])
+        if flat.dtype == torch.bool:  # masks: gloo reduces no bool tensor, and a byte carries one just as well
+            flat = flat.to(torch.uint8)
+        dist.broadcast(flat, src=src, group=group)
+        offset = 0
+        for b in bufs:
+            with torch.no_grad():
+                b.copy_(flat[offset : offset + b.numel()].view_as(b))
+            offset += b.numel()
+    return len(buffers)
 
 
 def leading_rows(batch: Any) -> int:

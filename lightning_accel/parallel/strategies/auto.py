@@ -185,6 +185,7 @@ class AutoStrategy(DDPStrategy):
             lets fit; a plan that cannot run the model is never tried). Every plan is timed at the global batch the
             Trainer will run (``world x`` the per-device batch), and a chosen tensor-parallel or pipeline plan trains
             on it too (``batch_split="world"``); a trial that fails is dropped with its error (``choice.dropped``).
+            A plan named twice is refused.
         allow_unfit: when no plan fits the estimate, run the smallest anyway instead of raising.
         **ddp_kwargs: forwarded to ``DDPStrategy`` (used when DDP is chosen): its own keywords and
             ``DistributedDataParallel``'s; any other name (a misspelled argument of this class) is refused here
@@ -225,6 +226,13 @@ class AutoStrategy(DDPStrategy):
             )
         for c in candidates or []:
             check_choice("candidates", c, PLANS, fix="Name plans a trial can time.")
+        twice = sorted({c for c in candidates or [] if list(candidates or []).count(c) > 1})
+        if twice:
+            # each listing is timed again (a few real training steps each) and shown twice in the trial's table
+            raise ValueError(
+                f"`candidates` must name each plan once, got {list(candidates or [])!r} ({', '.join(map(repr, twice))} "
+                f"more than once). Pass {list(dict.fromkeys(candidates or []))!r}."
+            )
         check_bool("use_example_input", use_example_input)
         for arg, kw in (
             ("fsdp_kwargs", fsdp_kwargs),
@@ -243,6 +251,13 @@ class AutoStrategy(DDPStrategy):
             raise TypeError(
                 f"`trial_cache` must be a path to a JSON file or None, got {trial_cache!r} "
                 f"({type(trial_cache).__name__}). Pass e.g. `trial_cache='trials.json'`."
+            )
+        if trial_cache is not None and (not os.fspath(trial_cache).strip() or os.path.isdir(trial_cache)):
+            # neither can hold the file: the trial would run, then keep nothing, with only a warning after it
+            raise ValueError(
+                f"`trial_cache` must be a path to a JSON file or None, got {os.fspath(trial_cache)!r} "
+                f"({'an existing folder' if os.fspath(trial_cache).strip() else 'an empty path'}). Pass a file path, "
+                "e.g. `trial_cache='trials.json'`."
             )
         # an argument of this class misspelled (`device_memory=`) would go on to DistributedDataParallel, which
         # refuses it only when DDP wraps the model, after every process has started (or never, if another plan wins)

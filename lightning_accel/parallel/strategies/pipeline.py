@@ -34,6 +34,7 @@ from lightning_accel.parallel.pipeline import (
 )
 from lightning_accel.parallel.strategies._helpers import (
     BATCH_SPLITS,
+    broadcast_buffers,
     check_keywords,
     gather_batch,
     keyword_defaults,
@@ -98,7 +99,9 @@ class PipelineStrategy(DDPStrategy):
     values it logged (averaged over micro-batches) are sent to every rank of the pipeline and logged there too, so
     every rank logs the loss (``ModelCheckpoint(monitor=...)`` works on any rank). ``backward`` is then a no-op (the
     schedule did it); gradients of tied parameters are summed between their stages and, with ``world > pipeline
-    size``, averaged over the replicas; ``gradient_clip_val`` clips by the norm of the *whole* model's gradient.
+    size``, averaged over the replicas (whose buffers, BatchNorm's running statistics, are copied from replica 0
+    before each training step and each evaluation, as ``DistributedDataParallel`` does); ``gradient_clip_val`` clips
+    by the norm of the *whole* model's gradient.
     The schedule averages the micro-batches' gradients (torch's pipelining rule) and the logged values are their
     mean: that is one process's step for a loss that is a *mean* over the batch's samples (``F.cross_entropy``'s
     default). A loss *summed* over the samples (``reduction="sum"``) trains with ``1 / microbatches`` of one
@@ -442,10 +445,38 @@ class PipelineStrategy(DDPStrategy):
         for k, (v, kw) in (payload[0] or {}).items():
             module.log(k, torch.tensor(v, device=self.root_device), **kw)
 
+    def _sync_buffers(self) -> None:
+        # each replica's stages update their own buffers (BatchNorm's running statistics from the replica's batches):
+        # without this the replicas' statistics drift apart for good, replica 0's alone reach the checkpoint, and each
+        # replica evaluates with its own. Replica 0's are copied to the others, as DistributedDataParallel does
+        runner, module = self.runner, self.lightning_module
+        if runner is not None and module is not None and runner.layout.dp > 1:
+            broadcast_buffers(module, src=runner.layout.rank_of(runner.pp_rank, 0), group=runner.dp_group)
+
+    @override
+    def on_validation_start(self) -> None:
+        # every replica evaluates with the statistics the checkpoint holds (replica 0's)
+        self._sync_buffers()
+        super().on_validation_start()
+
+    @override
+    def on_test_start(self) -> None:
+        self._sync_buffers()
+        super().on_test_start()
+
+    @override
+    def on_predict_start(self) -> None:
+        self._sync_buffers()
+        super().on_predict_start()
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """One pipelined step (see the class notes), after every buffer of this rank's stages (BatchNorm's running
+        statistics) is copied from replica 0 to the other replicas, as ``DistributedDataParallel`` does before each
+        training forward."""
         batch, batch_idx = args[0], (args[1] if len(args) > 1 else kwargs.get("batch_idx", 0))
         assert self.runner is not None
+        self._sync_buffers()
         params = self.runner.params
         # Lightning zeroes the gradients between `training_step` and `backward` (it expects backward to make them),
         # so the schedule starts from none, its gradients wait aside until `backward`, and what was there before

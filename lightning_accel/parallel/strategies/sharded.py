@@ -32,6 +32,7 @@ from lightning_accel.parallel.plans import (
 )
 from lightning_accel.parallel.strategies._helpers import (
     BATCH_SPLITS,
+    broadcast_buffers,
     gather_batch,
     leading_rows,
     named_optimizer_state,
@@ -81,6 +82,10 @@ class ShardedStrategy(ModelParallelStrategy):
     3. a model created on the meta device (``Trainer.init_module(empty_init=True)``) is materialised on the device
        afterwards, as ``ModelParallelStrategy`` does: ``to_empty`` then each module's ``reset_parameters``, so only
        this rank's shard is ever allocated.
+
+    **Buffers** (BatchNorm's running statistics) are not sharded: each rank holds them whole and updates them from its
+    own batches, so rank 0's are copied to every rank before each training step (``DistributedDataParallel``'s
+    ``broadcast_buffers=True``) and at the start of ``validate`` / ``test`` / ``predict``.
 
     Runs on CPU (gloo) and CUDA (NCCL). **Checkpoints**: by default (``save_distributed_checkpoint=False``, unlike
     ``ModelParallelStrategy``'s ``True``) a *full* state dict (model and FQN-keyed optimizer state gathered to rank 0)
@@ -234,6 +239,37 @@ class ShardedStrategy(ModelParallelStrategy):
                 self._local_rows = leading_rows(batch)
                 batch = gather_batch(batch, tp_mesh.get_group())
         return batch
+
+    def _sync_buffers(self) -> None:
+        # FSDP2 and tensor parallelism shard parameters only: each rank updates its own whole copy of every buffer
+        # (BatchNorm's running statistics from its own batches), so without this the ranks' statistics drift apart
+        # for good, rank 0's alone reach the checkpoint, and each rank evaluates with its own. Rank 0's are copied
+        # to all, as DistributedDataParallel does (`broadcast_buffers=True`)
+        if self.model is not None and self.world_size > 1:
+            broadcast_buffers(self.model, src=0)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The LightningModule's ``training_step``, after every buffer (BatchNorm's running statistics) is copied
+        from rank 0 to every rank, as ``DistributedDataParallel`` does before each training forward."""
+        self._sync_buffers()
+        return super().training_step(*args, **kwargs)
+
+    @override
+    def on_validation_start(self) -> None:
+        # every rank evaluates with the statistics the checkpoint holds (rank 0's), not the ones of its last batch
+        self._sync_buffers()
+        super().on_validation_start()
+
+    @override
+    def on_test_start(self) -> None:
+        self._sync_buffers()
+        super().on_test_start()
+
+    @override
+    def on_predict_start(self) -> None:
+        self._sync_buffers()
+        super().on_predict_start()
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
