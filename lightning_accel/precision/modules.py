@@ -164,7 +164,10 @@ class _FusedMixin(_ModuleBase):
 
     def _la_eager_reason(self) -> str:
         """Why :meth:`_la_eager_children` run unfused (the fusion report's reason)."""
-        return "has hooks (a pruning mask, a user's hook) or a Dropout with p >= 1: its block runs it unfused"
+        return (
+            "has hooks (a pruning mask, a user's hook), a Dropout with p >= 1, or a sibling replaced since surgery: "
+            "its block runs it unfused"
+        )
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         # The swapped class cannot be found by name; pickle the original class and the mixins instead, and the
@@ -189,6 +192,14 @@ def needs_eager(*modules: nn.Module | None) -> bool:
         if isinstance(m, nn.Dropout) and m.training and m.p >= 1:
             return True
     return False
+
+
+def replaced(*expected: tuple[object, type]) -> bool:
+    """True when a module a fused forward reads instead of calling (its ``weight``, its ``p``) is no longer exactly of
+    the class surgery fused: replaced after surgery, by a wrapper around a Linear (a LoRA adapter) or an
+    ``nn.Identity`` for a Dropout. The fused forward then runs the unfused one, which calls the module as it is now.
+    """
+    return any(type(m) is not cls for m, cls in expected)
 
 
 # --------------------------------------------------------------------------------------------------- conv-bn(-relu)
@@ -495,7 +506,10 @@ class FusedResNetMixin(_ConvBnBlockMixin):
 
 
 class FusedLayerNormMixin(_FusedMixin):
-    """``nn.LayerNorm`` over the last dimension through the fused norm op (output keeps the input dtype)."""
+    """``nn.LayerNorm`` over the last dimension through the fused norm op (output keeps the input dtype).
+
+    An input whose last dimension is not ``normalized_shape`` runs ``nn.LayerNorm``'s own forward, which raises.
+    """
 
     normalized_shape: tuple[int, ...]
     weight: nn.Parameter | None
@@ -503,7 +517,9 @@ class FusedLayerNormMixin(_FusedMixin):
     eps: float
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # `input`, as nn.LayerNorm.forward names it
-        if len(self.normalized_shape) != 1:  # surgery does not match these; kept for safety
+        # an input whose last dimension is not `normalized_shape` goes to nn.LayerNorm, which raises as unfused: the
+        # fused op normalises over whatever the last dimension is, and without a weight nothing else would check it
+        if len(self.normalized_shape) != 1 or input.shape[-1:] != self.normalized_shape:
             return super().forward(input)
         return layer_norm(input, self.weight, self.bias, self.eps, backend=self._la_backend)
 
@@ -512,7 +528,8 @@ class FusedRMSNormMixin(_FusedMixin):
     """``nn.RMSNorm`` over the last dimension through the fused norm op.
 
     ``eps=None`` means, as in ``torch.rms_norm``, the epsilon of the dtype the statistics are computed in: float32's
-    for float16 / bfloat16 inputs (not the half type's own, 64000x larger for bfloat16), the input's otherwise.
+    for float16 / bfloat16 inputs (not the half type's own, 64000x larger for bfloat16), the input's otherwise. An
+    input whose last dimension is not ``normalized_shape`` runs ``nn.RMSNorm``'s own forward, which raises.
     """
 
     normalized_shape: tuple[int, ...]
@@ -520,7 +537,8 @@ class FusedRMSNormMixin(_FusedMixin):
     eps: float | None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if len(self.normalized_shape) != 1:
+        # as FusedLayerNormMixin: a last dimension other than `normalized_shape` raises nn.RMSNorm's own error
+        if len(self.normalized_shape) != 1 or x.shape[-1:] != self.normalized_shape:
             return super().forward(x)
         eps = self.eps if self.eps is not None else _default_rms_eps(x.dtype)
         return rms_norm(x, self.weight, eps, backend=self._la_backend)
@@ -641,8 +659,8 @@ def _split_heads(t: torch.Tensor, n_head: int) -> torch.Tensor:
 def _attention_residual(attn: nn.Module, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``x + attn(h)`` for a block's fused attention: the residual add rides in ``attn``'s output epilogue, unless
     ``attn`` has hooks of its own, which must see (and may replace) ``attn(h)`` alone, as in the unfused block."""
-    if needs_eager(attn):
-        return x + attn(h)
+    if needs_eager(attn) or not isinstance(attn, (FusedAttentionMixin, FusedPackedAttentionMixin)):
+        return x + attn(h)  # hooked, or replaced after surgery by a module that takes no `residual`
     return cast(torch.Tensor, attn(h, residual=x))
 
 
@@ -676,8 +694,12 @@ class FusedAttentionMixin(_FusedMixin):
     def _la_bypassed(self) -> tuple[nn.Module | None, ...]:
         return (self.proj, self.resid_dropout) if self._la_fuse_out else ()
 
+    def _la_out_eager(self) -> bool:
+        """The output projection runs as modules: hooked, or ``proj``/``resid_dropout`` replaced after surgery."""
+        return needs_eager(*self._la_bypassed()) or replaced((self.proj, nn.Linear), (self.resid_dropout, nn.Dropout))
+
     def _la_eager_children(self) -> tuple[str, ...]:
-        return ("proj",) if needs_eager(*self._la_bypassed()) else ()  # the packed GEMM is called as a module
+        return ("proj",) if self._la_fuse_out and self._la_out_eager() else ()  # the packed GEMM is a module call
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         b, s, c = x.shape
@@ -695,7 +717,7 @@ class FusedAttentionMixin(_FusedMixin):
             dropout_p=self.attn_dropout if self.training else 0.0,
         )
         y = y.transpose(1, 2).reshape(b, s, c)
-        if self._la_fuse_out and not needs_eager(*self._la_bypassed()):
+        if self._la_fuse_out and not self._la_out_eager():
             drop = self.resid_dropout
             return linear_dropout(
                 y, self.proj.weight, self.proj.bias, drop.p, drop.training, residual=residual, backend=self._la_backend
@@ -717,20 +739,33 @@ class FusedGPTBlockMixin(_FusedMixin):
     ln_2: nn.Module
     mlp: nn.Sequential
 
+    def _la_bypassed(self) -> tuple[nn.Module | None, ...]:
+        return (self.mlp, *self.mlp)
+
+    def _la_mlp_eager(self) -> bool:
+        """The MLP runs as the block's own forward: hooked, or its layout changed after surgery (a child replaced, one
+        appended or removed), which the fused forward, reading ``mlp[0]``...``mlp[3]``, would compute wrongly."""
+        mlp = self.mlp
+        if type(mlp) is not nn.Sequential or len(mlp) != 4:
+            return True
+        return replaced((mlp[0], nn.Linear), (mlp[2], nn.Linear), (mlp[3], nn.Dropout)) or needs_eager(
+            *self._la_bypassed()
+        )
+
+    def _la_eager_children(self) -> tuple[str, ...]:
+        if not self._la_mlp_eager():
+            return ()  # the attention is called as a module
+        return tuple(c for c in self._la_fused_children() if c.startswith("mlp."))
+
     def _la_fused_children(self) -> tuple[str, ...]:
+        if type(self.mlp) is not nn.Sequential or len(self.mlp) != 4:
+            return ()
         # not "attn": the attention module is counted by itself (fused when its q/k/v projections were packed)
         first = ("mlp.0",) if type(self.mlp[0]) is nn.Linear and module_activation(self.mlp[1]) is not None else ()
         return (*first, "mlp.2")
 
-    def _la_bypassed(self) -> tuple[nn.Module | None, ...]:
-        return (self.mlp, *self.mlp)
-
-    def _la_eager_children(self) -> tuple[str, ...]:
-        mlp = tuple(c for c in self._la_fused_children() if c.startswith("mlp."))
-        return mlp if needs_eager(*self._la_bypassed()) else ()  # the attention is called as a module
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if needs_eager(*self._la_bypassed()):
+        if self._la_mlp_eager():
             return cast(Any, original_class(self)).forward(self, x)
         x = _attention_residual(self.attn, self.ln_1(x), x)
         fc, act = self.mlp[0], self.mlp[1]
@@ -873,9 +908,12 @@ class FusedTransformerEncoderLayerMixin(_FusedMixin):
         is_causal: bool = False,
     ) -> torch.Tensor:
         act = function_activation(self.activation)
+        linears = ((self.linear1, nn.Linear), (self.linear2, nn.Linear))
+        dropouts = ((d, nn.Dropout) for d in (self.dropout, self.dropout1, self.dropout2))
         if (
             act is None
             or needs_eager(*self._la_bypassed())
+            or replaced(*linears, *dropouts)
             or src_key_padding_mask is not None
             or src.is_nested
             or src.dim() != 3
@@ -931,8 +969,12 @@ class FusedPackedAttentionMixin(_FusedMixin):
     def _la_bypassed(self) -> tuple[nn.Module | None, ...]:
         return self.c_proj, self.resid_dropout
 
+    def _la_out_eager(self) -> bool:
+        """``c_proj`` + ``resid_dropout`` run as modules: hooked, or replaced after surgery."""
+        return needs_eager(*self._la_bypassed()) or replaced((self.c_proj, nn.Linear), (self.resid_dropout, nn.Dropout))
+
     def _la_eager_children(self) -> tuple[str, ...]:
-        return ("c_proj",) if needs_eager(*self._la_bypassed()) else ()  # c_attn is called as a module
+        return ("c_proj",) if self._la_out_eager() else ()  # c_attn is called as a module
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         b, s, c = x.shape
@@ -945,7 +987,7 @@ class FusedPackedAttentionMixin(_FusedMixin):
             dropout_p=self.attn_dropout.p if self.training else 0.0,
         )
         y = y.transpose(1, 2).reshape(b, s, c)
-        if needs_eager(*self._la_bypassed()):
+        if self._la_out_eager():
             out = self.resid_dropout(self.c_proj(y))
             return out if residual is None else residual + out
         drop = self.resid_dropout
@@ -973,16 +1015,25 @@ class FusedGPT2BlockMixin(_FusedMixin):
         mlp = self.mlp
         return tuple(cast(nn.Module, getattr(mlp, n)) for n in ("c_fc", "act", "c_proj", "dropout")) + (mlp,)
 
+    def _la_mlp_eager(self) -> bool:
+        """The MLP runs as the block's own forward: hooked, or a child replaced after surgery (an activation of a kind
+        the fused op does not compute, a wrapper around a Linear, a Dropout swapped out)."""
+        mlp = self.mlp
+        if module_activation(getattr(mlp, "act", None)) is None:
+            return True
+        expected = ((getattr(mlp, "c_fc", None), nn.Linear), (getattr(mlp, "c_proj", None), nn.Linear))
+        return replaced(*expected, (getattr(mlp, "dropout", None), nn.Dropout)) or needs_eager(*self._la_bypassed())
+
     def _la_eager_children(self) -> tuple[str, ...]:
-        return ("mlp.c_fc", "mlp.c_proj") if needs_eager(*self._la_bypassed()) else ()
+        return ("mlp.c_fc", "mlp.c_proj") if self._la_mlp_eager() else ()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if needs_eager(*self._la_bypassed()):
+        if self._la_mlp_eager():
             return cast(Any, original_class(self)).forward(self, x)
         x = _attention_residual(self.attn, self.ln_1(x), x)
         mlp, backend = self.mlp, self._la_backend
         fc, proj, drop = cast(nn.Linear, mlp.c_fc), cast(nn.Linear, mlp.c_proj), cast(nn.Dropout, mlp.dropout)
-        act = module_activation(mlp.act) or "none"  # surgery checked it is a fused kind
+        act = module_activation(mlp.act) or "none"  # `_la_mlp_eager` checked it is a fused kind
         h = linear_dropout(self.ln_2(x), fc.weight, fc.bias, 0.0, False, activation=act, backend=backend)
         return linear_dropout(h, proj.weight, proj.bias, drop.p, drop.training, residual=x, backend=backend)
 

@@ -830,17 +830,34 @@ def _skips_ignored(m: nn.Module) -> bool:
 
 
 def _ignore_list(ignore_modules: object) -> tuple[str | type, ...]:
-    """``ignore_modules`` as a tuple: one name or class, or a sequence of them."""
+    """``ignore_modules`` as a tuple: one name or class, or a sequence of them.
+
+    Raises:
+        TypeError: for an item that is neither a name nor an ``nn.Module`` class.
+        ValueError: for an empty name: ``''`` is the root module's name in ``named_modules()``, so it would leave the
+            root container alone and still fuse everything below it, neither "nothing" nor "everything".
+    """
+    items: tuple[object, ...] | None = None
     if isinstance(ignore_modules, (str, type)):
-        return (ignore_modules,)
-    if isinstance(ignore_modules, Iterable):
+        items = (ignore_modules,)
+    elif isinstance(ignore_modules, Iterable):
         items = tuple(ignore_modules)
-        if all(isinstance(i, (str, type)) for i in items):
-            return items
+    if items is not None and all(isinstance(i, str) or _module_class(i) for i in items):
+        if "" in items:
+            raise ValueError(
+                f"`ignore_modules` holds an empty module name, got {ignore_modules!r}; expected qualified names as in "
+                "`model.named_modules()` (e.g. 'model.blocks.0'). Pass `ignore_modules=[]` to ignore nothing, or "
+                "`fusions=[]` to fuse nothing."
+            )
+        return cast(tuple[str | type, ...], items)
     raise TypeError(
         f"`ignore_modules` must be module names (e.g. 'model.blocks.0') or nn.Module classes, or a list of them; got "
         f"{ignore_modules!r}."
     )
+
+
+def _module_class(item: object) -> bool:
+    return isinstance(item, type) and issubclass(item, nn.Module)
 
 
 def _param_groups(optimizers: Sequence[torch.optim.Optimizer]) -> dict[int, tuple[int, int]]:
@@ -1040,8 +1057,8 @@ def apply_fusions(
             ``"triton"`` or ``"eager"``. None leaves already-fused modules as they are.
 
     Raises:
-        ValueError: for an unknown pattern name.
-        TypeError: for ``fusions`` of another type, ``ignore_modules`` that are not names or classes,
+        ValueError: for an unknown pattern name, or an empty name in ``ignore_modules``.
+        TypeError: for ``fusions`` of another type, ``ignore_modules`` that are not names or ``nn.Module`` classes,
             ``optimizers`` that are not optimizers, or a ``warn_if_empty`` that is not True or False.
     """
     warn_if_empty = check_bool("warn_if_empty", warn_if_empty)

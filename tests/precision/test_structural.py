@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import copy
 import pickle
+from typing import cast
 
 import pytest
 import torch
 from torch import nn
 
 from lightning_accel.models.gpt2 import GPT2Block
+from lightning_accel.models.transformer import GPTBlock
 from lightning_accel.ops.activation import ACTIVATIONS
 from lightning_accel.precision import apply_fusions, register_block
 from lightning_accel.precision import modules as fm
@@ -290,6 +292,67 @@ def test_gpt2_block_train_mode_dropout() -> None:
     assert not torch.equal(block(x), block(x))
     block.eval()
     torch.testing.assert_close(block(x), block(x))
+
+
+class _Wrapped(nn.Module):
+    """A wrapper put around a Linear after surgery, as an adapter (LoRA) is: the Linear's weights, another forward."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) * 2
+
+
+# (block, path of the child's parent, child name, replacement): children a fused forward reads instead of calling
+_REPLACED_AFTER_SURGERY = [
+    ("gpt", "mlp", "1", nn.Tanh),
+    ("gpt", "mlp", "2", _Wrapped),
+    ("gpt", "mlp", "3", nn.Identity),
+    ("gpt", "mlp", "", nn.Tanh),  # appended
+    ("gpt", "attn", "proj", _Wrapped),
+    ("gpt", "attn", "resid_dropout", nn.Identity),
+    ("gpt2", "mlp", "act", nn.Tanh),
+    ("gpt2", "mlp", "c_fc", _Wrapped),
+    ("gpt2", "mlp", "dropout", nn.Identity),
+    ("gpt2", "attn", "c_proj", _Wrapped),
+    ("gpt2", "attn", "resid_dropout", nn.Identity),
+    ("encoder", "", "dropout", nn.Identity),
+    ("encoder", "", "dropout1", nn.Identity),
+    ("encoder", "", "dropout2", nn.Identity),
+]
+
+
+@pytest.mark.parametrize(
+    ("block", "parent", "child", "new"),
+    _REPLACED_AFTER_SURGERY,
+    ids=[f"{b}-{p}.{c or 'append'}-{n.__name__}" for b, p, c, n in _REPLACED_AFTER_SURGERY],
+)
+def test_a_transformer_block_whose_child_is_replaced_after_surgery_runs_as_unfused(
+    block: str, parent: str, child: str, new: type[nn.Module]
+) -> None:
+    """A fused block reads its children's ``weight`` / ``p``: a Linear wrapped (or a Dropout swapped for an Identity)
+    after surgery raised AttributeError, and a GPT-2 MLP activation replaced by another kind was silently dropped."""
+    torch.manual_seed(0)
+    makers = {
+        "gpt": lambda: GPTBlock(16, 2, dropout=0.0),
+        "gpt2": lambda: GPT2Block(16, 2, dropout=0.0),
+        "encoder": lambda: nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True),
+    }
+    eager = makers[block]().eval()
+    fused = copy.deepcopy(eager)
+    assert apply_fusions(fused, backend="reference").records
+    for model in (eager, fused):
+        owner = model.get_submodule(parent)
+        if child:
+            setattr(owner, child, new(getattr(owner, child)) if new is _Wrapped else new())
+        else:
+            cast(nn.Sequential, owner).append(new())
+    assert fm.is_fused(fused)  # still the swapped class: its forward decides, call by call
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), eager(x))
 
 
 class UserAttention(nn.Module):

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from lightning_accel._utils import patching
+from lightning_accel._utils.triton import Backend
 from lightning_accel.models import GPT, SmallResNet
 from lightning_accel.precision import FusedPrecision, Replacement, apply_fusions, replace_optimizer_params
 from lightning_accel.precision.compile import compile_in_place
@@ -805,6 +806,11 @@ def test_skip_reasons_name_the_ignored_neighbour_and_the_unselected_pattern() ->
         ({"device": "cuda:0"}, ValueError, r"`device` must be a torch device type .* without an index"),
         ({"device": 3}, TypeError, r"`device` must be a torch device type .* got 3 \(int\)"),
         ({"scaler": "yes"}, TypeError, r"`scaler` must be a `torch.amp.GradScaler` or None .* got 'yes' \(str\)"),
+        # '' names the root module only: its own container stayed unfused while everything below it fused
+        ({"ignore_modules": ""}, ValueError, r"empty module name, got ''.*`ignore_modules=\[\]`"),
+        ({"ignore_modules": ["a", ""]}, ValueError, r"`ignore_modules` holds an empty module name"),
+        # a class that is no module matched nothing, silently
+        ({"ignore_modules": [int]}, TypeError, r"`ignore_modules` must be module names .* or nn.Module classes"),
     ],
 )
 def test_plugin_arguments_are_checked_at_construction(kwargs: dict, error: type[Exception], message: str) -> None:
@@ -933,6 +939,35 @@ def test_rms_norm_without_eps_under_autocast_matches_eager() -> None:
     x = torch.randn(4, 64) * 0.05
     with torch.autocast("cpu", dtype=torch.bfloat16):
         torch.testing.assert_close(fused(x), ref(x), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: nn.LayerNorm(16, elementwise_affine=False),
+        lambda: nn.RMSNorm(16, elementwise_affine=False),
+        lambda: nn.LayerNorm(16),
+        lambda: nn.RMSNorm(16),
+    ],
+    ids=["layernorm-no-affine", "rmsnorm-no-affine", "layernorm", "rmsnorm"],
+)
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_a_fused_norm_refuses_an_input_of_another_width_as_eager_does(
+    make: Callable[[], nn.Module], backend: Backend
+) -> None:
+    """A norm without weights has nothing of the input's width to check against: the fused forward normalised a
+    (3, 20) input over all 20 features where ``nn.LayerNorm(16)`` / ``nn.RMSNorm(16)`` raise."""
+    ref = make()
+    fused = copy.deepcopy(ref)
+    apply_fusions(fused, backend=backend)
+    assert is_fused(fused)
+    x = torch.randn(3, 20)
+    with pytest.raises(RuntimeError, match=re.escape("Given normalized_shape=[16]")):
+        ref(x)
+    with pytest.raises(RuntimeError, match=re.escape("Given normalized_shape=[16]")):
+        fused(x)
+    y = torch.randn(3, 16)
+    torch.testing.assert_close(fused(y), ref(y))
 
 
 def test_qkv_packing_with_a_factored_optimizer_state_starts_the_packed_state_fresh() -> None:
