@@ -27,7 +27,7 @@ from lightning_accel._utils.cliargs import json_object_arg
 from lightning_accel._utils.errors import one_line
 from lightning_accel.data.lifecycle import find_tiers, other_entries, parse_duration, ram_root, sweep
 from lightning_accel.data.origin import OriginError
-from lightning_accel.data.pack import DEFAULT_SHARD_BYTES, pack_origin
+from lightning_accel.data.pack import DEFAULT_SHARD_BYTES, MAX_SHARD_BYTES, pack_origin
 
 __all__ = ["main"]
 
@@ -118,6 +118,12 @@ def main(argv: list[str] | None = None, prog: str = "lightning-accel data") -> i
         src_opts = json_object_arg("--storage-options", args.storage_options)
         dst_opts = json_object_arg("--dest-storage-options", args.dest_storage_options)
         shard_bytes = check_bytes("--shard-bytes", args.shard_bytes, low=1, fix="Pass a size such as 16MiB.")
+        # pack_origin's own bound would fail later, as a source/destination failure (exit 1) naming `shard_bytes`
+        if shard_bytes > MAX_SHARD_BYTES:
+            raise ValueError(
+                f"`--shard-bytes` must be at most {MAX_SHARD_BYTES} bytes (4GiB: a shard is built in memory), got "
+                f"{args.shard_bytes!r}. Pass a size such as 16MiB."
+            )
     except ValueError as e:
         print(f"{prog}: error: {one_line(e)}", file=sys.stderr)
         return 2

@@ -38,6 +38,7 @@ from lightning_accel.data.dataset import (
     check_warm_num_workers,
     default_num_workers,
     drop_lone_last_batch,
+    has_batch_norm,
     split_indices,
     split_keys,
 )
@@ -747,6 +748,7 @@ class CachedDataModule(LightningDataModule):
         trainer = self.trainer
         model = trainer.lightning_module if lone_last and trainer is not None else None
         drop_last = drop_lone_last_batch(model, len(sampler), self.batch_size, type(self).__name__)
+        sampler.trim_lone_last = has_batch_norm(model)  # a resumed epoch's remainder can leave one sample as well
         return CacheDataLoader(
             ds,
             batch_size=self.batch_size,

@@ -51,6 +51,7 @@ __all__ = [
     "collate_batch",
     "default_num_workers",
     "drop_lone_last_batch",
+    "has_batch_norm",
     "split_indices",
     "split_keys",
 ]
@@ -81,6 +82,12 @@ _BATCH_NORMS = (
 )
 
 
+def has_batch_norm(model: torch.nn.Module | None) -> bool:
+    """Whether ``model`` has a BatchNorm layer (which cannot train on a batch of one sample; see
+    :func:`drop_lone_last_batch`)."""
+    return model is not None and any(isinstance(m, _BATCH_NORMS) for m in model.modules())
+
+
 def drop_lone_last_batch(model: torch.nn.Module | None, per_rank: int, batch_size: int, owner: str) -> bool:
     """Whether a training loader should drop its last batch: only when that batch holds one sample on a rank
     (``per_rank`` samples, ``batch_size`` a batch) and ``model`` has a BatchNorm layer; said once (info) when so.
@@ -93,7 +100,7 @@ def drop_lone_last_batch(model: torch.nn.Module | None, per_rank: int, batch_siz
     """
     if model is None or per_rank <= batch_size or per_rank % batch_size != 1:
         return False
-    if not any(isinstance(m, _BATCH_NORMS) for m in model.modules()):
+    if not has_batch_norm(model):
         return False
     if is_global_zero():
         log.info(
@@ -461,6 +468,11 @@ class EpochOrderSampler(DistributedSampler):
         #: whether the DataLoader drops a last partial batch (:class:`CacheDataLoader` sets it): the epoch of a state
         #: saved with fewer positions left than a batch is then over
         self.loader_drop_last = False
+        #: whether the loader's model cannot train on a batch of one sample (BatchNorm; the data module sets it): an
+        #: epoch whose order would end in a lone batch ends one position early instead. The loader's `drop_last`
+        #: covers whole epochs; a resumed epoch under another batch size or layout starts at another point, and its
+        #: remainder (e.g. 16 positions left in batches of 5) can leave one sample even when a whole epoch does not.
+        self.trim_lone_last = False
         self.resume_epoch = -1  # the epoch `resume_skip` applies to (-1: none)
         self.resume_skip = 0
         # positions `__len__` adds in the resumed epoch: the batches the checkpointed run had done are counted by the
@@ -546,7 +558,9 @@ class EpochOrderSampler(DistributedSampler):
                 stacklevel=2,
             )
         left = self.num_samples - consumed
-        if epoch >= 0 and (left <= 0 or (self.loader_drop_last and left < self.batch_size)):
+        # a single position left with `trim_lone_last` is a batch of one that `__iter__` drops: that epoch is over too
+        lone = self.trim_lone_last and left == 1 and self.batch_size > 1
+        if epoch >= 0 and (left <= 0 or lone or (self.loader_drop_last and left < self.batch_size)):
             epoch, consumed = epoch + 1, 0  # that epoch was finished: the next one starts whole
             done_batches = None
         # Only ever longer: the Trainer fixes `len(loader)` once for the whole run, and a shorter resumed epoch would
@@ -568,6 +582,8 @@ class EpochOrderSampler(DistributedSampler):
         order = self.epoch_order()
         if self.resume_epoch == self.epoch:
             order = order[self.resume_skip :]
+        if self.trim_lone_last and len(order) > self.batch_size and len(order) % self.batch_size == 1:
+            order = order[:-1]
         publish = getattr(self.dataset, "publish_order", None)
         if publish is not None:
             publish(order, self.batch_size)

@@ -21,8 +21,10 @@ under the root.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
+import stat
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -146,6 +148,17 @@ def other_entries(root: str) -> list[str]:
         return []
 
 
+def _own_bytes(path: str) -> int:
+    """Bytes on disk of the files a tier created in ``path`` (what :func:`remove_tier` deletes)."""
+    total = 0
+    for name in (*LMDB_FILES, TIER_MARKER):
+        with contextlib.suppress(OSError):
+            st = os.lstat(os.path.join(path, name))
+            if stat.S_ISREG(st.st_mode):
+                total += st.st_blocks * 512
+    return total
+
+
 def remove_tier(path: str) -> bool:
     """Delete what a tier created in ``path`` (its LMDB files and marker), then the directory if that emptied it.
 
@@ -201,7 +214,8 @@ def sweep(
     """Remove the tiers under ``root`` that no process maps and that were last used more than ``older_than_s``
     seconds ago (``keep``: paths never removed, e.g. the caller's own tier; ``only``: tier names under ``root``, the
     only ones considered). Returns what was (or, with ``dry_run``, would be) removed; a tier another process removes
-    meanwhile is skipped. Only marked tiers are touched (:func:`remove_tier`)."""
+    meanwhile is skipped. Only marked tiers are touched (:func:`remove_tier`); each returned entry's ``bytes`` counts
+    the tier's own files, what removing it frees (a user's file inside a tier stays, and is not counted as freed)."""
     now = time.time() if now is None else now
     kept = {os.path.realpath(k) for k in keep}
     names = None if only is None else set(only)
@@ -211,13 +225,14 @@ def sweep(
             continue
         if info.in_use or now - info.last_use < older_than_s or os.path.realpath(info.path) in kept:
             continue
+        freed = _own_bytes(info.path)  # measured before removal; `info.bytes` also counts files that stay
         if not dry_run:
             try:
                 if not remove_tier(info.path):
                     continue
             except OSError:
                 continue  # not ours to remove after all (permissions): leave it
-        removed.append(info)
+        removed.append(dataclasses.replace(info, bytes=freed))
     if not dry_run and root is None:
         with contextlib.suppress(OSError):
             os.rmdir(ram_root())  # only when empty

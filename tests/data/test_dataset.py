@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accel.data import (
     CacheDataLoader,
@@ -135,6 +135,22 @@ def test_sampler_publishes_the_order_and_shards_ranks(small_digits: Path, tmp_ca
     assert sorted(o0 + o1) == list(range(200))
     assert int(ds._order[0]) == 2 and int(ds._order[1]) == 100 and int(ds._order[2]) == 10
     assert ds._order[_HDR : _HDR + 100].tolist() == o0  # the last published order (this rank's)
+
+
+def test_a_resumed_epoch_never_ends_in_a_lone_batch_when_the_model_cannot_train_on_one() -> None:
+    """``trim_lone_last`` (a BatchNorm model): a resumed epoch whose remainder would end in a batch of one sample ends
+    one position early, and a state with a single position left resumes at the next epoch."""
+    data = TensorDataset(torch.arange(160))
+    s = EpochOrderSampler(data, batch_size=37, seed=0)
+    s.trim_lone_last = True
+    s.load_state_dict({"epoch": 0, "consumed": 48, "seed": 0, "batch_size": 16, **s.layout()})
+    whole = s.epoch_order()
+    assert list(s) == whole[48:-1]  # 112 left: three batches of 37, not a fourth of one
+    s.load_state_dict({"epoch": 0, "consumed": 159, "seed": 0, "batch_size": 37, **s.layout()})
+    assert (s.epoch, s.resume_epoch) == (1, 1) and len(list(s)) == 160  # the next epoch, whole (160 % 37 = 12)
+    plain = EpochOrderSampler(data, batch_size=37, seed=0)  # a model that trains on one sample: nothing dropped
+    plain.load_state_dict({"epoch": 0, "consumed": 48, "seed": 0, "batch_size": 16, **plain.layout()})
+    assert list(plain) == whole[48:]
 
 
 def test_read_ahead_fetches_the_next_batches_of_this_reader(small_digits: Path, tmp_cache_dir: Path) -> None:

@@ -72,6 +72,21 @@ def test_data_clean_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert "`--older-than` must be" in capsys.readouterr().err
 
 
+def test_data_clean_counts_as_freed_only_what_it_removed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A user's file inside a tier stays, so `bytes_freed` leaves it out (it reported that file as freed)."""
+    planted = _tier(tmp_path, "planted", 7200)
+    own = sum(p.stat().st_blocks * 512 for p in planted.iterdir())
+    (planted / "results.bin").write_bytes(os.urandom(1 << 20))
+    past = time.time() - 7200
+    for p in (planted / "results.bin", planted):  # the new file made the directory look used now
+        os.utime(p, (past, past))
+    for dry in (True, False):
+        assert data_main(["clean", "--root", str(tmp_path), "--older-than", "1h", *(["--dry-run"] * dry)]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["removed"] == [str(planted)] and out["bytes_freed"] == own > 0
+    assert [p.name for p in planted.iterdir()] == ["results.bin"]
+
+
 def test_prepare_data_sweeps_stale_tiers_next_to_its_own(
     small_digits: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -284,6 +284,10 @@ def test_data_pack_command(small_digits: Path, tmp_path: Path, capsys: pytest.Ca
     assert "`--shard-bytes` must be a byte count" in capsys.readouterr().err
     assert main(["pack", str(small_digits), str(tmp_path / "x"), "--shard-bytes", "0"]) == 2
     assert "got '0'. Pass a size such as 16MiB." in capsys.readouterr().err
+    # above the in-memory shard bound: a usage error naming the option, before anything is listed or written
+    assert main(["pack", str(small_digits), str(tmp_path / "x"), "--shard-bytes", "5GiB"]) == 2
+    assert "`--shard-bytes` must be at most 4294967296 bytes" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
     assert main(["pack", str(small_digits), str(tmp_path / "x"), "--storage-options", "[1]"]) == 2
     assert main(["pack", str(tmp_path / "missing"), str(tmp_path / "y")]) == 1
     assert "does not exist" in capsys.readouterr().err

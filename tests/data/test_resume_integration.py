@@ -192,6 +192,39 @@ def test_a_run_resumed_mid_epoch_with_another_batch_size_reads_every_remaining_s
     assert trainer.global_step == 3 + -(-(160 - 48) // new_batch) + -(-160 // new_batch)
 
 
+class _SeenBatches(_Seen):
+    """Also records the size of every training batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[tuple[int, int]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.sizes.append((self.current_epoch, len(batch[1])))
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_run_resumed_with_another_batch_size_never_trains_a_batchnorm_model_on_one_sample(
+    small_digits: Path, tmp_path: Path
+) -> None:
+    """A whole epoch of 160 samples in batches of 37 ends in 12, but the 112 left after 3 checkpointed batches of 16
+    end in a batch of one sample, on which a BatchNorm model cannot train (a ResNet whose feature map is down to 1x1
+    crashes): the resumed epoch ends one sample early instead, as a whole epoch would."""
+    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)
+    first = _Seen()
+    with pytest.raises(RuntimeError, match="killed"):
+        _trainer(tmp_path, ckpt, _Kill(at_step=4), max_epochs=1).fit(first, datamodule=_dm(small_digits, tmp_path))
+    path = next((tmp_path / "ckpt").glob("*step=3.ckpt"))
+    second = _SeenBatches()
+    trainer = _trainer(tmp_path, enable_checkpointing=False, max_epochs=2)
+    trainer.fit(second, datamodule=_dm(small_digits, tmp_path, batch_size=37), ckpt_path=path)
+    assert [n for e, n in second.sizes if e == 0] == [37, 37, 37]  # 111 of the 112 left; no batch of one
+    assert [n for e, n in second.sizes if e == 1] == [37, 37, 37, 37, 12]  # the next epoch whole
+    before = [s[1:] for s in first.seen[: 3 * 16]]
+    after = [s[1:] for s in second.seen if s[0] == 0]
+    assert len(set(before + after)) == len(before) + len(after) == 159  # each sample at most once
+
+
 class _EpochEnds(L.Callback):
     """Records, in order, the ends of training epochs beside the data module's undecodable-sample warnings."""
 
