@@ -13,7 +13,9 @@ from typing import Any
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import Strategy
 from torch.distributed.tensor import DTensor
+from typing_extensions import override
 
 from lightning_accel._utils.errors import one_line
 from lightning_accel.parallel.pipeline import batch_tensors
@@ -102,6 +104,30 @@ def broadcast_buffers(module: torch.nn.Module, src: int, group: Any = None) -> i
                 b.copy_(flat[offset : offset + b.numel()].view_as(b))
             offset += b.numel()
     return len(buffers)
+
+
+class _EvaluationBufferSync(Strategy):
+    """Strategy mixin: :meth:`_sync_buffers` (the subclass's copy of one rank's buffers to the others, see
+    :func:`broadcast_buffers`) at the start of ``validate`` / ``test`` / ``predict``, so every rank evaluates with the
+    statistics the checkpoint holds, not those of its own last batch. Put it before the strategy's Lightning base."""
+
+    def _sync_buffers(self) -> None:
+        raise NotImplementedError
+
+    @override
+    def on_validation_start(self) -> None:
+        self._sync_buffers()
+        super().on_validation_start()
+
+    @override
+    def on_test_start(self) -> None:
+        self._sync_buffers()
+        super().on_test_start()
+
+    @override
+    def on_predict_start(self) -> None:
+        self._sync_buffers()
+        super().on_predict_start()
 
 
 def leading_rows(batch: Any) -> int:

@@ -34,6 +34,7 @@ from lightning_accel.parallel.pipeline import (
 )
 from lightning_accel.parallel.strategies._helpers import (
     BATCH_SPLITS,
+    _EvaluationBufferSync,
     broadcast_buffers,
     check_keywords,
     gather_batch,
@@ -82,7 +83,7 @@ class _Captured(Exception):
         self.args, self.kwargs = args, kwargs
 
 
-class PipelineStrategy(DDPStrategy):
+class PipelineStrategy(_EvaluationBufferSync, DDPStrategy):
     """Pipeline parallelism (``torch.distributed.pipelining``) inside the Trainer's loop; registered as
     ``"pipeline"``.
 
@@ -445,6 +446,7 @@ class PipelineStrategy(DDPStrategy):
         for k, (v, kw) in (payload[0] or {}).items():
             module.log(k, torch.tensor(v, device=self.root_device), **kw)
 
+    @override
     def _sync_buffers(self) -> None:
         # each replica's stages update their own buffers (BatchNorm's running statistics from the replica's batches):
         # without this the replicas' statistics drift apart for good, replica 0's alone reach the checkpoint, and each
@@ -452,22 +454,6 @@ class PipelineStrategy(DDPStrategy):
         runner, module = self.runner, self.lightning_module
         if runner is not None and module is not None and runner.layout.dp > 1:
             broadcast_buffers(module, src=runner.layout.rank_of(runner.pp_rank, 0), group=runner.dp_group)
-
-    @override
-    def on_validation_start(self) -> None:
-        # every replica evaluates with the statistics the checkpoint holds (replica 0's)
-        self._sync_buffers()
-        super().on_validation_start()
-
-    @override
-    def on_test_start(self) -> None:
-        self._sync_buffers()
-        super().on_test_start()
-
-    @override
-    def on_predict_start(self) -> None:
-        self._sync_buffers()
-        super().on_predict_start()
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -32,6 +32,7 @@ from lightning_accel.parallel.plans import (
 )
 from lightning_accel.parallel.strategies._helpers import (
     BATCH_SPLITS,
+    _EvaluationBufferSync,
     broadcast_buffers,
     gather_batch,
     leading_rows,
@@ -63,7 +64,7 @@ def _clip_mixed_grad_norm(optimizer: Any, clip_val: float) -> float:
     return norm
 
 
-class ShardedStrategy(ModelParallelStrategy):
+class ShardedStrategy(_EvaluationBufferSync, ModelParallelStrategy):
     """Lightning's ``ModelParallelStrategy`` with the parallelisation applied for you: an unchanged LightningModule
     (no ``configure_model``) trains sharded (FSDP2), tensor parallel (DTensor), or both on a 2-D mesh.
 
@@ -240,6 +241,7 @@ class ShardedStrategy(ModelParallelStrategy):
                 batch = gather_batch(batch, tp_mesh.get_group())
         return batch
 
+    @override
     def _sync_buffers(self) -> None:
         # FSDP2 and tensor parallelism shard parameters only: each rank updates its own whole copy of every buffer
         # (BatchNorm's running statistics from its own batches), so without this the ranks' statistics drift apart
@@ -254,22 +256,6 @@ class ShardedStrategy(ModelParallelStrategy):
         from rank 0 to every rank, as ``DistributedDataParallel`` does before each training forward."""
         self._sync_buffers()
         return super().training_step(*args, **kwargs)
-
-    @override
-    def on_validation_start(self) -> None:
-        # every rank evaluates with the statistics the checkpoint holds (rank 0's), not the ones of its last batch
-        self._sync_buffers()
-        super().on_validation_start()
-
-    @override
-    def on_test_start(self) -> None:
-        self._sync_buffers()
-        super().on_test_start()
-
-    @override
-    def on_predict_start(self) -> None:
-        self._sync_buffers()
-        super().on_predict_start()
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
