@@ -95,19 +95,24 @@ def test_the_cached_module_drops_a_lone_last_batch_for_a_batchnorm_model(tmp_pat
     stopped it with BatchNorm's "Expected more than 1 value per channel when training"."""
     from lightning_accel.datasets import DigitsCachedDataModule
 
-    dm = DigitsCachedDataModule(
-        str(tmp_path / "d"), cache_dir=str(tmp_path / "c"), digits_size=8, image_size=8, num_images=97, val_fraction=0.0,
-        batch_size=16, num_workers=0, ram_bytes=0, mean=(0.5,) * 3, std=(0.5,) * 3,
-    )  # fmt: skip
+    cached: dict[str, Any] = dict(
+        digits_size=8,
+        image_size=8,
+        num_images=97,
+        val_fraction=0.0,
+        batch_size=16,
+        num_workers=0,
+        ram_bytes=0,
+        mean=(0.5,) * 3,
+        std=(0.5,) * 3,
+    )
+    dm = DigitsCachedDataModule(str(tmp_path / "d"), cache_dir=str(tmp_path / "c"), **cached)
     trainer = _trainer(devices=1)
     trainer.fit(ImageClassifier(width=4), datamodule=dm)
     assert dm.train_set is not None and len(dm.train_set) == 97
     assert trainer.global_step == 6  # 6 full batches; the lone 97th image is left out of the epoch
     # without BatchNorm nothing is dropped: 7 batches, the last of one image
-    plain = DigitsCachedDataModule(
-        str(tmp_path / "d"), cache_dir=str(tmp_path / "c"), digits_size=8, image_size=8, num_images=97, val_fraction=0.0,
-        batch_size=16, num_workers=0, ram_bytes=0, mean=(0.5,) * 3, std=(0.5,) * 3,
-    )  # fmt: skip
+    plain = DigitsCachedDataModule(str(tmp_path / "d"), cache_dir=str(tmp_path / "c"), **cached)
     trainer = _trainer(devices=1)
     trainer.fit(_NoNorm(), datamodule=plain)
     assert trainer.global_step == 7
