@@ -169,6 +169,15 @@ def test_a_run_resumed_from_an_end_of_epoch_checkpoint_trains_the_next_epoch_thr
     assert len(second.seen) == 160 and {e for e, _, _ in second.seen} == {1}  # all of epoch 1, nothing skipped
 
 
+def _killed_after_step_3(origin: Path, tmp_path: Path) -> tuple[_Seen, Path]:
+    """A fit in batches of 16 checkpointed at step 3 and killed at step 4: the model it trained and that checkpoint."""
+    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)
+    first = _Seen()
+    with pytest.raises(RuntimeError, match="killed"):
+        _trainer(tmp_path, ckpt, _Kill(at_step=4), max_epochs=1).fit(first, datamodule=_dm(origin, tmp_path))
+    return first, next((tmp_path / "ckpt").glob("*step=3.ckpt"))
+
+
 @pytest.mark.parametrize("new_batch", [20, 12])
 def test_a_run_resumed_mid_epoch_with_another_batch_size_reads_every_remaining_sample(
     small_digits: Path, tmp_path: Path, new_batch: int
@@ -176,11 +185,7 @@ def test_a_run_resumed_mid_epoch_with_another_batch_size_reads_every_remaining_s
     """The Trainer counts the checkpoint's batches (of 16) as done and stops the epoch at ``len(loader)`` batches of
     the new size: the loader's length must leave room for every remaining sample (the last partial batch of 20 was
     never asked for)."""
-    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)
-    first = _Seen()
-    with pytest.raises(RuntimeError, match="killed"):
-        _trainer(tmp_path, ckpt, _Kill(at_step=4), max_epochs=1).fit(first, datamodule=_dm(small_digits, tmp_path))
-    path = next((tmp_path / "ckpt").glob("*step=3.ckpt"))
+    first, path = _killed_after_step_3(small_digits, tmp_path)
     second = _Seen()
     trainer = _trainer(tmp_path, enable_checkpointing=False, max_epochs=2)
     trainer.fit(second, datamodule=_dm(small_digits, tmp_path, batch_size=new_batch), ckpt_path=path)
@@ -210,11 +215,7 @@ def test_a_run_resumed_with_another_batch_size_never_trains_a_batchnorm_model_on
     """A whole epoch of 160 samples in batches of 37 ends in 12, but the 112 left after 3 checkpointed batches of 16
     end in a batch of one sample, on which a BatchNorm model cannot train (a ResNet whose feature map is down to 1x1
     crashes): the resumed epoch ends one sample early instead, as a whole epoch would."""
-    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)
-    first = _Seen()
-    with pytest.raises(RuntimeError, match="killed"):
-        _trainer(tmp_path, ckpt, _Kill(at_step=4), max_epochs=1).fit(first, datamodule=_dm(small_digits, tmp_path))
-    path = next((tmp_path / "ckpt").glob("*step=3.ckpt"))
+    first, path = _killed_after_step_3(small_digits, tmp_path)
     second = _SeenBatches()
     trainer = _trainer(tmp_path, enable_checkpointing=False, max_epochs=2)
     trainer.fit(second, datamodule=_dm(small_digits, tmp_path, batch_size=37), ckpt_path=path)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+from abc import abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -111,8 +112,9 @@ class _EvaluationBufferSync(Strategy):
     :func:`broadcast_buffers`) at the start of ``validate`` / ``test`` / ``predict``, so every rank evaluates with the
     statistics the checkpoint holds, not those of its own last batch. Put it before the strategy's Lightning base."""
 
+    @abstractmethod
     def _sync_buffers(self) -> None:
-        raise NotImplementedError
+        """Copy the buffers of this rank's model from the rank that holds the checkpoint's to the others."""
 
     @override
     def on_validation_start(self) -> None:
