@@ -480,6 +480,8 @@ class EpochOrderSampler(DistributedSampler):
         self.resume_extra = 0
         self.progress_epoch = -1  # positions of `progress_epoch`'s order the consumer has taken (see `advance`)
         self.consumed = 0
+        # the pass `publish_ahead` published (what it depends on, the order), for the DataLoader's pass to take
+        self._published_ahead: tuple[tuple[int, int, int, bool], list[int]] | None = None
 
     def epoch_order(self) -> list[int]:
         """This rank's whole order for the current epoch (``DistributedSampler``'s; subclasses change it)."""
@@ -578,15 +580,41 @@ class EpochOrderSampler(DistributedSampler):
             self.resume_epoch, self.resume_skip, self.resume_extra = -1, 0, 0
         super().set_epoch(epoch)
 
-    def __iter__(self) -> Iterator[int]:
+    def _pass_order(self) -> list[int]:
+        """This epoch's order as the next pass yields it (a resumed epoch's skip and a lone last sample dropped)."""
         order = self.epoch_order()
         if self.resume_epoch == self.epoch:
             order = order[self.resume_skip :]
         if self.trim_lone_last and len(order) > self.batch_size and len(order) % self.batch_size == 1:
             order = order[:-1]
+        return order
+
+    def _pass_key(self) -> tuple[int, int, int, bool]:
+        skip = self.resume_skip if self.resume_epoch == self.epoch else 0
+        return self.epoch, skip, self.batch_size, self.trim_lone_last
+
+    def publish_ahead(self) -> None:
+        """Publish this epoch's order to the dataset now, before the DataLoader's pass over the sampler; that pass
+        (the next ``iter`` of this epoch) then yields the same order without publishing it a second time.
+
+        :class:`CacheDataLoader` calls it before starting its workers so that a packed remote origin stages the first
+        batches' shards meanwhile. Publishing twice bumped the order's token and marked those shards needed once
+        more, in the main process, on the path to the first batch."""
+        order = self._pass_order()
+        self._publish(order)
+        self._published_ahead = (self._pass_key(), order)
+
+    def _publish(self, order: list[int]) -> None:
         publish = getattr(self.dataset, "publish_order", None)
         if publish is not None:
             publish(order, self.batch_size)
+
+    def __iter__(self) -> Iterator[int]:
+        ahead, self._published_ahead = self._published_ahead, None
+        if ahead is not None and ahead[0] == self._pass_key():
+            return iter(ahead[1])
+        order = self._pass_order()
+        self._publish(order)
         return iter(order)
 
 
@@ -750,8 +778,8 @@ class CacheDataLoader(DataLoader):
         ):
             # A packed remote origin: publish this epoch's order now (the sampler stages the first batches' shards
             # as it publishes), so the downloads overlap with starting the workers. The DataLoader's own pass over
-            # the sampler publishes the same order again.
-            iter(self.sampler)
+            # the sampler yields that order without publishing it again.
+            self.sampler.publish_ahead()
         if self.num_workers == 0 and self.read_ahead > 0:
             if self.batch_sampler is not None and self.read_threads > 1:
                 return _parallel_batches(self, self.read_threads, self.read_ahead)

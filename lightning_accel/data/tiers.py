@@ -543,7 +543,13 @@ class LmdbTier:
             return None if v is None else bytes(v)
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        """Which of ``keys`` are stored (one read transaction)."""
+        """Which of ``keys`` are stored (one read transaction; none while no process has created the environment)."""
+        if self._opened() is None and not os.path.exists(os.path.join(self.path, "data.mdb")):
+            # Nothing was ever stored here, and opening would create the environment only for the next fork to close
+            # it again: the main process asks this before its cold epoch's workers start, on the way to the first
+            # batch. Another process creating it meanwhile makes its first samples look missing here: read ahead from
+            # the origin once more, never read wrong (reads look the tiers up themselves).
+            return [False] * len(keys)
         with self.reader() as get:
             return [get(k) is not None for k in keys]
 

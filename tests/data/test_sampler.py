@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,38 @@ def test_window_order_is_a_deterministic_disjoint_split_within_windows(n: int, r
         assert all(ks == list(range(ks[0], ks[0] + len(ks))) and len(ks) <= 2 for ks in where.values())
     other = windowed_order(shard_of, epoch=3, seed=5, num_replicas=ranks, rank=0, window=2)
     assert other != parts[0] or n < 10  # a new order every epoch
+
+
+class _Orders(torch.utils.data.Dataset):
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.published: list[list[int]] = []
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+    def publish_order(self, order: list[int], batch_size: int) -> None:
+        self.published.append(list(order))
+
+
+@pytest.mark.parametrize("window", [None, 2])
+def test_an_order_published_ahead_is_the_next_pass_and_is_published_once(window: int | None) -> None:
+    ds = _Orders(40)
+    if window is None:
+        s: EpochOrderSampler = EpochOrderSampler(ds, seed=3, batch_size=8)
+    else:
+        s = ShardWindowSampler(ds, _shards(40, 10), window=window, seed=3, batch_size=8)
+    s.set_epoch(1)
+    s.publish_ahead()
+    assert list(s) == ds.published[0] and len(ds.published) == 1  # the pass yields what was published, once
+    assert list(s) == ds.published[0] and len(ds.published) == 2  # a later pass publishes again
+    s.publish_ahead()
+    s.set_epoch(2)  # another epoch: the order published ahead is not it
+    order = list(s)
+    assert order == ds.published[-1] and order != ds.published[0] and len(ds.published) == 4
 
 
 def test_window_order_rejects_bad_arguments() -> None:
@@ -177,6 +210,11 @@ def _loader(url: str, opts: dict[str, Any], tmp: Path, stage_bytes: int, window:
     return CacheDataLoader(ds, batch_size=8, sampler=sampler, num_workers=0)
 
 
+def _count_publish(published: list[int], publish: Any, order: list[int], batch_size: int) -> None:
+    published.append(len(order))
+    publish(order, batch_size)
+
+
 def test_window_shuffle_fetches_a_quarter_stage_pack_about_once(
     s3_bucket: tuple[str, dict[str, Any]], small_digits: Path, tmp_path: Path
 ) -> None:
@@ -190,8 +228,12 @@ def test_window_shuffle_fetches_a_quarter_stage_pack_about_once(
     fetched = {}
     for name, w in (("window", window), ("global", None)):
         loader = _loader(url, opts, tmp_path / name, stage, w)
+        ds: Any = loader.dataset
+        published: list[int] = []
+        ds.publish_order = functools.partial(_count_publish, published, ds.publish_order)
         seen = torch.cat([y for _, y in loader])
         assert sorted(seen.tolist()) == sorted(listing.labels)  # every sample once
+        assert published == [len(listing.labels)]  # published ahead of the pass, not again by it
         fetched[name] = loader.dataset.stats.as_dict()["bytes_fetched"]  # type: ignore[attr-defined]
         staged = sum(p.stat().st_size for p in (tmp_path / name / "shards").glob("*.shard"))
         assert staged <= stage + max(listing.pack.shard_sizes)

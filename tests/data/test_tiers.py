@@ -35,6 +35,16 @@ def test_put_get_contains_delete(tmp_cache_dir: Path) -> None:
         assert isinstance(view, memoryview) and view[0] == 2
 
 
+def test_asking_an_unwritten_tier_creates_nothing_and_a_written_one_answers(tmp_cache_dir: Path) -> None:
+    path = tmp_cache_dir / "ssd"
+    t = LmdbTier(path, 4 << 20)
+    assert t.contains([b"k00001", b"k00002"]) == [False, False]
+    assert not path.exists()  # no environment opened (a fork would only close it again)
+    writer = LmdbTier(path, 4 << 20)  # another handle of the same directory stores first
+    writer.put_many(_items(0, 3))
+    assert t.contains([b"k00001", b"zzz"]) == [True, False]
+
+
 def test_keep_policy_never_exceeds_the_budget_and_keeps_a_stable_subset(tmp_cache_dir: Path) -> None:
     budget = 1 << 20
     t = LmdbTier(tmp_cache_dir / "ssd", budget, policy="keep")
