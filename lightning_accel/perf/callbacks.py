@@ -5,11 +5,13 @@ fragmentation logging and OOM snapshots), thin callbacks over the plain-torch co
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import logging
 import math
 import os
+import pickle
 import uuid
 import weakref
 from collections.abc import Callable
@@ -100,14 +102,18 @@ class PerformanceMonitor(Callback):
     Overhead: two clock reads and a batch-size lookup per step; see ``benchmarks/monitor_overhead.py``.
 
     Args:
-        log_every_n_steps: window for logged metrics (None: the trainer's ``log_every_n_steps``).
+        log_every_n_steps: window for logged metrics (None: the trainer's ``log_every_n_steps``; its 0, "log no
+            steps", logs no window: the report at the end of the fit is still made and logged).
         skip_steps: warm-up steps left out of all timings (>= 1 when ``count_flops``; the FLOP count runs in the
             last skipped step).
         count_flops: count FLOPs once for MFU.
         peak_flops: the device's peak FLOP/s for the active precision (None: Lightning's table on CUDA, unknown on
             CPU).
         samples_fn: ``batch -> number of samples`` (None: Lightning's batch-size extraction).
-        tokens_fn: ``batch -> number of tokens`` for tokens/s (None: not reported).
+        tokens_fn: ``batch -> number of tokens`` for tokens/s (None: not reported). Either returns an integer >= 0
+            (a Python or numpy integer, a one-element tensor, a whole float); anything else stops the fit at its
+            first batch with an error naming the function. Under ``strategy="ddp_spawn"``, which pickles the
+            callbacks, both must be picklable (defined at a module's top level, not lambdas).
         nvml: sample GPU utilisation and memory through NVML when available: of the GPU torch trains on, found by
             its UUID or PCI bus id (NVML numbers all GPUs, torch only those ``CUDA_VISIBLE_DEVICES`` leaves); one
             warning when only an index is left to go by.
@@ -185,7 +191,7 @@ class PerformanceMonitor(Callback):
         self._flops = StepFlopCounter()
         self._sampler: NvmlSampler | None = None
         self._nvml_last: dict[str, float] = {}
-        self._every = 50
+        self._every: int | None = 50  # None: the trainer logs no steps (`log_every_n_steps=0`)
         self._save_patch: Patch | None = None
         self._ddp_timed: weakref.ref[Any] | None = None  # the DDP module asked to time itself in this fit
         self._peak_cache: tuple[float | None] | None = None
@@ -245,6 +251,47 @@ class PerformanceMonitor(Callback):
     def load_worker_results(self, results: dict[str, Any]) -> None:
         """Take the report made in rank 0's worker process (the main process of a spawning launcher)."""
         self.report, self.png_path = results["report"], results["png_path"]
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The state that is pickled, e.g. by ``strategy="ddp_spawn"``, which copies the callbacks into each process it
+        starts: refused, naming the argument, when a function given to the monitor cannot be pickled (a lambda, a
+        function defined inside another): pickle's own error names neither the monitor nor the argument.
+
+        Raises:
+            pickle.PicklingError: ``samples_fn``, ``tokens_fn``, ``clock`` or ``span_clock`` cannot be pickled.
+        """
+        user = {
+            "samples_fn": self.samples_fn,
+            "tokens_fn": self.tokens_fn,
+            "clock": self._clock,
+            "span_clock": self._span_clock,
+        }
+        for name, value in user.items():
+            if value is None:
+                continue
+            try:
+                pickle.dumps(value)
+            except Exception as e:
+                raise pickle.PicklingError(
+                    f"PerformanceMonitor's `{name}` must be picklable, got {value!r}, which pickle refuses "
+                    f"({type(e).__name__}); a launcher that starts its processes with spawn (`strategy='ddp_spawn'`) "
+                    "pickles the callbacks into each of them. Define the function at the top level of a module "
+                    "(`def count(batch): ...`), or use `strategy='ddp'` (or `'ddp_fork'`), which copies nothing by "
+                    "pickling."
+                ) from None
+        return self.__dict__.copy()
+
+    def __copy__(self) -> PerformanceMonitor:
+        # a copy in the same process is no pickling: it keeps a lambda as it always did (no `__getstate__` check)
+        new = type(self).__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        return new
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> PerformanceMonitor:
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
 
     def _wrap_save_checkpoint(self, trainer: pl.Trainer) -> None:
         # Shadow the bound method on this trainer instance only (restored in teardown): every save, whoever calls it
@@ -341,6 +388,10 @@ class PerformanceMonitor(Callback):
             return
         timer.batch_start()
         self._step_before = trainer.global_step
+        if self._epoch_index is None:
+            # a fit resumed from a checkpoint saved mid-epoch goes on with that epoch without `on_train_epoch_start`:
+            # without this its batches would count in the next epoch's row, and the resumed epoch have none
+            self._epoch_index = trainer.current_epoch
         if self.count_flops and self._flops.flops is None and timer.seen_steps == self.skip_steps - 1:
             self._flops.start()
 
@@ -356,15 +407,16 @@ class PerformanceMonitor(Callback):
         # DDP allreduces only in the backward of a batch that steps the optimizer: Lightning runs the accumulating
         # micro-batches under `no_sync`. Under manual optimization the user decides; every batch is assumed to sync.
         synced = _stepped(trainer, pl_module, self._step_before)
-        tokens = self.tokens_fn(batch) if self.tokens_fn is not None else 0
+        tokens = _count("tokens_fn", self.tokens_fn(batch), "tokens") if self.tokens_fn is not None else 0
         timer.batch_end(self._samples(batch), tokens, synced=synced)
         # every rank reaches the same decision (the flush asks DDP for its timers on each)
-        if timer.seen_steps > self.skip_steps and synced and _log_due(trainer, self._every):
+        every = self._every
+        if timer.seen_steps > self.skip_steps and synced and every is not None and _log_due(trainer, every):
             self._log_window(trainer)
 
     def _samples(self, batch: Any) -> int:
         if self.samples_fn is not None:
-            return int(self.samples_fn(batch))
+            return _count("samples_fn", self.samples_fn(batch), "samples")
         if isinstance(batch, torch.Tensor):  # fast path: most batches are a tensor or a tuple starting with one
             return int(batch.shape[0]) if batch.ndim else 1
         if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], torch.Tensor) and batch[0].ndim:
@@ -421,7 +473,8 @@ class PerformanceMonitor(Callback):
 
     def _log_window(self, trainer: pl.Trainer) -> None:
         window = self._flush(trainer)
-        if not window.steps or not trainer.is_global_zero or not trainer.loggers:
+        # flushed in every case (the epochs' totals need it); logged unless the trainer logs no steps
+        if not window.steps or not trainer.is_global_zero or not trainer.loggers or self._every is None:
             return
         wall = window.wall
         n = window.steps
@@ -690,6 +743,47 @@ def _check_clock(name: str, value: Any) -> None:
     )
 
 
+def _count(name: str, value: Any, what: str) -> int:
+    """``value``, what the user's function ``name`` (``samples_fn``, ``tokens_fn``) returned for a batch, as a count.
+
+    Accepted: an integer >= 0 as Python, numpy or a one-element tensor has it (an integral float such as a float mask's
+    sum, ``172.0``, too). Anything else raises at the first batch, naming the function: ``int(value)`` alone fails on
+    ``None`` with a message that names neither the function nor the batch, and lets a negative count (a throughput
+    below zero in the report) or a fraction (truncated) through silently.
+
+    Raises:
+        TypeError: ``value`` is not a number (``None``, a tensor of several elements, a string).
+        ValueError: ``value`` is negative, not a whole number, or not finite.
+    """
+    fix = "Return e.g. `len(batch[0])`." if what == "samples" else "Return e.g. `batch.numel()` or `int(mask.sum())`."
+    n: int | None
+    if isinstance(value, bool):  # an int subclass: `lambda batch: batch is not None` is no count
+        n = None
+    else:
+        try:
+            n = int(value)  # ints, numpy integers and floats, one-element tensors
+        except OverflowError:  # an infinite float: a number, but no count
+            n = -1
+        except ValueError:  # NaN (a number, but no count), or a tensor of several elements
+            n = -1 if isinstance(value, float) else None
+        except (TypeError, RuntimeError):
+            n = None
+    # a tensor of the batch's size would print every element: its shape says enough
+    got = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) and value.numel() > 1 else None
+    if n is None:
+        raise TypeError(
+            f"`{name}` must return the number of {what} in the batch, an integer >= 0, got "
+            f"{got or repr(value)} ({type(value).__name__}). {fix}"
+        )
+    # an integer needs no comparison (on a CUDA tensor each one would be a device sync): only a float may be a fraction
+    exact = isinstance(value, int) or (isinstance(value, torch.Tensor) and not value.is_floating_point())
+    if n < 0 or not (exact or bool(n == value)):
+        raise ValueError(
+            f"`{name}` must return the number of {what} in the batch, an integer >= 0, got {value!r}. {fix}"
+        )
+    return n
+
+
 def _warn_unwritten(what: str, path: str, error: BaseException) -> None:
     """One warning: the ``what`` ("report", "picture") could not be written at ``path``; the report stays available."""
     rank_zero_warn(
@@ -881,11 +975,18 @@ def _log_dir(trainer: pl.Trainer) -> str | None:
     return trainer.log_dir or trainer.default_root_dir or None
 
 
-def _trainer_log_every_n_steps(trainer: pl.Trainer) -> int:
-    """The trainer's ``log_every_n_steps`` (>= 1; 50 when unset or 0)."""
+def _trainer_log_every_n_steps(trainer: pl.Trainer) -> int | None:
+    """The trainer's ``log_every_n_steps`` (>= 1; 50 when unset), or None for ``Trainer(log_every_n_steps=0)``.
+
+    0 is Lightning's "log no steps" (``barebones=True`` sets it): its own ``self.log`` step metrics,
+    ``LearningRateMonitor`` and ``DeviceStatsMonitor`` then log nothing per step, and neither do the callbacks here
+    (0 is not "unset").
+    """
     # public, but set on the instance by Lightning's logger connector rather than declared on the class
     value = getattr(trainer, "log_every_n_steps", None)
-    return max(1, int(value or 50))
+    if value is None:
+        return 50
+    return None if int(value) == 0 else max(1, int(value))
 
 
 def _num_workers(trainer: pl.Trainer) -> int | None:
@@ -929,7 +1030,8 @@ class CudaMemoryManager(Callback):
         expandable_segments: see :class:`~lightning_accel.perf.cuda_memory.AllocatorSettings` (None: leave as is).
         max_split_size_mb: blocks above this are never split (256: requests above 256 MB go to ``cudaMalloc``).
         garbage_collection_threshold: reclaim cached blocks above this fraction of device memory.
-        log_every_n_steps: logging window (None: the trainer's ``log_every_n_steps``).
+        log_every_n_steps: logging window (None: the trainer's ``log_every_n_steps``; its 0, "log no steps", logs
+            nothing).
         release_threshold: fragmentation above which cached blocks are released (None: never).
         release_min_reserved_gb: only release when at least this much is reserved (>= 0).
         snapshot_dir: where OOM snapshots go, a local directory (a leading ``~`` is the home directory) or an fsspec
@@ -1004,7 +1106,7 @@ class CudaMemoryManager(Callback):
         self.applied: AppliedSettings | None = None
         self.releases = 0
         self.snapshot_path: str | None = None
-        self._every = 50
+        self._every: int | None = 50  # None: the trainer logs no steps (`log_every_n_steps=0`)
         self._active = False
         self._cpu_noted = False
         self._step_before = 0  # trainer.global_step when the current batch started
@@ -1061,6 +1163,8 @@ class CudaMemoryManager(Callback):
         before the optimizer step are not counted: a window is ``log_every_n_steps`` optimizer steps)."""
         if not _stepped(trainer, pl_module, self._step_before):
             return None  # an accumulation micro-batch: the optimizer did not step
+        if self._every is None:  # `Trainer(log_every_n_steps=0)`: no step is logged
+            return None
         return compat.logger_step(trainer) if _log_due(trainer, self._every) else None
 
     @override

@@ -167,8 +167,15 @@ def apply_allocator_settings(
     env = os.environ if environ is None else environ
     is_init = (cuda_initialized or torch.cuda.is_initialized)()
     ours = settings.as_dict()
-    existing = next((env[n] for n in ENV_NAMES if env.get(n)), "")
-    conf, overridden = merge_alloc_conf(existing, ours)
+    source, existing = next(((n, env[n]) for n in ENV_NAMES if env.get(n)), ("", ""))
+    try:
+        conf, overridden = merge_alloc_conf(existing, ours)
+    except ValueError as e:
+        # the string is the user's environment, not an argument: say which variable, or the error points nowhere
+        raise ValueError(
+            f"`{source}` in the environment is {existing!r}, which is not the allocator's `key:value,key:value` "
+            f"syntax ({e}) Fix it (e.g. `{source}=expandable_segments:True`) or unset it."
+        ) from None
     res = AppliedSettings(conf=conf, cuda_was_initialized=is_init, overridden=overridden)
     if overridden:
         res.messages.append(

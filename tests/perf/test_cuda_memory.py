@@ -104,3 +104,15 @@ def test_dump_snapshot_is_atomic_pickle(tmp_path) -> None:
     with open(p, "rb") as f:
         assert pickle.load(f) == snap  # our own file, written just now by the test
     assert [x.name for x in tmp_path.iterdir()] == ["oom.pickle"]
+
+
+@pytest.mark.parametrize("name", ["PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"])
+def test_a_malformed_environment_conf_names_its_variable(name: str) -> None:
+    """`expandable_segments=True` (an `=` for the `:`) in the environment failed with a message that named neither
+    the variable nor where the string came from."""
+    env = {name: "expandable_segments=True"}
+    with pytest.raises(ValueError, match=rf"^`{name}` in the environment is 'expandable_segments=True', which is not"):
+        apply_allocator_settings(
+            AllocatorSettings(), environ=env, cuda_initialized=lambda: False, runtime_setter=lambda conf: None
+        )
+    assert env == {name: "expandable_segments=True"}  # left as it was

@@ -142,3 +142,36 @@ def test_ddp_spawn_brings_the_report_back_to_the_main_process(tmp_path) -> None:
     assert mon.report.steps == 4  # 6 steps, the first 2 skipped
     assert mon.report.extras["world_size"] == 2
     assert json.loads(report.read_text())["steps"] == mon.report.steps
+
+
+def count_tokens(batch: Any) -> int:
+    """A token count defined at module level, as ``ddp_spawn`` needs (it pickles the callbacks)."""
+    return int(batch[0].numel())
+
+
+def test_ddp_spawn_with_a_lambda_count_names_the_argument_and_a_module_function_works(tmp_path) -> None:
+    """``tokens_fn=lambda batch: batch.numel()`` (the guide's own example) under ``ddp_spawn`` failed in pickle with
+    "Can't pickle <function <lambda>>", naming neither the monitor nor the argument."""
+    import pickle
+
+    import lightning.pytorch as pl
+
+    from lightning_accel.callbacks import PerformanceMonitor
+    from tests.tiny import TimedModule, loaders
+
+    def trainer(mon: PerformanceMonitor) -> pl.Trainer:
+        return pl.Trainer(
+            accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=4, limit_val_batches=0, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            default_root_dir=str(tmp_path), callbacks=[mon],
+        )  # fmt: skip
+
+    train, _ = loaders(None, 0.0)
+    bad = PerformanceMonitor(report_path="", verbose=False, tokens_fn=lambda b: b[0].numel())
+    with pytest.raises(
+        pickle.PicklingError, match=r"`tokens_fn` must be picklable, got <function .*<lambda>.*ddp_spawn"
+    ):
+        trainer(bad).fit(TimedModule(), train)
+    good = PerformanceMonitor(report_path="", verbose=False, tokens_fn=count_tokens)
+    trainer(good).fit(TimedModule(), train)
+    assert good.report is not None and good.report.tokens_per_s  # 4 samples x 8 features per batch and rank

@@ -715,3 +715,110 @@ def test_a_report_that_cannot_be_written_does_not_fail_the_finished_fit(tmp_path
     assert lines[0].startswith(f"PerformanceMonitor: the report could not be written to {str(out / 'r.json')!r} (")
     assert lines[1].startswith(f"PerformanceMonitor: the picture could not be written to {str(out / 'r.png')!r} (")
     assert out.read_text() == "a file of the user's"
+
+
+class BatchCount(Callback):
+    """Counts the training batches that reached the end of ``on_train_batch_end`` after the monitor's."""
+
+    def __init__(self) -> None:
+        self.batches = 0
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.batches += 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"samples_fn": lambda b: None}, TypeError, r"`samples_fn` must return .* got None \(NoneType\)"),
+        ({"samples_fn": lambda b: b[1]}, TypeError, r"`samples_fn` must return .* got a tensor of shape \(4,\)"),
+        ({"samples_fn": lambda b: -4}, ValueError, r"`samples_fn` must return .* integer >= 0, got -4"),
+        ({"tokens_fn": lambda b: 2.5}, ValueError, r"`tokens_fn` must return the number of tokens .* got 2.5"),
+    ],
+)
+def test_a_count_function_that_returns_no_count_fails_at_the_first_batch_naming_it(
+    kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    """`int(None)` failed without naming the function; a negative count gave a throughput below zero, a fraction was
+    truncated, both silently."""
+    mon = PerformanceMonitor(report_path="", verbose=False, **kwargs)
+    probe = BatchCount()
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=6, limit_val_batches=0, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[mon, probe],
+    )  # fmt: skip
+    train, _ = loaders(None, 0.0)
+    with pytest.raises(error, match=match):
+        trainer.fit(TimedModule(), train)
+    assert probe.batches == 0  # the first batch stops the fit: the monitor's hook runs before this one's
+
+
+def test_count_functions_may_return_numpy_tensor_and_integral_float_counts(tmp_path: Path) -> None:
+    """What `int()` took before still counts: a one-element tensor, a numpy integer, a float mask's sum."""
+    _, mon, _ = fit(
+        tmp_path, decode_s=0.0, compute_s=0.01, report_path="",
+        samples_fn=lambda b: torch.tensor(len(b[0])), tokens_fn=lambda b: float(b[0].shape[0] * 2),
+    )  # fmt: skip
+    r = mon.report
+    assert r is not None and r.samples_per_s and r.tokens_per_s
+    assert r.tokens_per_s == pytest.approx(2 * r.samples_per_s)
+
+
+def test_copies_in_the_same_process_keep_a_lambda_and_only_pickling_refuses_it() -> None:
+    """Pickling (what ``ddp_spawn`` does to callbacks) names the argument that cannot be pickled; ``copy.copy`` and
+    ``copy.deepcopy`` in the same process keep working with a lambda, as they did."""
+    import copy
+    import pickle
+
+    mon = PerformanceMonitor(report_path="", samples_fn=lambda b: 4)
+    for dup in (copy.copy(mon), copy.deepcopy(mon)):
+        assert dup is not mon and dup.samples_fn is mon.samples_fn and dup.report_path == ""
+    with pytest.raises(pickle.PicklingError, match=r"PerformanceMonitor's `samples_fn` must be picklable, got "):
+        pickle.dumps(mon)
+    plain = pickle.loads(pickle.dumps(PerformanceMonitor(report_path="", log_every_n_steps=7)))
+    assert plain.log_every_n_steps == 7
+
+
+def test_trainer_that_logs_no_steps_gets_no_perf_or_memory_windows(tmp_path: Path) -> None:
+    """`Trainer(log_every_n_steps=0)` is Lightning's "log no steps" (its own `self.log` step metrics and
+    LearningRateMonitor log nothing then); the monitors read 0 as unset and logged a window every 50 steps."""
+    from lightning_accel.callbacks import CudaMemoryManager
+
+    logger = CSVLogger(tmp_path, name="logs")
+    mon = PerformanceMonitor(skip_steps=1, count_flops=False, report_path="", verbose=False)
+    mem = CudaMemoryManager()
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=56, limit_val_batches=0, log_every_n_steps=0, logger=logger,
+        callbacks=[mon, mem], enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    train, _ = loaders(None, 0.0)
+    trainer.fit(LoggedLoss(), train)
+    metrics = Path(logger.log_dir) / "metrics.csv"
+    assert _csv_steps(metrics, "train_loss") == []  # Lightning logged no step
+    assert _csv_steps(metrics, "perf/step_s") == []
+    assert _csv_steps(metrics, "mem/host_rss_gb") == [] and _csv_steps(metrics, "mem/allocated_gb") == []
+    assert _csv_steps(metrics, "perf/report/step_s") == [56]  # the fit's summary, as Lightning logs epoch metrics
+    r = mon.report
+    assert r is not None and r.steps == 55 and [e["steps"] for e in r.epochs] == [15, 16, 16, 8]
+
+
+def test_a_fit_resumed_mid_epoch_keeps_that_epochs_rest_in_its_own_row(tmp_path: Path) -> None:
+    """Lightning goes on with the checkpoint's epoch without `on_train_epoch_start`: the rest of epoch 1 was put in
+    epoch 2's row (27 steps), and epoch 1 was missing from the JSON and the picture."""
+    train, _ = loaders(None, 0.0)  # 16 batches an epoch
+
+    def trainer(callbacks: list[Callback], **kw: Any) -> pl.Trainer:
+        return pl.Trainer(
+            accelerator="cpu", limit_val_batches=0, logger=False, enable_progress_bar=False,
+            enable_model_summary=False, callbacks=callbacks, **kw,
+        )  # fmt: skip
+
+    mon = PerformanceMonitor(skip_steps=1, count_flops=False, report_path="", verbose=False)
+    # saved during the fit, after batch 4 of epoch 1 (a checkpoint saved after the fit ended resumes at epoch 2)
+    saver = ModelCheckpoint(dirpath=tmp_path, filename="mid_epoch_1", every_n_train_steps=20, save_top_k=-1)
+    trainer([mon, saver], max_steps=20).fit(TimedModule(), train)
+    ckpt = tmp_path / "mid_epoch_1.ckpt"
+    trainer([mon], max_epochs=3, enable_checkpointing=False).fit(TimedModule(), train, ckpt_path=str(ckpt))
+    r = mon.report
+    assert r is not None and r.steps == 27  # epoch 1's last 12 batches and epoch 2's 16, the first one warm-up
+    assert [(e["epoch"], e["steps"]) for e in r.epochs] == [(1.0, 11.0), (2.0, 16.0)]
