@@ -31,7 +31,7 @@ from lightning_accel.data.augment import GpuAugment
 from lightning_accel.data.datamodule import CachedDataModule
 from lightning_accel.parallel.select import select_strategy
 from lightning_accel.parallel.strategies import AutoStrategy, PipelineStrategy, ShardedStrategy
-from lightning_accel.perf.callbacks import CudaMemoryManager, PerformanceMonitor
+from lightning_accel.perf.callbacks import CudaMemoryManager, HostMemoryManager, PerformanceMonitor
 from lightning_accel.precision.plugin import FusedPrecision
 from lightning_accel.precision.surgery import apply_fusions
 from lightning_accel.recipes.callbacks import KnowledgeDistillation, LinearScalingLR, PerStepLR, StructuredPruning
@@ -53,6 +53,7 @@ __all__ = [
     "DeltaModelCheckpoint",
     "FusedPrecision",
     "GpuAugment",
+    "HostMemoryManager",
     "KnowledgeDistillation",
     "LinearScalingLR",
     "LocalStepsStrategy",

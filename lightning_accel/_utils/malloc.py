@@ -1,4 +1,9 @@
-"""glibc ``malloc`` tuning for processes that write cache entries (a cold pass's DataLoader workers).
+"""glibc ``malloc`` tuning: keep freed memory in the process instead of handing it back to the kernel.
+
+Used where a process frees and allocates the same large blocks over and over: the cache's cold-pass DataLoader workers
+(below) and, through :class:`~lightning_accel.perf.callbacks.HostMemoryManager`, training processes on the CPU, whose
+every step frees and allocates its activations and gradients again (~4-9k page faults per step of the end-to-end CPU
+job's model in fp32 under glibc's defaults).
 
 Why: LMDB builds each write transaction's pages in ``malloc``'d memory (a 150 KB entry is one 150 KB block) and frees
 them at commit. Under glibc's defaults the heap top that a commit frees (9.6 MB for a batch of 64 entries at 224 px)
@@ -8,9 +13,9 @@ faults to get it again: on ext4 a put cost 125 us per entry against 50 us with t
 bytes in the process; fixing ``M_MMAP_THRESHOLD`` at glibc's own dynamic ceiling (32 MiB on 64-bit) keeps such blocks
 on the heap, where they are reused, as glibc's dynamic threshold does anyway once a block of that size was freed.
 
-The cost is memory: a process keeps up to ``trim_bytes`` of freed heap instead of returning it. So it is applied
-once per process, only where the cache writes from a DataLoader worker (short-lived: the cold pass's workers stop
-when the cache is warm), never in the training process. Not glibc (musl, macOS): nothing happens.
+The cost is memory: a process keeps up to ``trim_bytes`` of freed heap instead of returning it. So the cache applies
+it only where it writes from a DataLoader worker (short-lived: the cold pass's workers stop when the cache is warm);
+a training process gets it only when the user asks (``HostMemoryManager``). Not glibc (musl, macOS): nothing happens.
 """
 
 from __future__ import annotations
@@ -30,25 +35,28 @@ MMAP_THRESHOLD = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
 TRIM_BYTES = 64 << 20
 
 _lock = threading.Lock()
-_done_in: int | None = None  # the pid that applied it (a forked child applies it again: its parent's may not have)
+# (pid, trim bytes) of the last setting applied: a forked child applies it again (its parent's may not have been), and
+# a later call asking to keep more raises it (never lowers it: the first caller's blocks would be handed back)
+_applied: tuple[int, int] | None = None
 
 
 def keep_freed_memory(trim_bytes: int = TRIM_BYTES) -> bool:
-    """Keep up to ``trim_bytes`` of freed heap memory in this process (see the module notes), once per process.
+    """Keep up to ``trim_bytes`` of freed heap memory in this process (see the module notes); a later call with more
+    raises it, one with less leaves it.
 
     Returns True when glibc accepted it (now or earlier in this process), False where there is no glibc ``mallopt``.
     """
-    global _done_in
+    global _applied
     pid = os.getpid()
     with _lock:
-        if _done_in == pid:
+        if _applied is not None and _applied[0] == pid and _applied[1] >= trim_bytes:
             return True
         mallopt = _mallopt()
         if mallopt is None:
             return False
         ok = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, int(trim_bytes)))
         if ok:
-            _done_in = pid
+            _applied = (pid, int(trim_bytes))
         return ok
 
 

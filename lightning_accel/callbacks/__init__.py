@@ -4,7 +4,7 @@ core it adapts (``checkpoint/callbacks.py``, ``perf/callbacks.py``, ``recipes/ca
 """
 
 from lightning_accel.checkpoint.callbacks import CheckpointGuard, DeltaModelCheckpoint, ElasticExit
-from lightning_accel.perf.callbacks import CudaMemoryManager, PerformanceMonitor
+from lightning_accel.perf.callbacks import CudaMemoryManager, HostMemoryManager, PerformanceMonitor
 from lightning_accel.recipes.callbacks import KnowledgeDistillation, LinearScalingLR, PerStepLR, StructuredPruning
 from lightning_accel.tune.guard import RollbackGuard
 
@@ -13,6 +13,7 @@ __all__ = [
     "CudaMemoryManager",
     "DeltaModelCheckpoint",
     "ElasticExit",
+    "HostMemoryManager",
     "KnowledgeDistillation",
     "LinearScalingLR",
     "PerStepLR",

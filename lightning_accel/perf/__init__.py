@@ -1,10 +1,11 @@
 """Measure before optimising: step-time attribution, FLOPs/MFU, NVML sampling, bottleneck reports, CUDA allocator.
 
 The core (``timers``, ``flops``, ``nvml``, ``report``, ``cuda_memory``) is plain torch; the Lightning adapters,
-:class:`PerformanceMonitor` and :class:`CudaMemoryManager`, live in ``callbacks.py``.
+:class:`PerformanceMonitor`, :class:`CudaMemoryManager` and :class:`HostMemoryManager` (over
+``lightning_accel/_utils/malloc.py``), live in ``callbacks.py``.
 """
 
-from lightning_accel.perf.callbacks import CudaMemoryManager, PerformanceMonitor
+from lightning_accel.perf.callbacks import CudaMemoryManager, HostMemoryManager, PerformanceMonitor
 from lightning_accel.perf.cuda_memory import (
     AllocatorSettings,
     AppliedSettings,
@@ -29,6 +30,7 @@ __all__ = [
     "CudaMemoryManager",
     "CudaEventClock",
     "FragmentationStats",
+    "HostMemoryManager",
     "HostClock",
     "NvmlSampler",
     "PerformanceMonitor",
