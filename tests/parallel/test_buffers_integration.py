@@ -1,9 +1,12 @@
 """Buffers under the sharded and pipeline strategies (2 gloo processes): BatchNorm's running statistics follow
 DistributedDataParallel's rule (rank 0's copied to every rank before each training forward) instead of drifting
-apart on each rank, and every rank evaluates with the statistics the checkpoint holds."""
+apart on each rank, every rank evaluates with the statistics the checkpoint holds, and a sharded checkpoint folder holds
+rank 0's, as DistributedDataParallel's file does."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -97,3 +100,29 @@ def test_batchnorm_statistics_follow_ddp_and_every_rank_evaluates_with_rank_0s()
         # evaluation starts from rank 0's statistics (those the checkpoint holds) on every rank
         assert ranks[1][name]["validate"] == ranks[0][name]["validate"], name
         assert ranks[0][name]["validate"] == ranks[0][name]["fit"], name
+
+
+def _saves(rank: int, world: int, tmp: str) -> None:
+    from lightning_accel.strategies import ShardedStrategy
+
+    for name, make in (("ddp", lambda: "ddp"), ("folder", lambda: ShardedStrategy(save_distributed_checkpoint=True))):
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=2, strategy=make(), max_epochs=1, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False,
+        )  # fmt: skip
+        trainer.fit(BatchNormNet(), _loader())
+        trainer.save_checkpoint(os.path.join(tmp, name))
+
+
+def test_a_sharded_checkpoint_folder_holds_rank_0s_batchnorm_statistics(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    run_in_processes(_saves, 2, (str(tmp_path),), init_process_group=False, timeout=600)
+    assert (tmp_path / "folder").is_dir()
+    dcp_to_torch_save(tmp_path / "folder", tmp_path / "folder.pt")
+    got = torch.load(tmp_path / "folder.pt", weights_only=False)["state_dict"]
+    want = torch.load(tmp_path / "ddp", weights_only=False)["state_dict"]
+    # each rank's statistics include its own last batch: the folder holds rank 0's, like DDP's file (and a run resumed
+    # from it goes on with them), not those of whichever rank the writer picked for a replicated tensor
+    for key in ("net.1.running_mean", "net.1.running_var", "net.1.num_batches_tracked", "net.1.mask"):
+        assert torch.allclose(got[key].double(), want[key].double(), atol=1e-6), (key, got[key], want[key])

@@ -253,3 +253,36 @@ def test_pipeline_accumulates_the_mean_and_validates_after_fit_like_one_process(
     for k, v in ref["state"].items():  # the mean of the accumulated gradients, not their sum
         assert torch.allclose(torch.from_numpy(r0["state"][k]), torch.from_numpy(v), atol=1e-6), k
     assert abs(r0["val_loss"] - ref["val_loss"]) < 1e-5 and abs(r1["val_loss"] - ref["val_loss"]) < 1e-5
+
+
+def _clip_by_value(strategy: Any, devices: int) -> list[float]:
+    """Three steps with every gradient clamped to +-1e-3 (the norm-clipping default of `fit` left out)."""
+    from lightning.pytorch.callbacks import Callback
+
+    losses: list[float] = []
+
+    class Record(Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            losses.append(float(trainer.callback_metrics["train_loss"]))
+
+    t = pl.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=3, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[Record()], use_distributed_sampler=False,
+        gradient_clip_val=1e-3, gradient_clip_algorithm="value",
+    )  # fmt: skip
+    t.fit(make_model(), loader())
+    return losses
+
+
+def _tensor_parallel_clip_by_value(rank: int, world: int) -> list[float]:
+    from lightning_accel.parallel import ShardedStrategy
+
+    return _clip_by_value(ShardedStrategy(tensor_parallel_size=2), 2)
+
+
+def test_tensor_parallel_clips_by_value_like_one_process() -> None:
+    ref = _clip_by_value("auto", 1)
+    r0, r1 = run_in_processes(_tensor_parallel_clip_by_value, 2, init_process_group=False, timeout=300)
+    assert len(ref) == 3 and r0 == r1
+    diff = max(abs(a - b) for a, b in zip(r0, ref, strict=True))
+    assert diff <= TOL, f"losses {r0} vs single-process {ref} (max diff {diff:.2e})"

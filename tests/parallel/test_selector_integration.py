@@ -1,6 +1,7 @@
 """The measuring selector never changes the training (2 gloo processes, one launch): every candidate it can pick
-trains on DDP's global batch with DDP's steps per epoch and losses, and a candidate whose trial fails is dropped with
-its error while the fit goes on."""
+trains on DDP's global batch with DDP's steps per epoch and losses, a candidate whose trial fails is dropped with
+its error while the fit goes on, and the trial leaves torch's RNG as it found it (dropout draws the same masks as in
+the same seed's run under the chosen strategy)."""
 
 from __future__ import annotations
 
@@ -92,3 +93,51 @@ def test_every_candidate_trains_on_ddps_batch_and_a_failing_trial_is_dropped() -
         assert f["plan"] == "ddp" and f["strategy"] == "AutoStrategy" and f["steps_per_epoch"] == 2
         assert "refuses tensor parallelism" in f["dropped"]["tp"]
         assert "trial dropped: rank 0: RuntimeError: this model refuses tensor parallelism" in f["table"]
+
+
+def _dropout_fit(strategy: Any) -> dict[str, Any]:
+    """Three steps of a dropout network from seed 0 (the masks come from torch's RNG); the weights after them."""
+    import lightning.pytorch as pl
+    import torch.nn.functional as F
+
+    class DropoutNet(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 8))
+            self.example_input_array = torch.randn(4, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return F.mse_loss(self(batch[0]), batch[0])
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    g = torch.Generator().manual_seed(1)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(32, 8, generator=g)), batch_size=4)
+    pl.seed_everything(0, verbose=False)
+    model = DropoutNet()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=3, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(model, loader)
+    return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}  # a tensor would not cross processes
+
+
+def _ddp_and_measured(rank: int, world: int) -> dict[str, Any]:
+    from lightning_accel.parallel import AutoStrategy
+
+    auto = AutoStrategy(policy="measure", candidates=["ddp"], device_memory_bytes=2**30, trial_steps=2)
+    measured = _dropout_fit(auto)
+    assert auto.choice is not None and auto.choice.measured
+    return {"ddp": _dropout_fit("ddp"), "measured": measured, "chosen": auto.choice.strategy}
+
+
+def test_the_trial_leaves_the_rng_as_it_found_it() -> None:
+    for r in run_in_processes(_ddp_and_measured, 2, (), init_process_group=False, timeout=300):
+        assert r["chosen"] == "ddp"
+        for key, want in r["ddp"].items():
+            assert (r["measured"][key] == want).all(), key

@@ -184,6 +184,17 @@ def test_a_tp_plan_without_tensor_parallelism_warns_that_it_is_unused() -> None:
         ({"pipeline_size": 0}, ValueError, r"`pipeline_size` must be an integer >= 1 or None, got 0"),
         ({"microbatches": True}, TypeError, r"`microbatches` must be an integer >= 1 or None, got True \(bool\)"),
         ({"stages_per_rank": 0}, ValueError, r"`stages_per_rank` must be an integer >= 1 or None, got 0"),
+        # known together in `__init__`: refused here, not once every process has started
+        (
+            {"pipeline_size": 4, "microbatches": 2},
+            ValueError,
+            r"`microbatches`=2 is smaller than `pipeline_size`=4: some stages would idle .* >= 4, or None for 8",
+        ),
+        (
+            {"pipeline_size": 2, "microbatches": 3, "schedule": "interleaved1f1b"},
+            ValueError,
+            r"`microbatches`=3 with `schedule`='interleaved1f1b' and `pipeline_size`=2: .* Use `microbatches`=4",
+        ),
     ],
 )
 def test_bad_pipeline_arguments(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:

@@ -106,6 +106,16 @@ def test_swaps_to_the_sharded_strategy_on_cpu() -> None:
     assert isinstance(t.strategy, ShardedStrategy) and t.strategy.applied == {"fsdp_units": 3} and t.global_step == 3
 
 
+def test_the_tensor_parallel_sizes_of_sharded_kwargs_leave_a_chosen_fsdp_sharded_over_every_rank() -> None:
+    kwargs = {"tensor_parallel_size": 2, "tp_plan": {"net.0": "colwise"}, "reshard_after_forward": False}
+    fsdp = _force(AutoStrategy(sharded_kwargs=kwargs), "fsdp").resolve(Deep(depth=3), accelerator="cpu", devices=2)
+    # what the "fsdp" estimate and trial describe (a tensor-parallel run before), with the other keywords kept
+    assert isinstance(fsdp, ShardedStrategy) and (fsdp.tensor_parallel_size, fsdp.data_parallel_size) == (1, None)
+    assert fsdp.tp_plan is None and fsdp.reshard_after_forward is False
+    tp = _force(AutoStrategy(sharded_kwargs=kwargs), "tp").resolve(Deep(depth=3), accelerator="cpu", devices=2)
+    assert isinstance(tp, ShardedStrategy) and tp.tensor_parallel_size == 2 and tp.tp_plan == {"net.0": "colwise"}
+
+
 def test_fsdp1_on_cpu_is_refused_with_the_reason() -> None:
     with pytest.raises(ValueError, match="cannot run on `cpu`"):
         trainer(_force(AutoStrategy(fsdp_kwargs={"cpu_offload": False}), "fsdp")).fit(Deep(), loader())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import math
 from abc import abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -25,6 +26,7 @@ from lightning_accel.parallel.plans import BATCH_SPLITS
 __all__ = [
     "BATCH_SPLITS",
     "broadcast_buffers",
+    "broadcast_tensors",
     "check_keywords",
     "gather_batch",
     "leading_rows",
@@ -55,12 +57,15 @@ def gather_batch(batch: Any, group: Any) -> Any:
         counts = [torch.zeros_like(n) for _ in range(size)]
         dist.all_gather(counts, n, group=group)
         rows = [int(c) for c in counts]
-        padded = t
+        # each row as its bytes: gloo gathers no 16-bit integer, unsigned 32/64-bit or float8 tensor ("Invalid scalar
+        # type" for a uint16 token batch), and bytes carry every dtype unchanged
+        raw = _as_bytes(t).reshape(t.shape[0], math.prod(t.shape[1:]) * t.element_size())  # the same on every rank
         if t.shape[0] < max(rows):
-            padded = torch.cat([t, t.new_zeros((max(rows) - t.shape[0], *t.shape[1:]))])
-        parts = [torch.empty_like(padded) for _ in range(size)]
-        dist.all_gather(parts, padded.contiguous(), group=group)
-        return torch.cat([p[:r] for p, r in zip(parts, rows, strict=True)])
+            raw = torch.cat([raw, raw.new_zeros((max(rows) - t.shape[0], raw.shape[1]))])
+        parts = [torch.empty_like(raw) for _ in range(size)]
+        dist.all_gather(parts, raw, group=group)
+        joined = torch.cat([p[:r] for p, r in zip(parts, rows, strict=True)])
+        return _from_bytes(joined, t.dtype).reshape(sum(rows), *t.shape[1:])
 
     def walk(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
@@ -74,6 +79,21 @@ def gather_batch(batch: Any, group: Any) -> Any:
         return x
 
     return walk(batch)
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements as one flat ``uint8`` tensor (contiguous, row-major): what a collective can carry for any dtype
+    (gloo refuses 16-bit integers, unsigned 32/64-bit integers and float8, and reduces no bool)."""
+    flat = t.detach().reshape(-1)
+    if not flat.numel():  # an empty tensor may keep a stride `view` refuses
+        return torch.empty(0, dtype=torch.uint8, device=t.device)
+    return flat.contiguous().view(torch.uint8)
+
+
+def _from_bytes(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The flat ``dtype`` tensor whose bytes :func:`_as_bytes` gave as ``raw`` (copied: a slice of a packed tensor may
+    start at an offset the wider dtype cannot view)."""
+    return raw.reshape(-1).clone().view(dtype)
 
 
 def broadcast_buffers(module: torch.nn.Module, src: int, group: Any = None) -> int:
@@ -91,20 +111,31 @@ def broadcast_buffers(module: torch.nn.Module, src: int, group: Any = None) -> i
     if dist.get_world_size(group) == 1:
         return 0
     buffers = [b for b in module.buffers() if not isinstance(b, DTensor)]
-    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for b in buffers:
-        by_kind.setdefault((b.dtype, b.device), []).append(b)
-    for bufs in by_kind.values():
-        flat = torch.cat([b.detach().reshape(-1) for b in bufs])
-        if flat.dtype == torch.bool:  # masks: gloo reduces no bool tensor, and a byte carries one just as well
-            flat = flat.to(torch.uint8)
+    broadcast_tensors(buffers, src, group)
+    return len(buffers)
+
+
+def broadcast_tensors(tensors: Sequence[torch.Tensor], src: int, group: Any = None) -> None:
+    """Overwrite every tensor of ``tensors`` (plain tensors, in the same order and shapes on every rank) in place with
+    global rank ``src``'s, packed as bytes into one collective per device (what :func:`broadcast_buffers` sends; bytes
+    carry every dtype, where gloo refuses an int16 or uint32 buffer and reduces no bool mask). Collective: every rank
+    of ``group`` (None: every rank) calls it."""
+    import torch.distributed as dist
+
+    if dist.get_world_size(group) == 1:
+        return
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for b in tensors:
+        by_device.setdefault(b.device, []).append(b)
+    for bufs in by_device.values():
+        flat = torch.cat([_as_bytes(b) for b in bufs])
         dist.broadcast(flat, src=src, group=group)
         offset = 0
         for b in bufs:
+            size = b.numel() * b.element_size()
             with torch.no_grad():
-                b.copy_(flat[offset : offset + b.numel()].view_as(b))
-            offset += b.numel()
-    return len(buffers)
+                b.copy_(_from_bytes(flat[offset : offset + size], b.dtype).view_as(b))
+            offset += size
 
 
 class _EvaluationBufferSync(Strategy):

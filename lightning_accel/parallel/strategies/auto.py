@@ -55,6 +55,7 @@ from lightning_accel._utils.checks import check_bool, check_choice, check_int
 from lightning_accel._utils.errors import one_line
 from lightning_accel._utils.rank import describe_error, distributed_ready, rebuild_error
 from lightning_accel.parallel.callbacks import ChoiceCheck
+from lightning_accel.parallel.estimate import preserved_state
 from lightning_accel.parallel.select import (
     POLICIES,
     StrategyChoice,
@@ -174,8 +175,9 @@ class AutoStrategy(DDPStrategy):
             GPUs only; e.g. ``cpu_offload``) instead of :class:`ShardedStrategy` (FSDP2, CPU and GPU). Its keys are
             ``FSDPStrategy``'s keywords and ``FullyShardedDataParallel``'s (but ``module`` and ``device_id``, which
             the strategy sets); an unknown key is refused here.
-        sharded_kwargs: keyword arguments for :class:`ShardedStrategy` (the ``"fsdp"`` and ``"tp"`` plans); an unknown
-            key is refused here.
+        sharded_kwargs: keyword arguments for :class:`ShardedStrategy` (the ``"fsdp"`` and ``"tp"`` plans; the mesh
+            sizes ``tensor_parallel_size`` / ``data_parallel_size`` and ``tp_plan`` apply to ``"tp"`` only, ``"fsdp"``
+            shards over every rank); an unknown key is refused here.
         pipeline_kwargs: keyword arguments for :class:`PipelineStrategy` (``schedule``, ``microbatches``,
             ``pipeline_size``, ``stages_per_rank``); the pipeline's memory estimate is made for them; an unknown key
             is refused here.
@@ -424,6 +426,11 @@ class AutoStrategy(DDPStrategy):
         kwargs = {"batch_split": "world", **self.sharded_kwargs}
         if name == "tp":
             kwargs.setdefault("tensor_parallel_size", devices)
+        else:
+            # "fsdp" shards over every rank, the plan its estimate and its trial describe: the mesh sizes and
+            # `tp_plan` in `sharded_kwargs` are the "tp" plan's (they made a chosen "fsdp" run tensor parallel)
+            kwargs.update(tensor_parallel_size=1, data_parallel_size=None)
+            kwargs.pop("tp_plan", None)
         return ShardedStrategy(**kwargs)
 
     def _record(self, choice: StrategyChoice | None) -> None:
@@ -507,7 +514,8 @@ class AutoStrategy(DDPStrategy):
 
     def _measure(self, model: pl.LightningModule, memory_choice: StrategyChoice) -> StrategyChoice:
         """Every rank: time the plans rank 0's estimate (``memory_choice``, the same on every rank) lets fit, on
-        copies of ``model`` (collective, same order everywhere; the cache is read on rank 0 and its answer shared)."""
+        copies of ``model`` (collective, same order everywhere; the cache is read on rank 0 and its answer shared).
+        torch's RNG is as before afterwards, so the run trains as the same seed's run under the chosen plan would."""
         example = getattr(model, "example_input_array", None)
         if not isinstance(example, torch.Tensor):
             raise ValueError(
@@ -560,7 +568,11 @@ class AutoStrategy(DDPStrategy):
                 raise TrialFailed(f"rank {rank}: {why}")
             return seconds
 
-        out = choose_by_trial(memory_choice, trial, key=key, cache=shared, candidates=self.candidates)
+        # the trial's training steps draw from torch's RNG (dropout masks): without restoring it the run after the
+        # trial, whatever it chooses, trained differently from the same seed's run under that strategy, where the
+        # estimate before it measures without changing anything (`preserved_state`)
+        with preserved_state(()):
+            out = choose_by_trial(memory_choice, trial, key=key, cache=shared, candidates=self.candidates)
         if self.global_rank == 0 and out.measured:
             self.trial_cache.put(key, out.measured)
         return out

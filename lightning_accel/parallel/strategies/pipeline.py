@@ -73,6 +73,18 @@ def _step_calls(module: pl.LightningModule, forward: Callable[..., Any], log: Ca
             p.restore()
 
 
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """torch's CPU RNG state and, on a CUDA ``device``, that device's: what a step draws from."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None], device: torch.device) -> None:
+    """Put back a state :func:`_rng_state` took (on another rank too: the state is plain bytes)."""
+    torch.set_rng_state(state[0])
+    if state[1] is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(state[1], device)
+
+
 def _no_log(*args: Any, **kwargs: Any) -> None:
     """``self.log`` while the first stage's input is captured: the step runs again on the last stage, which logs."""
 
@@ -96,13 +108,14 @@ class PipelineStrategy(_EvaluationBufferSync, DDPStrategy):
     **One step**: the batch is cut into ``microbatches``; on the first stage the step is run with ``forward``
     replaced by a probe that records its input (the stage-0 input of each micro-batch); the schedule runs forward
     and backward of all micro-batches; on the last stage the loss function *is* your ``training_step``, with
-    ``forward`` returning the last stage's output, so your loss and your ``self.log`` calls run there unchanged. The
-    values it logged (averaged over micro-batches) are sent to every rank of the pipeline and logged there too, so
-    every rank logs the loss (``ModelCheckpoint(monitor=...)`` works on any rank). ``backward`` is then a no-op (the
-    schedule did it); gradients of tied parameters are summed between their stages and, with ``world > pipeline
-    size``, averaged over the replicas (whose buffers, BatchNorm's running statistics, are copied from replica 0
-    before each training step and each evaluation, as ``DistributedDataParallel`` does); ``gradient_clip_val`` clips
-    by the norm of the *whole* model's gradient.
+    ``forward`` returning the last stage's output, so your loss and your ``self.log`` calls run there unchanged (from
+    the RNG state the first stage ran it from: noise the step draws before ``self(x)`` and predicts is the same noise
+    on both stages). The values it logged (averaged over micro-batches) are sent to every rank of the pipeline and
+    logged there too, so every rank logs the loss (``ModelCheckpoint(monitor=...)`` works on any rank). ``backward``
+    is then a no-op (the schedule did it); gradients of tied parameters are summed between their stages and, with
+    ``world > pipeline size``, averaged over the replicas (whose buffers, BatchNorm's running statistics, are copied
+    from replica 0 before each training step and each evaluation, as ``DistributedDataParallel`` does);
+    ``gradient_clip_val`` clips by the norm of the *whole* model's gradient.
     The schedule averages the micro-batches' gradients (torch's pipelining rule) and the logged values are their
     mean: that is one process's step for a loss that is a *mean* over the batch's samples (``F.cross_entropy``'s
     default). A loss *summed* over the samples (``reduction="sum"``) trains with ``1 / microbatches`` of one
@@ -178,6 +191,19 @@ class PipelineStrategy(_EvaluationBufferSync, DDPStrategy):
         check_int("pipeline_size", pipeline_size, low=1, allow_none=True)
         check_int("microbatches", microbatches, low=1, allow_none=True)
         spr = resolve_stages_per_rank(schedule, stages_per_rank)
+        if pipeline_size is not None and microbatches is not None:
+            # what the runner refuses at setup, after every process has started: both are known here
+            if microbatches < pipeline_size:
+                raise ValueError(
+                    f"`microbatches`={microbatches} is smaller than `pipeline_size`={pipeline_size}: some stages would "
+                    f"idle for the whole step. Use `microbatches` >= {pipeline_size}, or None for {2 * pipeline_size}."
+                )
+            if schedule == "interleaved1f1b" and microbatches % pipeline_size:
+                raise ValueError(
+                    f"`microbatches`={microbatches} with `schedule`='interleaved1f1b' and `pipeline_size`="
+                    f"{pipeline_size}: the interleaved schedule needs a multiple of the pipeline size. Use "
+                    f"`microbatches`={pipeline_size * -(-microbatches // pipeline_size)}, or None."
+                )
         super().__init__(**ddp_kwargs)
         self.pipeline_size = pipeline_size
         self.schedule = schedule
@@ -185,9 +211,15 @@ class PipelineStrategy(_EvaluationBufferSync, DDPStrategy):
         self.stages_per_rank = spr
         self.batch_split = batch_split
         self.runner: PipelineRunner | None = None
-        self._hook: tuple[str, int] = ("training_step", 0)
+        # the step running and what Lightning passed it after the batch (`batch_idx` when the step takes it,
+        # `dataloader_idx` with several loaders): the step runs again on every micro-batch with the same ones
+        self._hook: tuple[str, tuple[Any, ...], dict[str, Any]] = ("training_step", (), {})
         self._logged: dict[int, dict[str, tuple[float, dict[str, Any]]]] = {}
         self._mbs: list[Any] = []
+        # per micro-batch, torch's RNG state on the first stage's rank before its step ran to `self(x)`: the last
+        # stage runs the step again from the same state, so what it draws (noise added to the input, and predicted
+        # as the target) is what the first stage's input was made with
+        self._rngs: list[Any] = []
         self._predicted: dict[int, Any] = {}  # predict: each micro-batch's `predict_step` output (last stage)
         self._grads: list[torch.Tensor | None] = []
         self._clip_patch: Patch | None = None
@@ -350,10 +382,17 @@ class PipelineStrategy(_EvaluationBufferSync, DDPStrategy):
         return self.runner.clip_grad_norm_(float(clip_val))
 
     # --------------------------------------------------------------------------------------------------- steps
-    def _step_hook(self, module: pl.LightningModule, name: str, batch: Any, batch_idx: int) -> Any:
-        return getattr(module, name)(batch, batch_idx)
+    def _step_hook(
+        self, module: pl.LightningModule, name: str, batch: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """The LightningModule's step ``name`` on ``batch`` (one micro-batch) with the other arguments Lightning
+        passed the strategy's step (``args`` / ``kwargs``, as given: a step without ``batch_idx`` gets none, one with
+        ``dataloader_idx`` gets it with several loaders)."""
+        return getattr(module, name)(batch, *args, **kwargs)
 
-    def _capture(self, module: pl.LightningModule, name: str, batch: Any, batch_idx: int) -> torch.Tensor:
+    def _capture(
+        self, module: pl.LightningModule, name: str, batch: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> torch.Tensor:
         """The tensor ``name`` passes to ``self(...)`` for ``batch``: run it until it calls forward."""
 
         def probe(*args: Any, **kwargs: Any) -> Any:
@@ -361,7 +400,7 @@ class PipelineStrategy(_EvaluationBufferSync, DDPStrategy):
 
         try:
             with _step_calls(module, probe, _no_log):
-                self._step_hook(module, name, batch, batch_idx)
+                self._step_hook(module, name, batch, args, kwargs)
         except _Captured as c:
             if len(c.args) != 1 or c.kwargs or not isinstance(c.args[0], torch.Tensor):
                 raise TypeError(
@@ -381,7 +420,7 @@ class PipelineStrategy(_EvaluationBufferSync, DDPStrategy):
         call's logs are replaced by the real one's.)"""
         module = self.lightning_module
         assert module is not None
-        name, batch_idx = self._hook
+        name, args, kwargs = self._hook
         i = int(index.reshape(-1)[0])
         batch = self._mbs[i]
         logged: dict[str, tuple[float, dict[str, Any]]] = {}
@@ -397,8 +436,13 @@ class PipelineStrategy(_EvaluationBufferSync, DDPStrategy):
         def forward(*args: Any, **kwargs: Any) -> Any:
             return output
 
-        with _step_calls(module, forward, log):
-            out = self._step_hook(module, name, batch, batch_idx)
+        own = _rng_state(self.root_device)
+        _set_rng_state(self._rngs[i], self.root_device)  # the first stage's draws, where the step made its input
+        try:
+            with _step_calls(module, forward, log):
+                out = self._step_hook(module, name, batch, args, kwargs)
+        finally:  # this rank's own stream goes on (its stages' dropout)
+            _set_rng_state(own, self.root_device)
         self._logged[i] = logged
         if name == "predict_step":
             self._predicted[i] = out
@@ -413,8 +457,11 @@ class PipelineStrategy(_EvaluationBufferSync, DDPStrategy):
             )
         return output.float().sum() * 0.0  # an evaluation step that only logs
 
-    def _run(self, name: str, batch: Any, batch_idx: int, train: bool) -> torch.Tensor:
+    def _run(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], train: bool) -> torch.Tensor:
+        """One pipelined step of the LightningModule's ``name`` on ``args[0]`` (the batch), each micro-batch's step
+        called with the rest of ``args`` and ``kwargs``, what Lightning passed the strategy's step."""
         module, runner = self.lightning_module, self.runner
+        batch, rest = args[0], tuple(args[1:])
         assert module is not None and runner is not None, "PipelineStrategy.setup builds the pipeline"
         n = runner.microbatches
         if not train:  # every rank of the pipeline holds the same batch: they choose the same count
@@ -422,12 +469,23 @@ class PipelineStrategy(_EvaluationBufferSync, DDPStrategy):
             n = runner.eval_microbatches(int(rows))
         mbs = split_batch(batch, n)
         key = tuple(tuple(t.shape) for t in batch_tensors(mbs[0]))
-        inputs = [self._capture(module, name, mb, batch_idx) for mb in mbs] if runner.has_first else None
-        self._hook, self._logged, self._mbs = (name, batch_idx), {}, mbs
+        inputs: list[torch.Tensor] | None = None
+        rngs: list[Any] = []
+        if runner.has_first:
+            inputs = []
+            for mb in mbs:
+                rngs.append(_rng_state(self.root_device))
+                inputs.append(self._capture(module, name, mb, rest, kwargs))
+        # the first stage's RNG states to the last stage (another rank, whose own RNG has drawn other numbers)
+        payload: list[Any] = [rngs]
+        torch.distributed.broadcast_object_list(
+            payload, src=runner.layout.rank_of(0, runner.replica), group=runner.pp_group
+        )
+        self._hook, self._logged, self._mbs, self._rngs = (name, rest, kwargs), {}, mbs, payload[0]
         targets = [torch.tensor([i]) for i in range(len(mbs))] if runner.has_last else None
         loss = runner.step(inputs, targets, key) if train else runner.evaluate(inputs, targets, key, n)
         self._relog(module, runner)
-        self._mbs = []
+        self._mbs, self._rngs = [], []
         return loss
 
     def _relog(self, module: pl.LightningModule, runner: PipelineRunner) -> None:
@@ -460,7 +518,6 @@ class PipelineStrategy(_EvaluationBufferSync, DDPStrategy):
         """One pipelined step (see the class notes), after every buffer of this rank's stages (BatchNorm's running
         statistics) is copied from replica 0 to the other replicas, as ``DistributedDataParallel`` does before each
         training forward."""
-        batch, batch_idx = args[0], (args[1] if len(args) > 1 else kwargs.get("batch_idx", 0))
         assert self.runner is not None
         self._sync_buffers()
         params = self.runner.params
@@ -471,7 +528,7 @@ class PipelineStrategy(_EvaluationBufferSync, DDPStrategy):
         for p in params:
             p.grad = None
         with self.precision_plugin.train_step_context():
-            loss = self._run("training_step", batch, batch_idx, train=True)
+            loss = self._run("training_step", args, kwargs, train=True)
         self._grads = [p.grad for p in params]
         for p, g in zip(params, before, strict=False):
             p.grad = g
@@ -480,12 +537,12 @@ class PipelineStrategy(_EvaluationBufferSync, DDPStrategy):
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.val_step_context():
-            return self._run("validation_step", args[0], args[1] if len(args) > 1 else 0, train=False)
+            return self._run("validation_step", args, kwargs, train=False)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.test_step_context():
-            return self._run("test_step", args[0], args[1] if len(args) > 1 else 0, train=False)
+            return self._run("test_step", args, kwargs, train=False)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -495,7 +552,7 @@ class PipelineStrategy(_EvaluationBufferSync, DDPStrategy):
         assert runner is not None, "PipelineStrategy.setup builds the pipeline"
         self._predicted = {}
         with self.precision_plugin.predict_step_context():
-            self._run("predict_step", args[0], args[1] if len(args) > 1 else kwargs.get("batch_idx", 0), train=False)
+            self._run("predict_step", args, kwargs, train=False)
         payload: list[Any] = [None]
         if runner.has_last:
             parts = [self._predicted[i] for i in sorted(self._predicted)]

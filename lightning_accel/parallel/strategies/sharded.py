@@ -34,6 +34,7 @@ from lightning_accel.parallel.strategies._helpers import (
     BATCH_SPLITS,
     _EvaluationBufferSync,
     broadcast_buffers,
+    broadcast_tensors,
     gather_batch,
     leading_rows,
     named_optimizer_state,
@@ -46,6 +47,7 @@ from lightning_accel.parallel.strategies._helpers import (
 __all__ = ["ShardedStrategy"]
 
 _CLIP_KEY = "lightning_accel.parallel.ShardedStrategy.clip_grad_by_norm"
+_CLIP_VALUE_KEY = "lightning_accel.parallel.ShardedStrategy.clip_grad_by_value"
 
 
 def _clip_mixed_grad_norm(optimizer: Any, clip_val: float) -> float:
@@ -62,6 +64,17 @@ def _clip_mixed_grad_norm(optimizer: Any, clip_val: float) -> float:
         for g in grads:
             g.mul_(coef)
     return norm
+
+
+def _clip_mixed_grad_value(optimizer: Any, clip_val: float) -> None:
+    """``clip_grad_value_`` over the parameters of ``optimizer`` when DTensor and plain gradients mix: each gradient
+    clamped to ``[-clip_val, clip_val]`` on its own (elementwise, so a DTensor's local shard alone), since torch's
+    one fused (``foreach``) clamp over the whole list refuses the mix."""
+    value = float(clip_val)
+    for g in raw_optimizer(optimizer).param_groups:
+        for p in g["params"]:
+            if p.grad is not None:
+                p.grad.clamp_(min=-value, max=value)
 
 
 class ShardedStrategy(_EvaluationBufferSync, ModelParallelStrategy):
@@ -184,6 +197,7 @@ class ShardedStrategy(_EvaluationBufferSync, ModelParallelStrategy):
         self.applied: dict[str, Any] = {}  # what setup did: {"tp": plan, "tp_coverage": ..., "fsdp_units": n}
         self._local_rows = 0  # `batch_split="world"`: the rows this rank read of the batch its group gathered
         self._clip_patch: Patch | None = None
+        self._clip_value_patch: Patch | None = None
 
     @override
     def setup_environment(self) -> None:
@@ -278,9 +292,13 @@ class ShardedStrategy(_EvaluationBufferSync, ModelParallelStrategy):
             self.applied = self.apply_plan(self.model)
         if "tp" in self.applied:
             # the parameters are now DTensors and plain (replicated) tensors side by side, which torch's
-            # `clip_grad_norm_` refuses to mix: Lightning calls this method of the precision plugin to clip
+            # `clip_grad_norm_` and `clip_grad_value_` refuse to mix: Lightning calls these methods of the precision
+            # plugin to clip (`gradient_clip_algorithm` "norm" / "value")
             self._clip_patch = patch(
                 self.precision_plugin, "clip_grad_by_norm", lambda p: _clip_mixed_grad_norm, key=_CLIP_KEY
+            )
+            self._clip_value_patch = patch(
+                self.precision_plugin, "clip_grad_by_value", lambda p: _clip_mixed_grad_value, key=_CLIP_VALUE_KEY
             )
         compat.materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
@@ -352,11 +370,28 @@ class ShardedStrategy(_EvaluationBufferSync, ModelParallelStrategy):
                     }
         return out
 
+    def _rank_zero_buffers(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` (this rank's sharded state dict) with every plain-tensor buffer replaced by a copy of rank 0's
+        (the module's own are left as they are). Collective: every rank calls it with the same keys.
+
+        Buffers are plain tensors, which ``torch.distributed.checkpoint`` takes for replicated and writes once, from
+        whichever rank its planner picks: each rank's BatchNorm statistics include its own last batches, so without
+        this the folder held some other rank's (or a mix of ranks') statistics, not rank 0's as the full file and
+        DistributedDataParallel keep, and a resumed run's statistics differed from those of the run it continues."""
+        module = self.lightning_module
+        if module is None or self.world_size == 1:
+            return state
+        names = {n for n, _ in module.named_buffers(remove_duplicate=False)}
+        keys = [k for k, v in state.items() if k in names and type(v) is torch.Tensor]  # a DTensor is placed already
+        copies = [state[k].detach().clone() for k in keys]
+        broadcast_tensors(copies, src=0)
+        return {**state, **dict(zip(keys, copies, strict=True))}
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         state = super().lightning_module_state_dict()
         if self.save_distributed_checkpoint:  # sharded: loads back into the same plan only
-            return state
+            return self._rank_zero_buffers(state)
         return self._reorder(state, unpack_rows)  # packed q/k/v in the unsplit layout: loads without the plan
 
     @override
@@ -414,7 +449,8 @@ class ShardedStrategy(_EvaluationBufferSync, ModelParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        if self._clip_patch is not None:  # the precision plugin clips the torch way again
-            self._clip_patch.restore()
-            self._clip_patch = None
+        for clip in (self._clip_value_patch, self._clip_patch):  # the precision plugin clips the torch way again
+            if clip is not None:
+                clip.restore()
+        self._clip_patch = self._clip_value_patch = None
         super().teardown()
