@@ -895,8 +895,9 @@ def check_trainer_values(trainer: dict[str, Any]) -> None:
 
     Lightning refused ``devices: abc`` (and ``1.5``, ``-3``, ``[0,x]``) only once the model and the data were built,
     with ``TypeError: `devices` selected with `CPUAccelerator` should be an int > 0.``, which names neither the key
-    nor the value; ``num_nodes: 0`` without the key; and it took ``accumulate_grad_batches: 0`` and ended the first
-    step in a ``ZeroDivisionError`` traceback.
+    nor the value; ``num_nodes: 0`` without the key; and it took ``accumulate_grad_batches: 0``,
+    ``val_check_interval: 0`` (an int: a count of batches) and ``check_val_every_n_epoch: 0`` (or below) and ended the
+    first step (the first epoch) in a ``ZeroDivisionError`` traceback.
 
     Args:
         trainer: the ``trainer`` section of the parsed config, as a dict.
@@ -926,6 +927,25 @@ def check_trainer_values(trainer: dict[str, Any]) -> None:
                 f"trainer.{name}",
                 f"{value!r} is not a positive int: expected 1 or more (e.g. `--trainer.{name}={fix}`, the default).",
             )
+    # both divide a counter at every batch: 0 ran into a ZeroDivisionError traceback at the first step (or the first
+    # epoch's end), once the model and the data were built; None is Lightning's "validate by batch count"
+    every = trainer.get("check_val_every_n_epoch", 1)
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+        raise ConfigError(
+            "trainer.check_val_every_n_epoch",
+            f"{every!r} is not a positive int: expected 1 or more (validate every N epochs, e.g. "
+            "`--trainer.check_val_every_n_epoch=1`, the default), or null to validate every `val_check_interval` "
+            "batches; to skip validation, set `--trainer.limit_val_batches=0`.",
+        )
+    interval = trainer.get("val_check_interval")
+    if isinstance(interval, int) and not isinstance(interval, bool) and interval == 0:
+        # an int counts batches (a float is a fraction of the epoch: 0.0 validates every batch, as Lightning reads it)
+        raise ConfigError(
+            "trainer.val_check_interval",
+            "0 is no number of batches: expected an int of 1 or more (batches between validations), a float in "
+            "(0.0, 1.0] (a fraction of the epoch, e.g. `--trainer.val_check_interval=0.25`) or a duration "
+            "('DD:HH:MM:SS'); to skip validation, set `--trainer.limit_val_batches=0`.",
+        )
 
 
 class VersionRichProgressBar(RichProgressBar):

@@ -756,15 +756,39 @@ _DEVICES_FORMS = (
             "trainer.accumulate_grad_batches: 0 is not a positive int: expected 1 or more (e.g. "
             "`--trainer.accumulate_grad_batches=1`, the default).",
         ),
+        (
+            "--trainer.val_check_interval=0",
+            "trainer.val_check_interval: 0 is no number of batches: expected an int of 1 or more (batches between "
+            "validations), a float in (0.0, 1.0] (a fraction of the epoch, e.g. `--trainer.val_check_interval=0.25`) "
+            "or a duration ('DD:HH:MM:SS'); to skip validation, set `--trainer.limit_val_batches=0`.",
+        ),
+        (
+            "--trainer.check_val_every_n_epoch=0",
+            "trainer.check_val_every_n_epoch: 0 is not a positive int: expected 1 or more (validate every N epochs, "
+            "e.g. `--trainer.check_val_every_n_epoch=1`, the default), or null to validate every "
+            "`val_check_interval` batches; to skip validation, set `--trainer.limit_val_batches=0`.",
+        ),
     ],
-    ids=["word", "fraction", "negative", "zero", "bad-list", "indices-on-cpu", "no-nodes", "no-accumulation"],
+    ids=[
+        "word",
+        "fraction",
+        "negative",
+        "zero",
+        "bad-list",
+        "indices-on-cpu",
+        "no-nodes",
+        "no-accumulation",
+        "no-validation-batches",
+        "no-validation-epochs",
+    ],
 )
 def test_a_malformed_trainer_value_is_refused_before_anything_is_built(
     option: str, expected: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Lightning refused `devices=abc` once the model and the data were built, with a line naming neither the key nor
     # the value (`devices` selected with `CPUAccelerator` should be an int > 0.), and ran `accumulate_grad_batches=0`
-    # into a ZeroDivisionError traceback at the first step
+    # into a ZeroDivisionError traceback at the first step (`val_check_interval=0` and `check_val_every_n_epoch=0` too,
+    # at the first step and at the first epoch's end)
     built: list[str] = []
 
     def instantiate_classes(self: object) -> None:  # stands in for building the model, the data and the Trainer
@@ -774,6 +798,28 @@ def test_a_malformed_trainer_value_is_refused_before_anything_is_built(
     line = _one_line_error([*_BORING, "--trainer.accelerator=cpu", option], capsys)
     assert line == f"lightning-accel: error: {expected}"
     assert built == []
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        ["--trainer.val_check_interval=0.0"],  # a fraction of the epoch: every batch, as Lightning reads it
+        ["--trainer.val_check_interval=3", "--trainer.check_val_every_n_epoch=null"],
+        ["--trainer.check_val_every_n_epoch=2"],
+    ],
+    ids=["zero-fraction", "by-batches", "every-2-epochs"],
+)
+def test_a_well_formed_validation_schedule_is_not_refused(options: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    built: list[str] = []
+
+    def instantiate_classes(self: object) -> None:
+        built.append("classes")
+        raise RuntimeError("stop before building")
+
+    monkeypatch.setattr("lightning_accel.cli.AccelCLI.instantiate_classes", instantiate_classes)
+    with pytest.raises(RuntimeError, match="stop before building"):
+        main([*_BORING, "--trainer.accelerator=cpu", *options])
+    assert built == ["classes"]
 
 
 @pytest.mark.parametrize("devices", ["2", "auto", "1,"])

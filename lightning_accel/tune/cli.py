@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None, prog: str = "lightning-accel tune") -> i
                 use_cache=not args.no_cache,
                 force=args.force,
             )
-    except (ValueError, TypeError, FileNotFoundError, RuntimeError) as e:
+    # OSError: outputs that could not be written (a full disk), FileNotFoundError among them
+    except (ValueError, TypeError, OSError, RuntimeError) as e:
         print(f"{prog}: error: {one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: the tune stops where it was (its trial folder removed), no traceback

@@ -301,9 +301,13 @@ def tune_job(
 
     Raises:
         TypeError / ValueError: an argument out of its range or of another type (a flag that is not a bool, a path
-            that is not one), an empty or unknown lever, a folder for ``out`` or the cache that cannot be written,
+            that is not one), an empty or unknown lever, a lever with nothing to try on ``job`` (``strategy`` on one
+            process, ``checkpoint`` on a job that saves none, ``data`` without a data module), a folder for ``out``
+            or the cache that cannot be written,
             or (without ``force``) a file at ``out`` or beside it that ``tune`` did not write -- all before any trial
             runs.
+        OSError: the outputs could not be written at the end (a full disk); the result is stored in the cache
+            first, so the same tune run again writes them without measuring.
     """
     from lightning_accel._utils.checks import check_bool, check_int, check_number
 
@@ -330,6 +334,7 @@ def tune_job(
                 f"Pass {example}."
             )
     levers, skip = _check_levers(levers, skip, allow_batch_change)
+    _check_levers_apply(levers, job)
     if out is not None:  # `~` is the home directory, as for `--cache-dir` (`--out=~/x.yaml` reaches us unexpanded)
         out = Path(out).expanduser()
     cache = TuneCache(cache_dir or Path(os.environ.get("LIGHTNING_ACCEL_CACHE", "~/.cache/lightning_accel")) / "tune")
@@ -372,7 +377,7 @@ def tune_job(
     if res is not None:
         _say(f"tune: cached result for this job ({cache.path(key)})", verbose)
         res.seconds = time.monotonic() - start
-        res.paths = write_outputs(res, out, force=force) if out is not None and _rank_zero() else {}
+        res.paths = _write_or_explain(res, out, force=force) if out is not None and _rank_zero() else {}
         return res
 
     bud = Budget(seconds)
@@ -482,18 +487,28 @@ def tune_job(
         config.pop("seed_everything", None)
     res = TuneResult(config, trials, chosen, key, False, time.monotonic() - start, seconds)
     # the outputs first: the cache is a convenience, and a failure to store it must not cost the tune's result
-    if _rank_zero():
-        res.paths = write_outputs(res, out, force=force) if out is not None else {}
+    unwritten: OSError | None = None
+    if _rank_zero() and out is not None:
+        try:
+            res.paths = write_outputs(res, out, force=force)
+        except OSError as e:
+            # a full disk, a folder removed meanwhile: the measurements still go to the cache below, so that the next
+            # tune of this job writes its outputs at once instead of spending its budget on the same trials again
+            unwritten = e
+    stored = False
     if _node_leader():  # every rank holds rank 0's records (`agree`), so every node stores the same entry
         entry = {"config": config, "trials": [t.to_dict() for t in trials], "chosen": chosen, "budget_s": seconds}
         try:
             cache.store(key, entry)
+            stored = True
         except OSError as e:
             warnings.warn(
                 f"tune: the result could not be stored in the cache {os.fspath(cache.path(key))!r} ({one_line(e)}); "
                 "this tune's result stands, but the next tune of this job measures it again.",
                 stacklevel=2,
             )
+    if unwritten is not None and out is not None:
+        raise _unwritten_error(unwritten, out, cached=stored, reads_cache=use_cache)
     _say(
         f"tune: done in {res.seconds:.0f} s of {seconds:.0f} s; kept: {', '.join(chosen.values()) or 'nothing'}",
         verbose,
@@ -556,6 +571,40 @@ def _check_levers(
                 f"{named_arg('skip', ['compile'], 'compile')}."
             )
     return lv, sk
+
+
+def _check_levers_apply(levers: Sequence[str] | None, job: Mapping[str, Any]) -> None:
+    """Refuse a named lever that has nothing to try on ``job`` (the rule of ``core.lever_order``): the tune left it
+    out without a word, ran the baseline alone and reported "kept: nothing", as if the lever had been measured.
+
+    Raises:
+        ValueError: naming the lever, why it does not apply to this job and the fix.
+    """
+    j = dict(job)
+    t = j.get("trainer") if isinstance(j.get("trainer"), dict) else {}
+    why = {
+        "strategy": (
+            world_of({**j, "trainer": t}) <= 1,
+            "is tried on a job of several processes, and this one's `trainer.devices` x `num_nodes` is 1 ('auto' and "
+            "-1 count as 1: set the number of devices)",
+        ),
+        "checkpoint": (
+            not has_checkpoints({**j, "trainer": t}),
+            "is tried on a job that saves checkpoints, and this one sets `enable_checkpointing: false` without a "
+            "ModelCheckpoint",
+        ),
+        "data": (
+            not isinstance(j.get("data"), dict),
+            "is tried on a data module given as `class_path:` under `data:`, and this job gives none",
+        ),
+    }
+    for name in levers or []:
+        refused, reason = why.get(name, (False, ""))
+        if refused:
+            raise ValueError(
+                f"{named_arg('levers')} names {name!r}, which {reason}: it would try nothing. Drop {name!r}, or "
+                f"leave {named_arg('levers')} out to try all that apply."
+            )
 
 
 #: the type each field of a cached trial must have (a float field takes an int too; None where the field allows it)
@@ -762,6 +811,32 @@ def write_outputs(res: TuneResult, out: str | os.PathLike[str], *, force: bool =
         atomic_write_bytes(f"{stem}.png", png)
         paths["png"] = f"{stem}.png"
     return paths
+
+
+def _unwritten_error(error: OSError, out: str | os.PathLike[str], *, cached: bool, reads_cache: bool) -> OSError:
+    """The one-line error for outputs that could not be written at ``out`` (``error``: the write's own), naming the
+    argument, the cause and the fix; ``cached``: the tune's result is in the cache, so a second run writes it at once
+    (``reads_cache``: this run read the cache; one that did not says how the next one does).
+    """
+    if not cached:
+        again = "; the result could not be cached either: the next tune measures it again"
+    else:
+        # `--no-cache` (use_cache=False) only skips reading: the same command again would measure again
+        how = "" if reads_cache else " without `--no-cache`" if flags_named() else " with `use_cache=True`"
+        again = f"; the result is cached: run the same tune again{how} to write it without measuring"
+    return OSError(
+        f"{named_arg('out')} {os.fspath(out)!r}: the tuned config and its reports could not be written "
+        f"({one_line(error)}). Free space in its folder or pass another {named_arg('out')}{again}."
+    )
+
+
+def _write_or_explain(res: TuneResult, out: str | os.PathLike[str], *, force: bool = False) -> dict[str, str]:
+    """:func:`write_outputs` of a result read from the cache, with an ``OSError`` of the write (a full disk) as
+    :func:`_unwritten_error`'s one line."""
+    try:
+        return write_outputs(res, out, force=force)
+    except OSError as e:
+        raise _unwritten_error(e, out, cached=True, reads_cache=True) from e
 
 
 def _ms(x: float | None) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -445,6 +446,71 @@ def test_a_cache_that_cannot_be_stored_is_a_warning_after_the_outputs(
     with pytest.warns(UserWarning, match="could not be stored in the cache .* result stands"):
         res = tuner.tune_job(JOB, out=out, levers=["precision"], skip=["Fused"], cache_dir=tmp_path, verbose=False)
     assert out.is_file() and res.paths["tuned"] == str(out)
+
+
+@pytest.mark.parametrize(
+    ("lever", "trainer", "words"),
+    [
+        (
+            "strategy",
+            {},
+            "which is tried on a job of several processes, and this one's `trainer.devices` x `num_nodes` is 1",
+        ),
+        (
+            "checkpoint",
+            {"enable_checkpointing": False},
+            "which is tried on a job that saves checkpoints, and this one sets `enable_checkpointing: false`",
+        ),
+        ("data", {}, "which is tried on a data module given as `class_path:` under `data:`, and this job gives none"),
+    ],
+)
+def test_a_lever_with_nothing_to_try_on_the_job_is_refused_before_any_trial(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, lever: str, trainer: dict[str, Any], words: str
+) -> None:
+    # the tune left such a lever out without a word: it ran the baseline alone and said "kept: nothing"
+    seen, fake = _script([0.1, 0.2, 0.1])
+    monkeypatch.setattr(tuner, "run_trial", fake)
+    job = {**JOB, "trainer": {**JOB["trainer"], **trainer}}
+    with pytest.raises(ValueError, match=rf"^`levers` names '{lever}', {re.escape(words)}.*: it would try nothing\."):
+        tuner.tune_job(job, out=None, levers=[lever, "precision"], use_cache=False, cache_dir=tmp_path, verbose=False)
+    assert seen == []
+
+
+def test_outputs_a_full_disk_refuses_are_one_line_and_the_result_is_cached_for_the_next_run(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lightning_accel._utils import atomic
+    from lightning_accel.tune.cli import main
+
+    seen, fake = _script([0.1, 0.2, 0.1])
+    monkeypatch.setattr(tuner, "run_trial", fake)
+    cache, out = tmp_path / "cache", tmp_path / "o" / "tuned.yaml"
+    real = atomic.atomic_write_text
+
+    def full_disk(path: Any, text: str, *args: Any, **kwargs: Any) -> Any:
+        if not Path(path).is_relative_to(cache):  # the outputs' disk is full, the cache's is not
+            raise OSError(28, "No space left on device")
+        return real(path, text, *args, **kwargs)
+
+    monkeypatch.setattr(atomic, "atomic_write_text", full_disk)
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(JOB))
+    argv = ["--config", str(job), "--out", str(out), "--cache-dir", str(cache), "--levers", "precision"]
+    argv += ["--skip", "Fused"]
+    capsys.readouterr()
+    assert main([*argv, "--no-cache"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.splitlines()[-1] == (
+        f"lightning-accel tune: error: `--out` {str(out)!r}: the tuned config and its reports could not be written "
+        "([Errno 28] No space left on device). Free space in its folder or pass another `--out`; the result is "
+        "cached: run the same tune again without `--no-cache` to write it without measuring."
+    )
+    assert len(seen) == 3 and len(list(cache.glob("*.json"))) == 1
+    # space freed: the same tune writes the outputs from the cache, with no trial
+    monkeypatch.setattr(atomic, "atomic_write_text", real)
+    assert main(argv) == 0
+    assert len(seen) == 3 and out.read_text().startswith(tuner.HEADER)
 
 
 @pytest.mark.parametrize(
