@@ -95,9 +95,11 @@ __all__ = [
     "set_layer_sync",
     "set_model_parallel_sizes",
     "set_scheduler_last_lr",
+    "set_state_dict_metadata",
     "set_trainer_strategy",
     "shutdown_persistent_workers",
     "stop_cuda_memory_history",
+    "state_dict_metadata",
     "storage_use_count_fn",
 ]
 
@@ -375,6 +377,22 @@ def set_child_modules(module: nn.Module, children: Mapping[str, nn.Module | None
     ``nn.Module._modules`` (since torch 1.0).
     """
     module._modules = dict(children)
+
+
+def state_dict_metadata(state: Any) -> Any:
+    """The module versions a state dict carries (``{module prefix: {"version": int, ...}}``), or None.
+
+    ``Module.state_dict()`` returns an ``OrderedDict`` with a ``_metadata`` attribute (since torch 0.4) that
+    ``load_state_dict`` hands to each module's ``_load_from_state_dict``; without it a module is loaded as if saved by
+    a version before its format changed, and migrates its state (an observer's saved ``eps`` becomes the default). No
+    public API reads or writes it; ``torch.save`` keeps it by pickling the attribute.
+    """
+    return getattr(state, "_metadata", None)
+
+
+def set_state_dict_metadata(state: Any, metadata: Any) -> None:
+    """Give the rebuilt state dict ``state`` the module versions ``metadata`` (see :func:`state_dict_metadata`)."""
+    state._metadata = metadata
 
 
 def module_has_hooks(module: nn.Module) -> bool:

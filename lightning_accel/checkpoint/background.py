@@ -59,7 +59,7 @@ from typing import Any, Literal
 import torch
 
 from lightning_accel._utils.checks import check_choice, check_int, check_number
-from lightning_accel._utils.compat import copy_tensors, tensor_version
+from lightning_accel._utils.compat import copy_tensors, set_state_dict_metadata, state_dict_metadata, tensor_version
 from lightning_accel._utils.errors import one_line
 from lightning_accel._utils.forksafe import PerProcess
 from lightning_accel.checkpoint.codec import _NUMPY_FROM, buffer_strides, copy_into, same_bytes
@@ -316,6 +316,9 @@ class SnapshotPool:
             out = kind()
             for k, v in obj.items():
                 out[k] = self._walk(v, run)
+            meta = state_dict_metadata(obj)
+            if meta is not None:  # a state dict's module versions: the store saves them as `torch.save` does
+                set_state_dict_metadata(out, meta)
             return out
         if kind is list:
             return [self._walk(v, run) for v in obj]
@@ -411,8 +414,11 @@ class SnapshotPool:
                 if b.refs == 0 and self._latest.get(b.key) is not b:  # superseded: free for its key
                     if b.key >= 0 and b.src_layout is not None:
                         self._free.setdefault(b.key, []).append(b)
-                    else:  # a private copy: a spare for any same-shape key
+                    elif b.tensor.layout is torch.strided:  # a private copy: a spare for any same-shape key
                         self._spare.setdefault(_shape_key(b.tensor), []).append(b.tensor)
+                    # A sparse copy is dropped: it has no strides to key a spare by (a CSR tensor's `stride()` raises,
+                    # which killed the writer thread and left every later wait hanging), and no dense tensor could
+                    # reuse it (a COO copy kept as a spare was never taken again: one more held per save).
             snap.bufs, snap.tree = [], None
 
     def clear(self) -> None:

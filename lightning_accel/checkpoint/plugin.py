@@ -18,7 +18,6 @@ import dataclasses
 import functools
 import logging
 import os
-import threading
 import weakref
 from collections import deque
 from collections.abc import Sequence
@@ -33,6 +32,7 @@ from lightning_accel._utils.checks import check_bool
 from lightning_accel._utils.compat import PathType, register_before_thread_shutdown
 from lightning_accel._utils.deferred import resolve_deferred
 from lightning_accel._utils.errors import one_line
+from lightning_accel._utils.forksafe import ForkSafeLock
 from lightning_accel.checkpoint.background import (
     BackgroundWriter,
     CheckpointSaveError,
@@ -213,7 +213,21 @@ class DeltaCheckpointIO(CheckpointIO):
         # `teardown`: each write holds it only while it is written (`_release_if_detached`). Changed, and read before
         # a release, under `_stage_lock`, so a release on the writer thread cannot undo a `claim` made meanwhile.
         self._attached = True
-        self._stage_lock = threading.Lock()
+        # Fork-safe, and pickled as a fresh lock: `strategy="ddp_spawn"` pickles the Trainer with this plugin to start
+        # each rank, and a plain `threading.Lock` made that launch fail ("cannot pickle '_thread.lock' object").
+        self._stage_lock = ForkSafeLock()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A copy made by unpickling is a live plugin of its process too.
+
+        Why: ``strategy="ddp_spawn"`` pickles the Trainer to start each rank, and rank 0 saves the final weights with
+        this plugin after ``teardown`` (Lightning's ``.temp.ckpt``, loaded by the main process once the ranks exit).
+        An unpickled copy was missing from the plugins whose queued saves are finished at exit
+        (:func:`_finish_saves_at_exit`), so with ``async_save`` that save died with the writer thread and the main
+        process found no file.
+        """
+        self.__dict__.update(state)
+        _LIVE.add(self)
 
     # -- the lever protocol (lightning_accel._utils.levers.Lever) --------------------------------------------------
     lever_name = "quantized_checkpoint"
@@ -255,7 +269,9 @@ class DeltaCheckpointIO(CheckpointIO):
                 tree, path, content_id=snap.content_id, pause=self._writer.yield_to_snapshots, aliases=snap.aliases
             )
         except BaseException:
-            self._after_failed_save(path)
+            directory = split_path(path)[0]
+            # made by this plugin on the training thread (`_make_directory`), or an object store's prefix
+            self._after_failed_save(path, made=directory in self._created_dirs or not is_local_url(directory))
             raise
         finally:
             self._release_if_detached(running=1)
@@ -269,19 +285,20 @@ class DeltaCheckpointIO(CheckpointIO):
         finally:
             self._release_if_detached(running=running)
 
-    def _after_failed_save(self, path: str) -> None:
+    def _after_failed_save(self, path: str, *, made: bool) -> None:
         """A save failed (a full disk, a store outage): when its folder holds no file, the blob store the save made
-        there (its lock file, empty blob folders) goes again, and with it the folder
+        there (its lock file, empty blob folders) goes again, and with it the folder when the save made it (``made``)
         (:meth:`~lightning_accel.checkpoint.store.DeltaStore.remove_if_emptied`: a folder with anything else in it,
         a blob waiting out its grace period included, is left as it is).
 
-        Why: under a full disk every failed save of a ``filename`` with a ``/`` left a folder of its own behind.
+        Why: under a full disk every failed save of a ``filename`` with a ``/`` left a folder of its own behind. A
+        folder that existed before the save (made by the user, empty) is theirs: it stays.
         """
         directory = split_path(path)[0]
         # the save's own error is what the caller must see: a folder that cannot be checked or removed stays
         with contextlib.suppress(Exception):
             if self.store.fs.isdir(directory) and not self.store.fs.list_files(directory):
-                self.store.remove_if_emptied(directory)
+                self.store.remove_if_emptied(directory, keep_directory=not made)
         self._drop_made_directory(directory)
 
     def _drop_made_directory(self, directory: str) -> None:
@@ -345,10 +362,12 @@ class DeltaCheckpointIO(CheckpointIO):
             self._writer.submit_save(self._save_snapshot, checkpoint, key)
         else:
             self._writer.wait()
+            directory = split_path(path_s)[0]
+            made = not is_local_url(directory) or not os.path.lexists(directory)  # the save makes its folder
             try:
                 self._save_now(checkpoint, path_s)
             except BaseException:
-                self._after_failed_save(path_s)
+                self._after_failed_save(path_s, made=made)
                 raise
             finally:
                 self._release_if_detached()

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from lightning_accel._utils.compat import set_state_dict_metadata, state_dict_metadata
 from lightning_accel.checkpoint import codec
 
 __all__ = [
@@ -68,6 +69,28 @@ def _unique_name(path: str, taken: Any) -> str:
     while name in taken:
         name, i = f"{base}#{i}", i + 1
     return name
+
+
+def _plain_metadata(meta: Any, path: str) -> Any:
+    """``meta`` (a state dict's ``_metadata``: module prefix -> ``{"version": int, ...}``) if it holds only the plain
+    leaves and containers the skeleton allows and no tensor (it is kept as an attribute, where no placeholder is
+    filled back); else :class:`UnsafeCheckpointContent` naming ``path``."""
+    if _is_leaf(meta):
+        return meta
+    if type(meta) in (dict, OrderedDict):
+        for k, v in meta.items():
+            _plain_metadata(k, path)
+            _plain_metadata(v, f"{path}/{_key_str(k)}")
+        return meta
+    if type(meta) in (list, tuple, set):
+        for v in meta:
+            _plain_metadata(v, path)
+        return meta
+    raise UnsafeCheckpointContent(
+        f"The state dict metadata at `{path}` holds a `{type(meta).__module__}.{type(meta).__qualname__}`; only plain "
+        "data (dicts, lists, numbers, strings) can be stored there. Remove it from the state dict's `_metadata` in "
+        "`on_save_checkpoint`."
+    )
 
 
 def split(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -117,6 +140,12 @@ def split(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.T
                         "in `on_save_checkpoint` / `state_dict()`, e.g. `key.value` or `str(key)`."
                     )
                 out[k] = walk(v, f"{path}/{_key_str(k)}")
+            meta = state_dict_metadata(obj)
+            if meta is not None:
+                # `Module.state_dict()` records each module's `_version` here, and `load_state_dict` hands it to the
+                # module's `_load_from_state_dict`, which migrates "old" formats when it is missing (an observer's
+                # saved `eps` is replaced by the default). `torch.save` keeps it; so must the skeleton.
+                set_state_dict_metadata(out, _plain_metadata(meta, f"{path}/_metadata"))
             return out
         if type(obj) in (list, tuple):
             return type(obj)(walk(v, f"{path}/{i}") for i, v in enumerate(obj))

@@ -414,8 +414,9 @@ class DeltaStore:
             return False  # a manifest of this plugin cut short or damaged: nothing to keep, replaced like a new path
         if not is_manifest_bytes(head):
             if self._adopted_file(path, head):
-                self._adopted.get().discard(path)
-                return False  # replaced like a new path, as TorchCheckpointIO would overwrite it
+                # replaced like a new path, as TorchCheckpointIO would overwrite it; still adopted until the manifest
+                # has replaced it (`save`): a save that fails first leaves the plain file, which the next one replaces
+                return False
             raise NotADeltaCheckpointError(
                 f"Checkpoint path {path!r} already holds a file that is not a delta checkpoint manifest (e.g. a "
                 "`torch.save` checkpoint); refusing to overwrite it. Move it away or save to another directory."
@@ -567,6 +568,7 @@ class DeltaStore:
                 )
                 data = manifest.to_json()
                 self.fs.write(path, data)  # published last: the checkpoint exists from here on
+                self._adopted.get().discard(path)  # a plain file adopted there is gone now
             except BaseException:
                 self._delete_created(created)
                 for name in reused:  # their reference memory holds this save's bytes: restart those chains
@@ -1277,7 +1279,7 @@ class DeltaStore:
                     found.add(posixpath.join(root, *parts[:i]))
         return sorted(found)
 
-    def remove_if_emptied(self, directory: str | os.PathLike[str]) -> bool:
+    def remove_if_emptied(self, directory: str | os.PathLike[str], *, keep_directory: bool = False) -> bool:
         """Remove what this store made in ``directory`` -- its blob store ``.delta_blobs`` with the writer lock and
         the empty blob folders -- and then ``directory`` itself, when nothing else is left there: no checkpoint, no
         blob (one waiting for its grace period included) and no file or folder of anyone else, in which case
@@ -1286,8 +1288,14 @@ class DeltaStore:
         Why: a checkpoint subdirectory (a ``filename`` with a ``/``) whose last checkpoint was removed kept the blob
         store's lock file and folders, and so the subdirectory, for good.
 
+        Args:
+            directory: the checkpoint directory.
+            keep_directory: remove only the blob store, and leave ``directory`` itself (a folder that is not this
+                store's to remove: it existed before the save that made the blob store).
+
         Returns:
-            True when ``directory`` was removed (on an object store: nothing of the store is left under it).
+            True when ``directory`` was removed, or with ``keep_directory`` emptied (on an object store: nothing of
+            the store is left under it).
 
         Raises:
             CheckpointDirectoryLockedError: a live writer holds ``directory`` (nothing is removed).
@@ -1320,7 +1328,8 @@ class DeltaStore:
             self._release_lock(directory, remove=True)
             try:
                 os.rmdir(blobs)
-                os.rmdir(path)
+                if not keep_directory:
+                    os.rmdir(path)
             except OSError:  # a writer made a new lock file meanwhile: its store is no longer empty
                 return False
             return True

@@ -91,6 +91,12 @@ PRIVATE_NAMES: list[tuple[str, Callable[[], Any], str, str]] = [
     ("GradScaler._scale", lambda: torch.amp.GradScaler("cpu"), "_scale", "grad_scaler_scale"),
     ("LRScheduler._last_lr", _scheduler, "_last_lr", "scheduler_last_lr / set_scheduler_last_lr"),
     ("nn.Module._modules", lambda: nn.Linear(1, 1), "_modules", "child_modules / set_child_modules"),
+    (
+        "Module.state_dict()._metadata",
+        lambda: nn.Linear(1, 1).state_dict(),
+        "_metadata",
+        "state_dict_metadata / set_state_dict_metadata",
+    ),
     ("nn.Module._forward_hooks", lambda: nn.Linear(1, 1), "_forward_hooks", "module_has_hooks"),
     ("nn.Module._forward_pre_hooks", lambda: nn.Linear(1, 1), "_forward_pre_hooks", "module_has_hooks"),
     ("nn.Module._backward_hooks", lambda: nn.Linear(1, 1), "_backward_hooks", "module_has_hooks"),
@@ -746,3 +752,14 @@ def test_carry_callback_results_from_workers_hands_a_workers_results_to_the_main
     assert not any(True for _ in compat._carriers)
     assert "wrapped" not in _MultiProcessingLauncher.get_extra_results.__qualname__
     assert "wrapped" not in _MultiProcessingLauncher.update_main_process_results.__qualname__
+
+
+def test_state_dict_metadata_round_trips_the_module_versions() -> None:
+    sd = nn.BatchNorm1d(2).state_dict()
+    meta = compat.state_dict_metadata(sd)
+    assert meta is not None and meta[""]["version"] == nn.BatchNorm1d._version
+    rebuilt = type(sd)(sd)
+    assert compat.state_dict_metadata(rebuilt) is None  # a copy of the mapping loses it
+    compat.set_state_dict_metadata(rebuilt, meta)
+    assert compat.state_dict_metadata(rebuilt) == meta
+    assert compat.state_dict_metadata({"a": 1}) is None

@@ -70,3 +70,27 @@ def test_a_store_error_at_the_name_check_stops_every_rank(tmp_path: Path) -> Non
     results = run_in_processes(_outage_at_the_name_check, 2, (str(tmp_path),), init_process_group=False, timeout=120)
     assert "Could not connect" in results[0]
     assert results[1].startswith("OSError") and "failed on global rank 0" in results[1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("async_save", [False, True])
+def test_ddp_spawn_trains_and_hands_rank_zeros_weights_to_the_main_process(tmp_path: Path, async_save: bool) -> None:
+    """`ddp_spawn` pickles the Trainer, this plugin included, to start each rank; rank 0 then saves the final weights
+    through it after `teardown`, and the main process loads them once the ranks have exited."""
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_accel import DeltaCheckpointIO
+    from tests.tiny import CheckpointModel, ckpt_trainer, tiny_loader
+
+    torch.manual_seed(0)
+    model = CheckpointModel()
+    before = [p.detach().clone() for p in model.parameters()]
+    io = DeltaCheckpointIO(async_save=async_save)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=1)
+    kw = dict(strategy="ddp_spawn", devices=2, max_epochs=1, limit_val_batches=0)
+    ckpt_trainer(tmp_path, [io], [ckpt], **kw).fit(model, tiny_loader(64))
+    # the main process's model holds what rank 0 trained (read back from its save after the ranks exited)
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert [p.name for p in (tmp_path / "ckpt").glob("*.ckpt")] == ["epoch=0-step=2.ckpt"]

@@ -307,3 +307,20 @@ def test_a_failed_save_takes_back_the_folder_it_made_and_nothing_else(
     io.save_checkpoint({"w": torch.ones(600)}, tmp_path / "epoch=1" / "x.ckpt")
     io.teardown()
     assert torch.equal(DeltaStore().load(tmp_path / "epoch=1" / "x.ckpt")["w"], torch.ones(600))
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_failed_save_leaves_the_users_empty_folder_where_it_was(tmp_path: Path, async_save: bool) -> None:
+    # The folder existed before the save (made by the user for the run): the failed save takes back only what it
+    # made there (its blob store), not the folder itself.
+    mine = tmp_path / "runs" / "ckpt"
+    mine.mkdir(parents=True)
+    io = DeltaCheckpointIO(async_save=async_save)
+    bad = {"w": torch.randn(600), "config": ValueError("not plain data")}
+    with pytest.raises(TypeError, match="unpickling arbitrary code"):
+        io.save_checkpoint(bad, mine / "last.ckpt")
+        io.wait()
+    assert mine.is_dir() and list(mine.iterdir()) == []
+    io.save_checkpoint({"w": torch.ones(600)}, mine / "last.ckpt")  # the folder still serves the run
+    io.teardown()
+    assert torch.equal(DeltaStore().load(mine / "last.ckpt")["w"], torch.ones(600))

@@ -17,6 +17,7 @@ import torch
 
 from lightning_accel.checkpoint import codec
 from lightning_accel.checkpoint.cli import main as ckpt_main
+from lightning_accel.checkpoint.skeleton import UnsafeCheckpointContent
 from lightning_accel.checkpoint.store import (
     BLOB_DIR,
     CheckpointCorruptError,
@@ -681,3 +682,18 @@ def test_cli_gc_on_s3_removes_a_subdirectory_left_with_only_its_blob_store(
     assert out["emptied"] == ["a-val"] and out["subdirectories"] == ["a-val", "b-val"]
     assert store.fs.find(f"{root}/a-val") == []
     assert store.fs.read(f"{root}/b-val/notes.txt") == b"mine"
+
+
+def test_an_adopted_plain_checkpoint_is_still_replaced_after_a_failed_save(tmp_path: Path) -> None:
+    # A run switched to the plugin resumes from TorchCheckpointIO's `last.ckpt`; its first save of `last.ckpt` fails
+    # (a value that is not plain data, a full disk). The plain file is still there, so the next save replaces it,
+    # instead of refusing it from then on as a file the plugin did not write.
+    torch.save({"state_dict": {"w": torch.zeros(3)}}, tmp_path / "last.ckpt")
+    store = DeltaStore()
+    assert store.adopt([tmp_path / "last.ckpt"]) == [str(tmp_path / "last.ckpt")]
+    with pytest.raises(UnsafeCheckpointContent):
+        store.save({"w": torch.randn(600), "config": ValueError("not plain data")}, tmp_path / "last.ckpt")
+    assert torch.equal(torch.load(tmp_path / "last.ckpt", weights_only=True)["state_dict"]["w"], torch.zeros(3))
+    store.save({"w": torch.ones(600)}, tmp_path / "last.ckpt")
+    store.close()
+    assert torch.equal(DeltaStore().load(tmp_path / "last.ckpt")["w"], torch.ones(600))
