@@ -31,35 +31,27 @@ def test_sizes_are_parsed() -> None:
 
 
 def _fit(rank: int, world_size: int, root: str, fake: bool) -> dict[str, Any]:
-    import lightning.pytorch as pl
     import torch
 
     from lightning_accel._utils import malloc as m
     from lightning_accel.callbacks import HostMemoryManager
-    from tests.tiny import TimedModule, loaders
+    from tests.tiny import TimedModule, loaders, trainer
 
-    calls: list[tuple[int, int]] = []
     m._applied = None  # a forked process starts from its parent's record; this one applies its own
-    if fake:  # record instead of changing this process's allocator (a C library that is not glibc: None)
+    if fake:  # as where the C library is not glibc: no mallopt to call
         m._mallopt = lambda: None
     torch.manual_seed(0)
     cb = HostMemoryManager("64MiB")
-    trainer = pl.Trainer(
-        accelerator="cpu",
+    fit = trainer(
         devices=world_size,
         strategy="ddp" if world_size > 1 else "auto",
         max_steps=4,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         default_root_dir=root,
         callbacks=[cb],
     )
     train, _ = loaders(None, 0.0)
-    trainer.fit(TimedModule(), train)
-    return {"applied": cb.applied, "record": m._applied, "pid": os.getpid(), "calls": calls}
+    fit.fit(TimedModule(), train)
+    return {"applied": cb.applied, "record": m._applied, "pid": os.getpid()}
 
 
 @pytest.mark.skipif(not GLIBC, reason="the setting applies to glibc's malloc only")
