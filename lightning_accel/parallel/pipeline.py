@@ -36,6 +36,7 @@ from torch import nn
 from lightning_accel._utils.checks import check_choice, check_int
 from lightning_accel.parallel.estimate import (
     SCHEDULES,
+    default_microbatches,
     preserved_state,
     resolve_stages_per_rank,
     trainable_and_frozen,
@@ -47,6 +48,7 @@ __all__ = [
     "PipelineRunner",
     "balance_stages",
     "batch_tensors",
+    "check_microbatches",
     "check_no_sync_batchnorm",
     "check_stages_train",
     "find_pipeline_modules",
@@ -58,6 +60,25 @@ __all__ = [
     "split_batch",
     "trainable_pieces",
 ]
+
+
+def check_microbatches(microbatches: int, pipeline_size: int, schedule: str) -> None:
+    """Refuse ``microbatches`` that a pipeline of ``pipeline_size`` ranks cannot run under ``schedule``: fewer than its
+    ranks (some stages would idle for the whole step), or, interleaved, not a multiple of them. One line naming both
+    values and the fix (``PipelineStrategy`` checks it when it is built, :class:`PipelineRunner` when it is set up).
+    """
+    if microbatches < pipeline_size:
+        raise ValueError(
+            f"`microbatches`={microbatches} is smaller than `pipeline_size`={pipeline_size}: some stages would "
+            f"idle for the whole step. Use `microbatches` >= {pipeline_size}, or None for "
+            f"{default_microbatches(pipeline_size)}."
+        )
+    if schedule == "interleaved1f1b" and microbatches % pipeline_size:
+        raise ValueError(
+            f"`microbatches`={microbatches} with `schedule`='interleaved1f1b' and `pipeline_size`={pipeline_size}: "
+            "the interleaved schedule needs a multiple of the pipeline size. Use "
+            f"`microbatches`={pipeline_size * -(-microbatches // pipeline_size)}, or None."
+        )
 
 
 def find_pipeline_modules(module: nn.Module) -> list[nn.Module]:
@@ -452,16 +473,7 @@ class PipelineRunner:
                 f"`schedule`={schedule!r} with `stages_per_rank`={layout.stages_per_rank}: the interleaved schedule "
                 "needs `stages_per_rank` >= 2 and the others exactly 1."
             )
-        if microbatches < layout.pp:
-            raise ValueError(
-                f"`microbatches`={microbatches} is smaller than the {layout.pp} ranks of the pipeline: some stages "
-                f"would idle for the whole step. Use `microbatches` >= {layout.pp}."
-            )
-        if schedule == "interleaved1f1b" and microbatches % layout.pp:
-            raise ValueError(
-                f"the interleaved schedule needs `microbatches` ({microbatches}) divisible by the pipeline size "
-                f"({layout.pp})."
-            )
+        check_microbatches(microbatches, layout.pp, schedule)
         self.layout, self.rank, self.device = layout, rank, device
         self.schedule_name, self.microbatches, self.loss_fn = schedule, microbatches, loss_fn
         self.replica, self.pp_rank = divmod(rank, layout.pp)

@@ -412,8 +412,7 @@ class PerformanceMonitor(Callback):
         tokens = _count("tokens_fn", self.tokens_fn(batch), "tokens") if self.tokens_fn is not None else 0
         timer.batch_end(self._samples(batch), tokens, synced=synced)
         # every rank reaches the same decision (the flush asks DDP for its timers on each)
-        every = self._every
-        if timer.seen_steps > self.skip_steps and synced and every is not None and _log_due(trainer, every):
+        if timer.seen_steps > self.skip_steps and synced and _log_due(trainer, self._every):
             self._log_window(trainer)
 
     def _samples(self, batch: Any) -> int:
@@ -802,11 +801,12 @@ def _stepped(trainer: pl.Trainer, pl_module: pl.LightningModule, step_before: in
     return not pl_module.automatic_optimization or trainer.global_step != step_before
 
 
-def _log_due(trainer: pl.Trainer, every: int) -> bool:
+def _log_due(trainer: pl.Trainer, every: int | None) -> bool:
     """Lightning's rule for its own logging, asked after a batch that stepped: the n-th such batch logs when n is a
-    multiple of ``every`` (``logger_step`` counts the ones before it). Windows that follow it land on the rows of the
-    run's ``self.log`` metrics in every fit, after a resume and with gradient accumulation."""
-    return (compat.logger_step(trainer) + 1) % every == 0
+    multiple of ``every`` (``logger_step`` counts the ones before it); never when ``every`` is None (the trainer logs
+    no steps, see :func:`_trainer_log_every_n_steps`). Windows that follow it land on the rows of the run's
+    ``self.log`` metrics in every fit, after a resume and with gradient accumulation."""
+    return every is not None and (compat.logger_step(trainer) + 1) % every == 0
 
 
 def _check_protocol(name: str, url: str) -> None:
@@ -1165,8 +1165,6 @@ class CudaMemoryManager(Callback):
         before the optimizer step are not counted: a window is ``log_every_n_steps`` optimizer steps)."""
         if not _stepped(trainer, pl_module, self._step_before):
             return None  # an accumulation micro-batch: the optimizer did not step
-        if self._every is None:  # `Trainer(log_every_n_steps=0)`: no step is logged
-            return None
         return compat.logger_step(trainer) if _log_due(trainer, self._every) else None
 
     @override

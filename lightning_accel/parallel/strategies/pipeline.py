@@ -22,6 +22,7 @@ from lightning_accel.parallel.estimate import default_microbatches
 from lightning_accel.parallel.pipeline import (
     PipelineRunner,
     batch_tensors,
+    check_microbatches,
     check_no_sync_batchnorm,
     check_stages_train,
     find_pipeline_modules,
@@ -193,17 +194,7 @@ class PipelineStrategy(_EvaluationBufferSync, DDPStrategy):
         spr = resolve_stages_per_rank(schedule, stages_per_rank)
         if pipeline_size is not None and microbatches is not None:
             # what the runner refuses at setup, after every process has started: both are known here
-            if microbatches < pipeline_size:
-                raise ValueError(
-                    f"`microbatches`={microbatches} is smaller than `pipeline_size`={pipeline_size}: some stages would "
-                    f"idle for the whole step. Use `microbatches` >= {pipeline_size}, or None for {2 * pipeline_size}."
-                )
-            if schedule == "interleaved1f1b" and microbatches % pipeline_size:
-                raise ValueError(
-                    f"`microbatches`={microbatches} with `schedule`='interleaved1f1b' and `pipeline_size`="
-                    f"{pipeline_size}: the interleaved schedule needs a multiple of the pipeline size. Use "
-                    f"`microbatches`={pipeline_size * -(-microbatches // pipeline_size)}, or None."
-                )
+            check_microbatches(microbatches, pipeline_size, schedule)
         super().__init__(**ddp_kwargs)
         self.pipeline_size = pipeline_size
         self.schedule = schedule
