@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import re
 import threading
 import weakref
@@ -76,7 +77,9 @@ __all__ = [
     "jsonargparse_unknown_option",
     "jpeg_decode_ops",
     "lightning_compiled_forward",
+    "is_launcher_weights_file",
     "logger_step",
+    "on_train_fetch",
     "jsonargparse_useful_line",
     "materialize_distributed_module",
     "model_checkpoint_setup_without_listing",
@@ -442,6 +445,53 @@ def logger_step(trainer: pl.Trainer) -> int:
     """
     step = getattr(getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None), "_batches_that_stepped", None)
     return int(step) if isinstance(step, int) else int(trainer.global_step)
+
+
+#: the file name Lightning's multiprocessing launcher (``strategy="ddp_spawn"``, ``"ddp_fork"``, ...) saves rank 0's
+#: final weights under, through the strategy's checkpoint IO, for the main process to load and then remove (checked
+#: 2.4.0-2.6.6: in the trainer's ``default_root_dir`` in older releases, in a fresh ``tempfile.mkdtemp()`` folder in
+#: newer ones)
+_LAUNCHER_WEIGHTS_NAME = ".temp.ckpt"
+
+
+def is_launcher_weights_file(path: PathType) -> bool:
+    """Whether ``path`` is the file Lightning's multiprocessing launcher hands rank 0's final weights over in.
+
+    No public API marks that save or removal: the launcher calls ``save_checkpoint`` / ``remove_checkpoint`` of the
+    checkpoint IO like any other caller, and only the private file name tells them apart.
+    """
+    return os.path.basename(os.fspath(path).rstrip("/")) == _LAUNCHER_WEIGHTS_NAME
+
+
+#: the profiler action Lightning's training epoch loop starts right before it asks the train dataloader for the next
+#: batch (``_TrainingEpochLoop._on_before_fetch``, checked 2.4.0-2.6.6)
+_TRAIN_FETCH_ACTION = "[_TrainingEpochLoop].train_dataloader_next"
+
+
+def on_train_fetch(trainer: pl.Trainer, fn: Callable[[], None], *, key: str) -> Patch | None:
+    """Call ``fn()`` each time Lightning's training loop starts fetching a batch, for as long as the returned patch is
+    installed (``.restore()`` removes it); None for an object without a profiler to shadow (a stand-in trainer).
+
+    No public hook marks that moment: ``on_train_batch_end`` of the callbacks after the caller, logging, progress
+    bars and LR schedulers all run before it. Lightning announces it to its profiler only, as the action
+    ``_TRAIN_FETCH_ACTION`` (a private name): the trainer's profiler's ``start`` is shadowed on that instance, and
+    calls through to the profiler the user chose. Where a future Lightning renames the action, ``fn`` is never
+    called (the caller's fallback applies) and ``tests/_utils/test_compat.py`` fails, naming this shim.
+    """
+
+    def wrap(p: Patch) -> Callable[[str], Any]:
+        # `p.original` is read at each call: a patch under this one restored first rewires it
+        def start(action_name: str) -> Any:
+            if action_name == _TRAIN_FETCH_ACTION:
+                fn()
+            return p.original(action_name)
+
+        return start
+
+    profiler = getattr(trainer, "profiler", None)
+    if profiler is None or not callable(getattr(profiler, "start", None)):
+        return None
+    return patch(profiler, "start", wrap, key=key)
 
 
 def set_compiled_call_impl(module: nn.Module, fn: Callable[..., Any]) -> None:

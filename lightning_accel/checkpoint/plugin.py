@@ -280,7 +280,10 @@ class DeltaCheckpointIO(CheckpointIO):
 
     def _remove_now(self, path: str, *, running: int = 0) -> None:
         try:
-            self.store.remove(path, drop_emptied=True)
+            # Lightning's `ddp_spawn` hand-over file has been read by the one process that reads it, which removes it
+            # now: its blobs go at once, since no later collection ever comes back to its folder
+            last_grace = 0.0 if compat.is_launcher_weights_file(path) else None
+            self.store.remove(path, drop_emptied=True, last_grace_s=last_grace)
             self._drop_made_directory(split_path(path)[0])
         finally:
             self._release_if_detached(running=running)

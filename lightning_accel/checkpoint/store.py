@@ -1129,7 +1129,9 @@ class DeltaStore:
         return out_s
 
     # ------------------------------------------------------------------ remove / collect
-    def remove(self, path: str | os.PathLike[str], *, drop_emptied: bool = False) -> int:
+    def remove(
+        self, path: str | os.PathLike[str], *, drop_emptied: bool = False, last_grace_s: float | None = None
+    ) -> int:
         """Delete the checkpoint at ``path`` and collect the blobs no remaining manifest references (once their grace
         period ``gc_grace_s`` has passed).
 
@@ -1141,6 +1143,10 @@ class DeltaStore:
             drop_emptied: when the removal leaves the checkpoint's folder with nothing but this store's own files,
                 remove them and the folder (:meth:`remove_if_emptied`), now or, for blobs waiting out their grace
                 period, at the collection that deletes them.
+            last_grace_s: the grace period of the collection when the removal leaves the folder with no checkpoint
+                (None: the store's ``gc_grace_s``; 0: at once). For a file whose only reader is the caller, who has
+                read it already, and whose folder no one comes back to (Lightning's ``ddp_spawn`` hand-over of the
+                final weights): its blobs would otherwise wait for a collection that never runs.
 
         Returns:
             The number of blobs deleted.
@@ -1149,12 +1155,16 @@ class DeltaStore:
             NotADeltaCheckpointError: ``path`` holds something else (it is left alone).
             CheckpointDirectoryLockedError: another writer holds the directory.
         """
-        return self.remove_checkpoints([os.fspath(path)], drop_emptied=drop_emptied)
+        return self.remove_checkpoints([os.fspath(path)], drop_emptied=drop_emptied, last_grace_s=last_grace_s)
 
-    def remove_checkpoints(self, paths: list[str], *, drop_emptied: bool = False) -> int:
+    def remove_checkpoints(
+        self, paths: list[str], *, drop_emptied: bool = False, last_grace_s: float | None = None
+    ) -> int:
         """:meth:`remove` each of ``paths`` (manifests), then collect garbage once per directory (and, with
         ``drop_emptied``, remove each folder left with only this store's own files). Returns the number of blobs
         deleted."""
+        if last_grace_s is not None:
+            check_number("last_grace_s", last_grace_s, low=0, fix="0: at once; None: the store's `gc_grace_s`.")
         dirs: dict[str, None] = {}
         with self._lock:
             for path in paths:
@@ -1163,7 +1173,9 @@ class DeltaStore:
                     dirs[directory] = None
             deleted = 0
             for d in dirs:
-                deleted += self.collect_garbage(d)
+                # a checkpoint left in the folder may have readers of the removed one's blobs too: the usual period
+                grace = None if last_grace_s is None or self.live_keys(d) else last_grace_s
+                deleted += self.collect_garbage(d, grace_s=grace)
                 if drop_emptied:
                     self._drop_if_emptied(d)
             return deleted

@@ -66,9 +66,12 @@ class PerformanceMonitor(Callback):
 
     What is measured, and how:
 
-    * **data**: the gap from ``on_train_batch_end`` to the next ``on_train_batch_start`` (the loop's ``next()`` on
-      the dataloader, worker IPC, host-to-device copy), minus validation and saves that happen in it. On CUDA the gap
-      is measured between CUDA events, i.e. the time the *GPU* sat idle waiting for input.
+    * **data**: from the moment the training loop starts fetching the next batch (the dataloader's ``next()``, or
+      an epoch's new iterator and its workers) to the next ``on_train_batch_start``: worker IPC, collation, the
+      host-to-device copy. On CUDA measured between CUDA events, i.e. the time the *GPU* sat idle waiting for input.
+    * **other**: the rest of the gap after ``on_train_batch_end``, before that fetch: the hooks of callbacks that
+      run after the monitor, logging, progress bars, LR schedulers (a slow callback shows here, not as data).
+      Validation and saves in the gap are subtracted from both.
     * **compute**: ``on_train_batch_start`` to ``on_train_batch_end`` (forward, backward, optimizer), minus the exposed
       communication below. CUDA events on GPU; no per-step synchronisation (events are resolved at log time).
     * **comm**: exposed DDP gradient communication, from DDP's own runtime statistics
@@ -195,6 +198,7 @@ class PerformanceMonitor(Callback):
         self._nvml_last: dict[str, float] = {}
         self._every: int | None = 50  # None: the trainer logs no steps (`log_every_n_steps=0`)
         self._save_patch: Patch | None = None
+        self._fetch_patch: Patch | None = None  # calls `_fetching` when the training loop fetches a batch
         self._ddp_timed: weakref.ref[Any] | None = None  # the DDP module asked to time itself in this fit
         self._peak_cache: tuple[float | None] | None = None
         self._log_dir: str | None = None
@@ -245,6 +249,13 @@ class PerformanceMonitor(Callback):
             if self._sampler.note:
                 rank_zero_warn(f"PerformanceMonitor: {self._sampler.note}")
         self._wrap_save_checkpoint(trainer)
+        if self._fetch_patch is None:
+            self._fetch_patch = compat.on_train_fetch(trainer, self._fetching, key=f"PerformanceMonitor-{id(self)}")
+
+    def _fetching(self) -> None:
+        """The loop starts fetching the next training batch: the gap's time after this is data wait."""
+        if self.timer is not None:
+            self.timer.fetch_start()
 
     def worker_results(self) -> dict[str, Any]:
         """What rank 0's worker process of a spawning launcher sends back to the main process's instance."""
@@ -320,14 +331,17 @@ class PerformanceMonitor(Callback):
 
         self._save_patch = patch(trainer, "save_checkpoint", timed, key=f"PerformanceMonitor-{id(self)}")
 
-    def _unwrap_save_checkpoint(self, trainer: pl.Trainer) -> None:
+    def _restore_patches(self, trainer: pl.Trainer) -> None:
         if self._save_patch is not None:
             self._save_patch.restore()  # back to the class method
             self._save_patch = None
+        if self._fetch_patch is not None:
+            self._fetch_patch.restore()  # the profiler's own `start` again
+            self._fetch_patch = None
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._unwrap_save_checkpoint(trainer)
+        self._restore_patches(trainer)
         self._flops.stop()
         if self._sampler is not None:
             self._sampler.close()
@@ -341,7 +355,7 @@ class PerformanceMonitor(Callback):
         # never leave a dispatch mode active after a crash; a step that crashed inside the count (an OOM in backward)
         # has no FLOP total: dropped, so that MFU does not take half a step's count
         self._flops.cancel()
-        self._unwrap_save_checkpoint(trainer)
+        self._restore_patches(trainer)
         # Lightning calls no `teardown` of callbacks after an exception: the monitor closes what it opened
         try:
             if self.timer is not None and not self._finished and trainer.state.fn == TrainerFn.FITTING:
@@ -361,6 +375,8 @@ class PerformanceMonitor(Callback):
             return
         self._close_epoch(trainer)
         self._epoch_index = trainer.current_epoch
+        # what follows in this gap is the epoch's new dataloader iterator (workers starting) and its first fetch
+        self.timer.fetch_start()
 
     def _close_epoch(self, trainer: pl.Trainer) -> None:
         """Flush (and log) the open window and record the epoch that just ended as the difference of totals."""

@@ -2,8 +2,12 @@
 
 The training loop alternates two segments, and :class:`StepTimer` is told when each one starts:
 
-1. the **gap** from the end of one training batch to the start of the next: the loop is fetching the next batch
-   (dataloader ``next()``, worker IPC, pinning, host-to-device copy), so its time counts as ``data`` wait;
+1. the **gap** from the end of one training batch to the start of the next. When the timer is told where the loop
+   starts fetching the next batch (:meth:`StepTimer.fetch_start`: the dataloader's ``next()``, or an epoch's new
+   iterator), the gap splits there: before it the loop runs its own bookkeeping (the hooks of callbacks that come
+   after the monitor, logging, progress bars, LR schedulers, DDP's per-batch signal check), charged to ``other``;
+   from it on the loop waits for the batch (``next()``, worker IPC, pinning, host-to-device copy): ``data``. Without
+   that mark the whole gap counts as ``data``;
 2. the **step** from the start of a batch to its end: forward, backward, optimizer step, counted as ``compute``.
 
 Work that happens inside either segment but is not data or compute (validation, checkpoint saves) is bracketed with
@@ -18,8 +22,8 @@ means "the GPU had nothing to do" (starvation), not "the host waited" (a host th
 :meth:`StepTimer.flush`, which waits for the last event only: one synchronisation per flush, never per step.
 Spans (validation, saves) are always timed on the host clock; they synchronise anyway.
 
-Overhead: per step two ``clock.mark()`` calls and a list append; ``benchmarks/monitor_overhead.py`` measures what
-that costs.
+Overhead: per step two or three ``clock.mark()`` calls and a list append or two; ``benchmarks/monitor_overhead.py``
+measures what that costs.
 """
 
 from __future__ import annotations
@@ -32,8 +36,8 @@ from lightning_accel._utils.clocks import Clock, CudaEventClock, HostClock
 
 __all__ = ["CATEGORIES", "Clock", "CudaEventClock", "HostClock", "StepTimer", "TimerTotals"]
 
-#: Categories of step time, in report order. ``eval`` is validation run inside ``fit``; ``other`` is whatever the
-#: timer saw but could not attribute (it stays near zero because the two segments tile the loop).
+#: Categories of step time, in report order. ``eval`` is validation run inside ``fit``; ``other`` is the loop's own
+#: work between a batch's end and the fetch of the next one (hooks of later callbacks, logging, schedulers).
 CATEGORIES: tuple[str, ...] = ("data", "compute", "comm", "checkpoint", "eval", "other")
 
 
@@ -89,6 +93,8 @@ class StepTimer:
         self._seg: str | None = None  # "gap" | "step" | None
         self._seg_mark: Any = None
         self._seg_excluded = 0.0
+        self._fetch_mark: Any = None  # where the open gap's fetch started (see fetch_start), or None
+        self._other_excluded = 0.0  # span seconds of the open gap before its fetch started
         self._spans: list[list[Any]] = []  # stack of [category, start mark, excluded seconds]
 
     # -- segments -------------------------------------------------------------------------------------------------
@@ -99,8 +105,23 @@ class StepTimer:
         """A training batch is about to run: closes the data gap (if one is open) and opens a step."""
         now = self.clock.mark()
         if self._seg == "gap" and self._counting():
-            self._pending.append(("data", self._seg_mark, now, self._seg_excluded))
+            if self._fetch_mark is None:
+                self._pending.append(("data", self._seg_mark, now, self._seg_excluded))
+            else:
+                self._pending.append(("other", self._seg_mark, self._fetch_mark, self._other_excluded))
+                self._pending.append(("data", self._fetch_mark, now, self._seg_excluded))
         self._seg, self._seg_mark, self._seg_excluded = "step", now, 0.0
+        self._fetch_mark, self._other_excluded = None, 0.0
+
+    def fetch_start(self) -> None:
+        """The loop starts getting the next batch: the open gap's time so far was the loop's own work (``other``),
+        its time from here to :meth:`batch_start` is ``data``. Only the first call of a gap marks it; outside a gap
+        it does nothing (a ``training_step`` that draws from ``dataloader_iter`` fetches inside its step, which stays
+        ``compute``). Spans that closed before it are subtracted from ``other``, later ones from ``data``."""
+        if self._seg != "gap" or self._fetch_mark is not None:
+            return
+        self._fetch_mark = self.clock.mark()
+        self._other_excluded, self._seg_excluded = self._seg_excluded, 0.0
 
     def batch_end(self, samples: int = 0, tokens: int = 0, *, synced: bool = True) -> None:
         """The batch's optimizer step is done: closes the step and opens the data gap.
@@ -121,10 +142,12 @@ class StepTimer:
             self._window_syncs += int(synced)
         self.seen_steps += 1
         self._seg, self._seg_mark, self._seg_excluded = "gap", now, 0.0
+        self._fetch_mark, self._other_excluded = None, 0.0
 
     def stop(self) -> None:
         """The loop ended: drop the open gap (and any unclosed span) without counting it."""
         self._seg, self._seg_mark, self._seg_excluded = None, None, 0.0
+        self._fetch_mark, self._other_excluded = None, 0.0
         self._spans.clear()
 
     # -- spans ----------------------------------------------------------------------------------------------------

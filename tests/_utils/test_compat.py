@@ -763,3 +763,45 @@ def test_state_dict_metadata_round_trips_the_module_versions() -> None:
     compat.set_state_dict_metadata(rebuilt, meta)
     assert compat.state_dict_metadata(rebuilt) == meta
     assert compat.state_dict_metadata({"a": 1}) is None
+
+
+def test_on_train_fetch_fires_at_each_training_fetch_and_keeps_the_users_profiler() -> None:
+    calls: list[int] = []
+    trainer = pl.Trainer(
+        max_epochs=2,
+        limit_val_batches=0,
+        logger=False,
+        profiler="simple",
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    p = compat.on_train_fetch(trainer, lambda: calls.append(trainer.global_step), key="test")
+    assert p is not None
+    from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
+
+    trainer.fit(BoringModel(), DataLoader(RandomDataset(32, 6), batch_size=2))
+    # one call per batch fetched, before the batch's step: the action Lightning names has not changed
+    assert calls == [0, 1, 2, 3, 4, 5], (
+        f"Lightning no longer starts the profiler action {compat._TRAIN_FETCH_ACTION!r} before each training fetch "
+        f"({VERSIONS}); update lightning_accel._utils.compat.on_train_fetch."
+    )
+    # the user's profiler still records the action
+    assert len(trainer.profiler.recorded_durations[compat._TRAIN_FETCH_ACTION]) >= 6
+    p.restore()
+    assert "start" not in vars(trainer.profiler)
+    assert compat.on_train_fetch(object(), lambda: None, key="test") is None  # type: ignore[arg-type]
+
+
+def test_the_launchers_hand_over_file_name_is_still_used() -> None:
+    import inspect
+
+    from lightning.pytorch.strategies.launchers import multiprocessing as launcher
+
+    assert f'"{compat._LAUNCHER_WEIGHTS_NAME}"' in inspect.getsource(launcher), (
+        f"Lightning's multiprocessing launcher no longer hands the weights over in {compat._LAUNCHER_WEIGHTS_NAME!r} "
+        f"({VERSIONS}); update lightning_accel._utils.compat.is_launcher_weights_file."
+    )
+    assert compat.is_launcher_weights_file("/tmp/tmpab12/.temp.ckpt")
+    assert not compat.is_launcher_weights_file("/tmp/run/last.ckpt")
+    assert not compat.is_launcher_weights_file("s3://b/x/temp.ckpt")

@@ -75,10 +75,17 @@ def test_a_store_error_at_the_name_check_stops_every_rank(tmp_path: Path) -> Non
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("async_save", [False, True])
-def test_ddp_spawn_trains_and_hands_rank_zeros_weights_to_the_main_process(tmp_path: Path, async_save: bool) -> None:
+def test_ddp_spawn_trains_and_hands_rank_zeros_weights_to_the_main_process(
+    tmp_path: Path, async_save: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`ddp_spawn` pickles the Trainer, this plugin included, to start each rank; rank 0 then saves the final weights
-    through it after `teardown`, and the main process loads them once the ranks have exited."""
+    through it after `teardown`, and the main process loads them once the ranks have exited and removes the file."""
     import torch
+
+    # the ranks' temporary folders, where the launcher's hand-over file goes (a fresh `mkdtemp()` folder)
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from lightning_accel import DeltaCheckpointIO
@@ -94,3 +101,38 @@ def test_ddp_spawn_trains_and_hands_rank_zeros_weights_to_the_main_process(tmp_p
     # the main process's model holds what rank 0 trained (read back from its save after the ranks exited)
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert [p.name for p in (tmp_path / "ckpt").glob("*.ckpt")] == ["epoch=0-step=2.ckpt"]
+    io.wait()  # an async removal runs on the writer's thread
+    # the hand-over file is gone with its blobs: they used to wait out the grace period for a collection that never
+    # came, a copy of the final weights left in the temporary folder by every fit
+    left = [p for p in temp.rglob("*") if ".delta_blobs" in p.parts or p.name == ".temp.ckpt"]
+    assert not left, left
+
+
+def test_the_hand_over_files_blobs_wait_when_other_checkpoints_share_its_folder(tmp_path: Path) -> None:
+    """Older Lightning releases hand the weights over in `default_root_dir`, beside the user's files and maybe their
+    checkpoints: those keep their grace period and everything that is not the plugin's stays."""
+    import torch
+
+    from lightning_accel import DeltaCheckpointIO
+
+    (tmp_path / "notes.txt").write_text("mine")
+    io = DeltaCheckpointIO()
+    io.save_checkpoint({"w": torch.arange(1000.0)}, tmp_path / "kept.ckpt")
+    io.save_checkpoint({"w": torch.arange(1000.0) + 1}, tmp_path / ".temp.ckpt")
+    blobs = sorted(p for p in (tmp_path / ".delta_blobs").rglob("*") if p.is_file() and len(p.name) == 40)
+    io.remove_checkpoint(tmp_path / ".temp.ckpt")
+    io.teardown()
+    assert not (tmp_path / ".temp.ckpt").exists()
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    assert torch.equal(DeltaCheckpointIO().load_checkpoint(tmp_path / "kept.ckpt")["w"], torch.arange(1000.0))
+    # the removed file's blobs wait out the grace period (a reader of it may still be reading)
+    assert sorted(p for p in (tmp_path / ".delta_blobs").rglob("*") if p.is_file() and len(p.name) == 40) == blobs
+
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    io2 = DeltaCheckpointIO()
+    io2.save_checkpoint({"w": torch.arange(1000.0)}, alone / ".temp.ckpt")
+    assert torch.equal(io2.load_checkpoint(alone / ".temp.ckpt")["w"], torch.arange(1000.0))
+    io2.remove_checkpoint(alone / ".temp.ckpt")
+    io2.teardown()
+    assert not alone.exists()  # nothing but the hand-over was there: its blobs and the blob store went at once

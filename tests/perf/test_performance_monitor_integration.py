@@ -822,3 +822,45 @@ def test_a_fit_resumed_mid_epoch_keeps_that_epochs_rest_in_its_own_row(tmp_path:
     r = mon.report
     assert r is not None and r.steps == 27  # epoch 1's last 12 batches and epoch 2's 16, the first one warm-up
     assert [(e["epoch"], e["steps"]) for e in r.epochs] == [(1.0, 11.0), (2.0, 16.0)]
+
+
+class SlowHook(Callback):
+    """A callback after the monitor whose ``on_train_batch_end`` takes ``s`` virtual seconds (e.g. a logger that
+    uploads, a metric that syncs): the loop's own work, not a wait for data."""
+
+    def __init__(self, vt: VirtualTime, s: float) -> None:
+        self.vt, self.s = vt, s
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.vt.advance(self.s)
+
+
+def test_a_slow_callback_after_the_monitor_is_other_not_data(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    vt = VirtualTime()
+    mon = PerformanceMonitor(
+        clock=HostClock(vt), span_clock=HostClock(vt), count_flops=False, report_path="", verbose=False
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=2,
+        limit_train_batches=6,
+        limit_val_batches=0,
+        logger=False,
+        callbacks=[mon, SlowHook(vt, 0.3)],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    train, _ = loaders(vt, decode_s=0.01)
+    trainer.fit(TimedModule(vt, compute_s=0.005), train)
+    r = mon.report
+    assert r is not None and r.steps == 10  # 12 batches, 2 warm-up
+    # every counted step's gap: 0.3 s in the slow hook, then 4 samples x 10 ms of decoding (also across the epoch
+    # boundary, where the second epoch's iterator starts before its first fetch)
+    assert r.seconds["other"] == pytest.approx(10 * 0.3)
+    assert r.seconds["data"] == pytest.approx(10 * 0.04)
+    assert r.seconds["compute"] == pytest.approx(10 * 0.005)
+    assert r.dominant == "other" and "callbacks and logging" in r.verdict
+    # the profiler Lightning calls is back to its own method after the fit
+    assert "start" not in vars(trainer.profiler)

@@ -237,3 +237,40 @@ def test_report_json_roundtrip() -> None:
     r = build_report(_totals(data=1.0, compute=2.0))
     d = json.loads(r.to_json())
     assert d["dominant"] == "compute" and d["steps"] == 10
+
+
+def test_fetch_start_splits_the_gap_into_the_loops_own_work_and_the_data_wait() -> None:
+    ft, timer = make()
+    run_step(ft, timer, 0.0, 1.0)
+    ft.advance(0.3)  # later callbacks' hooks, logging
+    timer.begin("checkpoint")  # a save before the fetch: charged to itself, not to `other`
+    ft.advance(2.0)
+    timer.end("checkpoint")
+    timer.fetch_start()
+    ft.advance(0.2)
+    timer.fetch_start()  # a second mark in the same gap does not move the split
+    ft.advance(0.05)
+    timer.batch_start()
+    ft.advance(1.0)
+    timer.batch_end(8)
+    run_step(ft, timer, 0.4, 1.0)  # a gap without a fetch mark: all of it is data, as before
+    t = timer.flush()
+    assert t.seconds["other"] == pytest.approx(0.3)
+    assert t.seconds["checkpoint"] == pytest.approx(2.0)
+    assert t.seconds["data"] == pytest.approx(0.25 + 0.4)
+    assert t.seconds["compute"] == pytest.approx(3.0)
+    assert t.wall == pytest.approx(0.3 + 2.0 + 0.65 + 3.0)
+
+
+def test_fetch_start_inside_a_step_changes_nothing() -> None:
+    ft, timer = make()
+    timer.batch_start()
+    timer.fetch_start()  # a training_step drawing from `dataloader_iter`: its fetch stays compute
+    ft.advance(1.0)
+    timer.batch_end(8)
+    ft.advance(0.5)
+    run_step(ft, timer, 0.0, 1.0)
+    t = timer.flush()
+    assert t.steps == 2
+    assert t.seconds["compute"] == pytest.approx(2.0)
+    assert t.seconds["data"] == pytest.approx(0.5) and t.seconds["other"] == 0.0
