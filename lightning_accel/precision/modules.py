@@ -560,7 +560,12 @@ QKV_PARTS = ("q_proj", "k_proj", "v_proj")
 def _qkv_state_dict_post_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
     """Write the packed projection back as ``q_proj``/``k_proj``/``v_proj`` keys (an unfused model loads it), in the
     unfused model's key order (``q_proj.weight, q_proj.bias, k_proj.weight, ...`` where ``qkv_proj``'s keys were).
-    The values are views of the packed parameter's rows, as every other entry is a reference to its parameter."""
+    The values are views of the packed parameter's rows, as every other entry is a reference to its parameter.
+
+    Under ``state_dict(keep_vars=True)`` (the packed entries are then the ``nn.Parameter`` objects themselves) each
+    part is an ``nn.Parameter`` too, as in the unfused model: it shares the packed parameter's storage, has its
+    ``requires_grad`` and, when the packed parameter has a gradient, the rows of that gradient as ``.grad`` (at the
+    time of the call)."""
     packed = {kind: f"{prefix}qkv_proj.{kind}" for kind in ("weight", "bias")}
     if not any(key in state_dict for key in packed.values()):
         return
@@ -577,7 +582,23 @@ def _qkv_state_dict_post_hook(module: nn.Module, state_dict: dict[str, Any], pre
             parts = {kind: own[k].detach().chunk(3, dim=0) for kind, k in packed.items() if k in own}
             for i, name in enumerate(QKV_PARTS):
                 for kind, chunks in parts.items():
-                    state_dict[f"{prefix}{name}.{kind}"] = chunks[i]
+                    state_dict[f"{prefix}{name}.{kind}"] = _qkv_part(own[packed[kind]], chunks[i], i)
+
+
+def _qkv_part(packed: torch.Tensor, rows: torch.Tensor, i: int) -> torch.Tensor:
+    """The state-dict entry of part ``i`` (``rows``, a detached view of ``packed``'s rows) of a packed q/k/v entry.
+
+    ``state_dict(keep_vars=True)`` puts the parameters themselves in the dict (``packed`` is then an
+    ``nn.Parameter``): the part must be one as well, with the packed parameter's ``requires_grad``. A detached view
+    would read as a frozen plain tensor, so code that keeps the trainable entries (``v.requires_grad``: saving only
+    what a fine-tune trains) or the parameters (``isinstance(v, nn.Parameter)``) would drop the q/k/v weights.
+    """
+    if not isinstance(packed, nn.Parameter):
+        return rows
+    part = nn.Parameter(rows, requires_grad=packed.requires_grad)  # shares the storage: in-place updates reach it
+    if packed.grad is not None:
+        part.grad = packed.grad.detach().chunk(3, dim=0)[i]
+    return part
 
 
 def _qkv_load_state_dict_pre_hook(
@@ -590,11 +611,50 @@ def _qkv_load_state_dict_pre_hook(
     unexpected_keys: list[str],
     error_msgs: list[str],
 ) -> None:
-    """Accept unfused checkpoints: concatenate ``q_proj``/``k_proj``/``v_proj`` keys into ``qkv_proj``."""
+    """Accept unfused checkpoints: concatenate ``q_proj``/``k_proj``/``v_proj`` keys into ``qkv_proj``, loading
+    what the unfused model would load and reporting what it would report.
+
+    Some parts may be absent (``load_state_dict(partial, strict=False)``, a checkpoint that holds only ``q_proj``):
+    the parts given are loaded into their rows, the others keep their values and are reported missing under their
+    own names (``k_proj.weight``, not ``qkv_proj.weight``), as unfused; left as they were, the given parts would not
+    load at all and only show as unexpected keys, which ``strict=False`` lets pass. A part of another shape is the
+    unfused model's ``size mismatch for q_proj.weight`` error, not a concatenation that fails or fits by chance.
+    """
+    children = compat.child_modules(module)
+    packed = children.get("qkv_proj")
     for kind in ("weight", "bias"):
         keys = [f"{prefix}{n}.{kind}" for n in QKV_PARTS]
-        if all(k in state_dict for k in keys):
-            state_dict[f"{prefix}qkv_proj.{kind}"] = torch.cat([state_dict.pop(k) for k in keys], dim=0)
+        current = getattr(packed, kind, None) if packed is not None else None
+        given = [k in state_dict for k in keys]
+        packed_key = f"{prefix}qkv_proj.{kind}"
+        if not isinstance(current, torch.Tensor) or packed_key in state_dict:
+            continue  # no packed parameter for these keys (they stay unexpected, as unfused), or a packed checkpoint
+        if not any(given):
+            # reported as the unfused model reports them, not as `qkv_proj`, a name the user's model does not have;
+            # the parameter itself as its value loads nothing (and `assign=True` keeps the same object)
+            missing_keys.extend(keys)
+            state_dict[packed_key] = current
+            continue
+        rows = current.detach().chunk(len(QKV_PARTS), dim=0)
+        values: list[torch.Tensor | None] = []
+        for key, present, row in zip(keys, given, rows, strict=True):
+            value = state_dict.pop(key) if present else None
+            if value is None:
+                missing_keys.append(key)
+            elif not isinstance(value, torch.Tensor) or value.shape != row.shape:
+                shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                # torch's own wording for the same mismatch on an unfused Linear
+                error_msgs.append(
+                    f"size mismatch for {key}: copying a param with shape {shape} from checkpoint, the shape in "
+                    f"current model is {row.shape}."
+                )
+                value = None
+            values.append(value)
+        # the given parts as they come (a CPU checkpoint for a meta-initialised model loaded with `assign=True` must
+        # not go to the meta device); the model's own rows, on their device, only where a part is not given
+        device = next((v.device for v in values if v is not None), current.device)
+        parts = [v if v is not None else row.to(device) for v, row in zip(values, rows, strict=True)]
+        state_dict[packed_key] = torch.cat(parts, dim=0)
 
 
 def _linear(module: nn.Module, name: str) -> nn.Linear:
@@ -812,21 +872,31 @@ def _sdpa_mask(mask: torch.Tensor | None, dtype: torch.dtype, b: int, h: int) ->
 
 
 def _mha_heads(mha: nn.MultiheadAttention, x: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool) -> Any:
-    """Self-attention of ``mha`` on batch-first ``x`` (B, L, E) up to, not including, ``out_proj``: one packed GEMM,
-    ``scaled_dot_product_attention`` over the heads (dropout ``mha.dropout`` in training), heads merged to (B, L, E).
+    """Self-attention of ``mha`` on ``x`` up to, not including, ``out_proj``: one packed GEMM,
+    ``scaled_dot_product_attention`` over the heads (dropout ``mha.dropout`` in training), heads merged back.
+
+    ``x`` is in ``mha``'s own layout, ``(B, L, E)`` with ``batch_first`` and ``(L, B, E)`` without, and so is the
+    result, contiguous: the unfused modules return a contiguous ``(L, B, E)`` there (``out.view(-1, E)`` works on
+    it), which a transpose to batch-first and back would not be (and each fused Linear after it would copy it first).
 
     ``is_causal`` follows ``nn.MultiheadAttention``: with no key padding mask and no weights asked, the causal hint
     replaces ``attn_mask``.
     """
-    b, length, e = x.shape
-    h = mha.num_heads
+    h, e = mha.num_heads, x.shape[-1]
     qkv = F.linear(x, mha.in_proj_weight, mha.in_proj_bias)
-    q, k, v = qkv.reshape(b, length, 3, h, e // h).permute(2, 0, 3, 1, 4).unbind(0)
+    if mha.batch_first:
+        b, length = x.shape[0], x.shape[1]
+        q, k, v = qkv.reshape(b, length, 3, h, e // h).permute(2, 0, 3, 1, 4).unbind(0)
+    else:
+        length, b = x.shape[0], x.shape[1]
+        q, k, v = qkv.reshape(length, b, 3, h, e // h).permute(2, 1, 3, 0, 4).unbind(0)
     mask = None if is_causal else _sdpa_mask(attn_mask, q.dtype, b, h)
     y = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, dropout_p=mha.dropout if mha.training else 0.0, is_causal=is_causal
-    )
-    return y.transpose(1, 2).reshape(b, length, e)
+    )  # (B, heads, L, E / heads)
+    if mha.batch_first:
+        return y.transpose(1, 2).reshape(b, length, e)
+    return y.permute(2, 0, 1, 3).reshape(length, b, e)
 
 
 class FusedMultiheadAttentionMixin(_FusedMixin):
@@ -868,10 +938,8 @@ class FusedMultiheadAttentionMixin(_FusedMixin):
             return super().forward(
                 query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
             )
-        x = query if self.batch_first else query.transpose(0, 1)
-        y = _mha_heads(cast(nn.MultiheadAttention, self), x, attn_mask, is_causal)
-        out = F.linear(y, self.out_proj.weight, self.out_proj.bias)
-        return (out if self.batch_first else out.transpose(0, 1)), None
+        y = _mha_heads(cast(nn.MultiheadAttention, self), query, attn_mask, is_causal)  # in the input's layout
+        return F.linear(y, self.out_proj.weight, self.out_proj.bias), None
 
 
 class FusedTransformerEncoderLayerMixin(_FusedMixin):
@@ -920,9 +988,8 @@ class FusedTransformerEncoderLayerMixin(_FusedMixin):
             or (is_causal and src_mask is None)
         ):
             return super().forward(src, src_mask, src_key_padding_mask, is_causal)
-        batch_first = self.self_attn.batch_first
-        x = src if batch_first else src.transpose(0, 1)
-        backend = self._la_backend
+        # in the input's own layout, (B, S, E) or (S, B, E) (see `_mha_heads`): contiguous out, as from the unfused
+        x, backend = src, self._la_backend
 
         def attention(h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
             y = _mha_heads(self.self_attn, h, src_mask, is_causal)
@@ -940,7 +1007,7 @@ class FusedTransformerEncoderLayerMixin(_FusedMixin):
         else:
             x = self.norm1(attention(x, x))
             x = self.norm2(feed_forward(x, x))
-        return x if batch_first else x.transpose(0, 1)
+        return x
 
 
 # ------------------------------------------------------------------------------------- GPT-2 style (packed c_attn)

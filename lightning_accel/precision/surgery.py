@@ -311,6 +311,16 @@ def _qkv_problem(m: nn.Module) -> str | None:
     hooked = [n for n, lin in linears.items() if fm.needs_eager(lin)]
     if hooked:  # packing removes the three modules, and their hooks
         return f"{hooked[0]} has hooks (a pruning mask, a user's hook) that packing would drop"
+    for n, lin in linears.items():
+        for kind, p in lin.named_parameters(recurse=False):
+            if type(p.data) is not torch.Tensor:
+                # a DTensor sharded by FSDP2's `fully_shard` or tensor parallelism (Lightning's ModelParallelStrategy
+                # applies it in `configure_model`, before the precision plugin converts the model): the packed
+                # parameter would be a new DTensor the sharding does not manage, never gathered for the forward
+                return (
+                    f"{n}.{kind} is a {type(p.data).__name__} (sharded by fully_shard or tensor parallelism): a "
+                    "packed parameter would not be sharded with the others"
+                )
     q = linears["q_proj"]
     for n, lin in linears.items():
         if (lin.in_features, lin.out_features) != (q.in_features, q.out_features):

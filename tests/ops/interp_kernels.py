@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from lightning_accel._utils.triton import interpreter_active
 
@@ -18,6 +20,8 @@ if not interpreter_active():  # pragma: no cover - guarded by the runner
 from lightning_accel.ops.activation import ACTIVATIONS
 from lightning_accel.ops.conv_bn_relu import conv_bn_relu
 from lightning_accel.ops.conv_bn_relu import reference as cbr_ref
+from lightning_accel.ops.conv_bn_relu import triton as cbr_kernels
+from lightning_accel.ops.indexing_triton import program_start
 from lightning_accel.ops.linear_dropout import linear_dropout
 from lightning_accel.ops.linear_dropout import reference as ld_ref
 from lightning_accel.ops.linear_dropout import triton as ld_kernels
@@ -348,3 +352,105 @@ def test_kernels_without_features(gemm: str) -> None:
         for y in (layer_norm(x, torch.ones(0), torch.zeros(0), backend="triton"), rms_norm(x, None, backend="triton")):
             y.sum().backward()
             assert y.shape == shape and x.grad is not None and x.grad.shape == shape
+
+
+# --------------------------------------------------------------------------------- offsets past 2**31 elements
+
+
+@triton.jit
+def _program_start_probe(OUT, BLOCK: tl.constexpr):
+    tl.store(OUT + tl.program_id(0), program_start(0, BLOCK))
+
+
+def test_program_start_is_int64_past_2_31() -> None:
+    """Program 2 of blocks of 2**30 starts at element 2**31: in int32 that wraps to -2**31."""
+    out = torch.zeros(4, dtype=torch.int64)
+    _program_start_probe[(4,)](out, BLOCK=2**30)
+    assert out.tolist() == [0, 2**30, 2**31, 3 * 2**30]
+
+
+@pytest.fixture
+def far_program(monkeypatch: pytest.MonkeyPatch) -> int:
+    """Programs along axis 0 run as program ``2**27`` of their launch (the interpreter's ``program_id`` moved there): a
+    block of 32 (or 256) elements then starts at ``2**32`` (``2**35``), past any small tensor, so an int64 offset masks
+    every element off and the kernel writes nothing; an int32 offset wraps to 0 and overwrites the first elements."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    far = 2**27
+    builder = type(interpreter.interpreter_builder)
+    original = builder.create_get_program_id
+
+    def moved(self: object, axis: int) -> object:
+        handle = original(self, axis)
+        if axis == 0:
+            handle.data = handle.data + np.int32(far)
+        return handle
+
+    monkeypatch.setattr(builder, "create_get_program_id", moved)
+    return far
+
+
+def test_elementwise_kernels_offsets_do_not_wrap_past_2_31(far_program: int) -> None:
+    """Block-indexed kernels compute their offsets in int64: a program whose block starts past 2**31 elements touches
+    nothing of a small tensor (int32 offsets wrapped back into it and overwrote its first rows)."""
+    torch.manual_seed(0)
+    m, n = 40, 24
+    y, r = torch.randn(m, n), torch.randn(m, n)
+    out = torch.full((m, n), float("nan"))
+    ld_kernels._epilogue_kernel[(1, 1)](
+        y, r, r, out, m, n, y.stride(0), r.stride(0), out.stride(0), 3, 0.5, out, out.stride(0),
+        HAS_B=False, HAS_R=True, ACT=0, BLOCK_M=32, BLOCK_N=32,
+    )  # fmt: skip
+    assert out.isnan().all()
+    dz = torch.full((m, n), float("nan"))
+    ld_kernels._dropout_bwd_kernel[(1, 1)](
+        y, dz, m, n, y.stride(0), dz.stride(0), 3, 0.5, dz, dz.stride(0), ACT=0, BLOCK_M=32, BLOCK_N=32
+    )
+    assert dz.isnan().all()
+    x4 = torch.randn(2, 3, 8, 8)
+    out4 = torch.full_like(x4, float("nan"))
+    mean, invstd = torch.zeros(3), torch.ones(3)
+    cbr_kernels._fwd_kernel[(1,)](
+        x4, out4, mean, invstd, mean, mean, x4.numel(), 3, 64, HAS_W=False, HAS_B=False, ACT=1, WIDE=False, BLOCK=256
+    )
+    assert out4.isnan().all()
+
+
+@triton.jit
+def _rand_probe(OUT, seed, START, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(OUT + program_start(0, BLOCK) + offs, tl.rand(seed, program_start(0, 1) * START + offs))
+
+
+def test_dropout_draws_by_int64_index_alias_nothing_and_keep_the_small_index_bits() -> None:
+    """The fused dropout's mask is ``tl.rand(seed, row * N + col)`` with an int64 index (outputs of 2**31 elements and
+    more were refused before): an index past 2**32 draws other bits than the same index mod 2**32 (no mask repeats
+    inside one output), and one below 2**31 draws the bits of the same int32 index (small outputs keep their masks)."""
+    out = torch.zeros(2, 64)
+    _rand_probe[(2,)](out, 5, 2**32, BLOCK=64)  # program 1 draws indices 2**32 .. 2**32 + 63
+    assert not torch.equal(out[0], out[1])
+    keep = ld_kernels.dropout_keep_mask(5, 1, 64, 0.25, "cpu")[0]
+    torch.testing.assert_close(out[0] >= 0.25, keep)
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+def test_conv_bn_kernels_with_int64_channel_arithmetic(monkeypatch: pytest.MonkeyPatch, channels_last: bool) -> None:
+    """Tensors of 2**31 elements and more compute each element's channel in int64 (smaller ones in int32, cheaper on a
+    GPU); forced here on a small tensor, both layouts give eager's results, forward and backward."""
+    monkeypatch.setattr(cbr_kernels, "_wide", lambda total: True)
+    torch.manual_seed(0)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    x, w = torch.randn(3, 4, 5, 6).to(memory_format=fmt), (torch.randn(6, 4, 3, 3) / 6).to(memory_format=fmt)
+    g, be = torch.rand(6) + 0.5, torch.randn(6)
+    xs, ws, gs, bes = leaves(x, w, g, be)
+    y = conv_bn_relu(xs, ws, None, gs, bes, None, None, True, 0.1, 1e-5, 1, 1, backend="triton", activation="silu")
+    xr, wr, gr, ber = leaves(x, w, g, be)
+    yr = cbr_ref.conv_bn_relu(xr, wr, None, gr, ber, None, None, True, 0.1, 1e-5, 1, 1, activation="silu")
+    dy = torch.randn(3, 6, 5, 6)
+    y.backward(dy)
+    yr.backward(dy)
+    assert_close(y, yr, 1e-5, 1e-5)
+    for got, want in ((xs, xr), (ws, wr), (gs, gr), (bes, ber)):
+        assert got is not None and want is not None and got.grad is not None and want.grad is not None
+        assert_grad_close(got.grad, want.grad, 1e-5, 1e-5)

@@ -82,6 +82,31 @@ def test_forced_triton_without_cuda_or_interpreter_fails_clearly(monkeypatch: py
         layer_norm(torch.randn(2, 4), backend="triton")
 
 
+def test_auto_runs_rows_wider_than_the_kernels_take_on_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA ``"auto"`` picks the Triton kernels, which take rows of at most ``MAX_TRITON_FEATURES`` features: a
+    wider row (a fused ``nn.LayerNorm(100_000)``) must run on the torch path, not fail at its first call. Simulated on
+    the CPU by resolving ``"auto"`` as a CUDA device does."""
+    from lightning_accel.ops.norm import function
+
+    real = function.resolve_backend
+    monkeypatch.setattr(function, "resolve_backend", lambda x, b: "triton" if b in ("auto", "triton") else real(x, b))
+    n = function.MAX_TRITON_FEATURES + 1
+    assert function._path(torch.randn(2, n - 1), "auto") == "triton"  # rows the kernels take still go to them
+    assert function._path(torch.randn(2, n), "triton") == "triton"  # forced: the kernels' own refusal says why
+    x, w, b = leaves(torch.randn(2, n), torch.rand(n) + 0.5, torch.randn(n))
+    y = layer_norm(x, w, b, backend="auto")
+    xr, wr, br = leaves(x.detach(), w.detach(), b.detach())
+    yr = torch.nn.functional.layer_norm(xr, (n,), wr, br)
+    torch.testing.assert_close(y, yr)
+    y.square().sum().backward()
+    yr.square().sum().backward()
+    assert x.grad is not None and w.grad is not None
+    torch.testing.assert_close(x.grad, xr.grad)
+    torch.testing.assert_close(w.grad, wr.grad, atol=1e-4, rtol=1e-4)
+    xd, wd = x.detach(), w.detach()
+    torch.testing.assert_close(rms_norm(xd, wd, 1e-6), torch.nn.functional.rms_norm(xd, (n,), wd, 1e-6))
+
+
 @pytest.mark.parametrize("backend", ["auto", "reference", "eager"])
 @pytest.mark.parametrize("bias_shape", [(1,), (4, 8), (7,)], ids=str)
 def test_bad_bias_shape_refused_on_every_backend(backend: str, bias_shape: tuple[int, ...]) -> None:

@@ -349,3 +349,45 @@ def test_ddp_with_encoder_layer_and_gpt2_block(tmp_path: Path) -> None:
     for r in results:
         assert r["fused"] and r["coverage"] == 1.0
     assert results[0]["param_sum"] == pytest.approx(results[1]["param_sum"], abs=1e-9)  # ranks stayed in sync
+
+
+class _ShardedGPT(TinyGPT):
+    """TinyGPT sharded with FSDP2's ``fully_shard`` in ``configure_model``, as ``ModelParallelStrategy`` requires."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(self.model, mesh=self.device_mesh["data_parallel"])
+
+
+def _model_parallel_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    torch.manual_seed(0)
+    model = _ShardedGPT(vocab_size=11, block_size=16, n_layer=1, n_head=2, n_embd=16, dropout=0.0)
+    plugin = FusedPrecision("bf16-mixed", device="cpu")
+    strategy = ModelParallelStrategy(data_parallel_size=world_size, tensor_parallel_size=1)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world_size, strategy=strategy, max_steps=2, plugins=[plugin],
+        callbacks=[ModelCheckpoint(dirpath=root, save_last=True)], logger=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
+    )  # fmt: skip
+    trainer.fit(model, _token_loader())
+    assert plugin.report is not None
+    attn = [c for c in plugin.report.skipped() if c.kind == "attention"]
+    return {
+        "fused": sorted(plugin.report.counts()),
+        "attention": [(c.module, c.reason) for c in attn],
+        "saved": (Path(root) / "last.ckpt").exists(),
+    }
+
+
+def test_model_parallel_fully_shard_keeps_qkv_apart_and_checkpoints(tmp_path: Path) -> None:
+    """Under ``ModelParallelStrategy`` the model is sharded (``fully_shard`` in ``configure_model``) before the plugin
+    converts it: packing q/k/v made a DTensor parameter FSDP does not manage, and the first forward failed ("mixed
+    torch.Tensor and DTensor"). The projections stay apart, with the reason; the rest fuses, trains and checkpoints."""
+    results = run_in_processes(_model_parallel_worker, 2, (str(tmp_path),), init_process_group=False, timeout=240)
+    for r in results:
+        assert r["fused"] == ["linear_dropout", "norm"] and r["saved"]
+        assert len(r["attention"]) == 1 and "is a DTensor (sharded by fully_shard" in r["attention"][0][1], r

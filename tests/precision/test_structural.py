@@ -273,6 +273,32 @@ def test_transformer_encoder_layer_train_mode_dropout_and_padding_fallback() -> 
     torch.testing.assert_close(layer(x, src_key_padding_mask=kpm), eager(x, src_key_padding_mask=kpm))
 
 
+@pytest.mark.parametrize("batch_first", [False, True], ids=["seq_first", "batch_first"])
+def test_attention_outputs_keep_the_unfused_layout(batch_first: bool) -> None:
+    """Fused ``nn.MultiheadAttention`` and encoder layers return a contiguous tensor in the input's layout.
+    Sequence-first (torch's default) came back as a transposed view, so ``out.view(-1, E)``, which works on the
+    unfused output (a language model flattening its tokens), raised."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=batch_first)
+    encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    mha = nn.MultiheadAttention(16, 2, dropout=0.1, batch_first=batch_first)
+    x = torch.randn(5, 3, 16)
+    seq, batch = (x.shape[1], x.shape[0]) if batch_first else (x.shape[0], x.shape[1])
+    mask = nn.Transformer.generate_square_subsequent_mask(seq)
+    head_mask = torch.rand(batch * 2, seq, seq) > 0.7  # (B * heads, L, S): the per-head layout of a 3-D mask
+    for module, call in (
+        (encoder, lambda m: m(x, mask=mask)),
+        (encoder, lambda m: m(x, mask=mask, is_causal=True)),
+        (mha, lambda m: m(x, x, x, need_weights=False, attn_mask=head_mask)[0]),
+    ):
+        eager = _no_dropout(copy.deepcopy(module))
+        fused = _no_dropout(copy.deepcopy(module))
+        apply_fusions(fused, backend="reference")
+        out, ref = call(fused), call(eager)
+        assert out.is_contiguous()
+        torch.testing.assert_close(out.view(-1, 16), ref.reshape(-1, 16), atol=1e-5, rtol=1e-5)
+
+
 def test_gpt2_block() -> None:
     torch.manual_seed(0)
     model = _no_dropout(nn.Sequential(GPT2Block(16, 2, dropout=0.1), GPT2Block(16, 2, dropout=0.1)))

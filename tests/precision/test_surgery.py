@@ -159,6 +159,44 @@ def test_qkv_state_dict_compatible_both_ways() -> None:
     assert torch.all(q.weight == 1)
 
 
+def test_qkv_partial_or_mismatched_state_dict_loads_and_reports_as_unfused() -> None:
+    """A state dict holding some q/k/v parts (``strict=False``) loads them into the packed rows, as the unfused model
+    loads them (they were dropped as unexpected keys, silently under ``strict=False``); absent parts are reported
+    missing by their unfused names, and a part of another shape raises the unfused model's size-mismatch error."""
+    torch.manual_seed(0)
+    plain = _gpt()
+    fused = copy.deepcopy(plain)
+    apply_fusions(fused, backend="reference")
+    before = fused.state_dict()["blocks.0.attn.v_proj.weight"].clone()
+    partial = {"blocks.0.attn.q_proj.weight": torch.full((16, 16), 0.5), "blocks.0.attn.k_proj.bias": torch.ones(16)}
+    results = {name: m.load_state_dict(partial, strict=False) for name, m in (("plain", plain), ("fused", fused))}
+    assert results["fused"].unexpected_keys == results["plain"].unexpected_keys == []
+    assert sorted(results["fused"].missing_keys) == sorted(results["plain"].missing_keys)
+    assert "blocks.0.attn.v_proj.weight" in results["fused"].missing_keys
+    assert not any("qkv_proj" in k for k in results["fused"].missing_keys)
+    sd = fused.state_dict()
+    torch.testing.assert_close(sd["blocks.0.attn.q_proj.weight"], partial["blocks.0.attn.q_proj.weight"])
+    torch.testing.assert_close(sd["blocks.0.attn.k_proj.bias"], partial["blocks.0.attn.k_proj.bias"])
+    torch.testing.assert_close(sd["blocks.0.attn.v_proj.weight"], before)  # absent: unchanged
+    # nothing given at all: missing by the unfused names, and `assign=True` keeps the packed parameter itself
+    packed = fused.blocks[0].attn.qkv_proj.weight
+    missing = fused.load_state_dict({}, strict=False, assign=True).missing_keys
+    assert sorted(missing) == sorted(plain.load_state_dict({}, strict=False).missing_keys)
+    assert fused.blocks[0].attn.qkv_proj.weight is packed
+    with pytest.raises(RuntimeError, match=r"size mismatch for blocks\.0\.attn\.q_proj\.weight") as err:
+        fused.load_state_dict({"blocks.0.attn.q_proj.weight": torch.zeros(8, 16)}, strict=False)
+    assert "qkv_proj" not in str(err.value)
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\).*"blocks\.0\.attn\.k_proj\.weight"'):
+        fused.load_state_dict(partial)  # strict: the absent parts are missing, as unfused
+    with torch.device("meta"):
+        meta = _gpt()
+    apply_fusions(meta, backend="reference")
+    meta.load_state_dict(plain.state_dict(), assign=True)  # a CPU checkpoint into a meta-initialised fused model
+    key = "blocks.1.attn.k_proj.weight"
+    assert meta.state_dict()[key].device.type == "cpu"
+    torch.testing.assert_close(meta.state_dict()[key], plain.state_dict()[key])
+
+
 def test_qkv_state_dict_entries_share_the_packed_storage_like_every_other_entry() -> None:
     """``state_dict()`` returns references to the parameters: an EMA model updated in place through
     ``state_dict().values()`` must move its packed q/k/v weights too (copies left them at their first values), and
@@ -186,6 +224,39 @@ def test_qkv_state_dict_entries_share_the_packed_storage_like_every_other_entry(
         return len(buffer.getvalue())
 
     assert saved_bytes(model) <= saved_bytes(plain)  # the packed storage once, not three times
+
+
+def test_qkv_state_dict_keep_vars_gives_parameters_like_the_unfused_model() -> None:
+    """``state_dict(keep_vars=True)`` holds the parameters themselves: the q/k/v entries of a packed model must be
+    ``nn.Parameter`` with the packed parameter's ``requires_grad`` (a fine-tune that saves ``{k: v for k, v in
+    sd.items() if v.requires_grad}`` would drop them as frozen otherwise), share its storage and show its gradient."""
+    torch.manual_seed(0)
+    plain = _gpt()
+    model = copy.deepcopy(plain)
+    apply_fusions(model, backend="reference")
+    model.blocks[1].requires_grad_(False)  # frozen block: its parts must read as frozen, as unfused
+    plain.blocks[1].requires_grad_(False)
+    model(torch.randint(0, 11, (2, 9))).square().mean().backward()
+    fused_sd, plain_sd = model.state_dict(keep_vars=True), plain.state_dict(keep_vars=True)
+    assert list(fused_sd) == list(plain_sd)
+    for key, value in plain_sd.items():
+        assert type(fused_sd[key]) is type(value), key
+        assert fused_sd[key].requires_grad == value.requires_grad, key
+    trainable = {k for k, v in fused_sd.items() if v.requires_grad}
+    assert trainable == {k for k, v in plain_sd.items() if v.requires_grad}
+    assert "blocks.0.attn.v_proj.bias" in trainable and "blocks.1.attn.q_proj.weight" not in trainable
+    packed = cast(nn.Linear, model.get_submodule("blocks.0.attn.qkv_proj"))
+    k_weight = fused_sd["blocks.0.attn.k_proj.weight"]
+    assert k_weight.data_ptr() == packed.weight[16:32].data_ptr()
+    assert packed.weight.grad is not None and k_weight.grad is not None
+    torch.testing.assert_close(k_weight.grad, packed.weight.grad[16:32])
+    assert fused_sd["blocks.1.attn.k_proj.weight"].grad is None
+    with torch.no_grad():
+        k_weight.add_(1.0)  # in place through the entry reaches the model, as through a parameter
+    torch.testing.assert_close(packed.weight[16:32], k_weight.detach())
+    plain.load_state_dict(fused_sd)  # and it loads both ways, strictly
+    model.load_state_dict(plain.state_dict(keep_vars=True))
+    assert all(not v.requires_grad for v in model.state_dict().values())  # keep_vars=False: detached, as before
 
 
 def test_optimizer_references_and_state_follow_qkv_packing() -> None:

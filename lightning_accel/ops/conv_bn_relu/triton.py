@@ -21,6 +21,7 @@ import triton.language as tl
 
 from lightning_accel.ops.activation import Activation
 from lightning_accel.ops.activation_triton import act_backward, act_forward, code
+from lightning_accel.ops.indexing_triton import program_start
 
 __all__ = ["bn_act_backward", "bn_act_forward"]
 
@@ -41,13 +42,23 @@ def _affine(y, c, MEAN, INVSTD, W, B, HAS_W: tl.constexpr, HAS_B: tl.constexpr, 
 
 
 @triton.jit
+def _channel(offs, C, STRIDE_C, WIDE: tl.constexpr):
+    """The channel of each element at (int64) ``offs``: ``offs // STRIDE_C % C``. In int32 unless the tensor has
+    ``2**31`` elements or more (``WIDE``): a 64-bit division costs several times a 32-bit one on a GPU, in a kernel
+    that does little else per element."""
+    if WIDE:
+        return (offs // STRIDE_C) % C
+    return (offs.to(tl.int32) // STRIDE_C) % C
+
+
+@triton.jit
 def _fwd_kernel(
     Y, OUT, MEAN, INVSTD, W, B, total, C, STRIDE_C,
-    HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr, WIDE: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs = program_start(0, BLOCK) + tl.arange(0, BLOCK)  # int64: see indexing_triton
     mask = offs < total
-    c = (offs // STRIDE_C) % C  # STRIDE_C: H * W for NCHW, 1 for NHWC
+    c = _channel(offs, C, STRIDE_C, WIDE)  # STRIDE_C: H * W for NCHW, 1 for NHWC
     y = tl.load(Y + offs, mask=mask, other=0.0).to(tl.float32)
     _, z = _affine(y, c, MEAN, INVSTD, W, B, HAS_W, HAS_B, mask)
     tl.store(OUT + offs, act_forward(z, ACT).to(OUT.dtype.element_ty), mask=mask)
@@ -58,8 +69,8 @@ def _bwd_reduce_kernel(
     DOUT, Y, MEAN, INVSTD, W, B, SUM_DZ, SUM_DZX, N, C, HW, SPLIT, STRIDE_C, STRIDE_HW,
     HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    c = tl.program_id(0)
-    part = tl.program_id(1)
+    c = program_start(0, 1)
+    part = program_start(1, 1)  # int64, so is the sample index `n` and `n * C * HW` (see indexing_triton)
     acc_dz = tl.zeros((BLOCK,), dtype=tl.float32)
     acc_dzx = tl.zeros((BLOCK,), dtype=tl.float32)
     for n in range(part, N, SPLIT):
@@ -81,11 +92,11 @@ def _bwd_reduce_kernel(
 @triton.jit
 def _bwd_kernel(
     DOUT, Y, DY, MEAN, INVSTD, W, B, SUM_DZ, SUM_DZX, total, C, STRIDE_C, count,
-    HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr, WIDE: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs = program_start(0, BLOCK) + tl.arange(0, BLOCK)  # int64: see indexing_triton
     mask = offs < total
-    c = (offs // STRIDE_C) % C
+    c = _channel(offs, C, STRIDE_C, WIDE)
     y = tl.load(Y + offs, mask=mask, other=0.0).to(tl.float32)
     d = tl.load(DOUT + offs, mask=mask, other=0.0).to(tl.float32)
     xhat, z = _affine(y, c, MEAN, INVSTD, W, B, HAS_W, HAS_B, mask)
@@ -107,6 +118,12 @@ def _layout(y: torch.Tensor) -> tuple[torch.Tensor, torch.memory_format, int, in
     if y.is_contiguous(memory_format=torch.channels_last):
         return y, torch.channels_last, 1, c
     return y.contiguous(), torch.contiguous_format, h * w, 1
+
+
+def _wide(total: int) -> bool:
+    """Whether the elementwise kernels need int64 channel arithmetic (:func:`_channel`) for ``total`` elements: an
+    offset of the last, partly masked block reaches past ``2**31 - 1``."""
+    return total + _BLOCK > 2**31
 
 
 def _args(t: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor:
@@ -131,7 +148,8 @@ def bn_act_forward(
     mean, invstd = mean.float().contiguous(), invstd.float().contiguous()
     _fwd_kernel[(triton.cdiv(total, _BLOCK),)](
         y, out, mean, invstd, _args(bn_weight, mean), _args(bn_bias, mean), total, c, stride_c,
-        HAS_W=bn_weight is not None, HAS_B=bn_bias is not None, ACT=code(activation), BLOCK=_BLOCK,
+        HAS_W=bn_weight is not None, HAS_B=bn_bias is not None, ACT=code(activation), WIDE=_wide(total),
+        BLOCK=_BLOCK,
     )  # fmt: skip
     return out
 
@@ -163,8 +181,9 @@ def bn_act_backward(
     dy = torch.empty_like(y, memory_format=fmt)
     total = y.numel()
     _bwd_kernel[(triton.cdiv(total, _BLOCK),)](
-        dout, y, dy, mean, invstd, wt, bt, sum_dz, sum_dzx, total, c, stride_c, float(n * h * w), **flags
-    )
+        dout, y, dy, mean, invstd, wt, bt, sum_dz, sum_dzx, total, c, stride_c, float(n * h * w), **flags,
+        WIDE=_wide(total),
+    )  # fmt: skip
     dgamma = sum_dzx.to(bn_weight.dtype) if bn_weight is not None else None
     dbeta = sum_dz.to(bn_bias.dtype) if bn_bias is not None else None
     return dy, dgamma, dbeta

@@ -6,7 +6,9 @@ pre-activation ``x @ W.T + b`` (what eager's activation saves for its backward);
 regenerated mask and the activation's derivative in one pass.
 
 The keep-mask is ``tl.rand(seed, row * N + col) >= p`` (Philox), so forward and backward draw the same bits without
-storing a mask. Everything inside the kernels is float32.
+storing a mask. Offsets, the mask's flat index included, are int64 (:mod:`lightning_accel.ops.indexing_triton`): an
+index below ``2**32`` draws the bits an int32 one drew, and outputs of ``2**31`` elements and more are fused too.
+Everything inside the kernels is float32.
 
 Two forward routes:
 
@@ -26,6 +28,7 @@ import triton.language as tl
 from lightning_accel._utils.triton import interpreter_active
 from lightning_accel.ops.activation import Activation
 from lightning_accel.ops.activation_triton import act_backward, act_forward, code
+from lightning_accel.ops.indexing_triton import program_start
 
 __all__ = ["dropout_backward", "dropout_keep_mask", "forward", "fused_gemm_supported"]
 
@@ -53,10 +56,11 @@ def _epilogue(
 @triton.jit
 def _epilogue_kernel(
     Y, B, R, OUT, M, N, stride_y, stride_r, stride_o, seed, p, PRE, stride_p,
-    HAS_B: tl.constexpr, HAS_R: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_B: tl.constexpr, HAS_R: tl.constexpr, ACT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = program_start(0, BLOCK_M) + tl.arange(0, BLOCK_M)  # int64: see indexing_triton
+    offs_n = program_start(1, BLOCK_N) + tl.arange(0, BLOCK_N)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     acc = tl.load(Y + offs_m[:, None] * stride_y + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
     acc = _epilogue(acc, offs_m, offs_n, mask, B, R, stride_r, N, seed, p, PRE, stride_p, HAS_B, HAS_R, ACT)
@@ -69,8 +73,8 @@ def _matmul_epilogue_kernel(
     HAS_B: tl.constexpr, HAS_R: tl.constexpr, ACT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = program_start(0, BLOCK_M) + tl.arange(0, BLOCK_M)  # int64: see indexing_triton
+    offs_n = program_start(1, BLOCK_N) + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -91,8 +95,8 @@ def _dropout_bwd_kernel(
     DOUT, DZ, M, N, stride_d, stride_z, seed, p, PRE, stride_p,
     ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = program_start(0, BLOCK_M) + tl.arange(0, BLOCK_M)  # int64: see indexing_triton
+    offs_n = program_start(1, BLOCK_N) + tl.arange(0, BLOCK_N)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     dz = tl.load(DOUT + offs_m[:, None] * stride_d + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
     if p > 0:
@@ -106,8 +110,8 @@ def _dropout_bwd_kernel(
 
 @triton.jit
 def _keep_mask_kernel(KEEP, M, N, seed, p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = program_start(0, BLOCK_M) + tl.arange(0, BLOCK_M)  # int64: see indexing_triton
+    offs_n = program_start(1, BLOCK_N) + tl.arange(0, BLOCK_N)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     rnd = tl.rand(seed, offs_m[:, None] * N + offs_n[None, :])
     tl.store(KEEP + offs_m[:, None] * N + offs_n[None, :], (rnd >= p).to(tl.int8), mask=mask)
@@ -124,14 +128,6 @@ def fused_gemm_supported(dtype: torch.dtype) -> bool:
     on a GPU handle fp32, fp16 and bf16.
     """
     return not (interpreter_active() and dtype == torch.bfloat16)
-
-
-def _check_offsets(m: int, n: int) -> None:
-    if m * n >= 2**31:
-        raise ValueError(
-            f"The fused dropout draws its mask from int32 offsets and supports at most 2**31 - 1 outputs, got "
-            f"{m} x {n}. Split the batch, or fuse without dropout (`p=0`)."
-        )
 
 
 def forward(
@@ -156,7 +152,6 @@ def forward(
     """
     m, k = x.shape
     n = weight.shape[0]
-    _check_offsets(m, n)
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"`bias` must have shape ({n},) here, got {tuple(bias.shape)}. Expand it to ({n},) first.")
     bias = bias.contiguous() if bias is not None else None

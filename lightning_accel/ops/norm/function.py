@@ -12,7 +12,11 @@ from lightning_accel._utils.checks import check_number
 from lightning_accel._utils.triton import Backend, ResolvedBackend, resolve_backend, use_triton
 from lightning_accel.ops.norm import reference
 
-__all__ = ["NormFunction", "layer_norm", "rms_norm"]
+__all__ = ["MAX_TRITON_FEATURES", "NormFunction", "layer_norm", "rms_norm"]
+
+#: The widest rows the Triton kernels normalise (one row per program, held in registers: wider ones would spill).
+#: ``backend="auto"`` runs wider rows on the function's torch path; a forced ``"triton"`` refuses them.
+MAX_TRITON_FEATURES = 65536
 
 
 def _impl(on_triton: bool) -> Any:
@@ -93,10 +97,17 @@ def _default_rms_eps(dtype: torch.dtype) -> float:
 
 def _path(x: torch.Tensor, backend: Backend) -> ResolvedBackend:
     """:func:`resolve_backend`'s path, but the torch path instead of the kernels for float64, which they compute in
-    float32 (a float64 row with a large mean lost 0.3 % to them, measured; the torch path keeps float64), and for rows
-    of no features (a kernel block cannot be 0 wide; there is nothing to compute)."""
+    float32 (a float64 row with a large mean lost 0.3 % to them, measured; the torch path keeps float64), for rows
+    of no features (a kernel block cannot be 0 wide; there is nothing to compute) and, when ``backend`` is
+    ``"auto"``, for rows wider than :data:`MAX_TRITON_FEATURES`: the default must not pick kernels that refuse the
+    input (a fused ``nn.LayerNorm(100_000)`` failed at its first call on CUDA, telling the user to change a backend
+    they had not chosen)."""
     path = resolve_backend(x, backend)
-    return "reference" if path == "triton" and (x.dtype == torch.float64 or x.shape[-1] == 0) else path
+    if path != "triton":
+        return path
+    n = x.shape[-1]
+    wide = backend == "auto" and n > MAX_TRITON_FEATURES
+    return "reference" if x.dtype == torch.float64 or n == 0 or wide else path
 
 
 def layer_norm(

@@ -13,10 +13,14 @@ import torch
 import triton
 import triton.language as tl
 
+from lightning_accel.ops.indexing_triton import program_start
+from lightning_accel.ops.norm.function import MAX_TRITON_FEATURES
+
 __all__ = ["norm_backward", "norm_forward"]
 
 # One row per program; rows wider than this would spill registers on current GPUs (and are not what LLM blocks use).
-MAX_FUSED_SIZE = 65536
+# Defined beside the dispatch, which must know it without importing Triton.
+MAX_FUSED_SIZE = MAX_TRITON_FEATURES
 
 
 @triton.jit
@@ -24,7 +28,7 @@ def _norm_fwd_kernel(
     X, Y, W, B, Mean, Rstd, stride_x, stride_y, N, eps,
     HAS_W: tl.constexpr, HAS_B: tl.constexpr, RMS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0)
+    row = program_start(0, 1)  # int64: `row * stride_x` passes 2**31 on large inputs (see indexing_triton)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
@@ -51,7 +55,7 @@ def _norm_bwd_kernel(
     DY, X, W, Mean, Rstd, DX, DW, DB, stride_dy, stride_x, stride_dx, M, N, rows_per_program,
     HAS_W: tl.constexpr, HAS_B: tl.constexpr, RMS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
+    pid = program_start(0, 1)  # int64, so are `row` and `row * stride` below (see indexing_triton)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
     if HAS_W:
