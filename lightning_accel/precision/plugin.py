@@ -5,6 +5,7 @@ The Lightning adapter of this room: the surgery itself is :func:`~lightning_acce
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
@@ -76,7 +77,9 @@ class FusedPrecision(MixedPrecision):
 
     Args:
         precision: ``"bf16-mixed"`` or ``"16-mixed"``.
-        device: the autocast device type; default ``"cuda"`` when available, else ``"cpu"``.
+        device: the autocast device type; default: the Trainer's (``"cuda"`` when available, else ``"cpu"``, until
+            the Trainer is known). One that is not the Trainer's (``"cuda"`` with ``accelerator="cpu"``) is refused
+            when the fit sets up: autocast there would leave the model in full precision.
         scaler: a custom ``torch.amp.GradScaler`` (16-mixed only).
         fusions: pattern names to apply (default: all of ``conv_bn_relu``, ``linear_dropout``, ``qkv``,
             ``attention``, ``norm``, ``block``), or a custom ``{pattern: [Replacement]}`` policy. ``[]`` selects
@@ -86,7 +89,8 @@ class FusedPrecision(MixedPrecision):
             to leave unfused.
         compile: ``torch.compile`` the LightningModule's ``__call__`` after surgery, in place; if compilation fails
             at the first call, a warning says why and training continues eagerly.
-        compile_kwargs: keyword arguments for ``torch.compile`` (e.g. ``{"mode": "max-autotune"}``).
+        compile_kwargs: keyword arguments for ``torch.compile`` (e.g. ``{"mode": "max-autotune"}``); with
+            ``compile=True`` only (with ``compile=False`` a warning says they are not used).
         backend: how fused modules compute: ``"auto"`` (Triton kernels and the memory-saving functions on CUDA;
             plain torch ops on other devices, where they are faster), ``"reference"`` (the fused functions' torch
             path on any device), ``"triton"`` or ``"eager"``.
@@ -146,6 +150,15 @@ class FusedPrecision(MixedPrecision):
             )
         if compile_kwargs:
             _check_compile_kwargs(compile_kwargs)
+            if not compile:
+                # kept and never used: said, not refused, so that a config can switch compilation off on the command
+                # line (`--...compile=false`, as the tuner's options do) and keep the arguments for when it is on
+                warnings.warn(
+                    f"FusedPrecision: `compile_kwargs` {dict(compile_kwargs)!r} are not used with compile=False: the "
+                    "model runs eagerly. Pass `compile=True` to compile with them.",
+                    UserWarning,
+                    stacklevel=2,
+                )
         check_backend(backend)
         check_choice(
             "memory_format",
@@ -156,6 +169,7 @@ class FusedPrecision(MixedPrecision):
         super().__init__(precision, device or ("cuda" if cuda_available() else "cpu"), scaler)
         # without an explicit device, follow the Trainer's accelerator at setup (see `convert_module`)
         self._follow_trainer_device = device is None and scaler is None
+        self._device_given = device is not None
         self.fusions = fusions
         self.ignore_modules = _ignore_list(ignore_modules)
         self.compile = compile
@@ -250,11 +264,20 @@ class FusedPrecision(MixedPrecision):
         """Autocast (and a default GradScaler) on the device type the Trainer actually uses, e.g. ``cpu`` on a GPU
         machine with ``accelerator="cpu"``."""
         trainer = _attached_trainer(module)
-        if not self._follow_trainer_device or trainer is None:
+        if trainer is None:
             return
         device_type = trainer.strategy.root_device.type
         if device_type == self.device:
             return
+        if not self._follow_trainer_device:
+            # autocast on another device type than the one the model computes on changes nothing: the fit would run
+            # in full precision without a word
+            what = "`device`" if self._device_given else "default device, kept because a `scaler` was given,"
+            raise ValueError(
+                f"FusedPrecision's {what} sets autocast on {self.device!r}, but the Trainer trains on {device_type!r}: "
+                f"the model would run without mixed precision. Leave `device` (and `scaler`) out to follow the "
+                f"Trainer, or pass device={device_type!r}."
+            )
         self.device = device_type
         if self.scaler is not None:
             self.scaler = torch.amp.GradScaler(device=device_type)

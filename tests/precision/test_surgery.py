@@ -890,6 +890,30 @@ def test_plugin_arguments_are_checked_at_construction(kwargs: dict, error: type[
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("given", ["device", "scaler"])
+def test_autocast_on_another_device_than_the_trainers_is_refused_at_setup(given: str) -> None:
+    """`device="cuda"` (or a custom scaler, which keeps the default device) with a CPU Trainer autocast nothing: the
+    fit ran in full precision without a word."""
+    import lightning.pytorch as pl
+
+    from tests.tiny import TimedModule, loaders
+
+    kw = {"device": "cuda"} if given == "device" else {"scaler": torch.amp.GradScaler("cpu")}
+    plugin = FusedPrecision("16-mixed", **kw)
+    plugin.device = "cuda"  # what the default is on a GPU machine (the scaler case); the CPU one defaults to "cpu"
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        plugins=[plugin],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with pytest.raises(ValueError, match=r"sets autocast on 'cuda', but the Trainer trains on 'cpu'.*device='cpu'"):
+        trainer.fit(TimedModule(), loaders(None, 0.0)[0])
+
+
 def test_a_scaler_with_bf16_is_refused_with_the_fix() -> None:
     with pytest.raises(ValueError, match=r"`scaler` is for precision='16-mixed' only, .* Drop `scaler`") as info:
         FusedPrecision("bf16-mixed", scaler=torch.amp.GradScaler("cpu"))
@@ -912,8 +936,14 @@ def test_the_report_releases_the_replaced_parameters() -> None:
 
 
 def test_plugin_accepts_the_compile_kwargs_torch_compile_accepts() -> None:
-    plugin = FusedPrecision("bf16-mixed", device="cpu", compile_kwargs={"backend": "eager", "dynamic": False})
-    assert plugin.compile_kwargs == {"backend": "eager", "dynamic": False}
+    kw = {"backend": "eager", "dynamic": False}
+    plugin = FusedPrecision("bf16-mixed", device="cpu", compile=True, compile_kwargs=kw)
+    assert plugin.compile_kwargs == kw
+    # without `compile=True` they would be kept and never used: one line says so (a config may switch compilation
+    # off and keep them)
+    with pytest.warns(UserWarning, match=r"`compile_kwargs` .*'eager'.* are not used with compile=False") as rec:
+        FusedPrecision("bf16-mixed", device="cpu", compile_kwargs=kw)
+    assert len(rec) == 1 and "\n" not in str(rec[0].message)
 
 
 @pytest.mark.parametrize("optimizers", [[1], 5, "adam"])
