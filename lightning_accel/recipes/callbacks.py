@@ -71,6 +71,13 @@ def fit_steps_per_epoch(trainer: Trainer) -> float | None:
     return float(per_epoch)
 
 
+def _scheduler_steps_per_epoch(batches: int, accumulate: int, frequency: int) -> int:
+    """How often Lightning steps an ``interval="step"`` scheduler with ``frequency`` in an epoch of ``batches``: after
+    each optimizer step (every ``accumulate``-th batch, and the last one when it closes a partial accumulation) whose
+    1-based batch position is a multiple of ``frequency``."""
+    return batches // math.lcm(accumulate, frequency) + int(batches % accumulate != 0 and batches % frequency == 0)
+
+
 def fit_scheduler_steps(trainer: Trainer, frequency: int) -> tuple[int | float, float | None]:
     """Steps a per-step scheduler with ``frequency`` takes in ``trainer``'s current fit, and per epoch (``None`` when
     ``max_steps`` bounds the fit).
@@ -90,8 +97,7 @@ def fit_scheduler_steps(trainer: Trainer, frequency: int) -> tuple[int | float, 
     if not math.isfinite(batches):
         return int(total_optimizer_steps) * accumulate // every, None
     batches = int(batches)
-    # the epoch's last batch steps the optimizer too when it closes a partial accumulation
-    per_epoch = batches // every + int(batches % accumulate != 0 and batches % frequency == 0)
+    per_epoch = _scheduler_steps_per_epoch(batches, accumulate, frequency)
     if fit_steps_per_epoch(trainer) is not None:
         return per_epoch * (trainer.max_epochs or 0), float(per_epoch)
     # bounded by `max_steps`: whole epochs, then the first optimizer steps of a last one (none of them its final batch)
@@ -261,7 +267,9 @@ class PerStepLR(Callback):
     schedule is bound to that number of steps (:func:`fit_scheduler_steps`), so it still spans the whole fit. A config
     with the default ``interval="epoch"`` (the CLI block's) is switched to ``"step"``; one that also sets a
     ``frequency`` other than 1 (a step every N epochs) is refused with a ``ValueError`` at ``on_train_start``, as is a
-    ``frequency`` larger than the batches of an epoch (the schedule would never step).
+    ``frequency`` that never steps the schedule, with or without a ``total_steps``: one larger than the batches of an
+    epoch, or one that no optimizer step's batch position is a multiple of (``accumulate_grad_batches`` 2, 5
+    batches per epoch: the optimizer steps after batches 2, 4 and 5, so ``frequency=3`` never steps it).
 
     Resumed at another world size (or batch size), the restored step counts steps of the old size: the schedule's
     position is converted through the epochs it represents (:func:`bind_to_fit`; the steps taken into an interrupted
@@ -286,16 +294,53 @@ class PerStepLR(Callback):
                     )
                 # LightningCLI's `lr_scheduler:` block gives the default interval, "epoch"
                 cfg.interval = "step"
+                _check_frequency_steps(trainer, cfg.frequency)
                 steps, _ = fit_scheduler_steps(trainer, cfg.frequency)
                 if steps == 0 and sched.total_steps_arg is None:
+                    # an epoch does step it (checked above): this fit ends first
                     raise ValueError(
                         f"The WarmupCosineLR scheduler config's `frequency` {cfg.frequency!r} never steps it in this "
-                        f"fit ({trainer.num_training_batches} batches per epoch). Use a `frequency` of at most the "
-                        "batches per epoch (1 steps it at every optimizer step)."
+                        f"fit: `max_steps` ({trainer.max_steps}) ends it before the first batch position that is a "
+                        "multiple of the frequency. Raise `max_steps`, or lower `frequency` (1 steps it at every "
+                        "optimizer step)."
                     )
                 bind_to_fit(sched, trainer, sched.total_steps_arg, frequency=cfg.frequency)
         if not found:
             rank_zero_warn("PerStepLR found no WarmupCosineLR scheduler in this fit; it changed nothing.")
+
+
+def _check_frequency_steps(trainer: Trainer, frequency: int) -> None:
+    """Refuse a per-step scheduler ``frequency`` that no epoch of ``trainer``'s fit steps: no optimizer step of an
+    epoch ends a batch position divisible by it (a frequency above the batches of an epoch, or one that the
+    ``accumulate_grad_batches`` positions never meet). The schedule would stay at its first value for the whole fit,
+    whatever ``total_steps`` says. A ``frequency`` below 1 is refused first (Lightning would divide by it at the first
+    step)."""
+    check_int(
+        "frequency",
+        frequency,
+        low=1,
+        fix="It is the WarmupCosineLR scheduler config's: the schedule steps at every `frequency`-th batch (1: every "
+        "optimizer step).",
+    )
+    batches = trainer.num_training_batches
+    if not math.isfinite(batches) or int(batches) < 1:
+        return  # unknown epoch length (an iterable dataset): nothing to check against
+    batches, accumulate = int(batches), trainer.accumulate_grad_batches
+    if _scheduler_steps_per_epoch(batches, accumulate, frequency) > 0:
+        return
+    # the optimizer's batch positions, the first few of them: every `accumulate`-th, then the epoch's last
+    positions = list(range(accumulate, batches + 1, accumulate)[:6])
+    if batches % accumulate and len(positions) < 6:
+        positions.append(batches)
+    more = batches // accumulate + int(batches % accumulate != 0) > len(positions)
+    shown = ", ".join(map(str, positions)) + (", ..." if more else "")
+    how = f"with `accumulate_grad_batches` {accumulate} " if accumulate > 1 else ""
+    raise ValueError(
+        f"The WarmupCosineLR scheduler config's `frequency` {frequency!r} never steps it: Lightning steps it after an "
+        f"optimizer step whose batch position in the epoch is a multiple of the frequency, and {how}the optimizer "
+        f"steps after batches {shown} of the epoch's {batches}, none a multiple of {frequency}. Use a `frequency` "
+        "that divides one of those positions (1 steps it at every optimizer step)."
+    )
 
 
 def _input_dtype(precision: Precision) -> torch.dtype | None:
@@ -350,7 +395,9 @@ class KnowledgeDistillation(Callback):
     hard loss. The callbacks log apart (``distill/soft_loss`` for the first, ``distill/soft_loss_1`` for the second, in
     ``callbacks`` order) and checkpoint apart: the state key names the teacher (its class and a hash of its weights,
     :func:`~lightning_accel.recipes.distill.teacher_fingerprint`), ``temperature`` and ``alpha``, so a resume with
-    the same teachers gives each callback its own state.
+    the same teachers gives each callback its own state. A Trainer with one such callback also takes the one state of
+    a checkpoint written by an earlier version (keyed by the bare class name, or by a teacher hash computed from a
+    sample of the weights).
 
     **Precision.** At fit start the teacher is converted, in place, to the dtype the Trainer's precision gives the
     student's inputs (``"bf16-true"``: bfloat16, ``"16-true"``: float16, ``"64-true"``: float64; the ``*-mixed``
@@ -482,13 +529,18 @@ class KnowledgeDistillation(Callback):
 
     @override
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
-        # a checkpoint written when the key was the bare class name (one callback at most): its state belongs to this
-        # callback if it is the only KnowledgeDistillation of the Trainer (otherwise which one wrote it is unknown)
+        # A checkpoint written by an earlier version keys the state by the bare class name, or by the same
+        # `KnowledgeDistillation{...}` form with a teacher hash computed from a sample of the weights (it reads every
+        # value now, so that key never matches again). Its state belongs to this callback if the checkpoint holds one
+        # such state and this is the only KnowledgeDistillation of the Trainer (otherwise which one wrote it is unknown)
         states = checkpoint.get("callbacks") or {}
-        legacy = states.get(type(self).__qualname__)
+        if self.state_key in states:
+            return
+        name = type(self).__qualname__
+        older = [k for k in states if isinstance(k, str) and (k == name or k.startswith(name + "{"))]
         mine = [cb for cb in trainer.callbacks if isinstance(cb, KnowledgeDistillation)]  # type: ignore[attr-defined]
-        if legacy and self.state_key not in states and len(mine) == 1:
-            self.load_state_dict(dict(legacy))
+        if len(older) == 1 and states[older[0]] and len(mine) == 1:
+            self.load_state_dict(dict(states[older[0]]))
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -709,7 +761,8 @@ class StructuredPruning(Callback):
             through its ``forward``). It is traced with the inputs the module's ``forward`` passes to it (so it may
             sit behind a stem), or with the module's inputs when ``forward`` does not reach it.
         ignore_modules: module names (relative to the pruned module) whose outputs must keep all channels; one name
-            alone may be a string. Checked against the module's ``named_modules()`` at ``setup``.
+            alone may be a string (in LightningCLI YAML too: the annotation says so, ``ignore_modules: model.fc``).
+            Checked against the module's ``named_modules()`` at ``setup``.
         ignore: deprecated spelling of ``ignore_modules`` (same values).
         round_to: keep a multiple of this many channels per group.
         fold_bn: rank the channels of a layer followed by a BatchNorm on the BN-folded filter norm
@@ -738,12 +791,12 @@ class StructuredPruning(Callback):
         norm: str = "l1",
         schedule: int | Sequence[int] = 0,
         target: str | None = None,
-        ignore_modules: Sequence[str] = (),
+        ignore_modules: str | Sequence[str] = (),
         round_to: int = 1,
         fold_bn: bool = False,
         recalibrate_bn: bool = True,
         train_mode: bool = True,
-        ignore: Sequence[str] | None = None,
+        ignore: str | Sequence[str] | None = None,
     ) -> None:
         self.amount = check_amount(amount)
         check_choice("norm", norm, ("l1", "l2"))

@@ -6,12 +6,14 @@ Functional core (plain torch + ``torch.fx``, no Lightning), the first half of st
 1. **Trace** the model with ``torch.fx`` and propagate the shapes of an example input (``ShapeProp``, in eval mode
    and without gradients, so BatchNorm statistics are untouched).
 2. **Find channel groups**: every ``Conv1d/2d/3d`` (``groups == 1``) and ``Linear`` output starts a *channel space*.
-   A space flows unchanged through BatchNorm (which indexes it), activations, dropout, pooling and flattening of
-   ``C x 1 x 1`` maps; it ends in the conv/linear layers that consume it. Element-wise ops between two spaces
-   (a residual ``out + identity``) **merge** them into one group, so residual adds stay shape-consistent: the conv2/bn2
-   of a ResNet block and its downsample conv/bn are pruned with the same channel indices. A space that reaches
+   A space flows unchanged through BatchNorm (which indexes it), activations, dropout, pooling over other dims than
+   its own (a ``MaxPool1d`` over a ``Linear``'s features mixes them) and flattening of ``C x 1 x 1`` maps; it ends in
+   the conv/linear layers that consume it. Element-wise ops between two spaces (a residual ``out + identity``)
+   **merge** them into one group, so residual adds stay shape-consistent: the conv2/bn2 of a ResNet block and its
+   downsample conv/bn are pruned with the same channel indices. A space that reaches
    anything else -- the graph's output (the logits), an input, ``cat``, a general ``view``, an unknown module, a
-   grouped conv, a module called twice or one with tied weights -- is left alone.
+   grouped conv, a module called twice, one with tied weights or one whose weight is computed (a parametrization
+   such as ``weight_norm`` / ``spectral_norm``) -- is left alone.
 
 Entry point: :func:`find_channel_groups`.
 """
@@ -98,6 +100,15 @@ _PASS_FUNCTIONS: set[Any] = {
     torch.tanh,
     torch.relu_,
     operator.neg,
+}
+#: the trailing dims each pooling op of the pass lists reduces (``MaxPool1d``: the last one, ``*2d``: the last two): a
+#: channel dim among them is mixed with its neighbours (a ``MaxPool1d`` over a ``Linear``'s features), not passed
+_POOLED_DIMS: dict[Any, int] = {
+    **{cls: int(cls.__name__[-2]) for cls in _PASS_MODULES if "Pool" in cls.__name__},  # the digit of `MaxPool2d`
+    _F.max_pool2d: 2,
+    _F.avg_pool2d: 2,
+    _F.adaptive_avg_pool2d: 2,
+    _F.adaptive_max_pool2d: 2,
 }
 _PASS_METHODS = {"relu", "relu_", "sigmoid", "tanh", "contiguous", "clone", "detach", "float", "half", "to", "neg"}
 _BINARY_FUNCTIONS: set[Any] = {
@@ -367,7 +378,19 @@ class _ChannelFlow:
         name = str(node.target)
         m = self.modules.get(name)
         self.calls[name] = self.calls.get(name, 0) + 1
-        if isinstance(m, CONV_TYPES) and type(m) in CONV_TYPES and m.groups == 1 and shape is not None:
+        computed = _computed_tensors(m) if isinstance(m, (*CONV_TYPES, nn.Linear, *NORM_TYPES)) else []
+        if computed:
+            # slicing `weight` of a weight-normalised layer would slice a copy the next forward recomputes from the
+            # unsliced originals (old-style hook: the forward fails), or reset the originals in place behind the
+            # optimizer's back (a parametrization: its momentum keeps the old shape and the next step fails)
+            reason = f"`{name}` computes its {' and '.join(computed)} (a parametrization or weight_norm)"
+            self.block_args(node, reason)
+            if shape is not None:
+                self.new_space(node, 1 if len(shape) >= 2 else 0, blocked=reason)
+            if node in self.info and isinstance(m, (*CONV_TYPES, nn.Linear)):
+                # a producer of a blocked space: listed in `skipped` with the reason
+                self.producers.setdefault(self.info[node][0], []).append((name, m))
+        elif isinstance(m, CONV_TYPES) and type(m) in CONV_TYPES and m.groups == 1 and shape is not None:
             self._layer(node, name, m, x, reads=1, writes=1)
         elif isinstance(m, nn.Linear) and shape is not None:
             in_shape = _shape(args[0]) if args else None
@@ -381,7 +404,7 @@ class _ChannelFlow:
             self._touch(x[0], name)
             self.info[node] = x
         elif isinstance(m, _PASS_MODULES) and x is not None:
-            _pass(node, x, args[0], self.info, self.uf)
+            _pass(node, x, args[0], self.info, self.uf, pooled=_POOLED_DIMS.get(type(m), 0))
         elif isinstance(m, nn.Flatten) and x is not None:
             _flatten(node, x, args[0], self.info, self.uf)
         else:
@@ -412,7 +435,7 @@ class _ChannelFlow:
         fn = node.target
         is_method = node.op == "call_method"
         if (fn in _PASS_METHODS if is_method else fn in _PASS_FUNCTIONS) and x is not None:
-            _pass(node, x, args[0], self.info, self.uf)
+            _pass(node, x, args[0], self.info, self.uf, pooled=0 if is_method else _POOLED_DIMS.get(fn, 0))
         elif (fn in _BINARY_METHODS if is_method else fn in _BINARY_FUNCTIONS) and shape is not None:
             _binary(node, shape, self.info, self.uf)
         elif (fn == "flatten" if is_method else fn in _FLATTEN) and x is not None:
@@ -472,8 +495,27 @@ class _ChannelFlow:
         return groups, skipped
 
 
-def _pass(node: torch.fx.Node, x: tuple[int, int], src: torch.fx.Node, info: dict, uf: _UnionFind) -> None:
+def _computed_tensors(m: nn.Module) -> list[str]:
+    """The tensors among ``weight``, ``bias`` and the running statistics that ``m`` computes instead of holding them
+    as its own parameters or buffers: a parametrization (``torch.nn.utils.parametrizations.weight_norm``,
+    ``spectral_norm``, ``orthogonal``) or the older ``torch.nn.utils.weight_norm`` hook. Pruning can slice only what a
+    layer holds."""
+    held = {n for n, _ in m.named_parameters(recurse=False)} | {n for n, _ in m.named_buffers(recurse=False)}
+    names = ("weight", "bias", "running_mean", "running_var")
+    return [n for n in names if isinstance(getattr(m, n, None), torch.Tensor) and n not in held]
+
+
+def _pass(
+    node: torch.fx.Node, x: tuple[int, int], src: torch.fx.Node, info: dict, uf: _UnionFind, *, pooled: int = 0
+) -> None:
+    """An op that keeps each channel apart: the output carries the input's channel space along the same dim, if the
+    op keeps that dim's size and (a pooling op, ``pooled`` > 0) does not pool over it."""
     in_shape, out_shape = _shape(src), _shape(node)
+    if in_shape is not None and pooled and x[1] >= len(in_shape) - pooled:
+        # pooling reduces the last `pooled` dims: a channel dim among them is mixed across channels, even where the
+        # size stays (stride 1, padding), so removing a channel would change its neighbours' values
+        uf.block(x[0], f"pooled along the channel dim by `{getattr(node.target, '__name__', node.target)}`")
+        return
     if (
         in_shape is not None
         and out_shape is not None

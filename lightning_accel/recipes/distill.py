@@ -9,7 +9,8 @@ Functional core (plain torch, no Lightning):
   BatchNorm statistics and never drops units.
 - :func:`load_teacher` -- build a teacher from a checkpoint (a plain Lightning/``torch.save`` file or a
   ``DeltaCheckpointIO`` manifest) **without unpickling** arbitrary objects
-  (:func:`~lightning_accel.checkpoint.read_checkpoint`): ``teacher_class(**hyper_parameters)`` then
+  (:func:`~lightning_accel.checkpoint.read_checkpoint`): ``teacher_class(**hyper_parameters)`` (``config=`` for
+  hyper-parameters saved from one argument ``config``) then
   ``load_state_dict``.
 - :func:`check_logits_match` -- the teacher's and the student's logits must have the same shape.
 
@@ -186,9 +187,11 @@ def load_teacher(path: str | os.PathLike[str], teacher_class: type[nn.Module] | 
 
     The checkpoint is a plain ``torch.save`` file (``Trainer.save_checkpoint``, ``TorchCheckpointIO``) or a
     ``DeltaCheckpointIO`` manifest, read by :func:`~lightning_accel.checkpoint.read_checkpoint`: tensors and plain
-    containers only, never arbitrary pickled objects. A plain ``state_dict`` file (no ``hyper_parameters``) builds
-    ``teacher_class()``. Layers are resized to the checkpoint's shapes first, so a teacher pruned by
-    ``StructuredPruning`` loads too.
+    containers only, never arbitrary pickled objects. Hyper-parameters saved from one argument
+    (``self.save_hyperparameters(config)``, which Lightning records as ``hparams_name``) are passed back as that
+    argument, ``teacher_class(config=...)``, as ``load_from_checkpoint`` does. A plain ``state_dict`` file (no
+    ``hyper_parameters``) builds ``teacher_class()``. Layers are resized to the checkpoint's shapes first, so a teacher
+    pruned by ``StructuredPruning`` loads too.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -207,17 +210,23 @@ def load_teacher(path: str | os.PathLike[str], teacher_class: type[nn.Module] | 
             "`Trainer.save_checkpoint`, `DeltaCheckpointIO` or `torch.save`)."
         ) from e
     state = ckpt.get("state_dict", ckpt)
-    hparams = dict(ckpt.get("hyper_parameters", {}) or {})
+    saved = dict(ckpt.get("hyper_parameters", {}) or {})
     params = inspect.signature(cls.__init__).parameters
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+    hparams = saved
+    named = params.get(str(ckpt.get("hparams_name")))
+    if named is not None and named.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY):
+        # `self.save_hyperparameters(config)` saves the entries of the one argument `config` and names it
+        # (`hparams_name`): the class takes them back as that argument, as Lightning's `load_from_checkpoint` gives them
+        hparams = {named.name: saved}
+    elif not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         # LightningCLI adds bookkeeping keys (`_class_path`, `_instantiator`) that are not constructor arguments.
-        hparams = {k: v for k, v in hparams.items() if k in params}
+        hparams = {k: v for k, v in saved.items() if k in params}
     try:
         model = cls(**hparams)
     except TypeError as e:
         # a plain `state_dict` file (or a module that never called `save_hyperparameters`) has no constructor arguments
         # to give: Python's message names neither the checkpoint nor a way out
-        given = f"its `hyper_parameters` {sorted(hparams)}" if hparams else "no `hyper_parameters`"
+        given = f"its `hyper_parameters` {sorted(saved)}" if saved else "no `hyper_parameters`"
         raise ValueError(
             f"`teacher_class` {cls.__name__} cannot be built from checkpoint {p!r}, which holds {given}: "
             f"{one_line(e)}. Save the teacher with `self.save_hyperparameters()` in its `__init__`, or build and load "

@@ -146,6 +146,45 @@ def test_teacher_from_a_delta_checkpoint_of_a_run(tmp_path: Path) -> None:
     trainer(callbacks=[kd], limit_train_batches=2).fit(classifier(), loader())
 
 
+class ConfigTeacher(LightningModule):
+    """A teacher configured by one dict, saved with ``self.save_hyperparameters(config)`` (Lightning records the
+    dict's entries and ``hparams_name="config"``)."""
+
+    def __init__(self, config: dict[str, int]) -> None:
+        super().__init__()
+        self.save_hyperparameters(config)
+        self.net = nn.Sequential(
+            nn.Flatten(), nn.Linear(192, config["hidden"]), nn.ReLU(), nn.Linear(config["hidden"], 10)
+        )
+
+    @override
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return F.cross_entropy(self(batch[0]), batch[1])
+
+    @override
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_teacher_from_a_checkpoint_of_a_module_configured_by_one_dict(tmp_path: Path) -> None:
+    big = ConfigTeacher({"hidden": 12})
+    t = trainer(limit_train_batches=2)
+    t.fit(big, loader())
+    t.save_checkpoint(tmp_path / "teacher.ckpt")
+    # Lightning's own loader builds it as ConfigTeacher(config={...}); so must the teacher's
+    assert ConfigTeacher.load_from_checkpoint(tmp_path / "teacher.ckpt").hparams["hidden"] == 12
+    kd = KnowledgeDistillation(str(tmp_path / "teacher.ckpt"), teacher_class=ConfigTeacher)
+    assert isinstance(kd.teacher, ConfigTeacher) and kd.teacher.hparams["hidden"] == 12
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        assert torch.equal(kd.teacher(x), big.eval()(x))
+    trainer(callbacks=[kd], limit_train_batches=2).fit(classifier(), loader())
+
+
 def test_bad_input_names_the_argument() -> None:
     with pytest.raises(ValueError, match="`temperature`"):
         KnowledgeDistillation(_teacher(), temperature=0.0)
@@ -396,6 +435,21 @@ def test_a_bare_class_name_state_from_an_older_checkpoint_is_checked(tmp_path: P
         trainer(callbacks=[KnowledgeDistillation(_teacher(), temperature=3.0)], max_epochs=2).fit(
             DictStudent(), loader(), ckpt_path=tmp_path / "old.ckpt"
         )
+
+
+def test_a_state_keyed_by_an_earlier_teacher_hash_is_checked(tmp_path: Path) -> None:
+    # an earlier version hashed a sample of the teacher's weights: the same teacher had another key then
+    t = trainer(callbacks=[KnowledgeDistillation(_teacher(), temperature=3.0)], enable_checkpointing=False)
+    t.fit(DictStudent(), loader())
+    t.save_checkpoint(tmp_path / "a.ckpt")
+    state = torch.load(tmp_path / "a.ckpt", weights_only=False)
+    old_key = "KnowledgeDistillation{'teacher': 'Sequential@0123456789ab', 'temperature': 4.0, 'alpha': 0.5}"
+    state["callbacks"] = {old_key: {"temperature": 4.0, "alpha": 0.5}}
+    torch.save(state, tmp_path / "old.ckpt")
+    kd = KnowledgeDistillation(_teacher(), temperature=3.0)
+    assert kd.state_key != old_key
+    with pytest.warns(UserWarning, match="trained with temperature 4.0 and alpha 0.5; this fit continues with temp"):
+        trainer(callbacks=[kd], max_epochs=2).fit(DictStudent(), loader(), ckpt_path=tmp_path / "old.ckpt")
 
 
 def test_two_teachers_differing_in_a_few_values_distil_side_by_side() -> None:

@@ -113,6 +113,40 @@ def test_epoch_frequency_is_refused() -> None:
 def test_frequency_that_never_steps_is_refused() -> None:
     with pytest.raises(ValueError, match=r"`frequency` 9 never steps it"):
         trainer(callbacks=[PerStepLR()], limit_train_batches=8).fit(_scheduled("step", 9), loader())
+    # 0 divided Lightning's batch count (a ZeroDivisionError at the first step, or in PerStepLR's count before)
+    with pytest.raises(ValueError, match=r"`frequency` must be an integer >= 1, got 0\. It is the WarmupCosineLR"):
+        trainer(callbacks=[PerStepLR()], limit_train_batches=8).fit(_scheduled("step", 0), loader())
+
+
+def _explicitly_scheduled(frequency: int) -> Any:
+    m = classifier()
+
+    def configure_optimizers() -> dict[str, Any]:
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        sched = WarmupCosineLR(opt, total_steps=4, warmup_steps=1)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": frequency}}
+
+    m.configure_optimizers = configure_optimizers  # type: ignore[method-assign]
+    return m
+
+
+def test_a_frequency_no_optimizer_step_meets_is_refused_with_the_positions() -> None:
+    # 5 batches, accumulation 2: the optimizer steps after batches 2, 4 and 5, none a multiple of 3, though 3 <= 5
+    t = trainer(callbacks=[PerStepLR()], limit_train_batches=5, accumulate_grad_batches=2)
+    with pytest.raises(
+        ValueError,
+        match=r"`frequency` 3 never steps it: .* with `accumulate_grad_batches` 2 the optimizer steps after batches "
+        r"2, 4, 5 of the epoch's 5, none a multiple of 3\. Use a `frequency` that divides one of those positions",
+    ):
+        t.fit(_scheduled("step", 3), loader())
+
+
+def test_a_frequency_that_never_steps_is_refused_with_an_explicit_length() -> None:
+    # `total_steps` given: the schedule would otherwise train the whole fit at its first warm-up rate
+    probe = LRProbe()
+    with pytest.raises(ValueError, match=r"`frequency` 9 never steps it: .* batches 1, 2, 3, 4, 5, 6, \.\.\. of"):
+        trainer(callbacks=[PerStepLR(), probe], limit_train_batches=8).fit(_explicitly_scheduled(9), loader())
+    assert probe.lrs == []
 
 
 def _warmup_cosine_model() -> Any:

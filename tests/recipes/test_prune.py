@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lightning_accel.models import SmallResNet
@@ -206,6 +207,96 @@ def test_unsupported_ops_are_left_alone() -> None:
     assert (m.a.out_channels, m.b.out_channels) == (8, 8)  # concatenated: untouched
     assert m.c.out_channels == 2 and m.d.in_channels == 2  # a plain conv -> relu -> conv chain is pruned
     assert any(name == "a" for name, _ in result.skipped)
+
+
+class _PooledFeatures(nn.Module):
+    """fc1 -> relu -> a pooling op over the trailing dims -> fc2; ``conv`` makes fc1 a Conv1d over (B, C, L)."""
+
+    def __init__(self, pool: str) -> None:
+        super().__init__()
+        self.conv = pool == "max_pool2d"
+        self.fc1 = nn.Conv1d(3, 16, 3, padding=1) if self.conv else nn.Linear(8, 16)
+        self.pool = {"MaxPool1d": nn.MaxPool1d(3, 1, 1), "AvgPool1d": nn.AvgPool1d(3, 1, 1)}.get(pool, nn.Identity())
+        self.fc2 = nn.Conv1d(16, 4, 1) if self.conv else nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.fc1(x))
+        return self.fc2(F.max_pool2d(h, 3, 1, 1) if self.conv else self.pool(h))
+
+
+@pytest.mark.parametrize(
+    ("pool", "shape"),
+    [("MaxPool1d", (2, 5, 8)), ("AvgPool1d", (2, 8)), ("max_pool2d", (2, 3, 10))],
+    ids=["max-over-features-of-a-sequence", "avg-over-features", "2d-max-over-conv1d-channels-and-length"],
+)
+def test_a_pooling_op_over_the_channel_dim_keeps_the_group(pool: str, shape: tuple[int, ...]) -> None:
+    # the pooling keeps the size (stride 1, padding 1) but mixes neighbouring channels: half of them silent, removing
+    # those would change the others' values, so the group must be left alone
+    torch.manual_seed(0)
+    model = _PooledFeatures(pool).eval()
+    with torch.no_grad():
+        model.fc1.weight[::2] = 0
+        model.fc1.bias[::2] = -5.0  # relu(-5) = 0
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = model(x)
+    with pytest.warns(UserWarning, match="changed nothing"):
+        result = apply_structured_pruning(model, 0.5, x)
+    assert model.fc1.weight.shape[0] == 16  # unpruned
+    assert any(name == "fc1" and "pooled along the channel dim" in reason for name, reason in result.skipped)
+    with torch.no_grad():
+        assert torch.equal(model(x), before)
+
+
+def test_pooling_over_the_spatial_dims_keeps_the_channels_apart() -> None:
+    # the usual case: a conv's (B, C, H, W) pooled over H, W; the silent channels go and nothing else changes
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.MaxPool2d(3, 1, 1), nn.Conv2d(8, 4, 1)).eval()
+    with torch.no_grad():
+        model[0].weight[::2] = 0
+        model[0].bias[::2] = -5.0
+        before = model(X)
+    apply_structured_pruning(model, 0.5, X)
+    assert model[0].out_channels == 4
+    with torch.no_grad():
+        assert torch.allclose(model(X), before, atol=1e-6)
+
+
+def _weight_normalised(kind: str, where: str) -> nn.Sequential:
+    """fc1 -> relu -> fc2 -> relu -> head, with ``where`` (fc1 or fc2) weight-normalised the ``kind`` way."""
+    torch.manual_seed(0)
+    layers = {"fc1": nn.Linear(8, 16), "fc2": nn.Linear(16, 16)}
+    if kind == "parametrization":
+        layers[where] = torch.nn.utils.parametrizations.weight_norm(layers[where])
+    elif kind == "spectral":
+        layers[where] = torch.nn.utils.parametrizations.spectral_norm(layers[where])
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # the hook is deprecated, not removed
+            layers[where] = torch.nn.utils.weight_norm(layers[where])
+    return nn.Sequential(layers["fc1"], nn.ReLU(), layers["fc2"], nn.ReLU(), nn.Linear(16, 4))
+
+
+@pytest.mark.parametrize("where", ["fc1", "fc2"])
+@pytest.mark.parametrize("kind", ["parametrization", "spectral", "hook"])
+def test_a_layer_whose_weight_is_computed_is_left_alone(kind: str, where: str) -> None:
+    net = _weight_normalised(kind, where)
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(1))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    net(x).sum().backward()
+    opt.step()  # momentum buffers of the full shapes
+    opt.zero_grad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # with fc2 computed nothing is prunable, which a warning says
+        result = apply_structured_pruning(net, 0.5, x, optimizers=[opt])
+    index = 0 if where == "fc1" else 2
+    # its weight is recomputed from originals the surgery cannot slice: neither it nor the channels it reads shrink
+    assert net[index].weight.shape == (16, 8 if where == "fc1" else 16)
+    reasons = [reason for name, reason in result.skipped if name == str(index)]
+    assert reasons and "computes its weight (a parametrization" in reasons[0]
+    if where == "fc1":
+        assert net[2].weight.shape == (8, 16)  # the plain fc2 -> head group is still pruned
+    net(x).sum().backward()
+    opt.step()  # the optimizer state still matches every parameter
 
 
 def test_nothing_to_prune_warns() -> None:

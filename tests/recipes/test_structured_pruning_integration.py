@@ -225,6 +225,27 @@ def test_ignore_modules_takes_one_name_and_an_unknown_name_fails_at_setup() -> N
     assert cb.done == []
 
 
+def test_one_ignored_module_name_from_lightningcli_yaml(tmp_path: Path) -> None:
+    from lightning_accel.cli import AccelCLI
+
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(
+        "trainer:\n"
+        "  accelerator: cpu\n"
+        "  logger: false\n"
+        "  callbacks:\n"
+        "    - class_path: lightning_accel.StructuredPruning\n"
+        "      init_args: {amount: 0.5, ignore_modules: model.stem}\n"
+        "model:\n"
+        "  class_path: lightning_accel.models.ImageClassifier\n"
+        "data:\n"
+        "  class_path: tests.tiny.TinyDigits\n"
+    )
+    cli = AccelCLI(args=["--config", str(cfg)], run=False)  # the YAML's one name, as the Python call takes it
+    (cb,) = [c for c in cli.trainer.callbacks if isinstance(c, StructuredPruning)]  # type: ignore[attr-defined]
+    assert cb.ignore_modules == ("model.stem",)
+
+
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="`amount` must be a number >= 0 and < 1, got 1.0"):
         StructuredPruning(amount=1.0)
