@@ -203,8 +203,12 @@ class GpuAugment(nn.Module):
         n, _, h, w = x.shape
         out_h, out_w = (h, w) if self.size is None else (self.size, self.size)
         xf = x.float() / 255.0 if x.dtype == torch.uint8 else x.float()
-        if train and n:
-            params = self.sample_params(n, h, w, self._generator(call))
+        # Every training batch takes its index in the stream, an empty one too (all its samples skipped as
+        # undecodable): otherwise the batches after it drew other parameters here than on the data module's
+        # augment-ahead thread, which numbers batches by their position (`call`).
+        g = self._generator(call) if train else None
+        if g is not None and n:
+            params = self.sample_params(n, h, w, g)
             p = {k: v.to(device=x.device, dtype=torch.float32) for k, v in params.items()}
             theta = torch.zeros(n, 2, 3, device=x.device, dtype=torch.float32)
             theta[:, 0, 0] = p["cw"] * p["flip"]

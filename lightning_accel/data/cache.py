@@ -38,7 +38,7 @@ from lightning_accel._utils.malloc import keep_freed_memory
 from lightning_accel.data.buffers import BufferPool, alloc_shared
 from lightning_accel.data.codec import CorruptEntryError, copy_payload, encode_entry, peek_shape
 from lightning_accel.data.decode import DecodeError, decoder_fingerprint
-from lightning_accel.data.origin import Listing, ObjectStore
+from lightning_accel.data.origin import Listing, ObjectStore, text_bytes
 from lightning_accel.data.pack import DEFAULT_STAGE_BYTES, PackedReader
 from lightning_accel.data.stats import CacheStats
 from lightning_accel.data.tiers import LmdbTier
@@ -206,7 +206,7 @@ class SampleCache(ResetOnPickle):
         # The class list is part of the key: a cache written under other classes (a class folder added or removed)
         # is kept apart. Entries hold their label too, but reads take it from the listing (see `_place`).
         classes = "\x1f".join(listing.classes)
-        self.namespace = hashlib.sha1(f"{store.url}|{fp}|{classes}".encode()).hexdigest()[:12]
+        self.namespace = hashlib.sha1(text_bytes(f"{store.url}|{fp}|{classes}")).hexdigest()[:12]
         self._keys: tuple[str, list[bytes]] | None = None  # (namespace, tier key of each listing entry)
         # Read-ahead futures of this process (a forked child's copies belong to threads it does not have).
         self._pending: PerProcess[dict[int, Future[bytes]]] = PerProcess(dict)
@@ -294,9 +294,10 @@ class SampleCache(ResetOnPickle):
         keys = []
         for j, k in enumerate(listing.keys):
             tail = f"{k}\0{stamps[j]}" if stamps is not None and stamps[j] else k
-            if len(tail.encode()) > _MAX_KEY:
-                tail = "sha1:" + hashlib.sha1(tail.encode()).hexdigest()
-            keys.append(f"{ns}/{tail}".encode())
+            raw = text_bytes(tail)  # a local file name that is not UTF-8 keeps its own bytes
+            if len(raw) > _MAX_KEY:
+                raw = b"sha1:" + hashlib.sha1(raw).hexdigest().encode()
+            keys.append(f"{ns}/".encode() + raw)
         self._keys = (ns, keys)
         return keys
 

@@ -52,6 +52,7 @@ from lightning_accel.data.origin import (
     check_origin,
     check_storage_options,
     list_origin,
+    text_bytes,
 )
 from lightning_accel.data.sampler import ShardWindowSampler, auto_window
 from lightning_accel.data.stats import CacheStats, summarize
@@ -184,6 +185,18 @@ def map_classes(listing: Listing, classes: list[str], *, name: str, manifest: bo
     return Listing(listing.origin, listing.keys, [remap[y] for y in listing.labels], list(classes), listing.pack)
 
 
+def _last_batch_of_epoch(trainer: Any) -> bool:
+    """Whether the training batch being transferred is the last the Trainer takes this epoch: the batches it counted
+    ready before this one (its loop's progress, restored on resume) reach ``trainer.num_training_batches`` (the
+    loader's length, or ``limit_train_batches`` of it) with this one."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    ready = getattr(getattr(getattr(loop, "batch_progress", None), "current", None), "ready", None)
+    limit = getattr(trainer, "num_training_batches", None)
+    if not isinstance(ready, int) or not isinstance(limit, (int, float)):
+        return False
+    return ready + 1 >= limit
+
+
 class CachedDataModule(LightningDataModule):
     """Decode once, read decoded uint8 tensors from RAM/SSD tiers, read ahead from the origin, augment on the device.
 
@@ -210,7 +223,8 @@ class CachedDataModule(LightningDataModule):
 
     What is cached (the deterministic decode):
         image_size: side of the cached images (resize shorter side + centre crop); ignored when ``decode`` is given.
-        decode: deterministic ``bytes -> tensor`` step whose output is cached (default ``ImageDecoder(image_size)``).
+        decode: deterministic ``bytes -> tensor`` step whose output is cached (default ``ImageDecoder(image_size)``;
+            from YAML, an ``ImageDecoder`` as ``class_path``/``init_args``, or the import path of a function).
         on_decode_error: ``"raise"`` or ``"skip"`` (skipped samples are counted in ``cache/decode_skipped``, and each
             rank that skipped any warns with its count when a pass over a loader ends, and at teardown). A batch whose
             samples all fail reaches the model with 0 samples rather than being dropped: every rank keeps the same
@@ -251,7 +265,8 @@ class CachedDataModule(LightningDataModule):
         num_workers: DataLoader workers for cold epochs, 0 to 256 (``None``: half the CPUs, at most 8).
         warm_num_workers: workers once the cache is warm, 0 to 256 (0: main-process batch reads; ``None``: keep
             ``num_workers``).
-        transform: optional per-sample CPU transform applied after the cache (in the workers).
+        transform: optional per-sample CPU transform applied after the cache (in the workers; from YAML, a
+            ``torch.nn.Module`` such as a torchvision transform as ``class_path``/``init_args``).
 
     Augmentation (on the device, in ``on_after_batch_transfer``):
         train_augment: batch augmentation for training (default: normalise with ``mean``/``std``).
@@ -295,7 +310,9 @@ class CachedDataModule(LightningDataModule):
         classes: Sequence[str] | None = None,
         # what is cached
         image_size: int | None = 224,
-        decode: Callable[[bytes], torch.Tensor] | None = None,
+        # `ImageDecoder` / `nn.Module` first: LightningCLI (jsonargparse) reads a `class_path:` under a bare
+        # `Callable[..., Tensor]` as a class whose instances are tensors, and refused every decoder and transform object
+        decode: ImageDecoder | Callable[[bytes], torch.Tensor] | None = None,
         on_decode_error: str = "raise",
         # cache tiers
         cache_dir: str | os.PathLike[str] = ".cache/lightning_accel",
@@ -317,7 +334,7 @@ class CachedDataModule(LightningDataModule):
         batch_size: int = 64,
         num_workers: int | None = None,
         warm_num_workers: int | None = 0,
-        transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        transform: torch.nn.Module | Callable[[torch.Tensor], torch.Tensor] | None = None,
         # augmentation
         train_augment: GpuAugment | None = None,
         val_augment: GpuAugment | None = None,
@@ -421,7 +438,7 @@ class CachedDataModule(LightningDataModule):
         cached_size = image_size if decode is None else None  # a custom decode's output size is unknown here
         _check_tier_budget("ram_bytes", ram_bytes, self.ram_bytes, cached_size)
         _check_tier_budget("ssd_bytes", ssd_bytes, self.ssd_bytes, cached_size)
-        tag = hashlib.sha1(self.cache_dir.encode()).hexdigest()[:12]
+        tag = hashlib.sha1(text_bytes(self.cache_dir)).hexdigest()[:12]
         self.ram_dir = _per_node("ram_dir", ram_dir) if ram_dir is not None else default_ram_dir(tag)
         self.ram_ttl = parse_duration(ram_ttl, name="ram_ttl")
         self.policy = policy
@@ -494,7 +511,8 @@ class CachedDataModule(LightningDataModule):
         # the same reason an object store's endpoint (not its credentials): one `s3://` URL names other objects on
         # another endpoint. (Only added when set, so the listings of the default endpoint keep their names.)
         endpoint = "" if store.is_local else storage_endpoint(self.storage_options) or ""
-        h = hashlib.sha1(f"{store.url}|{self.manifest}{'|' + endpoint if endpoint else ''}".encode()).hexdigest()[:16]
+        name = f"{store.url}|{self.manifest}{'|' + endpoint if endpoint else ''}"
+        h = hashlib.sha1(text_bytes(name)).hexdigest()[:16]
         return os.path.join(self.cache_dir, f"listing-{h}.json")
 
     def _list(self, url: str, *, refresh: bool) -> Listing:
@@ -506,8 +524,14 @@ class CachedDataModule(LightningDataModule):
                 return saved
         listing = list_origin(store, manifest=self.manifest)
         # An unwritable cache dir is reported once by the SSD tier; without the file, ranks only list again.
-        with contextlib.suppress(OSError):
+        try:
             listing.save(path)
+        except OSError:
+            # Nor may an earlier run's file stand in for this listing (a full disk, a read-only cache dir): `setup`
+            # on every rank read it, so files added since were left out and files rewritten since were served
+            # their old cached entries (the old content identity names them).
+            with contextlib.suppress(OSError):
+                os.unlink(path)
         return listing
 
     # ---- tiers and caches ----------------------------------------------------------------------------------------
@@ -797,17 +821,36 @@ class CachedDataModule(LightningDataModule):
         """Keep the checkpoint's sampler position for the training loader built next, continue the training
         augmentation's random stream where the checkpoint left it, and check the class list.
 
+        The training position is taken only by a ``fit`` (or with no Trainer attached): ``validate``, ``test`` and
+        ``predict`` with ``ckpt_path`` restore this state too, and a later ``fit`` without ``ckpt_path`` must start
+        its first epoch whole.
+
         Raises:
             ValueError: the checkpoint's classes differ from this data's (checked now when ``setup`` has run, which
                 is where Lightning restores it, else in ``setup``): before the first step of the resumed run.
         """
-        self._resume = state_dict.get("train_sampler")
-        calls = state_dict.get("train_augment_calls")
-        if calls is not None and isinstance(self.train_augment, GpuAugment):
-            self.train_augment.calls = int(calls)
+        if self._restoring_fit():
+            self._resume = state_dict.get("train_sampler")
+            saved_seed = (self._resume or {}).get("seed", self.seed)
+            if saved_seed != self.seed and self.val_origin is None and self.val_fraction > 0:
+                rank_zero_warn(
+                    f"the checkpoint was trained with `seed` {saved_seed}, this module has {self.seed}: the seed also "
+                    f"picks the {self.val_fraction!r} of `origin` held out for validation, so validation now holds "
+                    "out other samples, some of them trained on. Set `seed` back to keep the split."
+                )
+            calls = state_dict.get("train_augment_calls")
+            if calls is not None and isinstance(self.train_augment, GpuAugment):
+                self.train_augment.calls = int(calls)
         ckpt = state_dict.get("classes")
         self._ckpt_classes = None if ckpt is None else [str(c) for c in ckpt]
         self._check_ckpt_classes()
+
+    def _restoring_fit(self) -> bool:
+        """Whether a checkpoint restored now is for training: the attached Trainer runs ``fit``, or none is attached
+        (a state loaded by hand). Before, ``trainer.validate(ckpt_path=...)`` kept the checkpoint's sampler position,
+        and the next ``fit`` without ``ckpt_path`` skipped the samples that checkpoint had consumed of its epoch."""
+        fn = getattr(getattr(self.trainer, "state", None), "fn", None)
+        return fn is None or getattr(fn, "value", fn) == "fit"
 
     @override
     def val_dataloader(self) -> CacheDataLoader:
@@ -854,6 +897,11 @@ class CachedDataModule(LightningDataModule):
         loader = self._train_loader
         if loader is not None and isinstance(loader.sampler, EpochOrderSampler):
             loader.sampler.advance(self.batch_size)
+            if _last_batch_of_epoch(trainer):
+                # The Trainer ends this epoch here (`limit_train_batches` stops it before the order's end): its state
+                # must say "epoch over", or a run resumed from its end-of-epoch checkpoint read the rest of this
+                # epoch's order as the next epoch (DataLoader workers draw it before Lightning's `set_epoch`).
+                loader.sampler.finish_epoch()
         if self._resume is not None and self._resume.get("epoch") != trainer.current_epoch:
             self._resume = None  # the resumed epoch is over: a reloaded loader starts whole epochs
 

@@ -40,7 +40,7 @@ from lightning_accel._utils.forksafe import ForkSafeLock, PerProcess
 from lightning_accel._utils.rank import is_global_zero
 from lightning_accel.data.buffers import BufferPool
 from lightning_accel.data.cache import SampleCache
-from lightning_accel.data.origin import MAX_CONCURRENCY
+from lightning_accel.data.origin import MAX_CONCURRENCY, text_bytes
 from lightning_accel.data.pack import new_publisher_id, order_group
 from lightning_accel.data.stats import LANES
 
@@ -142,7 +142,7 @@ def split_keys(keys: Sequence[str], val_fraction: float, seed: int) -> tuple[lis
         return list(range(len(keys))), []
     # md5 as a well-mixed, fast hash (not for security): 1.3 M ImageNet-like keys in about 1.4 s here
     salt = f"{seed}\0".encode()
-    digests = [hashlib.md5(salt + k.encode(), usedforsecurity=False).digest() for k in keys]
+    digests = [hashlib.md5(salt + text_bytes(k), usedforsecurity=False).digest() for k in keys]
     rank = sorted(range(len(keys)), key=lambda i: (digests[i], i))
     return sorted(rank[n_val:]), sorted(rank[:n_val])
 
@@ -508,6 +508,14 @@ class EpochOrderSampler(DistributedSampler):
             self.progress_epoch, self.consumed = self.epoch, 0
         self.consumed += int(n)
 
+    def finish_epoch(self) -> None:
+        """Count the current epoch as consumed whole: training ended it before its last position (the Trainer's
+        ``limit_train_batches``). A state saved from here on resumes at the next epoch, as the Trainer does, instead
+        of at the positions this epoch never reached."""
+        if self.progress_epoch != self.epoch:
+            self.progress_epoch, self.consumed = self.epoch, 0
+        self.consumed = max(self.consumed, self.num_samples)
+
     def layout(self) -> dict[str, int]:
         """What this rank's order depends on besides the seed and the epoch: positions saved under another layout
         name other samples (subclasses add theirs)."""
@@ -535,13 +543,11 @@ class EpochOrderSampler(DistributedSampler):
         twice or not at all (the step count stays the uninterrupted run's).
 
         Raises:
-            ValueError: the state was saved with another shuffle seed (the remaining samples would be others).
+            ValueError: the state resumes mid-epoch (some of the epoch consumed, some left) and was saved with another
+                shuffle seed (the remaining samples would be others). A finished epoch's state resumes at the next
+                epoch, whole, under this sampler's seed.
         """
-        if int(state.get("seed", self.seed)) != self.seed:
-            raise ValueError(
-                f"the checkpoint's sampler used `seed` {state['seed']}, this one {self.seed}: resuming mid-epoch "
-                "needs the same seed. Set `seed` back, or resume from an end-of-epoch checkpoint."
-            )
+        saved_seed = int(state.get("seed", self.seed))
         epoch, consumed = int(state.get("epoch", -1)), max(0, int(state.get("consumed", 0)))
         # The Trainer restores the batches it counts as done in the checkpoint's batch size and ends the epoch after
         # `len(loader)` batches: under another batch size, the last batch of the epoch would never be asked for.
@@ -549,9 +555,21 @@ class EpochOrderSampler(DistributedSampler):
         done_batches = -(-consumed // saved_batch) if saved_batch > 0 and saved_batch != self.batch_size else None
         here = self.layout()
         saved = {k: int(v) for k, v in state.items() if k not in _POSITION_KEYS}
-        if epoch >= 0 and consumed and _layouts_differ(saved, here):
+        moved = bool(epoch >= 0 and consumed and _layouts_differ(saved, here))
+        if moved:
             before = saved.get("num_samples") or self.num_samples
             consumed = min(self.num_samples, round(consumed * self.num_samples / before))
+        left = self.num_samples - consumed
+        # a single position left with `trim_lone_last` is a batch of one that `__iter__` drops: that epoch is over too
+        lone = self.trim_lone_last and left == 1 and self.batch_size > 1
+        finished = epoch >= 0 and (left <= 0 or lone or (self.loader_drop_last and left < self.batch_size))
+        if saved_seed != self.seed and epoch >= 0 and consumed and not finished:
+            # Checked only here: an end-of-epoch state was refused too, though the message offered it as the fix.
+            raise ValueError(
+                f"the checkpoint's sampler used `seed` {saved_seed}, this one {self.seed}: resuming mid-epoch "
+                "needs the same seed. Set `seed` back, or resume from an end-of-epoch checkpoint."
+            )
+        if moved:
             warnings.warn(
                 f"the checkpoint's sampler state was saved under {saved}, this sampler has {here}: epoch {epoch} "
                 f"resumes at the same fraction ({consumed} of {self.num_samples} positions), and some of its samples "
@@ -559,10 +577,7 @@ class EpochOrderSampler(DistributedSampler):
                 UserWarning,
                 stacklevel=2,
             )
-        left = self.num_samples - consumed
-        # a single position left with `trim_lone_last` is a batch of one that `__iter__` drops: that epoch is over too
-        lone = self.trim_lone_last and left == 1 and self.batch_size > 1
-        if epoch >= 0 and (left <= 0 or lone or (self.loader_drop_last and left < self.batch_size)):
+        if finished:
             epoch, consumed = epoch + 1, 0  # that epoch was finished: the next one starts whole
             done_batches = None
         # Only ever longer: the Trainer fixes `len(loader)` once for the whole run, and a shorter resumed epoch would

@@ -76,10 +76,55 @@ def _global_values(fn: types.FunctionType) -> list[tuple[str, Any]]:
     return out
 
 
+_NOT_INSTANCES = (
+    type,
+    types.FunctionType,
+    types.MethodType,
+    types.BuiltinFunctionType,
+    types.ModuleType,
+    functools.partial,
+)
+
+
+def _is_callable_object(obj: Any) -> bool:
+    """A callable instance of a class (a ``__call__`` of its own, an ``nn.Module``) without a ``fingerprint``: its
+    output follows its code and its attributes, which its ``repr`` need not show (``nn.Module`` shows no plain
+    attribute; a hand-written ``__repr__`` shows what its author chose)."""
+    if isinstance(obj, _NOT_INSTANCES) or not callable(obj) or not hasattr(obj, "__dict__"):
+        return False
+    return not getattr(obj, "fingerprint", None)
+
+
+def _object_parts(obj: Any) -> tuple[list[str], list[tuple[str, Any]], Any]:
+    """(class and code digest, ``(label, value)`` attributes, the function whose module-level values count) of an
+    object. For an ``nn.Module``: its ``forward`` (its ``__call__`` is torch's), public attributes, submodules,
+    parameters and buffers (not the hooks and flags torch keeps, nor ``training``: ``.eval()`` is no new decoder)."""
+    cls = type(obj)
+    if isinstance(obj, torch.nn.Module):
+        code = inspect.getattr_static(cls, "forward", None)
+        attrs = sorted((k, v) for k, v in vars(obj).items() if not k.startswith("_") and k != "training")
+        named = [(f"{k}=", v) for k, v in attrs]
+        parts = (
+            ("module", obj.named_children()),
+            ("param", obj.named_parameters(recurse=False)),
+            ("buffer", obj.named_buffers(recurse=False)),
+        )
+        for kind, items in parts:
+            named += [(f"{kind} {k}=", v) for k, v in items]
+    else:
+        code = inspect.getattr_static(cls, "__call__", None)
+        named = [(f"{k}=", v) for k, v in sorted(vars(obj).items())]
+    head = [f"{cls.__module__}.{cls.__qualname__}"]
+    if isinstance(code, types.FunctionType):
+        head.append(_code_digest(code.__code__))
+        return head, named, code
+    return head, named, None
+
+
 def _stable_identity(obj: Any, depth: int = 0) -> str | None:
     """A text naming ``obj`` that is the same in every process, or None when none can be made."""
     text = repr(obj)
-    if _ADDRESS not in text:
+    if _ADDRESS not in text and not _is_callable_object(obj):
         return text  # a repr without an address (numbers, strings, dataclasses, ImageDecoder, ...)
     if depth > 4:
         return None
@@ -100,12 +145,10 @@ def _stable_identity(obj: Any, depth: int = 0) -> str | None:
     elif isinstance(obj, (type, types.BuiltinFunctionType)):
         return f"{obj.__module__}.{obj.__qualname__}"
     elif hasattr(obj, "__dict__"):
-        cls = type(obj)
-        call = inspect.getattr_static(cls, "__call__", None)
-        head = [f"{cls.__module__}.{cls.__qualname__}"]
-        head += [_code_digest(call.__code__)] if isinstance(call, types.FunctionType) else []
-        named = [(f"{k}=", v) for k, v in sorted(vars(obj).items())]
-        optional = _global_values(call) if isinstance(call, types.FunctionType) else []
+        # A callable object takes this branch whatever its repr: a decoder module `Gray(size)` printed as `Gray()`
+        # kept one namespace for every size, and a later run at another size was served the earlier run's samples.
+        head, named, code = _object_parts(obj)
+        optional = _global_values(code) if code is not None else []
     else:
         return None
     parts = list(head)
@@ -125,11 +168,12 @@ def decoder_fingerprint(decode: Callable[[bytes], torch.Tensor]) -> str:
     """The text that namespaces a decoder's cache entries; the same in every run for the same decoder.
 
     Its ``fingerprint`` attribute when it has one (set it to a string that changes whenever the output changes);
-    else its ``repr`` when that holds no memory address; else an identity made of what defines it: a function's module,
-    qualified name, code, default arguments, closure values and the module-level values its code reads (a lambda or
-    nested function too), an object's class, ``__call__`` code (with the module-level values it reads) and attributes,
-    a ``functools.partial``'s function and arguments. Code the decoder calls is not part of it: give the decoder a
-    ``fingerprint`` when that changes. When no identity can be made (an attribute whose
+    else an identity made of what defines it: a function's module, qualified name, code, default arguments, closure
+    values and the module-level values its code reads (a lambda or nested function too), an object's class,
+    ``__call__`` code (an ``nn.Module``'s ``forward``; with the module-level values it reads) and attributes (whatever
+    its ``repr`` shows), a ``functools.partial``'s function and arguments; other values (numbers, strings, lists,
+    dataclasses, ...) by their ``repr`` when that holds no memory address. Code the decoder calls is not part of it:
+    give the decoder a ``fingerprint`` when that changes. When no identity can be made (an attribute whose
     repr holds a memory address), this warns and falls back to the repr: nothing is served from an earlier run.
     """
     fp = getattr(decode, "fingerprint", None)

@@ -47,6 +47,7 @@ __all__ = [
     "check_storage_options",
     "content_stamp",
     "list_origin",
+    "text_bytes",
 ]
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -83,6 +84,16 @@ def check_origin(url: object, name: str = "origin", *, must_exist: bool = False)
                 "files, a packed origin or a manifest's directory."
             )
     return url
+
+
+def text_bytes(text: str) -> bytes:
+    """``text`` as UTF-8, keeping a local file name that is not UTF-8 (Python's ``surrogateescape`` spelling of its
+    bytes) as those bytes: the same bytes as ``text.encode()`` for any other text, so no key or namespace changes.
+
+    Why: a key of a local tree comes from ``os.listdir``, which spells an undecodable byte as a lone surrogate
+    (``caf\udce9.jpg`` for ``caf\xe9.jpg`` in Latin-1); plain ``encode()`` raised UnicodeEncodeError for it, so one such
+    file failed ``prepare_data`` (torchvision's ``ImageFolder`` reads it)."""
+    return text.encode("utf-8", "surrogateescape")
 
 
 class OriginError(OSError):
@@ -330,9 +341,9 @@ class Listing:
         """A short hash of the keys, labels and content identities (detects a changed origin)."""
         h = hashlib.sha1()
         for k, y in zip(self.keys, self.labels, strict=False):
-            h.update(f"{k}\t{y}\n".encode())
+            h.update(text_bytes(f"{k}\t{y}\n"))
         for st in self.stamps or ():
-            h.update(f"{st}\n".encode())
+            h.update(text_bytes(f"{st}\n"))
         return h.hexdigest()[:16]
 
     def to_json(self) -> str:

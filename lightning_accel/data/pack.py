@@ -75,6 +75,7 @@ from lightning_accel.data.origin import (
     OriginError,
     check_storage_options,
     list_origin,
+    text_bytes,
 )
 
 __all__ = ["PACK_INDEX", "PackIndex", "PackedReader", "pack_origin"]
@@ -644,7 +645,7 @@ class PackedReader(ResetOnPickle):
         for i, s in enumerate(pack.shard):
             firsts.setdefault(s, pack.crc32[i])
         self._names = [
-            hashlib.sha1(f"{store.url}|{k}|{b}|{firsts.get(s, 0)}".encode()).hexdigest()[:20]
+            hashlib.sha1(text_bytes(f"{store.url}|{k}|{b}|{firsts.get(s, 0)}")).hexdigest()[:20]
             for s, (k, b) in enumerate(zip(pack.shards, pack.shard_sizes, strict=True))
         ]
         self._by_name = {n: s for s, n in enumerate(self._names)}

@@ -45,6 +45,17 @@ def test_randomness_is_per_sample_and_seedable() -> None:
     assert not torch.equal(aug(x, train=True), out)  # the next call draws new parameters
 
 
+def test_an_empty_training_batch_takes_its_place_in_the_stream() -> None:
+    """A batch whose samples were all skipped (0 rows) is a training batch too: the next batch draws what it would
+    as batch 1 given by index (the data module's augment-ahead thread numbers batches by position)."""
+    x, empty = _batch(), _batch(0)
+    by_count = GpuAugment(MEAN, STD, size=16, crop_scale=(0.3, 1.0), flip_p=0.5, seed=5)
+    assert by_count(empty, train=True).shape == (0, 3, 16, 16) and by_count.calls == 1
+    by_index = GpuAugment(MEAN, STD, size=16, crop_scale=(0.3, 1.0), flip_p=0.5, seed=5)
+    assert torch.equal(by_count(x, train=True), by_index(x, train=True, call=1))
+    assert by_count.calls == 2 and by_index.calls == 0  # an explicit index leaves the counter alone
+
+
 def test_crop_parameters_stay_inside_the_image() -> None:
     aug = GpuAugment(MEAN, STD, crop_scale=(0.08, 1.0), crop_ratio=(0.5, 2.0))
     p = aug.sample_params(1000, 30, 40, torch.Generator().manual_seed(0))

@@ -477,6 +477,49 @@ def test_a_decoder_reading_a_module_level_setting_gets_another_namespace_when_it
         assert torch.equal(second.load([0, 1]).images, _reference_at(small_digits, listing.keys[:2], 24))
 
 
+class _ModuleDecoder(torch.nn.Module):
+    """A decoder written as an ``nn.Module``: its repr (``_ModuleDecoder()``) shows none of its settings."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.size = size
+
+    def forward(self, data: bytes) -> torch.Tensor:
+        return ImageDecoder(self.size)(data)
+
+
+class _ReprDecoder:
+    """A decoder whose hand-written repr leaves its size out."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __repr__(self) -> str:
+        return "_ReprDecoder()"
+
+    def __call__(self, data: bytes) -> torch.Tensor:
+        return ImageDecoder(self.size)(data)
+
+
+@pytest.mark.parametrize("kind", [_ModuleDecoder, _ReprDecoder])
+def test_a_decoder_whose_repr_hides_its_settings_decodes_again_when_they_change(
+    small_digits: Path, tmp_path: Path, kind: type
+) -> None:
+    """A second run (or job sharing the cache) at another size must not be served the first one's samples."""
+    store = ObjectStore(str(small_digits))
+    listing = list_origin(store)
+    ssd = tmp_path / "ssd"
+    first = SampleCache(store, listing, kind(16), ssd=LmdbTier(ssd, 64 << 20, name="ssd"))
+    assert first.load([0, 1]).images.shape == (2, 3, 16, 16)
+    same = SampleCache(store, listing, kind(16), ssd=LmdbTier(ssd, 64 << 20, name="ssd"))
+    assert same.namespace == first.namespace  # the same settings: read back
+    assert torch.equal(same.load([0, 1]).images, _reference_at(small_digits, listing.keys[:2], 16))
+    assert same.stats.as_dict()["origin_fetches"] == 0
+    other = SampleCache(store, listing, kind(24), ssd=LmdbTier(ssd, 64 << 20, name="ssd"))
+    assert other.namespace != first.namespace
+    assert torch.equal(other.load([0, 1]).images, _reference_at(small_digits, listing.keys[:2], 24))
+
+
 @pytest.mark.parametrize(
     ("kw", "error", "pattern"),
     [

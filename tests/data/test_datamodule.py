@@ -360,6 +360,102 @@ def test_stage_bytes_none_is_no_cap_and_comes_through_a_config_file(small_digits
     assert dm.train_set.cache.packed.stage_bytes == sys.maxsize  # every staged shard stays
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_file_name_that_is_not_utf8_is_listed_cached_and_packed(
+    small_digits: Path, tmp_path: Path, packed: bool
+) -> None:
+    """A local file named in another encoding (``caf\xe9.jpg`` in Latin-1): Python spells its byte as a lone
+    surrogate, and encoding that key failed ``prepare_data`` with a UnicodeEncodeError naming no file."""
+    import os
+
+    from lightning_accel.data import pack_origin
+
+    origin = tmp_path / "origin"
+    shutil.copytree(small_digits, origin)
+    odd = os.path.join(os.fsencode(origin / "3"), b"caf\xe9.jpg")
+    shutil.copyfile(sorted((origin / "3").glob("*.jpg"))[0], odd)
+    if packed:
+        pack_origin(str(origin), str(tmp_path / "packed"))
+    root = tmp_path / "packed" if packed else origin
+    kw = {"cache_dir": str(tmp_path / "cache"), "ram_bytes": 0, "image_size": 16, "num_workers": 0, "val_fraction": 0.5}
+    for run in range(2):  # the second run reads every sample from the cache
+        dm = CachedDataModule(str(root), **kw)
+        dm.prepare_data()
+        dm.setup("fit")
+        assert dm.train_set is not None and dm.val_set is not None
+        assert "3/caf\udce9.jpg" in dm.train_set.cache.listing.keys
+        sizes = [len(ds.__getitems__(list(range(len(ds))))[0]) for ds in (dm.train_set, dm.val_set)]
+        assert sum(sizes) == 201
+        assert dm.cache_stats["origin_fetches"] == (201 if run == 0 else 0)
+
+
+def test_a_listing_that_cannot_be_saved_is_not_replaced_by_an_earlier_runs_file(
+    small_digits: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk at ``prepare_data``: ``setup`` (every rank) read the previous run's listing file instead, so a
+    file added since was left out and a file rewritten since was served its old cached entry."""
+    import errno
+    import os
+    import time
+
+    import torch
+
+    from lightning_accel.data import ImageDecoder
+    from lightning_accel.data.origin import Listing
+
+    origin = tmp_path / "origin"
+    shutil.copytree(small_digits, origin)
+    kw = {"cache_dir": str(tmp_path / "cache"), "ram_bytes": 0, "image_size": 16, "num_workers": 0, "val_fraction": 0}
+    dm = CachedDataModule(str(origin), **kw)
+    dm.prepare_data()
+    dm.setup("fit")
+    assert dm.train_set is not None
+    dm.train_set.__getitems__(list(range(len(dm.train_set))))  # every sample cached under this listing
+    rewritten, other = sorted((origin / "3").glob("*.jpg"))[0], sorted((origin / "7").glob("*.jpg"))[0]
+    shutil.copyfile(other, rewritten)  # new content under the same name
+    os.utime(rewritten, (time.time() + 10, time.time() + 10))
+    shutil.copyfile(other, origin / "3" / "added.jpg")
+
+    def disk_full(self: Listing, path: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(Listing, "save", disk_full)
+    dm = CachedDataModule(str(origin), **kw)
+    dm.prepare_data()
+    dm.setup("fit")
+    assert dm.train_set is not None
+    keys = dm.train_set.cache.listing.keys
+    assert len(dm.train_set) == 201 and "3/added.jpg" in keys
+    pos = dm.train_set.indices.index(keys.index(str(rewritten.relative_to(origin))))
+    x, _ = dm.train_set.__getitems__([pos])
+    assert torch.equal(x[0], ImageDecoder(16)(other.read_bytes()))  # the new content, not the cached old one
+
+
+def test_a_decoder_and_a_transform_come_through_a_config_file(small_digits: Path, tmp_path: Path) -> None:
+    """LightningCLI YAML names objects by ``class_path``: an ``ImageDecoder`` (its ``draft``/``device`` are only
+    reachable there) and a torchvision transform were refused as not returning tensors."""
+    import torch
+    from jsonargparse import ArgumentParser
+
+    from lightning_accel.data import ImageDecoder
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(CachedDataModule, "data")
+    decode = '{"class_path": "lightning_accel.data.ImageDecoder", "init_args": {"size": 12, "draft": true}}'
+    flip = '{"class_path": "torchvision.transforms.v2.RandomHorizontalFlip", "init_args": {"p": 1.0}}'
+    args = ["--data.origin", str(small_digits), "--data.cache_dir", str(tmp_path / "cache"), "--data.ram_bytes", "0"]
+    cfg = parser.parse_args([*args, "--data.decode", decode, "--data.transform", flip, "--data.num_workers", "0"])
+    dm = parser.instantiate_classes(cfg).data
+    assert isinstance(dm.decode, ImageDecoder) and dm.decode.size == 12 and dm.decode.draft
+    assert isinstance(dm.transform, torch.nn.Module)
+    dm.setup("fit")
+    assert dm.train_set is not None
+    x, _ = dm.train_set.__getitems__([0, 1])
+    key = dm.train_set.cache.listing.keys[dm.train_set.indices[0]]
+    plain = ImageDecoder(12, draft=True)((small_digits / key).read_bytes())
+    assert torch.equal(x[0], plain.flip(-1))  # decoded by the configured decoder, then flipped by the transform
+
+
 @pytest.mark.parametrize(
     ("options", "where"),
     [

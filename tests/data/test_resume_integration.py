@@ -286,3 +286,63 @@ def test_a_fit_after_a_resumed_fit_starts_its_first_epoch_whole(small_digits: Pa
     again = _Seen()
     _trainer(tmp_path, max_epochs=1, enable_checkpointing=False).fit(again, datamodule=dm)
     assert again.seen == full.seen
+
+
+def test_a_fit_after_validating_a_mid_epoch_checkpoint_starts_its_first_epoch_whole(
+    small_digits: Path, tmp_path: Path
+) -> None:
+    """``validate`` (like ``test`` and ``predict``) with ``ckpt_path`` restores the datamodule's state too; the
+    checkpoint's training position must not carry over into a later ``fit`` without ``ckpt_path``."""
+    full = _Seen()
+    _trainer(tmp_path, max_epochs=1, enable_checkpointing=False).fit(full, datamodule=_dm(small_digits, tmp_path))
+    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)
+    aug = {"train_augment": GpuAugment(crop_scale=(0.5, 1.0), seed=3)}
+    _trainer(tmp_path, ckpt, max_steps=3).fit(_Seen(), datamodule=_dm(small_digits, tmp_path, **aug))
+    assert aug["train_augment"].calls == 3
+    dm = _dm(small_digits, tmp_path)
+    _trainer(tmp_path, limit_val_batches=1).validate(
+        _Seen(), datamodule=dm, ckpt_path=next((tmp_path / "ckpt").glob("*step=3.ckpt"))
+    )
+    again = _Seen()
+    _trainer(tmp_path, max_epochs=1, enable_checkpointing=False).fit(again, datamodule=dm)
+    assert again.seen == full.seen  # every sample of epoch 0, in the same order (48 were skipped before)
+    dm = _dm(small_digits, tmp_path, train_augment=GpuAugment(crop_scale=(0.5, 1.0), seed=3))
+    _trainer(tmp_path, limit_val_batches=1).validate(
+        _Seen(), datamodule=dm, ckpt_path=next((tmp_path / "ckpt").glob("*step=3.ckpt"))
+    )
+    assert dm.train_augment.calls == 0  # the augmentation stream is not moved by a validation either
+
+
+def test_a_run_resumed_after_an_epoch_cut_short_by_limit_train_batches_reads_the_next_epochs_order(
+    small_digits: Path, tmp_path: Path
+) -> None:
+    """``limit_train_batches`` ends each epoch before its order does; the end-of-epoch checkpoint must resume at the
+    next epoch. Before, it read as mid-epoch, and the resumed epoch (its indices drawn by a DataLoader worker before
+    Lightning's ``set_epoch``) trained on the rest of the previous epoch's order."""
+    limited = {"limit_train_batches": 3, "enable_checkpointing": False}
+    full = _Seen()
+    _trainer(tmp_path, **limited).fit(full, datamodule=_dm(small_digits, tmp_path, num_workers=1))
+    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1)
+    first = _dm(small_digits, tmp_path, num_workers=1)
+    _trainer(tmp_path, ckpt, max_epochs=1, limit_train_batches=3).fit(_Seen(), datamodule=first)
+    assert first.state_dict()["train_sampler"]["consumed"] >= 160  # the epoch is over, though 48 were read
+    resumed = _Seen()
+    _trainer(tmp_path, **limited).fit(
+        resumed, datamodule=_dm(small_digits, tmp_path, num_workers=1), ckpt_path=next((tmp_path / "ckpt").glob("*"))
+    )
+    assert resumed.seen == [s for s in full.seen if s[0] == 1] and len(resumed.seen) == 48
+
+
+def test_an_end_of_epoch_checkpoint_resumes_under_another_seed_with_a_warning_about_the_split(
+    small_digits: Path, tmp_path: Path
+) -> None:
+    """The refusal of another seed says to resume from an end-of-epoch checkpoint: that must work, and say that the
+    held-out split follows the seed too."""
+    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1)
+    _trainer(tmp_path, ckpt, max_epochs=1).fit(_Seen(), datamodule=_dm(small_digits, tmp_path))
+    resumed = _Seen()
+    with pytest.warns(UserWarning, match=r"trained with `seed` 0, this module has 1: the seed also picks the 0\.2"):
+        _trainer(tmp_path, enable_checkpointing=False).fit(
+            resumed, datamodule=_dm(small_digits, tmp_path, seed=1), ckpt_path=next((tmp_path / "ckpt").glob("*"))
+        )
+    assert len(resumed.seen) == 160 and {s[0] for s in resumed.seen} == {1}  # epoch 1, whole

@@ -143,6 +143,29 @@ def test_a_finished_epoch_resumes_at_the_next_one_before_set_epoch() -> None:
     assert d.epoch == 4 and len(list(d)) == 4
 
 
+def test_another_seed_is_refused_mid_epoch_only() -> None:
+    """The refusal names an end-of-epoch checkpoint as the way to change the seed: such a state must resume (at the
+    next epoch, whole, in the new seed's order), as one saved before the epoch's first batch."""
+    ds: Any = list(range(20))
+    a = EpochOrderSampler(ds, seed=1, batch_size=8)
+    a.set_epoch(4)
+    a.advance(8)
+    b = EpochOrderSampler(ds, seed=2, batch_size=8)
+    with pytest.raises(ValueError, match=r"^the checkpoint's sampler used `seed` 1, this one 2: resuming mid-epoch"):
+        b.load_state_dict(a.state_dict())
+    a.advance(16)  # the epoch is over
+    nxt = EpochOrderSampler(ds, seed=2, batch_size=8)
+    nxt.set_epoch(5)
+    b.load_state_dict(a.state_dict())
+    assert b.epoch == 5 and list(b) == list(nxt)
+    a.set_epoch(6)
+    a.consumed, a.progress_epoch = 0, 6  # saved before epoch 6's first batch: nothing of it to continue
+    c = EpochOrderSampler(ds, seed=2, batch_size=8)
+    c.load_state_dict(a.state_dict())
+    nxt.set_epoch(6)
+    assert c.epoch == 6 and list(c) == list(nxt)
+
+
 def test_a_state_of_another_layout_resumes_at_the_same_fraction_with_a_warning() -> None:
     ds: Any = list(range(40))
     two = EpochOrderSampler(ds, num_replicas=2, rank=0, seed=1, batch_size=4)
