@@ -25,7 +25,9 @@ pipeline (world ``= dp · pp``), gradients are averaged over the replicas after 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import copy
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +45,7 @@ from lightning_accel.parallel.estimate import (
 )
 
 __all__ = [
+    "PLAIN_TYPES",
     "SCHEDULES",
     "PipelineLayout",
     "PipelineRunner",
@@ -52,11 +55,14 @@ __all__ = [
     "check_no_sync_batchnorm",
     "check_stages_train",
     "find_pipeline_modules",
+    "is_per_sample_list",
     "keep_only",
+    "mapping_like",
     "piece_costs",
     "join_outputs",
     "pipeline_layout",
     "resolve_stages_per_rank",
+    "sequence_like",
     "split_batch",
     "trainable_pieces",
 ]
@@ -380,28 +386,72 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def mapping_like(template: Mapping[Any, Any], items: dict[Any, Any]) -> Any:
+    """``items`` in a mapping of ``template``'s type, as Lightning rebuilds a batch it moves: an ``OrderedDict``, a
+    ``defaultdict`` (with its factory), a tokenizer's ``BatchEncoding`` or any ``UserDict`` stays one, so a step that
+    reads it (``batch.input_ids``) works on a micro-batch too; a type that cannot be made from a dict gives a
+    ``dict``."""
+    if type(template) is dict:
+        return items
+    if isinstance(template, defaultdict):
+        out = copy.copy(template)
+        out.clear()
+        out.update(items)
+        return out
+    make: Callable[[dict[Any, Any]], Any] = type(template)  # a concrete mapping type made from a dict (most are)
+    try:
+        return make(items)
+    except Exception:  # noqa: BLE001 -- a mapping type with another constructor: its items still reach the step
+        return items
+
+
+def sequence_like(template: Sequence[Any], items: list[Any]) -> Any:
+    """``items`` in a sequence of ``template``'s type: a namedtuple (made from its fields, which ``type(t)(items)``
+    would not do) or a tuple stays one, anything else is a list."""
+    if isinstance(template, tuple):
+        return type(template)(*items) if hasattr(template, "_fields") else type(template)(items)
+    return list(items)
+
+
 def batch_tensors(batch: Any) -> list[torch.Tensor]:
-    """Every tensor of ``batch`` (nested tuples / lists / dicts), in order; other values are left out."""
+    """Every tensor of ``batch`` (nested tuples / lists / mappings), in order; other values are left out."""
     if isinstance(batch, torch.Tensor):
         return [batch]
     if isinstance(batch, (tuple, list)):
         return [t for b in batch for t in batch_tensors(b)]
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):  # a dict, or a tokenizer's `BatchEncoding` (a `UserDict`)
         return [t for b in batch.values() for t in batch_tensors(b)]
     return []
 
 
+#: the plain values a per-sample list holds (the ids, paths or texts ``default_collate`` gathers into a list)
+PLAIN_TYPES = (str, bytes, int, float, bool, type(None))
+
+
+def is_per_sample_list(x: Any, rows: int) -> bool:
+    """Whether ``x`` is a list of ``rows`` plain values (strings, numbers, None): one per sample of a batch of ``rows``
+    rows, as ``default_collate`` gathers a string field (``{"id": ["a", "b", ...]}``), so it is split, gathered and
+    joined with the rows. A list of tensors is a structure (``[inputs, targets]``), never per sample."""
+    return isinstance(x, list) and rows > 0 and len(x) == rows and all(isinstance(v, PLAIN_TYPES) for v in x)
+
+
 def split_batch(batch: Any, chunks: int) -> list[Any]:
-    """Split every tensor of ``batch`` (nested tuples / lists / dicts) along dim 0 into ``chunks`` equal parts;
-    non-tensors and 0-dim tensors (a scalar has no batch dimension) are repeated.
+    """Split every tensor of ``batch`` (nested tuples, namedtuples, lists and mappings, each micro-batch's of the
+    batch's type: :func:`mapping_like`, :func:`sequence_like`) along dim 0 into ``chunks`` equal parts, and every list
+    with one plain value per sample (:func:`is_per_sample_list`) with them; other non-tensors and 0-dim tensors (a
+    scalar has no batch dimension) are repeated.
 
     Raises:
         ValueError: a tensor's first dimension is not divisible by ``chunks``.
     """
+    rows = next((t.shape[0] for t in batch_tensors(batch) if t.ndim), 0)
 
     def split(x: Any) -> list[Any]:
         if isinstance(x, torch.Tensor) and x.ndim == 0:  # as `gather_batch` passes it through
             return [x] * chunks
+        if is_per_sample_list(x, rows):  # each micro-batch its samples' ids, as its tensors' rows (`Tensor.chunk`)
+            size = -(-rows // chunks)
+            return [x[i * size : (i + 1) * size] for i in range(chunks)]
         if isinstance(x, torch.Tensor):
             if x.shape[0] % chunks:
                 raise ValueError(
@@ -412,30 +462,44 @@ def split_batch(batch: Any, chunks: int) -> list[Any]:
             return list(x.chunk(chunks))
         if isinstance(x, (list, tuple)):
             parts = [split(v) for v in x]
-            return [
-                type(x)(p[i] for p in parts) if isinstance(x, tuple) else [p[i] for p in parts] for i in range(chunks)
-            ]
-        if isinstance(x, dict):
+            return [sequence_like(x, [p[i] for p in parts]) for i in range(chunks)]
+        if isinstance(x, Mapping):
             parts_d = {k: split(v) for k, v in x.items()}
-            return [{k: v[i] for k, v in parts_d.items()} for i in range(chunks)]
+            return [mapping_like(x, {k: v[i] for k, v in parts_d.items()}) for i in range(chunks)]
         return [x] * chunks
 
     return split(batch)
 
 
-def join_outputs(parts: list[Any]) -> Any:
+def join_outputs(parts: list[Any], *, average_scalars: bool = False) -> Any:
     """One batch's output from its micro-batches' outputs, in order (what ``predict_step`` returned per micro-batch):
-    tensors concatenated along dim 0 (0-dim ones stacked), dicts and tuples (namedtuples too) joined per key or
-    position, lists concatenated (a list holds one entry per sample, as Lightning's prediction lists do), anything
-    else as the list of the micro-batches' values."""
+    tensors concatenated along dim 0 (0-dim ones stacked), mappings and tuples (namedtuples too) joined per key or
+    position, each of its type, lists concatenated (a list holds one entry per sample, as Lightning's prediction lists
+    do), ``None`` from every micro-batch as ``None`` (a ``predict_step`` that writes its predictions away and returns
+    nothing: the batch's prediction is ``None``, as without a pipeline), anything else as the list of the
+    micro-batches' values.
+
+    With ``average_scalars`` (a training or evaluation step's outputs), a 0-dim floating-point tensor or a Python
+    float is averaged over the micro-batches instead, as the pipeline's loss and logged values are: the whole batch's
+    value for a mean over its samples (an accuracy), where a stack would hand ``outputs["acc"].item()`` a vector."""
+    if all(p is None for p in parts):
+        return None
     first = parts[0]
     if isinstance(first, torch.Tensor):
-        return torch.cat(parts) if first.ndim else torch.stack(parts)
-    if isinstance(first, dict):
-        return {k: join_outputs([p[k] for p in parts]) for k in first}
+        if first.ndim:
+            return torch.cat(parts)
+        stacked = torch.stack(parts)
+        return stacked.mean() if average_scalars and stacked.is_floating_point() else stacked
+    if average_scalars and isinstance(first, float) and all(isinstance(p, float) for p in parts):
+        return sum(parts) / len(parts)
+    if isinstance(first, Mapping):
+        return mapping_like(
+            first, {k: join_outputs([p[k] for p in parts], average_scalars=average_scalars) for k in first}
+        )
     if isinstance(first, tuple):
-        joined = [join_outputs(list(vals)) for vals in zip(*parts, strict=True)]
-        return type(first)(*joined) if hasattr(first, "_fields") else tuple(joined)
+        return sequence_like(
+            first, [join_outputs(list(vals), average_scalars=average_scalars) for vals in zip(*parts, strict=True)]
+        )
     if isinstance(first, list):
         return [v for p in parts for v in p]
     return list(parts)
@@ -485,6 +549,9 @@ class PipelineRunner:
         #: to its first place): a full optimizer state lists its parameters in that order, the one a one-process
         #: optimizer over ``root.parameters()`` has, since ``Optimizer.load_state_dict`` matches them by position
         self.param_order = _parameter_order(root)
+        #: every process group this runner made (those this rank is a member of): whoever drops the runner for good
+        #: can destroy them (:func:`~lightning_accel.parallel.trials.release_groups`)
+        self.groups: list[Any] = []
         self._tied = self._tied_groups(pieces)  # collective: every rank creates every group, in the same order
         #: this replica's pipeline ranks / this pipeline rank's replicas
         self.pp_group, self.dp_group = self._groups()
@@ -493,15 +560,23 @@ class PipelineRunner:
         self._schedules: dict[Any, Any] = {}
 
     # ----------------------------------------------------------------------------------------------------- groups
+    def _new_group(self, ranks: list[int]) -> Any:
+        """``dist.new_group(ranks)`` (collective: every rank calls it), kept in :attr:`groups` where this rank is in
+        it."""
+        g = dist.new_group(ranks)
+        if self.rank in ranks:
+            self.groups.append(g)
+        return g
+
     def _groups(self) -> tuple[Any, Any]:
         lay = self.layout
         pp_group = dp_group = None
         for r in range(lay.dp):
-            g = dist.new_group([r * lay.pp + i for i in range(lay.pp)])
+            g = self._new_group([r * lay.pp + i for i in range(lay.pp)])
             if r == self.replica:
                 pp_group = g
         for i in range(lay.pp):
-            g = dist.new_group([r * lay.pp + i for r in range(lay.dp)])
+            g = self._new_group([r * lay.pp + i for r in range(lay.dp)])
             if i == self.pp_rank:
                 dp_group = g
         return pp_group, dp_group
@@ -526,7 +601,7 @@ class PipelineRunner:
         out: list[tuple[list[nn.Parameter], Any]] = []
         for ranks, params in shared.items():
             for r in range(lay.dp):
-                g = dist.new_group([r * lay.pp + i for i in ranks])
+                g = self._new_group([r * lay.pp + i for i in ranks])
                 if r == self.replica and self.pp_rank in ranks:
                     out.append((params, g))
         return out

@@ -27,6 +27,7 @@ estimate's ``blocker`` and never fits; a candidate whose trial fails at any poin
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 from collections.abc import Callable, Iterator
@@ -644,9 +645,64 @@ def trial_key(
     return f"{key}|pipeline={pipeline}" if pipeline else key
 
 
+#: how long :meth:`TrialCache.put` waits for another process's write of the same file (each holds it for one small
+#: read and write): past it, a holder that is stuck does not stop the run, the write goes ahead unlocked
+_CACHE_LOCK_WAIT_S = 30.0
+
+
+@contextlib.contextmanager
+def _folder_lock(folder: str, timeout_s: float = _CACHE_LOCK_WAIT_S) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``folder`` (made when missing) for the block, so the read-modify-write of a file
+    in it by several processes (two ranks, two jobs sharing a cache) runs one at a time. The folder, not a file beside
+    the cache, is locked: the cache's file is replaced by a rename (a lock on it would be on the old file), and no
+    lock file is left in the user's folder. Waits at most ``timeout_s``; where ``flock`` is missing (Windows) or
+    refused (some network filesystems), or the wait runs out, the block runs unlocked (as before: a concurrent
+    write may then drop the other's entry, never tear the file).
+
+    Raises:
+        OSError: the folder cannot be made (the caller warns and keeps the times in memory).
+    """
+    import os
+    import time
+
+    os.makedirs(folder, exist_ok=True)
+    try:
+        import fcntl
+
+        fd = os.open(folder, os.O_RDONLY)
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        deadline = time.monotonic() + timeout_s
+        locked = False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                locked = True
+                break
+            except BlockingIOError:  # another process writes its entry: a few milliseconds
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
+            except OSError:  # a filesystem that does not lock
+                break
+        try:
+            yield
+        finally:
+            if locked:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
 class TrialCache:
     """Measured step times by :func:`trial_key`, in a JSON file (None: in memory only), so repeated runs of the
     same model on the same world and device choose without measuring again.
+
+    Several processes may share one file (two jobs, or ranks that each keep a cache): :meth:`put` reads the file,
+    adds its entry and writes it back under an exclusive lock on the file's folder, so no process's entry is lost
+    to another's write.
 
     Args:
         path: the JSON file (created on the first ``put``; written atomically).
@@ -709,18 +765,30 @@ class TrialCache:
         object, or unreadable) is left as it is, and a path that cannot be written is skipped, each with a warning
         (the times stay in memory): the file is not this cache's to overwrite, and this runs on one rank after the
         trial, where raising would fail the run on that rank alone."""
-        import json
-        import warnings
+        import os
 
         self._mem[key] = dict(times)
         if self.path is None:
             return
+        try:
+            # read, add and write back as one step: two processes that both read the file before either wrote would
+            # each write it back with its own entry only, and the first one's entry would be lost
+            with _folder_lock(os.path.dirname(os.path.abspath(self.path))):
+                self._put_locked(key, times)
+        except OSError as e:  # the folder cannot be made: the times are kept for this run only
+            self._unwritable(e)
+
+    def _put_locked(self, key: str, times: dict[str, float]) -> None:
+        """The read-modify-write of :meth:`put`, run under the folder's lock."""
+        import json
+        import warnings
+
         data, why = self._read_why()
         if why:
             warnings.warn(
                 f"`trial_cache` file `{self.path}` {why}, so it is not a trial cache; it is left as it is and "
                 "nothing is kept. Pass another path or remove the file.",
-                stacklevel=2,
+                stacklevel=3,
             )
             return
         if data is None:
@@ -730,18 +798,24 @@ class TrialCache:
                 f"`trial_cache` file `{self.path}` holds JSON that is not a trial cache (a {type(data).__name__}, "
                 "expected an object of measured times); it is left as it is and nothing is kept. Pass another path "
                 "or remove the file.",
-                stacklevel=2,
+                stacklevel=3,
             )
             return
         data[key] = dict(times)
+        assert self.path is not None
         try:
             atomic_write_text(self.path, json.dumps(data, indent=1, sort_keys=True))
-        except OSError as e:  # a folder that cannot be made or written: the times are kept for this run only
-            warnings.warn(
-                f"`trial_cache` file `{self.path}` cannot be written ({type(e).__name__}: {one_line(e, first=True)}); "
-                "the measured times are kept for this run only. Pass a path in a writable folder.",
-                stacklevel=2,
-            )
+        except OSError as e:  # a folder that cannot be written: the times are kept for this run only
+            self._unwritable(e)
+
+    def _unwritable(self, e: OSError) -> None:
+        import warnings
+
+        warnings.warn(
+            f"`trial_cache` file `{self.path}` cannot be written ({type(e).__name__}: {one_line(e, first=True)}); "
+            "the measured times are kept for this run only. Pass a path in a writable folder.",
+            stacklevel=3,
+        )
 
 
 def choose_by_trial(

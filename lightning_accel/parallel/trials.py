@@ -6,13 +6,19 @@ loss averaged as single-process training would see it. :func:`time_plan` times `
 (the slowest rank's median, since a data-parallel job runs at its slowest rank's pace). Every rank must call these
 with the same arguments (they run collectives). The selector (:func:`~lightning_accel.parallel.select.choose_by_trial`)
 and ``benchmarks/parallel.py`` use them.
+
+A trial can run on a process group of its own (``group``): its collectives then never meet another's on the default
+group, and a rank whose trial failed alone frees the ranks still waiting in one of them by destroying the trial's
+groups (:func:`release_groups`; on gloo the waiting collective fails at once with "Connection closed by peer"), so
+every rank leaves the trial and the default group stays sound for what follows.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +40,7 @@ from lightning_accel.parallel.pipeline import (
 )
 from lightning_accel.parallel.plans import apply_fully_shard, apply_tensor_parallel
 
-__all__ = ["PLANS", "Stepper", "held_tensor_bytes", "plan_stepper", "time_plan"]
+__all__ = ["PLANS", "Stepper", "held_tensor_bytes", "plan_stepper", "release_groups", "time_plan"]
 
 PLANS = ("ddp", "fsdp", "tp", "pipeline")
 
@@ -45,12 +51,27 @@ def _mean_loss(output: torch.Tensor, target: Any) -> torch.Tensor:
 
 @dataclass
 class Stepper:
-    """One plan, built: ``step()`` trains one step; ``model`` / ``optimizer`` are what this rank holds."""
+    """One plan, built: ``step()`` trains one step; ``model`` / ``optimizer`` are what this rank holds; ``groups`` the
+    process groups the plan made (a pipeline's stage groups), for :func:`release_groups`."""
 
     plan: str
     model: nn.Module
     optimizer: torch.optim.Optimizer
     step: Callable[[], float]
+    groups: tuple[Any, ...] = ()
+
+
+def release_groups(groups: Sequence[Any]) -> None:
+    """Destroy ``groups`` (process groups a trial made; one already destroyed, or that this rank is not in, is
+    skipped). Local, no collective: a rank whose trial failed alone calls it while the others may still wait in a
+    collective of those groups. The connections close when the last reference to a group goes, so the caller drops
+    its own (the :class:`Stepper`, the group) and runs ``gc.collect()``; on gloo a peer's waiting collective then
+    fails at once ("Connection closed by peer"); on NCCL it waits for the group's timeout."""
+    for g in groups:
+        if g is None or g == dist.GroupMember.NON_GROUP_MEMBER:
+            continue
+        with contextlib.suppress(ValueError):  # destroyed already
+            dist.destroy_process_group(g)
 
 
 def held_tensor_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
@@ -88,8 +109,9 @@ def plan_stepper(
     schedule: str = "1f1b",
     stages_per_rank: int | None = None,
     split_example: torch.Tensor | None = None,
+    group: Any = None,
 ) -> Stepper:
-    """Apply ``plan`` to ``model`` (changed in place: pass a copy) over the default process group.
+    """Apply ``plan`` to ``model`` (changed in place: pass a copy) over ``group`` (None: the default process group).
 
     FSDP keeps tied parameters in one group (:func:`~lightning_accel.parallel.plans.fsdp_groups`); tensor
     parallel splits packed q/k/v projections per head.
@@ -110,6 +132,9 @@ def plan_stepper(
             batch). Pass what ``PipelineStrategy`` splits on, the LightningModule's ``example_input_array``, to time
             the stages it will build (``AutoStrategy`` does); the forward leaves the model as it was
             (:func:`~lightning_accel.parallel.pipeline.piece_costs`).
+        group: a process group over every rank for the plan's collectives (DDP's, the sharded plans' mesh, the loss
+            average; a pipeline makes its stage groups itself, listed in :attr:`Stepper.groups`); None: the default
+            group. :func:`time_plan` takes the same one.
 
     Raises:
         ValueError: a pipeline stage would hold no trainable parameter (on every rank alike:
@@ -119,6 +144,11 @@ def plan_stepper(
     check_choice("plan", plan, PLANS)
     loss = loss_fn or _mean_loss
     world, rank = dist.get_world_size(), dist.get_rank()
+    if group is not None and dist.get_world_size(group) != world:
+        raise ValueError(
+            f"`group` holds {dist.get_world_size(group)} of the {world} ranks; a trial runs over every rank. Pass a "
+            "group over every rank (`dist.new_group()`), or None for the default group."
+        )
     device = inputs.device
     if plan == "pipeline":
         pieces = find_pipeline_modules(model)
@@ -145,9 +175,9 @@ def plan_stepper(
             opt.step()
             return float(out)
 
-        return Stepper(plan, model, opt, step_pp)
+        return Stepper(plan, model, opt, step_pp, groups=tuple(runner.groups))
 
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     shard = plan in ("ddp", "fsdp")
     if shard and inputs.shape[0] % world:
@@ -156,11 +186,13 @@ def plan_stepper(
     y = target.chunk(world)[rank] if (shard and isinstance(target, torch.Tensor)) else target
     net: nn.Module = model
     if plan == "ddp":
-        net = nn.parallel.DistributedDataParallel(model)
-    elif plan == "fsdp":
-        apply_fully_shard(model, init_device_mesh(device.type, (world,)))
+        net = nn.parallel.DistributedDataParallel(model, process_group=group)
     else:
-        apply_tensor_parallel(model, init_device_mesh(device.type, (world,)))
+        mesh = init_device_mesh(device.type, (world,)) if group is None else DeviceMesh.from_group(group, device.type)
+        if plan == "fsdp":
+            apply_fully_shard(model, mesh)
+        else:
+            apply_tensor_parallel(model, mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
 
     def step() -> float:
@@ -170,15 +202,16 @@ def plan_stepper(
         opt.step()
         v = value.detach().float().reshape(1)
         if shard:
-            dist.all_reduce(v)
+            dist.all_reduce(v, group=group)
             v /= world
         return float(v)
 
     return Stepper(plan, model, opt, step)
 
 
-def time_plan(stepper: Stepper, *, steps: int = 3, warmup: int = 1) -> float:
-    """Median seconds per step over ``steps`` timed steps after ``warmup`` untimed ones, the slowest rank's."""
+def time_plan(stepper: Stepper, *, steps: int = 3, warmup: int = 1, group: Any = None) -> float:
+    """Median seconds per step over ``steps`` timed steps after ``warmup`` untimed ones, the slowest rank's (reduced
+    over ``group``, the one the stepper was built on; None: the default group)."""
     for _ in range(warmup):
         stepper.step()
     times = []
@@ -193,5 +226,5 @@ def time_plan(stepper: Stepper, *, steps: int = 3, warmup: int = 1) -> float:
     # on the model's device: NCCL, the GPU backend, reduces device tensors only
     device = next(stepper.model.parameters(), torch.empty(0)).device
     t = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return float(t)

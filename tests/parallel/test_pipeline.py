@@ -10,6 +10,7 @@ from lightning_accel.models.transformer import GPT
 from lightning_accel.parallel import select_strategy
 from lightning_accel.parallel.pipeline import (
     balance_stages,
+    batch_tensors,
     check_no_sync_batchnorm,
     check_stages_train,
     find_pipeline_modules,
@@ -138,6 +139,41 @@ def test_join_outputs_rebuilds_a_batch_from_its_micro_batches() -> None:
     assert torch.equal(joined["o"].score, torch.tensor([0.0, 1.0, 2.0]))  # 0-dim: stacked
     assert joined["ids"] == [0, 0, 1, 1, 2, 2]  # lists: one entry per sample
     assert join_outputs(["a", "b"]) == ["a", "b"]  # anything else: one value per micro-batch
+
+
+def test_split_batch_keeps_namedtuples_and_mapping_types() -> None:
+    from collections import OrderedDict, UserDict, defaultdict, namedtuple
+
+    class Encoding(UserDict):  # a tokenizer's `BatchEncoding` is a `UserDict`, not a dict
+        pass
+
+    Batch = namedtuple("Batch", ["x", "y"])
+    mbs = split_batch(Batch(torch.arange(4), torch.arange(4) + 10), 2)  # a namedtuple is made from its fields
+    assert [type(mb) for mb in mbs] == [Batch, Batch] and torch.equal(mbs[1].y, torch.tensor([12, 13]))
+    enc = Encoding(input_ids=torch.arange(8).view(4, 2), labels=torch.arange(4))
+    assert [t.shape[0] for t in batch_tensors(enc)] == [4, 4]  # its tensors count: the batch's rows
+    mbs = split_batch(enc, 2)  # every micro-batch its own rows, not the whole batch
+    assert [type(mb) for mb in mbs] == [Encoding, Encoding] and torch.equal(mbs[1]["labels"], torch.tensor([2, 3]))
+    mbs = split_batch(defaultdict(list, x=torch.arange(4)), 2)
+    assert isinstance(mbs[0], defaultdict) and mbs[0].default_factory is list
+    assert torch.equal(mbs[0]["x"], torch.arange(2))
+    assert type(split_batch(OrderedDict(x=torch.arange(4)), 2)[0]) is OrderedDict
+    joined = join_outputs([Encoding(y=torch.ones(2)), Encoding(y=torch.zeros(2))])
+    assert type(joined) is Encoding and torch.equal(joined["y"], torch.tensor([1.0, 1.0, 0.0, 0.0]))
+
+
+def test_split_batch_splits_a_list_of_names_with_the_rows() -> None:
+    batch = {"x": torch.arange(8).view(4, 2), "id": ["a", "b", "c", "d"], "pair": [torch.zeros(4), torch.ones(4)]}
+    mbs = split_batch(batch, 2)
+    assert [mb["id"] for mb in mbs] == [["a", "b"], ["c", "d"]]  # one name per sample: with its rows
+    assert [mb["pair"][1].tolist() for mb in mbs] == [[1.0, 1.0], [1.0, 1.0]]  # a list of tensors is a structure
+    assert split_batch({"x": torch.zeros(4), "classes": ["cat", "dog"]}, 2)[1]["classes"] == ["cat", "dog"]
+
+
+def test_join_outputs_of_steps_that_return_nothing_is_nothing() -> None:
+    # a `predict_step` that writes its predictions away: Lightning's default strategy returns None for the batch
+    assert join_outputs([None, None, None, None]) is None
+    assert join_outputs([{"y": None}, {"y": None}]) == {"y": None}
 
 
 def test_measuring_the_pieces_leaves_batchnorm_statistics_rng_and_modes_as_they_were() -> None:

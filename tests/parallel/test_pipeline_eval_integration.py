@@ -11,6 +11,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from lightning_accel.parallel.plans import BATCH_SPLITS
 from tests.helpers import run_in_processes
 from tests.parallel.test_plans_integration import SmallNet
 
@@ -101,6 +102,141 @@ def test_each_step_gets_the_arguments_lightning_passes() -> None:
         assert r["step"] == ref["step"] == 4
         assert r["predicted"] == ref["predicted"]
         assert max(abs(a - b) for a, b in zip(r["val_loss"], ref["val_loss"], strict=True)) < 1e-5, (r, ref)
+
+
+class WritesPredictions(Net):
+    """A ``predict_step`` that writes its predictions away (a ``BasePredictionWriter``'s job) and returns nothing."""
+
+    def predict_step(self, batch: Any, batch_idx: int) -> None:  # type: ignore[override]
+        self(batch[0])
+
+
+def _predict_nothing(strategy: Any, devices: int) -> Any:
+    t = pl.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, logger=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    return t.predict(WritesPredictions(), _loader(8))
+
+
+def _pipeline_predict_nothing(rank: int, world: int) -> Any:
+    from datetime import timedelta
+
+    from lightning_accel.parallel import PipelineStrategy
+
+    return _predict_nothing(PipelineStrategy(timeout=timedelta(seconds=60)), 2)
+
+
+def test_a_predict_step_that_returns_nothing_predicts_none_per_batch() -> None:
+    ref = _predict_nothing("auto", 1)
+    assert ref == [None, None]
+    assert run_in_processes(_pipeline_predict_nothing, 2, init_process_group=False, timeout=300) == [ref, ref]
+
+
+class OutputsNet(Net):
+    """Returns more than its loss: the batch-end hooks read it (``outputs``)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        out = self(batch[0])
+        return {
+            "loss": torch.nn.functional.mse_loss(out, batch[1]),
+            "preds": out.detach(),
+            "err": (out - batch[1]).abs().mean(),
+        }
+
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:  # type: ignore[override]
+        return torch.nn.functional.mse_loss(self(batch[0]), batch[1])
+
+
+def _outputs_run(strategy: Any, devices: int) -> dict[str, Any]:
+    seen: dict[str, list[Any]] = {"train": [], "val": []}
+
+    class Record(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, module: Any, outputs: Any, *args: Any) -> None:
+            seen["train"].append((sorted(outputs), outputs["preds"].flatten().tolist(), float(outputs["err"])))
+
+        def on_validation_batch_end(self, trainer: pl.Trainer, module: Any, outputs: Any, *args: Any) -> None:
+            seen["val"].append(float(outputs))
+
+    t = pl.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, max_epochs=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False,
+        callbacks=[Record()],
+    )  # fmt: skip
+    t.fit(OutputsNet(), _loader(16), _loader(8))
+    return seen
+
+
+def _pipeline_outputs(rank: int, world: int) -> list[dict[str, Any]]:
+    from datetime import timedelta
+
+    from lightning_accel.parallel import PipelineStrategy
+
+    # "world": both ranks read the same batches, the pipeline runs them gathered and each rank gets its own rows back
+    return [_outputs_run(PipelineStrategy(batch_split=s, timeout=timedelta(seconds=60)), 2) for s in BATCH_SPLITS]
+
+
+def test_the_batch_end_hooks_get_what_the_steps_returned() -> None:
+    # the pipeline handed `on_train_batch_end` {"loss"} alone (a callback reading `outputs["preds"]` failed) and
+    # `on_validation_batch_end` its own loss whatever the step returned
+    ref = _outputs_run("auto", 1)
+    for r in [
+        r for rank in run_in_processes(_pipeline_outputs, 2, init_process_group=False, timeout=300) for r in rank
+    ]:
+        assert len(r["train"]) == len(ref["train"]) == 4 and len(r["val"]) == len(ref["val"]) == 2
+        for (keys, preds, err), (ref_keys, ref_preds, ref_err) in zip(r["train"], ref["train"], strict=True):
+            assert keys == ref_keys == ["err", "loss", "preds"]
+            assert max(abs(a - b) for a, b in zip(preds, ref_preds, strict=True)) < 1e-5 and abs(err - ref_err) < 1e-5
+        assert max(abs(a - b) for a, b in zip(r["val"], ref["val"], strict=True)) < 1e-5
+
+
+class Named(torch.utils.data.Dataset):
+    """Samples with a name: ``default_collate`` gathers the names of a batch into a list, one per sample."""
+
+    def __init__(self) -> None:
+        self.x = torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"x": self.x[i], "id": f"s{i}"}
+
+
+class NamedNet(Net):
+    def predict_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:  # type: ignore[override]
+        return {"id": batch["id"], "y": self(batch["x"])}
+
+
+def _named_predictions(strategy: Any, devices: int) -> dict[str, float]:
+    t = pl.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, logger=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    out: dict[str, float] = {}
+    for p in t.predict(NamedNet(), torch.utils.data.DataLoader(Named(), batch_size=4)) or []:
+        assert isinstance(p, dict) and len(p["id"]) == p["y"].shape[0], p  # one name per prediction
+        out.update(zip(p["id"], p["y"].flatten().tolist(), strict=True))
+    return out
+
+
+def _pipeline_named(rank: int, world: int) -> dict[str, float]:
+    from datetime import timedelta
+
+    from lightning_accel.parallel import PipelineStrategy
+
+    # each rank reads 2 rows of every batch of 4; its pipeline gathers them and splits them over 4 micro-batches
+    return _named_predictions(PipelineStrategy(batch_split="world", timeout=timedelta(seconds=60)), 2)
+
+
+def test_per_sample_names_go_with_their_rows() -> None:
+    # a list of names, one per sample, reached every micro-batch whole: each prediction batch held 4x its names
+    ref = _named_predictions("auto", 1)
+    r0, r1 = run_in_processes(_pipeline_named, 2, init_process_group=False, timeout=300)
+    assert not set(r0) & set(r1) and set(r0) | set(r1) == set(
+        ref
+    )  # each sample predicted once, by the rank that read it
+    assert max(abs(v - ref[k]) for k, v in {**r0, **r1}.items()) < 1e-6
 
 
 class Jitter(torch.nn.Module):

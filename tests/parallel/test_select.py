@@ -409,7 +409,7 @@ def test_a_timed_plan_reduces_its_time_on_the_model_device(monkeypatch: pytest.M
         return real_tensor(data, **kw)
 
     monkeypatch.setattr(trials.torch, "tensor", tensor)
-    monkeypatch.setattr(trials.dist, "all_reduce", lambda t, op=None: reduced.append(t))
+    monkeypatch.setattr(trials.dist, "all_reduce", lambda t, op=None, group=None: reduced.append(t))
     model = nn.Linear(2, 2, device="meta")  # stands for a model on the GPU: NCCL reduces device tensors only
     stepper = trials.Stepper("ddp", model, torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1), lambda: 0.0)
     trials.time_plan(stepper, steps=2, warmup=0)
@@ -444,3 +444,25 @@ def test_the_fsdp_estimate_gathers_the_largest_unit_the_strategy_wraps() -> None
     c = select_strategy(net, devices=8, device_memory_bytes=10**10)
     # layer4 (a direct child outside the one repeated stack, a stage's two blocks) is gathered whole, not a block
     assert c.estimates["fsdp"].working == 4 * sum(p.numel() for p in net.layer4.parameters())
+
+
+def _put_many(rank: int, world: int, path: str, count: int) -> int:
+    from lightning_accel.parallel.select import TrialCache
+
+    cache = TrialCache(path)  # one cache per process, as two jobs (or two ranks) sharing a file have
+    for i in range(count):
+        cache.put(f"rank{rank}/{i}", {"ddp": float(i)})
+    return count
+
+
+def test_trial_cache_shared_by_two_processes_keeps_every_entry(tmp_path: Path) -> None:
+    import json
+
+    from tests.helpers import run_in_processes
+
+    path = tmp_path / "trials.json"
+    # without a lock, both read the file, each adds its entry and writes it back: one of the two entries is lost
+    run_in_processes(_put_many, 2, (str(path), 40), init_process_group=False, timeout=120)
+    data = json.loads(path.read_text())
+    assert sorted(data) == sorted(f"rank{r}/{i}" for r in range(2) for i in range(40))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["trials.json"]  # no lock or temporary file left

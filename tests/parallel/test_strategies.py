@@ -230,3 +230,15 @@ def test_the_pipeline_refuses_a_sharded_checkpoint_folder_naming_it(tmp_path: Pa
     t = trainer(PipelineStrategy(), max_steps=4)
     t.fit(Small(), loader(), ckpt_path=full)
     assert t.global_step == 4
+
+
+def test_step_outputs_that_cannot_be_sent_to_the_other_stages_are_dropped_with_a_warning() -> None:
+    import threading
+
+    from lightning_accel.parallel.strategies.pipeline import _sendable
+
+    outputs = {"preds": torch.ones(2), "acc": 0.5}
+    assert _sendable(outputs) is outputs
+    # the last stage broadcasts them: raising there would leave the other ranks waiting in the broadcast
+    with pytest.warns(UserWarning, match="cannot be sent to the other ranks of the pipeline .*TypeError"):
+        assert _sendable({"lock": threading.Lock()}) is None

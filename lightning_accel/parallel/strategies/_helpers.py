@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_accel._utils.errors import one_line
-from lightning_accel.parallel.pipeline import batch_tensors
+from lightning_accel.parallel.pipeline import PLAIN_TYPES, batch_tensors, is_per_sample_list, mapping_like
 from lightning_accel.parallel.plans import BATCH_SPLITS
 
 __all__ = [
@@ -41,14 +41,18 @@ __all__ = [
 
 
 def gather_batch(batch: Any, group: Any) -> Any:
-    """Every tensor of ``batch`` (nested tuples / lists / dicts) concatenated along dim 0 over the ranks of ``group``,
-    in rank order (rows of unequal counts are padded for the collective and trimmed after); other values are this
-    rank's. Collective: every rank of ``group`` calls it with the same structure."""
+    """Every tensor of ``batch`` (nested tuples / lists / mappings, each of its type) concatenated along dim 0 over the
+    ranks of ``group``, in rank order (rows of unequal counts are padded for the collective and trimmed after), and
+    every list of plain values that holds one per sample on every rank
+    (:func:`~lightning_accel.parallel.pipeline.is_per_sample_list`: the ids a ``default_collate`` gathers) joined the
+    same way; other values are this rank's. Collective: every rank of ``group`` calls it with the same structure."""
     import torch.distributed as dist
 
     size = dist.get_world_size(group)
     if size == 1:
         return batch
+    local_rows = leading_rows(batch)
+    rank_rows: list[Any] = []  # every rank's rows, read once a list of plain values needs them
 
     def gather(t: torch.Tensor) -> torch.Tensor:
         if t.ndim == 0:
@@ -67,15 +71,28 @@ def gather_batch(batch: Any, group: Any) -> Any:
         joined = torch.cat([p[:r] for p, r in zip(parts, rows, strict=True)])
         return _from_bytes(joined, t.dtype).reshape(sum(rows), *t.shape[1:])
 
+    def gather_list(x: list[Any]) -> list[Any]:
+        # decided alike on every rank (from every rank's list and rows), so the collectives stay in step
+        if not rank_rows:
+            rank_rows.extend([None] * size)
+            dist.all_gather_object(rank_rows, local_rows, group=group)
+        lists: list[Any] = [None] * size
+        dist.all_gather_object(lists, x, group=group)
+        if all(is_per_sample_list(v, r) for v, r in zip(lists, rank_rows, strict=True)):
+            return [v for part in lists for v in part]
+        return x
+
     def walk(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
             return gather(x)
+        if isinstance(x, list) and all(isinstance(v, PLAIN_TYPES) for v in x):  # ids or texts, one per sample
+            return gather_list(x)
         if isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple
             return type(x)(*(walk(v) for v in x))
         if isinstance(x, (list, tuple)):
             return type(x)(walk(v) for v in x)
-        if isinstance(x, dict):
-            return type(x)({k: walk(v) for k, v in x.items()})
+        if isinstance(x, Mapping):  # a dict, or a tokenizer's `BatchEncoding` (a `UserDict`): every rank's rows
+            return mapping_like(x, {k: walk(v) for k, v in x.items()})
         return x
 
     return walk(batch)
@@ -171,7 +188,7 @@ def leading_rows(batch: Any) -> int:
 def own_predictions(predictions: Any, local_rows: int, group: Any) -> Any:
     """This rank's share of ``predictions`` made for a batch :func:`gather_batch` gathered over ``group``: the rows
     this rank read (``local_rows``) of every tensor with the gathered batch's rows and of every list with one entry
-    per sample, through dicts and tuples (namedtuples too); anything else (a per-batch value) as it is. Collective:
+    per sample, through mappings and tuples (namedtuples too); anything else (a per-batch value) as it is. Collective:
     every rank of ``group`` calls it (the ranks' row counts are shared)."""
     import torch.distributed as dist
 
@@ -182,8 +199,8 @@ def own_predictions(predictions: Any, local_rows: int, group: Any) -> Any:
     def rows(out: Any) -> Any:
         if isinstance(out, torch.Tensor):
             return out[start : start + local_rows] if out.ndim and out.shape[0] == total else out
-        if isinstance(out, dict):
-            return type(out)({k: rows(v) for k, v in out.items()})
+        if isinstance(out, Mapping):
+            return mapping_like(out, {k: rows(v) for k, v in out.items()})
         if isinstance(out, tuple):
             parts = [rows(v) for v in out]
             return type(out)(*parts) if hasattr(out, "_fields") else tuple(parts)

@@ -36,7 +36,9 @@ YAML::
 from __future__ import annotations
 
 import copy
+import gc
 import os
+import time
 import warnings
 import weakref
 from collections.abc import Mapping, Sequence
@@ -73,7 +75,7 @@ from lightning_accel.parallel.strategies.pipeline import (
     check_pipeline_keywords,
 )
 from lightning_accel.parallel.strategies.sharded import ShardedStrategy
-from lightning_accel.parallel.trials import PLANS, plan_stepper, time_plan
+from lightning_accel.parallel.trials import PLANS, plan_stepper, release_groups, time_plan
 
 __all__ = ["AutoStrategy", "resolve_trainer_kwargs", "trainer_devices"]
 
@@ -543,7 +545,13 @@ class AutoStrategy(DDPStrategy):
             shared.put(key, cached[0])
 
         def trial(plan: str) -> float:
-            seconds, error = float("inf"), ""
+            seconds, error, failed_at = float("inf"), "", float("inf")
+            # the trial's collectives run on a group of its own: a rank whose trial fails alone (an out-of-memory
+            # on that rank, a step its data breaks) leaves the others in one of them, and would meet them out of
+            # step on the default group, where they waited for its timeout (30 minutes) and the fit then failed
+            group: Any = torch.distributed.new_group()
+            made: list[Any] = [group]
+            stepper: Any = None
             try:  # any failure, building the plan or in any step, drops the plan (never the run)
                 stepper = plan_stepper(
                     plan,
@@ -553,17 +561,31 @@ class AutoStrategy(DDPStrategy):
                     schedule=pk["schedule"],
                     stages_per_rank=pk["stages_per_rank"],
                     split_example=example,  # what the built PipelineStrategy splits on
+                    group=group,
                 )
-                seconds = time_plan(stepper, steps=self.trial_steps)
+                made.extend(stepper.groups)
+                seconds = time_plan(stepper, steps=self.trial_steps, group=group)
             except Exception as e:  # noqa: BLE001
-                error = f"{type(e).__name__}: {one_line(e)}"
-            # every rank decides alike: a plan that failed on any rank is dropped on all, with that rank's error
+                error, failed_at = f"{type(e).__name__}: {one_line(e)}", time.time()
+            stepper = group = None
+            if error:
+                # before the flag below: destroying this trial's groups (and dropping every reference to them) ends
+                # the collective another rank may wait in for this one ("Connection closed by peer" on gloo)
+                release_groups(made)
+                made = []
+                gc.collect()
+            # every rank decides alike: a plan that failed on any rank is dropped on all, with the error of the rank
+            # that failed first (the others' may only say that it left), named by the lowest rank that had that error
+            # (a plan that fails alike everywhere fails on every rank at about the same time)
             failed = torch.tensor([1.0 if error else 0.0], device=self.root_device)  # NCCL reduces device tensors
             torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX)
+            release_groups(made)  # after a trial every rank finished: its groups are not needed any more
             if float(failed):
                 errors: list[Any] = [None] * world
-                torch.distributed.all_gather_object(errors, error)
-                rank, why = next((r, e) for r, e in enumerate(errors) if e)
+                torch.distributed.all_gather_object(errors, (failed_at, error))
+                first = min((r for r, (_, e) in enumerate(errors) if e), key=lambda r: errors[r][0])
+                why = errors[first][1]
+                rank = next(r for r, (_, e) in enumerate(errors) if e == why)
                 rank_zero_info(f"AutoStrategy trial: '{plan}' dropped (rank {rank}: {why}).")
                 raise TrialFailed(f"rank {rank}: {why}")
             return seconds

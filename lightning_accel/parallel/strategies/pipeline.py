@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -14,9 +16,11 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning_utilities.core.apply_func import apply_to_collection
 from typing_extensions import override
 
 from lightning_accel._utils.checks import check_choice, check_int
+from lightning_accel._utils.errors import one_line
 from lightning_accel._utils.patching import Patch, patch
 from lightning_accel.parallel.estimate import default_microbatches
 from lightning_accel.parallel.pipeline import (
@@ -86,6 +90,28 @@ def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None], device: torc
         torch.cuda.set_rng_state(state[1], device)
 
 
+def _detached(data: Any) -> Any:
+    """``data`` with every tensor detached and on the CPU: a step's outputs, pickled to the other ranks of the
+    pipeline (a tensor that requires grad does not pickle, and a CUDA one would unpickle onto the sender's device)."""
+    return apply_to_collection(data, torch.Tensor, lambda t: t.detach().cpu())
+
+
+def _sendable(outputs: Any) -> Any:
+    """``outputs`` when they pickle, else None with a warning: the last stage sends them to the other ranks of the
+    pipeline, which would wait forever in the broadcast for a rank that failed to pickle them."""
+    try:
+        pickle.dumps(outputs)
+    except Exception as e:  # noqa: BLE001 -- a lock, a generator, a CUDA stream: any object a step may return
+        warnings.warn(
+            f"PipelineStrategy: what the step returned beside its loss cannot be sent to the other ranks of the "
+            f"pipeline ({type(e).__name__}: {one_line(e, first=True)}); the batch-end hooks get no `outputs` from "
+            "it. Return tensors, numbers, strings and containers of them.",
+            stacklevel=2,
+        )
+        return None
+    return outputs
+
+
 def _no_log(*args: Any, **kwargs: Any) -> None:
     """``self.log`` while the first stage's input is captured: the step runs again on the last stage, which logs."""
 
@@ -116,12 +142,21 @@ class PipelineStrategy(_EvaluationBufferSync, DDPStrategy):
     is then a no-op (the schedule did it); gradients of tied parameters are summed between their stages and, with
     ``world > pipeline size``, averaged over the replicas (whose buffers, BatchNorm's running statistics, are copied
     from replica 0 before each training step and each evaluation, as ``DistributedDataParallel`` does);
-    ``gradient_clip_val`` clips by the norm of the *whole* model's gradient.
+    ``gradient_clip_val`` clips by the norm of the *whole* model's gradient. What the step returns beside its loss (a
+    ``training_step``'s other dict keys, an evaluation step's return value) is joined over the micro-batches and
+    handed to the batch-end hooks (``outputs``) on every rank of the pipeline, as without one: per-sample tensors
+    concatenated, floating-point scalars averaged (:func:`~lightning_accel.parallel.pipeline.join_outputs`). A batch
+    may be a tensor, or tuples, namedtuples, lists and mappings of them (a tokenizer's ``BatchEncoding`` too): each
+    micro-batch is of the batch's type, and a list of plain values with one per sample (the names ``default_collate``
+    gathers) is split with the rows (:func:`~lightning_accel.parallel.pipeline.split_batch`).
     The schedule averages the micro-batches' gradients (torch's pipelining rule) and the logged values are their
     mean: that is one process's step for a loss that is a *mean* over the batch's samples (``F.cross_entropy``'s
     default). A loss *summed* over the samples (``reduction="sum"``) trains with ``1 / microbatches`` of one
     process's gradient and logs ``1 / microbatches`` of its value (checked: 0.25 with 4 micro-batches): divide it by
-    the batch size, or use a mean.
+    the batch size, or use a mean. **BatchNorm** normalises each micro-batch with that micro-batch's statistics and
+    updates its running statistics once per micro-batch (torch's schedules run each micro-batch's forward on its own):
+    a model with BatchNorm does not train exactly as in one process or under DDP (whose ranks normalise their whole
+    per-device batch); ``microbatches`` sets the rows each statistic sees (``batch / microbatches``).
 
     **Checkpoints**: the stages' states are gathered to rank 0 and saved as one full checkpoint through the
     ``CheckpointIO`` (the model ``state_dict`` is the unsplit model's, so the file also loads without a pipeline;
@@ -156,7 +191,8 @@ class PipelineStrategy(_EvaluationBufferSync, DDPStrategy):
     on each micro-batch's output, the micro-batches' predictions are joined
     (:func:`~lightning_accel.parallel.pipeline.join_outputs`), moved to the CPU and returned on every rank of the
     pipeline (with ``batch_split="data_parallel"``: every rank of a pipeline read the same batch; with
-    ``batch_split="world"`` each rank gets the predictions of the rows it read, as under DDP).
+    ``batch_split="world"`` each rank gets the predictions of the rows it read, as under DDP); a ``predict_step``
+    that returns nothing (it writes its predictions away) predicts ``None`` per batch, as without a pipeline.
 
     Not supported: ``16-mixed`` (its GradScaler would unscale after the stage-wise clipping; use ``bf16-mixed``),
     manual optimization, ``nn.SyncBatchNorm`` in a ``fit`` (it syncs over every rank in each training forward while a
@@ -212,6 +248,8 @@ class PipelineStrategy(_EvaluationBufferSync, DDPStrategy):
         # as the target) is what the first stage's input was made with
         self._rngs: list[Any] = []
         self._predicted: dict[int, Any] = {}  # predict: each micro-batch's `predict_step` output (last stage)
+        # training / evaluation: each micro-batch's step output beside the loss (last stage), for the batch-end hooks
+        self._outputs: dict[int, Any] = {}
         self._grads: list[torch.Tensor | None] = []
         self._clip_patch: Patch | None = None
         self._local_rows = 0  # `batch_split="world"`: the rows this rank read of the batch its pipeline gathered
@@ -438,6 +476,12 @@ class PipelineStrategy(_EvaluationBufferSync, DDPStrategy):
         if name == "predict_step":
             self._predicted[i] = out
             return output.float().sum() * 0.0
+        # what Lightning hands `on_*_batch_end` as `outputs`: a training step's keys beside "loss", an evaluation
+        # step's return value (detached: they go to the other ranks of the pipeline)
+        if name != "training_step":
+            self._outputs[i] = _detached(out)
+        elif isinstance(out, Mapping):
+            self._outputs[i] = _detached({k: v for k, v in out.items() if k != "loss"})
         loss = out.get("loss") if isinstance(out, dict) else out
         if isinstance(loss, torch.Tensor):
             return loss
@@ -448,9 +492,11 @@ class PipelineStrategy(_EvaluationBufferSync, DDPStrategy):
             )
         return output.float().sum() * 0.0  # an evaluation step that only logs
 
-    def _run(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], train: bool) -> torch.Tensor:
+    def _run(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], train: bool) -> tuple[torch.Tensor, Any]:
         """One pipelined step of the LightningModule's ``name`` on ``args[0]`` (the batch), each micro-batch's step
-        called with the rest of ``args`` and ``kwargs``, what Lightning passed the strategy's step."""
+        called with the rest of ``args`` and ``kwargs``, what Lightning passed the strategy's step. Returns the mean
+        micro-batch loss and the step's outputs beside it (:meth:`_share_last_stage`), on every rank of the
+        pipeline."""
         module, runner = self.lightning_module, self.runner
         batch, rest = args[0], tuple(args[1:])
         assert module is not None and runner is not None, "PipelineStrategy.setup builds the pipeline"
@@ -473,14 +519,22 @@ class PipelineStrategy(_EvaluationBufferSync, DDPStrategy):
             payload, src=runner.layout.rank_of(0, runner.replica), group=runner.pp_group
         )
         self._hook, self._logged, self._mbs, self._rngs = (name, rest, kwargs), {}, mbs, payload[0]
+        self._outputs = {}
         targets = [torch.tensor([i]) for i in range(len(mbs))] if runner.has_last else None
         loss = runner.step(inputs, targets, key) if train else runner.evaluate(inputs, targets, key, n)
-        self._relog(module, runner)
-        self._mbs, self._rngs = [], []
-        return loss
+        outputs = self._share_last_stage(module, runner)
+        self._mbs, self._rngs, self._outputs = [], [], {}
+        if self.batch_split == "world" and outputs is not None:  # alike on every rank: the outputs were broadcast
+            # the pipeline ran its ranks' batches gathered: this rank's rows of them, as under DDP
+            outputs = own_predictions(outputs, self._local_rows, runner.pp_group)
+        return loss, outputs
 
-    def _relog(self, module: pl.LightningModule, runner: PipelineRunner) -> None:
-        """Log on every rank of the pipeline what the step logged on the last stage (mean over micro-batches)."""
+    def _share_last_stage(self, module: pl.LightningModule, runner: PipelineRunner) -> Any:
+        """Log on every rank of the pipeline what the step logged on the last stage (mean over micro-batches), and
+        return there the step's outputs beside the loss: a training step's other keys (a dict; None when it returned
+        the loss alone), an evaluation step's return value, joined over the micro-batches
+        (:func:`~lightning_accel.parallel.pipeline.join_outputs` with ``average_scalars``: a per-sample tensor
+        concatenated, a scalar averaged as the loss and the logged values are)."""
         payload: list[Any] = [None]
         if runner.has_last:
             sums: dict[str, list[Any]] = {}
@@ -489,11 +543,15 @@ class PipelineStrategy(_EvaluationBufferSync, DDPStrategy):
                     sums.setdefault(k, [0.0, 0, kw])
                     sums[k][0] += v
                     sums[k][1] += 1
-            payload[0] = {k: (s / n, kw) for k, (s, n, kw) in sums.items()}
+            parts = [self._outputs[i] for i in sorted(self._outputs)]
+            outputs = _sendable(join_outputs(parts, average_scalars=True) if parts else None)
+            payload[0] = ({k: (s / n, kw) for k, (s, n, kw) in sums.items()}, outputs)
         src = runner.layout.rank_of(runner.layout.num_stages - 1, runner.replica)
         torch.distributed.broadcast_object_list(payload, src=src, group=runner.pp_group)
-        for k, (v, kw) in (payload[0] or {}).items():
+        logged, outputs = payload[0]
+        for k, (v, kw) in logged.items():
             module.log(k, torch.tensor(v, device=self.root_device), **kw)
+        return move_data_to_device(outputs, self.root_device)
 
     @override
     def _sync_buffers(self) -> None:
@@ -519,21 +577,26 @@ class PipelineStrategy(_EvaluationBufferSync, DDPStrategy):
         for p in params:
             p.grad = None
         with self.precision_plugin.train_step_context():
-            loss = self._run("training_step", args, kwargs, train=True)
+            loss, extra = self._run("training_step", args, kwargs, train=True)
         self._grads = [p.grad for p in params]
         for p, g in zip(params, before, strict=False):
             p.grad = g
-        return loss
+        # a step that returned a dict: its other keys reach `on_train_batch_end` (its `outputs`), as without a pipeline
+        return {"loss": loss, **extra} if extra else loss
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        """What the LightningModule's ``validation_step`` returned, joined over the micro-batches (the ``outputs``
+        of ``on_validation_batch_end``, as without a pipeline), on every rank of the pipeline."""
         with self.precision_plugin.val_step_context():
-            return self._run("validation_step", args, kwargs, train=False)
+            return self._run("validation_step", args, kwargs, train=False)[1]
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        """What the LightningModule's ``test_step`` returned, joined over the micro-batches (see
+        :meth:`validation_step`)."""
         with self.precision_plugin.test_step_context():
-            return self._run("test_step", args, kwargs, train=False)
+            return self._run("test_step", args, kwargs, train=False)[1]
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
