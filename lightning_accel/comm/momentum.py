@@ -107,6 +107,16 @@ def plan_groups(indexed_numels: Iterable[tuple[int, int]], group_numel: int) -> 
     return out
 
 
+def _foreign(p: torch.Tensor) -> ValueError:
+    """The error for a tensor the optimizer trains that is not a parameter of the DDP model."""
+    return ValueError(
+        f"`optimizer` trains a tensor of shape {tuple(p.shape)} that is not a parameter of the DDP model: compressed "
+        "momentum averages and updates only the model's parameters. Register it in the LightningModule (an "
+        "`nn.Parameter` attribute), or use `compressed_signal='gradients'` (the optimizer's own step; such a tensor "
+        "is not averaged, as with DDP)."
+    )
+
+
 class _Entry:
     """One parameter in a compressed step: where it sits, its hyper-parameters, its optimizer state."""
 
@@ -152,7 +162,8 @@ class MomentumCompressor:
             size, error feedback, backend, parameter numbering, error buffers, statistics).
 
     Raises:
-        ValueError: an unsupported optimizer, or a parameter that is not in the model ``state`` numbered.
+        ValueError: an unsupported optimizer; a trained tensor that is not among the parameters ``state`` numbers
+            (the model's) is refused by :meth:`check_parameters` and, at the latest, by the first compressed step.
     """
 
     def __init__(self, optimizer: Optimizer, state: OneBitState) -> None:
@@ -170,6 +181,21 @@ class MomentumCompressor:
         self._early: _Started | None = None
         #: the ``state.stage_token`` of the stage whose start dropped this optimizer's older freeze marks
         self._entered: object | None = None
+
+    def check_parameters(self) -> None:
+        """Refuse an optimizer that trains a tensor outside the model ``state`` numbers (the DDP model's parameters):
+        the compressed step averages and updates only those, and would otherwise find it at its first step, after the
+        whole warm-up. Frozen tensors (``requires_grad=False``) never get a gradient, so they are not checked. Call it
+        when the fit sets up; the verdict is the same on every rank (the same model and optimizer everywhere).
+
+        Raises:
+            ValueError: a trained tensor of the optimizer is not a parameter of the model (one line, with the fix).
+        """
+        index = self.state.param_index
+        for hp in self.optimizer.param_groups:
+            for p in hp["params"]:
+                if p.requires_grad and p.numel() > 0 and id(p) not in index:
+                    raise _foreign(p)
 
     # ------------------------------------------------------------------ the step
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -409,10 +435,7 @@ class MomentumCompressor:
                     continue
                 i = index.get(id(p))
                 if i is None:
-                    raise ValueError(
-                        f"A parameter of shape {tuple(p.shape)} in the optimizer is not a parameter of the DDP model: "
-                        "compressed momentum averages only the model's parameters."
-                    )
+                    raise _foreign(p)
                 by_index[i] = (p, hp)
         keys = plan_groups(((i, p.numel()) for i, (p, _) in by_index.items()), st.config.group_numel)
         out = []

@@ -39,6 +39,7 @@ __all__ = [
     "KeptBuffers",
     "OneBitState",
     "StepBytes",
+    "compressor_for",
     "gather_state_dict",
     "gather_state_dict_async",
     "select_rank_state",
@@ -423,12 +424,7 @@ class OneBitState:
             RuntimeError: a forced ``"triton"`` that cannot run on ``device`` (no CUDA and no interpreter, or no
                 triton package).
         """
-        backend = self.config.compressor_backend
-        if use_triton(device, backend, COMPRESSOR_BACKENDS):
-            from lightning_accel.comm.triton_kernels import compress_triton
-
-            return compress_triton
-        return compress_reference if backend == "reference" else compress_fast
+        return compressor_for(self.config.compressor_backend, device)
 
     def buffers_for(self, g: GroupState, fast: bool) -> tuple[torch.Tensor, OneBitBuffers | None]:
         """The group's kept canonical input buffer (zeros on padding, which its users never write) and, with
@@ -752,6 +748,28 @@ class OneBitState:
             return
         for k, v in state["groups"].items():
             self.pending[_key_parse(k)] = (v["worker"], v["server"])
+
+
+def compressor_for(backend: str, device: torch.device) -> CompressFn:
+    """The compressor ``compressor_backend=backend`` runs on tensors of ``device`` (see
+    :meth:`OneBitState.compressor`). Call it before the first compressed step too (the strategy does when the fit
+    sets up), so a forced Triton kernel that cannot run is refused then, not after the warm-up.
+
+    Raises:
+        RuntimeError: a forced ``"triton"`` that cannot run on ``device`` (no CUDA and no interpreter, or no triton
+            package), in one line naming ``compressor_backend``.
+    """
+    try:
+        triton = use_triton(device, backend, COMPRESSOR_BACKENDS)
+    except RuntimeError as err:
+        # the shared switch names its callers' `backend=`: here that is the deprecated spelling, and the argument the
+        # user set is `compressor_backend` (the process-group backend is another argument altogether)
+        raise RuntimeError(str(err).replace("`backend=", "`compressor_backend=")) from None
+    if triton:
+        from lightning_accel.comm.triton_kernels import compress_triton
+
+        return compress_triton
+    return compress_reference if backend == "reference" else compress_fast
 
 
 def gather_state_dict(state: OneBitState, dst: int | None = None) -> dict[str, Any] | None:

@@ -66,6 +66,7 @@ from lightning_accel._utils.deferred import Deferred, resolves_deferred
 from lightning_accel._utils.errors import one_line
 from lightning_accel._utils.patching import active_patch, patch
 from lightning_accel._utils.rank import distributed_ready
+from lightning_accel._utils.triton import triton_available
 from lightning_accel.comm.config import (
     RENAMED,
     CompressedSignal,
@@ -76,6 +77,7 @@ from lightning_accel.comm.config import (
     resolve_renamed,
 )
 from lightning_accel.comm.localsteps import LocalSteps, LocalStepsConfig, OuterCompression
+from lightning_accel.comm.state import compressor_for
 from lightning_accel.comm.topology import HIERARCHICAL_CHOICES, Hierarchical, destroy_group
 
 __all__ = ["CHECKPOINT_KEY", "LOCALSTEPS_CHECKPOINT_KEY", "STEP_PATCH_KEY", "LocalStepsStrategy", "OneBitDDPStrategy"]
@@ -241,8 +243,10 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
 
     Raises:
         TypeError: a hyper-parameter of the wrong type.
-        ValueError: a bad hyper-parameter, an unknown keyword, a deprecated name beside its new one, or a competing
-            ``ddp_comm_hook``.
+        ValueError: a bad hyper-parameter, an unknown keyword, a deprecated name beside its new one, a competing
+            ``ddp_comm_hook``, or ``overlap=True`` with ``find_unused_parameters=True``.
+        RuntimeError: ``compressor_backend="triton"`` without the ``triton`` package (here), or on a device it cannot
+            run on (when the fit sets up: CPU tensors without ``TRITON_INTERPRET=1``).
     """
 
     strategy_name = "ddp_1bit"
@@ -294,6 +298,24 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
         if processes_per_node is not None:
             check_int("processes_per_node", processes_per_node, low=1, fix="Give the processes each node runs.")
         check_bool("log_stats", log_stats, fix="Use False to stop logging.")
+        forced_triton = self._config.compressor_backend == "triton" and self._config.compression != "fp32"
+        if forced_triton and not triton_available():
+            # no device can run the kernel without the package: refused now (the fit's device is checked at setup)
+            raise RuntimeError(
+                "`compressor_backend='triton'` needs the `triton` package: `pip install triton` (Linux x86_64), or "
+                "use `compressor_backend='auto'` to fall back to torch."
+            )
+        find_unused = bool(kwargs.get("find_unused_parameters", False))
+        momentum = self._config.compressed_signal != "gradients" and self._config.compression != "fp32"
+        if overlap is True and find_unused and momentum:
+            # both known now: refused here, not when the fit sets up (after the processes started and the model was
+            # wrapped); the gradient path and fp32 never compress momentum, so `overlap` does not apply to them
+            raise ValueError(
+                f"`overlap=True` cannot start compressing during backward with `find_unused_parameters=True`, got "
+                f"overlap={overlap!r} and find_unused_parameters={kwargs['find_unused_parameters']!r}: which "
+                "parameters get a gradient is known only after backward. Use `overlap='auto'` (it compresses after "
+                "backward then) or drop `find_unused_parameters`."
+            )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -312,7 +334,7 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
         #: the node layout when this fit averages hierarchically (resolved when the model is wrapped), else None; its
         #: process groups are destroyed at teardown (its numbers stay readable)
         self.node_topology: comm.NodeTopology | None = None
-        self._find_unused = bool(kwargs.get("find_unused_parameters", False))
+        self._find_unused = find_unused
         #: whether the compressed momentum of this fit starts during backward (resolved at setup)
         self.overlap = False
         self._onebit_state: comm.OneBitState | None = None
@@ -441,6 +463,10 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
                 f"ddp_1bit: hierarchical averaging over {topo.nodes} nodes x {topo.local_size} processes (fp32 inside "
                 "a node, 1-bit between nodes)"
             )
+        if self._config.compression != "fp32":
+            # a forced Triton compressor that cannot run on this fit's device: refused now, on every rank, instead of
+            # at the first compressed step after the whole warm-up
+            compressor_for(self._config.compressor_backend, self.root_device)
         state = comm.OneBitState(
             self.model.process_group,  # average over the group DDP uses (the one it was given, else the default)
             self._config,
@@ -636,6 +662,11 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
                 want = "momentum"
         if want == "momentum":
             self._compressors = {id(o): comm.MomentumCompressor(o, state) for o in optimizers}
+            if self._config.compression != "fp32":
+                # a tensor the compressed step cannot average: refused now, not at the first compressed step (after
+                # the whole warm-up); with "fp32" no compressed step ever runs, and the plain step trains it as DDP does
+                for c in self._compressors.values():
+                    c.check_parameters()
         # every rank compares the same saved signal with the same resolved one: all reset alike, rank zero warns
         state.set_signal(want, [c.kind for c in self._compressors.values()], warn=self.is_global_zero)
 
@@ -1202,9 +1233,16 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
             self._loaded = None
 
     def _follow_trainable(self) -> None:
-        """Before an inner step: when the parameters that require gradients are no longer the ones the outer state
-        syncs (a callback unfroze or froze some mid-fit: ``BaseFinetuning`` unfreezing a backbone), sync every fragment
-        (every rank then holds ``θ_global``) and continue with a new outer state over the parameters trained now.
+        """At the start of a training step (before its forward): when the parameters that require gradients are no
+        longer the ones the outer state syncs (a callback unfroze or froze some mid-fit: ``BaseFinetuning`` unfreezing
+        a backbone), sync every fragment (every rank then holds ``θ_global``) and continue with a new outer state over
+        the parameters trained now.
+
+        Not at each optimizer step: under manual optimization ``LightningModule.toggle_optimizer`` (the GAN recipe)
+        turns off ``requires_grad`` of every parameter outside the optimizer about to step, inside the training step,
+        and ``untoggle_optimizer`` turns it back on before the step ends. Read at the optimizer step, that would pass
+        for a change at every step: a sync of the whole model and a reset of the outer momentum and error feedback at
+        every step, with a line logged each time.
 
         Without it a parameter unfrozen mid-fit would train on each rank alone, never averaged, and the fit would end
         with ranks that disagree; a parameter frozen mid-fit would keep travelling, and a 1-bit block it shares with
@@ -1299,8 +1337,6 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
         model: Any = None,
         **kwargs: Any,
     ) -> Any:
-        if self._local is not None and self._local_live:
-            self._follow_trainable()
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
         local, module = self._local, self.lightning_module
         if local is not None:
@@ -1312,6 +1348,10 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._local is not None and self._local_live:
+            # before the forward, with every `requires_grad` as the callbacks left it (see `_follow_trainable`); under
+            # automatic optimization this runs inside the optimizer step's closure, still before the inner step
+            self._follow_trainable()
         out = super().training_step(*args, **kwargs)
         local, module = self._local, self.lightning_module
         # manual optimization: the batch's optimizer steps ran inside the training step, and are counted

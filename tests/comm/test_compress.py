@@ -184,12 +184,14 @@ def test_backend_picks_the_compressor(monkeypatch: pytest.MonkeyPatch) -> None:
     assert OneBitState(compressor_backend="reference").compressor(cpu) is compress_reference
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr("lightning_accel._utils.triton.triton_available", lambda: True)
-    with pytest.raises(RuntimeError, match=r"`backend='triton'` got a tensor on cpu.*TRITON_INTERPRET=1"):
+    # the message names the argument the user set (`backend` is its deprecated spelling)
+    with pytest.raises(RuntimeError, match=r"`compressor_backend='triton'` got a tensor on cpu.*TRITON_INTERPRET=1"):
         OneBitState(compressor_backend="triton").compressor(cpu)
     monkeypatch.setattr("lightning_accel._utils.triton.triton_available", lambda: False)
     assert OneBitState().compressor(torch.device("cuda")) is compress_fast  # auto without triton: torch
-    with pytest.raises(RuntimeError, match="`pip install triton`"):
+    with pytest.raises(RuntimeError, match="`compressor_backend='triton'` needs the `triton` package") as info:
         OneBitState(compressor_backend="triton").compressor(torch.device("cuda"))
+    assert "`backend=" not in str(info.value) and "`compressor_backend='auto'`" in str(info.value)
 
 
 def _saved(world: int) -> dict:

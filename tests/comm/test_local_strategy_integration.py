@@ -302,6 +302,45 @@ def _unfreeze(tmp: str) -> dict:
     }
 
 
+def _toggled_gan(tmp: str) -> dict:
+    """Manual optimization with Lightning's GAN recipe: ``toggle_optimizer`` turns off ``requires_grad`` outside the
+    optimizer about to step, inside the training step, and ``untoggle_optimizer`` turns it back on. Not a change of
+    the trained parameters: the schedule syncs every ``sync_every`` inner steps, with one outer state for all."""
+    import lightning as L
+
+    from lightning_accel.comm import LocalStepsStrategy
+
+    class GAN(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.gen = nn.Linear(16, 16)
+            self.disc = nn.Linear(16, 1)
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            x, _ = batch
+            opt_g, opt_d = self.optimizers()
+            for opt, loss_fn in (
+                (opt_g, lambda: -self.disc(self.gen(x)).mean()),
+                (opt_d, lambda: self.disc(self.gen(x).detach()).mean() - self.disc(x).mean()),
+            ):
+                self.toggle_optimizer(opt)
+                self.manual_backward(loss_fn())
+                opt.step()
+                opt.zero_grad()
+                self.untoggle_optimizer(opt)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.gen.parameters(), lr=0.01), torch.optim.SGD(self.disc.parameters(), lr=0.01)
+
+    model = GAN()
+    strategy = LocalStepsStrategy(sync_every=8, compression="fp32", find_unused_parameters=True)
+    trainer = _fit(strategy, model, tmp, max_steps=16)  # 8 batches of 2 inner steps each
+    local = trainer.strategy.local_steps
+    return {"params": _params(model), "steps": local.step_count, "syncs": local.syncs, "tracked": len(local.params)}
+
+
 SCENARIOS = {
     "plain": _plain,
     "groups": _groups,
@@ -311,6 +350,7 @@ SCENARIOS = {
     "resume_rank_state": _resume_rank_state,
     "last_checkpoint": _last_checkpoint,
     "unfreeze": _unfreeze,
+    "toggled_gan": _toggled_gan,
 }
 
 
@@ -363,6 +403,16 @@ def test_a_parameter_unfrozen_mid_fit_is_averaged_and_the_ranks_end_identical(re
     r0, r1 = _get(results, "unfreeze")
     assert r0["frozen_moved"] > 1e-4  # it trained once unfrozen
     assert r0["tracked"] == 6  # the outer state syncs it: the 4 tensors of `net` and the 2 of `frozen`
+    np.testing.assert_array_equal(r0["params"], r1["params"])
+
+
+def test_toggle_optimizer_inside_a_manual_step_keeps_the_sync_schedule(results: list[dict]) -> None:
+    r0, r1 = _get(results, "toggled_gan")
+    assert r0["steps"] == 16
+    # the syncs at inner steps 8 and 16 only (the last one ends the fit): not a sync and a new outer state at every
+    # step, as when the toggled `requires_grad` passed for a change of the trained parameters
+    assert r0["syncs"] == 2
+    assert r0["tracked"] == 4  # one outer state for the generator's and the discriminator's parameters
     np.testing.assert_array_equal(r0["params"], r1["params"])
 
 

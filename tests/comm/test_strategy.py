@@ -47,6 +47,34 @@ def test_bad_arguments_name_the_argument(kwargs: dict, name: str, error: type[Ex
         OneBitDDPStrategy(**kwargs)
 
 
+def test_overlap_true_with_find_unused_parameters_is_refused_at_construction() -> None:
+    """Both are known when the strategy is built: one line then, not when the fit sets up its processes. The gradient
+    path and fp32 never compress momentum, so `overlap` does not apply to them and they stay accepted."""
+    from lightning_accel.strategies import OneBitDDPStrategy
+
+    with pytest.raises(ValueError, match="`overlap=True`") as info:
+        OneBitDDPStrategy(overlap=True, find_unused_parameters=True)
+    msg = str(info.value)
+    assert "\n" not in msg and "`find_unused_parameters=True`" in msg and "overlap='auto'" in msg
+    OneBitDDPStrategy(overlap="auto", find_unused_parameters=True)
+    OneBitDDPStrategy(overlap=True, find_unused_parameters=False)
+    OneBitDDPStrategy(overlap=True, find_unused_parameters=True, compressed_signal="gradients")
+    OneBitDDPStrategy(overlap=True, find_unused_parameters=True, compression="fp32")
+
+
+def test_a_forced_triton_compressor_without_triton_is_refused_at_construction(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No device can run the kernel without the package: refused when the strategy is built, naming the argument
+    (the fit's device is checked when it sets up). ``compression="fp32"`` never compresses, so it does not need it."""
+    from lightning_accel.strategies import OneBitDDPStrategy
+
+    monkeypatch.setattr("lightning_accel.comm.strategy.triton_available", lambda: False)
+    with pytest.raises(RuntimeError, match="`compressor_backend='triton'` needs the `triton` package") as info:
+        OneBitDDPStrategy(compressor_backend="triton")
+    assert "\n" not in str(info.value) and "`compressor_backend='auto'`" in str(info.value)
+    OneBitDDPStrategy(compressor_backend="triton", compression="fp32")
+    OneBitDDPStrategy(compressor_backend="auto")
+
+
 def test_unknown_option_lists_the_config_fields() -> None:
     from lightning_accel.comm import OneBitConfig
     from lightning_accel.strategies import OneBitDDPStrategy

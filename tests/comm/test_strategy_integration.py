@@ -411,6 +411,61 @@ def _static(tmp: str, name: str) -> dict:
     return {"compressed": trainer.strategy.onebit_state.stats.compressed_calls, "params": _params(model)}
 
 
+@_scenario("foreign")
+def _foreign(tmp: str, name: str) -> dict:
+    """An optimizer that also trains a tensor outside the module (so outside DDP's model): refused when the fit sets
+    up, before its first step, not at the first compressed step after the warm-up; with ``compression="fp32"`` (no
+    compressed step ever) it trains as with DDP."""
+
+    class WithTemperature(_module_cls()):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__(opt="sgdm")
+            self.temperature = torch.ones(1, requires_grad=True)  # a plain tensor: not registered in the module
+            self.steps_run = 0
+
+        def training_step(self, batch, batch_idx):
+            self.steps_run += 1
+            return super().training_step(batch, batch_idx) * self.temperature.sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD([*self.parameters(), self.temperature], lr=0.05, momentum=0.9)
+
+    refused = WithTemperature()
+    try:
+        _fit(_onebit(), model=refused, max_steps=2 * WARMUP)
+        message = ""
+    except ValueError as e:
+        message = str(e)
+    _, fp32 = _fit(_onebit(compression="fp32"), model=WithTemperature(), max_steps=WARMUP + 1)
+    return {
+        "message": message,
+        "steps_before_error": refused.steps_run,
+        "fp32_steps": fp32.steps_run,
+        "fp32_moved": bool(fp32.temperature.detach().item() != 1.0),
+    }
+
+
+@_scenario("forced_triton")
+def _forced_triton(tmp: str, name: str) -> dict:
+    """``compressor_backend="triton"`` on CPU tensors without the interpreter: refused when the fit sets up, naming the
+    argument, before its first step (not at the first compressed step after the warm-up)."""
+    import os
+
+    model = _module_cls()(opt="sgdm")
+    seen: list[int] = []
+    model.on_train_batch_start = lambda batch, batch_idx: seen.append(batch_idx)  # type: ignore[method-assign]
+    interpret = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        _fit(_onebit(compressor_backend="triton"), model=model, max_steps=2 * WARMUP)
+        message = ""
+    except RuntimeError as e:
+        message = str(e)
+    finally:
+        if interpret is not None:
+            os.environ["TRITON_INTERPRET"] = interpret
+    return {"message": message, "steps_before_error": len(seen)}
+
+
 @_scenario("unused")
 def _unused(tmp: str, name: str) -> dict:
     """Unused and frozen parameters stay untouched (the alias that keeps compression)."""
@@ -1177,6 +1232,25 @@ class TestTrainingFeatures:
     def test_static_graph(self, results: list[dict]) -> None:
         assert _get(results, "static")[0]["compressed"] > 0
         _same_on_both_ranks(results, "static")
+
+    @uses("foreign")
+    def test_a_trained_tensor_outside_the_model_is_refused_before_the_first_step(self, results: list[dict]) -> None:
+        for r in _get(results, "foreign"):
+            assert r["steps_before_error"] == 0  # not after the whole warm-up
+            msg = r["message"]
+            assert "\n" not in msg and "`optimizer`" in msg and "(1,)" in msg
+            assert "nn.Parameter" in msg and "compressed_signal='gradients'" in msg
+            assert r["fp32_steps"] == WARMUP + 1 and r["fp32_moved"]  # never compressed: trained as with DDP
+
+    @uses("forced_triton")
+    def test_a_forced_triton_compressor_that_cannot_run_is_refused_before_the_first_step(
+        self, results: list[dict]
+    ) -> None:
+        for r in _get(results, "forced_triton"):
+            assert r["steps_before_error"] == 0  # not after the whole warm-up
+            msg = r["message"]
+            assert "\n" not in msg and "`compressor_backend='triton'` got a tensor on cpu" in msg
+            assert "TRITON_INTERPRET=1" in msg and "`compressor_backend='auto'`" in msg
 
     @uses("unused")
     def test_unused_and_frozen_parameters_untouched(self, results: list[dict]) -> None:
