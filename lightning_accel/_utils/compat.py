@@ -67,6 +67,7 @@ __all__ = [
     "cuda_memory_snapshot",
     "dataloader_worker_error_line",
     "ddp_logging_data",
+    "default_process_group_store",
     "empty_shared",
     "get_layer_sync",
     "grad_scaler_scale",
@@ -329,6 +330,23 @@ def ddp_logging_data(model: Any) -> dict[str, Any] | None:
         return dict(getter())
     except Exception:  # e.g. called before the reducer exists
         return None
+
+
+# -- torch: the default process group's store ------------------------------------------------------------------------
+# The ranks of a multi-process tune must learn that a trial failed on one of them while the others may be stuck in a
+# collective of that trial: the group's own connections cannot carry the news, its key-value store (a TCP store of
+# its own) can, and it outlives the group when the group is destroyed and made again on it.
+
+
+def default_process_group_store() -> Any:
+    """The store of the initialised default process group.
+
+    ``torch.distributed.distributed_c10d._get_default_store`` (since torch 1.x; checked 2.14.1). The public
+    ``ProcessGroup.get_group_store`` is missing from older supported torch releases.
+    """
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
 
 
 # -- torch: AMP and LR schedulers ------------------------------------------------------------------------------------

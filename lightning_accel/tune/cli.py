@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import sys
 
 from lightning_accel._utils.errors import one_line
@@ -62,7 +63,8 @@ def _same_file(a: str, b: str) -> bool:
 
 
 def main(argv: list[str] | None = None, prog: str = "lightning-accel tune") -> int:
-    """Run ``tune``; 0 on success, 2 with one ``error:`` line on a user mistake, 130 when interrupted (Ctrl-C)."""
+    """Run ``tune``; 0 on success, 2 with one ``error:`` line on a user mistake, 130 when interrupted (Ctrl-C); a
+    SIGTERM raises ``SystemExit(143)`` (the trial folder removed, nothing written)."""
     from lightning_accel.tune.core import DEFAULT_MARGIN, named_as_flags
     from lightning_accel.tune.tuner import load_job, tune_job
 
@@ -73,7 +75,8 @@ def main(argv: list[str] | None = None, prog: str = "lightning-accel tune") -> i
                 f"`--out` {args.out!r} is the `--config` it tunes: writing the tuned config there would replace the "
                 "job. Pass another `--out`, e.g. tuned.yaml."
             )
-        levers = [s.strip() for s in args.levers.split(",")] if args.levers else None
+        # `--levers ""` (an empty shell variable) names no lever: refused as `levers=[]` is, not taken as "all levers"
+        levers = [s.strip() for s in args.levers.split(",") if s.strip()] if args.levers is not None else None
         # the refusals name this command's flags (`--config`, `--budget`), not load_job's / tune_job's keywords
         with named_as_flags():
             job = load_job(args.config)
@@ -98,6 +101,10 @@ def main(argv: list[str] | None = None, prog: str = "lightning-accel tune") -> i
     except KeyboardInterrupt:  # Ctrl-C: the tune stops where it was (its trial folder removed), no traceback
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+    except SystemExit as e:
+        if e.code == 128 + signal.SIGTERM:  # SIGTERM: stopped as by Ctrl-C, with the status SIGTERM gives
+            print(f"{prog}: terminated", file=sys.stderr)
+        raise
     if res.paths:
         print(f"tuned config: {res.paths['tuned']}; report: {res.paths['md']}")
     return 0

@@ -10,6 +10,7 @@ would, so what the tuner measures is what the written ``tuned.yaml`` runs.
 from __future__ import annotations
 
 import copy
+import datetime
 import gc
 import logging
 import os
@@ -19,11 +20,13 @@ import sys
 import time
 import warnings
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from lightning_accel._utils.errors import one_line
@@ -330,10 +333,14 @@ def run_trial(job: dict[str, Any], *, warmup: int, steps: int, root: str | os.Pa
     """Run one trial of ``job`` (a config mapping) under ``root`` and measure it.
 
     A trial that raises (an unsupported lever, an out-of-memory) is reported through ``error``, not raised -- unless
-    the failure is in the job itself, which the baseline's caller turns into an error. Every rank runs the same trial.
+    the failure is in the job itself, which the baseline's caller turns into an error. Every rank runs the same trial,
+    and under several processes every rank returns the same ``error``: a trial that failed on one rank only (an
+    out-of-memory there) fails on all of them with that rank's error, and the process group is sound again for the
+    next trial (see :class:`_Coordinator`).
 
     Raises:
         KeyboardInterrupt: the trial was interrupted (Ctrl-C): the tune stops, it does not go on to the next trial.
+        SIGTERMException: Lightning stopped the trial for a SIGTERM: the tune stops too.
     """
     from lightning_accel.cli import AccelCLI
 
@@ -379,6 +386,10 @@ def run_trial(job: dict[str, Any], *, warmup: int, steps: int, root: str | os.Pa
         if m.step_s is None:
             m.error = f"fewer than {warmup + steps + 1} steps ran (the epoch is shorter: lower the trial steps)"
     except (Exception, SystemExit) as e:  # a lever the job cannot take: reported, the tune goes on
+        if isinstance(e, SIGTERMException):
+            # SIGTERM inside `fit` where the tune's own handler is not installed (a handler of the caller's is):
+            # Lightning stops the fit at the next batch; reported as a failed option, the tune went on for minutes
+            raise
         if isinstance(e, SystemExit) and isinstance(e.__context__, KeyboardInterrupt):
             # Ctrl-C inside `fit`: Lightning shuts the trial down and turns the interrupt into `sys.exit(1)`, which
             # is the user stopping the tune, not a lever that failed
@@ -392,7 +403,196 @@ def run_trial(job: dict[str, Any], *, warmup: int, steps: int, root: str | os.Pa
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+    _break_off(m.error)  # a rank waiting in a collective of this trial for this one: let it go
+    m = _settle(m)
     m.seconds = time.perf_counter() - start
+    return m
+
+
+@dataclass
+class _Coordinator:
+    """How the ranks of a multi-process tune learn that a trial failed on one of them.
+
+    A rank whose trial raised (an out-of-memory on that rank alone, an option its setup refuses) leaves the other
+    ranks waiting in a collective of the fit that it never joins (a gradient all-reduce, a barrier): they waited for
+    the process group's timeout (30 minutes by default), and met the tune's next broadcast out of step after it.
+    Destroying the group does not free them (gloo keeps its connections open while anything, the fit's DDP module
+    among others, holds the group), and neither does aborting it; a connection closed by the peer does, at once. So:
+
+    1. when the ranks settle their first trial under a group (they are in step there), each one publishes the ports
+       its process group listens on in the group's store (a TCP store with connections of its own, which outlives
+       the group);
+    2. the first rank whose trial raises writes its error into the store, shuts down its TCP connections of the
+       group (Linux: the sockets from ``/proc``; those to or from the ranks' listening ports) and destroys the group:
+       a collective another rank waits in fails at once ("Connection closed by peer" on gloo), ending its trial too;
+    3. after every trial, each rank marks its end in the store and waits for all the others' marks (a store wait, not
+       a collective: it needs no sound group);
+    4. when a trial failed anywhere, every rank takes the first error and the default group is made again on the same
+       store (its keys under a prefix of their own), with the backend and timeout it had: the next trial, and the
+       tune's own broadcasts, run on a sound group.
+
+    Elsewhere than on Linux, and on NCCL (whose kernels do not wait on those connections), a rank already waiting in a
+    collective leaves it at the group's timeout, and the tune goes on from there. The keys of a trial are
+    ``lightning_accel.tune/<n>/...``, ``n`` counting the trials settled since the group was made: every rank runs the
+    same trials, so it is the same on every rank.
+
+    Attributes:
+        store: the default group's store, kept (and kept alive) across the group's re-creation.
+        group: the default group this coordinator knows; another one (a new fit's) starts a new coordinator.
+        backend, rank, world, timeout: what the group is made again with.
+        trials: trials settled on ``store``; ``remade``: times the group was made again (its listening ports change).
+        broken: this rank destroyed the group after its trial failed (step 2) and has not made it again yet.
+    """
+
+    store: Any
+    group: Any
+    backend: str
+    rank: int
+    world: int
+    timeout: datetime.timedelta
+    trials: int = 0
+    remade: int = 0
+    broken: bool = False
+
+    def key(self, name: str) -> str:
+        """The store key ``name`` of the current trial."""
+        return f"lightning_accel.tune/{self.trials}/{name}"
+
+    def ports_key(self, rank: int) -> str:
+        """The store key of ``rank``'s listening ports under the current group."""
+        return f"lightning_accel.tune/group{self.remade}/ports{rank}"
+
+    def publish_ports(self) -> None:
+        """Step 1: this rank's listening ports (but the store's own) under the current group."""
+        master = os.environ.get("MASTER_PORT", "")
+        mine = sorted({local for local, _, state in _tcp_sockets().values() if state == _LISTEN} - {_port(master)})
+        self.store.set(self.ports_key(self.rank), ",".join(map(str, mine)))
+
+
+_COORDINATOR: _Coordinator | None = None
+_LISTEN, _ESTABLISHED = "0A", "01"  # TCP states as /proc/net/tcp writes them
+
+
+def _port(text: str) -> int:
+    return int(text) if text.isdigit() else -1
+
+
+def _tcp_sockets() -> dict[int, tuple[int, int, str]]:
+    """This process's TCP sockets: file descriptor -> (local port, remote port, state); empty without ``/proc``."""
+    by_inode: dict[int, tuple[int, int, str]] = {}
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            with open(table) as f:
+                for line in f.readlines()[1:]:
+                    cols = line.split()
+                    local, remote = int(cols[1].rsplit(":", 1)[1], 16), int(cols[2].rsplit(":", 1)[1], 16)
+                    by_inode[int(cols[9])] = (local, remote, cols[3])
+        except (OSError, ValueError, IndexError):
+            continue
+    found: dict[int, tuple[int, int, str]] = {}
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return found
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:[") and int(link[8:-1]) in by_inode:
+            found[int(fd)] = by_inode[int(link[8:-1])]
+    return found
+
+
+def _cut_connections(c: _Coordinator) -> None:
+    """Step 2's shutdown: every established TCP connection of this process from its listening ports or to another
+    rank's (the process group's; never the store's, whose port is none of them)."""
+    import socket
+
+    mine: set[int] = set()
+    theirs: set[int] = set()
+    for r in range(c.world):
+        key = c.ports_key(r)
+        if not c.store.check([key]):  # a rank that has not published yet (a failure in the first trial)
+            continue
+        ports = {int(p) for p in c.store.get(key).decode().split(",") if p}
+        (mine if r == c.rank else theirs).update(ports)
+    for fd, (local, remote, state) in _tcp_sockets().items():
+        if state != _ESTABLISHED or not (local in mine or remote in theirs):
+            continue
+        try:
+            sock = socket.socket(fileno=os.dup(fd))  # a second handle on the same socket: shut down, then closed
+        except OSError:
+            continue
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        finally:
+            sock.close()
+
+
+def _coordinator() -> _Coordinator | None:
+    """The coordinator of the current multi-process group (made, and its ports published, at the first call under a
+    new group); None in a single process or before the group is up."""
+    import torch.distributed as dist
+
+    from lightning_accel._utils.compat import default_process_group_store
+
+    global _COORDINATOR
+    c = _COORDINATOR
+    if c is not None and c.broken:
+        return c
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    group = dist.group.WORLD
+    if c is None or c.group is not group:
+        store = default_process_group_store()
+        c = _Coordinator(store, group, str(dist.get_backend()), dist.get_rank(), dist.get_world_size(), store.timeout)
+        c.publish_ports()
+        _COORDINATOR = c
+    return c
+
+
+def _break_off(error: str | None) -> None:
+    """Step 2 of :class:`_Coordinator` on a rank whose trial failed with ``error``: record it (unless another rank's
+    came first: that one is the cause), cut the group's connections and destroy it, which frees the ranks waiting in
+    it."""
+    import torch.distributed as dist
+
+    c = _coordinator() if error is not None else None
+    if c is None or c.broken:
+        return
+    # compare_set writes only where no value is: the first failure stays the trial's error
+    c.store.compare_set(c.key("error"), "", f"{error} (on rank {c.rank})")
+    _cut_connections(c)
+    dist.destroy_process_group()
+    c.broken = True
+
+
+def _settle(m: TrialMeasure) -> TrialMeasure:
+    """Steps 3 and 4 of :class:`_Coordinator`: ``m``, or, when the trial failed on any rank, a measure holding that
+    failure alone (every rank the same)."""
+    import torch.distributed as dist
+
+    c = _coordinator()
+    if c is None:
+        return m
+    c.store.set(c.key(f"end{c.rank}"), "1")
+    c.store.wait([c.key(f"end{r}") for r in range(c.world)], c.timeout)
+    error = c.store.get(c.key("error")).decode() if c.store.check([c.key("error")]) else None
+    if error is not None:
+        if not c.broken:  # this rank's trial ended, or failed only because another rank cut the group
+            dist.destroy_process_group()
+        prefix = dist.PrefixStore(c.key("group"), c.store)
+        dist.init_process_group(c.backend, store=prefix, rank=c.rank, world_size=c.world, timeout=c.timeout)
+        c.group, c.broken = dist.group.WORLD, False
+        c.remade += 1
+        c.publish_ports()
+        failed = TrialMeasure()
+        failed.error = error
+        m = failed
+    c.trials += 1
     return m
 
 

@@ -25,11 +25,14 @@ import itertools
 import json
 import os
 import platform
+import re
 import shutil
+import signal
 import sys
+import threading
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -180,8 +183,19 @@ def job_from_objects(trainer_kwargs: Mapping[str, Any] | None, model: Any, datam
 
     Raises:
         TypeError: a value a YAML config cannot hold, naming the argument (``trainer_kwargs``, ``model``,
-            ``datamodule``) and the key it is at.
+            ``datamodule``) and the key it is at; ``trainer_kwargs`` that is no mapping; a ``seed`` that is no integer.
+        ValueError: a ``seed`` outside what ``seed_everything`` takes.
     """
+    from lightning_accel._utils.checks import check_seed
+
+    # here, not in the baseline trial: a bad seed failed it as "`seed_everything` ... Given value: seven" (a key the
+    # caller never wrote), -3 as numpy's bounds error, after the trial's instantiation
+    check_seed("seed", seed, what="every trial of the tune (the written config keeps it as `seed_everything`)")
+    if trainer_kwargs is not None and not isinstance(trainer_kwargs, Mapping):
+        raise TypeError(
+            f"`trainer_kwargs` must be a mapping of Trainer arguments or None, got {type(trainer_kwargs).__name__} "
+            f"({trainer_kwargs!r}). Pass e.g. {{'accelerator': 'cpu', 'devices': 1, 'max_epochs': 1}}."
+        )
     job: dict[str, Any] = {"seed_everything": seed, "trainer": copy.deepcopy(dict(trainer_kwargs or {}))}
     job["model"] = _as_config(model, "model")
     if datamodule is not None:
@@ -304,8 +318,10 @@ def tune_job(
             that is not one), an empty or unknown lever, a lever with nothing to try on ``job`` (``strategy`` on one
             process, ``checkpoint`` on a job that saves none, ``data`` without a data module), a folder for ``out``
             or the cache that cannot be written,
-            or (without ``force``) a file at ``out`` or beside it that ``tune`` did not write -- all before any trial
+            or (without ``force``) a file at ``out`` or beside it that ``tune`` did not write, or a tune of the same
+            job and settings running in the same folder (two would share one trial folder) -- all before any trial
             runs.
+        SystemExit: 143 on SIGTERM (a ``kill``, a preemption), after the trial folder was removed; nothing written.
         OSError: the outputs could not be written at the end (a full disk); the result is stored in the cache
             first, so the same tune run again writes them without measuring.
     """
@@ -336,6 +352,7 @@ def tune_job(
     levers, skip = _check_levers(levers, skip, allow_batch_change)
     _check_levers_apply(levers, job)
     if out is not None:  # `~` is the home directory, as for `--cache-dir` (`--out=~/x.yaml` reaches us unexpanded)
+        _check_out_is_no_folder_name(out)  # before `Path` drops its trailing separator
         out = Path(out).expanduser()
     cache = TuneCache(cache_dir or Path(os.environ.get("LIGHTNING_ACCEL_CACHE", "~/.cache/lightning_accel")) / "tune")
     # only rank 0 writes the outputs: its view of the folders decides, and every rank raises alike
@@ -380,106 +397,118 @@ def tune_job(
         res.paths = _write_or_explain(res, out, force=force) if out is not None and _rank_zero() else {}
         return res
 
-    bud = Budget(seconds)
     base_root = Path(out).resolve().parent if out is not None else Path.cwd()
     work = base_root / f".tune-{key}"  # the same path on every rank; removed at the end (it is ours)
+    # before the `try` whose `finally` removes `work`: a tune refused here must not remove the folder of the tune of
+    # this job that runs in it
+    refusal = None
+    if _node_leader():
+        _sweep_dead_work(base_root)
+        refusal = _claim_work(work, out)
+    refusal = agree(refusal)
+    if refusal is not None:
+        raise ValueError(refusal)
+    bud = Budget(seconds)
     trials: list[TrialResult] = []
-    try:
-        _say(progress_line(0, 1, bud, "baseline"), verbose)
-        m = run_trial(job, warmup=warmup, steps=steps, root=work / "t0")
-        base = _result("baseline", "baseline", None, m)
-        base.decision, base.reason = "baseline", "the job as configured"
-        if job.get("ckpt_path"):  # a trial is a short fit from the start: resuming would measure the checkpoint
-            base.reason += "; every trial trains from the initial weights, not from the job's `ckpt_path`"
-        base = agree(base)  # rank 0's record (its losses are the reference) on every rank
-        if base.error is not None:
-            # the error may end with its own punctuation ("did you mean 'trainer'?"): no second stop after it
-            error = base.error if base.error.endswith((".", "?", "!")) else f"{base.error}."
-            raise RuntimeError(f"the baseline trial of the job failed: {error} Check that `fit` runs the config.")
-        if not agree(m.conv_weights):  # no convolution weights: a memory-format option cannot change anything
-            skip = [*skip, CHANNELS_LAST]
-        trials.append(base)
-        best_job, best_step = job, float(base.step_s or 0.0)
-        slowest = base.seconds
-        precision0 = job_precision(job)
-        plan = agree(
-            lever_order(
-                base.dominant,
-                multi_device=world_of(job) > 1,
-                allow_batch_change=allow_batch_change,
-                has_checkpoints=has_checkpoints(job),
-            )
-        )
-        if levers:
-            plan = [lv for lv in plan if lv in levers]
-        chosen: dict[str, str] = {}
-        # once a kept option changed the sample order (another data module), every later trial runs in that order:
-        # compared with the baseline, it needs the same allowance
-        best_reorders = False
-        planned = sum(len(_options(str(lv), job, skip)) for lv in plan)
-        i = 0
-        best_ratio = 1  # the best job's per-device batch over the baseline's
-        for lever in plan:
-            lever_start = best_job
-            kept_opts: list[Option] = []
-            opts = _options(lever, best_job, skip)
-            for opt in opts:
-                i += 1
-                # the slowest trial so far (a loaded machine slows them all), with a 20 % allowance; and the best
-                # job's trial after it
-                est = 1.2 * slowest * (opt.cost + 1) + opt.extra_s
-                if not agree(bud.affords(est)):
-                    r = _result(opt.name, lever, opt, None)
-                    r.decision = "skipped"
-                    r.reason = f"budget: needs ~{est:.0f} s, {bud.left():.0f} s left"
-                    trials.append(agree(r))
-                    _say(progress_line(i, max(i, planned), bud, f"{opt.name}: skipped ({trials[-1].reason})"), verbose)
-                    continue
-                _say(progress_line(i, max(i, planned), bud, opt.name), verbose)
-                cand = opt.apply(best_job)
-                m = run_trial(_scratch_cache(cand, job, work), warmup=warmup, steps=steps, root=work / f"t{i}")
-                ratio = best_ratio * opt.samples_ratio
-                r = _result(opt.name, lever, opt, m, ratio)
-                num = check_numerics(
-                    base.losses,
-                    m.losses,
-                    job_precision(cand) if m.losses else precision0,
-                    k=k,
-                    reorders=opt.reorders or best_reorders,
-                    samples_ratio=ratio,
+    # SIGTERM (a `kill`, a scheduler's preemption) stops the tune as Ctrl-C does: its folder removed, no outputs
+    with _terminate_cleanly():
+        try:
+            _say(progress_line(0, 1, bud, "baseline"), verbose)
+            m = run_trial(job, warmup=warmup, steps=steps, root=work / "t0")
+            base = _result("baseline", "baseline", None, m)
+            base.decision, base.reason = "baseline", "the job as configured"
+            if job.get("ckpt_path"):  # a trial is a short fit from the start: resuming would measure the checkpoint
+                base.reason += "; every trial trains from the initial weights, not from the job's `ckpt_path`"
+            base = agree(base)  # rank 0's record (its losses are the reference) on every rank
+            if base.error is not None:
+                # the error may end with its own punctuation ("did you mean 'trainer'?"): no second stop after it
+                error = base.error if base.error.endswith((".", "?", "!")) else f"{base.error}."
+                raise RuntimeError(f"the baseline trial of the job failed: {error} Check that `fit` runs the config.")
+            if not agree(m.conv_weights):  # no convolution weights: a memory-format option cannot change anything
+                skip = [*skip, CHANNELS_LAST]
+            trials.append(base)
+            best_job, best_step = job, float(base.step_s or 0.0)
+            slowest = base.seconds
+            precision0 = job_precision(job)
+            plan = agree(
+                lever_order(
+                    base.dominant,
+                    multi_device=world_of(job) > 1,
+                    allow_batch_change=allow_batch_change,
+                    has_checkpoints=has_checkpoints(job),
                 )
-                r.numerics = asdict(num) if m.error is None else None
-                # the best job again, right after the candidate, when the decision turns on the time (rank 0 says
-                # so: every rank runs the same trials)
-                if agree(m.error is None and r.step_s is not None and num.ok and r.memory_ok):
-                    again = run_trial(
-                        _scratch_cache(best_job, job, work), warmup=warmup, steps=steps, root=work / f"t{i}-again"
+            )
+            if levers:
+                plan = [lv for lv in plan if lv in levers]
+            chosen: dict[str, str] = {}
+            # once a kept option changed the sample order (another data module), every later trial runs in that order:
+            # compared with the baseline, it needs the same allowance
+            best_reorders = False
+            planned = sum(len(_options(str(lv), job, skip)) for lv in plan)
+            i = 0
+            best_ratio = 1  # the best job's per-device batch over the baseline's
+            for lever in plan:
+                lever_start = best_job
+                kept_opts: list[Option] = []
+                opts = _options(lever, best_job, skip)
+                for opt in opts:
+                    i += 1
+                    # the slowest trial so far (a loaded machine slows them all), with a 20 % allowance; and the best
+                    # job's trial after it
+                    est = 1.2 * slowest * (opt.cost + 1) + opt.extra_s
+                    if not agree(bud.affords(est)):
+                        r = _result(opt.name, lever, opt, None)
+                        r.decision = "skipped"
+                        r.reason = f"budget: needs ~{est:.0f} s, {bud.left():.0f} s left"
+                        trials.append(agree(r))
+                        skipped = f"{opt.name}: skipped ({trials[-1].reason})"
+                        _say(progress_line(i, max(i, planned), bud, skipped), verbose)
+                        continue
+                    _say(progress_line(i, max(i, planned), bud, opt.name), verbose)
+                    cand = opt.apply(best_job)
+                    m = run_trial(_scratch_cache(cand, job, work), warmup=warmup, steps=steps, root=work / f"t{i}")
+                    ratio = best_ratio * opt.samples_ratio
+                    r = _result(opt.name, lever, opt, m, ratio)
+                    num = check_numerics(
+                        base.losses,
+                        m.losses,
+                        job_precision(cand) if m.losses else precision0,
+                        k=k,
+                        reorders=opt.reorders or best_reorders,
+                        samples_ratio=ratio,
                     )
-                    if again.error is None and again.step_s is not None:
-                        # the best job's times just before and just after the candidate: the faster of the two,
-                        # so that a stall in one of them cannot carry a slower candidate past the margin (their
-                        # mean kept a lever 11 % slower than the job after a reference trial took 1.8x its time);
-                        # a load that rises across the three trials costs a lever at most a rejection
-                        r.ref_step_s = min(best_step, again.step_s / best_ratio)
-                        best_step = again.step_s / best_ratio
-                        slowest = max(slowest, again.seconds)
-                ref = r.ref_step_s if r.ref_step_s is not None else best_step
-                d = decide(ref, r.step_s, numerics=num, memory_ok=r.memory_ok, margin=margin, error=m.error)
-                r.decision, r.reason = ("kept" if d.keep else "rejected"), d.reason
-                r = agree(r)  # rank 0 decides; every rank follows
-                trials.append(r)
-                slowest = max(slowest, r.seconds)
-                best_step = agree(best_step)
-                if r.decision == "kept":
-                    best_job, best_step, best_ratio = cand, float(r.step_s or best_step), ratio
-                    best_reorders = best_reorders or opt.reorders
-                    kept_opts.append(opt)
-            names = _in_effect(lever_start, kept_opts)
-            if names:
-                chosen[lever] = ", ".join(names)
-    finally:
-        if _node_leader():  # every node worked in its own `work` (the same path: one folder on a shared disk)
-            _remove_scratch(work)
+                    r.numerics = asdict(num) if m.error is None else None
+                    # the best job again, right after the candidate, when the decision turns on the time (rank 0 says
+                    # so: every rank runs the same trials)
+                    if agree(m.error is None and r.step_s is not None and num.ok and r.memory_ok):
+                        again = run_trial(
+                            _scratch_cache(best_job, job, work), warmup=warmup, steps=steps, root=work / f"t{i}-again"
+                        )
+                        if again.error is None and again.step_s is not None:
+                            # the best job's times just before and just after the candidate: the faster of the two,
+                            # so that a stall in one of them cannot carry a slower candidate past the margin (their
+                            # mean kept a lever 11 % slower than the job after a reference trial took 1.8x its time);
+                            # a load that rises across the three trials costs a lever at most a rejection
+                            r.ref_step_s = min(best_step, again.step_s / best_ratio)
+                            best_step = again.step_s / best_ratio
+                            slowest = max(slowest, again.seconds)
+                    ref = r.ref_step_s if r.ref_step_s is not None else best_step
+                    d = decide(ref, r.step_s, numerics=num, memory_ok=r.memory_ok, margin=margin, error=m.error)
+                    r.decision, r.reason = ("kept" if d.keep else "rejected"), d.reason
+                    r = agree(r)  # rank 0 decides; every rank follows
+                    trials.append(r)
+                    slowest = max(slowest, r.seconds)
+                    best_step = agree(best_step)
+                    if r.decision == "kept":
+                        best_job, best_step, best_ratio = cand, float(r.step_s or best_step), ratio
+                        best_reorders = best_reorders or opt.reorders
+                        kept_opts.append(opt)
+                names = _in_effect(lever_start, kept_opts)
+                if names:
+                    chosen[lever] = ", ".join(names)
+        finally:
+            if _node_leader():  # every node worked in its own `work` (the same path: one folder on a shared disk)
+                _remove_scratch(work)
     config = with_guard(best_job)
     if "seed_everything" in user_job:  # the pinned seed was the trials' business: the job's own setting goes back
         config["seed_everything"] = user_job["seed_everything"]
@@ -528,7 +557,13 @@ def tune(
 
     ``trainer_kwargs`` are ``Trainer`` arguments with YAML-able values (plugins and callbacks as ``class_path``
     mappings); ``model`` / ``datamodule`` are config mappings or instances that saved their hyper-parameters (the
-    tuner builds a fresh one per trial). ``kwargs`` go to :func:`tune_job` (``budget``, ``out``, ...).
+    tuner builds a fresh one per trial). ``kwargs`` go to :func:`tune_job` (``budget``, ``out``, ...). ``seed`` pins
+    every trial (what ``seed_everything`` takes: an integer in 0 .. 2**32 - 1) and is the written config's
+    ``seed_everything``.
+
+    Raises:
+        TypeError / ValueError: ``trainer_kwargs`` that is no mapping, a ``seed`` out of its range or of another type,
+            no ``model`` (and what :func:`job_from_objects` and :func:`tune_job` refuse) -- before any trial.
     """
     if model is None:
         raise ValueError("`model` is required: pass the LightningModule (or its class_path mapping).")
@@ -734,13 +769,30 @@ def _report_paths(out: Path) -> dict[str, Path]:
     return {"tuned": out, "json": Path(f"{stem}.json"), "md": Path(f"{stem}.md"), "png": Path(f"{stem}.png")}
 
 
+def _check_out_is_no_folder_name(out: str | os.PathLike[str]) -> None:
+    """Refuse an ``out`` that ends with a path separator (``results/``): ``Path`` drops it, and the tuned config was
+    written as a file named ``results``, its reports beside it in the folder above.
+
+    Raises:
+        ValueError: naming ``out``, with the path of a YAML in that folder as the fix.
+    """
+    text = os.fspath(out)
+    if text.endswith(("/", os.sep)):
+        raise ValueError(
+            f"{named_arg('out')} {text!r} names a folder. Pass the path of the YAML to write in it, e.g. "
+            f"{named_arg('out', text + 'tuned.yaml')}."
+        )
+
+
 def check_outputs(out: str | os.PathLike[str], *, force: bool = False) -> None:
     """Refuse to overwrite, at ``out`` or as ``tune_report.{json,md,png}`` beside it, a file ``tune`` did not write.
 
     Raises:
-        ValueError: ``out`` is a folder, is named as one of those reports, or is in a folder that cannot be created or
-            written (a file on its path), or (without ``force``) one of those files exists and is not ``tune``'s.
+        ValueError: ``out`` is a folder (or ends with a path separator), is named as one of those reports, or is in a
+            folder that cannot be created or written (a file on its path), or (without ``force``) one of those files
+            exists and is not ``tune``'s.
     """
+    _check_out_is_no_folder_name(out)
     paths = _report_paths(Path(out).expanduser())
     problem = folder_problem(paths["tuned"].parent)  # the trials' work folder goes beside it too
     if problem is not None:
@@ -1029,6 +1081,131 @@ def _remove_scratch(work: Path) -> None:
     ram = _scratch_ram(work)
     if ram is not None:
         shutil.rmtree(ram, ignore_errors=True)
+
+
+class _Terminated(BaseException):
+    """SIGTERM during a tune. A ``BaseException``: no ``except Exception`` on the way (a callback's, a trial's) takes
+    it for a failure and goes on."""
+
+
+@contextlib.contextmanager
+def _terminate_cleanly() -> Iterator[None]:
+    """Within it, SIGTERM raises :class:`_Terminated` where the tune is (between trials too, where its default action
+    killed the process and left the trial folder behind), and leaves it as ``SystemExit(143)``, the exit status of a
+    process SIGTERM ended, after the ``finally`` blocks inside ran. Installed only in the main thread and over the
+    default action (a handler of the caller's own stays). Inside a trial, Lightning calls this handler after its
+    own."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        raise _Terminated
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    except _Terminated:
+        raise SystemExit(128 + signal.SIGTERM) from None
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+#: a tune's trial folder beside ``out`` (``.tune-<fingerprint>``): the only folders the sweep of dead tunes removes
+_WORK_NAME = re.compile(r"\.tune-[0-9a-f]{16}")
+#: the marker in an owner file (see :func:`_claim_work`)
+_OWNER_MARK = "lightning-accel tune"
+
+
+def _owner_path(work: Path) -> Path:
+    """The file naming the tune that works in ``work`` on this node (the folder of a multi-node job on a shared disk
+    is one: each node's first process claims it with a file of its own)."""
+    return work / f"owner-node{node_rank()}.json"
+
+
+def _process_start(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks since boot, from ``/proc``), None where it cannot be read: with the
+    pid it names one process, not a later one that was given the same pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _owner_alive(owner: Mapping[str, Any]) -> bool:
+    """Whether the tune an owner file names still runs. One on another host is taken as running (this one cannot
+    tell)."""
+    if owner.get("host") != platform.node():
+        return True
+    pid = owner.get("pid")
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process with that pid
+        pass
+    start = _process_start(pid)
+    return start is None or owner.get("start") in (None, start)
+
+
+def _read_owner(path: Path) -> dict[str, Any] | None:
+    """The owner file at ``path`` (a mapping with the marker), or None: none there, or not one ``tune`` wrote."""
+    try:
+        owner = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return owner if isinstance(owner, dict) and owner.get("written_by") == _OWNER_MARK else None
+
+
+def _claim_work(work: Path, out: str | os.PathLike[str] | None) -> str | None:
+    """Make ``work`` this tune's trial folder on this node, or say in one line why not (a running tune of the same job
+    works in it). A folder a dead tune left (killed: no ``finally`` ran) is removed first. The claim is an owner file
+    (this process's host, pid and start time) linked into place: of two tunes that start at once, one gets it."""
+    owner_path = _owner_path(work)
+    me = {"written_by": _OWNER_MARK, "host": platform.node(), "pid": os.getpid(), "start": _process_start(os.getpid())}
+    for _ in range(2):  # a second time after removing what a dead tune left
+        work.mkdir(parents=True, exist_ok=True)
+        tmp = work / f".owner-{os.getpid()}-{time.monotonic_ns()}.tmp"
+        tmp.write_text(json.dumps(me))
+        try:
+            os.link(tmp, owner_path)  # fails when the file is there: never replaces another tune's claim
+            return None
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink(missing_ok=True)
+        owner = _read_owner(owner_path)
+        if owner is not None and not _owner_alive(owner):
+            _remove_scratch(work)
+            continue
+        who = "" if owner is None else f" (pid {owner.get('pid')} on {owner.get('host')})"
+        where = named_arg("out") if out is not None else "the working folder"
+        return (
+            f"another `lightning-accel tune` of this job{who} is running in {os.fspath(work)!r} beside {where}: two "
+            f"tunes of one job in one folder would overwrite each other's trials. Wait for it to end, or pass an "
+            f"{named_arg('out')} in another folder."
+        )
+    return f"the trial folder {os.fspath(work)!r} could not be claimed. Remove it, or pass another {named_arg('out')}."
+
+
+def _sweep_dead_work(root: Path) -> None:
+    """Remove the trial folders under ``root`` that tunes which died (SIGKILL, a lost node) left: only folders named
+    ``.tune-<fingerprint>`` that hold owner files, all of tunes no longer running on this host; anything else there
+    (a folder of the user's, one with a running owner or one of another host) is left alone."""
+    try:
+        entries = [p for p in root.iterdir() if _WORK_NAME.fullmatch(p.name) and p.is_dir()]
+    except OSError:
+        return
+    for work in entries:
+        try:
+            owners = [_read_owner(p) for p in work.glob("owner-node*.json")]
+        except OSError:
+            continue
+        if owners and all(o is not None and not _owner_alive(o) for o in owners):
+            _remove_scratch(work)
 
 
 def _class_of(job: dict[str, Any]) -> str:

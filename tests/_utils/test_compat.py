@@ -64,6 +64,12 @@ PRIVATE_NAMES: list[tuple[str, Callable[[], Any], str, str]] = [
     ("ParallelStrategy._layer_sync", DDPStrategy, "_layer_sync", "get_layer_sync / set_layer_sync"),
     ("Strategy._launcher", DDPStrategy, "_launcher", "set_launcher"),
     (
+        "torch.distributed.distributed_c10d._get_default_store",
+        lambda: torch.distributed.distributed_c10d,
+        "_get_default_store",
+        "default_process_group_store",
+    ),
+    (
         "lightning.pytorch.strategies.launchers.multiprocessing._MultiProcessingLauncher",
         _module("lightning.pytorch.strategies.launchers.multiprocessing"),
         "_MultiProcessingLauncher",

@@ -78,6 +78,38 @@ def test_ctrl_c_in_a_trial_stops_the_tune_instead_of_failing_the_trial(tmp_path:
         run_trial(job, warmup=2, steps=3, root=tmp_path / "t")
 
 
+class SigtermAt(Callback):
+    """Sends this process a SIGTERM (a `kill`, a scheduler's preemption) at ``step`` of a trial in ``precision``."""
+
+    def __init__(self, step: int = 2, precision: str = "bf16-mixed") -> None:
+        self.step, self.precision = step, precision
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self.step and str(trainer.precision) == self.precision:
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_in_a_trial_stops_the_tune_and_removes_its_folder(tmp_path: Path, monkeypatch: Any) -> None:
+    # before: Lightning turned the SIGTERM into a SIGTERMException at the batch's end, the tune reported
+    # "trial failed: SIGTERMException" for the option and went on with the next ones (and a SIGTERM between two
+    # trials killed it on the spot, leaving its trial folder behind)
+    import signal
+
+    monkeypatch.chdir(tmp_path)
+    job = _job(callbacks=[{"class_path": f"{__name__}.SigtermAt", "init_args": {"step": 2}}])
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    argv = ["--config", "job.yaml", "--out", "out/tuned.yaml", "--warmup", "2", "--steps", "3", "--levers", "precision"]
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--skip", "Fused", "--cache-dir", str(tmp_path / "cache")])
+    assert e.value.code == 128 + signal.SIGTERM
+    assert not (tmp_path / "out" / "tuned.yaml").exists() and not (tmp_path / "cache").exists()
+    assert not list((tmp_path / "out").glob(".tune-*"))
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the tune's handler is gone with it
+
+
 @pytest.mark.parametrize(
     ("strategy", "want"),
     [

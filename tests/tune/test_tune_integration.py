@@ -8,9 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import yaml
 
 from lightning_accel.cli import main
+from lightning_accel.models import ImageClassifier
 from tests.helpers import run_in_processes
 
 JOB: dict[str, Any] = {
@@ -128,4 +130,63 @@ def test_every_rank_takes_rank_zeros_decisions_under_two_gloo_processes(tmp_path
     names = [d[0] for d in ranks[0]["decisions"]]
     assert names[0] == "baseline" and len(names) > 1
     assert all(n.startswith(("precision: ", "strategy: ")) for n in names[1:])  # the levers the test allows
+    assert (tmp_path / "tuned.yaml").is_file()
+
+
+class OneRankFault(ImageClassifier):
+    """The tiny job's classifier, whose training step raises an out-of-memory on rank ``rank`` alone, at step ``at``,
+    when the trial runs on the strategy class ``strategy`` (the other ranks then wait in the step's all-reduce)."""
+
+    def __init__(
+        self,
+        num_classes: int = 10,
+        width: int = 4,
+        blocks: tuple[int, ...] = (1, 1, 1),
+        lr: float = 0.01,
+        weight_decay: float = 5e-4,
+        rank: int = 1,
+        strategy: str = "OneBitDDPStrategy",
+        at: int = 2,
+    ) -> None:
+        super().__init__(num_classes, width, blocks, lr, weight_decay)  # all of them: its hyper-parameters
+        self.fault_rank, self.fault_strategy, self.fault_at = rank, strategy, at
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        t = self.trainer
+        here = t.global_rank == self.fault_rank and type(t.strategy).__name__ == self.fault_strategy
+        if here and t.global_step == self.fault_at:
+            raise torch.OutOfMemoryError("out of memory on this rank alone")
+        return super().training_step(batch, batch_idx)
+
+
+def _tune_with_a_fault_on_rank_one(rank: int, world: int, root: str) -> list[tuple[str, str, str, float | None]]:
+    from lightning_accel.tune import tune_job
+
+    job = json.loads(json.dumps(JOB))
+    job["trainer"].update(devices=2, strategy="ddp")
+    job["model"] = {"class_path": f"{__name__}.OneRankFault", "init_args": {"width": 4}}
+    res = tune_job(
+        job,
+        budget="2m",
+        out=f"{root}/tuned.yaml",
+        warmup=2,
+        steps=3,
+        levers=["strategy", "precision"],
+        skip=["Fused", "Auto"],  # ddp_1bit (the fault), then bf16-mixed on the group made again
+        cache_dir=f"{root}/cache",
+        verbose=False,
+    )
+    return [(t.name, t.decision, t.reason, t.step_s) for t in res.trials]
+
+
+def test_a_trial_that_fails_on_one_rank_fails_on_every_rank_and_the_tune_goes_on(tmp_path: Path) -> None:
+    # before: rank 0 waited in the step's all-reduce for rank 1, which had left the trial (30 minutes, then out of step)
+    ranks = run_in_processes(_tune_with_a_fault_on_rank_one, 2, (str(tmp_path),), init_process_group=False, timeout=150)
+    assert ranks[0] == ranks[1]
+    trials = {name: (decision, reason, step) for name, decision, reason, step in ranks[0]}
+    decision, reason, step = trials["strategy: ddp_1bit"]
+    assert decision == "rejected" and step is None
+    assert reason == "trial failed: out of memory: out of memory on this rank alone (on rank 1)"
+    decision, reason, step = trials["precision: bf16-mixed"]  # the next lever ran on both ranks, on a sound group
+    assert decision in ("kept", "rejected") and step is not None and not reason.startswith("trial failed")
     assert (tmp_path / "tuned.yaml").is_file()

@@ -827,3 +827,135 @@ def test_the_report_picture_leaves_the_processs_matplotlib_backend_as_the_user_s
     finally:
         matplotlib.use(before)
     assert png is not None and png.startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_a_second_tune_of_the_job_in_the_same_folder_is_refused_while_the_first_runs(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # the second tune starts while the first one's baseline runs (same job and settings: one trial folder)
+    _, fake = _script([0.1, 0.2, 0.1, 0.1, 0.2, 0.1])
+    second: list[BaseException] = []
+    started: list[bool] = []
+
+    def first_trial(job: dict[str, Any], *, warmup: int, steps: int, root: str | Path) -> TrialMeasure:
+        if not started:
+            started.append(True)
+            try:
+                tuner.tune_job(JOB, out=tmp_path / "b.yaml", cache_dir=tmp_path / "c", use_cache=False, **settings)
+            except ValueError as e:
+                second.append(e)
+            else:  # before: it ran its trials in the first one's folder, then removed it
+                second.append(AssertionError("the second tune ran"))
+        assert Path(root).parent.is_dir()  # the first tune's folder is still there
+        return fake(job, warmup=warmup, steps=steps, root=root)
+
+    settings: dict[str, Any] = {"levers": ["precision"], "skip": ["Fused"], "verbose": False}
+    monkeypatch.setattr(tuner, "run_trial", first_trial)
+    res = tuner.tune_job(JOB, out=tmp_path / "a.yaml", cache_dir=tmp_path / "c", use_cache=False, **settings)
+    assert isinstance(second[0], ValueError), second
+    message = str(second[0])
+    assert "\n" not in message and f"pid {__import__('os').getpid()}" in message
+    assert message.startswith("another `lightning-accel tune` of this job")
+    assert message.endswith("Wait for it to end, or pass an `out` in another folder.")
+    assert [t.decision for t in res.trials][0] == "baseline" and (tmp_path / "a.yaml").is_file()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tune-")]  # the first one's, removed at its end
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_a_trial_folder_a_killed_tune_left_is_removed_and_a_users_folder_is_not(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import platform
+
+    dead = {"written_by": "lightning-accel tune", "host": platform.node(), "pid": _dead_pid(), "start": "1"}
+    left = tmp_path / ".tune-0123456789abcdef"  # a killed tune's (another job), with a trial's checkpoint in it
+    (left / "t1" / "ckpt").mkdir(parents=True)
+    (left / "t1" / "ckpt" / "warm.ckpt").write_bytes(b"x" * 100)
+    (left / "owner-node0.json").write_text(json.dumps(dead))
+    users = tmp_path / ".tune-fedcba9876543210"  # named like one, but no tune claimed it: the user's
+    users.mkdir()
+    (users / "notes.txt").write_text("mine")
+    alive = tmp_path / ".tune-00000000000000aa"  # a running tune's (this process)
+    alive.mkdir()
+    (alive / "owner-node0.json").write_text(json.dumps({**dead, "pid": __import__("os").getpid(), "start": None}))
+    _, fake = _script([0.1, 0.2, 0.1])
+    monkeypatch.setattr(tuner, "run_trial", fake)
+    tuner.tune_job(
+        JOB, out=tmp_path / "a.yaml", cache_dir=tmp_path / "c", levers=["precision"], skip=["Fused"], verbose=False
+    )
+    assert not left.exists()  # before: left there for good, checkpoints and all
+    assert (users / "notes.txt").read_text() == "mine" and (alive / "owner-node0.json").is_file()
+
+    # the same job's own folder, left by a killed run of it, is taken over (not refused) by the next run
+    monkeypatch.setattr(tuner, "run_trial", _script([0.1, 0.2, 0.1])[1])
+    res = tuner.tune_job(
+        JOB, out=tmp_path / "a.yaml", cache_dir=tmp_path / "c2", levers=["precision"], skip=["Fused"], verbose=False
+    )
+    own = tmp_path / f".tune-{res.fingerprint}"
+    (own / "t0").mkdir(parents=True)
+    (own / "owner-node0.json").write_text(json.dumps(dead))
+    monkeypatch.setattr(tuner, "run_trial", _script([0.1, 0.2, 0.1])[1])
+    again = tuner.tune_job(
+        JOB,
+        out=tmp_path / "a.yaml",
+        cache_dir=tmp_path / "c2",
+        use_cache=False,
+        levers=["precision"],
+        skip=["Fused"],
+        verbose=False,
+    )
+    assert again.trials[0].decision == "baseline" and not own.exists()
+
+
+@pytest.mark.parametrize(
+    ("trainer_kwargs", "seed", "kind", "message"),
+    [
+        ({}, "seven", TypeError, "`seed` must be an integer >= 0 and <= 4294967295, got 'seven' (str)."),
+        ({}, -3, ValueError, "`seed` must be an integer >= 0 and <= 4294967295, got -3."),
+        ("cpu", 0, TypeError, "`trainer_kwargs` must be a mapping of Trainer arguments or None, got str ('cpu')."),
+    ],
+)
+def test_tune_refuses_a_bad_seed_or_trainer_kwargs_in_one_line_before_any_trial(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, trainer_kwargs: Any, seed: Any, kind: type, message: str
+) -> None:
+    # before: a bad seed failed the baseline trial as "`seed_everything` ... Given value: seven" or numpy's bounds
+    # error, and trainer_kwargs="cpu" raised "dictionary update sequence element #0 has length 1; 2 is required"
+    seen, fake = _script([0.1])
+    monkeypatch.setattr(tuner, "run_trial", fake)
+    with pytest.raises(kind) as e:
+        tuner.tune(trainer_kwargs, JOB["model"], None, seed=seed, out=None, cache_dir=tmp_path, verbose=False)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value) and seen == []
+
+
+def test_tune_cli_refuses_an_empty_levers_list_and_an_out_named_as_a_folder(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # before: `--levers ""` (an empty shell variable) tried every lever, and `--out results/` wrote the tuned config
+    # as a file named `results`, its reports in the folder above
+    from lightning_accel.tune.cli import main
+
+    seen, fake = _script([0.1] * 9)
+    monkeypatch.setattr(tuner, "run_trial", fake)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "job.yaml").write_text(json.dumps(JOB))
+    base = ["--config", "job.yaml", "--cache-dir", str(tmp_path / "c")]
+    assert main([*base, "--levers", "", "--out", "tuned.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert "`--levers` must name at least one lever" in err and err.count("\n") == 1
+    assert main([*base, "--levers", "precision", "--out", "results/"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "`--out` 'results/' names a folder. Pass the path of the YAML to write in it, e.g. `--out results/tuned.yaml`."
+        in err
+    )
+    assert seen == [] and sorted(p.name for p in tmp_path.iterdir()) == ["job.yaml"]
+    with pytest.raises(ValueError, match=r"^`out` 'results/' names a folder"):
+        tuner.tune_job(JOB, out="results/", levers=["precision"], cache_dir=tmp_path / "c", verbose=False)
