@@ -27,7 +27,7 @@ import os
 import threading
 from collections.abc import Callable
 
-__all__ = ["MMAP_THRESHOLD", "TRIM_BYTES", "keep_freed_memory"]
+__all__ = ["MMAP_THRESHOLD", "TRIM_BYTES", "can_keep_freed_memory", "keep_freed_memory"]
 
 _M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
 _M_MMAP_THRESHOLD = -3
@@ -58,6 +58,11 @@ def keep_freed_memory(trim_bytes: int = TRIM_BYTES) -> bool:
         if ok:
             _applied = (pid, int(trim_bytes))
         return ok
+
+
+def can_keep_freed_memory() -> bool:
+    """Whether :func:`keep_freed_memory` can act in this process (its C library is glibc), without applying it."""
+    return _mallopt() is not None
 
 
 @functools.cache  # looked up once: without glibc, every cache-writing batch would otherwise load libc again

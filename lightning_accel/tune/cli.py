@@ -44,7 +44,9 @@ def build_parser(prog: str = "lightning-accel tune") -> argparse.ArgumentParser:
     p.add_argument("--margin", type=float, default=None, help="fraction a lever must beat the best step by (0.03)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per trial (default 3)")
     p.add_argument("--steps", type=int, default=12, help="timed steps per trial (>= 3; default 12)")
-    p.add_argument("--levers", default=None, help="comma-separated subset of data,precision,strategy,checkpoint,batch")
+    p.add_argument(
+        "--levers", default=None, help="comma-separated subset of data,precision,host_memory,strategy,checkpoint,batch"
+    )
     p.add_argument("--skip", default=None, help="comma-separated words: leave out options named so (e.g. compile)")
     p.add_argument("--no-cache", action="store_true", help="measure again even when this job was tuned before")
     p.add_argument("--cache-dir", default=None, help="where results are cached (default ~/.cache/lightning_accel/tune)")

@@ -75,7 +75,7 @@ ORDER_ALLOWANCE = 0.05
 #: of a 20-step trial on an idle machine (1-2 % here) and below every lever's win worth keeping.
 DEFAULT_MARGIN = 0.03
 #: The levers, in the order tried when the verdict names none of them.
-LEVERS = ("data", "precision", "strategy", "checkpoint", "batch")
+LEVERS = ("data", "precision", "host_memory", "strategy", "checkpoint", "batch")
 _FIRST = {"data": "data", "compute": "precision", "comm": "strategy", "checkpoint": "checkpoint"}
 
 _PRECISION_ALIASES = {

@@ -9,6 +9,8 @@ the best job is written back as YAML unchanged in form. The options of each leve
   :class:`~lightning_accel.data.CachedDataModule` over the same folder;
 * ``precision``: ``32-true``/``bf16-mixed`` (the one not configured), ``FusedPrecision("bf16-mixed")`` and
   ``FusedPrecision("bf16-mixed", compile=True)`` (``torch.compile`` after the fused surgery);
+* ``host_memory`` (a job that trains on the CPU, under glibc, without one): the ``HostMemoryManager`` callback,
+  which keeps freed host memory in the training processes (no page faults for each step's activations and gradients);
 * ``strategy`` (``devices x num_nodes > 1``): ``ddp``, ``ddp_1bit``, ``AutoStrategy(policy="measure")`` (which
   times the sharded and pipeline plans itself);
 * ``checkpoint`` (a job that saves): ``torch.save``, ``DeltaCheckpointIO``, ``DeltaCheckpointIO(async_save=True)``;
@@ -37,6 +39,7 @@ __all__ = [
     "has_checkpoints",
     "job_precision",
     "options_for",
+    "trains_on_cpu",
     "world_of",
 ]
 
@@ -55,7 +58,7 @@ class Option:
     """One setting of one lever.
 
     Attributes:
-        lever: ``"data"``, ``"precision"``, ``"strategy"``, ``"checkpoint"`` or ``"batch"``.
+        lever: ``"data"``, ``"precision"``, ``"host_memory"``, ``"strategy"``, ``"checkpoint"`` or ``"batch"``.
         name: what it sets, in words (``"precision: bf16-mixed"``).
         edit: ``job -> job`` (on a copy).
         changes: the config keys it sets (dotted) -> values, for the report.
@@ -411,6 +414,47 @@ def _checkpoint_options(job: dict[str, Any]) -> list[Option]:
     ]
 
 
+_HOST_MEMORY = "lightning_accel.callbacks.HostMemoryManager"
+
+
+def trains_on_cpu(job: dict[str, Any]) -> bool:
+    """Whether ``job`` trains on the CPU here: ``accelerator: cpu``, or ``auto`` (the default) without a GPU."""
+    accelerator = str((job.get("trainer") or {}).get("accelerator", "auto")).lower()
+    if accelerator == "cpu":
+        return True
+    if accelerator != "auto":
+        return False
+    import torch
+
+    mps = getattr(torch.backends, "mps", None)
+    return not torch.cuda.is_available() and not (mps is not None and mps.is_available())
+
+
+def _add_host_memory(job: dict[str, Any]) -> dict[str, Any]:
+    t = job.setdefault("trainer", {})
+    t["callbacks"] = [*as_list(t.get("callbacks")), {"class_path": _HOST_MEMORY}]
+    return job
+
+
+def _host_memory_options(job: dict[str, Any]) -> list[Option]:
+    """``HostMemoryManager`` for a job that trains on the CPU under glibc and has none (it changes nothing else)."""
+    from lightning_accel._utils.malloc import can_keep_freed_memory
+
+    callbacks = as_list((job.get("trainer") or {}).get("callbacks"))
+    if any(_class_path(c).endswith("HostMemoryManager") for c in callbacks):
+        return []
+    if not trains_on_cpu(job) or not can_keep_freed_memory():
+        return []
+    return [
+        Option(
+            "host_memory",
+            "host memory: HostMemoryManager (keep 256 MiB of freed memory)",
+            _add_host_memory,
+            {"trainer.callbacks": "+HostMemoryManager"},
+        )
+    ]
+
+
 def _double_batch(job: dict[str, Any], batch: int) -> dict[str, Any]:
     """Twice the per-device ``batch``, with the learning rate scaled along by ``LinearScalingLR``.
 
@@ -460,6 +504,7 @@ def _batch_options(job: dict[str, Any]) -> list[Option]:
 _BUILDERS: dict[str, Callable[[dict[str, Any]], list[Option]]] = {
     "data": _data_options,
     "precision": _precision_options,
+    "host_memory": _host_memory_options,
     "strategy": _strategy_options,
     "checkpoint": _checkpoint_options,
     "batch": _batch_options,

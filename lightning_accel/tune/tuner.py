@@ -632,6 +632,11 @@ def _check_levers_apply(levers: Sequence[str] | None, job: Mapping[str, Any]) ->
             not isinstance(j.get("data"), dict),
             "is tried on a data module given as `class_path:` under `data:`, and this job gives none",
         ),
+        "host_memory": (
+            not options_for("host_memory", {**j, "trainer": t}),
+            "is tried on a job that trains on the CPU (`trainer.accelerator: cpu`, or `auto` without a GPU) under "
+            "glibc and has no HostMemoryManager callback yet, and this one does not",
+        ),
     }
     for name in levers or []:
         refused, reason = why.get(name, (False, ""))

@@ -93,9 +93,9 @@ def test_lever_order_follows_the_verdict() -> None:
     assert lever_order("data", **kw)[0] == "data"
     assert lever_order("compute", **kw)[0] == "precision"
     assert lever_order("comm", **kw)[0] == "strategy"
-    assert lever_order("checkpoint", **kw) == ["checkpoint", "data", "precision", "strategy"]
+    assert lever_order("checkpoint", **kw) == ["checkpoint", "data", "precision", "host_memory", "strategy"]
     one = lever_order("comm", multi_device=False, allow_batch_change=True, has_checkpoints=False)
-    assert one == ["data", "precision", "batch"]
+    assert one == ["data", "precision", "host_memory", "batch"]
 
 
 def test_fingerprint_is_stable_and_sensitive() -> None:

@@ -177,3 +177,35 @@ def test_the_precision_lever_never_offers_the_jobs_own_setting(trainer: dict[str
 def test_world_of_reads_devices_as_lightning_does(devices: Any, world: int) -> None:
     assert world_of({"trainer": {"accelerator": "gpu", "devices": devices}}) == world
     assert world_of({"trainer": {"devices": devices, "num_nodes": 2}}) == 2 * world
+
+
+def test_host_memory_option_adds_the_callback_on_a_cpu_job_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_accel._utils import malloc
+
+    monkeypatch.setattr(malloc, "can_keep_freed_memory", lambda: True)
+    job = copy.deepcopy(JOB)
+    job["trainer"]["callbacks"] = [{"class_path": "lightning.pytorch.callbacks.LearningRateMonitor"}]
+    (opt,) = options_for("host_memory", job)
+    tuned = opt.apply(job)
+    assert [c["class_path"] for c in tuned["trainer"]["callbacks"]] == [
+        "lightning.pytorch.callbacks.LearningRateMonitor",
+        "lightning_accel.callbacks.HostMemoryManager",
+    ]
+    assert job["trainer"]["callbacks"] == [{"class_path": "lightning.pytorch.callbacks.LearningRateMonitor"}]
+    # nothing to try: the job has one already, trains on a GPU, or the C library is not glibc
+    assert options_for("host_memory", tuned) == []
+    assert options_for("host_memory", {**job, "trainer": {**job["trainer"], "accelerator": "gpu"}}) == []
+    monkeypatch.setattr(malloc, "can_keep_freed_memory", lambda: False)
+    assert options_for("host_memory", job) == []
+
+
+def test_the_host_memory_callback_the_option_adds_is_built_by_the_cli(tmp_path: Path) -> None:
+    """The entry the option writes is a `class_path:` the CLI resolves, with the callback's defaults."""
+    from lightning_accel._utils.imports import import_object
+    from lightning_accel.callbacks import HostMemoryManager
+
+    (opt,) = [o for o in options_for("host_memory", JOB)] or [None]
+    if opt is None:
+        pytest.skip("not glibc: the option is not offered here")
+    entry = opt.apply(copy.deepcopy(JOB))["trainer"]["callbacks"][-1]
+    assert import_object(entry["class_path"]) is HostMemoryManager

@@ -141,7 +141,7 @@ def test_the_grid_removes_only_its_own_folder_under_root(
     [
         (
             {"levers": ["precison"]},
-            "`levers` must name levers from data, precision, strategy, checkpoint, batch, got 'precison'",
+            "`levers` must name levers from data, precision, host_memory, strategy, checkpoint, batch, got 'precison'",
         ),
         ({"levers": ["batch"]}, "`levers` names 'batch', which is tried only with `allow_batch_change=True`"),
         ({"skip": [""]}, "`skip` must hold non-empty words of option names, got ''"),
@@ -462,6 +462,12 @@ def test_a_cache_that_cannot_be_stored_is_a_warning_after_the_outputs(
             "which is tried on a job that saves checkpoints, and this one sets `enable_checkpointing: false`",
         ),
         ("data", {}, "which is tried on a data module given as `class_path:` under `data:`, and this job gives none"),
+        (
+            "host_memory",
+            {"callbacks": [{"class_path": "lightning_accel.callbacks.HostMemoryManager"}]},
+            "which is tried on a job that trains on the CPU (`trainer.accelerator: cpu`, or `auto` without a GPU) "
+            "under glibc and has no HostMemoryManager callback yet, and this one does not",
+        ),
     ],
 )
 def test_a_lever_with_nothing_to_try_on_the_job_is_refused_before_any_trial(
