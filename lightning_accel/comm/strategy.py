@@ -1463,5 +1463,8 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
         strategy_registry.register(
             "diloco",
             cls,
-            description="local steps with a 1-bit compressed outer Nesterov update, DiLoCo-style (lightning-accel)",
+            description=(
+                "local steps with a 1-bit compressed outer update (outer SGD, optional Nesterov momentum), "
+                "DiLoCo-style (lightning-accel)"
+            ),
         )

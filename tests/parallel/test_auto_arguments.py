@@ -24,6 +24,13 @@ def test_none_and_a_list_of_plans_are_accepted() -> None:
     assert AutoStrategy(policy="measure", candidates=["ddp", "fsdp"]).candidates == ["ddp", "fsdp"]
 
 
+def test_candidates_without_the_measuring_policy_are_said_to_be_unused() -> None:
+    # kept and never read: the default policy plans from the memory estimate
+    with pytest.warns(UserWarning, match=r"`candidates` \['ddp'\] are timed only with policy='measure'") as rec:
+        AutoStrategy(candidates=["ddp"])
+    assert len(rec) == 1 and "\n" not in str(rec[0].message)
+
+
 def test_a_plan_listed_twice_in_candidates_is_refused_with_the_list_to_pass() -> None:
     # the trial would time it twice (real training steps each) and list it twice in its table
     with pytest.raises(ValueError, match=r"^`candidates` must name each plan once, got \['ddp', 'fsdp', 'ddp'\]") as e:

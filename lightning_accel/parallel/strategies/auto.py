@@ -237,6 +237,15 @@ class AutoStrategy(DDPStrategy):
                 f"`candidates` must name each plan once, got {list(candidates or [])!r} ({', '.join(map(repr, twice))} "
                 f"more than once). Pass {list(dict.fromkeys(candidates or []))!r}."
             )
+        if candidates is not None and policy != "measure":
+            # kept and never read: only the measuring policy times plans (said, not refused, so that a config can
+            # switch the policy on the command line and keep its list)
+            warnings.warn(
+                f"AutoStrategy: `candidates` {list(candidates)!r} are timed only with policy='measure'; with "
+                f"policy={policy!r} the plan comes from the memory estimate and they are not used.",
+                UserWarning,
+                stacklevel=2,
+            )
         check_bool("use_example_input", use_example_input)
         for arg, kw in (
             ("fsdp_kwargs", fsdp_kwargs),
