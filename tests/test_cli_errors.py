@@ -437,6 +437,13 @@ def test_data_pack_and_ckpt_gc_errors_are_one_finished_line(tmp_path: Path, caps
         main(["data", "pack", str(tmp_path / "missing"), str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert err.startswith("lightning-accel data: error: FileNotFoundError: ") and len(err.splitlines()) == 1, err
+    # named as the command line names them: SOURCE and `--manifest`, not the Python API's `origin` and `manifest=`
+    assert f"SOURCE {str(tmp_path / 'missing')!r} does not exist" in err and "`origin`" not in err, err
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit):
+        main(["data", "pack", str(tmp_path / "empty"), str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert "SOURCE" in err and "pass `--manifest` naming a JSONL list" in err and "`origin`" not in err, err
     with pytest.raises(SystemExit):
         main(["ckpt", "gc", str(tmp_path / "missing"), "--dry-run"])
     err = capsys.readouterr().err

@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None, prog: str = "lightning-accel data") -> i
             )
     except (OriginError, FileNotFoundError, FileExistsError, ValueError, OSError) as e:
         end_progress()
-        print(f"{prog}: error: {type(e).__name__}: {one_line(e)}", file=sys.stderr)
+        print(f"{prog}: error: {type(e).__name__}: {_command_line_names(one_line(e))}", file=sys.stderr)
         return 1
     end_progress()
     for w in caught:  # one line each (files left out of the pack), not Python's two-line warning format
@@ -172,3 +172,27 @@ def main(argv: list[str] | None = None, prog: str = "lightning-accel data") -> i
     }
     print(json.dumps(summary))
     return 0
+
+
+#: `pack_origin`'s argument names as its errors spell them -> what this command calls them
+_PACK_ARGUMENTS = {
+    "`origin`": "SOURCE",
+    "`source`": "SOURCE",
+    "`dest`": "DEST",
+    "`manifest=`": "`--manifest`",
+    "`manifest`": "`--manifest`",
+    "`storage_options`": "`--storage-options`",
+    "`dest_storage_options`": "`--dest-storage-options`",
+    "`shard_bytes`": "`--shard-bytes`",
+    "`shuffle_seed`": "`--shuffle-seed`",
+    "`overwrite=True`": "`--overwrite`",
+    "`overwrite`": "`--overwrite`",
+}
+
+
+def _command_line_names(message: str) -> str:
+    """``message`` (an error of ``pack_origin``) with its Python argument names spelt as this command's: the user typed
+    SOURCE and ``--manifest``, not ``origin`` and ``manifest=``."""
+    for python_name, cli_name in _PACK_ARGUMENTS.items():
+        message = message.replace(python_name, cli_name)
+    return message
