@@ -182,19 +182,20 @@ class MomentumCompressor:
         #: the ``state.stage_token`` of the stage whose start dropped this optimizer's older freeze marks
         self._entered: object | None = None
 
-    def check_parameters(self) -> None:
-        """Refuse an optimizer that trains a tensor outside the model ``state`` numbers (the DDP model's parameters):
-        the compressed step averages and updates only those, and would otherwise find it at its first step, after the
-        whole warm-up. Frozen tensors (``requires_grad=False``) never get a gradient, so they are not checked. Call it
-        when the fit sets up; the verdict is the same on every rank (the same model and optimizer everywhere).
+    def check_parameters(self, parameters: Iterable[torch.Tensor]) -> None:
+        """Refuse an optimizer that trains a tensor outside ``parameters`` (the DDP model's): the compressed step
+        averages and updates only those, and would otherwise find it at its first step, after the whole warm-up.
+        Frozen tensors (``requires_grad=False``) never get a gradient, so they are not checked. Call it when the fit
+        sets up, with the wrapped model's parameters (``state`` may number them only as its hook first sees them);
+        the verdict is the same on every rank (the same model and optimizer everywhere).
 
         Raises:
             ValueError: a trained tensor of the optimizer is not a parameter of the model (one line, with the fix).
         """
-        index = self.state.param_index
+        known = {id(p) for p in parameters}
         for hp in self.optimizer.param_groups:
             for p in hp["params"]:
-                if p.requires_grad and p.numel() > 0 and id(p) not in index:
+                if p.requires_grad and p.numel() > 0 and id(p) not in known:
                     raise _foreign(p)
 
     # ------------------------------------------------------------------ the step

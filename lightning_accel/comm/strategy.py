@@ -662,11 +662,12 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
                 want = "momentum"
         if want == "momentum":
             self._compressors = {id(o): comm.MomentumCompressor(o, state) for o in optimizers}
-            if self._config.compression != "fp32":
+            if self._config.compression != "fp32" and self.model is not None:
                 # a tensor the compressed step cannot average: refused now, not at the first compressed step (after
                 # the whole warm-up); with "fp32" no compressed step ever runs, and the plain step trains it as DDP does
+                params = list(self.model.parameters())
                 for c in self._compressors.values():
-                    c.check_parameters()
+                    c.check_parameters(params)
         # every rank compares the same saved signal with the same resolved one: all reset alike, rank zero warns
         state.set_signal(want, [c.kind for c in self._compressors.values()], warn=self.is_global_zero)
 

@@ -251,7 +251,16 @@ class ImageClassifier(LightningModule):
         self.hparams["num_classes"] = num_classes
         fc = self.model.fc
         if fc.out_features != num_classes:
-            self.model.fc = torch.nn.Linear(fc.in_features, num_classes, device=fc.weight.device)
+            # Resized in place, not replaced: the head's parameters stay the same objects, so an optimizer built before
+            # `setup` trains this head. LightningCLI's `optimizer:` block builds it from the provisional head's
+            # parameters when it parses the config; with a new `nn.Linear` it kept training that orphan while the
+            # real head stayed at its initial values.
+            fresh = torch.nn.Linear(fc.in_features, num_classes, device=fc.weight.device, dtype=fc.weight.dtype)
+            with torch.no_grad():
+                fc.weight.data = fresh.weight.data
+                if fc.bias is not None and fresh.bias is not None:
+                    fc.bias.data = fresh.bias.data
+            fc.out_features = num_classes
         self.val_acc = MulticlassAccuracy(num_classes=num_classes)
         self.test_acc = MulticlassAccuracy(num_classes=num_classes)
         self.extra_acc = torch.nn.ModuleDict()

@@ -75,6 +75,43 @@ def test_auto_takes_the_class_count_from_the_data_and_trains(tmp_path: Path) -> 
     assert again.model is not None and again.model.fc.out_features == 12
 
 
+def test_an_optimizer_from_the_cli_config_trains_the_head_auto_sizes(tmp_path: Path) -> None:
+    """LightningCLI's `optimizer:` block builds the optimizer from the model's parameters when it parses the config,
+    before `setup` sizes the head: the head must stay the parameters that optimizer holds (it trained a provisional
+    2-way head nothing used, and the real head stayed at its initial values)."""
+    from lightning_accel.cli import AccelCLI
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        """
+model:
+  class_path: lightning_accel.models.ImageClassifier
+  init_args:
+    num_classes: auto
+    width: 4
+    blocks: [1]
+optimizer:
+  class_path: torch.optim.SGD
+  init_args:
+    lr: 0.1
+"""
+    )
+    args = ["--config", str(cfg), "--data=lightning_accel.datasets.DigitsDataModule"]
+    args += [f"--data.data_dir={tmp_path / 'digits'}", "--data.image_size=8", "--trainer.max_steps=2"]
+    args += ["--trainer.limit_val_batches=0", "--trainer.logger=false", "--trainer.enable_checkpointing=false"]
+    args += ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
+    args += [f"--trainer.default_root_dir={tmp_path}"]
+    cli = AccelCLI(args=args, run=False)
+    model = cli.model
+    assert isinstance(model, ImageClassifier) and model.model is not None
+    cli.trainer.fit(model, datamodule=cli.datamodule)
+    head = model.model.fc
+    assert head.out_features == 10 and tuple(head.weight.shape) == (10, head.in_features)
+    trained = {id(p) for group in cli.trainer.optimizers[0].param_groups for p in group["params"]}
+    assert {id(p) for p in model.parameters()} <= trained
+    assert head.weight.grad is not None and head.weight.grad.abs().sum() > 0
+
+
 def test_auto_reads_the_digits_module_count() -> None:
     from lightning_accel.datasets import DigitsDataModule
 
