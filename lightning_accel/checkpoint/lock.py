@@ -35,6 +35,7 @@ from typing import Any
 from lightning_accel._utils.atomic import is_local_url, strip_file_scheme
 from lightning_accel._utils.fs import FileStore
 from lightning_accel._utils.paths import safe_join
+from lightning_accel._utils.processes import process_running
 
 __all__ = ["LOCK_NAME", "CheckpointDirectoryLockedError", "DirectoryLock", "prepare_directory"]
 
@@ -86,13 +87,7 @@ def _dead_here(holder: dict[str, Any]) -> bool:
     pid = holder.get("pid")
     if holder.get("host") != socket.gethostname() or not isinstance(pid, int) or pid <= 0:
         return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:  # e.g. EPERM: it exists
-        return False
-    return False
+    return not process_running(pid)
 
 
 def prepare_directory(directory: str) -> None:

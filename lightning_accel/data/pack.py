@@ -66,6 +66,7 @@ from lightning_accel._utils.atomic import atomic_publish_file
 from lightning_accel._utils.checks import check_bool, check_callable, check_int
 from lightning_accel._utils.forksafe import ForkSafeLock, PerProcess, ResetOnPickle
 from lightning_accel._utils.paths import safe_join
+from lightning_accel._utils.processes import process_running
 from lightning_accel.data.origin import (
     _CONCURRENCY_FIX,
     IMAGE_EXTENSIONS,
@@ -151,15 +152,8 @@ def _ahead_owner_alive(path: str) -> bool:
 
 
 def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return True  # no process named: assume its batches may still come
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # exists, another user's
-        return True
-    return True
+    # no process named (pid <= 0): assume its batches may still come
+    return pid <= 0 or process_running(pid)
 
 
 @dataclass

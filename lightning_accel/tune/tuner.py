@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_accel._utils.errors import one_line
+from lightning_accel._utils.processes import process_running, process_start
 from lightning_accel._utils.rank import distributed_ready, global_rank, local_rank, node_rank
 from lightning_accel.tune.core import (
     DEFAULT_MARGIN,
@@ -1128,16 +1129,6 @@ def _owner_path(work: Path) -> Path:
     return work / f"owner-node{node_rank()}.json"
 
 
-def _process_start(pid: int) -> str | None:
-    """When process ``pid`` started (clock ticks since boot, from ``/proc``), None where it cannot be read: with the
-    pid it names one process, not a later one that was given the same pid."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
 def _owner_alive(owner: Mapping[str, Any]) -> bool:
     """Whether the tune an owner file names still runs. One on another host is taken as running (this one cannot
     tell)."""
@@ -1146,13 +1137,9 @@ def _owner_alive(owner: Mapping[str, Any]) -> bool:
     pid = owner.get("pid")
     if not isinstance(pid, int) or pid <= 0:
         return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    if not process_running(pid):
         return False
-    except PermissionError:  # another user's process with that pid
-        pass
-    start = _process_start(pid)
+    start = process_start(pid)
     return start is None or owner.get("start") in (None, start)
 
 
@@ -1170,7 +1157,7 @@ def _claim_work(work: Path, out: str | os.PathLike[str] | None) -> str | None:
     works in it). A folder a dead tune left (killed: no ``finally`` ran) is removed first. The claim is an owner file
     (this process's host, pid and start time) linked into place: of two tunes that start at once, one gets it."""
     owner_path = _owner_path(work)
-    me = {"written_by": _OWNER_MARK, "host": platform.node(), "pid": os.getpid(), "start": _process_start(os.getpid())}
+    me = {"written_by": _OWNER_MARK, "host": platform.node(), "pid": os.getpid(), "start": process_start(os.getpid())}
     for _ in range(2):  # a second time after removing what a dead tune left
         work.mkdir(parents=True, exist_ok=True)
         tmp = work / f".owner-{os.getpid()}-{time.monotonic_ns()}.tmp"
