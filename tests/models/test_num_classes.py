@@ -12,6 +12,15 @@ from lightning_accel.data import CachedDataModule
 from lightning_accel.models import ImageClassifier
 from tests.tiny import trainer
 
+#: a CLI config of the classifier whose head follows the data module (tests append to its `init_args`)
+_AUTO_MODEL_YAML = """
+model:
+  class_path: lightning_accel.models.ImageClassifier
+  init_args:
+    num_classes: auto
+    width: 4
+"""
+
 
 def _image_folder(root: Path, n_classes: int, per_class: int = 2) -> Path:
     """A tiny ImageFolder of real JPEGs, class ``i`` a distinct colour."""
@@ -83,18 +92,7 @@ def test_an_optimizer_from_the_cli_config_trains_the_head_auto_sizes(tmp_path: P
 
     cfg = tmp_path / "c.yaml"
     cfg.write_text(
-        """
-model:
-  class_path: lightning_accel.models.ImageClassifier
-  init_args:
-    num_classes: auto
-    width: 4
-    blocks: [1]
-optimizer:
-  class_path: torch.optim.SGD
-  init_args:
-    lr: 0.1
-"""
+        _AUTO_MODEL_YAML + "    blocks: [1]\noptimizer:\n  class_path: torch.optim.SGD\n  init_args:\n    lr: 0.1\n"
     )
     args = ["--config", str(cfg), "--data=lightning_accel.datasets.DigitsDataModule"]
     args += [f"--data.data_dir={tmp_path / 'digits'}", "--data.image_size=8", "--trainer.max_steps=2"]
@@ -166,15 +164,7 @@ def test_cli_accepts_num_classes_auto(tmp_path: Path) -> None:
     from lightning_accel.cli import AccelCLI
 
     cfg = tmp_path / "c.yaml"
-    cfg.write_text(
-        """
-model:
-  class_path: lightning_accel.models.ImageClassifier
-  init_args:
-    num_classes: auto
-    width: 4
-"""
-    )
+    cfg.write_text(_AUTO_MODEL_YAML)
     data = f"--data=lightning_accel.datasets.DigitsDataModule --data.data_dir={tmp_path / 'digits'}".split()
     cli = AccelCLI(args=["--config", str(cfg), *data], run=False)
     assert isinstance(cli.model, ImageClassifier) and cli.model.hparams["num_classes"] == "auto"
