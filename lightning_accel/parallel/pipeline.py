@@ -25,6 +25,7 @@ pipeline (world ``= dp · pp``), gradients are averaged over the replicas after 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -435,15 +436,52 @@ def is_per_sample_list(x: Any, rows: int) -> bool:
     return isinstance(x, list) and rows > 0 and len(x) == rows and all(isinstance(v, PLAIN_TYPES) for v in x)
 
 
+def _placed_tensors(batch: Any, place: str = "") -> list[tuple[str, torch.Tensor]]:
+    """Every tensor of ``batch`` with its place in it (``[1]``, ``["x"][0]``; the whole batch: ``""``), in order."""
+    if isinstance(batch, torch.Tensor):
+        return [(place, batch)]
+    if isinstance(batch, (tuple, list)):
+        return [pt for i, b in enumerate(batch) for pt in _placed_tensors(b, f"{place}[{i}]")]
+    if isinstance(batch, Mapping):
+        return [pt for k, b in batch.items() for pt in _placed_tensors(b, f"{place}[{k!r}]")]
+    return []
+
+
+def _check_rows(batch: Any) -> None:
+    """Raise when the tensors of ``batch`` (0-dim ones aside) differ in their first dimension: one line naming the
+    sizes, where each differing tensor is, and the fix (see :func:`split_batch`)."""
+    placed = [(p, t) for p, t in _placed_tensors(batch) if t.ndim]
+    sizes = [int(t.shape[0]) for _, t in placed]
+    if len(set(sizes)) <= 1:
+        return
+    rows = sizes[0]
+    odd = [f"`{p or 'batch'}` ({n} rows)" for (p, _), n in zip(placed, sizes, strict=True) if n != rows]
+    more = f" and {len(odd) - 3} more" if len(odd) > 3 else ""
+    shown = sizes if len(sizes) <= 8 else [*sizes[:8], "..."]
+    raise ValueError(
+        f"the batch's tensors differ in their first dimension ({shown}; the first has {rows} rows, "
+        f"{', '.join(odd[:3])}{more}): the pipeline cuts every tensor of a batch along dim 0 into micro-batches, so "
+        "each needs one row per sample. A list of per-sample tensors of different lengths cannot be cut: pad them "
+        "into one tensor in the DataLoader's `collate_fn` (`torch.nn.utils.rnn.pad_sequence(..., batch_first=True)`, "
+        "with a mask or the lengths as a tensor of one row per sample)."
+    )
+
+
 def split_batch(batch: Any, chunks: int) -> list[Any]:
     """Split every tensor of ``batch`` (nested tuples, namedtuples, lists and mappings, each micro-batch's of the
     batch's type: :func:`mapping_like`, :func:`sequence_like`) along dim 0 into ``chunks`` equal parts, and every list
     with one plain value per sample (:func:`is_per_sample_list`) with them; other non-tensors and 0-dim tensors (a
     scalar has no batch dimension) are repeated.
 
+    Every tensor with a dimension must have the batch's rows as its first: a list of per-sample tensors of different
+    lengths (a ragged batch) or a tensor of another first size would otherwise be cut into parts that do not line up
+    with the other tensors' rows, each sample's own tensor split across micro-batches.
+
     Raises:
-        ValueError: a tensor's first dimension is not divisible by ``chunks``.
+        ValueError: the tensors differ in their first dimension (named by their place in the batch), or it is not
+            divisible by ``chunks``.
     """
+    _check_rows(batch)
     rows = next((t.shape[0] for t in batch_tensors(batch) if t.ndim), 0)
 
     def split(x: Any) -> list[Any]:
@@ -549,12 +587,19 @@ class PipelineRunner:
         #: to its first place): a full optimizer state lists its parameters in that order, the one a one-process
         #: optimizer over ``root.parameters()`` has, since ``Optimizer.load_state_dict`` matches them by position
         self.param_order = _parameter_order(root)
-        #: every process group this runner made (those this rank is a member of): whoever drops the runner for good
-        #: can destroy them (:func:`~lightning_accel.parallel.trials.release_groups`)
+        #: every piece, in forward order (references: they stay in ``root``, those of other ranks without parameters)
+        self.pieces = tuple(pieces)
+        #: every process group this runner made (those this rank is a member of): :meth:`release` destroys them
+        #: (:func:`~lightning_accel.parallel.trials.release_groups` too, for a trial's runner)
         self.groups: list[Any] = []
-        self._tied = self._tied_groups(pieces)  # collective: every rank creates every group, in the same order
+        #: whether :meth:`release` destroyed the groups (:meth:`reopen` makes them again)
+        self.released = False
+        self._shared = self._shared_params(pieces)  # read before the other ranks' parameters are dropped
+        self._tied: list[tuple[list[nn.Parameter], Any]] = []
         #: this replica's pipeline ranks / this pipeline rank's replicas
-        self.pp_group, self.dp_group = self._groups()
+        self.pp_group: Any = None
+        self.dp_group: Any = None
+        self._make_groups()  # collective: every rank creates every group, in the same order
         keep_only(root, self.stage_modules)
         self.params = [p for p in root.parameters() if p.requires_grad]
         self._schedules: dict[Any, Any] = {}
@@ -568,21 +613,29 @@ class PipelineRunner:
             self.groups.append(g)
         return g
 
-    def _groups(self) -> tuple[Any, Any]:
+    def _make_groups(self) -> None:
+        """Create every group of the split (tied parameters' holders, then :attr:`pp_group`, :attr:`dp_group`).
+        Collective: every rank calls it, and makes every group in the same order."""
         lay = self.layout
-        pp_group = dp_group = None
+        self._tied = []
+        for ranks, params in self._shared:
+            for r in range(lay.dp):
+                g = self._new_group([r * lay.pp + i for i in ranks])
+                if r == self.replica and self.pp_rank in ranks:
+                    self._tied.append((params, g))
         for r in range(lay.dp):
             g = self._new_group([r * lay.pp + i for i in range(lay.pp)])
             if r == self.replica:
-                pp_group = g
+                self.pp_group = g
         for i in range(lay.pp):
             g = self._new_group([r * lay.pp + i for r in range(lay.dp)])
             if i == self.pp_rank:
-                dp_group = g
-        return pp_group, dp_group
+                self.dp_group = g
 
-    def _tied_groups(self, pieces: Sequence[nn.Module]) -> list[tuple[list[nn.Parameter], Any]]:
-        """Parameters used on more than one pipeline rank, with the group of those ranks (one per replica)."""
+    def _shared_params(self, pieces: Sequence[nn.Module]) -> list[tuple[tuple[int, ...], list[nn.Parameter]]]:
+        """Per set of pipeline ranks that share parameters (a tied embedding / LM head), those ranks and the shared
+        parameters this rank holds (none where it is not among them: every rank still knows every set, to create the
+        same groups)."""
         lay = self.layout
         holders: dict[int, set[int]] = {}
         by_id: dict[int, nn.Parameter] = {}
@@ -597,14 +650,30 @@ class PipelineRunner:
         shared: dict[tuple[int, ...], list[nn.Parameter]] = {}
         for pid in order:
             if len(holders[pid]) > 1:
-                shared.setdefault(tuple(sorted(holders[pid])), []).append(by_id[pid])
-        out: list[tuple[list[nn.Parameter], Any]] = []
-        for ranks, params in shared.items():
-            for r in range(lay.dp):
-                g = self._new_group([r * lay.pp + i for i in ranks])
-                if r == self.replica and self.pp_rank in ranks:
-                    out.append((params, g))
-        return out
+                ranks = tuple(sorted(holders[pid]))
+                shared.setdefault(ranks, [])
+                if self.pp_rank in ranks:
+                    shared[ranks].append(by_id[pid])
+        return list(shared.items())
+
+    def release(self) -> None:
+        """Destroy every process group this runner made (local, no collective; NCCL warns about groups left at
+        exit) and the schedules built on them. The split stays: :meth:`reopen` makes the groups again."""
+        for g in self.groups:
+            if g is None or g == dist.GroupMember.NON_GROUP_MEMBER:
+                continue
+            with contextlib.suppress(ValueError):  # destroyed already (a `destroy_process_group()` of every group)
+                dist.destroy_process_group(g)
+        self.groups, self._tied = [], []
+        self.pp_group = self.dp_group = None
+        self._schedules.clear()
+        self.released = True
+
+    def reopen(self) -> None:
+        """Make the groups :meth:`release` destroyed again (collective: every rank of the world calls it)."""
+        if self.released:
+            self._make_groups()
+            self.released = False
 
     def set_loss_fn(self, loss_fn: Callable[[Any, Any], torch.Tensor]) -> None:
         """Use ``loss_fn`` from now on (a new Trainer reusing this split); the schedules built with the old one go."""

@@ -227,3 +227,12 @@ def test_a_network_with_sync_batchnorm_cannot_be_pipelined() -> None:
     # the selector never picks (nor times) the pipeline for it
     est = select_strategy(net, devices=2, device_memory_bytes=10**9).estimates["pipeline"]
     assert "SyncBatchNorm" in est.blocker
+
+
+def test_split_batch_refuses_a_ragged_list_of_per_sample_tensors() -> None:
+    ragged = [torch.ones(3, 2), torch.ones(5, 2), torch.ones(4, 2), torch.ones(2, 2)]  # one tensor per sample
+    with pytest.raises(ValueError, match=r"^the batch's tensors differ in their first dimension") as e:
+        split_batch(ragged, 2)
+    assert "[3, 5, 4, 2]" in str(e.value) and "pad_sequence" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=r"`\['y'\]\[1\]` \(4 rows\)"):  # a nested one names its place in the batch
+        split_batch({"x": torch.ones(8, 2), "y": [torch.ones(8), torch.ones(4)]}, 2)

@@ -24,6 +24,7 @@ from lightning_accel._utils.errors import one_line
 from lightning_accel._utils.patching import Patch, patch
 from lightning_accel.parallel.estimate import default_microbatches
 from lightning_accel.parallel.pipeline import (
+    PipelineLayout,
     PipelineRunner,
     batch_tensors,
     check_microbatches,
@@ -112,6 +113,23 @@ def _sendable(outputs: Any) -> Any:
     return outputs
 
 
+#: the error types a rank raises again as they are when another rank of its pipeline failed with one (others become a
+#: ``RuntimeError`` naming the type)
+_RERAISED: dict[str, type[Exception]] = {"TypeError": TypeError, "ValueError": ValueError, "RuntimeError": RuntimeError}
+
+
+def _raise_from(error: tuple[str, str], where: str) -> None:
+    """Raise on this rank ``error`` (``(type name, one-line message)``) that another rank of the pipeline sent, saying
+    ``where`` it happened unless the message is already the strategy's own: its type when :data:`_RERAISED` holds
+    it, else a ``RuntimeError`` naming it."""
+    kind, text = error
+    if kind not in _RERAISED:
+        kind, text = "RuntimeError", f"{kind}: {text}"
+    if not text.startswith("PipelineStrategy:"):
+        text = f"PipelineStrategy: {where}: {text}"
+    raise _RERAISED[kind](text)
+
+
 def _no_log(*args: Any, **kwargs: Any) -> None:
     """``self.log`` while the first stage's input is captured: the step runs again on the last stage, which logs."""
 
@@ -164,6 +182,12 @@ class PipelineStrategy(_EvaluationBufferSync, DDPStrategy):
     ``optimizer.load_state_dict`` matches them); on resume every rank reads it and keeps its stage's part. A
     checkpoint saved by DDP or one process (its optimizer state lists the parameters by position) resumes too: the
     positions are named in the unsplit model's order first.
+
+    **Failures**: a setup that fails on one rank before the pipeline's process groups are made (its
+    ``pipeline_modules()`` raises there) fails on every rank, naming that rank and its error; a step that fails on the
+    first or the last stage's rank (one that calls ``self.net(x)`` instead of ``self(x)`` is refused, naming
+    ``self.net``) fails on every rank of the pipeline with that error, instead of leaving the others waiting for the
+    process group's timeout. The groups are destroyed at teardown and made again by a later setup on the split module.
 
     **Frozen parameters**: the split gives every stage a trainable parameter when it can (a frozen backbone shares a
     stage with a piece that trains), since a stage without one would leave its rank's optimizer empty; a ``fit``
@@ -250,6 +274,9 @@ class PipelineStrategy(_EvaluationBufferSync, DDPStrategy):
         self._predicted: dict[int, Any] = {}  # predict: each micro-batch's `predict_step` output (last stage)
         # training / evaluation: each micro-batch's step output beside the loss (last stage), for the batch-end hooks
         self._outputs: dict[int, Any] = {}
+        self._failure: Exception | None = None  # the step's failure on the last stage, raised after the schedule
+        # the runner, and the submodules a step must not call on the first stage (`_no_direct_calls`)
+        self._direct: tuple[PipelineRunner, list[tuple[str, torch.nn.Module]]] | None = None
         self._grads: list[torch.Tensor | None] = []
         self._clip_patch: Patch | None = None
         self._local_rows = 0  # `batch_split="world"`: the rows this rank read of the batch its pipeline gathered
@@ -304,20 +331,34 @@ class PipelineStrategy(_EvaluationBufferSync, DDPStrategy):
         if not module.automatic_optimization:
             raise ValueError("PipelineStrategy needs automatic optimization (`self.automatic_optimization = True`).")
         fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting:
-            # before any forward (the split measures one): a stage's `SyncBatchNorm` syncs in training only, and the
-            # rank running it would wait forever for the ranks running other stages; every rank refuses alike
-            try:
-                check_no_sync_batchnorm(module, model=f"`{type(module).__name__}`")
-            except ValueError as e:
-                raise ValueError(f"PipelineStrategy: {e}") from None
         runner = _RUNNERS.get(module)
-        if runner is None:
-            self.runner = _RUNNERS[module] = self._split(module, fitting)
-        else:  # `validate`/`test`/`predict` after `fit`, a second `fit`: the module holds only this rank's stages
-            self._reuse(module, runner)
+        plan: tuple[list[torch.nn.Module], PipelineLayout] | None = None
+        # the split makes process groups (`new_group`, collective): a rank that fails before it alone would leave the
+        # others waiting there for the process group's timeout (30 minutes by default), so every rank first learns
+        # whether every other one got this far, and all raise at once
+        try:
             if fitting:
-                self._check_stages_train(module, runner.layout.bounds, runner.trainable)
+                # before any forward (the split measures one): a stage's `SyncBatchNorm` syncs in training only, and
+                # the rank running it would wait forever for the ranks running other stages
+                try:
+                    check_no_sync_batchnorm(module, model=f"`{type(module).__name__}`")
+                except ValueError as e:
+                    raise ValueError(f"PipelineStrategy: {e}") from None
+            if runner is None:
+                plan = self._plan(module, fitting)
+            else:  # `validate`/`test`/`predict` after `fit`, a second `fit`: the module holds only this rank's stages
+                self._check_reuse(module, runner)
+                if fitting:
+                    self._check_stages_train(module, runner.layout.bounds, runner.trainable)
+        except Exception as e:
+            self._agree(module, e)
+            raise
+        self._agree(module, None)
+        if plan is not None:
+            self.runner = _RUNNERS[module] = self._split(module, *plan)
+        else:
+            assert runner is not None
+            self._reuse(runner)
         self.model = self.precision_plugin.convert_module(module)
         self.model_to_device()
         if fitting:
@@ -330,10 +371,28 @@ class PipelineStrategy(_EvaluationBufferSync, DDPStrategy):
             self.precision_plugin, "clip_grad_by_norm", lambda p: self._clip_whole_model, key=_CLIP_KEY
         )
 
-    def _split(self, module: pl.LightningModule, fitting: bool) -> PipelineRunner:
-        """Split ``module`` into stages and keep only this rank's (see :class:`PipelineRunner`); every stage gets a
-        trainable piece when it can, and a ``fit`` whose split leaves a stage without one is refused before the module
-        is changed (:meth:`_check_stages_train`)."""
+    def _agree(self, module: pl.LightningModule, error: BaseException | None) -> None:
+        """Learn from every rank whether its setup got to the split (``error``: this rank's failure, None if it did);
+        raise on every rank when one failed: its own error there (the caller re-raises it), elsewhere one line naming
+        the rank and its error. One ``all_gather_object`` over the world, reached on every rank."""
+        if not torch.distributed.is_available() or not torch.distributed.is_initialized() or self.world_size < 2:
+            return
+        mine = None if error is None else f"{type(error).__name__}: {one_line(error)}"
+        every: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(every, mine)
+        failed = [(r, text) for r, text in enumerate(every) if text is not None]
+        if error is None and failed:
+            r, text = failed[0]
+            others = f" (and {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""
+            raise RuntimeError(
+                f"PipelineStrategy: rank {r} could not split `{type(module).__name__}` into pipeline stages{others}, "
+                f"so no rank can: {text}"
+            )
+
+    def _plan(self, module: pl.LightningModule, fitting: bool) -> tuple[list[torch.nn.Module], PipelineLayout]:
+        """The pieces of ``module`` and their split into stages (no collective, the module unchanged); every stage
+        gets a trainable piece when it can, and a ``fit`` whose split leaves a stage without one is refused
+        (:meth:`_check_stages_train`)."""
         pieces = find_pipeline_modules(module)
         example = getattr(module, "example_input_array", None)
         costs = piece_costs(pieces, example if isinstance(example, torch.Tensor) else None)
@@ -347,6 +406,13 @@ class PipelineStrategy(_EvaluationBufferSync, DDPStrategy):
         )
         if fitting:
             self._check_stages_train(module, layout.bounds, trainable)
+        return pieces, layout
+
+    def _split(
+        self, module: pl.LightningModule, pieces: list[torch.nn.Module], layout: PipelineLayout
+    ) -> PipelineRunner:
+        """Split ``module`` into the stages of ``layout`` and keep only this rank's (see :class:`PipelineRunner`).
+        Collective: it makes the pipeline's process groups."""
         runner = PipelineRunner(
             module,
             pieces,
@@ -376,9 +442,10 @@ class PipelineStrategy(_EvaluationBufferSync, DDPStrategy):
         except ValueError as e:
             raise ValueError(f"PipelineStrategy: {e}") from None
 
-    def _reuse(self, module: pl.LightningModule, runner: PipelineRunner) -> None:
-        """Run on the split an earlier setup made of ``module``: splitting it again would balance the pieces this
-        rank kept (the others' parameters are gone), so the ranks would disagree on the stages.
+    def _check_reuse(self, module: pl.LightningModule, runner: PipelineRunner) -> None:
+        """Refuse to run on the split an earlier setup made of ``module`` with other pipeline settings: splitting it
+        again would balance the pieces this rank kept (the others' parameters are gone), so the ranks would disagree
+        on the stages.
 
         Raises:
             ValueError: this strategy asks for another split than the one ``module`` has (both, and the fix).
@@ -401,6 +468,11 @@ class PipelineStrategy(_EvaluationBufferSync, DDPStrategy):
                 "each rank holds only its stages, so it cannot be split again. Use the same pipeline settings, or "
                 "a fresh module (load the saved checkpoint into it)."
             )
+
+    def _reuse(self, runner: PipelineRunner) -> None:
+        """Run on ``runner``, the split an earlier setup made (:meth:`_check_reuse`): its process groups, destroyed
+        at that run's teardown, are made again (collective)."""
+        runner.reopen()
         if getattr(runner.loss_fn, "__self__", None) is not self:
             runner.set_loss_fn(self._loss_fn)
         self.runner = runner
@@ -428,7 +500,7 @@ class PipelineStrategy(_EvaluationBufferSync, DDPStrategy):
             raise _Captured(args, kwargs)
 
         try:
-            with _step_calls(module, probe, _no_log):
+            with _step_calls(module, probe, _no_log), self._no_direct_calls(module, name):
                 self._step_hook(module, name, batch, args, kwargs)
         except _Captured as c:
             if len(c.args) != 1 or c.kwargs or not isinstance(c.args[0], torch.Tensor):
@@ -443,10 +515,63 @@ class PipelineStrategy(_EvaluationBufferSync, DDPStrategy):
             "LightningModule's forward stage by stage, so the step must call `self(x)` (not `self.model(x)`) once."
         )
 
+    @contextlib.contextmanager
+    def _no_direct_calls(self, module: pl.LightningModule, name: str) -> Iterator[None]:
+        """Refuse, while the step runs on the first stage, a call to a submodule that runs pieces of other ranks'
+        stages (``self.net(x)`` instead of ``self(x)``): their parameters are gone from this rank, and torch would
+        fail deep inside with ``weight ... must be Tensor, not NoneType``. Raises a ``TypeError`` naming the
+        submodule's path and the fix."""
+        runner = self.runner
+        assert runner is not None
+        if self._direct is None or self._direct[0] is not runner:
+            own = {id(m) for stage in runner.stage_modules for m in stage.modules()}
+            foreign = {
+                id(m) for piece in runner.pieces if id(piece) not in own for m in piece.modules() if id(m) not in own
+            }
+            # the outermost module called (`self.net`) is named: an ancestor of a piece on another rank, or that piece
+            found = [
+                (path, m)
+                for path, m in module.named_modules()
+                if path and id(m) not in own and any(id(sub) in foreign for sub in m.modules())
+            ]
+            self._direct = (runner, found)
+        handles = []
+
+        def refuse(path: str) -> Callable[..., None]:
+            def hook(m: torch.nn.Module, args: Any) -> None:
+                raise TypeError(
+                    f"PipelineStrategy: `{type(module).__name__}.{name}` called `self.{path}` directly, which runs "
+                    "pipeline stages held by other ranks (their parameters are not on this one): the pipeline runs "
+                    "the LightningModule's forward stage by stage, so the step must call `self(x)` (with `forward` "
+                    f"calling `self.{path}(x)`)."
+                )
+
+            return hook
+
+        for path, m in self._direct[1]:
+            handles.append(m.register_forward_pre_hook(refuse(path)))
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
     def _loss_fn(self, output: Any, index: torch.Tensor) -> torch.Tensor:
-        """The last stage's loss: the user's step on micro-batch ``index`` with ``forward`` returning the pipeline's
-        output. (The schedule's first step also calls it once to infer gradient shapes; keyed by index, that
-        call's logs are replaced by the real one's.)"""
+        """The last stage's loss (:meth:`_step_loss`). The step failing here fails on this rank alone, inside the
+        schedule, where the other ranks of the pipeline would wait for its gradients until the process group's
+        timeout: the failure is kept instead, the schedule finishes on a zero loss (later micro-batches skip the
+        step), and :meth:`_share_last_stage` raises it on every rank of the pipeline."""
+        if self._failure is None:
+            try:
+                return self._step_loss(output, index)
+            except Exception as e:  # noqa: BLE001 -- raised on every rank after the schedule
+                self._failure = e
+        return output.float().sum() * 0.0
+
+    def _step_loss(self, output: Any, index: torch.Tensor) -> torch.Tensor:
+        """The user's step on micro-batch ``index`` with ``forward`` returning the pipeline's output. (The schedule's
+        first step also calls it once to infer gradient shapes; keyed by index, that call's logs are replaced by the
+        real one's.)"""
         module = self.lightning_module
         assert module is not None
         name, args, kwargs = self._hook
@@ -508,18 +633,26 @@ class PipelineStrategy(_EvaluationBufferSync, DDPStrategy):
         key = tuple(tuple(t.shape) for t in batch_tensors(mbs[0]))
         inputs: list[torch.Tensor] | None = None
         rngs: list[Any] = []
+        failure: Exception | None = None
         if runner.has_first:
             inputs = []
-            for mb in mbs:
-                rngs.append(_rng_state(self.root_device))
-                inputs.append(self._capture(module, name, mb, rest, kwargs))
-        # the first stage's RNG states to the last stage (another rank, whose own RNG has drawn other numbers)
-        payload: list[Any] = [rngs]
-        torch.distributed.broadcast_object_list(
-            payload, src=runner.layout.rank_of(0, runner.replica), group=runner.pp_group
-        )
+            try:
+                for mb in mbs:
+                    rngs.append(_rng_state(self.root_device))
+                    inputs.append(self._capture(module, name, mb, rest, kwargs))
+            except Exception as e:  # noqa: BLE001 -- sent to the other ranks below, then raised
+                failure = e
+        # the first stage's RNG states to the last stage (another rank, whose own RNG has drawn other numbers), or
+        # the first stage's failure: the other ranks would otherwise wait for its activations until the timeout
+        src = runner.layout.rank_of(0, runner.replica)
+        payload: list[Any] = [rngs, None if failure is None else (type(failure).__name__, one_line(failure))]
+        torch.distributed.broadcast_object_list(payload, src=src, group=runner.pp_group)
+        if failure is not None:
+            raise failure
+        if payload[1] is not None:
+            _raise_from(payload[1], f"`{type(module).__name__}.{name}` failed on rank {src} (the first stage)")
         self._hook, self._logged, self._mbs, self._rngs = (name, rest, kwargs), {}, mbs, payload[0]
-        self._outputs = {}
+        self._outputs, self._failure = {}, None
         targets = [torch.tensor([i]) for i in range(len(mbs))] if runner.has_last else None
         loss = runner.step(inputs, targets, key) if train else runner.evaluate(inputs, targets, key, n)
         outputs = self._share_last_stage(module, runner)
@@ -536,6 +669,7 @@ class PipelineStrategy(_EvaluationBufferSync, DDPStrategy):
         (:func:`~lightning_accel.parallel.pipeline.join_outputs` with ``average_scalars``: a per-sample tensor
         concatenated, a scalar averaged as the loss and the logged values are)."""
         payload: list[Any] = [None]
+        failure: Exception | None = None
         if runner.has_last:
             sums: dict[str, list[Any]] = {}
             for rec in self._logged.values():
@@ -544,11 +678,19 @@ class PipelineStrategy(_EvaluationBufferSync, DDPStrategy):
                     sums[k][0] += v
                     sums[k][1] += 1
             parts = [self._outputs[i] for i in sorted(self._outputs)]
-            outputs = _sendable(join_outputs(parts, average_scalars=True) if parts else None)
-            payload[0] = ({k: (s / n, kw) for k, (s, n, kw) in sums.items()}, outputs)
+            failure, self._failure = self._failure, None
+            if failure is not None:  # the step failed on this rank (:meth:`_loss_fn`): every rank raises
+                payload[0] = ({}, None, (type(failure).__name__, one_line(failure)))
+            else:
+                outputs = _sendable(join_outputs(parts, average_scalars=True) if parts else None)
+                payload[0] = ({k: (s / n, kw) for k, (s, n, kw) in sums.items()}, outputs, None)
         src = runner.layout.rank_of(runner.layout.num_stages - 1, runner.replica)
         torch.distributed.broadcast_object_list(payload, src=src, group=runner.pp_group)
-        logged, outputs = payload[0]
+        if failure is not None:
+            raise failure
+        logged, outputs, error = payload[0]
+        if error is not None:
+            _raise_from(error, f"`{type(module).__name__}.{self._hook[0]}` failed on rank {src} (the last stage)")
         for k, (v, kw) in logged.items():
             module.log(k, torch.tensor(v, device=self.root_device), **kw)
         return move_data_to_device(outputs, self.root_device)
@@ -757,9 +899,13 @@ class PipelineStrategy(_EvaluationBufferSync, DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        """Restore the precision plugin's clipping and destroy the pipeline's process groups (NCCL warns about groups
+        left at exit); the split stays with the module, and a later setup on it makes its groups again."""
         if self._clip_patch is not None:  # the precision plugin clips the torch way again
             self._clip_patch.restore()
             self._clip_patch = None
+        if self.runner is not None:
+            self.runner.release()
         super().teardown()
 
 
