@@ -36,7 +36,14 @@ from lightning_accel._utils.checks import check_bool, check_choice, check_int
 from lightning_accel._utils.forksafe import ForkSafeLock, PerProcess, ResetOnPickle
 from lightning_accel._utils.malloc import keep_freed_memory
 from lightning_accel.data.buffers import BufferPool, alloc_shared
-from lightning_accel.data.codec import CorruptEntryError, copy_payload, encode_entry, peek_shape
+from lightning_accel.data.codec import (
+    CorruptEntryError,
+    copy_payload,
+    encode_entry,
+    encode_undecodable,
+    is_undecodable,
+    peek_shape,
+)
 from lightning_accel.data.decode import DecodeError, decoder_fingerprint
 from lightning_accel.data.origin import Listing, ObjectStore, text_bytes
 from lightning_accel.data.pack import DEFAULT_STAGE_BYTES, PackedReader
@@ -83,6 +90,8 @@ class _Batch:
     row_shape: list[int] = field(default_factory=list)  # the shape of one row of `out`, made with `rows`
     hits: dict[str, int] = field(default_factory=lambda: {"ram": 0, "ssd": 0})
     corrupt: dict[str, list[bytes]] = field(default_factory=lambda: {"ram": [], "ssd": []})
+    # records of undecodable samples read with on_decode_error="raise": deleted, the samples decoded again
+    undecodable: dict[str, list[bytes]] = field(default_factory=lambda: {"ram": [], "ssd": []})
     promote: list[tuple[bytes, bytes]] = field(default_factory=list)  # SSD hits to copy into the RAM tier
     writes: Writes = field(default_factory=list)  # decoded misses to store
     write_idx: list[int] = field(default_factory=list)  # their listing entries
@@ -127,7 +136,9 @@ class SampleCache(ResetOnPickle):
         ssd: the SSD tier (``None``: none).
         stats: shared counters (a new :class:`CacheStats` by default).
         on_decode_error: ``"raise"`` (error naming the key) or ``"skip"`` (drop the sample from its batch, count it;
-            a batch whose samples all fail is returned with 0 samples, never dropped: see ``docs/data.md``).
+            a batch whose samples all fail is returned with 0 samples, never dropped: see ``docs/data.md``). A skipped
+            sample is recorded in the tiers under its key (see :func:`~lightning_accel.data.codec.encode_undecodable`)
+            and skipped from then on without a read; under ``"raise"`` a recorded sample is decoded again.
         max_pending: most prefetched origin reads outstanding per process (0 to :data:`MAX_PENDING`; 0: no
             read-ahead).
         prefetch: read ahead (:meth:`hint`) and read a batch's misses concurrently on the store's thread pool.
@@ -639,6 +650,17 @@ class SampleCache(ResetOnPickle):
                     if buf is None:
                         still.append(pos)
                         continue
+                    if is_undecodable(buf):
+                        # A sample known not to decode: skipped without reading it again, and known cached, so the
+                        # loader is not kept on the cold path by it. Under "raise" it is decoded again, for the error.
+                        if self.on_decode_error == "skip":
+                            batch.kept[pos] = False
+                            batch.skipped += 1
+                            batch.hits[name] += 1
+                        else:
+                            batch.undecodable[name].append(batch.keys[pos])
+                            still.append(pos)
+                        continue
                     try:
                         self._place(batch, pos, buf, verified)
                     except CorruptEntryError:
@@ -674,6 +696,9 @@ class SampleCache(ResetOnPickle):
         for name, tier in self.tiers:
             if batch.corrupt[name]:
                 evicted += tier.delete(batch.corrupt[name])
+            if batch.undecodable[name]:
+                # else a sample that now decodes (a decoder fixed) could never be stored: a present key is kept
+                tier.delete(batch.undecodable[name])
         return len(batch.corrupt["ram"]) + len(batch.corrupt["ssd"]), evicted
 
     def _read_origin(self, batch: _Batch, missing: list[int]) -> None:
@@ -771,9 +796,15 @@ class SampleCache(ResetOnPickle):
 
     def _skip(self, batch: _Batch, pos: int, e: Exception) -> None:
         """Leave an undecodable sample out of the batch (``on_decode_error="skip"``), or raise naming its key."""
-        self._decode_failed(batch.indices[pos], e)
+        i = batch.indices[pos]
+        self._decode_failed(i, e)
         batch.kept[pos] = False
         batch.skipped += 1
+        # Remembered in the tiers under the sample's key (its content identity included): later epochs and runs skip
+        # it without a read and a decode, and count it cached. Without the record the cache was never complete and
+        # the loader stayed on the cold path every epoch.
+        batch.writes.append((batch.keys[pos], encode_undecodable(f"{type(e).__name__}: {e}")))
+        batch.write_idx.append(i)
 
     def _store(self, batch: _Batch) -> tuple[int, int, int]:
         """Store the batch's decoded misses (behind, on the writer thread, when ``write_behind``) and its SSD hits

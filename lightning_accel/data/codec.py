@@ -14,6 +14,11 @@ are still read (caches written by earlier versions stay warm); new entries are a
 because CRC-32 cost 35 us per 150 KB entry here against 2.4 us for XXH3-64 (best of 5 x 200, one thread), paid on
 every miss a cold epoch writes and on the first read of every entry by a process tree that did not write it.
 
+A sample whose bytes do not decode (``on_decode_error="skip"``) is recorded under its key as ``b"LACX"`` followed by
+the error's text (UTF-8, at most :data:`_MAX_REASON` bytes): the cache then knows the sample is left out without
+reading and decoding it again every epoch. The key holds the sample's content identity, so a fixed file (new size
+and mtime, ETag or pack index entry) is decoded again. :func:`is_undecodable` tells such a record from an entry.
+
 An entry that does not parse, whose length disagrees with its header, or whose checksum fails raises
 :class:`CorruptEntryError`; the cache then evicts it and refetches the sample from the origin. The cache verifies each
 entry the first time a process tree (the main process and its DataLoader workers) reads it, trusts the entries that
@@ -38,11 +43,14 @@ import xxhash
 
 __all__ = [
     "MAGIC",
+    "UNDECODABLE",
     "CorruptEntryError",
     "Sample",
     "copy_payload",
     "decode_entry",
     "encode_entry",
+    "encode_undecodable",
+    "is_undecodable",
     "peek_shape",
 ]
 
@@ -50,6 +58,8 @@ MAGIC = b"LAC2"
 _PREFIX = struct.Struct("<4sIQ")
 _LEGACY_MAGIC = b"LAC1"  # read, never written
 _LEGACY_PREFIX = struct.Struct("<4sII")
+UNDECODABLE = b"LACX"  # a record of an undecodable sample, not an entry
+_MAX_REASON = 240  # bytes of the error's text kept in the record: enough to say what failed
 
 # Only plain numeric dtypes: the payload is reinterpreted with numpy, never unpickled.
 _DTYPES: dict[str, torch.dtype] = {
@@ -127,6 +137,16 @@ def encode_entry(tensor: torch.Tensor, label: int, meta: dict[str, Any] | None =
     return bytes(buf) if len(buf) < 4096 else buf  # large entries: hand the buffer over without another copy
 
 
+def encode_undecodable(reason: str) -> bytes:
+    """The record of a sample whose bytes do not decode, with ``reason`` (the error's text, cut to fit)."""
+    return UNDECODABLE + reason.encode("utf-8", "replace")[:_MAX_REASON]
+
+
+def is_undecodable(buf: memoryview | bytes) -> bool:
+    """Whether ``buf`` is a record of :func:`encode_undecodable` rather than an entry."""
+    return bytes(memoryview(buf)[:4]) == UNDECODABLE
+
+
 @dataclass(frozen=True)
 class _Layout:
     """What a header declares, checked once per distinct header."""
@@ -162,6 +182,10 @@ def _parse(buf: memoryview | bytes, verify: bool = True) -> tuple[_Layout, memor
     prefix = _LEGACY_PREFIX if legacy else _PREFIX
     if len(mv) < prefix.size:
         raise CorruptEntryError(f"entry of {len(mv)} bytes is shorter than its {prefix.size}-byte prefix")
+    if magic == UNDECODABLE:
+        raise CorruptEntryError(
+            f"not an entry: the record of an undecodable sample ({bytes(mv[4:]).decode('utf-8', 'replace')})"
+        )
     if not legacy and magic != MAGIC:
         raise CorruptEntryError(f"bad magic {magic!r}, expected {MAGIC!r} (or {_LEGACY_MAGIC!r})")
     _, hlen, check = prefix.unpack_from(mv, 0)

@@ -228,7 +228,9 @@ class CachedDataModule(LightningDataModule):
         on_decode_error: ``"raise"`` or ``"skip"`` (skipped samples are counted in ``cache/decode_skipped``, and each
             rank that skipped any warns with its count when a pass over a loader ends, and at teardown). A batch whose
             samples all fail reaches the model with 0 samples rather than being dropped: every rank keeps the same
-            number of batches, which DDP needs; a ``training_step`` used with ``"skip"`` must accept N = 0.
+            number of batches, which DDP needs; a ``training_step`` used with ``"skip"`` must accept N = 0. A skipped
+            sample is remembered in the cache under its content identity: later epochs and runs skip it without
+            reading it, it does not keep the loader on the cold path, and a fixed file is decoded again.
 
     Cache tiers:
         cache_dir: local directory (not a network filesystem) for the SSD tier and the shared listing.
@@ -236,7 +238,8 @@ class CachedDataModule(LightningDataModule):
         ssd_bytes: SSD tier budget (bytes or ``"20GiB"``; ``None``: no cap; 0 disables the tier).
         ram_dir: RAM tier directory (default ``/dev/shm/lightning_accel/<hash of cache_dir>``). ``cache_dir`` and
             ``ram_dir`` may contain ``{node_rank}`` (from ``NODE_RANK`` / ``GROUP_RANK``): node-local directories
-            when several nodes share a filesystem, or simulated nodes one machine.
+            when several nodes share a filesystem, or simulated nodes one machine. Both are made absolute when the
+            module is made (against the working directory then), so every process opens the same tiers.
         ram_ttl: in ``prepare_data`` (once per node), remove RAM tiers next to this one's that no process uses and
             that were last used longer ago than this (seconds or ``"12h"``, ``"7d"``; ``None``: never). Only the
             default location (``/dev/shm/lightning_accel``) is swept; ``lightning-accel data clean`` does it by hand.
@@ -398,6 +401,12 @@ class CachedDataModule(LightningDataModule):
         check_choice("cpu_augment", cpu_augment, ("thread", "step"))
         check_choice("shuffle", shuffle, ("auto", "global", "window"))
         check_int("shuffle_window", shuffle_window, low=1, allow_none=True, fix="It counts the shards of a window.")
+        if shuffle_window is not None and shuffle == "global":
+            raise ValueError(
+                f"`shuffle_window` {shuffle_window!r} has no effect with `shuffle='global'` (one shuffle of all "
+                "samples). Pass `shuffle='window'` (or 'auto') to shuffle within windows of shards, or leave "
+                "`shuffle_window` out."
+            )
         split_indices(1, val_fraction, seed)  # validates val_fraction now
         check_int(
             "max_concurrency",
@@ -439,7 +448,13 @@ class CachedDataModule(LightningDataModule):
         _check_tier_budget("ram_bytes", ram_bytes, self.ram_bytes, cached_size)
         _check_tier_budget("ssd_bytes", ssd_bytes, self.ssd_bytes, cached_size)
         tag = hashlib.sha1(text_bytes(self.cache_dir)).hexdigest()[:12]
-        self.ram_dir = _per_node("ram_dir", ram_dir) if ram_dir is not None else default_ram_dir(tag)
+        # Absolute now, as `cache_dir`: the tiers open lazily in each process (DataLoader workers, spawned ranks), and
+        # a relative path resolved there against another working directory named another tier.
+        self.ram_dir = (
+            os.path.abspath(os.path.expanduser(_per_node("ram_dir", ram_dir)))
+            if ram_dir is not None
+            else default_ram_dir(tag)
+        )
         self.ram_ttl = parse_duration(ram_ttl, name="ram_ttl")
         self.policy = policy
         self.warm_on_prepare = warm_on_prepare
@@ -784,7 +799,31 @@ class CachedDataModule(LightningDataModule):
             warm_num_workers=self.warm_num_workers,
             on_epoch_end=functools.partial(self._report_skipped, "training" if shuffle else "evaluation"),
             batch_transform=self._ahead_transform() if shuffle else None,
+            pass_batches=functools.partial(self._pass_batches, shuffle),
         )
+
+    def _pass_batches(self, training: bool) -> float | None:
+        """The batches the Trainer takes of the loader's coming pass (``limit_*_batches``, ``overfit_batches``), for
+        the loader's warm check; None when unknown or for a sanity-check pass (its 2 batches say nothing of the
+        validation passes after it, and the switch to the warm path is one-way)."""
+        trainer = self.trainer
+        if trainer is None:
+            return None
+        if training:
+            n: Any = getattr(trainer, "num_training_batches", None)
+        elif getattr(trainer, "sanity_checking", False):
+            return None
+        else:
+            attr = (
+                "num_test_batches"
+                if getattr(trainer, "testing", False)
+                else "num_predict_batches"
+                if getattr(trainer, "predicting", False)
+                else "num_val_batches"
+            )
+            counts = getattr(trainer, attr, None)
+            n = counts[0] if isinstance(counts, list) and len(counts) == 1 else None
+        return float(n) if isinstance(n, (int, float)) and not isinstance(n, bool) else None
 
     @override
     def train_dataloader(self) -> CacheDataLoader:

@@ -32,7 +32,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, default_collate, get_worker_info
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    SequentialSampler,
+    default_collate,
+    get_worker_info,
+)
 
 from lightning_accel._utils.checks import check_bool, check_int, check_number, check_seed
 from lightning_accel._utils.compat import register_before_thread_shutdown, shutdown_persistent_workers
@@ -236,20 +243,38 @@ class CachedDataset(Dataset):
         """The cache's shared :class:`~lightning_accel.data.stats.CacheStats`."""
         return self.cache.stats
 
-    def cached_fraction(self, max_checks: int = 4096, seed: int = 0) -> float:
-        """Fraction of this dataset's samples held by some local tier.
+    def cached_fraction(
+        self, max_checks: int = 4096, seed: int = 0, *, positions: Sequence[int] | None = None
+    ) -> float:
+        """Fraction of this dataset's samples (or of ``positions``, dataset positions such as one rank's epoch order)
+        held by some local tier; samples known to be undecodable (``on_decode_error="skip"``) count as held.
 
         Every sample this process tree has read from a tier or stored counts without a lookup (right after a cold
         pass, that is all of them: the check costs no LMDB reads); of the others, a seeded sample of at most
-        ``max_checks`` is looked up in the tiers and stands for the rest."""
-        if not self.indices:
+        ``max_checks`` is looked up in the tiers and stands for the rest.
+
+        Raises:
+            ValueError: a position outside ``[0, len(self))``.
+        """
+        if positions is None:
+            wanted = self.indices
+        else:
+            pos = [int(p) for p in positions]
+            if pos and not 0 <= min(pos) <= max(pos) < len(self.indices):
+                bad = min(pos) if min(pos) < 0 else max(pos)
+                raise ValueError(
+                    f"`positions` must lie in [0, {len(self.indices)}), got {bad}. Pass positions in this dataset "
+                    "(e.g. a sampler's order), not listing indices."
+                )
+            wanted = [self.indices[p] for p in dict.fromkeys(pos)]  # padding repeats positions: count each once
+        if not wanted:
             return 1.0
-        rest = self.cache.not_yet_seen_cached(self.indices)
+        rest = self.cache.not_yet_seen_cached(wanted)
         if not rest:
             return 1.0
         probe = random.Random(seed).sample(rest, max_checks) if len(rest) > max_checks else rest
         found = sum(self.cache.cached(probe))
-        return (len(self.indices) - len(rest) + len(rest) * found / len(probe)) / len(self.indices)
+        return (len(wanted) - len(rest) + len(rest) * found / len(probe)) / len(wanted)
 
     # ---- order publication (main process) and read-ahead (any process) --------------------------------------------
     def publish_order(self, order: Sequence[int], batch_size: int) -> None:
@@ -666,7 +691,8 @@ class CacheDataLoader(DataLoader):
     """A ``DataLoader`` for :class:`CachedDataset` that picks the fastest path per epoch.
 
     Cold epochs (some samples not cached) run with ``num_workers`` worker processes, because decoding is CPU-bound and
-    parallelises. Once every sample is cached, epochs run with ``warm_num_workers`` (default 0: batch reads in the main
+    parallelises. Once every sample of the epoch is cached (the samples this rank reads: the sampler's order of the
+    epoch, under DDP this rank's part), epochs run with ``warm_num_workers`` (default 0: batch reads in the main
     process, ahead of the consumer on one background thread). On a machine with few cores, main-process batch reads
     are faster than the same reads in workers (the warm and warm-workers rows of ``benchmarks/data_cache.py``),
     because each worker must allocate and fill a fresh 9.6 MB shared-memory batch (slower than private memory) and
@@ -692,6 +718,10 @@ class CacheDataLoader(DataLoader):
             overlaps with the consumer's (e.g. CPU augmentation beside the training step: torch ops release the GIL).
             One thread, batches in order: a function that counts (a random stream) sees them as the consumer would.
         transform_ahead: batches ``batch_transform`` runs ahead of the consumer.
+        pass_batches: ``fn()`` giving the most batches the consumer takes of a pass (``None``, ``inf`` or no
+            function: all of them), e.g. a Trainer's ``limit_train_batches`` / ``overfit_batches``. The warm check then
+            looks only at the samples of those batches: a pass cut short reads no others, and a check over the whole
+            order kept the loader cold for good.
         **kwargs: ``DataLoader`` arguments (``collate_fn`` defaults to :func:`collate_batch`).
     """
 
@@ -705,6 +735,7 @@ class CacheDataLoader(DataLoader):
         on_epoch_end: Callable[[], None] | None = None,
         batch_transform: Callable[[Any, int], Any] | None = None,
         transform_ahead: int = 2,
+        pass_batches: Callable[[], float | None] | None = None,
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("collate_fn", collate_batch)
@@ -731,6 +762,12 @@ class CacheDataLoader(DataLoader):
         self.on_epoch_end = on_epoch_end
         self.batch_transform = batch_transform
         self.transform_ahead = transform_ahead
+        if pass_batches is not None and not callable(pass_batches):
+            raise TypeError(
+                f"`pass_batches` must be a callable `fn() -> int | None` or None, got {pass_batches!r} "
+                f"({type(pass_batches).__name__}). Pass e.g. `lambda: trainer.num_training_batches`."
+            )
+        self.pass_batches = pass_batches
 
     def state_dict(self) -> dict[str, Any]:
         """The sampler's position (Lightning saves a train loader's ``state_dict`` in the checkpoint and restores it
@@ -747,8 +784,7 @@ class CacheDataLoader(DataLoader):
     def _check_warm(self) -> None:
         if self.is_warm or self.warm_num_workers is None or self.warm_num_workers == self.cold_num_workers:
             return
-        frac = getattr(self.dataset, "cached_fraction", None)
-        if frac is None or frac() < 1.0:
+        if not self._pass_cached():
             return
         self.is_warm = True
         if hasattr(self.dataset, "prefetch_batches"):
@@ -758,6 +794,29 @@ class CacheDataLoader(DataLoader):
         self.num_workers = self.warm_num_workers
         if self.num_workers > 0 and self.prefetch_factor is None:
             self.prefetch_factor = 2
+
+    def _pass_cached(self) -> bool:
+        """Whether every sample the coming pass reads is cached: this rank's order of the epoch when the sampler is an
+        :class:`EpochOrderSampler` of this dataset (a ``SequentialSampler``'s order for one), cut to the batches
+        ``pass_batches`` says the consumer takes; else the whole dataset.
+
+        Why this rank's order: a rank only reads its part of the split, and a node's cache holds what its ranks read.
+        Over the whole split, a node of a multi-node job (whose other nodes read the rest) never found its cache
+        complete: its unshuffled validation loader stayed cold for good, as a rank on its own node did."""
+        ds = self.dataset
+        if isinstance(ds, CachedDataset):
+            s = self.sampler
+            order: Sequence[int] | None = None
+            if isinstance(s, EpochOrderSampler) and s.dataset is ds:
+                order = s._pass_order()
+            elif isinstance(s, SequentialSampler) and s.data_source is ds:
+                order = range(len(ds))  # what Lightning puts in for `overfit_batches`
+            limit = self.pass_batches() if self.pass_batches is not None else None
+            if order is not None and self.batch_size and isinstance(limit, (int, float)) and math.isfinite(limit):
+                order = order[: max(0, int(limit)) * self.batch_size]
+            return ds.cached_fraction(positions=order) >= 1.0
+        frac = getattr(ds, "cached_fraction", None)
+        return frac is not None and frac() >= 1.0
 
     def __iter__(self) -> Any:
         it = self._iter()

@@ -210,7 +210,8 @@ def default_ram_dir(tag: str) -> str | None:
     ``$LIGHTNING_ACCEL_RAM_ROOT`` when set), or None when there is no tmpfs."""
     root = os.environ.get("LIGHTNING_ACCEL_RAM_ROOT")
     if root:
-        return os.path.join(root, tag)
+        # absolute: a process started in another working directory (a worker, a spawned rank) opens the same tier
+        return os.path.abspath(os.path.join(os.path.expanduser(root), tag))
     if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
         return os.path.join("/dev/shm", "lightning_accel", tag)
     return None
