@@ -70,7 +70,9 @@ class LocalStepsConfig:
             default) resolves at construction to ``min(1, sync_every // fragments - 1)``: one step of overlap, or
             none when a fragment is due every step (e.g. ``sync_every=1``, or ``fragments == sync_every``).
         block_size: elements per 1-bit scale block (a multiple of 8).
-        sync_buffers: average floating-point buffers (BatchNorm statistics) in fp32 when fragment 0 is applied.
+        sync_buffers: average the floating-point buffers (BatchNorm statistics) that some rank changed since the last
+            average, in their own precision (float64 in float64, the others in fp32), when fragment 0 is applied.
+            Buffers no rank changed (registered constants) and integer ones (``num_batches_tracked``) do not travel.
         sync_start: optimizer steps at the start of training that each average the parameters over the ranks in fp32
             (a synchronous start, DDP's bytes per step: DiLoCo starts its local steps from a model trained
             synchronously); the ``H``-step schedule begins after them (it counts inner steps from the end
@@ -220,7 +222,9 @@ class LocalSteps:
         config: the hyper-parameters.
         group: the process group to average over (None: the default group). Use a group of its own when other
             collectives may run while an exchange is in flight.
-        buffers: floating-point buffers to average when fragment 0 is applied (``config.sync_buffers``).
+        buffers: the buffers whose floating-point ones are averaged when fragment 0 is applied, if some rank changed
+            them since the last average (``config.sync_buffers``; a copy of each is kept to tell). Every rank must
+            hold the same values when this is built (DDP's broadcast).
 
     Attributes:
         step_count: inner steps taken so far.
@@ -246,7 +250,11 @@ class LocalSteps:
             )
         self.config = config
         self.group = group
-        self.buffers = [b for b in buffers if b.is_floating_point()] if config.sync_buffers else []
+        self.buffers = [b for b in buffers if b.is_floating_point() and b.numel() > 0] if config.sync_buffers else []
+        # each buffer as every rank held it after the last average (DDP broadcast them before this): one that no rank
+        # changed since (a registered constant) is identical everywhere and stays out of the exchange, where averaging
+        # would cost its bytes at every sync and move it (``(a + a + a) / 3`` is not always ``a`` in floating point)
+        self._buffers_seen = [b.detach().clone() for b in self.buffers]
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         device = self.params[0].device
@@ -467,15 +475,34 @@ class LocalSteps:
         self.syncs += 1
 
     def _average_buffers(self) -> None:
-        flat = torch.cat([b.detach().reshape(-1).float() for b in self.buffers])
-        dist.all_reduce(flat, group=self.group)
-        flat.div_(self.world_size)
-        self.bytes_sent += fp32_ring_bytes(flat.numel(), self.world_size)
-        pos = 0
-        with torch.no_grad():
-            for b in self.buffers:
-                b.copy_(flat[pos : pos + b.numel()].view_as(b))
-                pos += b.numel()
+        """Average the floating-point buffers that some rank changed since the last average, each in its own
+        precision (float64 in float64, the others in fp32: a float64 buffer averaged in fp32 would lose its low bits at
+        every sync). Two collectives: one flag per buffer (did any rank change it?), then the values of the changed
+        ones, so every rank averages the same buffers."""
+        device = self.buffers[0].device
+        changed = torch.tensor(
+            [int(not torch.equal(b, seen)) for b, seen in zip(self.buffers, self._buffers_seen, strict=True)],
+            dtype=torch.int32,
+            device=device,
+        )
+        dist.all_reduce(changed, op=dist.ReduceOp.MAX, group=self.group)
+        self.bytes_sent += fp32_ring_bytes(changed.numel(), self.world_size)  # 4-byte flags
+        due = [i for i, flag in enumerate(changed.tolist()) if flag]
+        for dtype in (torch.float32, torch.float64):
+            idx = [i for i in due if (self.buffers[i].dtype == torch.float64) == (dtype == torch.float64)]
+            if not idx:
+                continue
+            flat = torch.cat([self.buffers[i].detach().reshape(-1).to(dtype) for i in idx])
+            dist.all_reduce(flat, group=self.group)
+            flat.div_(self.world_size)
+            self.bytes_sent += fp32_ring_bytes(flat.numel(), self.world_size) * flat.element_size() // 4
+            pos = 0
+            with torch.no_grad():
+                for i in idx:
+                    b = self.buffers[i]
+                    b.copy_(flat[pos : pos + b.numel()].view_as(b))
+                    self._buffers_seen[i].copy_(b)
+                    pos += b.numel()
 
     # -- checkpoints ---------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -95,6 +95,9 @@ _DDP_PARAMS = {
 }
 _DDP_KWARGS = frozenset(_DDP_PARAMS)
 _REJECTED = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
+# DistributedDataParallel options that make DDP average some parameters itself, with a plain fp32 allreduce outside the
+# comm hook (their gradients would travel uncompressed at every step, beside the strategy's own averaging)
+_BYPASSING = ("delay_all_reduce_named_params", "param_to_hook_all_reduce")
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -104,8 +107,17 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
-def _ddp_kwargs(kwargs: dict[str, Any], *, alias: str, cls: str, own: tuple[str, ...], why: str) -> dict[str, Any]:
-    """The DDP / DistributedDataParallel keywords a strategy passes on: a competing comm hook or an unknown keyword
+def _ddp_kwargs(
+    kwargs: dict[str, Any],
+    *,
+    alias: str,
+    cls: str,
+    own: tuple[str, ...],
+    why: str,
+    refused: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """The DDP / DistributedDataParallel keywords a strategy passes on: a competing comm hook, an option that averages
+    parameters outside it, one of ``refused`` (name -> why the strategy cannot honour it) or an unknown keyword
     raises (naming it and the accepted ones); values equal to DDP's defaults are dropped (LightningCLI fills every
     argument in)."""
     for name in _REJECTED:
@@ -113,6 +125,20 @@ def _ddp_kwargs(kwargs: dict[str, Any], *, alias: str, cls: str, own: tuple[str,
             raise ValueError(
                 f"`{name}` cannot be combined with `strategy='{alias}'`: {why}. Use `DDPStrategy` for a custom hook, "
                 "or drop the argument."
+            )
+    for name in _BYPASSING:
+        if kwargs.pop(name, None) is not None:
+            raise ValueError(
+                f"`{name}` cannot be combined with `strategy='{alias}'`: DDP would average those parameters itself, "
+                "with an fp32 allreduce at every step outside the strategy's averaging. Drop the argument (or use "
+                "`DDPStrategy`)."
+            )
+    for name, reason in (refused or {}).items():
+        value = kwargs.pop(name, None)
+        if value is not None:
+            raise ValueError(
+                f"`{name}` cannot be combined with `strategy='{alias}'`, got a {type(value).__name__}: {reason}. "
+                "Drop the argument."
             )
     unknown = sorted(set(kwargs) - _DDP_KWARGS)
     if unknown:
@@ -138,6 +164,13 @@ def _weights_only(checkpoint: Mapping[str, Any]) -> bool:
     training from such a file, so the strategies' resume state has no use in it. Every rank dumps alike, so every rank
     skips the same collective."""
     return "optimizer_states" not in checkpoint
+
+
+def _trainable(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The parameters of ``module`` that DDP puts in its gradient buckets when it wraps it: those that require
+    gradients, less the ones named in ``_ddp_params_and_buffers_to_ignore`` (shared ones once)."""
+    ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+    return [p for name, p in module.named_parameters() if p.requires_grad and name not in ignored]
 
 
 def _on_cpu(state: comm.OneBitState) -> bool:
@@ -244,7 +277,9 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
     Raises:
         TypeError: a hyper-parameter of the wrong type.
         ValueError: a bad hyper-parameter, an unknown keyword, a deprecated name beside its new one, a competing
-            ``ddp_comm_hook``, or ``overlap=True`` with ``find_unused_parameters=True``.
+            ``ddp_comm_hook``, a DDP option that averages parameters outside the 1-bit hook
+            (``delay_all_reduce_named_params``, ``param_to_hook_all_reduce``), or ``overlap=True`` with
+            ``find_unused_parameters=True``.
         RuntimeError: ``compressor_backend="triton"`` without the ``triton`` package (here), or on a device it cannot
             run on (when the fit sets up: CPU tensors without ``TRITON_INTERPRET=1``).
     """
@@ -371,6 +406,10 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
         #: manual optimization: whether the training step now running is a variance refresh (decided before its
         #: backward, see :meth:`training_step`)
         self._manual_refresh = False
+        #: the parameters that required gradients when DDP last wrapped the model (the ones its buckets carry)
+        self._wrapped_trainable: list[torch.Tensor] = []
+        #: whether the re-wrap under way follows a change of ``requires_grad`` alone (the same tensors, same shapes)
+        self._same_tensors_rewrap = False
 
     # -- the lever protocol (lightning_accel._utils.levers.Lever) --------------------------------------------------
     lever_name = "ddp_1bit"
@@ -489,6 +528,7 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
         self._onebit_state = state
         self.model.register_comm_hook(state, comm.onebit_hook)
         self._onebit_live = True
+        self._wrapped_trainable = _trainable(self.model.module)
 
     def _rewrapped(self, state: comm.OneBitState) -> None:
         """The model was wrapped in DDP again during this fit (``configure_ddp`` called after ``setup``: a callback
@@ -505,10 +545,19 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
         assert isinstance(self.model, DistributedDataParallel)
         state.close()  # the gradient path's comm thread and the kept buffers belong to the old layouts
         state.process_group = self.model.process_group
-        dropped = state.replace_parameters(self.model.module.parameters())
+        if self._same_tensors_rewrap:
+            # the same tensors with the same shapes (only which of them require gradients changed): every group's
+            # layout still holds, and a resumed fit, wrapped before its callbacks unfroze them again, keeps the error
+            # state its checkpoint holds for them, as the uninterrupted fit kept it
+            state.set_parameters(self.model.module.parameters())
+            state.kept.clear()
+            dropped = 0
+        else:
+            dropped = state.replace_parameters(self.model.module.parameters())
         for c in self._compressors.values():
             c.parameters_replaced()
         self.model.register_comm_hook(state, comm.onebit_hook)
+        self._wrapped_trainable = _trainable(self.model.module)
         stage = "compressed" if state.compressing else "fp32"
         rank_zero_info(
             f"ddp_1bit: the model was wrapped in DDP again at step {state.step}; the {stage} schedule continues "
@@ -845,6 +894,7 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
             self.node_topology.destroy()
         # a later fit on this Trainer builds a new state: a checkpoint it resumes must wait for that one
         self._onebit_live = False
+        self._wrapped_trainable = []
         self._onebit_loaded = self._overlap_loaded = self._warmup_loaded = self._grads_loaded = None
         super().teardown()
 
@@ -855,6 +905,41 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
         redirect_find_unused_parameters_advice(
             exception, "ddp_1bit_find_unused_parameters_true", "OneBitDDPStrategy(find_unused_parameters=True)"
         )
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Wrap the model in DDP again when the parameters that require gradients are no longer the ones DDP wrapped
+        (a callback unfroze or froze some: ``BaseFinetuning`` unfreezing a backbone); the schedule and the 1-bit
+        state continue (:meth:`_rewrapped`).
+
+        DDP builds its buckets from the parameters that require gradients when it wraps the model. A parameter
+        unfrozen later would never travel in them: each rank would train it on its own gradients in every step that
+        DDP averages (the fp32 warm-up, a variance refresh, the gradient path, ``compression="auto"`` back in fp32),
+        and the ranks' copies would drift apart without a word. One frozen later would leave DDP waiting for its
+        gradient and fail the next step. The parameters unfrozen now have not moved since DDP broadcast them, and
+        the others are identical on every rank (averaged), so the new wrapper's broadcast changes nothing.
+
+        Here, after the callbacks' and the LightningModule's ``on_train_batch_start`` and before the batch's forward:
+        ``toggle_optimizer`` inside a manual training step (the GAN recipe) is not a change. Every rank runs the same
+        callbacks, so every rank re-wraps at the same batch (DDP's wrap is a collective).
+        """
+        super().on_train_batch_start(batch, batch_idx)
+        model = self.model
+        if not self._onebit_live or self._onebit_state is None or not isinstance(model, DistributedDataParallel):
+            return
+        now, before = _trainable(model.module), self._wrapped_trainable
+        if len(now) == len(before) and all(a is b for a, b in zip(now, before, strict=True)):
+            return
+        rank_zero_info(
+            f"ddp_1bit: the parameters that require gradients changed at step {self._onebit_state.step} "
+            f"({len(before)} -> {len(now)} tensors): the model is wrapped in DDP again so that all of them are averaged"
+        )
+        self.model = model.module
+        self._same_tensors_rewrap = True
+        try:
+            self.configure_ddp()
+        finally:
+            self._same_tensors_rewrap = False
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -1085,7 +1170,8 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
             ``sync_every // fragments``). None: 1, or 0 when a fragment is due every step
             (``sync_every // fragments == 1``).
         block_size: elements per 1-bit scale block.
-        sync_buffers: average floating-point buffers (BatchNorm statistics) at every sync of fragment 0.
+        sync_buffers: average the floating-point buffers that some rank changed (BatchNorm statistics) at every sync
+            of fragment 0, in their own precision; constant and integer buffers do not travel.
         sync_start: optimizer steps at the start that each average the parameters in fp32 (a synchronous start,
             DDP's bytes per step) before the local steps begin (0: none).
         log_stats: log ``comm/bytes_sent`` (this rank, last step) every training step.
@@ -1096,7 +1182,10 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
 
     Raises:
         TypeError: a hyper-parameter of the wrong type.
-        ValueError: a bad hyper-parameter, an unknown keyword, or a competing ``ddp_comm_hook``.
+        ValueError: a bad hyper-parameter, an unknown keyword, a competing ``ddp_comm_hook``, a DDP option that
+            averages parameters outside the local steps (``delay_all_reduce_named_params``,
+            ``param_to_hook_all_reduce``), or a DDP ``process_group`` / ``device_mesh`` (the local steps average over
+            every process).
     """
 
     strategy_name = "diloco"
@@ -1131,6 +1220,10 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
             cls="LocalStepsStrategy",
             own=(*_LOCAL_OWN, "block_size", "sync_buffers", "log_stats"),
             why="local steps replace DDP's averaging",
+            refused={
+                name: "the local steps average over every process of the job, in a group of their own"
+                for name in ("process_group", "device_mesh")
+            },
         )
         if "broadcast_buffers" not in kwargs and "forward_sync_buffers" in _DDP_KWARGS:
             kwargs.setdefault("forward_sync_buffers", False)  # no per-forward collective; the buffers are averaged
@@ -1245,12 +1338,14 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
         for a change at every step: a sync of the whole model and a reset of the outer momentum and error feedback at
         every step, with a line logged each time.
 
+        The model is wrapped in DDP again after the sync, so that DDP's buckets follow the parameters trained now.
         Without it a parameter unfrozen mid-fit would train on each rank alone, never averaged, and the fit would end
-        with ranks that disagree; a parameter frozen mid-fit would keep travelling, and a 1-bit block it shares with
-        trained ones would move it. The parameters unfrozen here have not moved since DDP broadcast them (frozen until
-        this step), so after the sync every rank holds the same model. The outer momentum and the error feedback,
-        laid out for the old fragments, restart from zero; the step count keeps the sync schedule's phase. Every rank
-        runs the same callbacks, so every rank rebuilds at the same step (the sync is a collective).
+        with ranks that disagree; a parameter frozen mid-fit would keep travelling, a 1-bit block it shares with
+        trained ones would move it, and DDP would fail the next backward waiting for its gradient. The parameters
+        unfrozen here have not moved since DDP broadcast them (frozen until this step), so after the sync every rank
+        holds the same model. The outer momentum and the error feedback, laid out for the old fragments, restart from
+        zero; the step count keeps the sync schedule's phase. Every rank runs the same callbacks, so every rank
+        rebuilds at the same step (the sync and the wrap are collectives).
         """
         local = self._local
         assert local is not None and isinstance(self.model, DistributedDataParallel)
@@ -1258,6 +1353,13 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
         if len(trained) == len(local.params) and all(a is b for a, b in zip(trained, local.params, strict=True)):
             return
         local.final_sync()
+        # DDP waits for a gradient of every parameter that required one when it wrapped the model: one frozen now
+        # would fail the next backward. Wrapped again (its broadcast hands every rank rank 0's parameters, which every
+        # rank holds after the sync), its buckets follow the parameters trained now
+        self.model = self.model.module
+        super().configure_ddp()
+        assert isinstance(self.model, DistributedDataParallel)
+        self.model.register_comm_hook(None, _local_hook)
         self._local = LocalSteps(
             trained, self._config, group=self._outer_group, buffers=list(self.model.module.buffers())
         )
@@ -1267,8 +1369,8 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
             frag.adopted_at = local.step_count
         rank_zero_info(
             f"diloco: the trained parameters changed at inner step {local.step_count} ({len(local.params)} -> "
-            f"{len(trained)} tensors): every fragment was synced and a new outer state (momentum and error feedback "
-            "from zero) continues on the same sync schedule"
+            f"{len(trained)} tensors): every fragment was synced, the model wrapped in DDP again, and a new outer "
+            "state (momentum and error feedback from zero) continues on the same sync schedule"
         )
 
     def _continue_schedule(self, previous: LocalSteps) -> None:
