@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import logging
 import os
+import threading
 import weakref
 from collections import deque
 from collections.abc import Sequence
@@ -28,9 +29,9 @@ from typing_extensions import override
 
 from lightning_accel._utils import compat
 from lightning_accel._utils.atomic import is_local_url
-from lightning_accel._utils.checks import check_bool
+from lightning_accel._utils.checks import check_bool, check_number
 from lightning_accel._utils.compat import PathType, register_before_thread_shutdown
-from lightning_accel._utils.deferred import resolve_deferred
+from lightning_accel._utils.deferred import Deferred, resolve_deferred
 from lightning_accel._utils.errors import one_line
 from lightning_accel._utils.forksafe import ForkSafeLock
 from lightning_accel.checkpoint.background import (
@@ -48,6 +49,10 @@ from lightning_accel.checkpoint.store import GC_GRACE_S, DeltaStore, SaveStats, 
 __all__ = ["CheckpointSaveError", "DeltaCheckpointIO"]
 
 log = logging.getLogger(__name__)
+
+#: default of ``deferred_timeout_s``: Lightning's default process-group timeout, so a gather in flight is not given up
+#: on before the collective itself would time out
+DEFERRED_TIMEOUT_S = 1800.0
 
 #: this process's plugins, whose queued saves are finished at interpreter exit (:func:`_finish_saves_at_exit`)
 _LIVE: weakref.WeakSet[DeltaCheckpointIO] = weakref.WeakSet()
@@ -82,10 +87,10 @@ class DeltaCheckpointIO(CheckpointIO):
     arbitrary objects. See ``docs/checkpoint.md``.
 
     Every argument is keyword-only and validated here, in ``__init__`` (one line naming the argument, the value, the
-    range and the fix). Apart from ``async_save``, ``max_pending``, ``write_delay_s``, ``on_save_error`` and
-    ``storage_options`` they are the fields of :class:`~lightning_accel.checkpoint.options.StoreOptions` (which
-    validates and documents them in full), made once and handed to the
-    :class:`~lightning_accel.checkpoint.store.DeltaStore`.
+    range and the fix). Apart from ``async_save``, ``max_pending``, ``write_delay_s``, ``on_save_error``,
+    ``deferred_timeout_s`` and ``storage_options`` they are the fields of
+    :class:`~lightning_accel.checkpoint.options.StoreOptions` (which validates and documents them in full), made once
+    and handed to the :class:`~lightning_accel.checkpoint.store.DeltaStore`.
 
     Args:
         async_save: **Saving.** Snapshot tensors into reused CPU buffers (pinned for GPU tensors) on the training
@@ -111,6 +116,11 @@ class DeltaCheckpointIO(CheckpointIO):
             behind it runs (no removal after the failed save). ``"warn"``: every failure is warned at the next call
             and training goes on; a removal queued after a failed save is skipped, so the older checkpoint stays.
             Either way the blobs a failed save wrote are deleted again.
+        deferred_timeout_s: with ``async_save``, seconds the writer waits for a checkpoint value still being
+            produced when the save was requested (``ddp_1bit``'s gather of every rank's error state) before that save
+            fails with a ``TimeoutError`` naming the checkpoint (reported as ``on_save_error`` says; the previous
+            checkpoint stays). Default 1800, Lightning's default process-group timeout: a rank that died before
+            joining the gather does not leave ``teardown`` waiting forever.
         storage_options: **Storage.** fsspec options for ``s3://`` and other remote checkpoint directories.
         quantize: **Lossy deltas (opt-in).** ``None`` (lossless), ``"int8"`` or ``"int4"`` quantized deltas (full
             snapshots stay lossless).
@@ -160,6 +170,7 @@ class DeltaCheckpointIO(CheckpointIO):
         max_pending: int = 2,
         write_delay_s: float = 0.05,
         on_save_error: Literal["raise", "warn"] = "raise",
+        deferred_timeout_s: float = DEFERRED_TIMEOUT_S,
         storage_options: dict[str, Any] | None = None,
         quantize: Literal["int8", "int4"] | None = None,
         quantize_groups: Literal["optimizer", "all"] | Sequence[str] = "optimizer",
@@ -179,6 +190,13 @@ class DeltaCheckpointIO(CheckpointIO):
     ) -> None:
         super().__init__()
         self.async_save = check_bool("async_save", async_save)
+        self.deferred_timeout_s = check_number(
+            "deferred_timeout_s",
+            deferred_timeout_s,
+            low=0,
+            low_open=True,
+            fix=f"Default {DEFERRED_TIMEOUT_S:g} (Lightning's process-group timeout); raise it for slower gathers.",
+        )
         options = StoreOptions(
             quantize=quantize,
             quantize_groups=quantize_groups,
@@ -264,7 +282,7 @@ class DeltaCheckpointIO(CheckpointIO):
         # the values still being produced at the snapshot (collectives in flight) are waited for here, off the
         # training thread; they are fresh tensors of this save alone, so they need no snapshot copy
         try:
-            tree = resolve_deferred(snap.tree)
+            tree = _resolve_within(snap.tree, path, self.deferred_timeout_s)
             stats = self.store.save(
                 tree, path, content_id=snap.content_id, pause=self._writer.yield_to_snapshots, aliases=snap.aliases
             )
@@ -499,6 +517,53 @@ class DeltaCheckpointIO(CheckpointIO):
             self.store.close()
             self.store.forget()
             trim_heap()  # the chain bases and snapshot buffers just freed go back to the OS
+
+
+def _holds_deferred(obj: Any) -> bool:
+    if isinstance(obj, Deferred):
+        return True
+    if isinstance(obj, dict):
+        return any(_holds_deferred(v) for v in obj.values())
+    if type(obj) in (list, tuple):
+        return any(_holds_deferred(v) for v in obj)
+    return False
+
+
+def _resolve_within(tree: Any, path: str, timeout_s: float) -> Any:
+    """:func:`~lightning_accel._utils.deferred.resolve_deferred` of ``tree``, waiting at most ``timeout_s`` seconds.
+
+    Why: the value is a collective in flight; a rank that died before joining it never completes it, and a writer
+    waiting without a bound left ``teardown`` (and every later save) waiting forever. The wait cannot be interrupted,
+    so it runs on a daemon thread of its own that is left behind when the bound passes (the collective's own error
+    or the process group's end releases it); the save fails with ``TimeoutError`` naming ``path``.
+
+    Raises:
+        TimeoutError: a value was not ready within ``timeout_s``.
+    """
+    if not _holds_deferred(tree):
+        return tree  # the usual save: no thread
+    result: list[Any] = []
+    error: list[BaseException] = []
+
+    def resolve() -> None:
+        try:
+            result.append(resolve_deferred(tree))
+        except BaseException as e:  # noqa: BLE001 - raised again on the writer's thread below
+            error.append(e)
+
+    waiter = threading.Thread(target=resolve, name="lightning-accel-checkpoint-deferred", daemon=True)
+    waiter.start()
+    waiter.join(timeout_s)
+    if waiter.is_alive():
+        raise TimeoutError(
+            f"Checkpoint {path!r}: a value still being produced for it (a collective in flight, e.g. `ddp_1bit`'s "
+            f"gather of every rank's error state) was not ready after {timeout_s:g} s (`deferred_timeout_s`): a rank "
+            "may have died or stopped before saving. This save failed and the previous checkpoint is kept; check the "
+            "other ranks, or raise `DeltaCheckpointIO(deferred_timeout_s=...)` if the gather is that slow."
+        )
+    if error:
+        raise error[0]
+    return result[0]
 
 
 def _tracked_checkpoints(checkpoint: dict[str, Any]) -> list[str]:

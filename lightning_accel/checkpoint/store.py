@@ -580,9 +580,30 @@ class DeltaStore:
             dstate.entries = new_entries
             dstate.live[path] = {n: (s.entry.chain, s.entry.sizes) for n, s in new_entries.items()}
             if replacing:
-                self.collect_garbage(directory)
+                self._collect_after(directory, f"Checkpoint {path!r} was saved")
         stats.seconds = time.perf_counter() - t0
         return stats
+
+    def _collect_after(self, directory: str, done: str, grace_s: float | None = None) -> int:
+        """:meth:`collect_garbage` of ``directory`` after a save or removal took effect (``done`` says which, for the
+        warning); returns the files deleted. A failure is warned, not raised.
+
+        Why: the manifest is published (or unlinked) by then, so the checkpoint's state is what the caller asked for;
+        a blob that could not be deleted (a permission, an object store's transient error) failed that save, and with
+        ``async_save`` stopped the run although nothing was lost. An unreferenced blob is only space: the next
+        collection of the directory (the next replacing save or removal, the first save of a later run) deletes it.
+        """
+        try:
+            return self.collect_garbage(directory, grace_s=grace_s)
+        except CheckpointDirectoryLockedError:
+            raise  # not this store's to write any more: the caller must know
+        except Exception as e:  # noqa: BLE001 - the save or removal itself succeeded; see above
+            line = one_line(
+                f"{done}, but collecting the blobs no checkpoint needs in {directory!r} failed: {type(e).__name__}: "
+                f"{one_line(e, first=True)}. They stay on disk until a later save or removal there collects them."
+            )
+            warnings.warn(line, UserWarning, stacklevel=3)
+            return 0
 
     def _delete_created(self, urls: list[str]) -> None:
         """After a failed save: delete the blobs it created (no manifest references them: the save published
@@ -1175,7 +1196,7 @@ class DeltaStore:
             for d in dirs:
                 # a checkpoint left in the folder may have readers of the removed one's blobs too: the usual period
                 grace = None if last_grace_s is None or self.live_keys(d) else last_grace_s
-                deleted += self.collect_garbage(d, grace_s=grace)
+                deleted += self._collect_after(d, f"Checkpoint(s) in {d!r} were removed", grace_s=grace)
                 if drop_emptied:
                     self._drop_if_emptied(d)
             return deleted

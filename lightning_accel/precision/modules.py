@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
 import torch
@@ -54,6 +55,7 @@ __all__ = [
     "conv_bn_problem",
     "eager_children",
     "fused_children",
+    "held_by_fsdp1",
     "holds_planned",
     "is_fused",
     "mha_supported",
@@ -585,6 +587,14 @@ def _qkv_state_dict_post_hook(module: nn.Module, state_dict: dict[str, Any], pre
                     state_dict[f"{prefix}{name}.{kind}"] = _qkv_part(own[packed[kind]], chunks[i], i)
 
 
+def held_by_fsdp1(module: nn.Module, name: str) -> bool:
+    """Whether ``module.<name>`` is a view of an FSDP1 (``FullyShardedDataParallel``) flat parameter: a plain tensor
+    in the place of the parameter (``use_orig_params=False``) or a parameter FSDP1 flattened (``use_orig_params=True``).
+    """
+    t = getattr(module, name, None)
+    return t is not None and (name not in module._parameters or bool(getattr(t, "_fsdp_flattened", False)))
+
+
 def _qkv_part(packed: torch.Tensor, rows: torch.Tensor, i: int) -> torch.Tensor:
     """The state-dict entry of part ``i`` (``rows``, a detached view of ``packed``'s rows) of a packed q/k/v entry.
 
@@ -627,8 +637,14 @@ def _qkv_load_state_dict_pre_hook(
         current = getattr(packed, kind, None) if packed is not None else None
         given = [k in state_dict for k in keys]
         packed_key = f"{prefix}qkv_proj.{kind}"
-        if not isinstance(current, torch.Tensor) or packed_key in state_dict:
-            continue  # no packed parameter for these keys (they stay unexpected, as unfused), or a packed checkpoint
+        if not isinstance(current, torch.Tensor):
+            continue  # no packed parameter for these keys: they stay unexpected, as unfused
+        if packed_key in state_dict:
+            if state_dict[packed_key] is not current or not any(given):
+                continue  # a packed checkpoint
+            # torch.distributed.checkpoint's full-state-dict load puts the model's own parameter under its packed name
+            # beside the given parts: the parts are what is loaded
+            del state_dict[packed_key]
         if not any(given):
             # reported as the unfused model reports them, not as `qkv_proj`, a name the user's model does not have;
             # the parameter itself as its value loads nothing (and `assign=True` keeps the same object)
@@ -760,6 +776,35 @@ class FusedAttentionMixin(_FusedMixin):
 
     def _la_eager_children(self) -> tuple[str, ...]:
         return ("proj",) if self._la_fuse_out and self._la_out_eager() else ()  # the packed GEMM is a module call
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        """Where ``torch.distributed.checkpoint.state_dict`` finds the modules of this module's ``state_dict`` keys.
+
+        ``get_model_state_dict`` (and the optimizer variants) resolve every key of ``state_dict()`` as an attribute
+        path. Packed, the keys are still ``q_proj.weight``... (:func:`_qkv_state_dict_post_hook`) but the modules are
+        gone: the path of ``q_proj`` goes through :attr:`_la_qkv_parts`, which holds the three parts' row views.
+        Unpacked, the projections are modules of their own and nothing is redirected."""
+        if "qkv_proj" not in compat.child_modules(self):
+            return {}
+        return dict.fromkeys(QKV_PARTS, "_la_qkv_parts")
+
+    @property
+    def _la_qkv_parts(self) -> SimpleNamespace:
+        """``q_proj``/``k_proj``/``v_proj`` of the packed projection, each with the ``weight`` and ``bias`` (None
+        without bias) rows its ``state_dict`` entries hold, detached: for code that walks state-dict keys as
+        attribute paths, not a module to call or train."""
+        qkv = compat.child_modules(self).get("qkv_proj")
+        if not isinstance(qkv, nn.Linear):
+            raise AttributeError(f"{type(self).__name__} has no packed `qkv_proj`")
+        rows = {
+            k: t.detach().chunk(len(QKV_PARTS), dim=0) for k in ("weight", "bias") if (t := getattr(qkv, k)) is not None
+        }
+        return SimpleNamespace(
+            **{
+                name: SimpleNamespace(weight=rows["weight"][i], bias=rows["bias"][i] if "bias" in rows else None)
+                for i, name in enumerate(QKV_PARTS)
+            }
+        )
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         b, s, c = x.shape

@@ -27,10 +27,12 @@ from lightning_accel.precision.compile import compile_in_place
 from lightning_accel.precision.optim_state import pack_qkv_optimizer_state, unpack_qkv_optimizer_state
 from lightning_accel.precision.surgery import (
     FusionReport,
+    Replaced,
     Replacement,
     _fusion_policy,
     _ignore_list,
     apply_fusions,
+    follow_replaced_parameters,
     unfuse,
 )
 
@@ -73,7 +75,8 @@ class FusedPrecision(MixedPrecision):
     Checkpoints look unfused: the model's ``state_dict`` keys through state-dict hooks, the optimizer state through
     :meth:`on_save_checkpoint` (a packed q/k/v parameter's state is saved as its three parts'), so a run with or
     without this plugin, or with other ``fusions``, resumes from it; :meth:`on_load_checkpoint` packs an unfused
-    optimizer state for the fused model.
+    optimizer state for the fused model. An optimizer the LightningModule built before the surgery (in ``__init__``)
+    is pointed at the packed parameters when the Trainer connects it (:meth:`connect`).
 
     Args:
         precision: ``"bf16-mixed"`` or ``"16-mixed"``.
@@ -177,6 +180,8 @@ class FusedPrecision(MixedPrecision):
         self.backend = backend
         self.memory_format = memory_format
         self.report: FusionReport | None = None
+        # every parameter surgery replaced, by weak reference, for optimizers built before it (see `connect`)
+        self._replaced: list[Replaced] = []
         self._module: weakref.ref[nn.Module] | None = None
         #: why surgery was undone for the rest of the fit (:meth:`switch_off`), or None
         self.switched_off_reason: str | None = None
@@ -221,6 +226,7 @@ class FusedPrecision(MixedPrecision):
         )
         if self.report is None or len(report):
             self.report = report
+        self._replaced.extend(report.replaced)
         if self.memory_format == "channels_last":
             # in place (`param.data` swapped): optimizers built later, or already holding these parameters, see them
             module.to(memory_format=torch.channels_last)
@@ -229,6 +235,23 @@ class FusedPrecision(MixedPrecision):
         if self.compile:
             compile_in_place(module, **self.compile_kwargs)
         return module
+
+    @override
+    def connect(
+        self, model: nn.Module, optimizers: list[torch.optim.Optimizer], lr_schedulers: list[Any]
+    ) -> tuple[nn.Module, list[torch.optim.Optimizer], list[Any]]:
+        """Point the Trainer's optimizers at the parameters surgery replaced (Lightning calls this once they are
+        built, after :meth:`convert_module`): an optimizer built in the LightningModule's ``__init__`` still holds
+        the q/k/v weights that packing replaced, and would step them outside the model.
+
+        Raises:
+            ValueError: when such an optimizer holds the replaced weights in a way one packed parameter cannot follow
+                (only some of them, or in different parameter groups); the message names the fix.
+        """
+        if self._replaced:
+            unwrapped = [o.optimizer if isinstance(o, LightningOptimizer) else o for o in optimizers]
+            follow_replaced_parameters(unwrapped, FusionReport(replaced=self._replaced))
+        return super().connect(model, optimizers, lr_schedulers)
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -43,9 +43,10 @@ from __future__ import annotations
 
 import logging
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import nn
@@ -62,9 +63,11 @@ __all__ = [
     "Candidate",
     "FusionRecord",
     "FusionReport",
+    "Replaced",
     "Replacement",
     "apply_fusions",
     "eligible_modules",
+    "follow_replaced_parameters",
     "replace_optimizer_params",
     "unfuse",
 ]
@@ -72,6 +75,15 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 ParamSwap = tuple[list[torch.Tensor], nn.Parameter]
+
+
+class Replaced(NamedTuple):
+    """Parameters one surgery replaced: the ``module`` path, weak references to the ``olds`` (alive only while
+    something outside the model still holds them, such as an optimizer built before surgery) and the ``new`` one."""
+
+    module: str
+    olds: tuple[weakref.ReferenceType[torch.Tensor], ...]
+    new: nn.Parameter
 
 
 @dataclass
@@ -107,6 +119,12 @@ class FusionReport:
     records: list[FusionRecord] = field(default_factory=list)
     param_swaps: list[ParamSwap] = field(default_factory=list)
     candidates: list[Candidate] = field(default_factory=list)
+    #: the replaced parameters by weak reference (:func:`follow_replaced_parameters`); not pickled
+    replaced: list[Replaced] = field(default_factory=list, repr=False, compare=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # weak references do not pickle, and point at nothing in another process
+        return {**self.__dict__, "replaced": []}
 
     def skipped(self) -> list[Candidate]:
         """The eligible modules left unfused, each with its ``reason``."""
@@ -312,6 +330,15 @@ def _qkv_problem(m: nn.Module) -> str | None:
     if hooked:  # packing removes the three modules, and their hooks
         return f"{hooked[0]} has hooks (a pruning mask, a user's hook) that packing would drop"
     for n, lin in linears.items():
+        for kind in ("weight", "bias"):
+            # FSDP1 (`FullyShardedDataParallel`) turns a wrapped module's parameters into views of its flat parameter:
+            # plain tensors whose storage is freed between forwards (`use_orig_params=False`; reading them crashed the
+            # process) or parameters holding this rank's shard only (`use_orig_params=True`)
+            if fm.held_by_fsdp1(lin, kind):
+                return (
+                    f"{n}.{kind} is held by the flat parameter of an FSDP1 `FullyShardedDataParallel` wrapper: packing "
+                    "would copy a shard, not the projection"
+                )
         for kind, p in lin.named_parameters(recurse=False):
             if type(p.data) is not torch.Tensor:
                 # a DTensor sharded by FSDP2's `fully_shard` or tensor parallelism (Lightning's ModelParallelStrategy
@@ -968,6 +995,39 @@ def replace_optimizer_params(optimizers: Iterable[torch.optim.Optimizer], swaps:
     return changed
 
 
+def follow_replaced_parameters(optimizers: Iterable[torch.optim.Optimizer], report: FusionReport) -> int:
+    """Point optimizers built before surgery, and not passed to :func:`apply_fusions`, at the parameters that replaced
+    the ones they hold (QKV packing): otherwise they step parameters that are no longer in the model, and the packed
+    projection never trains. An optimizer that holds none of the replaced parameters is left as it is.
+
+    Returns:
+        the number of parameter groups changed.
+
+    Raises:
+        ValueError: when an optimizer holds only some of the parameters one new parameter replaced, or holds them in
+            different parameter groups: one packed parameter cannot follow them.
+    """
+    changed = 0
+    for opt in optimizers:
+        for rep in report.replaced:
+            olds = [ref() for ref in rep.olds]
+            alive = [o for o in olds if o is not None]
+            groups = {j for j, g in enumerate(opt.param_groups) for p in g["params"] if any(p is o for o in alive)}
+            if not groups:
+                continue
+            held = {id(p) for g in opt.param_groups for p in g["params"]}
+            if len(alive) < len(olds) or any(id(o) not in held for o in alive) or len(groups) > 1:
+                what = "in different parameter groups" if len(groups) > 1 else "only in part"
+                raise ValueError(
+                    f"An optimizer ({type(opt).__name__}) built before the surgery holds the parameters that surgery "
+                    f"packed into one in `{rep.module}` (q_proj/k_proj/v_proj) {what}, which the packed parameter "
+                    "cannot follow. Build the optimizer in `configure_optimizers`, which runs after the surgery, or "
+                    f"leave `qkv` out of `fusions` (or pass `ignore_modules=['{rep.module}']`)."
+                )
+            changed += replace_optimizer_params([opt], [(alive, rep.new)])
+    return changed
+
+
 def _fusion_policy(fusions: object) -> Mapping[str, Sequence[Replacement]]:
     """The policy ``fusions`` selects: None (all of :data:`DEFAULT_POLICY`), one pattern name or a sequence of them,
     or a custom ``{pattern: [Replacement, ...]}`` policy, returned as it is.
@@ -1115,6 +1175,9 @@ def apply_fusions(
                         continue
                     report.records.append(FusionRecord(name, pattern, detail))
                     report.param_swaps.extend(swaps)
+                    report.replaced.extend(
+                        Replaced(name, tuple(weakref.ref(o) for o in olds), new) for olds, new in swaps
+                    )
     finally:
         for m in marked:
             m.__dict__.pop(_IGNORED_MARK, None)

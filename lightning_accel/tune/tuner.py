@@ -770,6 +770,19 @@ def _written_by_tune(path: Path, kind: str) -> bool:
     return text.startswith("# tune report (job " if kind == "md" else HEADER)
 
 
+def _report_owner(path: Path) -> str | None:
+    """The file name of the tuned config that the JSON report at ``path`` was written with (beside it), or None: no
+    report there, not one of ``tune``'s, or one from before the reports named their config."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("written_by") != _REPORT_MARK:
+        return None
+    tuned = data.get("tuned")
+    return tuned if isinstance(tuned, str) and tuned else None
+
+
 def _report_paths(out: Path) -> dict[str, Path]:
     stem = out.parent / "tune_report"
     return {"tuned": out, "json": Path(f"{stem}.json"), "md": Path(f"{stem}.md"), "png": Path(f"{stem}.png")}
@@ -791,12 +804,13 @@ def _check_out_is_no_folder_name(out: str | os.PathLike[str]) -> None:
 
 
 def check_outputs(out: str | os.PathLike[str], *, force: bool = False) -> None:
-    """Refuse to overwrite, at ``out`` or as ``tune_report.{json,md,png}`` beside it, a file ``tune`` did not write.
+    """Refuse to overwrite, at ``out`` or as ``tune_report.{json,md,png}`` beside it, a file ``tune`` did not write,
+    and reports ``tune`` wrote with another tuned config that is still beside them.
 
     Raises:
         ValueError: ``out`` is a folder (or ends with a path separator), is named as one of those reports, or is in a
             folder that cannot be created or written (a file on its path), or (without ``force``) one of those files
-            exists and is not ``tune``'s.
+            exists and is not ``tune``'s, or the reports there are those of another tuned config in that folder.
     """
     _check_out_is_no_folder_name(out)
     paths = _report_paths(Path(out).expanduser())
@@ -820,6 +834,15 @@ def check_outputs(out: str | os.PathLike[str], *, force: bool = False) -> None:
         )
     if force:
         return
+    other = _report_owner(paths["json"])
+    if other is not None and other != paths["tuned"].name:
+        config = paths["tuned"].parent / other
+        if config.is_file() and _written_by_tune(config, "tuned"):
+            raise ValueError(
+                f"the report {os.fspath(paths['json'])!r} beside {named_arg('out')} is the report of the tuned config "
+                f"{os.fspath(config)!r} there, not of {named_arg('out')} {os.fspath(out)!r}: refusing to overwrite it. "
+                f"Pass an {named_arg('out')} in another folder, or {named_arg('force', True)} to overwrite it."
+            )
     for name, path in paths.items():
         if path.exists() and not _written_by_tune(path, name):
             what = (
@@ -854,6 +877,8 @@ def write_outputs(res: TuneResult, out: str | os.PathLike[str], *, force: bool =
     stem = out.parent / "tune_report"
     summary = {
         "written_by": _REPORT_MARK,
+        # the config these reports belong to: a tune with another `out` in this folder does not replace them
+        "tuned": out.name,
         "fingerprint": res.fingerprint,
         "cached": res.cached,
         "seconds": res.seconds,
@@ -982,10 +1007,31 @@ def exhaustive(
     combination, then one per extra: ``{"names": [...], "step_s": fastest,
     "runs": [...], "numerics_ok": ..., "error": ...}`` (step times normalised per baseline batch, as the tuner's).
 
-    The trials run in a folder ``.tune-grid-<hash>`` that the grid makes under ``root`` and removes at the end, also
-    when interrupted; ``root`` itself and anything else in it are left alone (``root`` is removed only when the grid
-    created it and it is empty at the end).
+    The trials run in a folder ``.tune-grid-<hash>`` that the grid makes under ``root``, claims as a tune claims its
+    own (an owner file: a second grid of the same job in ``root`` while this one runs is refused with a
+    ``ValueError``; a folder a killed grid left is taken over, and one of a killed grid of another job is removed),
+    and removes at the end, also when interrupted; ``root`` itself and anything else in it are left alone (``root``
+    is removed only when the grid created it and it is empty at the end).
+
+    Raises:
+        ValueError: (before any trial) ``rounds``, ``warmup`` or ``k`` below 1, ``steps`` below 3, a ``root`` that
+            cannot be created or written, or a grid of the same job running in ``root``.
+        TypeError: one of those counts is not an integer.
     """
+    from lightning_accel._utils.checks import check_int
+
+    # before any trial: `rounds=0` measured nothing and returned rows without a time, and a `root` that is a file
+    # failed with a bare NotADirectoryError
+    check_int(arg_label("rounds"), rounds, low=1)
+    check_int(arg_label("warmup"), warmup, low=1)
+    check_int(arg_label("steps"), steps, low=3, fix="A trial times at least 2 steps besides the one of its save.")
+    check_int(arg_label("k"), k, low=1, fix="It is the number of loss steps the numerics check compares.")
+    problem = folder_problem(root)
+    if problem is not None:
+        raise ValueError(
+            f"{named_arg('root')} {os.fspath(root)!r} cannot hold the grid's trial folder: {problem}. Pass a folder "
+            f"you can write, e.g. {named_arg('root', 'grid')}."
+        )
     job = copy.deepcopy(dict(job))
     if job.get("trainer") is None:  # `trainer:` with nothing under it (see `tune_job`)
         job["trainer"] = {}
@@ -1017,6 +1063,15 @@ def exhaustive(
     made_root = not grid_root.exists()
     grid = json.dumps({"job": job, "levers": list(levers), "skip": list(skip)}, sort_keys=True, default=repr)
     work = grid_root / f".tune-grid-{hashlib.sha1(grid.encode()).hexdigest()[:12]}"
+    # claimed before the `try` whose `finally` removes `work`: a grid refused here must not remove the folder of the
+    # grid of this job that runs in it (both used one folder, and the first to end deleted the other's live trials)
+    refusal = None
+    if _node_leader():
+        _sweep_dead_work(grid_root)
+        refusal = _claim_work(work, None, grid=True)
+    refusal = agree(refusal)
+    if refusal is not None:
+        raise ValueError(refusal)
     try:
         for r in range(rounds):
             for idx in order if r % 2 == 0 else reversed(order):
@@ -1029,7 +1084,7 @@ def exhaustive(
                     rows[idx]["losses"] = rows[idx]["losses"] or m.losses
                     rows[idx]["precision"], rows[idx]["ratio"] = job_precision(cand), ratio
     finally:
-        if _rank_zero():
+        if _node_leader():  # every node claimed and worked in its own `work`, as a tune's (see `tune_job`)
             _remove_scratch(work)
             if made_root:  # `root` was made for the grid: it goes too, unless something else was put in it since
                 with contextlib.suppress(OSError):
@@ -1117,8 +1172,9 @@ def _terminate_cleanly() -> Iterator[None]:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-#: a tune's trial folder beside ``out`` (``.tune-<fingerprint>``): the only folders the sweep of dead tunes removes
-_WORK_NAME = re.compile(r"\.tune-[0-9a-f]{16}")
+#: a tune's trial folder beside ``out`` (``.tune-<fingerprint>``) and an exhaustive grid's under its ``root``
+#: (``.tune-grid-<hash>``): the only folders the sweep of dead tunes removes
+_WORK_NAME = re.compile(r"\.tune-(?:[0-9a-f]{16}|grid-[0-9a-f]{12})")
 #: the marker in an owner file (see :func:`_claim_work`)
 _OWNER_MARK = "lightning-accel tune"
 
@@ -1152,10 +1208,11 @@ def _read_owner(path: Path) -> dict[str, Any] | None:
     return owner if isinstance(owner, dict) and owner.get("written_by") == _OWNER_MARK else None
 
 
-def _claim_work(work: Path, out: str | os.PathLike[str] | None) -> str | None:
+def _claim_work(work: Path, out: str | os.PathLike[str] | None, *, grid: bool = False) -> str | None:
     """Make ``work`` this tune's trial folder on this node, or say in one line why not (a running tune of the same job
-    works in it). A folder a dead tune left (killed: no ``finally`` ran) is removed first. The claim is an owner file
-    (this process's host, pid and start time) linked into place: of two tunes that start at once, one gets it."""
+    works in it; ``grid``: the folder of an :func:`exhaustive` grid, made under its ``root``). A folder a dead tune
+    left (killed: no ``finally`` ran) is removed first. The claim is an owner file (this process's host, pid and start
+    time) linked into place: of two tunes that start at once, one gets it."""
     owner_path = _owner_path(work)
     me = {"written_by": _OWNER_MARK, "host": platform.node(), "pid": os.getpid(), "start": process_start(os.getpid())}
     for _ in range(2):  # a second time after removing what a dead tune left
@@ -1174,6 +1231,12 @@ def _claim_work(work: Path, out: str | os.PathLike[str] | None) -> str | None:
             _remove_scratch(work)
             continue
         who = "" if owner is None else f" (pid {owner.get('pid')} on {owner.get('host')})"
+        if grid:
+            return (
+                f"another exhaustive grid of this job{who} is running in {os.fspath(work)!r} under "
+                f"{named_arg('root')}: two grids of one job in one folder would delete each other's trials. Wait for "
+                f"it to end, or pass a {named_arg('root')} in another folder."
+            )
         where = named_arg("out") if out is not None else "the working folder"
         return (
             f"another `lightning-accel tune` of this job{who} is running in {os.fspath(work)!r} beside {where}: two "

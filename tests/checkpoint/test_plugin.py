@@ -16,7 +16,16 @@ def test_signature_mirrors_the_store_options() -> None:
         p
         for p in plugin.values()
         if p.name
-        not in ("self", "async_save", "max_pending", "write_delay_s", "on_save_error", "storage_options", "gc_grace_s")
+        not in (
+            "self",
+            "async_save",
+            "max_pending",
+            "write_delay_s",
+            "on_save_error",
+            "deferred_timeout_s",
+            "storage_options",
+            "gc_grace_s",
+        )
     ]
     fields = dataclasses.fields(StoreOptions)
     assert [(p.name, p.default, str(p.annotation)) for p in own] == [(f.name, f.default, str(f.type)) for f in fields]
