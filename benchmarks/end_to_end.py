@@ -221,7 +221,11 @@ def _accel_dm(root: Path, work: Path, device: str) -> Any:
         size, extra = GPU_IMAGE_SIZE, {"decode": ImageDecoder(None, device="cuda"), "ram_bytes": 0, "num_workers": 0}
         extra["val_augment"] = la.GpuAugment(MEAN, STD, size=size, crop_scale=None, flip_p=0.0)
     else:
-        size, extra = IMAGE_SIZE, {"ram_bytes": "256MiB"}
+        from lightning_accel.data.decode import ImageDecoder
+
+        # the 384 px JPEGs are decoded at 1/4 scale in the DCT domain (96 px), then resized to 64 px: ~35 % less
+        # CPU per image in the cold epoch than the full decode + resize (2.4 -> 1.6 ms here), pixels ~1/255 apart
+        size, extra = IMAGE_SIZE, {"ram_bytes": "256MiB", "decode": ImageDecoder(IMAGE_SIZE, draft=True)}
     return la.CachedDataModule(
         str(root), cache_dir=str(work / "cache"), image_size=size if device != "cuda" else None,
         batch_size=BATCH_SIZE, val_fraction=0.1, seed=0, mean=MEAN, std=STD,

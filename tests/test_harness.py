@@ -109,6 +109,21 @@ def test_onebit_compressor_case_on_cpu() -> None:
     assert "triton_ms" not in results and ratios == {}
 
 
+def test_link_choice_is_compared_with_the_fixed_configuration_of_the_lower_median() -> None:
+    from benchmarks._onebit_link import _best_fixed
+
+    # two equally fast orders: the reference is one order's fastest fit, not the fastest of all four fits
+    row = {"a_step_s_runs": [0.30, 0.40], "a_step_s": 0.30, "b_step_s_runs": [0.33, 0.34], "b_step_s": 0.33}
+    assert _best_fixed(row, ("a", "b")) == 0.33
+    row["b_step_s_runs"] = [0.36, 0.38]
+    row["b_step_s"] = 0.36
+    assert _best_fixed(row, ("a", "b")) == 0.30
+    # a clearly faster configuration wins whatever its single fits did
+    row = {"ddp_step_s_runs": [9.1, 9.2], "ddp_step_s": 9.1}
+    row.update(onebit_step_s_runs=[0.7, 0.9, 0.8], onebit_step_s=0.7)
+    assert _best_fixed(row, ("ddp", "onebit")) == 0.7
+
+
 def test_cuda_memory_numbers_are_medians_and_ratios_with_over_without() -> None:
     from benchmarks.cuda_memory import memory_numbers
 
