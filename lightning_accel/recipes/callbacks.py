@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -78,14 +79,54 @@ def _scheduler_steps_per_epoch(batches: int, accumulate: int, frequency: int) ->
     return batches // math.lcm(accumulate, frequency) + int(batches % accumulate != 0 and batches % frequency == 0)
 
 
+def _accumulation_scheduler(trainer: Trainer) -> GradientAccumulationScheduler | None:
+    """Lightning's ``GradientAccumulationScheduler`` among ``trainer``'s callbacks, if any."""
+    for cb in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(cb, GradientAccumulationScheduler):
+            return cb
+    return None
+
+
+def _scheduled_accumulation_steps(
+    trainer: Trainer, scheduler: GradientAccumulationScheduler, frequency: int
+) -> tuple[int | float, float | None]:
+    """:func:`fit_scheduler_steps` under a ``GradientAccumulationScheduler``: the epochs step at their own
+    accumulation, which the Trainer's ``estimated_stepping_batches`` (computed with the accumulation of the moment, 1
+    at ``on_train_start``) does not know. Summed epoch by epoch up to ``max_epochs``, stopping at ``max_steps``
+    optimizer steps; no steps per epoch (they change with the epoch), so a resume keeps the restored step."""
+    batches, epochs, max_steps = trainer.num_training_batches, trainer.max_epochs, trainer.max_steps
+    if not math.isfinite(batches) or epochs is None or epochs < 0:
+        # no epoch length or no epoch bound: `max_steps` optimizer steps (or none, which `bind` refuses with the fix)
+        if max_steps == -1:
+            return math.inf, None
+        every = math.lcm(scheduler.get_accumulate_grad_batches(trainer.current_epoch), frequency)
+        return max_steps * scheduler.get_accumulate_grad_batches(trainer.current_epoch) // every, None
+    batches = int(batches)
+    total, left = 0, math.inf if max_steps == -1 else max_steps
+    for epoch in range(epochs):
+        accumulate = scheduler.get_accumulate_grad_batches(epoch)
+        optimizer_steps = math.ceil(batches / accumulate)
+        if optimizer_steps > left:  # `max_steps` ends the fit in this epoch, before its last batch
+            total += int(left) * accumulate // math.lcm(accumulate, frequency)
+            break
+        total += _scheduler_steps_per_epoch(batches, accumulate, frequency)
+        left -= optimizer_steps
+    return total, None
+
+
 def fit_scheduler_steps(trainer: Trainer, frequency: int) -> tuple[int | float, float | None]:
     """Steps a per-step scheduler with ``frequency`` takes in ``trainer``'s current fit, and per epoch (``None`` when
     ``max_steps`` bounds the fit).
 
     Lightning steps an ``interval="step"`` scheduler after an optimizer step whose batch position in the epoch
     (1-based) is a multiple of ``frequency``; the optimizer steps at every ``accumulate_grad_batches``-th batch and at
-    the epoch's last one. With ``frequency=1`` these are the optimizer steps (``estimated_stepping_batches``).
+    the epoch's last one. With ``frequency=1`` these are the optimizer steps (``estimated_stepping_batches``). Under
+    Lightning's ``GradientAccumulationScheduler`` each epoch counts at its own accumulation, and the steps per epoch
+    are ``None`` (they change with the epoch).
     """
+    scheduled = _accumulation_scheduler(trainer)
+    if scheduled is not None:
+        return _scheduled_accumulation_steps(trainer, scheduled, frequency)
     total_optimizer_steps = trainer.estimated_stepping_batches
     if frequency == 1:
         return total_optimizer_steps, fit_steps_per_epoch(trainer)
@@ -105,6 +146,26 @@ def fit_scheduler_steps(trainer: Trainer, frequency: int) -> tuple[int | float, 
     return full * per_epoch + rest * accumulate // every, None
 
 
+def _steps_into_epoch(trainer: Trainer, frequency: int) -> int | None:
+    """Scheduler steps the batches of the current epoch that ``trainer`` resumes after take in this fit: a step after
+    each batch position that is a multiple of both ``accumulate_grad_batches`` and ``frequency``. ``None`` when the
+    batch count or the epoch length is unknown."""
+    progress = getattr(getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None), "batch_progress", None)
+    done = getattr(getattr(progress, "current", None), "ready", None)
+    batches = trainer.num_training_batches
+    if not isinstance(done, int) or not math.isfinite(batches) or not 0 <= done < int(batches):
+        return None
+    return done // math.lcm(_fit_accumulation(trainer, trainer.current_epoch), frequency)
+
+
+def _fit_accumulation(trainer: Trainer, epoch: int) -> int:
+    """``accumulate_grad_batches`` of ``trainer`` in ``epoch``: Lightning's ``GradientAccumulationScheduler`` sets
+    the Trainer's value at each epoch start (after ``on_train_start``, and perhaps after the caller's own hook), so
+    its schedule is asked directly."""
+    scheduler = _accumulation_scheduler(trainer)
+    return int(trainer.accumulate_grad_batches if scheduler is None else scheduler.get_accumulate_grad_batches(epoch))
+
+
 def bind_to_fit(
     sched: WarmupCosineLR, trainer: Trainer, total_steps: int | float | None = None, frequency: int = 1
 ) -> None:
@@ -114,15 +175,17 @@ def bind_to_fit(
     keep the first fit's horizon). ``total_steps`` defaults to the number of times Lightning steps the scheduler in
     this fit: ``trainer.estimated_stepping_batches`` with the default ``frequency=1``, fewer with the ``frequency`` of
     its ``interval="step"`` config (:func:`fit_scheduler_steps`). A schedule resumed at another number of steps per
-    epoch (world size, batch size) continues from the restored whole epochs converted to this fit's steps, plus the
-    steps it took into the interrupted epoch, which Lightning resumes at the same batch count
-    (:meth:`~lightning_accel.recipes.lr.WarmupCosineLR.bind` with ``epochs_done=trainer.current_epoch``). Every rank
-    computes the same values from its own Trainer; no collective.
+    epoch (world size, batch size, ``accumulate_grad_batches``) continues from the restored whole epochs converted to
+    this fit's steps, plus the steps this fit takes over the batches of the interrupted epoch already trained (Lightning
+    resumes that epoch at the same batch; another accumulation steps at other batches):
+    :meth:`~lightning_accel.recipes.lr.WarmupCosineLR.bind` with ``epochs_done=trainer.current_epoch`` and
+    ``into_epoch``. Every rank computes the same values from its own Trainer; no collective.
     """
     before = (sched.total_steps, sched.step_offset)
     fit_total, per_epoch = fit_scheduler_steps(trainer, frequency)
     total = fit_total if total_steps is None else total_steps
-    sched.bind(total, steps_per_epoch=per_epoch, epochs_done=trainer.current_epoch)
+    into = _steps_into_epoch(trainer, frequency)
+    sched.bind(total, steps_per_epoch=per_epoch, epochs_done=trainer.current_epoch, into_epoch=into)
     if before[0] is not None and before != (sched.total_steps, sched.step_offset):
         step = max(0, sched.last_epoch)
         rank_zero_info(
@@ -164,7 +227,10 @@ def _loader_batch_size(obj: Any) -> int | None:
 class LinearScalingLR(Callback):
     """Scale every optimizer's learning rate by ``global_batch / base_batch_size`` once, at the start of training.
 
-    ``global_batch = per-device batch x data-parallel replicas x accumulate_grad_batches``. The per-device batch is
+    ``global_batch = per-device batch x data-parallel replicas x accumulate_grad_batches``. With Lightning's
+    ``GradientAccumulationScheduler`` the accumulation is the schedule's for the current epoch, and the rates are
+    rescaled at each epoch start where it changes the global batch (``{0: 2, 4: 8}`` quadruples them at epoch 4,
+    schedulers' base rates included). The per-device batch is
     read from the training DataLoader (``batch_size``) unless ``batch_size`` is given. The replicas are the ranks the
     strategy's sampler splits the data over (``num_replicas`` of ``trainer.distributed_sampler_kwargs``; 1 on a
     single device): every process under DDP and FSDP, but one per tensor-parallel group or pipeline when the ranks of
@@ -199,14 +265,15 @@ class LinearScalingLR(Callback):
         self._restored_factor: float | None = None
 
     def global_batch(self, trainer: Trainer) -> int:
-        """``per-device batch x data-parallel replicas x accumulate_grad_batches`` for ``trainer``'s current fit."""
+        """``per-device batch x data-parallel replicas x accumulate_grad_batches`` for ``trainer``'s current fit and
+        epoch (the accumulation of a ``GradientAccumulationScheduler``, else the Trainer's)."""
         per_device = self.batch_size if self.batch_size is not None else _loader_batch_size(trainer.train_dataloader)
         if per_device is None:
             raise ValueError(
                 "LinearScalingLR could not read the per-device batch size from the train DataLoader "
                 f"({type(trainer.train_dataloader).__name__}). Pass `batch_size=` to LinearScalingLR."
             )
-        return int(per_device) * _data_parallel_replicas(trainer) * trainer.accumulate_grad_batches
+        return int(per_device) * _data_parallel_replicas(trainer) * _fit_accumulation(trainer, trainer.current_epoch)
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -216,19 +283,30 @@ class LinearScalingLR(Callback):
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        restored = self._restored_factor
+        self._scale(trainer, restored or 1.0, f" (restored x{restored:g}, rescaled)" if restored else "")
+
+    @override
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # a GradientAccumulationScheduler changes the global batch between epochs: the rates follow it (the same
+        # value on every rank, read from each rank's own Trainer; no collective)
+        if self.global_batch_size is not None and self.global_batch(trainer) != self.global_batch_size:
+            # a group added since (e.g. by BaseFinetuning, from the scaled rates) carries the factor applied so far
+            previous = self.factor or 1.0
+            self._scale(trainer, previous, f" at epoch {trainer.current_epoch} (was x{previous:g})")
+
+    def _scale(self, trainer: Trainer, fallback: float, note: str) -> None:
+        """Bring every optimizer's total factor to this fit's (current epoch's) global batch over the base; groups
+        without a record of the factor applied to them are taken to carry ``fallback``."""
         self.global_batch_size = self.global_batch(trainer)
         self.factor = linear_scaling_factor(self.global_batch_size, self.base_batch_size)
         schedulers = [cfg.scheduler for cfg in trainer.lr_scheduler_configs]
-        rel = [
-            apply_lr_scale(opt, self.factor, schedulers, fallback_applied=self._restored_factor or 1.0)
-            for opt in trainer.optimizers
-        ]
+        rel = [apply_lr_scale(opt, self.factor, schedulers, fallback_applied=fallback) for opt in trainer.optimizers]
         lrs = [g["lr"] for opt in trainer.optimizers for g in opt.param_groups]
         if any(r != 1.0 for r in rel):
-            again = f" (restored x{self._restored_factor:g}, rescaled)" if self._restored_factor else ""
             rank_zero_info(
                 f"LinearScalingLR: global batch {self.global_batch_size} / base {self.base_batch_size} -> learning "
-                f"rates x{self.factor:g}{again} (now {[float(f'{lr:.4g}') for lr in lrs]})."
+                f"rates x{self.factor:g}{note} (now {[float(f'{lr:.4g}') for lr in lrs]})."
             )
         # else: a resume with the same global batch; the restored rates already carry the factor, nothing changed
         metrics = {"lr_scale/factor": self.factor, "lr_scale/global_batch_size": float(self.global_batch_size)}
@@ -325,7 +403,7 @@ def _check_frequency_steps(trainer: Trainer, frequency: int) -> None:
     batches = trainer.num_training_batches
     if not math.isfinite(batches) or int(batches) < 1:
         return  # unknown epoch length (an iterable dataset): nothing to check against
-    batches, accumulate = int(batches), trainer.accumulate_grad_batches
+    batches, accumulate = int(batches), _fit_accumulation(trainer, trainer.current_epoch)
     if _scheduler_steps_per_epoch(batches, accumulate, frequency) > 0:
         return
     # the optimizer's batch positions, the first few of them: every `accumulate`-th, then the epoch's last
@@ -422,9 +500,10 @@ class KnowledgeDistillation(Callback):
             ``teacher`` it is unused, and a warning says so.
 
     Raises:
-        ValueError: ``temperature`` not finite and > 0, ``alpha`` outside [0, 1], a teacher that is a submodule of the
-            student, (at fit start) a module with manual optimization, or (at the first step) teacher logits whose
-            shape differs from the student's -- each naming the argument.
+        ValueError: ``temperature`` not finite and > 0, ``alpha`` outside [0, 1], (at fit start) a teacher that is a
+            submodule of the student or shares parameters with it (a tied embedding: the student's shared parameters
+            are made trainable again, as they were before the teacher was frozen), a module with manual optimization,
+            or (at the first step) teacher logits whose shape differs from the student's -- each naming the argument.
     """
 
     def __init__(
@@ -444,6 +523,13 @@ class KnowledgeDistillation(Callback):
                 UserWarning,
                 stacklevel=2,
             )
+        # the parameters the caller left trainable: a student sharing one of them (a tied embedding) gets it back
+        # trainable when the fit refuses the shared teacher, instead of leaving it silently frozen by the freeze below
+        self._trainable = (
+            frozenset(name for name, p in teacher.named_parameters() if p.requires_grad)
+            if isinstance(teacher, nn.Module)
+            else frozenset()
+        )
         self.teacher = freeze_teacher(teacher)
         self.temperature = float(temperature)
         self.alpha = float(alpha)
@@ -469,6 +555,7 @@ class KnowledgeDistillation(Callback):
                 "`teacher` is a submodule of the student LightningModule, so it would be trained, checkpointed and "
                 "wrapped by DDP. Keep the teacher out of the module (pass it only to KnowledgeDistillation)."
             )
+        self._refuse_shared_parameters(pl_module)
         if not pl_module.automatic_optimization:
             # the soft term would be added to a returned loss nobody back-propagates: training without the teacher
             raise ValueError(
@@ -498,6 +585,34 @@ class KnowledgeDistillation(Callback):
         index = next(i for i, cb in enumerate(mine) if cb is self)
         self._log_suffix = f"_{index}" if index else ""
         self._install(pl_module)
+
+    def _refuse_shared_parameters(self, pl_module: LightningModule) -> None:
+        """Refuse a teacher holding parameters of the student (the same tensor, or views of one storage).
+
+        Freezing the teacher freezes them in the student, a ``"-true"`` precision would convert them in place, and
+        giving the teacher back its values at fit end would undo the student's training of them. The student's
+        parameters that were trainable before the teacher was frozen are made trainable again first, so the refused
+        fit leaves the student as it was.
+        """
+        student = {id(p) for p in pl_module.parameters()}
+        storages = {_storage_key(p) for p in pl_module.parameters()} - {None}
+        shared = [
+            (name, p)
+            for name, p in self.teacher.named_parameters(remove_duplicate=False)
+            if id(p) in student or _storage_key(p) in storages
+        ]
+        if not shared:
+            return
+        for name, p in shared:
+            if name in self._trainable:
+                p.requires_grad_(True)
+        names = sorted({name for name, _ in shared})
+        raise ValueError(
+            f"`teacher` shares {len(names)} parameter(s) with the student {type(pl_module).__name__}: "
+            f"{', '.join(map(repr, names[:5]))}{', ...' if len(names) > 5 else ''}. Freezing the teacher would "
+            "freeze them in the student (and a '-true' precision would convert them). Pass a copy of the teacher "
+            "(`copy.deepcopy(teacher)`) or a separately loaded one."
+        )
 
     @override
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -665,6 +780,13 @@ class KnowledgeDistillation(Callback):
         return loss
 
 
+def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:
+    """``(device, address)`` of the storage under ``t``, or None where there is none to compare (empty, meta)."""
+    if t.device.type == "meta" or t.numel() == 0:
+        return None
+    return str(t.device), t.untyped_storage().data_ptr()
+
+
 def _submodule_inputs(pl_module: nn.Module, sub: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
     """The positional arguments ``pl_module(*args)`` passes to its submodule ``sub`` first; None when unknown.
 
@@ -772,6 +894,8 @@ class StructuredPruning(Callback):
         recalibrate_bn: after each pruning step, rebuild every BatchNorm's running statistics from the pruning batch
             (:func:`~lightning_accel.recipes.prune.recalibrate_batchnorm`: one extra no-grad forward). The sliced
             statistics describe the unpruned network: the layers behind a pruned group see fewer input channels.
+            With a ``target`` behind other layers (a stem) the forward runs through them too; their BatchNorms are
+            not pruned and keep their statistics (the training step counts the batch once).
         train_mode: at a pruning step, switch the module to train mode (with a warning) when *all* its BatchNorms are
             in eval mode -- the state of a trained model evaluated before ``fit``, which Lightning keeps; ``False``
             leaves frozen norms frozen (they still get the recalibrated statistics).
@@ -1003,6 +1127,11 @@ class StructuredPruning(Callback):
             inputs = batch[0] if isinstance(batch, (list, tuple)) else batch
             # through the LightningModule's forward, unless it does not reach the target (then traced on the inputs)
             direct = self._target_takes_inputs
+            # that forward also runs the layers before the target (a stem): their BatchNorms, not pruned, would count
+            # the pruning batch a second time (the training step counts it), so their statistics are put back after
+            pruned = {id(bn) for bn in batch_norms(module)}
+            outside = [bn for bn in batch_norms(pl_module) if id(bn) not in pruned] if not direct else []
+            kept = [{k: v.clone() for k, v in bn.named_buffers(recurse=False)} for bn in outside]
             try:
                 recalibrate_batchnorm(module, [inputs], forward=lambda m, x: m(x) if direct else pl_module(x))
             except Exception as e:
@@ -1011,6 +1140,11 @@ class StructuredPruning(Callback):
                     f"inputs ({type(e).__name__}: {one_line(e)}). Use (inputs, targets) batches or pass "
                     "`recalibrate_bn=False`."
                 ) from e
+            finally:
+                with torch.no_grad():
+                    for bn, state in zip(outside, kept, strict=True):
+                        for name, value in state.items():
+                            bn.get_buffer(name).copy_(value)
         return result
 
     @staticmethod

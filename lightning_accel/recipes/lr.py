@@ -224,6 +224,10 @@ class WarmupCosineLR(LRScheduler):
           class_path: lightning_accel.WarmupCosineLR
           init_args: {warmup_fraction: 0.05, min_lr: 1.0e-5}
 
+    The schedule drives the param groups the optimizer has when it is built. A group added later (Lightning's
+    ``BaseFinetuning`` / ``BackboneFinetuning`` adds the unfrozen backbone mid-fit, with a rate it then manages) keeps
+    the rate it is given; a resume that restores such a group does too.
+
     Args:
         optimizer: the wrapped optimizer (injected by LightningCLI).
         total_steps: optimizer steps of the whole run; ``None`` leaves the schedule unbound until :meth:`bind`
@@ -329,7 +333,12 @@ class WarmupCosineLR(LRScheduler):
         self.warmup_steps = warm
 
     def bind(
-        self, total_steps: int | float, steps_per_epoch: float | None = None, *, epochs_done: int | None = None
+        self,
+        total_steps: int | float,
+        steps_per_epoch: float | None = None,
+        *,
+        epochs_done: int | None = None,
+        into_epoch: int | None = None,
     ) -> None:
         """Fix ``total_steps`` (e.g. to ``trainer.estimated_stepping_batches``) and re-apply the current step's rate.
 
@@ -351,6 +360,12 @@ class WarmupCosineLR(LRScheduler):
                 resumes that epoch at the same batch count (a step count that reaches this fit's
                 ``steps_per_epoch`` restarts the epoch, and the position restarts with it). So a resume mid-epoch
                 reaches ``min_lr`` at the end of the fit too, not early. ``None`` converts the whole position.
+            into_epoch: the steps of the interrupted epoch already taken, counted in the current fit's steps (the
+                batches Lightning resumes the epoch at, over this fit's ``accumulate_grad_batches``). Used with
+                ``epochs_done`` and a changed ``steps_per_epoch`` when the restored position is inside an epoch: a
+                resume at another ``accumulate_grad_batches`` takes another number of steps over the same batches, so
+                the restored step count would put the schedule off by the difference. ``None`` keeps the restored
+                steps into the epoch as they are (right when only the world size or the batch size changed).
         """
         self._resolve(total_steps)
         step = max(0, self.last_epoch)
@@ -359,8 +374,11 @@ class WarmupCosineLR(LRScheduler):
         if steps_per_epoch is not None and old is not None and steps_per_epoch != old:
             into = position - epochs_done * old if epochs_done is not None else -1.0
             if epochs_done is not None and 0 <= into < old:
-                # Lightning restarts an epoch whose restored batch count reaches this fit's batches per epoch
-                kept = into if into < steps_per_epoch else 0
+                # Lightning resumes the interrupted epoch at the same batch; `into_epoch` counts those batches in this
+                # fit's steps (another accumulation steps at other batches). It restarts an epoch whose restored batch
+                # count reaches this fit's batches per epoch
+                kept = into if into_epoch is None or into == 0 else into_epoch
+                kept = kept if kept < steps_per_epoch else 0
                 position = int(round(epochs_done * steps_per_epoch + kept))
             else:
                 position = int(round(position * steps_per_epoch / old))
@@ -376,6 +394,13 @@ class WarmupCosineLR(LRScheduler):
         compat.set_scheduler_last_lr(self, values)
 
     def _closed_form(self, step: int) -> list[float | torch.Tensor]:
+        """The rate of every param group at ``step``: the schedule's for the groups it was built with, and their own
+        current rate for groups added to the optimizer later (Lightning's ``BaseFinetuning`` adds an unfrozen backbone
+        as a group mid-fit and sets its rate itself), so stepping never fails on a group count that changed."""
+        scheduled = self._scheduled(step)
+        return scheduled + [g["lr"] for g in self.optimizer.param_groups[len(scheduled) :]]
+
+    def _scheduled(self, step: int) -> list[float | torch.Tensor]:
         if self.total_steps is None:
             # Unbound: step 0's rate is provisional (the warm-up's first value when `warmup_steps` is known, else the
             # base rate); `bind()` sets the real one before the first optimizer step, and stepping further is refused.
