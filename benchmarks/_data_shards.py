@@ -134,7 +134,7 @@ def _val_acc(origin: str, work: Path, *, shuffle: str, window: int | None, epoch
         val_fraction=0.2,
         seed=seed,
         shuffle=shuffle,
-        shuffle_window=window,
+        shuffle_window=None if shuffle == "global" else window,  # a window means nothing to the global shuffle
         mean=(0.19,) * 3,
         std=(0.32,) * 3,
     )
