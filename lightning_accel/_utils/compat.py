@@ -390,6 +390,29 @@ def child_modules(module: nn.Module) -> Mapping[str, nn.Module | None]:
     return module._modules
 
 
+def set_dcp_fqn_modifiers(cls: type, fn: Callable[[Any], dict[str, str]]) -> None:
+    """Let ``torch.distributed.checkpoint.state_dict`` resolve the ``state_dict`` keys of ``cls``'s modules that do
+    not name attributes: ``fn(module)`` maps a key's path segment to the attribute holding it (``{}``: none).
+
+    ``get_model_state_dict`` / ``set_model_state_dict`` walk every key as an attribute path and ask each module on the
+    way for its ``_fqn_modifiers()`` (``_StateDictInfo.dsd_fqn_modifiers``, private; since torch 2.4).
+    """
+    cls._fqn_modifiers = fn  # type: ignore[attr-defined]
+
+
+def ddp_ignored_names(module: nn.Module) -> set[str]:
+    """The parameter and buffer names DDP leaves out of ``module`` when it wraps it
+    (``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model`` stores them as
+    ``module._ddp_params_and_buffers_to_ignore``, which DDP's ``__init__`` reads; since torch 1.8)."""
+    return set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+
+
+def fsdp1_flattened(t: torch.Tensor) -> bool:
+    """Whether FSDP1 (``FullyShardedDataParallel``, ``use_orig_params=True``) made ``t`` a view of its flat parameter
+    (``torch.distributed.fsdp._flat_param`` marks such a tensor with ``_fsdp_flattened``; since torch 2.0)."""
+    return bool(getattr(t, "_fsdp_flattened", False))
+
+
 def set_child_modules(module: nn.Module, children: Mapping[str, nn.Module | None]) -> None:
     """Replace ``module``'s children by ``children``, in that order.
 

@@ -61,7 +61,12 @@ from typing_extensions import override
 import lightning_accel.comm as comm
 from lightning_accel._utils.checks import check_bool, check_choice, check_int
 from lightning_accel._utils.clocks import CudaEventClock, HostClock
-from lightning_accel._utils.compat import PathType, grad_scaler_scale, redirect_find_unused_parameters_advice
+from lightning_accel._utils.compat import (
+    PathType,
+    ddp_ignored_names,
+    grad_scaler_scale,
+    redirect_find_unused_parameters_advice,
+)
 from lightning_accel._utils.deferred import Deferred, resolves_deferred
 from lightning_accel._utils.errors import one_line
 from lightning_accel._utils.patching import active_patch, patch
@@ -169,7 +174,7 @@ def _weights_only(checkpoint: Mapping[str, Any]) -> bool:
 def _trainable(module: torch.nn.Module) -> list[torch.Tensor]:
     """The parameters of ``module`` that DDP puts in its gradient buckets when it wraps it: those that require
     gradients, less the ones named in ``_ddp_params_and_buffers_to_ignore`` (shared ones once)."""
-    ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+    ignored = ddp_ignored_names(module)
     return [p for name, p in module.named_parameters() if p.requires_grad and name not in ignored]
 
 

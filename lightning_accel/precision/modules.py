@@ -592,7 +592,8 @@ def held_by_fsdp1(module: nn.Module, name: str) -> bool:
     in the place of the parameter (``use_orig_params=False``) or a parameter FSDP1 flattened (``use_orig_params=True``).
     """
     t = getattr(module, name, None)
-    return t is not None and (name not in module._parameters or bool(getattr(t, "_fsdp_flattened", False)))
+    own = dict(module.named_parameters(recurse=False))
+    return t is not None and (name not in own or compat.fsdp1_flattened(t))
 
 
 def _qkv_part(packed: torch.Tensor, rows: torch.Tensor, i: int) -> torch.Tensor:
@@ -777,8 +778,9 @@ class FusedAttentionMixin(_FusedMixin):
     def _la_eager_children(self) -> tuple[str, ...]:
         return ("proj",) if self._la_fuse_out and self._la_out_eager() else ()  # the packed GEMM is a module call
 
-    def _fqn_modifiers(self) -> dict[str, str]:
-        """Where ``torch.distributed.checkpoint.state_dict`` finds the modules of this module's ``state_dict`` keys.
+    def _la_fqn_modifiers(self) -> dict[str, str]:
+        """Where ``torch.distributed.checkpoint.state_dict`` finds the modules of this module's ``state_dict`` keys
+        (installed for DCP by :func:`~lightning_accel._utils.compat.set_dcp_fqn_modifiers`).
 
         ``get_model_state_dict`` (and the optimizer variants) resolve every key of ``state_dict()`` as an attribute
         path. Packed, the keys are still ``q_proj.weight``... (:func:`_qkv_state_dict_post_hook`) but the modules are
@@ -829,6 +831,9 @@ class FusedAttentionMixin(_FusedMixin):
             )
         out = self.resid_dropout(self.proj(y))
         return out if residual is None else residual + out
+
+
+compat.set_dcp_fqn_modifiers(FusedAttentionMixin, FusedAttentionMixin._la_fqn_modifiers)
 
 
 class FusedGPTBlockMixin(_FusedMixin):

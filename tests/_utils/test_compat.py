@@ -119,6 +119,12 @@ PRIVATE_NAMES: list[tuple[str, Callable[[], Any], str, str]] = [
         "_tensor_parallel_size",
         "set_model_parallel_sizes",
     ),
+    (
+        "DistributedDataParallel._set_params_and_buffers_to_ignore_for_model",
+        lambda: torch.nn.parallel.DistributedDataParallel,
+        "_set_params_and_buffers_to_ignore_for_model",
+        "ddp_ignored_names",
+    ),
     ("nn.Module._call_impl", lambda: nn.Linear(1, 1), "_call_impl", "module_call_impl"),
     ("nn.Module._compiled_call_impl", lambda: nn.Linear(1, 1), "_compiled_call_impl", "compiled_call_impl"),
     (
@@ -811,3 +817,30 @@ def test_the_launchers_hand_over_file_name_is_still_used() -> None:
     assert compat.is_launcher_weights_file("/tmp/tmpab12/.temp.ckpt")
     assert not compat.is_launcher_weights_file("/tmp/run/last.ckpt")
     assert not compat.is_launcher_weights_file("s3://b/x/temp.ckpt")
+
+
+def test_ddp_ignored_names_reads_what_ddp_is_told_to_ignore() -> None:
+    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    assert compat.ddp_ignored_names(m) == set()
+    torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(m, ["1.weight", "1.bias"])
+    assert compat.ddp_ignored_names(m) == {"1.weight", "1.bias"}
+
+
+def test_fsdp1_flattened_reads_fsdps_mark() -> None:
+    from torch.distributed.fsdp._flat_param import _set_fsdp_flattened
+
+    t = nn.Parameter(torch.zeros(3))
+    assert not compat.fsdp1_flattened(t) and not compat.fsdp1_flattened(torch.zeros(1))
+    _set_fsdp_flattened(t)  # what FSDP1 does to each original parameter it flattens
+    assert compat.fsdp1_flattened(t)
+
+
+def test_set_dcp_fqn_modifiers_is_what_dcp_asks_a_module_for() -> None:
+    from torch.distributed.checkpoint.state_dict import _StateDictInfo
+
+    class M(nn.Module):
+        pass
+
+    compat.set_dcp_fqn_modifiers(M, lambda self: {"a": "b"})
+    name = _StateDictInfo.__dataclass_fields__["dsd_fqn_modifiers"].default  # the attribute DCP looks up
+    assert getattr(M(), name)() == {"a": "b"}
