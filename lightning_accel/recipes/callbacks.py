@@ -93,7 +93,8 @@ def _scheduled_accumulation_steps(
     """:func:`fit_scheduler_steps` under a ``GradientAccumulationScheduler``: the epochs step at their own
     accumulation, which the Trainer's ``estimated_stepping_batches`` (computed with the accumulation of the moment, 1
     at ``on_train_start``) does not know. Summed epoch by epoch up to ``max_epochs``, stopping at ``max_steps``
-    optimizer steps; no steps per epoch (they change with the epoch), so a resume keeps the restored step."""
+    optimizer steps; no single number of steps per epoch (they change with the epoch: see
+    :func:`_scheduled_epoch_steps`)."""
     batches, epochs, max_steps = trainer.num_training_batches, trainer.max_epochs, trainer.max_steps
     if not math.isfinite(batches) or epochs is None or epochs < 0:
         # no epoch length or no epoch bound: `max_steps` optimizer steps (or none, which `bind` refuses with the fix)
@@ -114,6 +115,23 @@ def _scheduled_accumulation_steps(
     return total, None
 
 
+def _scheduled_epoch_steps(trainer: Trainer, frequency: int) -> list[int] | None:
+    """Steps a per-step scheduler with ``frequency`` takes in each epoch of ``trainer``'s fit under a
+    ``GradientAccumulationScheduler`` (each at its own accumulation), what a resume converts the restored position
+    through; ``None`` without one, or when the epoch length is unknown or ``max_steps`` bounds the fit (the steps are
+    then the unit, as without the scheduler)."""
+    scheduler = _accumulation_scheduler(trainer)
+    batches, epochs = trainer.num_training_batches, trainer.max_epochs
+    if scheduler is None or not math.isfinite(batches) or epochs is None or epochs < 1:
+        return None
+    batches = int(batches)
+    # one entry per epoch the fit runs, and the current one (a resumed fit may already be past `max_epochs`)
+    accumulations = [scheduler.get_accumulate_grad_batches(e) for e in range(max(epochs, trainer.current_epoch + 1))]
+    if trainer.max_steps != -1 and sum(math.ceil(batches / a) for a in accumulations[:epochs]) > trainer.max_steps:
+        return None  # bounded by `max_steps`
+    return [_scheduler_steps_per_epoch(batches, a, frequency) for a in accumulations]
+
+
 def fit_scheduler_steps(trainer: Trainer, frequency: int) -> tuple[int | float, float | None]:
     """Steps a per-step scheduler with ``frequency`` takes in ``trainer``'s current fit, and per epoch (``None`` when
     ``max_steps`` bounds the fit).
@@ -122,7 +140,7 @@ def fit_scheduler_steps(trainer: Trainer, frequency: int) -> tuple[int | float, 
     (1-based) is a multiple of ``frequency``; the optimizer steps at every ``accumulate_grad_batches``-th batch and at
     the epoch's last one. With ``frequency=1`` these are the optimizer steps (``estimated_stepping_batches``). Under
     Lightning's ``GradientAccumulationScheduler`` each epoch counts at its own accumulation, and the steps per epoch
-    are ``None`` (they change with the epoch).
+    are ``None`` (they change with the epoch; :func:`bind_to_fit` converts a resumed position epoch by epoch).
     """
     scheduled = _accumulation_scheduler(trainer)
     if scheduled is not None:
@@ -175,9 +193,10 @@ def bind_to_fit(
     keep the first fit's horizon). ``total_steps`` defaults to the number of times Lightning steps the scheduler in
     this fit: ``trainer.estimated_stepping_batches`` with the default ``frequency=1``, fewer with the ``frequency`` of
     its ``interval="step"`` config (:func:`fit_scheduler_steps`). A schedule resumed at another number of steps per
-    epoch (world size, batch size, ``accumulate_grad_batches``) continues from the restored whole epochs converted to
-    this fit's steps, plus the steps this fit takes over the batches of the interrupted epoch already trained (Lightning
-    resumes that epoch at the same batch; another accumulation steps at other batches):
+    epoch (world size, batch size, ``accumulate_grad_batches``; under a ``GradientAccumulationScheduler``, epoch by
+    epoch at each one's accumulation) continues from the restored whole epochs converted to this fit's steps, plus the
+    steps this fit takes over the batches of the interrupted epoch already trained (Lightning resumes that epoch at the
+    same batch; another accumulation steps at other batches, even with as many steps per epoch):
     :meth:`~lightning_accel.recipes.lr.WarmupCosineLR.bind` with ``epochs_done=trainer.current_epoch`` and
     ``into_epoch``. Every rank computes the same values from its own Trainer; no collective.
     """
@@ -185,7 +204,13 @@ def bind_to_fit(
     fit_total, per_epoch = fit_scheduler_steps(trainer, frequency)
     total = fit_total if total_steps is None else total_steps
     into = _steps_into_epoch(trainer, frequency)
-    sched.bind(total, steps_per_epoch=per_epoch, epochs_done=trainer.current_epoch, into_epoch=into)
+    scheduled = _scheduled_epoch_steps(trainer, frequency)
+    sched.bind(
+        total,
+        steps_per_epoch=per_epoch if scheduled is None else scheduled,
+        epochs_done=trainer.current_epoch,
+        into_epoch=into,
+    )
     if before[0] is not None and before != (sched.total_steps, sched.step_offset):
         step = max(0, sched.last_epoch)
         rank_zero_info(
@@ -347,11 +372,13 @@ class PerStepLR(Callback):
     ``frequency`` other than 1 (a step every N epochs) is refused with a ``ValueError`` at ``on_train_start``, as is a
     ``frequency`` that never steps the schedule, with or without a ``total_steps``: one larger than the batches of an
     epoch, or one that no optimizer step's batch position is a multiple of (``accumulate_grad_batches`` 2, 5
-    batches per epoch: the optimizer steps after batches 2, 4 and 5, so ``frequency=3`` never steps it).
+    batches per epoch: the optimizer steps after batches 2, 4 and 5, so ``frequency=3`` never steps it). Under a
+    ``GradientAccumulationScheduler`` every accumulation the fit reaches is checked, later epochs' included.
 
-    Resumed at another world size (or batch size), the restored step counts steps of the old size: the schedule's
-    position is converted through the epochs it represents (:func:`bind_to_fit`; the steps taken into an interrupted
-    epoch stay as they are, since Lightning resumes that epoch at the same batch count), so it continues from the same
+    Resumed at another world size (or batch size, or accumulation), the restored step counts steps of the old run: the
+    schedule's position is converted through the epochs it represents, each at its own accumulation under a
+    ``GradientAccumulationScheduler`` (:func:`bind_to_fit`; the steps taken into an interrupted epoch are this fit's
+    steps over the batches Lightning resumes that epoch at), so it continues from the same
     point of the run and reaches ``min_lr`` at the end of this fit (at ``total_steps``, the index one past its last
     step; not early, not half-way), from an end-of-epoch checkpoint or a mid-epoch one.
     """
@@ -388,11 +415,12 @@ class PerStepLR(Callback):
 
 
 def _check_frequency_steps(trainer: Trainer, frequency: int) -> None:
-    """Refuse a per-step scheduler ``frequency`` that no epoch of ``trainer``'s fit steps: no optimizer step of an
-    epoch ends a batch position divisible by it (a frequency above the batches of an epoch, or one that the
-    ``accumulate_grad_batches`` positions never meet). The schedule would stay at its first value for the whole fit,
-    whatever ``total_steps`` says. A ``frequency`` below 1 is refused first (Lightning would divide by it at the first
-    step)."""
+    """Refuse a per-step scheduler ``frequency`` that an epoch of ``trainer``'s fit never steps: no optimizer step of
+    the epoch ends a batch position divisible by it (a frequency above the batches of an epoch, or one that the
+    ``accumulate_grad_batches`` positions never meet). The schedule would stay at its value for the whole fit,
+    whatever ``total_steps`` says; under a ``GradientAccumulationScheduler`` every accumulation the fit reaches is
+    checked up front, since one met from a later epoch would freeze the schedule from there on. A ``frequency`` below
+    1 is refused first (Lightning would divide by it at the first step)."""
     check_int(
         "frequency",
         frequency,
@@ -403,9 +431,37 @@ def _check_frequency_steps(trainer: Trainer, frequency: int) -> None:
     batches = trainer.num_training_batches
     if not math.isfinite(batches) or int(batches) < 1:
         return  # unknown epoch length (an iterable dataset): nothing to check against
-    batches, accumulate = int(batches), _fit_accumulation(trainer, trainer.current_epoch)
-    if _scheduler_steps_per_epoch(batches, accumulate, frequency) > 0:
-        return
+    batches = int(batches)
+    scheduler = _accumulation_scheduler(trainer)
+    for epoch, accumulate in _fit_accumulations(trainer):
+        if epoch > trainer.current_epoch and scheduler is not None and trainer.max_steps != -1:
+            # an epoch `max_steps` ends the fit before (whole epochs counted from the current one) is never trained
+            before = sum(
+                math.ceil(batches / scheduler.get_accumulate_grad_batches(e))
+                for e in range(trainer.current_epoch, epoch)
+            )
+            if trainer.global_step + before >= trainer.max_steps:
+                break
+        if _scheduler_steps_per_epoch(batches, accumulate, frequency) == 0:
+            _refuse_frequency(trainer, frequency, batches, accumulate, epoch)
+
+
+def _fit_accumulations(trainer: Trainer) -> list[tuple[int, int]]:
+    """``(first epoch, accumulate_grad_batches)`` of each accumulation ``trainer``'s fit trains at from the current
+    epoch on: the Trainer's, or under a ``GradientAccumulationScheduler`` each one its schedule reaches before
+    ``max_epochs``."""
+    current = trainer.current_epoch
+    scheduler = _accumulation_scheduler(trainer)
+    if scheduler is None:
+        return [(current, int(trainer.accumulate_grad_batches))]
+    last = trainer.max_epochs if trainer.max_epochs is not None and trainer.max_epochs >= 0 else None
+    starts = [current] + sorted(e for e in scheduler.scheduling if e > current and (last is None or e < last))
+    return [(e, int(scheduler.get_accumulate_grad_batches(e))) for e in starts]
+
+
+def _refuse_frequency(trainer: Trainer, frequency: int, batches: int, accumulate: int, epoch: int) -> None:
+    """Raise the ``ValueError`` of a ``frequency`` that an epoch at ``accumulate`` never steps, with the optimizer's
+    batch positions."""
     # the optimizer's batch positions, the first few of them: every `accumulate`-th, then the epoch's last
     positions = list(range(accumulate, batches + 1, accumulate)[:6])
     if batches % accumulate and len(positions) < 6:
@@ -413,11 +469,15 @@ def _check_frequency_steps(trainer: Trainer, frequency: int) -> None:
     more = batches // accumulate + int(batches % accumulate != 0) > len(positions)
     shown = ", ".join(map(str, positions)) + (", ..." if more else "")
     how = f"with `accumulate_grad_batches` {accumulate} " if accumulate > 1 else ""
+    when = ""
+    if epoch > trainer.current_epoch:
+        # a later epoch of a GradientAccumulationScheduler: the schedule would freeze from there on
+        when = f" from epoch {epoch} on (the GradientAccumulationScheduler's `accumulate_grad_batches` {accumulate})"
     raise ValueError(
-        f"The WarmupCosineLR scheduler config's `frequency` {frequency!r} never steps it: Lightning steps it after an "
-        f"optimizer step whose batch position in the epoch is a multiple of the frequency, and {how}the optimizer "
-        f"steps after batches {shown} of the epoch's {batches}, none a multiple of {frequency}. Use a `frequency` "
-        "that divides one of those positions (1 steps it at every optimizer step)."
+        f"The WarmupCosineLR scheduler config's `frequency` {frequency!r} never steps it{when}: Lightning steps it "
+        f"after an optimizer step whose batch position in the epoch is a multiple of the frequency, and {how}the "
+        f"optimizer steps after batches {shown} of the epoch's {batches}, none a multiple of {frequency}. Use a "
+        "`frequency` that divides one of those positions in every epoch (1 steps it at every optimizer step)."
     )
 
 

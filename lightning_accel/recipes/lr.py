@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, overload
 
 import torch
@@ -191,6 +191,42 @@ def warmup_cosine_value(
     return min_lr + (base - min_lr) * 0.5 * (1.0 + math.cos(math.pi * t))
 
 
+def _epoch_profile(steps_per_epoch: float | Sequence[float]) -> float | list[float]:
+    """``steps_per_epoch`` as :meth:`WarmupCosineLR.bind` stores it: a number, or the list of each epoch's steps."""
+    if isinstance(steps_per_epoch, Sequence):
+        if not steps_per_epoch:
+            raise ValueError("`steps_per_epoch` is an empty sequence. Pass each epoch's steps, or one number.")
+        return [float(n) for n in steps_per_epoch]
+    return float(steps_per_epoch)
+
+
+def _epoch_length(profile: float | list[float], epoch: int) -> float:
+    """Steps of ``epoch`` (0-based) in ``profile``; a list's last value holds for the epochs after it."""
+    return profile if isinstance(profile, float) else profile[min(epoch, len(profile) - 1)]
+
+
+def _epoch_start(profile: float | list[float], epochs: float) -> float:
+    """Steps before (fractional) epoch ``epochs`` in ``profile``."""
+    if isinstance(profile, float):
+        return epochs * profile
+    whole = int(epochs)
+    done = sum(_epoch_length(profile, e) for e in range(whole))
+    return done + (epochs - whole) * _epoch_length(profile, whole)
+
+
+def _epochs_of(profile: float | list[float], position: float) -> float:
+    """The (fractional) epochs that ``position`` steps cover in ``profile``: the inverse of :func:`_epoch_start`."""
+    if isinstance(profile, float):
+        return position / profile if profile else 0.0
+    epoch = 0
+    while True:
+        length = _epoch_length(profile, epoch)
+        if position < length or length <= 0 and epoch >= len(profile):
+            return epoch + (position / length if length > 0 else 0.0)
+        position -= length
+        epoch += 1
+
+
 def _check_min_lr(min_lr: float, optimizer: Optimizer) -> None:
     """Refuse a ``min_lr`` above a group's base rate, before the scheduler touches the optimizer.
 
@@ -293,10 +329,11 @@ class WarmupCosineLR(LRScheduler):
         # the current Trainer) or bound later from the Trainer (PerStepLR): either way not taken from a restored state
         self.total_steps_arg = None if total_steps is None else total_steps
         self.warmup_steps = 0
-        # position on the curve = step + step_offset; nonzero only after a resume whose steps per epoch differ from the
-        # checkpoint's (another world size / batch size): the restored progress is re-expressed in this fit's steps
+        # position on the curve = step + step_offset; nonzero only after a resume whose steps (per epoch, or into the
+        # interrupted epoch) differ from the checkpoint's (another world size / batch size / accumulation): the
+        # restored progress is re-expressed in this fit's steps
         self.step_offset = 0
-        self.steps_per_epoch: float | None = None
+        self.steps_per_epoch: float | list[float] | None = None
         if total_steps is not None:
             self._resolve(total_steps)
         elif self.warmup_steps_arg is not None:
@@ -335,7 +372,7 @@ class WarmupCosineLR(LRScheduler):
     def bind(
         self,
         total_steps: int | float,
-        steps_per_epoch: float | None = None,
+        steps_per_epoch: float | Sequence[float] | None = None,
         *,
         epochs_done: int | None = None,
         into_epoch: int | None = None,
@@ -350,41 +387,46 @@ class WarmupCosineLR(LRScheduler):
         Args:
             total_steps: optimizer steps of the whole (current) fit.
             steps_per_epoch: optimizer steps per epoch of the current fit (``None`` when the fit is bounded by
-                ``max_steps``). When the restored schedule was bound with another value (the world size or the
-                batch size changed), the restored position is converted through the epochs it represents, so the
+                ``max_steps``), or the steps of each epoch in turn when they differ (Lightning's
+                ``GradientAccumulationScheduler``; the last value holds for the epochs after). When the restored
+                schedule was bound with another value (the world size, the batch size or the accumulation changed),
+                the restored position is converted through the epochs it represents, each at its own length, so the
                 schedule continues from the same progress fraction to the end of the new horizon instead of
                 counting old steps against the new horizon.
             epochs_done: whole epochs the restored position covers (Lightning's ``trainer.current_epoch`` at the
-                start of the resumed fit). Used only with a changed ``steps_per_epoch``: the whole epochs are
-                converted, and the steps taken into the interrupted epoch are kept as they are, because Lightning
-                resumes that epoch at the same batch count (a step count that reaches this fit's
-                ``steps_per_epoch`` restarts the epoch, and the position restarts with it). So a resume mid-epoch
-                reaches ``min_lr`` at the end of the fit too, not early. ``None`` converts the whole position.
+                start of the resumed fit). With a restored ``steps_per_epoch``, the whole epochs are converted to this
+                fit's steps, and the steps taken into the interrupted epoch are kept as they are (or taken from
+                ``into_epoch``), because Lightning resumes that epoch at the same batch count (a step count that
+                reaches this fit's steps of that epoch restarts it, and the position restarts with it). So a resume
+                mid-epoch reaches ``min_lr`` at the end of the fit too, not early. ``None`` converts the whole
+                position when ``steps_per_epoch`` changed.
             into_epoch: the steps of the interrupted epoch already taken, counted in the current fit's steps (the
                 batches Lightning resumes the epoch at, over this fit's ``accumulate_grad_batches``). Used with
-                ``epochs_done`` and a changed ``steps_per_epoch`` when the restored position is inside an epoch: a
-                resume at another ``accumulate_grad_batches`` takes another number of steps over the same batches, so
-                the restored step count would put the schedule off by the difference. ``None`` keeps the restored
-                steps into the epoch as they are (right when only the world size or the batch size changed).
+                ``epochs_done`` when the restored position is inside an epoch, even at unchanged ``steps_per_epoch``:
+                a resume at another ``accumulate_grad_batches`` takes another number of steps over the same batches
+                (5 batches at accumulation 3 step after batches 3 and 5, at 4 after 4 and 5), so the restored step
+                count would put the schedule off by the difference. ``None`` keeps the restored steps into the epoch
+                as they are (right when only the world size or the batch size changed).
         """
         self._resolve(total_steps)
         step = max(0, self.last_epoch)
         position = step + self.step_offset
         old = self.steps_per_epoch
-        if steps_per_epoch is not None and old is not None and steps_per_epoch != old:
-            into = position - epochs_done * old if epochs_done is not None else -1.0
-            if epochs_done is not None and 0 <= into < old:
+        new = None if steps_per_epoch is None else _epoch_profile(steps_per_epoch)
+        if new is not None and old is not None:
+            into = position - _epoch_start(old, epochs_done) if epochs_done is not None else -1.0
+            if epochs_done is not None and 0 <= into < _epoch_length(old, epochs_done):
                 # Lightning resumes the interrupted epoch at the same batch; `into_epoch` counts those batches in this
-                # fit's steps (another accumulation steps at other batches). It restarts an epoch whose restored batch
-                # count reaches this fit's batches per epoch
+                # fit's steps (another accumulation steps at other batches, even with as many steps per epoch). It
+                # restarts an epoch whose restored batch count reaches this fit's batches per epoch
                 kept = into if into_epoch is None or into == 0 else into_epoch
-                kept = kept if kept < steps_per_epoch else 0
-                position = int(round(epochs_done * steps_per_epoch + kept))
-            else:
-                position = int(round(position * steps_per_epoch / old))
+                kept = kept if kept < _epoch_length(new, epochs_done) else 0
+                position = int(round(_epoch_start(new, epochs_done) + kept))
+            elif new != old:
+                position = int(round(_epoch_start(new, _epochs_of(old, position))))
         self.step_offset = position - step
-        if steps_per_epoch is not None:
-            self.steps_per_epoch = float(steps_per_epoch)
+        if new is not None:
+            self.steps_per_epoch = new
         self._apply_current()
 
     def _apply_current(self) -> None:
