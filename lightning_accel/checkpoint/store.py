@@ -177,6 +177,8 @@ class _DirState:
     # What the live manifests of the directory hold, per path: tensor name -> (chain, sizes). Seeded from disk at the
     # first save of this process, kept up to date by its saves and removals; drives the dead-bytes re-base rule.
     live: dict[str, dict[str, tuple[tuple[str, ...], tuple[int, ...]]]] = field(default_factory=dict)
+    # Whether this process collected what an earlier run left here; a failed collection is retried by the next save.
+    leftovers_collected: bool = False
 
 
 #: How a file in ``torch.save``'s format (a zip archive, since torch 1.6) begins.
@@ -453,7 +455,9 @@ class DeltaStore:
         again when loaded, as with ``torch.save`` / ``torch.load``.
 
         The tensors must not change while this runs (the adapter snapshots them first in async mode). The first save
-        (or removal) in a directory takes its writer lock (:mod:`~lightning_accel.checkpoint.lock`).
+        (or removal) in a directory takes its writer lock (:mod:`~lightning_accel.checkpoint.lock`). This process's
+        first save there also collects what an earlier run left (:meth:`collect_garbage`); if that fails, the save
+        goes ahead with a warning naming the directory and the error, and the next save there tries again.
 
         A tensor is known unchanged without encoding it, and where possible without hashing it: when ``content_id``
         gives it the id its previous save recorded (a snapshot buffer not rewritten since), or when its bytes equal
@@ -499,10 +503,9 @@ class DeltaStore:
             tensors = {n: t for n, t in all_tensors.items() if t.numel() * t.element_size() >= opts.inline_bytes}
             small = {n: t for n, t in all_tensors.items() if n not in tensors}
             dirs = self._dirs.get()
-            first_save_here = directory not in dirs
             dstate = dirs.setdefault(directory, _DirState())
-            if first_save_here:  # collect what a killed earlier run left behind (unreferenced blobs, tmp files)
-                self.collect_garbage(directory)
+            if not dstate.leftovers_collected:  # what a killed earlier run left behind (unreferenced blobs, tmp files)
+                dstate.leftovers_collected = self._collect_leftovers(directory)
             dead = policy.dead_bases(opts, dstate.live)
             stats = SaveStats(path=path)
             new_entries: dict[str, ChainState] = {}
@@ -604,6 +607,26 @@ class DeltaStore:
             )
             warnings.warn(line, UserWarning, stacklevel=3)
             return 0
+
+    def _collect_leftovers(self, directory: str) -> bool:
+        """:meth:`collect_garbage` of ``directory`` before this process's first save there; returns whether it ran
+        through. A failure is warned, not raised.
+
+        Why: what an earlier run left is only space, while failing the save would lose this checkpoint (and stop a run
+        with ``async_save``); the next save there tries the collection again.
+        """
+        try:
+            self.collect_garbage(directory)
+        except CheckpointDirectoryLockedError:
+            raise  # another writer holds the directory: the save must not go ahead
+        except Exception as e:  # noqa: BLE001 - the save itself can still succeed; see above
+            line = one_line(
+                f"Collecting what an earlier run left in {directory!r} failed: {type(e).__name__}: "
+                f"{one_line(e, first=True)}. Saving anyway; the next save there tries the collection again."
+            )
+            warnings.warn(line, UserWarning, stacklevel=3)
+            return False
+        return True
 
     def _delete_created(self, urls: list[str]) -> None:
         """After a failed save: delete the blobs it created (no manifest references them: the save published

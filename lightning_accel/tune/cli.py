@@ -64,6 +64,24 @@ def _same_file(a: str, b: str) -> bool:
         return os.path.realpath(a) == os.path.realpath(b)
 
 
+def _comma_list(flag: str, value: str, example: str) -> list[str]:
+    """The entries of the comma-separated ``value`` of ``flag``, stripped (``[]`` for an empty or blank value).
+
+    Raises:
+        ValueError: an empty entry (a leading, trailing or doubled comma). A stray comma is a typo whose intent is
+            unknown (a name left out?), so every comma-separated flag refuses it rather than guess.
+    """
+    if not value.strip():
+        return []
+    words = [w.strip() for w in value.split(",")]
+    if "" in words:
+        raise ValueError(
+            f"`{flag}` must be names separated by single commas, got {value!r}, which holds an empty entry (a "
+            f"leading, trailing or doubled comma). Pass e.g. `{flag} {example}`."
+        )
+    return words
+
+
 def main(argv: list[str] | None = None, prog: str = "lightning-accel tune") -> int:
     """Run ``tune``; 0 on success, 2 with one ``error:`` line on a user mistake, 130 when interrupted (Ctrl-C); a
     SIGTERM raises ``SystemExit(143)`` (the trial folder removed, nothing written)."""
@@ -78,7 +96,8 @@ def main(argv: list[str] | None = None, prog: str = "lightning-accel tune") -> i
                 "job. Pass another `--out`, e.g. tuned.yaml."
             )
         # `--levers ""` (an empty shell variable) names no lever: refused as `levers=[]` is, not taken as "all levers"
-        levers = [s.strip() for s in args.levers.split(",") if s.strip()] if args.levers is not None else None
+        levers = _comma_list("--levers", args.levers, "precision") if args.levers is not None else None
+        skip = _comma_list("--skip", args.skip, "compile") if args.skip is not None else []
         # the refusals name this command's flags (`--config`, `--budget`), not load_job's / tune_job's keywords
         with named_as_flags():
             job = load_job(args.config)
@@ -91,7 +110,7 @@ def main(argv: list[str] | None = None, prog: str = "lightning-accel tune") -> i
                 warmup=args.warmup,
                 steps=args.steps,
                 levers=levers,
-                skip=[s.strip() for s in args.skip.split(",")] if args.skip else (),
+                skip=skip,
                 cache_dir=args.cache_dir,
                 use_cache=not args.no_cache,
                 force=args.force,

@@ -28,6 +28,7 @@ import platform
 import re
 import shutil
 import signal
+import struct
 import sys
 import threading
 import time
@@ -79,6 +80,15 @@ _TRIAL_VERSION = 4  # part of the fingerprint: a change of what a trial measures
 HEADER = "# written by `lightning-accel tune`"
 #: the marker in the reports ``tune`` writes (a key of the JSON report, a text chunk of the PNG)
 _REPORT_MARK = "lightning-accel tune"
+# The JSON reports of versions before the marker: exactly these keys, and per trial one of these key sets (a trial
+# recorded `ref_step_s` from the second version on). Only a file of exactly this structure is taken for one of them.
+_OLD_REPORT_KEYS = frozenset({"fingerprint", "cached", "seconds", "budget_s", "chosen", "trials"})
+_OLD_TRIAL_KEYS = frozenset(
+    {"name", "lever", "changes", "step_s", "breakdown", "dominant", "verdict", "losses", "numerics", "peak_mem_bytes"}
+    | {"memory_ok", "decision", "reason", "seconds", "error"}
+)
+_OLD_TRIAL_KEY_SETS = (_OLD_TRIAL_KEYS, _OLD_TRIAL_KEYS | {"ref_step_s"})
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 @dataclass
@@ -575,11 +585,12 @@ def _check_levers(
     levers: Sequence[str] | str | None, skip: Sequence[str] | str, allow_batch_change: bool
 ) -> tuple[list[str] | None, list[str]]:
     """``levers`` and ``skip`` as lists of names, checked: a lone string is one name (not its characters), every lever
-    is one of ``core.LEVERS``, every skip word a non-empty string (the empty word is in every option's name).
+    is one of ``core.LEVERS``, every skip word a string that is not blank (the empty word is in every option's name,
+    and a space in nearly all).
 
     Raises:
         TypeError: a skip word that is not a string.
-        ValueError: an empty ``levers``, an unknown lever, ``batch`` without ``allow_batch_change``, an empty skip word.
+        ValueError: an empty ``levers``, an unknown lever, ``batch`` without ``allow_batch_change``, a blank skip word.
     """
     lv = [levers] if isinstance(levers, str) else None if levers is None else list(levers)
     sk = [skip] if isinstance(skip, str) else list(skip)
@@ -600,10 +611,11 @@ def _check_levers(
             f"{named_arg('allow_batch_change', True)}. Allow it, or drop 'batch'."
         )
     for word in sk:
-        if not isinstance(word, str) or not word:
+        # a blank word is in every option's name too ("precision: bf16-mixed"): it would leave out every option
+        if not isinstance(word, str) or not word.strip():
             kind = TypeError if not isinstance(word, str) else ValueError
             raise kind(
-                f"{named_arg('skip')} must hold non-empty words of option names, got {word!r}. Pass e.g. "
+                f"{named_arg('skip')} must hold non-blank words of option names, got {word!r}. Pass e.g. "
                 f"{named_arg('skip', ['compile'], 'compile')}."
             )
     return lv, sk
@@ -747,27 +759,77 @@ def with_guard(job: dict[str, Any]) -> dict[str, Any]:
 def _written_by_tune(path: Path, kind: str) -> bool:
     """Whether the existing file ``path`` (``kind``: a key of :func:`_report_paths`) is one ``tune`` wrote:
     ``tuned.yaml`` and ``tune_report.md`` by their first line, ``tune_report.json`` by its ``written_by`` key (or, from
-    before that key, its ``fingerprint`` and ``trials``), ``tune_report.png`` by its text chunk (or, from before it,
-    being a PNG beside a JSON report of ``tune``)."""
+    before that key, by the exact structure of those reports: :func:`_is_old_report`), ``tune_report.png`` by its
+    ``Software`` text chunk (or, from before it, by being the chart those versions drew for the old JSON report beside
+    it: matplotlib's text chunk and the size its figure had for that report's trials)."""
     try:
         if kind == "png":
-            data = path.read_bytes()
-            if _REPORT_MARK.encode() in data:
+            png = _png_facts(path.read_bytes())
+            if png is None:
+                return False
+            width, height, chunks = png
+            if chunks.get("Software") == _REPORT_MARK:
                 return True
-            json_path = path.with_suffix(".json")
-            return data.startswith(b"\x89PNG") and json_path.is_file() and _written_by_tune(json_path, "json")
+            if not chunks.get("Software", "").startswith("Matplotlib"):
+                return False
+            old = _read_json(path.with_suffix(".json"))
+            if not _is_old_report(old):
+                return False
+            # those versions drew a `max(6, 0.7 * trials + 2)` x 4.2 inch figure at 110 dpi
+            expected = max(6.0, 0.7 * len(old["trials"]) + 2) * 110
+            return abs(width - expected) <= 1 and abs(height - 4.2 * 110) <= 1
         text = path.read_text(errors="replace")
     except OSError:
         return False
     if kind == "json":
-        try:
-            data = json.loads(text)
-        except ValueError:
-            return False
-        return isinstance(data, dict) and (
-            data.get("written_by") == _REPORT_MARK or {"fingerprint", "trials"} <= data.keys()
-        )
+        data = _read_json(path)
+        return isinstance(data, dict) and (data.get("written_by") == _REPORT_MARK or _is_old_report(data))
     return text.startswith("# tune report (job " if kind == "md" else HEADER)
+
+
+def _read_json(path: Path) -> Any:
+    """The JSON value in the file ``path``, or None where there is none (missing, unreadable, not JSON)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _is_old_report(data: Any) -> bool:
+    """Whether ``data`` has exactly the structure of a JSON report from before the ``written_by`` marker: a user's file
+    that only shares some of its keys (``fingerprint``, ``trials``) is not taken for one."""
+    if not isinstance(data, dict) or data.keys() != _OLD_REPORT_KEYS:
+        return False
+    fp, trials = data["fingerprint"], data["trials"]
+    return (
+        isinstance(fp, str)
+        and re.fullmatch(r"[0-9a-f]{16}", fp) is not None
+        and isinstance(data["cached"], bool)
+        and isinstance(data["chosen"], dict)
+        and isinstance(trials, list)
+        and len(trials) > 0
+        and all(isinstance(t, dict) and t.keys() in _OLD_TRIAL_KEY_SETS for t in trials)
+    )
+
+
+def _png_facts(data: bytes) -> tuple[int, int, dict[str, str]] | None:
+    """Width, height and the ``tEXt`` entries of the PNG ``data``, or None if it is not a well-formed PNG."""
+    if not data.startswith(_PNG_SIGNATURE):
+        return None
+    pos, size, text = len(_PNG_SIGNATURE), None, {}
+    while pos + 8 <= len(data):
+        length, ctype = struct.unpack(">I4s", data[pos : pos + 8])
+        if pos + 8 + length > len(data):
+            return None
+        if ctype == b"IHDR" and length >= 8:
+            size = struct.unpack(">II", data[pos + 8 : pos + 16])
+        elif ctype == b"tEXt" and b"\0" in (body := data[pos + 8 : pos + 8 + length]):
+            key, value = body.split(b"\0", 1)
+            text[key.decode("latin-1")] = value.decode("latin-1")
+        elif ctype == b"IEND":
+            break
+        pos += 12 + length  # length, type, body, CRC
+    return None if size is None else (size[0], size[1], text)
 
 
 def _report_owner(path: Path) -> str | None:

@@ -144,7 +144,7 @@ def test_the_grid_removes_only_its_own_folder_under_root(
             "`levers` must name levers from data, precision, host_memory, strategy, checkpoint, batch, got 'precison'",
         ),
         ({"levers": ["batch"]}, "`levers` names 'batch', which is tried only with `allow_batch_change=True`"),
-        ({"skip": [""]}, "`skip` must hold non-empty words of option names, got ''"),
+        ({"skip": [""]}, "`skip` must hold non-blank words of option names, got ''"),
         ({"margin": 3}, "`margin` must be a number >= 0 and < 1, got 3"),
         ({"k": 0}, "`k` must be an integer >= 1, got 0"),
         # a job that saves leaves its save's step period out: 2 timed steps left one period, and no trial had a time
