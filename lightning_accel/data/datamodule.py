@@ -115,6 +115,16 @@ def _local_cache_dir(cache_dir: object) -> str:
 MIN_TIER_BYTES = 1 << 20
 
 
+def _absolute_origin(url: str) -> str:
+    """``url`` with a local path (plain or ``file://``) made absolute against the current directory; any other URL as
+    it is."""
+    if "://" not in url:
+        return os.path.abspath(os.path.expanduser(url))
+    if url.startswith("file://"):
+        return "file://" + os.path.abspath(os.path.expanduser(url.removeprefix("file://")))
+    return url
+
+
 def _check_tier_budget(name: str, value: object, budget: int | None, image_size: int | None) -> None:
     """A non-zero tier budget must hold the tier's own pages and at least two decoded samples."""
     if budget is None or budget == 0:
@@ -206,6 +216,8 @@ class CachedDataModule(LightningDataModule):
     Where the data is:
         origin: fsspec URL or local path of an ImageFolder tree (``<class>/<image>``), of a ``manifest``, or of a
             packed origin (``pack_origin`` / ``lightning-accel data pack``: one GET per shard instead of per image).
+            A relative local path (or ``file://`` URL) is made absolute here, against the current directory, as is
+            ``val_origin``: every rank and worker then reads the same directory, whatever its own.
         storage_options: fsspec options for the origin (S3 endpoint, credentials, ...).
         manifest: a JSONL file under ``origin`` with ``{"key": ..., "label": ...}`` lines instead of a tree.
         val_origin: a separate validation origin (same layout); ``None`` splits ``val_fraction`` off ``origin``.
@@ -261,7 +273,8 @@ class CachedDataModule(LightningDataModule):
             reads within a window of shards, see :mod:`~lightning_accel.data.sampler`; packed origins only) or
             ``"auto"`` (``"window"`` for a packed remote origin whose pack exceeds ``stage_bytes``).
         shuffle_window: shards shuffled together under ``"window"`` (``None``: the widest the stage holds for every
-            rank of the node).
+            rank of the node). Unused when ``"auto"`` chooses the global shuffle, which the first training loader
+            reports once (a warning on rank 0 saying why).
 
     Loading:
         batch_size: per-device batch size.
@@ -354,6 +367,11 @@ class CachedDataModule(LightningDataModule):
         check_origin(origin, must_exist=not self._origin_made_in_prepare)
         if val_origin is not None:
             check_origin(val_origin, "val_origin", must_exist=True)
+        # Absolute now, as `cache_dir`: `setup` runs in every rank (and the reads in every DataLoader worker), and a
+        # relative path resolved there against another working directory (a launcher's, a spawned rank's, a job that
+        # changed directory) read another tree, or none.
+        origin = _absolute_origin(origin)
+        val_origin = _absolute_origin(val_origin) if val_origin is not None else None
         storage_options = check_storage_options(storage_options)
         _check_text("manifest", manifest, "a JSONL file under `origin` (a relative key such as 'train.jsonl')")
         if manifest is not None:
@@ -515,6 +533,7 @@ class CachedDataModule(LightningDataModule):
         self._train_loader: CacheDataLoader | None = None
         self._resume: dict[str, Any] | None = None  # the train sampler's state from a checkpoint, until applied
         self._skipped_reported = 0  # this rank's decode_skipped already reported (see _report_skipped)
+        self._window_reported = False  # an unused `shuffle_window` already reported (see _report_unused_window)
 
     # ---- listing -------------------------------------------------------------------------------------------------
     def _store(self, url: str) -> ObjectStore:
@@ -718,15 +737,33 @@ class CachedDataModule(LightningDataModule):
                     "`shuffle='window'` needs a packed origin (pack_origin / `lightning-accel data pack`); "
                     f"{self.origin!r} is not one. Use `shuffle='global'` or pack the origin."
                 )
+            self._report_unused_window("the origin is not packed (pack_origin / `lightning-accel data pack`)")
             return None
         sizes = packed.pack.shard_sizes
         if self.shuffle == "auto" and not (packed.staging and packed.stage_bytes < sum(sizes)):
+            self._report_unused_window(
+                f"the stage holds the whole pack ({sum(sizes)} bytes, `stage_bytes` {packed.stage_bytes})"
+                if packed.staging
+                else "the pack is local, read in place without a stage"
+            )
             return None
         if self.shuffle_window is not None:
             return self.shuffle_window
         trainer = self.trainer
         local = int(getattr(trainer, "num_devices", 1) or 1) if trainer is not None else 1
         return auto_window(packed.stage_bytes, sizes, local)
+
+    def _report_unused_window(self, why: str) -> None:
+        """Warn once (rank 0; no collective) that ``shuffle="auto"`` chose the global shuffle, so a ``shuffle_window``
+        the user passed is unused: it is known only once the origin is listed, not in ``__init__``."""
+        if self.shuffle_window is None or self._window_reported:
+            return
+        self._window_reported = True
+        rank_zero_warn(
+            f"`shuffle_window` {self.shuffle_window!r} is unused: `shuffle='auto'` chose the global shuffle because "
+            f"{why}, so every sample is shuffled with every other. Pass `shuffle='window'` to shuffle within windows "
+            "of shards anyway (packed origins only), or leave `shuffle_window` out."
+        )
 
     def _ahead_transform(self) -> Callable[[Any, int], Any] | None:
         """The training loader's ``batch_transform``: :meth:`_augment_ahead` when the batches stay on the CPU and
@@ -803,14 +840,20 @@ class CachedDataModule(LightningDataModule):
         )
 
     def _pass_batches(self, training: bool) -> float | None:
-        """The batches the Trainer takes of the loader's coming pass (``limit_*_batches``, ``overfit_batches``), for
-        the loader's warm check; None when unknown or for a sanity-check pass (its 2 batches say nothing of the
-        validation passes after it, and the switch to the warm path is one-way)."""
+        """The batches the Trainer takes of the loader's coming pass (``limit_*_batches``, ``overfit_batches``): the
+        loader reads no further and checks only those for its warm path; None when unknown or for a sanity-check pass
+        (its 2 batches say nothing of the validation passes after it, and the switch to the warm path is one-way)."""
         trainer = self.trainer
         if trainer is None:
             return None
         if training:
             n: Any = getattr(trainer, "num_training_batches", None)
+            # The fit loop sets that count only after it creates the first epoch's iterator (it is `inf` until
+            # then): the first pass, the cold one, was read whole. `limit_train_batches` (`overfit_batches` and
+            # `fast_dev_run` set it too) caps it the way the fit loop does.
+            cap = self._training_cap(getattr(trainer, "limit_train_batches", None))
+            if cap is not None and not (isinstance(n, (int, float)) and n <= cap):
+                n = cap
         elif getattr(trainer, "sanity_checking", False):
             return None
         else:
@@ -824,6 +867,18 @@ class CachedDataModule(LightningDataModule):
             counts = getattr(trainer, attr, None)
             n = counts[0] if isinstance(counts, list) and len(counts) == 1 else None
         return float(n) if isinstance(n, (int, float)) and not isinstance(n, bool) else None
+
+    def _training_cap(self, limit: object) -> int | None:
+        """The training batches ``limit`` (a Trainer's ``limit_train_batches``) lets a pass take: an ``int`` counts
+        batches, a ``float`` below 1 is a fraction of the loader's length (as Lightning's fit loop reads them)."""
+        if isinstance(limit, bool):
+            return None
+        if isinstance(limit, int):
+            return max(0, limit)
+        loader = self._train_loader
+        if isinstance(limit, float) and 0 <= limit < 1 and loader is not None:
+            return int(len(loader) * limit)
+        return None
 
     @override
     def train_dataloader(self) -> CacheDataLoader:

@@ -17,6 +17,7 @@ DataLoader deals batches round-robin) and starts origin reads for their uncached
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import math
 import numbers
@@ -498,6 +499,10 @@ class EpochOrderSampler(DistributedSampler):
         #: covers whole epochs; a resumed epoch under another batch size or layout starts at another point, and its
         #: remainder (e.g. 16 positions left in batches of 5) can leave one sample even when a whole epoch does not.
         self.trim_lone_last = False
+        #: ``fn()`` giving the most batches the DataLoader's pass takes (:class:`CacheDataLoader` sets it from its
+        #: ``pass_batches``): the order published to the dataset stops there, so the workers' origin read-ahead stops
+        #: with the pass, and their last batches of the pass commit the write-behind queue as an epoch's last do
+        self.pass_batches: Callable[[], float | None] | None = None
         self.resume_epoch = -1  # the epoch `resume_skip` applies to (-1: none)
         self.resume_skip = 0
         # positions `__len__` adds in the resumed epoch: the batches the checkpointed run had done are counted by the
@@ -647,7 +652,10 @@ class EpochOrderSampler(DistributedSampler):
     def _publish(self, order: list[int]) -> None:
         publish = getattr(self.dataset, "publish_order", None)
         if publish is not None:
-            publish(order, self.batch_size)
+            n = _finite_limit(self.pass_batches)
+            # A pass cut short (`limit_train_batches`) never reached the epoch's last batches: the workers read the
+            # origin ahead for batches nobody took, and never committed what they had decoded (write-behind).
+            publish(order if n is None else order[: n * self.batch_size], self.batch_size)
 
     def __iter__(self) -> Iterator[int]:
         ahead, self._published_ahead = self._published_ahead, None
@@ -719,9 +727,11 @@ class CacheDataLoader(DataLoader):
             One thread, batches in order: a function that counts (a random stream) sees them as the consumer would.
         transform_ahead: batches ``batch_transform`` runs ahead of the consumer.
         pass_batches: ``fn()`` giving the most batches the consumer takes of a pass (``None``, ``inf`` or no
-            function: all of them), e.g. a Trainer's ``limit_train_batches`` / ``overfit_batches``. The warm check then
-            looks only at the samples of those batches: a pass cut short reads no others, and a check over the whole
-            order kept the loader cold for good.
+            function: all of them), e.g. a Trainer's ``limit_train_batches`` / ``overfit_batches``, asked at the start
+            of each pass. A pass then yields at most that many batches (``len(loader)`` stays the whole epoch's), so
+            neither the read-ahead nor the workers' prefetch reads batches the consumer never takes, and the warm
+            check looks only at the samples of those batches (a check over the whole order kept the loader cold for
+            good).
         **kwargs: ``DataLoader`` arguments (``collate_fn`` defaults to :func:`collate_batch`).
     """
 
@@ -740,11 +750,17 @@ class CacheDataLoader(DataLoader):
     ) -> None:
         kwargs.setdefault("collate_fn", collate_batch)
         check_int("transform_ahead", transform_ahead, low=1, fix="It counts batches transformed ahead of the consumer.")
+        if pass_batches is not None and not callable(pass_batches):
+            raise TypeError(
+                f"`pass_batches` must be a callable `fn() -> int | None` or None, got {pass_batches!r} "
+                f"({type(pass_batches).__name__}). Pass e.g. `lambda: trainer.num_training_batches`."
+            )
         super().__init__(dataset, **kwargs)
         check_warm_num_workers(warm_num_workers)
         if isinstance(self.sampler, EpochOrderSampler) and self.batch_size is not None:
             self.sampler.batch_size = self.batch_size  # the batches workers map to the order are this loader's
             self.sampler.loader_drop_last = bool(self.drop_last)
+            self.sampler.pass_batches = pass_batches
         self.cold_num_workers = self.num_workers
         self.warm_num_workers = warm_num_workers
         self.read_ahead = check_int("read_ahead", read_ahead, low=0, fix="It counts batches read ahead (0: none).")
@@ -762,12 +778,16 @@ class CacheDataLoader(DataLoader):
         self.on_epoch_end = on_epoch_end
         self.batch_transform = batch_transform
         self.transform_ahead = transform_ahead
-        if pass_batches is not None and not callable(pass_batches):
-            raise TypeError(
-                f"`pass_batches` must be a callable `fn() -> int | None` or None, got {pass_batches!r} "
-                f"({type(pass_batches).__name__}). Pass e.g. `lambda: trainer.num_training_batches`."
-            )
         self.pass_batches = pass_batches
+
+    @property
+    def _index_sampler(self) -> Any:
+        # What every pass draws its batches' indices from, on every path (the DataLoader's own iterators, persistent
+        # workers included, and `_parallel_batches`): bounded here, the read-ahead thread and the workers' prefetch
+        # stop at the batches the consumer takes. Four batches read ahead and two per worker were read past a pass
+        # of one or two batches (`limit_train_batches`), each a cold read from the origin.
+        base = super()._index_sampler
+        return base if self.pass_batches is None else _FirstBatches(base, self.pass_batches)
 
     def state_dict(self) -> dict[str, Any]:
         """The sampler's position (Lightning saves a train loader's ``state_dict`` in the checkpoint and restores it
@@ -864,6 +884,31 @@ class CacheDataLoader(DataLoader):
         return super().__iter__()
 
 
+class _FirstBatches:
+    """``base`` (a batch sampler, or a sampler under automatic batching off) cut to the first ``limit()`` items of each
+    pass, ``limit()`` asked as the pass starts (``None`` or ``inf``: all); its length stays ``base``'s."""
+
+    def __init__(self, base: Any, limit: Callable[[], float | None]) -> None:
+        self.base = base
+        self.limit = limit
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __iter__(self) -> Iterator[Any]:
+        n = _finite_limit(self.limit)
+        it = iter(self.base)
+        return it if n is None else itertools.islice(it, n)
+
+
+def _finite_limit(limit: Callable[[], float | None] | None) -> int | None:
+    """``limit()`` as a count of batches (at least 0); None for no function, ``None`` or a non-finite value."""
+    n = limit() if limit is not None else None
+    if isinstance(n, numbers.Real) and not isinstance(n, bool) and math.isfinite(n):
+        return max(0, int(n))
+    return None
+
+
 def _then(it: Iterator[Any], n: int | None, done: Callable[[], None]) -> Iterator[Any]:
     """``it``'s items, calling ``done()`` just before the ``n``-th (the pass's last) is handed out, or when ``it`` ends
     sooner. Not at exhaustion only: Lightning stops asking after the loader's length and never reaches it."""
@@ -894,7 +939,7 @@ def _parallel_batches(loader: DataLoader, threads: int, depth: int) -> Iterator[
     pending: deque[Future[Any]] = deque()
     try:
         assert loader.batch_sampler is not None
-        for idx in loader.batch_sampler:
+        for idx in loader._index_sampler:  # the batch sampler, cut to the batches the pass takes
             pending.append(pool.submit(work, idx))
             if len(pending) >= max(depth, threads):
                 yield pending.popleft().result()
