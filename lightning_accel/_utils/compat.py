@@ -581,6 +581,22 @@ def pin_memory(data: Any) -> Any:
     return _pin(data)
 
 
+def index_sampler(loader: DataLoader[Any]) -> Any:
+    """What ``loader``'s iterators draw each batch's indices from: its batch sampler, or its sampler when automatic
+    batching is off (``DataLoader._index_sampler``, read once per pass by ``_BaseDataLoaderIter``; since torch 1.7)."""
+    return loader._index_sampler
+
+
+def wrap_index_sampler(cls: type, wrap: Callable[[Any, Any], Any]) -> None:
+    """Make the DataLoader subclass ``cls`` hand its iterators ``wrap(loader, base)`` instead of its index sampler
+    ``base`` (see :func:`index_sampler`): every pass reads it, the persistent workers' reset included, so a bound set
+    there holds on every path."""
+    from torch.utils.data import DataLoader as _Loader
+
+    base = _Loader._index_sampler
+    cls._index_sampler = property(lambda self: wrap(self, base.fget(self)))  # type: ignore[attr-defined]
+
+
 def shutdown_persistent_workers(loader: DataLoader[Any], *, wait: bool = True) -> threading.Thread | None:
     """Stop ``loader``'s persistent worker processes now; its next ``iter()`` starts new ones.
 

@@ -43,7 +43,12 @@ from torch.utils.data import (
 )
 
 from lightning_accel._utils.checks import check_bool, check_int, check_number, check_seed
-from lightning_accel._utils.compat import register_before_thread_shutdown, shutdown_persistent_workers
+from lightning_accel._utils.compat import (
+    index_sampler,
+    register_before_thread_shutdown,
+    shutdown_persistent_workers,
+    wrap_index_sampler,
+)
 from lightning_accel._utils.forksafe import ForkSafeLock, PerProcess
 from lightning_accel._utils.rank import is_global_zero
 from lightning_accel.data.buffers import BufferPool
@@ -780,13 +785,11 @@ class CacheDataLoader(DataLoader):
         self.transform_ahead = transform_ahead
         self.pass_batches = pass_batches
 
-    @property
-    def _index_sampler(self) -> Any:
+    def _bounded_index_sampler(self, base: Any) -> Any:
         # What every pass draws its batches' indices from, on every path (the DataLoader's own iterators, persistent
         # workers included, and `_parallel_batches`): bounded here, the read-ahead thread and the workers' prefetch
         # stop at the batches the consumer takes. Four batches read ahead and two per worker were read past a pass
         # of one or two batches (`limit_train_batches`), each a cold read from the origin.
-        base = super()._index_sampler
         return base if self.pass_batches is None else _FirstBatches(base, self.pass_batches)
 
     def state_dict(self) -> dict[str, Any]:
@@ -884,6 +887,9 @@ class CacheDataLoader(DataLoader):
         return super().__iter__()
 
 
+wrap_index_sampler(CacheDataLoader, CacheDataLoader._bounded_index_sampler)
+
+
 class _FirstBatches:
     """``base`` (a batch sampler, or a sampler under automatic batching off) cut to the first ``limit()`` items of each
     pass, ``limit()`` asked as the pass starts (``None`` or ``inf``: all); its length stays ``base``'s."""
@@ -939,7 +945,7 @@ def _parallel_batches(loader: DataLoader, threads: int, depth: int) -> Iterator[
     pending: deque[Future[Any]] = deque()
     try:
         assert loader.batch_sampler is not None
-        for idx in loader._index_sampler:  # the batch sampler, cut to the batches the pass takes
+        for idx in index_sampler(loader):  # the batch sampler, cut to the batches the pass takes
             pending.append(pool.submit(work, idx))
             if len(pending) >= max(depth, threads):
                 yield pending.popleft().result()

@@ -141,6 +141,7 @@ PRIVATE_NAMES: list[tuple[str, Callable[[], Any], str, str]] = [
         "pin_memory",
     ),
     ("DataLoader._iterator", _loader, "_iterator", "shutdown_persistent_workers"),
+    ("DataLoader._index_sampler", _loader, "_index_sampler", "index_sampler / wrap_index_sampler"),
     (
         "_MultiProcessingDataLoaderIter._shutdown_workers",
         lambda: torch.utils.data.dataloader._MultiProcessingDataLoaderIter,
@@ -844,3 +845,14 @@ def test_set_dcp_fqn_modifiers_is_what_dcp_asks_a_module_for() -> None:
     compat.set_dcp_fqn_modifiers(M, lambda self: {"a": "b"})
     name = _StateDictInfo.__dataclass_fields__["dsd_fqn_modifiers"].default  # the attribute DCP looks up
     assert getattr(M(), name)() == {"a": "b"}
+
+
+def test_wrap_index_sampler_bounds_what_every_iterator_draws() -> None:
+    class Loader(DataLoader):
+        pass
+
+    compat.wrap_index_sampler(Loader, lambda loader, base: list(base)[:2])
+    loader = Loader(TensorDataset(torch.arange(10)), batch_size=2)
+    assert compat.index_sampler(loader) == [[0, 1], [2, 3]]
+    assert [b[0].tolist() for b in loader] == [[0, 1], [2, 3]]  # the iterator draws from it
+    assert len(compat.index_sampler(DataLoader(TensorDataset(torch.arange(10)), batch_size=2))) == 5
