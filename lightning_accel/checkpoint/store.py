@@ -229,6 +229,14 @@ def _read_path(path: str | os.PathLike[str]) -> tuple[str, str]:
     return directory, p
 
 
+# the warning of a collection that failed after a save or removal took effect (DeltaStore._collect_or_warn)
+_AFTER_THEN = "They stay on disk until a later save or removal there collects them."
+
+
+def _after_failed(done: str, directory: str) -> str:
+    return f"{done}, but collecting the blobs no checkpoint needs in {directory!r} failed"
+
+
 class DeltaStore:
     """Save, load, verify and remove delta checkpoints (the functional core; no Lightning import).
 
@@ -505,7 +513,14 @@ class DeltaStore:
             dirs = self._dirs.get()
             dstate = dirs.setdefault(directory, _DirState())
             if not dstate.leftovers_collected:  # what a killed earlier run left behind (unreferenced blobs, tmp files)
-                dstate.leftovers_collected = self._collect_leftovers(directory)
+                dstate.leftovers_collected = (
+                    self._collect_or_warn(
+                        directory,
+                        f"Collecting what an earlier run left in {directory!r} failed",
+                        "Saving anyway; the next save there tries the collection again.",
+                    )
+                    is not None
+                )
             dead = policy.dead_bases(opts, dstate.live)
             stats = SaveStats(path=path)
             new_entries: dict[str, ChainState] = {}
@@ -583,50 +598,29 @@ class DeltaStore:
             dstate.entries = new_entries
             dstate.live[path] = {n: (s.entry.chain, s.entry.sizes) for n, s in new_entries.items()}
             if replacing:
-                self._collect_after(directory, f"Checkpoint {path!r} was saved")
+                self._collect_or_warn(
+                    directory, _after_failed(f"Checkpoint {path!r} was saved", directory), _AFTER_THEN
+                )
         stats.seconds = time.perf_counter() - t0
         return stats
 
-    def _collect_after(self, directory: str, done: str, grace_s: float | None = None) -> int:
-        """:meth:`collect_garbage` of ``directory`` after a save or removal took effect (``done`` says which, for the
-        warning); returns the files deleted. A failure is warned, not raised.
+    def _collect_or_warn(self, directory: str, failed: str, then: str, grace_s: float | None = None) -> int | None:
+        """:meth:`collect_garbage` of ``directory``; returns the files deleted, or None when it failed: then one
+        warning, ``"<failed>: <error>. <then>"``, instead of an exception (a lock held by another writer still raises).
 
-        Why: the manifest is published (or unlinked) by then, so the checkpoint's state is what the caller asked for;
-        a blob that could not be deleted (a permission, an object store's transient error) failed that save, and with
-        ``async_save`` stopped the run although nothing was lost. An unreferenced blob is only space: the next
-        collection of the directory (the next replacing save or removal, the first save of a later run) deletes it.
+        Why: it runs before this process's first save in a directory (what an earlier run left) and after a save or
+        removal took effect (the blobs no checkpoint needs). Either way what it would delete is only space, while
+        raising would lose the checkpoint or report a save that succeeded as failed (and with ``async_save`` stop the
+        run). The next collection of the directory deletes what is left.
         """
         try:
             return self.collect_garbage(directory, grace_s=grace_s)
         except CheckpointDirectoryLockedError:
-            raise  # not this store's to write any more: the caller must know
-        except Exception as e:  # noqa: BLE001 - the save or removal itself succeeded; see above
-            line = one_line(
-                f"{done}, but collecting the blobs no checkpoint needs in {directory!r} failed: {type(e).__name__}: "
-                f"{one_line(e, first=True)}. They stay on disk until a later save or removal there collects them."
-            )
+            raise  # another writer holds the directory: not this store's to write any more
+        except Exception as e:  # noqa: BLE001 - see above
+            line = one_line(f"{failed}: {type(e).__name__}: {one_line(e, first=True)}. {then}")
             warnings.warn(line, UserWarning, stacklevel=3)
-            return 0
-
-    def _collect_leftovers(self, directory: str) -> bool:
-        """:meth:`collect_garbage` of ``directory`` before this process's first save there; returns whether it ran
-        through. A failure is warned, not raised.
-
-        Why: what an earlier run left is only space, while failing the save would lose this checkpoint (and stop a run
-        with ``async_save``); the next save there tries the collection again.
-        """
-        try:
-            self.collect_garbage(directory)
-        except CheckpointDirectoryLockedError:
-            raise  # another writer holds the directory: the save must not go ahead
-        except Exception as e:  # noqa: BLE001 - the save itself can still succeed; see above
-            line = one_line(
-                f"Collecting what an earlier run left in {directory!r} failed: {type(e).__name__}: "
-                f"{one_line(e, first=True)}. Saving anyway; the next save there tries the collection again."
-            )
-            warnings.warn(line, UserWarning, stacklevel=3)
-            return False
-        return True
+            return None
 
     def _delete_created(self, urls: list[str]) -> None:
         """After a failed save: delete the blobs it created (no manifest references them: the save published
@@ -1219,7 +1213,12 @@ class DeltaStore:
             for d in dirs:
                 # a checkpoint left in the folder may have readers of the removed one's blobs too: the usual period
                 grace = None if last_grace_s is None or self.live_keys(d) else last_grace_s
-                deleted += self._collect_after(d, f"Checkpoint(s) in {d!r} were removed", grace_s=grace)
+                deleted += (
+                    self._collect_or_warn(
+                        d, _after_failed(f"Checkpoint(s) in {d!r} were removed", d), _AFTER_THEN, grace_s=grace
+                    )
+                    or 0
+                )
                 if drop_emptied:
                     self._drop_if_emptied(d)
             return deleted

@@ -40,7 +40,7 @@ import functools
 import inspect
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
@@ -176,6 +176,11 @@ def _trainable(module: torch.nn.Module) -> list[torch.Tensor]:
     gradients, less the ones named in ``_ddp_params_and_buffers_to_ignore`` (shared ones once)."""
     ignored = ddp_ignored_names(module)
     return [p for name, p in module.named_parameters() if p.requires_grad and name not in ignored]
+
+
+def _same_tensors(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
+    """Whether ``a`` and ``b`` hold the same tensor objects in the same order."""
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
 
 
 def _on_cpu(state: comm.OneBitState) -> bool:
@@ -933,7 +938,7 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
         if not self._onebit_live or self._onebit_state is None or not isinstance(model, DistributedDataParallel):
             return
         now, before = _trainable(model.module), self._wrapped_trainable
-        if len(now) == len(before) and all(a is b for a, b in zip(now, before, strict=True)):
+        if _same_tensors(now, before):
             return
         rank_zero_info(
             f"ddp_1bit: the parameters that require gradients changed at step {self._onebit_state.step} "
@@ -1355,7 +1360,7 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
         local = self._local
         assert local is not None and isinstance(self.model, DistributedDataParallel)
         trained = [p for p in self.model.module.parameters() if p.requires_grad and p.numel() > 0]
-        if len(trained) == len(local.params) and all(a is b for a, b in zip(trained, local.params, strict=True)):
+        if _same_tensors(trained, local.params):
             return
         local.final_sync()
         # DDP waits for a gradient of every parameter that required one when it wrapped the model: one frozen now

@@ -834,9 +834,9 @@ class CacheDataLoader(DataLoader):
                 order = s._pass_order()
             elif isinstance(s, SequentialSampler) and s.data_source is ds:
                 order = range(len(ds))  # what Lightning puts in for `overfit_batches`
-            limit = self.pass_batches() if self.pass_batches is not None else None
-            if order is not None and self.batch_size and isinstance(limit, (int, float)) and math.isfinite(limit):
-                order = order[: max(0, int(limit)) * self.batch_size]
+            n = _finite_limit(self.pass_batches)  # the batches the pass takes, as `_FirstBatches` cuts them
+            if order is not None and self.batch_size and n is not None:
+                order = order[: n * self.batch_size]
             return ds.cached_fraction(positions=order) >= 1.0
         frac = getattr(ds, "cached_fraction", None)
         return frac is not None and frac() >= 1.0
