@@ -19,7 +19,7 @@ import statistics
 import sys
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -654,3 +654,43 @@ def agree(obj: Any) -> Any:
         dist.broadcast_object_list(box, src=0)
         return box[0]
     return obj
+
+
+def agree_check(check: Callable[[], str | None], *, here: bool) -> None:
+    """Run ``check`` on the ranks where ``here`` is true; every rank then raises, or none does.
+
+    ``check`` returns a refusal (one sentence) or None, or raises. Once a process group is up, every rank's outcome
+    is gathered: an exception on any rank is raised on every rank (the original where it happened, a
+    ``RuntimeError`` quoting it and naming the rank elsewhere); else a refusal (``ValueError``, the refusal itself)
+    from any rank is raised on every rank, the lowest rank's. A rank that raised alone left the others waiting for it
+    in the next collective until the process group's timeout (e.g. a trial folder that could not be created on one
+    node, or a cache folder rank 0 cannot read). Before a process group exists each process decides for itself.
+
+    Raises:
+        ValueError: a refusal.
+        Exception: what ``check`` raised on this rank; RuntimeError for what it raised on another.
+    """
+    import torch.distributed as dist
+
+    error: Exception | None = None
+    outcome: tuple[str, str] | None = None
+    if here:
+        try:
+            refusal = check()
+        except Exception as e:  # noqa: BLE001 - raised again below, on every rank
+            error = e
+            outcome = ("error", f"{type(e).__name__}: {one_line(e)}")
+        else:
+            outcome = None if refusal is None else ("refusal", refusal)
+    outcomes: list[Any] = [outcome]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        outcomes = [None] * dist.get_world_size()
+        dist.all_gather_object(outcomes, outcome)
+    for rank, o in enumerate(outcomes):
+        if o is not None and o[0] == "error":
+            if error is not None:
+                raise error
+            raise RuntimeError(f"tune: rank {rank} failed before the first trial: {o[1]}")
+    refusal_text = next((o[1] for o in outcomes if o is not None), None)
+    if refusal_text is not None:
+        raise ValueError(refusal_text)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import hashlib
 import itertools
 import json
@@ -67,7 +68,7 @@ from lightning_accel.tune.levers import (
     options_for,
     world_of,
 )
-from lightning_accel.tune.runner import TrialMeasure, agree, run_trial
+from lightning_accel.tune.runner import TrialMeasure, agree, agree_check, run_trial
 
 __all__ = ["GUARD_CLASS_PATH", "TuneResult", "exhaustive", "job_from_objects", "load_job", "tune", "tune_job"]
 
@@ -367,17 +368,7 @@ def tune_job(
         out = Path(out).expanduser()
     cache = TuneCache(cache_dir or Path(os.environ.get("LIGHTNING_ACCEL_CACHE", "~/.cache/lightning_accel")) / "tune")
     # only rank 0 writes the outputs: its view of the folders decides, and every rank raises alike
-    refusal = None
-    if _rank_zero():
-        try:
-            if out is not None:
-                check_outputs(out, force=force)
-            cache.check()  # results are stored either way (`use_cache` only reads)
-        except ValueError as e:
-            refusal = str(e)
-    refusal = agree(refusal)
-    if refusal is not None:
-        raise ValueError(refusal)
+    agree_check(functools.partial(_check_outputs_and_cache, out, force, cache), here=_rank_zero())
     start = time.monotonic()
     seconds = parse_duration(budget)
     user_job = copy.deepcopy(dict(job))  # what the written config starts from (its own seed setting)
@@ -412,13 +403,7 @@ def tune_job(
     work = base_root / f".tune-{key}"  # the same path on every rank; removed at the end (it is ours)
     # before the `try` whose `finally` removes `work`: a tune refused here must not remove the folder of the tune of
     # this job that runs in it
-    refusal = None
-    if _node_leader():
-        _sweep_dead_work(base_root)
-        refusal = _claim_work(work, out)
-    refusal = agree(refusal)
-    if refusal is not None:
-        raise ValueError(refusal)
+    agree_check(functools.partial(_sweep_and_claim, base_root, work, out), here=_node_leader())
     bud = Budget(seconds)
     trials: list[TrialResult] = []
     # SIGTERM (a `kill`, a scheduler's preemption) stops the tune as Ctrl-C does: its folder removed, no outputs
@@ -1127,13 +1112,7 @@ def exhaustive(
     work = grid_root / f".tune-grid-{hashlib.sha1(grid.encode()).hexdigest()[:12]}"
     # claimed before the `try` whose `finally` removes `work`: a grid refused here must not remove the folder of the
     # grid of this job that runs in it (both used one folder, and the first to end deleted the other's live trials)
-    refusal = None
-    if _node_leader():
-        _sweep_dead_work(grid_root)
-        refusal = _claim_work(work, None, grid=True)
-    refusal = agree(refusal)
-    if refusal is not None:
-        raise ValueError(refusal)
+    agree_check(functools.partial(_sweep_and_claim, grid_root, work, None, grid=True), here=_node_leader())
     try:
         for r in range(rounds):
             for idx in order if r % 2 == 0 else reversed(order):
@@ -1268,6 +1247,23 @@ def _read_owner(path: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return owner if isinstance(owner, dict) and owner.get("written_by") == _OWNER_MARK else None
+
+
+def _check_outputs_and_cache(out: Path | None, force: bool, cache: TuneCache) -> str | None:
+    """Rank 0's refusal of the outputs or the cache folder (None: both usable)."""
+    try:
+        if out is not None:
+            check_outputs(out, force=force)
+        cache.check()  # results are stored either way (`use_cache` only reads)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _sweep_and_claim(root: Path, work: Path, out: str | os.PathLike[str] | None, *, grid: bool = False) -> str | None:
+    """A node leader's part before the trials: remove what dead tunes left under ``root``, then claim ``work``."""
+    _sweep_dead_work(root)
+    return _claim_work(work, out, grid=grid)
 
 
 def _claim_work(work: Path, out: str | os.PathLike[str] | None, *, grid: bool = False) -> str | None:

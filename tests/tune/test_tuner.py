@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -260,6 +261,48 @@ def test_every_node_takes_the_same_cache_decision_and_leaves_no_work_folder(tmp_
     assert not [n for n in sorted(p.name for p in tmp_path.iterdir()) if n.startswith(".tune-")]
     again = run_in_processes(_rank_on_its_own_host, 2, (str(tmp_path),), timeout=120)
     assert [cached for cached, _ in again] == [True, True]  # before: rank 1 measured, rank 0 returned
+
+
+def _one_rank_fails_before_the_trials(rank: int, world: int, root: str, failing: int, kind: str) -> str:
+    import platform
+
+    platform.node = lambda: f"node{rank}"
+    os.environ["LOCAL_RANK"] = "0"  # each rank leads its own node, as on a job of two nodes
+    _, fake = _script([0.1, 0.2, 0.1])
+    tuner.run_trial = fake
+    claim = tuner._claim_work
+
+    def claim_on(work: Path, out: Any, *, grid: bool = False) -> str | None:
+        if rank == failing:
+            if kind == "error":
+                raise PermissionError(13, "Permission denied", str(work))
+            return f"the trial folder on node{rank} is taken"
+        return claim(work, out, grid=grid)
+
+    tuner._claim_work = claim_on
+    try:
+        tuner.tune_job(JOB, out=f"{root}/tuned.yaml", cache_dir=f"{root}/c", levers=["precision"], verbose=False)
+    except Exception as e:  # noqa: BLE001 - the test reads what every rank raised
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+@pytest.mark.parametrize("kind", ["error", "refusal"])
+def test_a_failure_on_one_node_before_the_trials_raises_on_every_rank(tmp_path: Path, failing: int, kind: str) -> None:
+    """A node leader that could not claim its trial folder (a PermissionError) or refused it raised alone; the other
+    rank went on into the next collective, which waited for it (until the process group's timeout while the failed
+    rank's process lived on) or failed with gloo's "Connection closed by peer", naming neither rank nor cause."""
+    from tests.helpers import run_in_processes
+
+    got = run_in_processes(_one_rank_fails_before_the_trials, 2, (str(tmp_path), failing, kind), timeout=120)
+    other = 1 - failing
+    if kind == "error":
+        assert got[failing].startswith("PermissionError: [Errno 13] Permission denied"), got
+        assert got[other].startswith(f"RuntimeError: tune: rank {failing} failed before the first trial: "), got
+        assert "PermissionError" in got[other]
+    else:
+        assert got == [f"ValueError: the trial folder on node{failing} is taken"] * 2, got
 
 
 DATA_JOB: dict[str, Any] = {
