@@ -167,6 +167,33 @@ def test_s3_pack_stages_each_shard_once_across_processes_and_warm_reads_nothing(
     assert (s["bytes_fetched"], s["ssd_hits"]) == (0, 200)
 
 
+def test_staging_a_shard_is_one_get_with_no_head_before_it(
+    s3_bucket: tuple[str, dict[str, Any]], small_digits: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pack index knows each shard's size: a whole-object read made s3fs send a HEAD before every GET."""
+    import s3fs
+
+    bucket, opts = s3_bucket
+    url = f"s3://{bucket}/packed"
+    listing = pack_origin(str(small_digits), url, dest_storage_options=opts, shard_bytes=30_000)
+    assert listing.pack is not None
+    calls: list[str] = []
+    call_s3 = s3fs.S3FileSystem._call_s3
+
+    async def counted(self: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        calls.append(method)
+        return await call_s3(self, method, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", counted)
+    cache = _cache(url, tmp_path, opts)  # lists the origin and reads the pack index
+    calls.clear()
+    out = cache.load(list(range(200)))
+    assert torch.equal(out.images, _reference(small_digits, list(range(200))))
+    shards = {listing.pack.shard[i] for i in range(200)}
+    assert calls.count("head_object") == 0, calls
+    assert calls.count("get_object") == len(shards), calls
+
+
 def test_corrupt_staged_shard_is_refetched_and_a_corrupt_origin_names_the_key(
     s3_bucket: tuple[str, dict[str, Any]], small_digits: Path, tmp_path: Path
 ) -> None:
