@@ -3,6 +3,12 @@
 The counter is a ``TorchDispatchMode``: while it is active every aten op pays a Python dispatch, so the step it
 watches runs several times slower. :class:`StepFlopCounter` therefore watches exactly one step (the monitor excludes
 that step from its timings) and is inactive afterwards: zero steady-state cost.
+
+What is counted is torch's formulas, which cover matrix products (``mm``, ``addmm``, ``bmm``, ...), convolutions and
+attention (``scaled_dot_product_attention``), forward and backward; normalisations, activations, other element-wise
+ops and the optimizer count zero. The fused ops of :mod:`lightning_accel.ops` count as the eager modules they replace:
+a Triton GEMM reports its product through a FLOP formula of its own op, and a convolution that a fused backward
+recomputes to save memory counts zero (model FLOPs, as MFU defines them; not the hardware's extra work).
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ def precision_dtype(precision: str | None) -> torch.dtype:
 
 
 class StepFlopCounter:
-    """Counts FLOPs between :meth:`start` and :meth:`stop` (one training step: forward, backward, optimizer).
+    """Counts FLOPs between :meth:`start` and :meth:`stop` (one training step: forward, backward, optimizer; see the
+    module docstring for which ops count).
 
     Safe to call :meth:`stop` twice or without :meth:`start`. A step that did not finish (an exception inside it)
     is :meth:`cancel`-led instead: its partial count (a forward without its backward) is not a step's FLOPs.

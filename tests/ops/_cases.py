@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import nn
@@ -71,3 +73,29 @@ def conv_bn_batch_edge_against_eager(backend: str, shape: tuple[int, int, int, i
         torch.testing.assert_close(got.grad, want.grad)
     torch.testing.assert_close(rm, bn.running_mean)
     torch.testing.assert_close(rv, bn.running_var)
+
+
+def flop_model() -> nn.Sequential:
+    """A small model with every fusion the ops serve: Conv2d + BatchNorm2d + ReLU, Linear + GELU + Dropout (with its
+    GEMM), LayerNorm and a plain Linear, for (2, 3, 6, 6) inputs."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+        nn.Linear(4 * 6 * 6, 8), nn.GELU(), nn.Dropout(0.2), nn.LayerNorm(8), nn.Linear(8, 3),
+    )  # fmt: skip
+
+
+def step_flops(fn: Callable[[], torch.Tensor]) -> dict[str, int]:
+    """``{op name: FLOPs}`` that ``FlopCounterMode`` counts for ``fn()`` and the backward of its sum."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as mode:
+        fn().float().sum().backward()
+    return {str(op): int(n) for op, n in mode.get_flop_counts().get("Global", {}).items() if n}
+
+
+def matmul_conv_flops(counts: dict[str, int]) -> tuple[int, int]:
+    """``(GEMM FLOPs, convolution FLOPs)`` of :func:`step_flops`'s counts (``mm`` and ``addmm`` count the same
+    products; so does a fused op that reports them)."""
+    conv = sum(n for op, n in counts.items() if "conv" in op)
+    return sum(counts.values()) - conv, conv

@@ -7,6 +7,8 @@ Triton honours the variable.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import triton
@@ -28,13 +30,17 @@ from lightning_accel.ops.linear_dropout import triton as ld_kernels
 from lightning_accel.ops.norm import layer_norm, rms_norm
 from lightning_accel.ops.norm import reference as norm_ref
 from lightning_accel.ops.norm import triton as norm_kernels
+from lightning_accel.precision.surgery import apply_fusions
 from tests.ops._cases import (
     DTYPE_IDS,
     DTYPES,
     assert_close,
     assert_grad_close,
     conv_bn_batch_edge_against_eager,
+    flop_model,
     leaves,
+    matmul_conv_flops,
+    step_flops,
 )
 
 torch.set_num_threads(1)
@@ -454,3 +460,49 @@ def test_conv_bn_kernels_with_int64_channel_arithmetic(monkeypatch: pytest.Monke
     for got, want in ((xs, xr), (ws, wr), (gs, gr), (bes, ber)):
         assert got is not None and want is not None and got.grad is not None and want.grad is not None
         assert_grad_close(got.grad, want.grad, 1e-5, 1e-5)
+
+
+def test_fused_model_on_the_kernels_counts_the_unfused_model_flops() -> None:
+    """FLOP counting (``PerformanceMonitor``'s MFU) sees the same matmul and convolution FLOPs, forward + backward,
+    for a model whose conv + BN + ReLU, linear + GELU + dropout and LayerNorm run in the Triton kernels."""
+    model = flop_model()
+    fused = copy.deepcopy(model)
+    assert apply_fusions(fused, backend="triton").coverage() == 1.0
+    x = torch.randn(2, 3, 6, 6)
+    unfused = step_flops(lambda: model(x))
+    counted = step_flops(lambda: fused(x))
+    assert matmul_conv_flops(counted) == matmul_conv_flops(unfused)
+    assert matmul_conv_flops(unfused)[0] > 0 and matmul_conv_flops(unfused)[1] > 0
+
+
+@pytest.mark.parametrize("gemm", ["torch", "triton"])
+@pytest.mark.parametrize("activation", ["none", "gelu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_linear_dropout_kernels_count_the_eager_gemm_flops(gemm: str, activation: str, dtype: torch.dtype) -> None:
+    """The fused Triton GEMM is no aten op: it reports its ``2 * M * N * K`` itself (bf16 under the interpreter takes
+    the torch GEMM inside the same op: counted once either way)."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 7).to(dtype).requires_grad_()
+    w, b = torch.randn(9, 7).to(dtype).requires_grad_(), torch.randn(9).to(dtype).requires_grad_()
+    r = torch.randn(3, 5, 9).to(dtype)
+
+    def run(backend: str) -> torch.Tensor:
+        return linear_dropout(x, w, b, 0.2, True, r, seed=3, backend=backend, gemm=gemm, activation=activation)  # type: ignore[arg-type]
+
+    eager = matmul_conv_flops(step_flops(lambda: run("eager")))
+    assert eager == (3 * 2 * 15 * 7 * 9, 0)
+    assert matmul_conv_flops(step_flops(lambda: run("triton"))) == eager
+
+
+@pytest.mark.parametrize("gemm", ["torch", "triton"])
+def test_linear_dropout_kernels_take_the_whole_seed_range(gemm: str) -> None:
+    """``0 .. 2**32 - 1`` (what ``linear_dropout`` accepts): the top seed draws a mask at the rate, forward and
+    backward agree on it."""
+    torch.manual_seed(0)
+    x, w = torch.randn(64, 16, requires_grad=True), torch.randn(48, 16)
+    keep = ld_kernels.dropout_keep_mask(2**32 - 1, 64, 48, 0.25, "cpu")
+    assert 0.70 < keep.float().mean().item() < 0.80
+    y = linear_dropout(x, w, None, 0.25, True, seed=2**32 - 1, backend="triton", gemm=gemm)  # type: ignore[arg-type]
+    torch.testing.assert_close(y, ld_ref.linear_dropout(x, w, None, keep, 0.25), atol=1e-5, rtol=1e-5)
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, (keep.float() / 0.75) @ w, atol=1e-5, rtol=1e-5)

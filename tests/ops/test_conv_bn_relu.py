@@ -292,3 +292,22 @@ def test_bf16_eval_fold_rounds_once() -> None:
         ).float()  # fmt: skip
     err = (fused - exact).norm() / exact.norm()
     assert err <= 1.5 * (unfused - exact).norm() / exact.norm(), err
+
+
+@pytest.mark.parametrize("given", ["running_mean", "running_var"])
+@pytest.mark.parametrize("backend", ["auto", "reference", "eager"])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_one_running_statistic_without_the_other_is_refused(given: str, backend: str, training: bool) -> None:
+    """``F.batch_norm`` refuses one running buffer without the other; the fused function used to ignore the one given
+    (no update in training, batch statistics in eval) without a word."""
+    stats = {"running_mean": None, "running_var": None}
+    stats[given] = torch.zeros(4) if given == "running_mean" else torch.ones(4)
+    before = stats[given].clone()  # type: ignore[union-attr]
+    missing = "running_var" if given == "running_mean" else "running_mean"
+    with pytest.raises(ValueError, match=rf"^`running_mean` and `running_var` must both be tensors or both be None, "
+                       rf"got `{missing}`=None\..*BatchNorm2d"):  # fmt: skip
+        conv_bn_relu(
+            torch.randn(2, 3, 4, 4), torch.randn(4, 3, 3, 3), None, None, None, *stats.values(), training, 0.1,
+            1e-5, backend=backend,  # type: ignore[arg-type]
+        )  # fmt: skip
+    torch.testing.assert_close(stats[given], before)

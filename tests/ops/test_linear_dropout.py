@@ -238,3 +238,23 @@ def test_linear_without_features_behaves_as_eager(k: int, n: int, p: float) -> N
     assert x.grad is not None and x.grad.shape == x.shape
     assert w.grad is not None and w.grad.shape == (n, k)
     assert b.grad is not None and b.grad.shape == (n,)
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference", "eager"])
+@pytest.mark.parametrize(
+    ("seed", "error"), [(1.5, TypeError), (True, TypeError), (-1, ValueError), (2**70, ValueError)], ids=str
+)
+def test_seed_outside_the_package_seed_range_is_one_clear_error(backend: str, seed: object, error: type) -> None:
+    """A seed torch's generator cannot take used to fail inside it ("Overflow when unpacking long long", "manual_seed
+    expected a long"), or on some paths only; every path takes the package's seed range."""
+    x, w = torch.randn(3, 4), torch.randn(5, 4)
+    with pytest.raises(
+        error, match=r"^`seed` must be an integer >= 0 and <= 4294967295 or None, got .*seed_everything"
+    ):
+        linear_dropout(x, w, p=0.5, seed=seed, backend=backend)  # type: ignore[arg-type]
+
+
+def test_seed_at_the_top_of_the_range_draws_a_mask() -> None:
+    x, w = torch.randn(3, 4), torch.randn(5, 4)
+    y = linear_dropout(x, w, p=0.5, seed=2**32 - 1, backend="reference")
+    torch.testing.assert_close(y, linear_dropout(x, w, p=0.5, seed=2**32 - 1, backend="eager"))

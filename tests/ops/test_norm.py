@@ -147,3 +147,13 @@ def test_no_features_behaves_as_eager(shape: tuple[int, ...], rms: bool) -> None
     assert y.shape == x.shape
     assert x.grad is not None and x.grad.shape == x.shape
     assert w.grad is not None and w.grad.shape == (0,)
+
+
+@pytest.mark.parametrize("fn", [layer_norm, rms_norm], ids=["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("backend", ["auto", "reference", "eager"])
+def test_zero_dim_input_is_one_clear_error(fn: object, backend: str) -> None:
+    """A 0-d tensor has no last dimension to normalise: one clear error, not ``IndexError: tuple index out of
+    range``."""
+    name = "layer_norm" if fn is layer_norm else "rms_norm"
+    with pytest.raises(ValueError, match=rf"^`x` of `{name}` must have at least one dimension .*got a 0-d tensor"):
+        fn(torch.tensor(1.0), backend=backend)  # type: ignore[operator]

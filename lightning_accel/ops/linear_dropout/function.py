@@ -3,6 +3,12 @@
 Compared with eager ``dropout(linear(x)) + residual``, the function saves only ``x``, ``weight`` and an integer seed:
 no GEMM output and no mask (eager autograd keeps a bool mask of the output's size, and the dropout output for the add).
 With an ``activation`` it also saves the pre-activation (which eager's activation saves too), not the mask.
+
+FLOP counting (``torch.utils.flop_counter.FlopCounterMode``, hence ``PerformanceMonitor``'s MFU) counts what eager
+``F.linear`` counts: ``2 * M * N * K`` for the forward GEMM and as much for each of the input and weight gradients;
+bias, activation, dropout and residual count zero, as their eager ops do. The backward and ``gemm="torch"`` run the
+GEMMs as ``aten.mm``; the Triton GEMM (``gemm="triton"``) runs as the op ``lightning_accel::linear_dropout_gemm``,
+whose FLOP formula reports the product it computes (a kernel launch is no op a counter can see).
 """
 
 from __future__ import annotations
@@ -13,13 +19,66 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
+from torch.utils.flop_counter import register_flop_formula
 
-from lightning_accel._utils.checks import check_choice, check_number
+from lightning_accel._utils.checks import SEED_MAX, SEED_MIN, check_choice, check_int, check_number
 from lightning_accel._utils.triton import Backend, resolve_backend, use_triton
 from lightning_accel.ops.activation import Activation, activation_forward, check_activation
 from lightning_accel.ops.linear_dropout import reference
 
 __all__ = ["LinearDropoutFunction", "linear_dropout", "new_seed"]
+
+
+# the Triton GEMM + epilogue as an op of its own, so that a FLOP counter sees the product (a library kernel, not
+# `torch.library.custom_op`, whose dispatch costs ~2.5x as much; see conv_bn_relu.function)
+_LIB = torch.library.Library("lightning_accel", "FRAGMENT")
+_LIB.define(
+    "linear_dropout_gemm(Tensor x, Tensor weight, Tensor? bias, Tensor? residual, int seed, float p, "
+    "ScalarType out_dtype, str activation) -> (Tensor, Tensor)"
+)
+
+
+def _linear_dropout_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    seed: int,
+    p: float,
+    out_dtype: torch.dtype,
+    activation: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`.triton.forward` with ``gemm="triton"`` for a 2-D ``x``; ``pre`` is empty without an activation."""
+    from lightning_accel.ops.linear_dropout import triton as kernels
+
+    out, pre = kernels.forward(x, weight, bias, residual, seed, p, out_dtype, "triton", activation)  # type: ignore[arg-type]
+    return out, pre if pre is not None else x.new_empty((0,))
+
+
+def _linear_dropout_gemm_fake(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    seed: int,
+    p: float,
+    out_dtype: torch.dtype,
+    activation: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The outputs' shapes and dtypes (``pre`` has no elements without an activation: an op returns no None)."""
+    m, n = x.shape[0], weight.shape[0]
+    return x.new_empty((m, n), dtype=out_dtype), x.new_empty((m, n) if activation != "none" else (0,))
+
+
+# CompositeExplicitAutograd (not Implicit): a dispatch mode sees the op itself, not what runs inside it
+_LIB.impl("linear_dropout_gemm", _linear_dropout_gemm, "CompositeExplicitAutograd")
+torch.library.register_fake("lightning_accel::linear_dropout_gemm", _linear_dropout_gemm_fake, lib=_LIB)
+
+
+@register_flop_formula(torch.ops.lightning_accel.linear_dropout_gemm)
+def _linear_dropout_gemm_flops(x_shape: Any, w_shape: Any, *args: Any, **kwargs: Any) -> int:
+    """``2 * M * N * K``: the product ``x @ weight.T`` (what ``aten.mm`` counts for it); the epilogue counts zero."""
+    return 2 * x_shape[0] * x_shape[1] * w_shape[0]
 
 
 def new_seed() -> int:
@@ -56,7 +115,13 @@ class LinearDropoutFunction(torch.autograd.Function):
         if on_triton:
             from lightning_accel.ops.linear_dropout import triton as kernels
 
-            out, pre = kernels.forward(x2, weight, bias, r2, seed, p, out_dtype, gemm, activation)
+            if gemm == "triton":
+                out, pre = torch.ops.lightning_accel.linear_dropout_gemm(
+                    x2, weight, bias, r2, seed, p, out_dtype, activation
+                )
+                pre = pre if activation != "none" else None
+            else:
+                out, pre = kernels.forward(x2, weight, bias, r2, seed, p, out_dtype, gemm, activation)
         else:
             y = torch.mm(x2, weight.t())
             out, pre = reference.epilogue_act_forward(y, bias, r2, seed, p, out_dtype, activation)
@@ -116,13 +181,13 @@ def linear_dropout(
             zeros (plus ``residual``) and ``x``, ``weight`` and ``bias`` get zero gradients; it runs eager ops.
         training: apply dropout (``False``: ``p`` is ignored).
         residual: (..., N) tensor added after dropout, or None.
-        seed: the dropout seed (unused without dropout). On every path the same seed, ``p``, output shape and device
-            give the same mask, call after call, without touching torch's global generator. The ``"reference"`` and
-            ``"eager"`` paths (so ``"auto"`` off CUDA) draw it from a ``torch.Generator`` seeded with ``seed`` and get
-            the same bits as each other; the Triton kernels draw it with Philox ``tl.rand`` (a different, equally
-            valid mask for the same seed). ``None`` (default): the fused paths draw a seed from torch's CPU generator,
-            the eager path calls ``F.dropout`` (torch's generator for the device), so ``torch.manual_seed`` makes
-            runs repeatable either way.
+        seed: the dropout seed, ``0 .. 2**32 - 1`` (unused without dropout). On every path the same seed, ``p``, output
+            shape and device give the same mask, call after call, without touching torch's global generator. The
+            ``"reference"`` and ``"eager"`` paths (so ``"auto"`` off CUDA) draw it from a ``torch.Generator`` seeded
+            with ``seed`` and get the same bits as each other; the Triton kernels draw it with Philox ``tl.rand`` (a
+            different, equally valid mask for the same seed). ``None`` (default): the fused paths draw a seed from
+            torch's CPU generator, the eager path calls ``F.dropout`` (torch's generator for the device), so
+            ``torch.manual_seed`` makes runs repeatable either way.
         backend: ``"auto"`` (Triton on CUDA, eager ``F.linear`` + ``F.dropout`` elsewhere and, for dropout without
             a ``seed``, inside ``torch.compile`` on every device; with a ``seed``, the seeded mask instead of
             ``F.dropout``), ``"triton"``, ``"reference"`` (the function's torch path, mask
@@ -135,12 +200,20 @@ def linear_dropout(
     float32, and float64 gets float64 results, as from the eager ops.
 
     Raises:
-        ValueError: for ``p`` outside [0, 1], or a ``weight``, ``bias`` or ``residual`` whose shape does not fit ``x``.
+        TypeError: for a ``p`` that is not a number, or a ``seed`` that is not an integer (or None).
+        ValueError: for ``p`` outside [0, 1], a ``seed`` outside ``0 .. 2**32 - 1`` (the seeds of
+            ``lightning.seed_everything``), or a ``weight``, ``bias`` or ``residual`` whose shape does not fit ``x``.
     """
     if isinstance(p, bool) or not (isinstance(p, (int, float)) and 0.0 <= p <= 1.0):  # the check only when it fails
         check_number("p", p, low=0, high=1, fix="Use p=0 for no dropout, p=1 to drop everything.")
     if gemm not in ("torch", "triton"):
         check_choice("gemm", gemm, ("torch", "triton"))
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not SEED_MIN <= seed <= SEED_MAX):
+        # torch's generator (and Triton's seed argument) fail deep inside on these, naming no argument
+        check_int(
+            "seed", seed, low=SEED_MIN, high=SEED_MAX, allow_none=True,
+            fix="Any seed `lightning.seed_everything` takes works; None draws one from torch's generator.",
+        )  # fmt: skip
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(
             f"`x` has {x.shape[-1]} input features but `weight` has shape {tuple(weight.shape)}; expected (N, "

@@ -68,11 +68,16 @@ class NormFunction(torch.autograd.Function):
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor | None, name: str, bias: torch.Tensor | None = None) -> None:
-    """Refuse a ``weight`` or ``bias`` that is not ``(N,)`` for the last dimension ``N`` of ``x``.
+    """Refuse a 0-d ``x``, and a ``weight`` or ``bias`` that is not ``(N,)`` for the last dimension ``N`` of ``x``.
 
     ``F.layer_norm`` refuses them too; without this check the torch path would broadcast a ``(1,)`` or ``(M, N)``
     bias silently and the Triton kernels would read ``N`` elements from it (out of bounds).
     """
+    if x.dim() == 0:
+        raise ValueError(
+            f"`x` of `{name}` must have at least one dimension (the features normalised are the last one), got a 0-d "
+            "tensor. Give it a feature dimension, e.g. `x.view(1)`."
+        )
     n = x.shape[-1]
     for arg, t in (("weight", weight), ("bias", bias)):
         if t is not None and t.shape != (n,):
@@ -130,7 +135,8 @@ def layer_norm(
 
     Raises:
         TypeError: for an ``eps`` that is not a number.
-        ValueError: for a ``weight`` or ``bias`` that is not ``(N,)`` (``F.layer_norm`` refuses them too).
+        ValueError: for a 0-d ``x``, or a ``weight`` or ``bias`` that is not ``(N,)`` (``F.layer_norm`` refuses them
+            too).
     """
     _check(x, weight, "layer_norm", bias)
     eps = _check_eps(eps, "layer_norm")
