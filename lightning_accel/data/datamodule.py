@@ -274,7 +274,8 @@ class CachedDataModule(LightningDataModule):
             ``"auto"`` (``"window"`` for a packed remote origin whose pack exceeds ``stage_bytes``).
         shuffle_window: shards shuffled together under ``"window"`` (``None``: the widest the stage holds for every
             rank of the node). Unused when ``"auto"`` chooses the global shuffle, which the first training loader
-            reports once (a warning on rank 0 saying why).
+            reports once (a warning on rank 0 saying why); a window of all the pack's shards or more is reported
+            likewise (each rank then shuffles its whole part at once).
 
     Loading:
         batch_size: per-device batch size.
@@ -533,7 +534,8 @@ class CachedDataModule(LightningDataModule):
         self._train_loader: CacheDataLoader | None = None
         self._resume: dict[str, Any] | None = None  # the train sampler's state from a checkpoint, until applied
         self._skipped_reported = 0  # this rank's decode_skipped already reported (see _report_skipped)
-        self._window_reported = False  # an unused `shuffle_window` already reported (see _report_unused_window)
+        # a `shuffle_window` left unused or covering the whole pack already reported (see _report_unused_window)
+        self._window_reported = False
 
     # ---- listing -------------------------------------------------------------------------------------------------
     def _store(self, url: str) -> ObjectStore:
@@ -748,6 +750,8 @@ class CachedDataModule(LightningDataModule):
             )
             return None
         if self.shuffle_window is not None:
+            if self.shuffle_window >= len(sizes):
+                self._report_whole_pack_window(packed.staging, packed.stage_bytes, sizes)
             return self.shuffle_window
         trainer = self.trainer
         local = int(getattr(trainer, "num_devices", 1) or 1) if trainer is not None else 1
@@ -763,6 +767,26 @@ class CachedDataModule(LightningDataModule):
             f"`shuffle_window` {self.shuffle_window!r} is unused: `shuffle='auto'` chose the global shuffle because "
             f"{why}, so every sample is shuffled with every other. Pass `shuffle='window'` to shuffle within windows "
             "of shards anyway (packed origins only), or leave `shuffle_window` out."
+        )
+
+    def _report_whole_pack_window(self, staging: bool, stage_bytes: int, sizes: Sequence[int]) -> None:
+        """Warn once (rank 0; no collective) that ``shuffle_window`` covers every shard of the pack: each rank then
+        shuffles its whole part at once, reading from all its shards together. Known only once the origin is listed,
+        not in ``__init__``."""
+        if self._window_reported:
+            return
+        self._window_reported = True
+        total = sum(sizes)
+        held = (
+            f"; the stage (`stage_bytes` {stage_bytes}) is smaller than the pack ({total} bytes), so shards are "
+            "evicted before their last read and downloaded again"
+            if staging and stage_bytes < total
+            else ""
+        )
+        rank_zero_warn(
+            f"`shuffle_window` {self.shuffle_window!r} covers all {len(sizes)} shards of the pack: every rank shuffles "
+            f"its whole part at once, reading from all its shards together{held}. Pass a `shuffle_window` below "
+            f"{len(sizes)} (or None: the widest the stage holds), or `shuffle='global'` for a shuffle of all samples."
         )
 
     def _ahead_transform(self) -> Callable[[Any, int], Any] | None:
@@ -837,12 +861,18 @@ class CachedDataModule(LightningDataModule):
             on_epoch_end=functools.partial(self._report_skipped, "training" if shuffle else "evaluation"),
             batch_transform=self._ahead_transform() if shuffle else None,
             pass_batches=functools.partial(self._pass_batches, shuffle),
+            warm_check=self._decides_warm,
         )
 
+    def _decides_warm(self) -> bool:
+        """Whether the loader's coming pass may switch it to the warm path: not a sanity-check pass, whose 2 batches
+        cached say nothing of the validation passes after it (and the switch is one-way)."""
+        return not bool(getattr(self.trainer, "sanity_checking", False))
+
     def _pass_batches(self, training: bool) -> float | None:
-        """The batches the Trainer takes of the loader's coming pass (``limit_*_batches``, ``overfit_batches``): the
-        loader reads no further and checks only those for its warm path; None when unknown or for a sanity-check pass
-        (its 2 batches say nothing of the validation passes after it, and the switch to the warm path is one-way)."""
+        """The batches the Trainer takes of the loader's coming pass (``limit_*_batches``, ``overfit_batches``, the
+        sanity check's ``num_sanity_val_steps``): the loader reads no further and checks only those for its warm path
+        (not on a sanity check, see :meth:`_decides_warm`); None when unknown."""
         trainer = self.trainer
         if trainer is None:
             return None
@@ -855,7 +885,10 @@ class CachedDataModule(LightningDataModule):
             if cap is not None and not (isinstance(n, (int, float)) and n <= cap):
                 n = cap
         elif getattr(trainer, "sanity_checking", False):
-            return None
+            # Whole, the pass read ahead (4 batches in the main process, 2 per worker) what the check never takes:
+            # 56 origin reads for its 16 samples (2 batches of 8 out of 13).
+            counts = getattr(trainer, "num_sanity_val_batches", None)
+            n = counts[0] if isinstance(counts, list) and len(counts) == 1 else None
         else:
             attr = (
                 "num_test_batches"

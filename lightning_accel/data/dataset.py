@@ -737,6 +737,9 @@ class CacheDataLoader(DataLoader):
             neither the read-ahead nor the workers' prefetch reads batches the consumer never takes, and the warm
             check looks only at the samples of those batches (a check over the whole order kept the loader cold for
             good).
+        warm_check: ``fn()`` false when the coming pass must not switch the loader to the warm path, e.g. a Trainer's
+            sanity check (bounded by ``pass_batches`` to 2 batches, which say nothing of the passes after it: the
+            switch is one-way); ``None``: every pass may.
         **kwargs: ``DataLoader`` arguments (``collate_fn`` defaults to :func:`collate_batch`).
     """
 
@@ -751,6 +754,7 @@ class CacheDataLoader(DataLoader):
         batch_transform: Callable[[Any, int], Any] | None = None,
         transform_ahead: int = 2,
         pass_batches: Callable[[], float | None] | None = None,
+        warm_check: Callable[[], bool] | None = None,
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("collate_fn", collate_batch)
@@ -759,6 +763,11 @@ class CacheDataLoader(DataLoader):
             raise TypeError(
                 f"`pass_batches` must be a callable `fn() -> int | None` or None, got {pass_batches!r} "
                 f"({type(pass_batches).__name__}). Pass e.g. `lambda: trainer.num_training_batches`."
+            )
+        if warm_check is not None and not callable(warm_check):
+            raise TypeError(
+                f"`warm_check` must be a callable `fn() -> bool` or None, got {warm_check!r} "
+                f"({type(warm_check).__name__}). Pass e.g. `lambda: not trainer.sanity_checking`."
             )
         super().__init__(dataset, **kwargs)
         check_warm_num_workers(warm_num_workers)
@@ -784,6 +793,7 @@ class CacheDataLoader(DataLoader):
         self.batch_transform = batch_transform
         self.transform_ahead = transform_ahead
         self.pass_batches = pass_batches
+        self.warm_check = warm_check
 
     def _bounded_index_sampler(self, base: Any) -> Any:
         # What every pass draws its batches' indices from, on every path (the DataLoader's own iterators, persistent
@@ -807,6 +817,8 @@ class CacheDataLoader(DataLoader):
     def _check_warm(self) -> None:
         if self.is_warm or self.warm_num_workers is None or self.warm_num_workers == self.cold_num_workers:
             return
+        if self.warm_check is not None and not self.warm_check():
+            return
         if not self._pass_cached():
             return
         self.is_warm = True
@@ -819,9 +831,10 @@ class CacheDataLoader(DataLoader):
             self.prefetch_factor = 2
 
     def _pass_cached(self) -> bool:
-        """Whether every sample the coming pass reads is cached: this rank's order of the epoch when the sampler is an
-        :class:`EpochOrderSampler` of this dataset (a ``SequentialSampler``'s order for one), cut to the batches
-        ``pass_batches`` says the consumer takes; else the whole dataset.
+        """Whether every sample the coming pass reads is cached: this rank's order of the epoch (that of an
+        :class:`EpochOrderSampler` of this dataset, or of the ``SequentialSampler`` / ``DistributedSampler`` Lightning
+        puts in for ``overfit_batches``), cut to the batches ``pass_batches`` says the consumer takes; else the whole
+        dataset.
 
         Why this rank's order: a rank only reads its part of the split, and a node's cache holds what its ranks read.
         Over the whole split, a node of a multi-node job (whose other nodes read the rest) never found its cache
@@ -834,6 +847,10 @@ class CacheDataLoader(DataLoader):
                 order = s._pass_order()
             elif isinstance(s, SequentialSampler) and s.data_source is ds:
                 order = range(len(ds))  # what Lightning puts in for `overfit_batches`
+            elif isinstance(s, DistributedSampler) and s.dataset is ds:
+                # Lightning's, over that `SequentialSampler`, under DDP: this rank's part, fixed by the seed and the
+                # epoch (no random state drawn). Over the whole split, the ranks' 2 batches never made it complete.
+                order = list(s)
             n = _finite_limit(self.pass_batches)  # the batches the pass takes, as `_FirstBatches` cuts them
             if order is not None and self.batch_size and n is not None:
                 order = order[: n * self.batch_size]
@@ -852,8 +869,9 @@ class CacheDataLoader(DataLoader):
 
     def _pass_batches(self) -> int | None:
         """The batches this pass yields (None: unknown). ``len(self)`` but in a resumed epoch, whose pass yields only
-        the batches not yet seen while its length stays the whole epoch's: the Trainer stops asking after those, so
-        counting to ``len(self)`` would never reach the pass's end (its report came only at teardown)."""
+        the batches not yet seen while its length stays the whole epoch's, and in a pass ``pass_batches`` cuts short:
+        the Trainer stops asking after those, so counting to ``len(self)`` would never reach the pass's end (its
+        report came only at teardown)."""
         try:
             n = len(self)
         except TypeError:  # a sampler without a length
@@ -862,7 +880,8 @@ class CacheDataLoader(DataLoader):
         if isinstance(s, EpochOrderSampler) and s.resume_epoch == s.epoch and s.resume_skip > 0 and bs:
             left = max(0, s.num_samples - s.resume_skip)
             n = left // bs if self.drop_last else -(-left // bs)
-        return n
+        cut = _finite_limit(self.pass_batches)  # as `_FirstBatches` cuts the pass
+        return n if cut is None else min(n, cut)
 
     def _iter(self) -> Any:
         self._check_warm()
