@@ -164,16 +164,54 @@ def fit_scheduler_steps(trainer: Trainer, frequency: int) -> tuple[int | float, 
     return full * per_epoch + rest * accumulate // every, None
 
 
+def _resumed_batches(trainer: Trainer) -> int | None:
+    """Batches of the current epoch that ``trainer``'s fit resumes after, as Lightning's epoch loop will count them
+    (read at ``on_train_start``, before that loop resets); ``None`` when the progress cannot be read.
+
+    The restored batch count is a position inside the epoch only while the loop is restarting: a checkpoint written at
+    an epoch's end (``on_train_epoch_end``, validation) starts the next epoch at batch 0, whatever count it holds. A
+    restarting loop resumes after the processed batches (one saved at ``on_train_batch_end`` counts, as Lightning
+    completes it on restore), and restarts an epoch whose count reaches this fit's batches per epoch (a checkpoint
+    written on an epoch's last batch: the next epoch starts at 0; with fewer batches per epoch than this fit, the
+    count stays and Lightning resumes the next epoch after as many batches)."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    current = getattr(getattr(loop, "batch_progress", None), "current", None)
+    processed = getattr(current, "processed", None)
+    if not isinstance(processed, int):
+        return None
+    if not getattr(loop, "restarting", False):
+        return 0
+    batches = trainer.num_training_batches
+    return 0 if math.isfinite(batches) and processed >= int(batches) else processed
+
+
 def _steps_into_epoch(trainer: Trainer, frequency: int) -> int | None:
     """Scheduler steps the batches of the current epoch that ``trainer`` resumes after take in this fit: a step after
-    each batch position that is a multiple of both ``accumulate_grad_batches`` and ``frequency``. ``None`` when the
-    batch count or the epoch length is unknown."""
-    progress = getattr(getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None), "batch_progress", None)
-    done = getattr(getattr(progress, "current", None), "ready", None)
-    batches = trainer.num_training_batches
-    if not isinstance(done, int) or not math.isfinite(batches) or not 0 <= done < int(batches):
+    each batch position that is a multiple of both ``accumulate_grad_batches`` and ``frequency``
+    (:func:`_resumed_batches`). ``None`` when the batch count or the epoch length is unknown."""
+    done = _resumed_batches(trainer)
+    if done is None or not math.isfinite(trainer.num_training_batches):
         return None
     return done // math.lcm(_fit_accumulation(trainer, trainer.current_epoch), frequency)
+
+
+def _resumed_accumulation_scheduler(trainer: Trainer) -> GradientAccumulationScheduler | None:
+    """At ``on_train_start``: ``trainer``'s ``GradientAccumulationScheduler`` when the fit resumes inside an epoch
+    (its loop is restarting, so Lightning will not call ``on_train_epoch_start`` for it), else ``None``."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    return _accumulation_scheduler(trainer) if getattr(loop, "restarting", False) else None
+
+
+def _set_scheduled_accumulation(trainer: Trainer, scheduler: GradientAccumulationScheduler | None) -> None:
+    """Set ``trainer``'s ``accumulate_grad_batches`` to ``scheduler``'s for the current epoch; call it at the first
+    ``on_train_batch_start`` of a resumed fit (:func:`_resumed_accumulation_scheduler`).
+
+    Lightning does not call ``on_train_epoch_start``, where its ``GradientAccumulationScheduler`` sets the value, for
+    the epoch a fit resumes inside (a checkpoint written mid-epoch, or on the previous epoch's last batch), so that
+    epoch would train at accumulation 1. Not at ``on_train_start``: the scheduler refuses a Trainer accumulation other
+    than 1 there, and may come after the caller; Lightning reads the value only after this hook, for this batch."""
+    if scheduler is not None:
+        trainer.accumulate_grad_batches = scheduler.get_accumulate_grad_batches(trainer.current_epoch)
 
 
 def _fit_accumulation(trainer: Trainer, epoch: int) -> int:
@@ -255,7 +293,8 @@ class LinearScalingLR(Callback):
     ``global_batch = per-device batch x data-parallel replicas x accumulate_grad_batches``. With Lightning's
     ``GradientAccumulationScheduler`` the accumulation is the schedule's for the current epoch, and the rates are
     rescaled at each epoch start where it changes the global batch (``{0: 2, 4: 8}`` quadruples them at epoch 4,
-    schedulers' base rates included). The per-device batch is
+    schedulers' base rates included); a fit resumed inside an epoch trains it at the scheduled accumulation from its
+    first batch (Lightning skips the ``on_train_epoch_start`` where the scheduler would set it). The per-device batch is
     read from the training DataLoader (``batch_size``) unless ``batch_size`` is given. The replicas are the ranks the
     strategy's sampler splits the data over (``num_replicas`` of ``trainer.distributed_sampler_kwargs``; 1 on a
     single device): every process under DDP and FSDP, but one per tensor-parallel group or pipeline when the ranks of
@@ -288,6 +327,8 @@ class LinearScalingLR(Callback):
         self.factor: float | None = None
         self.global_batch_size: int | None = None
         self._restored_factor: float | None = None
+        # the GradientAccumulationScheduler whose accumulation the first batch of a fit resumed mid-epoch must train at
+        self._accumulation: GradientAccumulationScheduler | None = None
 
     def global_batch(self, trainer: Trainer) -> int:
         """``per-device batch x data-parallel replicas x accumulate_grad_batches`` for ``trainer``'s current fit and
@@ -309,7 +350,14 @@ class LinearScalingLR(Callback):
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         restored = self._restored_factor
+        self._accumulation = _resumed_accumulation_scheduler(trainer)
         self._scale(trainer, restored or 1.0, f" (restored x{restored:g}, rescaled)" if restored else "")
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        # the rates were scaled for the scheduled accumulation, which a fit resumed inside an epoch must train at
+        scheduler, self._accumulation = self._accumulation, None
+        _set_scheduled_accumulation(trainer, scheduler)
 
     @override
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -381,10 +429,23 @@ class PerStepLR(Callback):
     steps over the batches Lightning resumes that epoch at), so it continues from the same
     point of the run and reaches ``min_lr`` at the end of this fit (at ``total_steps``, the index one past its last
     step; not early, not half-way), from an end-of-epoch checkpoint or a mid-epoch one.
+
+    **Scheduled accumulation on resume.** Lightning does not call ``on_train_epoch_start`` for the epoch a fit resumes
+    inside (a checkpoint written mid-epoch, or on an epoch's last batch: then the next epoch), which is where its
+    ``GradientAccumulationScheduler`` sets the Trainer's ``accumulate_grad_batches``; that epoch would train at
+    accumulation 1 and take other steps than the schedule counts. Under such a scheduler this callback sets the
+    scheduled accumulation of the current epoch at the first batch of a fit resumed inside an epoch, so the resumed
+    batches accumulate as an uninterrupted run's do.
     """
+
+    def __init__(self) -> None:
+        super().__init__()
+        # the GradientAccumulationScheduler whose accumulation the first batch of a fit resumed mid-epoch must train at
+        self._accumulation: GradientAccumulationScheduler | None = None
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._accumulation = _resumed_accumulation_scheduler(trainer)
         found = 0
         for cfg in trainer.lr_scheduler_configs:
             if isinstance(cfg.scheduler, WarmupCosineLR):
@@ -412,6 +473,11 @@ class PerStepLR(Callback):
                 bind_to_fit(sched, trainer, sched.total_steps_arg, frequency=cfg.frequency)
         if not found:
             rank_zero_warn("PerStepLR found no WarmupCosineLR scheduler in this fit; it changed nothing.")
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        scheduler, self._accumulation = self._accumulation, None
+        _set_scheduled_accumulation(trainer, scheduler)
 
 
 def _check_frequency_steps(trainer: Trainer, frequency: int) -> None:

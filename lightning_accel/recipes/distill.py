@@ -26,6 +26,8 @@ import importlib
 import inspect
 import math
 import os
+import reprlib
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -118,11 +120,26 @@ def check_logits_match(student_logits: torch.Tensor, teacher_logits: torch.Tenso
         )
 
 
+#: Shortens the value quoted in an error: a tensor or a container of them would print every element.
+_SHORT = reprlib.Repr()
+_SHORT.maxother = _SHORT.maxstring = 60
+_SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = 3
+
+
 def freeze_teacher(teacher: nn.Module) -> nn.Module:
     """Freeze ``teacher`` in place (no gradients, eval mode) and return it."""
     if not isinstance(teacher, nn.Module):
+        if isinstance(teacher, Mapping):
+            # a `state_dict` is a likely slip; its repr would print every tensor, over many lines
+            raise TypeError(
+                "`teacher` must be a torch.nn.Module (or a checkpoint path), got a mapping "
+                f"({type(teacher).__name__}) of {len(teacher)} entries (a state_dict?). Build the teacher and load "
+                "the weights into it (`teacher = Net(); teacher.load_state_dict(weights)`), or pass the checkpoint's "
+                "path with `teacher_class`."
+            )
+        shown = " ".join(_SHORT.repr(teacher).split())
         raise TypeError(
-            f"`teacher` must be a torch.nn.Module (or a checkpoint path), got {teacher!r} ({type(teacher).__name__})."
+            f"`teacher` must be a torch.nn.Module (or a checkpoint path), got {shown} ({type(teacher).__name__})."
         )
     teacher.requires_grad_(False)
     teacher.eval()

@@ -401,12 +401,14 @@ class WarmupCosineLR(LRScheduler):
                 mid-epoch reaches ``min_lr`` at the end of the fit too, not early. ``None`` converts the whole
                 position when ``steps_per_epoch`` changed.
             into_epoch: the steps of the interrupted epoch already taken, counted in the current fit's steps (the
-                batches Lightning resumes the epoch at, over this fit's ``accumulate_grad_batches``). Used with
-                ``epochs_done`` when the restored position is inside an epoch, even at unchanged ``steps_per_epoch``:
-                a resume at another ``accumulate_grad_batches`` takes another number of steps over the same batches
-                (5 batches at accumulation 3 step after batches 3 and 5, at 4 after 4 and 5), so the restored step
-                count would put the schedule off by the difference. ``None`` keeps the restored steps into the epoch
-                as they are (right when only the world size or the batch size changed).
+                batches Lightning resumes the epoch at, over this fit's ``accumulate_grad_batches``; 0 when the fit
+                starts the epoch at its first batch). Used with ``epochs_done`` when the restored position is inside
+                an epoch or at its start, even at unchanged ``steps_per_epoch``: a resume at another
+                ``accumulate_grad_batches`` takes another number of steps over the same batches (5 batches at
+                accumulation 3 step after batches 3 and 5, at 4 after 4 and 5; 2 batches at accumulation 3 took no
+                step, at 2 they are one), so the restored step count would put the schedule off by the difference.
+                ``None`` keeps the restored steps into the epoch as they are (right when only the world size or the
+                batch size changed).
         """
         self._resolve(total_steps)
         step = max(0, self.last_epoch)
@@ -417,9 +419,10 @@ class WarmupCosineLR(LRScheduler):
             into = position - _epoch_start(old, epochs_done) if epochs_done is not None else -1.0
             if epochs_done is not None and 0 <= into < _epoch_length(old, epochs_done):
                 # Lightning resumes the interrupted epoch at the same batch; `into_epoch` counts those batches in this
-                # fit's steps (another accumulation steps at other batches, even with as many steps per epoch). It
+                # fit's steps (another accumulation steps at other batches, even with as many steps per epoch), also
+                # when the restored run took no step over them yet (2 batches at accumulation 3 are 1 step at 2). It
                 # restarts an epoch whose restored batch count reaches this fit's batches per epoch
-                kept = into if into_epoch is None or into == 0 else into_epoch
+                kept = into if into_epoch is None else into_epoch
                 kept = kept if kept < _epoch_length(new, epochs_done) else 0
                 position = int(round(_epoch_start(new, epochs_done) + kept))
             elif new != old:
