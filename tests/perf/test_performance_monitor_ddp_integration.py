@@ -121,9 +121,18 @@ def test_an_interrupted_ddp_fit_reports_on_every_rank_without_a_collective(tmp_p
         assert a["drawn"] == [{"ylabel": "seconds (rank 0's own)"}]
 
 
+#: Lightning's multiprocessing launcher with forked workers: the same launcher and the same copies of the callbacks
+#: as ``ddp_spawn``, but its ranks end in ``os._exit``. A spawned gloo rank now and then dies with "terminate called
+#: without an active exception" (SIGABRT) in the interpreter's exit after its fit has returned (seen in this suite's
+#: full runs on torch 2.14, in no fit of this module run alone), and the launcher then kills the other rank: a
+#: failure of neither the fit nor the monitor. What only ``spawn`` does, pickling the callbacks, is checked below.
+LAUNCHED = "ddp_fork"
+
+
 def test_ddp_spawn_brings_the_report_back_to_the_main_process(tmp_path) -> None:
-    """Under ``ddp_spawn`` the fit runs on copies of the callbacks in processes of their own: the user's monitor in
-    the main process kept ``report`` None (rank 0's worker wrote the JSON, nothing came back)."""
+    """Under ``ddp_spawn`` (and ``ddp_fork``, its launcher) the fit runs on copies of the callbacks in processes of
+    their own: the user's monitor in the main process kept ``report`` None (rank 0's worker wrote the JSON, nothing
+    came back)."""
     import lightning.pytorch as pl
 
     from lightning_accel.callbacks import PerformanceMonitor
@@ -132,7 +141,7 @@ def test_ddp_spawn_brings_the_report_back_to_the_main_process(tmp_path) -> None:
     report = tmp_path / "perf.json"
     mon = PerformanceMonitor(log_every_n_steps=3, report_path=str(report), verbose=False)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=6, limit_val_batches=0, logger=False,
+        accelerator="cpu", devices=2, strategy=LAUNCHED, max_steps=6, limit_val_batches=0, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         default_root_dir=str(tmp_path), callbacks=[mon],
     )  # fmt: skip
@@ -159,9 +168,9 @@ def test_ddp_spawn_with_a_lambda_count_names_the_argument_and_a_module_function_
     from lightning_accel.callbacks import PerformanceMonitor
     from tests.tiny import TimedModule, loaders
 
-    def trainer(mon: PerformanceMonitor) -> pl.Trainer:
+    def trainer(mon: PerformanceMonitor, strategy: str = "ddp_spawn") -> pl.Trainer:
         return pl.Trainer(
-            accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=4, limit_val_batches=0, logger=False,
+            accelerator="cpu", devices=2, strategy=strategy, max_steps=4, limit_val_batches=0, logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
             default_root_dir=str(tmp_path), callbacks=[mon],
         )  # fmt: skip
@@ -173,5 +182,6 @@ def test_ddp_spawn_with_a_lambda_count_names_the_argument_and_a_module_function_
     ):
         trainer(bad).fit(TimedModule(), train)
     good = PerformanceMonitor(report_path="", verbose=False, tokens_fn=count_tokens)
-    trainer(good).fit(TimedModule(), train)
+    assert pickle.loads(pickle.dumps(good)).tokens_fn is count_tokens  # what ddp_spawn does to start each rank
+    trainer(good, LAUNCHED).fit(TimedModule(), train)
     assert good.report is not None and good.report.tokens_per_s  # 4 samples x 8 features per batch and rank
