@@ -87,8 +87,8 @@ class GpuAugment(nn.Module):
         crop_ratio: range of the crop's aspect ratio.
         flip_p: probability of a horizontal flip (0 for digits and text).
         brightness: factor drawn from ``[1 - b, 1 + b]``.
-        contrast: factor drawn from ``[1 - c, 1 + c]``.
-        saturation: factor drawn from ``[1 - s, 1 + s]``.
+        contrast: factor drawn from ``[1 - c, 1 + c]``; needs 1 or 3 channels (``len(mean)``).
+        saturation: factor drawn from ``[1 - s, 1 + s]``; needs 3 channels.
         seed: seed of the parameters (``None``: follow torch's global seed, so ``seed_everything`` makes runs
             repeat exactly). Either way it is mixed with the rank under ``torch.distributed``: each rank draws its
             own parameters, and the same rank of a run with the same world size repeats them.
@@ -134,6 +134,16 @@ class GpuAugment(nn.Module):
         check_number("flip_p", flip_p, low=0.0, high=1.0)
         for name, v in (("brightness", brightness), ("contrast", contrast), ("saturation", saturation)):
             check_number(name, v, low=0.0, high=1.0, high_open=True, fix="0 leaves it unchanged.")
+        # `forward` takes only batches of len(mean) channels: a jitter defined for other counts would skip every batch
+        for name, v, takes, needs in (
+            ("contrast", contrast, (1, 3), "1 or 3 channels (grey or RGB)"),
+            ("saturation", saturation, (3,), "3 channels (RGB)"),
+        ):
+            if v and len(mean) not in takes:
+                raise ValueError(
+                    f"`{name}` {v!r} needs {needs}, but `mean`/`std` give {len(mean)}: it would never be applied. "
+                    f"Set `{name}=0`, or give one `mean`/`std` value per channel of your images."
+                )
         self.mean = tuple(float(m) for m in mean)
         self.std = tuple(float(s) for s in std)
         self.size = size

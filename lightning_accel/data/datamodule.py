@@ -290,14 +290,18 @@ class CachedDataModule(LightningDataModule):
         val_augment: batch transform for evaluation (default: normalise only, with a :class:`GpuAugment`
             ``train_augment``'s ``mean``, ``std`` and output ``size``, so both splits reach the model alike).
         mean: per-channel mean for the default augmentations (``None``: a :class:`GpuAugment` ``train_augment``'s,
-            else ImageNet's).
+            else ImageNet's). With ``train_augment`` and ``val_augment`` both given no default is left: a value
+            that either of them does not have is refused.
         std: per-channel std for the default augmentations (``None``: as ``mean``).
         cpu_augment: where a :class:`GpuAugment` ``train_augment`` runs when the batches stay on the CPU (no GPU, or
-            ``accelerator="cpu"``): ``"thread"`` (default) on a background thread of each rank, two batches ahead of
-            the training step, so augmenting overlaps with the step instead of adding to it (torch ops release the
-            GIL); ``"step"`` in ``on_after_batch_transfer``, on the training thread. Same random stream and same
-            tensors either way (batch ``k`` of the stream draws from ``(seed, k)``). CUDA batches are augmented on
-            the GPU after the transfer in both cases. See ``docs/data.md`` for the measured difference.
+            ``accelerator="cpu"``): ``"thread"`` on a background thread of each rank, two batches ahead of the
+            training step, so augmenting overlaps with the step instead of adding to it (torch ops release the GIL);
+            ``"step"`` in ``on_after_batch_transfer``, on the training thread. Same random stream and same tensors
+            either way (batch ``k`` of the stream draws from ``(seed, k)``). CUDA batches are augmented on the GPU
+            after the transfer in both cases. See ``docs/data.md`` for the measured difference. ``None`` (default):
+            ``"thread"`` for a :class:`GpuAugment` (the default augmentation is one), ``"step"`` for any other
+            ``train_augment``, which only the step can run (its random draws are its own); ``"thread"`` with such a
+            ``train_augment`` is refused. :attr:`cpu_augment` holds the placement chosen.
 
     Logging:
         log_every_n_steps: how often (training steps) ``cache/...`` statistics are logged.
@@ -357,7 +361,7 @@ class CachedDataModule(LightningDataModule):
         val_augment: GpuAugment | None = None,
         mean: Sequence[float] | None = None,
         std: Sequence[float] | None = None,
-        cpu_augment: str = "thread",
+        cpu_augment: str | None = None,
         # logging
         log_every_n_steps: int = 50,
     ) -> None:
@@ -417,7 +421,20 @@ class CachedDataModule(LightningDataModule):
         self.cache_dir = _local_cache_dir(cache_dir)
         check_choice("on_decode_error", on_decode_error, ("raise", "skip"))
         check_choice("policy", policy, ("keep", "fifo"))
-        check_choice("cpu_augment", cpu_augment, ("thread", "step"))
+        check_choice(
+            "cpu_augment",
+            cpu_augment,
+            ("thread", "step", None),
+            fix="None: on the thread for a GpuAugment `train_augment`, in the step otherwise.",
+        )
+        if cpu_augment == "thread" and train_augment is not None and not isinstance(train_augment, GpuAugment):
+            # Augmenting ahead draws batch k of a GpuAugment's seeded stream; another callable's draws would move to
+            # another thread and another order, so "thread" was ignored and the callable ran in the step.
+            raise ValueError(
+                f"`cpu_augment` 'thread' needs a GpuAugment `train_augment`, got {train_augment!r} "
+                f"({type(train_augment).__name__}), which only the training step can run. Pass a GpuAugment as "
+                "`train_augment`, or `cpu_augment='step'` (or leave it out) to run this one in the step."
+            )
         check_choice("shuffle", shuffle, ("auto", "global", "window"))
         check_int("shuffle_window", shuffle_window, low=1, allow_none=True, fix="It counts the shards of a window.")
         if shuffle_window is not None and shuffle == "global":
@@ -501,6 +518,18 @@ class CachedDataModule(LightningDataModule):
             crop_scale=None,
             flip_p=0.0,
         )
+        if train_augment is not None and val_augment is not None:
+            # `mean`/`std` set only the default augmentations' normalisation, and neither is used: a value that the
+            # given augmentations do not already have would be dropped (the same value says nothing new: accepted)
+            for name, value, ours in (("mean", mean, default.mean), ("std", std, default.std)):
+                theirs = [getattr(a, name, None) for a in (train_augment, val_augment)]
+                if value is not None and any(t != ours for t in theirs):
+                    raise ValueError(
+                        f"`{name}` {value!r} has no effect: `train_augment` and `val_augment` are both given (with "
+                        f"{name} {theirs[0]!r} and {theirs[1]!r}), and `{name}` sets only the default augmentations' "
+                        f"normalisation. Pass it to the augmentations (`GpuAugment({name}=...)`), or leave `{name}` "
+                        "out."
+                    )
         if given is not None and val_augment is None:
             mismatch = [
                 f"`{name}` {ours}"
@@ -519,7 +548,14 @@ class CachedDataModule(LightningDataModule):
                 )
         self.train_augment = train_augment if train_augment is not None else default
         self.val_augment = val_augment if val_augment is not None else copy.deepcopy(default)
-        self.cpu_augment = cpu_augment
+        # the placement chosen: a GpuAugment can be augmented ahead on the thread, anything else only in the step
+        self.cpu_augment = (
+            cpu_augment
+            if cpu_augment is not None
+            else "thread"
+            if isinstance(self.train_augment, GpuAugment)
+            else "step"
+        )
         # training batches augmented ahead on the loader's thread (`_augment_ahead`), by id until the step takes them
         self._ready: dict[int, tuple[torch.Tensor, int]] = {}
         self._stream_base = 0
