@@ -38,6 +38,9 @@ from lightning_accel.precision.surgery import (
 
 __all__ = ["FusedPrecision"]
 
+# skipped modules named in `repr(plugin)`: the rest are counted (the full list is `plugin.report.table()`)
+_REPR_SKIPPED = 5
+
 
 def _compile_probe(*args: Any) -> None:
     """A function to check ``torch.compile``'s arguments on (its compilation is lazy: nothing is compiled)."""
@@ -185,6 +188,44 @@ class FusedPrecision(MixedPrecision):
         self._module: weakref.ref[nn.Module] | None = None
         #: why surgery was undone for the rest of the fit (:meth:`switch_off`), or None
         self.switched_off_reason: str | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # weak references do not pickle (a Trainer is pickled to start `ddp_spawn` processes, a config to be saved),
+        # and point at nothing in another process: the copy converts its own model when it sets up
+        return {**self.__dict__, "_module": None, "_replaced": []}
+
+    def __repr__(self) -> str:
+        """The settings, then (once a model was converted) what surgery fused, what it skipped and why, and whether
+        it was switched off: what a user printing the plugin, or a config holding it, needs to know."""
+        if self.fusions is None:
+            fusions = "all"
+        elif isinstance(self.fusions, Mapping):
+            fusions = f"policy{sorted(self.fusions)}"
+        else:
+            fusions = repr(list(self.fusions))
+        ignore = "[" + ", ".join(i.__qualname__ if isinstance(i, type) else repr(i) for i in self.ignore_modules) + "]"
+        parts = [
+            f"precision={self.precision!r}",
+            f"device={self.device!r}",
+            f"fusions={fusions}",
+            f"ignore_modules={ignore}",
+            f"backend={self.backend!r}",
+            f"memory_format={self.memory_format!r}",
+            f"compile={self.compile}",
+        ]
+        if self.compile_kwargs:
+            parts.append(f"compile_kwargs={self.compile_kwargs!r}")
+        text = ", ".join(parts)
+        if self.report is not None:
+            text += f"; report: {self.report.summary()}"
+            skipped = self.report.skipped()
+            if skipped:
+                shown = [f"{c.module or '(root)'} ({c.kind}: {c.reason})" for c in skipped[:_REPR_SKIPPED]]
+                more = f" and {len(skipped) - _REPR_SKIPPED} more" if len(skipped) > _REPR_SKIPPED else ""
+                text += f"; skipped: {', '.join(shown)}{more}"
+        if self.switched_off_reason is not None:
+            text += f"; switched off: {self.switched_off_reason}"
+        return f"{type(self).__name__}({text})"
 
     # -- the lever protocol (lightning_accel._utils.levers.Lever) --------------------------------------------------
     lever_name = "fused"

@@ -181,6 +181,10 @@ class FusionReport:
     def __len__(self) -> int:
         return len(self.records)
 
+    def __repr__(self) -> str:
+        # the summary and the skipped modules' names: the dataclass default printed every packed parameter's values
+        return f"FusionReport({self.summary()}, skipped={[c.module or '(root)' for c in self.skipped()]})"
+
 
 @dataclass(frozen=True)
 class Replacement:
@@ -1196,12 +1200,32 @@ def apply_fusions(
     elif warn_if_empty and policy and not any(fm.is_fused(m) for m in model.modules()):
         # an empty policy asked for nothing, and a second call (all fused already) is not "nothing"
         warnings.warn(
-            f"Module surgery found nothing to fuse in {type(model).__name__} for patterns {list(policy)}. "
-            "See docs/fused.md for what is matched; pass `fusions=` / `ignore_modules=` to change the selection.",
+            f"Module surgery found nothing to fuse in {type(model).__name__} for patterns {list(policy)}"
+            f"{_skipped_note(report)}. See docs/fused.md for what is matched; pass `fusions=` / `ignore_modules=` to "
+            "change the selection.",
             UserWarning,
             stacklevel=2,
         )
     return report
+
+
+# skipped modules the nothing-fused warning names: the rest are counted (the report's table lists them all)
+_WARN_SKIPPED = 3
+
+
+def _skipped_note(report: FusionReport) -> str:
+    """``": 2 eligible module(s) left unfused: 'a' (kind: why), ..."``, or ``""`` when the model has none: the
+    reasons say what to change, where "nothing to fuse" alone does not."""
+    skipped = report.skipped()
+    if not skipped:
+        return ""
+    shown = ", ".join(f"{c.module or '(root)'!r} ({c.kind}: {c.reason})" for c in skipped[:_WARN_SKIPPED])
+    more = (
+        f" and {len(skipped) - _WARN_SKIPPED} more (`report.table()` lists them all)"
+        if len(skipped) > _WARN_SKIPPED
+        else ""
+    )
+    return f": {len(skipped)} eligible module(s) left unfused: {shown}{more}"
 
 
 def unfuse(model: nn.Module) -> int:

@@ -24,6 +24,7 @@ from lightning_accel.ops.conv_bn_relu import conv_bn_relu
 from lightning_accel.ops.conv_bn_relu import reference as cbr_ref
 from lightning_accel.ops.conv_bn_relu import triton as cbr_kernels
 from lightning_accel.ops.indexing_triton import program_start
+from lightning_accel.ops.linear_dropout import function as ld_function
 from lightning_accel.ops.linear_dropout import linear_dropout
 from lightning_accel.ops.linear_dropout import reference as ld_ref
 from lightning_accel.ops.linear_dropout import triton as ld_kernels
@@ -107,14 +108,18 @@ def test_kernel_mask_rate_and_scaling() -> None:
     torch.testing.assert_close(y, ld_ref.linear_dropout(x, w, None, keep, 0.25), atol=1e-5, rtol=1e-5)
 
 
-def test_bf16_fused_gemm_guard() -> None:
+def test_bf16_fused_gemm_guard(monkeypatch: pytest.MonkeyPatch) -> None:
     # the interpreter computes bf16 tl.dot wrongly, so the fused GEMM route is refused for bf16 here ...
     assert ld_kernels.fused_gemm_supported(torch.float32)
     assert not ld_kernels.fused_gemm_supported(torch.bfloat16)
-    # ... and a bf16 call that asks for it still gets the right answer through the cuBLAS/torch route
+    # ... and a bf16 call that asks for it still gets the right answer through the cuBLAS/torch route, and is told so
+    monkeypatch.setattr(ld_function, "_GEMM_FALLBACK_WARNED", set())  # earlier bf16 cases may have warned already
     torch.manual_seed(0)
     x, w = torch.randn(37, 19).bfloat16(), (torch.randn(23, 19) / 19**0.5).bfloat16()
-    y = linear_dropout(x, w, backend="triton", gemm="triton")
+    with pytest.warns(
+        UserWarning, match=r"`gemm='triton'` is not used: the Triton interpreter computes torch.bfloat16"
+    ):
+        y = linear_dropout(x, w, backend="triton", gemm="triton")
     assert_close(y, x.float() @ w.float().t(), 2e-2, 2e-2)
 
 

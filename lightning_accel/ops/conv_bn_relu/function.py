@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.utils.flop_counter import register_flop_formula
 
-from lightning_accel._utils.checks import check_number
+from lightning_accel._utils.checks import check_bool, check_number
 from lightning_accel._utils.triton import Backend, check_backend, use_triton
 from lightning_accel.ops.activation import Activation, activation_forward
 from lightning_accel.ops.conv_bn_relu import reference
@@ -222,7 +222,8 @@ def conv_bn_relu(
     :class:`ConvBNReLUFunction`).
 
     Raises:
-        TypeError: for a ``momentum`` that is not a number (None included) while running statistics are updated.
+        TypeError: for a ``training`` that is not True or False, or a ``momentum`` that is not a number (None
+            included) while running statistics are updated.
         ValueError: for an ``x`` that is not 4-D, a ``bn_weight``, ``bn_bias``, ``running_mean`` or ``running_var``
             that is not ``(C_out,)``, or one running statistic without the other (eager ``F.batch_norm`` refuses
             them too).
@@ -230,6 +231,8 @@ def conv_bn_relu(
     if x.dim() != 4:
         raise ValueError(f"`x` must be a 4-D (N, C, H, W) tensor, got shape {tuple(x.shape)}.")
     check_backend(backend)
+    if not isinstance(training, bool):  # a string is truthy: training="no" updated the running statistics
+        check_bool("training", training, fix="Pass the batch norm's `training` flag (`nn.Module.training`).")
     if (running_mean is None) != (running_var is None):
         # `F.batch_norm` refuses this; the fused paths would ignore the one buffer given without a word
         missing = "running_var" if running_var is None else "running_mean"

@@ -14,6 +14,7 @@ whose FLOP formula reports the product it computes (a kernel launch is no op a c
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Literal
 
 import torch
@@ -21,12 +22,31 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.utils.flop_counter import register_flop_formula
 
-from lightning_accel._utils.checks import SEED_MAX, SEED_MIN, check_choice, check_int, check_number
+from lightning_accel._utils.checks import SEED_MAX, SEED_MIN, check_bool, check_choice, check_int, check_number
+from lightning_accel._utils.rank import is_global_zero
 from lightning_accel._utils.triton import Backend, resolve_backend, use_triton
 from lightning_accel.ops.activation import Activation, activation_forward, check_activation
 from lightning_accel.ops.linear_dropout import reference
 
 __all__ = ["LinearDropoutFunction", "linear_dropout", "new_seed"]
+
+# the reasons `gemm="triton"` fell back to the torch GEMM that this process has warned about: a training step calls
+# the function once per fused Linear, and one warning per reason says all there is to say
+_GEMM_FALLBACK_WARNED: set[str] = set()
+
+
+def _warn_gemm_fallback(reason: str, fix: str = "") -> None:
+    """Say once per process (on global rank 0: every rank falls back alike) that ``gemm="triton"`` is not used."""
+    if reason in _GEMM_FALLBACK_WARNED or torch.compiler.is_compiling():
+        return
+    _GEMM_FALLBACK_WARNED.add(reason)
+    if is_global_zero():
+        warnings.warn(
+            f"linear_dropout: `gemm='triton'` is not used: {reason}, so the torch GEMM computes `x @ weight.T` (same "
+            f"result, unfused). {fix}Pass gemm='torch' to silence this.",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 # the Triton GEMM + epilogue as an op of its own, so that a FLOP counter sees the product (a library kernel, not
@@ -193,6 +213,9 @@ def linear_dropout(
             ``F.dropout``), ``"triton"``, ``"reference"`` (the function's torch path, mask
             from a ``torch.Generator``) or ``"eager"``.
         gemm: ``"torch"`` (cuBLAS GEMM + Triton epilogue) or ``"triton"`` (GEMM and epilogue in one Triton kernel).
+            Where the Triton GEMM cannot run (a path without Triton kernels, such as ``"auto"`` off CUDA; float64;
+            bf16 under the interpreter) the torch GEMM computes the same product, and a ``UserWarning`` says so
+            once per reason and process, on global rank 0.
         activation: applied before dropout: ``"none"`` (default), ``"relu"``, ``"relu6"``, ``"hardswish"``,
             ``"silu"``, ``"gelu"`` or ``"gelu_tanh"`` (``nn.GELU(approximate="tanh")``).
 
@@ -200,20 +223,29 @@ def linear_dropout(
     float32, and float64 gets float64 results, as from the eager ops.
 
     Raises:
-        TypeError: for a ``p`` that is not a number, or a ``seed`` that is not an integer (or None).
+        TypeError: for a ``p`` that is not a number, a ``training`` that is not True or False, or a ``seed`` that is
+            not an integer (or None).
         ValueError: for ``p`` outside [0, 1], a ``seed`` outside ``0 .. 2**32 - 1`` (the seeds of
-            ``lightning.seed_everything``), or a ``weight``, ``bias`` or ``residual`` whose shape does not fit ``x``.
+            ``lightning.seed_everything``), a 0-d ``x``, or a ``weight``, ``bias`` or ``residual`` whose shape does not
+            fit ``x``.
     """
     if isinstance(p, bool) or not (isinstance(p, (int, float)) and 0.0 <= p <= 1.0):  # the check only when it fails
         check_number("p", p, low=0, high=1, fix="Use p=0 for no dropout, p=1 to drop everything.")
     if gemm not in ("torch", "triton"):
         check_choice("gemm", gemm, ("torch", "triton"))
+    if not isinstance(training, bool):  # a string is truthy: training="no" applied dropout
+        check_bool("training", training, fix="Pass the module's `training` flag (`nn.Module.training`).")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not SEED_MIN <= seed <= SEED_MAX):
         # torch's generator (and Triton's seed argument) fail deep inside on these, naming no argument
         check_int(
             "seed", seed, low=SEED_MIN, high=SEED_MAX, allow_none=True,
             fix="Any seed `lightning.seed_everything` takes works; None draws one from torch's generator.",
         )  # fmt: skip
+    if x.dim() == 0:  # `x.shape[-1]` below would stop with an IndexError naming nothing
+        raise ValueError(
+            "`x` must have at least one dimension (..., K), got a 0-d tensor (shape ()). Pass the features as "
+            "the last dimension, e.g. `x.reshape(1)` for one feature."
+        )
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(
             f"`x` has {x.shape[-1]} input features but `weight` has shape {tuple(weight.shape)}; expected (N, "
@@ -231,7 +263,7 @@ def linear_dropout(
         )
     act = check_activation(activation) if activation != "none" else "none"
     p = p if training else 0.0
-    path = resolve_backend(x, backend)
+    path = resolved = resolve_backend(x, backend)
     if backend == "auto" and p > 0 and seed is None and torch.compiler.is_compiling():
         # Under torch.compile: F.linear + F.dropout, which Dynamo traces and the compiler fuses itself. The fused
         # function draws its seed with Tensor.item(), a graph break (an error under fullgraph=True).
@@ -243,6 +275,8 @@ def linear_dropout(
     elif path == "triton" and torch.float64 in (x.dtype, residual.dtype if residual is not None else None):
         # the kernels compute (and load a residual) in float32: float64 keeps float64 on the torch path
         path = "reference"
+    if gemm == "triton" and p < 1:
+        _check_fused_gemm(x, backend, resolved, path)
     if path == "eager":
         y = activation_forward(F.linear(x, weight, bias), act)
         # F.dropout takes no seed: with one, the reference path's mask (same generator, same 2-D shape, same bits)
@@ -261,3 +295,24 @@ def linear_dropout(
     weight = weight.to(x.dtype)
     bias = bias.to(x.dtype) if bias is not None else None
     return LinearDropoutFunction.apply(x, weight, bias, residual, p, seed, path, gemm, act)
+
+
+def _check_fused_gemm(x: torch.Tensor, backend: str, resolved: str, path: str) -> None:
+    """Warn (once per reason) when a ``gemm="triton"`` call runs another GEMM: asked for explicitly, it must not be
+    dropped without a word. ``resolved`` is the path ``backend`` picks for ``x``, ``path`` the one the call takes."""
+    if resolved != "triton":
+        where = f" for {x.device.type} tensors" if backend == "auto" else ""
+        _warn_gemm_fallback(
+            f"backend={backend!r} runs the {resolved!r} torch path{where}, without Triton kernels",
+            "The fused GEMM needs CUDA tensors with backend='auto' or 'triton' (or backend='triton' with "
+            "TRITON_INTERPRET=1 set before `import triton` on a CPU). ",
+        )
+    elif path != "triton":  # the only other switch, torch.compile's, returns early in `_warn_gemm_fallback`
+        _warn_gemm_fallback("float64 inputs take the torch path (the Triton kernels compute in float32)")
+    else:
+        from lightning_accel.ops.linear_dropout import triton as kernels
+
+        device_type = x.device.type
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+        if not kernels.fused_gemm_supported(dtype):
+            _warn_gemm_fallback(f"the Triton interpreter computes {dtype} `tl.dot` wrongly")
