@@ -178,6 +178,22 @@ def _trainable(module: torch.nn.Module) -> list[torch.Tensor]:
     return [p for name, p in module.named_parameters() if p.requires_grad and name not in ignored]
 
 
+def _layout_blocker(params: Sequence[torch.Tensor]) -> str | None:
+    """Why the momentum of ``params`` (those DDP averages) cannot be compressed during backward because of their
+    memory layout (None: it can).
+
+    DDP hands the hook contiguous views of the gradients of a channels_last parameter whose elements are not the
+    gradient's (measured: up to 0.085 apart from ``p.grad`` for SmallResNet's convs under
+    ``FusedPrecision(memory_format="channels_last")``); after backward, ``p.grad`` is right."""
+    strided = [tuple(p.shape) for p in params if not p.is_contiguous()]
+    if not strided:
+        return None
+    return (
+        f"{len(strided)} parameters in a non-contiguous layout such as channels_last (e.g. shape {strided[0]}): DDP's "
+        "bucket views of their gradients do not follow that layout"
+    )
+
+
 def _same_tensors(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
     """Whether ``a`` and ``b`` hold the same tensor objects in the same order."""
     return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
@@ -622,15 +638,10 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
             out.append("`find_unused_parameters=True` (which parameters get a gradient is known only after backward)")
         module = self.lightning_module
         if module is not None:
-            # DDP hands the hook contiguous views of the gradients of a channels_last parameter whose elements are not
-            # the gradient's (measured: up to 0.085 apart from `p.grad` for SmallResNet's convs under
-            # FusedPrecision(memory_format="channels_last")); after backward, `p.grad` is right
-            strided = [tuple(p.shape) for p in module.parameters() if p.requires_grad and not p.is_contiguous()]
-            if strided:
-                out.append(
-                    f"{len(strided)} parameters in a non-contiguous layout such as channels_last (e.g. shape "
-                    f"{strided[0]}): DDP's bucket views of their gradients do not follow that layout"
-                )
+            # checked again before every batch (`_check_overlap_layout`): a callback may unfreeze or convert some
+            layout = _layout_blocker([p for p in module.parameters() if p.requires_grad])
+            if layout is not None:
+                out.append(layout)
             if not module.automatic_optimization:
                 out.append("manual optimization")
             for hook in ("on_after_backward", "on_before_optimizer_step", "configure_gradient_clipping"):
@@ -938,6 +949,7 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
         if not self._onebit_live or self._onebit_state is None or not isinstance(model, DistributedDataParallel):
             return
         now, before = _trainable(model.module), self._wrapped_trainable
+        self._check_overlap_layout(now)
         if _same_tensors(now, before):
             return
         rank_zero_info(
@@ -950,6 +962,38 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
             self.configure_ddp()
         finally:
             self._same_tensors_rewrap = False
+
+    def _check_overlap_layout(self, trainable: Sequence[torch.Tensor]) -> None:
+        """Stop compressing during backward once a parameter DDP averages is in a layout its bucket views do not
+        follow (:func:`_layout_blocker`): a frozen channels_last backbone unfrozen by a callback, a module converted
+        to channels_last after setup. ``overlap="auto"`` compresses after backward from this step on (bit-identical
+        results; one line says so); ``overlap=True`` raises, as it does when setup finds such a parameter.
+
+        Checked before every batch while overlapping is possible, on every rank alike (the same callbacks change the
+        same parameters everywhere), so the ranks keep taking the same order.
+
+        Raises:
+            ValueError: ``overlap=True`` and such a parameter.
+        """
+        trial = self._overlap_trial
+        if not self.overlap and (trial is None or trial.decision is not None):  # serial for good already
+            return
+        blocker = _layout_blocker(trainable)
+        if blocker is None:
+            return
+        state = self._onebit_state
+        step = state.step if state is not None else 0
+        if self._overlap_arg is True:
+            raise ValueError(
+                f"`overlap=True` cannot start compressing during backward with {blocker} (since step {step}). Use "
+                "`overlap='auto'` (it falls back to compressing after backward) or keep the trained parameters "
+                "contiguous."
+            )
+        self.overlap = False
+        self._overlap_trial = None
+        rank_zero_info(
+            f"ddp_1bit: compressed momentum starts after backward from step {step} on (no overlap: {blocker})"
+        )
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -998,6 +1042,29 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
                     stacklevel=2,
                 )
 
+    def _raise_if_any_rank_failed(self, error: BaseException | None, group: dist.ProcessGroup | None) -> None:
+        """Learn from every rank of ``group`` whether it got its error state ready for the checkpoint's gather
+        (``error``: this rank's failure, None if it did), and raise on every rank when one failed: its own error where
+        it happened (the caller re-raises it), elsewhere one line naming the rank and its error.
+
+        Collective: one one-integer ``all_reduce`` (MAX) over ``group``, every rank failed or not; the failures' texts
+        travel (``all_gather_object``) only when there is one."""
+        flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=self.root_device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if not int(flag.item()):
+            return
+        mine = None if error is None else f"{type(error).__name__}: {one_line(error)}"
+        every: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, (self.global_rank, mine), group=group)
+        failed = [(rank, text) for rank, text in every if text is not None]
+        if error is None and failed:
+            rank, text = failed[0]
+            more = f" (and {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""
+            raise RuntimeError(
+                f"ddp_1bit: rank {rank} could not prepare its error state for the checkpoint{more}, so no rank saves "
+                f"it: {text}"
+            )
+
     def _leftover_grads(self, state: comm.OneBitState) -> dict[str, torch.Tensor] | None:
         """The ``.grad`` of every parameter that holds one, by name (copies on the CPU), when the next step's
         averaging reads them: under manual optimization on the gradient path. Else None.
@@ -1039,23 +1106,45 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
         # Called on every rank: gather each rank's error state (a collective) so rank 0 writes all of them; only
         # global rank 0 writes (DDPStrategy.save_checkpoint), so only it receives the others' bytes
         state = self._onebit_state
-        self._wait_state_gathers()  # the previous save's, long done: their errors surface here
-        if _weights_only(checkpoint):
-            pass  # the weights alone: no rank's error state (world size x the model's size) goes in
-        elif state is not None and distributed_ready():
-            world = state.process_group is None or state.process_group is dist.group.WORLD
-            watch = self._warmup_watch
-            extras = {
-                # overlap="auto"'s decision, the same on every rank (None while it is being measured)
-                "overlap_decision": self.overlap_decision,
-                # warmup_steps="auto" still deciding: the last check's per-tensor means. Rank 0's, as its optimizer
-                # states are the ones Lightning saves (and they are every rank's: the warm-up averages in fp32)
-                "warmup_watch": None if watch is None else watch.state_dict(),
-                # manual optimization on the gradient path: the gradients a step leaves behind (rank 0's; DDP hands
-                # every rank the same averaged ones), which the next step's buckets carry into the error feedback
-                "leftover_grads": self._leftover_grads(state),
-            }
-            if world and resolves_deferred(self.checkpoint_io) and _on_cpu(state):
+        # the weights alone carry no rank's error state (world size x the model's size): nothing is gathered
+        gathers = state is not None and not _weights_only(checkpoint) and distributed_ready()
+        world = state is None or state.process_group is None or state.process_group is dist.group.WORLD
+        deferred_gather = (
+            state is not None and gathers and world and resolves_deferred(self.checkpoint_io) and _on_cpu(state)
+        )
+        extras: dict[str, Any] = {}
+        try:
+            self._wait_state_gathers()  # the previous save's, long done: their errors surface here
+            if gathers:
+                assert state is not None
+                watch = self._warmup_watch
+                extras = {
+                    # overlap="auto"'s decision, the same on every rank (None while it is being measured)
+                    "overlap_decision": self.overlap_decision,
+                    # warmup_steps="auto" still deciding: the last check's per-tensor means. Rank 0's, as its
+                    # optimizer states are the ones Lightning saves (and they are every rank's: the warm-up averages
+                    # in fp32)
+                    "warmup_watch": None if watch is None else watch.state_dict(),
+                    # manual optimization on the gradient path: the gradients a step leaves behind (rank 0's; DDP
+                    # hands every rank the same averaged ones), which the next step's buckets carry into the error
+                    # feedback
+                    "leftover_grads": self._leftover_grads(state),
+                }
+        except Exception as e:
+            if gathers and not deferred_gather:
+                assert state is not None
+                self._raise_if_any_rank_failed(e, state.process_group)
+            raise
+        if gathers and not deferred_gather:
+            # a rank that failed above alone would leave the others in the gather below until the process group's
+            # timeout, or worse, matched with its next save's gather; the blocking gather waits for the slowest rank
+            # anyway, so the one-integer agreement costs a round trip, not a stall (the deferred gather skips it:
+            # no rank waits there)
+            assert state is not None
+            self._raise_if_any_rank_failed(None, state.process_group)
+        if gathers:
+            assert state is not None
+            if deferred_gather:
                 # A background writer encodes the checkpoint later anyway: the gather runs meanwhile instead of
                 # making rank 0 wait here for the slowest rank and the round trip (the whole of the stall a 1-bit
                 # fit's save added over an fp32 fit's). On CPU tensors (gloo) only: not yet run on a GPU.
@@ -1066,7 +1155,7 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
                 gathered = comm.gather_state_dict(state, dst=0 if world else None)
                 if gathered is not None:
                     checkpoint[CHECKPOINT_KEY] = {**gathered, **extras}
-        elif self._onebit_loaded is not None:
+        elif not _weights_only(checkpoint) and self._onebit_loaded is not None:
             checkpoint[CHECKPOINT_KEY] = self._onebit_loaded
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
@@ -1116,6 +1205,8 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
 # --------------------------------------------------------------------------------------- local steps (diloco)
 
 LOCALSTEPS_CHECKPOINT_KEY = "lightning_accel_localsteps"
+#: what a rank gathers at a save in place of its local-steps state when preparing it failed (the error's one line)
+_SAVE_FAILED = "save_failed"
 _LOCAL_DEFAULTS = LocalStepsConfig()
 _LOCAL_OWN = (
     "sync_every",
@@ -1522,16 +1613,33 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
         if _weights_only(checkpoint):
             pass  # the weights alone: no rank's parameters and outer state (world size x the model's size) go in
         elif local is not None and module is not None and distributed_ready():
-            own = {
-                "local": local.local_flats(),
-                "buffers": {name: b.detach().to("cpu", copy=True) for name, b in module.named_buffers()},
-                "optimizers": checkpoint.get("optimizer_states", []),
-                "precision": checkpoint.get(type(self.precision_plugin).__qualname__),
-                "outer": local.state_dict(),
-            }
+            failure: Exception | None = None
+            try:
+                own: dict[str, Any] = {
+                    "local": local.local_flats(),
+                    "buffers": {name: b.detach().to("cpu", copy=True) for name, b in module.named_buffers()},
+                    "optimizers": checkpoint.get("optimizer_states", []),
+                    "precision": checkpoint.get(type(self.precision_plugin).__qualname__),
+                    "outer": local.state_dict(),
+                }
+            except Exception as e:
+                # still reach the gather, with the error in place of the state: every rank learns of it there
+                # instead of waiting in the gather for the process group's timeout
+                failure = e
+                own = {_SAVE_FAILED: f"{type(e).__name__}: {one_line(e)}"}
             gathered: list[Any] = [None] * self.world_size
             # our own processes' objects; after teardown (no exchange in flight any more) on the default group
             dist.all_gather_object(gathered, own, group=self._outer_group)
+            if failure is not None:
+                raise failure
+            failed = [(r, x[_SAVE_FAILED]) for r, x in enumerate(gathered) if _SAVE_FAILED in x]
+            if failed:
+                rank, text = failed[0]
+                more = f" (and {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""
+                raise RuntimeError(
+                    f"diloco: rank {rank} could not prepare its local-steps state for the checkpoint{more}, so no "
+                    f"rank saves it: {text}"
+                )
             checkpoint[LOCALSTEPS_CHECKPOINT_KEY] = {"format": 2, "ranks": gathered}
         elif self._loaded is not None:
             checkpoint[LOCALSTEPS_CHECKPOINT_KEY] = self._loaded

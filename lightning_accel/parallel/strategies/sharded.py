@@ -21,6 +21,7 @@ from lightning_accel._utils.patching import Patch, patch
 from lightning_accel.parallel.plans import (
     apply_tensor_parallel,
     check_plan_styles,
+    check_tensor_parallel_plan,
     describe_coverage,
     fsdp_groups,
     fsdp_units,
@@ -28,6 +29,7 @@ from lightning_accel.parallel.plans import (
     mixed_precision_policy,
     pack_rows,
     tensor_parallel_coverage,
+    tensor_parallel_plan,
     unpack_rows,
 )
 from lightning_accel.parallel.strategies._helpers import (
@@ -41,6 +43,7 @@ from lightning_accel.parallel.strategies._helpers import (
     optimizers_to_device,
     own_predictions,
     precision_name,
+    raise_if_any_rank_failed,
     raw_optimizer,
 )
 
@@ -75,6 +78,28 @@ def _clip_mixed_grad_value(optimizer: Any, clip_val: float) -> None:
         for p in g["params"]:
             if p.grad is not None:
                 p.grad.clamp_(min=-value, max=value)
+
+
+def _holds_tensor_state(state: Any) -> bool:
+    """Whether the optimizer state ``state`` holds a per-parameter tensor with a dimension (what the shards split)."""
+    per_param = state.get("state") if isinstance(state, dict) else None
+    return isinstance(per_param, dict) and any(
+        isinstance(v, torch.Tensor) and v.ndim > 0
+        for entry in per_param.values()
+        if isinstance(entry, dict)
+        for v in entry.values()
+    )
+
+
+def _load_hyperparameters(optimizer: torch.optim.Optimizer, state: Any) -> bool:
+    """Copy the saved param groups' hyper-parameters (``lr``, ``momentum``, ... all but ``params``) of ``state`` into
+    ``optimizer``'s groups, in order; False (nothing copied) when the groups differ in number."""
+    saved = state.get("param_groups") if isinstance(state, dict) else None
+    if not isinstance(saved, list) or len(saved) != len(optimizer.param_groups):
+        return False
+    for group, kept in zip(optimizer.param_groups, saved, strict=True):
+        group.update({k: v for k, v in kept.items() if k != "params"})
+    return True
 
 
 class ShardedStrategy(_EvaluationBufferSync, ModelParallelStrategy):
@@ -288,8 +313,17 @@ class ShardedStrategy(_EvaluationBufferSync, ModelParallelStrategy):
         # ModelParallelStrategy.setup, with the plan applied instead of requiring `configure_model`
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
-        if not is_parallelized(self.model):
-            self.applied = self.apply_plan(self.model)
+        # a rank failing here alone (out of memory while sharding or materialising, a module that differs on one node)
+        # would leave the others waiting in the next collective for the process group's timeout: every rank learns
+        # whether every other one got through, and all raise at once
+        try:
+            if not is_parallelized(self.model):
+                self.applied = self.apply_plan(self.model)
+            compat.materialize_distributed_module(self.model, self.root_device)
+        except Exception as e:
+            self._raise_if_any_rank_failed(e)
+            raise
+        self._raise_if_any_rank_failed(None)
         if "tp" in self.applied:
             # the parameters are now DTensors and plain (replicated) tensors side by side, which torch's
             # `clip_grad_norm_` and `clip_grad_value_` refuse to mix: Lightning calls these methods of the precision
@@ -300,7 +334,6 @@ class ShardedStrategy(_EvaluationBufferSync, ModelParallelStrategy):
             self._clip_value_patch = patch(
                 self.precision_plugin, "clip_grad_by_value", lambda p: _clip_mixed_grad_value, key=_CLIP_VALUE_KEY
             )
-        compat.materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self.barrier()
@@ -310,13 +343,30 @@ class ShardedStrategy(_EvaluationBufferSync, ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
 
+    def _raise_if_any_rank_failed(self, error: BaseException | None) -> None:
+        """Raise on every rank when applying the plan failed on one (see
+        :func:`~lightning_accel.parallel.strategies._helpers.raise_if_any_rank_failed`). Collective."""
+        name = type(self.lightning_module).__name__ if self.lightning_module is not None else "the model"
+        raise_if_any_rank_failed(error, f"ShardedStrategy: rank {{rank}} could not apply its parallel plan to `{name}`")
+
     def apply_plan(self, module: torch.nn.Module) -> dict[str, Any]:
-        """Tensor parallel on the ``"tensor_parallel"`` mesh dimension, then FSDP2 on ``"data_parallel"``."""
+        """Tensor parallel on the ``"tensor_parallel"`` mesh dimension, then FSDP2 on ``"data_parallel"``.
+
+        Collective: splitting tensor parallel scatters the weights from rank 0, so the tensor-parallel plan is first
+        checked on every rank and a failure anywhere raises on every rank (one line naming the rank) before any
+        weight moves."""
         mesh = self.device_mesh
         tp_mesh, dp_mesh = mesh["tensor_parallel"], mesh["data_parallel"]
         out: dict[str, Any] = {}
         if tp_mesh.size() > 1:
-            out["tp"] = apply_tensor_parallel(module, tp_mesh, self.tp_plan)
+            try:
+                plan = tensor_parallel_plan(module, tp_mesh.size()) if self.tp_plan is None else dict(self.tp_plan)
+                check_tensor_parallel_plan(module, plan, tp_mesh.size())
+            except Exception as e:
+                self._raise_if_any_rank_failed(e)
+                raise
+            self._raise_if_any_rank_failed(None)
+            out["tp"] = apply_tensor_parallel(module, tp_mesh, plan)
             out["tp_coverage"] = tensor_parallel_coverage(module, out["tp"])
             out["tp_size"] = tp_mesh.size()
             rank_zero_info(f"ShardedStrategy: {describe_coverage(out['tp_coverage'], tp_mesh.size())}")
@@ -416,6 +466,13 @@ class ShardedStrategy(_EvaluationBufferSync, ModelParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Rank 0's ``checkpoint_path``, read on every rank: a ``torch.distributed.checkpoint`` folder as
+        ``ModelParallelStrategy`` reads it, a full file through the ``CheckpointIO`` (each rank keeping its shard).
+
+        Raises:
+            RuntimeError: another rank could not read the file (one line naming it and its error; that rank raises
+                its own error), before any rank loads a shard.
+        """
         path = self.broadcast(checkpoint_path)
         if os.path.isdir(str(path)):  # a torch.distributed.checkpoint folder
             return super().load_checkpoint(path, weights_only)
@@ -426,7 +483,15 @@ class ShardedStrategy(_EvaluationBufferSync, ModelParallelStrategy):
         )
 
         assert self.model is not None and self.lightning_module is not None
-        checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+        # loading the state into the shards is collective: a rank that cannot read the file (a node-local path, a
+        # file not yet visible on another node) would leave the others there until the process group's timeout
+        failed = f"ShardedStrategy: rank {{rank}} could not read the checkpoint `{path}`"
+        try:
+            checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+        except Exception as e:
+            raise_if_any_rank_failed(e, failed)
+            raise
+        raise_if_any_rank_failed(None, failed)
         strict = self.lightning_module.strict_loading
         set_model_state_dict(
             self.model,
@@ -442,6 +507,10 @@ class ShardedStrategy(_EvaluationBufferSync, ModelParallelStrategy):
             state = named_optimizer_state(state, groups, "ShardedStrategy")
             if self._packed() and isinstance(state.get("state"), dict):
                 state = dict(state, state=self._reorder(dict(state["state"]), pack_rows))
+            if not _holds_tensor_state(state) and _load_hyperparameters(raw_optimizer(opt), state):
+                # a stateless optimizer (SGD without momentum): nothing to place on the shards, and torch's loader
+                # refuses it ("Expected device to be set"); the groups' hyper-parameters are all there is
+                continue
             set_optimizer_state_dict(
                 self.model, raw_optimizer(opt), state, options=StateDictOptions(full_state_dict=True)
             )
