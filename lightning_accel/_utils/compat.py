@@ -1060,6 +1060,36 @@ def model_checkpoint_step_interval(callback: Any) -> int:
     return int(n) if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 0
 
 
+# --- checkpoint: around a ModelCheckpoint's saves and removals -------------------------------------------------------
+
+
+def wrap_model_checkpoint_writes(
+    callback: Any, around: Callable[[str, Any, Callable[[], None]], None], *, key: str
+) -> list[Patch]:
+    """Route every save and removal of ``callback`` (a ``ModelCheckpoint``) through ``around(kind, trainer, write)``:
+    ``kind`` is ``"save"`` or ``"remove"``, ``write()`` does it. Returns the two patches (restore them at teardown).
+
+    ``ModelCheckpoint`` saves through its private ``_save_checkpoint(trainer, filepath)``, on every rank (it calls
+    ``trainer.save_checkpoint``), and removes through ``_remove_checkpoint(trainer, filepath)`` (checked 2.4.0-2.6.6);
+    no public hook runs at each of them (a callback's ``on_save_checkpoint`` is skipped for weights-only saves).
+    Installed per instance at ``setup``, in the process that trains: the closures would not pickle for ``ddp_spawn``.
+    """
+
+    def through(kind: str) -> Callable[[Patch], Any]:
+        def replacement(p: Patch) -> Any:
+            def method(trainer: Any, filepath: str) -> None:
+                around(kind, trainer, lambda: p.original(trainer, filepath))
+
+            return method
+
+        return replacement
+
+    return [
+        patch(callback, "_save_checkpoint", through("save"), key=f"{key}-save"),
+        patch(callback, "_remove_checkpoint", through("remove"), key=f"{key}-remove"),
+    ]
+
+
 # --- checkpoint: which checkpoints a resumed ModelCheckpoint tracks ---------------------------------------------------
 
 

@@ -42,6 +42,7 @@ by :meth:`BackgroundWriter.close`. The store adds its chain bases; ``docs/checkp
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import itertools
@@ -51,7 +52,7 @@ import threading
 import time
 import warnings
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -489,6 +490,7 @@ class _Jobs:
         "cond",
         "error",
         "failed_since_save",
+        "held",
         "hurry",
         "overflow",
         "pool",
@@ -510,6 +512,7 @@ class _Jobs:
         self.failed_since_save = False  # the newest finished save failed: removals wait for a good one
         self.overflow = False  # one save was admitted past max_pending: the next call settles it
         self.hurry = 0  # callers blocked in wait(): start queued jobs without their delay
+        self.held = 0  # callers inside `errors_held()`: a failure is not raised, and nothing is queued behind it
         self.thread: threading.Thread | None = None
         self.cond = threading.Condition()
         self.stats = WriterStats()
@@ -656,9 +659,12 @@ class BackgroundWriter:
             jobs.thread.start()
 
     def _report(self, jobs: _Jobs) -> None:
-        """Raise the first unreported failure (once) or warn every unwarned one."""
+        """Raise the first unreported failure (once) or warn every unwarned one; inside :meth:`errors_held` the
+        failure is kept for later instead."""
         with jobs.cond:
-            err, jobs.error = jobs.error, None
+            err = None
+            if not jobs.held:
+                err, jobs.error = jobs.error, None
             lines, jobs.warnings = jobs.warnings, []
         for line in lines:
             warnings.warn(line, UserWarning, stacklevel=4)
@@ -675,6 +681,33 @@ class BackgroundWriter:
     def stats(self) -> WriterStats:
         """Counters of this process's writer."""
         return self._jobs.get().stats
+
+    def take_error(self) -> CheckpointSaveError | None:
+        """The first failure not reported yet (``on_error="raise"``), now counted as reported (no later call raises
+        it); None when there is none."""
+        jobs = self._jobs.get()
+        with jobs.cond:
+            err, jobs.error = jobs.error, None
+        return err
+
+    @contextlib.contextmanager
+    def errors_held(self) -> Iterator[None]:
+        """Within this block, calls do not raise an earlier failure (``on_error="raise"``): it stays for the first call
+        after the block, or for :meth:`take_error`. A save or removal submitted while a failure is held is dropped
+        (counted in ``skipped``), as the jobs queued behind the failure were: nothing runs after a failed save.
+
+        Why: under data parallelism only global rank zero saves, and a failure raised inside a save there left the
+        other ranks waiting in the collective that follows the save. The caller takes the failure at a point every
+        rank reaches (:meth:`take_error`) and raises it on all of them.
+        """
+        jobs = self._jobs.get()
+        with jobs.cond:
+            jobs.held += 1
+        try:
+            yield
+        finally:
+            with jobs.cond:
+                jobs.held -= 1
 
     def queued_outcome(self, key: str) -> bool | None:
         """What the jobs not finished yet leave at ``key``: True when its newest queued or running job is a save (the
@@ -746,6 +779,11 @@ class BackgroundWriter:
         jobs = self._jobs.get()
         self._report(jobs)
         with jobs.cond:
+            if jobs.error is not None:  # held (`errors_held`): nothing is queued behind a failure, nothing raised
+                jobs.stats.skipped += 1
+                dropped: Future = Future()
+                dropped.cancel()
+                return dropped
             self._ensure_thread(jobs)
             if not bounded:
                 self._cancel_queued_save(jobs, key)

@@ -30,6 +30,7 @@ import posixpath
 import re
 import signal
 import threading
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -45,9 +46,10 @@ from lightning_accel._utils.atomic import is_local_url, strip_file_scheme
 from lightning_accel._utils.checks import check_bool
 from lightning_accel._utils.errors import one_line
 from lightning_accel._utils.fs import FileStore
+from lightning_accel._utils.patching import Patch
 from lightning_accel._utils.rank import ErrorDescription, describe_error, rebuild_error
 from lightning_accel.checkpoint.lock import CheckpointDirectoryLockedError
-from lightning_accel.checkpoint.plugin import DeltaCheckpointIO
+from lightning_accel.checkpoint.plugin import CheckpointSaveError, DeltaCheckpointIO
 from lightning_accel.checkpoint.reader import resolve_last
 from lightning_accel.checkpoint.store import relative_to, split_path, store_dir
 
@@ -91,6 +93,46 @@ def attach_io(trainer: pl.Trainer) -> None:
     io = delta_io(trainer)
     if io is not None:
         io.attach()
+
+
+#: the key of the patches that route a DeltaModelCheckpoint's saves and removals through its `_around_write`
+_WRITES_KEY = "lightning_accel-delta-model-checkpoint-writes"
+
+
+def _held_io(trainer: pl.Trainer) -> DeltaCheckpointIO | None:
+    """The Trainer's own ``DeltaCheckpointIO`` when its async failures must reach every rank together: an async one
+    that raises them (``on_save_error="raise"``; not inside ``AsyncCheckpointIO``, which reports its own failures)
+    under more than one process. The same on every rank (the same configuration), so all take the same collectives."""
+    io: Any = trainer.strategy.checkpoint_io
+    if isinstance(io, DeltaCheckpointIO) and io.async_save and io.on_save_error == "raise" and trainer.world_size > 1:
+        return io
+    return None
+
+
+def raise_save_failure_on_every_rank(trainer: pl.Trainer) -> None:
+    """Every rank: raise an async save's failure still unreported (on global rank zero, the rank that saves under
+    DDP, or on any rank where every rank saves), on every rank at once.
+
+    One collective on every rank (a boolean), a second (rank zero's message) only after a failure. A rank whose own
+    save failed raises that failure (a :class:`~lightning_accel.checkpoint.CheckpointSaveError`), every other rank a
+    ``CheckpointSaveError`` naming rank zero's failure. Nothing is done (no collective) without an async
+    ``DeltaCheckpointIO`` raising its failures, or with a single process.
+
+    Raises:
+        CheckpointSaveError: an async save or removal failed (``on_save_error="raise"``).
+    """
+    io = _held_io(trainer)
+    if io is None:
+        return
+    error = io.take_save_error()
+    if not trainer.strategy.reduce_boolean_decision(error is not None, all=False):
+        return
+    message = trainer.strategy.broadcast(str(error) if error is not None else None, src=0)
+    if error is not None:
+        raise error
+    if message is None:
+        raise CheckpointSaveError("An async checkpoint save failed on another rank; its error is raised there.")
+    raise CheckpointSaveError(one_line(f"{message} (on global rank 0, which writes the checkpoints)"))
 
 
 def trainer_storage_options(trainer: pl.Trainer) -> dict[str, Any] | None:
@@ -252,6 +294,8 @@ class DeltaModelCheckpoint(ModelCheckpoint):
         self.orphans: list[str] = []
         self._restored: dict[str, Any] | None = None
         self._store: FileStore | None = None  # the file store of `dirpath`, with the options (made in `setup`)
+        # the saves and removals routed through `_around_write` (from `setup` to `teardown`, when the plugin needs it)
+        self._write_patches: list[Patch] = []
         super().__init__(dirpath=dirpath, **kwargs)
 
     @override
@@ -408,7 +452,43 @@ class DeltaModelCheckpoint(ModelCheckpoint):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().teardown(trainer, pl_module, stage)
+        for p in self._write_patches:
+            p.restore()
+        self._write_patches = []
         teardown_wrapped_io(trainer)  # the directory's writer lock, which `AsyncCheckpointIO` would keep
+
+    def _around_write(self, kind: str, trainer: pl.Trainer, write: Callable[[], None]) -> None:
+        """Every save and removal of this callback (``compat.wrap_model_checkpoint_writes``, installed at ``setup``
+        with an async ``DeltaCheckpointIO`` under more than one process).
+
+        A save, on every rank: first raise a failed async save on every rank at once
+        (:func:`raise_save_failure_on_every_rank`), then save with the plugin's failures held until the next save. A
+        removal (global rank zero): with a failure held for the next save, which raises it on every rank.
+
+        Why: with ``DeltaCheckpointIO(async_save=True)`` under DDP a failed save (a full disk) was raised by the next
+        save or removal on global rank zero alone, before the barrier that follows every save: the other ranks
+        waited there until rank zero's process was gone ("Connection closed by peer"), or for the whole
+        process-group timeout while it lived on.
+        """
+        io = _held_io(trainer)
+        if io is None:
+            write()
+            return
+        if kind == "save":
+            raise_save_failure_on_every_rank(trainer)
+        with io.save_errors_held():
+            write()
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Every rank, after Lightning's: the saves still queued are finished and a failure among them is raised on
+        every rank, not by rank zero's ``teardown`` alone."""
+        super().on_train_end(trainer, pl_module)
+        io = _held_io(trainer)
+        if io is not None:
+            with io.save_errors_held():
+                io.wait()
+            raise_save_failure_on_every_rank(trainer)
 
     def _options(self, trainer: pl.Trainer | None) -> dict[str, Any] | None:
         if self.storage_options is not None:
@@ -423,6 +503,8 @@ class DeltaModelCheckpoint(ModelCheckpoint):
         with compat.model_checkpoint_setup_without_listing(self):
             super().setup(trainer, pl_module, stage)
         attach_io(trainer)  # a stage starts: the plugin holds its locks until its teardown (every rank, no collective)
+        if _held_io(trainer) is not None and not self._write_patches:
+            self._write_patches = compat.wrap_model_checkpoint_writes(self, self._around_write, key=_WRITES_KEY)
         options = self._options(trainer)
         dirpath = str(self.dirpath) if self.dirpath else ""
         store = self._store = FileStore(options)

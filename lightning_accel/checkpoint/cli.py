@@ -109,9 +109,19 @@ def main(argv: list[str] | None = None, prog: str = "python -m lightning_accel.c
             return 2
         try:
             store = DeltaStore(storage_options=opts, **({} if args.grace_s is None else {"gc_grace_s": args.grace_s}))
-            print(json.dumps(collect(store, args.path, dry_run=args.dry_run)))
+            out = collect(store, args.path, dry_run=args.dry_run)
+            print(json.dumps(out))
         except Exception as e:  # noqa: BLE001 - one line, exit code 1
             print(f"{prog}: error: {_error_line(e, (*_CHECKPOINT_ERRORS, ValueError, RuntimeError))}", file=sys.stderr)
+            return 1
+        if out.get("undeletable"):
+            # every checkpoint is intact, but the space is not back: a script running gc must hear it
+            print(
+                f"{prog}: error: {out['undeletable']} unreferenced file(s) under {args.path!r} could not be deleted "
+                "(the warning above names the first and why); they stay listed for the next `gc`. Fix the "
+                "permission and run `gc` again.",
+                file=sys.stderr,
+            )
             return 1
         return 0
     store = DeltaStore(storage_options=opts)
@@ -181,9 +191,10 @@ def collect(store: DeltaStore, directory: str, *, dry_run: bool = False) -> dict
 
     Returns:
         ``{"path", "dry_run", "last", "tracked", "untracked", "removed", "blobs_deleted", "subdirectories",
-        "emptied", "pending", "note"?}`` (checkpoints and ``subdirectories``, those collected, relative to
-        ``directory``; ``emptied``: the subdirectories removed; ``blobs_deleted`` and ``pending`` count them in;
-        ``emptied`` and ``pending`` only without ``dry_run``).
+        "emptied", "pending", "undeletable", "note"?}`` (checkpoints and ``subdirectories``, those collected,
+        relative to ``directory``; ``emptied``: the subdirectories removed; ``blobs_deleted``, ``pending`` and
+        ``undeletable`` (files the collection could not delete) count them in; ``emptied``, ``pending`` and
+        ``undeletable`` only without ``dry_run``).
 
     Raises:
         FileNotFoundError: ``directory`` does not exist (nothing is created: a mistyped path is not a clean one).
@@ -268,9 +279,11 @@ def collect(store: DeltaStore, directory: str, *, dry_run: bool = False) -> dict
                 deleted += store.collect_garbage(root)
             out["removed"] = out["untracked"]
             pending = len(store.pending_deletions(root)) if has_store else 0
+            undeletable = store.undeletable(root) if has_store else 0
             for sub in below:
                 deleted += store.collect_garbage(sub)
                 pending += len(store.pending_deletions(sub))
+                undeletable += store.undeletable(sub)
             # the deepest first: a subdirectory's own subdirectory may be all that keeps it
             for sub in sorted(below, reverse=True):
                 if store.remove_if_emptied(sub):
@@ -279,10 +292,12 @@ def collect(store: DeltaStore, directory: str, *, dry_run: bool = False) -> dict
             out["emptied"].sort()
             out["blobs_deleted"] = deleted
             out["pending"] = pending
+            out["undeletable"] = undeletable
         finally:
             store.close()
     elif not dry_run:
         out["pending"] = 0
+        out["undeletable"] = 0
     if note:
         out["note"] = note
     return out

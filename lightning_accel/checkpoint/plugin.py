@@ -16,9 +16,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import logging
 import os
 import threading
+import warnings
 import weakref
 from collections import deque
 from collections.abc import Sequence
@@ -87,8 +89,10 @@ class DeltaCheckpointIO(CheckpointIO):
     arbitrary objects. See ``docs/checkpoint.md``.
 
     Every argument is keyword-only and validated here, in ``__init__`` (one line naming the argument, the value, the
-    range and the fix). Apart from ``async_save``, ``max_pending``, ``write_delay_s``, ``on_save_error``,
-    ``deferred_timeout_s`` and ``storage_options`` they are the fields of
+    range and the fix); ``max_pending``, ``write_delay_s``, ``on_save_error`` and ``deferred_timeout_s`` given other
+    values than their defaults without ``async_save=True`` are warned about, as they change nothing then. Apart from
+    ``async_save``, ``max_pending``, ``write_delay_s``, ``on_save_error``, ``deferred_timeout_s`` and
+    ``storage_options`` they are the fields of
     :class:`~lightning_accel.checkpoint.options.StoreOptions` (which validates and documents them in full), made once
     and handed to the :class:`~lightning_accel.checkpoint.store.DeltaStore`.
 
@@ -115,12 +119,13 @@ class DeltaCheckpointIO(CheckpointIO):
             ``teardown`` raises :class:`CheckpointSaveError`, one line naming the first failure, and nothing queued
             behind it runs (no removal after the failed save). ``"warn"``: every failure is warned at the next call
             and training goes on; a removal queued after a failed save is skipped, so the older checkpoint stays.
-            Either way the blobs a failed save wrote are deleted again.
+            Either way the blobs a failed save wrote are deleted again. Under DDP only global rank 0 saves:
+            ``DeltaModelCheckpoint`` raises its failure on every rank together (see :meth:`save_errors_held`).
         deferred_timeout_s: with ``async_save``, seconds the writer waits for a checkpoint value still being
             produced when the save was requested (``ddp_1bit``'s gather of every rank's error state) before that save
             fails with a ``TimeoutError`` naming the checkpoint (reported as ``on_save_error`` says; the previous
             checkpoint stays). Default 1800, Lightning's default process-group timeout: a rank that died before
-            joining the gather does not leave ``teardown`` waiting forever.
+            joining the gather does not leave ``teardown`` waiting forever. At most ``threading.TIMEOUT_MAX``.
         storage_options: **Storage.** fsspec options for ``s3://`` and other remote checkpoint directories.
         quantize: **Lossy deltas (opt-in).** ``None`` (lossless), ``"int8"`` or ``"int4"`` quantized deltas (full
             snapshots stay lossless).
@@ -195,6 +200,9 @@ class DeltaCheckpointIO(CheckpointIO):
             deferred_timeout_s,
             low=0,
             low_open=True,
+            # the longest wait a thread can be given here: a longer one failed every save holding a deferred value,
+            # later, on the writer thread ("timestamp out of range for platform time_t")
+            high=threading.TIMEOUT_MAX,
             fix=f"Default {DEFERRED_TIMEOUT_S:g} (Lightning's process-group timeout); raise it for slower gathers.",
         )
         options = StoreOptions(
@@ -215,6 +223,13 @@ class DeltaCheckpointIO(CheckpointIO):
         )
         self.store = DeltaStore(storage_options=storage_options, options=options, gc_grace_s=gc_grace_s)
         self._writer = BackgroundWriter(max_pending=max_pending, on_error=on_save_error, start_delay_s=write_delay_s)
+        if not self.async_save:
+            _warn_async_only(
+                max_pending=max_pending,
+                write_delay_s=write_delay_s,
+                on_save_error=on_save_error,
+                deferred_timeout_s=deferred_timeout_s,
+            )
         _LIVE.add(self)
         self.max_pending = max_pending
         self.write_delay_s = self._writer.start_delay_s
@@ -491,6 +506,21 @@ class DeltaCheckpointIO(CheckpointIO):
         """Block until queued saves and removals are done; raise the first background error."""
         self._writer.wait()
 
+    def take_save_error(self) -> CheckpointSaveError | None:
+        """The first failed async save or removal not raised yet (``on_save_error="raise"``), now counted as raised
+        (no later call raises it); None when there is none."""
+        return self._writer.take_error()
+
+    def save_errors_held(self) -> contextlib.AbstractContextManager[None]:
+        """A block within which saves, removals and loads do not raise an earlier async failure; it stays for the
+        first call after the block, or for :meth:`take_save_error`. A save or removal requested while a failure is
+        held is dropped, as those queued behind the failure were.
+
+        ``DeltaModelCheckpoint`` holds them around each save and removal under data parallelism, and takes a
+        failure before the next save on every rank at once (only global rank zero writes: a failure raised there
+        alone left the other ranks waiting in the collective that follows a save)."""
+        return self._writer.errors_held()
+
     @property
     def storage_options(self) -> dict[str, Any]:
         """The fsspec options every save, load and removal uses (share them with ``ModelCheckpoint`` through
@@ -517,6 +547,24 @@ class DeltaCheckpointIO(CheckpointIO):
             self.store.close()
             self.store.forget()
             trim_heap()  # the chain bases and snapshot buffers just freed go back to the OS
+
+
+def _warn_async_only(**given: Any) -> None:
+    """Warn about the arguments that only ``async_save=True`` uses, given other values than their defaults.
+
+    Why: they were silently ignored without it; ``on_save_error="warn"`` most of all, where a failed save still
+    raised and stopped the run. The defaults pass quietly (LightningCLI passes every argument).
+    """
+    defaults = inspect.signature(DeltaCheckpointIO.__init__).parameters
+    changed = [f"`{name}={value!r}`" for name, value in given.items() if value != defaults[name].default]
+    if changed:
+        warnings.warn(
+            f"{', '.join(changed)} {'has' if len(changed) == 1 else 'have'} no effect without `async_save=True`: "
+            "each save is written, and a failure raised, in its `save_checkpoint` call. Pass `async_save=True`, or "
+            "leave the argument out.",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _holds_deferred(obj: Any) -> bool:

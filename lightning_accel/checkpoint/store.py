@@ -63,7 +63,7 @@ from lightning_accel._utils.atomic import fsync_dir, is_local_url, strip_file_sc
 from lightning_accel._utils.checks import check_number
 from lightning_accel._utils.errors import one_line
 from lightning_accel._utils.forksafe import ForkSafeLock, PerProcess
-from lightning_accel._utils.fs import FileStore
+from lightning_accel._utils.fs import FileStore, StorageUnavailableError
 from lightning_accel._utils.paths import safe_join
 from lightning_accel.checkpoint import codec, policy
 from lightning_accel.checkpoint.lock import LOCK_NAME, CheckpointDirectoryLockedError, DirectoryLock, prepare_directory
@@ -237,6 +237,13 @@ def _after_failed(done: str, directory: str) -> str:
     return f"{done}, but collecting the blobs no checkpoint needs in {directory!r} failed"
 
 
+def _cause(error: BaseException) -> tuple[str, int | None]:
+    """What makes two failures "the same" for warning once: the error's type and ``errno`` (its message names a
+    file, different for every blob)."""
+    code = getattr(error, "errno", None)
+    return type(error).__name__, code if isinstance(code, int) else None
+
+
 class DeltaStore:
     """Save, load, verify and remove delta checkpoints (the functional core; no Lightning import).
 
@@ -312,6 +319,12 @@ class DeltaStore:
         # nothing else is there by then, by the collection that deletes those blobs.
         self._drop_later: PerProcess[set[str]] = PerProcess(set)
         self._collecting_elsewhere = False
+        # Per directory: the causes (:func:`_cause`) of collection failures already warned. A failure of a cause
+        # warned before is retried quietly by every later collection; the first collection that succeeds there
+        # clears them, so the same failure coming back later is warned again.
+        self._warned_gc: PerProcess[dict[str, set[tuple[str, int | None]]]] = PerProcess(dict)
+        # Directories whose last collection could not delete some file -> how many (retried by the next collection).
+        self._refused: PerProcess[dict[str, int]] = PerProcess(dict)
 
     # The options, readable on the store as before they were grouped (``store.quantize``, ``store.lock``).
     quantize = property(lambda self: self.options.quantize)
@@ -520,6 +533,8 @@ class DeltaStore:
                         "Saving anyway; the next save there tries the collection again.",
                     )
                     is not None
+                    # a file it could not delete is tried again by the next save, not only by a later removal
+                    and directory not in self._refused.get()
                 )
             dead = policy.dead_bases(opts, dstate.live)
             stats = SaveStats(path=path)
@@ -618,9 +633,25 @@ class DeltaStore:
         except CheckpointDirectoryLockedError:
             raise  # another writer holds the directory: not this store's to write any more
         except Exception as e:  # noqa: BLE001 - see above
-            line = one_line(f"{failed}: {type(e).__name__}: {one_line(e, first=True)}. {then}")
-            warnings.warn(line, UserWarning, stacklevel=3)
+            if self._first_of_its_cause(directory, e):
+                line = one_line(f"{failed}: {type(e).__name__}: {one_line(e, first=True)}. {then}")
+                warnings.warn(line, UserWarning, stacklevel=3)
             return None
+
+    def _first_of_its_cause(self, directory: str, error: BaseException) -> bool:
+        """Whether ``error`` is the first collection failure of its cause in ``directory`` since its last successful
+        collection (and note it as warned).
+
+        Why: the failure of a collection is not the save's or removal's, and every later save or removal collects
+        again: warned each time, a directory that refuses deletes filled the log with one line per save. It is
+        warned once, and retried quietly until a collection there succeeds.
+        """
+        warned = self._warned_gc.get().setdefault(directory, set())
+        cause = _cause(error)
+        if cause in warned:
+            return False
+        warned.add(cause)
+        return True
 
     def _delete_created(self, urls: list[str]) -> None:
         """After a failed save: delete the blobs it created (no manifest references them: the save published
@@ -1461,7 +1492,8 @@ class DeltaStore:
             try:
                 live = self.live_keys(directory)
             except CheckpointCorruptError as e:  # keep everything; saves go on (their manifests are intact)
-                warnings.warn(str(e), UserWarning, stacklevel=2)
+                if self._first_of_its_cause(directory, e):  # every later collection meets it again: said once
+                    warnings.warn(one_line(e), UserWarning, stacklevel=2)
                 return 0
             released = self._released.get().pop(directory, set())
             blob_root = safe_join(directory, BLOB_DIR)
@@ -1469,28 +1501,49 @@ class DeltaStore:
             now = time.time()
             unreferenced: dict[str, list[str]] = {}
             deleted = 0
+            # files that could not be deleted -> the error (they are tried again by the next collection)
+            refused: dict[str, Exception] = {}
+
+            def delete(rel: str) -> bool:
+                url = safe_join(blob_root, rel)
+                try:
+                    self.fs.rm(url)
+                except StorageUnavailableError:
+                    raise  # the store cannot be reached: trying every other file would only wait out their retries
+                except Exception as e:  # noqa: BLE001 - one file refused (a permission, a read-only mount, a policy)
+                    refused[url] = e
+                    return False
+                return True
+
             for rel in self.fs.find(blob_root):
                 base = posixpath.basename(rel)
                 if _TMP_RE.match(base):  # an interrupted write of the single writer: never anyone's blob
-                    self.fs.rm(safe_join(blob_root, rel))
-                    deleted += 1
+                    deleted += delete(rel)
                     continue
                 key = base[: -len(COPY_SUFFIX)] if base.endswith(COPY_SUFFIX) else base
                 if is_blob_key(key) and key not in live:
                     unreferenced.setdefault(key, []).append(rel)
             keep: dict[str, float] = {}
+            stuck: set[str] = set()
             for key, rels in unreferenced.items():
                 since = now if key in released else min(pending.get(key, now), now)
                 if now - since >= grace:
-                    for rel in rels:
-                        self.fs.rm(safe_join(blob_root, rel))
-                        deleted += 1
+                    gone = [delete(rel) for rel in rels]
+                    deleted += sum(gone)
+                    if not all(gone):
+                        # Kept on the record with its time: every later collection (of this run or the next) tries
+                        # it again at once, and a manifest referencing it again takes it off as usual.
+                        keep[key] = since
+                        stuck.add(key)
                 else:
                     keep[key] = since
             if keep != pending:
                 self._write_pending(blob_root, keep)
-            if keep:
-                self._waiting.get()[directory] = min(keep.values())
+            # A blob that cannot be deleted is not waiting for its grace period: other directories' collections need
+            # not come back here for it (this directory's next collection retries it).
+            waiting = [t for k, t in keep.items() if k not in stuck]
+            if waiting:
+                self._waiting.get()[directory] = min(waiting)
             else:
                 self._waiting.get().pop(directory, None)
             for name in self.fs.list_files(directory):
@@ -1501,7 +1554,32 @@ class DeltaStore:
                 if url is not None and is_manifest_bytes(self._head(url)):
                     self.fs.rm(url)
                     deleted += 1
+            if refused:
+                self._refused.get()[directory] = len(refused)
+                self._warn_refused(directory, refused)
+            else:
+                self._refused.get().pop(directory, None)
+                self._warned_gc.get().pop(directory, None)  # a failure from here on is news again
             return deleted + self._collect_due_elsewhere(directory)
+
+    def _warn_refused(self, directory: str, refused: dict[str, Exception]) -> None:
+        """One warning for the files of ``directory`` a collection could not delete, unless every cause was warned
+        since the directory's last successful collection (:meth:`_first_of_its_cause`)."""
+        new = [(url, e) for url, e in refused.items() if self._first_of_its_cause(directory, e)]
+        if not new:
+            return
+        url, e = new[0]
+        warnings.warn(
+            one_line(
+                f"Could not delete {len(refused)} unreferenced file(s) of checkpoint directory {directory!r} "
+                f"(first: {url!r}: {type(e).__name__}: {one_line(e, first=True)}). No checkpoint is affected: every "
+                f"later collection there retries them (the blobs stay listed in `{BLOB_DIR}/{PENDING_NAME}`) without "
+                f"warning again. Let this process delete files there, or run `lightning-accel ckpt gc {directory}` "
+                "once it can."
+            ),
+            UserWarning,
+            stacklevel=3,
+        )
 
     def _collect_due_elsewhere(self, directory: str) -> int:
         """Collect the other directories whose waiting blobs are past the grace period; returns the files deleted.
@@ -1528,6 +1606,8 @@ class DeltaStore:
                         if other in self._drop_later.get():
                             self._drop_if_emptied(other)
                 except Exception as e:  # noqa: BLE001 - housekeeping of another directory must not fail this call
+                    if not self._first_of_its_cause(other, e):
+                        continue  # warned already: tried again quietly once its blobs are due
                     warnings.warn(
                         f"Could not collect the unreferenced blobs of checkpoint directory {other!r}: {one_line(e)}. "
                         f"Run `lightning-accel ckpt gc {other}` once nothing writes there.",
@@ -1544,6 +1624,11 @@ class DeltaStore:
             return self.fs.head(url, 256)
         except (FileNotFoundError, IsADirectoryError):
             return b""
+
+    def undeletable(self, directory: str | os.PathLike[str]) -> int:
+        """How many files the last collection of ``directory`` by this process could not delete (0: none, or no
+        collection yet); they stay on the pending-deletions record and the next collection tries them again."""
+        return self._refused.get().get(store_dir(directory), 0)
 
     def pending_deletions(self, directory: str | os.PathLike[str]) -> dict[str, float]:
         """The blobs of ``directory`` waiting for their grace period: blob key -> time (``time.time()``) since which

@@ -77,6 +77,18 @@ PRIVATE_NAMES: list[tuple[str, Callable[[], Any], str, str]] = [
     ),
     ("ModelCheckpoint._fs", lambda: ModelCheckpoint(), "_fs", "set_checkpoint_filesystem"),
     (
+        "ModelCheckpoint._save_checkpoint",
+        lambda: ModelCheckpoint(),
+        "_save_checkpoint",
+        "wrap_model_checkpoint_writes",
+    ),
+    (
+        "ModelCheckpoint._remove_checkpoint",
+        lambda: ModelCheckpoint(),
+        "_remove_checkpoint",
+        "wrap_model_checkpoint_writes",
+    ),
+    (
         "ModelCheckpoint._every_n_train_steps",
         lambda: ModelCheckpoint(every_n_train_steps=4),
         "_every_n_train_steps",
@@ -675,6 +687,31 @@ def test_model_checkpoint_setup_without_listing_skips_the_listing(tmp_path: Path
 
 
 # --- checkpoint: which checkpoints a resumed ModelCheckpoint tracks ---------------------------------------------------
+
+
+def test_wrap_model_checkpoint_writes_routes_every_save_and_removal(tmp_path: Path) -> None:
+    """A fit with ``save_top_k=1`` saves each epoch and removes the one before: every write goes through ``around``,
+    which decides whether it happens; restored, the callback writes directly again."""
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    seen: list[tuple[str, int]] = []
+
+    def around(kind: str, trainer: Any, write: Callable[[], None]) -> None:
+        seen.append((kind, trainer.current_epoch))
+        write()
+
+    cb = ModelCheckpoint(dirpath=tmp_path, monitor="step", mode="max", save_top_k=1, filename="{epoch}")
+    patches = compat.wrap_model_checkpoint_writes(cb, around, key="t")
+    trainer = pl.Trainer(
+        max_epochs=3, limit_train_batches=2, limit_val_batches=0, callbacks=[cb], logger=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(BoringModel())
+    assert seen == [("save", 0), ("save", 1), ("remove", 1), ("save", 2), ("remove", 2)]
+    assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == ["epoch=2.ckpt"]
+    for p in patches:
+        p.restore()
+    assert "_save_checkpoint" not in vars(cb) and "_remove_checkpoint" not in vars(cb)
 
 
 def test_model_checkpoint_step_interval_is_every_n_train_steps() -> None:

@@ -63,3 +63,31 @@ def test_arguments_reach_the_store_and_are_validated_there() -> None:
         DeltaCheckpointIO(max_chain=0)
     with pytest.raises(TypeError):
         DeltaCheckpointIO(True)  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"on_save_error": "warn"},
+        {"max_pending": 4},
+        {"write_delay_s": 0.0},
+        {"deferred_timeout_s": 60.0},
+    ],
+    ids=lambda kw: next(iter(kw)),
+)
+def test_an_async_only_argument_without_async_save_is_warned_in_init(kwargs: dict[str, object]) -> None:
+    # `on_save_error="warn"` without `async_save` did nothing: a failed save still raised and stopped the run
+    ((name, value),) = kwargs.items()
+    with pytest.warns(UserWarning, match=rf"`{name}={value!r}` has no effect without `async_save=True`") as rec:
+        DeltaCheckpointIO(**kwargs)  # type: ignore[arg-type]
+    assert len(rec) == 1 and "\n" not in str(rec[0].message)
+
+
+def test_the_defaults_and_async_save_warn_nothing() -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        DeltaCheckpointIO()  # LightningCLI passes every default explicitly: no warning for those
+        DeltaCheckpointIO(async_save=False, max_pending=2, write_delay_s=0.05, on_save_error="raise")
+        DeltaCheckpointIO(async_save=True, on_save_error="warn", max_pending=4, write_delay_s=0.0)
