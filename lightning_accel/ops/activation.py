@@ -38,8 +38,12 @@ ACTIVATIONS: tuple[Activation, ...] = get_args(Activation)
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
-def check_activation(activation: object) -> Activation:
+def check_activation(activation: object, name: str = "activation") -> Activation:
     """``activation`` itself when it is one of :data:`ACTIVATIONS` (``None`` reads as ``"none"``); raises otherwise.
+
+    Args:
+        activation: the value to check.
+        name: the argument the caller passed it as, named in the error.
 
     Raises:
         TypeError: not a string.
@@ -49,7 +53,7 @@ def check_activation(activation: object) -> Activation:
         return "none"
     if isinstance(activation, str) and activation in ACTIVATIONS:
         return activation
-    check_choice("activation", activation, ACTIVATIONS, fix="Use 'none' for no activation.")
+    check_choice(name, activation, ACTIVATIONS, fix="Use 'none' for no activation.")
     raise AssertionError("unreachable")  # pragma: no cover
 
 

@@ -11,6 +11,10 @@ same for the optimizer's:
   along dim 0, scalars such as ``step`` copied), so a run without packing resumes from it;
 - :func:`pack_qkv_optimizer_state` is the inverse, for a state saved unfused and loaded into a fused optimizer.
 
+:func:`unpack_qkv_dcp_optimizer_state` and :func:`pack_qkv_dcp_optimizer_state` do the same for the state dicts of
+``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` / ``set_optimizer_state_dict``, which are keyed by
+parameter name (``...attn.qkv_proj.weight`` for a packed parameter) instead of by position.
+
 Which saved entries are the q, k and v parts of a packed parameter follows the parameter order: in a group, the
 packed parameter stands where ``q_proj``'s was, and a run of consecutive packed parameters (a module's packed weight
 and bias) is expanded in the unfused model's ``named_parameters()`` order (``q_proj.weight, q_proj.bias,
@@ -29,7 +33,13 @@ from torch import nn
 from lightning_accel._utils import compat
 from lightning_accel.precision import modules as fm
 
-__all__ = ["pack_qkv_optimizer_state", "packed_qkv_parameters", "unpack_qkv_optimizer_state"]
+__all__ = [
+    "pack_qkv_dcp_optimizer_state",
+    "pack_qkv_optimizer_state",
+    "packed_qkv_parameters",
+    "unpack_qkv_dcp_optimizer_state",
+    "unpack_qkv_optimizer_state",
+]
 
 # (parameter, part): part -1 for a parameter that is not packed, 0/1/2 for the q/k/v rows of a packed one
 _Key = tuple[torch.Tensor, int]
@@ -246,3 +256,134 @@ def _concat(entries: Sequence[Any], p: torch.Tensor, group: int) -> dict[str, An
         else:
             out[key] = value.clone() if isinstance(value, torch.Tensor) else value
     return out
+
+
+# the modules that wrap a model without a name of their own in `torch.distributed.checkpoint`'s parameter names
+_DCP_WRAPPER_NAMES = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
+
+
+def _dcp_packed_names(model: nn.Module) -> dict[str, tuple[nn.Parameter, list[str]]]:
+    """``{packed name: (parameter, [q name, k name, v name])}`` for ``model``'s packed q/k/v parameters, named as
+    ``torch.distributed.checkpoint.state_dict`` names them (a ``DistributedDataParallel`` wrapper's ``module.``, a
+    compiled module's ``_orig_mod.`` and activation-checkpoint wrappers left out)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    root = model.module if isinstance(model, DistributedDataParallel) else model
+    out: dict[str, tuple[nn.Parameter, list[str]]] = {}
+    for name, m in root.named_modules():
+        qkv = compat.child_modules(m).get("qkv_proj")
+        if qkv is None or not fm.is_fused(m, fm.FusedAttentionMixin):
+            continue
+        prefix = "".join(f"{part}." for part in name.split(".") if part and part not in _DCP_WRAPPER_NAMES)
+        for attr, p in qkv.named_parameters(recurse=False):
+            out[f"{prefix}qkv_proj.{attr}"] = (p, [f"{prefix}{part}.{attr}" for part in fm.QKV_PARTS])
+    return out
+
+
+def _replace_in_groups(groups: Any, replace: Mapping[str, list[str]]) -> Any:
+    """The ``param_groups`` of a name-keyed optimizer state dict with each name in ``replace`` put where the first of
+    the names it replaces stood (the others dropped)."""
+    if not isinstance(groups, list):
+        return groups
+    out = []
+    for g in groups:
+        names = g.get("params") if isinstance(g, Mapping) else None
+        if not isinstance(names, list):
+            out.append(g)
+            continue
+        new: list[Any] = []
+        for n in names:
+            for m in replace.get(n, [n]) if isinstance(n, str) else [n]:
+                if m not in new:
+                    new.append(m)
+        out.append({**g, "params": new})
+    return out
+
+
+def unpack_qkv_dcp_optimizer_state(state_dict: dict[str, Any], model: nn.Module) -> dict[str, Any]:
+    """A name-keyed optimizer state dict of ``model`` (``get_optimizer_state_dict(model, optimizer)``) with each
+    packed ``qkv_proj`` parameter's state split into its ``q_proj``/``k_proj``/``v_proj`` parts' (tensors split in
+    three along dim 0, scalars such as ``step`` copied), as the unfused model's optimizer has it: save that, and
+    ``set_optimizer_state_dict`` loads it into the unfused model.
+
+    Args:
+        state_dict: ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``'s output on ``model``
+            (full, not sharded: packing is not done under FSDP).
+        model: the fused model (or its ``DistributedDataParallel`` wrapper) whose parameters it names.
+
+    Returns:
+        a new state dict, or ``state_dict`` itself when it names no packed parameter of ``model``.
+
+    Raises:
+        ValueError: for a per-parameter tensor whose shape is not its packed parameter's (it cannot be split by rows).
+    """
+    packed = {k: v for k, v in _dcp_packed_names(model).items() if k in state_dict.get("state", {})}
+    if not packed:
+        return state_dict
+    state: dict[str, Any] = {}
+    for name, entry in state_dict["state"].items():
+        if name not in packed:
+            state[name] = entry
+            continue
+        p, parts = packed[name]
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and (not _plain(value) or value.shape != p.shape):
+                raise ValueError(
+                    f"The optimizer state has `{key}` of shape {tuple(value.shape)} for {name} of shape "
+                    f"{tuple(p.shape)}, which cannot be split into q/k/v rows: pass the full (not sharded) "
+                    "`get_optimizer_state_dict` of this model."
+                )
+        for i, part in enumerate(parts):
+            state[part] = {
+                # clone: a view would keep (and a save would write) the whole packed tensor for each part
+                key: value.chunk(len(parts), dim=0)[i].clone()
+                if isinstance(value, torch.Tensor) and value.dim() > 0
+                else value.clone()
+                if isinstance(value, torch.Tensor)
+                else value
+                for key, value in entry.items()
+            }
+    groups = _replace_in_groups(state_dict.get("param_groups"), {k: parts for k, (_, parts) in packed.items()})
+    return {**state_dict, "state": state, "param_groups": groups}
+
+
+def pack_qkv_dcp_optimizer_state(state_dict: dict[str, Any], model: nn.Module) -> dict[str, Any]:
+    """A name-keyed optimizer state dict saved on the unfused model (``get_optimizer_state_dict``) laid out for
+    ``model``, whose q/k/v projections are packed: the inverse of :func:`unpack_qkv_dcp_optimizer_state`, for
+    ``set_optimizer_state_dict(model, optimizer, ...)``. A packed parameter whose parts have no state, or not all the
+    same keys, gets none (as a new parameter has).
+
+    Returns:
+        a new state dict, or ``state_dict`` itself when it names no q/k/v part of a packed parameter of ``model``.
+
+    Raises:
+        ValueError: for a part's per-parameter tensor whose shape is not a third of the packed parameter's rows.
+    """
+    saved = state_dict.get("state", {})
+    packed = {k: v for k, v in _dcp_packed_names(model).items() if any(part in saved for part in v[1])}
+    if not packed:
+        return state_dict
+    merged: dict[str, Any] = {}
+    for name, (p, parts) in packed.items():
+        entries = [saved.get(part) for part in parts]
+        if not all(entries) or any(e.keys() != entries[0].keys() for e in entries):
+            continue
+        part_shape = (p.shape[0] // len(parts), *p.shape[1:])
+        for part, entry in zip(parts, entries, strict=True):
+            for key, value in entry.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) != part_shape:
+                    raise ValueError(
+                        f"The optimizer state has `{key}` of shape {tuple(value.shape)} for {part}, a q/k/v part of "
+                        f"{name} of shape {part_shape} each, which cannot be packed: pass the full (not sharded) "
+                        "`get_optimizer_state_dict` of a model with the same projection sizes."
+                    )
+        merged[name] = _concat(entries, p, 0)
+    state: dict[str, Any] = {}
+    owner = {part: name for name, (_, parts) in packed.items() for part in parts}
+    for key, entry in saved.items():
+        if key not in owner:
+            state[key] = entry
+        elif owner[key] in merged and owner[key] not in state:
+            state[owner[key]] = merged[owner[key]]
+    replace = {part: [name] for name, (_, parts) in packed.items() for part in parts}
+    return {**state_dict, "state": state, "param_groups": _replace_in_groups(state_dict.get("param_groups"), replace)}

@@ -5,7 +5,6 @@ The Lightning adapter of this room: the surgery itself is :func:`~lightning_acce
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
@@ -15,7 +14,7 @@ import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
@@ -158,12 +157,14 @@ class FusedPrecision(MixedPrecision):
             _check_compile_kwargs(compile_kwargs)
             if not compile:
                 # kept and never used: said, not refused, so that a config can switch compilation off on the command
-                # line (`--...compile=false`, as the tuner's options do) and keep the arguments for when it is on
-                warnings.warn(
+                # line (`--...compile=false`, as the tuner's options do) and keep the arguments for when it is on.
+                # Every DDP process builds the plugin: rank 0 says it for all (stack: _warn, rank_zero_warn, its
+                # rank_zero_only wrapper, this __init__, the caller)
+                rank_zero_warn(
                     f"FusedPrecision: `compile_kwargs` {dict(compile_kwargs)!r} are not used with compile=False: the "
                     "model runs eagerly. Pass `compile=True` to compile with them.",
-                    UserWarning,
-                    stacklevel=2,
+                    category=UserWarning,
+                    stacklevel=5,
                 )
         check_backend(backend)
         check_choice(

@@ -53,6 +53,7 @@ from torch import nn
 
 from lightning_accel._utils import compat, patching
 from lightning_accel._utils.checks import check_bool
+from lightning_accel._utils.rank import is_global_zero
 from lightning_accel._utils.triton import Backend, check_backend
 from lightning_accel.ops.activation import function_activation, module_activation
 from lightning_accel.precision import modules as fm
@@ -1125,7 +1126,9 @@ def apply_fusions(
         optimizers: optimizers already holding ``model``'s parameters (one or a list); their references (and state)
             are patched for the parameters surgery replaces.
         warn_if_empty: emit a ``UserWarning`` when the selected patterns matched nothing (never for an empty
-            selection, which asks for nothing).
+            selection, which asks for nothing). Under ``torch.distributed`` (or a launcher's ``RANK``), this warning,
+            the one for unknown ``ignore_modules`` names and the log of what was fused come from global rank 0 only:
+            every rank does the same surgery.
         backend: the ops backend every fused module uses: ``"auto"`` (default: Triton kernels on CUDA, plain torch
             ops elsewhere), ``"reference"`` (the fused functions' torch path, e.g. to exercise it on a CPU),
             ``"triton"`` or ``"eager"``. None leaves already-fused modules as they are.
@@ -1146,7 +1149,9 @@ def apply_fusions(
     unknown_names = [
         i for i in ignore_modules if isinstance(i, str) and not any(_ignored(n, m, (i,)) for n, m in named)
     ]
-    if unknown_names:
+    # every rank does the same surgery and would say the same thing: global rank 0 speaks for them
+    speak = is_global_zero()
+    if unknown_names and speak:
         warnings.warn(
             f"`ignore_modules` names {unknown_names}, which are not modules of {type(model).__name__}; module names "
             "are qualified as in `model.named_modules()` (e.g. 'blocks.0.mlp').",
@@ -1196,8 +1201,9 @@ def apply_fusions(
         for olds, _ in report.param_swaps:
             olds.clear()  # the optimizers hold the new parameters now: release the replaced ones
     if report.records:
-        log.info("%s: %s:\n%s", type(model).__name__, report.summary(), report.table())
-    elif warn_if_empty and policy and not any(fm.is_fused(m) for m in model.modules()):
+        if speak:
+            log.info("%s: %s:\n%s", type(model).__name__, report.summary(), report.table())
+    elif speak and warn_if_empty and policy and not any(fm.is_fused(m) for m in model.modules()):
         # an empty policy asked for nothing, and a second call (all fused already) is not "nothing"
         warnings.warn(
             f"Module surgery found nothing to fuse in {type(model).__name__} for patterns {list(policy)}"

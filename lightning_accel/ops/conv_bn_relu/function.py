@@ -222,11 +222,13 @@ def conv_bn_relu(
     :class:`ConvBNReLUFunction`).
 
     Raises:
-        TypeError: for a ``training`` that is not True or False, or a ``momentum`` that is not a number (None
-            included) while running statistics are updated.
-        ValueError: for an ``x`` that is not 4-D, a ``bn_weight``, ``bn_bias``, ``running_mean`` or ``running_var``
-            that is not ``(C_out,)``, or one running statistic without the other (eager ``F.batch_norm`` refuses
-            them too).
+        TypeError: for a ``training`` that is not True or False, an ``eps`` that is not a number, a ``relu`` that is
+            neither True, False nor an activation name, or a ``momentum`` that is not a number (None included) while
+            running statistics are updated.
+        ValueError: for an unknown activation name in ``relu`` or ``activation`` (the message names the one given),
+            an ``eps`` <= 0 with batch statistics (as eager ``F.batch_norm`` refuses it), an ``x`` that is not 4-D, a
+            ``bn_weight``, ``bn_bias``, ``running_mean`` or ``running_var`` that is not ``(C_out,)``, or one running
+            statistic without the other (eager ``F.batch_norm`` refuses them too).
     """
     if x.dim() != 4:
         raise ValueError(f"`x` must be a 4-D (N, C, H, W) tensor, got shape {tuple(x.shape)}.")
@@ -247,6 +249,13 @@ def conv_bn_relu(
             "momentum", momentum, fix="For a cumulative average (`nn.BatchNorm2d(momentum=None)`) pass "
             "`1 / num_batches_tracked` after incrementing `num_batches_tracked`, as the module does.",
         )  # fmt: skip
+    # batch statistics divide by sqrt(var + eps): eager `F.batch_norm` refuses eps <= 0 there (on some paths only,
+    # in words naming no argument), and the torch path took it and gave NaN wherever var < -eps
+    batch_stats = training or running_mean is None
+    # the cheap test first: `check_number` is not traceable by Dynamo, and a compiled model calls this every step
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or (batch_stats and not eps > 0):
+        fix = "Pass the batch norm's `eps` (`nn.BatchNorm2d.eps`, 1e-5 by default)."
+        check_number("eps", eps, low=0 if batch_stats else None, low_open=True, fix=fix)
     _check_channels(weight, bn_weight=bn_weight, bn_bias=bn_bias, running_mean=running_mean, running_var=running_var)
     act = reference.resolve_activation(relu, activation)
     if backend == "eager" or (backend == "auto" and not x.is_cuda):

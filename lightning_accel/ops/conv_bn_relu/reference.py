@@ -12,7 +12,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lightning_accel.ops.activation import Activation, activation_backward, activation_forward, check_activation
+from lightning_accel.ops.activation import (
+    ACTIVATIONS,
+    Activation,
+    activation_backward,
+    activation_forward,
+    check_activation,
+)
 
 __all__ = [
     "bn_relu_backward",
@@ -57,17 +63,26 @@ def conv_bn_relu(
     return activation_forward(y, resolve_activation(relu, activation))
 
 
-def resolve_activation(relu: bool | str, activation: str | None = None) -> Activation:
-    """The activation of a call: ``activation`` when given, else ``"relu"``/``"none"`` from ``relu`` (or its name).
+def resolve_activation(relu: bool | str | None, activation: str | None = None) -> Activation:
+    """The activation of a call: ``activation`` when given, else ``"relu"``/``"none"`` from ``relu`` (True/False, an
+    activation name, or None for ``"none"``).
 
     Raises:
-        ValueError: for an unknown activation name.
+        TypeError: for a ``relu`` that is neither a bool, an activation name nor None (``1`` and ``0.0`` included:
+            they were read as True and False), or an ``activation`` that is not a string.
+        ValueError: for an unknown activation name, naming the argument that held it (``relu`` or ``activation``).
     """
     if activation is not None:
         return check_activation(activation)
-    if isinstance(relu, str):
+    if isinstance(relu, bool):
+        return "relu" if relu else "none"
+    if relu is None or (isinstance(relu, str) and relu in ACTIVATIONS):
         return check_activation(relu)
-    return "relu" if relu else "none"
+    expected = "True, False or one of " + ", ".join(repr(a) for a in ACTIVATIONS)
+    raise (ValueError if isinstance(relu, str) else TypeError)(
+        f"`relu` must be {expected}, got {relu!r} ({type(relu).__name__}). Pass relu=False (or 'none') for no "
+        "activation, or the activation's name as `activation=`."
+    )
 
 
 def check_batch_values(y: torch.Tensor) -> int:
