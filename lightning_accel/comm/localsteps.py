@@ -355,18 +355,27 @@ class LocalSteps:
         """CPU copies of this rank's parameters, one canonical flat tensor per fragment (for checkpoints)."""
         return [self._flatten(f, torch.zeros_like(f.outer)).cpu() for f in self.fragments]
 
-    def load_local_flats(self, flats: Sequence[torch.Tensor]) -> None:
-        """Set this rank's parameters from :meth:`local_flats` output (of the same layout: check the state saved with
-        them first, :meth:`check_state`; these sizes are checked here too, before anything is copied).
+    def check_local_flats(self, flats: Sequence[torch.Tensor]) -> None:
+        """Refuse :meth:`local_flats` output of another layout (other fragment sizes), before anything is loaded.
 
         Raises:
-            ValueError: other fragment sizes than this layout's.
+            ValueError: other fragment sizes than this layout's, naming both.
         """
         sizes = [f.outer.numel() for f in self.fragments]
         if [flat.numel() for flat in flats] != sizes:
             raise ValueError(
                 f"expected {len(sizes)} fragment tensors of {sizes} elements, got {[flat.numel() for flat in flats]}."
             )
+
+    def load_local_flats(self, flats: Sequence[torch.Tensor]) -> None:
+        """Set this rank's parameters from :meth:`local_flats` output (of the same layout: check the state saved with
+        them first, :meth:`check_state`; these sizes are checked here too, before anything is copied:
+        :meth:`check_local_flats`).
+
+        Raises:
+            ValueError: other fragment sizes than this layout's.
+        """
+        self.check_local_flats(flats)
         for frag, flat in zip(self.fragments, flats, strict=True):
             self._unflatten_copy(frag, flat.to(frag.outer.device))
 

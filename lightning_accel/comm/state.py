@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -39,6 +39,7 @@ __all__ = [
     "KeptBuffers",
     "OneBitState",
     "StepBytes",
+    "check_gathered_state",
     "compressor_for",
     "gather_state_dict",
     "gather_state_dict_async",
@@ -862,6 +863,43 @@ def _assemble(local: dict[str, Any], issued: list[tuple[list[int], list[torch.Te
             out["groups"][k][t] = torch.stack([p[off : off + m] for p in parts]).reshape(n, *x.shape).cpu()
             off += m
     return out
+
+
+def check_gathered_state(gathered: Mapping[str, Any]) -> None:
+    """Refuse :func:`gather_state_dict` output that does not hold every rank's error tensors: each group's ``worker``
+    and ``server`` must be tensors with one row per rank of its ``world_size``.
+
+    Every rank reads the whole gathered state, so every rank reaches the same verdict with the same line, without
+    communicating; :func:`select_rank_state` would otherwise fail on the ranks whose rows are missing alone.
+
+    Raises:
+        ValueError: a group's tensor missing, not a tensor, or with another number of rows, naming the group.
+    """
+    if not isinstance(gathered, Mapping):
+        raise ValueError(
+            f"the 1-bit error state is a {type(gathered).__name__}, expected a mapping: the checkpoint is incomplete "
+            "or corrupt."
+        )
+    world = gathered.get("world_size")
+    groups = gathered.get("groups")
+    if not isinstance(world, int) or world < 1 or not isinstance(groups, Mapping):
+        raise ValueError(
+            f"the 1-bit error state has world_size {world!r} and groups of type {type(groups).__name__}, expected a "
+            "positive integer and a mapping: the checkpoint is incomplete or corrupt."
+        )
+    for key, tensors in groups.items():
+        for t in ("worker", "server"):
+            x = tensors.get(t) if isinstance(tensors, Mapping) else None
+            rows = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() >= 1 else None
+            if rows != world:
+                if not isinstance(x, torch.Tensor):
+                    found = "no tensor"
+                else:
+                    found = "a 0-d tensor" if rows is None else f"rows for {rows} of {world} ranks"
+                raise ValueError(
+                    f"the 1-bit error state of group {key!r} ({t}) holds {found}, expected one row per rank "
+                    f"({world}): the checkpoint is incomplete or corrupt."
+                )
 
 
 def select_rank_state(gathered: dict[str, Any], rank: int) -> dict[str, Any]:

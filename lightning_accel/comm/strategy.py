@@ -82,7 +82,7 @@ from lightning_accel.comm.config import (
     resolve_renamed,
 )
 from lightning_accel.comm.localsteps import LocalSteps, LocalStepsConfig, OuterCompression
-from lightning_accel.comm.state import compressor_for
+from lightning_accel.comm.state import check_gathered_state, compressor_for
 from lightning_accel.comm.topology import HIERARCHICAL_CHOICES, Hierarchical, destroy_group
 
 __all__ = ["CHECKPOINT_KEY", "LOCALSTEPS_CHECKPOINT_KEY", "STEP_PATCH_KEY", "LocalStepsStrategy", "OneBitDDPStrategy"]
@@ -157,6 +157,36 @@ def _ddp_kwargs(
 
 #: the barrier ``Trainer.save_checkpoint`` ends with
 SAVE_BARRIER = "Trainer.save_checkpoint"
+
+
+def _raise_if_any_rank_failed(
+    error: BaseException | None,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    rank: int,
+    what: Callable[[int, str], str],
+) -> None:
+    """Learn from every rank of ``group`` whether a step that may fail on some ranks only succeeded there (``error``:
+    this rank's failure, None if it succeeded), and raise on every rank when one failed: nothing where it happened
+    (the caller re-raises its own error), elsewhere a :class:`RuntimeError` in one line, ``what(failed_rank, more)``
+    (``more``: how many other ranks failed, or "") followed by that rank's error.
+
+    Without it a rank that raised alone leaves the others in their next collective until the process group's timeout.
+    Collective: one one-integer ``all_reduce`` (MAX) over ``group`` (on ``device``, this rank's device), every rank
+    failed or not; the failures' texts travel (``all_gather_object``) only when there is one. ``rank`` is this rank's
+    global rank, the one named to the others."""
+    flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if not int(flag.item()):
+        return
+    mine = None if error is None else f"{type(error).__name__}: {one_line(error)}"
+    every: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, (rank, mine), group=group)
+    failed = [(r, text) for r, text in every if text is not None]
+    if error is None and failed:
+        first, text = failed[0]
+        more = f" (and {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""
+        raise RuntimeError(f"{what(first, more)}: {text}")
 
 
 def _with_extras(gathered: Deferred, extras: dict[str, Any]) -> dict[str, Any]:
@@ -287,7 +317,7 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
             was saved with (another layout resets it, with a warning).
         processes_per_node: the processes each node runs, when it is not Lightning's ``devices`` (the number of
             processes this strategy launches or joins per node; ``LOCAL_WORLD_SIZE`` under torchrun). Ranks are
-            numbered node-major, as every launcher does.
+            numbered node-major, as every launcher does. Refused with ``hierarchical=False``, where it has no use.
         log_stats: log ``comm/bytes_sent`` (bytes this rank sent in the last step; hierarchical: between nodes) and
             ``comm/compression_ratio`` (fp32 ring-allreduce bytes over bytes sent) every training step.
         compress: deprecated name of ``compressed_signal`` (same values; a :class:`DeprecationWarning`).
@@ -304,8 +334,8 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
         TypeError: a hyper-parameter of the wrong type.
         ValueError: a bad hyper-parameter, an unknown keyword, a deprecated name beside its new one, a competing
             ``ddp_comm_hook``, a DDP option that averages parameters outside the 1-bit hook
-            (``delay_all_reduce_named_params``, ``param_to_hook_all_reduce``), or ``overlap=True`` with
-            ``find_unused_parameters=True``.
+            (``delay_all_reduce_named_params``, ``param_to_hook_all_reduce``), ``overlap=True`` with
+            ``find_unused_parameters=True``, or ``processes_per_node`` with ``hierarchical=False``.
         RuntimeError: ``compressor_backend="triton"`` without the ``triton`` package (here), or on a device it cannot
             run on (when the fit sets up: CPU tensors without ``TRITON_INTERPRET=1``).
     """
@@ -358,6 +388,13 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
         )
         if processes_per_node is not None:
             check_int("processes_per_node", processes_per_node, low=1, fix="Give the processes each node runs.")
+            if hierarchical is False:
+                # it only splits the ranks into nodes for the hierarchical exchange: kept, it would change nothing
+                raise ValueError(
+                    f"`processes_per_node={processes_per_node}` has no effect with `hierarchical=False` (the flat "
+                    "exchange between all ranks): it only lays out the nodes of hierarchical averaging. Drop "
+                    "`processes_per_node`, or use `hierarchical='auto'` or `True`."
+                )
         check_bool("log_stats", log_stats, fix="Use False to stop logging.")
         forced_triton = self._config.compressor_backend == "triton" and self._config.compression != "fp32"
         if forced_triton and not triton_available():
@@ -1045,25 +1082,17 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
     def _raise_if_any_rank_failed(self, error: BaseException | None, group: dist.ProcessGroup | None) -> None:
         """Learn from every rank of ``group`` whether it got its error state ready for the checkpoint's gather
         (``error``: this rank's failure, None if it did), and raise on every rank when one failed: its own error where
-        it happened (the caller re-raises it), elsewhere one line naming the rank and its error.
-
-        Collective: one one-integer ``all_reduce`` (MAX) over ``group``, every rank failed or not; the failures' texts
-        travel (``all_gather_object``) only when there is one."""
-        flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=self.root_device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        if not int(flag.item()):
-            return
-        mine = None if error is None else f"{type(error).__name__}: {one_line(error)}"
-        every: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(every, (self.global_rank, mine), group=group)
-        failed = [(rank, text) for rank, text in every if text is not None]
-        if error is None and failed:
-            rank, text = failed[0]
-            more = f" (and {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""
-            raise RuntimeError(
-                f"ddp_1bit: rank {rank} could not prepare its error state for the checkpoint{more}, so no rank saves "
-                f"it: {text}"
-            )
+        it happened (the caller re-raises it), elsewhere one line naming the rank and its error (a collective:
+        :func:`_raise_if_any_rank_failed`)."""
+        _raise_if_any_rank_failed(
+            error,
+            group,
+            self.root_device,
+            self.global_rank,
+            lambda rank, more: (
+                f"ddp_1bit: rank {rank} could not prepare its error state for the checkpoint{more}, so no rank saves it"
+            ),
+        )
 
     def _leftover_grads(self, state: comm.OneBitState) -> dict[str, torch.Tensor] | None:
         """The ``.grad`` of every parameter that holds one, by name (copies on the CPU), when the next step's
@@ -1164,6 +1193,15 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         payload = checkpoint.get(CHECKPOINT_KEY)
         if payload is not None:
+            try:
+                # every rank reads the whole payload: the same verdict everywhere, before any rank takes its slice
+                # (a slice missing on some ranks alone would fail those and leave the others in the first collective)
+                check_gathered_state(payload)
+            except ValueError as err:
+                raise ValueError(
+                    f"`ckpt_path` {str(checkpoint_path)!r}: {err} Resume from another checkpoint (or load the weights "
+                    "alone with a fresh strategy)."
+                ) from err
             grads = payload.get("leftover_grads")  # absent from checkpoints saved before it was kept
             self._grads_loaded = dict(grads) if isinstance(grads, Mapping) else None
             decision = payload.get("overlap_decision")
@@ -1360,7 +1398,7 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
         #: fit makes a new one)
         self._local_live = False
         self._loaded: dict[str, Any] | None = None
-        self._loaded_from = ""  # the checkpoint `_loaded` came from (for messages)
+        self._loaded_from = ""  # the last checkpoint read that held local-steps state (for messages)
         self._outer_group: dist.ProcessGroup | None = None
         #: the inner step at which this fit's final sync ran (None: not yet)
         self._final_synced_at: int | None = None
@@ -1496,9 +1534,15 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
         """This rank's parameters, buffers and outer state from the checkpoint ``source`` (after DDP's broadcast
         overwrote them with rank 0's).
 
+        Each rank checks its own part, and the ranks then agree (one small collective:
+        :func:`_raise_if_any_rank_failed`) before any of them restores anything: a part unusable on some ranks only
+        (another layout, a missing entry) fails the resume on every rank, instead of leaving the others in their first
+        collective of the fit until the process group's timeout.
+
         Raises:
-            ValueError: the checkpoint holds the state of another number of ranks, or of another layout (naming
-                ``source``; every rank refuses alike, before anything is restored).
+            ValueError: the checkpoint holds the state of another number of ranks, or this rank's part is of another
+                layout or incomplete (naming ``source``); nothing is restored, on any rank.
+            RuntimeError: another rank's part is unusable (naming that rank and quoting its error).
         """
         assert self._local is not None
         ranks = payload["ranks"]
@@ -1508,17 +1552,39 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
                 f"{self.world_size} processes: it cannot continue their local steps. Resume with {len(ranks)} "
                 "processes (or load the weights alone with a fresh strategy)."
             )
-        own = ranks[self.global_rank]
-        # every check before the first copy: a refused resume leaves the model as it was, on every rank (each checks
-        # its own part, and the parts share their layout)
-        buffers = own.get("buffers")  # absent from checkpoints of format 1
+        # every check before the first copy: a refused resume leaves the model as it was, on every rank
         module = self.lightning_module
+        failure: ValueError | None = None
         try:
+            own = ranks[self.global_rank]
+            buffers = own.get("buffers")  # absent from checkpoints of format 1
             self._local.check_state(own["outer"])
+            self._local.check_local_flats(own["local"])
             if buffers is not None and module is not None:
                 _check_buffers(module, buffers)
         except ValueError as err:
-            raise ValueError(f"`ckpt_path` {source!r}: {err}") from err
+            failure = ValueError(f"`ckpt_path` {source!r}: {err}")
+            failure.__cause__ = err
+        except (KeyError, IndexError, TypeError, AttributeError) as err:
+            failure = ValueError(
+                f"`ckpt_path` {source!r}: rank {self.global_rank}'s part of the local-steps state is incomplete or "
+                f"corrupt ({type(err).__name__}: {one_line(err)}). Resume from another checkpoint (or load the "
+                "weights alone with a fresh strategy)."
+            )
+            failure.__cause__ = err
+        if self.world_size > 1 and distributed_ready():
+            _raise_if_any_rank_failed(
+                failure,
+                None,
+                self.root_device,
+                self.global_rank,
+                lambda rank, more: (
+                    f"diloco: rank {rank} could not restore its local-steps state from `ckpt_path` "
+                    f"{source!r}{more}, so no rank resumes"
+                ),
+            )
+        if failure is not None:
+            raise failure
         self._local.load_local_flats(own["local"])
         if buffers is not None and module is not None:
             _load_buffers(module, buffers)
@@ -1526,12 +1592,48 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """This rank's own optimizer states (saved under :data:`LOCALSTEPS_CHECKPOINT_KEY`), not rank 0's.
+
+        The ranks then agree (one small collective) before the fit goes on, so a part that only some ranks cannot
+        load fails the resume on every rank.
+
+        Raises:
+            ValueError: this rank's optimizer states do not fit this fit's optimizers (naming the checkpoint).
+            RuntimeError: another rank's did not (naming that rank and quoting its error).
+        """
         payload = checkpoint.get(LOCALSTEPS_CHECKPOINT_KEY)
         if payload is None or self._local is None:
             super().load_optimizer_state_dict(checkpoint)
             return
-        own = payload["ranks"][self.global_rank]
-        super().load_optimizer_state_dict({**checkpoint, "optimizer_states": own["optimizers"]})
+        source = self._loaded_from
+        failure: Exception | None = None
+        try:
+            own = payload["ranks"][self.global_rank]
+            super().load_optimizer_state_dict({**checkpoint, "optimizer_states": own["optimizers"]})
+        except (ValueError, KeyError, IndexError, TypeError) as err:
+            failure = ValueError(
+                f"`ckpt_path` {source!r}: rank {self.global_rank}'s optimizer state cannot be loaded into this fit's "
+                f"optimizers ({type(err).__name__}: {one_line(err)}). Resume with the optimizers and trainable "
+                "parameters the checkpoint was saved with."
+            )
+            failure.__cause__ = err
+        except Exception as err:
+            failure = err
+        if self.world_size > 1 and distributed_ready():
+            # each rank loads its own optimizer states: one that cannot (its part of another shape, or missing) must
+            # not leave the others in the fit's first collective until the process group's timeout
+            _raise_if_any_rank_failed(
+                failure,
+                None,
+                self.root_device,
+                self.global_rank,
+                lambda rank, more: (
+                    f"diloco: rank {rank} could not restore its optimizer state from `ckpt_path` "
+                    f"{source!r}{more}, so no rank resumes"
+                ),
+            )
+        if failure is not None:
+            raise failure
 
     @override
     def optimizer_step(
@@ -1650,16 +1752,15 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         payload = checkpoint.get(LOCALSTEPS_CHECKPOINT_KEY)
         if payload is not None:
+            self._loaded_from = str(checkpoint_path)  # named by the restores' messages (optimizer states: later)
             ranks = payload["ranks"]
             key = type(self.precision_plugin).__qualname__
-            if (
-                len(ranks) == self.world_size
-                and ranks[self.global_rank].get("precision") is not None
-                and key in checkpoint
-            ):
+            own = ranks[self.global_rank] if len(ranks) == self.world_size else None
+            # a part that is not a mapping is refused with the other checks, on every rank together (_restore_local)
+            if isinstance(own, Mapping) and own.get("precision") is not None and key in checkpoint:
                 # Lightning restores the precision plugin from the checkpoint this returns (rank 0's state): this
                 # rank's own instead
-                checkpoint[key] = ranks[self.global_rank]["precision"]
+                checkpoint[key] = own["precision"]
             if self._local is not None and self._local_live:  # set up in this fit: apply now
                 self._restore_local(payload, str(checkpoint_path))
             else:  # DDP broadcasts rank 0's parameters when it wraps the model: apply after that

@@ -56,3 +56,15 @@ def test_honoured_ddp_options_and_their_defaults_pass_through(cls_index: int) ->
     kw = st._ddp_kwargs
     assert kw["gradient_as_bucket_view"] is True and kw["static_graph"] is True and kw["bucket_cap_mb"] == 5
     assert not {"delay_all_reduce_named_params", "param_to_hook_all_reduce", "process_group", "device_mesh"} & set(kw)
+
+
+def test_processes_per_node_without_hierarchical_averaging_is_refused() -> None:
+    """It only lays out the nodes of the hierarchical exchange: with ``hierarchical=False`` it would change nothing."""
+    from lightning_accel.strategies import OneBitDDPStrategy
+
+    with pytest.raises(ValueError, match=r"^`processes_per_node=4` has no effect with `hierarchical=False`") as info:
+        OneBitDDPStrategy(hierarchical=False, processes_per_node=4)
+    assert "\n" not in str(info.value) and "Drop `processes_per_node`" in str(info.value)
+    for hierarchical in ("auto", True):  # used there (a one-node job with `True` is refused when the fit sets up)
+        OneBitDDPStrategy(hierarchical=hierarchical, processes_per_node=4)
+    OneBitDDPStrategy(hierarchical=False)  # LightningCLI passes the default None: not an error
