@@ -75,8 +75,15 @@ def world_size() -> int:
 
 
 def is_global_zero() -> bool:
-    """True on global rank 0."""
-    return global_rank() == 0
+    """True on global rank 0.
+
+    Before a process group exists and without ``RANK`` / ``SLURM_PROCID``: local rank 0 of node 0 (``LOCAL_RANK``,
+    ``NODE_RANK`` and their kin). Lightning's own launcher sets only ``LOCAL_RANK`` and ``NODE_RANK`` in the processes
+    it starts for ``python train.py`` with ``devices=2``, so code running there before ``fit`` (a model converted by
+    hand) took every process for rank 0 and warned once per process."""
+    if distributed_ready() or any(_env_int(n, default=-1) >= 0 for n in ("RANK", "SLURM_PROCID")):
+        return global_rank() == 0
+    return local_rank() == 0 and node_rank() == 0
 
 
 def describe_error(e: BaseException) -> ErrorDescription:

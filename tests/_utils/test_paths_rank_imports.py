@@ -75,6 +75,24 @@ def test_rank_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (global_rank(), world_size(), is_global_zero()) == (0, 2, True)
 
 
+@pytest.mark.parametrize(
+    ("env", "zero"),
+    [
+        ({"LOCAL_RANK": "1", "NODE_RANK": "0"}, False),  # Lightning's launcher, second process of the node
+        ({"LOCAL_RANK": "0", "NODE_RANK": "1"}, False),  # the first process of the second node
+        ({"LOCAL_RANK": "0", "NODE_RANK": "0"}, True),
+        ({"LOCAL_RANK": "1", "RANK": "0"}, True),  # a global rank set wins (as torchrun sets both)
+        ({}, True),  # not distributed
+    ],
+)
+def test_global_zero_before_a_process_group(monkeypatch: pytest.MonkeyPatch, env: dict[str, str], zero: bool) -> None:
+    for k in ("RANK", "SLURM_PROCID", "LOCAL_RANK", "SLURM_LOCALID", "NODE_RANK", "GROUP_RANK", "SLURM_NODEID"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert is_global_zero() is zero
+
+
 def test_require_names_package_and_fix() -> None:
     assert module_available("torch")
     require("torch", purpose="x")
