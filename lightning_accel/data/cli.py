@@ -11,7 +11,9 @@ other file is refused. Prints a JSON summary; exit 2 on bad arguments, 1 when th
 ``/dev/shm/lightning_accel``) that no process uses and that were last used longer ago than ``--older-than``; prints a
 JSON summary (removed and kept tiers, bytes freed). A RAM tier is a directory carrying the marker the package writes
 when it creates one; nothing else is ever removed. A ``DIR`` that holds anything besides tiers is refused (exit 2)
-unless ``--tier`` names the tiers to remove; a ``DIR`` that does not exist is an error (exit 2).
+unless ``--tier`` names the tiers to remove, and so is a ``--tier`` naming anything but a tier (exit 2); a ``DIR`` that
+does not exist, or a ``--tier`` that is not there (under the default root too), is an error that removes nothing (exit
+1, as a missing SOURCE of ``pack``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from lightning_accel._utils.errors import one_line
 from lightning_accel.data.lifecycle import find_tiers, other_entries, parse_duration, ram_root, sweep
 from lightning_accel.data.origin import OriginError
 from lightning_accel.data.pack import DEFAULT_SHARD_BYTES, MAX_SHARD_BYTES, pack_origin
+from lightning_accel.data.tiers import read_marker
 
 __all__ = ["main"]
 
@@ -62,26 +65,61 @@ def _parser(prog: str) -> argparse.ArgumentParser:
 
 def _check_clean_target(root: str, explicit: bool, tiers: list[str] | None) -> None:
     """Refuse a root that is not a directory, a ``--tier`` that is not a tier, and a root holding anything besides
-    tiers unless ``--tier`` names what to remove (a mistyped ``--root`` must never reach a user's own files)."""
+    tiers unless ``--tier`` names what to remove (a mistyped ``--root`` must never reach a user's own files).
+
+    Raises:
+        FileNotFoundError: the target is missing (exit 1, as ``pack``'s missing SOURCE): an explicit ``--root`` that
+            does not exist, or a ``--tier`` found under no root (a mistyped name must not read as space freed).
+        ValueError: the target would reach what is not a tier (exit 2): a ``--tier`` naming another entry or no
+            single name, a root holding other entries without ``--tier``.
+    """
     if not os.path.isdir(root):
         if explicit:
-            raise ValueError(
+            raise FileNotFoundError(
                 f"`--root` {root!r} is not an existing directory. Pass the directory that holds the RAM tiers "
                 f"(default {ram_root()!r})."
             )
-        return
+        if tiers:
+            raise FileNotFoundError(
+                f"`--tier` {tiers[0]!r} is not a RAM tier under {root!r} (the default root, which does not exist): "
+                "nothing was removed. Pass the directory that holds it with `--root DIR`."
+            )
+        return  # no tier was ever made here: nothing to clean
+    if read_marker(root) is not None:
+        # the tier's own files are no tiers: the refusal below would offer `--tier NAME` with no name to give
+        parent, name = os.path.split(os.path.abspath(root))
+        raise ValueError(
+            f"`--root` {root!r} is a RAM tier itself, not the directory holding tiers. Pass `--root {parent}` "
+            f"`--tier {name}` to remove it."
+        )
     marked = {os.path.basename(t.path) for t in find_tiers(root)}
     for name in tiers or ():
-        if name in ("", ".", "..") or os.sep in name or name not in marked:
+        if name in marked:
+            continue
+        shown = sorted(marked)[:5] or "none"
+        if os.sep in name.rstrip(os.sep):
+            # a path where a name is expected (a tier's full path, as `kept` lists them)
+            head, tail = os.path.split(name.rstrip(os.sep))
+            raise ValueError(
+                f"`--tier` takes the name of a tier under `--root`, got the path {name!r}. Pass `--tier {tail}` with "
+                f"`--root {head}`."
+            )
+        if name in ("", ".", "..") or os.sep in name or os.path.lexists(os.path.join(root, name)):
             raise ValueError(
                 f"`--tier` {name!r} is not a RAM tier under {root!r} (a directory carrying the package's tier "
-                f"marker). Tiers there: {sorted(marked)[:5] or 'none'}."
+                f"marker). Tiers there: {shown}."
             )
+        where = "`--root`" if explicit else "the default root"
+        fix = f"Tiers there: {shown}; pass one of them, or" if marked else "No tier is there; pass"
+        raise FileNotFoundError(
+            f"`--tier` {name!r} is not a RAM tier under {root!r} ({where}; no entry of that name): nothing was "
+            f"removed. {fix} `--root DIR` where the tier is."
+        )
     others = other_entries(root)
     if others and not tiers:
-        shown = ", ".join(repr(os.path.basename(o)) for o in others[:3]) + (", ..." if len(others) > 3 else "")
+        shown_others = ", ".join(repr(os.path.basename(o)) for o in others[:3]) + (", ..." if len(others) > 3 else "")
         raise ValueError(
-            f"`--root` {root!r} holds {len(others)} entries that are not RAM tiers ({shown}); "
+            f"`--root` {root!r} holds {len(others)} entries that are not RAM tiers ({shown_others}); "
             "refusing to clean it. Name the tiers to remove with `--tier NAME`, or point `--root` at the tiers' "
             "own directory."
         )
@@ -92,6 +130,9 @@ def _clean(args: argparse.Namespace, prog: str) -> int:
     try:
         older = parse_duration(args.older_than, name="--older-than")
         _check_clean_target(root, args.root is not None, args.tier)
+    except FileNotFoundError as e:  # a missing target: exit 1, as a missing SOURCE of `pack`
+        print(f"{prog}: error: {one_line(e)}", file=sys.stderr)
+        return 1
     except ValueError as e:
         print(f"{prog}: error: {one_line(e)}", file=sys.stderr)
         return 2
@@ -174,8 +215,11 @@ def main(argv: list[str] | None = None, prog: str = "lightning-accel data") -> i
     return 0
 
 
-#: `pack_origin`'s argument names as its errors spell them -> what this command calls them
+#: `pack_origin`'s argument names as its errors spell them -> what this command calls them (whole phrases first: a
+#: message that already gives the option beside the argument would name it twice, and `manifest=None` has no option)
 _PACK_ARGUMENTS = {
+    "`overwrite=True` (`--overwrite`)": "`--overwrite`",
+    "pass `manifest=None`": "leave out `--manifest`",
     "`origin`": "SOURCE",
     "`source`": "SOURCE",
     "`dest`": "DEST",

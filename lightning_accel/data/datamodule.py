@@ -35,6 +35,7 @@ from lightning_accel.data.dataset import (
     CacheDataLoader,
     CachedDataset,
     EpochOrderSampler,
+    SequentialOrderSampler,
     check_warm_num_workers,
     default_num_workers,
     drop_lone_last_batch,
@@ -862,9 +863,16 @@ class CachedDataModule(LightningDataModule):
         if ds is None:
             raise RuntimeError("`CachedDataModule.setup()` must run before asking for a dataloader.")
         replicas, rank = self._sharding()
-        window = self._window(ds) if shuffle else None
+        # Unshuffled orders (evaluation, and training under `overfit_batches`, which Lightning reads unshuffled) are
+        # `SequentialSampler`s as well: Lightning replaces any other sampler of an overfit fit, with a warning that the
+        # loader shuffles, and the training loader's replacement lost the positions a mid-epoch resume continues from
+        # (its resumed epoch started over at the first batch).
+        ordered = shuffle and not self._overfitting()
+        window = self._window(ds) if shuffle else None  # checked under `overfit_batches` too, as for the real fit
         sampler: EpochOrderSampler
-        if window is not None:
+        if not ordered:
+            sampler = SequentialOrderSampler(ds, replicas, rank, seed=self.seed, batch_size=self.batch_size)
+        elif window is not None:
             pack = ds.cache.listing.pack
             assert pack is not None
             shard_of = [pack.shard[i] for i in ds.indices]
@@ -878,7 +886,7 @@ class CachedDataModule(LightningDataModule):
                 batch_size=self.batch_size,
             )
         else:
-            sampler = EpochOrderSampler(ds, replicas, rank, shuffle=shuffle, seed=self.seed, batch_size=self.batch_size)
+            sampler = EpochOrderSampler(ds, replicas, rank, shuffle=True, seed=self.seed, batch_size=self.batch_size)
         # `lone_last`: the training loader, which drops a last batch of one sample that the model's BatchNorm cannot
         # train on (see `drop_lone_last_batch`; the sampler's resume arithmetic follows the loader's `drop_last`)
         trainer = self.trainer
@@ -899,6 +907,15 @@ class CachedDataModule(LightningDataModule):
             pass_batches=functools.partial(self._pass_batches, shuffle),
             warm_check=self._decides_warm,
         )
+
+    def _overfitting(self) -> bool:
+        """Whether the attached Trainer fits with ``overfit_batches``: its training loader reads the first batches of
+        an unshuffled order, every epoch (Lightning's own rule)."""
+        trainer = self.trainer
+        if trainer is None or not self._restoring_fit():
+            return False
+        n = getattr(trainer, "overfit_batches", 0)
+        return isinstance(n, (int, float)) and not isinstance(n, bool) and n > 0
 
     def _decides_warm(self) -> bool:
         """Whether the loader's coming pass may switch it to the warm path: not a sanity-check pass, whose 2 batches

@@ -61,6 +61,7 @@ __all__ = [
     "CacheDataLoader",
     "CachedDataset",
     "EpochOrderSampler",
+    "SequentialOrderSampler",
     "collate_batch",
     "default_num_workers",
     "drop_lone_last_batch",
@@ -553,8 +554,10 @@ class EpochOrderSampler(DistributedSampler):
 
     def layout(self) -> dict[str, int]:
         """What this rank's order depends on besides the seed and the epoch: positions saved under another layout
-        name other samples (subclasses add theirs)."""
-        return {"num_replicas": self.num_replicas, "drop_last": int(self.drop_last), "num_samples": self.num_samples}
+        name other samples (subclasses add theirs). An unshuffled order says so (``"shuffle": 0``; a state without
+        the key was shuffled): an ``overfit_batches`` fit's positions name other samples in a shuffled fit."""
+        out = {"num_replicas": self.num_replicas, "drop_last": int(self.drop_last), "num_samples": self.num_samples}
+        return out if self.shuffle else {**out, "shuffle": 0}
 
     def state_dict(self) -> dict[str, int]:
         """Where training is in the epoch: ``{"epoch", "consumed"}`` (positions of this rank's order), with the seed
@@ -598,7 +601,8 @@ class EpochOrderSampler(DistributedSampler):
         # a single position left with `trim_lone_last` is a batch of one that `__iter__` drops: that epoch is over too
         lone = self.trim_lone_last and left == 1 and self.batch_size > 1
         finished = epoch >= 0 and (left <= 0 or lone or (self.loader_drop_last and left < self.batch_size))
-        if saved_seed != self.seed and epoch >= 0 and consumed and not finished:
+        # (an unshuffled order does not depend on the seed: an `overfit_batches` fit resumes under any)
+        if saved_seed != self.seed and self.shuffle and epoch >= 0 and consumed and not finished:
             # Checked only here: an end-of-epoch state was refused too, though the message offered it as the fix.
             raise ValueError(
                 f"the checkpoint's sampler used `seed` {saved_seed}, this one {self.seed}: resuming mid-epoch "
@@ -671,6 +675,40 @@ class EpochOrderSampler(DistributedSampler):
         return iter(order)
 
 
+class SequentialOrderSampler(EpochOrderSampler, SequentialSampler):
+    """An unshuffled :class:`EpochOrderSampler` that is also a ``SequentialSampler``.
+
+    Each rank reads ``DistributedSampler(shuffle=False)``'s part (rank ``r`` of ``n`` takes positions ``r, r + n,
+    ...``; with one process, every position in order): what Lightning itself makes of a loader under
+    ``Trainer(overfit_batches=...)`` (a ``SequentialSampler``, and a ``DistributedSampler`` over it under DDP).
+    Lightning replaces, with a warning that the loader shuffles, every sampler of an overfit fit that is not a
+    ``SequentialSampler``; this one it keeps, so the loader keeps counting the batches consumed and a run resumed
+    mid-epoch continues at the batch the checkpoint was saved at.
+
+    Args:
+        dataset: the dataset to sample (its ``publish_order`` is called when present).
+        num_replicas: number of ranks.
+        rank: this rank.
+        seed: recorded in the state (the order does not depend on it).
+        drop_last: drop the tail instead of padding to equal shards.
+        batch_size: the DataLoader's batch size (see :class:`EpochOrderSampler`).
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        num_replicas: int = 1,
+        rank: int = 0,
+        seed: int = 0,
+        drop_last: bool = False,
+        batch_size: int = 1,
+    ) -> None:
+        super().__init__(
+            dataset, num_replicas, rank, shuffle=False, seed=seed, drop_last=drop_last, batch_size=batch_size
+        )
+        self.data_source = dataset  # type: ignore[assignment]  # SequentialSampler's attribute (a sized dataset)
+
+
 def check_warm_num_workers(value: object) -> None:
     """``warm_num_workers`` as :class:`CacheDataLoader` and the data module take it: 0 or more, or None."""
     check_int(
@@ -683,10 +721,10 @@ def check_warm_num_workers(value: object) -> None:
 
 
 # The keys of a sampler's state that are positions, not layout; and the value a layout key has for a sampler that
-# does not list it (a global shuffle has no window). A key without a default that one side lacks is not compared:
-# states saved before the key existed resume as they did.
+# does not list it (a global shuffle has no window; a shuffled order lists no `shuffle`). A key without a default that
+# one side lacks is not compared: states saved before the key existed resume as they did.
 _POSITION_KEYS = frozenset({"epoch", "consumed", "seed", "batch_size"})
-_LAYOUT_DEFAULTS = {"window": 0}
+_LAYOUT_DEFAULTS = {"window": 0, "shuffle": 1}
 
 
 def _layouts_differ(saved: dict[str, int], here: dict[str, int]) -> bool:

@@ -182,7 +182,7 @@ def test_data_clean_on_a_run_folder_lists_nothing(tmp_path: Path, capsys: pytest
 
 
 def test_data_clean_reports_a_missing_root(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert data_main(["clean", "--root", str(tmp_path / "nowhere")]) == 2
+    assert data_main(["clean", "--root", str(tmp_path / "nowhere")]) == 1  # a missing target, as for `data pack`
     cap = capsys.readouterr()
     assert cap.out == "" and len(cap.err.strip().splitlines()) == 1
     assert "`--root`" in cap.err and "nowhere" in cap.err and "is not an existing directory" in cap.err
@@ -233,3 +233,58 @@ def test_a_tier_whose_path_holds_a_newline_is_in_use_while_mapped(tmp_path: Path
     (info,) = find_tiers(str(tmp_path))
     assert info.in_use and sweep(str(tmp_path), older_than_s=0) == []
     assert t.get(b"k") == b"v" and (tmp_path / "job\nb").is_dir()
+
+
+@pytest.mark.parametrize("default_root", ["missing", "no-such-tier"])
+def test_data_clean_reports_a_tier_it_cannot_find_under_the_default_root(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], default_root: str
+) -> None:
+    """A mistyped ``--tier`` without ``--root`` is one error line naming the tier and where it was looked for (exit 1,
+    as a missing target is for ``data pack``), and nothing is removed: neither a tier nor a user's files beside it."""
+    root = tmp_path / "shm"
+    monkeypatch.setenv("LIGHTNING_ACCEL_RAM_ROOT", str(root))
+    if default_root == "no-such-tier":
+        stale = _tier(root, "stale", 7200)
+        (root / "proj").mkdir()  # a user's files beside the tiers
+        (root / "proj" / "notes.txt").write_text("mine\n")
+    before = _snapshot(root) if root.exists() else None
+    assert data_main(["clean", "--tier", "typo"]) == 1
+    cap = capsys.readouterr()
+    assert cap.out == "" and len(cap.err.strip().splitlines()) == 1 and len(cap.err) <= 400
+    assert "`--tier` 'typo'" in cap.err and repr(str(root)) in cap.err
+    assert (_snapshot(root) if root.exists() else None) == before
+    if default_root == "no-such-tier":
+        assert stale.exists() and (root / "proj" / "notes.txt").read_text() == "mine\n"
+
+
+def test_data_clean_without_tier_under_a_missing_default_root_has_nothing_to_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("LIGHTNING_ACCEL_RAM_ROOT", str(tmp_path / "shm"))
+    assert data_main(["clean"]) == 0
+    assert json.loads(capsys.readouterr().out)["removed"] == []
+
+
+def test_data_clean_names_the_fix_for_a_tier_given_as_a_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The summary lists tiers by their full path; passed back as `--tier`, the error says how to name it."""
+    stale = _tier(tmp_path, "stale", 7200)
+    assert data_main(["clean", "--root", str(tmp_path), "--tier", str(stale)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and f"Pass `--tier stale` with `--root {tmp_path}`." in err
+    assert stale.exists()
+    assert data_main(["clean", "--root", str(tmp_path), "--tier", "stale"]) == 0 and not stale.exists()
+
+
+def test_data_clean_pointed_at_a_tier_itself_names_its_parent_and_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A tier's own files are not tiers: the refusal gives the `--root` and `--tier` that remove it, not `--tier NAME`
+    with no name to give."""
+    stale = _tier(tmp_path, "stale", 7200)
+    before = _snapshot(stale)
+    assert data_main(["clean", "--root", str(stale)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "is a RAM tier itself" in err
+    assert f"Pass `--root {tmp_path}` `--tier stale`" in err and _snapshot(stale) == before

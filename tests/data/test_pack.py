@@ -305,8 +305,12 @@ def test_data_pack_command(small_digits: Path, tmp_path: Path, capsys: pytest.Ca
     assert list_origin(ObjectStore(str(dest))).pack is not None
     from lightning_accel.data.cli import main
 
-    assert main(["pack", str(small_digits), str(dest)]) == 1  # exists: refused, names --overwrite
-    assert "--overwrite" in capsys.readouterr().err
+    assert main(["pack", str(small_digits), str(dest)]) == 1  # exists: refused, names --overwrite (once)
+    err = capsys.readouterr().err
+    assert "Pass `--overwrite` to replace it" in err and "overwrite=" not in err
+    assert main(["pack", str(small_digits), str(tmp_path / "m"), "--manifest", "nope.jsonl"]) == 1
+    err = capsys.readouterr().err  # the command's own words for "no manifest", not the Python argument's
+    assert "`--manifest`" in err and "manifest=" not in err and "leave out `--manifest`" in err
     assert main(["pack", str(small_digits), str(tmp_path / "x"), "--shard-bytes", "lots"]) == 2
     assert "`--shard-bytes` must be a byte count" in capsys.readouterr().err
     assert main(["pack", str(small_digits), str(tmp_path / "x"), "--shard-bytes", "0"]) == 2

@@ -281,3 +281,33 @@ def test_shuffled_pack_mixes_classes_and_keeps_the_listing(small_digits: Path, t
     b = SampleCache(ObjectStore(str(tmp_path / "b")), list_origin(ObjectStore(str(tmp_path / "b"))), ImageDecoder(16))
     idx = [0, 17, 99, 150, 199]
     assert torch.equal(a.load(idx).images, b.load(idx).images)
+
+
+def test_the_unshuffled_sampler_is_the_sequential_order_lightning_keeps() -> None:
+    """Lightning keeps only a ``SequentialSampler`` under ``overfit_batches``: the unshuffled sampler is one, and each
+    rank reads ``DistributedSampler(shuffle=False)``'s part, as Lightning's own sampler for a plain loader gives it.
+    Its state names the unshuffled order: a shuffled sampler resumes it with the layout warning, never silently."""
+    from torch.utils.data import DistributedSampler, SequentialSampler
+
+    from lightning_accel.data.dataset import SequentialOrderSampler
+
+    ds: Any = list(range(21))
+    assert list(SequentialOrderSampler(ds)) == list(range(21))
+    for rank in range(2):
+        s = SequentialOrderSampler(ds, 2, rank, batch_size=4)
+        assert isinstance(s, SequentialSampler) and isinstance(s, EpochOrderSampler) and s.data_source is ds
+        s.set_epoch(3)
+        assert list(s) == list(DistributedSampler(ds, 2, rank, shuffle=False)) and len(s) == 11
+    s = SequentialOrderSampler(ds, batch_size=4)
+    s.advance(8)
+    assert s.state_dict()["shuffle"] == 0 and "shuffle" not in EpochOrderSampler(ds, batch_size=4).layout()
+    with pytest.warns(UserWarning, match="resumes at the same fraction"):
+        EpochOrderSampler(ds, batch_size=4).load_state_dict(s.state_dict())
+    again = SequentialOrderSampler(ds, batch_size=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again.load_state_dict(s.state_dict())
+    assert list(again) == list(range(8, 21))
+    other_seed = SequentialOrderSampler(ds, seed=5, batch_size=4)
+    other_seed.load_state_dict(s.state_dict())  # the order does not depend on the seed: resumed, not refused
+    assert list(other_seed) == list(range(8, 21))

@@ -166,3 +166,45 @@ def test_a_resumed_run_that_reloads_its_loaders_every_epoch_reads_the_later_epoc
         fit(_trainer(ckpt, _Kill(at_step=15), enable_checkpointing=True, **reload), None)
     second = fit(_trainer(**reload), next((tmp_path / "ckpt").glob("*step=13.ckpt")))
     assert second.seen == full.seen[13:] and len(second.seen) == 17  # 7 batches of epoch 1, then epoch 2 whole
+
+
+# ---- overfit_batches: no shuffling warning, and a mid-epoch resume ---------------------------------------------------
+def test_overfit_batches_does_not_report_the_unshuffled_loaders_as_shuffling(
+    small_digits: Path, tmp_path: Path
+) -> None:
+    """Lightning warns that a loader shuffles when its sampler is not a ``SequentialSampler``: the cached loaders of an
+    overfit fit read their fixed first batches (as it would make them) and are not reported."""
+    import warnings
+
+    model, dm = _Seen(), _dm(small_digits, tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _trainer(max_epochs=2, overfit_batches=2, limit_val_batches=1.0).fit(model, datamodule=dm)
+    said = [str(w.message) for w in caught if "requested to overfit" in str(w.message)]
+    assert said == []
+    train, val = _plain_loaders(small_digits, tmp_path)
+    first = [b[1].tolist() for b in DataLoader(train.dataset, batch_size=16, collate_fn=collate_batch)][:2]
+    assert [s for _, s in model.seen] == first * 2  # the first 2 batches in order, every epoch
+    assert model.val_seen == [b[1].tolist() for b in val][:2] * 2
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_a_resume_mid_epoch_under_overfit_batches_takes_the_uninterrupted_batches(
+    small_digits: Path, tmp_path: Path, num_workers: int
+) -> None:
+    """A checkpoint 2 batches into an epoch of 4 overfit batches: the resumed epoch takes batches 3 and 4, then the
+    next epoch its 4 again, as the uninterrupted fit does (the position saved is that of the order actually read)."""
+
+    def fit(trainer: L.Trainer, ckpt: Path | None) -> _Seen:
+        trainer.fit(model := _Seen(), datamodule=_dm(small_digits, tmp_path, num_workers=num_workers), ckpt_path=ckpt)
+        return model
+
+    overfit = {"max_epochs": 2, "overfit_batches": 4}
+    full = fit(_trainer(**overfit), None)
+    assert len(full.seen) == 8 and [s for _, s in full.seen[:4]] == [s for _, s in full.seen[4:]]
+    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    with pytest.raises(RuntimeError, match="killed"):
+        fit(_trainer(ckpt, _Kill(at_step=3), enable_checkpointing=True, **overfit), None)
+    trainer = _trainer(**overfit)
+    resumed = fit(trainer, next((tmp_path / "ckpt").glob("*step=2.ckpt")))
+    assert resumed.seen == full.seen[2:] and trainer.global_step == 8

@@ -79,6 +79,7 @@ class _TrainOrder(L.Callback):
         self.orders: list[list[int]] = []
         self.sampler = ""
         self.warm: list[bool] = []
+        self.val_orders: list[list[int]] = []
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         loader: Any = trainer.train_dataloader
@@ -87,6 +88,10 @@ class _TrainOrder(L.Callback):
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.warm.append(bool(getattr(trainer.train_dataloader, "is_warm", False)))
+
+    def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        loader: Any = trainer.val_dataloaders
+        self.val_orders.append([i for b in index_sampler(loader) for i in b][:16])
 
 
 class _FloatModel(ImageClassifier):
@@ -101,7 +106,9 @@ class _FloatModel(ImageClassifier):
         return x.float() / 255, y
 
 
-def _overfit_rank(rank: int, world: int, origin: str, tmp: str, plain: bool) -> tuple[list[list[int]], list[bool]]:
+def _overfit_rank(
+    rank: int, world: int, origin: str, tmp: str, plain: bool
+) -> tuple[list[list[int]], list[bool], list[list[int]]]:
     from torch.utils.data import DataLoader
 
     from lightning_accel.data.dataset import collate_batch
@@ -119,24 +126,27 @@ def _overfit_rank(rank: int, world: int, origin: str, tmp: str, plain: bool) -> 
         trainer.fit(_FloatModel(), train_dataloaders=train, val_dataloaders=val)
     else:
         trainer.fit(_model(), datamodule=dm)
-    return order.orders, order.warm
+    return order.orders, order.warm, order.val_orders
 
 
 def test_overfit_batches_under_ddp_reads_each_rank_its_own_samples_and_goes_warm(
     small_digits: Path, tmp_path: Path
 ) -> None:
-    """Lightning puts a ``SequentialSampler`` in the training loader for ``overfit_batches`` and, under DDP, a
-    ``DistributedSampler`` over it: each rank takes its own fixed 2 batches, with the cached loader as with a plain
-    ``DataLoader``. The cached loader goes warm once those are cached: its warm check looks at that sampler's order
-    (over the whole training split, 32 of 100 samples read, it stayed cold for good)."""
+    """Lightning puts a ``SequentialSampler`` in a plain loader for ``overfit_batches`` and, under DDP, a
+    ``DistributedSampler`` over it: each rank takes its own fixed 2 batches of each split. The cached loaders (whose
+    unshuffled samplers Lightning keeps) read the same, and the training one goes warm once those are cached: its warm
+    check looks at the pass's order (over the whole training split, 32 of 100 samples read, it stayed cold for good)."""
     from tests.helpers import run_in_processes
 
     args = (str(small_digits), str(tmp_path / "plain"), True)
     plain = run_in_processes(_overfit_rank, 2, args, init_process_group=False, timeout=240)
     args = (str(small_digits), str(tmp_path / "cached"), False)
     cached = run_in_processes(_overfit_rank, 2, args, init_process_group=False, timeout=240)
-    ((p0, p0_again, _), _), ((p1, _, _), _) = plain
+    ((p0, p0_again, _), _, pv0), ((p1, _, _), _, pv1) = plain
     assert p0 == p0_again and not set(p0) & set(p1)  # Lightning: fixed batches, each rank its own samples
-    ((c0, c0_again, _), warm0), ((c1, _, _), warm1) = cached
+    ((c0, c0_again, _), warm0, cv0), ((c1, _, _), warm1, cv1) = cached
     assert (c0, c1) == (p0, p1) and c0_again == c0
     assert warm0 == warm1 == [False, True, True]
+    # validation too: each rank its own part of the split, unshuffled, with the cached loader as with a plain one
+    assert len(pv0) == 3 and pv0[0] and not set(pv0[0]) & set(pv1[0])
+    assert (cv0, cv1) == (pv0, pv1)
