@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Callable
 from typing import Any
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "is_global_zero",
     "local_rank",
     "node_rank",
+    "raise_if_any_rank_failed",
     "rebuild_error",
     "world_size",
 ]
@@ -108,3 +110,44 @@ def rebuild_error(described: ErrorDescription, where: str = "") -> Exception:
     except Exception:  # noqa: BLE001 - not importable or not built from its args: the fallback below says it all
         pass
     return RuntimeError(f"{where}{qualname}: {message}")
+
+
+def raise_if_any_rank_failed(
+    error: BaseException | None,
+    what: Callable[[int, str], str],
+    *,
+    device: Any = "cpu",
+    group: Any = None,
+) -> None:
+    """Learn from every rank of ``group`` whether a step that may fail on some ranks only succeeded there (``error``:
+    this rank's failure, None if it succeeded), and raise on every rank when one failed: nothing where it happened
+    (the caller re-raises its own error), elsewhere a ``RuntimeError`` in one line, ``what(failed_rank, more)``
+    (the first failing rank's global rank; ``more``: how many other ranks failed, or "") followed by that rank's
+    error.
+
+    Without it a rank that raised alone leaves the others in their next collective until the process group's timeout.
+    Collective: one one-integer ``all_reduce`` (MAX) over ``group`` (default: the world) on ``device`` (this rank's:
+    NCCL reduces CUDA tensors only), every rank failed or not; the failures' texts travel (``all_gather_object``)
+    only when there is one. Nothing without an initialised process group of 2 ranks or more.
+    """
+    if not distributed_ready():
+        return
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_world_size(group) < 2:
+        return
+    flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if not int(flag.item()):
+        return
+    from lightning_accel._utils.errors import one_line
+
+    mine = None if error is None else f"{type(error).__name__}: {one_line(error)}"
+    every: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, (dist.get_rank(), mine), group=group)
+    failed = [(rank, text) for rank, text in every if text is not None]
+    if error is None and failed:
+        first, text = failed[0]
+        more = f" (and {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""
+        raise RuntimeError(f"{what(first, more)}: {text}")

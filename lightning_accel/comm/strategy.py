@@ -70,7 +70,7 @@ from lightning_accel._utils.compat import (
 from lightning_accel._utils.deferred import Deferred, resolves_deferred
 from lightning_accel._utils.errors import one_line
 from lightning_accel._utils.patching import active_patch, patch
-from lightning_accel._utils.rank import distributed_ready
+from lightning_accel._utils.rank import distributed_ready, raise_if_any_rank_failed
 from lightning_accel._utils.triton import triton_available
 from lightning_accel.comm.config import (
     RENAMED,
@@ -157,36 +157,6 @@ def _ddp_kwargs(
 
 #: the barrier ``Trainer.save_checkpoint`` ends with
 SAVE_BARRIER = "Trainer.save_checkpoint"
-
-
-def _raise_if_any_rank_failed(
-    error: BaseException | None,
-    group: dist.ProcessGroup | None,
-    device: torch.device,
-    rank: int,
-    what: Callable[[int, str], str],
-) -> None:
-    """Learn from every rank of ``group`` whether a step that may fail on some ranks only succeeded there (``error``:
-    this rank's failure, None if it succeeded), and raise on every rank when one failed: nothing where it happened
-    (the caller re-raises its own error), elsewhere a :class:`RuntimeError` in one line, ``what(failed_rank, more)``
-    (``more``: how many other ranks failed, or "") followed by that rank's error.
-
-    Without it a rank that raised alone leaves the others in their next collective until the process group's timeout.
-    Collective: one one-integer ``all_reduce`` (MAX) over ``group`` (on ``device``, this rank's device), every rank
-    failed or not; the failures' texts travel (``all_gather_object``) only when there is one. ``rank`` is this rank's
-    global rank, the one named to the others."""
-    flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    if not int(flag.item()):
-        return
-    mine = None if error is None else f"{type(error).__name__}: {one_line(error)}"
-    every: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, (rank, mine), group=group)
-    failed = [(r, text) for r, text in every if text is not None]
-    if error is None and failed:
-        first, text = failed[0]
-        more = f" (and {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""
-        raise RuntimeError(f"{what(first, more)}: {text}")
 
 
 def _with_extras(gathered: Deferred, extras: dict[str, Any]) -> dict[str, Any]:
@@ -1083,15 +1053,14 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
         """Learn from every rank of ``group`` whether it got its error state ready for the checkpoint's gather
         (``error``: this rank's failure, None if it did), and raise on every rank when one failed: its own error where
         it happened (the caller re-raises it), elsewhere one line naming the rank and its error (a collective:
-        :func:`_raise_if_any_rank_failed`)."""
-        _raise_if_any_rank_failed(
+        :func:`~lightning_accel._utils.rank.raise_if_any_rank_failed`)."""
+        raise_if_any_rank_failed(
             error,
-            group,
-            self.root_device,
-            self.global_rank,
             lambda rank, more: (
                 f"ddp_1bit: rank {rank} could not prepare its error state for the checkpoint{more}, so no rank saves it"
             ),
+            device=self.root_device,
+            group=group,
         )
 
     def _leftover_grads(self, state: comm.OneBitState) -> dict[str, torch.Tensor] | None:
@@ -1535,9 +1504,9 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
         overwrote them with rank 0's).
 
         Each rank checks its own part, and the ranks then agree (one small collective:
-        :func:`_raise_if_any_rank_failed`) before any of them restores anything: a part unusable on some ranks only
-        (another layout, a missing entry) fails the resume on every rank, instead of leaving the others in their first
-        collective of the fit until the process group's timeout.
+        :func:`~lightning_accel._utils.rank.raise_if_any_rank_failed`) before any of them restores anything: a part
+        unusable on some ranks only (another layout, a missing entry) fails the resume on every rank, instead of
+        leaving the others in their first collective of the fit until the process group's timeout.
 
         Raises:
             ValueError: the checkpoint holds the state of another number of ranks, or this rank's part is of another
@@ -1573,15 +1542,13 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
             )
             failure.__cause__ = err
         if self.world_size > 1 and distributed_ready():
-            _raise_if_any_rank_failed(
+            raise_if_any_rank_failed(
                 failure,
-                None,
-                self.root_device,
-                self.global_rank,
                 lambda rank, more: (
                     f"diloco: rank {rank} could not restore its local-steps state from `ckpt_path` "
                     f"{source!r}{more}, so no rank resumes"
                 ),
+                device=self.root_device,
             )
         if failure is not None:
             raise failure
@@ -1622,15 +1589,13 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
         if self.world_size > 1 and distributed_ready():
             # each rank loads its own optimizer states: one that cannot (its part of another shape, or missing) must
             # not leave the others in the fit's first collective until the process group's timeout
-            _raise_if_any_rank_failed(
+            raise_if_any_rank_failed(
                 failure,
-                None,
-                self.root_device,
-                self.global_rank,
                 lambda rank, more: (
                     f"diloco: rank {rank} could not restore its optimizer state from `ckpt_path` "
                     f"{source!r}{more}, so no rank resumes"
                 ),
+                device=self.root_device,
             )
         if failure is not None:
             raise failure

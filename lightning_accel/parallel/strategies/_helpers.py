@@ -36,7 +36,6 @@ __all__ = [
     "named_optimizer_state",
     "optimizers_to_device",
     "precision_name",
-    "raise_if_any_rank_failed",
     "raw_optimizer",
 ]
 
@@ -241,29 +240,6 @@ def named_optimizer_state(state: Mapping[str, Any], group_names: Sequence[Sequen
         "state": {name[k]: v for k, v in per_param.items() if k in name},
         "param_groups": [dict(g, params=[name[p] for p in g["params"]]) for g in groups],
     }
-
-
-def raise_if_any_rank_failed(error: BaseException | None, failed: str) -> None:
-    """Learn from every rank whether its part of a step succeeded (``error``: this rank's failure, None if it did) and
-    raise on every rank when one failed: its own error where it happened (the caller re-raises it), elsewhere a
-    ``RuntimeError`` of one line, ``failed`` (its ``{rank}`` replaced by the first failing rank) and that rank's error.
-
-    Collective: one ``all_gather_object`` over the world, which every rank must reach, failed or not (nothing without
-    an initialised process group of 2 ranks or more). Call it before a collective that a rank failing earlier would
-    leave the others waiting in until the process group's timeout (30 minutes by default).
-    """
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
-        return
-    mine = None if error is None else f"{type(error).__name__}: {one_line(error)}"
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    failures = [(r, text) for r, text in enumerate(every) if text is not None]
-    if error is None and failures:
-        rank, text = failures[0]
-        more = f" (and {len(failures) - 1} more rank(s))" if len(failures) > 1 else ""
-        raise RuntimeError(f"{failed.replace('{rank}', str(rank))}{more}, so no rank can: {text}")
 
 
 def optimizers_to_device(optimizers: Sequence[Any], device: torch.device) -> None:

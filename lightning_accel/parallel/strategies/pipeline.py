@@ -22,6 +22,7 @@ from typing_extensions import override
 from lightning_accel._utils.checks import check_choice, check_int
 from lightning_accel._utils.errors import one_line
 from lightning_accel._utils.patching import Patch, patch
+from lightning_accel._utils.rank import raise_if_any_rank_failed
 from lightning_accel.parallel.estimate import default_microbatches
 from lightning_accel.parallel.pipeline import (
     PipelineLayout,
@@ -374,20 +375,16 @@ class PipelineStrategy(_EvaluationBufferSync, DDPStrategy):
     def _agree(self, module: pl.LightningModule, error: BaseException | None) -> None:
         """Learn from every rank whether its setup got to the split (``error``: this rank's failure, None if it did);
         raise on every rank when one failed: its own error there (the caller re-raises it), elsewhere one line naming
-        the rank and its error. One ``all_gather_object`` over the world, reached on every rank."""
-        if not torch.distributed.is_available() or not torch.distributed.is_initialized() or self.world_size < 2:
-            return
-        mine = None if error is None else f"{type(error).__name__}: {one_line(error)}"
-        every: list[Any] = [None] * self.world_size
-        torch.distributed.all_gather_object(every, mine)
-        failed = [(r, text) for r, text in enumerate(every) if text is not None]
-        if error is None and failed:
-            r, text = failed[0]
-            others = f" (and {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""
-            raise RuntimeError(
-                f"PipelineStrategy: rank {r} could not split `{type(module).__name__}` into pipeline stages{others}, "
-                f"so no rank can: {text}"
-            )
+        the rank and its error. A collective reached on every rank
+        (:func:`~lightning_accel._utils.rank.raise_if_any_rank_failed`)."""
+        raise_if_any_rank_failed(
+            error,
+            lambda rank, more: (
+                f"PipelineStrategy: rank {rank} could not split `{type(module).__name__}` into "
+                f"pipeline stages{more}, so no rank can"
+            ),
+            device=self.root_device,
+        )
 
     def _plan(self, module: pl.LightningModule, fitting: bool) -> tuple[list[torch.nn.Module], PipelineLayout]:
         """The pieces of ``module`` and their split into stages (no collective, the module unchanged); every stage

@@ -18,6 +18,7 @@ from typing_extensions import override
 from lightning_accel._utils import compat
 from lightning_accel._utils.checks import check_bool, check_choice, check_int, renamed_argument
 from lightning_accel._utils.patching import Patch, patch
+from lightning_accel._utils.rank import raise_if_any_rank_failed
 from lightning_accel.parallel.plans import (
     apply_tensor_parallel,
     check_plan_styles,
@@ -43,7 +44,6 @@ from lightning_accel.parallel.strategies._helpers import (
     optimizers_to_device,
     own_predictions,
     precision_name,
-    raise_if_any_rank_failed,
     raw_optimizer,
 )
 
@@ -345,9 +345,15 @@ class ShardedStrategy(_EvaluationBufferSync, ModelParallelStrategy):
 
     def _raise_if_any_rank_failed(self, error: BaseException | None) -> None:
         """Raise on every rank when applying the plan failed on one (see
-        :func:`~lightning_accel.parallel.strategies._helpers.raise_if_any_rank_failed`). Collective."""
+        :func:`~lightning_accel._utils.rank.raise_if_any_rank_failed`). Collective."""
         name = type(self.lightning_module).__name__ if self.lightning_module is not None else "the model"
-        raise_if_any_rank_failed(error, f"ShardedStrategy: rank {{rank}} could not apply its parallel plan to `{name}`")
+        raise_if_any_rank_failed(
+            error,
+            lambda rank, more: (
+                f"ShardedStrategy: rank {rank} could not apply its parallel plan to `{name}`{more}, so no rank can"
+            ),
+            device=self.root_device,
+        )
 
     def apply_plan(self, module: torch.nn.Module) -> dict[str, Any]:
         """Tensor parallel on the ``"tensor_parallel"`` mesh dimension, then FSDP2 on ``"data_parallel"``.
@@ -483,15 +489,18 @@ class ShardedStrategy(_EvaluationBufferSync, ModelParallelStrategy):
         )
 
         assert self.model is not None and self.lightning_module is not None
+
         # loading the state into the shards is collective: a rank that cannot read the file (a node-local path, a
         # file not yet visible on another node) would leave the others there until the process group's timeout
-        failed = f"ShardedStrategy: rank {{rank}} could not read the checkpoint `{path}`"
+        def failed(rank: int, more: str) -> str:
+            return f"ShardedStrategy: rank {rank} could not read the checkpoint `{path}`{more}, so no rank can"
+
         try:
             checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
         except Exception as e:
-            raise_if_any_rank_failed(e, failed)
+            raise_if_any_rank_failed(e, failed, device=self.root_device)
             raise
-        raise_if_any_rank_failed(None, failed)
+        raise_if_any_rank_failed(None, failed, device=self.root_device)
         strict = self.lightning_module.strict_loading
         set_model_state_dict(
             self.model,
