@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_accel.data import CachedDataModule
 from lightning_accel.data.dataset import collate_batch
 from lightning_accel.models import ImageClassifier
+from tests.data.test_resume_integration import _dm, _Kill
 
 
 class _Seen(ImageClassifier):
@@ -40,20 +40,6 @@ class _Plain(_Seen):
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         x, y = batch
         return x.float() / 255, y
-
-
-class _Kill(L.Callback):
-    def __init__(self, at_step: int) -> None:
-        self.at_step = at_step
-
-    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        if trainer.global_step == self.at_step:
-            raise RuntimeError("killed")
-
-
-def _dm(origin: Path, tmp: Path, **kw: Any) -> CachedDataModule:
-    kw = {"image_size": 16, "batch_size": 16, "num_workers": 0, "val_fraction": 0.2, **kw}
-    return CachedDataModule(str(origin), cache_dir=str(tmp / "cache"), ram_dir=str(tmp / "ram"), ram_bytes="4MiB", **kw)
 
 
 def _trainer(*callbacks: L.Callback, **kw: Any) -> L.Trainer:
