@@ -8,7 +8,9 @@
    module of a room's adapter package ``strategies/``, ``callbacks/``, ``plugins/``), the public namespaces
    (``callbacks/``, ``strategies/``, the package ``__init__``), the demo (``datasets/``, ``models/``) and the compat
    module import Lightning; every other module of a room is plain torch.
-3. The rooms never import the demo.
+3. The rooms never import the demo, and a room imports no other room, with the two exceptions ``docs/architecture.md``
+   states: ``precision/`` builds on ``ops/`` (the kernels its surgery installs), and any room may load a checkpoint
+   through ``lightning_accel.checkpoint.read_checkpoint``.
 4. Methods are replaced on live objects only through ``lightning_accel/_utils/patching.py``: elsewhere no attribute is
    assigned a lambda, a function of the enclosing scope or a bound method, no ``__class__`` is assigned, and no
    ``# type: ignore[method-assign]`` is needed.
@@ -33,6 +35,13 @@ FRAMEWORKS = ("torch", "lightning", "pytorch_lightning", "lightning_fabric")
 LIGHTNING = ("lightning", "pytorch_lightning", "lightning_fabric")
 ROOMS = ("data", "precision", "comm", "checkpoint", "perf", "ops", "parallel", "recipes")
 DEMO = ("lightning_accel.datasets", "lightning_accel.models")
+#: the arrows between rooms that ``docs/architecture.md`` states: room -> rooms it may import whole
+ROOM_ARROWS = {"precision": frozenset({"ops"})}
+#: what any room may import from another: the one checkpoint loader (a delta manifest or a ``torch.save`` file, loaded
+#: ``weights_only``-safe), from the room's namespace or the module that defines it
+SHARED_ENTRY_POINTS = frozenset(
+    {("lightning_accel.checkpoint", "read_checkpoint"), ("lightning_accel.checkpoint.reader", "read_checkpoint")}
+)
 ADAPTER_FILES = {"datamodule.py", "strategy.py", "plugin.py", "callbacks.py", "cli.py"}
 LIGHTNING_FOLDERS = {"callbacks", "strategies", "datasets", "models", "tune"}
 LIGHTNING_TOP_FILES = {Path("__init__.py"), Path("cli.py"), COMPAT}
@@ -403,6 +412,60 @@ def test_rooms_do_not_import_the_demo() -> None:
         "The rooms must not depend on the demo (lightning_accel.datasets / lightning_accel.models); move what they "
         "need into the room or _utils:\n  " + "\n  ".join(found)
     )
+
+
+def cross_room_imports(modules: Iterable[tuple[Path, ast.Module]]) -> list[str]:
+    """Every import by a room of another room (or of the package's top level, which imports every room) that is not
+    a stated arrow (:data:`ROOM_ARROWS`) or a shared entry point (:data:`SHARED_ENTRY_POINTS`)."""
+    found = []
+    for rel, tree in modules:
+        room = rel.parts[0]
+        if room not in ROOMS:
+            continue
+        for line, module, name in _imports(rel, tree):
+            parts = module.split(".")
+            if parts[0] != "lightning_accel":
+                continue
+            target = parts[1] if len(parts) > 1 else None
+            if target is None and name in ROOMS:  # `from lightning_accel import ops`
+                target, module, name = name, f"lightning_accel.{name}", None
+            if target == room or target == "_utils":
+                continue
+            if target in ROOM_ARROWS.get(room, frozenset()) or (module, name) in SHARED_ENTRY_POINTS:
+                continue
+            full = f"{module}.{name}" if name else module
+            found.append(f"{rel}:{line}: the `{room}` room imports `{full}`")
+    return found
+
+
+def test_rooms_do_not_import_each_other() -> None:
+    found = cross_room_imports(_modules())
+    assert not found, (
+        "A room imports no other room (docs/architecture.md, 'Rooms are islands'); move what both need into "
+        "_utils, or state the arrow there and in ROOM_ARROWS:\n  " + "\n  ".join(found)
+    )
+
+
+@pytest.mark.parametrize(
+    ("source", "name", "refused"),
+    [
+        ("from lightning_accel.checkpoint.store import DeltaStore\n", "recipes/x.py", True),
+        ("from lightning_accel.checkpoint import read_checkpoint\n", "recipes/x.py", False),
+        ("from lightning_accel.checkpoint.reader import read_checkpoint\n", "data/x.py", False),
+        ("from lightning_accel import data\n", "comm/x.py", True),
+        ("from lightning_accel import CachedDataModule\n", "comm/x.py", True),
+        ("import lightning_accel.perf.timers\n", "data/x.py", True),
+        ("from ..comm import packing\n", "data/sub/x.py", False),  # lightning_accel.data.comm: its own sub-package
+        ("from ...comm import packing\n", "data/sub/x.py", True),
+        ("from lightning_accel.ops.norm.function import layer_norm\n", "precision/x.py", False),
+        ("from lightning_accel.ops.norm.function import layer_norm\n", "recipes/x.py", True),
+        ("from lightning_accel._utils.fs import open_store\n", "data/x.py", False),
+        ("from lightning_accel.data import cache\n", "data/x.py", False),
+        ("from lightning_accel.data import CachedDataModule\n", "tune/x.py", False),  # not a room: a composer
+    ],
+)
+def test_cross_room_rule(source: str, name: str, refused: bool) -> None:
+    assert bool(cross_room_imports([_snippet(source, name)])) is refused
 
 
 def _snippet(source: str, name: str = "x.py") -> tuple[Path, ast.Module]:
