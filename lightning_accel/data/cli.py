@@ -13,7 +13,7 @@ JSON summary (removed and kept tiers, bytes freed). A RAM tier is a directory ca
 when it creates one; nothing else is ever removed. A ``DIR`` that holds anything besides tiers is refused (exit 2)
 unless ``--tier`` names the tiers to remove, and so is a ``--tier`` naming anything but a tier (exit 2); a ``DIR`` that
 does not exist, or a ``--tier`` that is not there (under the default root too), is an error that removes nothing (exit
-1, as a missing SOURCE of ``pack``).
+1, as a missing SOURCE of ``pack``), and so is a ``--tier`` that a running process has open (its pid is named).
 """
 
 from __future__ import annotations
@@ -125,6 +125,27 @@ def _check_clean_target(root: str, explicit: bool, tiers: list[str] | None) -> N
         )
 
 
+def _named_tiers_in_use(root: str, names: list[str] | None) -> str | None:
+    """The refusal, in one line, when a tier named by ``--tier`` is open in a running process, else None.
+
+    A tier the user names is expected to go: keeping it silently (exit 0) read as done while the job still holds the
+    RAM. Refused before anything is removed, the other named tiers included, so a rerun after the job ends does it all.
+    """
+    if not names:
+        return None
+    busy = [t for t in find_tiers(root) if os.path.basename(t.path) in names and t.in_use]
+    if not busy:
+        return None
+    first = busy[0]
+    known = [p for p in first.pids if p > 0]
+    by = f"pid {', '.join(map(str, known[:3]))}" if known else "a process whose pid this system does not show"
+    more = f" (and {len(busy) - 1} more named tier(s) in use)" if len(busy) > 1 else ""
+    return (
+        f"`--tier` {os.path.basename(first.path)!r} under {root!r} is in use by {by}, which has its LMDB files "
+        f"open{more}: nothing was removed. Stop that process first, or leave the tier out of `--tier`."
+    )
+
+
 def _clean(args: argparse.Namespace, prog: str) -> int:
     root = args.root if args.root is not None else ram_root()
     try:
@@ -136,6 +157,10 @@ def _clean(args: argparse.Namespace, prog: str) -> int:
     except ValueError as e:
         print(f"{prog}: error: {one_line(e)}", file=sys.stderr)
         return 2
+    busy = _named_tiers_in_use(root, args.tier)
+    if busy:
+        print(f"{prog}: error: {busy}", file=sys.stderr)
+        return 1
     removed = sweep(args.root, older_than_s=older or 0.0, dry_run=args.dry_run, only=args.tier)
     gone = {r.path for r in removed}
     kept = [t for t in find_tiers(root) if t.path not in gone]

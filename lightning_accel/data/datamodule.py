@@ -28,7 +28,7 @@ from typing_extensions import override
 from lightning_accel._utils.checks import check_bool, check_bytes, check_callable, check_choice, check_int, check_seed
 from lightning_accel._utils.fs import storage_endpoint
 from lightning_accel._utils.paths import safe_join
-from lightning_accel._utils.rank import node_rank
+from lightning_accel._utils.rank import distributed_ready, node_rank, raise_if_any_rank_failed
 from lightning_accel.data.augment import GpuAugment
 from lightning_accel.data.cache import MAX_PENDING, SampleCache
 from lightning_accel.data.dataset import (
@@ -573,6 +573,8 @@ class CachedDataModule(LightningDataModule):
         self._skipped_reported = 0  # this rank's decode_skipped already reported (see _report_skipped)
         # a `shuffle_window` left unused or covering the whole pack already reported (see _report_unused_window)
         self._window_reported = False
+        # prepare_data's failure under a multi-rank Trainer, raised in setup once every rank knows (see _in_lockstep)
+        self._prepare_error: Exception | None = None
 
     # ---- listing -------------------------------------------------------------------------------------------------
     def _store(self, url: str) -> ObjectStore:
@@ -714,14 +716,32 @@ class CachedDataModule(LightningDataModule):
             cache, indices, transform=self.transform, prefetch_batches=self.prefetch_batches, stats_lane=lane
         )
 
+    def _in_lockstep(self) -> bool:
+        """True when a Trainer of 2 ranks or more drives this module: its hooks then run in a process group, where a
+        rank that raises alone leaves the others waiting in Lightning's next barrier until the group's timeout."""
+        import torch.distributed as dist
+
+        return self.trainer is not None and distributed_ready() and dist.get_world_size() > 1
+
     @override
     def prepare_data(self) -> None:
-        """Once per node: sweep stale RAM tiers, list the origin(s), optionally warm the SSD tier."""
-        self._sweep_ram_tiers()
-        train, val = self._datasets(refresh=True)
-        if self.warm_on_prepare:
-            for name, ds in (("train", train), ("val", val)):
-                self._warm(ds, name)
+        """Once per node: sweep stale RAM tiers, list the origin(s), optionally warm the SSD tier.
+
+        Under a Trainer of several ranks a failure here (an origin this node cannot reach, or that holds no sample) is
+        raised by ``setup`` instead, on every rank at once: Lightning runs this hook on one rank per node only, and
+        the ranks that did not run it would otherwise wait for the failed one in ``setup``'s barrier.
+        """
+        self._prepare_error = None
+        try:
+            self._sweep_ram_tiers()
+            train, val = self._datasets(refresh=True)
+            if self.warm_on_prepare:
+                for name, ds in (("train", train), ("val", val)):
+                    self._warm(ds, name)
+        except Exception as e:
+            if not self._in_lockstep():
+                raise
+            self._prepare_error = e
 
     def _warm(self, ds: CachedDataset, name: str) -> None:
         if ds.cached_fraction() >= 1.0:
@@ -751,10 +771,33 @@ class CachedDataModule(LightningDataModule):
 
     @override
     def setup(self, stage: str) -> None:
+        """Make the datasets (on every rank; the listing ``prepare_data`` saved is reused).
+
+        Under a Trainer of several ranks, a failure on any rank (here, or in that node's ``prepare_data``) raises on
+        every rank: the failed rank its own error, the others a ``RuntimeError`` naming that rank and its error. That
+        costs one collective (a one-integer all-reduce), reached by every rank whether it failed or not.
+        """
         if self.ram_dir is not None:
             touch(self.ram_dir)  # last use, for the sweep of stale tiers
-        if self.train_set is None:
-            self.train_set, self.val_set = self._datasets(refresh=False)
+        # A failed prepare_data is raised even when the datasets of an earlier fit are there: that fit's listing must
+        # not stand in for an origin that can no longer be listed.
+        error, self._prepare_error = self._prepare_error, None
+        if error is None and self.train_set is None:
+            try:
+                self.train_set, self.val_set = self._datasets(refresh=False)
+            except Exception as e:
+                if not self._in_lockstep():
+                    raise
+                error = e
+        if self._in_lockstep():
+            assert self.trainer is not None
+            raise_if_any_rank_failed(
+                error,
+                lambda rank, more: f"`CachedDataModule` could not set up its data on rank {rank}{more}",
+                device=self.trainer.strategy.root_device,
+            )
+        if error is not None:
+            raise error
 
     # ---- loaders -------------------------------------------------------------------------------------------------
     def _sharding(self) -> tuple[int, int]:

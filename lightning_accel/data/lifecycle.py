@@ -4,9 +4,11 @@ A RAM tier lives on tmpfs (``/dev/shm/lightning_accel/<tag>``, :func:`~lightning
 which survives the job but not a reboot, so without a sweep every ``cache_dir`` ever trained from keeps its RAM budget
 pinned until the machine restarts. A tier is **stale** when
 
-- no process maps it: LMDB memory-maps ``data.mdb`` and ``lock.mdb`` in every process that has the environment open
-  (main process, DataLoader workers, every rank of the node), so a tier absent from every ``/proc/<pid>/maps`` is not
-  in use (on a system without ``/proc``, every tier counts as in use and nothing is removed), and
+- no process has it open: LMDB memory-maps ``data.mdb`` and ``lock.mdb`` in every process that has the environment
+  open (main process, DataLoader workers, every rank of the node) and holds a lock on ``lock.mdb`` there, so a tier
+  absent from every ``/proc/<pid>/maps`` and whose ``lock.mdb`` nobody locks is not in use (the lock speaks for the
+  processes whose maps cannot be read: another user's, or another PID namespace's sharing ``/dev/shm``; on a system
+  without ``/proc``, every tier counts as in use and nothing is removed), and
 - its last use is older than the TTL: :func:`touch` marks a tier used (``CachedDataModule`` does at setup) and every
   write updates the files' mtimes, so "last use" is the newest mtime of the directory and its files.
 
@@ -14,8 +16,9 @@ pinned until the machine restarts. A tier is **stale** when
 ``lightning-accel data clean`` runs it by hand). Only directories that carry the tier marker
 (:data:`~lightning_accel.data.tiers.TIER_MARKER`, written when the package creates a RAM tier) and that the calling
 user owns are considered, and removing one deletes only the files a tier creates (``data.mdb``, ``lock.mdb``, the
-marker) and then the directory if that left it empty: anything else found inside stays, and so does every other entry
-under the root.
+marker) and then the directory if that left it empty, holding LMDB's lock exclusively meanwhile (a process that has
+the tier open keeps it, even one that opened it after the check): anything else found inside stays, and so does every
+other entry under the root.
 """
 
 from __future__ import annotations
@@ -25,13 +28,15 @@ import dataclasses
 import os
 import re
 import stat
+import struct
+import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from lightning_accel._utils.checks import check_number
-from lightning_accel.data.tiers import LMDB_FILES, TIER_MARKER, read_marker
+from lightning_accel.data.tiers import _ENVS, LMDB_FILES, TIER_MARKER, read_marker
 
 __all__ = ["TierInfo", "find_tiers", "other_entries", "parse_duration", "ram_root", "remove_tier", "sweep", "touch"]
 
@@ -72,8 +77,9 @@ def touch(path: str) -> None:
 
 @dataclass
 class TierInfo:
-    """One RAM tier directory: its path, bytes on tmpfs, newest mtime, the pids that map it, and its marker's note
-    (what it caches, e.g. the data module's ``cache_dir``; None for a tier made without one)."""
+    """One RAM tier directory: its path, bytes on tmpfs, newest mtime, the pids that have it open (-1: a process whose
+    pid this system does not show, or no ``/proc`` to tell), and its marker's note (what it caches, e.g. the data
+    module's ``cache_dir``; None for a tier made without one)."""
 
     path: str
     bytes: int
@@ -109,6 +115,67 @@ def _mapped_dirs() -> dict[str, set[int]] | None:
         except OSError:  # gone meanwhile, or another user's process
             continue
     return out
+
+
+# struct flock on Linux: l_type, l_whence (short), l_start, l_len (off_t), l_pid (pid_t), native alignment
+_FLOCK = "hhqqi"
+_LOCK_FILE = "lock.mdb"
+
+
+def _open_here(path: str) -> bool:
+    """True when this process has the LMDB environment at ``path`` open (closing a descriptor of its ``lock.mdb`` would
+    drop the lock LMDB holds on it for this process)."""
+    return os.path.realpath(path) in _ENVS.get()
+
+
+def _lock_holder(path: str) -> int | None:
+    """The pid of a process holding LMDB's lock on the ``lock.mdb`` in ``path`` (-1 when the kernel does not name it: a
+    process of another PID namespace), or None when no process holds one (or there is no lock file).
+
+    LMDB takes this lock in every process that opens the environment and keeps it until the environment is closed (or
+    the process exits), so it tells what ``/proc/<pid>/maps`` cannot: a process whose maps this user cannot read.
+    Never called on an environment this process has open (see :func:`_open_here`).
+    """
+    if sys.platform != "linux":  # the layout of `struct flock` above is Linux's
+        return None
+    import fcntl
+
+    try:
+        fd = os.open(os.path.join(path, _LOCK_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        got = fcntl.fcntl(fd, fcntl.F_GETLK, struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0))
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    kind, _, _, _, pid = struct.unpack(_FLOCK, got)
+    if kind == fcntl.F_UNLCK:
+        return None
+    return pid if pid > 0 else -1
+
+
+@contextlib.contextmanager
+def _locked_out(path: str) -> Iterator[bool]:
+    """Hold LMDB's lock on the ``lock.mdb`` in ``path`` exclusively for the block (no process can open the environment
+    meanwhile); yields False, holding nothing, when a process has it open. True when there is no lock file."""
+    import fcntl
+
+    try:
+        fd = os.open(os.path.join(path, _LOCK_FILE), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        yield True
+        return
+    try:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # EAGAIN/EACCES: a process holds LMDB's lock
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _scan(path: str) -> tuple[int, float]:
@@ -162,13 +229,17 @@ def _own_bytes(path: str) -> int:
 def remove_tier(path: str) -> bool:
     """Delete what a tier created in ``path`` (its LMDB files and marker), then the directory if that emptied it.
 
-    Returns False, removing nothing, when ``path`` carries no marker. Any other file inside stays (and keeps the
-    directory)."""
-    if os.path.islink(path) or read_marker(path) is None:
+    Returns False, removing nothing, when ``path`` carries no marker or a process has the tier open (this one, or one
+    holding LMDB's lock on its ``lock.mdb``: that lock is held exclusively while the files go, so no process opens the
+    tier halfway through). Any other file inside stays (and keeps the directory)."""
+    if os.path.islink(path) or read_marker(path) is None or _open_here(path):
         return False
-    for name in (*LMDB_FILES, TIER_MARKER):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(path, name))
+    with _locked_out(path) as free:
+        if not free:
+            return False
+        for name in (*LMDB_FILES, TIER_MARKER):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(path, name))
     with contextlib.suppress(OSError):  # not empty: files the tier did not create stay, with their directory
         os.rmdir(path)
     return True
@@ -197,6 +268,8 @@ def find_tiers(root: str | None = None) -> list[TierInfo]:
             pids = [-1]  # no /proc: cannot tell, treat as in use
         else:
             pids = sorted({p for d, ps in mapped.items() if d == real or d.startswith(real + os.sep) for p in ps})
+            if not pids and not _open_here(real) and (holder := _lock_holder(e.path)) is not None:
+                pids = [holder]  # open in a process whose maps cannot be read here
         note = marker.get("note")
         out.append(TierInfo(e.path, size, newest, pids, note if isinstance(note, str) else None))
     return out

@@ -299,6 +299,7 @@ def pack_origin(
         FileExistsError: ``dest`` already holds a pack and ``overwrite`` is False; or ``dest`` holds a file that no
             pack wrote (e.g. an ImageFolder tree, or a user's ``shards/000000.bin``), or an index that cannot be
             read; or ``dest`` is a file.
+        NotADirectoryError: a local ``dest`` lies under a file (checked before any sample is read).
         TypeError: ``shard_bytes``, ``max_concurrency`` or ``shuffle_seed`` is not an integer, ``overwrite`` not a
             bool, ``progress`` not callable, or a storage options argument is not a dict with string keys.
         ValueError: ``shard_bytes`` outside 1 to 4 GiB (a shard is built in memory), ``max_concurrency`` outside 1
@@ -451,6 +452,17 @@ def _claim_dest(dst: ObjectStore, overwrite: bool) -> tuple[bool, set[str], list
         FileExistsError: one line naming ``dst`` and the fix (see :func:`pack_origin`).
     """
     fs, root = dst.fs, dst.root
+    if dst.is_local:
+        # A file on the way (`run.log/pack`): found before any sample is read, not as the first shard's bare
+        # NotADirectoryError after the whole source was fetched.
+        above = os.path.dirname(os.path.abspath(root))
+        while not os.path.lexists(above) and os.path.dirname(above) != above:
+            above = os.path.dirname(above)
+        if not os.path.isdir(above):
+            raise NotADirectoryError(
+                f"`dest` {dst.url!r} lies under {above!r}, which is a file, not a folder. Choose a destination whose "
+                "parent folders are folders (or do not exist yet)."
+            )
     if fs.isfile(root):
         raise FileExistsError(
             f"`dest` {dst.url!r} is a file; pack_origin writes a folder (prefix) of shards and an index. Choose a "
