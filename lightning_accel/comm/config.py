@@ -78,7 +78,8 @@ class OneBitConfig:
         compression: whether to compress after warm-up: ``"auto"`` (measure fp32 against compressed averaging at
             the end of warm-up and keep the faster, :mod:`~lightning_accel.comm.auto`), ``"1bit"`` (always) or
             ``"fp32"`` (never: plain DDP).
-        recheck_every: with ``compression="auto"``, measure again every this many steps after warm-up (0: never).
+        recheck_every: with ``compression="auto"``, measure again every this many steps after warm-up (0: never);
+            refused with another ``compression``, where it would change nothing.
         group_numel: the momentum path compresses parameters in groups of about this many elements (model order);
             communication of one group overlaps the compression of the next.
 
@@ -99,7 +100,13 @@ class OneBitConfig:
     variance_refresh: int = 8
 
     def __post_init__(self) -> None:
-        if self.warmup_steps != "auto":
+        if not (type(self.warmup_steps) is str and self.warmup_steps == "auto"):
+            if type(self.warmup_steps) is str:  # a typo of "auto", or a number written as a string
+                raise TypeError(
+                    f"`warmup_steps` must be an integer >= 2 or 'auto', got {self.warmup_steps!r} (str). Use 'auto' "
+                    "(the warm-up ends when it has served its purpose) or an integer, e.g. `warmup_steps=10`."
+                )
+            # a numpy string "auto" too: refused with the numpy hint, as every numpy scalar is
             check_int(
                 "warmup_steps",
                 self.warmup_steps,
@@ -133,6 +140,13 @@ class OneBitConfig:
             fix="Use 'auto' to measure which is faster at the end of warm-up.",
         )
         check_int("recheck_every", self.recheck_every, low=0, fix="Use 0 to decide once.")
+        if self.recheck_every and self.compression != "auto":
+            # only "auto" measures; kept, the argument would change nothing (a run meant to re-measure never would)
+            raise ValueError(
+                f"`recheck_every={self.recheck_every}` has no effect with `compression={self.compression!r}`: only "
+                "`compression='auto'` measures fp32 against 1-bit and tries the other mode again. Use "
+                "`compression='auto'`, or drop `recheck_every`."
+            )
         check_int("group_numel", self.group_numel, low=8, fix="Use e.g. `1 << 22`.")
         check_int("variance_refresh", self.variance_refresh, low=0, fix="Use 0 to keep the variance frozen.")
 

@@ -545,14 +545,18 @@ class LocalSteps:
         }
 
     def check_state(self, state: dict[str, Any]) -> None:
-        """Refuse a :meth:`state_dict` of another layout, before anything is loaded: call it before restoring any
-        part of a checkpoint saved with it (:meth:`load_local_flats` too), so a refused resume overwrites nothing.
-        The verdict and its message depend only on what every rank shares (the layout, the world size, the config):
-        every rank refuses alike, with the same line.
+        """Refuse a :meth:`state_dict` of another layout, or one whose tensors and counters :meth:`load_state_dict`
+        could not load, before anything is loaded: call it before restoring any part of a checkpoint saved with it
+        (:meth:`load_local_flats` too), so a refused resume overwrites nothing. The layout's verdict and its message
+        depend only on what every rank shares (the layout, the world size, the config): every rank refuses alike,
+        with the same line. A damaged part (a fragment's momentum, error feedback or exchange in flight of another
+        shape or missing, a counter that is not an integer) may be one rank's alone: a caller restoring every rank's
+        own part agrees with the other ranks on the verdict before loading.
 
         Raises:
             ValueError: the state was made for another world size, parameter split (``fragments``, or other
-                trainable parameters) or compression, or by another version.
+                trainable parameters) or compression, or by another version; or a tensor or counter of it is
+                missing or of another shape (naming the fragment and the entry).
         """
         if state.get("format") != _FORMAT:
             raise ValueError(f"local-steps state of format {state.get('format')!r}; this version reads {_FORMAT}.")
@@ -574,13 +578,49 @@ class LocalSteps:
                 f"({my_numels}) and {self.config.compression!r}. Resume with the same `fragments`, `compression`, "
                 "trainable parameters and number of processes."
             )
+        # this rank's own tensors and counters: loaded only after every check, so a damaged part (a rank's alone) is
+        # refused here, before any copy, and never halfway through the load (or in the exchange it issues again)
+        for key in ("step", "bytes_sent", "syncs"):
+            value = state.get(key)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(
+                    f"the checkpoint's local-steps `{key}` is {value!r}, expected an integer: the checkpoint is "
+                    "incomplete or corrupt. Resume from another checkpoint."
+                )
+        for f, saved in zip(self.fragments, state["fragments"], strict=True):
+            expected = {"momentum": f.momentum}
+            if f.errors is not None:
+                expected.update(worker_error=f.errors.worker_error, server_error=f.errors.server_error)
+            sent_at = saved.get("sent_at")
+            if saved.get("sent") is not None or sent_at is not None:  # an exchange in flight: its input and its step
+                expected["sent"] = f.outer
+                if isinstance(sent_at, bool) or not isinstance(sent_at, int):
+                    raise ValueError(
+                        f"fragment {f.index}'s `sent_at` in the checkpoint's local-steps state is {sent_at!r}, "
+                        "expected the integer step of its exchange in flight: the checkpoint is incomplete or "
+                        "corrupt. Resume from another checkpoint."
+                    )
+            for name, want in expected.items():
+                theirs = saved.get(name)
+                if not isinstance(theirs, torch.Tensor):
+                    found = "no tensor" if theirs is None else f"a {type(theirs).__name__}"
+                elif theirs.shape != want.shape:
+                    found = f"a tensor of shape {list(theirs.shape)}"
+                else:
+                    continue
+                raise ValueError(
+                    f"fragment {f.index}'s `{name}` in the checkpoint's local-steps state holds {found}, expected a "
+                    f"tensor of shape {list(want.shape)}: the checkpoint is incomplete or corrupt. Resume from "
+                    "another checkpoint."
+                )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Adopt a :meth:`state_dict` of the same layout (same parameters, fragments and world size) and issue again
         the exchanges that were in flight (a collective: call it on every rank at the same point).
 
         Raises:
-            ValueError: the state was made for another layout (:meth:`check_state`); nothing is loaded then.
+            ValueError: the state was made for another layout, or a tensor or counter of it is missing or of another
+                shape (:meth:`check_state`); nothing is loaded then.
         """
         self.check_state(state)
         self.step_count = int(state["step"])

@@ -59,7 +59,7 @@ from torch.optim import SGD, Optimizer
 from typing_extensions import override
 
 import lightning_accel.comm as comm
-from lightning_accel._utils.checks import check_bool, check_choice, check_int
+from lightning_accel._utils.checks import check_bool, check_choice, check_int, check_number
 from lightning_accel._utils.clocks import CudaEventClock, HostClock
 from lightning_accel._utils.compat import (
     PathType,
@@ -152,7 +152,42 @@ def _ddp_kwargs(
             f"({', '.join(own)}), DDPStrategy's, or DistributedDataParallel's: {', '.join(sorted(_DDP_KWARGS))}. "
             "Check the spelling."
         )
+    for name, value in kwargs.items():
+        if name in _DDP_FLAGS and not (value is None and _DDP_PARAMS[name] is None):
+            # DistributedDataParallel reads these as truthy: "no" or "false" from a config would turn them on
+            check_bool(
+                name, value, fix=f"Pass True or False (DistributedDataParallel's default: {_DDP_PARAMS[name]!r})."
+            )
+    if kwargs.get("bucket_cap_mb") is not None:
+        # DDP multiplies it by 1024 * 1024 when it wraps the model: a string would fail only then, after the launch
+        check_number(
+            "bucket_cap_mb", kwargs["bucket_cap_mb"], low=0.0, allow_none=True, fix="DDP's default is 25 (MB)."
+        )
     return {k: v for k, v in kwargs.items() if not _same(v, _DDP_PARAMS[k])}
+
+
+#: DistributedDataParallel's on/off options (None, where it is their default, leaves DDP's own choice)
+_DDP_FLAGS = frozenset(
+    k for k, v in _DDP_PARAMS.items() if isinstance(v, bool) or k in ("broadcast_buffers", "forward_sync_buffers")
+)
+_START_METHODS = ("popen", "spawn", "fork", "forkserver")
+
+
+def _check_ddp_arguments(timeout: Any, start_method: Any, process_group_backend: Any) -> None:
+    """Refuse DDPStrategy's own arguments of the wrong type now, in one line: Lightning keeps them as given, and torch
+    refuses them only when the processes have started and the process group is made."""
+    if timeout is not None and not isinstance(timeout, timedelta):
+        raise TypeError(
+            f"`timeout` must be a datetime.timedelta or None, got {timeout!r} ({type(timeout).__name__}). Use e.g. "
+            "`timeout=datetime.timedelta(minutes=30)` (torch's default)."
+        )
+    check_choice("start_method", start_method, _START_METHODS, fix="Use 'popen' (Lightning's default).")
+    if process_group_backend is not None and not isinstance(process_group_backend, str):
+        raise TypeError(
+            f"`process_group_backend` must be a string or None, got {process_group_backend!r} "
+            f"({type(process_group_backend).__name__}). Use 'nccl' (CUDA), 'gloo' (CPU), or None to let Lightning "
+            "choose."
+        )
 
 
 #: the barrier ``Trainer.save_checkpoint`` ends with
@@ -264,7 +299,8 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
         compression: whether to compress: ``"auto"`` (at the end of warm-up, time a few real steps with 1-bit
             averaging against the fp32 steps before them and keep the faster; logged with both figures), ``"1bit"``
             (always compress) or ``"fp32"`` (plain DDP).
-        recheck_every: with ``compression="auto"``, try the other mode again every this many steps (0: once).
+        recheck_every: with ``compression="auto"``, try the other mode again every this many steps (0: once);
+            refused with another ``compression``.
         group_numel: the momentum path compresses in groups of about this many elements (pipelined).
         variance_refresh: Adam/AdamW: steps after the freeze at which one fp32 step (an exact Adam step whose variance
             catches up) refreshes the frozen variance; the intervals then double (``R, 3R, 7R, ...`` steps into the
@@ -301,11 +337,14 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
     (:attr:`onebit_config`).
 
     Raises:
-        TypeError: a hyper-parameter of the wrong type.
+        TypeError: a hyper-parameter of the wrong type, a DDP on/off option that is not a bool, a ``bucket_cap_mb``
+            that is not a number, a ``timeout`` that is not a ``timedelta`` or a ``process_group_backend`` that is
+            not a string.
         ValueError: a bad hyper-parameter, an unknown keyword, a deprecated name beside its new one, a competing
             ``ddp_comm_hook``, a DDP option that averages parameters outside the 1-bit hook
             (``delay_all_reduce_named_params``, ``param_to_hook_all_reduce``), ``overlap=True`` with
-            ``find_unused_parameters=True``, or ``processes_per_node`` with ``hierarchical=False``.
+            ``find_unused_parameters=True``, ``processes_per_node`` with ``hierarchical=False``, or
+            ``recheck_every`` with a ``compression`` other than ``"auto"``.
         RuntimeError: ``compressor_backend="triton"`` without the ``triton`` package (here), or on a device it cannot
             run on (when the fit sets up: CPU tensors without ``TRITON_INTERPRET=1``).
     """
@@ -349,6 +388,7 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
             own=(*config_fields(), "overlap", "hierarchical", "processes_per_node", "log_stats"),
             why="the strategy installs its own 1-bit comm hook",
         )
+        _check_ddp_arguments(timeout, start_method, process_group_backend)
         given = {name: arguments[name] for name in (*config_fields(), *RENAMED)}
         # validated now (clear errors at construction); the state is built once the process group exists
         self._config = OneBitConfig(**resolve_renamed(given, defaults=_DEFAULTS))
@@ -1289,7 +1329,9 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
             them at the syncs instead).
 
     Raises:
-        TypeError: a hyper-parameter of the wrong type.
+        TypeError: a hyper-parameter of the wrong type, a DDP on/off option that is not a bool, a ``bucket_cap_mb``
+            that is not a number, a ``timeout`` that is not a ``timedelta`` or a ``process_group_backend`` that is
+            not a string.
         ValueError: a bad hyper-parameter, an unknown keyword, a competing ``ddp_comm_hook``, a DDP option that
             averages parameters outside the local steps (``delay_all_reduce_named_params``,
             ``param_to_hook_all_reduce``), or a DDP ``process_group`` / ``device_mesh`` (the local steps average over
@@ -1333,6 +1375,7 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
                 for name in ("process_group", "device_mesh")
             },
         )
+        _check_ddp_arguments(timeout, start_method, process_group_backend)
         if "broadcast_buffers" not in kwargs and "forward_sync_buffers" in _DDP_KWARGS:
             kwargs.setdefault("forward_sync_buffers", False)  # no per-forward collective; the buffers are averaged
         elif "forward_sync_buffers" not in _DDP_KWARGS:
@@ -1717,20 +1760,73 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         payload = checkpoint.get(LOCALSTEPS_CHECKPOINT_KEY)
         if payload is not None:
+            ranks = payload.get("ranks") if isinstance(payload, Mapping) else None
+            if not isinstance(ranks, (list, tuple)):
+                # every rank reads the same file: every rank refuses alike here, with no collective
+                if not isinstance(payload, Mapping):
+                    found = f"is a {type(payload).__name__}, expected a mapping"
+                else:
+                    held = "no `ranks`" if ranks is None else f"`ranks` of type {type(ranks).__name__}"
+                    found = f"holds {held}, expected a list of the ranks' parts"
+                raise ValueError(
+                    f"`ckpt_path` {str(checkpoint_path)!r}: its local-steps state ({LOCALSTEPS_CHECKPOINT_KEY!r}) "
+                    f"{found}: the checkpoint is incomplete or corrupt. Resume from another checkpoint (or load the "
+                    "weights alone with a fresh strategy)."
+                )
             self._loaded_from = str(checkpoint_path)  # named by the restores' messages (optimizer states: later)
-            ranks = payload["ranks"]
             key = type(self.precision_plugin).__qualname__
-            own = ranks[self.global_rank] if len(ranks) == self.world_size else None
-            # a part that is not a mapping is refused with the other checks, on every rank together (_restore_local)
-            if isinstance(own, Mapping) and own.get("precision") is not None and key in checkpoint:
-                # Lightning restores the precision plugin from the checkpoint this returns (rank 0's state): this
-                # rank's own instead
-                checkpoint[key] = own["precision"]
+            if key in checkpoint and len(ranks) == self.world_size:
+                own = ranks[self.global_rank]
+                # a part that is not a mapping is refused with the other checks, on every rank together
+                # (_restore_local)
+                mine = own.get("precision") if isinstance(own, Mapping) else None
+                if mine is not None:
+                    # Lightning restores the precision plugin from the checkpoint this returns (rank 0's state): this
+                    # rank's own instead
+                    checkpoint[key] = mine
+                # on every rank (the condition above reads what every rank reads): a collective
+                self._check_precision_state(checkpoint[key], str(checkpoint_path))
             if self._local is not None and self._local_live:  # set up in this fit: apply now
                 self._restore_local(payload, str(checkpoint_path))
             else:  # DDP broadcasts rank 0's parameters when it wraps the model: apply after that
                 self._loaded, self._loaded_from = payload, str(checkpoint_path)
         return checkpoint
+
+    def _check_precision_state(self, state: Any, source: str) -> None:
+        """Load this rank's own precision plugin state (its GradScaler's scale and counters) now, and agree with the
+        other ranks (one small collective) that every rank could, before Lightning restores it.
+
+        Lightning loads the precision plugin from the checkpoint :meth:`load_checkpoint` returns on every rank, then
+        meets the other ranks in the next collective of the resume: a rank whose own state cannot be loaded would
+        raise alone there and leave the others waiting until the process group's timeout. Lightning's own load that
+        follows loads the same state again (loading is idempotent).
+
+        Raises:
+            ValueError: this rank's state cannot be loaded into this fit's precision plugin (naming ``source``).
+            RuntimeError: another rank's could not (naming that rank and quoting its error).
+        """
+        plugin = self.precision_plugin
+        failure: Exception | None = None
+        try:
+            plugin.load_state_dict(state)
+        except Exception as err:
+            failure = ValueError(
+                f"`ckpt_path` {source!r}: rank {self.global_rank}'s {type(plugin).__name__} state cannot be loaded "
+                f"({type(err).__name__}: {one_line(err)}). Resume with the precision plugin the checkpoint was saved "
+                "with, or from another checkpoint."
+            )
+            failure.__cause__ = err
+        if self.world_size > 1 and distributed_ready():
+            raise_if_any_rank_failed(
+                failure,
+                lambda rank, more: (
+                    f"diloco: rank {rank} could not restore its precision plugin state from `ckpt_path` "
+                    f"{source!r}{more}, so no rank resumes"
+                ),
+                device=self.root_device,
+            )
+        if failure is not None:
+            raise failure
 
     @override
     def teardown(self) -> None:

@@ -141,6 +141,82 @@ def test_onebit_error_state_missing_a_ranks_rows_is_refused_on_every_rank(result
     assert [r["onebit"]["again"] for r in results] == ["", ""]
 
 
+# -- rank 1's own precision state and its outer momentum, unusable alone ------------------------------------------
+
+
+def _diloco_rank_parts(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """``diloco`` under a GradScaler (``16-mixed`` on CPU): each rank's loss scale is its own part of the checkpoint,
+    and so are its outer momentum and error feedback. Rank 1's precision state emptied, then its outer momentum of
+    another size (the outer parameters, which the layout check reads, left sound)."""
+    import lightning as L
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from lightning_accel.strategies import LocalStepsStrategy
+
+    torch.set_num_threads(1)
+
+    def fit(ckpt: str | None = None) -> L.Trainer:
+        trainer = L.Trainer(
+            strategy=LocalStepsStrategy(sync_every=2, timeout=TIMEOUT), accelerator="cpu", devices=2, max_steps=4,
+            plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))], logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        )  # fmt: skip
+        trainer.fit(_module_cls()(opt="sgdm"), _data(), ckpt_path=ckpt)
+        return trainer
+
+    good = f"{tmp}/parts.ckpt"
+    fit().save_checkpoint(good)
+
+    def no_scaler_state(ckpt: dict[str, Any]) -> None:
+        ckpt["lightning_accel_localsteps"]["ranks"][1]["precision"] = {}
+
+    def other_momentum(ckpt: dict[str, Any]) -> None:
+        frag = ckpt["lightning_accel_localsteps"]["ranks"][1]["outer"]["fragments"][0]
+        frag["momentum"] = torch.zeros(frag["momentum"].numel() + 8)
+
+    def no_errors(ckpt: dict[str, Any]) -> None:
+        ckpt["lightning_accel_localsteps"]["ranks"][1]["outer"]["fragments"][0]["worker_error"] = None
+
+    out: dict[str, Any] = {}
+    for name, edit in (("precision", no_scaler_state), ("momentum", other_momentum), ("errors", no_errors)):
+        path = f"{tmp}/parts-{name}.ckpt"
+        _tampered(rank, good, path, edit)
+        out[name] = _error(lambda p=path: fit(p))
+    out["again"] = _error(lambda: fit(good))
+    return out
+
+
+@pytest.fixture(scope="module")
+def part_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    tmp = str(tmp_path_factory.mktemp("restore_parts"))
+    return run_in_processes(_diloco_rank_parts, 2, (tmp,), init_process_group=False, timeout=300)
+
+
+def test_a_loss_scale_unusable_on_one_rank_fails_the_diloco_resume_on_every_rank(
+    part_results: list[dict[str, Any]],
+) -> None:
+    own, other = part_results[1]["precision"], part_results[0]["precision"]
+    _one_line_naming_rank_1(own, "ValueError: `ckpt_path` ")
+    assert "parts-precision.ckpt" in own and "rank 1's MixedPrecision state cannot be loaded" in own, own
+    _one_line_naming_rank_1(other, "RuntimeError: diloco: rank 1 could not restore its precision plugin state from ")
+    assert "parts-precision.ckpt" in other and "MixedPrecision" in other, other
+
+
+@pytest.mark.parametrize("part", ["momentum", "errors"])
+def test_an_outer_state_damaged_on_one_rank_fails_the_diloco_resume_on_every_rank(
+    part_results: list[dict[str, Any]], part: str
+) -> None:
+    own, other = part_results[1][part], part_results[0][part]
+    _one_line_naming_rank_1(own, "ValueError: `ckpt_path` ")
+    assert f"parts-{part}.ckpt" in own and "fragment 0" in own, own
+    _one_line_naming_rank_1(other, "RuntimeError: diloco: rank 1 could not restore its local-steps state from ")
+    assert f"parts-{part}.ckpt" in other and "fragment 0" in other, other
+
+
+def test_a_diloco_resume_under_a_grad_scaler_works_after_refused_ones(part_results: list[dict[str, Any]]) -> None:
+    assert [r["again"] for r in part_results] == ["", ""]
+
+
 # -- the checks themselves, in one process -------------------------------------------------------------------------
 
 
@@ -187,3 +263,52 @@ def test_an_incomplete_local_steps_part_is_refused_naming_the_checkpoint(one_pro
             {"format": 2, "ranks": [{"outer": local.state_dict(), "local": [torch.zeros(7)]}]}, "/c/b.ckpt"
         )
     assert torch.equal(param.detach(), torch.arange(8.0))  # refused before any copy
+
+
+def test_a_local_steps_state_with_a_damaged_tensor_or_counter_is_refused_before_loading(
+    one_process_group: None,
+) -> None:
+    """The layout matches, but a tensor or counter ``load_state_dict`` would fail on halfway is refused first, naming
+    the fragment and the entry; nothing is loaded."""
+    import copy
+
+    import torch.nn as nn
+
+    from lightning_accel.comm.localsteps import LocalSteps, LocalStepsConfig
+
+    param = nn.Parameter(torch.arange(8.0))
+    local = LocalSteps([param], LocalStepsConfig(sync_every=4, block_size=8))
+    sound = local.state_dict()
+    local.check_state(sound)
+
+    def damaged(edit: Any) -> dict[str, Any]:
+        state = copy.deepcopy(sound)
+        edit(state)
+        return state
+
+    frag0 = "fragment 0's "
+    cases = [
+        (lambda s: s["fragments"][0].update(momentum=torch.zeros(9)), frag0 + r"`momentum` .* holds a tensor of shape"),
+        (lambda s: s["fragments"][0].update(server_error=None), frag0 + r"`server_error` .* holds no tensor"),
+        (lambda s: s["fragments"][0].update(sent=torch.zeros(1)), frag0 + r"`sent_at` .* is None"),
+        (lambda s: s.update(step="4"), r"the checkpoint's local-steps `step` is '4', expected an integer"),
+    ]
+    for edit, match in cases:
+        with pytest.raises(ValueError, match=f"^{match}") as info:
+            local.load_state_dict(damaged(edit))
+        assert "\n" not in str(info.value) and "incomplete or corrupt" in str(info.value)
+    assert local.step_count == 0 and torch.equal(param.detach(), torch.arange(8.0))
+
+
+@pytest.mark.parametrize("payload", [[1, 2], {"format": 2}, {"format": 2, "ranks": "x"}])
+def test_a_local_steps_payload_without_its_ranks_parts_is_refused_naming_the_checkpoint(
+    tmp_path: Any, payload: Any
+) -> None:
+    """Read alike by every rank: refused on each in one line, instead of a bare ``KeyError`` / ``TypeError``."""
+    from lightning_accel.comm import LocalStepsStrategy
+
+    path = str(tmp_path / "broken.ckpt")
+    torch.save({"state_dict": {}, "lightning_accel_localsteps": payload}, path)
+    with pytest.raises(ValueError, match=r"^`ckpt_path` '.*broken\.ckpt': its local-steps state") as info:
+        LocalStepsStrategy().load_checkpoint(path)
+    assert "\n" not in str(info.value) and "incomplete or corrupt" in str(info.value)

@@ -68,3 +68,79 @@ def test_processes_per_node_without_hierarchical_averaging_is_refused() -> None:
     for hierarchical in ("auto", True):  # used there (a one-node job with `True` is refused when the fit sets up)
         OneBitDDPStrategy(hierarchical=hierarchical, processes_per_node=4)
     OneBitDDPStrategy(hierarchical=False)  # LightningCLI passes the default None: not an error
+
+
+@pytest.mark.parametrize("cls_index", [0, 1])
+@pytest.mark.parametrize(
+    ("kwargs", "error", "expected"),
+    [
+        # a string or an int would be truthy for DDP (and for the strategy's own overlap checks): "no" meant True
+        ({"find_unused_parameters": "no"}, TypeError, "True or False, got 'no' (str)"),
+        ({"static_graph": 1}, TypeError, "True or False, got 1 (int)"),
+        ({"gradient_as_bucket_view": "true"}, TypeError, "True or False, got 'true' (str)"),
+        ({"broadcast_buffers": 1}, TypeError, "True or False, got 1 (int)"),
+        # DDP multiplies it by 1024 * 1024 (a string would be repeated a million times, then fail to convert)
+        ({"bucket_cap_mb": "25"}, TypeError, "a number >= 0 or None, got '25' (str)"),
+        ({"bucket_cap_mb": -1}, ValueError, "a number >= 0 or None, got -1"),
+        ({"bucket_cap_mb": float("nan")}, ValueError, "a number >= 0 or None, got nan"),
+        # seconds given as a number: refused by torch only when the processes have started and the group is made
+        ({"timeout": 30}, TypeError, "`timeout` must be a datetime.timedelta or None, got 30 (int)"),
+        ({"start_method": "spwn"}, ValueError, "one of 'popen', 'spawn', 'fork', 'forkserver', got 'spwn'"),
+        ({"process_group_backend": 3}, TypeError, "`process_group_backend` must be a string or None, got 3 (int)"),
+    ],
+)
+def test_ddp_arguments_of_the_wrong_type_are_refused_at_construction(
+    cls_index: int, kwargs: dict, error: type, expected: str
+) -> None:
+    cls = _strategies()[cls_index]
+    (name,) = kwargs
+    with pytest.raises(error) as info:
+        cls(**kwargs)
+    msg = str(info.value)
+    assert msg.startswith(f"`{name}` must be ") and expected in msg and "\n" not in msg, msg
+
+
+@pytest.mark.parametrize("cls_index", [0, 1])
+def test_ddp_arguments_of_the_right_type_pass(cls_index: int) -> None:
+    from datetime import timedelta
+
+    cls = _strategies()[cls_index]
+    st = cls(
+        find_unused_parameters=False, broadcast_buffers=None, bucket_cap_mb=0.5, timeout=timedelta(seconds=60),
+        start_method="spawn", process_group_backend="gloo",
+    )  # fmt: skip
+    assert st._timeout == timedelta(seconds=60) and st._process_group_backend == "gloo"
+    cls(timeout=None, bucket_cap_mb=None)
+
+
+@pytest.mark.parametrize("value", ["Auto", "", "10"])
+def test_a_warmup_steps_string_other_than_auto_names_both_accepted_forms(value: str) -> None:
+    from lightning_accel.strategies import OneBitDDPStrategy
+
+    with pytest.raises(TypeError, match=r"^`warmup_steps` must be an integer >= 2 or 'auto', got ") as info:
+        OneBitDDPStrategy(warmup_steps=value)
+    assert repr(value) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_numpy_auto_warmup_is_refused_like_any_numpy_value() -> None:
+    import numpy as np
+
+    from lightning_accel.strategies import OneBitDDPStrategy
+
+    with pytest.raises(TypeError, match=r"^`warmup_steps` must be .*Pass a Python value"):
+        OneBitDDPStrategy(warmup_steps=np.str_("auto"))
+
+
+@pytest.mark.parametrize("compression", ["1bit", "fp32"])
+def test_recheck_every_without_auto_compression_is_refused(compression: str) -> None:
+    """Only ``compression="auto"`` measures again: kept, ``recheck_every`` would change nothing."""
+    from lightning_accel.comm import OneBitConfig
+    from lightning_accel.strategies import OneBitDDPStrategy
+
+    with pytest.raises(ValueError, match=r"^`recheck_every=5` has no effect with `compression=") as info:
+        OneBitDDPStrategy(compression=compression, recheck_every=5)
+    assert "\n" not in str(info.value) and "compression='auto'" in str(info.value)
+    with pytest.raises(ValueError, match=r"^`recheck_every=5` has no effect"):
+        OneBitConfig(compression=compression, recheck_every=5)
+    OneBitDDPStrategy(compression=compression, recheck_every=0)  # the default: not an error
+    OneBitDDPStrategy(compression="auto", recheck_every=5)
