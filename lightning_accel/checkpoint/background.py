@@ -682,6 +682,11 @@ class BackgroundWriter:
         """Counters of this process's writer."""
         return self._jobs.get().stats
 
+    @property
+    def holding_errors(self) -> bool:
+        """Whether a caller of this process is inside :meth:`errors_held` now."""
+        return self._jobs.get().held > 0
+
     def take_error(self) -> CheckpointSaveError | None:
         """The first failure not reported yet (``on_error="raise"``), now counted as reported (no later call raises
         it); None when there is none."""

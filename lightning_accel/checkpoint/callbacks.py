@@ -5,7 +5,8 @@ Lightning's ``ModelCheckpoint`` opens its ``dirpath`` with ``get_filesystem(dirp
 an S3 endpoint or credentials given only to ``DeltaCheckpointIO(storage_options=...)`` its ``setup`` and its search
 for ``last`` checkpoints fail (``NoCredentialsError``); only ``AWS_ENDPOINT_URL`` / ``AWS_ACCESS_KEY_ID`` in the
 environment reach it. :class:`DeltaModelCheckpoint` takes ``storage_options`` itself, or, when given none, uses those
-of the Trainer's ``DeltaCheckpointIO``: one set of options for saves, loads, removals, listings and existence checks.
+of the Trainer's ``DeltaCheckpointIO``: one set of options for saves, loads, removals, listings and existence checks
+(its own are refused at ``setup`` when they differ from the plugin's).
 
 ``Trainer.fit(ckpt_path="last")`` on an object store finds nothing in Lightning (its search drops the ``s3://`` of
 the listed paths and then looks on the local disk), so :func:`resolve_ckpt_path` resolves ``"last"`` for the
@@ -95,7 +96,7 @@ def attach_io(trainer: pl.Trainer) -> None:
         io.attach()
 
 
-#: the key of the patches that route a DeltaModelCheckpoint's saves and removals through its `_around_write`
+#: the key of the patches that route a checkpoint callback's saves and removals through :func:`route_write`
 _WRITES_KEY = "lightning_accel-delta-model-checkpoint-writes"
 
 
@@ -133,6 +134,40 @@ def raise_save_failure_on_every_rank(trainer: pl.Trainer) -> None:
     if message is None:
         raise CheckpointSaveError("An async checkpoint save failed on another rank; its error is raised there.")
     raise CheckpointSaveError(one_line(f"{message} (on global rank 0, which writes the checkpoints)"))
+
+
+def route_write(kind: str, trainer: pl.Trainer, write: Callable[[], None]) -> None:
+    """One save or removal of a ``ModelCheckpoint`` (``compat.wrap_model_checkpoint_writes``, installed at ``setup``
+    with an async ``DeltaCheckpointIO`` under more than one process).
+
+    A save, on every rank: first raise a failed async save on every rank at once
+    (:func:`raise_save_failure_on_every_rank`), then save with the plugin's failures held until the next save. A
+    removal (global rank zero): with a failure held for the next save, which raises it on every rank.
+
+    Why: with ``DeltaCheckpointIO(async_save=True)`` under DDP a failed save (a full disk) was raised by the next
+    save or removal on global rank zero alone, before the barrier that follows every save: the other ranks waited
+    there until rank zero's process was gone ("Connection closed by peer"), or for the whole process-group timeout
+    while it lived on.
+    """
+    io = _held_io(trainer)
+    if io is None:
+        write()
+        return
+    if kind == "save":
+        raise_save_failure_on_every_rank(trainer)
+    with io.save_errors_held():
+        write()
+
+
+def finish_saves_on_every_rank(trainer: pl.Trainer) -> None:
+    """Every rank, at the end of training: finish the saves still queued and raise a failure among them on every rank
+    (:func:`raise_save_failure_on_every_rank`), not by rank zero's ``teardown`` alone. Nothing is done (no
+    collective) where :func:`route_write` does nothing."""
+    io = _held_io(trainer)
+    if io is not None:
+        with io.save_errors_held():
+            io.wait()
+        raise_save_failure_on_every_rank(trainer)
 
 
 def trainer_storage_options(trainer: pl.Trainer) -> dict[str, Any] | None:
@@ -195,15 +230,30 @@ class CheckpointGuard(Callback):
        optimizers, which hold the same state: no collective.
     3. ``teardown``: a ``DeltaCheckpointIO`` inside Lightning's ``AsyncCheckpointIO`` is torn down (its directory's
        writer lock released), which the wrapper does not do (:func:`teardown_wrapped_io`).
+    4. With ``DeltaCheckpointIO(async_save=True)`` (``on_save_error="raise"``) under more than one process, the saves
+       and removals of every plain ``ModelCheckpoint`` (any checkpoint callback that is not a
+       :class:`DeltaModelCheckpoint`, which does this itself) are routed as a ``DeltaModelCheckpoint``'s
+       (:func:`route_write`, from ``setup`` to ``teardown``), and ``on_train_end`` finishes the queued saves: a failed
+       background save is raised on every rank together, not on global rank zero alone while the other ranks wait
+       in the barrier that follows each save.
 
     ``setup`` marks the start of a stage for the plugin (:func:`attach_io`).
 
     The ``lightning-accel`` CLI adds this callback by itself.
     """
 
+    def __init__(self) -> None:
+        super().__init__()
+        # the plain ModelCheckpoints' saves and removals routed through `route_write` (from `setup` to `teardown`)
+        self._write_patches: list[Patch] = []
+
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         attach_io(trainer)  # every rank: no collective
+        if _held_io(trainer) is not None and not self._write_patches:
+            for cb in trainer.checkpoint_callbacks:
+                if isinstance(cb, ModelCheckpoint) and not isinstance(cb, DeltaModelCheckpoint):
+                    self._write_patches += compat.wrap_model_checkpoint_writes(cb, route_write, key=_WRITES_KEY)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -242,8 +292,19 @@ class CheckpointGuard(Callback):
                     )
 
     @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Every rank, with plain ``ModelCheckpoint`` saves routed: finish the queued saves and raise a failure among
+        them on every rank (:func:`finish_saves_on_every_rank`)."""
+        if self._write_patches:
+            finish_saves_on_every_rank(trainer)
+
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Tear down a ``DeltaCheckpointIO`` wrapped by ``AsyncCheckpointIO`` (:func:`teardown_wrapped_io`)."""
+        """Restore the plain ``ModelCheckpoint`` writes routed at ``setup``, and tear down a ``DeltaCheckpointIO``
+        wrapped by ``AsyncCheckpointIO`` (:func:`teardown_wrapped_io`)."""
+        for p in self._write_patches:
+            p.restore()
+        self._write_patches = []
         teardown_wrapped_io(trainer)
 
 
@@ -268,7 +329,10 @@ class DeltaModelCheckpoint(ModelCheckpoint):
     Args:
         dirpath: as for ``ModelCheckpoint`` (e.g. ``"s3://bucket/run/ckpt"``).
         storage_options: fsspec options for ``dirpath`` (endpoint, credentials). ``None`` (default): the options of
-            the Trainer's ``DeltaCheckpointIO``, read in ``setup``, so they are written once, on the plugin.
+            the Trainer's ``DeltaCheckpointIO``, read in ``setup``, so they are written once, on the plugin. Given
+            with a ``DeltaCheckpointIO`` whose options differ, ``setup`` refuses them (the plugin's write the
+            checkpoints): give them to the plugin only. Without a ``DeltaCheckpointIO`` they list and check a
+            remote ``dirpath`` but never reach the saves (Lightning hands the ``CheckpointIO`` no options): warned.
         keep_orphans: keep the untracked checkpoints of a killed run (warn only; ``lightning-accel ckpt gc DIR``
             removes them later).
         **kwargs: the other ``ModelCheckpoint`` arguments.
@@ -278,6 +342,7 @@ class DeltaModelCheckpoint(ModelCheckpoint):
 
     Raises:
         TypeError: ``storage_options`` is not a dict, ``keep_orphans`` not a bool.
+        ValueError: at ``setup``, ``storage_options`` differ from those of the Trainer's ``DeltaCheckpointIO``.
     """
 
     def __init__(
@@ -311,9 +376,38 @@ class DeltaModelCheckpoint(ModelCheckpoint):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Reconcile the directory of a resumed fit (:meth:`reconcile`) on global rank zero, the rank that writes it;
+        under several processes a failure there (a store that cannot be listed, a damaged manifest) is raised on every
+        rank, the same type and line, before the first step.
+
+        Why: raised on rank zero alone, it left the other ranks waiting in the first step's collectives until the
+        process group failed ("Connection closed by peer") or timed out. One boolean collective on every rank of a
+        resumed fit (``ckpt_path`` set), a second carrying the error only after a failure; none otherwise.
+        """
         super().on_train_start(trainer, pl_module)
-        if trainer.is_global_zero:  # only rank zero writes the directory; no collective
+        if trainer.world_size == 1:
             self.reconcile(trainer)
+            return
+        if not trainer.ckpt_path:
+            return  # nothing to reconcile on any rank (the same on every rank): no collective
+        error: BaseException | None = None
+        described: ErrorDescription | None = None
+        if trainer.is_global_zero:
+            try:
+                self.reconcile(trainer)
+            except Exception as e:  # noqa: BLE001 - whatever it is, every rank must learn of it before it raises
+                error, described = e, describe_error(e)
+        if not trainer.strategy.reduce_boolean_decision(error is not None, all=False):
+            return
+        # Plain strings and numbers only: an exception object (or its class) may not unpickle on the other ranks.
+        described = trainer.strategy.broadcast(described, src=0)
+        if error is not None:
+            raise error
+        if described is None:
+            raise RuntimeError(
+                "Reconciling the checkpoint directory failed on global rank 0; its error is raised there."
+            )
+        raise rebuild_error(described, where="global rank 0, reconciling the checkpoint directory: ")
 
     def reconcile(self, trainer: pl.Trainer) -> list[str]:
         """Remove the delta checkpoints of ``dirpath`` that a killed run left and Lightning will never remove.
@@ -458,45 +552,46 @@ class DeltaModelCheckpoint(ModelCheckpoint):
         teardown_wrapped_io(trainer)  # the directory's writer lock, which `AsyncCheckpointIO` would keep
 
     def _around_write(self, kind: str, trainer: pl.Trainer, write: Callable[[], None]) -> None:
-        """Every save and removal of this callback (``compat.wrap_model_checkpoint_writes``, installed at ``setup``
-        with an async ``DeltaCheckpointIO`` under more than one process).
-
-        A save, on every rank: first raise a failed async save on every rank at once
-        (:func:`raise_save_failure_on_every_rank`), then save with the plugin's failures held until the next save. A
-        removal (global rank zero): with a failure held for the next save, which raises it on every rank.
-
-        Why: with ``DeltaCheckpointIO(async_save=True)`` under DDP a failed save (a full disk) was raised by the next
-        save or removal on global rank zero alone, before the barrier that follows every save: the other ranks
-        waited there until rank zero's process was gone ("Connection closed by peer"), or for the whole
-        process-group timeout while it lived on.
-        """
-        io = _held_io(trainer)
-        if io is None:
-            write()
-            return
-        if kind == "save":
-            raise_save_failure_on_every_rank(trainer)
-        with io.save_errors_held():
-            write()
+        """Every save and removal of this callback: :func:`route_write`."""
+        route_write(kind, trainer, write)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Every rank, after Lightning's: the saves still queued are finished and a failure among them is raised on
-        every rank, not by rank zero's ``teardown`` alone."""
+        every rank, not by rank zero's ``teardown`` alone (:func:`finish_saves_on_every_rank`)."""
         super().on_train_end(trainer, pl_module)
-        io = _held_io(trainer)
-        if io is not None:
-            with io.save_errors_held():
-                io.wait()
-            raise_save_failure_on_every_rank(trainer)
+        finish_saves_on_every_rank(trainer)
 
     def _options(self, trainer: pl.Trainer | None) -> dict[str, Any] | None:
         if self.storage_options is not None:
             return self.storage_options
         return trainer_storage_options(trainer) if trainer is not None else None
 
+    def _check_options_agree(self, trainer: pl.Trainer) -> None:
+        """Refuse ``storage_options`` that differ from the Trainer's ``DeltaCheckpointIO``'s (every rank, before
+        anything is listed or written; no collective: every rank has the same configuration).
+
+        Why: the plugin's options write, load and remove the checkpoints, this callback's list and check its
+        ``dirpath``; two different sets silently reached two endpoints or identities (a listing that found nothing
+        the plugin wrote, or saves without the credentials given here only).
+
+        Raises:
+            ValueError: both options differ, naming both with their secrets redacted.
+        """
+        io = delta_io(trainer)
+        if self.storage_options is None or io is None or self.storage_options == io.storage_options:
+            return
+        raise ValueError(
+            f"`DeltaModelCheckpoint(storage_options={_redacted(self.storage_options)!r})` differs from the "
+            f"plugin's `DeltaCheckpointIO(storage_options={_redacted(io.storage_options)!r})`: the plugin's write, "
+            "load and remove the checkpoints, the callback's list its `dirpath`, so they must be the same. Give them "
+            "once, to `DeltaCheckpointIO(storage_options=...)`, and leave `DeltaModelCheckpoint`'s out (it then "
+            "uses the plugin's)."
+        )
+
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._check_options_agree(trainer)
         # Lightning's `setup` re-creates its filesystem without options and then lists `dirpath` to warn when it is
         # not empty; that listing is what fails on a custom endpoint. It is skipped and done here, on the filesystem
         # with the options.
@@ -507,12 +602,36 @@ class DeltaModelCheckpoint(ModelCheckpoint):
             self._write_patches = compat.wrap_model_checkpoint_writes(self, self._around_write, key=_WRITES_KEY)
         options = self._options(trainer)
         dirpath = str(self.dirpath) if self.dirpath else ""
+        if self.storage_options and dirpath and not is_local_url(dirpath) and delta_io(trainer) is None:
+            io_name = type(trainer.strategy.checkpoint_io).__name__
+            # Lightning hands a checkpoint callback's saves to the CheckpointIO without options (and its
+            # `TorchCheckpointIO` refuses any): only a `DeltaCheckpointIO` carries options of its own to the saves.
+            rank_zero_warn(
+                f"`DeltaModelCheckpoint(storage_options=...)` list and check {dirpath}, but the Trainer's `{io_name}` "
+                "writes and removes the checkpoints there without them (Lightning passes a callback's options to no "
+                "CheckpointIO). Pass them to `DeltaCheckpointIO(storage_options=...)` in `plugins` instead, or give "
+                f"`{io_name}` the same endpoint and credentials (e.g. through the environment)."
+            )
         store = self._store = FileStore(options)
         if options and dirpath and not is_local_url(dirpath):
             compat.set_checkpoint_filesystem(self, store.filesystem(dirpath))
         listing = trainer.is_global_zero and stage == "fit" and self.save_top_k != 0 and dirpath
         if listing and store.isdir(dirpath) and store.list_files(dirpath):
             rank_zero_warn(f"Checkpoint directory {dirpath} exists and is not empty.")
+
+
+#: parts of an fsspec option's name that mark its value as a secret (s3fs `key`/`secret`/`token`, `password`, ...)
+_SECRET_NAME = re.compile(r"secret|key|token|passw|credential|auth|signature", re.IGNORECASE)
+
+
+def _redacted(options: Any) -> Any:
+    """``options`` with the value of every option whose name looks secret (:data:`_SECRET_NAME`) replaced by
+    ``"***"``, at any depth (``client_kwargs``), for an error message."""
+    if isinstance(options, dict):
+        return {k: "***" if isinstance(k, str) and _SECRET_NAME.search(k) else _redacted(v) for k, v in options.items()}
+    if isinstance(options, (list, tuple)):
+        return type(options)(_redacted(v) for v in options)
+    return options
 
 
 # A metric value as `format()` writes a number: sign, digits with `_`/`,` grouping, fraction, exponent, `%`; nan/inf.

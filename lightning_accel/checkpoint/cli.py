@@ -7,11 +7,11 @@
   plain ``torch.save`` file is verified by reading it safely (``weights_only=True``).
 - ``gc DIR [--dry-run] [--grace-s S] [--storage-options JSON]``: remove the delta checkpoints of ``DIR`` that the
   ``ModelCheckpoint`` state of its newest ``last*.ckpt`` does not track (a killed run's leftovers; only ``*.ckpt``
-  manifests this plugin wrote, never another file), then the blobs nothing references for ``S`` seconds (default: the
-  store's ``gc_grace_s``). Subdirectories of ``DIR`` with a blob store of their own (checkpoints saved by a
-  ``filename`` with a ``/``) are treated the same way; one left with nothing but the store's own files is removed.
-  ``--dry-run`` lists what would go and removes nothing. Takes the writer lock of each directory it collects: refused
-  while a run writes there. Prints one JSON object.
+  manifests this plugin wrote, never another file), then the blobs nothing references for ``S`` seconds (a finite
+  number >= 0; default: the store's ``gc_grace_s``). Subdirectories of ``DIR`` with a blob store of their own
+  (checkpoints saved by a ``filename`` with a ``/``) are treated the same way; one left with nothing but the store's
+  own files is removed. ``--dry-run`` lists what would go and removes nothing. Takes the writer lock of each directory
+  it collects: refused while a run writes there. Prints one JSON object.
 - ``export PATH OUT [--overwrite] [--storage-options JSON]``: write a plain ``torch.save`` checkpoint that
   ``torch.load`` and Lightning's ``TorchCheckpointIO`` open; an existing ``OUT`` is refused unless ``--overwrite``,
   and ``OUT`` = ``PATH`` always, as is an ``OUT`` that names no file (empty, or ending with ``/``).
@@ -26,6 +26,7 @@ import argparse
 import errno
 import io
 import json
+import math
 import os
 import pickle
 import posixpath
@@ -44,6 +45,7 @@ from lightning_accel.checkpoint.manifest import CheckpointCorruptError, NotADelt
 from lightning_accel.checkpoint.reader import read_checkpoint_with, resolve_last
 from lightning_accel.checkpoint.store import (
     BLOB_DIR,
+    GC_GRACE_S,
     DeltaStore,
     check_export_target,
     relative_to,
@@ -82,7 +84,10 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     g.add_argument("path", help="checkpoint directory (path or URL)")
     g.add_argument("--dry-run", action="store_true", help="list what would be removed; remove nothing")
     g.add_argument(
-        "--grace-s", type=float, default=None, help="keep unreferenced blobs this many seconds (default: 60; 0: now)"
+        "--grace-s",
+        type=float,
+        default=None,
+        help=f"keep unreferenced blobs this many seconds (default: {GC_GRACE_S:g}; 0: now)",
     )
     for s in (v, e, g):
         s.add_argument("--storage-options", default=None, help="fsspec options as JSON, e.g. '{\"anon\": true}'")
@@ -99,11 +104,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m lightning_accel.c
         return 2
     if args.command == "gc":
         grace = args.grace_s
-        if grace is not None and not grace >= 0:  # NaN fails too
+        # NaN fails `>= 0` too. An infinite grace period (the store's "never collect") is refused here: `gc` would
+        # remove the untracked checkpoints and then delete none of their blobs, which is never what `gc` is run for.
+        if grace is not None and not (grace >= 0 and math.isfinite(grace)):
             # Named as the user typed it; the store would name its own keyword (`gc_grace_s`).
             print(
-                f"{prog}: error: `--grace-s` must be a number of seconds >= 0, got {grace!r}. Use 0 to delete "
-                "unreferenced blobs at once, or leave it out for the default (60).",
+                f"{prog}: error: `--grace-s` must be a finite number of seconds >= 0, got {grace:g}. Use "
+                f"0 to delete unreferenced blobs at once, leave it out for the default ({GC_GRACE_S:g}), or pass "
+                "`--dry-run` to list what would go without removing anything.",
                 file=sys.stderr,
             )
             return 2

@@ -36,6 +36,7 @@ from lightning_accel._utils.compat import PathType, register_before_thread_shutd
 from lightning_accel._utils.deferred import Deferred, resolve_deferred
 from lightning_accel._utils.errors import one_line
 from lightning_accel._utils.forksafe import ForkSafeLock
+from lightning_accel._utils.rank import distributed_ready, world_size
 from lightning_accel.checkpoint.background import (
     BackgroundWriter,
     CheckpointSaveError,
@@ -144,7 +145,8 @@ class DeltaCheckpointIO(CheckpointIO):
             checks both copies and ``--repair`` rewrites a damaged one from the other.
         gc_grace_s: **Readers.** Seconds a blob that no checkpoint references any more stays on disk before garbage
             collection deletes it, so a reader that opened a manifest just before it was replaced or removed still
-            finds its blobs (readers take no lock). ``0``: delete at once.
+            finds its blobs (readers take no lock). ``0``: delete at once; ``float("inf")``: never (the blobs stay
+            until ``lightning-accel ckpt gc DIR`` collects them).
         inline_bytes: **Encoding.** Tensors smaller than this go into the skeleton blob instead of blobs of their own.
         zstd_level: zstd compression level.
         zstd_threads: zstd worker threads per blob (0: single-threaded; -1: one per core).
@@ -249,6 +251,8 @@ class DeltaCheckpointIO(CheckpointIO):
         # Fork-safe, and pickled as a fresh lock: `strategy="ddp_spawn"` pickles the Trainer with this plugin to start
         # each rank, and a plain `threading.Lock` made that launch fail ("cannot pickle '_thread.lock' object").
         self._stage_lock = ForkSafeLock()
+        # whether an async save under several processes outside the callbacks' routing was warned (`_warn_unrouted`)
+        self._warned_unrouted = False
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """A copy made by unpickling is a live plugin of its process too.
@@ -390,6 +394,7 @@ class DeltaCheckpointIO(CheckpointIO):
             )
         path_s = os.fspath(path)
         if self.async_save:
+            self._warn_unrouted(path_s)
             key = split_path(path_s)[1]  # one key per file however it is spelt: coalescing and `exists` compare it
             self._make_directory(key)
             # The snapshot copies every tensor into a buffer of its own and notes which of them shared a storage (tied
@@ -407,6 +412,35 @@ class DeltaCheckpointIO(CheckpointIO):
                 raise
             finally:
                 self._release_if_detached()
+
+    def _warn_unrouted(self, path: str) -> None:
+        """Warn once when an async save under more than one process is not requested through
+        ``DeltaModelCheckpoint`` or ``CheckpointGuard`` (its failures are not held for every rank to raise).
+
+        Why: only global rank zero saves; a failed background save raised by its next save there left the other
+        ranks waiting in the barrier that follows every save (gloo: "Connection closed by peer", NCCL: the
+        process-group timeout). The plugin sees only rank zero's side, so it cannot tell the others; the callbacks
+        raise the failure on every rank together.
+        """
+        if (
+            self._warned_unrouted
+            or self.on_save_error != "raise"
+            or self._writer.holding_errors
+            or not distributed_ready()
+            or world_size() < 2
+            or compat.is_launcher_weights_file(path)  # `ddp_spawn`'s hand-over file: rank zero alone, after the fit
+        ):
+            return
+        self._warned_unrouted = True
+        warnings.warn(
+            f"`DeltaCheckpointIO(async_save=True)` under {world_size()} processes saves {path!r} from a checkpoint "
+            "callback that is not a `DeltaModelCheckpoint` (a plain `ModelCheckpoint`, or `trainer.save_checkpoint` "
+            "during a stage): a failed background save will be raised on global rank 0 alone, and the other ranks "
+            "wait in their next collective until the process group times out. Use `DeltaModelCheckpoint` instead "
+            "of `ModelCheckpoint`, or add `CheckpointGuard()` to the callbacks (the `lightning-accel` CLI does).",
+            UserWarning,
+            stacklevel=3,
+        )
 
     def _make_directory(self, path: str) -> None:
         """Async mode: make the local directory of ``path`` (as :func:`split_path` names it) on the training thread,

@@ -255,7 +255,9 @@ class DeltaStore:
         storage_options: fsspec options for remote URLs (e.g. ``{"client_kwargs": {"endpoint_url": ...}}``).
         options: the encoding, chain and writing options (default: ``StoreOptions(**option_kwargs)``).
         gc_grace_s: garbage collection deletes a blob only after it has been unreferenced this long (seconds), so
-            readers that opened a manifest the writer then replaced or removed still find its blobs.
+            readers that opened a manifest the writer then replaced or removed still find its blobs. ``0``: delete at
+            once; ``float("inf")``: never (unreferenced blobs stay listed in ``.pending`` until a collection with a
+            finite grace period, e.g. ``lightning-accel ckpt gc DIR``, deletes them).
         **option_kwargs: :class:`StoreOptions` fields (``quantize``, ``delta_ref``, ``zstd_level``, ...), when
             ``options`` is not given.
 
@@ -284,7 +286,7 @@ class DeltaStore:
             gc_grace_s,
             low=0,
             fix=f"Default {GC_GRACE_S:g}: a reader that opened a manifest up to that long ago still finds its blobs; "
-            "0 deletes unreferenced blobs at once (no concurrent readers).",
+            "0 deletes unreferenced blobs at once (no concurrent readers); float('inf') never deletes them.",
         )
         if options is None:
             options = StoreOptions(**option_kwargs)
