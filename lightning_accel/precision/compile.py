@@ -1,4 +1,5 @@
-"""``torch.compile`` applied in place, with a fallback to eager (and one clear warning) when compilation fails.
+"""``torch.compile`` applied in place, with a fallback to eager (and one clear warning, on global rank 0) when
+compilation fails.
 
 ``nn.Module.compile()`` stores ``torch.compile(module._call_impl)`` in ``module._compiled_call_impl``, which
 ``nn.Module.__call__`` prefers; :func:`compile_in_place` stores a guarded version there instead, so the module object
@@ -7,6 +8,7 @@
 
 from __future__ import annotations
 
+import logging
 import warnings
 from typing import Any
 
@@ -15,8 +17,11 @@ from torch import nn
 
 from lightning_accel._utils import compat
 from lightning_accel._utils.errors import one_line
+from lightning_accel._utils.rank import is_global_zero
 
 __all__ = ["CompileFallback", "compile_in_place", "compile_errors"]
+
+_log = logging.getLogger(__name__)
 
 
 def compile_errors() -> tuple[type[BaseException], ...]:
@@ -53,13 +58,17 @@ class CompileFallback:
                     _restore_buffers(saved)
                 self.failed = e
                 first = one_line(e, first=True)[:300]
-                warnings.warn(
+                message = (
                     f"`torch.compile` failed for {self.name} ({type(e).__name__}: {first}); running it eagerly (the "
                     "fused ops still apply). Pass `compile=False` to silence this, or fix the cause above (a C++ "
-                    "compiler for inductor on CPU, a supported GPU for Triton on CUDA).",
-                    UserWarning,
-                    stacklevel=2,
+                    "compiler for inductor on CPU, a supported GPU for Triton on CUDA)."
                 )
+                # Every rank compiles the same module the same way and falls back alike: one line per job, not one
+                # per process (the other ranks log it, for a failure of their own).
+                if is_global_zero():
+                    warnings.warn(message, UserWarning, stacklevel=2)
+                else:
+                    _log.info(message)
         return self.eager(*args, **kwargs)
 
 

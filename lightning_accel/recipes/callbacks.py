@@ -997,9 +997,11 @@ class StructuredPruning(Callback):
     weights load; elsewhere use :func:`lightning_accel.recipes.prune.resize_to_state_dict` before
     ``load_state_dict``. The epochs already pruned are in the callback's state, so resuming never prunes twice, nor
     does another fit of the module already pruned; a later fit of another module without a checkpoint (a fresh model)
-    is pruned on the schedule from the start. The state is keyed by ``target`` and ``schedule``, so several of these
-    callbacks (a backbone and a head pruned by their own amounts, at their own epochs) can share a Trainer and its
-    checkpoints.
+    is pruned on the schedule from the start. Resumed with another ``amount`` than the checkpoint's, the epochs left
+    take the removed fraction from what the pruned epochs removed to the new ``amount``, with a warning (they prune
+    nothing when more is removed already: channels do not grow back). The state is keyed by ``target`` and
+    ``schedule``, so several of these callbacks (a backbone and a head pruned by their own amounts, at their own
+    epochs) can share a Trainer and its checkpoints.
 
     Args:
         amount: total fraction in [0, 1) of each prunable group's channels to remove.
@@ -1027,9 +1029,9 @@ class StructuredPruning(Callback):
             leaves frozen norms frozen (they still get the recalibrated statistics).
 
     Raises:
-        TypeError: an ``amount``, ``norm``, ``schedule`` entry, ``target``, ``ignore_modules`` entry, ``round_to``,
-            ``fold_bn``, ``recalibrate_bn`` or ``train_mode`` of the wrong type (a bool for an epoch, an int for a
-            flag).
+        TypeError: an ``amount``, ``norm``, ``schedule`` (a string too) or entry of it, ``target``, ``ignore_modules``
+            entry, ``round_to``, ``fold_bn``, ``recalibrate_bn`` or ``train_mode`` of the wrong type (a bool for an
+            epoch, an int for a flag).
         ValueError: ``amount`` outside [0, 1), a bad ``norm``, negative or duplicate epochs in ``schedule``, an
             empty ``target``; at ``setup``, an ``ignore_modules`` name that is not a module of the pruned module.
     """
@@ -1051,6 +1053,12 @@ class StructuredPruning(Callback):
         self.amount = check_amount(amount)
         check_choice("norm", norm, ("l1", "l2"))
         fix = "E.g. `schedule=0` prunes before training, `schedule=[1, 2, 3]` prunes in three steps."
+        if isinstance(schedule, (str, bytes)):
+            # a string is a Sequence: "12" was read as the epochs '1' and '2', and the error quoted '1'
+            raise TypeError(
+                f"`schedule` must be an epoch index >= 0 or a list of them, got {schedule!r} "
+                f"({type(schedule).__name__}). {fix}"
+            )
         epochs = [schedule] if isinstance(schedule, int) or not isinstance(schedule, Sequence) else list(schedule)
         if not epochs:
             raise ValueError(f"`schedule` must be an epoch index >= 0 or a non-empty list of them, got []. {fix}")
@@ -1076,7 +1084,9 @@ class StructuredPruning(Callback):
         self.train_mode = check_bool("train_mode", train_mode)
         self.norm = norm
         self.schedule = sorted(epochs)
-        self.step_amounts = dict(zip(self.schedule, schedule_amounts(self.amount, len(self.schedule)), strict=True))
+        # the fraction of the current channels each scheduled epoch removes; re-planned by `load_state_dict` when the
+        # checkpoint pruned its epochs with another `amount`
+        self.step_amounts = self._plan()
         self.target = target
         given = check_module_names("ignore_modules", ignore_modules) or ()
         old = check_module_names("ignore", ignore)
@@ -1089,6 +1099,15 @@ class StructuredPruning(Callback):
         self._target_takes_inputs = False
         # the module `done` describes: a fit of another module (a fresh model, no checkpoint) starts unpruned
         self._owner: weakref.ReferenceType[LightningModule] | None = None
+
+    def _plan(self, removed: float | None = None) -> dict[int, float]:
+        """``{epoch: fraction of the current channels}``: for every scheduled epoch (``removed`` None, the plan of
+        ``amount`` from the start), or for those not pruned yet, taking the removed fraction of the original channels
+        from ``removed`` to ``amount`` in even steps."""
+        if removed is None:
+            return dict(zip(self.schedule, schedule_amounts(self.amount, len(self.schedule)), strict=True))
+        left = [e for e in self.schedule if e not in self.done]
+        return dict(zip(left, schedule_amounts(self.amount, len(left), removed=removed), strict=True)) if left else {}
 
     def _module(self, pl_module: LightningModule) -> nn.Module:
         if self.target is None:
@@ -1111,6 +1130,7 @@ class StructuredPruning(Callback):
             # another fit of the module already pruned does not prune it twice
             self.done = []
             self.history = []
+            self.step_amounts = self._plan()
         if self._hook is None:
             # Resuming from a pruned checkpoint: give the layers the saved (smaller) shapes before the weights load.
             def pre_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
@@ -1309,3 +1329,27 @@ class StructuredPruning(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.done = list(state_dict.get("done", []))
         self.history = list(state_dict.get("history", []))
+        saved = state_dict.get("amount")
+        pruned = sorted(e for e in self.done if e in self.schedule)
+        self.step_amounts = self._plan()
+        if not isinstance(saved, (int, float)) or isinstance(saved, bool) or saved == self.amount or not pruned:
+            return
+        # the checkpoint's epochs took `saved * k / n` of the original channels, while this amount's own plan assumes
+        # `amount * k / n` (one step of a 0.5 plan over 2 epochs, then 0.75's second step, ends at 5/8 removed): the
+        # remaining epochs are planned from what was removed
+        removed = float(saved) * len(pruned) / len(self.schedule)
+        self.step_amounts = self._plan(removed)
+        left = sorted(self.step_amounts)
+        if not left:
+            then = "no scheduled epoch is left to prune"
+        elif self.amount > removed:
+            then = (
+                f"the remaining epochs {left} bring the removed fraction of the channels from {removed:g} to "
+                f"{self.amount:g}"
+            )
+        else:
+            then = f"{removed:g} of the channels are removed already, so the remaining epochs {left} prune nothing"
+        rank_zero_warn(
+            f"StructuredPruning: the checkpoint pruned epochs {pruned} of `schedule` {self.schedule} with `amount` "
+            f"{saved:g}; this fit continues with `amount` {self.amount:g}: {then}."
+        )

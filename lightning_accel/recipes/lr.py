@@ -88,7 +88,11 @@ def _scale_chained(sched: ChainedScheduler, rel_by_group: list[float]) -> None:
 
 
 def apply_lr_scale(
-    optimizer: Optimizer, factor: float, schedulers: Iterable[LRScheduler] = (), *, fallback_applied: float = 1.0
+    optimizer: Optimizer,
+    factor: float,
+    schedulers: LRScheduler | Iterable[LRScheduler] = (),
+    *,
+    fallback_applied: float = 1.0,
 ) -> float:
     """Scale ``optimizer``'s learning rates so that the total applied factor becomes ``factor``.
 
@@ -106,8 +110,8 @@ def apply_lr_scale(
     Args:
         optimizer: the optimizer to scale in place.
         factor: the total factor wanted relative to the unscaled rates (> 0).
-        schedulers: schedulers whose ``optimizer`` is ``optimizer`` (others are ignored); list a ``ChainedScheduler``
-            alone, not also the schedulers it steps (those would be scaled twice).
+        schedulers: a scheduler, or schedulers, whose ``optimizer`` is ``optimizer`` (others are ignored); list a
+            ``ChainedScheduler`` alone, not also the schedulers it steps (those would be scaled twice).
         fallback_applied: factor assumed applied for groups without the key (e.g. a checkpoint written before the key
             existed).
 
@@ -115,7 +119,7 @@ def apply_lr_scale(
         The relative change applied to the first param group (1.0 when nothing changed).
 
     Raises:
-        TypeError: ``factor`` or ``fallback_applied`` not a number.
+        TypeError: ``factor`` or ``fallback_applied`` not a number, ``schedulers`` neither a scheduler nor an iterable.
         ValueError: ``factor`` or ``fallback_applied`` not positive and finite; or, when the rates change, a
             ``SequentialLR`` attached to ``optimizer``: its schedulers restart from their own (unscaled) base rates at
             each milestone, which this function cannot reach -- nothing is changed then.
@@ -131,6 +135,13 @@ def apply_lr_scale(
         high_open=True,
         fix="It is the factor already applied to groups without a record of it; 1.0 means none.",
     )
+    if isinstance(schedulers, LRScheduler):
+        schedulers = (schedulers,)  # the one scheduler of most fits, passed as it is
+    elif not isinstance(schedulers, Iterable):
+        raise TypeError(
+            f"`schedulers` must be an LR scheduler or a list of them, got {schedulers!r} "
+            f"({type(schedulers).__name__}). Pass the schedulers built on `optimizer`, or () for none."
+        )
     rel_by_group = [factor / float(group.get(APPLIED_KEY, fallback_applied)) for group in optimizer.param_groups]
     attached = [s for s in schedulers if getattr(s, "optimizer", None) is optimizer]
     if any(r != 1.0 for r in rel_by_group):

@@ -97,15 +97,26 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def schedule_amounts(amount: float, steps: int) -> list[float]:
+def schedule_amounts(amount: float, steps: int, *, removed: float = 0.0) -> list[float]:
     """Per-step fractions for iterative pruning that remove ``amount`` of the original channels in ``steps`` steps.
 
-    Step ``k`` brings the cumulative removed fraction to ``amount * k / steps``; its fraction of the *current*
-    channels is ``1 - (1 - a_k) / (1 - a_{k-1})``.
+    Step ``k`` brings the cumulative removed fraction to ``a_k = removed + (amount - removed) * k / steps``; its
+    fraction of the *current* channels is ``1 - (1 - a_k) / (1 - a_{k-1})``. ``removed`` is the fraction of the
+    original channels earlier steps already took (a resume whose checkpoint pruned with another ``amount``); when it
+    is ``amount`` or more, every step is 0: pruned channels do not grow back.
+
+    Raises:
+        TypeError: an ``amount``, ``steps`` or ``removed`` of the wrong type, naming it.
+        ValueError: ``amount`` or ``removed`` outside [0, 1), ``steps`` below 1, naming it.
     """
     check_amount(amount)
     check_int("steps", steps, low=1)
-    cum = [amount * k / steps for k in range(steps + 1)]
+    check_number(
+        "removed", removed, low=0, high=1, high_open=True, fix="It is the fraction of the original channels removed."
+    )
+    if removed >= amount:
+        return [0.0] * steps
+    cum = [removed + (amount - removed) * k / steps for k in range(steps + 1)]
     return [1.0 - (1.0 - cum[k]) / (1.0 - cum[k - 1]) for k in range(1, steps + 1)]
 
 

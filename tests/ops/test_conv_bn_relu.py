@@ -245,7 +245,7 @@ def test_momentum_none_with_running_statistics_is_one_clear_error(backend: str) 
     arithmetic error from inside the running-statistics update."""
     x, w = torch.randn(2, 3, 4, 4), torch.randn(4, 3, 3, 3)
     rm, rv = torch.zeros(4), torch.ones(4)
-    with pytest.raises(TypeError, match=r"`momentum` must be a number, got None.*num_batches_tracked"):
+    with pytest.raises(TypeError, match=r"`momentum` must be a finite number, got None.*num_batches_tracked"):
         conv_bn_relu(x, w, None, None, None, rm, rv, True, None, 1e-5, backend=backend)  # type: ignore[arg-type]
     torch.testing.assert_close(rm, torch.zeros(4))  # nothing was updated before the error
 

@@ -70,7 +70,7 @@ def test_a_mistyped_activation_still_names_activation() -> None:
 def test_conv_bn_relu_eps_must_be_a_number(backend: str, eps: object) -> None:
     """It failed inside the batch norm (``'<=' not supported between instances of 'str' and 'float'``)."""
     x, w = torch.randn(2, 3, 6, 6), torch.randn(4, 3, 3, 3)
-    with pytest.raises(TypeError, match=r"^`eps` must be a number > 0, got"):
+    with pytest.raises(TypeError, match=r"^`eps` must be a finite number > 0, got"):
         conv_bn_relu(x, w, None, None, None, None, None, True, 0.1, eps, backend=backend)  # type: ignore[arg-type]
 
 
@@ -78,5 +78,5 @@ def test_conv_bn_relu_eps_must_be_a_number(backend: str, eps: object) -> None:
 def test_conv_bn_relu_eps_must_be_positive_with_batch_statistics(backend: str) -> None:
     """The torch path took eps=-1 and normalised by ``rsqrt(var - 1)`` (NaN where var < 1); eager refuses it."""
     x, w = torch.randn(2, 3, 6, 6), torch.randn(4, 3, 3, 3)
-    with pytest.raises(ValueError, match=r"^`eps` must be a number > 0, got -1.0"):
+    with pytest.raises(ValueError, match=r"^`eps` must be a finite number > 0, got -1.0"):
         conv_bn_relu(x, w, None, None, None, None, None, True, 0.1, -1.0, backend=backend)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import inspect
 import io
+import logging
 import pickle
 import re
 import warnings
@@ -385,6 +386,25 @@ def test_compile_falls_back_to_eager_with_a_clear_warning() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         torch.testing.assert_close(model(x), expected)  # warned once; stays eager
+
+
+def test_a_compile_failure_is_warned_on_global_rank_0_only(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every rank of a job falls back alike; the warning is one line per job (rank 0), the others log it."""
+
+    def broken_backend(gm: torch.fx.GraphModule, example_inputs: list) -> None:
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setenv("RANK", "1")
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    x = torch.randn(2, 4)
+    expected = model(x)
+    compile_in_place(model, backend=broken_backend)
+    with warnings.catch_warnings(), caplog.at_level(logging.INFO, logger="lightning_accel.precision.compile"):
+        warnings.simplefilter("error")
+        torch.testing.assert_close(model(x), expected)  # fell back to eager, no warning on rank 1
+    assert "`torch.compile` failed for Sequential" in caplog.text
 
 
 def test_a_compile_failure_after_a_graph_break_does_not_count_the_batch_twice() -> None:

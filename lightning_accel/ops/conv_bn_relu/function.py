@@ -16,6 +16,8 @@ the two gradients are three convolutions' worth, the recompute a fourth).
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any
 
 import torch
@@ -23,7 +25,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.utils.flop_counter import register_flop_formula
 
-from lightning_accel._utils.checks import check_bool, check_number
+from lightning_accel._utils.checks import check_bool
 from lightning_accel._utils.triton import Backend, check_backend, use_triton
 from lightning_accel.ops.activation import Activation, activation_forward
 from lightning_accel.ops.conv_bn_relu import reference
@@ -180,8 +182,38 @@ def _explicit_padding(padding: Any, weight: torch.Tensor, dilation: Any) -> tupl
     return [t // 2 for t in total], [t % 2 for t in total]
 
 
+def _check_real(name: str, value: Any, *, positive: bool, fix: str) -> float:
+    """``value`` as a ``float`` when it is a finite real number (> 0 when ``positive``), else one line naming ``name``.
+
+    Any :class:`numbers.Real` is taken, numpy scalars included (``nn.BatchNorm2d`` takes an ``eps`` or ``momentum``
+    read from a numpy config, and the function is handed the module's values); the value is used for this call and
+    not kept, so the float it becomes cannot surface later. ``bool`` is refused although Python calls it an integer:
+    ``eps=True`` is a mistake, not 1.0. NaN or infinity would give a NaN or constant output (``x / sqrt(inf)`` is 0)
+    or poison the running statistics for good.
+
+    Raises:
+        TypeError: ``value`` is not a real number, or is a bool.
+        ValueError: ``value`` is NaN, infinite, or <= 0 when ``positive``.
+    """
+    expected = "a finite number > 0" if positive else "a finite number"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # `np.bool_` is no `numbers.Real`
+        raise TypeError(f"`{name}` must be {expected}, got {value!r} ({type(value).__name__}). {fix}")
+    try:
+        v = float(value)
+    except OverflowError:  # an int or Fraction beyond any float
+        v = math.inf
+    if not math.isfinite(v) or (positive and v <= 0):
+        raise ValueError(f"`{name}` must be {expected}, got {value!r}. {fix}")
+    return v
+
+
 def _pair(v: Any) -> list[int]:
-    return [int(v), int(v)] if isinstance(v, int) else [int(t) for t in v]
+    """A ``stride``/``padding``/``dilation`` as ``F.conv2d`` takes it, as two ints: one integer of any type (a numpy
+    one too: ``F.conv2d`` takes it, so the backward must) for both dimensions, or a sequence of one or two."""
+    if not isinstance(v, (tuple, list, torch.Size)):
+        return [int(v), int(v)]
+    values = [int(t) for t in v]
+    return values * 2 if len(values) == 1 else values
 
 
 def conv_bn_relu(
@@ -222,11 +254,14 @@ def conv_bn_relu(
     :class:`ConvBNReLUFunction`).
 
     Raises:
-        TypeError: for a ``training`` that is not True or False, an ``eps`` that is not a number, a ``relu`` that is
-            neither True, False nor an activation name, or a ``momentum`` that is not a number (None included) while
-            running statistics are updated.
+        TypeError: for a ``training`` that is not True or False, an ``eps`` that is not a real number (a bool
+            neither), a ``relu`` that is neither True, False nor an activation name, or a ``momentum`` that is not a
+            real number (None included) while running statistics are updated. Any real number type is taken for
+            ``eps`` and ``momentum``, numpy scalars and :class:`fractions.Fraction` included, as
+            ``nn.BatchNorm2d`` takes them.
         ValueError: for an unknown activation name in ``relu`` or ``activation`` (the message names the one given),
-            an ``eps`` <= 0 with batch statistics (as eager ``F.batch_norm`` refuses it), an ``x`` that is not 4-D, a
+            an ``eps`` or ``momentum`` that is NaN or infinite, an ``eps`` <= 0 with batch statistics (as eager
+            ``F.batch_norm`` refuses it), an ``x`` that is not 4-D, a
             ``bn_weight``, ``bn_bias``, ``running_mean`` or ``running_var`` that is not ``(C_out,)``, or one running
             statistic without the other (eager ``F.batch_norm`` refuses them too).
     """
@@ -242,20 +277,21 @@ def conv_bn_relu(
             f"`running_mean` and `running_var` must both be tensors or both be None, got `{missing}`=None. Pass "
             "both running buffers of the BatchNorm2d, or neither to normalise with batch statistics only."
         )
-    if training and running_mean is not None and (isinstance(momentum, bool) or not isinstance(momentum, (int, float))):
+    # the cheap tests first (a finite Python float in range): a compiled model calls this every step, and Dynamo
+    # then traces two comparisons, not the checks and messages of `_check_real`
+    if training and running_mean is not None and not (type(momentum) is float and -math.inf < momentum < math.inf):
         # `nn.BatchNorm2d(momentum=None)` means a cumulative average, which the module turns into a number per step;
         # the function (like `F.batch_norm`) takes that number, and None would fail deep in the update
-        check_number(
-            "momentum", momentum, fix="For a cumulative average (`nn.BatchNorm2d(momentum=None)`) pass "
-            "`1 / num_batches_tracked` after incrementing `num_batches_tracked`, as the module does.",
+        momentum = _check_real(
+            "momentum", momentum, positive=False, fix="For a cumulative average (`nn.BatchNorm2d(momentum=None)`) "
+            "pass `1 / num_batches_tracked` after incrementing `num_batches_tracked`, as the module does.",
         )  # fmt: skip
     # batch statistics divide by sqrt(var + eps): eager `F.batch_norm` refuses eps <= 0 there (on some paths only,
     # in words naming no argument), and the torch path took it and gave NaN wherever var < -eps
     batch_stats = training or running_mean is None
-    # the cheap test first: `check_number` is not traceable by Dynamo, and a compiled model calls this every step
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or (batch_stats and not eps > 0):
+    if not (type(eps) is float and (0 if batch_stats else -math.inf) < eps < math.inf):
         fix = "Pass the batch norm's `eps` (`nn.BatchNorm2d.eps`, 1e-5 by default)."
-        check_number("eps", eps, low=0 if batch_stats else None, low_open=True, fix=fix)
+        eps = _check_real("eps", eps, positive=batch_stats, fix=fix)
     _check_channels(weight, bn_weight=bn_weight, bn_bias=bn_bias, running_mean=running_mean, running_var=running_var)
     act = reference.resolve_activation(relu, activation)
     if backend == "eager" or (backend == "auto" and not x.is_cuda):
