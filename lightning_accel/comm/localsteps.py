@@ -69,7 +69,8 @@ class LocalStepsConfig:
             must be below ``sync_every // fragments``, so one exchange per fragment is in flight at most. None (the
             default) resolves at construction to ``min(1, sync_every // fragments - 1)``: one step of overlap, or
             none when a fragment is due every step (e.g. ``sync_every=1``, or ``fragments == sync_every``).
-        block_size: elements per 1-bit scale block (a multiple of 8).
+        block_size: elements per 1-bit scale block (a multiple of 8); refused with ``compression="fp32"`` unless it
+            is the default (fp32 averaging has no scale blocks).
         sync_buffers: average the floating-point buffers (BatchNorm statistics) that some rank changed since the last
             average, in their own precision (float64 in float64, the others in fp32), when fragment 0 is applied.
             Buffers no rank changed (registered constants) and integer ones (``num_batches_tracked``) do not travel.
@@ -128,6 +129,14 @@ class LocalStepsConfig:
         check_int("block_size", self.block_size, low=8, fix="Use e.g. `block_size=640`.")
         if self.block_size % 8:
             raise ValueError(f"`block_size` must be a multiple of 8, got {self.block_size!r}. Use e.g. 640.")
+        default_block = type(self).__dataclass_fields__["block_size"].default
+        if self.compression == "fp32" and self.block_size != default_block:
+            # the fp32 exchange has no scale blocks: a block size asked for beside it would be dropped without a word
+            raise ValueError(
+                f"`block_size={self.block_size}` has no effect with `compression='fp32'`: it sizes the scale blocks "
+                "of the 1-bit exchange, and fp32 averaging sends no scales. Drop `block_size`, or use "
+                "`compression='1bit'`."
+            )
         check_bool("sync_buffers", self.sync_buffers, fix="Use True to average BatchNorm statistics.")
         check_int(
             "sync_start",

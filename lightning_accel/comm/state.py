@@ -246,6 +246,8 @@ class OneBitState:
             A :class:`~lightning_accel.comm.auto.StepTrial` sets it in a process that starts past step 0 (a resumed
             fit), whose step times from before are gone: it first times steps of its own, so that the decision again
             compares real steps (not saved; the hook alone never sets it).
+        decision_held: the decision stays as it is for the rest of the fit: no ``compression="auto"`` decision nor
+            recheck (the strategy's ``switch_off`` holds it at ``"fp32"``; the strategy saves and restores it).
         groups: ``{key: GroupState}``, keyed by the sorted parameter indices of each group.
         param_index: ``{id(parameter): index}`` from :meth:`set_parameters` (first-seen order otherwise).
         param_numels: element counts of the trainable parameters by index (what ``"auto"`` times).
@@ -288,6 +290,7 @@ class OneBitState:
         "measure_fn",
         "trial_until",
         "decide_from",
+        "decision_held",
         "groups",
         "param_index",
         "param_numels",
@@ -338,6 +341,7 @@ class OneBitState:
         self.measure_fn: Callable[[OneBitState], tuple[float, float]] | None = None
         self.trial_until: int | None = None
         self.decide_from: int | None = None
+        self.decision_held = False
         self.groups: dict[tuple[int, ...], GroupState] = {}
         self.param_index: dict[int, int] = {}
         self.param_numels: list[int] = []
@@ -545,6 +549,8 @@ class OneBitState:
         end = self.warmup_end
         if cfg.compression != "auto" or end is None or self.step < end or self.trial_until is not None:
             return False
+        if self.decision_held:  # switched off for the rest of the fit: a recheck would switch 1-bit on again
+            return False
         if self.decide_from is not None and self.step < self.decide_from:  # a resumed process times its own first
             return False
         if self.decision is None:
@@ -644,6 +650,7 @@ class OneBitState:
         self.refreshing = False
         self.param_index = {}
         self.decide_from = None  # absent from states pickled before it existed
+        self.decision_held = False  # absent from states pickled before it existed
         self.stage_token = None  # the stage (if any) continues from a saved state: its freeze marks hold
         self.loaded_signal = None
         self.kinds = ()

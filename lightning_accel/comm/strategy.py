@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import pickle
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -312,7 +313,9 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
             ``on_after_backward``, ``on_before_optimizer_step`` or ``configure_gradient_clipping``), else whichever
             order was faster over the first compressed steps (:class:`~lightning_accel.comm.OverlapTrial`: a few
             steps each way, the slowest rank's medians; logged, and in :attr:`overlap_decision`). Both give
-            bit-identical results; a callback that edits gradients after backward needs ``overlap=False``.
+            bit-identical results; a callback that edits gradients after backward needs ``overlap=False``. Only
+            compressed momentum overlaps: ``True`` is refused with ``compression="fp32"`` or
+            ``compressed_signal="gradients"``, and warned about when ``"auto"`` resolves to the gradient path.
         hierarchical: average in three steps across nodes of several processes (fp32 reduce-scatter inside each node,
             the 1-bit exchange between the ranks of different nodes that hold the same shard, all-gather inside the
             node: each *node*, not each rank, sends its compressed share over the slow link;
@@ -343,7 +346,9 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
         ValueError: a bad hyper-parameter, an unknown keyword, a deprecated name beside its new one, a competing
             ``ddp_comm_hook``, a DDP option that averages parameters outside the 1-bit hook
             (``delay_all_reduce_named_params``, ``param_to_hook_all_reduce``), ``overlap=True`` with
-            ``find_unused_parameters=True``, ``processes_per_node`` with ``hierarchical=False``, or
+            ``find_unused_parameters=True``, ``overlap=True`` with ``compression="fp32"`` or
+            ``compressed_signal="gradients"`` (nothing compresses momentum: it would do nothing),
+            ``processes_per_node`` with ``hierarchical=False``, or
             ``recheck_every`` with a ``compression`` other than ``"auto"``.
         RuntimeError: ``compressor_backend="triton"`` without the ``triton`` package (here), or on a device it cannot
             run on (when the fit sets up: CPU tensors without ``TRITON_INTERPRET=1``).
@@ -415,6 +420,16 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
             )
         find_unused = bool(kwargs.get("find_unused_parameters", False))
         momentum = self._config.compressed_signal != "gradients" and self._config.compression != "fp32"
+        if overlap is True and not momentum:
+            # nothing compresses momentum then (plain DDP, or gradient buckets the hook compresses as they come): an
+            # explicit request to overlap would be dropped without a word
+            plain = self._config.compression == "fp32"
+            what = "compression='fp32'" if plain else "compressed_signal='gradients'"
+            raise ValueError(
+                f"`overlap=True` has no effect with `{what}`: it starts compressing momentum during backward, and this "
+                "strategy compresses no momentum. Drop `overlap` (or use `overlap='auto'`), or compress momentum "
+                "(`compressed_signal='auto'` with `compression='1bit'` or `'auto'`)."
+            )
         if overlap is True and find_unused and momentum:
             # both known now: refused here, not when the fit sets up (after the processes started and the model was
             # wrapped); the gradient path and fp32 never compress momentum, so `overlap` does not apply to them
@@ -476,6 +491,8 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
         self._warmup_loaded: dict[str, Any] | None = None
         #: why 1-bit averaging was switched off for the rest of the fit (:meth:`switch_off`), or None
         self.switched_off_reason: str | None = None
+        #: the switch-off reason read from a checkpoint (adopted with its 1-bit state: a resumed fit stays in fp32)
+        self._switched_off_loaded: str | None = None
         #: manual optimization: whether the training step now running is a variance refresh (decided before its
         #: backward, see :meth:`training_step`)
         self._manual_refresh = False
@@ -495,20 +512,35 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
     def switch_off(self, reason: str) -> bool:
         """Average in fp32 (plain DDP allreduce, the optimizer's own step) from the next step on, for the rest of
         the fit; ``compression="auto"`` stops re-measuring. Call it on every rank at the same step (it does not
-        communicate). Returns whether 1-bit averaging was on. A later ``fit`` of the same Trainer starts again with
-        its own warm-up and 1-bit averaging after it (:attr:`switched_off_reason` is cleared); call it again there
-        to keep it off."""
+        communicate). Returns whether 1-bit averaging was on. The switch-off and its reason are saved in the
+        checkpoints that follow it, so a fit resumed from one of them stays in fp32 averaging. A later ``fit`` of the
+        same Trainer that resumes no such checkpoint starts again with its own warm-up and 1-bit averaging after it
+        (:attr:`switched_off_reason` is cleared); call it again there to keep it off."""
         state = self._onebit_state
         if state is None or self.switched_off_reason is not None:
             return False
         was_on = state.compressing
+        self._stay_off(state, reason)
+        rank_zero_info(f"ddp_1bit: switched to fp32 averaging at step {state.step} ({reason})")
+        return was_on
+
+    def _stay_off(self, state: comm.OneBitState, reason: str) -> None:
         state.trial_until = None
         state.set_decision("fp32")  # drops the error-feedback state: it belongs to the compressed stage
+        state.decision_held = True  # `compression="auto"`: no recheck measures its way back to 1-bit
         for c in self._compressors.values():
             c.release()
         self.switched_off_reason = reason
-        rank_zero_info(f"ddp_1bit: switched to fp32 averaging at step {state.step} ({reason})")
-        return was_on
+
+    def _adopt_switch_off(self, state: comm.OneBitState) -> None:
+        """Keep the switch-off of the checkpoint being resumed (every rank reads the same one), if it holds one."""
+        reason, self._switched_off_loaded = self._switched_off_loaded, None
+        if reason is None or self.switched_off_reason is not None:
+            return
+        self._stay_off(state, reason)
+        rank_zero_info(
+            f"ddp_1bit: fp32 averaging continues from step {state.step} (switched off before the checkpoint: {reason})"
+        )
 
     @property
     def onebit_config(self) -> OneBitConfig:
@@ -594,6 +626,7 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
                 comm.select_rank_state(self._onebit_loaded, self.global_rank), self.world_size, warn=self.is_global_zero
             )
             self._onebit_loaded = None
+            self._adopt_switch_off(state)
         state.measure_fn = self.measure_fn
         self._auto_trial = comm.StepTrial()
         cuda = self.root_device.type == "cuda" and self.step_clock is time.perf_counter
@@ -775,6 +808,14 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
                         category=UserWarning,
                     )
                 want = "gradients"
+                if self._overlap_arg is True:
+                    # known only now (the optimizers' types): the fit runs, but the explicit request does nothing
+                    rank_zero_warn(
+                        f"`overlap=True` has no effect for {', '.join(sorted({type(o).__name__ for o in unsupported}))}"
+                        ": `compressed_signal='auto'` compresses their gradients, and only compressed momentum "
+                        "overlaps backward. Drop `overlap`, or use torch.optim.SGD with momentum, Adam or AdamW.",
+                        category=UserWarning,
+                    )
             else:
                 want = "momentum"
         if want == "momentum":
@@ -964,6 +1005,7 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
         self._onebit_live = False
         self._wrapped_trainable = []
         self._onebit_loaded = self._overlap_loaded = self._warmup_loaded = self._grads_loaded = None
+        self._switched_off_loaded = None
         super().teardown()
 
     @override
@@ -1159,6 +1201,8 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
                 extras = {
                     # overlap="auto"'s decision, the same on every rank (None while it is being measured)
                     "overlap_decision": self.overlap_decision,
+                    # switch_off's reason, the same on every rank: a fit resumed from this save stays in fp32
+                    "switched_off_reason": self.switched_off_reason,
                     # warmup_steps="auto" still deciding: the last check's per-tensor means. Rank 0's, as its
                     # optimizer states are the ones Lightning saves (and they are every rank's: the warm-up averages
                     # in fp32)
@@ -1215,6 +1259,8 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
             self._grads_loaded = dict(grads) if isinstance(grads, Mapping) else None
             decision = payload.get("overlap_decision")
             self._overlap_loaded = dict(decision) if isinstance(decision, dict) else None
+            reason = payload.get("switched_off_reason")  # absent from checkpoints saved before it was kept
+            self._switched_off_loaded = reason if isinstance(reason, str) else None
             watch = payload.get("warmup_watch")  # absent from checkpoints saved before it was kept
             self._warmup_loaded = dict(watch) if isinstance(watch, dict) else None
             state = self._onebit_state
@@ -1226,6 +1272,7 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
                 if list(self.optimizers):  # this fit's signal is resolved already: compare the loaded one with it
                     state.set_signal(mode, kinds, warn=self.is_global_zero)
                 self._adopt_overlap_decision()
+                self._adopt_switch_off(state)
                 if self._warmup_watch is not None and self._warmup_loaded is not None:
                     self._warmup_watch.load_state_dict(self._warmup_loaded)
                 self._warmup_loaded = None
@@ -1317,7 +1364,8 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
         overlap_steps: inner steps an exchange has to travel before it is applied (0: the step waits for it; below
             ``sync_every // fragments``). None: 1, or 0 when a fragment is due every step
             (``sync_every // fragments == 1``).
-        block_size: elements per 1-bit scale block.
+        block_size: elements per 1-bit scale block; refused with ``compression="fp32"`` (no scale blocks there)
+            unless it is the default.
         sync_buffers: average the floating-point buffers that some rank changed (BatchNorm statistics) at every sync
             of fragment 0, in their own precision; constant and integer buffers do not travel.
         sync_start: optimizer steps at the start that each average the parameters in fp32 (a synchronous start,
@@ -1334,8 +1382,8 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
             not a string.
         ValueError: a bad hyper-parameter, an unknown keyword, a competing ``ddp_comm_hook``, a DDP option that
             averages parameters outside the local steps (``delay_all_reduce_named_params``,
-            ``param_to_hook_all_reduce``), or a DDP ``process_group`` / ``device_mesh`` (the local steps average over
-            every process).
+            ``param_to_hook_all_reduce``), a DDP ``process_group`` / ``device_mesh`` (the local steps average over
+            every process), or a ``block_size`` other than the default with ``compression="fp32"``.
     """
 
     strategy_name = "diloco"
@@ -1732,16 +1780,25 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
                     "precision": checkpoint.get(type(self.precision_plugin).__qualname__),
                     "outer": local.state_dict(),
                 }
+                # pickled here, not inside the gather: an object of this rank's part that does not pickle (one in an
+                # optimizer's param group, a precision plugin's state) or a host out of memory for the copy would
+                # fail this rank alone before the gather's first collective, and leave the others waiting in it. The
+                # gather then carries bytes (a copy, no extra collective)
+                part = pickle.dumps(own, protocol=pickle.HIGHEST_PROTOCOL)
+                del own  # its copies (flats, buffers) are in the bytes now: one copy of this rank's part at a time
             except Exception as e:
                 # still reach the gather, with the error in place of the state: every rank learns of it there
                 # instead of waiting in the gather for the process group's timeout
                 failure = e
-                own = {_SAVE_FAILED: f"{type(e).__name__}: {one_line(e)}"}
-            gathered: list[Any] = [None] * self.world_size
+                part = pickle.dumps({_SAVE_FAILED: f"{type(e).__name__}: {one_line(e)}"})
+            parts: list[Any] = [None] * self.world_size
             # our own processes' objects; after teardown (no exchange in flight any more) on the default group
-            dist.all_gather_object(gathered, own, group=self._outer_group)
+            dist.all_gather_object(parts, part, group=self._outer_group)
+            del part
             if failure is not None:
                 raise failure
+            gathered = [pickle.loads(x) for x in parts]  # our own processes' bytes, pickled just above
+            del parts
             failed = [(r, x[_SAVE_FAILED]) for r, x in enumerate(gathered) if _SAVE_FAILED in x]
             if failed:
                 rank, text = failed[0]

@@ -36,6 +36,16 @@ def test_config_rejects_bad_values_naming_them(kwargs: dict, kind: type, needle:
         LocalStepsConfig(**kwargs)
 
 
+def test_a_block_size_that_fp32_averaging_would_ignore_is_refused() -> None:
+    """The fp32 exchange has no scale blocks: a block size beside it would be dropped without a word."""
+    with pytest.raises(ValueError, match="`block_size=256`") as info:
+        LocalStepsConfig(compression="fp32", block_size=256)
+    msg = str(info.value)
+    assert "\n" not in msg and "`compression='fp32'`" in msg and "Drop `block_size`" in msg
+    assert LocalStepsConfig(compression="fp32").block_size == 640  # the default: nothing was asked for
+    assert LocalStepsConfig(compression="1bit", block_size=256).block_size == 256
+
+
 @pytest.mark.parametrize(
     ("kwargs", "overlap"),
     [

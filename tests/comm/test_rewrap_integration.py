@@ -190,9 +190,9 @@ def test_replace_parameters_keeps_the_error_state_of_groups_whose_sizes_held() -
 def test_abandon_completes_the_exchanges_in_flight_and_changes_nothing(one_process_group: None) -> None:
     from lightning_accel.comm.localsteps import LocalSteps
 
-    for compression in ("1bit", "fp32"):
+    for compression, blocks in (("1bit", {"block_size": 8}), ("fp32", {})):  # fp32 has no scale blocks
         p = torch.nn.Parameter(torch.arange(12, dtype=torch.float32))
-        local = LocalSteps([p], LocalStepsConfig(sync_every=2, overlap_steps=1, compression=compression, block_size=8))
+        local = LocalSteps([p], LocalStepsConfig(sync_every=2, overlap_steps=1, compression=compression, **blocks))
         local.step()
         with torch.no_grad():
             p.add_(1.0)

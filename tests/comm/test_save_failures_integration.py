@@ -5,6 +5,7 @@ the process group's timeout, and a later save must still work (the ranks' collec
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,13 @@ def _diloco(rank: int, tmp: str) -> dict[str, Any]:
         local.local_flats = out_of_memory  # type: ignore[method-assign]
     out = {"failed": _error(lambda: trainer.save_checkpoint(f"{tmp}/diloco_failed.ckpt"))}
     local.local_flats = real  # type: ignore[method-assign]
+    # an object that does not pickle in rank 1's part alone (here in its optimizer's param group): its pickling fails
+    # before the gather's first collective, which rank 0 must not be left waiting in
+    group = trainer.optimizers[0].param_groups[0]
+    if rank == 1:
+        group["lock"] = threading.Lock()
+    out["unpicklable"] = _error(lambda: trainer.save_checkpoint(f"{tmp}/diloco_unpicklable.ckpt"))
+    group.pop("lock", None)
     out["again"] = _error(lambda: trainer.save_checkpoint(f"{tmp}/diloco_again.ckpt"))
     if rank == 0 and not out["again"]:
         ckpt = torch.load(f"{tmp}/diloco_again.ckpt", weights_only=False)
@@ -118,3 +126,11 @@ def test_a_local_steps_save_failing_on_one_rank_fails_on_every_rank(results: lis
     assert not results[0]["diloco/failed_written"]
     assert [r["diloco/again"] for r in results] == ["", ""]
     assert results[0]["diloco/gathered"] == 2
+
+
+def test_a_local_steps_part_that_does_not_pickle_on_one_rank_fails_on_every_rank(results: list[dict[str, Any]]) -> None:
+    own, other = results[1]["diloco/unpicklable"], results[0]["diloco/unpicklable"]
+    assert "lock" in own and "pickle" in own, own
+    expected = "RuntimeError: diloco: rank 1 could not prepare its local-steps state for the checkpoint, so no rank"
+    assert other.startswith(expected), other
+    assert "\n" not in other and "timed out" not in other.lower()

@@ -48,8 +48,7 @@ def test_bad_arguments_name_the_argument(kwargs: dict, name: str, error: type[Ex
 
 
 def test_overlap_true_with_find_unused_parameters_is_refused_at_construction() -> None:
-    """Both are known when the strategy is built: one line then, not when the fit sets up its processes. The gradient
-    path and fp32 never compress momentum, so `overlap` does not apply to them and they stay accepted."""
+    """Both are known when the strategy is built: one line then, not when the fit sets up its processes."""
     from lightning_accel.strategies import OneBitDDPStrategy
 
     with pytest.raises(ValueError, match="`overlap=True`") as info:
@@ -58,8 +57,27 @@ def test_overlap_true_with_find_unused_parameters_is_refused_at_construction() -
     assert "\n" not in msg and "`find_unused_parameters=True`" in msg and "overlap='auto'" in msg
     OneBitDDPStrategy(overlap="auto", find_unused_parameters=True)
     OneBitDDPStrategy(overlap=True, find_unused_parameters=False)
-    OneBitDDPStrategy(overlap=True, find_unused_parameters=True, compressed_signal="gradients")
-    OneBitDDPStrategy(overlap=True, find_unused_parameters=True, compression="fp32")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "given"),
+    [
+        ({"compression": "fp32"}, "`compression='fp32'`"),
+        ({"compressed_signal": "gradients"}, "`compressed_signal='gradients'`"),
+        ({"compressed_signal": "gradients", "find_unused_parameters": True}, "`compressed_signal='gradients'`"),
+    ],
+)
+def test_overlap_true_where_nothing_compresses_momentum_is_refused(kwargs: dict, given: str) -> None:
+    """Only compressed momentum overlaps backward: with plain DDP or the gradient path ``overlap=True`` would do
+    nothing, so it is refused in one line (``'auto'`` and ``False`` stay accepted)."""
+    from lightning_accel.strategies import OneBitDDPStrategy
+
+    with pytest.raises(ValueError, match="`overlap=True` has no effect") as info:
+        OneBitDDPStrategy(overlap=True, **kwargs)
+    msg = str(info.value)
+    assert "\n" not in msg and given in msg and "Drop `overlap`" in msg
+    OneBitDDPStrategy(overlap="auto", **kwargs)
+    OneBitDDPStrategy(overlap=False, **kwargs)
 
 
 def test_a_forced_triton_compressor_without_triton_is_refused_at_construction(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -144,3 +144,11 @@ def test_recheck_every_without_auto_compression_is_refused(compression: str) -> 
         OneBitConfig(compression=compression, recheck_every=5)
     OneBitDDPStrategy(compression=compression, recheck_every=0)  # the default: not an error
     OneBitDDPStrategy(compression="auto", recheck_every=5)
+
+
+def test_local_steps_refuse_a_block_size_fp32_averaging_would_ignore() -> None:
+    from lightning_accel.strategies import LocalStepsStrategy
+
+    with pytest.raises(ValueError, match="`block_size=256` has no effect with `compression='fp32'`"):
+        LocalStepsStrategy(compression="fp32", block_size=256)
+    LocalStepsStrategy(compression="fp32")
