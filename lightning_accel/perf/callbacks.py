@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
 import json
 import logging
 import math
@@ -16,6 +17,7 @@ import pickle
 import uuid
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
@@ -27,7 +29,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_accel._utils import compat
-from lightning_accel._utils.atomic import atomic_write_bytes, atomic_write_text, is_local_url, strip_file_scheme
+from lightning_accel._utils.atomic import atomic_write_bytes, is_local_url, strip_file_scheme
 from lightning_accel._utils.checks import check_bool, check_bytes, check_callable, check_int, check_number
 from lightning_accel._utils.errors import one_line
 from lightning_accel._utils.forksafe import cuda_available
@@ -54,6 +56,12 @@ from lightning_accel.perf.timers import CATEGORIES, Clock, CudaEventClock, HostC
 
 __all__ = ["CudaMemoryManager", "HostMemoryManager", "PerformanceMonitor"]
 
+
+# the Trainer's `log_every_n_steps=0` is Lightning's "log no steps"; the callbacks' own 0 would be ambiguous
+_WINDOW_FIX = (
+    "Use None to follow the Trainer's `log_every_n_steps` (`Trainer(log_every_n_steps=0)` logs no windows), or a "
+    "window of >= 1 optimizer steps."
+)
 
 # DDP samples its own forward/backward/comm timers every N iterations (default 100); 10 gives numbers in short runs
 # at the cost of a few timer records every 10th step.
@@ -113,7 +121,7 @@ class PerformanceMonitor(Callback):
             last skipped step).
         count_flops: count FLOPs once for MFU.
         peak_flops: the device's peak FLOP/s for the active precision (None: Lightning's table on CUDA, unknown on
-            CPU).
+            CPU); refused with ``count_flops=False``, where no MFU is computed.
         samples_fn: ``batch -> number of samples`` (None: Lightning's batch-size extraction).
         tokens_fn: ``batch -> number of tokens`` for tokens/s (None: not reported). Either returns an integer >= 0
             (a Python or numpy integer, a one-element tensor, a whole float); anything else stops the fit at its
@@ -126,11 +134,12 @@ class PerformanceMonitor(Callback):
             URL such as ``s3://bucket/run.json`` (None: ``<log_dir>/perf_report.json``; ``""``: do not write); the PNG
             goes beside it with the suffix ``.png``. Checked here: a file name, never an existing directory nor a
             directory's spelling (``runs/``), never a ``.png`` name (the picture would overwrite the report), never
-            under an existing file, never a URL whose scheme no installed fsspec filesystem handles. A file already at
-            either place that the monitor did not write (neither a report of its own, nor a picture it drew, nor a
-            file this instance wrote) is never overwritten: that file is skipped, with one warning naming it. A file
-            that cannot be written at the end of the fit (a full disk, a removed folder) is one warning too: the fit
-            does not fail over it, and the report stays in :attr:`report`.
+            under an existing file, never a URL whose scheme no installed fsspec filesystem handles; never blank. A
+            file already at either place that the monitor did not write (neither a report of its own, nor a picture it
+            drew, nor a file this instance wrote there and that is still as it wrote it) is never overwritten: that
+            file is skipped, with one warning naming it. A file that cannot be written at the end of the fit (a full
+            disk, a removed folder) is one warning too: the fit does not fail over it, and the report stays in
+            :attr:`report`.
         verbose: print the report on rank 0.
         clock: override the segment clock, an object with ``mark()`` and ``elapsed(start, end)`` such as
             ``HostClock(fn)`` (tests inject a fake one; checked here).
@@ -157,7 +166,7 @@ class PerformanceMonitor(Callback):
         count_flops = check_bool("count_flops", count_flops)
         nvml = check_bool("nvml", nvml)
         verbose = check_bool("verbose", verbose)
-        log_every_n_steps = check_int("log_every_n_steps", log_every_n_steps, low=1, allow_none=True)
+        log_every_n_steps = check_int("log_every_n_steps", log_every_n_steps, low=1, allow_none=True, fix=_WINDOW_FIX)
         skip_steps = check_int(
             "skip_steps",
             skip_steps,
@@ -175,6 +184,11 @@ class PerformanceMonitor(Callback):
                 f"`peak_flops` must be a finite number > 0 or None, got {peak_flops}. Pass the device's FLOP/s "
                 "(e.g. 989e12, an H100's dense bf16 peak), or None to leave MFU out on a device Lightning's table "
                 "does not know."
+            )
+        if peak_flops is not None and not count_flops:  # MFU is counted FLOPs over the peak: nothing would use it
+            raise ValueError(
+                f"`peak_flops` is {peak_flops:g}, but `count_flops=False` counts no FLOPs, so no MFU is reported: pass "
+                "`count_flops=True` for MFU, or leave `peak_flops` out."
             )
         check_callable("samples_fn", samples_fn, "a function `batch -> number of samples`")
         check_callable("tokens_fn", tokens_fn, "a function `batch -> number of tokens`")
@@ -207,7 +221,9 @@ class PerformanceMonitor(Callback):
         self._epoch_mark = TimerTotals()
         self._epoch_index: int | None = None
         self._step_before = 0  # trainer.global_step when the current batch started
-        self._written: set[str] = set()  # report and picture files this instance wrote (it may replace them)
+        # report and picture files this instance wrote, with what it wrote there: it may replace them while they are
+        # still that (a file the user put in their place since is not the monitor's)
+        self._written: dict[str, _Written] = {}
         self._finished = False  # this fit's report was made (at its end, or when it was interrupted)
         self.png_path: str | None = None
         # the spawning launchers fit on a copy of this instance in each worker: rank 0's copy sends its report back to
@@ -608,8 +624,9 @@ class PerformanceMonitor(Callback):
             # directory removed during the run, expired storage credentials) is said, never turned into a failed fit
             try:
                 if _may_replace(path, "report", self._written):
-                    atomic_write_text(path, r.to_json())
-                    self._written.add(path)
+                    data = r.to_json().encode("utf-8")
+                    atomic_write_bytes(path, data)
+                    self._written[path] = _Written.of(data)
                     places.append(f"report written to {path}")
             except Exception as e:
                 _warn_unwritten("report", path, e)
@@ -636,25 +653,28 @@ class PerformanceMonitor(Callback):
 
     @staticmethod
     def _write_png(
-        json_path: str, epochs: list[dict[str, float]], written: set[str] | None = None, *, ylabel: str | None = None
+        json_path: str,
+        epochs: list[dict[str, float]],
+        written: dict[str, _Written] | None = None,
+        *,
+        ylabel: str | None = None,
     ) -> str | None:
         """``perf_report.png`` beside the JSON: seconds per category, one stacked bar per epoch (needs matplotlib).
 
         Not written over a file the monitor did not write (see :func:`_may_replace`; ``written`` holds the files this
-        instance wrote, and receives the picture's path); None when nothing was written."""
+        instance wrote, and receives the picture's); None when nothing was written."""
         if not epochs:
             return None
         if not plot_available():
             rank_zero_info("PerformanceMonitor: no perf_report.png (needs matplotlib: `pip install matplotlib`).")
             return None
         png = _with_suffix(json_path, ".png")
-        written = set() if written is None else written
+        written = {} if written is None else written
         if not _may_replace(png, "picture", written):
             return None
-        atomic_write_bytes(
-            png, epoch_breakdown_png(epochs) if ylabel is None else epoch_breakdown_png(epochs, ylabel=ylabel)
-        )
-        written.add(png)
+        data = epoch_breakdown_png(epochs) if ylabel is None else epoch_breakdown_png(epochs, ylabel=ylabel)
+        atomic_write_bytes(png, data)
+        written[png] = _Written.of(data)
         return png
 
     @staticmethod
@@ -723,6 +743,13 @@ def _check_report_path(value: Any) -> str | None:
     # `~/runs/r.json` (a YAML config, a quoted argument) is the home directory's, as for Lightning's checkpoint dirpath;
     # unexpanded it became a folder named `~` in the working directory
     path = os.path.expanduser(os.fspath(value))
+    if path and not path.strip():
+        # blanks only (an unset variable in a shell line, a YAML value cut short): the report would land in the working
+        # directory under a name nobody sees, and the picture beside it as ` .png`
+        raise ValueError(
+            f"`report_path` must name a file, got {path!r}, which is blank. Name the file, e.g. "
+            "'runs/perf_report.json', or pass None for `<log_dir>/perf_report.json` or `\"\"` to write no report."
+        )
     name = path.rstrip("/" + os.sep).rpartition("/")[2].rpartition(os.sep)[2]
     if path and (path.endswith(("/", os.sep)) or name in ("", ".", "..")):
         # a directory's spelling: the report would land as a file named like the directory, and the picture beside
@@ -896,17 +923,29 @@ def _is_own_file(head: bytes) -> bool:
     return isinstance(data, dict) and set(data) >= _REPORT_KEYS
 
 
-def _may_replace(path: str, what: str, written: set[str]) -> bool:
+@dataclass(frozen=True)
+class _Written:
+    """What the monitor wrote to a file: its size and SHA-256, to know the file again (it may have been replaced)."""
+
+    size: int
+    sha256: str
+
+    @classmethod
+    def of(cls, data: bytes) -> _Written:
+        return cls(len(data), hashlib.sha256(data).hexdigest())
+
+
+def _may_replace(path: str, what: str, written: dict[str, _Written]) -> bool:
     """Whether the monitor may write its ``what`` ("report", "picture") at ``path``: nothing is there, or a file this
-    instance wrote (``written``), or one the monitor recognisably wrote (an earlier run's report or picture). Else
-    one warning names the file, which is left as it is."""
-    if path in written:
-        return True
+    instance wrote there and that is still what it wrote (``written``), or one the monitor recognisably wrote (an
+    earlier run's report or picture). Else one warning names the file, which is left as it is."""
+    own = written.get(path)
     try:
-        head = _read_head(path, _OWN_FILE_MAX_BYTES)
+        # one byte more than this instance wrote there: a longer file is not that one
+        head = _read_head(path, max(_OWN_FILE_MAX_BYTES, own.size + 1 if own is not None else 0))
     except Exception:  # there but unreadable (a directory, no permission): not the monitor's; no crash over it
         head = b""
-    if head is None or _is_own_file(head):
+    if head is None or (own is not None and _Written.of(head) == own) or _is_own_file(head[:_OWN_FILE_MAX_BYTES]):
         return True
     rank_zero_warn(
         f"PerformanceMonitor: {path!r} exists and is not a {what} the monitor wrote, so the {what} is not written "
@@ -1054,7 +1093,7 @@ class CudaMemoryManager(Callback):
         release_min_reserved_gb: only release when at least this much is reserved (>= 0).
         snapshot_dir: where OOM snapshots go, a local directory (a leading ``~`` is the home directory) or an fsspec
             URL (None: the trainer's ``log_dir`` or ``default_root_dir``). Checked here: never an existing file nor
-            under one, never a URL whose scheme no installed fsspec filesystem handles.
+            under one, never a URL whose scheme no installed fsspec filesystem handles, never blank (``""`` included).
         record_history: record allocation stack traces for richer snapshots.
         max_history_entries: ring-buffer size of the history when ``record_history`` (>= 1).
     """
@@ -1073,7 +1112,7 @@ class CudaMemoryManager(Callback):
         max_history_entries: int = 100_000,
     ) -> None:
         super().__init__()
-        log_every_n_steps = check_int("log_every_n_steps", log_every_n_steps, low=1, allow_none=True)
+        log_every_n_steps = check_int("log_every_n_steps", log_every_n_steps, low=1, allow_none=True, fix=_WINDOW_FIX)
         release_threshold = check_number(
             "release_threshold",
             release_threshold,
@@ -1095,6 +1134,13 @@ class CudaMemoryManager(Callback):
             raise TypeError(
                 f"`snapshot_dir` must be a directory path or URL (a string) or None, got {snapshot_dir!r} "
                 f"({type(snapshot_dir).__name__})."
+            )
+        if snapshot_dir is not None and not os.fspath(snapshot_dir).strip():
+            # `""` would silently mean the log directory, while `report_path=""` means "write nothing": refused, so that
+            # neither reading is guessed
+            raise ValueError(
+                f"`snapshot_dir` must be a directory path or URL, got {os.fspath(snapshot_dir)!r}, which is blank. "
+                "Pass a directory, e.g. 'oom_snapshots', or None for the trainer's log directory."
             )
         if math.isinf(release_min_reserved_gb):
             raise ValueError(
