@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import ast
 import math
 import os
 import warnings
@@ -31,6 +32,7 @@ from lightning_accel.recipes.distill import (
     combine_losses,
     distillation_loss,
     freeze_teacher,
+    legacy_teacher_fingerprint,
     load_teacher,
     teacher_fingerprint,
 )
@@ -140,13 +142,18 @@ def fit_scheduler_steps(trainer: Trainer, frequency: int) -> tuple[int | float, 
     (1-based) is a multiple of ``frequency``; the optimizer steps at every ``accumulate_grad_batches``-th batch and at
     the epoch's last one. With ``frequency=1`` these are the optimizer steps (``estimated_stepping_batches``). Under
     Lightning's ``GradientAccumulationScheduler`` each epoch counts at its own accumulation, and the steps per epoch
-    are ``None`` (they change with the epoch; :func:`bind_to_fit` converts a resumed position epoch by epoch).
+    are ``None`` (they change with the epoch; :func:`bind_to_fit` converts a resumed position epoch by epoch). A
+    manually optimized module with several optimizers under ``max_steps`` takes ``max_steps / optimizers`` batches
+    (Lightning counts every optimizer's step), each stepping each schedule once (:func:`_manual_steps_per_scheduler`).
     """
     scheduled = _accumulation_scheduler(trainer)
     if scheduled is not None:
         return _scheduled_accumulation_steps(trainer, scheduled, frequency)
     total_optimizer_steps = trainer.estimated_stepping_batches
     if frequency == 1:
+        manual = _manual_steps_per_scheduler(trainer)
+        if manual is not None:
+            return manual, None
         return total_optimizer_steps, fit_steps_per_epoch(trainer)
     if not math.isfinite(total_optimizer_steps):
         return total_optimizer_steps, None  # no bound at all: `WarmupCosineLR.bind` refuses it with the fix
@@ -162,6 +169,25 @@ def fit_scheduler_steps(trainer: Trainer, frequency: int) -> tuple[int | float, 
     # bounded by `max_steps`: whole epochs, then the first optimizer steps of a last one (none of them its final batch)
     full, rest = divmod(int(total_optimizer_steps), math.ceil(batches / accumulate))
     return full * per_epoch + rest * accumulate // every, None
+
+
+def _manual_steps_per_scheduler(trainer: Trainer) -> int | None:
+    """Steps each scheduler takes in ``trainer``'s fit when ``max_steps`` bounds a manually optimized module with
+    several optimizers, else ``None``.
+
+    Lightning counts every optimizer's step in ``global_step``, so ``max_steps`` ends such a fit after
+    ``max_steps / optimizers`` batches when each optimizer (and its scheduler) steps once per batch, the case
+    ``estimated_stepping_batches`` assumes under ``max_epochs``; bound to ``max_steps`` itself, the schedules would
+    stop half-way (two optimizers) and never reach ``min_lr``."""
+    module = trainer.lightning_module
+    optimizers = len(trainer.optimizers)
+    if module.automatic_optimization or optimizers < 2 or trainer.max_steps == -1:
+        return None
+    bound = math.ceil(trainer.max_steps / optimizers)
+    batches = trainer.num_training_batches
+    if math.isfinite(batches) and trainer.max_epochs is not None and trainer.max_epochs >= 0:
+        bound = min(bound, int(batches) * max(trainer.max_epochs, 1))
+    return bound
 
 
 def _resumed_batches(trainer: Trainer) -> int | None:
@@ -411,7 +437,9 @@ class PerStepLR(Callback):
     ``max_steps``). The length is recomputed at every fit start, resumed fits included: a resumed schedule keeps its
     step and base rates but takes the current fit's length (a finished 10-epoch run resumed with ``max_epochs=20``
     continues on the 20-epoch cosine instead of training at ``min_lr``). Schedules given an explicit ``total_steps``
-    keep their length. Other schedulers are left alone.
+    keep their length. Other schedulers are left alone. A manually optimized module with several optimizers, each
+    stepping its own schedule once per batch, ends a ``max_steps`` fit after ``max_steps / optimizers`` batches
+    (Lightning's ``global_step`` counts every optimizer's step): its schedules are bound to that many steps.
 
     **Frequency.** A scheduler config with ``interval="step"`` keeps its ``frequency``: Lightning then steps the
     schedule after every optimizer step that ends a batch position (in the epoch) divisible by ``frequency``, and the
@@ -601,7 +629,8 @@ class KnowledgeDistillation(Callback):
     :func:`~lightning_accel.recipes.distill.teacher_fingerprint`), ``temperature`` and ``alpha``, so a resume with
     the same teachers gives each callback its own state. A Trainer with one such callback also takes the one state of
     a checkpoint written by an earlier version (keyed by the bare class name, or by a teacher hash computed from a
-    sample of the weights).
+    sample of the weights, when it is this teacher's). A state of another teacher (the checkpoint was distilled from
+    another one) is not applied: this teacher starts afresh, and a warning on global rank 0 names both teachers.
 
     **Precision.** At fit start the teacher is converted, in place, to the dtype the Trainer's precision gives the
     student's inputs (``"bf16-true"``: bfloat16, ``"16-true"``: float16, ``"64-true"``: float64; the ``*-mixed``
@@ -661,7 +690,10 @@ class KnowledgeDistillation(Callback):
         self.alpha = float(alpha)
         # fixed here, before any fit converts the teacher (device, precision) or a schedule changes `alpha`, so a
         # resume with the same arguments finds the same key
-        config = {"teacher": teacher_fingerprint(self.teacher), "temperature": self.temperature, "alpha": self.alpha}
+        self._fingerprint = teacher_fingerprint(self.teacher)
+        # the key earlier versions wrote for this teacher, to recognise its state in their checkpoints
+        self._legacy_fingerprint = legacy_teacher_fingerprint(self.teacher)
+        config = {"teacher": self._fingerprint, "temperature": self.temperature, "alpha": self.alpha}
         self._state_key = f"{type(self).__qualname__}{config!r}"
         self._module: LightningModule | None = None
         self._precision: Precision | None = None
@@ -770,18 +802,38 @@ class KnowledgeDistillation(Callback):
 
     @override
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
-        # A checkpoint written by an earlier version keys the state by the bare class name, or by the same
-        # `KnowledgeDistillation{...}` form with a teacher hash computed from a sample of the weights (it reads every
-        # value now, so that key never matches again). Its state belongs to this callback if the checkpoint holds one
-        # such state and this is the only KnowledgeDistillation of the Trainer (otherwise which one wrote it is unknown)
+        # A checkpoint written by an earlier version keys the state by the bare class name (taken when this is the only
+        # KnowledgeDistillation of the Trainer: otherwise which one wrote it is unknown), or by the same
+        # `KnowledgeDistillation{...}` form with a teacher hash computed from a sample of the weights (taken when that
+        # hash is this teacher's). A state keyed by another teacher is not this one's: the resumed fit distils from
+        # another teacher, which starts afresh, and is told so (a changed teacher is a choice, not an error)
         states = checkpoint.get("callbacks") or {}
         if self.state_key in states:
             return
         name = type(self).__qualname__
-        older = [k for k in states if isinstance(k, str) and (k == name or k.startswith(name + "{"))]
         mine = [cb for cb in trainer.callbacks if isinstance(cb, KnowledgeDistillation)]  # type: ignore[attr-defined]
-        if len(older) == 1 and states[older[0]] and len(mine) == 1:
-            self.load_state_dict(dict(states[older[0]]))
+        claimed = {cb.state_key for cb in mine}
+        older = [k for k in states if isinstance(k, str) and k.startswith(name + "{") and k not in claimed]
+        own = [k for k in older if _key_teacher(name, k) in (self._fingerprint, self._legacy_fingerprint)]
+        if len(own) == 1 and states[own[0]]:
+            self.load_state_dict(dict(states[own[0]]))
+            return
+        if len(mine) == 1 and states.get(name):
+            self.load_state_dict(dict(states[name]))
+            return
+        # states of teachers that no KnowledgeDistillation of this Trainer distils from (the first callback missing
+        # its state reports them, once)
+        known = {f for cb in mine for f in (cb._fingerprint, cb._legacy_fingerprint)}
+        foreign = [k for k in older if _key_teacher(name, k) not in known]
+        first = next(cb for cb in mine if cb.state_key not in states)
+        if foreign and first is self:
+            teachers = ", ".join(str(_key_teacher(name, k)) for k in foreign)
+            rank_zero_warn(
+                f"KnowledgeDistillation: the checkpoint holds the distillation state of teacher(s) {teachers}, not "
+                f"of this fit's teacher {self._fingerprint}; it is not applied, and this teacher starts afresh with "
+                f"temperature {self.temperature} and alpha {self.alpha}. Resume with the checkpoint's teacher to "
+                "continue its distillation."
+            )
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -904,6 +956,16 @@ class KnowledgeDistillation(Callback):
         if isinstance(out, Mapping):
             return {**out, "loss": loss}
         return loss
+
+
+def _key_teacher(name: str, key: str) -> str | None:
+    """The teacher fingerprint of a ``KnowledgeDistillation{...}`` state key, or None when it holds none."""
+    try:
+        config = ast.literal_eval(key[len(name) :])
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return None
+    teacher = config.get("teacher") if isinstance(config, dict) else None
+    return teacher if isinstance(teacher, str) else None
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:
@@ -1033,7 +1095,8 @@ class StructuredPruning(Callback):
             entry, ``round_to``, ``fold_bn``, ``recalibrate_bn`` or ``train_mode`` of the wrong type (a bool for an
             epoch, an int for a flag).
         ValueError: ``amount`` outside [0, 1), a bad ``norm``, negative or duplicate epochs in ``schedule``, an
-            empty ``target``; at ``setup``, an ``ignore_modules`` name that is not a module of the pruned module.
+            empty ``target``, an ``ignore_modules`` entry ``""`` (the pruned module's own name); at ``setup``, an
+            ``ignore_modules`` name that is not a module of the pruned module (the close names are listed).
     """
 
     def __init__(

@@ -20,6 +20,7 @@ Entry point: :func:`find_channel_groups`.
 
 from __future__ import annotations
 
+import difflib
 import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -271,16 +272,29 @@ def check_module_names(
             f"`{arg}` must hold module names (strings), got {bad_type[0]!r} ({type(bad_type[0]).__name__}). Pass names "
             "from `named_modules()`, e.g. ['fc1']."
         )
+    if "" in out:
+        # `named_modules()` names the module itself "": as a name to ignore it means all of the model or none of it
+        example = f"e.g. {_some_names(model)}" if model is not None else "e.g. 'model.fc'"
+        raise ValueError(
+            f"`{arg}` holds '' (got {list(out)!r}), the name of the pruned module itself, not of a layer to keep "
+            f"whole. Name its submodules instead ({example}), or drop the callback to prune nothing."
+        )
     if model is not None:
-        known = dict(model.named_modules())
+        known = [name for name, _ in model.named_modules() if name]
         unknown = [n for n in out if n not in known]
         if unknown:
-            some = ", ".join(repr(n) for n in list(known)[1:7])
+            close = {n: difflib.get_close_matches(n, known, n=3, cutoff=0.6) for n in unknown}
+            hints = "; ".join(f"{n!r}: did you mean {', '.join(map(repr, c))}?" for n, c in close.items() if c)
             raise ValueError(
-                f"`{arg}` names modules that {type(model).__name__} does not have: {unknown}. Pass names from its "
-                f"`named_modules()` (e.g. {some})."
+                f"`{arg}` names modules that {type(model).__name__} does not have: {unknown}"
+                f"{f' ({hints})' if hints else ''}. Pass names from its `named_modules()` (e.g. {_some_names(model)})."
             )
     return out
+
+
+def _some_names(model: nn.Module) -> str:
+    """A few submodule names of ``model``, for an error message."""
+    return ", ".join(repr(name) for name, _ in list(model.named_modules())[1:7])
 
 
 def find_channel_groups(

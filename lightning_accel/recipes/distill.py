@@ -44,6 +44,7 @@ __all__ = [
     "combine_losses",
     "distillation_loss",
     "freeze_teacher",
+    "legacy_teacher_fingerprint",
     "load_teacher",
     "teacher_fingerprint",
 ]
@@ -176,6 +177,28 @@ def teacher_fingerprint(teacher: nn.Module) -> str:
         for start in range(0, flat.numel(), _FINGERPRINT_CHUNK):
             chunk = flat[start : start + _FINGERPRINT_CHUNK].cpu().contiguous()
             h.update(chunk.view(torch.uint8).numpy().data)
+    return f"{type(teacher).__qualname__}@{h.hexdigest()}"
+
+
+#: Values of each tensor that :func:`legacy_teacher_fingerprint` reads.
+_LEGACY_FINGERPRINT_SAMPLES = 4096
+
+
+def legacy_teacher_fingerprint(teacher: nn.Module) -> str:
+    """The fingerprint earlier versions keyed ``KnowledgeDistillation`` states by: like :func:`teacher_fingerprint`,
+    but hashing up to 4096 evenly spaced values of each tensor. Only for recognising the state of the same teacher in
+    a checkpoint written by them; it does not tell teachers apart that differ between the sampled values."""
+    h = hashlib.blake2b(digest_size=6)
+    for name, t in teacher.state_dict().items():
+        if not isinstance(t, torch.Tensor):
+            h.update(f"{name}:{type(t).__qualname__};".encode())
+            continue
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        if t.device.type == "meta" or t.layout != torch.strided or t.is_quantized:
+            continue
+        flat = t.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // _LEGACY_FINGERPRINT_SAMPLES)][:_LEGACY_FINGERPRINT_SAMPLES]
+        h.update(sample.cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return f"{type(teacher).__qualname__}@{h.hexdigest()}"
 
 

@@ -27,6 +27,7 @@ from torch.optim.lr_scheduler import ChainedScheduler, CyclicLR, LRScheduler, Se
 
 from lightning_accel._utils import compat
 from lightning_accel._utils.checks import check_int, check_number
+from lightning_accel._utils.rank import is_global_zero
 
 __all__ = ["APPLIED_KEY", "WarmupCosineLR", "apply_lr_scale", "linear_scaling_factor", "warmup_cosine_value"]
 
@@ -487,12 +488,40 @@ class WarmupCosineLR(LRScheduler):
         epochs continues on the longer cosine instead of training at ``min_lr``. The restored position offset and
         steps per epoch stay until :meth:`bind` re-expresses them in the current fit's steps
         (:func:`~lightning_accel.recipes.callbacks.bind_to_fit`, called by ``PerStepLR`` at ``on_train_start``).
+
+        The shape of the curve is not taken from the checkpoint either: ``warmup_steps``, ``warmup_fraction`` and
+        ``min_lr`` keep the constructor's values, so a resumed run configured with another warm-up or floor follows
+        it from the restored step on. Where they differ from the checkpoint's, a warning (on global rank 0) names each
+        argument with both values; pass the checkpoint's values to continue on its curve.
         """
         arg = self.total_steps_arg
+        # the constructor's schedule shape, which this fit was configured with: kept like `total_steps` (the checkpoint
+        # gives the position on the curve, not its shape)
+        warmup_steps, warmup_fraction, min_lr = self.warmup_steps_arg, self.warmup_fraction, self.min_lr
+        given = {"warmup_steps": warmup_steps, "warmup_fraction": warmup_fraction, "min_lr": min_lr}
+        saved = {
+            "warmup_steps": state_dict.get("warmup_steps_arg", warmup_steps),
+            "warmup_fraction": state_dict.get("warmup_fraction", warmup_fraction),
+            "min_lr": state_dict.get("min_lr", min_lr),
+        }
         self.__dict__.update(state_dict)
         self.total_steps_arg = arg
-        if arg is not None:
-            self._resolve(arg)
+        self.warmup_steps_arg, self.warmup_fraction, self.min_lr = warmup_steps, warmup_fraction, min_lr
+        changed = [f"`{k}` {saved[k]!r} in the checkpoint, {given[k]!r} given" for k in given if saved[k] != given[k]]
+        if changed and is_global_zero():
+            warnings.warn(
+                f"WarmupCosineLR: resumed with other schedule arguments than the checkpoint's ({'; '.join(changed)}); "
+                "it uses the given ones from the restored step on, as it does `total_steps` (the checkpoint keeps the "
+                "position only). Pass the checkpoint's values to continue on its curve.",
+                UserWarning,
+                stacklevel=2,
+            )
+        # the restored warm-up length was resolved from the checkpoint's arguments: resolved again from the given ones
+        horizon = arg if arg is not None else self.total_steps
+        if horizon is not None:
+            self._resolve(horizon)
+        else:
+            self.warmup_steps = warmup_steps or 0
         if self.total_steps is not None:
             self._apply_current()
         elif self.last_epoch > 0:

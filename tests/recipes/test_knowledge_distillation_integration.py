@@ -18,7 +18,7 @@ from typing_extensions import override
 from lightning_accel.callbacks import KnowledgeDistillation
 from lightning_accel.checkpoint import DeltaCheckpointIO
 from lightning_accel.models import ImageClassifier
-from lightning_accel.recipes.distill import distillation_loss
+from lightning_accel.recipes.distill import distillation_loss, legacy_teacher_fingerprint
 from tests.helpers import run_in_processes
 from tests.tiny import classifier, loader, trainer
 
@@ -443,7 +443,8 @@ def test_a_state_keyed_by_an_earlier_teacher_hash_is_checked(tmp_path: Path) -> 
     t.fit(DictStudent(), loader())
     t.save_checkpoint(tmp_path / "a.ckpt")
     state = torch.load(tmp_path / "a.ckpt", weights_only=False)
-    old_key = "KnowledgeDistillation{'teacher': 'Sequential@0123456789ab', 'temperature': 4.0, 'alpha': 0.5}"
+    old = {"teacher": legacy_teacher_fingerprint(_teacher()), "temperature": 4.0, "alpha": 0.5}
+    old_key = f"KnowledgeDistillation{old!r}"
     state["callbacks"] = {old_key: {"temperature": 4.0, "alpha": 0.5}}
     torch.save(state, tmp_path / "old.ckpt")
     kd = KnowledgeDistillation(_teacher(), temperature=3.0)

@@ -257,7 +257,8 @@ def test_resume_continues_the_same_curve() -> None:
     first = _lrs(sched_a, opt_a, 12)
     opt_b = _opt(1.0)
     opt_b.load_state_dict(opt_a.state_dict())
-    sched_b = WarmupCosineLR(opt_b, warmup_fraction=0.5)  # constructor args lose to the restored state
+    # the same schedule arguments, no `total_steps`: the restored horizon and step continue the curve
+    sched_b = WarmupCosineLR(opt_b, warmup_steps=5, min_lr=0.01)
     sched_b.load_state_dict(sched_a.state_dict())
     second = _lrs(sched_b, opt_b, 18)
     assert first + second == pytest.approx(full)
