@@ -71,15 +71,26 @@ class WatchRule:
 
     def __post_init__(self) -> None:
         check_int("nan_streak", self.nan_streak, low=1)
-        check_number("spike_sigma", self.spike_sigma, low=0, low_open=True)
+        _check_finite("spike_sigma", self.spike_sigma, low_open=True, example="6.0")
         check_int("spike_steps", self.spike_steps, low=1)
         check_number("ema_beta", self.ema_beta, low=0, high=1, low_open=True, high_open=True)
         check_number("noise_beta", self.noise_beta, low=0, high=1, low_open=True, high_open=True)
         check_int("arm_after", self.arm_after, low=2, fix="The variance needs at least 2 values.")
-        check_number("rel_floor", self.rel_floor, low=0)
+        _check_finite("rel_floor", self.rel_floor, low_open=False, example="0.05")
         check_int("window_steps", self.window_steps, low=0)
-        check_number("window_sigma", self.window_sigma, low=0, low_open=True)
+        _check_finite("window_sigma", self.window_sigma, low_open=True, example="4.0")
         check_int("window_spike_steps", self.window_spike_steps, low=1)
+
+
+def _check_finite(name: str, value: Any, *, low_open: bool, example: str) -> None:
+    """A threshold of the spike rule: a number above 0 (``low_open``) or at least 0, and finite. An infinite one was
+    taken and switched the spike rule off without a word (no value lies infinitely many deviations above the mean;
+    an infinite ``rel_floor`` made the deviation NaN)."""
+    fix = f"Pass a finite number, e.g. {example}."
+    v = check_number(name, value, low=0, low_open=low_open, fix=fix)
+    if not math.isfinite(v):
+        expected = "a finite number " + ("> 0" if low_open else ">= 0")
+        raise ValueError(f"`{name}` must be {expected}, got {value!r}. {fix}")
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,9 @@ def build_parser(prog: str = "lightning-accel tune") -> argparse.ArgumentParser:
     """The argument parser of ``tune``; its description is the module docstring's second paragraph, in plain text."""
     p = argparse.ArgumentParser(prog=prog, allow_abbrev=False, description=plain_help(__doc__.split("\n\n")[1]))
     p.add_argument("--config", "-c", required=True, help="the job's YAML, as `lightning-accel fit --config` takes")
-    p.add_argument("--budget", default="5m", help="wall-clock limit of the whole tune (90s, 5m, 1h; default 5m)")
+    p.add_argument(
+        "--budget", default="5m", help="wall-clock limit of the whole tune, with its unit (90s, 5m, 1h; default 5m)"
+    )
     p.add_argument("--out", default="tuned.yaml", help="the tuned config (reports beside it; default tuned.yaml)")
     p.add_argument(
         "--allow-batch-change", action="store_true", help="also try 2x the per-device batch + LinearScalingLR"
@@ -82,13 +84,29 @@ def _comma_list(flag: str, value: str, example: str) -> list[str]:
     return words
 
 
+def _glue_negative_budget(argv: list[str]) -> list[str]:
+    """``argv`` with ``--budget -1m`` written as ``--budget=-1m``: argparse takes a value that starts with ``-`` and
+    is no plain number for a flag and answered "argument --budget: expected one argument", which hides that the
+    budget is negative (``parse_duration`` then says so)."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        if argv[i] == "--budget" and i + 1 < len(argv) and re.fullmatch(r"-[0-9.].*", argv[i + 1]):
+            out.append(f"--budget={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
 def main(argv: list[str] | None = None, prog: str = "lightning-accel tune") -> int:
     """Run ``tune``; 0 on success, 2 with one ``error:`` line on a user mistake, 130 when interrupted (Ctrl-C); a
     SIGTERM raises ``SystemExit(143)`` (the trial folder removed, nothing written)."""
     from lightning_accel.tune.core import DEFAULT_MARGIN, named_as_flags
     from lightning_accel.tune.tuner import load_job, tune_job
 
-    args = build_parser(prog).parse_args(argv)
+    args = build_parser(prog).parse_args(_glue_negative_budget(sys.argv[1:] if argv is None else list(argv)))
     try:
         if _same_file(args.out, args.config):
             raise ValueError(

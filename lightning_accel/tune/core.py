@@ -354,21 +354,35 @@ _UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
 
 
 def parse_duration(text: str | float | int) -> float:
-    """Seconds in ``"90"``, ``"90s"``, ``"5m"``, ``"1.5h"`` (or a number of seconds).
+    """Seconds in ``"90s"``, ``"5m"``, ``"1.5min"``, ``"1h"`` (or a number of seconds, from Python).
+
+    A string must carry its unit: ``"5"`` could mean 5 seconds (``timeout``) or 5 minutes (Slurm's ``--time``), and
+    taken as seconds it ran a tune too short for any option while reporting that none paid.
 
     Raises:
-        ValueError: anything else, or a duration that is not positive.
+        ValueError: anything else, a string without a unit, or a duration that is not positive and finite.
     """
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         seconds = float(text)
     else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(s|m|min|h|)\s*", str(text))
+        # the sign is matched so that "-1m" is told it is not positive, not that it is no duration
+        m = re.fullmatch(r"\s*([-+]?[0-9]*\.?[0-9]+)\s*(s|m|min|h|)\s*", str(text))
         if m is None:
             raise ValueError(f"{named_arg('budget')} must be a duration such as 90s, 5m or 1h, got {text!r}.")
+        if not m.group(2):
+            raise ValueError(
+                f"{named_arg('budget')} must give its unit (s, m, min or h), got {text!r}: seconds or minutes? Pass "
+                f"e.g. {named_arg('budget', m.group(1) + 'm')} or {named_arg('budget', m.group(1) + 's')}."
+            )
         seconds = float(m.group(1)) * _UNITS[m.group(2)]
     if not seconds > 0:
         raise ValueError(
             f"{named_arg('budget')} must be positive, got {text!r}. Pass e.g. {named_arg('budget', '5m')}."
+        )
+    if not math.isfinite(seconds):  # the reports hold the budget: `Infinity` is not JSON other tools can read
+        raise ValueError(
+            f"{named_arg('budget')} must be finite, got {text!r}. Pass the wall-clock limit of the whole tune, e.g. "
+            f"{named_arg('budget', '1h')}."
         )
     return seconds
 

@@ -306,7 +306,7 @@ def tune_job(
 
     Args:
         job: the job (``trainer``, ``model``, ``data``, ``seed_everything``).
-        budget: the whole tune's wall-clock limit (``"5m"``, ``"90s"`` or seconds).
+        budget: the whole tune's wall-clock limit: a string with its unit (``"5m"``, ``"90s"``) or a number of seconds.
         out: where ``tuned.yaml`` goes (the reports beside it); None: write nothing.
         allow_batch_change: also try twice the per-device batch with ``LinearScalingLR``.
         margin: the fraction in [0, 1) a lever must beat the best step time by to be kept.
@@ -361,6 +361,15 @@ def tune_job(
                 f"{named_arg(name)} must be a path (str or os.PathLike) or None, got {path!r} ({type(path).__name__}). "
                 f"Pass {example}."
             )
+        if path is not None and not os.fspath(path).strip():
+            # an empty shell variable (`--cache-dir "$CACHE"`): the cache went to the default folder without a word,
+            # and an empty `out` was taken for the working folder
+            example = "the YAML to write, e.g. 'tuned/tuned.yaml'" if name == "out" else "a folder, e.g. 'tune-cache'"
+            if name == "cache_dir":
+                example += f", or leave {named_arg(name)} out for the default cache"
+            elif not flags_named():
+                example += ", or None to write nothing"
+            raise ValueError(f"{named_arg(name)} must be a path, got {os.fspath(path)!r}. Pass {example}.")
     levers, skip = _check_levers(levers, skip, allow_batch_change)
     _check_levers_apply(levers, job)
     if out is not None:  # `~` is the home directory, as for `--cache-dir` (`--out=~/x.yaml` reaches us unexpanded)
@@ -919,8 +928,7 @@ def write_outputs(res: TuneResult, out: str | os.PathLike[str], *, force: bool =
     out.parent.mkdir(parents=True, exist_ok=True)
     kept = ", ".join(res.chosen.values()) or "nothing"
     head = f"{HEADER} (job {res.fingerprint}); kept: {kept}\n"
-    atomic_write_text(out, head + yaml.safe_dump(res.config, sort_keys=False))
-    paths = {"tuned": str(out)}
+    tuned = head + yaml.safe_dump(res.config, sort_keys=False)
     stem = out.parent / "tune_report"
     summary = {
         "written_by": _REPORT_MARK,
@@ -933,14 +941,46 @@ def write_outputs(res: TuneResult, out: str | os.PathLike[str], *, force: bool =
         "chosen": res.chosen,
         "trials": [t.to_dict() for t in res.trials],
     }
-    atomic_write_text(f"{stem}.json", json.dumps(summary, indent=1, default=repr))
-    atomic_write_text(f"{stem}.md", report_markdown(res))
-    paths["json"], paths["md"] = f"{stem}.json", f"{stem}.md"
-    png = report_png(res.trials)
-    if png is not None:
-        atomic_write_bytes(f"{stem}.png", png)
-        paths["png"] = f"{stem}.png"
+    report = json.dumps(summary, indent=1, default=repr)
+    table, png = report_markdown(res), report_png(res.trials)
+    paths = {"tuned": str(out), "json": f"{stem}.json", "md": f"{stem}.md"}
+    # one set: a Ctrl-C or SIGTERM between two files left a new tuned.yaml beside the reports of an older tune
+    with _signals_deferred():
+        atomic_write_text(out, tuned)
+        atomic_write_text(paths["json"], report)
+        atomic_write_text(paths["md"], table)
+        if png is not None:
+            atomic_write_bytes(f"{stem}.png", png)
+            paths["png"] = f"{stem}.png"
     return paths
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Within it, SIGINT and SIGTERM are held and delivered as it ends (to the handler each would have met), so that
+    what it writes is written whole: the outputs of one tune are four files, and ``atomic_write_*`` makes each one
+    whole, not the four. Held by a Python handler of its own, not by a signal mask: a mask holds a signal for one
+    thread only, and the process's other threads (torch's, matplotlib's) took it and let Python raise it at once.
+    Only in the main thread (where Python sets handlers), and over handlers Python knows (not one set from C)."""
+    kinds = (signal.SIGINT, signal.SIGTERM)
+    before = {k: signal.getsignal(k) for k in kinds}
+    if threading.current_thread() is not threading.main_thread() or any(h is None for h in before.values()):
+        yield
+        return
+    held: list[int] = []
+
+    def hold(signum: int, frame: Any) -> None:
+        held.append(signum)
+
+    for k in kinds:
+        signal.signal(k, hold)
+    try:
+        yield
+    finally:
+        for k, handler in before.items():
+            signal.signal(k, handler)
+        if held:
+            signal.raise_signal(held[0])  # a Ctrl-C raises KeyboardInterrupt here; a SIGTERM meets its own handler
 
 
 def _unwritten_error(error: OSError, out: str | os.PathLike[str], *, cached: bool, reads_cache: bool) -> OSError:

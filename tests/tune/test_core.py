@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -132,14 +133,35 @@ def test_budget_with_an_injected_clock() -> None:
     assert b.left() == 0.0
 
 
-@pytest.mark.parametrize(("text", "seconds"), [("90", 90), ("90s", 90), ("5m", 300), ("1.5h", 5400), (30, 30)])
+@pytest.mark.parametrize(
+    ("text", "seconds"), [("90s", 90), ("5m", 300), ("1.5min", 90), ("1.5h", 5400), (30, 30), (2.5, 2.5)]
+)
 def test_parse_duration(text: str, seconds: float) -> None:
     assert parse_duration(text) == seconds
 
 
-@pytest.mark.parametrize("text", ["soon", "-5m", "0", "5 days"])
-def test_parse_duration_refuses(text: str) -> None:
-    with pytest.raises(ValueError, match="`budget` must be"):  # the keyword: the command names its flag instead
+@pytest.mark.parametrize("text", ["soon", "-5m", "0s", "5 days", "1e9h", "inf", "nan", math.inf, -1, True])
+def test_parse_duration_refuses(text: str | float) -> None:
+    with pytest.raises(ValueError, match="`budget` must be") as e:  # the keyword: the command names its flag instead
         parse_duration(text)
+    assert "\n" not in str(e.value)
     with named_as_flags(), pytest.raises(ValueError, match="`--budget` must be"):
+        parse_duration(text)
+
+
+@pytest.mark.parametrize(("text", "why"), [("-1m", "must be positive"), ("+0m", "must be positive")])
+def test_a_signed_budget_is_told_it_is_not_positive(text: str, why: str) -> None:
+    # "-1m" was "not a duration such as 90s": the message did not say what was wrong with it
+    with pytest.raises(ValueError, match=f"`budget` {why}, got '{re.escape(text)}'"):
+        parse_duration(text)
+
+
+@pytest.mark.parametrize("text", ["5", "90", " 1.5 "])
+def test_a_budget_without_its_unit_is_refused(text: str) -> None:
+    # "5" was 5 seconds: a tune too short for any option, which wrote a config that "kept nothing"
+    number = text.strip()
+    with pytest.raises(ValueError, match="`budget` must give its unit") as e:
+        parse_duration(text)
+    assert f"`budget='{number}m'`" in str(e.value) and f"`budget='{number}s'`" in str(e.value)
+    with named_as_flags(), pytest.raises(ValueError, match=f"Pass e.g. `--budget {number}m` or `--budget {number}s`"):
         parse_duration(text)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -167,6 +168,46 @@ def test_snapshot_refuses_another_optimizer_count_before_copying_anything() -> N
 )
 def test_bad_arguments_fail_in_init_with_one_line(kwargs: dict, match: str) -> None:
     with pytest.raises((ValueError, TypeError), match=match) as e:
+        RollbackGuard(**kwargs)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"spike_sigma": math.inf}, ValueError, "`spike_sigma` must be a finite number > 0, got inf. Pass a finite"),
+        ({"window_sigma": math.inf}, ValueError, "`window_sigma` must be a finite number > 0, got inf"),
+        ({"rel_floor": math.inf}, ValueError, "`rel_floor` must be a finite number >= 0, got inf"),
+        ({"spike_sigma": math.nan}, ValueError, "`spike_sigma` must be a number > 0, got nan"),
+        ({"rel_floor": -0.1}, ValueError, "`rel_floor` must be a number >= 0, got -0.1"),
+        (
+            {"spike_sigma": np.float64(6.0)},
+            TypeError,
+            "`spike_sigma` must be a number > 0, got .*\\(float64\\)\\. Pass a Python value",
+        ),
+        (
+            {"snapshot_every": np.int64(50)},
+            TypeError,
+            "`snapshot_every` must be an integer >= 1, got .*\\(int64\\)\\. Pass a Python value",
+        ),
+        ({"max_rollbacks": True}, TypeError, "`max_rollbacks` must be an integer >= 0, got True \\(bool\\)"),
+        ({"verbose": 1}, TypeError, "`verbose` must be True or False, got 1 \\(int\\)"),
+    ],
+    ids=[
+        "sigma-inf",
+        "window-inf",
+        "floor-inf",
+        "sigma-nan",
+        "floor-negative",
+        "np-float",
+        "np-int",
+        "bool",
+        "int-flag",
+    ],
+)
+def test_thresholds_that_are_infinite_numpy_or_bool_are_refused(kwargs: dict, error: type, match: str) -> None:
+    # an infinite sigma or floor was taken and switched the spike rule off without a word
+    with pytest.raises(error, match=match) as e:
         RollbackGuard(**kwargs)
     assert "\n" not in str(e.value)
 

@@ -220,3 +220,58 @@ def test_a_sharded_update_is_checked_before_the_epochs_end_on_every_rank(tmp_pat
     a, b = run_in_processes(_timed_save_fit, 2, (str(tmp_path), True), init_process_group=False)
     assert a["events"] == b["events"] and len(a["events"]) == 1 and a["events"][0]["step"] == 8
     assert a["finite"] and b["finite"]
+
+
+def _spike_fit(rank: int, world_size: int) -> dict[str, Any]:
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch import Callback
+
+    from lightning_accel.callbacks import RollbackGuard
+    from tests import tiny
+
+    class LossSpikeOnRank1(Callback):
+        """Rank 1's recorded loss (not its gradients) 50x at steps 12 and 13, once each: a spike only it sees."""
+
+        def __init__(self) -> None:
+            self.left = {12, 13}
+
+        def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *a: Any) -> None:
+            if trainer.global_rank == 1 and trainer.global_step in self.left:
+                self.left.discard(trainer.global_step)
+                with torch.no_grad():
+                    outputs["loss"].mul_(50.0)
+
+    torch.manual_seed(0)
+    guard = RollbackGuard(
+        snapshot_every=4, check_every=3, arm_after=4, spike_steps=2, watch_grad_norm=False, verbose=False
+    )
+    trainer = tiny.trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_epochs=3,
+        max_steps=20,
+        limit_train_batches=32,
+        callbacks=[LossSpikeOnRank1(), guard],  # the spike is in the outputs before the guard reads them
+    )
+    model = tiny.classifier()
+    trainer.fit(model, tiny.loader(batch_size=8, n=256))
+    params = torch.cat([p.detach().flatten() for p in model.parameters()])
+    return {
+        "events": [{k: v for k, v in e.items() if k != "reason"} for e in guard.events],
+        "reasons": [e["reason"] for e in guard.events],
+        "step": trainer.global_step,
+        "params": params.tolist(),
+    }
+
+
+def test_a_loss_spike_seen_by_one_rank_rolls_every_rank_back_together() -> None:
+    # the spike rule runs on each rank's own loss: rank 0 never sees it, and must still roll back with rank 1 (a
+    # rollback on one rank only would leave the ranks' weights apart and their collectives out of step)
+    a, b = run_in_processes(_spike_fit, 2, init_process_group=False)
+    assert a["events"] == b["events"] and len(a["events"]) == 1, (a["events"], b["events"])
+    assert a["events"][0]["action"] == "rollback" and a["events"][0]["streak_start"] == 12
+    assert "another rank" in a["reasons"][0] and "loss spike" in b["reasons"][0]
+    assert a["step"] == b["step"] == 20, (a["step"], b["step"], a["events"])
+    assert max(abs(x - y) for x, y in zip(a["params"], b["params"], strict=True)) < 1e-6  # still in step

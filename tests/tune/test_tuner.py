@@ -800,7 +800,10 @@ def test_a_job_whose_trainer_section_is_empty_is_tuned(monkeypatch: pytest.Monke
     ("kwargs", "flags", "from_python", "from_the_command"),
     [
         ({"budget": "soon"}, ["--budget", "soon"], "`budget` must be a duration", "`--budget` must be a duration"),
-        ({"budget": "0"}, ["--budget", "0"], "Pass e.g. `budget='5m'`.", "Pass e.g. `--budget 5m`."),
+        ({"budget": "0s"}, ["--budget", "0s"], "Pass e.g. `budget='5m'`.", "Pass e.g. `--budget 5m`."),
+        # argparse took "-1m" for a flag: "argument --budget: expected one argument", with the usage
+        ({"budget": "-1m"}, ["--budget", "-1m"], "`budget` must be positive", "`--budget` must be positive, got '-1m'"),
+        ({"budget": "5"}, ["--budget", "5"], "Pass e.g. `budget='5m'` or", "Pass e.g. `--budget 5m` or `--budget 5s`."),
         ({"steps": 2}, ["--steps", "2"], "`steps` must be an integer >= 3", "`--steps` must be an integer >= 3"),
         ({"margin": 1.5}, ["--margin", "1.5"], "`margin` must be a number", "`--margin` must be a number"),
         (
@@ -823,7 +826,18 @@ def test_a_job_whose_trainer_section_is_empty_is_tuned(monkeypatch: pytest.Monke
             "Pass another `--out`, or `--force` to overwrite it.",
         ),
     ],
-    ids=["budget", "budget-zero", "steps", "margin", "levers", "skip", "cache-dir", "out"],
+    ids=[
+        "budget",
+        "budget-zero",
+        "budget-negative",
+        "budget-no-unit",
+        "steps",
+        "margin",
+        "levers",
+        "skip",
+        "cache-dir",
+        "out",
+    ],
 )
 def test_refusals_name_the_keyword_from_python_and_the_flag_from_the_command(
     kwargs: dict[str, Any],
@@ -1008,3 +1022,60 @@ def test_tune_cli_refuses_an_empty_levers_list_and_an_out_named_as_a_folder(
     assert seen == [] and sorted(p.name for p in tmp_path.iterdir()) == ["job.yaml"]
     with pytest.raises(ValueError, match=r"^`out` 'results/' names a folder"):
         tuner.tune_job(JOB, out="results/", levers=["precision"], cache_dir=tmp_path / "c", verbose=False)
+
+
+def test_ctrl_c_while_the_outputs_are_written_leaves_them_whole(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # a Ctrl-C right after tuned.yaml was written stopped the tune before its reports: the new tuned.yaml stood
+    # beside the reports of the tune before it
+    import signal
+
+    from lightning_accel._utils import atomic
+
+    out = tmp_path / "tuned.yaml"
+    first = _tune(monkeypatch, tmp_path, [0.1, 0.2, 0.1])[1]
+    tuner.write_outputs(first, out)  # the reports of an earlier tune of this folder
+    before = {p.name: p.read_bytes() for p in tmp_path.glob("tune_report.*")}
+    real, writes = atomic.atomic_write_text, []
+
+    def write_then_interrupt(path: Any, text: str, **kwargs: Any) -> None:
+        real(path, text, **kwargs)
+        writes.append(Path(path).name)
+        if len(writes) == 1:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C between the first file and the next
+
+    second = _tune(monkeypatch, tmp_path, [0.1, 0.05, 0.1])[1]
+    assert second.chosen != first.chosen
+    monkeypatch.setattr(atomic, "atomic_write_text", write_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        tuner.write_outputs(second, out)
+    assert writes == ["tuned.yaml", "tune_report.json", "tune_report.md"]  # the set went out whole, then Ctrl-C
+    report = json.loads((tmp_path / "tune_report.json").read_text())
+    assert report["chosen"] == second.chosen and "kept: precision" in out.read_text().splitlines()[0]
+    assert (tmp_path / "tune_report.png").read_bytes() != before["tune_report.png"]
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+@pytest.mark.parametrize(
+    ("flag", "keyword", "said"),
+    [("--cache-dir", "cache_dir", "or leave `--cache-dir` out"), ("--out", "out", "e.g. 'tuned/tuned.yaml'.")],
+)
+def test_an_empty_path_is_refused_not_taken_for_the_default(
+    flag: str, keyword: str, said: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: Any
+) -> None:
+    # `--cache-dir "$CACHE"` with CACHE unset: the results went to ~/.cache without a word
+    from lightning_accel.tune.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    seen, fake = _script([0.1] * 9)
+    monkeypatch.setattr(tuner, "run_trial", fake)
+    with pytest.raises(ValueError, match=f"`{keyword}` must be a path, got ''"):
+        tuner.tune_job(JOB, **{"out": None, "cache_dir": "c", keyword: ""}, verbose=False)
+    (tmp_path / "job.yaml").write_text(json.dumps(JOB))
+    argv = ["--config", "job.yaml", "--out", "tuned.yaml", "--cache-dir", "c", "--levers", "precision"]
+    argv[argv.index(flag) + 1] = ""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"`{flag}` must be a path, got ''" in err and said in err, err
+    assert seen == [] and sorted(p.name for p in tmp_path.iterdir()) == ["job.yaml"]
