@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import errno
 import itertools
 import logging
 import sys
@@ -107,8 +108,21 @@ def _save_error(line: str, cause: BaseException) -> CheckpointSaveError:
         except TypeError:  # an incompatible layout or constructor
             err = None
     err = err if err is not None else CheckpointSaveError(line)
+    if isinstance(cause, OSError) and isinstance(err, OSError):
+        err.errno = cause.errno  # `except OSError as e: e.errno == ENOSPC` keeps working (the message stays `line`)
     err.__cause__ = cause
     return err
+
+
+def failure_hint(cause: BaseException) -> str:
+    """The fix for a save that failed with ``cause``, as a sentence to end its one-line message with ("" when no
+    fix is known)."""
+    if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (
+            " Free space on the device that holds the checkpoint directory (or keep fewer checkpoints: a lower "
+            "`save_top_k`); the checkpoints saved before this one are intact."
+        )
+    return ""
 
 
 def snapshot(obj: Any) -> Any:
@@ -637,6 +651,8 @@ class BackgroundWriter:
             if jobs.error is None:
                 if dropped:
                     line += f" ({dropped} later checkpoint job(s) were dropped, nothing was removed)"
+                hint = failure_hint(e)
+                line += f".{hint}" if hint else ""
                 jobs.error = _save_error(line, e)
             log.error("%s", line)
 

@@ -31,6 +31,7 @@ import posixpath
 import re
 import signal
 import threading
+import weakref
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
@@ -47,8 +48,9 @@ from lightning_accel._utils.atomic import is_local_url, strip_file_scheme
 from lightning_accel._utils.checks import check_bool
 from lightning_accel._utils.errors import one_line
 from lightning_accel._utils.fs import FileStore
-from lightning_accel._utils.patching import Patch
+from lightning_accel._utils.patching import Patch, patch
 from lightning_accel._utils.rank import ErrorDescription, describe_error, rebuild_error
+from lightning_accel.checkpoint.background import _save_error
 from lightning_accel.checkpoint.lock import CheckpointDirectoryLockedError
 from lightning_accel.checkpoint.plugin import CheckpointSaveError, DeltaCheckpointIO
 from lightning_accel.checkpoint.reader import resolve_last
@@ -80,11 +82,15 @@ def teardown_wrapped_io(trainer: pl.Trainer) -> None:
     directory stayed locked until the process exited: ``lightning-accel ckpt gc`` from another shell and a second fit
     on the same ``dirpath`` in the same process (a notebook) were refused as "another writer". Called from the
     ``teardown`` hook of :class:`DeltaModelCheckpoint` and :class:`CheckpointGuard`, which Lightning runs after the
-    strategy's (the wrapper's saves are finished by then).
+    strategy's (the wrapper's saves are finished by then). A failure of the wrapper's thread held for every rank
+    (:func:`hold_save_failures`) and not raised yet (the stage ended otherwise) is raised here rather than lost.
     """
     io: Any = trainer.strategy.checkpoint_io
     if isinstance(io, AsyncCheckpointIO) and isinstance(io.checkpoint_io, DeltaCheckpointIO):
         io.checkpoint_io.teardown()
+        error = _held_failures.pop(io.checkpoint_io, None)
+        if error is not None:
+            raise error  # a failure held for every rank that no save or end of training raised: not lost
 
 
 def attach_io(trainer: pl.Trainer) -> None:
@@ -102,7 +108,7 @@ _WRITES_KEY = "lightning_accel-delta-model-checkpoint-writes"
 
 def _held_io(trainer: pl.Trainer) -> DeltaCheckpointIO | None:
     """The Trainer's own ``DeltaCheckpointIO`` when its async failures must reach every rank together: an async one
-    that raises them (``on_save_error="raise"``; not inside ``AsyncCheckpointIO``, which reports its own failures)
+    that raises them (``on_save_error="raise"``; not inside ``AsyncCheckpointIO``, see :func:`hold_save_failures`)
     under more than one process. The same on every rank (the same configuration), so all take the same collectives."""
     io: Any = trainer.strategy.checkpoint_io
     if isinstance(io, DeltaCheckpointIO) and io.async_save and io.on_save_error == "raise" and trainer.world_size > 1:
@@ -110,64 +116,181 @@ def _held_io(trainer: pl.Trainer) -> DeltaCheckpointIO | None:
     return None
 
 
+#: the key of the patch that holds the failures of a synchronous ``DeltaCheckpointIO`` (also inside Lightning's
+#: ``AsyncCheckpointIO``) for every rank to raise
+_HELD_SAVES_KEY = "lightning_accel-held-delta-saves"
+
+#: the first save that failed and is not raised yet, per ``DeltaCheckpointIO`` (see :func:`hold_save_failures`)
+_held_failures: weakref.WeakKeyDictionary[DeltaCheckpointIO, CheckpointSaveError] = weakref.WeakKeyDictionary()
+
+#: the synchronous plugins inside a routed save (:func:`route_write`): only their failures there are held
+_catching: weakref.WeakSet[DeltaCheckpointIO] = weakref.WeakSet()
+
+
+def _wrapped_io(trainer: pl.Trainer) -> tuple[AsyncCheckpointIO, DeltaCheckpointIO] | None:
+    """Lightning's ``AsyncCheckpointIO`` and the ``DeltaCheckpointIO`` it wraps, under more than one process (where
+    its failures must reach every rank together), or None. The same on every rank (the same configuration)."""
+    io: Any = trainer.strategy.checkpoint_io
+    if isinstance(io, AsyncCheckpointIO) and isinstance(io.checkpoint_io, DeltaCheckpointIO) and trainer.world_size > 1:
+        return io, io.checkpoint_io
+    return None
+
+
+def _caught_io(trainer: pl.Trainer) -> DeltaCheckpointIO | None:
+    """Under more than one process, the synchronous ``DeltaCheckpointIO`` whose save failures
+    :func:`hold_save_failures` keeps for every rank to raise: the Trainer's own (``async_save=False``) or the one
+    inside Lightning's ``AsyncCheckpointIO``; None otherwise. The same on every rank (the same configuration)."""
+    wrapped = _wrapped_io(trainer)
+    if wrapped is not None:
+        return wrapped[1]
+    io: Any = trainer.strategy.checkpoint_io
+    if isinstance(io, DeltaCheckpointIO) and not io.async_save and trainer.world_size > 1:
+        return io
+    return None
+
+
+def _routed(trainer: pl.Trainer) -> bool:
+    """Whether a checkpoint callback's saves and removals go through :func:`route_write` (the same on every rank)."""
+    return _held_io(trainer) is not None or _caught_io(trainer) is not None
+
+
+def hold_save_failures(trainer: pl.Trainer) -> list[Patch]:
+    """Under more than one process, keep the save failures of a synchronous ``DeltaCheckpointIO`` (the Trainer's own,
+    or one inside Lightning's ``AsyncCheckpointIO``) for :func:`raise_save_failure_on_every_rank`; returns the patch to
+    restore at ``teardown`` (none without such a plugin). Installed once per plugin however many callbacks ask.
+
+    Inside ``AsyncCheckpointIO`` every save that fails in the wrapper's thread is kept (the first one, as a
+    :class:`CheckpointSaveError` naming its path) and the saves queued behind it are dropped, as
+    ``DeltaCheckpointIO(async_save=True)`` drops them; :func:`route_write` raises it at the next save, and the end of
+    training at the latest. Unwrapped, only a failure inside a routed save is kept (:func:`route_write` raises it on
+    every rank right after the barrier that follows the save); ``trainer.save_checkpoint`` raises as before.
+
+    Why: only global rank zero saves. The wrapper raised a failure of its thread from its next ``save_checkpoint``
+    (or its ``teardown``), and a synchronous save raised its own inside ``trainer.save_checkpoint``, on rank zero
+    alone, before the barrier that follows every save: the other ranks waited there until the process group timed
+    out or rank zero's process was gone ("Connection closed by peer").
+    """
+    inner = _caught_io(trainer)
+    if inner is None:
+        return []
+    wrapped = _wrapped_io(trainer) is not None
+
+    def replacement(p: Patch) -> Callable[..., None]:
+        def save_checkpoint(checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+            if not wrapped and inner not in _catching:
+                p.original(checkpoint, path, storage_options)  # outside a routed save: raised to its caller
+                return
+            if inner in _held_failures:
+                return  # queued behind a failure: dropped, so no later save outlives the one that failed
+            try:
+                p.original(checkpoint, path, storage_options)
+            except Exception as e:  # noqa: BLE001 - raised on every rank together by `route_write`
+                where = os.fspath(path)
+                message = one_line(e, first=True)
+                thread = " The save ran in `AsyncCheckpointIO`'s thread." if wrapped else ""
+                if where in message:  # the plugin's own message names the checkpoint (and the fix) already
+                    line = one_line(f"{message}{thread}")
+                else:
+                    line = one_line(f"Checkpoint save of {where!r} failed: {type(e).__name__}: {message}.{thread}")
+                _held_failures.setdefault(inner, _save_error(line, e))
+
+        return save_checkpoint
+
+    return [patch(inner, "save_checkpoint", replacement, key=_HELD_SAVES_KEY)]
+
+
+def _take_save_error(trainer: pl.Trainer) -> CheckpointSaveError | None:
+    """The failure this rank's plugin holds for every rank to raise (its own async saves', or those
+    :func:`hold_save_failures` kept), now counted as raised; None when there is none."""
+    io = _held_io(trainer)
+    if io is not None:
+        return io.take_save_error()
+    caught = _caught_io(trainer)
+    return _held_failures.pop(caught, None) if caught is not None else None
+
+
 def raise_save_failure_on_every_rank(trainer: pl.Trainer) -> None:
-    """Every rank: raise an async save's failure still unreported (on global rank zero, the rank that saves under
-    DDP, or on any rank where every rank saves), on every rank at once.
+    """Every rank: raise a save's failure still unreported (on global rank zero, the rank that saves under DDP, or on
+    any rank where every rank saves), on every rank at once.
 
     One collective on every rank (a boolean), a second (rank zero's message) only after a failure. A rank whose own
     save failed raises that failure (a :class:`~lightning_accel.checkpoint.CheckpointSaveError`), every other rank a
-    ``CheckpointSaveError`` naming rank zero's failure. Nothing is done (no collective) without an async
-    ``DeltaCheckpointIO`` raising its failures, or with a single process.
+    ``CheckpointSaveError`` naming rank zero's failure. Nothing is done (no collective) where :func:`route_write`
+    does nothing (a single process, ``on_save_error="warn"``, no ``DeltaCheckpointIO``).
 
     Raises:
-        CheckpointSaveError: an async save or removal failed (``on_save_error="raise"``).
+        CheckpointSaveError: a save or an async removal failed.
     """
-    io = _held_io(trainer)
-    if io is None:
+    if not _routed(trainer):
         return
-    error = io.take_save_error()
+    error = _take_save_error(trainer)
     if not trainer.strategy.reduce_boolean_decision(error is not None, all=False):
         return
     message = trainer.strategy.broadcast(str(error) if error is not None else None, src=0)
     if error is not None:
         raise error
     if message is None:
-        raise CheckpointSaveError("An async checkpoint save failed on another rank; its error is raised there.")
+        raise CheckpointSaveError("A checkpoint save failed on another rank; its error is raised there.")
     raise CheckpointSaveError(one_line(f"{message} (on global rank 0, which writes the checkpoints)"))
 
 
 def route_write(kind: str, trainer: pl.Trainer, write: Callable[[], None]) -> None:
     """One save or removal of a ``ModelCheckpoint`` (``compat.wrap_model_checkpoint_writes``, installed at ``setup``
-    with an async ``DeltaCheckpointIO`` under more than one process).
+    under more than one process with a ``DeltaCheckpointIO``: async and raising its failures, synchronous, or inside
+    Lightning's ``AsyncCheckpointIO``).
 
-    A save, on every rank: first raise a failed async save on every rank at once
-    (:func:`raise_save_failure_on_every_rank`), then save with the plugin's failures held until the next save. A
-    removal (global rank zero): with a failure held for the next save, which raises it on every rank.
+    A save, on every rank: an async plugin's (or the wrapper's) failure is raised on every rank at once first
+    (:func:`raise_save_failure_on_every_rank`), then the save runs with the failures held until the next save; a
+    synchronous plugin's failure is held and raised on every rank right after the save. A removal (global rank zero)
+    does nothing while a failure is held (the next save raises it on every rank).
 
-    Why: with ``DeltaCheckpointIO(async_save=True)`` under DDP a failed save (a full disk) was raised by the next
-    save or removal on global rank zero alone, before the barrier that follows every save: the other ranks waited
-    there until rank zero's process was gone ("Connection closed by peer"), or for the whole process-group timeout
-    while it lived on.
+    Why: under DDP a failed save (a full disk) was raised on global rank zero alone (by the next save or removal
+    with ``async_save=True`` or inside ``AsyncCheckpointIO``, by the save itself otherwise), before the barrier that
+    follows every save: the other ranks waited there until rank zero's process was gone ("Connection closed by
+    peer"), or for the whole process-group timeout while it lived on.
     """
     io = _held_io(trainer)
-    if io is None:
+    caught = _caught_io(trainer)
+    if io is None and caught is None:
         write()
         return
-    if kind == "save":
+    if io is not None:
+        if kind == "save":
+            raise_save_failure_on_every_rank(trainer)
+        with io.save_errors_held():
+            write()
+        return
+    assert caught is not None
+    if kind == "remove":
+        if caught not in _held_failures:  # no removal after a failed save: it may be the last complete checkpoint
+            write()
+        return
+    if _wrapped_io(trainer) is not None:
         raise_save_failure_on_every_rank(trainer)
-    with io.save_errors_held():
         write()
+        return
+    _catching.add(caught)
+    try:
+        write()
+    finally:
+        _catching.discard(caught)
+    raise_save_failure_on_every_rank(trainer)
 
 
 def finish_saves_on_every_rank(trainer: pl.Trainer) -> None:
     """Every rank, at the end of training: finish the saves still queued and raise a failure among them on every rank
     (:func:`raise_save_failure_on_every_rank`), not by rank zero's ``teardown`` alone. Nothing is done (no
-    collective) where :func:`route_write` does nothing."""
+    collective) where no save can still be queued (a synchronous plugin's failures are raised at each save)."""
     io = _held_io(trainer)
+    wrapped = _wrapped_io(trainer)
     if io is not None:
         with io.save_errors_held():
             io.wait()
-        raise_save_failure_on_every_rank(trainer)
+    elif wrapped is not None:
+        wrapped[0].teardown()  # joins the wrapper's thread (its failures are held: it has none to raise)
+    else:
+        return
+    raise_save_failure_on_every_rank(trainer)
 
 
 def trainer_storage_options(trainer: pl.Trainer) -> dict[str, Any] | None:
@@ -230,12 +353,13 @@ class CheckpointGuard(Callback):
        optimizers, which hold the same state: no collective.
     3. ``teardown``: a ``DeltaCheckpointIO`` inside Lightning's ``AsyncCheckpointIO`` is torn down (its directory's
        writer lock released), which the wrapper does not do (:func:`teardown_wrapped_io`).
-    4. With ``DeltaCheckpointIO(async_save=True)`` (``on_save_error="raise"``) under more than one process, the saves
-       and removals of every plain ``ModelCheckpoint`` (any checkpoint callback that is not a
-       :class:`DeltaModelCheckpoint`, which does this itself) are routed as a ``DeltaModelCheckpoint``'s
+    4. With a ``DeltaCheckpointIO`` under more than one process (async and raising its failures, synchronous, or
+       inside Lightning's ``AsyncCheckpointIO``: :func:`hold_save_failures`), the saves and removals of every plain
+       ``ModelCheckpoint`` (any checkpoint callback that is not a :class:`DeltaModelCheckpoint`, which does this
+       itself) are routed as a ``DeltaModelCheckpoint``'s
        (:func:`route_write`, from ``setup`` to ``teardown``), and ``on_train_end`` finishes the queued saves: a failed
-       background save is raised on every rank together, not on global rank zero alone while the other ranks wait
-       in the barrier that follows each save.
+       save is raised on every rank together, not on global rank zero alone while the other ranks wait in the
+       barrier that follows each save.
 
     ``setup`` marks the start of a stage for the plugin (:func:`attach_io`).
 
@@ -250,7 +374,8 @@ class CheckpointGuard(Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         attach_io(trainer)  # every rank: no collective
-        if _held_io(trainer) is not None and not self._write_patches:
+        if _routed(trainer) and not self._write_patches:
+            self._write_patches = hold_save_failures(trainer)
             for cb in trainer.checkpoint_callbacks:
                 if isinstance(cb, ModelCheckpoint) and not isinstance(cb, DeltaModelCheckpoint):
                     self._write_patches += compat.wrap_model_checkpoint_writes(cb, route_write, key=_WRITES_KEY)
@@ -598,8 +723,9 @@ class DeltaModelCheckpoint(ModelCheckpoint):
         with compat.model_checkpoint_setup_without_listing(self):
             super().setup(trainer, pl_module, stage)
         attach_io(trainer)  # a stage starts: the plugin holds its locks until its teardown (every rank, no collective)
-        if _held_io(trainer) is not None and not self._write_patches:
-            self._write_patches = compat.wrap_model_checkpoint_writes(self, self._around_write, key=_WRITES_KEY)
+        if _routed(trainer) and not self._write_patches:
+            self._write_patches = hold_save_failures(trainer)
+            self._write_patches += compat.wrap_model_checkpoint_writes(self, self._around_write, key=_WRITES_KEY)
         options = self._options(trainer)
         dirpath = str(self.dirpath) if self.dirpath else ""
         if self.storage_options and dirpath and not is_local_url(dirpath) and delta_io(trainer) is None:
@@ -668,12 +794,21 @@ def resolve_ckpt_path(trainer: pl.Trainer, ckpt_path: Any) -> Any:
     ``storage_options``; Lightning's own search drops the ``s3://`` of object-store paths), or ``None`` with
     Lightning's warning when there is none (a fresh run). Any other value, or callbacks without a ``dirpath`` (Lightning
     derives it from the logger later and resolves those itself), is returned unchanged.
+
+    Raises:
+        ValueError: a ``DeltaModelCheckpoint``'s ``storage_options`` differ from the plugin's (the refusal its
+            ``setup`` makes, before any search with them).
     """
     if ckpt_path != "last":
         return ckpt_path
     callbacks = [c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint) and c.dirpath is not None]
     if not callbacks:
         return ckpt_path
+    for cb in callbacks:
+        if isinstance(cb, DeltaModelCheckpoint):
+            # the refusal `setup` would make: a search with the callback's options first failed (an unreachable
+            # endpoint, a listing that found nothing the plugin wrote) and hid the true cause
+            cb._check_options_agree(trainer)
     found: list[tuple[float, str]] = []
     for cb in callbacks:
         dirpath = str(cb.dirpath)

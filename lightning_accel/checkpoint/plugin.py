@@ -42,6 +42,7 @@ from lightning_accel.checkpoint.background import (
     CheckpointSaveError,
     Snapshot,
     WriterStats,
+    failure_hint,
     trim_heap,
 )
 from lightning_accel.checkpoint.lock import prepare_directory
@@ -407,6 +408,11 @@ class DeltaCheckpointIO(CheckpointIO):
             made = not is_local_url(directory) or not os.path.lexists(directory)  # the save makes its folder
             try:
                 self._save_now(checkpoint, path_s)
+            except OSError as e:
+                self._after_failed_save(path_s, made=made)
+                if type(e).__module__ != "builtins":
+                    raise  # the package's own errors name their file and fix already
+                raise _named_save_error(path_s, e) from e
             except BaseException:
                 self._after_failed_save(path_s, made=made)
                 raise
@@ -581,6 +587,20 @@ class DeltaCheckpointIO(CheckpointIO):
             self.store.close()
             self.store.forget()
             trim_heap()  # the chain bases and snapshot buffers just freed go back to the OS
+
+
+def _named_save_error(path: str, cause: OSError) -> OSError:
+    """``cause`` (a built-in ``OSError``) of a synchronous save of ``path``, as one line naming the checkpoint (and
+    the fix where one is known), of ``cause``'s type and ``errno``.
+
+    Why: a write that fails (a full disk) raises ``OSError`` without a file name (``[Errno 28] No space left on
+    device``), which did not say which checkpoint failed, nor that the earlier ones are intact.
+    """
+    line = one_line(f"Checkpoint save of {path!r} failed: {type(cause).__name__}: {one_line(cause, first=True)}.")
+    line += failure_hint(cause)
+    err = type(cause)(line)  # one argument: the built-in types keep it as their message
+    err.errno = cause.errno  # the message stays `line`: `OSError.__str__` needs a `strerror` too to show it
+    return err
 
 
 def _warn_async_only(**given: Any) -> None:

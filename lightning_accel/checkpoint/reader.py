@@ -20,6 +20,7 @@ import json
 import os
 import pickle
 import re
+import warnings
 from typing import Any, Literal, overload
 
 import torch
@@ -28,7 +29,13 @@ from lightning_accel._utils.atomic import is_local_url, strip_file_scheme
 from lightning_accel._utils.errors import one_line
 from lightning_accel._utils.fs import FileStore
 from lightning_accel._utils.paths import safe_join
-from lightning_accel.checkpoint.manifest import CheckpointCorruptError, NotADeltaCheckpointError, is_manifest_bytes
+from lightning_accel.checkpoint.manifest import (
+    CheckpointCorruptError,
+    NotADeltaCheckpointError,
+    damaged_manifest_head,
+    is_manifest_bytes,
+    truncated_manifest_head,
+)
 from lightning_accel.checkpoint.store import TORCH_ZIP_MAGIC, DeltaStore
 
 __all__ = ["read_checkpoint", "read_checkpoint_with", "resolve_last"]
@@ -112,7 +119,8 @@ def resolve_last(
 
     ``Trainer.fit(ckpt_path="last")`` does not find checkpoints on object stores (Lightning drops the ``s3://`` of the
     paths it lists); pass the result of this function as ``ckpt_path`` instead. Newest is the manifest's ``created``
-    time for delta checkpoints, the file's modification time otherwise.
+    time for delta checkpoints, the file's modification time otherwise. A ``last*.ckpt`` that is a manifest cut short
+    or damaged is skipped with a warning naming it (the resume goes on from the newest complete one).
 
     Args:
         dirpath: the ``ModelCheckpoint`` directory, e.g. ``"s3://bucket/run/ckpt"``.
@@ -122,23 +130,52 @@ def resolve_last(
     fs = FileStore(storage_options)
     root = os.fspath(dirpath).rstrip("/") or "/"
     best: tuple[float, str] | None = None
+    damaged: list[str] = []
     for name in fs.list_files(root):
         if not _LAST_RE.match(name):
             continue
         url = safe_join(root, name)
-        when = _created(fs, url)
+        try:
+            when = _created(fs, url)
+        except _DamagedManifestError:
+            damaged.append(url)
+            continue
         if when is not None and (best is None or when > best[0]):
             best = (when, url)
+    if damaged:
+        # why: a damaged manifest's time is its file's, so a torn copy (a disk or sync tool, not our writes, which
+        # publish whole) was taken for the newest and failed the resume that "last" should have made
+        warnings.warn(
+            f"`ckpt_path='last'` skipped {', '.join(repr(u) for u in damaged)}: a manifest cut short or damaged, "
+            f"{'resuming from ' + repr(best[1]) if best else 'no other last checkpoint found'}. Remove or replace the "
+            "damaged file; `lightning-accel ckpt verify PATH` checks a checkpoint whole.",
+            UserWarning,
+            stacklevel=2,
+        )
     if best is None:
         return None
     return (best[1], best[0]) if with_time else best[1]
 
 
+class _DamagedManifestError(Exception):
+    """A ``last*.ckpt`` that is a delta manifest cut short or damaged (:func:`resolve_last` skips it)."""
+
+
 def _created(fs: FileStore, url: str) -> float | None:
-    """A delta manifest's ``created`` time, else the file's modification time; None if it vanished."""
+    """A delta manifest's ``created`` time, else the file's modification time; None if it vanished.
+
+    Raises:
+        _DamagedManifestError: the file is a manifest cut short or damaged.
+    """
     try:
-        if is_manifest_bytes(fs.head(url, 64)):
-            created = json.loads(fs.read(url)).get("created")
+        head = fs.head(url, 64)
+        if truncated_manifest_head(head) or (not is_manifest_bytes(head) and damaged_manifest_head(head)):
+            raise _DamagedManifestError(url)
+        if is_manifest_bytes(head):
+            try:
+                created = json.loads(fs.read(url)).get("created")
+            except ValueError:
+                raise _DamagedManifestError(url) from None
             if isinstance(created, (int, float)):
                 return float(created)
         if "://" not in url or url.startswith("file://"):
