@@ -63,6 +63,7 @@ from lightning_accel.parallel.estimate import (
 from lightning_accel.parallel.pipeline import (
     balance_stages,
     batch_tensors,
+    check_microbatches,
     check_no_sync_batchnorm,
     check_stages_train,
     find_pipeline_modules,
@@ -272,6 +273,13 @@ def select_strategy(
     )
     # a bad one would fail inside the measurement, which falls back to a lower bound with a warning
     check_callable("loss_fn", loss_fn, "a function `output -> scalar loss`")
+    if not isinstance(model, nn.Module):
+        # every estimate reads its parameters: anything else failed with "'str' object has no attribute 'parameters'"
+        raise TypeError(
+            f"`model` must be an `nn.Module` (or a LightningModule), got {one_line(repr(model))[:60]} "
+            f"({type(model).__name__}). Pass the network to train."
+        )
+    _check_example_batch("example_batch", example_batch)
     if policy == "measure":  # the estimates decide what is a candidate; `choose_by_trial` then measures them
         policy = "memory"
     world = devices * num_nodes
@@ -358,6 +366,23 @@ def _check_arguments(
             f"`pipeline_size`={pipeline_size} does not divide the {world} device(s): every pipeline replica needs all "
             f"its stages. Use a divisor of {world}."
         )
+    if pipeline_size is not None and microbatches is not None:
+        # what `PipelineStrategy` refuses when it is built: `AutoStrategy` builds it at setup, after every process
+        # has started, and the estimate would describe a pipeline that cannot run
+        check_microbatches(microbatches, pipeline_size, schedule)
+
+
+def _check_example_batch(name: str, example_batch: Any, *, fix: str = "") -> None:
+    """Raise ``TypeError`` naming ``name`` when ``example_batch`` is set but holds no tensor (a string, a number, a
+    list of numbers): its forward could only fail, and the estimate would fall back to model state alone, a lower
+    bound the run may not fit in, for what is a mistake in the argument, not in the model."""
+    if example_batch is None or batch_tensors(example_batch):
+        return
+    raise TypeError(
+        f"`{name}` must be one per-device batch of forward inputs holding a tensor (a tensor, a tuple/list of "
+        f"positional arguments or a dict of keyword arguments), got {one_line(repr(example_batch))[:60]} "
+        f"({type(example_batch).__name__}). {fix or 'Pass e.g. `example_batch=torch.randn(batch, features)`, or None.'}"
+    )
 
 
 def _by_rules(params: int, layers: int, world: int, facts: dict[str, Any]) -> StrategyChoice:
@@ -456,6 +481,13 @@ def _estimates(
     tp_split, tp_blocker = _tensor_parallel_params(model, tp_size)
     spr = facts["stages_per_rank"]
     stages, stage_buffers, pp_blocker = _pipeline_stages(model, facts["pipeline_size"] * spr, bytes_per_param)
+    if not pp_blocker:
+        # `microbatches` given without `pipeline_size`: the pipeline over every device is refused when it is built
+        # (fewer micro-batches than its ranks), so it must never be the plan that fits
+        try:
+            check_microbatches(facts["pipeline_microbatches"], facts["pipeline_size"], facts["pipeline_schedule"])
+        except ValueError as e:
+            pp_blocker = f"cannot run: {one_line(str(e))}"
     per_stage = [trainable_and_frozen(ps) for ps in stages]
     pipeline = estimate_pipeline(
         [p for p, _ in per_stage],

@@ -20,13 +20,14 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from lightning_accel._utils.checks import check_choice
+from lightning_accel._utils.rank import raise_if_any_rank_failed
 from lightning_accel.parallel.estimate import default_microbatches, resolve_stages_per_rank
 from lightning_accel.parallel.pipeline import (
     PipelineRunner,
@@ -40,9 +41,50 @@ from lightning_accel.parallel.pipeline import (
 )
 from lightning_accel.parallel.plans import apply_fully_shard, apply_tensor_parallel
 
-__all__ = ["PLANS", "Stepper", "held_tensor_bytes", "plan_stepper", "release_groups", "time_plan"]
+__all__ = [
+    "PLANS",
+    "PeerTrialFailed",
+    "Stepper",
+    "held_tensor_bytes",
+    "plan_stepper",
+    "release_groups",
+    "time_plan",
+    "together",
+]
 
 PLANS = ("ddp", "fsdp", "tp", "pipeline")
+
+T = TypeVar("T")
+
+
+class PeerTrialFailed(RuntimeError):
+    """Raised by :func:`together` on the ranks where its step went fine, because it failed on another rank (the
+    message names that rank and its error): the trial is over there too, and that rank's own error is the cause."""
+
+
+def together(step: Callable[[], T], *, device: Any, group: Any = None) -> T:
+    """``step()`` on every rank of ``group``, then one flag shared: when it failed on any rank, every rank raises (its
+    own error where it failed, :class:`PeerTrialFailed` naming the first failing rank elsewhere).
+
+    For the part of a trial that runs before its plan's collectives and may fail on some ranks only (copying the
+    model, or measuring the pipeline's split, out of memory on one rank): a pipeline then makes its process groups
+    (``new_group``, which every rank must call, in the same order), and a rank that failed before them would leave
+    the others waiting there for the process group's timeout, and every group made later would pair ranks out of step.
+    Collective over ``group`` (None: the default group), on ``device`` (NCCL reduces device tensors only)."""
+
+    def what(rank: int, more: str) -> str:
+        return f"the trial failed on rank {rank}{more}"
+
+    try:
+        out = step()
+    except Exception as e:
+        raise_if_any_rank_failed(e, what, device=device, group=group)
+        raise
+    try:
+        raise_if_any_rank_failed(None, what, device=device, group=group)
+    except RuntimeError as e:
+        raise PeerTrialFailed(str(e)) from None
+    return out
 
 
 def _mean_loss(output: torch.Tensor, target: Any) -> torch.Tensor:
@@ -140,6 +182,8 @@ def plan_stepper(
         ValueError: a pipeline stage would hold no trainable parameter (on every rank alike:
             :func:`~lightning_accel.parallel.pipeline.check_stages_train`) or an ``nn.SyncBatchNorm``
             (:func:`~lightning_accel.parallel.pipeline.check_no_sync_batchnorm`), a batch the plan cannot split.
+        PeerTrialFailed: the pipeline's split failed on another rank (that rank raises its own error): every rank
+            raises before the split's process groups are made (:func:`together`).
     """
     check_choice("plan", plan, PLANS)
     loss = loss_fn or _mean_loss
@@ -151,16 +195,23 @@ def plan_stepper(
         )
     device = inputs.device
     if plan == "pipeline":
-        pieces = find_pipeline_modules(model)
-        # before any forward: a stage running a `SyncBatchNorm` alone would wait forever for the other ranks
-        check_no_sync_batchnorm(model, model=f"`{type(model).__name__}`")
-        spr = resolve_stages_per_rank(schedule, stages_per_rank)
-        # the split `PipelineStrategy` makes: its example (a batch BatchNorm can run in training mode, not one sample)
-        # and its rule that every stage trains
-        example = (inputs if split_example is None else split_example).to(device)
-        trainable = trainable_pieces(pieces)
-        layout = pipeline_layout(piece_costs(pieces, example), world, stages_per_rank=spr, trainable=trainable)
-        check_stages_train(layout.bounds, trainable, model=f"`{type(model).__name__}`")
+
+        def split() -> tuple[list[nn.Module], Any]:
+            pieces = find_pipeline_modules(model)
+            # before any forward: a stage running a `SyncBatchNorm` alone would wait forever for the other ranks
+            check_no_sync_batchnorm(model, model=f"`{type(model).__name__}`")
+            spr = resolve_stages_per_rank(schedule, stages_per_rank)
+            # the split `PipelineStrategy` makes: its example (a batch BatchNorm can run in training mode, not one
+            # sample) and its rule that every stage trains
+            example = (inputs if split_example is None else split_example).to(device)
+            trainable = trainable_pieces(pieces)
+            layout = pipeline_layout(piece_costs(pieces, example), world, stages_per_rank=spr, trainable=trainable)
+            check_stages_train(layout.bounds, trainable, model=f"`{type(model).__name__}`")
+            return pieces, layout
+
+        # the split runs a forward, which may fail on one rank alone (out of memory there): every rank learns of it
+        # before the runner makes its process groups, which every rank must make
+        pieces, layout = together(split, device=device, group=group)
         m = microbatches or default_microbatches(world)
         runner = PipelineRunner(
             model, pieces, layout, rank=rank, device=device, schedule=schedule, microbatches=m, loss_fn=loss

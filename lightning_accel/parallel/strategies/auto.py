@@ -64,6 +64,7 @@ from lightning_accel.parallel.select import (
     TrialCache,
     TrialFailed,
     _check_arguments,
+    _check_example_batch,
     choose_by_trial,
     select_strategy,
     trial_key,
@@ -75,7 +76,7 @@ from lightning_accel.parallel.strategies.pipeline import (
     check_pipeline_keywords,
 )
 from lightning_accel.parallel.strategies.sharded import ShardedStrategy
-from lightning_accel.parallel.trials import PLANS, plan_stepper, release_groups, time_plan
+from lightning_accel.parallel.trials import PLANS, PeerTrialFailed, plan_stepper, release_groups, time_plan, together
 
 __all__ = ["AutoStrategy", "resolve_trainer_kwargs", "trainer_devices"]
 
@@ -387,6 +388,11 @@ class AutoStrategy(DDPStrategy):
 
     def _choose(self, model: pl.LightningModule, device: torch.device, devices: int, num_nodes: int) -> StrategyChoice:
         example = getattr(model, "example_input_array", None) if self.use_example_input else None
+        _check_example_batch(
+            f"{type(model).__name__}.example_input_array",
+            example,
+            fix="Set it to one batch of forward inputs, or pass `AutoStrategy(use_example_input=False)`.",
+        )
         scale = 1.0
         if example is not None and self.example_batch_size is not None:
             first = example[0] if isinstance(example, (tuple, list)) else example
@@ -554,17 +560,23 @@ class AutoStrategy(DDPStrategy):
             shared.put(key, cached[0])
 
         def trial(plan: str) -> float:
-            seconds, error, failed_at = float("inf"), "", float("inf")
+            seconds, error, failed_at, echo = float("inf"), "", float("inf"), False
             # the trial's collectives run on a group of its own: a rank whose trial fails alone (an out-of-memory
             # on that rank, a step its data breaks) leaves the others in one of them, and would meet them out of
             # step on the default group, where they waited for its timeout (30 minutes) and the fit then failed
             group: Any = torch.distributed.new_group()
             made: list[Any] = [group]
             stepper: Any = None
+            copied: Any = None
             try:  # any failure, building the plan or in any step, drops the plan (never the run)
+                # the copy may fail on one rank alone (out of memory there): every rank learns of it before the
+                # plan's collectives, a pipeline's `new_group` among them, which every rank must reach
+                copied = together(
+                    lambda: copy.deepcopy(model).to(self.root_device), device=self.root_device, group=group
+                )
                 stepper = plan_stepper(
                     plan,
-                    copy.deepcopy(model).to(self.root_device),
+                    copied,
                     x,
                     microbatches=pk["microbatches"],
                     schedule=pk["schedule"],
@@ -576,7 +588,8 @@ class AutoStrategy(DDPStrategy):
                 seconds = time_plan(stepper, steps=self.trial_steps, group=group)
             except Exception as e:  # noqa: BLE001
                 error, failed_at = f"{type(e).__name__}: {one_line(e)}", time.time()
-            stepper = group = None
+                echo = isinstance(e, PeerTrialFailed)  # another rank's failure, said here: that rank's own is named
+            stepper = copied = group = None
             if error:
                 # before the flag below: destroying this trial's groups (and dropping every reference to them) ends
                 # the collective another rank may wait in for this one ("Connection closed by peer" on gloo)
@@ -591,10 +604,11 @@ class AutoStrategy(DDPStrategy):
             release_groups(made)  # after a trial every rank finished: its groups are not needed any more
             if float(failed):
                 errors: list[Any] = [None] * world
-                torch.distributed.all_gather_object(errors, (failed_at, error))
-                first = min((r for r, (_, e) in enumerate(errors) if e), key=lambda r: errors[r][0])
+                torch.distributed.all_gather_object(errors, (failed_at, error, echo))
+                # a rank's own error before another's report of it (`PeerTrialFailed`), whatever their times
+                first = min((r for r, (_, e, _) in enumerate(errors) if e), key=lambda r: (errors[r][2], errors[r][0]))
                 why = errors[first][1]
-                rank = next(r for r, (_, e) in enumerate(errors) if e == why)
+                rank = next(r for r, (_, e, _) in enumerate(errors) if e == why)
                 rank_zero_info(f"AutoStrategy trial: '{plan}' dropped (rank {rank}: {why}).")
                 raise TrialFailed(f"rank {rank}: {why}")
             return seconds

@@ -837,16 +837,33 @@ class PipelineStrategy(_EvaluationBufferSync, DDPStrategy):
             ValueError: ``checkpoint_path`` is a folder (a sharded ``torch.distributed.checkpoint``, as
                 ``ShardedStrategy(save_distributed_checkpoint=True)`` saves), which the pipeline cannot read; every
                 rank raises alike.
+            RuntimeError: another rank could not read the file (one line naming it and its error; that rank raises
+                its own error). Collective: every rank learns whether every other one read it.
         """
-        if os.path.isdir(os.fspath(checkpoint_path)):
-            # the CheckpointIO would fail with "Is a directory", naming neither the format nor the way out
-            raise ValueError(
-                f"PipelineStrategy cannot resume from `{checkpoint_path}`: it is a folder (a sharded "
-                "torch.distributed.checkpoint, as `ShardedStrategy(save_distributed_checkpoint=True)` saves), and the "
-                "pipeline reads full checkpoint files. Resume it with `ShardedStrategy`, or save with "
-                "`save_distributed_checkpoint=False` (the default) for a file any plan resumes from."
+
+        def failed(rank: int, more: str) -> str:
+            return (
+                f"PipelineStrategy: rank {rank} could not read the checkpoint `{checkpoint_path}`{more}, so no rank can"
             )
-        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+
+        # every rank reads the file itself: one that cannot (a node-local path, a file not yet visible on another
+        # node) would raise alone, and the others would train on into their first collective and wait there for the
+        # process group's timeout
+        try:
+            if os.path.isdir(os.fspath(checkpoint_path)):
+                # the CheckpointIO would fail with "Is a directory", naming neither the format nor the way out
+                raise ValueError(
+                    f"PipelineStrategy cannot resume from `{checkpoint_path}`: it is a folder (a sharded "
+                    "torch.distributed.checkpoint, as `ShardedStrategy(save_distributed_checkpoint=True)` saves), and "
+                    "the pipeline reads full checkpoint files. Resume it with `ShardedStrategy`, or save with "
+                    "`save_distributed_checkpoint=False` (the default) for a file any plan resumes from."
+                )
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        except Exception as e:
+            raise_if_any_rank_failed(e, failed, device=self.root_device)
+            raise
+        raise_if_any_rank_failed(None, failed, device=self.root_device)
+        return checkpoint
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

@@ -476,11 +476,32 @@ class ShardedStrategy(_EvaluationBufferSync, ModelParallelStrategy):
         ``ModelParallelStrategy`` reads it, a full file through the ``CheckpointIO`` (each rank keeping its shard).
 
         Raises:
-            RuntimeError: another rank could not read the file (one line naming it and its error; that rank raises
-                its own error), before any rank loads a shard.
+            RuntimeError: another rank could not read the file, or does not see rank 0's folder (one line naming it
+                and its error; that rank raises its own error), before any rank loads a shard.
+            FileNotFoundError: rank 0's ``checkpoint_path`` is a folder that this rank does not see (a node-local
+                path): every rank raises, none reads it.
         """
         path = self.broadcast(checkpoint_path)
-        if os.path.isdir(str(path)):  # a torch.distributed.checkpoint folder
+
+        # loading the state into the shards is collective: a rank that cannot read the file (a node-local path, a
+        # file not yet visible on another node) would leave the others there until the process group's timeout
+        def failed(rank: int, more: str) -> str:
+            return f"ShardedStrategy: rank {rank} could not read the checkpoint `{path}`{more}, so no rank can"
+
+        # rank 0's kind of checkpoint decides for every rank: a rank that does not see the folder there would read
+        # it as a file while the others run the folder's collectives, and both would wait for the timeout
+        here = os.path.isdir(str(path))
+        folder = bool(self.broadcast(here))
+        unseen = None
+        if folder and not here:
+            unseen = FileNotFoundError(
+                f"`{path}` is a checkpoint folder on rank 0 but not on rank {self.global_rank}. Resume from a path "
+                "that every node sees (shared storage)."
+            )
+        raise_if_any_rank_failed(unseen, failed, device=self.root_device)
+        if unseen is not None:
+            raise unseen
+        if folder:  # a torch.distributed.checkpoint folder
             return super().load_checkpoint(path, weights_only)
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -489,11 +510,6 @@ class ShardedStrategy(_EvaluationBufferSync, ModelParallelStrategy):
         )
 
         assert self.model is not None and self.lightning_module is not None
-
-        # loading the state into the shards is collective: a rank that cannot read the file (a node-local path, a
-        # file not yet visible on another node) would leave the others there until the process group's timeout
-        def failed(rank: int, more: str) -> str:
-            return f"ShardedStrategy: rank {rank} could not read the checkpoint `{path}`{more}, so no rank can"
 
         try:
             checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
