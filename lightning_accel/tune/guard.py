@@ -87,7 +87,10 @@ class RollbackGuard(Callback):
     * **Stop.** The trigger after ``max_rollbacks`` rollbacks restores the last good state too, then stops the fit
       (``trainer.should_stop``) with one line saying what was tried.
     * **Resume.** Its state (rollbacks, events, levers switched off, the rule's statistics) is saved in checkpoints;
-      on resume, levers it had switched off are switched off again at the start of ``fit``.
+      on resume, levers it had switched off are switched off again at the start of ``fit`` (so are, on a later
+      ``fit`` without a resume, the levers it switched off in an earlier one). A lever cannot be switched on again:
+      one this guard switched off that is still on the Trainer stays off, and in :attr:`switched_off`, when a fit
+      resumes from a checkpoint saved before the switch.
     * **DDP.** Every collective runs on every rank at the same step (the check steps are the same everywhere).
       Sharded parameters and optimizer state (DTensors of ``fully_shard`` / ``ShardedStrategy``) are snapshotted
       and restored shard by shard, each rank its own; a sampled gradient norm of sharded gradients is made whole
@@ -192,6 +195,10 @@ class RollbackGuard(Callback):
         self.rollbacks = 0
         self.events: list[dict[str, Any]] = []
         self.switched_off: list[str] = []
+        # the lever objects this guard switched off, across fits: no lever switches back on, so one of them on the
+        # Trainer of a later fit is off whatever the checkpoint that fit resumed from says
+        self._held_off: list[Lever] = []
+        self._resumed = False  # this fit's checkpoint held the guard's state (set by `load_state_dict`)
         self.watches = {"loss": SeriesWatch("loss", self.rule), "grad_norm": SeriesWatch("grad_norm", self.rule)}
         self.snapshot = Snapshot()
         self._levers: list[Lever] = []
@@ -245,6 +252,7 @@ class RollbackGuard(Callback):
         self._opt_steps, self._stopped, self._snap_due = 0, False, False
         self._unchecked_update, self._weights_ok = False, None
         self._layout = None
+        self._resumed = False  # Lightning restores the callbacks' state after `setup`
         # the step intervals of the checkpoint callbacks that save inside an epoch (`every_n_train_steps`): the
         # values pending are checked before such a save, which must not hold the weights of a bad step
         self._save_every = [n for cb in trainer.checkpoint_callbacks if (n := model_checkpoint_step_interval(cb))]
@@ -259,9 +267,19 @@ class RollbackGuard(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         step = trainer.global_step
+        resumed, self._resumed = self._resumed, False
+        where = "before the checkpoint this fit resumed from" if resumed else "in an earlier fit"
+        held = [lv for lv in self._levers if any(lv is o for o in self._held_off)]
         for lever in self._levers:
-            if lever.lever_name in self.switched_off:  # resumed: what the guard switched off stays off
-                lever.switch_off("switched off by RollbackGuard before the checkpoint this fit resumed from")
+            if lever.lever_name in self.switched_off:  # what the guard switched off stays off
+                lever.switch_off(f"switched off by RollbackGuard {where}")
+                if not any(lever is o for o in held):
+                    held.append(lever)
+            elif any(lever is o for o in held):
+                # resumed from a checkpoint older than the switch, on the same Trainer: the lever is still off (none
+                # switches back on), so the record, which later checkpoints save, says so
+                self.switched_off.append(lever.lever_name)
+        self._held_off = held  # the levers of this fit only: an earlier Trainer's are not kept alive
         self._poll_levers(step)
         self._pending.clear()
         # the first snapshot waits for the first batch: callbacks later in the list still change the state in their
@@ -294,6 +312,7 @@ class RollbackGuard(Callback):
             lever = active[i]
             if lever.switch_off(reason):
                 self.switched_off.append(lever.lever_name)
+                self._held_off.append(lever)
                 self._was_active[lever.lever_name] = False
                 return lever.lever_name
         return None
@@ -601,6 +620,7 @@ class RollbackGuard(Callback):
         self.rollbacks = int(state_dict.get("rollbacks", 0))
         self.events = [dict(e) for e in state_dict.get("events", [])]
         self.switched_off = list(state_dict.get("switched_off", []))
+        self._resumed = True
         for k, w in self.watches.items():
             if k in state_dict.get("watches", {}):
                 w.load_state_dict(state_dict["watches"][k])

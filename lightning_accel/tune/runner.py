@@ -9,6 +9,7 @@ would, so what the tuner measures is what the written ``tuned.yaml`` runs.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import gc
@@ -16,10 +17,11 @@ import logging
 import os
 import resource
 import statistics
+import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +37,7 @@ from lightning_accel.tune._watch import batch_loss, unscaled_loss
 from lightning_accel.tune.levers import as_list
 
 # TrialProbe is named by class_path in the trial configs; it is no callback a user adds, so it is not exported
-__all__ = ["TrialMeasure", "agree", "run_trial"]
+__all__ = ["OVER_BUDGET", "TrialMeasure", "TrialOverBudget", "agree", "deadline", "run_trial", "stop_other_ranks"]
 
 #: callbacks a trial drops from the job (by name, and by class: their subclasses too): it saves and monitors by
 #: itself, and stops by step count; and the monitors that only log, which refuse a Trainer without a logger (a trial
@@ -68,10 +70,17 @@ class TrialProbe(Callback):
         steps: timed steps.
         ckpt_dir: when set, ``trainer.save_checkpoint`` into this directory once in the last warm-up step (the first
             save of a process pays one-time costs) and once, timed, in the middle of the window.
+        deadline: when set, a ``time.perf_counter()`` value the trial must end by: at the start of step 3 (steps 1
+            and 2 timed, step 0's one-time costs left out) the trial raises :class:`TrialOverBudget` when its steps
+            left, at the faster of those two steps' times, cannot end by then. One comparison, no synchronisation:
+            the timed steps are measured as without it.
     """
 
-    def __init__(self, warmup: int = 3, steps: int = 10, ckpt_dir: str | None = None) -> None:
-        self.warmup, self.steps, self.ckpt_dir = warmup, steps, ckpt_dir
+    def __init__(
+        self, warmup: int = 3, steps: int = 10, ckpt_dir: str | None = None, deadline: float | None = None
+    ) -> None:
+        self.warmup, self.steps, self.ckpt_dir, self.deadline = warmup, steps, ckpt_dir, deadline
+        self._early: list[float] = []  # the starts of steps 1 to 3 (the deadline's check)
         self.losses: list[float] = []
         self.starts: list[float] = []
         self.save_s = 0.0
@@ -121,9 +130,28 @@ class TrialProbe(Callback):
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
+        if self.deadline is not None and 1 <= step <= 3 and len(self._early) < step:
+            self._early.append(time.perf_counter())
+            if step == 3:
+                self._check_deadline(step)
         if self.warmup <= step <= self.warmup + self.steps and step != self._started:
             self._started = step
             self.starts.append(self._now(trainer))
+
+    def _check_deadline(self, step: int) -> None:
+        """Raise :class:`TrialOverBudget` when the steps left cannot end by ``deadline`` (at the start of ``step``)."""
+        assert self.deadline is not None
+        periods = [b - a for a, b in zip(self._early, self._early[1:], strict=False)]
+        if len(periods) < 2:  # a step that did not start here (the counter passed over it): no estimate
+            return
+        per = min(periods)  # the faster: a stalled step must not refuse a trial that fits
+        total = self.warmup + self.steps + 1
+        now = time.perf_counter()
+        if per <= 0 or now + (total - step) * per <= self.deadline:
+            return
+        left = self.deadline - now
+        fits = step + int(max(0.0, left) / per)  # the steps the whole trial could have held, counted from step 0
+        raise TrialOverBudget(per, total - step, left, max(0, fits - self.warmup - 1))
 
     @override
     def on_train_batch_end(
@@ -165,6 +193,40 @@ class TrialProbe(Callback):
             t = trainer.strategy.reduce(t, reduce_op="max")
         self.step_s = float(t[0]) if float(t[0]) > 0 else None
         self.peak_mem, self.save_s = int(t[1]), float(t[2])
+
+
+class TrialOverBudget(Exception):
+    """A trial whose steps cannot end within the time it was given (:class:`TrialProbe`'s ``deadline``).
+
+    Attributes:
+        step_s: the step time it was estimated from; ``steps_left``: the trial's steps not run yet; ``left_s``: the
+            time left for them; ``fits``: the timed steps the whole trial could have held beside its warm-up.
+    """
+
+    def __init__(self, step_s: float, steps_left: int, left_s: float, fits: int) -> None:
+        self.step_s, self.steps_left, self.left_s, self.fits = step_s, steps_left, left_s, fits
+        super().__init__(
+            f"its {steps_left} steps left at {step_s:.3g} s a step need ~{steps_left * step_s:.0f} s and "
+            f"{max(0.0, left_s):.0f} s of the budget are left (room for {fits} timed steps)"
+        )
+
+
+#: what a trial's ``error`` starts with when it stopped for its deadline (:class:`TrialOverBudget`)
+OVER_BUDGET = "over budget: "
+
+#: the ``time.perf_counter()`` value the trials run under :func:`deadline` must end by
+_DEADLINE: list[float] = []
+
+
+@contextlib.contextmanager
+def deadline(seconds: float) -> Iterator[None]:
+    """Within it, :func:`run_trial` gives its trial ``seconds`` from now: one that cannot end by then stops after its
+    third step with an ``error`` starting with :data:`OVER_BUDGET` (see :class:`TrialProbe`'s ``deadline``)."""
+    _DEADLINE.append(time.perf_counter() + seconds)
+    try:
+        yield
+    finally:
+        _DEADLINE.pop()
 
 
 def _peak_rss() -> int:
@@ -210,7 +272,9 @@ class TrialMeasure:
         self.conv_weights = False
 
 
-def _trial_job(job: dict[str, Any], *, warmup: int, steps: int, root: str, save: bool) -> dict[str, Any]:
+def _trial_job(
+    job: dict[str, Any], *, warmup: int, steps: int, root: str, save: bool, deadline: float | None = None
+) -> dict[str, Any]:
     j = copy.deepcopy(job)
     t = j.setdefault("trainer", {})
     cbs = [c for c in as_list(t.get("callbacks")) if not _dropped(c)]
@@ -233,7 +297,7 @@ def _trial_job(job: dict[str, Any], *, warmup: int, steps: int, root: str, save:
     cbs.append(
         {
             "class_path": "lightning_accel.tune.runner.TrialProbe",
-            "init_args": {"warmup": warmup, "steps": steps, "ckpt_dir": probe_dir},
+            "init_args": {"warmup": warmup, "steps": steps, "ckpt_dir": probe_dir, "deadline": deadline},
         }
     )
     for key in ("max_time", "val_check_interval", "check_val_every_n_epoch"):
@@ -357,7 +421,10 @@ def run_trial(job: dict[str, Any], *, warmup: int, steps: int, root: str | os.Pa
             argv = list(sys.argv)
             del sys.argv[1:]  # LightningCLI warns when it gets both a command line and a config
             try:
-                cli = AccelCLI(args=_trial_job(job, warmup=warmup, steps=steps, root=root, save=save), run=False)
+                trial = _trial_job(
+                    job, warmup=warmup, steps=steps, root=root, save=save, deadline=_DEADLINE[-1] if _DEADLINE else None
+                )
+                cli = AccelCLI(args=trial, run=False)
             finally:
                 sys.argv[:] = argv  # before `fit`: Lightning starts a multi-device job's other ranks with it
             trainer = cli.trainer
@@ -386,6 +453,14 @@ def run_trial(job: dict[str, Any], *, warmup: int, steps: int, root: str | os.Pa
         if m.step_s is None:
             m.error = f"fewer than {warmup + steps + 1} steps ran (the epoch is shorter: lower the trial steps)"
     except (Exception, SystemExit) as e:  # a lever the job cannot take: reported, the tune goes on
+        interrupted = isinstance(e, SIGTERMException) or (
+            isinstance(e, SystemExit) and isinstance(e.__context__, KeyboardInterrupt)
+        )
+        if interrupted and cli is not None:
+            # Lightning has just killed the other ranks: take them from its launcher's watcher thread at once, which
+            # would otherwise take a killed rank for a crashed one and kill this process too (exit status -9)
+            _remember_other_ranks(cli.trainer)
+            stop_other_ranks()
         if isinstance(e, SIGTERMException):
             # SIGTERM inside `fit` where the tune's own handler is not installed (a handler of the caller's is):
             # Lightning stops the fit at the next batch; reported as a failed option, the tune went on for minutes
@@ -394,11 +469,15 @@ def run_trial(job: dict[str, Any], *, warmup: int, steps: int, root: str | os.Pa
             # Ctrl-C inside `fit`: Lightning shuts the trial down and turns the interrupt into `sys.exit(1)`, which
             # is the user stopping the tune, not a lever that failed
             raise KeyboardInterrupt from None
-        if isinstance(e, torch.OutOfMemoryError):
+        if isinstance(e, TrialOverBudget):
+            m.error = f"{OVER_BUDGET}{e}"
+        elif isinstance(e, torch.OutOfMemoryError):
             m.peak_mem, m.error = None, f"out of memory: {one_line(e)}"
         else:
             m.error = f"{type(e).__name__}: {one_line(e)}"
     finally:
+        if cli is not None:
+            _remember_other_ranks(cli.trainer)
         del cli
         gc.collect()
         if torch.cuda.is_available():
@@ -407,6 +486,44 @@ def run_trial(job: dict[str, Any], *, warmup: int, steps: int, root: str | os.Pa
     m = _settle(m)
     m.seconds = time.perf_counter() - start
     return m
+
+
+#: the lists of processes Lightning's launcher started for the other local ranks of a multi-device job, in its first
+#: trial (the later trials run in them too); :func:`stop_other_ranks` ends them
+_OTHER_RANKS: list[list[subprocess.Popen]] = []
+
+
+def _remember_other_ranks(trainer: Trainer) -> None:
+    """Keep the list of processes ``trainer``'s launcher started for the other local ranks (the launcher's own list:
+    its watcher thread reads that one; none on those ranks, in a single process, or under ``torchrun``)."""
+    procs = getattr(trainer.strategy.launcher, "procs", None)
+    if isinstance(procs, list) and procs and not any(procs is known for known in _OTHER_RANKS):
+        _OTHER_RANKS.append(procs)
+
+
+def stop_other_ranks() -> None:
+    """End the processes Lightning started for the job's other local ranks (on rank 0 of a tune stopped by a signal;
+    a no-op elsewhere) and reap them.
+
+    A signal from outside (``kill``, a scheduler) reaches the command's process alone. Inside a fit Lightning's own
+    handling ends the other ranks; between two trials it is not installed, and they waited in the tune's next
+    collective until this process was gone, then failed on its closed connection: a C++ traceback and an ``error:``
+    line (exit status 2) after the tune's ``terminated``. They are killed (``SIGKILL``, as Lightning's interrupt
+    handling does): a rank blocked in a collective runs no Python signal handler until it returns, and they write
+    nothing a tune keeps (rank 0 writes the outputs and the cache). Each list is emptied first: the launcher's watcher
+    thread, which polls it, took a killed rank for a crashed one and killed this process too (exit status -9).
+    """
+    procs: list[subprocess.Popen] = []
+    for launched in _OTHER_RANKS:
+        procs += [p for p in launched if isinstance(p, subprocess.Popen)]
+        launched.clear()
+    _OTHER_RANKS.clear()
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=10)
 
 
 @dataclass

@@ -39,6 +39,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
 from lightning_accel._utils.errors import one_line
 from lightning_accel._utils.processes import process_running, process_start
 from lightning_accel._utils.rank import distributed_ready, global_rank, local_rank, node_rank
@@ -68,7 +70,15 @@ from lightning_accel.tune.levers import (
     options_for,
     world_of,
 )
-from lightning_accel.tune.runner import TrialMeasure, agree, agree_check, run_trial
+from lightning_accel.tune.runner import (
+    OVER_BUDGET,
+    TrialMeasure,
+    agree,
+    agree_check,
+    run_trial,
+    stop_other_ranks,
+)
+from lightning_accel.tune.runner import deadline as trial_deadline
 
 __all__ = ["GUARD_CLASS_PATH", "TuneResult", "exhaustive", "job_from_objects", "load_job", "tune", "tune_job"]
 
@@ -332,7 +342,8 @@ def tune_job(
             or the cache that cannot be written,
             or (without ``force``) a file at ``out`` or beside it that ``tune`` did not write, or a tune of the same
             job and settings running in the same folder (two would share one trial folder) -- all before any trial
-            runs.
+            runs; or ``warmup`` + ``steps`` that the baseline trial's first steps show cannot end within ``budget``
+            (raised after those steps, on every rank; nothing written).
         SystemExit: 143 on SIGTERM (a ``kill``, a preemption), after the trial folder was removed; nothing written.
         OSError: the outputs could not be written at the end (a full disk); the result is stored in the cache
             first, so the same tune run again writes them without measuring.
@@ -419,12 +430,22 @@ def tune_job(
     with _terminate_cleanly():
         try:
             _say(progress_line(0, 1, bud, "baseline"), verbose)
-            m = run_trial(job, warmup=warmup, steps=steps, root=work / "t0")
+            # the baseline stops after a few steps when they show that it cannot end within the budget (`--steps`
+            # 100000 ran for hours, past any budget, before the first option was even weighed)
+            with trial_deadline(bud.left()):
+                m = run_trial(job, warmup=warmup, steps=steps, root=work / "t0")
             base = _result("baseline", "baseline", None, m)
             base.decision, base.reason = "baseline", "the job as configured"
             if job.get("ckpt_path"):  # a trial is a short fit from the start: resuming would measure the checkpoint
                 base.reason += "; every trial trains from the initial weights, not from the job's `ckpt_path`"
             base = agree(base)  # rank 0's record (its losses are the reference) on every rank
+            if base.error is not None and base.error.startswith(OVER_BUDGET):
+                raise ValueError(
+                    f"{named_arg('steps', steps)} (after {named_arg('warmup', warmup)}) does not fit in "
+                    f"{named_arg('budget', budget)}: the baseline trial stopped after 3 steps, "
+                    f"{base.error[len(OVER_BUDGET) :]}. Lower {named_arg('steps')} (or {named_arg('warmup')}), or "
+                    f"raise {named_arg('budget')}: each option tried needs about two such trials more."
+                )
             if base.error is not None:
                 # the error may end with its own punctuation ("did you mean 'trainer'?"): no second stop after it
                 error = base.error if base.error.endswith((".", "?", "!")) else f"{base.error}."
@@ -511,6 +532,11 @@ def tune_job(
                 names = _in_effect(lever_start, kept_opts)
                 if names:
                     chosen[lever] = ", ".join(names)
+        except (_Terminated, KeyboardInterrupt, SIGTERMException):
+            # stopped from outside: the signal reached this process alone, and the job's other ranks waited for it in
+            # the tune's next collective (they end with it, not on its closed connection)
+            stop_other_ranks()
+            raise
         finally:
             if _node_leader():  # every node worked in its own `work` (the same path: one folder on a shared disk)
                 _remove_scratch(work)
@@ -916,6 +942,9 @@ def check_outputs(out: str | os.PathLike[str], *, force: bool = False) -> None:
 def write_outputs(res: TuneResult, out: str | os.PathLike[str], *, force: bool = False) -> dict[str, str]:
     """Write ``tuned.yaml`` at ``out`` and ``tune_report.{json,md,png}`` beside it; returns the paths.
 
+    Each file is replaced atomically. When ``out`` is a symbolic link, the file it points to is replaced (the link
+    stays as it is); the reports still go beside ``out``.
+
     Raises:
         ValueError: (without ``force``) a file there that ``tune`` did not write (:func:`check_outputs`).
     """
@@ -944,9 +973,12 @@ def write_outputs(res: TuneResult, out: str | os.PathLike[str], *, force: bool =
     report = json.dumps(summary, indent=1, default=repr)
     table, png = report_markdown(res), report_png(res.trials)
     paths = {"tuned": str(out), "json": f"{stem}.json", "md": f"{stem}.md"}
+    # a link at `out` (to the tuned config of an earlier tune, kept elsewhere) is written through: the rename of an
+    # atomic write replaced the link itself with a regular file, and the file it pointed to kept the old config
+    target = Path(os.path.realpath(out)) if out.is_symlink() else out
     # one set: a Ctrl-C or SIGTERM between two files left a new tuned.yaml beside the reports of an older tune
     with _signals_deferred():
-        atomic_write_text(out, tuned)
+        atomic_write_text(target, tuned)
         atomic_write_text(paths["json"], report)
         atomic_write_text(paths["md"], table)
         if png is not None:
