@@ -1632,17 +1632,7 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
                 "weights alone with a fresh strategy)."
             )
             failure.__cause__ = err
-        if self.world_size > 1 and distributed_ready():
-            raise_if_any_rank_failed(
-                failure,
-                lambda rank, more: (
-                    f"diloco: rank {rank} could not restore its local-steps state from `ckpt_path` "
-                    f"{source!r}{more}, so no rank resumes"
-                ),
-                device=self.root_device,
-            )
-        if failure is not None:
-            raise failure
+        self._raise_restore_failure_on_every_rank(failure, "local-steps state", source)
         self._local.load_local_flats(own["local"])
         if buffers is not None and module is not None:
             _load_buffers(module, buffers)
@@ -1677,19 +1667,9 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
             failure.__cause__ = err
         except Exception as err:
             failure = err
-        if self.world_size > 1 and distributed_ready():
-            # each rank loads its own optimizer states: one that cannot (its part of another shape, or missing) must
-            # not leave the others in the fit's first collective until the process group's timeout
-            raise_if_any_rank_failed(
-                failure,
-                lambda rank, more: (
-                    f"diloco: rank {rank} could not restore its optimizer state from `ckpt_path` "
-                    f"{source!r}{more}, so no rank resumes"
-                ),
-                device=self.root_device,
-            )
-        if failure is not None:
-            raise failure
+        # each rank loads its own optimizer states: one that cannot (its part of another shape, or missing) must not
+        # leave the others in the fit's first collective until the process group's timeout
+        self._raise_restore_failure_on_every_rank(failure, "optimizer state", source)
 
     @override
     def optimizer_step(
@@ -1849,6 +1829,23 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
                 self._loaded, self._loaded_from = payload, str(checkpoint_path)
         return checkpoint
 
+    def _raise_restore_failure_on_every_rank(self, failure: BaseException | None, what: str, source: str) -> None:
+        """Every rank, after restoring its own part of ``what`` from ``source``: raise ``failure`` (this rank's) or,
+        when another rank failed, one line naming that rank
+        (:func:`~lightning_accel._utils.rank.raise_if_any_rank_failed`; one small collective under several processes),
+        so that no rank goes on alone into the fit's collectives."""
+        if self.world_size > 1 and distributed_ready():
+            raise_if_any_rank_failed(
+                failure,
+                lambda rank, more: (
+                    f"diloco: rank {rank} could not restore its {what} from `ckpt_path` {source!r}{more}, so no rank "
+                    "resumes"
+                ),
+                device=self.root_device,
+            )
+        if failure is not None:
+            raise failure
+
     def _check_precision_state(self, state: Any, source: str) -> None:
         """Load this rank's own precision plugin state (its GradScaler's scale and counters) now, and agree with the
         other ranks (one small collective) that every rank could, before Lightning restores it.
@@ -1873,17 +1870,7 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
                 "with, or from another checkpoint."
             )
             failure.__cause__ = err
-        if self.world_size > 1 and distributed_ready():
-            raise_if_any_rank_failed(
-                failure,
-                lambda rank, more: (
-                    f"diloco: rank {rank} could not restore its precision plugin state from `ckpt_path` "
-                    f"{source!r}{more}, so no rank resumes"
-                ),
-                device=self.root_device,
-            )
-        if failure is not None:
-            raise failure
+        self._raise_restore_failure_on_every_rank(failure, "precision plugin state", source)
 
     @override
     def teardown(self) -> None:
