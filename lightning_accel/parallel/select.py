@@ -225,7 +225,8 @@ def select_strategy(
             model's hidden size, heads and layers and the batch's shape (see
             :mod:`~lightning_accel.parallel.estimate`), and the explanation says "estimated".
         inter_node_gbps: network bandwidth between nodes in Gbit/s (None: unknown, no ``ddp_1bit`` advice).
-        policy: ``"memory"`` (estimate and fit) or ``"rules"`` (the rule-of-thumb thresholds).
+        policy: ``"memory"`` (estimate and fit) or ``"rules"`` (the rule-of-thumb thresholds; the estimate's
+            arguments, from ``device_memory_bytes`` on, are then unused, and a warning names those given).
         headroom: fraction of device memory kept free for the CUDA context, allocator caching and workspaces.
         bytes_per_param: model-state bytes per parameter (16: Adam, mixed precision or fp32).
         microbatches: pipeline micro-batches (None: ``2 × stages``,
@@ -280,6 +281,24 @@ def select_strategy(
             f"({type(model).__name__}). Pass the network to train."
         )
     _check_example_batch("example_batch", example_batch)
+    if policy == "rules":
+        unused = _non_default(
+            device_memory_bytes=(device_memory_bytes, None),
+            example_batch=(example_batch, None),
+            inter_node_gbps=(inter_node_gbps, None),
+            headroom=(headroom, 0.2),
+            bytes_per_param=(bytes_per_param, ADAM_MIXED_BYTES_PER_PARAM),
+            microbatches=(microbatches, None),
+            loss_fn=(loss_fn, None),
+            onebit_break_even=(onebit_break_even, None),
+            activation_scale=(activation_scale, 1.0),
+            batch_split=(batch_split, "data_parallel"),
+            pipeline_size=(pipeline_size, None),
+            schedule=(schedule, "1f1b"),
+            stages_per_rank=(stages_per_rank, None),
+        )
+        if unused:
+            warnings.warn(_rules_unused_message(unused), UserWarning, stacklevel=2)
     if policy == "measure":  # the estimates decide what is a candidate; `choose_by_trial` then measures them
         policy = "memory"
     world = devices * num_nodes
@@ -382,6 +401,27 @@ def _check_example_batch(name: str, example_batch: Any, *, fix: str = "") -> Non
         f"`{name}` must be one per-device batch of forward inputs holding a tensor (a tensor, a tuple/list of "
         f"positional arguments or a dict of keyword arguments), got {one_line(repr(example_batch))[:60]} "
         f"({type(example_batch).__name__}). {fix or 'Pass e.g. `example_batch=torch.randn(batch, features)`, or None.'}"
+    )
+
+
+def _non_default(**given: tuple[Any, Any]) -> list[str]:
+    """The names among ``given`` (``name=(value, default)``) set to other than their default (e.g. the arguments of
+    the memory estimate, which policy ``"rules"`` does not read)."""
+    return [
+        name
+        for name, (value, default) in given.items()
+        if value is not default and (default is None or value != default)
+    ]
+
+
+def _rules_unused_message(names: list[str]) -> str:
+    """One line saying that ``names`` are not used by policy ``"rules"``, and the fix."""
+    listed = ", ".join(f"`{n}`" for n in names)
+    one = len(names) == 1
+    return (
+        f"{listed} {'is' if one else 'are'} used only by policy='memory' and 'measure'; policy='rules' decides by "
+        f"the parameter and layer counts alone, so {'it is' if one else 'they are'} ignored. Drop "
+        f"{'it' if one else 'them'} or pass policy='memory'."
     )
 
 

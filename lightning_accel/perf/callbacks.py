@@ -1311,6 +1311,11 @@ def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
 
 
+#: pid -> the largest ``keep_freed_bytes`` HostMemoryManager has reported in that process (0: that the setting cannot
+#: apply); the pid tells a forked child, which has its parent's copy, that it has reported nothing yet
+_HOST_MEMORY_SAID: dict[int, int] = {}
+
+
 class HostMemoryManager(Callback):
     """Keep freed host memory in every training process instead of handing it back to the OS each step (glibc).
 
@@ -1329,8 +1334,9 @@ class HostMemoryManager(Callback):
     The cost is memory: a process's resident size stays near its peak between steps, up to ``keep_freed_bytes`` more
     than it would. The setting lasts for the process's life (glibc cannot read it back to restore it) and is inherited
     by the DataLoader workers it forks. Where the C library is not glibc (macOS, musl) one info line says so and nothing
-    changes. On CUDA it changes host-side allocations only (the CUDA caching allocator, pinned memory included, is
-    :class:`CudaMemoryManager`'s).
+    changes. Either line is logged once per process and setting, on global rank 0 (``setup`` runs at every stage; a
+    smaller setting than one applied already changes nothing and is not logged). On CUDA it changes host-side
+    allocations only (the CUDA caching allocator, pinned memory included, is :class:`CudaMemoryManager`'s).
 
     Args:
         keep_freed_bytes: freed heap memory each process keeps, at least 32 MiB (an integer, or a string such as
@@ -1354,6 +1360,13 @@ class HostMemoryManager(Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.applied = keep_freed_memory(self.keep_freed_bytes)
+        # `setup` runs at every stage (fit, validate, test, predict) and for every Trainer: the line is said once per
+        # process and setting (on global rank 0), not before each of them; a smaller setting than one said already
+        # changes nothing (glibc keeps the larger, see `keep_freed_memory`) and is not said either
+        pid, kept = os.getpid(), self.keep_freed_bytes if self.applied else 0
+        if pid in _HOST_MEMORY_SAID and kept <= _HOST_MEMORY_SAID[pid]:
+            return
+        _HOST_MEMORY_SAID[pid] = kept
         if self.applied:
             rank_zero_info(
                 f"HostMemoryManager: each training process keeps up to {self.keep_freed_bytes / 2**20:.0f} MiB of "

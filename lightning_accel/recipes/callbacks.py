@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import math
 import os
+import re
 import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -629,8 +630,10 @@ class KnowledgeDistillation(Callback):
     :func:`~lightning_accel.recipes.distill.teacher_fingerprint`), ``temperature`` and ``alpha``, so a resume with
     the same teachers gives each callback its own state. A Trainer with one such callback also takes the one state of
     a checkpoint written by an earlier version (keyed by the bare class name, or by a teacher hash computed from a
-    sample of the weights, when it is this teacher's). A state of another teacher (the checkpoint was distilled from
-    another one) is not applied: this teacher starts afresh, and a warning on global rank 0 names both teachers.
+    sample of the weights, when it is this teacher's). The key names ``KnowledgeDistillation`` whatever the class, so
+    a subclass and this class resume each other's checkpoints. A state of another teacher (the checkpoint was
+    distilled from another one) is not applied: this teacher starts afresh, and a warning on global rank 0 names both
+    teachers.
 
     **Precision.** At fit start the teacher is converted, in place, to the dtype the Trainer's precision gives the
     student's inputs (``"bf16-true"``: bfloat16, ``"16-true"``: float16, ``"64-true"``: float64; the ``*-mixed``
@@ -694,7 +697,8 @@ class KnowledgeDistillation(Callback):
         # the key earlier versions wrote for this teacher, to recognise its state in their checkpoints
         self._legacy_fingerprint = legacy_teacher_fingerprint(self.teacher)
         config = {"teacher": self._fingerprint, "temperature": self.temperature, "alpha": self.alpha}
-        self._state_key = f"{type(self).__qualname__}{config!r}"
+        # the algorithm's name, not `type(self)`'s: a user's subclass and this class resume each other's checkpoints
+        self._state_key = f"KnowledgeDistillation{config!r}"
         self._module: LightningModule | None = None
         self._precision: Precision | None = None
         self._teacher_dtype: torch.dtype | None = None
@@ -805,31 +809,35 @@ class KnowledgeDistillation(Callback):
         # A checkpoint written by an earlier version keys the state by the bare class name (taken when this is the only
         # KnowledgeDistillation of the Trainer: otherwise which one wrote it is unknown), or by the same
         # `KnowledgeDistillation{...}` form with a teacher hash computed from a sample of the weights (taken when that
-        # hash is this teacher's). A state keyed by another teacher is not this one's: the resumed fit distils from
-        # another teacher, which starts afresh, and is told so (a changed teacher is a choice, not an error)
+        # hash is this teacher's); for a subclass, earlier versions wrote the subclass's name in place of
+        # `KnowledgeDistillation`, so a state of this form under any class name is taken. A state keyed by another
+        # teacher is not this one's: the resumed fit distils from another teacher, which starts afresh, and is told so
+        # (a changed teacher is a choice, not an error)
         states = checkpoint.get("callbacks") or {}
         if self.state_key in states:
             return
-        name = type(self).__qualname__
         mine = [cb for cb in trainer.callbacks if isinstance(cb, KnowledgeDistillation)]  # type: ignore[attr-defined]
         claimed = {cb.state_key for cb in mine}
-        older = [k for k in states if isinstance(k, str) and k.startswith(name + "{") and k not in claimed]
-        own = [k for k in older if _key_teacher(name, k) in (self._fingerprint, self._legacy_fingerprint)]
+        teachers = {k: _key_teacher(k) for k in states if isinstance(k, str) and k not in claimed}
+        older = [k for k, teacher in teachers.items() if teacher is not None]
+        own = [k for k in older if teachers[k] in (self._fingerprint, self._legacy_fingerprint)]
         if len(own) == 1 and states[own[0]]:
             self.load_state_dict(dict(states[own[0]]))
             return
-        if len(mine) == 1 and states.get(name):
-            self.load_state_dict(dict(states[name]))
-            return
+        if len(mine) == 1:
+            bare = [states[n] for n in _class_names(type(self), KnowledgeDistillation) if states.get(n)]
+            if bare:
+                self.load_state_dict(dict(bare[0]))
+                return
         # states of teachers that no KnowledgeDistillation of this Trainer distils from (the first callback missing
         # its state reports them, once)
         known = {f for cb in mine for f in (cb._fingerprint, cb._legacy_fingerprint)}
-        foreign = [k for k in older if _key_teacher(name, k) not in known]
+        foreign = [teachers[k] for k in older if teachers[k] not in known]
         first = next(cb for cb in mine if cb.state_key not in states)
         if foreign and first is self:
-            teachers = ", ".join(str(_key_teacher(name, k)) for k in foreign)
+            named = ", ".join(map(str, foreign))
             rank_zero_warn(
-                f"KnowledgeDistillation: the checkpoint holds the distillation state of teacher(s) {teachers}, not "
+                f"KnowledgeDistillation: the checkpoint holds the distillation state of teacher(s) {named}, not "
                 f"of this fit's teacher {self._fingerprint}; it is not applied, and this teacher starts afresh with "
                 f"temperature {self.temperature} and alpha {self.alpha}. Resume with the checkpoint's teacher to "
                 "continue its distillation."
@@ -958,14 +966,37 @@ class KnowledgeDistillation(Callback):
         return loss
 
 
-def _key_teacher(name: str, key: str) -> str | None:
-    """The teacher fingerprint of a ``KnowledgeDistillation{...}`` state key, or None when it holds none."""
+#: ``<class name>{<arguments>}``: the form of the state keys of these callbacks (and of Lightning's own).
+_STATE_KEY = re.compile(r"^([A-Za-z_][\w.]*)(\{.*\})$", re.DOTALL)
+
+
+def _key_config(key: str, fields: frozenset[str]) -> dict[str, Any] | None:
+    """The arguments of a ``<class name>{...}`` state key whose arguments are exactly ``fields``, or None.
+
+    Any class name: earlier versions wrote a user's subclass's name, so the arguments say whose state it is.
+    """
+    match = _STATE_KEY.match(key)
+    if match is None:
+        return None
     try:
-        config = ast.literal_eval(key[len(name) :])
+        config = ast.literal_eval(match.group(2))
     except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
         return None
-    teacher = config.get("teacher") if isinstance(config, dict) else None
+    return config if isinstance(config, dict) and set(config) == fields else None
+
+
+def _key_teacher(key: str) -> str | None:
+    """The teacher fingerprint of a ``KnowledgeDistillation{...}`` state key (under any class name), or None when it
+    is not one."""
+    config = _key_config(key, frozenset({"teacher", "temperature", "alpha"}))
+    teacher = config.get("teacher") if config is not None else None
     return teacher if isinstance(teacher, str) else None
+
+
+def _class_names(cls: type, base: type) -> list[str]:
+    """The qualified names of ``cls`` and of its ancestors down to ``base``: the bare state keys earlier versions
+    wrote for it (Lightning's default key is the class's ``__qualname__``)."""
+    return [c.__qualname__ for c in cls.__mro__ if isinstance(c, type) and issubclass(c, base)]
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:
@@ -1371,18 +1402,30 @@ class StructuredPruning(Callback):
     def state_key(self) -> str:
         # one key per pruned submodule and schedule: Lightning refuses two stateful callbacks with one key (at fit
         # start), and pruning a backbone and a head with their own amounts and epochs takes two callbacks
-        # spelt as Lightning's own keys (`ModelCheckpoint{...}`): the class name and the distinguishing arguments
-        return f"{type(self).__qualname__}{ {'target': self.target, 'schedule': self.schedule}!r}"
+        # spelt as Lightning's own keys (`ModelCheckpoint{...}`): the algorithm's name (not `type(self)`'s, so a user's
+        # subclass and this class resume each other's checkpoints) and the distinguishing arguments
+        return f"StructuredPruning{ {'target': self.target, 'schedule': self.schedule}!r}"
 
     @override
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
-        # a checkpoint written when the key was the bare class name: its state belongs to this callback if it is the
-        # only StructuredPruning of the Trainer (otherwise which one pruned is unknown, and none is restored)
+        # Earlier versions keyed a subclass's state by the subclass's name (`MyPruning{...}`): a state of this form
+        # with this callback's `target` and `schedule` is this one's, under any class name. Older ones keyed it by the
+        # bare class name: that state belongs to this callback if it is the only StructuredPruning of the Trainer
+        # (otherwise which one pruned is unknown, and none is restored)
         states = checkpoint.get("callbacks") or {}
-        legacy = states.get(type(self).__qualname__)
-        mine = sum(isinstance(cb, StructuredPruning) for cb in trainer.callbacks) == 1  # type: ignore[attr-defined]
-        if legacy and self.state_key not in states and mine:
-            self.load_state_dict(dict(legacy))
+        if self.state_key in states:
+            return
+        mine = [cb for cb in trainer.callbacks if isinstance(cb, StructuredPruning)]  # type: ignore[attr-defined]
+        claimed = {cb.state_key for cb in mine}
+        config = {"target": self.target, "schedule": self.schedule}
+        fields = frozenset(config)
+        same = [k for k in states if isinstance(k, str) and k not in claimed and _key_config(k, fields) == config]
+        if len(same) == 1 and states[same[0]]:
+            self.load_state_dict(dict(states[same[0]]))
+            return
+        bare = [states[n] for n in _class_names(type(self), StructuredPruning) if states.get(n)]
+        if bare and len(mine) == 1:
+            self.load_state_dict(dict(bare[0]))
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -65,6 +65,8 @@ from lightning_accel.parallel.select import (
     TrialFailed,
     _check_arguments,
     _check_example_batch,
+    _non_default,
+    _rules_unused_message,
     choose_by_trial,
     select_strategy,
     trial_key,
@@ -165,7 +167,9 @@ class AutoStrategy(DDPStrategy):
 
     Args:
         policy: ``"memory"``, ``"rules"`` or ``"measure"`` (the memory estimate's candidates, then a timed trial of
-            each on the real model and ``example_input_array``, all ranks together; chosen at setup).
+            each on the real model and ``example_input_array``, all ranks together; chosen at setup). ``"rules"``
+            reads the parameter and layer counts only: ``device_memory_bytes``, ``inter_node_gbps``, ``headroom``,
+            ``bytes_per_param``, ``example_batch_size`` and ``allow_unfit`` given with it are named in a warning.
         device_memory_bytes: memory per device (None: the CUDA device's total memory; on CPU the host RAM divided by
             the processes on this node).
         inter_node_gbps: inter-node bandwidth in Gbit/s, for the ``ddp_1bit`` advice.
@@ -184,8 +188,10 @@ class AutoStrategy(DDPStrategy):
         pipeline_kwargs: keyword arguments for :class:`PipelineStrategy` (``schedule``, ``microbatches``,
             ``pipeline_size``, ``stages_per_rank``); the pipeline's memory estimate is made for them; an unknown key
             is refused here.
-        trial_steps: timed steps per candidate for ``policy="measure"`` (after one warm-up step).
-        trial_cache: a JSON file keeping measured times per model / world / device (None: this process only).
+        trial_steps: timed steps per candidate for ``policy="measure"`` (after one warm-up step; with another
+            policy a value given is named in a warning, as ``trial_cache``).
+        trial_cache: a JSON file keeping measured times per model / world / device (None: this process only);
+            ``policy="measure"`` only.
         candidates: the plans ``policy="measure"`` times, a non-empty list (None: every plan the memory estimate
             lets fit; a plan that cannot run the model is never tried). Every plan is timed at the global batch the
             Trainer will run (``world x`` the per-device batch), and a chosen tensor-parallel or pipeline plan trains
@@ -308,6 +314,29 @@ class AutoStrategy(DDPStrategy):
             schedule=pk["schedule"],
             stages_per_rank=pk["stages_per_rank"],
         )
+        trial = _non_default(trial_steps=(trial_steps, 3), trial_cache=(trial_cache, None))
+        if trial and policy != "measure":
+            # kept and never read, as `candidates` above: only the measuring policy runs a trial
+            source = "the rule of thumb" if policy == "rules" else "the memory estimate"
+            rank_zero_warn(
+                f"AutoStrategy: {', '.join(f'`{n}`' for n in trial)} {'is' if len(trial) == 1 else 'are'} used only "
+                f"by policy='measure' (the timed trial); with policy={policy!r} the plan comes from {source} and "
+                f"{'it is' if len(trial) == 1 else 'they are'} not used. Drop {'it' if len(trial) == 1 else 'them'} or "
+                "pass policy='measure'."
+            )
+        if policy == "rules":
+            # kept and never read by the rule of thumb (said, not refused, as `candidates` above: a config keeps them
+            # when the policy is switched on the command line)
+            unused = _non_default(
+                device_memory_bytes=(device_memory_bytes, None),
+                inter_node_gbps=(inter_node_gbps, None),
+                headroom=(headroom, 0.2),
+                bytes_per_param=(bytes_per_param, 16),
+                example_batch_size=(example_batch_size, None),
+                allow_unfit=(allow_unfit, False),
+            )
+            if unused:
+                rank_zero_warn(f"AutoStrategy: {_rules_unused_message(unused)}")
         super().__init__(**ddp_kwargs)
         self.policy = policy
         self.device_memory_bytes = device_memory_bytes
@@ -387,6 +416,9 @@ class AutoStrategy(DDPStrategy):
         return self.chosen
 
     def _choose(self, model: pl.LightningModule, device: torch.device, devices: int, num_nodes: int) -> StrategyChoice:
+        if self.policy == "rules":
+            # the rule of thumb reads the parameter and layer counts only: no example to measure, no memory to look up
+            return select_strategy(model, devices=devices, num_nodes=num_nodes, policy="rules")
         example = getattr(model, "example_input_array", None) if self.use_example_input else None
         _check_example_batch(
             f"{type(model).__name__}.example_input_array",
