@@ -62,7 +62,8 @@ class LocalStepsConfig:
             the default 1.0 with no momentum (the average of the ranks' parameters, local SGD) held the loss best in
             every short fit ``benchmarks/localsteps.py`` tried (``docs/onebit.md``).
         outer_momentum: the outer momentum (DiLoCo: 0.9; default 0).
-        nesterov: Nesterov momentum for the outer step when ``outer_momentum > 0`` (DiLoCo: True).
+        nesterov: Nesterov momentum for the outer step when ``outer_momentum > 0`` (DiLoCo: True); ``False`` is
+            refused with ``outer_momentum=0``, where both steps are the same.
         compression: how pseudo-gradients are averaged: ``"1bit"`` (signs + block scales, error feedback on both
             sides) or ``"fp32"``.
         overlap_steps: ``τ``, inner steps between issuing a fragment's exchange and applying it (0: wait at once);
@@ -113,6 +114,13 @@ class LocalStepsConfig:
             "outer_momentum", self.outer_momentum, low=0.0, high=1.0, high_open=True, fix="Use 0 (or DiLoCo's 0.9)."
         )
         check_bool("nesterov", self.nesterov, fix="Use True (DiLoCo's outer step).")
+        if self.nesterov is False and self.outer_momentum == 0:
+            # without momentum both steps are `outer_lr` times the average: a choice asked for would change nothing
+            raise ValueError(
+                f"`nesterov=False` has no effect with `outer_momentum={self.outer_momentum!r}`: it chooses between "
+                "two momentum steps, and without momentum both are the average. Drop `nesterov`, or set "
+                "`outer_momentum` (DiLoCo: 0.9)."
+            )
         check_choice("compression", self.compression, OUTER_COMPRESSIONS, fix="Use '1bit' (or 'fp32' to compare).")
         gap = self.sync_every // self.fragments
         if self.overlap_steps is None:

@@ -191,6 +191,66 @@ def _check_ddp_arguments(timeout: Any, start_method: Any, process_group_backend:
         )
 
 
+#: the arguments of ``OneBitDDPStrategy`` that only shape compressed averaging: with ``compression="fp32"`` (plain DDP
+#: from the first step) none of them changes anything (``recheck_every`` and ``overlap`` are refused on their own)
+_COMPRESSION_ONLY = (
+    "warmup_steps",
+    "block_size",
+    "min_compress_numel",
+    "error_feedback",
+    "compressor_backend",
+    "compressed_signal",
+    "group_numel",
+    "variance_refresh",
+)
+
+
+def _refuse_inert_with_fp32(config: OneBitConfig, hierarchical: Any, processes_per_node: int | None) -> None:
+    """Refuse, in one line naming each of them, the arguments other than their defaults that ``compression="fp32"``
+    leaves without effect (a configuration that switches compression off but keeps tuning it would otherwise run
+    plain DDP without a word). Defaults pass: LightningCLI fills every argument in."""
+    inert = {
+        name: getattr(config, name)
+        for name in _COMPRESSION_ONLY
+        if not _same(getattr(config, name), getattr(_DEFAULTS, name))
+    }
+    if hierarchical != "auto":
+        inert["hierarchical"] = hierarchical
+    if processes_per_node is not None:
+        inert["processes_per_node"] = processes_per_node
+    if not inert:
+        return
+    verb = "has" if len(inert) == 1 else "have"
+    raise ValueError(
+        f"{', '.join(f'`{k}={v!r}`' for k, v in inert.items())} {verb} no effect with `compression='fp32'`: plain DDP "
+        "averages in fp32 from the first step, so no warm-up, scale block, error feedback, compressor, variance "
+        f"refresh or node layout applies. Drop {', '.join(f'`{k}`' for k in inert)}, or use `compression='1bit'` "
+        "(or `'auto'`) to compress."
+    )
+
+
+#: an explicit ``compressed_signal`` -> the argument only the other signal uses, and what it does there
+_OTHER_SIGNAL = {
+    "gradients": ("variance_refresh", "it refreshes the frozen variance of compressed Adam momentum"),
+    "momentum": ("min_compress_numel", "it keeps small gradient buckets in fp32 on the gradient path"),
+}
+
+
+def _refuse_other_signal(config: OneBitConfig) -> None:
+    """Refuse, in one line, an argument other than its default that the explicit ``compressed_signal`` leaves without
+    effect (with ``"auto"`` the optimizers decide, when the fit sets up)."""
+    signal = config.compressed_signal
+    if signal not in _OTHER_SIGNAL:
+        return
+    name, what = _OTHER_SIGNAL[signal]
+    value = getattr(config, name)
+    if not _same(value, getattr(_DEFAULTS, name)):
+        raise ValueError(
+            f"`{name}={value!r}` has no effect with `compressed_signal={signal!r}`: {what}. Drop `{name}`, or use "
+            "`compressed_signal='auto'` (momentum for SGD-momentum/Adam/AdamW, gradients otherwise)."
+        )
+
+
 #: the barrier ``Trainer.save_checkpoint`` ends with
 SAVE_BARRIER = "Trainer.save_checkpoint"
 
@@ -289,7 +349,8 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
             optimizer step under automatic optimization; under manual optimization one per ``manual_backward``
             (two optimizers stepped after one backward count one).
         block_size: maximum elements per scale block (multiple of 8).
-        min_compress_numel: buckets smaller than this stay fp32.
+        min_compress_numel: gradient buckets smaller than this stay fp32 (the gradient path only; another value than
+            the default is refused with ``compressed_signal="momentum"``).
         error_feedback: keep the compression residuals (turn off only to measure what they buy).
         compressor_backend: the compressor's kernel: ``"auto"`` (the fused Triton kernel for CUDA gradients, torch
             elsewhere), ``"triton"`` (always; needs CUDA or ``TRITON_INTERPRET=1``) or ``"reference"`` (the torch
@@ -299,13 +360,16 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
             an optimizer is not supported) or ``"gradients"``.
         compression: whether to compress: ``"auto"`` (at the end of warm-up, time a few real steps with 1-bit
             averaging against the fp32 steps before them and keep the faster; logged with both figures), ``"1bit"``
-            (always compress) or ``"fp32"`` (plain DDP).
+            (always compress) or ``"fp32"`` (plain DDP: the arguments that only shape compression are refused beside
+            it unless left at their defaults).
         recheck_every: with ``compression="auto"``, try the other mode again every this many steps (0: once);
             refused with another ``compression``.
         group_numel: the momentum path compresses in groups of about this many elements (pipelined).
         variance_refresh: Adam/AdamW: steps after the freeze at which one fp32 step (an exact Adam step whose variance
             catches up) refreshes the frozen variance; the intervals then double (``R, 3R, 7R, ...`` steps into the
-            compressed stage). 0 keeps it frozen, as 1-bit Adam does.
+            compressed stage). 0 keeps it frozen, as 1-bit Adam does. Another value than the default is refused
+            with ``compressed_signal="gradients"``; in a fit where no Adam/AdamW momentum is compressed
+            (SGD-momentum, or ``"auto"`` choosing gradients) it does nothing, and a warning says so at setup.
         overlap: start compressing and sending each group's momentum during backward, as soon as DDP hands over the
             buckets that complete it (``True``), only after backward (``False``), or ``"auto"``: after backward when
             something needs the whole gradient first or may change it after backward (gradient clipping, a
@@ -326,7 +390,8 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
             was saved with (another layout resets it, with a warning).
         processes_per_node: the processes each node runs, when it is not Lightning's ``devices`` (the number of
             processes this strategy launches or joins per node; ``LOCAL_WORLD_SIZE`` under torchrun). Ranks are
-            numbered node-major, as every launcher does. Refused with ``hierarchical=False``, where it has no use.
+            numbered node-major, as every launcher does. Refused with ``hierarchical=False``, where it has no use,
+            and when the fit sets up if it does not divide the number of processes.
         log_stats: log ``comm/bytes_sent`` (bytes this rank sent in the last step; hierarchical: between nodes) and
             ``comm/compression_ratio`` (fp32 ring-allreduce bytes over bytes sent) every training step.
         compress: deprecated name of ``compressed_signal`` (same values; a :class:`DeprecationWarning`).
@@ -348,8 +413,13 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
             (``delay_all_reduce_named_params``, ``param_to_hook_all_reduce``), ``overlap=True`` with
             ``find_unused_parameters=True``, ``overlap=True`` with ``compression="fp32"`` or
             ``compressed_signal="gradients"`` (nothing compresses momentum: it would do nothing),
-            ``processes_per_node`` with ``hierarchical=False``, or
-            ``recheck_every`` with a ``compression`` other than ``"auto"``.
+            ``processes_per_node`` with ``hierarchical=False``,
+            ``recheck_every`` with a ``compression`` other than ``"auto"``, or ``compression="fp32"`` beside another
+            value than the default of ``warmup_steps``, ``block_size``, ``min_compress_numel``, ``error_feedback``,
+            ``compressor_backend``, ``compressed_signal``, ``group_numel``, ``variance_refresh``, ``hierarchical``
+            or ``processes_per_node`` (plain DDP compresses nothing: each would do nothing), or another value than
+            the default of ``variance_refresh`` with ``compressed_signal="gradients"`` or of ``min_compress_numel``
+            with ``compressed_signal="momentum"``.
         RuntimeError: ``compressor_backend="triton"`` without the ``triton`` package (here), or on a device it cannot
             run on (when the fit sets up: CPU tensors without ``TRITON_INTERPRET=1``).
     """
@@ -411,8 +481,10 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
                     "`processes_per_node`, or use `hierarchical='auto'` or `True`."
                 )
         check_bool("log_stats", log_stats, fix="Use False to stop logging.")
-        forced_triton = self._config.compressor_backend == "triton" and self._config.compression != "fp32"
-        if forced_triton and not triton_available():
+        if self._config.compression == "fp32":
+            _refuse_inert_with_fp32(self._config, hierarchical, processes_per_node)
+        _refuse_other_signal(self._config)
+        if self._config.compressor_backend == "triton" and not triton_available():
             # no device can run the kernel without the package: refused now (the fit's device is checked at setup)
             raise RuntimeError(
                 "`compressor_backend='triton'` needs the `triton` package: `pip install triton` (Linux x86_64), or "
@@ -493,6 +565,8 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
         self.switched_off_reason: str | None = None
         #: the switch-off reason read from a checkpoint (adopted with its 1-bit state: a resumed fit stays in fp32)
         self._switched_off_loaded: str | None = None
+        #: the reason of a :meth:`switch_off` called while no fit was running (applied when the next fit sets up)
+        self._switch_off_pending: str | None = None
         #: manual optimization: whether the training step now running is a variance refresh (decided before its
         #: backward, see :meth:`training_step`)
         self._manual_refresh = False
@@ -515,7 +589,16 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
         communicate). Returns whether 1-bit averaging was on. The switch-off and its reason are saved in the
         checkpoints that follow it, so a fit resumed from one of them stays in fp32 averaging. A later ``fit`` of the
         same Trainer that resumes no such checkpoint starts again with its own warm-up and 1-bit averaging after it
-        (:attr:`switched_off_reason` is cleared); call it again there to keep it off."""
+        (:attr:`switched_off_reason` is cleared); call it again there to keep it off.
+
+        Called while no fit is running (before ``fit``, or between two fits), it holds for the next fit from its
+        first step, with its checkpoints as above, and returns False (1-bit averaging was not on)."""
+        if not self._onebit_live:
+            # no fit's state to switch yet: the next fit's setup applies it (the state of an earlier fit, still
+            # inspectable, is left as it ended)
+            if self._switch_off_pending is None:
+                self._switch_off_pending = reason
+            return False
         state = self._onebit_state
         if state is None or self.switched_off_reason is not None:
             return False
@@ -580,6 +663,7 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
                 category=UserWarning,
             )
             loaded, self._onebit_loaded = self._onebit_loaded, None
+            self._switch_off_pending = None  # nothing compresses with a single process
             # nothing here uses it, and carrying it into this fit's checkpoints would hand a later multi-process
             # resume the state of the run before this one (its error feedback, step and decision)
             if loaded is not None:
@@ -599,6 +683,14 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
         # (a guard that turns 1-bit off again at the fit's start then leaves it on) and skip the "auto" trials
         self.switched_off_reason = None
         local = self._processes_per_node or self.num_processes
+        if self._processes_per_node is not None and self.world_size % self._processes_per_node:
+            # the ranks are not laid out that way: "auto" would take the flat exchange without a word (every rank
+            # sees the same numbers, so every rank raises here, before any collective)
+            raise ValueError(
+                f"`processes_per_node={self._processes_per_node}` does not divide the job's {self.world_size} "
+                "processes into nodes of that size. Give the processes each node runs (LOCAL_WORLD_SIZE under "
+                "torchrun), or drop `processes_per_node` to use Lightning's `devices`."
+            )
         self.node_topology = None
         if comm.resolve_hierarchical(self._hierarchical_arg, self.world_size, local):
             self.node_topology = comm.node_topology(local)  # collective: every rank is here
@@ -627,6 +719,10 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
             )
             self._onebit_loaded = None
             self._adopt_switch_off(state)
+        pending, self._switch_off_pending = self._switch_off_pending, None
+        if pending is not None and self.switched_off_reason is None:
+            self._stay_off(state, pending)
+            rank_zero_info(f"ddp_1bit: fp32 averaging from step {state.step} (switched off before the fit: {pending})")
         state.measure_fn = self.measure_fn
         self._auto_trial = comm.StepTrial()
         cuda = self.root_device.type == "cuda" and self.step_clock is time.perf_counter
@@ -828,6 +924,26 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
                     c.check_parameters(params)
         # every rank compares the same saved signal with the same resolved one: all reset alike, rank zero warns
         state.set_signal(want, [c.kind for c in self._compressors.values()], warn=self.is_global_zero)
+        self._warn_refresh_unused(optimizers)
+
+    def _warn_refresh_unused(self, optimizers: list[Optimizer]) -> None:
+        """Say, once per fit on rank zero, that a ``variance_refresh`` asked for does nothing here: it refreshes
+        Adam's frozen variance, and no optimizer of this fit has its Adam momentum compressed (SGD-momentum has no
+        variance, the gradient path freezes none). Known only now: the optimizers' types come with the fit."""
+        refresh = self._config.variance_refresh
+        if _same(refresh, _DEFAULTS.variance_refresh) or any(c.kind == "adam" for c in self._compressors.values()):
+            return
+        names = ", ".join(sorted({type(o).__name__ for o in optimizers}))
+        why = (
+            f"{names} keeps no variance to freeze"
+            if self._compressors
+            else f"the gradients of {names} are compressed, and the gradient path freezes no variance"
+        )
+        rank_zero_warn(
+            f"`variance_refresh={refresh}` has no effect in this fit: it refreshes the frozen variance of compressed "
+            f"Adam/AdamW momentum, and {why}. Drop `variance_refresh`, or train with torch.optim.Adam or AdamW.",
+            category=UserWarning,
+        )
 
     @override
     def optimizer_step(
@@ -1359,7 +1475,8 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
         fragments: parameter groups (model order) synced in turn, spreading the traffic over the ``H`` steps.
         outer_lr: outer learning rate (1: the average; DiLoCo: 0.7).
         outer_momentum: outer momentum (0; DiLoCo: 0.9).
-        nesterov: Nesterov outer momentum (DiLoCo: True).
+        nesterov: Nesterov outer momentum (DiLoCo: True); ``False`` is refused with ``outer_momentum=0`` (no momentum:
+            both steps are the same).
         compression: ``"1bit"`` or ``"fp32"`` averaging of the pseudo-gradients.
         overlap_steps: inner steps an exchange has to travel before it is applied (0: the step waits for it; below
             ``sync_every // fragments``). None: 1, or 0 when a fragment is due every step
@@ -1383,7 +1500,8 @@ class LocalStepsStrategy(_BackgroundSavesDDP):
         ValueError: a bad hyper-parameter, an unknown keyword, a competing ``ddp_comm_hook``, a DDP option that
             averages parameters outside the local steps (``delay_all_reduce_named_params``,
             ``param_to_hook_all_reduce``), a DDP ``process_group`` / ``device_mesh`` (the local steps average over
-            every process), or a ``block_size`` other than the default with ``compression="fp32"``.
+            every process), a ``block_size`` other than the default with ``compression="fp32"``, or
+            ``nesterov=False`` with ``outer_momentum=0``.
     """
 
     strategy_name = "diloco"

@@ -367,13 +367,17 @@ def _compress_from_warmup(trainer: dict[str, Any], warmup: int) -> None:
     least 10 fp32 steps) is cut to the trial's untimed ones, and ``compression="auto"`` (which times a few steps both
     ways at the end of its warm-up) compresses. Without this a trial of 3 + 12 steps times plain fp32 DDP almost
     throughout, and the lever is kept or rejected on noise (identical losses: the compressed stage never ran). The
-    written config keeps the job's own settings: only the trial's warm-up is shorter."""
+    written config keeps the job's own settings: only the trial's warm-up is shorter. A job's own
+    ``compression="fp32"`` is its choice, and left as it is: plain DDP has no warm-up to shorten (the strategy refuses
+    a ``warmup_steps`` beside it)."""
     s = trainer.get("strategy")
     if s == "ddp_1bit":
         s = {"class_path": "lightning_accel.strategies.OneBitDDPStrategy"}
     if not (isinstance(s, dict) and _cp(s).endswith("OneBitDDPStrategy")):
         return
     init = dict(s.get("init_args") or {})
+    if init.get("compression") == "fp32":
+        return
     init["warmup_steps"] = max(2, warmup)  # >= 2: DDP rebuilds its buckets after the first step
     if init.get("compression", "auto") == "auto":
         init["compression"] = "1bit"

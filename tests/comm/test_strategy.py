@@ -82,14 +82,16 @@ def test_overlap_true_where_nothing_compresses_momentum_is_refused(kwargs: dict,
 
 def test_a_forced_triton_compressor_without_triton_is_refused_at_construction(monkeypatch: pytest.MonkeyPatch) -> None:
     """No device can run the kernel without the package: refused when the strategy is built, naming the argument
-    (the fit's device is checked when it sets up). ``compression="fp32"`` never compresses, so it does not need it."""
+    (the fit's device is checked when it sets up). ``compression="fp32"`` never compresses: a compressor asked for
+    beside it is refused as doing nothing, whether the package is there or not."""
     from lightning_accel.strategies import OneBitDDPStrategy
 
     monkeypatch.setattr("lightning_accel.comm.strategy.triton_available", lambda: False)
     with pytest.raises(RuntimeError, match="`compressor_backend='triton'` needs the `triton` package") as info:
         OneBitDDPStrategy(compressor_backend="triton")
     assert "\n" not in str(info.value) and "`compressor_backend='auto'`" in str(info.value)
-    OneBitDDPStrategy(compressor_backend="triton", compression="fp32")
+    with pytest.raises(ValueError, match="`compressor_backend='triton'` has no effect with `compression='fp32'`"):
+        OneBitDDPStrategy(compressor_backend="triton", compression="fp32")
     OneBitDDPStrategy(compressor_backend="auto")
 
 

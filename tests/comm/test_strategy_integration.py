@@ -220,8 +220,9 @@ def _scenario(*names: str) -> Callable[[Callable[..., dict]], Callable[..., dict
 def _onebit(**kw):
     from lightning_accel.strategies import OneBitDDPStrategy
 
-    kw.setdefault("warmup_steps", WARMUP)
     kw.setdefault("compression", "1bit")
+    if kw["compression"] != "fp32":  # plain DDP has no warm-up (refused beside it)
+        kw.setdefault("warmup_steps", WARMUP)
     return OneBitDDPStrategy(**kw)
 
 

@@ -114,24 +114,33 @@ def test_sigterm_in_a_trial_stops_the_tune_and_removes_its_folder(tmp_path: Path
     ("strategy", "want"),
     [
         ("ddp_1bit", {"warmup_steps": 3, "compression": "1bit"}),
-        (  # the job's own arguments stay; an explicit fp32 is the job's choice, not a warm-up
+        (  # the job's own arguments stay
             {
                 "class_path": "lightning_accel.strategies.OneBitDDPStrategy",
-                "init_args": {"warmup_steps": 50, "compression": "fp32", "block_size": 256},
+                "init_args": {"warmup_steps": 50, "compression": "1bit", "block_size": 256},
             },
-            {"warmup_steps": 3, "compression": "fp32", "block_size": 256},
+            {"warmup_steps": 3, "compression": "1bit", "block_size": 256},
+        ),
+        (  # an explicit fp32 is the job's choice, and plain DDP has no warm-up: the strategy refuses one beside it
+            {
+                "class_path": "lightning_accel.strategies.OneBitDDPStrategy",
+                "init_args": {"compression": "fp32", "log_stats": False},
+            },
+            {"compression": "fp32", "log_stats": False},
         ),
     ],
 )
 def test_a_ddp_1bit_trial_compresses_in_its_timed_steps(strategy: Any, want: dict[str, Any]) -> None:
     # ddp_1bit's own warm-up ("auto": >= 10 fp32 steps) would cover almost all of a 3 + 12 step trial: the lever was
     # kept or rejected on plain DDP's time (and its losses matched the baseline's exactly)
+    from lightning_accel.strategies import OneBitDDPStrategy
     from lightning_accel.tune.runner import _trial_job
 
     job = {"trainer": {"accelerator": "cpu", "devices": 2, "strategy": strategy}, "model": {"class_path": "m.M"}}
     trial = _trial_job(job, warmup=3, steps=12, root="r", save=False)
     s = trial["trainer"]["strategy"]
     assert s["class_path"].endswith("OneBitDDPStrategy") and s["init_args"] == want
+    OneBitDDPStrategy(**s["init_args"])  # what the trial builds is accepted
     assert job["trainer"]["strategy"] == strategy  # the job itself (what tuned.yaml is written from) is unchanged
     plain = _trial_job({**job, "trainer": {"strategy": "ddp"}}, warmup=3, steps=12, root="r", save=False)
     assert plain["trainer"]["strategy"] == "ddp"
