@@ -5,7 +5,8 @@ removes stale RAM tiers (see ``docs/data.md``).
 [--dest-storage-options JSON] [--overwrite]``: copy an ImageFolder tree (or a manifest's keys) into shards plus an
 index, so a cold epoch from an object store costs one GET per shard instead of one per image. ``DEST`` must be missing,
 empty or hold a pack (replaced with ``--overwrite``, which touches only that pack's files): a ``DEST`` holding any
-other file is refused. Prints a JSON summary; exit 2 on bad arguments, 1 when the source or destination fails.
+other file is refused, and so is a local ``DEST`` that a running process reads or writes (its pid is named). Prints a
+JSON summary; exit 2 on bad arguments, 1 when the source or destination fails, 130 when interrupted (Ctrl-C).
 
 ``clean [--older-than 0s] [--root DIR] [--tier NAME ...] [--dry-run]``: remove the RAM tiers under ``DIR`` (default
 ``/dev/shm/lightning_accel``) that no process uses and that were last used longer ago than ``--older-than``; prints a
@@ -225,6 +226,15 @@ def main(argv: list[str] | None = None, prog: str = "lightning-accel data") -> i
         end_progress()
         print(f"{prog}: error: {type(e).__name__}: {_command_line_names(one_line(e))}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        # Ctrl-C: one line saying what is left, not a traceback (the pack's journal lets the rerun take DEST over)
+        end_progress()
+        print(
+            f"{prog}: interrupted: DEST {args.dest!r} may be incomplete (a pack without its index is refused when "
+            "read, never read as complete). Run the same command again to complete it.",
+            file=sys.stderr,
+        )
+        return 130
     end_progress()
     for w in caught:  # one line each (files left out of the pack), not Python's two-line warning format
         print(f"{prog}: warning: {one_line(str(w.message))}", file=sys.stderr)

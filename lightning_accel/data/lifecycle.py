@@ -38,7 +38,17 @@ from typing import Any
 from lightning_accel._utils.checks import check_number
 from lightning_accel.data.tiers import _ENVS, LMDB_FILES, TIER_MARKER, read_marker
 
-__all__ = ["TierInfo", "find_tiers", "other_entries", "parse_duration", "ram_root", "remove_tier", "sweep", "touch"]
+__all__ = [
+    "TierInfo",
+    "find_tiers",
+    "mapping_pids",
+    "other_entries",
+    "parse_duration",
+    "ram_root",
+    "remove_tier",
+    "sweep",
+    "touch",
+]
 
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([smhdw]?)\s*$", re.IGNORECASE)
@@ -115,6 +125,16 @@ def _mapped_dirs() -> dict[str, set[int]] | None:
         except OSError:  # gone meanwhile, or another user's process
             continue
     return out
+
+
+def mapping_pids(directory: str) -> list[int] | None:
+    """The pids of the readable processes that memory-map a file directly inside ``directory`` (sorted; this process
+    included), or None on a system without ``/proc`` (nothing can be told). A process of another user, whose maps
+    cannot be read, is not seen."""
+    mapped = _mapped_dirs()
+    if mapped is None:
+        return None
+    return sorted(mapped.get(os.path.realpath(directory), ()))
 
 
 # struct flock on Linux: l_type, l_whence (short), l_start, l_len (off_t), l_pid (pid_t), native alignment

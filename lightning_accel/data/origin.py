@@ -418,7 +418,8 @@ def list_origin(
     Raises:
         FileNotFoundError: the origin (or manifest) does not exist, naming the URL.
         ValueError: nothing to train on (no matching files), or a class directory without images (torchvision's
-            ``ImageFolder`` refuses it too: dropping it would shift the labels), naming the URL and the extensions.
+            ``ImageFolder`` refuses it too: dropping it would shift the labels), naming the URL and the extensions;
+            or the origin is a pack whose writing did not finish (its journal, no index), naming the fix.
     """
     fs, root = store.fs, store.root
     try:
@@ -504,6 +505,16 @@ def list_origin(
         )
     rels = list(found)
     if not rels:
+        from lightning_accel.data.pack import PACK_INDEX, PACK_JOURNAL
+
+        # Only here, where nothing else was found: a pack being written (or killed while writing) holds no index yet,
+        # only its journal and shards, and "no images inside class directories" would not say what to do.
+        if fs.exists(safe_join(root, PACK_JOURNAL)):
+            raise ValueError(
+                f"`origin` {store.url!r} is an incomplete pack: it holds {PACK_JOURNAL} but no {PACK_INDEX}, so "
+                "writing it was interrupted (or is still running). Run `lightning-accel data pack SOURCE "
+                f"{store.url}` (pack_origin) again to complete it, or wait for the running one."
+            )
         raise ValueError(
             f"`origin` {store.url!r} holds no files with extensions {list(exts)} inside class directories. "
             "Expected <origin>/<class>/<image>, or pass `manifest=` naming a JSONL list of keys and labels."

@@ -79,7 +79,7 @@ from lightning_accel.data.origin import (
     text_bytes,
 )
 
-__all__ = ["PACK_INDEX", "PackIndex", "PackedReader", "pack_origin"]
+__all__ = ["PACK_INDEX", "PackInUseError", "PackIndex", "PackedReader", "pack_origin"]
 
 PACK_INDEX = "lightning-accel-pack.json"
 PACK_FORMAT = "lightning-accel-pack"
@@ -111,6 +111,54 @@ _STAGED = re.compile(r"[0-9a-f]{20}\.shard")
 # An order's name in "needed" markers: its publisher's id in hex and its epoch counter (a file name, never a path).
 _GROUP = re.compile(r"[0-9a-f]{1,16}-[0-9]{1,18}")
 _PID_SHIFT = 20  # a publisher id is its process id shifted left by this, plus random low bits
+
+
+class PackInUseError(OSError):
+    """:func:`pack_origin` was asked to write into a local pack that another running process reads or writes."""
+
+
+def _hold(path: str) -> mmap.mmap | None:
+    """Map the local pack file ``path`` (its index, or the journal of a pack being written) for as long as the returned
+    map lives, so that the pack shows as in use in this process's ``/proc/<pid>/maps`` (and in its forked DataLoader
+    workers', which inherit the map): see :func:`_refuse_if_in_use`. None when it cannot be mapped (gone, empty,
+    unreadable): nothing to protect."""
+    try:
+        with open(path, "rb") as f:
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError):
+        return None
+
+
+def _refuse_if_in_use(dst: ObjectStore) -> None:
+    """Refuse to write into the local pack at ``dst`` while another process has it open: reads it, or writes it.
+
+    Why: a local pack is read one ranged read of a shard file per sample, by name, so a reader (a fit's main process
+    and DataLoader workers) whose pack was replaced mid-epoch read other samples' bytes at its old offsets and failed
+    its CRC-32 check, or found a shard gone; and two packs writing one destination overwrite each other's shards.
+    Every :class:`PackedReader` of a local pack keeps its index mapped, a pack being written its journal, and the
+    maps of every process are what ``lightning-accel data clean`` already reads to find a RAM tier in use
+    (:func:`~lightning_accel.data.lifecycle.mapping_pids`). This process's own readers are not counted (it is the one
+    replacing the pack), nor are another user's processes, whose maps cannot be read.
+
+    Raises:
+        PackInUseError: one line naming ``dst``, the processes and the fix.
+    """
+    from lightning_accel.data.lifecycle import mapping_pids
+
+    others = [p for p in mapping_pids(dst.root) or () if p != os.getpid()]
+    if not others:
+        return
+    try:
+        with open(f"/proc/{others[0]}/comm") as f:
+            name = f" ({f.read().strip()})"
+    except OSError:
+        name = ""
+    more = f" and {len(others) - 1} more process(es)" if len(others) > 1 else ""
+    raise PackInUseError(
+        f"`dest` {dst.url!r} is a pack in use: pid {others[0]}{name}{more} has it open (a fit reading it, or "
+        "another pack writing it); nothing was removed. Stop that process first (or let it finish), or pack into "
+        "another folder and point the next run at it."
+    )
 
 
 def new_publisher_id() -> int:
@@ -282,7 +330,8 @@ def pack_origin(
         overwrite: replace a pack already at ``dest``: its index is removed just before the first new shard is
             written (readers never mix the two), the new shards are written, the new index is published, then the
             old pack's shards the new one does not reuse are removed. Only files the old pack's index (or an
-            interrupted pack's journal) lists are replaced or removed.
+            interrupted pack's journal) lists are replaced or removed. A local pack that another process is reading
+            (a :class:`PackedReader` of it, e.g. a running fit's) is not replaced: :class:`PackInUseError`.
         progress: called as ``progress(done, total)`` after each group of samples.
         shuffle_seed: write the samples into the shards in a random order drawn from this seed (the listing keeps
             its order; only where each sample lives changes), so every shard holds a mix of classes and a shuffle
@@ -300,6 +349,9 @@ def pack_origin(
             pack wrote (e.g. an ImageFolder tree, or a user's ``shards/000000.bin``), or an index that cannot be
             read; or ``dest`` is a file.
         NotADirectoryError: a local ``dest`` lies under a file (checked before any sample is read).
+        PackInUseError: a local ``dest`` is open in another process: a pack there that it reads (``overwrite``
+            would replace it under the reader), or a pack that another :func:`pack_origin` is writing (checked before
+            any sample is read, and again just before the first shard is written); nothing is removed.
         TypeError: ``shard_bytes``, ``max_concurrency`` or ``shuffle_seed`` is not an integer, ``overwrite`` not a
             bool, ``progress`` not callable, or a storage options argument is not a dict with string keys.
         ValueError: ``shard_bytes`` outside 1 to 4 GiB (a shard is built in memory), ``max_concurrency`` outside 1
@@ -336,15 +388,20 @@ def pack_origin(
     index_path = safe_join(root, PACK_INDEX)
     journal_path = safe_join(root, PACK_JOURNAL)
     has_index, owned, leftovers = _claim_dest(dst, overwrite)
+    if dst.is_local:
+        _refuse_if_in_use(dst)  # before any sample is read: a busy pack is refused at once
     # Every file this call may create or replace is listed in the journal before it is touched, so a pack killed at
     # any point leaves only files the next pack_origin recognises as its own. Nothing is written before the first
     # shard: a source that fails before it (unreachable, nothing decodable) leaves `dest` as it was, an old pack
     # included.
     claimed = set(owned)
+    holding: list[mmap.mmap | None] = [None]  # the journal, mapped while this call writes (see `_refuse_if_in_use`)
 
     def publish_journal() -> None:
         doc = {"format": _JOURNAL_FORMAT, "keys": sorted(claimed)}
         atomic_publish_file(json.dumps(doc, separators=(",", ":")).encode(), journal_path, fs=fs)
+        if dst.is_local:
+            holding[0] = _hold(journal_path)
 
     shards: list[str] = []
     shard_sizes: list[int] = []
@@ -358,6 +415,8 @@ def pack_origin(
             # but never written is simply absent. No such key held a file: `_claim_dest` refused any.
             k = len(shards)
             claimed.update(f"shards/{j:06d}.bin" for j in range(k, k + max(16, k)))
+        if first and dst.is_local:
+            _refuse_if_in_use(dst)  # again: a reader or writer may have started while the source was read
         if first or grew:
             publish_journal()
         if first:
@@ -436,6 +495,8 @@ def pack_origin(
         with contextlib.suppress(FileNotFoundError):
             fs.rm_file(safe_join(root, key))
     fs.rm_file(journal_path)
+    if holding[0] is not None:
+        holding[0].close()
     return Listing(origin=dst.url, keys=keys, labels=labels, classes=listing.classes, pack=pack)
 
 
@@ -628,7 +689,8 @@ class PackedReader(ResetOnPickle):
         on_staged: called after this process downloaded a shard (the cache counts the bytes there).
     """
 
-    _reset_on_pickle = {"staged_refetches": 0}  # a count of this process's own reads
+    # a count of this process's own reads; the index map is made again by the copy (see `__setstate__`)
+    _reset_on_pickle = {"staged_refetches": 0, "_hold": None}
 
     def __init__(
         self,
@@ -665,8 +727,17 @@ class PackedReader(ResetOnPickle):
         self._latest: PerProcess[dict[str, int]] = PerProcess(dict)
         # the (order, batch) each thread of this process is reading, if any (see `reading`)
         self._reading: PerProcess[threading.local] = PerProcess(threading.local)
+        # A local pack is read in place: its index stays mapped while this reader lives, so `pack_origin` refuses to
+        # replace the pack under it (see `_refuse_if_in_use`). A forked worker inherits the map; an unpickled copy
+        # maps it again. Nothing per sample.
+        self._hold = _hold(safe_join(store.root, PACK_INDEX)) if store.is_local else None
         if self.staging:
             self.sweep()  # what a killed run left, before this one stages anything
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if self.store.is_local:
+            self._hold = _hold(safe_join(self.store.root, PACK_INDEX))
 
     def _path(self, s: int) -> str:
         return os.path.join(self.stage_dir, f"{self._names[s]}.shard")
@@ -1160,7 +1231,8 @@ class PackedReader(ResetOnPickle):
         """The original bytes of sample ``i`` (``key`` names it in errors).
 
         Raises:
-            OriginError: the store cannot deliver the shard, or the sample fails its CRC-32 (names shard and key).
+            OriginError: the store cannot deliver the shard, or the sample fails its CRC-32 (names shard and key);
+                when the pack's index changed since it was listed, it says that the pack was replaced instead.
         """
         s, off, size, crc = self.pack.shard[i], self.pack.offset[i], self.pack.size[i], self.pack.crc32[i]
         for _ in range(2):
@@ -1177,10 +1249,41 @@ class PackedReader(ResetOnPickle):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._path(s))  # a corrupt staged copy: fetch the shard again
             self.staged_refetches += 1
-        data = self.store.fetch(self.pack.shards[s], off, off + size)
+        try:  # costs nothing per sample unless it raises
+            data = self.store.fetch(self.pack.shards[s], off, off + size)
+        except OriginError as e:
+            replaced = self._replaced(i, key)
+            if replaced is None:
+                raise
+            raise replaced from e
         if zlib.crc32(data) != crc or len(data) != size:
-            raise OriginError(
-                f"sample {key!r} (bytes [{off}, {off + size}) of {self.store.url_of(self.pack.shards[s])!r}) fails "
-                "its CRC-32 against the pack index: the packed origin is corrupt. Re-run pack_origin."
+            raise self._replaced(i, key) or OriginError(
+                f"{self._where(i, key)} fails its CRC-32 against the pack index: the packed origin is corrupt. "
+                "Re-run pack_origin."
             )
         return data
+
+    def _where(self, i: int, key: str) -> str:
+        """Sample ``i`` (``key``) and where its bytes are, for an error message."""
+        s, off, size = self.pack.shard[i], self.pack.offset[i], self.pack.size[i]
+        return f"sample {key!r} (bytes [{off}, {off + size}) of {self.store.url_of(self.pack.shards[s])!r})"
+
+    def _replaced(self, i: int, key: str) -> OriginError | None:
+        """The error for a failed read of sample ``i`` (``key``) when the pack was replaced after this reader's index
+        was listed (its index now differs or is gone), else None. Only on a failed read: one GET of the index.
+
+        Why: a pack replaced under a reader (on an object store, where no process can be seen reading it, or by
+        another user's process) failed its reads as a missing shard or a corrupt pack, whose fix (re-run
+        pack_origin) was already done; the reader needs a restart to list the new pack."""
+        try:
+            now = load_pack_index(self.store)
+        except (OSError, ValueError):  # unreachable or unreadable now: the original error says more
+            return None
+        if now is not None and now.pack == self.pack:
+            return None
+        return OriginError(
+            f"{self._where(i, key)} cannot be read: the packed origin {self.store.url!r} was replaced after it was "
+            f"listed (its {PACK_INDEX} {'is gone' if now is None else 'differs'}: a pack_origin with `overwrite` ran "
+            "while this run read it). Restart the run to read the pack now there; pack into another prefix while a "
+            "run reads this one."
+        )
