@@ -24,9 +24,11 @@ Contract:
 3. **Backpressure, latest wins.** At most ``max_pending`` saves are queued or running at once; a save takes its
    slot *before* its snapshot, so at most ``max_pending`` snapshots exist. A save of a path whose previous save is
    still queued (not started) replaces that save's snapshot instead of queueing (the older state would only have
-   been overwritten; counted in ``coalesced``). A removal of a path whose save is still queued cancels that save
-   (Lightning no longer references the path, so nothing is left pointing at a missing file; ``cancelled``). Only a
-   save of a new path with every slot taken waits, and only until a slot frees (``stalls``, ``stall_s``).
+   been overwritten; counted in ``coalesced``), unless it is the only pending write of a path that holds no
+   complete checkpoint yet (the newer save may fail, and the path would be left with none). A removal of a path
+   whose save is still queued cancels that save (Lightning no longer references the path, so nothing is left
+   pointing at a missing file; ``cancelled``). Only a save of a new path with every slot taken waits, and only until
+   a slot frees (``stalls``, ``stall_s``).
    Removals hold no tensors and are not bounded, but stay ordered.
 4. **Failures at once.** A failed job is reported by the next :meth:`BackgroundWriter.submit`,
    :meth:`~BackgroundWriter.submit_save`, :meth:`~BackgroundWriter.wait` or :meth:`~BackgroundWriter.close` as one
@@ -758,13 +760,14 @@ class BackgroundWriter:
         Raises:
             CheckpointSaveError: an earlier job failed (``on_error="raise"``): the first failure, once.
         """
-        return self._submit(fn, args, key, bounded, None)
+        return self._submit(fn, args, key, bounded, None, None)
 
     def submit_save(
         self,
         fn: Callable[..., Any],
         checkpoint: Any,
         path: str,
+        settled: Callable[[str], bool] | None = None,
     ) -> Future:
         """Snapshot ``checkpoint`` into the pool's buffers on this thread and queue ``fn(snapshot, path)`` (a
         :class:`Snapshot`; its buffers are reused once the job ran; which tensors shared a storage is in
@@ -773,10 +776,14 @@ class BackgroundWriter:
         every slot taken, the call waits until one frees (a save of another path is never given this state: every
         path holds exactly the state saved there).
 
+        ``settled(path)``: whether ``path`` holds a complete checkpoint now. Given, a queued save that is the only
+        pending write of a path without one is not replaced but kept ahead of the new save, so a failure of the newer
+        save cannot leave the path without any checkpoint (counted as a new save: it may wait for a slot).
+
         Raises:
             CheckpointSaveError: an earlier job failed (``on_error="raise"``): the first failure, once.
         """
-        return self._submit(fn, (), path, True, checkpoint)
+        return self._submit(fn, (), path, True, checkpoint, settled)
 
     def _settle_overflow(self, jobs: _Jobs) -> bool:
         """Under ``jobs.cond``: after a save admitted past ``max_pending``, wait until the saves in flight are within
@@ -796,6 +803,7 @@ class BackgroundWriter:
         key: str | None,
         bounded: bool,
         checkpoint: Any,
+        settled: Callable[[str], bool] | None,
     ) -> Future:
         jobs = self._jobs.get()
         self._report(jobs)
@@ -816,7 +824,7 @@ class BackgroundWriter:
             t0 = time.perf_counter()
             waited = self._settle_overflow(jobs)
             while True:
-                target = self._coalesce_target(jobs, fn, key)
+                target = self._coalesce_target(jobs, fn, key, settled)
                 if target is not None:  # unstarted: the worker will not start it while we hold the lock
                     if checkpoint is not None:
                         self._refill(jobs, target, checkpoint)
@@ -853,7 +861,7 @@ class BackgroundWriter:
                 jobs.stats.pending_peak = max(jobs.stats.pending_peak, jobs.bounded)
         if failed:  # a job failed while this save waited for a slot: report it now, save nothing
             self._report(jobs)
-            return self._submit(fn, args, key, bounded, checkpoint)
+            return self._submit(fn, args, key, bounded, checkpoint, settled)
         job = _Job(fn, args, key, True)
         try:
             if checkpoint is not None:
@@ -915,12 +923,32 @@ class BackgroundWriter:
             return False
         return any(j.bounded and not j.started for j in jobs.queue)
 
-    def _coalesce_target(self, jobs: _Jobs, fn: Callable[..., Any], key: str | None) -> _Job | None:
-        """Under ``jobs.cond``: the last queued job of ``key`` if it is an unstarted save of the same function."""
+    def _coalesce_target(
+        self, jobs: _Jobs, fn: Callable[..., Any], key: str | None, settled: Callable[[str], bool] | None
+    ) -> _Job | None:
+        """Under ``jobs.cond``: the last queued job of ``key`` if it is an unstarted save of the same function that a
+        newer save may replace: an earlier save of ``key`` is queued or running before it, or ``key`` already holds
+        a complete checkpoint (``settled(key)``; None: always).
+
+        Why: the replacing save may fail. Replacing the only pending save of a path with nothing complete there yet
+        (the first ``last.ckpt`` of a run) left no file at all when the newer save failed, although the older one
+        would have been written: ``ckpt_path="last"`` then started afresh. Otherwise a failure leaves the older
+        complete file, or the earlier save's, in place.
+        """
         job = self._last_of(jobs, key)
-        if job is not None and job.bounded and not job.started and job.fn == fn:
+        if job is None or not job.bounded or job.started or job.fn != fn:
+            return None
+        if settled is None or key is None:
             return job
-        return None
+        before: _Job | None = jobs.running if jobs.running is not None and jobs.running.key == key else None
+        for queued in jobs.queue:
+            if queued is job:
+                break
+            if queued.key == key:
+                before = queued
+        if before is not None:
+            return job if before.bounded else None  # after a queued removal of `key` nothing is complete there
+        return job if settled(key) else None
 
     def _cancel_queued_save(self, jobs: _Jobs, key: str | None) -> None:
         """Under ``jobs.cond``: a removal of ``key`` drops the unstarted save of ``key`` queued last."""

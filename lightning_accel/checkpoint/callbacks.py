@@ -48,8 +48,15 @@ from lightning_accel._utils.atomic import is_local_url, strip_file_scheme
 from lightning_accel._utils.checks import check_bool
 from lightning_accel._utils.errors import one_line
 from lightning_accel._utils.fs import FileStore
-from lightning_accel._utils.patching import Patch, patch
-from lightning_accel._utils.rank import ErrorDescription, describe_error, rebuild_error
+from lightning_accel._utils.patching import Patch, active_patch, patch
+from lightning_accel._utils.rank import (
+    ErrorDescription,
+    describe_error,
+    distributed_ready,
+    raise_if_any_rank_failed,
+    rebuild_error,
+    world_size,
+)
 from lightning_accel.checkpoint.background import _save_error
 from lightning_accel.checkpoint.lock import CheckpointDirectoryLockedError
 from lightning_accel.checkpoint.plugin import CheckpointSaveError, DeltaCheckpointIO
@@ -199,6 +206,68 @@ def hold_save_failures(trainer: pl.Trainer) -> list[Patch]:
     return [patch(inner, "save_checkpoint", replacement, key=_HELD_SAVES_KEY)]
 
 
+#: the key of :func:`hold_direct_save_failures`' patch
+_DIRECT_SAVES_KEY = "lightning_accel-direct-delta-saves"
+
+#: the patch of :func:`hold_direct_save_failures`, kept after ``teardown`` (see there)
+_direct_saves: Patch | None = None
+
+
+def hold_direct_save_failures(trainer: pl.Trainer) -> None:
+    """Under more than one process with a synchronous ``DeltaCheckpointIO`` (not inside ``AsyncCheckpointIO``): a
+    save that ``trainer.save_checkpoint`` requests outside a checkpoint callback (a user's callback during the fit, a
+    ``final.ckpt`` after it) and that fails on global rank zero raises on every rank, right after the save.
+
+    Why: ``Trainer.save_checkpoint`` writes on global rank zero and then waits in a barrier on every rank; the failed
+    save was raised on rank zero alone, before the barrier, and the other ranks waited there until rank zero's
+    process was gone ("Connection closed by peer") or the process group timed out. ``Strategy.save_checkpoint`` runs
+    on every rank: it is wrapped so that every rank learns whether rank zero's write failed (one one-integer
+    collective per such save; a callback's routed save raises through :func:`route_write` instead and adds none).
+
+    The wrapper stays after ``teardown``, so that a save after the fit is covered too; only the newest Trainer's
+    strategy keeps one (installing it on another restores the previous one), so no older Trainer is kept alive.
+    """
+    global _direct_saves
+    strategy = trainer.strategy
+    if _caught_io(trainer) is None or _wrapped_io(trainer) is not None:
+        return
+    if _direct_saves is not None and active_patch(strategy, _DIRECT_SAVES_KEY) is _direct_saves:
+        return
+    if _direct_saves is not None:
+        _direct_saves.restore()
+
+    def replacement(p: Patch) -> Callable[..., None]:
+        def save_checkpoint(checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+            io: Any = strategy.checkpoint_io
+            if (
+                not isinstance(io, DeltaCheckpointIO)
+                or io.async_save
+                or io in _catching  # a callback's routed save: `route_write` raises it on every rank
+                or not distributed_ready()
+                or world_size() < 2
+            ):
+                p.original(checkpoint, filepath, storage_options=storage_options)
+                return
+            error: BaseException | None = None
+            try:
+                p.original(checkpoint, filepath, storage_options=storage_options)
+            except Exception as e:  # noqa: BLE001 - every rank learns of it first; raised again just below
+                error = e
+            raise_if_any_rank_failed(
+                error,
+                lambda rank, more: (
+                    f"A checkpoint save failed on global rank {rank}{more}, which writes the checkpoints"
+                ),
+                device=strategy.root_device,
+            )
+            if error is not None:
+                raise error
+
+        return save_checkpoint
+
+    _direct_saves = patch(strategy, "save_checkpoint", replacement, key=_DIRECT_SAVES_KEY)
+
+
 def _take_save_error(trainer: pl.Trainer) -> CheckpointSaveError | None:
     """The failure this rank's plugin holds for every rank to raise (its own async saves', or those
     :func:`hold_save_failures` kept), now counted as raised; None when there is none."""
@@ -241,8 +310,10 @@ def route_write(kind: str, trainer: pl.Trainer, write: Callable[[], None]) -> No
 
     A save, on every rank: an async plugin's (or the wrapper's) failure is raised on every rank at once first
     (:func:`raise_save_failure_on_every_rank`), then the save runs with the failures held until the next save; a
-    synchronous plugin's failure is held and raised on every rank right after the save. A removal (global rank zero)
-    does nothing while a failure is held (the next save raises it on every rank).
+    synchronous plugin's failure is held and raised on every rank right after the save. A removal with an async
+    plugin is queued with the failures held (the next save raises them); with a synchronous one (also inside
+    ``AsyncCheckpointIO``) it does nothing while a failure is held, and a held failure, or the removal's own
+    (a file global rank zero may not delete), is raised on every rank right after it (one small collective).
 
     Why: under DDP a failed save (a full disk) was raised on global rank zero alone (by the next save or removal
     with ``async_save=True`` or inside ``AsyncCheckpointIO``, by the save itself otherwise), before the barrier that
@@ -262,8 +333,16 @@ def route_write(kind: str, trainer: pl.Trainer, write: Callable[[], None]) -> No
         return
     assert caught is not None
     if kind == "remove":
-        if caught not in _held_failures:  # no removal after a failed save: it may be the last complete checkpoint
-            write()
+        # no removal after a failed save: it may be the last complete checkpoint (only global rank zero holds one)
+        if caught not in _held_failures:
+            try:
+                write()
+            except Exception as e:  # noqa: BLE001 - raised on every rank together just below
+                # the plugin's own message names the checkpoint, that it is still there, and the fix
+                _held_failures.setdefault(caught, _save_error(one_line(e, first=True), e))
+        # every rank, failed or not: global rank zero alone removes, and a failure raised there alone left the others
+        # in their next collective
+        raise_save_failure_on_every_rank(trainer)
         return
     if _wrapped_io(trainer) is not None:
         raise_save_failure_on_every_rank(trainer)
@@ -375,6 +454,7 @@ class CheckpointGuard(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         attach_io(trainer)  # every rank: no collective
         if _routed(trainer) and not self._write_patches:
+            hold_direct_save_failures(trainer)
             self._write_patches = hold_save_failures(trainer)
             for cb in trainer.checkpoint_callbacks:
                 if isinstance(cb, ModelCheckpoint) and not isinstance(cb, DeltaModelCheckpoint):
@@ -724,6 +804,7 @@ class DeltaModelCheckpoint(ModelCheckpoint):
             super().setup(trainer, pl_module, stage)
         attach_io(trainer)  # a stage starts: the plugin holds its locks until its teardown (every rank, no collective)
         if _routed(trainer) and not self._write_patches:
+            hold_direct_save_failures(trainer)
             self._write_patches = hold_save_failures(trainer)
             self._write_patches += compat.wrap_model_checkpoint_writes(self, self._around_write, key=_WRITES_KEY)
         options = self._options(trainer)

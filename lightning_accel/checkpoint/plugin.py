@@ -48,7 +48,14 @@ from lightning_accel.checkpoint.background import (
 from lightning_accel.checkpoint.lock import prepare_directory
 from lightning_accel.checkpoint.options import StoreOptions
 from lightning_accel.checkpoint.reader import read_checkpoint_with
-from lightning_accel.checkpoint.store import GC_GRACE_S, DeltaStore, SaveStats, split_path, store_dir
+from lightning_accel.checkpoint.store import (
+    GC_GRACE_S,
+    DeltaStore,
+    SaveStats,
+    check_file_path,
+    split_path,
+    store_dir,
+)
 
 __all__ = ["CheckpointSaveError", "DeltaCheckpointIO"]
 
@@ -254,6 +261,9 @@ class DeltaCheckpointIO(CheckpointIO):
         self._stage_lock = ForkSafeLock()
         # whether an async save under several processes outside the callbacks' routing was warned (`_warn_unrouted`)
         self._warned_unrouted = False
+        # the paths (writer keys) this plugin's async saves completed and no removal took since: a queued save of any
+        # other path is not replaced by a newer one (`BackgroundWriter.submit_save`'s `settled`)
+        self._saved: set[str] = set()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """A copy made by unpickling is a live plugin of its process too.
@@ -314,9 +324,11 @@ class DeltaCheckpointIO(CheckpointIO):
         finally:
             self._release_if_detached(running=1)
         self.history.append(stats)
+        self._saved.add(path)
         return stats
 
     def _remove_now(self, path: str, *, running: int = 0) -> None:
+        self._saved.discard(path)
         try:
             # Lightning's `ddp_spawn` hand-over file has been read by the one process that reads it, which removes it
             # now: its blobs go at once, since no later collection ever comes back to its folder
@@ -387,6 +399,7 @@ class DeltaCheckpointIO(CheckpointIO):
 
         Raises:
             CheckpointSaveError: an earlier async save failed (``on_save_error="raise"``), naming the first failure.
+            ValueError: ``path`` is empty or ends with a separator (it names no file), before anything is written.
         """
         if storage_options is not None:
             raise TypeError(
@@ -394,6 +407,7 @@ class DeltaCheckpointIO(CheckpointIO):
                 "`DeltaCheckpointIO(storage_options=...)` instead, so saves, loads and removals use the same options."
             )
         path_s = os.fspath(path)
+        check_file_path(path_s)  # on the caller's thread, before anything is queued or written
         if self.async_save:
             self._warn_unrouted(path_s)
             key = split_path(path_s)[1]  # one key per file however it is spelt: coalescing and `exists` compare it
@@ -401,7 +415,7 @@ class DeltaCheckpointIO(CheckpointIO):
             # The snapshot copies every tensor into a buffer of its own and notes which of them shared a storage (tied
             # weights, ModelCheckpoint's score tensor under several keys) as it copies them: the writer records that
             # (`Snapshot.aliases`), so the load shares them again as a synchronous save's does.
-            self._writer.submit_save(self._save_snapshot, checkpoint, key)
+            self._writer.submit_save(self._save_snapshot, checkpoint, key, settled=self._saved.__contains__)
         else:
             self._writer.wait()
             directory = split_path(path_s)[0]
@@ -507,13 +521,22 @@ class DeltaCheckpointIO(CheckpointIO):
 
         Raises:
             CheckpointSaveError: an earlier async save failed (``on_save_error="raise"``), naming the first failure.
+            OSError: a synchronous removal failed (a file this process may not delete), of the cause's type, one line
+                naming the checkpoint, which is still there, and the fix. Under DDP, ``DeltaModelCheckpoint`` and
+                ``CheckpointGuard`` raise it on every rank together.
         """
         if self.async_save:
             key = split_path(path)[1]
             self._writer.submit(functools.partial(self._remove_now, running=1), key, key=key)
         else:
             self._writer.wait()
-            self._remove_now(os.fspath(path))
+            path_s = os.fspath(path)
+            try:
+                self._remove_now(path_s)
+            except OSError as e:
+                if type(e).__module__ != "builtins":
+                    raise  # the package's own errors name their file and fix already
+                raise _named_removal_error(path_s, e) from e
 
     def claim(self, directory: PathType) -> None:
         """Take ``directory``'s writer lock now (a second writer is refused before training, not at its first save) and
@@ -600,6 +623,22 @@ def _named_save_error(path: str, cause: OSError) -> OSError:
     line += failure_hint(cause)
     err = type(cause)(line)  # one argument: the built-in types keep it as their message
     err.errno = cause.errno  # the message stays `line`: `OSError.__str__` needs a `strerror` too to show it
+    return err
+
+
+def _named_removal_error(path: str, cause: OSError) -> OSError:
+    """``cause`` (a built-in ``OSError``) of a synchronous removal of ``path``, as one line naming the checkpoint, that
+    it is still there, and the fix, of ``cause``'s type and ``errno``.
+
+    Why: a file that cannot be deleted (``PermissionError``) raised without saying which checkpoint, nor that nothing
+    was lost: the checkpoint stays, complete, and a later ``lightning-accel ckpt gc`` or removal collects it.
+    """
+    line = one_line(
+        f"Checkpoint removal of {path!r} failed: {type(cause).__name__}: {one_line(cause, first=True)}. The checkpoint "
+        "is still there and loads; make its directory writable by this process (or delete it by hand), then resume."
+    )
+    err = type(cause)(line)
+    err.errno = cause.errno
     return err
 
 

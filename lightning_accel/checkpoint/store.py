@@ -209,6 +209,27 @@ def store_dir(directory: str | os.PathLike[str]) -> str:
     return os.path.realpath(s) if is_local_url(s) else s
 
 
+def check_file_path(path: str | os.PathLike[str]) -> None:
+    """Refuse a checkpoint path to save at that names no file: empty, or ending with a separator.
+
+    Why: the store names a path without its trailing separator (:func:`store_path`), so ``save(..., "runs/ckpt/")``
+    wrote a *file* ``runs/ckpt``, and every later save into ``runs/ckpt/`` failed because the folder was a file.
+
+    Raises:
+        ValueError: one line naming the path and the fix.
+    """
+    s = os.fspath(path)
+    if not s.strip():
+        raise ValueError(
+            f"Checkpoint path {s!r} is empty: give the checkpoint's file name, e.g. 'checkpoints/last.ckpt'."
+        )
+    if s.endswith(("/", os.sep)):
+        raise ValueError(
+            f"Checkpoint path {s!r} ends with a separator, so it names a folder, not a checkpoint file: give a file "
+            f"name inside it, e.g. {s + 'last.ckpt'!r}."
+        )
+
+
 def split_path(path: str | os.PathLike[str]) -> tuple[str, str]:
     """``(directory, path)`` of a checkpoint path as the store names them: the directory as :func:`store_dir` names
     it, the path inside it as :func:`store_path` does (a local ``last.ckpt`` symlink stays the link, not its target).
@@ -502,6 +523,7 @@ class DeltaStore:
         Raises:
             NotADeltaCheckpointError: ``path`` is a directory or a foreign file.
             NotADirectoryError: the checkpoint directory is a file.
+            ValueError: ``path`` is empty or ends with a separator (it names no file).
             CheckpointDirectoryLockedError: another writer holds the directory.
             UnsafeCheckpointContent: the checkpoint holds objects that cannot be loaded without unpickling code.
             OSError: writing failed (e.g. disk full, an unwritable directory); earlier checkpoints are intact and the
@@ -509,6 +531,7 @@ class DeltaStore:
         """
         if not isinstance(checkpoint, dict):
             raise TypeError(f"`checkpoint` must be a dict, got {type(checkpoint).__name__}.")
+        check_file_path(path)
         t0 = time.perf_counter()
         directory, path = split_path(path)
         opts = self.options
