@@ -13,7 +13,9 @@ the second rank), ``ModelCheckpoint(save_top_k=2, save_last=True)`` on ``val_acc
   resize once, then cached uint8 tensors) with ``GpuAugment`` (the same crop and flip, batched),
   ``FusedPrecision("bf16-mixed", memory_format="channels_last")``, ``DeltaCheckpointIO(async_save=True)``,
   ``ddp_1bit`` with ``compression="auto"`` (it times fp32 against 1-bit after warm-up and keeps the faster),
-  ``HostMemoryManager`` (freed host memory stays in each rank's process between steps).
+  ``HostMemoryManager`` (freed host memory stays in each rank's process between steps), and the ``CheckpointGuard``
+  the ``lightning-accel`` CLI adds to every fit (a failed background save raised on every rank: one boolean
+  all-reduce per save).
 
 Both arms carry a ``PerformanceMonitor`` (step-time shares, checkpoint time) and the same seed per run; the runs go
 plain, accel, accel, plain, ... Per fit: the 1-minute load at start and end, per-epoch seconds (training, validation
@@ -263,8 +265,9 @@ def build(arm: str, run: int, root: Path, epochs: int, device: str = "cpu") -> t
         return L.Trainer(plugins=plugins, **common), _accel_dm(data, work, device), probes
     from lightning_accel.strategies import OneBitDDPStrategy
 
-    # freed host memory stays in each rank's process: its steps stop faulting their memory in again (CPU only here)
-    common["callbacks"] = [*common["callbacks"], la.HostMemoryManager()]
+    # freed host memory stays in each rank's process: its steps stop faulting their memory in again (CPU only here);
+    # CheckpointGuard as the `lightning-accel` CLI adds it: a failed background save is raised on every rank together
+    common["callbacks"] = [*common["callbacks"], la.HostMemoryManager(), la.CheckpointGuard()]
     trainer = L.Trainer(strategy=OneBitDDPStrategy(compression="auto"), plugins=plugins, **common)
     return trainer, _accel_dm(data, work, device), probes
 
