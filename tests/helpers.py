@@ -1,10 +1,11 @@
-"""Test helpers: run a function in N processes with a gloo process group; free ports."""
+"""Test helpers: run a function in N processes with a gloo process group; free ports; Ctrl-C as it is by default."""
 
 from __future__ import annotations
 
 import atexit
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import threading
@@ -15,7 +16,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-__all__ = ["free_port", "run_in_processes"]
+__all__ = ["ctrl_c_by_default", "default_ctrl_c", "free_port", "run_in_processes"]
 
 #: the environment the test session started with; the fork server starts from it, whichever test starts it
 _SESSION_ENV = dict(os.environ)
@@ -46,6 +47,26 @@ def _context() -> Any:
             os.environ.update(current)
         _server_started = True
     return ctx
+
+
+def default_ctrl_c() -> None:
+    """``preexec_fn`` of a child that a test sends SIGINT (Ctrl-C): SIGINT as it is by default there.
+
+    Why: a shell runs a background job (``.ci/run &``, ``nohup ... &``) with SIGINT ignored, every process it starts
+    inherits that, and Python then installs no ``KeyboardInterrupt`` handler: the Ctrl-C the test sends did nothing.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def ctrl_c_by_default() -> Iterator[None]:
+    """Within it, a SIGINT to this process raises ``KeyboardInterrupt`` as Python's default handler does, however the
+    test session was started (see :func:`default_ctrl_c`); the handler before is restored after."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def free_port() -> int:

@@ -18,6 +18,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.utils.data import DataLoader
 
 from tests import tiny
+from tests.helpers import default_ctrl_c
 
 
 class SlowWorkers(tiny.TinyDigits):
@@ -77,6 +78,7 @@ def test_a_tune_killed_mid_trial_leaves_nothing_behind(tmp_path: Path, sig: sign
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        preexec_fn=default_ctrl_c,  # the Ctrl-C sent below reaches it however the tests were started
     )
     try:
         deadline = time.monotonic() + 120

@@ -16,6 +16,8 @@ import pytest
 import yaml
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from tests.helpers import default_ctrl_c
+
 
 class MarkRunning(Callback):
     """Writes ``path`` (rank 0) at a training batch of the trial numbered ``trial`` (counted by fits in this process),
@@ -92,6 +94,7 @@ def test_a_two_process_tune_killed_on_rank_zero_ends_every_rank(
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        preexec_fn=default_ctrl_c,  # the Ctrl-C sent below reaches it however the tests were started
     )
     try:
         deadline = time.monotonic() + 240

@@ -14,6 +14,7 @@ import yaml  # type: ignore[import-untyped]  # PyYAML ships no type hints
 from lightning_accel.tune import core, runner, tuner
 from lightning_accel.tune.levers import job_precision
 from lightning_accel.tune.runner import TrialMeasure
+from tests.helpers import ctrl_c_by_default
 
 LOSSES = [2.3, 2.1, 1.9, 1.8, 1.7, 1.6, 1.5, 1.45, 1.4, 1.35, 1.3, 1.25]
 JOB: dict[str, Any] = {
@@ -1048,7 +1049,7 @@ def test_ctrl_c_while_the_outputs_are_written_leaves_them_whole(
     second = _tune(monkeypatch, tmp_path, [0.1, 0.05, 0.1])[1]
     assert second.chosen != first.chosen
     monkeypatch.setattr(atomic, "atomic_write_text", write_then_interrupt)
-    with pytest.raises(KeyboardInterrupt):
+    with ctrl_c_by_default(), pytest.raises(KeyboardInterrupt):
         tuner.write_outputs(second, out)
     assert writes == ["tuned.yaml", "tune_report.json", "tune_report.md"]  # the set went out whole, then Ctrl-C
     report = json.loads((tmp_path / "tune_report.json").read_text())
