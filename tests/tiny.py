@@ -4,7 +4,7 @@
 - Timing fixtures: :class:`DecodeDataset` / :class:`TimedModule` / :func:`loaders` advance a virtual clock.
 - Checkpoint fixtures: :class:`CheckpointModel` (Linear + BatchNorm + Adam), :func:`tiny_loader`, :func:`ckpt_trainer`.
 - Recipe fixtures: digits as in-memory 3x8x8 tensors (:func:`loader`), a width-4 :func:`classifier`, :func:`trainer`,
-  :class:`LRProbe`, :class:`TinyDigits`.
+  :class:`LRProbe`, :class:`TinyDigits`, :class:`DictStudent` (a distillation student).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
+from typing_extensions import override
 
 from lightning_accel.datasets import load_digits_arrays
 from lightning_accel.models import ImageClassifier
@@ -188,3 +189,21 @@ class TinyDigits(LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return loader(self.batch_size, min(self.n, 64))
+
+
+class DictStudent(LightningModule):
+    """Returns ``{"loss", "logits"}`` from ``training_step`` (the explicit protocol); no BatchNorm, no dropout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(192, 10))
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
+        x, y = batch
+        logits = self.net(x)  # not through self(): the logits come from the dict
+        return {"loss": F.cross_entropy(logits, y), "logits": logits}
+
+    @override
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)

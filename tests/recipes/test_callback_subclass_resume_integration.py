@@ -5,19 +5,15 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
-from lightning.pytorch import LightningModule
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
-from typing_extensions import override
 
 from lightning_accel.callbacks import KnowledgeDistillation, StructuredPruning
 from lightning_accel.recipes.distill import legacy_teacher_fingerprint, teacher_fingerprint
-from tests.tiny import classifier, loader, trainer
+from tests.tiny import DictStudent, classifier, loader, trainer
 
 
 class MyPruning(StructuredPruning):
@@ -26,22 +22,6 @@ class MyPruning(StructuredPruning):
 
 class MyKD(KnowledgeDistillation):
     """A user's subclass that changes nothing of the state."""
-
-
-class _Student(LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Flatten(), nn.Linear(192, 10))
-
-    @override
-    def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
-        x, y = batch
-        logits = self.net(x)
-        return {"loss": F.cross_entropy(logits, y), "logits": logits}
-
-    @override
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
 def _teacher() -> nn.Module:
@@ -103,7 +83,7 @@ def test_distillation_state_resumes_across_a_subclass(
 ) -> None:
     """A state keyed by either class name (with the current or the earlier teacher hash) is this teacher's."""
     t = trainer(callbacks=[KnowledgeDistillation(_teacher(), temperature=3.0)], enable_checkpointing=False)
-    t.fit(_Student(), loader())
+    t.fit(DictStudent(), loader())
     t.save_checkpoint(tmp_path / "a.ckpt")
     state = torch.load(tmp_path / "a.ckpt", weights_only=False)
     teacher = legacy_teacher_fingerprint(_teacher()) if legacy else teacher_fingerprint(_teacher())
@@ -112,5 +92,5 @@ def test_distillation_state_resumes_across_a_subclass(
     torch.save(state, tmp_path / "old.ckpt")
     with pytest.warns(UserWarning, match="trained with temperature 4.0 and alpha 0.5; this fit continues with temp"):
         trainer(callbacks=[resumed_by(_teacher(), temperature=3.0)], max_epochs=2).fit(
-            _Student(), loader(), ckpt_path=tmp_path / "old.ckpt"
+            DictStudent(), loader(), ckpt_path=tmp_path / "old.ckpt"
         )

@@ -20,25 +20,7 @@ from lightning_accel.checkpoint import DeltaCheckpointIO
 from lightning_accel.models import ImageClassifier
 from lightning_accel.recipes.distill import distillation_loss, legacy_teacher_fingerprint
 from tests.helpers import run_in_processes
-from tests.tiny import classifier, loader, trainer
-
-
-class DictStudent(LightningModule):
-    """Returns ``{"loss", "logits"}`` from ``training_step`` (the explicit protocol); no BatchNorm, no dropout."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Flatten(), nn.Linear(192, 10))
-
-    @override
-    def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
-        x, y = batch
-        logits = self.net(x)  # not through self(): the logits come from the dict
-        return {"loss": F.cross_entropy(logits, y), "logits": logits}
-
-    @override
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+from tests.tiny import DictStudent, classifier, loader, trainer
 
 
 def _teacher(out: int = 10, seed: int = 1) -> nn.Module:

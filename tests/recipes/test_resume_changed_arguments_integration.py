@@ -9,31 +9,12 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
-from lightning.pytorch import LightningModule
 from torch import nn
-from typing_extensions import override
 
 from lightning_accel.callbacks import KnowledgeDistillation, StructuredPruning
 from lightning_accel.recipes.distill import legacy_teacher_fingerprint, teacher_fingerprint
 from lightning_accel.recipes.lr import WarmupCosineLR, warmup_cosine_value
-from tests.tiny import classifier, loader, trainer
-
-
-class _Student(LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Flatten(), nn.Linear(192, 10))
-
-    @override
-    def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
-        x, y = batch
-        logits = self.net(x)
-        return {"loss": F.cross_entropy(logits, y), "logits": logits}
-
-    @override
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+from tests.tiny import DictStudent, classifier, loader, trainer
 
 
 def _teacher(seed: int) -> nn.Module:
@@ -43,7 +24,7 @@ def _teacher(seed: int) -> nn.Module:
 
 def _checkpoint(tmp_path: Path, kd: KnowledgeDistillation) -> Path:
     t = trainer(callbacks=[kd], enable_checkpointing=False)
-    t.fit(_Student(), loader())
+    t.fit(DictStudent(), loader())
     path = tmp_path / "kd.ckpt"
     t.save_checkpoint(path)
     return path
@@ -69,7 +50,7 @@ def test_a_resume_with_another_teacher_starts_its_state_fresh_and_says_so(tmp_pa
     path = _checkpoint(tmp_path, KnowledgeDistillation(old, alpha=0.3))
     kd = _Recorder(new, alpha=0.7)
     with pytest.warns(UserWarning) as record:
-        trainer(callbacks=[kd], max_epochs=2).fit(_Student(), loader(), ckpt_path=path)
+        trainer(callbacks=[kd], max_epochs=2).fit(DictStudent(), loader(), ckpt_path=path)
     messages = [str(w.message) for w in record if str(w.message).startswith("KnowledgeDistillation")]
     assert len(messages) == 1, messages
     assert teacher_fingerprint(old) in messages[0] and teacher_fingerprint(new) in messages[0]
@@ -83,7 +64,7 @@ def test_a_resume_with_another_teacher_class_is_not_silent(tmp_path: Path) -> No
     other = nn.Sequential(nn.Flatten(), nn.Linear(192, 10))
     kd = _Recorder(other)
     with pytest.warns(UserWarning, match=r"Sequential@[0-9a-f]{12}.*Sequential@[0-9a-f]{12}"):
-        trainer(callbacks=[kd], max_epochs=2).fit(_Student(), loader(), ckpt_path=path)
+        trainer(callbacks=[kd], max_epochs=2).fit(DictStudent(), loader(), ckpt_path=path)
     assert kd.loaded == []
 
 
@@ -98,7 +79,7 @@ def test_a_state_keyed_by_the_sampled_hash_of_the_same_teacher_restores(tmp_path
     torch.save(state, tmp_path / "old.ckpt")
     kd = _Recorder(teacher, temperature=2.0)
     with pytest.warns(UserWarning, match="trained with temperature 4.0 and alpha 0.5; this fit continues"):
-        trainer(callbacks=[kd], max_epochs=2).fit(_Student(), loader(), ckpt_path=tmp_path / "old.ckpt")
+        trainer(callbacks=[kd], max_epochs=2).fit(DictStudent(), loader(), ckpt_path=tmp_path / "old.ckpt")
     assert kd.loaded == [{"temperature": 4.0, "alpha": 0.5}]
 
 
