@@ -265,6 +265,10 @@ class OneBitState:
             (:class:`~lightning_accel.comm.allreduce.HierarchicalOneBitAllreduce`; made by
             :func:`~lightning_accel.comm.topology.node_topology`), or None: the flat exchange between all ranks.
             Only over the default process group.
+        nodes_layout: ``[processes per node, nodes]`` of a hierarchical layout this state names without holding its
+            process groups (None: :attr:`topology`'s, or flat): a ``compression="fp32"`` fit averages with plain DDP
+            and makes no node groups, yet its checkpoints name the layout a compressing resume averages over
+            (:attr:`layout_key`), so that such a resume adopts them as it adopts a compressing fit's.
 
     Stats:
         stats: the :class:`CommStats` of this rank.
@@ -301,6 +305,7 @@ class OneBitState:
         "comm_worker",
         "bucket_fn",
         "topology",
+        "nodes_layout",
         # stats
         "stats",
     )
@@ -357,6 +362,7 @@ class OneBitState:
                 "`process_group`. Pass `topology=None` to average flat over that group."
             )
         self.topology = topology
+        self.nodes_layout: list[int] | None = None
         self.stats = CommStats()
         if parameters is not None:
             self.set_parameters(parameters)
@@ -503,10 +509,12 @@ class OneBitState:
 
     @property
     def layout_key(self) -> list[int] | None:
-        """``[processes per node, nodes]`` when averaging hierarchically, else None (saved with the error state,
-        whose shapes and owners depend on it)."""
+        """``[processes per node, nodes]`` when averaging hierarchically (or :attr:`nodes_layout`, when set), else
+        None (saved with the error state, whose shapes and owners depend on it)."""
         topo = self.topology
-        return None if topo is None else [topo.local_size, topo.nodes]
+        if topo is None:
+            return None if self.nodes_layout is None else list(self.nodes_layout)
+        return [topo.local_size, topo.nodes]
 
     def close(self) -> None:
         """Stop the comm thread of the gradient path, if one was started, and drop the kept buffers (both come
@@ -651,6 +659,7 @@ class OneBitState:
         self.param_index = {}
         self.decide_from = None  # absent from states pickled before it existed
         self.decision_held = False  # absent from states pickled before it existed
+        self.nodes_layout = None  # absent from states pickled before it existed
         self.stage_token = None  # the stage (if any) continues from a saved state: its freeze marks hold
         self.loaded_signal = None
         self.kinds = ()

@@ -229,10 +229,13 @@ def _refuse_inert_with_fp32(config: OneBitConfig, hierarchical: Any, processes_p
     )
 
 
-#: an explicit ``compressed_signal`` -> the argument only the other signal uses, and what it does there
+#: an explicit ``compressed_signal`` -> the arguments only the other signal uses, and what each does there
 _OTHER_SIGNAL = {
-    "gradients": ("variance_refresh", "it refreshes the frozen variance of compressed Adam momentum"),
-    "momentum": ("min_compress_numel", "it keeps small gradient buckets in fp32 on the gradient path"),
+    "gradients": (
+        ("variance_refresh", "it refreshes the frozen variance of compressed Adam momentum"),
+        ("group_numel", "it sizes the groups of compressed momentum (the gradient path compresses DDP's buckets)"),
+    ),
+    "momentum": (("min_compress_numel", "it keeps small gradient buckets in fp32 on the gradient path"),),
 }
 
 
@@ -240,15 +243,13 @@ def _refuse_other_signal(config: OneBitConfig) -> None:
     """Refuse, in one line, an argument other than its default that the explicit ``compressed_signal`` leaves without
     effect (with ``"auto"`` the optimizers decide, when the fit sets up)."""
     signal = config.compressed_signal
-    if signal not in _OTHER_SIGNAL:
-        return
-    name, what = _OTHER_SIGNAL[signal]
-    value = getattr(config, name)
-    if not _same(value, getattr(_DEFAULTS, name)):
-        raise ValueError(
-            f"`{name}={value!r}` has no effect with `compressed_signal={signal!r}`: {what}. Drop `{name}`, or use "
-            "`compressed_signal='auto'` (momentum for SGD-momentum/Adam/AdamW, gradients otherwise)."
-        )
+    for name, what in _OTHER_SIGNAL.get(signal, ()):
+        value = getattr(config, name)
+        if not _same(value, getattr(_DEFAULTS, name)):
+            raise ValueError(
+                f"`{name}={value!r}` has no effect with `compressed_signal={signal!r}`: {what}. Drop `{name}`, or use "
+                "`compressed_signal='auto'` (momentum for SGD-momentum/Adam/AdamW, gradients otherwise)."
+            )
 
 
 #: the barrier ``Trainer.save_checkpoint`` ends with
@@ -350,7 +351,8 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
             (two optimizers stepped after one backward count one).
         block_size: maximum elements per scale block (multiple of 8).
         min_compress_numel: gradient buckets smaller than this stay fp32 (the gradient path only; another value than
-            the default is refused with ``compressed_signal="momentum"``).
+            the default is refused with ``compressed_signal="momentum"``, and warned about at setup when ``"auto"``
+            compresses momentum).
         error_feedback: keep the compression residuals (turn off only to measure what they buy).
         compressor_backend: the compressor's kernel: ``"auto"`` (the fused Triton kernel for CUDA gradients, torch
             elsewhere), ``"triton"`` (always; needs CUDA or ``TRITON_INTERPRET=1``) or ``"reference"`` (the torch
@@ -364,7 +366,9 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
             it unless left at their defaults).
         recheck_every: with ``compression="auto"``, try the other mode again every this many steps (0: once);
             refused with another ``compression``.
-        group_numel: the momentum path compresses in groups of about this many elements (pipelined).
+        group_numel: the momentum path compresses in groups of about this many elements (pipelined; another value
+            than the default is refused with ``compressed_signal="gradients"``, and warned about at setup when
+            ``"auto"`` compresses gradients).
         variance_refresh: Adam/AdamW: steps after the freeze at which one fp32 step (an exact Adam step whose variance
             catches up) refreshes the frozen variance; the intervals then double (``R, 3R, 7R, ...`` steps into the
             compressed stage). 0 keeps it frozen, as 1-bit Adam does. Another value than the default is refused
@@ -387,7 +391,8 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
             and several processes per node), ``True`` (whenever the layout splits into several nodes; a job on one
             node raises) or ``False`` (the flat exchange between all ranks). The same averaging up to the
             compression error; the error state saved in checkpoints is per shard, so a resume keeps the layout it
-            was saved with (another layout resets it, with a warning).
+            was saved with (another layout resets it, with a warning). With ``compression="fp32"`` no node groups are
+            made (plain DDP averages), but the checkpoints still name the layout.
         processes_per_node: the processes each node runs, when it is not Lightning's ``devices`` (the number of
             processes this strategy launches or joins per node; ``LOCAL_WORLD_SIZE`` under torchrun). Ranks are
             numbered node-major, as every launcher does. Refused with ``hierarchical=False``, where it has no use,
@@ -418,8 +423,8 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
             value than the default of ``warmup_steps``, ``block_size``, ``min_compress_numel``, ``error_feedback``,
             ``compressor_backend``, ``compressed_signal``, ``group_numel``, ``variance_refresh``, ``hierarchical``
             or ``processes_per_node`` (plain DDP compresses nothing: each would do nothing), or another value than
-            the default of ``variance_refresh`` with ``compressed_signal="gradients"`` or of ``min_compress_numel``
-            with ``compressed_signal="momentum"``.
+            the default of ``variance_refresh`` or ``group_numel`` with ``compressed_signal="gradients"`` or of
+            ``min_compress_numel`` with ``compressed_signal="momentum"``.
         RuntimeError: ``compressor_backend="triton"`` without the ``triton`` package (here), or on a device it cannot
             run on (when the fit sets up: CPU tensors without ``TRITON_INTERPRET=1``).
     """
@@ -692,7 +697,8 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
                 "torchrun), or drop `processes_per_node` to use Lightning's `devices`."
             )
         self.node_topology = None
-        if comm.resolve_hierarchical(self._hierarchical_arg, self.world_size, local):
+        hierarchical = comm.resolve_hierarchical(self._hierarchical_arg, self.world_size, local)
+        if hierarchical and self._config.compression != "fp32":
             self.node_topology = comm.node_topology(local)  # collective: every rank is here
             topo = self.node_topology
             rank_zero_info(
@@ -710,6 +716,11 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
             loss_scale_fn=self._loss_scale_fn(),
             topology=self.node_topology,
         )
+        if hierarchical and self.node_topology is None:
+            # plain DDP never uses the node groups (two `new_group` collectives and their connections per fit), but
+            # its checkpoints still name the layout, so a resume into a compressing fit of that layout adopts them
+            # as before
+            state.nodes_layout = [local, self.world_size // local]
         if self._config.warmup_steps == "auto":
             state.warmup_end = None  # resolved at setup (_resolve_warmup), unless the checkpoint below holds it
         if self._onebit_loaded is not None:
@@ -786,6 +797,11 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
         self._warmup_watch = None
         if state is None or state.warmup_end is not None or not list(self.optimizers):
             return
+        if self._config.compression == "fp32":
+            # plain DDP compresses nothing, so no variance is frozen: nothing to watch (no collective at the checks),
+            # nothing to announce; the checkpoints hold the shortest warm-up, as they always have
+            state.warmup_end = comm.AUTO_MIN_WARMUP
+            return
         adams = [o for o in self.optimizers if comm.momentum_kind(o) == "adam" and state.mode == "momentum"]
         watch = comm.WarmupWatch(
             adams,
@@ -829,7 +845,11 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
 
     def _resolve_overlap(self, trainer: Any) -> None:
         self.overlap = False
+        self._overlap_trial = None
         if self._onebit_state is None or not self._compressors or self._overlap_arg is False:
+            return
+        if self._config.compression == "fp32":
+            # plain DDP compresses no momentum: there is no order to choose, nor one to announce
             return
         blockers = self._overlap_blockers(trainer)
         if blockers and self._overlap_arg is True:
@@ -838,7 +858,6 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
                 "Use `overlap='auto'` (it falls back to compressing after backward) or remove the blocker."
             )
         self.overlap = not blockers
-        self._overlap_trial = None
         if self._overlap_arg == "auto":
             if self.overlap:  # safe: which order is faster is measured at the first compressed steps
                 self._overlap_trial = comm.OverlapTrial()
@@ -924,26 +943,61 @@ class OneBitDDPStrategy(_BackgroundSavesDDP):
                     c.check_parameters(params)
         # every rank compares the same saved signal with the same resolved one: all reset alike, rank zero warns
         state.set_signal(want, [c.kind for c in self._compressors.values()], warn=self.is_global_zero)
-        self._warn_refresh_unused(optimizers)
+        self._warn_unused(optimizers)
 
-    def _warn_refresh_unused(self, optimizers: list[Optimizer]) -> None:
-        """Say, once per fit on rank zero, that a ``variance_refresh`` asked for does nothing here: it refreshes
-        Adam's frozen variance, and no optimizer of this fit has its Adam momentum compressed (SGD-momentum has no
-        variance, the gradient path freezes none). Known only now: the optimizers' types come with the fit."""
-        refresh = self._config.variance_refresh
-        if _same(refresh, _DEFAULTS.variance_refresh) or any(c.kind == "adam" for c in self._compressors.values()):
-            return
+    def _warn_unused(self, optimizers: list[Optimizer]) -> None:
+        """Say, once per fit on rank zero, which arguments asked for (other than their defaults) do nothing with the
+        signal this fit compresses: known only now, as the optimizers' types come with the fit (an explicit
+        ``compressed_signal`` refuses them at construction already).
+
+        - ``variance_refresh`` refreshes Adam's frozen variance: nothing when no optimizer has its Adam momentum
+          compressed (SGD-momentum has no variance, the gradient path freezes none);
+        - ``group_numel`` sizes the groups of compressed momentum: nothing on the gradient path (its groups are DDP's
+          buckets);
+        - ``min_compress_numel`` keeps small gradient buckets in fp32: nothing on the momentum path (no gradient
+          bucket is compressed).
+        """
         names = ", ".join(sorted({type(o).__name__ for o in optimizers}))
-        why = (
-            f"{names} keeps no variance to freeze"
-            if self._compressors
-            else f"the gradients of {names} are compressed, and the gradient path freezes no variance"
-        )
-        rank_zero_warn(
-            f"`variance_refresh={refresh}` has no effect in this fit: it refreshes the frozen variance of compressed "
-            f"Adam/AdamW momentum, and {why}. Drop `variance_refresh`, or train with torch.optim.Adam or AdamW.",
-            category=UserWarning,
-        )
+        unused: list[tuple[str, str, str]] = []  # (argument, what it does, why it does nothing here)
+        refresh = self._config.variance_refresh
+        if not _same(refresh, _DEFAULTS.variance_refresh) and not any(
+            c.kind == "adam" for c in self._compressors.values()
+        ):
+            why = (
+                f"{names} keeps no variance to freeze"
+                if self._compressors
+                else f"the gradients of {names} are compressed, and the gradient path freezes no variance"
+            )
+            unused.append(
+                ("variance_refresh", "it refreshes the frozen variance of compressed Adam/AdamW momentum", why)
+            )
+        if not self._compressors and not _same(self._config.group_numel, _DEFAULTS.group_numel):
+            unused.append(
+                (
+                    "group_numel",
+                    "it sizes the groups of compressed momentum",
+                    f"the gradients of {names} are compressed, in DDP's buckets",
+                )
+            )
+        if self._compressors and not _same(self._config.min_compress_numel, _DEFAULTS.min_compress_numel):
+            unused.append(
+                (
+                    "min_compress_numel",
+                    "it keeps small gradient buckets in fp32",
+                    f"the momentum of {names} is compressed, and no gradient bucket is",
+                )
+            )
+        for name, what, why in unused:
+            value = getattr(self._config, name)
+            fix = (
+                "train with torch.optim.Adam or AdamW"
+                if name == "variance_refresh"
+                else "set `compressed_signal` to the signal it applies to"
+            )
+            rank_zero_warn(
+                f"`{name}={value}` has no effect in this fit: {what}, and {why}. Drop `{name}`, or {fix}.",
+                category=UserWarning,
+            )
 
     @override
     def optimizer_step(

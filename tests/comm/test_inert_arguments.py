@@ -84,12 +84,13 @@ def test_diloco_nesterov_without_outer_momentum_is_refused() -> None:
     [
         ({"variance_refresh": 4}, "`variance_refresh=4`", "gradients"),
         ({"variance_refresh": 0}, "`variance_refresh=0`", "gradients"),
+        ({"group_numel": 1 << 10}, "`group_numel=1024`", "gradients"),
         ({"min_compress_numel": 1024}, "`min_compress_numel=1024`", "momentum"),
     ],
 )
 def test_an_argument_of_the_other_signal_is_refused(kwargs: dict[str, Any], given: str, signal: str) -> None:
-    """``variance_refresh`` refreshes compressed Adam momentum, ``min_compress_numel`` sizes gradient buckets: named
-    beside the other ``compressed_signal``, each would do nothing."""
+    """``variance_refresh`` refreshes compressed Adam momentum, ``group_numel`` sizes its groups, ``min_compress_numel``
+    sizes gradient buckets: named beside the other ``compressed_signal``, each would do nothing."""
     from lightning_accel.strategies import OneBitDDPStrategy
 
     with pytest.raises(ValueError, match=f"has no effect with `compressed_signal='{signal}'`") as info:

@@ -1,7 +1,8 @@
 """``strategy="ddp_1bit"`` in two real processes (gloo): :meth:`OneBitDDPStrategy.switch_off` called before ``fit``
 holds from the first step (and in the checkpoints, so a resume stays in fp32), as a call during the fit holds from
 the next step; and ``variance_refresh`` asked for where no Adam momentum is compressed is warned about at setup, once,
-on rank zero; a ``processes_per_node`` that cannot lay out the job's processes is refused at setup on every rank
+on rank zero, as is a ``group_numel`` or ``min_compress_numel`` the optimizers' signal ignores; a
+``processes_per_node`` that cannot lay out the job's processes is refused at setup on every rank
 (``hierarchical="auto"`` took the flat exchange without a word)."""
 
 from __future__ import annotations
@@ -68,11 +69,16 @@ def _during_fit() -> dict[str, Any]:
     return {**_switched(s), "returned": returned}
 
 
-def _refresh_warnings(variance_refresh: int, opt: str) -> list[str]:
+def _unused_warnings(opt: str, **kwargs: Any) -> list[str]:
+    """The setup warnings of a short fit with ``opt`` that name an argument this fit leaves without effect."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _fit(_strategy(variance_refresh=variance_refresh), max_steps=3, model=_module_cls()(opt=opt))
-    return [str(w.message) for w in caught if "`variance_refresh" in str(w.message)]
+        _fit(_strategy(**kwargs), max_steps=3, model=_module_cls()(opt=opt))
+    return [str(w.message) for w in caught if "has no effect in this fit" in str(w.message)]
+
+
+def _refresh_warnings(variance_refresh: int, opt: str) -> list[str]:
+    return [m for m in _unused_warnings(opt, variance_refresh=variance_refresh) if "`variance_refresh" in m]
 
 
 def _bad_layout() -> str:
@@ -94,6 +100,9 @@ def _run(rank: int, world: int, tmp: str) -> dict[str, Any]:
         "sgdm": _refresh_warnings(4, "sgdm"),
         "sgdm_default": _refresh_warnings(8, "sgdm"),
         "adamw": _refresh_warnings(4, "adamw"),
+        # compressed_signal="auto" picks the gradient path for RMSprop, the momentum path for AdamW
+        "rmsprop_sizes": _unused_warnings("rmsprop", group_numel=1 << 10, min_compress_numel=64),
+        "adamw_sizes": _unused_warnings("adamw", group_numel=1 << 10, min_compress_numel=64),
     }
 
 
@@ -127,6 +136,19 @@ def test_variance_refresh_without_adam_is_warned_about_once_on_rank_zero(results
     assert one["sgdm"] == []
     # the default was not asked for, and Adam's variance is what it refreshes
     assert zero["sgdm_default"] == [] and zero["adamw"] == []
+
+
+def test_a_size_the_chosen_signal_ignores_is_warned_about_once_on_rank_zero(results: list[dict[str, Any]]) -> None:
+    """``group_numel`` sizes compressed momentum, ``min_compress_numel`` gradient buckets: with
+    ``compressed_signal="auto"`` the optimizers decide at setup which one this fit uses, and the other is named."""
+    zero, one = results
+    (grads,) = zero["rmsprop_sizes"]
+    assert grads.startswith("`group_numel=1024` has no effect in this fit") and "RMSprop" in grads, grads
+    assert "\n" not in grads and "Drop `group_numel`" in grads
+    (momentum,) = zero["adamw_sizes"]
+    assert momentum.startswith("`min_compress_numel=64` has no effect in this fit") and "AdamW" in momentum, momentum
+    assert "\n" not in momentum and "Drop `min_compress_numel`" in momentum
+    assert one["rmsprop_sizes"] == [] and one["adamw_sizes"] == []
 
 
 def test_processes_per_node_that_does_not_divide_the_world_is_refused_on_every_rank(
