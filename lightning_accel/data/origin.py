@@ -505,13 +505,15 @@ def list_origin(
         )
     rels = list(found)
     if not rels:
-        from lightning_accel.data.pack import PACK_INDEX, PACK_JOURNAL
+        from lightning_accel.data.pack import PACK_INDEX, PACK_JOURNAL, PACK_LOCK
 
         # Only here, where nothing else was found: a pack being written (or killed while writing) holds no index yet,
-        # only its journal and shards, and "no images inside class directories" would not say what to do.
-        if fs.exists(safe_join(root, PACK_JOURNAL)):
+        # only its journal and shards (or, before its first shard, only its lock file), and "no images inside class
+        # directories" would not say what to do.
+        mark = next((n for n in (PACK_JOURNAL, PACK_LOCK) if fs.exists(safe_join(root, n))), None)
+        if mark is not None:
             raise ValueError(
-                f"`origin` {store.url!r} is an incomplete pack: it holds {PACK_JOURNAL} but no {PACK_INDEX}, so "
+                f"`origin` {store.url!r} is an incomplete pack: it holds {mark} but no {PACK_INDEX}, so "
                 "writing it was interrupted (or is still running). Run `lightning-accel data pack SOURCE "
                 f"{store.url}` (pack_origin) again to complete it, or wait for the running one."
             )

@@ -14,7 +14,9 @@ Layout under the packed origin (documented in ``docs/data.md``):
   names, the shards' keys and sizes, and per sample its key, label, shard, byte offset, size and CRC-32;
 - ``lightning-accel-pack.writing.json`` while a pack is being written: every key the writer may create or replace,
   published before it touches any of them and removed when the pack is complete, so a pack killed halfway leaves
-  only files a later :func:`pack_origin` knows as its own.
+  only files a later :func:`pack_origin` knows as its own;
+- ``.lightning-accel-pack.lock`` while a local pack is being written: the file its exclusive ``flock`` is on, so two
+  packs into one destination never write at once (removed when the pack ends; one a killed pack left is taken over).
 
 :func:`pack_origin` writes into a destination that is missing, empty, or holds only a pack of its own (and with
 ``overwrite`` replaces that pack): a file no pack wrote is never overwritten or removed.
@@ -45,6 +47,7 @@ import contextlib
 import errno
 import fcntl
 import functools
+import gc
 import hashlib
 import json
 import mmap
@@ -55,6 +58,7 @@ import re
 import threading
 import time
 import warnings
+import weakref
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -87,6 +91,10 @@ PACK_VERSION = 1
 # What a pack being written owns at its destination (see `_claim_dest`): written before any shard, removed last.
 PACK_JOURNAL = "lightning-accel-pack.writing.json"
 _JOURNAL_FORMAT = "lightning-accel-pack-writing"
+# The file a local pack being written holds an exclusive `flock` on, from before it checks the destination until its
+# journal is removed: two packs started at once cannot both pass the in-use check (a map shows only once the journal
+# is written). Created and removed by `pack_origin` only; one left by a killed pack is taken over as its own.
+PACK_LOCK = ".lightning-accel-pack.lock"
 # The temporary name a local atomic publish of the index or the journal leaves behind when killed (`_utils.atomic`).
 _OWN_TMP = re.compile(r"\.lightning-accel-pack(\.writing)?\.json\.[0-9a-f]{32}\.tmp")
 DEFAULT_SHARD_BYTES = 16 << 20  # S3 reaches full per-request throughput at ~8-16 MB objects
@@ -129,6 +137,28 @@ def _hold(path: str) -> mmap.mmap | None:
         return None
 
 
+# The live readers of each local pack in this process (realpath of the pack -> readers): `/proc/<pid>/maps` cannot tell
+# this process's own readers from the map of the pack it is writing, so they are counted here. Weak: a reader that was
+# garbage-collected no longer counts; a closed one (see `PackedReader.close`) drops out at once.
+_LIVE_READERS: dict[str, weakref.WeakSet[PackedReader]] = {}
+_LIVE_LOCK = threading.Lock()
+
+
+def _readers_here(root: str) -> list[PackedReader]:
+    """This process's live, unclosed :class:`PackedReader` objects of the local pack at ``root``."""
+    key = os.path.realpath(root)
+    with _LIVE_LOCK:
+        live = [r for r in _LIVE_READERS.get(key, ()) if r._hold is not None]
+    if live:
+        # A reader dropped by its user may sit in a reference cycle (a data module and its cache) until the next
+        # collection: collect once, at pack time only, so "del dm" is enough.
+        del live
+        gc.collect()
+        with _LIVE_LOCK:
+            live = [r for r in _LIVE_READERS.get(key, ()) if r._hold is not None]
+    return live
+
+
 def _refuse_if_in_use(dst: ObjectStore) -> None:
     """Refuse to write into the local pack at ``dst`` while another process has it open: reads it, or writes it.
 
@@ -137,14 +167,22 @@ def _refuse_if_in_use(dst: ObjectStore) -> None:
     its CRC-32 check, or found a shard gone; and two packs writing one destination overwrite each other's shards.
     Every :class:`PackedReader` of a local pack keeps its index mapped, a pack being written its journal, and the
     maps of every process are what ``lightning-accel data clean`` already reads to find a RAM tier in use
-    (:func:`~lightning_accel.data.lifecycle.mapping_pids`). This process's own readers are not counted (it is the one
-    replacing the pack), nor are another user's processes, whose maps cannot be read.
+    (:func:`~lightning_accel.data.lifecycle.mapping_pids`). This process's own maps include the journal of the pack
+    it writes, so its own readers are counted from a weak registry instead (a reader garbage-collected or closed no
+    longer counts). Another user's processes, whose maps cannot be read, are not seen.
 
     Raises:
-        PackInUseError: one line naming ``dst``, the processes and the fix.
+        PackInUseError: one line naming ``dst``, the processes (or this process's reader) and the fix.
     """
     from lightning_accel.data.lifecycle import mapping_pids
 
+    here = _readers_here(dst.root)
+    if here:
+        raise PackInUseError(
+            f"`dest` {dst.url!r} is a pack in use: this process has {len(here)} PackedReader(s) of it open (a "
+            "CachedDataModule or dataset built on it); nothing was removed. Drop them first (`del` the data module, "
+            "dataset or reader, or call `PackedReader.close()`), or pack into another folder."
+        )
     others = [p for p in mapping_pids(dst.root) or () if p != os.getpid()]
     if not others:
         return
@@ -330,8 +368,8 @@ def pack_origin(
         overwrite: replace a pack already at ``dest``: its index is removed just before the first new shard is
             written (readers never mix the two), the new shards are written, the new index is published, then the
             old pack's shards the new one does not reuse are removed. Only files the old pack's index (or an
-            interrupted pack's journal) lists are replaced or removed. A local pack that another process is reading
-            (a :class:`PackedReader` of it, e.g. a running fit's) is not replaced: :class:`PackInUseError`.
+            interrupted pack's journal) lists are replaced or removed. A local pack that a :class:`PackedReader`
+            reads (a running fit's, or a live one of this process) is not replaced: :class:`PackInUseError`.
         progress: called as ``progress(done, total)`` after each group of samples.
         shuffle_seed: write the samples into the shards in a random order drawn from this seed (the listing keeps
             its order; only where each sample lives changes), so every shard holds a mix of classes and a shuffle
@@ -349,9 +387,11 @@ def pack_origin(
             pack wrote (e.g. an ImageFolder tree, or a user's ``shards/000000.bin``), or an index that cannot be
             read; or ``dest`` is a file.
         NotADirectoryError: a local ``dest`` lies under a file (checked before any sample is read).
-        PackInUseError: a local ``dest`` is open in another process: a pack there that it reads (``overwrite``
-            would replace it under the reader), or a pack that another :func:`pack_origin` is writing (checked before
-            any sample is read, and again just before the first shard is written); nothing is removed.
+        PackInUseError: a local ``dest`` is in use: a pack there that another process, or a live (not closed, not
+            garbage-collected) :class:`PackedReader` of this one, reads (``overwrite`` would replace it under the
+            reader), or a pack that another :func:`pack_origin` is writing (it holds ``.lightning-accel-pack.lock``
+            there: of two started at once, one is refused); checked before any sample is read, and again just
+            before the first shard is written; nothing is removed.
         TypeError: ``shard_bytes``, ``max_concurrency`` or ``shuffle_seed`` is not an integer, ``overwrite`` not a
             bool, ``progress`` not callable, or a storage options argument is not a dict with string keys.
         ValueError: ``shard_bytes`` outside 1 to 4 GiB (a shard is built in memory), ``max_concurrency`` outside 1
@@ -387,117 +427,206 @@ def pack_origin(
     fs, root = dst.fs, dst.root
     index_path = safe_join(root, PACK_INDEX)
     journal_path = safe_join(root, PACK_JOURNAL)
+    # refused before the lock below creates anything (a file on the way, a user's files)
     has_index, owned, leftovers = _claim_dest(dst, overwrite)
-    if dst.is_local:
-        _refuse_if_in_use(dst)  # before any sample is read: a busy pack is refused at once
-    # Every file this call may create or replace is listed in the journal before it is touched, so a pack killed at
-    # any point leaves only files the next pack_origin recognises as its own. Nothing is written before the first
-    # shard: a source that fails before it (unreachable, nothing decodable) leaves `dest` as it was, an old pack
-    # included.
-    claimed = set(owned)
-    holding: list[mmap.mmap | None] = [None]  # the journal, mapped while this call writes (see `_refuse_if_in_use`)
-
-    def publish_journal() -> None:
-        doc = {"format": _JOURNAL_FORMAT, "keys": sorted(claimed)}
-        atomic_publish_file(json.dumps(doc, separators=(",", ":")).encode(), journal_path, fs=fs)
+    with _dest_lock(dst) as holding:
         if dst.is_local:
-            holding[0] = _hold(journal_path)
+            # again under the lock: another pack may have finished between the first look and the lock
+            has_index, owned, leftovers = _claim_dest(dst, overwrite)
+            _refuse_if_in_use(dst)  # before any sample is read: a busy pack is refused at once
+        # Every file this call may create or replace is listed in the journal before it is touched, so a pack killed at
+        # any point leaves only files the next pack_origin recognises as its own. Nothing is written before the first
+        # shard (the lock file aside, removed on the way out): a source that fails before it (unreachable, nothing
+        # decodable) leaves `dest` as it was, an old pack included.
+        claimed = set(owned)
 
-    shards: list[str] = []
-    shard_sizes: list[int] = []
-    buf = bytearray()
+        def publish_journal() -> None:
+            doc = {"format": _JOURNAL_FORMAT, "keys": sorted(claimed)}
+            atomic_publish_file(json.dumps(doc, separators=(",", ":")).encode(), journal_path, fs=fs)
+            if dst.is_local:
+                # the new journal mapped before the old one's map goes: the pack never looks idle in between
+                old, holding[0] = holding[0], _hold(journal_path)
+                if old is not None:
+                    old.close()
 
-    def flush() -> None:
-        key = f"shards/{len(shards):06d}.bin"
-        first, grew = not shards, key not in claimed
-        if grew:
-            # claim the next keys in growing runs (one journal write per doubling, not per shard); a key claimed
-            # but never written is simply absent. No such key held a file: `_claim_dest` refused any.
-            k = len(shards)
-            claimed.update(f"shards/{j:06d}.bin" for j in range(k, k + max(16, k)))
-        if first and dst.is_local:
-            _refuse_if_in_use(dst)  # again: a reader or writer may have started while the source was read
-        if first or grew:
-            publish_journal()
-        if first:
-            if has_index:
-                fs.rm_file(index_path)  # no longer a pack: a reader never mixes the old index with new shards
-            fs.makedirs(safe_join(root, "shards"), exist_ok=True)
-        fs.pipe_file(safe_join(root, key), bytes(buf))
-        shards.append(key)
-        shard_sizes.append(len(buf))
-        buf.clear()
+        shards: list[str] = []
+        shard_sizes: list[int] = []
+        buf = bytearray()
 
-    n = len(listing)
-    order = list(range(n))
-    if shuffle_seed is not None:
-        order = random.Random(shuffle_seed).sample(order, n)
-    shard_of = [0] * n
-    offsets = [0] * n
-    sizes = [0] * n
-    crcs = [0] * n
-    group = 4 * max_concurrency
-    bad: list[int] = []  # samples left out: empty or undecodable image files
-    for lo in range(0, n, group):
-        idx = order[lo : lo + group]
-        for i, data in zip(idx, src.fetch_many([listing.keys[i] for i in idx]), strict=True):
-            if not _decodable(listing.keys[i], data):
-                bad.append(i)
-                continue
-            if buf and len(buf) + len(data) > shard_bytes:
-                flush()
-            shard_of[i] = len(shards)
-            offsets[i] = len(buf)
-            sizes[i] = len(data)
-            crcs[i] = zlib.crc32(data)
-            buf += data
-        if progress is not None:
-            progress(min(n, lo + group), n)
-    if buf:
-        flush()
-    keys, labels = listing.keys, listing.labels
-    if bad:
-        bad.sort()
-        shown = ", ".join(repr(listing.keys[i]) for i in bad[:3]) + (", ..." if len(bad) > 3 else "")
-        if len(bad) == n:
-            raise ValueError(
-                f"`source` {src.url!r}: none of its {n} files can be decoded ({shown}); nothing to pack. Check that "
-                "the files are images."
+        def flush() -> None:
+            key = f"shards/{len(shards):06d}.bin"
+            first, grew = not shards, key not in claimed
+            if grew:
+                # claim the next keys in growing runs (one journal write per doubling, not per shard); a key claimed
+                # but never written is simply absent. No such key held a file: `_claim_dest` refused any.
+                k = len(shards)
+                claimed.update(f"shards/{j:06d}.bin" for j in range(k, k + max(16, k)))
+            if first and dst.is_local:
+                _refuse_if_in_use(dst)  # again: a reader or writer may have started while the source was read
+            if first or grew:
+                publish_journal()
+            if first:
+                if has_index:
+                    fs.rm_file(index_path)  # no longer a pack: a reader never mixes the old index with new shards
+                fs.makedirs(safe_join(root, "shards"), exist_ok=True)
+            fs.pipe_file(safe_join(root, key), bytes(buf))
+            shards.append(key)
+            shard_sizes.append(len(buf))
+            buf.clear()
+
+        n = len(listing)
+        order = list(range(n))
+        if shuffle_seed is not None:
+            order = random.Random(shuffle_seed).sample(order, n)
+        shard_of = [0] * n
+        offsets = [0] * n
+        sizes = [0] * n
+        crcs = [0] * n
+        group = 4 * max_concurrency
+        bad: list[int] = []  # samples left out: empty or undecodable image files
+        for lo in range(0, n, group):
+            idx = order[lo : lo + group]
+            for i, data in zip(idx, src.fetch_many([listing.keys[i] for i in idx]), strict=True):
+                if not _decodable(listing.keys[i], data):
+                    bad.append(i)
+                    continue
+                if buf and len(buf) + len(data) > shard_bytes:
+                    flush()
+                shard_of[i] = len(shards)
+                offsets[i] = len(buf)
+                sizes[i] = len(data)
+                crcs[i] = zlib.crc32(data)
+                buf += data
+            if progress is not None:
+                progress(min(n, lo + group), n)
+        if buf:
+            flush()
+        keys, labels = listing.keys, listing.labels
+        if bad:
+            bad.sort()
+            shown = ", ".join(repr(listing.keys[i]) for i in bad[:3]) + (", ..." if len(bad) > 3 else "")
+            if len(bad) == n:
+                raise ValueError(
+                    f"`source` {src.url!r}: none of its {n} files can be decoded ({shown}); nothing to pack. Check "
+                    "that the files are images."
+                )
+            warnings.warn(
+                f"pack_origin: left out {len(bad)} of {n} files of {src.url!r} that are empty or cannot be decoded as "
+                f"images ({shown}); the other {n - len(bad)} were packed, the class list is unchanged. Fix or remove "
+                "those files and pack again to include them.",
+                RuntimeWarning,
+                stacklevel=2,
             )
-        warnings.warn(
-            f"pack_origin: left out {len(bad)} of {n} files of {src.url!r} that are empty or cannot be decoded as "
-            f"images ({shown}); the other {n - len(bad)} were packed, the class list is unchanged. Fix or remove "
-            "those files and pack again to include them.",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        drop = set(bad)
-        kept = [i for i in range(n) if i not in drop]
-        keys, labels = [keys[i] for i in kept], [labels[i] for i in kept]
-        shard_of, offsets = [shard_of[i] for i in kept], [offsets[i] for i in kept]
-        sizes, crcs = [sizes[i] for i in kept], [crcs[i] for i in kept]
-    pack = PackIndex(shards, shard_sizes, shard_of, offsets, sizes, crcs)
-    doc = {
-        "format": PACK_FORMAT,
-        "version": PACK_VERSION,
-        "source": src.url,
-        "classes": listing.classes,
-        "keys": keys,
-        "labels": labels,
-        **pack.to_dict(),
-    }
-    # The index last, published atomically (one PUT on an object store): a pack killed halfway has no index and is
-    # not a pack.
-    atomic_publish_file(json.dumps(doc, separators=(",", ":")).encode(), index_path, fs=fs)
-    # Then the old pack's shards the new one does not reuse (left behind before), and an interrupted publish's
-    # temporary files; the journal last, so a kill in between still leaves them known.
-    for key in sorted(owned - set(shards)) + leftovers:
-        with contextlib.suppress(FileNotFoundError):
-            fs.rm_file(safe_join(root, key))
-    fs.rm_file(journal_path)
-    if holding[0] is not None:
-        holding[0].close()
-    return Listing(origin=dst.url, keys=keys, labels=labels, classes=listing.classes, pack=pack)
+            drop = set(bad)
+            kept = [i for i in range(n) if i not in drop]
+            keys, labels = [keys[i] for i in kept], [labels[i] for i in kept]
+            shard_of, offsets = [shard_of[i] for i in kept], [offsets[i] for i in kept]
+            sizes, crcs = [sizes[i] for i in kept], [crcs[i] for i in kept]
+        pack = PackIndex(shards, shard_sizes, shard_of, offsets, sizes, crcs)
+        doc = {
+            "format": PACK_FORMAT,
+            "version": PACK_VERSION,
+            "source": src.url,
+            "classes": listing.classes,
+            "keys": keys,
+            "labels": labels,
+            **pack.to_dict(),
+        }
+        # The index last, published atomically (one PUT on an object store): a pack killed halfway has no index and is
+        # not a pack.
+        atomic_publish_file(json.dumps(doc, separators=(",", ":")).encode(), index_path, fs=fs)
+        # Then the old pack's shards the new one does not reuse (left behind before), and an interrupted publish's
+        # temporary files; the journal last, so a kill in between still leaves them known.
+        for key in sorted(owned - set(shards)) + leftovers:
+            with contextlib.suppress(FileNotFoundError):
+                fs.rm_file(safe_join(root, key))
+        fs.rm_file(journal_path)
+        return Listing(origin=dst.url, keys=keys, labels=labels, classes=listing.classes, pack=pack)
+
+
+@contextlib.contextmanager
+def _dest_lock(dst: ObjectStore) -> Iterator[list[mmap.mmap | None]]:
+    """Hold an exclusive ``flock`` on ``PACK_LOCK`` in the local ``dst`` while :func:`pack_origin` writes there (a
+    remote ``dst``: no lock). The folder is created if missing and, when the pack wrote nothing into it, removed again
+    with the parents this call created; the lock file is removed on the way out, whatever happened.
+
+    Yields the slot for the map of the pack's journal (see :func:`_refuse_if_in_use`), closed on the way out too: a
+    pack interrupted in a notebook, whose traceback keeps its frames alive, must not leave the destination looking in
+    use by this process to every other one.
+
+    Why: the in-use check reads the other processes' maps, and a pack maps its journal only once it starts writing,
+    so two packs started at once both passed it and wrote the same shards. The lock makes the second one fail at once.
+
+    Raises:
+        PackInUseError: another process holds the lock (one line naming ``dst``, its pid and the fix).
+    """
+    holding: list[mmap.mmap | None] = [None]
+    if not dst.is_local:
+        yield holding
+        return
+    root = os.path.abspath(dst.root)
+    top = root  # the highest folder this call creates, if any
+    while not os.path.lexists(os.path.dirname(top)) and os.path.dirname(top) != top:
+        top = os.path.dirname(top)
+    created = not os.path.lexists(root)
+    os.makedirs(root, exist_ok=True)
+    path = os.path.join(root, PACK_LOCK)
+    fd = -1
+    try:
+        for _ in range(8):
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                try:
+                    holder = os.read(fd, 32).decode(errors="replace").strip()
+                finally:
+                    os.close(fd)
+                    fd = -1
+                who = f"pid {holder}" if holder.isdigit() else "another process"  # its pid not written yet
+                raise PackInUseError(
+                    f"`dest` {dst.url!r} is a pack in use: {who} is writing a pack there; nothing was removed. Let "
+                    "that pack finish (or stop it), or pack into another folder."
+                ) from None
+            except OSError as e:
+                if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                    raise
+                break  # a filesystem without flock (some FUSE mounts): the in-use checks alone, as before the lock
+            try:
+                same = os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            # the previous holder removed the file between our open and our lock: lock the one now at `path`
+            os.close(fd)
+            fd = -1
+        else:
+            raise PackInUseError(
+                f"`dest` {dst.url!r} is a pack in use: its {PACK_LOCK} kept being replaced by other packs; nothing was "
+                "removed. Let those packs finish, or pack into another folder."
+            )
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())  # named by a pack refused meanwhile
+        yield holding
+    finally:
+        if holding[0] is not None:
+            holding[0].close()
+        if fd >= 0:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)  # before the lock goes, so no one locks a file that is about to be removed
+            os.close(fd)
+        if created:
+            # a pack that wrote nothing (its source failed, or it was refused) leaves no folder behind
+            d = root
+            while True:
+                try:
+                    os.rmdir(d)
+                except OSError:
+                    break
+                if d == top:
+                    break
+                d = os.path.dirname(d)
 
 
 def _claim_dest(dst: ObjectStore, overwrite: bool) -> tuple[bool, set[str], list[str]]:
@@ -537,9 +666,11 @@ def _claim_dest(dst: ObjectStore, overwrite: bool) -> tuple[bool, set[str], list
         owned.update(_listed_keys(dst, PACK_INDEX, PACK_FORMAT, lambda d: [str(x["key"]) for x in d["shards"]]))
     if PACK_JOURNAL in present:
         owned.update(_listed_keys(dst, PACK_JOURNAL, _JOURNAL_FORMAT, lambda d: [str(k) for k in d["keys"]]))
-    owned -= {PACK_INDEX, PACK_JOURNAL}  # never data files, whatever a tampered index says: removed only by name
+    # never data files, whatever a tampered index says: removed only by name
+    owned -= {PACK_INDEX, PACK_JOURNAL, PACK_LOCK}
     leftovers = sorted(r for r in rels if _OWN_TMP.fullmatch(r))
-    foreign = sorted(present - owned - {PACK_INDEX, PACK_JOURNAL} - set(leftovers))
+    # the lock file: this pack's own (see `_dest_lock`), or one a killed pack left, which the lock takes over
+    foreign = sorted(present - owned - {PACK_INDEX, PACK_JOURNAL, PACK_LOCK} - set(leftovers))
     if foreign:
         shown = ", ".join(repr(k) for k in foreign[:3]) + (", ..." if len(foreign) > 3 else "")
         raise FileExistsError(
@@ -731,6 +862,7 @@ class PackedReader(ResetOnPickle):
         # replace the pack under it (see `_refuse_if_in_use`). A forked worker inherits the map; an unpickled copy
         # maps it again. Nothing per sample.
         self._hold = _hold(safe_join(store.root, PACK_INDEX)) if store.is_local else None
+        self._register()
         if self.staging:
             self.sweep()  # what a killed run left, before this one stages anything
 
@@ -738,6 +870,22 @@ class PackedReader(ResetOnPickle):
         self.__dict__.update(state)
         if self.store.is_local:
             self._hold = _hold(safe_join(self.store.root, PACK_INDEX))
+            self._register()
+
+    def _register(self) -> None:
+        """Count this reader of a local pack as live in this process (see :func:`_refuse_if_in_use`)."""
+        if self._hold is not None:
+            with _LIVE_LOCK:
+                _LIVE_READERS.setdefault(os.path.realpath(self.store.root), weakref.WeakSet()).add(self)
+
+    def close(self) -> None:
+        """Release the pack: drop the index map (a local pack may then be replaced by :func:`pack_origin` in this
+        process) and the staged shards this process keeps mapped. Idempotent; reads after it are not supported."""
+        with self._lock:
+            hold, self._hold = self._hold, None
+            self._maps.get().clear()  # dropped, not closed: a thread still slicing one holds its own reference
+        if hold is not None:
+            hold.close()
 
     def _path(self, s: int) -> str:
         return os.path.join(self.stage_dir, f"{self._names[s]}.shard")
