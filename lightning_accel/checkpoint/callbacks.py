@@ -161,16 +161,81 @@ def _routed(trainer: pl.Trainer) -> bool:
     return _held_io(trainer) is not None or _caught_io(trainer) is not None
 
 
+class _WrapperQueue:
+    """The saves of one ``DeltaCheckpointIO`` handed to Lightning's ``AsyncCheckpointIO`` and not finished in its
+    thread yet, and the removals waiting for them (:func:`_remove_behind_saves`)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        #: saves submitted to the wrapper and not finished in its thread
+        self.pending = 0
+        self.removals: list[Callable[[], None]] = []
+
+
+_wrapper_queues: weakref.WeakKeyDictionary[DeltaCheckpointIO, _WrapperQueue] = weakref.WeakKeyDictionary()
+
+
+def _queue_of(io: DeltaCheckpointIO) -> _WrapperQueue:
+    queue = _wrapper_queues.get(io)
+    if queue is None:
+        queue = _wrapper_queues[io] = _WrapperQueue()
+    return queue
+
+
+def _run_removal(io: DeltaCheckpointIO, write: Callable[[], None]) -> None:
+    """One removal of a synchronous ``DeltaCheckpointIO`` (also inside ``AsyncCheckpointIO``): skipped while a failure
+    is held (the checkpoint it removes may be the last complete one), its own failure held like a save's."""
+    if io in _held_failures:
+        return
+    try:
+        with io.failures_raised_on_every_rank():
+            write()
+    except Exception as e:  # noqa: BLE001 - raised on every rank together by `raise_save_failure_on_every_rank`
+        # the plugin's own message names the checkpoint, that it is still there, and the fix
+        _held_failures.setdefault(io, _save_error(one_line(e, first=True), e))
+
+
+def _remove_behind_saves(io: DeltaCheckpointIO, write: Callable[[], None]) -> None:
+    """A removal inside ``AsyncCheckpointIO``: run now when no save is queued in the wrapper's thread, otherwise in
+    that thread once the saves queued before it have finished (and not at all when one of them failed).
+
+    Why: the wrapper runs removals on the caller's thread. ``save_top_k`` rotates the older checkpoints out right
+    after queueing the newer saves, so with the writer behind, a full disk failed the queued saves after every older
+    checkpoint had been removed: the directory was left with none that loads.
+    """
+    queue = _queue_of(io)
+    with queue.lock:
+        if queue.pending:
+            queue.removals.append(write)
+            return
+    _run_removal(io, write)
+
+
+def _save_finished(io: DeltaCheckpointIO) -> None:
+    """In the wrapper's thread, after one save (done, failed or dropped): once none is queued, the removals that
+    waited for them run there (:func:`_remove_behind_saves`)."""
+    queue = _queue_of(io)
+    with queue.lock:
+        queue.pending = max(0, queue.pending - 1)
+        if queue.pending:
+            return
+        removals, queue.removals = queue.removals, []
+    for write in removals:
+        _run_removal(io, write)
+
+
 def hold_save_failures(trainer: pl.Trainer) -> list[Patch]:
     """Under more than one process, keep the save failures of a synchronous ``DeltaCheckpointIO`` (the Trainer's own,
-    or one inside Lightning's ``AsyncCheckpointIO``) for :func:`raise_save_failure_on_every_rank`; returns the patch to
-    restore at ``teardown`` (none without such a plugin). Installed once per plugin however many callbacks ask.
+    or one inside Lightning's ``AsyncCheckpointIO``) for :func:`raise_save_failure_on_every_rank`; returns the patches
+    to restore at ``teardown`` (none without such a plugin). Installed once per plugin however many callbacks ask.
 
     Inside ``AsyncCheckpointIO`` every save that fails in the wrapper's thread is kept (the first one, as a
     :class:`CheckpointSaveError` naming its path) and the saves queued behind it are dropped, as
     ``DeltaCheckpointIO(async_save=True)`` drops them; :func:`route_write` raises it at the next save, and the end of
-    training at the latest. Unwrapped, only a failure inside a routed save is kept (:func:`route_write` raises it on
-    every rank right after the barrier that follows the save); ``trainer.save_checkpoint`` raises as before.
+    training at the latest. The wrapper's ``save_checkpoint`` is wrapped too, to count the saves queued in its thread
+    that a removal waits for (:func:`_remove_behind_saves`). Unwrapped, only a failure inside a routed save is kept
+    (:func:`route_write` raises it on every rank right after the barrier that follows the save);
+    ``trainer.save_checkpoint`` raises as before.
 
     Why: only global rank zero saves. The wrapper raised a failure of its thread from its next ``save_checkpoint``
     (or its ``teardown``), and a synchronous save raised its own inside ``trainer.save_checkpoint``, on rank zero
@@ -180,17 +245,19 @@ def hold_save_failures(trainer: pl.Trainer) -> list[Patch]:
     inner = _caught_io(trainer)
     if inner is None:
         return []
-    wrapped = _wrapped_io(trainer) is not None
+    wrapper = _wrapped_io(trainer)
+    wrapped = wrapper is not None
 
     def replacement(p: Patch) -> Callable[..., None]:
         def save_checkpoint(checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
             if not wrapped and inner not in _catching:
                 p.original(checkpoint, path, storage_options)  # outside a routed save: raised to its caller
                 return
-            if inner in _held_failures:
-                return  # queued behind a failure: dropped, so no later save outlives the one that failed
             try:
-                p.original(checkpoint, path, storage_options)
+                if inner in _held_failures:
+                    return  # queued behind a failure: dropped, so no later save outlives the one that failed
+                with inner.failures_raised_on_every_rank():
+                    p.original(checkpoint, path, storage_options)
             except Exception as e:  # noqa: BLE001 - raised on every rank together by `route_write`
                 where = os.fspath(path)
                 message = one_line(e, first=True)
@@ -200,23 +267,47 @@ def hold_save_failures(trainer: pl.Trainer) -> list[Patch]:
                 else:
                     line = one_line(f"Checkpoint save of {where!r} failed: {type(e).__name__}: {message}.{thread}")
                 _held_failures.setdefault(inner, _save_error(line, e))
+            finally:
+                if wrapped:
+                    _save_finished(inner)
 
         return save_checkpoint
 
-    return [patch(inner, "save_checkpoint", replacement, key=_HELD_SAVES_KEY)]
+    patches = [patch(inner, "save_checkpoint", replacement, key=_HELD_SAVES_KEY)]
+    if wrapper is not None:
+        # a stage starts with none queued: a count left by a stage that ended in an error (its thread's last saves ran
+        # after the patches were restored) would hold every later removal back
+        _wrapper_queues[inner] = _WrapperQueue()
+
+        def submission(p: Patch) -> Callable[..., None]:
+            def save_checkpoint(*args: Any, **kwargs: Any) -> None:
+                queue = _queue_of(inner)
+                with queue.lock:
+                    queue.pending += 1
+                try:
+                    p.original(*args, **kwargs)
+                except BaseException:
+                    # not queued (the wrapper refused it before its executor took it): nothing to wait for. Its
+                    # thread's own failures are held (the replacement above), so none is raised after queueing.
+                    with queue.lock:
+                        queue.pending = max(0, queue.pending - 1)
+                    raise
+
+            return save_checkpoint
+
+        patches.append(patch(wrapper[0], "save_checkpoint", submission, key=_HELD_SAVES_KEY))
+    return patches
 
 
 #: the key of :func:`hold_direct_save_failures`' patch
 _DIRECT_SAVES_KEY = "lightning_accel-direct-delta-saves"
 
-#: the patch of :func:`hold_direct_save_failures`, kept after ``teardown`` (see there)
-_direct_saves: Patch | None = None
 
-
-def hold_direct_save_failures(trainer: pl.Trainer) -> None:
+def hold_direct_save_failures(trainer: pl.Trainer, *, once: bool = False) -> list[Patch]:
     """Under more than one process with a synchronous ``DeltaCheckpointIO`` (not inside ``AsyncCheckpointIO``): a
     save that ``trainer.save_checkpoint`` requests outside a checkpoint callback (a user's callback during the fit, a
-    ``final.ckpt`` after it) and that fails on global rank zero raises on every rank, right after the save.
+    ``final.ckpt`` after it) and that fails on global rank zero raises on every rank, right after the save. Returns the
+    patch to restore at ``teardown`` (none without such a plugin, or with ``once``).
 
     Why: ``Trainer.save_checkpoint`` writes on global rank zero and then waits in a barrier on every rank; the failed
     save was raised on rank zero alone, before the barrier, and the other ranks waited there until rank zero's
@@ -224,20 +315,22 @@ def hold_direct_save_failures(trainer: pl.Trainer) -> None:
     on every rank: it is wrapped so that every rank learns whether rank zero's write failed (one one-integer
     collective per such save; a callback's routed save raises through :func:`route_write` instead and adds none).
 
-    The wrapper stays after ``teardown``, so that a save after the fit is covered too; only the newest Trainer's
-    strategy keeps one (installing it on another restores the previous one), so no older Trainer is kept alive.
+    The wrapper is the strategy's own and is restored at ``teardown``: a live patch holds its object, and one kept
+    after the stage kept the finished Trainer's strategy and model alive for as long as the process lived. A save
+    after the stage is covered by ``once=True`` instead, from the callbacks' ``on_save_checkpoint`` (every rank,
+    right before the save): the wrapper then restores itself after that one save. A ``weights_only=True`` save after
+    the stage calls no callback hook and is not covered (the plugin warns about it, as about any unrouted write).
     """
-    global _direct_saves
     strategy = trainer.strategy
     if _caught_io(trainer) is None or _wrapped_io(trainer) is not None:
-        return
-    if _direct_saves is not None and active_patch(strategy, _DIRECT_SAVES_KEY) is _direct_saves:
-        return
-    if _direct_saves is not None:
-        _direct_saves.restore()
+        return []
+    if active_patch(strategy, _DIRECT_SAVES_KEY) is not None:
+        return []  # installed for this stage, or for this one save already
 
     def replacement(p: Patch) -> Callable[..., None]:
         def save_checkpoint(checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+            if once:
+                p.restore()  # before the save: a failure below must not leave it (and the strategy) held
             io: Any = strategy.checkpoint_io
             if (
                 not isinstance(io, DeltaCheckpointIO)
@@ -250,7 +343,8 @@ def hold_direct_save_failures(trainer: pl.Trainer) -> None:
                 return
             error: BaseException | None = None
             try:
-                p.original(checkpoint, filepath, storage_options=storage_options)
+                with io.failures_raised_on_every_rank():
+                    p.original(checkpoint, filepath, storage_options=storage_options)
             except Exception as e:  # noqa: BLE001 - every rank learns of it first; raised again just below
                 error = e
             raise_if_any_rank_failed(
@@ -265,7 +359,8 @@ def hold_direct_save_failures(trainer: pl.Trainer) -> None:
 
         return save_checkpoint
 
-    _direct_saves = patch(strategy, "save_checkpoint", replacement, key=_DIRECT_SAVES_KEY)
+    installed = patch(strategy, "save_checkpoint", replacement, key=_DIRECT_SAVES_KEY)
+    return [] if once else [installed]
 
 
 def _take_save_error(trainer: pl.Trainer) -> CheckpointSaveError | None:
@@ -313,7 +408,9 @@ def route_write(kind: str, trainer: pl.Trainer, write: Callable[[], None]) -> No
     synchronous plugin's failure is held and raised on every rank right after the save. A removal with an async
     plugin is queued with the failures held (the next save raises them); with a synchronous one (also inside
     ``AsyncCheckpointIO``) it does nothing while a failure is held, and a held failure, or the removal's own
-    (a file global rank zero may not delete), is raised on every rank right after it (one small collective).
+    (a file global rank zero may not delete), is raised on every rank right after it (one small collective). Inside
+    ``AsyncCheckpointIO`` a removal requested while saves are queued in the wrapper's thread runs there after them,
+    and not at all when one of them fails (:func:`_remove_behind_saves`; its own failure is raised at the next save).
 
     Why: under DDP a failed save (a full disk) was raised on global rank zero alone (by the next save or removal
     with ``async_save=True`` or inside ``AsyncCheckpointIO``, by the save itself otherwise), before the barrier that
@@ -333,13 +430,12 @@ def route_write(kind: str, trainer: pl.Trainer, write: Callable[[], None]) -> No
         return
     assert caught is not None
     if kind == "remove":
-        # no removal after a failed save: it may be the last complete checkpoint (only global rank zero holds one)
-        if caught not in _held_failures:
-            try:
-                write()
-            except Exception as e:  # noqa: BLE001 - raised on every rank together just below
-                # the plugin's own message names the checkpoint, that it is still there, and the fix
-                _held_failures.setdefault(caught, _save_error(one_line(e, first=True), e))
+        # no removal after a failed save: it may be the last complete checkpoint (only global rank zero holds one);
+        # inside `AsyncCheckpointIO` none before the saves queued ahead of it either
+        if _wrapped_io(trainer) is not None:
+            _remove_behind_saves(caught, write)
+        else:
+            _run_removal(caught, write)
         # every rank, failed or not: global rank zero alone removes, and a failure raised there alone left the others
         # in their next collective
         raise_save_failure_on_every_rank(trainer)
@@ -350,7 +446,8 @@ def route_write(kind: str, trainer: pl.Trainer, write: Callable[[], None]) -> No
         return
     _catching.add(caught)
     try:
-        write()
+        with caught.failures_raised_on_every_rank():
+            write()
     finally:
         _catching.discard(caught)
     raise_save_failure_on_every_rank(trainer)
@@ -454,11 +551,20 @@ class CheckpointGuard(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         attach_io(trainer)  # every rank: no collective
         if _routed(trainer) and not self._write_patches:
-            hold_direct_save_failures(trainer)
-            self._write_patches = hold_save_failures(trainer)
+            self._write_patches = hold_direct_save_failures(trainer) + hold_save_failures(trainer)
             for cb in trainer.checkpoint_callbacks:
                 if isinstance(cb, ModelCheckpoint) and not isinstance(cb, DeltaModelCheckpoint):
                     self._write_patches += compat.wrap_model_checkpoint_writes(cb, route_write, key=_WRITES_KEY)
+
+    @override
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """Every rank, right before a save: one requested after the stage (``trainer.save_checkpoint("final.ckpt")``
+        after ``fit``) is raised on every rank when it fails on global rank zero
+        (:func:`hold_direct_save_failures` with ``once``)."""
+        if not self._write_patches and _routed(trainer):
+            hold_direct_save_failures(trainer, once=True)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -749,6 +855,16 @@ class DeltaModelCheckpoint(ModelCheckpoint):
         return trainer.strategy.reduce_boolean_decision(local, all=False)
 
     @override
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """Every rank, right before a save: one requested after the stage (``trainer.save_checkpoint("final.ckpt")``
+        after ``fit``) is raised on every rank when it fails on global rank zero
+        (:func:`hold_direct_save_failures` with ``once``)."""
+        if not self._write_patches and _routed(trainer):
+            hold_direct_save_failures(trainer, once=True)
+
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().teardown(trainer, pl_module, stage)
         for p in self._write_patches:
@@ -804,8 +920,7 @@ class DeltaModelCheckpoint(ModelCheckpoint):
             super().setup(trainer, pl_module, stage)
         attach_io(trainer)  # a stage starts: the plugin holds its locks until its teardown (every rank, no collective)
         if _routed(trainer) and not self._write_patches:
-            hold_direct_save_failures(trainer)
-            self._write_patches = hold_save_failures(trainer)
+            self._write_patches = hold_direct_save_failures(trainer) + hold_save_failures(trainer)
             self._write_patches += compat.wrap_model_checkpoint_writes(self, self._around_write, key=_WRITES_KEY)
         options = self._options(trainer)
         dirpath = str(self.dirpath) if self.dirpath else ""

@@ -23,7 +23,7 @@ import threading
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
 from lightning.fabric.plugins import CheckpointIO
@@ -259,8 +259,10 @@ class DeltaCheckpointIO(CheckpointIO):
         # Fork-safe, and pickled as a fresh lock: `strategy="ddp_spawn"` pickles the Trainer with this plugin to start
         # each rank, and a plain `threading.Lock` made that launch fail ("cannot pickle '_thread.lock' object").
         self._stage_lock = ForkSafeLock()
-        # whether an async save under several processes outside the callbacks' routing was warned (`_warn_unrouted`)
+        # whether a save under several processes outside the callbacks' routing was warned (`_warn_unrouted`)
         self._warned_unrouted = False
+        # > 0 inside `failures_raised_on_every_rank`: a synchronous write there is not warned about
+        self._routed_depth = 0
         # the paths (writer keys) this plugin's async saves completed and no removal took since: a queued save of any
         # other path is not replaced by a newer one (`BackgroundWriter.submit_save`'s `settled`)
         self._saved: set[str] = set()
@@ -417,6 +419,7 @@ class DeltaCheckpointIO(CheckpointIO):
             # (`Snapshot.aliases`), so the load shares them again as a synchronous save's does.
             self._writer.submit_save(self._save_snapshot, checkpoint, key, settled=self._saved.__contains__)
         else:
+            self._warn_unrouted(path_s)
             self._writer.wait()
             directory = split_path(path_s)[0]
             made = not is_local_url(directory) or not os.path.lexists(directory)  # the save makes its folder
@@ -434,33 +437,64 @@ class DeltaCheckpointIO(CheckpointIO):
                 self._release_if_detached()
 
     def _warn_unrouted(self, path: str) -> None:
-        """Warn once when an async save under more than one process is not requested through
-        ``DeltaModelCheckpoint`` or ``CheckpointGuard`` (its failures are not held for every rank to raise).
+        """Warn once when a write under more than one process is not requested through ``DeltaModelCheckpoint`` or
+        ``CheckpointGuard``: an async save whose failures are not held for every rank to raise, or a synchronous save
+        or removal outside :meth:`failures_raised_on_every_rank` (a plain ``ModelCheckpoint`` without the guard).
 
-        Why: only global rank zero saves; a failed background save raised by its next save there left the other
-        ranks waiting in the barrier that follows every save (gloo: "Connection closed by peer", NCCL: the
-        process-group timeout). The plugin sees only rank zero's side, so it cannot tell the others; the callbacks
-        raise the failure on every rank together.
+        Why: only global rank zero writes (so only it warns); a failed write raised there alone (by the save itself,
+        or by the next save with ``async_save``) left the other ranks waiting in the barrier that follows every save
+        (gloo: "Connection closed by peer", NCCL: the process-group timeout). The plugin sees only rank zero's side,
+        so it cannot tell the others; the callbacks raise the failure on every rank together. No collective: a plugin
+        has no hook that runs on every rank, so the routing itself is the callbacks'.
         """
+        if self.async_save:
+            routed = self.on_save_error != "raise" or self._writer.holding_errors
+        else:
+            routed = self._routed_depth > 0
         if (
             self._warned_unrouted
-            or self.on_save_error != "raise"
-            or self._writer.holding_errors
+            or routed
             or not distributed_ready()
             or world_size() < 2
             or compat.is_launcher_weights_file(path)  # `ddp_spawn`'s hand-over file: rank zero alone, after the fit
         ):
             return
         self._warned_unrouted = True
+        fix = (
+            "Use `DeltaModelCheckpoint` instead of `ModelCheckpoint`, or add `CheckpointGuard()` to the callbacks (the "
+            "`lightning-accel` CLI does)."
+        )
+        if self.async_save:
+            message = (
+                f"`DeltaCheckpointIO(async_save=True)` under {world_size()} processes saves {path!r} from a "
+                "checkpoint callback that is not a `DeltaModelCheckpoint` (a plain `ModelCheckpoint`, or "
+                "`trainer.save_checkpoint` during a stage): a failed background save will be raised on global rank 0 "
+                f"alone, and the other ranks wait in their next collective until the process group times out. {fix}"
+            )
+        else:
+            message = (
+                f"`DeltaCheckpointIO()` under {world_size()} processes writes {path!r} outside `DeltaModelCheckpoint` "
+                "and `CheckpointGuard` (a plain `ModelCheckpoint` or `trainer.save_checkpoint` without either "
+                "callback, or a `weights_only=True` save after the fit): a failed save or removal will be raised on "
+                "global rank 0 alone, and the other ranks wait in the barrier that follows it until the process group "
+                f"times out. {fix}"
+            )
         warnings.warn(
-            f"`DeltaCheckpointIO(async_save=True)` under {world_size()} processes saves {path!r} from a checkpoint "
-            "callback that is not a `DeltaModelCheckpoint` (a plain `ModelCheckpoint`, or `trainer.save_checkpoint` "
-            "during a stage): a failed background save will be raised on global rank 0 alone, and the other ranks "
-            "wait in their next collective until the process group times out. Use `DeltaModelCheckpoint` instead "
-            "of `ModelCheckpoint`, or add `CheckpointGuard()` to the callbacks (the `lightning-accel` CLI does).",
+            message,
             UserWarning,
             stacklevel=3,
         )
+
+    @contextlib.contextmanager
+    def failures_raised_on_every_rank(self) -> Iterator[None]:
+        """A block whose synchronous saves and removals the caller raises on every rank together when they fail on
+        global rank zero (``DeltaModelCheckpoint`` and ``CheckpointGuard`` under DDP): they are not warned about as
+        unrouted writes (:meth:`_warn_unrouted`). Nothing else changes; a failure is still raised to the caller."""
+        self._routed_depth += 1
+        try:
+            yield
+        finally:
+            self._routed_depth -= 1
 
     def _make_directory(self, path: str) -> None:
         """Async mode: make the local directory of ``path`` (as :func:`split_path` names it) on the training thread,
@@ -529,8 +563,9 @@ class DeltaCheckpointIO(CheckpointIO):
             key = split_path(path)[1]
             self._writer.submit(functools.partial(self._remove_now, running=1), key, key=key)
         else:
-            self._writer.wait()
             path_s = os.fspath(path)
+            self._warn_unrouted(path_s)
+            self._writer.wait()
             try:
                 self._remove_now(path_s)
             except OSError as e:
