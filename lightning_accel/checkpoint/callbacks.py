@@ -156,6 +156,15 @@ def _caught_io(trainer: pl.Trainer) -> DeltaCheckpointIO | None:
     return None
 
 
+def cover_save_after_stage(trainer: pl.Trainer, write_patches: list[Patch]) -> None:
+    """A checkpoint callback's ``on_save_checkpoint`` (every rank, right before a save): a save requested after the
+    stage (``trainer.save_checkpoint("final.ckpt")`` after ``fit``, when the callback holds no patches of a stage,
+    ``write_patches`` empty) is raised on every rank when it fails on global rank zero
+    (:func:`hold_direct_save_failures` with ``once``)."""
+    if not write_patches and _routed(trainer):
+        hold_direct_save_failures(trainer, once=True)
+
+
 def _routed(trainer: pl.Trainer) -> bool:
     """Whether a checkpoint callback's saves and removals go through :func:`route_write` (the same on every rank)."""
     return _held_io(trainer) is not None or _caught_io(trainer) is not None
@@ -560,11 +569,7 @@ class CheckpointGuard(Callback):
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        """Every rank, right before a save: one requested after the stage (``trainer.save_checkpoint("final.ckpt")``
-        after ``fit``) is raised on every rank when it fails on global rank zero
-        (:func:`hold_direct_save_failures` with ``once``)."""
-        if not self._write_patches and _routed(trainer):
-            hold_direct_save_failures(trainer, once=True)
+        cover_save_after_stage(trainer, self._write_patches)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -858,11 +863,7 @@ class DeltaModelCheckpoint(ModelCheckpoint):
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        """Every rank, right before a save: one requested after the stage (``trainer.save_checkpoint("final.ckpt")``
-        after ``fit``) is raised on every rank when it fails on global rank zero
-        (:func:`hold_direct_save_failures` with ``once``)."""
-        if not self._write_patches and _routed(trainer):
-            hold_direct_save_failures(trainer, once=True)
+        cover_save_after_stage(trainer, self._write_patches)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
