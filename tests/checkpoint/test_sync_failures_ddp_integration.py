@@ -52,6 +52,14 @@ def _fit_then_save(rank: int, world_size: int, root: str) -> tuple[str, str]:
     # 2. a save after the fit, requested by the user, fails
     io = DeltaCheckpointIO()
     t = fit("direct", io, max_steps=1)
+    return removal, failed_final_save(t, io, f"{root}/direct/final.ckpt")
+
+
+def failed_final_save(t: Any, io: Any, path: str) -> str:
+    """``t.save_checkpoint(path)`` (a save after the fit) with the ``DeltaCheckpointIO`` ``io``'s store refusing any
+    ``final.ckpt``: what this rank raised (``"no error"`` when nothing)."""
+    import errno
+
     real_save = io.store.save
 
     def save(checkpoint: dict[str, Any], path: Any, *args: Any, **kwargs: Any) -> Any:
@@ -61,11 +69,10 @@ def _fit_then_save(rank: int, world_size: int, root: str) -> tuple[str, str]:
 
     io.store.save = save  # type: ignore[method-assign]
     try:
-        t.save_checkpoint(f"{root}/direct/final.ckpt")
-        direct = "no error"
+        t.save_checkpoint(path)
     except Exception as e:  # noqa: BLE001 - what each rank raised is the result
-        direct = f"{type(e).__name__}: {e}"
-    return removal, direct
+        return f"{type(e).__name__}: {e}"
+    return "no error"
 
 
 @pytest.mark.slow

@@ -16,7 +16,6 @@ from tests.helpers import run_in_processes
 
 
 def _fits(rank: int, world_size: int, root: str) -> dict[str, Any]:
-    import errno
     import gc
     import warnings
     import weakref
@@ -26,6 +25,7 @@ def _fits(rank: int, world_size: int, root: str) -> dict[str, Any]:
     from lightning.pytorch.strategies import DDPStrategy
 
     from lightning_accel.checkpoint import CheckpointGuard, DeltaCheckpointIO
+    from tests.checkpoint.test_sync_failures_ddp_integration import failed_final_save
     from tests.tiny import CheckpointModel, ckpt_trainer, tiny_loader
 
     def fit(name: str, guard: bool) -> tuple[Any, Any, list[str]]:
@@ -51,19 +51,7 @@ def _fits(rank: int, world_size: int, root: str) -> dict[str, Any]:
 
     # a save after the fit that fails on rank 0 is raised on every rank (the guard covers it after its teardown too)
     io = t.strategy.checkpoint_io
-    real_save = io.store.save
-
-    def save(checkpoint: dict[str, Any], path: Any, *args: Any, **kwargs: Any) -> Any:
-        if str(path).endswith("final.ckpt"):
-            raise OSError(errno.EACCES, "Permission denied")
-        return real_save(checkpoint, path, *args, **kwargs)
-
-    io.store.save = save  # type: ignore[method-assign]
-    try:
-        t.save_checkpoint(f"{root}/guarded/final.ckpt")
-        out["direct"] = "no error"
-    except Exception as e:  # noqa: BLE001 - what each rank raised is the result
-        out["direct"] = f"{type(e).__name__}: {e}"
+    out["direct"] = failed_final_save(t, io, f"{root}/guarded/final.ckpt")
     t.save_checkpoint(f"{root}/guarded/after.ckpt", weights_only=True)  # a later save is not affected
 
     # the finished Trainer, once dropped, does not keep its model alive
